@@ -1,0 +1,57 @@
+"""The implementations a benchmark compares: cupyflash backends and PyTorch SDPA anchors."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class Rejected(Exception):
+    """The implementation does not support this case (reported as "—", not as a failure)."""
+
+
+@dataclass(frozen=True)
+class Impl:
+    label: str  # table column
+    family: str  # "cupyflash" or "torch"
+    backend: str  # cupyflash backend name, or the SDPBackend member name
+    description: str
+
+
+# Backends timed on the device. "numpy" runs on the host, which CUDA events cannot time.
+HOST_BACKENDS = ("numpy",)
+
+TORCH_ANCHORS = (
+    Impl("FA2", "torch", "FLASH_ATTENTION",
+         "torch SDPA under SDPBackend.FLASH_ATTENTION (FlashAttention-2)"),
+    Impl("cuDNN", "torch", "CUDNN_ATTENTION",
+         "torch SDPA under SDPBackend.CUDNN_ATTENTION (cuDNN fused flash attention)"),
+    Impl("mem-eff", "torch", "EFFICIENT_ATTENTION",
+         "torch SDPA under SDPBackend.EFFICIENT_ATTENTION (memory-efficient attention)"),
+)
+
+
+def cupyflash_impls(backends) -> list[Impl]:
+    """One implementation per cupyflash backend; "auto" is labelled plain "cupyflash"."""
+    impls = []
+    for backend in backends:
+        if backend in HOST_BACKENDS:
+            raise ValueError(f"backend {backend!r} runs on the host; the benchmark times device "
+                             "work with CUDA events")
+        label = "cupyflash" if backend == "auto" else f"cupyflash/{backend}"
+        impls.append(Impl(label, "cupyflash", backend,
+                          f"cupyflash.flash_attn_func / flash_attn_backward, backend={backend!r}"))
+    if len({i.label for i in impls}) != len(impls):
+        raise ValueError(f"backend listed twice: {list(backends)}")
+    return impls
+
+
+def torch_anchors(names=None) -> list[Impl]:
+    """The SDPA anchors whose labels are in ``names`` (all when None), in the standard order."""
+    if names is None:
+        return list(TORCH_ANCHORS)
+    known = {a.label.lower(): a for a in TORCH_ANCHORS}
+    unknown = [n for n in names if n.lower() not in known]
+    if unknown:
+        raise ValueError(f"unknown anchor(s) {unknown}; choose from "
+                         f"{', '.join(a.label for a in TORCH_ANCHORS)}")
+    wanted = {n.lower() for n in names}
+    return [a for a in TORCH_ANCHORS if a.label.lower() in wanted]

@@ -1,0 +1,70 @@
+"""cupyflash as a timed region.
+
+A runner is a context manager that prepares one (implementation, case) pair and yields
+``run(i)``, which enqueues one timed region on the current stream using input set i. What the
+region contains, per mode:
+
+* fwd: ``flash_attn_func`` (o only, as in inference);
+* bwd: ``flash_attn_backward`` alone, with o and lse of every input set computed beforehand;
+* fwd+bwd: both, back to back.
+
+Preparing calls the region once: an unsupported case is raised as ``Rejected`` before any
+timing, and that first call also absorbs compilation.
+"""
+from __future__ import annotations
+
+import functools
+from contextlib import contextmanager
+
+from .impls import Rejected
+from .shapes import Case
+
+# What the public API raises for a combination it does not support (dtype, headdim, backend).
+_REJECTIONS = (ValueError, NotImplementedError, TypeError)
+
+
+def _api(backend: str, case: Case, softmax_scale):
+    import cupyflash
+
+    fwd = functools.partial(cupyflash.flash_attn_func, softmax_scale=softmax_scale,
+                            causal=case.causal, backend=backend)
+    bwd = functools.partial(cupyflash.flash_attn_backward, softmax_scale=softmax_scale,
+                            causal=case.causal, backend=backend)
+    return fwd, bwd
+
+
+@contextmanager
+def cupyflash_runner(backend: str, case: Case, inputs, *, softmax_scale=None):
+    fwd, bwd = _api(backend, case, softmax_scale)
+    try:
+        if case.mode == "fwd":
+            def run(i):
+                s = inputs[i]
+                fwd(s.q, s.k, s.v)
+        elif case.mode == "bwd":
+            saved = [fwd(s.q, s.k, s.v, return_lse=True) for s in inputs]
+
+            def run(i):
+                s = inputs[i]
+                o, lse = saved[i]
+                bwd(s.do, s.q, s.k, s.v, o, lse)
+        else:
+            def run(i):
+                s = inputs[i]
+                o, lse = fwd(s.q, s.k, s.v, return_lse=True)
+                bwd(s.do, s.q, s.k, s.v, o, lse)
+        run(0)
+    except _REJECTIONS as exc:
+        raise Rejected(f"{type(exc).__name__}: {exc}") from exc
+    yield run
+
+
+def cupyflash_outputs(backend: str, case: Case, inputs, *, softmax_scale=None) -> dict:
+    """o and lse, plus dq, dk, dv unless the case is forward-only, for one input set."""
+    fwd, bwd = _api(backend, case, softmax_scale)
+    o, lse = fwd(inputs.q, inputs.k, inputs.v, return_lse=True)
+    outputs = {"o": o, "lse": lse}
+    if case.mode != "fwd":
+        outputs.update(zip(("dq", "dk", "dv"),
+                           bwd(inputs.do, inputs.q, inputs.k, inputs.v, o, lse)))
+    return outputs

@@ -1,0 +1,71 @@
+"""Which implementation runs a call: the kernel family (tensor cores, SIMT) or the NumPy twin.
+
+``auto`` picks the tensor-core family for float16/bfloat16 on a GPU, the SIMT family for float32
+and float64, and the NumPy twin when no CUDA device is usable.
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from ._dtypes import is_16bit
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_available() -> bool:
+    """True when CuPy imports and sees at least one CUDA device."""
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no CuPy, no driver, or no device
+        return False
+
+
+def _mma_module(direction: str):
+    """The tensor-core family module for 'fwd' or 'bwd', or None when it is not built in."""
+    try:
+        if direction == "fwd":
+            from .kernels import mma_fwd as module
+        else:
+            from .kernels import mma_bwd as module
+    except ImportError:
+        return None
+    return module
+
+
+def mma_headdim(headdim: int) -> int:
+    """Head dimension the tensor-core kernels see: rounded up to a multiple of 8 (16-byte rows)."""
+    return -(-headdim // 8) * 8
+
+
+def choose(backend: str, dtype, headdim: int, direction: str) -> str:
+    """'mma', 'simt' or 'numpy' for a call with this backend request, dtype and head dimension."""
+    if backend == "numpy":
+        return "numpy"
+    if backend == "auto" and not gpu_available():
+        return "numpy"
+    if not gpu_available():
+        raise RuntimeError(f"backend={backend!r} needs a CUDA device and none is usable "
+                           "(use backend='numpy' or 'auto')")
+    mma = _mma_module(direction)
+    mma_ok = is_16bit(dtype) and mma is not None and mma.supports(np.dtype(dtype), mma_headdim(headdim))
+    if backend == "mma":
+        if not mma_ok:
+            raise ValueError(f"backend='mma' (tensor cores) supports float16/bfloat16 with headdim <= 256; "
+                             f"got {np.dtype(dtype)} with headdim {headdim}")
+        return "mma"
+    if backend == "simt":
+        return "simt"
+    return "mma" if mma_ok else "simt"  # auto / cuda
+
+
+def family(name: str, direction: str):
+    if name == "simt":
+        from .kernels import simt
+
+        return simt
+    if name == "mma":
+        return _mma_module(direction)
+    raise ValueError(name)

@@ -1,0 +1,119 @@
+"""From `kernels_cu/` source text to a launched specialization.
+
+A *specialization* is one template instantiation of one kernel, with a deterministic readable
+name (``flash_fwd_simt_bf16_hdim64_causal_bm64_bn64_tpr4``) that is also its cache key. Its
+module is compiled lazily by CuPy's ``RawModule`` (NVRTC) on first launch; CuPy's own disk
+cache makes later processes skip the compile. Headers are inlined into the source text so that
+CuPy's cache key (a hash of the text) changes whenever any included file changes.
+"""
+from __future__ import annotations
+
+import functools
+import re
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+NVRTC_OPTIONS = ("-std=c++17",)
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class Specialization:
+    """One compiled kernel: what to compile and how to launch it."""
+
+    name: str  # deterministic, readable; the cache key
+    source_file: str  # file in kernels_cu/
+    expression: str  # C++ template instantiation, e.g. "cf::flash_fwd_simt<float, 64, ...>"
+    threads: int  # threads per block
+    smem_bytes: int  # dynamic shared memory per block
+
+
+def kernels_dir() -> Path:
+    """Folder holding the .cu/.cuh sources (installed package data, or the source checkout)."""
+    try:
+        from importlib.resources import files
+
+        path = Path(str(files("cupyflash.kernels_cu")))
+        if (path / "common.cuh").is_file():
+            return path
+    except (ModuleNotFoundError, TypeError):
+        pass
+    path = Path(__file__).resolve().parents[2] / "kernels_cu"
+    if not (path / "common.cuh").is_file():
+        raise FileNotFoundError("cupyflash: kernel sources (kernels_cu/) not found")
+    return path
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_source(filename: str) -> str:
+    """The text of ``kernels_cu/<filename>`` with its local includes inlined (each once)."""
+    root = kernels_dir()
+    seen: set[str] = set()
+
+    def expand(name: str) -> str:
+        if name in seen:
+            return ""
+        seen.add(name)
+        text = (root / name).read_text()
+        text = text.replace("#pragma once", "")
+        return _INCLUDE.sub(lambda m: expand(m.group(1)), text)
+
+    return f"// cupyflash: {filename}\n" + expand(filename)
+
+
+_lock = threading.Lock()
+_functions: dict = {}
+
+
+def get_function(spec: Specialization):
+    """The CuPy function of ``spec`` on the current device, compiled once per process.
+
+    A lock makes concurrent first calls from several threads compile each module once.
+    """
+    import cupy
+
+    device = cupy.cuda.Device().id
+    key = (spec.name, device)
+    fn = _functions.get(key)
+    if fn is not None:
+        return fn
+    with _lock:
+        fn = _functions.get(key)
+        if fn is None:
+            module = cupy.RawModule(
+                code=kernel_source(spec.source_file),
+                options=NVRTC_OPTIONS,
+                name_expressions=(spec.expression,),
+            )
+            fn = module.get_function(spec.expression)
+            limit = _max_smem_optin(device)
+            if spec.smem_bytes > limit:
+                raise ValueError(
+                    f"cupyflash: kernel {spec.name} needs {spec.smem_bytes} bytes of shared memory; "
+                    f"device {device} allows {limit}"
+                )
+            if spec.smem_bytes > 48 * 1024:
+                fn.max_dynamic_shared_size_bytes = spec.smem_bytes
+            _functions[key] = fn
+    return fn
+
+
+@functools.lru_cache(maxsize=None)
+def _max_smem_optin(device: int) -> int:
+    import cupy
+
+    return int(cupy.cuda.Device(device).attributes["MaxSharedMemoryPerBlockOptin"])
+
+
+def launch(spec: Specialization, grid: tuple, args: tuple) -> None:
+    """Launch ``spec`` on the current stream. Scalars in ``args`` must be NumPy scalars of the
+    kernel's exact parameter types (np.int32, np.int64, np.float32, np.float64)."""
+    fn = get_function(spec)
+    for g in grid:
+        if not 0 < g < 2**31:
+            raise ValueError(f"cupyflash: grid {grid} out of range for {spec.name}")
+    if grid[1] > 65535 or grid[2] > 65535:
+        raise ValueError(f"cupyflash: grid {grid} exceeds 65535 in y or z for {spec.name}")
+    fn(tuple(int(g) for g in grid), (spec.threads, 1, 1), args, shared_mem=spec.smem_bytes)

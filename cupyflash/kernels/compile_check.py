@@ -1,0 +1,201 @@
+"""Compile every specialization with NVRTC for a given architecture, without a GPU.
+
+Used by the CPU test suite and by ``python -m cupyflash compile-check``: catches compile errors,
+register spills (local memory) and missing tensor-core instructions before any device time is spent.
+Specializations of one source file are compiled together in one NVRTC program.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+from ._module import NVRTC_OPTIONS, Specialization, kernel_source
+
+
+@dataclass
+class Resources:
+    name: str  # specialization name
+    mangled: str
+    registers: int
+    shared_static: int
+    stack_bytes: int  # stack frame (local memory)
+    spill_bytes: int  # spill stores + spill loads reported by ptxas
+    sass: str = ""
+
+
+def all_specializations() -> list[Specialization]:
+    from . import simt
+
+    specs = list(simt.specializations())
+    for module_name in ("mma_fwd", "mma_bwd"):
+        try:
+            module = __import__(f"cupyflash.kernels.{module_name}", fromlist=["specializations"])
+        except ImportError:
+            continue
+        specs.extend(module.specializations())
+    return specs
+
+
+def _nvrtc():
+    """libnvrtc through ctypes: the pip wheel (cuda-toolkit[nvrtc]) first, then the system's."""
+    import ctypes
+    import ctypes.util
+
+    candidates = []
+    try:
+        import nvidia
+
+        for root in getattr(nvidia, "__path__", []):
+            candidates += sorted(Path(root).glob("cu*/lib/libnvrtc.so*"), reverse=True)
+    except ImportError:
+        pass
+    system = ctypes.util.find_library("nvrtc")
+    if system:
+        candidates.append(system)
+    for candidate in candidates:
+        try:
+            return ctypes.CDLL(str(candidate))
+        except OSError:
+            continue
+    raise FileNotFoundError("libnvrtc not found (pip install 'cuda-toolkit[nvrtc]')")
+
+
+def compile_cubin(source_file: str, expressions: list[str], arch: str) -> tuple[bytes, dict, str]:
+    """(cubin, {expression: mangled name}, ptxas log) for the given template instantiations."""
+    import ctypes
+
+    lib = _nvrtc()
+
+    def check_call(status, what):
+        if status != 0:
+            raise RuntimeError(f"NVRTC {what} failed with status {status}")
+
+    program = ctypes.c_void_p()
+    source = kernel_source(source_file).encode()
+    check_call(lib.nvrtcCreateProgram(ctypes.byref(program), source, source_file.encode(), 0, None, None),
+               "create")
+    try:
+        for expr in expressions:
+            check_call(lib.nvrtcAddNameExpression(program, expr.encode()), "add name expression")
+        options = [o.encode() for o in (*NVRTC_OPTIONS, f"-arch=sm_{arch}", "--ptxas-options=-v")]
+        option_array = (ctypes.c_char_p * len(options))(*options)
+        status = lib.nvrtcCompileProgram(program, len(options), option_array)
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(program, ctypes.byref(size))
+        log_buffer = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(program, log_buffer)
+        log = log_buffer.value.decode(errors="replace")
+        if status != 0:
+            raise RuntimeError(f"{source_file} for sm_{arch}:\n{log}")
+        mangled = {}
+        for expr in expressions:
+            name = ctypes.c_char_p()
+            check_call(lib.nvrtcGetLoweredName(program, expr.encode(), ctypes.byref(name)), "lowered name")
+            mangled[expr] = name.value.decode()
+        size = ctypes.c_size_t()
+        check_call(lib.nvrtcGetCUBINSize(program, ctypes.byref(size)), "cubin size")
+        cubin = ctypes.create_string_buffer(size.value)
+        check_call(lib.nvrtcGetCUBIN(program, cubin), "cubin")
+        return cubin.raw, mangled, log
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(program))
+
+
+def find_cuobjdump() -> str | None:
+    exe = shutil.which("cuobjdump")
+    if exe:
+        return exe
+    try:
+        import nvidia
+
+        for root in getattr(nvidia, "__path__", []):
+            for candidate in Path(root).glob("cu*/bin/cuobjdump"):
+                if os.access(candidate, os.X_OK):
+                    return str(candidate)
+    except ImportError:
+        pass
+    return None
+
+
+_PTXAS_ENTRY = re.compile(
+    r"Compiling entry function '(\S+)'.*?(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads",
+    re.DOTALL)
+
+
+def spills_from_log(log: str) -> dict[str, tuple[int, int, int]]:
+    """{mangled: (stack frame, spill stores, spill loads)} from a ``ptxas -v`` log."""
+    out = {}
+    for chunk in log.split("Compiling entry function")[1:]:
+        m = _PTXAS_ENTRY.search("Compiling entry function" + chunk)
+        if m:
+            out[m.group(1)] = (int(m.group(2)), int(m.group(3)), int(m.group(4)))
+    return out
+
+
+_RES = re.compile(r"Function (\S+):\s*\n\s*REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
+
+
+def resource_usage(cubin: bytes, with_sass: bool = False) -> dict[str, dict]:
+    """{mangled: {registers, stack, shared, local, sass}} read by cuobjdump from a cubin."""
+    exe = find_cuobjdump()
+    if exe is None:
+        raise FileNotFoundError("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.cubin"
+        path.write_bytes(cubin)
+        out = subprocess.run([exe, "-res-usage", str(path)], capture_output=True, text=True, check=True).stdout
+        usage = {m.group(1): {"registers": int(m.group(2)), "stack": int(m.group(3)),
+                              "shared": int(m.group(4)), "local": int(m.group(5)), "sass": ""}
+                 for m in _RES.finditer(out)}
+        if with_sass:
+            sass = subprocess.run([exe, "-sass", str(path)], capture_output=True, text=True, check=True).stdout
+            for block in re.split(r"\n\s*Function : ", sass)[1:]:
+                mangled = block.split("\n", 1)[0].strip()
+                if mangled in usage:
+                    usage[mangled]["sass"] = block
+    return usage
+
+
+def check(arch: str, specs: list[Specialization] | None = None, with_sass: bool = False) -> list[Resources]:
+    """Compile ``specs`` (default: all) for ``sm_<arch>``; resources per specialization."""
+    specs = all_specializations() if specs is None else specs
+    by_file: dict[str, list[Specialization]] = defaultdict(list)
+    for spec in specs:
+        by_file[spec.source_file].append(spec)
+    results = []
+    for source_file, group in by_file.items():
+        expressions = sorted({s.expression for s in group})
+        cubin, mangled, log = compile_cubin(source_file, expressions, arch)
+        usage = resource_usage(cubin, with_sass)
+        spills = spills_from_log(log)
+        for spec in group:
+            u = usage.get(mangled[spec.expression])
+            stack, stores, loads = spills.get(mangled[spec.expression], (0, 0, 0))
+            if u is None:
+                raise RuntimeError(f"{spec.name}: no resource line for {mangled[spec.expression]}")
+            results.append(Resources(spec.name, mangled[spec.expression], u["registers"],
+                                     u["shared"], stack, stores + loads, u["sass"]))
+    return results
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m cupyflash compile-check",
+                                     description="Compile every kernel specialization with NVRTC (no GPU needed).")
+    parser.add_argument("--arch", action="append", help="e.g. 80, 90, 90a (default: 80 and 90)")
+    args = parser.parse_args(argv)
+    failures = 0
+    for arch in args.arch or ["80", "90"]:
+        for r in check(arch):
+            flag = "SPILL" if r.spill_bytes else ""
+            failures += bool(r.spill_bytes)
+            print(f"sm_{arch:4} {r.name:70} regs {r.registers:4} stack {r.stack_bytes:5} "
+                  f"spill {r.spill_bytes:5} {flag}")
+    return 1 if failures else 0

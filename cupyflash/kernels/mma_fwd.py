@@ -1,0 +1,124 @@
+"""Tensor-core forward (``kernels_cu/flash_fwd_mma.cu``): float16 / bfloat16, head dims 8..256.
+
+FlashAttention-2 work split: a block owns BLOCK_M query rows of one (batch, head), each warp owns
+16-row strips of them; K and V tiles stream through a ring of STAGES shared-memory stages filled
+by cp.async. Tile configurations by head-dim tile D_TILE (the smallest of 64, 128, 256 that holds
+headdim; columns past headdim are zero-filled in shared memory and never stored).
+
+The dispatcher guarantees what the kernel relies on: 16-bit dtype, last dim contiguous, every
+other stride of q/k/v/o a multiple of 8 elements, data pointers 16-byte aligned, headdim % 8 == 0
+(``forward`` re-checks the layout, which is cheap, because a violation would be silent corruption).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._module import Specialization, launch
+from .._dtypes import dtype_name
+
+D_TILES = (64, 128, 256)
+LOG2E = 1.4426950408889634
+
+_CTYPE = {"float16": "cf::half_t", "bfloat16": "cf::bf16_t"}
+_SHORT = {"float16": "fp16", "bfloat16": "bf16"}
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    block_m: int  # query rows per block
+    block_n: int  # key rows per pipeline stage
+    warps: int  # each owns block_m / (16 warps) strips of 16 query rows
+    q_in_regs: bool  # Q fragments loaded once into registers (else re-read from shared memory)
+    stages: int = 2  # K/V shared-memory stages (prefetch distance stages - 1)
+    min_blocks: int = 1  # __launch_bounds__ minimum resident blocks per SM (caps registers)
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+
+# Registers per thread are dominated by the fp32 accumulators: O is (strips x D_TILE / 8 x 4),
+# S is (strips x BLOCK_N / 8 x 4), Q fragments (strips x D_TILE / 4) when kept in registers.
+# Two strips per warp halve the shared-memory reads of K and V per flop, as in FlashAttention-2.
+CONFIGS = {
+    64: FwdConfig(block_m=128, block_n=64, warps=4, q_in_regs=True),
+    128: FwdConfig(block_m=128, block_n=64, warps=4, q_in_regs=False),
+    256: FwdConfig(block_m=128, block_n=32, warps=8, q_in_regs=False),
+}
+
+
+def supports(dtype, headdim: int) -> bool:
+    try:
+        name = dtype_name(dtype)
+    except ValueError:
+        return False
+    return name in _CTYPE and headdim % 8 == 0 and 8 <= headdim <= D_TILES[-1]
+
+
+def d_tile(headdim: int) -> int:
+    for t in D_TILES:
+        if headdim <= t:
+            return t
+    raise ValueError(f"cupyflash: headdim {headdim} > {D_TILES[-1]}")
+
+
+def smem_bytes(dt: int, config: FwdConfig) -> int:
+    """Dynamic shared memory of one block: Q tile plus `stages` K and V tiles, 16-bit elements.
+    Mirrors FwdSmemLayout in flash_fwd_mma.cu."""
+    return 2 * dt * (config.block_m + 2 * config.stages * config.block_n)
+
+
+def _spec_for(dtype, dt: int, causal: bool, config: FwdConfig) -> Specialization:
+    name_dtype = dtype_name(dtype)
+    c = config
+    name = (f"flash_fwd_mma_{_SHORT[name_dtype]}_hdim{dt}_{'causal' if causal else 'full'}"
+            f"_bm{c.block_m}_bn{c.block_n}_w{c.warps}_{'qreg' if c.q_in_regs else 'qsmem'}_s{c.stages}_mb{c.min_blocks}")
+    expression = (f"cf::flash_fwd_mma<{_CTYPE[name_dtype]}, {dt}, {'true' if causal else 'false'}, "
+                  f"{c.block_m}, {c.block_n}, {c.warps}, {'true' if c.q_in_regs else 'false'}, {c.stages}, {c.min_blocks}>")
+    return Specialization(name, "flash_fwd_mma.cu", expression, c.threads, smem_bytes(dt, c))
+
+
+def specialization(dtype, headdim: int, causal: bool, config: FwdConfig | None = None) -> Specialization:
+    """The specialization ``forward`` launches (``config`` overrides the table, for tuning)."""
+    if not supports(dtype, headdim):
+        raise ValueError(f"cupyflash: mma forward does not support dtype {np.dtype(dtype)}, headdim {headdim}")
+    dt = d_tile(headdim)
+    return _spec_for(dtype, dt, causal, config or CONFIGS[dt])
+
+
+def specializations() -> list[Specialization]:
+    """Every specialization the dispatcher can launch (for the compile check)."""
+    return [_spec_for(dtype, dt, causal, CONFIGS[dt])
+            for dtype in _CTYPE for dt in D_TILES for causal in (False, True)]
+
+
+def _strides(a, what: str) -> tuple:
+    """(batch, seq, head) strides of a (B, S, H, D) array in elements, as int64 kernel arguments."""
+    item = a.itemsize
+    if a.strides[3] != item:
+        raise ValueError(f"cupyflash: {what} must be contiguous in its last dimension")
+    strides = tuple(s // item for s in a.strides[:3])
+    if any(s % 8 for s in strides) or a.data.ptr % 16:
+        raise ValueError(f"cupyflash: {what} needs strides that are multiples of 8 elements and a "
+                         f"16-byte aligned pointer for the tensor-core kernel")
+    return tuple(np.int64(s) for s in strides)
+
+
+def forward(q, k, v, o, lse, *, softmax_scale: float, causal: bool, config: FwdConfig | None = None) -> None:
+    """o (like q, C-contiguous) and lse ((B, H, Sq) float32, contiguous) from q (B, Sq, H, D) and
+    k, v (B, Sk, Hkv, D), on the current stream."""
+    batch, seqlen_q, nheads, headdim = q.shape
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    if batch == 0 or seqlen_q == 0 or nheads == 0:
+        return
+    spec = specialization(q.dtype, headdim, causal, config)
+    block_m = (config or CONFIGS[d_tile(headdim)]).block_m
+    grid = (math.ceil(seqlen_q / block_m), nheads, batch)
+    args = (q, k, v, o, lse, np.int32(seqlen_q), np.int32(seqlen_k), np.int32(nheads),
+            np.int32(nheads // nheads_kv), np.int32(headdim),
+            *_strides(q, "q"), *_strides(k, "k"), *_strides(v, "v"), *_strides(o, "o"),
+            np.float32(softmax_scale * LOG2E))
+    launch(spec, grid, args)

@@ -1,0 +1,166 @@
+"""The tiled FlashAttention algorithm in NumPy: a readable twin of the CUDA kernels.
+
+Same blocks, same loop order and the same numerics as ``kernels_cu/``, vectorised over batch and
+heads instead of threads, and written in the paper's notation: query blocks Q_i of Br rows
+(Tr of them), key/value blocks K_j, V_j of Bc rows (Tc of them), running row maximum m_i and
+row sum l_i, and the rescale factor exp(m_old - m_new) applied when m_i grows.
+
+Numerics shared with the kernels:
+- 16-bit and float32 inputs are computed in float32, float64 in float64; P is not rounded to
+  the input dtype before P V.
+- Scores are kept in log2 units: log2(e) is folded into the softmax scale, so every exponential
+  is an exp2 and the saved lse (natural log) is converted once per row.
+- A row that has seen no visible key yet has m_i = -inf; its exponentials are taken against 0
+  instead, so they come out 0 rather than exp2(-inf - -inf) = NaN. Such a row ends with o = 0,
+  lse = -inf, and gets zero gradients.
+
+Arrays arrive validated: NumPy arrays of one float dtype in the (batch, seqlen, heads, headdim)
+layout, with nheads a multiple of nheads_kv.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+__all__ = ["forward", "backward"]
+
+LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
+LN2 = 0.6931471805599453  # ln(2): ln(x) == log2(x) * LN2
+
+
+def _accumulator(dtype) -> np.dtype:
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+
+
+def _heads_first(x: np.ndarray, acc: np.dtype, nheads: int) -> np.ndarray:
+    """(batch, seqlen, heads, dim) -> (batch, nheads, seqlen, dim) in the accumulator type; query
+    head h reads kv head h // (nheads // nheads_kv)."""
+    x = np.moveaxis(x, 2, 1).astype(acc)
+    kv_head = np.arange(nheads) // (nheads // x.shape[1])
+    return x[:, kv_head]
+
+
+def _causal_mask(rows: range, cols: range, seqlen_q: int, seqlen_k: int) -> np.ndarray:
+    """Visibility inside one (Br, Bc) block; causal is aligned bottom-right."""
+    return np.arange(cols.start, cols.stop)[None, :] <= (
+        np.arange(rows.start, rows.stop)[:, None] + (seqlen_k - seqlen_q)
+    )
+
+
+def _num_key_blocks(rows: range, seqlen_q: int, seqlen_k: int, Bc: int, causal: bool) -> int:
+    """Key blocks query block ``rows`` must visit: under the causal mask, blocks lying entirely
+    above the diagonal are skipped."""
+    keys = seqlen_k
+    if causal:
+        keys = min(max(rows.stop + seqlen_k - seqlen_q, 0), seqlen_k)
+    return math.ceil(keys / Bc)
+
+
+def _first_query_block(cols: range, seqlen_q: int, seqlen_k: int, Br: int, causal: bool) -> int:
+    """First query block that sees any key of block ``cols`` (the backward's causal skip)."""
+    if not causal:
+        return 0
+    return max(cols.start - (seqlen_k - seqlen_q), 0) // Br
+
+
+def forward(q, k, v, *, softmax_scale, causal, block_m=64, block_n=64):
+    """Tiled forward pass: returns (o, lse), o in q's dtype, lse (batch, nheads, seqlen_q)."""
+    acc = _accumulator(q.dtype)
+    batch, seqlen_q, nheads, headdim = q.shape
+    seqlen_k = k.shape[1]
+    Q = _heads_first(q, acc, nheads)
+    K = _heads_first(k, acc, nheads)
+    V = _heads_first(v, acc, nheads)
+    O = np.zeros((batch, nheads, seqlen_q, headdim), acc)
+    lse = np.full((batch, nheads, seqlen_q), -np.inf, acc)
+    scale_log2 = acc.type(softmax_scale * LOG2E)
+
+    Br, Bc = block_m, block_n
+    Tr = math.ceil(seqlen_q / Br)
+    for i in range(Tr):
+        rows = range(i * Br, min((i + 1) * Br, seqlen_q))
+        Q_i = Q[:, :, rows.start : rows.stop] * scale_log2  # scores come out in log2 units
+        m_i = np.full(Q_i.shape[:-1], -np.inf, acc)
+        l_i = np.zeros(Q_i.shape[:-1], acc)
+        O_i = np.zeros(Q_i.shape, acc)
+        for j in range(_num_key_blocks(rows, seqlen_q, seqlen_k, Bc, causal)):
+            cols = range(j * Bc, min((j + 1) * Bc, seqlen_k))
+            K_j = K[:, :, cols.start : cols.stop]
+            V_j = V[:, :, cols.start : cols.stop]
+            S_ij = Q_i @ np.swapaxes(K_j, -1, -2)
+            if causal:
+                S_ij = np.where(_causal_mask(rows, cols, seqlen_q, seqlen_k), S_ij, -np.inf)
+            m_new = np.maximum(m_i, S_ij.max(axis=-1))
+            m_ref = np.where(m_new == -np.inf, acc.type(0), m_new)
+            P_ij = np.exp2(S_ij - m_ref[..., None])
+            rescale = np.exp2(m_i - m_ref)  # exp(m_old - m_new), in log2 units
+            l_i = rescale * l_i + P_ij.sum(axis=-1)
+            O_i = rescale[..., None] * O_i + P_ij @ V_j
+            m_i = m_new
+        seen_a_key = l_i > 0
+        l_safe = np.where(seen_a_key, l_i, acc.type(1))
+        O[:, :, rows.start : rows.stop] = O_i / l_safe[..., None]
+        lse[:, :, rows.start : rows.stop] = np.where(
+            seen_a_key, (m_i + np.log2(l_safe)) * acc.type(LN2), -np.inf
+        )
+    o = np.moveaxis(O, 1, 2).astype(q.dtype, order="C")
+    return o, lse
+
+
+def backward(do, q, k, v, o, lse, *, softmax_scale, causal, block_m=64, block_n=64):
+    """Tiled backward pass from the saved lse: returns (dq, dk, dv) in q's dtype.
+
+    Key/value blocks form the outer loop (each owns its dK_j, dV_j); dQ is accumulated block by
+    block in a fixed order, so the result is deterministic.
+    """
+    acc = _accumulator(q.dtype)
+    batch, seqlen_q, nheads, headdim = q.shape
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    Q = _heads_first(q, acc, nheads)
+    K = _heads_first(k, acc, nheads)
+    V = _heads_first(v, acc, nheads)
+    dO = _heads_first(do, acc, nheads)
+    O = _heads_first(o, acc, nheads)
+    scale = acc.type(softmax_scale)
+    scale_log2 = acc.type(softmax_scale * LOG2E)
+
+    # D_i = rowsum(dO_i * O_i) = sum_j P_ij dP_ij, the softmax-backward term of each row.
+    D = (dO * O).sum(axis=-1)
+    # A row that saw no key has lse = -inf; +inf makes its recomputed P exactly 0.
+    lse_log2 = np.where(lse == -np.inf, np.inf, lse.astype(acc) * acc.type(LOG2E))
+
+    dQ = np.zeros(Q.shape, acc)
+    dK = np.zeros(K.shape, acc)
+    dV = np.zeros(V.shape, acc)
+    Br, Bc = block_m, block_n
+    Tr, Tc = math.ceil(seqlen_q / Br), math.ceil(seqlen_k / Bc)
+    for j in range(Tc):
+        cols = range(j * Bc, min((j + 1) * Bc, seqlen_k))
+        K_j = K[:, :, cols.start : cols.stop]
+        V_j = V[:, :, cols.start : cols.stop]
+        dK_j = np.zeros(K_j.shape, acc)
+        dV_j = np.zeros(V_j.shape, acc)
+        for i in range(_first_query_block(cols, seqlen_q, seqlen_k, Br, causal), Tr):
+            rows = range(i * Br, min((i + 1) * Br, seqlen_q))
+            Q_i = Q[:, :, rows.start : rows.stop]
+            dO_i = dO[:, :, rows.start : rows.stop]
+            S_ij = (Q_i @ np.swapaxes(K_j, -1, -2)) * scale_log2
+            if causal:
+                S_ij = np.where(_causal_mask(rows, cols, seqlen_q, seqlen_k), S_ij, -np.inf)
+            P_ij = np.exp2(S_ij - lse_log2[:, :, rows.start : rows.stop, None])
+            dV_j += np.swapaxes(P_ij, -1, -2) @ dO_i
+            dP_ij = dO_i @ np.swapaxes(V_j, -1, -2)
+            dS_ij = P_ij * (dP_ij - D[:, :, rows.start : rows.stop, None])
+            dK_j += np.swapaxes(dS_ij, -1, -2) @ Q_i
+            dQ[:, :, rows.start : rows.stop] += dS_ij @ K_j
+        dK[:, :, cols.start : cols.stop] = dK_j * scale
+        dV[:, :, cols.start : cols.stop] = dV_j
+    dQ *= scale
+
+    def to_input_layout(x, heads):
+        # Query heads sharing one kv head (GQA) are adjacent: sum them.
+        x = x.reshape(batch, heads, nheads // heads, x.shape[2], headdim).sum(axis=2)
+        return np.moveaxis(x, 1, 2).astype(q.dtype, order="C")
+
+    return to_input_layout(dQ, nheads), to_input_layout(dK, nheads_kv), to_input_layout(dV, nheads_kv)

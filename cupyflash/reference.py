@@ -1,0 +1,215 @@
+"""Attention written straight from its definition, for testing.
+
+``attention`` and ``attention_backward`` materialise the score matrix S and the probabilities P
+in float64; they share no code with the kernels or with the NumPy twin, so an error common to
+those two cannot hide here. ``standard_attention`` and ``standard_attention_backward`` compute
+the same thing the way an unfused implementation does in a 16-bit dtype (rounding S, P, O and the
+gradients to that dtype); their error against float64 is the yardstick of flash-attn's tolerance
+rule: a fused kernel may be at most a small multiple of it.
+
+Layouts: q (batch, seqlen_q, nheads, headdim); k, v (batch, seqlen_k, nheads_kv, headdim);
+query head h reads kv head h // (nheads // nheads_kv). lse is (batch, nheads, seqlen_q).
+Causal masking is aligned bottom-right: query i sees key j iff j <= i + seqlen_k - seqlen_q.
+A query that sees no key has output 0, lse -inf and zero gradients.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+__all__ = [
+    "attention",
+    "attention_backward",
+    "standard_attention",
+    "standard_attention_backward",
+    "visible_keys",
+]
+
+
+def visible_keys(seqlen_q: int, seqlen_k: int, causal: bool) -> np.ndarray:
+    """Boolean (seqlen_q, seqlen_k) matrix: entry (i, j) is True iff query i attends key j."""
+    if not causal:
+        return np.ones((seqlen_q, seqlen_k), dtype=bool)
+    i = np.arange(seqlen_q)[:, None]
+    j = np.arange(seqlen_k)[None, :]
+    return j <= i + (seqlen_k - seqlen_q)
+
+
+def _check_shapes(q, k, v) -> None:
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError("q, k, v must be 4-d: (batch, seqlen, heads, headdim)")
+    if k.shape != v.shape:
+        raise ValueError(f"k {k.shape} and v {v.shape} differ")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q {q.shape} and k {k.shape} differ in batch or headdim")
+    if k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
+        raise ValueError(f"nheads {q.shape[2]} is not a multiple of nheads_kv {k.shape[2]}")
+
+
+def _scale(softmax_scale, headdim: int) -> float:
+    return 1.0 / math.sqrt(headdim) if softmax_scale is None else float(softmax_scale)
+
+
+def _heads_first(x: np.ndarray, nheads: int) -> np.ndarray:
+    """(batch, seqlen, heads, dim) -> (batch, nheads, seqlen, dim), kv heads repeated for GQA."""
+    x = np.moveaxis(x, 2, 1)
+    return np.repeat(x, nheads // x.shape[1], axis=1)
+
+
+def _seqlen_first(x: np.ndarray, nheads_out: int) -> np.ndarray:
+    """(batch, nheads, seqlen, dim) -> (batch, seqlen, nheads_out, dim), summing the query heads
+    that share one kv head when nheads_out < nheads."""
+    b, h, s, d = x.shape
+    x = x.reshape(b, nheads_out, h // nheads_out, s, d).sum(axis=2)
+    return np.ascontiguousarray(np.moveaxis(x, 1, 2))
+
+
+def _sum_over_visible(weights: np.ndarray, rows: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """out[..., i, :] = sum over keys j visible to query i of weights[..., i, j] * rows[..., j, :].
+
+    A plain ``weights @ rows`` would turn 0 * NaN into NaN, letting a non-finite row of a key
+    that query i does not see leak into query i. Every mask here keeps a prefix of the keys per
+    query, so queries are grouped by the length of that prefix and only the prefix is summed.
+    """
+    prefix = mask.sum(axis=1)
+    out = np.zeros(weights.shape[:-1] + rows.shape[-1:], dtype=np.float64)
+    for n in np.unique(prefix):
+        if n == 0:
+            continue
+        queries = np.flatnonzero(prefix == n)
+        out[..., queries, :] = weights[..., queries, :n] @ rows[..., :n, :]
+    return out
+
+
+def _probabilities(q, k, scale, causal):
+    """P = softmax(scale * Q K^T) over the visible keys, in float64, and the log-sum-exp."""
+    mask = visible_keys(q.shape[2], k.shape[2], causal)
+    s = np.where(mask, scale * (q @ np.swapaxes(k, -1, -2)), -np.inf)
+    row_max = s.max(axis=-1, keepdims=True, initial=-np.inf)
+    sees_a_key = np.isfinite(row_max)
+    shifted = np.where(mask, s - np.where(sees_a_key, row_max, 0.0), -np.inf)
+    e = np.exp(shifted)
+    denom = e.sum(axis=-1, keepdims=True)
+    p = np.where(mask, e / np.where(sees_a_key, denom, 1.0), 0.0)
+    with np.errstate(divide="ignore"):
+        lse = np.where(sees_a_key, row_max + np.log(denom), -np.inf)[..., 0]
+    return p, lse, mask
+
+
+def attention(q, k, v, *, softmax_scale=None, causal=False):
+    """Exact attention in float64: returns (o, lse) with o like q and lse (batch, nheads, seqlen_q)."""
+    q, k, v = (np.asarray(x).astype(np.float64) for x in (q, k, v))
+    _check_shapes(q, k, v)
+    nheads = q.shape[2]
+    q_, k_, v_ = _heads_first(q, nheads), _heads_first(k, nheads), _heads_first(v, nheads)
+    p, lse, mask = _probabilities(q_, k_, _scale(softmax_scale, q.shape[3]), causal)
+    o = _sum_over_visible(p, v_, mask)
+    return _seqlen_first(o, nheads), lse
+
+
+def attention_backward(do, q, k, v, *, softmax_scale=None, causal=False):
+    """Gradients (dq, dk, dv) in float64 of sum(do * o) with o = attention(q, k, v).
+
+    dS is formed from the softmax Jacobian, dS_i = (diag(P_i) - P_i P_i^T) dP_i, rather than
+    from rowsum(dO * O), so that this stays independent of the fused formulation.
+    """
+    do, q, k, v = (np.asarray(x).astype(np.float64) for x in (do, q, k, v))
+    _check_shapes(q, k, v)
+    if do.shape != q.shape:
+        raise ValueError(f"do {do.shape} must have the shape of q {q.shape}")
+    nheads, nheads_kv = q.shape[2], k.shape[2]
+    scale = _scale(softmax_scale, q.shape[3])
+    q_, k_, v_, do_ = (_heads_first(x, nheads) for x in (q, k, v, do))
+    p, _, mask = _probabilities(q_, k_, scale, causal)
+    dp = np.where(mask, do_ @ np.swapaxes(v_, -1, -2), 0.0)
+    ds = p * dp - p * (p * dp).sum(axis=-1, keepdims=True)
+    dq = scale * _sum_over_visible(ds, k_, mask)
+    dk = scale * (np.swapaxes(ds, -1, -2) @ q_)
+    dv = np.swapaxes(p, -1, -2) @ do_
+    return (
+        _seqlen_first(dq, nheads),
+        _seqlen_first(dk, nheads_kv),
+        _seqlen_first(dv, nheads_kv),
+    )
+
+
+# Standard (unfused) attention in a given dtype: the baseline of the tolerance rule.
+
+
+def _accumulator(dtype) -> np.dtype:
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+
+
+def _rounder(dtype):
+    """Rounds an accumulator array to ``dtype`` (round to nearest even) and back, so that the
+    value is representable in ``dtype`` while arithmetic stays in the accumulator type."""
+    dtype, acc = np.dtype(dtype), _accumulator(dtype)
+    return lambda x: np.asarray(x).astype(acc).astype(dtype).astype(acc)
+
+
+def _standard_probabilities(q, k, scale, causal, dtype):
+    """P of standard attention in ``dtype``: S = Q K^T rounded, then scaled and rounded, then a
+    softmax in the accumulator type whose result is rounded."""
+    rnd, acc = _rounder(dtype), _accumulator(dtype)
+    mask = visible_keys(q.shape[2], k.shape[2], causal)
+    s = rnd(rnd(q @ np.swapaxes(k, -1, -2)) * acc.type(scale))
+    s = np.where(mask, s, -np.inf)
+    row_max = s.max(axis=-1, keepdims=True, initial=-np.inf)
+    sees_a_key = np.isfinite(row_max)
+    e = np.exp(s - np.where(sees_a_key, row_max, 0))
+    denom = e.sum(axis=-1, keepdims=True)
+    p = e / np.where(sees_a_key, denom, 1)
+    with np.errstate(divide="ignore"):
+        lse = np.where(sees_a_key, row_max + np.log(denom), -np.inf)[..., 0]
+    return rnd(p), lse.astype(acc)
+
+
+def _standard_inputs(dtype, nheads, *xs):
+    rnd = _rounder(dtype)
+    return [_heads_first(rnd(np.asarray(x)), nheads) for x in xs]
+
+
+def standard_attention(q, k, v, *, softmax_scale=None, causal=False, dtype):
+    """Attention as an unfused implementation computes it in ``dtype``: returns (o, lse).
+
+    Inputs are rounded to ``dtype``; products accumulate in float32 (float64 for float64) and are
+    rounded to ``dtype`` where an unfused implementation stores them (S, P, O). o has ``dtype``;
+    lse comes from the accumulator-precision softmax and has the accumulator type. A query that
+    sees no key gets o = 0 and lse = -inf (an unfused softmax would give NaN there).
+    """
+    dtype = np.dtype(dtype)
+    q, k, v = (np.asarray(x) for x in (q, k, v))
+    _check_shapes(q, k, v)
+    nheads = q.shape[2]
+    q_, k_, v_ = _standard_inputs(dtype, nheads, q, k, v)
+    p, lse = _standard_probabilities(q_, k_, _scale(softmax_scale, q.shape[3]), causal, dtype)
+    o = _rounder(dtype)(p @ v_)
+    return _seqlen_first(o, nheads).astype(dtype), lse
+
+
+def standard_attention_backward(do, q, k, v, *, softmax_scale=None, causal=False, dtype):
+    """Gradients (dq, dk, dv) as an unfused implementation computes them in ``dtype``.
+
+    Rounded to ``dtype``: P, dP = dO V^T, dS = P * (dP - rowsum(P * dP)) (formed in the
+    accumulator type, as a softmax backward does), scale * dS, and each gradient. For GQA the
+    per-query-head dk, dv are rounded, then summed in the accumulator type and rounded again.
+    """
+    dtype = np.dtype(dtype)
+    do, q, k, v = (np.asarray(x) for x in (do, q, k, v))
+    _check_shapes(q, k, v)
+    nheads, nheads_kv = q.shape[2], k.shape[2]
+    scale = _scale(softmax_scale, q.shape[3])
+    rnd, acc = _rounder(dtype), _accumulator(dtype)
+    q_, k_, v_, do_ = _standard_inputs(dtype, nheads, q, k, v, do)
+    p, _ = _standard_probabilities(q_, k_, scale, causal, dtype)
+    dv = rnd(np.swapaxes(p, -1, -2) @ do_)
+    dp = rnd(do_ @ np.swapaxes(v_, -1, -2))
+    ds = rnd(p * (dp - (p * dp).sum(axis=-1, keepdims=True)))
+    ds = rnd(ds * acc.type(scale))
+    dq = rnd(ds @ k_)
+    dk = rnd(np.swapaxes(ds, -1, -2) @ q_)
+    return tuple(
+        _seqlen_first(g, n).astype(dtype)
+        for g, n in ((dq, nheads), (dk, nheads_kv), (dv, nheads_kv))
+    )

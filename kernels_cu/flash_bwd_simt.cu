@@ -1,0 +1,243 @@
+// flash_bwd_simt: exact attention backward on CUDA cores, every dtype, any head dimension up to D_TILE.
+//
+// Three deterministic kernels, no atomics:
+//   flash_bwd_preprocess  D_i = rowsum(dO_i * O_i)
+//   flash_bwd_dkdv_simt   one block per key block K_j, V_j (outer loop); walks every query block of
+//                         every query head of its GQA group, recomputing P from the saved lse, and
+//                         accumulates dK_j, dV_j in registers.
+//   flash_bwd_dq_simt     one block per query block Q_i; walks the key blocks and accumulates dQ_i.
+// P and dS are recomputed in both passes rather than exchanged through global memory.
+#include "common.cuh"
+
+namespace cf {
+
+// One warp per (batch, head, row): lanes stride over the head dimension.
+template <typename T>
+__global__ void __launch_bounds__(128)
+flash_bwd_preprocess(const T* __restrict__ dout, const T* __restrict__ out,
+                     typename acc_of<T>::type* __restrict__ delta,
+                     int batch_size, int seqlen_q, int nheads, int headdim,
+                     i64 do_sb, i64 do_ss, i64 do_sh, i64 o_sb, i64 o_ss, i64 o_sh) {
+    typedef typename acc_of<T>::type A;
+    const i64 row_id = (i64)blockIdx.x * 4 + threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const i64 total = (i64)batch_size * nheads * seqlen_q;
+    if (row_id >= total) return;
+    const int row = (int)(row_id % seqlen_q);
+    const int head = (int)((row_id / seqlen_q) % nheads);
+    const int batch = (int)(row_id / ((i64)seqlen_q * nheads));
+    const T* do_row = dout + row_offset(batch, row, head, do_sb, do_ss, do_sh);
+    const T* o_row = out + row_offset(batch, row, head, o_sb, o_ss, o_sh);
+    A sum = A(0);
+    for (int d = lane; d < headdim; d += 32) sum += to_acc(do_row[d]) * to_acc(o_row[d]);
+    sum = group_sum<32>(sum);
+    if (lane == 0) delta[row_id] = sum;  // (batch, head, row) order equals row_id
+}
+
+template <typename T, int D_TILE, bool CAUSAL, int BLOCK_M, int BLOCK_N, int TPR>
+__global__ void __launch_bounds__(BLOCK_N * TPR, 2)
+flash_bwd_dkdv_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                    const T* __restrict__ dout, const typename acc_of<T>::type* __restrict__ lse,
+                    const typename acc_of<T>::type* __restrict__ delta,
+                    T* __restrict__ dk, T* __restrict__ dv,
+                    int seqlen_q, int seqlen_k, int nheads, int group, int headdim,
+                    i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
+                    i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
+                    i64 dk_sb, i64 dk_ss, i64 dk_sh, i64 dv_sb, i64 dv_ss, i64 dv_sh,
+                    typename acc_of<T>::type scale_log2, typename acc_of<T>::type scale) {
+    typedef typename acc_of<T>::type A;
+    constexpr int NTHREADS = BLOCK_N * TPR;
+    constexpr int S_PER_LANE = BLOCK_M / TPR;
+    constexpr int O_PER_LANE = D_TILE / TPR;
+    constexpr int LD = D_TILE + 1;
+    constexpr int LDP = BLOCK_M + 1;
+    static_assert(BLOCK_M % TPR == 0 && D_TILE % TPR == 0 && 32 % TPR == 0, "row group shape");
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    A* k_tile = reinterpret_cast<A*>(smem_raw);  // [BLOCK_N][LD]
+    A* v_tile = k_tile + BLOCK_N * LD;             // [BLOCK_N][LD]
+    A* q_tile = v_tile + BLOCK_N * LD;             // [BLOCK_M][LD]
+    A* do_tile = q_tile + BLOCK_M * LD;            // [BLOCK_M][LD]
+    A* pt_tile = do_tile + BLOCK_M * LD;           // [BLOCK_N][LDP]  P^T
+    A* dst_tile = pt_tile + BLOCK_N * LDP;         // [BLOCK_N][LDP]  dS^T
+    A* lse_log2 = dst_tile + BLOCK_N * LDP;        // [BLOCK_M]
+    A* delta_tile = lse_log2 + BLOCK_M;            // [BLOCK_M]
+    constexpr unsigned SMEM_BYTES =
+        sizeof(A) * (2 * BLOCK_N * LD + 2 * BLOCK_M * LD + 2 * BLOCK_N * LDP + 2 * BLOCK_M);
+    if (dynamic_smem_bytes() < SMEM_BYTES) __trap();
+
+    const int n0 = blockIdx.x * BLOCK_N;
+    const int head_kv = blockIdx.y, batch = blockIdx.z;
+    const int key = threadIdx.x / TPR, lane_in_row = threadIdx.x % TPR;
+    const int diag = seqlen_k - seqlen_q;
+    const A log2e = A(1.4426950408889634073599247);
+
+    load_tile<BLOCK_N, D_TILE, NTHREADS>(k_tile, k + row_offset(batch, 0, head_kv, k_sb, k_ss, k_sh),
+                                         n0, seqlen_k, headdim, k_ss, A(1));
+    load_tile<BLOCK_N, D_TILE, NTHREADS>(v_tile, v + row_offset(batch, 0, head_kv, v_sb, v_ss, v_sh),
+                                         n0, seqlen_k, headdim, v_ss, A(1));
+
+    A dk_acc[O_PER_LANE], dv_acc[O_PER_LANE];
+#pragma unroll
+    for (int j = 0; j < O_PER_LANE; ++j) dk_acc[j] = dv_acc[j] = A(0);
+
+    // key j is seen by query rows i >= j - diag; earlier query blocks are skipped
+    const int m_first = CAUSAL ? max(0, n0 - diag) / BLOCK_M * BLOCK_M : 0;
+
+    for (int head = head_kv * group; head < (head_kv + 1) * group; ++head) {
+        const T* q_base = q + row_offset(batch, 0, head, q_sb, q_ss, q_sh);
+        const T* do_base = dout + row_offset(batch, 0, head, do_sb, do_ss, do_sh);
+        const A* lse_row = lse + ((i64)batch * nheads + head) * seqlen_q;
+        const A* delta_row = delta + ((i64)batch * nheads + head) * seqlen_q;
+        for (int m0 = m_first; m0 < seqlen_q; m0 += BLOCK_M) {
+            __syncthreads();  // previous Q/dO tiles fully consumed
+            load_tile<BLOCK_M, D_TILE, NTHREADS>(q_tile, q_base, m0, seqlen_q, headdim, q_ss, A(1));
+            load_tile<BLOCK_M, D_TILE, NTHREADS>(do_tile, do_base, m0, seqlen_q, headdim, do_ss, A(1));
+            for (int i = threadIdx.x; i < BLOCK_M; i += NTHREADS) {
+                const bool valid = m0 + i < seqlen_q;
+                lse_log2[i] = valid ? lse_row[m0 + i] * log2e : neg_inf<A>();
+                delta_tile[i] = valid ? delta_row[m0 + i] : A(0);
+            }
+            __syncthreads();
+
+            // P^T_ji = exp2(S_ij - lse_i), dP^T_ji = dO_i . V_j, dS^T_ji = P_ij (dP_ij - D_i)
+#pragma unroll
+            for (int j = 0; j < S_PER_LANE; ++j) {
+                const int qi = lane_in_row + TPR * j, q_row = m0 + qi;
+                // lse = -inf marks a row with no visible key (or a row past the end): P = 0
+                const bool masked = n0 + key >= seqlen_k || lse_log2[qi] == neg_inf<A>() ||
+                                    (CAUSAL && n0 + key > q_row + diag);
+                A p = A(0), ds = A(0);
+                if (!masked) {
+                    p = exp2_(row_dot<D_TILE>(q_tile + qi * LD, k_tile + key * LD) * scale_log2 - lse_log2[qi]);
+                    const A dp = row_dot<D_TILE>(do_tile + qi * LD, v_tile + key * LD);
+                    ds = p * (dp - delta_tile[qi]);
+                }
+                pt_tile[key * LDP + qi] = p;
+                dst_tile[key * LDP + qi] = ds;
+            }
+            // P^T/dS^T rows are written and read only by their own row group (one warp).
+            __syncwarp();
+
+            // dV_j += P^T dO_i ; dK_j += dS^T Q_i
+            for (int i = 0; i < BLOCK_M; ++i) {
+                const A p = pt_tile[key * LDP + i], ds = dst_tile[key * LDP + i];
+#pragma unroll
+                for (int j = 0; j < O_PER_LANE; ++j) {
+                    const int col = lane_in_row + TPR * j;
+                    dv_acc[j] += p * do_tile[i * LD + col];
+                    dk_acc[j] += ds * q_tile[i * LD + col];
+                }
+            }
+        }
+    }
+
+    if (n0 + key < seqlen_k) {
+        T* dk_row = dk + row_offset(batch, n0 + key, head_kv, dk_sb, dk_ss, dk_sh);
+        T* dv_row = dv + row_offset(batch, n0 + key, head_kv, dv_sb, dv_ss, dv_sh);
+#pragma unroll
+        for (int j = 0; j < O_PER_LANE; ++j) {
+            const int col = lane_in_row + TPR * j;
+            if (col < headdim) {
+                store_as(dk_row + col, dk_acc[j] * scale);
+                store_as(dv_row + col, dv_acc[j]);
+            }
+        }
+    }
+}
+
+template <typename T, int D_TILE, bool CAUSAL, int BLOCK_M, int BLOCK_N, int TPR>
+__global__ void __launch_bounds__(BLOCK_M * TPR, 2)
+flash_bwd_dq_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                  const T* __restrict__ dout, const typename acc_of<T>::type* __restrict__ lse,
+                  const typename acc_of<T>::type* __restrict__ delta, T* __restrict__ dq,
+                  int seqlen_q, int seqlen_k, int nheads, int group, int headdim,
+                  i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
+                  i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
+                  i64 dq_sb, i64 dq_ss, i64 dq_sh,
+                  typename acc_of<T>::type scale_log2, typename acc_of<T>::type scale) {
+    typedef typename acc_of<T>::type A;
+    constexpr int NTHREADS = BLOCK_M * TPR;
+    constexpr int S_PER_LANE = BLOCK_N / TPR;
+    constexpr int O_PER_LANE = D_TILE / TPR;
+    constexpr int LD = D_TILE + 1;
+    constexpr int LDS = BLOCK_N + 1;
+    static_assert(BLOCK_N % TPR == 0 && D_TILE % TPR == 0 && 32 % TPR == 0, "row group shape");
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    A* q_tile = reinterpret_cast<A*>(smem_raw);  // [BLOCK_M][LD]
+    A* do_tile = q_tile + BLOCK_M * LD;            // [BLOCK_M][LD]
+    A* k_tile = do_tile + BLOCK_M * LD;            // [BLOCK_N][LD]
+    A* v_tile = k_tile + BLOCK_N * LD;             // [BLOCK_N][LD]
+    A* ds_tile = v_tile + BLOCK_N * LD;            // [BLOCK_M][LDS]
+    constexpr unsigned SMEM_BYTES = sizeof(A) * (2 * BLOCK_M * LD + 2 * BLOCK_N * LD + BLOCK_M * LDS);
+    if (dynamic_smem_bytes() < SMEM_BYTES) __trap();
+
+    const int m_block = gridDim.x - 1 - blockIdx.x;  // heaviest causal blocks start first
+    const int head = blockIdx.y, batch = blockIdx.z;
+    const int head_kv = head / group;
+    const int m0 = m_block * BLOCK_M;
+    const int row = threadIdx.x / TPR, lane_in_row = threadIdx.x % TPR;
+    const int q_row = m0 + row;
+    const int diag = seqlen_k - seqlen_q;
+    const A log2e = A(1.4426950408889634073599247);
+
+    load_tile<BLOCK_M, D_TILE, NTHREADS>(q_tile, q + row_offset(batch, 0, head, q_sb, q_ss, q_sh),
+                                         m0, seqlen_q, headdim, q_ss, A(1));
+    load_tile<BLOCK_M, D_TILE, NTHREADS>(do_tile, dout + row_offset(batch, 0, head, do_sb, do_ss, do_sh),
+                                         m0, seqlen_q, headdim, do_ss, A(1));
+    const bool row_valid = q_row < seqlen_q;
+    const i64 stat = ((i64)batch * nheads + head) * seqlen_q + q_row;
+    const A row_lse_log2 = row_valid ? lse[stat] * log2e : neg_inf<A>();
+    const A row_delta = row_valid ? delta[stat] : A(0);
+
+    const T* k_base = k + row_offset(batch, 0, head_kv, k_sb, k_ss, k_sh);
+    const T* v_base = v + row_offset(batch, 0, head_kv, v_sb, v_ss, v_sh);
+    const int n_end = CAUSAL ? min(seqlen_k, max(0, m0 + BLOCK_M + diag)) : seqlen_k;
+
+    A dq_acc[O_PER_LANE];
+#pragma unroll
+    for (int j = 0; j < O_PER_LANE; ++j) dq_acc[j] = A(0);
+
+    for (int n0 = 0; n0 < n_end; n0 += BLOCK_N) {
+        __syncthreads();  // previous K/V/dS tiles fully consumed
+        load_tile<BLOCK_N, D_TILE, NTHREADS>(k_tile, k_base, n0, seqlen_k, headdim, k_ss, A(1));
+        load_tile<BLOCK_N, D_TILE, NTHREADS>(v_tile, v_base, n0, seqlen_k, headdim, v_ss, A(1));
+        __syncthreads();
+
+        // dS_ij = P_ij (dO_i . V_j - D_i) with P_ij = exp2(S_ij - lse_i)
+#pragma unroll
+        for (int j = 0; j < S_PER_LANE; ++j) {
+            const int col = lane_in_row + TPR * j, key = n0 + col;
+            const bool masked = key >= seqlen_k || row_lse_log2 == neg_inf<A>() ||
+                                (CAUSAL && key > q_row + diag);
+            A ds = A(0);
+            if (!masked) {
+                const A p = exp2_(row_dot<D_TILE>(q_tile + row * LD, k_tile + col * LD) * scale_log2 - row_lse_log2);
+                const A dp = row_dot<D_TILE>(do_tile + row * LD, v_tile + col * LD);
+                ds = p * (dp - row_delta);
+            }
+            ds_tile[row * LDS + col] = ds;
+        }
+        // dS rows are written and read only by their own row group (one warp).
+        __syncwarp();
+
+        // dQ_i += dS_ij K_j
+        for (int n = 0; n < BLOCK_N; ++n) {
+            const A ds = ds_tile[row * LDS + n];
+#pragma unroll
+            for (int j = 0; j < O_PER_LANE; ++j) dq_acc[j] += ds * k_tile[n * LD + lane_in_row + TPR * j];
+        }
+    }
+
+    if (row_valid) {
+        T* dq_row = dq + row_offset(batch, q_row, head, dq_sb, dq_ss, dq_sh);
+#pragma unroll
+        for (int j = 0; j < O_PER_LANE; ++j) {
+            const int col = lane_in_row + TPR * j;
+            if (col < headdim) store_as(dq_row + col, dq_acc[j] * scale);
+        }
+    }
+}
+
+}  // namespace cf

@@ -1,0 +1,344 @@
+// flash_fwd_mma: exact attention forward on tensor cores (mma.sync m16n8k16, fp32 accumulate),
+// float16 / bfloat16, head dimension up to D_TILE (64, 128 or 256), FlashAttention-2 work split.
+//
+// One block owns BLOCK_M query rows of one (batch, head). Each of its WARPS warps owns
+// M_STRIPS = BLOCK_M / (16 WARPS) strips of 16 rows and keeps their S, P and O in registers; the
+// warps never exchange data. The block walks the key blocks j = 0, 1, ... of its (batch, kv head)
+// with K_j and V_j in a ring of STAGES shared-memory stages that cp.async refills while the
+// block computes on an earlier one:
+//   S = Q K_j^T (log2 units)         m_new = max(m, rowmax S)     rescale = exp2(m - m_new)
+//   P = exp2(S - m_new)              l = rescale l + rowsum P     O = rescale O + P V_j
+// and finally writes O / l and lse = (m + log2 l) ln 2.
+#include "mma.cuh"
+
+namespace cf {
+
+// Shared memory, mirrored by cupyflash/kernels/mma_fwd.py (smem_bytes):
+//   [Q: BLOCK_M x D_TILE] [stage 0: K, V: BLOCK_N x D_TILE each] [stage 1] ...
+// every tile swizzled (swizzled_offset). The Q tile is reused to stage O in the epilogue.
+template <int D_TILE, int BLOCK_M, int BLOCK_N, int STAGES>
+struct FwdSmemLayout {
+    static constexpr u32 Q_BYTES = BLOCK_M * D_TILE * 2;
+    static constexpr u32 KV_TILE_BYTES = BLOCK_N * D_TILE * 2;
+    static constexpr u32 STAGE_BYTES = 2 * KV_TILE_BYTES;
+    static constexpr u32 BYTES = Q_BYTES + STAGES * STAGE_BYTES;
+    static __device__ __forceinline__ u32 k_tile(u32 base, int stage) {
+        return base + Q_BYTES + stage * STAGE_BYTES;
+    }
+    static __device__ __forceinline__ u32 v_tile(u32 base, int stage) {
+        return k_tile(base, stage) + KV_TILE_BYTES;
+    }
+};
+
+// S = Q K^T for the warp's strips. Q fragments come from registers (Q_STEPS == D_TILE / 16) or
+// from the warp's rows of the shared Q tile (q_rows: the tile address of its first row).
+// K is stored [key][dim], so its non-transposed ldmatrix gives B = K^T directly; one x4 load
+// covers 16 keys: b[0], b[1] for keys 8f.. and b[2], b[3] for keys 8(f + 1)..
+template <typename T, int D_TILE, int M_STRIPS, int N_FRAGS, int Q_STEPS>
+__device__ __forceinline__ void mma_qk(float (&s)[M_STRIPS][N_FRAGS][4],
+                                       const u32 (&q_frag)[M_STRIPS][Q_STEPS][4], u32 q_rows,
+                                       const FragmentAddress<D_TILE>& a_addr, u32 k_tile,
+                                       const FragmentAddress<D_TILE>& k_addr) {
+    constexpr bool Q_IN_REGS = Q_STEPS == D_TILE / 16;
+#pragma unroll
+    for (int i = 0; i < M_STRIPS; ++i)
+#pragma unroll
+        for (int f = 0; f < N_FRAGS; ++f)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[i][f][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D_TILE / 16; ++kk) {
+        u32 a[M_STRIPS][4];
+#pragma unroll
+        for (int i = 0; i < M_STRIPS; ++i) {
+            if constexpr (Q_IN_REGS) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) a[i][e] = q_frag[i][kk][e];
+            } else {
+                ldmatrix_x4(a[i], a_addr(q_rows, i, kk));
+            }
+        }
+#pragma unroll
+        for (int f = 0; f < N_FRAGS; f += 2) {
+            u32 b[4];
+            ldmatrix_x4(b, k_addr(k_tile, f / 2, kk));
+#pragma unroll
+            for (int i = 0; i < M_STRIPS; ++i) {
+                mma_16816<T>(s[i][f], a[i], b[0], b[1]);
+                mma_16816<T>(s[i][f + 1], a[i], b[2], b[3]);
+            }
+        }
+    }
+}
+
+// Scores to log2 units; keys past the end of the sequence and, when causal, above the
+// bottom-right diagonal (key > row + seqlen_k - seqlen_q) become -inf. `masked` is uniform over
+// the block: only the last key block and the blocks crossing the diagonal pay for the compares.
+template <bool CAUSAL, int M_STRIPS, int N_FRAGS>
+__device__ __forceinline__ void scale_and_mask(float (&s)[M_STRIPS][N_FRAGS][4], float scale_log2,
+                                               bool masked, int row0, int n0, int seqlen_q,
+                                               int seqlen_k, int lane) {
+#pragma unroll
+    for (int i = 0; i < M_STRIPS; ++i)
+#pragma unroll
+        for (int f = 0; f < N_FRAGS; ++f)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[i][f][e] *= scale_log2;
+    if (!masked) return;
+#pragma unroll
+    for (int i = 0; i < M_STRIPS; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = row0 + 16 * i + 8 * h + (lane >> 2);
+            const int key_end = CAUSAL ? min(seqlen_k, row + 1 + seqlen_k - seqlen_q) : seqlen_k;
+#pragma unroll
+            for (int f = 0; f < N_FRAGS; ++f)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int key = n0 + 8 * f + 2 * (lane & 3) + e;
+                    if (key >= key_end) s[i][f][2 * h + e] = neg_inf<float>();
+                }
+        }
+}
+
+// Row maxima of S over the key block, reduced over the 4 lanes (a quad) that share each row.
+template <int M_STRIPS, int N_FRAGS>
+__device__ __forceinline__ void row_max(float (&mx)[M_STRIPS][2],
+                                        const float (&s)[M_STRIPS][N_FRAGS][4]) {
+#pragma unroll
+    for (int i = 0; i < M_STRIPS; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float x = fmaxf(s[i][0][2 * h], s[i][0][2 * h + 1]);
+#pragma unroll
+            for (int f = 1; f < N_FRAGS; ++f) x = fmaxf(x, fmaxf(s[i][f][2 * h], s[i][f][2 * h + 1]));
+            mx[i][h] = group_max<4>(x);
+        }
+}
+
+// Online-softmax update: S becomes P = exp2(S - m_new) in place, O and l are rescaled by
+// exp2(m - m_new). l stays a per-lane partial sum (the rescale is the same on the 4 lanes of a
+// row), reduced across the quad once in the epilogue. A row with every key masked so far has
+// m_new = -inf; subtracting 0 instead keeps exp2(-inf - base) = 0 rather than NaN.
+template <int M_STRIPS, int N_FRAGS, int D_FRAGS>
+__device__ __forceinline__ void softmax_rescale(float (&s)[M_STRIPS][N_FRAGS][4],
+                                                float (&o)[M_STRIPS][D_FRAGS][4],
+                                                float (&m)[M_STRIPS][2], float (&l)[M_STRIPS][2],
+                                                const float (&block_max)[M_STRIPS][2]) {
+#pragma unroll
+    for (int i = 0; i < M_STRIPS; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float m_new = fmaxf(m[i][h], block_max[i][h]);
+            const float base = m_new == neg_inf<float>() ? 0.f : m_new;
+            const float rescale = exp2_approx(m[i][h] - base);
+            m[i][h] = m_new;
+            float row_sum = 0.f;
+#pragma unroll
+            for (int f = 0; f < N_FRAGS; ++f)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float p = exp2_approx(s[i][f][2 * h + e] - base);
+                    s[i][f][2 * h + e] = p;
+                    row_sum += p;
+                }
+            l[i][h] = l[i][h] * rescale + row_sum;
+#pragma unroll
+            for (int f = 0; f < D_FRAGS; ++f) {
+                o[i][f][2 * h] *= rescale;
+                o[i][f][2 * h + 1] *= rescale;
+            }
+        }
+}
+
+// O += P V. P's accumulator fragments of key columns 16kk..16kk+15 (fragments 2kk, 2kk+1),
+// rounded to 16 bits, are the A fragment of k-step kk (see mma.cuh). V is stored [key][dim];
+// its transposed ldmatrix gives B = V, one x4 load covering output columns 8f..8f+15.
+template <typename T, int D_TILE, int M_STRIPS, int N_FRAGS, int D_FRAGS>
+__device__ __forceinline__ void mma_pv(float (&o)[M_STRIPS][D_FRAGS][4],
+                                       const float (&p)[M_STRIPS][N_FRAGS][4], u32 v_tile,
+                                       const FragmentAddress<D_TILE>& v_addr) {
+#pragma unroll
+    for (int kk = 0; kk < N_FRAGS / 2; ++kk) {
+        u32 a[M_STRIPS][4];
+#pragma unroll
+        for (int i = 0; i < M_STRIPS; ++i) {
+            a[i][0] = pack2<T>(p[i][2 * kk][0], p[i][2 * kk][1]);
+            a[i][1] = pack2<T>(p[i][2 * kk][2], p[i][2 * kk][3]);
+            a[i][2] = pack2<T>(p[i][2 * kk + 1][0], p[i][2 * kk + 1][1]);
+            a[i][3] = pack2<T>(p[i][2 * kk + 1][2], p[i][2 * kk + 1][3]);
+        }
+#pragma unroll
+        for (int f = 0; f < D_FRAGS; f += 2) {
+            u32 b[4];
+            ldmatrix_x4_trans(b, v_addr(v_tile, kk, f / 2));
+#pragma unroll
+            for (int i = 0; i < M_STRIPS; ++i) {
+                mma_16816<T>(o[i][f], a[i], b[0], b[1]);
+                mma_16816<T>(o[i][f + 1], a[i], b[2], b[3]);
+            }
+        }
+    }
+}
+
+// Epilogue: O / l rounded to T through the warp's own rows of the (swizzled) Q tile, then
+// 16-byte coalesced stores of the rows < seqlen_q and columns < headdim; lse by lane 0 of each
+// quad. Rows that saw no key (l = 0) get O = 0 and lse = -inf. Only the warp's own rows of the Q
+// tile are touched, which no other warp reads, so a warp barrier suffices.
+template <typename T, int D_TILE, int M_STRIPS, int D_FRAGS>
+__device__ __forceinline__ void store_o(float (&o)[M_STRIPS][D_FRAGS][4],
+                                        const float (&m)[M_STRIPS][2], const float (&l)[M_STRIPS][2],
+                                        u32 stage_tile, int strip_row0, int m0, int seqlen_q,
+                                        int headdim, T* o_rows, i64 o_ss, float* lse_rows,
+                                        int lane) {
+#pragma unroll
+    for (int i = 0; i < M_STRIPS; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float l_row = group_sum<4>(l[i][h]);
+            const float inv_l = l_row > 0.f ? 1.f / l_row : 0.f;
+            const int row = strip_row0 + 16 * i + 8 * h + (lane >> 2);
+            if ((lane & 3) == 0 && m0 + row < seqlen_q) {
+                const float ln2 = 0.6931471805599453f;
+                lse_rows[row] = l_row > 0.f ? (m[i][h] + __log2f(l_row)) * ln2 : neg_inf<float>();
+            }
+#pragma unroll
+            for (int f = 0; f < D_FRAGS; ++f)
+                st_shared_b32(stage_tile + swizzled_offset<D_TILE>(row, f) + 4 * (lane & 3),
+                              pack2<T>(o[i][f][2 * h] * inv_l, o[i][f][2 * h + 1] * inv_l));
+        }
+    __syncwarp();
+    constexpr int CHUNKS = D_TILE / 8;
+    constexpr int WARP_ROWS = 16 * M_STRIPS;
+#pragma unroll
+    for (int it = 0; it < WARP_ROWS * CHUNKS / 32; ++it) {
+        const int idx = lane + 32 * it;
+        const int row = strip_row0 + idx / CHUNKS, chunk = idx % CHUNKS;
+        if (m0 + row < seqlen_q && chunk * 8 < headdim) {
+            u32 r[4];
+            ld_shared_v4(r, stage_tile + swizzled_offset<D_TILE>(row, chunk));
+            st_global_v4(o_rows + row * o_ss + chunk * 8, r);
+        }
+    }
+}
+
+template <typename T, int D_TILE, bool CAUSAL, int BLOCK_M, int BLOCK_N, int WARPS, bool Q_IN_REGS,
+          int STAGES, int MIN_BLOCKS>
+__global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
+flash_fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+              T* __restrict__ o, float* __restrict__ lse, int seqlen_q, int seqlen_k, int nheads,
+              int group, int headdim, i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
+              i64 v_sb, i64 v_ss, i64 v_sh, i64 o_sb, i64 o_ss, i64 o_sh, float scale_log2) {
+    constexpr int NTHREADS = WARPS * 32;
+    constexpr int M_STRIPS = BLOCK_M / (16 * WARPS);
+    constexpr int N_FRAGS = BLOCK_N / 8;
+    constexpr int D_FRAGS = D_TILE / 8;
+    constexpr int Q_STEPS = Q_IN_REGS ? D_TILE / 16 : 1;
+    typedef FwdSmemLayout<D_TILE, BLOCK_M, BLOCK_N, STAGES> Smem;
+    static_assert(M_STRIPS >= 1 && BLOCK_M == 16 * WARPS * M_STRIPS, "BLOCK_M: whole 16-row strips per warp");
+    static_assert(BLOCK_N % 16 == 0 && D_TILE % 64 == 0 && STAGES >= 2, "tile shape");
+
+    extern __shared__ __align__(128) unsigned char smem[];
+    if (dynamic_smem_bytes() < Smem::BYTES) __trap();
+    const u32 smem_base = smem_u32(smem);
+    const u32 q_tile = smem_base;
+
+    const int m_block = CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;  // heaviest blocks first
+    const int head = blockIdx.y, batch = blockIdx.z;
+    const int head_kv = head / group;
+    const int m0 = m_block * BLOCK_M;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int strip_row0 = warp * 16 * M_STRIPS;  // first row of the warp's strips within the block
+
+    // Keys [0, n_end) are visible to some row of the block; with bottom-right causal alignment
+    // the last row m0 + BLOCK_M - 1 sees keys <= m0 + BLOCK_M - 1 + seqlen_k - seqlen_q.
+    const int n_end = CAUSAL ? min(seqlen_k, max(0, m0 + BLOCK_M + seqlen_k - seqlen_q)) : seqlen_k;
+    const int n_blocks = (n_end + BLOCK_N - 1) / BLOCK_N;
+    // Blocks from here on contain keys that some row of the block must not see.
+    const int first_masked_key = CAUSAL ? min(seqlen_k, max(0, m0 + 1 + seqlen_k - seqlen_q)) : seqlen_k;
+
+    const T* q_rows = q + row_offset(batch, m0, head, q_sb, q_ss, q_sh);
+    const T* k_rows = k + row_offset(batch, 0, head_kv, k_sb, k_ss, k_sh);
+    const T* v_rows = v + row_offset(batch, 0, head_kv, v_sb, v_ss, v_sh);
+
+    auto load_kv_tile = [&](int block, int stage) {
+        const int n0 = block * BLOCK_N;
+        cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(Smem::k_tile(smem_base, stage), k_rows + n0 * k_ss,
+                                                 seqlen_k - n0, headdim, k_ss, threadIdx.x);
+        cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(Smem::v_tile(smem_base, stage), v_rows + n0 * v_ss,
+                                                 seqlen_k - n0, headdim, v_ss, threadIdx.x);
+    };
+
+    // Commit groups: Q, then one per key block (empty past the last), so that before block j
+    // exactly STAGES - 2 younger groups may still be in flight.
+    cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(q_tile, q_rows, seqlen_q - m0, headdim, q_ss, threadIdx.x);
+    cp_async_commit();
+#pragma unroll
+    for (int j = 0; j < STAGES - 1; ++j) {
+        if (j < n_blocks) load_kv_tile(j, j);
+        cp_async_commit();
+    }
+
+    // ldmatrix address providers: A-pattern for Q and (transposed) V, B-pattern for K.
+    const FragmentAddress<D_TILE> a_addr(lane & 15, lane >> 4);
+    const FragmentAddress<D_TILE> k_addr(((lane >> 4) << 3) + (lane & 7), (lane >> 3) & 1);
+    const u32 q_strips = q_tile + strip_row0 * D_TILE * 2;  // the warp's rows of the Q tile
+
+    u32 q_frag[M_STRIPS][Q_STEPS][4];
+    if constexpr (Q_IN_REGS) {
+        cp_async_wait<STAGES - 1>();
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < M_STRIPS; ++i)
+#pragma unroll
+            for (int kk = 0; kk < Q_STEPS; ++kk) ldmatrix_x4(q_frag[i][kk], a_addr(q_strips, i, kk));
+    }
+
+    float o_acc[M_STRIPS][D_FRAGS][4];
+    float m[M_STRIPS][2], l[M_STRIPS][2];
+#pragma unroll
+    for (int i = 0; i < M_STRIPS; ++i) {
+#pragma unroll
+        for (int f = 0; f < D_FRAGS; ++f)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o_acc[i][f][e] = 0.f;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            m[i][h] = neg_inf<float>();
+            l[i][h] = 0.f;
+        }
+    }
+
+    for (int j = 0; j < n_blocks; ++j) {
+        const int stage = j % STAGES;
+        // K_j, V_j have landed for every thread, and every warp is done with block j - 1, whose
+        // stage the loads below refill.
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();
+        {
+            const int ahead = j + STAGES - 1;
+            if (ahead < n_blocks) load_kv_tile(ahead, ahead % STAGES);
+            cp_async_commit();
+        }
+
+        float s[M_STRIPS][N_FRAGS][4];
+        mma_qk<T, D_TILE>(s, q_frag, q_strips, a_addr, Smem::k_tile(smem_base, stage), k_addr);
+        const int n0 = j * BLOCK_N;
+        const bool masked = n0 + BLOCK_N > first_masked_key;
+        scale_and_mask<CAUSAL>(s, scale_log2, masked, m0 + strip_row0, n0, seqlen_q, seqlen_k, lane);
+        float block_max[M_STRIPS][2];
+        row_max(block_max, s);
+        softmax_rescale(s, o_acc, m, l, block_max);
+        mma_pv<T, D_TILE>(o_acc, s, Smem::v_tile(smem_base, stage), a_addr);
+    }
+
+    // The Q tile is reused for O. If the block saw no key block, copies into it (issued by any
+    // thread) may still be in flight.
+    cp_async_wait<0>();
+    __syncthreads();
+    store_o<T, D_TILE>(o_acc, m, l, q_tile, strip_row0, m0, seqlen_q, headdim,
+                       o + row_offset(batch, m0, head, o_sb, o_ss, o_sh), o_ss,
+                       lse + ((i64)batch * nheads + head) * seqlen_q + m0, lane);
+}
+
+}  // namespace cf

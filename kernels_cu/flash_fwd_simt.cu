@@ -1,0 +1,123 @@
+// flash_fwd_simt: exact attention forward on CUDA cores, every dtype (float16, bfloat16, float32,
+// float64), any head dimension up to D_TILE.
+//
+// One block owns BLOCK_M query rows of one (batch, head). Each row is shared by TPR consecutive
+// lanes ("a row group"): a lane holds BLOCK_N / TPR scores and D_TILE / TPR output columns of its
+// row. The block walks the key blocks j = 0, 1, ... keeping for every row the running maximum m and
+// running sum l of the online softmax, so S and P never leave the chip.
+#include "common.cuh"
+
+namespace cf {
+
+template <typename T, int D_TILE, bool CAUSAL, int BLOCK_M, int BLOCK_N, int TPR>
+__global__ void __launch_bounds__(BLOCK_M * TPR, 2)
+flash_fwd_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+               T* __restrict__ o, typename acc_of<T>::type* __restrict__ lse,
+               int seqlen_q, int seqlen_k, int nheads, int group, int headdim,
+               i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
+               i64 v_sb, i64 v_ss, i64 v_sh, i64 o_sb, i64 o_ss, i64 o_sh,
+               typename acc_of<T>::type scale_log2) {
+    typedef typename acc_of<T>::type A;
+    constexpr int NTHREADS = BLOCK_M * TPR;
+    constexpr int S_PER_LANE = BLOCK_N / TPR;
+    constexpr int O_PER_LANE = D_TILE / TPR;
+    constexpr int LD = D_TILE + 1;
+    static_assert(BLOCK_N % TPR == 0 && D_TILE % TPR == 0 && 32 % TPR == 0, "row group shape");
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    A* q_tile = reinterpret_cast<A*>(smem_raw);   // [BLOCK_M][LD], pre-scaled by scale_log2
+    A* k_tile = q_tile + BLOCK_M * LD;              // [BLOCK_N][LD]
+    A* v_tile = k_tile + BLOCK_N * LD;              // [BLOCK_N][LD]
+    A* p_tile = v_tile + BLOCK_N * LD;              // [BLOCK_M][BLOCK_N + 1]
+    constexpr unsigned SMEM_BYTES = sizeof(A) * (BLOCK_M * LD + 2 * BLOCK_N * LD + BLOCK_M * (BLOCK_N + 1));
+    if (dynamic_smem_bytes() < SMEM_BYTES) __trap();
+
+    const int m_block = gridDim.x - 1 - blockIdx.x;  // heaviest causal blocks start first
+    const int head = blockIdx.y, batch = blockIdx.z;
+    const int head_kv = head / group;
+    const int m0 = m_block * BLOCK_M;
+    const int row = threadIdx.x / TPR, lane_in_row = threadIdx.x % TPR;
+    const int q_row = m0 + row;
+
+    const T* q_base = q + row_offset(batch, 0, head, q_sb, q_ss, q_sh);
+    const T* k_base = k + row_offset(batch, 0, head_kv, k_sb, k_ss, k_sh);
+    const T* v_base = v + row_offset(batch, 0, head_kv, v_sb, v_ss, v_sh);
+
+    // load Q tile (scaled, so scores come out in log2 units)
+    load_tile<BLOCK_M, D_TILE, NTHREADS>(q_tile, q_base, m0, seqlen_q, headdim, q_ss, scale_log2);
+
+    // bottom-right causal alignment: row i sees keys j <= i + diag
+    const int diag = seqlen_k - seqlen_q;
+    const int n_end = CAUSAL ? min(seqlen_k, max(0, m0 + BLOCK_M + diag)) : seqlen_k;
+
+    A m_i = neg_inf<A>(), l_i = A(0);
+    A o_acc[O_PER_LANE];
+#pragma unroll
+    for (int j = 0; j < O_PER_LANE; ++j) o_acc[j] = A(0);
+
+    for (int n0 = 0; n0 < n_end; n0 += BLOCK_N) {
+        __syncthreads();  // previous K/V/P tiles fully consumed
+        load_tile<BLOCK_N, D_TILE, NTHREADS>(k_tile, k_base, n0, seqlen_k, headdim, k_ss, A(1));
+        load_tile<BLOCK_N, D_TILE, NTHREADS>(v_tile, v_base, n0, seqlen_k, headdim, v_ss, A(1));
+        __syncthreads();
+
+        // S_ij = Q_i K_j^T (log2 units), masked past the end and above the causal diagonal
+        A s[S_PER_LANE];
+        A row_max = neg_inf<A>();
+#pragma unroll
+        for (int j = 0; j < S_PER_LANE; ++j) {
+            const int col = lane_in_row + TPR * j, key = n0 + col;
+            const bool masked = key >= seqlen_k || (CAUSAL && key > q_row + diag);
+            s[j] = masked ? neg_inf<A>() : row_dot<D_TILE>(q_tile + row * LD, k_tile + col * LD);
+            row_max = max_(row_max, s[j]);
+        }
+        row_max = group_max<TPR>(row_max);
+
+        // online softmax: m_new = max(m_old, rowmax(S)); rescale = exp2(m_old - m_new).
+        // A row with every key masked so far keeps m = -inf; subtracting 0 instead keeps
+        // exp2(-inf - base) = 0 rather than NaN.
+        const A m_new = max_(m_i, row_max);
+        const A base = m_new == neg_inf<A>() ? A(0) : m_new;
+        const A rescale = exp2_(m_i - base);
+        A row_sum = A(0);
+#pragma unroll
+        for (int j = 0; j < S_PER_LANE; ++j) {
+            const A p = exp2_(s[j] - base);
+            row_sum += p;
+            p_tile[row * (BLOCK_N + 1) + lane_in_row + TPR * j] = p;
+        }
+        row_sum = group_sum<TPR>(row_sum);
+        l_i = l_i * rescale + row_sum;
+        m_i = m_new;
+        // P rows are written and read only by their own row group, which sits inside one warp.
+        __syncwarp();
+
+        // O_i = rescale * O_i + P_ij V_j
+#pragma unroll
+        for (int j = 0; j < O_PER_LANE; ++j) o_acc[j] *= rescale;
+        const int n_valid = min(BLOCK_N, seqlen_k - n0);
+        for (int n = 0; n < n_valid; ++n) {
+            const A p = p_tile[row * (BLOCK_N + 1) + n];
+#pragma unroll
+            for (int j = 0; j < O_PER_LANE; ++j) o_acc[j] += p * v_tile[n * LD + lane_in_row + TPR * j];
+        }
+    }
+
+    // store O = O_i / l_i and lse = (m_i + log2 l_i) ln 2; rows that saw no key give 0 and -inf
+    if (q_row < seqlen_q) {
+        const A inv_l = l_i > A(0) ? A(1) / l_i : A(0);
+        T* o_row = o + row_offset(batch, q_row, head, o_sb, o_ss, o_sh);
+#pragma unroll
+        for (int j = 0; j < O_PER_LANE; ++j) {
+            const int col = lane_in_row + TPR * j;
+            if (col < headdim) store_as(o_row + col, o_acc[j] * inv_l);
+        }
+        if (lane_in_row == 0) {
+            const A ln2 = A(0.6931471805599453094172321);
+            lse[((i64)batch * nheads + head) * seqlen_q + q_row] =
+                l_i > A(0) ? (m_i + log2_(l_i)) * ln2 : neg_inf<A>();
+        }
+    }
+}
+
+}  // namespace cf

@@ -1,0 +1,237 @@
+// Tensor-core building blocks shared by the fp16/bf16 forward and backward kernels (sm_80+).
+//
+// Everything is inline PTX on raw 16-bit storage (cf::half_t, cf::bf16_t): no CUDA headers.
+// Only warp-synchronous mma.sync m16n8k16, ldmatrix and cp.async are used, so one source serves
+// sm_80 and sm_90.
+//
+// Fragment layouts of mma.sync.m16n8k16 (PTX ISA, "Matrix Fragments for mma.m16n8k16"), with
+// g = lane / 4 and t = lane % 4. A register holding two 16-bit values keeps the lower column
+// (or k index) in its low half.
+//   A (16 x 16, row-major), 4 x b32:  a0 (g,   2t..2t+1)   a1 (g+8, 2t..2t+1)
+//                                     a2 (g,   2t+8..+9)   a3 (g+8, 2t+8..+9)
+//   B (16 x 8, k x n),      2 x b32:  b0 (k = 2t..2t+1, n = g)   b1 (k = 2t+8..+9, n = g)
+//   C (16 x 8, float),      4 x f32:  c0,c1 (g, 2t..2t+1)        c2,c3 (g+8, 2t..2t+1)
+// Consequences the kernels rely on:
+//   * The C fragments of two adjacent 8-column blocks, packed to 16 bits, are exactly the A
+//     fragment of the 16-wide k-step they cover: {pack(c0,c1), pack(c2,c3)} of the left block
+//     are a0, a1 and those of the right block are a2, a3. P never leaves registers.
+//   * ldmatrix (non-transposed) of an 8 x 8 block stored row-major gives lane l the pair at
+//     (row l/4, cols 2(l%4)..+1): for a row-major [n][k] tile (K stored as keys x dim) that
+//     is the B fragment of B = tile^T. With .trans, lane l gets (rows 2(l%4)..+1, col l/4):
+//     for a row-major [k][n] tile (V stored as keys x dim) that is the B fragment of B = tile.
+#pragma once
+
+#include "common.cuh"
+
+namespace cf {
+
+typedef unsigned int u32;
+
+// ---------------------------------------------------------------------------------------------
+// Shared-memory tiles
+//
+// A tile row of DIM 16-bit values is DIM / 8 chunks of 16 bytes (one ldmatrix row, one cp.async).
+// Chunk c of row r is stored at chunk position c ^ (r % 8) of that row. ldmatrix reads one chunk
+// column of 8 consecutive rows at a time; rows are a multiple of 128 bytes long, so unswizzled
+// they would all start in bank 0 and the 8 reads would conflict 8 ways. The XOR sends the 8 rows
+// to 8 distinct 16-byte bank groups. Row-wise writes (cp.async, epilogue) only permute chunks
+// within a row, so they stay conflict-free too.
+// ---------------------------------------------------------------------------------------------
+
+template <int DIM>
+__device__ __forceinline__ u32 swizzled_offset(int row, int chunk) {
+    static_assert(DIM % 64 == 0, "swizzle needs rows of at least 128 bytes");
+    return static_cast<u32>((row * (DIM / 8) + (chunk ^ (row & 7))) * 16);
+}
+
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    return static_cast<u32>(__cvta_generic_to_shared(p));
+}
+
+// ---------------------------------------------------------------------------------------------
+// cp.async
+// ---------------------------------------------------------------------------------------------
+
+// 16-byte global -> shared copy that bypasses L1. With valid == false nothing is read (the
+// src-size operand is 0) and the 16 bytes are zero-filled; `src` must still be a mapped address.
+__device__ __forceinline__ void cp_async_16(u32 dst, const void* src, bool valid) {
+    const int src_bytes = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                 "r"(src_bytes)
+                 : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+// Waits until at most N of this thread's committed groups are pending. Other threads' copies
+// are visible only after a following __syncthreads().
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Issues the copies of a ROWS x DIM tile of a (seqlen, dim) slice (row stride `stride` elements,
+// `gmem` at row 0 of the tile) into a swizzled shared tile, spread over NTHREADS threads; `thread`
+// is the caller's index among them. Rows >= rows_valid and columns >= headdim (a multiple of 8)
+// are zero-filled, so padding adds nothing to any dot product. A thread always copies the same
+// chunk column, stepping down ROW_STEP rows at a time, so the source pointer advances by one
+// 64-bit add and (for ROW_STEP % 8 == 0) the swizzled destination by an immediate.
+template <int ROWS, int DIM, int NTHREADS, typename T>
+__device__ __forceinline__ void cp_async_tile(u32 smem_tile, const T* gmem, int rows_valid,
+                                              int headdim, i64 stride, int thread) {
+    constexpr int CHUNKS = DIM / 8;
+    constexpr int ROW_STEP = NTHREADS / CHUNKS;
+    static_assert(NTHREADS % CHUNKS == 0 && ROWS % ROW_STEP == 0,
+                  "tile chunks must divide evenly among the threads");
+    const int row0 = thread / CHUNKS, chunk = thread % CHUNKS;
+    const bool column_valid = chunk * 8 < headdim;
+    const T* src = gmem + row0 * stride + chunk * 8;
+    const i64 src_step = ROW_STEP * stride;
+#pragma unroll
+    for (int i = 0; i < ROWS / ROW_STEP; ++i) {
+        const int row = row0 + i * ROW_STEP;
+        const bool valid = column_valid && row < rows_valid;
+        const u32 dst = ROW_STEP % 8 == 0
+                            ? smem_tile + swizzled_offset<DIM>(row0, chunk) + i * ROW_STEP * DIM * 2
+                            : smem_tile + swizzled_offset<DIM>(row, chunk);
+        cp_async_16(dst, valid ? src : gmem, valid);
+        src += src_step;
+    }
+}
+
+// Per-lane ldmatrix.x4 addresses into a swizzled tile, precomputed so that walking the 16 x 16
+// blocks of the tile costs no address arithmetic. Lane l addresses row lane_row of 16-row block
+// 0 and chunk 2 c + lane_chunk of 16-column block c (lane_row % 16 and lane_chunk in {0, 1} pick
+// its row in the four 8 x 8 matrices). Adding 16 rows keeps row % 8, and 16-column blocks c and
+// c + 4 differ by 128 bytes exactly, so four offsets per lane cover every block:
+//   block (r, c) at  offset[c % 4] + r * 16 * ROW_BYTES + (c / 4) * 128.
+// Operand patterns (g = lane / 4 is irrelevant here; these are the address providers):
+//   A (row-major [m][k], also V^T for P V):  lane_row = lane % 16,                 lane_chunk = lane / 16
+//   B from a row-major [n][k] tile (K):      lane_row = 8 (lane / 16) + lane % 8,  lane_chunk = (lane / 8) % 2
+template <int DIM>
+struct FragmentAddress {
+    static constexpr int ROW_BYTES = DIM * 2;
+    u32 offset[4];
+
+    __device__ __forceinline__ FragmentAddress(int lane_row, int lane_chunk) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+            offset[c] = static_cast<u32>(lane_row * ROW_BYTES) +
+                        static_cast<u32>(((2 * c + lane_chunk) ^ (lane_row & 7)) * 16);
+    }
+    // Address of 16 x 16 block (r, c) of the tile at `tile`; r and c are compile-time after
+    // unrolling, so this is one add plus the instruction's immediate offset.
+    __device__ __forceinline__ u32 operator()(u32 tile, int r, int c) const {
+        return tile + offset[c & 3] + static_cast<u32>(r * 16 * ROW_BYTES + (c >> 2) * 128);
+    }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Plain shared / global accesses by address (epilogues staging fragments through shared memory)
+// ---------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ void st_shared_b32(u32 addr, u32 value) {
+    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(value) : "memory");
+}
+
+__device__ __forceinline__ void ld_shared_v4(u32 (&r)[4], u32 addr) {
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+
+__device__ __forceinline__ void st_global_v4(void* ptr, const u32 (&r)[4]) {
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(ptr), "r"(r[0]), "r"(r[1]),
+                 "r"(r[2]), "r"(r[3])
+                 : "memory");
+}
+
+// ---------------------------------------------------------------------------------------------
+// ldmatrix: lanes 8i..8i+7 give the row addresses of 8 x 8 matrix i; register i receives
+// matrix i.
+// ---------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+// x2: only lanes 0..15 supply addresses (the others' are ignored but must be valid values).
+__device__ __forceinline__ void ldmatrix_x2(u32 (&r)[2], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1])
+                 : "r"(addr));
+}
+
+__device__ __forceinline__ void ldmatrix_x2_trans(u32 (&r)[2], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1])
+                 : "r"(addr));
+}
+
+// ---------------------------------------------------------------------------------------------
+// mma.sync m16n8k16, fp32 accumulate: acc += A B
+// ---------------------------------------------------------------------------------------------
+
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&acc)[4], const u32 (&a)[4], u32 b0, u32 b1);
+
+template <>
+__device__ __forceinline__ void mma_16816<half_t>(float (&acc)[4], const u32 (&a)[4], u32 b0,
+                                                  u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <>
+__device__ __forceinline__ void mma_16816<bf16_t>(float (&acc)[4], const u32 (&a)[4], u32 b0,
+                                                  u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Packing fp32 pairs into 16-bit pairs (round to nearest even). cvt's first source goes to the
+// upper half, so `hi` is passed first: the result holds `lo` in bits 0..15, as fragments expect.
+// ---------------------------------------------------------------------------------------------
+
+template <typename T>
+__device__ __forceinline__ u32 pack2(float lo, float hi);
+
+template <>
+__device__ __forceinline__ u32 pack2<half_t>(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+template <>
+__device__ __forceinline__ u32 pack2<bf16_t>(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// 2^x on the special-function unit (about 2 ulp; subnormal results flush to 0, 2^-inf = +0).
+// Softmax weights below 2^-126 are negligible next to the row maximum's weight of 1.
+__device__ __forceinline__ float exp2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+}  // namespace cf
