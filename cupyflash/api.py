@@ -27,7 +27,10 @@ def _on_gpu(backend: str) -> bool:
         return False
     if backend == "auto":
         return dispatch.gpu_available()
-    return True  # explicit CUDA backends; dispatch.choose reports a missing device
+    if not dispatch.gpu_available():
+        raise RuntimeError(f"backend={backend!r} needs a CUDA device and none is usable "
+                           "(use backend='numpy' or 'auto')")
+    return True
 
 
 def _empty(shape, dtype, fill=None):

@@ -151,31 +151,39 @@ __device__ __forceinline__ void softmax_rescale(float (&s)[M_STRIPS][N_FRAGS][4]
         }
 }
 
-// O += P V. P's accumulator fragments of key columns 16kk..16kk+15 (fragments 2kk, 2kk+1),
-// rounded to 16 bits, are the A fragment of k-step kk (see mma.cuh). V is stored [key][dim];
-// its transposed ldmatrix gives B = V, one x4 load covering output columns 8f..8f+15.
-template <typename T, int D_TILE, int M_STRIPS, int N_FRAGS, int D_FRAGS>
+// P rounded to 16 bits, packed as mma A fragments: the accumulator fragments of key columns
+// 16kk..16kk+15 (fragments 2kk, 2kk+1) are the A fragment of k-step kk (see mma.cuh). Packing
+// the whole tile before P V ends the fp32 S registers' lives before the O updates start.
+template <typename T, int M_STRIPS, int N_FRAGS>
+__device__ __forceinline__ void pack_p(u32 (&p)[M_STRIPS][N_FRAGS / 2][4],
+                                       const float (&s)[M_STRIPS][N_FRAGS][4]) {
+#pragma unroll
+    for (int i = 0; i < M_STRIPS; ++i)
+#pragma unroll
+        for (int kk = 0; kk < N_FRAGS / 2; ++kk) {
+            p[i][kk][0] = pack2<T>(s[i][2 * kk][0], s[i][2 * kk][1]);
+            p[i][kk][1] = pack2<T>(s[i][2 * kk][2], s[i][2 * kk][3]);
+            p[i][kk][2] = pack2<T>(s[i][2 * kk + 1][0], s[i][2 * kk + 1][1]);
+            p[i][kk][3] = pack2<T>(s[i][2 * kk + 1][2], s[i][2 * kk + 1][3]);
+        }
+}
+
+// O += P V. V is stored [key][dim]; its transposed ldmatrix gives B = V, one x4 load covering
+// output columns 8f..8f+15.
+template <typename T, int D_TILE, int M_STRIPS, int P_STEPS, int D_FRAGS>
 __device__ __forceinline__ void mma_pv(float (&o)[M_STRIPS][D_FRAGS][4],
-                                       const float (&p)[M_STRIPS][N_FRAGS][4], u32 v_tile,
+                                       const u32 (&p)[M_STRIPS][P_STEPS][4], u32 v_tile,
                                        const FragmentAddress<D_TILE>& v_addr) {
 #pragma unroll
-    for (int kk = 0; kk < N_FRAGS / 2; ++kk) {
-        u32 a[M_STRIPS][4];
-#pragma unroll
-        for (int i = 0; i < M_STRIPS; ++i) {
-            a[i][0] = pack2<T>(p[i][2 * kk][0], p[i][2 * kk][1]);
-            a[i][1] = pack2<T>(p[i][2 * kk][2], p[i][2 * kk][3]);
-            a[i][2] = pack2<T>(p[i][2 * kk + 1][0], p[i][2 * kk + 1][1]);
-            a[i][3] = pack2<T>(p[i][2 * kk + 1][2], p[i][2 * kk + 1][3]);
-        }
+    for (int kk = 0; kk < P_STEPS; ++kk) {
 #pragma unroll
         for (int f = 0; f < D_FRAGS; f += 2) {
             u32 b[4];
             ldmatrix_x4_trans(b, v_addr(v_tile, kk, f / 2));
 #pragma unroll
             for (int i = 0; i < M_STRIPS; ++i) {
-                mma_16816<T>(o[i][f], a[i], b[0], b[1]);
-                mma_16816<T>(o[i][f + 1], a[i], b[2], b[3]);
+                mma_16816<T>(o[i][f], p[i][kk], b[0], b[1]);
+                mma_16816<T>(o[i][f + 1], p[i][kk], b[2], b[3]);
             }
         }
     }
@@ -329,7 +337,9 @@ flash_fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
         float block_max[M_STRIPS][2];
         row_max(block_max, s);
         softmax_rescale(s, o_acc, m, l, block_max);
-        mma_pv<T, D_TILE>(o_acc, s, Smem::v_tile(smem_base, stage), a_addr);
+        u32 p[M_STRIPS][N_FRAGS / 2][4];
+        pack_p<T>(p, s);
+        mma_pv<T, D_TILE>(o_acc, p, Smem::v_tile(smem_base, stage), a_addr);
     }
 
     // The Q tile is reused for O. If the block saw no key block, copies into it (issued by any

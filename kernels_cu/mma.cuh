@@ -86,45 +86,45 @@ __device__ __forceinline__ void cp_async_tile(u32 smem_tile, const T* gmem, int 
     static_assert(NTHREADS % CHUNKS == 0 && ROWS % ROW_STEP == 0,
                   "tile chunks must divide evenly among the threads");
     const int row0 = thread / CHUNKS, chunk = thread % CHUNKS;
-    const bool column_valid = chunk * 8 < headdim;
+    const int rows_left = chunk * 8 < headdim ? rows_valid - row0 : 0;  // of this thread's column
     const T* src = gmem + row0 * stride + chunk * 8;
     const i64 src_step = ROW_STEP * stride;
 #pragma unroll
     for (int i = 0; i < ROWS / ROW_STEP; ++i) {
-        const int row = row0 + i * ROW_STEP;
-        const bool valid = column_valid && row < rows_valid;
+        const bool valid = i * ROW_STEP < rows_left;
         const u32 dst = ROW_STEP % 8 == 0
                             ? smem_tile + swizzled_offset<DIM>(row0, chunk) + i * ROW_STEP * DIM * 2
-                            : smem_tile + swizzled_offset<DIM>(row, chunk);
+                            : smem_tile + swizzled_offset<DIM>(row0 + i * ROW_STEP, chunk);
         cp_async_16(dst, valid ? src : gmem, valid);
         src += src_step;
     }
 }
 
-// Per-lane ldmatrix.x4 addresses into a swizzled tile, precomputed so that walking the 16 x 16
-// blocks of the tile costs no address arithmetic. Lane l addresses row lane_row of 16-row block
-// 0 and chunk 2 c + lane_chunk of 16-column block c (lane_row % 16 and lane_chunk in {0, 1} pick
-// its row in the four 8 x 8 matrices). Adding 16 rows keeps row % 8, and 16-column blocks c and
-// c + 4 differ by 128 bytes exactly, so four offsets per lane cover every block:
-//   block (r, c) at  offset[c % 4] + r * 16 * ROW_BYTES + (c / 4) * 128.
-// Operand patterns (g = lane / 4 is irrelevant here; these are the address providers):
-//   A (row-major [m][k], also V^T for P V):  lane_row = lane % 16,                 lane_chunk = lane / 16
-//   B from a row-major [n][k] tile (K):      lane_row = 8 (lane / 16) + lane % 8,  lane_chunk = (lane / 8) % 2
+// Per-lane ldmatrix.x4 addresses into a swizzled tile, split so that walking the 16 x 16 blocks
+// of the tile costs one XOR with a constant. Lane l addresses row lane_row of 16-row block 0 and
+// chunk 2c + lane_chunk of 16-column block c (lane_row % 16 and lane_chunk in {0, 1} pick its row
+// in the four 8 x 8 matrices). Adding 16 rows keeps row % 8, and the swizzle only touches the low
+// three chunk bits, so block (r, c) is at
+//   lane_row * ROW_BYTES + r * 16 * ROW_BYTES + (c / 4) * 128 + 16 * ((2c % 8 + lane_chunk) ^ lane_row % 8)
+// where the last term is (16 * (lane_chunk ^ lane_row % 8)) ^ (16 * (2c % 8)).
+// Address providers per operand:
+//   A from a row-major [m][k] tile (Q), and B from a row-major [k][n] tile read with .trans (V):
+//       lane_row = lane % 16,                 lane_chunk = lane / 16
+//   B from a row-major [n][k] tile (K):   lane_row = 8 (lane / 16) + lane % 8,  lane_chunk = (lane / 8) % 2
 template <int DIM>
 struct FragmentAddress {
     static constexpr int ROW_BYTES = DIM * 2;
-    u32 offset[4];
+    u32 row_offset;   // lane_row * ROW_BYTES
+    u32 chunk_xor;    // 16 * (lane_chunk ^ lane_row % 8)
 
-    __device__ __forceinline__ FragmentAddress(int lane_row, int lane_chunk) {
-#pragma unroll
-        for (int c = 0; c < 4; ++c)
-            offset[c] = static_cast<u32>(lane_row * ROW_BYTES) +
-                        static_cast<u32>(((2 * c + lane_chunk) ^ (lane_row & 7)) * 16);
-    }
+    __device__ __forceinline__ FragmentAddress(int lane_row, int lane_chunk)
+        : row_offset(static_cast<u32>(lane_row * ROW_BYTES)),
+          chunk_xor(static_cast<u32>((lane_chunk ^ (lane_row & 7)) * 16)) {}
     // Address of 16 x 16 block (r, c) of the tile at `tile`; r and c are compile-time after
-    // unrolling, so this is one add plus the instruction's immediate offset.
+    // unrolling.
     __device__ __forceinline__ u32 operator()(u32 tile, int r, int c) const {
-        return tile + offset[c & 3] + static_cast<u32>(r * 16 * ROW_BYTES + (c >> 2) * 128);
+        return tile + row_offset + (chunk_xor ^ static_cast<u32>((2 * c & 7) * 16)) +
+               static_cast<u32>(r * 16 * ROW_BYTES + (c >> 2) * 128);
     }
 };
 

@@ -20,7 +20,7 @@ from .impls import Rejected
 from .shapes import Case
 
 # What the public API raises for a combination it does not support (dtype, headdim, backend).
-_REJECTIONS = (ValueError, NotImplementedError, TypeError)
+REJECTIONS = (ValueError, NotImplementedError, TypeError)
 
 
 def _api(backend: str, case: Case, softmax_scale):
@@ -54,7 +54,7 @@ def cupyflash_runner(backend: str, case: Case, inputs, *, softmax_scale=None):
                 o, lse = fwd(s.q, s.k, s.v, return_lse=True)
                 bwd(s.do, s.q, s.k, s.v, o, lse)
         run(0)
-    except _REJECTIONS as exc:
+    except REJECTIONS as exc:
         raise Rejected(f"{type(exc).__name__}: {exc}") from exc
     yield run
 

@@ -73,10 +73,11 @@ class Timing:
 
 @dataclass(frozen=True)
 class RepeatPolicy:
-    """How long to measure: enough repeats for about target_s of device time, within bounds.
-    The first warm-up call absorbs compilation (NVRTC, cuDNN plan building)."""
+    """How long to measure: ``warmup`` calls (at least 1), then enough repeats for about
+    target_s of device time, within bounds. Compilation (NVRTC, cuDNN plans) happens before,
+    in the runner's preparing call."""
 
-    warmup: int = 2
+    warmup: int = 1
     target_s: float = 0.2
     min_repeats: int = 5
     max_repeats: int = 30
@@ -88,8 +89,8 @@ class RepeatPolicy:
         return max(self.min_repeats, min(self.max_repeats, wanted))
 
 
-FULL_POLICY = RepeatPolicy(warmup=2, target_s=0.2, min_repeats=5, max_repeats=30)
-QUICK_POLICY = RepeatPolicy(warmup=2, target_s=0.1, min_repeats=5, max_repeats=20)
+FULL_POLICY = RepeatPolicy(warmup=1, target_s=0.2, min_repeats=5, max_repeats=30)
+QUICK_POLICY = RepeatPolicy(warmup=1, target_s=0.1, min_repeats=5, max_repeats=20)
 
 
 def rotation_count(set_bytes: int, l2_bytes: int, budget_bytes: int, *, l2_multiple: int = 4,
@@ -120,18 +121,20 @@ def _spin(stream, duration_s: float) -> None:
 
 def time_region(run, n_sets: int, *, policy: RepeatPolicy, stream) -> Timing:
     """Time ``run(i)`` (which enqueues one region on ``stream`` using input set i) with CUDA
-    events; returns every repeat's device time."""
+    events; returns every repeat's device time.
+
+    The last warm-up call is timed alone: its device time sizes the repeat count, its host
+    time the spin.
+    """
     import cupy
 
-    for i in range(policy.warmup):
+    for i in range(policy.warmup - 1):
         run(i % n_sets)
-    stream.synchronize()
-
-    # One call timed alone sizes the repeat count; its host-side cost sizes the spin.
     start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    stream.synchronize()
     t0 = time.perf_counter()
     start.record(stream)
-    run(policy.warmup % n_sets)
+    run((policy.warmup - 1) % n_sets)
     end.record(stream)
     host_s = time.perf_counter() - t0
     end.synchronize()
@@ -140,10 +143,9 @@ def time_region(run, n_sets: int, *, policy: RepeatPolicy, stream) -> Timing:
     events = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(repeats)]
     _spin(stream, min(MAX_SPIN_S, 1.5 * repeats * host_s + 1e-3))
     host_bound = 0
-    first = policy.warmup + 1
     for r, (start, end) in enumerate(events):
         start.record(stream)
-        run((first + r) % n_sets)
+        run((policy.warmup + r) % n_sets)
         # If the GPU already passed the start event, it waited for the host inside this repeat.
         host_bound += int(start.done)
         end.record(stream)

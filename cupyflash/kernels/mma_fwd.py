@@ -40,13 +40,25 @@ class FwdConfig:
         return 32 * self.warps
 
 
-# Registers per thread are dominated by the fp32 accumulators: O is (strips x D_TILE / 8 x 4),
-# S is (strips x BLOCK_N / 8 x 4), Q fragments (strips x D_TILE / 4) when kept in registers.
-# Two strips per warp halve the shared-memory reads of K and V per flop, as in FlashAttention-2.
+# Registers per thread are dominated by the fp32 accumulators: O is strips x D_TILE / 2 and S is
+# strips x BLOCK_N / 2 per thread (strips = BLOCK_M / (16 warps)). Two strips per warp halve the
+# shared-memory reads of K and V per flop, as in FlashAttention-2, but cost registers; every entry
+# below compiles without spills for sm_80 and sm_90 (see tests/test_compile_check or
+# ``python -m cupyflash compile-check``). Two blocks per SM fit (registers and shared memory) for
+# D_TILE 64 and 128; D_TILE 256 keeps BLOCK_N = 32 so that its 128 KiB also fit an A100.
 CONFIGS = {
-    64: FwdConfig(block_m=128, block_n=64, warps=4, q_in_regs=True),
-    128: FwdConfig(block_m=128, block_n=64, warps=4, q_in_regs=False),
+    64: FwdConfig(block_m=128, block_n=64, warps=4, q_in_regs=False),
+    128: FwdConfig(block_m=128, block_n=32, warps=4, q_in_regs=False),
     256: FwdConfig(block_m=128, block_n=32, warps=8, q_in_regs=False),
+}
+
+# Alternatives worth timing on the GPU (``forward(..., config=...)``), not launched by default:
+# FlashAttention-2's own sm_80/sm_90 choices spill a few loop-invariant registers here (about
+# 150 bytes, reloaded once per key block), the 8-warp variants give each warp one 16-row strip.
+CANDIDATES = {
+    64: (FwdConfig(128, 64, 8, False, min_blocks=2), FwdConfig(128, 128, 4, False)),
+    128: (FwdConfig(128, 64, 4, False), FwdConfig(128, 64, 8, False), FwdConfig(128, 32, 4, False, stages=3)),
+    256: (FwdConfig(128, 64, 8, False),),  # 192 KiB of shared memory: sm_90 only
 }
 
 

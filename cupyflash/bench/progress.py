@@ -1,0 +1,48 @@
+"""A one-line progress report on stderr for long sweeps."""
+from __future__ import annotations
+
+import sys
+import time
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(round(max(seconds, 0.0)))
+    minutes, seconds = divmod(seconds, 60)
+    return f"{minutes}:{seconds:02d}"
+
+
+class Progress:
+    """Counts steps; on a terminal it rewrites one line, elsewhere it prints one per step."""
+
+    def __init__(self, total: int, *, stream=None, enabled: bool = True, clock=time.monotonic):
+        self.total = total
+        self.done = 0
+        self.stream = sys.stderr if stream is None else stream
+        self.enabled = enabled
+        self.clock = clock
+        self.start = clock()
+        self.rewrite = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
+
+    def line(self, text: str) -> str:
+        elapsed = self.clock() - self.start
+        width = len(str(self.total))
+        eta = ""
+        if 0 < self.done < self.total:
+            eta = f", ~{format_duration(elapsed / self.done * (self.total - self.done))} left"
+        return (f"[{self.done:>{width}}/{self.total} {format_duration(elapsed)}{eta}] {text}")
+
+    def step(self, text: str) -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        line = self.line(text)
+        if self.rewrite:
+            self.stream.write("\r\033[2K" + line)
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled and self.rewrite and self.done:
+            self.stream.write("\n")
+            self.stream.flush()

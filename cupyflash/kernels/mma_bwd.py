@@ -1,0 +1,170 @@
+"""Tensor-core backward (fp16/bf16, head dim <= 256): FlashAttention-2 work split.
+
+``flash_bwd_dkdv_mma`` (one CTA per key block) accumulates dK, dV in registers over every query
+block of every query head of its GQA group. dQ comes either from ``flash_bwd_dq_mma`` (one CTA
+per query block, no atomics: bitwise reproducible; ``deterministic=True``) or from the dK/dV
+kernel itself, added by float32 atomics into ``dq_accum`` and converted by
+``flash_bwd_dq_convert`` (``deterministic=False``: two matmuls per tile fewer).
+
+Tile sizes, by head-dim tile (the smallest of 64, 128, 256 that holds the head dim):
+
+* dK/dV: each warp owns 16 key rows of dK and dV (DW = D_TILE / WARPS_D columns), so its
+  accumulators take D_TILE / WARPS_D x 2 x 16 x ... = 2 x DW / 2 registers per thread, plus
+  2 x BLOCK_M / 2 for S^T and dP^T. Head dim 256 splits each key-row group over two warps
+  (WARPS_D = 2) to stay within 255 registers.
+* dQ: each warp owns 16 query rows: D_TILE / 2 accumulator registers plus BLOCK_N for S and dP.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ._module import Specialization, launch
+from .._dtypes import dtype_name
+
+D_TILES = (64, 128, 256)
+
+# D_TILE -> (BLOCK_M, BLOCK_N, NWARPS, WARPS_D); BLOCK_N = 16 * NWARPS / WARPS_D.
+DKDV_CONFIG = {64: (64, 128, 8, 1), 128: (64, 128, 8, 1), 256: (32, 64, 8, 2)}
+# D_TILE -> (BLOCK_M, BLOCK_N, NWARPS); BLOCK_M = 16 * NWARPS.
+DQ_CONFIG = {64: (64, 64, 4), 128: (64, 64, 4), 256: (64, 32, 4)}
+CONVERT_THREADS = 256
+
+_CTYPE = {"float16": "cf::half_t", "bfloat16": "cf::bf16_t"}
+_SHORT = {"float16": "fp16", "bfloat16": "bf16"}
+_SOURCE = "flash_bwd_mma.cu"
+
+LOG2E = 1.4426950408889634
+
+
+def supports(dtype, headdim: int) -> bool:
+    """fp16/bf16 with headdim a multiple of 8 in [8, 256] (the dispatcher checks strides)."""
+    try:
+        name = dtype_name(dtype)
+    except ValueError:
+        return False
+    return name in _CTYPE and 8 <= headdim <= D_TILES[-1] and headdim % 8 == 0
+
+
+def d_tile(headdim: int) -> int:
+    for t in D_TILES:
+        if headdim <= t:
+            return t
+    raise ValueError(f"headdim {headdim} > {D_TILES[-1]}")
+
+
+def dkdv_smem_bytes(dt: int, block_m: int, block_n: int, nwarps: int, warps_d: int, atomic_dq: bool) -> int:
+    """Mirror of DkdvSmem<...>::BYTES in flash_bwd_mma.cu."""
+    kv = 2 * block_n * dt * 2  # K, V
+    qdo = 2 * 2 * block_m * dt * 2  # Q, dO, two stages each
+    ds = block_n * block_m * 2 if atomic_dq else 0
+    xchg = nwarps * 2 * (block_m // 8) * 32 * 16 if warps_d > 1 else 0
+    stats = 2 * 2 * block_m * 4  # lse, D, two stages each
+    return kv + qdo + ds + xchg + stats
+
+
+def dq_smem_bytes(dt: int, block_m: int, block_n: int) -> int:
+    """Mirror of DqSmem<...>::BYTES in flash_bwd_mma.cu."""
+    return 2 * block_m * dt * 2 + 2 * 2 * block_n * dt * 2
+
+
+def _flag(x: bool) -> str:
+    return "true" if x else "false"
+
+
+def dkdv_spec(dtype, headdim: int, causal: bool, atomic_dq: bool) -> Specialization:
+    name = dtype_name(dtype)
+    dt = d_tile(headdim)
+    bm, bn, nw, wd = DKDV_CONFIG[dt]
+    spec_name = (f"flash_bwd_dkdv_mma_{_SHORT[name]}_hdim{dt}_{'causal' if causal else 'full'}"
+                 f"_bm{bm}_bn{bn}_w{nw}_wd{wd}{'_dqatomic' if atomic_dq else ''}")
+    expression = (f"cf::flash_bwd_dkdv_mma<{_CTYPE[name]}, {dt}, {_flag(causal)}, {bm}, {bn}, {nw}, {wd}, "
+                  f"{_flag(atomic_dq)}>")
+    return Specialization(spec_name, _SOURCE, expression, nw * 32,
+                          dkdv_smem_bytes(dt, bm, bn, nw, wd, atomic_dq))
+
+
+def dq_spec(dtype, headdim: int, causal: bool) -> Specialization:
+    name = dtype_name(dtype)
+    dt = d_tile(headdim)
+    bm, bn, nw = DQ_CONFIG[dt]
+    spec_name = f"flash_bwd_dq_mma_{_SHORT[name]}_hdim{dt}_{'causal' if causal else 'full'}_bm{bm}_bn{bn}_w{nw}"
+    expression = f"cf::flash_bwd_dq_mma<{_CTYPE[name]}, {dt}, {_flag(causal)}, {bm}, {bn}, {nw}>"
+    return Specialization(spec_name, _SOURCE, expression, nw * 32, dq_smem_bytes(dt, bm, bn))
+
+
+def convert_spec(dtype) -> Specialization:
+    name = dtype_name(dtype)
+    return Specialization(f"flash_bwd_dq_convert_{_SHORT[name]}", _SOURCE,
+                          f"cf::flash_bwd_dq_convert<{_CTYPE[name]}>", CONVERT_THREADS, 0)
+
+
+def specializations() -> list[Specialization]:
+    """Every specialization ``backward`` can launch (for the compile check)."""
+    out = []
+    for name in _CTYPE:
+        out.append(convert_spec(name))
+        for dt in D_TILES:
+            for causal in (False, True):
+                out.append(dkdv_spec(name, dt, causal, atomic_dq=False))
+                out.append(dkdv_spec(name, dt, causal, atomic_dq=True))
+                out.append(dq_spec(name, dt, causal))
+    return out
+
+
+def _strides(a) -> tuple:
+    """(batch, seq, head) strides of a (B, S, H, D) array in elements, as int64 kernel arguments."""
+    item = a.itemsize
+    return tuple(np.int64(s // item) for s in a.strides[:3])
+
+
+def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: bool,
+             deterministic: bool = True) -> None:
+    """Fill the preallocated dq, dk, dv (C-contiguous, dtype of q) from the saved lse (B, H, Sq).
+
+    Inputs are CuPy arrays meeting the mma family's guarantees (fp16/bf16, last dim contiguous,
+    row strides multiples of 8 elements, 16-byte aligned, headdim % 8 == 0, headdim <= 256).
+    """
+    import cupy
+
+    from .simt import backward_preprocess
+
+    batch, seqlen_q, nheads, headdim = q.shape
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    if batch == 0 or nheads == 0:
+        return
+    if seqlen_q == 0 or seqlen_k == 0:
+        dq.fill(0)
+        dk.fill(0)
+        dv.fill(0)
+        return
+    if not supports(q.dtype, headdim):
+        raise ValueError(f"cupyflash: mma backward does not support {q.dtype} with headdim {headdim}")
+    lse = cupy.ascontiguousarray(lse, dtype=np.float32)  # indexed as (batch, head, row) in C order
+    delta = backward_preprocess(do, o)
+    dt = d_tile(headdim)
+    scales = (np.float32(softmax_scale * LOG2E), np.float32(softmax_scale))
+    common = (np.int32(seqlen_q), np.int32(seqlen_k), np.int32(nheads), np.int32(nheads // nheads_kv),
+              np.int32(headdim), *_strides(q), *_strides(k), *_strides(v), *_strides(do))
+    bn = DKDV_CONFIG[dt][1]
+    dkdv_grid = (math.ceil(seqlen_k / bn), nheads_kv, batch)
+
+    if deterministic:
+        # dq_accum is not touched without ATOMIC_DQ; dk stands in for the pointer.
+        launch(dkdv_spec(q.dtype, headdim, causal, atomic_dq=False), dkdv_grid,
+               (q, k, v, do, lse, delta, dk, dv, dk, *common, *_strides(dk), *_strides(dv),
+                np.int64(0), np.int64(0), np.int64(0), *scales))
+        bm = DQ_CONFIG[dt][0]
+        launch(dq_spec(q.dtype, headdim, causal), (math.ceil(seqlen_q / bm), nheads, batch),
+               (q, k, v, do, lse, delta, dq, *common, *_strides(dq), *scales))
+        return
+
+    dq_accum = cupy.zeros((batch, seqlen_q, nheads, dt), dtype=np.float32)
+    launch(dkdv_spec(q.dtype, headdim, causal, atomic_dq=True), dkdv_grid,
+           (q, k, v, do, lse, delta, dk, dv, dq_accum, *common, *_strides(dk), *_strides(dv),
+            *_strides(dq_accum), *scales))
+    n_chunks = batch * seqlen_q * nheads * (headdim // 8)
+    launch(convert_spec(q.dtype), (math.ceil(n_chunks / CONVERT_THREADS), 1, 1),
+           (dq_accum, dq, np.int32(seqlen_q), np.int32(nheads), np.int32(headdim), np.int64(n_chunks),
+            *_strides(dq_accum), *_strides(dq), np.float32(softmax_scale)))

@@ -1,0 +1,629 @@
+// flash_bwd_mma: attention backward on tensor cores (mma.sync m16n8k16), fp16/bf16, sm_80 and sm_90.
+// FlashAttention-2 work split; P and dS are recomputed from the saved lse, never stored globally.
+//
+//   flash_bwd_dkdv_mma    one CTA per (key block j, kv head, batch). K_j and V_j stay in shared
+//                         memory while the CTA walks every query block i of every query head of its
+//                         GQA group (Q_i, dO_i, lse_i, D_i double-buffered by cp.async) and keeps
+//                         dK_j, dV_j in registers, so the sum over the group is deterministic.
+//                         With ATOMIC_DQ it also adds dS_ij K_j to a float32 dq_accum by red.add.
+//   flash_bwd_dq_mma      one CTA per (query block i, head, batch) walking the key blocks: dQ_i with
+//                         no atomics (bitwise reproducible), at the price of recomputing S and dP.
+//   flash_bwd_dq_convert  dq = scale * dq_accum in the input dtype, after the atomic path.
+//
+// Warp split of flash_bwd_dkdv_mma: warp w owns 16 key rows (w / WARPS_D) and head-dim slice
+// (w % WARPS_D) of dK_j and dV_j. It computes the transposed scores S^T = K_j Q_i^T and
+// dP^T = V_j dO_i^T of its 16 key rows, so the accumulator fragments of P^T and dS^T repack
+// directly into the A operands of dV += P^T dO_i and dK += dS^T Q_i (see mma.cuh): neither goes
+// through shared memory. Only dQ += dS K_j, which sums over the key rows of all warps, reads dS
+// from shared memory. With WARPS_D = 2 (head dim 256: 16 rows of dK and dV at full width would need
+// 256 accumulator registers per thread) the two warps of a key-row group each reduce S^T and dP^T
+// over their half of the head dim and swap the partial sums through shared memory.
+//
+// Every shared tile row of 16-bit values is swizzled (mma.cuh), so all ldmatrix reads and all
+// fragment-sized writes are free of bank conflicts.
+#include "common.cuh"
+#include "mma.cuh"
+
+namespace cf {
+
+// ---------------------------------------------------------------------------------------------
+// PTX used only by the backward
+// ---------------------------------------------------------------------------------------------
+
+// 4-byte cp.async (only .ca takes sizes below 16), zero-filled when !valid; `src` must be mapped.
+__device__ __forceinline__ void cp_async_4(u32 dst, const void* src, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
+                 "r"(valid ? 4 : 0)
+                 : "memory");
+}
+
+__device__ __forceinline__ void st_shared_v4(u32 addr, u32 x, u32 y, u32 z, u32 w) {
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(x), "r"(y), "r"(z),
+                 "r"(w)
+                 : "memory");
+}
+
+// Barrier for a subset of warps (id 0 is __syncthreads); orders their shared-memory accesses.
+__device__ __forceinline__ void named_barrier_sync(int id, int nthreads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(nthreads) : "memory");
+}
+
+// p[0] += a, p[1] += b in global memory, no return value (a fire-and-forget reduction in L2).
+__device__ __forceinline__ void red_add_f32x2(float* p, float a, float b) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");
+#else
+    asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(p), "f"(a) : "memory");
+    asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(p + 1), "f"(b) : "memory");
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tile geometry
+// ---------------------------------------------------------------------------------------------
+
+// Byte offset of 16-byte chunk `chunk` of row `row` in a swizzled tile with COLS 16-bit columns.
+// Rows of 128 bytes or more use mma.cuh's swizzle. 64-byte rows (COLS == 32, the dS tile of the
+// head-dim-256 kernel) put two rows in one 128-byte line; XOR with (row / 2) % 4 sends the 8 rows
+// an ldmatrix phase reads to 8 distinct bank groups (row % 2 picks the half-line).
+template <int COLS>
+__device__ __forceinline__ u32 tile_offset(int row, int chunk) {
+    if constexpr (COLS >= 64) {
+        return swizzled_offset<COLS>(row, chunk);
+    } else {
+        static_assert(COLS == 32, "dS tile rows are 32 or a multiple of 64 columns");
+        return static_cast<u32>((row * 4 + (chunk ^ ((row >> 1) & 3))) * 16);
+    }
+}
+
+// Offset of (row + rows, chunk + chunks) from `lane_off`, the offset of (row, chunk), for steps
+// known at compile time after unrolling. Valid when rows % 8 == 0 (the swizzle phase of a row
+// repeats every 8 rows) and the low 3 bits of chunk and chunks are disjoint (then adding chunks
+// is an XOR in the swizzled bits and an add above them). Every fragment address of an unrolled
+// loop is then one XOR with an immediate plus an immediate offset, instead of a recomputed
+// swizzle: otherwise the compiler hoists all of them out of the main loop, into registers.
+template <int COLS>
+__device__ __forceinline__ u32 tile_step(u32 lane_off, int rows, int chunks) {
+    if constexpr (COLS >= 64) {
+        return (lane_off ^ static_cast<u32>((chunks & 7) * 16)) + rows * (COLS * 2) + (chunks >> 3) * 128;
+    } else {
+        return lane_off + rows * (COLS * 2);  // chunks == 0 here
+    }
+}
+
+// ldmatrix.x4 supplies 4 8x8 matrices; lane l gives row l % 8 of matrix l / 8. Two lane->address
+// patterns cover every operand below (derivation in tests/test_mma_layout.py):
+//   pattern X: row l % 16, chunk l / 16        A (16 x 16) of a row-major [m][k] tile, non-trans;
+//                                              B of two n-blocks from a [k][n] tile, .trans
+//   pattern Y: row l % 8 + 8 (l / 16),         B of two n-blocks from an [n][k] tile, non-trans;
+//              chunk (l / 8) % 2               A (16 x 16) from a [k][m] tile, .trans
+// For B the registers come out as {b0, b1} of n-block 0, then {b0, b1} of n-block 1.
+__device__ __forceinline__ int ldm_row_x(int lane) { return lane & 15; }
+__device__ __forceinline__ int ldm_chunk_x(int lane) { return lane >> 4; }
+__device__ __forceinline__ int ldm_row_y(int lane) { return (lane & 7) + ((lane >> 4) << 3); }
+__device__ __forceinline__ int ldm_chunk_y(int lane) { return (lane >> 3) & 1; }
+
+// ---------------------------------------------------------------------------------------------
+// Warp tile products. A warp owns a 16-row accumulator acc[N / 8][4]: acc[j] is the m16n8 C
+// fragment of columns 8j..8j+7. Tiles are shared-memory byte addresses; row and column origins
+// are multiples of 16 rows and of 64 columns (k0) or of N (column origins of B), as tile_step
+// requires.
+// ---------------------------------------------------------------------------------------------
+
+// acc += A B^T: A rows a_row0..+16 of a row-major [.][DIM_A] tile, B rows 0..N of a row-major
+// [N][DIM_B] tile, reduced over columns k0..k0+K of both (S = Q K^T, S^T = K Q^T, dP = dO V^T).
+template <typename T, int N, int K, int DIM_A, int DIM_B>
+__device__ __forceinline__ void mma_ABt(float (&acc)[N / 8][4], u32 tile_a, int a_row0, u32 tile_b,
+                                        int k0, int lane) {
+    static_assert(N % 16 == 0 && K % 16 == 0, "warp tile shape");
+    const u32 a_lane = tile_offset<DIM_A>(a_row0 + ldm_row_x(lane), k0 / 8 + ldm_chunk_x(lane));
+    const u32 b_lane = tile_offset<DIM_B>(ldm_row_y(lane), k0 / 8 + ldm_chunk_y(lane));
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+        u32 a[4];
+        ldmatrix_x4(a, tile_a + tile_step<DIM_A>(a_lane, 0, 2 * kk));
+#pragma unroll
+        for (int nn = 0; nn < N / 16; ++nn) {
+            u32 b[4];
+            ldmatrix_x4(b, tile_b + tile_step<DIM_B>(b_lane, 16 * nn, 2 * kk));
+            mma_16816<T>(acc[2 * nn], a, b[0], b[1]);
+            mma_16816<T>(acc[2 * nn + 1], a, b[2], b[3]);
+        }
+    }
+}
+
+// acc += A B: A (16 x K) as register fragments a[K / 16], B rows 0..K, columns b_col0..+N of a
+// row-major [K][DIM_B] tile (dV += P^T dO, dK += dS^T Q, dQ += dS K).
+template <typename T, int N, int K, int DIM_B>
+__device__ __forceinline__ void mma_AB_regs(float (&acc)[N / 8][4], const u32 (&a)[K / 16][4],
+                                            u32 tile_b, int b_col0, int lane) {
+    static_assert(N % 16 == 0 && K % 16 == 0, "warp tile shape");
+    const u32 b_lane = tile_offset<DIM_B>(ldm_row_x(lane), b_col0 / 8 + ldm_chunk_x(lane));
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+#pragma unroll
+        for (int nn = 0; nn < N / 16; ++nn) {
+            u32 b[4];
+            ldmatrix_x4_trans(b, tile_b + tile_step<DIM_B>(b_lane, 16 * kk, 2 * nn));
+            mma_16816<T>(acc[2 * nn], a[kk], b[0], b[1]);
+            mma_16816<T>(acc[2 * nn + 1], a[kk], b[2], b[3]);
+        }
+    }
+}
+
+// acc += A^T B: A^T rows = columns a_col0..+16 of a row-major [K][DIM_A] tile, B rows 0..K,
+// columns b_col0..+N of a row-major [K][DIM_B] tile (dQ += dS K with dS stored as dS^T).
+template <typename T, int N, int K, int DIM_A, int DIM_B>
+__device__ __forceinline__ void mma_AtB(float (&acc)[N / 8][4], u32 tile_a, int a_col0, u32 tile_b,
+                                        int b_col0, int lane) {
+    static_assert(N % 16 == 0 && K % 16 == 0, "warp tile shape");
+    const u32 a_lane = tile_offset<DIM_A>(ldm_row_y(lane), a_col0 / 8 + ldm_chunk_y(lane));
+    const u32 b_lane = tile_offset<DIM_B>(ldm_row_x(lane), b_col0 / 8 + ldm_chunk_x(lane));
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+        u32 a[4];
+        ldmatrix_x4_trans(a, tile_a + tile_step<DIM_A>(a_lane, 16 * kk, 0));
+#pragma unroll
+        for (int nn = 0; nn < N / 16; ++nn) {
+            u32 b[4];
+            ldmatrix_x4_trans(b, tile_b + tile_step<DIM_B>(b_lane, 16 * kk, 2 * nn));
+            mma_16816<T>(acc[2 * nn], a, b[0], b[1]);
+            mma_16816<T>(acc[2 * nn + 1], a, b[2], b[3]);
+        }
+    }
+}
+
+// The C fragments of a 16 x K accumulator, rounded to 16 bits, as the A fragments of its K / 16
+// k-steps: {c0 c1 | c2 c3} of column block 2kk are a0, a1; those of block 2kk + 1 are a2, a3.
+template <typename T, int K>
+__device__ __forceinline__ void pack_a_frags(u32 (&a)[K / 16][4], const float (&c)[K / 8][4]) {
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+        a[kk][0] = pack2<T>(c[2 * kk][0], c[2 * kk][1]);
+        a[kk][1] = pack2<T>(c[2 * kk][2], c[2 * kk][3]);
+        a[kk][2] = pack2<T>(c[2 * kk + 1][0], c[2 * kk + 1][1]);
+        a[kk][3] = pack2<T>(c[2 * kk + 1][2], c[2 * kk + 1][3]);
+    }
+}
+
+template <int N>
+__device__ __forceinline__ void zero(float (&acc)[N][4]) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+}
+
+// Writes a warp's 16-row accumulator, times `mult`, as 16-bit values into rows row0..+16,
+// columns col0.. of a swizzled [.][DIM] tile (staging for coalesced 16-byte global stores).
+template <typename T, int N, int DIM>
+__device__ __forceinline__ void stage_acc(u32 tile, int row0, int col0, const float (&acc)[N / 8][4],
+                                          float mult, int lane) {
+    const int r = row0 + lane / 4, c = 2 * (lane % 4);
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j) {
+        const int chunk = (col0 + 8 * j) / 8;
+        st_shared_b32(tile + tile_offset<DIM>(r, chunk) + 2 * c, pack2<T>(acc[j][0] * mult, acc[j][1] * mult));
+        st_shared_b32(tile + tile_offset<DIM>(r + 8, chunk) + 2 * c, pack2<T>(acc[j][2] * mult, acc[j][3] * mult));
+    }
+}
+
+// Copies rows 0..ROWS of a swizzled [ROWS][DIM] tile to a (seqlen, dim) slice (`gmem` at tile row
+// 0, row stride `stride`), 16 bytes per thread and step; rows >= rows_valid and columns >= headdim
+// are not written.
+template <int ROWS, int DIM, int NTHREADS, typename T>
+__device__ __forceinline__ void store_tile(T* gmem, u32 tile, int rows_valid, int headdim, i64 stride,
+                                           int thread) {
+    constexpr int CHUNKS = DIM / 8;
+    static_assert((ROWS * CHUNKS) % NTHREADS == 0, "tile chunks must divide among the threads");
+#pragma unroll
+    for (int i = 0; i < ROWS * CHUNKS / NTHREADS; ++i) {
+        const int idx = thread + i * NTHREADS;
+        const int row = idx / CHUNKS, chunk = idx % CHUNKS;
+        if (row < rows_valid && chunk * 8 < headdim) {
+            u32 r[4];
+            ld_shared_v4(r, tile + tile_offset<DIM>(row, chunk));
+            st_global_v4(gmem + row * stride + chunk * 8, r);
+        }
+    }
+}
+
+// Head-dim split (WARPS_D = 2): adds the partner warp's partial sums to acc. Each lane reads the
+// slot of the same lane of the partner (warp ^ 1), so the swap needs no index math. Slots are
+// rewritten only after the CTA's next __syncthreads, by when the partner has read them.
+template <int N>
+__device__ __forceinline__ void swap_partial_sums(float (&acc)[N][4], u32 xchg, u32 warp_bytes, int warp,
+                                                  int pair, int lane) {
+    const u32 mine = xchg + warp * warp_bytes + lane * 16;
+    const u32 theirs = xchg + (warp ^ 1) * warp_bytes + lane * 16;
+#pragma unroll
+    for (int j = 0; j < N; ++j)
+        st_shared_v4(mine + j * 512, __float_as_uint(acc[j][0]), __float_as_uint(acc[j][1]),
+                     __float_as_uint(acc[j][2]), __float_as_uint(acc[j][3]));
+    named_barrier_sync(1 + pair, 64);
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+        u32 x[4];
+        ld_shared_v4(x, theirs + j * 512);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[j][e] += __uint_as_float(x[e]);
+    }
+}
+
+// Query m sees key n iff both exist and, when causal, n <= m + seqlen_k - seqlen_q.
+template <bool CAUSAL>
+struct Visibility {
+    int seqlen_q, seqlen_k, diag;
+    __device__ __forceinline__ bool operator()(int m, int n) const {
+        return m < seqlen_q && n < seqlen_k && (!CAUSAL || n <= m + diag);
+    }
+    // Whether some (m, n) of the block [m0, m0 + bm) x [n0, n0 + bn) is hidden.
+    __device__ __forceinline__ bool partial(int m0, int bm, int n0, int bn) const {
+        return m0 + bm > seqlen_q || n0 + bn > seqlen_k || (CAUSAL && n0 + bn - 1 > m0 + diag);
+    }
+};
+
+// lse in log2 units. A row that sees no key has lse = -inf; 0 as its base keeps exp2 finite
+// (all of its entries are masked anyway).
+__device__ __forceinline__ float lse_base_log2(float lse) {
+    return lse == neg_inf<float>() ? 0.f : lse * 1.4426950408889634f;
+}
+
+// ---------------------------------------------------------------------------------------------
+// dK, dV (and optionally dQ by atomics)
+// ---------------------------------------------------------------------------------------------
+
+// Shared-memory layout of flash_bwd_dkdv_mma, in bytes; cupyflash/kernels/mma_bwd.py computes the
+// same total.
+template <int D_TILE, int BLOCK_M, int BLOCK_N, int NWARPS, int WARPS_D, bool ATOMIC_DQ>
+struct DkdvSmem {
+    static constexpr u32 KV_TILE = BLOCK_N * D_TILE * 2;
+    static constexpr u32 Q_TILE = BLOCK_M * D_TILE * 2;
+    static constexpr u32 K = 0;
+    static constexpr u32 V = K + KV_TILE;
+    static constexpr u32 Q = V + KV_TILE;    // [2 stages]
+    static constexpr u32 DO = Q + 2 * Q_TILE;  // [2 stages]
+    static constexpr u32 DS = DO + 2 * Q_TILE;  // dS^T [BLOCK_N][BLOCK_M], 16-bit
+    static constexpr u32 XCHG = DS + (ATOMIC_DQ ? BLOCK_N * BLOCK_M * 2 : 0);
+    // per warp: its partial S^T then dP^T, one float4 per (C fragment, lane)
+    static constexpr u32 XCHG_WARP = (WARPS_D > 1 ? 2 * (BLOCK_M / 8) * 32 * 16 : 0);
+    static constexpr u32 LSE = XCHG + NWARPS * XCHG_WARP;  // float [2 stages][BLOCK_M]
+    static constexpr u32 DELTA = LSE + 2 * BLOCK_M * 4;    // float [2 stages][BLOCK_M]
+    static constexpr u32 BYTES = DELTA + 2 * BLOCK_M * 4;
+};
+
+template <typename T, int D_TILE, bool CAUSAL, int BLOCK_M, int BLOCK_N, int NWARPS, int WARPS_D,
+          bool ATOMIC_DQ>
+__global__ void __launch_bounds__(NWARPS * 32, 1)
+flash_bwd_dkdv_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                   const T* __restrict__ dout, const float* __restrict__ lse,
+                   const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
+                   float* __restrict__ dq_accum,
+                   int seqlen_q, int seqlen_k, int nheads, int group, int headdim,
+                   i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
+                   i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
+                   i64 dk_sb, i64 dk_ss, i64 dk_sh, i64 dv_sb, i64 dv_ss, i64 dv_sh,
+                   i64 dqa_sb, i64 dqa_ss, i64 dqa_sh, float scale_log2, float scale) {
+    typedef DkdvSmem<D_TILE, BLOCK_M, BLOCK_N, NWARPS, WARPS_D, ATOMIC_DQ> L;
+    constexpr int NTHREADS = NWARPS * 32;
+    constexpr int DW = D_TILE / WARPS_D;  // dK, dV columns per warp
+    constexpr int DQ_WARPS_M = BLOCK_M / 16;
+    constexpr int DQ_COLS = D_TILE / (NWARPS / DQ_WARPS_M);  // dQ columns per warp (ATOMIC_DQ)
+    static_assert(BLOCK_N == 16 * NWARPS / WARPS_D, "one 16-row key group per warp (pair)");
+    static_assert(WARPS_D == 1 || WARPS_D == 2, "head-dim split into 1 or 2 slices");
+    static_assert(BLOCK_M % 16 == 0 && DW % 16 == 0, "m16n8k16 tiles");
+    static_assert(!ATOMIC_DQ || (NWARPS % DQ_WARPS_M == 0 && DQ_COLS % 16 == 0), "dQ warp grid");
+    static_assert(L::BYTES <= 227 * 1024, "shared memory");
+
+    extern __shared__ __align__(128) unsigned char smem[];
+    if (dynamic_smem_bytes() < L::BYTES) __trap();
+    const u32 base = smem_u32(smem);
+    const u32 s_k = base + L::K, s_v = base + L::V, s_ds = base + L::DS;
+
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int key_group = warp / WARPS_D, d_part = warp % WARPS_D;
+    const int row0 = 16 * key_group;  // this warp's key rows within the block
+    const int n0 = blockIdx.x * BLOCK_N, head_kv = blockIdx.y, batch = blockIdx.z;
+    const Visibility<CAUSAL> visible{seqlen_q, seqlen_k, seqlen_k - seqlen_q};
+
+    // Key n is seen by queries m >= n - diag: earlier query blocks are skipped.
+    const int m_block_first = CAUSAL ? max(0, n0 - visible.diag) / BLOCK_M : 0;
+    const int m_blocks = max(0, (seqlen_q + BLOCK_M - 1) / BLOCK_M - m_block_first);
+    const int n_iters = group * m_blocks;  // (query head of the group, query block) pairs
+
+    auto load_query_block = [&](int it, int stage) {
+        const int head = head_kv * group + it / m_blocks;
+        const int m0 = (m_block_first + it % m_blocks) * BLOCK_M;
+        cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(base + L::Q + stage * L::Q_TILE,
+                                                 q + row_offset(batch, m0, head, q_sb, q_ss, q_sh),
+                                                 seqlen_q - m0, headdim, q_ss, tid);
+        cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(base + L::DO + stage * L::Q_TILE,
+                                                 dout + row_offset(batch, m0, head, do_sb, do_ss, do_sh),
+                                                 seqlen_q - m0, headdim, do_ss, tid);
+        const i64 stat0 = ((i64)batch * nheads + head) * seqlen_q + m0;
+        for (int i = tid; i < 2 * BLOCK_M; i += NTHREADS) {
+            const int r = i % BLOCK_M;
+            const bool is_lse = i < BLOCK_M;
+            cp_async_4((is_lse ? base + L::LSE : base + L::DELTA) + (stage * BLOCK_M + r) * 4,
+                       (is_lse ? lse : delta) + stat0 + (m0 + r < seqlen_q ? r : 0), m0 + r < seqlen_q);
+        }
+    };
+
+    // Prologue: K_j, V_j and the first query block in one group.
+    cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(s_k, k + row_offset(batch, n0, head_kv, k_sb, k_ss, k_sh),
+                                             seqlen_k - n0, headdim, k_ss, tid);
+    cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(s_v, v + row_offset(batch, n0, head_kv, v_sb, v_ss, v_sh),
+                                             seqlen_k - n0, headdim, v_ss, tid);
+    if (n_iters > 0) load_query_block(0, 0);
+    cp_async_commit();
+
+    float dk_acc[DW / 8][4], dv_acc[DW / 8][4];
+    zero(dk_acc);
+    zero(dv_acc);
+
+    for (int it = 0; it < n_iters; ++it) {
+        const int stage = it & 1;
+        // The wait lands this block's copies; the barrier makes every thread's copies visible and
+        // guarantees that all warps are done with iteration it - 1 (stage ^ 1 and the dS tile).
+        cp_async_wait<0>();
+        __syncthreads();
+        if (it + 1 < n_iters) load_query_block(it + 1, stage ^ 1);
+        cp_async_commit();
+
+        const int head = head_kv * group + it / m_blocks;
+        const int m0 = (m_block_first + it % m_blocks) * BLOCK_M;
+        const u32 s_q = base + L::Q + stage * L::Q_TILE, s_do = base + L::DO + stage * L::Q_TILE;
+        const float* s_lse = reinterpret_cast<const float*>(smem + L::LSE) + stage * BLOCK_M;
+        const float* s_delta = reinterpret_cast<const float*>(smem + L::DELTA) + stage * BLOCK_M;
+
+        const bool partial = visible.partial(m0, BLOCK_M, n0, BLOCK_N);
+
+        // Step 1: S^T = K_j Q_i^T for this warp's key rows (over its head-dim slice if WARPS_D = 2).
+        float s_acc[BLOCK_M / 8][4];
+        zero(s_acc);
+        mma_ABt<T, BLOCK_M, DW, D_TILE, D_TILE>(s_acc, s_k, row0, s_q, d_part * DW, lane);
+        if constexpr (WARPS_D == 2) swap_partial_sums<BLOCK_M / 8>(s_acc, base + L::XCHG, L::XCHG_WARP, warp, key_group, lane);
+
+        // Step 2: P^T = exp2(S^T scale log2(e) - lse log2(e)); entry (key row, query column), so lse
+        // is per column. Hidden entries are set to 0 by selection, not multiplication, so that a
+        // non-finite score there cannot leak.
+#pragma unroll
+        for (int j = 0; j < BLOCK_M / 8; ++j) {
+            const int c = 8 * j + 2 * (lane % 4);
+            const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + c);
+            const float base_log2[2] = {lse_base_log2(lse2.x), lse_base_log2(lse2.y)};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float p = exp2_approx(fmaf(s_acc[j][e], scale_log2, -base_log2[e & 1]));
+                const bool hidden = partial && !visible(m0 + c + (e & 1), n0 + row0 + lane / 4 + 8 * (e >> 1));
+                s_acc[j][e] = hidden ? 0.f : p;
+            }
+        }
+
+        // Step 3: dV_j += P^T dO_i on this warp's head-dim slice.
+        {
+            u32 p_frag[BLOCK_M / 16][4];
+            pack_a_frags<T, BLOCK_M>(p_frag, s_acc);
+            mma_AB_regs<T, DW, BLOCK_M, D_TILE>(dv_acc, p_frag, s_do, d_part * DW, lane);
+        }
+
+        // Step 4: dP^T = V_j dO_i^T.
+        float dp_acc[BLOCK_M / 8][4];
+        zero(dp_acc);
+        mma_ABt<T, BLOCK_M, DW, D_TILE, D_TILE>(dp_acc, s_v, row0, s_do, d_part * DW, lane);
+        if constexpr (WARPS_D == 2) swap_partial_sums<BLOCK_M / 8>(dp_acc, base + L::XCHG + BLOCK_M / 8 * 512, L::XCHG_WARP, warp, key_group, lane);
+
+        // Step 5: dS^T = P^T o (dP^T - D), D per column; P^T is 0 where hidden.
+#pragma unroll
+        for (int j = 0; j < BLOCK_M / 8; ++j) {
+            const float2 d2 = *reinterpret_cast<const float2*>(s_delta + 8 * j + 2 * (lane % 4));
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float ds = s_acc[j][e] * (dp_acc[j][e] - ((e & 1) ? d2.y : d2.x));
+                const bool hidden = partial && !visible(m0 + 8 * j + 2 * (lane % 4) + (e & 1),
+                                                        n0 + row0 + lane / 4 + 8 * (e >> 1));
+                dp_acc[j][e] = hidden ? 0.f : ds;
+            }
+        }
+        u32 ds_frag[BLOCK_M / 16][4];
+        pack_a_frags<T, BLOCK_M>(ds_frag, dp_acc);
+
+        // Step 6: dK_j += dS^T Q_i.
+        mma_AB_regs<T, DW, BLOCK_M, D_TILE>(dk_acc, ds_frag, s_q, d_part * DW, lane);
+
+        // Step 7 (ATOMIC_DQ): dq_accum_i += dS K_j. dS^T goes to shared memory (one warp of each
+        // pair holds the same values and writes them); warps then tile dQ_i by 16 query rows x
+        // DQ_COLS columns and reduce over all BLOCK_N keys.
+        if constexpr (ATOMIC_DQ) {
+            if (d_part == 0) {
+                const int r = row0 + lane / 4, c = 2 * (lane % 4);
+#pragma unroll
+                for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
+                    st_shared_b32(s_ds + tile_offset<BLOCK_M>(r, 2 * kk) + 2 * c, ds_frag[kk][0]);
+                    st_shared_b32(s_ds + tile_offset<BLOCK_M>(r + 8, 2 * kk) + 2 * c, ds_frag[kk][1]);
+                    st_shared_b32(s_ds + tile_offset<BLOCK_M>(r, 2 * kk + 1) + 2 * c, ds_frag[kk][2]);
+                    st_shared_b32(s_ds + tile_offset<BLOCK_M>(r + 8, 2 * kk + 1) + 2 * c, ds_frag[kk][3]);
+                }
+            }
+            __syncthreads();
+            const int q_row0 = 16 * (warp % DQ_WARPS_M), col0 = DQ_COLS * (warp / DQ_WARPS_M);
+            float dq_acc[DQ_COLS / 8][4];
+            zero(dq_acc);
+            mma_AtB<T, DQ_COLS, BLOCK_N, BLOCK_M, D_TILE>(dq_acc, s_ds, q_row0, s_k, col0, lane);
+            float* dqa = dq_accum + (i64)batch * dqa_sb + (i64)head * dqa_sh;
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int m = m0 + q_row0 + lane / 4 + 8 * half;
+                if (m < seqlen_q) {
+#pragma unroll
+                    for (int j = 0; j < DQ_COLS / 8; ++j) {
+                        const int col = col0 + 8 * j + 2 * (lane % 4);
+                        if (col < headdim)
+                            red_add_f32x2(dqa + m * dqa_ss + col, dq_acc[j][2 * half], dq_acc[j][2 * half + 1]);
+                    }
+                }
+            }
+        }
+    }
+
+    // Epilogue: dK = scale dS^T Q summed, dV; staged through the K and V tiles for 16-byte stores.
+    cp_async_wait<0>();
+    __syncthreads();
+    stage_acc<T, DW, D_TILE>(s_k, row0, d_part * DW, dk_acc, scale, lane);
+    stage_acc<T, DW, D_TILE>(s_v, row0, d_part * DW, dv_acc, 1.f, lane);
+    __syncthreads();
+    store_tile<BLOCK_N, D_TILE, NTHREADS>(dk + row_offset(batch, n0, head_kv, dk_sb, dk_ss, dk_sh), s_k,
+                                          seqlen_k - n0, headdim, dk_ss, tid);
+    store_tile<BLOCK_N, D_TILE, NTHREADS>(dv + row_offset(batch, n0, head_kv, dv_sb, dv_ss, dv_sh), s_v,
+                                          seqlen_k - n0, headdim, dv_ss, tid);
+}
+
+// ---------------------------------------------------------------------------------------------
+// dQ without atomics
+// ---------------------------------------------------------------------------------------------
+
+template <int D_TILE, int BLOCK_M, int BLOCK_N>
+struct DqSmem {
+    static constexpr u32 Q_TILE = BLOCK_M * D_TILE * 2;
+    static constexpr u32 KV_TILE = BLOCK_N * D_TILE * 2;
+    static constexpr u32 Q = 0;
+    static constexpr u32 DO = Q + Q_TILE;
+    static constexpr u32 K = DO + Q_TILE;      // [2 stages]
+    static constexpr u32 V = K + 2 * KV_TILE;  // [2 stages]
+    static constexpr u32 BYTES = V + 2 * KV_TILE;
+};
+
+template <typename T, int D_TILE, bool CAUSAL, int BLOCK_M, int BLOCK_N, int NWARPS>
+__global__ void __launch_bounds__(NWARPS * 32, 1)
+flash_bwd_dq_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                 const T* __restrict__ dout, const float* __restrict__ lse,
+                 const float* __restrict__ delta, T* __restrict__ dq,
+                 int seqlen_q, int seqlen_k, int nheads, int group, int headdim,
+                 i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
+                 i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
+                 i64 dq_sb, i64 dq_ss, i64 dq_sh, float scale_log2, float scale) {
+    typedef DqSmem<D_TILE, BLOCK_M, BLOCK_N> L;
+    constexpr int NTHREADS = NWARPS * 32;
+    static_assert(BLOCK_M == 16 * NWARPS, "16 query rows per warp");
+    static_assert(BLOCK_N % 16 == 0 && D_TILE % 16 == 0, "m16n8k16 tiles");
+    static_assert(L::BYTES <= 227 * 1024, "shared memory");
+
+    extern __shared__ __align__(128) unsigned char smem[];
+    if (dynamic_smem_bytes() < L::BYTES) __trap();
+    const u32 base = smem_u32(smem);
+    const u32 s_q = base + L::Q, s_do = base + L::DO;
+
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int row0 = 16 * warp;  // this warp's query rows within the block
+    const int m0 = (gridDim.x - 1 - blockIdx.x) * BLOCK_M;  // heaviest causal blocks start first
+    const int head = blockIdx.y, batch = blockIdx.z, head_kv = head / group;
+    const Visibility<CAUSAL> visible{seqlen_q, seqlen_k, seqlen_k - seqlen_q};
+
+    // Keys past the last visible one of the block's last existing query are skipped.
+    const int n_end = CAUSAL ? min(seqlen_k, max(0, min(seqlen_q, m0 + BLOCK_M) + visible.diag)) : seqlen_k;
+    const int n_blocks = (n_end + BLOCK_N - 1) / BLOCK_N;
+
+    const T* k_head = k + row_offset(batch, 0, head_kv, k_sb, k_ss, k_sh);
+    const T* v_head = v + row_offset(batch, 0, head_kv, v_sb, v_ss, v_sh);
+    auto load_key_block = [&](int it, int stage) {
+        const int n0 = it * BLOCK_N;
+        cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(base + L::K + stage * L::KV_TILE, k_head + n0 * k_ss,
+                                                 seqlen_k - n0, headdim, k_ss, tid);
+        cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(base + L::V + stage * L::KV_TILE, v_head + n0 * v_ss,
+                                                 seqlen_k - n0, headdim, v_ss, tid);
+    };
+
+    cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(s_q, q + row_offset(batch, m0, head, q_sb, q_ss, q_sh),
+                                             seqlen_q - m0, headdim, q_ss, tid);
+    cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(s_do, dout + row_offset(batch, m0, head, do_sb, do_ss, do_sh),
+                                             seqlen_q - m0, headdim, do_ss, tid);
+    if (n_blocks > 0) load_key_block(0, 0);
+    cp_async_commit();
+
+    // Per-row statistics of this lane's two accumulator rows (lane / 4 and lane / 4 + 8).
+    float base_log2[2], d[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int m = m0 + row0 + lane / 4 + 8 * half;
+        const i64 stat = ((i64)batch * nheads + head) * seqlen_q + m;
+        base_log2[half] = m < seqlen_q ? lse_base_log2(lse[stat]) : 0.f;
+        d[half] = m < seqlen_q ? delta[stat] : 0.f;
+    }
+
+    float dq_acc[D_TILE / 8][4];
+    zero(dq_acc);
+
+    for (int it = 0; it < n_blocks; ++it) {
+        const int stage = it & 1;
+        // As in flash_bwd_dkdv_mma: lands block it, and all warps are done with block it - 1.
+        cp_async_wait<0>();
+        __syncthreads();
+        if (it + 1 < n_blocks) load_key_block(it + 1, stage ^ 1);
+        cp_async_commit();
+
+        const int n0 = it * BLOCK_N;
+        const u32 s_k = base + L::K + stage * L::KV_TILE, s_v = base + L::V + stage * L::KV_TILE;
+
+        // Step 1: S = Q_i K_j^T, dP = dO_i V_j^T for this warp's 16 query rows.
+        float s_acc[BLOCK_N / 8][4], dp_acc[BLOCK_N / 8][4];
+        zero(s_acc);
+        zero(dp_acc);
+        mma_ABt<T, BLOCK_N, D_TILE, D_TILE, D_TILE>(s_acc, s_q, row0, s_k, 0, lane);
+        mma_ABt<T, BLOCK_N, D_TILE, D_TILE, D_TILE>(dp_acc, s_do, row0, s_v, 0, lane);
+
+        // Step 2: dS = P o (dP - D) with P = exp2(S scale log2(e) - lse log2(e)); lse, D per row.
+        const bool partial = visible.partial(m0, BLOCK_M, n0, BLOCK_N);
+#pragma unroll
+        for (int j = 0; j < BLOCK_N / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float p = exp2_approx(fmaf(s_acc[j][e], scale_log2, -base_log2[e >> 1]));
+                const float ds = p * (dp_acc[j][e] - d[e >> 1]);
+                const bool hidden = partial && !visible(m0 + row0 + lane / 4 + 8 * (e >> 1),
+                                                        n0 + 8 * j + 2 * (lane % 4) + (e & 1));
+                dp_acc[j][e] = hidden ? 0.f : ds;
+            }
+        }
+        u32 ds_frag[BLOCK_N / 16][4];
+        pack_a_frags<T, BLOCK_N>(ds_frag, dp_acc);
+
+        // Step 3: dQ_i += dS K_j.
+        mma_AB_regs<T, D_TILE, BLOCK_N, D_TILE>(dq_acc, ds_frag, s_k, 0, lane);
+    }
+
+    // Epilogue: dQ = scale dS K, staged through this warp's own rows of the Q tile (no other warp
+    // reads them; the barrier covers the case of no key block, where copies may still be landing).
+    cp_async_wait<0>();
+    __syncthreads();
+    stage_acc<T, D_TILE, D_TILE>(s_q, row0, 0, dq_acc, scale, lane);
+    __syncwarp();
+    T* dq_rows = dq + row_offset(batch, m0 + row0, head, dq_sb, dq_ss, dq_sh);
+    store_tile<16, D_TILE, 32>(dq_rows, s_q + tile_offset<D_TILE>(row0, 0), seqlen_q - m0 - row0, headdim,
+                               dq_ss, lane);
+}
+
+// ---------------------------------------------------------------------------------------------
+// dq = scale * dq_accum (atomic path)
+// ---------------------------------------------------------------------------------------------
+
+// One thread per 8 columns of one (batch, row, head): two 16-byte loads, one 16-byte store.
+template <typename T>
+__global__ void __launch_bounds__(256)
+flash_bwd_dq_convert(const float* __restrict__ dq_accum, T* __restrict__ dq, int seqlen_q, int nheads,
+                     int headdim, i64 n_chunks, i64 dqa_sb, i64 dqa_ss, i64 dqa_sh,
+                     i64 dq_sb, i64 dq_ss, i64 dq_sh, float scale) {
+    const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= n_chunks) return;
+    const int chunks_per_row = headdim / 8;
+    const int chunk = (int)(idx % chunks_per_row);
+    const i64 row_id = idx / chunks_per_row;  // (batch, row, head) in C order
+    const int head = (int)(row_id % nheads);
+    const int row = (int)((row_id / nheads) % seqlen_q);
+    const int batch = (int)(row_id / ((i64)nheads * seqlen_q));
+    const float4* src = reinterpret_cast<const float4*>(
+        dq_accum + row_offset(batch, row, head, dqa_sb, dqa_ss, dqa_sh) + chunk * 8);
+    const float4 lo = src[0], hi = src[1];
+    const u32 r[4] = {pack2<T>(lo.x * scale, lo.y * scale), pack2<T>(lo.z * scale, lo.w * scale),
+                      pack2<T>(hi.x * scale, hi.y * scale), pack2<T>(hi.z * scale, hi.w * scale)};
+    st_global_v4(dq + row_offset(batch, row, head, dq_sb, dq_ss, dq_sh) + chunk * 8, r);
+}
+
+}  // namespace cf

@@ -1,0 +1,51 @@
+"""Every specialization the dispatcher can launch compiles with NVRTC for sm_80 and sm_90 (no GPU
+needed), without register spills; tensor-core kernels contain HMMA instructions."""
+import pytest
+
+from cupyflash.kernels import compile_check
+
+pytest.importorskip("cupy")
+
+try:
+    compile_check._nvrtc()
+    HAVE_NVRTC = True
+except (FileNotFoundError, OSError):
+    HAVE_NVRTC = False
+
+needs_nvrtc = pytest.mark.skipif(not HAVE_NVRTC or compile_check.find_cuobjdump() is None,
+                                 reason="NVRTC or cuobjdump not installed (pip install '.[test]')")
+
+
+@pytest.fixture(scope="module", params=["80", "90"])
+def compiled(request):
+    return request.param, compile_check.check(request.param, with_sass=True)
+
+
+@needs_nvrtc
+def test_every_specialization_compiles(compiled):
+    arch, results = compiled
+    names = {r.name for r in results}
+    assert names == {s.name for s in compile_check.all_specializations()}
+    assert len(names) == len(results), "specialization names must be unique"
+
+
+@needs_nvrtc
+def test_no_register_spills(compiled):
+    arch, results = compiled
+    spilled = [(r.name, r.registers, r.spill_bytes) for r in results if r.spill_bytes]
+    assert not spilled, f"sm_{arch}: spills in {spilled}"
+
+
+@needs_nvrtc
+def test_tensor_core_kernels_use_hmma(compiled):
+    arch, results = compiled
+    mma = [r for r in results if "_mma_" in r.name]
+    missing = [r.name for r in mma if "HMMA" not in r.sass]
+    assert not missing, f"sm_{arch}: no HMMA in {missing}"
+
+
+@needs_nvrtc
+def test_simt_kernels_report_resources(compiled):
+    arch, results = compiled
+    simt = [r for r in results if "_simt_" in r.name]
+    assert simt and all(0 < r.registers <= 255 for r in simt)

@@ -1,0 +1,113 @@
+"""The NumPy twin of the tiled algorithm against the float64 reference."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import ml_dtypes
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cupyflash import numpy_backend, reference
+from strategies import attention_case, make_inputs
+from tolerance import SIXTEEN_BIT, assert_close, bound
+
+# Block sizes the kernels use, and odd ones that leave ragged edges on both axes.
+BLOCK_SIZES = (16, 32, 48, 64, 80, 128)
+
+
+def twin_forward(case, q, k, v, **blocks):
+    return numpy_backend.forward(q, k, v, softmax_scale=case.scale, causal=case.causal, **blocks)
+
+
+def twin_backward(case, do, q, k, v, o, lse, **blocks):
+    return numpy_backend.backward(
+        do, q, k, v, o, lse, softmax_scale=case.scale, causal=case.causal, **blocks
+    )
+
+
+def check_against_reference(case, q, k, v, do):
+    """Forward and backward of the twin against float64, with the dtype's tolerance rule."""
+    kwargs = dict(softmax_scale=case.softmax_scale, causal=case.causal)
+    o, lse = twin_forward(case, q, k, v)
+    grads = twin_backward(case, do, q, k, v, o, lse)
+    o_ref, lse_ref = reference.attention(q, k, v, **kwargs)
+    grads_ref = reference.attention_backward(do, q, k, v, **kwargs)
+    o_std = lse_std = None
+    grads_std = (None, None, None)
+    if case.dtype in SIXTEEN_BIT:
+        o_std, lse_std = reference.standard_attention(q, k, v, dtype=case.dtype, **kwargs)
+        grads_std = reference.standard_attention_backward(do, q, k, v, dtype=case.dtype, **kwargs)
+
+    acc = np.float64 if case.dtype == np.float64 else np.float32
+    assert o.dtype == case.dtype and o.shape == q.shape
+    assert lse.dtype == acc and lse.shape == (case.batch, case.nheads, case.seqlen_q)
+    for grad, x in zip(grads, (q, k, v)):
+        assert grad.dtype == case.dtype and grad.shape == x.shape
+    assert_close("o", o, o_ref, o_std, dtype=case.dtype)
+    assert_close("lse", lse, lse_ref, lse_std, dtype=case.dtype)
+    for name, grad, ref, std in zip(("dq", "dk", "dv"), grads, grads_ref, grads_std):
+        # flash-attn allows gradients 3x the baseline's error.
+        assert_close(name, grad, ref, std, dtype=case.dtype, factor=3.0)
+
+
+@given(attention_case())
+def test_matches_reference(case):
+    check_against_reference(case, *make_inputs(case))
+
+
+def assert_same_up_to_rounding(name, a, b, dtype):
+    """a and b agree to accumulator rounding, plus one unit in the last place of ``dtype``
+    (two accumulator results straddling a rounding boundary of the output dtype)."""
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    np.testing.assert_array_equal(np.isfinite(a), np.isfinite(b), err_msg=name)
+    finite = np.isfinite(b)
+    if not finite.any():
+        return
+    ulp = float(ml_dtypes.finfo(dtype).eps) * np.abs(b[finite]).max()
+    err = np.abs(a[finite] - b[finite]).max()
+    assert err <= bound(b, dtype=dtype) + ulp, f"{name}: blockings differ by {err:.3e}"
+
+
+@given(attention_case(), st.sampled_from(BLOCK_SIZES), st.sampled_from(BLOCK_SIZES))
+def test_independent_of_block_sizes(case, block_m, block_n):
+    q, k, v, do = make_inputs(case)
+    o, lse = twin_forward(case, q, k, v)
+    o_b, lse_b = twin_forward(case, q, k, v, block_m=block_m, block_n=block_n)
+    assert_same_up_to_rounding("o", o_b, o, case.dtype)
+    assert_same_up_to_rounding("lse", lse_b, lse, lse.dtype)
+    grads = twin_backward(case, do, q, k, v, o, lse)
+    grads_b = twin_backward(case, do, q, k, v, o, lse, block_m=block_m, block_n=block_n)
+    for name, g_b, g in zip(("dq", "dk", "dv"), grads_b, grads):
+        assert_same_up_to_rounding(name, g_b, g, case.dtype)
+
+
+@given(attention_case(), st.sampled_from(["q", "k", "both"]))
+def test_empty_sequences(case, empty):
+    case = replace(
+        case,
+        seqlen_q=0 if empty in ("q", "both") else case.seqlen_q,
+        seqlen_k=0 if empty in ("k", "both") else case.seqlen_k,
+    )
+    q, k, v, do = make_inputs(case)
+    o, lse = twin_forward(case, q, k, v)
+    dq, dk, dv = twin_backward(case, do, q, k, v, o, lse)
+    assert o.shape == q.shape and lse.shape == (case.batch, case.nheads, case.seqlen_q)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    assert (o == 0).all() and (lse == -np.inf).all()
+    assert (dq == 0).all() and (dk == 0).all() and (dv == 0).all()
+
+
+@given(attention_case())
+def test_fully_masked_rows(case):
+    # Causal with more queries than keys: the first seqlen_q - seqlen_k queries see no key.
+    longer, shorter = max(case.seqlen_q, case.seqlen_k), min(case.seqlen_q, case.seqlen_k)
+    case = replace(case, causal=True, seqlen_q=longer + 1, seqlen_k=shorter)
+    q, k, v, do = make_inputs(case)
+    masked = case.seqlen_q - case.seqlen_k
+    o, lse = twin_forward(case, q, k, v)
+    dq, dk, dv = twin_backward(case, do, q, k, v, o, lse)
+    assert (o[:, :masked] == 0).all() and (lse[:, :, :masked] == -np.inf).all()
+    assert (dq[:, :masked] == 0).all()
+    assert all(np.isfinite(x.astype(np.float64)).all() for x in (o, dq, dk, dv))
+    check_against_reference(case, q, k, v, do)

@@ -1,0 +1,200 @@
+"""Defined edge cases, determinism, streams, threads and 64-bit offsets on the GPU (marker ``gpu``)."""
+import threading
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cupyflash
+from cupyflash import reference
+from cupyflash.kernels import _module
+from cupyflash.testing import poisoned_outputs
+
+from tolerance import assert_close
+
+pytestmark = pytest.mark.gpu
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+FAMILIES = [("simt", np.float32), ("simt", np.float64), ("simt", BF16), ("mma", BF16), ("mma", np.float16)]
+FAMILY_IDS = [f"{b}-{np.dtype(d).name}" for b, d in FAMILIES]
+
+
+def randn(shape, dtype, rng=None):
+    import cupy
+
+    rng = rng or np.random.default_rng()
+    return cupy.asarray(rng.standard_normal(shape).astype(dtype))
+
+
+def fwd_bwd(q, k, v, do, backend, causal=False, **kw):
+    with poisoned_outputs():
+        o, lse = cupyflash.flash_attn_func(q, k, v, causal=causal, return_lse=True, backend=backend, **kw)
+        grads = cupyflash.flash_attn_backward(do, q, k, v, o, lse, causal=causal, backend=backend, **kw)
+    return (o, lse, *grads)
+
+
+@pytest.mark.parametrize("backend,dtype", FAMILIES, ids=FAMILY_IDS)
+def test_repeated_runs_are_bitwise_identical(backend, dtype):
+    shape_q, shape_kv = (2, 333, 4, 64), (2, 301, 2, 64)
+    q, do = randn(shape_q, dtype), randn(shape_q, dtype)
+    k, v = randn(shape_kv, dtype), randn(shape_kv, dtype)
+    first = [x.get() for x in fwd_bwd(q, k, v, do, backend, causal=True)]
+    for _ in range(100):
+        again = fwd_bwd(q, k, v, do, backend, causal=True)
+        for a, b in zip(first, again):
+            np.testing.assert_array_equal(a, b.get())
+
+
+@pytest.mark.parametrize("backend,dtype", FAMILIES, ids=FAMILY_IDS)
+def test_fully_masked_rows_give_zero_output_minus_inf_lse_zero_grads(backend, dtype):
+    # causal with seqlen_q > seqlen_k: the first seqlen_q - seqlen_k query rows see no key
+    q, do = randn((1, 150, 2, 32), dtype), randn((1, 150, 2, 32), dtype)
+    k, v = randn((1, 40, 2, 32), dtype), randn((1, 40, 2, 32), dtype)
+    o, lse, dq, dk, dv = (x.get() for x in fwd_bwd(q, k, v, do, backend, causal=True))
+    blind = 150 - 40
+    assert np.all(o[:, :blind].astype(np.float64) == 0)
+    assert np.all(lse[:, :, :blind] == -np.inf)
+    assert np.all(dq[:, :blind].astype(np.float64) == 0)
+    assert np.all(np.isfinite(o[:, blind:].astype(np.float64)))
+    assert np.all(np.isfinite(lse[:, :, blind:]))
+
+
+@pytest.mark.parametrize("backend,dtype", FAMILIES, ids=FAMILY_IDS)
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(0, 17), (17, 0), (0, 0)])
+def test_zero_length_sequences(backend, dtype, seqlen_q, seqlen_k):
+    q, do = randn((2, seqlen_q, 2, 16), dtype), randn((2, seqlen_q, 2, 16), dtype)
+    k, v = randn((2, seqlen_k, 1, 16), dtype), randn((2, seqlen_k, 1, 16), dtype)
+    o, lse, dq, dk, dv = (x.get() for x in fwd_bwd(q, k, v, do, backend))
+    assert o.shape == q.shape and lse.shape == (2, 2, seqlen_q)
+    assert np.all(o.astype(np.float64) == 0) and np.all(lse == -np.inf)
+    for g in (dq, dk, dv):
+        assert np.all(g.astype(np.float64) == 0)
+
+
+@pytest.mark.parametrize("backend,dtype", FAMILIES, ids=FAMILY_IDS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_nan_in_a_query_row_stays_in_that_row(backend, dtype, causal):
+    import cupy
+
+    q = randn((1, 100, 2, 64), dtype)
+    k, v = randn((1, 100, 2, 64), dtype), randn((1, 100, 2, 64), dtype)
+    q[0, 37, 1, 5] = np.nan
+    o = cupyflash.flash_attn_func(q, k, v, causal=causal, backend=backend).get().astype(np.float64)
+    bad = ~np.isfinite(o)
+    assert bad[0, 37, 1].all(), "the poisoned row must be NaN"
+    bad[0, 37, 1] = False
+    assert not bad.any(), "NaN leaked into other rows"
+    o_ref, _ = reference.attention(q.get(), k.get(), v.get(), causal=causal)
+    assert np.isnan(o_ref[0, 37, 1]).all()
+    del cupy
+
+
+@pytest.mark.parametrize("backend,dtype", FAMILIES, ids=FAMILY_IDS)
+def test_huge_scores_stay_finite(backend, dtype):
+    # scores around 1e4 in magnitude: a softmax without the running max would overflow
+    q, k, v = (randn((1, 130, 2, 64), dtype) for _ in range(3))
+    o, lse = cupyflash.flash_attn_func(q, k, v, softmax_scale=1000.0, return_lse=True, backend=backend)
+    o64, lse64 = o.get().astype(np.float64), lse.get()
+    assert np.isfinite(o64).all() and np.isfinite(lse64).all()
+    assert np.abs(lse64).max() > 1e3
+    o_ref, _ = reference.attention(q.get(), k.get(), v.get(), softmax_scale=1000.0)
+    o_std, _ = reference.standard_attention(q.get(), k.get(), v.get(), softmax_scale=1000.0, dtype=dtype)
+    assert_close("o", o64, o_ref, o_std, dtype=dtype)
+
+
+@pytest.mark.parametrize("backend,dtype", FAMILIES, ids=FAMILY_IDS)
+def test_a_row_does_not_depend_on_its_tile_position(backend, dtype):
+    # shifting the query rows by one moves every row to another place in its tile
+    q, k, v = randn((1, 200, 2, 64), dtype), randn((1, 180, 2, 64), dtype), randn((1, 180, 2, 64), dtype)
+    full = cupyflash.flash_attn_func(q, k, v, backend=backend).get()
+    shifted = cupyflash.flash_attn_func(q[:, 1:], k, v, backend=backend).get()
+    np.testing.assert_array_equal(full[:, 1:], shifted)
+
+
+@pytest.mark.parametrize("backend,dtype", FAMILIES, ids=FAMILY_IDS)
+def test_non_blocking_stream(backend, dtype):
+    import cupy
+
+    q, k, v, do = (randn((2, 257, 4, 64), dtype) for _ in range(4))
+    expected = [x.get() for x in fwd_bwd(q, k, v, do, backend)]
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        results = fwd_bwd(q, k, v, do, backend)
+        assert cupy.cuda.get_current_stream() == stream
+    stream.synchronize()
+    for a, b in zip(expected, results):
+        np.testing.assert_array_equal(a, b.get())
+
+
+def test_concurrent_first_calls_compile_once(monkeypatch):
+    import cupy
+
+    built = []
+    real = cupy.RawModule
+
+    def counting(*args, **kwargs):
+        built.append(kwargs.get("name_expressions"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cupy, "RawModule", counting)
+    monkeypatch.setattr(_module, "_functions", {})
+    rng = np.random.default_rng()
+    q, k, v = (cupy.asarray(rng.standard_normal((1, 300, 2, 72)).astype(np.float32)) for _ in range(3))
+    results, errors = [None] * 8, []
+
+    def worker(i):
+        try:
+            results[i] = cupyflash.flash_attn_func(q, k, v, causal=True, backend="simt").get()
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert len(built) == 1, f"compiled {len(built)} times"
+    for r in results[1:]:
+        np.testing.assert_array_equal(results[0], r)
+
+
+@pytest.mark.parametrize("backend,dtype", [("simt", BF16), ("mma", BF16)], ids=["simt", "mma"])
+def test_offsets_beyond_2_pow_31_elements(backend, dtype):
+    """Views into buffers of 2^31+ elements: the second batch starts past element 2^31."""
+    import cupy
+
+    nheads, headdim = 2, 64
+    rows = 2**31 // (nheads * headdim) + 64
+    assert rows * nheads * headdim > 2**31
+    rng = np.random.default_rng()
+    views = []
+    for _ in range(3):
+        buffer = cupy.empty((2, rows, nheads, headdim), dtype=dtype)
+        view = buffer[:, -100:]  # the last rows of each batch, so batch 1 lies past 2^31 elements
+        view[...] = cupy.asarray(rng.standard_normal(view.shape).astype(dtype))
+        views.append(view)
+    q, k, v = views
+    do = randn(q.shape, dtype)
+    o, lse, dq, dk, dv = fwd_bwd(q, k, v, do, backend, causal=True)
+    qh, kh, vh, doh = (x.get() for x in (q, k, v, do))
+    o_ref, _ = reference.attention(qh, kh, vh, causal=True)
+    o_std, _ = reference.standard_attention(qh, kh, vh, causal=True, dtype=dtype)
+    assert_close("o", o.get(), o_ref, o_std, dtype=dtype)
+    refs = reference.attention_backward(doh, qh, kh, vh, causal=True)
+    stds = reference.standard_attention_backward(doh, qh, kh, vh, causal=True, dtype=dtype)
+    for name, g, ref, std in zip(("dq", "dk", "dv"), (dq, dk, dv), refs, stds):
+        assert_close(name, g.get(), ref, std, dtype=dtype, factor=3.0)
+
+
+def test_torch_tensors_in_cupy_out():
+    torch = pytest.importorskip("torch")
+    import cupy
+
+    q, k, v = (torch.randn(1, 64, 2, 32, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    o = cupyflash.flash_attn_func(q, k, v)
+    assert isinstance(o, cupy.ndarray)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                           v.transpose(1, 2)).transpose(1, 2)
+    diff = (torch.from_dlpack(o).float() - ref.float()).abs().max().item()
+    assert diff < 2e-2

@@ -1,0 +1,94 @@
+"""How close an attention result must be to the float64 reference.
+
+16-bit dtypes follow flash-attn's rule: the error may be at most ``factor`` times the error of
+standard (unfused) attention computed in the same dtype, both measured against float64.
+
+float32 and float64 get a relative bound derived from their machine epsilon instead: there the
+unfused baseline is no yardstick, since on a nearly one-hot softmax row it is exact (P = 1) while
+a fused backward, recomputing P = exp2(S - lse) from a separately rounded lse, is off by
+eps * |S|, many times the baseline's error yet exactly as accurate as the dtype allows.
+"""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+# Relative bounds on max|actual - ref| / (1 + max|ref|). They assume inputs drawn as in
+# strategies.py, where the standard deviation of the scores S = scale * q.k is capped at
+# MAX_LOGIT_STD = 8, so |S| stays below ~5 * 8 = 40 (58 in log2 units):
+# - float32 represents such a score only to eps * scale * sum_d |q_d k_d|, and for d <= 256
+#   that sum is up to ~10 standard deviations, i.e. ~80 * 2^-24 ~ 5e-6 absolute. exp2 turns it
+#   into the same relative error of P; the backward recomputes P from the saved lse, whose own
+#   rounding doubles it; dot products over d <= 256 and sums over <= ~300 keys of random sign add
+#   ~sqrt(n) * eps more. Measured on 800 random cases at the cap, the worst output error was
+#   6e-6 and the worst gradient error 2e-5 (relative as above); 1e-4 leaves a 5x margin for
+#   other summation orders (GPU kernels, FMA contraction).
+# - float64 has the same error sources scaled by eps64 / eps32 = 2^-29: 1e-4 * 2^-29 ~ 2e-13,
+#   measured worst 1e-13; 1e-12 leaves the same margin.
+RTOL = {np.dtype(np.float32): 1e-4, np.dtype(np.float64): 1e-12}
+SIXTEEN_BIT = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+
+
+def _as_f64(x) -> np.ndarray:
+    return np.asarray(x).astype(np.float64)
+
+
+def max_abs_error(actual, ref) -> float:
+    """max|actual - ref| over the entries where ref is finite (0 when there are none)."""
+    actual, ref = _as_f64(actual), _as_f64(ref)
+    finite = np.isfinite(ref)
+    if not finite.any():
+        return 0.0
+    return float(np.abs(actual[finite] - ref[finite]).max())
+
+
+def rel_fro_error(a, ref) -> float:
+    """||a - ref||_F / ||ref||_F (the absolute norm when ref is all zeros)."""
+    a, ref = _as_f64(a), _as_f64(ref)
+    norm = np.linalg.norm(ref)
+    diff = np.linalg.norm(a - ref)
+    return float(diff / norm) if norm > 0 else float(diff)
+
+
+def bound(ref, *, dtype) -> float:
+    """The float32/float64 bound: RTOL * (1 + max|ref|), taken over the finite entries of ref.
+    For 16-bit dtypes this is the float32 bound: they compute in float32, so differences below
+    it are arithmetic noise, not a kernel's fault (it matters when ref and baseline are exact)."""
+    ref = _as_f64(ref)
+    finite = ref[np.isfinite(ref)]
+    scale = 1.0 + (float(np.abs(finite).max()) if finite.size else 0.0)
+    dtype = np.dtype(dtype)
+    return RTOL[np.dtype(np.float32) if dtype in SIXTEEN_BIT else dtype] * scale
+
+
+def assert_close(name, actual, ref64, baseline=None, *, dtype, factor=2.0):
+    """Assert that ``actual`` matches the float64 reference ``ref64`` closely enough for ``dtype``.
+
+    float16/bfloat16: max|actual - ref| <= factor * max|baseline - ref| + bound(float32), where
+    ``baseline`` is standard attention computed in ``dtype``. float32/float64: max|actual - ref|
+    <= RTOL * (1 + max|ref|); ``baseline`` is not used. Where ref is +-inf (lse of a query that
+    sees no key) actual must equal it; where ref is finite, actual must be finite.
+    """
+    dtype = np.dtype(dtype)
+    actual, ref64 = _as_f64(actual), _as_f64(ref64)
+    assert actual.shape == ref64.shape, f"{name}: shape {actual.shape} != reference {ref64.shape}"
+    finite = np.isfinite(ref64)
+    n_mismatch = int(np.count_nonzero(actual[~finite] != ref64[~finite]))
+    n_nonfinite = int(np.count_nonzero(~np.isfinite(actual[finite])))
+    err = max_abs_error(actual, ref64) if n_nonfinite == 0 else np.inf
+    floor = bound(ref64, dtype=dtype)
+    if dtype in SIXTEEN_BIT:
+        if baseline is None:
+            raise ValueError(f"{name}: a {dtype.name} comparison needs the standard-attention baseline")
+        base_err = max_abs_error(baseline, ref64)
+        allowed = factor * base_err + floor
+        rule = f"{factor:g} x baseline error {base_err:.3e} + float32 floor {floor:.3e}"
+    else:
+        allowed = floor
+        rule = f"{RTOL[dtype]:g} x (1 + max|ref|)"
+    assert n_mismatch == 0 and n_nonfinite == 0 and err <= allowed, (
+        f"{name} ({dtype.name}): max abs error {err:.3e} > allowed {allowed:.3e} [{rule}]; "
+        f"rel. Frobenius error {rel_fro_error(np.where(finite, actual, 0), np.where(finite, ref64, 0)):.3e}; "
+        f"{n_nonfinite} non-finite where the reference is finite, "
+        f"{n_mismatch} entries differ where the reference is +-inf"
+    )
