@@ -226,9 +226,10 @@ __device__ __forceinline__ void store_tile(T* gmem, u32 tile, int rows_valid, in
     }
 }
 
-// Head-dim split (WARPS_D = 2): adds the partner warp's partial sums to acc. Each lane reads the
-// slot of the same lane of the partner (warp ^ 1), so the swap needs no index math. Slots are
-// rewritten only after the CTA's next __syncthreads, by when the partner has read them.
+// Head-dim split (WARPS_D = 2): adds the partner warp's (warp ^ 1) partial sums to acc. Each lane
+// reads the slot of the same lane of the partner, so the swap needs no index math. S^T and dP^T
+// use separate slots and alternate: a warp rewrites its S^T slot only after passing the dP^T
+// barrier, which the partner reaches only after reading that S^T slot (and likewise for dP^T).
 template <int N>
 __device__ __forceinline__ void swap_partial_sums(float (&acc)[N][4], u32 xchg, u32 warp_bytes, int warp,
                                                   int pair, int lane) {
@@ -273,7 +274,7 @@ __device__ __forceinline__ float lse_base_log2(float lse) {
 
 // Shared-memory layout of flash_bwd_dkdv_mma, in bytes; cupyflash/kernels/mma_bwd.py computes the
 // same total.
-template <int D_TILE, int BLOCK_M, int BLOCK_N, int NWARPS, int WARPS_D, bool ATOMIC_DQ>
+template <int D_TILE, int BLOCK_M, int M_SUB, int BLOCK_N, int NWARPS, int WARPS_D, bool ATOMIC_DQ>
 struct DkdvSmem {
     static constexpr u32 KV_TILE = BLOCK_N * D_TILE * 2;
     static constexpr u32 Q_TILE = BLOCK_M * D_TILE * 2;
@@ -284,14 +285,14 @@ struct DkdvSmem {
     static constexpr u32 DS = DO + 2 * Q_TILE;  // dS^T [BLOCK_N][BLOCK_M], 16-bit
     static constexpr u32 XCHG = DS + (ATOMIC_DQ ? BLOCK_N * BLOCK_M * 2 : 0);
     // per warp: its partial S^T then dP^T, one float4 per (C fragment, lane)
-    static constexpr u32 XCHG_WARP = (WARPS_D > 1 ? 2 * (BLOCK_M / 8) * 32 * 16 : 0);
+    static constexpr u32 XCHG_WARP = (WARPS_D > 1 ? 2 * (M_SUB / 8) * 32 * 16 : 0);
     static constexpr u32 LSE = XCHG + NWARPS * XCHG_WARP;  // float [2 stages][BLOCK_M]
     static constexpr u32 DELTA = LSE + 2 * BLOCK_M * 4;    // float [2 stages][BLOCK_M]
     static constexpr u32 BYTES = DELTA + 2 * BLOCK_M * 4;
 };
 
-template <typename T, int D_TILE, bool CAUSAL, int BLOCK_M, int BLOCK_N, int NWARPS, int WARPS_D,
-          bool ATOMIC_DQ>
+template <typename T, int D_TILE, bool CAUSAL, int BLOCK_M, int M_SUB, int BLOCK_N, int NWARPS,
+          int WARPS_D, bool ATOMIC_DQ>
 __global__ void __launch_bounds__(NWARPS * 32, 1)
 flash_bwd_dkdv_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                    const T* __restrict__ dout, const float* __restrict__ lse,
@@ -302,21 +303,23 @@ flash_bwd_dkdv_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __
                    i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
                    i64 dk_sb, i64 dk_ss, i64 dk_sh, i64 dv_sb, i64 dv_ss, i64 dv_sh,
                    i64 dqa_sb, i64 dqa_ss, i64 dqa_sh, float scale_log2, float scale) {
-    typedef DkdvSmem<D_TILE, BLOCK_M, BLOCK_N, NWARPS, WARPS_D, ATOMIC_DQ> L;
+    typedef DkdvSmem<D_TILE, BLOCK_M, M_SUB, BLOCK_N, NWARPS, WARPS_D, ATOMIC_DQ> L;
     constexpr int NTHREADS = NWARPS * 32;
     constexpr int DW = D_TILE / WARPS_D;  // dK, dV columns per warp
     constexpr int DQ_WARPS_M = BLOCK_M / 16;
     constexpr int DQ_COLS = D_TILE / (NWARPS / DQ_WARPS_M);  // dQ columns per warp (ATOMIC_DQ)
+    constexpr int DQ_PASS = DQ_COLS < 32 ? DQ_COLS : 32;
     static_assert(BLOCK_N == 16 * NWARPS / WARPS_D, "one 16-row key group per warp (pair)");
     static_assert(WARPS_D == 1 || WARPS_D == 2, "head-dim split into 1 or 2 slices");
-    static_assert(BLOCK_M % 16 == 0 && DW % 16 == 0, "m16n8k16 tiles");
-    static_assert(!ATOMIC_DQ || (NWARPS % DQ_WARPS_M == 0 && DQ_COLS % 16 == 0), "dQ warp grid");
+    static_assert(BLOCK_M % M_SUB == 0 && M_SUB % 16 == 0 && DW % 16 == 0, "m16n8k16 tiles");
+    static_assert(!ATOMIC_DQ || (NWARPS % DQ_WARPS_M == 0 && DQ_COLS % DQ_PASS == 0 && DQ_PASS % 16 == 0),
+                  "dQ warp grid");
     static_assert(L::BYTES <= 227 * 1024, "shared memory");
 
     extern __shared__ __align__(128) unsigned char smem[];
     if (dynamic_smem_bytes() < L::BYTES) __trap();
     const u32 base = smem_u32(smem);
-    const u32 s_k = base + L::K, s_v = base + L::V, s_ds = base + L::DS;
+    const u32 s_k = base + L::K, s_v = base + L::V, s_ds = base + L::DS, s_xchg = base + L::XCHG;
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int key_group = warp / WARPS_D, d_part = warp % WARPS_D;
@@ -374,90 +377,102 @@ flash_bwd_dkdv_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __
         const float* s_lse = reinterpret_cast<const float*>(smem + L::LSE) + stage * BLOCK_M;
         const float* s_delta = reinterpret_cast<const float*>(smem + L::DELTA) + stage * BLOCK_M;
 
-        const bool partial = visible.partial(m0, BLOCK_M, n0, BLOCK_N);
+        // Steps 1-6 per sub-block of M_SUB query columns, one after the other: the S^T and dP^T
+        // fragments of a sub-block are what the registers left by dK_j, dV_j can hold.
+#pragma unroll 1
+        for (int mc0 = 0; mc0 < BLOCK_M; mc0 += M_SUB) {
+            const u32 s_q_sub = s_q + mc0 * (D_TILE * 2), s_do_sub = s_do + mc0 * (D_TILE * 2);
+            const int m0_sub = m0 + mc0;
+            const bool partial = visible.partial(m0_sub, M_SUB, n0, BLOCK_N);
 
-        // Step 1: S^T = K_j Q_i^T for this warp's key rows (over its head-dim slice if WARPS_D = 2).
-        float s_acc[BLOCK_M / 8][4];
-        zero(s_acc);
-        mma_ABt<T, BLOCK_M, DW, D_TILE, D_TILE>(s_acc, s_k, row0, s_q, d_part * DW, lane);
-        if constexpr (WARPS_D == 2) swap_partial_sums<BLOCK_M / 8>(s_acc, base + L::XCHG, L::XCHG_WARP, warp, key_group, lane);
+            // Step 1: S^T = K_j Q^T for this warp's key rows (over its head-dim slice if WARPS_D = 2).
+            float s_acc[M_SUB / 8][4];
+            zero(s_acc);
+            mma_ABt<T, M_SUB, DW, D_TILE, D_TILE>(s_acc, s_k, row0, s_q_sub, d_part * DW, lane);
+            if constexpr (WARPS_D == 2) swap_partial_sums(s_acc, s_xchg, L::XCHG_WARP, warp, key_group, lane);
 
-        // Step 2: P^T = exp2(S^T scale log2(e) - lse log2(e)); entry (key row, query column), so lse
-        // is per column. Hidden entries are set to 0 by selection, not multiplication, so that a
-        // non-finite score there cannot leak.
+            // Step 2: P^T = exp2(S^T scale log2(e) - lse log2(e)); entries are (key row, query
+            // column), so lse is per column. Hidden entries are set to 0 by selection, not by
+            // multiplication, so that a non-finite score there cannot leak.
 #pragma unroll
-        for (int j = 0; j < BLOCK_M / 8; ++j) {
-            const int c = 8 * j + 2 * (lane % 4);
-            const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + c);
-            const float base_log2[2] = {lse_base_log2(lse2.x), lse_base_log2(lse2.y)};
+            for (int j = 0; j < M_SUB / 8; ++j) {
+                const int c = 8 * j + 2 * (lane % 4);
+                const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + mc0 + c);
+                const float base_log2[2] = {lse_base_log2(lse2.x), lse_base_log2(lse2.y)};
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float p = exp2_approx(fmaf(s_acc[j][e], scale_log2, -base_log2[e & 1]));
-                const bool hidden = partial && !visible(m0 + c + (e & 1), n0 + row0 + lane / 4 + 8 * (e >> 1));
-                s_acc[j][e] = hidden ? 0.f : p;
-            }
-        }
-
-        // Step 3: dV_j += P^T dO_i on this warp's head-dim slice.
-        {
-            u32 p_frag[BLOCK_M / 16][4];
-            pack_a_frags<T, BLOCK_M>(p_frag, s_acc);
-            mma_AB_regs<T, DW, BLOCK_M, D_TILE>(dv_acc, p_frag, s_do, d_part * DW, lane);
-        }
-
-        // Step 4: dP^T = V_j dO_i^T.
-        float dp_acc[BLOCK_M / 8][4];
-        zero(dp_acc);
-        mma_ABt<T, BLOCK_M, DW, D_TILE, D_TILE>(dp_acc, s_v, row0, s_do, d_part * DW, lane);
-        if constexpr (WARPS_D == 2) swap_partial_sums<BLOCK_M / 8>(dp_acc, base + L::XCHG + BLOCK_M / 8 * 512, L::XCHG_WARP, warp, key_group, lane);
-
-        // Step 5: dS^T = P^T o (dP^T - D), D per column; P^T is 0 where hidden.
-#pragma unroll
-        for (int j = 0; j < BLOCK_M / 8; ++j) {
-            const float2 d2 = *reinterpret_cast<const float2*>(s_delta + 8 * j + 2 * (lane % 4));
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float ds = s_acc[j][e] * (dp_acc[j][e] - ((e & 1) ? d2.y : d2.x));
-                const bool hidden = partial && !visible(m0 + 8 * j + 2 * (lane % 4) + (e & 1),
-                                                        n0 + row0 + lane / 4 + 8 * (e >> 1));
-                dp_acc[j][e] = hidden ? 0.f : ds;
-            }
-        }
-        u32 ds_frag[BLOCK_M / 16][4];
-        pack_a_frags<T, BLOCK_M>(ds_frag, dp_acc);
-
-        // Step 6: dK_j += dS^T Q_i.
-        mma_AB_regs<T, DW, BLOCK_M, D_TILE>(dk_acc, ds_frag, s_q, d_part * DW, lane);
-
-        // Step 7 (ATOMIC_DQ): dq_accum_i += dS K_j. dS^T goes to shared memory (one warp of each
-        // pair holds the same values and writes them); warps then tile dQ_i by 16 query rows x
-        // DQ_COLS columns and reduce over all BLOCK_N keys.
-        if constexpr (ATOMIC_DQ) {
-            if (d_part == 0) {
-                const int r = row0 + lane / 4, c = 2 * (lane % 4);
-#pragma unroll
-                for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
-                    st_shared_b32(s_ds + tile_offset<BLOCK_M>(r, 2 * kk) + 2 * c, ds_frag[kk][0]);
-                    st_shared_b32(s_ds + tile_offset<BLOCK_M>(r + 8, 2 * kk) + 2 * c, ds_frag[kk][1]);
-                    st_shared_b32(s_ds + tile_offset<BLOCK_M>(r, 2 * kk + 1) + 2 * c, ds_frag[kk][2]);
-                    st_shared_b32(s_ds + tile_offset<BLOCK_M>(r + 8, 2 * kk + 1) + 2 * c, ds_frag[kk][3]);
+                for (int e = 0; e < 4; ++e) {
+                    const float p = exp2_approx(fmaf(s_acc[j][e], scale_log2, -base_log2[e & 1]));
+                    const bool hidden = partial && !visible(m0_sub + c + (e & 1), n0 + row0 + lane / 4 + 8 * (e >> 1));
+                    s_acc[j][e] = hidden ? 0.f : p;
                 }
             }
+
+            // Step 3: dV_j += P^T dO on this warp's head-dim slice.
+            {
+                u32 p_frag[M_SUB / 16][4];
+                pack_a_frags<T, M_SUB>(p_frag, s_acc);
+                mma_AB_regs<T, DW, M_SUB, D_TILE>(dv_acc, p_frag, s_do_sub, d_part * DW, lane);
+            }
+
+            // Step 4: dP^T = V_j dO^T.
+            float dp_acc[M_SUB / 8][4];
+            zero(dp_acc);
+            mma_ABt<T, M_SUB, DW, D_TILE, D_TILE>(dp_acc, s_v, row0, s_do_sub, d_part * DW, lane);
+            if constexpr (WARPS_D == 2)
+                swap_partial_sums(dp_acc, s_xchg + M_SUB / 8 * 512, L::XCHG_WARP, warp, key_group, lane);
+
+            // Step 5: dS^T = P^T o (dP^T - D), D per column (P^T is already 0 where hidden).
+#pragma unroll
+            for (int j = 0; j < M_SUB / 8; ++j) {
+                const int c = 8 * j + 2 * (lane % 4);
+                const float2 d2 = *reinterpret_cast<const float2*>(s_delta + mc0 + c);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float ds = s_acc[j][e] * (dp_acc[j][e] - ((e & 1) ? d2.y : d2.x));
+                    const bool hidden = partial && !visible(m0_sub + c + (e & 1), n0 + row0 + lane / 4 + 8 * (e >> 1));
+                    dp_acc[j][e] = hidden ? 0.f : ds;
+                }
+            }
+            u32 ds_frag[M_SUB / 16][4];
+            pack_a_frags<T, M_SUB>(ds_frag, dp_acc);
+
+            // Step 6: dK_j += dS^T Q.
+            mma_AB_regs<T, DW, M_SUB, D_TILE>(dk_acc, ds_frag, s_q_sub, d_part * DW, lane);
+
+            // dS^T to shared memory for step 7 (both warps of a pair hold the same values).
+            if (ATOMIC_DQ && d_part == 0) {
+                const int r = row0 + lane / 4, c = 2 * (lane % 4);
+#pragma unroll
+                for (int kk = 0; kk < M_SUB / 16; ++kk) {
+                    const int chunk = mc0 / 8 + 2 * kk;
+                    st_shared_b32(s_ds + tile_offset<BLOCK_M>(r, chunk) + 2 * c, ds_frag[kk][0]);
+                    st_shared_b32(s_ds + tile_offset<BLOCK_M>(r + 8, chunk) + 2 * c, ds_frag[kk][1]);
+                    st_shared_b32(s_ds + tile_offset<BLOCK_M>(r, chunk + 1) + 2 * c, ds_frag[kk][2]);
+                    st_shared_b32(s_ds + tile_offset<BLOCK_M>(r + 8, chunk + 1) + 2 * c, ds_frag[kk][3]);
+                }
+            }
+        }
+
+        // Step 7 (ATOMIC_DQ): dq_accum += dS K_j, dS read back from shared memory. Warps tile the
+        // query block by 16 rows x DQ_COLS columns, in passes of DQ_PASS columns (registers again),
+        // each reduced over all BLOCK_N keys and added to dq_accum by red.global.add.
+        if constexpr (ATOMIC_DQ) {
             __syncthreads();
-            const int q_row0 = 16 * (warp % DQ_WARPS_M), col0 = DQ_COLS * (warp / DQ_WARPS_M);
-            float dq_acc[DQ_COLS / 8][4];
-            zero(dq_acc);
-            mma_AtB<T, DQ_COLS, BLOCK_N, BLOCK_M, D_TILE>(dq_acc, s_ds, q_row0, s_k, col0, lane);
+            const int q_row0 = 16 * (warp % DQ_WARPS_M);
+            const int m_lo = m0 + q_row0 + lane / 4, m_hi = m_lo + 8;
             float* dqa = dq_accum + (i64)batch * dqa_sb + (i64)head * dqa_sh;
+#pragma unroll 1
+            for (int col0 = DQ_COLS * (warp / DQ_WARPS_M); col0 < DQ_COLS * (warp / DQ_WARPS_M + 1);
+                 col0 += DQ_PASS) {
+                float dq_acc[DQ_PASS / 8][4];
+                zero(dq_acc);
+                mma_AtB<T, DQ_PASS, BLOCK_N, BLOCK_M, D_TILE>(dq_acc, s_ds, q_row0, s_k, col0, lane);
 #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int m = m0 + q_row0 + lane / 4 + 8 * half;
-                if (m < seqlen_q) {
-#pragma unroll
-                    for (int j = 0; j < DQ_COLS / 8; ++j) {
-                        const int col = col0 + 8 * j + 2 * (lane % 4);
-                        if (col < headdim)
-                            red_add_f32x2(dqa + m * dqa_ss + col, dq_acc[j][2 * half], dq_acc[j][2 * half + 1]);
+                for (int j = 0; j < DQ_PASS / 8; ++j) {
+                    const int col = col0 + 8 * j + 2 * (lane % 4);
+                    if (col < headdim) {
+                        if (m_lo < seqlen_q) red_add_f32x2(dqa + m_lo * dqa_ss + col, dq_acc[j][0], dq_acc[j][1]);
+                        if (m_hi < seqlen_q) red_add_f32x2(dqa + m_hi * dqa_ss + col, dq_acc[j][2], dq_acc[j][3]);
                     }
                 }
             }

@@ -153,7 +153,7 @@ __device__ __forceinline__ void softmax_rescale(float (&s)[M_STRIPS][N_FRAGS][4]
 
 // P rounded to 16 bits, packed as mma A fragments: the accumulator fragments of key columns
 // 16kk..16kk+15 (fragments 2kk, 2kk+1) are the A fragment of k-step kk (see mma.cuh). Packing
-// the whole tile before P V ends the fp32 S registers' lives before the O updates start.
+// the whole tile first lets the fp32 S registers die before P V.
 template <typename T, int M_STRIPS, int N_FRAGS>
 __device__ __forceinline__ void pack_p(u32 (&p)[M_STRIPS][N_FRAGS / 2][4],
                                        const float (&s)[M_STRIPS][N_FRAGS][4]) {

@@ -4,10 +4,11 @@
 Imports nothing heavy: CuPy, PyTorch and matplotlib are loaded when a run needs them, so
 ``--help`` and ``--list`` work on a machine without a GPU.
 
-Modules: ``shapes`` (cases, FLOPs, presets), ``timing`` (CUDA events), ``inputs``,
-``runners`` (cupyflash) and ``torch_sdpa`` (anchors) as timed regions, ``standard``
-(materialised attention: memory baseline and float64 check), ``harness`` (the sweep),
-``memory``, ``decode``, ``results`` (JSON), ``table`` (text, Markdown), ``plot``, ``cli``.
+Modules: ``shapes`` (cases, FLOPs, presets), ``impls`` (what is compared), ``inputs``,
+``runners`` (cupyflash) and ``torch_sdpa`` (the anchors) as timed regions, ``timing`` (CUDA
+events), ``standard`` (materialised attention: memory baseline and float64 check),
+``harness`` (the sweep), ``memory``, ``decode``, ``environment``, ``results`` (JSON),
+``table`` (text, Markdown), ``plot``, ``progress``, ``cli``.
 """
 from .cli import main
 

@@ -119,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     how.add_argument("--warmup", type=_positive,
                      help="warm-up calls after the compiling one (default 1)")
     how.add_argument("--seed", type=int, default=0)
+    how.add_argument("--nondeterministic", action="store_true",
+                     help="cupyflash backward with deterministic=False (dq by atomics, as "
+                          "FlashAttention-2 does)")
     how.add_argument("--no-validate", action="store_true",
                      help="skip the float64 check of each cupyflash result")
     out = p.add_argument_group("output")
@@ -198,14 +201,15 @@ def plan_text(plan: Plan) -> str:
 
 def _config(args, plan: Plan) -> dict:
     return {
-        "argv": vars(args),
+        "options": vars(args),
         "policy": asdict(plan.policy),
         "implementations": [asdict(i) for i in plan.impls()],
         "timing": "CUDA events per repeat, median; spin kernel holds the stream while repeats "
                   "are enqueued; input sets rotated against L2",
         "torch_backward": "out.backward(do, retain_graph=True), grads of q, k, v set to None "
                           "(untimed, host-side) before each backward",
-        "cupyflash_backward": "flash_attn_backward alone, o and lse precomputed",
+        "cupyflash_backward": "flash_attn_backward alone, o and lse precomputed, "
+                              f"deterministic={not args.nondeterministic}",
     }
 
 
@@ -227,7 +231,7 @@ def run(plan: Plan, args, *, err=sys.stderr):
             notes.append(f"PyTorch anchors omitted: {reason}. cupyflash alone.")
             plan.anchors = []
     harness = Harness(impls=plan.impls(), policy=plan.policy, validate=not args.no_validate,
-                      seed=args.seed)
+                      seed=args.seed, deterministic=not args.nondeterministic)
     if plan.anchors:
         harness.bridge = TorchBridge(torch, harness.stream)
     report = Report(environment=collect(torch), config=_config(args, plan), notes=notes)

@@ -28,8 +28,6 @@ def measure_copy(harness, nbytes: int = COPY_BYTES) -> CopyRecord:
 
         # One pair of buffers: at gigabytes, far beyond L2, there is nothing to rotate for.
         timing = time_region(run, 1, policy=harness.policy, stream=harness.stream)
-    del src, dst
-    harness.release_memory()
     return CopyRecord(nbytes, timing)
 
 
@@ -42,6 +40,7 @@ def measure_decode(harness, cases, progress):
     except Exception as exc:
         copy = None
         notes.append(f"device-to-device copy not measured: {type(exc).__name__}: {exc}")
+    harness.release_memory()
     progress.step("decode · device-to-device copy: "
                   + ("failed" if copy is None else f"{copy.tbps:.2f} TB/s"))
     return measurements, copy, notes

@@ -36,7 +36,7 @@ class Harness:
     """Runs implementations on cases, on one CuPy stream that torch shares (see torch_sdpa)."""
 
     def __init__(self, *, impls, policy: RepeatPolicy, bridge=None, validate: bool = True,
-                 seed: int = 0, softmax_scale=None):
+                 seed: int = 0, softmax_scale=None, deterministic: bool = True):
         import cupy
 
         self.stream = cupy.cuda.Stream(non_blocking=True)
@@ -47,6 +47,7 @@ class Harness:
         self.validate = validate
         self.seed = seed
         self.softmax_scale = softmax_scale
+        self.deterministic = deterministic  # cupyflash's backward
         self._validations: dict = {}
 
     def input_sets(self, case):
@@ -60,7 +61,8 @@ class Harness:
 
     def runner(self, impl, case, inputs):
         if impl.family == "cupyflash":
-            return cupyflash_runner(impl.backend, case, inputs, softmax_scale=self.softmax_scale)
+            return cupyflash_runner(impl.backend, case, inputs, softmax_scale=self.softmax_scale,
+                                    deterministic=self.deterministic)
         if self.bridge is None:
             raise Rejected("torch is not available")
         from .torch_sdpa import sdpa_runner
@@ -77,7 +79,8 @@ class Harness:
         key = (impl.label, case.shape_key, case.causal, grads)
         if key not in self._validations:
             s = inputs[0]
-            outputs = cupyflash_outputs(impl.backend, case, s, softmax_scale=self.softmax_scale)
+            outputs = cupyflash_outputs(impl.backend, case, s, softmax_scale=self.softmax_scale,
+                                        deterministic=self.deterministic)
             self._validations[key] = validate(
                 outputs, s.q, s.k, s.v, s.do if grads else None, dtype=case.dtype,
                 softmax_scale=self.softmax_scale, causal=case.causal)

@@ -16,6 +16,9 @@ class Impl:
     description: str
 
 
+# Label of the standard (materialised) attention, the baseline of --memory.
+STANDARD = "standard"
+
 # Backends timed on the device. "numpy" runs on the host, which CUDA events cannot time.
 HOST_BACKENDS = ("numpy",)
 
@@ -30,13 +33,14 @@ TORCH_ANCHORS = (
 
 
 def cupyflash_impls(backends) -> list[Impl]:
-    """One implementation per cupyflash backend; "auto" is labelled plain "cupyflash"."""
+    """One implementation per cupyflash backend; "auto" is labelled plain "cupyflash", the
+    others "cupyflash[backend]"."""
     impls = []
     for backend in backends:
         if backend in HOST_BACKENDS:
             raise ValueError(f"backend {backend!r} runs on the host; the benchmark times device "
                              "work with CUDA events")
-        label = "cupyflash" if backend == "auto" else f"cupyflash/{backend}"
+        label = "cupyflash" if backend == "auto" else f"cupyflash[{backend}]"
         impls.append(Impl(label, "cupyflash", backend,
                           f"cupyflash.flash_attn_func / flash_attn_backward, backend={backend!r}"))
     if len({i.label for i in impls}) != len(impls):

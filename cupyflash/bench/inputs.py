@@ -46,12 +46,12 @@ def make_input_sets(case: Case, n_sets: int, *, seed: int = 0) -> list[InputSet]
     dtype = device_dtype(case.dtype)
     q_shape = (case.batch, case.seqlen_q, case.nheads, case.headdim)
     kv_shape = (case.batch, case.seqlen_k, case.nheads_kv, case.headdim)
+    def normal(rng, shape):
+        return rng.standard_normal(shape, dtype=np.float32).astype(dtype, copy=False)
+
     sets = []
     for index in range(n_sets):
         rng = cupy.random.default_rng(seed * 1000 + index)
-
-        def normal(shape):
-            return rng.standard_normal(shape, dtype=np.float32).astype(dtype, copy=False)
-
-        sets.append(InputSet(normal(q_shape), normal(kv_shape), normal(kv_shape), normal(q_shape)))
+        sets.append(InputSet(normal(rng, q_shape), normal(rng, kv_shape), normal(rng, kv_shape),
+                             normal(rng, q_shape)))
     return sets

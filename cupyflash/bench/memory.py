@@ -14,12 +14,10 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from .impls import Rejected
+from .impls import STANDARD, Rejected
 from .inputs import device_dtype, make_input_sets
 from .results import MemoryRecord
-from .runners import REJECTIONS
-
-STANDARD = "standard"
+from .runners import REJECTIONS, api
 
 
 class _Skip(Exception):
@@ -57,14 +55,10 @@ def standard_score_bytes(case) -> int:
     return 4 * case.batch * case.nheads * case.seqlen_q * case.seqlen_k
 
 
-def _cupyflash_step(backend, case, s, scale):
-    import cupyflash
-
-    o, lse = cupyflash.flash_attn_func(s.q, s.k, s.v, softmax_scale=scale, causal=case.causal,
-                                       backend=backend, return_lse=True)
-    grads = cupyflash.flash_attn_backward(s.do, s.q, s.k, s.v, o, lse, softmax_scale=scale,
-                                          causal=case.causal, backend=backend)
-    return (o, lse, *grads)
+def _cupyflash_step(backend, case, s, scale, deterministic):
+    fwd, bwd = api(backend, case, softmax_scale=scale, deterministic=deterministic)
+    o, lse = fwd(s.q, s.k, s.v, return_lse=True)
+    return (o, lse, *bwd(s.do, s.q, s.k, s.v, o, lse))
 
 
 def _standard_step(case, s, scale):
@@ -103,8 +97,9 @@ def _peak_bytes(harness, impl, case, s) -> int:
                              warm_up=False)
     if impl.family == "cupyflash":
         try:
-            return _counted_peak(lambda: _cupyflash_step(impl.backend, case, s, scale),
-                                 harness.stream, warm_up=True)
+            return _counted_peak(
+                lambda: _cupyflash_step(impl.backend, case, s, scale, harness.deterministic),
+                harness.stream, warm_up=True)
         except REJECTIONS as exc:
             raise Rejected(f"{type(exc).__name__}: {exc}") from exc
     if harness.bridge is None:
@@ -122,18 +117,21 @@ def measure_memory(harness, cases, impls, progress) -> list[MemoryRecord]:
     for case in cases:
         with harness.stream:
             s = make_input_sets(case, 1, seed=harness.seed)[0]
-        for label, impl in [(impl.label, impl) for impl in impls] + [(STANDARD, None)]:
+        for impl in list(impls) + [None]:
+            label, family = (STANDARD, STANDARD) if impl is None else (impl.label, impl.family)
             try:
                 with harness.stream:
-                    record = MemoryRecord(case, label, "ok", _peak_bytes(harness, impl, case, s))
+                    peak = _peak_bytes(harness, impl, case, s)
+                record = MemoryRecord(case, label, family, "ok", peak)
             except _Skip as exc:
-                record = MemoryRecord(case, label, "skipped", reason=str(exc))
+                record = MemoryRecord(case, label, family, "skipped", reason=str(exc))
             except Rejected as exc:
-                record = MemoryRecord(case, label, "rejected", reason=str(exc))
+                record = MemoryRecord(case, label, family, "rejected", reason=str(exc))
             except cupy.cuda.memory.OutOfMemoryError as exc:
-                record = MemoryRecord(case, label, "oom", reason=str(exc))
+                record = MemoryRecord(case, label, family, "oom", reason=str(exc))
             except Exception as exc:
-                record = MemoryRecord(case, label, "error", reason=f"{type(exc).__name__}: {exc}")
+                record = MemoryRecord(case, label, family, "error",
+                                      reason=f"{type(exc).__name__}: {exc}")
             records.append(record)
             harness.release_memory()
             figure = (f"{record.peak_bytes / 2**20:,.0f} MiB" if record.status == "ok"

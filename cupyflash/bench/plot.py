@@ -102,8 +102,13 @@ def plot_memory(records, path) -> str | None:
         ax.plot(xs, ys, marker="o", label=label)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    seqlens = sorted({r.case.seqlen_q for r in records})
+    ax.set_xticks(seqlens, [format_size(s) for s in seqlens])
+    first = records[0].case
+    ax.set_title(f"{first.dtype} d{first.headdim} b{first.batch} h{first.nheads} "
+                 f"{'causal' if first.causal else 'full'} fwd+bwd", fontsize=9)
     ax.set_xlabel("seqlen")
-    ax.set_ylabel("extra peak MiB (fwd+bwd)")
+    ax.set_ylabel("extra peak memory, MiB")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.savefig(Path(path), dpi=120)

@@ -6,7 +6,7 @@ import time
 
 
 def format_duration(seconds: float) -> str:
-    seconds = int(round(max(seconds, 0.0)))
+    seconds = round(max(seconds, 0.0))
     minutes, seconds = divmod(seconds, 60)
     return f"{minutes}:{seconds:02d}"
 

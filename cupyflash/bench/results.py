@@ -65,13 +65,15 @@ class MemoryRecord:
     """Extra peak device memory of one forward+backward."""
 
     case: Case
-    label: str  # an Impl label, or "standard"
+    label: str  # an Impl label, or impls.STANDARD
+    family: str  # "cupyflash", "torch" or "standard"
     status: str  # "ok", "rejected", "error", "oom", "skipped"
     peak_bytes: int | None = None
     reason: str = ""
 
     def to_json(self) -> dict:
-        return {**asdict(self.case), "impl": self.label, "status": self.status,
+        return {**asdict(self.case), "impl": self.label, "family": self.family,
+                "status": self.status,
                 "peak_bytes": self.peak_bytes,
                 "peak_mib": None if self.peak_bytes is None else self.peak_bytes / 2**20,
                 "reason": self.reason}

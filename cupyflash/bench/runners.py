@@ -23,19 +23,21 @@ from .shapes import Case
 REJECTIONS = (ValueError, NotImplementedError, TypeError)
 
 
-def _api(backend: str, case: Case, softmax_scale):
+def api(backend: str, case: Case, *, softmax_scale=None, deterministic=True):
+    """(forward, backward) of the public API with this case's options bound."""
     import cupyflash
 
     fwd = functools.partial(cupyflash.flash_attn_func, softmax_scale=softmax_scale,
                             causal=case.causal, backend=backend)
     bwd = functools.partial(cupyflash.flash_attn_backward, softmax_scale=softmax_scale,
-                            causal=case.causal, backend=backend)
+                            causal=case.causal, backend=backend, deterministic=deterministic)
     return fwd, bwd
 
 
 @contextmanager
-def cupyflash_runner(backend: str, case: Case, inputs, *, softmax_scale=None):
-    fwd, bwd = _api(backend, case, softmax_scale)
+def cupyflash_runner(backend: str, case: Case, inputs, *, softmax_scale=None,
+                     deterministic=True):
+    fwd, bwd = api(backend, case, softmax_scale=softmax_scale, deterministic=deterministic)
     try:
         if case.mode == "fwd":
             def run(i):
@@ -59,9 +61,10 @@ def cupyflash_runner(backend: str, case: Case, inputs, *, softmax_scale=None):
     yield run
 
 
-def cupyflash_outputs(backend: str, case: Case, inputs, *, softmax_scale=None) -> dict:
+def cupyflash_outputs(backend: str, case: Case, inputs, *, softmax_scale=None,
+                      deterministic=True) -> dict:
     """o and lse, plus dq, dk, dv unless the case is forward-only, for one input set."""
-    fwd, bwd = _api(backend, case, softmax_scale)
+    fwd, bwd = api(backend, case, softmax_scale=softmax_scale, deterministic=deterministic)
     o, lse = fwd(inputs.q, inputs.k, inputs.v, return_lse=True)
     outputs = {"o": o, "lse": lse}
     if case.mode != "fwd":

@@ -6,8 +6,7 @@ shape of the work changes with seqlen and headdim.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32"}
@@ -230,11 +229,3 @@ def format_size(n: int) -> str:
     if n >= 1024 and n % 1024 == 0:
         return f"{n // 1024}k"
     return str(n)
-
-
-def total_flops(cases) -> float:
-    return math.fsum(c.flops for c in cases)
-
-
-def with_mode(case: Case, mode: str) -> Case:
-    return replace(case, mode=mode)

@@ -162,26 +162,47 @@ def resource_usage(cubin: bytes, with_sass: bool = False) -> dict[str, dict]:
     return usage
 
 
-def check(arch: str, specs: list[Specialization] | None = None, with_sass: bool = False) -> list[Resources]:
-    """Compile ``specs`` (default: all) for ``sm_<arch>``; resources per specialization."""
+def _check_group(source_file: str, group: list[Specialization], arch: str, with_sass: bool) -> list[Resources]:
+    expressions = sorted({s.expression for s in group})
+    cubin, mangled, log = compile_cubin(source_file, expressions, arch)
+    usage = resource_usage(cubin, with_sass)
+    spills = spills_from_log(log)
+    results = []
+    for spec in group:
+        u = usage.get(mangled[spec.expression])
+        if u is None:
+            raise RuntimeError(f"{spec.name}: no resource line for {mangled[spec.expression]}")
+        stack, stores, loads = spills.get(mangled[spec.expression], (0, 0, 0))
+        results.append(Resources(spec.name, mangled[spec.expression], u["registers"],
+                                 u["shared"], stack, stores + loads, u["sass"]))
+    return results
+
+
+def check_archs(archs, specs: list[Specialization] | None = None,
+                with_sass: bool = False) -> dict[str, list[Resources]]:
+    """{arch: resources} for ``specs`` (default: all) compiled for each ``sm_<arch>``.
+
+    One NVRTC program per (source file, arch), compiled on a thread each: ctypes releases the GIL
+    during the call, so the programs build in parallel on every core.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
     specs = all_specializations() if specs is None else specs
     by_file: dict[str, list[Specialization]] = defaultdict(list)
     for spec in specs:
         by_file[spec.source_file].append(spec)
-    results = []
-    for source_file, group in by_file.items():
-        expressions = sorted({s.expression for s in group})
-        cubin, mangled, log = compile_cubin(source_file, expressions, arch)
-        usage = resource_usage(cubin, with_sass)
-        spills = spills_from_log(log)
-        for spec in group:
-            u = usage.get(mangled[spec.expression])
-            stack, stores, loads = spills.get(mangled[spec.expression], (0, 0, 0))
-            if u is None:
-                raise RuntimeError(f"{spec.name}: no resource line for {mangled[spec.expression]}")
-            results.append(Resources(spec.name, mangled[spec.expression], u["registers"],
-                                     u["shared"], stack, stores + loads, u["sass"]))
+    jobs = [(arch, f, group) for arch in archs for f, group in by_file.items()]
+    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+        futures = [(arch, pool.submit(_check_group, f, group, arch, with_sass)) for arch, f, group in jobs]
+        results: dict[str, list[Resources]] = {arch: [] for arch in archs}
+        for arch, future in futures:
+            results[arch].extend(future.result())
     return results
+
+
+def check(arch: str, specs: list[Specialization] | None = None, with_sass: bool = False) -> list[Resources]:
+    """Compile ``specs`` (default: all) for ``sm_<arch>``; resources per specialization."""
+    return check_archs([arch], specs, with_sass)[arch]
 
 
 def main(argv=None) -> int:
@@ -192,8 +213,8 @@ def main(argv=None) -> int:
     parser.add_argument("--arch", action="append", help="e.g. 80, 90, 90a (default: 80 and 90)")
     args = parser.parse_args(argv)
     failures = 0
-    for arch in args.arch or ["80", "90"]:
-        for r in check(arch):
+    for arch, results in check_archs(args.arch or ["80", "90"]).items():
+        for r in results:
             flag = "SPILL" if r.spill_bytes else ""
             failures += bool(r.spill_bytes)
             print(f"sm_{arch:4} {r.name:70} regs {r.registers:4} stack {r.stack_bytes:5} "

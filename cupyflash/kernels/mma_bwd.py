@@ -25,10 +25,10 @@ from .._dtypes import dtype_name
 
 D_TILES = (64, 128, 256)
 
-# D_TILE -> (BLOCK_M, BLOCK_N, NWARPS, WARPS_D); BLOCK_N = 16 * NWARPS / WARPS_D.
-DKDV_CONFIG = {64: (64, 128, 8, 1), 128: (64, 128, 8, 1), 256: (32, 64, 8, 2)}
+# D_TILE -> (BLOCK_M, M_SUB, BLOCK_N, NWARPS, WARPS_D); BLOCK_N = 16 * NWARPS / WARPS_D.
+DKDV_CONFIG = {64: (64, 64, 128, 8, 1), 128: (64, 32, 128, 8, 1), 256: (32, 16, 64, 8, 2)}
 # D_TILE -> (BLOCK_M, BLOCK_N, NWARPS); BLOCK_M = 16 * NWARPS.
-DQ_CONFIG = {64: (64, 64, 4), 128: (64, 64, 4), 256: (64, 32, 4)}
+DQ_CONFIG = {64: (64, 64, 4), 128: (128, 64, 8), 256: (64, 32, 4)}
 CONVERT_THREADS = 256
 
 _CTYPE = {"float16": "cf::half_t", "bfloat16": "cf::bf16_t"}
@@ -54,12 +54,13 @@ def d_tile(headdim: int) -> int:
     raise ValueError(f"headdim {headdim} > {D_TILES[-1]}")
 
 
-def dkdv_smem_bytes(dt: int, block_m: int, block_n: int, nwarps: int, warps_d: int, atomic_dq: bool) -> int:
+def dkdv_smem_bytes(dt: int, block_m: int, m_sub: int, block_n: int, nwarps: int, warps_d: int,
+                    atomic_dq: bool) -> int:
     """Mirror of DkdvSmem<...>::BYTES in flash_bwd_mma.cu."""
     kv = 2 * block_n * dt * 2  # K, V
     qdo = 2 * 2 * block_m * dt * 2  # Q, dO, two stages each
     ds = block_n * block_m * 2 if atomic_dq else 0
-    xchg = nwarps * 2 * (block_m // 8) * 32 * 16 if warps_d > 1 else 0
+    xchg = nwarps * 2 * (m_sub // 8) * 32 * 16 if warps_d > 1 else 0
     stats = 2 * 2 * block_m * 4  # lse, D, two stages each
     return kv + qdo + ds + xchg + stats
 
@@ -76,13 +77,13 @@ def _flag(x: bool) -> str:
 def dkdv_spec(dtype, headdim: int, causal: bool, atomic_dq: bool) -> Specialization:
     name = dtype_name(dtype)
     dt = d_tile(headdim)
-    bm, bn, nw, wd = DKDV_CONFIG[dt]
+    bm, ms, bn, nw, wd = DKDV_CONFIG[dt]
     spec_name = (f"flash_bwd_dkdv_mma_{_SHORT[name]}_hdim{dt}_{'causal' if causal else 'full'}"
-                 f"_bm{bm}_bn{bn}_w{nw}_wd{wd}{'_dqatomic' if atomic_dq else ''}")
-    expression = (f"cf::flash_bwd_dkdv_mma<{_CTYPE[name]}, {dt}, {_flag(causal)}, {bm}, {bn}, {nw}, {wd}, "
-                  f"{_flag(atomic_dq)}>")
+                 f"_bm{bm}_ms{ms}_bn{bn}_w{nw}_wd{wd}{'_dqatomic' if atomic_dq else ''}")
+    expression = (f"cf::flash_bwd_dkdv_mma<{_CTYPE[name]}, {dt}, {_flag(causal)}, {bm}, {ms}, {bn}, {nw}, "
+                  f"{wd}, {_flag(atomic_dq)}>")
     return Specialization(spec_name, _SOURCE, expression, nw * 32,
-                          dkdv_smem_bytes(dt, bm, bn, nw, wd, atomic_dq))
+                          dkdv_smem_bytes(dt, bm, ms, bn, nw, wd, atomic_dq))
 
 
 def dq_spec(dtype, headdim: int, causal: bool) -> Specialization:
@@ -147,7 +148,7 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
     scales = (np.float32(softmax_scale * LOG2E), np.float32(softmax_scale))
     common = (np.int32(seqlen_q), np.int32(seqlen_k), np.int32(nheads), np.int32(nheads // nheads_kv),
               np.int32(headdim), *_strides(q), *_strides(k), *_strides(v), *_strides(do))
-    bn = DKDV_CONFIG[dt][1]
+    bn = DKDV_CONFIG[dt][2]
     dkdv_grid = (math.ceil(seqlen_k / bn), nheads_kv, batch)
 
     if deterministic:

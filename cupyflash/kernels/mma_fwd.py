@@ -43,12 +43,12 @@ class FwdConfig:
 # Registers per thread are dominated by the fp32 accumulators: O is strips x D_TILE / 2 and S is
 # strips x BLOCK_N / 2 per thread (strips = BLOCK_M / (16 warps)). Two strips per warp halve the
 # shared-memory reads of K and V per flop, as in FlashAttention-2, but cost registers; every entry
-# below compiles without spills for sm_80 and sm_90 (see tests/test_compile_check or
+# below compiles without spills for sm_80 and sm_90 (see tests/kernels/test_compile_check.py or
 # ``python -m cupyflash compile-check``). Two blocks per SM fit (registers and shared memory) for
 # D_TILE 64 and 128; D_TILE 256 keeps BLOCK_N = 32 so that its 128 KiB also fit an A100.
 CONFIGS = {
-    64: FwdConfig(block_m=128, block_n=64, warps=4, q_in_regs=False),
-    128: FwdConfig(block_m=128, block_n=32, warps=4, q_in_regs=False),
+    64: FwdConfig(block_m=128, block_n=64, warps=4, q_in_regs=False, min_blocks=2),
+    128: FwdConfig(block_m=128, block_n=32, warps=4, q_in_regs=False, min_blocks=2),
     256: FwdConfig(block_m=128, block_n=32, warps=8, q_in_regs=False),
 }
 
@@ -57,7 +57,8 @@ CONFIGS = {
 # 150 bytes, reloaded once per key block), the 8-warp variants give each warp one 16-row strip.
 CANDIDATES = {
     64: (FwdConfig(128, 64, 8, False, min_blocks=2), FwdConfig(128, 128, 4, False)),
-    128: (FwdConfig(128, 64, 4, False), FwdConfig(128, 64, 8, False), FwdConfig(128, 32, 4, False, stages=3)),
+    128: (FwdConfig(128, 64, 4, False, min_blocks=2), FwdConfig(128, 64, 8, False),
+          FwdConfig(128, 32, 4, False, stages=3, min_blocks=2)),
     256: (FwdConfig(128, 64, 8, False),),  # 192 KiB of shared memory: sm_90 only
 }
 
@@ -126,6 +127,8 @@ def forward(q, k, v, o, lse, *, softmax_scale: float, causal: bool, config: FwdC
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     if batch == 0 or seqlen_q == 0 or nheads == 0:
         return
+    if lse.dtype != np.float32 or not lse.flags.c_contiguous or lse.shape != (batch, nheads, seqlen_q):
+        raise ValueError("cupyflash: lse must be a C-contiguous float32 (batch, nheads, seqlen_q) array")
     spec = specialization(q.dtype, headdim, causal, config)
     block_m = (config or CONFIGS[d_tile(headdim)]).block_m
     grid = (math.ceil(seqlen_q / block_m), nheads, batch)

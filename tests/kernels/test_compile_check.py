@@ -16,9 +16,14 @@ needs_nvrtc = pytest.mark.skipif(not HAVE_NVRTC or compile_check.find_cuobjdump(
                                  reason="NVRTC or cuobjdump not installed (pip install '.[test]')")
 
 
-@pytest.fixture(scope="module", params=["80", "90"])
-def compiled(request):
-    return request.param, compile_check.check(request.param, with_sass=True)
+@pytest.fixture(scope="module")
+def compiled_all():
+    return compile_check.check_archs(["80", "90"], with_sass=True)
+
+
+@pytest.fixture(params=["80", "90"])
+def compiled(request, compiled_all):
+    return request.param, compiled_all[request.param]
 
 
 @needs_nvrtc

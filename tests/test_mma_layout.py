@@ -1,0 +1,1047 @@
+"""NumPy emulation of the tensor-core kernels' index math (runs on CPU, no GPU).
+
+The PTX semantics of ldmatrix and mma.sync.m16n8k16 are written down once here, from the PTX ISA
+("Warp-level matrix load instruction: ldmatrix", "Matrix Fragments for mma.m16n8k16"). The index
+math of kernels_cu/mma.cuh and of the kernels (swizzle, per-lane ldmatrix addresses, cp.async
+tile copies, accumulator -> A-fragment repacking, masks, epilogue) is mirrored line by line in
+Python and checked against those semantics and against plain float64 attention. A bug in a
+fragment layout then shows up here as an O(1) error instead of on the GPU.
+
+Forward-kernel tests are named ``test_fwd_*``, backward-kernel tests ``test_bwd_*``.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+LANES = np.arange(32)
+GROUP = LANES // 4  # g: row (A, C) or column (B) of a lane's fragment elements
+THREAD_IN_GROUP = LANES % 4  # t
+
+
+# ---------------------------------------------------------------------------------------------
+# PTX semantics (ground truth)
+# ---------------------------------------------------------------------------------------------
+
+def ldmatrix_x4(smem: np.ndarray, addr: np.ndarray, trans: bool = False) -> np.ndarray:
+    """ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16 on a shared memory of 16-bit slots.
+
+    ``addr``: byte address supplied by each of the 32 lanes (lanes 8i..8i+7 give the rows of
+    matrix i). Returns regs[lane, i, half]: half 0 is the low 16 bits of register i."""
+    assert addr.shape == (32,) and np.all(addr % 16 == 0)
+    regs = np.empty((32, 4, 2), dtype=smem.dtype)
+    for i in range(4):
+        row_start = addr[8 * i: 8 * i + 8] // 2  # element index of each matrix row
+        for half in range(2):
+            if not trans:  # lane l: row l/4, columns 2(l%4), 2(l%4)+1
+                regs[:, i, half] = smem[row_start[GROUP] + 2 * THREAD_IN_GROUP + half]
+            else:  # lane l: rows 2(l%4), 2(l%4)+1, column l/4
+                regs[:, i, half] = smem[row_start[2 * THREAD_IN_GROUP + half] + GROUP]
+    return regs
+
+
+def a_matrix(a: np.ndarray) -> np.ndarray:
+    """The 16 x 16 A operand held by per-lane fragments a[lane, reg, half]."""
+    m = np.full((16, 16), np.nan)
+    g, t = GROUP, THREAD_IN_GROUP
+    for half in range(2):
+        m[g, 2 * t + half] = a[:, 0, half]
+        m[g + 8, 2 * t + half] = a[:, 1, half]
+        m[g, 2 * t + 8 + half] = a[:, 2, half]
+        m[g + 8, 2 * t + 8 + half] = a[:, 3, half]
+    assert not np.isnan(m).any()
+    return m
+
+
+def b_matrix(b0: np.ndarray, b1: np.ndarray) -> np.ndarray:
+    """The 16 x 8 (k x n) B operand held by per-lane fragments b0[lane, half], b1[lane, half]."""
+    m = np.full((16, 8), np.nan)
+    g, t = GROUP, THREAD_IN_GROUP
+    for half in range(2):
+        m[2 * t + half, g] = b0[:, half]
+        m[2 * t + 8 + half, g] = b1[:, half]
+    assert not np.isnan(m).any()
+    return m
+
+
+def c_from_matrix(d: np.ndarray) -> np.ndarray:
+    """Per-lane accumulator fragments c[lane, 4] of a 16 x 8 matrix."""
+    g, t = GROUP, THREAD_IN_GROUP
+    return np.stack([d[g, 2 * t], d[g, 2 * t + 1], d[g + 8, 2 * t], d[g + 8, 2 * t + 1]], axis=1)
+
+
+def mma_16816(acc: np.ndarray, a: np.ndarray, b0: np.ndarray, b1: np.ndarray) -> None:
+    """acc[lane, 4] += A B for mma.sync.aligned.m16n8k16.row.col (fp32 accumulate)."""
+    acc += c_from_matrix(a_matrix(a) @ b_matrix(b0, b1))
+
+
+def quad_reduce(x: np.ndarray, op) -> np.ndarray:
+    """shfl_xor over offsets 2 and 1 (cf::group_max<4> / group_sum<4>) on per-lane values."""
+    for offset in (2, 1):
+        x = op(x, x[LANES ^ offset])
+    return x
+
+
+# ---------------------------------------------------------------------------------------------
+# Mirror of kernels_cu/mma.cuh
+# ---------------------------------------------------------------------------------------------
+
+def swizzled_offset(dim: int, row, chunk):
+    assert dim % 64 == 0
+    return (row * (dim // 8) + (chunk ^ (row & 7))) * 16
+
+
+class FragmentAddress:
+    def __init__(self, dim: int, lane_row, lane_chunk):
+        self.row_bytes = 2 * dim
+        self.row_offset = lane_row * self.row_bytes
+        self.chunk_xor = (lane_chunk ^ (lane_row & 7)) * 16
+
+    def __call__(self, tile: int, r: int, c: int):
+        return (tile + self.row_offset + (self.chunk_xor ^ ((2 * c & 7) * 16))
+                + r * 16 * self.row_bytes + (c >> 2) * 128)
+
+
+def a_operand_address(dim: int, strip_row0: int = 0) -> FragmentAddress:
+    """A from a row-major tile (Q), and B = V read with .trans: lane_row = lane % 16, chunk = lane / 16."""
+    return FragmentAddress(dim, strip_row0 + (LANES & 15), LANES >> 4)
+
+
+def k_operand_address(dim: int) -> FragmentAddress:
+    """B = K^T from a row-major [key][dim] tile."""
+    return FragmentAddress(dim, ((LANES >> 4) << 3) + (LANES & 7), (LANES >> 3) & 1)
+
+
+def cp_async_tile(smem, smem_tile: int, rows: int, dim: int, nthreads: int, gmem: np.ndarray,
+                  row_start: int, rows_valid: int, headdim: int, written=None) -> None:
+    """Every thread's copies of cf::cp_async_tile; gmem is the (seqlen, headdim) slice and the
+    tile starts at its row row_start. ``written`` (optional) counts writes per 16-byte slot."""
+    chunks = dim // 8
+    row_step = nthreads // chunks
+    assert nthreads % chunks == 0 and rows % row_step == 0
+    for thread in range(nthreads):
+        row0, chunk = thread // chunks, thread % chunks
+        rows_left = rows_valid - row0 if chunk * 8 < headdim else 0
+        for i in range(rows // row_step):
+            valid = i * row_step < rows_left
+            if row_step % 8 == 0:
+                dst = smem_tile + swizzled_offset(dim, row0, chunk) + i * row_step * dim * 2
+            else:
+                dst = smem_tile + swizzled_offset(dim, row0 + i * row_step, chunk)
+            row = row_start + row0 + i * row_step
+            smem[dst // 2: dst // 2 + 8] = gmem[row, chunk * 8: chunk * 8 + 8] if valid else 0
+            if written is not None:
+                written[dst // 16] += 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Tests of the shared helpers
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dim", [64, 128, 256])
+def test_fwd_swizzle_is_a_bijection_within_rows(dim):
+    rows = np.arange(64)[:, None]
+    chunks = np.arange(dim // 8)[None, :]
+    off = swizzled_offset(dim, rows, chunks)
+    assert sorted(off.ravel().tolist()) == list(range(0, 64 * dim * 2, 16))
+    assert np.all(off // (2 * dim) == rows)  # a chunk never leaves its row
+
+
+@pytest.mark.parametrize("dim", [64, 128, 256])
+def test_fwd_ldmatrix_phases_are_bank_conflict_free(dim):
+    # ldmatrix serves 8 lanes' 16-byte rows per phase: their 8 chunks must cover all 32 banks.
+    for fa in (a_operand_address(dim), k_operand_address(dim)):
+        for r in range(2):
+            for c in range(dim // 16):
+                addr = fa(0, r, c)
+                for phase in range(4):
+                    banks = {(a // 4 + w) % 32 for a in addr[8 * phase: 8 * phase + 8] for w in range(4)}
+                    assert len(banks) == 32
+
+
+@pytest.mark.parametrize("dim", [64, 128, 256])
+def test_fwd_fragment_address_matches_swizzle(dim):
+    for lane_row, lane_chunk in ((LANES & 15, LANES >> 4), (((LANES >> 4) << 3) + (LANES & 7), (LANES >> 3) & 1)):
+        for strip in (0, 16, 48):
+            fa = FragmentAddress(dim, strip + lane_row, lane_chunk)
+            for r in range(4):
+                for c in range(dim // 16):
+                    want = swizzled_offset(dim, strip + 16 * r + lane_row, 2 * c + lane_chunk)
+                    assert np.array_equal(fa(1024, r, c), 1024 + want)
+
+
+@pytest.mark.parametrize("rows, dim, nthreads", [(64, 64, 128), (32, 128, 128), (128, 128, 128),
+                                                 (32, 256, 256), (128, 256, 256), (64, 256, 128)])
+def test_fwd_cp_async_tile_writes_each_slot_once(rows, dim, nthreads):
+    rng = np.random.default_rng(0)
+    for rows_valid, headdim in ((rows, dim), (rows - 5, dim - 8), (3, 8)):
+        g = rng.standard_normal((rows, dim))
+        smem = np.full(rows * dim, np.nan)
+        written = np.zeros(rows * dim // 8, dtype=int)
+        cp_async_tile(smem, 0, rows, dim, nthreads, g, 0, rows_valid, headdim, written)
+        assert np.all(written == 1)
+        want = np.where((np.arange(rows)[:, None] < rows_valid) & (np.arange(dim)[None, :] < headdim), g, 0)
+        got = np.empty((rows, dim))
+        for r in range(rows):
+            for c in range(dim // 8):
+                o = swizzled_offset(dim, r, c) // 2
+                got[r, 8 * c: 8 * c + 8] = smem[o: o + 8]
+        assert np.array_equal(got, want)
+
+
+def _load_tile(rows, dim, values):
+    smem = np.zeros(rows * dim)
+    cp_async_tile(smem, 0, rows, dim, 128 if dim < 256 else 256, values, 0, rows, dim)
+    return smem
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+def test_fwd_qk_fragments_give_q_k_transposed(dim):
+    rng = np.random.default_rng(1)
+    q, k = rng.standard_normal((16, dim)), rng.standard_normal((32, dim))
+    sq, sk = _load_tile(16, dim, q), _load_tile(32, dim, k)
+    a_addr, k_addr = a_operand_address(dim), k_operand_address(dim)
+    s = np.zeros((32, 4, 4))  # 4 fragments of 8 keys
+    for kk in range(dim // 16):
+        a = ldmatrix_x4(sq, a_addr(0, 0, kk))
+        for f in range(0, 4, 2):
+            b = ldmatrix_x4(sk, k_addr(0, f // 2, kk))
+            mma_16816(s[:, f], a, b[:, 0], b[:, 1])
+            mma_16816(s[:, f + 1], a, b[:, 2], b[:, 3])
+    want = q @ k.T
+    for f in range(4):
+        np.testing.assert_allclose(s[:, f], c_from_matrix(want[:, 8 * f: 8 * f + 8]), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+def test_fwd_pv_fragments_repack_accumulators(dim):
+    rng = np.random.default_rng(2)
+    p, v = rng.standard_normal((16, 32)), rng.standard_normal((32, dim))
+    sv = _load_tile(32, dim, v)
+    s = np.stack([c_from_matrix(p[:, 8 * f: 8 * f + 8]) for f in range(4)], axis=1)  # (32, 4, 4)
+    packed = _pack_p(s[:, None])[:, 0]  # (32, 2, 4, 2)
+    v_addr = a_operand_address(dim)
+    o = np.zeros((32, dim // 8, 4))
+    for kk in range(2):
+        for f in range(0, dim // 8, 2):
+            b = ldmatrix_x4(sv, v_addr(0, kk, f // 2), trans=True)
+            mma_16816(o[:, f], packed[:, kk], b[:, 0], b[:, 1])
+            mma_16816(o[:, f + 1], packed[:, kk], b[:, 2], b[:, 3])
+    want = p @ v
+    for f in range(dim // 8):
+        np.testing.assert_allclose(o[:, f], c_from_matrix(want[:, 8 * f: 8 * f + 8]), rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# Mirror of kernels_cu/flash_fwd_mma.cu (one warp's registers as arrays with a leading lane axis)
+# ---------------------------------------------------------------------------------------------
+
+def _pack_p(s):
+    """pack_p: s[lane, strip, fragment, 4] -> A fragments [lane, strip, kstep, reg, half]."""
+    lanes, strips, n_frags, _ = s.shape
+    p = np.empty((lanes, strips, n_frags // 2, 4, 2))
+    for kk in range(n_frags // 2):
+        p[:, :, kk, 0] = s[:, :, 2 * kk, 0:2]
+        p[:, :, kk, 1] = s[:, :, 2 * kk, 2:4]
+        p[:, :, kk, 2] = s[:, :, 2 * kk + 1, 0:2]
+        p[:, :, kk, 3] = s[:, :, 2 * kk + 1, 2:4]
+    return p
+
+
+def _fwd_block(q, k, v, o, lse, *, batch, head, m_block, group, scale_log2, causal,
+               d_tile, block_m, block_n, warps, stages, q_in_regs):
+    """One thread block of flash_fwd_mma, in float64 (no 16-bit rounding)."""
+    seqlen_q, seqlen_k, headdim = q.shape[1], k.shape[1], q.shape[3]
+    nthreads, strips = 32 * warps, block_m // (16 * warps)
+    n_frags, d_frags = block_n // 8, d_tile // 8
+    q_bytes, kv_tile_bytes = block_m * d_tile * 2, block_n * d_tile * 2
+    smem = np.full((q_bytes + stages * 2 * kv_tile_bytes) // 2, np.nan)  # 16-bit slots
+    k_tile = lambda stage: q_bytes + stage * 2 * kv_tile_bytes
+    v_tile = lambda stage: k_tile(stage) + kv_tile_bytes
+
+    head_kv = head // group
+    m0 = m_block * block_m
+    n_end = min(seqlen_k, max(0, m0 + block_m + seqlen_k - seqlen_q)) if causal else seqlen_k
+    n_blocks = (n_end + block_n - 1) // block_n
+    first_masked_key = min(seqlen_k, max(0, m0 + 1 + seqlen_k - seqlen_q)) if causal else seqlen_k
+    qs, ks, vs = q[batch, :, head], k[batch, :, head_kv], v[batch, :, head_kv]
+
+    def load_kv_tile(block, stage):
+        n0 = block * block_n
+        cp_async_tile(smem, k_tile(stage), block_n, d_tile, nthreads, ks, n0, seqlen_k - n0, headdim)
+        cp_async_tile(smem, v_tile(stage), block_n, d_tile, nthreads, vs, n0, seqlen_k - n0, headdim)
+
+    cp_async_tile(smem, 0, block_m, d_tile, nthreads, qs, m0, seqlen_q - m0, headdim)
+    for j in range(stages - 1):
+        if j < n_blocks:
+            load_kv_tile(j, j)
+
+    a_addr, k_addr = a_operand_address(d_tile), k_operand_address(d_tile)
+    state = []
+    for warp in range(warps):
+        strip_row0 = warp * 16 * strips
+        q_strips = strip_row0 * d_tile * 2
+        q_frag = None
+        if q_in_regs:
+            q_frag = [[ldmatrix_x4(smem, a_addr(q_strips, i, kk)) for kk in range(d_tile // 16)]
+                      for i in range(strips)]
+        state.append(dict(strip_row0=strip_row0, q_strips=q_strips, q_frag=q_frag,
+                          o=np.zeros((32, strips, d_frags, 4)),
+                          m=np.full((32, strips, 2), -np.inf), l=np.zeros((32, strips, 2))))
+
+    for j in range(n_blocks):
+        stage = j % stages
+        ahead = j + stages - 1
+        if ahead < n_blocks:
+            load_kv_tile(ahead, ahead % stages)
+        n0 = j * block_n
+        masked = n0 + block_n > first_masked_key
+        for w in state:
+            # mma_qk
+            s = np.zeros((32, strips, n_frags, 4))
+            for kk in range(d_tile // 16):
+                a = [w["q_frag"][i][kk] if q_in_regs else ldmatrix_x4(smem, a_addr(w["q_strips"], i, kk))
+                     for i in range(strips)]
+                for f in range(0, n_frags, 2):
+                    b = ldmatrix_x4(smem, k_addr(k_tile(stage), f // 2, kk))
+                    for i in range(strips):
+                        mma_16816(s[:, i, f], a[i], b[:, 0], b[:, 1])
+                        mma_16816(s[:, i, f + 1], a[i], b[:, 2], b[:, 3])
+            # scale_and_mask
+            s *= scale_log2
+            if masked:
+                for i in range(strips):
+                    for h in range(2):
+                        row = m0 + w["strip_row0"] + 16 * i + 8 * h + GROUP
+                        key_end = np.minimum(seqlen_k, row + 1 + seqlen_k - seqlen_q) if causal else seqlen_k
+                        for f in range(n_frags):
+                            for e in range(2):
+                                key = n0 + 8 * f + 2 * THREAD_IN_GROUP + e
+                                s[:, i, f, 2 * h + e] = np.where(key >= key_end, -np.inf, s[:, i, f, 2 * h + e])
+            # row_max, softmax_rescale
+            for i in range(strips):
+                for h in range(2):
+                    block_max = quad_reduce(s[:, i, :, 2 * h: 2 * h + 2].max(axis=(1, 2)), np.maximum)
+                    m_new = np.maximum(w["m"][:, i, h], block_max)
+                    base = np.where(m_new == -np.inf, 0.0, m_new)
+                    rescale = np.exp2(w["m"][:, i, h] - base)
+                    w["m"][:, i, h] = m_new
+                    p = np.exp2(s[:, i, :, 2 * h: 2 * h + 2] - base[:, None, None])
+                    s[:, i, :, 2 * h: 2 * h + 2] = p
+                    w["l"][:, i, h] = w["l"][:, i, h] * rescale + p.sum(axis=(1, 2))
+                    w["o"][:, i, :, 2 * h: 2 * h + 2] *= rescale[:, None, None]
+            # pack_p, mma_pv
+            p = _pack_p(s)
+            for kk in range(n_frags // 2):
+                for f in range(0, d_frags, 2):
+                    b = ldmatrix_x4(smem, a_addr(v_tile(stage), kk, f // 2), trans=True)
+                    for i in range(strips):
+                        mma_16816(w["o"][:, i, f], p[:, i, kk], b[:, 0], b[:, 1])
+                        mma_16816(w["o"][:, i, f + 1], p[:, i, kk], b[:, 2], b[:, 3])
+
+    # store_o, staging through the Q tile
+    for w in state:
+        strip_row0 = w["strip_row0"]
+        for i in range(strips):
+            for h in range(2):
+                l_row = quad_reduce(w["l"][:, i, h], np.add)
+                inv_l = np.where(l_row > 0, 1.0 / np.where(l_row > 0, l_row, 1.0), 0.0)
+                row = strip_row0 + 16 * i + 8 * h + GROUP
+                writes = (THREAD_IN_GROUP == 0) & (m0 + row < seqlen_q)
+                with np.errstate(divide="ignore"):
+                    value = np.where(l_row > 0, (w["m"][:, i, h] + np.log2(l_row)) * math.log(2), -np.inf)
+                lse[batch, head, (m0 + row)[writes]] = value[writes]
+                for f in range(d_frags):
+                    addr = swizzled_offset(d_tile, row, f) + 4 * THREAD_IN_GROUP
+                    smem[addr // 2] = w["o"][:, i, f, 2 * h] * inv_l
+                    smem[addr // 2 + 1] = w["o"][:, i, f, 2 * h + 1] * inv_l
+        chunks = d_tile // 8
+        for it in range(16 * strips * chunks // 32):
+            idx = LANES + 32 * it
+            for lane in range(32):
+                row, chunk = strip_row0 + idx[lane] // chunks, idx[lane] % chunks
+                if m0 + row < seqlen_q and chunk * 8 < headdim:
+                    src = swizzled_offset(d_tile, row, chunk) // 2
+                    o[batch, m0 + row, head, chunk * 8: chunk * 8 + 8] = smem[src: src + 8]
+
+
+def _fwd_emulated(q, k, v, *, causal, scale, d_tile, block_m, block_n, warps, stages=2, q_in_regs=False):
+    batch, seqlen_q, nheads, headdim = q.shape
+    o = np.full(q.shape, np.nan)
+    lse = np.full((batch, nheads, seqlen_q), np.nan)
+    for b in range(batch):
+        for h in range(nheads):
+            for m_block in range(math.ceil(seqlen_q / block_m)):
+                _fwd_block(q, k, v, o, lse, batch=b, head=h, m_block=m_block, group=nheads // k.shape[2],
+                           scale_log2=scale * math.log2(math.e), causal=causal, d_tile=d_tile,
+                           block_m=block_m, block_n=block_n, warps=warps, stages=stages, q_in_regs=q_in_regs)
+    return o, lse
+
+
+def _attention_reference(q, k, v, *, causal, scale):
+    """float64 attention with the project's conventions (bottom-right causal, empty rows -> 0, -inf)."""
+    batch, seqlen_q, nheads, headdim = q.shape
+    seqlen_k, group = k.shape[1], nheads // k.shape[2]
+    kk = np.repeat(k, group, axis=2)
+    vv = np.repeat(v, group, axis=2)
+    s = np.einsum("bqhd,bkhd->bhqk", q, kk) * scale
+    if causal:
+        visible = np.arange(seqlen_k)[None, :] <= np.arange(seqlen_q)[:, None] + seqlen_k - seqlen_q
+        s = np.where(visible, s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    p = np.exp(s - np.where(np.isfinite(m), m, 0.0))
+    l = p.sum(axis=-1, keepdims=True)
+    o = np.einsum("bhqk,bkhd->bqhd", p / np.where(l > 0, l, 1.0), vv)
+    with np.errstate(divide="ignore"):
+        lse = np.where(l[..., 0] > 0, np.log(np.where(l[..., 0] > 0, l[..., 0], 1.0)) + m[..., 0], -np.inf)
+    return o, lse
+
+
+# The default configurations of cupyflash.kernels.mma_fwd plus the register-resident Q and
+# 3-stage variants; small head dims inside each D_TILE exercise the zero-filled columns.
+_FWD_CASES = [
+    # (d_tile, block_m, block_n, warps, stages, q_in_regs, headdim, batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal)
+    (64, 128, 64, 4, 2, False, 40, 1, 150, 97, 2, 1, False),
+    (64, 128, 64, 4, 2, False, 64, 1, 70, 200, 1, 1, True),
+    (64, 128, 64, 4, 2, False, 64, 2, 200, 137, 1, 1, True),  # row 127 sees exactly key 64
+    (64, 128, 64, 8, 2, True, 56, 1, 130, 130, 1, 1, True),
+    (128, 128, 32, 4, 2, False, 96, 1, 140, 75, 2, 2, False),
+    (128, 128, 32, 4, 3, False, 128, 1, 200, 60, 1, 1, True),  # seqlen_q > seqlen_k: empty rows
+    (256, 128, 32, 8, 2, False, 136, 1, 40, 70, 1, 1, True),
+]
+
+
+@pytest.mark.parametrize("case", _FWD_CASES, ids=lambda c: "d{0}_bm{1}_bn{2}_w{3}_s{4}_{5}_hd{6}".format(
+    *c[:5], "qreg" if c[5] else "qsmem", c[6]) + ("_causal" if c[-1] else ""))
+def test_fwd_block_emulation_matches_reference(case):
+    d_tile, block_m, block_n, warps, stages, q_in_regs, headdim, batch, sq, sk, nheads, nheads_kv, causal = case
+    rng = np.random.default_rng(sum(case[:8]))
+    q = rng.standard_normal((batch, sq, nheads, headdim))
+    k = rng.standard_normal((batch, sk, nheads_kv, headdim))
+    v = rng.standard_normal((batch, sk, nheads_kv, headdim))
+    scale = 1 / math.sqrt(headdim)
+    o, lse = _fwd_emulated(q, k, v, causal=causal, scale=scale, d_tile=d_tile, block_m=block_m,
+                           block_n=block_n, warps=warps, stages=stages, q_in_regs=q_in_regs)
+    o_ref, lse_ref = _attention_reference(q, k, v, causal=causal, scale=scale)
+    assert not np.isnan(o).any() and not np.isnan(lse).any(), "some output element was never written"
+    np.testing.assert_allclose(o, o_ref, rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(lse, lse_ref, rtol=1e-10, atol=1e-10)
+    if causal and sq > sk:
+        empty = sq - sk  # rows that see no key
+        assert np.all(o[:, :empty] == 0) and np.all(lse[:, :, :empty] == -np.inf)
+
+
+# ---------------------------------------------------------------------------------------------
+# Mirror of kernels_cu/flash_bwd_mma.cu (backward). Registers are arrays with a leading lane
+# axis; a CTA is emulated phase by phase (all warps do one step, then the next), in the order
+# the kernel's barriers impose. Everything is float64 (no 16-bit rounding), so the emulated
+# gradients must match the float64 reference to ~1e-10: any index error is O(1).
+# ---------------------------------------------------------------------------------------------
+
+LDM_ROW_X, LDM_CHUNK_X = LANES & 15, LANES >> 4
+LDM_ROW_Y, LDM_CHUNK_Y = (LANES & 7) + ((LANES >> 4) << 3), (LANES >> 3) & 1
+
+
+def bwd_tile_offset(cols: int, row, chunk):
+    """tile_offset<COLS>: mma.cuh's swizzle for rows >= 128 bytes, (row / 2) % 4 for 64-byte rows."""
+    if cols >= 64:
+        return swizzled_offset(cols, row, chunk)
+    assert cols == 32
+    return (row * 4 + (chunk ^ ((row >> 1) & 3))) * 16
+
+
+def bwd_tile_step(cols: int, lane_off, rows: int, chunks: int):
+    if cols >= 64:
+        return (lane_off ^ ((chunks & 7) * 16)) + rows * cols * 2 + (chunks >> 3) * 128
+    assert chunks == 0
+    return lane_off + rows * cols * 2
+
+
+def bwd_mma_ABt(acc, smem, n, k, dim_a, dim_b, tile_a, a_row0, tile_b, k0):
+    a_lane = bwd_tile_offset(dim_a, a_row0 + LDM_ROW_X, k0 // 8 + LDM_CHUNK_X)
+    b_lane = bwd_tile_offset(dim_b, LDM_ROW_Y, k0 // 8 + LDM_CHUNK_Y)
+    for kk in range(k // 16):
+        a = ldmatrix_x4(smem, tile_a + bwd_tile_step(dim_a, a_lane, 0, 2 * kk))
+        for nn in range(n // 16):
+            b = ldmatrix_x4(smem, tile_b + bwd_tile_step(dim_b, b_lane, 16 * nn, 2 * kk))
+            mma_16816(acc[:, 2 * nn], a, b[:, 0], b[:, 1])
+            mma_16816(acc[:, 2 * nn + 1], a, b[:, 2], b[:, 3])
+
+
+def bwd_mma_AB_regs(acc, a, smem, n, k, dim_b, tile_b, b_col0):
+    b_lane = bwd_tile_offset(dim_b, LDM_ROW_X, b_col0 // 8 + LDM_CHUNK_X)
+    for kk in range(k // 16):
+        for nn in range(n // 16):
+            b = ldmatrix_x4(smem, tile_b + bwd_tile_step(dim_b, b_lane, 16 * kk, 2 * nn), trans=True)
+            mma_16816(acc[:, 2 * nn], a[:, kk], b[:, 0], b[:, 1])
+            mma_16816(acc[:, 2 * nn + 1], a[:, kk], b[:, 2], b[:, 3])
+
+
+def bwd_mma_AtB(acc, smem, n, k, dim_a, dim_b, tile_a, a_col0, tile_b, b_col0):
+    a_lane = bwd_tile_offset(dim_a, LDM_ROW_Y, a_col0 // 8 + LDM_CHUNK_Y)
+    b_lane = bwd_tile_offset(dim_b, LDM_ROW_X, b_col0 // 8 + LDM_CHUNK_X)
+    for kk in range(k // 16):
+        a = ldmatrix_x4(smem, tile_a + bwd_tile_step(dim_a, a_lane, 16 * kk, 0), trans=True)
+        for nn in range(n // 16):
+            b = ldmatrix_x4(smem, tile_b + bwd_tile_step(dim_b, b_lane, 16 * kk, 2 * nn), trans=True)
+            mma_16816(acc[:, 2 * nn], a, b[:, 0], b[:, 1])
+            mma_16816(acc[:, 2 * nn + 1], a, b[:, 2], b[:, 3])
+
+
+def bwd_pack_a_frags(c):
+    """pack_a_frags: c[lane, K/8, 4] -> A fragments [lane, K/16, reg, half] (half 0 = lo)."""
+    a = np.empty((32, c.shape[1] // 2, 4, 2))
+    a[:, :, 0], a[:, :, 1] = c[:, 0::2, 0:2], c[:, 0::2, 2:4]
+    a[:, :, 2], a[:, :, 3] = c[:, 1::2, 0:2], c[:, 1::2, 2:4]
+    return a
+
+
+def bwd_store_fragment_pairs(smem, tile, cols, row0, col0, pairs):
+    """st_shared_b32 of {lo, hi} at (row0 + lane/4, col0 + 2 (lane%4)); pairs[lane, 2]."""
+    addr = tile + bwd_tile_offset(cols, row0 + GROUP, col0 // 8) + 2 * (2 * THREAD_IN_GROUP)
+    assert np.all(addr % 4 == 0)
+    smem[addr // 2], smem[addr // 2 + 1] = pairs[:, 0], pairs[:, 1]
+
+
+def bwd_stage_acc(smem, tile, dim, row0, col0, acc, mult):
+    for j in range(acc.shape[1]):
+        bwd_store_fragment_pairs(smem, tile, dim, row0, col0 + 8 * j, acc[:, j, 0:2] * mult)
+        bwd_store_fragment_pairs(smem, tile, dim, row0 + 8, col0 + 8 * j, acc[:, j, 2:4] * mult)
+
+
+def bwd_store_tile(out_rows, smem, tile, rows, dim, nthreads, rows_valid, headdim):
+    """store_tile: out_rows[r] (a (rows_valid, headdim) view) from the swizzled tile."""
+    chunks = dim // 8
+    assert (rows * chunks) % nthreads == 0
+    for i in range(rows * chunks // nthreads):
+        for thread in range(nthreads):
+            idx = thread + i * nthreads
+            row, chunk = idx // chunks, idx % chunks
+            if row < rows_valid and chunk * 8 < headdim:
+                src = (tile + bwd_tile_offset(dim, row, chunk)) // 2
+                out_rows[row, chunk * 8: chunk * 8 + 8] = smem[src: src + 8]
+
+
+def bwd_dkdv_layout(d_tile, block_m, m_sub, block_n, nwarps, warps_d, atomic_dq):
+    """DkdvSmem<...> of flash_bwd_mma.cu, field by field."""
+    kv_tile, q_tile = block_n * d_tile * 2, block_m * d_tile * 2
+    lay = dict(KV_TILE=kv_tile, Q_TILE=q_tile, K=0)
+    lay["V"] = lay["K"] + kv_tile
+    lay["Q"] = lay["V"] + kv_tile
+    lay["DO"] = lay["Q"] + 2 * q_tile
+    lay["DS"] = lay["DO"] + 2 * q_tile
+    lay["XCHG"] = lay["DS"] + (block_n * block_m * 2 if atomic_dq else 0)
+    lay["XCHG_WARP"] = 2 * (m_sub // 8) * 32 * 16 if warps_d > 1 else 0
+    lay["LSE"] = lay["XCHG"] + nwarps * lay["XCHG_WARP"]
+    lay["DELTA"] = lay["LSE"] + 2 * block_m * 4
+    lay["BYTES"] = lay["DELTA"] + 2 * block_m * 4
+    return lay
+
+
+def bwd_dq_layout(d_tile, block_m, block_n):
+    """DqSmem<...> of flash_bwd_mma.cu."""
+    q_tile, kv_tile = block_m * d_tile * 2, block_n * d_tile * 2
+    lay = dict(Q_TILE=q_tile, KV_TILE=kv_tile, Q=0, DO=q_tile, K=2 * q_tile)
+    lay["V"] = lay["K"] + 2 * kv_tile
+    lay["BYTES"] = lay["V"] + 2 * kv_tile
+    return lay
+
+
+def _visible(m, n, seqlen_q, seqlen_k, causal):
+    return (m < seqlen_q) & (n < seqlen_k) & ((not causal) | (n <= m + seqlen_k - seqlen_q))
+
+
+def _partial(m0, bm, n0, bn, seqlen_q, seqlen_k, causal):
+    return m0 + bm > seqlen_q or n0 + bn > seqlen_k or (causal and n0 + bn - 1 > m0 + seqlen_k - seqlen_q)
+
+
+def _lse_base_log2(lse):
+    return np.where(lse == -np.inf, 0.0, lse * math.log2(math.e))
+
+
+def _dkdv_block(q, k, v, do, lse, delta, dk, dv, dq_accum, *, batch, head_kv, n_block, group, scale,
+                causal, d_tile, block_m, m_sub, block_n, nwarps, warps_d):
+    """One CTA of flash_bwd_dkdv_mma (dq_accum is None unless ATOMIC_DQ)."""
+    seqlen_q, nheads, headdim = q.shape[1], q.shape[2], q.shape[3]
+    seqlen_k = k.shape[1]
+    atomic_dq = dq_accum is not None
+    nthreads, dw = 32 * nwarps, d_tile // warps_d
+    dq_warps_m = block_m // 16
+    dq_cols = d_tile // (nwarps // dq_warps_m)
+    dq_pass = min(dq_cols, 32)
+    assert block_n == 16 * nwarps // warps_d and block_m % m_sub == 0
+    lay = bwd_dkdv_layout(d_tile, block_m, m_sub, block_n, nwarps, warps_d, atomic_dq)
+    smem = np.full(lay["BYTES"] // 2, np.nan)  # 16-bit tiles, by byte address // 2
+    smem32 = np.full(lay["BYTES"] // 4, np.nan)  # float slots (lse, D, partial sums), byte // 4
+    scale_log2 = scale * math.log2(math.e)
+    diag = seqlen_k - seqlen_q
+    n0 = n_block * block_n
+    m_block_first = max(0, n0 - diag) // block_m if causal else 0
+    m_blocks = max(0, (seqlen_q + block_m - 1) // block_m - m_block_first)
+    n_iters = group * m_blocks
+
+    def load_query_block(it, stage):
+        head = head_kv * group + it // m_blocks
+        m0 = (m_block_first + it % m_blocks) * block_m
+        cp_async_tile(smem, lay["Q"] + stage * lay["Q_TILE"], block_m, d_tile, nthreads, q[batch, :, head],
+                      m0, seqlen_q - m0, headdim)
+        cp_async_tile(smem, lay["DO"] + stage * lay["Q_TILE"], block_m, d_tile, nthreads, do[batch, :, head],
+                      m0, seqlen_q - m0, headdim)
+        for i in range(2 * block_m):
+            r, is_lse = i % block_m, i < block_m
+            dst = (lay["LSE"] if is_lse else lay["DELTA"]) + (stage * block_m + r) * 4
+            stats = (lse if is_lse else delta)[batch, head]
+            smem32[dst // 4] = stats[m0 + r] if m0 + r < seqlen_q else 0.0
+
+    cp_async_tile(smem, lay["K"], block_n, d_tile, nthreads, k[batch, :, head_kv], n0, seqlen_k - n0, headdim)
+    cp_async_tile(smem, lay["V"], block_n, d_tile, nthreads, v[batch, :, head_kv], n0, seqlen_k - n0, headdim)
+    if n_iters > 0:
+        load_query_block(0, 0)
+
+    warps = range(nwarps)
+    key_group = [w // warps_d for w in warps]
+    d_part = [w % warps_d for w in warps]
+    row0 = [16 * g for g in key_group]
+    dk_acc = np.zeros((nwarps, 32, dw // 8, 4))
+    dv_acc = np.zeros((nwarps, 32, dw // 8, 4))
+
+    def swap_partial_sums(acc, xchg):
+        for w in warps:  # all warps store, then the pair barrier, then all read
+            for j in range(acc.shape[2]):
+                slot = (xchg + w * lay["XCHG_WARP"] + LANES * 16 + j * 512) // 4
+                for e in range(4):
+                    smem32[slot + e] = acc[w, :, j, e]
+        theirs = np.empty_like(acc)
+        for w in warps:
+            for j in range(acc.shape[2]):
+                slot = (xchg + (w ^ 1) * lay["XCHG_WARP"] + LANES * 16 + j * 512) // 4
+                for e in range(4):
+                    theirs[w, :, j, e] = smem32[slot + e]
+        acc += theirs
+
+    for it in range(n_iters):
+        stage = it & 1
+        if it + 1 < n_iters:
+            load_query_block(it + 1, stage ^ 1)
+        head = head_kv * group + it // m_blocks
+        m0 = (m_block_first + it % m_blocks) * block_m
+        s_q, s_do = lay["Q"] + stage * lay["Q_TILE"], lay["DO"] + stage * lay["Q_TILE"]
+        s_lse, s_delta = (lay["LSE"] + stage * block_m * 4) // 4, (lay["DELTA"] + stage * block_m * 4) // 4
+        for mc0 in range(0, block_m, m_sub):
+            s_q_sub, s_do_sub = s_q + mc0 * d_tile * 2, s_do + mc0 * d_tile * 2
+            m0_sub = m0 + mc0
+            partial = _partial(m0_sub, m_sub, n0, block_n, seqlen_q, seqlen_k, causal)
+            # Step 1
+            s_acc = np.zeros((nwarps, 32, m_sub // 8, 4))
+            for w in warps:
+                bwd_mma_ABt(s_acc[w], smem, m_sub, dw, d_tile, d_tile, lay["K"], row0[w], s_q_sub, d_part[w] * dw)
+            if warps_d == 2:
+                swap_partial_sums(s_acc, lay["XCHG"])
+            # Step 2
+            hidden = np.zeros((nwarps, 32, m_sub // 8, 4), dtype=bool)
+            for w in warps:
+                for j in range(m_sub // 8):
+                    c = 8 * j + 2 * THREAD_IN_GROUP
+                    for e in range(4):
+                        base = _lse_base_log2(smem32[s_lse + mc0 + c + (e & 1)])
+                        p = np.exp2(s_acc[w, :, j, e] * scale_log2 - base)
+                        m = m0_sub + c + (e & 1)
+                        n = n0 + row0[w] + GROUP + 8 * (e >> 1)
+                        hidden[w, :, j, e] = partial & ~_visible(m, n, seqlen_q, seqlen_k, causal)
+                        s_acc[w, :, j, e] = np.where(hidden[w, :, j, e], 0.0, p)
+            # Step 3
+            for w in warps:
+                bwd_mma_AB_regs(dv_acc[w], bwd_pack_a_frags(s_acc[w]), smem, dw, m_sub, d_tile, s_do_sub,
+                                d_part[w] * dw)
+            # Step 4
+            dp_acc = np.zeros((nwarps, 32, m_sub // 8, 4))
+            for w in warps:
+                bwd_mma_ABt(dp_acc[w], smem, m_sub, dw, d_tile, d_tile, lay["V"], row0[w], s_do_sub, d_part[w] * dw)
+            if warps_d == 2:
+                swap_partial_sums(dp_acc, lay["XCHG"] + m_sub // 8 * 512)
+            # Step 5, 6 and the dS^T store
+            for w in warps:
+                for j in range(m_sub // 8):
+                    c = 8 * j + 2 * THREAD_IN_GROUP
+                    for e in range(4):
+                        d = smem32[s_delta + mc0 + c + (e & 1)]
+                        ds = s_acc[w, :, j, e] * (dp_acc[w, :, j, e] - d)
+                        dp_acc[w, :, j, e] = np.where(hidden[w, :, j, e], 0.0, ds)
+                ds_frag = bwd_pack_a_frags(dp_acc[w])
+                bwd_mma_AB_regs(dk_acc[w], ds_frag, smem, dw, m_sub, d_tile, s_q_sub, d_part[w] * dw)
+                if atomic_dq and d_part[w] == 0:
+                    for kk in range(m_sub // 16):
+                        col = mc0 + 16 * kk
+                        bwd_store_fragment_pairs(smem, lay["DS"], block_m, row0[w], col, ds_frag[:, kk, 0])
+                        bwd_store_fragment_pairs(smem, lay["DS"], block_m, row0[w] + 8, col, ds_frag[:, kk, 1])
+                        bwd_store_fragment_pairs(smem, lay["DS"], block_m, row0[w], col + 8, ds_frag[:, kk, 2])
+                        bwd_store_fragment_pairs(smem, lay["DS"], block_m, row0[w] + 8, col + 8, ds_frag[:, kk, 3])
+        # Step 7
+        if atomic_dq:
+            for w in warps:
+                q_row0 = 16 * (w % dq_warps_m)
+                m_lo = m0 + q_row0 + GROUP
+                for col0 in range(dq_cols * (w // dq_warps_m), dq_cols * (w // dq_warps_m + 1), dq_pass):
+                    dq_acc = np.zeros((32, dq_pass // 8, 4))
+                    bwd_mma_AtB(dq_acc, smem, dq_pass, block_n, block_m, d_tile, lay["DS"], q_row0, lay["K"], col0)
+                    for j in range(dq_pass // 8):
+                        col = col0 + 8 * j + 2 * THREAD_IN_GROUP
+                        for half, m in ((0, m_lo), (1, m_lo + 8)):
+                            for lane in np.flatnonzero((col < headdim) & (m < seqlen_q)):
+                                dq_accum[batch, m[lane], head, col[lane]] += dq_acc[lane, j, 2 * half]
+                                dq_accum[batch, m[lane], head, col[lane] + 1] += dq_acc[lane, j, 2 * half + 1]
+
+    # Epilogue
+    for w in warps:
+        bwd_stage_acc(smem, lay["K"], d_tile, row0[w], d_part[w] * dw, dk_acc[w], scale)
+        bwd_stage_acc(smem, lay["V"], d_tile, row0[w], d_part[w] * dw, dv_acc[w], 1.0)
+    bwd_store_tile(dk[batch, n0:, head_kv], smem, lay["K"], block_n, d_tile, nthreads, seqlen_k - n0, headdim)
+    bwd_store_tile(dv[batch, n0:, head_kv], smem, lay["V"], block_n, d_tile, nthreads, seqlen_k - n0, headdim)
+
+
+def _dq_block(q, k, v, do, lse, delta, dq, *, batch, head, m_block, group, scale, causal,
+              d_tile, block_m, block_n, nwarps):
+    """One CTA of flash_bwd_dq_mma."""
+    seqlen_q, headdim = q.shape[1], q.shape[3]
+    seqlen_k = k.shape[1]
+    nthreads = 32 * nwarps
+    assert block_m == 16 * nwarps
+    lay = bwd_dq_layout(d_tile, block_m, block_n)
+    smem = np.full(lay["BYTES"] // 2, np.nan)
+    scale_log2 = scale * math.log2(math.e)
+    diag = seqlen_k - seqlen_q
+    m0 = m_block * block_m
+    head_kv = head // group
+    n_end = min(seqlen_k, max(0, min(seqlen_q, m0 + block_m) + diag)) if causal else seqlen_k
+    n_blocks = (n_end + block_n - 1) // block_n
+
+    def load_key_block(it, stage):
+        n0 = it * block_n
+        cp_async_tile(smem, lay["K"] + stage * lay["KV_TILE"], block_n, d_tile, nthreads, k[batch, :, head_kv],
+                      n0, seqlen_k - n0, headdim)
+        cp_async_tile(smem, lay["V"] + stage * lay["KV_TILE"], block_n, d_tile, nthreads, v[batch, :, head_kv],
+                      n0, seqlen_k - n0, headdim)
+
+    cp_async_tile(smem, lay["Q"], block_m, d_tile, nthreads, q[batch, :, head], m0, seqlen_q - m0, headdim)
+    cp_async_tile(smem, lay["DO"], block_m, d_tile, nthreads, do[batch, :, head], m0, seqlen_q - m0, headdim)
+    if n_blocks > 0:
+        load_key_block(0, 0)
+
+    warps = range(nwarps)
+    stats = []
+    for w in warps:
+        base, d = [], []
+        for half in range(2):
+            m = m0 + 16 * w + GROUP + 8 * half
+            ok = m < seqlen_q
+            base.append(np.where(ok, _lse_base_log2(lse[batch, head, np.where(ok, m, 0)]), 0.0))
+            d.append(np.where(ok, delta[batch, head, np.where(ok, m, 0)], 0.0))
+        stats.append((base, d))
+    dq_acc = np.zeros((nwarps, 32, d_tile // 8, 4))
+
+    for it in range(n_blocks):
+        stage = it & 1
+        if it + 1 < n_blocks:
+            load_key_block(it + 1, stage ^ 1)
+        n0 = it * block_n
+        s_k, s_v = lay["K"] + stage * lay["KV_TILE"], lay["V"] + stage * lay["KV_TILE"]
+        partial = _partial(m0, block_m, n0, block_n, seqlen_q, seqlen_k, causal)
+        for w in warps:
+            s_acc = np.zeros((32, block_n // 8, 4))
+            dp_acc = np.zeros((32, block_n // 8, 4))
+            bwd_mma_ABt(s_acc, smem, block_n, d_tile, d_tile, d_tile, lay["Q"], 16 * w, s_k, 0)
+            bwd_mma_ABt(dp_acc, smem, block_n, d_tile, d_tile, d_tile, lay["DO"], 16 * w, s_v, 0)
+            base, d = stats[w]
+            for j in range(block_n // 8):
+                for e in range(4):
+                    p = np.exp2(s_acc[:, j, e] * scale_log2 - base[e >> 1])
+                    ds = p * (dp_acc[:, j, e] - d[e >> 1])
+                    hidden = partial & ~_visible(m0 + 16 * w + GROUP + 8 * (e >> 1),
+                                                 n0 + 8 * j + 2 * THREAD_IN_GROUP + (e & 1), seqlen_q, seqlen_k, causal)
+                    dp_acc[:, j, e] = np.where(hidden, 0.0, ds)
+            bwd_mma_AB_regs(dq_acc[w], bwd_pack_a_frags(dp_acc), smem, d_tile, block_n, d_tile, s_k, 0)
+
+    for w in warps:
+        bwd_stage_acc(smem, lay["Q"], d_tile, 16 * w, 0, dq_acc[w], scale)
+        rows = dq[batch, m0 + 16 * w:, head]
+        bwd_store_tile(rows, smem, lay["Q"] + bwd_tile_offset(d_tile, 16 * w, 0), 16, d_tile, 32,
+                       seqlen_q - m0 - 16 * w, headdim)
+
+
+def _bwd_emulated(q, k, v, do, *, causal, scale, dkdv_config, dq_config=None):
+    """dq, dk, dv from the emulated kernels; dq by flash_bwd_dq_mma when dq_config is given, else
+    by ATOMIC_DQ and flash_bwd_dq_convert."""
+    batch, seqlen_q, nheads, headdim = q.shape
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    group = nheads // nheads_kv
+    from cupyflash.reference import attention  # sums over visible keys only: NaN-safe
+
+    o, lse = attention(q, k, v, softmax_scale=scale, causal=causal)
+    delta = np.einsum("bqhd,bqhd->bhq", do, o)
+    d_tile, block_m, m_sub, block_n, nwarps, warps_d = dkdv_config
+    dq, dk, dv = np.full(q.shape, np.nan), np.full(k.shape, np.nan), np.full(v.shape, np.nan)
+    dq_accum = None if dq_config else np.zeros((batch, seqlen_q, nheads, d_tile))
+    for b in range(batch):
+        for hk in range(nheads_kv):
+            for n_block in range(math.ceil(seqlen_k / block_n)):
+                _dkdv_block(q, k, v, do, lse, delta, dk, dv, dq_accum, batch=b, head_kv=hk, n_block=n_block,
+                            group=group, scale=scale, causal=causal, d_tile=d_tile, block_m=block_m,
+                            m_sub=m_sub, block_n=block_n, nwarps=nwarps, warps_d=warps_d)
+    if dq_config:
+        dq_d_tile, dq_bm, dq_bn, dq_warps = dq_config
+        for b in range(batch):
+            for h in range(nheads):
+                for m_block in range(math.ceil(seqlen_q / dq_bm)):
+                    _dq_block(q, k, v, do, lse, delta, dq, batch=b, head=h, m_block=m_block, group=group,
+                              scale=scale, causal=causal, d_tile=dq_d_tile, block_m=dq_bm, block_n=dq_bn,
+                              nwarps=dq_warps)
+    else:  # flash_bwd_dq_convert: one thread per 8 columns
+        assert np.all(dq_accum[..., headdim:] == 0)
+        for idx in range(batch * seqlen_q * nheads * (headdim // 8)):
+            chunk, row_id = idx % (headdim // 8), idx // (headdim // 8)
+            h, m, b = row_id % nheads, (row_id // nheads) % seqlen_q, row_id // (nheads * seqlen_q)
+            dq[b, m, h, chunk * 8: chunk * 8 + 8] = dq_accum[b, m, h, chunk * 8: chunk * 8 + 8] * scale
+    return dq, dk, dv
+
+
+# (d_tile, block_m, m_sub, block_n, nwarps, warps_d) of cupyflash.kernels.mma_bwd.DKDV_CONFIG
+# and smaller variants of the same code paths (WARPS_D = 2 below head dim 256, 4 warps).
+_BWD_CASES = [
+    # dkdv config, dq config or None (atomic), headdim, batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal
+    ((64, 64, 64, 128, 8, 1), (64, 64, 64, 4), 40, 1, 70, 150, 2, 1, False),
+    ((64, 64, 64, 128, 8, 1), None, 64, 1, 150, 70, 1, 1, True),  # empty query rows
+    ((128, 64, 32, 128, 8, 1), (128, 128, 64, 8), 96, 1, 100, 130, 1, 1, True),
+    ((128, 64, 32, 128, 8, 1), None, 128, 1, 90, 90, 2, 2, True),
+    ((256, 32, 16, 64, 8, 2), (256, 64, 32, 4), 136, 1, 40, 70, 2, 1, True),
+    ((256, 32, 16, 64, 8, 2), None, 256, 1, 45, 33, 1, 1, False),
+    ((64, 32, 16, 32, 4, 2), None, 48, 2, 50, 40, 2, 1, True),
+    ((64, 64, 32, 64, 4, 1), (64, 64, 32, 4), 24, 1, 33, 97, 3, 1, True),
+    # query 63, the last row of query block 0, is the first to see key 0 (causal block skipping)
+    ((64, 64, 64, 128, 8, 1), None, 64, 1, 133, 70, 1, 1, True),
+    ((128, 64, 32, 128, 8, 1), (128, 128, 64, 8), 64, 1, 191, 256, 1, 1, True),
+]
+
+
+def _bwd_case_id(c):
+    dkdv, dq = c[0], c[1]
+    name = "d{}_bm{}_ms{}_bn{}_w{}_wd{}".format(*dkdv) + ("_dq_bm{1}_bn{2}_w{3}".format(*dq) if dq else "_atomic")
+    return name + "_hd{}_sq{}_sk{}_h{}_{}{}".format(c[2], c[4], c[5], c[6], c[7], "_causal" if c[8] else "")
+
+
+@pytest.mark.parametrize("case", _BWD_CASES, ids=_bwd_case_id)
+def test_bwd_emulation_matches_reference(case):
+    from cupyflash.reference import attention_backward
+
+    dkdv_config, dq_config, headdim, batch, sq, sk, nheads, nheads_kv, causal = case
+    rng = np.random.default_rng(sum(case[2:8]))
+    q = rng.standard_normal((batch, sq, nheads, headdim))
+    k = rng.standard_normal((batch, sk, nheads_kv, headdim))
+    v = rng.standard_normal((batch, sk, nheads_kv, headdim))
+    do = rng.standard_normal((batch, sq, nheads, headdim))
+    scale = 1 / math.sqrt(headdim)
+    dq, dk, dv = _bwd_emulated(q, k, v, do, causal=causal, scale=scale, dkdv_config=dkdv_config,
+                               dq_config=dq_config)
+    dq_ref, dk_ref, dv_ref = attention_backward(do, q, k, v, softmax_scale=scale, causal=causal)
+    for name, got, want in (("dq", dq, dq_ref), ("dk", dk, dk_ref), ("dv", dv, dv_ref)):
+        assert not np.isnan(got).any(), f"{name}: some element was never written"
+        np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9, err_msg=name)
+    if causal and sq > sk:
+        assert np.all(dq[:, : sq - sk] == 0)  # queries that see no key
+
+
+@pytest.mark.parametrize("cols", [32, 64, 128, 256])
+def test_bwd_tile_offset_is_a_bijection_within_rows(cols):
+    rows = np.arange(64)[:, None]
+    chunks = np.arange(cols // 8)[None, :]
+    off = bwd_tile_offset(cols, rows, chunks)
+    assert sorted(off.ravel().tolist()) == list(range(0, 64 * cols * 2, 16))
+    assert np.all(off // (2 * cols) == rows)
+
+
+def _conflict_free(byte_addrs, width):
+    """Whether accesses of `width` bytes per lane hit each 4-byte bank at most once per wavefront
+    (one wavefront = 128 bytes: 8 lanes of ldmatrix rows or 32 lanes of b32 stores)."""
+    banks = [(a // 4 + w) % 32 for a in byte_addrs for w in range(width // 4)]
+    return len(set(banks)) == len(banks)
+
+
+@pytest.mark.parametrize("cols", [32, 64, 128, 256])
+def test_bwd_ldmatrix_and_fragment_stores_are_bank_conflict_free(cols):
+    for row0 in (0, 16, 48):
+        for chunk0 in range(0, cols // 8, 2):
+            for lane_row, lane_chunk in ((LDM_ROW_X, LDM_CHUNK_X), (LDM_ROW_Y, LDM_CHUNK_Y)):
+                addr = bwd_tile_offset(cols, row0 + lane_row, chunk0 + lane_chunk)
+                for phase in range(4):
+                    assert _conflict_free(addr[8 * phase: 8 * phase + 8], 16)
+            for r in (row0, row0 + 8):  # st.shared.b32 of a C fragment pair (dS^T, epilogue)
+                assert _conflict_free(bwd_tile_offset(cols, r + GROUP, chunk0) + 4 * THREAD_IN_GROUP, 4)
+
+
+def test_bwd_tile_step_matches_tile_offset():
+    # Every (origin, step) combination the kernels use: origins are multiples of 16 rows and of
+    # 64 columns (k0) or of the product width N (column origins of B operands).
+    for cols in (32, 64, 128, 256):
+        for lane_row, lane_chunk in ((LDM_ROW_X, LDM_CHUNK_X), (LDM_ROW_Y, LDM_CHUNK_Y)):
+            for row0 in (0, 16, 32, 112):
+                col_origins = [0] if cols == 32 else sorted({0, 32, 64, cols // 2} - {cols})
+                for col0 in col_origins:
+                    n = min(col0 & -col0 if col0 else cols, cols - col0)  # widest N with col0 % N == 0
+                    lane_off = bwd_tile_offset(cols, row0 + lane_row, col0 // 8 + lane_chunk)
+                    for rows in (0, 16, 48):
+                        for chunks in (range(0, n // 8, 2) if cols >= 64 else [0]):
+                            want = bwd_tile_offset(cols, row0 + rows + lane_row, col0 // 8 + chunks + lane_chunk)
+                            assert np.array_equal(bwd_tile_step(cols, lane_off, rows, chunks), want)
+
+
+@pytest.mark.parametrize("dims", [(64, 64), (32, 128), (64, 256)])
+def test_bwd_warp_products_match_numpy(dims):
+    """mma_ABt, mma_AB_regs, mma_AtB against A @ B on random tiles (one warp)."""
+    cols_m, dim = dims
+    rng = np.random.default_rng(dim + cols_m)
+    rows = 64
+    x, y = rng.standard_normal((rows, dim)), rng.standard_normal((rows, dim))
+    t = rng.standard_normal((rows, cols_m))
+    smem = np.full((2 * rows * dim * 2 + rows * cols_m * 2) // 2, np.nan)
+    tile_x, tile_y, tile_t = 0, rows * dim * 2, 2 * rows * dim * 2
+    cp_async_tile(smem, tile_x, rows, dim, 128 if dim < 256 else 256, x, 0, rows, dim)
+    cp_async_tile(smem, tile_y, rows, dim, 128 if dim < 256 else 256, y, 0, rows, dim)
+    for r in range(rows):
+        for c in range(cols_m // 8):
+            o = (tile_t + bwd_tile_offset(cols_m, r, c)) // 2
+            smem[o: o + 8] = t[r, 8 * c: 8 * c + 8]
+
+    def frags(acc, n):
+        return np.concatenate([a_rows(acc[:, j]) for j in range(n // 8)], axis=1)
+
+    def a_rows(c):  # C fragment (32, 4) -> the 16 x 8 block
+        blk = np.empty((16, 8))
+        blk[GROUP, 2 * THREAD_IN_GROUP], blk[GROUP, 2 * THREAD_IN_GROUP + 1] = c[:, 0], c[:, 1]
+        blk[GROUP + 8, 2 * THREAD_IN_GROUP], blk[GROUP + 8, 2 * THREAD_IN_GROUP + 1] = c[:, 2], c[:, 3]
+        return blk
+
+    k0 = dim // 2 if dim >= 128 else 0
+    acc = np.zeros((32, 2, 4))  # rows 16..31 of x times rows 32..47 of y, over columns k0..k0+64
+    bwd_mma_ABt(acc, smem, 16, 64, dim, dim, tile_x, 16, tile_y + 32 * dim * 2, k0)
+    np.testing.assert_allclose(frags(acc, 16), x[16:32, k0:k0 + 64] @ y[32:48, k0:k0 + 64].T, atol=1e-12)
+
+    a_val = rng.standard_normal((16, 32))
+    a = bwd_pack_a_frags(np.stack([c_from_matrix(a_val[:, 8 * j: 8 * j + 8]) for j in range(4)], axis=1))
+    acc = np.zeros((32, 4, 4))  # a (16 x 32) times rows 0..31 of x, columns 32..63
+    bwd_mma_AB_regs(acc, a, smem, 32, 32, dim, tile_x, 32)
+    np.testing.assert_allclose(frags(acc, 32), a_val @ x[:32, 32:64], atol=1e-12)
+
+    acc = np.zeros((32, 2, 4))  # t^T rows 16..31 (columns of t) times rows of y, columns 16..31
+    bwd_mma_AtB(acc, smem, 16, rows, cols_m, dim, tile_t, 16, tile_y, 16)
+    np.testing.assert_allclose(frags(acc, 16), t[:, 16:32].T @ y[:, 16:32], atol=1e-12)
+
+
+def test_bwd_smem_layouts_match_python_and_fit():
+    from cupyflash.kernels import mma_bwd
+
+    for dt, (bm, ms, bn, nw, wd) in mma_bwd.DKDV_CONFIG.items():
+        for atomic in (False, True):
+            lay = bwd_dkdv_layout(dt, bm, ms, bn, nw, wd, atomic)
+            assert lay["BYTES"] == mma_bwd.dkdv_smem_bytes(dt, bm, ms, bn, nw, wd, atomic)
+            assert lay["BYTES"] <= 227 * 1024
+            assert all(lay[r] % 128 == 0 for r in ("K", "V", "Q", "DO", "DS", "XCHG", "LSE", "DELTA"))
+            assert bn == 16 * nw // wd and bm % ms == 0
+    for dt, (bm, bn, nw) in mma_bwd.DQ_CONFIG.items():
+        assert bwd_dq_layout(dt, bm, bn)["BYTES"] == mma_bwd.dq_smem_bytes(dt, bm, bn) <= 227 * 1024
+        assert bm == 16 * nw
+
+
+def test_bwd_specializations_are_named_once():
+    from cupyflash.kernels import mma_bwd
+
+    specs = mma_bwd.specializations()
+    assert len({s.name for s in specs}) == len(specs) == len({s.expression for s in specs})
+    assert mma_bwd.supports(np.float16, 8) and mma_bwd.supports(np.float16, 256)
+    assert not mma_bwd.supports(np.float16, 260) and not mma_bwd.supports(np.float16, 12)
+    assert not mma_bwd.supports(np.float32, 64)
+
+
+@pytest.mark.parametrize("dq_config", [None, (64, 64, 64, 4)], ids=["atomic", "dq_kernel"])
+def test_bwd_nan_in_a_value_row_stays_out_of_queries_that_do_not_see_it(dq_config, monkeypatch):
+    # dS is zeroed by selection where hidden, so dP = dO . NaN there cannot reach dQ of a query
+    # that does not see the key (a product 0 * NaN would).
+    from cupyflash.reference import attention_backward
+
+    # a_matrix and b_matrix take NaN for an unwritten fragment; here NaN is data.
+    def a_matrix_with_nan_data(a):
+        m = np.empty((16, 16))
+        g, t = GROUP, THREAD_IN_GROUP
+        for half in range(2):
+            m[g, 2 * t + half], m[g + 8, 2 * t + half] = a[:, 0, half], a[:, 1, half]
+            m[g, 2 * t + 8 + half], m[g + 8, 2 * t + 8 + half] = a[:, 2, half], a[:, 3, half]
+        return m
+
+    def b_matrix_with_nan_data(b0, b1):
+        m = np.empty((16, 8))
+        for half in range(2):
+            m[2 * THREAD_IN_GROUP + half, GROUP], m[2 * THREAD_IN_GROUP + 8 + half, GROUP] = b0[:, half], b1[:, half]
+        return m
+
+    monkeypatch.setitem(globals(), "a_matrix", a_matrix_with_nan_data)
+    monkeypatch.setitem(globals(), "b_matrix", b_matrix_with_nan_data)
+
+    rng = np.random.default_rng(7)
+    q, do = rng.standard_normal((1, 90, 1, 64)), rng.standard_normal((1, 90, 1, 64))
+    k, v = rng.standard_normal((1, 90, 1, 64)), rng.standard_normal((1, 90, 1, 64))
+    v[0, 40, 0, 3] = np.nan
+    dq, dk, dv = _bwd_emulated(q, k, v, do, causal=True, scale=0.125, dkdv_config=(64, 64, 64, 128, 8, 1),
+                               dq_config=dq_config)
+    dq_ref, dk_ref, dv_ref = attention_backward(do, q, k, v, softmax_scale=0.125, causal=True)
+    assert np.isfinite(dq[0, :40]).all() and np.isnan(dq[0, 40:]).all()
+    np.testing.assert_allclose(dq, dq_ref, rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(dk, dk_ref, rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(dv, dv_ref, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_bwd_launch_arguments_match_kernel_signatures(deterministic, monkeypatch):
+    """backward() on stand-in arrays, launch() recorded: every argument list must match the C++
+    parameter list of its kernel in count and in type (pointer, int32, int64, float32)."""
+    import re
+
+    cupy = pytest.importorskip("cupy")
+    from cupyflash.kernels import _module, mma_bwd, simt
+
+    class Fake:
+        def __init__(self, shape, dtype):
+            self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+            self.itemsize = self.dtype.itemsize
+            self.strides = tuple(int(np.prod(self.shape[i + 1:])) * self.itemsize for i in range(len(shape)))
+
+        def fill(self, value):
+            raise AssertionError("no zero-length input here")
+
+    launches = []
+    monkeypatch.setattr(mma_bwd, "launch", lambda spec, grid, args: launches.append((spec, grid, args)))
+    monkeypatch.setattr(simt, "backward_preprocess", lambda do, o: Fake((do.shape[0], do.shape[2], do.shape[1]), np.float32))
+    monkeypatch.setattr(cupy, "ascontiguousarray", lambda a, dtype=None: a, raising=False)
+    monkeypatch.setattr(cupy, "zeros", lambda shape, dtype=None: Fake(shape, dtype), raising=False)
+
+    b, sq, sk, h, hkv, d = 2, 100, 70, 4, 2, 96
+    q, o, do = (Fake((b, sq, h, d), np.float16) for _ in range(3))
+    k, v = Fake((b, sk, hkv, d), np.float16), Fake((b, sk, hkv, d), np.float16)
+    dq, dk, dv = Fake(q.shape, np.float16), Fake(k.shape, np.float16), Fake(k.shape, np.float16)
+    lse = Fake((b, h, sq), np.float32)
+    mma_bwd.backward(do, q, k, v, o, lse, dq, dk, dv, softmax_scale=0.1, causal=True, deterministic=deterministic)
+    assert len(launches) == 2
+
+    source = _module.kernel_source("flash_bwd_mma.cu")
+    kinds = {"int": np.int32, "i64": np.int64, "float": np.float32}
+    for spec, grid, args in launches:
+        kernel = re.match(r"cf::(\w+)<", spec.expression).group(1)
+        params = re.search(kernel + r"\(([^)]*)\)\s*\{", source).group(1)
+        types = [p.strip().rsplit(" ", 1)[0].replace("__restrict__", "").replace("const", "").strip()
+                 for p in params.split(",")]
+        assert len(types) == len(args), kernel
+        for t, a in zip(types, args):
+            if t.endswith("*"):
+                assert isinstance(a, Fake), (kernel, t, a)
+            else:
+                assert type(a) is kinds[t], (kernel, t, type(a))
+        assert all(0 < g < 65536 for g in grid)
