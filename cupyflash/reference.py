@@ -191,14 +191,9 @@ def standard_attention(q, k, v, *, softmax_scale=None, causal=False, dtype):
 def standard_attention_backward(do, q, k, v, *, softmax_scale=None, causal=False, dtype):
     """Gradients (dq, dk, dv) as an unfused implementation computes them in ``dtype``.
 
-    Rounded to ``dtype``: P, the output O, dP = dO V^T, dS = P * (dP - D) (formed in the
-    accumulator type), scale * dS, and each gradient. For GQA the per-query-head dk, dv are
-    rounded, then summed in the accumulator type and rounded again.
-
-    D = rowsum(dO * O) is taken from the rounded O, as any backward that is handed the stored
-    output must (PyTorch's unfused softmax backward uses rowsum(P * dP) instead). Without it, on
-    tiny problems whose other roundings happen to cancel, the baseline would be more accurate
-    than the unavoidable effect of O's rounding on a fused backward.
+    Rounded to ``dtype``: P, dP = dO V^T, dS = P * (dP - rowsum(P * dP)) (formed in the
+    accumulator type, as a softmax backward does), scale * dS, and each gradient. For GQA the
+    per-query-head dk, dv are rounded, then summed in the accumulator type and rounded again.
     """
     dtype = np.dtype(dtype)
     do, q, k, v = (np.asarray(x) for x in (do, q, k, v))
@@ -208,10 +203,9 @@ def standard_attention_backward(do, q, k, v, *, softmax_scale=None, causal=False
     rnd, acc = _rounder(dtype), _accumulator(dtype)
     q_, k_, v_, do_ = _standard_inputs(dtype, nheads, q, k, v, do)
     p, _ = _standard_probabilities(q_, k_, scale, causal, dtype)
-    o = rnd(p @ v_)
     dv = rnd(np.swapaxes(p, -1, -2) @ do_)
     dp = rnd(do_ @ np.swapaxes(v_, -1, -2))
-    ds = rnd(p * (dp - (do_ * o).sum(axis=-1, keepdims=True)))
+    ds = rnd(p * (dp - (p * dp).sum(axis=-1, keepdims=True)))
     ds = rnd(ds * acc.type(scale))
     dq = rnd(ds @ k_)
     dk = rnd(np.swapaxes(ds, -1, -2) @ q_)

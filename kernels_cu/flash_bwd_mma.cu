@@ -15,8 +15,10 @@
 // dP^T = V_j dO_i^T of its 16 key rows, so the accumulator fragments of P^T and dS^T repack
 // directly into the A operands of dV += P^T dO_i and dK += dS^T Q_i (see mma.cuh): neither goes
 // through shared memory. Only dQ += dS K_j, which sums over the key rows of all warps, reads dS
-// from shared memory. With WARPS_D = 2 (head dim 256: 16 rows of dK and dV at full width would need
-// 256 accumulator registers per thread) the two warps of a key-row group each reduce S^T and dP^T
+// from shared memory. A query block of BLOCK_M rows (one pipeline stage) is processed in steps of
+// M_SUB query columns, sized so that S^T and dP^T of a step fit next to dK_j and dV_j in
+// registers. With WARPS_D = 2 (head dim 256: 16 rows of dK and dV at full width would need 256
+// accumulator registers per thread) the two warps of a key-row group each reduce S^T and dP^T
 // over their half of the head dim and swap the partial sums through shared memory.
 //
 // Every shared tile row of 16-bit values is swizzled (mma.cuh), so all ldmatrix reads and all

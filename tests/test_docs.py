@@ -32,6 +32,7 @@ import numpy as np
 import pytest
 
 from cupyflash import reference
+from cupyflash._dtypes import SUPPORTED
 from cupyflash.bench import io_complexity as iox
 
 REPO = Path(__file__).resolve().parents[1]
@@ -170,17 +171,34 @@ def links(path: Path):
             yield number, match.group(1), match.group(2)
 
 
+def heading_anchors(path: Path) -> set:
+    """GitHub's anchors for the headings of a Markdown file."""
+    anchors = set()
+    for line in without_code(path.read_text()).splitlines():
+        match = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if match:
+            slug = re.sub(r"[^\w\- ]", "", match.group(1).lower()).replace(" ", "-")
+            anchor, n = slug, 0
+            while anchor in anchors:
+                n += 1
+                anchor = f"{slug}-{n}"
+            anchors.add(anchor)
+    return anchors
+
+
 def check_link(path: Path, number: int, text: str, target: str) -> str | None:
     """None if the link is sound, else what is wrong with it."""
-    if re.match(r"^[a-z]+:", target) or target.startswith("#"):
+    if re.match(r"^[a-z]+:", target):
         return None
     file_part, _, fragment = target.partition("#")
-    file = (path.parent / file_part).resolve()
+    file = (path.parent / file_part).resolve() if file_part else path
     where = f"{path.name}:{number}: [{text}]({target})"
     if not file.is_file():
         return f"{where}: {file_part} does not exist"
     lines_match = LINE_RANGE.match(fragment)
     if not lines_match:
+        if fragment and file.suffix == ".md" and fragment not in heading_anchors(file):
+            return f"{where}: no heading of {file.name} has the anchor #{fragment}"
         return None
     first = int(lines_match.group(1))
     last = int(lines_match.group(2) or first)
@@ -216,6 +234,10 @@ def test_link_checker_catches_drift(tmp_path):
     assert "outside" in check_link(doc, 1, "`rescale`", "src.cu#L2-L9")
     assert "does not exist" in check_link(doc, 1, "x", "nope.cu")
     assert check_link(doc, 1, "paper", "https://arxiv.org/abs/2205.14135") is None
+    doc.write_text("# Title\n\n## 2. The backward pass: `dQ`, dK\n\n## Title\n")
+    assert heading_anchors(doc) == {"title", "2-the-backward-pass-dq-dk", "title-1"}
+    assert check_link(doc, 1, "back", "#2-the-backward-pass-dq-dk") is None
+    assert "no heading" in check_link(doc, 1, "back", "doc.md#backward")
 
 
 def test_block_reader_pairs_output_with_its_code():
@@ -249,7 +271,6 @@ def test_io_complexity_model_table_is_current():
 # --- io_complexity: the byte model --------------------------------------------------------------
 
 def test_tile_sizes_are_those_of_the_launched_specializations():
-    from cupyflash._dtypes import SUPPORTED
     from cupyflash.kernels import mma_fwd, simt
 
     for d in (64, 128, 256):
@@ -269,9 +290,9 @@ def test_tile_sizes_are_those_of_the_launched_specializations():
                                             ("simt", "float32", 64), ("simt", "float64", 32)])
 def test_forward_model_closed_form(family, dtype, d):
     """No mask: Q once, K and V once per query block, O and lse written once."""
+    e, a = SUPPORTED[dtype].itemsize, 8 if dtype == "float64" else 4
     for n, h, hkv in ((1000, 4, 4), (4096, 8, 2)):
         c = iox.Config("flash-fwd", n, d, dtype=dtype, batch=2, nheads=h, nheads_kv=hkv, family=family)
-        e, a = np.dtype(dtype).itemsize if dtype != "bfloat16" else 2, 8 if dtype == "float64" else 4
         br = iox.flash_tiles(c)["fwd"][0]
         (k,) = iox.model(c)
         assert k.tile_read == 2 * h * n * d * e * (1 + 2 * math.ceil(n / br))
@@ -329,8 +350,8 @@ def test_standard_attention_model_is_the_papers_count():
     assert k.once_read == h * (3 * n * d + 2 * n * n) * 2
     assert k.once_write == h * (n * d + 2 * n * n) * 2
     assert k.tile_read is None
-    float32_scores = iox.totals(iox.model(iox.Config("standard-fwd", n, d), score_itemsize=4))
-    assert float32_scores.once_write == 8 * (n * d * 2 + 2 * n * n * 4)
+    in_float32 = iox.totals(iox.model(iox.Config("standard-fwd", n, d), standard_itemsize=4))
+    assert in_float32.once_write == 8 * (n * d + 2 * n * n) * 4
 
 
 def test_reread_factor_grows_like_n_over_block_m():
@@ -343,7 +364,7 @@ def test_reread_factor_grows_like_n_over_block_m():
 def test_papers_block_sizes():
     # 100 KB of on-chip memory (the paper's example), d = 64, 16-bit elements
     assert iox.paper_tile_sizes(64, 100_000, 2) == (64, 196)
-    assert iox.paper_tile_sizes(128, 227 * 1024, 2) == (128, 228)
+    assert iox.paper_tile_sizes(128, 227 * 1024, 2) == (128, 227)
 
 
 # --- io_complexity: configurations, ncu output, tables ------------------------------------------
@@ -468,8 +489,8 @@ def test_model_only_command_line(capsys, tmp_path):
 def test_plot_of_the_model(tmp_path):
     pytest.importorskip("matplotlib")
     path = tmp_path / "model.png"
-    assert iox.plot(iox.default_configs(QUICK := (1024, 2048), (64,)), path) is None
-    assert path.read_bytes().startswith(b"\x89PNG") and QUICK
+    assert iox.plot(iox.default_configs((1024, 2048), (64,)), path) is None
+    assert path.read_bytes().startswith(b"\x89PNG")
 
 
 def test_missing_ncu_is_reported(capsys, monkeypatch):
@@ -526,6 +547,21 @@ def test_driver_end_to_end_with_a_stand_in_for_ncu(tmp_path, capsys):
     data = json.loads(out_json.read_text())
     assert data["ncu"] == "ncu 2099.1.0.0"
     assert [len(m["kernels"]) for m in data["measurements"]] == [1, 1, 3, 3]
+
+
+def test_driver_stops_at_a_permission_error(tmp_path, capsys):
+    calls = tmp_path / "calls"
+    fake = tmp_path / "ncu"
+    fake.write_text(f"#!/bin/sh\necho run >> {calls}\necho '==ERROR== ERR_NVGPUCTRPERM - The user does "
+                    "not have permission to access NVIDIA GPU Performance Counters'\nexit 1\n")
+    fake.chmod(0o755)
+    status = iox.main(["--ncu", str(fake), "--quick"])
+    assert status == iox.EXIT_FAILED
+    assert calls.read_text().count("run") == 2  # the version query and the first configuration
+    log = capsys.readouterr().out
+    assert log.count("NVreg_RestrictProfilingToAdminUsers=0") == 1
+    assert log.count("not run (the same permission error)") == 5
+    assert log.count("| failed |") == 2 * 6  # DRAM and L2 cells of every row
 
 
 def test_worker_reports_a_missing_gpu(tmp_path):

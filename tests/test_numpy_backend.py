@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from cupyflash import numpy_backend, reference
 from strategies import attention_case, make_inputs
-from tolerance import SIXTEEN_BIT, assert_close, bound, max_abs
+from tolerance import SIXTEEN_BIT, assert_close, bound, max_abs, output_rounding_allowance
 
 # Block sizes the kernels use, and odd ones that leave ragged edges on both axes.
 BLOCK_SIZES = (16, 32, 48, 64, 80, 128)
@@ -48,9 +48,10 @@ def check_against_reference(case, q, k, v, do):
     assert_close("lse", lse, lse_ref, lse_std, dtype=case.dtype)
     # One scale for the three gradients: dq and dk may cancel to 0 while their terms do not.
     grad_scale = max(max_abs(g) for g in grads_ref)
-    for name, grad, ref, std in zip(("dq", "dk", "dv"), grads, grads_ref, grads_std):
+    allowances = output_rounding_allowance(do, q, k, v, o, o_ref, **kwargs)
+    for name, grad, ref, std, atol in zip(("dq", "dk", "dv"), grads, grads_ref, grads_std, allowances):
         # flash-attn allows gradients 3x the baseline's error.
-        assert_close(name, grad, ref, std, dtype=case.dtype, factor=3.0, scale=grad_scale)
+        assert_close(name, grad, ref, std, dtype=case.dtype, factor=3.0, scale=grad_scale, atol=atol)
 
 
 @given(attention_case())

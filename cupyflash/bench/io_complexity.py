@@ -42,7 +42,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 PASSES = ("flash-fwd", "flash-bwd", "standard-fwd")
@@ -266,24 +266,25 @@ def _flash_bwd(config: Config, tiles: dict) -> list:
     return [pre.done("bwd_preprocess"), dkdv.done("bwd_dkdv"), dq.done("bwd_dq")]
 
 
-def _standard_fwd(config: Config, score_itemsize: int | None = None) -> list:
-    """S = Q Kᵀ, P = softmax(S), O = P V with S and P materialised (stored in the input dtype
-    unless ``score_itemsize`` says otherwise). Only the distinct bytes are modelled for the
-    cuBLAS kernels; the softmax reads each row twice (its second pass hits L2)."""
-    e, _ = _itemsizes(config)
-    s_item = score_itemsize or e
+def _standard_fwd(config: Config, itemsize: int | None = None) -> list:
+    """S = Q Kᵀ, P = softmax(S), O = P V with S and P materialised, every array in the input
+    dtype unless ``itemsize`` says otherwise (the worker's float32 fallback). Only the distinct
+    bytes are modelled for the cuBLAS kernels; the softmax reads each row twice (its second pass
+    hits L2)."""
+    e = itemsize or _itemsizes(config)[0]
     heads, n, d = config.batch * config.nheads, config.seqlen, config.headdim
-    scores = heads * n * n * s_item
+    scores = heads * n * n * e
     return [KernelBytes("gemm_qk", once_read=2 * heads * n * d * e, once_write=scores),
             KernelBytes("softmax", once_read=scores, once_write=scores,
                         tile_read=2 * scores, tile_write=scores),
             KernelBytes("gemm_pv", once_read=scores + heads * n * d * e, once_write=heads * n * d * e)]
 
 
-def model(config: Config, *, score_itemsize: int | None = None) -> list:
-    """Modelled bytes of every kernel of one call, in launch order."""
+def model(config: Config, *, standard_itemsize: int | None = None) -> list:
+    """Modelled bytes of every kernel of one call, in launch order. ``standard_itemsize``: the
+    element size the materialised baseline actually used, if not the input's."""
     if config.kind == "standard-fwd":
-        return _standard_fwd(config, score_itemsize)
+        return _standard_fwd(config, standard_itemsize)
     tiles = flash_tiles(config)
     return _flash_fwd(config, tiles) if config.kind == "flash-fwd" else _flash_bwd(config, tiles)
 
@@ -387,7 +388,7 @@ class Measurement:
         return self.error is None and bool(self.kernels)
 
     def model_kernels(self) -> list:
-        return model(self.config, score_itemsize=self.worker.get("score_itemsize"))
+        return model(self.config, standard_itemsize=self.worker.get("itemsize"))
 
     def to_json(self) -> dict:
         return {"config": asdict(self.config), "error": self.error, "worker": self.worker,
@@ -472,10 +473,14 @@ class _MetricRejected(RuntimeError):
 
 def measure(configs: list, ncu: str, *, l2: bool = True, timeout: float = 300.0, log=print) -> list:
     """Every configuration under ncu, one process each. Without the L2 metrics after the first
-    rejection of them (older ncu or another GPU)."""
+    rejection of them (older ncu or another GPU); nothing more after a permission error."""
     results = []
     with tempfile.TemporaryDirectory(prefix="cupyflash-io-") as tmp:
         for index, config in enumerate(configs, 1):
+            if results and results[-1].error == _PERMISSION_HINT:
+                results.append(Measurement(config, error=_PERMISSION_HINT))
+                log(f"[{index}/{len(configs)}] {config.label}: not run (the same permission error)")
+                continue
             report = Path(tmp) / f"worker-{index}.json"
             try:
                 m = run_one(ncu, config, report, l2=l2, timeout=timeout)
@@ -619,23 +624,18 @@ def _prepare(config: Config, report: dict):
 
         return backward
 
-    # Standard attention: heads-first contiguous operands prepared outside the profiled range,
-    # so that it holds the two GEMMs and the softmax and nothing else.
-    def operands(score_dtype):
-        cast = (lambda x: x) if score_dtype == dtype else (lambda x: x.astype(score_dtype))
-        return (cast(cupy.ascontiguousarray(q.transpose(0, 2, 1, 3))),
-                cast(cupy.ascontiguousarray(k.transpose(0, 2, 3, 1))),
-                cast(cupy.ascontiguousarray(v.transpose(0, 2, 1, 3))))
-
-    def attention_with(score_dtype):
+    # Standard attention: heads-first contiguous operands (in ``compute_dtype``) prepared outside
+    # the profiled range, so that it holds the two GEMMs and the softmax and nothing else.
+    def attention_with(compute_dtype):
         from ..kernels._module import NVRTC_OPTIONS
 
-        name = np.dtype(score_dtype).name
+        name = np.dtype(compute_dtype).name
         expression = softmax_expression(name)
         module = cupy.RawModule(code=softmax_source(), options=NVRTC_OPTIONS,
                                 name_expressions=(expression,))
         softmax = module.get_function(expression)
-        qh, kt, vh = operands(score_dtype)
+        qh, kt, vh = (cupy.ascontiguousarray(x.transpose(axes)).astype(compute_dtype, copy=False)
+                      for x, axes in ((q, (0, 2, 1, 3)), (k, (0, 2, 3, 1)), (v, (0, 2, 1, 3))))
         args_tail = (np.int32(n), np.int32(n), np.int32(config.causal), np.float32(scale * LOG2E))
 
         def call():
@@ -645,13 +645,13 @@ def _prepare(config: Config, report: dict):
 
         call()
         cupy.cuda.runtime.deviceSynchronize()
-        report["score_dtype"] = name
-        report["score_itemsize"] = np.dtype(score_dtype).itemsize
+        report["dtype"] = name
+        report["itemsize"] = np.dtype(compute_dtype).itemsize
         return call
 
     try:
         return attention_with(dtype)
-    except Exception as exc:  # a CuPy without this dtype's GEMM: scores in float32 instead
+    except Exception as exc:  # a CuPy without this dtype's GEMM: the baseline runs in float32
         report["fallback"] = f"{type(exc).__name__}: {exc}"
         return attention_with(np.dtype(np.float32))
 
@@ -764,7 +764,8 @@ def measured_section(measurements: list, *, ncu_version: str | None, plot: str |
              "R + W = read + written.", ""]
     fallbacks = {m.worker.get("fallback") for m in measurements if m.worker.get("fallback")}
     if fallbacks:
-        parts += [f"Standard attention ran with float32 scores: {'; '.join(sorted(fallbacks))}", ""]
+        parts += ["Standard attention ran in float32 (its model counts 4-byte elements); in the "
+                  f"input dtype it failed with: {'; '.join(sorted(fallbacks))}", ""]
     parts.append(measured_table(measurements))
     failed = [m for m in measurements if not m.ok]
     if failed:
@@ -793,14 +794,14 @@ def fill_markdown(document: str, sections: dict) -> tuple:
     """Replace the text between each section's markers. Returns (document, names without markers)."""
     found = set()
 
-    def replace(match):
+    def refill(match):
         name = match.group(2)
         if name not in sections:
             return match.group(0)
         found.add(name)
         return match.group(1) + sections[name].rstrip("\n") + "\n" + match.group(4)
 
-    text = _MARKER.sub(replace, document)
+    text = _MARKER.sub(refill, document)
     return text, [name for name in sections if name not in found]
 
 

@@ -2,17 +2,26 @@
 
 ``flash_bwd_dkdv_mma`` (one CTA per key block) accumulates dK, dV in registers over every query
 block of every query head of its GQA group. dQ comes either from ``flash_bwd_dq_mma`` (one CTA
-per query block, no atomics: bitwise reproducible; ``deterministic=True``) or from the dK/dV
-kernel itself, added by float32 atomics into ``dq_accum`` and converted by
-``flash_bwd_dq_convert`` (``deterministic=False``: two matmuls per tile fewer).
+per query block, no atomics, bitwise reproducible: ``deterministic=True``) or from the dK/dV
+kernel itself, added by float32 atomics into ``dq_accum`` and scaled/converted by
+``flash_bwd_dq_convert`` (``deterministic=False``: S and dP are computed once instead of twice).
 
-Tile sizes, by head-dim tile (the smallest of 64, 128, 256 that holds the head dim):
+Tile sizes, per head-dim tile D_TILE (64, 128 or 256, the smallest that holds the head dim).
+Registers per thread are what limit them (255 at most, and no spills):
 
-* dK/dV: each warp owns 16 key rows of dK and dV (DW = D_TILE / WARPS_D columns), so its
-  accumulators take D_TILE / WARPS_D x 2 x 16 x ... = 2 x DW / 2 registers per thread, plus
-  2 x BLOCK_M / 2 for S^T and dP^T. Head dim 256 splits each key-row group over two warps
-  (WARPS_D = 2) to stay within 255 registers.
-* dQ: each warp owns 16 query rows: D_TILE / 2 accumulator registers plus BLOCK_N for S and dP.
+* dK/dV: a warp owns 16 key rows and DW = D_TILE / WARPS_D columns of dK and dV, that is
+  DW fp32 accumulator registers per thread, plus M_SUB for the S^T and dP^T of one sub-block of
+  M_SUB query columns. D_TILE = 128: 128 + 32 (M_SUB = 64 spills). D_TILE = 256 needs
+  WARPS_D = 2 (two warps per key-row group, partial S^T and dP^T swapped through shared memory).
+  BLOCK_M, the query rows per pipeline stage (and the dS block of the atomic dQ), may exceed
+  M_SUB: the CTA then walks a query block in BLOCK_M / M_SUB steps between two barriers.
+* dQ: a warp owns 16 query rows: D_TILE / 2 accumulator registers plus BLOCK_N for S and dP.
+
+Shared memory (bytes; mirrored by DkdvSmem / DqSmem in flash_bwd_mma.cu): K, V of the key block,
+two stages of Q, dO (and lse, D) per query block, the 16-bit dS^T block (atomic dQ) and the
+partial-sum exchange (WARPS_D = 2). All fit sm_80's 163 KiB too (the largest, the atomic
+head-dim-256 dK/dV kernel, takes 148.5 KiB); GPUs with 99 KiB per block (sm_86, sm_89) can run
+only head-dim tile 64 (get_function raises a clear error otherwise).
 """
 from __future__ import annotations
 
