@@ -12,7 +12,7 @@ from cupyflash import reference
 from cupyflash.testing import poisoned_outputs
 
 from strategies import attention_case, make_inputs
-from tolerance import assert_close
+from tolerance import assert_close, max_abs, output_rounding_allowance
 
 pytestmark = pytest.mark.gpu
 
@@ -45,17 +45,22 @@ def _check_backward(case, backend, deterministic=True):
     import cupy
 
     (q, k, v, do), o, lse = _run_forward(case, backend)
+    kwargs = dict(softmax_scale=case.softmax_scale, causal=case.causal)
     with poisoned_outputs():
         grads = cupyflash.flash_attn_backward(cupy.asarray(do), cupy.asarray(q), cupy.asarray(k),
-                                              cupy.asarray(v), o, lse, softmax_scale=case.softmax_scale,
-                                              causal=case.causal, backend=backend,
-                                              deterministic=deterministic)
-    refs = reference.attention_backward(do, q, k, v, softmax_scale=case.softmax_scale, causal=case.causal)
-    stds = reference.standard_attention_backward(do, q, k, v, softmax_scale=case.softmax_scale,
-                                                 causal=case.causal, dtype=case.dtype)
-    for name, g, ref, std in zip(("dq", "dk", "dv"), grads, refs, stds):
+                                              cupy.asarray(v), o, lse, backend=backend,
+                                              deterministic=deterministic, **kwargs)
+    refs = reference.attention_backward(do, q, k, v, **kwargs)
+    stds = reference.standard_attention_backward(do, q, k, v, dtype=case.dtype, **kwargs)
+    o_ref, _ = reference.attention(q, k, v, **kwargs)
+    # D = rowsum(dO * o) uses the stored (rounded) o; standard attention never forms D, so its
+    # error is allowed for separately, computed exactly (see tolerance.output_rounding_allowance).
+    allowances = output_rounding_allowance(do, q, k, v, o.get(), o_ref, **kwargs)
+    grad_scale = max(max_abs(r) for r in refs)  # dq, dk may cancel to 0 while their terms do not
+    for name, g, ref, std, atol in zip(("dq", "dk", "dv"), grads, refs, stds, allowances):
         assert g.dtype == case.dtype
-        assert_close(name, g.get(), ref, std, dtype=case.dtype, factor=3.0)
+        # flash-attn allows gradients 3x the baseline's error
+        assert_close(name, g.get(), ref, std, dtype=case.dtype, factor=3.0, scale=grad_scale, atol=atol)
 
 
 @given(case=attention_case(dtypes=ALL_DTYPES))

@@ -85,7 +85,7 @@ def fenced_blocks(text: str) -> list[Block]:
 
 
 def without_code(text: str) -> str:
-    """The text with fenced blocks and inline code blanked out (line numbers kept)."""
+    """The text with its fenced code blocks blanked out (line numbers kept)."""
     out, in_fence, fence = [], False, ""
     for line in text.splitlines():
         match = FENCE.match(line)

@@ -10,7 +10,7 @@ from cupyflash import reference
 from cupyflash.kernels import _module
 from cupyflash.testing import poisoned_outputs
 
-from tolerance import assert_close
+from tolerance import assert_close, max_abs, output_rounding_allowance
 
 pytestmark = pytest.mark.gpu
 
@@ -97,9 +97,16 @@ def test_huge_scores_stay_finite(backend, dtype):
     o64, lse64 = o.get().astype(np.float64), lse.get()
     assert np.isfinite(o64).all() and np.isfinite(lse64).all()
     assert np.abs(lse64).max() > 1e3
-    o_ref, _ = reference.attention(q.get(), k.get(), v.get(), softmax_scale=1000.0)
-    o_std, _ = reference.standard_attention(q.get(), k.get(), v.get(), softmax_scale=1000.0, dtype=dtype)
-    assert_close("o", o64, o_ref, o_std, dtype=dtype)
+    o_ref, lse_ref = reference.attention(q.get(), k.get(), v.get(), softmax_scale=1000.0)
+    # A score s is held to eps * |s| ~ 1e-3 in float32 here (1e-12 in float64), and the softmax
+    # turns that into the same relative error of P: allow 4x eps * max|s| times max|v|.
+    eps = np.finfo(np.float64 if np.dtype(dtype) == np.float64 else np.float32).eps
+    score_max = float(np.abs(lse_ref).max())
+    allowed = 4 * eps * score_max * float(np.abs(v.get().astype(np.float64)).max())
+    if np.dtype(dtype) in (np.dtype(np.float16), BF16):
+        o_std, _ = reference.standard_attention(q.get(), k.get(), v.get(), softmax_scale=1000.0, dtype=dtype)
+        allowed += 2 * float(np.abs(o_std.astype(np.float64) - o_ref).max())
+    assert np.abs(o64 - o_ref).max() <= allowed
 
 
 @pytest.mark.parametrize("backend,dtype", FAMILIES, ids=FAMILY_IDS)
@@ -183,8 +190,10 @@ def test_offsets_beyond_2_pow_31_elements(backend, dtype):
     assert_close("o", o.get(), o_ref, o_std, dtype=dtype)
     refs = reference.attention_backward(doh, qh, kh, vh, causal=True)
     stds = reference.standard_attention_backward(doh, qh, kh, vh, causal=True, dtype=dtype)
-    for name, g, ref, std in zip(("dq", "dk", "dv"), (dq, dk, dv), refs, stds):
-        assert_close(name, g.get(), ref, std, dtype=dtype, factor=3.0)
+    allowances = output_rounding_allowance(doh, qh, kh, vh, o.get(), o_ref, softmax_scale=None, causal=True)
+    grad_scale = max(max_abs(r) for r in refs)
+    for name, g, ref, std, atol in zip(("dq", "dk", "dv"), (dq, dk, dv), refs, stds, allowances):
+        assert_close(name, g.get(), ref, std, dtype=dtype, factor=3.0, scale=grad_scale, atol=atol)
 
 
 def test_torch_tensors_in_cupy_out():

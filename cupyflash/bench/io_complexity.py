@@ -829,7 +829,7 @@ def plot(configs_or_measurements: list, path: str | Path) -> str | None:
     headdims = sorted({m.config.headdim for m in items})
     if not headdims:
         return "nothing to plot"
-    fig = Figure(figsize=(5.2 * len(headdims), 4.2), layout="constrained")
+    fig = Figure(figsize=(5.2 * len(headdims), 5.2), layout="constrained")
     axes = fig.subplots(1, len(headdims), squeeze=False)[0]
     colors = {kind: f"C{i}" for i, kind in enumerate(PASSES)}
     for ax, d in zip(axes, headdims):
@@ -856,13 +856,16 @@ def plot(configs_or_measurements: list, path: str | Path) -> str | None:
             if l2 and kind != "standard-fwd":
                 ax.plot(*zip(*l2), "s:", color=colors[kind], markerfacecolor="none",
                         label=f"{kind}: L2 from SMs measured")
+        seqlens = sorted({m.config.seqlen for m in items})
         ax.set_xscale("log", base=2)
+        ax.set_xticks(seqlens, [f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in seqlens])
         ax.set_yscale("log")
         ax.set_title(f"headdim {d}", fontsize=10)
         ax.set_xlabel("N (seqlen)")
         ax.set_ylabel("MiB read + written")
         ax.grid(True, which="both", alpha=0.3)
-    axes[-1].legend(fontsize=7)
+    handles, labels = axes[-1].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncols=3, fontsize=7)
     fig.savefig(Path(path), dpi=120)
     return None
 
