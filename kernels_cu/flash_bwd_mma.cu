@@ -618,6 +618,210 @@ flash_bwd_dq_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __re
 }
 
 // ---------------------------------------------------------------------------------------------
+// v2 dQ: ROW_GROUPS 16-row query groups per warp
+// ---------------------------------------------------------------------------------------------
+//
+// v1's warp owns 16 query rows, so each K_j / V_j B fragment it loads feeds 2 mma, and every warp
+// of the CTA reads all of K_j and V_j: 0.58 ldmatrix.x4 per mma at head dim 128, which is what
+// bounds it (shared-memory pipe ~80 % busy, tensor pipe < 50 %). Here a warp owns ROW_GROUPS = 2
+// groups of 16 rows, so a B fragment feeds 2 * ROW_GROUPS mma; the register cost (twice the dQ
+// accumulator) is paid for with a narrower key block (BLOCK_N = 32 at head dim 128). Head dim
+// 128: 80 ldmatrix.x4 per 192 mma (0.42); head dim 64 (BLOCK_N = 64): 64 per 192 (0.33).
+
+// acc[g] += A_g B^T for A_g = rows a_row0 + 16 g of a row-major [.][DIM_A] tile: each B fragment
+// is loaded once for all G row groups.
+template <typename T, int G, int N, int K, int DIM_A, int DIM_B>
+__device__ __forceinline__ void mma_ABt_groups(float (&acc)[G][N / 8][4], u32 tile_a, int a_row0, u32 tile_b,
+                                               int k0, int lane) {
+    static_assert(N % 16 == 0 && K % 16 == 0, "warp tile shape");
+    const u32 a_lane = tile_offset<DIM_A>(a_row0 + ldm_row_x(lane), k0 / 8 + ldm_chunk_x(lane));
+    const u32 b_lane = tile_offset<DIM_B>(ldm_row_y(lane), k0 / 8 + ldm_chunk_y(lane));
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+        u32 a[G][4];
+#pragma unroll
+        for (int g = 0; g < G; ++g) ldmatrix_x4(a[g], tile_a + tile_step<DIM_A>(a_lane, 16 * g, 2 * kk));
+#pragma unroll
+        for (int nn = 0; nn < N / 16; ++nn) {
+            u32 b[4];
+            ldmatrix_x4(b, tile_b + tile_step<DIM_B>(b_lane, 16 * nn, 2 * kk));
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                mma_16816<T>(acc[g][2 * nn], a[g], b[0], b[1]);
+                mma_16816<T>(acc[g][2 * nn + 1], a[g], b[2], b[3]);
+            }
+        }
+    }
+}
+
+// acc[g] += A_g B with A_g as register fragments a[g][K / 16], B rows 0..K, columns b_col0..+N
+// of a row-major [K][DIM_B] tile; each B fragment is loaded once for all G row groups.
+template <typename T, int G, int N, int K, int DIM_B>
+__device__ __forceinline__ void mma_AB_regs_groups(float (&acc)[G][N / 8][4], const u32 (&a)[G][K / 16][4],
+                                                   u32 tile_b, int b_col0, int lane) {
+    static_assert(N % 16 == 0 && K % 16 == 0, "warp tile shape");
+    const u32 b_lane = tile_offset<DIM_B>(ldm_row_x(lane), b_col0 / 8 + ldm_chunk_x(lane));
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+#pragma unroll
+        for (int nn = 0; nn < N / 16; ++nn) {
+            u32 b[4];
+            ldmatrix_x4_trans(b, tile_b + tile_step<DIM_B>(b_lane, 16 * kk, 2 * nn));
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                mma_16816<T>(acc[g][2 * nn], a[g][kk], b[0], b[1]);
+                mma_16816<T>(acc[g][2 * nn + 1], a[g][kk], b[2], b[3]);
+            }
+        }
+    }
+}
+
+// v1's layout plus the rows' lse (log2 units, lse_base_log2) and D: read from shared memory when
+// needed instead of being held in 8 registers for the whole kernel (the margin to spilling).
+template <int D_TILE, int BLOCK_M, int BLOCK_N>
+struct DqSmemV2 : DqSmem<D_TILE, BLOCK_M, BLOCK_N> {
+    typedef DqSmem<D_TILE, BLOCK_M, BLOCK_N> V1;
+    static constexpr u32 LSE = V1::BYTES;             // float [BLOCK_M]
+    static constexpr u32 DELTA = LSE + BLOCK_M * 4;   // float [BLOCK_M]
+    static constexpr u32 BYTES = DELTA + BLOCK_M * 4;
+};
+
+template <typename T, int D_TILE, bool CAUSAL, int BLOCK_M, int BLOCK_N, int NWARPS, int ROW_GROUPS>
+__global__ void __launch_bounds__(NWARPS * 32, 1)
+flash_bwd_dq_mma_v2(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                    const T* __restrict__ dout, const float* __restrict__ lse,
+                    const float* __restrict__ delta, T* __restrict__ dq,
+                    int seqlen_q, int seqlen_k, int nheads, int group, int headdim,
+                    i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
+                    i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
+                    i64 dq_sb, i64 dq_ss, i64 dq_sh, float scale_log2, float scale) {
+    typedef DqSmemV2<D_TILE, BLOCK_M, BLOCK_N> L;
+    constexpr int NTHREADS = NWARPS * 32;
+    constexpr int G = ROW_GROUPS;
+    constexpr int WARP_ROWS = 16 * G;
+    static_assert(BLOCK_M == WARP_ROWS * NWARPS, "16 * ROW_GROUPS query rows per warp");
+    static_assert(BLOCK_N % 16 == 0 && D_TILE % 16 == 0, "m16n8k16 tiles");
+    static_assert(L::BYTES <= 227 * 1024, "shared memory");
+
+    extern __shared__ __align__(128) unsigned char smem[];
+    if (dynamic_smem_bytes() < L::BYTES) __trap();
+    const u32 base = smem_u32(smem);
+    const u32 s_q = base + L::Q, s_do = base + L::DO;
+
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int row0 = WARP_ROWS * warp;  // this warp's query rows within the block
+    const int m0 = (gridDim.x - 1 - blockIdx.x) * BLOCK_M;  // heaviest causal blocks start first
+    const int head = blockIdx.y, batch = blockIdx.z, head_kv = head / group;
+    const Visibility<CAUSAL> visible{seqlen_q, seqlen_k, seqlen_k - seqlen_q};
+
+    const int n_end = CAUSAL ? min(seqlen_k, max(0, min(seqlen_q, m0 + BLOCK_M) + visible.diag)) : seqlen_k;
+    const int n_blocks = (n_end + BLOCK_N - 1) / BLOCK_N;
+
+    const T* k_head = k + row_offset(batch, 0, head_kv, k_sb, k_ss, k_sh);
+    const T* v_head = v + row_offset(batch, 0, head_kv, v_sb, v_ss, v_sh);
+    auto load_key_block = [&](int it, int stage) {
+        const int n0 = it * BLOCK_N;
+        cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(base + L::K + stage * L::KV_TILE, k_head + n0 * k_ss,
+                                                 seqlen_k - n0, headdim, k_ss, tid);
+        cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(base + L::V + stage * L::KV_TILE, v_head + n0 * v_ss,
+                                                 seqlen_k - n0, headdim, v_ss, tid);
+    };
+
+    cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(s_q, q + row_offset(batch, m0, head, q_sb, q_ss, q_sh),
+                                             seqlen_q - m0, headdim, q_ss, tid);
+    cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(s_do, dout + row_offset(batch, m0, head, do_sb, do_ss, do_sh),
+                                             seqlen_q - m0, headdim, do_ss, tid);
+    if (n_blocks > 0) load_key_block(0, 0);
+    cp_async_commit();
+
+    // Row statistics, made visible by the first iteration's barrier.
+    float* s_lse = reinterpret_cast<float*>(smem + L::LSE);
+    float* s_delta = reinterpret_cast<float*>(smem + L::DELTA);
+    for (int r = tid; r < BLOCK_M; r += NTHREADS) {
+        const int m = m0 + r;
+        const i64 stat = ((i64)batch * nheads + head) * seqlen_q + m;
+        s_lse[r] = m < seqlen_q ? lse_base_log2(lse[stat]) : 0.f;
+        s_delta[r] = m < seqlen_q ? delta[stat] : 0.f;
+    }
+    // This lane's accumulator rows within the block: group g, half h is lane_row + 16 g + 8 h.
+    const int lane_row = row0 + lane / 4;
+
+    float dq_acc[G][D_TILE / 8][4];
+#pragma unroll
+    for (int g = 0; g < G; ++g) zero(dq_acc[g]);
+
+    for (int it = 0; it < n_blocks; ++it) {
+        const int stage = it & 1;
+        // Lands block it; all warps are done with block it - 1, whose stage the next load reuses.
+        cp_async_wait<0>();
+        __syncthreads();
+        if (it + 1 < n_blocks) load_key_block(it + 1, stage ^ 1);
+        cp_async_commit();
+
+        const int n0 = it * BLOCK_N;
+        const u32 s_k = base + L::K + stage * L::KV_TILE, s_v = base + L::V + stage * L::KV_TILE;
+
+        // Step 1: S = Q_i K_j^T for this warp's 16 G query rows, turned into P = exp2(S scale
+        // log2(e) - lse log2(e)) in place before dP is computed, so that S and dP are never live
+        // together.
+        float s_acc[G][BLOCK_N / 8][4], dp_acc[G][BLOCK_N / 8][4];
+#pragma unroll
+        for (int g = 0; g < G; ++g) zero(s_acc[g]);
+        mma_ABt_groups<T, G, BLOCK_N, D_TILE, D_TILE, D_TILE>(s_acc, s_q, row0, s_k, 0, lane);
+#pragma unroll
+        for (int g = 0; g < G; ++g)
+#pragma unroll
+            for (int j = 0; j < BLOCK_N / 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    s_acc[g][j][e] = exp2_approx(fmaf(s_acc[g][j][e], scale_log2, -s_lse[lane_row + 16 * g + 8 * (e >> 1)]));
+
+        // Step 2: dP = dO_i V_j^T; dS = P o (dP - D). Hidden entries are selected to 0 (a
+        // non-finite score or dP there must not leak).
+#pragma unroll
+        for (int g = 0; g < G; ++g) zero(dp_acc[g]);
+        mma_ABt_groups<T, G, BLOCK_N, D_TILE, D_TILE, D_TILE>(dp_acc, s_do, row0, s_v, 0, lane);
+        const bool partial = visible.partial(m0, BLOCK_M, n0, BLOCK_N);
+        // Row m sees the keys n < n_lim (none past the last query).
+        int n_lim[G][2];
+#pragma unroll
+        for (int g = 0; g < G; ++g)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int m = m0 + lane_row + 16 * g + 8 * half;
+                n_lim[g][half] = m < seqlen_q ? (CAUSAL ? min(seqlen_k, m + visible.diag + 1) : seqlen_k) : 0;
+            }
+        u32 ds_frag[G][BLOCK_N / 16][4];
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+#pragma unroll
+            for (int j = 0; j < BLOCK_N / 8; ++j) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float ds = s_acc[g][j][e] * (dp_acc[g][j][e] - s_delta[lane_row + 16 * g + 8 * (e >> 1)]);
+                    const bool hidden = partial && n0 + 8 * j + 2 * (lane % 4) + (e & 1) >= n_lim[g][e >> 1];
+                    dp_acc[g][j][e] = hidden ? 0.f : ds;
+                }
+            }
+            pack_a_frags<T, BLOCK_N>(ds_frag[g], dp_acc[g]);
+        }
+
+        // Step 3: dQ_i += dS K_j.
+        mma_AB_regs_groups<T, G, D_TILE, BLOCK_N, D_TILE>(dq_acc, ds_frag, s_k, 0, lane);
+    }
+
+    // Epilogue: as in v1, staged through this warp's own rows of the Q tile.
+    cp_async_wait<0>();
+    __syncthreads();
+#pragma unroll
+    for (int g = 0; g < G; ++g) stage_acc<T, D_TILE, D_TILE>(s_q, row0 + 16 * g, 0, dq_acc[g], scale, lane);
+    __syncwarp();
+    T* dq_rows = dq + row_offset(batch, m0 + row0, head, dq_sb, dq_ss, dq_sh);
+    store_tile<WARP_ROWS, D_TILE, 32>(dq_rows, s_q + tile_offset<D_TILE>(row0, 0), seqlen_q - m0 - row0,
+                                      headdim, dq_ss, lane);
+}
+
+// ---------------------------------------------------------------------------------------------
 // dq = scale * dq_accum (atomic path)
 // ---------------------------------------------------------------------------------------------
 

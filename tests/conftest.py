@@ -11,8 +11,13 @@ from __future__ import annotations
 
 import os
 
-import pytest
-from hypothesis import HealthCheck, settings
+# Before NumPy loads: these tests multiply many small matrices, where OpenBLAS threads only
+# spin-wait; on a busy 2-core runner they made the suite 2-6x slower and erratic. Export
+# OPENBLAS_NUM_THREADS to override (it has no effect if NumPy was imported before this file).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile("dev", max_examples=25, deadline=None, print_blob=True)
 settings.register_profile("ci", max_examples=60, deadline=None, print_blob=True)

@@ -1,7 +1,8 @@
 """``python -m cupyflash.bench.tune``: time every candidate tile configuration of the tensor-core
-forward kernel (the default table entry and ``mma_fwd.CANDIDATES``) on the papers' shapes, after
-checking each against the float64 reference on a small odd shape. The winners go into
-``mma_fwd.CONFIGS`` by hand, with the numbers in docs/perf-log.md.
+forward kernel (the default the current device launches, every earlier default in
+``mma_fwd.VERSIONS`` and ``mma_fwd.CANDIDATES``) on the papers' shapes, after checking each
+against the float64 reference on a small odd shape. The winners go into ``mma_fwd.CONFIGS`` (or
+``LARGE_SMEM_CONFIGS``) by hand, as a new VERSIONS entry, with the numbers in docs/perf-log.md.
 """
 from __future__ import annotations
 
@@ -65,6 +66,18 @@ def _check(config, headdim, dtype, causal) -> float:
     return float(err / allowed) if np.isfinite(err) else float("inf")
 
 
+def _configs(mma_fwd, dt: int) -> list[tuple[str, object]]:
+    """[(label, config)] to time for head-dim tile ``dt``, each configuration once: the current
+    device's default, then the VERSIONS entries (labelled by version) and CANDIDATES ("cand")."""
+    entries = [("default", mma_fwd.default_config(dt, mma_fwd.current_smem_optin()))]
+    entries += [(name, table[dt]) for name, (_, table) in mma_fwd.VERSIONS.items() if dt in table]
+    entries += [("cand", c) for c in mma_fwd.CANDIDATES.get(dt, ())]
+    labels: dict = {}
+    for label, config in entries:
+        labels.setdefault(config, []).append(label)
+    return [("+".join(names), config) for config, names in labels.items()]
+
+
 def main(argv=None) -> int:
     from ..kernels import mma_fwd
     from .._dtypes import SUPPORTED
@@ -76,15 +89,13 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args(argv)
     dtype = SUPPORTED[args.dtype]
-    print(f"{'d':>4} {'seqlen':>6} {'causal':>6}  {'config':58} {'check':>6} {'ms':>8} {'TFLOP/s':>8}")
+    print(f"{'d':>4} {'seqlen':>6} {'causal':>6}  {'label':8} {'config':58} {'check':>6} {'ms':>8} {'TFLOP/s':>8}")
     for headdim in args.headdim:
-        dt = mma_fwd.d_tile(headdim)
-        configs = [mma_fwd.CONFIGS[dt], *mma_fwd.CANDIDATES.get(dt, ())]
-        for config in configs:
+        for label, config in _configs(mma_fwd, mma_fwd.d_tile(headdim)):
             try:
                 checks = [_check(config, headdim, dtype, causal) for causal in (False, True)]
             except Exception as e:  # a candidate that does not fit this GPU
-                print(f"{headdim:>4} {'':>6} {'':>6}  {str(config)[9:]:58} skipped: {e}")
+                print(f"{headdim:>4} {'':>6} {'':>6}  {label:8} {str(config)[9:]:58} skipped: {e}")
                 continue
             for seqlen in args.seqlen:
                 batch, nheads = 16384 // seqlen, 2048 // headdim
@@ -95,7 +106,7 @@ def main(argv=None) -> int:
                         sets, args.repeats)
                     flops = 4 * batch * nheads * seqlen * seqlen * headdim * (0.5 if causal else 1.0)
                     ok = "ok" if max(checks) <= 1 else f"x{max(checks):.1f}"
-                    print(f"{headdim:>4} {seqlen:>6} {str(causal):>6}  {str(config)[9:]:58} {ok:>6} "
+                    print(f"{headdim:>4} {seqlen:>6} {str(causal):>6}  {label:8} {str(config)[9:]:58} {ok:>6} "
                           f"{ms:8.3f} {flops / ms / 1e9:8.1f}", flush=True)
                 del sets
     return 0

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._module import Specialization, launch
+from ._module import Specialization, _max_smem_optin, launch
 from .._dtypes import dtype_name
 
 D_TILES = (64, 128, 256)
@@ -42,25 +42,65 @@ class FwdConfig:
 
 # Registers per thread are dominated by the fp32 accumulators: O is strips x D_TILE / 2 and S is
 # strips x BLOCK_N / 2 per thread (strips = BLOCK_M / (16 warps)). Two strips per warp halve the
-# shared-memory reads of K and V per flop, as in FlashAttention-2, but cost registers; every entry
-# below compiles without spills for sm_80 and sm_90 (see tests/kernels/test_compile_check.py or
-# ``python -m cupyflash compile-check``). Two blocks per SM fit (registers and shared memory) for
-# D_TILE 64 and 128; D_TILE 256 keeps BLOCK_N = 32 so that its 128 KiB also fit an A100.
+# shared-memory reads of K and V per flop, as in FlashAttention-2, but cost registers; every
+# configuration the dispatcher can launch compiles without spills for sm_80 and sm_90 (see
+# tests/kernels/test_compile_check.py or ``python -m cupyflash compile-check``).
+#
+# Default configurations per GPU generation. CONFIGS fits every supported GPU (an A100 opts in to
+# 163 KiB of shared memory per block); where a block may opt in to LARGE_SMEM_BYTES or more (sm_90:
+# 227 KiB), LARGE_SMEM_CONFIGS replaces entries that need it: D_TILE 256 with BLOCK_N = 64 takes
+# 192 KiB (Q 64 KiB, two stages of K and V 64 KiB each) and halves the barriers per key.
 CONFIGS = {
     64: FwdConfig(block_m=128, block_n=64, warps=4, q_in_regs=False, min_blocks=2),
     128: FwdConfig(block_m=128, block_n=32, warps=4, q_in_regs=False, min_blocks=2),
     256: FwdConfig(block_m=128, block_n=32, warps=8, q_in_regs=False),
 }
+LARGE_SMEM_BYTES = 193 * 1024  # 192 KiB of tiles, plus the 1 KiB the driver reserves per block
+LARGE_SMEM_CONFIGS = {
+    256: FwdConfig(block_m=128, block_n=64, warps=8, q_in_regs=False),
+}
+
+# The default tables so far, kept launchable (``forward(..., config=...)``) so that the tuner
+# (``python -m cupyflash.bench.tune``) times old and new side by side: {version: (note, {D_TILE:
+# config on an sm_90 device})}. The last one is CONFIGS with LARGE_SMEM_CONFIGS applied.
+VERSIONS = {
+    "v1": ("128x32 tiles for d128 (no spills); 128x32, 8 warps for d256",
+           {64: FwdConfig(128, 64, 4, False, min_blocks=2), 128: FwdConfig(128, 32, 4, False, min_blocks=2),
+            256: FwdConfig(128, 32, 8, False)}),
+    "v2": ("v1, but 128x64 tiles, 8 warps for d256 where 193 KiB of shared memory fit (sm_90)",
+           {64: FwdConfig(128, 64, 4, False, min_blocks=2), 128: FwdConfig(128, 32, 4, False, min_blocks=2),
+            256: FwdConfig(128, 64, 8, False)}),
+}
 
 # Alternatives worth timing on the GPU (``forward(..., config=...)``), not launched by default:
-# FlashAttention-2's own sm_80/sm_90 choices spill a few loop-invariant registers here (about
-# 150 bytes, reloaded once per key block), the 8-warp variants give each warp one 16-row strip.
+# FlashAttention-2's own sm_80/sm_90 choices (128 x 64 for d128, 128 x 128 for d64) spill a few
+# loop-invariant registers here (about 150 bytes, reloaded once per key block), the 8-warp
+# variants give each warp one 16-row strip.
 CANDIDATES = {
     64: (FwdConfig(128, 64, 8, False, min_blocks=2), FwdConfig(128, 128, 4, False)),
     128: (FwdConfig(128, 64, 4, False, min_blocks=2), FwdConfig(128, 64, 8, False),
           FwdConfig(128, 32, 4, False, stages=3, min_blocks=2)),
-    256: (FwdConfig(128, 64, 8, False),),  # 192 KiB of shared memory: sm_90 only
+    256: (),
 }
+
+
+def default_config(dt: int, smem_optin: int | None = None) -> FwdConfig:
+    """The configuration ``forward`` launches for head-dim tile ``dt`` on a device whose blocks may
+    opt in to ``smem_optin`` bytes of shared memory (None: the portable table)."""
+    if smem_optin is not None and smem_optin >= LARGE_SMEM_BYTES and dt in LARGE_SMEM_CONFIGS:
+        return LARGE_SMEM_CONFIGS[dt]
+    return CONFIGS[dt]
+
+
+def current_smem_optin() -> int | None:
+    """Opt-in shared memory per block of the current CUDA device (cached per device), or None
+    where no device is usable (CPU-only machines: compile checks, documentation)."""
+    try:
+        import cupy
+
+        return _max_smem_optin(cupy.cuda.Device().id)
+    except (ImportError, RuntimeError):  # CUDARuntimeError derives from RuntimeError
+        return None
 
 
 def supports(dtype, headdim: int) -> bool:
@@ -95,17 +135,22 @@ def _spec_for(dtype, dt: int, causal: bool, config: FwdConfig) -> Specialization
 
 
 def specialization(dtype, headdim: int, causal: bool, config: FwdConfig | None = None) -> Specialization:
-    """The specialization ``forward`` launches (``config`` overrides the table, for tuning)."""
+    """The specialization ``forward`` launches on the current device (``config`` overrides the
+    tables, for tuning)."""
     if not supports(dtype, headdim):
         raise ValueError(f"cupyflash: mma forward does not support dtype {np.dtype(dtype)}, headdim {headdim}")
     dt = d_tile(headdim)
-    return _spec_for(dtype, dt, causal, config or CONFIGS[dt])
+    return _spec_for(dtype, dt, causal, config or default_config(dt, current_smem_optin()))
 
 
 def specializations() -> list[Specialization]:
-    """Every specialization the dispatcher can launch (for the compile check)."""
-    return [_spec_for(dtype, dt, causal, CONFIGS[dt])
-            for dtype in _CTYPE for dt in D_TILES for causal in (False, True)]
+    """Every specialization the dispatcher can launch on any supported GPU (for the compile check,
+    which builds them all for sm_80 and sm_90)."""
+    configs = {dt: {CONFIGS[dt]} | ({LARGE_SMEM_CONFIGS[dt]} if dt in LARGE_SMEM_CONFIGS else set())
+               for dt in D_TILES}
+    return [_spec_for(dtype, dt, causal, config)
+            for dtype in _CTYPE for dt in D_TILES
+            for config in sorted(configs[dt], key=lambda c: c.block_n) for causal in (False, True)]
 
 
 def _strides(a, what: str) -> tuple:
@@ -129,8 +174,9 @@ def forward(q, k, v, o, lse, *, softmax_scale: float, causal: bool, config: FwdC
         return
     if lse.dtype != np.float32 or not lse.flags.c_contiguous or lse.shape != (batch, nheads, seqlen_q):
         raise ValueError("cupyflash: lse must be a C-contiguous float32 (batch, nheads, seqlen_q) array")
+    config = config or default_config(d_tile(headdim), current_smem_optin())
     spec = specialization(q.dtype, headdim, causal, config)
-    block_m = (config or CONFIGS[d_tile(headdim)]).block_m
+    block_m = config.block_m
     grid = (math.ceil(seqlen_q / block_m), nheads, batch)
     args = (q, k, v, o, lse, np.int32(seqlen_q), np.int32(seqlen_k), np.int32(nheads),
             np.int32(nheads // nheads_kv), np.int32(headdim),
