@@ -41,14 +41,14 @@ def _heads_first(x: np.ndarray, acc: np.dtype, nheads: int) -> np.ndarray:
     return x[:, kv_head]
 
 
-def _causal_mask(rows: range, cols: range, seqlen_q: int, seqlen_k: int) -> np.ndarray:
+def _causal_mask(rows: slice, cols: slice, seqlen_q: int, seqlen_k: int) -> np.ndarray:
     """Visibility inside one (Br, Bc) block; causal is aligned bottom-right."""
     return np.arange(cols.start, cols.stop)[None, :] <= (
         np.arange(rows.start, rows.stop)[:, None] + (seqlen_k - seqlen_q)
     )
 
 
-def _num_key_blocks(rows: range, seqlen_q: int, seqlen_k: int, Bc: int, causal: bool) -> int:
+def _num_key_blocks(rows: slice, seqlen_q: int, seqlen_k: int, Bc: int, causal: bool) -> int:
     """Key blocks query block ``rows`` must visit: under the causal mask, blocks lying entirely
     above the diagonal are skipped."""
     keys = seqlen_k
@@ -57,7 +57,7 @@ def _num_key_blocks(rows: range, seqlen_q: int, seqlen_k: int, Bc: int, causal: 
     return math.ceil(keys / Bc)
 
 
-def _first_query_block(cols: range, seqlen_q: int, seqlen_k: int, Br: int, causal: bool) -> int:
+def _first_query_block(cols: slice, seqlen_q: int, seqlen_k: int, Br: int, causal: bool) -> int:
     """First query block that sees any key of block ``cols`` (the backward's causal skip)."""
     if not causal:
         return 0
@@ -79,15 +79,15 @@ def forward(q, k, v, *, softmax_scale, causal, block_m=64, block_n=64):
     Br, Bc = block_m, block_n
     Tr = math.ceil(seqlen_q / Br)
     for i in range(Tr):
-        rows = range(i * Br, min((i + 1) * Br, seqlen_q))
-        Q_i = Q[:, :, rows.start : rows.stop] * scale_log2  # scores come out in log2 units
+        rows = slice(i * Br, min((i + 1) * Br, seqlen_q))
+        Q_i = Q[:, :, rows] * scale_log2  # scores come out in log2 units
         m_i = np.full(Q_i.shape[:-1], -np.inf, acc)
         l_i = np.zeros(Q_i.shape[:-1], acc)
         O_i = np.zeros(Q_i.shape, acc)
         for j in range(_num_key_blocks(rows, seqlen_q, seqlen_k, Bc, causal)):
-            cols = range(j * Bc, min((j + 1) * Bc, seqlen_k))
-            K_j = K[:, :, cols.start : cols.stop]
-            V_j = V[:, :, cols.start : cols.stop]
+            cols = slice(j * Bc, min((j + 1) * Bc, seqlen_k))
+            K_j = K[:, :, cols]
+            V_j = V[:, :, cols]
             S_ij = Q_i @ np.swapaxes(K_j, -1, -2)
             if causal:
                 S_ij = np.where(_causal_mask(rows, cols, seqlen_q, seqlen_k), S_ij, -np.inf)
@@ -100,8 +100,8 @@ def forward(q, k, v, *, softmax_scale, causal, block_m=64, block_n=64):
             m_i = m_new
         seen_a_key = l_i > 0
         l_safe = np.where(seen_a_key, l_i, acc.type(1))
-        O[:, :, rows.start : rows.stop] = O_i / l_safe[..., None]
-        lse[:, :, rows.start : rows.stop] = np.where(
+        O[:, :, rows] = O_i / l_safe[..., None]
+        lse[:, :, rows] = np.where(
             seen_a_key, (m_i + np.log2(l_safe)) * acc.type(LN2), -np.inf
         )
     o = np.moveaxis(O, 1, 2).astype(q.dtype, order="C")
@@ -136,26 +136,26 @@ def backward(do, q, k, v, o, lse, *, softmax_scale, causal, block_m=64, block_n=
     Br, Bc = block_m, block_n
     Tr, Tc = math.ceil(seqlen_q / Br), math.ceil(seqlen_k / Bc)
     for j in range(Tc):
-        cols = range(j * Bc, min((j + 1) * Bc, seqlen_k))
-        K_j = K[:, :, cols.start : cols.stop]
-        V_j = V[:, :, cols.start : cols.stop]
+        cols = slice(j * Bc, min((j + 1) * Bc, seqlen_k))
+        K_j = K[:, :, cols]
+        V_j = V[:, :, cols]
         dK_j = np.zeros(K_j.shape, acc)
         dV_j = np.zeros(V_j.shape, acc)
         for i in range(_first_query_block(cols, seqlen_q, seqlen_k, Br, causal), Tr):
-            rows = range(i * Br, min((i + 1) * Br, seqlen_q))
-            Q_i = Q[:, :, rows.start : rows.stop]
-            dO_i = dO[:, :, rows.start : rows.stop]
+            rows = slice(i * Br, min((i + 1) * Br, seqlen_q))
+            Q_i = Q[:, :, rows]
+            dO_i = dO[:, :, rows]
             S_ij = (Q_i @ np.swapaxes(K_j, -1, -2)) * scale_log2
             if causal:
                 S_ij = np.where(_causal_mask(rows, cols, seqlen_q, seqlen_k), S_ij, -np.inf)
-            P_ij = np.exp2(S_ij - lse_log2[:, :, rows.start : rows.stop, None])
+            P_ij = np.exp2(S_ij - lse_log2[:, :, rows, None])
             dV_j += np.swapaxes(P_ij, -1, -2) @ dO_i
             dP_ij = dO_i @ np.swapaxes(V_j, -1, -2)
-            dS_ij = P_ij * (dP_ij - D[:, :, rows.start : rows.stop, None])
+            dS_ij = P_ij * (dP_ij - D[:, :, rows, None])
             dK_j += np.swapaxes(dS_ij, -1, -2) @ Q_i
-            dQ[:, :, rows.start : rows.stop] += dS_ij @ K_j
-        dK[:, :, cols.start : cols.stop] = dK_j * scale
-        dV[:, :, cols.start : cols.stop] = dV_j
+            dQ[:, :, rows] += dS_ij @ K_j
+        dK[:, :, cols] = dK_j * scale
+        dV[:, :, cols] = dV_j
     dQ *= scale
 
     def to_input_layout(x, heads):
@@ -163,4 +163,5 @@ def backward(do, q, k, v, o, lse, *, softmax_scale, causal, block_m=64, block_n=
         x = x.reshape(batch, heads, nheads // heads, x.shape[2], headdim).sum(axis=2)
         return np.moveaxis(x, 1, 2).astype(q.dtype, order="C")
 
-    return to_input_layout(dQ, nheads), to_input_layout(dK, nheads_kv), to_input_layout(dV, nheads_kv)
+    dq = to_input_layout(dQ, nheads)
+    return dq, to_input_layout(dK, nheads_kv), to_input_layout(dV, nheads_kv)

@@ -88,17 +88,16 @@ def _probabilities(q, k, scale, causal):
     s = np.where(mask, scale * (q @ np.swapaxes(k, -1, -2)), -np.inf)
     row_max = s.max(axis=-1, keepdims=True, initial=-np.inf)
     sees_a_key = np.isfinite(row_max)
-    shifted = np.where(mask, s - np.where(sees_a_key, row_max, 0.0), -np.inf)
-    e = np.exp(shifted)
+    e = np.exp(s - np.where(sees_a_key, row_max, 0.0))  # exactly 0 where masked
     denom = e.sum(axis=-1, keepdims=True)
-    p = np.where(mask, e / np.where(sees_a_key, denom, 1.0), 0.0)
+    p = e / np.where(sees_a_key, denom, 1.0)
     with np.errstate(divide="ignore"):
         lse = np.where(sees_a_key, row_max + np.log(denom), -np.inf)[..., 0]
     return p, lse, mask
 
 
 def attention(q, k, v, *, softmax_scale=None, causal=False):
-    """Exact attention in float64: returns (o, lse) with o like q and lse (batch, nheads, seqlen_q)."""
+    """Exact attention in float64: (o, lse), o shaped like q, lse (batch, nheads, seqlen_q)."""
     q, k, v = (np.asarray(x).astype(np.float64) for x in (q, k, v))
     _check_shapes(q, k, v)
     nheads = q.shape[2]

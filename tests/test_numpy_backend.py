@@ -10,7 +10,13 @@ from hypothesis import strategies as st
 
 from cupyflash import numpy_backend, reference
 from strategies import attention_case, make_inputs
-from tolerance import SIXTEEN_BIT, assert_close, bound, max_abs, output_rounding_allowance
+from tolerance import (
+    SIXTEEN_BIT,
+    assert_close,
+    bound,
+    max_abs,
+    output_rounding_allowance,
+)
 
 # Block sizes the kernels use, and odd ones that leave ragged edges on both axes.
 BLOCK_SIZES = (16, 32, 48, 64, 80, 128)
@@ -49,9 +55,13 @@ def check_against_reference(case, q, k, v, do):
     # One scale for the three gradients: dq and dk may cancel to 0 while their terms do not.
     grad_scale = max(max_abs(g) for g in grads_ref)
     allowances = output_rounding_allowance(do, q, k, v, o, o_ref, **kwargs)
-    for name, grad, ref, std, atol in zip(("dq", "dk", "dv"), grads, grads_ref, grads_std, allowances):
+    for name, grad, ref, std, atol in zip(
+        ("dq", "dk", "dv"), grads, grads_ref, grads_std, allowances
+    ):
         # flash-attn allows gradients 3x the baseline's error.
-        assert_close(name, grad, ref, std, dtype=case.dtype, factor=3.0, scale=grad_scale, atol=atol)
+        assert_close(
+            name, grad, ref, std, dtype=case.dtype, factor=3.0, scale=grad_scale, atol=atol
+        )
 
 
 @given(attention_case())
@@ -59,17 +69,19 @@ def test_matches_reference(case):
     check_against_reference(case, *make_inputs(case))
 
 
-def assert_same_up_to_rounding(name, a, b, dtype):
-    """a and b agree to accumulator rounding, plus one unit in the last place of ``dtype``
-    (two accumulator results straddling a rounding boundary of the output dtype)."""
+def assert_same_up_to_rounding(name, a, b, dtype, scale=None):
+    """a and b agree within the accuracy bound of ``dtype`` (tolerance.bound; blockings round
+    differently, as much as either differs from float64), plus one unit in the last place of
+    ``dtype`` (two accumulator results straddling a rounding boundary of the output dtype)."""
     a, b = a.astype(np.float64), b.astype(np.float64)
     np.testing.assert_array_equal(np.isfinite(a), np.isfinite(b), err_msg=name)
     finite = np.isfinite(b)
     if not finite.any():
         return
-    ulp = float(ml_dtypes.finfo(dtype).eps) * np.abs(b[finite]).max()
+    ulp = float(ml_dtypes.finfo(dtype).eps) * max_abs(b)
     err = np.abs(a[finite] - b[finite]).max()
-    assert err <= bound(b, dtype=dtype) + ulp, f"{name}: blockings differ by {err:.3e}"
+    allowed = bound(b, dtype=dtype, scale=scale) + ulp
+    assert err <= allowed, f"{name}: blockings differ by {err:.3e} > {allowed:.3e}"
 
 
 @given(attention_case(), st.sampled_from(BLOCK_SIZES), st.sampled_from(BLOCK_SIZES))
@@ -81,8 +93,9 @@ def test_independent_of_block_sizes(case, block_m, block_n):
     assert_same_up_to_rounding("lse", lse_b, lse, lse.dtype)
     grads = twin_backward(case, do, q, k, v, o, lse)
     grads_b = twin_backward(case, do, q, k, v, o, lse, block_m=block_m, block_n=block_n)
+    grad_scale = max(max_abs(g) for g in grads)
     for name, g_b, g in zip(("dq", "dk", "dv"), grads_b, grads):
-        assert_same_up_to_rounding(name, g_b, g, case.dtype)
+        assert_same_up_to_rounding(name, g_b, g, case.dtype, scale=grad_scale)
 
 
 @given(attention_case(), st.sampled_from(["q", "k", "both"]))

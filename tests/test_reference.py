@@ -39,7 +39,8 @@ def brute_force_attention(q, k, v, scale, causal):
                 weights = [math.exp(s - top) for s in scores]
                 total = math.fsum(weights)
                 for d in range(headdim):
-                    o[b, i, h, d] = math.fsum(w * v[b, j, kv_head, d] for w, j in zip(weights, keys)) / total
+                    weighted = (w * v[b, j, kv_head, d] for w, j in zip(weights, keys))
+                    o[b, i, h, d] = math.fsum(weighted) / total
                 lse[b, h, i] = top + math.log(total)
     return o, lse
 
@@ -87,7 +88,9 @@ def test_backward_matches_finite_differences(case):
     for name, x, grad in zip(("dq", "dk", "dv"), (q, k, v), grads):
         assert grad.shape == x.shape and grad.dtype == np.float64, name
         # Central differences are exact to step^2 * f''' + eps * |loss| / step ~ 1e-9 here.
-        np.testing.assert_allclose(grad, numerical_gradient(loss, x), rtol=1e-5, atol=1e-7, err_msg=name)
+        np.testing.assert_allclose(
+            grad, numerical_gradient(loss, x), rtol=1e-5, atol=1e-7, err_msg=name
+        )
 
 
 def test_causal_alignment_is_bottom_right():
@@ -128,14 +131,15 @@ def test_fully_masked_rows_give_zero_output_and_gradient(case):
     case = replace(case, causal=True, seqlen_q=longer + 1, seqlen_k=shorter)
     q, k, v, do = make_inputs(case)
     masked = case.seqlen_q - case.seqlen_k
-    o, lse = reference.attention(q, k, v, softmax_scale=case.softmax_scale, causal=True)
-    dq, dk, dv = reference.attention_backward(do, q, k, v, softmax_scale=case.softmax_scale, causal=True)
+    kwargs = dict(softmax_scale=case.softmax_scale, causal=True)
+    o, lse = reference.attention(q, k, v, **kwargs)
+    dq, dk, dv = reference.attention_backward(do, q, k, v, **kwargs)
     assert (o[:, :masked] == 0).all() and (lse[:, :, :masked] == -np.inf).all()
     assert (dq[:, :masked] == 0).all()
-    assert np.isfinite(o).all() and np.isfinite(dq).all() and np.isfinite(dk).all() and np.isfinite(dv).all()
+    assert all(np.isfinite(x).all() for x in (o, dq, dk, dv))
     # The masked queries contribute nothing to dk, dv: dropping them changes nothing.
     dq_rest, dk_rest, dv_rest = reference.attention_backward(
-        do[:, masked:], q[:, masked:], k, v, softmax_scale=case.softmax_scale, causal=True
+        do[:, masked:], q[:, masked:], k, v, **kwargs
     )
     np.testing.assert_allclose(dq[:, masked:], dq_rest, rtol=1e-13, atol=1e-13)
     np.testing.assert_allclose(dk, dk_rest, rtol=1e-13, atol=1e-13)
@@ -239,7 +243,10 @@ def test_standard_attention_in_16_bit_is_a_fair_baseline(dtype, causal, seed):
     q, k, v, do = (rng.standard_normal((1, 128, 2, 64)).astype(dtype) for _ in range(4))
     o, _ = reference.standard_attention(q, k, v, causal=causal, dtype=dtype)
     grads = reference.standard_attention_backward(do, q, k, v, causal=causal, dtype=dtype)
-    exact = (reference.attention(q, k, v, causal=causal)[0], *reference.attention_backward(do, q, k, v, causal=causal))
+    exact = (
+        reference.attention(q, k, v, causal=causal)[0],
+        *reference.attention_backward(do, q, k, v, causal=causal),
+    )
     for name, std, ref in zip(("o", "dq", "dk", "dv"), (o, *grads), exact):
         assert std.dtype == np.dtype(dtype), name
         ratio = rel_fro_error(std, ref) / rel_fro_error(ref.astype(dtype), ref)

@@ -111,7 +111,7 @@ def assert_close(name, actual, ref64, baseline=None, *, dtype, factor=2.0, scale
     floor = bound(ref64, dtype=dtype, scale=scale)
     if dtype in SIXTEEN_BIT:
         if baseline is None:
-            raise ValueError(f"{name}: a {dtype.name} comparison needs the standard-attention baseline")
+            raise ValueError(f"{name}: {dtype.name} needs the standard-attention baseline")
         base_err = max_abs_error(baseline, ref64)
         allowed = factor * base_err + floor + atol
         rule = f"{factor:g} x baseline error {base_err:.3e} + float32 floor {floor:.3e}"
@@ -120,9 +120,11 @@ def assert_close(name, actual, ref64, baseline=None, *, dtype, factor=2.0, scale
         rule = f"{RTOL[dtype]:g} x (1 + {'max|ref|' if scale is None else f'scale {scale:.3g}'})"
     if atol:
         rule += f" + atol {atol:.3e}"
-    assert n_mismatch == 0 and n_nonfinite == 0 and err <= allowed, (
-        f"{name} ({dtype.name}): max abs error {err:.3e} > allowed {allowed:.3e} [{rule}]; "
-        f"rel. Frobenius error {rel_fro_error(np.where(finite, actual, 0), np.where(finite, ref64, 0)):.3e}; "
-        f"{n_nonfinite} non-finite where the reference is finite, "
-        f"{n_mismatch} entries differ where the reference is +-inf"
-    )
+    if n_mismatch or n_nonfinite or not err <= allowed:
+        fro = rel_fro_error(np.where(finite, actual, 0), np.where(finite, ref64, 0))
+        raise AssertionError(
+            f"{name} ({dtype.name}): max abs error {err:.3e}, allowed {allowed:.3e} [{rule}]; "
+            f"rel. Frobenius error {fro:.3e}; "
+            f"{n_nonfinite} non-finite where the reference is finite, "
+            f"{n_mismatch} entries differ where the reference is +-inf"
+        )
