@@ -101,20 +101,18 @@ flash_bwd_dkdv_simt(const T* __restrict__ q, const T* __restrict__ k, const T* _
             __syncthreads();
 
             // P^T_ji = exp2(S_ij - lse_i), dP^T_ji = dO_i . V_j, dS^T_ji = P_ij (dP_ij - D_i)
+            A st[S_PER_LANE], dpt[S_PER_LANE];
+            row_dots<D_TILE>(st, k_tile + key * LD, q_tile + lane_in_row * LD, TPR * LD);
+            row_dots<D_TILE>(dpt, v_tile + key * LD, do_tile + lane_in_row * LD, TPR * LD);
 #pragma unroll
             for (int j = 0; j < S_PER_LANE; ++j) {
                 const int qi = lane_in_row + TPR * j, q_row = m0 + qi;
                 // lse = -inf marks a row with no visible key (or a row past the end): P = 0
                 const bool masked = n0 + key >= seqlen_k || lse_log2[qi] == neg_inf<A>() ||
                                     (CAUSAL && n0 + key > q_row + diag);
-                A p = A(0), ds = A(0);
-                if (!masked) {
-                    p = exp2_(row_dot<D_TILE>(q_tile + qi * LD, k_tile + key * LD) * scale_log2 - lse_log2[qi]);
-                    const A dp = row_dot<D_TILE>(do_tile + qi * LD, v_tile + key * LD);
-                    ds = p * (dp - delta_tile[qi]);
-                }
+                const A p = masked ? A(0) : exp2_(st[j] * scale_log2 - lse_log2[qi]);
                 pt_tile[key * LDP + qi] = p;
-                dst_tile[key * LDP + qi] = ds;
+                dst_tile[key * LDP + qi] = masked ? A(0) : p * (dpt[j] - delta_tile[qi]);
             }
             // P^T/dS^T rows are written and read only by their own row group (one warp).
             __syncwarp();
@@ -206,18 +204,15 @@ flash_bwd_dq_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __r
         __syncthreads();
 
         // dS_ij = P_ij (dO_i . V_j - D_i) with P_ij = exp2(S_ij - lse_i)
+        A s[S_PER_LANE], dp[S_PER_LANE];
+        row_dots<D_TILE>(s, q_tile + row * LD, k_tile + lane_in_row * LD, TPR * LD);
+        row_dots<D_TILE>(dp, do_tile + row * LD, v_tile + lane_in_row * LD, TPR * LD);
 #pragma unroll
         for (int j = 0; j < S_PER_LANE; ++j) {
             const int col = lane_in_row + TPR * j, key = n0 + col;
             const bool masked = key >= seqlen_k || row_lse_log2 == neg_inf<A>() ||
                                 (CAUSAL && key > q_row + diag);
-            A ds = A(0);
-            if (!masked) {
-                const A p = exp2_(row_dot<D_TILE>(q_tile + row * LD, k_tile + col * LD) * scale_log2 - row_lse_log2);
-                const A dp = row_dot<D_TILE>(do_tile + row * LD, v_tile + col * LD);
-                ds = p * (dp - row_delta);
-            }
-            ds_tile[row * LDS + col] = ds;
+            ds_tile[row * LDS + col] = masked ? A(0) : exp2_(s[j] * scale_log2 - row_lse_log2) * (dp[j] - row_delta);
         }
         // dS rows are written and read only by their own row group (one warp).
         __syncwarp();

@@ -9,25 +9,33 @@
 //   S = Q K_j^T (log2 units)         m_new = max(m, rowmax S)     rescale = exp2(m - m_new)
 //   P = exp2(S - m_new)              l = rescale l + rowsum P     O = rescale O + P V_j
 // and finally writes O / l and lse = (m + log2 l) ln 2.
+//
+// Register budget: at D_TILE 128 with 2 strips of 16 rows and BLOCK_N = 64 the O and S
+// accumulators alone take 192 of the 255 registers, and ptxas fills the rest with ldmatrix
+// prefetch. What lives across the key loop is therefore kept minimal: m and l of a row sit in one
+// lane of its quad, the K/V source (pointers, strides) is re-read from shared memory and the
+// block's row and key bounds are recomputed from special registers where used.
 #include "mma.cuh"
 
 namespace cf {
 
 // Shared memory, mirrored by cupyflash/kernels/mma_fwd.py (smem_bytes):
-//   [Q: BLOCK_M x D_TILE] [stage 0: K, V: BLOCK_N x D_TILE each] [stage 1] ...
+//   [Q: BLOCK_M x D_TILE] [stage 0: K, V: BLOCK_N x D_TILE each] [stage 1] ... [KvSource]
 // every tile swizzled (swizzled_offset). The Q tile is reused to stage O in the epilogue.
 template <int D_TILE, int BLOCK_M, int BLOCK_N, int STAGES>
 struct FwdSmemLayout {
     static constexpr u32 Q_BYTES = BLOCK_M * D_TILE * 2;
     static constexpr u32 KV_TILE_BYTES = BLOCK_N * D_TILE * 2;
     static constexpr u32 STAGE_BYTES = 2 * KV_TILE_BYTES;
-    static constexpr u32 BYTES = Q_BYTES + STAGES * STAGE_BYTES;
+    static constexpr u32 KV_SOURCE = Q_BYTES + STAGES * STAGE_BYTES;  // KvSource, 32 bytes
+    static constexpr u32 BYTES = KV_SOURCE + 32;
     static __device__ __forceinline__ u32 k_tile(u32 base, int stage) {
         return base + Q_BYTES + stage * STAGE_BYTES;
     }
     static __device__ __forceinline__ u32 v_tile(u32 base, int stage) {
         return k_tile(base, stage) + KV_TILE_BYTES;
     }
+    static __device__ __forceinline__ u32 kv_source(u32 base) { return base + KV_SOURCE; }
 };
 
 // S = Q K^T for the warp's strips. Q fragments come from registers (Q_STEPS == D_TILE / 16) or
@@ -101,54 +109,88 @@ __device__ __forceinline__ void scale_and_mask(float (&s)[M_STRIPS][N_FRAGS][4],
         }
 }
 
-// Row maxima of S over the key block, reduced over the 4 lanes (a quad) that share each row.
+// New running maxima of the rows of the warp's strips: max of the old ones and of S over the key
+// block, reduced over the 4 lanes (a quad) that share each row. The old maximum of row r enters
+// through the lane that holds it (m_row, lane t of the quad: row t % (2 M_STRIPS), r = 2 strip + half).
 template <int M_STRIPS, int N_FRAGS>
-__device__ __forceinline__ void row_max(float (&mx)[M_STRIPS][2],
-                                        const float (&s)[M_STRIPS][N_FRAGS][4]) {
+__device__ __forceinline__ void row_max(float (&m_new)[M_STRIPS][2],
+                                        const float (&s)[M_STRIPS][N_FRAGS][4], float m_row,
+                                        int lane) {
 #pragma unroll
     for (int i = 0; i < M_STRIPS; ++i)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            float x = fmaxf(s[i][0][2 * h], s[i][0][2 * h + 1]);
+            float x = (lane & 3) % (2 * M_STRIPS) == 2 * i + h ? m_row : neg_inf<float>();
 #pragma unroll
-            for (int f = 1; f < N_FRAGS; ++f) x = fmaxf(x, fmaxf(s[i][f][2 * h], s[i][f][2 * h + 1]));
-            mx[i][h] = group_max<4>(x);
+            for (int f = 0; f < N_FRAGS; ++f) x = fmaxf(x, fmaxf(s[i][f][2 * h], s[i][f][2 * h + 1]));
+            m_new[i][h] = group_max<4>(x);
         }
 }
 
-// Online-softmax update: S becomes P = exp2(S - m_new) in place, O and l are rescaled by
-// exp2(m - m_new). l stays a per-lane partial sum (the rescale is the same on the 4 lanes of a
-// row), reduced across the quad once in the epilogue. A row with every key masked so far has
-// m_new = -inf; subtracting 0 instead keeps exp2(-inf - base) = 0 rather than NaN.
+// Sums over the quad of lanes 4g..4g+3 of ROWS per-lane partial row sums (ROWS = 2 strips x 2
+// halves, or 2 for one strip), scattered: lane t of the quad gets the full sum of row t % ROWS.
+// A reduce-scatter needs 3 shuffles for 4 rows where all-reducing each row needs 8.
+template <int ROWS>
+__device__ __forceinline__ float quad_sum_scatter(const float (&x)[ROWS], int lane) {
+    static_assert(ROWS == 2 || ROWS == 4, "2 or 4 rows per lane");
+    const bool odd = lane & 1;
+    // Step 1 (lanes t, t ^ 1): keep rows with t's parity, hand over the others.
+    float a0 = odd ? x[1] : x[0];
+    a0 += __shfl_xor_sync(0xffffffffu, odd ? x[0] : x[1], 1);
+    if constexpr (ROWS == 2) {
+        return a0 + __shfl_xor_sync(0xffffffffu, a0, 2);
+    } else {
+        float a1 = odd ? x[3] : x[2];
+        a1 += __shfl_xor_sync(0xffffffffu, odd ? x[2] : x[3], 1);
+        // Step 2 (lanes t, t ^ 2): a0 holds row (t & 1), a1 row 2 + (t & 1); keep row t.
+        const bool high = lane & 2;
+        return (high ? a1 : a0) + __shfl_xor_sync(0xffffffffu, high ? a0 : a1, 2);
+    }
+}
+
+// Online-softmax update: S becomes P = exp2(S - m_new) in place, O is rescaled by
+// exp2(m - m_new). A row with every key masked so far has m_new = -inf; subtracting 0 instead
+// keeps exp2(-inf - base) = 0 rather than NaN. The running maximum m and sum l of a row live in
+// one register each per lane: lane t of each quad holds those of the quad's row t % (2 M_STRIPS)
+// (row r = 2 strip + half). 2 registers instead of 4 M_STRIPS, which the key loop cannot spare;
+// the price is 3 shuffles for l and 2 M_STRIPS to share the rescale factors.
 template <int M_STRIPS, int N_FRAGS, int D_FRAGS>
 __device__ __forceinline__ void softmax_rescale(float (&s)[M_STRIPS][N_FRAGS][4],
-                                                float (&o)[M_STRIPS][D_FRAGS][4],
-                                                float (&m)[M_STRIPS][2], float (&l)[M_STRIPS][2],
-                                                const float (&block_max)[M_STRIPS][2]) {
+                                                float (&o)[M_STRIPS][D_FRAGS][4], float& m_row,
+                                                float& l_row, const float (&m_new)[M_STRIPS][2],
+                                                int lane) {
+    constexpr int ROWS = 2 * M_STRIPS;
+    const int my_row = (lane & 3) % ROWS;
+    float my_m_new = m_new[0][0];
+#pragma unroll
+    for (int r = 1; r < ROWS; ++r)
+        if (my_row == r) my_m_new = m_new[r / 2][r % 2];
+    const float my_rescale = exp2_approx(m_row - (my_m_new == neg_inf<float>() ? 0.f : my_m_new));
+    m_row = my_m_new;
+    float row_sum[ROWS];
 #pragma unroll
     for (int i = 0; i < M_STRIPS; ++i)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const float m_new = fmaxf(m[i][h], block_max[i][h]);
-            const float base = m_new == neg_inf<float>() ? 0.f : m_new;
-            const float rescale = exp2_approx(m[i][h] - base);
-            m[i][h] = m_new;
-            float row_sum = 0.f;
+            const float base = m_new[i][h] == neg_inf<float>() ? 0.f : m_new[i][h];
+            float sum = 0.f;
 #pragma unroll
             for (int f = 0; f < N_FRAGS; ++f)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     const float p = exp2_approx(s[i][f][2 * h + e] - base);
                     s[i][f][2 * h + e] = p;
-                    row_sum += p;
+                    sum += p;
                 }
-            l[i][h] = l[i][h] * rescale + row_sum;
+            row_sum[2 * i + h] = sum;
+            const float rescale = __shfl_sync(0xffffffffu, my_rescale, (lane & ~3) | (2 * i + h));
 #pragma unroll
             for (int f = 0; f < D_FRAGS; ++f) {
                 o[i][f][2 * h] *= rescale;
                 o[i][f][2 * h + 1] *= rescale;
             }
         }
+    l_row = l_row * my_rescale + quad_sum_scatter(row_sum, lane);
 }
 
 // P rounded to 16 bits, packed as mma A fragments: the accumulator fragments of key columns
@@ -195,7 +237,7 @@ __device__ __forceinline__ void mma_pv(float (&o)[M_STRIPS][D_FRAGS][4],
 // tile are touched, which no other warp reads, so a warp barrier suffices.
 template <typename T, int D_TILE, int M_STRIPS, int D_FRAGS>
 __device__ __forceinline__ void store_o(float (&o)[M_STRIPS][D_FRAGS][4],
-                                        const float (&m)[M_STRIPS][2], const float (&l)[M_STRIPS][2],
+                                        float m_row, float l_row,
                                         u32 stage_tile, int strip_row0, int m0, int seqlen_q,
                                         int headdim, T* o_rows, i64 o_ss, float* lse_rows,
                                         int lane) {
@@ -203,12 +245,15 @@ __device__ __forceinline__ void store_o(float (&o)[M_STRIPS][D_FRAGS][4],
     for (int i = 0; i < M_STRIPS; ++i)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const float l_row = group_sum<4>(l[i][h]);
-            const float inv_l = l_row > 0.f ? 1.f / l_row : 0.f;
+            // The maximum and sum of this row are held by lane 2i + h of the quad (softmax_rescale).
+            const int holder = (lane & ~3) | (2 * i + h);
+            const float m = __shfl_sync(0xffffffffu, m_row, holder);
+            const float l = __shfl_sync(0xffffffffu, l_row, holder);
+            const float inv_l = l > 0.f ? 1.f / l : 0.f;
             const int row = strip_row0 + 16 * i + 8 * h + (lane >> 2);
             if ((lane & 3) == 0 && m0 + row < seqlen_q) {
                 const float ln2 = 0.6931471805599453f;
-                lse_rows[row] = l_row > 0.f ? (m[i][h] + __log2f(l_row)) * ln2 : neg_inf<float>();
+                lse_rows[row] = l > 0.f ? (m + __log2f(l)) * ln2 : neg_inf<float>();
             }
 #pragma unroll
             for (int f = 0; f < D_FRAGS; ++f)
@@ -228,6 +273,50 @@ __device__ __forceinline__ void store_o(float (&o)[M_STRIPS][D_FRAGS][4],
             st_global_v4(o_rows + row * o_ss + chunk * 8, r);
         }
     }
+}
+
+// Where the K and V tiles of the block's (batch, kv head) come from: row 0 of the head and the
+// row strides. The key loop reads it from shared memory each time it issues copies: kept in
+// registers, these loop invariants would be spilled (d128 with 128 x 64 tiles needs all 255
+// registers for the accumulators and the ldmatrix pipeline).
+template <typename T>
+struct KvSource {
+    const T* k;
+    const T* v;
+    i64 k_stride;
+    i64 v_stride;
+
+    __device__ __forceinline__ void store(u32 addr) const {
+        asm volatile("st.shared.v2.u64 [%0], {%1, %2};\n" ::"r"(addr), "l"(k), "l"(v) : "memory");
+        asm volatile("st.shared.v2.u64 [%0], {%1, %2};\n" ::"r"(addr + 16), "l"(k_stride),
+                     "l"(v_stride) : "memory");
+    }
+    // volatile: a fresh read in every iteration, never hoisted out of the loop.
+    static __device__ __forceinline__ KvSource load(u32 addr) {
+        KvSource r;
+        asm volatile("ld.shared.v2.u64 {%0, %1}, [%2];\n" : "=l"(r.k), "=l"(r.v) : "r"(addr) : "memory");
+        asm volatile("ld.shared.v2.u64 {%0, %1}, [%2];\n" : "=l"(r.k_stride), "=l"(r.v_stride)
+                     : "r"(addr + 16) : "memory");
+        return r;
+    }
+};
+
+// Special registers read afresh where used (volatile: not hoisted out of the key loop), so that
+// what derives from them is recomputed there instead of occupying registers across the loop.
+__device__ __forceinline__ int fresh_nctaid_x() {
+    int r;
+    asm volatile("mov.u32 %0, %%nctaid.x;\n" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ int fresh_ctaid_x() {
+    int r;
+    asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ int fresh_tid_x() {
+    int r;
+    asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(r));
+    return r;
 }
 
 template <typename T, int D_TILE, bool CAUSAL, int BLOCK_M, int BLOCK_N, int WARPS, bool Q_IN_REGS,
@@ -251,31 +340,42 @@ flash_fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
     const u32 smem_base = smem_u32(smem);
     const u32 q_tile = smem_base;
 
-    const int m_block = CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;  // heaviest blocks first
-    const int head = blockIdx.y, batch = blockIdx.z;
-    const int head_kv = head / group;
-    const int m0 = m_block * BLOCK_M;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int strip_row0 = warp * 16 * M_STRIPS;  // first row of the warp's strips within the block
-
+    auto first_row = [&]() {  // of the block; heaviest causal blocks first
+        return (CAUSAL ? fresh_nctaid_x() - 1 - fresh_ctaid_x() : fresh_ctaid_x()) * BLOCK_M;
+    };
     // Keys [0, n_end) are visible to some row of the block; with bottom-right causal alignment
     // the last row m0 + BLOCK_M - 1 sees keys <= m0 + BLOCK_M - 1 + seqlen_k - seqlen_q.
-    const int n_end = CAUSAL ? min(seqlen_k, max(0, m0 + BLOCK_M + seqlen_k - seqlen_q)) : seqlen_k;
-    const int n_blocks = (n_end + BLOCK_N - 1) / BLOCK_N;
+    auto n_end = [&]() {
+        return CAUSAL ? min(seqlen_k, max(0, first_row() + BLOCK_M + seqlen_k - seqlen_q)) : seqlen_k;
+    };
     // Blocks from here on contain keys that some row of the block must not see.
-    const int first_masked_key = CAUSAL ? min(seqlen_k, max(0, m0 + 1 + seqlen_k - seqlen_q)) : seqlen_k;
+    auto first_masked_key = [&]() {
+        return CAUSAL ? min(seqlen_k, max(0, first_row() + 1 + seqlen_k - seqlen_q)) : seqlen_k;
+    };
+    const int head = blockIdx.y, batch = blockIdx.z;
+    const int head_kv = head / group;
+    const int m0 = first_row();
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int strip_row0 = warp * 16 * M_STRIPS;  // first row of the warp's strips within the block
 
     const T* q_rows = q + row_offset(batch, m0, head, q_sb, q_ss, q_sh);
     const T* k_rows = k + row_offset(batch, 0, head_kv, k_sb, k_ss, k_sh);
     const T* v_rows = v + row_offset(batch, 0, head_kv, v_sb, v_ss, v_sh);
 
-    auto load_kv_tile = [&](int block, int stage) {
+    auto load_kv_tile = [&](const KvSource<T>& src, int block, int stage) {
         const int n0 = block * BLOCK_N;
-        cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(Smem::k_tile(smem_base, stage), k_rows + n0 * k_ss,
-                                                 seqlen_k - n0, headdim, k_ss, threadIdx.x);
-        cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(Smem::v_tile(smem_base, stage), v_rows + n0 * v_ss,
-                                                 seqlen_k - n0, headdim, v_ss, threadIdx.x);
+        const int thread = fresh_tid_x();
+        cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(Smem::k_tile(smem_base, stage),
+                                                 src.k + n0 * src.k_stride, seqlen_k - n0, headdim,
+                                                 src.k_stride, thread);
+        cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(Smem::v_tile(smem_base, stage),
+                                                 src.v + n0 * src.v_stride, seqlen_k - n0, headdim,
+                                                 src.v_stride, thread);
     };
+
+    // Published for the key loop; its first __syncthreads() orders the store before any read.
+    const KvSource<T> kv_source{k_rows, v_rows, k_ss, v_ss};
+    if (threadIdx.x == 0) kv_source.store(Smem::kv_source(smem_base));
 
     // Commit groups: Q, then one per key block (empty past the last), so that before block j
     // exactly STAGES - 2 younger groups may still be in flight.
@@ -283,7 +383,7 @@ flash_fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
     cp_async_commit();
 #pragma unroll
     for (int j = 0; j < STAGES - 1; ++j) {
-        if (j < n_blocks) load_kv_tile(j, j);
+        if (j * BLOCK_N < n_end()) load_kv_tile(kv_source, j, j);
         cp_async_commit();
     }
 
@@ -303,21 +403,16 @@ flash_fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
     }
 
     float o_acc[M_STRIPS][D_FRAGS][4];
-    float m[M_STRIPS][2], l[M_STRIPS][2];
+    // Running max and sum of row (lane % 4) % (2 M_STRIPS) of the warp's strips (softmax_rescale).
+    float m_row = neg_inf<float>(), l_row = 0.f;
 #pragma unroll
-    for (int i = 0; i < M_STRIPS; ++i) {
+    for (int i = 0; i < M_STRIPS; ++i)
 #pragma unroll
         for (int f = 0; f < D_FRAGS; ++f)
 #pragma unroll
             for (int e = 0; e < 4; ++e) o_acc[i][f][e] = 0.f;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            m[i][h] = neg_inf<float>();
-            l[i][h] = 0.f;
-        }
-    }
 
-    for (int j = 0; j < n_blocks; ++j) {
+    for (int j = 0; j * BLOCK_N < n_end(); ++j) {
         const int stage = j % STAGES;
         // K_j, V_j have landed for every thread, and every warp is done with block j - 1, whose
         // stage the loads below refill.
@@ -325,18 +420,20 @@ flash_fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
         __syncthreads();
         {
             const int ahead = j + STAGES - 1;
-            if (ahead < n_blocks) load_kv_tile(ahead, ahead % STAGES);
+            if (ahead * BLOCK_N < n_end())
+                load_kv_tile(KvSource<T>::load(Smem::kv_source(smem_base)), ahead, ahead % STAGES);
             cp_async_commit();
         }
 
         float s[M_STRIPS][N_FRAGS][4];
         mma_qk<T, D_TILE>(s, q_frag, q_strips, a_addr, Smem::k_tile(smem_base, stage), k_addr);
         const int n0 = j * BLOCK_N;
-        const bool masked = n0 + BLOCK_N > first_masked_key;
-        scale_and_mask<CAUSAL>(s, scale_log2, masked, m0 + strip_row0, n0, seqlen_q, seqlen_k, lane);
-        float block_max[M_STRIPS][2];
-        row_max(block_max, s);
-        softmax_rescale(s, o_acc, m, l, block_max);
+        const bool masked = n0 + BLOCK_N > first_masked_key();
+        scale_and_mask<CAUSAL>(s, scale_log2, masked, first_row() + strip_row0, n0, seqlen_q, seqlen_k,
+                               lane);
+        float m_new[M_STRIPS][2];
+        row_max(m_new, s, m_row, lane);
+        softmax_rescale(s, o_acc, m_row, l_row, m_new, lane);
         u32 p[M_STRIPS][N_FRAGS / 2][4];
         pack_p<T>(p, s);
         mma_pv<T, D_TILE>(o_acc, p, Smem::v_tile(smem_base, stage), a_addr);
@@ -346,7 +443,7 @@ flash_fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
     // thread) may still be in flight.
     cp_async_wait<0>();
     __syncthreads();
-    store_o<T, D_TILE>(o_acc, m, l, q_tile, strip_row0, m0, seqlen_q, headdim,
+    store_o<T, D_TILE>(o_acc, m_row, l_row, q_tile, strip_row0, m0, seqlen_q, headdim,
                        o + row_offset(batch, m0, head, o_sb, o_ss, o_sh), o_ss,
                        lse + ((i64)batch * nheads + head) * seqlen_q + m0, lane);
 }

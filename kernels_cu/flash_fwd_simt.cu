@@ -63,12 +63,12 @@ flash_fwd_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
 
         // S_ij = Q_i K_j^T (log2 units), masked past the end and above the causal diagonal
         A s[S_PER_LANE];
+        row_dots<D_TILE>(s, q_tile + row * LD, k_tile + lane_in_row * LD, TPR * LD);
         A row_max = neg_inf<A>();
 #pragma unroll
         for (int j = 0; j < S_PER_LANE; ++j) {
-            const int col = lane_in_row + TPR * j, key = n0 + col;
-            const bool masked = key >= seqlen_k || (CAUSAL && key > q_row + diag);
-            s[j] = masked ? neg_inf<A>() : row_dot<D_TILE>(q_tile + row * LD, k_tile + col * LD);
+            const int key = n0 + lane_in_row + TPR * j;
+            if (key >= seqlen_k || (CAUSAL && key > q_row + diag)) s[j] = neg_inf<A>();
             row_max = max_(row_max, s[j]);
         }
         row_max = group_max<TPR>(row_max);

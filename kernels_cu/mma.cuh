@@ -123,7 +123,7 @@ struct FragmentAddress {
     // Address of 16 x 16 block (r, c) of the tile at `tile`; r and c are compile-time after
     // unrolling.
     __device__ __forceinline__ u32 operator()(u32 tile, int r, int c) const {
-        return ((tile + row_offset + chunk_xor) ^ static_cast<u32>((2 * c & 7) * 16)) +
+        return tile + row_offset + (chunk_xor ^ static_cast<u32>((2 * c & 7) * 16)) +
                static_cast<u32>(r * 16 * ROW_BYTES + (c >> 2) * 128);
     }
 };

@@ -275,7 +275,7 @@ def test_tile_sizes_are_those_of_the_launched_specializations():
 
     for d in (64, 128, 256):
         tiles = iox.flash_tiles(iox.Config("flash-fwd", 1024, d))
-        config = mma_fwd.CONFIGS[mma_fwd.d_tile(d)]
+        config = mma_fwd.default_config(mma_fwd.d_tile(d), mma_fwd.current_smem_optin())
         assert tiles["fwd"] == (config.block_m, config.block_n)
     for dtype, d in (("float32", 64), ("float64", 128), ("bfloat16", 48)):
         tiles = iox.flash_tiles(iox.Config("flash-fwd", 1024, d, dtype=dtype, family="simt"))

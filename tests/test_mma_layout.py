@@ -250,6 +250,25 @@ def _pack_p(s):
     return p
 
 
+def _quad_sum_scatter(x):
+    """quad_sum_scatter: x[lane, rows] partial row sums -> per lane the quad's sum of row t % rows."""
+    rows = x.shape[1]
+    odd = (LANES & 1).astype(bool)
+    a0 = np.where(odd, x[:, 1], x[:, 0])
+    a0 = a0 + np.where(odd, x[:, 0], x[:, 1])[LANES ^ 1]
+    if rows == 2:
+        return a0 + a0[LANES ^ 2]
+    a1 = np.where(odd, x[:, 3], x[:, 2])
+    a1 = a1 + np.where(odd, x[:, 2], x[:, 3])[LANES ^ 1]
+    high = (LANES & 2).astype(bool)
+    return np.where(high, a1, a0) + np.where(high, a0, a1)[LANES ^ 2]
+
+
+def _row_holder(r):
+    """Lane of each lane's quad that holds the running max and sum of row r = 2 strip + half."""
+    return (LANES & ~3) | r
+
+
 def _fwd_block(q, k, v, o, lse, *, batch, head, m_block, group, scale_log2, causal,
                d_tile, block_m, block_n, warps, stages, q_in_regs):
     """One thread block of flash_fwd_mma, in float64 (no 16-bit rounding)."""
@@ -264,7 +283,6 @@ def _fwd_block(q, k, v, o, lse, *, batch, head, m_block, group, scale_log2, caus
     head_kv = head // group
     m0 = m_block * block_m
     n_end = min(seqlen_k, max(0, m0 + block_m + seqlen_k - seqlen_q)) if causal else seqlen_k
-    n_blocks = (n_end + block_n - 1) // block_n
     first_masked_key = min(seqlen_k, max(0, m0 + 1 + seqlen_k - seqlen_q)) if causal else seqlen_k
     qs, ks, vs = q[batch, :, head], k[batch, :, head_kv], v[batch, :, head_kv]
 
@@ -275,7 +293,7 @@ def _fwd_block(q, k, v, o, lse, *, batch, head, m_block, group, scale_log2, caus
 
     cp_async_tile(smem, 0, block_m, d_tile, nthreads, qs, m0, seqlen_q - m0, headdim)
     for j in range(stages - 1):
-        if j < n_blocks:
+        if j * block_n < n_end:
             load_kv_tile(j, j)
 
     a_addr, k_addr = a_operand_address(d_tile), k_operand_address(d_tile)
@@ -289,12 +307,14 @@ def _fwd_block(q, k, v, o, lse, *, batch, head, m_block, group, scale_log2, caus
                       for i in range(strips)]
         state.append(dict(strip_row0=strip_row0, q_strips=q_strips, q_frag=q_frag,
                           o=np.zeros((32, strips, d_frags, 4)),
-                          m=np.full((32, strips, 2), -np.inf), l=np.zeros((32, strips, 2))))
+                          m_row=np.full(32, -np.inf), l_row=np.zeros(32)))
 
-    for j in range(n_blocks):
+    rows = 2 * strips  # rows per lane; lane t of a quad holds m and l of row t % rows
+    my_row = THREAD_IN_GROUP % rows
+    for j in range((n_end + block_n - 1) // block_n):  # j * block_n < n_end
         stage = j % stages
         ahead = j + stages - 1
-        if ahead < n_blocks:
+        if ahead * block_n < n_end:
             load_kv_tile(ahead, ahead % stages)
         n0 = j * block_n
         masked = n0 + block_n > first_masked_key
@@ -320,18 +340,27 @@ def _fwd_block(q, k, v, o, lse, *, batch, head, m_block, group, scale_log2, caus
                             for e in range(2):
                                 key = n0 + 8 * f + 2 * THREAD_IN_GROUP + e
                                 s[:, i, f, 2 * h + e] = np.where(key >= key_end, -np.inf, s[:, i, f, 2 * h + e])
-            # row_max, softmax_rescale
+            # row_max: the old maximum of row r enters through the lane holding it
+            m_new = np.empty((32, strips, 2))
             for i in range(strips):
                 for h in range(2):
-                    block_max = quad_reduce(s[:, i, :, 2 * h: 2 * h + 2].max(axis=(1, 2)), np.maximum)
-                    m_new = np.maximum(w["m"][:, i, h], block_max)
-                    base = np.where(m_new == -np.inf, 0.0, m_new)
-                    rescale = np.exp2(w["m"][:, i, h] - base)
-                    w["m"][:, i, h] = m_new
+                    x = np.where(my_row == 2 * i + h, w["m_row"], -np.inf)
+                    x = np.maximum(x, s[:, i, :, 2 * h: 2 * h + 2].max(axis=(1, 2)))
+                    m_new[:, i, h] = quad_reduce(x, np.maximum)
+            # softmax_rescale
+            my_m_new = m_new[LANES, my_row // 2, my_row % 2]
+            my_rescale = np.exp2(w["m_row"] - np.where(my_m_new == -np.inf, 0.0, my_m_new))
+            w["m_row"] = my_m_new
+            row_sum = np.empty((32, rows))
+            for i in range(strips):
+                for h in range(2):
+                    base = np.where(m_new[:, i, h] == -np.inf, 0.0, m_new[:, i, h])
                     p = np.exp2(s[:, i, :, 2 * h: 2 * h + 2] - base[:, None, None])
                     s[:, i, :, 2 * h: 2 * h + 2] = p
-                    w["l"][:, i, h] = w["l"][:, i, h] * rescale + p.sum(axis=(1, 2))
+                    row_sum[:, 2 * i + h] = p.sum(axis=(1, 2))
+                    rescale = my_rescale[_row_holder(2 * i + h)]
                     w["o"][:, i, :, 2 * h: 2 * h + 2] *= rescale[:, None, None]
+            w["l_row"] = w["l_row"] * my_rescale + _quad_sum_scatter(row_sum)
             # pack_p, mma_pv
             p = _pack_p(s)
             for kk in range(n_frags // 2):
@@ -346,12 +375,13 @@ def _fwd_block(q, k, v, o, lse, *, batch, head, m_block, group, scale_log2, caus
         strip_row0 = w["strip_row0"]
         for i in range(strips):
             for h in range(2):
-                l_row = quad_reduce(w["l"][:, i, h], np.add)
+                m_row = w["m_row"][_row_holder(2 * i + h)]
+                l_row = w["l_row"][_row_holder(2 * i + h)]
                 inv_l = np.where(l_row > 0, 1.0 / np.where(l_row > 0, l_row, 1.0), 0.0)
                 row = strip_row0 + 16 * i + 8 * h + GROUP
                 writes = (THREAD_IN_GROUP == 0) & (m0 + row < seqlen_q)
                 with np.errstate(divide="ignore"):
-                    value = np.where(l_row > 0, (w["m"][:, i, h] + np.log2(l_row)) * math.log(2), -np.inf)
+                    value = np.where(l_row > 0, (m_row + np.log2(l_row)) * math.log(2), -np.inf)
                 lse[batch, head, (m0 + row)[writes]] = value[writes]
                 for f in range(d_frags):
                     addr = swizzled_offset(d_tile, row, f) + 4 * THREAD_IN_GROUP
@@ -409,6 +439,8 @@ _FWD_CASES = [
     (64, 128, 64, 8, 2, True, 56, 1, 130, 130, 1, 1, True),
     (128, 128, 32, 4, 2, False, 96, 1, 140, 75, 2, 2, False),
     (128, 128, 32, 4, 3, False, 128, 1, 200, 60, 1, 1, True),  # seqlen_q > seqlen_k: empty rows
+    (128, 128, 64, 4, 2, False, 120, 1, 150, 190, 2, 1, True),  # sm_90 default
+    (128, 128, 64, 4, 2, False, 128, 1, 130, 70, 1, 1, True),  # empty rows, 2 strips per warp
     (256, 128, 32, 8, 2, False, 136, 1, 40, 70, 1, 1, True),
 ]
 
@@ -431,6 +463,53 @@ def test_fwd_block_emulation_matches_reference(case):
     if causal and sq > sk:
         empty = sq - sk  # rows that see no key
         assert np.all(o[:, :empty] == 0) and np.all(lse[:, :, :empty] == -np.inf)
+
+
+@pytest.mark.parametrize("rows", [2, 4])
+def test_fwd_quad_sum_scatter_gives_each_row_to_its_holder(rows):
+    x = np.random.default_rng(rows).standard_normal((32, rows))
+    got = _quad_sum_scatter(x)
+    quad_sums = x.reshape(8, 4, rows).sum(axis=1)  # [quad, row]
+    np.testing.assert_allclose(got, quad_sums[GROUP, THREAD_IN_GROUP % rows], rtol=1e-12)
+    for r in range(rows):  # the lane store_o and the rescale broadcast read holds that row
+        np.testing.assert_allclose(got[_row_holder(r)], quad_sums[GROUP, r], rtol=1e-12)
+
+
+@pytest.mark.parametrize("strips", [1, 2])
+def test_fwd_distributed_running_max_and_sum(strips):
+    """The online softmax with m and l of each row held by one lane of its quad (softmax_rescale)
+    gives the per-row max and sum of exp2 over all key blocks, fully masked blocks included."""
+    rng = np.random.default_rng(strips)
+    rows, n_frags, n_blocks = 2 * strips, 4, 5
+    blocks = rng.standard_normal((n_blocks, 32, strips, n_frags, 4)) * 4
+    blocks[0, :, 0, :, 0:2] = -np.inf  # strip 0, half 0: nothing visible in block 0
+    blocks[:, :, strips - 1, :, 2:4] = -np.inf  # last strip, half 1: never anything visible
+    my_row = THREAD_IN_GROUP % rows
+    m_row, l_row = np.full(32, -np.inf), np.zeros(32)
+    for s in blocks:
+        m_new = np.empty((32, strips, 2))
+        for i in range(strips):
+            for h in range(2):
+                x = np.maximum(np.where(my_row == 2 * i + h, m_row, -np.inf), s[:, i, :, 2 * h: 2 * h + 2].max(axis=(1, 2)))
+                m_new[:, i, h] = quad_reduce(x, np.maximum)
+        my_m_new = m_new[LANES, my_row // 2, my_row % 2]
+        my_rescale = np.exp2(m_row - np.where(my_m_new == -np.inf, 0.0, my_m_new))
+        row_sum = np.empty((32, rows))
+        for i in range(strips):
+            for h in range(2):
+                base = np.where(m_new[:, i, h] == -np.inf, 0.0, m_new[:, i, h])
+                row_sum[:, 2 * i + h] = np.exp2(s[:, i, :, 2 * h: 2 * h + 2] - base[:, None, None]).sum(axis=(1, 2))
+        m_row, l_row = my_m_new, l_row * my_rescale + _quad_sum_scatter(row_sum)
+    for i in range(strips):
+        for h in range(2):
+            row = blocks[:, :, i, :, 2 * h: 2 * h + 2].transpose(1, 0, 2, 3).reshape(8, 4, -1)  # [quad, lane, keys]
+            row = row.reshape(8, -1)
+            m_ref = row.max(axis=1)
+            with np.errstate(invalid="ignore"):
+                l_ref = np.where(np.isfinite(m_ref), np.exp2(row - np.where(np.isfinite(m_ref), m_ref, 0)[:, None]).sum(axis=1), 0.0)
+            holder = _row_holder(2 * i + h)
+            np.testing.assert_array_equal(m_row[holder], m_ref[GROUP])
+            np.testing.assert_allclose(l_row[holder], l_ref[GROUP], rtol=1e-12)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -780,23 +859,34 @@ def _bwd_emulated(q, k, v, do, *, causal, scale, dkdv_config, dq_config=None):
 
     o, lse = attention(q, k, v, softmax_scale=scale, causal=causal)
     delta = np.einsum("bqhd,bqhd->bhq", do, o)
-    d_tile, block_m, m_sub, block_n, nwarps, warps_d = dkdv_config
+    # (d_tile, BLOCK_M, M_SUB, BLOCK_N, NWARPS, WARPS_D), or ("v2", ..., ROW_GROUPS) for v2
+    kernel = dkdv_config[0] if isinstance(dkdv_config[0], str) else "v1"  # "v2", "split": + ROW_GROUPS
+    d_tile, block_m, m_sub, block_n, nwarps, warps_d = dkdv_config[1:] if kernel != "v1" else dkdv_config
     dq, dk, dv = np.full(q.shape, np.nan), np.full(k.shape, np.nan), np.full(v.shape, np.nan)
     dq_accum = None if dq_config else np.zeros((batch, seqlen_q, nheads, d_tile))
     for b in range(batch):
         for hk in range(nheads_kv):
             for n_block in range(math.ceil(seqlen_k / block_n)):
-                _dkdv_block(q, k, v, do, lse, delta, dk, dv, dq_accum, batch=b, head_kv=hk, n_block=n_block,
-                            group=group, scale=scale, causal=causal, d_tile=d_tile, block_m=block_m,
-                            m_sub=m_sub, block_n=block_n, nwarps=nwarps, warps_d=warps_d)
+                kwargs = dict(batch=b, head_kv=hk, n_block=n_block, group=group, scale=scale, causal=causal,
+                              d_tile=d_tile, block_m=block_m, m_sub=m_sub, block_n=block_n, nwarps=nwarps)
+                if kernel == "split":
+                    _dkdv_block_split(q, k, v, do, lse, delta, dk, dv, dq_accum, row_groups=warps_d, **kwargs)
+                elif kernel == "v2":
+                    _dkdv_block_v2(q, k, v, do, lse, delta, dk, dv, dq_accum, row_groups=warps_d, **kwargs)
+                else:
+                    _dkdv_block(q, k, v, do, lse, delta, dk, dv, dq_accum, warps_d=warps_d, **kwargs)
     if dq_config:
-        dq_d_tile, dq_bm, dq_bn, dq_warps = dq_config
+        # (d_tile, BLOCK_M, BLOCK_N, NWARPS): flash_bwd_dq_mma; one more entry (ROW_GROUPS): v2
+        dq_d_tile, dq_bm, dq_bn, dq_warps = dq_config[:4]
         for b in range(batch):
             for h in range(nheads):
                 for m_block in range(math.ceil(seqlen_q / dq_bm)):
-                    _dq_block(q, k, v, do, lse, delta, dq, batch=b, head=h, m_block=m_block, group=group,
-                              scale=scale, causal=causal, d_tile=dq_d_tile, block_m=dq_bm, block_n=dq_bn,
-                              nwarps=dq_warps)
+                    kwargs = dict(batch=b, head=h, m_block=m_block, group=group, scale=scale, causal=causal,
+                                  d_tile=dq_d_tile, block_m=dq_bm, block_n=dq_bn, nwarps=dq_warps)
+                    if len(dq_config) == 5:
+                        _dq_block_v2(q, k, v, do, lse, delta, dq, row_groups=dq_config[4], **kwargs)
+                    else:
+                        _dq_block(q, k, v, do, lse, delta, dq, **kwargs)
     else:  # flash_bwd_dq_convert: one thread per 8 columns
         assert np.all(dq_accum[..., headdim:] == 0)
         for idx in range(batch * seqlen_q * nheads * (headdim // 8)):
@@ -826,7 +916,13 @@ _BWD_CASES = [
 
 def _bwd_case_id(c):
     dkdv, dq = c[0], c[1]
-    name = "d{}_bm{}_ms{}_bn{}_w{}_wd{}".format(*dkdv) + ("_dq_bm{1}_bn{2}_w{3}".format(*dq) if dq else "_atomic")
+    if isinstance(dkdv[0], str):
+        name = "{}_d{}_bm{}_ms{}_bn{}_w{}_rg{}".format(*dkdv)
+    else:
+        name = "d{}_bm{}_ms{}_bn{}_w{}_wd{}".format(*dkdv)
+    name += "_dq_bm{1}_bn{2}_w{3}".format(*dq) if dq else "_atomic"
+    if dq and len(dq) == 5:
+        name += f"_rg{dq[4]}"
     return name + "_hd{}_sq{}_sk{}_h{}_{}{}".format(c[2], c[4], c[5], c[6], c[7], "_causal" if c[8] else "")
 
 
@@ -999,8 +1095,9 @@ def test_bwd_nan_in_a_value_row_stays_out_of_queries_that_do_not_see_it(dq_confi
     np.testing.assert_allclose(dv, dv_ref, rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("version,d", [("v1", 96), ("v2", 96), ("v2", 64), ("v3", 96), ("v3", 200)])
 @pytest.mark.parametrize("deterministic", [True, False])
-def test_bwd_launch_arguments_match_kernel_signatures(deterministic, monkeypatch):
+def test_bwd_launch_arguments_match_kernel_signatures(deterministic, version, d, monkeypatch):
     """backward() on stand-in arrays, launch() recorded: every argument list must match the C++
     parameter list of its kernel in count and in type (pointer, int32, int64, float32)."""
     import re
@@ -1023,13 +1120,16 @@ def test_bwd_launch_arguments_match_kernel_signatures(deterministic, monkeypatch
     monkeypatch.setattr(cupy, "ascontiguousarray", lambda a, dtype=None: a, raising=False)
     monkeypatch.setattr(cupy, "zeros", lambda shape, dtype=None: Fake(shape, dtype), raising=False)
 
-    b, sq, sk, h, hkv, d = 2, 100, 70, 4, 2, 96
+    b, sq, sk, h, hkv = 2, 100, 70, 4, 2
     q, o, do = (Fake((b, sq, h, d), np.float16) for _ in range(3))
     k, v = Fake((b, sk, hkv, d), np.float16), Fake((b, sk, hkv, d), np.float16)
     dq, dk, dv = Fake(q.shape, np.float16), Fake(k.shape, np.float16), Fake(k.shape, np.float16)
     lse = Fake((b, h, sq), np.float32)
-    mma_bwd.backward(do, q, k, v, o, lse, dq, dk, dv, softmax_scale=0.1, causal=True, deterministic=deterministic)
+    mma_bwd.backward(do, q, k, v, o, lse, dq, dk, dv, softmax_scale=0.1, causal=True, deterministic=deterministic,
+                     version=version)
     assert len(launches) == 2
+    assert launches[0][0] == mma_bwd.dkdv_spec(np.float16, d, True, not deterministic, version)
+    assert launches[0][1][0] == math.ceil(sk / mma_bwd.dkdv_tiles(d, version, not deterministic)[1][2])
 
     source = _module.kernel_source("flash_bwd_mma.cu")
     kinds = {"int": np.int32, "i64": np.int64, "float": np.float32}
@@ -1045,3 +1145,531 @@ def test_bwd_launch_arguments_match_kernel_signatures(deterministic, monkeypatch
             else:
                 assert type(a) is kinds[t], (kernel, t, type(a))
         assert all(0 < g < 65536 for g in grid)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward v2: flash_bwd_dq_mma_v2 (ROW_GROUPS 16-row query groups per warp)
+# ---------------------------------------------------------------------------------------------
+
+def bwd_dq_layout_v2(d_tile, block_m, block_n):
+    """DqSmemV2<...>: v1's tiles, then float lse (log2 units) and D of the block's rows."""
+    lay = bwd_dq_layout(d_tile, block_m, block_n)
+    lay["LSE"] = lay["BYTES"]
+    lay["DELTA"] = lay["LSE"] + block_m * 4
+    lay["BYTES"] = lay["DELTA"] + block_m * 4
+    return lay
+
+
+def bwd_mma_ABt_groups(acc, smem, n, k, dim_a, dim_b, tile_a, a_row0, tile_b, k0):
+    """mma_ABt_groups: acc[g] += A_g B^T, A_g = rows a_row0 + 16 g; one B fragment for all groups."""
+    groups = acc.shape[0]
+    a_lane = bwd_tile_offset(dim_a, a_row0 + LDM_ROW_X, k0 // 8 + LDM_CHUNK_X)
+    b_lane = bwd_tile_offset(dim_b, LDM_ROW_Y, k0 // 8 + LDM_CHUNK_Y)
+    for kk in range(k // 16):
+        a = [ldmatrix_x4(smem, tile_a + bwd_tile_step(dim_a, a_lane, 16 * g, 2 * kk)) for g in range(groups)]
+        for nn in range(n // 16):
+            b = ldmatrix_x4(smem, tile_b + bwd_tile_step(dim_b, b_lane, 16 * nn, 2 * kk))
+            for g in range(groups):
+                mma_16816(acc[g, :, 2 * nn], a[g], b[:, 0], b[:, 1])
+                mma_16816(acc[g, :, 2 * nn + 1], a[g], b[:, 2], b[:, 3])
+
+
+def bwd_mma_AB_regs_groups(acc, a, smem, n, k, dim_b, tile_b, b_col0):
+    """mma_AB_regs_groups: acc[g] += A_g B, a[g] = A_g's fragments [lane, K/16, reg, half]."""
+    b_lane = bwd_tile_offset(dim_b, LDM_ROW_X, b_col0 // 8 + LDM_CHUNK_X)
+    for kk in range(k // 16):
+        for nn in range(n // 16):
+            b = ldmatrix_x4(smem, tile_b + bwd_tile_step(dim_b, b_lane, 16 * kk, 2 * nn), trans=True)
+            for g in range(acc.shape[0]):
+                mma_16816(acc[g, :, 2 * nn], a[g][:, kk], b[:, 0], b[:, 1])
+                mma_16816(acc[g, :, 2 * nn + 1], a[g][:, kk], b[:, 2], b[:, 3])
+
+
+def _dq_block_v2(q, k, v, do, lse, delta, dq, *, batch, head, m_block, group, scale, causal,
+                 d_tile, block_m, block_n, nwarps, row_groups):
+    """One CTA of flash_bwd_dq_mma_v2."""
+    seqlen_q, headdim = q.shape[1], q.shape[3]
+    seqlen_k = k.shape[1]
+    nthreads, G = 32 * nwarps, row_groups
+    warp_rows = 16 * G
+    assert block_m == warp_rows * nwarps
+    dp_cols = 16 if d_tile >= 128 else block_n
+    lay = bwd_dq_layout_v2(d_tile, block_m, block_n)
+    smem = np.full(lay["LSE"] // 2, np.nan)  # 16-bit tiles; the float statistics are s_lse, s_delta
+    scale_log2 = scale * math.log2(math.e)
+    diag = seqlen_k - seqlen_q
+    m0 = m_block * block_m
+    head_kv = head // group
+    n_end = min(seqlen_k, max(0, min(seqlen_q, m0 + block_m) + diag)) if causal else seqlen_k
+    n_blocks = (n_end + block_n - 1) // block_n
+
+    def load_key_block(it, stage):
+        n0 = it * block_n
+        cp_async_tile(smem, lay["K"] + stage * lay["KV_TILE"], block_n, d_tile, nthreads, k[batch, :, head_kv],
+                      n0, seqlen_k - n0, headdim)
+        cp_async_tile(smem, lay["V"] + stage * lay["KV_TILE"], block_n, d_tile, nthreads, v[batch, :, head_kv],
+                      n0, seqlen_k - n0, headdim)
+
+    cp_async_tile(smem, lay["Q"], block_m, d_tile, nthreads, q[batch, :, head], m0, seqlen_q - m0, headdim)
+    cp_async_tile(smem, lay["DO"], block_m, d_tile, nthreads, do[batch, :, head], m0, seqlen_q - m0, headdim)
+    if n_blocks > 0:
+        load_key_block(0, 0)
+    s_lse, s_delta = np.full(block_m, np.nan), np.full(block_m, np.nan)
+    for r in range(block_m):
+        m = m0 + r
+        s_lse[r] = _lse_base_log2(lse[batch, head, m]) if m < seqlen_q else 0.0
+        s_delta[r] = delta[batch, head, m] if m < seqlen_q else 0.0
+
+    dq_acc = np.zeros((nwarps, G, 32, d_tile // 8, 4))
+    for it in range(n_blocks):
+        stage = it & 1
+        if it + 1 < n_blocks:
+            load_key_block(it + 1, stage ^ 1)
+        n0 = it * block_n
+        s_k, s_v = lay["K"] + stage * lay["KV_TILE"], lay["V"] + stage * lay["KV_TILE"]
+        partial = _partial(m0, block_m, n0, block_n, seqlen_q, seqlen_k, causal)
+        for w in range(nwarps):
+            row0 = warp_rows * w
+            lane_row = row0 + GROUP
+            s_acc = np.zeros((G, 32, block_n // 8, 4))
+            bwd_mma_ABt_groups(s_acc, smem, block_n, d_tile, d_tile, d_tile, lay["Q"], row0, s_k, 0)
+            for g in range(G):
+                for j in range(block_n // 8):
+                    for e in range(4):
+                        s_acc[g, :, j, e] = np.exp2(s_acc[g, :, j, e] * scale_log2
+                                                    - s_lse[lane_row + 16 * g + 8 * (e >> 1)])
+            n_lim = np.zeros((G, 2, 32), dtype=np.int64)
+            for g in range(G):
+                for half in range(2):
+                    m = m0 + lane_row + 16 * g + 8 * half
+                    lim = np.minimum(seqlen_k, m + diag + 1) if causal else np.full(32, seqlen_k)
+                    n_lim[g, half] = np.where(m < seqlen_q, lim, 0)
+            ds_frag = np.full((G, 32, block_n // 16, 4, 2), np.nan)
+            for c0 in range(0, block_n, dp_cols):
+                dp_acc = np.zeros((G, 32, dp_cols // 8, 4))
+                bwd_mma_ABt_groups(dp_acc, smem, dp_cols, d_tile, d_tile, d_tile, lay["DO"], row0,
+                                   s_v + c0 * d_tile * 2, 0)
+                for g in range(G):
+                    for j in range(dp_cols // 8):
+                        for e in range(4):
+                            ds = s_acc[g, :, c0 // 8 + j, e] * (dp_acc[g, :, j, e]
+                                                                 - s_delta[lane_row + 16 * g + 8 * (e >> 1)])
+                            hidden = partial & (n0 + c0 + 8 * j + 2 * THREAD_IN_GROUP + (e & 1) >= n_lim[g, e >> 1])
+                            dp_acc[g, :, j, e] = np.where(hidden, 0.0, ds)
+                    ds_frag[g, :, c0 // 16: (c0 + dp_cols) // 16] = bwd_pack_a_frags(dp_acc[g])
+            bwd_mma_AB_regs_groups(dq_acc[w], ds_frag, smem, d_tile, block_n, d_tile, s_k, 0)
+
+    for w in range(nwarps):
+        row0 = warp_rows * w
+        for g in range(G):
+            bwd_stage_acc(smem, lay["Q"], d_tile, row0 + 16 * g, 0, dq_acc[w, g], scale)
+        rows = dq[batch, m0 + row0:, head]
+        bwd_store_tile(rows, smem, lay["Q"] + bwd_tile_offset(d_tile, row0, 0), warp_rows, d_tile, 32,
+                       seqlen_q - m0 - row0, headdim)
+
+
+# dkdv config as in _BWD_CASES, dq config (d_tile, BLOCK_M, BLOCK_N, NWARPS, ROW_GROUPS) of
+# mma_bwd.DQ_CONFIG_V2 / DQ_CANDIDATES_V2 or a smaller variant of the same code path.
+_BWD_V2_CASES = [
+    ((64, 64, 64, 128, 8, 1), (64, 128, 32, 4, 2), 40, 1, 150, 70, 2, 1, True),  # empty query rows
+    ((64, 64, 64, 128, 8, 1), (64, 64, 32, 2, 2), 64, 1, 70, 97, 3, 1, True),
+    ((128, 64, 32, 128, 8, 1), (128, 128, 32, 4, 2), 96, 1, 100, 130, 1, 1, True),
+    ((128, 64, 32, 128, 8, 1), (128, 64, 32, 2, 2), 128, 2, 45, 75, 2, 2, False),
+    ((128, 64, 32, 128, 8, 1), (128, 96, 32, 2, 3), 120, 1, 131, 64, 1, 1, True),
+]
+
+
+@pytest.mark.parametrize("case", _BWD_V2_CASES, ids=_bwd_case_id)
+def test_bwd_v2_dq_emulation_matches_reference(case):
+    test_bwd_emulation_matches_reference(case)
+
+
+def test_bwd_v2_fragment_rows_cover_the_warp_tile_once():
+    """Each (query row, key) of a warp's 16 G x BLOCK_N tile is owned by exactly one
+    (lane, group, C fragment, element), and the dP slices cover the key block exactly once."""
+    for d_tile, block_n, G in ((64, 32, 2), (128, 32, 2), (128, 32, 3)):
+        dp_cols = 16 if d_tile >= 128 else block_n
+        seen = np.zeros((16 * G, block_n), dtype=int)
+        for c0 in range(0, block_n, dp_cols):
+            for g in range(G):
+                for j in range(dp_cols // 8):
+                    for e in range(4):
+                        rows = 16 * g + GROUP + 8 * (e >> 1)
+                        cols = c0 + 8 * j + 2 * THREAD_IN_GROUP + (e & 1)
+                        np.add.at(seen, (rows, cols), 1)
+        assert np.all(seen == 1)
+
+
+def test_bwd_v2_tables_match_layouts_and_fit():
+    from cupyflash.kernels import mma_bwd
+
+    for dt, configs in ((dt, (c, *mma_bwd.DQ_CANDIDATES_V2.get(dt, ()))) for dt, c in mma_bwd.DQ_CONFIG_V2.items()):
+        for bm, bn, nw, rg in configs:
+            lay = bwd_dq_layout_v2(dt, bm, bn)
+            assert lay["BYTES"] == mma_bwd.dq_smem_bytes_v2(dt, bm, bn) <= 227 * 1024
+            assert bm == 16 * rg * nw and bn % 16 == 0 and lay["LSE"] % 128 == 0
+            assert (bm * dt // 8) % (32 * nw) == 0 and (bn * dt // 8) % (32 * nw) == 0  # cp_async_tile
+    assert set(mma_bwd.VERSIONS) >= {"v1", "v2"} and mma_bwd.DEFAULT_VERSION in mma_bwd.VERSIONS
+    assert mma_bwd.dq_tiles(256, "v2") == mma_bwd.DQ_CONFIG[256]
+    with pytest.raises(ValueError):
+        mma_bwd.dq_tiles(64, "v9")
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward v2: flash_bwd_dkdv_mma_v2 (ROW_GROUPS 16-row key groups per warp, WARPS_D = 1)
+# ---------------------------------------------------------------------------------------------
+
+def _dkdv_block_v2(q, k, v, do, lse, delta, dk, dv, dq_accum, *, batch, head_kv, n_block, group, scale,
+                   causal, d_tile, block_m, m_sub, block_n, nwarps, row_groups):
+    """One CTA of flash_bwd_dkdv_mma_v2 (dq_accum is None unless ATOMIC_DQ)."""
+    seqlen_q, headdim = q.shape[1], q.shape[3]
+    seqlen_k = k.shape[1]
+    atomic_dq = dq_accum is not None
+    nthreads, G = 32 * nwarps, row_groups
+    warp_rows = 16 * G
+    dq_warps_m = block_m // 16
+    dq_cols = d_tile // (nwarps // dq_warps_m)
+    dq_pass = min(dq_cols, 32)
+    assert block_n == warp_rows * nwarps and block_m % m_sub == 0 and m_sub % 16 == 0
+    lay = bwd_dkdv_layout(d_tile, block_m, m_sub, block_n, nwarps, 1, atomic_dq)
+    smem = np.full(lay["BYTES"] // 2, np.nan)
+    smem32 = np.full(lay["BYTES"] // 4, np.nan)
+    scale_log2 = scale * math.log2(math.e)
+    diag = seqlen_k - seqlen_q
+    n0 = n_block * block_n
+    m_block_first = max(0, n0 - diag) // block_m if causal else 0
+    m_blocks = max(0, (seqlen_q + block_m - 1) // block_m - m_block_first)
+    n_iters = group * m_blocks
+
+    def load_query_block(it, stage):
+        head = head_kv * group + it // m_blocks
+        m0 = (m_block_first + it % m_blocks) * block_m
+        cp_async_tile(smem, lay["Q"] + stage * lay["Q_TILE"], block_m, d_tile, nthreads, q[batch, :, head],
+                      m0, seqlen_q - m0, headdim)
+        cp_async_tile(smem, lay["DO"] + stage * lay["Q_TILE"], block_m, d_tile, nthreads, do[batch, :, head],
+                      m0, seqlen_q - m0, headdim)
+        for i in range(2 * block_m):
+            r, is_lse = i % block_m, i < block_m
+            dst = (lay["LSE"] if is_lse else lay["DELTA"]) + (stage * block_m + r) * 4
+            stats = (lse if is_lse else delta)[batch, head]
+            smem32[dst // 4] = stats[m0 + r] if m0 + r < seqlen_q else 0.0
+
+    cp_async_tile(smem, lay["K"], block_n, d_tile, nthreads, k[batch, :, head_kv], n0, seqlen_k - n0, headdim)
+    cp_async_tile(smem, lay["V"], block_n, d_tile, nthreads, v[batch, :, head_kv], n0, seqlen_k - n0, headdim)
+    if n_iters > 0:
+        load_query_block(0, 0)
+
+    dk_acc = np.zeros((nwarps, G, 32, d_tile // 8, 4))
+    dv_acc = np.zeros((nwarps, G, 32, d_tile // 8, 4))
+    for it in range(n_iters):
+        stage = it & 1
+        if it + 1 < n_iters:
+            load_query_block(it + 1, stage ^ 1)
+        head = head_kv * group + it // m_blocks
+        m0 = (m_block_first + it % m_blocks) * block_m
+        s_q, s_do = lay["Q"] + stage * lay["Q_TILE"], lay["DO"] + stage * lay["Q_TILE"]
+        s_lse, s_delta = (lay["LSE"] + stage * block_m * 4) // 4, (lay["DELTA"] + stage * block_m * 4) // 4
+        for mc0 in range(0, block_m, m_sub):
+            s_q_sub, s_do_sub = s_q + mc0 * d_tile * 2, s_do + mc0 * d_tile * 2
+            m0_sub = m0 + mc0
+            partial = _partial(m0_sub, m_sub, n0, block_n, seqlen_q, seqlen_k, causal)
+            for w in range(nwarps):
+                row0 = warp_rows * w
+                m_min = np.zeros((G, 2, 32), dtype=np.int64)
+                for g in range(G):
+                    for half in range(2):
+                        n = n0 + row0 + 16 * g + GROUP + 8 * half
+                        m_min[g, half] = np.where(n < seqlen_k, (n - diag) if causal else 0, seqlen_q)
+                # Step 1, 2
+                s_acc = np.zeros((G, 32, m_sub // 8, 4))
+                bwd_mma_ABt_groups(s_acc, smem, m_sub, d_tile, d_tile, d_tile, lay["K"], row0, s_q_sub, 0)
+                for j in range(m_sub // 8):
+                    c = 8 * j + 2 * THREAD_IN_GROUP
+                    for g in range(G):
+                        for e in range(4):
+                            base = _lse_base_log2(smem32[s_lse + mc0 + c + (e & 1)])
+                            p = np.exp2(s_acc[g, :, j, e] * scale_log2 - base)
+                            m = m0_sub + c + (e & 1)
+                            hidden = partial & ((m < m_min[g, e >> 1]) | (m >= seqlen_q))
+                            s_acc[g, :, j, e] = np.where(hidden, 0.0, p)
+                # Step 3
+                bwd_mma_AB_regs_groups(dv_acc[w], [bwd_pack_a_frags(s_acc[g]) for g in range(G)], smem, d_tile,
+                                       m_sub, d_tile, s_do_sub, 0)
+                # Steps 4, 5 in 16-column slices
+                ds_frag = np.full((G, 32, m_sub // 16, 4, 2), np.nan)
+                for kk in range(m_sub // 16):
+                    dp_acc = np.zeros((G, 32, 2, 4))
+                    bwd_mma_ABt_groups(dp_acc, smem, 16, d_tile, d_tile, d_tile, lay["V"], row0,
+                                       s_do_sub + 16 * kk * d_tile * 2, 0)
+                    for jj in range(2):
+                        j = 2 * kk + jj
+                        c = 8 * j + 2 * THREAD_IN_GROUP
+                        for g in range(G):
+                            for e in range(4):
+                                d = smem32[s_delta + mc0 + c + (e & 1)]
+                                ds = s_acc[g, :, j, e] * (dp_acc[g, :, jj, e] - d)
+                                m = m0_sub + c + (e & 1)
+                                hidden = partial & ((m < m_min[g, e >> 1]) | (m >= seqlen_q))
+                                dp_acc[g, :, jj, e] = np.where(hidden, 0.0, ds)
+                    for g in range(G):
+                        ds_frag[g, :, kk] = bwd_pack_a_frags(dp_acc[g])[:, 0]
+                # Step 6 and the dS^T store
+                bwd_mma_AB_regs_groups(dk_acc[w], ds_frag, smem, d_tile, m_sub, d_tile, s_q_sub, 0)
+                if atomic_dq:
+                    for g in range(G):
+                        r = row0 + 16 * g
+                        for kk in range(m_sub // 16):
+                            col = mc0 + 16 * kk
+                            bwd_store_fragment_pairs(smem, lay["DS"], block_m, r, col, ds_frag[g, :, kk, 0])
+                            bwd_store_fragment_pairs(smem, lay["DS"], block_m, r + 8, col, ds_frag[g, :, kk, 1])
+                            bwd_store_fragment_pairs(smem, lay["DS"], block_m, r, col + 8, ds_frag[g, :, kk, 2])
+                            bwd_store_fragment_pairs(smem, lay["DS"], block_m, r + 8, col + 8, ds_frag[g, :, kk, 3])
+        # Step 7
+        if atomic_dq:
+            for w in range(nwarps):
+                q_row0 = 16 * (w % dq_warps_m)
+                m_lo = m0 + q_row0 + GROUP
+                for col0 in range(dq_cols * (w // dq_warps_m), dq_cols * (w // dq_warps_m + 1), dq_pass):
+                    dq_acc = np.zeros((32, dq_pass // 8, 4))
+                    bwd_mma_AtB(dq_acc, smem, dq_pass, block_n, block_m, d_tile, lay["DS"], q_row0, lay["K"], col0)
+                    for j in range(dq_pass // 8):
+                        col = col0 + 8 * j + 2 * THREAD_IN_GROUP
+                        for half, m in ((0, m_lo), (1, m_lo + 8)):
+                            for lane in np.flatnonzero((col < headdim) & (m < seqlen_q)):
+                                dq_accum[batch, m[lane], head, col[lane]] += dq_acc[lane, j, 2 * half]
+                                dq_accum[batch, m[lane], head, col[lane] + 1] += dq_acc[lane, j, 2 * half + 1]
+
+    for w in range(nwarps):
+        for g in range(G):
+            r = warp_rows * w + 16 * g
+            bwd_stage_acc(smem, lay["K"], d_tile, r, 0, dk_acc[w, g], scale)
+            bwd_stage_acc(smem, lay["V"], d_tile, r, 0, dv_acc[w, g], 1.0)
+    bwd_store_tile(dk[batch, n0:, head_kv], smem, lay["K"], block_n, d_tile, nthreads, seqlen_k - n0, headdim)
+    bwd_store_tile(dv[batch, n0:, head_kv], smem, lay["V"], block_n, d_tile, nthreads, seqlen_k - n0, headdim)
+
+
+# ("v2", d_tile, BLOCK_M, M_SUB, BLOCK_N, NWARPS, ROW_GROUPS) of mma_bwd.DKDV_CONFIG_V2 and smaller
+# variants (2 warps; BLOCK_M > M_SUB), with the v2 dQ kernel or the atomic dQ.
+_BWD_V2_DKDV_CASES = [
+    (("v2", 64, 64, 32, 128, 4, 2), (64, 128, 32, 4, 2), 40, 1, 150, 70, 2, 1, True),  # empty query rows
+    (("v2", 64, 64, 32, 128, 4, 2), None, 64, 1, 70, 150, 2, 1, True),
+    (("v2", 64, 64, 32, 128, 4, 2), None, 56, 2, 45, 33, 2, 2, False),
+    (("v2", 64, 32, 32, 64, 2, 2), None, 64, 1, 133, 70, 1, 1, True),  # atomic dQ grid with 2 warps
+    (("v2", 128, 32, 16, 64, 2, 2), (128, 64, 32, 2, 2), 72, 1, 50, 90, 3, 1, True),
+]
+
+
+@pytest.mark.parametrize("case", _BWD_V2_DKDV_CASES, ids=_bwd_case_id)
+def test_bwd_v2_dkdv_emulation_matches_reference(case):
+    test_bwd_emulation_matches_reference(case)
+
+
+def test_bwd_v2_dkdv_table_matches_layout_and_fits():
+    from cupyflash.kernels import mma_bwd
+
+    for dt, (bm, ms, bn, nw, rg) in mma_bwd.DKDV_CONFIG_V2.items():
+        for atomic in (False, True):
+            lay = bwd_dkdv_layout(dt, bm, ms, bn, nw, 1, atomic)
+            assert lay["BYTES"] == mma_bwd.dkdv_smem_bytes(dt, bm, ms, bn, nw, 1, atomic) <= 227 * 1024
+            assert bn == 16 * rg * nw and bm % ms == 0 and ms % 16 == 0
+            spec = mma_bwd.dkdv_spec(np.float16, dt, False, atomic, version="v2")
+            assert spec.smem_bytes == lay["BYTES"] and "dkdv_mma_v2" in spec.name
+        assert mma_bwd.dkdv_tiles(dt, "v2") == ("v2", (bm, ms, bn, nw, rg))
+    assert mma_bwd.dkdv_tiles(128, "v2") == ("v1", mma_bwd.DKDV_CONFIG[128])
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward v3: flash_bwd_dkdv_mma_split (warp pairs: a dV warp and a dK warp per 16 G key rows)
+# ---------------------------------------------------------------------------------------------
+
+def bwd_dkdv_split_xchg(d_tile, block_m, m_sub, block_n, nwarps, row_groups, atomic_dq):
+    """DkdvSplitSmem<...>: (XCHG, XCHG_SLOT, BYTES)."""
+    slot = row_groups * (m_sub // 8) * 32 * 16
+    xchg = bwd_dkdv_layout(d_tile, block_m, m_sub, block_n, nwarps, 1, atomic_dq)["BYTES"]
+    return xchg, slot, xchg + (nwarps // 2) * 2 * slot
+
+
+def bwd_split_p_address(xchg, slot_bytes, m_sub, pair, slot, g, j):
+    """Byte address of lane l's float4 of P^T fragment (g, j) in the pair's slot, for all lanes."""
+    return xchg + pair * 2 * slot_bytes + LANES * 16 + slot * slot_bytes + (g * (m_sub // 8) + j) * 512
+
+
+def _dkdv_block_split(q, k, v, do, lse, delta, dk, dv, dq_accum, *, batch, head_kv, n_block, group, scale,
+                      causal, d_tile, block_m, m_sub, block_n, nwarps, row_groups):
+    """One CTA of flash_bwd_dkdv_mma_split; within a sub-block each pair's dV warp runs up to the
+    pair barrier (P^T stored), then its dK warp (which reads P^T after the barrier)."""
+    seqlen_q, headdim = q.shape[1], q.shape[3]
+    seqlen_k = k.shape[1]
+    atomic_dq = dq_accum is not None
+    nthreads, G, pairs = 32 * nwarps, row_groups, nwarps // 2
+    warp_rows = 16 * G
+    dq_warps_m = block_m // 16
+    dq_cols = d_tile // (nwarps // dq_warps_m)
+    dq_pass = min(dq_cols, 32)
+    assert block_n == warp_rows * pairs and block_m % m_sub == 0 and m_sub % 16 == 0
+    lay = bwd_dkdv_layout(d_tile, block_m, m_sub, block_n, nwarps, 1, atomic_dq)
+    xchg, slot_bytes, total = bwd_dkdv_split_xchg(d_tile, block_m, m_sub, block_n, nwarps, G, atomic_dq)
+    smem = np.full(total // 2, np.nan)
+    smem32 = np.full(total // 4, np.nan)
+    scale_log2 = scale * math.log2(math.e)
+    diag = seqlen_k - seqlen_q
+    n0 = n_block * block_n
+    m_block_first = max(0, n0 - diag) // block_m if causal else 0
+    m_blocks = max(0, (seqlen_q + block_m - 1) // block_m - m_block_first)
+    n_iters = group * m_blocks
+
+    def load_query_block(it, stage):
+        head = head_kv * group + it // m_blocks
+        m0 = (m_block_first + it % m_blocks) * block_m
+        cp_async_tile(smem, lay["Q"] + stage * lay["Q_TILE"], block_m, d_tile, nthreads, q[batch, :, head],
+                      m0, seqlen_q - m0, headdim)
+        cp_async_tile(smem, lay["DO"] + stage * lay["Q_TILE"], block_m, d_tile, nthreads, do[batch, :, head],
+                      m0, seqlen_q - m0, headdim)
+        for i in range(2 * block_m):
+            r, is_lse = i % block_m, i < block_m
+            dst = (lay["LSE"] if is_lse else lay["DELTA"]) + (stage * block_m + r) * 4
+            stats = (lse if is_lse else delta)[batch, head]
+            smem32[dst // 4] = stats[m0 + r] if m0 + r < seqlen_q else 0.0
+
+    cp_async_tile(smem, lay["K"], block_n, d_tile, nthreads, k[batch, :, head_kv], n0, seqlen_k - n0, headdim)
+    cp_async_tile(smem, lay["V"], block_n, d_tile, nthreads, v[batch, :, head_kv], n0, seqlen_k - n0, headdim)
+    if n_iters > 0:
+        load_query_block(0, 0)
+
+    acc = np.zeros((nwarps, G, 32, d_tile // 8, 4))  # dV for warps < pairs, dK for the others
+    slot = 0
+    for it in range(n_iters):
+        stage = it & 1
+        if it + 1 < n_iters:
+            load_query_block(it + 1, stage ^ 1)
+        head = head_kv * group + it // m_blocks
+        m0 = (m_block_first + it % m_blocks) * block_m
+        s_q, s_do = lay["Q"] + stage * lay["Q_TILE"], lay["DO"] + stage * lay["Q_TILE"]
+        s_lse, s_delta = (lay["LSE"] + stage * block_m * 4) // 4, (lay["DELTA"] + stage * block_m * 4) // 4
+        for mc0 in range(0, block_m, m_sub):
+            s_q_sub, s_do_sub = s_q + mc0 * d_tile * 2, s_do + mc0 * d_tile * 2
+            m0_sub = m0 + mc0
+            partial = _partial(m0_sub, m_sub, n0, block_n, seqlen_q, seqlen_k, causal)
+            for pair in range(pairs):
+                row0 = warp_rows * pair
+                m_min = np.zeros((G, 2, 32), dtype=np.int64)
+                for g in range(G):
+                    for half in range(2):
+                        n = n0 + row0 + 16 * g + GROUP + 8 * half
+                        m_min[g, half] = np.where(n < seqlen_k, (n - diag) if causal else 0, seqlen_q)
+                # dV warp
+                s_acc = np.zeros((G, 32, m_sub // 8, 4))
+                bwd_mma_ABt_groups(s_acc, smem, m_sub, d_tile, d_tile, d_tile, lay["K"], row0, s_q_sub, 0)
+                for j in range(m_sub // 8):
+                    c = 8 * j + 2 * THREAD_IN_GROUP
+                    for g in range(G):
+                        for e in range(4):
+                            base = _lse_base_log2(smem32[s_lse + mc0 + c + (e & 1)])
+                            p = np.exp2(s_acc[g, :, j, e] * scale_log2 - base)
+                            m = m0_sub + c + (e & 1)
+                            hidden = partial & ((m < m_min[g, e >> 1]) | (m >= seqlen_q))
+                            s_acc[g, :, j, e] = np.where(hidden, 0.0, p)
+                        addr = bwd_split_p_address(xchg, slot_bytes, m_sub, pair, slot, g, j)
+                        for e in range(4):
+                            smem32[addr // 4 + e] = s_acc[g, :, j, e]
+                bwd_mma_AB_regs_groups(acc[pair], [bwd_pack_a_frags(s_acc[g]) for g in range(G)], smem, d_tile,
+                                       m_sub, d_tile, s_do_sub, 0)
+                # dK warp
+                dp_acc = np.zeros((G, 32, m_sub // 8, 4))
+                bwd_mma_ABt_groups(dp_acc, smem, m_sub, d_tile, d_tile, d_tile, lay["V"], row0, s_do_sub, 0)
+                for j in range(m_sub // 8):
+                    c = 8 * j + 2 * THREAD_IN_GROUP
+                    for g in range(G):
+                        addr = bwd_split_p_address(xchg, slot_bytes, m_sub, pair, slot, g, j)
+                        for e in range(4):
+                            p = smem32[addr // 4 + e]
+                            ds = p * (dp_acc[g, :, j, e] - smem32[s_delta + mc0 + c + (e & 1)])
+                            m = m0_sub + c + (e & 1)
+                            hidden = partial & ((m < m_min[g, e >> 1]) | (m >= seqlen_q))
+                            dp_acc[g, :, j, e] = np.where(hidden, 0.0, ds)
+                ds_frag = [bwd_pack_a_frags(dp_acc[g]) for g in range(G)]
+                bwd_mma_AB_regs_groups(acc[pairs + pair], ds_frag, smem, d_tile, m_sub, d_tile, s_q_sub, 0)
+                if atomic_dq:
+                    for g in range(G):
+                        r = row0 + 16 * g
+                        for kk in range(m_sub // 16):
+                            col = mc0 + 16 * kk
+                            bwd_store_fragment_pairs(smem, lay["DS"], block_m, r, col, ds_frag[g][:, kk, 0])
+                            bwd_store_fragment_pairs(smem, lay["DS"], block_m, r + 8, col, ds_frag[g][:, kk, 1])
+                            bwd_store_fragment_pairs(smem, lay["DS"], block_m, r, col + 8, ds_frag[g][:, kk, 2])
+                            bwd_store_fragment_pairs(smem, lay["DS"], block_m, r + 8, col + 8, ds_frag[g][:, kk, 3])
+            slot ^= 1
+        if atomic_dq:
+            for w in range(nwarps):
+                q_row0 = 16 * (w % dq_warps_m)
+                m_lo = m0 + q_row0 + GROUP
+                for col0 in range(dq_cols * (w // dq_warps_m), dq_cols * (w // dq_warps_m + 1), dq_pass):
+                    dq_acc = np.zeros((32, dq_pass // 8, 4))
+                    bwd_mma_AtB(dq_acc, smem, dq_pass, block_n, block_m, d_tile, lay["DS"], q_row0, lay["K"], col0)
+                    for j in range(dq_pass // 8):
+                        col = col0 + 8 * j + 2 * THREAD_IN_GROUP
+                        for half, m in ((0, m_lo), (1, m_lo + 8)):
+                            for lane in np.flatnonzero((col < headdim) & (m < seqlen_q)):
+                                dq_accum[batch, m[lane], head, col[lane]] += dq_acc[lane, j, 2 * half]
+                                dq_accum[batch, m[lane], head, col[lane] + 1] += dq_acc[lane, j, 2 * half + 1]
+
+    for w in range(nwarps):
+        for g in range(G):
+            r = warp_rows * (w % pairs) + 16 * g
+            if w >= pairs:
+                bwd_stage_acc(smem, lay["K"], d_tile, r, 0, acc[w, g], scale)
+            else:
+                bwd_stage_acc(smem, lay["V"], d_tile, r, 0, acc[w, g], 1.0)
+    bwd_store_tile(dk[batch, n0:, head_kv], smem, lay["K"], block_n, d_tile, nthreads, seqlen_k - n0, headdim)
+    bwd_store_tile(dv[batch, n0:, head_kv], smem, lay["V"], block_n, d_tile, nthreads, seqlen_k - n0, headdim)
+
+
+# ("split", d_tile, BLOCK_M, M_SUB, BLOCK_N, NWARPS, ROW_GROUPS) of mma_bwd.DKDV_CONFIG_SPLIT and
+# smaller variants (4 warps, head dim 64, BLOCK_M > M_SUB so that both P^T slots are used).
+_BWD_SPLIT_CASES = [
+    (("split", 128, 64, 32, 128, 8, 2), (128, 128, 32, 4, 2), 128, 1, 100, 150, 2, 1, True),
+    (("split", 128, 64, 32, 128, 8, 2), (128, 128, 64, 8), 96, 1, 190, 70, 1, 1, True),  # empty rows
+    (("split", 64, 64, 32, 64, 4, 2), None, 64, 2, 70, 50, 2, 2, False),  # the atomic dQ path too
+    (("split", 64, 32, 16, 32, 4, 1), None, 40, 1, 45, 77, 3, 1, True),
+    (("split", 256, 32, 32, 64, 8, 1), (256, 64, 32, 4), 200, 1, 40, 70, 2, 1, True),
+]
+
+
+@pytest.mark.parametrize("case", _BWD_SPLIT_CASES, ids=_bwd_case_id)
+def test_bwd_v3_split_emulation_matches_reference(case):
+    test_bwd_emulation_matches_reference(case)
+
+
+def test_bwd_v3_split_exchange_slots_are_disjoint_and_fit():
+    from cupyflash.kernels import mma_bwd
+
+    for dt, (bm, ms, bn, nw, rg) in mma_bwd.DKDV_CONFIG_SPLIT.items():
+        xchg, slot_bytes, total = bwd_dkdv_split_xchg(dt, bm, ms, bn, nw, rg, False)
+        assert total == mma_bwd.dkdv_split_smem_bytes(dt, bm, ms, bn, nw, rg, False) <= 163 * 1024
+        assert bn == 16 * rg * nw // 2 and xchg % 128 == 0
+        spec = mma_bwd.dkdv_spec(np.float16, dt, True, False, version="v3")
+        assert spec.smem_bytes == total and "dkdv_mma_split" in spec.name
+        # the atomic path of v3 is v2's (the split kernel spills with ATOMIC_DQ)
+        assert mma_bwd.dkdv_tiles(dt, "v3", atomic_dq=True)[0] != "split"
+        addrs = np.concatenate([bwd_split_p_address(xchg, slot_bytes, ms, p, s, g, j)
+                                for p in range(nw // 2) for s in range(2) for g in range(rg) for j in range(ms // 8)])
+        assert len(set(addrs.tolist())) == addrs.size and addrs.min() == xchg and addrs.max() + 16 == total
+
+
+def test_fwd_default_configs_fit_their_gpus():
+    """CONFIGS fit an A100 (163 KiB per block, 164 KiB per SM: min_blocks blocks each); the
+    sm_90 tier fits 227 KiB per block and 228 KiB per SM; the compile check sees every one."""
+    from cupyflash.kernels import mma_fwd
+
+    reserved = 1024  # per block, by the driver
+    for dt in mma_fwd.D_TILES:
+        portable, sm90 = mma_fwd.default_config(dt, 163 * 1024), mma_fwd.default_config(dt, 227 * 1024)
+        assert portable == mma_fwd.CONFIGS[dt] == mma_fwd.default_config(dt, None)
+        assert portable.min_blocks * (mma_fwd.smem_bytes(dt, portable) + reserved) <= 164 * 1024
+        assert sm90.min_blocks * (mma_fwd.smem_bytes(dt, sm90) + reserved) <= 228 * 1024
+        assert mma_fwd.smem_bytes(dt, sm90) <= mma_fwd.LARGE_SMEM_BYTES  # an opt-in excludes the reserve
+        names = {s.name for s in mma_fwd.specializations()}
+        for config in (portable, sm90):
+            assert {mma_fwd._spec_for(np.float16, dt, c, config).name for c in (False, True)} <= names
+    last_version = list(mma_fwd.VERSIONS.values())[-1][1]
+    assert last_version == {dt: mma_fwd.default_config(dt, 227 * 1024) for dt in mma_fwd.D_TILES}

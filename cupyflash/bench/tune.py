@@ -87,8 +87,12 @@ def main(argv=None) -> int:
     parser.add_argument("--seqlen", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--direction", default="fwd", choices=["fwd", "bwd"],
+                        help="bwd: time every backward version (mma_bwd.VERSIONS) and dQ candidate")
     args = parser.parse_args(argv)
     dtype = SUPPORTED[args.dtype]
+    if args.direction == "bwd":
+        return _main_bwd(args, dtype)
     print(f"{'d':>4} {'seqlen':>6} {'causal':>6}  {'label':8} {'config':58} {'check':>6} {'ms':>8} {'TFLOP/s':>8}")
     for headdim in args.headdim:
         for label, config in _configs(mma_fwd, mma_fwd.d_tile(headdim)):
@@ -109,6 +113,98 @@ def main(argv=None) -> int:
                     print(f"{headdim:>4} {seqlen:>6} {str(causal):>6}  {label:8} {str(config)[9:]:58} {ok:>6} "
                           f"{ms:8.3f} {flops / ms / 1e9:8.1f}", flush=True)
                 del sets
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward (--direction bwd): every version of mma_bwd.VERSIONS, deterministic (dK/dV + dQ
+# kernel) and atomic, plus each dQ candidate of the v2 kernel, checked against float64 first.
+# ---------------------------------------------------------------------------------------------
+
+def _bwd_candidates(headdim):
+    """(label, backward keyword arguments) of every backward variant worth timing."""
+    from ..kernels import mma_bwd
+
+    dt = mma_bwd.d_tile(headdim)
+    out, seen = [], set()
+    for version in mma_bwd.VERSIONS:
+        for deterministic in (True, False):
+            kernel, tiles = mma_bwd.dkdv_tiles(headdim, version, not deterministic)
+            dq = f"dq{mma_bwd.dq_tiles(headdim, version)}" if deterministic else "atomic dq"
+            if (kernel, tiles, dq) in seen:  # a later version that launches the same kernels here
+                continue
+            seen.add((kernel, tiles, dq))
+            out.append((f"{version} dkdv {kernel} {dq}", dict(version=version, deterministic=deterministic)))
+    for tiles in mma_bwd.DQ_CANDIDATES_V2.get(dt, ()):
+        out.append((f"v3 dq{tiles}", dict(version="v3", deterministic=True, dq_config=tiles)))
+    return out
+
+
+def _bwd_inputs(batch, seqlen, nheads, headdim, dtype, causal, n_sets=2, seed=0):
+    """(do, q, k, v, o, lse, dq, dk, dv) with o, lse from the forward kernel."""
+    import cupy
+
+    from ..kernels import mma_fwd
+
+    sets = []
+    for q, k, v, o, lse in _inputs(batch, seqlen, nheads, headdim, dtype, n_sets, seed):
+        mma_fwd.forward(q, k, v, o, lse, softmax_scale=headdim ** -0.5, causal=causal)
+        do = cupy.asarray(np.random.default_rng(seed + 7).standard_normal(q.shape).astype(dtype))
+        sets.append((do, q, k, v, o, lse, cupy.empty_like(q), cupy.empty_like(k), cupy.empty_like(v)))
+    return sets
+
+
+def _check_bwd(kwargs, headdim, dtype, causal) -> float:
+    """Max over dq, dk, dv of the error on an odd GQA shape relative to 2x the error of standard
+    attention's backward in the same dtype (<= 1 passes)."""
+    import cupy
+
+    from .. import reference
+    from ..kernels import mma_bwd
+
+    rng = np.random.default_rng(2)
+    q, do = (rng.standard_normal((2, 333, 4, headdim)).astype(dtype) for _ in range(2))
+    k, v = (rng.standard_normal((2, 301, 2, headdim)).astype(dtype) for _ in range(2))
+    scale = headdim ** -0.5
+    o_ref, lse_ref = reference.attention(q, k, v, softmax_scale=scale, causal=causal)
+    grads = [cupy.full(x.shape, np.nan, dtype=dtype) for x in (q, k, v)]
+    mma_bwd.backward(*(cupy.asarray(x) for x in (do, q, k, v)), cupy.asarray(o_ref.astype(dtype)),
+                     cupy.asarray(lse_ref.astype(np.float32)), *grads, softmax_scale=scale, causal=causal,
+                     **kwargs)
+    refs = reference.attention_backward(do, q, k, v, softmax_scale=scale, causal=causal)
+    stds = reference.standard_attention_backward(do, q, k, v, softmax_scale=scale, causal=causal, dtype=dtype)
+    worst = 0.0
+    for got, ref, std in zip(grads, refs, stds):
+        err = np.abs(got.get().astype(np.float64) - ref).max()
+        allowed = 2 * np.abs(np.asarray(std).astype(np.float64) - ref).max() + 1e-4
+        worst = max(worst, float(err / allowed) if np.isfinite(err) else float("inf"))
+    return worst
+
+
+def _main_bwd(args, dtype) -> int:
+    from ..kernels import mma_bwd
+
+    print(f"{'d':>4} {'seqlen':>6} {'causal':>6}  {'variant':44} {'check':>6} {'ms':>8} {'TFLOP/s':>8}")
+    for headdim in args.headdim:
+        for label, kwargs in _bwd_candidates(headdim):
+            try:
+                checks = [_check_bwd(kwargs, headdim, dtype, causal) for causal in (False, True)]
+            except Exception as e:  # a candidate that does not fit this GPU
+                print(f"{headdim:>4} {'':>6} {'':>6}  {label:44} skipped: {e}")
+                continue
+            ok = "ok" if max(checks) <= 1 else f"x{max(checks):.1f}"
+            for seqlen in args.seqlen:
+                batch, nheads = 16384 // seqlen, 2048 // headdim
+                for causal in (False, True):
+                    sets = _bwd_inputs(batch, seqlen, nheads, headdim, dtype, causal)
+                    ms = _time_ms(lambda do, q, k, v, o, lse, dq, dk, dv: mma_bwd.backward(
+                        do, q, k, v, o, lse, dq, dk, dv, softmax_scale=headdim ** -0.5, causal=causal, **kwargs),
+                        sets, args.repeats)
+                    # backward = 2.5 x the forward's 4 B H S^2 D (halved when causal)
+                    flops = 2.5 * 4 * batch * nheads * seqlen * seqlen * headdim * (0.5 if causal else 1.0)
+                    print(f"{headdim:>4} {seqlen:>6} {str(causal):>6}  {label:44} {ok:>6} "
+                          f"{ms:8.3f} {flops / ms / 1e9:8.1f}", flush=True)
+                    del sets
     return 0
 
 

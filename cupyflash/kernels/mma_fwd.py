@@ -44,19 +44,24 @@ class FwdConfig:
 # strips x BLOCK_N / 2 per thread (strips = BLOCK_M / (16 warps)). Two strips per warp halve the
 # shared-memory reads of K and V per flop, as in FlashAttention-2, but cost registers; every
 # configuration the dispatcher can launch compiles without spills for sm_80 and sm_90 (see
-# tests/kernels/test_compile_check.py or ``python -m cupyflash compile-check``).
+# tests/kernels/test_compile_check.py or ``python -m cupyflash compile-check``). D_TILE 128 with
+# BLOCK_N = 64 takes all 255 registers: the kernel keeps the running max and sum of a row in one
+# lane of its quad and re-reads loop invariants from shared memory to stay clear of spills.
 #
 # Default configurations per GPU generation. CONFIGS fits every supported GPU (an A100 opts in to
-# 163 KiB of shared memory per block); where a block may opt in to LARGE_SMEM_BYTES or more (sm_90:
-# 227 KiB), LARGE_SMEM_CONFIGS replaces entries that need it: D_TILE 256 with BLOCK_N = 64 takes
-# 192 KiB (Q 64 KiB, two stages of K and V 64 KiB each) and halves the barriers per key.
+# 163 KiB of shared memory per block and has 164 KiB per SM). Where a block may opt in to
+# LARGE_SMEM_BYTES or more (sm_90: 227 KiB per block, 228 KiB per SM), LARGE_SMEM_CONFIGS
+# replaces entries: D_TILE 128 with BLOCK_N = 64 (96 KiB, two blocks per SM; on an A100 only one
+# would fit) and D_TILE 256 with BLOCK_N = 64 (192 KiB: Q 64 KiB, two stages of K and V 64 KiB
+# each). Both halve the barriers and rescales per key of the BLOCK_N = 32 tiles.
 CONFIGS = {
     64: FwdConfig(block_m=128, block_n=64, warps=4, q_in_regs=False, min_blocks=2),
     128: FwdConfig(block_m=128, block_n=32, warps=4, q_in_regs=False, min_blocks=2),
     256: FwdConfig(block_m=128, block_n=32, warps=8, q_in_regs=False),
 }
-LARGE_SMEM_BYTES = 193 * 1024  # 192 KiB of tiles, plus the 1 KiB the driver reserves per block
+LARGE_SMEM_BYTES = 193 * 1024  # opt-in per block that admits the tier (H100/H200: 227 KiB, A100: 163 KiB)
 LARGE_SMEM_CONFIGS = {
+    128: FwdConfig(block_m=128, block_n=64, warps=4, q_in_regs=False, min_blocks=2),
     256: FwdConfig(block_m=128, block_n=64, warps=8, q_in_regs=False),
 }
 
@@ -70,16 +75,17 @@ VERSIONS = {
     "v2": ("v1, but 128x64 tiles, 8 warps for d256 where 193 KiB of shared memory fit (sm_90)",
            {64: FwdConfig(128, 64, 4, False, min_blocks=2), 128: FwdConfig(128, 32, 4, False, min_blocks=2),
             256: FwdConfig(128, 64, 8, False)}),
+    "v3": ("v2, plus spill-free 128x64 tiles for d128 where 193 KiB fit (sm_90)",
+           {64: FwdConfig(128, 64, 4, False, min_blocks=2), 128: FwdConfig(128, 64, 4, False, min_blocks=2),
+            256: FwdConfig(128, 64, 8, False)}),
 }
 
 # Alternatives worth timing on the GPU (``forward(..., config=...)``), not launched by default:
-# FlashAttention-2's own sm_80/sm_90 choices (128 x 64 for d128, 128 x 128 for d64) spill a few
-# loop-invariant registers here (about 150 bytes, reloaded once per key block), the 8-warp
-# variants give each warp one 16-row strip.
+# FlashAttention-2's 128 x 128 tiles for d64 still spill a few registers here (12 to 52 bytes),
+# the 8-warp variants give each warp one 16-row strip.
 CANDIDATES = {
     64: (FwdConfig(128, 64, 8, False, min_blocks=2), FwdConfig(128, 128, 4, False)),
-    128: (FwdConfig(128, 64, 4, False, min_blocks=2), FwdConfig(128, 64, 8, False),
-          FwdConfig(128, 32, 4, False, stages=3, min_blocks=2)),
+    128: (FwdConfig(128, 64, 8, False), FwdConfig(128, 32, 4, False, stages=3, min_blocks=2)),
     256: (),
 }
 
@@ -119,9 +125,10 @@ def d_tile(headdim: int) -> int:
 
 
 def smem_bytes(dt: int, config: FwdConfig) -> int:
-    """Dynamic shared memory of one block: Q tile plus `stages` K and V tiles, 16-bit elements.
-    Mirrors FwdSmemLayout in flash_fwd_mma.cu."""
-    return 2 * dt * (config.block_m + 2 * config.stages * config.block_n)
+    """Dynamic shared memory of one block: Q tile plus `stages` K and V tiles, 16-bit elements,
+    then the KvSource record (K and V head pointers and row strides, 32 bytes). Mirrors
+    FwdSmemLayout in flash_fwd_mma.cu."""
+    return 2 * dt * (config.block_m + 2 * config.stages * config.block_n) + 32
 
 
 def _spec_for(dtype, dt: int, causal: bool, config: FwdConfig) -> Specialization:
