@@ -8,6 +8,9 @@
 //                         With ATOMIC_DQ it also adds dS_ij K_j to a float32 dq_accum by red.add.
 //   flash_bwd_dq_mma      one CTA per (query block i, head, batch) walking the key blocks: dQ_i with
 //                         no atomics (bitwise reproducible), at the price of recomputing S and dP.
+//   flash_bwd_dq_mma_v2   the same with 2 x 16 query rows per warp: half the K_j, V_j reads per mma.
+//   flash_bwd_dkdv_mma_v2 flash_bwd_dkdv_mma with 2 x 16 key rows per warp (head dim 64).
+//   flash_bwd_dkdv_mma_split  warp pairs over 2 x 16 key rows, one warp for dV, one for dK (d128).
 //   flash_bwd_dq_convert  dq = scale * dq_accum in the input dtype, after the atomic path.
 //
 // Warp split of flash_bwd_dkdv_mma: warp w owns 16 key rows (w / WARPS_D) and head-dim slice
@@ -699,6 +702,7 @@ flash_bwd_dq_mma_v2(const T* __restrict__ q, const T* __restrict__ k, const T* _
     constexpr int NTHREADS = NWARPS * 32;
     constexpr int G = ROW_GROUPS;
     constexpr int WARP_ROWS = 16 * G;
+    constexpr int DP_COLS = D_TILE >= 128 ? 16 : BLOCK_N;
     static_assert(BLOCK_M == WARP_ROWS * NWARPS, "16 * ROW_GROUPS query rows per warp");
     static_assert(BLOCK_N % 16 == 0 && D_TILE % 16 == 0, "m16n8k16 tiles");
     static_assert(L::BYTES <= 227 * 1024, "shared memory");
@@ -717,13 +721,15 @@ flash_bwd_dq_mma_v2(const T* __restrict__ q, const T* __restrict__ k, const T* _
     const int n_end = CAUSAL ? min(seqlen_k, max(0, min(seqlen_q, m0 + BLOCK_M) + visible.diag)) : seqlen_k;
     const int n_blocks = (n_end + BLOCK_N - 1) / BLOCK_N;
 
-    const T* k_head = k + row_offset(batch, 0, head_kv, k_sb, k_ss, k_sh);
-    const T* v_head = v + row_offset(batch, 0, head_kv, v_sb, v_ss, v_sh);
+    // The key-block addresses are recomputed from the kernel arguments (constant bank) at each
+    // load: held across the loop, they are what tips the main loop into spilling.
     auto load_key_block = [&](int it, int stage) {
         const int n0 = it * BLOCK_N;
-        cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(base + L::K + stage * L::KV_TILE, k_head + n0 * k_ss,
+        cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(base + L::K + stage * L::KV_TILE,
+                                                 k + row_offset(batch, n0, head_kv, k_sb, k_ss, k_sh),
                                                  seqlen_k - n0, headdim, k_ss, tid);
-        cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(base + L::V + stage * L::KV_TILE, v_head + n0 * v_ss,
+        cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(base + L::V + stage * L::KV_TILE,
+                                                 v + row_offset(batch, n0, head_kv, v_sb, v_ss, v_sh),
                                                  seqlen_k - n0, headdim, v_ss, tid);
     };
 
@@ -762,9 +768,8 @@ flash_bwd_dq_mma_v2(const T* __restrict__ q, const T* __restrict__ k, const T* _
         const u32 s_k = base + L::K + stage * L::KV_TILE, s_v = base + L::V + stage * L::KV_TILE;
 
         // Step 1: S = Q_i K_j^T for this warp's 16 G query rows, turned into P = exp2(S scale
-        // log2(e) - lse log2(e)) in place before dP is computed, so that S and dP are never live
-        // together.
-        float s_acc[G][BLOCK_N / 8][4], dp_acc[G][BLOCK_N / 8][4];
+        // log2(e) - lse log2(e)) in place.
+        float s_acc[G][BLOCK_N / 8][4];
 #pragma unroll
         for (int g = 0; g < G; ++g) zero(s_acc[g]);
         mma_ABt_groups<T, G, BLOCK_N, D_TILE, D_TILE, D_TILE>(s_acc, s_q, row0, s_k, 0, lane);
@@ -774,13 +779,12 @@ flash_bwd_dq_mma_v2(const T* __restrict__ q, const T* __restrict__ k, const T* _
             for (int j = 0; j < BLOCK_N / 8; ++j)
 #pragma unroll
                 for (int e = 0; e < 4; ++e)
-                    s_acc[g][j][e] = exp2_approx(fmaf(s_acc[g][j][e], scale_log2, -s_lse[lane_row + 16 * g + 8 * (e >> 1)]));
+                    s_acc[g][j][e] = exp2_approx(
+                        fmaf(s_acc[g][j][e], scale_log2, -s_lse[lane_row + 16 * g + 8 * (e >> 1)]));
 
-        // Step 2: dP = dO_i V_j^T; dS = P o (dP - D). Hidden entries are selected to 0 (a
-        // non-finite score or dP there must not leak).
-#pragma unroll
-        for (int g = 0; g < G; ++g) zero(dp_acc[g]);
-        mma_ABt_groups<T, G, BLOCK_N, D_TILE, D_TILE, D_TILE>(dp_acc, s_do, row0, s_v, 0, lane);
+        // Step 2: dP = dO_i V_j^T and dS = P o (dP - D), in slices of DP_COLS keys: at head dim 128
+        // a full-width dP next to P and dQ spills (the dO fragments are reloaded per slice).
+        // Hidden entries are selected to 0 (a non-finite score or dP there must not leak).
         const bool partial = visible.partial(m0, BLOCK_M, n0, BLOCK_N);
         // Row m sees the keys n < n_lim (none past the last query).
         int n_lim[G][2];
@@ -793,17 +797,29 @@ flash_bwd_dq_mma_v2(const T* __restrict__ q, const T* __restrict__ k, const T* _
             }
         u32 ds_frag[G][BLOCK_N / 16][4];
 #pragma unroll
-        for (int g = 0; g < G; ++g) {
+        for (int c0 = 0; c0 < BLOCK_N; c0 += DP_COLS) {
+            float dp_acc[G][DP_COLS / 8][4];
 #pragma unroll
-            for (int j = 0; j < BLOCK_N / 8; ++j) {
+            for (int g = 0; g < G; ++g) zero(dp_acc[g]);
+            // Row offsets that are multiples of 8 keep the swizzle phase: V rows c0.. are a tile.
+            mma_ABt_groups<T, G, DP_COLS, D_TILE, D_TILE, D_TILE>(dp_acc, s_do, row0,
+                                                                  s_v + c0 * (D_TILE * 2), 0, lane);
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float ds = s_acc[g][j][e] * (dp_acc[g][j][e] - s_delta[lane_row + 16 * g + 8 * (e >> 1)]);
-                    const bool hidden = partial && n0 + 8 * j + 2 * (lane % 4) + (e & 1) >= n_lim[g][e >> 1];
-                    dp_acc[g][j][e] = hidden ? 0.f : ds;
+            for (int g = 0; g < G; ++g) {
+#pragma unroll
+                for (int j = 0; j < DP_COLS / 8; ++j) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const float ds = s_acc[g][c0 / 8 + j][e] *
+                                         (dp_acc[g][j][e] - s_delta[lane_row + 16 * g + 8 * (e >> 1)]);
+                        const int n = n0 + c0 + 8 * j + 2 * (lane % 4) + (e & 1);
+                        const bool hidden = partial && n >= n_lim[g][e >> 1];
+                        dp_acc[g][j][e] = hidden ? 0.f : ds;
+                    }
                 }
+                auto& ds_slice = *reinterpret_cast<u32 (*)[DP_COLS / 16][4]>(&ds_frag[g][c0 / 16]);
+                pack_a_frags<T, DP_COLS>(ds_slice, dp_acc[g]);
             }
-            pack_a_frags<T, BLOCK_N>(ds_frag[g], dp_acc[g]);
         }
 
         // Step 3: dQ_i += dS K_j.
@@ -819,6 +835,490 @@ flash_bwd_dq_mma_v2(const T* __restrict__ q, const T* __restrict__ k, const T* _
     T* dq_rows = dq + row_offset(batch, m0 + row0, head, dq_sb, dq_ss, dq_sh);
     store_tile<WARP_ROWS, D_TILE, 32>(dq_rows, s_q + tile_offset<D_TILE>(row0, 0), seqlen_q - m0 - row0,
                                       headdim, dq_ss, lane);
+}
+
+// ---------------------------------------------------------------------------------------------
+// v2 dK, dV: ROW_GROUPS 16-row key groups per warp (head dim 64)
+// ---------------------------------------------------------------------------------------------
+//
+// As flash_bwd_dkdv_mma with WARPS_D = 1, but a warp owns 16 ROW_GROUPS key rows, so each Q / dO
+// fragment it loads for S^T, dP^T, dV and dK feeds ROW_GROUPS times as many mma: at head dim 64,
+// 2 groups and M_SUB = 32, 48 ldmatrix.x4 per 128 mma (v1: 72 per 128). Two 16-row groups of dK
+// and dV at head dim 128 would take 256 accumulator registers, so there v1 stays.
+template <typename T, int D_TILE, bool CAUSAL, int BLOCK_M, int M_SUB, int BLOCK_N, int NWARPS, int ROW_GROUPS,
+          bool ATOMIC_DQ>
+__global__ void __launch_bounds__(NWARPS * 32, 1)
+flash_bwd_dkdv_mma_v2(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                      const T* __restrict__ dout, const float* __restrict__ lse,
+                      const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
+                      float* __restrict__ dq_accum,
+                      int seqlen_q, int seqlen_k, int nheads, int group, int headdim,
+                      i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
+                      i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
+                      i64 dk_sb, i64 dk_ss, i64 dk_sh, i64 dv_sb, i64 dv_ss, i64 dv_sh,
+                      i64 dqa_sb, i64 dqa_ss, i64 dqa_sh, float scale_log2, float scale) {
+    typedef DkdvSmem<D_TILE, BLOCK_M, M_SUB, BLOCK_N, NWARPS, 1, ATOMIC_DQ> L;
+    constexpr int NTHREADS = NWARPS * 32;
+    constexpr int G = ROW_GROUPS;
+    constexpr int WARP_ROWS = 16 * G;
+    constexpr int DQ_WARPS_M = BLOCK_M / 16;
+    constexpr int DQ_COLS = D_TILE / (NWARPS / DQ_WARPS_M);  // dQ columns per warp (ATOMIC_DQ)
+    constexpr int DQ_PASS = DQ_COLS < 32 ? DQ_COLS : 32;
+    static_assert(BLOCK_N == WARP_ROWS * NWARPS, "16 * ROW_GROUPS key rows per warp");
+    static_assert(BLOCK_M % M_SUB == 0 && M_SUB % 16 == 0 && D_TILE % 16 == 0, "m16n8k16 tiles");
+    static_assert(!ATOMIC_DQ || (NWARPS % DQ_WARPS_M == 0 && DQ_COLS % DQ_PASS == 0 && DQ_PASS % 16 == 0),
+                  "dQ warp grid");
+    static_assert(L::BYTES <= 227 * 1024, "shared memory");
+
+    extern __shared__ __align__(128) unsigned char smem[];
+    if (dynamic_smem_bytes() < L::BYTES) __trap();
+    const u32 base = smem_u32(smem);
+    const u32 s_k = base + L::K, s_v = base + L::V, s_ds = base + L::DS;
+
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int row0 = WARP_ROWS * warp;  // this warp's key rows within the block
+    const int n0 = blockIdx.x * BLOCK_N, head_kv = blockIdx.y, batch = blockIdx.z;
+    const Visibility<CAUSAL> visible{seqlen_q, seqlen_k, seqlen_k - seqlen_q};
+
+    const int m_block_first = CAUSAL ? max(0, n0 - visible.diag) / BLOCK_M : 0;
+    const int m_blocks = max(0, (seqlen_q + BLOCK_M - 1) / BLOCK_M - m_block_first);
+    const int n_iters = group * m_blocks;  // (query head of the group, query block) pairs
+
+    auto load_query_block = [&](int it, int stage) {
+        const int head = head_kv * group + it / m_blocks;
+        const int m0 = (m_block_first + it % m_blocks) * BLOCK_M;
+        cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(base + L::Q + stage * L::Q_TILE,
+                                                 q + row_offset(batch, m0, head, q_sb, q_ss, q_sh),
+                                                 seqlen_q - m0, headdim, q_ss, tid);
+        cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(base + L::DO + stage * L::Q_TILE,
+                                                 dout + row_offset(batch, m0, head, do_sb, do_ss, do_sh),
+                                                 seqlen_q - m0, headdim, do_ss, tid);
+        const i64 stat0 = ((i64)batch * nheads + head) * seqlen_q + m0;
+        for (int i = tid; i < 2 * BLOCK_M; i += NTHREADS) {
+            const int r = i % BLOCK_M;
+            const bool is_lse = i < BLOCK_M;
+            cp_async_4((is_lse ? base + L::LSE : base + L::DELTA) + (stage * BLOCK_M + r) * 4,
+                       (is_lse ? lse : delta) + stat0 + (m0 + r < seqlen_q ? r : 0), m0 + r < seqlen_q);
+        }
+    };
+
+    cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(s_k, k + row_offset(batch, n0, head_kv, k_sb, k_ss, k_sh),
+                                             seqlen_k - n0, headdim, k_ss, tid);
+    cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(s_v, v + row_offset(batch, n0, head_kv, v_sb, v_ss, v_sh),
+                                             seqlen_k - n0, headdim, v_ss, tid);
+    if (n_iters > 0) load_query_block(0, 0);
+    cp_async_commit();
+
+    float dk_acc[G][D_TILE / 8][4], dv_acc[G][D_TILE / 8][4];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        zero(dk_acc[g]);
+        zero(dv_acc[g]);
+    }
+
+    for (int it = 0; it < n_iters; ++it) {
+        const int stage = it & 1;
+        // As in v1: lands this block's copies; all warps are done with iteration it - 1.
+        cp_async_wait<0>();
+        __syncthreads();
+        if (it + 1 < n_iters) load_query_block(it + 1, stage ^ 1);
+        cp_async_commit();
+
+        const int head = head_kv * group + it / m_blocks;
+        const int m0 = (m_block_first + it % m_blocks) * BLOCK_M;
+        const u32 s_q = base + L::Q + stage * L::Q_TILE, s_do = base + L::DO + stage * L::Q_TILE;
+        const float* s_lse = reinterpret_cast<const float*>(smem + L::LSE) + stage * BLOCK_M;
+        const float* s_delta = reinterpret_cast<const float*>(smem + L::DELTA) + stage * BLOCK_M;
+
+#pragma unroll 1
+        for (int mc0 = 0; mc0 < BLOCK_M; mc0 += M_SUB) {
+            const u32 s_q_sub = s_q + mc0 * (D_TILE * 2), s_do_sub = s_do + mc0 * (D_TILE * 2);
+            const int m0_sub = m0 + mc0;
+            const bool partial = visible.partial(m0_sub, M_SUB, n0, BLOCK_N);
+            // Key row n is seen by the queries m_min <= m < seqlen_q (none if n >= seqlen_k).
+            int m_min[G][2];
+#pragma unroll
+            for (int g = 0; g < G; ++g)
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const int n = n0 + row0 + 16 * g + lane / 4 + 8 * half;
+                    m_min[g][half] = n < seqlen_k ? (CAUSAL ? n - visible.diag : 0) : seqlen_q;
+                }
+
+            // Step 1: S^T = K_j Q^T for this warp's 16 G key rows.
+            float s_acc[G][M_SUB / 8][4];
+#pragma unroll
+            for (int g = 0; g < G; ++g) zero(s_acc[g]);
+            mma_ABt_groups<T, G, M_SUB, D_TILE, D_TILE, D_TILE>(s_acc, s_k, row0, s_q_sub, 0, lane);
+
+            // Step 2: P^T = exp2(S^T scale log2(e) - lse log2(e)), lse per column; hidden entries
+            // selected to 0.
+#pragma unroll
+            for (int j = 0; j < M_SUB / 8; ++j) {
+                const int c = 8 * j + 2 * (lane % 4);
+                const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + mc0 + c);
+                const float base_log2[2] = {lse_base_log2(lse2.x), lse_base_log2(lse2.y)};
+#pragma unroll
+                for (int g = 0; g < G; ++g) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const float p = exp2_approx(fmaf(s_acc[g][j][e], scale_log2, -base_log2[e & 1]));
+                        const int m = m0_sub + c + (e & 1);
+                        const bool hidden = partial && (m < m_min[g][e >> 1] || m >= seqlen_q);
+                        s_acc[g][j][e] = hidden ? 0.f : p;
+                    }
+                }
+            }
+
+            // Step 3: dV_j += P^T dO.
+            {
+                u32 p_frag[G][M_SUB / 16][4];
+#pragma unroll
+                for (int g = 0; g < G; ++g) pack_a_frags<T, M_SUB>(p_frag[g], s_acc[g]);
+                mma_AB_regs_groups<T, G, D_TILE, M_SUB, D_TILE>(dv_acc, p_frag, s_do_sub, 0, lane);
+            }
+
+            // Steps 4, 5: dP^T = V_j dO^T and dS^T = P^T o (dP^T - D), D per column, in slices of
+            // 16 query columns: a full-width dP^T next to P^T, dK_j and dV_j spills (the V_j
+            // fragments are reloaded per slice). P^T is already 0 where hidden; the selection
+            // keeps a non-finite dP^T there out.
+            u32 ds_frag[G][M_SUB / 16][4];
+#pragma unroll
+            for (int kk = 0; kk < M_SUB / 16; ++kk) {
+                float dp_acc[G][2][4];
+#pragma unroll
+                for (int g = 0; g < G; ++g) zero(dp_acc[g]);
+                // dO rows 16 kk.. form a tile of their own: 16 rows keep the swizzle phase.
+                mma_ABt_groups<T, G, 16, D_TILE, D_TILE, D_TILE>(dp_acc, s_v, row0,
+                                                                 s_do_sub + 16 * kk * (D_TILE * 2), 0, lane);
+#pragma unroll
+                for (int jj = 0; jj < 2; ++jj) {
+                    const int j = 2 * kk + jj;
+                    const int c = 8 * j + 2 * (lane % 4);
+                    const float2 d2 = *reinterpret_cast<const float2*>(s_delta + mc0 + c);
+#pragma unroll
+                    for (int g = 0; g < G; ++g) {
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const float ds = s_acc[g][j][e] * (dp_acc[g][jj][e] - ((e & 1) ? d2.y : d2.x));
+                            const int m = m0_sub + c + (e & 1);
+                            const bool hidden = partial && (m < m_min[g][e >> 1] || m >= seqlen_q);
+                            dp_acc[g][jj][e] = hidden ? 0.f : ds;
+                        }
+                    }
+                }
+#pragma unroll
+                for (int g = 0; g < G; ++g) {
+                    ds_frag[g][kk][0] = pack2<T>(dp_acc[g][0][0], dp_acc[g][0][1]);
+                    ds_frag[g][kk][1] = pack2<T>(dp_acc[g][0][2], dp_acc[g][0][3]);
+                    ds_frag[g][kk][2] = pack2<T>(dp_acc[g][1][0], dp_acc[g][1][1]);
+                    ds_frag[g][kk][3] = pack2<T>(dp_acc[g][1][2], dp_acc[g][1][3]);
+                }
+            }
+
+            // Step 6: dK_j += dS^T Q.
+            mma_AB_regs_groups<T, G, D_TILE, M_SUB, D_TILE>(dk_acc, ds_frag, s_q_sub, 0, lane);
+
+            // dS^T to shared memory for step 7.
+            if constexpr (ATOMIC_DQ) {
+#pragma unroll
+                for (int g = 0; g < G; ++g) {
+                    const int r = row0 + 16 * g + lane / 4, c = 2 * (lane % 4);
+#pragma unroll
+                    for (int kk = 0; kk < M_SUB / 16; ++kk) {
+                        const int chunk = mc0 / 8 + 2 * kk;
+                        st_shared_b32(s_ds + tile_offset<BLOCK_M>(r, chunk) + 2 * c, ds_frag[g][kk][0]);
+                        st_shared_b32(s_ds + tile_offset<BLOCK_M>(r + 8, chunk) + 2 * c, ds_frag[g][kk][1]);
+                        st_shared_b32(s_ds + tile_offset<BLOCK_M>(r, chunk + 1) + 2 * c, ds_frag[g][kk][2]);
+                        st_shared_b32(s_ds + tile_offset<BLOCK_M>(r + 8, chunk + 1) + 2 * c, ds_frag[g][kk][3]);
+                    }
+                }
+            }
+        }
+
+        // Step 7 (ATOMIC_DQ): as in v1.
+        if constexpr (ATOMIC_DQ) {
+            __syncthreads();
+            const int q_row0 = 16 * (warp % DQ_WARPS_M);
+            const int m_lo = m0 + q_row0 + lane / 4, m_hi = m_lo + 8;
+            float* dqa = dq_accum + (i64)batch * dqa_sb + (i64)head * dqa_sh;
+#pragma unroll 1
+            for (int col0 = DQ_COLS * (warp / DQ_WARPS_M); col0 < DQ_COLS * (warp / DQ_WARPS_M + 1);
+                 col0 += DQ_PASS) {
+                float dq_acc[DQ_PASS / 8][4];
+                zero(dq_acc);
+                mma_AtB<T, DQ_PASS, BLOCK_N, BLOCK_M, D_TILE>(dq_acc, s_ds, q_row0, s_k, col0, lane);
+#pragma unroll
+                for (int j = 0; j < DQ_PASS / 8; ++j) {
+                    const int col = col0 + 8 * j + 2 * (lane % 4);
+                    if (col < headdim) {
+                        if (m_lo < seqlen_q) red_add_f32x2(dqa + m_lo * dqa_ss + col, dq_acc[j][0], dq_acc[j][1]);
+                        if (m_hi < seqlen_q) red_add_f32x2(dqa + m_hi * dqa_ss + col, dq_acc[j][2], dq_acc[j][3]);
+                    }
+                }
+            }
+        }
+    }
+
+    cp_async_wait<0>();
+    __syncthreads();
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        stage_acc<T, D_TILE, D_TILE>(s_k, row0 + 16 * g, 0, dk_acc[g], scale, lane);
+        stage_acc<T, D_TILE, D_TILE>(s_v, row0 + 16 * g, 0, dv_acc[g], 1.f, lane);
+    }
+    __syncthreads();
+    store_tile<BLOCK_N, D_TILE, NTHREADS>(dk + row_offset(batch, n0, head_kv, dk_sb, dk_ss, dk_sh), s_k,
+                                          seqlen_k - n0, headdim, dk_ss, tid);
+    store_tile<BLOCK_N, D_TILE, NTHREADS>(dv + row_offset(batch, n0, head_kv, dv_sb, dv_ss, dv_sh), s_v,
+                                          seqlen_k - n0, headdim, dv_ss, tid);
+}
+
+// ---------------------------------------------------------------------------------------------
+// v3 dK, dV: warp pairs split by role (head dim 128)
+// ---------------------------------------------------------------------------------------------
+//
+// Two 16-row groups of dK and dV at head dim 128 do not fit one warp's registers (256 fp32), so
+// the two warps of a pair share 16 ROW_GROUPS key rows and split the work by gradient: warp p
+// (role dV) computes S^T = K_j Q^T, P^T and dV += P^T dO; warp p + NWARPS / 2 (role dK) computes
+// dP^T = V_j dO^T, receives P^T through shared memory, and accumulates dK += dS^T Q. Each Q / dO
+// fragment then feeds 2 ROW_GROUPS mma. Head dim 128, 2 groups, M_SUB = 32: per pair and
+// sub-block 96 ldmatrix.x4 and 8 KiB of P^T exchange per 256 mma (v1: 160 ldmatrix.x4).
+//
+// The P^T exchange is one float4 per (lane, group, C fragment): both warps own the same key rows
+// and query columns, so lane l of the dK warp reads what lane l of the dV warp wrote. Two slots
+// per pair alternate by sub-block: a slot is rewritten two pair barriers after it was written,
+// and the dK warp reaches the second of them only after reading it.
+template <int D_TILE, int BLOCK_M, int M_SUB, int BLOCK_N, int NWARPS, int ROW_GROUPS, bool ATOMIC_DQ>
+struct DkdvSplitSmem {
+    typedef DkdvSmem<D_TILE, BLOCK_M, M_SUB, BLOCK_N, NWARPS, 1, ATOMIC_DQ> V1;
+    static constexpr u32 XCHG_SLOT = ROW_GROUPS * (M_SUB / 8) * 32 * 16;
+    static constexpr u32 XCHG = V1::BYTES;  // [NWARPS / 2 pairs][2 slots]
+    static constexpr u32 BYTES = XCHG + (NWARPS / 2) * 2 * XCHG_SLOT;
+};
+
+template <typename T, int D_TILE, bool CAUSAL, int BLOCK_M, int M_SUB, int BLOCK_N, int NWARPS, int ROW_GROUPS,
+          bool ATOMIC_DQ>
+__global__ void __launch_bounds__(NWARPS * 32, 1)
+flash_bwd_dkdv_mma_split(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                         const T* __restrict__ dout, const float* __restrict__ lse,
+                         const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
+                         float* __restrict__ dq_accum,
+                         int seqlen_q, int seqlen_k, int nheads, int group, int headdim,
+                         i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
+                         i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
+                         i64 dk_sb, i64 dk_ss, i64 dk_sh, i64 dv_sb, i64 dv_ss, i64 dv_sh,
+                         i64 dqa_sb, i64 dqa_ss, i64 dqa_sh, float scale_log2, float scale) {
+    typedef DkdvSmem<D_TILE, BLOCK_M, M_SUB, BLOCK_N, NWARPS, 1, ATOMIC_DQ> L;
+    typedef DkdvSplitSmem<D_TILE, BLOCK_M, M_SUB, BLOCK_N, NWARPS, ROW_GROUPS, ATOMIC_DQ> X;
+    constexpr int NTHREADS = NWARPS * 32;
+    constexpr int PAIRS = NWARPS / 2;
+    constexpr int G = ROW_GROUPS;
+    constexpr int WARP_ROWS = 16 * G;
+    constexpr int DQ_WARPS_M = BLOCK_M / 16;
+    constexpr int DQ_COLS = D_TILE / (NWARPS / DQ_WARPS_M);  // dQ columns per warp (ATOMIC_DQ)
+    constexpr int DQ_PASS = DQ_COLS < 32 ? DQ_COLS : 32;
+    static_assert(NWARPS % 2 == 0 && PAIRS <= 15, "warp pairs, one named barrier each");
+    static_assert(BLOCK_N == WARP_ROWS * PAIRS, "16 * ROW_GROUPS key rows per warp pair");
+    static_assert(BLOCK_M % M_SUB == 0 && M_SUB % 16 == 0 && D_TILE % 16 == 0, "m16n8k16 tiles");
+    static_assert(!ATOMIC_DQ || (NWARPS % DQ_WARPS_M == 0 && DQ_COLS % DQ_PASS == 0 && DQ_PASS % 16 == 0),
+                  "dQ warp grid");
+    static_assert(X::BYTES <= 227 * 1024, "shared memory");
+
+    extern __shared__ __align__(128) unsigned char smem[];
+    if (dynamic_smem_bytes() < X::BYTES) __trap();
+    const u32 base = smem_u32(smem);
+    const u32 s_k = base + L::K, s_v = base + L::V, s_ds = base + L::DS;
+
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int pair = warp % PAIRS;
+    const bool role_dk = warp >= PAIRS;  // warp-uniform
+    const int row0 = WARP_ROWS * pair;   // the pair's key rows within the block
+    const u32 s_xchg = base + X::XCHG + pair * 2 * X::XCHG_SLOT + lane * 16;
+    const int n0 = blockIdx.x * BLOCK_N, head_kv = blockIdx.y, batch = blockIdx.z;
+    const Visibility<CAUSAL> visible{seqlen_q, seqlen_k, seqlen_k - seqlen_q};
+
+    const int m_block_first = CAUSAL ? max(0, n0 - visible.diag) / BLOCK_M : 0;
+    const int m_blocks = max(0, (seqlen_q + BLOCK_M - 1) / BLOCK_M - m_block_first);
+    const int n_iters = group * m_blocks;  // (query head of the group, query block) pairs
+
+    auto load_query_block = [&](int it, int stage) {
+        const int head = head_kv * group + it / m_blocks;
+        const int m0 = (m_block_first + it % m_blocks) * BLOCK_M;
+        cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(base + L::Q + stage * L::Q_TILE,
+                                                 q + row_offset(batch, m0, head, q_sb, q_ss, q_sh),
+                                                 seqlen_q - m0, headdim, q_ss, tid);
+        cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(base + L::DO + stage * L::Q_TILE,
+                                                 dout + row_offset(batch, m0, head, do_sb, do_ss, do_sh),
+                                                 seqlen_q - m0, headdim, do_ss, tid);
+        const i64 stat0 = ((i64)batch * nheads + head) * seqlen_q + m0;
+        for (int i = tid; i < 2 * BLOCK_M; i += NTHREADS) {
+            const int r = i % BLOCK_M;
+            const bool is_lse = i < BLOCK_M;
+            cp_async_4((is_lse ? base + L::LSE : base + L::DELTA) + (stage * BLOCK_M + r) * 4,
+                       (is_lse ? lse : delta) + stat0 + (m0 + r < seqlen_q ? r : 0), m0 + r < seqlen_q);
+        }
+    };
+
+    cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(s_k, k + row_offset(batch, n0, head_kv, k_sb, k_ss, k_sh),
+                                             seqlen_k - n0, headdim, k_ss, tid);
+    cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(s_v, v + row_offset(batch, n0, head_kv, v_sb, v_ss, v_sh),
+                                             seqlen_k - n0, headdim, v_ss, tid);
+    if (n_iters > 0) load_query_block(0, 0);
+    cp_async_commit();
+
+    // dV_j rows of the pair (role dV) or dK_j rows (role dK).
+    float acc[G][D_TILE / 8][4];
+#pragma unroll
+    for (int g = 0; g < G; ++g) zero(acc[g]);
+    int slot = 0;
+
+    for (int it = 0; it < n_iters; ++it) {
+        const int stage = it & 1;
+        // As in v1: lands this block's copies; all warps are done with iteration it - 1.
+        cp_async_wait<0>();
+        __syncthreads();
+        if (it + 1 < n_iters) load_query_block(it + 1, stage ^ 1);
+        cp_async_commit();
+
+        const int head = head_kv * group + it / m_blocks;
+        const int m0 = (m_block_first + it % m_blocks) * BLOCK_M;
+        const u32 s_q = base + L::Q + stage * L::Q_TILE, s_do = base + L::DO + stage * L::Q_TILE;
+        const float* s_lse = reinterpret_cast<const float*>(smem + L::LSE) + stage * BLOCK_M;
+        const float* s_delta = reinterpret_cast<const float*>(smem + L::DELTA) + stage * BLOCK_M;
+
+#pragma unroll 1
+        for (int mc0 = 0; mc0 < BLOCK_M; mc0 += M_SUB, slot ^= 1) {
+            const u32 s_q_sub = s_q + mc0 * (D_TILE * 2), s_do_sub = s_do + mc0 * (D_TILE * 2);
+            const u32 s_p = s_xchg + slot * X::XCHG_SLOT;
+            const int m0_sub = m0 + mc0;
+            const bool partial = visible.partial(m0_sub, M_SUB, n0, BLOCK_N);
+            // Key row n is seen by the queries m_min <= m < seqlen_q (none if n >= seqlen_k).
+            int m_min[G][2];
+#pragma unroll
+            for (int g = 0; g < G; ++g)
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const int n = n0 + row0 + 16 * g + lane / 4 + 8 * half;
+                    m_min[g][half] = n < seqlen_k ? (CAUSAL ? n - visible.diag : 0) : seqlen_q;
+                }
+
+            if (!role_dk) {
+                // S^T = K_j Q^T; P^T = exp2(S^T scale log2(e) - lse log2(e)), lse per column,
+                // hidden entries selected to 0; P^T to the pair's slot; dV_j += P^T dO.
+                float s_acc[G][M_SUB / 8][4];
+#pragma unroll
+                for (int g = 0; g < G; ++g) zero(s_acc[g]);
+                mma_ABt_groups<T, G, M_SUB, D_TILE, D_TILE, D_TILE>(s_acc, s_k, row0, s_q_sub, 0, lane);
+#pragma unroll
+                for (int j = 0; j < M_SUB / 8; ++j) {
+                    const int c = 8 * j + 2 * (lane % 4);
+                    const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + mc0 + c);
+                    const float base_log2[2] = {lse_base_log2(lse2.x), lse_base_log2(lse2.y)};
+#pragma unroll
+                    for (int g = 0; g < G; ++g) {
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const float p = exp2_approx(fmaf(s_acc[g][j][e], scale_log2, -base_log2[e & 1]));
+                            const int m = m0_sub + c + (e & 1);
+                            const bool hidden = partial && (m < m_min[g][e >> 1] || m >= seqlen_q);
+                            s_acc[g][j][e] = hidden ? 0.f : p;
+                        }
+                        st_shared_v4(s_p + (g * (M_SUB / 8) + j) * 512, __float_as_uint(s_acc[g][j][0]),
+                                     __float_as_uint(s_acc[g][j][1]), __float_as_uint(s_acc[g][j][2]),
+                                     __float_as_uint(s_acc[g][j][3]));
+                    }
+                }
+                named_barrier_sync(1 + pair, 64);
+                u32 p_frag[G][M_SUB / 16][4];
+#pragma unroll
+                for (int g = 0; g < G; ++g) pack_a_frags<T, M_SUB>(p_frag[g], s_acc[g]);
+                mma_AB_regs_groups<T, G, D_TILE, M_SUB, D_TILE>(acc, p_frag, s_do_sub, 0, lane);
+            } else {
+                // dP^T = V_j dO^T; dS^T = P^T o (dP^T - D), D per column (P^T from the pair's
+                // slot, already 0 where hidden; the selection keeps a non-finite dP^T out);
+                // dK_j += dS^T Q.
+                float dp_acc[G][M_SUB / 8][4];
+#pragma unroll
+                for (int g = 0; g < G; ++g) zero(dp_acc[g]);
+                mma_ABt_groups<T, G, M_SUB, D_TILE, D_TILE, D_TILE>(dp_acc, s_v, row0, s_do_sub, 0, lane);
+                named_barrier_sync(1 + pair, 64);
+#pragma unroll
+                for (int j = 0; j < M_SUB / 8; ++j) {
+                    const int c = 8 * j + 2 * (lane % 4);
+                    const float2 d2 = *reinterpret_cast<const float2*>(s_delta + mc0 + c);
+#pragma unroll
+                    for (int g = 0; g < G; ++g) {
+                        u32 p[4];
+                        ld_shared_v4(p, s_p + (g * (M_SUB / 8) + j) * 512);
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const float ds = __uint_as_float(p[e]) * (dp_acc[g][j][e] - ((e & 1) ? d2.y : d2.x));
+                            const int m = m0_sub + c + (e & 1);
+                            const bool hidden = partial && (m < m_min[g][e >> 1] || m >= seqlen_q);
+                            dp_acc[g][j][e] = hidden ? 0.f : ds;
+                        }
+                    }
+                }
+                u32 ds_frag[G][M_SUB / 16][4];
+#pragma unroll
+                for (int g = 0; g < G; ++g) pack_a_frags<T, M_SUB>(ds_frag[g], dp_acc[g]);
+                mma_AB_regs_groups<T, G, D_TILE, M_SUB, D_TILE>(acc, ds_frag, s_q_sub, 0, lane);
+
+                if constexpr (ATOMIC_DQ) {
+#pragma unroll
+                    for (int g = 0; g < G; ++g) {
+                        const int r = row0 + 16 * g + lane / 4, c = 2 * (lane % 4);
+#pragma unroll
+                        for (int kk = 0; kk < M_SUB / 16; ++kk) {
+                            const int chunk = mc0 / 8 + 2 * kk;
+                            st_shared_b32(s_ds + tile_offset<BLOCK_M>(r, chunk) + 2 * c, ds_frag[g][kk][0]);
+                            st_shared_b32(s_ds + tile_offset<BLOCK_M>(r + 8, chunk) + 2 * c, ds_frag[g][kk][1]);
+                            st_shared_b32(s_ds + tile_offset<BLOCK_M>(r, chunk + 1) + 2 * c, ds_frag[g][kk][2]);
+                            st_shared_b32(s_ds + tile_offset<BLOCK_M>(r + 8, chunk + 1) + 2 * c,
+                                          ds_frag[g][kk][3]);
+                        }
+                    }
+                }
+            }
+        }
+
+        // Step 7 (ATOMIC_DQ): as in v1, by all warps.
+        if constexpr (ATOMIC_DQ) {
+            __syncthreads();
+            const int q_row0 = 16 * (warp % DQ_WARPS_M);
+            const int m_lo = m0 + q_row0 + lane / 4, m_hi = m_lo + 8;
+            float* dqa = dq_accum + (i64)batch * dqa_sb + (i64)head * dqa_sh;
+#pragma unroll 1
+            for (int col0 = DQ_COLS * (warp / DQ_WARPS_M); col0 < DQ_COLS * (warp / DQ_WARPS_M + 1);
+                 col0 += DQ_PASS) {
+                float dq_acc[DQ_PASS / 8][4];
+                zero(dq_acc);
+                mma_AtB<T, DQ_PASS, BLOCK_N, BLOCK_M, D_TILE>(dq_acc, s_ds, q_row0, s_k, col0, lane);
+#pragma unroll
+                for (int j = 0; j < DQ_PASS / 8; ++j) {
+                    const int col = col0 + 8 * j + 2 * (lane % 4);
+                    if (col < headdim) {
+                        if (m_lo < seqlen_q) red_add_f32x2(dqa + m_lo * dqa_ss + col, dq_acc[j][0], dq_acc[j][1]);
+                        if (m_hi < seqlen_q) red_add_f32x2(dqa + m_hi * dqa_ss + col, dq_acc[j][2], dq_acc[j][3]);
+                    }
+                }
+            }
+        }
+    }
+
+    cp_async_wait<0>();
+    __syncthreads();
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        if (role_dk) stage_acc<T, D_TILE, D_TILE>(s_k, row0 + 16 * g, 0, acc[g], scale, lane);
+        else stage_acc<T, D_TILE, D_TILE>(s_v, row0 + 16 * g, 0, acc[g], 1.f, lane);
+    }
+    __syncthreads();
+    store_tile<BLOCK_N, D_TILE, NTHREADS>(dk + row_offset(batch, n0, head_kv, dk_sb, dk_ss, dk_sh), s_k,
+                                          seqlen_k - n0, headdim, dk_ss, tid);
+    store_tile<BLOCK_N, D_TILE, NTHREADS>(dv + row_offset(batch, n0, head_kv, dv_sb, dv_ss, dv_sh), s_v,
+                                          seqlen_k - n0, headdim, dv_ss, tid);
 }
 
 // ---------------------------------------------------------------------------------------------

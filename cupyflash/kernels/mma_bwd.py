@@ -17,6 +17,10 @@ Registers per thread are what limit them (255 at most, and no spills):
   M_SUB: the CTA then walks a query block in BLOCK_M / M_SUB steps between two barriers.
 * dQ: a warp owns 16 query rows: D_TILE / 2 accumulator registers plus BLOCK_N for S and dP.
 
+Versions (``VERSIONS``, ``backward(..., version=...)``): v1 as above; v2 and v3 give a warp 2 x 16
+rows (``flash_bwd_dq_mma_v2``, ``flash_bwd_dkdv_mma_v2``, ``flash_bwd_dkdv_mma_split``), so each
+shared-memory fragment feeds twice the mma. See the notes at ``VERSIONS``.
+
 Shared memory (bytes; mirrored by DkdvSmem / DqSmem in flash_bwd_mma.cu): K, V of the key block,
 two stages of Q, dO (and lse, D) per query block, the 16-bit dS^T block (atomic dQ) and the
 partial-sum exchange (WARPS_D = 2). All fit sm_80's 163 KiB too (the largest, the atomic
@@ -38,6 +42,46 @@ D_TILES = (64, 128, 256)
 DKDV_CONFIG = {64: (64, 64, 128, 8, 1), 128: (64, 32, 128, 8, 1), 256: (32, 16, 64, 8, 2)}
 # D_TILE -> (BLOCK_M, BLOCK_N, NWARPS); BLOCK_M = 16 * NWARPS.
 DQ_CONFIG = {64: (64, 64, 4), 128: (128, 64, 8), 256: (64, 32, 4)}
+
+# flash_bwd_dq_mma_v2: D_TILE -> (BLOCK_M, BLOCK_N, NWARPS, ROW_GROUPS); BLOCK_M = 16 * ROW_GROUPS
+# * NWARPS. Head dim 256 has no entry: two 16-row dQ accumulators would take 256 registers.
+DQ_CONFIG_V2 = {64: (128, 32, 4, 2), 128: (128, 32, 4, 2)}
+# Alternatives for the tuner (``backward(..., dq_config=...)``), compiled without spills on CPU:
+# 8 warps of 32 rows (one CTA per SM, 162 KiB of shared memory at d128: sm_90 only).
+DQ_CANDIDATES_V2 = {64: ((256, 32, 8, 2),), 128: ((256, 32, 8, 2),)}
+
+# flash_bwd_dkdv_mma_v2: D_TILE -> (BLOCK_M, M_SUB, BLOCK_N, NWARPS, ROW_GROUPS); BLOCK_N = 16 *
+# ROW_GROUPS * NWARPS. Head dim 64 only: two 16-row groups of dK and dV take 4 D_TILE / 8
+# accumulator registers per thread (256 at head dim 128).
+DKDV_CONFIG_V2 = {64: (64, 32, 128, 4, 2)}
+
+# flash_bwd_dkdv_mma_split (v3, deterministic path only: with the atomic dQ it spills): D_TILE ->
+# (BLOCK_M, M_SUB, BLOCK_N, NWARPS, ROW_GROUPS); BLOCK_N = 16 * ROW_GROUPS * NWARPS / 2. Shared
+# memory 161 KiB (d128) and 144.5 KiB (d256): both fit sm_80's 163 KiB. At d256 one 16-row group
+# per pair (128 accumulator registers per warp) replaces v1's head-dim split and its partial-sum
+# exchange of S^T and dP^T.
+DKDV_CONFIG_SPLIT = {128: (64, 32, 128, 8, 2), 256: (32, 32, 64, 8, 1)}
+
+# Kernel versions, all launchable side by side (``backward(..., version=...)``); DEFAULT_VERSION
+# is what the dispatcher launches. ldmatrix.x4 per mma.sync counted in the SASS (sm_90).
+#   v1: dK/dV with 16 key rows per warp; dQ with 16 query rows per warp, so every warp reads all
+#       of K_j and V_j and each B fragment feeds 2 mma (0.58 ldmatrix.x4 per mma at d64 and d128).
+#   v2: dQ by flash_bwd_dq_mma_v2: 2 x 16 query rows per warp, each K_j / V_j fragment feeds 4
+#       mma (0.42 at d64, 0.50 at d128, where dP is built in 16-key slices to fit the registers);
+#       lse and D in shared memory. At d64 also dK/dV by flash_bwd_dkdv_mma_v2: 2 x 16 key rows
+#       per warp, each Q / dO fragment feeds 4 mma (0.44, dP^T in 16-query slices; v1 0.56; 0.50
+#       vs 0.63 with the atomic dQ). Head dim 256 as v1; dK/dV at d128 as v1.
+#   v3: v2, plus dK/dV at d128 (deterministic path) by flash_bwd_dkdv_mma_split: warp pairs share
+#       2 x 16 key rows, one warp accumulates dV (S^T, P^T), the other dK (dP^T, dS^T), P^T passes
+#       through shared memory (0.38 ldmatrix.x4 per mma plus 32 B of exchange per mma; v1 0.63).
+#       At d256 the same kernel with 16 key rows per pair: 0.63 plus 16 B per mma (v1: 0.75 plus
+#       64 B of partial sums per mma).
+VERSIONS = {
+    "v1": "dK/dV 16 key rows per warp; dQ 16 query rows per warp",
+    "v2": "v1, but 2 x 16 rows per warp in dQ (d64, d128) and dK/dV (d64): fewer shared reads per mma",
+    "v3": "v2, but d128/d256 dK/dV by warp pairs split into a dV warp and a dK warp over the same keys",
+}
+DEFAULT_VERSION = "v1"
 CONVERT_THREADS = 256
 
 _CTYPE = {"float16": "cf::half_t", "bfloat16": "cf::bf16_t"}
@@ -83,10 +127,52 @@ def _flag(x: bool) -> str:
     return "true" if x else "false"
 
 
-def dkdv_spec(dtype, headdim: int, causal: bool, atomic_dq: bool) -> Specialization:
+def _check_version(version: str) -> None:
+    if version not in VERSIONS:
+        raise ValueError(f"cupyflash: unknown backward version {version!r} (known: {', '.join(VERSIONS)})")
+
+
+def dkdv_tiles(headdim: int, version: str = DEFAULT_VERSION, atomic_dq: bool = False) -> tuple[str, tuple]:
+    """The dK/dV kernel and its tiles: ("v1", DKDV_CONFIG entry), ("v2", DKDV_CONFIG_V2 entry) or
+    ("split", DKDV_CONFIG_SPLIT entry)."""
+    _check_version(version)
+    dt = d_tile(headdim)
+    if version == "v3" and not atomic_dq and dt in DKDV_CONFIG_SPLIT:
+        return "split", DKDV_CONFIG_SPLIT[dt]
+    if version in ("v2", "v3") and dt in DKDV_CONFIG_V2:
+        return "v2", DKDV_CONFIG_V2[dt]
+    return "v1", DKDV_CONFIG[dt]
+
+
+def dkdv_split_smem_bytes(dt: int, block_m: int, m_sub: int, block_n: int, nwarps: int, row_groups: int,
+                          atomic_dq: bool) -> int:
+    """Mirror of DkdvSplitSmem<...>::BYTES: the v1 layout (WARPS_D = 1) plus two P^T slots per pair."""
+    slot = row_groups * (m_sub // 8) * 32 * 16
+    return dkdv_smem_bytes(dt, block_m, m_sub, block_n, nwarps, 1, atomic_dq) + (nwarps // 2) * 2 * slot
+
+
+def dkdv_spec(dtype, headdim: int, causal: bool, atomic_dq: bool,
+              version: str = DEFAULT_VERSION) -> Specialization:
     name = dtype_name(dtype)
     dt = d_tile(headdim)
-    bm, ms, bn, nw, wd = DKDV_CONFIG[dt]
+    kernel, tiles = dkdv_tiles(headdim, version, atomic_dq)
+    if kernel == "split":
+        bm, ms, bn, nw, rg = tiles
+        spec_name = (f"flash_bwd_dkdv_mma_split_{_SHORT[name]}_hdim{dt}_{'causal' if causal else 'full'}"
+                     f"_bm{bm}_ms{ms}_bn{bn}_w{nw}_rg{rg}{'_dqatomic' if atomic_dq else ''}")
+        expression = (f"cf::flash_bwd_dkdv_mma_split<{_CTYPE[name]}, {dt}, {_flag(causal)}, {bm}, {ms}, {bn}, "
+                      f"{nw}, {rg}, {_flag(atomic_dq)}>")
+        return Specialization(spec_name, _SOURCE, expression, nw * 32,
+                              dkdv_split_smem_bytes(dt, bm, ms, bn, nw, rg, atomic_dq))
+    if kernel == "v2":
+        bm, ms, bn, nw, rg = tiles
+        spec_name = (f"flash_bwd_dkdv_mma_v2_{_SHORT[name]}_hdim{dt}_{'causal' if causal else 'full'}"
+                     f"_bm{bm}_ms{ms}_bn{bn}_w{nw}_rg{rg}{'_dqatomic' if atomic_dq else ''}")
+        expression = (f"cf::flash_bwd_dkdv_mma_v2<{_CTYPE[name]}, {dt}, {_flag(causal)}, {bm}, {ms}, {bn}, "
+                      f"{nw}, {rg}, {_flag(atomic_dq)}>")
+        return Specialization(spec_name, _SOURCE, expression, nw * 32,
+                              dkdv_smem_bytes(dt, bm, ms, bn, nw, 1, atomic_dq))
+    bm, ms, bn, nw, wd = tiles
     spec_name = (f"flash_bwd_dkdv_mma_{_SHORT[name]}_hdim{dt}_{'causal' if causal else 'full'}"
                  f"_bm{bm}_ms{ms}_bn{bn}_w{nw}_wd{wd}{'_dqatomic' if atomic_dq else ''}")
     expression = (f"cf::flash_bwd_dkdv_mma<{_CTYPE[name]}, {dt}, {_flag(causal)}, {bm}, {ms}, {bn}, {nw}, "
@@ -95,10 +181,33 @@ def dkdv_spec(dtype, headdim: int, causal: bool, atomic_dq: bool) -> Specializat
                           dkdv_smem_bytes(dt, bm, ms, bn, nw, wd, atomic_dq))
 
 
-def dq_spec(dtype, headdim: int, causal: bool) -> Specialization:
+def dq_smem_bytes_v2(dt: int, block_m: int, block_n: int) -> int:
+    """Mirror of DqSmemV2<...>::BYTES: v1's tiles plus lse and D of the block's rows."""
+    return dq_smem_bytes(dt, block_m, block_n) + 2 * block_m * 4
+
+
+def dq_tiles(headdim: int, version: str = DEFAULT_VERSION) -> tuple:
+    """The dQ kernel's tile configuration: v1's (BLOCK_M, BLOCK_N, NWARPS) or v2's (..., ROW_GROUPS)."""
+    _check_version(version)
+    dt = d_tile(headdim)
+    if version in ("v2", "v3") and dt in DQ_CONFIG_V2:
+        return DQ_CONFIG_V2[dt]
+    return DQ_CONFIG[dt]
+
+
+def dq_spec(dtype, headdim: int, causal: bool, version: str = DEFAULT_VERSION,
+            config: tuple | None = None) -> Specialization:
+    """flash_bwd_dq_mma (a 3-tuple config) or flash_bwd_dq_mma_v2 (a 4-tuple with ROW_GROUPS)."""
     name = dtype_name(dtype)
     dt = d_tile(headdim)
-    bm, bn, nw = DQ_CONFIG[dt]
+    config = tuple(config or dq_tiles(headdim, version))
+    if len(config) == 4:
+        bm, bn, nw, rg = config
+        spec_name = (f"flash_bwd_dq_mma_v2_{_SHORT[name]}_hdim{dt}_{'causal' if causal else 'full'}"
+                     f"_bm{bm}_bn{bn}_w{nw}_rg{rg}")
+        expression = f"cf::flash_bwd_dq_mma_v2<{_CTYPE[name]}, {dt}, {_flag(causal)}, {bm}, {bn}, {nw}, {rg}>"
+        return Specialization(spec_name, _SOURCE, expression, nw * 32, dq_smem_bytes_v2(dt, bm, bn))
+    bm, bn, nw = config
     spec_name = f"flash_bwd_dq_mma_{_SHORT[name]}_hdim{dt}_{'causal' if causal else 'full'}_bm{bm}_bn{bn}_w{nw}"
     expression = f"cf::flash_bwd_dq_mma<{_CTYPE[name]}, {dt}, {_flag(causal)}, {bm}, {bn}, {nw}>"
     return Specialization(spec_name, _SOURCE, expression, nw * 32, dq_smem_bytes(dt, bm, bn))
@@ -117,9 +226,11 @@ def specializations() -> list[Specialization]:
         out.append(convert_spec(name))
         for dt in D_TILES:
             for causal in (False, True):
-                out.append(dkdv_spec(name, dt, causal, atomic_dq=False))
-                out.append(dkdv_spec(name, dt, causal, atomic_dq=True))
-                out.append(dq_spec(name, dt, causal))
+                for atomic in (False, True):
+                    out.extend(dict.fromkeys(dkdv_spec(name, dt, causal, atomic, version) for version in VERSIONS))
+                out.append(dq_spec(name, dt, causal, version="v1"))
+                if dt in DQ_CONFIG_V2:
+                    out.append(dq_spec(name, dt, causal, version="v2"))
     return out
 
 
@@ -130,11 +241,13 @@ def _strides(a) -> tuple:
 
 
 def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: bool,
-             deterministic: bool = True) -> None:
+             deterministic: bool = True, version: str = DEFAULT_VERSION,
+             dq_config: tuple | None = None) -> None:
     """Fill the preallocated dq, dk, dv (C-contiguous, dtype of q) from the saved lse (B, H, Sq).
 
     Inputs are CuPy arrays meeting the mma family's guarantees (fp16/bf16, last dim contiguous,
     row strides multiples of 8 elements, 16-byte aligned, headdim % 8 == 0, headdim <= 256).
+    ``version`` picks an entry of VERSIONS; ``dq_config`` overrides the dQ kernel's tiles (tuning).
     """
     import cupy
 
@@ -151,27 +264,27 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
         return
     if not supports(q.dtype, headdim):
         raise ValueError(f"cupyflash: mma backward does not support {q.dtype} with headdim {headdim}")
+    dq_tiles(headdim, version)  # rejects an unknown version before anything is launched
     lse = cupy.ascontiguousarray(lse, dtype=np.float32)  # indexed as (batch, head, row) in C order
     delta = backward_preprocess(do, o)
     dt = d_tile(headdim)
     scales = (np.float32(softmax_scale * LOG2E), np.float32(softmax_scale))
     common = (np.int32(seqlen_q), np.int32(seqlen_k), np.int32(nheads), np.int32(nheads // nheads_kv),
               np.int32(headdim), *_strides(q), *_strides(k), *_strides(v), *_strides(do))
-    bn = DKDV_CONFIG[dt][2]
-    dkdv_grid = (math.ceil(seqlen_k / bn), nheads_kv, batch)
+    dkdv_grid = (math.ceil(seqlen_k / dkdv_tiles(headdim, version, not deterministic)[1][2]), nheads_kv, batch)
 
     if deterministic:
         # dq_accum is not touched without ATOMIC_DQ; dk stands in for the pointer.
-        launch(dkdv_spec(q.dtype, headdim, causal, atomic_dq=False), dkdv_grid,
+        launch(dkdv_spec(q.dtype, headdim, causal, atomic_dq=False, version=version), dkdv_grid,
                (q, k, v, do, lse, delta, dk, dv, dk, *common, *_strides(dk), *_strides(dv),
                 np.int64(0), np.int64(0), np.int64(0), *scales))
-        bm = DQ_CONFIG[dt][0]
-        launch(dq_spec(q.dtype, headdim, causal), (math.ceil(seqlen_q / bm), nheads, batch),
+        bm = (dq_config or dq_tiles(headdim, version))[0]
+        launch(dq_spec(q.dtype, headdim, causal, version, dq_config), (math.ceil(seqlen_q / bm), nheads, batch),
                (q, k, v, do, lse, delta, dq, *common, *_strides(dq), *scales))
         return
 
     dq_accum = cupy.zeros((batch, seqlen_q, nheads, dt), dtype=np.float32)
-    launch(dkdv_spec(q.dtype, headdim, causal, atomic_dq=True), dkdv_grid,
+    launch(dkdv_spec(q.dtype, headdim, causal, atomic_dq=True, version=version), dkdv_grid,
            (q, k, v, do, lse, delta, dk, dv, dq_accum, *common, *_strides(dk), *_strides(dv),
             *_strides(dq_accum), *scales))
     n_chunks = batch * seqlen_q * nheads * (headdim // 8)
