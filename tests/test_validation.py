@@ -138,3 +138,30 @@ def test_each_supported_dtype_is_accepted(dtype):
 
 def test_at_least_25_rejections_are_tested():
     assert len(FORWARD_ERRORS) + len(BACKWARD_ERRORS) + 2 >= 25
+
+
+def test_arrays_on_different_gpus_are_rejected():
+    """The device check itself (a machine with one GPU cannot build the real case)."""
+    from types import SimpleNamespace
+
+    from cupyflash import _arrays
+
+    on = lambda device: SimpleNamespace(device=SimpleNamespace(id=device))
+    _arrays.same_device({"q": on(0), "k": on(0), "v": on(0)})
+    with pytest.raises(ValueError, match="same GPU; got q on device 0, k on device 1, v on device 0"):
+        _arrays.same_device({"q": on(0), "k": on(1), "v": on(0)})
+
+
+@pytest.mark.gpu
+def test_arrays_on_two_real_gpus_are_rejected():
+    import cupy
+
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+    q, k, v = arrays()
+    with cupy.cuda.Device(0):
+        q0 = cupy.asarray(q)
+    with cupy.cuda.Device(1):
+        k1, v1 = cupy.asarray(k), cupy.asarray(v)
+    with pytest.raises(ValueError, match="same GPU"):
+        flash_attn_func(q0, k1, v1)
