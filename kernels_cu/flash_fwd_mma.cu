@@ -12,9 +12,12 @@
 //
 // Register budget: at D_TILE 128 with 2 strips of 16 rows and BLOCK_N = 64 the O and S
 // accumulators alone take 192 of the 255 registers, and ptxas fills the rest with ldmatrix
-// prefetch. What lives across the key loop is therefore kept minimal: m and l of a row sit in one
-// lane of its quad, the K/V source (pointers, strides) is re-read from shared memory and the
-// block's row and key bounds are recomputed from special registers where used.
+// prefetch. ROW_STATE picks how much lives across the key loop besides them (RowState below):
+// ALL_LANES keeps m and l on every lane of a row's quad and the loop invariants in registers, as
+// FlashAttention-2 does; ONE_LANE keeps m and l in one lane of the quad, re-reads the K/V source
+// (pointers, strides) from shared memory and recomputes the block's row and key bounds from
+// special registers where used. ONE_LANE is what lets the d128 128 x 64 tile run without spills;
+// at d64 its extra shuffles per key block cost more than the registers it frees are worth.
 #include "mma.cuh"
 
 namespace cf {
@@ -109,22 +112,10 @@ __device__ __forceinline__ void scale_and_mask(float (&s)[M_STRIPS][N_FRAGS][4],
         }
 }
 
-// New running maxima of the rows of the warp's strips: max of the old ones and of S over the key
-// block, reduced over the 4 lanes (a quad) that share each row. The old maximum of row r enters
-// through the lane that holds it (m_row, lane t of the quad: row t % (2 M_STRIPS), r = 2 strip + half).
-template <int M_STRIPS, int N_FRAGS>
-__device__ __forceinline__ void row_max(float (&m_new)[M_STRIPS][2],
-                                        const float (&s)[M_STRIPS][N_FRAGS][4], float m_row,
-                                        int lane) {
-#pragma unroll
-    for (int i = 0; i < M_STRIPS; ++i)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            float x = (lane & 3) % (2 * M_STRIPS) == 2 * i + h ? m_row : neg_inf<float>();
-#pragma unroll
-            for (int f = 0; f < N_FRAGS; ++f) x = fmaxf(x, fmaxf(s[i][f][2 * h], s[i][f][2 * h + 1]));
-            m_new[i][h] = group_max<4>(x);
-        }
+// Subtraction base of the exponentials of a row with running maximum m_new. A row with every key
+// masked so far has m_new = -inf; subtracting 0 instead keeps exp2(-inf - base) = 0 rather than NaN.
+__device__ __forceinline__ float exp2_base(float m_new) {
+    return m_new == neg_inf<float>() ? 0.f : m_new;
 }
 
 // Sums over the quad of lanes 4g..4g+3 of ROWS per-lane partial row sums (ROWS = 2 strips x 2
@@ -148,31 +139,148 @@ __device__ __forceinline__ float quad_sum_scatter(const float (&x)[ROWS], int la
     }
 }
 
-// Online-softmax update: S becomes P = exp2(S - m_new) in place, O is rescaled by
-// exp2(m - m_new). A row with every key masked so far has m_new = -inf; subtracting 0 instead
-// keeps exp2(-inf - base) = 0 rather than NaN. The running maximum m and sum l of a row live in
-// one register each per lane: lane t of each quad holds those of the quad's row t % (2 M_STRIPS)
-// (row r = 2 strip + half). 2 registers instead of 4 M_STRIPS, which the key loop cannot spare;
-// the price is 3 shuffles for l and 2 M_STRIPS to share the rescale factors.
-template <int M_STRIPS, int N_FRAGS, int D_FRAGS>
-__device__ __forceinline__ void softmax_rescale(float (&s)[M_STRIPS][N_FRAGS][4],
-                                                float (&o)[M_STRIPS][D_FRAGS][4], float& m_row,
-                                                float& l_row, const float (&m_new)[M_STRIPS][2],
-                                                int lane) {
-    constexpr int ROWS = 2 * M_STRIPS;
-    const int my_row = (lane & 3) % ROWS;
-    float my_m_new = m_new[0][0];
+// Where the running maximum m and sum l of the online softmax live. A lane's fragments cover
+// 2 M_STRIPS rows (i, h): row 16 i + 8 h + lane / 4 of the warp's strips, r = 2 i + h; the 4
+// lanes of a quad share each of them.
+enum class RowState {
+    // Every lane of the quad holds m and l of all its rows (FlashAttention-2): m is the same on
+    // the 4 lanes, l is the lane's partial sum, reduced over the quad once, in the epilogue.
+    // 4 M_STRIPS registers; the key loop shuffles only to reduce the row maxima.
+    ALL_LANES,
+    // Lane t of the quad holds m and the full l of row t % (2 M_STRIPS) only: 2 registers, for
+    // 3 + 2 M_STRIPS more shuffles per key block (reduce-scatter of the row sums, broadcast of
+    // the rescale factors).
+    ONE_LANE,
+};
+
+// RowStats<LAYOUT, M_STRIPS>: m and l of the lane's rows in layout LAYOUT, with the four steps
+// the online softmax takes on them:
+//   old_max(i, h, lane)      this lane's input to the quad maximum that gives m_new of row (i, h)
+//   take_max(m_new, lane)    m = m_new; returns the Rescale factors exp2(m_old - m_new),
+//                            rescale.row(i, h, lane) being that of row (i, h)
+//   add_sums(rescale, row_sum, lane)   l = rescale l + row_sum, row_sum the lane's partial sums
+//   get(i, h, lane, m, l)    the final m and full l of row (i, h), on every lane of the quad
+template <RowState LAYOUT, int M_STRIPS>
+struct RowStats;
+
+template <int M_STRIPS>
+struct RowStats<RowState::ALL_LANES, M_STRIPS> {
+    float m[M_STRIPS][2];
+    float l[M_STRIPS][2];  // this lane's partial sums
+
+    struct Rescale {
+        float factor[M_STRIPS][2];
+        __device__ __forceinline__ float row(int i, int h, int) const { return factor[i][h]; }
+    };
+
+    __device__ __forceinline__ RowStats() {
 #pragma unroll
-    for (int r = 1; r < ROWS; ++r)
-        if (my_row == r) my_m_new = m_new[r / 2][r % 2];
-    const float my_rescale = exp2_approx(m_row - (my_m_new == neg_inf<float>() ? 0.f : my_m_new));
-    m_row = my_m_new;
-    float row_sum[ROWS];
+        for (int i = 0; i < M_STRIPS; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                m[i][h] = neg_inf<float>();
+                l[i][h] = 0.f;
+            }
+    }
+    __device__ __forceinline__ float old_max(int i, int h, int) const { return m[i][h]; }
+    __device__ __forceinline__ Rescale take_max(const float (&m_new)[M_STRIPS][2], int) {
+        Rescale rescale;
+#pragma unroll
+        for (int i = 0; i < M_STRIPS; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                rescale.factor[i][h] = exp2_approx(m[i][h] - exp2_base(m_new[i][h]));
+                m[i][h] = m_new[i][h];
+            }
+        return rescale;
+    }
+    __device__ __forceinline__ void add_sums(const Rescale& rescale,
+                                             const float (&row_sum)[M_STRIPS][2], int) {
+#pragma unroll
+        for (int i = 0; i < M_STRIPS; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) l[i][h] = l[i][h] * rescale.factor[i][h] + row_sum[i][h];
+    }
+    __device__ __forceinline__ void get(int i, int h, int, float& m_row, float& l_row) const {
+        m_row = m[i][h];
+        l_row = group_sum<4>(l[i][h]);
+    }
+};
+
+template <int M_STRIPS>
+struct RowStats<RowState::ONE_LANE, M_STRIPS> {
+    static constexpr int ROWS = 2 * M_STRIPS;
+    float m, l;  // of row own_row(lane)
+
+    static __device__ __forceinline__ int own_row(int lane) { return (lane & 3) % ROWS; }
+    static __device__ __forceinline__ int holder(int i, int h, int lane) {
+        return (lane & ~3) | (2 * i + h);
+    }
+
+    struct Rescale {
+        float own;  // factor of the lane's own row; the others' are fetched from their holders
+        __device__ __forceinline__ float row(int i, int h, int lane) const {
+            return __shfl_sync(0xffffffffu, own, holder(i, h, lane));
+        }
+    };
+
+    __device__ __forceinline__ RowStats() : m(neg_inf<float>()), l(0.f) {}
+    __device__ __forceinline__ float old_max(int i, int h, int lane) const {
+        return own_row(lane) == 2 * i + h ? m : neg_inf<float>();
+    }
+    __device__ __forceinline__ Rescale take_max(const float (&m_new)[M_STRIPS][2], int lane) {
+        const int own = own_row(lane);
+        float own_m_new = m_new[0][0];
+#pragma unroll
+        for (int r = 1; r < ROWS; ++r)
+            if (own == r) own_m_new = m_new[r / 2][r % 2];
+        const Rescale rescale{exp2_approx(m - exp2_base(own_m_new))};
+        m = own_m_new;
+        return rescale;
+    }
+    __device__ __forceinline__ void add_sums(const Rescale& rescale,
+                                             const float (&row_sum)[M_STRIPS][2], int lane) {
+        float rows[ROWS];
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) rows[r] = row_sum[r / 2][r % 2];
+        l = l * rescale.own + quad_sum_scatter(rows, lane);
+    }
+    __device__ __forceinline__ void get(int i, int h, int lane, float& m_row, float& l_row) const {
+        m_row = __shfl_sync(0xffffffffu, m, holder(i, h, lane));
+        l_row = __shfl_sync(0xffffffffu, l, holder(i, h, lane));
+    }
+};
+
+// New running maxima of the rows of the warp's strips: max of the old ones and of S over the key
+// block, reduced over the quad that shares each row.
+template <int M_STRIPS, int N_FRAGS, typename Stats>
+__device__ __forceinline__ void row_max(float (&m_new)[M_STRIPS][2],
+                                        const float (&s)[M_STRIPS][N_FRAGS][4], const Stats& stats,
+                                        int lane) {
 #pragma unroll
     for (int i = 0; i < M_STRIPS; ++i)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const float base = m_new[i][h] == neg_inf<float>() ? 0.f : m_new[i][h];
+            float x = stats.old_max(i, h, lane);
+#pragma unroll
+            for (int f = 0; f < N_FRAGS; ++f) x = fmaxf(x, fmaxf(s[i][f][2 * h], s[i][f][2 * h + 1]));
+            m_new[i][h] = group_max<4>(x);
+        }
+}
+
+// Online-softmax update: S becomes P = exp2(S - m_new) in place, O is rescaled by
+// exp2(m - m_new), l becomes rescale l + rowsum P and m becomes m_new.
+template <int M_STRIPS, int N_FRAGS, int D_FRAGS, typename Stats>
+__device__ __forceinline__ void softmax_rescale(float (&s)[M_STRIPS][N_FRAGS][4],
+                                                float (&o)[M_STRIPS][D_FRAGS][4], Stats& stats,
+                                                const float (&m_new)[M_STRIPS][2], int lane) {
+    const typename Stats::Rescale rescale = stats.take_max(m_new, lane);
+    float row_sum[M_STRIPS][2];
+#pragma unroll
+    for (int i = 0; i < M_STRIPS; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float base = exp2_base(m_new[i][h]);
             float sum = 0.f;
 #pragma unroll
             for (int f = 0; f < N_FRAGS; ++f)
@@ -182,15 +290,15 @@ __device__ __forceinline__ void softmax_rescale(float (&s)[M_STRIPS][N_FRAGS][4]
                     s[i][f][2 * h + e] = p;
                     sum += p;
                 }
-            row_sum[2 * i + h] = sum;
-            const float rescale = __shfl_sync(0xffffffffu, my_rescale, (lane & ~3) | (2 * i + h));
+            row_sum[i][h] = sum;
+            const float row_rescale = rescale.row(i, h, lane);
 #pragma unroll
             for (int f = 0; f < D_FRAGS; ++f) {
-                o[i][f][2 * h] *= rescale;
-                o[i][f][2 * h + 1] *= rescale;
+                o[i][f][2 * h] *= row_rescale;
+                o[i][f][2 * h + 1] *= row_rescale;
             }
         }
-    l_row = l_row * my_rescale + quad_sum_scatter(row_sum, lane);
+    stats.add_sums(rescale, row_sum, lane);
 }
 
 // P rounded to 16 bits, packed as mma A fragments: the accumulator fragments of key columns
@@ -235,9 +343,8 @@ __device__ __forceinline__ void mma_pv(float (&o)[M_STRIPS][D_FRAGS][4],
 // 16-byte coalesced stores of the rows < seqlen_q and columns < headdim; lse by lane 0 of each
 // quad. Rows that saw no key (l = 0) get O = 0 and lse = -inf. Only the warp's own rows of the Q
 // tile are touched, which no other warp reads, so a warp barrier suffices.
-template <typename T, int D_TILE, int M_STRIPS, int D_FRAGS>
-__device__ __forceinline__ void store_o(float (&o)[M_STRIPS][D_FRAGS][4],
-                                        float m_row, float l_row,
+template <typename T, int D_TILE, int M_STRIPS, int D_FRAGS, typename Stats>
+__device__ __forceinline__ void store_o(float (&o)[M_STRIPS][D_FRAGS][4], const Stats& stats,
                                         u32 stage_tile, int strip_row0, int m0, int seqlen_q,
                                         int headdim, T* o_rows, i64 o_ss, float* lse_rows,
                                         int lane) {
@@ -245,10 +352,8 @@ __device__ __forceinline__ void store_o(float (&o)[M_STRIPS][D_FRAGS][4],
     for (int i = 0; i < M_STRIPS; ++i)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            // The maximum and sum of this row are held by lane 2i + h of the quad (softmax_rescale).
-            const int holder = (lane & ~3) | (2 * i + h);
-            const float m = __shfl_sync(0xffffffffu, m_row, holder);
-            const float l = __shfl_sync(0xffffffffu, l_row, holder);
+            float m, l;
+            stats.get(i, h, lane, m, l);
             const float inv_l = l > 0.f ? 1.f / l : 0.f;
             const int row = strip_row0 + 16 * i + 8 * h + (lane >> 2);
             if ((lane & 3) == 0 && m0 + row < seqlen_q) {
@@ -276,9 +381,9 @@ __device__ __forceinline__ void store_o(float (&o)[M_STRIPS][D_FRAGS][4],
 }
 
 // Where the K and V tiles of the block's (batch, kv head) come from: row 0 of the head and the
-// row strides. The key loop reads it from shared memory each time it issues copies: kept in
-// registers, these loop invariants would be spilled (d128 with 128 x 64 tiles needs all 255
-// registers for the accumulators and the ldmatrix pipeline).
+// row strides. Lean kernels (RowState::ONE_LANE) read it from shared memory each time they issue
+// copies: kept in registers, these loop invariants would be spilled (d128 with 128 x 64 tiles
+// needs all 255 registers for the accumulators and the ldmatrix pipeline).
 template <typename T>
 struct KvSource {
     const T* k;
@@ -301,26 +406,30 @@ struct KvSource {
     }
 };
 
-// Special registers read afresh where used (volatile: not hoisted out of the key loop), so that
-// what derives from them is recomputed there instead of occupying registers across the loop.
-__device__ __forceinline__ int fresh_nctaid_x() {
-    int r;
-    asm volatile("mov.u32 %0, %%nctaid.x;\n" : "=r"(r));
+// Special registers. FRESH: read afresh where used (volatile: not hoisted out of the key loop), so
+// that what derives from them is recomputed there instead of occupying registers across the loop;
+// otherwise ordinary reads, which the compiler keeps or rematerialises as it sees fit.
+template <bool FRESH>
+__device__ __forceinline__ int nctaid_x() {
+    int r = gridDim.x;
+    if constexpr (FRESH) asm volatile("mov.u32 %0, %%nctaid.x;\n" : "=r"(r));
     return r;
 }
-__device__ __forceinline__ int fresh_ctaid_x() {
-    int r;
-    asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(r));
+template <bool FRESH>
+__device__ __forceinline__ int ctaid_x() {
+    int r = blockIdx.x;
+    if constexpr (FRESH) asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(r));
     return r;
 }
-__device__ __forceinline__ int fresh_tid_x() {
-    int r;
-    asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(r));
+template <bool FRESH>
+__device__ __forceinline__ int tid_x() {
+    int r = threadIdx.x;
+    if constexpr (FRESH) asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(r));
     return r;
 }
 
 template <typename T, int D_TILE, bool CAUSAL, int BLOCK_M, int BLOCK_N, int WARPS, bool Q_IN_REGS,
-          int STAGES, int MIN_BLOCKS>
+          int STAGES, int MIN_BLOCKS, RowState ROW_STATE>
 __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
 flash_fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
               T* __restrict__ o, float* __restrict__ lse, int seqlen_q, int seqlen_k, int nheads,
@@ -334,6 +443,11 @@ flash_fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
     typedef FwdSmemLayout<D_TILE, BLOCK_M, BLOCK_N, STAGES> Smem;
     static_assert(M_STRIPS >= 1 && BLOCK_M == 16 * WARPS * M_STRIPS, "BLOCK_M: whole 16-row strips per warp");
     static_assert(BLOCK_N % 16 == 0 && D_TILE % 64 == 0 && STAGES >= 2, "tile shape");
+    // The one-lane row state is for tiles short of registers; they also re-read the loop
+    // invariants (KvSource, bounds from special registers) in every key block. Tiles that can
+    // afford m and l on every lane keep the invariants in registers too: at d64 (sm_90) that
+    // saves 9 of ~900 instructions per key block, 27 when causal, on top of the row state's 29.
+    constexpr bool REREAD_INVARIANTS = ROW_STATE == RowState::ONE_LANE;
 
     extern __shared__ __align__(128) unsigned char smem[];
     if (dynamic_smem_bytes() < Smem::BYTES) __trap();
@@ -341,7 +455,8 @@ flash_fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
     const u32 q_tile = smem_base;
 
     auto first_row = [&]() {  // of the block; heaviest causal blocks first
-        return (CAUSAL ? fresh_nctaid_x() - 1 - fresh_ctaid_x() : fresh_ctaid_x()) * BLOCK_M;
+        constexpr bool FRESH = REREAD_INVARIANTS;
+        return (CAUSAL ? nctaid_x<FRESH>() - 1 - ctaid_x<FRESH>() : ctaid_x<FRESH>()) * BLOCK_M;
     };
     // Keys [0, n_end) are visible to some row of the block; with bottom-right causal alignment
     // the last row m0 + BLOCK_M - 1 sees keys <= m0 + BLOCK_M - 1 + seqlen_k - seqlen_q.
@@ -364,7 +479,7 @@ flash_fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
 
     auto load_kv_tile = [&](const KvSource<T>& src, int block, int stage) {
         const int n0 = block * BLOCK_N;
-        const int thread = fresh_tid_x();
+        const int thread = tid_x<REREAD_INVARIANTS>();
         cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(Smem::k_tile(smem_base, stage),
                                                  src.k + n0 * src.k_stride, seqlen_k - n0, headdim,
                                                  src.k_stride, thread);
@@ -375,7 +490,11 @@ flash_fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
 
     // Published for the key loop; its first __syncthreads() orders the store before any read.
     const KvSource<T> kv_source{k_rows, v_rows, k_ss, v_ss};
-    if (threadIdx.x == 0) kv_source.store(Smem::kv_source(smem_base));
+    if (REREAD_INVARIANTS && threadIdx.x == 0) kv_source.store(Smem::kv_source(smem_base));
+    auto kv_source_in_loop = [&]() {
+        if constexpr (REREAD_INVARIANTS) return KvSource<T>::load(Smem::kv_source(smem_base));
+        else return kv_source;
+    };
 
     // Commit groups: Q, then one per key block (empty past the last), so that before block j
     // exactly STAGES - 2 younger groups may still be in flight.
@@ -403,8 +522,7 @@ flash_fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
     }
 
     float o_acc[M_STRIPS][D_FRAGS][4];
-    // Running max and sum of row (lane % 4) % (2 M_STRIPS) of the warp's strips (softmax_rescale).
-    float m_row = neg_inf<float>(), l_row = 0.f;
+    RowStats<ROW_STATE, M_STRIPS> row_stats;  // running max m and sum l of the lane's rows
 #pragma unroll
     for (int i = 0; i < M_STRIPS; ++i)
 #pragma unroll
@@ -421,7 +539,7 @@ flash_fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
         {
             const int ahead = j + STAGES - 1;
             if (ahead * BLOCK_N < n_end())
-                load_kv_tile(KvSource<T>::load(Smem::kv_source(smem_base)), ahead, ahead % STAGES);
+                load_kv_tile(kv_source_in_loop(), ahead, ahead % STAGES);
             cp_async_commit();
         }
 
@@ -432,8 +550,8 @@ flash_fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
         scale_and_mask<CAUSAL>(s, scale_log2, masked, first_row() + strip_row0, n0, seqlen_q, seqlen_k,
                                lane);
         float m_new[M_STRIPS][2];
-        row_max(m_new, s, m_row, lane);
-        softmax_rescale(s, o_acc, m_row, l_row, m_new, lane);
+        row_max(m_new, s, row_stats, lane);
+        softmax_rescale(s, o_acc, row_stats, m_new, lane);
         u32 p[M_STRIPS][N_FRAGS / 2][4];
         pack_p<T>(p, s);
         mma_pv<T, D_TILE>(o_acc, p, Smem::v_tile(smem_base, stage), a_addr);
@@ -443,7 +561,7 @@ flash_fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
     // thread) may still be in flight.
     cp_async_wait<0>();
     __syncthreads();
-    store_o<T, D_TILE>(o_acc, m_row, l_row, q_tile, strip_row0, m0, seqlen_q, headdim,
+    store_o<T, D_TILE>(o_acc, row_stats, q_tile, strip_row0, m0, seqlen_q, headdim,
                        o + row_offset(batch, m0, head, o_sb, o_ss, o_sh), o_ss,
                        lse + ((i64)batch * nheads + head) * seqlen_q + m0, lane);
 }

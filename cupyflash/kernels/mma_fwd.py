@@ -24,6 +24,9 @@ LOG2E = 1.4426950408889634
 
 _CTYPE = {"float16": "cf::half_t", "bfloat16": "cf::bf16_t"}
 _SHORT = {"float16": "fp16", "bfloat16": "bf16"}
+# FwdConfig.row_state -> the kernel's RowState: where the online softmax keeps a row's running max
+# and sum, on all 4 lanes of the row's quad or on one of them (see kernels_cu/flash_fwd_mma.cu).
+ROW_STATES = {"one_lane": "cf::RowState::ONE_LANE", "all_lanes": "cf::RowState::ALL_LANES"}
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,14 @@ class FwdConfig:
     q_in_regs: bool  # Q fragments loaded once into registers (else re-read from shared memory)
     stages: int = 2  # K/V shared-memory stages (prefetch distance stages - 1)
     min_blocks: int = 1  # __launch_bounds__ minimum resident blocks per SM (caps registers)
+    # "one_lane": m and l of a row on one lane of its quad, loop invariants re-read from shared
+    # memory (fewest registers); "all_lanes": on every lane, invariants in registers (fewest
+    # instructions per key block)
+    row_state: str = "one_lane"
+
+    def __post_init__(self):
+        if self.row_state not in ROW_STATES:
+            raise ValueError(f"cupyflash: row_state must be one of {sorted(ROW_STATES)}, not {self.row_state!r}")
 
     @property
     def threads(self) -> int:
@@ -45,8 +56,12 @@ class FwdConfig:
 # shared-memory reads of K and V per flop, as in FlashAttention-2, but cost registers; every
 # configuration the dispatcher can launch compiles without spills for sm_80 and sm_90 (see
 # tests/kernels/test_compile_check.py or ``python -m cupyflash compile-check``). D_TILE 128 with
-# BLOCK_N = 64 takes all 255 registers: the kernel keeps the running max and sum of a row in one
-# lane of its quad and re-reads loop invariants from shared memory to stay clear of spills.
+# BLOCK_N = 64 takes all 255 registers: there row_state="one_lane" keeps the running max and sum
+# of a row in one lane of its quad and re-reads loop invariants from shared memory to stay clear
+# of spills. D_TILE 64 has registers to spare (about 220 of 255 with "all_lanes") and half the mma
+# work per key block to hide what "one_lane" adds (7 shuffles, the re-reads): that cost it 7% on
+# an H200 (bf16, 16k: 307 -> 285 TFLOP/s), so it uses "all_lanes", and spends the spare registers
+# on Q fragments held for the whole block (tuner, bf16 d64 16k: 299.6 -> 324.5 TFLOP/s).
 #
 # Default configurations per GPU generation. CONFIGS fits every supported GPU (an A100 opts in to
 # 163 KiB of shared memory per block and has 164 KiB per SM). Where a block may opt in to
@@ -55,7 +70,7 @@ class FwdConfig:
 # would fit) and D_TILE 256 with BLOCK_N = 64 (192 KiB: Q 64 KiB, two stages of K and V 64 KiB
 # each). Both halve the barriers and rescales per key of the BLOCK_N = 32 tiles.
 CONFIGS = {
-    64: FwdConfig(block_m=128, block_n=64, warps=4, q_in_regs=False, min_blocks=2),
+    64: FwdConfig(block_m=128, block_n=64, warps=4, q_in_regs=True, min_blocks=2, row_state="all_lanes"),
     128: FwdConfig(block_m=128, block_n=32, warps=4, q_in_regs=False, min_blocks=2),
     256: FwdConfig(block_m=128, block_n=32, warps=8, q_in_regs=False),
 }
@@ -67,7 +82,9 @@ LARGE_SMEM_CONFIGS = {
 
 # The default tables so far, kept launchable (``forward(..., config=...)``) so that the tuner
 # (``python -m cupyflash.bench.tune``) times old and new side by side: {version: (note, {D_TILE:
-# config on an sm_90 device})}. The last one is CONFIGS with LARGE_SMEM_CONFIGS applied.
+# config on an sm_90 device})}. The last one is CONFIGS with LARGE_SMEM_CONFIGS applied. The
+# kernel had no row_state before v4: v1 and v2 were measured with what is now "all_lanes", v3 with
+# "one_lane"; their entries here launch "one_lane" (the field's default).
 VERSIONS = {
     "v1": ("128x32 tiles for d128 (no spills); 128x32, 8 warps for d256",
            {64: FwdConfig(128, 64, 4, False, min_blocks=2), 128: FwdConfig(128, 32, 4, False, min_blocks=2),
@@ -78,13 +95,21 @@ VERSIONS = {
     "v3": ("v2, plus spill-free 128x64 tiles for d128 where 193 KiB fit (sm_90)",
            {64: FwdConfig(128, 64, 4, False, min_blocks=2), 128: FwdConfig(128, 64, 4, False, min_blocks=2),
             256: FwdConfig(128, 64, 8, False)}),
+    "v4": ("v3, but all-lanes row state for d64",
+           {64: FwdConfig(128, 64, 4, False, min_blocks=2, row_state="all_lanes"),
+            128: FwdConfig(128, 64, 4, False, min_blocks=2), 256: FwdConfig(128, 64, 8, False)}),
+    "v5": ("v4, but Q in registers for d64",
+           {64: FwdConfig(128, 64, 4, True, min_blocks=2, row_state="all_lanes"),
+            128: FwdConfig(128, 64, 4, False, min_blocks=2), 256: FwdConfig(128, 64, 8, False)}),
 }
 
 # Alternatives worth timing on the GPU (``forward(..., config=...)``), not launched by default:
-# FlashAttention-2's 128 x 128 tiles for d64 still spill a few registers here (12 to 52 bytes),
-# the 8-warp variants give each warp one 16-row strip.
+# FlashAttention-2's 128 x 128 tiles for d64 still spill a few registers here (12 to 52 bytes with
+# "one_lane", 160 to 200 with "all_lanes"), the 8-warp variants give each warp one 16-row strip.
 CANDIDATES = {
-    64: (FwdConfig(128, 64, 8, False, min_blocks=2), FwdConfig(128, 128, 4, False)),
+    64: (FwdConfig(128, 64, 8, False, min_blocks=2), FwdConfig(128, 128, 4, False),
+         FwdConfig(128, 64, 8, False, min_blocks=2, row_state="all_lanes"),
+         FwdConfig(128, 128, 4, False, row_state="all_lanes")),
     128: (FwdConfig(128, 64, 8, False), FwdConfig(128, 32, 4, False, stages=3, min_blocks=2)),
     256: (),
 }
@@ -135,9 +160,11 @@ def _spec_for(dtype, dt: int, causal: bool, config: FwdConfig) -> Specialization
     name_dtype = dtype_name(dtype)
     c = config
     name = (f"flash_fwd_mma_{_SHORT[name_dtype]}_hdim{dt}_{'causal' if causal else 'full'}"
-            f"_bm{c.block_m}_bn{c.block_n}_w{c.warps}_{'qreg' if c.q_in_regs else 'qsmem'}_s{c.stages}_mb{c.min_blocks}")
+            f"_bm{c.block_m}_bn{c.block_n}_w{c.warps}_{'qreg' if c.q_in_regs else 'qsmem'}_s{c.stages}_mb{c.min_blocks}"
+            f"_{c.row_state}")
     expression = (f"cf::flash_fwd_mma<{_CTYPE[name_dtype]}, {dt}, {'true' if causal else 'false'}, "
-                  f"{c.block_m}, {c.block_n}, {c.warps}, {'true' if c.q_in_regs else 'false'}, {c.stages}, {c.min_blocks}>")
+                  f"{c.block_m}, {c.block_n}, {c.warps}, {'true' if c.q_in_regs else 'false'}, {c.stages}, {c.min_blocks}, "
+                  f"{ROW_STATES[c.row_state]}>")
     return Specialization(name, "flash_fwd_mma.cu", expression, c.threads, smem_bytes(dt, c))
 
 
