@@ -1,6 +1,8 @@
 """The CUDA kernels against the float64 reference: forward, lse and all three gradients, every
 dtype and kernel family, hypothesis-drawn shapes. Outputs start as NaN (poisoned), so an element a
 kernel never writes fails. Runs only where a CUDA device is usable (marker ``gpu``)."""
+import contextlib
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -87,6 +89,37 @@ def test_mma_backward_matches_reference(case):
 @given(case=attention_case(dtypes=SIXTEEN_BIT))
 def test_mma_backward_with_atomic_dq_matches_reference(case):
     _check_backward(case, "mma", deterministic=False)
+
+
+@contextlib.contextmanager
+def _backward_version(version):
+    """Runs the mma backward's ``version`` through the public API (mma_bwd.DEFAULT_VERSION is read
+    at call time)."""
+    from cupyflash.kernels import mma_bwd
+
+    saved = mma_bwd.DEFAULT_VERSION
+    mma_bwd.DEFAULT_VERSION = version
+    try:
+        yield
+    finally:
+        mma_bwd.DEFAULT_VERSION = saved
+
+
+def _other_backward_versions():
+    from cupyflash.kernels import mma_bwd
+
+    return [v for v in mma_bwd.VERSIONS if v != mma_bwd.DEFAULT_VERSION]
+
+
+# The default version gets the full example count above; the others stay launchable (the tuner
+# times them side by side) and keep a smaller property check, both dQ modes.
+@pytest.mark.parametrize("version", _other_backward_versions())
+@pytest.mark.parametrize("deterministic", [True, False], ids=["ordered_dq", "atomic_dq"])
+@settings(max_examples=30)
+@given(case=attention_case(dtypes=SIXTEEN_BIT))
+def test_mma_backward_versions_match_reference(version, deterministic, case):
+    with _backward_version(version):
+        _check_backward(case, "mma", deterministic=deterministic)
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)

@@ -269,8 +269,70 @@ def _row_holder(r):
     return (LANES & ~3) | r
 
 
+def _exp2_base(m_new):
+    return np.where(m_new == -np.inf, 0.0, m_new)
+
+
+class _RowStatsAllLanes:
+    """RowStats<RowState::ALL_LANES>: every lane holds m and its partial l of each row (i, h)."""
+
+    def __init__(self, strips):
+        self.m = np.full((32, strips, 2), -np.inf)
+        self.l = np.zeros((32, strips, 2))
+
+    def old_max(self, i, h):
+        return self.m[:, i, h]
+
+    def take_max(self, m_new):
+        rescale = np.exp2(self.m - _exp2_base(m_new))
+        self.m = m_new.copy()
+        return rescale
+
+    @staticmethod
+    def rescale_row(rescale, i, h):
+        return rescale[:, i, h]
+
+    def add_sums(self, rescale, row_sum):
+        self.l = self.l * rescale + row_sum
+
+    def get(self, i, h):
+        return self.m[:, i, h], quad_reduce(self.l[:, i, h], np.add)
+
+
+class _RowStatsOneLane:
+    """RowStats<RowState::ONE_LANE>: lane t of a quad holds m and the full l of row t % (2 strips)."""
+
+    def __init__(self, strips):
+        self.own = THREAD_IN_GROUP % (2 * strips)
+        self.m = np.full(32, -np.inf)
+        self.l = np.zeros(32)
+
+    def old_max(self, i, h):
+        return np.where(self.own == 2 * i + h, self.m, -np.inf)
+
+    def take_max(self, m_new):
+        own_m_new = m_new[LANES, self.own // 2, self.own % 2]
+        rescale = np.exp2(self.m - _exp2_base(own_m_new))
+        self.m = own_m_new
+        return rescale
+
+    @staticmethod
+    def rescale_row(rescale, i, h):
+        return rescale[_row_holder(2 * i + h)]
+
+    def add_sums(self, rescale, row_sum):
+        self.l = self.l * rescale + _quad_sum_scatter(row_sum.reshape(32, -1))  # row r = 2 i + h
+
+    def get(self, i, h):
+        holder = _row_holder(2 * i + h)
+        return self.m[holder], self.l[holder]
+
+
+ROW_STATS = {"all_lanes": _RowStatsAllLanes, "one_lane": _RowStatsOneLane}
+
+
 def _fwd_block(q, k, v, o, lse, *, batch, head, m_block, group, scale_log2, causal,
-               d_tile, block_m, block_n, warps, stages, q_in_regs):
+               d_tile, block_m, block_n, warps, stages, q_in_regs, row_state):
     """One thread block of flash_fwd_mma, in float64 (no 16-bit rounding)."""
     seqlen_q, seqlen_k, headdim = q.shape[1], k.shape[1], q.shape[3]
     nthreads, strips = 32 * warps, block_m // (16 * warps)
@@ -306,11 +368,8 @@ def _fwd_block(q, k, v, o, lse, *, batch, head, m_block, group, scale_log2, caus
             q_frag = [[ldmatrix_x4(smem, a_addr(q_strips, i, kk)) for kk in range(d_tile // 16)]
                       for i in range(strips)]
         state.append(dict(strip_row0=strip_row0, q_strips=q_strips, q_frag=q_frag,
-                          o=np.zeros((32, strips, d_frags, 4)),
-                          m_row=np.full(32, -np.inf), l_row=np.zeros(32)))
+                          o=np.zeros((32, strips, d_frags, 4)), stats=ROW_STATS[row_state](strips)))
 
-    rows = 2 * strips  # rows per lane; lane t of a quad holds m and l of row t % rows
-    my_row = THREAD_IN_GROUP % rows
     for j in range((n_end + block_n - 1) // block_n):  # j * block_n < n_end
         stage = j % stages
         ahead = j + stages - 1
@@ -340,27 +399,23 @@ def _fwd_block(q, k, v, o, lse, *, batch, head, m_block, group, scale_log2, caus
                             for e in range(2):
                                 key = n0 + 8 * f + 2 * THREAD_IN_GROUP + e
                                 s[:, i, f, 2 * h + e] = np.where(key >= key_end, -np.inf, s[:, i, f, 2 * h + e])
-            # row_max: the old maximum of row r enters through the lane holding it
+            # row_max
+            stats = w["stats"]
             m_new = np.empty((32, strips, 2))
             for i in range(strips):
                 for h in range(2):
-                    x = np.where(my_row == 2 * i + h, w["m_row"], -np.inf)
-                    x = np.maximum(x, s[:, i, :, 2 * h: 2 * h + 2].max(axis=(1, 2)))
+                    x = np.maximum(stats.old_max(i, h), s[:, i, :, 2 * h: 2 * h + 2].max(axis=(1, 2)))
                     m_new[:, i, h] = quad_reduce(x, np.maximum)
             # softmax_rescale
-            my_m_new = m_new[LANES, my_row // 2, my_row % 2]
-            my_rescale = np.exp2(w["m_row"] - np.where(my_m_new == -np.inf, 0.0, my_m_new))
-            w["m_row"] = my_m_new
-            row_sum = np.empty((32, rows))
+            rescale = stats.take_max(m_new)
+            row_sum = np.empty((32, strips, 2))
             for i in range(strips):
                 for h in range(2):
-                    base = np.where(m_new[:, i, h] == -np.inf, 0.0, m_new[:, i, h])
-                    p = np.exp2(s[:, i, :, 2 * h: 2 * h + 2] - base[:, None, None])
+                    p = np.exp2(s[:, i, :, 2 * h: 2 * h + 2] - _exp2_base(m_new[:, i, h])[:, None, None])
                     s[:, i, :, 2 * h: 2 * h + 2] = p
-                    row_sum[:, 2 * i + h] = p.sum(axis=(1, 2))
-                    rescale = my_rescale[_row_holder(2 * i + h)]
-                    w["o"][:, i, :, 2 * h: 2 * h + 2] *= rescale[:, None, None]
-            w["l_row"] = w["l_row"] * my_rescale + _quad_sum_scatter(row_sum)
+                    row_sum[:, i, h] = p.sum(axis=(1, 2))
+                    w["o"][:, i, :, 2 * h: 2 * h + 2] *= stats.rescale_row(rescale, i, h)[:, None, None]
+            stats.add_sums(rescale, row_sum)
             # pack_p, mma_pv
             p = _pack_p(s)
             for kk in range(n_frags // 2):
@@ -375,8 +430,7 @@ def _fwd_block(q, k, v, o, lse, *, batch, head, m_block, group, scale_log2, caus
         strip_row0 = w["strip_row0"]
         for i in range(strips):
             for h in range(2):
-                m_row = w["m_row"][_row_holder(2 * i + h)]
-                l_row = w["l_row"][_row_holder(2 * i + h)]
+                m_row, l_row = w["stats"].get(i, h)
                 inv_l = np.where(l_row > 0, 1.0 / np.where(l_row > 0, l_row, 1.0), 0.0)
                 row = strip_row0 + 16 * i + 8 * h + GROUP
                 writes = (THREAD_IN_GROUP == 0) & (m0 + row < seqlen_q)
@@ -397,7 +451,8 @@ def _fwd_block(q, k, v, o, lse, *, batch, head, m_block, group, scale_log2, caus
                     o[batch, m0 + row, head, chunk * 8: chunk * 8 + 8] = smem[src: src + 8]
 
 
-def _fwd_emulated(q, k, v, *, causal, scale, d_tile, block_m, block_n, warps, stages=2, q_in_regs=False):
+def _fwd_emulated(q, k, v, *, causal, scale, d_tile, block_m, block_n, warps, stages=2, q_in_regs=False,
+                  row_state="one_lane"):
     batch, seqlen_q, nheads, headdim = q.shape
     o = np.full(q.shape, np.nan)
     lse = np.full((batch, nheads, seqlen_q), np.nan)
@@ -406,7 +461,8 @@ def _fwd_emulated(q, k, v, *, causal, scale, d_tile, block_m, block_n, warps, st
             for m_block in range(math.ceil(seqlen_q / block_m)):
                 _fwd_block(q, k, v, o, lse, batch=b, head=h, m_block=m_block, group=nheads // k.shape[2],
                            scale_log2=scale * math.log2(math.e), causal=causal, d_tile=d_tile,
-                           block_m=block_m, block_n=block_n, warps=warps, stages=stages, q_in_regs=q_in_regs)
+                           block_m=block_m, block_n=block_n, warps=warps, stages=stages, q_in_regs=q_in_regs,
+                           row_state=row_state)
     return o, lse
 
 
@@ -430,32 +486,40 @@ def _attention_reference(q, k, v, *, causal, scale):
 
 
 # The default configurations of cupyflash.kernels.mma_fwd plus the register-resident Q and
-# 3-stage variants; small head dims inside each D_TILE exercise the zero-filled columns.
+# 3-stage variants, in both row-state layouts; small head dims inside each D_TILE exercise the
+# zero-filled columns.
 _FWD_CASES = [
-    # (d_tile, block_m, block_n, warps, stages, q_in_regs, headdim, batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal)
-    (64, 128, 64, 4, 2, False, 40, 1, 150, 97, 2, 1, False),
-    (64, 128, 64, 4, 2, False, 64, 1, 70, 200, 1, 1, True),
-    (64, 128, 64, 4, 2, False, 64, 2, 200, 137, 1, 1, True),  # row 127 sees exactly key 64
-    (64, 128, 64, 8, 2, True, 56, 1, 130, 130, 1, 1, True),
-    (128, 128, 32, 4, 2, False, 96, 1, 140, 75, 2, 2, False),
-    (128, 128, 32, 4, 3, False, 128, 1, 200, 60, 1, 1, True),  # seqlen_q > seqlen_k: empty rows
-    (128, 128, 64, 4, 2, False, 120, 1, 150, 190, 2, 1, True),  # sm_90 default
-    (128, 128, 64, 4, 2, False, 128, 1, 130, 70, 1, 1, True),  # empty rows, 2 strips per warp
-    (256, 128, 32, 8, 2, False, 136, 1, 40, 70, 1, 1, True),
+    # (d_tile, block_m, block_n, warps, stages, q_in_regs, row_state,
+    #  headdim, batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal)
+    (64, 128, 64, 4, 2, False, "all_lanes", 40, 1, 150, 97, 2, 1, False),  # default
+    (64, 128, 64, 4, 2, False, "all_lanes", 64, 1, 70, 200, 1, 1, True),
+    (64, 128, 64, 4, 2, False, "all_lanes", 64, 2, 200, 137, 1, 1, True),  # row 127 sees exactly key 64
+    (64, 128, 64, 4, 2, False, "one_lane", 64, 2, 200, 137, 1, 1, True),
+    (64, 128, 64, 4, 2, True, "all_lanes", 48, 1, 130, 190, 2, 1, True),
+    (64, 128, 64, 8, 2, True, "one_lane", 56, 1, 130, 130, 1, 1, True),
+    (64, 128, 64, 8, 2, False, "all_lanes", 64, 1, 100, 130, 1, 1, True),  # one strip per warp
+    (128, 128, 32, 4, 2, False, "one_lane", 96, 1, 140, 75, 2, 2, False),
+    (128, 128, 32, 4, 3, False, "one_lane", 128, 1, 200, 60, 1, 1, True),  # seqlen_q > seqlen_k: empty rows
+    (128, 128, 64, 4, 2, False, "one_lane", 120, 1, 150, 190, 2, 1, True),  # sm_90 default
+    (128, 128, 64, 4, 2, False, "one_lane", 128, 1, 130, 70, 1, 1, True),  # empty rows, 2 strips per warp
+    (128, 128, 64, 4, 2, False, "all_lanes", 128, 1, 130, 70, 1, 1, True),
+    (256, 128, 32, 8, 2, False, "one_lane", 136, 1, 40, 70, 1, 1, True),
 ]
 
 
-@pytest.mark.parametrize("case", _FWD_CASES, ids=lambda c: "d{0}_bm{1}_bn{2}_w{3}_s{4}_{5}_hd{6}".format(
-    *c[:5], "qreg" if c[5] else "qsmem", c[6]) + ("_causal" if c[-1] else ""))
+@pytest.mark.parametrize("case", _FWD_CASES, ids=lambda c: "d{0}_bm{1}_bn{2}_w{3}_s{4}_{5}_{6}_hd{7}".format(
+    *c[:5], "qreg" if c[5] else "qsmem", c[6], c[7]) + ("_causal" if c[-1] else ""))
 def test_fwd_block_emulation_matches_reference(case):
-    d_tile, block_m, block_n, warps, stages, q_in_regs, headdim, batch, sq, sk, nheads, nheads_kv, causal = case
-    rng = np.random.default_rng(sum(case[:8]))
+    (d_tile, block_m, block_n, warps, stages, q_in_regs, row_state,
+     headdim, batch, sq, sk, nheads, nheads_kv, causal) = case
+    rng = np.random.default_rng(sum(case[:6]) + sum(case[7:9]))
     q = rng.standard_normal((batch, sq, nheads, headdim))
     k = rng.standard_normal((batch, sk, nheads_kv, headdim))
     v = rng.standard_normal((batch, sk, nheads_kv, headdim))
     scale = 1 / math.sqrt(headdim)
     o, lse = _fwd_emulated(q, k, v, causal=causal, scale=scale, d_tile=d_tile, block_m=block_m,
-                           block_n=block_n, warps=warps, stages=stages, q_in_regs=q_in_regs)
+                           block_n=block_n, warps=warps, stages=stages, q_in_regs=q_in_regs,
+                           row_state=row_state)
     o_ref, lse_ref = _attention_reference(q, k, v, causal=causal, scale=scale)
     assert not np.isnan(o).any() and not np.isnan(lse).any(), "some output element was never written"
     np.testing.assert_allclose(o, o_ref, rtol=1e-10, atol=1e-10)
@@ -475,31 +539,27 @@ def test_fwd_quad_sum_scatter_gives_each_row_to_its_holder(rows):
         np.testing.assert_allclose(got[_row_holder(r)], quad_sums[GROUP, r], rtol=1e-12)
 
 
+@pytest.mark.parametrize("row_state", sorted(ROW_STATS))
 @pytest.mark.parametrize("strips", [1, 2])
-def test_fwd_distributed_running_max_and_sum(strips):
-    """The online softmax with m and l of each row held by one lane of its quad (softmax_rescale)
-    gives the per-row max and sum of exp2 over all key blocks, fully masked blocks included."""
+def test_fwd_distributed_running_max_and_sum(strips, row_state):
+    """The online softmax with m and l of each row kept in either RowStats layout (row_max,
+    softmax_rescale, store_o's get) gives the per-row max and sum of exp2 over all key blocks,
+    fully masked blocks included, on every lane of the row's quad."""
     rng = np.random.default_rng(strips)
-    rows, n_frags, n_blocks = 2 * strips, 4, 5
+    n_frags, n_blocks = 4, 5
     blocks = rng.standard_normal((n_blocks, 32, strips, n_frags, 4)) * 4
     blocks[0, :, 0, :, 0:2] = -np.inf  # strip 0, half 0: nothing visible in block 0
     blocks[:, :, strips - 1, :, 2:4] = -np.inf  # last strip, half 1: never anything visible
-    my_row = THREAD_IN_GROUP % rows
-    m_row, l_row = np.full(32, -np.inf), np.zeros(32)
+    stats = ROW_STATS[row_state](strips)
     for s in blocks:
         m_new = np.empty((32, strips, 2))
         for i in range(strips):
             for h in range(2):
-                x = np.maximum(np.where(my_row == 2 * i + h, m_row, -np.inf), s[:, i, :, 2 * h: 2 * h + 2].max(axis=(1, 2)))
+                x = np.maximum(stats.old_max(i, h), s[:, i, :, 2 * h: 2 * h + 2].max(axis=(1, 2)))
                 m_new[:, i, h] = quad_reduce(x, np.maximum)
-        my_m_new = m_new[LANES, my_row // 2, my_row % 2]
-        my_rescale = np.exp2(m_row - np.where(my_m_new == -np.inf, 0.0, my_m_new))
-        row_sum = np.empty((32, rows))
-        for i in range(strips):
-            for h in range(2):
-                base = np.where(m_new[:, i, h] == -np.inf, 0.0, m_new[:, i, h])
-                row_sum[:, 2 * i + h] = np.exp2(s[:, i, :, 2 * h: 2 * h + 2] - base[:, None, None]).sum(axis=(1, 2))
-        m_row, l_row = my_m_new, l_row * my_rescale + _quad_sum_scatter(row_sum)
+        rescale = stats.take_max(m_new)
+        row_sum = np.exp2(s - _exp2_base(m_new)[:, :, None, :].repeat(2, axis=3)).sum(axis=2)  # [lane, i, 4]
+        stats.add_sums(rescale, row_sum[:, :, 0::2] + row_sum[:, :, 1::2])
     for i in range(strips):
         for h in range(2):
             row = blocks[:, :, i, :, 2 * h: 2 * h + 2].transpose(1, 0, 2, 3).reshape(8, 4, -1)  # [quad, lane, keys]
@@ -507,9 +567,9 @@ def test_fwd_distributed_running_max_and_sum(strips):
             m_ref = row.max(axis=1)
             with np.errstate(invalid="ignore"):
                 l_ref = np.where(np.isfinite(m_ref), np.exp2(row - np.where(np.isfinite(m_ref), m_ref, 0)[:, None]).sum(axis=1), 0.0)
-            holder = _row_holder(2 * i + h)
-            np.testing.assert_array_equal(m_row[holder], m_ref[GROUP])
-            np.testing.assert_allclose(l_row[holder], l_ref[GROUP], rtol=1e-12)
+            m_row, l_row = stats.get(i, h)
+            np.testing.assert_array_equal(m_row, m_ref[GROUP])
+            np.testing.assert_allclose(l_row, l_ref[GROUP], rtol=1e-12)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1095,56 +1155,80 @@ def test_bwd_nan_in_a_value_row_stays_out_of_queries_that_do_not_see_it(dq_confi
     np.testing.assert_allclose(dv, dv_ref, rtol=1e-9, atol=1e-9)
 
 
+class _FakeArray:
+    """Stands in for a CuPy array in launch-argument tests: shape, dtype, C-order strides."""
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self.itemsize = self.dtype.itemsize
+        self.strides = tuple(int(np.prod(self.shape[i + 1:])) * self.itemsize for i in range(len(shape)))
+
+    def fill(self, value):
+        raise AssertionError("no zero-length input here")
+
+
+_LAUNCH_SHAPE = dict(b=2, sq=100, sk=70, h=4, hkv=2)
+
+
+def _record_backward_launches(monkeypatch, version, d, deterministic, fused=None):
+    """backward() (causal, fp16, _LAUNCH_SHAPE) on stand-in arrays: the (spec, grid, args) of
+    every launch, in order."""
+    cupy = pytest.importorskip("cupy")
+    from cupyflash.kernels import mma_bwd, simt
+
+    launches = []
+    monkeypatch.setattr(mma_bwd, "launch", lambda spec, grid, args: launches.append((spec, grid, args)))
+    monkeypatch.setattr(simt, "backward_preprocess",
+                        lambda do, o: _FakeArray((do.shape[0], do.shape[2], do.shape[1]), np.float32))
+    monkeypatch.setattr(cupy, "ascontiguousarray", lambda a, dtype=None: a, raising=False)
+    monkeypatch.setattr(cupy, "zeros", lambda shape, dtype=None: _FakeArray(shape, dtype), raising=False)
+
+    b, sq, sk, h, hkv = (_LAUNCH_SHAPE[x] for x in ("b", "sq", "sk", "h", "hkv"))
+    q, o, do = (_FakeArray((b, sq, h, d), np.float16) for _ in range(3))
+    k, v = _FakeArray((b, sk, hkv, d), np.float16), _FakeArray((b, sk, hkv, d), np.float16)
+    dq, dk, dv = _FakeArray(q.shape, np.float16), _FakeArray(k.shape, np.float16), _FakeArray(k.shape, np.float16)
+    lse = _FakeArray((b, h, sq), np.float32)
+    mma_bwd.backward(do, q, k, v, o, lse, dq, dk, dv, softmax_scale=0.1, causal=True, deterministic=deterministic,
+                     version=version, fused=fused)
+    return launches
+
+
+def _assert_arguments_match_signature(spec, grid, args):
+    """The argument list matches the C++ parameter list of the spec's kernel in count and in type
+    (pointer, int32, int64, float32); the grid is launchable."""
+    import re
+
+    from cupyflash.kernels import _module
+
+    source = _module.kernel_source(spec.source_file)
+    kinds = {"int": np.int32, "i64": np.int64, "float": np.float32}
+    kernel = re.match(r"cf::(\w+)<", spec.expression).group(1)
+    params = re.search(r"\b" + kernel + r"\(([^)]*)\)\s*\{", source).group(1)
+    types = [p.strip().rsplit(" ", 1)[0].replace("__restrict__", "").replace("const", "").strip()
+             for p in params.split(",")]
+    assert len(types) == len(args), kernel
+    for t, a in zip(types, args):
+        if t.endswith("*"):
+            assert isinstance(a, _FakeArray), (kernel, t, a)
+        else:
+            assert type(a) is kinds[t], (kernel, t, type(a))
+    assert all(0 < g < 65536 for g in grid)
+
+
 @pytest.mark.parametrize("version,d", [("v1", 96), ("v2", 96), ("v2", 64), ("v3", 96), ("v3", 200)])
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_bwd_launch_arguments_match_kernel_signatures(deterministic, version, d, monkeypatch):
     """backward() on stand-in arrays, launch() recorded: every argument list must match the C++
     parameter list of its kernel in count and in type (pointer, int32, int64, float32)."""
-    import re
+    from cupyflash.kernels import mma_bwd
 
-    cupy = pytest.importorskip("cupy")
-    from cupyflash.kernels import _module, mma_bwd, simt
-
-    class Fake:
-        def __init__(self, shape, dtype):
-            self.shape, self.dtype = tuple(shape), np.dtype(dtype)
-            self.itemsize = self.dtype.itemsize
-            self.strides = tuple(int(np.prod(self.shape[i + 1:])) * self.itemsize for i in range(len(shape)))
-
-        def fill(self, value):
-            raise AssertionError("no zero-length input here")
-
-    launches = []
-    monkeypatch.setattr(mma_bwd, "launch", lambda spec, grid, args: launches.append((spec, grid, args)))
-    monkeypatch.setattr(simt, "backward_preprocess", lambda do, o: Fake((do.shape[0], do.shape[2], do.shape[1]), np.float32))
-    monkeypatch.setattr(cupy, "ascontiguousarray", lambda a, dtype=None: a, raising=False)
-    monkeypatch.setattr(cupy, "zeros", lambda shape, dtype=None: Fake(shape, dtype), raising=False)
-
-    b, sq, sk, h, hkv = 2, 100, 70, 4, 2
-    q, o, do = (Fake((b, sq, h, d), np.float16) for _ in range(3))
-    k, v = Fake((b, sk, hkv, d), np.float16), Fake((b, sk, hkv, d), np.float16)
-    dq, dk, dv = Fake(q.shape, np.float16), Fake(k.shape, np.float16), Fake(k.shape, np.float16)
-    lse = Fake((b, h, sq), np.float32)
-    mma_bwd.backward(do, q, k, v, o, lse, dq, dk, dv, softmax_scale=0.1, causal=True, deterministic=deterministic,
-                     version=version)
+    launches = _record_backward_launches(monkeypatch, version, d, deterministic)
     assert len(launches) == 2
     assert launches[0][0] == mma_bwd.dkdv_spec(np.float16, d, True, not deterministic, version)
+    sk = _LAUNCH_SHAPE["sk"]
     assert launches[0][1][0] == math.ceil(sk / mma_bwd.dkdv_tiles(d, version, not deterministic)[1][2])
-
-    source = _module.kernel_source("flash_bwd_mma.cu")
-    kinds = {"int": np.int32, "i64": np.int64, "float": np.float32}
     for spec, grid, args in launches:
-        kernel = re.match(r"cf::(\w+)<", spec.expression).group(1)
-        params = re.search(kernel + r"\(([^)]*)\)\s*\{", source).group(1)
-        types = [p.strip().rsplit(" ", 1)[0].replace("__restrict__", "").replace("const", "").strip()
-                 for p in params.split(",")]
-        assert len(types) == len(args), kernel
-        for t, a in zip(types, args):
-            if t.endswith("*"):
-                assert isinstance(a, Fake), (kernel, t, a)
-            else:
-                assert type(a) is kinds[t], (kernel, t, type(a))
-        assert all(0 < g < 65536 for g in grid)
+        _assert_arguments_match_signature(spec, grid, args)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1673,3 +1757,634 @@ def test_fwd_default_configs_fit_their_gpus():
             assert {mma_fwd._spec_for(np.float16, dt, c, config).name for c in (False, True)} <= names
     last_version = list(mma_fwd.VERSIONS.values())[-1][1]
     assert last_version == {dt: mma_fwd.default_config(dt, 227 * 1024) for dt in mma_fwd.D_TILES}
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward v4: flash_bwd_fused_mma (flash_bwd_fused_mma.cu). One CTA per key block computes S^T,
+# P^T, dP^T and dS^T once per query block, keeps dK and dV in registers, stages P^T and dS^T in
+# shared memory and adds dQ into dq_accum, in a fixed key-block order with DQ_ORDERED.
+# ---------------------------------------------------------------------------------------------
+
+def bwd_mma_AB_groups(acc, smem, n, k, dim_a, dim_b, tile_a, a_row0, tile_b, b_col0):
+    """mma_AB_groups: acc[g] += A_g B, A_g = rows a_row0 + 16 g, columns 0..k of a [.][dim_a] tile
+    (pattern X, non-transposed), B = rows 0..k, columns b_col0..+n of a [k][dim_b] tile (pattern X,
+    .trans)."""
+    groups = acc.shape[0]
+    a_lane = bwd_tile_offset(dim_a, a_row0 + LDM_ROW_X, LDM_CHUNK_X)
+    b_lane = bwd_tile_offset(dim_b, LDM_ROW_X, b_col0 // 8 + LDM_CHUNK_X)
+    for kk in range(k // 16):
+        a = [ldmatrix_x4(smem, tile_a + bwd_tile_step(dim_a, a_lane, 16 * g, 2 * kk)) for g in range(groups)]
+        for nn in range(n // 16):
+            b = ldmatrix_x4(smem, tile_b + bwd_tile_step(dim_b, b_lane, 16 * kk, 2 * nn), trans=True)
+            for g in range(groups):
+                mma_16816(acc[g, :, 2 * nn], a[g], b[:, 0], b[:, 1])
+                mma_16816(acc[g, :, 2 * nn + 1], a[g], b[:, 2], b[:, 3])
+
+
+def bwd_mma_AtB_groups(acc, smem, n, k, dim_a, dim_b, tile_a, a_col0, tile_b, b_col0):
+    """mma_AtB_groups: acc[g] += A_g^T B, A_g^T = columns a_col0 + 16 g of a [k][dim_a] tile
+    (pattern Y, .trans), B = rows 0..k, columns b_col0..+n of a [k][dim_b] tile (pattern X, .trans)."""
+    groups = acc.shape[0]
+    a_lane = bwd_tile_offset(dim_a, LDM_ROW_Y, a_col0 // 8 + LDM_CHUNK_Y)
+    b_lane = bwd_tile_offset(dim_b, LDM_ROW_X, b_col0 // 8 + LDM_CHUNK_X)
+    for kk in range(k // 16):
+        a = [ldmatrix_x4(smem, tile_a + bwd_tile_step(dim_a, a_lane, 16 * kk, 2 * g), trans=True)
+             for g in range(groups)]
+        for nn in range(n // 16):
+            b = ldmatrix_x4(smem, tile_b + bwd_tile_step(dim_b, b_lane, 16 * kk, 2 * nn), trans=True)
+            for g in range(groups):
+                mma_16816(acc[g, :, 2 * nn], a[g], b[:, 0], b[:, 1])
+                mma_16816(acc[g, :, 2 * nn + 1], a[g], b[:, 2], b[:, 3])
+
+
+def _store_swizzled(smem, tile, cols, values):
+    """values (rows x cols) into a swizzled [rows][cols] tile at byte address `tile`."""
+    for r in range(values.shape[0]):
+        for c in range(cols // 8):
+            o = (tile + bwd_tile_offset(cols, r, c)) // 2
+            smem[o: o + 8] = values[r, 8 * c: 8 * c + 8]
+
+
+def _c_fragments_as_matrix(acc):
+    """acc[lane, N/8, 4] (16-row C fragments) -> the 16 x N block."""
+    out = np.full((16, 8 * acc.shape[1]), np.nan)
+    for j in range(acc.shape[1]):
+        cols = 8 * j + 2 * THREAD_IN_GROUP
+        out[GROUP, cols], out[GROUP, cols + 1] = acc[:, j, 0], acc[:, j, 1]
+        out[GROUP + 8, cols], out[GROUP + 8, cols + 1] = acc[:, j, 2], acc[:, j, 3]
+    return out
+
+
+# (dim_a, dim_b, G, N, row origin of A (AB), column origin of A^T (AtB), column origin of B): the
+# fused kernel's operand shapes (P^T, dS^T 64 or 128 wide; Q, dO, K 64, 128, 256 wide) and warp
+# origins (key_row0, dq_row0: multiples of KN, QM; d_col0, dq_col0: multiples of DW, DQW).
+@pytest.mark.parametrize("dim_a, dim_b, groups, n, a_row0, a_col0, b_col0", [
+    (64, 64, 2, 32, 32, 32, 32), (64, 128, 2, 64, 96, 0, 64), (128, 64, 2, 16, 64, 96, 48),
+    (64, 256, 2, 64, 0, 32, 192), (64, 256, 1, 128, 112, 48, 128), (128, 128, 2, 32, 32, 64, 96)])
+def test_bwd_fused_warp_products_match_numpy(dim_a, dim_b, groups, n, a_row0, a_col0, b_col0):
+    """mma_AB_groups and mma_AtB_groups against A @ B on random tiles (one warp)."""
+    rng = np.random.default_rng(dim_a + dim_b + n)
+    rows = 128  # rows of the A tile of mma_AB_groups (key rows); the reduction length K of both
+    t, b = rng.standard_normal((rows, dim_a)), rng.standard_normal((rows, dim_b))
+    smem = np.full((rows * dim_a + rows * dim_b), np.nan)
+    tile_t, tile_b = 0, rows * dim_a * 2
+    _store_swizzled(smem, tile_t, dim_a, t)
+    _store_swizzled(smem, tile_b, dim_b, b)
+
+    # mma_AB_groups: rows a_row0 + 16 g of t (K = dim_a columns) times rows 0..dim_a of b
+    acc = np.zeros((groups, 32, n // 8, 4))
+    bwd_mma_AB_groups(acc, smem, n, dim_a, dim_a, dim_b, tile_t, a_row0, tile_b, b_col0)
+    for g in range(groups):
+        rows_g = slice(a_row0 + 16 * g, a_row0 + 16 * g + 16)
+        np.testing.assert_allclose(_c_fragments_as_matrix(acc[g]), t[rows_g] @ b[:dim_a, b_col0:b_col0 + n],
+                                   atol=1e-12)
+
+    # mma_AtB_groups: columns a_col0 + 16 g of t (transposed) times b, reduced over all rows
+    acc = np.zeros((groups, 32, n // 8, 4))
+    bwd_mma_AtB_groups(acc, smem, n, rows, dim_a, dim_b, tile_t, a_col0, tile_b, b_col0)
+    for g in range(groups):
+        cols_g = slice(a_col0 + 16 * g, a_col0 + 16 * g + 16)
+        np.testing.assert_allclose(_c_fragments_as_matrix(acc[g]), t[:, cols_g].T @ b[:, b_col0:b_col0 + n],
+                                   atol=1e-12)
+
+
+def bwd_fused_layout(d_tile, block_m, block_n):
+    """FusedSmem<D_TILE, BLOCK_M, BLOCK_N> of flash_bwd_fused_mma.cu, field by field."""
+    kv_tile, q_tile, p_tile = block_n * d_tile * 2, block_m * d_tile * 2, block_n * block_m * 2
+    lay = dict(KV_TILE=kv_tile, Q_TILE=q_tile, P_TILE=p_tile, K=0)
+    lay["V"] = lay["K"] + kv_tile
+    lay["Q"] = lay["V"] + kv_tile
+    lay["DO"] = lay["Q"] + 2 * q_tile
+    lay["PT"] = lay["DO"] + 2 * q_tile
+    lay["DST"] = lay["PT"] + p_tile
+    lay["LSE"] = lay["DST"] + p_tile
+    lay["DELTA"] = lay["LSE"] + 2 * block_m * 4
+    lay["BYTES"] = lay["DELTA"] + 2 * block_m * 4
+    return lay
+
+
+def bwd_fused_tiles(d_tile, config):
+    """The constexpr warp-tile sizes of flash_bwd_fused_mma for one configuration (C++ integer
+    division, as in the kernel)."""
+    block_m, block_n, warps_n, warps_d, dq_warps_m, s_unroll = config[:6]  # [6]: release timing only
+    t = dict(BLOCK_M=block_m, BLOCK_N=block_n, WARPS_N=warps_n, WARPS_D=warps_d, DQ_WARPS_M=dq_warps_m,
+             S_UNROLL=s_unroll, NWARPS=warps_n * warps_d, KN=block_n // warps_n, SQ=block_m // warps_d,
+             DW=d_tile // warps_d, QM=block_m // dq_warps_m)
+    t["NTHREADS"] = 32 * t["NWARPS"]
+    t["KG"], t["QG"] = t["KN"] // 16, t["QM"] // 16
+    t["DQ_WARPS_D"] = t["NWARPS"] // dq_warps_m
+    t["DQW"] = d_tile // t["DQ_WARPS_D"]
+    t["DQ_PASS"] = min(t["DQW"], 32)
+    return t
+
+
+def bwd_fused_warp_origins(t, warp):
+    """Per warp, as the kernel derives them: key_row0, q_col0, d_col0, dq_row0, dq_col0."""
+    return dict(key_row0=t["KN"] * (warp // t["WARPS_D"]), q_col0=t["SQ"] * (warp % t["WARPS_D"]),
+                d_col0=t["DW"] * (warp % t["WARPS_D"]), dq_row0=t["QM"] * (warp % t["DQ_WARPS_M"]),
+                dq_col0=t["DQW"] * (warp // t["DQ_WARPS_M"]))
+
+
+def _fused_loop_bounds(seqlen_q, seqlen_k, block_m, block_n, causal, n_block):
+    """The kernel's (m_block_first, q_blocks, m_blocks) for key block n_block."""
+    diag = seqlen_k - seqlen_q
+    m_block_first = max(0, n_block * block_n - diag) // block_m if causal else 0
+    q_blocks = (seqlen_q + block_m - 1) // block_m
+    return m_block_first, q_blocks, max(0, q_blocks - m_block_first)
+
+
+def _fused_iterations(seqlen_q, seqlen_k, block_m, block_n, causal, n_block, head_kv, group, ordered):
+    """(head, m_block) of each iteration of key block n_block's CTA: m_block_of(it); with
+    DQ_ORDERED each head's query blocks from the last to the first."""
+    first, q_blocks, m_blocks = _fused_loop_bounds(seqlen_q, seqlen_k, block_m, block_n, causal, n_block)
+    return [(head_kv * group + it // m_blocks, q_blocks - 1 - it % m_blocks if ordered else first + it % m_blocks)
+            for it in range(group * m_blocks)]
+
+
+def _fused_cta(q, k, v, do, lse, delta, dk, dv, dq_accum, semaphore, *, n_block, head_kv, batch, scale, causal,
+               d_tile, config, ordered):
+    """One CTA (blockIdx = (n_block, head_kv, batch)) of flash_bwd_fused_mma, phase by phase: step 1
+    of all warps, (ordered) the releases and the prefetch, steps 2-5 of all warps, the barrier,
+    steps 6-9 of all warps. ``semaphore`` is the dq_semaphore array (ordered only); CTAs run one
+    after another in blockIdx order, so every wait must find its turn already reached (the
+    kernel would spin forever otherwise)."""
+    seqlen_q, headdim = q.shape[1], q.shape[3]
+    seqlen_k, group = k.shape[1], q.shape[2] // k.shape[2]
+    t = bwd_fused_tiles(d_tile, config)
+    block_m, block_n, nwarps, nthreads = t["BLOCK_M"], t["BLOCK_N"], t["NWARPS"], t["NTHREADS"]
+    KG, SQ, DW, QG, DQW, DQ_PASS = t["KG"], t["SQ"], t["DW"], t["QG"], t["DQW"], t["DQ_PASS"]
+    lay = bwd_fused_layout(d_tile, block_m, block_n)
+    smem = np.full(lay["BYTES"] // 2, np.nan)  # 16-bit tiles, by byte address // 2
+    smem32 = np.full(lay["BYTES"] // 4, np.nan)  # lse and D, by byte address // 4
+    scale_log2 = scale * math.log2(math.e)
+    n0 = n_block * block_n
+    diag = seqlen_k - seqlen_q
+    iterations = _fused_iterations(seqlen_q, seqlen_k, block_m, block_n, causal, n_block, head_kv, group, ordered)
+    n_iters = len(iterations)
+
+    def load_query_block(it, stage):
+        head, m_block = iterations[it]
+        m0 = m_block * block_m
+        for tile, src in ((lay["Q"], q), (lay["DO"], do)):
+            cp_async_tile(smem, tile + stage * lay["Q_TILE"], block_m, d_tile, nthreads, src[batch, :, head],
+                          m0, seqlen_q - m0, headdim)
+        for i in range(2 * block_m):  # cp_async_4, zero-filled past seqlen_q
+            r, is_lse = i % block_m, i < block_m
+            dst = (lay["LSE"] if is_lse else lay["DELTA"]) + (stage * block_m + r) * 4
+            smem32[dst // 4] = (lse if is_lse else delta)[batch, head, m0 + r] if m0 + r < seqlen_q else 0.0
+
+    cp_async_tile(smem, lay["K"], block_n, d_tile, nthreads, k[batch, :, head_kv], n0, seqlen_k - n0, headdim)
+    cp_async_tile(smem, lay["V"], block_n, d_tile, nthreads, v[batch, :, head_kv], n0, seqlen_k - n0, headdim)
+    if n_iters > 0:
+        load_query_block(0, 0)
+
+    warps = [bwd_fused_warp_origins(t, w) for w in range(nwarps)]
+    dk_acc = np.zeros((nwarps, KG, 32, DW // 8, 4))
+    dv_acc = np.zeros((nwarps, KG, 32, DW // 8, 4))
+    pending_release = None  # ordered: (batch, head, m_block) added last, not yet released
+
+    for it in range(n_iters):
+        stage = it & 1
+        if not ordered and it + 1 < n_iters:
+            load_query_block(it + 1, stage ^ 1)
+        head, m_block = iterations[it]
+        m0 = m_block * block_m
+        s_q, s_do = lay["Q"] + stage * lay["Q_TILE"], lay["DO"] + stage * lay["Q_TILE"]
+        s_lse, s_delta = (lay["LSE"] + stage * block_m * 4) // 4, (lay["DELTA"] + stage * block_m * 4) // 4
+        partial = _partial(m0, block_m, n0, block_n, seqlen_q, seqlen_k, causal)
+
+        # Step 1
+        s_acc = np.zeros((nwarps, KG, 32, SQ // 8, 4))
+        for w, o in enumerate(warps):
+            bwd_mma_ABt_groups(s_acc[w], smem, SQ, d_tile, d_tile, d_tile, lay["K"], o["key_row0"],
+                               s_q + o["q_col0"] * d_tile * 2, 0)
+        if ordered:  # release_dq_block by every warp, then the prefetch
+            if pending_release is not None:
+                semaphore[pending_release] += nwarps
+            pending_release = None
+            if it + 1 < n_iters:
+                load_query_block(it + 1, stage ^ 1)
+        for w, o in enumerate(warps):  # steps 2-5, up to the barrier
+            key_row0, q_col0 = o["key_row0"], o["q_col0"]
+            key0, query0 = n0 + key_row0 + GROUP, m0 + q_col0 + 2 * THREAD_IN_GROUP
+            keys_left, queries_left = seqlen_k - key0, seqlen_q - query0
+            causal_slack = query0 + diag - key0
+            for j in range(SQ // 8):
+                c = q_col0 + 8 * j + 2 * THREAD_IN_GROUP
+                base_log2 = [_lse_base_log2(smem32[s_lse + c]), _lse_base_log2(smem32[s_lse + c + 1])]
+                for g in range(KG):
+                    for e in range(4):
+                        p = np.exp2(s_acc[w, g, :, j, e] * scale_log2 - base_log2[e & 1])
+                        key_off, query_off = 16 * g + 8 * (e >> 1), 8 * j + (e & 1)
+                        hidden = (key_off >= keys_left) | (query_off >= queries_left)
+                        if causal:
+                            hidden |= key_off - query_off > causal_slack
+                        s_acc[w, g, :, j, e] = np.where(partial & hidden, 0.0, p)
+            for g in range(KG):
+                bwd_stage_acc(smem, lay["PT"], block_m, key_row0 + 16 * g, q_col0, s_acc[w, g], 1.0)
+            dp_acc = np.zeros((KG, 32, SQ // 8, 4))
+            bwd_mma_ABt_groups(dp_acc, smem, SQ, d_tile, d_tile, d_tile, lay["V"], key_row0,
+                               s_do + q_col0 * d_tile * 2, 0)
+            for j in range(SQ // 8):
+                c = q_col0 + 8 * j + 2 * THREAD_IN_GROUP
+                d2 = [smem32[s_delta + c], smem32[s_delta + c + 1]]
+                for g in range(KG):
+                    for e in range(4):
+                        p = s_acc[w, g, :, j, e]
+                        with np.errstate(invalid="ignore"):  # NaN data (test of the selection)
+                            ds = p * (dp_acc[g, :, j, e] - d2[e & 1])
+                        dp_acc[g, :, j, e] = np.where(p == 0.0, 0.0, ds)
+            for g in range(KG):
+                bwd_stage_acc(smem, lay["DST"], block_m, key_row0 + 16 * g, q_col0, dp_acc[g], 1.0)
+
+        sem = (batch, head, m_block)
+        for w, o in enumerate(warps):  # steps 6-9, after the barrier
+            key_row0, d_col0 = o["key_row0"], o["d_col0"]
+            bwd_mma_AB_groups(dv_acc[w], smem, DW, block_m, block_m, d_tile, lay["PT"], key_row0, s_do, d_col0)
+            bwd_mma_AB_groups(dk_acc[w], smem, DW, block_m, block_m, d_tile, lay["DST"], key_row0, s_q, d_col0)
+            if ordered:
+                # Sequential CTAs: key blocks 0..n_block-1 have finished (the count is exact), and
+                # this CTA's warps release the block only at the next step 1.
+                assert semaphore[sem] == n_block * nwarps, ("would wait forever", sem, n_block, semaphore[sem])
+            dq_row0, dq_col0 = o["dq_row0"], o["dq_col0"]
+            for pass_col0 in range(dq_col0, dq_col0 + DQW, DQ_PASS):
+                dq_acc = np.zeros((QG, 32, DQ_PASS // 8, 4))
+                bwd_mma_AtB_groups(dq_acc, smem, DQ_PASS, block_n, block_m, d_tile, lay["DST"], dq_row0, lay["K"],
+                                   pass_col0)
+                for g in range(QG):
+                    m_lo = m0 + dq_row0 + 16 * g + GROUP
+                    for j in range(DQ_PASS // 8):
+                        col = pass_col0 + 8 * j + 2 * THREAD_IN_GROUP
+                        for half, m in ((0, m_lo), (1, m_lo + 8)):
+                            adds = (col < headdim) & (m < seqlen_q)  # red_add_f32x2: two columns per lane
+                            for e in range(2):
+                                dq_accum[batch, m[adds], head, col[adds] + e] += dq_acc[g, adds, j, 2 * half + e]
+        if ordered:
+            pending_release = sem
+    if pending_release is not None:
+        semaphore[pending_release] += nwarps
+
+    # Epilogue: dK (times scale) and dV staged through the K and V tiles, then 16-byte stores.
+    for w, o in enumerate(warps):
+        for g in range(KG):
+            bwd_stage_acc(smem, lay["K"], d_tile, o["key_row0"] + 16 * g, o["d_col0"], dk_acc[w, g], scale)
+            bwd_stage_acc(smem, lay["V"], d_tile, o["key_row0"] + 16 * g, o["d_col0"], dv_acc[w, g], 1.0)
+    bwd_store_tile(dk[batch, n0:, head_kv], smem, lay["K"], block_n, d_tile, nthreads, seqlen_k - n0, headdim)
+    bwd_store_tile(dv[batch, n0:, head_kv], smem, lay["V"], block_n, d_tile, nthreads, seqlen_k - n0, headdim)
+
+
+def _fused_emulated(q, k, v, do, causal, scale, config, ordered=True):
+    """dq, dk, dv from the emulated flash_bwd_fused_mma (CTAs in blockIdx order, x fastest) and
+    flash_bwd_dq_convert; config is a FUSED_CONFIG entry, the head-dim tile follows from headdim."""
+    from cupyflash.kernels.mma_bwd import d_tile as d_tile_of
+    from cupyflash.reference import attention  # sums over visible keys only: NaN-safe
+
+    batch, seqlen_q, nheads, headdim = q.shape
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    d_tile, block_m, block_n = d_tile_of(headdim), config[0], config[1]
+    o, lse = attention(q, k, v, softmax_scale=scale, causal=causal)
+    with np.errstate(invalid="ignore"):
+        delta = np.einsum("bqhd,bqhd->bhq", do, o)
+    dq, dk, dv = np.full(q.shape, np.nan), np.full(k.shape, np.nan), np.full(v.shape, np.nan)
+    dq_accum = np.zeros((batch, seqlen_q, nheads, d_tile))
+    q_blocks = math.ceil(seqlen_q / block_m)
+    semaphore = np.zeros((batch, nheads, q_blocks), dtype=np.int64)
+    n_blocks = math.ceil(seqlen_k / block_n)
+    for b in range(batch):
+        for hk in range(nheads_kv):
+            for n_block in range(n_blocks):
+                _fused_cta(q, k, v, do, lse, delta, dk, dv, dq_accum, semaphore, n_block=n_block, head_kv=hk,
+                           batch=b, scale=scale, causal=causal, d_tile=d_tile, config=config, ordered=ordered)
+    if ordered:  # every warp of every key block that visits a query block released it once
+        nwarps = config[2] * config[3]
+        for m_block in range(q_blocks):
+            visitors = sum(m_block >= _fused_loop_bounds(seqlen_q, seqlen_k, block_m, block_n, causal, j)[0]
+                           for j in range(n_blocks))
+            assert np.all(semaphore[:, :, m_block] == visitors * nwarps)
+    assert np.all(dq_accum[..., headdim:] == 0)
+    for idx in range(batch * seqlen_q * nheads * (headdim // 8)):  # flash_bwd_dq_convert
+        chunk, row_id = idx % (headdim // 8), idx // (headdim // 8)
+        h, m, b = row_id % nheads, (row_id // nheads) % seqlen_q, row_id // (nheads * seqlen_q)
+        dq[b, m, h, chunk * 8: chunk * 8 + 8] = dq_accum[b, m, h, chunk * 8: chunk * 8 + 8] * scale
+    return dq, dk, dv
+
+
+def _fused_configs():
+    from cupyflash.kernels import mma_bwd
+
+    return [(dt, c) for dt, c in mma_bwd.FUSED_CONFIG.items()] + [
+        (dt, c) for dt, configs in mma_bwd.FUSED_CANDIDATES.items() for c in configs]
+
+
+# The FUSED_CONFIG entries and some FUSED_CANDIDATES on a few blocks each: uneven lengths, head
+# dims below the tile (zero-filled columns), GQA, causal with seqlen_q above and below seqlen_k.
+_BWD_FUSED_CASES = [
+    # config, ordered, headdim, batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal
+    ((64, 128, 4, 2, 2, 4), True, 40, 1, 70, 150, 2, 1, False),
+    ((64, 128, 4, 2, 2, 4), True, 64, 1, 150, 70, 1, 1, True),  # empty query rows, one key block
+    ((64, 128, 4, 2, 2, 4), False, 56, 2, 133, 198, 1, 1, True),  # key 128: first seen by query 63 (block 0)
+    ((64, 128, 4, 2, 2, 4), True, 64, 1, 1, 150, 2, 1, True),  # one query: one block, two key blocks
+    ((64, 128, 4, 2, 2, 4), True, 64, 1, 200, 200, 1, 1, True),  # the diagonal meets block boundaries
+    ((64, 128, 4, 2, 2, 1), True, 24, 1, 100, 257, 3, 1, True),  # three key blocks for the last query block
+    ((128, 128, 4, 2, 4, 1), True, 48, 1, 150, 200, 1, 1, True),
+    ((64, 128, 4, 2, 2, 1), True, 96, 1, 100, 130, 1, 1, True),
+    ((64, 128, 4, 2, 2, 1), False, 128, 1, 90, 90, 2, 2, False),
+    ((64, 64, 2, 4, 2, 1), True, 200, 1, 70, 90, 2, 1, True),
+    ((64, 64, 2, 4, 2, 1), False, 256, 1, 45, 33, 1, 1, False),
+    ((64, 64, 4, 2, 2, 1), True, 136, 1, 100, 40, 1, 1, True),  # query blocks no key block visits
+]
+
+
+def _fused_case_id(c):
+    return "bm{}_bn{}_wn{}_wd{}_dqm{}_u{}".format(*c[0]) + ("_ordered" if c[1] else "_unordered") + \
+        "_hd{}_b{}_sq{}_sk{}_h{}_{}".format(*c[2:8]) + ("_causal" if c[8] else "")
+
+
+@pytest.mark.parametrize("case", _BWD_FUSED_CASES, ids=_fused_case_id)
+def test_bwd_fused_emulation_matches_reference(case):
+    from cupyflash.reference import attention_backward
+
+    config, ordered, headdim, batch, sq, sk, nheads, nheads_kv, causal = case
+    rng = np.random.default_rng(sum(case[2:8]))
+    q = rng.standard_normal((batch, sq, nheads, headdim))
+    k = rng.standard_normal((batch, sk, nheads_kv, headdim))
+    v = rng.standard_normal((batch, sk, nheads_kv, headdim))
+    do = rng.standard_normal((batch, sq, nheads, headdim))
+    scale = 1 / math.sqrt(headdim)
+    dq, dk, dv = _fused_emulated(q, k, v, do, causal, scale, config, ordered)
+    dq_ref, dk_ref, dv_ref = attention_backward(do, q, k, v, softmax_scale=scale, causal=causal)
+    for name, got, want in (("dq", dq, dq_ref), ("dk", dk, dk_ref), ("dv", dv, dv_ref)):
+        assert not np.isnan(got).any(), f"{name}: some element was never written"
+        np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9, err_msg=name)
+    if causal and sq > sk:
+        assert np.all(dq[:, : sq - sk] == 0)  # queries that see no key
+
+
+def test_bwd_fused_nan_in_a_value_row_stays_out_of_queries_that_do_not_see_it(monkeypatch):
+    # dS^T is set to 0 by selection where P^T is 0, so the NaN of dP^T = V dO^T in a hidden key's
+    # row cannot reach dQ of the queries that do not see that key.
+    from cupyflash.reference import attention_backward
+
+    def a_matrix_with_nan_data(a):
+        m = np.empty((16, 16))
+        g, t = GROUP, THREAD_IN_GROUP
+        for half in range(2):
+            m[g, 2 * t + half], m[g + 8, 2 * t + half] = a[:, 0, half], a[:, 1, half]
+            m[g, 2 * t + 8 + half], m[g + 8, 2 * t + 8 + half] = a[:, 2, half], a[:, 3, half]
+        return m
+
+    def b_matrix_with_nan_data(b0, b1):
+        m = np.empty((16, 8))
+        for half in range(2):
+            m[2 * THREAD_IN_GROUP + half, GROUP], m[2 * THREAD_IN_GROUP + 8 + half, GROUP] = b0[:, half], b1[:, half]
+        return m
+
+    monkeypatch.setitem(globals(), "a_matrix", a_matrix_with_nan_data)
+    monkeypatch.setitem(globals(), "b_matrix", b_matrix_with_nan_data)
+
+    rng = np.random.default_rng(8)
+    q, do = rng.standard_normal((1, 90, 1, 64)), rng.standard_normal((1, 90, 1, 64))
+    k, v = rng.standard_normal((1, 90, 1, 64)), rng.standard_normal((1, 90, 1, 64))
+    v[0, 40, 0, 3] = np.nan
+    with np.errstate(invalid="ignore"):
+        dq, dk, dv = _fused_emulated(q, k, v, do, True, 0.125, (64, 128, 4, 2, 2, 4))
+        dq_ref, dk_ref, dv_ref = attention_backward(do, q, k, v, softmax_scale=0.125, causal=True)
+    assert np.isfinite(dq[0, :40]).all() and np.isnan(dq[0, 40:]).all()
+    np.testing.assert_allclose(dq, dq_ref, rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(dk, dk_ref, rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(dv, dv_ref, rtol=1e-9, atol=1e-9)
+
+
+def _conforms_to_tile_step(cols, lane_row, lane_chunk, row0, chunk0, steps):
+    """Whether tile_step from the lane offset of (row0, chunk0) gives tile_offset of every
+    (row0 + rows, chunk0 + chunks) in `steps`, for all lanes."""
+    lane_off = bwd_tile_offset(cols, row0 + lane_row, chunk0 + lane_chunk)
+    return all(np.array_equal(bwd_tile_step(cols, lane_off, rows, chunks),
+                              bwd_tile_offset(cols, row0 + rows + lane_row, chunk0 + chunks + lane_chunk))
+               for rows, chunks in steps)
+
+
+def test_bwd_fused_configs_satisfy_the_kernel_static_asserts_and_fit():
+    """Every FUSED_CONFIG and FUSED_CANDIDATES entry: the static_asserts of flash_bwd_fused_mma and
+    of the tile copies, warp tiles that cover each block exactly once, fragment addresses that
+    tile_step may step (origins and steps as in the kernel), FusedSmem == fused_smem_bytes."""
+    from cupyflash.kernels import mma_bwd
+
+    for dt, config in _fused_configs():
+        t = bwd_fused_tiles(dt, config)
+        bm, bn, nwarps, nthreads = t["BLOCK_M"], t["BLOCK_N"], t["NWARPS"], t["NTHREADS"]
+        what = (dt, config)
+        # static_asserts of the kernel
+        assert all(t[x] % 16 == 0 and t[x] > 0 for x in ("KN", "SQ", "DW", "QM", "DQW")), what
+        assert nwarps % t["DQ_WARPS_M"] == 0 and bm % 64 == 0, what
+        lay = bwd_fused_layout(dt, bm, bn)
+        assert lay["BYTES"] <= 227 * 1024, what
+        # cp_async_tile (Q, dO: BLOCK_M rows; K, V: BLOCK_N rows) and store_tile (dK, dV)
+        chunks = dt // 8
+        assert nthreads % chunks == 0 and bm % (nthreads // chunks) == 0 and bn % (nthreads // chunks) == 0, what
+        assert (bn * chunks) % nthreads == 0, what
+        assert 1 <= t["S_UNROLL"] <= dt // 16, what
+        assert t["DQW"] % t["DQ_PASS"] == 0, what  # the dQ passes end at the warp's last column
+        # the warp tiles of S^T / dP^T, dK / dV and dQ partition their blocks
+        cover_s, cover_kv, cover_q = np.zeros((bn, bm), int), np.zeros((bn, dt), int), np.zeros((bm, dt), int)
+        for w in range(nwarps):
+            o = bwd_fused_warp_origins(t, w)
+            cover_s[o["key_row0"]: o["key_row0"] + t["KN"], o["q_col0"]: o["q_col0"] + t["SQ"]] += 1
+            cover_kv[o["key_row0"]: o["key_row0"] + t["KN"], o["d_col0"]: o["d_col0"] + t["DW"]] += 1
+            cover_q[o["dq_row0"]: o["dq_row0"] + t["QM"], o["dq_col0"]: o["dq_col0"] + t["DQW"]] += 1
+        assert np.all(cover_s == 1) and np.all(cover_kv == 1) and np.all(cover_q == 1), what
+        # fragment addresses: one lane offset per product, then tile_step (XOR + add) per fragment
+        for w in range(nwarps):
+            o = bwd_fused_warp_origins(t, w)
+            assert o["q_col0"] % 8 == 0  # s_q + q_col0 rows keeps the swizzle phase (row % 8)
+            s_steps = [(16 * g, 2 * kk) for g in range(t["KG"]) for kk in range(dt // 16)]
+            assert _conforms_to_tile_step(dt, LDM_ROW_X, LDM_CHUNK_X, o["key_row0"], 0, s_steps), (what, w, "K, V")
+            q_steps = [(16 * nn, 2 * kk) for nn in range(t["SQ"] // 16) for kk in range(dt // 16)]
+            assert _conforms_to_tile_step(dt, LDM_ROW_Y, LDM_CHUNK_Y, 0, 0, q_steps), (what, w, "Q, dO")
+            pt_steps = [(16 * g, 2 * kk) for g in range(t["KG"]) for kk in range(bm // 16)]
+            assert _conforms_to_tile_step(bm, LDM_ROW_X, LDM_CHUNK_X, o["key_row0"], 0, pt_steps), (what, w, "P^T")
+            do_steps = [(16 * kk, 2 * nn) for kk in range(bm // 16) for nn in range(t["DW"] // 16)]
+            assert _conforms_to_tile_step(dt, LDM_ROW_X, LDM_CHUNK_X, 0, o["d_col0"] // 8, do_steps), (what, w, "dO")
+            ds_steps = [(16 * kk, 2 * g) for kk in range(bn // 16) for g in range(t["QG"])]
+            assert _conforms_to_tile_step(bm, LDM_ROW_Y, LDM_CHUNK_Y, 0, o["dq_row0"] // 8, ds_steps), (what, w, "dS^T")
+            k_steps = [(16 * kk, 2 * nn) for kk in range(bn // 16) for nn in range(t["DQ_PASS"] // 16)]
+            for pass_col0 in range(o["dq_col0"], o["dq_col0"] + t["DQW"], t["DQ_PASS"]):
+                assert _conforms_to_tile_step(dt, LDM_ROW_X, LDM_CHUNK_X, 0, pass_col0 // 8, k_steps), (what, w, "K")
+        # the layout and its Python mirror; regions 128-byte aligned (lse, D read as float2)
+        assert lay["BYTES"] == mma_bwd.fused_smem_bytes(dt, bm, bn), what
+        assert all(lay[r] % 128 == 0 for r in ("K", "V", "Q", "DO", "PT", "DST", "LSE", "DELTA")), what
+        spec = mma_bwd.fused_spec(np.float16, dt, True, True, config)
+        assert spec.smem_bytes == lay["BYTES"] and spec.threads == nthreads, what
+    # fused_config: the table's entry where it fits the device's shared memory per block
+    for dt in mma_bwd.D_TILES:
+        config = mma_bwd.FUSED_CONFIG.get(dt)
+        assert mma_bwd.fused_config(dt, 227 * 1024) == mma_bwd.fused_config(dt, None) == config
+        fits_sm80 = config is not None and mma_bwd.fused_smem_bytes(dt, *config[:2]) <= 163 * 1024
+        assert mma_bwd.fused_config(dt, 163 * 1024) == (config if fits_sm80 else None)
+
+
+def test_bwd_fused_every_table_geometry_is_emulated():
+    """Each warp geometry (head-dim tile, BLOCK_M, BLOCK_N, WARPS_N, WARPS_D, DQ_WARPS_M) of
+    FUSED_CONFIG and FUSED_CANDIDATES runs in test_bwd_fused_emulation_matches_reference
+    (S_UNROLL changes no index)."""
+    from cupyflash.kernels.mma_bwd import d_tile
+
+    emulated = {(d_tile(case[2]), case[0][:5]) for case in _BWD_FUSED_CASES}
+    for dt, config in _fused_configs():
+        assert (dt, config[:5]) in emulated, (dt, config)
+
+
+def _simulate_dq_order(seqlen_q, seqlen_k, block_m, block_n, causal, *, resident, rng, descending=False,
+                       group=2, nheads_kv=2, nwarps=8):
+    """The DQ_ORDERED protocol of flash_bwd_fused_mma on a model of the GPU: CTAs dispatched in
+    blockIdx order (x fastest), at most `resident` at a time, each walking its (query head, query
+    block) iterations in the kernel's order. An iteration releases the previous query block (NWARPS
+    increments: one per warp, at step 1), waits until the block's counter reaches turn * NWARPS
+    (step 8; turn = n_block, or last visitor - n_block with `descending`, the counter-example),
+    then adds; the last block is released after the loop. Resident CTAs advance in random
+    interleavings. Returns {(head, query block): key blocks in the order they added}, or None when
+    no resident CTA can advance (deadlock)."""
+    n_blocks = (seqlen_k + block_n - 1) // block_n
+    visitors = {}
+    for j in range(n_blocks):
+        for m_block in _fused_iterations(seqlen_q, seqlen_k, block_m, block_n, causal, j, 0, 1, True):
+            visitors[m_block[1]] = visitors.get(m_block[1], 0) + 1
+    counters, order = {}, {}
+
+    def advance(cta):
+        if cta["pending"] is not None:
+            counters[cta["pending"]] = counters.get(cta["pending"], 0) + nwarps
+            cta["pending"] = None
+            return True
+        if cta["it"] == len(cta["iters"]):
+            cta["done"] = True
+            return True
+        head, m_block = cta["iters"][cta["it"]]
+        turn = visitors[m_block] - 1 - cta["n_block"] if descending else cta["n_block"]
+        if counters.get((head, m_block), 0) < turn * nwarps:
+            return False
+        order.setdefault((head, m_block), []).append(cta["n_block"])
+        cta["pending"], cta["it"] = (head, m_block), cta["it"] + 1
+        return True
+
+    waiting = [(x, hk) for hk in range(nheads_kv) for x in range(n_blocks)]  # linear blockIdx order
+    running = []
+    while waiting or running:
+        while waiting and len(running) < resident:
+            x, hk = waiting.pop(0)
+            running.append(dict(n_block=x, it=0, pending=None, done=False, iters=_fused_iterations(
+                seqlen_q, seqlen_k, block_m, block_n, causal, x, hk, group, True)))
+        progressed = False
+        for i in rng.permutation(len(running)):
+            while rng.random() < 0.7 and not running[i]["done"] and advance(running[i]):
+                progressed = True
+        if not progressed and not any(advance(cta) for cta in running if not cta["done"]):
+            return None
+        running = [cta for cta in running if not cta["done"]]
+    return order
+
+
+def test_bwd_fused_dq_order_is_complete_and_cannot_deadlock():
+    """DQ_ORDERED: the key blocks that visit a query block (the kernel's loop bounds) are exactly
+    0..last, so waiting for n_block * NWARPS releases waits for all earlier visitors and their turns
+    are a permutation of 0..count-1; and the schedule of waits and releases completes with 1 or 3
+    resident CTAs, the adds to every query block landing in ascending key-block order. Counter
+    check: with the turns descending (key block last first) one resident CTA deadlocks whenever
+    two key blocks share a query block."""
+    rng = np.random.default_rng(2024)
+    cases = [(1, 1, 64, 64, True), (1, 150, 64, 128, True), (150, 1, 64, 128, True), (150, 70, 64, 128, True),
+             (70, 150, 64, 128, True), (128, 128, 128, 64, True), (200, 137, 64, 64, False), (1, 300, 128, 64, False),
+             # the diagonal on block boundaries (seqlen_k - seqlen_q a multiple of 64)
+             (200, 200, 64, 64, True), (300, 300, 128, 64, True), (256, 320, 64, 128, True), (320, 192, 64, 64, True),
+             # the last query of a block is the first to see a key block
+             (133, 70, 64, 128, True), (133, 198, 64, 128, True), (300, 235, 128, 64, True)]
+    for _ in range(150):
+        sq, sk = (int(rng.choice([1, rng.integers(2, 64), rng.integers(64, 700)])) for _ in range(2))
+        cases.append((sq, sk, int(rng.choice([64, 128])), int(rng.choice([64, 128])), bool(rng.integers(2))))
+    for sq, sk, bm, bn, causal in cases:
+        what = (sq, sk, bm, bn, causal)
+        n_blocks, q_blocks, diag = math.ceil(sk / bn), math.ceil(sq / bm), sk - sq
+        visits = [{m for _, m in _fused_iterations(sq, sk, bm, bn, causal, j, 0, 1, True)} for j in range(n_blocks)]
+        assert visits == [{m for _, m in _fused_iterations(sq, sk, bm, bn, causal, j, 0, 1, False)}
+                          for j in range(n_blocks)], what  # both walks visit the same blocks
+        want = {}
+        for m_block in range(q_blocks):
+            visitors = [j for j in range(n_blocks) if m_block in visits[j]]
+            assert visitors == list(range(len(visitors))), what
+            # ... and they are the key blocks that some query of the block (existing or not) sees
+            reach = (m_block + 1) * bm + diag if causal else sk  # keys 0..reach-1
+            assert len(visitors) == min(n_blocks, max(0, math.ceil(reach / bn))), what
+            want.update({(h, m_block): visitors for h in range(4) if visitors})
+        for resident in (1, 3):
+            order = _simulate_dq_order(sq, sk, bm, bn, causal, resident=resident, rng=rng)
+            assert order is not None, ("deadlock", what, resident)
+            assert order == want, what
+        shared = any(len(v) > 1 for v in want.values())
+        deadlock = _simulate_dq_order(sq, sk, bm, bn, causal, resident=1, rng=rng, descending=True) is None
+        assert deadlock == shared, what
+
+
+def _assert_fused_launches(launches, d, deterministic, config):
+    """flash_bwd_fused_mma with `config`, then flash_bwd_dq_convert, with the arguments of
+    _fused_backward and argument lists matching the kernels' parameter lists."""
+    from cupyflash.kernels import mma_bwd
+
+    assert [spec for spec, _, _ in launches] == [mma_bwd.fused_spec(np.float16, d, True, deterministic, config),
+                                                 mma_bwd.convert_spec(np.float16)]
+    b, sq, sk, h, hkv = (_LAUNCH_SHAPE[x] for x in ("b", "sq", "sk", "h", "hkv"))
+    dt = mma_bwd.d_tile(d)
+    bm, bn = config[:2]
+    (_, grid, args), (_, _, convert_args) = launches
+    assert grid == (math.ceil(sk / bn), hkv, b)
+    dq_accum, semaphore = args[8], args[9]
+    assert dq_accum.shape == (b, sq, h, dt) and dq_accum.dtype == np.float32
+    assert semaphore.dtype == np.int32
+    assert semaphore.shape == ((b, h, math.ceil(sq / bm)) if deterministic else (1,))
+    assert args[10:15] == (sq, sk, h, h // hkv, d)
+    assert args[-5:-2] == tuple(s // 4 for s in dq_accum.strides[:3])  # dq_accum strides in elements
+    assert args[-2:] == (np.float32(0.1 * mma_bwd.LOG2E), np.float32(0.1))
+    assert convert_args[0] is dq_accum and convert_args[-1] == np.float32(0.1)
+    for spec, grid, args in launches:
+        _assert_arguments_match_signature(spec, grid, args)
+
+
+@pytest.mark.parametrize("d", [64, 96, 200])
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_bwd_v4_launch_arguments_match_kernel_signatures(deterministic, d, monkeypatch):
+    """version="v4" on a GPU with 227 KiB per block: flash_bwd_fused_mma and flash_bwd_dq_convert
+    where FUSED_CONFIG has the head-dim tile (v3's kernels elsewhere), and with any table entry
+    passed as ``fused``; argument lists match flash_bwd_fused_mma.cu. The counters exist only
+    when ordered."""
+    from cupyflash.kernels import mma_bwd, mma_fwd
+
+    monkeypatch.setattr(mma_fwd, "current_smem_optin", lambda: 227 * 1024)
+    launches = _record_backward_launches(monkeypatch, "v4", d, deterministic)
+    config = mma_bwd.FUSED_CONFIG.get(mma_bwd.d_tile(d))
+    if config is not None:
+        _assert_fused_launches(launches, d, deterministic, config)
+    else:
+        v3 = _record_backward_launches(monkeypatch, "v3", d, deterministic)
+        assert [(spec, grid) for spec, grid, _ in launches] == [(spec, grid) for spec, grid, _ in v3]
+    for config in mma_bwd.FUSED_CANDIDATES.get(mma_bwd.d_tile(d), ()):
+        launches = _record_backward_launches(monkeypatch, "v1", d, deterministic, fused=config)
+        _assert_fused_launches(launches, d, deterministic, config)
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_bwd_v4_falls_back_to_v3_where_shared_memory_is_short(deterministic, monkeypatch):
+    """With sm_80's 163 KiB per block, head dim 256 (the fused kernel's d256 tiles need more) runs
+    v3's kernels; other head dims run the fused kernel where their tiles fit."""
+    from cupyflash.kernels import mma_bwd, mma_fwd
+
+    monkeypatch.setattr(mma_fwd, "current_smem_optin", lambda: 163 * 1024)
+    assert mma_bwd.fused_config(200, 163 * 1024) is None
+    for d in (64, 96, 200):
+        v4 = _record_backward_launches(monkeypatch, "v4", d, deterministic)
+        if mma_bwd.fused_config(d, 163 * 1024) is None:
+            v3 = _record_backward_launches(monkeypatch, "v3", d, deterministic)
+            assert [(spec, grid) for spec, grid, _ in v4] == [(spec, grid) for spec, grid, _ in v3]
+            assert not any("fused" in spec.name for spec, _, _ in v4)
+            for spec, grid, args in v4:
+                _assert_arguments_match_signature(spec, grid, args)
+        else:
+            _assert_fused_launches(v4, d, deterministic, mma_bwd.fused_config(d, 163 * 1024))

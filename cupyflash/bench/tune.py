@@ -87,19 +87,21 @@ def main(argv=None) -> int:
     parser.add_argument("--seqlen", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--only", nargs="+", default=None, metavar="TEXT",
+                        help="bwd: time only the variants whose label contains one of these strings")
     parser.add_argument("--direction", default="fwd", choices=["fwd", "bwd"],
                         help="bwd: time every backward version (mma_bwd.VERSIONS) and dQ candidate")
     args = parser.parse_args(argv)
     dtype = SUPPORTED[args.dtype]
     if args.direction == "bwd":
         return _main_bwd(args, dtype)
-    print(f"{'d':>4} {'seqlen':>6} {'causal':>6}  {'label':8} {'config':58} {'check':>6} {'ms':>8} {'TFLOP/s':>8}")
+    print(f"{'d':>4} {'seqlen':>6} {'causal':>6}  {'label':8} {'config':100} {'check':>6} {'ms':>8} {'TFLOP/s':>8}")
     for headdim in args.headdim:
         for label, config in _configs(mma_fwd, mma_fwd.d_tile(headdim)):
             try:
                 checks = [_check(config, headdim, dtype, causal) for causal in (False, True)]
             except Exception as e:  # a candidate that does not fit this GPU
-                print(f"{headdim:>4} {'':>6} {'':>6}  {label:8} {str(config)[9:]:58} skipped: {e}")
+                print(f"{headdim:>4} {'':>6} {'':>6}  {label:8} {str(config)[9:]:100} skipped: {e}")
                 continue
             for seqlen in args.seqlen:
                 batch, nheads = 16384 // seqlen, 2048 // headdim
@@ -110,7 +112,7 @@ def main(argv=None) -> int:
                         sets, args.repeats)
                     flops = 4 * batch * nheads * seqlen * seqlen * headdim * (0.5 if causal else 1.0)
                     ok = "ok" if max(checks) <= 1 else f"x{max(checks):.1f}"
-                    print(f"{headdim:>4} {seqlen:>6} {str(causal):>6}  {label:8} {str(config)[9:]:58} {ok:>6} "
+                    print(f"{headdim:>4} {seqlen:>6} {str(causal):>6}  {label:8} {str(config)[9:]:100} {ok:>6} "
                           f"{ms:8.3f} {flops / ms / 1e9:8.1f}", flush=True)
                 del sets
     return 0
@@ -129,6 +131,12 @@ def _bwd_candidates(headdim):
     out, seen = [], set()
     for version in mma_bwd.VERSIONS:
         for deterministic in (True, False):
+            if version in ("v4", "v5") and dt in mma_bwd.FUSED_CONFIG and not (version == "v5" and deterministic):
+                label = f"v4 fused{mma_bwd.FUSED_CONFIG[dt]} {'ordered' if deterministic else 'atomic'} dq"
+                if label not in seen:  # v5's atomic path is v4's
+                    seen.add(label)
+                    out.append((label, dict(version=version, deterministic=deterministic)))
+                continue
             kernel, tiles = mma_bwd.dkdv_tiles(headdim, version, not deterministic)
             dq = f"dq{mma_bwd.dq_tiles(headdim, version)}" if deterministic else "atomic dq"
             if (kernel, tiles, dq) in seen:  # a later version that launches the same kernels here
@@ -137,6 +145,10 @@ def _bwd_candidates(headdim):
             out.append((f"{version} dkdv {kernel} {dq}", dict(version=version, deterministic=deterministic)))
     for tiles in mma_bwd.DQ_CANDIDATES_V2.get(dt, ()):
         out.append((f"v3 dq{tiles}", dict(version="v3", deterministic=True, dq_config=tiles)))
+    for tiles in mma_bwd.FUSED_CANDIDATES.get(dt, ()):
+        for deterministic in (True, False) if len(tiles) == 6 else (True,):  # [6]: ordered release timing
+            out.append((f"v4 fused{tiles} {'ordered' if deterministic else 'atomic'} dq",
+                        dict(version="v4", deterministic=deterministic, fused=tiles)))
     return out
 
 
@@ -156,7 +168,8 @@ def _bwd_inputs(batch, seqlen, nheads, headdim, dtype, causal, n_sets=2, seed=0)
 
 def _check_bwd(kwargs, headdim, dtype, causal) -> float:
     """Max over dq, dk, dv of the error on an odd GQA shape relative to 2x the error of standard
-    attention's backward in the same dtype (<= 1 passes)."""
+    attention's backward in the same dtype (<= 1 passes); inf when a deterministic variant gives
+    different bits on a second run."""
     import cupy
 
     from .. import reference
@@ -171,6 +184,13 @@ def _check_bwd(kwargs, headdim, dtype, causal) -> float:
     mma_bwd.backward(*(cupy.asarray(x) for x in (do, q, k, v)), cupy.asarray(o_ref.astype(dtype)),
                      cupy.asarray(lse_ref.astype(np.float32)), *grads, softmax_scale=scale, causal=causal,
                      **kwargs)
+    if kwargs.get("deterministic", True):  # a second run must give the same bits
+        again = [cupy.full(x.shape, np.nan, dtype=dtype) for x in (q, k, v)]
+        mma_bwd.backward(*(cupy.asarray(x) for x in (do, q, k, v)), cupy.asarray(o_ref.astype(dtype)),
+                         cupy.asarray(lse_ref.astype(np.float32)), *again, softmax_scale=scale, causal=causal,
+                         **kwargs)
+        if any(not bool(cupy.array_equal(a, b, equal_nan=True)) for a, b in zip(grads, again)):
+            return float("inf")
     refs = reference.attention_backward(do, q, k, v, softmax_scale=scale, causal=causal)
     stds = reference.standard_attention_backward(do, q, k, v, softmax_scale=scale, causal=causal, dtype=dtype)
     worst = 0.0
@@ -187,6 +207,8 @@ def _main_bwd(args, dtype) -> int:
     print(f"{'d':>4} {'seqlen':>6} {'causal':>6}  {'variant':44} {'check':>6} {'ms':>8} {'TFLOP/s':>8}")
     for headdim in args.headdim:
         for label, kwargs in _bwd_candidates(headdim):
+            if args.only and not any(text in label for text in args.only):
+                continue
             try:
                 checks = [_check_bwd(kwargs, headdim, dtype, causal) for causal in (False, True)]
             except Exception as e:  # a candidate that does not fit this GPU

@@ -62,6 +62,21 @@ DKDV_CONFIG_V2 = {64: (64, 32, 128, 4, 2)}
 # exchange of S^T and dP^T.
 DKDV_CONFIG_SPLIT = {128: (64, 32, 128, 8, 2), 256: (32, 32, 64, 8, 1)}
 
+# flash_bwd_fused_mma (v4): D_TILE -> (BLOCK_M, BLOCK_N, WARPS_N, WARPS_D, DQ_WARPS_M, S_UNROLL). A warp owns
+# BLOCK_N / WARPS_N key rows x D_TILE / WARPS_D columns of dK and dV (accumulators), the same key
+# rows x BLOCK_M / WARPS_D query columns of S^T and dP^T, and BLOCK_M / DQ_WARPS_M query rows x
+# D_TILE / (8 / DQ_WARPS_M) columns of each step's dQ; S_UNROLL k-steps of S^T and dP^T are unrolled
+# (fewer hold fewer fragments in flight: what keeps d128/d256 free of spills). Shared memory: d64
+# 97 KiB, d128 161 KiB (fits sm_80), d256 209 KiB (sm_90 only).
+# Head dim 64 has no entry: there v4 runs v3's kernels (the tuner measured the fused kernel at
+# 0.82x of flash_bwd_dkdv_mma_v2 with atomic dQ: at 64 columns a query block is too little work
+# per barrier and per P^T / dS^T round trip).
+FUSED_CONFIG = {128: (64, 128, 4, 2, 2, 1), 256: (64, 64, 2, 4, 2, 2)}
+# Alternatives for the tuner (``backward(..., fused=...)``).
+# A 7th entry 1: release each query block's dQ counter right after the adds (EAGER_RELEASE).
+FUSED_CANDIDATES = {64: ((64, 128, 4, 2, 2, 4),), 128: ((64, 128, 4, 2, 2, 2), (64, 128, 4, 2, 2, 1, 1)),
+                    256: ((64, 64, 2, 4, 2, 1), (64, 64, 4, 2, 2, 1), (64, 64, 2, 4, 2, 2, 1))}
+
 # Kernel versions, all launchable side by side (``backward(..., version=...)``); DEFAULT_VERSION
 # is what the dispatcher launches. ldmatrix.x4 per mma.sync counted in the SASS (sm_90).
 #   v1: dK/dV with 16 key rows per warp; dQ with 16 query rows per warp, so every warp reads all
@@ -76,12 +91,20 @@ DKDV_CONFIG_SPLIT = {128: (64, 32, 128, 8, 2), 256: (32, 32, 64, 8, 1)}
 #       through shared memory (0.38 ldmatrix.x4 per mma plus 32 B of exchange per mma; v1 0.63).
 #       At d256 the same kernel with 16 key rows per pair: 0.63 plus 16 B per mma (v1: 0.75 plus
 #       64 B of partial sums per mma).
+#   v4: one kernel, flash_bwd_fused_mma (flash_bwd_fused_mma.cu): S and dP computed once per block
+#       pair (5 products, v1-v3's deterministic path does 7), FlashAttention-2's 32-row warp tiles
+#       for all five products, P^T and dS^T through shared memory. dQ by float32 adds to dq_accum,
+#       in a fixed key-block order (deterministic=True: per-query-block counters) or unordered.
+#       Where the device's shared memory per block is below a configuration's need (head dim 256
+#       needs sm_90's 227 KiB), v3 runs instead.
 VERSIONS = {
     "v1": "dK/dV 16 key rows per warp; dQ 16 query rows per warp",
     "v2": "v1, but 2 x 16 rows per warp in dQ (d64, d128) and dK/dV (d64): fewer shared reads per mma",
     "v3": "v2, but d128/d256 dK/dV by warp pairs split into a dV warp and a dK warp over the same keys",
+    "v4": "one fused kernel with 32-row warp tiles; dQ added in a fixed key-block order (or unordered)",
+    "v5": "v3's two kernels when deterministic (faster than v4's ordered adds), v4's fused atomic otherwise",
 }
-DEFAULT_VERSION = "v1"
+DEFAULT_VERSION = "v5"
 CONVERT_THREADS = 256
 
 _CTYPE = {"float16": "cf::half_t", "bfloat16": "cf::bf16_t"}
@@ -134,12 +157,13 @@ def _check_version(version: str) -> None:
 
 def dkdv_tiles(headdim: int, version: str = DEFAULT_VERSION, atomic_dq: bool = False) -> tuple[str, tuple]:
     """The dK/dV kernel and its tiles: ("v1", DKDV_CONFIG entry), ("v2", DKDV_CONFIG_V2 entry) or
-    ("split", DKDV_CONFIG_SPLIT entry)."""
+    ("split", DKDV_CONFIG_SPLIT entry). v4 launches these only where the fused kernel does not run
+    (fused_config() is None)."""
     _check_version(version)
     dt = d_tile(headdim)
-    if version == "v3" and not atomic_dq and dt in DKDV_CONFIG_SPLIT:
+    if version in ("v3", "v4", "v5") and not atomic_dq and dt in DKDV_CONFIG_SPLIT:
         return "split", DKDV_CONFIG_SPLIT[dt]
-    if version in ("v2", "v3") and dt in DKDV_CONFIG_V2:
+    if version in ("v2", "v3", "v4", "v5") and dt in DKDV_CONFIG_V2:
         return "v2", DKDV_CONFIG_V2[dt]
     return "v1", DKDV_CONFIG[dt]
 
@@ -190,7 +214,7 @@ def dq_tiles(headdim: int, version: str = DEFAULT_VERSION) -> tuple:
     """The dQ kernel's tile configuration: v1's (BLOCK_M, BLOCK_N, NWARPS) or v2's (..., ROW_GROUPS)."""
     _check_version(version)
     dt = d_tile(headdim)
-    if version in ("v2", "v3") and dt in DQ_CONFIG_V2:
+    if version in ("v2", "v3", "v4", "v5") and dt in DQ_CONFIG_V2:
         return DQ_CONFIG_V2[dt]
     return DQ_CONFIG[dt]
 
@@ -231,7 +255,46 @@ def specializations() -> list[Specialization]:
                 out.append(dq_spec(name, dt, causal, version="v1"))
                 if dt in DQ_CONFIG_V2:
                     out.append(dq_spec(name, dt, causal, version="v2"))
+                if dt in FUSED_CONFIG:
+                    out.extend(fused_spec(name, dt, causal, ordered) for ordered in (True, False))
     return out
+
+
+def candidate_specializations() -> list[Specialization]:
+    """The tuner's alternatives (``FUSED_CANDIDATES``), bf16 only (the compile check's spill report)."""
+    return [fused_spec("bfloat16", dt, causal, ordered, config)
+            for dt, configs in FUSED_CANDIDATES.items() for config in configs
+            for causal in (False, True) for ordered in (True, False)]
+
+
+def fused_smem_bytes(dt: int, block_m: int, block_n: int) -> int:
+    """Mirror of FusedSmem<...>::BYTES in flash_bwd_fused_mma.cu: K, V; two stages of Q, dO; P^T,
+    dS^T; two stages of lse and D."""
+    return 2 * block_n * dt * 2 + 2 * 2 * block_m * dt * 2 + 2 * block_n * block_m * 2 + 2 * 2 * block_m * 4
+
+
+def fused_spec(dtype, headdim: int, causal: bool, ordered: bool, config: tuple | None = None) -> Specialization:
+    name = dtype_name(dtype)
+    dt = d_tile(headdim)
+    bm, bn, wn, wd, dqm, unroll, *eager = tuple(config or FUSED_CONFIG[dt])
+    eager = bool(eager and eager[0]) and ordered
+    spec_name = (f"flash_bwd_fused_mma_{_SHORT[name]}_hdim{dt}_{'causal' if causal else 'full'}"
+                 f"_bm{bm}_bn{bn}_wn{wn}_wd{wd}_dqm{dqm}_u{unroll}_{'dqordered' if ordered else 'dqatomic'}"
+                 f"{'_eager' if eager else ''}")
+    expression = (f"cf::flash_bwd_fused_mma<{_CTYPE[name]}, {dt}, {_flag(causal)}, {bm}, {bn}, {wn}, {wd}, "
+                  f"{dqm}, {unroll}, {_flag(ordered)}{', true' if eager else ''}>")
+    return Specialization(spec_name, "flash_bwd_fused_mma.cu", expression, wn * wd * 32,
+                          fused_smem_bytes(dt, bm, bn))
+
+
+def fused_config(headdim: int, smem_optin: int | None) -> tuple | None:
+    """The fused kernel's tiles for this head dim, or None where they need more shared memory per
+    block than the device grants (``smem_optin`` None: assume it fits)."""
+    config = FUSED_CONFIG.get(d_tile(headdim))
+    if config is None or (smem_optin is not None and
+                          fused_smem_bytes(d_tile(headdim), config[0], config[1]) > smem_optin):
+        return None
+    return config
 
 
 def _strides(a) -> tuple:
@@ -241,13 +304,15 @@ def _strides(a) -> tuple:
 
 
 def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: bool,
-             deterministic: bool = True, version: str = DEFAULT_VERSION,
-             dq_config: tuple | None = None) -> None:
+             deterministic: bool = True, version: str | None = None,
+             dq_config: tuple | None = None, fused: tuple | None = None) -> None:
     """Fill the preallocated dq, dk, dv (C-contiguous, dtype of q) from the saved lse (B, H, Sq).
 
     Inputs are CuPy arrays meeting the mma family's guarantees (fp16/bf16, last dim contiguous,
     row strides multiples of 8 elements, 16-byte aligned, headdim % 8 == 0, headdim <= 256).
-    ``version`` picks an entry of VERSIONS; ``dq_config`` overrides the dQ kernel's tiles (tuning).
+    ``version`` picks an entry of VERSIONS (None: DEFAULT_VERSION, read at call time, so that tests
+    can run every version through the public API); ``dq_config`` overrides the dQ kernel's tiles and
+    ``fused`` the fused kernel's (v4) tiles (tuning).
     """
     import cupy
 
@@ -264,6 +329,7 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
         return
     if not supports(q.dtype, headdim):
         raise ValueError(f"cupyflash: mma backward does not support {q.dtype} with headdim {headdim}")
+    version = DEFAULT_VERSION if version is None else version
     dq_tiles(headdim, version)  # rejects an unknown version before anything is launched
     lse = cupy.ascontiguousarray(lse, dtype=np.float32)  # indexed as (batch, head, row) in C order
     delta = backward_preprocess(do, o)
@@ -271,6 +337,17 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
     scales = (np.float32(softmax_scale * LOG2E), np.float32(softmax_scale))
     common = (np.int32(seqlen_q), np.int32(seqlen_k), np.int32(nheads), np.int32(nheads // nheads_kv),
               np.int32(headdim), *_strides(q), *_strides(k), *_strides(v), *_strides(do))
+
+    if version == "v5" and deterministic and fused is None:
+        version = "v3"
+    if version in ("v4", "v5") or fused is not None:
+        from .mma_fwd import current_smem_optin
+
+        config = fused or fused_config(headdim, current_smem_optin())
+        if config is not None:
+            _fused_backward(q, k, v, do, lse, delta, dq, dk, dv, common, scales, config, causal, deterministic)
+            return
+        version = "v3"
     dkdv_grid = (math.ceil(seqlen_k / dkdv_tiles(headdim, version, not deterministic)[1][2]), nheads_kv, batch)
 
     if deterministic:
@@ -291,3 +368,22 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
     launch(convert_spec(q.dtype), (math.ceil(n_chunks / CONVERT_THREADS), 1, 1),
            (dq_accum, dq, np.int32(seqlen_q), np.int32(nheads), np.int32(headdim), np.int64(n_chunks),
             *_strides(dq_accum), *_strides(dq), np.float32(softmax_scale)))
+
+
+def _fused_backward(q, k, v, do, lse, delta, dq, dk, dv, common, scales, config, causal, deterministic):
+    """v4: flash_bwd_fused_mma, then dq = scale * dq_accum."""
+    import cupy
+
+    batch, seqlen_q, nheads, headdim = q.shape
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    bm, bn = config[0], config[1]
+    dq_accum = cupy.zeros((batch, seqlen_q, nheads, d_tile(headdim)), dtype=np.float32)
+    # One counter per (batch, head, query block): how many warps of earlier key blocks have added.
+    semaphore = cupy.zeros((batch, nheads, math.ceil(seqlen_q / bm)) if deterministic else (1,), dtype=np.int32)
+    launch(fused_spec(q.dtype, headdim, causal, deterministic, config), (math.ceil(seqlen_k / bn), nheads_kv, batch),
+           (q, k, v, do, lse, delta, dk, dv, dq_accum, semaphore, *common, *_strides(dk), *_strides(dv),
+            *_strides(dq_accum), *scales))
+    n_chunks = batch * seqlen_q * nheads * (headdim // 8)
+    launch(convert_spec(q.dtype), (math.ceil(n_chunks / CONVERT_THREADS), 1, 1),
+           (dq_accum, dq, np.int32(seqlen_q), np.int32(nheads), np.int32(headdim), np.int64(n_chunks),
+            *_strides(dq_accum), *_strides(dq), scales[1]))

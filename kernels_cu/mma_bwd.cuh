@@ -1,0 +1,366 @@
+// Tile steps shared by the tensor-core backward kernels (flash_bwd_mma.cu, flash_bwd_fused_mma.cu):
+// backward-only PTX, swizzled tile geometry for tiles of any width, warp-tile products whose
+// operands come from shared memory or registers, accumulator staging and stores, masking.
+#pragma once
+
+#include "common.cuh"
+#include "mma.cuh"
+
+namespace cf {
+// ---------------------------------------------------------------------------------------------
+// PTX used only by the backward
+// ---------------------------------------------------------------------------------------------
+
+// 4-byte cp.async (only .ca takes sizes below 16), zero-filled when !valid; `src` must be mapped.
+__device__ __forceinline__ void cp_async_4(u32 dst, const void* src, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
+                 "r"(valid ? 4 : 0)
+                 : "memory");
+}
+
+__device__ __forceinline__ void st_shared_v4(u32 addr, u32 x, u32 y, u32 z, u32 w) {
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(x), "r"(y), "r"(z),
+                 "r"(w)
+                 : "memory");
+}
+
+// Barrier for a subset of warps (id 0 is __syncthreads); orders their shared-memory accesses.
+__device__ __forceinline__ void named_barrier_sync(int id, int nthreads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(nthreads) : "memory");
+}
+
+// p[0] += a, p[1] += b in global memory, no return value (a fire-and-forget reduction in L2).
+__device__ __forceinline__ void red_add_f32x2(float* p, float a, float b) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");
+#else
+    asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(p), "f"(a) : "memory");
+    asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(p + 1), "f"(b) : "memory");
+#endif
+}
+
+// threadIdx.x read by a volatile instruction, which the compiler cannot hoist out of a loop.
+// Fragment addresses derived from it inside a loop body are recomputed every iteration (a few
+// integer instructions) instead of being held in registers across the loop, where they would
+// push the accumulators into local memory.
+__device__ __forceinline__ int thread_index_uncached() {
+    int t;
+    asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(t));
+    return t;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tile geometry
+// ---------------------------------------------------------------------------------------------
+
+// Byte offset of 16-byte chunk `chunk` of row `row` in a swizzled tile with COLS 16-bit columns.
+// Rows of 128 bytes or more use mma.cuh's swizzle. 64-byte rows (COLS == 32, the dS tile of the
+// head-dim-256 kernel) put two rows in one 128-byte line; XOR with (row / 2) % 4 sends the 8 rows
+// an ldmatrix phase reads to 8 distinct bank groups (row % 2 picks the half-line).
+template <int COLS>
+__device__ __forceinline__ u32 tile_offset(int row, int chunk) {
+    if constexpr (COLS >= 64) {
+        return swizzled_offset<COLS>(row, chunk);
+    } else {
+        static_assert(COLS == 32, "dS tile rows are 32 or a multiple of 64 columns");
+        return static_cast<u32>((row * 4 + (chunk ^ ((row >> 1) & 3))) * 16);
+    }
+}
+
+// Offset of (row + rows, chunk + chunks) from `lane_off`, the offset of (row, chunk), for steps
+// known at compile time after unrolling. Valid when rows % 8 == 0 (the swizzle phase of a row
+// repeats every 8 rows) and the low 3 bits of chunk and chunks are disjoint (then adding chunks
+// is an XOR in the swizzled bits and an add above them). Every fragment address of an unrolled
+// loop is then one XOR with an immediate plus an immediate offset, instead of a recomputed
+// swizzle: otherwise the compiler hoists all of them out of the main loop, into registers.
+template <int COLS>
+__device__ __forceinline__ u32 tile_step(u32 lane_off, int rows, int chunks) {
+    if constexpr (COLS >= 64) {
+        return (lane_off ^ static_cast<u32>((chunks & 7) * 16)) + rows * (COLS * 2) + (chunks >> 3) * 128;
+    } else {
+        return lane_off + rows * (COLS * 2);  // chunks == 0 here
+    }
+}
+
+// ldmatrix.x4 supplies 4 8x8 matrices; lane l gives row l % 8 of matrix l / 8. Two lane->address
+// patterns cover every operand below (derivation in tests/test_mma_layout.py):
+//   pattern X: row l % 16, chunk l / 16        A (16 x 16) of a row-major [m][k] tile, non-trans;
+//                                              B of two n-blocks from a [k][n] tile, .trans
+//   pattern Y: row l % 8 + 8 (l / 16),         B of two n-blocks from an [n][k] tile, non-trans;
+//              chunk (l / 8) % 2               A (16 x 16) from a [k][m] tile, .trans
+// For B the registers come out as {b0, b1} of n-block 0, then {b0, b1} of n-block 1.
+__device__ __forceinline__ int ldm_row_x(int lane) { return lane & 15; }
+__device__ __forceinline__ int ldm_chunk_x(int lane) { return lane >> 4; }
+__device__ __forceinline__ int ldm_row_y(int lane) { return (lane & 7) + ((lane >> 4) << 3); }
+__device__ __forceinline__ int ldm_chunk_y(int lane) { return (lane >> 3) & 1; }
+
+// ---------------------------------------------------------------------------------------------
+// Warp tile products. A warp owns a 16-row accumulator acc[N / 8][4]: acc[j] is the m16n8 C
+// fragment of columns 8j..8j+7. Tiles are shared-memory byte addresses; row and column origins
+// are multiples of 16 rows and of 64 columns (k0) or of N (column origins of B), as tile_step
+// requires.
+// ---------------------------------------------------------------------------------------------
+
+// acc += A B^T: A rows a_row0..+16 of a row-major [.][DIM_A] tile, B rows 0..N of a row-major
+// [N][DIM_B] tile, reduced over columns k0..k0+K of both (S = Q K^T, S^T = K Q^T, dP = dO V^T).
+template <typename T, int N, int K, int DIM_A, int DIM_B>
+__device__ __forceinline__ void mma_ABt(float (&acc)[N / 8][4], u32 tile_a, int a_row0, u32 tile_b,
+                                        int k0, int lane) {
+    static_assert(N % 16 == 0 && K % 16 == 0, "warp tile shape");
+    const u32 a_lane = tile_offset<DIM_A>(a_row0 + ldm_row_x(lane), k0 / 8 + ldm_chunk_x(lane));
+    const u32 b_lane = tile_offset<DIM_B>(ldm_row_y(lane), k0 / 8 + ldm_chunk_y(lane));
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+        u32 a[4];
+        ldmatrix_x4(a, tile_a + tile_step<DIM_A>(a_lane, 0, 2 * kk));
+#pragma unroll
+        for (int nn = 0; nn < N / 16; ++nn) {
+            u32 b[4];
+            ldmatrix_x4(b, tile_b + tile_step<DIM_B>(b_lane, 16 * nn, 2 * kk));
+            mma_16816<T>(acc[2 * nn], a, b[0], b[1]);
+            mma_16816<T>(acc[2 * nn + 1], a, b[2], b[3]);
+        }
+    }
+}
+
+// acc += A B: A (16 x K) as register fragments a[K / 16], B rows 0..K, columns b_col0..+N of a
+// row-major [K][DIM_B] tile (dV += P^T dO, dK += dS^T Q, dQ += dS K).
+template <typename T, int N, int K, int DIM_B>
+__device__ __forceinline__ void mma_AB_regs(float (&acc)[N / 8][4], const u32 (&a)[K / 16][4],
+                                            u32 tile_b, int b_col0, int lane) {
+    static_assert(N % 16 == 0 && K % 16 == 0, "warp tile shape");
+    const u32 b_lane = tile_offset<DIM_B>(ldm_row_x(lane), b_col0 / 8 + ldm_chunk_x(lane));
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+#pragma unroll
+        for (int nn = 0; nn < N / 16; ++nn) {
+            u32 b[4];
+            ldmatrix_x4_trans(b, tile_b + tile_step<DIM_B>(b_lane, 16 * kk, 2 * nn));
+            mma_16816<T>(acc[2 * nn], a[kk], b[0], b[1]);
+            mma_16816<T>(acc[2 * nn + 1], a[kk], b[2], b[3]);
+        }
+    }
+}
+
+// acc += A^T B: A^T rows = columns a_col0..+16 of a row-major [K][DIM_A] tile, B rows 0..K,
+// columns b_col0..+N of a row-major [K][DIM_B] tile (dQ += dS K with dS stored as dS^T).
+template <typename T, int N, int K, int DIM_A, int DIM_B>
+__device__ __forceinline__ void mma_AtB(float (&acc)[N / 8][4], u32 tile_a, int a_col0, u32 tile_b,
+                                        int b_col0, int lane) {
+    static_assert(N % 16 == 0 && K % 16 == 0, "warp tile shape");
+    const u32 a_lane = tile_offset<DIM_A>(ldm_row_y(lane), a_col0 / 8 + ldm_chunk_y(lane));
+    const u32 b_lane = tile_offset<DIM_B>(ldm_row_x(lane), b_col0 / 8 + ldm_chunk_x(lane));
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+        u32 a[4];
+        ldmatrix_x4_trans(a, tile_a + tile_step<DIM_A>(a_lane, 16 * kk, 0));
+#pragma unroll
+        for (int nn = 0; nn < N / 16; ++nn) {
+            u32 b[4];
+            ldmatrix_x4_trans(b, tile_b + tile_step<DIM_B>(b_lane, 16 * kk, 2 * nn));
+            mma_16816<T>(acc[2 * nn], a, b[0], b[1]);
+            mma_16816<T>(acc[2 * nn + 1], a, b[2], b[3]);
+        }
+    }
+}
+
+// The C fragments of a 16 x K accumulator, rounded to 16 bits, as the A fragments of its K / 16
+// k-steps: {c0 c1 | c2 c3} of column block 2kk are a0, a1; those of block 2kk + 1 are a2, a3.
+template <typename T, int K>
+__device__ __forceinline__ void pack_a_frags(u32 (&a)[K / 16][4], const float (&c)[K / 8][4]) {
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+        a[kk][0] = pack2<T>(c[2 * kk][0], c[2 * kk][1]);
+        a[kk][1] = pack2<T>(c[2 * kk][2], c[2 * kk][3]);
+        a[kk][2] = pack2<T>(c[2 * kk + 1][0], c[2 * kk + 1][1]);
+        a[kk][3] = pack2<T>(c[2 * kk + 1][2], c[2 * kk + 1][3]);
+    }
+}
+
+template <int N>
+__device__ __forceinline__ void zero(float (&acc)[N][4]) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+}
+
+// Writes a warp's 16-row accumulator, times `mult`, as 16-bit values into rows row0..+16,
+// columns col0.. of a swizzled [.][DIM] tile (staging for coalesced 16-byte global stores).
+template <typename T, int N, int DIM>
+__device__ __forceinline__ void stage_acc(u32 tile, int row0, int col0, const float (&acc)[N / 8][4],
+                                          float mult, int lane) {
+    const int r = row0 + lane / 4, c = 2 * (lane % 4);
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j) {
+        const int chunk = (col0 + 8 * j) / 8;
+        st_shared_b32(tile + tile_offset<DIM>(r, chunk) + 2 * c, pack2<T>(acc[j][0] * mult, acc[j][1] * mult));
+        st_shared_b32(tile + tile_offset<DIM>(r + 8, chunk) + 2 * c, pack2<T>(acc[j][2] * mult, acc[j][3] * mult));
+    }
+}
+
+// Copies rows 0..ROWS of a swizzled [ROWS][DIM] tile to a (seqlen, dim) slice (`gmem` at tile row
+// 0, row stride `stride`), 16 bytes per thread and step; rows >= rows_valid and columns >= headdim
+// are not written.
+template <int ROWS, int DIM, int NTHREADS, typename T>
+__device__ __forceinline__ void store_tile(T* gmem, u32 tile, int rows_valid, int headdim, i64 stride,
+                                           int thread) {
+    constexpr int CHUNKS = DIM / 8;
+    static_assert((ROWS * CHUNKS) % NTHREADS == 0, "tile chunks must divide among the threads");
+#pragma unroll
+    for (int i = 0; i < ROWS * CHUNKS / NTHREADS; ++i) {
+        const int idx = thread + i * NTHREADS;
+        const int row = idx / CHUNKS, chunk = idx % CHUNKS;
+        if (row < rows_valid && chunk * 8 < headdim) {
+            u32 r[4];
+            ld_shared_v4(r, tile + tile_offset<DIM>(row, chunk));
+            st_global_v4(gmem + row * stride + chunk * 8, r);
+        }
+    }
+}
+
+// Head-dim split (WARPS_D = 2): adds the partner warp's (warp ^ 1) partial sums to acc. Each lane
+// reads the slot of the same lane of the partner, so the swap needs no index math. S^T and dP^T
+// use separate slots and alternate: a warp rewrites its S^T slot only after passing the dP^T
+// barrier, which the partner reaches only after reading that S^T slot (and likewise for dP^T).
+template <int N>
+__device__ __forceinline__ void swap_partial_sums(float (&acc)[N][4], u32 xchg, u32 warp_bytes, int warp,
+                                                  int pair, int lane) {
+    const u32 mine = xchg + warp * warp_bytes + lane * 16;
+    const u32 theirs = xchg + (warp ^ 1) * warp_bytes + lane * 16;
+#pragma unroll
+    for (int j = 0; j < N; ++j)
+        st_shared_v4(mine + j * 512, __float_as_uint(acc[j][0]), __float_as_uint(acc[j][1]),
+                     __float_as_uint(acc[j][2]), __float_as_uint(acc[j][3]));
+    named_barrier_sync(1 + pair, 64);
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+        u32 x[4];
+        ld_shared_v4(x, theirs + j * 512);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[j][e] += __uint_as_float(x[e]);
+    }
+}
+
+// Query m sees key n iff both exist and, when causal, n <= m + seqlen_k - seqlen_q.
+template <bool CAUSAL>
+struct Visibility {
+    int seqlen_q, seqlen_k, diag;
+    __device__ __forceinline__ bool operator()(int m, int n) const {
+        return m < seqlen_q && n < seqlen_k && (!CAUSAL || n <= m + diag);
+    }
+    // Whether some (m, n) of the block [m0, m0 + bm) x [n0, n0 + bn) is hidden.
+    __device__ __forceinline__ bool partial(int m0, int bm, int n0, int bn) const {
+        return m0 + bm > seqlen_q || n0 + bn > seqlen_k || (CAUSAL && n0 + bn - 1 > m0 + diag);
+    }
+};
+
+// lse in log2 units. A row that sees no key has lse = -inf; 0 as its base keeps exp2 finite
+// (all of its entries are masked anyway).
+__device__ __forceinline__ float lse_base_log2(float lse) {
+    return lse == neg_inf<float>() ? 0.f : lse * 1.4426950408889634f;
+}
+
+// acc[g] += A_g B^T for A_g = rows a_row0 + 16 g of a row-major [.][DIM_A] tile: each B fragment
+// is loaded once for all G row groups. K_UNROLL k-steps are unrolled (all by default); fewer keep
+// the compiler from loading the fragments of many k-steps ahead, which costs registers.
+template <typename T, int G, int N, int K, int DIM_A, int DIM_B, int K_UNROLL = K / 16>
+__device__ __forceinline__ void mma_ABt_groups(float (&acc)[G][N / 8][4], u32 tile_a, int a_row0, u32 tile_b,
+                                               int k0, int lane) {
+    static_assert(N % 16 == 0 && K % 16 == 0, "warp tile shape");
+    const u32 a_lane = tile_offset<DIM_A>(a_row0 + ldm_row_x(lane), k0 / 8 + ldm_chunk_x(lane));
+    const u32 b_lane = tile_offset<DIM_B>(ldm_row_y(lane), k0 / 8 + ldm_chunk_y(lane));
+#pragma unroll K_UNROLL
+    for (int kk = 0; kk < K / 16; ++kk) {
+        u32 a[G][4];
+#pragma unroll
+        for (int g = 0; g < G; ++g) ldmatrix_x4(a[g], tile_a + tile_step<DIM_A>(a_lane, 16 * g, 2 * kk));
+#pragma unroll
+        for (int nn = 0; nn < N / 16; ++nn) {
+            u32 b[4];
+            ldmatrix_x4(b, tile_b + tile_step<DIM_B>(b_lane, 16 * nn, 2 * kk));
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                mma_16816<T>(acc[g][2 * nn], a[g], b[0], b[1]);
+                mma_16816<T>(acc[g][2 * nn + 1], a[g], b[2], b[3]);
+            }
+        }
+    }
+}
+
+// acc[g] += A_g B with A_g as register fragments a[g][K / 16], B rows 0..K, columns b_col0..+N
+// of a row-major [K][DIM_B] tile; each B fragment is loaded once for all G row groups.
+template <typename T, int G, int N, int K, int DIM_B>
+__device__ __forceinline__ void mma_AB_regs_groups(float (&acc)[G][N / 8][4], const u32 (&a)[G][K / 16][4],
+                                                   u32 tile_b, int b_col0, int lane) {
+    static_assert(N % 16 == 0 && K % 16 == 0, "warp tile shape");
+    const u32 b_lane = tile_offset<DIM_B>(ldm_row_x(lane), b_col0 / 8 + ldm_chunk_x(lane));
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+#pragma unroll
+        for (int nn = 0; nn < N / 16; ++nn) {
+            u32 b[4];
+            ldmatrix_x4_trans(b, tile_b + tile_step<DIM_B>(b_lane, 16 * kk, 2 * nn));
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                mma_16816<T>(acc[g][2 * nn], a[g][kk], b[0], b[1]);
+                mma_16816<T>(acc[g][2 * nn + 1], a[g][kk], b[2], b[3]);
+            }
+        }
+    }
+}
+
+// acc[g] += A_g B with A_g = rows a_row0 + 16 g, columns 0..K of a row-major [.][DIM_A] tile
+// (non-transposed ldmatrix), B rows 0..K, columns b_col0..+N of a row-major [K][DIM_B] tile: the
+// fused kernel's dV += P^T dO and dK += dS^T Q with P^T and dS^T staged in shared memory. Each
+// A fragment feeds N / 8 mma, each B fragment 2 G.
+template <typename T, int G, int N, int K, int DIM_A, int DIM_B>
+__device__ __forceinline__ void mma_AB_groups(float (&acc)[G][N / 8][4], u32 tile_a, int a_row0, u32 tile_b,
+                                              int b_col0, int lane) {
+    static_assert(N % 16 == 0 && K % 16 == 0, "warp tile shape");
+    const u32 a_lane = tile_offset<DIM_A>(a_row0 + ldm_row_x(lane), ldm_chunk_x(lane));
+    const u32 b_lane = tile_offset<DIM_B>(ldm_row_x(lane), b_col0 / 8 + ldm_chunk_x(lane));
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+        u32 a[G][4];
+#pragma unroll
+        for (int g = 0; g < G; ++g) ldmatrix_x4(a[g], tile_a + tile_step<DIM_A>(a_lane, 16 * g, 2 * kk));
+#pragma unroll
+        for (int nn = 0; nn < N / 16; ++nn) {
+            u32 b[4];
+            ldmatrix_x4_trans(b, tile_b + tile_step<DIM_B>(b_lane, 16 * kk, 2 * nn));
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                mma_16816<T>(acc[g][2 * nn], a[g], b[0], b[1]);
+                mma_16816<T>(acc[g][2 * nn + 1], a[g], b[2], b[3]);
+            }
+        }
+    }
+}
+
+// acc[g] += A_g^T B with A_g^T = columns a_col0 + 16 g of a row-major [K][DIM_A] tile (transposed
+// ldmatrix), B rows 0..K, columns b_col0..+N of a row-major [K][DIM_B] tile: dQ += dS K with dS
+// stored as dS^T. mma_AtB for G row groups.
+template <typename T, int G, int N, int K, int DIM_A, int DIM_B>
+__device__ __forceinline__ void mma_AtB_groups(float (&acc)[G][N / 8][4], u32 tile_a, int a_col0, u32 tile_b,
+                                               int b_col0, int lane) {
+    static_assert(N % 16 == 0 && K % 16 == 0, "warp tile shape");
+    const u32 a_lane = tile_offset<DIM_A>(ldm_row_y(lane), a_col0 / 8 + ldm_chunk_y(lane));
+    const u32 b_lane = tile_offset<DIM_B>(ldm_row_x(lane), b_col0 / 8 + ldm_chunk_x(lane));
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+        u32 a[G][4];
+#pragma unroll
+        for (int g = 0; g < G; ++g) ldmatrix_x4_trans(a[g], tile_a + tile_step<DIM_A>(a_lane, 16 * kk, 2 * g));
+#pragma unroll
+        for (int nn = 0; nn < N / 16; ++nn) {
+            u32 b[4];
+            ldmatrix_x4_trans(b, tile_b + tile_step<DIM_B>(b_lane, 16 * kk, 2 * nn));
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                mma_16816<T>(acc[g][2 * nn], a[g], b[0], b[1]);
+                mma_16816<T>(acc[g][2 * nn + 1], a[g], b[2], b[3]);
+            }
+        }
+    }
+}
+
+}  // namespace cf
