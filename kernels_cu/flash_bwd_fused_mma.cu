@@ -11,7 +11,9 @@
 // associate, so their order decides the bits of dQ. With DQ_ORDERED the order is fixed: key block
 // j adds after key blocks 0..j-1 (always exactly the ones before it: a key block that sees query
 // block i makes every earlier key block see it too), waiting on a per-(batch, head, query block)
-// counter that each of them raises by NWARPS. The waits must cost nothing in steady state:
+// counter that each of them raises by NWARPS. The protocol is laid out so that nobody waits in
+// steady state (on an H200 it still runs 15-20% slower than the unordered adds: the acquire loads,
+// the fences and the pipeline fill; docs/perf-log.md, mma-bwd-v4):
 //   * every CTA walks its query blocks from the last to the first, so all CTAs of a (batch, head)
 //     reach a query block at about the same time, causal or not (walking forward, key block j
 //     would reach block i ahead of key block j - 1 under a causal mask and wait for it);
@@ -22,7 +24,8 @@
 //     product, and a block is released one product into the next iteration, when its adds have
 //     reached L2: the release's fence then finds nothing in flight. The next query block's
 //     cp.async prefetch is issued after the release for the same reason.
-// EAGER_RELEASE (measured against the above): release right after the adds, prefetch first.
+// EAGER_RELEASE: release right after the adds, prefetch first (measured slower: the fence then
+// waits for the adds in flight).
 // Without DQ_ORDERED the adds land in whatever order the CTAs reach them (query blocks walked
 // forward: under a causal mask the CTAs then start on different blocks and contend less).
 //
