@@ -97,7 +97,7 @@ struct FusedSmem {
 };
 
 template <typename T, int D_TILE, bool CAUSAL, int BLOCK_M, int BLOCK_N, int WARPS_N, int WARPS_D,
-          int DQ_WARPS_M, int S_UNROLL, bool DQ_ORDERED, bool EAGER_RELEASE = false>
+          int DQ_WARPS_M, int S_UNROLL, bool DQ_ORDERED, bool EAGER_RELEASE = false, bool P_PACKED = false>
 __global__ void __launch_bounds__(WARPS_N * WARPS_D * 32, 1)
 flash_bwd_fused_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                     const T* __restrict__ dout, const float* __restrict__ lse,
@@ -253,9 +253,15 @@ flash_bwd_fused_mma(const T* __restrict__ q, const T* __restrict__ k, const T* _
             }
         }
 
-        // Step 3: P^T to shared memory (dV needs all BLOCK_M query columns of its key rows).
+        // Step 3: P^T to shared memory (dV needs all BLOCK_M query columns of its key rows). With
+        // P_PACKED the 16-bit P^T is also what step 5 reads: the float32 one dies here, which frees
+        // KN * SQ / 64 registers while dP^T is accumulated.
+        u32 p_packed[KG][SQ / 8][2];
 #pragma unroll
-        for (int g = 0; g < KG; ++g) stage_acc<T, SQ, BLOCK_M>(s_pt, key_row0 + 16 * g, q_col0, s_acc[g], 1.f, lane);
+        for (int g = 0; g < KG; ++g) {
+            pack_c_frags<T, SQ>(p_packed[g], s_acc[g]);
+            stage_packed<SQ, BLOCK_M>(s_pt, key_row0 + 16 * g, q_col0, p_packed[g], lane);
+        }
 
         // Step 4: dP^T = V_j dO^T.
         float dp_acc[KG][SQ / 8][4];
@@ -274,8 +280,11 @@ flash_bwd_fused_mma(const T* __restrict__ q, const T* __restrict__ k, const T* _
 #pragma unroll
             for (int g = 0; g < KG; ++g) {
 #pragma unroll
+                const float2 lo = unpack2<T>(p_packed[g][j][0]), hi = unpack2<T>(p_packed[g][j][1]);
+                const float p16[4] = {lo.x, lo.y, hi.x, hi.y};
+#pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const float p = s_acc[g][j][e];
+                    const float p = P_PACKED ? p16[e] : s_acc[g][j][e];
                     dp_acc[g][j][e] = p == 0.f ? 0.f : p * (dp_acc[g][j][e] - ((e & 1) ? d2.y : d2.x));
                 }
             }

@@ -363,4 +363,48 @@ __device__ __forceinline__ void mma_AtB_groups(float (&acc)[G][N / 8][4], u32 ti
     }
 }
 
+// The two 16-bit values of a packed pair (lo in bits 0..15) as floats: the inverse of pack2.
+template <typename T>
+__device__ __forceinline__ float2 unpack2(u32 v);
+
+template <>
+__device__ __forceinline__ float2 unpack2<bf16_t>(u32 v) {
+    float2 r;
+    r.x = __uint_as_float(v << 16);
+    r.y = __uint_as_float(v & 0xffff0000u);
+    return r;
+}
+
+template <>
+__device__ __forceinline__ float2 unpack2<half_t>(u32 v) {
+    float2 r;
+    asm("{\n.reg .f16 lo, hi;\nmov.b32 {lo, hi}, %2;\ncvt.f32.f16 %0, lo;\ncvt.f32.f16 %1, hi;\n}\n"
+        : "=f"(r.x), "=f"(r.y)
+        : "r"(v));
+    return r;
+}
+
+// Packs a warp's 16-row accumulator to 16-bit pairs in C-fragment order: p[j][0] holds c0, c1 of
+// column block j (row g), p[j][1] holds c2, c3 (row g + 8).
+template <typename T, int N>
+__device__ __forceinline__ void pack_c_frags(u32 (&p)[N / 8][2], const float (&acc)[N / 8][4]) {
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j) {
+        p[j][0] = pack2<T>(acc[j][0], acc[j][1]);
+        p[j][1] = pack2<T>(acc[j][2], acc[j][3]);
+    }
+}
+
+// stage_acc for an accumulator already packed by pack_c_frags.
+template <int N, int DIM>
+__device__ __forceinline__ void stage_packed(u32 tile, int row0, int col0, const u32 (&p)[N / 8][2], int lane) {
+    const int r = row0 + lane / 4, c = 2 * (lane % 4);
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j) {
+        const int chunk = (col0 + 8 * j) / 8;
+        st_shared_b32(tile + tile_offset<DIM>(r, chunk) + 2 * c, p[j][0]);
+        st_shared_b32(tile + tile_offset<DIM>(r + 8, chunk) + 2 * c, p[j][1]);
+    }
+}
+
 }  // namespace cf

@@ -146,7 +146,8 @@ def _bwd_candidates(headdim):
     for tiles in mma_bwd.DQ_CANDIDATES_V2.get(dt, ()):
         out.append((f"v3 dq{tiles}", dict(version="v3", deterministic=True, dq_config=tiles)))
     for tiles in mma_bwd.FUSED_CANDIDATES.get(dt, ()):
-        for deterministic in (True, False) if len(tiles) == 6 else (True,):  # [6]: ordered release timing
+        eager = len(tiles) > 6 and tiles[6]  # ordered release timing: no atomic variant
+        for deterministic in (True,) if eager else (True, False):
             out.append((f"v4 fused{tiles} {'ordered' if deterministic else 'atomic'} dq",
                         dict(version="v4", deterministic=deterministic, fused=tiles)))
     return out

@@ -66,16 +66,23 @@ DKDV_CONFIG_SPLIT = {128: (64, 32, 128, 8, 2), 256: (32, 32, 64, 8, 1)}
 # BLOCK_N / WARPS_N key rows x D_TILE / WARPS_D columns of dK and dV (accumulators), the same key
 # rows x BLOCK_M / WARPS_D query columns of S^T and dP^T, and BLOCK_M / DQ_WARPS_M query rows x
 # D_TILE / (8 / DQ_WARPS_M) columns of each step's dQ; S_UNROLL k-steps of S^T and dP^T are unrolled
-# (fewer hold fewer fragments in flight: what keeps d128/d256 free of spills). Shared memory: d64
-# 97 KiB, d128 161 KiB (fits sm_80), d256 209 KiB (sm_90 only).
+# (fewer hold fewer fragments in flight). With P_PACKED (8th entry, see below) d128 runs 2 of its 8
+# k-steps unrolled (4 spill in the fp16 ordered kernel): tuner, bf16 16k atomic, 255.8 / 260.3
+# TFLOP/s (u1, non-causal / causal) -> 262.0 / 266.7 (u4: 261.7 / 271.1). d256 unrolls all 16
+# (202.5 / 207.8 at u2 -> 213.4 / 210.8). Shared
+# memory: d64 97 KiB, d128 161 KiB (fits sm_80), d256 209 KiB (sm_90 only).
 # Head dim 64 has no entry: there v4 runs v3's kernels (the tuner measured the fused kernel at
 # 0.82x of flash_bwd_dkdv_mma_v2 with atomic dQ: at 64 columns a query block is too little work
 # per barrier and per P^T / dS^T round trip).
-FUSED_CONFIG = {128: (64, 128, 4, 2, 2, 1), 256: (64, 64, 2, 4, 2, 2)}
+FUSED_CONFIG = {128: (64, 128, 4, 2, 2, 2, 0, 1), 256: (64, 64, 2, 4, 2, 16)}
 # Alternatives for the tuner (``backward(..., fused=...)``).
-# A 7th entry 1: release each query block's dQ counter right after the adds (EAGER_RELEASE).
-FUSED_CANDIDATES = {64: ((64, 128, 4, 2, 2, 4),), 128: ((64, 128, 4, 2, 2, 2), (64, 128, 4, 2, 2, 1, 1)),
-                    256: ((64, 64, 2, 4, 2, 1), (64, 64, 4, 2, 2, 1), (64, 64, 2, 4, 2, 2, 1))}
+# Optional 7th and 8th entries: EAGER_RELEASE (release each query block's dQ counter right after
+# the adds) and P_PACKED (step 5 reads the 16-bit P^T: fewer registers, so more unrolling fits).
+FUSED_CANDIDATES = {64: ((64, 128, 4, 2, 2, 4),),
+                    128: ((64, 128, 4, 2, 2, 1), (64, 128, 4, 2, 2, 2), (64, 128, 4, 2, 2, 1, 1),
+                          (64, 128, 4, 2, 2, 4, 0, 1)),
+                    256: ((64, 64, 2, 4, 2, 2), (64, 64, 2, 4, 2, 1), (64, 64, 4, 2, 2, 1), (64, 64, 2, 4, 2, 2, 1),
+                          (64, 64, 2, 4, 2, 4), (64, 64, 2, 4, 2, 8))}
 
 # Kernel versions, all launchable side by side (``backward(..., version=...)``); DEFAULT_VERSION
 # is what the dispatcher launches. ldmatrix.x4 per mma.sync counted in the SASS (sm_90).
@@ -276,13 +283,14 @@ def fused_smem_bytes(dt: int, block_m: int, block_n: int) -> int:
 def fused_spec(dtype, headdim: int, causal: bool, ordered: bool, config: tuple | None = None) -> Specialization:
     name = dtype_name(dtype)
     dt = d_tile(headdim)
-    bm, bn, wn, wd, dqm, unroll, *eager = tuple(config or FUSED_CONFIG[dt])
-    eager = bool(eager and eager[0]) and ordered
+    bm, bn, wn, wd, dqm, unroll, *extra = tuple(config or FUSED_CONFIG[dt])
+    eager = bool(extra and extra[0]) and ordered
+    packed = len(extra) > 1 and bool(extra[1])
     spec_name = (f"flash_bwd_fused_mma_{_SHORT[name]}_hdim{dt}_{'causal' if causal else 'full'}"
                  f"_bm{bm}_bn{bn}_wn{wn}_wd{wd}_dqm{dqm}_u{unroll}_{'dqordered' if ordered else 'dqatomic'}"
-                 f"{'_eager' if eager else ''}")
+                 f"{'_eager' if eager else ''}{'_p16' if packed else ''}")
     expression = (f"cf::flash_bwd_fused_mma<{_CTYPE[name]}, {dt}, {_flag(causal)}, {bm}, {bn}, {wn}, {wd}, "
-                  f"{dqm}, {unroll}, {_flag(ordered)}{', true' if eager else ''}>")
+                  f"{dqm}, {unroll}, {_flag(ordered)}, {_flag(eager)}, {_flag(packed)}>")
     return Specialization(spec_name, "flash_bwd_fused_mma.cu", expression, wn * wd * 32,
                           fused_smem_bytes(dt, bm, bn))
 
