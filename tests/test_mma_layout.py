@@ -1118,13 +1118,10 @@ def test_bwd_specializations_are_named_once():
     assert not mma_bwd.supports(np.float32, 64)
 
 
-@pytest.mark.parametrize("dq_config", [None, (64, 64, 64, 4)], ids=["atomic", "dq_kernel"])
-def test_bwd_nan_in_a_value_row_stays_out_of_queries_that_do_not_see_it(dq_config, monkeypatch):
-    # dS is zeroed by selection where hidden, so dP = dO . NaN there cannot reach dQ of a query
-    # that does not see the key (a product 0 * NaN would).
-    from cupyflash.reference import attention_backward
+@pytest.fixture
+def nan_is_data(monkeypatch):
+    """a_matrix and b_matrix take NaN for an unwritten fragment; under this fixture NaN is data."""
 
-    # a_matrix and b_matrix take NaN for an unwritten fragment; here NaN is data.
     def a_matrix_with_nan_data(a):
         m = np.empty((16, 16))
         g, t = GROUP, THREAD_IN_GROUP
@@ -1141,6 +1138,14 @@ def test_bwd_nan_in_a_value_row_stays_out_of_queries_that_do_not_see_it(dq_confi
 
     monkeypatch.setitem(globals(), "a_matrix", a_matrix_with_nan_data)
     monkeypatch.setitem(globals(), "b_matrix", b_matrix_with_nan_data)
+
+
+@pytest.mark.parametrize("dq_config", [None, (64, 64, 64, 4)], ids=["atomic", "dq_kernel"])
+def test_bwd_nan_in_a_value_row_stays_out_of_queries_that_do_not_see_it(dq_config, nan_is_data):
+    # dS is zeroed by selection where hidden, so dP = dO . NaN there cannot reach dQ of a query
+    # that does not see the key (a product 0 * NaN would).
+    from cupyflash.reference import attention_backward
+
 
     rng = np.random.default_rng(7)
     q, do = rng.standard_normal((1, 90, 1, 64)), rng.standard_normal((1, 90, 1, 64))
@@ -2120,27 +2125,11 @@ def test_bwd_fused_emulation_matches_reference(case):
         assert np.all(dq[:, : sq - sk] == 0)  # queries that see no key
 
 
-def test_bwd_fused_nan_in_a_value_row_stays_out_of_queries_that_do_not_see_it(monkeypatch):
+def test_bwd_fused_nan_in_a_value_row_stays_out_of_queries_that_do_not_see_it(nan_is_data):
     # dS^T is set to 0 by selection where P^T is 0, so the NaN of dP^T = V dO^T in a hidden key's
     # row cannot reach dQ of the queries that do not see that key.
     from cupyflash.reference import attention_backward
 
-    def a_matrix_with_nan_data(a):
-        m = np.empty((16, 16))
-        g, t = GROUP, THREAD_IN_GROUP
-        for half in range(2):
-            m[g, 2 * t + half], m[g + 8, 2 * t + half] = a[:, 0, half], a[:, 1, half]
-            m[g, 2 * t + 8 + half], m[g + 8, 2 * t + 8 + half] = a[:, 2, half], a[:, 3, half]
-        return m
-
-    def b_matrix_with_nan_data(b0, b1):
-        m = np.empty((16, 8))
-        for half in range(2):
-            m[2 * THREAD_IN_GROUP + half, GROUP], m[2 * THREAD_IN_GROUP + 8 + half, GROUP] = b0[:, half], b1[:, half]
-        return m
-
-    monkeypatch.setitem(globals(), "a_matrix", a_matrix_with_nan_data)
-    monkeypatch.setitem(globals(), "b_matrix", b_matrix_with_nan_data)
 
     rng = np.random.default_rng(8)
     q, do = rng.standard_normal((1, 90, 1, 64)), rng.standard_normal((1, 90, 1, 64))

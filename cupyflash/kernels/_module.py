@@ -117,3 +117,11 @@ def launch(spec: Specialization, grid: tuple, args: tuple) -> None:
     if grid[1] > 65535 or grid[2] > 65535:
         raise ValueError(f"cupyflash: grid {grid} exceeds 65535 in y or z for {spec.name}")
     fn(tuple(int(g) for g in grid), (spec.threads, 1, 1), args, shared_mem=spec.smem_bytes)
+
+
+def row_strides(a) -> tuple:
+    """(batch, seq, head) strides of a (B, S, H, D) array in elements, as int64 kernel arguments."""
+    import numpy as np
+
+    item = a.itemsize
+    return tuple(np.int64(s // item) for s in a.strides[:3])

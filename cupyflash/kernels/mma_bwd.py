@@ -33,7 +33,7 @@ import math
 
 import numpy as np
 
-from ._module import Specialization, launch
+from ._module import Specialization, launch, row_strides
 from .._dtypes import dtype_name
 
 D_TILES = (64, 128, 256)
@@ -305,12 +305,6 @@ def fused_config(headdim: int, smem_optin: int | None) -> tuple | None:
     return config
 
 
-def _strides(a) -> tuple:
-    """(batch, seq, head) strides of a (B, S, H, D) array in elements, as int64 kernel arguments."""
-    item = a.itemsize
-    return tuple(np.int64(s // item) for s in a.strides[:3])
-
-
 def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: bool,
              deterministic: bool = True, version: str | None = None,
              dq_config: tuple | None = None, fused: tuple | None = None) -> None:
@@ -344,7 +338,7 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
     dt = d_tile(headdim)
     scales = (np.float32(softmax_scale * LOG2E), np.float32(softmax_scale))
     common = (np.int32(seqlen_q), np.int32(seqlen_k), np.int32(nheads), np.int32(nheads // nheads_kv),
-              np.int32(headdim), *_strides(q), *_strides(k), *_strides(v), *_strides(do))
+              np.int32(headdim), *row_strides(q), *row_strides(k), *row_strides(v), *row_strides(do))
 
     if version == "v5" and deterministic and fused is None:
         version = "v3"
@@ -361,21 +355,21 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
     if deterministic:
         # dq_accum is not touched without ATOMIC_DQ; dk stands in for the pointer.
         launch(dkdv_spec(q.dtype, headdim, causal, atomic_dq=False, version=version), dkdv_grid,
-               (q, k, v, do, lse, delta, dk, dv, dk, *common, *_strides(dk), *_strides(dv),
+               (q, k, v, do, lse, delta, dk, dv, dk, *common, *row_strides(dk), *row_strides(dv),
                 np.int64(0), np.int64(0), np.int64(0), *scales))
         bm = (dq_config or dq_tiles(headdim, version))[0]
         launch(dq_spec(q.dtype, headdim, causal, version, dq_config), (math.ceil(seqlen_q / bm), nheads, batch),
-               (q, k, v, do, lse, delta, dq, *common, *_strides(dq), *scales))
+               (q, k, v, do, lse, delta, dq, *common, *row_strides(dq), *scales))
         return
 
     dq_accum = cupy.zeros((batch, seqlen_q, nheads, dt), dtype=np.float32)
     launch(dkdv_spec(q.dtype, headdim, causal, atomic_dq=True, version=version), dkdv_grid,
-           (q, k, v, do, lse, delta, dk, dv, dq_accum, *common, *_strides(dk), *_strides(dv),
-            *_strides(dq_accum), *scales))
+           (q, k, v, do, lse, delta, dk, dv, dq_accum, *common, *row_strides(dk), *row_strides(dv),
+            *row_strides(dq_accum), *scales))
     n_chunks = batch * seqlen_q * nheads * (headdim // 8)
     launch(convert_spec(q.dtype), (math.ceil(n_chunks / CONVERT_THREADS), 1, 1),
            (dq_accum, dq, np.int32(seqlen_q), np.int32(nheads), np.int32(headdim), np.int64(n_chunks),
-            *_strides(dq_accum), *_strides(dq), np.float32(softmax_scale)))
+            *row_strides(dq_accum), *row_strides(dq), np.float32(softmax_scale)))
 
 
 def _fused_backward(q, k, v, do, lse, delta, dq, dk, dv, common, scales, config, causal, deterministic):
@@ -389,9 +383,9 @@ def _fused_backward(q, k, v, do, lse, delta, dq, dk, dv, common, scales, config,
     # One counter per (batch, head, query block): how many warps of earlier key blocks have added.
     semaphore = cupy.zeros((batch, nheads, math.ceil(seqlen_q / bm)) if deterministic else (1,), dtype=np.int32)
     launch(fused_spec(q.dtype, headdim, causal, deterministic, config), (math.ceil(seqlen_k / bn), nheads_kv, batch),
-           (q, k, v, do, lse, delta, dk, dv, dq_accum, semaphore, *common, *_strides(dk), *_strides(dv),
-            *_strides(dq_accum), *scales))
+           (q, k, v, do, lse, delta, dk, dv, dq_accum, semaphore, *common, *row_strides(dk), *row_strides(dv),
+            *row_strides(dq_accum), *scales))
     n_chunks = batch * seqlen_q * nheads * (headdim // 8)
     launch(convert_spec(q.dtype), (math.ceil(n_chunks / CONVERT_THREADS), 1, 1),
            (dq_accum, dq, np.int32(seqlen_q), np.int32(nheads), np.int32(headdim), np.int64(n_chunks),
-            *_strides(dq_accum), *_strides(dq), scales[1]))
+            *row_strides(dq_accum), *row_strides(dq), scales[1]))

@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from ._module import Specialization, launch
+from ._module import Specialization, launch, row_strides
 from .._dtypes import dtype_name, is_float64
 
 D_TILES = (16, 32, 64, 128, 256)
@@ -88,12 +88,6 @@ def specializations() -> list[Specialization]:
     return out
 
 
-def _strides(a) -> tuple:
-    """(batch, seq, head) strides of a (B, S, H, D) array in elements, as int64 kernel arguments."""
-    item = a.itemsize
-    return tuple(np.int64(s // item) for s in a.strides[:3])
-
-
 def _acc_scalar(dtype, x: float):
     return np.float64(x) if is_float64(dtype) else np.float32(x)
 
@@ -108,7 +102,7 @@ def forward(q, k, v, o, lse, *, softmax_scale: float, causal: bool) -> None:
     grid = (math.ceil(seqlen_q / bm), nheads, batch)
     args = (q, k, v, o, lse, np.int32(seqlen_q), np.int32(seqlen_k), np.int32(nheads),
             np.int32(nheads // nheads_kv), np.int32(headdim),
-            *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+            *row_strides(q), *row_strides(k), *row_strides(v), *row_strides(o),
             _acc_scalar(q.dtype, softmax_scale * LOG2E))
     launch(spec, grid, args)
 
@@ -124,7 +118,7 @@ def backward_preprocess(do, o):
     if rows == 0:
         return delta
     args = (do, o, delta, np.int32(batch), np.int32(seqlen_q), np.int32(nheads), np.int32(headdim),
-            *_strides(do), *_strides(o))
+            *row_strides(do), *row_strides(o))
     launch(_preprocess_spec(o.dtype), (math.ceil(rows / 4), 1, 1), args)
     return delta
 
@@ -145,9 +139,9 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
     bm, bn, _ = tile_config(q.dtype, headdim)
     common = (np.int32(seqlen_q), np.int32(seqlen_k), np.int32(nheads),
               np.int32(nheads // nheads_kv), np.int32(headdim),
-              *_strides(q), *_strides(k), *_strides(v), *_strides(do))
+              *row_strides(q), *row_strides(k), *row_strides(v), *row_strides(do))
     scales = (_acc_scalar(q.dtype, softmax_scale * LOG2E), _acc_scalar(q.dtype, softmax_scale))
     launch(_spec("dkdv", q.dtype, headdim, causal), (math.ceil(seqlen_k / bn), nheads_kv, batch),
-           (q, k, v, do, lse, delta, dk, dv, *common, *_strides(dk), *_strides(dv), *scales))
+           (q, k, v, do, lse, delta, dk, dv, *common, *row_strides(dk), *row_strides(dv), *scales))
     launch(_spec("dq", q.dtype, headdim, causal), (math.ceil(seqlen_q / bm), nheads, batch),
-           (q, k, v, do, lse, delta, dq, *common, *_strides(dq), *scales))
+           (q, k, v, do, lse, delta, dq, *common, *row_strides(dq), *scales))
