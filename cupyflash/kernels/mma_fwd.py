@@ -83,15 +83,17 @@ LARGE_SMEM_CONFIGS = {
 # The default tables so far, kept launchable (``forward(..., config=...)``) so that the tuner
 # (``python -m cupyflash.bench.tune``) times old and new side by side: {version: (note, {D_TILE:
 # config on an sm_90 device})}. The last one is CONFIGS with LARGE_SMEM_CONFIGS applied. The
-# kernel had no row_state before v4: v1 and v2 were measured with what is now "all_lanes", v3 with
-# "one_lane"; their entries here launch "one_lane" (the field's default).
+# kernel had no row_state before v4: v1 and v2 ran what is now "all_lanes" (and their entries say
+# so), v3 "one_lane".
 VERSIONS = {
     "v1": ("128x32 tiles for d128 (no spills); 128x32, 8 warps for d256",
-           {64: FwdConfig(128, 64, 4, False, min_blocks=2), 128: FwdConfig(128, 32, 4, False, min_blocks=2),
-            256: FwdConfig(128, 32, 8, False)}),
+           {64: FwdConfig(128, 64, 4, False, min_blocks=2, row_state="all_lanes"),
+            128: FwdConfig(128, 32, 4, False, min_blocks=2, row_state="all_lanes"),
+            256: FwdConfig(128, 32, 8, False, row_state="all_lanes")}),
     "v2": ("v1, but 128x64 tiles, 8 warps for d256 where 193 KiB of shared memory fit (sm_90)",
-           {64: FwdConfig(128, 64, 4, False, min_blocks=2), 128: FwdConfig(128, 32, 4, False, min_blocks=2),
-            256: FwdConfig(128, 64, 8, False)}),
+           {64: FwdConfig(128, 64, 4, False, min_blocks=2, row_state="all_lanes"),
+            128: FwdConfig(128, 32, 4, False, min_blocks=2, row_state="all_lanes"),
+            256: FwdConfig(128, 64, 8, False, row_state="all_lanes")}),
     "v3": ("v2, plus spill-free 128x64 tiles for d128 where 193 KiB fit (sm_90)",
            {64: FwdConfig(128, 64, 4, False, min_blocks=2), 128: FwdConfig(128, 64, 4, False, min_blocks=2),
             256: FwdConfig(128, 64, 8, False)}),
