@@ -216,8 +216,8 @@ flash_bwd_fused_mma(const T* __restrict__ q, const T* __restrict__ k, const T* _
         float s_acc[KG][SQ / 8][4];
 #pragma unroll
         for (int g = 0; g < KG; ++g) zero(s_acc[g]);
-        mma_ABt_groups<T, KG, SQ, D_TILE, D_TILE, D_TILE, S_UNROLL>(s_acc, s_k, key_row0, s_q + q_col0 * (D_TILE * 2), 0,
-                                                          lane);
+        mma_ABt_groups<T, KG, SQ, D_TILE, D_TILE, D_TILE, S_UNROLL>(s_acc, s_k, key_row0,
+                                                                    s_q + q_col0 * (D_TILE * 2), 0, lane);
 
         // The previous query block's release, one product after its adds were issued (they have
         // reached L2 by now), then the prefetch: issued before the release, its copies would be in
@@ -267,8 +267,8 @@ flash_bwd_fused_mma(const T* __restrict__ q, const T* __restrict__ k, const T* _
         float dp_acc[KG][SQ / 8][4];
 #pragma unroll
         for (int g = 0; g < KG; ++g) zero(dp_acc[g]);
-        mma_ABt_groups<T, KG, SQ, D_TILE, D_TILE, D_TILE, S_UNROLL>(dp_acc, s_v, key_row0, s_do + q_col0 * (D_TILE * 2), 0,
-                                                          lane);
+        mma_ABt_groups<T, KG, SQ, D_TILE, D_TILE, D_TILE, S_UNROLL>(dp_acc, s_v, key_row0,
+                                                                    s_do + q_col0 * (D_TILE * 2), 0, lane);
 
         // Step 5: dS^T = P^T o (dP^T - D), D per column, to shared memory for dK (all query
         // columns) and dQ (all key rows). Where P^T is 0 (hidden, or underflowed) dS^T is set to 0
@@ -279,7 +279,6 @@ flash_bwd_fused_mma(const T* __restrict__ q, const T* __restrict__ k, const T* _
             const float2 d2 = *reinterpret_cast<const float2*>(s_delta + q_col0 + 8 * j + 2 * (lane % 4));
 #pragma unroll
             for (int g = 0; g < KG; ++g) {
-#pragma unroll
                 const float2 lo = unpack2<T>(p_packed[g][j][0]), hi = unpack2<T>(p_packed[g][j][1]);
                 const float p16[4] = {lo.x, lo.y, hi.x, hi.y};
 #pragma unroll
