@@ -986,25 +986,32 @@ def _bwd_case_id(c):
     return name + "_hd{}_sq{}_sk{}_h{}_{}{}".format(c[2], c[4], c[5], c[6], c[7], "_causal" if c[8] else "")
 
 
-@pytest.mark.parametrize("case", _BWD_CASES, ids=_bwd_case_id)
-def test_bwd_emulation_matches_reference(case):
+def _check_bwd_emulation(emulate, headdim, batch, sq, sk, nheads, nheads_kv, causal):
+    """emulate(q, k, v, do, scale) -> (dq, dk, dv) on float64 inputs drawn from the shape, against
+    the float64 reference at 1e-9; no element may stay NaN (the emulations poison their outputs)."""
     from cupyflash.reference import attention_backward
 
-    dkdv_config, dq_config, headdim, batch, sq, sk, nheads, nheads_kv, causal = case
-    rng = np.random.default_rng(sum(case[2:8]))
+    rng = np.random.default_rng(headdim + batch + sq + sk + nheads + nheads_kv)
     q = rng.standard_normal((batch, sq, nheads, headdim))
     k = rng.standard_normal((batch, sk, nheads_kv, headdim))
     v = rng.standard_normal((batch, sk, nheads_kv, headdim))
     do = rng.standard_normal((batch, sq, nheads, headdim))
     scale = 1 / math.sqrt(headdim)
-    dq, dk, dv = _bwd_emulated(q, k, v, do, causal=causal, scale=scale, dkdv_config=dkdv_config,
-                               dq_config=dq_config)
+    dq, dk, dv = emulate(q, k, v, do, scale)
     dq_ref, dk_ref, dv_ref = attention_backward(do, q, k, v, softmax_scale=scale, causal=causal)
     for name, got, want in (("dq", dq, dq_ref), ("dk", dk, dk_ref), ("dv", dv, dv_ref)):
         assert not np.isnan(got).any(), f"{name}: some element was never written"
         np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9, err_msg=name)
     if causal and sq > sk:
         assert np.all(dq[:, : sq - sk] == 0)  # queries that see no key
+
+
+@pytest.mark.parametrize("case", _BWD_CASES, ids=_bwd_case_id)
+def test_bwd_emulation_matches_reference(case):
+    dkdv_config, dq_config, headdim, batch, sq, sk, nheads, nheads_kv, causal = case
+    _check_bwd_emulation(lambda q, k, v, do, scale: _bwd_emulated(q, k, v, do, causal=causal, scale=scale,
+                                                                  dkdv_config=dkdv_config, dq_config=dq_config),
+                         headdim, batch, sq, sk, nheads, nheads_kv, causal)
 
 
 @pytest.mark.parametrize("cols", [32, 64, 128, 256])
@@ -2107,22 +2114,9 @@ def _fused_case_id(c):
 
 @pytest.mark.parametrize("case", _BWD_FUSED_CASES, ids=_fused_case_id)
 def test_bwd_fused_emulation_matches_reference(case):
-    from cupyflash.reference import attention_backward
-
     config, ordered, headdim, batch, sq, sk, nheads, nheads_kv, causal = case
-    rng = np.random.default_rng(sum(case[2:8]))
-    q = rng.standard_normal((batch, sq, nheads, headdim))
-    k = rng.standard_normal((batch, sk, nheads_kv, headdim))
-    v = rng.standard_normal((batch, sk, nheads_kv, headdim))
-    do = rng.standard_normal((batch, sq, nheads, headdim))
-    scale = 1 / math.sqrt(headdim)
-    dq, dk, dv = _fused_emulated(q, k, v, do, causal, scale, config, ordered)
-    dq_ref, dk_ref, dv_ref = attention_backward(do, q, k, v, softmax_scale=scale, causal=causal)
-    for name, got, want in (("dq", dq, dq_ref), ("dk", dk, dk_ref), ("dv", dv, dv_ref)):
-        assert not np.isnan(got).any(), f"{name}: some element was never written"
-        np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9, err_msg=name)
-    if causal and sq > sk:
-        assert np.all(dq[:, : sq - sk] == 0)  # queries that see no key
+    _check_bwd_emulation(lambda q, k, v, do, scale: _fused_emulated(q, k, v, do, causal, scale, config, ordered),
+                         headdim, batch, sq, sk, nheads, nheads_kv, causal)
 
 
 def test_bwd_fused_nan_in_a_value_row_stays_out_of_queries_that_do_not_see_it(nan_is_data):
