@@ -2371,3 +2371,20 @@ def test_bwd_v4_falls_back_to_v3_where_shared_memory_is_short(deterministic, mon
                 _assert_arguments_match_signature(spec, grid, args)
         else:
             _assert_fused_launches(v4, d, deterministic, mma_bwd.fused_config(d, 163 * 1024))
+
+
+@pytest.mark.parametrize("smem_optin", [227 * 1024, 163 * 1024], ids=["sm90", "sm80"])
+@pytest.mark.parametrize("d", [64, 96, 200])
+def test_bwd_v5_launches_v3_when_deterministic_and_v4_otherwise(d, smem_optin, monkeypatch):
+    """The default version: deterministic=True launches exactly v3's kernels (the two-kernel path;
+    the ordered fused kernel measured slower), deterministic=False exactly what v4 launches."""
+    from cupyflash.kernels import mma_bwd, mma_fwd
+
+    monkeypatch.setattr(mma_fwd, "current_smem_optin", lambda: smem_optin)
+    for deterministic, same_as in ((True, "v3"), (False, "v4")):
+        v5 = _record_backward_launches(monkeypatch, "v5", d, deterministic)
+        other = _record_backward_launches(monkeypatch, same_as, d, deterministic)
+        assert [(spec, grid) for spec, grid, _ in v5] == [(spec, grid) for spec, grid, _ in other]
+        assert not (deterministic and any("fused" in spec.name for spec, _, _ in v5))
+        for spec, grid, args in v5:
+            _assert_arguments_match_signature(spec, grid, args)

@@ -19,7 +19,11 @@ Registers per thread are what limit them (255 at most, and no spills):
 
 Versions (``VERSIONS``, ``backward(..., version=...)``): v1 as above; v2 and v3 give a warp 2 x 16
 rows (``flash_bwd_dq_mma_v2``, ``flash_bwd_dkdv_mma_v2``, ``flash_bwd_dkdv_mma_split``), so each
-shared-memory fragment feeds twice the mma. See the notes at ``VERSIONS``.
+shared-memory fragment feeds twice the mma. v4 is one fused kernel, ``flash_bwd_fused_mma``
+(flash_bwd_fused_mma.cu): FlashAttention-2's 32-row warp tiles for all five products, P^T and dS^T
+through shared memory, dQ by float32 atomics or, deterministic, in a fixed key-block order. v5, the
+default, runs v3's two kernels when ``deterministic`` (on an H200 they beat the ordered fused
+kernel) and v4's fused atomic kernel otherwise. See the notes at ``VERSIONS`` and docs/perf-log.md.
 
 Shared memory (bytes; mirrored by DkdvSmem / DqSmem in flash_bwd_mma.cu): K, V of the key block,
 two stages of Q, dO (and lse, D) per query block, the 16-bit dS^T block (atomic dQ) and the
