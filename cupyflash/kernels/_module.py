@@ -125,3 +125,17 @@ def row_strides(a) -> tuple:
 
     item = a.itemsize
     return tuple(np.int64(s // item) for s in a.strides[:3])
+
+
+def backward_is_empty(q, k, dq, dk, dv) -> bool:
+    """Whether a backward on (B, S, H, D) arrays q, k has nothing to launch; zero-length sequences
+    then get zero gradients here (the API does the same before calling a family; this covers
+    direct calls, e.g. from the tuner)."""
+    batch, seqlen_q, nheads = q.shape[:3]
+    if batch == 0 or nheads == 0:
+        return True
+    if seqlen_q == 0 or k.shape[1] == 0:
+        for g in (dq, dk, dv):
+            g.fill(0)
+        return True
+    return False

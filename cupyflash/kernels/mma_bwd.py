@@ -37,7 +37,7 @@ import math
 
 import numpy as np
 
-from ._module import Specialization, launch, row_strides
+from ._module import Specialization, backward_is_empty, launch, row_strides
 from .._dtypes import dtype_name
 
 D_TILES = (64, 128, 256)
@@ -188,32 +188,21 @@ def dkdv_split_smem_bytes(dt: int, block_m: int, m_sub: int, block_n: int, nwarp
 
 def dkdv_spec(dtype, headdim: int, causal: bool, atomic_dq: bool,
               version: str = DEFAULT_VERSION) -> Specialization:
+    """flash_bwd_dkdv_mma (v1 tiles, last entry WARPS_D), flash_bwd_dkdv_mma_v2 or
+    flash_bwd_dkdv_mma_split (last entry ROW_GROUPS), as dkdv_tiles picks for the version."""
     name = dtype_name(dtype)
     dt = d_tile(headdim)
-    kernel, tiles = dkdv_tiles(headdim, version, atomic_dq)
+    kernel, (bm, ms, bn, nw, last) = dkdv_tiles(headdim, version, atomic_dq)
+    suffix, last_name = {"v1": ("", "wd"), "v2": ("_v2", "rg"), "split": ("_split", "rg")}[kernel]
+    spec_name = (f"flash_bwd_dkdv_mma{suffix}_{_SHORT[name]}_hdim{dt}_{'causal' if causal else 'full'}"
+                 f"_bm{bm}_ms{ms}_bn{bn}_w{nw}_{last_name}{last}{'_dqatomic' if atomic_dq else ''}")
+    expression = (f"cf::flash_bwd_dkdv_mma{suffix}<{_CTYPE[name]}, {dt}, {_flag(causal)}, {bm}, {ms}, {bn}, "
+                  f"{nw}, {last}, {_flag(atomic_dq)}>")
     if kernel == "split":
-        bm, ms, bn, nw, rg = tiles
-        spec_name = (f"flash_bwd_dkdv_mma_split_{_SHORT[name]}_hdim{dt}_{'causal' if causal else 'full'}"
-                     f"_bm{bm}_ms{ms}_bn{bn}_w{nw}_rg{rg}{'_dqatomic' if atomic_dq else ''}")
-        expression = (f"cf::flash_bwd_dkdv_mma_split<{_CTYPE[name]}, {dt}, {_flag(causal)}, {bm}, {ms}, {bn}, "
-                      f"{nw}, {rg}, {_flag(atomic_dq)}>")
-        return Specialization(spec_name, _SOURCE, expression, nw * 32,
-                              dkdv_split_smem_bytes(dt, bm, ms, bn, nw, rg, atomic_dq))
-    if kernel == "v2":
-        bm, ms, bn, nw, rg = tiles
-        spec_name = (f"flash_bwd_dkdv_mma_v2_{_SHORT[name]}_hdim{dt}_{'causal' if causal else 'full'}"
-                     f"_bm{bm}_ms{ms}_bn{bn}_w{nw}_rg{rg}{'_dqatomic' if atomic_dq else ''}")
-        expression = (f"cf::flash_bwd_dkdv_mma_v2<{_CTYPE[name]}, {dt}, {_flag(causal)}, {bm}, {ms}, {bn}, "
-                      f"{nw}, {rg}, {_flag(atomic_dq)}>")
-        return Specialization(spec_name, _SOURCE, expression, nw * 32,
-                              dkdv_smem_bytes(dt, bm, ms, bn, nw, 1, atomic_dq))
-    bm, ms, bn, nw, wd = tiles
-    spec_name = (f"flash_bwd_dkdv_mma_{_SHORT[name]}_hdim{dt}_{'causal' if causal else 'full'}"
-                 f"_bm{bm}_ms{ms}_bn{bn}_w{nw}_wd{wd}{'_dqatomic' if atomic_dq else ''}")
-    expression = (f"cf::flash_bwd_dkdv_mma<{_CTYPE[name]}, {dt}, {_flag(causal)}, {bm}, {ms}, {bn}, {nw}, "
-                  f"{wd}, {_flag(atomic_dq)}>")
-    return Specialization(spec_name, _SOURCE, expression, nw * 32,
-                          dkdv_smem_bytes(dt, bm, ms, bn, nw, wd, atomic_dq))
+        smem = dkdv_split_smem_bytes(dt, bm, ms, bn, nw, last, atomic_dq)
+    else:  # v2 keeps v1's layout with one warp per key-row group
+        smem = dkdv_smem_bytes(dt, bm, ms, bn, nw, last if kernel == "v1" else 1, atomic_dq)
+    return Specialization(spec_name, _SOURCE, expression, nw * 32, smem)
 
 
 def dq_smem_bytes_v2(dt: int, block_m: int, block_n: int) -> int:
@@ -326,12 +315,7 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
 
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
-    if batch == 0 or nheads == 0:
-        return
-    if seqlen_q == 0 or seqlen_k == 0:
-        dq.fill(0)
-        dk.fill(0)
-        dv.fill(0)
+    if backward_is_empty(q, k, dq, dk, dv):
         return
     if not supports(q.dtype, headdim):
         raise ValueError(f"cupyflash: mma backward does not support {q.dtype} with headdim {headdim}")

@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from ._module import Specialization, launch, row_strides
+from ._module import Specialization, backward_is_empty, launch, row_strides
 from .._dtypes import dtype_name, is_float64
 
 D_TILES = (16, 32, 64, 128, 256)
@@ -128,12 +128,7 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
     """dq, dk, dv (preallocated, C-contiguous) from the saved lse. Always deterministic."""
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
-    if batch == 0 or nheads == 0:
-        return
-    if seqlen_q == 0 or seqlen_k == 0:
-        dq.fill(0)
-        dk.fill(0)
-        dv.fill(0)
+    if backward_is_empty(q, k, dq, dk, dv):
         return
     delta = backward_preprocess(do, o)
     bm, bn, _ = tile_config(q.dtype, headdim)
