@@ -306,20 +306,11 @@ def numpy_as_cupy():
     fake = types.ModuleType("cupy")
     fake.ndarray = type("NotACupyArray", (), {})
 
-    class Stream:
+    class Stream(FakeStream):
         ptr = 1
 
         def __init__(self, non_blocking=False):
             pass
-
-        def synchronize(self):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
 
     class Event:
         done = False

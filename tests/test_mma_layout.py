@@ -1415,6 +1415,48 @@ def test_bwd_v2_tables_match_layouts_and_fit():
 # Backward v2: flash_bwd_dkdv_mma_v2 (ROW_GROUPS 16-row key groups per warp, WARPS_D = 1)
 # ---------------------------------------------------------------------------------------------
 
+def _first_query_of_key_rows(groups, key_row0, seqlen_q, seqlen_k, causal, diag):
+    """m_min[g, half, lane]: the first query that sees key key_row0 + 16 g + 8 half + lane / 4
+    (seqlen_q for keys past seqlen_k): the mask of the 2 x 16-row dK/dV emulations."""
+    m_min = np.zeros((groups, 2, 32), dtype=np.int64)
+    for g in range(groups):
+        for half in range(2):
+            n = key_row0 + 16 * g + GROUP + 8 * half
+            m_min[g, half] = np.where(n < seqlen_k, (n - diag) if causal else 0, seqlen_q)
+    return m_min
+
+
+def _p_transposed_groups(smem, smem32, tile_k, row0, s_q_sub, s_lse_sub, m0_sub, m_min, partial, groups, m_sub,
+                         d_tile, scale_log2, seqlen_q):
+    """S^T = K Q^T of a warp's row groups (mma_ABt_groups), then P^T = exp2(S^T scale - lse), 0
+    where hidden: steps 1-2 of flash_bwd_dkdv_mma_v2 and of the dV warp of flash_bwd_dkdv_mma_split."""
+    s_acc = np.zeros((groups, 32, m_sub // 8, 4))
+    bwd_mma_ABt_groups(s_acc, smem, m_sub, d_tile, d_tile, d_tile, tile_k, row0, s_q_sub, 0)
+    for j in range(m_sub // 8):
+        c = 8 * j + 2 * THREAD_IN_GROUP
+        for g in range(groups):
+            for e in range(4):
+                base = _lse_base_log2(smem32[s_lse_sub + c + (e & 1)])
+                p = np.exp2(s_acc[g, :, j, e] * scale_log2 - base)
+                m = m0_sub + c + (e & 1)
+                hidden = partial & ((m < m_min[g, e >> 1]) | (m >= seqlen_q))
+                s_acc[g, :, j, e] = np.where(hidden, 0.0, p)
+    return s_acc
+
+
+def _store_ds_transposed(smem, tile_ds, block_m, row0, mc0, ds_frags):
+    """dS^T A fragments (ds_frags[g][lane, kk, reg]) of a warp's row groups into the dS^T tile, as
+    the atomic-dQ dK/dV kernels store them for step 7."""
+    for g, frag in enumerate(ds_frags):
+        r = row0 + 16 * g
+        for kk in range(frag.shape[1]):
+            col = mc0 + 16 * kk
+            bwd_store_fragment_pairs(smem, tile_ds, block_m, r, col, frag[:, kk, 0])
+            bwd_store_fragment_pairs(smem, tile_ds, block_m, r + 8, col, frag[:, kk, 1])
+            bwd_store_fragment_pairs(smem, tile_ds, block_m, r, col + 8, frag[:, kk, 2])
+            bwd_store_fragment_pairs(smem, tile_ds, block_m, r + 8, col + 8, frag[:, kk, 3])
+
+
 def _dkdv_block_v2(q, k, v, do, lse, delta, dk, dv, dq_accum, *, batch, head_kv, n_block, group, scale,
                    causal, d_tile, block_m, m_sub, block_n, nwarps, row_groups):
     """One CTA of flash_bwd_dkdv_mma_v2 (dq_accum is None unless ATOMIC_DQ)."""
@@ -1471,23 +1513,10 @@ def _dkdv_block_v2(q, k, v, do, lse, delta, dk, dv, dq_accum, *, batch, head_kv,
             partial = _partial(m0_sub, m_sub, n0, block_n, seqlen_q, seqlen_k, causal)
             for w in range(nwarps):
                 row0 = warp_rows * w
-                m_min = np.zeros((G, 2, 32), dtype=np.int64)
-                for g in range(G):
-                    for half in range(2):
-                        n = n0 + row0 + 16 * g + GROUP + 8 * half
-                        m_min[g, half] = np.where(n < seqlen_k, (n - diag) if causal else 0, seqlen_q)
+                m_min = _first_query_of_key_rows(G, n0 + row0, seqlen_q, seqlen_k, causal, diag)
                 # Step 1, 2
-                s_acc = np.zeros((G, 32, m_sub // 8, 4))
-                bwd_mma_ABt_groups(s_acc, smem, m_sub, d_tile, d_tile, d_tile, lay["K"], row0, s_q_sub, 0)
-                for j in range(m_sub // 8):
-                    c = 8 * j + 2 * THREAD_IN_GROUP
-                    for g in range(G):
-                        for e in range(4):
-                            base = _lse_base_log2(smem32[s_lse + mc0 + c + (e & 1)])
-                            p = np.exp2(s_acc[g, :, j, e] * scale_log2 - base)
-                            m = m0_sub + c + (e & 1)
-                            hidden = partial & ((m < m_min[g, e >> 1]) | (m >= seqlen_q))
-                            s_acc[g, :, j, e] = np.where(hidden, 0.0, p)
+                s_acc = _p_transposed_groups(smem, smem32, lay["K"], row0, s_q_sub, s_lse + mc0, m0_sub, m_min,
+                                             partial, G, m_sub, d_tile, scale_log2, seqlen_q)
                 # Step 3
                 bwd_mma_AB_regs_groups(dv_acc[w], [bwd_pack_a_frags(s_acc[g]) for g in range(G)], smem, d_tile,
                                        m_sub, d_tile, s_do_sub, 0)
@@ -1512,14 +1541,7 @@ def _dkdv_block_v2(q, k, v, do, lse, delta, dk, dv, dq_accum, *, batch, head_kv,
                 # Step 6 and the dS^T store
                 bwd_mma_AB_regs_groups(dk_acc[w], ds_frag, smem, d_tile, m_sub, d_tile, s_q_sub, 0)
                 if atomic_dq:
-                    for g in range(G):
-                        r = row0 + 16 * g
-                        for kk in range(m_sub // 16):
-                            col = mc0 + 16 * kk
-                            bwd_store_fragment_pairs(smem, lay["DS"], block_m, r, col, ds_frag[g, :, kk, 0])
-                            bwd_store_fragment_pairs(smem, lay["DS"], block_m, r + 8, col, ds_frag[g, :, kk, 1])
-                            bwd_store_fragment_pairs(smem, lay["DS"], block_m, r, col + 8, ds_frag[g, :, kk, 2])
-                            bwd_store_fragment_pairs(smem, lay["DS"], block_m, r + 8, col + 8, ds_frag[g, :, kk, 3])
+                    _store_ds_transposed(smem, lay["DS"], block_m, row0, mc0, [ds_frag[g] for g in range(G)])
         # Step 7
         if atomic_dq:
             for w in range(nwarps):
@@ -1648,23 +1670,12 @@ def _dkdv_block_split(q, k, v, do, lse, delta, dk, dv, dq_accum, *, batch, head_
             partial = _partial(m0_sub, m_sub, n0, block_n, seqlen_q, seqlen_k, causal)
             for pair in range(pairs):
                 row0 = warp_rows * pair
-                m_min = np.zeros((G, 2, 32), dtype=np.int64)
-                for g in range(G):
-                    for half in range(2):
-                        n = n0 + row0 + 16 * g + GROUP + 8 * half
-                        m_min[g, half] = np.where(n < seqlen_k, (n - diag) if causal else 0, seqlen_q)
+                m_min = _first_query_of_key_rows(G, n0 + row0, seqlen_q, seqlen_k, causal, diag)
                 # dV warp
-                s_acc = np.zeros((G, 32, m_sub // 8, 4))
-                bwd_mma_ABt_groups(s_acc, smem, m_sub, d_tile, d_tile, d_tile, lay["K"], row0, s_q_sub, 0)
+                s_acc = _p_transposed_groups(smem, smem32, lay["K"], row0, s_q_sub, s_lse + mc0, m0_sub, m_min,
+                                             partial, G, m_sub, d_tile, scale_log2, seqlen_q)
                 for j in range(m_sub // 8):
-                    c = 8 * j + 2 * THREAD_IN_GROUP
                     for g in range(G):
-                        for e in range(4):
-                            base = _lse_base_log2(smem32[s_lse + mc0 + c + (e & 1)])
-                            p = np.exp2(s_acc[g, :, j, e] * scale_log2 - base)
-                            m = m0_sub + c + (e & 1)
-                            hidden = partial & ((m < m_min[g, e >> 1]) | (m >= seqlen_q))
-                            s_acc[g, :, j, e] = np.where(hidden, 0.0, p)
                         addr = bwd_split_p_address(xchg, slot_bytes, m_sub, pair, slot, g, j)
                         for e in range(4):
                             smem32[addr // 4 + e] = s_acc[g, :, j, e]
@@ -1686,14 +1697,7 @@ def _dkdv_block_split(q, k, v, do, lse, delta, dk, dv, dq_accum, *, batch, head_
                 ds_frag = [bwd_pack_a_frags(dp_acc[g]) for g in range(G)]
                 bwd_mma_AB_regs_groups(acc[pairs + pair], ds_frag, smem, d_tile, m_sub, d_tile, s_q_sub, 0)
                 if atomic_dq:
-                    for g in range(G):
-                        r = row0 + 16 * g
-                        for kk in range(m_sub // 16):
-                            col = mc0 + 16 * kk
-                            bwd_store_fragment_pairs(smem, lay["DS"], block_m, r, col, ds_frag[g][:, kk, 0])
-                            bwd_store_fragment_pairs(smem, lay["DS"], block_m, r + 8, col, ds_frag[g][:, kk, 1])
-                            bwd_store_fragment_pairs(smem, lay["DS"], block_m, r, col + 8, ds_frag[g][:, kk, 2])
-                            bwd_store_fragment_pairs(smem, lay["DS"], block_m, r + 8, col + 8, ds_frag[g][:, kk, 3])
+                    _store_ds_transposed(smem, lay["DS"], block_m, row0, mc0, [ds_frag[g] for g in range(G)])
             slot ^= 1
         if atomic_dq:
             for w in range(nwarps):
