@@ -45,6 +45,8 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .shapes import parse_size
+
 PASSES = ("flash-fwd", "flash-bwd", "standard-fwd")
 FAMILIES = ("mma", "simt")
 DTYPES = ("bfloat16", "float16", "float32", "float64")
@@ -872,14 +874,6 @@ def plot(configs_or_measurements: list, path: str | Path) -> str | None:
 
 # --- command line -------------------------------------------------------------------------------
 
-def _size(text: str) -> int:
-    text = text.strip().lower()
-    value = int(text[:-1]) * 1024 if text.endswith("k") else int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m cupyflash.bench.io_complexity",
@@ -891,7 +885,7 @@ def build_parser() -> argparse.ArgumentParser:
                "  python -m cupyflash.bench.io_complexity --markdown docs/io-complexity.md "
                "--plot docs/io-complexity.png --json io.json\n"
                "  python -m cupyflash.bench.io_complexity --quick --no-l2")
-    p.add_argument("--seqlen", type=_size, nargs="+", help=f"default {' '.join(map(str, DEFAULT_SEQLENS))}")
+    p.add_argument("--seqlen", type=parse_size, nargs="+", help=f"default {' '.join(map(str, DEFAULT_SEQLENS))}")
     p.add_argument("--headdim", type=int, nargs="+", help=f"default {' '.join(map(str, DEFAULT_HEADDIMS))}")
     p.add_argument("--passes", default=",".join(PASSES), help=f"comma-separated subset of {','.join(PASSES)}")
     p.add_argument("--family", default="mma", choices=FAMILIES, help="kernel family of the flash passes")
