@@ -43,37 +43,9 @@
 #include "common.cuh"
 #include "mma.cuh"
 #include "mma_bwd.cuh"
+#include "dq_order.cuh"
 
 namespace cf {
-
-// ---------------------------------------------------------------------------------------------
-// dQ ordering
-// ---------------------------------------------------------------------------------------------
-
-__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
-    int v;
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
-__device__ __forceinline__ void red_add_release_gpu(int* p, int v) {
-    asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
-}
-
-__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;\n" ::: "memory"); }
-
-// Backs off a spinning warp so that it does not steal issue slots from the warps doing work.
-__device__ __forceinline__ void nanosleep_64() { asm volatile("nanosleep.u32 64;\n" ::: "memory"); }
-
-// Releases query block `sem` (if any) to the next key block of the order: the fence completes
-// when this lane's adds to dq_accum have been performed; the warp barrier orders all lanes' adds
-// before lane 0's release (cumulativity of the release).
-__device__ __forceinline__ void release_dq_block(int* sem, int lane) {
-    if (sem == nullptr) return;
-    fence_acq_rel_gpu();
-    __syncwarp();
-    if (lane == 0) red_add_release_gpu(sem, 1);
-}
 
 // ---------------------------------------------------------------------------------------------
 // The kernel

@@ -122,6 +122,21 @@ def test_mma_backward_versions_match_reference(version, deterministic, case):
         _check_backward(case, "mma", deterministic=deterministic)
 
 
+@settings(max_examples=30)
+@given(case=attention_case(dtypes=SIXTEEN_BIT))
+def test_wgmma_ordered_dq_at_every_head_dim_matches_reference(case):
+    """v6's ordered-dQ wgmma kernels where the default runs v3's instead (d64, d256 on sm_90)."""
+    from cupyflash.kernels import mma_bwd
+
+    saved = mma_bwd.WGMMA_ORDERED_D_TILES
+    mma_bwd.WGMMA_ORDERED_D_TILES = mma_bwd.D_TILES
+    try:
+        with _backward_version("v6"):
+            _check_backward(case, "mma", deterministic=True)
+    finally:
+        mma_bwd.WGMMA_ORDERED_D_TILES = saved
+
+
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
 def test_auto_backend_and_numpy_arrays_round_trip(dtype):
     rng = np.random.default_rng()

@@ -1771,8 +1771,42 @@ def test_fwd_default_configs_fit_their_gpus():
         names = {s.name for s in mma_fwd.specializations()}
         for config in (portable, sm90):
             assert {mma_fwd._spec_for(np.float16, dt, c, config).name for c in (False, True)} <= names
-    last_version = list(mma_fwd.VERSIONS.values())[-1][1]
-    assert last_version == {dt: mma_fwd.default_config(dt, 227 * 1024) for dt in mma_fwd.D_TILES}
+    # v5 is the mma.sync default with the sm_90 tier applied; v6 the wgmma kernel on sm_90
+    assert mma_fwd.VERSIONS["v5"][1] == {dt: mma_fwd.default_config(dt, 227 * 1024) for dt in mma_fwd.D_TILES}
+    assert mma_fwd.VERSIONS["v6"][1] == {dt: mma_fwd.default_config(dt, 227 * 1024, "90") for dt in mma_fwd.D_TILES}
+    names = {s.name: s for s in mma_fwd.specializations()}
+    for dt in mma_fwd.D_TILES:
+        config = mma_fwd.default_config(dt, 227 * 1024, "90")
+        assert mma_fwd.wgmma_smem_bytes(dt, config) <= 227 * 1024
+        for causal in (False, True):
+            spec = mma_fwd._spec_for(np.float16, dt, causal, config)
+            assert names[spec.name] == spec and spec.arch == "90a" and spec.threads == config.block_m // 64 * 128
+
+
+def test_fwd_wgmma_launch_arguments_match_kernel_signature(monkeypatch):
+    """forward() on an sm_90 device (stand-in arrays, launch recorded) launches flash_fwd_wgmma with
+    an argument list matching its C++ parameters; other devices keep flash_fwd_mma."""
+    from cupyflash.kernels import mma_fwd
+
+    b, sq, sk, h, hkv = (_LAUNCH_SHAPE[x] for x in ("b", "sq", "sk", "h", "hkv"))
+    for arch, smem, kernel in (("90", 227 * 1024, "flash_fwd_wgmma"), ("80", 163 * 1024, "flash_fwd_mma")):
+        monkeypatch.setattr(mma_fwd, "current_arch", lambda: arch)
+        monkeypatch.setattr(mma_fwd, "current_smem_optin", lambda: smem)
+        for d in (64, 96, 200):
+            launches = []
+            monkeypatch.setattr(mma_fwd, "launch", lambda spec, grid, args: launches.append((spec, grid, args)))
+            q, o = _FakeArray((b, sq, h, d), np.float16), _FakeArray((b, sq, h, d), np.float16)
+            q.data = o.data = type("Ptr", (), {"ptr": 0})()
+            k, v = _FakeArray((b, sk, hkv, d), np.float16), _FakeArray((b, sk, hkv, d), np.float16)
+            k.data = v.data = q.data
+            lse = _FakeArray((b, h, sq), np.float32)
+            lse.flags = type("Flags", (), {"c_contiguous": True})()
+            mma_fwd.forward(q, k, v, o, lse, softmax_scale=0.1, causal=True)
+            [(spec, grid, args)] = launches
+            config = mma_fwd.default_config(mma_fwd.d_tile(d), smem, arch)
+            assert spec.name.startswith(kernel) and spec == mma_fwd._spec_for(np.float16, mma_fwd.d_tile(d), True, config)
+            assert grid == (math.ceil(sq / config.block_m), h, b)
+            _assert_arguments_match_signature(spec, grid, args)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2375,6 +2409,38 @@ def test_bwd_v4_falls_back_to_v3_where_shared_memory_is_short(deterministic, mon
                 _assert_arguments_match_signature(spec, grid, args)
         else:
             _assert_fused_launches(v4, d, deterministic, mma_bwd.fused_config(d, 163 * 1024))
+
+
+@pytest.mark.parametrize("d", [64, 96, 200])
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_bwd_v6_launches_the_wgmma_kernel_on_sm90(deterministic, d, monkeypatch):
+    """version="v6" on an sm_90 device: flash_bwd_wgmma (flash_bwd_wgmma_dsplit at d256) and
+    flash_bwd_dq_convert, dQ ordered when deterministic (v3's kernels at the head-dim tiles not in
+    WGMMA_ORDERED_D_TILES); argument lists match the kernels' parameters. On sm_80 v6 is v5."""
+    from cupyflash.kernels import mma_bwd, mma_fwd
+
+    monkeypatch.setattr(mma_fwd, "current_smem_optin", lambda: 227 * 1024)
+    monkeypatch.setattr(mma_fwd, "current_arch", lambda: "90")
+    launches = _record_backward_launches(monkeypatch, "v6", d, deterministic)
+    dt = mma_bwd.d_tile(d)
+    if deterministic and dt not in mma_bwd.WGMMA_ORDERED_D_TILES:
+        v3 = _record_backward_launches(monkeypatch, "v3", d, deterministic)
+        assert [(spec, grid) for spec, grid, _ in launches] == [(spec, grid) for spec, grid, _ in v3]
+    else:
+        b, sq, sk, h, hkv = (_LAUNCH_SHAPE[x] for x in ("b", "sq", "sk", "h", "hkv"))
+        bm, bn = mma_bwd.WGMMA_CONFIG[dt]
+        spec = mma_bwd.wgmma_spec(np.float16, d, True, deterministic)
+        assert [s for s, _, _ in launches] == [spec, mma_bwd.convert_spec(np.float16)]
+        assert spec.arch == "90a" and ("dsplit" in spec.name) == (dt == 256)
+        (_, grid, args), _ = launches
+        assert grid == (math.ceil(sk / bn), hkv, b)
+        assert args[9].shape == ((b, h, math.ceil(sq / bm)) if deterministic else (1,))
+        assert args[8].shape == (b, sq, h, dt)
+    for spec, grid, args in launches:
+        _assert_arguments_match_signature(spec, grid, args)
+    monkeypatch.setattr(mma_fwd, "current_arch", lambda: "80")
+    v6, v5 = (_record_backward_launches(monkeypatch, v, d, deterministic) for v in ("v6", "v5"))
+    assert [(spec, grid) for spec, grid, _ in v6] == [(spec, grid) for spec, grid, _ in v5]
 
 
 @pytest.mark.parametrize("smem_optin", [227 * 1024, 163 * 1024], ids=["sm90", "sm80"])

@@ -45,17 +45,20 @@ def test_repeated_runs_are_bitwise_identical(backend, dtype):
             np.testing.assert_array_equal(a, b.get())
 
 
-@pytest.mark.parametrize("version", ["v1", "v3", "v4"])
+@pytest.mark.parametrize("version,d", [("v1", 128), ("v3", 128), ("v4", 128), ("v6", 128), ("v6", 256)])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_deterministic_dq_is_bitwise_reproducible_under_contention(version, causal):
-    # 16 key blocks add to every dQ block at once (v4 orders the adds through per-block counters);
-    # uneven lengths, GQA, head dim 128.
+def test_deterministic_dq_is_bitwise_reproducible_under_contention(version, d, causal, monkeypatch):
+    # 16 to 32 key blocks add to every dQ block at once (v4 and v6 order the adds through
+    # per-block counters; on an H200 v6 runs the wgmma kernels, here at every head dim); uneven
+    # lengths, GQA.
     from cupyflash.kernels import mma_bwd
 
-    q, do = randn((2, 1999, 8, 128), BF16), randn((2, 1999, 8, 128), BF16)
-    k, v = randn((2, 2011, 2, 128), BF16), randn((2, 2011, 2, 128), BF16)
+    monkeypatch.setattr(mma_bwd, "WGMMA_ORDERED_D_TILES", mma_bwd.D_TILES)
+
+    q, do = randn((2, 1999, 8, d), BF16), randn((2, 1999, 8, d), BF16)
+    k, v = randn((2, 2011, 2, d), BF16), randn((2, 2011, 2, d), BF16)
     o, lse = cupyflash.flash_attn_func(q, k, v, causal=causal, return_lse=True, backend="mma")
-    kwargs = dict(softmax_scale=128 ** -0.5, causal=causal, version=version, deterministic=True)
+    kwargs = dict(softmax_scale=d ** -0.5, causal=causal, version=version, deterministic=True)
     first = [cupy_empty_like(x) for x in (q, k, v)]
     mma_bwd.backward(do, q, k, v, o, lse, *first, **kwargs)
     first = [x.get() for x in first]

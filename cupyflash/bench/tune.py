@@ -69,13 +69,19 @@ def _check(config, headdim, dtype, causal) -> float:
 def _configs(mma_fwd, dt: int) -> list[tuple[str, object]]:
     """[(label, config)] to time for head-dim tile ``dt``, each configuration once: the current
     device's default, then the VERSIONS entries (labelled by version) and CANDIDATES ("cand")."""
-    entries = [("default", mma_fwd.default_config(dt, mma_fwd.current_smem_optin()))]
+    entries = [("default", mma_fwd.default_config(dt, mma_fwd.current_smem_optin(), mma_fwd.current_arch()))]
     entries += [(name, table[dt]) for name, (_, table) in mma_fwd.VERSIONS.items() if dt in table]
     entries += [("cand", c) for c in mma_fwd.CANDIDATES.get(dt, ())]
     labels: dict = {}
     for label, config in entries:
         labels.setdefault(config, []).append(label)
     return [("+".join(names), config) for config, names in labels.items()]
+
+
+def _describe(config) -> str:
+    """A configuration's fields, without the class name."""
+    text = repr(config)
+    return text[text.index("("):]
 
 
 def main(argv=None) -> int:
@@ -88,7 +94,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--only", nargs="+", default=None, metavar="TEXT",
-                        help="bwd: time only the variants whose label contains one of these strings")
+                        help="time only the variants whose label contains one of these strings")
     parser.add_argument("--direction", default="fwd", choices=["fwd", "bwd"],
                         help="bwd: time every backward version (mma_bwd.VERSIONS) and dQ candidate")
     args = parser.parse_args(argv)
@@ -98,10 +104,12 @@ def main(argv=None) -> int:
     print(f"{'d':>4} {'seqlen':>6} {'causal':>6}  {'label':8} {'config':100} {'check':>6} {'ms':>8} {'TFLOP/s':>8}")
     for headdim in args.headdim:
         for label, config in _configs(mma_fwd, mma_fwd.d_tile(headdim)):
+            if args.only and not any(text in label for text in args.only):
+                continue
             try:
                 checks = [_check(config, headdim, dtype, causal) for causal in (False, True)]
             except Exception as e:  # a candidate that does not fit this GPU
-                print(f"{headdim:>4} {'':>6} {'':>6}  {label:8} {str(config)[9:]:100} skipped: {e}")
+                print(f"{headdim:>4} {'':>6} {'':>6}  {label:8} {_describe(config):100} skipped: {e}")
                 continue
             for seqlen in args.seqlen:
                 batch, nheads = 16384 // seqlen, 2048 // headdim
@@ -112,7 +120,7 @@ def main(argv=None) -> int:
                         sets, args.repeats)
                     flops = 4 * batch * nheads * seqlen * seqlen * headdim * (0.5 if causal else 1.0)
                     ok = "ok" if max(checks) <= 1 else f"x{max(checks):.1f}"
-                    print(f"{headdim:>4} {seqlen:>6} {str(causal):>6}  {label:8} {str(config)[9:]:100} {ok:>6} "
+                    print(f"{headdim:>4} {seqlen:>6} {str(causal):>6}  {label:8} {_describe(config):100} {ok:>6} "
                           f"{ms:8.3f} {flops / ms / 1e9:8.1f}", flush=True)
                 del sets
     return 0
@@ -131,6 +139,11 @@ def _bwd_candidates(headdim):
     out, seen = [], set()
     for version in mma_bwd.VERSIONS:
         for deterministic in (True, False):
+            if version == "v6":  # v5's kernels except at the wgmma head dims
+                if dt in mma_bwd.WGMMA_CONFIG and (not deterministic or dt in mma_bwd.WGMMA_ORDERED_D_TILES):
+                    out.append((f"v6 wgmma{mma_bwd.WGMMA_CONFIG[dt]} {'ordered' if deterministic else 'atomic'} dq",
+                                dict(version=version, deterministic=deterministic)))
+                continue
             if version in ("v4", "v5") and dt in mma_bwd.FUSED_CONFIG and not (version == "v5" and deterministic):
                 label = f"v4 fused{mma_bwd.FUSED_CONFIG[dt]} {'ordered' if deterministic else 'atomic'} dq"
                 if label not in seen:  # v5's atomic path is v4's

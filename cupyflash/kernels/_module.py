@@ -28,6 +28,19 @@ class Specialization:
     expression: str  # C++ template instantiation, e.g. "cf::flash_fwd_simt<float, 64, ...>"
     threads: int  # threads per block
     smem_bytes: int  # dynamic shared memory per block
+    arch: str = ""  # target it needs beyond the device's default, e.g. "90a" (wgmma); "" for any
+
+
+def device_arch() -> str:
+    """Compute capability of the current device as NVRTC spells it ("80", "90")."""
+    import cupy
+
+    return str(cupy.cuda.Device().compute_capability)
+
+
+def runs_on_device(spec: Specialization) -> bool:
+    """Whether ``spec`` can run on the current device (an arch-specific one only on its own arch)."""
+    return not spec.arch or spec.arch.rstrip("a") == device_arch()
 
 
 def kernels_dir() -> Path:
@@ -79,12 +92,17 @@ def get_function(spec: Specialization):
     fn = _functions.get(key)
     if fn is not None:
         return fn
+    if not runs_on_device(spec):
+        raise ValueError(f"cupyflash: kernel {spec.name} needs sm_{spec.arch}; device {device} is "
+                         f"sm_{device_arch()}")
     with _lock:
         fn = _functions.get(key)
         if fn is None:
+            # An explicit -arch comes before the one CuPy appends for the device; NVRTC compiles
+            # for the first (sm_90a adds wgmma to sm_90).
             module = cupy.RawModule(
                 code=kernel_source(spec.source_file),
-                options=NVRTC_OPTIONS,
+                options=NVRTC_OPTIONS + ((f"-arch=sm_{spec.arch}",) if spec.arch else ()),
                 name_expressions=(spec.expression,),
             )
             fn = module.get_function(spec.expression)

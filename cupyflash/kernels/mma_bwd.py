@@ -88,6 +88,19 @@ FUSED_CANDIDATES = {64: ((64, 128, 4, 2, 2, 4),),
                     256: ((64, 64, 2, 4, 2, 2), (64, 64, 2, 4, 2, 1), (64, 64, 4, 2, 2, 1), (64, 64, 2, 4, 2, 2, 1),
                           (64, 64, 2, 4, 2, 4), (64, 64, 2, 4, 2, 8))}
 
+# flash_bwd_wgmma (v6, sm_90a): D_TILE -> (BLOCK_M, BLOCK_N); BLOCK_N / 64 warpgroups, each owning 64
+# key rows: 64 x D_TILE dK and dV accumulators (D_TILE / 2 registers each per thread) and 64 x BLOCK_M
+# S^T and dP^T (BLOCK_M / 2 each). d128: 128 + 64 with BLOCK_M = 64; d64: 64 + 128 with BLOCK_M = 128.
+# d256 would need 256 registers for dK and dV alone: flash_bwd_wgmma_dsplit (64 x 64 blocks) gives
+# each of its two warpgroups half of the head dim instead, and S^T to one, dP^T to the other.
+WGMMA_CONFIG = {64: (128, 128), 128: (64, 128), 256: (64, 64)}
+# Head-dim tiles where v6 runs the wgmma kernel with ordered dQ when deterministic; elsewhere v3's
+# two kernels, where the ordered adds cost more than the wgmma kernels gain at short or causal
+# sequences (bf16, TFLOP/s at 16k non-causal / 2k causal: d64 ordered wgmma 268 / 138 against v3's
+# 244 / 196, d256 ordered dsplit 212 / 122 against 172 / 151; docs/perf-log.md, mma-bwd-v6).
+# Tests widen it to run every ordered kernel.
+WGMMA_ORDERED_D_TILES = (128,)
+
 # Kernel versions, all launchable side by side (``backward(..., version=...)``); DEFAULT_VERSION
 # is what the dispatcher launches. ldmatrix.x4 per mma.sync counted in the SASS (sm_90).
 #   v1: dK/dV with 16 key rows per warp; dQ with 16 query rows per warp, so every warp reads all
@@ -108,14 +121,20 @@ FUSED_CANDIDATES = {64: ((64, 128, 4, 2, 2, 4),),
 #       in a fixed key-block order (deterministic=True: per-query-block counters) or unordered.
 #       Where the device's shared memory per block is below a configuration's need (head dim 256
 #       needs sm_90's 227 KiB), v3 runs instead.
+#   v6: on sm_90 (Hopper): flash_bwd_wgmma (flash_bwd_wgmma.cu), v4's work split on warpgroup MMA
+#       (wgmma.mma_async, sm_90a): one warpgroup per 64 key rows, every operand read by the tensor
+#       cores straight from 128-byte-swizzled shared memory or, for P^T and dS^T, from registers;
+#       at d256 flash_bwd_wgmma_dsplit (warpgroups split the head dim). dQ ordered or atomic as in
+#       v4. Elsewhere (sm_80) as v5.
 VERSIONS = {
     "v1": "dK/dV 16 key rows per warp; dQ 16 query rows per warp",
     "v2": "v1, but 2 x 16 rows per warp in dQ (d64, d128) and dK/dV (d64): fewer shared reads per mma",
     "v3": "v2, but d128/d256 dK/dV by warp pairs split into a dV warp and a dK warp over the same keys",
     "v4": "one fused kernel with 32-row warp tiles; dQ added in a fixed key-block order (or unordered)",
     "v5": "v3's two kernels when deterministic (faster than v4's ordered adds), v4's fused atomic otherwise",
+    "v6": "on sm_90, one warpgroup-MMA (wgmma) kernel, dQ ordered or atomic; elsewhere v5",
 }
-DEFAULT_VERSION = "v5"
+DEFAULT_VERSION = "v6"
 CONVERT_THREADS = 256
 
 _CTYPE = {"float16": "cf::half_t", "bfloat16": "cf::bf16_t"}
@@ -172,9 +191,9 @@ def dkdv_tiles(headdim: int, version: str = DEFAULT_VERSION, atomic_dq: bool = F
     (fused_config() is None)."""
     _check_version(version)
     dt = d_tile(headdim)
-    if version in ("v3", "v4", "v5") and not atomic_dq and dt in DKDV_CONFIG_SPLIT:
+    if version in ("v3", "v4", "v5", "v6") and not atomic_dq and dt in DKDV_CONFIG_SPLIT:
         return "split", DKDV_CONFIG_SPLIT[dt]
-    if version in ("v2", "v3", "v4", "v5") and dt in DKDV_CONFIG_V2:
+    if version in ("v2", "v3", "v4", "v5", "v6") and dt in DKDV_CONFIG_V2:
         return "v2", DKDV_CONFIG_V2[dt]
     return "v1", DKDV_CONFIG[dt]
 
@@ -214,7 +233,7 @@ def dq_tiles(headdim: int, version: str = DEFAULT_VERSION) -> tuple:
     """The dQ kernel's tile configuration: v1's (BLOCK_M, BLOCK_N, NWARPS) or v2's (..., ROW_GROUPS)."""
     _check_version(version)
     dt = d_tile(headdim)
-    if version in ("v2", "v3", "v4", "v5") and dt in DQ_CONFIG_V2:
+    if version in ("v2", "v3", "v4", "v5", "v6") and dt in DQ_CONFIG_V2:
         return DQ_CONFIG_V2[dt]
     return DQ_CONFIG[dt]
 
@@ -257,6 +276,8 @@ def specializations() -> list[Specialization]:
                     out.append(dq_spec(name, dt, causal, version="v2"))
                 if dt in FUSED_CONFIG:
                     out.extend(fused_spec(name, dt, causal, ordered) for ordered in (True, False))
+                if dt in WGMMA_CONFIG:
+                    out.extend(wgmma_spec(name, dt, causal, ordered) for ordered in (True, False))
     return out
 
 
@@ -286,6 +307,27 @@ def fused_spec(dtype, headdim: int, causal: bool, ordered: bool, config: tuple |
                   f"{dqm}, {unroll}, {_flag(ordered)}, {_flag(eager)}, {_flag(packed)}>")
     return Specialization(spec_name, "flash_bwd_fused_mma.cu", expression, wn * wd * 32,
                           fused_smem_bytes(dt, bm, bn))
+
+
+def wgmma_smem_bytes(dt: int, block_m: int, block_n: int) -> int:
+    """Mirror of WgmmaSmem<...>::BYTES in flash_bwd_wgmma.cu (K, V; two stages of Q, dO; dS^T; two
+    stages of lse and D) or, at d256, of DsplitSmem in flash_bwd_wgmma_dsplit.cu (P^T as well), plus
+    1024 bytes to align the base for the 128-byte swizzle."""
+    pt = block_n * block_m * 2 if dt == 256 else 0
+    return 2 * block_n * dt * 2 + 2 * 2 * block_m * dt * 2 + block_n * block_m * 2 + pt + 2 * 2 * block_m * 4 + 1024
+
+
+def wgmma_spec(dtype, headdim: int, causal: bool, ordered: bool, config: tuple | None = None) -> Specialization:
+    """flash_bwd_wgmma, or flash_bwd_wgmma_dsplit at head-dim tile 256 (two warpgroups of 128 threads)."""
+    name = dtype_name(dtype)
+    dt = d_tile(headdim)
+    bm, bn = tuple(config or WGMMA_CONFIG[dt])
+    kernel = "flash_bwd_wgmma_dsplit" if dt == 256 else "flash_bwd_wgmma"
+    spec_name = (f"{kernel}_{_SHORT[name]}_hdim{dt}_{'causal' if causal else 'full'}_bm{bm}_bn{bn}"
+                 f"_{'dqordered' if ordered else 'dqatomic'}")
+    expression = f"cf::{kernel}<{_CTYPE[name]}, {dt}, {_flag(causal)}, {bm}, {bn}, {_flag(ordered)}>"
+    threads = 256 if dt == 256 else bn // 64 * 128
+    return Specialization(spec_name, f"{kernel}.cu", expression, threads, wgmma_smem_bytes(dt, bm, bn), arch="90a")
 
 
 def fused_config(headdim: int, smem_optin: int | None) -> tuple | None:
@@ -328,6 +370,15 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
     common = (np.int32(seqlen_q), np.int32(seqlen_k), np.int32(nheads), np.int32(nheads // nheads_kv),
               np.int32(headdim), *row_strides(q), *row_strides(k), *row_strides(v), *row_strides(do))
 
+    if version == "v6":
+        from .mma_fwd import current_arch
+
+        if fused is None and dt in WGMMA_CONFIG and current_arch() == "90" and (
+                not deterministic or dt in WGMMA_ORDERED_D_TILES):
+            _wgmma_backward(q, k, v, do, lse, delta, dq, dk, dv, common, scales, WGMMA_CONFIG[dt], causal,
+                            deterministic)
+            return
+        version = "v5"
     if version == "v5" and deterministic and fused is None:
         version = "v3"
     if version in ("v4", "v5") or fused is not None:
@@ -354,10 +405,7 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
     launch(dkdv_spec(q.dtype, headdim, causal, atomic_dq=True, version=version), dkdv_grid,
            (q, k, v, do, lse, delta, dk, dv, dq_accum, *common, *row_strides(dk), *row_strides(dv),
             *row_strides(dq_accum), *scales))
-    n_chunks = batch * seqlen_q * nheads * (headdim // 8)
-    launch(convert_spec(q.dtype), (math.ceil(n_chunks / CONVERT_THREADS), 1, 1),
-           (dq_accum, dq, np.int32(seqlen_q), np.int32(nheads), np.int32(headdim), np.int64(n_chunks),
-            *row_strides(dq_accum), *row_strides(dq), np.float32(softmax_scale)))
+    _convert_dq(dq_accum, dq, softmax_scale)
 
 
 def _fused_backward(q, k, v, do, lse, delta, dq, dk, dv, common, scales, config, causal, deterministic):
@@ -373,7 +421,29 @@ def _fused_backward(q, k, v, do, lse, delta, dq, dk, dv, common, scales, config,
     launch(fused_spec(q.dtype, headdim, causal, deterministic, config), (math.ceil(seqlen_k / bn), nheads_kv, batch),
            (q, k, v, do, lse, delta, dk, dv, dq_accum, semaphore, *common, *row_strides(dk), *row_strides(dv),
             *row_strides(dq_accum), *scales))
+    _convert_dq(dq_accum, dq, scales[1])
+
+
+def _wgmma_backward(q, k, v, do, lse, delta, dq, dk, dv, common, scales, config, causal, deterministic):
+    """v6 (sm_90): flash_bwd_wgmma, dQ added in key-block order (deterministic) or by plain float32
+    atomics, then dq = scale * dq_accum."""
+    import cupy
+
+    batch, seqlen_q, nheads, headdim = q.shape
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    dq_accum = cupy.zeros((batch, seqlen_q, nheads, d_tile(headdim)), dtype=np.float32)
+    semaphore = cupy.zeros((batch, nheads, math.ceil(seqlen_q / config[0])) if deterministic else (1,), dtype=np.int32)
+    launch(wgmma_spec(q.dtype, headdim, causal, deterministic, config),
+           (math.ceil(seqlen_k / config[1]), nheads_kv, batch),
+           (q, k, v, do, lse, delta, dk, dv, dq_accum, semaphore, *common, *row_strides(dk), *row_strides(dv),
+            *row_strides(dq_accum), *scales))
+    _convert_dq(dq_accum, dq, scales[1])
+
+
+def _convert_dq(dq_accum, dq, scale) -> None:
+    """flash_bwd_dq_convert: dq = scale * dq_accum in dq's dtype."""
+    batch, seqlen_q, nheads, headdim = dq.shape
     n_chunks = batch * seqlen_q * nheads * (headdim // 8)
-    launch(convert_spec(q.dtype), (math.ceil(n_chunks / CONVERT_THREADS), 1, 1),
+    launch(convert_spec(dq.dtype), (math.ceil(n_chunks / CONVERT_THREADS), 1, 1),
            (dq_accum, dq, np.int32(seqlen_q), np.int32(nheads), np.int32(headdim), np.int64(n_chunks),
-            *row_strides(dq_accum), *row_strides(dq), scales[1]))
+            *row_strides(dq_accum), *row_strides(dq), np.float32(scale)))

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._module import Specialization, _max_smem_optin, launch
+from ._module import Specialization, _max_smem_optin, device_arch, launch
 from .._dtypes import dtype_name
 
 D_TILES = (64, 128, 256)
@@ -105,6 +105,29 @@ VERSIONS = {
             128: FwdConfig(128, 64, 4, False, min_blocks=2), 256: FwdConfig(128, 64, 8, False)}),
 }
 
+
+
+@dataclass(frozen=True)
+class WgmmaFwdConfig:
+    """flash_fwd_wgmma (``kernels_cu/flash_fwd_wgmma.cu``, sm_90a only): block_m query rows, one
+    warpgroup (4 warps) per 64 of them; block_n keys per K/V stage (two K stages, three V)."""
+
+    block_m: int
+    block_n: int
+
+    @property
+    def threads(self) -> int:
+        return self.block_m // 64 * 128
+
+
+# flash_fwd_wgmma tiles by D_TILE. Registers per thread: O is D_TILE / 2, S is BLOCK_N / 2 and P
+# BLOCK_N / 4: d256 keeps BLOCK_N at 64 (O alone is 128). Shared memory: Q, 2 K and 3 V stages.
+# Tuner, bf16, TFLOP/s at 16k / 2k, non-causal (docs/perf-log.md, mma-fwd-v6): d64 128x64 372 / 349
+# (128x128: 282 at 2k), d128 128x128 503 / 435 (128x64: 458 / 363), d256 128x64 538 / 475.
+WGMMA_CONFIGS = {64: WgmmaFwdConfig(128, 64), 128: WgmmaFwdConfig(128, 128), 256: WgmmaFwdConfig(128, 64)}
+VERSIONS["v6"] = ("warpgroup MMA (wgmma.mma_async) kernel on sm_90: S = Q K^T and O += P V with "
+                  "operands read from swizzled shared memory (P from registers)", WGMMA_CONFIGS)
+
 # Alternatives worth timing on the GPU (``forward(..., config=...)``), not launched by default:
 # FlashAttention-2's 128 x 128 tiles for d64 still spill a few registers here (12 to 52 bytes with
 # "one_lane", 160 to 200 with "all_lanes"), the 8-warp variants give each warp one 16-row strip.
@@ -115,14 +138,27 @@ CANDIDATES = {
     128: (FwdConfig(128, 64, 8, False), FwdConfig(128, 32, 4, False, stages=3, min_blocks=2)),
     256: (),
 }
+CANDIDATES[64] += (WgmmaFwdConfig(128, 128),)
+CANDIDATES[128] += (WgmmaFwdConfig(128, 64),)
 
 
-def default_config(dt: int, smem_optin: int | None = None) -> FwdConfig:
-    """The configuration ``forward`` launches for head-dim tile ``dt`` on a device whose blocks may
-    opt in to ``smem_optin`` bytes of shared memory (None: the portable table)."""
+def default_config(dt: int, smem_optin: int | None = None, arch: str | None = None):
+    """The configuration ``forward`` launches for head-dim tile ``dt`` on a device of compute
+    capability ``arch`` ("90": the wgmma kernel) whose blocks may opt in to ``smem_optin`` bytes of
+    shared memory (None, None: the portable table)."""
+    if arch == "90":
+        return WGMMA_CONFIGS[dt]
     if smem_optin is not None and smem_optin >= LARGE_SMEM_BYTES and dt in LARGE_SMEM_CONFIGS:
         return LARGE_SMEM_CONFIGS[dt]
     return CONFIGS[dt]
+
+
+def current_arch() -> str | None:
+    """Compute capability of the current CUDA device ("80", "90"), or None without a usable device."""
+    try:
+        return device_arch()
+    except (ImportError, RuntimeError):
+        return None
 
 
 def current_smem_optin() -> int | None:
@@ -151,6 +187,12 @@ def d_tile(headdim: int) -> int:
     raise ValueError(f"cupyflash: headdim {headdim} > {D_TILES[-1]}")
 
 
+def wgmma_smem_bytes(dt: int, config: WgmmaFwdConfig) -> int:
+    """Mirror of FwdWgmmaSmem<...>::BYTES (Q, two K and three V stages), plus 1024 bytes to align
+    the base for the 128-byte swizzle."""
+    return 2 * dt * (config.block_m + 5 * config.block_n) + 1024
+
+
 def smem_bytes(dt: int, config: FwdConfig) -> int:
     """Dynamic shared memory of one block: Q tile plus `stages` K and V tiles, 16-bit elements,
     then the KvSource record (K and V head pointers and row strides, 32 bytes). Mirrors
@@ -158,9 +200,16 @@ def smem_bytes(dt: int, config: FwdConfig) -> int:
     return 2 * dt * (config.block_m + 2 * config.stages * config.block_n) + 32
 
 
-def _spec_for(dtype, dt: int, causal: bool, config: FwdConfig) -> Specialization:
+def _spec_for(dtype, dt: int, causal: bool, config) -> Specialization:
     name_dtype = dtype_name(dtype)
     c = config
+    if isinstance(c, WgmmaFwdConfig):
+        name = (f"flash_fwd_wgmma_{_SHORT[name_dtype]}_hdim{dt}_{'causal' if causal else 'full'}"
+                f"_bm{c.block_m}_bn{c.block_n}")
+        expression = (f"cf::flash_fwd_wgmma<{_CTYPE[name_dtype]}, {dt}, {'true' if causal else 'false'}, "
+                      f"{c.block_m}, {c.block_n}>")
+        return Specialization(name, "flash_fwd_wgmma.cu", expression, c.threads, wgmma_smem_bytes(dt, c),
+                              arch="90a")
     name = (f"flash_fwd_mma_{_SHORT[name_dtype]}_hdim{dt}_{'causal' if causal else 'full'}"
             f"_bm{c.block_m}_bn{c.block_n}_w{c.warps}_{'qreg' if c.q_in_regs else 'qsmem'}_s{c.stages}_mb{c.min_blocks}"
             f"_{c.row_state}")
@@ -176,7 +225,7 @@ def specialization(dtype, headdim: int, causal: bool, config: FwdConfig | None =
     if not supports(dtype, headdim):
         raise ValueError(f"cupyflash: mma forward does not support dtype {np.dtype(dtype)}, headdim {headdim}")
     dt = d_tile(headdim)
-    return _spec_for(dtype, dt, causal, config or default_config(dt, current_smem_optin()))
+    return _spec_for(dtype, dt, causal, config or default_config(dt, current_smem_optin(), current_arch()))
 
 
 def specializations() -> list[Specialization]:
@@ -186,7 +235,8 @@ def specializations() -> list[Specialization]:
                for dt in D_TILES}
     return [_spec_for(dtype, dt, causal, config)
             for dtype in _CTYPE for dt in D_TILES
-            for config in sorted(configs[dt], key=lambda c: c.block_n) for causal in (False, True)]
+            for config in sorted(configs[dt], key=lambda c: c.block_n) + [WGMMA_CONFIGS[dt]]
+            for causal in (False, True)]
 
 
 def _strides(a, what: str) -> tuple:
@@ -210,7 +260,7 @@ def forward(q, k, v, o, lse, *, softmax_scale: float, causal: bool, config: FwdC
         return
     if lse.dtype != np.float32 or not lse.flags.c_contiguous or lse.shape != (batch, nheads, seqlen_q):
         raise ValueError("cupyflash: lse must be a C-contiguous float32 (batch, nheads, seqlen_q) array")
-    config = config or default_config(d_tile(headdim), current_smem_optin())
+    config = config or default_config(d_tile(headdim), current_smem_optin(), current_arch())
     spec = specialization(q.dtype, headdim, causal, config)
     block_m = config.block_m
     grid = (math.ceil(seqlen_q / block_m), nheads, batch)

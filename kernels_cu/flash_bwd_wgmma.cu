@@ -1,0 +1,310 @@
+// flash_bwd_wgmma: attention backward on Hopper warpgroup MMA (wgmma, sm_90a; fp16/bf16).
+//
+// The work split of flash_bwd_fused_mma.cu, on warpgroups: one CTA per (key block j, kv head,
+// batch) keeps K_j and V_j in shared memory, walks every query block i of every query head of its
+// GQA group (Q_i, dO_i, lse_i, D_i double-buffered by cp.async) and accumulates dK_j, dV_j in
+// registers; each step's dQ_i contribution dS_ij K_j is added to a float32 dq_accum by
+// red.global.add (flash_bwd_dq_convert scales and converts it). With DQ_ORDERED the adds to each
+// dQ_i land in ascending key-block order, through flash_bwd_fused_mma.cu's per-query-block
+// counters and protocol (query blocks walked last to first, the counter read early, each warp's
+// release deferred into the next iteration, behind the issue of its S^T and dP^T), so dQ is
+// bitwise reproducible.
+//
+// Warpgroup g owns key rows 64g..64g+63 of the block (wgmma's M is 64):
+//   S^T  = K_g Q^T      (64 x BLOCK_M; A = K, B = Q, both K-major from shared memory)
+//   dP^T = V_g dO^T     (same shape)
+//   P^T  = exp2(S^T scale log2(e) - lse log2(e)),  dS^T = P^T o (dP^T - D)   (registers)
+//   dV_g += P^T dO      (64 x D; A = P^T from registers, B = dO, MN-major)
+//   dK_g += dS^T Q      (64 x D; A = dS^T from registers, B = Q, MN-major)
+//   dQ   += dS K_j      (BLOCK_M x D over all BLOCK_N keys: dS^T goes through shared memory;
+//                        A = dS read as the MN-major transpose of dS^T, B = K, MN-major; the
+//                        64 x 64 output panels are dealt out to the warpgroups)
+// Every operand read from shared memory is a 128-byte-swizzled panel tile (wgmma.cuh), the only
+// layout both orientations of wgmma accept, so no tile is stored twice. The S^T and dP^T products
+// are issued back to back and P^T is computed while dP^T is still running; dV and dK run while
+// dS^T is stored and the warpgroups meet at the barrier before dQ.
+#include "common.cuh"
+#include "mma.cuh"
+#include "mma_bwd.cuh"
+#include "wgmma.cuh"
+#include "dq_order.cuh"
+
+namespace cf {
+
+// Shared-memory layout in bytes from a 1024-byte aligned base; cupyflash/kernels/mma_bwd.py
+// (wgmma_smem_bytes) mirrors BYTES and adds the alignment slack.
+template <int D_TILE, int BLOCK_M, int BLOCK_N>
+struct WgmmaSmem {
+    static constexpr u32 KV_TILE = BLOCK_N * D_TILE * 2;
+    static constexpr u32 Q_TILE = BLOCK_M * D_TILE * 2;
+    static constexpr u32 KV_PANEL = BLOCK_N * 128;  // bytes of one 64-column panel
+    static constexpr u32 Q_PANEL = BLOCK_M * 128;
+    static constexpr u32 DS_PANEL = BLOCK_N * 128;  // dS^T [BLOCK_N][BLOCK_M]: BLOCK_M / 64 panels
+    static constexpr u32 K = 0;
+    static constexpr u32 V = K + KV_TILE;
+    static constexpr u32 Q = V + KV_TILE;       // [2 stages]
+    static constexpr u32 DO = Q + 2 * Q_TILE;   // [2 stages]
+    static constexpr u32 DST = DO + 2 * Q_TILE;
+    static constexpr u32 LSE = DST + BLOCK_N * BLOCK_M * 2;  // float [2 stages][BLOCK_M]
+    static constexpr u32 DELTA = LSE + 2 * BLOCK_M * 4;
+    static constexpr u32 BYTES = DELTA + 2 * BLOCK_M * 4;
+};
+
+template <typename T, int D_TILE, bool CAUSAL, int BLOCK_M, int BLOCK_N, bool DQ_ORDERED>
+__global__ void __launch_bounds__(BLOCK_N / 64 * 128, 1)
+flash_bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
+                T* __restrict__ dk, T* __restrict__ dv, float* __restrict__ dq_accum,
+                int* __restrict__ dq_semaphore, int seqlen_q, int seqlen_k, int nheads, int group, int headdim,
+                i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
+                i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
+                i64 dk_sb, i64 dk_ss, i64 dk_sh, i64 dv_sb, i64 dv_ss, i64 dv_sh,
+                i64 dqa_sb, i64 dqa_ss, i64 dqa_sh, float scale_log2, float scale) {
+    typedef WgmmaSmem<D_TILE, BLOCK_M, BLOCK_N> L;
+    constexpr int NWG = BLOCK_N / 64, NTHREADS = NWG * 128, NWARPS = NWG * 4;
+    constexpr int SJ = BLOCK_M / 8;        // 8-column blocks of S^T, dP^T per thread
+    constexpr int DJ = D_TILE / 8;         // ... of dK, dV
+    constexpr int QK = BLOCK_M / 16;       // k-steps of dV, dK (over queries)
+    constexpr int DQ_PANELS = (BLOCK_M / 64) * (D_TILE / 64);  // 64 x 64 dQ output panels
+    static_assert(BLOCK_N % 64 == 0 && BLOCK_M % 64 == 0 && D_TILE % 64 == 0, "64-row/column panels");
+    static_assert(DQ_PANELS % NWG == 0, "dQ panels divide among the warpgroups");
+    static_assert(L::BYTES + 1024 <= 227 * 1024, "shared memory");
+
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    if (dynamic_smem_bytes() < L::BYTES + 1024) __trap();
+    const u32 raw = smem_u32(smem_raw);
+    const u32 base = (raw + 1023) & ~1023u;  // 128-byte swizzle: panels 1024-byte aligned
+    unsigned char* const smem = smem_raw + (base - raw);
+    const u32 s_k = base + L::K, s_v = base + L::V, s_dst = base + L::DST;
+
+    const int tid = threadIdx.x;
+    const int n_block = blockIdx.x, n0 = n_block * BLOCK_N, head_kv = blockIdx.y, batch = blockIdx.z;
+    const Visibility<CAUSAL> visible{seqlen_q, seqlen_k, seqlen_k - seqlen_q};
+
+    const int m_block_first = CAUSAL ? max(0, n0 - visible.diag) / BLOCK_M : 0;
+    const int q_blocks = (seqlen_q + BLOCK_M - 1) / BLOCK_M;
+    const int m_blocks = max(0, q_blocks - m_block_first);
+    const int n_iters = group * m_blocks;
+
+    // Iteration it -> query block (and head: it / m_blocks); DQ_ORDERED walks each head's blocks
+    // from the last to the first.
+    auto m_block_of = [&](int it) {
+        return DQ_ORDERED ? q_blocks - 1 - it % m_blocks : m_block_first + it % m_blocks;
+    };
+    auto load_query_block = [&](int it, int stage) {
+        const int head = head_kv * group + it / m_blocks;
+        const int m0 = m_block_of(it) * BLOCK_M;
+        cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(base + L::Q + stage * L::Q_TILE,
+                                                   q + row_offset(batch, m0, head, q_sb, q_ss, q_sh),
+                                                   seqlen_q - m0, headdim, q_ss, tid);
+        cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(base + L::DO + stage * L::Q_TILE,
+                                                   dout + row_offset(batch, m0, head, do_sb, do_ss, do_sh),
+                                                   seqlen_q - m0, headdim, do_ss, tid);
+        const i64 stat0 = ((i64)batch * nheads + head) * seqlen_q + m0;
+        for (int i = tid; i < 2 * BLOCK_M; i += NTHREADS) {
+            const int r = i % BLOCK_M;
+            const bool is_lse = i < BLOCK_M;
+            cp_async_4((is_lse ? base + L::LSE : base + L::DELTA) + (stage * BLOCK_M + r) * 4,
+                       (is_lse ? lse : delta) + stat0 + (m0 + r < seqlen_q ? r : 0), m0 + r < seqlen_q);
+        }
+    };
+
+    cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(s_k, k + row_offset(batch, n0, head_kv, k_sb, k_ss, k_sh),
+                                               seqlen_k - n0, headdim, k_ss, tid);
+    cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(s_v, v + row_offset(batch, n0, head_kv, v_sb, v_ss, v_sh),
+                                               seqlen_k - n0, headdim, v_ss, tid);
+    if (n_iters > 0) load_query_block(0, 0);
+    cp_async_commit();
+
+    const int wg = tid / 128, warp_in_wg = (tid / 32) % 4, lane = tid % 32;
+    float dk_acc[DJ][4], dv_acc[DJ][4];
+    zero(dk_acc);
+    zero(dv_acc);
+
+    int* pending_release = nullptr;  // DQ_ORDERED: counter of the query block added last, not yet released
+    for (int it = 0; it < n_iters; ++it) {
+        const int stage = it & 1;
+        // The wait lands this block's copies; the proxy fence hands them (and the previous
+        // iteration's dS^T stores) to wgmma's async proxy; the barrier does so for every thread
+        // and guarantees that all warpgroups are done with iteration it - 1.
+        cp_async_wait<0>();
+        fence_proxy_async_shared();
+        __syncthreads();
+        if constexpr (!DQ_ORDERED) {
+            if (it + 1 < n_iters) load_query_block(it + 1, stage ^ 1);
+            cp_async_commit();
+        }
+
+        const int head = head_kv * group + it / m_blocks;
+        const int m_block = m_block_of(it), m0 = m_block * BLOCK_M;
+        int* const sem = dq_semaphore + ((i64)batch * nheads + head) * q_blocks + m_block;
+        int sem_seen = 0;  // DQ_ORDERED: the counter, read early so its latency hides behind steps 1-7
+        if constexpr (DQ_ORDERED) sem_seen = ld_acquire_gpu(sem);
+        const u32 s_q = base + L::Q + stage * L::Q_TILE, s_do = base + L::DO + stage * L::Q_TILE;
+        const float* s_lse = reinterpret_cast<const float*>(smem + L::LSE) + stage * BLOCK_M;
+        const float* s_delta = reinterpret_cast<const float*>(smem + L::DELTA) + stage * BLOCK_M;
+        const bool partial = visible.partial(m0, BLOCK_M, n0, BLOCK_N);
+
+        // Steps 1-2: S^T = K_g Q^T and dP^T = V_g dO^T, issued back to back (K-major operands:
+        // a 16-column k-step is 32 bytes into a panel).
+        // The first k-step overwrites the accumulator (scale-d = 0): nothing to zero.
+        float s_acc[SJ][4], dp_acc[SJ][4];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < D_TILE / 16; ++kk) {
+            const u32 k_off = (kk / 4) * L::KV_PANEL + wg * 64 * 128 + (kk % 4) * 32;
+            const u32 q_off = (kk / 4) * L::Q_PANEL + (kk % 4) * 32;
+            Wgmma<T, BLOCK_M>::template ss<0, 0>(reinterpret_cast<float(&)[SJ * 4]>(s_acc),
+                                                 smem_desc(s_k + k_off, 16, 1024), smem_desc(s_q + q_off, 16, 1024), kk > 0);
+        }
+        wgmma_commit();
+#pragma unroll
+        for (int kk = 0; kk < D_TILE / 16; ++kk) {
+            const u32 v_off = (kk / 4) * L::KV_PANEL + wg * 64 * 128 + (kk % 4) * 32;
+            const u32 q_off = (kk / 4) * L::Q_PANEL + (kk % 4) * 32;
+            Wgmma<T, BLOCK_M>::template ss<0, 0>(reinterpret_cast<float(&)[SJ * 4]>(dp_acc),
+                                                 smem_desc(s_v + v_off, 16, 1024), smem_desc(s_do + q_off, 16, 1024), kk > 0);
+        }
+        wgmma_commit();
+        // DQ_ORDERED: the previous query block's release, while the tensor cores work on S^T and
+        // dP^T (a fence stall costs least here; measured: releasing after P^T instead, 285 vs
+        // 308 TFLOP/s at d128 16k), then the prefetch (issued before the release, its copies
+        // would be in flight and the release's fence would wait for them).
+        if constexpr (DQ_ORDERED) {
+            release_dq_block(pending_release, lane);
+            pending_release = nullptr;
+            if (it + 1 < n_iters) load_query_block(it + 1, stage ^ 1);
+            cp_async_commit();
+        }
+        wgmma_wait<1>();
+        pin_registers(reinterpret_cast<float(&)[SJ * 4]>(s_acc));
+
+        // Step 3: P^T, lse per column (query); hidden entries 0 by selection (a non-finite score
+        // cannot leak). Element (j, e) is key key0 + 8 (e / 2), query query0 + 8 j + e % 2.
+        const int key_row = 64 * wg + 16 * warp_in_wg + lane / 4;  // within the block
+        const int key0 = n0 + key_row, query0 = m0 + 2 * (lane % 4);
+        const int keys_left = seqlen_k - key0, queries_left = seqlen_q - query0;
+        const int causal_slack = query0 + visible.diag - key0;
+#pragma unroll
+        for (int j = 0; j < SJ; ++j) {
+            const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + 8 * j + 2 * (lane % 4));
+            const float base_log2[2] = {lse_base_log2(lse2.x), lse_base_log2(lse2.y)};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float p = exp2_approx(fmaf(s_acc[j][e], scale_log2, -base_log2[e & 1]));
+                const int key_off = 8 * (e >> 1), query_off = 8 * j + (e & 1);
+                const bool hidden = key_off >= keys_left || query_off >= queries_left ||
+                                    (CAUSAL && key_off - query_off > causal_slack);
+                s_acc[j][e] = partial && hidden ? 0.f : p;
+            }
+        }
+        u32 p_frag[QK][4];
+        pack_a_frags<T, BLOCK_M>(p_frag, s_acc);
+
+
+        // Step 4: dS^T = P^T o (dP^T - D), from the 16-bit P^T that dV uses (the float32 one is
+        // dead by now: fewer live registers). 0 where P^T is 0, by selection (a non-finite dP^T
+        // of a hidden key must not become NaN).
+        wgmma_wait<0>();
+        pin_registers(reinterpret_cast<float(&)[SJ * 4]>(dp_acc));
+#pragma unroll
+        for (int j = 0; j < SJ; ++j) {
+            const float2 d2 = *reinterpret_cast<const float2*>(s_delta + 8 * j + 2 * (lane % 4));
+            const float2 lo = unpack2<T>(p_frag[j / 2][2 * (j % 2)]), hi = unpack2<T>(p_frag[j / 2][2 * (j % 2) + 1]);
+            const float p16[4] = {lo.x, lo.y, hi.x, hi.y};
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                dp_acc[j][e] = p16[e] == 0.f ? 0.f : p16[e] * (dp_acc[j][e] - ((e & 1) ? d2.y : d2.x));
+        }
+        u32 ds_frag[QK][4];
+        pack_a_frags<T, BLOCK_M>(ds_frag, dp_acc);
+
+        // Step 5: dS^T to shared memory for dQ (which needs every warpgroup's key rows); the pair
+        // (row, 8j + 2 (lane % 4)) is word lane % 4 of chunk j.
+#pragma unroll
+        for (int kk = 0; kk < QK; ++kk)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int chunk = 2 * kk + h;
+                st_shared_b32(s_dst + panel_offset<BLOCK_N>(key_row, chunk) + 4 * (lane % 4), ds_frag[kk][2 * h]);
+                st_shared_b32(s_dst + panel_offset<BLOCK_N>(key_row + 8, chunk) + 4 * (lane % 4), ds_frag[kk][2 * h + 1]);
+            }
+
+        // Steps 6-7: dV_g += P^T dO, dK_g += dS^T Q (MN-major B: 16-row k-steps of 2048 bytes,
+        // 64-column atoms one panel apart).
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < QK; ++kk)
+            Wgmma<T, D_TILE>::template rs<1>(reinterpret_cast<float(&)[DJ * 4]>(dv_acc), p_frag[kk],
+                                             smem_desc(s_do + kk * 2048, L::Q_PANEL, 1024), 1);
+#pragma unroll
+        for (int kk = 0; kk < QK; ++kk)
+            Wgmma<T, D_TILE>::template rs<1>(reinterpret_cast<float(&)[DJ * 4]>(dk_acc), ds_frag[kk],
+                                             smem_desc(s_q + kk * 2048, L::Q_PANEL, 1024), 1);
+        wgmma_commit();
+        fence_proxy_async_shared();
+        __syncthreads();  // dS^T complete
+
+        // Step 8: dQ_i += dS K_j, 64 x 64 panels (query panel qp, head-dim panel dp); A = dS is the
+        // MN-major view of dS^T panel qp, B = K_j panel dp (MN-major), k-steps of 16 keys.
+        float* dqa = dq_accum + (i64)batch * dqa_sb + (i64)head * dqa_sh;
+#pragma unroll 1
+        for (int panel = wg; panel < DQ_PANELS; panel += NWG) {
+            const int qp = panel / (D_TILE / 64), dp = panel % (D_TILE / 64);
+            float dq_acc[8][4];
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < BLOCK_N / 16; ++kk)
+                Wgmma<T, 64>::template ss<1, 1>(reinterpret_cast<float(&)[32]>(dq_acc),
+                                                smem_desc(s_dst + qp * L::DS_PANEL + kk * 2048, L::DS_PANEL, 1024),
+                                                smem_desc(s_k + dp * L::KV_PANEL + kk * 2048, L::KV_PANEL, 1024), kk > 0);
+            wgmma_commit();
+            wgmma_wait<0>();
+            pin_registers(reinterpret_cast<float(&)[32]>(dq_acc));
+            // DQ_ORDERED: this query block's turn comes when all NWARPS warps of key blocks
+            // 0..n_block-1 have released it.
+            if constexpr (DQ_ORDERED) {
+                while (sem_seen < n_block * NWARPS) {
+                    nanosleep_64();
+                    sem_seen = ld_acquire_gpu(sem);
+                }
+                __syncwarp();
+            }
+            const int m_lo = m0 + 64 * qp + 16 * warp_in_wg + lane / 4, m_hi = m_lo + 8;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const int col = 64 * dp + 8 * j + 2 * (lane % 4);
+                if (col < headdim) {
+                    if (m_lo < seqlen_q) red_add_f32x2(dqa + m_lo * dqa_ss + col, dq_acc[j][0], dq_acc[j][1]);
+                    if (m_hi < seqlen_q) red_add_f32x2(dqa + m_hi * dqa_ss + col, dq_acc[j][2], dq_acc[j][3]);
+                }
+            }
+        }
+        wgmma_wait<0>();
+        pin_registers(reinterpret_cast<float(&)[DJ * 4]>(dv_acc));
+        pin_registers(reinterpret_cast<float(&)[DJ * 4]>(dk_acc));
+        if constexpr (DQ_ORDERED) pending_release = sem;
+    }
+    if constexpr (DQ_ORDERED) release_dq_block(pending_release, lane);
+    cp_async_wait<0>();
+
+    // Epilogue: dK = scale dS^T Q summed, and dV, straight from the accumulators (once per CTA).
+    const int key_row = 64 * wg + 16 * warp_in_wg + lane / 4;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int n = n0 + key_row + 8 * h;
+        if (n >= seqlen_k) continue;
+        T* dk_row = dk + row_offset(batch, n, head_kv, dk_sb, dk_ss, dk_sh);
+        T* dv_row = dv + row_offset(batch, n, head_kv, dv_sb, dv_ss, dv_sh);
+#pragma unroll
+        for (int j = 0; j < DJ; ++j) {
+            const int col = 8 * j + 2 * (lane % 4);
+            if (col < headdim) {
+                *reinterpret_cast<u32*>(dk_row + col) = pack2<T>(dk_acc[j][2 * h] * scale, dk_acc[j][2 * h + 1] * scale);
+                *reinterpret_cast<u32*>(dv_row + col) = pack2<T>(dv_acc[j][2 * h], dv_acc[j][2 * h + 1]);
+            }
+        }
+    }
+}
+
+}  // namespace cf

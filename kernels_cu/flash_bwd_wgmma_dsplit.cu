@@ -1,0 +1,278 @@
+// flash_bwd_wgmma_dsplit: attention backward on warpgroup MMA (wgmma, sm_90a; fp16/bf16) for wide
+// heads (D_TILE 256), where one warpgroup cannot hold dK and dV for its key rows (64 x 256 each
+// would be 256 registers per thread).
+//
+// flash_bwd_wgmma.cu's loop (one CTA per key block j, every query block i of the GQA group, dQ by
+// float32 adds, optionally in key-block order), with two warpgroups that share the block's
+// BLOCK_N = 64 key rows and split the work differently:
+//   warpgroup 0: S^T = K_j Q_i^T, P^T                 warpgroup 1: dP^T = V_j dO_i^T
+//                P^T -> shared memory  --barrier-->                dS^T = P^T o (dP^T - D) -> shared
+//   both, warpgroup g on head-dim half g (columns 128g..128g+127):
+//     dV_g += P^T dO_g    (A = P^T from shared memory, K-major; B = dO, MN-major)
+//     dK_g += dS^T Q_g    (A = dS^T; B = Q)
+//     dQ_g  = dS K_g      (A = dS, the MN-major view of dS^T; B = K, MN-major) -> dq_accum
+// S^T and dP^T (64 x 64 over 256 columns each) are equal work, so the two warpgroups stay in step;
+// each thread holds 64 + 64 dK/dV accumulators, 32 for S^T or dP^T and 64 for its dQ half.
+// Shared memory: K, V (32 KiB each), two stages of Q and dO (32 KiB each), P^T and dS^T (8 KiB
+// each): 208 KiB, sm_90 only.
+#include "common.cuh"
+#include "mma.cuh"
+#include "mma_bwd.cuh"
+#include "wgmma.cuh"
+#include "dq_order.cuh"
+
+namespace cf {
+
+template <int D_TILE, int BLOCK_M, int BLOCK_N>
+struct DsplitSmem {
+    static constexpr u32 KV_TILE = BLOCK_N * D_TILE * 2;
+    static constexpr u32 Q_TILE = BLOCK_M * D_TILE * 2;
+    static constexpr u32 KV_PANEL = BLOCK_N * 128;
+    static constexpr u32 Q_PANEL = BLOCK_M * 128;
+    static constexpr u32 K = 0;
+    static constexpr u32 V = K + KV_TILE;
+    static constexpr u32 Q = V + KV_TILE;       // [2 stages]
+    static constexpr u32 DO = Q + 2 * Q_TILE;   // [2 stages]
+    static constexpr u32 PT = DO + 2 * Q_TILE;  // P^T [BLOCK_N][BLOCK_M], one panel
+    static constexpr u32 DST = PT + BLOCK_N * BLOCK_M * 2;
+    static constexpr u32 LSE = DST + BLOCK_N * BLOCK_M * 2;  // float [2 stages][BLOCK_M]
+    static constexpr u32 DELTA = LSE + 2 * BLOCK_M * 4;
+    static constexpr u32 BYTES = DELTA + 2 * BLOCK_M * 4;
+};
+
+template <typename T, int D_TILE, bool CAUSAL, int BLOCK_M, int BLOCK_N, bool DQ_ORDERED>
+__global__ void __launch_bounds__(256, 1)
+flash_bwd_wgmma_dsplit(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                       const T* __restrict__ dout, const float* __restrict__ lse,
+                       const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
+                       float* __restrict__ dq_accum, int* __restrict__ dq_semaphore, int seqlen_q,
+                       int seqlen_k, int nheads, int group, int headdim,
+                       i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
+                       i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
+                       i64 dk_sb, i64 dk_ss, i64 dk_sh, i64 dv_sb, i64 dv_ss, i64 dv_sh,
+                       i64 dqa_sb, i64 dqa_ss, i64 dqa_sh, float scale_log2, float scale) {
+    typedef DsplitSmem<D_TILE, BLOCK_M, BLOCK_N> L;
+    constexpr int NTHREADS = 256, NWARPS = 8;
+    constexpr int HALF = D_TILE / 2;   // head-dim columns per warpgroup
+    constexpr int SJ = BLOCK_M / 8;    // 8-column blocks of S^T, dP^T
+    constexpr int HJ = HALF / 8;       // ... of a dK, dV or dQ half
+    static_assert(BLOCK_N == 64 && BLOCK_M == 64, "one 64-row wgmma per product and warpgroup");
+    static_assert(D_TILE == 256, "the head-dim halves are 128 columns: two panels");
+    static_assert(L::BYTES + 1024 <= 227 * 1024, "shared memory");
+
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    if (dynamic_smem_bytes() < L::BYTES + 1024) __trap();
+    const u32 raw = smem_u32(smem_raw);
+    const u32 base = (raw + 1023) & ~1023u;
+    unsigned char* const smem = smem_raw + (base - raw);
+    const u32 s_k = base + L::K, s_v = base + L::V, s_pt = base + L::PT, s_dst = base + L::DST;
+
+    const int tid = threadIdx.x;
+    const int n_block = blockIdx.x, n0 = n_block * BLOCK_N, head_kv = blockIdx.y, batch = blockIdx.z;
+    const Visibility<CAUSAL> visible{seqlen_q, seqlen_k, seqlen_k - seqlen_q};
+
+    const int m_block_first = CAUSAL ? max(0, n0 - visible.diag) / BLOCK_M : 0;
+    const int q_blocks = (seqlen_q + BLOCK_M - 1) / BLOCK_M;
+    const int m_blocks = max(0, q_blocks - m_block_first);
+    const int n_iters = group * m_blocks;
+
+    auto m_block_of = [&](int it) {
+        return DQ_ORDERED ? q_blocks - 1 - it % m_blocks : m_block_first + it % m_blocks;
+    };
+    auto load_query_block = [&](int it, int stage) {
+        const int head = head_kv * group + it / m_blocks;
+        const int m0 = m_block_of(it) * BLOCK_M;
+        cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(base + L::Q + stage * L::Q_TILE,
+                                                   q + row_offset(batch, m0, head, q_sb, q_ss, q_sh),
+                                                   seqlen_q - m0, headdim, q_ss, tid);
+        cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(base + L::DO + stage * L::Q_TILE,
+                                                   dout + row_offset(batch, m0, head, do_sb, do_ss, do_sh),
+                                                   seqlen_q - m0, headdim, do_ss, tid);
+        const i64 stat0 = ((i64)batch * nheads + head) * seqlen_q + m0;
+        for (int i = tid; i < 2 * BLOCK_M; i += NTHREADS) {
+            const int r = i % BLOCK_M;
+            const bool is_lse = i < BLOCK_M;
+            cp_async_4((is_lse ? base + L::LSE : base + L::DELTA) + (stage * BLOCK_M + r) * 4,
+                       (is_lse ? lse : delta) + stat0 + (m0 + r < seqlen_q ? r : 0), m0 + r < seqlen_q);
+        }
+    };
+
+    cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(s_k, k + row_offset(batch, n0, head_kv, k_sb, k_ss, k_sh),
+                                               seqlen_k - n0, headdim, k_ss, tid);
+    cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(s_v, v + row_offset(batch, n0, head_kv, v_sb, v_ss, v_sh),
+                                               seqlen_k - n0, headdim, v_ss, tid);
+    if (n_iters > 0) load_query_block(0, 0);
+    cp_async_commit();
+
+    const int wg = tid / 128, warp_in_wg = (tid / 32) % 4, lane = tid % 32;
+    const int key_row = 16 * warp_in_wg + lane / 4;  // this thread's S^T / dP^T rows: key_row, +8
+    float dk_acc[HJ][4], dv_acc[HJ][4];
+    zero(dk_acc);
+    zero(dv_acc);
+
+    int* pending_release = nullptr;
+    for (int it = 0; it < n_iters; ++it) {
+        const int stage = it & 1;
+        cp_async_wait<0>();
+        fence_proxy_async_shared();
+        __syncthreads();
+        if constexpr (!DQ_ORDERED) {
+            if (it + 1 < n_iters) load_query_block(it + 1, stage ^ 1);
+            cp_async_commit();
+        }
+
+        const int head = head_kv * group + it / m_blocks;
+        const int m_block = m_block_of(it), m0 = m_block * BLOCK_M;
+        int* const sem = dq_semaphore + ((i64)batch * nheads + head) * q_blocks + m_block;
+        int sem_seen = 0;
+        if constexpr (DQ_ORDERED) sem_seen = ld_acquire_gpu(sem);
+        const u32 s_q = base + L::Q + stage * L::Q_TILE, s_do = base + L::DO + stage * L::Q_TILE;
+        const float* s_lse = reinterpret_cast<const float*>(smem + L::LSE) + stage * BLOCK_M;
+        const float* s_delta = reinterpret_cast<const float*>(smem + L::DELTA) + stage * BLOCK_M;
+        const bool partial = visible.partial(m0, BLOCK_M, n0, BLOCK_N);
+
+        // Step 1: warpgroup 0 S^T = K Q^T, warpgroup 1 dP^T = V dO^T (K-major, 16 k-steps).
+        float acc[SJ][4];
+        {
+            const u32 a_tile = wg == 0 ? s_k : s_v, b_tile = wg == 0 ? s_q : s_do;
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < D_TILE / 16; ++kk)
+                Wgmma<T, BLOCK_M>::template ss<0, 0>(
+                    reinterpret_cast<float(&)[SJ * 4]>(acc),
+                    smem_desc(a_tile + (kk / 4) * L::KV_PANEL + (kk % 4) * 32, 16, 1024),
+                    smem_desc(b_tile + (kk / 4) * L::Q_PANEL + (kk % 4) * 32, 16, 1024), kk > 0);
+            wgmma_commit();
+        }
+        if constexpr (DQ_ORDERED) {  // as in flash_bwd_wgmma.cu: while step 1 runs
+            release_dq_block(pending_release, lane);
+            pending_release = nullptr;
+            if (it + 1 < n_iters) load_query_block(it + 1, stage ^ 1);
+            cp_async_commit();
+        }
+        wgmma_wait<0>();
+        pin_registers(reinterpret_cast<float(&)[SJ * 4]>(acc));
+
+        // Element (j, e) of acc is key n0 + key_row + 8 (e / 2), query m0 + 8 j + 2 (lane % 4) + e % 2;
+        // its 16-bit pair (e = 0, 1 or 2, 3) is word lane % 4 of chunk j of rows key_row, key_row + 8.
+        auto pair_addr = [&](u32 tile, int j, int h) {
+            return tile + panel_offset<BLOCK_N>(key_row + 8 * h, j) + 4 * (lane % 4);
+        };
+        if (wg == 0) {
+            // Step 2 (warpgroup 0): P^T = exp2(S^T scale log2(e) - lse log2(e)), 0 where hidden.
+            const int key0 = n0 + key_row, query0 = m0 + 2 * (lane % 4);
+            const int keys_left = seqlen_k - key0, queries_left = seqlen_q - query0;
+            const int causal_slack = query0 + visible.diag - key0;
+#pragma unroll
+            for (int j = 0; j < SJ; ++j) {
+                const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + 8 * j + 2 * (lane % 4));
+                const float base_log2[2] = {lse_base_log2(lse2.x), lse_base_log2(lse2.y)};
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float p = exp2_approx(fmaf(acc[j][e], scale_log2, -base_log2[e & 1]));
+                    const int key_off = 8 * (e >> 1), query_off = 8 * j + (e & 1);
+                    const bool hidden = key_off >= keys_left || query_off >= queries_left ||
+                                        (CAUSAL && key_off - query_off > causal_slack);
+                    acc[j][e] = partial && hidden ? 0.f : p;
+                }
+                st_shared_b32(pair_addr(s_pt, j, 0), pack2<T>(acc[j][0], acc[j][1]));
+                st_shared_b32(pair_addr(s_pt, j, 1), pack2<T>(acc[j][2], acc[j][3]));
+            }
+        }
+        fence_proxy_async_shared();
+        __syncthreads();  // P^T complete
+
+        // Step 3: dV_g += P^T dO_g (both warpgroups; K-major A from shared memory, 4 k-steps).
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_M / 16; ++kk)
+            Wgmma<T, HALF>::template ss<0, 1>(reinterpret_cast<float(&)[HJ * 4]>(dv_acc),
+                                              smem_desc(s_pt + kk * 32, 16, 1024),
+                                              smem_desc(s_do + 2 * wg * L::Q_PANEL + kk * 2048, L::Q_PANEL, 1024), 1);
+        wgmma_commit();
+
+        if (wg == 1) {
+            // Step 4 (warpgroup 1): dS^T = P^T o (dP^T - D) from the 16-bit P^T (0 where P^T is 0,
+            // by selection: a non-finite dP^T of a hidden key must not become NaN).
+#pragma unroll
+            for (int j = 0; j < SJ; ++j) {
+                const float2 d2 = *reinterpret_cast<const float2*>(s_delta + 8 * j + 2 * (lane % 4));
+                u32 p2[2];
+                asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(p2[0]) : "r"(pair_addr(s_pt, j, 0)));
+                asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(p2[1]) : "r"(pair_addr(s_pt, j, 1)));
+                const float2 lo = unpack2<T>(p2[0]), hi = unpack2<T>(p2[1]);
+                const float p16[4] = {lo.x, lo.y, hi.x, hi.y};
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    acc[j][e] = p16[e] == 0.f ? 0.f : p16[e] * (acc[j][e] - ((e & 1) ? d2.y : d2.x));
+                st_shared_b32(pair_addr(s_dst, j, 0), pack2<T>(acc[j][0], acc[j][1]));
+                st_shared_b32(pair_addr(s_dst, j, 1), pack2<T>(acc[j][2], acc[j][3]));
+            }
+        }
+        fence_proxy_async_shared();
+        __syncthreads();  // dS^T complete
+
+        // Step 5: dK_g += dS^T Q_g.
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_M / 16; ++kk)
+            Wgmma<T, HALF>::template ss<0, 1>(reinterpret_cast<float(&)[HJ * 4]>(dk_acc),
+                                              smem_desc(s_dst + kk * 32, 16, 1024),
+                                              smem_desc(s_q + 2 * wg * L::Q_PANEL + kk * 2048, L::Q_PANEL, 1024), 1);
+        wgmma_commit();
+
+        // Step 6: dQ_g = dS K_g (A: MN-major view of dS^T, 16-key k-steps of 2048 bytes; B: K, MN-major).
+        float dq_acc[HJ][4];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk)
+            Wgmma<T, HALF>::template ss<1, 1>(reinterpret_cast<float(&)[HJ * 4]>(dq_acc),
+                                              smem_desc(s_dst + kk * 2048, L::KV_PANEL, 1024),
+                                              smem_desc(s_k + 2 * wg * L::KV_PANEL + kk * 2048, L::KV_PANEL, 1024),
+                                              kk > 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        pin_registers(reinterpret_cast<float(&)[HJ * 4]>(dq_acc));
+        pin_registers(reinterpret_cast<float(&)[HJ * 4]>(dv_acc));
+        pin_registers(reinterpret_cast<float(&)[HJ * 4]>(dk_acc));
+        if constexpr (DQ_ORDERED) {
+            while (sem_seen < n_block * NWARPS) {
+                nanosleep_64();
+                sem_seen = ld_acquire_gpu(sem);
+            }
+            __syncwarp();
+        }
+        float* dqa = dq_accum + (i64)batch * dqa_sb + (i64)head * dqa_sh;
+        const int m_lo = m0 + 16 * warp_in_wg + lane / 4, m_hi = m_lo + 8;
+#pragma unroll
+        for (int j = 0; j < HJ; ++j) {
+            const int col = HALF * wg + 8 * j + 2 * (lane % 4);
+            if (col < headdim) {
+                if (m_lo < seqlen_q) red_add_f32x2(dqa + m_lo * dqa_ss + col, dq_acc[j][0], dq_acc[j][1]);
+                if (m_hi < seqlen_q) red_add_f32x2(dqa + m_hi * dqa_ss + col, dq_acc[j][2], dq_acc[j][3]);
+            }
+        }
+        if constexpr (DQ_ORDERED) pending_release = sem;
+    }
+    if constexpr (DQ_ORDERED) release_dq_block(pending_release, lane);
+    cp_async_wait<0>();
+
+    // Epilogue: this warpgroup's head-dim half of dK (scaled) and dV, from the accumulators.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int n = n0 + key_row + 8 * h;
+        if (n >= seqlen_k) continue;
+        T* dk_row = dk + row_offset(batch, n, head_kv, dk_sb, dk_ss, dk_sh);
+        T* dv_row = dv + row_offset(batch, n, head_kv, dv_sb, dv_ss, dv_sh);
+#pragma unroll
+        for (int j = 0; j < HJ; ++j) {
+            const int col = HALF * wg + 8 * j + 2 * (lane % 4);
+            if (col < headdim) {
+                *reinterpret_cast<u32*>(dk_row + col) = pack2<T>(dk_acc[j][2 * h] * scale, dk_acc[j][2 * h + 1] * scale);
+                *reinterpret_cast<u32*>(dv_row + col) = pack2<T>(dv_acc[j][2 * h], dv_acc[j][2 * h + 1]);
+            }
+        }
+    }
+}
+
+}  // namespace cf

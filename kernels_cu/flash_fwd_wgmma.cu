@@ -1,0 +1,145 @@
+// flash_fwd_wgmma: exact attention forward on Hopper warpgroup MMA (wgmma, sm_90a; fp16/bf16),
+// head dimension up to D_TILE (64, 128 or 256).
+//
+// flash_fwd_mma.cu's work split with a warpgroup (4 warps) per 64 query rows: one CTA owns
+// BLOCK_M = 64 NWG rows of one (batch, head) and walks the key blocks of its kv head.
+//   S = Q K_j^T      wgmma m64 x BLOCK_N, A = the warpgroup's Q rows, B = K_j (both K-major, in
+//                    shared memory)
+//   online softmax   on the accumulators, whose layout per warp is mma.sync's: online_softmax.cuh
+//   O += P V_j       wgmma m64 x D_TILE, A = P from registers, B = V_j (MN-major)
+// Every shared tile is a 128-byte-swizzled panel tile (wgmma.cuh). P V_j is left running while the
+// next block starts (its wait comes with S_{j+1}'s), so V_j must outlive the barrier at the top of
+// block j + 1: V has three stages and K two. At the top of block j the stages of K_{j-1} and
+// V_{j-2} are free in every warpgroup (their products were waited for before the barrier), and
+// K_{j+1}, V_{j+1} are copied into them while block j computes.
+#include "common.cuh"
+#include "mma.cuh"
+#include "online_softmax.cuh"
+#include "wgmma.cuh"
+
+namespace cf {
+
+// Shared memory from a 1024-byte aligned base; cupyflash/kernels/mma_fwd.py (wgmma_smem_bytes)
+// mirrors BYTES and adds the alignment slack. Q is reused to stage O in the epilogue.
+template <int D_TILE, int BLOCK_M, int BLOCK_N>
+struct FwdWgmmaSmem {
+    static constexpr int K_STAGES = 2, V_STAGES = 3;
+    static constexpr u32 Q_PANEL = BLOCK_M * 128, KV_PANEL = BLOCK_N * 128;
+    static constexpr u32 KV_TILE = BLOCK_N * D_TILE * 2;
+    static constexpr u32 Q = 0;
+    static constexpr u32 K = Q + BLOCK_M * D_TILE * 2;
+    static constexpr u32 V = K + K_STAGES * KV_TILE;
+    static constexpr u32 BYTES = V + V_STAGES * KV_TILE;
+};
+
+template <typename T, int D_TILE, bool CAUSAL, int BLOCK_M, int BLOCK_N>
+__global__ void __launch_bounds__(BLOCK_M / 64 * 128, 1)
+flash_fwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                T* __restrict__ o, float* __restrict__ lse, int seqlen_q, int seqlen_k, int nheads,
+                int group, int headdim, i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
+                i64 v_sb, i64 v_ss, i64 v_sh, i64 o_sb, i64 o_ss, i64 o_sh, float scale_log2) {
+    typedef FwdWgmmaSmem<D_TILE, BLOCK_M, BLOCK_N> L;
+    constexpr int NWG = BLOCK_M / 64, NTHREADS = NWG * 128;
+    constexpr int N_FRAGS = BLOCK_N / 8, D_FRAGS = D_TILE / 8;
+    static_assert(BLOCK_M % 64 == 0 && BLOCK_N % 64 == 0 && D_TILE % 64 == 0, "64-row/column panels");
+    static_assert(L::BYTES + 1024 <= 227 * 1024, "shared memory");
+
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    if (dynamic_smem_bytes() < L::BYTES + 1024) __trap();
+    const u32 raw = smem_u32(smem_raw);
+    const u32 base = (raw + 1023) & ~1023u;  // 128-byte swizzle: panels 1024-byte aligned
+    const u32 q_tile = base + L::Q;
+
+    const int head = blockIdx.y, batch = blockIdx.z, head_kv = head / group;
+    // Heaviest causal blocks first.
+    const int m0 = (CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * BLOCK_M;
+    // Keys [0, n_end) are visible to some row of the block (bottom-right causal alignment); from
+    // first_masked_key on, some row of the block must not see them.
+    const int n_end = CAUSAL ? min(seqlen_k, max(0, m0 + BLOCK_M + seqlen_k - seqlen_q)) : seqlen_k;
+    const int first_masked_key = CAUSAL ? min(seqlen_k, max(0, m0 + 1 + seqlen_k - seqlen_q)) : seqlen_k;
+    const int tid = threadIdx.x, wg = tid / 128, warp = tid / 32, lane = tid % 32;
+    const int strip_row0 = 16 * warp;  // the warp's 16 rows within the block
+
+    const T* k_rows = k + row_offset(batch, 0, head_kv, k_sb, k_ss, k_sh);
+    const T* v_rows = v + row_offset(batch, 0, head_kv, v_sb, v_ss, v_sh);
+    auto load_kv_block = [&](int j) {
+        const int n0 = j * BLOCK_N;
+        cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(base + L::K + (j % L::K_STAGES) * L::KV_TILE,
+                                                   k_rows + n0 * k_ss, seqlen_k - n0, headdim, k_ss, tid);
+        cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(base + L::V + (j % L::V_STAGES) * L::KV_TILE,
+                                                   v_rows + n0 * v_ss, seqlen_k - n0, headdim, v_ss, tid);
+    };
+
+    cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(q_tile, q + row_offset(batch, m0, head, q_sb, q_ss, q_sh),
+                                               seqlen_q - m0, headdim, q_ss, tid);
+    if (n_end > 0) load_kv_block(0);
+    cp_async_commit();
+
+    float o_acc[1][D_FRAGS][4];
+#pragma unroll
+    for (int f = 0; f < D_FRAGS; ++f) o_acc[0][f][0] = o_acc[0][f][1] = o_acc[0][f][2] = o_acc[0][f][3] = 0.f;
+    RowStats<RowState::ALL_LANES, 1> row_stats;
+    auto store = [&]() {
+        store_o<T, D_TILE>(o_acc, row_stats, q_tile, strip_row0, m0, seqlen_q, headdim,
+                           o + row_offset(batch, m0, head, o_sb, o_ss, o_sh), o_ss,
+                           lse + ((i64)batch * nheads + head) * seqlen_q + m0, lane);
+    };
+    if (n_end <= 0) {  // rows that see no key (causal, seqlen_k < seqlen_q): O = 0, lse = -inf
+        cp_async_wait<0>();
+        __syncthreads();
+        store();
+        return;
+    }
+
+    for (int j = 0; j * BLOCK_N < n_end; ++j) {
+        // Block j's copies land; the proxy fence hands them to wgmma; after the barrier every
+        // warpgroup is past S_{j-1} and P V_{j-2}, whose stages the next copies refill.
+        cp_async_wait<0>();
+        fence_proxy_async_shared();
+        __syncthreads();
+        if ((j + 1) * BLOCK_N < n_end) load_kv_block(j + 1);
+        cp_async_commit();
+
+        const u32 k_tile = base + L::K + (j % L::K_STAGES) * L::KV_TILE;
+        const u32 v_tile = base + L::V + (j % L::V_STAGES) * L::KV_TILE;
+        float s[1][N_FRAGS][4];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < D_TILE / 16; ++kk) {
+            const u32 q_off = (kk / 4) * L::Q_PANEL + wg * 64 * 128 + (kk % 4) * 32;
+            const u32 k_off = (kk / 4) * L::KV_PANEL + (kk % 4) * 32;
+            Wgmma<T, BLOCK_N>::template ss<0, 0>(reinterpret_cast<float(&)[N_FRAGS * 4]>(s),
+                                                 smem_desc(q_tile + q_off, 16, 1024),
+                                                 smem_desc(k_tile + k_off, 16, 1024), kk > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();  // S_j, and P V_{j-1}: O may be rescaled
+        pin_registers(reinterpret_cast<float(&)[N_FRAGS * 4]>(s));
+        pin_registers(reinterpret_cast<float(&)[D_FRAGS * 4]>(o_acc));
+
+        const int n0 = j * BLOCK_N;
+        scale_and_mask<CAUSAL>(s, scale_log2, n0 + BLOCK_N > first_masked_key, m0 + strip_row0, n0,
+                               seqlen_q, seqlen_k, lane);
+        float m_new[1][2];
+        row_max(m_new, s, row_stats, lane);
+        softmax_rescale(s, o_acc, row_stats, m_new, lane);
+        u32 p[1][N_FRAGS / 2][4];
+        pack_p<T>(p, s);
+
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk)
+            Wgmma<T, D_TILE>::template rs<1>(reinterpret_cast<float(&)[D_FRAGS * 4]>(o_acc), p[0][kk],
+                                             smem_desc(v_tile + kk * 2048, L::KV_PANEL, 1024), 1);
+        wgmma_commit();
+    }
+    wgmma_wait<0>();
+    pin_registers(reinterpret_cast<float(&)[D_FRAGS * 4]>(o_acc));
+
+    // Q is reused to stage O: every warpgroup must be done reading it.
+    cp_async_wait<0>();
+    __syncthreads();
+    store();
+}
+
+}  // namespace cf
