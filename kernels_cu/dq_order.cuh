@@ -31,4 +31,15 @@ __device__ __forceinline__ void release_dq_block(int* sem, int lane) {
     if (lane == 0) red_add_release_gpu(sem, 1);
 }
 
+// Waits (backing off) until the counter of this query block reaches `target`, that is until every
+// warp of the key blocks before this one has released it; `seen` holds a value read earlier, so a
+// counter that is already there costs no load.
+__device__ __forceinline__ void wait_dq_turn(const int* sem, int& seen, int target) {
+    while (seen < target) {
+        nanosleep_64();
+        seen = ld_acquire_gpu(sem);
+    }
+    __syncwarp();
+}
+
 }  // namespace cf

@@ -129,13 +129,8 @@ flash_bwd_fused_mma(const T* __restrict__ q, const T* __restrict__ k, const T* _
         cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(base + L::DO + stage * L::Q_TILE,
                                                  dout + row_offset(batch, m0, head, do_sb, do_ss, do_sh),
                                                  seqlen_q - m0, headdim, do_ss, tid);
-        const i64 stat0 = ((i64)batch * nheads + head) * seqlen_q + m0;
-        for (int i = tid; i < 2 * BLOCK_M; i += NTHREADS) {
-            const int r = i % BLOCK_M;
-            const bool is_lse = i < BLOCK_M;
-            cp_async_4((is_lse ? base + L::LSE : base + L::DELTA) + (stage * BLOCK_M + r) * 4,
-                       (is_lse ? lse : delta) + stat0 + (m0 + r < seqlen_q ? r : 0), m0 + r < seqlen_q);
-        }
+        cp_async_row_stats<BLOCK_M, NTHREADS>(base + L::LSE, base + L::DELTA, stage, lse, delta,
+                                               ((i64)batch * nheads + head) * seqlen_q + m0, m0, seqlen_q, tid);
     };
 
     // Prologue: K_j, V_j and the first query block in one group.
@@ -270,13 +265,7 @@ flash_bwd_fused_mma(const T* __restrict__ q, const T* __restrict__ k, const T* _
 
         // Step 8 (ordered): wait for this query block's turn: until all NWARPS warps of key blocks
         // 0..n_block-1 have released it.
-        if constexpr (DQ_ORDERED) {
-            while (sem_seen < n_block * NWARPS) {
-                nanosleep_64();
-                sem_seen = ld_acquire_gpu(sem);
-            }
-            __syncwarp();
-        }
+        if constexpr (DQ_ORDERED) wait_dq_turn(sem, sem_seen, n_block * NWARPS);
 
         // Step 9: dQ_i += dS K_j (dS read as the transpose of dS^T) on this warp's query rows and
         // head-dim columns, added to dq_accum; in passes of at most 32 columns (registers: dK, dV

@@ -105,13 +105,8 @@ flash_bwd_dkdv_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __
         cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(base + L::DO + stage * L::Q_TILE,
                                                  dout + row_offset(batch, m0, head, do_sb, do_ss, do_sh),
                                                  seqlen_q - m0, headdim, do_ss, tid);
-        const i64 stat0 = ((i64)batch * nheads + head) * seqlen_q + m0;
-        for (int i = tid; i < 2 * BLOCK_M; i += NTHREADS) {
-            const int r = i % BLOCK_M;
-            const bool is_lse = i < BLOCK_M;
-            cp_async_4((is_lse ? base + L::LSE : base + L::DELTA) + (stage * BLOCK_M + r) * 4,
-                       (is_lse ? lse : delta) + stat0 + (m0 + r < seqlen_q ? r : 0), m0 + r < seqlen_q);
-        }
+        cp_async_row_stats<BLOCK_M, NTHREADS>(base + L::LSE, base + L::DELTA, stage, lse, delta,
+                                               ((i64)batch * nheads + head) * seqlen_q + m0, m0, seqlen_q, tid);
     };
 
     // Prologue: K_j, V_j and the first query block in one group.
@@ -604,13 +599,8 @@ flash_bwd_dkdv_mma_v2(const T* __restrict__ q, const T* __restrict__ k, const T*
         cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(base + L::DO + stage * L::Q_TILE,
                                                  dout + row_offset(batch, m0, head, do_sb, do_ss, do_sh),
                                                  seqlen_q - m0, headdim, do_ss, tid);
-        const i64 stat0 = ((i64)batch * nheads + head) * seqlen_q + m0;
-        for (int i = tid; i < 2 * BLOCK_M; i += NTHREADS) {
-            const int r = i % BLOCK_M;
-            const bool is_lse = i < BLOCK_M;
-            cp_async_4((is_lse ? base + L::LSE : base + L::DELTA) + (stage * BLOCK_M + r) * 4,
-                       (is_lse ? lse : delta) + stat0 + (m0 + r < seqlen_q ? r : 0), m0 + r < seqlen_q);
-        }
+        cp_async_row_stats<BLOCK_M, NTHREADS>(base + L::LSE, base + L::DELTA, stage, lse, delta,
+                                               ((i64)batch * nheads + head) * seqlen_q + m0, m0, seqlen_q, tid);
     };
 
     cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(s_k, k + row_offset(batch, n0, head_kv, k_sb, k_ss, k_sh),
@@ -862,13 +852,8 @@ flash_bwd_dkdv_mma_split(const T* __restrict__ q, const T* __restrict__ k, const
         cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(base + L::DO + stage * L::Q_TILE,
                                                  dout + row_offset(batch, m0, head, do_sb, do_ss, do_sh),
                                                  seqlen_q - m0, headdim, do_ss, tid);
-        const i64 stat0 = ((i64)batch * nheads + head) * seqlen_q + m0;
-        for (int i = tid; i < 2 * BLOCK_M; i += NTHREADS) {
-            const int r = i % BLOCK_M;
-            const bool is_lse = i < BLOCK_M;
-            cp_async_4((is_lse ? base + L::LSE : base + L::DELTA) + (stage * BLOCK_M + r) * 4,
-                       (is_lse ? lse : delta) + stat0 + (m0 + r < seqlen_q ? r : 0), m0 + r < seqlen_q);
-        }
+        cp_async_row_stats<BLOCK_M, NTHREADS>(base + L::LSE, base + L::DELTA, stage, lse, delta,
+                                               ((i64)batch * nheads + head) * seqlen_q + m0, m0, seqlen_q, tid);
     };
 
     cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(s_k, k + row_offset(batch, n0, head_kv, k_sb, k_ss, k_sh),

@@ -100,13 +100,8 @@ flash_bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
         cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(base + L::DO + stage * L::Q_TILE,
                                                    dout + row_offset(batch, m0, head, do_sb, do_ss, do_sh),
                                                    seqlen_q - m0, headdim, do_ss, tid);
-        const i64 stat0 = ((i64)batch * nheads + head) * seqlen_q + m0;
-        for (int i = tid; i < 2 * BLOCK_M; i += NTHREADS) {
-            const int r = i % BLOCK_M;
-            const bool is_lse = i < BLOCK_M;
-            cp_async_4((is_lse ? base + L::LSE : base + L::DELTA) + (stage * BLOCK_M + r) * 4,
-                       (is_lse ? lse : delta) + stat0 + (m0 + r < seqlen_q ? r : 0), m0 + r < seqlen_q);
-        }
+        cp_async_row_stats<BLOCK_M, NTHREADS>(base + L::LSE, base + L::DELTA, stage, lse, delta,
+                                               ((i64)batch * nheads + head) * seqlen_q + m0, m0, seqlen_q, tid);
     };
 
     cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(s_k, k + row_offset(batch, n0, head_kv, k_sb, k_ss, k_sh),
@@ -263,13 +258,7 @@ flash_bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
             pin_registers(reinterpret_cast<float(&)[32]>(dq_acc));
             // DQ_ORDERED: this query block's turn comes when all NWARPS warps of key blocks
             // 0..n_block-1 have released it.
-            if constexpr (DQ_ORDERED) {
-                while (sem_seen < n_block * NWARPS) {
-                    nanosleep_64();
-                    sem_seen = ld_acquire_gpu(sem);
-                }
-                __syncwarp();
-            }
+            if constexpr (DQ_ORDERED) wait_dq_turn(sem, sem_seen, n_block * NWARPS);
             const int m_lo = m0 + 64 * qp + 16 * warp_in_wg + lane / 4, m_hi = m_lo + 8;
 #pragma unroll
             for (int j = 0; j < 8; ++j) {

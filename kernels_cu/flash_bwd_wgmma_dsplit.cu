@@ -88,13 +88,8 @@ flash_bwd_wgmma_dsplit(const T* __restrict__ q, const T* __restrict__ k, const T
         cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(base + L::DO + stage * L::Q_TILE,
                                                    dout + row_offset(batch, m0, head, do_sb, do_ss, do_sh),
                                                    seqlen_q - m0, headdim, do_ss, tid);
-        const i64 stat0 = ((i64)batch * nheads + head) * seqlen_q + m0;
-        for (int i = tid; i < 2 * BLOCK_M; i += NTHREADS) {
-            const int r = i % BLOCK_M;
-            const bool is_lse = i < BLOCK_M;
-            cp_async_4((is_lse ? base + L::LSE : base + L::DELTA) + (stage * BLOCK_M + r) * 4,
-                       (is_lse ? lse : delta) + stat0 + (m0 + r < seqlen_q ? r : 0), m0 + r < seqlen_q);
-        }
+        cp_async_row_stats<BLOCK_M, NTHREADS>(base + L::LSE, base + L::DELTA, stage, lse, delta,
+                                               ((i64)batch * nheads + head) * seqlen_q + m0, m0, seqlen_q, tid);
     };
 
     cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(s_k, k + row_offset(batch, n0, head_kv, k_sb, k_ss, k_sh),
@@ -235,13 +230,7 @@ flash_bwd_wgmma_dsplit(const T* __restrict__ q, const T* __restrict__ k, const T
         pin_registers(reinterpret_cast<float(&)[HJ * 4]>(dq_acc));
         pin_registers(reinterpret_cast<float(&)[HJ * 4]>(dv_acc));
         pin_registers(reinterpret_cast<float(&)[HJ * 4]>(dk_acc));
-        if constexpr (DQ_ORDERED) {
-            while (sem_seen < n_block * NWARPS) {
-                nanosleep_64();
-                sem_seen = ld_acquire_gpu(sem);
-            }
-            __syncwarp();
-        }
+        if constexpr (DQ_ORDERED) wait_dq_turn(sem, sem_seen, n_block * NWARPS);
         float* dqa = dq_accum + (i64)batch * dqa_sb + (i64)head * dqa_sh;
         const int m_lo = m0 + 16 * warp_in_wg + lane / 4, m_hi = m_lo + 8;
 #pragma unroll

@@ -18,6 +18,21 @@ __device__ __forceinline__ void cp_async_4(u32 dst, const void* src, bool valid)
                  : "memory");
 }
 
+// Copies lse and D of query rows m0..m0 + BLOCK_M - 1 (stat0: index of row m0 in the (batch, head,
+// seqlen_q) arrays) into stage `stage` of the [2][BLOCK_M]-float arrays at lse_slots and
+// delta_slots by 4-byte cp.async; rows from seqlen_q on are zero-filled (their source address
+// stays that of row m0, which exists).
+template <int BLOCK_M, int NTHREADS>
+__device__ __forceinline__ void cp_async_row_stats(u32 lse_slots, u32 delta_slots, int stage, const float* lse,
+                                                   const float* delta, i64 stat0, int m0, int seqlen_q, int thread) {
+    for (int i = thread; i < 2 * BLOCK_M; i += NTHREADS) {
+        const int r = i % BLOCK_M;
+        const bool is_lse = i < BLOCK_M;
+        cp_async_4((is_lse ? lse_slots : delta_slots) + (stage * BLOCK_M + r) * 4,
+                   (is_lse ? lse : delta) + stat0 + (m0 + r < seqlen_q ? r : 0), m0 + r < seqlen_q);
+    }
+}
+
 __device__ __forceinline__ void st_shared_v4(u32 addr, u32 x, u32 y, u32 z, u32 w) {
     asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(x), "r"(y), "r"(z),
                  "r"(w)

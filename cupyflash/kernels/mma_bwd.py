@@ -21,15 +21,19 @@ Versions (``VERSIONS``, ``backward(..., version=...)``): v1 as above; v2 and v3 
 rows (``flash_bwd_dq_mma_v2``, ``flash_bwd_dkdv_mma_v2``, ``flash_bwd_dkdv_mma_split``), so each
 shared-memory fragment feeds twice the mma. v4 is one fused kernel, ``flash_bwd_fused_mma``
 (flash_bwd_fused_mma.cu): FlashAttention-2's 32-row warp tiles for all five products, P^T and dS^T
-through shared memory, dQ by float32 atomics or, deterministic, in a fixed key-block order. v5, the
-default, runs v3's two kernels when ``deterministic`` (on an H200 they beat the ordered fused
-kernel) and v4's fused atomic kernel otherwise. See the notes at ``VERSIONS`` and docs/perf-log.md.
+through shared memory, dQ by float32 atomics or, deterministic, in a fixed key-block order. v5 runs
+v3's two kernels when ``deterministic`` (on an H200 they beat the ordered fused kernel) and v4's
+fused atomic kernel otherwise. v6, the default, is v5 except on sm_90, where v4's work split runs
+on warpgroup MMA (wgmma, sm_90a: ``flash_bwd_wgmma.cu``, and ``flash_bwd_wgmma_dsplit.cu`` at
+head-dim tile 256): always with ``deterministic=False``, and with ordered dQ adds at the head-dim
+tiles of ``WGMMA_ORDERED_D_TILES``. See the notes at ``VERSIONS`` and docs/perf-log.md.
 
 Shared memory (bytes; mirrored by DkdvSmem / DqSmem in flash_bwd_mma.cu): K, V of the key block,
 two stages of Q, dO (and lse, D) per query block, the 16-bit dS^T block (atomic dQ) and the
 partial-sum exchange (WARPS_D = 2). All fit sm_80's 163 KiB too (the largest, the atomic
 head-dim-256 dK/dV kernel, takes 148.5 KiB); GPUs with 99 KiB per block (sm_86, sm_89) can run
-only head-dim tile 64 (get_function raises a clear error otherwise).
+only head-dim tile 64 (get_function raises a clear error otherwise). The wgmma kernels take up to
+210 KiB (sm_90 only).
 """
 from __future__ import annotations
 

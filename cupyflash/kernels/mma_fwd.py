@@ -1,4 +1,5 @@
-"""Tensor-core forward (``kernels_cu/flash_fwd_mma.cu``): float16 / bfloat16, head dims 8..256.
+"""Tensor-core forward (``kernels_cu/flash_fwd_mma.cu``; on sm_90 ``kernels_cu/flash_fwd_wgmma.cu``,
+the same work split on warpgroup MMA, see ``WgmmaFwdConfig``): float16 / bfloat16, head dims 8..256.
 
 FlashAttention-2 work split: a block owns BLOCK_M query rows of one (batch, head), each warp owns
 16-row strips of them; K and V tiles stream through a ring of STAGES shared-memory stages filled
