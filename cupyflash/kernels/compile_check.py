@@ -184,7 +184,7 @@ ARCHS = ("80", "90", "90a")  # sm_90a: the wgmma kernels only
 def compiled_for(spec: Specialization, arch: str) -> bool:
     """Whether the check compiles ``spec`` for ``sm_<arch>``: an arch-specific specialization
     (wgmma: "90a") for its own arch only, the portable ones for the portable archs ("80", "90")."""
-    return spec.arch == arch if (spec.arch or arch.endswith("a")) else True
+    return spec.arch == arch or (not spec.arch and not arch.endswith("a"))
 
 
 def check_archs(archs, specs: list[Specialization] | None = None,

@@ -81,32 +81,6 @@ LARGE_SMEM_CONFIGS = {
     256: FwdConfig(block_m=128, block_n=64, warps=8, q_in_regs=False),
 }
 
-# The default tables so far, kept launchable (``forward(..., config=...)``) so that the tuner
-# (``python -m cupyflash.bench.tune``) times old and new side by side: {version: (note, {D_TILE:
-# config on an sm_90 device})}. The last one is CONFIGS with LARGE_SMEM_CONFIGS applied. The
-# kernel had no row_state before v4: v1 and v2 ran what is now "all_lanes" (and their entries say
-# so), v3 "one_lane".
-VERSIONS = {
-    "v1": ("128x32 tiles for d128 (no spills); 128x32, 8 warps for d256",
-           {64: FwdConfig(128, 64, 4, False, min_blocks=2, row_state="all_lanes"),
-            128: FwdConfig(128, 32, 4, False, min_blocks=2, row_state="all_lanes"),
-            256: FwdConfig(128, 32, 8, False, row_state="all_lanes")}),
-    "v2": ("v1, but 128x64 tiles, 8 warps for d256 where 193 KiB of shared memory fit (sm_90)",
-           {64: FwdConfig(128, 64, 4, False, min_blocks=2, row_state="all_lanes"),
-            128: FwdConfig(128, 32, 4, False, min_blocks=2, row_state="all_lanes"),
-            256: FwdConfig(128, 64, 8, False, row_state="all_lanes")}),
-    "v3": ("v2, plus spill-free 128x64 tiles for d128 where 193 KiB fit (sm_90)",
-           {64: FwdConfig(128, 64, 4, False, min_blocks=2), 128: FwdConfig(128, 64, 4, False, min_blocks=2),
-            256: FwdConfig(128, 64, 8, False)}),
-    "v4": ("v3, but all-lanes row state for d64",
-           {64: FwdConfig(128, 64, 4, False, min_blocks=2, row_state="all_lanes"),
-            128: FwdConfig(128, 64, 4, False, min_blocks=2), 256: FwdConfig(128, 64, 8, False)}),
-    "v5": ("v4, but Q in registers for d64",
-           {64: FwdConfig(128, 64, 4, True, min_blocks=2, row_state="all_lanes"),
-            128: FwdConfig(128, 64, 4, False, min_blocks=2), 256: FwdConfig(128, 64, 8, False)}),
-}
-
-
 
 @dataclass(frozen=True)
 class WgmmaFwdConfig:
@@ -126,21 +100,46 @@ class WgmmaFwdConfig:
 # Tuner, bf16, TFLOP/s at 16k / 2k, non-causal (docs/perf-log.md, mma-fwd-v6): d64 128x64 372 / 349
 # (128x128: 282 at 2k), d128 128x128 503 / 435 (128x64: 458 / 363), d256 128x64 538 / 475.
 WGMMA_CONFIGS = {64: WgmmaFwdConfig(128, 64), 128: WgmmaFwdConfig(128, 128), 256: WgmmaFwdConfig(128, 64)}
-VERSIONS["v6"] = ("warpgroup MMA (wgmma.mma_async) kernel on sm_90: S = Q K^T and O += P V with "
-                  "operands read from swizzled shared memory (P from registers)", WGMMA_CONFIGS)
+
+# The default tables so far, kept launchable (``forward(..., config=...)``) so that the tuner
+# (``python -m cupyflash.bench.tune``) times old and new side by side: {version: (note, {D_TILE:
+# config on an sm_90 device})}. v5 is CONFIGS with LARGE_SMEM_CONFIGS applied (the default below
+# sm_90), v6 the wgmma kernel (the default on sm_90). The mma.sync kernel had no row_state before
+# v4: v1 and v2 ran what is now "all_lanes" (and their entries say so), v3 "one_lane".
+VERSIONS = {
+    "v1": ("128x32 tiles for d128 (no spills); 128x32, 8 warps for d256",
+           {64: FwdConfig(128, 64, 4, False, min_blocks=2, row_state="all_lanes"),
+            128: FwdConfig(128, 32, 4, False, min_blocks=2, row_state="all_lanes"),
+            256: FwdConfig(128, 32, 8, False, row_state="all_lanes")}),
+    "v2": ("v1, but 128x64 tiles, 8 warps for d256 where 193 KiB of shared memory fit (sm_90)",
+           {64: FwdConfig(128, 64, 4, False, min_blocks=2, row_state="all_lanes"),
+            128: FwdConfig(128, 32, 4, False, min_blocks=2, row_state="all_lanes"),
+            256: FwdConfig(128, 64, 8, False, row_state="all_lanes")}),
+    "v3": ("v2, plus spill-free 128x64 tiles for d128 where 193 KiB fit (sm_90)",
+           {64: FwdConfig(128, 64, 4, False, min_blocks=2), 128: FwdConfig(128, 64, 4, False, min_blocks=2),
+            256: FwdConfig(128, 64, 8, False)}),
+    "v4": ("v3, but all-lanes row state for d64",
+           {64: FwdConfig(128, 64, 4, False, min_blocks=2, row_state="all_lanes"),
+            128: FwdConfig(128, 64, 4, False, min_blocks=2), 256: FwdConfig(128, 64, 8, False)}),
+    "v5": ("v4, but Q in registers for d64",
+           {64: FwdConfig(128, 64, 4, True, min_blocks=2, row_state="all_lanes"),
+            128: FwdConfig(128, 64, 4, False, min_blocks=2), 256: FwdConfig(128, 64, 8, False)}),
+    "v6": ("warpgroup MMA (wgmma.mma_async) kernel on sm_90: S = Q K^T and O += P V with operands "
+           "read from swizzled shared memory (P from registers)", WGMMA_CONFIGS),
+}
 
 # Alternatives worth timing on the GPU (``forward(..., config=...)``), not launched by default:
 # FlashAttention-2's 128 x 128 tiles for d64 still spill a few registers here (12 to 52 bytes with
-# "one_lane", 160 to 200 with "all_lanes"), the 8-warp variants give each warp one 16-row strip.
+# "one_lane", 160 to 200 with "all_lanes"), the 8-warp variants give each warp one 16-row strip;
+# last, the wgmma tiles that lost to WGMMA_CONFIGS.
 CANDIDATES = {
     64: (FwdConfig(128, 64, 8, False, min_blocks=2), FwdConfig(128, 128, 4, False),
          FwdConfig(128, 64, 8, False, min_blocks=2, row_state="all_lanes"),
-         FwdConfig(128, 128, 4, False, row_state="all_lanes")),
-    128: (FwdConfig(128, 64, 8, False), FwdConfig(128, 32, 4, False, stages=3, min_blocks=2)),
+         FwdConfig(128, 128, 4, False, row_state="all_lanes"), WgmmaFwdConfig(128, 128)),
+    128: (FwdConfig(128, 64, 8, False), FwdConfig(128, 32, 4, False, stages=3, min_blocks=2),
+          WgmmaFwdConfig(128, 64)),
     256: (),
 }
-CANDIDATES[64] += (WgmmaFwdConfig(128, 128),)
-CANDIDATES[128] += (WgmmaFwdConfig(128, 64),)
 
 
 def default_config(dt: int, smem_optin: int | None = None, arch: str | None = None):
