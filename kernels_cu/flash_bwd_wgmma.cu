@@ -3,12 +3,13 @@
 // The work split of flash_bwd_fused_mma.cu, on warpgroups: one CTA per (key block j, kv head,
 // batch) keeps K_j and V_j in shared memory, walks every query block i of every query head of its
 // GQA group (Q_i, dO_i, lse_i, D_i double-buffered by cp.async) and accumulates dK_j, dV_j in
-// registers; each step's dQ_i contribution dS_ij K_j is added to a float32 dq_accum by
-// red.global.add (flash_bwd_dq_convert scales and converts it). With DQ_ORDERED the adds to each
-// dQ_i land in ascending key-block order, through flash_bwd_fused_mma.cu's per-query-block
-// counters and protocol (query blocks walked last to first, the counter read early, each warp's
-// release deferred into the next iteration, behind the issue of its S^T and dP^T), so dQ is
-// bitwise reproducible.
+// registers; each step's dQ_i contribution dS_ij K_j is added to dq_accum by red.global.add, as
+// DQ_ADD says (dq_add.cuh; flash_bwd_dq_convert or flash_bwd_dq_convert_fixed scales and converts
+// it): float32 in any order (atomic); float32 in ascending key-block order (ordered), through
+// flash_bwd_fused_mma.cu's per-query-block counters and protocol (query blocks walked last to
+// first, the counter read early, each warp's release deferred into the next iteration, behind the
+// issue of its S^T and dP^T); or int64 fixed point (fixed), exact in any order. The last two give
+// bitwise reproducible dQ.
 //
 // Warpgroup g owns key rows 64g..64g+63 of the block (wgmma's M is 64):
 //   S^T  = K_g Q^T      (64 x BLOCK_M; A = K, B = Q, both K-major from shared memory)
@@ -28,6 +29,7 @@
 #include "mma_bwd.cuh"
 #include "wgmma.cuh"
 #include "dq_order.cuh"
+#include "dq_add.cuh"
 
 namespace cf {
 
@@ -50,12 +52,13 @@ struct WgmmaSmem {
     static constexpr u32 BYTES = DELTA + 2 * BLOCK_M * 4;
 };
 
-template <typename T, int D_TILE, bool CAUSAL, int BLOCK_M, int BLOCK_N, bool DQ_ORDERED>
+template <typename T, int D_TILE, bool CAUSAL, int BLOCK_M, int BLOCK_N, DqAdd DQ_ADD>
 __global__ void __launch_bounds__(BLOCK_N / 64 * 128, 1)
 flash_bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                 const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
-                T* __restrict__ dk, T* __restrict__ dv, float* __restrict__ dq_accum,
-                int* __restrict__ dq_semaphore, int seqlen_q, int seqlen_k, int nheads, int group, int headdim,
+                T* __restrict__ dk, T* __restrict__ dv, void* __restrict__ dq_accum,
+                int* __restrict__ dq_semaphore, const float* __restrict__ dq_fixed_scale,
+                int seqlen_q, int seqlen_k, int nheads, int group, int headdim,
                 i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
                 i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
                 i64 dk_sb, i64 dk_ss, i64 dk_sh, i64 dv_sb, i64 dv_ss, i64 dv_sh,
@@ -66,6 +69,7 @@ flash_bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
     constexpr int DJ = D_TILE / 8;         // ... of dK, dV
     constexpr int QK = BLOCK_M / 16;       // k-steps of dV, dK (over queries)
     constexpr int DQ_PANELS = (BLOCK_M / 64) * (D_TILE / 64);  // 64 x 64 dQ output panels
+    constexpr bool ORDERED = DQ_ADD == DqAdd::ordered;
     static_assert(BLOCK_N % 64 == 0 && BLOCK_M % 64 == 0 && D_TILE % 64 == 0, "64-row/column panels");
     static_assert(DQ_PANELS % NWG == 0, "dQ panels divide among the warpgroups");
     static_assert(L::BYTES + 1024 <= 227 * 1024, "shared memory");
@@ -86,10 +90,10 @@ flash_bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
     const int m_blocks = max(0, q_blocks - m_block_first);
     const int n_iters = group * m_blocks;
 
-    // Iteration it -> query block (and head: it / m_blocks); DQ_ORDERED walks each head's blocks
+    // Iteration it -> query block (and head: it / m_blocks); ORDERED walks each head's blocks
     // from the last to the first.
     auto m_block_of = [&](int it) {
-        return DQ_ORDERED ? q_blocks - 1 - it % m_blocks : m_block_first + it % m_blocks;
+        return ORDERED ? q_blocks - 1 - it % m_blocks : m_block_first + it % m_blocks;
     };
     auto load_query_block = [&](int it, int stage) {
         const int head = head_kv * group + it / m_blocks;
@@ -116,7 +120,7 @@ flash_bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
     zero(dk_acc);
     zero(dv_acc);
 
-    int* pending_release = nullptr;  // DQ_ORDERED: counter of the query block added last, not yet released
+    int* pending_release = nullptr;  // ORDERED: counter of the query block added last, not yet released
     for (int it = 0; it < n_iters; ++it) {
         const int stage = it & 1;
         // The wait lands this block's copies; the proxy fence hands them (and the previous
@@ -125,7 +129,7 @@ flash_bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
         cp_async_wait<0>();
         fence_proxy_async_shared();
         __syncthreads();
-        if constexpr (!DQ_ORDERED) {
+        if constexpr (!ORDERED) {
             if (it + 1 < n_iters) load_query_block(it + 1, stage ^ 1);
             cp_async_commit();
         }
@@ -133,8 +137,8 @@ flash_bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
         const int head = head_kv * group + it / m_blocks;
         const int m_block = m_block_of(it), m0 = m_block * BLOCK_M;
         int* const sem = dq_semaphore + ((i64)batch * nheads + head) * q_blocks + m_block;
-        int sem_seen = 0;  // DQ_ORDERED: the counter, read early so its latency hides behind steps 1-7
-        if constexpr (DQ_ORDERED) sem_seen = ld_acquire_gpu(sem);
+        int sem_seen = 0;  // ORDERED: the counter, read early so its latency hides behind steps 1-7
+        if constexpr (ORDERED) sem_seen = ld_acquire_gpu(sem);
         const u32 s_q = base + L::Q + stage * L::Q_TILE, s_do = base + L::DO + stage * L::Q_TILE;
         const float* s_lse = reinterpret_cast<const float*>(smem + L::LSE) + stage * BLOCK_M;
         const float* s_delta = reinterpret_cast<const float*>(smem + L::DELTA) + stage * BLOCK_M;
@@ -161,11 +165,11 @@ flash_bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
                                                  smem_desc(s_v + v_off, 16, 1024), smem_desc(s_do + q_off, 16, 1024), kk > 0);
         }
         wgmma_commit();
-        // DQ_ORDERED: the previous query block's release, while the tensor cores work on S^T and
+        // ORDERED: the previous query block's release, while the tensor cores work on S^T and
         // dP^T (a fence stall costs least here; measured: releasing after P^T instead, 285 vs
         // 308 TFLOP/s at d128 16k), then the prefetch (issued before the release, its copies
         // would be in flight and the release's fence would wait for them).
-        if constexpr (DQ_ORDERED) {
+        if constexpr (ORDERED) {
             release_dq_block(pending_release, lane);
             pending_release = nullptr;
             if (it + 1 < n_iters) load_query_block(it + 1, stage ^ 1);
@@ -242,7 +246,8 @@ flash_bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
 
         // Step 8: dQ_i += dS K_j, 64 x 64 panels (query panel qp, head-dim panel dp); A = dS is the
         // MN-major view of dS^T panel qp, B = K_j panel dp (MN-major), k-steps of 16 keys.
-        float* dqa = dq_accum + (i64)batch * dqa_sb + (i64)head * dqa_sh;
+        const i64 dqa_head = (i64)batch * dqa_sb + (i64)head * dqa_sh;
+        const float* row_scale = dq_fixed_scale + ((i64)batch * nheads + head) * seqlen_q;
 #pragma unroll 1
         for (int panel = wg; panel < DQ_PANELS; panel += NWG) {
             const int qp = panel / (D_TILE / 64), dp = panel % (D_TILE / 64);
@@ -254,27 +259,34 @@ flash_bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
                                                 smem_desc(s_dst + qp * L::DS_PANEL + kk * 2048, L::DS_PANEL, 1024),
                                                 smem_desc(s_k + dp * L::KV_PANEL + kk * 2048, L::KV_PANEL, 1024), kk > 0);
             wgmma_commit();
+            const int m_lo = m0 + 64 * qp + 16 * warp_in_wg + lane / 4, m_hi = m_lo + 8;
+            float scale_lo = 0.f, scale_hi = 0.f;  // fixed: the rows' scales, loaded while dQ runs
+            if constexpr (DQ_ADD == DqAdd::fixed) {
+                if (m_lo < seqlen_q) scale_lo = row_scale[m_lo];
+                if (m_hi < seqlen_q) scale_hi = row_scale[m_hi];
+            }
             wgmma_wait<0>();
             pin_registers(reinterpret_cast<float(&)[32]>(dq_acc));
-            // DQ_ORDERED: this query block's turn comes when all NWARPS warps of key blocks
+            // ORDERED: this query block's turn comes when all NWARPS warps of key blocks
             // 0..n_block-1 have released it.
-            if constexpr (DQ_ORDERED) wait_dq_turn(sem, sem_seen, n_block * NWARPS);
-            const int m_lo = m0 + 64 * qp + 16 * warp_in_wg + lane / 4, m_hi = m_lo + 8;
+            if constexpr (ORDERED) wait_dq_turn(sem, sem_seen, n_block * NWARPS);
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
                 const int col = 64 * dp + 8 * j + 2 * (lane % 4);
                 if (col < headdim) {
-                    if (m_lo < seqlen_q) red_add_f32x2(dqa + m_lo * dqa_ss + col, dq_acc[j][0], dq_acc[j][1]);
-                    if (m_hi < seqlen_q) red_add_f32x2(dqa + m_hi * dqa_ss + col, dq_acc[j][2], dq_acc[j][3]);
+                    if (m_lo < seqlen_q)
+                        add_dq_pair<DQ_ADD>(dq_accum, dqa_head + m_lo * dqa_ss + col, dq_acc[j][0], dq_acc[j][1], scale_lo);
+                    if (m_hi < seqlen_q)
+                        add_dq_pair<DQ_ADD>(dq_accum, dqa_head + m_hi * dqa_ss + col, dq_acc[j][2], dq_acc[j][3], scale_hi);
                 }
             }
         }
         wgmma_wait<0>();
         pin_registers(reinterpret_cast<float(&)[DJ * 4]>(dv_acc));
         pin_registers(reinterpret_cast<float(&)[DJ * 4]>(dk_acc));
-        if constexpr (DQ_ORDERED) pending_release = sem;
+        if constexpr (ORDERED) pending_release = sem;
     }
-    if constexpr (DQ_ORDERED) release_dq_block(pending_release, lane);
+    if constexpr (ORDERED) release_dq_block(pending_release, lane);
     cp_async_wait<0>();
 
     // Epilogue: dK = scale dS^T Q summed, and dV, straight from the accumulators (once per CTA).

@@ -2,8 +2,9 @@
 // heads (D_TILE 256), where one warpgroup cannot hold dK and dV for its key rows (64 x 256 each
 // would be 256 registers per thread).
 //
-// flash_bwd_wgmma.cu's loop (one CTA per key block j, every query block i of the GQA group, dQ by
-// float32 adds, optionally in key-block order), with two warpgroups that share the block's
+// flash_bwd_wgmma.cu's loop (one CTA per key block j, every query block i of the GQA group, dQ
+// added as DQ_ADD says: float32 in any order or in key-block order, or int64 fixed point), with
+// two warpgroups that share the block's
 // BLOCK_N = 64 key rows and split the work differently:
 //   warpgroup 0: S^T = K_j Q_i^T, P^T                 warpgroup 1: dP^T = V_j dO_i^T
 //                P^T -> shared memory  --barrier-->                dS^T = P^T o (dP^T - D) -> shared
@@ -20,6 +21,7 @@
 #include "mma_bwd.cuh"
 #include "wgmma.cuh"
 #include "dq_order.cuh"
+#include "dq_add.cuh"
 
 namespace cf {
 
@@ -40,13 +42,14 @@ struct DsplitSmem {
     static constexpr u32 BYTES = DELTA + 2 * BLOCK_M * 4;
 };
 
-template <typename T, int D_TILE, bool CAUSAL, int BLOCK_M, int BLOCK_N, bool DQ_ORDERED>
+template <typename T, int D_TILE, bool CAUSAL, int BLOCK_M, int BLOCK_N, DqAdd DQ_ADD>
 __global__ void __launch_bounds__(256, 1)
 flash_bwd_wgmma_dsplit(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                        const T* __restrict__ dout, const float* __restrict__ lse,
                        const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
-                       float* __restrict__ dq_accum, int* __restrict__ dq_semaphore, int seqlen_q,
-                       int seqlen_k, int nheads, int group, int headdim,
+                       void* __restrict__ dq_accum, int* __restrict__ dq_semaphore,
+                       const float* __restrict__ dq_fixed_scale, int seqlen_q, int seqlen_k, int nheads,
+                       int group, int headdim,
                        i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
                        i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
                        i64 dk_sb, i64 dk_ss, i64 dk_sh, i64 dv_sb, i64 dv_ss, i64 dv_sh,
@@ -56,6 +59,7 @@ flash_bwd_wgmma_dsplit(const T* __restrict__ q, const T* __restrict__ k, const T
     constexpr int HALF = D_TILE / 2;   // head-dim columns per warpgroup
     constexpr int SJ = BLOCK_M / 8;    // 8-column blocks of S^T, dP^T
     constexpr int HJ = HALF / 8;       // ... of a dK, dV or dQ half
+    constexpr bool ORDERED = DQ_ADD == DqAdd::ordered;
     static_assert(BLOCK_N == 64 && BLOCK_M == 64, "one 64-row wgmma per product and warpgroup");
     static_assert(D_TILE == 256, "the head-dim halves are 128 columns: two panels");
     static_assert(L::BYTES + 1024 <= 227 * 1024, "shared memory");
@@ -77,7 +81,7 @@ flash_bwd_wgmma_dsplit(const T* __restrict__ q, const T* __restrict__ k, const T
     const int n_iters = group * m_blocks;
 
     auto m_block_of = [&](int it) {
-        return DQ_ORDERED ? q_blocks - 1 - it % m_blocks : m_block_first + it % m_blocks;
+        return ORDERED ? q_blocks - 1 - it % m_blocks : m_block_first + it % m_blocks;
     };
     auto load_query_block = [&](int it, int stage) {
         const int head = head_kv * group + it / m_blocks;
@@ -111,7 +115,7 @@ flash_bwd_wgmma_dsplit(const T* __restrict__ q, const T* __restrict__ k, const T
         cp_async_wait<0>();
         fence_proxy_async_shared();
         __syncthreads();
-        if constexpr (!DQ_ORDERED) {
+        if constexpr (!ORDERED) {
             if (it + 1 < n_iters) load_query_block(it + 1, stage ^ 1);
             cp_async_commit();
         }
@@ -120,7 +124,7 @@ flash_bwd_wgmma_dsplit(const T* __restrict__ q, const T* __restrict__ k, const T
         const int m_block = m_block_of(it), m0 = m_block * BLOCK_M;
         int* const sem = dq_semaphore + ((i64)batch * nheads + head) * q_blocks + m_block;
         int sem_seen = 0;
-        if constexpr (DQ_ORDERED) sem_seen = ld_acquire_gpu(sem);
+        if constexpr (ORDERED) sem_seen = ld_acquire_gpu(sem);
         const u32 s_q = base + L::Q + stage * L::Q_TILE, s_do = base + L::DO + stage * L::Q_TILE;
         const float* s_lse = reinterpret_cast<const float*>(smem + L::LSE) + stage * BLOCK_M;
         const float* s_delta = reinterpret_cast<const float*>(smem + L::DELTA) + stage * BLOCK_M;
@@ -139,7 +143,7 @@ flash_bwd_wgmma_dsplit(const T* __restrict__ q, const T* __restrict__ k, const T
                     smem_desc(b_tile + (kk / 4) * L::Q_PANEL + (kk % 4) * 32, 16, 1024), kk > 0);
             wgmma_commit();
         }
-        if constexpr (DQ_ORDERED) {  // as in flash_bwd_wgmma.cu: while step 1 runs
+        if constexpr (ORDERED) {  // as in flash_bwd_wgmma.cu: while step 1 runs
             release_dq_block(pending_release, lane);
             pending_release = nullptr;
             if (it + 1 < n_iters) load_query_block(it + 1, stage ^ 1);
@@ -226,24 +230,32 @@ flash_bwd_wgmma_dsplit(const T* __restrict__ q, const T* __restrict__ k, const T
                                               smem_desc(s_k + 2 * wg * L::KV_PANEL + kk * 2048, L::KV_PANEL, 1024),
                                               kk > 0);
         wgmma_commit();
+        const int m_lo = m0 + 16 * warp_in_wg + lane / 4, m_hi = m_lo + 8;
+        float scale_lo = 0.f, scale_hi = 0.f;  // fixed: the rows' scales, loaded while dQ runs
+        if constexpr (DQ_ADD == DqAdd::fixed) {
+            const float* row_scale = dq_fixed_scale + ((i64)batch * nheads + head) * seqlen_q;
+            if (m_lo < seqlen_q) scale_lo = row_scale[m_lo];
+            if (m_hi < seqlen_q) scale_hi = row_scale[m_hi];
+        }
         wgmma_wait<0>();
         pin_registers(reinterpret_cast<float(&)[HJ * 4]>(dq_acc));
         pin_registers(reinterpret_cast<float(&)[HJ * 4]>(dv_acc));
         pin_registers(reinterpret_cast<float(&)[HJ * 4]>(dk_acc));
-        if constexpr (DQ_ORDERED) wait_dq_turn(sem, sem_seen, n_block * NWARPS);
-        float* dqa = dq_accum + (i64)batch * dqa_sb + (i64)head * dqa_sh;
-        const int m_lo = m0 + 16 * warp_in_wg + lane / 4, m_hi = m_lo + 8;
+        if constexpr (ORDERED) wait_dq_turn(sem, sem_seen, n_block * NWARPS);
+        const i64 dqa_head = (i64)batch * dqa_sb + (i64)head * dqa_sh;
 #pragma unroll
         for (int j = 0; j < HJ; ++j) {
             const int col = HALF * wg + 8 * j + 2 * (lane % 4);
             if (col < headdim) {
-                if (m_lo < seqlen_q) red_add_f32x2(dqa + m_lo * dqa_ss + col, dq_acc[j][0], dq_acc[j][1]);
-                if (m_hi < seqlen_q) red_add_f32x2(dqa + m_hi * dqa_ss + col, dq_acc[j][2], dq_acc[j][3]);
+                if (m_lo < seqlen_q)
+                    add_dq_pair<DQ_ADD>(dq_accum, dqa_head + m_lo * dqa_ss + col, dq_acc[j][0], dq_acc[j][1], scale_lo);
+                if (m_hi < seqlen_q)
+                    add_dq_pair<DQ_ADD>(dq_accum, dqa_head + m_hi * dqa_ss + col, dq_acc[j][2], dq_acc[j][3], scale_hi);
             }
         }
-        if constexpr (DQ_ORDERED) pending_release = sem;
+        if constexpr (ORDERED) pending_release = sem;
     }
-    if constexpr (DQ_ORDERED) release_dq_block(pending_release, lane);
+    if constexpr (ORDERED) release_dq_block(pending_release, lane);
     cp_async_wait<0>();
 
     // Epilogue: this warpgroup's head-dim half of dK (scaled) and dV, from the accumulators.

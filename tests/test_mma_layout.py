@@ -1186,10 +1186,12 @@ def _record_backward_launches(monkeypatch, version, d, deterministic, fused=None
     """backward() (causal, fp16, _LAUNCH_SHAPE) on stand-in arrays: the (spec, grid, args) of
     every launch, in order."""
     cupy = pytest.importorskip("cupy")
-    from cupyflash.kernels import mma_bwd, simt
+    from cupyflash.kernels import dq_fixed, mma_bwd, simt
 
     launches = []
     monkeypatch.setattr(mma_bwd, "launch", lambda spec, grid, args: launches.append((spec, grid, args)))
+    monkeypatch.setattr(dq_fixed, "launch", lambda spec, grid, args: launches.append((spec, grid, args)))
+    monkeypatch.setattr(cupy, "empty", lambda shape, dtype=None: _FakeArray(shape, dtype), raising=False)
     monkeypatch.setattr(simt, "backward_preprocess",
                         lambda do, o: _FakeArray((do.shape[0], do.shape[2], do.shape[1]), np.float32))
     monkeypatch.setattr(cupy, "ascontiguousarray", lambda a, dtype=None: a, raising=False)
@@ -2411,36 +2413,48 @@ def test_bwd_v4_falls_back_to_v3_where_shared_memory_is_short(deterministic, mon
             _assert_fused_launches(v4, d, deterministic, mma_bwd.fused_config(d, 163 * 1024))
 
 
+@pytest.mark.parametrize("version", ["v6", "v7"])
 @pytest.mark.parametrize("d", [64, 96, 200])
 @pytest.mark.parametrize("deterministic", [True, False])
-def test_bwd_v6_launches_the_wgmma_kernel_on_sm90(deterministic, d, monkeypatch):
-    """version="v6" on an sm_90 device: flash_bwd_wgmma (flash_bwd_wgmma_dsplit at d256) and
-    flash_bwd_dq_convert, dQ ordered when deterministic (v3's kernels at the head-dim tiles not in
-    WGMMA_ORDERED_D_TILES); argument lists match the kernels' parameters. On sm_80 v6 is v5."""
-    from cupyflash.kernels import mma_bwd, mma_fwd
+def test_bwd_wgmma_versions_launch_the_wgmma_kernel_on_sm90(deterministic, d, version, monkeypatch):
+    """version="v6"/"v7" on an sm_90 device: flash_bwd_wgmma (flash_bwd_wgmma_dsplit at d256).
+    Atomic dQ when not deterministic (then flash_bwd_dq_convert); when deterministic, v6 orders
+    the float adds (v3's kernels at the head-dim tiles not in WGMMA_ORDERED_D_TILES) and v7 adds
+    fixed point (flash_bwd_kv_bounds and flash_bwd_preprocess_fixed before, flash_bwd_dq_convert_fixed
+    after). Argument lists match the kernels' parameters. On sm_80 both are v5."""
+    from cupyflash.kernels import dq_fixed, mma_bwd, mma_fwd
 
     monkeypatch.setattr(mma_fwd, "current_smem_optin", lambda: 227 * 1024)
     monkeypatch.setattr(mma_fwd, "current_arch", lambda: "90")
-    launches = _record_backward_launches(monkeypatch, "v6", d, deterministic)
+    launches = _record_backward_launches(monkeypatch, version, d, deterministic)
     dt = mma_bwd.d_tile(d)
-    if deterministic and dt not in mma_bwd.WGMMA_ORDERED_D_TILES:
+    dq_add = "atomic" if not deterministic else "fixed" if version == "v7" else "ordered"
+    if dq_add == "ordered" and dt not in mma_bwd.WGMMA_ORDERED_D_TILES:
         v3 = _record_backward_launches(monkeypatch, "v3", d, deterministic)
         assert [(spec, grid) for spec, grid, _ in launches] == [(spec, grid) for spec, grid, _ in v3]
     else:
         b, sq, sk, h, hkv = (_LAUNCH_SHAPE[x] for x in ("b", "sq", "sk", "h", "hkv"))
         bm, bn = mma_bwd.WGMMA_CONFIG[dt]
-        spec = mma_bwd.wgmma_spec(np.float16, d, True, deterministic)
-        assert [s for s, _, _ in launches] == [spec, mma_bwd.convert_spec(np.float16)]
+        spec = mma_bwd.wgmma_spec(np.float16, d, True, dq_add)
+        if dq_add == "fixed":
+            expected = [dq_fixed.kv_bounds_spec(np.float16, dt), dq_fixed.preprocess_spec(np.float16, dt), spec,
+                        dq_fixed.convert_spec(np.float16)]
+        else:
+            expected = [spec, mma_bwd.convert_spec(np.float16)]
+        assert [s for s, _, _ in launches] == expected
         assert spec.arch == "90a" and ("dsplit" in spec.name) == (dt == 256)
-        (_, grid, args), _ = launches
+        (_, grid, args), = [launch for launch in launches if launch[0] == spec]
         assert grid == (math.ceil(sk / bn), hkv, b)
-        assert args[9].shape == ((b, h, math.ceil(sq / bm)) if deterministic else (1,))
+        assert args[9].shape == ((b, h, math.ceil(sq / bm)) if dq_add == "ordered" else (1,))
         assert args[8].shape == (b, sq, h, dt)
+        assert args[8].dtype == (np.int64 if dq_add == "fixed" else np.float32)
+        if dq_add == "fixed":
+            assert args[10].shape == (b, h, sq)  # the rows' fixed-point scales
     for spec, grid, args in launches:
         _assert_arguments_match_signature(spec, grid, args)
     monkeypatch.setattr(mma_fwd, "current_arch", lambda: "80")
-    v6, v5 = (_record_backward_launches(monkeypatch, v, d, deterministic) for v in ("v6", "v5"))
-    assert [(spec, grid) for spec, grid, _ in v6] == [(spec, grid) for spec, grid, _ in v5]
+    ours, v5 = (_record_backward_launches(monkeypatch, v, d, deterministic) for v in (version, "v5"))
+    assert [(spec, grid) for spec, grid, _ in ours] == [(spec, grid) for spec, grid, _ in v5]
 
 
 @pytest.mark.parametrize("smem_optin", [227 * 1024, 163 * 1024], ids=["sm90", "sm80"])

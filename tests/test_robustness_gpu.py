@@ -45,12 +45,13 @@ def test_repeated_runs_are_bitwise_identical(backend, dtype):
             np.testing.assert_array_equal(a, b.get())
 
 
-@pytest.mark.parametrize("version,d", [("v1", 128), ("v3", 128), ("v4", 128), ("v6", 128), ("v6", 256)])
+@pytest.mark.parametrize("version,d", [("v1", 128), ("v3", 128), ("v4", 128), ("v6", 128), ("v6", 256),
+                                       ("v7", 64), ("v7", 128), ("v7", 256)])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_deterministic_dq_is_bitwise_reproducible_under_contention(version, d, causal, monkeypatch):
     # 16 to 32 key blocks add to every dQ block at once (v4 and v6 order the adds through
-    # per-block counters; on an H200 v6 runs the wgmma kernels, here at every head dim); uneven
-    # lengths, GQA.
+    # per-block counters; on an H200 v6 runs the wgmma kernels, here at every head dim, and v7
+    # the wgmma kernels with fixed-point adds); uneven lengths, GQA.
     from cupyflash.kernels import mma_bwd
 
     monkeypatch.setattr(mma_bwd, "WGMMA_ORDERED_D_TILES", mma_bwd.D_TILES)

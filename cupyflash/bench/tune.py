@@ -139,9 +139,12 @@ def _bwd_candidates(headdim):
     out, seen = [], set()
     for version in mma_bwd.VERSIONS:
         for deterministic in (True, False):
-            if version == "v6":  # v5's kernels except at the wgmma head dims
-                if dt in mma_bwd.WGMMA_CONFIG and (not deterministic or dt in mma_bwd.WGMMA_ORDERED_D_TILES):
-                    out.append((f"v6 wgmma{mma_bwd.WGMMA_CONFIG[dt]} {'ordered' if deterministic else 'atomic'} dq",
+            if version in ("v6", "v7"):  # v5's kernels except at the wgmma head dims
+                if version == "v7" and not deterministic:  # v6's atomic kernel
+                    continue
+                dq_add = "atomic" if not deterministic else "fixed" if version == "v7" else "ordered"
+                if dt in mma_bwd.WGMMA_CONFIG and (dq_add != "ordered" or dt in mma_bwd.WGMMA_ORDERED_D_TILES):
+                    out.append((f"{version} wgmma{mma_bwd.WGMMA_CONFIG[dt]} {dq_add} dq",
                                 dict(version=version, deterministic=deterministic)))
                 continue
             if version in ("v4", "v5") and dt in mma_bwd.FUSED_CONFIG and not (version == "v5" and deterministic):

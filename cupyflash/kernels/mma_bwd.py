@@ -104,6 +104,9 @@ WGMMA_CONFIG = {64: (128, 128), 128: (64, 128), 256: (64, 64)}
 # 244 / 196, d256 ordered dsplit 212 / 122 against 172 / 151; docs/perf-log.md, mma-bwd-v6).
 # Tests widen it to run every ordered kernel.
 WGMMA_ORDERED_D_TILES = (128,)
+# How the wgmma kernels add dQ (kernels_cu/dq_add.cuh): float32 in any order, float32 in key-block
+# order, int64 fixed point (exact, so reproducible in any order).
+DQ_ADDS = ("atomic", "ordered", "fixed")
 
 # Kernel versions, all launchable side by side (``backward(..., version=...)``); DEFAULT_VERSION
 # is what the dispatcher launches. ldmatrix.x4 per mma.sync counted in the SASS (sm_90).
@@ -130,6 +133,10 @@ WGMMA_ORDERED_D_TILES = (128,)
 #       cores straight from 128-byte-swizzled shared memory or, for P^T and dS^T, from registers;
 #       at d256 flash_bwd_wgmma_dsplit (warpgroups split the head dim). dQ ordered or atomic as in
 #       v4. Elsewhere (sm_80) as v5.
+#   v7: v6, but deterministic=True runs the wgmma kernels at every head dim with fixed-point dQ
+#       adds (dq_fixed.py, kernels_cu/dq_add.cuh): each contribution rounded to a multiple of a
+#       per-row power of two and added as an int64, which is exact in any order, so the kernels
+#       run at the atomic kernels' pace instead of waiting for their turn.
 VERSIONS = {
     "v1": "dK/dV 16 key rows per warp; dQ 16 query rows per warp",
     "v2": "v1, but 2 x 16 rows per warp in dQ (d64, d128) and dK/dV (d64): fewer shared reads per mma",
@@ -137,8 +144,9 @@ VERSIONS = {
     "v4": "one fused kernel with 32-row warp tiles; dQ added in a fixed key-block order (or unordered)",
     "v5": "v3's two kernels when deterministic (faster than v4's ordered adds), v4's fused atomic otherwise",
     "v6": "on sm_90, one warpgroup-MMA (wgmma) kernel, dQ ordered or atomic; elsewhere v5",
+    "v7": "v6, but deterministic dQ on sm_90 by fixed-point int64 adds in the wgmma kernels at every head dim",
 }
-DEFAULT_VERSION = "v6"
+DEFAULT_VERSION = "v7"
 CONVERT_THREADS = 256
 
 _CTYPE = {"float16": "cf::half_t", "bfloat16": "cf::bf16_t"}
@@ -195,9 +203,9 @@ def dkdv_tiles(headdim: int, version: str = DEFAULT_VERSION, atomic_dq: bool = F
     (fused_config() is None)."""
     _check_version(version)
     dt = d_tile(headdim)
-    if version in ("v3", "v4", "v5", "v6") and not atomic_dq and dt in DKDV_CONFIG_SPLIT:
+    if version in ("v3", "v4", "v5", "v6", "v7") and not atomic_dq and dt in DKDV_CONFIG_SPLIT:
         return "split", DKDV_CONFIG_SPLIT[dt]
-    if version in ("v2", "v3", "v4", "v5", "v6") and dt in DKDV_CONFIG_V2:
+    if version in ("v2", "v3", "v4", "v5", "v6", "v7") and dt in DKDV_CONFIG_V2:
         return "v2", DKDV_CONFIG_V2[dt]
     return "v1", DKDV_CONFIG[dt]
 
@@ -237,7 +245,7 @@ def dq_tiles(headdim: int, version: str = DEFAULT_VERSION) -> tuple:
     """The dQ kernel's tile configuration: v1's (BLOCK_M, BLOCK_N, NWARPS) or v2's (..., ROW_GROUPS)."""
     _check_version(version)
     dt = d_tile(headdim)
-    if version in ("v2", "v3", "v4", "v5", "v6") and dt in DQ_CONFIG_V2:
+    if version in ("v2", "v3", "v4", "v5", "v6", "v7") and dt in DQ_CONFIG_V2:
         return DQ_CONFIG_V2[dt]
     return DQ_CONFIG[dt]
 
@@ -268,7 +276,9 @@ def convert_spec(dtype) -> Specialization:
 
 def specializations() -> list[Specialization]:
     """Every specialization ``backward`` can launch (for the compile check)."""
-    out = []
+    from . import dq_fixed
+
+    out = dq_fixed.specializations()
     for name in _CTYPE:
         out.append(convert_spec(name))
         for dt in D_TILES:
@@ -281,7 +291,7 @@ def specializations() -> list[Specialization]:
                 if dt in FUSED_CONFIG:
                     out.extend(fused_spec(name, dt, causal, ordered) for ordered in (True, False))
                 if dt in WGMMA_CONFIG:
-                    out.extend(wgmma_spec(name, dt, causal, ordered) for ordered in (True, False))
+                    out.extend(wgmma_spec(name, dt, causal, dq_add) for dq_add in DQ_ADDS)
     return out
 
 
@@ -321,15 +331,17 @@ def wgmma_smem_bytes(dt: int, block_m: int, block_n: int) -> int:
     return 2 * block_n * dt * 2 + 2 * 2 * block_m * dt * 2 + block_n * block_m * 2 + pt + 2 * 2 * block_m * 4 + 1024
 
 
-def wgmma_spec(dtype, headdim: int, causal: bool, ordered: bool, config: tuple | None = None) -> Specialization:
-    """flash_bwd_wgmma, or flash_bwd_wgmma_dsplit at head-dim tile 256 (two warpgroups of 128 threads)."""
+def wgmma_spec(dtype, headdim: int, causal: bool, dq_add: str, config: tuple | None = None) -> Specialization:
+    """flash_bwd_wgmma, or flash_bwd_wgmma_dsplit at head-dim tile 256 (two warpgroups of 128
+    threads); ``dq_add`` is one of DQ_ADDS (kernels_cu/dq_add.cuh)."""
+    if dq_add not in DQ_ADDS:
+        raise ValueError(f"cupyflash: unknown dQ add mode {dq_add!r} (known: {', '.join(DQ_ADDS)})")
     name = dtype_name(dtype)
     dt = d_tile(headdim)
     bm, bn = tuple(config or WGMMA_CONFIG[dt])
     kernel = "flash_bwd_wgmma_dsplit" if dt == 256 else "flash_bwd_wgmma"
-    spec_name = (f"{kernel}_{_SHORT[name]}_hdim{dt}_{'causal' if causal else 'full'}_bm{bm}_bn{bn}"
-                 f"_{'dqordered' if ordered else 'dqatomic'}")
-    expression = f"cf::{kernel}<{_CTYPE[name]}, {dt}, {_flag(causal)}, {bm}, {bn}, {_flag(ordered)}>"
+    spec_name = f"{kernel}_{_SHORT[name]}_hdim{dt}_{'causal' if causal else 'full'}_bm{bm}_bn{bn}_dq{dq_add}"
+    expression = f"cf::{kernel}<{_CTYPE[name]}, {dt}, {_flag(causal)}, {bm}, {bn}, cf::DqAdd::{dq_add}>"
     threads = 256 if dt == 256 else bn // 64 * 128
     return Specialization(spec_name, f"{kernel}.cu", expression, threads, wgmma_smem_bytes(dt, bm, bn), arch="90a")
 
@@ -368,21 +380,26 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
     version = DEFAULT_VERSION if version is None else version
     dq_tiles(headdim, version)  # rejects an unknown version before anything is launched
     lse = cupy.ascontiguousarray(lse, dtype=np.float32)  # indexed as (batch, head, row) in C order
-    delta = backward_preprocess(do, o)
     dt = d_tile(headdim)
     scales = (np.float32(softmax_scale * LOG2E), np.float32(softmax_scale))
     common = (np.int32(seqlen_q), np.int32(seqlen_k), np.int32(nheads), np.int32(nheads // nheads_kv),
               np.int32(headdim), *row_strides(q), *row_strides(k), *row_strides(v), *row_strides(do))
 
-    if version == "v6":
+    if version in ("v6", "v7"):
         from .mma_fwd import current_arch
 
-        if fused is None and dt in WGMMA_CONFIG and current_arch() == "90" and (
-                not deterministic or dt in WGMMA_ORDERED_D_TILES):
-            _wgmma_backward(q, k, v, do, lse, delta, dq, dk, dv, common, scales, WGMMA_CONFIG[dt], causal,
-                            deterministic)
-            return
+        if fused is None and dt in WGMMA_CONFIG and current_arch() == "90":
+            if not deterministic:
+                dq_add = "atomic"
+            elif version == "v7":
+                dq_add = "fixed"
+            else:
+                dq_add = "ordered" if dt in WGMMA_ORDERED_D_TILES else None
+            if dq_add is not None:
+                _wgmma_backward(q, k, v, do, o, lse, dq, dk, dv, common, scales, WGMMA_CONFIG[dt], causal, dq_add)
+                return
         version = "v5"
+    delta = backward_preprocess(do, o)
     if version == "v5" and deterministic and fused is None:
         version = "v3"
     if version in ("v4", "v5") or fused is not None:
@@ -428,20 +445,35 @@ def _fused_backward(q, k, v, do, lse, delta, dq, dk, dv, common, scales, config,
     _convert_dq(dq_accum, dq, scales[1])
 
 
-def _wgmma_backward(q, k, v, do, lse, delta, dq, dk, dv, common, scales, config, causal, deterministic):
-    """v6 (sm_90): flash_bwd_wgmma, dQ added in key-block order (deterministic) or by plain float32
-    atomics, then dq = scale * dq_accum."""
+def _wgmma_backward(q, k, v, do, o, lse, dq, dk, dv, common, scales, config, causal, dq_add):
+    """v6/v7 (sm_90): flash_bwd_wgmma, dQ added as ``dq_add`` says (DQ_ADDS), then dq = scale *
+    dq_accum (float32, or int64 fixed point scaled per row)."""
     import cupy
+
+    from . import dq_fixed
+    from .simt import backward_preprocess
 
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
-    dq_accum = cupy.zeros((batch, seqlen_q, nheads, d_tile(headdim)), dtype=np.float32)
-    semaphore = cupy.zeros((batch, nheads, math.ceil(seqlen_q / config[0])) if deterministic else (1,), dtype=np.int32)
-    launch(wgmma_spec(q.dtype, headdim, causal, deterministic, config),
+    shape = (batch, seqlen_q, nheads, d_tile(headdim))
+    if dq_add == "fixed":
+        delta, dq_scale = dq_fixed.preprocess(do, o, k, v, lse)
+        dq_accum = cupy.zeros(shape, dtype=np.int64)
+    else:
+        delta = backward_preprocess(do, o)
+        dq_scale = delta  # not read: only the fixed-point kernels take the row scales
+        dq_accum = cupy.zeros(shape, dtype=np.float32)
+    # ordered: one counter per (batch, head, query block), how many warps of earlier key blocks added.
+    semaphore = cupy.zeros((batch, nheads, math.ceil(seqlen_q / config[0])) if dq_add == "ordered" else (1,),
+                           dtype=np.int32)
+    launch(wgmma_spec(q.dtype, headdim, causal, dq_add, config),
            (math.ceil(seqlen_k / config[1]), nheads_kv, batch),
-           (q, k, v, do, lse, delta, dk, dv, dq_accum, semaphore, *common, *row_strides(dk), *row_strides(dv),
-            *row_strides(dq_accum), *scales))
-    _convert_dq(dq_accum, dq, scales[1])
+           (q, k, v, do, lse, delta, dk, dv, dq_accum, semaphore, dq_scale, *common, *row_strides(dk),
+            *row_strides(dv), *row_strides(dq_accum), *scales))
+    if dq_add == "fixed":
+        dq_fixed.convert(dq_accum, dq_scale, dq, scales[1])
+    else:
+        _convert_dq(dq_accum, dq, scales[1])
 
 
 def _convert_dq(dq_accum, dq, scale) -> None:

@@ -1,0 +1,89 @@
+"""Fixed-point dQ for the wgmma backward (``DqAdd::fixed``, kernels_cu/dq_add.cuh).
+
+Every key block's contribution to dQ_i is added into an int64 ``dq_accum`` as round(x 2^E_i),
+with 2^E_i a per-row power of two chosen from a bound on |dQ_i|. Integer adds are exact and
+associative, so dQ is the same bits whatever order the CTAs add in: deterministic without the
+ordered kernels' waiting. Around the backward kernel (kernels_cu/flash_bwd_dq_fixed.cu):
+
+1. ``flash_bwd_kv_bounds``: max |K| and max_j ||V_j|| per (batch, kv head);
+2. ``flash_bwd_preprocess_fixed``: D_i = dO_i . O_i (the backward's row statistic, as
+   ``simt.backward_preprocess`` computes it) and 2^E_i from max|K| (||dO_i|| max||V_j|| + |D_i|);
+3. the backward kernel adds into ``dq_accum``;
+4. ``flash_bwd_dq_convert_fixed``: dq = softmax_scale * dq_accum * 2^-E_i in the input dtype.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ._module import Specialization, launch, row_strides
+from .._dtypes import dtype_name
+
+_CTYPE = {"float16": "cf::half_t", "bfloat16": "cf::bf16_t"}
+_SHORT = {"float16": "fp16", "bfloat16": "bf16"}
+_SOURCE = "flash_bwd_dq_fixed.cu"
+ROW_THREADS = 256
+KV_BOUND_ROWS = 128  # key rows per block of flash_bwd_kv_bounds (ROWS in the kernel)
+D_TILES = (64, 128, 256)
+
+
+def _d_tile(headdim: int) -> int:
+    return next(t for t in D_TILES if headdim <= t)
+
+
+def kv_bounds_spec(dtype, dt: int) -> Specialization:
+    name = dtype_name(dtype)
+    return Specialization(f"flash_bwd_kv_bounds_{_SHORT[name]}_hdim{dt}", _SOURCE,
+                          f"cf::flash_bwd_kv_bounds<{_CTYPE[name]}, {dt}>", ROW_THREADS, 0)
+
+
+def preprocess_spec(dtype, dt: int) -> Specialization:
+    name = dtype_name(dtype)
+    return Specialization(f"flash_bwd_preprocess_fixed_{_SHORT[name]}_hdim{dt}", _SOURCE,
+                          f"cf::flash_bwd_preprocess_fixed<{_CTYPE[name]}, {dt}>", ROW_THREADS, 0)
+
+
+def convert_spec(dtype) -> Specialization:
+    name = dtype_name(dtype)
+    return Specialization(f"flash_bwd_dq_convert_fixed_{_SHORT[name]}", _SOURCE,
+                          f"cf::flash_bwd_dq_convert_fixed<{_CTYPE[name]}>", ROW_THREADS, 0)
+
+
+def specializations() -> list[Specialization]:
+    """Every specialization these launchers use (for the compile check)."""
+    return [spec for name in _CTYPE
+            for spec in ([kv_bounds_spec(name, dt) for dt in D_TILES] + [preprocess_spec(name, dt) for dt in D_TILES]
+                         + [convert_spec(name)])]
+
+
+def preprocess(do, o, k, v, lse):
+    """(delta, dq_scale), both (B, H, Sq) float32: D_i and the fixed-point scale 2^E_i of each row.
+
+    ``lse`` is C-contiguous float32 (B, H, Sq); arrays meet the mma family's guarantees (16-byte
+    aligned rows)."""
+    import cupy
+
+    batch, seqlen_q, nheads, headdim = o.shape
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    dt = _d_tile(headdim)
+    kv_bound = cupy.zeros((batch, nheads_kv, 2), dtype=np.uint32)
+    launch(kv_bounds_spec(o.dtype, dt), (math.ceil(seqlen_k / KV_BOUND_ROWS), nheads_kv, batch),
+           (k, v, kv_bound, np.int32(seqlen_k), np.int32(nheads_kv), np.int32(headdim),
+            *row_strides(k), *row_strides(v)))
+    delta = cupy.empty((batch, nheads, seqlen_q), dtype=np.float32)
+    dq_scale = cupy.empty((batch, nheads, seqlen_q), dtype=np.float32)
+    rows_per_block = ROW_THREADS // (dt // 8)
+    launch(preprocess_spec(o.dtype, dt), (math.ceil(seqlen_q / rows_per_block), nheads, batch),
+           (do, o, lse, kv_bound, delta, dq_scale, np.int32(seqlen_q), np.int32(nheads),
+            np.int32(nheads // nheads_kv), np.int32(headdim), *row_strides(do), *row_strides(o)))
+    return delta, dq_scale
+
+
+def convert(dq_accum, dq_scale, dq, softmax_scale: float) -> None:
+    """dq = softmax_scale * dq_accum * 2^-E_i in dq's dtype (``dq_accum`` int64, padded head dim)."""
+    batch, seqlen_q, nheads, headdim = dq.shape
+    n_chunks = batch * seqlen_q * nheads * (headdim // 8)
+    launch(convert_spec(dq.dtype), (math.ceil(n_chunks / ROW_THREADS), 1, 1),
+           (dq_accum, dq_scale, dq, np.int32(seqlen_q), np.int32(nheads), np.int32(headdim), np.int64(n_chunks),
+            *row_strides(dq_accum), *row_strides(dq), np.float32(softmax_scale)))
