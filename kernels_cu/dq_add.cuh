@@ -15,11 +15,17 @@
 // E_i is chosen so that B_i 2^E_i < 2^DQ_FIXED_BITS: the int64 sums keep 2^(63 - DQ_FIXED_BITS) of
 // headroom over the bound (the 16-bit rounding of P and dS, an lse off by up to ~10 nats), and each
 // contribution is rounded to B_i 2^-DQ_FIXED_BITS, far below float32's rounding of the products
-// themselves unless the bound is loose by more than 2^24. Rows whose bound is not finite (a NaN or
-// infinite input) get a NaN scale, so their dQ comes out NaN as with float adds.
+// themselves unless the bound is loose by more than 2^24.
+//
+// Non-finite values: the bound is taken over the finite entries of K and V only, so one NaN key
+// does not touch rows that never see it (causal masking). A contribution that is not finite, or
+// whose fixed-point value would not fit in 2^62 (the bound broken: an lse that is not the
+// forward's), marks its row by storing NaN over the row's scale; the convert then writes the row
+// as NaN, which is what float adds give for a NaN contribution.
 #pragma once
 
-#include "mma_bwd.cuh"
+#include "common.cuh"
+#include "mma.cuh"
 
 namespace cf {
 
@@ -30,17 +36,28 @@ constexpr int DQ_FIXED_BITS = 48;
 // 2^E_i for a row whose dQ contributions and partial sums are bounded by `bound` (see above); a
 // power of two, so x 2^E_i is exact and the conversion back is a single rounding.
 __device__ __forceinline__ float dq_fixed_scale(float bound) {
-    if (!(bound <= 3.402823466e38f)) return __int_as_float(0x7fffffff);  // NaN or inf: NaN
+    // A NaN or infinite bound (the row's own dO or D is not finite): any finite scale will do, the
+    // row's contributions mark it (see above).
+    if (!(bound <= 3.402823466e38f)) bound = 3.402823466e38f;
     // bound < 2^e with e from the exponent field (subnormals and 0 share e = -125).
     const int e = max((int)((__float_as_uint(bound) >> 23) & 0xff), 1) - 126;
     const int exponent = min(127, max(-126, DQ_FIXED_BITS - e));
     return __uint_as_float((u32)(exponent + 127) << 23);
 }
 
-__device__ __forceinline__ long long to_fixed(float x, float row_scale) {
+// round(x 2^E_i); `bad` is set where the value is not finite or not below 2^62 in magnitude.
+__device__ __forceinline__ long long to_fixed(float x, float row_scale, bool& bad) {
+    const float y = x * row_scale;
+    bad |= !(fabsf(y) < 4.611686018e18f);
     long long r;
-    asm("cvt.rni.s64.f32 %0, %1;" : "=l"(r) : "f"(x * row_scale));
+    asm("cvt.rni.s64.f32 %0, %1;" : "=l"(r) : "f"(y));
     return r;
+}
+
+// Marks a row whose contribution `to_fixed` flagged: its dQ comes out NaN. Every writer stores the
+// same value, so racing stores agree.
+__device__ __forceinline__ void poison_dq_row(float* row_scale) {
+    *reinterpret_cast<volatile float*>(row_scale) = __int_as_float(0x7fffffff);
 }
 
 __device__ __forceinline__ float from_fixed(long long x) {
@@ -49,22 +66,27 @@ __device__ __forceinline__ float from_fixed(long long x) {
     return r;
 }
 
-// p[0] += a in global memory (two's complement: the same instruction adds signed values).
-__device__ __forceinline__ void red_add_s64(long long* p, long long a) {
-    asm volatile("red.global.add.u64 [%0], %1;\n" ::"l"(p), "l"(a) : "memory");
+// The bulk path of the fixed-point adds (flash_bwd_wgmma.cu): a warpgroup converts its 64 x 64
+// dQ panel into an int64 staging tile in shared memory and each of 64 threads hands one 512-byte
+// row to the TMA unit as a single reduction, instead of 64 per-thread reductions of 8 bytes (which
+// measured 206 against the float atomics' 370 TFLOP/s at d128). Rows are DQ_STAGE_ROW bytes
+// apart: the 64 bytes of padding put consecutive rows on opposite halves of the banks, so a warp's
+// 16-byte stores of 8 rows x 4 lanes take the minimum 4 wavefronts.
+constexpr u32 DQ_STAGE_ROW = 64 * 8 + 64;
+
+__device__ __forceinline__ void st_shared_v2_b64(u32 addr, long long a, long long b) {
+    asm volatile("st.shared.v2.b64 [%0], {%1, %2};\n" ::"r"(addr), "l"(a), "l"(b) : "memory");
 }
 
-// dq_accum[offset], [offset + 1] += a, b: float32 for atomic and ordered, fixed-point int64 (row
-// scale `row_scale`) for fixed.
-template <DqAdd MODE>
-__device__ __forceinline__ void add_dq_pair(void* dq_accum, i64 offset, float a, float b, float row_scale) {
-    if constexpr (MODE == DqAdd::fixed) {
-        long long* p = static_cast<long long*>(dq_accum) + offset;
-        red_add_s64(p, to_fixed(a, row_scale));
-        red_add_s64(p + 1, to_fixed(b, row_scale));
-    } else {
-        red_add_f32x2(static_cast<float*>(dq_accum) + offset, a, b);
-    }
+// gmem[0 .. bytes) += smem[0 .. bytes) as int64, asynchronously (a bulk group of this thread).
+__device__ __forceinline__ void bulk_reduce_add_s64(void* gmem, u32 smem, u32 bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.u64 [%0], [%1], %2;\n"
+                 ::"l"(gmem), "r"(smem), "r"(bytes) : "memory");
 }
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// This thread's bulk groups have finished reading shared memory (the source may be overwritten).
+__device__ __forceinline__ void bulk_wait_read_all() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+// ... and have completed.
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
 }  // namespace cf

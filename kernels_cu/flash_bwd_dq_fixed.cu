@@ -1,13 +1,13 @@
 // flash_bwd_dq_fixed: the kernels around a backward whose dQ adds are fixed-point (DqAdd::fixed,
 // dq_add.cuh), fp16/bf16.
 //
-//   flash_bwd_kv_bounds         max |K| and max_j ||V_j|| per (batch, kv head), as float bits
-//                               (atomicMax on the bits of non-negative floats is max on the
-//                               floats, and a NaN's bits exceed every other's: NaN wins).
+//   flash_bwd_kv_bounds         max |K| and max_j ||V_j|| per (batch, kv head) over the finite
+//                               entries (rows), as float bits (atomicMax on the bits of
+//                               non-negative floats is max on the floats).
 //   flash_bwd_preprocess_fixed  D_i = dO_i . O_i and the row's fixed-point scale 2^E_i from the
-//                               bound max|K| (||dO_i|| max_j ||V_j|| + |D_i|) (NaN where lse_i is
-//                               NaN or +inf: such a row's float gradient is NaN too).
-//   flash_bwd_dq_convert_fixed  dq = scale * dq_accum 2^-E_i in the input dtype.
+//                               bound max|K| (||dO_i|| max_j ||V_j|| + |D_i|).
+//   flash_bwd_dq_convert_fixed  dq = scale * dq_accum 2^-E_i in the input dtype (NaN for a row the
+//                               backward kernel marked by a NaN scale).
 //
 // The row kernels give each row LANES = D_TILE / 8 consecutive lanes, 8 columns (16 bytes) each.
 #include "common.cuh"
@@ -63,13 +63,16 @@ flash_bwd_kv_bounds(const T* __restrict__ k, const T* __restrict__ v, u32* __res
         float x[8];
         load_chunk(x, k + row_offset(batch, n_read, head, k_sb, k_ss, k_sh), col_read, headdim);
 #pragma unroll
-        for (int e = 0; e < 8; ++e) k_max = max(k_max, __float_as_uint(fabsf(x[e])));
+        for (int e = 0; e < 8; ++e) {
+            const float a = fabsf(x[e]);
+            if (a <= 3.402823466e38f) k_max = max(k_max, __float_as_uint(a));
+        }
         load_chunk(x, v + row_offset(batch, n_read, head, v_sb, v_ss, v_sh), col_read, headdim);
         float v_sq = 0.f;
 #pragma unroll
         for (int e = 0; e < 8; ++e) v_sq = fmaf(x[e], x[e], v_sq);
-        v_sq = group_sum<LANES>(v_sq);
-        v_max = max(v_max, __float_as_uint(sqrtf(v_sq)));
+        const float v_norm = sqrtf(group_sum<LANES>(v_sq));
+        if (v_norm <= 3.402823466e38f) v_max = max(v_max, __float_as_uint(v_norm));
     }
     k_max = group_max_bits<32>(k_max);
     v_max = group_max_bits<32>(v_max);
@@ -83,8 +86,7 @@ flash_bwd_kv_bounds(const T* __restrict__ k, const T* __restrict__ v, u32* __res
 // Grid (ceil(seqlen_q / (256 / LANES)), nheads, batch), 256 threads: one row per LANES lanes.
 template <typename T, int D_TILE>
 __global__ void __launch_bounds__(256)
-flash_bwd_preprocess_fixed(const T* __restrict__ dout, const T* __restrict__ out, const float* __restrict__ lse,
-                           const u32* __restrict__ kv_bound, float* __restrict__ delta,
+flash_bwd_preprocess_fixed(const T* __restrict__ dout, const T* __restrict__ out, const u32* __restrict__ kv_bound, float* __restrict__ delta,
                            float* __restrict__ dq_scale, int seqlen_q, int nheads, int group, int headdim,
                            i64 do_sb, i64 do_ss, i64 do_sh, i64 o_sb, i64 o_ss, i64 o_sh) {
     constexpr int LANES = D_TILE / 8, ROWS = 256 / LANES;
@@ -105,12 +107,9 @@ flash_bwd_preprocess_fixed(const T* __restrict__ dout, const T* __restrict__ out
     if (!valid || threadIdx.x % LANES != 0) return;
     const u32* bound = kv_bound + ((i64)batch * (nheads / group) + head / group) * 2;
     const i64 idx = ((i64)batch * nheads + head) * seqlen_q + row;
-    const float lse_i = lse[idx];
     const float k_max = __uint_as_float(bound[0]), v_max = __uint_as_float(bound[1]);
-    float b = k_max * fmaf(sqrtf(do_sq), v_max, fabsf(dot));
-    if (lse_i != lse_i || lse_i == __int_as_float(0x7f800000)) b = __int_as_float(0x7fffffff);
     delta[idx] = dot;
-    dq_scale[idx] = dq_fixed_scale(b);
+    dq_scale[idx] = dq_fixed_scale(k_max * fmaf(sqrtf(do_sq), v_max, fabsf(dot)));
 }
 
 // One thread per 8 columns of one (batch, row, head): four 16-byte loads, one 16-byte store.

@@ -35,7 +35,7 @@ namespace cf {
 
 // Shared-memory layout in bytes from a 1024-byte aligned base; cupyflash/kernels/mma_bwd.py
 // (wgmma_smem_bytes) mirrors BYTES and adds the alignment slack.
-template <int D_TILE, int BLOCK_M, int BLOCK_N>
+template <int D_TILE, int BLOCK_M, int BLOCK_N, bool DQ_STAGED>
 struct WgmmaSmem {
     static constexpr u32 KV_TILE = BLOCK_N * D_TILE * 2;
     static constexpr u32 Q_TILE = BLOCK_M * D_TILE * 2;
@@ -49,7 +49,8 @@ struct WgmmaSmem {
     static constexpr u32 DST = DO + 2 * Q_TILE;
     static constexpr u32 LSE = DST + BLOCK_N * BLOCK_M * 2;  // float [2 stages][BLOCK_M]
     static constexpr u32 DELTA = LSE + 2 * BLOCK_M * 4;
-    static constexpr u32 BYTES = DELTA + 2 * BLOCK_M * 4;
+    static constexpr u32 DQ_STAGE = DELTA + 2 * BLOCK_M * 4;  // DQ_STAGED: [BLOCK_N / 64 warpgroups][64 rows]
+    static constexpr u32 BYTES = DQ_STAGE + (DQ_STAGED ? BLOCK_N / 64 * 64 * DQ_STAGE_ROW : 0);
 };
 
 template <typename T, int D_TILE, bool CAUSAL, int BLOCK_M, int BLOCK_N, DqAdd DQ_ADD>
@@ -57,13 +58,14 @@ __global__ void __launch_bounds__(BLOCK_N / 64 * 128, 1)
 flash_bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                 const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
                 T* __restrict__ dk, T* __restrict__ dv, void* __restrict__ dq_accum,
-                int* __restrict__ dq_semaphore, const float* __restrict__ dq_fixed_scale,
+                int* __restrict__ dq_semaphore, float* __restrict__ dq_fixed_scale,
                 int seqlen_q, int seqlen_k, int nheads, int group, int headdim,
                 i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
                 i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
                 i64 dk_sb, i64 dk_ss, i64 dk_sh, i64 dv_sb, i64 dv_ss, i64 dv_sh,
                 i64 dqa_sb, i64 dqa_ss, i64 dqa_sh, float scale_log2, float scale) {
-    typedef WgmmaSmem<D_TILE, BLOCK_M, BLOCK_N> L;
+    constexpr bool STAGED = DQ_ADD == DqAdd::fixed;  // fixed point: bulk reductions from shared memory
+    typedef WgmmaSmem<D_TILE, BLOCK_M, BLOCK_N, STAGED> L;
     constexpr int NWG = BLOCK_N / 64, NTHREADS = NWG * 128, NWARPS = NWG * 4;
     constexpr int SJ = BLOCK_M / 8;        // 8-column blocks of S^T, dP^T per thread
     constexpr int DJ = D_TILE / 8;         // ... of dK, dV
@@ -247,7 +249,8 @@ flash_bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
         // Step 8: dQ_i += dS K_j, 64 x 64 panels (query panel qp, head-dim panel dp); A = dS is the
         // MN-major view of dS^T panel qp, B = K_j panel dp (MN-major), k-steps of 16 keys.
         const i64 dqa_head = (i64)batch * dqa_sb + (i64)head * dqa_sh;
-        const float* row_scale = dq_fixed_scale + ((i64)batch * nheads + head) * seqlen_q;
+        float* const dqa = static_cast<float*>(dq_accum) + dqa_head;  // float adds
+        float* const row_scale = dq_fixed_scale + ((i64)batch * nheads + head) * seqlen_q;  // fixed
 #pragma unroll 1
         for (int panel = wg; panel < DQ_PANELS; panel += NWG) {
             const int qp = panel / (D_TILE / 64), dp = panel % (D_TILE / 64);
@@ -267,17 +270,46 @@ flash_bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
             }
             wgmma_wait<0>();
             pin_registers(reinterpret_cast<float(&)[32]>(dq_acc));
-            // ORDERED: this query block's turn comes when all NWARPS warps of key blocks
-            // 0..n_block-1 have released it.
-            if constexpr (ORDERED) wait_dq_turn(sem, sem_seen, n_block * NWARPS);
+            if constexpr (STAGED) {
+                // Fixed point: the panel to the warpgroup's staging tile as int64, then one bulk
+                // reduction per row. The tile is free once the reductions issued from it last time
+                // have read it (their issuers wait, the barrier tells the rest).
+                const int wg_tid = tid % 128;
+                const u32 s_stage = base + L::DQ_STAGE + wg * 64 * DQ_STAGE_ROW;
+                if (wg_tid < 64) bulk_wait_read_all();
+                named_barrier_sync(1 + wg, 128);
+                const int r_lo = 16 * warp_in_wg + lane / 4;
+                bool bad_lo = false, bad_hi = false;
 #pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                const int col = 64 * dp + 8 * j + 2 * (lane % 4);
-                if (col < headdim) {
-                    if (m_lo < seqlen_q)
-                        add_dq_pair<DQ_ADD>(dq_accum, dqa_head + m_lo * dqa_ss + col, dq_acc[j][0], dq_acc[j][1], scale_lo);
-                    if (m_hi < seqlen_q)
-                        add_dq_pair<DQ_ADD>(dq_accum, dqa_head + m_hi * dqa_ss + col, dq_acc[j][2], dq_acc[j][3], scale_hi);
+                for (int j = 0; j < 8; ++j) {
+                    const u32 at = s_stage + r_lo * DQ_STAGE_ROW + 64 * j + 16 * (lane % 4);
+                    st_shared_v2_b64(at, to_fixed(dq_acc[j][0], scale_lo, bad_lo),
+                                     to_fixed(dq_acc[j][1], scale_lo, bad_lo));
+                    st_shared_v2_b64(at + 8 * DQ_STAGE_ROW, to_fixed(dq_acc[j][2], scale_hi, bad_hi),
+                                     to_fixed(dq_acc[j][3], scale_hi, bad_hi));
+                }
+                if (bad_lo && m_lo < seqlen_q) poison_dq_row(row_scale + m_lo);
+                if (bad_hi && m_hi < seqlen_q) poison_dq_row(row_scale + m_hi);
+                fence_proxy_async_shared();  // the stores, visible to the TMA unit's reads
+                named_barrier_sync(1 + wg, 128);
+                if (wg_tid < 64) {
+                    const int m = m0 + 64 * qp + wg_tid;
+                    if (m < seqlen_q)
+                        bulk_reduce_add_s64(static_cast<long long*>(dq_accum) + dqa_head + m * dqa_ss + 64 * dp,
+                                            s_stage + wg_tid * DQ_STAGE_ROW, 64 * 8);
+                    bulk_commit();
+                }
+            } else {
+                // ORDERED: this query block's turn comes when all NWARPS warps of key blocks
+                // 0..n_block-1 have released it.
+                if constexpr (ORDERED) wait_dq_turn(sem, sem_seen, n_block * NWARPS);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const int col = 64 * dp + 8 * j + 2 * (lane % 4);
+                    if (col < headdim) {
+                        if (m_lo < seqlen_q) red_add_f32x2(dqa + m_lo * dqa_ss + col, dq_acc[j][0], dq_acc[j][1]);
+                        if (m_hi < seqlen_q) red_add_f32x2(dqa + m_hi * dqa_ss + col, dq_acc[j][2], dq_acc[j][3]);
+                    }
                 }
             }
         }
@@ -287,6 +319,9 @@ flash_bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
         if constexpr (ORDERED) pending_release = sem;
     }
     if constexpr (ORDERED) release_dq_block(pending_release, lane);
+    if constexpr (STAGED) {
+        if (tid % 128 < 64) bulk_wait_all();  // the staging tiles stay valid until read
+    }
     cp_async_wait<0>();
 
     // Epilogue: dK = scale dS^T Q summed, and dV, straight from the accumulators (once per CTA).

@@ -2,9 +2,9 @@
 // heads (D_TILE 256), where one warpgroup cannot hold dK and dV for its key rows (64 x 256 each
 // would be 256 registers per thread).
 //
-// flash_bwd_wgmma.cu's loop (one CTA per key block j, every query block i of the GQA group, dQ
-// added as DQ_ADD says: float32 in any order or in key-block order, or int64 fixed point), with
-// two warpgroups that share the block's
+// flash_bwd_wgmma.cu's loop (one CTA per key block j, every query block i of the GQA group, dQ by
+// float32 adds, in any order or in key-block order: DQ_ADD atomic or ordered), with two
+// warpgroups that share the block's
 // BLOCK_N = 64 key rows and split the work differently:
 //   warpgroup 0: S^T = K_j Q_i^T, P^T                 warpgroup 1: dP^T = V_j dO_i^T
 //                P^T -> shared memory  --barrier-->                dS^T = P^T o (dP^T - D) -> shared
@@ -48,8 +48,7 @@ flash_bwd_wgmma_dsplit(const T* __restrict__ q, const T* __restrict__ k, const T
                        const T* __restrict__ dout, const float* __restrict__ lse,
                        const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
                        void* __restrict__ dq_accum, int* __restrict__ dq_semaphore,
-                       const float* __restrict__ dq_fixed_scale, int seqlen_q, int seqlen_k, int nheads,
-                       int group, int headdim,
+                       float* __restrict__ dq_fixed_scale, int seqlen_q, int seqlen_k, int nheads, int group, int headdim,
                        i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
                        i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
                        i64 dk_sb, i64 dk_ss, i64 dk_sh, i64 dv_sb, i64 dv_ss, i64 dv_sh,
@@ -60,6 +59,8 @@ flash_bwd_wgmma_dsplit(const T* __restrict__ q, const T* __restrict__ k, const T
     constexpr int SJ = BLOCK_M / 8;    // 8-column blocks of S^T, dP^T
     constexpr int HJ = HALF / 8;       // ... of a dK, dV or dQ half
     constexpr bool ORDERED = DQ_ADD == DqAdd::ordered;
+    // dq_fixed_scale is unused: the parameter list is flash_bwd_wgmma's, so one launcher serves both.
+    static_assert(DQ_ADD != DqAdd::fixed, "fixed-point dQ needs a staging tile, and there is no room for one here");
     static_assert(BLOCK_N == 64 && BLOCK_M == 64, "one 64-row wgmma per product and warpgroup");
     static_assert(D_TILE == 256, "the head-dim halves are 128 columns: two panels");
     static_assert(L::BYTES + 1024 <= 227 * 1024, "shared memory");
@@ -230,27 +231,19 @@ flash_bwd_wgmma_dsplit(const T* __restrict__ q, const T* __restrict__ k, const T
                                               smem_desc(s_k + 2 * wg * L::KV_PANEL + kk * 2048, L::KV_PANEL, 1024),
                                               kk > 0);
         wgmma_commit();
-        const int m_lo = m0 + 16 * warp_in_wg + lane / 4, m_hi = m_lo + 8;
-        float scale_lo = 0.f, scale_hi = 0.f;  // fixed: the rows' scales, loaded while dQ runs
-        if constexpr (DQ_ADD == DqAdd::fixed) {
-            const float* row_scale = dq_fixed_scale + ((i64)batch * nheads + head) * seqlen_q;
-            if (m_lo < seqlen_q) scale_lo = row_scale[m_lo];
-            if (m_hi < seqlen_q) scale_hi = row_scale[m_hi];
-        }
         wgmma_wait<0>();
         pin_registers(reinterpret_cast<float(&)[HJ * 4]>(dq_acc));
         pin_registers(reinterpret_cast<float(&)[HJ * 4]>(dv_acc));
         pin_registers(reinterpret_cast<float(&)[HJ * 4]>(dk_acc));
         if constexpr (ORDERED) wait_dq_turn(sem, sem_seen, n_block * NWARPS);
-        const i64 dqa_head = (i64)batch * dqa_sb + (i64)head * dqa_sh;
+        const int m_lo = m0 + 16 * warp_in_wg + lane / 4, m_hi = m_lo + 8;
+        float* const dqa = static_cast<float*>(dq_accum) + (i64)batch * dqa_sb + (i64)head * dqa_sh;
 #pragma unroll
         for (int j = 0; j < HJ; ++j) {
             const int col = HALF * wg + 8 * j + 2 * (lane % 4);
             if (col < headdim) {
-                if (m_lo < seqlen_q)
-                    add_dq_pair<DQ_ADD>(dq_accum, dqa_head + m_lo * dqa_ss + col, dq_acc[j][0], dq_acc[j][1], scale_lo);
-                if (m_hi < seqlen_q)
-                    add_dq_pair<DQ_ADD>(dq_accum, dqa_head + m_hi * dqa_ss + col, dq_acc[j][2], dq_acc[j][3], scale_hi);
+                if (m_lo < seqlen_q) red_add_f32x2(dqa + m_lo * dqa_ss + col, dq_acc[j][0], dq_acc[j][1]);
+                if (m_hi < seqlen_q) red_add_f32x2(dqa + m_hi * dqa_ss + col, dq_acc[j][2], dq_acc[j][3]);
             }
         }
         if constexpr (ORDERED) pending_release = sem;

@@ -401,13 +401,14 @@ BWD = "flash_bwd_wgmma.cu"
          "static constexpr u32 DST = DO + 2 * Q_TILE;",
          "static constexpr u32 LSE = DST + BLOCK_N * BLOCK_M * 2;",
          "static constexpr u32 DELTA = LSE + 2 * BLOCK_M * 4;",
-         "static constexpr u32 BYTES = DELTA + 2 * BLOCK_M * 4;",
+         "static constexpr u32 DQ_STAGE = DELTA + 2 * BLOCK_M * 4;",
+         "static constexpr u32 BYTES = DQ_STAGE + (DQ_STAGED ? BLOCK_N / 64 * 64 * DQ_STAGE_ROW : 0);",
          "constexpr int NWG = BLOCK_N / 64, NTHREADS = NWG * 128, NWARPS = NWG * 4;",
          "constexpr int SJ = BLOCK_M / 8;",
          "constexpr int DJ = D_TILE / 8;",
          "constexpr int QK = BLOCK_M / 16;",
          "constexpr int DQ_PANELS = (BLOCK_M / 64) * (D_TILE / 64);")
-def bwd_smem(d_tile: int, block_m: int, block_n: int) -> SimpleNamespace:
+def bwd_smem(d_tile: int, block_m: int, block_n: int, staged: bool = False) -> SimpleNamespace:
     L = SimpleNamespace(D_TILE=d_tile, BLOCK_M=block_m, BLOCK_N=block_n, KV_TILE=block_n * d_tile * 2,
                         Q_TILE=block_m * d_tile * 2, KV_PANEL=block_n * 128, Q_PANEL=block_m * 128,
                         DS_PANEL=block_n * 128, K=0)
@@ -417,7 +418,8 @@ def bwd_smem(d_tile: int, block_m: int, block_n: int) -> SimpleNamespace:
     L.DST = L.DO + 2 * L.Q_TILE
     L.LSE = L.DST + block_n * block_m * 2
     L.DELTA = L.LSE + 2 * block_m * 4
-    L.BYTES = L.DELTA + 2 * block_m * 4
+    L.DQ_STAGE = L.DELTA + 2 * block_m * 4
+    L.BYTES = L.DQ_STAGE + (block_n // 64 * 64 * DQ_STAGE_ROW if staged else 0)
     L.NWG = block_n // 64
     L.NTHREADS = L.NWG * 128
     L.DQ_PANELS = (block_m // 64) * (d_tile // 64)
@@ -555,6 +557,39 @@ def bwd_add_dq_panel(dq_accum, dq_acc, m0: int, qp: int, dp: int, headdim: int) 
         col = 64 * dp + 8 * j + 2 * THREAD_IN_GROUP
         _red_add_pairs(dq_accum, m_lo, col, dq_acc[:, j, 0:2], headdim)
         _red_add_pairs(dq_accum, m_lo + 8, col, dq_acc[:, j, 2:4], headdim)
+
+
+@mirrors("dq_add.cuh", "constexpr u32 DQ_STAGE_ROW = 64 * 8 + 64;")
+def _stage_row_bytes():
+    return 64 * 8 + 64
+
+
+DQ_STAGE_ROW = _stage_row_bytes()
+
+
+@mirrors(BWD,
+         "const u32 s_stage = base + L::DQ_STAGE + wg * 64 * DQ_STAGE_ROW;",
+         "const int r_lo = 16 * warp_in_wg + lane / 4;",
+         "const u32 at = s_stage + r_lo * DQ_STAGE_ROW + 64 * j + 16 * (lane % 4);",
+         "st_shared_v2_b64(at + 8 * DQ_STAGE_ROW, to_fixed(dq_acc[j][2], scale_hi, bad_hi),"
+         " to_fixed(dq_acc[j][3], scale_hi, bad_hi));",
+         "const int m = m0 + 64 * qp + wg_tid;",
+         "bulk_reduce_add_s64(static_cast<long long*>(dq_accum) + dqa_head + m * dqa_ss + 64 * dp,"
+         " s_stage + wg_tid * DQ_STAGE_ROW, 64 * 8);")
+def bwd_dq_stage_stores(L, wg: int):
+    """Fixed-point dQ: the 16-byte stores of warpgroup wg's 128 threads into its staging tile, as
+    [(addresses (128,), accumulator row (128,), accumulator column (128,))] per (j, half) store,
+    and the shared address each 64-row bulk reduction reads (row r of the panel: thread r)."""
+    s_stage = aligned_base(RAW_SMEM) + L.DQ_STAGE + wg * 64 * DQ_STAGE_ROW
+    r_lo = 16 * WARP_IN_WG + LANE // 4
+    stores = []
+    for j in range(8):
+        at = s_stage + r_lo * DQ_STAGE_ROW + 64 * j + 16 * (LANE % 4)
+        col = 8 * j + 2 * (LANE % 4)  # the pair col, col + 1 of dq_acc[j][0..1] (half 0) / [2..3]
+        stores.append((at, r_lo, col))
+        stores.append((at + 8 * DQ_STAGE_ROW, r_lo + 8, col))
+    sources = s_stage + np.arange(64) * DQ_STAGE_ROW
+    return stores, sources
 
 
 def _red_add_pairs(out, rows, cols, pairs, headdim):
@@ -989,6 +1024,36 @@ def test_bwd_ds_t_stores_are_bank_conflict_free_and_fill_the_tile(d_tile, block_
             written.extend(addr.tolist())
     # the warpgroups' stores cover the BLOCK_N x BLOCK_M dS^T tile, each 4-byte word once
     assert sorted(written) == list(range(tiles.dst, tiles.dst + block_n * block_m * 2, 4))
+
+
+@pytest.mark.parametrize("d_tile, block_m, block_n", BWD_CONFIGS)
+def test_bwd_fixed_dq_staging_rows_are_the_panel_rows_in_order(d_tile, block_m, block_n):
+    """Fixed-point dQ staging: every accumulator element (row, col) of the 64 x 64 panel lands at
+    column col of staging row row, so the 512 bytes each bulk reduction reads are one dQ row in
+    column order; the tiles sit inside the layout, past the other tiles, 16-byte aligned (the bulk
+    copy's requirement); each quarter-warp's 16-byte stores hit every bank once (4 wavefronts per
+    warp store, the minimum for 512 bytes)."""
+    from cupyflash.kernels import mma_bwd
+
+    L = bwd_smem(d_tile, block_m, block_n, staged=True)
+    assert L.BYTES + 1024 == mma_bwd.wgmma_smem_bytes(d_tile, block_m, block_n, "fixed") <= 227 * 1024
+    assert mma_bwd.DQ_STAGE_ROW == DQ_STAGE_ROW
+    base = aligned_base(RAW_SMEM)
+    for wg in range(L.NWG):
+        stores, sources = bwd_dq_stage_stores(L, wg)
+        cell = {}
+        for at, rows, cols in stores:
+            for warp in range(4):
+                for phase in range(4):
+                    lanes = slice(32 * warp + 8 * phase, 32 * warp + 8 * phase + 8)
+                    assert bank_conflict_free(at[lanes], 16)
+            for a, r, c in zip(at, rows, cols):
+                cell[int(a)], cell[int(a) + 8] = (int(r), int(c)), (int(r), int(c) + 1)
+        assert len(cell) == 64 * 64
+        for r, src in enumerate(sources):
+            assert src % 16 == 0 and base + L.DQ_STAGE <= src and src + 512 <= base + L.BYTES
+            assert [cell[int(src) + 8 * c] for c in range(64)] == [(r, c) for c in range(64)]
+    assert L.DQ_STAGE >= L.DELTA + 2 * block_m * 4
 
 
 def test_dsplit_pair_stores_are_bank_conflict_free_and_fill_the_tile():

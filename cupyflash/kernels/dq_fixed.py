@@ -10,6 +10,10 @@ ordered kernels' waiting. Around the backward kernel (kernels_cu/flash_bwd_dq_fi
    ``simt.backward_preprocess`` computes it) and 2^E_i from max|K| (||dO_i|| max||V_j|| + |D_i|);
 3. the backward kernel adds into ``dq_accum``;
 4. ``flash_bwd_dq_convert_fixed``: dq = softmax_scale * dq_accum * 2^-E_i in the input dtype.
+
+A row whose contributions are not finite comes out NaN, as with float adds (the backward kernel
+marks it by storing NaN over its scale); the bound ignores non-finite K and V entries, so rows
+that never see them are not affected.
 """
 from __future__ import annotations
 
@@ -57,11 +61,10 @@ def specializations() -> list[Specialization]:
                          + [convert_spec(name)])]
 
 
-def preprocess(do, o, k, v, lse):
+def preprocess(do, o, k, v):
     """(delta, dq_scale), both (B, H, Sq) float32: D_i and the fixed-point scale 2^E_i of each row.
 
-    ``lse`` is C-contiguous float32 (B, H, Sq); arrays meet the mma family's guarantees (16-byte
-    aligned rows)."""
+    The arrays meet the mma family's guarantees (16-byte aligned rows)."""
     import cupy
 
     batch, seqlen_q, nheads, headdim = o.shape
@@ -75,7 +78,7 @@ def preprocess(do, o, k, v, lse):
     dq_scale = cupy.empty((batch, nheads, seqlen_q), dtype=np.float32)
     rows_per_block = ROW_THREADS // (dt // 8)
     launch(preprocess_spec(o.dtype, dt), (math.ceil(seqlen_q / rows_per_block), nheads, batch),
-           (do, o, lse, kv_bound, delta, dq_scale, np.int32(seqlen_q), np.int32(nheads),
+           (do, o, kv_bound, delta, dq_scale, np.int32(seqlen_q), np.int32(nheads),
             np.int32(nheads // nheads_kv), np.int32(headdim), *row_strides(do), *row_strides(o)))
     return delta, dq_scale
 

@@ -107,6 +107,12 @@ WGMMA_ORDERED_D_TILES = (128,)
 # How the wgmma kernels add dQ (kernels_cu/dq_add.cuh): float32 in any order, float32 in key-block
 # order, int64 fixed point (exact, so reproducible in any order).
 DQ_ADDS = ("atomic", "ordered", "fixed")
+# Head-dim tiles where v7 runs the wgmma kernel with fixed-point dQ when deterministic: the kernel
+# stages each dQ panel in shared memory and adds it by bulk reductions, one per row (per-thread
+# int64 reductions measured 206 against the float atomics' 370 TFLOP/s at d128 16k). The d256
+# kernel has no room for the staging tile (per-thread int64 reductions there: 95-112 against v3's
+# 151-175 TFLOP/s, bf16), so v7 runs v3's kernels at d256.
+WGMMA_FIXED_D_TILES = (64, 128)
 
 # Kernel versions, all launchable side by side (``backward(..., version=...)``); DEFAULT_VERSION
 # is what the dispatcher launches. ldmatrix.x4 per mma.sync counted in the SASS (sm_90).
@@ -291,7 +297,8 @@ def specializations() -> list[Specialization]:
                 if dt in FUSED_CONFIG:
                     out.extend(fused_spec(name, dt, causal, ordered) for ordered in (True, False))
                 if dt in WGMMA_CONFIG:
-                    out.extend(wgmma_spec(name, dt, causal, dq_add) for dq_add in DQ_ADDS)
+                    out.extend(wgmma_spec(name, dt, causal, dq_add) for dq_add in DQ_ADDS
+                               if dq_add != "fixed" or dt in WGMMA_FIXED_D_TILES)
     return out
 
 
@@ -323,12 +330,18 @@ def fused_spec(dtype, headdim: int, causal: bool, ordered: bool, config: tuple |
                           fused_smem_bytes(dt, bm, bn))
 
 
-def wgmma_smem_bytes(dt: int, block_m: int, block_n: int) -> int:
+DQ_STAGE_ROW = 64 * 8 + 64  # bytes per row of a fixed-point dQ staging tile (kernels_cu/dq_add.cuh)
+
+
+def wgmma_smem_bytes(dt: int, block_m: int, block_n: int, dq_add: str = "atomic") -> int:
     """Mirror of WgmmaSmem<...>::BYTES in flash_bwd_wgmma.cu (K, V; two stages of Q, dO; dS^T; two
-    stages of lse and D) or, at d256, of DsplitSmem in flash_bwd_wgmma_dsplit.cu (P^T as well), plus
-    1024 bytes to align the base for the 128-byte swizzle."""
+    stages of lse and D; with fixed-point dQ a 64-row int64 staging tile per warpgroup) or, at d256,
+    of DsplitSmem in flash_bwd_wgmma_dsplit.cu (P^T as well, no staging), plus 1024 bytes to align
+    the base for the 128-byte swizzle."""
     pt = block_n * block_m * 2 if dt == 256 else 0
-    return 2 * block_n * dt * 2 + 2 * 2 * block_m * dt * 2 + block_n * block_m * 2 + pt + 2 * 2 * block_m * 4 + 1024
+    stage = block_n // 64 * 64 * DQ_STAGE_ROW if dq_add == "fixed" and dt != 256 else 0
+    return (2 * block_n * dt * 2 + 2 * 2 * block_m * dt * 2 + block_n * block_m * 2 + pt + 2 * 2 * block_m * 4
+            + stage + 1024)
 
 
 def wgmma_spec(dtype, headdim: int, causal: bool, dq_add: str, config: tuple | None = None) -> Specialization:
@@ -338,12 +351,15 @@ def wgmma_spec(dtype, headdim: int, causal: bool, dq_add: str, config: tuple | N
         raise ValueError(f"cupyflash: unknown dQ add mode {dq_add!r} (known: {', '.join(DQ_ADDS)})")
     name = dtype_name(dtype)
     dt = d_tile(headdim)
+    if dq_add == "fixed" and dt not in WGMMA_FIXED_D_TILES:
+        raise ValueError(f"cupyflash: no fixed-point wgmma backward at head-dim tile {dt}")
     bm, bn = tuple(config or WGMMA_CONFIG[dt])
     kernel = "flash_bwd_wgmma_dsplit" if dt == 256 else "flash_bwd_wgmma"
     spec_name = f"{kernel}_{_SHORT[name]}_hdim{dt}_{'causal' if causal else 'full'}_bm{bm}_bn{bn}_dq{dq_add}"
     expression = f"cf::{kernel}<{_CTYPE[name]}, {dt}, {_flag(causal)}, {bm}, {bn}, cf::DqAdd::{dq_add}>"
     threads = 256 if dt == 256 else bn // 64 * 128
-    return Specialization(spec_name, f"{kernel}.cu", expression, threads, wgmma_smem_bytes(dt, bm, bn), arch="90a")
+    return Specialization(spec_name, f"{kernel}.cu", expression, threads, wgmma_smem_bytes(dt, bm, bn, dq_add),
+                          arch="90a")
 
 
 def fused_config(headdim: int, smem_optin: int | None) -> tuple | None:
@@ -392,7 +408,7 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
             if not deterministic:
                 dq_add = "atomic"
             elif version == "v7":
-                dq_add = "fixed"
+                dq_add = "fixed" if dt in WGMMA_FIXED_D_TILES else None
             else:
                 dq_add = "ordered" if dt in WGMMA_ORDERED_D_TILES else None
             if dq_add is not None:
@@ -457,7 +473,7 @@ def _wgmma_backward(q, k, v, do, o, lse, dq, dk, dv, common, scales, config, cau
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     shape = (batch, seqlen_q, nheads, d_tile(headdim))
     if dq_add == "fixed":
-        delta, dq_scale = dq_fixed.preprocess(do, o, k, v, lse)
+        delta, dq_scale = dq_fixed.preprocess(do, o, k, v)
         dq_accum = cupy.zeros(shape, dtype=np.int64)
     else:
         delta = backward_preprocess(do, o)

@@ -1,0 +1,168 @@
+"""Fixed-point dQ (kernels_cu/dq_add.cuh, cupyflash/kernels/dq_fixed.py).
+
+CPU: the per-row bound that sets the fixed-point scale holds for every partial sum of dQ_i, in
+any key-block order, on exact (float64) attention problems; the scale function's arithmetic.
+GPU (marker ``gpu``): rows whose gradients differ by 10^30 in magnitude each keep their own
+precision, and non-finite inputs make exactly the rows NaN that float adds make NaN."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cupyflash import reference
+
+KERNELS_CU = Path(__file__).resolve().parents[2] / "kernels_cu"
+DQ_FIXED_BITS = 48
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def _source_constant(name: str) -> int:
+    text = (KERNELS_CU / "dq_add.cuh").read_text()
+    return int(re.search(rf"constexpr int {name} = (\d+);", text).group(1))
+
+
+def dq_fixed_scale(bound: float) -> float:
+    """Mirror of dq_fixed_scale in dq_add.cuh (float32 bit arithmetic)."""
+    flt_max = float(np.finfo(np.float32).max)
+    bound = np.float32(bound if bound <= flt_max else flt_max)  # NaN compares false: FLT_MAX too
+    e = max(int((np.float32(bound).view(np.uint32) >> 23) & 0xFF), 1) - 126
+    exponent = min(127, max(-126, DQ_FIXED_BITS - e))
+    return float(np.uint32((exponent + 127) << 23).view(np.float32))
+
+
+def test_fixed_bits_match_the_source():
+    assert _source_constant("DQ_FIXED_BITS") == DQ_FIXED_BITS
+
+
+@pytest.mark.parametrize("bound", [0.0, 1e-45, 1e-38, 3e-30, 0.75, 1.0, 1.5, 2.0 ** 20, 3e20, 3.4e38,
+                                   float("inf"), float("nan")])
+def test_scale_is_a_power_of_two_that_puts_the_bound_just_below_2_to_the_fixed_bits(bound):
+    s = dq_fixed_scale(bound)
+    mantissa, _ = np.frexp(s)
+    assert mantissa == 0.5 and np.isfinite(s)  # an exact power of two, so x * s is exact
+    if not np.isfinite(bound):
+        bound = float(np.finfo(np.float32).max)
+    if bound > 0 and s < 2.0 ** 127:  # not clamped: the bound uses half to all of the range
+        assert 2.0 ** (DQ_FIXED_BITS - 1) <= bound * s < 2.0 ** DQ_FIXED_BITS
+    assert bound * s < 2.0 ** DQ_FIXED_BITS  # headroom 2^(63 - 48) over every partial sum
+
+
+def _exact_dq_terms(q, k, v, do, causal):
+    """dS (B, H, Sq, Sk) and K per query head, float64, from the reference forward."""
+    scale = q.shape[-1] ** -0.5
+    o, lse = reference.attention(q, k, v, softmax_scale=scale, causal=causal)
+    group = q.shape[2] // k.shape[2]
+    kh = np.repeat(k, group, axis=2).transpose(0, 2, 1, 3)
+    vh = np.repeat(v, group, axis=2).transpose(0, 2, 1, 3)
+    qh, doh = q.transpose(0, 2, 1, 3), do.transpose(0, 2, 1, 3)
+    s = qh @ kh.transpose(0, 1, 3, 2) * scale
+    visible = reference.visible_keys(q.shape[1], k.shape[1], causal)
+    p = np.where(visible, np.exp(s - lse[..., None]), 0.0)
+    dp = doh @ vh.transpose(0, 1, 3, 2)
+    delta = np.sum(doh * o.transpose(0, 2, 1, 3), axis=-1)
+    return p * (dp - delta[..., None]), kh, doh, delta
+
+
+@settings(max_examples=30)
+@given(seed=st.integers(0, 2**32 - 1), causal=st.booleans(), sq=st.integers(1, 70), sk=st.integers(1, 70),
+       group=st.sampled_from([1, 2]), spread=st.floats(0, 6))
+def test_the_row_bound_holds_for_every_partial_sum_in_any_order(seed, causal, sq, sk, group, spread):
+    """|sum over any subset of key blocks of dS_ij K_j| <= max|K| (||dO_i|| max_j ||V_j|| + |D_i|):
+    the bound dq_add.cuh sets the scale from. Rows and keys of very different magnitudes."""
+    rng = np.random.default_rng(seed)
+    d = 16
+    q = rng.standard_normal((1, sq, 2 * group, d))
+    k, v = (rng.standard_normal((1, sk, 2, d)) * 10.0 ** rng.uniform(-spread, spread, (1, sk, 2, 1))
+            for _ in range(2))
+    do = rng.standard_normal((1, sq, 2 * group, d)) * 10.0 ** rng.uniform(-spread, spread, (1, sq, 2 * group, 1))
+    ds, kh, doh, delta = _exact_dq_terms(q, k, v, do, causal)
+    k_max = np.abs(kh).max(axis=(2, 3))[..., None]  # per (batch, head)
+    v_max = np.linalg.norm(np.repeat(v, group, axis=2), axis=-1).max(axis=1)[..., None]  # (B, H, 1)
+    bound = k_max * (np.linalg.norm(doh, axis=-1) * v_max + np.abs(delta))  # (B, H, Sq)
+    blocks = [range(j, min(j + 8, sk)) for j in range(0, sk, 8)]
+    for order in (blocks, blocks[::-1], [blocks[i] for i in rng.permutation(len(blocks))]):
+        partial = np.zeros(q.transpose(0, 2, 1, 3).shape)
+        for block in order:
+            cols = list(block)
+            partial += ds[..., cols] @ kh[:, :, cols]
+            assert np.all(np.abs(partial) <= bound[..., None] * (1 + 1e-12) + 1e-300)
+
+
+def test_fixed_point_sums_agree_in_every_order_and_track_the_exact_sum():
+    """The arithmetic the kernel relies on: contributions rounded to multiples of 2^-E and summed
+    as int64 give one result in every order, within n / 2 units of 2^-E of the exact sum."""
+    rng = np.random.default_rng(1)
+    terms = rng.standard_normal(300).astype(np.float32) * np.float32(1e-3)
+    bound = float(np.abs(terms).astype(np.float64).sum())
+    s = dq_fixed_scale(bound)
+    fixed = np.rint(terms.astype(np.float64) * s).astype(np.int64)
+    sums = {int(np.sum(fixed[rng.permutation(len(fixed))])) for _ in range(20)}
+    assert len(sums) == 1
+    exact = float(np.sum(terms.astype(np.float64)))
+    assert abs(sums.pop() / s - exact) <= len(terms) * 0.5 / s
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: the default deterministic backward on sm_90 (v7: fixed-point dQ at d64 and d128)
+# ---------------------------------------------------------------------------------------------
+
+def _grads(q, k, v, do, causal, deterministic):
+    import cupyflash
+    from cupyflash.testing import poisoned_outputs
+
+    with poisoned_outputs():
+        o, lse = cupyflash.flash_attn_func(q, k, v, causal=causal, return_lse=True, backend="mma")
+        return cupyflash.flash_attn_backward(do, q, k, v, o, lse, causal=causal, backend="mma",
+                                             deterministic=deterministic)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,decades", [(BF16, 30), (np.float16, 3)], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_rows_of_very_different_magnitude_keep_their_precision(dtype, decades, d):
+    """dO rows scaled by 10^-decades/2 .. 10^decades/2: each dQ row, relative to its own size, is as
+    close to float64 as the float adds' (a scale shared by all rows would flush the small ones)."""
+    import cupy
+
+    rng = np.random.default_rng()
+    q, k, v = (rng.standard_normal((2, 301, 4, d)).astype(dtype) for _ in range(3))
+    row_scale = 10.0 ** rng.uniform(-decades / 2, decades / 2, (2, 301, 4, 1))
+    do = (rng.standard_normal((2, 301, 4, d)) * row_scale).astype(dtype)
+    dev = [cupy.asarray(x) for x in (q, k, v, do)]
+    dq_fixed = _grads(*dev, causal=True, deterministic=True)[0].get().astype(np.float64)
+    dq_float = _grads(*dev, causal=True, deterministic=False)[0].get().astype(np.float64)
+    dq_ref = reference.attention_backward(do, q, k, v, causal=True)[0]
+    size = np.abs(dq_ref).max(axis=-1)
+    err_fixed = np.abs(dq_fixed - dq_ref).max(axis=-1) / size
+    err_float = np.abs(dq_float - dq_ref).max(axis=-1) / size
+    assert np.all(err_fixed <= 2 * err_float + 2.0 ** -9), float(np.max(err_fixed - 2 * err_float))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("where", ["do_row", "q_row", "k_row", "v_row"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_nan_inputs_poison_the_same_dq_rows_as_float_adds(where, causal):
+    """A NaN in one row of dO, Q, K or V: the rows of dQ that come out NaN are exactly those the
+    float atomic adds make NaN (with causal masking, rows that never see a NaN key stay finite);
+    the finite rows agree with the float adds."""
+    import cupy
+
+    rng = np.random.default_rng()
+    shape = (1, 200, 2, 64)
+    q, k, v, do = (rng.standard_normal(shape).astype(BF16) for _ in range(4))
+    target = {"do_row": do, "q_row": q, "k_row": k, "v_row": v}[where]
+    target[0, 120, 1, 7] = np.nan
+    dev = [cupy.asarray(x) for x in (q, k, v, do)]
+    dq_fixed = _grads(*dev, causal=causal, deterministic=True)[0].get().astype(np.float64)
+    dq_float = _grads(*dev, causal=causal, deterministic=False)[0].get().astype(np.float64)
+    nan_fixed, nan_float = np.isnan(dq_fixed).any(axis=-1), np.isnan(dq_float).any(axis=-1)
+    assert nan_float.any()
+    np.testing.assert_array_equal(nan_fixed, nan_float)
+    finite = ~nan_float
+    np.testing.assert_allclose(dq_fixed[finite], dq_float[finite], rtol=2.0 ** -6, atol=1e-2)
