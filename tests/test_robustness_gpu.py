@@ -55,7 +55,6 @@ def test_deterministic_dq_is_bitwise_reproducible_under_contention(version, d, c
     from cupyflash.kernels import mma_bwd
 
     monkeypatch.setattr(mma_bwd, "WGMMA_ORDERED_D_TILES", mma_bwd.D_TILES)
-    monkeypatch.setattr(mma_bwd, "WGMMA_FIXED_D_TILES", mma_bwd.D_TILES)
 
     q, do = randn((2, 1999, 8, d), BF16), randn((2, 1999, 8, d), BF16)
     k, v = randn((2, 2011, 2, d), BF16), randn((2, 2011, 2, d), BF16)
