@@ -271,13 +271,14 @@ flash_bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
             wgmma_wait<0>();
             pin_registers(reinterpret_cast<float(&)[32]>(dq_acc));
             if constexpr (STAGED) {
-                // Fixed point: the panel to the warpgroup's staging tile as int64, then one bulk
-                // reduction per row. The tile is free once the reductions issued from it last time
-                // have read it (their issuers wait, the barrier tells the rest).
-                const int wg_tid = tid % 128;
+                // Fixed point: each warp converts its 16 rows of the panel to int64 in the
+                // warpgroup's staging tile, and its lanes 0-15 hand them to the TMA unit, one bulk
+                // reduction per row. A warp writes and issues only its own rows, so it syncs with
+                // itself only; a row is free once the reduction issued from it last time has read
+                // it (its issuer waits).
                 const u32 s_stage = base + L::DQ_STAGE + wg * 64 * DQ_STAGE_ROW;
-                if (wg_tid < 64) bulk_wait_read_all();
-                named_barrier_sync(1 + wg, 128);
+                if (lane < 16) bulk_wait_read_all();
+                __syncwarp();
                 const int r_lo = 16 * warp_in_wg + lane / 4;
                 bool bad_lo = false, bad_hi = false;
 #pragma unroll
@@ -291,12 +292,12 @@ flash_bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
                 if (bad_lo && m_lo < seqlen_q) poison_dq_row(row_scale + m_lo);
                 if (bad_hi && m_hi < seqlen_q) poison_dq_row(row_scale + m_hi);
                 fence_proxy_async_shared();  // the stores, visible to the TMA unit's reads
-                named_barrier_sync(1 + wg, 128);
-                if (wg_tid < 64) {
-                    const int m = m0 + 64 * qp + wg_tid;
+                __syncwarp();
+                if (lane < 16) {
+                    const int row = 16 * warp_in_wg + lane, m = m0 + 64 * qp + row;
                     if (m < seqlen_q)
                         bulk_reduce_add_s64(static_cast<long long*>(dq_accum) + dqa_head + m * dqa_ss + 64 * dp,
-                                            s_stage + wg_tid * DQ_STAGE_ROW, 64 * 8);
+                                            s_stage + row * DQ_STAGE_ROW, 64 * 8);
                     bulk_commit();
                 }
             } else {
@@ -320,7 +321,7 @@ flash_bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
     }
     if constexpr (ORDERED) release_dq_block(pending_release, lane);
     if constexpr (STAGED) {
-        if (tid % 128 < 64) bulk_wait_all();  // the staging tiles stay valid until read
+        if (lane < 16) bulk_wait_all();  // the staging tiles stay valid until read
     }
     cp_async_wait<0>();
 

@@ -573,13 +573,14 @@ DQ_STAGE_ROW = _stage_row_bytes()
          "const u32 at = s_stage + r_lo * DQ_STAGE_ROW + 64 * j + 16 * (lane % 4);",
          "st_shared_v2_b64(at + 8 * DQ_STAGE_ROW, to_fixed(dq_acc[j][2], scale_hi, bad_hi),"
          " to_fixed(dq_acc[j][3], scale_hi, bad_hi));",
-         "const int m = m0 + 64 * qp + wg_tid;",
+         "const int row = 16 * warp_in_wg + lane, m = m0 + 64 * qp + row;",
          "bulk_reduce_add_s64(static_cast<long long*>(dq_accum) + dqa_head + m * dqa_ss + 64 * dp,"
-         " s_stage + wg_tid * DQ_STAGE_ROW, 64 * 8);")
+         " s_stage + row * DQ_STAGE_ROW, 64 * 8);")
 def bwd_dq_stage_stores(L, wg: int):
     """Fixed-point dQ: the 16-byte stores of warpgroup wg's 128 threads into its staging tile, as
     [(addresses (128,), accumulator row (128,), accumulator column (128,))] per (j, half) store,
-    and the shared address each 64-row bulk reduction reads (row r of the panel: thread r)."""
+    and, per panel row r, the warp that issues its bulk reduction and the shared address it reads
+    (lanes 0-15 of warp r / 16)."""
     s_stage = aligned_base(RAW_SMEM) + L.DQ_STAGE + wg * 64 * DQ_STAGE_ROW
     r_lo = 16 * WARP_IN_WG + LANE // 4
     stores = []
@@ -588,7 +589,8 @@ def bwd_dq_stage_stores(L, wg: int):
         col = 8 * j + 2 * (LANE % 4)  # the pair col, col + 1 of dq_acc[j][0..1] (half 0) / [2..3]
         stores.append((at, r_lo, col))
         stores.append((at + 8 * DQ_STAGE_ROW, r_lo + 8, col))
-    sources = s_stage + np.arange(64) * DQ_STAGE_ROW
+    issuers = [(warp, lane) for warp in range(4) for lane in range(16)]
+    sources = {16 * warp + lane: (warp, s_stage + (16 * warp + lane) * DQ_STAGE_ROW) for warp, lane in issuers}
     return stores, sources
 
 
@@ -1030,9 +1032,10 @@ def test_bwd_ds_t_stores_are_bank_conflict_free_and_fill_the_tile(d_tile, block_
 def test_bwd_fixed_dq_staging_rows_are_the_panel_rows_in_order(d_tile, block_m, block_n):
     """Fixed-point dQ staging: every accumulator element (row, col) of the 64 x 64 panel lands at
     column col of staging row row, so the 512 bytes each bulk reduction reads are one dQ row in
-    column order; the tiles sit inside the layout, past the other tiles, 16-byte aligned (the bulk
-    copy's requirement); each quarter-warp's 16-byte stores hit every bank once (4 wavefronts per
-    warp store, the minimum for 512 bytes)."""
+    column order; a row is written only by the warp that issues its reduction (the kernel syncs
+    warps with themselves only); the tiles sit inside the layout, past the other tiles, 16-byte
+    aligned (the bulk copy's requirement); each quarter-warp's 16-byte stores hit every bank once
+    (4 wavefronts per warp store, the minimum for 512 bytes)."""
     from cupyflash.kernels import mma_bwd
 
     L = bwd_smem(d_tile, block_m, block_n, staged=True)
@@ -1041,16 +1044,18 @@ def test_bwd_fixed_dq_staging_rows_are_the_panel_rows_in_order(d_tile, block_m, 
     base = aligned_base(RAW_SMEM)
     for wg in range(L.NWG):
         stores, sources = bwd_dq_stage_stores(L, wg)
-        cell = {}
+        cell, writer = {}, {}
         for at, rows, cols in stores:
             for warp in range(4):
                 for phase in range(4):
                     lanes = slice(32 * warp + 8 * phase, 32 * warp + 8 * phase + 8)
                     assert bank_conflict_free(at[lanes], 16)
-            for a, r, c in zip(at, rows, cols):
+            for a, r, c, warp in zip(at, rows, cols, WARP_IN_WG):
                 cell[int(a)], cell[int(a) + 8] = (int(r), int(c)), (int(r), int(c) + 1)
-        assert len(cell) == 64 * 64
-        for r, src in enumerate(sources):
+                writer.setdefault(int(r), set()).add(int(warp))
+        assert len(cell) == 64 * 64 and sorted(sources) == list(range(64))
+        for r, (warp, src) in sources.items():
+            assert writer[r] == {warp}
             assert src % 16 == 0 and base + L.DQ_STAGE <= src and src + 512 <= base + L.BYTES
             assert [cell[int(src) + 8 * c] for c in range(64)] == [(r, c) for c in range(64)]
     assert L.DQ_STAGE >= L.DELTA + 2 * block_m * 4
