@@ -137,6 +137,21 @@ def test_wgmma_ordered_dq_at_every_head_dim_matches_reference(case):
         mma_bwd.WGMMA_ORDERED_D_TILES = saved
 
 
+@settings(max_examples=30)
+@given(case=attention_case(dtypes=SIXTEEN_BIT))
+def test_wgmma_fixed_dq_at_every_head_dim_matches_reference(case):
+    """v7's fixed-point dQ wgmma kernel where the default runs v3's instead (d64 on sm_90)."""
+    from cupyflash.kernels import mma_bwd
+
+    saved = mma_bwd.WGMMA_FIXED_D_TILES
+    mma_bwd.WGMMA_FIXED_D_TILES = mma_bwd.WGMMA_FIXED_KERNEL_D_TILES
+    try:
+        with _backward_version("v7"):
+            _check_backward(case, "mma", deterministic=True)
+    finally:
+        mma_bwd.WGMMA_FIXED_D_TILES = saved
+
+
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
 def test_auto_backend_and_numpy_arrays_round_trip(dtype):
     rng = np.random.default_rng()

@@ -2421,7 +2421,8 @@ def test_bwd_wgmma_versions_launch_the_wgmma_kernel_on_sm90(deterministic, d, ve
     Atomic dQ when not deterministic (then flash_bwd_dq_convert); when deterministic, v6 orders
     the float adds (v3's kernels at the head-dim tiles not in WGMMA_ORDERED_D_TILES) and v7 adds
     fixed point (flash_bwd_kv_bounds and flash_bwd_preprocess_fixed before, flash_bwd_dq_convert_fixed
-    after; v3's kernels outside WGMMA_FIXED_D_TILES). Argument lists match the kernels' parameters. On sm_80 both are v5."""
+    after; v3's kernels outside WGMMA_FIXED_D_TILES). Argument lists match the kernels' parameters.
+    On sm_80 both are v5."""
     from cupyflash.kernels import dq_fixed, mma_bwd, mma_fwd
 
     monkeypatch.setattr(mma_fwd, "current_smem_optin", lambda: 227 * 1024)

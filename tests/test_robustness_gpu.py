@@ -51,10 +51,11 @@ def test_repeated_runs_are_bitwise_identical(backend, dtype):
 def test_deterministic_dq_is_bitwise_reproducible_under_contention(version, d, causal, monkeypatch):
     # 16 to 32 key blocks add to every dQ block at once (v4 and v6 order the adds through
     # per-block counters; on an H200 v6 runs the wgmma kernels, here at every head dim, and v7
-    # the wgmma kernels with fixed-point adds); uneven lengths, GQA.
+    # the wgmma kernel with fixed-point adds, here at d64 and d128); uneven lengths, GQA.
     from cupyflash.kernels import mma_bwd
 
     monkeypatch.setattr(mma_bwd, "WGMMA_ORDERED_D_TILES", mma_bwd.D_TILES)
+    monkeypatch.setattr(mma_bwd, "WGMMA_FIXED_D_TILES", mma_bwd.WGMMA_FIXED_KERNEL_D_TILES)
 
     q, do = randn((2, 1999, 8, d), BF16), randn((2, 1999, 8, d), BF16)
     k, v = randn((2, 2011, 2, d), BF16), randn((2, 2011, 2, d), BF16)

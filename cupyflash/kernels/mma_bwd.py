@@ -109,10 +109,16 @@ WGMMA_ORDERED_D_TILES = (128,)
 DQ_ADDS = ("atomic", "ordered", "fixed")
 # Head-dim tiles where v7 runs the wgmma kernel with fixed-point dQ when deterministic: the kernel
 # stages each dQ panel in shared memory and adds it by bulk reductions, one per row (per-thread
-# int64 reductions measured 206 against the float atomics' 370 TFLOP/s at d128 16k). The d256
-# kernel has no room for the staging tile (per-thread int64 reductions there: 95-112 against v3's
-# 151-175 TFLOP/s, bf16), so v7 runs v3's kernels at d256.
-WGMMA_FIXED_D_TILES = (64, 128)
+# int64 reductions measured 207 against the float atomics' 370 TFLOP/s at d128 16k). Measured (bf16,
+# TFLOP/s at 16k non-causal / 16k causal / 2k non-causal / 2k causal; docs/perf-log.md, mma-bwd-v7):
+# d128 fixed 281 / 286 / 244 / 202 against v6's ordered adds 310 / 291 / 239 / 185: even on
+# average, better at the short and causal shapes, exact, and free of waiting on other CTAs. d64
+# fixed 244 / 249 / 217 / 186 against v3's 244 / 234 / 229 / 196, so v3 stays there (no int64
+# buffer either). The d256 kernel has no room for the staging tile (per-thread int64 reductions
+# there: 95-112 against v3's 151-175), so v3 runs there too. Tests widen it to run d64.
+WGMMA_FIXED_D_TILES = (128,)
+# The head-dim tiles that have a fixed-point wgmma kernel at all (flash_bwd_wgmma; not dsplit).
+WGMMA_FIXED_KERNEL_D_TILES = (64, 128)
 
 # Kernel versions, all launchable side by side (``backward(..., version=...)``); DEFAULT_VERSION
 # is what the dispatcher launches. ldmatrix.x4 per mma.sync counted in the SASS (sm_90).
@@ -139,10 +145,11 @@ WGMMA_FIXED_D_TILES = (64, 128)
 #       cores straight from 128-byte-swizzled shared memory or, for P^T and dS^T, from registers;
 #       at d256 flash_bwd_wgmma_dsplit (warpgroups split the head dim). dQ ordered or atomic as in
 #       v4. Elsewhere (sm_80) as v5.
-#   v7: v6, but deterministic=True runs the wgmma kernels at every head dim with fixed-point dQ
-#       adds (dq_fixed.py, kernels_cu/dq_add.cuh): each contribution rounded to a multiple of a
-#       per-row power of two and added as an int64, which is exact in any order, so the kernels
-#       run at the atomic kernels' pace instead of waiting for their turn.
+#   v7: v6, but deterministic=True runs the wgmma kernel with fixed-point dQ adds (dq_fixed.py,
+#       kernels_cu/dq_add.cuh) at the head-dim tiles of WGMMA_FIXED_D_TILES (v3 elsewhere): each
+#       contribution rounded to a multiple of a per-row power of two and added as an int64, which
+#       is exact in any order, so no CTA waits for its turn; the int64 reductions move twice the
+#       float atomics' bytes through L2.
 VERSIONS = {
     "v1": "dK/dV 16 key rows per warp; dQ 16 query rows per warp",
     "v2": "v1, but 2 x 16 rows per warp in dQ (d64, d128) and dK/dV (d64): fewer shared reads per mma",
@@ -150,7 +157,7 @@ VERSIONS = {
     "v4": "one fused kernel with 32-row warp tiles; dQ added in a fixed key-block order (or unordered)",
     "v5": "v3's two kernels when deterministic (faster than v4's ordered adds), v4's fused atomic otherwise",
     "v6": "on sm_90, one warpgroup-MMA (wgmma) kernel, dQ ordered or atomic; elsewhere v5",
-    "v7": "v6, but deterministic dQ on sm_90 by fixed-point int64 adds in the wgmma kernels at every head dim",
+    "v7": "v6, but deterministic dQ on sm_90 by fixed-point int64 adds (exact in any order) in the wgmma kernel",
 }
 DEFAULT_VERSION = "v7"
 CONVERT_THREADS = 256
@@ -298,7 +305,7 @@ def specializations() -> list[Specialization]:
                     out.extend(fused_spec(name, dt, causal, ordered) for ordered in (True, False))
                 if dt in WGMMA_CONFIG:
                     out.extend(wgmma_spec(name, dt, causal, dq_add) for dq_add in DQ_ADDS
-                               if dq_add != "fixed" or dt in WGMMA_FIXED_D_TILES)
+                               if dq_add != "fixed" or dt in WGMMA_FIXED_KERNEL_D_TILES)
     return out
 
 
@@ -351,7 +358,7 @@ def wgmma_spec(dtype, headdim: int, causal: bool, dq_add: str, config: tuple | N
         raise ValueError(f"cupyflash: unknown dQ add mode {dq_add!r} (known: {', '.join(DQ_ADDS)})")
     name = dtype_name(dtype)
     dt = d_tile(headdim)
-    if dq_add == "fixed" and dt not in WGMMA_FIXED_D_TILES:
+    if dq_add == "fixed" and dt not in WGMMA_FIXED_KERNEL_D_TILES:
         raise ValueError(f"cupyflash: no fixed-point wgmma backward at head-dim tile {dt}")
     bm, bn = tuple(config or WGMMA_CONFIG[dt])
     kernel = "flash_bwd_wgmma_dsplit" if dt == 256 else "flash_bwd_wgmma"

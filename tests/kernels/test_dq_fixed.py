@@ -109,8 +109,16 @@ def test_fixed_point_sums_agree_in_every_order_and_track_the_exact_sum():
 
 
 # ---------------------------------------------------------------------------------------------
-# GPU: the default deterministic backward on sm_90 (v7: fixed-point dQ at d64 and d128)
+# GPU: the default deterministic backward on sm_90 (v7: fixed-point dQ at d128; here d64 too)
 # ---------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def fixed_at_every_kernel_tile(monkeypatch):
+    """The default (v7) deterministic backward runs the fixed-point kernel at d64 as well."""
+    from cupyflash.kernels import mma_bwd
+
+    monkeypatch.setattr(mma_bwd, "WGMMA_FIXED_D_TILES", mma_bwd.WGMMA_FIXED_KERNEL_D_TILES)
+
 
 def _grads(q, k, v, do, causal, deterministic):
     import cupyflash
@@ -125,7 +133,8 @@ def _grads(q, k, v, do, causal, deterministic):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,decades", [(BF16, 30), (np.float16, 3)], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_rows_of_very_different_magnitude_keep_their_precision(dtype, decades, d):
+def test_rows_of_very_different_magnitude_keep_their_precision(dtype, decades, d,
+                                                              fixed_at_every_kernel_tile):
     """dO rows scaled by 10^-decades/2 .. 10^decades/2: each dQ row, relative to its own size, is as
     close to float64 as the float adds' (a scale shared by all rows would flush the small ones)."""
     import cupy
@@ -147,14 +156,15 @@ def test_rows_of_very_different_magnitude_keep_their_precision(dtype, decades, d
 @pytest.mark.gpu
 @pytest.mark.parametrize("where", ["do_row", "q_row", "k_row", "v_row"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_nan_inputs_poison_the_same_dq_rows_as_float_adds(where, causal):
+@pytest.mark.parametrize("d", [64, 128])
+def test_nan_inputs_poison_the_same_dq_rows_as_float_adds(where, causal, d, fixed_at_every_kernel_tile):
     """A NaN in one row of dO, Q, K or V: the rows of dQ that come out NaN are exactly those the
     float atomic adds make NaN (with causal masking, rows that never see a NaN key stay finite);
     the finite rows agree with the float adds."""
     import cupy
 
     rng = np.random.default_rng()
-    shape = (1, 200, 2, 64)
+    shape = (1, 200, 2, d)
     q, k, v, do = (rng.standard_normal(shape).astype(BF16) for _ in range(4))
     target = {"do_row": do, "q_row": q, "k_row": k, "v_row": v}[where]
     target[0, 120, 1, 7] = np.nan
