@@ -23,10 +23,12 @@ shared-memory fragment feeds twice the mma. v4 is one fused kernel, ``flash_bwd_
 (flash_bwd_fused_mma.cu): FlashAttention-2's 32-row warp tiles for all five products, P^T and dS^T
 through shared memory, dQ by float32 atomics or, deterministic, in a fixed key-block order. v5 runs
 v3's two kernels when ``deterministic`` (on an H200 they beat the ordered fused kernel) and v4's
-fused atomic kernel otherwise. v6, the default, is v5 except on sm_90, where v4's work split runs
-on warpgroup MMA (wgmma, sm_90a: ``flash_bwd_wgmma.cu``, and ``flash_bwd_wgmma_dsplit.cu`` at
-head-dim tile 256): always with ``deterministic=False``, and with ordered dQ adds at the head-dim
-tiles of ``WGMMA_ORDERED_D_TILES``. See the notes at ``VERSIONS`` and docs/perf-log.md.
+fused atomic kernel otherwise. v6 is v5 except on sm_90, where v4's work split runs on warpgroup
+MMA (wgmma, sm_90a: ``flash_bwd_wgmma.cu``, and ``flash_bwd_wgmma_dsplit.cu`` at head-dim tile
+256): always with ``deterministic=False``, and with ordered dQ adds at the head-dim tiles of
+``WGMMA_ORDERED_D_TILES``. v7, the default, is v6 with fixed-point dQ adds (int64, exact in any
+order: ``dq_fixed.py``) instead of ordered ones, at the head-dim tiles of
+``WGMMA_FIXED_D_TILES``. See the notes at ``VERSIONS`` and docs/perf-log.md.
 
 Shared memory (bytes; mirrored by DkdvSmem / DqSmem in flash_bwd_mma.cu): K, V of the key block,
 two stages of Q, dO (and lse, D) per query block, the 16-bit dS^T block (atomic dQ) and the
