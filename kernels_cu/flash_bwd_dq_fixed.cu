@@ -1,11 +1,11 @@
 // flash_bwd_dq_fixed: the kernels around a backward whose dQ adds are fixed-point (DqAdd::fixed,
 // dq_add.cuh), fp16/bf16.
 //
-//   flash_bwd_kv_bounds         max |K| and max_j ||V_j|| per (batch, kv head) over the finite
-//                               entries (rows), as float bits (atomicMax on the bits of
-//                               non-negative floats is max on the floats).
+//   flash_bwd_kv_bounds         max |K| and max |V| per (batch, kv head) over the finite
+//                               entries, as float bits (atomicMax on the bits of non-negative
+//                               floats is max on the floats).
 //   flash_bwd_preprocess_fixed  D_i = dO_i . O_i and the row's fixed-point scale 2^E_i from the
-//                               bound max|K| (||dO_i|| max_j ||V_j|| + |D_i|).
+//                               bound max|K| (||dO_i||_1 max|V| + |D_i|).
 //   flash_bwd_dq_convert_fixed  dq = scale * dq_accum 2^-E_i in the input dtype (NaN for a row the
 //                               backward kernel marked by a NaN scale).
 //
@@ -45,7 +45,7 @@ __device__ __forceinline__ u32 group_max_bits(u32 x) {
 }
 
 // Grid (ceil(seqlen_k / ROWS), nheads_kv, batch), 256 threads; kv_bound (batch, nheads_kv, 2)
-// zeroed before the launch: [0] = max |K|, [1] = max_j ||V_j||, as float bits.
+// zeroed before the launch: [0] = max |K|, [1] = max |V|, as float bits.
 template <typename T, int D_TILE>
 __global__ void __launch_bounds__(256)
 flash_bwd_kv_bounds(const T* __restrict__ k, const T* __restrict__ v, u32* __restrict__ kv_bound,
@@ -68,11 +68,11 @@ flash_bwd_kv_bounds(const T* __restrict__ k, const T* __restrict__ v, u32* __res
             if (a <= 3.402823466e38f) k_max = max(k_max, __float_as_uint(a));
         }
         load_chunk(x, v + row_offset(batch, n_read, head, v_sb, v_ss, v_sh), col_read, headdim);
-        float v_sq = 0.f;
 #pragma unroll
-        for (int e = 0; e < 8; ++e) v_sq = fmaf(x[e], x[e], v_sq);
-        const float v_norm = sqrtf(group_sum<LANES>(v_sq));
-        if (v_norm <= 3.402823466e38f) v_max = max(v_max, __float_as_uint(v_norm));
+        for (int e = 0; e < 8; ++e) {
+            const float a = fabsf(x[e]);
+            if (a <= 3.402823466e38f) v_max = max(v_max, __float_as_uint(a));
+        }
     }
     k_max = group_max_bits<32>(k_max);
     v_max = group_max_bits<32>(v_max);
@@ -86,7 +86,8 @@ flash_bwd_kv_bounds(const T* __restrict__ k, const T* __restrict__ v, u32* __res
 // Grid (ceil(seqlen_q / (256 / LANES)), nheads, batch), 256 threads: one row per LANES lanes.
 template <typename T, int D_TILE>
 __global__ void __launch_bounds__(256)
-flash_bwd_preprocess_fixed(const T* __restrict__ dout, const T* __restrict__ out, const u32* __restrict__ kv_bound, float* __restrict__ delta,
+flash_bwd_preprocess_fixed(const T* __restrict__ dout, const T* __restrict__ out, const u32* __restrict__ kv_bound,
+                           float* __restrict__ delta,
                            float* __restrict__ dq_scale, int seqlen_q, int nheads, int group, int headdim,
                            i64 do_sb, i64 do_ss, i64 do_sh, i64 o_sb, i64 o_ss, i64 o_sh) {
     constexpr int LANES = D_TILE / 8, ROWS = 256 / LANES;
@@ -96,20 +97,20 @@ flash_bwd_preprocess_fixed(const T* __restrict__ dout, const T* __restrict__ out
     float d_o[8], o[8];
     load_chunk(d_o, dout + row_offset(batch, valid ? row : 0, head, do_sb, do_ss, do_sh), valid ? col : headdim, headdim);
     load_chunk(o, out + row_offset(batch, valid ? row : 0, head, o_sb, o_ss, o_sh), valid ? col : headdim, headdim);
-    float dot = 0.f, do_sq = 0.f;
+    float dot = 0.f, do_l1 = 0.f;
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
         dot = fmaf(d_o[e], o[e], dot);
-        do_sq = fmaf(d_o[e], d_o[e], do_sq);
+        do_l1 += fabsf(d_o[e]);
     }
     dot = group_sum<LANES>(dot);
-    do_sq = group_sum<LANES>(do_sq);
+    do_l1 = group_sum<LANES>(do_l1);
     if (!valid || threadIdx.x % LANES != 0) return;
     const u32* bound = kv_bound + ((i64)batch * (nheads / group) + head / group) * 2;
     const i64 idx = ((i64)batch * nheads + head) * seqlen_q + row;
     const float k_max = __uint_as_float(bound[0]), v_max = __uint_as_float(bound[1]);
     delta[idx] = dot;
-    dq_scale[idx] = dq_fixed_scale(k_max * fmaf(sqrtf(do_sq), v_max, fabsf(dot)));
+    dq_scale[idx] = dq_fixed_scale(k_max * fmaf(do_l1, v_max, fabsf(dot)));
 }
 
 // One thread per 8 columns of one (batch, row, head): four 16-byte loads, one 16-byte store.
@@ -126,15 +127,16 @@ flash_bwd_dq_convert_fixed(const long long* __restrict__ dq_accum, const float* 
     const int head = (int)(row_id % nheads);
     const int row = (int)((row_id / nheads) % seqlen_q);
     const int batch = (int)(row_id / ((i64)nheads * seqlen_q));
-    // 1 / 2^E_i is exact (a power of two); a NaN scale makes the row NaN.
-    const float unscale = scale / dq_scale[((i64)batch * nheads + head) * seqlen_q + row];
+    // 2^-E_i is exact (a power of two, subnormal at most); applying it before the softmax scale
+    // keeps the product normal. A NaN scale makes the row NaN.
+    const float unscale = 1.f / dq_scale[((i64)batch * nheads + head) * seqlen_q + row];
     const longlong2* src = reinterpret_cast<const longlong2*>(
         dq_accum + row_offset(batch, row, head, dqa_sb, dqa_ss, dqa_sh) + chunk * 8);
     u32 r[4];
 #pragma unroll
     for (int w = 0; w < 4; ++w) {
         const longlong2 pair = src[w];
-        r[w] = pack2<T>(from_fixed(pair.x) * unscale, from_fixed(pair.y) * unscale);
+        r[w] = pack2<T>(from_fixed(pair.x) * unscale * scale, from_fixed(pair.y) * unscale * scale);
     }
     st_global_v4(dq + row_offset(batch, row, head, dq_sb, dq_ss, dq_sh) + chunk * 8, r);
 }

@@ -3,13 +3,13 @@
 // The work split of flash_bwd_fused_mma.cu, on warpgroups: one CTA per (key block j, kv head,
 // batch) keeps K_j and V_j in shared memory, walks every query block i of every query head of its
 // GQA group (Q_i, dO_i, lse_i, D_i double-buffered by cp.async) and accumulates dK_j, dV_j in
-// registers; each step's dQ_i contribution dS_ij K_j is added to dq_accum by red.global.add, as
-// DQ_ADD says (dq_add.cuh; flash_bwd_dq_convert or flash_bwd_dq_convert_fixed scales and converts
-// it): float32 in any order (atomic); float32 in ascending key-block order (ordered), through
+// registers; each step's dQ_i contribution dS_ij K_j is added to dq_accum as DQ_ADD says
+// (dq_add.cuh; flash_bwd_dq_convert or flash_bwd_dq_convert_fixed scales and converts it): float32
+// by red.global.add in any order (atomic); float32 in ascending key-block order (ordered), through
 // flash_bwd_fused_mma.cu's per-query-block counters and protocol (query blocks walked last to
 // first, the counter read early, each warp's release deferred into the next iteration, behind the
-// issue of its S^T and dP^T); or int64 fixed point (fixed), exact in any order. The last two give
-// bitwise reproducible dQ.
+// issue of its S^T and dP^T); or int64 fixed point by bulk reductions from a shared staging tile
+// (fixed), exact in any order. The last two give bitwise reproducible dQ.
 //
 // Warpgroup g owns key rows 64g..64g+63 of the block (wgmma's M is 64):
 //   S^T  = K_g Q^T      (64 x BLOCK_M; A = K, B = Q, both K-major from shared memory)
@@ -58,13 +58,15 @@ __global__ void __launch_bounds__(BLOCK_N / 64 * 128, 1)
 flash_bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                 const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
                 T* __restrict__ dk, T* __restrict__ dv, void* __restrict__ dq_accum,
-                int* __restrict__ dq_semaphore, float* __restrict__ dq_fixed_scale,
+                int* __restrict__ dq_semaphore, float* __restrict__ dq_row_scale,
                 int seqlen_q, int seqlen_k, int nheads, int group, int headdim,
                 i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
                 i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
                 i64 dk_sb, i64 dk_ss, i64 dk_sh, i64 dv_sb, i64 dv_ss, i64 dv_sh,
                 i64 dqa_sb, i64 dqa_ss, i64 dqa_sh, float scale_log2, float scale) {
-    constexpr bool STAGED = DQ_ADD == DqAdd::fixed;  // fixed point: bulk reductions from shared memory
+    // Fixed point: bulk reductions from shared memory. One panel per warpgroup per iteration in
+    // every configuration (DQ_PANELS == NWG), so a staging row is reused an iteration later.
+    constexpr bool STAGED = DQ_ADD == DqAdd::fixed;
     typedef WgmmaSmem<D_TILE, BLOCK_M, BLOCK_N, STAGED> L;
     constexpr int NWG = BLOCK_N / 64, NTHREADS = NWG * 128, NWARPS = NWG * 4;
     constexpr int SJ = BLOCK_M / 8;        // 8-column blocks of S^T, dP^T per thread
@@ -123,6 +125,7 @@ flash_bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
     zero(dv_acc);
 
     int* pending_release = nullptr;  // ORDERED: counter of the query block added last, not yet released
+    const float dq_limit = fixed_limit((seqlen_k + BLOCK_N - 1) / BLOCK_N);  // fixed: one add per key block
     for (int it = 0; it < n_iters; ++it) {
         const int stage = it & 1;
         // The wait lands this block's copies; the proxy fence hands them (and the previous
@@ -250,7 +253,7 @@ flash_bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
         // MN-major view of dS^T panel qp, B = K_j panel dp (MN-major), k-steps of 16 keys.
         const i64 dqa_head = (i64)batch * dqa_sb + (i64)head * dqa_sh;
         float* const dqa = static_cast<float*>(dq_accum) + dqa_head;  // float adds
-        float* const row_scale = dq_fixed_scale + ((i64)batch * nheads + head) * seqlen_q;  // fixed
+        float* const row_scale = dq_row_scale + ((i64)batch * nheads + head) * seqlen_q;  // fixed
 #pragma unroll 1
         for (int panel = wg; panel < DQ_PANELS; panel += NWG) {
             const int qp = panel / (D_TILE / 64), dp = panel % (D_TILE / 64);
@@ -284,10 +287,10 @@ flash_bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
 #pragma unroll
                 for (int j = 0; j < 8; ++j) {
                     const u32 at = s_stage + r_lo * DQ_STAGE_ROW + 64 * j + 16 * (lane % 4);
-                    st_shared_v2_b64(at, to_fixed(dq_acc[j][0], scale_lo, bad_lo),
-                                     to_fixed(dq_acc[j][1], scale_lo, bad_lo));
-                    st_shared_v2_b64(at + 8 * DQ_STAGE_ROW, to_fixed(dq_acc[j][2], scale_hi, bad_hi),
-                                     to_fixed(dq_acc[j][3], scale_hi, bad_hi));
+                    st_shared_v2_b64(at, to_fixed(dq_acc[j][0], scale_lo, dq_limit, bad_lo),
+                                     to_fixed(dq_acc[j][1], scale_lo, dq_limit, bad_lo));
+                    st_shared_v2_b64(at + 8 * DQ_STAGE_ROW, to_fixed(dq_acc[j][2], scale_hi, dq_limit, bad_hi),
+                                     to_fixed(dq_acc[j][3], scale_hi, dq_limit, bad_hi));
                 }
                 if (bad_lo && m_lo < seqlen_q) poison_dq_row(row_scale + m_lo);
                 if (bad_hi && m_hi < seqlen_q) poison_dq_row(row_scale + m_hi);
@@ -320,9 +323,6 @@ flash_bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
         if constexpr (ORDERED) pending_release = sem;
     }
     if constexpr (ORDERED) release_dq_block(pending_release, lane);
-    if constexpr (STAGED) {
-        if (lane < 16) bulk_wait_all();  // the staging tiles stay valid until read
-    }
     cp_async_wait<0>();
 
     // Epilogue: dK = scale dS^T Q summed, and dV, straight from the accumulators (once per CTA).
@@ -341,6 +341,10 @@ flash_bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
                 *reinterpret_cast<u32*>(dv_row + col) = pack2<T>(dv_acc[j][2 * h], dv_acc[j][2 * h + 1]);
             }
         }
+    }
+    // Fixed point: the staging tiles must outlive the bulk reductions' reads of them.
+    if constexpr (STAGED) {
+        if (lane < 16) bulk_wait_read_all();
     }
 }
 

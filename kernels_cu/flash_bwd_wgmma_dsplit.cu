@@ -48,7 +48,8 @@ flash_bwd_wgmma_dsplit(const T* __restrict__ q, const T* __restrict__ k, const T
                        const T* __restrict__ dout, const float* __restrict__ lse,
                        const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
                        void* __restrict__ dq_accum, int* __restrict__ dq_semaphore,
-                       float* __restrict__ dq_fixed_scale, int seqlen_q, int seqlen_k, int nheads, int group, int headdim,
+                       float* __restrict__ dq_row_scale, int seqlen_q, int seqlen_k, int nheads, int group,
+                       int headdim,
                        i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
                        i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
                        i64 dk_sb, i64 dk_ss, i64 dk_sh, i64 dv_sb, i64 dv_ss, i64 dv_sh,
@@ -59,7 +60,7 @@ flash_bwd_wgmma_dsplit(const T* __restrict__ q, const T* __restrict__ k, const T
     constexpr int SJ = BLOCK_M / 8;    // 8-column blocks of S^T, dP^T
     constexpr int HJ = HALF / 8;       // ... of a dK, dV or dQ half
     constexpr bool ORDERED = DQ_ADD == DqAdd::ordered;
-    // dq_fixed_scale is unused: the parameter list is flash_bwd_wgmma's, so one launcher serves both.
+    // dq_row_scale is unused: the parameter list is flash_bwd_wgmma's, so one launcher serves both.
     static_assert(DQ_ADD != DqAdd::fixed, "fixed-point dQ needs a staging tile, and there is no room for one here");
     static_assert(BLOCK_N == 64 && BLOCK_M == 64, "one 64-row wgmma per product and warpgroup");
     static_assert(D_TILE == 256, "the head-dim halves are 128 columns: two panels");

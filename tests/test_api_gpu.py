@@ -141,8 +141,10 @@ def test_wgmma_ordered_dq_at_every_head_dim_matches_reference(case):
 @given(case=attention_case(dtypes=SIXTEEN_BIT))
 def test_wgmma_fixed_dq_at_every_head_dim_matches_reference(case):
     """v7's fixed-point dQ wgmma kernel where the default runs v3's instead (d64 on sm_90)."""
-    from cupyflash.kernels import mma_bwd
+    from cupyflash.kernels import mma_bwd, mma_fwd
 
+    if mma_fwd.current_arch() != "90":
+        pytest.skip("the fixed-point dQ kernel is sm_90's (wgmma)")
     saved = mma_bwd.WGMMA_FIXED_D_TILES
     mma_bwd.WGMMA_FIXED_D_TILES = mma_bwd.WGMMA_FIXED_KERNEL_D_TILES
     try:

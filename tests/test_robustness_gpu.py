@@ -46,7 +46,7 @@ def test_repeated_runs_are_bitwise_identical(backend, dtype):
 
 
 @pytest.mark.parametrize("version,d", [("v1", 128), ("v3", 128), ("v4", 128), ("v6", 128), ("v6", 256),
-                                       ("v7", 64), ("v7", 128), ("v7", 256)])
+                                       ("v7", 64), ("v7", 128)])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_deterministic_dq_is_bitwise_reproducible_under_contention(version, d, causal, monkeypatch):
     # 16 to 32 key blocks add to every dQ block at once (v4 and v6 order the adds through

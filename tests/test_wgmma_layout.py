@@ -571,8 +571,12 @@ DQ_STAGE_ROW = _stage_row_bytes()
          "const u32 s_stage = base + L::DQ_STAGE + wg * 64 * DQ_STAGE_ROW;",
          "const int r_lo = 16 * warp_in_wg + lane / 4;",
          "const u32 at = s_stage + r_lo * DQ_STAGE_ROW + 64 * j + 16 * (lane % 4);",
-         "st_shared_v2_b64(at + 8 * DQ_STAGE_ROW, to_fixed(dq_acc[j][2], scale_hi, bad_hi),"
-         " to_fixed(dq_acc[j][3], scale_hi, bad_hi));",
+         "st_shared_v2_b64(at, to_fixed(dq_acc[j][0], scale_lo, dq_limit, bad_lo),"
+         " to_fixed(dq_acc[j][1], scale_lo, dq_limit, bad_lo));",
+         "st_shared_v2_b64(at + 8 * DQ_STAGE_ROW, to_fixed(dq_acc[j][2], scale_hi, dq_limit, bad_hi),"
+         " to_fixed(dq_acc[j][3], scale_hi, dq_limit, bad_hi));",
+         "if (lane < 16) bulk_wait_read_all();",
+         "if (lane < 16) {",
          "const int row = 16 * warp_in_wg + lane, m = m0 + 64 * qp + row;",
          "bulk_reduce_add_s64(static_cast<long long*>(dq_accum) + dqa_head + m * dqa_ss + 64 * dp,"
          " s_stage + row * DQ_STAGE_ROW, 64 * 8);")
@@ -1058,7 +1062,7 @@ def test_bwd_fixed_dq_staging_rows_are_the_panel_rows_in_order(d_tile, block_m, 
             assert writer[r] == {warp}
             assert src % 16 == 0 and base + L.DQ_STAGE <= src and src + 512 <= base + L.BYTES
             assert [cell[int(src) + 8 * c] for c in range(64)] == [(r, c) for c in range(64)]
-    assert L.DQ_STAGE >= L.DELTA + 2 * block_m * 4
+    assert L.DQ_STAGE >= L.DELTA + 2 * block_m * 4 and L.DQ_STAGE % 16 == 0  # past D; bulk-copy aligned
 
 
 def test_dsplit_pair_stores_are_bank_conflict_free_and_fill_the_tile():

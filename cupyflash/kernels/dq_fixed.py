@@ -5,15 +5,16 @@ with 2^E_i a per-row power of two chosen from a bound on |dQ_i|. Integer adds ar
 associative, so dQ is the same bits whatever order the CTAs add in: deterministic without the
 ordered kernels' waiting. Around the backward kernel (kernels_cu/flash_bwd_dq_fixed.cu):
 
-1. ``flash_bwd_kv_bounds``: max |K| and max_j ||V_j|| per (batch, kv head);
-2. ``flash_bwd_preprocess_fixed``: D_i = dO_i . O_i (the backward's row statistic, as
-   ``simt.backward_preprocess`` computes it) and 2^E_i from max|K| (||dO_i|| max||V_j|| + |D_i|);
+1. ``flash_bwd_kv_bounds``: max |K| and max |V| per (batch, kv head);
+2. ``flash_bwd_preprocess_fixed``: D_i = dO_i . O_i (the backward's row statistic, which
+   ``simt.backward_preprocess`` computes for the other paths, summed in another order) and 2^E_i
+   from the bound max|K| (||dO_i||_1 max|V| + |D_i|);
 3. the backward kernel adds into ``dq_accum``;
 4. ``flash_bwd_dq_convert_fixed``: dq = softmax_scale * dq_accum * 2^-E_i in the input dtype.
 
-A row whose contributions are not finite comes out NaN, as with float adds (the backward kernel
-marks it by storing NaN over its scale); the bound ignores non-finite K and V entries, so rows
-that never see them are not affected.
+A row whose contributions are not finite, or large enough that int64 sums could wrap (an lse that
+is not the forward's), comes out NaN (the backward kernel marks it by storing NaN over its scale);
+the bound ignores non-finite K and V entries, so rows that never see them are not affected.
 """
 from __future__ import annotations
 
