@@ -54,6 +54,7 @@ __device__ __forceinline__ float log2_(float x) { return log2f(x); }
 __device__ __forceinline__ double log2_(double x) { return log2(x); }
 __device__ __forceinline__ float max_(float a, float b) { return fmaxf(a, b); }
 __device__ __forceinline__ double max_(double a, double b) { return fmax(a, b); }
+__device__ __forceinline__ unsigned max_(unsigned a, unsigned b) { return max(a, b); }
 
 // Reductions over the GROUP consecutive lanes that share one tile row.
 template <int GROUP, typename A> __device__ __forceinline__ A group_max(A x) {

@@ -12,6 +12,7 @@
 // The row kernels give each row LANES = D_TILE / 8 consecutive lanes, 8 columns (16 bytes) each.
 #include "common.cuh"
 #include "mma.cuh"
+#include "mma_bwd.cuh"
 #include "dq_add.cuh"
 
 namespace cf {
@@ -29,19 +30,10 @@ __device__ __forceinline__ void load_chunk(float (&x)[8], const T* row, int col,
     const u32 words[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
     for (int w = 0; w < 4; ++w) {
-        T lo, hi;
-        lo.bits = (unsigned short)(words[w] & 0xffff);
-        hi.bits = (unsigned short)(words[w] >> 16);
-        x[2 * w] = to_acc(lo);
-        x[2 * w + 1] = to_acc(hi);
+        const float2 pair = unpack2<T>(words[w]);
+        x[2 * w] = pair.x;
+        x[2 * w + 1] = pair.y;
     }
-}
-
-template <int LANES>
-__device__ __forceinline__ u32 group_max_bits(u32 x) {
-#pragma unroll
-    for (int offset = LANES / 2; offset > 0; offset /= 2) x = max(x, __shfl_xor_sync(0xffffffffu, x, offset));
-    return x;
 }
 
 // Grid (ceil(seqlen_k / ROWS), nheads_kv, batch), 256 threads; kv_bound (batch, nheads_kv, 2)
@@ -74,8 +66,8 @@ flash_bwd_kv_bounds(const T* __restrict__ k, const T* __restrict__ v, u32* __res
             if (a <= 3.402823466e38f) v_max = max(v_max, __float_as_uint(a));
         }
     }
-    k_max = group_max_bits<32>(k_max);
-    v_max = group_max_bits<32>(v_max);
+    k_max = group_max<32>(k_max);
+    v_max = group_max<32>(v_max);
     if (threadIdx.x % 32 == 0) {
         u32* out = kv_bound + ((i64)batch * nheads_kv + head) * 2;
         atomicMax(out, k_max);
