@@ -23,18 +23,12 @@ import math
 import numpy as np
 
 from ._module import Specialization, launch, row_strides
+from .mma_bwd import _CTYPE, _SHORT, D_TILES, d_tile
 from .._dtypes import dtype_name
 
-_CTYPE = {"float16": "cf::half_t", "bfloat16": "cf::bf16_t"}
-_SHORT = {"float16": "fp16", "bfloat16": "bf16"}
 _SOURCE = "flash_bwd_dq_fixed.cu"
 ROW_THREADS = 256
 KV_BOUND_ROWS = 128  # key rows per block of flash_bwd_kv_bounds (ROWS in the kernel)
-D_TILES = (64, 128, 256)
-
-
-def _d_tile(headdim: int) -> int:
-    return next(t for t in D_TILES if headdim <= t)
 
 
 def kv_bounds_spec(dtype, dt: int) -> Specialization:
@@ -70,7 +64,7 @@ def preprocess(do, o, k, v):
 
     batch, seqlen_q, nheads, headdim = o.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
-    dt = _d_tile(headdim)
+    dt = d_tile(headdim)
     kv_bound = cupy.zeros((batch, nheads_kv, 2), dtype=np.uint32)
     launch(kv_bounds_spec(o.dtype, dt), (math.ceil(seqlen_k / KV_BOUND_ROWS), nheads_kv, batch),
            (k, v, kv_bound, np.int32(seqlen_k), np.int32(nheads_kv), np.int32(headdim),
