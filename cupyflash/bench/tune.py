@@ -142,9 +142,8 @@ def _bwd_candidates(headdim):
             if version in ("v6", "v7"):  # v5's kernels except at the wgmma head dims
                 if version == "v7" and not deterministic:  # v6's atomic kernel
                     continue
-                dq_add = "atomic" if not deterministic else "fixed" if version == "v7" else "ordered"
-                allowed = {"ordered": mma_bwd.WGMMA_ORDERED_D_TILES, "fixed": mma_bwd.WGMMA_FIXED_D_TILES}
-                if dt in mma_bwd.WGMMA_CONFIG and dt in allowed.get(dq_add, mma_bwd.D_TILES):
+                dq_add = mma_bwd.wgmma_dq_add(version, deterministic, dt)
+                if dq_add is not None:
                     out.append((f"{version} wgmma{mma_bwd.WGMMA_CONFIG[dt]} {dq_add} dq",
                                 dict(version=version, deterministic=deterministic)))
                 continue

@@ -381,6 +381,18 @@ def fused_config(headdim: int, smem_optin: int | None) -> tuple | None:
     return config
 
 
+def wgmma_dq_add(version: str, deterministic: bool, dt: int) -> str | None:
+    """How v6 / v7 add dQ in the wgmma kernel at head-dim tile ``dt`` on sm_90 (an entry of
+    DQ_ADDS), or None where they run v5's kernels instead."""
+    if dt not in WGMMA_CONFIG:
+        return None
+    if not deterministic:
+        return "atomic"
+    if version == "v7":
+        return "fixed" if dt in WGMMA_FIXED_D_TILES else None
+    return "ordered" if dt in WGMMA_ORDERED_D_TILES else None
+
+
 def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: bool,
              deterministic: bool = True, version: str | None = None,
              dq_config: tuple | None = None, fused: tuple | None = None) -> None:
@@ -413,13 +425,8 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
     if version in ("v6", "v7"):
         from .mma_fwd import current_arch
 
-        if fused is None and dt in WGMMA_CONFIG and current_arch() == "90":
-            if not deterministic:
-                dq_add = "atomic"
-            elif version == "v7":
-                dq_add = "fixed" if dt in WGMMA_FIXED_D_TILES else None
-            else:
-                dq_add = "ordered" if dt in WGMMA_ORDERED_D_TILES else None
+        if fused is None and current_arch() == "90":
+            dq_add = wgmma_dq_add(version, deterministic, dt)
             if dq_add is not None:
                 _wgmma_backward(q, k, v, do, o, lse, dq, dk, dv, common, scales, WGMMA_CONFIG[dt], causal, dq_add)
                 return
