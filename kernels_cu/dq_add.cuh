@@ -8,6 +8,8 @@
 //   DqAdd::fixed    int64 fixed-point adds: each contribution is rounded once to a multiple of a
 //                   per-row power of two 2^-E_i, and integer addition is exact and associative, so
 //                   the sum is the same bits in any order: reproducible with no waiting.
+//   DqAdd::fixed_panels  fixed, into a dq_accum laid out in 64-column panels, so that a warp's
+//                   part of a dQ panel is one contiguous bulk reduction (flash_bwd_wgmma.cu).
 //
 // The fixed-point scale. With B_i a bound on |dQ_i| that also bounds every partial sum of it,
 //   |(dS K)_ic| <= max|K| sum_j |dS_ij|,  sum_j |dS_ij| = sum_j P_ij |dP_ij - D_i|
@@ -34,7 +36,7 @@
 
 namespace cf {
 
-enum class DqAdd : int { atomic = 0, ordered = 1, fixed = 2 };
+enum class DqAdd : int { atomic = 0, ordered = 1, fixed = 2, fixed_panels = 3 };
 
 constexpr int DQ_FIXED_BITS = 48;
 

@@ -106,11 +106,14 @@ flash_bwd_preprocess_fixed(const T* __restrict__ dout, const T* __restrict__ out
 }
 
 // One thread per 8 columns of one (batch, row, head): four 16-byte loads, one 16-byte store.
+// Column c of a row is at (c / 64) panel strides dqa_sp + c % 64 from the row's start: dqa_sp = 64
+// for rows of D_TILE columns, the panel size for a panel-major dq_accum (DqAdd::fixed_panels).
 template <typename T>
 __global__ void __launch_bounds__(256)
 flash_bwd_dq_convert_fixed(const long long* __restrict__ dq_accum, const float* __restrict__ dq_scale,
                            T* __restrict__ dq, int seqlen_q, int nheads, int headdim, i64 n_chunks,
-                           i64 dqa_sb, i64 dqa_ss, i64 dqa_sh, i64 dq_sb, i64 dq_ss, i64 dq_sh, float scale) {
+                           i64 dqa_sb, i64 dqa_ss, i64 dqa_sh, i64 dqa_sp, i64 dq_sb, i64 dq_ss, i64 dq_sh,
+                           float scale) {
     const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= n_chunks) return;
     const int chunks_per_row = headdim / 8;
@@ -123,7 +126,7 @@ flash_bwd_dq_convert_fixed(const long long* __restrict__ dq_accum, const float* 
     // keeps the product normal. A NaN scale makes the row NaN.
     const float unscale = 1.f / dq_scale[((i64)batch * nheads + head) * seqlen_q + row];
     const longlong2* src = reinterpret_cast<const longlong2*>(
-        dq_accum + row_offset(batch, row, head, dqa_sb, dqa_ss, dqa_sh) + chunk * 8);
+        dq_accum + row_offset(batch, row, head, dqa_sb, dqa_ss, dqa_sh) + (chunk / 8) * dqa_sp + (chunk % 8) * 8);
     u32 r[4];
 #pragma unroll
     for (int w = 0; w < 4; ++w) {

@@ -9,7 +9,8 @@
 // flash_bwd_fused_mma.cu's per-query-block counters and protocol (query blocks walked last to
 // first, the counter read early, each warp's release deferred into the next iteration, behind the
 // issue of its S^T and dP^T); or int64 fixed point by bulk reductions from a shared staging tile
-// (fixed), exact in any order. The last two give bitwise reproducible dQ.
+// (fixed), exact in any order; or the same int64 adds into a panel-major dq_accum, one bulk
+// reduction of 8 KiB per warp (fixed_panels). The last three give bitwise reproducible dQ.
 //
 // Warpgroup g owns key rows 64g..64g+63 of the block (wgmma's M is 64):
 //   S^T  = K_g Q^T      (64 x BLOCK_M; A = K, B = Q, both K-major from shared memory)
@@ -35,7 +36,7 @@ namespace cf {
 
 // Shared-memory layout in bytes from a 1024-byte aligned base; cupyflash/kernels/mma_bwd.py
 // (wgmma_smem_bytes) mirrors BYTES and adds the alignment slack.
-template <int D_TILE, int BLOCK_M, int BLOCK_N, bool DQ_STAGED>
+template <int D_TILE, int BLOCK_M, int BLOCK_N, DqAdd DQ_ADD>
 struct WgmmaSmem {
     static constexpr u32 KV_TILE = BLOCK_N * D_TILE * 2;
     static constexpr u32 Q_TILE = BLOCK_M * D_TILE * 2;
@@ -49,8 +50,11 @@ struct WgmmaSmem {
     static constexpr u32 DST = DO + 2 * Q_TILE;
     static constexpr u32 LSE = DST + BLOCK_N * BLOCK_M * 2;  // float [2 stages][BLOCK_M]
     static constexpr u32 DELTA = LSE + 2 * BLOCK_M * 4;
-    static constexpr u32 DQ_STAGE = DELTA + 2 * BLOCK_M * 4;  // DQ_STAGED: [BLOCK_N / 64 warpgroups][64 rows]
-    static constexpr u32 BYTES = DQ_STAGE + (DQ_STAGED ? BLOCK_N / 64 * 64 * DQ_STAGE_ROW : 0);
+    // Fixed point: int64 staging rows, [BLOCK_N / 64 warpgroups][64 rows], DQ_STAGE_ROW bytes
+    // apart (fixed) or 512 (fixed_panels: a warp's 16 rows are one contiguous bulk source).
+    static constexpr u32 STAGE_ROW = DQ_ADD == DqAdd::fixed ? DQ_STAGE_ROW : DQ_ADD == DqAdd::fixed_panels ? 512 : 0;
+    static constexpr u32 DQ_STAGE = DELTA + 2 * BLOCK_M * 4;
+    static constexpr u32 BYTES = DQ_STAGE + BLOCK_N / 64 * 64 * STAGE_ROW;
 };
 
 template <typename T, int D_TILE, bool CAUSAL, int BLOCK_M, int BLOCK_N, DqAdd DQ_ADD>
@@ -66,8 +70,9 @@ flash_bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
                 i64 dqa_sb, i64 dqa_ss, i64 dqa_sh, float scale_log2, float scale) {
     // Fixed point: bulk reductions from shared memory. One panel per warpgroup per iteration in
     // every configuration (DQ_PANELS == NWG), so a staging row is reused an iteration later.
-    constexpr bool STAGED = DQ_ADD == DqAdd::fixed;
-    typedef WgmmaSmem<D_TILE, BLOCK_M, BLOCK_N, STAGED> L;
+    constexpr bool PANEL_MAJOR = DQ_ADD == DqAdd::fixed_panels;
+    constexpr bool STAGED = DQ_ADD == DqAdd::fixed || PANEL_MAJOR;
+    typedef WgmmaSmem<D_TILE, BLOCK_M, BLOCK_N, DQ_ADD> L;
     constexpr int NWG = BLOCK_N / 64, NTHREADS = NWG * 128, NWARPS = NWG * 4;
     constexpr int SJ = BLOCK_M / 8;        // 8-column blocks of S^T, dP^T per thread
     constexpr int DJ = D_TILE / 8;         // ... of dK, dV
@@ -251,7 +256,7 @@ flash_bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
 
         // Step 8: dQ_i += dS K_j, 64 x 64 panels (query panel qp, head-dim panel dp); A = dS is the
         // MN-major view of dS^T panel qp, B = K_j panel dp (MN-major), k-steps of 16 keys.
-        const i64 dqa_head = (i64)batch * dqa_sb + (i64)head * dqa_sh;
+        const i64 dqa_head = (i64)batch * dqa_sb + (i64)head * (PANEL_MAJOR ? D_TILE / 64 : 1) * dqa_sh;
         float* const dqa = static_cast<float*>(dq_accum) + dqa_head;  // float adds
         float* const row_scale = dq_row_scale + ((i64)batch * nheads + head) * seqlen_q;  // fixed
 #pragma unroll 1
@@ -267,13 +272,50 @@ flash_bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
             wgmma_commit();
             const int m_lo = m0 + 64 * qp + 16 * warp_in_wg + lane / 4, m_hi = m_lo + 8;
             float scale_lo = 0.f, scale_hi = 0.f;  // fixed: the rows' scales, loaded while dQ runs
-            if constexpr (DQ_ADD == DqAdd::fixed) {
+            if constexpr (STAGED) {
                 if (m_lo < seqlen_q) scale_lo = row_scale[m_lo];
                 if (m_hi < seqlen_q) scale_hi = row_scale[m_hi];
             }
             wgmma_wait<0>();
             pin_registers(reinterpret_cast<float(&)[32]>(dq_acc));
-            if constexpr (STAGED) {
+            if constexpr (PANEL_MAJOR) {
+                // Fixed point, panel-major dq_accum ([batch][head][D_TILE / 64 panels][rows][64];
+                // dqa_sh is the panel stride): a warp's 16 rows of the panel are 8 KiB of
+                // contiguous int64 there, staged in the same order and added by one bulk reduction
+                // (fixed issues 16 of 512 bytes, which the uniform datapath serialises: measured,
+                // a third of fixed's stall samples). A quarter-warp stores rows g and g + 1, 512
+                // bytes apart; odd rows take the column blocks in the order j ^ 1, so the two rows
+                // fall on opposite halves of the banks (4 wavefronts per store, the minimum). The
+                // warp's staging is free again once its last reduction has read it (lane 0 waits).
+                const u32 s_warp = base + L::DQ_STAGE + (wg * 64 + 16 * warp_in_wg) * L::STAGE_ROW;
+                if (lane == 0) bulk_wait_read_all();
+                __syncwarp();
+                const int flip = (lane / 4) & 1;
+                bool bad_lo = false, bad_hi = false;
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    float x[4];
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) x[e] = flip ? dq_acc[j ^ 1][e] : dq_acc[j][e];
+                    const u32 at = s_warp + (lane / 4) * L::STAGE_ROW + 64 * (j ^ flip) + 16 * (lane % 4);
+                    st_shared_v2_b64(at, to_fixed(x[0], scale_lo, dq_limit, bad_lo),
+                                     to_fixed(x[1], scale_lo, dq_limit, bad_lo));
+                    st_shared_v2_b64(at + 8 * L::STAGE_ROW, to_fixed(x[2], scale_hi, dq_limit, bad_hi),
+                                     to_fixed(x[3], scale_hi, dq_limit, bad_hi));
+                }
+                if (bad_lo && m_lo < seqlen_q) poison_dq_row(row_scale + m_lo);
+                if (bad_hi && m_hi < seqlen_q) poison_dq_row(row_scale + m_hi);
+                fence_proxy_async_shared();  // the stores, visible to the TMA unit's reads
+                __syncwarp();
+                if (lane == 0) {
+                    // Rows past seqlen_q (zero contributions) land in the buffer's padding rows.
+                    const int m = m0 + 64 * qp + 16 * warp_in_wg;
+                    if (m < seqlen_q)
+                        bulk_reduce_add_s64(static_cast<long long*>(dq_accum) + dqa_head + dp * dqa_sh + m * dqa_ss,
+                                            s_warp, 16 * L::STAGE_ROW);
+                    bulk_commit();
+                }
+            } else if constexpr (STAGED) {
                 // Fixed point: each warp converts its 16 rows of the panel to int64 in the
                 // warpgroup's staging tile, and its lanes 0-15 hand them to the TMA unit, one bulk
                 // reduction per row. A warp writes and issues only its own rows, so it syncs with

@@ -137,21 +137,23 @@ def test_wgmma_ordered_dq_at_every_head_dim_matches_reference(case):
         mma_bwd.WGMMA_ORDERED_D_TILES = saved
 
 
+@pytest.mark.parametrize("version", ["v7", "v9"])
 @settings(max_examples=30)
 @given(case=attention_case(dtypes=SIXTEEN_BIT))
-def test_wgmma_fixed_dq_at_every_head_dim_matches_reference(case):
-    """v7's fixed-point dQ wgmma kernel where the default runs v3's instead (d64 on sm_90)."""
+def test_wgmma_fixed_dq_at_every_head_dim_matches_reference(version, case):
+    """The fixed-point dQ wgmma kernels (v7's row-wise reductions, v9's panel-major ones) at every
+    head-dim tile they have, including those where the default runs another kernel."""
     from cupyflash.kernels import mma_bwd, mma_fwd
 
     if mma_fwd.current_arch() != "90":
         pytest.skip("the fixed-point dQ kernel is sm_90's (wgmma)")
-    saved = mma_bwd.WGMMA_FIXED_D_TILES
-    mma_bwd.WGMMA_FIXED_D_TILES = mma_bwd.WGMMA_FIXED_KERNEL_D_TILES
+    saved = mma_bwd.WGMMA_FIXED_D_TILES, mma_bwd.WGMMA_PANEL_D_TILES
+    mma_bwd.WGMMA_FIXED_D_TILES = mma_bwd.WGMMA_PANEL_D_TILES = mma_bwd.WGMMA_FIXED_KERNEL_D_TILES
     try:
-        with _backward_version("v7"):
+        with _backward_version(version):
             _check_backward(case, "mma", deterministic=True)
     finally:
-        mma_bwd.WGMMA_FIXED_D_TILES = saved
+        mma_bwd.WGMMA_FIXED_D_TILES, mma_bwd.WGMMA_PANEL_D_TILES = saved
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)

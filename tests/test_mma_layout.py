@@ -1410,7 +1410,7 @@ def test_bwd_v2_tables_match_layouts_and_fit():
     assert set(mma_bwd.VERSIONS) >= {"v1", "v2"} and mma_bwd.DEFAULT_VERSION in mma_bwd.VERSIONS
     assert mma_bwd.dq_tiles(256, "v2") == mma_bwd.DQ_CONFIG[256]
     with pytest.raises(ValueError):
-        mma_bwd.dq_tiles(64, "v9")
+        mma_bwd.dq_tiles(64, "v99")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2413,32 +2413,35 @@ def test_bwd_v4_falls_back_to_v3_where_shared_memory_is_short(deterministic, mon
             _assert_fused_launches(v4, d, deterministic, mma_bwd.fused_config(d, 163 * 1024))
 
 
-@pytest.mark.parametrize("version", ["v6", "v7"])
+@pytest.mark.parametrize("version", ["v6", "v7", "v9"])
 @pytest.mark.parametrize("d", [64, 96, 200])
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_bwd_wgmma_versions_launch_the_wgmma_kernel_on_sm90(deterministic, d, version, monkeypatch):
-    """version="v6"/"v7" on an sm_90 device: flash_bwd_wgmma (flash_bwd_wgmma_dsplit at d256).
+    """version="v6"/"v7"/"v9" on an sm_90 device: flash_bwd_wgmma (flash_bwd_wgmma_dsplit at d256).
     Atomic dQ when not deterministic (then flash_bwd_dq_convert); when deterministic, v6 orders
     the float adds (v3's kernels at the head-dim tiles not in WGMMA_ORDERED_D_TILES) and v7 adds
     fixed point (flash_bwd_kv_bounds and flash_bwd_preprocess_fixed before, flash_bwd_dq_convert_fixed
-    after; v3's kernels outside WGMMA_FIXED_D_TILES). Argument lists match the kernels' parameters.
-    On sm_80 both are v5."""
+    after; v3's kernels outside WGMMA_FIXED_D_TILES); v9 the same with a panel-major dq_accum
+    (dq_fixed.accum_panels) at WGMMA_PANEL_D_TILES. Argument lists match the kernels' parameters.
+    On sm_80 all are v5."""
     from cupyflash.kernels import dq_fixed, mma_bwd, mma_fwd
 
     monkeypatch.setattr(mma_fwd, "current_smem_optin", lambda: 227 * 1024)
     monkeypatch.setattr(mma_fwd, "current_arch", lambda: "90")
     launches = _record_backward_launches(monkeypatch, version, d, deterministic)
     dt = mma_bwd.d_tile(d)
-    dq_add = "atomic" if not deterministic else "fixed" if version == "v7" else "ordered"
+    dq_add = "atomic" if not deterministic else {"v6": "ordered", "v7": "fixed", "v9": "fixed_panels"}[version]
     if (dq_add == "ordered" and dt not in mma_bwd.WGMMA_ORDERED_D_TILES) or (
-            dq_add == "fixed" and dt not in mma_bwd.WGMMA_FIXED_D_TILES):
+            dq_add == "fixed" and dt not in mma_bwd.WGMMA_FIXED_D_TILES) or (
+            dq_add == "fixed_panels" and dt not in mma_bwd.WGMMA_PANEL_D_TILES):
         v3 = _record_backward_launches(monkeypatch, "v3", d, deterministic)
         assert [(spec, grid) for spec, grid, _ in launches] == [(spec, grid) for spec, grid, _ in v3]
     else:
         b, sq, sk, h, hkv = (_LAUNCH_SHAPE[x] for x in ("b", "sq", "sk", "h", "hkv"))
         bm, bn = mma_bwd.WGMMA_CONFIG[dt]
         spec = mma_bwd.wgmma_spec(np.float16, d, True, dq_add)
-        if dq_add == "fixed":
+        fixed = dq_add in ("fixed", "fixed_panels")
+        if fixed:
             expected = [dq_fixed.kv_bounds_spec(np.float16, dt), dq_fixed.preprocess_spec(np.float16, dt), spec,
                         dq_fixed.convert_spec(np.float16)]
         else:
@@ -2448,9 +2451,14 @@ def test_bwd_wgmma_versions_launch_the_wgmma_kernel_on_sm90(deterministic, d, ve
         (_, grid, args), = [launch for launch in launches if launch[0] == spec]
         assert grid == (math.ceil(sk / bn), hkv, b)
         assert args[9].shape == ((b, h, math.ceil(sq / bm)) if dq_add == "ordered" else (1,))
-        assert args[8].shape == (b, sq, h, dt)
-        assert args[8].dtype == (np.int64 if dq_add == "fixed" else np.float32)
-        if dq_add == "fixed":
+        if dq_add == "fixed_panels":  # (batch, head x panel, rows in whole query blocks, 64)
+            rows = math.ceil(sq / bm) * bm
+            assert args[8].shape == (b, h * dt // 64, rows, 64)
+            assert tuple(args[-5:-2]) == (h * dt // 64 * rows * 64, 64, rows * 64)  # batch, row, panel
+        else:
+            assert args[8].shape == (b, sq, h, dt)
+        assert args[8].dtype == (np.int64 if fixed else np.float32)
+        if fixed:
             assert args[10].shape == (b, h, sq)  # the rows' fixed-point scales
     for spec, grid, args in launches:
         _assert_arguments_match_signature(spec, grid, args)

@@ -401,14 +401,16 @@ BWD = "flash_bwd_wgmma.cu"
          "static constexpr u32 DST = DO + 2 * Q_TILE;",
          "static constexpr u32 LSE = DST + BLOCK_N * BLOCK_M * 2;",
          "static constexpr u32 DELTA = LSE + 2 * BLOCK_M * 4;",
+         "static constexpr u32 STAGE_ROW = DQ_ADD == DqAdd::fixed ? DQ_STAGE_ROW"
+         " : DQ_ADD == DqAdd::fixed_panels ? 512 : 0;",
          "static constexpr u32 DQ_STAGE = DELTA + 2 * BLOCK_M * 4;",
-         "static constexpr u32 BYTES = DQ_STAGE + (DQ_STAGED ? BLOCK_N / 64 * 64 * DQ_STAGE_ROW : 0);",
+         "static constexpr u32 BYTES = DQ_STAGE + BLOCK_N / 64 * 64 * STAGE_ROW;",
          "constexpr int NWG = BLOCK_N / 64, NTHREADS = NWG * 128, NWARPS = NWG * 4;",
          "constexpr int SJ = BLOCK_M / 8;",
          "constexpr int DJ = D_TILE / 8;",
          "constexpr int QK = BLOCK_M / 16;",
          "constexpr int DQ_PANELS = (BLOCK_M / 64) * (D_TILE / 64);")
-def bwd_smem(d_tile: int, block_m: int, block_n: int, staged: bool = False) -> SimpleNamespace:
+def bwd_smem(d_tile: int, block_m: int, block_n: int, dq_add: str = "atomic") -> SimpleNamespace:
     L = SimpleNamespace(D_TILE=d_tile, BLOCK_M=block_m, BLOCK_N=block_n, KV_TILE=block_n * d_tile * 2,
                         Q_TILE=block_m * d_tile * 2, KV_PANEL=block_n * 128, Q_PANEL=block_m * 128,
                         DS_PANEL=block_n * 128, K=0)
@@ -418,8 +420,9 @@ def bwd_smem(d_tile: int, block_m: int, block_n: int, staged: bool = False) -> S
     L.DST = L.DO + 2 * L.Q_TILE
     L.LSE = L.DST + block_n * block_m * 2
     L.DELTA = L.LSE + 2 * block_m * 4
+    L.STAGE_ROW = {"fixed": DQ_STAGE_ROW, "fixed_panels": 512}.get(dq_add, 0)
     L.DQ_STAGE = L.DELTA + 2 * block_m * 4
-    L.BYTES = L.DQ_STAGE + (block_n // 64 * 64 * DQ_STAGE_ROW if staged else 0)
+    L.BYTES = L.DQ_STAGE + block_n // 64 * 64 * L.STAGE_ROW
     L.NWG = block_n // 64
     L.NTHREADS = L.NWG * 128
     L.DQ_PANELS = (block_m // 64) * (d_tile // 64)
@@ -596,6 +599,39 @@ def bwd_dq_stage_stores(L, wg: int):
     issuers = [(warp, lane) for warp in range(4) for lane in range(16)]
     sources = {16 * warp + lane: (warp, s_stage + (16 * warp + lane) * DQ_STAGE_ROW) for warp, lane in issuers}
     return stores, sources
+
+
+@mirrors(BWD,
+         "const i64 dqa_head = (i64)batch * dqa_sb + (i64)head * (PANEL_MAJOR ? D_TILE / 64 : 1) * dqa_sh;",
+         "const u32 s_warp = base + L::DQ_STAGE + (wg * 64 + 16 * warp_in_wg) * L::STAGE_ROW;",
+         "if (lane == 0) bulk_wait_read_all();",
+         "const int flip = (lane / 4) & 1;",
+         "for (int e = 0; e < 4; ++e) x[e] = flip ? dq_acc[j ^ 1][e] : dq_acc[j][e];",
+         "const u32 at = s_warp + (lane / 4) * L::STAGE_ROW + 64 * (j ^ flip) + 16 * (lane % 4);",
+         "st_shared_v2_b64(at, to_fixed(x[0], scale_lo, dq_limit, bad_lo), to_fixed(x[1], scale_lo, dq_limit, bad_lo));",
+         "st_shared_v2_b64(at + 8 * L::STAGE_ROW, to_fixed(x[2], scale_hi, dq_limit, bad_hi),"
+         " to_fixed(x[3], scale_hi, dq_limit, bad_hi));",
+         "const int m = m0 + 64 * qp + 16 * warp_in_wg;",
+         "bulk_reduce_add_s64(static_cast<long long*>(dq_accum) + dqa_head + dp * dqa_sh + m * dqa_ss,"
+         " s_warp, 16 * L::STAGE_ROW);")
+def bwd_dq_panel_stage(L, wg: int, qp: int, dp: int, m0: int, batch: int, head: int, strides):
+    """Panel-major fixed point: warpgroup wg's 16-byte stores into its staging, as [(addresses
+    (128,), accumulator row (128,), accumulator column (128,))] per (j, half), where the (j ^ 1)
+    order of odd rows takes its values from dq_acc[j ^ 1]; and per warp the bulk reduction it
+    issues: (shared source, bytes, dq_accum element offset)."""
+    sb, ss, sh = strides
+    dqa_head = batch * sb + head * (L.D_TILE // 64) * sh
+    s_warp = aligned_base(RAW_SMEM) + L.DQ_STAGE + (wg * 64 + 16 * WARP_IN_WG) * L.STAGE_ROW
+    flip = (LANE // 4) & 1
+    stores = []
+    for j in range(8):
+        src_j = np.where(flip == 1, j ^ 1, j)  # the dq_acc block each thread's x[] comes from
+        at = s_warp + (LANE // 4) * L.STAGE_ROW + 64 * (j ^ flip) + 16 * (LANE % 4)
+        col = 8 * src_j + 2 * (LANE % 4)
+        stores.append((at, ROW_LO, col))
+        stores.append((at + 8 * L.STAGE_ROW, ROW_LO + 8, col))
+    bulks = [(s_warp[32 * w], 16 * L.STAGE_ROW, dqa_head + dp * sh + (m0 + 64 * qp + 16 * w) * ss) for w in range(4)]
+    return stores, bulks
 
 
 def _red_add_pairs(out, rows, cols, pairs, headdim):
@@ -1042,7 +1078,7 @@ def test_bwd_fixed_dq_staging_rows_are_the_panel_rows_in_order(d_tile, block_m, 
     (4 wavefronts per warp store, the minimum for 512 bytes)."""
     from cupyflash.kernels import mma_bwd
 
-    L = bwd_smem(d_tile, block_m, block_n, staged=True)
+    L = bwd_smem(d_tile, block_m, block_n, "fixed")
     assert L.BYTES + 1024 == mma_bwd.wgmma_smem_bytes(d_tile, block_m, block_n, "fixed") <= 227 * 1024
     assert mma_bwd.DQ_STAGE_ROW == DQ_STAGE_ROW
     base = aligned_base(RAW_SMEM)
@@ -1063,6 +1099,59 @@ def test_bwd_fixed_dq_staging_rows_are_the_panel_rows_in_order(d_tile, block_m, 
             assert src % 16 == 0 and base + L.DQ_STAGE <= src and src + 512 <= base + L.BYTES
             assert [cell[int(src) + 8 * c] for c in range(64)] == [(r, c) for c in range(64)]
     assert L.DQ_STAGE >= L.DELTA + 2 * block_m * 4 and L.DQ_STAGE % 16 == 0  # past D; bulk-copy aligned
+
+
+@pytest.mark.parametrize("d_tile, block_m, block_n", BWD_CONFIGS)
+def test_bwd_panel_major_dq_staging_is_the_global_panel_byte_for_byte(d_tile, block_m, block_n):
+    """fixed_panels: each warp's bulk reduction reads 8 KiB of staging that holds, in order, the
+    int64 values of dq_accum's panel-major rows it adds to: staging byte 8 c + 512 r of warp w is
+    accumulator element (16 w + r, c) of the panel, and the destination is that element's place in
+    a (batch, nheads * d_tile / 64, rows, 64) array (cupyflash.kernels.dq_fixed.accum_panels); each
+    cell is written once, by the issuing warp; quarter-warp stores are conflict-free; the sources
+    are 16-byte aligned and inside the layout."""
+    from cupyflash.kernels import dq_fixed, mma_bwd
+
+    L = bwd_smem(d_tile, block_m, block_n, "fixed_panels")
+    assert L.BYTES + 1024 == mma_bwd.wgmma_smem_bytes(d_tile, block_m, block_n, "fixed_panels") <= 227 * 1024
+    batch, nheads, seqlen_q = 2, 3, 3 * block_m - 5
+
+    class _Shape:  # stand-in with the shape and strides accum_panels gives (no CuPy needed)
+        def __init__(self):
+            rows = -(-seqlen_q // block_m) * block_m
+            self.shape = (batch, nheads * (d_tile // 64), rows, 64)
+            self.itemsize = 8
+            self.strides = tuple(8 * int(np.prod(self.shape[i + 1:])) for i in range(4))
+
+    accum = _Shape()
+    assert accum.shape[2] % 16 == 0 and accum.shape[2] >= seqlen_q
+    strides = tuple(int(x) for x in dq_fixed.panel_strides(accum))
+    base = aligned_base(RAW_SMEM)
+    for wg in range(L.NWG):
+        panel = wg  # one panel per warpgroup per iteration
+        qp, dp = panel // (d_tile // 64), panel % (d_tile // 64)
+        b, h, m0 = 1, 2, block_m
+        stores, bulks = bwd_dq_panel_stage(L, wg, qp, dp, m0, b, h, strides)
+        cell = {}
+        for at, rows, cols in stores:
+            for warp in range(4):
+                for phase in range(4):
+                    lanes = slice(32 * warp + 8 * phase, 32 * warp + 8 * phase + 8)
+                    assert bank_conflict_free(at[lanes], 16)
+            for a, r, c, w in zip(at, rows, cols, WARP_IN_WG):
+                for k in (0, 1):
+                    assert int(a) + 8 * k not in cell
+                    cell[int(a) + 8 * k] = (int(r), int(c) + k, int(w))
+        assert len(cell) == 64 * 64
+        for w, (src, nbytes, dst) in enumerate(bulks):
+            assert src % 16 == 0 and base + L.DQ_STAGE <= src and src + nbytes <= base + L.BYTES
+            for r in range(16):
+                for c in range(64):
+                    row, col, writer = cell[src + 512 * r + 8 * c]
+                    assert (row, col, writer) == (16 * w + r, c, w)
+                    # destination of element (m, 64 dp + c) of head h, batch b, panel-major
+                    m = m0 + 64 * qp + row
+                    want = np.ravel_multi_index((b, h * (d_tile // 64) + dp, m, c), accum.shape)
+                    assert dst + 64 * r + c == want
 
 
 def test_dsplit_pair_stores_are_bank_conflict_free_and_fill_the_tile():

@@ -139,8 +139,8 @@ def _bwd_candidates(headdim):
     out, seen = [], set()
     for version in mma_bwd.VERSIONS:
         for deterministic in (True, False):
-            if version in ("v6", "v7"):  # v5's kernels except at the wgmma head dims
-                if version == "v7" and not deterministic:  # v6's atomic kernel
+            if version in ("v6", "v7", "v9"):  # v5's kernels except at the wgmma head dims
+                if version != "v6" and not deterministic:  # v6's atomic kernel
                     continue
                 dq_add = mma_bwd.wgmma_dq_add(version, deterministic, dt)
                 if dq_add is not None:

@@ -78,10 +78,36 @@ def preprocess(do, o, k, v):
     return delta, dq_scale
 
 
-def convert(dq_accum, dq_scale, dq, softmax_scale: float) -> None:
-    """dq = softmax_scale * dq_accum * 2^-E_i in dq's dtype (``dq_accum`` int64, padded head dim)."""
+def accum_panels(batch: int, seqlen_q: int, nheads: int, dt: int, block_m: int):
+    """A zeroed panel-major int64 dq_accum for DqAdd::fixed_panels: (batch, nheads * dt / 64,
+    rows, 64), row count rounded up to whole query blocks (a warp adds 16 whole rows)."""
+    import cupy
+
+    rows = math.ceil(seqlen_q / block_m) * block_m
+    return cupy.zeros((batch, nheads * (dt // 64), rows, 64), dtype=np.int64)
+
+
+def panel_strides(dq_accum) -> tuple:
+    """(batch, row, panel) strides of a panel-major dq_accum in elements: the backward kernel's
+    (dqa_sb, dqa_ss, dqa_sh), where a head is dt / 64 consecutive panels."""
+    sb, sp, ss, _ = (s // dq_accum.itemsize for s in dq_accum.strides)
+    return np.int64(sb), np.int64(ss), np.int64(sp)
+
+
+def convert(dq_accum, dq_scale, dq, softmax_scale: float, panel_major: bool = False) -> None:
+    """dq = softmax_scale * dq_accum * 2^-E_i in dq's dtype: ``dq_accum`` int64, (batch, seqlen,
+    nheads, head-dim tile) or, ``panel_major``, from ``accum_panels``."""
     batch, seqlen_q, nheads, headdim = dq.shape
     n_chunks = batch * seqlen_q * nheads * (headdim // 8)
     launch(convert_spec(dq.dtype), (math.ceil(n_chunks / ROW_THREADS), 1, 1),
            (dq_accum, dq_scale, dq, np.int32(seqlen_q), np.int32(nheads), np.int32(headdim), np.int64(n_chunks),
-            *row_strides(dq_accum), *row_strides(dq), np.float32(softmax_scale)))
+            *convert_strides(dq_accum, nheads, panel_major), *row_strides(dq), np.float32(softmax_scale)))
+
+
+def convert_strides(dq_accum, nheads: int, panel_major: bool) -> tuple:
+    """The convert kernel's (dqa_sb, dqa_ss, dqa_sh, dqa_sp): element (b, m, h, c) of dQ is at
+    b sb + m ss + h sh + (c // 64) sp + c % 64."""
+    if not panel_major:
+        return (*row_strides(dq_accum), np.int64(64))
+    sb, ss, sp = panel_strides(dq_accum)
+    return sb, ss, np.int64(sp * (dq_accum.shape[1] // nheads)), sp

@@ -28,7 +28,9 @@ MMA (wgmma, sm_90a: ``flash_bwd_wgmma.cu``, and ``flash_bwd_wgmma_dsplit.cu`` at
 256): always with ``deterministic=False``, and with ordered dQ adds at the head-dim tiles of
 ``WGMMA_ORDERED_D_TILES``. v7, the default, is v6 with fixed-point dQ adds (int64, exact in any
 order: ``dq_fixed.py``) instead of ordered ones, at the head-dim tiles of
-``WGMMA_FIXED_D_TILES``. See the notes at ``VERSIONS`` and docs/perf-log.md.
+``WGMMA_FIXED_D_TILES``. v9 is v7 with dq_accum laid out in 64-column panels, so that each warp adds
+its part of a dQ panel by one bulk reduction instead of 16. See the notes at ``VERSIONS`` and
+docs/perf-log.md.
 
 Shared memory (bytes; mirrored by DkdvSmem / DqSmem in flash_bwd_mma.cu): K, V of the key block,
 two stages of Q, dO (and lse, D) per query block, the 16-bit dS^T block (atomic dQ) and the
@@ -108,7 +110,9 @@ WGMMA_CONFIG = {64: (128, 128), 128: (64, 128), 256: (64, 64)}
 WGMMA_ORDERED_D_TILES = (128,)
 # How the wgmma kernels add dQ (kernels_cu/dq_add.cuh): float32 in any order, float32 in key-block
 # order, int64 fixed point (exact, so reproducible in any order).
-DQ_ADDS = ("atomic", "ordered", "fixed")
+DQ_ADDS = ("atomic", "ordered", "fixed", "fixed_panels")
+# DQ_ADDS entries that add int64 fixed point (an int64 dq_accum, row scales, dq_fixed's convert).
+FIXED_DQ_ADDS = ("fixed", "fixed_panels")
 # Head-dim tiles where v7 runs the wgmma kernel with fixed-point dQ when deterministic: the kernel
 # stages each dQ panel in shared memory and adds it by bulk reductions, one per row (per-thread
 # int64 reductions measured 207 against the float atomics' 370 TFLOP/s at d128 16k). Measured (bf16,
@@ -121,6 +125,9 @@ DQ_ADDS = ("atomic", "ordered", "fixed")
 WGMMA_FIXED_D_TILES = (128,)
 # The head-dim tiles that have a fixed-point wgmma kernel at all (flash_bwd_wgmma; not dsplit).
 WGMMA_FIXED_KERNEL_D_TILES = (64, 128)
+# Head-dim tiles where v9 runs the panel-major fixed-point kernel when deterministic (v3
+# elsewhere).
+WGMMA_PANEL_D_TILES = (128,)
 
 # Kernel versions, all launchable side by side (``backward(..., version=...)``); DEFAULT_VERSION
 # is what the dispatcher launches. ldmatrix.x4 per mma.sync counted in the SASS (sm_90).
@@ -152,6 +159,12 @@ WGMMA_FIXED_KERNEL_D_TILES = (64, 128)
 #       contribution rounded to a multiple of a per-row power of two and added as an int64, which
 #       is exact in any order, so no CTA waits for its turn; the int64 reductions move twice the
 #       float atomics' bytes through L2.
+#   v8: not on this branch: fixed-point dQ summed by cluster pairs through distributed shared memory
+#       first, measured slower than v7 (docs/perf-log.md; branch experiment/dq-cluster-pairs).
+#   v9: v7, but dq_accum is panel-major ([batch][head][head-dim tile / 64][rows][64]), so a warp's
+#       16 rows of a 64 x 64 dQ panel are 8 KiB of contiguous int64 and one bulk reduction adds
+#       them; v7 issues one per row, 16 per warp, which the uniform datapath serialises. At the
+#       head-dim tiles of WGMMA_PANEL_D_TILES.
 VERSIONS = {
     "v1": "dK/dV 16 key rows per warp; dQ 16 query rows per warp",
     "v2": "v1, but 2 x 16 rows per warp in dQ (d64, d128) and dK/dV (d64): fewer shared reads per mma",
@@ -160,8 +173,9 @@ VERSIONS = {
     "v5": "v3's two kernels when deterministic (faster than v4's ordered adds), v4's fused atomic otherwise",
     "v6": "on sm_90, one warpgroup-MMA (wgmma) kernel, dQ ordered or atomic; elsewhere v5",
     "v7": "v6, but deterministic dQ on sm_90 by fixed-point int64 adds (exact in any order) in the wgmma kernel",
+    "v9": "v7, but dq_accum in 64-column panels: one bulk reduction per warp instead of one per row",
 }
-DEFAULT_VERSION = "v7"
+DEFAULT_VERSION = "v9"
 CONVERT_THREADS = 256
 
 _CTYPE = {"float16": "cf::half_t", "bfloat16": "cf::bf16_t"}
@@ -212,15 +226,21 @@ def _check_version(version: str) -> None:
         raise ValueError(f"cupyflash: unknown backward version {version!r} (known: {', '.join(VERSIONS)})")
 
 
+def _since(version: str, first: str) -> bool:
+    """Whether ``version`` is ``first`` or a later entry of VERSIONS (each builds on the last)."""
+    order = list(VERSIONS)
+    return order.index(version) >= order.index(first)
+
+
 def dkdv_tiles(headdim: int, version: str = DEFAULT_VERSION, atomic_dq: bool = False) -> tuple[str, tuple]:
     """The dK/dV kernel and its tiles: ("v1", DKDV_CONFIG entry), ("v2", DKDV_CONFIG_V2 entry) or
     ("split", DKDV_CONFIG_SPLIT entry). v4 launches these only where the fused kernel does not run
     (fused_config() is None)."""
     _check_version(version)
     dt = d_tile(headdim)
-    if version in ("v3", "v4", "v5", "v6", "v7") and not atomic_dq and dt in DKDV_CONFIG_SPLIT:
+    if _since(version, "v3") and not atomic_dq and dt in DKDV_CONFIG_SPLIT:
         return "split", DKDV_CONFIG_SPLIT[dt]
-    if version in ("v2", "v3", "v4", "v5", "v6", "v7") and dt in DKDV_CONFIG_V2:
+    if _since(version, "v2") and dt in DKDV_CONFIG_V2:
         return "v2", DKDV_CONFIG_V2[dt]
     return "v1", DKDV_CONFIG[dt]
 
@@ -260,7 +280,7 @@ def dq_tiles(headdim: int, version: str = DEFAULT_VERSION) -> tuple:
     """The dQ kernel's tile configuration: v1's (BLOCK_M, BLOCK_N, NWARPS) or v2's (..., ROW_GROUPS)."""
     _check_version(version)
     dt = d_tile(headdim)
-    if version in ("v2", "v3", "v4", "v5", "v6", "v7") and dt in DQ_CONFIG_V2:
+    if _since(version, "v2") and dt in DQ_CONFIG_V2:
         return DQ_CONFIG_V2[dt]
     return DQ_CONFIG[dt]
 
@@ -307,7 +327,7 @@ def specializations() -> list[Specialization]:
                     out.extend(fused_spec(name, dt, causal, ordered) for ordered in (True, False))
                 if dt in WGMMA_CONFIG:
                     out.extend(wgmma_spec(name, dt, causal, dq_add) for dq_add in DQ_ADDS
-                               if dq_add != "fixed" or dt in WGMMA_FIXED_KERNEL_D_TILES)
+                               if dq_add not in FIXED_DQ_ADDS or dt in WGMMA_FIXED_KERNEL_D_TILES)
     return out
 
 
@@ -344,11 +364,13 @@ DQ_STAGE_ROW = 64 * 8 + 64  # bytes per row of a fixed-point dQ staging tile (ke
 
 def wgmma_smem_bytes(dt: int, block_m: int, block_n: int, dq_add: str = "atomic") -> int:
     """Mirror of WgmmaSmem<...>::BYTES in flash_bwd_wgmma.cu (K, V; two stages of Q, dO; dS^T; two
-    stages of lse and D; with fixed-point dQ a 64-row int64 staging tile per warpgroup) or, at d256,
+    stages of lse and D; with fixed-point dQ a 64-row int64 staging tile per warpgroup, rows
+    DQ_STAGE_ROW bytes apart, or 512 with fixed_panels) or, at d256,
     of DsplitSmem in flash_bwd_wgmma_dsplit.cu (P^T as well, no staging), plus 1024 bytes to align
     the base for the 128-byte swizzle."""
     pt = block_n * block_m * 2 if dt == 256 else 0
-    stage = block_n // 64 * 64 * DQ_STAGE_ROW if dq_add == "fixed" and dt != 256 else 0
+    stage_row = {"fixed": DQ_STAGE_ROW, "fixed_panels": 512}.get(dq_add, 0) if dt != 256 else 0
+    stage = block_n // 64 * 64 * stage_row
     return (2 * block_n * dt * 2 + 2 * 2 * block_m * dt * 2 + block_n * block_m * 2 + pt + 2 * 2 * block_m * 4
             + stage + 1024)
 
@@ -360,7 +382,7 @@ def wgmma_spec(dtype, headdim: int, causal: bool, dq_add: str, config: tuple | N
         raise ValueError(f"cupyflash: unknown dQ add mode {dq_add!r} (known: {', '.join(DQ_ADDS)})")
     name = dtype_name(dtype)
     dt = d_tile(headdim)
-    if dq_add == "fixed" and dt not in WGMMA_FIXED_KERNEL_D_TILES:
+    if dq_add in FIXED_DQ_ADDS and dt not in WGMMA_FIXED_KERNEL_D_TILES:
         raise ValueError(f"cupyflash: no fixed-point wgmma backward at head-dim tile {dt}")
     bm, bn = tuple(config or WGMMA_CONFIG[dt])
     kernel = "flash_bwd_wgmma_dsplit" if dt == 256 else "flash_bwd_wgmma"
@@ -382,12 +404,14 @@ def fused_config(headdim: int, smem_optin: int | None) -> tuple | None:
 
 
 def wgmma_dq_add(version: str, deterministic: bool, dt: int) -> str | None:
-    """How v6 / v7 add dQ in the wgmma kernel at head-dim tile ``dt`` on sm_90 (an entry of
+    """How v6 / v7 / v9 add dQ in the wgmma kernel at head-dim tile ``dt`` on sm_90 (an entry of
     DQ_ADDS), or None where they run v5's kernels instead."""
     if dt not in WGMMA_CONFIG:
         return None
     if not deterministic:
         return "atomic"
+    if version == "v9":
+        return "fixed_panels" if dt in WGMMA_PANEL_D_TILES else None
     if version == "v7":
         return "fixed" if dt in WGMMA_FIXED_D_TILES else None
     return "ordered" if dt in WGMMA_ORDERED_D_TILES else None
@@ -422,7 +446,7 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
     common = (np.int32(seqlen_q), np.int32(seqlen_k), np.int32(nheads), np.int32(nheads // nheads_kv),
               np.int32(headdim), *row_strides(q), *row_strides(k), *row_strides(v), *row_strides(do))
 
-    if version in ("v6", "v7"):
+    if _since(version, "v6"):
         from .mma_fwd import current_arch
 
         if fused is None and current_arch() == "90":
@@ -478,7 +502,7 @@ def _fused_backward(q, k, v, do, lse, delta, dq, dk, dv, common, scales, config,
 
 
 def _wgmma_backward(q, k, v, do, o, lse, dq, dk, dv, common, scales, config, causal, dq_add):
-    """v6/v7 (sm_90): flash_bwd_wgmma, dQ added as ``dq_add`` says (DQ_ADDS), then dq = scale *
+    """v6/v7/v9 (sm_90): flash_bwd_wgmma, dQ added as ``dq_add`` says (DQ_ADDS), then dq = scale *
     dq_accum (float32, or int64 fixed point scaled per row)."""
     import cupy
 
@@ -488,22 +512,26 @@ def _wgmma_backward(q, k, v, do, o, lse, dq, dk, dv, common, scales, config, cau
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     shape = (batch, seqlen_q, nheads, d_tile(headdim))
-    if dq_add == "fixed":
+    if dq_add in FIXED_DQ_ADDS:
         delta, dq_scale = dq_fixed.preprocess(do, o, k, v)
-        dq_accum = cupy.zeros(shape, dtype=np.int64)
     else:
         delta = backward_preprocess(do, o)
         dq_scale = delta  # not read: only the fixed-point kernels take the row scales
-        dq_accum = cupy.zeros(shape, dtype=np.float32)
+    if dq_add == "fixed_panels":
+        dq_accum = dq_fixed.accum_panels(batch, seqlen_q, nheads, d_tile(headdim), config[0])
+        accum_strides = dq_fixed.panel_strides(dq_accum)
+    else:
+        dq_accum = cupy.zeros(shape, dtype=np.int64 if dq_add == "fixed" else np.float32)
+        accum_strides = row_strides(dq_accum)
     # ordered: one counter per (batch, head, query block), how many warps of earlier key blocks added.
     semaphore = cupy.zeros((batch, nheads, math.ceil(seqlen_q / config[0])) if dq_add == "ordered" else (1,),
                            dtype=np.int32)
     launch(wgmma_spec(q.dtype, headdim, causal, dq_add, config),
            (math.ceil(seqlen_k / config[1]), nheads_kv, batch),
            (q, k, v, do, lse, delta, dk, dv, dq_accum, semaphore, dq_scale, *common, *row_strides(dk),
-            *row_strides(dv), *row_strides(dq_accum), *scales))
-    if dq_add == "fixed":
-        dq_fixed.convert(dq_accum, dq_scale, dq, scales[1])
+            *row_strides(dv), *accum_strides, *scales))
+    if dq_add in FIXED_DQ_ADDS:
+        dq_fixed.convert(dq_accum, dq_scale, dq, scales[1], panel_major=dq_add == "fixed_panels")
     else:
         _convert_dq(dq_accum, dq, scales[1])
 

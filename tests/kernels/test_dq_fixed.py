@@ -134,24 +134,62 @@ def test_the_row_bound_holds_for_every_partial_sum_in_any_order(seed, causal, sq
             assert np.all(np.abs(partial) <= bound[..., None] * (1 + 1e-12) + 1e-300)
 
 
+def _source_line(statement: str) -> bool:
+    text = "".join((Path(__file__).resolve().parents[2] / "kernels_cu" / "flash_bwd_dq_fixed.cu").read_text().split())
+    return "".join(statement.split()) in text
+
+
+@pytest.mark.parametrize("panel_major", [False, True], ids=["rows", "panels"])
+@pytest.mark.parametrize("dt", [64, 128, 256])
+def test_convert_reads_each_element_where_the_backward_added_it(panel_major, dt):
+    """flash_bwd_dq_convert_fixed's offset (b sb + m ss + h sh + (c / 64) sp + c % 64, with the
+    strides dq_fixed.convert_strides passes) is element (b, m, h, c)'s place in dq_accum: (batch,
+    seqlen, nheads, dt) C order, or accum_panels' (batch, nheads * dt / 64, rows, 64)."""
+    from cupyflash.kernels import dq_fixed
+
+    assert _source_line("dq_accum + row_offset(batch, row, head, dqa_sb, dqa_ss, dqa_sh)"
+                        " + (chunk / 8) * dqa_sp + (chunk % 8) * 8);")
+    batch, seqlen, nheads, block_m = 2, 77, 3, 64
+    rows = -(-seqlen // block_m) * block_m
+    shape = (batch, nheads * dt // 64, rows, 64) if panel_major else (batch, seqlen, nheads, dt)
+
+    class _Fake:
+        def __init__(self):
+            self.shape, self.itemsize = shape, 8
+            self.strides = tuple(8 * int(np.prod(shape[i + 1:])) for i in range(4))
+
+    sb, ss, sh, sp = (int(x) for x in dq_fixed.convert_strides(_Fake(), nheads, panel_major))
+    b, m, h, c = np.meshgrid(np.arange(batch), np.arange(seqlen), np.arange(nheads), np.arange(dt), indexing="ij")
+    got = b * sb + m * ss + h * sh + (c // 8 // 8) * sp + (c // 8 % 8) * 8 + c % 8
+    if panel_major:
+        want = np.ravel_multi_index((b, h * (dt // 64) + c // 64, m, c % 64), shape)
+    else:
+        want = np.ravel_multi_index((b, m, h, c), shape)
+    np.testing.assert_array_equal(got, want)
+
+
 # ---------------------------------------------------------------------------------------------
-# GPU: the default deterministic backward on sm_90 (v7: fixed-point dQ at d128; here d64 too)
+# GPU: the deterministic backward on sm_90 with fixed-point dQ (v7's row-wise reductions, v9's
+# panel-major ones), at d64 and d128
 # ---------------------------------------------------------------------------------------------
 
-@pytest.fixture
-def fixed_kernel_launches(monkeypatch):
-    """The default (v7) deterministic backward runs the fixed-point kernel at d64 as well; skips
-    off sm_90 (where v7 is v5); yields the names of the fixed-point kernels launched, to assert
-    that the test reached them."""
+@pytest.fixture(params=["v7", "v9"])
+def fixed_kernel_launches(request, monkeypatch):
+    """The deterministic backward of version v7 / v9 with its fixed-point kernel at d64 as well;
+    skips off sm_90 (where both are v5); yields the names of that version's fixed-point wgmma
+    kernels launched, to assert that the test reached them."""
     from cupyflash.kernels import mma_bwd, mma_fwd
 
     if mma_fwd.current_arch() != "90":
         pytest.skip("the fixed-point dQ kernel is sm_90's (wgmma)")
+    monkeypatch.setattr(mma_bwd, "DEFAULT_VERSION", request.param)
     monkeypatch.setattr(mma_bwd, "WGMMA_FIXED_D_TILES", mma_bwd.WGMMA_FIXED_KERNEL_D_TILES)
+    monkeypatch.setattr(mma_bwd, "WGMMA_PANEL_D_TILES", mma_bwd.WGMMA_FIXED_KERNEL_D_TILES)
+    suffix = {"v7": "_dqfixed", "v9": "_dqfixed_panels"}[request.param]
     names, launch = [], mma_bwd.launch
 
     def spy(spec, grid, args):
-        if "dqfixed" in spec.name:
+        if spec.name.endswith(suffix):
             names.append(spec.name)
         launch(spec, grid, args)
 
