@@ -2460,6 +2460,14 @@ def test_bwd_wgmma_versions_launch_the_wgmma_kernel_on_sm90(deterministic, d, ve
         assert args[8].dtype == (np.int64 if fixed else np.float32)
         if fixed:
             assert args[10].shape == (b, h, sq)  # the rows' fixed-point scales
+            # the convert reads element (b, m, h, c) at b sb + m ss + h sh + (c / 64) sp + c % 64
+            (_, _, conv), = [launch for launch in launches if launch[0] == dq_fixed.convert_spec(np.float16)]
+            if dq_add == "fixed_panels":
+                rows = math.ceil(sq / bm) * bm
+                want = (h * dt // 64 * rows * 64, 64, dt // 64 * rows * 64, rows * 64)
+            else:
+                want = (sq * h * dt, h * dt, dt, 64)
+            assert conv[0] is args[8] and tuple(int(x) for x in conv[7:11]) == want
     for spec, grid, args in launches:
         _assert_arguments_match_signature(spec, grid, args)
     monkeypatch.setattr(mma_fwd, "current_arch", lambda: "80")

@@ -612,13 +612,14 @@ def bwd_dq_stage_stores(L, wg: int):
          "st_shared_v2_b64(at + 8 * L::STAGE_ROW, to_fixed(x[2], scale_hi, dq_limit, bad_hi),"
          " to_fixed(x[3], scale_hi, dq_limit, bad_hi));",
          "const int m = m0 + 64 * qp + 16 * warp_in_wg;",
-         "bulk_reduce_add_s64(static_cast<long long*>(dq_accum) + dqa_head + dp * dqa_sh + m * dqa_ss,"
-         " s_warp, 16 * L::STAGE_ROW);")
-def bwd_dq_panel_stage(L, wg: int, qp: int, dp: int, m0: int, batch: int, head: int, strides):
+         "if (m < seqlen_q) bulk_reduce_add_s64(static_cast<long long*>(dq_accum) + dqa_head + dp * dqa_sh"
+         " + m * dqa_ss, s_warp, 16 * L::STAGE_ROW);")
+def bwd_dq_panel_stage(L, wg: int, qp: int, dp: int, m0: int, batch: int, head: int, strides, seqlen_q: int):
     """Panel-major fixed point: warpgroup wg's 16-byte stores into its staging, as [(addresses
     (128,), accumulator row (128,), accumulator column (128,))] per (j, half), where the (j ^ 1)
-    order of odd rows takes its values from dq_acc[j ^ 1]; and per warp the bulk reduction it
-    issues: (shared source, bytes, dq_accum element offset)."""
+    order of odd rows takes its values from dq_acc[j ^ 1]; and the bulk reductions the warps issue
+    (none for a warp whose first row is past seqlen_q): {warp: (shared source, bytes, dq_accum
+    element offset)}."""
     sb, ss, sh = strides
     dqa_head = batch * sb + head * (L.D_TILE // 64) * sh
     s_warp = aligned_base(RAW_SMEM) + L.DQ_STAGE + (wg * 64 + 16 * WARP_IN_WG) * L.STAGE_ROW
@@ -630,7 +631,8 @@ def bwd_dq_panel_stage(L, wg: int, qp: int, dp: int, m0: int, batch: int, head: 
         col = 8 * src_j + 2 * (LANE % 4)
         stores.append((at, ROW_LO, col))
         stores.append((at + 8 * L.STAGE_ROW, ROW_LO + 8, col))
-    bulks = [(s_warp[32 * w], 16 * L.STAGE_ROW, dqa_head + dp * sh + (m0 + 64 * qp + 16 * w) * ss) for w in range(4)]
+    bulks = {w: (s_warp[32 * w], 16 * L.STAGE_ROW, dqa_head + dp * sh + (m0 + 64 * qp + 16 * w) * ss)
+             for w in range(4) if m0 + 64 * qp + 16 * w < seqlen_q}
     return stores, bulks
 
 
@@ -1106,9 +1108,12 @@ def test_bwd_panel_major_dq_staging_is_the_global_panel_byte_for_byte(d_tile, bl
     """fixed_panels: each warp's bulk reduction reads 8 KiB of staging that holds, in order, the
     int64 values of dq_accum's panel-major rows it adds to: staging byte 8 c + 512 r of warp w is
     accumulator element (16 w + r, c) of the panel, and the destination is that element's place in
-    a (batch, nheads * d_tile / 64, rows, 64) array (cupyflash.kernels.dq_fixed.accum_panels); each
-    cell is written once, by the issuing warp; quarter-warp stores are conflict-free; the sources
-    are 16-byte aligned and inside the layout."""
+    a (batch, nheads * d_tile / 64, rows, 64) array (the layout of cupyflash.kernels.dq_fixed.
+    accum_panels, whose strides panel_strides turns into the kernel's); each cell is written once,
+    by the issuing warp; quarter-warp stores are conflict-free; the sources are 16-byte aligned and
+    inside the layout; in every query block, the last one cut short by seqlen_q included, each row
+    below seqlen_q is added by exactly one reduction and every destination lies inside the buffer
+    (whole query blocks of rows)."""
     from cupyflash.kernels import dq_fixed, mma_bwd
 
     L = bwd_smem(d_tile, block_m, block_n, "fixed_panels")
@@ -1123,14 +1128,14 @@ def test_bwd_panel_major_dq_staging_is_the_global_panel_byte_for_byte(d_tile, bl
             self.strides = tuple(8 * int(np.prod(self.shape[i + 1:])) for i in range(4))
 
     accum = _Shape()
-    assert accum.shape[2] % 16 == 0 and accum.shape[2] >= seqlen_q
     strides = tuple(int(x) for x in dq_fixed.panel_strides(accum))
     base = aligned_base(RAW_SMEM)
-    for wg in range(L.NWG):
+    b, h = 1, 2
+    added = {}  # (panel dp, row) -> number of reductions that add it
+    for m0, wg in ((m0, wg) for m0 in range(0, seqlen_q, block_m) for wg in range(L.NWG)):
         panel = wg  # one panel per warpgroup per iteration
         qp, dp = panel // (d_tile // 64), panel % (d_tile // 64)
-        b, h, m0 = 1, 2, block_m
-        stores, bulks = bwd_dq_panel_stage(L, wg, qp, dp, m0, b, h, strides)
+        stores, bulks = bwd_dq_panel_stage(L, wg, qp, dp, m0, b, h, strides, seqlen_q)
         cell = {}
         for at, rows, cols in stores:
             for warp in range(4):
@@ -1142,8 +1147,12 @@ def test_bwd_panel_major_dq_staging_is_the_global_panel_byte_for_byte(d_tile, bl
                     assert int(a) + 8 * k not in cell
                     cell[int(a) + 8 * k] = (int(r), int(c) + k, int(w))
         assert len(cell) == 64 * 64
-        for w, (src, nbytes, dst) in enumerate(bulks):
+        for w, (src, nbytes, dst) in bulks.items():
             assert src % 16 == 0 and base + L.DQ_STAGE <= src and src + nbytes <= base + L.BYTES
+            assert dst + nbytes // 8 <= int(np.prod(accum.shape))  # padding rows, not past the buffer
+            for r in range(16):
+                key = (dp, m0 + 64 * qp + 16 * w + r)
+                added[key] = added.get(key, 0) + 1
             for r in range(16):
                 for c in range(64):
                     row, col, writer = cell[src + 512 * r + 8 * c]
@@ -1152,6 +1161,8 @@ def test_bwd_panel_major_dq_staging_is_the_global_panel_byte_for_byte(d_tile, bl
                     m = m0 + 64 * qp + row
                     want = np.ravel_multi_index((b, h * (d_tile // 64) + dp, m, c), accum.shape)
                     assert dst + 64 * r + c == want
+    for dp in range(d_tile // 64):
+        assert all(added.get((dp, m)) == 1 for m in range(seqlen_q))
 
 
 def test_dsplit_pair_stores_are_bank_conflict_free_and_fill_the_tile():

@@ -410,9 +410,9 @@ def wgmma_dq_add(version: str, deterministic: bool, dt: int) -> str | None:
         return None
     if not deterministic:
         return "atomic"
-    if version == "v9":
+    if _since(version, "v9"):
         return "fixed_panels" if dt in WGMMA_PANEL_D_TILES else None
-    if version == "v7":
+    if _since(version, "v7"):
         return "fixed" if dt in WGMMA_FIXED_D_TILES else None
     return "ordered" if dt in WGMMA_ORDERED_D_TILES else None
 
