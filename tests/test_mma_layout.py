@@ -15,6 +15,7 @@ import math
 
 import numpy as np
 import pytest
+from launch_fakes import FakeArray, kernel_parameter_types
 
 LANES = np.arange(32)
 GROUP = LANES // 4  # g: row (A, C) or column (B) of a lane's fragment elements
@@ -1167,18 +1168,6 @@ def test_bwd_nan_in_a_value_row_stays_out_of_queries_that_do_not_see_it(dq_confi
     np.testing.assert_allclose(dv, dv_ref, rtol=1e-9, atol=1e-9)
 
 
-class _FakeArray:
-    """Stands in for a CuPy array in launch-argument tests: shape, dtype, C-order strides."""
-
-    def __init__(self, shape, dtype):
-        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
-        self.itemsize = self.dtype.itemsize
-        self.strides = tuple(int(np.prod(self.shape[i + 1:])) * self.itemsize for i in range(len(shape)))
-
-    def fill(self, value):
-        raise AssertionError("no zero-length input here")
-
-
 _LAUNCH_SHAPE = dict(b=2, sq=100, sk=70, h=4, hkv=2)
 
 
@@ -1191,17 +1180,17 @@ def _record_backward_launches(monkeypatch, version, d, deterministic, fused=None
     launches = []
     monkeypatch.setattr(mma_bwd, "launch", lambda spec, grid, args: launches.append((spec, grid, args)))
     monkeypatch.setattr(dq_fixed, "launch", lambda spec, grid, args: launches.append((spec, grid, args)))
-    monkeypatch.setattr(cupy, "empty", lambda shape, dtype=None: _FakeArray(shape, dtype), raising=False)
+    monkeypatch.setattr(cupy, "empty", lambda shape, dtype=None: FakeArray(shape, dtype), raising=False)
     monkeypatch.setattr(simt, "backward_preprocess",
-                        lambda do, o: _FakeArray((do.shape[0], do.shape[2], do.shape[1]), np.float32))
+                        lambda do, o: FakeArray((do.shape[0], do.shape[2], do.shape[1]), np.float32))
     monkeypatch.setattr(cupy, "ascontiguousarray", lambda a, dtype=None: a, raising=False)
-    monkeypatch.setattr(cupy, "zeros", lambda shape, dtype=None: _FakeArray(shape, dtype), raising=False)
+    monkeypatch.setattr(cupy, "zeros", lambda shape, dtype=None: FakeArray(shape, dtype), raising=False)
 
     b, sq, sk, h, hkv = (_LAUNCH_SHAPE[x] for x in ("b", "sq", "sk", "h", "hkv"))
-    q, o, do = (_FakeArray((b, sq, h, d), np.float16) for _ in range(3))
-    k, v = _FakeArray((b, sk, hkv, d), np.float16), _FakeArray((b, sk, hkv, d), np.float16)
-    dq, dk, dv = _FakeArray(q.shape, np.float16), _FakeArray(k.shape, np.float16), _FakeArray(k.shape, np.float16)
-    lse = _FakeArray((b, h, sq), np.float32)
+    q, o, do = (FakeArray((b, sq, h, d), np.float16) for _ in range(3))
+    k, v = FakeArray((b, sk, hkv, d), np.float16), FakeArray((b, sk, hkv, d), np.float16)
+    dq, dk, dv = FakeArray(q.shape, np.float16), FakeArray(k.shape, np.float16), FakeArray(k.shape, np.float16)
+    lse = FakeArray((b, h, sq), np.float32)
     mma_bwd.backward(do, q, k, v, o, lse, dq, dk, dv, softmax_scale=0.1, causal=True, deterministic=deterministic,
                      version=version, fused=fused)
     return launches
@@ -1210,20 +1199,13 @@ def _record_backward_launches(monkeypatch, version, d, deterministic, fused=None
 def _assert_arguments_match_signature(spec, grid, args):
     """The argument list matches the C++ parameter list of the spec's kernel in count and in type
     (pointer, int32, int64, float32); the grid is launchable."""
-    import re
-
-    from cupyflash.kernels import _module
-
-    source = _module.kernel_source(spec.source_file)
     kinds = {"int": np.int32, "i64": np.int64, "float": np.float32}
-    kernel = re.match(r"cf::(\w+)<", spec.expression).group(1)
-    params = re.search(r"\b" + kernel + r"\(([^)]*)\)\s*\{", source).group(1)
-    types = [p.strip().rsplit(" ", 1)[0].replace("__restrict__", "").replace("const", "").strip()
-             for p in params.split(",")]
+    kernel = spec.name
+    types = kernel_parameter_types(spec)
     assert len(types) == len(args), kernel
     for t, a in zip(types, args):
         if t.endswith("*"):
-            assert isinstance(a, _FakeArray), (kernel, t, a)
+            assert isinstance(a, FakeArray), (kernel, t, a)
         else:
             assert type(a) is kinds[t], (kernel, t, type(a))
     assert all(0 < g < 65536 for g in grid)
@@ -1797,11 +1779,11 @@ def test_fwd_wgmma_launch_arguments_match_kernel_signature(monkeypatch):
         for d in (64, 96, 200):
             launches = []
             monkeypatch.setattr(mma_fwd, "launch", lambda spec, grid, args: launches.append((spec, grid, args)))
-            q, o = _FakeArray((b, sq, h, d), np.float16), _FakeArray((b, sq, h, d), np.float16)
+            q, o = FakeArray((b, sq, h, d), np.float16), FakeArray((b, sq, h, d), np.float16)
             q.data = o.data = type("Ptr", (), {"ptr": 0})()
-            k, v = _FakeArray((b, sk, hkv, d), np.float16), _FakeArray((b, sk, hkv, d), np.float16)
+            k, v = FakeArray((b, sk, hkv, d), np.float16), FakeArray((b, sk, hkv, d), np.float16)
             k.data = v.data = q.data
-            lse = _FakeArray((b, h, sq), np.float32)
+            lse = FakeArray((b, h, sq), np.float32)
             lse.flags = type("Flags", (), {"c_contiguous": True})()
             mma_fwd.forward(q, k, v, o, lse, softmax_scale=0.1, causal=True)
             [(spec, grid, args)] = launches

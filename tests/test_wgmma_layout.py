@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 import numpy as np
 import pytest
+from launch_fakes import FakeArray
 
 KERNELS_CU = Path(__file__).resolve().parent.parent / "kernels_cu"
 
@@ -1120,14 +1121,8 @@ def test_bwd_panel_major_dq_staging_is_the_global_panel_byte_for_byte(d_tile, bl
     assert L.BYTES + 1024 == mma_bwd.wgmma_smem_bytes(d_tile, block_m, block_n, "fixed_panels") <= 227 * 1024
     batch, nheads, seqlen_q = 2, 3, 3 * block_m - 5
 
-    class _Shape:  # stand-in with the shape and strides accum_panels gives (no CuPy needed)
-        def __init__(self):
-            rows = -(-seqlen_q // block_m) * block_m
-            self.shape = (batch, nheads * (d_tile // 64), rows, 64)
-            self.itemsize = 8
-            self.strides = tuple(8 * int(np.prod(self.shape[i + 1:])) for i in range(4))
-
-    accum = _Shape()
+    rows = -(-seqlen_q // block_m) * block_m
+    accum = FakeArray((batch, nheads * (d_tile // 64), rows, 64), np.int64)  # accum_panels' layout
     strides = tuple(int(x) for x in dq_fixed.panel_strides(accum))
     base = aligned_base(RAW_SMEM)
     b, h = 1, 2

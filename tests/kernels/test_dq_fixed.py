@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cupyflash import reference
+from launch_fakes import FakeArray
 
 KERNELS_CU = Path(__file__).resolve().parents[2] / "kernels_cu"
 DQ_FIXED_BITS = 48
@@ -135,7 +136,7 @@ def test_the_row_bound_holds_for_every_partial_sum_in_any_order(seed, causal, sq
 
 
 def _source_line(statement: str) -> bool:
-    text = "".join((Path(__file__).resolve().parents[2] / "kernels_cu" / "flash_bwd_dq_fixed.cu").read_text().split())
+    text = "".join((KERNELS_CU / "flash_bwd_dq_fixed.cu").read_text().split())
     return "".join(statement.split()) in text
 
 
@@ -152,13 +153,7 @@ def test_convert_reads_each_element_where_the_backward_added_it(panel_major, dt)
     batch, seqlen, nheads, block_m = 2, 77, 3, 64
     rows = -(-seqlen // block_m) * block_m
     shape = (batch, nheads * dt // 64, rows, 64) if panel_major else (batch, seqlen, nheads, dt)
-
-    class _Fake:
-        def __init__(self):
-            self.shape, self.itemsize = shape, 8
-            self.strides = tuple(8 * int(np.prod(shape[i + 1:])) for i in range(4))
-
-    sb, ss, sh, sp = (int(x) for x in dq_fixed.convert_strides(_Fake(), nheads, panel_major))
+    sb, ss, sh, sp = (int(x) for x in dq_fixed.convert_strides(FakeArray(shape, np.int64), nheads, panel_major))
     b, m, h, c = np.meshgrid(np.arange(batch), np.arange(seqlen), np.arange(nheads), np.arange(dt), indexing="ij")
     got = b * sb + m * ss + h * sh + (c // 8 // 8) * sp + (c // 8 % 8) * 8 + c % 8
     if panel_major:
