@@ -10,6 +10,9 @@
 //                   the sum is the same bits in any order: reproducible with no waiting.
 //   DqAdd::fixed_panels  fixed, into a dq_accum laid out in 64-column panels, so that a warp's
 //                   part of a dQ panel is one contiguous bulk reduction (flash_bwd_wgmma.cu).
+//   DqAdd::none     no dQ at all: the kernel computes dK and dV only, and flash_bwd_dq_wgmma.cu
+//                   computes dQ with the query block outermost (S and dP recomputed), each dQ
+//                   row written by one CTA: reproducible with no adds.
 //
 // The fixed-point scale. With B_i a bound on |dQ_i| that also bounds every partial sum of it,
 //   |(dS K)_ic| <= max|K| sum_j |dS_ij|,  sum_j |dS_ij| = sum_j P_ij |dP_ij - D_i|
@@ -36,7 +39,7 @@
 
 namespace cf {
 
-enum class DqAdd : int { atomic = 0, ordered = 1, fixed = 2, fixed_panels = 3 };
+enum class DqAdd : int { atomic = 0, ordered = 1, fixed = 2, fixed_panels = 3, none = 4 };
 
 constexpr int DQ_FIXED_BITS = 48;
 

@@ -10,7 +10,9 @@
 // first, the counter read early, each warp's release deferred into the next iteration, behind the
 // issue of its S^T and dP^T); or int64 fixed point by bulk reductions from a shared staging tile
 // (fixed), exact in any order; or the same int64 adds into a panel-major dq_accum, one bulk
-// reduction of 8 KiB per warp (fixed_panels). The last three give bitwise reproducible dQ.
+// reduction of 8 KiB per warp (fixed_panels). The last three give bitwise reproducible dQ; with
+// none the kernel computes dK and dV only (no dS^T tile, no dQ), and flash_bwd_dq_wgmma.cu
+// computes dQ.
 //
 // Warpgroup g owns key rows 64g..64g+63 of the block (wgmma's M is 64):
 //   S^T  = K_g Q^T      (64 x BLOCK_M; A = K, B = Q, both K-major from shared memory)
@@ -79,8 +81,9 @@ flash_bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
     constexpr int QK = BLOCK_M / 16;       // k-steps of dV, dK (over queries)
     constexpr int DQ_PANELS = (BLOCK_M / 64) * (D_TILE / 64);  // 64 x 64 dQ output panels
     constexpr bool ORDERED = DQ_ADD == DqAdd::ordered;
+    constexpr bool WITH_DQ = DQ_ADD != DqAdd::none;  // none: dK and dV only (flash_bwd_dq_wgmma.cu)
     static_assert(BLOCK_N % 64 == 0 && BLOCK_M % 64 == 0 && D_TILE % 64 == 0, "64-row/column panels");
-    static_assert(DQ_PANELS % NWG == 0, "dQ panels divide among the warpgroups");
+    static_assert(!WITH_DQ || DQ_PANELS % NWG == 0, "dQ panels divide among the warpgroups");
     static_assert(L::BYTES + 1024 <= 227 * 1024, "shared memory");
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -230,14 +233,17 @@ flash_bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
 
         // Step 5: dS^T to shared memory for dQ (which needs every warpgroup's key rows); the pair
         // (row, 8j + 2 (lane % 4)) is word lane % 4 of chunk j.
+        if constexpr (WITH_DQ) {
 #pragma unroll
-        for (int kk = 0; kk < QK; ++kk)
+            for (int kk = 0; kk < QK; ++kk)
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int chunk = 2 * kk + h;
-                st_shared_b32(s_dst + panel_offset<BLOCK_N>(key_row, chunk) + 4 * (lane % 4), ds_frag[kk][2 * h]);
-                st_shared_b32(s_dst + panel_offset<BLOCK_N>(key_row + 8, chunk) + 4 * (lane % 4), ds_frag[kk][2 * h + 1]);
-            }
+                for (int h = 0; h < 2; ++h) {
+                    const int chunk = 2 * kk + h;
+                    st_shared_b32(s_dst + panel_offset<BLOCK_N>(key_row, chunk) + 4 * (lane % 4), ds_frag[kk][2 * h]);
+                    st_shared_b32(s_dst + panel_offset<BLOCK_N>(key_row + 8, chunk) + 4 * (lane % 4),
+                                  ds_frag[kk][2 * h + 1]);
+                }
+        }
 
         // Steps 6-7: dV_g += P^T dO, dK_g += dS^T Q (MN-major B: 16-row k-steps of 2048 bytes,
         // 64-column atoms one panel apart).
@@ -251,6 +257,12 @@ flash_bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
             Wgmma<T, D_TILE>::template rs<1>(reinterpret_cast<float(&)[DJ * 4]>(dk_acc), ds_frag[kk],
                                              smem_desc(s_q + kk * 2048, L::Q_PANEL, 1024), 1);
         wgmma_commit();
+        if constexpr (!WITH_DQ) {  // the next barrier's copies overwrite the Q and dO that dK, dV read
+            wgmma_wait<0>();
+            pin_registers(reinterpret_cast<float(&)[DJ * 4]>(dv_acc));
+            pin_registers(reinterpret_cast<float(&)[DJ * 4]>(dk_acc));
+            continue;
+        }
         fence_proxy_async_shared();
         __syncthreads();  // dS^T complete
 

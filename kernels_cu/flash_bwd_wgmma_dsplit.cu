@@ -3,9 +3,9 @@
 // would be 256 registers per thread).
 //
 // flash_bwd_wgmma.cu's loop (one CTA per key block j, every query block i of the GQA group, dQ by
-// float32 adds, in any order or in key-block order: DQ_ADD atomic or ordered), with two
-// warpgroups that share the block's
-// BLOCK_N = 64 key rows and split the work differently:
+// float32 adds, in any order or in key-block order: DQ_ADD atomic or ordered; none leaves dQ to
+// flash_bwd_dq_wgmma.cu), with two warpgroups that share the block's BLOCK_N = 64 key rows and
+// split the work differently:
 //   warpgroup 0: S^T = K_j Q_i^T, P^T                 warpgroup 1: dP^T = V_j dO_i^T
 //                P^T -> shared memory  --barrier-->                dS^T = P^T o (dP^T - D) -> shared
 //   both, warpgroup g on head-dim half g (columns 128g..128g+127):
@@ -60,8 +60,10 @@ flash_bwd_wgmma_dsplit(const T* __restrict__ q, const T* __restrict__ k, const T
     constexpr int SJ = BLOCK_M / 8;    // 8-column blocks of S^T, dP^T
     constexpr int HJ = HALF / 8;       // ... of a dK, dV or dQ half
     constexpr bool ORDERED = DQ_ADD == DqAdd::ordered;
+    constexpr bool WITH_DQ = DQ_ADD != DqAdd::none;  // none: dK and dV only (flash_bwd_dq_wgmma.cu)
     // dq_row_scale is unused: the parameter list is flash_bwd_wgmma's, so one launcher serves both.
-    static_assert(DQ_ADD != DqAdd::fixed, "fixed-point dQ needs a staging tile, and there is no room for one here");
+    static_assert(DQ_ADD != DqAdd::fixed && DQ_ADD != DqAdd::fixed_panels,
+                  "fixed-point dQ needs a staging tile, and there is no room for one here");
     static_assert(BLOCK_N == 64 && BLOCK_M == 64, "one 64-row wgmma per product and warpgroup");
     static_assert(D_TILE == 256, "the head-dim halves are 128 columns: two panels");
     static_assert(L::BYTES + 1024 <= 227 * 1024, "shared memory");
@@ -221,6 +223,13 @@ flash_bwd_wgmma_dsplit(const T* __restrict__ q, const T* __restrict__ k, const T
                                               smem_desc(s_dst + kk * 32, 16, 1024),
                                               smem_desc(s_q + 2 * wg * L::Q_PANEL + kk * 2048, L::Q_PANEL, 1024), 1);
         wgmma_commit();
+
+        if constexpr (!WITH_DQ) {
+            wgmma_wait<0>();
+            pin_registers(reinterpret_cast<float(&)[HJ * 4]>(dv_acc));
+            pin_registers(reinterpret_cast<float(&)[HJ * 4]>(dk_acc));
+            continue;
+        }
 
         // Step 6: dQ_g = dS K_g (A: MN-major view of dS^T, 16-key k-steps of 2048 bytes; B: K, MN-major).
         float dq_acc[HJ][4];

@@ -2395,25 +2395,41 @@ def test_bwd_v4_falls_back_to_v3_where_shared_memory_is_short(deterministic, mon
             _assert_fused_launches(v4, d, deterministic, mma_bwd.fused_config(d, 163 * 1024))
 
 
-@pytest.mark.parametrize("version", ["v6", "v7", "v9"])
+@pytest.mark.parametrize("version", ["v6", "v7", "v9", "v10"])
 @pytest.mark.parametrize("d", [64, 96, 200])
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_bwd_wgmma_versions_launch_the_wgmma_kernel_on_sm90(deterministic, d, version, monkeypatch):
-    """version="v6"/"v7"/"v9" on an sm_90 device: flash_bwd_wgmma (flash_bwd_wgmma_dsplit at d256).
+    """version="v6"/"v7"/"v9"/"v10" on an sm_90 device: flash_bwd_wgmma (flash_bwd_wgmma_dsplit at d256).
     Atomic dQ when not deterministic (then flash_bwd_dq_convert); when deterministic, v6 orders
     the float adds (v3's kernels at the head-dim tiles not in WGMMA_ORDERED_D_TILES) and v7 adds
     fixed point (flash_bwd_kv_bounds and flash_bwd_preprocess_fixed before, flash_bwd_dq_convert_fixed
     after; v3's kernels outside WGMMA_FIXED_D_TILES); v9 the same with a panel-major dq_accum
-    (dq_fixed.accum_panels) at WGMMA_PANEL_D_TILES. Argument lists match the kernels' parameters.
-    On sm_80 all are v5."""
+    (dq_fixed.accum_panels) at WGMMA_PANEL_D_TILES; v10 the kernel for dK and dV only (DqAdd::none),
+    then flash_bwd_dq_wgmma over the query blocks, writing dq itself (no convert) at
+    WGMMA_SPLIT_D_TILES. Argument lists match the kernels' parameters. On sm_80 all are v5."""
     from cupyflash.kernels import dq_fixed, mma_bwd, mma_fwd
 
     monkeypatch.setattr(mma_fwd, "current_smem_optin", lambda: 227 * 1024)
     monkeypatch.setattr(mma_fwd, "current_arch", lambda: "90")
     launches = _record_backward_launches(monkeypatch, version, d, deterministic)
     dt = mma_bwd.d_tile(d)
-    dq_add = "atomic" if not deterministic else {"v6": "ordered", "v7": "fixed", "v9": "fixed_panels"}[version]
-    if (dq_add == "ordered" and dt not in mma_bwd.WGMMA_ORDERED_D_TILES) or (
+    dq_add = "atomic" if not deterministic else {"v6": "ordered", "v7": "fixed", "v9": "fixed_panels",
+                                                  "v10": "none"}[version]
+    if version == "v10" and not deterministic and dt in mma_bwd.WGMMA_SPLIT_ATOMIC_D_TILES:
+        dq_add = "none"  # the split kernels beat the float atomics there
+    if dq_add == "none":
+        assert dt in mma_bwd.WGMMA_SPLIT_D_TILES
+        b, sq, sk, h, hkv = (_LAUNCH_SHAPE[x] for x in ("b", "sq", "sk", "h", "hkv"))
+        spec, dq_spec = mma_bwd.wgmma_spec(np.float16, d, True, "none"), mma_bwd.dq_wgmma_spec(np.float16, d, True)
+        assert [s for s, _, _ in launches] == [spec, dq_spec]
+        assert spec.arch == dq_spec.arch == "90a" and ("dsplit" in spec.name) == (dt == 256)
+        (_, grid, args), (_, dq_grid, dq_args) = launches
+        assert grid == (math.ceil(sk / mma_bwd.WGMMA_CONFIG[dt][1]), hkv, b)
+        assert dq_grid == (math.ceil(sq / mma_bwd.DQ_WGMMA_CONFIG[dt][0]), h, b)
+        assert args[6].shape == args[7].shape == (b, sk, hkv, d)  # dk, dv
+        assert dq_args[6].shape == (b, sq, h, d) and dq_args[6].dtype == np.float16  # dq itself
+        assert dq_args[5] is args[5]  # both kernels read the same D = rowsum(dO o O)
+    elif (dq_add == "ordered" and dt not in mma_bwd.WGMMA_ORDERED_D_TILES) or (
             dq_add == "fixed" and dt not in mma_bwd.WGMMA_FIXED_D_TILES) or (
             dq_add == "fixed_panels" and dt not in mma_bwd.WGMMA_PANEL_D_TILES):
         v3 = _record_backward_launches(monkeypatch, "v3", d, deterministic)

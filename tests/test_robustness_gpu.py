@@ -46,13 +46,14 @@ def test_repeated_runs_are_bitwise_identical(backend, dtype):
 
 
 @pytest.mark.parametrize("version,d", [("v1", 128), ("v3", 128), ("v4", 128), ("v6", 128), ("v6", 256),
-                                       ("v7", 64), ("v7", 128), ("v9", 64), ("v9", 128)])
+                                       ("v7", 64), ("v7", 128), ("v9", 64), ("v9", 128),
+                                       ("v10", 64), ("v10", 128), ("v10", 256)])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_deterministic_dq_is_bitwise_reproducible_under_contention(version, d, causal, monkeypatch):
     # 16 to 32 key blocks add to every dQ block at once (v4 and v6 order the adds through
     # per-block counters; on an H200 v6 runs the wgmma kernels, here at every head dim, and v7
     # the wgmma kernel with fixed-point adds, here at d64 and d128, v9 the same into panel-major
-    # rows); uneven lengths, GQA.
+    # rows; v10 computes dQ without adds, one CTA per query block); uneven lengths, GQA.
     from cupyflash.kernels import mma_bwd
 
     monkeypatch.setattr(mma_bwd, "WGMMA_ORDERED_D_TILES", mma_bwd.D_TILES)

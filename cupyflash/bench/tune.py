@@ -139,11 +139,14 @@ def _bwd_candidates(headdim):
     out, seen = [], set()
     for version in mma_bwd.VERSIONS:
         for deterministic in (True, False):
-            if version in ("v6", "v7", "v9"):  # v5's kernels except at the wgmma head dims
+            if version in ("v6", "v7", "v9", "v10"):  # v5's kernels except at the wgmma head dims
                 if version != "v6" and not deterministic:  # v6's atomic kernel
                     continue
                 dq_add = mma_bwd.wgmma_dq_add(version, deterministic, dt)
-                if dq_add is not None:
+                if dq_add == "none":
+                    out.append((f"{version} wgmma{mma_bwd.WGMMA_CONFIG[dt]} + dq_wgmma{mma_bwd.DQ_WGMMA_CONFIG[dt]}",
+                                dict(version=version, deterministic=deterministic)))
+                elif dq_add is not None:
                     out.append((f"{version} wgmma{mma_bwd.WGMMA_CONFIG[dt]} {dq_add} dq",
                                 dict(version=version, deterministic=deterministic)))
                 continue
@@ -159,6 +162,12 @@ def _bwd_candidates(headdim):
                 continue
             seen.add((kernel, tiles, dq))
             out.append((f"{version} dkdv {kernel} {dq}", dict(version=version, deterministic=deterministic)))
+    for tiles in mma_bwd.DQ_WGMMA_CANDIDATES.get(dt, ()):
+        out.append((f"v10 wgmma{mma_bwd.WGMMA_CONFIG[dt]} + dq_wgmma{tiles}",
+                    dict(version="v10", deterministic=True, dq_config=tiles)))
+    for tiles in mma_bwd.WGMMA_NONE_CANDIDATES.get(dt, ()):
+        out.append((f"v10 wgmma{tiles} + dq_wgmma{mma_bwd.DQ_WGMMA_CONFIG[dt]}",
+                    dict(version="v10", deterministic=True, wgmma=tiles)))
     for tiles in mma_bwd.DQ_CANDIDATES_V2.get(dt, ()):
         out.append((f"v3 dq{tiles}", dict(version="v3", deterministic=True, dq_config=tiles)))
     for tiles in mma_bwd.FUSED_CANDIDATES.get(dt, ()):

@@ -109,8 +109,9 @@ WGMMA_CONFIG = {64: (128, 128), 128: (64, 128), 256: (64, 64)}
 # Tests widen it to run every ordered kernel.
 WGMMA_ORDERED_D_TILES = (128,)
 # How the wgmma kernels add dQ (kernels_cu/dq_add.cuh): float32 in any order, float32 in key-block
-# order, int64 fixed point (exact, so reproducible in any order).
-DQ_ADDS = ("atomic", "ordered", "fixed", "fixed_panels")
+# order, int64 fixed point (exact, so reproducible in any order); none: no dQ in this kernel
+# (flash_bwd_dq_wgmma computes it).
+DQ_ADDS = ("atomic", "ordered", "fixed", "fixed_panels", "none")
 # DQ_ADDS entries that add int64 fixed point (an int64 dq_accum, row scales, dq_fixed's convert).
 FIXED_DQ_ADDS = ("fixed", "fixed_panels")
 # Head-dim tiles where v7 runs the wgmma kernel with fixed-point dQ when deterministic: the kernel
@@ -128,6 +129,28 @@ WGMMA_FIXED_KERNEL_D_TILES = (64, 128)
 # Head-dim tiles where v9 runs the panel-major fixed-point kernel when deterministic (v3
 # elsewhere).
 WGMMA_PANEL_D_TILES = (128,)
+
+# flash_bwd_dq_wgmma (v10, sm_90a): D_TILE -> (BLOCK_M, BLOCK_N, K_STAGES); BLOCK_M / 64 warpgroups,
+# each owning 64 query rows: a 64 x D_TILE dQ accumulator (D_TILE / 2 registers per thread) and
+# 64 x BLOCK_N S and dP (BLOCK_N / 2 each). Q and dO stay in shared memory for the CTA's life; K
+# has K_STAGES stages (3: dS K_j runs on across the next barrier; 2: it is waited for first), V
+# two. Measured (bf16, whole backward in TFLOP/s at 16k / 16k causal / 2k / 2k causal;
+# docs/perf-log.md, mma-bwd-v10): K_STAGES 2 beats 3 everywhere, d128 356 / 358 / 327 / 264
+# against 336 / 333 / 285 / 232; d64 BLOCK_N 64 282 / 280 / 242 / 208 against 128's 281 / 276 /
+# 238 / 195 (K_STAGES 3); d256 306 / 306 / 277 / 232 against 302 / 305 / 263 / 230.
+DQ_WGMMA_CONFIG = {64: (128, 128, 2), 128: (128, 64, 2), 256: (128, 32, 2)}
+# Further tiles the tuner times (python -m cupyflash.bench.tune --direction bwd).
+DQ_WGMMA_CANDIDATES = {64: ((128, 64, 2), (128, 64, 3), (128, 128, 3)), 128: ((128, 64, 3),),
+                       256: ((128, 32, 3),)}
+# Tiles of the dK/dV-only kernel (DqAdd::none) the tuner times besides WGMMA_CONFIG's.
+WGMMA_NONE_CANDIDATES = {64: ((64, 128),)}
+# Head-dim tiles where v10 runs the dK/dV-only wgmma kernel and flash_bwd_dq_wgmma when
+# deterministic.
+WGMMA_SPLIT_D_TILES = (64, 128, 256)
+# ... and with deterministic=False too, where that beats the float atomics (d256: 306 / 306 / 277 /
+# 232 against the atomic dsplit kernel's 248 / 253 / 216 / 198; d128 356 / 358 / 327 / 264 against
+# 367 / 363 / 320 / 260, d64 282 / 280 / 242 / 208 against 311 / 305 / 268 / 218).
+WGMMA_SPLIT_ATOMIC_D_TILES = (256,)
 
 # Kernel versions, all launchable side by side (``backward(..., version=...)``); DEFAULT_VERSION
 # is what the dispatcher launches. ldmatrix.x4 per mma.sync counted in the SASS (sm_90).
@@ -165,6 +188,12 @@ WGMMA_PANEL_D_TILES = (128,)
 #       16 rows of a 64 x 64 dQ panel are 8 KiB of contiguous int64 and one bulk reduction adds
 #       them; v7 issues one per row, 16 per warp, which the uniform datapath serialises. At the
 #       head-dim tiles of WGMMA_PANEL_D_TILES.
+#   v10: deterministic=True on sm_90 by two wgmma kernels and no dQ adds at all: the v6 kernel
+#       (flash_bwd_wgmma, or _dsplit at d256) computing dK and dV only (DqAdd::none), and
+#       flash_bwd_dq_wgmma, which walks the key blocks for one query block (the forward's work
+#       split) and recomputes S and dP: 7 products per block pair instead of 5, but no dq_accum,
+#       no int64 reductions through L2 and no convert kernel. At the head-dim tiles of
+#       WGMMA_SPLIT_D_TILES.
 VERSIONS = {
     "v1": "dK/dV 16 key rows per warp; dQ 16 query rows per warp",
     "v2": "v1, but 2 x 16 rows per warp in dQ (d64, d128) and dK/dV (d64): fewer shared reads per mma",
@@ -174,8 +203,9 @@ VERSIONS = {
     "v6": "on sm_90, one warpgroup-MMA (wgmma) kernel, dQ ordered or atomic; elsewhere v5",
     "v7": "v6, but deterministic dQ on sm_90 by fixed-point int64 adds (exact in any order) in the wgmma kernel",
     "v9": "v7, but dq_accum in 64-column panels: one bulk reduction per warp instead of one per row",
+    "v10": "v9, but deterministic dQ on sm_90 by its own wgmma kernel (query block outermost, S and dP recomputed)",
 }
-DEFAULT_VERSION = "v9"
+DEFAULT_VERSION = "v10"
 CONVERT_THREADS = 256
 
 _CTYPE = {"float16": "cf::half_t", "bfloat16": "cf::bf16_t"}
@@ -328,14 +358,21 @@ def specializations() -> list[Specialization]:
                 if dt in WGMMA_CONFIG:
                     out.extend(wgmma_spec(name, dt, causal, dq_add) for dq_add in DQ_ADDS
                                if dq_add not in FIXED_DQ_ADDS or dt in WGMMA_FIXED_KERNEL_D_TILES)
+                if dt in DQ_WGMMA_CONFIG:
+                    out.append(dq_wgmma_spec(name, dt, causal))
     return out
 
 
 def candidate_specializations() -> list[Specialization]:
-    """The tuner's alternatives (``FUSED_CANDIDATES``), bf16 only (the compile check's spill report)."""
-    return [fused_spec("bfloat16", dt, causal, ordered, config)
-            for dt, configs in FUSED_CANDIDATES.items() for config in configs
-            for causal in (False, True) for ordered in (True, False)]
+    """The tuner's alternatives (``FUSED_CANDIDATES``, ``DQ_WGMMA_CANDIDATES``,
+    ``WGMMA_NONE_CANDIDATES``), bf16 only (the compile check's spill report)."""
+    return ([fused_spec("bfloat16", dt, causal, ordered, config)
+             for dt, configs in FUSED_CANDIDATES.items() for config in configs
+             for causal in (False, True) for ordered in (True, False)] +
+            [dq_wgmma_spec("bfloat16", dt, causal, config)
+             for dt, configs in DQ_WGMMA_CANDIDATES.items() for config in configs for causal in (False, True)] +
+            [wgmma_spec("bfloat16", dt, causal, "none", config)
+             for dt, configs in WGMMA_NONE_CANDIDATES.items() for config in configs for causal in (False, True)])
 
 
 def fused_smem_bytes(dt: int, block_m: int, block_n: int) -> int:
@@ -393,6 +430,24 @@ def wgmma_spec(dtype, headdim: int, causal: bool, dq_add: str, config: tuple | N
                           arch="90a")
 
 
+def dq_wgmma_smem_bytes(dt: int, block_m: int, block_n: int, k_stages: int) -> int:
+    """Mirror of DqWgmmaSmem<...>::BYTES in flash_bwd_dq_wgmma.cu (Q, dO; K_STAGES stages of K, two of
+    V), plus 1024 bytes to align the base for the 128-byte swizzle."""
+    return 2 * block_m * dt * 2 + (k_stages + 2) * block_n * dt * 2 + 1024
+
+
+def dq_wgmma_spec(dtype, headdim: int, causal: bool, config: tuple | None = None) -> Specialization:
+    """flash_bwd_dq_wgmma (v10): dQ with the query block outermost, BLOCK_M / 64 warpgroups."""
+    name = dtype_name(dtype)
+    dt = d_tile(headdim)
+    bm, bn, stages = tuple(config or DQ_WGMMA_CONFIG[dt])
+    spec_name = (f"flash_bwd_dq_wgmma_{_SHORT[name]}_hdim{dt}_{'causal' if causal else 'full'}"
+                 f"_bm{bm}_bn{bn}_k{stages}")
+    expression = f"cf::flash_bwd_dq_wgmma<{_CTYPE[name]}, {dt}, {_flag(causal)}, {bm}, {bn}, {stages}>"
+    return Specialization(spec_name, "flash_bwd_dq_wgmma.cu", expression, bm // 64 * 128,
+                          dq_wgmma_smem_bytes(dt, bm, bn, stages), arch="90a")
+
+
 def fused_config(headdim: int, smem_optin: int | None) -> tuple | None:
     """The fused kernel's tiles for this head dim, or None where they need more shared memory per
     block than the device grants (``smem_optin`` None: assume it fits)."""
@@ -404,12 +459,15 @@ def fused_config(headdim: int, smem_optin: int | None) -> tuple | None:
 
 
 def wgmma_dq_add(version: str, deterministic: bool, dt: int) -> str | None:
-    """How v6 / v7 / v9 add dQ in the wgmma kernel at head-dim tile ``dt`` on sm_90 (an entry of
-    DQ_ADDS), or None where they run v5's kernels instead."""
+    """How v6 / v7 / v9 / v10 add dQ in the wgmma kernel at head-dim tile ``dt`` on sm_90 (an entry
+    of DQ_ADDS; "none": v10's dK/dV-only kernel and flash_bwd_dq_wgmma), or None where they run v5's
+    kernels instead."""
     if dt not in WGMMA_CONFIG:
         return None
     if not deterministic:
-        return "atomic"
+        return "none" if _since(version, "v10") and dt in WGMMA_SPLIT_ATOMIC_D_TILES else "atomic"
+    if _since(version, "v10"):
+        return "none" if dt in WGMMA_SPLIT_D_TILES else None
     if _since(version, "v9"):
         return "fixed_panels" if dt in WGMMA_PANEL_D_TILES else None
     if _since(version, "v7"):
@@ -419,14 +477,15 @@ def wgmma_dq_add(version: str, deterministic: bool, dt: int) -> str | None:
 
 def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: bool,
              deterministic: bool = True, version: str | None = None,
-             dq_config: tuple | None = None, fused: tuple | None = None) -> None:
+             dq_config: tuple | None = None, fused: tuple | None = None, wgmma: tuple | None = None) -> None:
     """Fill the preallocated dq, dk, dv (C-contiguous, dtype of q) from the saved lse (B, H, Sq).
 
     Inputs are CuPy arrays meeting the mma family's guarantees (fp16/bf16, last dim contiguous,
     row strides multiples of 8 elements, 16-byte aligned, headdim % 8 == 0, headdim <= 256).
     ``version`` picks an entry of VERSIONS (None: DEFAULT_VERSION, read at call time, so that tests
-    can run every version through the public API); ``dq_config`` overrides the dQ kernel's tiles and
-    ``fused`` the fused kernel's (v4) tiles (tuning).
+    can run every version through the public API); ``dq_config`` overrides the dQ kernel's tiles (v1-v5's
+    flash_bwd_dq_mma, or v10's flash_bwd_dq_wgmma where that runs), ``fused`` the fused kernel's (v4)
+    tiles and ``wgmma`` the wgmma kernel's (WGMMA_CONFIG; tuning).
     """
     import cupy
 
@@ -452,7 +511,8 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
         if fused is None and current_arch() == "90":
             dq_add = wgmma_dq_add(version, deterministic, dt)
             if dq_add is not None:
-                _wgmma_backward(q, k, v, do, o, lse, dq, dk, dv, common, scales, WGMMA_CONFIG[dt], causal, dq_add)
+                _wgmma_backward(q, k, v, do, o, lse, dq, dk, dv, common, scales, wgmma or WGMMA_CONFIG[dt], causal,
+                                dq_add, dq_config)
                 return
         version = "v5"
     delta = backward_preprocess(do, o)
@@ -501,9 +561,10 @@ def _fused_backward(q, k, v, do, lse, delta, dq, dk, dv, common, scales, config,
     _convert_dq(dq_accum, dq, scales[1])
 
 
-def _wgmma_backward(q, k, v, do, o, lse, dq, dk, dv, common, scales, config, causal, dq_add):
+def _wgmma_backward(q, k, v, do, o, lse, dq, dk, dv, common, scales, config, causal, dq_add, dq_config=None):
     """v6/v7/v9 (sm_90): flash_bwd_wgmma, dQ added as ``dq_add`` says (DQ_ADDS), then dq = scale *
-    dq_accum (float32, or int64 fixed point scaled per row)."""
+    dq_accum (float32, or int64 fixed point scaled per row); v10 (dq_add "none"): dQ by
+    flash_bwd_dq_wgmma (``dq_config`` overrides its DQ_WGMMA_CONFIG tiles)."""
     import cupy
 
     from . import dq_fixed
@@ -512,6 +573,9 @@ def _wgmma_backward(q, k, v, do, o, lse, dq, dk, dv, common, scales, config, cau
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     shape = (batch, seqlen_q, nheads, d_tile(headdim))
+    if dq_add == "none":
+        _split_wgmma_backward(q, k, v, do, o, lse, dq, dk, dv, common, scales, config, causal, dq_config)
+        return
     if dq_add in FIXED_DQ_ADDS:
         delta, dq_scale = dq_fixed.preprocess(do, o, k, v)
     else:
@@ -534,6 +598,25 @@ def _wgmma_backward(q, k, v, do, o, lse, dq, dk, dv, common, scales, config, cau
         dq_fixed.convert(dq_accum, dq_scale, dq, scales[1], panel_major=dq_add == "fixed_panels")
     else:
         _convert_dq(dq_accum, dq, scales[1])
+
+
+def _split_wgmma_backward(q, k, v, do, o, lse, dq, dk, dv, common, scales, config, causal,
+                          dq_config: tuple | None = None) -> None:
+    """v10 (sm_90, deterministic): the wgmma kernel for dK and dV only (DqAdd::none), then
+    flash_bwd_dq_wgmma for dQ, written straight into dq."""
+    from .simt import backward_preprocess
+
+    batch, seqlen_q, nheads, headdim = q.shape
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    delta = backward_preprocess(do, o)
+    # dq_accum, the semaphore and the row scales are not touched with DqAdd::none; dk and delta
+    # stand in for the pointers, zeros for the dq_accum strides.
+    launch(wgmma_spec(q.dtype, headdim, causal, "none", config), (math.ceil(seqlen_k / config[1]), nheads_kv, batch),
+           (q, k, v, do, lse, delta, dk, dv, dk, delta, delta, *common, *row_strides(dk), *row_strides(dv),
+            np.int64(0), np.int64(0), np.int64(0), *scales))
+    dq_cfg = tuple(dq_config or DQ_WGMMA_CONFIG[d_tile(headdim)])
+    launch(dq_wgmma_spec(q.dtype, headdim, causal, dq_cfg), (math.ceil(seqlen_q / dq_cfg[0]), nheads, batch),
+           (q, k, v, do, lse, delta, dq, *common, *row_strides(dq), *scales))
 
 
 def _convert_dq(dq_accum, dq, scale) -> None:

@@ -1,0 +1,196 @@
+// flash_bwd_dq_wgmma: dQ of the attention backward on Hopper warpgroup MMA (wgmma, sm_90a;
+// fp16/bf16), deterministic by construction: one CTA owns a block of query rows and sums their
+// dQ over every key block in registers, so no two CTAs ever add into the same dQ element.
+//
+// The forward's work split (flash_fwd_wgmma.cu): one CTA per (query block i, head, batch), a
+// warpgroup per 64 query rows, Q_i and dO_i resident in shared memory, lse_i and D_i in
+// registers; the CTA walks the key blocks j of its kv head:
+//   S  = Q_i K_j^T       wgmma m64 x BLOCK_N, A = Q (K-major), B = K_j (K-major)
+//   dP = dO_i V_j^T      same shape, A = dO, B = V_j; issued right after S
+//   P  = exp2(S scale log2(e) - lse log2(e)),  dS = P o (dP - D)        (registers)
+//   dQ += dS K_j         wgmma m64 x D_TILE, A = dS from registers, B = K_j (MN-major)
+// S and dP are recomputed here (the dK/dV kernel computes them as well): three products per block
+// pair on top of the dK/dV kernel's four, in exchange for no dQ accumulation buffer, no atomics
+// and no reductions through L2 (docs/perf-log.md, mma-bwd-v10). dQ = scale dS K is written once.
+//
+// dS K_j is left running into block j + 1 (its wait comes with S_{j+1}'s), so K_j must outlive
+// the barrier at the top of block j + 1: K has K_STAGES = 3 stages (V, read only by dP, which is
+// waited for inside the block, two), and K_{j+1}, V_{j+1} are copied while block j computes.
+#include "common.cuh"
+#include "mma.cuh"
+#include "mma_bwd.cuh"
+#include "wgmma.cuh"
+
+namespace cf {
+
+// Shared memory from a 1024-byte aligned base; cupyflash/kernels/mma_bwd.py (dq_wgmma_smem_bytes)
+// mirrors BYTES and adds the alignment slack.
+template <int D_TILE, int BLOCK_M, int BLOCK_N, int K_STAGES>
+struct DqWgmmaSmem {
+    static constexpr int V_STAGES = 2;
+    static constexpr u32 Q_PANEL = BLOCK_M * 128, KV_PANEL = BLOCK_N * 128;
+    static constexpr u32 Q_TILE = BLOCK_M * D_TILE * 2, KV_TILE = BLOCK_N * D_TILE * 2;
+    static constexpr u32 Q = 0;
+    static constexpr u32 DO = Q + Q_TILE;
+    static constexpr u32 K = DO + Q_TILE;
+    static constexpr u32 V = K + K_STAGES * KV_TILE;
+    static constexpr u32 BYTES = V + V_STAGES * KV_TILE;
+};
+
+// K_STAGES: 3 leaves dS K_j running across the barrier (above); 2 waits for it before the barrier,
+// for head dims where a third K stage does not fit in shared memory.
+template <typename T, int D_TILE, bool CAUSAL, int BLOCK_M, int BLOCK_N, int K_STAGES>
+__global__ void __launch_bounds__(BLOCK_M / 64 * 128, 1)
+flash_bwd_dq_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                   const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
+                   T* __restrict__ dq, int seqlen_q, int seqlen_k, int nheads, int group, int headdim,
+                   i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh, i64 v_sb, i64 v_ss, i64 v_sh,
+                   i64 do_sb, i64 do_ss, i64 do_sh, i64 dq_sb, i64 dq_ss, i64 dq_sh, float scale_log2,
+                   float scale) {
+    typedef DqWgmmaSmem<D_TILE, BLOCK_M, BLOCK_N, K_STAGES> L;
+    constexpr int NWG = BLOCK_M / 64, NTHREADS = NWG * 128;
+    constexpr int N_FRAGS = BLOCK_N / 8, D_FRAGS = D_TILE / 8;
+    constexpr bool DQ_ACROSS_BARRIER = K_STAGES >= 3;
+    static_assert(BLOCK_M % 64 == 0 && BLOCK_N % 16 == 0 && D_TILE % 64 == 0, "64-row panels, 16-key k-steps");
+    static_assert(K_STAGES == 2 || K_STAGES == 3, "two or three K stages");
+    static_assert(L::BYTES + 1024 <= 227 * 1024, "shared memory");
+
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    if (dynamic_smem_bytes() < L::BYTES + 1024) __trap();
+    const u32 raw = smem_u32(smem_raw);
+    const u32 base = (raw + 1023) & ~1023u;  // 128-byte swizzle: panels 1024-byte aligned
+    const u32 s_q = base + L::Q, s_do = base + L::DO;
+
+    const int head = blockIdx.y, batch = blockIdx.z, head_kv = head / group;
+    // Heaviest causal blocks first.
+    const int m0 = (CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * BLOCK_M;
+    const Visibility<CAUSAL> visible{seqlen_q, seqlen_k, seqlen_k - seqlen_q};
+    // Keys [0, n_end) are visible to some row of the block (bottom-right causal alignment).
+    const int n_end = CAUSAL ? min(seqlen_k, max(0, m0 + BLOCK_M + visible.diag)) : seqlen_k;
+    const int tid = threadIdx.x, wg = tid / 128, warp = tid / 32, lane = tid % 32;
+
+    const T* k_rows = k + row_offset(batch, 0, head_kv, k_sb, k_ss, k_sh);
+    const T* v_rows = v + row_offset(batch, 0, head_kv, v_sb, v_ss, v_sh);
+    auto load_kv_block = [&](int j) {
+        const int n0 = j * BLOCK_N;
+        cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(base + L::K + (j % K_STAGES) * L::KV_TILE,
+                                                   k_rows + n0 * k_ss, seqlen_k - n0, headdim, k_ss, tid);
+        cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(base + L::V + (j % L::V_STAGES) * L::KV_TILE,
+                                                   v_rows + n0 * v_ss, seqlen_k - n0, headdim, v_ss, tid);
+    };
+    cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(s_q, q + row_offset(batch, m0, head, q_sb, q_ss, q_sh),
+                                               seqlen_q - m0, headdim, q_ss, tid);
+    cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(s_do, dout + row_offset(batch, m0, head, do_sb, do_ss, do_sh),
+                                               seqlen_q - m0, headdim, do_ss, tid);
+    if (n_end > 0) load_kv_block(0);
+    cp_async_commit();
+
+    // This thread's two rows (accumulator halves h = 0, 1): lse (log2 units) and D, for the block.
+    const int row_lo = m0 + 16 * warp + lane / 4;
+    float base_log2[2], delta_row[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int m = row_lo + 8 * h;
+        const i64 stat = ((i64)batch * nheads + head) * seqlen_q + m;
+        base_log2[h] = m < seqlen_q ? lse_base_log2(lse[stat]) : 0.f;
+        delta_row[h] = m < seqlen_q ? delta[stat] : 0.f;
+    }
+
+    float dq_acc[D_FRAGS][4];
+    zero(dq_acc);
+    for (int j = 0; j * BLOCK_N < n_end; ++j) {
+        // Block j's copies land; the proxy fence hands them to wgmma; after the barrier every
+        // warpgroup is past dP_{j-1} and (K_STAGES 3) dS K_{j-2}, whose stages the next copies
+        // refill.
+        cp_async_wait<0>();
+        fence_proxy_async_shared();
+        __syncthreads();
+        if ((j + 1) * BLOCK_N < n_end) load_kv_block(j + 1);
+        cp_async_commit();
+
+        const int n0 = j * BLOCK_N;
+        const u32 k_tile = base + L::K + (j % K_STAGES) * L::KV_TILE;
+        const u32 v_tile = base + L::V + (j % L::V_STAGES) * L::KV_TILE;
+
+        // Steps 1-2: S = Q K_j^T and dP = dO V_j^T, issued back to back (K-major operands).
+        float s_acc[N_FRAGS][4], dp_acc[N_FRAGS][4];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < D_TILE / 16; ++kk) {
+            const u32 q_off = (kk / 4) * L::Q_PANEL + wg * 64 * 128 + (kk % 4) * 32;
+            const u32 k_off = (kk / 4) * L::KV_PANEL + (kk % 4) * 32;
+            Wgmma<T, BLOCK_N>::template ss<0, 0>(reinterpret_cast<float(&)[N_FRAGS * 4]>(s_acc),
+                                                 smem_desc(s_q + q_off, 16, 1024), smem_desc(k_tile + k_off, 16, 1024),
+                                                 kk > 0);
+        }
+        wgmma_commit();
+#pragma unroll
+        for (int kk = 0; kk < D_TILE / 16; ++kk) {
+            const u32 q_off = (kk / 4) * L::Q_PANEL + wg * 64 * 128 + (kk % 4) * 32;
+            const u32 v_off = (kk / 4) * L::KV_PANEL + (kk % 4) * 32;
+            Wgmma<T, BLOCK_N>::template ss<0, 0>(reinterpret_cast<float(&)[N_FRAGS * 4]>(dp_acc),
+                                                 smem_desc(s_do + q_off, 16, 1024), smem_desc(v_tile + v_off, 16, 1024),
+                                                 kk > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<1>();  // S_j, and dS K_{j-1}: its A fragments may be overwritten below
+        pin_registers(reinterpret_cast<float(&)[N_FRAGS * 4]>(s_acc));
+        pin_registers(reinterpret_cast<float(&)[D_FRAGS * 4]>(dq_acc));
+
+        // Step 3: P, 0 where hidden by selection (a non-finite score cannot leak). Element (f, e)
+        // is row row_lo + 8 (e / 2), key n0 + 8 f + 2 (lane % 4) + e % 2.
+        const bool partial = visible.partial(m0, BLOCK_M, n0, BLOCK_N);
+        const int key0 = n0 + 2 * (lane % 4);
+#pragma unroll
+        for (int f = 0; f < N_FRAGS; ++f)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float p = exp2_approx(fmaf(s_acc[f][e], scale_log2, -base_log2[e >> 1]));
+                s_acc[f][e] = partial && !visible(row_lo + 8 * (e >> 1), key0 + 8 * f + (e & 1)) ? 0.f : p;
+            }
+
+        // Step 4: dS = P o (dP - D), 0 where P is 0 by selection (a non-finite dP of a hidden key
+        // must not become NaN), packed as the A fragments of dS K_j.
+        wgmma_wait<0>();
+        pin_registers(reinterpret_cast<float(&)[N_FRAGS * 4]>(dp_acc));
+#pragma unroll
+        for (int f = 0; f < N_FRAGS; ++f)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                dp_acc[f][e] = s_acc[f][e] == 0.f ? 0.f : s_acc[f][e] * (dp_acc[f][e] - delta_row[e >> 1]);
+        u32 ds_frag[BLOCK_N / 16][4];
+        pack_a_frags<T, BLOCK_N>(ds_frag, dp_acc);
+
+        // Step 5: dQ += dS K_j (B = K_j MN-major: 16-key k-steps of 2048 bytes, 64-column atoms
+        // one panel apart).
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk)
+            Wgmma<T, D_TILE>::template rs<1>(reinterpret_cast<float(&)[D_FRAGS * 4]>(dq_acc), ds_frag[kk],
+                                             smem_desc(k_tile + kk * 2048, L::KV_PANEL, 1024), 1);
+        wgmma_commit();
+        if constexpr (!DQ_ACROSS_BARRIER) {
+            wgmma_wait<0>();
+            pin_registers(reinterpret_cast<float(&)[D_FRAGS * 4]>(dq_acc));
+        }
+    }
+    wgmma_wait<0>();
+    pin_registers(reinterpret_cast<float(&)[D_FRAGS * 4]>(dq_acc));
+
+    // Epilogue: dQ = scale dS K, straight from the accumulators (rows past seqlen_q dropped).
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int m = row_lo + 8 * h;
+        if (m >= seqlen_q) continue;
+        T* dq_row = dq + row_offset(batch, m, head, dq_sb, dq_ss, dq_sh);
+#pragma unroll
+        for (int f = 0; f < D_FRAGS; ++f) {
+            const int col = 8 * f + 2 * (lane % 4);
+            if (col < headdim)
+                *reinterpret_cast<u32*>(dq_row + col) = pack2<T>(dq_acc[f][2 * h] * scale, dq_acc[f][2 * h + 1] * scale);
+        }
+    }
+    cp_async_wait<0>();
+}
+
+}  // namespace cf
