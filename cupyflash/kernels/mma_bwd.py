@@ -26,18 +26,20 @@ v3's two kernels when ``deterministic`` (on an H200 they beat the ordered fused 
 fused atomic kernel otherwise. v6 is v5 except on sm_90, where v4's work split runs on warpgroup
 MMA (wgmma, sm_90a: ``flash_bwd_wgmma.cu``, and ``flash_bwd_wgmma_dsplit.cu`` at head-dim tile
 256): always with ``deterministic=False``, and with ordered dQ adds at the head-dim tiles of
-``WGMMA_ORDERED_D_TILES``. v7, the default, is v6 with fixed-point dQ adds (int64, exact in any
-order: ``dq_fixed.py``) instead of ordered ones, at the head-dim tiles of
-``WGMMA_FIXED_D_TILES``. v9 is v7 with dq_accum laid out in 64-column panels, so that each warp adds
-its part of a dQ panel by one bulk reduction instead of 16. See the notes at ``VERSIONS`` and
-docs/perf-log.md.
+``WGMMA_ORDERED_D_TILES``. v7 is v6 with fixed-point dQ adds (int64, exact in any order:
+``dq_fixed.py``) instead of ordered ones, at the head-dim tiles of ``WGMMA_FIXED_D_TILES``. v9 is
+v7 with dq_accum laid out in 64-column panels, so that each warp adds its part of a dQ panel by one
+bulk reduction instead of 16. v10, the default, returns to the two-kernel split on sm_90 when
+``deterministic``: the wgmma kernel for dK and dV only and ``flash_bwd_dq_wgmma.cu`` for dQ (the
+forward's work split, S and dP recomputed), at every head dim, and at d256 with
+``deterministic=False`` too. See the notes at ``VERSIONS`` and docs/perf-log.md.
 
 Shared memory (bytes; mirrored by DkdvSmem / DqSmem in flash_bwd_mma.cu): K, V of the key block,
 two stages of Q, dO (and lse, D) per query block, the 16-bit dS^T block (atomic dQ) and the
 partial-sum exchange (WARPS_D = 2). All fit sm_80's 163 KiB too (the largest, the atomic
 head-dim-256 dK/dV kernel, takes 148.5 KiB); GPUs with 99 KiB per block (sm_86, sm_89) can run
 only head-dim tile 64 (get_function raises a clear error otherwise). The wgmma kernels take up to
-210 KiB (sm_90 only).
+218 KiB (sm_90 only).
 """
 from __future__ import annotations
 
