@@ -561,6 +561,53 @@ def test_json_is_strict_and_complete():
     assert report().validation_failures == [sample_measurements()[3]]
 
 
+SIMT = cupyflash_impls(["simt"])[0]
+FA3 = Impl("FA3", "torch", "FLASH_ATTENTION_3", "")  # unknown to this version
+
+
+def full_report():
+    """Every section filled, with the awkward values: no timing, failed statuses, inf in a
+    validation, no peak, an implementation this version does not know."""
+    dc = shapes.decode_cases()[:2]
+    mc = shapes.memory_cases([1024, 16384])
+    decode = [Measurement(dc[0], CF, "ok", timing=timed(2.0),
+                          validation={"ok": True, "errors": {"o": 1e-3}, "tolerance": 0.02}),
+              Measurement(dc[0], SIMT, "ok", timing=timing.Timing((3.0, 2.5, 4.0), 2, 1, 1)),
+              Measurement(dc[1], CUDNN, "ok", timing=timed(1.0)),
+              Measurement(dc[1], FA3, "error", "RuntimeError: no such backend")]
+    memory = [MemoryRecord(mc[0], "cupyflash", "cupyflash", "ok", 10 * 2**20),
+              MemoryRecord(mc[0], "standard", "standard", "ok", 100 * 2**20),
+              MemoryRecord(mc[1], "FA2", "torch", "rejected", reason="no"),
+              MemoryRecord(mc[1], "standard", "standard", "oom", reason="out of memory"),
+              MemoryRecord(mc[1], "mem-eff", "torch", "skipped")]
+    full = report()
+    full.config = {"options": {"seqlen": (1024, 16384), "quick": True, "batch": None},
+                   "policy": {"warmup": 1, "target_s": 0.2}}
+    full.memory, full.decode, full.copy = memory, decode, CopyRecord(2**30, timed(0.5))
+    return full
+
+
+def test_report_json_round_trip():
+    data = full_report().to_json()
+    back = Report.from_json(json.loads(json.dumps(data, allow_nan=False)))
+    assert back.to_json() == data
+    assert back.throughput[0].case == case() and back.throughput[0].impl == CF
+    assert [m.impl for m in back.decode] == [CF, SIMT, CUDNN, FA3]  # descriptions recovered
+    assert back.decode[1].timing == timing.Timing((3.0, 2.5, 4.0), 2, 1, 1)
+    assert back.throughput[2].timing is None and back.throughput[1].validation is None
+    assert back.memory[4].peak_bytes is None and back.copy.tbps == full_report().copy.tbps
+    assert [m.impl.label for m in back.validation_failures] == ["cupyflash"]
+
+
+def test_report_from_json_rejects_another_schema():
+    data = full_report().to_json()
+    with pytest.raises(ValueError, match="cupyflash-bench/2"):
+        Report.from_json({**data, "schema": "cupyflash-bench/2"})
+    data.pop("schema")
+    with pytest.raises(ValueError, match="schema: None"):
+        Report.from_json(data)
+
+
 def test_text_report_mentions_environment_and_legend():
     text = table.text_report(report())
     assert text.splitlines()[0].startswith("NVIDIA H200 (132 SMs, sm_90) · cupyflash 0.1.0")
@@ -728,6 +775,57 @@ def test_cli_without_gpu_exits_cleanly(monkeypatch, capsys):
     assert "--list" in captured.err
 
 
+def saved_report(tmp_path) -> Path:
+    path = tmp_path / "saved.json"
+    path.write_text(json.dumps(full_report().to_json(), indent=1, allow_nan=False) + "\n")
+    return path
+
+
+def test_cli_from_json_renders_without_running(monkeypatch, tmp_path, capsys):
+    from cupyflash.bench import harness
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("--from-json must not measure")
+
+    monkeypatch.setattr(harness, "gpu_unavailable_reason", no_measuring)
+    monkeypatch.setattr(cli, "make_plan", no_measuring)
+    monkeypatch.setattr(cli, "run", no_measuring)
+    saved, doc, out = saved_report(tmp_path), tmp_path / "bench.md", tmp_path / "out.json"
+    doc.write_text(table.standalone_markdown({}))
+    # The sweep options, even an invalid combination, are ignored.
+    status = cli.main(["--from-json", str(saved), "--markdown", str(doc), "--json", str(out),
+                       "--skip-throughput", "--dtype", "fp32", "--quick"])
+    captured = capsys.readouterr()
+    assert status == cli.EXIT_OK, captured.err
+    assert captured.out == ""
+    text = doc.read_text()
+    assert "Not measured in this run." not in text
+    for name, filled in table.markdown_sections(full_report()).items():
+        begin, end = table.markers(name)
+        assert f"{begin}\n{filled.rstrip()}\n{end}" in text
+    assert "| bf16 | 128 | 4k |" in text and "NVIDIA H200" in text
+    assert out.read_text() == saved.read_text()
+
+
+def test_cli_from_json_usage_errors(tmp_path, capsys):
+    saved = saved_report(tmp_path)
+    assert cli.main(["--from-json", str(saved)]) == cli.EXIT_USAGE
+    assert "--from-json needs --markdown, --plot or --json" in capsys.readouterr().err
+    md = ["--markdown", str(tmp_path / "b.md")]
+    assert cli.main(["--from-json", str(tmp_path / "missing.json"), *md]) == cli.EXIT_USAGE
+    assert "cannot read" in capsys.readouterr().err
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"schema": "cupyflash-bench/9"}))
+    assert cli.main(["--from-json", str(other), *md]) == cli.EXIT_USAGE
+    assert "'cupyflash-bench/9'" in capsys.readouterr().err
+    other.write_text(json.dumps({"schema": "cupyflash-bench/1", "throughput": []}))
+    assert cli.main(["--from-json", str(other), *md]) == cli.EXIT_USAGE
+    assert "malformed report (KeyError" in capsys.readouterr().err
+    other.write_text("{not json")
+    assert cli.main(["--from-json", str(other), *md]) == cli.EXIT_USAGE
+    assert not (tmp_path / "b.md").exists()
+
+
 def test_python_dash_m_entry_points():
     for argv in (["-m", "cupyflash.bench", "--list", "--quick"],
                  ["-m", "cupyflash", "bench", "--list", "--quick"]):
@@ -760,3 +858,26 @@ def test_bench_imports_without_torch_and_matplotlib():
                           cwd=REPO, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().endswith("ok")
+
+
+FROM_JSON_WITHOUT_GPU_LIBRARIES = """
+import sys, importlib.abc
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("cupy", "cupy_backends", "torch"):
+            raise ImportError(f"blocked: {name}")
+sys.meta_path.insert(0, Block())
+from cupyflash.bench.cli import main
+assert main(["--from-json", sys.argv[1], "--markdown", sys.argv[2], "--plot", sys.argv[3]]) == 0
+assert not {"cupy", "torch"} & set(sys.modules)
+print("ok")
+"""
+
+
+def test_from_json_needs_neither_cupy_nor_torch(tmp_path):
+    argv = [str(saved_report(tmp_path)), str(tmp_path / "b.md"), str(tmp_path / "b.png")]
+    done = subprocess.run([sys.executable, "-c", FROM_JSON_WITHOUT_GPU_LIBRARIES, *argv],
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().endswith("ok")
+    assert "cupyflash-bench:memory:begin" in (tmp_path / "b.md").read_text()

@@ -2,7 +2,8 @@
 
 ``python -m cupyflash bench --help`` for the command line; docs/benchmarks.md for the method.
 Imports nothing heavy: CuPy, PyTorch and matplotlib are loaded when a run needs them, so
-``--help`` and ``--list`` work on a machine without a GPU.
+``--help``, ``--list`` and ``--from-json`` (render a saved report) work on a machine without a
+GPU.
 
 Modules: ``shapes`` (cases, FLOPs, presets), ``impls`` (what is compared), ``inputs``,
 ``runners`` (cupyflash) and ``torch_sdpa`` (the anchors) as timed regions, ``timing`` (CUDA

@@ -27,6 +27,8 @@ examples:
   python -m cupyflash bench --backends simt,mma --no-torch --causal yes
   python -m cupyflash bench --skip-throughput --memory --decode
   python -m cupyflash bench --list            (the planned cases; needs no GPU)
+  python -m cupyflash bench --from-json bench.json --markdown docs/benchmarks.md --plot bench.png
+                                              (re-render a saved report; needs no GPU or torch)
 
 Shapes follow the FlashAttention papers: batch*seqlen = --tokens, nheads*headdim = --model-dim.
 TFLOP/s = 4*B*H*Sq*Sk*D / time, x0.5 causal, x2.5 bwd, x3.5 fwd+bwd. Exit status: 0 done,
@@ -131,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "write a new document")
     out.add_argument("--plot", metavar="PATH", help="PNG (needs matplotlib); with --memory "
                      "also PATH-memory.png")
+    out.add_argument("--from-json", metavar="PATH",
+                     help="measure nothing: write --markdown, --plot and/or --json from the "
+                          "report a --json run saved at PATH (needs no GPU, CuPy or torch); "
+                          "the options that choose what to run, and how, are ignored")
     out.add_argument("--list", action="store_true", help="print the planned cases and exit")
     out.add_argument("--quiet", action="store_true", help="no progress line")
     return p
@@ -254,6 +260,32 @@ def run(plan: Plan, args, *, err=sys.stderr):
     return report
 
 
+def load_report(path: Path):
+    """The Report a --json run wrote; raises ValueError when PATH holds no such report."""
+    from .results import Report
+
+    try:
+        return Report.from_json(json.loads(path.read_text()))
+    except (KeyError, TypeError) as exc:  # a field missing, or of the wrong kind
+        raise ValueError(f"malformed report ({type(exc).__name__}: {exc})") from None
+
+
+def render_saved(args, *, err=sys.stderr) -> int:
+    """--from-json: the outputs of a saved report, so that figures measured on a GPU machine
+    can be rendered into the docs on one without a GPU. Imports neither CuPy nor torch."""
+    if not (args.markdown or args.plot or args.json):
+        print("cupyflash bench: --from-json needs --markdown, --plot or --json to write",
+              file=err)
+        return EXIT_USAGE
+    try:
+        report = load_report(Path(args.from_json))
+    except (OSError, ValueError) as exc:
+        print(f"cupyflash bench: cannot read {args.from_json}: {exc}", file=err)
+        return EXIT_USAGE
+    write_outputs(report, args, err=err)
+    return EXIT_OK
+
+
 def write_outputs(report, args, *, err=sys.stderr) -> None:
     from .table import markdown_sections
 
@@ -301,6 +333,8 @@ def main(argv=None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, or a usage error already printed by argparse
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    if args.from_json:
+        return render_saved(args, err=sys.stderr)  # the stderr of now, not of import time
     try:
         plan = make_plan(args)
     except ValueError as exc:

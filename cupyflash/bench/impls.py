@@ -59,3 +59,16 @@ def torch_anchors(names=None) -> list[Impl]:
                          f"{', '.join(a.label for a in TORCH_ANCHORS)}")
     wanted = {n.lower() for n in names}
     return [a for a in TORCH_ANCHORS if a.label.lower() in wanted]
+
+
+def known_impl(label: str, family: str, backend: str) -> Impl:
+    """The implementation a saved result names. The JSON keeps label, family and backend but
+    not the description, which is taken from the implementation of that name if this version
+    knows one, else left empty."""
+    known = {a.label: a for a in TORCH_ANCHORS}
+    if family == "cupyflash" and backend not in HOST_BACKENDS:
+        known.update({i.label: i for i in cupyflash_impls([backend])})
+    impl = known.get(label)
+    if impl is not None and (impl.family, impl.backend) == (family, backend):
+        return impl
+    return Impl(label, family, backend, "")

@@ -1,14 +1,24 @@
-"""What a benchmark run produces, and its JSON form (every figure, plus where it came from)."""
+"""What a benchmark run produces, and its JSON form (every figure, plus where it came from).
+
+``from_json`` reads that form back, so that a report measured on a GPU machine can be rendered
+(``python -m cupyflash bench --from-json``) where there is none. Derived figures (TFLOP/s,
+percentiles, MiB) are not read: they are recomputed from what they were derived from.
+"""
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
-from .impls import Impl
+from .impls import Impl, known_impl
 from .shapes import Case
 from .timing import Timing
 
 SCHEMA = "cupyflash-bench/1"
+
+
+def case_from_json(data: dict) -> Case:
+    """The Case whose fields a record's JSON carries flattened among its own."""
+    return Case(**{f.name: data[f.name] for f in fields(Case)})
 
 
 @dataclass
@@ -59,6 +69,14 @@ class Measurement:
             "validation": self.validation,
         }
 
+    @classmethod
+    def from_json(cls, data: dict) -> Measurement:
+        timing = data["timing"]
+        return cls(case_from_json(data), known_impl(data["impl"], data["family"], data["backend"]),
+                   data["status"], data["reason"],
+                   timing=None if timing is None else Timing.from_json(timing),
+                   validation=data["validation"])
+
 
 @dataclass
 class MemoryRecord:
@@ -78,6 +96,11 @@ class MemoryRecord:
                 "peak_mib": None if self.peak_bytes is None else self.peak_bytes / 2**20,
                 "reason": self.reason}
 
+    @classmethod
+    def from_json(cls, data: dict) -> MemoryRecord:
+        return cls(case_from_json(data), data["impl"], data["family"], data["status"],
+                   peak_bytes=data["peak_bytes"], reason=data["reason"])
+
 
 @dataclass
 class CopyRecord:
@@ -92,6 +115,10 @@ class CopyRecord:
 
     def to_json(self) -> dict:
         return {"nbytes": self.nbytes, "tbps": self.tbps, "timing": self.timing.to_json()}
+
+    @classmethod
+    def from_json(cls, data: dict) -> CopyRecord:
+        return cls(data["nbytes"], Timing.from_json(data["timing"]))
 
 
 @dataclass
@@ -119,6 +146,22 @@ class Report:
             "decode": {"copy": None if self.copy is None else self.copy.to_json(),
                        "results": [m.to_json() for m in self.decode]},
         })
+
+    @classmethod
+    def from_json(cls, data: dict) -> Report:
+        """The report that to_json wrote; raises ValueError for another schema (a future
+        version's fields would be misread, or silently dropped)."""
+        schema = data.get("schema") if isinstance(data, dict) else None
+        if schema != SCHEMA:
+            raise ValueError(f"not a benchmark report of schema {SCHEMA!r} "
+                             f"(its schema: {schema!r})")
+        decode = data["decode"]
+        return cls(environment=data["environment"], config=data["config"],
+                   throughput=[Measurement.from_json(m) for m in data["throughput"]],
+                   memory=[MemoryRecord.from_json(r) for r in data["memory"]],
+                   decode=[Measurement.from_json(m) for m in decode["results"]],
+                   copy=None if decode["copy"] is None else CopyRecord.from_json(decode["copy"]),
+                   notes=data["notes"])
 
 
 def json_safe(value):

@@ -70,6 +70,13 @@ class Timing:
             "times_ms": list(t),
         }
 
+    @classmethod
+    def from_json(cls, data: dict) -> Timing:
+        """The Timing that to_json wrote; the statistics are recomputed from times_ms."""
+        # float() also undoes results.json_safe, should a repeat have been written as "nan".
+        return cls(tuple(float(t) for t in data["times_ms"]), warmup=data["warmup"],
+                   input_sets=data["input_sets"], host_bound_repeats=data["host_bound_repeats"])
+
 
 @dataclass(frozen=True)
 class RepeatPolicy:
