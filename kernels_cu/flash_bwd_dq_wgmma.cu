@@ -13,9 +13,12 @@
 // pair on top of the dK/dV kernel's four, in exchange for no dQ accumulation buffer, no atomics
 // and no reductions through L2 (docs/perf-log.md, mma-bwd-v10). dQ = scale dS K is written once.
 //
-// dS K_j is left running into block j + 1 (its wait comes with S_{j+1}'s), so K_j must outlive
-// the barrier at the top of block j + 1: K has K_STAGES = 3 stages (V, read only by dP, which is
-// waited for inside the block, two), and K_{j+1}, V_{j+1} are copied while block j computes.
+// K_{j+1}, V_{j+1} are copied while block j computes; V, read only by dP (waited for inside the
+// block), has two stages. K has K_STAGES: with 2 (the default, measured faster), dS K_j is waited
+// for before the barrier at the top of block j + 1, whose copies refill K_j's stage; with 3 it is
+// left running into block j + 1 (its wait comes with S_{j+1}'s), as the forward leaves P V_j, and
+// K_j's stage outlives that barrier. ptxas serializes the wgmma of the 3-stage variant at head
+// dims 64 and 128 (C7515), so it is a tuner candidate at 256 only.
 #include "common.cuh"
 #include "mma.cuh"
 #include "mma_bwd.cuh"
@@ -37,8 +40,7 @@ struct DqWgmmaSmem {
     static constexpr u32 BYTES = V + V_STAGES * KV_TILE;
 };
 
-// K_STAGES: 3 leaves dS K_j running across the barrier (above); 2 waits for it before the barrier,
-// for head dims where a third K stage does not fit in shared memory.
+// K_STAGES: 2 waits for dS K_j before the next barrier, 3 leaves it running across (above).
 template <typename T, int D_TILE, bool CAUSAL, int BLOCK_M, int BLOCK_N, int K_STAGES>
 __global__ void __launch_bounds__(BLOCK_M / 64 * 128, 1)
 flash_bwd_dq_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,

@@ -134,6 +134,7 @@ def main(argv=None) -> int:
 def _bwd_candidates(headdim):
     """(label, backward keyword arguments) of every backward variant worth timing."""
     from ..kernels import mma_bwd
+    from ..kernels.mma_fwd import current_arch
 
     dt = mma_bwd.d_tile(headdim)
     out, seen = [], set()
@@ -162,10 +163,12 @@ def _bwd_candidates(headdim):
                 continue
             seen.add((kernel, tiles, dq))
             out.append((f"{version} dkdv {kernel} {dq}", dict(version=version, deterministic=deterministic)))
-    for tiles in mma_bwd.DQ_WGMMA_CANDIDATES.get(dt, ()):
+    # v10's tiles only where its kernels run (elsewhere dq_config would reach v3's dQ kernel).
+    split_tiles = current_arch() == "90" and dt in mma_bwd.WGMMA_SPLIT_D_TILES
+    for tiles in mma_bwd.DQ_WGMMA_CANDIDATES.get(dt, ()) if split_tiles else ():
         out.append((f"v10 wgmma{mma_bwd.WGMMA_CONFIG[dt]} + dq_wgmma{tiles}",
                     dict(version="v10", deterministic=True, dq_config=tiles)))
-    for tiles in mma_bwd.WGMMA_NONE_CANDIDATES.get(dt, ()):
+    for tiles in mma_bwd.WGMMA_NONE_CANDIDATES.get(dt, ()) if split_tiles else ():
         out.append((f"v10 wgmma{tiles} + dq_wgmma{mma_bwd.DQ_WGMMA_CONFIG[dt]}",
                     dict(version="v10", deterministic=True, wgmma=tiles)))
     for tiles in mma_bwd.DQ_CANDIDATES_V2.get(dt, ()):

@@ -27,6 +27,7 @@ class Resources:
     stack_bytes: int  # stack frame (local memory)
     spill_bytes: int  # spill stores + spill loads reported by ptxas
     sass: str = ""
+    wgmma_serialized: bool = False  # ptxas C7515: its wgmma wait after every instruction
 
 
 def all_specializations() -> list[Specialization]:
@@ -138,6 +139,17 @@ def spills_from_log(log: str) -> dict[str, tuple[int, int, int]]:
     return out
 
 
+# ptxas info (C7515) "Potential Performance Loss: wgmma.mma_async instructions are serialized due
+# to ..." names the function: ptxas then waits for each wgmma before the next instruction, which
+# removes all overlap of the tensor cores with the rest of the warpgroup's work.
+_WGMMA_SERIALIZED = re.compile(r"\(C7515\).*?in the function '(\S+)'")
+
+
+def wgmma_serialized_from_log(log: str) -> set[str]:
+    """Mangled names of the kernels whose wgmma ptxas serialized (C7515)."""
+    return set(_WGMMA_SERIALIZED.findall(log))
+
+
 _RES = re.compile(r"Function (\S+):\s*\n\s*REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 
 
@@ -167,6 +179,7 @@ def _check_group(source_file: str, group: list[Specialization], arch: str, with_
     cubin, mangled, log = compile_cubin(source_file, expressions, arch)
     usage = resource_usage(cubin, with_sass)
     spills = spills_from_log(log)
+    serialized = wgmma_serialized_from_log(log)
     results = []
     for spec in group:
         u = usage.get(mangled[spec.expression])
@@ -174,7 +187,8 @@ def _check_group(source_file: str, group: list[Specialization], arch: str, with_
             raise RuntimeError(f"{spec.name}: no resource line for {mangled[spec.expression]}")
         stack, stores, loads = spills.get(mangled[spec.expression], (0, 0, 0))
         results.append(Resources(spec.name, mangled[spec.expression], u["registers"],
-                                 u["shared"], stack, stores + loads, u["sass"]))
+                                 u["shared"], stack, stores + loads, u["sass"],
+                                 mangled[spec.expression] in serialized))
     return results
 
 
@@ -227,8 +241,9 @@ def main(argv=None) -> int:
     failures = 0
     for arch, results in check_archs(args.arch or list(ARCHS)).items():
         for r in results:
-            flag = "SPILL" if r.spill_bytes else ""
-            failures += bool(r.spill_bytes)
+            flag = " ".join(f for f, bad in (("SPILL", r.spill_bytes), ("WGMMA-SERIALIZED", r.wgmma_serialized))
+                            if bad)
+            failures += bool(r.spill_bytes or r.wgmma_serialized)
             print(f"sm_{arch:4} {r.name:70} regs {r.registers:4} stack {r.stack_bytes:5} "
                   f"spill {r.spill_bytes:5} {flag}")
     return 1 if failures else 0

@@ -135,15 +135,15 @@ WGMMA_PANEL_D_TILES = (128,)
 # flash_bwd_dq_wgmma (v10, sm_90a): D_TILE -> (BLOCK_M, BLOCK_N, K_STAGES); BLOCK_M / 64 warpgroups,
 # each owning 64 query rows: a 64 x D_TILE dQ accumulator (D_TILE / 2 registers per thread) and
 # 64 x BLOCK_N S and dP (BLOCK_N / 2 each). Q and dO stay in shared memory for the CTA's life; K
-# has K_STAGES stages (3: dS K_j runs on across the next barrier; 2: it is waited for first), V
-# two. Measured (bf16, whole backward in TFLOP/s at 16k / 16k causal / 2k / 2k causal;
-# docs/perf-log.md, mma-bwd-v10): K_STAGES 2 beats 3 everywhere, d128 356 / 358 / 327 / 264
-# against 336 / 333 / 285 / 232; d64 BLOCK_N 64 282 / 280 / 242 / 208 against 128's 281 / 276 /
-# 238 / 195 (K_STAGES 3); d256 306 / 306 / 277 / 232 against 302 / 305 / 263 / 230.
+# has K_STAGES stages (2: dS K_j is waited for before the next barrier; 3: it runs on across it),
+# V two. Measured (bf16, whole backward in TFLOP/s at 16k / 16k causal / 2k / 2k causal;
+# docs/perf-log.md, mma-bwd-v10): d64 (128, 128, 2) 303 / 293 / 266 / 217 against (128, 64, 2)'s
+# 286 / 280 / 251 / 209; d128 (128, 64, 2) 356 / 358 / 327 / 264 (BLOCK_N 128 spills there);
+# d256 (128, 32, 2) 306 / 306 / 277 / 232 against K_STAGES 3's 302 / 305 / 263 / 230. K_STAGES 3
+# at d64 and d128 compiles with its wgmma serialized by ptxas (C7515), so it is no candidate there.
 DQ_WGMMA_CONFIG = {64: (128, 128, 2), 128: (128, 64, 2), 256: (128, 32, 2)}
-# Further tiles the tuner times (python -m cupyflash.bench.tune --direction bwd).
-DQ_WGMMA_CANDIDATES = {64: ((128, 64, 2), (128, 64, 3), (128, 128, 3)), 128: ((128, 64, 3),),
-                       256: ((128, 32, 3),)}
+# Further tiles the tuner times on sm_90 (python -m cupyflash.bench.tune --direction bwd).
+DQ_WGMMA_CANDIDATES = {64: ((128, 64, 2),), 256: ((128, 32, 3),)}
 # Tiles of the dK/dV-only kernel (DqAdd::none) the tuner times besides WGMMA_CONFIG's.
 WGMMA_NONE_CANDIDATES = {64: ((64, 128),)}
 # Head-dim tiles where v10 runs the dK/dV-only wgmma kernel and flash_bwd_dq_wgmma when
@@ -151,7 +151,7 @@ WGMMA_NONE_CANDIDATES = {64: ((64, 128),)}
 WGMMA_SPLIT_D_TILES = (64, 128, 256)
 # ... and with deterministic=False too, where that beats the float atomics (d256: 306 / 306 / 277 /
 # 232 against the atomic dsplit kernel's 248 / 253 / 216 / 198; d128 356 / 358 / 327 / 264 against
-# 367 / 363 / 320 / 260, d64 282 / 280 / 242 / 208 against 311 / 305 / 268 / 218).
+# 367 / 363 / 320 / 260, d64 303 / 293 / 266 / 217 against 311 / 305 / 268 / 218).
 WGMMA_SPLIT_ATOMIC_D_TILES = (256,)
 
 # Kernel versions, all launchable side by side (``backward(..., version=...)``); DEFAULT_VERSION

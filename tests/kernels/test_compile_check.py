@@ -46,6 +46,24 @@ def test_no_register_spills(compiled):
 
 
 @needs_nvrtc
+def test_no_wgmma_serialized(compiled):
+    # ptxas C7515: a wgmma waited for right after issue loses every overlap the kernel is built
+    # around (S with dP, the exponentials with dP, products with the next block's).
+    arch, results = compiled
+    serialized = [r.name for r in results if r.wgmma_serialized]
+    assert not serialized, f"sm_{arch}: ptxas serialized the wgmma of {serialized}"
+
+
+def test_wgmma_serialization_is_read_from_the_ptxas_log():
+    log = ("ptxas info    : Compiling entry function '_Z1av' for 'sm_90a'\n"
+           "ptxas info    : (C7515) Potential Performance Loss: wgmma.mma_async instructions are serialized "
+           "due to non wgmma instructions defining accumulator registers of a wgmma between start and end "
+           "of the pipeline stage in the function '_Z1bv' in line 12\n")
+    assert compile_check.wgmma_serialized_from_log(log) == {"_Z1bv"}
+    assert compile_check.wgmma_serialized_from_log("ptxas info    : Used 40 registers") == set()
+
+
+@needs_nvrtc
 def test_tensor_core_kernels_use_hmma(compiled):
     arch, results = compiled
     mma = [r for r in results if "_mma_" in r.name]
