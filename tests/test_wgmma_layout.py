@@ -4,11 +4,12 @@ What the tensor cores read is written down once, from the PTX ISA ("Matrix Descr
 wgmma, the canonical 128-byte-swizzle layouts of "Shared Memory Matrix Layout", and the register
 fragments of wgmma .m64nNk16): decode_descriptor, swizzle_128b, operand_addresses / operand and
 wgmma. The index math of kernels_cu/wgmma.cuh (panel_offset, smem_desc, cp_async_panels) and of
-flash_fwd_wgmma.cu, flash_bwd_wgmma.cu and flash_bwd_wgmma_dsplit.cu (tile offsets, descriptor
-start / LBO / SBO per k-step, accumulator repacking, fragment stores) is mirrored in Python and
-checked against it: every operand a product reads must be the intended slice of a logical tile,
-and one block of each kernel, emulated product by product in float64, must reproduce plain
-matmuls. A layout bug then fails here as an O(1) mismatch instead of on an H200.
+flash_fwd_wgmma.cu, flash_bwd_wgmma.cu, flash_bwd_wgmma_dsplit.cu and flash_bwd_dq_wgmma.cu (tile
+offsets and stages, descriptor start / LBO / SBO per k-step, accumulator repacking, fragment
+stores) is mirrored in Python and checked against it: every operand a product reads must be the
+intended slice of a logical tile, and one block of each kernel, emulated product by product in
+float64, must reproduce plain matmuls. A layout bug then fails here as an O(1) mismatch instead
+of on an H200.
 
 Each mirror names the C++ statements it copies (@mirrors); test_mirrors_match_the_kernel_sources
 checks that they are still in the sources and that no layout statement of the wgmma code is left
@@ -226,7 +227,7 @@ def aligned_base(raw: int) -> int:
     return (raw + 1023) & ~1023
 
 
-for _kernel in ("flash_fwd_wgmma.cu", "flash_bwd_wgmma.cu", "flash_bwd_wgmma_dsplit.cu"):
+for _kernel in ("flash_fwd_wgmma.cu", "flash_bwd_wgmma.cu", "flash_bwd_wgmma_dsplit.cu", "flash_bwd_dq_wgmma.cu"):
     mirrors(_kernel, "const u32 base = (raw + 1023) & ~1023u;")(aligned_base)
 
 
@@ -898,6 +899,259 @@ mirrors(DSPLIT,
         "acc[j][e] = p16[e] == 0.f ? 0.f : p16[e] * (acc[j][e] - ((e & 1) ? d2.y : d2.x));")(dsplit_emulated)
 
 # ---------------------------------------------------------------------------------------------
+# Mirror of kernels_cu/flash_bwd_dq_wgmma.cu
+# ---------------------------------------------------------------------------------------------
+
+DQW = "flash_bwd_dq_wgmma.cu"
+
+
+@mirrors(DQW,
+         "static constexpr int V_STAGES = 2;",
+         "static constexpr u32 Q_PANEL = BLOCK_M * 128, KV_PANEL = BLOCK_N * 128;",
+         "static constexpr u32 Q_TILE = BLOCK_M * D_TILE * 2, KV_TILE = BLOCK_N * D_TILE * 2;",
+         "static constexpr u32 Q = 0;",
+         "static constexpr u32 DO = Q + Q_TILE;",
+         "static constexpr u32 K = DO + Q_TILE;",
+         "static constexpr u32 V = K + K_STAGES * KV_TILE;",
+         "static constexpr u32 BYTES = V + V_STAGES * KV_TILE;",
+         "constexpr int NWG = BLOCK_M / 64, NTHREADS = NWG * 128;",
+         "constexpr int N_FRAGS = BLOCK_N / 8, D_FRAGS = D_TILE / 8;",
+         "constexpr bool DQ_ACROSS_BARRIER = K_STAGES >= 3;",
+         "static_assert(BLOCK_M % 64 == 0 && BLOCK_N % 16 == 0 && D_TILE % 64 == 0,"
+         " \"64-row panels, 16-key k-steps\");",
+         "static_assert(K_STAGES == 2 || K_STAGES == 3, \"two or three K stages\");",
+         "static_assert(L::BYTES + 1024 <= 227 * 1024, \"shared memory\");")
+def dqw_smem(d_tile: int, block_m: int, block_n: int, k_stages: int) -> SimpleNamespace:
+    """DqWgmmaSmem and the kernel's derived constants (the shared-memory static_assert is checked
+    by test_smem_layouts_are_panel_aligned_and_match_python)."""
+    assert block_m % 64 == 0 and block_n % 16 == 0 and d_tile % 64 == 0 and k_stages in (2, 3)
+    L = SimpleNamespace(D_TILE=d_tile, BLOCK_M=block_m, BLOCK_N=block_n, K_STAGES=k_stages, V_STAGES=2,
+                        Q_PANEL=block_m * 128, KV_PANEL=block_n * 128, Q_TILE=block_m * d_tile * 2,
+                        KV_TILE=block_n * d_tile * 2, Q=0)
+    L.DO = L.Q + L.Q_TILE
+    L.K = L.DO + L.Q_TILE
+    L.V = L.K + L.K_STAGES * L.KV_TILE
+    L.BYTES = L.V + L.V_STAGES * L.KV_TILE
+    L.NWG = block_m // 64
+    L.NTHREADS = L.NWG * 128
+    L.N_FRAGS, L.D_FRAGS = block_n // 8, d_tile // 8
+    L.DQ_ACROSS_BARRIER = k_stages >= 3
+    return L
+
+
+@mirrors(DQW,
+         "const u32 raw = smem_u32(smem_raw);",
+         "const u32 s_q = base + L::Q, s_do = base + L::DO;",
+         "const u32 k_tile = base + L::K + (j % K_STAGES) * L::KV_TILE;",
+         "const u32 v_tile = base + L::V + (j % L::V_STAGES) * L::KV_TILE;")
+def dqw_tiles(L, j: int) -> SimpleNamespace:
+    """The tiles the products of key block j read (stages: K j % K_STAGES, V j % 2)."""
+    base = aligned_base(RAW_SMEM)
+    return SimpleNamespace(q=base + L.Q, do=base + L.DO, k=base + L.K + (j % L.K_STAGES) * L.KV_TILE,
+                           v=base + L.V + (j % L.V_STAGES) * L.KV_TILE)
+
+
+@mirrors(DQW,
+         "cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(s_q, q + row_offset(batch, m0, head, q_sb, q_ss, q_sh),"
+         " seqlen_q - m0, headdim, q_ss, tid);",
+         "cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(s_do, dout + row_offset(batch, m0, head, do_sb, do_ss, do_sh),"
+         " seqlen_q - m0, headdim, do_ss, tid);")
+def dqw_load_q_do(smem, L, q, do, m0: int, headdim: int) -> None:
+    """The query block's Q and dO (rows m0.. of q and do), once per CTA."""
+    tiles = dqw_tiles(L, 0)
+    seqlen_q = q.shape[0]
+    for tile, g in ((tiles.q, q), (tiles.do, do)):
+        cp_async_panels(smem, tile, L.BLOCK_M, L.D_TILE, L.NTHREADS, g[m0:], seqlen_q - m0, headdim)
+
+
+@mirrors(DQW,
+         "const int n0 = j * BLOCK_N;",
+         "cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(base + L::K + (j % K_STAGES) * L::KV_TILE,"
+         " k_rows + n0 * k_ss, seqlen_k - n0, headdim, k_ss, tid);",
+         "cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(base + L::V + (j % L::V_STAGES) * L::KV_TILE,"
+         " v_rows + n0 * v_ss, seqlen_k - n0, headdim, v_ss, tid);")
+def dqw_load_kv_block(smem, L, j: int, k, v, headdim: int) -> None:
+    """load_kv_block(j): K_j and V_j (rows n0.. of k and v) into their stages. The destinations are
+    the lambda's own expressions, not dqw_tiles': the two must agree."""
+    base = aligned_base(RAW_SMEM)
+    n0 = j * L.BLOCK_N
+    seqlen_k = k.shape[0]
+    cp_async_panels(smem, base + L.K + (j % L.K_STAGES) * L.KV_TILE, L.BLOCK_N, L.D_TILE, L.NTHREADS,
+                    k[n0:], seqlen_k - n0, headdim)
+    cp_async_panels(smem, base + L.V + (j % L.V_STAGES) * L.KV_TILE, L.BLOCK_N, L.D_TILE, L.NTHREADS,
+                    v[n0:], seqlen_k - n0, headdim)
+
+
+@mirrors(DQW,
+         "for (int kk = 0; kk < D_TILE / 16; ++kk) {",
+         "const u32 q_off = (kk / 4) * L::Q_PANEL + wg * 64 * 128 + (kk % 4) * 32;",
+         "const u32 k_off = (kk / 4) * L::KV_PANEL + (kk % 4) * 32;",
+         "Wgmma<T, BLOCK_N>::template ss<0, 0>(reinterpret_cast<float(&)[N_FRAGS * 4]>(s_acc),"
+         " smem_desc(s_q + q_off, 16, 1024), smem_desc(k_tile + k_off, 16, 1024), kk > 0);")
+def dqw_s_steps(L, tiles, wg: int) -> list[Step]:
+    """S = Q K_j^T of warpgroup wg (its 64 query rows x BLOCK_N keys), k-steps over the head dim;
+    both operands K-major."""
+    steps = []
+    for kk in range(L.D_TILE // 16):
+        q_off = (kk // 4) * L.Q_PANEL + wg * 64 * 128 + (kk % 4) * 32
+        k_off = (kk // 4) * L.KV_PANEL + (kk % 4) * 32
+        steps.append(Step(smem_desc(tiles.q + q_off, 16, 1024), 0, smem_desc(tiles.k + k_off, 16, 1024), 0))
+    return steps
+
+
+@mirrors(DQW,
+         "for (int kk = 0; kk < D_TILE / 16; ++kk) {",
+         "const u32 q_off = (kk / 4) * L::Q_PANEL + wg * 64 * 128 + (kk % 4) * 32;",
+         "const u32 v_off = (kk / 4) * L::KV_PANEL + (kk % 4) * 32;",
+         "Wgmma<T, BLOCK_N>::template ss<0, 0>(reinterpret_cast<float(&)[N_FRAGS * 4]>(dp_acc),"
+         " smem_desc(s_do + q_off, 16, 1024), smem_desc(v_tile + v_off, 16, 1024), kk > 0);")
+def dqw_dp_steps(L, tiles, wg: int) -> list[Step]:
+    """dP = dO V_j^T of warpgroup wg: S's shape and offsets with dO and V_j."""
+    steps = []
+    for kk in range(L.D_TILE // 16):
+        q_off = (kk // 4) * L.Q_PANEL + wg * 64 * 128 + (kk % 4) * 32
+        v_off = (kk // 4) * L.KV_PANEL + (kk % 4) * 32
+        steps.append(Step(smem_desc(tiles.do + q_off, 16, 1024), 0, smem_desc(tiles.v + v_off, 16, 1024), 0))
+    return steps
+
+
+@mirrors(DQW,
+         "for (int kk = 0; kk < BLOCK_N / 16; ++kk)",
+         "Wgmma<T, D_TILE>::template rs<1>(reinterpret_cast<float(&)[D_FRAGS * 4]>(dq_acc), ds_frag[kk],"
+         " smem_desc(k_tile + kk * 2048, L::KV_PANEL, 1024), 1);")
+def dqw_dq_steps(L, tiles) -> list[Step]:
+    """dQ += dS K_j: A = dS from registers (k-step kk: ds_frag[kk]), B = K_j MN-major (B[key][d]:
+    16 keys of 2048 bytes per k-step, the D_TILE columns in 64-column atoms one panel apart)."""
+    return [Step(None, None, smem_desc(tiles.k + kk * 2048, L.KV_PANEL, 1024), 1) for kk in range(L.BLOCK_N // 16)]
+
+
+@mirrors("mma_bwd.cuh",
+         "return m < seqlen_q && n < seqlen_k && (!CAUSAL || n <= m + diag);",
+         "return m0 + bm > seqlen_q || n0 + bn > seqlen_k || (CAUSAL && n0 + bn - 1 > m0 + diag);")
+class Visibility(NamedTuple):
+    """Query m sees key n iff both exist and, when causal, n <= m + diag."""
+    causal: bool
+    seqlen_q: int
+    seqlen_k: int
+    diag: int
+
+    def __call__(self, m, n):
+        return (m < self.seqlen_q) & (n < self.seqlen_k) & ((not self.causal) | (n <= m + self.diag))
+
+    def partial(self, m0: int, bm: int, n0: int, bn: int) -> bool:
+        return m0 + bm > self.seqlen_q or n0 + bn > self.seqlen_k or (self.causal and n0 + bn - 1 > m0 + self.diag)
+
+
+@mirrors(DQW,
+         "const int tid = threadIdx.x, wg = tid / 128, warp = tid / 32, lane = tid % 32;",
+         "const int row_lo = m0 + 16 * warp + lane / 4;",
+         "const int m = row_lo + 8 * h;",
+         "const i64 stat = ((i64)batch * nheads + head) * seqlen_q + m;",
+         "base_log2[h] = m < seqlen_q ? lse_base_log2(lse[stat]) : 0.f;",
+         "delta_row[h] = m < seqlen_q ? delta[stat] : 0.f;")
+def dqw_thread_rows(m0: int, wg: int, lse, delta, seqlen_q: int, batch: int, head: int, nheads: int):
+    """Warpgroup wg's threads: lane, row_lo, and base_log2[thread, h], delta_row[thread, h] (lse and
+    delta flat, (batch, nheads, seqlen_q))."""
+    tid = 128 * wg + THREADS
+    warp, lane = tid // 32, tid % 32
+    row_lo = m0 + 16 * warp + lane // 4
+    base_log2, delta_row = np.empty((128, 2)), np.empty((128, 2))
+    for h in range(2):
+        m = row_lo + 8 * h
+        stat = (batch * nheads + head) * seqlen_q + m
+        inside = m < seqlen_q
+        base_log2[:, h] = np.where(inside, lse_base_log2(lse[np.where(inside, stat, 0)]), 0.0)
+        delta_row[:, h] = np.where(inside, delta[np.where(inside, stat, 0)], 0.0)
+    return lane, row_lo, base_log2, delta_row
+
+
+@mirrors(DQW,
+         "const bool partial = visible.partial(m0, BLOCK_M, n0, BLOCK_N);",
+         "const int key0 = n0 + 2 * (lane % 4);",
+         "const float p = exp2_approx(fmaf(s_acc[f][e], scale_log2, -base_log2[e >> 1]));",
+         "s_acc[f][e] = partial && !visible(row_lo + 8 * (e >> 1), key0 + 8 * f + (e & 1)) ? 0.f : p;",
+         "dp_acc[f][e] = s_acc[f][e] == 0.f ? 0.f : s_acc[f][e] * (dp_acc[f][e] - delta_row[e >> 1]);")
+def dqw_p_and_ds(L, s_acc, dp_acc, visible, m0: int, n0: int, lane, row_lo, base_log2, delta_row, scale_log2):
+    """Steps 3-4 on the accumulators [thread, f, e]: P (0 where hidden), then dS = P o (dP - D)."""
+    partial = visible.partial(m0, L.BLOCK_M, n0, L.BLOCK_N)
+    key0 = n0 + 2 * (lane % 4)
+    f, e = np.arange(L.N_FRAGS)[None, :, None], np.arange(4)
+    p = np.exp2(s_acc * scale_log2 - base_log2[:, None, e >> 1])
+    p = np.where(partial & ~visible(row_lo[:, None, None] + 8 * (e >> 1), key0[:, None, None] + 8 * f + (e & 1)),
+                 0.0, p)
+    ds = np.where(p == 0.0, 0.0, p * (dp_acc - delta_row[:, None, e >> 1]))
+    return p, ds
+
+
+@mirrors(DQW,
+         "if (m >= seqlen_q) continue;",
+         "T* dq_row = dq + row_offset(batch, m, head, dq_sb, dq_ss, dq_sh);",
+         "const int col = 8 * f + 2 * (lane % 4);",
+         "if (col < headdim)",
+         "*reinterpret_cast<u32*>(dq_row + col) = pack2<T>(dq_acc[f][2 * h] * scale, dq_acc[f][2 * h + 1] * scale);")
+def dqw_store_dq(dq, dq_acc, lane, row_lo, scale: float, headdim: int) -> None:
+    """Epilogue: rows row_lo + 8h (below seqlen_q = dq.shape[0]), columns 8f + 2 (lane % 4), +1."""
+    for h in range(2):
+        m = row_lo + 8 * h
+        for f in range(dq_acc.shape[1]):
+            col = 8 * f + 2 * (lane % 4)
+            for r, c, (x, y) in zip(m, col, dq_acc[:, f, 2 * h: 2 * h + 2]):
+                if r < dq.shape[0] and c < headdim:
+                    dq[r, c: c + 2] = x * scale, y * scale
+
+
+@mirrors(DQW,
+         "const Visibility<CAUSAL> visible{seqlen_q, seqlen_k, seqlen_k - seqlen_q};",
+         "const int n_end = CAUSAL ? min(seqlen_k, max(0, m0 + BLOCK_M + visible.diag)) : seqlen_k;",
+         "if (n_end > 0) load_kv_block(0);",
+         "for (int j = 0; j * BLOCK_N < n_end; ++j) {",
+         "if ((j + 1) * BLOCK_N < n_end) load_kv_block(j + 1);",
+         "pack_a_frags<T, BLOCK_N>(ds_frag, dp_acc);")
+def dqw_emulated(q, k, v, do, lse, delta, L, headdim: int, scale: float, causal: bool, m0: int,
+                 batch: int, head: int, nheads: int, log_blocks=None):
+    """One CTA of flash_bwd_dq_wgmma (query block m0 of one head): Q and dO once, then every key
+    block it visits: S, dP, P, dS through registers, dQ += dS K_j; the epilogue's rows and columns.
+    Block j + 1's copies land before block j's products read (cp.async is instantaneous here), so
+    a stage clash shows up as wrong operands. Returns dq (seqlen_q x headdim, NaN where this CTA
+    wrote nothing) and fills log_blocks (optional) with the key blocks visited."""
+    seqlen_q, seqlen_k = q.shape[0], k.shape[0]
+    scale_log2 = scale * math.log2(math.e)
+    visible = Visibility(causal, seqlen_q, seqlen_k, seqlen_k - seqlen_q)
+    n_end = min(seqlen_k, max(0, m0 + L.BLOCK_M + visible.diag)) if causal else seqlen_k
+    smem = new_smem()
+    dqw_load_q_do(smem, L, q, do, m0, headdim)
+    if n_end > 0:
+        dqw_load_kv_block(smem, L, 0, k, v, headdim)
+    rows = [dqw_thread_rows(m0, wg, lse, delta, seqlen_q, batch, head, nheads) for wg in range(L.NWG)]
+    dq_acc = [np.zeros((128, L.D_FRAGS, 4)) for _ in range(L.NWG)]
+    j = 0
+    while j * L.BLOCK_N < n_end:
+        if (j + 1) * L.BLOCK_N < n_end:
+            dqw_load_kv_block(smem, L, j + 1, k, v, headdim)
+        if log_blocks is not None:
+            log_blocks.append(j)
+        n0 = j * L.BLOCK_N
+        tiles = dqw_tiles(L, j)
+        for wg in range(L.NWG):
+            lane, row_lo, base_log2, delta_row = rows[wg]
+            s_acc, dp_acc = np.empty((128, L.N_FRAGS, 4)), np.empty((128, L.N_FRAGS, 4))
+            for kk, step in enumerate(dqw_s_steps(L, tiles, wg)):
+                wgmma(s_acc, smem, step, accumulate=kk > 0)
+            for kk, step in enumerate(dqw_dp_steps(L, tiles, wg)):
+                wgmma(dp_acc, smem, step, accumulate=kk > 0)
+            _, ds = dqw_p_and_ds(L, s_acc, dp_acc, visible, m0, n0, lane, row_lo, base_log2, delta_row, scale_log2)
+            ds_frag = pack_a_frags(ds)
+            for kk, step in enumerate(dqw_dq_steps(L, tiles)):
+                wgmma(dq_acc[wg], smem, step, accumulate=True, a_regs=ds_frag[:, kk])
+        j += 1
+    dq = np.full((seqlen_q, headdim), np.nan)
+    for wg in range(L.NWG):
+        lane, row_lo = rows[wg][:2]
+        dqw_store_dq(dq, dq_acc[wg], lane, row_lo, scale, headdim)
+    return dq
+
+
+# ---------------------------------------------------------------------------------------------
 # Configurations
 # ---------------------------------------------------------------------------------------------
 
@@ -908,6 +1162,14 @@ FWD_SHAPES = [(d, bn) for d in (64, 128, 256) for bn in (64, 128)
               if fwd_smem(d, FWD_BLOCK_M, bn).BYTES + 1024 <= 227 * 1024]
 BWD_CONFIGS = [(128, 64, 128), (64, 128, 128)]  # (D_TILE, BLOCK_M, BLOCK_N) of flash_bwd_wgmma
 DSPLIT_CONFIG = (256, 64, 64)
+# (D_TILE, BLOCK_M, BLOCK_N, K_STAGES) of flash_bwd_dq_wgmma: mma_bwd.DQ_WGMMA_CONFIG and the tuner's
+# DQ_WGMMA_CANDIDATES (test_smem_layouts_are_panel_aligned_and_match_python checks it is both).
+DQW_CONFIGS = [(64, 128, 128, 2), (64, 128, 64, 2), (128, 128, 64, 2), (256, 128, 32, 2), (256, 128, 32, 3)]
+# (ROWS, DIM, NTHREADS) of every cp_async_panels the kernels issue: the forward's Q (BLOCK_M 128),
+# K and V; flash_bwd_wgmma's and dsplit's; flash_bwd_dq_wgmma's Q, dO (BLOCK_M) and K, V (BLOCK_N).
+CP_ASYNC_TILES = sorted({(r, d, 256) for r in (64, 128) for d in (64, 128, 256)} |
+                        {(rows, dt, dqw_smem(dt, bm, bn, ks).NTHREADS)
+                         for dt, bm, bn, ks in DQW_CONFIGS for rows in (bm, bn)})
 
 
 def _rng(*key) -> np.random.Generator:
@@ -943,7 +1205,7 @@ def _layout_statements(code: str) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("source", ["wgmma.cuh", FWD, BWD, DSPLIT])
+@pytest.mark.parametrize("source", ["wgmma.cuh", FWD, BWD, DSPLIT, DQW])
 def test_mirrors_match_the_kernel_sources(source):
     """Every C++ statement a mirror names is in the source (whitespace aside), and every layout
     statement of the wgmma code is mirrored: an edit there fails here until the mirror follows."""
@@ -962,7 +1224,7 @@ def test_mirrors_match_the_kernel_sources(source):
 
 
 def test_other_mirrored_helpers_are_in_their_sources():
-    for f in {f for f, _, _ in MIRRORED} - {"wgmma.cuh", FWD, BWD, DSPLIT}:
+    for f in {f for f, _, _ in MIRRORED} - {"wgmma.cuh", FWD, BWD, DSPLIT, DQW}:
         code = _squash(_code(KERNELS_CU / f))
         missing = [(s, who) for g, s, who in MIRRORED if g == f and _squash(s) not in code]
         assert not missing, f"mirrored statements no longer in {f}: {missing}"
@@ -980,7 +1242,7 @@ def test_smem_desc_encodes_the_ptx_descriptor_fields():
         assert lbo % 16 == 0 and lbo >> 4 < 1 << 14
 
 
-@pytest.mark.parametrize("configs", ["fwd", "bwd"])
+@pytest.mark.parametrize("configs", ["fwd", "bwd", "dq"])
 def test_smem_layouts_are_panel_aligned_and_match_python(configs):
     """Every tile (and stage) a descriptor or panel_offset addresses starts 1024-byte aligned, the
     128-byte swizzle's pattern; BYTES plus the alignment slack is what the launcher requests; the
@@ -997,6 +1259,20 @@ def test_smem_layouts_are_panel_aligned_and_match_python(configs):
             L = fwd_smem(dt, bm, bn)
             assert all(x % 1024 == 0 for x in (L.Q, L.K, L.V, L.KV_TILE, L.Q_PANEL, L.KV_PANEL))
             assert L.BYTES + 1024 == mma_fwd.wgmma_smem_bytes(dt, mma_fwd.WgmmaFwdConfig(bm, bn)) <= 227 * 1024
+    elif configs == "dq":
+        launched = {(dt, *cfg) for dt, cfg in mma_bwd.DQ_WGMMA_CONFIG.items()}
+        launched |= {(dt, *cfg) for dt, cfgs in mma_bwd.DQ_WGMMA_CANDIDATES.items() for cfg in cfgs}
+        assert launched == set(DQW_CONFIGS) and len(DQW_CONFIGS) == 5
+        assert {ks for _, _, _, ks in DQW_CONFIGS} == {2, 3}
+        for dt, bm, bn, ks in DQW_CONFIGS:
+            L = dqw_smem(dt, bm, bn, ks)
+            tiles = [L.Q, L.DO, *(L.K + s * L.KV_TILE for s in range(ks)), *(L.V + s * L.KV_TILE for s in range(2))]
+            assert all(x % 1024 == 0 for x in (*tiles, L.Q_TILE, L.KV_TILE, L.Q_PANEL, L.KV_PANEL))
+            sizes = [L.Q_TILE, L.Q_TILE, *[L.KV_TILE] * (ks + 2)]  # back to back, no overlap, all inside
+            assert [t + n for t, n in zip(tiles, sizes)] == [*tiles[1:], L.BYTES]
+            assert L.BYTES + 1024 == mma_bwd.dq_wgmma_smem_bytes(dt, bm, bn, ks) <= 227 * 1024
+            spec = mma_bwd.dq_wgmma_spec("bfloat16", dt, False, (bm, bn, ks))
+            assert (spec.threads, spec.smem_bytes) == (L.NTHREADS, L.BYTES + 1024)
     else:
         assert {(dt, *cfg) for dt, cfg in mma_bwd.WGMMA_CONFIG.items()} == {*BWD_CONFIGS, DSPLIT_CONFIG}
         for dt, bm, bn in BWD_CONFIGS:
@@ -1178,9 +1454,8 @@ def test_dsplit_pair_stores_are_bank_conflict_free_and_fill_the_tile():
 # 2. cp_async_panels
 # ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("rows, dim", [(r, d) for r in (64, 128) for d in (64, 128, 256)])
-def test_cp_async_panels_writes_each_slot_once_at_panel_offset(rows, dim):
-    nthreads = 256  # every wgmma kernel's CTA: two warpgroups
+@pytest.mark.parametrize("rows, dim, nthreads", CP_ASYNC_TILES)
+def test_cp_async_panels_writes_each_slot_once_at_panel_offset(rows, dim, nthreads):
     rng = _rng(1, rows, dim)
     tile = aligned_base(RAW_SMEM) + 2048
     for rows_valid, headdim in ((rows, dim), (rows - 5, dim - 8), (3, 8)):
@@ -1316,6 +1591,44 @@ def test_dsplit_operands_are_the_intended_slices():
             _check_operand(smem, step.b, step.trans_b, L.HALF, k[rows, half].T)
 
 
+@pytest.mark.parametrize("d_tile, block_m, block_n, k_stages", DQW_CONFIGS)
+def test_dq_wgmma_operands_are_q_do_k_and_v_slices(d_tile, block_m, block_n, k_stages):
+    """flash_bwd_dq_wgmma over K_STAGES + 2 key blocks (every K and V stage, each one reused) in the
+    kernel's order: block j + 1's copies land before block j's products read, and, with K_STAGES
+    3, before dS K_{j-1} (left running across the barrier) has read K_{j-1}. S = Q K_j^T reads the
+    warpgroup's 64 Q rows and all BLOCK_N keys of K_j's stage over the head-dim k-steps (both
+    K-major), dP = dO V_j^T likewise with dO and V_j's stage, dQ += dS K_j reads K_j MN-major: 16
+    keys per k-step as the reduction, all D_TILE columns as N."""
+    L = dqw_smem(d_tile, block_m, block_n, k_stages)
+    rng = _rng(10, d_tile, block_n, k_stages)
+    smem = new_smem()
+    q, do = rng.standard_normal((2, block_m, d_tile))
+    dqw_load_q_do(smem, L, q, do, 0, d_tile)
+    blocks = k_stages + 2
+    k, v = rng.standard_normal((2, blocks * block_n, d_tile))
+    dqw_load_kv_block(smem, L, 0, k, v, d_tile)
+    for j in range(blocks):
+        if j + 1 < blocks:
+            dqw_load_kv_block(smem, L, j + 1, k, v, d_tile)
+        # the products that may read now: block j's, and dS K_{j-1} where it runs across the barrier
+        for i in ([j - 1, j] if L.DQ_ACROSS_BARRIER and j > 0 else [j]):
+            tiles = dqw_tiles(L, i)
+            k_i, v_i = (x[i * block_n: (i + 1) * block_n] for x in (k, v))
+            for wg in range(L.NWG) if i == j else ():  # S, dP: A = 64 query rows of wg, B = the BLOCK_N keys
+                rows = slice(64 * wg, 64 * wg + 64)
+                for query_side, key_side, steps in ((q, k_i, dqw_s_steps(L, tiles, wg)),
+                                                    (do, v_i, dqw_dp_steps(L, tiles, wg))):
+                    assert len(steps) == d_tile // 16
+                    for kk, step in enumerate(steps):
+                        cols = slice(16 * kk, 16 * kk + 16)
+                        _check_operand(smem, step.a, step.trans_a, 64, query_side[rows, cols])
+                        _check_operand(smem, step.b, step.trans_b, block_n, key_side[:, cols])
+            steps = dqw_dq_steps(L, tiles)  # B[key][d] = K_j
+            assert len(steps) == block_n // 16 and all(step.a is None for step in steps)
+            for kk, step in enumerate(steps):
+                _check_operand(smem, step.b, step.trans_b, d_tile, k_i[16 * kk: 16 * kk + 16].T)
+
+
 def _store_rows_unswizzled(smem, tile: int, values: np.ndarray) -> None:
     """Panels of plain 128-byte rows: panel_offset without the XOR."""
     rows, cols = values.shape
@@ -1411,3 +1724,76 @@ def test_dsplit_block_emulation_matches_numpy():
     dk, dv, dq = dsplit_emulated(q, k, v, do, lse, delta, L, headdim, scale)
     for got, want in zip((dk, dv, dq), _bwd_reference(q, k, v, do, lse, delta, scale)):
         _assert_close(got, want)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d_tile, block_m, block_n, k_stages", DQW_CONFIGS)
+def test_dq_wgmma_p_and_ds_are_exact_zeros_where_hidden(d_tile, block_m, block_n, k_stages, causal):
+    """Steps 3-4 on accumulators whose hidden entries (rows past seqlen_q, keys past seqlen_k, above
+    the causal diagonal) hold +inf scores and NaN dP: P and dS are exact zeros there and the
+    formula elsewhere, entry (f, e) of a thread being row row_lo + 8 (e / 2), key n0 + 8 f +
+    2 (lane % 4) + e % 2 (the accumulator layout). The blocks are partial by rows only, by keys
+    only, by the diagonal only (causal) and by all three."""
+    L = dqw_smem(d_tile, block_m, block_n, k_stages)
+    rng = _rng(12, d_tile, block_n, int(causal))
+    seqlen_q, seqlen_k, scale_log2 = 2 * block_m - 3, 2 * block_m + 2, 0.3
+    visible = Visibility(causal, seqlen_q, seqlen_k, seqlen_k - seqlen_q)
+    lse, delta = rng.standard_normal((2, seqlen_q))
+    last = (seqlen_k - 1) // block_n * block_n
+    seen = set()
+    for m0, n0 in ((0, 0), (0, last), (block_m, block_m), (block_m, last)):
+        for wg in range(L.NWG):
+            m, n = m0 + 64 * wg + np.arange(64)[:, None], n0 + np.arange(block_n)[None, :]
+            vis = visible(m, n)
+            seen |= set(vis.ravel().tolist())
+            s, dp = rng.standard_normal((2, 64, block_n))
+            s[~vis], dp[~vis] = np.inf, np.nan
+            lane, row_lo, base_log2, delta_row = dqw_thread_rows(m0, wg, lse, delta, seqlen_q, 0, 0, 1)
+            p, ds = dqw_p_and_ds(L, acc_from_matrix(s), acc_from_matrix(dp), visible, m0, n0, lane, row_lo,
+                                 base_log2, delta_row, scale_log2)
+            inside = m < seqlen_q
+            row_base = np.where(inside, lse_base_log2(lse[np.minimum(m, seqlen_q - 1)]), 0.0)
+            row_delta = np.where(inside, delta[np.minimum(m, seqlen_q - 1)], 0.0)
+            want_p = np.where(vis, np.exp2(np.where(vis, s, 0.0) * scale_log2 - row_base), 0.0)
+            want_ds = np.where(vis, want_p * (np.where(vis, dp, 0.0) - row_delta), 0.0)
+            assert np.array_equal(acc_to_matrix(p), want_p) and np.array_equal(acc_to_matrix(ds), want_ds)
+    assert seen == {False, True}
+
+
+def _dq_reference(q, k, v, do, lse, delta, scale, causal):
+    seqlen_q, seqlen_k = q.shape[0], k.shape[0]
+    visible = (not causal) | (np.arange(seqlen_k)[None, :] <= np.arange(seqlen_q)[:, None] + seqlen_k - seqlen_q)
+    p = np.where(visible, np.exp(q @ k.T * scale - lse[:, None]), 0.0)
+    return scale * (p * (do @ v.T - delta[:, None])) @ k
+
+
+@pytest.mark.parametrize("mode", ["full", "causal", "causal-short-k"])
+@pytest.mark.parametrize("d_tile, block_m, block_n, k_stages", DQW_CONFIGS)
+def test_dq_wgmma_block_emulation_matches_numpy(d_tile, block_m, block_n, k_stages, mode):
+    """flash_bwd_dq_wgmma, both query blocks of one head (the second short of BLOCK_M rows) over
+    the key blocks each visits (the last one partial; every K and V stage, reused), head dim short
+    of the tile, lse and D read at (batch 1, head 2) of three heads: dQ = scale (P o (dO V^T - D)) K,
+    P = exp(S scale - lse), 0 where hidden. causal-short-k: seqlen_k < seqlen_q, so query block 0
+    visits no key block (dQ = 0) and rows that see no key have lse = -inf."""
+    L = dqw_smem(d_tile, block_m, block_n, k_stages)
+    headdim, causal = d_tile - 8, mode != "full"
+    seqlen_q = 2 * block_m - 3
+    seqlen_k = seqlen_q - block_m - 10 if mode == "causal-short-k" else seqlen_q + block_n + 7
+    rng = _rng(11, d_tile, block_n, k_stages)
+    q, k, v, do, _, _ = _bwd_inputs(rng, seqlen_q, seqlen_k, headdim)
+    nheads, batch, head = 3, 1, 2
+    lse, delta = rng.standard_normal((2, 2, nheads, seqlen_q))
+    if causal:  # rows that see no key: the forward's lse = -inf
+        lse[batch, head, np.arange(seqlen_q) + seqlen_k - seqlen_q < 0] = -np.inf
+    scale = headdim ** -0.5
+    dq, visited = np.full((seqlen_q, headdim), np.nan), []
+    for m0 in range(0, seqlen_q, block_m):  # one CTA each: it writes its own rows, all of them
+        visited.append([])
+        cta = dqw_emulated(q, k, v, do, lse.ravel(), delta.ravel(), L, headdim, scale, causal, m0,
+                           batch, head, nheads, visited[-1])
+        rows = slice(m0, m0 + block_m)
+        assert np.isnan(np.delete(cta, np.arange(seqlen_q)[rows], axis=0)).all() and not np.isnan(cta[rows]).any()
+        dq[rows] = cta[rows]
+    _assert_close(dq, _dq_reference(q, k, v, do, lse[batch, head], delta[batch, head], scale, causal))
+    assert len(visited[-1]) == math.ceil(seqlen_k / block_n) >= (k_stages + 1 if mode != "causal-short-k" else 1)
+    assert (len(visited[0]) < len(visited[-1])) == causal and (visited[0] == []) == (mode == "causal-short-k")
