@@ -344,11 +344,19 @@ def fwd_tiles(L, j: int) -> SimpleNamespace:
          " smem_desc(q_tile + q_off, 16, 1024), smem_desc(k_tile + k_off, 16, 1024), kk > 0);")
 def fwd_s_steps(L, tiles, wg: int) -> list[Step]:
     """S = Q K^T of warpgroup wg (its 64 query rows x BLOCK_N keys), k-steps over the head dim."""
+    return row_block_k_major_steps(L, tiles.q, tiles.k, wg)
+
+
+def row_block_k_major_steps(L, a_tile: int, b_tile: int, wg: int) -> list[Step]:
+    """The k-steps over the head dim of a 64-row x BLOCK_N product with both operands K-major: A
+    the warpgroup's 64 rows of a BLOCK_M tile (Q or dO), B a BLOCK_N tile (K or V). The offsets of
+    S = Q K^T in the forward, and of S and dP in flash_bwd_dq_wgmma (each mirror names its own
+    statements)."""
     steps = []
     for kk in range(L.D_TILE // 16):
-        q_off = (kk // 4) * L.Q_PANEL + wg * 64 * 128 + (kk % 4) * 32
-        k_off = (kk // 4) * L.KV_PANEL + (kk % 4) * 32
-        steps.append(Step(smem_desc(tiles.q + q_off, 16, 1024), 0, smem_desc(tiles.k + k_off, 16, 1024), 0))
+        a_off = (kk // 4) * L.Q_PANEL + wg * 64 * 128 + (kk % 4) * 32
+        b_off = (kk // 4) * L.KV_PANEL + (kk % 4) * 32
+        steps.append(Step(smem_desc(a_tile + a_off, 16, 1024), 0, smem_desc(b_tile + b_off, 16, 1024), 0))
     return steps
 
 
@@ -991,12 +999,7 @@ def dqw_load_kv_block(smem, L, j: int, k, v, headdim: int) -> None:
 def dqw_s_steps(L, tiles, wg: int) -> list[Step]:
     """S = Q K_j^T of warpgroup wg (its 64 query rows x BLOCK_N keys), k-steps over the head dim;
     both operands K-major."""
-    steps = []
-    for kk in range(L.D_TILE // 16):
-        q_off = (kk // 4) * L.Q_PANEL + wg * 64 * 128 + (kk % 4) * 32
-        k_off = (kk // 4) * L.KV_PANEL + (kk % 4) * 32
-        steps.append(Step(smem_desc(tiles.q + q_off, 16, 1024), 0, smem_desc(tiles.k + k_off, 16, 1024), 0))
-    return steps
+    return row_block_k_major_steps(L, tiles.q, tiles.k, wg)
 
 
 @mirrors(DQW,
@@ -1007,12 +1010,7 @@ def dqw_s_steps(L, tiles, wg: int) -> list[Step]:
          " smem_desc(s_do + q_off, 16, 1024), smem_desc(v_tile + v_off, 16, 1024), kk > 0);")
 def dqw_dp_steps(L, tiles, wg: int) -> list[Step]:
     """dP = dO V_j^T of warpgroup wg: S's shape and offsets with dO and V_j."""
-    steps = []
-    for kk in range(L.D_TILE // 16):
-        q_off = (kk // 4) * L.Q_PANEL + wg * 64 * 128 + (kk % 4) * 32
-        v_off = (kk // 4) * L.KV_PANEL + (kk % 4) * 32
-        steps.append(Step(smem_desc(tiles.do + q_off, 16, 1024), 0, smem_desc(tiles.v + v_off, 16, 1024), 0))
-    return steps
+    return row_block_k_major_steps(L, tiles.do, tiles.v, wg)
 
 
 @mirrors(DQW,
