@@ -1,0 +1,292 @@
+"""Masked and windowed attention against PyTorch FlexAttention, TFLOP/s over the visible pairs.
+
+``python -m cupyflash.bench.variants`` times, on the same inputs and in one process:
+
+* cupyflash with ``causal`` / ``window_size`` (when this version of cupyflash has the argument);
+* FlexAttention, ``torch.compile(flex_attention)`` with a ``mask_mod`` and ``create_block_mask``
+  (the anchor torch users have for windows and document masks);
+* cuDNN through SDPA, for the cases SDPA can express (full and causal).
+
+FLOPs count only the visible (query, key) pairs: 4 * B * H * pairs * D forward, 2.5x that
+backward, so a window that is skipped block by block shows as the same TFLOP/s as the causal
+kernel, and one masked element by element shows as a drop. The pairs are counted from the
+definition (flash-attn 2.8: query i sees key j iff i + sk - sq - left <= j <= i + sk - sq + right),
+not from cupyflash's masks.
+
+A second table gives the window's speed-up over full causal attention at the same shape (the
+issue's bar: at 16k, window (1024, 0) and (512, 512) at least 8x faster forward and backward).
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import sys
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from .timing import FULL_POLICY, time_region
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    causal: bool
+    window: tuple[int, int] = (-1, -1)  # flash-attn's (left, right); -1 = unbounded
+
+    def bounds(self) -> tuple[int, int]:
+        """(left, right) with causal folded in; -1 = unbounded."""
+        left, right = self.window
+        if self.causal:
+            right = 0 if right < 0 else min(right, 0)
+        return left, right
+
+
+VARIANTS = (
+    Variant("full", False),
+    Variant("causal", True),
+    Variant("causal window 1024", True, (1024, 0)),
+    Variant("window (512, 512)", False, (512, 512)),
+)
+
+
+def visible_pairs(seqlen_q: int, seqlen_k: int, left: int, right: int) -> int:
+    """Number of (i, j) with j in [i + sk - sq - left, i + sk - sq + right] ∩ [0, sk)."""
+    i = np.arange(seqlen_q, dtype=np.int64)
+    diag = i + seqlen_k - seqlen_q
+    lo = np.zeros_like(i) if left < 0 else np.maximum(diag - left, 0)
+    hi = np.full_like(i, seqlen_k - 1) if right < 0 else np.minimum(diag + right, seqlen_k - 1)
+    return int(np.maximum(hi - lo + 1, 0).sum())
+
+
+@dataclass
+class Row:
+    variant: str
+    seqlen: int
+    impl: str
+    mode: str
+    ms: float | None
+    tflops: float | None
+    note: str = ""
+
+
+def _cupyflash_has_window() -> bool:
+    import cupyflash
+
+    return "window_size" in inspect.signature(cupyflash.flash_attn_func).parameters
+
+
+def _inputs(batch, seqlen, nheads, headdim, n_sets, seed):
+    import cupy
+    import ml_dtypes
+
+    dtype = np.dtype(ml_dtypes.bfloat16)
+    shape = (batch, seqlen, nheads, headdim)
+    sets = []
+    for index in range(n_sets):
+        rng = cupy.random.default_rng(seed * 1000 + index)
+        sets.append(tuple(rng.standard_normal(shape, dtype=np.float32).astype(dtype)
+                          for _ in range(4)))  # q, k, v, do
+    return sets
+
+
+def _time(run, n_sets, stream) -> float:
+    run(0)  # compiles
+    return time_region(run, n_sets, policy=FULL_POLICY, stream=stream).median_ms
+
+
+def _cupyflash_runs(variant: Variant, sets):
+    import cupyflash
+
+    kwargs = {"causal": variant.causal}
+    if variant.window != (-1, -1):
+        if not _cupyflash_has_window():
+            return None, None
+        kwargs["window_size"] = variant.window
+    saved = [cupyflash.flash_attn_func(q, k, v, return_lse=True, **kwargs) for q, k, v, _ in sets]
+
+    def fwd(i):
+        q, k, v, _ = sets[i]
+        cupyflash.flash_attn_func(q, k, v, **kwargs)
+
+    def bwd(i):
+        q, k, v, do = sets[i]
+        o, lse = saved[i]
+        cupyflash.flash_attn_backward(do, q, k, v, o, lse, **kwargs)
+
+    return fwd, bwd
+
+
+def _flex_runs(torch, variant: Variant, sets, seqlen):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    left, right = variant.bounds()
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        visible = q_idx >= 0  # all-true of the right type
+        if left >= 0:
+            visible = visible & (q_idx - kv_idx <= left)
+        if right >= 0:
+            visible = visible & (kv_idx - q_idx <= right)
+        return visible
+
+    block_mask = None
+    if (left, right) != (-1, -1):
+        block_mask = create_block_mask(mask_mod, None, None, seqlen, seqlen, device="cuda")
+    compiled = torch.compile(flex_attention, dynamic=False)
+    views = [[torch.from_dlpack(x).transpose(1, 2) for x in s] for s in sets]
+    leaves = [[t.detach().requires_grad_(True) for t in v[:3]] + [v[3]] for v in views]
+
+    def fwd(i):
+        q, k, v, _ = views[i]
+        compiled(q, k, v, block_mask=block_mask)
+
+    outs = [compiled(q, k, v, block_mask=block_mask) for q, k, v, _ in leaves]
+
+    def bwd(i):
+        q, k, v, do = leaves[i]
+        q.grad = k.grad = v.grad = None
+        outs[i].backward(do, retain_graph=True)
+
+    return fwd, bwd
+
+
+def _cudnn_runs(torch, variant: Variant, sets):
+    if variant.window != (-1, -1):
+        return None, None
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    views = [[torch.from_dlpack(x).transpose(1, 2) for x in s] for s in sets]
+    leaves = [[t.detach().requires_grad_(True) for t in v[:3]] + [v[3]] for v in views]
+
+    def attention(q, k, v):
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=variant.causal)
+
+    def fwd(i):
+        q, k, v, _ = views[i]
+        attention(q, k, v)
+
+    outs = [attention(q, k, v) for q, k, v, _ in leaves]
+
+    def bwd(i):
+        q, k, v, do = leaves[i]
+        q.grad = k.grad = v.grad = None
+        outs[i].backward(do, retain_graph=True)
+
+    return fwd, bwd
+
+
+def run(batch: int, nheads: int, headdim: int, seqlens, variants, impls, seed: int = 0) -> list[Row]:
+    import cupy
+    import torch
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    torch_stream = torch.cuda.ExternalStream(stream.ptr)
+    rows = []
+    for seqlen in seqlens:
+        n_sets = 2
+        with stream, torch.cuda.stream(torch_stream):
+            sets = _inputs(batch, seqlen, nheads, headdim, n_sets, seed)
+            for variant in variants:
+                pairs = visible_pairs(seqlen, seqlen, *variant.bounds())
+                flops = {"fwd": 4.0 * batch * nheads * pairs * headdim}
+                flops["bwd"] = 2.5 * flops["fwd"]
+                for impl in impls:
+                    try:
+                        if impl == "cupyflash":
+                            fwd, bwd = _cupyflash_runs(variant, sets)
+                        elif impl == "flex":
+                            fwd, bwd = _flex_runs(torch, variant, sets, seqlen)
+                        else:
+                            fwd, bwd = _cudnn_runs(torch, variant, sets)
+                    except Exception as exc:  # an anchor that cannot run this case is reported
+                        fwd = bwd = None
+                        note = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                    else:
+                        note = "" if fwd is not None else "not supported"
+                    for mode, fn in (("fwd", fwd), ("bwd", bwd)):
+                        if fn is None:
+                            rows.append(Row(variant.name, seqlen, impl, mode, None, None, note))
+                            continue
+                        ms = _time(fn, n_sets, stream)
+                        rows.append(Row(variant.name, seqlen, impl, mode, ms,
+                                        flops[mode] / (ms * 1e-3) / 1e12))
+                        print(f"  {variant.name:<22} {seqlen:>6} {impl:<10} {mode} {ms:9.3f} ms "
+                              f"{rows[-1].tflops:7.1f} TFLOP/s", file=sys.stderr, flush=True)
+            del sets
+    return rows
+
+
+def table(rows: list[Row]) -> str:
+    """Markdown: one line per (variant, seqlen, mode), one column per implementation, then the
+    ratio of cupyflash to each anchor."""
+    impls = list(dict.fromkeys(r.impl for r in rows))
+    keyed = {(r.variant, r.seqlen, r.mode, r.impl): r for r in rows}
+    anchors = [i for i in impls if i != "cupyflash"]
+    head = ["variant", "seqlen", "mode"] + [f"{i} TFLOP/s" for i in impls]
+    head += [f"cupyflash / {a}" for a in anchors]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for variant, seqlen, mode in dict.fromkeys((r.variant, r.seqlen, r.mode) for r in rows):
+        cells = [variant, str(seqlen), mode]
+        values = {i: keyed.get((variant, seqlen, mode, i)) for i in impls}
+        cells += ["—" if v is None or v.tflops is None else f"{v.tflops:.1f}" for v in values.values()]
+        ours = values.get("cupyflash")
+        for a in anchors:
+            theirs = values.get(a)
+            ok = ours is not None and ours.tflops and theirs is not None and theirs.tflops
+            cells.append(f"{ours.tflops / theirs.tflops:.2f}" if ok else "—")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def speedups(rows: list[Row], impl: str = "cupyflash") -> str:
+    """Time of full causal attention over the time of each windowed variant, same seqlen."""
+    ms = {(r.variant, r.seqlen, r.mode): r.ms for r in rows if r.impl == impl and r.ms}
+    lines = ["| variant | seqlen | fwd speed-up over causal | bwd speed-up over causal |",
+             "|---|---|---|---|"]
+    for (variant, seqlen) in dict.fromkeys((r.variant, r.seqlen) for r in rows):
+        if "window" not in variant:
+            continue
+        cells = [variant, str(seqlen)]
+        for mode in ("fwd", "bwd"):
+            base, here = ms.get(("causal", seqlen, mode)), ms.get((variant, seqlen, mode))
+            cells.append(f"{base / here:.1f}x" if base and here else "—")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m cupyflash.bench.variants", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--nheads", type=int, default=16)
+    p.add_argument("--headdim", type=int, default=128)
+    p.add_argument("--seqlen", type=int, nargs="+", default=[8192])
+    p.add_argument("--variants", nargs="+", default=[v.name for v in VARIANTS],
+                   help=f"any of: {', '.join(repr(v.name) for v in VARIANTS)}")
+    p.add_argument("--impls", nargs="+", default=["cupyflash", "flex", "cudnn"])
+    p.add_argument("--json", metavar="PATH")
+    args = p.parse_args(argv)
+    by_name = {v.name: v for v in VARIANTS}
+    unknown = [n for n in args.variants if n not in by_name]
+    if unknown:
+        p.error(f"unknown variants {unknown}")
+    rows = run(args.batch, args.nheads, args.headdim, args.seqlen,
+               [by_name[n] for n in args.variants], args.impls)
+    print(table(rows))
+    print()
+    print(speedups(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"batch": args.batch, "nheads": args.nheads, "headdim": args.headdim,
+                       "rows": [asdict(r) for r in rows]}, f, indent=1)
+    measured = [r for r in rows if r.impl == "cupyflash" and r.ms]
+    print(f"variants bench: {len(rows)} timings, {len(measured)} of cupyflash")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
