@@ -1,0 +1,102 @@
+"""One attention problem: shapes, dtype, mask, scale, input magnitude and the seed of its inputs.
+
+Plain data, no Hypothesis: ``strategies.attention_problems`` draws these, and a failing example
+that Hypothesis prints can be rebuilt by hand from its repr.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+DTYPES = tuple(np.dtype(t) for t in (np.float16, ml_dtypes.bfloat16, np.float32, np.float64))
+DTYPE_NAMES = {dtype.name: dtype for dtype in DTYPES}
+
+
+def as_dtype(dtype) -> np.dtype:
+    """np.dtype of ``dtype``, accepting the names 'float16', 'bfloat16', 'float32', 'float64'."""
+    if isinstance(dtype, str) and dtype in DTYPE_NAMES:
+        return DTYPE_NAMES[dtype]
+    dtype = np.dtype(dtype)
+    if dtype not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype}; expected one of {', '.join(DTYPE_NAMES)}")
+    return dtype
+
+
+@dataclass(frozen=True)
+class AttentionProblem:
+    """q (batch, seqlen_q, nheads, headdim); k, v (batch, seqlen_k, nheads_kv, headdim), with
+    nheads = nheads_kv * group query heads (group > 1: GQA, nheads_kv = 1: MQA). ``causal`` is
+    aligned bottom-right: query i sees key j iff j <= i + seqlen_k - seqlen_q."""
+
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    nheads_kv: int
+    group: int  # query heads per kv head
+    headdim: int
+    causal: bool
+    softmax_scale: float | None  # None: the default 1 / sqrt(headdim)
+    magnitude: float  # standard deviation of every input
+    dtype: np.dtype
+    seed: int
+
+    @property
+    def nheads(self) -> int:
+        return self.nheads_kv * self.group
+
+    @property
+    def scale(self) -> float:
+        """The softmax scale in effect."""
+        return 1.0 / math.sqrt(self.headdim) if self.softmax_scale is None else self.softmax_scale
+
+    @property
+    def q_shape(self) -> tuple[int, int, int, int]:
+        return (self.batch, self.seqlen_q, self.nheads, self.headdim)
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int, int]:
+        return (self.batch, self.seqlen_k, self.nheads_kv, self.headdim)
+
+    @property
+    def lse_shape(self) -> tuple[int, int, int]:
+        return (self.batch, self.nheads, self.seqlen_q)
+
+    @property
+    def cost(self) -> int:
+        """batch * nheads * seqlen_q * seqlen_k * headdim: the work of one forward, up to a
+        constant."""
+        return self.batch * self.nheads * self.seqlen_q * self.seqlen_k * self.headdim
+
+    def arrays(self):
+        """(q, k, v, do): NumPy arrays of ``dtype``, standard normal times ``magnitude``, drawn
+        from ``seed`` (the same four arrays every call)."""
+        rng = np.random.default_rng(self.seed)
+        return tuple(
+            (rng.standard_normal(shape) * self.magnitude).astype(self.dtype)
+            for shape in (self.q_shape, self.kv_shape, self.kv_shape, self.q_shape)
+        )
+
+
+def as_numpy(x, name: str = "array") -> np.ndarray:
+    """A NumPy copy or view of ``x``: NumPy arrays as they are, CuPy arrays through ``.get()``,
+    torch tensors (any device, bfloat16 included) through the host, anything else through
+    ``np.asarray``."""
+    if isinstance(x, np.ndarray):
+        return x
+    module = type(x).__module__.split(".")[0]
+    if module == "cupy":
+        return x.get()
+    if module == "torch":
+        torch = sys.modules["torch"]
+        tensor = x.detach().cpu()
+        if tensor.dtype == torch.bfloat16:  # NumPy has no bfloat16 of its own; same bits
+            return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return tensor.numpy()
+    try:
+        return np.asarray(x)
+    except Exception as exc:
+        raise TypeError(f"{name}: cannot make a NumPy array of a {type(x).__name__}: {exc}") from exc
