@@ -23,6 +23,8 @@ import math
 
 import numpy as np
 
+from .masks import mask_for
+
 __all__ = ["forward", "backward"]
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
@@ -41,30 +43,14 @@ def _heads_first(x: np.ndarray, acc: np.dtype, nheads: int) -> np.ndarray:
     return x[:, kv_head]
 
 
-def _causal_mask(rows: slice, cols: slice, seqlen_q: int, seqlen_k: int) -> np.ndarray:
-    """Visibility inside one (Br, Bc) block; causal is aligned bottom-right."""
-    return np.arange(cols.start, cols.stop)[None, :] <= (
-        np.arange(rows.start, rows.stop)[:, None] + (seqlen_k - seqlen_q)
-    )
+def _block_mask(mask, rows: slice, cols: slice, seqlen_q: int, seqlen_k: int):
+    """Visibility inside one (Br, Bc) block, or None where the block needs no element mask."""
+    if not mask.partial(rows.start, rows.stop - rows.start, cols.start, cols.stop - cols.start, seqlen_q, seqlen_k):
+        return None
+    return mask.visible(np.arange(rows.start, rows.stop), np.arange(cols.start, cols.stop), seqlen_q, seqlen_k)
 
 
-def _num_key_blocks(rows: slice, seqlen_q: int, seqlen_k: int, Bc: int, causal: bool) -> int:
-    """Key blocks query block ``rows`` must visit: under the causal mask, blocks lying entirely
-    above the diagonal are skipped."""
-    keys = seqlen_k
-    if causal:
-        keys = min(max(rows.stop + seqlen_k - seqlen_q, 0), seqlen_k)
-    return math.ceil(keys / Bc)
-
-
-def _first_query_block(cols: slice, seqlen_q: int, seqlen_k: int, Br: int, causal: bool) -> int:
-    """First query block that sees any key of block ``cols`` (the backward's causal skip)."""
-    if not causal:
-        return 0
-    return max(cols.start - (seqlen_k - seqlen_q), 0) // Br
-
-
-def forward(q, k, v, *, softmax_scale, causal, block_m=64, block_n=64):
+def forward(q, k, v, *, softmax_scale, causal, window_size=(-1, -1), block_m=64, block_n=64):
     """Tiled forward pass: returns (o, lse), o in q's dtype, lse (batch, nheads, seqlen_q)."""
     acc = _accumulator(q.dtype)
     batch, seqlen_q, nheads, headdim = q.shape
@@ -75,6 +61,7 @@ def forward(q, k, v, *, softmax_scale, causal, block_m=64, block_n=64):
     O = np.zeros((batch, nheads, seqlen_q, headdim), acc)
     lse = np.full((batch, nheads, seqlen_q), -np.inf, acc)
     scale_log2 = acc.type(softmax_scale * LOG2E)
+    mask = mask_for(causal, window_size)
 
     Br, Bc = block_m, block_n
     Tr = math.ceil(seqlen_q / Br)
@@ -84,13 +71,16 @@ def forward(q, k, v, *, softmax_scale, causal, block_m=64, block_n=64):
         m_i = np.full(Q_i.shape[:-1], -np.inf, acc)
         l_i = np.zeros(Q_i.shape[:-1], acc)
         O_i = np.zeros(Q_i.shape, acc)
-        for j in range(_num_key_blocks(rows, seqlen_q, seqlen_k, Bc, causal)):
+        # Key blocks outside the mask are skipped; the rest are masked element by element only
+        # where some pair of the block is hidden.
+        for j in mask.key_blocks(rows.start, Br, Bc, seqlen_q, seqlen_k):
             cols = slice(j * Bc, min((j + 1) * Bc, seqlen_k))
             K_j = K[:, :, cols]
             V_j = V[:, :, cols]
             S_ij = Q_i @ np.swapaxes(K_j, -1, -2)
-            if causal:
-                S_ij = np.where(_causal_mask(rows, cols, seqlen_q, seqlen_k), S_ij, -np.inf)
+            visible = _block_mask(mask, rows, cols, seqlen_q, seqlen_k)
+            if visible is not None:
+                S_ij = np.where(visible, S_ij, -np.inf)
             m_new = np.maximum(m_i, S_ij.max(axis=-1))
             m_ref = np.where(m_new == -np.inf, acc.type(0), m_new)
             P_ij = np.exp2(S_ij - m_ref[..., None])
@@ -108,7 +98,7 @@ def forward(q, k, v, *, softmax_scale, causal, block_m=64, block_n=64):
     return o, lse
 
 
-def backward(do, q, k, v, o, lse, *, softmax_scale, causal, block_m=64, block_n=64):
+def backward(do, q, k, v, o, lse, *, softmax_scale, causal, window_size=(-1, -1), block_m=64, block_n=64):
     """Tiled backward pass from the saved lse: returns (dq, dk, dv) in q's dtype.
 
     Key/value blocks form the outer loop (each owns its dK_j, dV_j); dQ is accumulated block by
@@ -124,6 +114,7 @@ def backward(do, q, k, v, o, lse, *, softmax_scale, causal, block_m=64, block_n=
     O = _heads_first(o, acc, nheads)
     scale = acc.type(softmax_scale)
     scale_log2 = acc.type(softmax_scale * LOG2E)
+    mask = mask_for(causal, window_size)
 
     # D_i = rowsum(dO_i * O_i) = sum_j P_ij dP_ij, the softmax-backward term of each row.
     D = (dO * O).sum(axis=-1)
@@ -141,13 +132,14 @@ def backward(do, q, k, v, o, lse, *, softmax_scale, causal, block_m=64, block_n=
         V_j = V[:, :, cols]
         dK_j = np.zeros(K_j.shape, acc)
         dV_j = np.zeros(V_j.shape, acc)
-        for i in range(_first_query_block(cols, seqlen_q, seqlen_k, Br, causal), Tr):
+        for i in mask.query_blocks(cols.start, Bc, Br, seqlen_q, seqlen_k):
             rows = slice(i * Br, min((i + 1) * Br, seqlen_q))
             Q_i = Q[:, :, rows]
             dO_i = dO[:, :, rows]
             S_ij = (Q_i @ np.swapaxes(K_j, -1, -2)) * scale_log2
-            if causal:
-                S_ij = np.where(_causal_mask(rows, cols, seqlen_q, seqlen_k), S_ij, -np.inf)
+            visible = _block_mask(mask, rows, cols, seqlen_q, seqlen_k)
+            if visible is not None:
+                S_ij = np.where(visible, S_ij, -np.inf)
             P_ij = np.exp2(S_ij - lse_log2[:, :, rows, None])
             dV_j += np.swapaxes(P_ij, -1, -2) @ dO_i
             dP_ij = dO_i @ np.swapaxes(V_j, -1, -2)

@@ -9,8 +9,10 @@ rule: a fused kernel may be at most a small multiple of it.
 
 Layouts: q (batch, seqlen_q, nheads, headdim); k, v (batch, seqlen_k, nheads_kv, headdim);
 query head h reads kv head h // (nheads // nheads_kv). lse is (batch, nheads, seqlen_q).
-Causal masking is aligned bottom-right: query i sees key j iff j <= i + seqlen_k - seqlen_q.
-A query that sees no key has output 0, lse -inf and zero gradients.
+Masks are aligned bottom-right, as in flash-attn 2.8: with ``window_size=(left, right)`` query i
+sees key j iff i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right, each bound
+only where that side is not -1; ``causal=True`` sets right = 0. A query that sees no key has
+output 0, lse -inf and zero gradients.
 """
 from __future__ import annotations
 
@@ -27,13 +29,20 @@ __all__ = [
 ]
 
 
-def visible_keys(seqlen_q: int, seqlen_k: int, causal: bool) -> np.ndarray:
+def visible_keys(seqlen_q: int, seqlen_k: int, causal: bool, window_size=(-1, -1)) -> np.ndarray:
     """Boolean (seqlen_q, seqlen_k) matrix: entry (i, j) is True iff query i attends key j."""
-    if not causal:
-        return np.ones((seqlen_q, seqlen_k), dtype=bool)
+    left, right = window_size
+    if causal:
+        right = 0
     i = np.arange(seqlen_q)[:, None]
     j = np.arange(seqlen_k)[None, :]
-    return j <= i + (seqlen_k - seqlen_q)
+    diagonal = i + (seqlen_k - seqlen_q)
+    visible = np.ones((seqlen_q, seqlen_k), dtype=bool)
+    if right >= 0:
+        visible &= j <= diagonal + right
+    if left >= 0:
+        visible &= j >= diagonal - left
+    return visible
 
 
 def _check_shapes(q, k, v) -> None:
@@ -69,22 +78,23 @@ def _sum_over_visible(weights: np.ndarray, rows: np.ndarray, mask: np.ndarray) -
     """out[..., i, :] = sum over keys j visible to query i of weights[..., i, j] * rows[..., j, :].
 
     A plain ``weights @ rows`` would turn 0 * NaN into NaN, letting a non-finite row of a key
-    that query i does not see leak into query i. Every mask here keeps a prefix of the keys per
-    query, so queries are grouped by the length of that prefix and only the prefix is summed.
+    that query i does not see leak into query i. Every mask here keeps one contiguous run of
+    keys per query, so queries are grouped by their run and only the run is summed.
     """
-    prefix = mask.sum(axis=1)
+    count = mask.sum(axis=1)
+    first = mask.argmax(axis=1) if mask.shape[1] else count
     out = np.zeros(weights.shape[:-1] + rows.shape[-1:], dtype=np.float64)
-    for n in np.unique(prefix):
+    for start, n in set(zip(first.tolist(), count.tolist())):
         if n == 0:
             continue
-        queries = np.flatnonzero(prefix == n)
-        out[..., queries, :] = weights[..., queries, :n] @ rows[..., :n, :]
+        queries = np.flatnonzero((first == start) & (count == n))
+        out[..., queries, :] = weights[..., queries, start:start + n] @ rows[..., start:start + n, :]
     return out
 
 
-def _probabilities(q, k, scale, causal):
+def _probabilities(q, k, scale, causal, window_size=(-1, -1)):
     """P = softmax(scale * Q K^T) over the visible keys, in float64, and the log-sum-exp."""
-    mask = visible_keys(q.shape[2], k.shape[2], causal)
+    mask = visible_keys(q.shape[2], k.shape[2], causal, window_size)
     s = np.where(mask, scale * (q @ np.swapaxes(k, -1, -2)), -np.inf)
     row_max = s.max(axis=-1, keepdims=True, initial=-np.inf)
     sees_a_key = np.isfinite(row_max)
@@ -96,18 +106,18 @@ def _probabilities(q, k, scale, causal):
     return p, lse, mask
 
 
-def attention(q, k, v, *, softmax_scale=None, causal=False):
+def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)):
     """Exact attention in float64: (o, lse), o shaped like q, lse (batch, nheads, seqlen_q)."""
     q, k, v = (np.asarray(x).astype(np.float64) for x in (q, k, v))
     _check_shapes(q, k, v)
     nheads = q.shape[2]
     q_, k_, v_ = _heads_first(q, nheads), _heads_first(k, nheads), _heads_first(v, nheads)
-    p, lse, mask = _probabilities(q_, k_, _scale(softmax_scale, q.shape[3]), causal)
+    p, lse, mask = _probabilities(q_, k_, _scale(softmax_scale, q.shape[3]), causal, window_size)
     o = _sum_over_visible(p, v_, mask)
     return _seqlen_first(o, nheads), lse
 
 
-def attention_backward(do, q, k, v, *, softmax_scale=None, causal=False):
+def attention_backward(do, q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)):
     """Gradients (dq, dk, dv) in float64 of sum(do * o) with o = attention(q, k, v).
 
     dS is formed from the softmax Jacobian, dS_i = (diag(P_i) - P_i P_i^T) dP_i, rather than
@@ -120,7 +130,7 @@ def attention_backward(do, q, k, v, *, softmax_scale=None, causal=False):
     nheads, nheads_kv = q.shape[2], k.shape[2]
     scale = _scale(softmax_scale, q.shape[3])
     q_, k_, v_, do_ = (_heads_first(x, nheads) for x in (q, k, v, do))
-    p, _, mask = _probabilities(q_, k_, scale, causal)
+    p, _, mask = _probabilities(q_, k_, scale, causal, window_size)
     dp = np.where(mask, do_ @ np.swapaxes(v_, -1, -2), 0.0)
     ds = p * dp - p * (p * dp).sum(axis=-1, keepdims=True)
     dq = scale * _sum_over_visible(ds, k_, mask)
@@ -147,11 +157,11 @@ def _rounder(dtype):
     return lambda x: np.asarray(x).astype(acc).astype(dtype).astype(acc)
 
 
-def _standard_probabilities(q, k, scale, causal, dtype):
+def _standard_probabilities(q, k, scale, causal, dtype, window_size=(-1, -1)):
     """P of standard attention in ``dtype``: S = Q K^T rounded, then scaled and rounded, then a
     softmax in the accumulator type whose result is rounded."""
     rnd, acc = _rounder(dtype), _accumulator(dtype)
-    mask = visible_keys(q.shape[2], k.shape[2], causal)
+    mask = visible_keys(q.shape[2], k.shape[2], causal, window_size)
     s = rnd(rnd(q @ np.swapaxes(k, -1, -2)) * acc.type(scale))
     s = np.where(mask, s, -np.inf)
     row_max = s.max(axis=-1, keepdims=True, initial=-np.inf)
@@ -169,7 +179,7 @@ def _standard_inputs(dtype, nheads, *xs):
     return [_heads_first(rnd(np.asarray(x)), nheads) for x in xs]
 
 
-def standard_attention(q, k, v, *, softmax_scale=None, causal=False, dtype):
+def standard_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), dtype):
     """Attention as an unfused implementation computes it in ``dtype``: returns (o, lse).
 
     Inputs are rounded to ``dtype``; products accumulate in float32 (float64 for float64) and are
@@ -182,12 +192,13 @@ def standard_attention(q, k, v, *, softmax_scale=None, causal=False, dtype):
     _check_shapes(q, k, v)
     nheads = q.shape[2]
     q_, k_, v_ = _standard_inputs(dtype, nheads, q, k, v)
-    p, lse = _standard_probabilities(q_, k_, _scale(softmax_scale, q.shape[3]), causal, dtype)
+    p, lse = _standard_probabilities(q_, k_, _scale(softmax_scale, q.shape[3]), causal, dtype, window_size)
     o = _rounder(dtype)(p @ v_)
     return _seqlen_first(o, nheads).astype(dtype), lse
 
 
-def standard_attention_backward(do, q, k, v, *, softmax_scale=None, causal=False, dtype):
+def standard_attention_backward(do, q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
+                                dtype):
     """Gradients (dq, dk, dv) as an unfused implementation computes them in ``dtype``.
 
     Rounded to ``dtype``: P, dP = dO V^T, dS = P * (dP - rowsum(P * dP)) (formed in the
@@ -201,7 +212,7 @@ def standard_attention_backward(do, q, k, v, *, softmax_scale=None, causal=False
     scale = _scale(softmax_scale, q.shape[3])
     rnd, acc = _rounder(dtype), _accumulator(dtype)
     q_, k_, v_, do_ = _standard_inputs(dtype, nheads, q, k, v, do)
-    p, _ = _standard_probabilities(q_, k_, scale, causal, dtype)
+    p, _ = _standard_probabilities(q_, k_, scale, causal, dtype, window_size)
     dv = rnd(np.swapaxes(p, -1, -2) @ do_)
     dp = rnd(do_ @ np.swapaxes(v_, -1, -2))
     ds = rnd(p * (dp - (p * dp).sum(axis=-1, keepdims=True)))

@@ -1,0 +1,164 @@
+"""The mask policy in Python: the twin of ``kernels_cu/mask.cuh``, with the same answers.
+
+A policy is a band of S around the bottom-right diagonal (diag = seqlen_k - seqlen_q): query i
+sees key j iff j < seqlen_k, i + lo_off <= j (a left bound) and j <= i + hi_off (a right bound),
+with lo_off = diag - window_left and hi_off = diag + window_right. ``NoMask`` has neither bound,
+``Causal`` the right one with window_right = 0, ``Local`` the window (left, right) of flash-attn
+2.8 (-1: that side unbounded). ``mask_for(causal, window_size)`` picks the policy of a call, the
+same way the launchers pick the kernel's template argument (``Mask.cpp``).
+
+Ranges are half-open index ranges; the block helpers turn them into the blocks a kernel visits.
+The NumPy twin, the bench's IO model and the layout tests take their masks from here;
+``cupyflash.reference`` does not (it is written from the definition, independently).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["Mask", "NoMask", "Causal", "Local", "mask_for", "check_window"]
+
+MASK_UNBOUNDED = 1 << 30  # offset of an unbounded side (mask.cuh's MASK_UNBOUNDED)
+
+
+def check_window(window_size) -> tuple[int, int]:
+    """``window_size`` as (left, right) ints >= -1, or a ValueError naming the argument."""
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise ValueError(f"window_size must be a pair (left, right) of ints >= -1, got {window_size!r}") from None
+    for side in (left, right):
+        if isinstance(side, (bool, np.bool_)) or not isinstance(side, (int, np.integer)) or side < -1:
+            raise ValueError(f"window_size must be a pair (left, right) of ints >= -1, got {window_size!r}")
+    return int(left), int(right)
+
+
+@dataclass(frozen=True)
+class Mask:
+    """A band policy; subclasses fix which bounds exist. ``left``/``right`` are the window sides
+    (-1: unbounded)."""
+
+    left: int = -1
+    right: int = -1
+    HAS_LEFT = False
+    HAS_RIGHT = False
+    name = ""  # in specialization names: "full", "causal", "local"
+    cpp = ""  # the kernels' template argument
+
+    def offsets(self, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
+        """(lo_off, hi_off) for this problem, as the kernel's constructor computes them."""
+        diag = seqlen_k - seqlen_q
+        lo = -MASK_UNBOUNDED if self.left < 0 else diag - self.left
+        hi = MASK_UNBOUNDED if self.right < 0 else diag + self.right
+        return lo, hi
+
+    def window_args(self) -> tuple:
+        """The kernels' last two arguments (window_left, window_right)."""
+        return np.int32(self.left), np.int32(self.right)
+
+    # --- elements ---------------------------------------------------------------------------
+    def visible(self, rows, cols, seqlen_q: int, seqlen_k: int) -> np.ndarray:
+        """Boolean (len(rows), len(cols)) visibility of queries ``rows`` and keys ``cols``."""
+        i = np.asarray(rows)[:, None]
+        j = np.asarray(cols)[None, :]
+        lo, hi = self.offsets(seqlen_q, seqlen_k)
+        ok = (i < seqlen_q) & (j < seqlen_k)
+        if self.HAS_RIGHT:
+            ok &= j <= i + hi
+        if self.HAS_LEFT:
+            ok &= j >= i + lo
+        return ok
+
+    # --- S: the keys of query rows [m0, m0 + rows) ------------------------------------------
+    def key_begin(self, m0: int, seqlen_q: int, seqlen_k: int) -> int:
+        lo, _ = self.offsets(seqlen_q, seqlen_k)
+        return max(0, m0 + lo) if self.HAS_LEFT else 0
+
+    def key_end(self, m0: int, rows: int, seqlen_q: int, seqlen_k: int) -> int:
+        _, hi = self.offsets(seqlen_q, seqlen_k)
+        return min(seqlen_k, max(0, m0 + rows + hi)) if self.HAS_RIGHT else seqlen_k
+
+    def key_full_begin(self, m0: int, rows: int, seqlen_q: int, seqlen_k: int) -> int:
+        lo, _ = self.offsets(seqlen_q, seqlen_k)
+        return m0 + rows - 1 + lo if self.HAS_LEFT else 0
+
+    def key_full_end(self, m0: int, seqlen_q: int, seqlen_k: int) -> int:
+        _, hi = self.offsets(seqlen_q, seqlen_k)
+        return min(seqlen_k, max(0, m0 + 1 + hi)) if self.HAS_RIGHT else seqlen_k
+
+    def keys_partial(self, m0: int, rows: int, n0: int, cols: int, seqlen_q: int, seqlen_k: int) -> bool:
+        """Whether keys [n0, n0 + cols) need the element mask for rows [m0, m0 + rows) (rows past
+        seqlen_q are not asked about)."""
+        return (n0 + cols > self.key_full_end(m0, seqlen_q, seqlen_k) or
+                (self.HAS_LEFT and n0 < self.key_full_begin(m0, rows, seqlen_q, seqlen_k)))
+
+    def key_blocks(self, m0: int, rows: int, block_n: int, seqlen_q: int, seqlen_k: int) -> range:
+        """Key blocks (indices of block_n keys) that query rows [m0, m0 + rows) visit."""
+        begin, end = self.key_begin(m0, seqlen_q, seqlen_k), self.key_end(m0, rows, seqlen_q, seqlen_k)
+        if begin >= end:
+            return range(0)
+        return range(begin // block_n, -(-end // block_n))
+
+    # --- S^T: the queries of key rows [n0, n0 + cols) ---------------------------------------
+    def query_begin(self, n0: int, seqlen_q: int, seqlen_k: int) -> int:
+        _, hi = self.offsets(seqlen_q, seqlen_k)
+        return max(0, n0 - hi) if self.HAS_RIGHT else 0
+
+    def query_end(self, n0: int, cols: int, seqlen_q: int, seqlen_k: int) -> int:
+        lo, _ = self.offsets(seqlen_q, seqlen_k)
+        return min(seqlen_q, max(0, min(n0 + cols, seqlen_k) - lo)) if self.HAS_LEFT else seqlen_q
+
+    def query_blocks(self, n0: int, cols: int, block_m: int, seqlen_q: int, seqlen_k: int) -> range:
+        """Query blocks (indices of block_m rows) that key rows [n0, n0 + cols) visit."""
+        begin, end = self.query_begin(n0, seqlen_q, seqlen_k), self.query_end(n0, cols, seqlen_q, seqlen_k)
+        if begin >= end:
+            return range(0)
+        return range(begin // block_m, -(-end // block_m))
+
+    def partial(self, m0: int, rows: int, n0: int, cols: int, seqlen_q: int, seqlen_k: int) -> bool:
+        """Whether some (i, j) of the block [m0, m0 + rows) x [n0, n0 + cols) is hidden."""
+        lo, hi = self.offsets(seqlen_q, seqlen_k)
+        return (m0 + rows > seqlen_q or n0 + cols > seqlen_k or
+                (self.HAS_RIGHT and n0 + cols - 1 > m0 + hi) or (self.HAS_LEFT and n0 < m0 + rows - 1 + lo))
+
+    # --- load balance -----------------------------------------------------------------------
+    def query_block(self, block: int, blocks: int) -> int:
+        """Query block handed to grid index ``block`` (heaviest first with a right bound)."""
+        return blocks - 1 - block if self.HAS_RIGHT else block
+
+
+@dataclass(frozen=True)
+class NoMask(Mask):
+    name = "full"
+    cpp = "cf::NoMask"
+
+
+@dataclass(frozen=True)
+class Causal(Mask):
+    left: int = -1
+    right: int = 0
+    HAS_RIGHT = True
+    name = "causal"
+    cpp = "cf::Causal"
+
+
+@dataclass(frozen=True)
+class Local(Mask):
+    HAS_LEFT = True
+    HAS_RIGHT = True
+    name = "local"
+    cpp = "cf::Local"
+
+
+def mask_for(causal: bool, window_size=(-1, -1)) -> Mask:
+    """The policy of a call: ``causal`` sets the right side to 0 (flash-attn 2.8); a window equal
+    to no mask or to the causal one gets that policy (and its kernels)."""
+    left, right = check_window(window_size)
+    if causal:
+        right = 0
+    if right < 0 and left < 0:
+        return NoMask()
+    if right == 0 and left < 0:
+        return Causal()
+    return Local(left, right)

@@ -1,0 +1,115 @@
+// The mask policy of every live kernel: which (query i, key j) pairs are visible, and from that
+// the key blocks a query block visits (forward, dQ), the query blocks a key block visits (dK/dV),
+// which visited blocks need element masking, and the order of query blocks for load balance.
+// Kernels take the policy as a template argument and ask it; none works out a range itself.
+// Python twin: cupyflash/masks.py (same answers, checked against a brute-force element mask).
+//
+// A policy is a band of S around the bottom-right diagonal: with diag = seqlen_k - seqlen_q,
+//   query i sees key j  iff  j < seqlen_k,  i + lo_off <= j (LEFT),  j <= i + hi_off (RIGHT),
+// lo_off = diag - window_left and hi_off = diag + window_right. NoMask has neither bound, Causal
+// the right one with window_right = 0 known at compile time, Local both at run time (a side the
+// caller leaves unbounded, window -1, gets an offset no index reaches). Every kernel takes
+// window_left and window_right as its last two arguments; NoMask and Causal ignore them.
+//
+// Block ranges are of keys (or queries) as indices, half-open; a kernel visits the blocks that
+// hold them and no others, so key blocks outside the window are never loaded. A row of a visited
+// block may see none of its keys (its running maximum stays -inf): online_softmax.cuh and the
+// backward's lse_base_log2 keep such rows at 0 rather than NaN.
+//
+// To add a variant: a new policy type here (its bounds and its element test), its twin in
+// cupyflash/masks.py, its name in the launchers' MASKS tables, and its cases in
+// tests/test_masks.py (docs/algorithm.md, "Mask policy").
+#pragma once
+
+namespace cf {
+
+// Offset of an unbounded side: beyond every index (seqlens stay below 2^29).
+constexpr int MASK_UNBOUNDED = 1 << 30;
+
+template <bool LEFT, bool RIGHT>
+struct Band {
+    static constexpr bool HAS_LEFT = LEFT, HAS_RIGHT = RIGHT;
+    int seqlen_q, seqlen_k;
+    int lo_off, hi_off;  // query i sees keys [i + lo_off, i + hi_off] (where the bound applies)
+
+    // --- elements -------------------------------------------------------------------------
+    __device__ __forceinline__ bool visible(int i, int j) const {
+        return i < seqlen_q && j < seqlen_k && (!RIGHT || j <= i + hi_off) && (!LEFT || j >= i + lo_off);
+    }
+    // Keys of row i that its bounds allow: [row_key_begin(i), row_key_end(i)).
+    __device__ __forceinline__ int row_key_end(int i) const {
+        return RIGHT ? min(seqlen_k, i + 1 + hi_off) : seqlen_k;
+    }
+    __device__ __forceinline__ int row_key_begin(int i) const { return LEFT ? i + lo_off : 0; }
+
+    // Element test of a fragment at a fixed origin (query i0, key j0): the origin's part once,
+    // then one compare per bound for each offset (di, dj) known after unrolling.
+    struct Origin {
+        int keys_left, queries_left;  // seqlen_k - j0, seqlen_q - i0
+        int hi_slack, lo_slack;       // i0 + hi_off - j0, i0 + lo_off - j0
+    };
+    __device__ __forceinline__ Origin origin(int i0, int j0) const {
+        return {seqlen_k - j0, seqlen_q - i0, i0 + hi_off - j0, i0 + lo_off - j0};
+    }
+    __device__ __forceinline__ bool hidden(const Origin& o, int di, int dj) const {
+        return dj >= o.keys_left || di >= o.queries_left || (RIGHT && dj - di > o.hi_slack) ||
+               (LEFT && dj - di < o.lo_slack);
+    }
+
+    // --- S: the keys of query rows [m0, m0 + rows) ------------------------------------------
+    // Visible to some row: [key_begin, key_end) (empty when key_begin >= key_end).
+    __device__ __forceinline__ int key_begin(int m0) const { return LEFT ? max(0, m0 + lo_off) : 0; }
+    __device__ __forceinline__ int key_end(int m0, int rows) const {
+        return RIGHT ? min(seqlen_k, max(0, m0 + rows + hi_off)) : seqlen_k;
+    }
+    // Visible to every row, as far as the bounds go: keys [key_full_begin, key_full_end).
+    __device__ __forceinline__ int key_full_begin(int m0, int rows) const {
+        return LEFT ? m0 + rows - 1 + lo_off : 0;
+    }
+    __device__ __forceinline__ int key_full_end(int m0) const {
+        return RIGHT ? min(seqlen_k, max(0, m0 + 1 + hi_off)) : seqlen_k;
+    }
+    // Whether keys [n0, n0 + cols) need the element mask for these rows (rows past seqlen_q
+    // are not asked about: the forward never stores them).
+    __device__ __forceinline__ bool keys_partial(int m0, int rows, int n0, int cols) const {
+        return n0 + cols > key_full_end(m0) || (LEFT && n0 < key_full_begin(m0, rows));
+    }
+
+    // --- S^T: the queries of key rows [n0, n0 + cols) ---------------------------------------
+    __device__ __forceinline__ int query_begin(int n0) const { return RIGHT ? max(0, n0 - hi_off) : 0; }
+    __device__ __forceinline__ int query_end(int n0, int cols) const {
+        return LEFT ? min(seqlen_q, max(0, min(n0 + cols, seqlen_k) - lo_off)) : seqlen_q;
+    }
+
+    // Whether some (i, j) of the block [m0, m0 + rows) x [n0, n0 + cols) is hidden.
+    __device__ __forceinline__ bool partial(int m0, int rows, int n0, int cols) const {
+        return m0 + rows > seqlen_q || n0 + cols > seqlen_k || (RIGHT && n0 + cols - 1 > m0 + hi_off) ||
+               (LEFT && n0 < m0 + rows - 1 + lo_off);
+    }
+
+    // --- load balance -----------------------------------------------------------------------
+    // Query block of grid index `block` of `blocks`: with a right bound later query blocks see
+    // more keys, so they are handed out first.
+    __device__ __forceinline__ static int query_block(int block, int blocks) {
+        return RIGHT ? blocks - 1 - block : block;
+    }
+};
+
+struct NoMask : Band<false, false> {
+    __device__ __forceinline__ NoMask(int seqlen_q_, int seqlen_k_, int, int)
+        : Band{seqlen_q_, seqlen_k_, 0, 0} {}
+};
+
+struct Causal : Band<false, true> {
+    __device__ __forceinline__ Causal(int seqlen_q_, int seqlen_k_, int, int)
+        : Band{seqlen_q_, seqlen_k_, 0, seqlen_k_ - seqlen_q_} {}
+};
+
+struct Local : Band<true, true> {
+    __device__ __forceinline__ Local(int seqlen_q_, int seqlen_k_, int window_left, int window_right)
+        : Band{seqlen_q_, seqlen_k_,
+               window_left < 0 ? -MASK_UNBOUNDED : seqlen_k_ - seqlen_q_ - window_left,
+               window_right < 0 ? MASK_UNBOUNDED : seqlen_k_ - seqlen_q_ + window_right} {}
+};
+
+}  // namespace cf
