@@ -34,3 +34,32 @@ def is_16bit(dtype) -> bool:
 def lse_dtype(dtype) -> np.dtype:
     """lse and the backward's D are float64 for float64 inputs, float32 otherwise."""
     return np.dtype(np.float64) if is_float64(dtype) else np.dtype(np.float32)
+
+
+SHORT_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
+_SPELLINGS = {**{name: name for name in SUPPORTED}, **{s: n for n, s in SHORT_NAMES.items()}}
+
+
+def parse_dtype_name(text: str, allowed=tuple(SUPPORTED)) -> str:
+    """The supported dtype a command line spells as ``text`` ('bf16' or 'bfloat16', any case),
+    by its full name; ValueError, naming what ``allowed`` accepts, for anything else."""
+    name = _SPELLINGS.get(text.strip().lower())
+    if name is None or name not in allowed:
+        choices = ", ".join(f"{SHORT_NAMES[n]} ({n})" for n in allowed)
+        raise ValueError(f"unknown dtype {text!r} (choose from {choices})")
+    return name
+
+
+def dtype_argument(allowed=tuple(SUPPORTED)):
+    """An argparse ``type=`` for a dtype option: the full name of the dtype given, or a usage
+    error naming the option."""
+    import argparse
+
+    def parse(text: str) -> str:
+        try:
+            return parse_dtype_name(text, allowed)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parse.__name__ = "dtype"  # argparse names the type in some of its messages
+    return parse

@@ -1,4 +1,4 @@
-"""``python -m cupyflash.sanitize``: every kernel family under NVIDIA compute-sanitizer.
+"""``python -m cupyflash sanitize``: every kernel family under NVIDIA compute-sanitizer.
 
 Runs a small workload (forward and backward of each family at odd shapes: sequence lengths that
 are not tile multiples, head dimensions 1, 40, 72 and 200, causal and not, GQA) once under each of
@@ -56,27 +56,42 @@ def _sanitizer() -> str | None:
     return None
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cupyflash.sanitize", description=__doc__)
-    parser.add_argument("--tool", action="append", choices=TOOLS, help="default: all four")
+DESCRIPTION = __doc__.split("\n", 2)[2].strip() + """
+
+Exit status: 0 every tool clean, 1 a tool reported errors, 2 bad arguments, 3 no GPU or no
+compute-sanitizer."""
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tool", action="append", choices=TOOLS, help="repeatable (default: all four)")
     parser.add_argument("--family", action="append", choices=("simt", "mma"), help="default: both")
     parser.add_argument("--quick", action="store_true",
                         help="one dtype per family (bfloat16), causal only: the slow tools finish sooner")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    families = tuple(args.family or ("simt", "mma"))
+
+
+def run(args) -> int:
+    from . import cli, dispatch
+
+    families = tuple(dict.fromkeys(args.family or ("simt", "mma")))
     if args.worker:
         print(f"workload: {workload(families, args.quick)} shapes")
-        return 0
+        return cli.EXIT_OK
     exe = _sanitizer()
-    if exe is None:
-        print("compute-sanitizer not found (PATH or $CUDA_HOME/bin)", file=sys.stderr)
-        return 2
+    if exe is None or not dispatch.gpu_available():
+        missing = "compute-sanitizer (PATH or $CUDA_HOME/bin)" if exe is None else "a usable CUDA device"
+        cli.summary("sanitize", f"cannot run: no {missing}; nothing checked", file=sys.stderr)
+        return cli.EXIT_UNAVAILABLE
     # Warm CuPy's kernel cache outside the sanitizer so that the tools see launches, not NVRTC.
     worker = ["--worker", *sum((["--family", f] for f in families), []), *(["--quick"] if args.quick else [])]
-    subprocess.run([sys.executable, "-m", "cupyflash.sanitize", *worker], check=True)
+    warm = subprocess.run([sys.executable, "-m", "cupyflash.sanitize", *worker])
+    if warm.returncode != 0:
+        cli.summary("sanitize", f"FAIL: the workload itself failed (exit {warm.returncode}); "
+                                "no tool run")
+        return cli.EXIT_FAILED
+    tools = list(dict.fromkeys(args.tool or TOOLS))
     failed = []
-    for tool in args.tool or TOOLS:
+    for tool in tools:
         extra = ["--racecheck-report", "all"] if tool == "racecheck" else []
         command = [exe, "--tool", tool, "--error-exitcode", "99", *extra, sys.executable, "-m",
                    "cupyflash.sanitize", *worker]
@@ -87,7 +102,19 @@ def main(argv=None) -> int:
         if result.returncode != 0:
             failed.append(tool)
             sys.stdout.write(result.stdout[-4000:] + result.stderr[-2000:])
-    return 1 if failed else 0
+    what = f"{', '.join(families)} kernels{' (--quick)' if args.quick else ''}"
+    if failed:
+        cli.summary("sanitize", f"FAIL: {', '.join(failed)} reported errors on the {what}; "
+                                f"{len(tools) - len(failed)} of {len(tools)} tools clean")
+        return cli.EXIT_FAILED
+    cli.summary("sanitize", f"{len(tools)} of {len(tools)} tools clean on the {what}")
+    return cli.EXIT_OK
+
+
+def main(argv=None) -> int:
+    from . import cli
+
+    return cli.alias("sanitize", argv)
 
 
 if __name__ == "__main__":

@@ -7,17 +7,23 @@ import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from .. import cli as cupyflash_cli
+from .._dtypes import SHORT_NAMES, parse_dtype_name
 from . import shapes
 from .impls import Impl, cupyflash_impls, torch_anchors
 from .timing import FULL_POLICY, QUICK_POLICY, RepeatPolicy
 
-EXIT_OK = 0
-EXIT_FAILED = 1  # a cupyflash result failed validation or errored
-EXIT_USAGE = 2
-EXIT_NO_GPU = 3
+EXIT_OK = cupyflash_cli.EXIT_OK
+EXIT_FAILED = cupyflash_cli.EXIT_FAILED  # a cupyflash result failed validation or errored
+EXIT_USAGE = cupyflash_cli.EXIT_USAGE
+EXIT_NO_GPU = cupyflash_cli.EXIT_UNAVAILABLE
 
 MEMORY_SEQLENS = (1024, 2048, 4096, 8192, 16384)
 MEMORY_SEQLENS_QUICK = (1024, 4096)
+
+DESCRIPTION = """\
+Time cupyflash against PyTorch SDPA (FlashAttention-2, cuDNN, memory-efficient) on the
+FlashAttention papers' shapes, each cupyflash result checked against float64 first."""
 
 EPILOG = """\
 examples:
@@ -58,10 +64,8 @@ class _Collect(argparse.Action):
 
 
 def _dtype(text: str) -> str:
-    name = shapes.DTYPE_ALIASES.get(text.strip().lower(), text.strip().lower())
-    if name not in shapes.DTYPES:
-        raise ValueError(f"unknown dtype {text!r} (choose from {', '.join(shapes.DTYPES)})")
-    return name
+    """The short name (shapes.DTYPES' key) of a dtype spelled either way: bf16 or bfloat16."""
+    return SHORT_NAMES[parse_dtype_name(text, allowed=tuple(shapes.DTYPES.values()))]
 
 
 def _mode(text: str) -> str:
@@ -78,15 +82,16 @@ def _positive(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m cupyflash bench",
-        description="Time cupyflash against PyTorch SDPA on the FlashAttention papers' shapes.",
-        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    return cupyflash_cli.command_parser("bench")
+
+
+def configure(p: argparse.ArgumentParser) -> None:
     what = p.add_argument_group("what to sweep (explicit values replace the preset's)")
     what.add_argument("--quick", action="store_true",
                       help="small sweep: bf16, d128, seqlen 1k and 4k, fewer repeats")
     what.add_argument("--dtype", action=_Collect, nargs="+", type=_split(_dtype),
-                      help="bf16, fp16, fp32 (default: bf16 d64/128/256, fp16 d128, "
+                      help="bf16, fp16, fp32 or bfloat16, float16, float32 (default: bf16 "
+                           "d64/128/256, fp16 d128, "
                            "fp32 d64/128 at 1k/4k/8k)")
     what.add_argument("--headdim", action=_Collect, nargs="+", type=_split(_positive))
     what.add_argument("--seqlen", action=_Collect, nargs="+", type=_split(shapes.parse_size),
@@ -139,7 +144,6 @@ def build_parser() -> argparse.ArgumentParser:
                           "the options that choose what to run, and how, are ignored")
     out.add_argument("--list", action="store_true", help="print the planned cases and exit")
     out.add_argument("--quiet", action="store_true", help="no progress line")
-    return p
 
 
 @dataclass
@@ -219,7 +223,7 @@ def _config(args, plan: Plan) -> dict:
     }
 
 
-def run(plan: Plan, args, *, err=sys.stderr):
+def run_plan(plan: Plan, args, *, err=sys.stderr):
     """Measure everything in ``plan``; returns the Report."""
     from .environment import collect
     from .harness import Harness
@@ -274,15 +278,15 @@ def render_saved(args, *, err=sys.stderr) -> int:
     """--from-json: the outputs of a saved report, so that figures measured on a GPU machine
     can be rendered into the docs on one without a GPU. Imports neither CuPy nor torch."""
     if not (args.markdown or args.plot or args.json):
-        print("cupyflash bench: --from-json needs --markdown, --plot or --json to write",
-              file=err)
-        return EXIT_USAGE
+        raise cupyflash_cli.UsageError("--from-json needs --markdown, --plot or --json to write")
     try:
         report = load_report(Path(args.from_json))
     except (OSError, ValueError) as exc:
-        print(f"cupyflash bench: cannot read {args.from_json}: {exc}", file=err)
-        return EXIT_USAGE
+        raise cupyflash_cli.UsageError(f"cannot read {args.from_json}: {exc}") from None
     write_outputs(report, args, err=err)
+    written = [path for path in (args.json, args.markdown, args.plot) if path]
+    cupyflash_cli.summary("bench", f"rendered {', '.join(written)} from {args.from_json} "
+                                   "(nothing measured)")
     return EXIT_OK
 
 
@@ -327,44 +331,48 @@ def write_markdown(path: Path, sections: dict, *, err=sys.stderr) -> None:
     print(f"cupyflash bench: wrote {path}", file=err)
 
 
-def main(argv=None) -> int:
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # --help, or a usage error already printed by argparse
-        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+def run(args) -> int:
     if args.from_json:
         return render_saved(args, err=sys.stderr)  # the stderr of now, not of import time
     try:
         plan = make_plan(args)
     except ValueError as exc:
-        print(f"cupyflash bench: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        raise cupyflash_cli.UsageError(str(exc)) from None
     if args.list:
         print(plan_text(plan))
+        cupyflash_cli.summary("bench", f"{plan.steps()} measurements planned (--list: none run)")
         return EXIT_OK
 
     from .harness import gpu_unavailable_reason
 
     reason = gpu_unavailable_reason()
     if reason is not None:
-        print(f"cupyflash bench: no usable CUDA device ({reason}). The benchmark times GPU "
-              "kernels, so nothing was measured; --list shows the planned cases.",
-              file=sys.stderr)
+        cupyflash_cli.summary(
+            "bench", f"no usable CUDA device ({reason}). The benchmark times GPU kernels, so "
+                     "nothing was measured; --list shows the planned cases.", file=sys.stderr)
         return EXIT_NO_GPU
 
     from .table import text_report
 
-    report = run(plan, args)
+    report = run_plan(plan, args)
     print(text_report(report))
     write_outputs(report, args)
     failures = report.validation_failures
-    errors = [m for m in report.throughput + report.decode
-              if m.impl.family == "cupyflash" and m.status == "error"]
+    measured = report.throughput + report.decode
+    errors = [m for m in measured if m.impl.family == "cupyflash" and m.status == "error"]
     for m in failures:
         print(f"cupyflash bench: FAILED validation: {m.case.label()} · {m.impl.label}: "
               f"{m.validation['errors']}", file=sys.stderr)
     for m in errors:
         print(f"cupyflash bench: error: {m.case.label()} · {m.impl.label}: {m.reason}",
               file=sys.stderr)
+    timed = sum(m.ok for m in measured)
+    text = (f"{timed} of {len(measured)} timings done, {len(failures)} failed validation, "
+            f"{len(errors)} cupyflash errors" + (f", {len(report.memory)} memory figures"
+                                                 if report.memory else ""))
+    cupyflash_cli.summary("bench", ("FAIL: " if failures or errors else "") + text)
     return EXIT_FAILED if failures or errors else EXIT_OK
+
+
+def main(argv=None) -> int:
+    return cupyflash_cli.alias("bench", argv)

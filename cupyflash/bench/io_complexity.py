@@ -19,9 +19,9 @@ Standard attention is measured as three kernels: S = Q Kᵀ and O = P V by cuBLA
 and a one-pass-per-row softmax between them; only its ``once`` count is modelled (cuBLAS's tile
 order is its own), and it is the paper's Θ(N·d + N²).
 
-    python -m cupyflash.bench.io_complexity --model-only          # the predictions; no GPU
-    python -m cupyflash.bench.io_complexity --markdown docs/io-complexity.md \\
-        --plot docs/io-complexity.png --json io.json               # measure (GPU + ncu)
+    python -m cupyflash io-complexity --model-only          # the predictions; no GPU
+    python -m cupyflash io-complexity --markdown docs/io-complexity.md \\
+        --plot docs/io-complexity.png --json io.json         # measure (GPU + ncu)
 
 The driver runs each configuration in its own process, ``--worker SPEC``, under
 ``ncu --clock-control none --cache-control all --profile-from-start off --print-units base --csv
@@ -45,6 +45,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .._dtypes import dtype_argument
 from .shapes import parse_size
 
 PASSES = ("flash-fwd", "flash-bwd", "standard-fwd")
@@ -874,22 +875,32 @@ def plot(configs_or_measurements: list, path: str | Path) -> str | None:
 
 # --- command line -------------------------------------------------------------------------------
 
+DESCRIPTION = """\
+HBM traffic of cupyflash's kernels and of materialised attention: the FlashAttention IO model,
+exact for the kernels cupyflash launches, against Nsight Compute's DRAM and L2 counters (one ncu
+process per configuration). --model-only prints the model and needs neither a GPU nor ncu.
+Exit status: 0 done, 1 some configuration failed, 2 bad arguments, 3 no ncu."""
+
+EPILOG = """\
+examples:
+  python -m cupyflash io-complexity --model-only
+  python -m cupyflash io-complexity --markdown docs/io-complexity.md --plot docs/io-complexity.png --json io.json
+  python -m cupyflash io-complexity --quick --no-l2"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m cupyflash.bench.io_complexity",
-        description="HBM traffic of cupyflash's kernels and of materialised attention: the "
-                    "FlashAttention IO model against Nsight Compute's DRAM and L2 counters.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="examples:\n"
-               "  python -m cupyflash.bench.io_complexity --model-only\n"
-               "  python -m cupyflash.bench.io_complexity --markdown docs/io-complexity.md "
-               "--plot docs/io-complexity.png --json io.json\n"
-               "  python -m cupyflash.bench.io_complexity --quick --no-l2")
+    from .. import cli
+
+    return cli.command_parser("io-complexity")
+
+
+def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seqlen", type=parse_size, nargs="+", help=f"default {' '.join(map(str, DEFAULT_SEQLENS))}")
     p.add_argument("--headdim", type=int, nargs="+", help=f"default {' '.join(map(str, DEFAULT_HEADDIMS))}")
     p.add_argument("--passes", default=",".join(PASSES), help=f"comma-separated subset of {','.join(PASSES)}")
     p.add_argument("--family", default="mma", choices=FAMILIES, help="kernel family of the flash passes")
-    p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    p.add_argument("--dtype", default="bfloat16", type=dtype_argument(DTYPES),
+                   help="bf16, fp16, fp32 or fp64 (default bf16)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--nheads", type=int, default=8)
     p.add_argument("--causal", action="store_true")
@@ -904,7 +915,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="write every measurement and its model here")
     p.add_argument("--worker", metavar="SPEC", help=argparse.SUPPRESS)
     p.add_argument("--worker-report", help=argparse.SUPPRESS)
-    return p
 
 
 def configs_from_args(args) -> list:
@@ -928,10 +938,10 @@ def _ncu_version(ncu: str) -> str | None:
     return f"ncu {match.group(1)}" if match else None
 
 
-def main(argv=None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.worker:
+def run(args) -> int:
+    from .. import cli
+
+    if args.worker:  # under ncu: stdout is ncu's CSV, so no summary line
         try:
             config = Config.from_spec(args.worker)
         except (TypeError, ValueError) as exc:
@@ -941,8 +951,7 @@ def main(argv=None) -> int:
     try:
         configs = configs_from_args(args)
     except ValueError as exc:
-        parser.error(str(exc))
-        return EXIT_USAGE
+        raise cli.UsageError(str(exc)) from None
 
     if args.model_only:
         print(model_table(configs))
@@ -952,12 +961,15 @@ def main(argv=None) -> int:
         if args.plot:
             why = plot(configs, args.plot)
             print(why or f"plot written to {args.plot}")
+        cli.summary("io-complexity", f"model of {len(configs)} configurations (--model-only: "
+                                     "nothing measured)")
         return EXIT_OK
 
     ncu = find_ncu(args.ncu)
     if ncu is None:
-        print("ncu (Nsight Compute) not found: pass --ncu PATH or set $NCU. Nothing measured; "
-              "--model-only prints the predictions.", file=sys.stderr)
+        cli.summary("io-complexity", "ncu (Nsight Compute) not found: pass --ncu PATH or set "
+                    "$NCU. Nothing measured; --model-only prints the predictions.",
+                    file=sys.stderr)
         return EXIT_NO_NCU
     version = _ncu_version(ncu)
     print(f"{version or ncu}: {len(configs)} configurations, one ncu process each")
@@ -978,7 +990,16 @@ def main(argv=None) -> int:
         sections = {"measured": measured_section(measurements, ncu_version=version, plot=plot_link)}
         write_markdown(args.markdown, sections)
         print(f"sections {', '.join(sections)} written to {args.markdown}")
-    return EXIT_OK if all(m.ok for m in measurements) else EXIT_FAILED
+    failed = sum(not m.ok for m in measurements)
+    text = f"{len(measurements) - failed} of {len(measurements)} configurations measured"
+    cli.summary("io-complexity", f"FAIL: {failed} failed, {text}" if failed else text)
+    return EXIT_FAILED if failed else EXIT_OK
+
+
+def main(argv=None) -> int:
+    from .. import cli
+
+    return cli.alias("io-complexity", argv)
 
 
 if __name__ == "__main__":

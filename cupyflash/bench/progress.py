@@ -1,4 +1,5 @@
-"""A one-line progress report on stderr for long sweeps."""
+"""The one progress report of the long commands (bench, compile-check, tune): on stderr, a line
+rewritten in place on a terminal, one plain line per step elsewhere (logs, CI, pipes)."""
 from __future__ import annotations
 
 import sys
@@ -22,6 +23,7 @@ class Progress:
         self.clock = clock
         self.start = clock()
         self.rewrite = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
+        self._shown = ""  # the line on the terminal now, when rewriting
 
     def line(self, text: str) -> str:
         elapsed = self.clock() - self.start
@@ -38,11 +40,25 @@ class Progress:
         line = self.line(text)
         if self.rewrite:
             self.stream.write("\r\033[2K" + line)
+            self._shown = line
         else:
             self.stream.write(line + "\n")
         self.stream.flush()
+
+    def write(self, text: str, file=None) -> None:
+        """Print a line of results (default: on stdout) without tearing the progress line: on a
+        terminal the line is cleared first and drawn again below the text."""
+        file = sys.stdout if file is None else file
+        if self.rewrite and self._shown:
+            self.stream.write("\r\033[2K")
+            self.stream.flush()
+        print(text, file=file, flush=True)
+        if self.rewrite and self._shown:
+            self.stream.write(self._shown)
+            self.stream.flush()
 
     def close(self) -> None:
         if self.enabled and self.rewrite and self.done:
             self.stream.write("\n")
             self.stream.flush()
+        self._shown = ""

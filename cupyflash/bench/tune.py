@@ -1,4 +1,4 @@
-"""``python -m cupyflash.bench.tune``: time every candidate tile configuration of the tensor-core
+"""``python -m cupyflash tune``: time every candidate tile configuration of the tensor-core
 forward kernel (the default the current device launches, every earlier default in
 ``mma_fwd.VERSIONS`` and ``mma_fwd.CANDIDATES``) on the papers' shapes, after checking each
 against the float64 reference on a small odd shape. The winners go into ``mma_fwd.CONFIGS`` (or
@@ -6,7 +6,6 @@ against the float64 reference on a small odd shape. The winners go into ``mma_fw
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 
@@ -84,46 +83,17 @@ def _describe(config) -> str:
     return text[text.index("("):]
 
 
-def main(argv=None) -> int:
+def _time_forward(config, headdim, seqlen, causal, dtype, repeats, inputs) -> float:
     from ..kernels import mma_fwd
-    from .._dtypes import SUPPORTED
 
-    parser = argparse.ArgumentParser(prog="python -m cupyflash.bench.tune", description=__doc__)
-    parser.add_argument("--headdim", type=int, nargs="+", default=[64, 128, 256])
-    parser.add_argument("--seqlen", type=int, nargs="+", default=[4096, 16384])
-    parser.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16"])
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--only", nargs="+", default=None, metavar="TEXT",
-                        help="time only the variants whose label contains one of these strings")
-    parser.add_argument("--direction", default="fwd", choices=["fwd", "bwd"],
-                        help="bwd: time every backward version (mma_bwd.VERSIONS) and dQ candidate")
-    args = parser.parse_args(argv)
-    dtype = SUPPORTED[args.dtype]
-    if args.direction == "bwd":
-        return _main_bwd(args, dtype)
-    print(f"{'d':>4} {'seqlen':>6} {'causal':>6}  {'label':8} {'config':100} {'check':>6} {'ms':>8} {'TFLOP/s':>8}")
-    for headdim in args.headdim:
-        for label, config in _configs(mma_fwd, mma_fwd.d_tile(headdim)):
-            if args.only and not any(text in label for text in args.only):
-                continue
-            try:
-                checks = [_check(config, headdim, dtype, causal) for causal in (False, True)]
-            except Exception as e:  # a candidate that does not fit this GPU
-                print(f"{headdim:>4} {'':>6} {'':>6}  {label:8} {_describe(config):100} skipped: {e}")
-                continue
-            for seqlen in args.seqlen:
-                batch, nheads = 16384 // seqlen, 2048 // headdim
-                sets = _inputs(batch, seqlen, nheads, headdim, dtype)
-                for causal in (False, True):
-                    ms = _time_ms(lambda q, k, v, o, lse: mma_fwd.forward(
-                        q, k, v, o, lse, softmax_scale=headdim ** -0.5, causal=causal, config=config),
-                        sets, args.repeats)
-                    flops = 4 * batch * nheads * seqlen * seqlen * headdim * (0.5 if causal else 1.0)
-                    ok = "ok" if max(checks) <= 1 else f"x{max(checks):.1f}"
-                    print(f"{headdim:>4} {seqlen:>6} {str(causal):>6}  {label:8} {_describe(config):100} {ok:>6} "
-                          f"{ms:8.3f} {flops / ms / 1e9:8.1f}", flush=True)
-                del sets
-    return 0
+    batch, nheads = 16384 // seqlen, 2048 // headdim
+    key = (headdim, seqlen)
+    if key not in inputs:  # the same inputs for every configuration and both masks
+        inputs.clear()
+        inputs[key] = _inputs(batch, seqlen, nheads, headdim, dtype)
+    return _time_ms(lambda q, k, v, o, lse: mma_fwd.forward(
+        q, k, v, o, lse, softmax_scale=headdim ** -0.5, causal=causal, config=config),
+        inputs[key], repeats)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,33 +200,130 @@ def _check_bwd(kwargs, headdim, dtype, causal) -> float:
     return worst
 
 
-def _main_bwd(args, dtype) -> int:
+def _time_backward(kwargs, headdim, seqlen, causal, dtype, repeats, inputs) -> float:
     from ..kernels import mma_bwd
 
-    print(f"{'d':>4} {'seqlen':>6} {'causal':>6}  {'variant':44} {'check':>6} {'ms':>8} {'TFLOP/s':>8}")
-    for headdim in args.headdim:
-        for label, kwargs in _bwd_candidates(headdim):
-            if args.only and not any(text in label for text in args.only):
-                continue
+    batch, nheads = 16384 // seqlen, 2048 // headdim
+    sets = _bwd_inputs(batch, seqlen, nheads, headdim, dtype, causal)  # o and lse depend on causal
+    return _time_ms(lambda do, q, k, v, o, lse, dq, dk, dv: mma_bwd.backward(
+        do, q, k, v, o, lse, dq, dk, dv, softmax_scale=headdim ** -0.5, causal=causal, **kwargs),
+        sets, repeats)
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+
+DESCRIPTION = """\
+Time every candidate tile configuration of the tensor-core forward kernel (the current device's
+default, every earlier default in mma_fwd.VERSIONS and mma_fwd.CANDIDATES) on the papers' shapes,
+after checking each against the float64 reference on a small odd shape (check: the error relative
+to 2x that of standard attention in the same dtype; ok <= 1). Winners go into mma_fwd's tables by
+hand, as a new VERSIONS entry, with the numbers in docs/perf-log.md.
+
+--direction bwd times every backward version (mma_bwd.VERSIONS, deterministic and atomic) and
+each dQ / fused candidate the same way. Needs a GPU. Exit status: 0 every variant timed passed
+its check, 1 some variant failed it, 2 bad arguments, 3 no usable GPU."""
+
+
+def configure(parser) -> None:
+    from .._dtypes import dtype_argument
+
+    parser.add_argument("--headdim", type=int, nargs="+", default=[64, 128, 256])
+    parser.add_argument("--seqlen", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--dtype", default="bfloat16", type=dtype_argument(("bfloat16", "float16")),
+                        help="bf16 or fp16 (default bf16)")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--only", nargs="+", default=None, metavar="TEXT",
+                        help="time only the variants whose label contains one of these strings")
+    parser.add_argument("--direction", default="fwd", choices=["fwd", "bwd"],
+                        help="bwd: time every backward version (mma_bwd.VERSIONS) and dQ candidate")
+    parser.add_argument("--quiet", action="store_true", help="no progress line")
+
+
+def _variants(direction: str, headdims) -> list[tuple[int, str, str, object]]:
+    """(headdim, label, description, variant) of every variant to check and time."""
+    if direction == "bwd":
+        return [(d, label, "", kwargs) for d in headdims for label, kwargs in _bwd_candidates(d)]
+    from ..kernels import mma_fwd
+
+    return [(d, label, _describe(config), config) for d in headdims
+            for label, config in _configs(mma_fwd, mma_fwd.d_tile(d))]
+
+
+def run(args) -> int:
+    from .. import cli
+    from .._dtypes import SUPPORTED
+    from .harness import gpu_unavailable_reason
+    from .progress import Progress
+
+    reason = gpu_unavailable_reason()
+    if reason is not None:
+        cli.summary("tune", f"no usable CUDA device ({reason}); nothing timed", file=sys.stderr)
+        return cli.EXIT_UNAVAILABLE
+    dtype = SUPPORTED[args.dtype]
+    backward = args.direction == "bwd"
+    variants = [v for v in _variants(args.direction, args.headdim)
+                if not args.only or any(text in v[1] for text in args.only)]
+    if not variants:
+        raise cli.UsageError(f"no {args.direction} variant matches --only {' '.join(args.only)}")
+    check, time_one = (_check_bwd, _time_backward) if backward else (_check, _time_forward)
+    width = 44 if backward else 8 + 1 + 100  # label, or label and configuration
+    flop_factor = 2.5 if backward else 1.0  # backward = 2.5 x the forward's 4 B H S^2 D
+
+    progress = Progress(len(variants), enabled=not args.quiet)
+    progress.write(f"{'d':>4} {'seqlen':>6} {'causal':>6}  {'variant':{width}} {'check':>6} "
+                   f"{'ms':>8} {'TFLOP/s':>8}")
+    failed, skipped, best, inputs = [], [], {}, {}
+    try:
+        for headdim, label, detail, variant in variants:
+            name = f"{label:8} {detail:100}" if not backward else f"{label:44}"
             try:
-                checks = [_check_bwd(kwargs, headdim, dtype, causal) for causal in (False, True)]
+                ratio = max(check(variant, headdim, dtype, causal) for causal in (False, True))
             except Exception as e:  # a candidate that does not fit this GPU
-                print(f"{headdim:>4} {'':>6} {'':>6}  {label:44} skipped: {e}")
+                progress.write(f"{headdim:>4} {'':>6} {'':>6}  {name} skipped: {e}")
+                skipped.append(label)
+                progress.step(f"d{headdim} {label}: skipped")
                 continue
-            ok = "ok" if max(checks) <= 1 else f"x{max(checks):.1f}"
+            ok = "ok" if ratio <= 1 else f"x{ratio:.1f}"
+            if ratio > 1:
+                failed.append(f"d{headdim} {label}")
+            fastest = 0.0
             for seqlen in args.seqlen:
-                batch, nheads = 16384 // seqlen, 2048 // headdim
                 for causal in (False, True):
-                    sets = _bwd_inputs(batch, seqlen, nheads, headdim, dtype, causal)
-                    ms = _time_ms(lambda do, q, k, v, o, lse, dq, dk, dv: mma_bwd.backward(
-                        do, q, k, v, o, lse, dq, dk, dv, softmax_scale=headdim ** -0.5, causal=causal, **kwargs),
-                        sets, args.repeats)
-                    # backward = 2.5 x the forward's 4 B H S^2 D (halved when causal)
-                    flops = 2.5 * 4 * batch * nheads * seqlen * seqlen * headdim * (0.5 if causal else 1.0)
-                    print(f"{headdim:>4} {seqlen:>6} {str(causal):>6}  {label:44} {ok:>6} "
-                          f"{ms:8.3f} {flops / ms / 1e9:8.1f}", flush=True)
-                    del sets
-    return 0
+                    ms = time_one(variant, headdim, seqlen, causal, dtype, args.repeats, inputs)
+                    batch, nheads = 16384 // seqlen, 2048 // headdim
+                    flops = (flop_factor * 4 * batch * nheads * seqlen * seqlen * headdim
+                             * (0.5 if causal else 1.0))
+                    tflops = flops / ms / 1e9
+                    fastest = max(fastest, tflops)
+                    progress.write(f"{headdim:>4} {seqlen:>6} {str(causal):>6}  {name} {ok:>6} "
+                                   f"{ms:8.3f} {tflops:8.1f}")
+                    shape = (headdim, seqlen, causal)
+                    if ratio <= 1 and tflops > best.get(shape, ("", 0.0))[1]:
+                        best[shape] = (label, tflops)
+            progress.step(f"d{headdim} {label}: check {ok}, up to {fastest:.1f} TFLOP/s")
+    finally:
+        progress.close()
+        inputs.clear()
+    if best:
+        print("fastest variant that passed its check:")
+        for (headdim, seqlen, causal), (label, tflops) in sorted(best.items()):
+            print(f"  d{headdim} seqlen {seqlen} causal {str(causal):5}  {label}  {tflops:.1f} TFLOP/s")
+    timed = len(variants) - len(skipped)
+    text = (f"{timed} {args.direction} variants timed, {len(failed)} failed the float64 check, "
+            f"{len(skipped)} skipped (do not fit this GPU)")
+    if failed:
+        cli.summary("tune", f"FAIL: {text}: {', '.join(failed)}")
+        return cli.EXIT_FAILED
+    cli.summary("tune", text)
+    return cli.EXIT_OK
+
+
+def main(argv=None) -> int:
+    from .. import cli
+
+    return cli.alias("tune", argv)
 
 
 if __name__ == "__main__":

@@ -231,19 +231,101 @@ def check(arch: str, specs: list[Specialization] | None = None, with_sass: bool 
     return check_archs([arch], specs, with_sass)[arch]
 
 
-def main(argv=None) -> int:
-    import argparse
+DESCRIPTION = """\
+Compile every kernel specialization with NVRTC for sm_80 and sm_90 (the wgmma kernels for
+sm_90a) without a GPU, and read each kernel's registers, stack and spills from ptxas and
+cuobjdump. A compile error, a register spill or a serialized wgmma (ptxas C7515) fails the check.
+Exit status: 0 every kernel clean, 1 some kernel failed or spilled, 2 bad arguments, 3 NVRTC or
+cuobjdump not installed."""
 
-    parser = argparse.ArgumentParser(prog="python -m cupyflash compile-check",
-                                     description="Compile every kernel specialization with NVRTC (no GPU needed).")
-    parser.add_argument("--arch", action="append", help="e.g. 80, 90, 90a (default: 80, 90 and 90a)")
-    args = parser.parse_args(argv)
-    failures = 0
-    for arch, results in check_archs(args.arch or list(ARCHS)).items():
-        for r in results:
-            flag = " ".join(f for f, bad in (("SPILL", r.spill_bytes), ("WGMMA-SERIALIZED", r.wgmma_serialized))
-                            if bad)
-            failures += bool(r.spill_bytes or r.wgmma_serialized)
-            print(f"sm_{arch:4} {r.name:70} regs {r.registers:4} stack {r.stack_bytes:5} "
-                  f"spill {r.spill_bytes:5} {flag}")
-    return 1 if failures else 0
+
+def configure(parser) -> None:
+    parser.add_argument("--arch", action="append", choices=ARCHS,
+                        help="80, 90 or 90a, repeatable (default: all three)")
+    parser.add_argument("--kernel", action="append", metavar="TEXT",
+                        help="only the specializations whose name contains TEXT (repeatable)")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="one line per kernel: registers, stack, spills")
+    parser.add_argument("--quiet", action="store_true", help="no progress line")
+
+
+def _kernel_line(arch: str, r: Resources) -> str:
+    flags = " ".join(f for f, bad in (("SPILL", r.spill_bytes),
+                                      ("WGMMA-SERIALIZED", r.wgmma_serialized)) if bad)
+    return (f"sm_{arch:4} {r.name:70} regs {r.registers:4} stack {r.stack_bytes:5} "
+            f"spill {r.spill_bytes:5} {flags}").rstrip()
+
+
+def run(args) -> int:
+    """Compiles one NVRTC program per (arch, source file) on a thread each, as check_archs does,
+    so that each finished program moves the progress line and a compile error fails only its
+    own kernels."""
+    import sys
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    from .. import cli
+    from ..bench.progress import Progress
+
+    archs = list(dict.fromkeys(args.arch or ARCHS))
+    specs = [s for s in all_specializations()
+             if not args.kernel or any(text in s.name for text in args.kernel)]
+    groups = []
+    for arch in archs:
+        by_file: dict[str, list[Specialization]] = defaultdict(list)
+        for spec in specs:
+            if compiled_for(spec, arch):
+                by_file[spec.source_file].append(spec)
+        groups += [(arch, source_file, group) for source_file, group in by_file.items()]
+    if not groups:
+        raise cli.UsageError(f"no specialization for sm_{', sm_'.join(archs)} matches "
+                             f"--kernel {' '.join(args.kernel or [])}")
+    try:
+        _nvrtc()
+        if find_cuobjdump() is None:
+            raise FileNotFoundError("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
+    except (FileNotFoundError, OSError) as exc:
+        cli.summary("compile-check", f"cannot run: {exc}", file=sys.stderr)
+        return cli.EXIT_UNAVAILABLE
+
+    total = sum(len(group) for _, _, group in groups)
+    results: dict[tuple, list[Resources]] = {}
+    errors: dict[tuple, str] = {}
+    progress = Progress(len(groups), enabled=not args.quiet)
+    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+        futures = {pool.submit(check, arch, group): (arch, source_file)
+                   for arch, source_file, group in groups}
+        for future in as_completed(futures):
+            key = futures[future]
+            try:
+                results[key] = future.result()
+                spilled = sum(bool(r.spill_bytes) for r in results[key])
+                verdict = f"{len(results[key])} compiled" + (f", {spilled} with spills"
+                                                             if spilled else "")
+            except Exception as exc:  # a compile error: the log names the kernel and the line
+                errors[key] = f"{type(exc).__name__}: {exc}"
+                verdict = "FAILED"
+            progress.step(f"sm_{key[0]} {key[1]}: {verdict}")
+    progress.close()
+
+    failed = spills = 0
+    for arch, source_file, group in groups:
+        key = (arch, source_file)
+        if key in errors:
+            failed += len(group)
+            print(f"sm_{arch} {source_file}: {errors[key]}", file=sys.stderr)
+            continue
+        for r in results[key]:
+            failed += r.wgmma_serialized
+            spills += bool(r.spill_bytes) and not r.wgmma_serialized
+            if args.verbose or r.spill_bytes or r.wgmma_serialized:
+                print(_kernel_line(arch, r))
+    text = (f"{total} kernels compiled for sm_{', sm_'.join(archs)}: {total - spills - failed} ok, "
+            f"{spills} with spills, {failed} failed")
+    cli.summary("compile-check", text)
+    return cli.EXIT_FAILED if spills or failed else cli.EXIT_OK
+
+
+def main(argv=None) -> int:
+    from .. import cli
+
+    return cli.alias("compile-check", argv)
