@@ -3,24 +3,23 @@ reference, with errors and times. Runs on the GPU when one is usable, else on th
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
-from dataclasses import dataclass
-
-import numpy as np
 
 from . import api, cli, dispatch, reference
 from ._arrays import BACKENDS, MAX_HEADDIM
 from ._dtypes import SUPPORTED, dtype_argument, is_16bit
+from .testing import AttentionProblem, assert_attention_close
+from .testing.tolerance import max_abs_error, rel_fro_error
 
 DESCRIPTION = """\
 Forward and backward of cupyflash on random data, each output checked against the float64
 reference. Runs on the GPU when one is usable, else on the NumPy backend (the kernels' twin).
 
-The verdict follows the library's tolerance rule: in float16/bfloat16 each output may be off the
-float64 reference by at most 2x (gradients: 3x) the error of standard attention computed in the
-same dtype, plus the float32 rounding floor; in float32/float64 by the dtype's relative bound.
+The verdict is the library's tolerance rule (cupyflash.testing.assert_attention_close): in
+float16/bfloat16 each output may be off the float64 reference by at most 2x (gradients: 3x) the
+error of standard attention computed in the same dtype, plus the float32 rounding floor; in
+float32/float64 by the dtype's relative bound.
 Exit status: 0 PASS, 1 FAIL, 2 bad arguments, 3 the requested backend cannot run here."""
 
 EPILOG = """\
@@ -28,13 +27,6 @@ examples:
   python -m cupyflash demo
   python -m cupyflash demo --dtype fp16 --seqlen 4096 --headdim 128 --causal
   python -m cupyflash demo --nheads 8 --nheads-kv 2 --backend simt --dtype fp32"""
-
-# Relative rounding floor (times 1 + max|reference|): float32 results of scores of standard
-# deviation ~1 at head dims <= 256, measured in tests/tolerance.py with a 5x margin; 16-bit
-# dtypes compute in float32 and get its floor under the baseline rule.
-RTOL = {"float32": 1e-4, "float64": 1e-12}
-OUTPUT_FACTOR = 2.0
-GRADIENT_FACTOR = 3.0  # flash-attn's rule for gradients
 
 
 def _int_in(low: int, high: int | None = None):
@@ -70,69 +62,23 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="of the random inputs (default 0)")
 
 
-@dataclass
-class Check:
-    """One output against the float64 reference: max abs error and the error allowed."""
-    name: str
-    error: float
-    allowed: float
-    rule: str
-
-    @property
-    def ok(self) -> bool:
-        return self.error <= self.allowed  # False for a NaN error
-
-    @property
-    def ratio(self) -> float:
-        return self.error / self.allowed if self.allowed > 0 else math.inf
-
-
-def _max_abs_error(actual, ref) -> float:
-    """max|actual - ref| where ref is finite; inf when actual is not finite there, or differs
-    from ref where ref is +-inf (the lse of a query that sees no key)."""
-    actual, ref = np.asarray(actual, dtype=np.float64), np.asarray(ref, dtype=np.float64)
-    finite = np.isfinite(ref)
-    if np.any(actual[~finite] != ref[~finite]) or not np.all(np.isfinite(actual[finite])):
-        return math.inf
-    diff = np.abs(actual[finite] - ref[finite])
-    return float(diff.max()) if diff.size else 0.0
-
-
-def _max_abs(x) -> float:
-    x = np.asarray(x, dtype=np.float64)
-    x = x[np.isfinite(x)]
-    return float(np.abs(x).max()) if x.size else 0.0
-
-
-def check(name, actual, ref, baseline, *, dtype_name: str, factor: float, scale: float) -> Check:
-    """``actual`` against the float64 ``ref``: in 16-bit dtypes within ``factor`` times the error
-    of ``baseline`` (standard attention in that dtype) plus the float32 floor RTOL * (1 + scale),
-    in float32/float64 within the floor alone."""
-    floor = RTOL["float64" if dtype_name == "float64" else "float32"] * (1.0 + scale)
-    if is_16bit(SUPPORTED[dtype_name]):
-        base = _max_abs_error(baseline, ref)
-        allowed, rule = factor * base + floor, f"{factor:g} x standard {base:.2e} + {floor:.1e}"
-    else:
-        allowed, rule = floor, f"{RTOL[dtype_name]:g} x (1 + {scale:.3g})"
-    return Check(name, _max_abs_error(actual, ref), allowed, rule)
-
-
-def verdict(q, k, v, do, o, lse, grads, *, dtype_name: str, causal: bool) -> list[Check]:
-    """The checks of o, lse, dq, dk, dv (NumPy arrays) against the float64 reference."""
-    dtype = SUPPORTED[dtype_name]
+def error_table(q, k, v, do, o, lse, grads, *, causal: bool) -> list[str]:
+    """Max abs and relative Frobenius error of each output against the float64 reference."""
     o_ref, lse_ref = reference.attention(q, k, v, causal=causal)
-    grads_ref = reference.attention_backward(do, q, k, v, causal=causal)
-    o_std, lse_std = reference.standard_attention(q, k, v, causal=causal, dtype=dtype)
-    grads_std = reference.standard_attention_backward(do, q, k, v, causal=causal, dtype=dtype)
-    checks = [check("o", o, o_ref, o_std, dtype_name=dtype_name, factor=OUTPUT_FACTOR,
-                    scale=_max_abs(o_ref)),
-              check("lse", lse, lse_ref, lse_std, dtype_name=dtype_name, factor=OUTPUT_FACTOR,
-                    scale=_max_abs(lse_ref))]
-    grad_scale = max(_max_abs(g) for g in grads_ref)  # dq, dk may cancel to 0, their terms not
-    for name, g, ref, std in zip(("dq", "dk", "dv"), grads, grads_ref, grads_std):
-        checks.append(check(name, g, ref, std, dtype_name=dtype_name, factor=GRADIENT_FACTOR,
-                            scale=grad_scale))
-    return checks
+    refs = (o_ref, lse_ref, *reference.attention_backward(do, q, k, v, causal=causal))
+    lines = []
+    for name, x, ref in zip(("o", "lse", "dq", "dk", "dv"), (o, lse, *grads), refs):
+        lines.append(f"  {name:4} {max_abs_error(x, ref):9.2e}   {rel_fro_error(x, ref):9.2e}")
+    return lines
+
+
+def verdict(problem, o, lse, grads) -> list[str]:
+    """The outputs that fail the library's tolerance rule, each with why (empty: PASS)."""
+    try:
+        assert_attention_close(problem, o, lse, grads)
+    except AssertionError as failure:
+        return str(failure).splitlines()[1:]
+    return []
 
 
 def _run_on_gpu(q, k, v, do, options):
@@ -183,11 +129,11 @@ def run(args) -> int:
         raise cli.UsageError(str(exc)) from None
     on_gpu = where[0] != "numpy"
     seqlen = args.seqlen or (1024 if on_gpu else 256)
-    rng = np.random.default_rng(args.seed)
-    q, do = (rng.standard_normal((args.batch, seqlen, args.nheads, args.headdim)).astype(dtype)
-             for _ in range(2))
-    k, v = (rng.standard_normal((args.batch, seqlen, nheads_kv, args.headdim)).astype(dtype)
-            for _ in range(2))
+    problem = AttentionProblem(
+        batch=args.batch, seqlen_q=seqlen, seqlen_k=seqlen, nheads_kv=nheads_kv,
+        group=args.nheads // nheads_kv, headdim=args.headdim, causal=args.causal,
+        softmax_scale=None, magnitude=1.0, dtype=dtype, seed=args.seed)
+    q, k, v, do = problem.arrays()
     device = f"GPU {_device_name()}" if on_gpu else "no GPU used"
     backends = where[0] if where[0] == where[1] else f"{where[0]} (forward), {where[1]} (backward)"
     print(f"cupyflash demo: {device}; backend {backends}")
@@ -200,18 +146,17 @@ def run(args) -> int:
                                                                                    options)
     print(f"forward {fwd_ms:9.3f} ms   backward {bwd_ms:9.3f} ms"
           + ("" if on_gpu else "   (NumPy backend)"))
-    checks = verdict(q, k, v, do, o, lse, grads, dtype_name=args.dtype, causal=args.causal)
-    print("max abs error against the float64 reference:")
-    for c in checks:
-        print(f"  {c.name:4} {c.error:9.2e}   allowed {c.allowed:9.2e} ({c.rule})   "
-              f"{'ok' if c.ok else 'FAIL'}")
-    failed = [c.name for c in checks if not c.ok]
-    if failed:
-        cli.summary("demo", f"FAIL: {', '.join(failed)} beyond the {args.dtype} tolerance")
+    print(f"  {'':4} {'max abs':>9}   {'rel. Fro.':>9}   error against the float64 reference")
+    print("\n".join(error_table(q, k, v, do, o, lse, grads, causal=args.causal)))
+    failures = verdict(problem, o, lse, grads)
+    rule = ("2x (gradients 3x) the error of standard attention in the same dtype"
+            if is_16bit(dtype) else f"the {args.dtype} rounding bound")
+    if failures:
+        print("\n".join(failures))
+        failed = [line.split()[0].rstrip(":") for line in failures]
+        cli.summary("demo", f"FAIL: {', '.join(failed)} beyond the tolerance ({rule})")
         return cli.EXIT_FAILED
-    worst = max(checks, key=lambda c: c.ratio)
-    cli.summary("demo", f"PASS: o, lse, dq, dk, dv within the {args.dtype} tolerance (worst: "
-                        f"{worst.name} at {worst.ratio:.2f} of its allowed error)")
+    cli.summary("demo", f"PASS: o, lse, dq, dk, dv within the tolerance ({rule})")
     return cli.EXIT_OK
 
 
