@@ -29,8 +29,11 @@ def as_dtype(dtype) -> np.dtype:
 @dataclass(frozen=True)
 class AttentionProblem:
     """q (batch, seqlen_q, nheads, headdim); k, v (batch, seqlen_k, nheads_kv, headdim), with
-    nheads = nheads_kv * group query heads (group > 1: GQA, nheads_kv = 1: MQA). ``causal`` is
-    aligned bottom-right: query i sees key j iff j <= i + seqlen_k - seqlen_q."""
+    nheads = nheads_kv * group query heads (group > 1: GQA, nheads_kv = 1: MQA). Masks are
+    aligned bottom-right: with diagonal = i + seqlen_k - seqlen_q, ``causal`` lets query i see
+    key j iff j <= diagonal; ``window_size = (left, right)`` (flash-attn's local attention)
+    iff diagonal - left <= j <= diagonal + right, a side of -1 being unbounded (causal sets
+    right = 0)."""
 
     batch: int
     seqlen_q: int
@@ -43,6 +46,7 @@ class AttentionProblem:
     magnitude: float  # standard deviation of every input
     dtype: np.dtype
     seed: int
+    window_size: tuple[int, int] = (-1, -1)
 
     @property
     def nheads(self) -> int:
@@ -52,6 +56,15 @@ class AttentionProblem:
     def scale(self) -> float:
         """The softmax scale in effect."""
         return 1.0 / math.sqrt(self.headdim) if self.softmax_scale is None else self.softmax_scale
+
+    @property
+    def kwargs(self) -> dict:
+        """softmax_scale, causal and, when a window is set, window_size: the keywords of
+        ``cupyflash.reference.attention`` and of flash_attn_func for this problem."""
+        options = dict(softmax_scale=self.softmax_scale, causal=self.causal)
+        if tuple(self.window_size) != (-1, -1):
+            options["window_size"] = tuple(self.window_size)
+        return options
 
     @property
     def q_shape(self) -> tuple[int, int, int, int]:

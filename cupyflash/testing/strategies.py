@@ -60,6 +60,7 @@ def attention_problems(
     *,
     dtypes: Sequence = DTYPES,
     causal: bool | None = None,
+    windows: bool = False,
     min_seqlen: int = 1,
     max_seqlen: int = MAX_SEQLEN,
     same_seqlens: bool = False,
@@ -77,6 +78,8 @@ def attention_problems(
 
     - ``dtypes``: NumPy dtypes or the names 'float16', 'bfloat16', 'float32', 'float64'.
     - ``causal``: None draws both; True or False fixes it.
+    - ``windows``: also draw a local-attention ``window_size`` (left, right), each side -1
+      (unbounded) or 0..max(seqlen_q, seqlen_k); right is 0 where causal. Off: (-1, -1).
     - Sequence lengths in [min_seqlen, max_seqlen] (0 allowed), half the time one just off a
       tile multiple; ``same_seqlens``: seqlen_k = seqlen_q.
     - Head dim in [1, max_headdim], or one of ``headdims`` if given.
@@ -109,15 +112,16 @@ def attention_problems(
         raise ValueError(f"headdims must be positive integers, got {headdims}")
 
     return _attention_problems(
-        dtypes, causal, min_seqlen, max_seqlen, same_seqlens, headdims, max_headdim, max_batch,
-        max_heads_kv, max_group, scales, magnitudes, max_logit_std, max_cost,
+        dtypes, causal, windows, min_seqlen, max_seqlen, same_seqlens,
+        None if headdims is None else tuple(headdims), max_headdim, max_batch, max_heads_kv,
+        max_group, scales, magnitudes, max_logit_std, max_cost,
     )
 
 
 @st.composite
-def _attention_problems(draw, dtypes, causal, min_seqlen, max_seqlen, same_seqlens, headdims,
-                        max_headdim, max_batch, max_heads_kv, max_group, scales, magnitudes,
-                        max_logit_std, max_cost):
+def _attention_problems(draw, dtypes, causal, windows, min_seqlen, max_seqlen, same_seqlens,
+                        headdims, max_headdim, max_batch, max_heads_kv, max_group, scales,
+                        magnitudes, max_logit_std, max_cost):
     dtype = draw(st.sampled_from(dtypes))
     causal = draw(st.booleans() if causal is None else st.just(bool(causal)))
     seqlen_q = draw(_favourite_or_any(SEQLENS, min_seqlen, max_seqlen))
@@ -139,7 +143,11 @@ def _attention_problems(draw, dtypes, causal, min_seqlen, max_seqlen, same_seqle
     if max_logit_std is not None and scale > 0:
         magnitude = min(magnitude, math.sqrt(max_logit_std / (scale * math.sqrt(headdim))))
     seed = draw(st.integers(0, 2**32 - 1))
+    window_size = (-1, -1)
+    if windows:  # drawn last, so that windows=False draws exactly what it did before windows
+        side = st.one_of(st.just(-1), st.integers(0, max(seqlen_q, seqlen_k)))
+        window_size = (draw(side), 0 if causal else draw(side))
     return AttentionProblem(
         batch, seqlen_q, seqlen_k, nheads_kv, group, headdim, causal, softmax_scale, magnitude,
-        dtype, seed,
+        dtype, seed, window_size,
     )

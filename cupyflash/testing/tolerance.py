@@ -42,6 +42,14 @@ OUTPUT_FACTOR = 2.0
 GRADIENT_FACTOR = 3.0
 
 
+def _reference_options(softmax_scale, causal, window_size) -> dict:
+    """Keywords of cupyflash.reference's functions; window_size only when a window is set."""
+    options = dict(softmax_scale=softmax_scale, causal=causal)
+    if tuple(window_size) != (-1, -1):
+        options["window_size"] = tuple(window_size)
+    return options
+
+
 def _as_f64(x) -> np.ndarray:
     return as_numpy(x).astype(np.float64)
 
@@ -83,7 +91,7 @@ def bound(ref, *, dtype, scale=None) -> float:
     return RTOL[np.dtype(np.float32) if dtype in SIXTEEN_BIT else dtype] * (1.0 + scale)
 
 
-def output_rounding_allowance(do, q, k, v, o, o_ref, *, softmax_scale, causal):
+def output_rounding_allowance(do, q, k, v, o, o_ref, *, softmax_scale, causal, window_size=(-1, -1)):
     """max|change| of (dq, dk, dv) caused by a backward being handed o (rounded to its dtype)
     instead of the exact output o_ref. Standard attention never forms D, so it does not show in
     the baseline error; on small problems with nearly one-hot rows (where dP - D cancels) it can
@@ -96,13 +104,13 @@ def output_rounding_allowance(do, q, k, v, o, o_ref, *, softmax_scale, causal):
     q, k, v, do, o, o_ref = (_as_f64(x) for x in (q, k, v, do, o, o_ref))
     scale = 1.0 / np.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
     e = np.sum(do * (o - o_ref), axis=-1, keepdims=True)  # (batch, seqlen_q, heads, 1)
-    kwargs = dict(softmax_scale=softmax_scale, causal=causal)
+    kwargs = _reference_options(softmax_scale, causal, window_size)
     p_k = reference.attention(q, k, k, **kwargs)[0]
     p_t_e_q = reference.attention_backward(e * q, q, k, v, **kwargs)[2]
     return scale * max_abs(e * p_k), scale * max_abs(p_t_e_q), 0.0
 
 
-def flash_rounding_baseline(do, q, k, v, *, softmax_scale, causal, dtype):
+def flash_rounding_baseline(do, q, k, v, *, softmax_scale, causal, dtype, window_size=(-1, -1)):
     """(dq, dk, dv) computed exactly except where a FlashAttention-2-style backward rounds: P and
     dS to ``dtype`` as 16-bit tensor-core operands (dV = P^T dO, dS = P (dP - D) from that P,
     dK = dS^T Q, dQ = dS K), and each gradient to ``dtype``.
@@ -116,7 +124,8 @@ def flash_rounding_baseline(do, q, k, v, *, softmax_scale, causal, dtype):
     scale = 1.0 / np.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
     rnd = lambda x: np.asarray(x).astype(dtype).astype(np.float64)  # noqa: E731
     q_, k_, v_, do_ = reference._standard_inputs(np.float64, nheads, q, k, v, do)
-    p, _ = reference._standard_probabilities(q_, k_, scale, causal, np.float64)
+    window = () if tuple(window_size) == (-1, -1) else (tuple(window_size),)
+    p, _ = reference._standard_probabilities(q_, k_, scale, causal, np.float64, *window)
     dp = do_ @ np.swapaxes(v_, -1, -2)
     delta = (p * dp).sum(axis=-1, keepdims=True)
     p16 = rnd(p)
@@ -225,25 +234,31 @@ def assert_attention_close(problem: AttentionProblem, o, lse=None, grads=None, *
     where, the reference value there, and the allowed error with the rule that set it.
     """
     q, k, v, do = problem.arrays() if inputs is None else (as_numpy(x) for x in inputs)
-    kwargs = dict(softmax_scale=problem.softmax_scale, causal=problem.causal)
+    kwargs = problem.kwargs
     dtype = problem.dtype
     out_dtype = dtype if check_dtype else None
     sixteen_bit = dtype in SIXTEEN_BIT
     given = 1 + (lse is not None) + (3 if grads is not None else 0)
     failures = []
-    checks = []  # (name, actual, ref64, baseline, options of assert_close)
 
-    o = _check_output(failures, "o", o, problem.q_shape, out_dtype)
+    def passes(name, actual, ref64, baseline, **options) -> bool:
+        try:
+            assert_close(name, actual, ref64, baseline, dtype=dtype, **options)
+        except AssertionError as failure:
+            failures.append(str(failure))
+            return False
+        return True
+
     o_ref, lse_ref = reference.attention(q, k, v, **kwargs)
     o_std = lse_std = None
     if sixteen_bit:
         o_std, lse_std = reference.standard_attention(q, k, v, dtype=dtype, **kwargs)
-    if o is not None:
-        checks.append(("o", o, o_ref, o_std, dict(factor=OUTPUT_FACTOR)))
+    o = _check_output(failures, "o", o, problem.q_shape, out_dtype)
+    o_passes = o is not None and passes("o", o, o_ref, o_std, factor=OUTPUT_FACTOR)
     if lse is not None:
         lse = _check_output(failures, "lse", lse, problem.lse_shape, None)
         if lse is not None:
-            checks.append(("lse", lse, lse_ref, lse_std, dict(factor=OUTPUT_FACTOR)))
+            passes("lse", lse, lse_ref, lse_std, factor=OUTPUT_FACTOR)
 
     if grads is not None:
         grads = tuple(grads)
@@ -255,9 +270,9 @@ def assert_attention_close(problem: AttentionProblem, o, lse=None, grads=None, *
             standard = reference.standard_attention_backward(do, q, k, v, dtype=dtype, **kwargs)
             flash = flash_rounding_baseline(do, q, k, v, dtype=dtype, **kwargs)
             baselines = [worse_baseline(r, s, f) for r, s, f in zip(refs, standard, flash)]
-        # o as the backward saw it; the exact one where o is unusable, so that an o that fails
-        # on its own does not fail the gradients too.
-        o_seen = o_ref if o is None else np.where(np.isfinite(_as_f64(o)), _as_f64(o), o_ref)
+        # The allowance for the o the backward saw, if that o is within the rule; else for a
+        # correctly rounded one: a wrong o must not widen what the gradients may get wrong.
+        o_seen = o if o_passes else o_ref.astype(dtype)
         allowances = output_rounding_allowance(do, q, k, v, o_seen, o_ref, **kwargs)
         grad_scale = max(max_abs(r) for r in refs)  # dq, dk may cancel to 0 while their terms do not
         shapes = (problem.q_shape, problem.kv_shape, problem.kv_shape)
@@ -266,14 +281,9 @@ def assert_attention_close(problem: AttentionProblem, o, lse=None, grads=None, *
         ):
             grad = _check_output(failures, name, grad, shape, out_dtype)
             if grad is not None:
-                checks.append((name, grad, ref, baseline,
-                               dict(factor=GRADIENT_FACTOR, scale=grad_scale, atol=atol)))
+                passes(name, grad, ref, baseline, factor=GRADIENT_FACTOR, scale=grad_scale,
+                       atol=atol)
 
-    for name, actual, ref64, baseline, options in checks:
-        try:
-            assert_close(name, actual, ref64, baseline, dtype=dtype, **options)
-        except AssertionError as failure:
-            failures.append(str(failure))
     if failures:
         raise AssertionError(
             f"{len(failures)} of {given} outputs fail against the float64 reference for "
