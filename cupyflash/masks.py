@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Mask", "NoMask", "Causal", "Local", "mask_for", "check_window"]
+__all__ = ["Mask", "NoMask", "Causal", "Local", "KINDS", "mask_for", "as_mask", "check_window"]
 
 MASK_UNBOUNDED = 1 << 30  # offset of an unbounded side (mask.cuh's MASK_UNBOUNDED)
 
@@ -149,6 +149,15 @@ class Local(Mask):
     HAS_RIGHT = True
     name = "local"
     cpp = "cf::Local"
+
+
+# One instance per kernel specialization (a Local's run-time window does not change its kernel).
+KINDS = (NoMask(), Causal(), Local())
+
+
+def as_mask(mask_or_causal) -> Mask:
+    """A Mask, or the policy of a bare ``causal`` flag (launchers and tools that predate windows)."""
+    return mask_or_causal if isinstance(mask_or_causal, Mask) else mask_for(bool(mask_or_causal))
 
 
 def mask_for(causal: bool, window_size=(-1, -1)) -> Mask:

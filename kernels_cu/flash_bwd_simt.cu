@@ -8,6 +8,7 @@
 //   flash_bwd_dq_simt     one block per query block Q_i; walks the key blocks and accumulates dQ_i.
 // P and dS are recomputed in both passes rather than exchanged through global memory.
 #include "common.cuh"
+#include "mask.cuh"
 
 namespace cf {
 
@@ -34,7 +35,7 @@ flash_bwd_preprocess(const T* __restrict__ dout, const T* __restrict__ out,
     if (lane == 0) delta[row_id] = sum;  // (batch, head, row) order equals row_id
 }
 
-template <typename T, int D_TILE, bool CAUSAL, int BLOCK_M, int BLOCK_N, int TPR>
+template <typename T, int D_TILE, class Mask, int BLOCK_M, int BLOCK_N, int TPR>
 __global__ void __launch_bounds__(BLOCK_N * TPR, 2)
 flash_bwd_dkdv_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                     const T* __restrict__ dout, const typename acc_of<T>::type* __restrict__ lse,
@@ -44,7 +45,8 @@ flash_bwd_dkdv_simt(const T* __restrict__ q, const T* __restrict__ k, const T* _
                     i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
                     i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
                     i64 dk_sb, i64 dk_ss, i64 dk_sh, i64 dv_sb, i64 dv_ss, i64 dv_sh,
-                    typename acc_of<T>::type scale_log2, typename acc_of<T>::type scale) {
+                    typename acc_of<T>::type scale_log2, typename acc_of<T>::type scale,
+                    int window_left, int window_right) {
     typedef typename acc_of<T>::type A;
     constexpr int NTHREADS = BLOCK_N * TPR;
     constexpr int S_PER_LANE = BLOCK_M / TPR;
@@ -69,7 +71,7 @@ flash_bwd_dkdv_simt(const T* __restrict__ q, const T* __restrict__ k, const T* _
     const int n0 = blockIdx.x * BLOCK_N;
     const int head_kv = blockIdx.y, batch = blockIdx.z;
     const int key = threadIdx.x / TPR, lane_in_row = threadIdx.x % TPR;
-    const int diag = seqlen_k - seqlen_q;
+    const Mask mask(seqlen_q, seqlen_k, window_left, window_right);
     const A log2e = A(1.4426950408889634073599247);
 
     load_tile<BLOCK_N, D_TILE, NTHREADS>(k_tile, k + row_offset(batch, 0, head_kv, k_sb, k_ss, k_sh),
@@ -81,15 +83,16 @@ flash_bwd_dkdv_simt(const T* __restrict__ q, const T* __restrict__ k, const T* _
 #pragma unroll
     for (int j = 0; j < O_PER_LANE; ++j) dk_acc[j] = dv_acc[j] = A(0);
 
-    // key j is seen by query rows i >= j - diag; earlier query blocks are skipped
-    const int m_first = CAUSAL ? max(0, n0 - diag) / BLOCK_M * BLOCK_M : 0;
+    // Query blocks that see no key of this block are skipped.
+    const int m_first = mask.query_begin(n0) / BLOCK_M * BLOCK_M;
+    const int m_end = mask.query_end(n0, BLOCK_N);
 
     for (int head = head_kv * group; head < (head_kv + 1) * group; ++head) {
         const T* q_base = q + row_offset(batch, 0, head, q_sb, q_ss, q_sh);
         const T* do_base = dout + row_offset(batch, 0, head, do_sb, do_ss, do_sh);
         const A* lse_row = lse + ((i64)batch * nheads + head) * seqlen_q;
         const A* delta_row = delta + ((i64)batch * nheads + head) * seqlen_q;
-        for (int m0 = m_first; m0 < seqlen_q; m0 += BLOCK_M) {
+        for (int m0 = m_first; m0 < m_end; m0 += BLOCK_M) {
             __syncthreads();  // previous Q/dO tiles fully consumed
             load_tile<BLOCK_M, D_TILE, NTHREADS>(q_tile, q_base, m0, seqlen_q, headdim, q_ss, A(1));
             load_tile<BLOCK_M, D_TILE, NTHREADS>(do_tile, do_base, m0, seqlen_q, headdim, do_ss, A(1));
@@ -108,8 +111,7 @@ flash_bwd_dkdv_simt(const T* __restrict__ q, const T* __restrict__ k, const T* _
             for (int j = 0; j < S_PER_LANE; ++j) {
                 const int qi = lane_in_row + TPR * j, q_row = m0 + qi;
                 // lse = -inf marks a row with no visible key (or a row past the end): P = 0
-                const bool masked = n0 + key >= seqlen_k || lse_log2[qi] == neg_inf<A>() ||
-                                    (CAUSAL && n0 + key > q_row + diag);
+                const bool masked = lse_log2[qi] == neg_inf<A>() || mask.hides(q_row, n0 + key);
                 const A p = masked ? A(0) : exp2_(st[j] * scale_log2 - lse_log2[qi]);
                 pt_tile[key * LDP + qi] = p;
                 dst_tile[key * LDP + qi] = masked ? A(0) : p * (dpt[j] - delta_tile[qi]);
@@ -144,7 +146,7 @@ flash_bwd_dkdv_simt(const T* __restrict__ q, const T* __restrict__ k, const T* _
     }
 }
 
-template <typename T, int D_TILE, bool CAUSAL, int BLOCK_M, int BLOCK_N, int TPR>
+template <typename T, int D_TILE, class Mask, int BLOCK_M, int BLOCK_N, int TPR>
 __global__ void __launch_bounds__(BLOCK_M * TPR, 2)
 flash_bwd_dq_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                   const T* __restrict__ dout, const typename acc_of<T>::type* __restrict__ lse,
@@ -153,7 +155,8 @@ flash_bwd_dq_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __r
                   i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
                   i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
                   i64 dq_sb, i64 dq_ss, i64 dq_sh,
-                  typename acc_of<T>::type scale_log2, typename acc_of<T>::type scale) {
+                  typename acc_of<T>::type scale_log2, typename acc_of<T>::type scale,
+                  int window_left, int window_right) {
     typedef typename acc_of<T>::type A;
     constexpr int NTHREADS = BLOCK_M * TPR;
     constexpr int S_PER_LANE = BLOCK_N / TPR;
@@ -171,13 +174,13 @@ flash_bwd_dq_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __r
     constexpr unsigned SMEM_BYTES = sizeof(A) * (2 * BLOCK_M * LD + 2 * BLOCK_N * LD + BLOCK_M * LDS);
     if (dynamic_smem_bytes() < SMEM_BYTES) __trap();
 
-    const int m_block = gridDim.x - 1 - blockIdx.x;  // heaviest causal blocks start first
+    const Mask mask(seqlen_q, seqlen_k, window_left, window_right);
+    const int m_block = Mask::query_block(blockIdx.x, gridDim.x);
     const int head = blockIdx.y, batch = blockIdx.z;
     const int head_kv = head / group;
     const int m0 = m_block * BLOCK_M;
     const int row = threadIdx.x / TPR, lane_in_row = threadIdx.x % TPR;
     const int q_row = m0 + row;
-    const int diag = seqlen_k - seqlen_q;
     const A log2e = A(1.4426950408889634073599247);
 
     load_tile<BLOCK_M, D_TILE, NTHREADS>(q_tile, q + row_offset(batch, 0, head, q_sb, q_ss, q_sh),
@@ -191,13 +194,14 @@ flash_bwd_dq_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __r
 
     const T* k_base = k + row_offset(batch, 0, head_kv, k_sb, k_ss, k_sh);
     const T* v_base = v + row_offset(batch, 0, head_kv, v_sb, v_ss, v_sh);
-    const int n_end = CAUSAL ? min(seqlen_k, max(0, m0 + BLOCK_M + diag)) : seqlen_k;
+    const int n_begin = mask.key_begin(m0) / BLOCK_N * BLOCK_N;
+    const int n_end = mask.key_end(m0, BLOCK_M);
 
     A dq_acc[O_PER_LANE];
 #pragma unroll
     for (int j = 0; j < O_PER_LANE; ++j) dq_acc[j] = A(0);
 
-    for (int n0 = 0; n0 < n_end; n0 += BLOCK_N) {
+    for (int n0 = n_begin; n0 < n_end; n0 += BLOCK_N) {
         __syncthreads();  // previous K/V/dS tiles fully consumed
         load_tile<BLOCK_N, D_TILE, NTHREADS>(k_tile, k_base, n0, seqlen_k, headdim, k_ss, A(1));
         load_tile<BLOCK_N, D_TILE, NTHREADS>(v_tile, v_base, n0, seqlen_k, headdim, v_ss, A(1));
@@ -210,8 +214,7 @@ flash_bwd_dq_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __r
 #pragma unroll
         for (int j = 0; j < S_PER_LANE; ++j) {
             const int col = lane_in_row + TPR * j, key = n0 + col;
-            const bool masked = key >= seqlen_k || row_lse_log2 == neg_inf<A>() ||
-                                (CAUSAL && key > q_row + diag);
+            const bool masked = row_lse_log2 == neg_inf<A>() || mask.hides(q_row, key);
             ds_tile[row * LDS + col] = masked ? A(0) : exp2_(s[j] * scale_log2 - row_lse_log2) * (dp[j] - row_delta);
         }
         // dS rows are written and read only by their own row group (one warp).

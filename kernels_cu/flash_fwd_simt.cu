@@ -6,17 +6,18 @@
 // row. The block walks the key blocks j = 0, 1, ... keeping for every row the running maximum m and
 // running sum l of the online softmax, so S and P never leave the chip.
 #include "common.cuh"
+#include "mask.cuh"
 
 namespace cf {
 
-template <typename T, int D_TILE, bool CAUSAL, int BLOCK_M, int BLOCK_N, int TPR>
+template <typename T, int D_TILE, class Mask, int BLOCK_M, int BLOCK_N, int TPR>
 __global__ void __launch_bounds__(BLOCK_M * TPR, 2)
 flash_fwd_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                T* __restrict__ o, typename acc_of<T>::type* __restrict__ lse,
                int seqlen_q, int seqlen_k, int nheads, int group, int headdim,
                i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
                i64 v_sb, i64 v_ss, i64 v_sh, i64 o_sb, i64 o_ss, i64 o_sh,
-               typename acc_of<T>::type scale_log2) {
+               typename acc_of<T>::type scale_log2, int window_left, int window_right) {
     typedef typename acc_of<T>::type A;
     constexpr int NTHREADS = BLOCK_M * TPR;
     constexpr int S_PER_LANE = BLOCK_N / TPR;
@@ -32,7 +33,8 @@ flash_fwd_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
     constexpr unsigned SMEM_BYTES = sizeof(A) * (BLOCK_M * LD + 2 * BLOCK_N * LD + BLOCK_M * (BLOCK_N + 1));
     if (dynamic_smem_bytes() < SMEM_BYTES) __trap();
 
-    const int m_block = gridDim.x - 1 - blockIdx.x;  // heaviest causal blocks start first
+    const Mask mask(seqlen_q, seqlen_k, window_left, window_right);
+    const int m_block = Mask::query_block(blockIdx.x, gridDim.x);
     const int head = blockIdx.y, batch = blockIdx.z;
     const int head_kv = head / group;
     const int m0 = m_block * BLOCK_M;
@@ -46,29 +48,28 @@ flash_fwd_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
     // load Q tile (scaled, so scores come out in log2 units)
     load_tile<BLOCK_M, D_TILE, NTHREADS>(q_tile, q_base, m0, seqlen_q, headdim, q_ss, scale_log2);
 
-    // bottom-right causal alignment: row i sees keys j <= i + diag
-    const int diag = seqlen_k - seqlen_q;
-    const int n_end = CAUSAL ? min(seqlen_k, max(0, m0 + BLOCK_M + diag)) : seqlen_k;
+    const int n_begin = mask.key_begin(m0) / BLOCK_N * BLOCK_N;
+    const int n_end = mask.key_end(m0, BLOCK_M);
 
     A m_i = neg_inf<A>(), l_i = A(0);
     A o_acc[O_PER_LANE];
 #pragma unroll
     for (int j = 0; j < O_PER_LANE; ++j) o_acc[j] = A(0);
 
-    for (int n0 = 0; n0 < n_end; n0 += BLOCK_N) {
+    for (int n0 = n_begin; n0 < n_end; n0 += BLOCK_N) {
         __syncthreads();  // previous K/V/P tiles fully consumed
         load_tile<BLOCK_N, D_TILE, NTHREADS>(k_tile, k_base, n0, seqlen_k, headdim, k_ss, A(1));
         load_tile<BLOCK_N, D_TILE, NTHREADS>(v_tile, v_base, n0, seqlen_k, headdim, v_ss, A(1));
         __syncthreads();
 
-        // S_ij = Q_i K_j^T (log2 units), masked past the end and above the causal diagonal
+        // S_ij = Q_i K_j^T (log2 units), masked past the end and outside the mask
         A s[S_PER_LANE];
         row_dots<D_TILE>(s, q_tile + row * LD, k_tile + lane_in_row * LD, TPR * LD);
         A row_max = neg_inf<A>();
 #pragma unroll
         for (int j = 0; j < S_PER_LANE; ++j) {
             const int key = n0 + lane_in_row + TPR * j;
-            if (key >= seqlen_k || (CAUSAL && key > q_row + diag)) s[j] = neg_inf<A>();
+            if (mask.hides(q_row, key)) s[j] = neg_inf<A>();
             row_max = max_(row_max, s[j]);
         }
         row_max = group_max<TPR>(row_max);

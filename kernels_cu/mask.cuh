@@ -36,6 +36,10 @@ struct Band {
     __device__ __forceinline__ bool visible(int i, int j) const {
         return i < seqlen_q && j < seqlen_k && (!RIGHT || j <= i + hi_off) && (!LEFT || j >= i + lo_off);
     }
+    // Whether row i must not see key j, for rows that exist or are never stored.
+    __device__ __forceinline__ bool hides(int i, int j) const {
+        return j >= seqlen_k || (RIGHT && j > i + hi_off) || (LEFT && j < i + lo_off);
+    }
     // Keys of row i that its bounds allow: [row_key_begin(i), row_key_end(i)).
     __device__ __forceinline__ int row_key_end(int i) const {
         return RIGHT ? min(seqlen_k, i + 1 + hi_off) : seqlen_k;

@@ -11,6 +11,7 @@ import numpy as np
 
 from ._module import Specialization, backward_is_empty, launch, row_strides
 from .._dtypes import dtype_name, is_float64
+from ..masks import KINDS, Mask, as_mask, mask_for
 
 D_TILES = (16, 32, 64, 128, 256)
 
@@ -41,14 +42,15 @@ def _acc_bytes(dtype) -> int:
     return 8 if is_float64(dtype) else 4
 
 
-def _spec(kind: str, dtype, headdim: int, causal: bool) -> Specialization:
+def _spec(kind: str, dtype, headdim: int, mask: Mask | bool) -> Specialization:
+    """``mask``: the policy (kernels_cu/mask.cuh), or a causal flag."""
+    mask = as_mask(mask)
     name_dtype = dtype_name(dtype)
     dt = d_tile(headdim)
     bm, bn, tpr = tile_config(dtype, headdim)
     ab = _acc_bytes(dtype)
     ld = dt + 1
     ctype = _CTYPE[name_dtype]
-    flag = "true" if causal else "false"
     if kind == "fwd":
         smem = ab * (bm * ld + 2 * bn * ld + bm * (bn + 1))
         threads, source, fn = bm * tpr, "flash_fwd_simt.cu", "flash_fwd_simt"
@@ -60,9 +62,8 @@ def _spec(kind: str, dtype, headdim: int, causal: bool) -> Specialization:
         threads, source, fn = bm * tpr, "flash_bwd_simt.cu", "flash_bwd_dq_simt"
     else:
         raise ValueError(kind)
-    name = (f"{fn}_{_SHORT[name_dtype]}_hdim{dt}_{'causal' if causal else 'full'}"
-            f"_bm{bm}_bn{bn}_tpr{tpr}")
-    expression = f"cf::{fn}<{ctype}, {dt}, {flag}, {bm}, {bn}, {tpr}>"
+    name = f"{fn}_{_SHORT[name_dtype]}_hdim{dt}_{mask.name}_bm{bm}_bn{bn}_tpr{tpr}"
+    expression = f"cf::{fn}<{ctype}, {dt}, {mask.cpp}, {bm}, {bn}, {tpr}>"
     return Specialization(name, source, expression, threads, smem)
 
 
@@ -72,8 +73,8 @@ def _preprocess_spec(dtype) -> Specialization:
                           f"cf::flash_bwd_preprocess<{_CTYPE[name_dtype]}>", 128, 0)
 
 
-def specialization(kind: str, dtype, headdim: int, causal: bool) -> Specialization:
-    return _spec(kind, dtype, headdim, causal)
+def specialization(kind: str, dtype, headdim: int, mask: Mask | bool) -> Specialization:
+    return _spec(kind, dtype, headdim, mask)
 
 
 def specializations() -> list[Specialization]:
@@ -82,9 +83,9 @@ def specializations() -> list[Specialization]:
     for dtype in _CTYPE:
         out.append(_preprocess_spec(dtype))
         for dt in D_TILES:
-            for causal in (False, True):
+            for mask in KINDS:
                 for kind in ("fwd", "dkdv", "dq"):
-                    out.append(_spec(kind, dtype, dt, causal))
+                    out.append(_spec(kind, dtype, dt, mask))
     return out
 
 
@@ -92,18 +93,19 @@ def _acc_scalar(dtype, x: float):
     return np.float64(x) if is_float64(dtype) else np.float32(x)
 
 
-def forward(q, k, v, o, lse, *, softmax_scale: float, causal: bool) -> None:
+def forward(q, k, v, o, lse, *, softmax_scale: float, causal: bool, window_size=(-1, -1)) -> None:
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     if batch == 0 or seqlen_q == 0 or nheads == 0:
         return
-    spec = _spec("fwd", q.dtype, headdim, causal)
+    mask = mask_for(causal, window_size)
+    spec = _spec("fwd", q.dtype, headdim, mask)
     bm = tile_config(q.dtype, headdim)[0]
     grid = (math.ceil(seqlen_q / bm), nheads, batch)
     args = (q, k, v, o, lse, np.int32(seqlen_q), np.int32(seqlen_k), np.int32(nheads),
             np.int32(nheads // nheads_kv), np.int32(headdim),
             *row_strides(q), *row_strides(k), *row_strides(v), *row_strides(o),
-            _acc_scalar(q.dtype, softmax_scale * LOG2E))
+            _acc_scalar(q.dtype, softmax_scale * LOG2E), *mask.window_args())
     launch(spec, grid, args)
 
 
@@ -124,19 +126,21 @@ def backward_preprocess(do, o):
 
 
 def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: bool,
-             deterministic: bool = True) -> None:
+             deterministic: bool = True, window_size=(-1, -1)) -> None:
     """dq, dk, dv (preallocated, C-contiguous) from the saved lse. Always deterministic."""
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     if backward_is_empty(q, k, dq, dk, dv):
         return
+    mask = mask_for(causal, window_size)
     delta = backward_preprocess(do, o)
     bm, bn, _ = tile_config(q.dtype, headdim)
     common = (np.int32(seqlen_q), np.int32(seqlen_k), np.int32(nheads),
               np.int32(nheads // nheads_kv), np.int32(headdim),
               *row_strides(q), *row_strides(k), *row_strides(v), *row_strides(do))
-    scales = (_acc_scalar(q.dtype, softmax_scale * LOG2E), _acc_scalar(q.dtype, softmax_scale))
-    launch(_spec("dkdv", q.dtype, headdim, causal), (math.ceil(seqlen_k / bn), nheads_kv, batch),
+    scales = (_acc_scalar(q.dtype, softmax_scale * LOG2E), _acc_scalar(q.dtype, softmax_scale),
+              *mask.window_args())
+    launch(_spec("dkdv", q.dtype, headdim, mask), (math.ceil(seqlen_k / bn), nheads_kv, batch),
            (q, k, v, do, lse, delta, dk, dv, *common, *row_strides(dk), *row_strides(dv), *scales))
-    launch(_spec("dq", q.dtype, headdim, causal), (math.ceil(seqlen_q / bm), nheads, batch),
+    launch(_spec("dq", q.dtype, headdim, mask), (math.ceil(seqlen_q / bm), nheads, batch),
            (q, k, v, do, lse, delta, dq, *common, *row_strides(dq), *scales))
