@@ -1,0 +1,277 @@
+"""PyTorch front end: flash-attn's ``flash_attn_func`` and an SDPA-shaped helper, on cupyflash.
+
+    from cupyflash.torch import flash_attn_func        # instead of: from flash_attn import ...
+    out = flash_attn_func(q, k, v, causal=True)         # (batch, seqlen, nheads, headdim)
+
+Both are differentiable and opaque to ``torch.compile``: the forward and the backward are custom
+operators (``torch.ops.cupyflash.flash_attn_forward`` / ``flash_attn_backward``) with fake
+implementations for tracing and an autograd formula registered on the forward.
+
+CUDA tensors go to the kernels zero-copy through DLPack, on torch's current stream of their
+device; every buffer CuPy allocates meanwhile (outputs and temporaries) comes from torch's caching
+allocator on that stream, so torch accounts for it and reuses it in stream order. Nothing is
+copied to the host and nothing synchronises. CPU tensors run on cupyflash's NumPy twin (float64 is
+exact enough for ``torch.autograd.gradcheck``).
+"""
+import contextlib
+import functools
+import math
+
+import numpy as np
+import torch
+
+from . import api
+from ._dtypes import bfloat16 as _numpy_bfloat16
+
+__all__ = ["flash_attn_func", "scaled_dot_product_attention"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+# --- torch tensors <-> the arrays cupyflash computes on -------------------------------------------
+
+class _StreamHandle:
+    """A raw cudaStream_t presented through the CUDA stream protocol (CuPy's Stream.from_external)."""
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
+def _malloc_from_torch(size: int, device_id: int) -> int:
+    if size == 0:
+        return 0
+    return torch.cuda.caching_allocator_alloc(size, device_id, torch.cuda.current_stream(device_id))
+
+
+def _free_to_torch(ptr: int, device_id: int) -> None:
+    if ptr:
+        torch.cuda.caching_allocator_delete(ptr)
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_allocator():
+    import cupy
+
+    return cupy.cuda.memory.PythonFunctionAllocator(_malloc_from_torch, _free_to_torch)
+
+
+@contextlib.contextmanager
+def _cupy_on_torch_stream(device: torch.device):
+    """CuPy's current device, stream and allocator set to torch's for ``device``.
+
+    Kernels launched inside are ordered with torch's work on its current stream. A buffer CuPy
+    allocates inside belongs to torch's caching allocator on that stream: when the last reference
+    (a torch tensor made from it by DLPack, or the CuPy array) goes, the block returns to torch's
+    pool for reuse by later work on the same stream, exactly as a torch allocation would.
+    """
+    import cupy
+
+    stream = torch.cuda.current_stream(device)
+    with cupy.cuda.Device(device.index), \
+            cupy.cuda.Stream.from_external(_StreamHandle(stream.cuda_stream)), \
+            cupy.cuda.using_allocator(_torch_allocator().malloc):
+        yield
+
+
+def _as_array(t: torch.Tensor):
+    """t without a copy: a CuPy array for a CUDA tensor, a NumPy array for a CPU tensor."""
+    if t.device.type == "cuda":
+        import cupy
+
+        return cupy.from_dlpack(t)
+    if t.dtype == torch.bfloat16:
+        # NumPy has no bfloat16 of its own, so DLPack cannot carry it; ml_dtypes' type has the same bits.
+        return t.view(torch.int16).numpy().view(_numpy_bfloat16)
+    return t.numpy()
+
+
+def _as_tensor(x) -> torch.Tensor:
+    if isinstance(x, np.ndarray):
+        if x.dtype == _numpy_bfloat16:
+            return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16).contiguous()
+        return torch.from_numpy(x).contiguous()
+    return torch.from_dlpack(x).contiguous()
+
+
+def _run(device: torch.device, compute, *tensors: torch.Tensor):
+    """compute(*arrays, backend) on the arrays of ``tensors``; its results back as tensors."""
+    if device.type == "cuda":
+        with _cupy_on_torch_stream(device):
+            results = compute(*(_as_array(t) for t in tensors), backend="cuda")
+            return tuple(_as_tensor(r) for r in results)
+    results = compute(*(_as_array(t) for t in tensors), backend="numpy")
+    return tuple(_as_tensor(r) for r in results)
+
+
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# --- the operators ---------------------------------------------------------------------------------
+
+@torch.library.custom_op("cupyflash::flash_attn_forward", mutates_args=())
+def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool,
+                deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse) of cupyflash.flash_attn_func; ``deterministic`` is kept for the backward."""
+    def compute(q, k, v, backend):
+        return api.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, return_lse=True,
+                                   backend=backend)
+
+    return _run(q.device, compute, q, k, v)
+
+
+@_forward_op.register_fake
+def _forward_fake(q, k, v, softmax_scale, causal, deterministic):
+    batch, seqlen_q, nheads, _ = q.shape
+    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = q.new_empty((batch, nheads, seqlen_q), dtype=_lse_dtype(q.dtype))
+    return o, lse
+
+
+@torch.library.custom_op("cupyflash::flash_attn_backward", mutates_args=())
+def _backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                 lse: torch.Tensor, softmax_scale: float, causal: bool,
+                 deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of cupyflash.flash_attn_backward."""
+    def compute(do, q, k, v, o, lse, backend):
+        return api.flash_attn_backward(do, q, k, v, o, lse, softmax_scale=softmax_scale, causal=causal,
+                                       backend=backend, deterministic=deterministic)
+
+    return _run(q.device, compute, do, q, k, v, o, lse)
+
+
+@_backward_op.register_fake
+def _backward_fake(do, q, k, v, o, lse, softmax_scale, causal, deterministic):
+    return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, softmax_scale, causal, deterministic = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
+    ctx.set_materialize_grads(False)  # an unused lse then brings None, not a tensor of zeros to add
+
+
+def _backward_formula(ctx, do, dlse):
+    q, k, v, o, lse = ctx.saved_tensors
+    scale, causal, deterministic = ctx.softmax_scale, ctx.causal, ctx.deterministic
+    if do is None:
+        do = torch.zeros_like(o)
+    dq, dk, dv = _backward_op(do, q, k, v, o, lse, scale, causal, deterministic)
+    if dlse is not None:
+        # lse_i = log sum_j exp(scale q_i.k_j) has dlse_i/dS_ij = P_ij, which adds
+        # scale dlse_i (P K)_i to dq_i and scale (P^T (dlse q))_j to dk_j. P K is attention with
+        # K as the values; P^T (dlse q) is the dv of a backward whose output gradient is dlse q.
+        dlse_rows = dlse.transpose(1, 2).unsqueeze(-1)  # (batch, seqlen_q, nheads, 1)
+        pk, _ = _forward_op(q, k, k, scale, causal, deterministic)
+        dq = (dq.to(dlse.dtype) + scale * dlse_rows * pk.to(dlse.dtype)).to(q.dtype)
+        _, _, pt_dlse_q = _backward_op((dlse_rows * q.to(dlse.dtype)).to(q.dtype), q, k, v, o, lse, scale,
+                                       causal, deterministic)
+        dk = (dk.to(dlse.dtype) + scale * pt_dlse_q.to(dlse.dtype)).to(k.dtype)
+    return dq, dk, dv, None, None, None
+
+
+_forward_op.register_autograd(_backward_formula, setup_context=_setup_context)
+
+
+# --- flash-attn's interface ------------------------------------------------------------------------
+
+def _check_tensors(q, k, v) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
+        if x.dtype not in _DTYPES:
+            raise TypeError(f"{name} has dtype {x.dtype}; expected one of "
+                            f"{', '.join(str(d) for d in _DTYPES)}")
+        if x.device.type not in ("cuda", "cpu", "meta"):
+            raise ValueError(f"{name} is on {x.device}; cupyflash.torch takes CUDA or CPU tensors "
+                             "(and meta tensors, for shapes)")
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {x.dtype} but q has {q.dtype}; q, k, v must share one dtype")
+        if x.device != q.device:
+            raise ValueError(f"{name} is on {x.device} but q is on {q.device}; q, k, v must share one device")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dim() != 4:
+            raise ValueError(f"{name} must have 4 dimensions (batch, seqlen, nheads, headdim); "
+                             f"got shape {tuple(x.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
+        raise ValueError(f"q and k must have the same batch size and headdim; got q {tuple(q.shape)} "
+                         f"and k {tuple(k.shape)}")
+    nheads, nheads_kv = q.shape[2], k.shape[2]
+    if nheads_kv == 0 or nheads % nheads_kv != 0:
+        raise ValueError(f"nheads of q ({nheads}) must be a positive multiple of nheads of k/v ({nheads_kv}) "
+                         "(GQA/MQA)")
+
+
+def _unsupported(**options) -> None:
+    named = [name for name, unsupported in options.items() if unsupported]
+    if named:
+        raise NotImplementedError(f"cupyflash.torch does not support {', '.join(named)} yet")
+
+
+def _scale(softmax_scale, headdim: int) -> float:
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(headdim)
+    if isinstance(softmax_scale, torch.Tensor):
+        raise TypeError("softmax_scale must be a Python number or None, not a tensor")
+    return float(softmax_scale)
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash-attn 2's flash_attn_func, computed by cupyflash: softmax(q kᵀ · scale) v.
+
+    q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim), nheads a
+    multiple of nheads_kv (GQA/MQA; query head h reads kv head h // (nheads // nheads_kv)). Causal
+    masking is aligned bottom-right: query i sees key j iff j <= i + seqlen_k - seqlen_q; a row that
+    sees no key outputs 0. dtypes float16, bfloat16, float32, float64; CUDA or CPU tensors.
+
+    Returns out (like q, contiguous), or with ``return_attn_probs`` (out, softmax_lse, S_dmask):
+    softmax_lse (batch, nheads, seqlen_q), float32 (float64 for float64), differentiable; S_dmask
+    an empty tensor, as flash-attn returns it without dropout. ``deterministic=True`` makes the
+    backward bitwise reproducible (cupyflash.flash_attn_backward's option of that name).
+    Not supported yet, each a NotImplementedError: dropout_p != 0, window_size other than (-1, -1),
+    softcap != 0, alibi_slopes.
+    """
+    _unsupported(dropout_p=dropout_p != 0, window_size=tuple(window_size) != (-1, -1),
+                 softcap=softcap != 0, alibi_slopes=alibi_slopes is not None)
+    _check_tensors(q, k, v)
+    scale = _scale(softmax_scale, q.shape[3])
+    o, lse = _forward_op(q, k, v, scale, bool(causal), bool(deterministic))
+    if not return_attn_probs:
+        return o
+    return o, lse, q.new_empty((0,))
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                                 scale=None, enable_gqa=False):
+    """torch.nn.functional.scaled_dot_product_attention's call for 4-d (batch, nheads, seqlen, headdim)
+    tensors, computed by cupyflash.
+
+    ``is_causal`` is SDPA's top-left mask (query i sees key j iff j <= i), which equals cupyflash's
+    bottom-right mask when seqlen_q == seqlen_k; other lengths with is_causal raise
+    NotImplementedError, as do attn_mask and dropout_p != 0. ``enable_gqa`` allows key/value with
+    fewer heads. The backward is deterministic when torch.are_deterministic_algorithms_enabled().
+    """
+    _unsupported(attn_mask=attn_mask is not None, dropout_p=dropout_p != 0)
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 4:
+            raise ValueError(f"{name} must be a 4-d tensor (batch, nheads, seqlen, headdim); got "
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if key.shape[1] != query.shape[1] and not enable_gqa:
+        raise ValueError(f"key has {key.shape[1]} heads and query {query.shape[1]}; pass enable_gqa=True "
+                         "for grouped-query attention")
+    if is_causal and query.shape[2] != key.shape[2]:
+        raise NotImplementedError("is_causal with seqlen_q != seqlen_k: SDPA aligns the mask top-left, "
+                                  "cupyflash bottom-right (use flash_attn_func for bottom-right)")
+    out = flash_attn_func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                          softmax_scale=scale, causal=bool(is_causal),
+                          deterministic=torch.are_deterministic_algorithms_enabled())
+    return out.transpose(1, 2)
