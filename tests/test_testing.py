@@ -310,6 +310,13 @@ def test_arrays_are_reproducible_random_and_shaped(problem):
     assert not np.array_equal(q, other)
 
 
+def test_a_problem_is_rebuilt_from_its_repr():
+    problem = _problem("bfloat16", window_size=[3, 0])
+    assert problem.dtype == BF16 and problem.window_size == (3, 0)
+    assert "dtype='bfloat16'" in repr(problem)
+    assert eval(repr(problem), {"AttentionProblem": AttentionProblem}) == problem  # noqa: S307
+
+
 def test_arrays_have_the_drawn_magnitude():
     q = _problem(np.float64, batch=4, seqlen_q=64, headdim=64, magnitude=0.3).arrays()[0]
     assert abs(q.std() - 0.3) < 0.01

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import ml_dtypes
 import numpy as np
@@ -47,6 +47,16 @@ class AttentionProblem:
     dtype: np.dtype
     seed: int
     window_size: tuple[int, int] = (-1, -1)
+
+    def __post_init__(self):
+        object.__setattr__(self, "dtype", as_dtype(self.dtype))
+        object.__setattr__(self, "window_size", tuple(int(side) for side in self.window_size))
+
+    def __repr__(self) -> str:
+        # dtype by name, so that the repr is the call that rebuilds the problem.
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values["dtype"] = self.dtype.name
+        return f"AttentionProblem({', '.join(f'{k}={v!r}' for k, v in values.items())})"
 
     @property
     def nheads(self) -> int:
