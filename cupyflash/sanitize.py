@@ -79,7 +79,7 @@ def run(args) -> int:
         return cli.EXIT_OK
     exe = _sanitizer()
     if exe is None or not dispatch.gpu_available():
-        missing = "compute-sanitizer (PATH or $CUDA_HOME/bin)" if exe is None else "a usable CUDA device"
+        missing = "compute-sanitizer (PATH or $CUDA_HOME/bin)" if exe is None else "usable CUDA device"
         cli.summary("sanitize", f"cannot run: no {missing}; nothing checked", file=sys.stderr)
         return cli.EXIT_UNAVAILABLE
     # Warm CuPy's kernel cache outside the sanitizer so that the tools see launches, not NVRTC.

@@ -789,7 +789,7 @@ def test_cli_from_json_renders_without_running(monkeypatch, tmp_path, capsys):
 
     monkeypatch.setattr(harness, "gpu_unavailable_reason", no_measuring)
     monkeypatch.setattr(cli, "make_plan", no_measuring)
-    monkeypatch.setattr(cli, "run", no_measuring)
+    monkeypatch.setattr(cli, "run_plan", no_measuring)
     saved, doc, out = saved_report(tmp_path), tmp_path / "bench.md", tmp_path / "out.json"
     doc.write_text(table.standalone_markdown({}))
     # The sweep options, even an invalid combination, are ignored.
@@ -797,7 +797,8 @@ def test_cli_from_json_renders_without_running(monkeypatch, tmp_path, capsys):
                        "--skip-throughput", "--dtype", "fp32", "--quick"])
     captured = capsys.readouterr()
     assert status == cli.EXIT_OK, captured.err
-    assert captured.out == ""
+    assert captured.out == (f"cupyflash bench: rendered {out}, {doc} from {saved} "
+                            "(nothing measured)\n")
     text = doc.read_text()
     assert "Not measured in this run." not in text
     for name, filled in table.markdown_sections(full_report()).items():

@@ -482,8 +482,7 @@ def test_model_only_command_line(capsys, tmp_path):
     assert iox.main(["--model-only", "--quick", "--passes", "flash-fwd"]) == 0
     out = capsys.readouterr().out
     assert "| flash-fwd | 128 | 4096 |" in out and "standard" not in out
-    with pytest.raises(SystemExit):
-        iox.main(["--model-only", "--passes", "flash-sideways"])
+    assert iox.main(["--model-only", "--passes", "flash-sideways"]) == iox.EXIT_USAGE
 
 
 def test_plot_of_the_model(tmp_path):
