@@ -315,6 +315,9 @@ def test_a_problem_is_rebuilt_from_its_repr():
     assert problem.dtype == BF16 and problem.window_size == (3, 0)
     assert "dtype='bfloat16'" in repr(problem)
     assert eval(repr(problem), {"AttentionProblem": AttentionProblem}) == problem  # noqa: S307
+    from hypothesis.vendor.pretty import pretty  # how Hypothesis prints a falsifying example
+
+    assert pretty(problem) == repr(problem)
 
 
 def test_arrays_have_the_drawn_magnitude():

@@ -58,6 +58,10 @@ class AttentionProblem:
         values["dtype"] = self.dtype.name
         return f"AttentionProblem({', '.join(f'{k}={v!r}' for k, v in values.items())})"
 
+    def _repr_pretty_(self, printer, cycle):
+        # Hypothesis prints falsifying examples with this (IPython's protocol) when it exists.
+        printer.text(repr(self))
+
     @property
     def nheads(self) -> int:
         return self.nheads_kv * self.group
