@@ -4,11 +4,11 @@
     o = cupyflash.flash_attn_func(q, k, v, causal=True)            # (batch, seqlen, heads, dim)
     o, vjp = cupyflash.flash_attn_vjp(q, k, v); dq, dk, dv = vjp(do)
 """
-from . import reference
+from . import numpy_backend, reference
 from .api import flash_attn_backward, flash_attn_func, flash_attn_vjp
 from .dispatch import gpu_available
 
 __version__ = "0.1.0"
 
-__all__ = ["flash_attn_func", "flash_attn_backward", "flash_attn_vjp", "reference", "gpu_available",
-           "__version__"]
+__all__ = ["flash_attn_func", "flash_attn_backward", "flash_attn_vjp", "reference", "numpy_backend",
+           "gpu_available", "__version__"]

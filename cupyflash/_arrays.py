@@ -1,21 +1,24 @@
 """Argument checking and array conversion, before anything is launched.
 
 Every error names the argument and what was expected. Arrays come in three kinds: CuPy (results
-stay CuPy, on the current stream), NumPy (results come back as NumPy), and foreign device arrays
-exposing ``__dlpack__`` / ``__cuda_array_interface__`` such as torch or JAX (taken zero-copy,
-results are CuPy).
+stay CuPy, on the current stream), NumPy (results come back as NumPy), and foreign arrays exposing
+``__dlpack__`` / ``__cuda_array_interface__`` such as torch or JAX: device arrays are taken
+zero-copy and give CuPy results, host arrays are taken as NumPy and give NumPy results.
 """
 from __future__ import annotations
 
 import math
 import numbers
 
+import ml_dtypes
 import numpy as np
 
-from ._dtypes import SUPPORTED, dtype_name, lse_dtype
+from ._dtypes import SUPPORTED, bfloat16, dtype_name, lse_dtype
 
 MAX_HEADDIM = 256
 BACKENDS = ("auto", "cuda", "simt", "mma", "numpy")
+LOG2E = 1.4426950408889634
+_DEVICE_DLPACK = (2, 3, 13)  # kDLCUDA, kDLCUDAHost, kDLCUDAManaged
 
 
 def _cupy():
@@ -27,57 +30,92 @@ def _cupy():
 
 
 def array_kind(x, name: str) -> str:
-    """'cupy', 'numpy' or 'foreign'; TypeError for things that are not arrays."""
+    """'cupy', 'numpy', 'foreign' (device) or 'foreign_host'; TypeError for things that are not
+    arrays, and for masked arrays."""
     cupy = _cupy()
     if cupy is not None and isinstance(x, cupy.ndarray):
         return "cupy"
+    if isinstance(x, np.ma.MaskedArray):
+        raise TypeError(f"{name} is a NumPy masked array; attention has no use for an element mask "
+                        f"(hidden keys are what causal is for): pass {name}.filled(value) or {name}.data")
     if isinstance(x, np.ndarray):
         return "numpy"
+    if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
+        return "foreign" if int(x.__dlpack_device__()[0]) in _DEVICE_DLPACK else "foreign_host"
     if hasattr(x, "__cuda_array_interface__"):
         return "foreign"
-    if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
-        device_type = x.__dlpack_device__()[0]
-        return "foreign" if int(device_type) in (2, 3, 13) else "foreign_host"  # CUDA, CUDA host, managed
     raise TypeError(f"{name} must be an array (NumPy, CuPy, or DLPack / CUDA-array-interface capable), "
                     f"got {type(x).__name__}")
 
 
-def to_numpy(x, name: str) -> np.ndarray:
-    kind = array_kind(x, name)
+def _torch_tensor(x):
+    """torch itself when ``x`` is a torch tensor, else None (torch is never imported otherwise)."""
+    if type(x).__module__.split(".")[0] != "torch":
+        return None
+    import torch
+
+    return torch if isinstance(x, torch.Tensor) else None
+
+
+def _from_dlpack(from_dlpack, x, name: str):
+    """``from_dlpack(x)``, with the failures of an unsupported dtype named after the argument.
+    torch's bfloat16 goes through an int16 view of the same bits (NumPy's DLPack has no bfloat16)."""
+    torch = _torch_tensor(x)
+    if torch is not None and x.requires_grad:
+        raise TypeError(f"{name} is a torch tensor that requires grad; pass {name}.detach() "
+                        "(cupyflash.torch has the differentiable functions)")
+    try:
+        if torch is not None and x.dtype == torch.bfloat16:
+            return from_dlpack(x.view(torch.int16)).view(bfloat16)
+        return from_dlpack(x)
+    except (BufferError, RuntimeError, TypeError, ValueError) as error:
+        dtype = getattr(x, "dtype", "unknown")
+        raise TypeError(f"{name} (a {type(x).__name__} of dtype {dtype}) cannot be taken through "
+                        f"DLPack ({error}); expected one of {', '.join(SUPPORTED)}") from None
+
+
+def _native_byte_order(x: np.ndarray) -> np.ndarray:
+    return x if x.dtype.isnative else x.astype(x.dtype.newbyteorder("="))
+
+
+def take_array(x, name: str, kind: str):
+    """``x`` as a NumPy array (host kinds, in native byte order) or a CuPy array (device kinds),
+    without copying anything that need not be."""
     if kind == "numpy":
-        return x
-    if kind == "cupy":
-        return x.get()
+        return _native_byte_order(x)
     if kind == "foreign_host":
-        return np.from_dlpack(x)
-    return to_cupy(x, name).get()
-
-
-def to_cupy(x, name: str):
-    cupy = _cupy()
-    kind = array_kind(x, name)
+        return _native_byte_order(_from_dlpack(np.from_dlpack, x, name))
     if kind == "cupy":
         return x
-    if kind in ("numpy", "foreign_host"):
-        return cupy.asarray(to_numpy(x, name))
+    cupy = _cupy()
     if hasattr(x, "__dlpack__"):
-        return cupy.from_dlpack(x)
+        return _from_dlpack(cupy.from_dlpack, x, name)
     return cupy.asarray(x)
 
 
+def to_numpy(x, name: str) -> np.ndarray:
+    x = take_array(x, name, array_kind(x, name))
+    return x if isinstance(x, np.ndarray) else x.get()
+
+
+def to_cupy(x, name: str):
+    x = take_array(x, name, array_kind(x, name))
+    return _cupy().asarray(x) if isinstance(x, np.ndarray) else x
+
+
 def check_dtype(arrays: dict) -> np.dtype:
-    """The one dtype shared by all arrays in ``arrays`` ({name: array})."""
+    """The one dtype shared by all arrays in ``arrays`` ({name: array}), each of a supported dtype."""
+    for name, x in arrays.items():
+        try:
+            dtype_name(x.dtype)
+        except (TypeError, ValueError):
+            raise TypeError(f"{name} has dtype {x.dtype}; expected one of {', '.join(SUPPORTED)}") from None
     first_name, first = next(iter(arrays.items()))
-    try:
-        name = dtype_name(first.dtype)
-    except (TypeError, ValueError):
-        raise TypeError(f"{first_name} has dtype {first.dtype}; expected one of "
-                        f"{', '.join(SUPPORTED)}") from None
     for other_name, other in arrays.items():
-        if np.dtype(other.dtype) != SUPPORTED[name]:
+        if np.dtype(other.dtype) != np.dtype(first.dtype):
             raise TypeError(f"{other_name} has dtype {other.dtype} but {first_name} has {first.dtype}; "
                             "q, k, v (and do, o) must share one dtype")
-    return SUPPORTED[name]
+    return SUPPORTED[dtype_name(first.dtype)]
 
 
 def check_qkv_shapes(q, k, v) -> tuple[int, int, int, int, int, int]:
@@ -97,21 +135,72 @@ def check_qkv_shapes(q, k, v) -> tuple[int, int, int, int, int, int]:
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     if not 1 <= headdim <= MAX_HEADDIM:
         raise ValueError(f"headdim must be between 1 and {MAX_HEADDIM}; got {headdim}")
-    if nheads_kv == 0 or nheads % nheads_kv != 0:
-        raise ValueError(f"nheads of q ({nheads}) must be a positive multiple of nheads of k/v "
-                         f"({nheads_kv}) (GQA/MQA)")
+    if nheads_kv == 0 and nheads != 0 or nheads_kv != 0 and nheads % nheads_kv != 0:
+        raise ValueError(f"nheads of q ({nheads}) must be a multiple of nheads of k/v ({nheads_kv}) "
+                         "(GQA/MQA); k/v may have 0 heads only when q has 0")
     return batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim
 
 
 def resolve_scale(softmax_scale, headdim: int) -> float:
+    """The scale as a float: None means 1/sqrt(headdim); any finite real number (Python, NumPy
+    scalar, or 0-d NumPy / CuPy array; a CuPy one is read back to the host) is taken as it is."""
     if softmax_scale is None:
         return 1.0 / math.sqrt(headdim)
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-        raise TypeError(f"softmax_scale must be a real number or None; got {type(softmax_scale).__name__}")
-    scale = float(softmax_scale)
-    if not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"softmax_scale must be finite and > 0; got {softmax_scale}")
+    value = softmax_scale
+    cupy = _cupy()
+    if isinstance(value, (np.generic, np.ndarray)) or cupy is not None and isinstance(value, cupy.ndarray):
+        dtype = np.dtype(value.dtype)
+        if value.ndim != 0 or not (dtype.kind in "iuf" or dtype == bfloat16):
+            raise TypeError(f"softmax_scale must be a real number or None; got {type(value).__name__} of dtype "
+                            f"{dtype} and shape {tuple(value.shape)}")
+        value = float(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"softmax_scale must be a real number or None; got {type(value).__name__}")
+    try:
+        scale = float(value)
+    except OverflowError:
+        raise ValueError("softmax_scale must be finite; got an int too large for a float") from None
+    if not math.isfinite(scale):
+        raise ValueError(f"softmax_scale must be finite; got {softmax_scale}")
     return scale
+
+
+def _max_abs(x) -> float:
+    """max |x| of a NumPy or CuPy array, as a float (for CuPy, a device synchronisation)."""
+    if x.dtype.itemsize == 2:
+        # |x| of a 16-bit float orders like its bits with the sign cleared: one integer reduction,
+        # no 16-bit float arithmetic needed of the array library.
+        bits = (x.view(np.uint16) & np.uint16(0x7FFF)).max()
+        return float(np.asarray(int(bits), dtype=np.uint16).view(x.dtype))
+    return float(abs(x).max())
+
+
+def check_scores_fit(q, k, scale: float) -> None:
+    """ValueError when ``scale`` can push a score outside the range of the kernels' score
+    arithmetic (float32; float64 for float64 inputs).
+
+    The kernels form s = scale log2(e) q·k (the SIMT ones scale q first). With a = |scale| log2(e),
+    |s| <= a max|q| max(headdim max|k|, 1). Nothing is read from the arrays unless a > 1 and the
+    largest values of the dtype could overflow; only then one max-abs reduction of q and of k is
+    made (for device arrays a synchronisation). The ordinary call (scale 1/sqrt(headdim) with
+    headdim >= 3, or float16 at any reasonable scale) reads nothing.
+    """
+    headdim = q.shape[-1]
+    limit = float(np.finfo(lse_dtype(q.dtype)).max)
+    amplification = abs(scale) * LOG2E
+    if amplification <= 1.0:
+        return
+    if amplification > limit:
+        raise ValueError(f"softmax_scale={scale:g}: softmax_scale * log2(e) exceeds the largest "
+                         f"{lse_dtype(q.dtype)} ({limit:.3g}), the kernels' score arithmetic")
+    dtype_max = float(ml_dtypes.finfo(q.dtype).max)
+    if amplification * dtype_max * max(headdim * dtype_max, 1.0) <= limit or q.size == 0 or k.size == 0:
+        return
+    bound = amplification * _max_abs(q) * max(headdim * _max_abs(k), 1.0)
+    if bound > limit:
+        raise ValueError(f"softmax_scale={scale:g} can overflow the {lse_dtype(q.dtype)} scores of these "
+                         f"inputs: |softmax_scale| * log2(e) * max|q| * headdim * max|k| = {bound:.3g} > "
+                         f"{limit:.3g}; use a smaller softmax_scale or inputs of smaller magnitude")
 
 
 def check_flag(value, name: str) -> bool:

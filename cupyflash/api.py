@@ -12,14 +12,24 @@ from . import _arrays as A
 from . import dispatch, testing
 from ._dtypes import lse_dtype
 
+MAX_GRID_YZ = 65535
+"""Most batch entries, and most query heads, one kernel launch takes: the kernels put heads in
+the grid's y and batch in its z dimension, which CUDA limits to 65535. Larger calls run in chunks
+(``_chunks``), on every backend."""
 
-def _convert(arrays: dict, on_gpu: bool) -> tuple[dict, bool]:
-    """Arrays moved to the compute side, and whether results go back to NumPy."""
+
+def _take(arrays: dict) -> tuple[dict, bool]:
+    """The arguments as NumPy or CuPy arrays, where they are (checks need only their shapes and
+    dtypes), and whether results go back to NumPy."""
     kinds = {name: A.array_kind(x, name) for name, x in arrays.items()}
     host_out = all(kind in ("numpy", "foreign_host") for kind in kinds.values())
+    return {name: A.take_array(x, name, kinds[name]) for name, x in arrays.items()}, host_out
+
+
+def _move(arrays: dict, on_gpu: bool) -> dict:
+    """Checked arrays moved to the compute side, each with a contiguous last dimension."""
     convert = A.to_cupy if on_gpu else A.to_numpy
-    converted = {name: A.last_dim_contiguous(convert(x, name)) for name, x in arrays.items()}
-    return converted, host_out
+    return {name: A.last_dim_contiguous(convert(x, name)) for name, x in arrays.items()}
 
 
 def _on_gpu(backend: str) -> bool:
@@ -33,14 +43,80 @@ def _on_gpu(backend: str) -> bool:
     return True
 
 
-def _empty(shape, dtype, fill=None):
-    import cupy
-
+def _empty(shape, dtype, fill=None, xp=None):
+    """An output buffer (CuPy unless ``xp`` says otherwise); NaN under testing.poisoned_outputs."""
+    if xp is None:
+        import cupy as xp
     if testing.poison_enabled():
-        return cupy.full(shape, np.nan, dtype=dtype)
+        return xp.full(shape, np.nan, dtype=dtype)
     if fill is not None:
-        return cupy.full(shape, fill, dtype=dtype)
-    return cupy.empty(shape, dtype=dtype)
+        return xp.full(shape, fill, dtype=dtype)
+    return xp.empty(shape, dtype=dtype)
+
+
+def _array_module(x):
+    return np if isinstance(x, np.ndarray) else A._cupy()
+
+
+def _chunks(batch: int, nheads: int, nheads_kv: int, limit: int) -> list[tuple[slice, slice, slice]]:
+    """(batch, query heads, kv heads) slices of the launches that cover a call, each with at most
+    ``limit`` batch entries and query heads. Head chunks are whole GQA groups (query heads
+    g G .. (g + 1) G - 1 with kv head g, G = nheads / nheads_kv), so each kv head's dk, dv sum
+    stays in one chunk, unless one group alone has more than ``limit`` query heads: then it is
+    split and the backward adds the parts (_backward_in_chunks)."""
+    group = nheads // nheads_kv
+    if group <= limit:
+        kv_step = min(nheads_kv, limit // group)
+        heads = [(slice(g * group, min(g + kv_step, nheads_kv) * group), slice(g, min(g + kv_step, nheads_kv)))
+                 for g in range(0, nheads_kv, kv_step)]
+    else:
+        heads = [(slice(h, min(h + limit, (g + 1) * group)), slice(g, g + 1))
+                 for g in range(nheads_kv) for h in range(g * group, (g + 1) * group, limit)]
+    return [(slice(b, min(b + limit, batch)), h, kv) for b in range(0, batch, limit) for h, kv in heads]
+
+
+def _forward_in_chunks(compute, q, k, v):
+    """(o, lse) of ``compute(q, k, v)`` -> (o, lse), launched chunk by chunk when batch or heads
+    exceed MAX_GRID_YZ. Each chunk's lse comes back C-contiguous and is copied into place."""
+    batch, seqlen_q, nheads, _ = q.shape
+    chunks = _chunks(batch, nheads, k.shape[2], MAX_GRID_YZ)
+    if len(chunks) == 1:
+        return compute(q, k, v)
+    xp = _array_module(q)
+    o = _empty(q.shape, q.dtype, xp=xp)
+    lse = _empty((batch, nheads, seqlen_q), lse_dtype(q.dtype), xp=xp)
+    for b, h, kv in chunks:
+        o[b, :, h], lse[b, h] = compute(q[b, :, h], k[b, :, kv], v[b, :, kv])
+    return o, lse
+
+
+def _backward_in_chunks(compute, do, q, k, v, o, lse):
+    """(dq, dk, dv) of ``compute(do, q, k, v, o, lse)``, chunk by chunk as _forward_in_chunks.
+    Where one GQA group spans several chunks, its dk, dv parts are added in the accumulator dtype
+    and rounded once (one more rounding per part than a single launch)."""
+    batch, _, nheads, _ = q.shape
+    nheads_kv = k.shape[2]
+    chunks = _chunks(batch, nheads, nheads_kv, MAX_GRID_YZ)
+    if len(chunks) == 1:
+        return compute(do, q, k, v, o, lse)
+    xp = _array_module(q)
+    dq = _empty(q.shape, q.dtype, xp=xp)
+    split_groups = nheads // nheads_kv > MAX_GRID_YZ
+    if split_groups:
+        dk, dv = xp.zeros(k.shape, lse_dtype(q.dtype)), xp.zeros(v.shape, lse_dtype(q.dtype))
+    else:
+        dk, dv = _empty(k.shape, k.dtype, xp=xp), _empty(v.shape, v.dtype, xp=xp)
+    for b, h, kv in chunks:
+        dq_c, dk_c, dv_c = compute(do[b, :, h], q[b, :, h], k[b, :, kv], v[b, :, kv], o[b, :, h], lse[b, h])
+        dq[b, :, h] = dq_c
+        if split_groups:
+            dk[b, :, kv] += dk_c
+            dv[b, :, kv] += dv_c
+        else:
+            dk[b, :, kv], dv[b, :, kv] = dk_c, dv_c
+    if split_groups:
+        dk, dv = dk.astype(k.dtype), dv.astype(v.dtype)
+    return dq, dk, dv
 
 
 def _to_host(results, host_out: bool):
@@ -82,35 +158,35 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, return_lse=Fal
     causal = A.check_flag(causal, "causal")
     return_lse = A.check_flag(return_lse, "return_lse")
     on_gpu = _on_gpu(backend)
-    arrays, host_out = _convert({"q": q, "k": k, "v": v}, on_gpu)
-    q, k, v = arrays["q"], arrays["k"], arrays["v"]
+    arrays, host_out = _take({"q": q, "k": k, "v": v})
     dtype = A.check_dtype(arrays)
-    batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim = A.check_qkv_shapes(q, k, v)
+    batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim = A.check_qkv_shapes(*arrays.values())
     scale = A.resolve_scale(softmax_scale, headdim)
     A.same_device(arrays)
     which = dispatch.choose(backend, dtype, headdim, "fwd")
+    empty = batch * seqlen_q * nheads * seqlen_k == 0
+    if not empty:
+        A.check_scores_fit(arrays["q"], arrays["k"], scale)
+    q, k, v = _move(arrays, on_gpu).values()
 
-    if which == "numpy":
+    if empty:  # nothing to launch; every row (if any) sees no key
+        xp = np if which == "numpy" else A._cupy()
+        o = xp.zeros(q.shape, dtype)
+        lse = xp.full((batch, nheads, seqlen_q), -np.inf, lse_dtype(dtype))
+    elif which == "numpy":
         from . import numpy_backend
 
-        o, lse = numpy_backend.forward(q, k, v, softmax_scale=scale, causal=causal)
-        if not host_out:
-            o, lse = _to_device((o, lse))
+        o, lse = _forward_in_chunks(
+            lambda q, k, v: numpy_backend.forward(q, k, v, softmax_scale=scale, causal=causal), q, k, v)
     else:
-        o, lse = _forward_gpu(which, q, k, v, scale, causal)
-        o, lse = _to_host((o, lse), host_out)
+        o, lse = _forward_in_chunks(lambda q, k, v: _forward_gpu(which, q, k, v, scale, causal), q, k, v)
+    o, lse = _to_device((o, lse)) if which == "numpy" and not host_out else _to_host((o, lse), host_out)
     return (o, lse) if return_lse else o
 
 
 def _forward_gpu(which, q, k, v, scale, causal):
     batch, seqlen_q, nheads, headdim = q.shape
-    seqlen_k = k.shape[1]
     lse = _empty((batch, nheads, seqlen_q), lse_dtype(q.dtype))
-    if seqlen_k == 0 or seqlen_q == 0 or batch == 0 or nheads == 0:
-        lse.fill(-np.inf)
-        o = _empty(q.shape, q.dtype)
-        o.fill(0)
-        return o, lse
     kernels = dispatch.family(which, "fwd")
     if which == "mma":
         padded = dispatch.mma_headdim(headdim)
@@ -137,30 +213,37 @@ def flash_attn_backward(do, q, k, v, o, lse, *, softmax_scale=None, causal=False
     causal = A.check_flag(causal, "causal")
     deterministic = A.check_flag(deterministic, "deterministic")
     on_gpu = _on_gpu(backend)
-    arrays, host_out = _convert({"do": do, "q": q, "k": k, "v": v, "o": o, "lse": lse}, on_gpu)
-    do, q, k, v, o, lse = (arrays[n] for n in ("do", "q", "k", "v", "o", "lse"))
-    dtype = A.check_dtype({"q": q, "k": k, "v": v, "do": do, "o": o})
-    batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim = A.check_qkv_shapes(q, k, v)
-    A.check_backward_arrays(do, o, lse, q.shape, dtype)
+    arrays, host_out = _take({"do": do, "q": q, "k": k, "v": v, "o": o, "lse": lse})
+    dtype = A.check_dtype({name: arrays[name] for name in ("q", "k", "v", "do", "o")})
+    batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim = A.check_qkv_shapes(
+        arrays["q"], arrays["k"], arrays["v"])
+    A.check_backward_arrays(arrays["do"], arrays["o"], arrays["lse"], arrays["q"].shape, dtype)
     scale = A.resolve_scale(softmax_scale, headdim)
     A.same_device(arrays)
     which = dispatch.choose(backend, dtype, headdim, "bwd")
+    empty = batch * seqlen_q * nheads * seqlen_k == 0
+    if not empty:
+        A.check_scores_fit(arrays["q"], arrays["k"], scale)
+    do, q, k, v, o, lse = _move(arrays, on_gpu).values()
 
-    if which == "numpy":
+    if empty:  # nothing to launch; no query row sees a key
+        xp = np if which == "numpy" else A._cupy()
+        grads = tuple(xp.zeros(x.shape, dtype) for x in (q, k, v))
+    elif which == "numpy":
         from . import numpy_backend
 
-        grads = numpy_backend.backward(do, q, k, v, o, lse, softmax_scale=scale, causal=causal)
-        return grads if host_out else _to_device(grads)
-    grads = _backward_gpu(which, do, q, k, v, o, lse, scale, causal, deterministic)
-    return _to_host(grads, host_out)
+        grads = _backward_in_chunks(
+            lambda *chunk: numpy_backend.backward(*chunk, softmax_scale=scale, causal=causal), do, q, k, v, o, lse)
+    else:
+        grads = _backward_in_chunks(
+            lambda *chunk: _backward_gpu(which, *chunk, scale, causal, deterministic), do, q, k, v, o, lse)
+    return _to_device(grads) if which == "numpy" and not host_out else _to_host(grads, host_out)
 
 
 def _backward_gpu(which, do, q, k, v, o, lse, scale, causal, deterministic):
     import cupy
 
     headdim = q.shape[3]
-    if min(q.shape[0], q.shape[1], q.shape[2], k.shape[1]) == 0:
-        return (cupy.zeros(q.shape, q.dtype), cupy.zeros(k.shape, k.dtype), cupy.zeros(v.shape, v.dtype))
     kernels = dispatch.family(which, "bwd")
     if which == "mma":
         padded = dispatch.mma_headdim(headdim)

@@ -39,7 +39,7 @@ def _heads_first(x: np.ndarray, acc: np.dtype, nheads: int) -> np.ndarray:
     """(batch, seqlen, heads, dim) -> (batch, nheads, seqlen, dim) in the accumulator type; query
     head h reads kv head h // (nheads // nheads_kv)."""
     x = np.moveaxis(x, 2, 1).astype(acc)
-    kv_head = np.arange(nheads) // (nheads // x.shape[1])
+    kv_head = np.arange(nheads) // max(nheads // max(x.shape[1], 1), 1)  # zero heads: no group
     return x[:, kv_head]
 
 
@@ -152,7 +152,7 @@ def backward(do, q, k, v, o, lse, *, softmax_scale, causal, window_size=(-1, -1)
 
     def to_input_layout(x, heads):
         # Query heads sharing one kv head (GQA) are adjacent: sum them.
-        x = x.reshape(batch, heads, nheads // heads, x.shape[2], headdim).sum(axis=2)
+        x = x.reshape(batch, heads, nheads // heads if heads else 0, x.shape[2], headdim).sum(axis=2)
         return np.moveaxis(x, 1, 2).astype(q.dtype, order="C")
 
     dq = to_input_layout(dQ, nheads)
