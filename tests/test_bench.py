@@ -405,6 +405,8 @@ def test_cli_run_end_to_end_with_the_numpy_twin(monkeypatch, tmp_path, capsys):
     captured = capsys.readouterr()
     assert status == cli.EXIT_OK, captured.err
     assert "Throughput, TFLOP/s" in captured.out and "--no-torch" in captured.out
+    assert captured.out.splitlines()[-1] == ("cupyflash bench: 4 of 4 timings done, 0 failed "
+                                             "validation, 0 cupyflash errors")
     data = json.loads(out.read_text())
     assert [m["status"] for m in data["throughput"]] == ["ok"] * 4
     assert data["config"]["options"]["no_torch"] is True

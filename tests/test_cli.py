@@ -4,7 +4,10 @@ compile-check's progress and summary (a stand-in compiler, and NVRTC on one kern
 sanitize's command-line part with stand-ins for the GPU work. The demo on a GPU: marked gpu."""
 from __future__ import annotations
 
+import importlib
 import io
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -460,3 +463,48 @@ def test_progress_rewrites_one_line_on_a_terminal_and_keeps_results_apart():
     progress.step("only")
     progress.close()
     assert plain.getvalue().endswith("] only\n") and "\r" not in plain.getvalue()
+
+
+# --- the commands the documentation shows --------------------------------------------------------
+
+DOCUMENTS = sorted((REPO / "docs").glob("*.md")) + [REPO / "README.md"]
+COMMAND_IN_TEXT = re.compile(r"python -m cupyflash ([^`#\n]*)")
+MODULE_IN_TEXT = re.compile(r"python -m (cupyflash\.[\w.]+)")
+
+
+def documented_command_lines():
+    """(document, words after 'python -m cupyflash') of every command line in the docs and in
+    the examples of each command's --help; a line with placeholders ([...], <...>) or continued
+    on the next one gives its command name only."""
+    texts = [(path.name, path.read_text()) for path in DOCUMENTS]
+    texts += [(f"{name} --help", cli.command_parser(name).epilog or "") for name in NAMES]
+    for document, text in texts:
+        for match in COMMAND_IN_TEXT.finditer(text):
+            line = match.group(1).strip()
+            if any(c in line for c in "[]<>\\") or "..." in line:
+                line = line.split(" ", 1)[0]
+            yield document, shlex.split(line)
+
+
+def test_the_documented_command_lines_parse():
+    seen, with_options = set(), 0
+    for document, words in documented_command_lines():
+        if not words or words[0] in ("--help", "--version", "help") or words[0].startswith("<"):
+            continue
+        with_options += len(words) > 1
+        assert words[0] in NAMES, f"{document}: python -m cupyflash {' '.join(words)}"
+        try:
+            cli.command_parser(words[0]).parse_args(words[1:])
+        except SystemExit:
+            pytest.fail(f"{document}: python -m cupyflash {' '.join(words)} does not parse")
+        seen.add(words[0])
+    assert seen == set(NAMES)  # the README names every command
+    assert with_options > 10
+
+
+def test_the_documented_modules_have_a_main():
+    for path in DOCUMENTS:
+        for module in MODULE_IN_TEXT.findall(path.read_text()):
+            imported = importlib.import_module(module.rstrip("."))
+            if module != "cupyflash.bench":  # its __main__ runs the bench
+                assert callable(getattr(imported, "main", None)), f"{path.name}: {module}"

@@ -32,9 +32,9 @@ examples:
   python -m cupyflash bench --dtype bf16 --headdim 128 --seqlen 4k 16k --mode fwd+bwd
   python -m cupyflash bench --backends simt,mma --no-torch --causal yes
   python -m cupyflash bench --skip-throughput --memory --decode
-  python -m cupyflash bench --list            (the planned cases; needs no GPU)
+  python -m cupyflash bench --list            # the planned cases; needs no GPU
   python -m cupyflash bench --from-json bench.json --markdown docs/benchmarks.md --plot bench.png
-                                              (re-render a saved report; needs no GPU or torch)
+                                              # re-render a saved report; needs no GPU or torch
 
 Shapes follow the FlashAttention papers: batch*seqlen = --tokens, nheads*headdim = --model-dim.
 TFLOP/s = 4*B*H*Sq*Sk*D / time, x0.5 causal, x2.5 bwd, x3.5 fwd+bwd. Exit status: 0 done,
