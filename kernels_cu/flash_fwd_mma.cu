@@ -152,13 +152,14 @@ __device__ __forceinline__ int tid_x() {
     return r;
 }
 
-template <typename T, int D_TILE, bool CAUSAL, int BLOCK_M, int BLOCK_N, int WARPS, bool Q_IN_REGS,
+template <typename T, int D_TILE, class Mask, int BLOCK_M, int BLOCK_N, int WARPS, bool Q_IN_REGS,
           int STAGES, int MIN_BLOCKS, RowState ROW_STATE>
 __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
 flash_fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
               T* __restrict__ o, float* __restrict__ lse, int seqlen_q, int seqlen_k, int nheads,
               int group, int headdim, i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
-              i64 v_sb, i64 v_ss, i64 v_sh, i64 o_sb, i64 o_ss, i64 o_sh, float scale_log2) {
+              i64 v_sb, i64 v_ss, i64 v_sh, i64 o_sb, i64 o_ss, i64 o_sh, float scale_log2,
+              int window_left, int window_right) {
     constexpr int NTHREADS = WARPS * 32;
     constexpr int M_STRIPS = BLOCK_M / (16 * WARPS);
     constexpr int N_FRAGS = BLOCK_N / 8;
@@ -178,19 +179,14 @@ flash_fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
     const u32 smem_base = smem_u32(smem);
     const u32 q_tile = smem_base;
 
-    auto first_row = [&]() {  // of the block; heaviest causal blocks first
+    const Mask mask(seqlen_q, seqlen_k, window_left, window_right);
+    auto first_row = [&]() {  // of the block, in the policy's order (heaviest first)
         constexpr bool FRESH = REREAD_INVARIANTS;
-        return (CAUSAL ? nctaid_x<FRESH>() - 1 - ctaid_x<FRESH>() : ctaid_x<FRESH>()) * BLOCK_M;
+        return Mask::query_block(ctaid_x<FRESH>(), nctaid_x<FRESH>()) * BLOCK_M;
     };
-    // Keys [0, n_end) are visible to some row of the block; with bottom-right causal alignment
-    // the last row m0 + BLOCK_M - 1 sees keys <= m0 + BLOCK_M - 1 + seqlen_k - seqlen_q.
-    auto n_end = [&]() {
-        return CAUSAL ? min(seqlen_k, max(0, first_row() + BLOCK_M + seqlen_k - seqlen_q)) : seqlen_k;
-    };
-    // Blocks from here on contain keys that some row of the block must not see.
-    auto first_masked_key = [&]() {
-        return CAUSAL ? min(seqlen_k, max(0, first_row() + 1 + seqlen_k - seqlen_q)) : seqlen_k;
-    };
+    // Keys [j_begin BLOCK_N, n_end) hold those some row of the block sees (mask.cuh).
+    auto n_end = [&]() { return mask.key_end(first_row(), BLOCK_M); };
+    const int j_begin = mask.key_begin(first_row()) / BLOCK_N;
     const int head = blockIdx.y, batch = blockIdx.z;
     const int head_kv = head / group;
     const int m0 = first_row();
@@ -225,8 +221,11 @@ flash_fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
     cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(q_tile, q_rows, seqlen_q - m0, headdim, q_ss, threadIdx.x);
     cp_async_commit();
 #pragma unroll
-    for (int j = 0; j < STAGES - 1; ++j) {
-        if (j * BLOCK_N < n_end()) load_kv_tile(kv_source, j, j);
+    // Stages belong to absolute block indices (block j in j % STAGES), whichever block comes first.
+#pragma unroll
+    for (int ahead = 0; ahead < STAGES - 1; ++ahead) {
+        const int j = j_begin + ahead;
+        if (j * BLOCK_N < n_end()) load_kv_tile(kv_source, j, j % STAGES);
         cp_async_commit();
     }
 
@@ -254,7 +253,7 @@ flash_fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
 #pragma unroll
             for (int e = 0; e < 4; ++e) o_acc[i][f][e] = 0.f;
 
-    for (int j = 0; j * BLOCK_N < n_end(); ++j) {
+    for (int j = j_begin; j * BLOCK_N < n_end(); ++j) {
         const int stage = j % STAGES;
         // K_j, V_j have landed for every thread, and every warp is done with block j - 1, whose
         // stage the loads below refill.
@@ -270,9 +269,8 @@ flash_fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
         float s[M_STRIPS][N_FRAGS][4];
         mma_qk<T, D_TILE>(s, q_frag, q_strips, a_addr, Smem::k_tile(smem_base, stage), k_addr);
         const int n0 = j * BLOCK_N;
-        const bool masked = n0 + BLOCK_N > first_masked_key();
-        scale_and_mask<CAUSAL>(s, scale_log2, masked, first_row() + strip_row0, n0, seqlen_q, seqlen_k,
-                               lane);
+        const bool masked = mask.keys_partial(first_row(), BLOCK_M, n0, BLOCK_N);
+        scale_and_mask(s, scale_log2, masked, mask, first_row() + strip_row0, n0, lane);
         float m_new[M_STRIPS][2];
         row_max(m_new, s, row_stats, lane);
         softmax_rescale(s, o_acc, row_stats, m_new, lane);

@@ -32,12 +32,13 @@ struct FwdWgmmaSmem {
     static constexpr u32 BYTES = V + V_STAGES * KV_TILE;
 };
 
-template <typename T, int D_TILE, bool CAUSAL, int BLOCK_M, int BLOCK_N>
+template <typename T, int D_TILE, class Mask, int BLOCK_M, int BLOCK_N>
 __global__ void __launch_bounds__(BLOCK_M / 64 * 128, 1)
 flash_fwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                 T* __restrict__ o, float* __restrict__ lse, int seqlen_q, int seqlen_k, int nheads,
                 int group, int headdim, i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
-                i64 v_sb, i64 v_ss, i64 v_sh, i64 o_sb, i64 o_ss, i64 o_sh, float scale_log2) {
+                i64 v_sb, i64 v_ss, i64 v_sh, i64 o_sb, i64 o_ss, i64 o_sh, float scale_log2,
+                int window_left, int window_right) {
     typedef FwdWgmmaSmem<D_TILE, BLOCK_M, BLOCK_N> L;
     constexpr int NWG = BLOCK_M / 64, NTHREADS = NWG * 128;
     constexpr int N_FRAGS = BLOCK_N / 8, D_FRAGS = D_TILE / 8;
@@ -51,12 +52,11 @@ flash_fwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
     const u32 q_tile = base + L::Q;
 
     const int head = blockIdx.y, batch = blockIdx.z, head_kv = head / group;
-    // Heaviest causal blocks first.
-    const int m0 = (CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * BLOCK_M;
-    // Keys [0, n_end) are visible to some row of the block (bottom-right causal alignment); from
-    // first_masked_key on, some row of the block must not see them.
-    const int n_end = CAUSAL ? min(seqlen_k, max(0, m0 + BLOCK_M + seqlen_k - seqlen_q)) : seqlen_k;
-    const int first_masked_key = CAUSAL ? min(seqlen_k, max(0, m0 + 1 + seqlen_k - seqlen_q)) : seqlen_k;
+    const Mask mask(seqlen_q, seqlen_k, window_left, window_right);
+    const int m0 = Mask::query_block(blockIdx.x, gridDim.x) * BLOCK_M;
+    // Key blocks [j_begin, ceil(n_end / BLOCK_N)) hold the keys some row of the block sees.
+    const int j_begin = mask.key_begin(m0) / BLOCK_N;
+    const int n_end = mask.key_end(m0, BLOCK_M);
     const int tid = threadIdx.x, wg = tid / 128, warp = tid / 32, lane = tid % 32;
     const int strip_row0 = 16 * warp;  // the warp's 16 rows within the block
 
@@ -72,7 +72,9 @@ flash_fwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
 
     cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(q_tile, q + row_offset(batch, m0, head, q_sb, q_ss, q_sh),
                                                seqlen_q - m0, headdim, q_ss, tid);
-    if (n_end > 0) load_kv_block(0);
+    // Stages are those of absolute block indices (K_j in j % 2, V_j in j % 3), so the pipeline is
+    // the same whichever block the walk starts at.
+    if (j_begin * BLOCK_N < n_end) load_kv_block(j_begin);
     cp_async_commit();
 
     float o_acc[1][D_FRAGS][4];
@@ -84,14 +86,14 @@ flash_fwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
                            o + row_offset(batch, m0, head, o_sb, o_ss, o_sh), o_ss,
                            lse + ((i64)batch * nheads + head) * seqlen_q + m0, lane);
     };
-    if (n_end <= 0) {  // rows that see no key (causal, seqlen_k < seqlen_q): O = 0, lse = -inf
+    if (j_begin * BLOCK_N >= n_end) {  // rows that see no key: O = 0, lse = -inf
         cp_async_wait<0>();
         __syncthreads();
         store();
         return;
     }
 
-    for (int j = 0; j * BLOCK_N < n_end; ++j) {
+    for (int j = j_begin; j * BLOCK_N < n_end; ++j) {
         // Block j's copies land; the proxy fence hands them to wgmma; after the barrier every
         // warpgroup is past S_{j-1} and P V_{j-2}, whose stages the next copies refill.
         cp_async_wait<0>();
@@ -118,8 +120,8 @@ flash_fwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
         pin_registers(reinterpret_cast<float(&)[D_FRAGS * 4]>(o_acc));
 
         const int n0 = j * BLOCK_N;
-        scale_and_mask<CAUSAL>(s, scale_log2, n0 + BLOCK_N > first_masked_key, m0 + strip_row0, n0,
-                               seqlen_q, seqlen_k, lane);
+        scale_and_mask(s, scale_log2, mask.keys_partial(m0, BLOCK_M, n0, BLOCK_N), mask, m0 + strip_row0, n0,
+                       lane);
         float m_new[1][2];
         row_max(m_new, s, row_stats, lane);
         softmax_rescale(s, o_acc, row_stats, m_new, lane);

@@ -6,17 +6,18 @@
 #pragma once
 
 #include "common.cuh"
+#include "mask.cuh"
 #include "mma.cuh"
 
 namespace cf {
 
-// Scores to log2 units; keys past the end of the sequence and, when causal, above the
-// bottom-right diagonal (key > row + seqlen_k - seqlen_q) become -inf. `masked` is uniform over
-// the block: only the last key block and the blocks crossing the diagonal pay for the compares.
-template <bool CAUSAL, int M_STRIPS, int N_FRAGS>
+// Scores to log2 units; keys the mask hides from a row (past the end of the sequence, outside
+// its band: mask.cuh) become -inf. `masked` is uniform over the block (Mask::keys_partial): only
+// the blocks that cross a bound of the band pay for the compares.
+template <class Mask, int M_STRIPS, int N_FRAGS>
 __device__ __forceinline__ void scale_and_mask(float (&s)[M_STRIPS][N_FRAGS][4], float scale_log2,
-                                               bool masked, int row0, int n0, int seqlen_q,
-                                               int seqlen_k, int lane) {
+                                               bool masked, const Mask& mask, int row0, int n0,
+                                               int lane) {
 #pragma unroll
     for (int i = 0; i < M_STRIPS; ++i)
 #pragma unroll
@@ -29,13 +30,14 @@ __device__ __forceinline__ void scale_and_mask(float (&s)[M_STRIPS][N_FRAGS][4],
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int row = row0 + 16 * i + 8 * h + (lane >> 2);
-            const int key_end = CAUSAL ? min(seqlen_k, row + 1 + seqlen_k - seqlen_q) : seqlen_k;
+            const int key_end = mask.row_key_end(row), key_begin = mask.row_key_begin(row);
 #pragma unroll
             for (int f = 0; f < N_FRAGS; ++f)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     const int key = n0 + 8 * f + 2 * (lane & 3) + e;
-                    if (key >= key_end) s[i][f][2 * h + e] = neg_inf<float>();
+                    if (key >= key_end || (Mask::HAS_LEFT && key < key_begin))
+                        s[i][f][2 * h + e] = neg_inf<float>();
                 }
         }
 }

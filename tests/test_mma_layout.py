@@ -16,6 +16,7 @@ import math
 import numpy as np
 import pytest
 from launch_fakes import FakeArray, kernel_parameter_types
+from cupyflash import masks, reference
 
 LANES = np.arange(32)
 GROUP = LANES // 4  # g: row (A, C) or column (B) of a lane's fragment elements
@@ -332,9 +333,10 @@ class _RowStatsOneLane:
 ROW_STATS = {"all_lanes": _RowStatsAllLanes, "one_lane": _RowStatsOneLane}
 
 
-def _fwd_block(q, k, v, o, lse, *, batch, head, m_block, group, scale_log2, causal,
+def _fwd_block(q, k, v, o, lse, *, batch, head, m_block, group, scale_log2, mask,
                d_tile, block_m, block_n, warps, stages, q_in_regs, row_state):
-    """One thread block of flash_fwd_mma, in float64 (no 16-bit rounding)."""
+    """One thread block of flash_fwd_mma, in float64 (no 16-bit rounding); ``mask`` is the
+    kernel's policy (cupyflash.masks, the twin of mask.cuh)."""
     seqlen_q, seqlen_k, headdim = q.shape[1], k.shape[1], q.shape[3]
     nthreads, strips = 32 * warps, block_m // (16 * warps)
     n_frags, d_frags = block_n // 8, d_tile // 8
@@ -345,8 +347,9 @@ def _fwd_block(q, k, v, o, lse, *, batch, head, m_block, group, scale_log2, caus
 
     head_kv = head // group
     m0 = m_block * block_m
-    n_end = min(seqlen_k, max(0, m0 + block_m + seqlen_k - seqlen_q)) if causal else seqlen_k
-    first_masked_key = min(seqlen_k, max(0, m0 + 1 + seqlen_k - seqlen_q)) if causal else seqlen_k
+    n_end = mask.key_end(m0, block_m, seqlen_q, seqlen_k)
+    j_begin = mask.key_begin(m0, seqlen_q, seqlen_k) // block_n
+    lo_off, hi_off = mask.offsets(seqlen_q, seqlen_k)
     qs, ks, vs = q[batch, :, head], k[batch, :, head_kv], v[batch, :, head_kv]
 
     def load_kv_tile(block, stage):
@@ -355,9 +358,10 @@ def _fwd_block(q, k, v, o, lse, *, batch, head, m_block, group, scale_log2, caus
         cp_async_tile(smem, v_tile(stage), block_n, d_tile, nthreads, vs, n0, seqlen_k - n0, headdim)
 
     cp_async_tile(smem, 0, block_m, d_tile, nthreads, qs, m0, seqlen_q - m0, headdim)
-    for j in range(stages - 1):
+    for ahead in range(stages - 1):
+        j = j_begin + ahead
         if j * block_n < n_end:
-            load_kv_tile(j, j)
+            load_kv_tile(j, j % stages)
 
     a_addr, k_addr = a_operand_address(d_tile), k_operand_address(d_tile)
     state = []
@@ -371,13 +375,13 @@ def _fwd_block(q, k, v, o, lse, *, batch, head, m_block, group, scale_log2, caus
         state.append(dict(strip_row0=strip_row0, q_strips=q_strips, q_frag=q_frag,
                           o=np.zeros((32, strips, d_frags, 4)), stats=ROW_STATS[row_state](strips)))
 
-    for j in range((n_end + block_n - 1) // block_n):  # j * block_n < n_end
+    for j in range(j_begin, (n_end + block_n - 1) // block_n):  # j * block_n < n_end
         stage = j % stages
         ahead = j + stages - 1
         if ahead * block_n < n_end:
             load_kv_tile(ahead, ahead % stages)
         n0 = j * block_n
-        masked = n0 + block_n > first_masked_key
+        masked = mask.keys_partial(m0, block_m, n0, block_n, seqlen_q, seqlen_k)
         for w in state:
             # mma_qk
             s = np.zeros((32, strips, n_frags, 4))
@@ -395,11 +399,13 @@ def _fwd_block(q, k, v, o, lse, *, batch, head, m_block, group, scale_log2, caus
                 for i in range(strips):
                     for h in range(2):
                         row = m0 + w["strip_row0"] + 16 * i + 8 * h + GROUP
-                        key_end = np.minimum(seqlen_k, row + 1 + seqlen_k - seqlen_q) if causal else seqlen_k
+                        key_end = np.minimum(seqlen_k, row + 1 + hi_off) if mask.HAS_RIGHT else seqlen_k
+                        key_begin = row + lo_off if mask.HAS_LEFT else 0
                         for f in range(n_frags):
                             for e in range(2):
                                 key = n0 + 8 * f + 2 * THREAD_IN_GROUP + e
-                                s[:, i, f, 2 * h + e] = np.where(key >= key_end, -np.inf, s[:, i, f, 2 * h + e])
+                                hidden = (key >= key_end) | (key < key_begin)
+                                s[:, i, f, 2 * h + e] = np.where(hidden, -np.inf, s[:, i, f, 2 * h + e])
             # row_max
             stats = w["stats"]
             m_new = np.empty((32, strips, 2))
@@ -453,7 +459,7 @@ def _fwd_block(q, k, v, o, lse, *, batch, head, m_block, group, scale_log2, caus
 
 
 def _fwd_emulated(q, k, v, *, causal, scale, d_tile, block_m, block_n, warps, stages=2, q_in_regs=False,
-                  row_state="one_lane"):
+                  row_state="one_lane", window_size=(-1, -1)):
     batch, seqlen_q, nheads, headdim = q.shape
     o = np.full(q.shape, np.nan)
     lse = np.full((batch, nheads, seqlen_q), np.nan)
@@ -461,22 +467,22 @@ def _fwd_emulated(q, k, v, *, causal, scale, d_tile, block_m, block_n, warps, st
         for h in range(nheads):
             for m_block in range(math.ceil(seqlen_q / block_m)):
                 _fwd_block(q, k, v, o, lse, batch=b, head=h, m_block=m_block, group=nheads // k.shape[2],
-                           scale_log2=scale * math.log2(math.e), causal=causal, d_tile=d_tile,
+                           scale_log2=scale * math.log2(math.e), mask=masks.mask_for(causal, window_size),
+                           d_tile=d_tile,
                            block_m=block_m, block_n=block_n, warps=warps, stages=stages, q_in_regs=q_in_regs,
                            row_state=row_state)
     return o, lse
 
 
-def _attention_reference(q, k, v, *, causal, scale):
-    """float64 attention with the project's conventions (bottom-right causal, empty rows -> 0, -inf)."""
+def _attention_reference(q, k, v, *, causal, scale, window_size=(-1, -1)):
+    """float64 attention with the project's conventions (bottom-right causal and windows, empty
+    rows -> 0, -inf)."""
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, group = k.shape[1], nheads // k.shape[2]
     kk = np.repeat(k, group, axis=2)
     vv = np.repeat(v, group, axis=2)
     s = np.einsum("bqhd,bkhd->bhqk", q, kk) * scale
-    if causal:
-        visible = np.arange(seqlen_k)[None, :] <= np.arange(seqlen_q)[:, None] + seqlen_k - seqlen_q
-        s = np.where(visible, s, -np.inf)
+    s = np.where(reference.visible_keys(seqlen_q, seqlen_k, causal, window_size), s, -np.inf)
     m = s.max(axis=-1, keepdims=True)
     p = np.exp(s - np.where(np.isfinite(m), m, 0.0))
     l = p.sum(axis=-1, keepdims=True)
@@ -505,14 +511,24 @@ _FWD_CASES = [
     (128, 128, 64, 4, 2, False, "one_lane", 128, 1, 130, 70, 1, 1, True),  # empty rows, 2 strips per warp
     (128, 128, 64, 4, 2, False, "all_lanes", 128, 1, 130, 70, 1, 1, True),
     (256, 128, 32, 8, 2, False, "one_lane", 136, 1, 40, 70, 1, 1, True),
+    # Sliding windows (left, right): the walk starts past block 0, rows of a visited block see
+    # none of its keys, one-sided and causal windows.
+    (64, 128, 64, 4, 2, True, "all_lanes", 64, 1, 300, 300, 1, 1, (70, 0)),
+    (64, 128, 64, 4, 2, False, "one_lane", 64, 1, 260, 330, 1, 1, (0, 0)),
+    (128, 128, 32, 4, 3, False, "one_lane", 72, 1, 280, 200, 1, 1, (40, 17)),  # 3 stages from block j > 0
+    (128, 128, 64, 4, 2, False, "one_lane", 128, 1, 200, 300, 1, 1, (100, -1)),
+    (128, 128, 64, 4, 2, False, "all_lanes", 128, 1, 150, 150, 1, 1, (-1, 30)),
 ]
 
 
 @pytest.mark.parametrize("case", _FWD_CASES, ids=lambda c: "d{0}_bm{1}_bn{2}_w{3}_s{4}_{5}_{6}_hd{7}".format(
-    *c[:5], "qreg" if c[5] else "qsmem", c[6], c[7]) + ("_causal" if c[-1] else ""))
+    *c[:5], "qreg" if c[5] else "qsmem", c[6], c[7]) + (
+        f"_window{c[-1][0]}_{c[-1][1]}" if isinstance(c[-1], tuple) else "_causal" if c[-1] else ""))
 def test_fwd_block_emulation_matches_reference(case):
     (d_tile, block_m, block_n, warps, stages, q_in_regs, row_state,
      headdim, batch, sq, sk, nheads, nheads_kv, causal) = case
+    window = causal if isinstance(causal, tuple) else (-1, -1)
+    causal = causal is True
     rng = np.random.default_rng(sum(case[:6]) + sum(case[7:9]))
     q = rng.standard_normal((batch, sq, nheads, headdim))
     k = rng.standard_normal((batch, sk, nheads_kv, headdim))
@@ -520,8 +536,8 @@ def test_fwd_block_emulation_matches_reference(case):
     scale = 1 / math.sqrt(headdim)
     o, lse = _fwd_emulated(q, k, v, causal=causal, scale=scale, d_tile=d_tile, block_m=block_m,
                            block_n=block_n, warps=warps, stages=stages, q_in_regs=q_in_regs,
-                           row_state=row_state)
-    o_ref, lse_ref = _attention_reference(q, k, v, causal=causal, scale=scale)
+                           row_state=row_state, window_size=window)
+    o_ref, lse_ref = _attention_reference(q, k, v, causal=causal, scale=scale, window_size=window)
     assert not np.isnan(o).any() and not np.isnan(lse).any(), "some output element was never written"
     np.testing.assert_allclose(o, o_ref, rtol=1e-10, atol=1e-10)
     np.testing.assert_allclose(lse, lse_ref, rtol=1e-10, atol=1e-10)

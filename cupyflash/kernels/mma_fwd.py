@@ -19,6 +19,7 @@ import numpy as np
 
 from ._module import Specialization, _max_smem_optin, device_arch, launch
 from .._dtypes import dtype_name
+from ..masks import KINDS, Mask, as_mask, mask_for
 
 D_TILES = (64, 128, 256)
 LOG2E = 1.4426950408889634
@@ -200,32 +201,32 @@ def smem_bytes(dt: int, config: FwdConfig) -> int:
     return 2 * dt * (config.block_m + 2 * config.stages * config.block_n) + 32
 
 
-def _spec_for(dtype, dt: int, causal: bool, config) -> Specialization:
+def _spec_for(dtype, dt: int, mask: Mask | bool, config) -> Specialization:
+    """``mask``: the policy (kernels_cu/mask.cuh), or a causal flag."""
+    mask = as_mask(mask)
     name_dtype = dtype_name(dtype)
     c = config
     if isinstance(c, WgmmaFwdConfig):
-        name = (f"flash_fwd_wgmma_{_SHORT[name_dtype]}_hdim{dt}_{'causal' if causal else 'full'}"
-                f"_bm{c.block_m}_bn{c.block_n}")
-        expression = (f"cf::flash_fwd_wgmma<{_CTYPE[name_dtype]}, {dt}, {'true' if causal else 'false'}, "
-                      f"{c.block_m}, {c.block_n}>")
+        name = f"flash_fwd_wgmma_{_SHORT[name_dtype]}_hdim{dt}_{mask.name}_bm{c.block_m}_bn{c.block_n}"
+        expression = f"cf::flash_fwd_wgmma<{_CTYPE[name_dtype]}, {dt}, {mask.cpp}, {c.block_m}, {c.block_n}>"
         return Specialization(name, "flash_fwd_wgmma.cu", expression, c.threads, wgmma_smem_bytes(dt, c),
                               arch="90a")
-    name = (f"flash_fwd_mma_{_SHORT[name_dtype]}_hdim{dt}_{'causal' if causal else 'full'}"
+    name = (f"flash_fwd_mma_{_SHORT[name_dtype]}_hdim{dt}_{mask.name}"
             f"_bm{c.block_m}_bn{c.block_n}_w{c.warps}_{'qreg' if c.q_in_regs else 'qsmem'}_s{c.stages}_mb{c.min_blocks}"
             f"_{c.row_state}")
-    expression = (f"cf::flash_fwd_mma<{_CTYPE[name_dtype]}, {dt}, {'true' if causal else 'false'}, "
+    expression = (f"cf::flash_fwd_mma<{_CTYPE[name_dtype]}, {dt}, {mask.cpp}, "
                   f"{c.block_m}, {c.block_n}, {c.warps}, {'true' if c.q_in_regs else 'false'}, {c.stages}, {c.min_blocks}, "
                   f"{ROW_STATES[c.row_state]}>")
     return Specialization(name, "flash_fwd_mma.cu", expression, c.threads, smem_bytes(dt, c))
 
 
-def specialization(dtype, headdim: int, causal: bool, config: FwdConfig | None = None) -> Specialization:
+def specialization(dtype, headdim: int, mask: Mask | bool, config: FwdConfig | None = None) -> Specialization:
     """The specialization ``forward`` launches on the current device (``config`` overrides the
-    tables, for tuning)."""
+    tables, for tuning); ``mask`` is the policy or a causal flag."""
     if not supports(dtype, headdim):
         raise ValueError(f"cupyflash: mma forward does not support dtype {np.dtype(dtype)}, headdim {headdim}")
     dt = d_tile(headdim)
-    return _spec_for(dtype, dt, causal, config or default_config(dt, current_smem_optin(), current_arch()))
+    return _spec_for(dtype, dt, mask, config or default_config(dt, current_smem_optin(), current_arch()))
 
 
 def specializations() -> list[Specialization]:
@@ -233,10 +234,10 @@ def specializations() -> list[Specialization]:
     which builds them all for sm_80 and sm_90)."""
     configs = {dt: {CONFIGS[dt]} | ({LARGE_SMEM_CONFIGS[dt]} if dt in LARGE_SMEM_CONFIGS else set())
                for dt in D_TILES}
-    return [_spec_for(dtype, dt, causal, config)
+    return [_spec_for(dtype, dt, mask, config)
             for dtype in _CTYPE for dt in D_TILES
             for config in sorted(configs[dt], key=lambda c: c.block_n) + [WGMMA_CONFIGS[dt]]
-            for causal in (False, True)]
+            for mask in KINDS]
 
 
 def _strides(a, what: str) -> tuple:
@@ -251,7 +252,8 @@ def _strides(a, what: str) -> tuple:
     return tuple(np.int64(s) for s in strides)
 
 
-def forward(q, k, v, o, lse, *, softmax_scale: float, causal: bool, config: FwdConfig | None = None) -> None:
+def forward(q, k, v, o, lse, *, softmax_scale: float, causal: bool, config: FwdConfig | None = None,
+            window_size=(-1, -1)) -> None:
     """o (like q, C-contiguous) and lse ((B, H, Sq) float32, contiguous) from q (B, Sq, H, D) and
     k, v (B, Sk, Hkv, D), on the current stream."""
     batch, seqlen_q, nheads, headdim = q.shape
@@ -261,11 +263,12 @@ def forward(q, k, v, o, lse, *, softmax_scale: float, causal: bool, config: FwdC
     if lse.dtype != np.float32 or not lse.flags.c_contiguous or lse.shape != (batch, nheads, seqlen_q):
         raise ValueError("cupyflash: lse must be a C-contiguous float32 (batch, nheads, seqlen_q) array")
     config = config or default_config(d_tile(headdim), current_smem_optin(), current_arch())
-    spec = specialization(q.dtype, headdim, causal, config)
+    mask = mask_for(causal, window_size)
+    spec = specialization(q.dtype, headdim, mask, config)
     block_m = config.block_m
     grid = (math.ceil(seqlen_q / block_m), nheads, batch)
     args = (q, k, v, o, lse, np.int32(seqlen_q), np.int32(seqlen_k), np.int32(nheads),
             np.int32(nheads // nheads_kv), np.int32(headdim),
             *_strides(q, "q"), *_strides(k, "k"), *_strides(v, "v"), *_strides(o, "o"),
-            np.float32(softmax_scale * LOG2E))
+            np.float32(softmax_scale * LOG2E), *mask.window_args())
     launch(spec, grid, args)
