@@ -4,7 +4,7 @@
     o = cupyflash.flash_attn_func(q, k, v, causal=True)            # (batch, seqlen, heads, dim)
     o, vjp = cupyflash.flash_attn_vjp(q, k, v); dq, dk, dv = vjp(do)
 """
-from . import numpy_backend, reference
+from . import kernels, numpy_backend, reference
 from .api import flash_attn_backward, flash_attn_func, flash_attn_vjp
 from .dispatch import gpu_available
 
