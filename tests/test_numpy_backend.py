@@ -5,6 +5,7 @@ from dataclasses import replace
 
 import ml_dtypes
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -127,3 +128,69 @@ def test_fully_masked_rows(case):
     assert (dq[:, :masked] == 0).all()
     assert all(np.isfinite(x.astype(np.float64)).all() for x in (o, dq, dk, dv))
     check_against_reference(case, q, k, v, do)
+
+
+# --- batch and heads beyond one launch: the API's chunks ----------------------------------------
+
+def test_chunks_cover_every_batch_and_head_once_with_whole_groups():
+    from cupyflash.api import _chunks
+
+    for batch, nheads, nheads_kv, limit in [(7, 6, 2, 3), (5, 12, 4, 7), (3, 8, 1, 3), (4, 9, 3, 2),
+                                            (1, 4, 4, 65535), (130, 1, 1, 64)]:
+        group = nheads // nheads_kv
+        seen = np.zeros((batch, nheads), int)
+        for b, h, kv in _chunks(batch, nheads, nheads_kv, limit):
+            assert 0 < b.stop - b.start <= limit and 0 < h.stop - h.start <= limit
+            seen[b, h] += 1
+            # the chunk's kv heads are exactly those its query heads read
+            assert (kv.start, kv.stop) == (h.start // group, (h.stop - 1) // group + 1)
+            if group <= limit:
+                assert h.start % group == 0 and h.stop % group == 0  # whole GQA groups
+        assert (seen == 1).all()
+
+
+CHUNKED_CASES = [  # (batch, nheads, nheads_kv, limit)
+    (7, 2, 2, 3),  # batch in chunks
+    (2, 6, 2, 3),  # heads in chunks of whole groups
+    (5, 12, 4, 7),  # both, the last chunks short
+    (3, 8, 1, 3),  # one GQA group larger than a launch: dk, dv added over its parts
+]
+
+
+@pytest.mark.parametrize("batch,nheads,nheads_kv,limit", CHUNKED_CASES)
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float64], ids=["bf16", "fp64"])
+def test_chunked_calls_equal_one_launch(monkeypatch, batch, nheads, nheads_kv, limit, dtype):
+    """The API's chunking runs on every backend; here on the NumPy twin, where one launch of the
+    whole problem is the reference. Chunked outputs start NaN (poisoned), so a missed chunk fails."""
+    import cupyflash
+    from cupyflash import api
+    from cupyflash.testing import poisoned_outputs
+
+    rng = np.random.default_rng(batch * 100 + nheads)
+    q = rng.standard_normal((batch, 9, nheads, 8)).astype(dtype)
+    k, v = (rng.standard_normal((batch, 11, nheads_kv, 8)).astype(dtype) for _ in range(2))
+    do = rng.standard_normal(q.shape).astype(dtype)
+
+    def run():
+        o, lse = cupyflash.flash_attn_func(q, k, v, causal=True, return_lse=True, backend="numpy")
+        return (o, lse, *cupyflash.flash_attn_backward(do, q, k, v, o, lse, causal=True, backend="numpy"))
+
+    whole = run()
+    calls = []
+    real_forward = numpy_backend.forward
+    monkeypatch.setattr(numpy_backend, "forward", lambda q, *a, **kw: calls.append(q.shape) or real_forward(q, *a, **kw))
+    monkeypatch.setattr(api, "MAX_GRID_YZ", limit)
+    with poisoned_outputs():
+        chunked = run()
+    assert len(calls) == len(api._chunks(batch, nheads, nheads_kv, limit)) > 1
+    assert all(shape[0] <= limit and shape[2] <= limit for shape in calls)
+    group_split = nheads // nheads_kv > limit
+    for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), chunked, whole):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        if group_split and name in ("dk", "dv"):
+            # each part rounded to the dtype, then added in the accumulator: one rounding per part
+            eps = float(ml_dtypes.finfo(dtype).eps)
+            np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64),
+                                       rtol=4 * eps, atol=4 * eps * max_abs(b), err_msg=name)
+        else:
+            np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8), err_msg=name)
