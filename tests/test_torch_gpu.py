@@ -1,0 +1,162 @@
+"""cupyflash.torch on CUDA tensors: gradcheck in float64, gradients bitwise equal to
+cupyflash.flash_attn_backward, zero-copy inputs, outputs from torch's caching allocator, torch's
+current stream, a short training loop, and torch.compile(fullgraph=True) with Inductor.
+"""
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import cupyflash  # noqa: E402
+from cupyflash.torch import flash_attn_func, scaled_dot_product_attention  # noqa: E402
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="torch has no CUDA device")]
+
+
+def qkv(batch=2, seqlen_q=200, seqlen_k=300, nheads=8, nheads_kv=2, headdim=64, dtype=torch.bfloat16,
+        requires_grad=True, seed=0):
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    shapes = [(batch, seqlen_q, nheads, headdim)] + [(batch, seqlen_k, nheads_kv, headdim)] * 2
+    return [torch.randn(s, generator=generator, device="cuda", dtype=torch.float32).to(dtype)
+            .requires_grad_(requires_grad) for s in shapes]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("nheads, nheads_kv, seqlen_q, seqlen_k", [(2, 2, 5, 7), (4, 2, 7, 3), (3, 1, 6, 6)])
+def test_gradcheck_float64(causal, nheads, nheads_kv, seqlen_q, seqlen_k):
+    q, k, v = qkv(batch=1, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads, nheads_kv=nheads_kv, headdim=8,
+                  dtype=torch.float64)
+    assert torch.autograd.gradcheck(lambda q, k, v: flash_attn_func(q, k, v, causal=causal), (q, k, v))
+    if seqlen_q <= seqlen_k:  # every row sees a key, so the lse is finite
+        assert torch.autograd.gradcheck(
+            lambda q, k, v: flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)[1], (q, k, v))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("headdim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("nheads_kv", [8, 2])
+def test_outputs_and_gradients_equal_cupyflash_bitwise(dtype, headdim, causal, nheads_kv):
+    import cupy
+
+    q, k, v = qkv(headdim=headdim, nheads_kv=nheads_kv, dtype=dtype)
+    o, lse, _ = flash_attn_func(q, k, v, causal=causal, deterministic=True, return_attn_probs=True)
+    do = torch.randn_like(o)
+    o.backward(do)
+    arrays = [cupy.from_dlpack(t.detach()) for t in (q, k, v)]
+    o_ref, lse_ref = cupyflash.flash_attn_func(*arrays, causal=causal, return_lse=True)
+    grads = cupyflash.flash_attn_backward(cupy.from_dlpack(do), *arrays, o_ref, lse_ref, causal=causal,
+                                          deterministic=True)
+    assert torch.equal(o.detach(), torch.from_dlpack(o_ref))
+    assert torch.equal(lse.detach(), torch.from_dlpack(lse_ref))
+    for name, t, g in zip("qkv", (q, k, v), grads):
+        assert torch.equal(t.grad, torch.from_dlpack(g)), f"d{name} differs"
+
+
+def test_inputs_zero_copy_and_outputs_from_torchs_allocator():
+    from cupyflash.torch import _as_array, _cupy_on_torch_stream
+
+    q, k, v = qkv(requires_grad=False)
+    with _cupy_on_torch_stream(q.device):
+        assert _as_array(q).data.ptr == q.data_ptr()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    o, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True)
+    held = torch.cuda.memory_allocated() - before
+    assert held >= o.numel() * o.element_size() + lse.numel() * lse.element_size()
+    del o, lse
+    assert torch.cuda.memory_allocated() == before
+
+
+def test_runs_on_torchs_current_stream():
+    """Inputs written by a long kernel on a side stream, attention on that stream, no
+    synchronisation in between: on any other stream the kernels would read q before it is ready."""
+    side = torch.cuda.Stream()
+    expected_q, k, v = qkv(requires_grad=False)
+    expected = flash_attn_func(expected_q, k, v)
+    big = torch.randn(8192, 8192, device="cuda")
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        q = torch.zeros_like(expected_q)
+        for _ in range(4):
+            big = big @ big / 8192
+        q.copy_(expected_q + big[0, 0].to(q.dtype) * 0)
+        o = flash_attn_func(q, k, v)
+    side.synchronize()
+    assert torch.equal(o, expected)
+
+
+def test_sdpa_helper_matches_torch_sdpa():
+    q, k, v = (t.transpose(1, 2).detach().requires_grad_() for t in qkv(seqlen_k=200, nheads_kv=2))
+    ref = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    o = scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    o_ref = torch.nn.functional.scaled_dot_product_attention(*(t.float() for t in ref), is_causal=True,
+                                                             enable_gqa=True)
+    torch.testing.assert_close(o.float(), o_ref, rtol=2e-2, atol=2e-2)
+
+
+class Block(torch.nn.Module):
+    def __init__(self, width=256, nheads=4, nheads_kv=2):
+        super().__init__()
+        self.nheads, self.nheads_kv, self.headdim = nheads, nheads_kv, width // nheads
+        self.norm1, self.norm2 = torch.nn.LayerNorm(width), torch.nn.LayerNorm(width)
+        self.qkv = torch.nn.Linear(width, (nheads + 2 * nheads_kv) * self.headdim)
+        self.proj = torch.nn.Linear(width, width)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(),
+                                       torch.nn.Linear(4 * width, width))
+
+    def forward(self, x):
+        batch, seqlen, _ = x.shape
+        h = self.qkv(self.norm1(x)).view(batch, seqlen, self.nheads + 2 * self.nheads_kv, self.headdim)
+        q, k, v = h.split([self.nheads, self.nheads_kv, self.nheads_kv], dim=2)  # strided views
+        x = x + self.proj(flash_attn_func(q, k, v, causal=True).reshape(batch, seqlen, -1))
+        return x + self.mlp(self.norm2(x))
+
+
+class TinyLM(torch.nn.Module):
+    def __init__(self, vocab=97, width=256, layers=2):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.blocks = torch.nn.Sequential(*(Block(width) for _ in range(layers)))
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, tokens):
+        return self.head(self.blocks(self.embed(tokens)))
+
+
+def test_training_loop_bf16_loss_decreases():
+    torch.manual_seed(0)
+    model = TinyLM().cuda().to(torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    tokens = torch.randint(0, 97, (4, 129), device="cuda")
+    losses = []
+    for _ in range(10):
+        logits = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert all(torch.isfinite(torch.tensor(losses))), losses
+    assert losses[-1] < 0.7 * losses[0], losses
+
+
+def test_torch_compile_fullgraph_inductor_matches_eager():
+    torch.manual_seed(0)
+    model = TinyLM().cuda()
+    tokens = torch.randint(0, 97, (2, 128), device="cuda")
+
+    def step(fn):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = fn(tokens)
+        logits.float().square().mean().backward()
+        return logits.detach().float(), [p.grad.clone() for p in model.parameters()]
+
+    eager = step(model)
+    compiled_model = torch.compile(model, fullgraph=True)
+    compiled = step(compiled_model)
+    compiled = step(compiled_model)  # the second call runs the cached graphs
+    torch.testing.assert_close(compiled[0], eager[0], rtol=3e-2, atol=3e-2)
+    for a, b in zip(compiled[1], eager[1]):
+        torch.testing.assert_close(a, b, rtol=5e-2, atol=5e-2 * b.abs().max().item())
