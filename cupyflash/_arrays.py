@@ -167,12 +167,15 @@ def resolve_scale(softmax_scale, headdim: int) -> float:
 
 def _max_abs(x) -> float:
     """max |x| of a NumPy or CuPy array, as a float (for CuPy, a device synchronisation)."""
+    def to_host(scalar):
+        return scalar.get() if hasattr(scalar, "get") else scalar  # CuPy 0-d array: the sync
+
     if x.dtype.itemsize == 2:
         # |x| of a 16-bit float orders like its bits with the sign cleared: one integer reduction,
         # no 16-bit float arithmetic needed of the array library.
-        bits = (x.view(np.uint16) & np.uint16(0x7FFF)).max()
-        return float(np.asarray(int(bits), dtype=np.uint16).view(x.dtype))
-    return float(abs(x).max())
+        bits = to_host((x.view(np.uint16) & np.uint16(0x7FFF)).max())
+        return float(np.asarray(bits, dtype=np.uint16).view(x.dtype))
+    return float(to_host(abs(x).max()))
 
 
 def check_scores_fit(q, k, scale: float) -> None:

@@ -13,7 +13,7 @@ import cupyflash
 from cupyflash import reference
 from cupyflash.testing import poisoned_outputs
 
-from strategies import attention_case, make_inputs
+from strategies import AttentionCase, attention_case, make_inputs
 from tolerance import assert_close, flash_rounding_baseline, max_abs, output_rounding_allowance, worse_baseline
 
 pytestmark = pytest.mark.gpu
@@ -168,3 +168,137 @@ def test_auto_backend_and_numpy_arrays_round_trip(dtype):
     o_ref, _ = reference.attention(q, k, v, causal=True)
     o_std, _ = reference.standard_attention(q, k, v, causal=True, dtype=dtype)
     assert_close("o", o, o_ref, o_std, dtype=dtype)
+
+
+# --- batch and heads beyond CUDA's 65535 grid limit (api.MAX_GRID_YZ): chunked launches --------
+
+BEYOND_GRID_LIMIT = [  # (batch, nheads_kv, group): the API splits each of these into launches
+    pytest.param(70000, 1, 1, id="batch70000"),
+    pytest.param(1, 70000, 1, id="heads70000"),
+    pytest.param(2, 35000, 2, id="heads70000_gqa2"),
+    pytest.param(1, 1, 70000, id="heads70000_mqa"),  # one group split, its dk, dv added over the parts
+]
+FAMILIES = [pytest.param("simt", np.dtype(np.float32), id="simt-fp32"),
+            pytest.param("simt", np.dtype(ml_dtypes.bfloat16), id="simt-bf16"),
+            pytest.param("mma", np.dtype(ml_dtypes.bfloat16), id="mma-bf16"),
+            pytest.param("mma", np.dtype(np.float16), id="mma-fp16")]
+
+
+def _beyond_limit_case(batch, nheads_kv, group, dtype):
+    return AttentionCase(batch=batch, seqlen_q=3, seqlen_k=5, nheads_kv=nheads_kv, group=group, headdim=8,
+                         causal=True, softmax_scale=None, magnitude=1.0, dtype=dtype, seed=batch + nheads_kv)
+
+
+@pytest.mark.parametrize("batch,nheads_kv,group", BEYOND_GRID_LIMIT)
+@pytest.mark.parametrize("backend,dtype", FAMILIES)
+def test_forward_beyond_the_grid_limit_matches_reference(backend, dtype, batch, nheads_kv, group):
+    from cupyflash import api
+
+    assert max(batch, nheads_kv * group) > api.MAX_GRID_YZ
+    _check_forward(_beyond_limit_case(batch, nheads_kv, group, dtype), backend)
+
+
+@pytest.mark.parametrize("batch,nheads_kv,group", BEYOND_GRID_LIMIT)
+@pytest.mark.parametrize("backend,dtype", FAMILIES)
+def test_backward_beyond_the_grid_limit_matches_reference(backend, dtype, batch, nheads_kv, group):
+    _check_backward(_beyond_limit_case(batch, nheads_kv, group, dtype), backend)
+
+
+@pytest.mark.parametrize("batch,nheads_kv,group", BEYOND_GRID_LIMIT[:3])
+def test_chunked_launches_equal_one_launch_of_each_chunk(batch, nheads_kv, group):
+    """The kernels are per (batch, head): a chunked call is bitwise the concatenation of the
+    chunks computed alone (here: the first and the last batch entry / kv group)."""
+    import cupy
+
+    case = _beyond_limit_case(batch, nheads_kv, group, np.dtype(ml_dtypes.bfloat16))
+    q, k, v, do = (cupy.asarray(x) for x in make_inputs(case))
+    with poisoned_outputs():
+        o, lse = cupyflash.flash_attn_func(q, k, v, causal=True, return_lse=True)
+        grads = cupyflash.flash_attn_backward(do, q, k, v, o, lse, causal=True)
+    for b, kv in ((slice(0, 1), slice(0, 1)), (slice(batch - 1, batch), slice(nheads_kv - 1, nheads_kv))):
+        h = slice(kv.start * group, kv.stop * group)
+        o_part, lse_part = cupyflash.flash_attn_func(q[b, :, h], k[b, :, kv], v[b, :, kv], causal=True,
+                                                     return_lse=True)
+        assert cupy.array_equal(o[b, :, h], o_part) and cupy.array_equal(lse[b, h], lse_part)
+        parts = cupyflash.flash_attn_backward(do[b, :, h], q[b, :, h], k[b, :, kv], v[b, :, kv], o_part,
+                                              lse_part, causal=True)
+        for whole, part, heads in zip(grads, parts, (h, kv, kv)):
+            assert cupy.array_equal(whole[b, :, heads], part)
+
+
+# --- zero-size dimensions, scales, and arrays of other libraries on the device -----------------
+
+@pytest.mark.parametrize("backend,dtype", FAMILIES)
+@pytest.mark.parametrize("b,sq,sk,h,hkv", [(1, 5, 7, 0, 1), (1, 5, 7, 0, 0), (0, 5, 7, 2, 1), (2, 0, 7, 2, 1),
+                                           (2, 5, 0, 4, 2)])
+def test_zero_size_dimensions_give_empty_results(backend, dtype, b, sq, sk, h, hkv):
+    import cupy
+
+    rng = np.random.default_rng(0)
+    q = cupy.asarray(rng.standard_normal((b, sq, h, 8)).astype(dtype))
+    k, v = (cupy.asarray(rng.standard_normal((b, sk, hkv, 8)).astype(dtype)) for _ in range(2))
+    with poisoned_outputs():
+        o, lse = cupyflash.flash_attn_func(q, k, v, return_lse=True, backend=backend)
+        grads = cupyflash.flash_attn_backward(cupy.ones_like(q), q, k, v, o, lse, backend=backend)
+    assert isinstance(o, cupy.ndarray) and o.shape == q.shape and o.dtype == dtype and not o.any()
+    assert lse.shape == (b, h, sq) and bool((lse == -np.inf).all())
+    for g, x in zip(grads, (q, k, v)):
+        assert isinstance(g, cupy.ndarray) and g.shape == x.shape and g.dtype == dtype and not g.any()
+
+
+@pytest.mark.parametrize("backend,dtype", FAMILIES)
+@pytest.mark.parametrize("scale", [0.0, -0.7, 4.0], ids=["zero", "negative", "amplifying"])
+def test_any_finite_scale_matches_reference(backend, dtype, scale):
+    case = AttentionCase(batch=2, seqlen_q=70, seqlen_k=90, nheads_kv=2, group=2, headdim=40, causal=True,
+                         softmax_scale=scale, magnitude=1.0, dtype=dtype, seed=7)
+    _check_forward(case, backend)
+    _check_backward(case, backend)
+
+
+@pytest.mark.parametrize("backend,dtype", FAMILIES)
+def test_scale_that_overflows_the_scores_is_refused(backend, dtype):
+    import cupy
+
+    q, k, v = (cupy.asarray(x) for x in np.random.default_rng(0).standard_normal((3, 1, 9, 2, 16)).astype(dtype))
+    with pytest.raises(ValueError, match=r"^softmax_scale=1e\+37 can overflow the float32 scores"):
+        cupyflash.flash_attn_func(q, k, v, softmax_scale=1e37, backend=backend)
+
+
+def test_the_ordinary_call_does_not_synchronise():
+    """bf16 at scale 1/sqrt(headdim): no max-abs reduction is read back (cupyx raises on a
+    synchronising CuPy call inside allow_synchronize(False))."""
+    import cupy
+    import cupyx
+
+    q, k, v = (cupy.asarray(x).astype(ml_dtypes.bfloat16)
+               for x in np.random.default_rng(0).standard_normal((3, 2, 128, 4, 64)))
+    cupyflash.flash_attn_func(q, k, v, causal=True)  # compiles and caches the kernel first
+    with cupyx.allow_synchronize(False):
+        cupyflash.flash_attn_func(q, k, v, causal=True)
+        with pytest.raises(cupyx.DeviceSynchronized):  # the check is live: an amplifying scale reads
+            cupyflash.flash_attn_func(q, k, v, causal=True, softmax_scale=2.0)
+
+
+def test_zero_d_cupy_scale_is_accepted():
+    import cupy
+
+    q, k, v = (cupy.asarray(x) for x in np.random.default_rng(0).standard_normal((3, 1, 9, 2, 16)).astype(np.float32))
+    o = cupyflash.flash_attn_func(q, k, v, softmax_scale=cupy.asarray(0.3), backend="simt")
+    expected = cupyflash.flash_attn_func(q, k, v, softmax_scale=0.3, backend="simt")
+    assert cupy.array_equal(o, expected)
+
+
+def test_torch_cuda_bfloat16_tensors_are_taken_zero_copy():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA here")
+    import cupy
+
+    q, k, v = (torch.randn(2, 33, 4, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    o = cupyflash.flash_attn_func(q, k, v, causal=True)
+    assert isinstance(o, cupy.ndarray) and o.dtype == ml_dtypes.bfloat16
+    q_view = cupyflash._arrays.to_cupy(q, "q")
+    assert q_view.data.ptr == q.data_ptr()  # the same memory, no copy
+    expected = cupyflash.flash_attn_func(*(cupy.asarray(x.float().cpu().numpy()).astype(ml_dtypes.bfloat16)
+                                           for x in (q, k, v)), causal=True)
+    assert cupy.array_equal(o, expected)
