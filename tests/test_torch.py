@@ -293,3 +293,14 @@ def test_errors_name_the_argument():
         flash_attn_func(q, k.to("meta"), v.to("meta"))
     with pytest.raises(TypeError, match="softmax_scale must be a Python number"):
         flash_attn_func(q, k, v, softmax_scale=torch.tensor(0.5))
+
+
+def test_torch_compile_dynamic_sequence_lengths():
+    """One graph for several sequence lengths: the fake kernels compute with symbolic shapes."""
+    fn = torch.compile(lambda q, k, v: flash_attn_func(q, k, v, causal=True), fullgraph=True,
+                       backend="aot_eager", dynamic=True)
+    for seqlen in (5, 9, 13):
+        q, k, v = qkv(seqlen_q=seqlen, seqlen_k=seqlen + 2, dtype=torch.float32)
+        out = fn(q, k, v)
+        out.sum().backward()
+        assert torch.equal(out, flash_attn_func(q, k, v, causal=True))
