@@ -36,8 +36,8 @@ def array_kind(x, name: str) -> str:
     if cupy is not None and isinstance(x, cupy.ndarray):
         return "cupy"
     if isinstance(x, np.ma.MaskedArray):
-        raise TypeError(f"{name} is a NumPy masked array; attention has no use for an element mask "
-                        f"(hidden keys are what causal is for): pass {name}.filled(value) or {name}.data")
+        raise TypeError(f"{name} is a NumPy masked array; attention has no use for a mask of elements: "
+                        f"pass {name}.filled(value) or {name}.data")
     if isinstance(x, np.ndarray):
         return "numpy"
     if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):

@@ -264,6 +264,7 @@ def test_scale_that_overflows_the_scores_is_refused(backend, dtype):
         cupyflash.flash_attn_func(q, k, v, softmax_scale=1e37, backend=backend)
 
 
+@pytest.mark.filterwarnings("ignore:cupyx.allow_synchronize will be removed")
 def test_the_ordinary_call_does_not_synchronise():
     """bf16 at scale 1/sqrt(headdim): no max-abs reduction is read back (cupyx raises on a
     synchronising CuPy call inside allow_synchronize(False))."""
