@@ -10,5 +10,14 @@ from .dispatch import gpu_available
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name):
+    # cupyflash.torch imports torch, so it loads on first use rather than with the package.
+    if name == "torch":
+        import importlib
+
+        return importlib.import_module(".torch", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 __all__ = ["flash_attn_func", "flash_attn_backward", "flash_attn_vjp", "reference", "numpy_backend",
            "gpu_available", "__version__"]

@@ -76,8 +76,9 @@ def _chunks(batch: int, nheads: int, nheads_kv: int, limit: int) -> list[tuple[s
 
 
 def _forward_in_chunks(compute, q, k, v):
-    """(o, lse) of ``compute(q, k, v)`` -> (o, lse), launched chunk by chunk when batch or heads
-    exceed MAX_GRID_YZ. Each chunk's lse comes back C-contiguous and is copied into place."""
+    """``compute(q, k, v) -> (o, lse)`` over the whole call: one call, or one per chunk of
+    _chunks(..., MAX_GRID_YZ) on views of q, k, v, each chunk's fresh (C-contiguous) o and lse
+    copied into place."""
     batch, seqlen_q, nheads, _ = q.shape
     chunks = _chunks(batch, nheads, k.shape[2], MAX_GRID_YZ)
     if len(chunks) == 1:
@@ -91,9 +92,10 @@ def _forward_in_chunks(compute, q, k, v):
 
 
 def _backward_in_chunks(compute, do, q, k, v, o, lse):
-    """(dq, dk, dv) of ``compute(do, q, k, v, o, lse)``, chunk by chunk as _forward_in_chunks.
-    Where one GQA group spans several chunks, its dk, dv parts are added in the accumulator dtype
-    and rounded once (one more rounding per part than a single launch)."""
+    """``compute(do, q, k, v, o, lse) -> (dq, dk, dv)`` over the whole call, chunked as
+    _forward_in_chunks (a chunk's lse is a strided view; the launchers make it contiguous). Where
+    one GQA group spans several chunks, its dk, dv parts are added in the accumulator dtype and
+    rounded once: one more rounding per part than a single launch."""
     batch, _, nheads, _ = q.shape
     nheads_kv = k.shape[2]
     chunks = _chunks(batch, nheads, nheads_kv, MAX_GRID_YZ)
