@@ -78,6 +78,7 @@ def _cupy_on_torch_stream(device: torch.device):
 
 def _as_array(t: torch.Tensor):
     """t without a copy: a CuPy array for a CUDA tensor, a NumPy array for a CPU tensor."""
+    t = t.detach()  # below autograd the inputs may still carry requires_grad, which DLPack refuses
     if t.device.type == "cuda":
         import cupy
 
