@@ -38,8 +38,8 @@ def _on_gpu(backend: str) -> bool:
     if backend == "auto":
         return dispatch.gpu_available()
     if not dispatch.gpu_available():
-        raise RuntimeError(f"backend={backend!r} needs a CUDA device and none is usable "
-                           "(use backend='numpy' or 'auto')")
+        raise RuntimeError(f"backend={backend!r}: {dispatch.no_device_reason() or 'no CUDA device'}; "
+                           "use backend='numpy' or 'auto'")
     return True
 
 

@@ -13,14 +13,36 @@ from ._dtypes import is_16bit
 
 
 @functools.lru_cache(maxsize=None)
-def gpu_available() -> bool:
-    """True when CuPy imports and sees at least one CUDA device."""
+def no_device_reason() -> str | None:
+    """None when CuPy imports and sees a CUDA device, else why not (it starts "no CUDA device")."""
     try:
         import cupy
+    except Exception as exc:  # ImportError, or a CuPy build that fails to load its libraries
+        return f"no CUDA device usable: CuPy is not importable ({exc})"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # CUDARuntimeError; without a driver CUDA calls it "insufficient"
+        if not _driver_installed():
+            return "no CUDA device (no NVIDIA driver on this machine)"
+        return f"no CUDA device usable ({exc})"
+    return None if count > 0 else "no CUDA device"
 
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # no CuPy, no driver, or no device
+
+def _driver_installed() -> bool:
+    import ctypes
+    import sys
+
+    try:
+        ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1")
+    except OSError:
         return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_available() -> bool:
+    """True when CuPy imports and sees at least one CUDA device."""
+    return no_device_reason() is None
 
 
 def _mma_module(direction: str):
@@ -47,8 +69,8 @@ def choose(backend: str, dtype, headdim: int, direction: str) -> str:
     if backend == "auto" and not gpu_available():
         return "numpy"
     if not gpu_available():
-        raise RuntimeError(f"backend={backend!r} needs a CUDA device and none is usable "
-                           "(use backend='numpy' or 'auto')")
+        raise RuntimeError(f"backend={backend!r}: {no_device_reason() or 'no CUDA device'}; "
+                           "use backend='numpy' or 'auto'")
     mma = _mma_module(direction)
     mma_ok = is_16bit(dtype) and mma is not None and mma.supports(np.dtype(dtype), mma_headdim(headdim))
     if backend == "mma":

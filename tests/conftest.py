@@ -4,8 +4,10 @@ Profiles (pick with the environment variable HYPOTHESIS_PROFILE): "dev" (default
 (more examples, the CPU CI job), "gpu" (many examples on a device). Tests draw every input from
 a seed that Hypothesis chooses (tests/strategies.py), so there is no shared random generator.
 
-Tests marked ``gpu`` are skipped, with the reason, where no CUDA device is usable. CuPy imports
-fine without a GPU; asking the runtime for devices is what fails there.
+Tests marked ``gpu`` are skipped, with the library's own reason, where no CUDA device is usable
+(CuPy imports fine without a GPU; asking the runtime for devices is what fails there). Tests marked
+``compile_full`` (the compile check of every specialization, minutes on two cores) are skipped
+unless ``-m`` names the marker or CUPYFLASH_COMPILE_FULL=1.
 """
 from __future__ import annotations
 
@@ -31,26 +33,23 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 
-def _why_no_cuda_device() -> str | None:
-    """None if a CUDA device is usable through CuPy, else the reason it is not."""
-    try:
-        import cupy
-    except Exception as exc:  # ImportError, or a CuPy build that fails to load its libraries
-        return f"CuPy is not importable: {exc}"
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:  # CUDARuntimeError without a driver or device
-        return f"no usable CUDA device: {exc}"
-    if count == 0:
-        return "no CUDA device"
-    return None
+def _compile_full_selected(config) -> bool:
+    return "compile_full" in (config.getoption("markexpr") or "") or os.environ.get("CUPYFLASH_COMPILE_FULL") == "1"
 
 
 def pytest_collection_modifyitems(config, items):
+    full_items = [item for item in items if item.get_closest_marker("compile_full") is not None]
+    if full_items and not _compile_full_selected(config):
+        skip = pytest.mark.skip(reason="compile check of every specialization: run with -m compile_full "
+                                       "(or CUPYFLASH_COMPILE_FULL=1)")
+        for item in full_items:
+            item.add_marker(skip)
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu_items:
         return
-    reason = _why_no_cuda_device()
+    from cupyflash.dispatch import no_device_reason
+
+    reason = no_device_reason()
     if reason is not None:
         skip = pytest.mark.skip(reason=f"gpu test: {reason}")
         for item in gpu_items:

@@ -2,17 +2,32 @@
 
 Used by the CPU test suite and by ``python -m cupyflash compile-check``: catches compile errors,
 register spills (local memory) and missing tensor-core instructions before any device time is spent.
-Specializations of one source file are compiled together in one NVRTC program.
+Specializations of one source file are compiled together in one NVRTC program, with the libnvrtc
+and the include paths that CuPy's ``RawModule`` uses, so a toolchain that passes here also compiles
+at run time. Registers, stack and spills come from ptxas's report; the SASS (through cuobjdump) is
+read only when asked for.
+
+Each program's results are cached on disk (``$CUPYFLASH_CACHE_DIR``, default
+``~/.cache/cupyflash``), keyed by a hash of the source text with its headers inlined, the
+instantiations, the options, the NVRTC build, the architecture and this file's own text.
+
+``representative()`` picks, per kernel, one dtype/mask combination of every tile configuration
+(rotating the combinations so that each dtype and each mask still compiles): the CPU suite checks
+that set, ``-m compile_full`` every specialization.
 """
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import os
 import re
 import shutil
 import subprocess
 import tempfile
-from collections import defaultdict
-from dataclasses import dataclass
+import threading
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ._module import NVRTC_OPTIONS, Specialization, kernel_source
@@ -26,7 +41,7 @@ class Resources:
     shared_static: int
     stack_bytes: int  # stack frame (local memory)
     spill_bytes: int  # spill stores + spill loads reported by ptxas
-    sass: str = ""
+    sass_opcodes: frozenset = field(default_factory=frozenset)  # "HMMA", "HGMMA", ...; with_sass only
     wgmma_serialized: bool = False  # ptxas C7515: its wgmma wait after every instruction
 
 
@@ -43,28 +58,107 @@ def all_specializations() -> list[Specialization]:
     return specs
 
 
-def _nvrtc():
-    """libnvrtc through ctypes: the pip wheel (cuda-toolkit[nvrtc]) first, then the system's."""
-    import ctypes
-    import ctypes.util
+def _name_tokens() -> tuple[frozenset, frozenset]:
+    """The dtype tokens ("fp16", ...) and mask tokens ("full", "causal", ...) of specialization names."""
+    from .. import masks
+    from .._dtypes import SHORT_NAMES
 
-    candidates = []
+    return frozenset(SHORT_NAMES.values()), frozenset(m.name for m in masks.KINDS)
+
+
+def _variant(spec: Specialization) -> tuple[str, tuple[str, ...], tuple[str, str]]:
+    """(kernel, tile configuration, (dtype, mask)) read from the specialization's name: the kernel
+    is what precedes the dtype token, the configuration is every other token."""
+    dtypes, masks = _name_tokens()
+    tokens = spec.name.split("_")
+    dtype = next((t for t in tokens if t in dtypes), "")
+    mask = next((t for t in tokens if t in masks), "")
+    kernel = "_".join(tokens[:tokens.index(dtype)]) if dtype else spec.name
+    config = tuple(t for t in tokens if t not in (dtype, mask))
+    return f"{spec.source_file}:{kernel}", config, (dtype, mask)
+
+
+def representative(specs: list[Specialization]) -> list[Specialization]:
+    """Every tile configuration of every kernel once, in one (dtype, mask) combination each.
+
+    Combinations rotate over a kernel's configurations (the least used so far first), and a dtype
+    or mask that the rotation missed is added once, so every dtype and mask of a kernel compiles.
+    A name without dtype or mask tokens is its own configuration and always kept.
+    """
+    kernels: dict[str, dict[tuple, dict[tuple, Specialization]]] = defaultdict(lambda: defaultdict(dict))
+    for spec in specs:
+        kernel, config, combination = _variant(spec)
+        kernels[kernel][(spec.arch, config)].setdefault(combination, spec)
+    chosen: list[Specialization] = []
+    for configs in kernels.values():
+        used: Counter = Counter()
+        for config in sorted(configs):
+            members = configs[config]
+            combination = min(members, key=lambda c: (used[c], c))
+            used[combination] += 1
+            chosen.append(members[combination])
+        for axis in (0, 1):
+            covered = {c[axis] for c in used}
+            for config in sorted(configs):
+                for combination, spec in sorted(configs[config].items()):
+                    if combination[axis] not in covered:
+                        covered.add(combination[axis])
+                        used[combination] += 1
+                        chosen.append(spec)
+    order = {spec.name: i for i, spec in enumerate(specs)}
+    return sorted(dict.fromkeys(chosen), key=lambda s: order[s.name])
+
+
+_INSTALL_HINT = "pip install 'cupyflash[cuda13]' (or [cuda12]), which brings NVRTC and the CUDA headers"
+
+
+@functools.lru_cache(maxsize=None)
+def nvrtc_path() -> str:
+    """The libnvrtc that CuPy compiles with: cuda.pathfinder's choice (CuPy's own discovery: the
+    pip wheels, then conda, then the system's), else the dynamic loader's."""
     try:
-        import nvidia
-
-        for root in getattr(nvidia, "__path__", []):
-            candidates += sorted(Path(root).glob("cu*/lib/libnvrtc.so*"), reverse=True)
+        from cuda.pathfinder import load_nvidia_dynamic_lib
     except ImportError:
+        import ctypes.util
+
+        path = ctypes.util.find_library("nvrtc")
+        if path is None:
+            raise FileNotFoundError(f"libnvrtc not found: {_INSTALL_HINT}") from None
+        return path
+    try:
+        return load_nvidia_dynamic_lib("nvrtc").abs_path
+    except Exception as exc:  # DynamicLibNotFoundError, a RuntimeError
+        raise FileNotFoundError(f"libnvrtc not found ({exc}): {_INSTALL_HINT}") from exc
+
+
+@functools.lru_cache(maxsize=None)
+def _nvrtc():
+    """libnvrtc through ctypes (which releases the GIL during a compile)."""
+    import ctypes
+
+    return ctypes.CDLL(nvrtc_path())
+
+
+def nvrtc_version() -> tuple[int, int]:
+    import ctypes
+
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    _nvrtc().nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+    return major.value, minor.value
+
+
+def compile_options(arch: str) -> tuple[str, ...]:
+    """The NVRTC options of ``RawModule`` for cupyflash's kernels on ``sm_<arch>``, CuPy's include
+    paths among them, with ptxas's resource report. CuPy raises here, as it would at run time,
+    when it finds no CUDA headers."""
+    options = NVRTC_OPTIONS
+    try:
+        from cupy._core.core import assemble_cupy_compiler_options
+    except ImportError:  # no CuPy, or one without this helper: the kernels include no CUDA header
         pass
-    system = ctypes.util.find_library("nvrtc")
-    if system:
-        candidates.append(system)
-    for candidate in candidates:
-        try:
-            return ctypes.CDLL(str(candidate))
-        except OSError:
-            continue
-    raise FileNotFoundError("libnvrtc not found (pip install 'cuda-toolkit[nvrtc]')")
+    else:
+        options = tuple(assemble_cupy_compiler_options(options))
+    return options + (f"-arch=sm_{arch}", "--device-as-default-execution-space", "--ptxas-options=-v")
 
 
 def compile_cubin(source_file: str, expressions: list[str], arch: str) -> tuple[bytes, dict, str]:
@@ -84,7 +178,7 @@ def compile_cubin(source_file: str, expressions: list[str], arch: str) -> tuple[
     try:
         for expr in expressions:
             check_call(lib.nvrtcAddNameExpression(program, expr.encode()), "add name expression")
-        options = [o.encode() for o in (*NVRTC_OPTIONS, f"-arch=sm_{arch}", "--ptxas-options=-v")]
+        options = [o.encode() for o in compile_options(arch)]
         option_array = (ctypes.c_char_p * len(options))(*options)
         status = lib.nvrtcCompileProgram(program, len(options), option_array)
         size = ctypes.c_size_t()
@@ -124,19 +218,30 @@ def find_cuobjdump() -> str | None:
     return None
 
 
-_PTXAS_ENTRY = re.compile(
-    r"Compiling entry function '(\S+)'.*?(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads",
-    re.DOTALL)
+_PTXAS_SPILLS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_PTXAS_REGISTERS = re.compile(r"Used (\d+) registers")
+_PTXAS_SHARED = re.compile(r"(\d+) bytes smem")
+
+
+def ptxas_report(log: str) -> dict[str, dict[str, int]]:
+    """{mangled: {registers, shared, stack, spill_stores, spill_loads}} from a ``ptxas -v`` log."""
+    out = {}
+    for chunk in log.split("Compiling entry function '")[1:]:
+        mangled, text = chunk.split("'", 1)
+        spills = _PTXAS_SPILLS.search(text)
+        registers = _PTXAS_REGISTERS.search(text)
+        shared = _PTXAS_SHARED.search(text.split("Compile time", 1)[0])
+        if registers is None:
+            raise RuntimeError(f"no register count in ptxas's report of {mangled}")
+        stack, stores, loads = (int(g) for g in spills.groups()) if spills else (0, 0, 0)
+        out[mangled] = {"registers": int(registers.group(1)), "shared": int(shared.group(1)) if shared else 0,
+                        "stack": stack, "spill_stores": stores, "spill_loads": loads}
+    return out
 
 
 def spills_from_log(log: str) -> dict[str, tuple[int, int, int]]:
     """{mangled: (stack frame, spill stores, spill loads)} from a ``ptxas -v`` log."""
-    out = {}
-    for chunk in log.split("Compiling entry function")[1:]:
-        m = _PTXAS_ENTRY.search("Compiling entry function" + chunk)
-        if m:
-            out[m.group(1)] = (int(m.group(2)), int(m.group(3)), int(m.group(4)))
-    return out
+    return {m: (r["stack"], r["spill_stores"], r["spill_loads"]) for m, r in ptxas_report(log).items()}
 
 
 # ptxas info (C7515) "Potential Performance Loss: wgmma.mma_async instructions are serialized due
@@ -151,6 +256,13 @@ def wgmma_serialized_from_log(log: str) -> set[str]:
 
 
 _RES = re.compile(r"Function (\S+):\s*\n\s*REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
+# An instruction line of ``cuobjdump -sass``: its address, an optional predicate, the opcode.
+_SASS_OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+
+
+def sass_opcodes(sass: str) -> frozenset:
+    """The opcodes, without modifiers (``HMMA.16816.F32`` -> ``HMMA``), of a function's SASS."""
+    return frozenset(_SASS_OPCODE.findall(sass))
 
 
 def resource_usage(cubin: bytes, with_sass: bool = False) -> dict[str, dict]:
@@ -174,21 +286,78 @@ def resource_usage(cubin: bytes, with_sass: bool = False) -> dict[str, dict]:
     return usage
 
 
-def _check_group(source_file: str, group: list[Specialization], arch: str, with_sass: bool) -> list[Resources]:
-    expressions = sorted({s.expression for s in group})
+def cache_dir() -> Path:
+    root = os.environ.get("CUPYFLASH_CACHE_DIR") or Path(
+        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cupyflash"
+    return Path(root) / "compile-check"
+
+
+@functools.lru_cache(maxsize=None)
+def _toolchain_fingerprint() -> str:
+    """NVRTC's version and library file, and this file's text (a change of the parsing above must
+    not reuse results read by the old one)."""
+    parts = [str(nvrtc_version()), Path(__file__).read_text()]
+    library = Path(nvrtc_path()).resolve()
+    if library.is_file():  # a bare name from find_library has no stat to add
+        stat = library.stat()
+        parts.append(f"{library} {stat.st_size} {stat.st_mtime_ns}")
+    return "\n".join(parts)
+
+
+def _cache_key(source_file: str, expressions: list[str], arch: str, with_sass: bool) -> str:
+    cuobjdump = find_cuobjdump() if with_sass else None
+    text = json.dumps([kernel_source(source_file), expressions, compile_options(arch), arch,
+                       with_sass, cuobjdump, _toolchain_fingerprint()])
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _compile_group(source_file: str, expressions: list[str], arch: str, with_sass: bool) -> dict[str, dict]:
+    """{expression: resources as plain data} for one NVRTC program."""
     cubin, mangled, log = compile_cubin(source_file, expressions, arch)
-    usage = resource_usage(cubin, with_sass)
-    spills = spills_from_log(log)
+    report = ptxas_report(log)
     serialized = wgmma_serialized_from_log(log)
+    usage = resource_usage(cubin, with_sass=True) if with_sass else {}
+    out = {}
+    for expr in expressions:
+        name = mangled[expr]
+        if name not in report:
+            raise RuntimeError(f"{source_file} for sm_{arch}: no ptxas report for {name}")
+        r = report[name]
+        if with_sass and usage.get(name, {}).get("registers") != r["registers"]:
+            raise RuntimeError(f"{name}: ptxas reports {r['registers']} registers, cuobjdump "
+                               f"{usage.get(name, {}).get('registers')}")
+        out[expr] = {"mangled": name, "registers": r["registers"], "shared_static": r["shared"],
+                     "stack_bytes": r["stack"], "spill_bytes": r["spill_stores"] + r["spill_loads"],
+                     "sass_opcodes": sorted(sass_opcodes(usage[name]["sass"])) if with_sass else [],
+                     "wgmma_serialized": name in serialized}
+    return out
+
+
+def _check_group(source_file: str, group: list[Specialization], arch: str, with_sass: bool,
+                 cache: bool = True) -> list[Resources]:
+    expressions = sorted({s.expression for s in group})
+    data = None
+    path = cache_dir() / f"{_cache_key(source_file, expressions, arch, with_sass)}.json" if cache else None
+    if path is not None and path.is_file():
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):  # a torn or foreign file: compile again
+            data = None
+    if data is None or set(data) != set(expressions):
+        data = _compile_group(source_file, expressions, arch, with_sass)
+        if path is not None:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                partial = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+                partial.write_text(json.dumps(data))
+                os.replace(partial, path)  # readers see the old file or the whole new one
+            except OSError:
+                pass  # a read-only home: the check still runs, uncached
     results = []
     for spec in group:
-        u = usage.get(mangled[spec.expression])
-        if u is None:
-            raise RuntimeError(f"{spec.name}: no resource line for {mangled[spec.expression]}")
-        stack, stores, loads = spills.get(mangled[spec.expression], (0, 0, 0))
-        results.append(Resources(spec.name, mangled[spec.expression], u["registers"],
-                                 u["shared"], stack, stores + loads, u["sass"],
-                                 mangled[spec.expression] in serialized))
+        d = dict(data[spec.expression])
+        d["sass_opcodes"] = frozenset(d["sass_opcodes"])
+        results.append(Resources(name=spec.name, **d))
     return results
 
 
@@ -202,11 +371,12 @@ def compiled_for(spec: Specialization, arch: str) -> bool:
 
 
 def check_archs(archs, specs: list[Specialization] | None = None,
-                with_sass: bool = False) -> dict[str, list[Resources]]:
+                with_sass: bool = False, cache: bool = True) -> dict[str, list[Resources]]:
     """{arch: resources} for ``specs`` (default: all) compiled for each ``sm_<arch>``.
 
-    One NVRTC program per (source file, arch), compiled on a thread each: ctypes releases the GIL
-    during the call, so the programs build in parallel on every core.
+    One NVRTC program per (source file, arch), compiled on a thread each: NVRTC releases the GIL
+    during the compile, so the programs build in parallel on every core. ``cache``: reuse and
+    store results in ``cache_dir()``.
     """
     from concurrent.futures import ThreadPoolExecutor
 
@@ -219,24 +389,27 @@ def check_archs(archs, specs: list[Specialization] | None = None,
                 by_file[spec.source_file].append(spec)
         jobs.extend((arch, f, group) for f, group in by_file.items())
     with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
-        futures = [(arch, pool.submit(_check_group, f, group, arch, with_sass)) for arch, f, group in jobs]
+        futures = [(arch, pool.submit(_check_group, f, group, arch, with_sass, cache))
+                   for arch, f, group in jobs]
         results: dict[str, list[Resources]] = {arch: [] for arch in archs}
         for arch, future in futures:
             results[arch].extend(future.result())
     return results
 
 
-def check(arch: str, specs: list[Specialization] | None = None, with_sass: bool = False) -> list[Resources]:
+def check(arch: str, specs: list[Specialization] | None = None, with_sass: bool = False,
+          cache: bool = True) -> list[Resources]:
     """Compile ``specs`` (default: all) for ``sm_<arch>``; resources per specialization."""
-    return check_archs([arch], specs, with_sass)[arch]
+    return check_archs([arch], specs, with_sass, cache)[arch]
 
 
 DESCRIPTION = """\
 Compile every kernel specialization with NVRTC for sm_80 and sm_90 (the wgmma kernels for
-sm_90a) without a GPU, and read each kernel's registers, stack and spills from ptxas and
-cuobjdump. A compile error, a register spill or a serialized wgmma (ptxas C7515) fails the check.
+sm_90a) without a GPU, and read each kernel's registers, stack and spills from ptxas. A compile
+error, a register spill or a serialized wgmma (ptxas C7515) fails the check. Results are cached
+in $CUPYFLASH_CACHE_DIR (default ~/.cache/cupyflash), keyed by the sources and the toolchain.
 Exit status: 0 every kernel clean, 1 some kernel failed or spilled, 2 bad arguments, 3 NVRTC or
-cuobjdump not installed."""
+the CUDA headers not installed."""
 
 
 def configure(parser) -> None:
@@ -281,9 +454,8 @@ def run(args) -> int:
                              f"--kernel {' '.join(args.kernel or [])}")
     try:
         _nvrtc()
-        if find_cuobjdump() is None:
-            raise FileNotFoundError("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
-    except (FileNotFoundError, OSError) as exc:
+        compile_options(archs[0])  # CuPy's include paths: it raises when it finds no CUDA headers
+    except (OSError, RuntimeError) as exc:
         cli.summary("compile-check", f"cannot run: {exc}", file=sys.stderr)
         return cli.EXIT_UNAVAILABLE
 

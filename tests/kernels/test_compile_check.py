@@ -1,5 +1,12 @@
 """Every specialization the dispatcher can launch compiles with NVRTC for sm_80 and sm_90 (no GPU
-needed), without register spills; tensor-core kernels contain HMMA instructions."""
+needed), without register spills; tensor-core kernels contain HMMA (HGMMA for wgmma) instructions.
+
+The CPU suite compiles the representative set (every tile configuration of every kernel, the
+dtype/mask combinations rotated over them); ``-m compile_full`` (or CUPYFLASH_COMPILE_FULL=1)
+compiles all of them, with the same assertions."""
+import functools
+import json
+
 import pytest
 
 from cupyflash.kernels import compile_check
@@ -12,31 +19,43 @@ try:
 except (FileNotFoundError, OSError):
     HAVE_NVRTC = False
 
-needs_nvrtc = pytest.mark.skipif(not HAVE_NVRTC or compile_check.find_cuobjdump() is None,
-                                 reason="NVRTC or cuobjdump not installed (pip install '.[test]')")
+needs_nvrtc = pytest.mark.skipif(not HAVE_NVRTC, reason="NVRTC not installed (pip install '.[cuda13]')")
+needs_cuobjdump = pytest.mark.skipif(not HAVE_NVRTC or compile_check.find_cuobjdump() is None,
+                                     reason="NVRTC or cuobjdump not installed (pip install '.[cuda13,test]')")
+
+SETS = ("representative", "full")
 
 
-@pytest.fixture(scope="module")
-def compiled_all():
-    return compile_check.check_archs(list(compile_check.ARCHS), with_sass=True)
+def specializations(kind: str):
+    specs = compile_check.all_specializations()
+    return compile_check.representative(specs) if kind == "representative" else specs
 
 
-@pytest.fixture(params=list(compile_check.ARCHS))
-def compiled(request, compiled_all):
-    return request.param, compiled_all[request.param]
+@functools.lru_cache(maxsize=None)
+def compiled_set(kind: str):
+    """{arch: resources} of one set, every arch compiled at once (the programs build in parallel)."""
+    return compile_check.check_archs(list(compile_check.ARCHS), specializations(kind), with_sass=True)
 
 
-@needs_nvrtc
+@pytest.fixture(params=[pytest.param((kind, arch), id=f"{kind}-sm{arch}",
+                                     marks=[pytest.mark.compile_full] if kind == "full" else [])
+                        for kind in SETS for arch in compile_check.ARCHS])
+def compiled(request):
+    kind, arch = request.param
+    return kind, arch, compiled_set(kind)[arch]
+
+
+@needs_cuobjdump
 def test_every_specialization_compiles(compiled):
-    arch, results = compiled
+    kind, arch, results = compiled
     names = {r.name for r in results}
-    assert names == {s.name for s in compile_check.all_specializations() if compile_check.compiled_for(s, arch)}
+    assert names == {s.name for s in specializations(kind) if compile_check.compiled_for(s, arch)}
     assert len(names) == len(results), "specialization names must be unique"
 
 
-@needs_nvrtc
+@needs_cuobjdump
 def test_no_register_spills(compiled):
-    arch, results = compiled
+    _, arch, results = compiled
     spilled = [(r.name, r.registers, r.spill_bytes) for r in results if r.spill_bytes]
     assert not spilled, f"sm_{arch}: spills in {spilled}"
     # A stack frame without reported spill bytes is local memory too (an indexed array, say): the
@@ -45,13 +64,37 @@ def test_no_register_spills(compiled):
     assert not framed, f"sm_{arch}: stack frames in {framed}"
 
 
-@needs_nvrtc
+@needs_cuobjdump
 def test_no_wgmma_serialized(compiled):
     # ptxas C7515: a wgmma waited for right after issue loses every overlap the kernel is built
     # around (S with dP, the exponentials with dP, products with the next block's).
-    arch, results = compiled
+    _, arch, results = compiled
     serialized = [r.name for r in results if r.wgmma_serialized]
     assert not serialized, f"sm_{arch}: ptxas serialized the wgmma of {serialized}"
+
+
+@needs_cuobjdump
+def test_tensor_core_kernels_use_hmma(compiled):
+    _, arch, results = compiled
+    mma = [r for r in results if "_mma_" in r.name]
+    missing = [r.name for r in mma if "HMMA" not in r.sass_opcodes]
+    assert not missing, f"sm_{arch}: no HMMA in {missing}"
+
+
+@needs_cuobjdump
+def test_wgmma_kernels_use_hgmma(compiled):
+    _, arch, results = compiled
+    wgmma = [r for r in results if "_wgmma_" in r.name]
+    assert bool(wgmma) == (arch == "90a"), f"sm_{arch}: wgmma kernels {[r.name for r in wgmma]}"
+    missing = [r.name for r in wgmma if "HGMMA" not in r.sass_opcodes]
+    assert not missing, f"sm_{arch}: no HGMMA in {missing}"
+
+
+@needs_cuobjdump
+def test_simt_kernels_report_resources(compiled):
+    _, arch, results = compiled
+    simt = [r for r in results if "_simt_" in r.name]
+    assert (bool(simt) or arch in ("90a",)) and all(0 < r.registers <= 255 for r in simt)
 
 
 def test_wgmma_serialization_is_read_from_the_ptxas_log():
@@ -63,25 +106,79 @@ def test_wgmma_serialization_is_read_from_the_ptxas_log():
     assert compile_check.wgmma_serialized_from_log("ptxas info    : Used 40 registers") == set()
 
 
-@needs_nvrtc
-def test_tensor_core_kernels_use_hmma(compiled):
-    arch, results = compiled
-    mma = [r for r in results if "_mma_" in r.name]
-    missing = [r.name for r in mma if "HMMA" not in r.sass]
-    assert not missing, f"sm_{arch}: no HMMA in {missing}"
+def test_resources_are_read_from_the_ptxas_log():
+    log = ("ptxas info    : 0 bytes gmem\n"
+           "ptxas info    : Compiling entry function '_Z1av' for 'sm_80'\n"
+           "ptxas info    : Function properties for _Z1av\n"
+           "ptxas         .     24 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads\n"
+           "ptxas info    : Used 255 registers, used 1 barriers, 16384 bytes smem, 400 bytes cmem[0]\n"
+           "ptxas info    : Compile time = 5.0 ms\n"
+           "ptxas info    : Compiling entry function '_Z1bv' for 'sm_80'\n"
+           "ptxas info    : Function properties for _Z1bv\n"
+           "ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+           "ptxas info    : Used 40 registers, used 0 barriers, 384 bytes cmem[0]\n")
+    report = compile_check.ptxas_report(log)
+    assert report["_Z1av"] == {"registers": 255, "shared": 16384, "stack": 24, "spill_stores": 8, "spill_loads": 12}
+    assert report["_Z1bv"] == {"registers": 40, "shared": 0, "stack": 0, "spill_stores": 0, "spill_loads": 0}
+    with pytest.raises(RuntimeError, match="no register count"):
+        compile_check.ptxas_report("ptxas info    : Compiling entry function '_Z1cv' for 'sm_80'\n")
+
+
+def test_sass_opcodes_drop_modifiers_predicates_and_encodings():
+    sass = ("        /*0a40*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;   /* 0x0000000c0804723c */\n"
+            "        /*0a50*/               @!P0 BRA 0xb00 ;                             /* 0x000000a000008947 */\n"
+            "        /*0a60*/              @UP1 HGMMA.64x128x16.F32 gdesc[UR4], RZ, !UPT ; /* 0x00e0000004187df3 */\n")
+    assert compile_check.sass_opcodes(sass) == {"HMMA", "BRA", "HGMMA"}
+
+
+def test_the_representative_set_compiles_every_configuration_dtype_and_mask():
+    specs = compile_check.all_specializations()
+    chosen = compile_check.representative(specs)
+    assert {s.name for s in chosen} <= {s.name for s in specs}
+    assert len(chosen) == len({s.name for s in chosen})
+    assert len(chosen) < len(specs) / 2, "the representative set is what keeps the CPU suite fast"
+
+    def by_kernel(group):
+        out = {}
+        for spec in group:
+            kernel, config, (dtype, mask) = compile_check._variant(spec)
+            entry = out.setdefault(kernel, (set(), set(), set()))
+            entry[0].add((spec.arch, config)), entry[1].add(dtype), entry[2].add(mask)
+        return out
+
+    assert by_kernel(chosen) == by_kernel(specs)
 
 
 @needs_nvrtc
-def test_wgmma_kernels_use_hgmma(compiled):
-    arch, results = compiled
-    wgmma = [r for r in results if "_wgmma_" in r.name]
-    assert bool(wgmma) == (arch == "90a"), f"sm_{arch}: wgmma kernels {[r.name for r in wgmma]}"
-    missing = [r.name for r in wgmma if "HGMMA" not in r.sass]
-    assert not missing, f"sm_{arch}: no HGMMA in {missing}"
+def test_results_are_cached_by_source_and_options(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUPYFLASH_CACHE_DIR", str(tmp_path))
+    spec = next(s for s in compile_check.all_specializations() if s.name == "flash_bwd_preprocess_fp32")
+    first = compile_check.check("80", [spec])
+    entries = list((tmp_path / "compile-check").glob("*.json"))
+    assert len(entries) == 1 and spec.expression in json.loads(entries[0].read_text())
+
+    def no_compile(*args):
+        raise AssertionError("compiled although the result is cached")
+
+    monkeypatch.setattr(compile_check, "compile_cubin", no_compile)
+    assert compile_check.check("80", [spec]) == first
+    with pytest.raises(AssertionError, match="compiled although"):
+        compile_check.check("90", [spec])  # another arch is another key
+    with pytest.raises(AssertionError, match="compiled although"):
+        compile_check.check("80", [spec], cache=False)
+    source = compile_check.kernel_source(spec.source_file)
+    monkeypatch.setattr(compile_check, "kernel_source", lambda name: source + "\n// edited\n")
+    with pytest.raises(AssertionError, match="compiled although"):
+        compile_check.check("80", [spec])  # an edit of the source (or of a header) is another key
 
 
 @needs_nvrtc
-def test_simt_kernels_report_resources(compiled):
-    arch, results = compiled
-    simt = [r for r in results if "_simt_" in r.name]
-    assert (bool(simt) or arch in ("90a",)) and all(0 < r.registers <= 255 for r in simt)
+def test_compile_uses_the_libnvrtc_and_headers_cupy_uses():
+    cupy_environment = pytest.importorskip("cupy._environment")
+    from cuda.pathfinder import load_nvidia_dynamic_lib
+
+    assert compile_check.nvrtc_path() == load_nvidia_dynamic_lib("nvrtc").abs_path
+    includes = [o[2:] for o in compile_check.compile_options("90") if o.startswith("-I")]
+    cuda_path = cupy_environment.get_cuda_path()
+    if cuda_path is not None:
+        assert f"{cuda_path}/include" in includes
