@@ -72,6 +72,22 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
         return text
 
 
+def integer(low: int = 1, high: int | None = None):
+    """An argparse ``type=``: an integer in [low, high] (argparse names the option on error)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            bounds = f"at least {low}" if high is None else f"between {low} and {high}"
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {value}")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
+
+
 class UsageError(Exception):
     """Raised by a command's run() for arguments that parse but do not make sense together."""
 

@@ -29,32 +29,16 @@ examples:
   python -m cupyflash demo --nheads 8 --nheads-kv 2 --backend simt --dtype fp32"""
 
 
-def _int_in(low: int, high: int | None = None):
-    """An argparse ``type=``: an integer in [low, high]; argparse names the flag on error."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low or (high is not None and value > high):
-            bounds = f"at least {low}" if high is None else f"between {low} and {high}"
-            raise argparse.ArgumentTypeError(f"must be {bounds}, got {value}")
-        return value
-
-    parse.__name__ = "integer"
-    return parse
-
-
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", type=dtype_argument(), default="bfloat16",
                         help="bf16, fp16, fp32 or fp64 (default bf16)")
-    parser.add_argument("--batch", type=_int_in(1), default=2, help="at least 1 (default 2)")
-    parser.add_argument("--seqlen", type=_int_in(1), default=None,
+    parser.add_argument("--batch", type=cli.integer(1), default=2, help="at least 1 (default 2)")
+    parser.add_argument("--seqlen", type=cli.integer(1), default=None,
                         help="default 1024 on a GPU, 256 on the NumPy backend")
-    parser.add_argument("--nheads", type=_int_in(1), default=8, help="query heads (default 8)")
-    parser.add_argument("--nheads-kv", type=_int_in(1), default=None,
+    parser.add_argument("--nheads", type=cli.integer(1), default=8, help="query heads (default 8)")
+    parser.add_argument("--nheads-kv", type=cli.integer(1), default=None,
                         help="kv heads (GQA/MQA), a divisor of --nheads (default: --nheads)")
-    parser.add_argument("--headdim", type=_int_in(1, MAX_HEADDIM), default=64,
+    parser.add_argument("--headdim", type=cli.integer(1, MAX_HEADDIM), default=64,
                         help=f"1 to {MAX_HEADDIM} (default 64)")
     parser.add_argument("--causal", action="store_true", help="mask keys after each query")
     parser.add_argument("--backend", choices=BACKENDS, default="auto",

@@ -189,6 +189,19 @@ def test_demo_rejects_invalid_arguments_naming_the_flag(flag, value, message, ca
     assert f"python -m cupyflash demo: error: argument {flag}: {message}" in captured.err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["tune", "--seqlen", "4096", "0"], "argument --seqlen: must be at least 1, got 0"),
+    (["tune", "--headdim", "512"], "argument --headdim: must be between 1 and 256, got 512"),
+    (["tune", "--repeats", "0"], "argument --repeats: must be at least 1, got 0"),
+    (["io-complexity", "--model-only", "--batch", "0"], "argument --batch: must be at least 1"),
+    (["io-complexity", "--model-only", "--headdim", "x"], "argument --headdim: expected an integer"),
+    (["bench", "--list", "--headdim", "64,0"], "argument --headdim: must be at least 1, got 0"),
+])
+def test_sizes_are_checked_by_every_command(argv, message, capsys):
+    assert cli.main(argv) == cli.EXIT_USAGE
+    assert f"python -m cupyflash {argv[0]}: error: {message}" in capsys.readouterr().err
+
+
 def test_demo_rejects_heads_that_do_not_group(capsys):
     assert cli.main(["demo", "--nheads", "6", "--nheads-kv", "4"]) == cli.EXIT_USAGE
     assert "error: --nheads 6 is not a multiple of --nheads-kv 4" in capsys.readouterr().err

@@ -74,11 +74,7 @@ def _mode(text: str) -> str:
     return text.strip()
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
+_positive = cupyflash_cli.integer(1)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -895,14 +895,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def configure(p: argparse.ArgumentParser) -> None:
+    from .. import cli
+
     p.add_argument("--seqlen", type=parse_size, nargs="+", help=f"default {' '.join(map(str, DEFAULT_SEQLENS))}")
-    p.add_argument("--headdim", type=int, nargs="+", help=f"default {' '.join(map(str, DEFAULT_HEADDIMS))}")
+    p.add_argument("--headdim", type=cli.integer(1), nargs="+", help=f"default {' '.join(map(str, DEFAULT_HEADDIMS))}")
     p.add_argument("--passes", default=",".join(PASSES), help=f"comma-separated subset of {','.join(PASSES)}")
     p.add_argument("--family", default="mma", choices=FAMILIES, help="kernel family of the flash passes")
     p.add_argument("--dtype", default="bfloat16", type=dtype_argument(DTYPES),
                    help="bf16, fp16, fp32 or fp64 (default bf16)")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--nheads", type=int, default=8)
+    p.add_argument("--batch", type=cli.integer(1), default=1)
+    p.add_argument("--nheads", type=cli.integer(1), default=8)
     p.add_argument("--causal", action="store_true")
     p.add_argument("--quick", action="store_true",
                    help=f"seqlen {' '.join(map(str, QUICK_SEQLENS))}, headdim {' '.join(map(str, QUICK_HEADDIMS))}")

@@ -227,13 +227,16 @@ its check, 1 some variant failed it, 2 bad arguments, 3 no usable GPU."""
 
 
 def configure(parser) -> None:
+    from .. import cli
+    from .._arrays import MAX_HEADDIM
     from .._dtypes import dtype_argument
 
-    parser.add_argument("--headdim", type=int, nargs="+", default=[64, 128, 256])
-    parser.add_argument("--seqlen", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--headdim", type=cli.integer(1, MAX_HEADDIM), nargs="+",
+                        default=[64, 128, 256])
+    parser.add_argument("--seqlen", type=cli.integer(1), nargs="+", default=[4096, 16384])
     parser.add_argument("--dtype", default="bfloat16", type=dtype_argument(("bfloat16", "float16")),
                         help="bf16 or fp16 (default bf16)")
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--repeats", type=cli.integer(1), default=20)
     parser.add_argument("--only", nargs="+", default=None, metavar="TEXT",
                         help="time only the variants whose label contains one of these strings")
     parser.add_argument("--direction", default="fwd", choices=["fwd", "bwd"],
