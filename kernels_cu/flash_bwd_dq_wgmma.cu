@@ -20,6 +20,7 @@
 // K_j's stage outlives that barrier. ptxas serializes the wgmma of the 3-stage variant at head
 // dims 64 and 128 (C7515), so it is a tuner candidate at 256 only.
 #include "common.cuh"
+#include "mask.cuh"
 #include "mma.cuh"
 #include "mma_bwd.cuh"
 #include "wgmma.cuh"
@@ -41,14 +42,14 @@ struct DqWgmmaSmem {
 };
 
 // K_STAGES: 2 waits for dS K_j before the next barrier, 3 leaves it running across (above).
-template <typename T, int D_TILE, bool CAUSAL, int BLOCK_M, int BLOCK_N, int K_STAGES>
+template <typename T, int D_TILE, class Mask, int BLOCK_M, int BLOCK_N, int K_STAGES>
 __global__ void __launch_bounds__(BLOCK_M / 64 * 128, 1)
 flash_bwd_dq_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                    const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
                    T* __restrict__ dq, int seqlen_q, int seqlen_k, int nheads, int group, int headdim,
                    i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh, i64 v_sb, i64 v_ss, i64 v_sh,
                    i64 do_sb, i64 do_ss, i64 do_sh, i64 dq_sb, i64 dq_ss, i64 dq_sh, float scale_log2,
-                   float scale) {
+                   float scale, int window_left, int window_right) {
     typedef DqWgmmaSmem<D_TILE, BLOCK_M, BLOCK_N, K_STAGES> L;
     constexpr int NWG = BLOCK_M / 64, NTHREADS = NWG * 128;
     constexpr int N_FRAGS = BLOCK_N / 8, D_FRAGS = D_TILE / 8;
@@ -64,11 +65,12 @@ flash_bwd_dq_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __
     const u32 s_q = base + L::Q, s_do = base + L::DO;
 
     const int head = blockIdx.y, batch = blockIdx.z, head_kv = head / group;
-    // Heaviest causal blocks first.
-    const int m0 = (CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * BLOCK_M;
-    const Visibility<CAUSAL> visible{seqlen_q, seqlen_k, seqlen_k - seqlen_q};
-    // Keys [0, n_end) are visible to some row of the block (bottom-right causal alignment).
-    const int n_end = CAUSAL ? min(seqlen_k, max(0, m0 + BLOCK_M + visible.diag)) : seqlen_k;
+    const Mask mask(seqlen_q, seqlen_k, window_left, window_right);
+    const int m0 = Mask::query_block(blockIdx.x, gridDim.x) * BLOCK_M;
+    // Key blocks [j_begin, ceil(n_end / BLOCK_N)) hold the keys some row of the block sees; K_j
+    // and V_j sit in the stages of the absolute index j, whichever block the walk starts at.
+    const int j_begin = mask.key_begin(m0) / BLOCK_N;
+    const int n_end = mask.key_end(m0, BLOCK_M);
     const int tid = threadIdx.x, wg = tid / 128, warp = tid / 32, lane = tid % 32;
 
     const T* k_rows = k + row_offset(batch, 0, head_kv, k_sb, k_ss, k_sh);
@@ -84,7 +86,7 @@ flash_bwd_dq_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __
                                                seqlen_q - m0, headdim, q_ss, tid);
     cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(s_do, dout + row_offset(batch, m0, head, do_sb, do_ss, do_sh),
                                                seqlen_q - m0, headdim, do_ss, tid);
-    if (n_end > 0) load_kv_block(0);
+    if (j_begin * BLOCK_N < n_end) load_kv_block(j_begin);
     cp_async_commit();
 
     // This thread's two rows (accumulator halves h = 0, 1): lse (log2 units) and D, for the block.
@@ -100,7 +102,7 @@ flash_bwd_dq_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __
 
     float dq_acc[D_FRAGS][4];
     zero(dq_acc);
-    for (int j = 0; j * BLOCK_N < n_end; ++j) {
+    for (int j = j_begin; j * BLOCK_N < n_end; ++j) {
         // Block j's copies land; the proxy fence hands them to wgmma; after the barrier every
         // warpgroup is past dP_{j-1} and (K_STAGES 3) dS K_{j-2}, whose stages the next copies
         // refill.
@@ -141,14 +143,14 @@ flash_bwd_dq_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __
 
         // Step 3: P, 0 where hidden by selection (a non-finite score cannot leak). Element (f, e)
         // is row row_lo + 8 (e / 2), key n0 + 8 f + 2 (lane % 4) + e % 2.
-        const bool partial = visible.partial(m0, BLOCK_M, n0, BLOCK_N);
+        const bool partial = mask.partial(m0, BLOCK_M, n0, BLOCK_N);
         const int key0 = n0 + 2 * (lane % 4);
 #pragma unroll
         for (int f = 0; f < N_FRAGS; ++f)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const float p = exp2_approx(fmaf(s_acc[f][e], scale_log2, -base_log2[e >> 1]));
-                s_acc[f][e] = partial && !visible(row_lo + 8 * (e >> 1), key0 + 8 * f + (e & 1)) ? 0.f : p;
+                s_acc[f][e] = partial && !mask.visible(row_lo + 8 * (e >> 1), key0 + 8 * f + (e & 1)) ? 0.f : p;
             }
 
         // Step 4: dS = P o (dP - D), 0 where P is 0 by selection (a non-finite dP of a hidden key

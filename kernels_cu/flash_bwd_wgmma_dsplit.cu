@@ -17,6 +17,7 @@
 // Shared memory: K, V (32 KiB each), two stages of Q and dO (32 KiB each), P^T and dS^T (8 KiB
 // each): 208 KiB, sm_90 only.
 #include "common.cuh"
+#include "mask.cuh"
 #include "mma.cuh"
 #include "mma_bwd.cuh"
 #include "wgmma.cuh"
@@ -42,7 +43,7 @@ struct DsplitSmem {
     static constexpr u32 BYTES = DELTA + 2 * BLOCK_M * 4;
 };
 
-template <typename T, int D_TILE, bool CAUSAL, int BLOCK_M, int BLOCK_N, DqAdd DQ_ADD>
+template <typename T, int D_TILE, class Mask, int BLOCK_M, int BLOCK_N, DqAdd DQ_ADD>
 __global__ void __launch_bounds__(256, 1)
 flash_bwd_wgmma_dsplit(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                        const T* __restrict__ dout, const float* __restrict__ lse,
@@ -53,7 +54,8 @@ flash_bwd_wgmma_dsplit(const T* __restrict__ q, const T* __restrict__ k, const T
                        i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
                        i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
                        i64 dk_sb, i64 dk_ss, i64 dk_sh, i64 dv_sb, i64 dv_ss, i64 dv_sh,
-                       i64 dqa_sb, i64 dqa_ss, i64 dqa_sh, float scale_log2, float scale) {
+                       i64 dqa_sb, i64 dqa_ss, i64 dqa_sh, float scale_log2, float scale,
+                int window_left, int window_right) {
     typedef DsplitSmem<D_TILE, BLOCK_M, BLOCK_N> L;
     constexpr int NTHREADS = 256, NWARPS = 8;
     constexpr int HALF = D_TILE / 2;   // head-dim columns per warpgroup
@@ -77,11 +79,15 @@ flash_bwd_wgmma_dsplit(const T* __restrict__ q, const T* __restrict__ k, const T
 
     const int tid = threadIdx.x;
     const int n_block = blockIdx.x, n0 = n_block * BLOCK_N, head_kv = blockIdx.y, batch = blockIdx.z;
-    const Visibility<CAUSAL> visible{seqlen_q, seqlen_k, seqlen_k - seqlen_q};
+    const Mask mask(seqlen_q, seqlen_k, window_left, window_right);
 
-    const int m_block_first = CAUSAL ? max(0, n0 - visible.diag) / BLOCK_M : 0;
+    // Query blocks [m_block_first, m_block_end) see some key of this block (mask.cuh).
+    const int m_block_first = mask.query_begin(n0) / BLOCK_M;
     const int q_blocks = (seqlen_q + BLOCK_M - 1) / BLOCK_M;
-    const int m_blocks = max(0, q_blocks - m_block_first);
+    const int m_block_end = (mask.query_end(n0, BLOCK_N) + BLOCK_M - 1) / BLOCK_M;
+    const int m_blocks = max(0, m_block_end - m_block_first);
+    // The ordered dQ adds count every key block of a query block's column: no skipped blocks.
+    static_assert(!ORDERED || !Mask::HAS_LEFT, "ordered dQ adds need every key block to visit");
     const int n_iters = group * m_blocks;
 
     auto m_block_of = [&](int it) {
@@ -132,7 +138,7 @@ flash_bwd_wgmma_dsplit(const T* __restrict__ q, const T* __restrict__ k, const T
         const u32 s_q = base + L::Q + stage * L::Q_TILE, s_do = base + L::DO + stage * L::Q_TILE;
         const float* s_lse = reinterpret_cast<const float*>(smem + L::LSE) + stage * BLOCK_M;
         const float* s_delta = reinterpret_cast<const float*>(smem + L::DELTA) + stage * BLOCK_M;
-        const bool partial = visible.partial(m0, BLOCK_M, n0, BLOCK_N);
+        const bool partial = mask.partial(m0, BLOCK_M, n0, BLOCK_N);
 
         // Step 1: warpgroup 0 S^T = K Q^T, warpgroup 1 dP^T = V dO^T (K-major, 16 k-steps).
         float acc[SJ][4];
@@ -164,8 +170,7 @@ flash_bwd_wgmma_dsplit(const T* __restrict__ q, const T* __restrict__ k, const T
         if (wg == 0) {
             // Step 2 (warpgroup 0): P^T = exp2(S^T scale log2(e) - lse log2(e)), 0 where hidden.
             const int key0 = n0 + key_row, query0 = m0 + 2 * (lane % 4);
-            const int keys_left = seqlen_k - key0, queries_left = seqlen_q - query0;
-            const int causal_slack = query0 + visible.diag - key0;
+            const typename Mask::Origin origin = mask.origin(query0, key0);
 #pragma unroll
             for (int j = 0; j < SJ; ++j) {
                 const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + 8 * j + 2 * (lane % 4));
@@ -174,8 +179,7 @@ flash_bwd_wgmma_dsplit(const T* __restrict__ q, const T* __restrict__ k, const T
                 for (int e = 0; e < 4; ++e) {
                     const float p = exp2_approx(fmaf(acc[j][e], scale_log2, -base_log2[e & 1]));
                     const int key_off = 8 * (e >> 1), query_off = 8 * j + (e & 1);
-                    const bool hidden = key_off >= keys_left || query_off >= queries_left ||
-                                        (CAUSAL && key_off - query_off > causal_slack);
+                    const bool hidden = mask.hidden(origin, query_off, key_off);
                     acc[j][e] = partial && hidden ? 0.f : p;
                 }
                 st_shared_b32(pair_addr(s_pt, j, 0), pack2<T>(acc[j][0], acc[j][1]));

@@ -2468,7 +2468,7 @@ def test_bwd_wgmma_versions_launch_the_wgmma_kernel_on_sm90(deterministic, d, ve
         if dq_add == "fixed_panels":  # (batch, head x panel, rows in whole query blocks, 64)
             rows = math.ceil(sq / bm) * bm
             assert args[8].shape == (b, h * dt // 64, rows, 64)
-            assert tuple(args[-5:-2]) == (h * dt // 64 * rows * 64, 64, rows * 64)  # batch, row, panel
+            assert tuple(args[-7:-4]) == (h * dt // 64 * rows * 64, 64, rows * 64)  # batch, row, panel
         else:
             assert args[8].shape == (b, sq, h, dt)
         assert args[8].dtype == (np.int64 if fixed else np.float32)

@@ -28,6 +28,8 @@ import numpy as np
 import pytest
 from launch_fakes import FakeArray
 
+from cupyflash import masks, reference
+
 KERNELS_CU = Path(__file__).resolve().parent.parent / "kernels_cu"
 
 # One warpgroup: thread t of the group is lane t % 32 of its warp t // 32.
@@ -1063,11 +1065,35 @@ def dqw_thread_rows(m0: int, wg: int, lse, delta, seqlen_q: int, batch: int, hea
     return lane, row_lo, base_log2, delta_row
 
 
+@mirrors("mask.cuh",
+         "return i < seqlen_q && j < seqlen_k && (!RIGHT || j <= i + hi_off) && (!LEFT || j >= i + lo_off);",
+         "return m0 + rows > seqlen_q || n0 + cols > seqlen_k || (RIGHT && n0 + cols - 1 > m0 + hi_off) ||",
+         "(LEFT && n0 < m0 + rows - 1 + lo_off);")
+class MaskPolicy(NamedTuple):
+    """The kernels' mask policy (mask.cuh) for one problem, from its Python twin cupyflash.masks:
+    element test and partial-block test in the kernel's form."""
+    mask: masks.Mask
+    seqlen_q: int
+    seqlen_k: int
+
+    def __call__(self, m, n):
+        lo, hi = self.mask.offsets(self.seqlen_q, self.seqlen_k)
+        ok = (m < self.seqlen_q) & (n < self.seqlen_k)
+        if self.mask.HAS_RIGHT:
+            ok = ok & (n <= m + hi)
+        if self.mask.HAS_LEFT:
+            ok = ok & (n >= m + lo)
+        return ok
+
+    def partial(self, m0: int, bm: int, n0: int, bn: int) -> bool:
+        return self.mask.partial(m0, bm, n0, bn, self.seqlen_q, self.seqlen_k)
+
+
 @mirrors(DQW,
-         "const bool partial = visible.partial(m0, BLOCK_M, n0, BLOCK_N);",
+         "const bool partial = mask.partial(m0, BLOCK_M, n0, BLOCK_N);",
          "const int key0 = n0 + 2 * (lane % 4);",
          "const float p = exp2_approx(fmaf(s_acc[f][e], scale_log2, -base_log2[e >> 1]));",
-         "s_acc[f][e] = partial && !visible(row_lo + 8 * (e >> 1), key0 + 8 * f + (e & 1)) ? 0.f : p;",
+         "s_acc[f][e] = partial && !mask.visible(row_lo + 8 * (e >> 1), key0 + 8 * f + (e & 1)) ? 0.f : p;",
          "dp_acc[f][e] = s_acc[f][e] == 0.f ? 0.f : s_acc[f][e] * (dp_acc[f][e] - delta_row[e >> 1]);")
 def dqw_p_and_ds(L, s_acc, dp_acc, visible, m0: int, n0: int, lane, row_lo, base_log2, delta_row, scale_log2):
     """Steps 3-4 on the accumulators [thread, f, e]: P (0 where hidden), then dS = P o (dP - D)."""
@@ -1099,14 +1125,15 @@ def dqw_store_dq(dq, dq_acc, lane, row_lo, scale: float, headdim: int) -> None:
 
 
 @mirrors(DQW,
-         "const Visibility<CAUSAL> visible{seqlen_q, seqlen_k, seqlen_k - seqlen_q};",
-         "const int n_end = CAUSAL ? min(seqlen_k, max(0, m0 + BLOCK_M + visible.diag)) : seqlen_k;",
-         "if (n_end > 0) load_kv_block(0);",
-         "for (int j = 0; j * BLOCK_N < n_end; ++j) {",
+         "const Mask mask(seqlen_q, seqlen_k, window_left, window_right);",
+         "const int j_begin = mask.key_begin(m0) / BLOCK_N;",
+         "const int n_end = mask.key_end(m0, BLOCK_M);",
+         "if (j_begin * BLOCK_N < n_end) load_kv_block(j_begin);",
+         "for (int j = j_begin; j * BLOCK_N < n_end; ++j) {",
          "if ((j + 1) * BLOCK_N < n_end) load_kv_block(j + 1);",
          "pack_a_frags<T, BLOCK_N>(ds_frag, dp_acc);")
 def dqw_emulated(q, k, v, do, lse, delta, L, headdim: int, scale: float, causal: bool, m0: int,
-                 batch: int, head: int, nheads: int, log_blocks=None):
+                 batch: int, head: int, nheads: int, log_blocks=None, window_size=(-1, -1)):
     """One CTA of flash_bwd_dq_wgmma (query block m0 of one head): Q and dO once, then every key
     block it visits: S, dP, P, dS through registers, dQ += dS K_j; the epilogue's rows and columns.
     Block j + 1's copies land before block j's products read (cp.async is instantaneous here), so
@@ -1114,15 +1141,17 @@ def dqw_emulated(q, k, v, do, lse, delta, L, headdim: int, scale: float, causal:
     wrote nothing) and fills log_blocks (optional) with the key blocks visited."""
     seqlen_q, seqlen_k = q.shape[0], k.shape[0]
     scale_log2 = scale * math.log2(math.e)
-    visible = Visibility(causal, seqlen_q, seqlen_k, seqlen_k - seqlen_q)
-    n_end = min(seqlen_k, max(0, m0 + L.BLOCK_M + visible.diag)) if causal else seqlen_k
+    mask = masks.mask_for(causal, window_size)
+    visible = MaskPolicy(mask, seqlen_q, seqlen_k)
+    j_begin = mask.key_begin(m0, seqlen_q, seqlen_k) // L.BLOCK_N
+    n_end = mask.key_end(m0, L.BLOCK_M, seqlen_q, seqlen_k)
     smem = new_smem()
     dqw_load_q_do(smem, L, q, do, m0, headdim)
-    if n_end > 0:
-        dqw_load_kv_block(smem, L, 0, k, v, headdim)
+    if j_begin * L.BLOCK_N < n_end:
+        dqw_load_kv_block(smem, L, j_begin, k, v, headdim)
     rows = [dqw_thread_rows(m0, wg, lse, delta, seqlen_q, batch, head, nheads) for wg in range(L.NWG)]
     dq_acc = [np.zeros((128, L.D_FRAGS, 4)) for _ in range(L.NWG)]
-    j = 0
+    j = j_begin
     while j * L.BLOCK_N < n_end:
         if (j + 1) * L.BLOCK_N < n_end:
             dqw_load_kv_block(smem, L, j + 1, k, v, headdim)
@@ -1758,14 +1787,14 @@ def test_dq_wgmma_p_and_ds_are_exact_zeros_where_hidden(d_tile, block_m, block_n
     assert seen == {False, True}
 
 
-def _dq_reference(q, k, v, do, lse, delta, scale, causal):
+def _dq_reference(q, k, v, do, lse, delta, scale, causal, window_size=(-1, -1)):
     seqlen_q, seqlen_k = q.shape[0], k.shape[0]
-    visible = (not causal) | (np.arange(seqlen_k)[None, :] <= np.arange(seqlen_q)[:, None] + seqlen_k - seqlen_q)
+    visible = reference.visible_keys(seqlen_q, seqlen_k, causal, window_size)
     p = np.where(visible, np.exp(q @ k.T * scale - lse[:, None]), 0.0)
     return scale * (p * (do @ v.T - delta[:, None])) @ k
 
 
-@pytest.mark.parametrize("mode", ["full", "causal", "causal-short-k"])
+@pytest.mark.parametrize("mode", ["full", "causal", "causal-short-k", "window"])
 @pytest.mark.parametrize("d_tile, block_m, block_n, k_stages", DQW_CONFIGS)
 def test_dq_wgmma_block_emulation_matches_numpy(d_tile, block_m, block_n, k_stages, mode):
     """flash_bwd_dq_wgmma, both query blocks of one head (the second short of BLOCK_M rows) over
@@ -1774,7 +1803,9 @@ def test_dq_wgmma_block_emulation_matches_numpy(d_tile, block_m, block_n, k_stag
     P = exp(S scale - lse), 0 where hidden. causal-short-k: seqlen_k < seqlen_q, so query block 0
     visits no key block (dQ = 0) and rows that see no key have lse = -inf."""
     L = dqw_smem(d_tile, block_m, block_n, k_stages)
-    headdim, causal = d_tile - 8, mode != "full"
+    headdim, causal = d_tile - 8, mode.startswith("causal")
+    # window: the second query block's walk starts past key block 0 (stages by absolute index).
+    window = (block_n + 5, 3) if mode == "window" else (-1, -1)
     seqlen_q = 2 * block_m - 3
     seqlen_k = seqlen_q - block_m - 10 if mode == "causal-short-k" else seqlen_q + block_n + 7
     rng = _rng(11, d_tile, block_n, k_stages)
@@ -1788,10 +1819,13 @@ def test_dq_wgmma_block_emulation_matches_numpy(d_tile, block_m, block_n, k_stag
     for m0 in range(0, seqlen_q, block_m):  # one CTA each: it writes its own rows, all of them
         visited.append([])
         cta = dqw_emulated(q, k, v, do, lse.ravel(), delta.ravel(), L, headdim, scale, causal, m0,
-                           batch, head, nheads, visited[-1])
+                           batch, head, nheads, visited[-1], window_size=window)
         rows = slice(m0, m0 + block_m)
         assert np.isnan(np.delete(cta, np.arange(seqlen_q)[rows], axis=0)).all() and not np.isnan(cta[rows]).any()
         dq[rows] = cta[rows]
-    _assert_close(dq, _dq_reference(q, k, v, do, lse[batch, head], delta[batch, head], scale, causal))
+    _assert_close(dq, _dq_reference(q, k, v, do, lse[batch, head], delta[batch, head], scale, causal, window))
+    if mode == "window":
+        assert visited[-1][0] > 0 and visited[-1] == list(range(visited[-1][0], visited[-1][-1] + 1))
+        return
     assert len(visited[-1]) == math.ceil(seqlen_k / block_n) >= (k_stages + 1 if mode != "causal-short-k" else 1)
     assert (len(visited[0]) < len(visited[-1])) == causal and (visited[0] == []) == (mode == "causal-short-k")

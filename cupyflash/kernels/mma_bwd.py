@@ -49,6 +49,7 @@ import numpy as np
 
 from ._module import Specialization, backward_is_empty, launch, row_strides
 from .._dtypes import dtype_name
+from ..masks import KINDS, Local, Mask, as_mask, mask_for
 
 D_TILES = (64, 128, 256)
 
@@ -362,6 +363,12 @@ def specializations() -> list[Specialization]:
                                if dq_add not in FIXED_DQ_ADDS or dt in WGMMA_FIXED_KERNEL_D_TILES)
                 if dt in DQ_WGMMA_CONFIG:
                     out.append(dq_wgmma_spec(name, dt, causal))
+            # Windows: the kernels the default dispatch (v10) launches on sm_90.
+            if dt in WGMMA_CONFIG:
+                out.extend(wgmma_spec(name, dt, KINDS[2], dq_add) for dq_add in ("atomic", "none")
+                           if dq_add == "none" or dt not in WGMMA_SPLIT_ATOMIC_D_TILES)
+            if dt in DQ_WGMMA_CONFIG:
+                out.append(dq_wgmma_spec(name, dt, KINDS[2]))
     return out
 
 
@@ -414,9 +421,13 @@ def wgmma_smem_bytes(dt: int, block_m: int, block_n: int, dq_add: str = "atomic"
             + stage + 1024)
 
 
-def wgmma_spec(dtype, headdim: int, causal: bool, dq_add: str, config: tuple | None = None) -> Specialization:
+def wgmma_spec(dtype, headdim: int, causal: Mask | bool, dq_add: str, config: tuple | None = None) -> Specialization:
     """flash_bwd_wgmma, or flash_bwd_wgmma_dsplit at head-dim tile 256 (two warpgroups of 128
-    threads); ``dq_add`` is one of DQ_ADDS (kernels_cu/dq_add.cuh)."""
+    threads); ``dq_add`` is one of DQ_ADDS (kernels_cu/dq_add.cuh); ``causal`` the mask policy
+    (kernels_cu/mask.cuh) or a causal flag."""
+    mask = as_mask(causal)
+    if isinstance(mask, Local) and dq_add == "ordered":
+        raise ValueError("cupyflash: the ordered dQ adds need every key block, so they take no window")
     if dq_add not in DQ_ADDS:
         raise ValueError(f"cupyflash: unknown dQ add mode {dq_add!r} (known: {', '.join(DQ_ADDS)})")
     name = dtype_name(dtype)
@@ -425,8 +436,8 @@ def wgmma_spec(dtype, headdim: int, causal: bool, dq_add: str, config: tuple | N
         raise ValueError(f"cupyflash: no fixed-point wgmma backward at head-dim tile {dt}")
     bm, bn = tuple(config or WGMMA_CONFIG[dt])
     kernel = "flash_bwd_wgmma_dsplit" if dt == 256 else "flash_bwd_wgmma"
-    spec_name = f"{kernel}_{_SHORT[name]}_hdim{dt}_{'causal' if causal else 'full'}_bm{bm}_bn{bn}_dq{dq_add}"
-    expression = f"cf::{kernel}<{_CTYPE[name]}, {dt}, {_flag(causal)}, {bm}, {bn}, cf::DqAdd::{dq_add}>"
+    spec_name = f"{kernel}_{_SHORT[name]}_hdim{dt}_{mask.name}_bm{bm}_bn{bn}_dq{dq_add}"
+    expression = f"cf::{kernel}<{_CTYPE[name]}, {dt}, {mask.cpp}, {bm}, {bn}, cf::DqAdd::{dq_add}>"
     threads = 256 if dt == 256 else bn // 64 * 128
     return Specialization(spec_name, f"{kernel}.cu", expression, threads, wgmma_smem_bytes(dt, bm, bn, dq_add),
                           arch="90a")
@@ -438,14 +449,15 @@ def dq_wgmma_smem_bytes(dt: int, block_m: int, block_n: int, k_stages: int) -> i
     return 2 * block_m * dt * 2 + (k_stages + 2) * block_n * dt * 2 + 1024
 
 
-def dq_wgmma_spec(dtype, headdim: int, causal: bool, config: tuple | None = None) -> Specialization:
-    """flash_bwd_dq_wgmma (v10): dQ with the query block outermost, BLOCK_M / 64 warpgroups."""
+def dq_wgmma_spec(dtype, headdim: int, causal: Mask | bool, config: tuple | None = None) -> Specialization:
+    """flash_bwd_dq_wgmma (v10): dQ with the query block outermost, BLOCK_M / 64 warpgroups;
+    ``causal`` the mask policy or a causal flag."""
+    mask = as_mask(causal)
     name = dtype_name(dtype)
     dt = d_tile(headdim)
     bm, bn, stages = tuple(config or DQ_WGMMA_CONFIG[dt])
-    spec_name = (f"flash_bwd_dq_wgmma_{_SHORT[name]}_hdim{dt}_{'causal' if causal else 'full'}"
-                 f"_bm{bm}_bn{bn}_k{stages}")
-    expression = f"cf::flash_bwd_dq_wgmma<{_CTYPE[name]}, {dt}, {_flag(causal)}, {bm}, {bn}, {stages}>"
+    spec_name = f"flash_bwd_dq_wgmma_{_SHORT[name]}_hdim{dt}_{mask.name}_bm{bm}_bn{bn}_k{stages}"
+    expression = f"cf::flash_bwd_dq_wgmma<{_CTYPE[name]}, {dt}, {mask.cpp}, {bm}, {bn}, {stages}>"
     return Specialization(spec_name, "flash_bwd_dq_wgmma.cu", expression, bm // 64 * 128,
                           dq_wgmma_smem_bytes(dt, bm, bn, stages), arch="90a")
 
@@ -479,7 +491,8 @@ def wgmma_dq_add(version: str, deterministic: bool, dt: int) -> str | None:
 
 def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: bool,
              deterministic: bool = True, version: str | None = None,
-             dq_config: tuple | None = None, fused: tuple | None = None, wgmma: tuple | None = None) -> None:
+             dq_config: tuple | None = None, fused: tuple | None = None, wgmma: tuple | None = None,
+             window_size=(-1, -1)) -> None:
     """Fill the preallocated dq, dk, dv (C-contiguous, dtype of q) from the saved lse (B, H, Sq).
 
     Inputs are CuPy arrays meeting the mma family's guarantees (fp16/bf16, last dim contiguous,
@@ -487,7 +500,8 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
     ``version`` picks an entry of VERSIONS (None: DEFAULT_VERSION, read at call time, so that tests
     can run every version through the public API); ``dq_config`` overrides the dQ kernel's tiles (v1-v5's
     flash_bwd_dq_mma, or v10's flash_bwd_dq_wgmma where that runs), ``fused`` the fused kernel's (v4)
-    tiles and ``wgmma`` the wgmma kernel's (WGMMA_CONFIG; tuning).
+    tiles and ``wgmma`` the wgmma kernel's (WGMMA_CONFIG; tuning). ``window_size`` (flash-attn's
+    (left, right), cupyflash.masks) runs on the sm_90 wgmma kernels only so far.
     """
     import cupy
 
@@ -501,6 +515,7 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
         raise ValueError(f"cupyflash: mma backward does not support {q.dtype} with headdim {headdim}")
     version = DEFAULT_VERSION if version is None else version
     dq_tiles(headdim, version)  # rejects an unknown version before anything is launched
+    mask = mask_for(causal, window_size)
     lse = cupy.ascontiguousarray(lse, dtype=np.float32)  # indexed as (batch, head, row) in C order
     dt = d_tile(headdim)
     scales = (np.float32(softmax_scale * LOG2E), np.float32(softmax_scale))
@@ -513,10 +528,13 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
         if fused is None and current_arch() == "90":
             dq_add = wgmma_dq_add(version, deterministic, dt)
             if dq_add is not None:
-                _wgmma_backward(q, k, v, do, o, lse, dq, dk, dv, common, scales, wgmma or WGMMA_CONFIG[dt], causal,
+                _wgmma_backward(q, k, v, do, o, lse, dq, dk, dv, common, scales, wgmma or WGMMA_CONFIG[dt], mask,
                                 dq_add, dq_config)
                 return
         version = "v5"
+    if isinstance(mask, Local):
+        raise NotImplementedError("cupyflash: sliding windows on the mma.sync backward kernels (the sm_80 "
+                                  "path) are not implemented yet")
     delta = backward_preprocess(do, o)
     if version == "v5" and deterministic and fused is None:
         version = "v3"
@@ -563,7 +581,7 @@ def _fused_backward(q, k, v, do, lse, delta, dq, dk, dv, common, scales, config,
     _convert_dq(dq_accum, dq, scales[1])
 
 
-def _wgmma_backward(q, k, v, do, o, lse, dq, dk, dv, common, scales, config, causal, dq_add, dq_config=None):
+def _wgmma_backward(q, k, v, do, o, lse, dq, dk, dv, common, scales, config, mask, dq_add, dq_config=None):
     """v6/v7/v9 (sm_90): flash_bwd_wgmma, dQ added as ``dq_add`` says (DQ_ADDS), then dq = scale *
     dq_accum (float32, or int64 fixed point scaled per row); v10 (dq_add "none"): dQ by
     flash_bwd_dq_wgmma (``dq_config`` overrides its DQ_WGMMA_CONFIG tiles)."""
@@ -576,7 +594,7 @@ def _wgmma_backward(q, k, v, do, o, lse, dq, dk, dv, common, scales, config, cau
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     shape = (batch, seqlen_q, nheads, d_tile(headdim))
     if dq_add == "none":
-        _split_wgmma_backward(q, k, v, do, o, lse, dq, dk, dv, common, scales, config, causal, dq_config)
+        _split_wgmma_backward(q, k, v, do, o, lse, dq, dk, dv, common, scales, config, mask, dq_config)
         return
     if dq_add in FIXED_DQ_ADDS:
         delta, dq_scale = dq_fixed.preprocess(do, o, k, v)
@@ -592,17 +610,17 @@ def _wgmma_backward(q, k, v, do, o, lse, dq, dk, dv, common, scales, config, cau
     # ordered: one counter per (batch, head, query block), how many warps of earlier key blocks added.
     semaphore = cupy.zeros((batch, nheads, math.ceil(seqlen_q / config[0])) if dq_add == "ordered" else (1,),
                            dtype=np.int32)
-    launch(wgmma_spec(q.dtype, headdim, causal, dq_add, config),
+    launch(wgmma_spec(q.dtype, headdim, mask, dq_add, config),
            (math.ceil(seqlen_k / config[1]), nheads_kv, batch),
            (q, k, v, do, lse, delta, dk, dv, dq_accum, semaphore, dq_scale, *common, *row_strides(dk),
-            *row_strides(dv), *accum_strides, *scales))
+            *row_strides(dv), *accum_strides, *scales, *mask.window_args()))
     if dq_add in FIXED_DQ_ADDS:
         dq_fixed.convert(dq_accum, dq_scale, dq, scales[1], panel_major=dq_add == "fixed_panels")
     else:
         _convert_dq(dq_accum, dq, scales[1])
 
 
-def _split_wgmma_backward(q, k, v, do, o, lse, dq, dk, dv, common, scales, config, causal,
+def _split_wgmma_backward(q, k, v, do, o, lse, dq, dk, dv, common, scales, config, mask,
                           dq_config: tuple | None = None) -> None:
     """v10 (sm_90, deterministic): the wgmma kernel for dK and dV only (DqAdd::none), then
     flash_bwd_dq_wgmma for dQ, written straight into dq."""
@@ -613,12 +631,12 @@ def _split_wgmma_backward(q, k, v, do, o, lse, dq, dk, dv, common, scales, confi
     delta = backward_preprocess(do, o)
     # dq_accum, the semaphore and the row scales are not touched with DqAdd::none; dk and delta
     # stand in for the pointers, zeros for the dq_accum strides.
-    launch(wgmma_spec(q.dtype, headdim, causal, "none", config), (math.ceil(seqlen_k / config[1]), nheads_kv, batch),
+    launch(wgmma_spec(q.dtype, headdim, mask, "none", config), (math.ceil(seqlen_k / config[1]), nheads_kv, batch),
            (q, k, v, do, lse, delta, dk, dv, dk, delta, delta, *common, *row_strides(dk), *row_strides(dv),
-            np.int64(0), np.int64(0), np.int64(0), *scales))
+            np.int64(0), np.int64(0), np.int64(0), *scales, *mask.window_args()))
     dq_cfg = tuple(dq_config or DQ_WGMMA_CONFIG[d_tile(headdim)])
-    launch(dq_wgmma_spec(q.dtype, headdim, causal, dq_cfg), (math.ceil(seqlen_q / dq_cfg[0]), nheads, batch),
-           (q, k, v, do, lse, delta, dq, *common, *row_strides(dq), *scales))
+    launch(dq_wgmma_spec(q.dtype, headdim, mask, dq_cfg), (math.ceil(seqlen_q / dq_cfg[0]), nheads, batch),
+           (q, k, v, do, lse, delta, dq, *common, *row_strides(dq), *scales, *mask.window_args()))
 
 
 def _convert_dq(dq_accum, dq, scale) -> None:
