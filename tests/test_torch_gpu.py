@@ -69,8 +69,10 @@ def test_inputs_zero_copy_and_outputs_from_torchs_allocator():
 
 
 def test_runs_on_torchs_current_stream():
-    """Inputs written by a long kernel on a side stream, attention on that stream, no
-    synchronisation in between: on any other stream the kernels would read q before it is ready."""
+    """Inputs written after a long kernel on a side stream, attention on that stream, no
+    synchronisation in between, the result read after the stream's end. (Launching on another
+    stream would still be ordered here by DLPack's stream handshake, at the cost of events; the
+    CUDA-graph capture below is what fails on any launch off torch's current stream.)"""
     side = torch.cuda.Stream()
     expected_q, k, v = qkv(requires_grad=False)
     expected = flash_attn_func(expected_q, k, v)
@@ -84,6 +86,35 @@ def test_runs_on_torchs_current_stream():
         o = flash_attn_func(q, k, v)
     side.synchronize()
     assert torch.equal(o, expected)
+
+
+def test_captures_into_a_cuda_graph():
+    """Capture fails on a host synchronisation, a copy to the host, or a launch on any stream other
+    than the capturing one (torch's current stream): forward and backward capture and replay."""
+    static = qkv(requires_grad=False)
+    for t in static:
+        t.requires_grad_()
+    do = torch.randn_like(static[0])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture: kernels compiled and loaded
+        torch.autograd.grad(flash_attn_func(*static, causal=True, deterministic=True), static, do)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flash_attn_func(*static, causal=True, deterministic=True)
+        grads = torch.autograd.grad(out, static, do)
+    fresh = qkv(requires_grad=False, seed=1)
+    with torch.no_grad():
+        for t, f in zip(static, fresh):
+            t.copy_(f)
+    graph.replay()
+    for t in fresh:
+        t.requires_grad_()
+    expected = flash_attn_func(*fresh, causal=True, deterministic=True)
+    assert torch.equal(out, expected)
+    for g, e in zip(grads, torch.autograd.grad(expected, fresh, do)):
+        assert torch.equal(g, e)
 
 
 def test_sdpa_helper_matches_torch_sdpa():
