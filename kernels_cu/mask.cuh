@@ -17,8 +17,8 @@
 // backward's lse_base_log2 keep such rows at 0 rather than NaN.
 //
 // To add a variant: a new policy type here (its bounds and its element test), its twin in
-// cupyflash/masks.py, its name in the launchers' MASKS tables, and its cases in
-// tests/test_masks.py (docs/algorithm.md, "Mask policy").
+// cupyflash/masks.py (with its entry in KINDS, which the launchers compile), the API argument
+// that selects it, and its cases in tests/test_masks.py (docs/algorithm.md, "Mask policy").
 #pragma once
 
 namespace cf {
