@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The GPU checks of a change, in two parts that each fit a 10-minute call on one GPU:
+#   scripts/gpu_check.sh OUTDIR tests   the GPU test suite (logs and JUnit XML under OUTDIR)
+#   scripts/gpu_check.sh OUTDIR bench   the default-kernel bench before/after (BEFORE_TREE: an
+#                                       exported older tree, optional), the bench table with the
+#                                       SDPA anchors, and the window/FlexAttention variants
+# Runs from the source tree without installing (PYTHONPATH), so two trees never mix.
+set -uo pipefail
+out=${1:?usage: gpu_check.sh OUTDIR tests|bench}
+what=${2:?usage: gpu_check.sh OUTDIR tests|bench}
+cd "$(dirname "$0")/.."
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+status=0
+step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to OUTDIR/NAME.log
+    local name=$1 limit=$2; shift 2
+    local t0=$SECONDS
+    timeout "$limit" "$@" > "$out/$name.log" 2>&1
+    local rc=$?
+    echo "$name: rc $rc in $((SECONDS - t0)) s; $(grep -E '[0-9]+ (passed|failed)|^cupyflash|bench:' "$out/$name.log" | tail -1)"
+    [ $rc -eq 0 ] || status=1
+}
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv > "$out/gpu.txt" 2>&1
+case $what in
+tests)
+    export PYTHONPATH=$PWD
+    step gpu-tests "${TEST_LIMIT:-420}" env HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-dev}" \
+        python -m pytest -m gpu -q -p no:cacheprovider --junitxml="$out/gpu-tests.xml" tests/
+    step window-gpu-200 "${WINDOW_LIMIT:-150}" env HYPOTHESIS_PROFILE=gpu \
+        python -m pytest -m gpu -q -p no:cacheprovider tests/test_window_gpu.py
+    ;;
+bench)
+    sweep=(--dtype bf16 --headdim 64 128 256 --seqlen 2k 16k --causal both --mode fwd bwd --no-validate --quiet)
+    if [ -n "${BEFORE_TREE:-}" ]; then
+        (cd "$BEFORE_TREE" && PYTHONPATH=$PWD step bench-before 150 \
+            python -m cupyflash bench "${sweep[@]}" --no-torch --json "$out/bench-before.json")
+    fi
+    export PYTHONPATH=$PWD
+    step bench-after 240 python -m cupyflash bench "${sweep[@]}" --anchors FA2 cuDNN \
+        --json "$out/bench-after.json" --markdown "$out/bench-after.md"
+    step variants-8k 200 python -m cupyflash.bench.variants --seqlen 8192 --json "$out/variants-8k.json"
+    step variants-16k 120 python -m cupyflash.bench.variants --seqlen 16384 --impls cupyflash \
+        --variants causal "causal window 1024" "window (512, 512)" --json "$out/variants-16k.json"
+    ;;
+*) echo "unknown part $what"; exit 2 ;;
+esac
+exit $status
