@@ -41,6 +41,7 @@
 // dS^T go through shared memory (16-bit, swizzled), since the products after them need rows or
 // columns that other warps computed.
 #include "common.cuh"
+#include "mask.cuh"
 #include "mma.cuh"
 #include "mma_bwd.cuh"
 #include "dq_order.cuh"
@@ -68,7 +69,7 @@ struct FusedSmem {
     static constexpr u32 BYTES = DELTA + 2 * BLOCK_M * 4;
 };
 
-template <typename T, int D_TILE, bool CAUSAL, int BLOCK_M, int BLOCK_N, int WARPS_N, int WARPS_D,
+template <typename T, int D_TILE, class Mask, int BLOCK_M, int BLOCK_N, int WARPS_N, int WARPS_D,
           int DQ_WARPS_M, int S_UNROLL, bool DQ_ORDERED, bool EAGER_RELEASE = false, bool P_PACKED = false>
 __global__ void __launch_bounds__(WARPS_N * WARPS_D * 32, 1)
 flash_bwd_fused_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
@@ -79,7 +80,8 @@ flash_bwd_fused_mma(const T* __restrict__ q, const T* __restrict__ k, const T* _
                     i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
                     i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
                     i64 dk_sb, i64 dk_ss, i64 dk_sh, i64 dv_sb, i64 dv_ss, i64 dv_sh,
-                    i64 dqa_sb, i64 dqa_ss, i64 dqa_sh, float scale_log2, float scale) {
+                    i64 dqa_sb, i64 dqa_ss, i64 dqa_sh, float scale_log2, float scale,
+                    int window_left, int window_right) {
     typedef FusedSmem<D_TILE, BLOCK_M, BLOCK_N> L;
     constexpr int NWARPS = WARPS_N * WARPS_D;
     constexpr int NTHREADS = NWARPS * 32;
@@ -107,18 +109,22 @@ flash_bwd_fused_mma(const T* __restrict__ q, const T* __restrict__ k, const T* _
     const int tid = threadIdx.x;
 
     const int n_block = blockIdx.x, n0 = n_block * BLOCK_N, head_kv = blockIdx.y, batch = blockIdx.z;
-    const Visibility<CAUSAL> visible{seqlen_q, seqlen_k, seqlen_k - seqlen_q};
+    const Mask mask(seqlen_q, seqlen_k, window_left, window_right);
 
-    // Key n is seen by queries m >= n - diag: earlier query blocks are skipped.
-    const int m_block_first = CAUSAL ? max(0, n0 - visible.diag) / BLOCK_M : 0;
+    // Query blocks [m_block_first, m_block_end) see some key of this block (mask.cuh); the others
+    // are never loaded.
+    const int m_block_first = mask.query_begin(n0) / BLOCK_M;
     const int q_blocks = (seqlen_q + BLOCK_M - 1) / BLOCK_M;
-    const int m_blocks = max(0, q_blocks - m_block_first);
+    const int m_block_end = (mask.query_end(n0, BLOCK_N) + BLOCK_M - 1) / BLOCK_M;
+    const int m_blocks = max(0, m_block_end - m_block_first);
     const int n_iters = group * m_blocks;  // (query head of the group, query block) pairs
+    // The ordered adds wait for key blocks 0..j-1, which a left bound would skip.
+    static_assert(!DQ_ORDERED || !Mask::HAS_LEFT, "ordered dQ adds need every earlier key block to visit");
 
     // Iteration it -> query block (and head: it / m_blocks); DQ_ORDERED walks each head's blocks
     // from the last to the first.
     auto m_block_of = [&](int it) {
-        return DQ_ORDERED ? q_blocks - 1 - it % m_blocks : m_block_first + it % m_blocks;
+        return DQ_ORDERED ? m_block_end - 1 - it % m_blocks : m_block_first + it % m_blocks;
     };
     auto load_query_block = [&](int it, int stage) {
         const int head = head_kv * group + it / m_blocks;
@@ -169,7 +175,7 @@ flash_bwd_fused_mma(const T* __restrict__ q, const T* __restrict__ k, const T* _
         const u32 s_q = base + L::Q + stage * L::Q_TILE, s_do = base + L::DO + stage * L::Q_TILE;
         const float* s_lse = reinterpret_cast<const float*>(smem + L::LSE) + stage * BLOCK_M;
         const float* s_delta = reinterpret_cast<const float*>(smem + L::DELTA) + stage * BLOCK_M;
-        const bool partial = visible.partial(m0, BLOCK_M, n0, BLOCK_N);
+        const bool partial = mask.partial(m0, BLOCK_M, n0, BLOCK_N);
 
         // This thread's place in the warp tiles, re-derived every iteration (see
         // thread_index_uncached): held across the loop, the addresses built from it would spill.
@@ -199,10 +205,9 @@ flash_bwd_fused_mma(const T* __restrict__ q, const T* __restrict__ k, const T* _
         // Step 2: P^T = exp2(S^T scale log2(e) - lse log2(e)), lse per column (query). Hidden
         // entries are set to 0 by selection, not multiplication, so a non-finite score cannot leak.
         // Element (g, j, e) is key key0 + 16 g + 8 (e / 2), query query0 + 8 j + e % 2; the mask
-        // is three comparisons of compile-time offsets against three per-thread values.
+        // compares compile-time offsets against the per-thread values of the policy's origin.
         const int key0 = n0 + key_row0 + lane / 4, query0 = m0 + q_col0 + 2 * (lane % 4);
-        const int keys_left = seqlen_k - key0, queries_left = seqlen_q - query0;
-        const int causal_slack = query0 + visible.diag - key0;  // key offset - query offset <= slack
+        const typename Mask::Origin origin = mask.origin(query0, key0);
 #pragma unroll
         for (int j = 0; j < SQ / 8; ++j) {
             const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + q_col0 + 8 * j + 2 * (lane % 4));
@@ -213,8 +218,7 @@ flash_bwd_fused_mma(const T* __restrict__ q, const T* __restrict__ k, const T* _
                 for (int e = 0; e < 4; ++e) {
                     const float p = exp2_approx(fmaf(s_acc[g][j][e], scale_log2, -base_log2[e & 1]));
                     const int key_off = 16 * g + 8 * (e >> 1), query_off = 8 * j + (e & 1);
-                    const bool hidden = key_off >= keys_left || query_off >= queries_left ||
-                                        (CAUSAL && key_off - query_off > causal_slack);
+                    const bool hidden = mask.hidden(origin, query_off, key_off);
                     s_acc[g][j][e] = partial && hidden ? 0.f : p;
                 }
             }

@@ -26,7 +26,12 @@
 //
 // Every shared tile row of 16-bit values is swizzled (mma.cuh), so all ldmatrix reads and all
 // fragment-sized writes are free of bank conflicts.
+//
+// The mask is the policy's (mask.cuh): a dK/dV CTA walks only the query blocks that see some key
+// of its block, a dQ CTA only the key blocks that some of its rows see; blocks outside a window
+// are never loaded. Rows of a visited block that see none of its keys get P = 0 by selection.
 #include "common.cuh"
+#include "mask.cuh"
 #include "mma.cuh"
 #include "mma_bwd.cuh"
 
@@ -55,7 +60,7 @@ struct DkdvSmem {
     static constexpr u32 BYTES = DELTA + 2 * BLOCK_M * 4;
 };
 
-template <typename T, int D_TILE, bool CAUSAL, int BLOCK_M, int M_SUB, int BLOCK_N, int NWARPS,
+template <typename T, int D_TILE, class Mask, int BLOCK_M, int M_SUB, int BLOCK_N, int NWARPS,
           int WARPS_D, bool ATOMIC_DQ>
 __global__ void __launch_bounds__(NWARPS * 32, 1)
 flash_bwd_dkdv_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
@@ -66,7 +71,8 @@ flash_bwd_dkdv_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __
                    i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
                    i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
                    i64 dk_sb, i64 dk_ss, i64 dk_sh, i64 dv_sb, i64 dv_ss, i64 dv_sh,
-                   i64 dqa_sb, i64 dqa_ss, i64 dqa_sh, float scale_log2, float scale) {
+                   i64 dqa_sb, i64 dqa_ss, i64 dqa_sh, float scale_log2, float scale,
+                   int window_left, int window_right) {
     typedef DkdvSmem<D_TILE, BLOCK_M, M_SUB, BLOCK_N, NWARPS, WARPS_D, ATOMIC_DQ> L;
     constexpr int NTHREADS = NWARPS * 32;
     constexpr int DW = D_TILE / WARPS_D;  // dK, dV columns per warp
@@ -89,11 +95,13 @@ flash_bwd_dkdv_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __
     const int key_group = warp / WARPS_D, d_part = warp % WARPS_D;
     const int row0 = 16 * key_group;  // this warp's key rows within the block
     const int n0 = blockIdx.x * BLOCK_N, head_kv = blockIdx.y, batch = blockIdx.z;
-    const Visibility<CAUSAL> visible{seqlen_q, seqlen_k, seqlen_k - seqlen_q};
+    const Mask mask(seqlen_q, seqlen_k, window_left, window_right);
 
-    // Key n is seen by queries m >= n - diag: earlier query blocks are skipped.
-    const int m_block_first = CAUSAL ? max(0, n0 - visible.diag) / BLOCK_M : 0;
-    const int m_blocks = max(0, (seqlen_q + BLOCK_M - 1) / BLOCK_M - m_block_first);
+    // Query blocks [m_block_first, m_block_end) see some key of this block (mask.cuh); the others
+    // are never loaded.
+    const int m_block_first = mask.query_begin(n0) / BLOCK_M;
+    const int m_block_end = (mask.query_end(n0, BLOCK_N) + BLOCK_M - 1) / BLOCK_M;
+    const int m_blocks = max(0, m_block_end - m_block_first);
     const int n_iters = group * m_blocks;  // (query head of the group, query block) pairs
 
     auto load_query_block = [&](int it, int stage) {
@@ -142,7 +150,7 @@ flash_bwd_dkdv_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __
         for (int mc0 = 0; mc0 < BLOCK_M; mc0 += M_SUB) {
             const u32 s_q_sub = s_q + mc0 * (D_TILE * 2), s_do_sub = s_do + mc0 * (D_TILE * 2);
             const int m0_sub = m0 + mc0;
-            const bool partial = visible.partial(m0_sub, M_SUB, n0, BLOCK_N);
+            const bool partial = mask.partial(m0_sub, M_SUB, n0, BLOCK_N);
 
             // Step 1: S^T = K_j Q^T for this warp's key rows (over its head-dim slice if WARPS_D = 2).
             float s_acc[M_SUB / 8][4];
@@ -161,7 +169,7 @@ flash_bwd_dkdv_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const float p = exp2_approx(fmaf(s_acc[j][e], scale_log2, -base_log2[e & 1]));
-                    const bool hidden = partial && !visible(m0_sub + c + (e & 1), n0 + row0 + lane / 4 + 8 * (e >> 1));
+                    const bool hidden = partial && !mask.visible(m0_sub + c + (e & 1), n0 + row0 + lane / 4 + 8 * (e >> 1));
                     s_acc[j][e] = hidden ? 0.f : p;
                 }
             }
@@ -188,7 +196,7 @@ flash_bwd_dkdv_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const float ds = s_acc[j][e] * (dp_acc[j][e] - ((e & 1) ? d2.y : d2.x));
-                    const bool hidden = partial && !visible(m0_sub + c + (e & 1), n0 + row0 + lane / 4 + 8 * (e >> 1));
+                    const bool hidden = partial && !mask.visible(m0_sub + c + (e & 1), n0 + row0 + lane / 4 + 8 * (e >> 1));
                     dp_acc[j][e] = hidden ? 0.f : ds;
                 }
             }
@@ -265,7 +273,7 @@ struct DqSmem {
     static constexpr u32 BYTES = V + 2 * KV_TILE;
 };
 
-template <typename T, int D_TILE, bool CAUSAL, int BLOCK_M, int BLOCK_N, int NWARPS>
+template <typename T, int D_TILE, class Mask, int BLOCK_M, int BLOCK_N, int NWARPS>
 __global__ void __launch_bounds__(NWARPS * 32, 1)
 flash_bwd_dq_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                  const T* __restrict__ dout, const float* __restrict__ lse,
@@ -273,7 +281,8 @@ flash_bwd_dq_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __re
                  int seqlen_q, int seqlen_k, int nheads, int group, int headdim,
                  i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
                  i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
-                 i64 dq_sb, i64 dq_ss, i64 dq_sh, float scale_log2, float scale) {
+                 i64 dq_sb, i64 dq_ss, i64 dq_sh, float scale_log2, float scale,
+                 int window_left, int window_right) {
     typedef DqSmem<D_TILE, BLOCK_M, BLOCK_N> L;
     constexpr int NTHREADS = NWARPS * 32;
     static_assert(BLOCK_M == 16 * NWARPS, "16 query rows per warp");
@@ -287,18 +296,19 @@ flash_bwd_dq_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __re
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int row0 = 16 * warp;  // this warp's query rows within the block
-    const int m0 = (gridDim.x - 1 - blockIdx.x) * BLOCK_M;  // heaviest causal blocks start first
+    const Mask mask(seqlen_q, seqlen_k, window_left, window_right);
+    const int m0 = Mask::query_block(blockIdx.x, gridDim.x) * BLOCK_M;
     const int head = blockIdx.y, batch = blockIdx.z, head_kv = head / group;
-    const Visibility<CAUSAL> visible{seqlen_q, seqlen_k, seqlen_k - seqlen_q};
 
-    // Keys past the last visible one of the block's last existing query are skipped.
-    const int n_end = CAUSAL ? min(seqlen_k, max(0, min(seqlen_q, m0 + BLOCK_M) + visible.diag)) : seqlen_k;
-    const int n_blocks = (n_end + BLOCK_N - 1) / BLOCK_N;
+    // Key blocks [j_begin, j_end) hold the keys some existing row of the block sees (mask.cuh);
+    // K_j and V_j sit in stage j % 2, whichever block the walk starts at.
+    const int j_begin = mask.key_begin(m0) / BLOCK_N;
+    const int j_end = (mask.key_end(m0, min(BLOCK_M, seqlen_q - m0)) + BLOCK_N - 1) / BLOCK_N;
 
     const T* k_head = k + row_offset(batch, 0, head_kv, k_sb, k_ss, k_sh);
     const T* v_head = v + row_offset(batch, 0, head_kv, v_sb, v_ss, v_sh);
-    auto load_key_block = [&](int it, int stage) {
-        const int n0 = it * BLOCK_N;
+    auto load_key_block = [&](int j, int stage) {
+        const int n0 = j * BLOCK_N;
         cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(base + L::K + stage * L::KV_TILE, k_head + n0 * k_ss,
                                                  seqlen_k - n0, headdim, k_ss, tid);
         cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(base + L::V + stage * L::KV_TILE, v_head + n0 * v_ss,
@@ -309,7 +319,7 @@ flash_bwd_dq_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __re
                                              seqlen_q - m0, headdim, q_ss, tid);
     cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(s_do, dout + row_offset(batch, m0, head, do_sb, do_ss, do_sh),
                                              seqlen_q - m0, headdim, do_ss, tid);
-    if (n_blocks > 0) load_key_block(0, 0);
+    if (j_begin < j_end) load_key_block(j_begin, j_begin & 1);
     cp_async_commit();
 
     // Per-row statistics of this lane's two accumulator rows (lane / 4 and lane / 4 + 8).
@@ -325,15 +335,15 @@ flash_bwd_dq_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     float dq_acc[D_TILE / 8][4];
     zero(dq_acc);
 
-    for (int it = 0; it < n_blocks; ++it) {
-        const int stage = it & 1;
-        // As in flash_bwd_dkdv_mma: lands block it, and all warps are done with block it - 1.
+    for (int j = j_begin; j < j_end; ++j) {
+        const int stage = j & 1;
+        // As in flash_bwd_dkdv_mma: lands block j, and all warps are done with block j - 1.
         cp_async_wait<0>();
         __syncthreads();
-        if (it + 1 < n_blocks) load_key_block(it + 1, stage ^ 1);
+        if (j + 1 < j_end) load_key_block(j + 1, stage ^ 1);
         cp_async_commit();
 
-        const int n0 = it * BLOCK_N;
+        const int n0 = j * BLOCK_N;
         const u32 s_k = base + L::K + stage * L::KV_TILE, s_v = base + L::V + stage * L::KV_TILE;
 
         // Step 1: S = Q_i K_j^T, dP = dO_i V_j^T for this warp's 16 query rows.
@@ -344,16 +354,16 @@ flash_bwd_dq_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __re
         mma_ABt<T, BLOCK_N, D_TILE, D_TILE, D_TILE>(dp_acc, s_do, row0, s_v, 0, lane);
 
         // Step 2: dS = P o (dP - D) with P = exp2(S scale log2(e) - lse log2(e)); lse, D per row.
-        const bool partial = visible.partial(m0, BLOCK_M, n0, BLOCK_N);
+        const bool partial = mask.partial(m0, BLOCK_M, n0, BLOCK_N);
 #pragma unroll
-        for (int j = 0; j < BLOCK_N / 8; ++j) {
+        for (int f = 0; f < BLOCK_N / 8; ++f) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const float p = exp2_approx(fmaf(s_acc[j][e], scale_log2, -base_log2[e >> 1]));
-                const float ds = p * (dp_acc[j][e] - d[e >> 1]);
-                const bool hidden = partial && !visible(m0 + row0 + lane / 4 + 8 * (e >> 1),
-                                                        n0 + 8 * j + 2 * (lane % 4) + (e & 1));
-                dp_acc[j][e] = hidden ? 0.f : ds;
+                const float p = exp2_approx(fmaf(s_acc[f][e], scale_log2, -base_log2[e >> 1]));
+                const float ds = p * (dp_acc[f][e] - d[e >> 1]);
+                const bool hidden = partial && !mask.visible(m0 + row0 + lane / 4 + 8 * (e >> 1),
+                                                             n0 + 8 * f + 2 * (lane % 4) + (e & 1));
+                dp_acc[f][e] = hidden ? 0.f : ds;
             }
         }
         u32 ds_frag[BLOCK_N / 16][4];
@@ -395,7 +405,7 @@ struct DqSmemV2 : DqSmem<D_TILE, BLOCK_M, BLOCK_N> {
     static constexpr u32 BYTES = DELTA + BLOCK_M * 4;
 };
 
-template <typename T, int D_TILE, bool CAUSAL, int BLOCK_M, int BLOCK_N, int NWARPS, int ROW_GROUPS>
+template <typename T, int D_TILE, class Mask, int BLOCK_M, int BLOCK_N, int NWARPS, int ROW_GROUPS>
 __global__ void __launch_bounds__(NWARPS * 32, 1)
 flash_bwd_dq_mma_v2(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                     const T* __restrict__ dout, const float* __restrict__ lse,
@@ -403,7 +413,8 @@ flash_bwd_dq_mma_v2(const T* __restrict__ q, const T* __restrict__ k, const T* _
                     int seqlen_q, int seqlen_k, int nheads, int group, int headdim,
                     i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
                     i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
-                    i64 dq_sb, i64 dq_ss, i64 dq_sh, float scale_log2, float scale) {
+                    i64 dq_sb, i64 dq_ss, i64 dq_sh, float scale_log2, float scale,
+                    int window_left, int window_right) {
     typedef DqSmemV2<D_TILE, BLOCK_M, BLOCK_N> L;
     constexpr int NTHREADS = NWARPS * 32;
     constexpr int G = ROW_GROUPS;
@@ -420,17 +431,19 @@ flash_bwd_dq_mma_v2(const T* __restrict__ q, const T* __restrict__ k, const T* _
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int row0 = WARP_ROWS * warp;  // this warp's query rows within the block
-    const int m0 = (gridDim.x - 1 - blockIdx.x) * BLOCK_M;  // heaviest causal blocks start first
+    const Mask mask(seqlen_q, seqlen_k, window_left, window_right);
+    const int m0 = Mask::query_block(blockIdx.x, gridDim.x) * BLOCK_M;
     const int head = blockIdx.y, batch = blockIdx.z, head_kv = head / group;
-    const Visibility<CAUSAL> visible{seqlen_q, seqlen_k, seqlen_k - seqlen_q};
 
-    const int n_end = CAUSAL ? min(seqlen_k, max(0, min(seqlen_q, m0 + BLOCK_M) + visible.diag)) : seqlen_k;
-    const int n_blocks = (n_end + BLOCK_N - 1) / BLOCK_N;
+    // Key blocks [j_begin, j_end) hold the keys some existing row of the block sees (mask.cuh);
+    // K_j and V_j sit in stage j % 2, whichever block the walk starts at.
+    const int j_begin = mask.key_begin(m0) / BLOCK_N;
+    const int j_end = (mask.key_end(m0, min(BLOCK_M, seqlen_q - m0)) + BLOCK_N - 1) / BLOCK_N;
 
     // The key-block addresses are recomputed from the kernel arguments (constant bank) at each
     // load: held across the loop, they are what tips the main loop into spilling.
-    auto load_key_block = [&](int it, int stage) {
-        const int n0 = it * BLOCK_N;
+    auto load_key_block = [&](int j, int stage) {
+        const int n0 = j * BLOCK_N;
         cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(base + L::K + stage * L::KV_TILE,
                                                  k + row_offset(batch, n0, head_kv, k_sb, k_ss, k_sh),
                                                  seqlen_k - n0, headdim, k_ss, tid);
@@ -443,7 +456,7 @@ flash_bwd_dq_mma_v2(const T* __restrict__ q, const T* __restrict__ k, const T* _
                                              seqlen_q - m0, headdim, q_ss, tid);
     cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(s_do, dout + row_offset(batch, m0, head, do_sb, do_ss, do_sh),
                                              seqlen_q - m0, headdim, do_ss, tid);
-    if (n_blocks > 0) load_key_block(0, 0);
+    if (j_begin < j_end) load_key_block(j_begin, j_begin & 1);
     cp_async_commit();
 
     // Row statistics, made visible by the first iteration's barrier.
@@ -462,19 +475,23 @@ flash_bwd_dq_mma_v2(const T* __restrict__ q, const T* __restrict__ k, const T* _
 #pragma unroll
     for (int g = 0; g < G; ++g) zero(dq_acc[g]);
 
-    for (int it = 0; it < n_blocks; ++it) {
-        const int stage = it & 1;
-        // Lands block it; all warps are done with block it - 1, whose stage the next load reuses.
+    for (int j = j_begin; j < j_end; ++j) {
+        const int stage = j & 1;
+        // Lands block j; all warps are done with block j - 1, whose stage the next load reuses.
         cp_async_wait<0>();
         __syncthreads();
-        if (it + 1 < n_blocks) load_key_block(it + 1, stage ^ 1);
+        if (j + 1 < j_end) load_key_block(j + 1, stage ^ 1);
         cp_async_commit();
 
-        const int n0 = it * BLOCK_N;
+        const int n0 = j * BLOCK_N;
         const u32 s_k = base + L::K + stage * L::KV_TILE, s_v = base + L::V + stage * L::KV_TILE;
 
         // Step 1: S = Q_i K_j^T for this warp's 16 G query rows, turned into P = exp2(S scale
-        // log2(e) - lse log2(e)) in place.
+        // log2(e) - lse log2(e)) in place. The window's left bound (from the policy's origin: query
+        // m0 + lane_row, key n0 + 2 (lane % 4)) selects P to 0 here, where dP is not live yet, and
+        // step 2 tells those entries by P == 0: the d128 kernel has no registers to spare there.
+        const bool partial = mask.partial(m0, BLOCK_M, n0, BLOCK_N);
+        const typename Mask::Origin origin = mask.origin(m0 + lane_row, n0 + 2 * (lane % 4));
         float s_acc[G][BLOCK_N / 8][4];
 #pragma unroll
         for (int g = 0; g < G; ++g) zero(s_acc[g]);
@@ -482,24 +499,27 @@ flash_bwd_dq_mma_v2(const T* __restrict__ q, const T* __restrict__ k, const T* _
 #pragma unroll
         for (int g = 0; g < G; ++g)
 #pragma unroll
-            for (int j = 0; j < BLOCK_N / 8; ++j)
+            for (int f = 0; f < BLOCK_N / 8; ++f)
 #pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    s_acc[g][j][e] = exp2_approx(
-                        fmaf(s_acc[g][j][e], scale_log2, -s_lse[lane_row + 16 * g + 8 * (e >> 1)]));
+                for (int e = 0; e < 4; ++e) {
+                    const float p = exp2_approx(
+                        fmaf(s_acc[g][f][e], scale_log2, -s_lse[lane_row + 16 * g + 8 * (e >> 1)]));
+                    const bool hidden_left =
+                        partial && mask.hidden_left(origin, 16 * g + 8 * (e >> 1), 8 * f + (e & 1));
+                    s_acc[g][f][e] = hidden_left ? 0.f : p;
+                }
 
         // Step 2: dP = dO_i V_j^T and dS = P o (dP - D), in slices of DP_COLS keys: at head dim 128
         // a full-width dP next to P and dQ spills (the dO fragments are reloaded per slice).
         // Hidden entries are selected to 0 (a non-finite score or dP there must not leak).
-        const bool partial = visible.partial(m0, BLOCK_M, n0, BLOCK_N);
-        // Row m sees the keys n < n_lim (none past the last query).
+        // Row m sees the keys n < n_lim (none past the last query), as far as the left bound goes.
         int n_lim[G][2];
 #pragma unroll
         for (int g = 0; g < G; ++g)
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const int m = m0 + lane_row + 16 * g + 8 * half;
-                n_lim[g][half] = m < seqlen_q ? (CAUSAL ? min(seqlen_k, m + visible.diag + 1) : seqlen_k) : 0;
+                n_lim[g][half] = m < seqlen_q ? mask.row_key_end(m) : 0;
             }
         u32 ds_frag[G][BLOCK_N / 16][4];
 #pragma unroll
@@ -513,14 +533,15 @@ flash_bwd_dq_mma_v2(const T* __restrict__ q, const T* __restrict__ k, const T* _
 #pragma unroll
             for (int g = 0; g < G; ++g) {
 #pragma unroll
-                for (int j = 0; j < DP_COLS / 8; ++j) {
+                for (int f = 0; f < DP_COLS / 8; ++f) {
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
-                        const float ds = s_acc[g][c0 / 8 + j][e] *
-                                         (dp_acc[g][j][e] - s_delta[lane_row + 16 * g + 8 * (e >> 1)]);
-                        const int n = n0 + c0 + 8 * j + 2 * (lane % 4) + (e & 1);
-                        const bool hidden = partial && n >= n_lim[g][e >> 1];
-                        dp_acc[g][j][e] = hidden ? 0.f : ds;
+                        const float ds = s_acc[g][c0 / 8 + f][e] *
+                                         (dp_acc[g][f][e] - s_delta[lane_row + 16 * g + 8 * (e >> 1)]);
+                        const int n = n0 + c0 + 8 * f + 2 * (lane % 4) + (e & 1);
+                        const bool hidden = partial && (n >= n_lim[g][e >> 1] ||
+                                                        (Mask::HAS_LEFT && s_acc[g][c0 / 8 + f][e] == 0.f));
+                        dp_acc[g][f][e] = hidden ? 0.f : ds;
                     }
                 }
                 auto& ds_slice = *reinterpret_cast<u32 (*)[DP_COLS / 16][4]>(&ds_frag[g][c0 / 16]);
@@ -551,7 +572,7 @@ flash_bwd_dq_mma_v2(const T* __restrict__ q, const T* __restrict__ k, const T* _
 // fragment it loads for S^T, dP^T, dV and dK feeds ROW_GROUPS times as many mma: at head dim 64,
 // 2 groups and M_SUB = 32, 48 ldmatrix.x4 per 128 mma (v1: 72 per 128). Two 16-row groups of dK
 // and dV at head dim 128 would take 256 accumulator registers, so there v1 stays.
-template <typename T, int D_TILE, bool CAUSAL, int BLOCK_M, int M_SUB, int BLOCK_N, int NWARPS, int ROW_GROUPS,
+template <typename T, int D_TILE, class Mask, int BLOCK_M, int M_SUB, int BLOCK_N, int NWARPS, int ROW_GROUPS,
           bool ATOMIC_DQ>
 __global__ void __launch_bounds__(NWARPS * 32, 1)
 flash_bwd_dkdv_mma_v2(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
@@ -562,7 +583,8 @@ flash_bwd_dkdv_mma_v2(const T* __restrict__ q, const T* __restrict__ k, const T*
                       i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
                       i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
                       i64 dk_sb, i64 dk_ss, i64 dk_sh, i64 dv_sb, i64 dv_ss, i64 dv_sh,
-                      i64 dqa_sb, i64 dqa_ss, i64 dqa_sh, float scale_log2, float scale) {
+                      i64 dqa_sb, i64 dqa_ss, i64 dqa_sh, float scale_log2, float scale,
+                      int window_left, int window_right) {
     typedef DkdvSmem<D_TILE, BLOCK_M, M_SUB, BLOCK_N, NWARPS, 1, ATOMIC_DQ> L;
     constexpr int NTHREADS = NWARPS * 32;
     constexpr int G = ROW_GROUPS;
@@ -584,10 +606,13 @@ flash_bwd_dkdv_mma_v2(const T* __restrict__ q, const T* __restrict__ k, const T*
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int row0 = WARP_ROWS * warp;  // this warp's key rows within the block
     const int n0 = blockIdx.x * BLOCK_N, head_kv = blockIdx.y, batch = blockIdx.z;
-    const Visibility<CAUSAL> visible{seqlen_q, seqlen_k, seqlen_k - seqlen_q};
+    const Mask mask(seqlen_q, seqlen_k, window_left, window_right);
 
-    const int m_block_first = CAUSAL ? max(0, n0 - visible.diag) / BLOCK_M : 0;
-    const int m_blocks = max(0, (seqlen_q + BLOCK_M - 1) / BLOCK_M - m_block_first);
+    // Query blocks [m_block_first, m_block_end) see some key of this block (mask.cuh); the others
+    // are never loaded.
+    const int m_block_first = mask.query_begin(n0) / BLOCK_M;
+    const int m_block_end = (mask.query_end(n0, BLOCK_N) + BLOCK_M - 1) / BLOCK_M;
+    const int m_blocks = max(0, m_block_end - m_block_first);
     const int n_iters = group * m_blocks;  // (query head of the group, query block) pairs
 
     auto load_query_block = [&](int it, int stage) {
@@ -635,16 +660,19 @@ flash_bwd_dkdv_mma_v2(const T* __restrict__ q, const T* __restrict__ k, const T*
         for (int mc0 = 0; mc0 < BLOCK_M; mc0 += M_SUB) {
             const u32 s_q_sub = s_q + mc0 * (D_TILE * 2), s_do_sub = s_do + mc0 * (D_TILE * 2);
             const int m0_sub = m0 + mc0;
-            const bool partial = visible.partial(m0_sub, M_SUB, n0, BLOCK_N);
-            // Key row n is seen by the queries m_min <= m < seqlen_q (none if n >= seqlen_k).
+            const bool partial = mask.partial(m0_sub, M_SUB, n0, BLOCK_N);
+            // Key row n is seen by the queries m_min <= m < seqlen_q (none if n >= seqlen_k) that the
+            // window's left bound allows: that bound from the policy's origin (query m0_sub + 2 (lane
+            // % 4), key n0 + row0 + lane / 4), one register for all rows of the lane.
             int m_min[G][2];
 #pragma unroll
             for (int g = 0; g < G; ++g)
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
                     const int n = n0 + row0 + 16 * g + lane / 4 + 8 * half;
-                    m_min[g][half] = n < seqlen_k ? (CAUSAL ? n - visible.diag : 0) : seqlen_q;
+                    m_min[g][half] = n < seqlen_k ? mask.row_query_begin(n) : seqlen_q;
                 }
+            const typename Mask::Origin origin = mask.origin(m0_sub + 2 * (lane % 4), n0 + row0 + lane / 4);
 
             // Step 1: S^T = K_j Q^T for this warp's 16 G key rows.
             float s_acc[G][M_SUB / 8][4];
@@ -665,7 +693,8 @@ flash_bwd_dkdv_mma_v2(const T* __restrict__ q, const T* __restrict__ k, const T*
                     for (int e = 0; e < 4; ++e) {
                         const float p = exp2_approx(fmaf(s_acc[g][j][e], scale_log2, -base_log2[e & 1]));
                         const int m = m0_sub + c + (e & 1);
-                        const bool hidden = partial && (m < m_min[g][e >> 1] || m >= seqlen_q);
+                        const bool hidden = partial && (m < m_min[g][e >> 1] || m >= seqlen_q ||
+                                                        mask.hidden_left(origin, 8 * j + (e & 1), 16 * g + 8 * (e >> 1)));
                         s_acc[g][j][e] = hidden ? 0.f : p;
                     }
                 }
@@ -703,7 +732,8 @@ flash_bwd_dkdv_mma_v2(const T* __restrict__ q, const T* __restrict__ k, const T*
                         for (int e = 0; e < 4; ++e) {
                             const float ds = s_acc[g][j][e] * (dp_acc[g][jj][e] - ((e & 1) ? d2.y : d2.x));
                             const int m = m0_sub + c + (e & 1);
-                            const bool hidden = partial && (m < m_min[g][e >> 1] || m >= seqlen_q);
+                            const bool hidden = partial && (m < m_min[g][e >> 1] || m >= seqlen_q ||
+                                                            (Mask::HAS_LEFT && s_acc[g][j][e] == 0.f));
                             dp_acc[g][jj][e] = hidden ? 0.f : ds;
                         }
                     }
@@ -798,7 +828,7 @@ struct DkdvSplitSmem {
     static constexpr u32 BYTES = XCHG + (NWARPS / 2) * 2 * XCHG_SLOT;
 };
 
-template <typename T, int D_TILE, bool CAUSAL, int BLOCK_M, int M_SUB, int BLOCK_N, int NWARPS, int ROW_GROUPS,
+template <typename T, int D_TILE, class Mask, int BLOCK_M, int M_SUB, int BLOCK_N, int NWARPS, int ROW_GROUPS,
           bool ATOMIC_DQ>
 __global__ void __launch_bounds__(NWARPS * 32, 1)
 flash_bwd_dkdv_mma_split(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
@@ -809,7 +839,8 @@ flash_bwd_dkdv_mma_split(const T* __restrict__ q, const T* __restrict__ k, const
                          i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
                          i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
                          i64 dk_sb, i64 dk_ss, i64 dk_sh, i64 dv_sb, i64 dv_ss, i64 dv_sh,
-                         i64 dqa_sb, i64 dqa_ss, i64 dqa_sh, float scale_log2, float scale) {
+                         i64 dqa_sb, i64 dqa_ss, i64 dqa_sh, float scale_log2, float scale,
+                         int window_left, int window_right) {
     typedef DkdvSmem<D_TILE, BLOCK_M, M_SUB, BLOCK_N, NWARPS, 1, ATOMIC_DQ> L;
     typedef DkdvSplitSmem<D_TILE, BLOCK_M, M_SUB, BLOCK_N, NWARPS, ROW_GROUPS, ATOMIC_DQ> X;
     constexpr int NTHREADS = NWARPS * 32;
@@ -837,10 +868,13 @@ flash_bwd_dkdv_mma_split(const T* __restrict__ q, const T* __restrict__ k, const
     const int row0 = WARP_ROWS * pair;   // the pair's key rows within the block
     const u32 s_xchg = base + X::XCHG + pair * 2 * X::XCHG_SLOT + lane * 16;
     const int n0 = blockIdx.x * BLOCK_N, head_kv = blockIdx.y, batch = blockIdx.z;
-    const Visibility<CAUSAL> visible{seqlen_q, seqlen_k, seqlen_k - seqlen_q};
+    const Mask mask(seqlen_q, seqlen_k, window_left, window_right);
 
-    const int m_block_first = CAUSAL ? max(0, n0 - visible.diag) / BLOCK_M : 0;
-    const int m_blocks = max(0, (seqlen_q + BLOCK_M - 1) / BLOCK_M - m_block_first);
+    // Query blocks [m_block_first, m_block_end) see some key of this block (mask.cuh); the others
+    // are never loaded.
+    const int m_block_first = mask.query_begin(n0) / BLOCK_M;
+    const int m_block_end = (mask.query_end(n0, BLOCK_N) + BLOCK_M - 1) / BLOCK_M;
+    const int m_blocks = max(0, m_block_end - m_block_first);
     const int n_iters = group * m_blocks;  // (query head of the group, query block) pairs
 
     auto load_query_block = [&](int it, int stage) {
@@ -888,16 +922,19 @@ flash_bwd_dkdv_mma_split(const T* __restrict__ q, const T* __restrict__ k, const
             const u32 s_q_sub = s_q + mc0 * (D_TILE * 2), s_do_sub = s_do + mc0 * (D_TILE * 2);
             const u32 s_p = s_xchg + slot * X::XCHG_SLOT;
             const int m0_sub = m0 + mc0;
-            const bool partial = visible.partial(m0_sub, M_SUB, n0, BLOCK_N);
-            // Key row n is seen by the queries m_min <= m < seqlen_q (none if n >= seqlen_k).
+            const bool partial = mask.partial(m0_sub, M_SUB, n0, BLOCK_N);
+            // Key row n is seen by the queries m_min <= m < seqlen_q (none if n >= seqlen_k) that the
+            // window's left bound allows: that bound from the policy's origin (query m0_sub + 2 (lane
+            // % 4), key n0 + row0 + lane / 4), one register for all rows of the lane.
             int m_min[G][2];
 #pragma unroll
             for (int g = 0; g < G; ++g)
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
                     const int n = n0 + row0 + 16 * g + lane / 4 + 8 * half;
-                    m_min[g][half] = n < seqlen_k ? (CAUSAL ? n - visible.diag : 0) : seqlen_q;
+                    m_min[g][half] = n < seqlen_k ? mask.row_query_begin(n) : seqlen_q;
                 }
+            const typename Mask::Origin origin = mask.origin(m0_sub + 2 * (lane % 4), n0 + row0 + lane / 4);
 
             if (!role_dk) {
                 // S^T = K_j Q^T; P^T = exp2(S^T scale log2(e) - lse log2(e)), lse per column,
@@ -917,7 +954,8 @@ flash_bwd_dkdv_mma_split(const T* __restrict__ q, const T* __restrict__ k, const
                         for (int e = 0; e < 4; ++e) {
                             const float p = exp2_approx(fmaf(s_acc[g][j][e], scale_log2, -base_log2[e & 1]));
                             const int m = m0_sub + c + (e & 1);
-                            const bool hidden = partial && (m < m_min[g][e >> 1] || m >= seqlen_q);
+                            const bool hidden = partial && (m < m_min[g][e >> 1] || m >= seqlen_q ||
+                                                            mask.hidden_left(origin, 8 * j + (e & 1), 16 * g + 8 * (e >> 1)));
                             s_acc[g][j][e] = hidden ? 0.f : p;
                         }
                         st_shared_v4(s_p + (g * (M_SUB / 8) + j) * 512, __float_as_uint(s_acc[g][j][0]),
@@ -951,7 +989,8 @@ flash_bwd_dkdv_mma_split(const T* __restrict__ q, const T* __restrict__ k, const
                         for (int e = 0; e < 4; ++e) {
                             const float ds = __uint_as_float(p[e]) * (dp_acc[g][j][e] - ((e & 1) ? d2.y : d2.x));
                             const int m = m0_sub + c + (e & 1);
-                            const bool hidden = partial && (m < m_min[g][e >> 1] || m >= seqlen_q);
+                            const bool hidden = partial && (m < m_min[g][e >> 1] || m >= seqlen_q ||
+                                                            (Mask::HAS_LEFT && __uint_as_float(p[e]) == 0.f));
                             dp_acc[g][j][e] = hidden ? 0.f : ds;
                         }
                     }

@@ -45,6 +45,8 @@ struct Band {
         return RIGHT ? min(seqlen_k, i + 1 + hi_off) : seqlen_k;
     }
     __device__ __forceinline__ int row_key_begin(int i) const { return LEFT ? i + lo_off : 0; }
+    // First query of key row j that its right bound allows (S^T; the left one ends the range).
+    __device__ __forceinline__ int row_query_begin(int j) const { return RIGHT ? j - hi_off : 0; }
 
     // Element test of a fragment at a fixed origin (query i0, key j0): the origin's part once,
     // then one compare per bound for each offset (di, dj) known after unrolling.
@@ -58,6 +60,11 @@ struct Band {
     __device__ __forceinline__ bool hidden(const Origin& o, int di, int dj) const {
         return dj >= o.keys_left || di >= o.queries_left || (RIGHT && dj - di > o.hi_slack) ||
                (LEFT && dj - di < o.lo_slack);
+    }
+    // The left bound's part of hidden() alone: kernels that hold per-row bounds for the other
+    // sides add the window's with one register (lo_slack) instead of one per row.
+    __device__ __forceinline__ bool hidden_left(const Origin& o, int di, int dj) const {
+        return LEFT && dj - di < o.lo_slack;
     }
 
     // --- S: the keys of query rows [m0, m0 + rows) ------------------------------------------

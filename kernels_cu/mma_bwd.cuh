@@ -1,6 +1,7 @@
 // Tile steps shared by the tensor-core backward kernels (flash_bwd_mma.cu, flash_bwd_fused_mma.cu):
 // backward-only PTX, swizzled tile geometry for tiles of any width, warp-tile products whose
-// operands come from shared memory or registers, accumulator staging and stores, masking.
+// operands come from shared memory or registers, accumulator staging and stores. The mask is
+// the policy's (mask.cuh).
 #pragma once
 
 #include "common.cuh"
@@ -254,19 +255,6 @@ __device__ __forceinline__ void swap_partial_sums(float (&acc)[N][4], u32 xchg, 
         for (int e = 0; e < 4; ++e) acc[j][e] += __uint_as_float(x[e]);
     }
 }
-
-// Query m sees key n iff both exist and, when causal, n <= m + seqlen_k - seqlen_q.
-template <bool CAUSAL>
-struct Visibility {
-    int seqlen_q, seqlen_k, diag;
-    __device__ __forceinline__ bool operator()(int m, int n) const {
-        return m < seqlen_q && n < seqlen_k && (!CAUSAL || n <= m + diag);
-    }
-    // Whether some (m, n) of the block [m0, m0 + bm) x [n0, n0 + bn) is hidden.
-    __device__ __forceinline__ bool partial(int m0, int bm, int n0, int bn) const {
-        return m0 + bm > seqlen_q || n0 + bn > seqlen_k || (CAUSAL && n0 + bn - 1 > m0 + diag);
-    }
-};
 
 // lse in log2 units. A row that sees no key has lse = -inf; 0 as its base keeps exp2 finite
 // (all of its entries are masked anyway).

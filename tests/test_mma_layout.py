@@ -1187,7 +1187,7 @@ def test_bwd_nan_in_a_value_row_stays_out_of_queries_that_do_not_see_it(dq_confi
 _LAUNCH_SHAPE = dict(b=2, sq=100, sk=70, h=4, hkv=2)
 
 
-def _record_backward_launches(monkeypatch, version, d, deterministic, fused=None):
+def _record_backward_launches(monkeypatch, version, d, deterministic, fused=None, window_size=(-1, -1)):
     """backward() (causal, fp16, _LAUNCH_SHAPE) on stand-in arrays: the (spec, grid, args) of
     every launch, in order."""
     cupy = pytest.importorskip("cupy")
@@ -1208,7 +1208,7 @@ def _record_backward_launches(monkeypatch, version, d, deterministic, fused=None
     dq, dk, dv = FakeArray(q.shape, np.float16), FakeArray(k.shape, np.float16), FakeArray(k.shape, np.float16)
     lse = FakeArray((b, h, sq), np.float32)
     mma_bwd.backward(do, q, k, v, o, lse, dq, dk, dv, softmax_scale=0.1, causal=True, deterministic=deterministic,
-                     version=version, fused=fused)
+                     version=version, fused=fused, window_size=window_size)
     return launches
 
 
@@ -2362,11 +2362,60 @@ def _assert_fused_launches(launches, d, deterministic, config):
     assert semaphore.dtype == np.int32
     assert semaphore.shape == ((b, h, math.ceil(sq / bm)) if deterministic else (1,))
     assert args[10:15] == (sq, sk, h, h // hkv, d)
-    assert args[-5:-2] == tuple(s // 4 for s in dq_accum.strides[:3])  # dq_accum strides in elements
-    assert args[-2:] == (np.float32(0.1 * mma_bwd.LOG2E), np.float32(0.1))
+    assert args[-7:-4] == tuple(s // 4 for s in dq_accum.strides[:3])  # dq_accum strides in elements
+    assert args[-4:-2] == (np.float32(0.1 * mma_bwd.LOG2E), np.float32(0.1))
+    assert args[-2:] == (np.int32(-1), np.int32(0))  # the causal policy's window (mask.cuh)
     assert convert_args[0] is dq_accum and convert_args[-1] == np.float32(0.1)
     for spec, grid, args in launches:
         _assert_arguments_match_signature(spec, grid, args)
+
+
+@pytest.mark.parametrize("smem", [163 * 1024, 227 * 1024])
+@pytest.mark.parametrize("d", [64, 96, 200])
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_bwd_windows_on_the_mma_sync_path_launch_local_kernels(deterministic, d, smem, monkeypatch):
+    """A window on the sm_80 path (v10 falls back to v5): every launch is a Local specialization
+    that specializations() lists (so the compile check covers it), the window is the last two
+    arguments, argument lists match the kernels; the same kernels as without a window otherwise,
+    except v1's dK/dV kernel for v2's with the atomic dQ (mma_bwd.DKDV_CONFIG_V2's note)."""
+    from cupyflash import masks
+    from cupyflash.kernels import mma_bwd, mma_fwd
+
+    monkeypatch.setattr(mma_fwd, "current_arch", lambda: "80")
+    monkeypatch.setattr(mma_fwd, "current_smem_optin", lambda: smem)
+    listed = {spec.name for spec in mma_bwd.specializations()}
+    plain = _record_backward_launches(monkeypatch, "v10", d, deterministic)
+    windowed = _record_backward_launches(monkeypatch, "v10", d, deterministic, window_size=(100, 3))
+    assert len(windowed) == len(plain)
+    for (spec, grid, args), (plain_spec, plain_grid, _) in zip(windowed, plain):
+        _assert_arguments_match_signature(spec, grid, args)
+        if "convert" in spec.name:
+            assert spec == plain_spec
+            continue
+        assert "_local_" in spec.name and spec.name in listed
+        assert args[-2:] == (np.int32(100), np.int32(0))  # causal=True sets the right side to 0
+        expected = plain_spec.name.replace("_causal_", "_local_")
+        if "dkdv_mma_v2" in expected and "dqatomic" in expected:
+            assert spec == mma_bwd.dkdv_spec(np.float16, d, masks.Local(100, 0), True, "v1")
+        else:
+            assert spec.name == expected and grid == plain_grid
+
+
+def test_bwd_ordered_dq_adds_take_no_window(monkeypatch):
+    """The ordered dQ adds need every key block: a window with v4's deterministic path runs v3's
+    kernels, and an explicit ordered fused configuration is refused."""
+    from cupyflash import masks
+    from cupyflash.kernels import mma_bwd, mma_fwd
+
+    monkeypatch.setattr(mma_fwd, "current_arch", lambda: "80")
+    monkeypatch.setattr(mma_fwd, "current_smem_optin", lambda: 227 * 1024)
+    v4 = _record_backward_launches(monkeypatch, "v4", 96, True, window_size=(64, 64))
+    v3 = _record_backward_launches(monkeypatch, "v3", 96, True, window_size=(64, 64))
+    assert [spec for spec, _, _ in v4] == [spec for spec, _, _ in v3]
+    with pytest.raises(ValueError, match="ordered"):
+        mma_bwd.fused_spec(np.float16, 128, masks.Local(64, 64), True)
+    with pytest.raises(ValueError, match="ordered"):
+        _record_backward_launches(monkeypatch, "v4", 96, True, fused=mma_bwd.FUSED_CONFIG[128], window_size=(64, 64))
 
 
 @pytest.mark.parametrize("d", [64, 96, 200])

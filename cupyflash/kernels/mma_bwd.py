@@ -69,6 +69,8 @@ DQ_CANDIDATES_V2 = {64: ((256, 32, 8, 2),), 128: ((256, 32, 8, 2),)}
 # ROW_GROUPS * NWARPS. Head dim 64 only: two 16-row groups of dK and dV take 4 D_TILE / 8
 # accumulator registers per thread (256 at head dim 128).
 DKDV_CONFIG_V2 = {64: (64, 32, 128, 4, 2)}
+# With a window's left bound and the atomic dQ it needs more than 255 registers (ptxas spills 24-36
+# bytes at sm_80 / sm_90), so v1's kernel runs there instead.
 
 # flash_bwd_dkdv_mma_split (v3, deterministic path only: with the atomic dQ it spills): D_TILE ->
 # (BLOCK_M, M_SUB, BLOCK_N, NWARPS, ROW_GROUPS); BLOCK_N = 16 * ROW_GROUPS * NWARPS / 2. Shared
@@ -265,7 +267,8 @@ def _since(version: str, first: str) -> bool:
     return order.index(version) >= order.index(first)
 
 
-def dkdv_tiles(headdim: int, version: str = DEFAULT_VERSION, atomic_dq: bool = False) -> tuple[str, tuple]:
+def dkdv_tiles(headdim: int, version: str = DEFAULT_VERSION, atomic_dq: bool = False,
+               mask: Mask | None = None) -> tuple[str, tuple]:
     """The dK/dV kernel and its tiles: ("v1", DKDV_CONFIG entry), ("v2", DKDV_CONFIG_V2 entry) or
     ("split", DKDV_CONFIG_SPLIT entry). v4 launches these only where the fused kernel does not run
     (fused_config() is None)."""
@@ -273,7 +276,7 @@ def dkdv_tiles(headdim: int, version: str = DEFAULT_VERSION, atomic_dq: bool = F
     dt = d_tile(headdim)
     if _since(version, "v3") and not atomic_dq and dt in DKDV_CONFIG_SPLIT:
         return "split", DKDV_CONFIG_SPLIT[dt]
-    if _since(version, "v2") and dt in DKDV_CONFIG_V2:
+    if _since(version, "v2") and dt in DKDV_CONFIG_V2 and not (atomic_dq and mask is not None and mask.HAS_LEFT):
         return "v2", DKDV_CONFIG_V2[dt]
     return "v1", DKDV_CONFIG[dt]
 
@@ -285,17 +288,19 @@ def dkdv_split_smem_bytes(dt: int, block_m: int, m_sub: int, block_n: int, nwarp
     return dkdv_smem_bytes(dt, block_m, m_sub, block_n, nwarps, 1, atomic_dq) + (nwarps // 2) * 2 * slot
 
 
-def dkdv_spec(dtype, headdim: int, causal: bool, atomic_dq: bool,
+def dkdv_spec(dtype, headdim: int, causal: Mask | bool, atomic_dq: bool,
               version: str = DEFAULT_VERSION) -> Specialization:
     """flash_bwd_dkdv_mma (v1 tiles, last entry WARPS_D), flash_bwd_dkdv_mma_v2 or
-    flash_bwd_dkdv_mma_split (last entry ROW_GROUPS), as dkdv_tiles picks for the version."""
+    flash_bwd_dkdv_mma_split (last entry ROW_GROUPS), as dkdv_tiles picks for the version;
+    ``causal`` the mask policy (kernels_cu/mask.cuh) or a causal flag."""
+    mask = as_mask(causal)
     name = dtype_name(dtype)
     dt = d_tile(headdim)
-    kernel, (bm, ms, bn, nw, last) = dkdv_tiles(headdim, version, atomic_dq)
+    kernel, (bm, ms, bn, nw, last) = dkdv_tiles(headdim, version, atomic_dq, mask)
     suffix, last_name = {"v1": ("", "wd"), "v2": ("_v2", "rg"), "split": ("_split", "rg")}[kernel]
-    spec_name = (f"flash_bwd_dkdv_mma{suffix}_{_SHORT[name]}_hdim{dt}_{'causal' if causal else 'full'}"
+    spec_name = (f"flash_bwd_dkdv_mma{suffix}_{_SHORT[name]}_hdim{dt}_{mask.name}"
                  f"_bm{bm}_ms{ms}_bn{bn}_w{nw}_{last_name}{last}{'_dqatomic' if atomic_dq else ''}")
-    expression = (f"cf::flash_bwd_dkdv_mma{suffix}<{_CTYPE[name]}, {dt}, {_flag(causal)}, {bm}, {ms}, {bn}, "
+    expression = (f"cf::flash_bwd_dkdv_mma{suffix}<{_CTYPE[name]}, {dt}, {mask.cpp}, {bm}, {ms}, {bn}, "
                   f"{nw}, {last}, {_flag(atomic_dq)}>")
     if kernel == "split":
         smem = dkdv_split_smem_bytes(dt, bm, ms, bn, nw, last, atomic_dq)
@@ -318,21 +323,22 @@ def dq_tiles(headdim: int, version: str = DEFAULT_VERSION) -> tuple:
     return DQ_CONFIG[dt]
 
 
-def dq_spec(dtype, headdim: int, causal: bool, version: str = DEFAULT_VERSION,
+def dq_spec(dtype, headdim: int, causal: Mask | bool, version: str = DEFAULT_VERSION,
             config: tuple | None = None) -> Specialization:
-    """flash_bwd_dq_mma (a 3-tuple config) or flash_bwd_dq_mma_v2 (a 4-tuple with ROW_GROUPS)."""
+    """flash_bwd_dq_mma (a 3-tuple config) or flash_bwd_dq_mma_v2 (a 4-tuple with ROW_GROUPS);
+    ``causal`` the mask policy or a causal flag."""
+    mask = as_mask(causal)
     name = dtype_name(dtype)
     dt = d_tile(headdim)
     config = tuple(config or dq_tiles(headdim, version))
     if len(config) == 4:
         bm, bn, nw, rg = config
-        spec_name = (f"flash_bwd_dq_mma_v2_{_SHORT[name]}_hdim{dt}_{'causal' if causal else 'full'}"
-                     f"_bm{bm}_bn{bn}_w{nw}_rg{rg}")
-        expression = f"cf::flash_bwd_dq_mma_v2<{_CTYPE[name]}, {dt}, {_flag(causal)}, {bm}, {bn}, {nw}, {rg}>"
+        spec_name = f"flash_bwd_dq_mma_v2_{_SHORT[name]}_hdim{dt}_{mask.name}_bm{bm}_bn{bn}_w{nw}_rg{rg}"
+        expression = f"cf::flash_bwd_dq_mma_v2<{_CTYPE[name]}, {dt}, {mask.cpp}, {bm}, {bn}, {nw}, {rg}>"
         return Specialization(spec_name, _SOURCE, expression, nw * 32, dq_smem_bytes_v2(dt, bm, bn))
     bm, bn, nw = config
-    spec_name = f"flash_bwd_dq_mma_{_SHORT[name]}_hdim{dt}_{'causal' if causal else 'full'}_bm{bm}_bn{bn}_w{nw}"
-    expression = f"cf::flash_bwd_dq_mma<{_CTYPE[name]}, {dt}, {_flag(causal)}, {bm}, {bn}, {nw}>"
+    spec_name = f"flash_bwd_dq_mma_{_SHORT[name]}_hdim{dt}_{mask.name}_bm{bm}_bn{bn}_w{nw}"
+    expression = f"cf::flash_bwd_dq_mma<{_CTYPE[name]}, {dt}, {mask.cpp}, {bm}, {bn}, {nw}>"
     return Specialization(spec_name, _SOURCE, expression, nw * 32, dq_smem_bytes(dt, bm, bn))
 
 
@@ -363,12 +369,19 @@ def specializations() -> list[Specialization]:
                                if dq_add not in FIXED_DQ_ADDS or dt in WGMMA_FIXED_KERNEL_D_TILES)
                 if dt in DQ_WGMMA_CONFIG:
                     out.append(dq_wgmma_spec(name, dt, causal))
-            # Windows: the kernels the default dispatch (v10) launches on sm_90.
+            # Windows: the kernels the default dispatch (v10) launches, on sm_80 (v3's two kernels
+            # when deterministic; the fused atomic kernel, or v3's atomic dK/dV kernel where it
+            # does not fit, otherwise) and on sm_90.
+            local = KINDS[2]
+            out.extend(dict.fromkeys(dkdv_spec(name, dt, local, atomic, "v3") for atomic in (False, True)))
+            out.append(dq_spec(name, dt, local, "v3"))
+            if dt in FUSED_CONFIG:
+                out.append(fused_spec(name, dt, local, False))
             if dt in WGMMA_CONFIG:
-                out.extend(wgmma_spec(name, dt, KINDS[2], dq_add) for dq_add in ("atomic", "none")
+                out.extend(wgmma_spec(name, dt, local, dq_add) for dq_add in ("atomic", "none")
                            if dq_add == "none" or dt not in WGMMA_SPLIT_ATOMIC_D_TILES)
             if dt in DQ_WGMMA_CONFIG:
-                out.append(dq_wgmma_spec(name, dt, KINDS[2]))
+                out.append(dq_wgmma_spec(name, dt, local))
     return out
 
 
@@ -390,16 +403,22 @@ def fused_smem_bytes(dt: int, block_m: int, block_n: int) -> int:
     return 2 * block_n * dt * 2 + 2 * 2 * block_m * dt * 2 + 2 * block_n * block_m * 2 + 2 * 2 * block_m * 4
 
 
-def fused_spec(dtype, headdim: int, causal: bool, ordered: bool, config: tuple | None = None) -> Specialization:
+def fused_spec(dtype, headdim: int, causal: Mask | bool, ordered: bool,
+               config: tuple | None = None) -> Specialization:
+    """flash_bwd_fused_mma (v4) with dQ added in key-block order (``ordered``) or unordered;
+    ``causal`` the mask policy or a causal flag (the ordered adds take no window)."""
+    mask = as_mask(causal)
+    if isinstance(mask, Local) and ordered:
+        raise ValueError("cupyflash: the ordered dQ adds need every key block, so they take no window")
     name = dtype_name(dtype)
     dt = d_tile(headdim)
     bm, bn, wn, wd, dqm, unroll, *extra = tuple(config or FUSED_CONFIG[dt])
     eager = bool(extra and extra[0]) and ordered
     packed = len(extra) > 1 and bool(extra[1])
-    spec_name = (f"flash_bwd_fused_mma_{_SHORT[name]}_hdim{dt}_{'causal' if causal else 'full'}"
+    spec_name = (f"flash_bwd_fused_mma_{_SHORT[name]}_hdim{dt}_{mask.name}"
                  f"_bm{bm}_bn{bn}_wn{wn}_wd{wd}_dqm{dqm}_u{unroll}_{'dqordered' if ordered else 'dqatomic'}"
                  f"{'_eager' if eager else ''}{'_p16' if packed else ''}")
-    expression = (f"cf::flash_bwd_fused_mma<{_CTYPE[name]}, {dt}, {_flag(causal)}, {bm}, {bn}, {wn}, {wd}, "
+    expression = (f"cf::flash_bwd_fused_mma<{_CTYPE[name]}, {dt}, {mask.cpp}, {bm}, {bn}, {wn}, {wd}, "
                   f"{dqm}, {unroll}, {_flag(ordered)}, {_flag(eager)}, {_flag(packed)}>")
     return Specialization(spec_name, "flash_bwd_fused_mma.cu", expression, wn * wd * 32,
                           fused_smem_bytes(dt, bm, bn))
@@ -500,8 +519,10 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
     ``version`` picks an entry of VERSIONS (None: DEFAULT_VERSION, read at call time, so that tests
     can run every version through the public API); ``dq_config`` overrides the dQ kernel's tiles (v1-v5's
     flash_bwd_dq_mma, or v10's flash_bwd_dq_wgmma where that runs), ``fused`` the fused kernel's (v4)
-    tiles and ``wgmma`` the wgmma kernel's (WGMMA_CONFIG; tuning). ``window_size`` (flash-attn's
-    (left, right), cupyflash.masks) runs on the sm_90 wgmma kernels only so far.
+    tiles and ``wgmma`` the wgmma kernel's (WGMMA_CONFIG; tuning). ``window_size`` is flash-attn's
+    (left, right) (cupyflash.masks); every kernel takes it except the ordered dQ adds (v4 and v6
+    with ``deterministic``), which need every key block: with a window v4 runs v3's kernels there
+    and v6 v5's, as where a configuration does not fit.
     """
     import cupy
 
@@ -527,45 +548,46 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
 
         if fused is None and current_arch() == "90":
             dq_add = wgmma_dq_add(version, deterministic, dt)
+            if dq_add == "ordered" and isinstance(mask, Local):
+                dq_add = None
             if dq_add is not None:
                 _wgmma_backward(q, k, v, do, o, lse, dq, dk, dv, common, scales, wgmma or WGMMA_CONFIG[dt], mask,
                                 dq_add, dq_config)
                 return
         version = "v5"
-    if isinstance(mask, Local):
-        raise NotImplementedError("cupyflash: sliding windows on the mma.sync backward kernels (the sm_80 "
-                                  "path) are not implemented yet")
     delta = backward_preprocess(do, o)
     if version == "v5" and deterministic and fused is None:
+        version = "v3"
+    if version == "v4" and deterministic and isinstance(mask, Local) and fused is None:
         version = "v3"
     if version in ("v4", "v5") or fused is not None:
         from .mma_fwd import current_smem_optin
 
         config = fused or fused_config(headdim, current_smem_optin())
         if config is not None:
-            _fused_backward(q, k, v, do, lse, delta, dq, dk, dv, common, scales, config, causal, deterministic)
+            _fused_backward(q, k, v, do, lse, delta, dq, dk, dv, common, scales, config, mask, deterministic)
             return
         version = "v3"
-    dkdv_grid = (math.ceil(seqlen_k / dkdv_tiles(headdim, version, not deterministic)[1][2]), nheads_kv, batch)
+    dkdv_grid = (math.ceil(seqlen_k / dkdv_tiles(headdim, version, not deterministic, mask)[1][2]), nheads_kv, batch)
 
     if deterministic:
         # dq_accum is not touched without ATOMIC_DQ; dk stands in for the pointer.
-        launch(dkdv_spec(q.dtype, headdim, causal, atomic_dq=False, version=version), dkdv_grid,
+        launch(dkdv_spec(q.dtype, headdim, mask, atomic_dq=False, version=version), dkdv_grid,
                (q, k, v, do, lse, delta, dk, dv, dk, *common, *row_strides(dk), *row_strides(dv),
-                np.int64(0), np.int64(0), np.int64(0), *scales))
+                np.int64(0), np.int64(0), np.int64(0), *scales, *mask.window_args()))
         bm = (dq_config or dq_tiles(headdim, version))[0]
-        launch(dq_spec(q.dtype, headdim, causal, version, dq_config), (math.ceil(seqlen_q / bm), nheads, batch),
-               (q, k, v, do, lse, delta, dq, *common, *row_strides(dq), *scales))
+        launch(dq_spec(q.dtype, headdim, mask, version, dq_config), (math.ceil(seqlen_q / bm), nheads, batch),
+               (q, k, v, do, lse, delta, dq, *common, *row_strides(dq), *scales, *mask.window_args()))
         return
 
     dq_accum = cupy.zeros((batch, seqlen_q, nheads, dt), dtype=np.float32)
-    launch(dkdv_spec(q.dtype, headdim, causal, atomic_dq=True, version=version), dkdv_grid,
+    launch(dkdv_spec(q.dtype, headdim, mask, atomic_dq=True, version=version), dkdv_grid,
            (q, k, v, do, lse, delta, dk, dv, dq_accum, *common, *row_strides(dk), *row_strides(dv),
-            *row_strides(dq_accum), *scales))
+            *row_strides(dq_accum), *scales, *mask.window_args()))
     _convert_dq(dq_accum, dq, softmax_scale)
 
 
-def _fused_backward(q, k, v, do, lse, delta, dq, dk, dv, common, scales, config, causal, deterministic):
+def _fused_backward(q, k, v, do, lse, delta, dq, dk, dv, common, scales, config, mask, deterministic):
     """v4: flash_bwd_fused_mma, then dq = scale * dq_accum."""
     import cupy
 
@@ -575,9 +597,9 @@ def _fused_backward(q, k, v, do, lse, delta, dq, dk, dv, common, scales, config,
     dq_accum = cupy.zeros((batch, seqlen_q, nheads, d_tile(headdim)), dtype=np.float32)
     # One counter per (batch, head, query block): how many warps of earlier key blocks have added.
     semaphore = cupy.zeros((batch, nheads, math.ceil(seqlen_q / bm)) if deterministic else (1,), dtype=np.int32)
-    launch(fused_spec(q.dtype, headdim, causal, deterministic, config), (math.ceil(seqlen_k / bn), nheads_kv, batch),
+    launch(fused_spec(q.dtype, headdim, mask, deterministic, config), (math.ceil(seqlen_k / bn), nheads_kv, batch),
            (q, k, v, do, lse, delta, dk, dv, dq_accum, semaphore, *common, *row_strides(dk), *row_strides(dv),
-            *row_strides(dq_accum), *scales))
+            *row_strides(dq_accum), *scales, *mask.window_args()))
     _convert_dq(dq_accum, dq, scales[1])
 
 
