@@ -11,6 +11,7 @@ import numpy as np
 from . import _arrays as A
 from . import dispatch, testing
 from ._dtypes import lse_dtype
+from .masks import check_window
 
 MAX_GRID_YZ = 65535
 """Most batch entries, and most query heads, one kernel launch takes: the kernels put heads in
@@ -146,18 +147,22 @@ def _mma_ready(x, headdim_padded: int):
     return padded
 
 
-def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, return_lse=False, backend="auto"):
+def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), return_lse=False,
+                    backend="auto"):
     """Exact attention softmax(q kᵀ · scale) v, computed tile by tile without materialising S.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim) with
     nheads % nheads_kv == 0 (GQA/MQA). ``causal`` masks bottom-right aligned: query i sees key j iff
-    j <= i + seqlen_k - seqlen_q; a row that sees no key outputs 0 and has lse = -inf.
-    Returns o (like q), or (o, lse) with lse (batch, nheads, seqlen_q) float32 (float64 for float64).
+    j <= i + seqlen_k - seqlen_q. ``window_size=(left, right)`` is flash-attn's sliding window
+    (-1: that side unbounded): query i sees key j iff i + seqlen_k - seqlen_q - left <= j <=
+    i + seqlen_k - seqlen_q + right; with ``causal`` the right side is 0. A row that sees no key
+    outputs 0 and has lse = -inf. Key blocks outside the window are skipped, not masked. Returns o (like q), or (o, lse) with lse (batch, nheads, seqlen_q) float32 (float64 for float64).
     backend: 'auto' (tensor cores for 16-bit, SIMT otherwise, NumPy without a GPU), 'cuda',
     'mma', 'simt' or 'numpy'.
     """
     backend = A.check_backend(backend)
     causal = A.check_flag(causal, "causal")
+    window = check_window(window_size)
     return_lse = A.check_flag(return_lse, "return_lse")
     on_gpu = _on_gpu(backend)
     arrays, host_out = _take({"q": q, "k": k, "v": v})
@@ -179,14 +184,15 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, return_lse=Fal
         from . import numpy_backend
 
         o, lse = _forward_in_chunks(
-            lambda q, k, v: numpy_backend.forward(q, k, v, softmax_scale=scale, causal=causal), q, k, v)
+            lambda q, k, v: numpy_backend.forward(q, k, v, softmax_scale=scale, causal=causal, window_size=window),
+            q, k, v)
     else:
-        o, lse = _forward_in_chunks(lambda q, k, v: _forward_gpu(which, q, k, v, scale, causal), q, k, v)
+        o, lse = _forward_in_chunks(lambda q, k, v: _forward_gpu(which, q, k, v, scale, causal, window), q, k, v)
     o, lse = _to_device((o, lse)) if which == "numpy" and not host_out else _to_host((o, lse), host_out)
     return (o, lse) if return_lse else o
 
 
-def _forward_gpu(which, q, k, v, scale, causal):
+def _forward_gpu(which, q, k, v, scale, causal, window):
     batch, seqlen_q, nheads, headdim = q.shape
     lse = _empty((batch, nheads, seqlen_q), lse_dtype(q.dtype))
     kernels = dispatch.family(which, "fwd")
@@ -194,25 +200,26 @@ def _forward_gpu(which, q, k, v, scale, causal):
         padded = dispatch.mma_headdim(headdim)
         qp, kp, vp = (_mma_ready(x, padded) for x in (q, k, v))
         o = _empty(qp.shape, q.dtype)
-        kernels.forward(qp, kp, vp, o, lse, softmax_scale=scale, causal=causal)
+        kernels.forward(qp, kp, vp, o, lse, softmax_scale=scale, causal=causal, window_size=window)
         if padded != headdim:
             o = o[..., :headdim].copy()
         return o, lse
     o = _empty(q.shape, q.dtype)
-    kernels.forward(q, k, v, o, lse, softmax_scale=scale, causal=causal)
+    kernels.forward(q, k, v, o, lse, softmax_scale=scale, causal=causal, window_size=window)
     return o, lse
 
 
-def flash_attn_backward(do, q, k, v, o, lse, *, softmax_scale=None, causal=False, backend="auto",
-                        deterministic=True):
+def flash_attn_backward(do, q, k, v, o, lse, *, softmax_scale=None, causal=False, window_size=(-1, -1),
+                        backend="auto", deterministic=True):
     """Gradients (dq, dk, dv) of flash_attn_func from the saved o and lse (P is recomputed).
 
     For GQA, dk and dv sum over the query heads that share a kv head. ``deterministic=True`` gives
     bitwise-reproducible results (no atomics); ``False`` lets the tensor-core kernels accumulate dq
-    with atomics.
+    with atomics. ``causal`` and ``window_size`` must be the forward's.
     """
     backend = A.check_backend(backend)
     causal = A.check_flag(causal, "causal")
+    window = check_window(window_size)
     deterministic = A.check_flag(deterministic, "deterministic")
     on_gpu = _on_gpu(backend)
     arrays, host_out = _take({"do": do, "q": q, "k": k, "v": v, "o": o, "lse": lse})
@@ -235,14 +242,15 @@ def flash_attn_backward(do, q, k, v, o, lse, *, softmax_scale=None, causal=False
         from . import numpy_backend
 
         grads = _backward_in_chunks(
-            lambda *chunk: numpy_backend.backward(*chunk, softmax_scale=scale, causal=causal), do, q, k, v, o, lse)
+            lambda *chunk: numpy_backend.backward(*chunk, softmax_scale=scale, causal=causal, window_size=window),
+            do, q, k, v, o, lse)
     else:
         grads = _backward_in_chunks(
-            lambda *chunk: _backward_gpu(which, *chunk, scale, causal, deterministic), do, q, k, v, o, lse)
+            lambda *chunk: _backward_gpu(which, *chunk, scale, causal, window, deterministic), do, q, k, v, o, lse)
     return _to_device(grads) if which == "numpy" and not host_out else _to_host(grads, host_out)
 
 
-def _backward_gpu(which, do, q, k, v, o, lse, scale, causal, deterministic):
+def _backward_gpu(which, do, q, k, v, o, lse, scale, causal, window, deterministic):
     import cupy
 
     headdim = q.shape[3]
@@ -252,20 +260,20 @@ def _backward_gpu(which, do, q, k, v, o, lse, scale, causal, deterministic):
         dop, qp, kp, vp, op = (_mma_ready(x, padded) for x in (do, q, k, v, o))
         dq, dk, dv = _empty(qp.shape, q.dtype), _empty(kp.shape, k.dtype), _empty(vp.shape, v.dtype)
         kernels.backward(dop, qp, kp, vp, op, cupy.ascontiguousarray(lse), dq, dk, dv,
-                         softmax_scale=scale, causal=causal, deterministic=deterministic)
+                         softmax_scale=scale, causal=causal, deterministic=deterministic, window_size=window)
         if padded != headdim:
             dq, dk, dv = (g[..., :headdim].copy() for g in (dq, dk, dv))
         return dq, dk, dv
     dq, dk, dv = _empty(q.shape, q.dtype), _empty(k.shape, k.dtype), _empty(v.shape, v.dtype)
     kernels.backward(do, q, k, v, o, cupy.ascontiguousarray(lse), dq, dk, dv,
-                     softmax_scale=scale, causal=causal, deterministic=deterministic)
+                     softmax_scale=scale, causal=causal, deterministic=deterministic, window_size=window)
     return dq, dk, dv
 
 
 def flash_attn_vjp(q, k, v, **options):
     """(o, vjp) with vjp(do) -> (dq, dk, dv): autodiff of attention without a framework.
 
-    ``options`` are flash_attn_func's (softmax_scale, causal, backend); ``deterministic`` goes to
+    ``options`` are flash_attn_func's (softmax_scale, causal, window_size, backend); ``deterministic`` goes to
     the backward.
     """
     deterministic = options.pop("deterministic", True)

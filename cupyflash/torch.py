@@ -22,6 +22,7 @@ import torch
 
 from . import api
 from ._dtypes import bfloat16 as _numpy_bfloat16
+from .masks import check_window
 
 __all__ = ["flash_attn_func", "scaled_dot_product_attention"]
 
@@ -115,17 +116,17 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
 
 @torch.library.custom_op("cupyflash::flash_attn_forward", mutates_args=())
 def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool,
-                deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                window_left: int, window_right: int, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse) of cupyflash.flash_attn_func; ``deterministic`` is kept for the backward."""
     def compute(q, k, v, backend):
-        return api.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, return_lse=True,
-                                   backend=backend)
+        return api.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                                   window_size=(window_left, window_right), return_lse=True, backend=backend)
 
     return _run(q.device, compute, q, k, v)
 
 
 @_forward_op.register_fake
-def _forward_fake(q, k, v, softmax_scale, causal, deterministic):
+def _forward_fake(q, k, v, softmax_scale, causal, window_left, window_right, deterministic):
     batch, seqlen_q, nheads, _ = q.shape
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = q.new_empty((batch, nheads, seqlen_q), dtype=_lse_dtype(q.dtype))
@@ -134,46 +135,47 @@ def _forward_fake(q, k, v, softmax_scale, causal, deterministic):
 
 @torch.library.custom_op("cupyflash::flash_attn_backward", mutates_args=())
 def _backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                 lse: torch.Tensor, softmax_scale: float, causal: bool,
+                 lse: torch.Tensor, softmax_scale: float, causal: bool, window_left: int, window_right: int,
                  deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of cupyflash.flash_attn_backward."""
     def compute(do, q, k, v, o, lse, backend):
         return api.flash_attn_backward(do, q, k, v, o, lse, softmax_scale=softmax_scale, causal=causal,
-                                       backend=backend, deterministic=deterministic)
+                                       window_size=(window_left, window_right), backend=backend,
+                                       deterministic=deterministic)
 
     return _run(q.device, compute, do, q, k, v, o, lse)
 
 
 @_backward_op.register_fake
-def _backward_fake(do, q, k, v, o, lse, softmax_scale, causal, deterministic):
+def _backward_fake(do, q, k, v, o, lse, softmax_scale, causal, window_left, window_right, deterministic):
     return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal, deterministic = inputs
+    q, k, v, softmax_scale, causal, window_left, window_right, deterministic = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse)
-    ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
+    ctx.options = (softmax_scale, causal, window_left, window_right, deterministic)
     ctx.set_materialize_grads(False)  # an unused lse then brings None, not a tensor of zeros to add
 
 
 def _backward_formula(ctx, do, dlse):
     q, k, v, o, lse = ctx.saved_tensors
-    scale, causal, deterministic = ctx.softmax_scale, ctx.causal, ctx.deterministic
+    scale = ctx.options[0]
     if do is None:
         do = torch.zeros_like(o)
-    dq, dk, dv = _backward_op(do, q, k, v, o, lse, scale, causal, deterministic)
+    dq, dk, dv = _backward_op(do, q, k, v, o, lse, *ctx.options)
     if dlse is not None:
         # lse_i = log sum_j exp(scale q_i.k_j) has dlse_i/dS_ij = P_ij, which adds
         # scale dlse_i (P K)_i to dq_i and scale (P^T (dlse q))_j to dk_j. P K is attention with
         # K as the values; P^T (dlse q) is the dv of a backward whose output gradient is dlse q.
         dlse_rows = dlse.transpose(1, 2).unsqueeze(-1)  # (batch, seqlen_q, nheads, 1)
-        pk, _ = _forward_op(q, k, k, scale, causal, deterministic)
+        pk, _ = _forward_op(q, k, k, *ctx.options)
         dq = (dq.to(dlse.dtype) + scale * dlse_rows * pk.to(dlse.dtype)).to(q.dtype)
-        _, _, pt_dlse_q = _backward_op((dlse_rows * q.to(dlse.dtype)).to(q.dtype), q, k, v, o, lse, scale,
-                                       causal, deterministic)
+        _, _, pt_dlse_q = _backward_op((dlse_rows * q.to(dlse.dtype)).to(q.dtype), q, k, v, o, lse,
+                                       *ctx.options)
         dk = (dk.to(dlse.dtype) + scale * pt_dlse_q.to(dlse.dtype)).to(k.dtype)
-    return dq, dk, dv, None, None, None
+    return dq, dk, dv, None, None, None, None, None
 
 
 _forward_op.register_autograd(_backward_formula, setup_context=_setup_context)
@@ -231,21 +233,21 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim), nheads a
     multiple of nheads_kv (GQA/MQA; query head h reads kv head h // (nheads // nheads_kv)). Causal
-    masking is aligned bottom-right: query i sees key j iff j <= i + seqlen_k - seqlen_q; a row that
-    sees no key outputs 0. dtypes float16, bfloat16, float32, float64; CUDA or CPU tensors.
+    masking is aligned bottom-right: query i sees key j iff j <= i + seqlen_k - seqlen_q;
+    ``window_size=(left, right)`` is flash-attn's sliding window (-1: unbounded; with ``causal`` the
+    right side is 0); a row that sees no key outputs 0. dtypes float16, bfloat16, float32, float64; CUDA or CPU tensors.
 
     Returns out (like q, contiguous), or with ``return_attn_probs`` (out, softmax_lse, S_dmask):
     softmax_lse (batch, nheads, seqlen_q), float32 (float64 for float64), differentiable; S_dmask
     an empty tensor, as flash-attn returns it without dropout. ``deterministic=True`` makes the
     backward bitwise reproducible (cupyflash.flash_attn_backward's option of that name).
-    Not supported yet, each a NotImplementedError: dropout_p != 0, window_size other than (-1, -1),
-    softcap != 0, alibi_slopes.
+    Not supported yet, each a NotImplementedError: dropout_p != 0, softcap != 0, alibi_slopes.
     """
-    _unsupported(dropout_p=dropout_p != 0, window_size=tuple(window_size) != (-1, -1),
-                 softcap=softcap != 0, alibi_slopes=alibi_slopes is not None)
+    _unsupported(dropout_p=dropout_p != 0, softcap=softcap != 0, alibi_slopes=alibi_slopes is not None)
     _check_tensors(q, k, v)
     scale = _scale(softmax_scale, q.shape[3])
-    o, lse = _forward_op(q, k, v, scale, bool(causal), bool(deterministic))
+    window_left, window_right = check_window(window_size)
+    o, lse = _forward_op(q, k, v, scale, bool(causal), window_left, window_right, bool(deterministic))
     if not return_attn_probs:
         return o
     return o, lse, q.new_empty((0,))

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from cupyflash import masks, numpy_backend, reference
 from strategies import attention_case, make_inputs
-from tolerance import SIXTEEN_BIT, assert_close, max_abs
+from tolerance import SIXTEEN_BIT, assert_close, max_abs, output_rounding_allowance
 from windows import window_size
 
 TILES = (16, 32, 48, 64, 80, 128)
@@ -107,18 +107,6 @@ def test_reference_window_matches_definition():
     np.testing.assert_array_equal(reference.visible_keys(3, 5, True, (1, 1)), expected & np.tri(3, 5, 2, dtype=bool))
 
 
-def _allowance(do, q, k, v, o, o_ref, kwargs):
-    """tolerance.output_rounding_allowance for a window: the change of (dq, dk) that the rounding
-    of o causes through D (see that function)."""
-    f64 = [np.asarray(x).astype(np.float64) for x in (q, k, v, do, o, o_ref)]
-    q, k, v, do, o, o_ref = f64
-    scale = 1.0 / np.sqrt(q.shape[-1]) if kwargs["softmax_scale"] is None else kwargs["softmax_scale"]
-    e = np.sum(do * (o - o_ref), axis=-1, keepdims=True)
-    p_k = reference.attention(q, k, k, **kwargs)[0]
-    p_t_e_q = reference.attention_backward(e * q, q, k, v, **kwargs)[2]
-    return scale * max_abs(e * p_k), scale * max_abs(p_t_e_q), 0.0
-
-
 def check_twin_against_reference(case, window, q, k, v, do, **blocks):
     kwargs = dict(softmax_scale=case.softmax_scale, causal=case.causal, window_size=window)
     o, lse = numpy_backend.forward(q, k, v, softmax_scale=case.scale, causal=case.causal, window_size=window,
@@ -141,7 +129,7 @@ def check_twin_against_reference(case, window, q, k, v, do, **blocks):
     assert_close("lse", lse, lse_ref, lse_std, dtype=case.dtype)
     grad_scale = max(max_abs(g) for g in grads_ref)
     for name, grad, ref, std, atol in zip(("dq", "dk", "dv"), grads, grads_ref, grads_std,
-                                          _allowance(do, q, k, v, o, o_ref, kwargs)):
+                                          output_rounding_allowance(do, q, k, v, o, o_ref, **kwargs)):
         assert_close(name, grad, ref, std, dtype=case.dtype, factor=3.0, scale=grad_scale, atol=atol)
 
 
@@ -156,3 +144,40 @@ def test_numpy_twin_window_smaller_than_a_tile(case, left):
     # none of its keys (the -inf - -inf case of the online softmax).
     case = replace(case, seqlen_q=max(case.seqlen_q, 70), seqlen_k=max(case.seqlen_k, 70))
     check_twin_against_reference(case, (left, 0), *make_inputs(case), block_m=64, block_n=64)
+
+
+@pytest.mark.parametrize("causal, window", [(False, (3, 2)), (True, (5, -1)), (False, (0, 0)), (False, (-1, 1))])
+def test_public_api_takes_window_size(causal, window, monkeypatch):
+    """flash_attn_func, flash_attn_backward and flash_attn_vjp pass the window to the backend, and
+    through the chunked path (batch and heads split above api.MAX_GRID_YZ) unchanged."""
+    import cupyflash
+    from cupyflash import api
+
+    rng = np.random.default_rng(5)
+    q, do = rng.standard_normal((2, 9, 4, 8)), rng.standard_normal((2, 9, 4, 8))
+    k, v = rng.standard_normal((2, 12, 2, 8)), rng.standard_normal((2, 12, 2, 8))
+    kwargs = dict(causal=causal, window_size=window)
+    o_ref, lse_ref = reference.attention(q, k, v, **kwargs)
+    grads_ref = reference.attention_backward(do, q, k, v, **kwargs)
+    for limit in (api.MAX_GRID_YZ, 2):  # one launch; chunks of 2 heads and 1 batch entry
+        monkeypatch.setattr(api, "MAX_GRID_YZ", limit)
+        o, lse = cupyflash.flash_attn_func(q, k, v, return_lse=True, backend="numpy", **kwargs)
+        np.testing.assert_allclose(o, o_ref, atol=1e-12)
+        np.testing.assert_allclose(lse, lse_ref, atol=1e-12)
+        grads = cupyflash.flash_attn_backward(do, q, k, v, o, lse, backend="numpy", **kwargs)
+        o_vjp, vjp = cupyflash.flash_attn_vjp(q, k, v, backend="numpy", **kwargs)
+        np.testing.assert_array_equal(o_vjp, o)
+        for g, g_vjp, ref in zip(grads, vjp(do), grads_ref):
+            np.testing.assert_allclose(g, ref, atol=1e-12)
+            np.testing.assert_array_equal(g_vjp, g)
+
+
+@pytest.mark.parametrize("bad", [(4,), (-2, 0), (1.5, 2), (True, 0), "ab", None])
+def test_window_size_errors_name_the_argument(bad):
+    import cupyflash
+
+    q = np.zeros((1, 4, 1, 8))
+    with pytest.raises(ValueError, match="window_size"):
+        cupyflash.flash_attn_func(q, q, q, window_size=bad, backend="numpy")
+    with pytest.raises(ValueError, match="window_size"):
+        cupyflash.flash_attn_backward(q, q, q, q, q, np.zeros((1, 1, 4)), window_size=bad, backend="numpy")

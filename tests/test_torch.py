@@ -57,6 +57,31 @@ def test_gradcheck_through_the_lse(causal):
     assert torch.autograd.gradcheck(lambda q, k, v: out_and_lse(q, k, v)[1], (q, k, v))
 
 
+@pytest.mark.parametrize("causal, window_size", [(False, (2, 1)), (True, (1, -1)), (False, (0, 0)), (False, (-1, 2))])
+def test_gradcheck_with_a_window(causal, window_size):
+    """Sliding windows through the custom operators (the window is part of their schema), with the
+    lse's gradient; the output against the float64 reference. Every row sees a key (seqlen_q <=
+    seqlen_k and the window covers the diagonal's neighbourhood), so finite differences exist."""
+    q, k, v = qkv(seqlen_q=5, seqlen_k=7)
+
+    def out_and_lse(q, k, v):
+        o, lse, _ = flash_attn_func(q, k, v, causal=causal, window_size=window_size, return_attn_probs=True)
+        return o, lse
+
+    assert torch.autograd.gradcheck(out_and_lse, (q, k, v))
+    expected = reference.attention(*(x.detach().numpy() for x in (q, k, v)), causal=causal, window_size=window_size)
+    expected = expected[0] if isinstance(expected, tuple) else expected
+    np.testing.assert_allclose(flash_attn_func(q, k, v, causal=causal, window_size=window_size).detach().numpy(),
+                               expected, rtol=1e-12, atol=1e-12)
+
+
+def test_window_size_errors_name_the_argument():
+    q, k, v = qkv(requires_grad=False)
+    for bad in [(4,), (-2, 0), (1.5, 2)]:
+        with pytest.raises(ValueError, match="window_size"):
+            flash_attn_func(q, k, v, window_size=bad)
+
+
 def test_gradcheck_strided_inputs_and_a_scale():
     """Views with gaps between heads and rows (a slice of a packed qkv, a transposed tensor)."""
     generator = torch.Generator().manual_seed(1)
@@ -168,7 +193,7 @@ def test_meta_and_fake_tensors_have_the_shapes(dtype, lse_dtype):
         o, lse, _ = flash_attn_func(*tensors, causal=True, return_attn_probs=True)
         assert (o.shape, o.dtype, lse.shape, lse.dtype) == (shapes[0], dtype, (2, 8, 33), lse_dtype)
         assert o.device == tensors[0].device
-        dq, dk, dv = torch.ops.cupyflash.flash_attn_backward(o, *tensors, o, lse, 0.125, True, True)
+        dq, dk, dv = torch.ops.cupyflash.flash_attn_backward(o, *tensors, o, lse, 0.125, True, 3, 0, True)
         assert [g.shape for g in (dq, dk, dv)] == shapes and dk.dtype == dtype
 
     check([torch.empty(s, dtype=dtype, device="meta") for s in shapes])
@@ -178,10 +203,11 @@ def test_meta_and_fake_tensors_have_the_shapes(dtype, lse_dtype):
 
 def test_opcheck_of_both_operators():
     q, k, v = qkv(requires_grad=True)
-    report = torch.library.opcheck(torch.ops.cupyflash.flash_attn_forward.default, (q, k, v, 0.4, True, True))
+    # (softmax_scale, causal, window_left, window_right, deterministic): a window (3, 0)
+    report = torch.library.opcheck(torch.ops.cupyflash.flash_attn_forward.default, (q, k, v, 0.4, True, 3, 0, True))
     assert set(report.values()) == {"SUCCESS"}, report
-    o, lse = torch.ops.cupyflash.flash_attn_forward(*(t.detach() for t in (q, k, v)), 0.4, True, True)
-    args = (torch.randn_like(o), *(t.detach() for t in (q, k, v)), o, lse, 0.4, True, True)
+    o, lse = torch.ops.cupyflash.flash_attn_forward(*(t.detach() for t in (q, k, v)), 0.4, True, 3, 0, True)
+    args = (torch.randn_like(o), *(t.detach() for t in (q, k, v)), o, lse, 0.4, True, 3, 0, True)
     report = torch.library.opcheck(torch.ops.cupyflash.flash_attn_backward.default, args)
     assert set(report.values()) == {"SUCCESS"}, report
 
@@ -266,8 +292,7 @@ def test_sdpa_helper_errors():
 
 # --- errors ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("option, value", [("dropout_p", 0.1), ("window_size", (4, 0)), ("softcap", 30.0),
-                                           ("alibi_slopes", torch.ones(4))])
+@pytest.mark.parametrize("option, value", [("dropout_p", 0.1), ("softcap", 30.0), ("alibi_slopes", torch.ones(4))])
 def test_unsupported_options_are_named(option, value):
     with pytest.raises(NotImplementedError, match=option):
         flash_attn_func(*qkv(), **{option: value})
