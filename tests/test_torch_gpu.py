@@ -53,6 +53,35 @@ def test_outputs_and_gradients_equal_cupyflash_bitwise(dtype, headdim, causal, n
         assert torch.equal(t.grad, torch.from_dlpack(g)), f"d{name} differs"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("causal, window_size", [(False, (64, 32)), (True, (100, -1)), (False, (0, 0))])
+def test_window_outputs_and_gradients_equal_cupyflash_bitwise(dtype, causal, window_size):
+    """window_size through the custom operators reaches the same kernels as cupyflash's API."""
+    import cupy
+
+    q, k, v = qkv(headdim=64, nheads_kv=2, dtype=dtype)
+    o, lse, _ = flash_attn_func(q, k, v, causal=causal, window_size=window_size, deterministic=True,
+                                return_attn_probs=True)
+    do = torch.randn_like(o)
+    o.backward(do)
+    arrays = [cupy.from_dlpack(t.detach()) for t in (q, k, v)]
+    options = dict(causal=causal, window_size=window_size)
+    o_ref, lse_ref = cupyflash.flash_attn_func(*arrays, return_lse=True, **options)
+    grads = cupyflash.flash_attn_backward(cupy.from_dlpack(do), *arrays, o_ref, lse_ref, deterministic=True,
+                                          **options)
+    assert torch.equal(o.detach(), torch.from_dlpack(o_ref))
+    assert torch.equal(lse.detach(), torch.from_dlpack(lse_ref))
+    for name, t, g in zip("qkv", (q, k, v), grads):
+        assert torch.equal(t.grad, torch.from_dlpack(g)), f"d{name} differs"
+
+
+@pytest.mark.parametrize("causal, window_size", [(False, (2, 1)), (True, (1, -1))])
+def test_gradcheck_float64_with_a_window(causal, window_size):
+    q, k, v = qkv(batch=1, seqlen_q=5, seqlen_k=7, nheads=2, nheads_kv=1, headdim=8, dtype=torch.float64)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: flash_attn_func(q, k, v, causal=causal, window_size=window_size), (q, k, v))
+
+
 def test_inputs_zero_copy_and_outputs_from_torchs_allocator():
     from cupyflash.torch import _as_array, _cupy_on_torch_stream
 

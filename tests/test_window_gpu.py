@@ -1,9 +1,13 @@
-"""Sliding windows on the GPU kernel families, against the float64 reference (tolerance.py's
+"""Sliding windows on every GPU kernel family, against the float64 reference (tolerance.py's
 rule), with NaN-poisoned outputs and fresh random inputs per example.
 
-The public API does not take ``window_size`` yet (the mma.sync backward, the sm_80 path, has no
-window so far), so these call the family launchers: SIMT for float32/float64, the tensor-core
-forward (wgmma on sm_90) and the sm_90 wgmma backward (v10) for float16/bfloat16.
+Families: SIMT for float32/float64; for float16/bfloat16 the device's default tensor-core
+kernels (on sm_90: flash_fwd_wgmma and the v10 wgmma backward; on sm_80: flash_fwd_mma and the
+mma.sync backward), and the mma.sync kernels of sm_80 on any device through their overrides:
+``mma_fwd.forward(config=FwdConfig(...))`` (flash_fwd_mma) and ``mma_bwd.backward(version=...)``
+("v5": v3's two kernels when deterministic, the fused kernel otherwise; "v3" without
+determinism: the atomic dK/dV kernels that run where the fused one does not fit). Then the public
+API, whose window reaches the same kernels.
 """
 from __future__ import annotations
 
@@ -14,12 +18,19 @@ from hypothesis import strategies as st
 
 from cupyflash import reference
 from strategies import attention_case, make_inputs
-from tolerance import SIXTEEN_BIT, assert_close, max_abs
-from test_masks import _allowance as window_allowance
+from tolerance import SIXTEEN_BIT, assert_close, max_abs, output_rounding_allowance
 from windows import window_size
 
 pytestmark = pytest.mark.gpu
 GPU_MAX_COST = 4e7
+SMALL_COST = 4e6  # the override properties: small shapes, so 200 examples stay within the budget
+
+# The sm_80 forward tiles (flash_fwd_mma) by head-dim tile, launched on any device by config=.
+SM80_FWD = {64: dict(block_m=128, block_n=64, warps=4, q_in_regs=True, min_blocks=2, row_state="all_lanes"),
+            128: dict(block_m=128, block_n=32, warps=4, q_in_regs=False, min_blocks=2),
+            256: dict(block_m=128, block_n=32, warps=8, q_in_regs=False)}
+# (version, deterministic) of the mma.sync backward paths (mma_bwd.backward's notes).
+MMA_SYNC_BWD = [("v5", True), ("v5", False), ("v3", False)]
 
 
 def _nan(shape, dtype):
@@ -28,8 +39,13 @@ def _nan(shape, dtype):
     return cupy.full(shape, np.nan, dtype=dtype)
 
 
-def _run(case, window, q, k, v, do, deterministic=True):
-    """(o, lse, dq, dk, dv) as NumPy arrays from the family that serves case.dtype."""
+def _d_tile(headdim):
+    return next(t for t in (64, 128, 256) if headdim <= t)
+
+
+def _run(case, window, q, k, v, do, deterministic=True, mma_sync=None):
+    """(o, lse, dq, dk, dv) as NumPy arrays from the family that serves case.dtype; ``mma_sync`` a
+    (version, deterministic) of MMA_SYNC_BWD runs the sm_80 kernels instead of the device's."""
     import cupy
 
     from cupyflash.kernels import mma_bwd, mma_fwd, simt
@@ -40,14 +56,17 @@ def _run(case, window, q, k, v, do, deterministic=True):
     lse = _nan((case.batch, case.nheads, case.seqlen_q), acc)
     grads = [_nan(x.shape, x.dtype) for x in (q, k, v)]
     options = dict(softmax_scale=case.scale, causal=case.causal, window_size=window)
-    if case.dtype in SIXTEEN_BIT:
-        if mma_fwd.current_arch() != "90":
-            pytest.skip("windows on the tensor-core backward need sm_90 so far")
+    if mma_sync is not None:
+        version, deterministic = mma_sync
+        config = mma_fwd.FwdConfig(**SM80_FWD[_d_tile(case.headdim)])
+        mma_fwd.forward(qd, kd, vd, o, lse, config=config, **options)
+        mma_bwd.backward(dod, qd, kd, vd, o, lse, *grads, deterministic=deterministic, version=version, **options)
+    elif case.dtype in SIXTEEN_BIT:
         mma_fwd.forward(qd, kd, vd, o, lse, **options)
         mma_bwd.backward(dod, qd, kd, vd, o, lse, *grads, deterministic=deterministic, **options)
     else:
         simt.forward(qd, kd, vd, o, lse, **options)
-        simt.backward(dod, qd, kd, vd, o, lse, *grads, **options)
+        simt.backward(dod, qd, kd, vd, o, lse, *grads, deterministic=deterministic, **options)
     cupy.cuda.get_current_stream().synchronize()
     return tuple(x.get() for x in (o, lse, *grads))
 
@@ -70,40 +89,71 @@ def _check(case, window, q, k, v, do, o, lse, grads):
     assert_close("lse", lse, lse_ref, lse_std, dtype=case.dtype)
     grad_scale = max(max_abs(g) for g in grads_ref)
     # D = rowsum(dO o) from the rounded o (tolerance.output_rounding_allowance, with the window).
-    allowances = window_allowance(do, q, k, v, o, o_ref, kwargs)
+    allowances = output_rounding_allowance(do, q, k, v, o, o_ref, **kwargs)
     for name, grad, ref, std, atol in zip(("dq", "dk", "dv"), grads, grads_ref, grads_std, allowances):
         assert_close(name, grad, ref, std, dtype=case.dtype, factor=3.0, scale=grad_scale, atol=atol)
 
 
-def _mma_case(**kw):
-    return attention_case(max_cost=GPU_MAX_COST, **kw).filter(
+def _mma_case(max_cost=GPU_MAX_COST, **kw):
+    return attention_case(max_cost=max_cost, **kw).filter(
         lambda c: c.dtype not in SIXTEEN_BIT or (c.headdim % 8 == 0 and c.headdim <= 256))
+
+
+def _bitwise(a, b):
+    return np.array_equal(a.view(np.uint16) if a.itemsize == 2 else a, b.view(np.uint16) if b.itemsize == 2 else b)
 
 
 @given(_mma_case(), window_size(), st.booleans())
 def test_window_matches_reference(case, window, deterministic):
+    """The device's default kernels: SIMT (fp32/fp64), the tensor-core defaults (fp16/bf16)."""
     q, k, v, do = make_inputs(case)
     o, lse, *grads = _run(case, window, q, k, v, do, deterministic)
     _check(case, window, q, k, v, do, o, lse, grads)
 
 
-@given(_mma_case(dtypes=tuple(d for d in SIXTEEN_BIT)), window_size())
-def test_deterministic_backward_with_window_is_bitwise_repeatable(case, window):
+@given(_mma_case(SMALL_COST, dtypes=tuple(SIXTEEN_BIT)), window_size(), st.sampled_from(MMA_SYNC_BWD))
+def test_mma_sync_kernels_with_window_match_reference(case, window, path):
+    """flash_fwd_mma and the mma.sync backward (sm_80's kernels), on whatever device runs the test."""
     q, k, v, do = make_inputs(case)
-    first = _run(case, window, q, k, v, do, deterministic=True)
+    o, lse, *grads = _run(case, window, q, k, v, do, mma_sync=path)
+    _check(case, window, q, k, v, do, o, lse, grads)
+
+
+@given(_mma_case(dtypes=tuple(SIXTEEN_BIT)), window_size(), st.booleans())
+def test_deterministic_backward_with_window_is_bitwise_repeatable(case, window, mma_sync):
+    q, k, v, do = make_inputs(case)
+    path = ("v5", True) if mma_sync else None
+    first = _run(case, window, q, k, v, do, deterministic=True, mma_sync=path)
     for _ in range(3):
-        again = _run(case, window, q, k, v, do, deterministic=True)
+        again = _run(case, window, q, k, v, do, deterministic=True, mma_sync=path)
         for a, b in zip(first, again):
-            assert np.array_equal(a.view(np.uint16) if a.itemsize == 2 else a, b.view(np.uint16) if b.itemsize == 2 else b)
+            assert _bitwise(a, b)
 
 
+@given(_mma_case(), window_size(), st.booleans())
+def test_public_api_with_window_matches_reference(case, window, deterministic):
+    """flash_attn_func / flash_attn_backward with window_size on CuPy arrays (backend "auto")."""
+    import cupy
+
+    import cupyflash
+
+    q, k, v, do = make_inputs(case)
+    arrays = [cupy.asarray(x) for x in (q, k, v)]
+    kwargs = dict(softmax_scale=case.softmax_scale, causal=case.causal, window_size=window)
+    o, lse = cupyflash.flash_attn_func(*arrays, return_lse=True, **kwargs)
+    grads = cupyflash.flash_attn_backward(cupy.asarray(do), *arrays, o, lse, deterministic=deterministic, **kwargs)
+    _check(case, window, q, k, v, do, o.get(), lse.get(), [g.get() for g in grads])
+
+
+@pytest.mark.parametrize("mma_sync", [None, *MMA_SYNC_BWD])
 @pytest.mark.parametrize("window", [(1024, 0), (512, 512), (0, 0), (1, 1), (127, 128), (5000, -1)])
-def test_long_window_matches_reference(window):
+def test_long_window_matches_reference(window, mma_sync):
     """One long sequence (2k): many key blocks skipped at both ends, the walk starting deep."""
-    from strategies import AttentionCase
     import ml_dtypes
+
+    from strategies import AttentionCase
 
     case = AttentionCase(1, 2048, 2048, 1, 2, 128, False, None, 1.0, np.dtype(ml_dtypes.bfloat16), 7)
     q, k, v, do = make_inputs(case)
-    o, lse, *grads = _run(case, window, q, k, v, do)
+    o, lse, *grads = _run(case, window, q, k, v, do, mma_sync=mma_sync)
     _check(case, window, q, k, v, do, o, lse, grads)
