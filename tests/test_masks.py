@@ -181,3 +181,26 @@ def test_window_size_errors_name_the_argument(bad):
         cupyflash.flash_attn_func(q, q, q, window_size=bad, backend="numpy")
     with pytest.raises(ValueError, match="window_size"):
         cupyflash.flash_attn_backward(q, q, q, q, q, np.zeros((1, 1, 4)), window_size=bad, backend="numpy")
+
+
+@given(st.integers(1, 300), st.integers(1, 300), window_size(), st.booleans(),
+       st.sampled_from([(64, 64), (128, 32), (32, 128)]))
+def test_io_model_counts_the_blocks_that_hold_visible_pairs(seqlen_q, seqlen_k, window, causal, tiles):
+    """bench.io_complexity's rows per block (from the policy) against blocks that hold a visible
+    pair of reference.visible_keys: a block is loaded iff some pair in it is visible."""
+    from cupyflash.bench import io_complexity as io
+
+    block_m, block_n = tiles
+    mask = masks.mask_for(causal, window)
+    visible = reference.visible_keys(seqlen_q, seqlen_k, causal, window)
+    for m0 in range(0, seqlen_q, block_m):
+        cols = visible[m0:m0 + block_m].any(axis=0)
+        blocks = [j for j in range(0, seqlen_k, block_n) if cols[j:j + block_n].any()]
+        expected = (min(seqlen_k, blocks[-1] + block_n) - blocks[0]) if blocks else 0
+        assert io._key_rows_fwd(seqlen_q, seqlen_k, m0, block_m, block_n, mask) == expected
+        assert io._key_rows_dq("mma", seqlen_q, seqlen_k, m0, block_m, block_n, mask) == expected
+    for n0 in range(0, seqlen_k, block_n):
+        rows = visible[:, n0:n0 + block_n].any(axis=1)
+        blocks = [i for i in range(0, seqlen_q, block_m) if rows[i:i + block_m].any()]
+        expected = (min(seqlen_q, blocks[-1] + block_m) - blocks[0]) if blocks else 0
+        assert io._query_rows_dkdv(seqlen_q, seqlen_k, n0, block_m, block_n, mask) == expected

@@ -46,6 +46,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .._dtypes import dtype_argument
+from ..masks import as_mask
 from .shapes import parse_size
 
 PASSES = ("flash-fwd", "flash-bwd", "standard-fwd")
@@ -204,27 +205,27 @@ def _itemsizes(config: Config) -> tuple[int, int]:
     return np.dtype(dtype).itemsize, np.dtype(lse_dtype(dtype)).itemsize
 
 
-def _key_rows_fwd(seqlen_q, seqlen_k, m0, block_m, block_n, causal) -> int:
-    """Key rows a query block at m0 loads: whole key blocks up to the last one any of its rows
-    sees (flash_fwd_*: n_end), rows past seqlen_k excepted (they are zero-filled, not read)."""
-    n_end = min(seqlen_k, max(0, m0 + block_m + seqlen_k - seqlen_q)) if causal else seqlen_k
-    return min(seqlen_k, math.ceil(n_end / block_n) * block_n)
+def _rows(blocks: range, block: int, limit: int) -> int:
+    """Rows of the blocks a kernel visits, rows past ``limit`` excepted (zero-filled, not read)."""
+    return max(0, min(limit, blocks.stop * block) - blocks.start * block) if blocks else 0
 
 
-def _key_rows_dq(family, seqlen_q, seqlen_k, m0, block_m, block_n, causal) -> int:
-    """Key rows the dQ kernel's query block at m0 loads (flash_bwd_dq_*: n_end)."""
-    if not causal:
-        return seqlen_k
-    last = min(seqlen_q, m0 + block_m) if family == "mma" else m0 + block_m
-    n_end = min(seqlen_k, max(0, last + seqlen_k - seqlen_q))
-    return min(seqlen_k, math.ceil(n_end / block_n) * block_n)
+def _key_rows_fwd(seqlen_q, seqlen_k, m0, block_m, block_n, mask) -> int:
+    """Key rows a query block at m0 loads: the key blocks the policy has it visit (flash_fwd_*)."""
+    return _rows(as_mask(mask).key_blocks(m0, block_m, block_n, seqlen_q, seqlen_k), block_n, seqlen_k)
 
 
-def _query_rows_dkdv(seqlen_q, seqlen_k, n0, block_m, causal) -> int:
-    """Query rows the dK/dV kernel's key block at n0 loads: from the first query block that
-    sees key n0 to the end (flash_bwd_dkdv_*: m_first)."""
-    first = (max(0, n0 - (seqlen_k - seqlen_q)) // block_m) * block_m if causal else 0
-    return max(0, seqlen_q - first)
+def _key_rows_dq(family, seqlen_q, seqlen_k, m0, block_m, block_n, mask) -> int:
+    """Key rows the dQ kernel's query block at m0 loads (flash_bwd_dq_*; the mma.sync kernels ask
+    for the block's existing rows only)."""
+    rows = min(block_m, seqlen_q - m0) if family == "mma" else block_m
+    return _rows(as_mask(mask).key_blocks(m0, rows, block_n, seqlen_q, seqlen_k), block_n, seqlen_k)
+
+
+def _query_rows_dkdv(seqlen_q, seqlen_k, n0, block_m, block_n, mask) -> int:
+    """Query rows the dK/dV kernel's key block at n0 loads: the query blocks the policy has it
+    visit (flash_bwd_dkdv_*)."""
+    return _rows(as_mask(mask).query_blocks(n0, block_n, block_m, seqlen_q, seqlen_k), block_m, seqlen_q)
 
 
 def _flash_fwd(config: Config, tiles: dict) -> list:
@@ -254,7 +255,7 @@ def _flash_bwd(config: Config, tiles: dict) -> list:
     bm, bn = tiles["dkdv"]
     dkdv = _Ledger()  # one block per key block: K_j, V_j once, then every query block of the group
     dkdv.read(2 * kv_heads * n * row)
-    q_rows = [_query_rows_dkdv(n, n, n0, bm, config.causal) for n0 in range(0, n, bn)]
+    q_rows = [_query_rows_dkdv(n, n, n0, bm, bn, config.causal) for n0 in range(0, n, bn)]
     dkdv.read(2 * kv_heads * group * sum(q_rows) * row, 2 * q_heads * max(q_rows) * row)  # Q_i, dO_i
     dkdv.read(2 * kv_heads * group * sum(q_rows) * stat, 2 * q_heads * max(q_rows) * stat)  # lse, D
     dkdv.write(2 * kv_heads * n * row)  # dK, dV
