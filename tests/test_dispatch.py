@@ -48,3 +48,9 @@ def test_a_cuda_backend_without_a_device_says_why(fresh_reason, monkeypatch):
                                                r"use backend='numpy' or 'auto'"):
             cupyflash.flash_attn_func(q, q, q, backend=backend)
     assert cupyflash.flash_attn_func(q, q, q, backend="auto").shape == q.shape
+
+
+@pytest.mark.gpu
+def test_a_device_is_usable_without_a_reason(fresh_reason):
+    assert dispatch.no_device_reason() is None
+    assert dispatch.gpu_available()

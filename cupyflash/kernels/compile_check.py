@@ -150,7 +150,8 @@ def nvrtc_version() -> tuple[int, int]:
 def compile_options(arch: str) -> tuple[str, ...]:
     """The NVRTC options of ``RawModule`` for cupyflash's kernels on ``sm_<arch>``, CuPy's include
     paths among them, with ptxas's resource report. CuPy raises here, as it would at run time,
-    when it finds no CUDA headers."""
+    when it finds no CUDA headers. CuPy also adds -ftz=true, which changes the code (registers
+    included) of every kernel, and --device-as-default-execution-space."""
     options = NVRTC_OPTIONS
     try:
         from cupy._core.core import assemble_cupy_compiler_options
@@ -158,7 +159,8 @@ def compile_options(arch: str) -> tuple[str, ...]:
         pass
     else:
         options = tuple(assemble_cupy_compiler_options(options))
-    return options + (f"-arch=sm_{arch}", "--device-as-default-execution-space", "--ptxas-options=-v")
+    return options + (f"-arch=sm_{arch}", "-ftz=true", "--device-as-default-execution-space",
+                      "--ptxas-options=-v")
 
 
 def compile_cubin(source_file: str, expressions: list[str], arch: str) -> tuple[bytes, dict, str]:

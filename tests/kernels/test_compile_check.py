@@ -182,3 +182,27 @@ def test_compile_uses_the_libnvrtc_and_headers_cupy_uses():
     cuda_path = cupy_environment.get_cuda_path()
     if cuda_path is not None:
         assert f"{cuda_path}/include" in includes
+
+
+@pytest.mark.gpu
+@needs_nvrtc
+def test_the_check_reads_the_registers_of_the_kernels_that_run():
+    # RawModule compiles what the check compiled: same libnvrtc, include paths and options, so
+    # the registers the check reports are those of the kernels launched on this device.
+    from cupyflash.kernels import _module
+
+    device_arch = _module.device_arch()
+    chosen = {}
+    for spec in compile_check.representative(compile_check.all_specializations()):
+        kernel = compile_check._variant(spec)[0]
+        if _module.runs_on_device(spec) and kernel not in chosen:
+            chosen[kernel] = spec
+    names = [spec.name for spec in chosen.values()]
+    assert any("_simt_" in name for name in names) and any("_mma_" in name for name in names)
+    mismatched = []
+    for spec in chosen.values():
+        checked = compile_check.check(spec.arch or device_arch, [spec], cache=False)[0]
+        launched = _module.get_function(spec).num_regs
+        if launched != checked.registers:
+            mismatched.append((spec.name, checked.registers, launched))
+    assert not mismatched, f"(kernel, registers in the check, registers of the launched kernel): {mismatched}"
