@@ -9,7 +9,9 @@ import functools
 
 import numpy as np
 
+from . import plans
 from ._dtypes import is_16bit
+from .plans import mma_headdim
 
 
 @functools.lru_cache(maxsize=None)
@@ -57,11 +59,6 @@ def _mma_module(direction: str):
     return module
 
 
-def mma_headdim(headdim: int) -> int:
-    """Head dimension the tensor-core kernels see: rounded up to a multiple of 8 (16-byte rows)."""
-    return -(-headdim // 8) * 8
-
-
 def choose(backend: str, dtype, headdim: int, direction: str) -> str:
     """'mma', 'simt' or 'numpy' for a call with this backend request, dtype and head dimension."""
     if backend == "numpy":
@@ -71,8 +68,11 @@ def choose(backend: str, dtype, headdim: int, direction: str) -> str:
     if not gpu_available():
         raise RuntimeError(f"backend={backend!r}: {no_device_reason() or 'no CUDA device'}; "
                            "use backend='numpy' or 'auto'")
-    mma = _mma_module(direction)
-    mma_ok = is_16bit(dtype) and mma is not None and mma.supports(np.dtype(dtype), mma_headdim(headdim))
+    if direction == "fwd":  # the forward's family is its plan's (cupyflash.plans)
+        mma_ok = plans.forward_family(dtype, headdim) == "mma"
+    else:
+        mma = _mma_module(direction)
+        mma_ok = is_16bit(dtype) and mma is not None and mma.supports(np.dtype(dtype), mma_headdim(headdim))
     if backend == "mma":
         if not mma_ok:
             raise ValueError(f"backend='mma' (tensor cores) supports float16/bfloat16 with headdim <= 256; "

@@ -353,7 +353,7 @@ def stand_in_tuner(monkeypatch):
     monkeypatch.setattr(harness, "gpu_unavailable_reason", lambda: None)
     variants = [(64, "default+v3", "(64, 64)", "a"), (64, "cand", "(128, 64)", "b"),
                 (64, "cand", "(256, 128)", "c")]
-    monkeypatch.setattr(tune, "_variants", lambda direction, headdims: variants)
+    monkeypatch.setattr(tune, "_variants", lambda direction, headdims, *plan_inputs: variants)
 
     def check(config, headdim, dtype, causal):
         if config == "c":

@@ -271,12 +271,14 @@ def test_io_complexity_model_table_is_current():
 # --- io_complexity: the byte model --------------------------------------------------------------
 
 def test_tile_sizes_are_those_of_the_launched_specializations():
+    from cupyflash import plans
     from cupyflash.kernels import mma_fwd, simt
 
     for d in (64, 128, 256):
         tiles = iox.flash_tiles(iox.Config("flash-fwd", 1024, d))
-        config = mma_fwd.default_config(mma_fwd.d_tile(d), mma_fwd.current_smem_optin())
-        assert tiles["fwd"] == (config.block_m, config.block_n)
+        plan = plans.plan_forward(mma_fwd.current_arch(), SUPPORTED["bfloat16"], d, False,
+                                  mma_fwd.current_smem_optin())
+        assert tiles["fwd"] == (plan.tiles.block_m, plan.tiles.block_n)
     for dtype, d in (("float32", 64), ("float64", 128), ("bfloat16", 48)):
         tiles = iox.flash_tiles(iox.Config("flash-fwd", 1024, d, dtype=dtype, family="simt"))
         assert tiles["fwd"] == simt.tile_config(SUPPORTED[dtype], d)[:2]

@@ -1756,36 +1756,10 @@ def test_bwd_v3_split_exchange_slots_are_disjoint_and_fit():
         assert len(set(addrs.tolist())) == addrs.size and addrs.min() == xchg and addrs.max() + 16 == total
 
 
-def test_fwd_default_configs_fit_their_gpus():
-    """CONFIGS fit an A100 (163 KiB per block, 164 KiB per SM: min_blocks blocks each); the
-    sm_90 tier fits 227 KiB per block and 228 KiB per SM; the compile check sees every one."""
-    from cupyflash.kernels import mma_fwd
-
-    reserved = 1024  # per block, by the driver
-    for dt in mma_fwd.D_TILES:
-        portable, sm90 = mma_fwd.default_config(dt, 163 * 1024), mma_fwd.default_config(dt, 227 * 1024)
-        assert portable == mma_fwd.CONFIGS[dt] == mma_fwd.default_config(dt, None)
-        assert portable.min_blocks * (mma_fwd.smem_bytes(dt, portable) + reserved) <= 164 * 1024
-        assert sm90.min_blocks * (mma_fwd.smem_bytes(dt, sm90) + reserved) <= 228 * 1024
-        assert mma_fwd.smem_bytes(dt, sm90) <= mma_fwd.LARGE_SMEM_BYTES  # an opt-in excludes the reserve
-        names = {s.name for s in mma_fwd.specializations()}
-        for config in (portable, sm90):
-            assert {mma_fwd._spec_for(np.float16, dt, c, config).name for c in (False, True)} <= names
-    # v5 is the mma.sync default with the sm_90 tier applied; v6 the wgmma kernel on sm_90
-    assert mma_fwd.VERSIONS["v5"][1] == {dt: mma_fwd.default_config(dt, 227 * 1024) for dt in mma_fwd.D_TILES}
-    assert mma_fwd.VERSIONS["v6"][1] == {dt: mma_fwd.default_config(dt, 227 * 1024, "90") for dt in mma_fwd.D_TILES}
-    names = {s.name: s for s in mma_fwd.specializations()}
-    for dt in mma_fwd.D_TILES:
-        config = mma_fwd.default_config(dt, 227 * 1024, "90")
-        assert mma_fwd.wgmma_smem_bytes(dt, config) <= 227 * 1024
-        for causal in (False, True):
-            spec = mma_fwd._spec_for(np.float16, dt, causal, config)
-            assert names[spec.name] == spec and spec.arch == "90a" and spec.threads == config.block_m // 64 * 128
-
-
 def test_fwd_wgmma_launch_arguments_match_kernel_signature(monkeypatch):
     """forward() on an sm_90 device (stand-in arrays, launch recorded) launches flash_fwd_wgmma with
     an argument list matching its C++ parameters; other devices keep flash_fwd_mma."""
+    from cupyflash import plans
     from cupyflash.kernels import mma_fwd
 
     b, sq, sk, h, hkv = (_LAUNCH_SHAPE[x] for x in ("b", "sq", "sk", "h", "hkv"))
@@ -1803,9 +1777,9 @@ def test_fwd_wgmma_launch_arguments_match_kernel_signature(monkeypatch):
             lse.flags = type("Flags", (), {"c_contiguous": True})()
             mma_fwd.forward(q, k, v, o, lse, softmax_scale=0.1, causal=True)
             [(spec, grid, args)] = launches
-            config = mma_fwd.default_config(mma_fwd.d_tile(d), smem, arch)
-            assert spec.name.startswith(kernel) and spec == mma_fwd._spec_for(np.float16, mma_fwd.d_tile(d), True, config)
-            assert grid == (math.ceil(sq / config.block_m), h, b)
+            plan = plans.plan_forward(arch, np.float16, d, True, smem)
+            assert spec.name.startswith(kernel) and spec == plan.spec
+            assert grid == (math.ceil(sq / plan.block_m), h, b)
             _assert_arguments_match_signature(spec, grid, args)
 
 

@@ -1277,9 +1277,12 @@ def test_smem_layouts_are_panel_aligned_and_match_python(configs):
     from cupyflash.kernels import mma_bwd, mma_fwd
 
     if configs == "fwd":
-        launched = {(dt, c.block_m, c.block_n) for dt, c in mma_fwd.WGMMA_CONFIGS.items()}
-        launched |= {(dt, c.block_m, c.block_n) for dt, cs in mma_fwd.CANDIDATES.items()
-                     for c in cs if isinstance(c, mma_fwd.WgmmaFwdConfig)}
+        from cupyflash import plans
+        from cupyflash.bench import tune
+
+        tunable = [(dt, c) for (_, _, dt), c in plans.FORWARD_TILES.items()]  # and dev/'s, for the tuner
+        tunable += [(dt, c) for dt in mma_fwd.D_TILES for _, c in tune.load_dev_forward().entries(dt)]
+        launched = {(dt, c.block_m, c.block_n) for dt, c in tunable if isinstance(c, mma_fwd.WgmmaFwdConfig)}
         assert launched <= {(d, FWD_BLOCK_M, bn) for d, bn in FWD_SHAPES}
         assert len(FWD_SHAPES) == 5 and (256, 128) not in FWD_SHAPES
         for dt, bm, bn in launched:

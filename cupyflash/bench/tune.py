@@ -1,13 +1,16 @@
 """``python -m cupyflash tune``: time every candidate tile configuration of the tensor-core
-forward kernel (the default the current device launches, every earlier default in
-``mma_fwd.VERSIONS`` and ``mma_fwd.CANDIDATES``) on the papers' shapes, after checking each
-against the float64 reference on a small odd shape. The winners go into ``mma_fwd.CONFIGS`` (or
-``LARGE_SMEM_CONFIGS``) by hand, as a new VERSIONS entry, with the numbers in docs/perf-log.md.
+forward kernel (the plan the current device launches, and from a source checkout every version
+and candidate of the repository's ``dev/mma_fwd.py``) on the papers' shapes, after checking each
+against the float64 reference on a small odd shape. A winner becomes a row of
+``cupyflash.plans.FORWARD_TILES`` by hand, and a new numbered version in dev/, with the numbers in
+docs/perf-log.md.
 """
 from __future__ import annotations
 
+import importlib.util
 import statistics
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -65,12 +68,32 @@ def _check(config, headdim, dtype, causal) -> float:
     return float(err / allowed) if np.isfinite(err) else float("inf")
 
 
-def _configs(mma_fwd, dt: int) -> list[tuple[str, object]]:
+def dev_dir() -> Path:
+    """Where a source checkout keeps dev/ (the superseded versions); an installed wheel has none."""
+    return Path(__file__).resolve().parents[2] / "dev"
+
+
+def load_dev_forward(folder: Path | None = None):
+    """dev/mma_fwd.py of ``folder`` (default: this checkout's dev/) as a module, or None when it
+    is not there."""
+    path = Path(folder or dev_dir()) / "mma_fwd.py"
+    if not path.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location("cupyflash_dev_mma_fwd", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
+    spec.loader.exec_module(module)
+    return module
+
+
+def _configs(dt: int, dtype, dev) -> list[tuple[str, object]]:
     """[(label, config)] to time for head-dim tile ``dt``, each configuration once: the current
-    device's default, then the VERSIONS entries (labelled by version) and CANDIDATES ("cand")."""
-    entries = [("default", mma_fwd.default_config(dt, mma_fwd.current_smem_optin(), mma_fwd.current_arch()))]
-    entries += [(name, table[dt]) for name, (_, table) in mma_fwd.VERSIONS.items() if dt in table]
-    entries += [("cand", c) for c in mma_fwd.CANDIDATES.get(dt, ())]
+    device's plan ("default"), then dev/'s versions (labelled by version) and candidates ("cand")
+    where ``dev`` (the loaded dev/mma_fwd.py, or None) has them."""
+    from ..kernels import mma_fwd
+
+    entries = [("default", mma_fwd.plan(dtype, dt, False).tiles)]
+    entries += dev.entries(dt) if dev is not None else []
     labels: dict = {}
     for label, config in entries:
         labels.setdefault(config, []).append(label)
@@ -216,10 +239,11 @@ def _time_backward(kwargs, headdim, seqlen, causal, dtype, repeats, inputs) -> f
 
 DESCRIPTION = """\
 Time every candidate tile configuration of the tensor-core forward kernel (the current device's
-default, every earlier default in mma_fwd.VERSIONS and mma_fwd.CANDIDATES) on the papers' shapes,
-after checking each against the float64 reference on a small odd shape (check: the error relative
-to 2x that of standard attention in the same dtype; ok <= 1). Winners go into mma_fwd's tables by
-hand, as a new VERSIONS entry, with the numbers in docs/perf-log.md.
+plan, and every version and candidate of dev/mma_fwd.py, which only a source checkout has) on the
+papers' shapes, after checking each against the float64 reference on a small odd shape (check: the
+error relative to 2x that of standard attention in the same dtype; ok <= 1). A winner becomes a
+row of cupyflash.plans.FORWARD_TILES by hand, and a new version in dev/, with the numbers in
+docs/perf-log.md. Without dev/ (an installed wheel) only the plan is timed, and the tuner says so.
 
 --direction bwd times every backward version (mma_bwd.VERSIONS, deterministic and atomic) and
 each dQ / fused candidate the same way. Needs a GPU. Exit status: 0 every variant timed passed
@@ -241,17 +265,33 @@ def configure(parser) -> None:
                         help="time only the variants whose label contains one of these strings")
     parser.add_argument("--direction", default="fwd", choices=["fwd", "bwd"],
                         help="bwd: time every backward version (mma_bwd.VERSIONS) and dQ candidate")
+    parser.add_argument("--dev", metavar="DIR", default=None,
+                        help="the dev/ folder of the forward's versions (default: this source checkout's)")
     parser.add_argument("--quiet", action="store_true", help="no progress line")
 
 
-def _variants(direction: str, headdims) -> list[tuple[int, str, str, object]]:
-    """(headdim, label, description, variant) of every variant to check and time."""
+def _variants(direction: str, headdims, dtype=None, dev=None) -> list[tuple[int, str, str, object]]:
+    """(headdim, label, description, variant) of every variant to check and time; ``dev``: the
+    loaded dev/mma_fwd.py, or None."""
     if direction == "bwd":
         return [(d, label, "", kwargs) for d in headdims for label, kwargs in _bwd_candidates(d)]
     from ..kernels import mma_fwd
 
     return [(d, label, _describe(config), config) for d in headdims
-            for label, config in _configs(mma_fwd, mma_fwd.d_tile(d))]
+            for label, config in _configs(mma_fwd.d_tile(d), dtype, dev)]
+
+
+def _dev_for(args):
+    """dev/mma_fwd.py for a forward run, or None after saying on stderr why it is not there."""
+    folder = Path(args.dev) if args.dev else dev_dir()
+    dev = load_dev_forward(folder)
+    if dev is None:
+        where = (f"{folder} has no mma_fwd.py" if args.dev else
+                 "this installation has no dev/ folder (a wheel ships only the library)")
+        print(f"cupyflash tune: note: {where}; timing the shipped plan only. The superseded forward "
+              "versions and candidates are in a source checkout's dev/mma_fwd.py (or pass --dev DIR).",
+              file=sys.stderr)
+    return dev
 
 
 def run(args) -> int:
@@ -266,7 +306,8 @@ def run(args) -> int:
         return cli.EXIT_UNAVAILABLE
     dtype = SUPPORTED[args.dtype]
     backward = args.direction == "bwd"
-    variants = [v for v in _variants(args.direction, args.headdim)
+    dev = None if backward else _dev_for(args)
+    variants = [v for v in _variants(args.direction, args.headdim, dtype, dev)
                 if not args.only or any(text in v[1] for text in args.only)]
     if not variants:
         raise cli.UsageError(f"no {args.direction} variant matches --only {' '.join(args.only)}")

@@ -1,0 +1,304 @@
+"""Plans: which kernel runs a forward call, with which tiles, under which specialization name.
+
+``plan_forward(arch, dtype, headdim, mask, smem_optin)`` is a pure function of the problem and the
+device's two numbers that matter (compute capability, opt-in shared memory per block): it makes no
+CUDA call, so a machine without a GPU can say what an H200 launches. What runs on sm_90 at d128
+bf16 causal is the row ``("mma", SM90, 128)`` of ``FORWARD_TILES``; the mask never changes the tiles,
+only the template argument and the name of the specialization.
+
+The layers of a call: ``api`` (public functions) -> ``_arrays`` (argument checks) -> ``dispatch``
+(the backend request: NumPy twin or a kernel family) -> ``plans`` (kernel, tiles, specialization)
+-> ``kernels/*.py`` (arguments and launch). The launchers build their plan here; they keep no
+tables of their own.
+
+The library ships only the configurations that are some device's best. Every earlier default and
+every candidate that lost is kept, numbered and with its note, in the repository's ``dev/`` folder,
+where ``python -m cupyflash tune`` times it against these rows (docs/perf-log.md has the numbers).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from ._dtypes import SHORT_NAMES, dtype_name, is_16bit, is_float64
+from .kernels._module import Specialization
+from .masks import Mask, as_mask
+
+__all__ = ["ForwardPlan", "FwdConfig", "WgmmaFwdConfig", "SimtTiles", "FORWARD_TILES", "plan_forward",
+           "forward_plan", "forward_family", "device_class"]
+
+TENSOR_CORE_D_TILES = (64, 128, 256)
+SIMT_D_TILES = (16, 32, 64, 128, 256)
+
+# Opt-in shared memory per block that admits the LARGE_SMEM tiles (H100/H200: 227 KiB; A100: 163).
+LARGE_SMEM_BYTES = 193 * 1024
+
+CTYPES = {"float16": "cf::half_t", "bfloat16": "cf::bf16_t", "float32": "float", "float64": "double"}
+# FwdConfig.row_state -> the kernel's RowState: where the online softmax keeps a row's running max
+# and sum, on all 4 lanes of the row's quad or on one of them (see kernels_cu/flash_fwd_mma.cu).
+ROW_STATES = {"one_lane": "cf::RowState::ONE_LANE", "all_lanes": "cf::RowState::ALL_LANES"}
+
+
+# --- tile types, one per kernel ---------------------------------------------------------------
+
+@dataclass(frozen=True)
+class FwdConfig:
+    """flash_fwd_mma (``kernels_cu/flash_fwd_mma.cu``, mma.sync, sm_80+)."""
+
+    block_m: int  # query rows per block
+    block_n: int  # key rows per pipeline stage
+    warps: int  # each owns block_m / (16 warps) strips of 16 query rows
+    q_in_regs: bool  # Q fragments loaded once into registers (else re-read from shared memory)
+    stages: int = 2  # K/V shared-memory stages (prefetch distance stages - 1)
+    min_blocks: int = 1  # __launch_bounds__ minimum resident blocks per SM (caps registers)
+    # "one_lane": m and l of a row on one lane of its quad, loop invariants re-read from shared
+    # memory (fewest registers); "all_lanes": on every lane, invariants in registers (fewest
+    # instructions per key block)
+    row_state: str = "one_lane"
+
+    def __post_init__(self):
+        if self.row_state not in ROW_STATES:
+            raise ValueError(f"cupyflash: row_state must be one of {sorted(ROW_STATES)}, not {self.row_state!r}")
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+
+@dataclass(frozen=True)
+class WgmmaFwdConfig:
+    """flash_fwd_wgmma (``kernels_cu/flash_fwd_wgmma.cu``, sm_90a only): block_m query rows, one
+    warpgroup (4 warps) per 64 of them; block_n keys per K/V stage (two K stages, three V)."""
+
+    block_m: int
+    block_n: int
+
+    @property
+    def threads(self) -> int:
+        return self.block_m // 64 * 128
+
+
+class SimtTiles(NamedTuple):
+    """flash_fwd_simt and the SIMT backward kernels: BLOCK_M query rows and BLOCK_N key rows per
+    block, TPR lanes per tile row."""
+
+    block_m: int
+    block_n: int
+    tpr: int
+
+
+# --- the table --------------------------------------------------------------------------------
+
+# Device classes, in the order device_class tests them.
+SM90 = "sm_90"  # Hopper: the wgmma kernel
+LARGE_SMEM = "large_smem"  # not sm_90, blocks may opt in to LARGE_SMEM_BYTES or more
+PORTABLE = "portable"  # every other device (A100: 163 KiB, sm_86 / sm_89: 99 KiB), or unknown
+# The SIMT family's tiles depend on the accumulator, not on the device.
+ACC_FP32 = "fp32_acc"  # float16, bfloat16, float32 inputs
+ACC_FP64 = "fp64_acc"
+
+# (family, class, head-dim tile) -> tiles. A call's head dim is rounded up to the smallest tile
+# that holds it (columns past it are zero in shared memory and never stored).
+#
+# Tensor cores, mma.sync: registers per thread are dominated by the fp32 accumulators, O is
+# strips x D_TILE / 2 and S strips x BLOCK_N / 2 (strips = BLOCK_M / (16 warps)); every row
+# compiles without spills for sm_80 and sm_90 (``python -m cupyflash compile-check``). D_TILE 128
+# with BLOCK_N = 64 takes all 255 registers: there "one_lane" row state keeps it clear of spills.
+# D_TILE 64 has registers to spare: "all_lanes" (one_lane cost 7% at bf16 16k) and Q held in
+# registers for the whole block (tuner: 299.6 -> 324.5 TFLOP/s). PORTABLE fits an A100 (163 KiB
+# per block, 164 per SM, min_blocks blocks each); LARGE_SMEM doubles BLOCK_N at d128 (96 KiB, two
+# blocks per SM) and d256 (192 KiB), halving the barriers and rescales per key.
+# Tensor cores, wgmma (sm_90): registers per thread are O D_TILE / 2, S BLOCK_N / 2 and P
+# BLOCK_N / 4, so d256 keeps BLOCK_N at 64. Tuner, bf16, TFLOP/s at 16k / 2k, non-causal: d64
+# 128x64 372 / 349 (128x128: 282 at 2k), d128 128x128 503 / 435 (128x64: 458 / 363), d256 538 / 475.
+# SIMT: float64 tiles are smaller (twice the bytes per element, twice the registers per accumulator).
+FORWARD_TILES = {
+    # perf log mma-fwd-v6
+    ("mma", SM90, 64): WgmmaFwdConfig(128, 64),
+    ("mma", SM90, 128): WgmmaFwdConfig(128, 128),
+    ("mma", SM90, 256): WgmmaFwdConfig(128, 64),
+    # perf log mma-fwd-v5
+    ("mma", LARGE_SMEM, 64): FwdConfig(128, 64, 4, q_in_regs=True, min_blocks=2, row_state="all_lanes"),
+    ("mma", LARGE_SMEM, 128): FwdConfig(128, 64, 4, q_in_regs=False, min_blocks=2),
+    ("mma", LARGE_SMEM, 256): FwdConfig(128, 64, 8, q_in_regs=False),
+    ("mma", PORTABLE, 64): FwdConfig(128, 64, 4, q_in_regs=True, min_blocks=2, row_state="all_lanes"),
+    ("mma", PORTABLE, 128): FwdConfig(128, 32, 4, q_in_regs=False, min_blocks=2),
+    ("mma", PORTABLE, 256): FwdConfig(128, 32, 8, q_in_regs=False),
+    # perf log simt-v2
+    ("simt", ACC_FP32, 16): SimtTiles(64, 64, 4),
+    ("simt", ACC_FP32, 32): SimtTiles(64, 64, 4),
+    ("simt", ACC_FP32, 64): SimtTiles(64, 64, 4),
+    ("simt", ACC_FP32, 128): SimtTiles(32, 32, 8),
+    ("simt", ACC_FP32, 256): SimtTiles(32, 32, 8),
+    ("simt", ACC_FP64, 16): SimtTiles(32, 32, 4),
+    ("simt", ACC_FP64, 32): SimtTiles(32, 32, 4),
+    ("simt", ACC_FP64, 64): SimtTiles(32, 32, 4),
+    ("simt", ACC_FP64, 128): SimtTiles(16, 16, 8),
+    ("simt", ACC_FP64, 256): SimtTiles(16, 16, 16),
+}
+
+
+# --- the plan ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    """What a forward call launches: one block per ``block_m`` query rows of each (head, batch)."""
+
+    family: str  # "mma" (tensor cores: mma.sync or wgmma) or "simt"
+    device_class: str  # the FORWARD_TILES class of the row
+    headdim: int  # the head dim the kernel sees (the mma family's is a multiple of 8)
+    d_tile: int
+    tiles: FwdConfig | WgmmaFwdConfig | SimtTiles
+    spec: Specialization  # name, source, template instantiation, threads, shared memory
+
+    @property
+    def kernel(self) -> str:
+        return _KERNELS[type(self.tiles)]
+
+    @property
+    def block_m(self) -> int:
+        return self.tiles.block_m
+
+
+def mma_headdim(headdim: int) -> int:
+    """Head dimension the tensor-core kernels see: rounded up to a multiple of 8 (16-byte rows)."""
+    return -(-headdim // 8) * 8
+
+
+def tensor_core_supports(dtype, headdim: int) -> bool:
+    """Whether the tensor-core forward runs ``dtype`` at exactly ``headdim`` (no padding)."""
+    try:
+        name = dtype_name(dtype)
+    except ValueError:
+        return False
+    return name in ("float16", "bfloat16") and headdim % 8 == 0 and 8 <= headdim <= TENSOR_CORE_D_TILES[-1]
+
+
+def forward_family(dtype, headdim: int) -> str:
+    """The family a forward call runs on a GPU unless the caller asks for one: tensor cores for
+    float16/bfloat16 (the head dim padded to a multiple of 8), SIMT otherwise."""
+    return "mma" if is_16bit(dtype) and tensor_core_supports(dtype, mma_headdim(headdim)) else "simt"
+
+
+def device_class(arch: str | None, smem_optin: int | None) -> str:
+    """The tensor-core FORWARD_TILES class of a device; None for what is not known."""
+    if arch == "90":
+        return SM90
+    if smem_optin is not None and smem_optin >= LARGE_SMEM_BYTES:
+        return LARGE_SMEM
+    return PORTABLE
+
+
+def d_tile(headdim: int, d_tiles) -> int:
+    """The smallest of ``d_tiles`` that holds ``headdim``."""
+    for t in d_tiles:
+        if headdim <= t:
+            return t
+    raise ValueError(f"cupyflash: headdim {headdim} > {d_tiles[-1]}")
+
+
+def plan_forward(arch: str | None, dtype, headdim: int, mask: Mask | bool, smem_optin: int | None,
+                 family: str | None = None) -> ForwardPlan:
+    """The forward kernel a call with this dtype, head dim and mask launches on a device of compute
+    capability ``arch`` ("80", "90") whose blocks may opt in to ``smem_optin`` bytes of shared memory
+    (None, None: a device not known; the portable rows). ``family`` ("mma", "simt") overrides the
+    default family of forward_family; ``mask`` is a policy of cupyflash.masks or a causal flag."""
+    family = family or forward_family(dtype, headdim)
+    if family == "mma":
+        headdim = mma_headdim(headdim)
+        where = device_class(arch, smem_optin)
+    elif family == "simt":
+        where = ACC_FP64 if is_float64(dtype) else ACC_FP32
+    else:
+        raise ValueError(f"cupyflash: unknown forward family {family!r} (known: mma, simt)")
+    tiles = FORWARD_TILES[(family, where, d_tile(headdim, _D_TILES[family]))]
+    return _plan(dtype, headdim, as_mask(mask), tiles, where)
+
+
+def forward_plan(dtype, headdim: int, mask: Mask | bool, tiles) -> ForwardPlan:
+    """The plan that runs ``tiles`` (any FwdConfig, WgmmaFwdConfig or SimtTiles: the tuner's and
+    dev/'s, not only FORWARD_TILES') at exactly ``headdim``."""
+    return _plan(dtype, headdim, as_mask(mask), tiles, "explicit")
+
+
+def _plan(dtype, headdim: int, mask: Mask, tiles, where: str) -> ForwardPlan:
+    family = "simt" if isinstance(tiles, SimtTiles) else "mma"
+    if family == "mma" and not tensor_core_supports(dtype, headdim):
+        raise ValueError(f"cupyflash: mma forward does not support dtype {np.dtype(dtype)}, headdim {headdim}")
+    dt = d_tile(headdim, _D_TILES[family])
+    return ForwardPlan(family, where, headdim, dt, tiles, specialization_for(dtype, dt, mask, tiles))
+
+
+def simt_tiles(dtype, headdim: int) -> SimtTiles:
+    """The SIMT family's tiles at ``headdim`` (its backward kernels run on the forward's)."""
+    return FORWARD_TILES[("simt", ACC_FP64 if is_float64(dtype) else ACC_FP32, d_tile(headdim, SIMT_D_TILES))]
+
+
+# --- specializations: the kernels' template arguments and launch configuration ----------------
+
+_KERNELS = {FwdConfig: "flash_fwd_mma", WgmmaFwdConfig: "flash_fwd_wgmma", SimtTiles: "flash_fwd_simt"}
+_D_TILES = {"mma": TENSOR_CORE_D_TILES, "simt": SIMT_D_TILES}
+
+
+def smem_bytes(dt: int, config: FwdConfig) -> int:
+    """Dynamic shared memory of one flash_fwd_mma block: Q tile plus `stages` K and V tiles,
+    16-bit elements, then the KvSource record (K and V head pointers and row strides, 32 bytes).
+    Mirrors FwdSmemLayout in flash_fwd_mma.cu."""
+    return 2 * dt * (config.block_m + 2 * config.stages * config.block_n) + 32
+
+
+def wgmma_smem_bytes(dt: int, config: WgmmaFwdConfig) -> int:
+    """Mirror of FwdWgmmaSmem<...>::BYTES (Q, two K and three V stages), plus 1024 bytes to align
+    the base for the 128-byte swizzle."""
+    return 2 * dt * (config.block_m + 5 * config.block_n) + 1024
+
+
+def specialization_for(dtype, dt: int, mask: Mask | bool, tiles) -> Specialization:
+    """The specialization of the forward kernel that ``tiles`` configures, at head-dim tile ``dt``."""
+    mask = as_mask(mask)
+    name = dtype_name(dtype)
+    c, ctype, short = tiles, CTYPES[name], SHORT_NAMES[name]
+    if isinstance(c, SimtTiles):
+        return _simt_spec("fwd", name, dt, mask, c)
+    if isinstance(c, WgmmaFwdConfig):
+        return Specialization(f"flash_fwd_wgmma_{short}_hdim{dt}_{mask.name}_bm{c.block_m}_bn{c.block_n}",
+                              "flash_fwd_wgmma.cu",
+                              f"cf::flash_fwd_wgmma<{ctype}, {dt}, {mask.cpp}, {c.block_m}, {c.block_n}>",
+                              c.threads, wgmma_smem_bytes(dt, c), arch="90a")
+    if isinstance(c, FwdConfig):
+        return Specialization(
+            f"flash_fwd_mma_{short}_hdim{dt}_{mask.name}_bm{c.block_m}_bn{c.block_n}_w{c.warps}"
+            f"_{'qreg' if c.q_in_regs else 'qsmem'}_s{c.stages}_mb{c.min_blocks}_{c.row_state}",
+            "flash_fwd_mma.cu",
+            f"cf::flash_fwd_mma<{ctype}, {dt}, {mask.cpp}, {c.block_m}, {c.block_n}, {c.warps}, "
+            f"{'true' if c.q_in_regs else 'false'}, {c.stages}, {c.min_blocks}, {ROW_STATES[c.row_state]}>",
+            c.threads, smem_bytes(dt, c))
+    raise TypeError(f"cupyflash: not a forward tile configuration: {tiles!r}")
+
+
+def simt_specialization(kind: str, dtype, headdim: int, mask: Mask | bool) -> Specialization:
+    """One of the SIMT family's kernels, ``kind`` "fwd", "dkdv" or "dq", on its tiles."""
+    return _simt_spec(kind, dtype_name(dtype), d_tile(headdim, SIMT_D_TILES), as_mask(mask),
+                      simt_tiles(dtype, headdim))
+
+
+def _simt_spec(kind: str, name: str, dt: int, mask: Mask, tiles: SimtTiles) -> Specialization:
+    """Rows of the shared-memory tiles are padded by one element."""
+    bm, bn, tpr = tiles
+    ab = 8 if name == "float64" else 4  # accumulator bytes
+    ld = dt + 1
+    if kind == "fwd":
+        smem = ab * (bm * ld + 2 * bn * ld + bm * (bn + 1))
+        threads, source, fn = bm * tpr, "flash_fwd_simt.cu", "flash_fwd_simt"
+    elif kind == "dkdv":
+        smem = ab * (2 * bn * ld + 2 * bm * ld + 2 * bn * (bm + 1) + 2 * bm)
+        threads, source, fn = bn * tpr, "flash_bwd_simt.cu", "flash_bwd_dkdv_simt"
+    elif kind == "dq":
+        smem = ab * (2 * bm * ld + 2 * bn * ld + bm * (bn + 1))
+        threads, source, fn = bm * tpr, "flash_bwd_simt.cu", "flash_bwd_dq_simt"
+    else:
+        raise ValueError(kind)
+    return Specialization(f"{fn}_{SHORT_NAMES[name]}_hdim{dt}_{mask.name}_bm{bm}_bn{bn}_tpr{tpr}", source,
+                          f"cf::{fn}<{CTYPES[name]}, {dt}, {mask.cpp}, {bm}, {bn}, {tpr}>", threads, smem)

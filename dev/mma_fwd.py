@@ -1,0 +1,84 @@
+"""Every tile configuration the tensor-core forward has shipped, v1 to v6, and the candidates that
+lost: the history of ``cupyflash/kernels/mma_fwd.py``'s tables. Not part of the library (a wheel
+has no dev/); ``python -m cupyflash tune`` from a source checkout times each entry against the
+shipped plan (``cupyflash.plans.FORWARD_TILES``), after checking it against the float64 reference.
+
+The kernels are the shipped ones (``kernels_cu/flash_fwd_mma.cu``, ``flash_fwd_wgmma.cu``): a
+version here is a set of template arguments, launched by ``mma_fwd.forward(..., config=tiles)``.
+A version's tiles are those it ran on an sm_90 device (227 KiB of shared memory per block), one per
+head-dim tile. The mma.sync kernel had no row state before v4: v1 and v2 ran what is now
+"all_lanes", v3 "one_lane".
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cupyflash.plans import FwdConfig, WgmmaFwdConfig
+
+PERF_LOG = "docs/perf-log.md"
+
+
+@dataclass(frozen=True)
+class Version:
+    name: str
+    note: str
+    perf_log: str  # the heading anchor of its entry in docs/perf-log.md
+    tiles: dict  # {head-dim tile: FwdConfig or WgmmaFwdConfig}
+    shipped: str = ""  # the FORWARD_TILES rows that still run it, if any
+
+
+VERSIONS = (
+    Version("v1", "128x32 tiles for d128 (no spills); 128x32, 8 warps for d256", "mma-fwd-v1",
+            {64: FwdConfig(128, 64, 4, False, min_blocks=2, row_state="all_lanes"),
+             128: FwdConfig(128, 32, 4, False, min_blocks=2, row_state="all_lanes"),
+             256: FwdConfig(128, 32, 8, False, row_state="all_lanes")}),
+    Version("v2", "v1, but 128x64 tiles, 8 warps for d256 where 193 KiB of shared memory fit (sm_90)",
+            "mma-fwd-v1",
+            {64: FwdConfig(128, 64, 4, False, min_blocks=2, row_state="all_lanes"),
+             128: FwdConfig(128, 32, 4, False, min_blocks=2, row_state="all_lanes"),
+             256: FwdConfig(128, 64, 8, False, row_state="all_lanes")}),
+    Version("v3", "v2, plus spill-free 128x64 tiles for d128 where 193 KiB fit (sm_90)",
+            "mma-fwd-v3-the-default-until-v5",
+            {64: FwdConfig(128, 64, 4, False, min_blocks=2), 128: FwdConfig(128, 64, 4, False, min_blocks=2),
+             256: FwdConfig(128, 64, 8, False)}),
+    Version("v4", "v3, but all-lanes row state for d64",
+            "mma-fwd-v4--v5-the-forward-default-until-v6-still-the-default-on-sm_80",
+            {64: FwdConfig(128, 64, 4, False, min_blocks=2, row_state="all_lanes"),
+             128: FwdConfig(128, 64, 4, False, min_blocks=2), 256: FwdConfig(128, 64, 8, False)}),
+    Version("v5", "v4, but Q in registers for d64",
+            "mma-fwd-v4--v5-the-forward-default-until-v6-still-the-default-on-sm_80",
+            {64: FwdConfig(128, 64, 4, True, min_blocks=2, row_state="all_lanes"),
+             128: FwdConfig(128, 64, 4, False, min_blocks=2), 256: FwdConfig(128, 64, 8, False)},
+            shipped="large_smem (every head dim), portable (d64)"),
+    Version("v6", "warpgroup MMA (wgmma.mma_async) kernel on sm_90: S = Q K^T and O += P V with operands "
+            "read from swizzled shared memory (P from registers)",
+            "mma-fwd-v6--mma-bwd-v6-hopper-wgmma-the-forward-default-on-sm_90-the-backward-default-until-v7",
+            {64: WgmmaFwdConfig(128, 64), 128: WgmmaFwdConfig(128, 128), 256: WgmmaFwdConfig(128, 64)},
+            shipped="sm_90"),
+)
+
+# Alternatives worth timing, never a default: FlashAttention-2's 128 x 128 tiles for d64 still
+# spill a few registers here (12 to 52 bytes with "one_lane", 160 to 200 with "all_lanes"), the
+# 8-warp variants give each warp one 16-row strip; last, the wgmma tiles that lost to v6's.
+CANDIDATES = {
+    64: (FwdConfig(128, 64, 8, False, min_blocks=2), FwdConfig(128, 128, 4, False),
+         FwdConfig(128, 64, 8, False, min_blocks=2, row_state="all_lanes"),
+         FwdConfig(128, 128, 4, False, row_state="all_lanes"), WgmmaFwdConfig(128, 128)),
+    128: (FwdConfig(128, 64, 8, False), FwdConfig(128, 32, 4, False, stages=3, min_blocks=2),
+          WgmmaFwdConfig(128, 64)),
+    256: (),
+}
+CANDIDATES_PERF_LOG = "mma-fwd-v4--v5-the-forward-default-until-v6-still-the-default-on-sm_80"
+
+
+def entries(dt: int) -> list[tuple[str, object]]:
+    """(label, tiles) of every version and candidate at head-dim tile ``dt``, in order."""
+    out = [(v.name, v.tiles[dt]) for v in VERSIONS if dt in v.tiles]
+    return out + [("cand", tiles) for tiles in CANDIDATES.get(dt, ())]
+
+
+if __name__ == "__main__":
+    for version in VERSIONS:
+        shipped = f" [shipped: {version.shipped}]" if version.shipped else ""
+        print(f"{version.name}: {version.note}{shipped}\n    {PERF_LOG}#{version.perf_log}")
+    print(f"candidates: {sum(map(len, CANDIDATES.values()))}\n    {PERF_LOG}#{CANDIDATES_PERF_LOG}")

@@ -1,0 +1,225 @@
+"""cupyflash.plans: the forward plan of every device class, dtype, head dim and mask is the
+specialization (name, source, template instantiation, threads, shared memory, arch, rows per block)
+that the dispatch before plans chose, the launchers launch what the plan says, and the compile
+check still sees every shipped forward specialization."""
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from cupyflash import dispatch, plans
+from cupyflash._dtypes import SUPPORTED
+from cupyflash.kernels import mma_fwd, simt
+from cupyflash.masks import KINDS, Causal, Local, NoMask
+from launch_fakes import FakeArray
+
+ARCHS = ("80", "86", "89", "90")
+SMEM_OPTINS = (163 * 1024, 227 * 1024, 99 * 1024)  # A100, H100/H200, sm_86/sm_89 opt-in per block
+
+# The choice of the dispatch before plans (commit b4b7741: dispatch.choose("auto", ...) on a GPU, then
+# mma_fwd.default_config or the SIMT tiles), printed by dev/forward_dispatch_before_plans.py from
+# that tree: (dtype, the (arch, opt-in bytes) that chose alike, rows). A row covers the head dims
+# up to its bound and above the previous row's: (name, source, expression, threads, shared memory
+# bytes, arch, query rows per block). The old tree had two masks and named them "full" and
+# "causal", with the kernels' template argument a bool (false, true); it chose the same tiles for
+# both, which that script checks.
+OLD_FORWARD = (
+    ('float16', (('80', 166912), ('80', 101376), ('86', 166912), ('86', 101376), ('89', 166912), ('89', 101376)), (
+        (64, ('flash_fwd_mma_fp16_hdim64_{mask}_bm128_bn64_w4_qreg_s2_mb2_all_lanes', 'flash_fwd_mma.cu', 'cf::flash_fwd_mma<cf::half_t, 64, {mask_cpp}, 128, 64, 4, true, 2, 2, cf::RowState::ALL_LANES>', 128, 49184, '', 128)),
+        (128, ('flash_fwd_mma_fp16_hdim128_{mask}_bm128_bn32_w4_qsmem_s2_mb2_one_lane', 'flash_fwd_mma.cu', 'cf::flash_fwd_mma<cf::half_t, 128, {mask_cpp}, 128, 32, 4, false, 2, 2, cf::RowState::ONE_LANE>', 128, 65568, '', 128)),
+        (256, ('flash_fwd_mma_fp16_hdim256_{mask}_bm128_bn32_w8_qsmem_s2_mb1_one_lane', 'flash_fwd_mma.cu', 'cf::flash_fwd_mma<cf::half_t, 256, {mask_cpp}, 128, 32, 8, false, 2, 1, cf::RowState::ONE_LANE>', 256, 131104, '', 128)),
+    )),
+    ('float16', (('80', 232448), ('86', 232448), ('89', 232448)), (
+        (64, ('flash_fwd_mma_fp16_hdim64_{mask}_bm128_bn64_w4_qreg_s2_mb2_all_lanes', 'flash_fwd_mma.cu', 'cf::flash_fwd_mma<cf::half_t, 64, {mask_cpp}, 128, 64, 4, true, 2, 2, cf::RowState::ALL_LANES>', 128, 49184, '', 128)),
+        (128, ('flash_fwd_mma_fp16_hdim128_{mask}_bm128_bn64_w4_qsmem_s2_mb2_one_lane', 'flash_fwd_mma.cu', 'cf::flash_fwd_mma<cf::half_t, 128, {mask_cpp}, 128, 64, 4, false, 2, 2, cf::RowState::ONE_LANE>', 128, 98336, '', 128)),
+        (256, ('flash_fwd_mma_fp16_hdim256_{mask}_bm128_bn64_w8_qsmem_s2_mb1_one_lane', 'flash_fwd_mma.cu', 'cf::flash_fwd_mma<cf::half_t, 256, {mask_cpp}, 128, 64, 8, false, 2, 1, cf::RowState::ONE_LANE>', 256, 196640, '', 128)),
+    )),
+    ('float16', (('90', 166912), ('90', 232448), ('90', 101376)), (
+        (64, ('flash_fwd_wgmma_fp16_hdim64_{mask}_bm128_bn64', 'flash_fwd_wgmma.cu', 'cf::flash_fwd_wgmma<cf::half_t, 64, {mask_cpp}, 128, 64>', 256, 58368, '90a', 128)),
+        (128, ('flash_fwd_wgmma_fp16_hdim128_{mask}_bm128_bn128', 'flash_fwd_wgmma.cu', 'cf::flash_fwd_wgmma<cf::half_t, 128, {mask_cpp}, 128, 128>', 256, 197632, '90a', 128)),
+        (256, ('flash_fwd_wgmma_fp16_hdim256_{mask}_bm128_bn64', 'flash_fwd_wgmma.cu', 'cf::flash_fwd_wgmma<cf::half_t, 256, {mask_cpp}, 128, 64>', 256, 230400, '90a', 128)),
+    )),
+    ('bfloat16', (('80', 166912), ('80', 101376), ('86', 166912), ('86', 101376), ('89', 166912), ('89', 101376)), (
+        (64, ('flash_fwd_mma_bf16_hdim64_{mask}_bm128_bn64_w4_qreg_s2_mb2_all_lanes', 'flash_fwd_mma.cu', 'cf::flash_fwd_mma<cf::bf16_t, 64, {mask_cpp}, 128, 64, 4, true, 2, 2, cf::RowState::ALL_LANES>', 128, 49184, '', 128)),
+        (128, ('flash_fwd_mma_bf16_hdim128_{mask}_bm128_bn32_w4_qsmem_s2_mb2_one_lane', 'flash_fwd_mma.cu', 'cf::flash_fwd_mma<cf::bf16_t, 128, {mask_cpp}, 128, 32, 4, false, 2, 2, cf::RowState::ONE_LANE>', 128, 65568, '', 128)),
+        (256, ('flash_fwd_mma_bf16_hdim256_{mask}_bm128_bn32_w8_qsmem_s2_mb1_one_lane', 'flash_fwd_mma.cu', 'cf::flash_fwd_mma<cf::bf16_t, 256, {mask_cpp}, 128, 32, 8, false, 2, 1, cf::RowState::ONE_LANE>', 256, 131104, '', 128)),
+    )),
+    ('bfloat16', (('80', 232448), ('86', 232448), ('89', 232448)), (
+        (64, ('flash_fwd_mma_bf16_hdim64_{mask}_bm128_bn64_w4_qreg_s2_mb2_all_lanes', 'flash_fwd_mma.cu', 'cf::flash_fwd_mma<cf::bf16_t, 64, {mask_cpp}, 128, 64, 4, true, 2, 2, cf::RowState::ALL_LANES>', 128, 49184, '', 128)),
+        (128, ('flash_fwd_mma_bf16_hdim128_{mask}_bm128_bn64_w4_qsmem_s2_mb2_one_lane', 'flash_fwd_mma.cu', 'cf::flash_fwd_mma<cf::bf16_t, 128, {mask_cpp}, 128, 64, 4, false, 2, 2, cf::RowState::ONE_LANE>', 128, 98336, '', 128)),
+        (256, ('flash_fwd_mma_bf16_hdim256_{mask}_bm128_bn64_w8_qsmem_s2_mb1_one_lane', 'flash_fwd_mma.cu', 'cf::flash_fwd_mma<cf::bf16_t, 256, {mask_cpp}, 128, 64, 8, false, 2, 1, cf::RowState::ONE_LANE>', 256, 196640, '', 128)),
+    )),
+    ('bfloat16', (('90', 166912), ('90', 232448), ('90', 101376)), (
+        (64, ('flash_fwd_wgmma_bf16_hdim64_{mask}_bm128_bn64', 'flash_fwd_wgmma.cu', 'cf::flash_fwd_wgmma<cf::bf16_t, 64, {mask_cpp}, 128, 64>', 256, 58368, '90a', 128)),
+        (128, ('flash_fwd_wgmma_bf16_hdim128_{mask}_bm128_bn128', 'flash_fwd_wgmma.cu', 'cf::flash_fwd_wgmma<cf::bf16_t, 128, {mask_cpp}, 128, 128>', 256, 197632, '90a', 128)),
+        (256, ('flash_fwd_wgmma_bf16_hdim256_{mask}_bm128_bn64', 'flash_fwd_wgmma.cu', 'cf::flash_fwd_wgmma<cf::bf16_t, 256, {mask_cpp}, 128, 64>', 256, 230400, '90a', 128)),
+    )),
+    ('float32', (('80', 166912), ('80', 232448), ('80', 101376), ('86', 166912), ('86', 232448), ('86', 101376), ('89', 166912), ('89', 232448), ('89', 101376), ('90', 166912), ('90', 232448), ('90', 101376)), (
+        (16, ('flash_fwd_simt_fp32_hdim16_{mask}_bm64_bn64_tpr4', 'flash_fwd_simt.cu', 'cf::flash_fwd_simt<float, 16, {mask_cpp}, 64, 64, 4>', 256, 29696, '', 64)),
+        (32, ('flash_fwd_simt_fp32_hdim32_{mask}_bm64_bn64_tpr4', 'flash_fwd_simt.cu', 'cf::flash_fwd_simt<float, 32, {mask_cpp}, 64, 64, 4>', 256, 41984, '', 64)),
+        (64, ('flash_fwd_simt_fp32_hdim64_{mask}_bm64_bn64_tpr4', 'flash_fwd_simt.cu', 'cf::flash_fwd_simt<float, 64, {mask_cpp}, 64, 64, 4>', 256, 66560, '', 64)),
+        (128, ('flash_fwd_simt_fp32_hdim128_{mask}_bm32_bn32_tpr8', 'flash_fwd_simt.cu', 'cf::flash_fwd_simt<float, 128, {mask_cpp}, 32, 32, 8>', 256, 53760, '', 32)),
+        (256, ('flash_fwd_simt_fp32_hdim256_{mask}_bm32_bn32_tpr8', 'flash_fwd_simt.cu', 'cf::flash_fwd_simt<float, 256, {mask_cpp}, 32, 32, 8>', 256, 102912, '', 32)),
+    )),
+    ('float64', (('80', 166912), ('80', 232448), ('80', 101376), ('86', 166912), ('86', 232448), ('86', 101376), ('89', 166912), ('89', 232448), ('89', 101376), ('90', 166912), ('90', 232448), ('90', 101376)), (
+        (16, ('flash_fwd_simt_fp64_hdim16_{mask}_bm32_bn32_tpr4', 'flash_fwd_simt.cu', 'cf::flash_fwd_simt<double, 16, {mask_cpp}, 32, 32, 4>', 128, 21504, '', 32)),
+        (32, ('flash_fwd_simt_fp64_hdim32_{mask}_bm32_bn32_tpr4', 'flash_fwd_simt.cu', 'cf::flash_fwd_simt<double, 32, {mask_cpp}, 32, 32, 4>', 128, 33792, '', 32)),
+        (64, ('flash_fwd_simt_fp64_hdim64_{mask}_bm32_bn32_tpr4', 'flash_fwd_simt.cu', 'cf::flash_fwd_simt<double, 64, {mask_cpp}, 32, 32, 4>', 128, 58368, '', 32)),
+        (128, ('flash_fwd_simt_fp64_hdim128_{mask}_bm16_bn16_tpr8', 'flash_fwd_simt.cu', 'cf::flash_fwd_simt<double, 128, {mask_cpp}, 16, 16, 8>', 128, 51712, '', 16)),
+        (256, ('flash_fwd_simt_fp64_hdim256_{mask}_bm16_bn16_tpr16', 'flash_fwd_simt.cu', 'cf::flash_fwd_simt<double, 256, {mask_cpp}, 16, 16, 16>', 256, 100864, '', 16)),
+    )),
+)
+
+OLD_MASKS = {"full": "false", "causal": "true"}
+
+
+def old_choice(arch: str, smem_optin: int, dtype: str, headdim: int, mask_name: str) -> tuple:
+    """OLD_FORWARD's row, with the old mask token and template argument filled in."""
+    [rows] = [rows for name, devices, rows in OLD_FORWARD if name == dtype and (arch, smem_optin) in devices]
+    name, source, expression, *launch = next(row for bound, row in rows if headdim <= bound)
+    return (name.replace("{mask}", mask_name), source, expression.replace("{mask_cpp}", OLD_MASKS[mask_name]),
+            *launch)
+
+
+def new_choice(plan: plans.ForwardPlan, mask, old_mask_cpp: str) -> tuple:
+    """The plan in OLD_FORWARD's terms: the policy type ``mask.cpp``, which replaced the bool,
+    spelled ``old_mask_cpp``."""
+    s = plan.spec
+    return (s.name, s.source_file, s.expression.replace(f", {mask.cpp},", f", {old_mask_cpp},", 1),
+            s.threads, s.smem_bytes, s.arch, plan.block_m)
+
+
+def test_old_table_covers_every_device_and_dtype_once():
+    for dtype in SUPPORTED:
+        devices = [d for name, ds, _ in OLD_FORWARD if name == dtype for d in ds]
+        assert sorted(devices) == sorted(itertools.product(ARCHS, SMEM_OPTINS))
+    assert all(rows[-1][0] == 256 for _, _, rows in OLD_FORWARD)
+
+
+@pytest.mark.parametrize("dtype", list(SUPPORTED))
+def test_the_plan_is_the_old_dispatch_choice(dtype):
+    """Every (arch, opt-in shared memory, head dim 1..256, mask): NoMask and Causal as the old tree
+    chose them; Local the Causal choice's kernel and tiles with its own mask token and argument."""
+    compared = 0
+    for arch, smem, headdim in itertools.product(ARCHS, SMEM_OPTINS, range(1, 257)):
+        for mask, old_name in ((NoMask(), "full"), (Causal(), "causal"), (Local(100, 3), "causal")):
+            plan = plans.plan_forward(arch, SUPPORTED[dtype], headdim, mask, smem)
+            old = old_choice(arch, smem, dtype, headdim, old_name)
+            if isinstance(mask, Local):
+                old = (old[0].replace("_causal_", "_local_", 1), *old[1:])
+            assert new_choice(plan, mask, OLD_MASKS[old_name]) == old, (arch, smem, dtype, headdim, mask)
+            compared += 1
+    assert compared == len(ARCHS) * len(SMEM_OPTINS) * 256 * 3
+
+
+@pytest.mark.parametrize("dtype", list(SUPPORTED))
+def test_the_family_is_the_dispatch_choice(dtype, monkeypatch):
+    monkeypatch.setattr(dispatch, "gpu_available", lambda: True)
+    for headdim in range(1, 257):
+        plan = plans.plan_forward("80", SUPPORTED[dtype], headdim, NoMask(), 163 * 1024)
+        assert plan.family == dispatch.choose("auto", SUPPORTED[dtype], headdim, "fwd")
+        assert plan.spec.source_file == {"mma": "flash_fwd_mma.cu", "simt": "flash_fwd_simt.cu"}[plan.family]
+        if plan.family == "mma":
+            assert plan.headdim == dispatch.mma_headdim(headdim) and plan.headdim % 8 == 0
+            assert plans.plan_forward("80", SUPPORTED[dtype], headdim, NoMask(), 163 * 1024, family="simt").family == "simt"
+
+
+def test_one_row_answers_what_runs():
+    """What runs on sm_90 at d128 bf16 causal is one row of FORWARD_TILES."""
+    plan = plans.plan_forward("90", SUPPORTED["bfloat16"], 128, Causal(), 227 * 1024)
+    assert plan.tiles is plans.FORWARD_TILES[("mma", plans.SM90, 128)]
+    assert (plan.kernel, plan.device_class, plan.d_tile) == ("flash_fwd_wgmma", plans.SM90, 128)
+    assert plan.spec.name == "flash_fwd_wgmma_bf16_hdim128_causal_bm128_bn128"
+    assert plans.plan_forward(None, SUPPORTED["float16"], 100, False, None).tiles is \
+        plans.FORWARD_TILES[("mma", plans.PORTABLE, 128)]
+    for (family, where, dt), tiles in plans.FORWARD_TILES.items():
+        assert dt in plans._D_TILES[family] and plans.forward_plan(
+            SUPPORTED["float64" if where == plans.ACC_FP64 else "bfloat16"], dt, Causal(), tiles).tiles == tiles
+
+
+def test_plans_refuse_what_no_kernel_runs():
+    with pytest.raises(ValueError, match="unknown forward family"):
+        plans.plan_forward("90", SUPPORTED["bfloat16"], 64, NoMask(), None, family="wgmma")
+    with pytest.raises(ValueError, match="does not support dtype float32"):
+        plans.plan_forward("90", SUPPORTED["float32"], 64, NoMask(), None, family="mma")
+    with pytest.raises(ValueError, match="headdim 36"):
+        plans.forward_plan(SUPPORTED["float16"], 36, NoMask(), plans.FwdConfig(128, 64, 4, False))
+    with pytest.raises(ValueError, match="headdim 257"):
+        plans.plan_forward("80", SUPPORTED["float32"], 257, NoMask(), None)
+    with pytest.raises(TypeError, match="config must be"):
+        mma_fwd.plan(SUPPORTED["float16"], 64, NoMask(), plans.SimtTiles(64, 64, 4))
+
+
+def test_the_compile_check_sees_every_shipped_forward_specialization():
+    """mma_fwd.specializations() is every row's specialization for both 16-bit dtypes and every
+    mask: the old tree's set (its two masks) plus the same names with "local"."""
+    old = {old_choice(arch, smem, dtype, hd, mask)[0] for dtype in ("float16", "bfloat16")
+           for arch, smem in itertools.product(ARCHS, SMEM_OPTINS) for hd in (64, 128, 256) for mask in OLD_MASKS}
+    names = [s.name for s in mma_fwd.specializations()]
+    assert len(names) == len(set(names)) == len(old) // 2 * 3
+    assert {n for n in names if "_local_" not in n} == old
+    assert {n.replace("_local_", "_causal_") for n in names if "_local_" in n} == {n for n in old if "_causal_" in n}
+    simt_fwd = {s.name for s in simt.specializations() if s.source_file == "flash_fwd_simt.cu"}
+    assert simt_fwd == {plans.plan_forward("80", SUPPORTED[dtype], hd, mask, None, family="simt").spec.name
+                        for dtype in SUPPORTED for hd in plans.SIMT_D_TILES for mask in KINDS}
+
+
+def test_the_tensor_core_rows_fit_their_devices():
+    """PORTABLE fits an A100 (163 KiB per block, 164 per SM: min_blocks blocks each); LARGE_SMEM
+    fits 227 KiB per block and 228 per SM, within the opt-in that admits it; SM90 within 227 KiB."""
+    reserved = 1024  # per block, by the driver
+    for (family, where, dt), tiles in plans.FORWARD_TILES.items():
+        if where == plans.PORTABLE:
+            assert tiles.min_blocks * (plans.smem_bytes(dt, tiles) + reserved) <= 164 * 1024
+        elif where == plans.LARGE_SMEM:
+            assert tiles.min_blocks * (plans.smem_bytes(dt, tiles) + reserved) <= 228 * 1024
+            assert plans.smem_bytes(dt, tiles) <= plans.LARGE_SMEM_BYTES
+        elif where == plans.SM90:
+            assert plans.wgmma_smem_bytes(dt, tiles) <= 227 * 1024
+            spec = plans.specialization_for(SUPPORTED["float16"], dt, Causal(), tiles)
+            assert spec.arch == "90a" and spec.threads == tiles.block_m // 64 * 128
+
+
+def _fake_qkvo(shape_q, shape_k, dtype):
+    q, o = FakeArray(shape_q, dtype), FakeArray(shape_q, dtype)
+    q.data = o.data = type("Ptr", (), {"ptr": 0})()
+    k, v = FakeArray(shape_k, dtype), FakeArray(shape_k, dtype)
+    k.data = v.data = q.data
+    return q, k, v, o
+
+
+@pytest.mark.parametrize("arch,smem", [("90", 227 * 1024), ("80", 163 * 1024), ("89", 99 * 1024), (None, None)])
+def test_the_launchers_launch_their_plan(arch, smem, monkeypatch):
+    """mma_fwd.forward and simt.forward launch the plan of the current device (stand-in arrays,
+    launch recorded) with its grid, and mma_fwd.forward(config=...) the given tiles."""
+    monkeypatch.setattr(mma_fwd, "current_arch", lambda: arch)
+    monkeypatch.setattr(mma_fwd, "current_smem_optin", lambda: smem)
+    launches = []
+    monkeypatch.setattr(mma_fwd, "launch", lambda spec, grid, args: launches.append((spec, grid)))
+    monkeypatch.setattr(simt, "launch", lambda spec, grid, args: launches.append((spec, grid)))
+    b, sq, sk, h, hkv = 2, 300, 200, 4, 2
+    for (dtype, d), window in itertools.product([("float16", 64), ("bfloat16", 200), ("float32", 40),
+                                                  ("float64", 256)], [(-1, -1), (-1, 0), (64, 0)]):
+        q, k, v, o = _fake_qkvo((b, sq, h, d), (b, sk, hkv, d), SUPPORTED[dtype])
+        lse = FakeArray((b, h, sq), np.float64 if dtype == "float64" else np.float32)
+        lse.flags = type("Flags", (), {"c_contiguous": True})()
+        family = plans.forward_family(SUPPORTED[dtype], d)
+        kernels = {"mma": mma_fwd, "simt": simt}[family]
+        kernels.forward(q, k, v, o, lse, softmax_scale=0.1, causal=False, window_size=window)
+        mask = {(-1, -1): NoMask(), (-1, 0): Causal(), (64, 0): Local(64, 0)}[window]
+        plan = plans.plan_forward(arch, SUPPORTED[dtype], d, mask, smem)
+        assert launches.pop() == (plan.spec, (math.ceil(sq / plan.block_m), h, b))
+    tiles = plans.WgmmaFwdConfig(128, 64) if arch == "90" else plans.FwdConfig(128, 64, 8, False)
+    q, k, v, o = _fake_qkvo((b, sq, h, 128), (b, sk, hkv, 128), SUPPORTED["bfloat16"])
+    mma_fwd.forward(q, k, v, o, lse_for(b, h, sq), softmax_scale=0.1, causal=True, config=tiles)
+    assert launches.pop() == (plans.specialization_for(SUPPORTED["bfloat16"], 128, Causal(), tiles),
+                              (math.ceil(sq / tiles.block_m), h, b))
+
+
+def lse_for(b, h, sq):
+    lse = FakeArray((b, h, sq), np.float32)
+    lse.flags = type("Flags", (), {"c_contiguous": True})()
+    return lse
