@@ -203,4 +203,4 @@ def test_io_model_counts_the_blocks_that_hold_visible_pairs(seqlen_q, seqlen_k, 
         rows = visible[:, n0:n0 + block_n].any(axis=1)
         blocks = [i for i in range(0, seqlen_q, block_m) if rows[i:i + block_m].any()]
         expected = (min(seqlen_q, blocks[-1] + block_m) - blocks[0]) if blocks else 0
-        assert io._query_rows_dkdv(seqlen_q, seqlen_k, n0, block_m, block_n, mask) == expected
+        assert io._query_rows_dkdv(seqlen_q, seqlen_k, n0, block_m, mask, block_n) == expected

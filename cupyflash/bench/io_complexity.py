@@ -222,10 +222,16 @@ def _key_rows_dq(family, seqlen_q, seqlen_k, m0, block_m, block_n, mask) -> int:
     return _rows(as_mask(mask).key_blocks(m0, rows, block_n, seqlen_q, seqlen_k), block_n, seqlen_k)
 
 
-def _query_rows_dkdv(seqlen_q, seqlen_k, n0, block_m, block_n, mask) -> int:
-    """Query rows the dK/dV kernel's key block at n0 loads: the query blocks the policy has it
-    visit (flash_bwd_dkdv_*)."""
-    return _rows(as_mask(mask).query_blocks(n0, block_n, block_m, seqlen_q, seqlen_k), block_m, seqlen_q)
+def _query_rows_dkdv(seqlen_q, seqlen_k, n0, block_m, mask, block_n=None) -> int:
+    """Query rows the dK/dV kernel's key block at n0 (of block_n keys) loads: the query blocks the
+    policy has it visit (flash_bwd_dkdv_*). Without a left bound the key block's size does not
+    matter."""
+    mask = as_mask(mask)
+    if block_n is None:
+        if mask.HAS_LEFT:
+            raise ValueError("a window's left bound needs the key block size")
+        block_n = 1
+    return _rows(mask.query_blocks(n0, block_n, block_m, seqlen_q, seqlen_k), block_m, seqlen_q)
 
 
 def _flash_fwd(config: Config, tiles: dict) -> list:
@@ -255,7 +261,7 @@ def _flash_bwd(config: Config, tiles: dict) -> list:
     bm, bn = tiles["dkdv"]
     dkdv = _Ledger()  # one block per key block: K_j, V_j once, then every query block of the group
     dkdv.read(2 * kv_heads * n * row)
-    q_rows = [_query_rows_dkdv(n, n, n0, bm, bn, config.causal) for n0 in range(0, n, bn)]
+    q_rows = [_query_rows_dkdv(n, n, n0, bm, config.causal, bn) for n0 in range(0, n, bn)]
     dkdv.read(2 * kv_heads * group * sum(q_rows) * row, 2 * q_heads * max(q_rows) * row)  # Q_i, dO_i
     dkdv.read(2 * kv_heads * group * sum(q_rows) * stat, 2 * q_heads * max(q_rows) * stat)  # lse, D
     dkdv.write(2 * kv_heads * n * row)  # dK, dV
