@@ -109,7 +109,9 @@ ACC_FP64 = "fp64_acc"
 # D_TILE 64 has registers to spare: "all_lanes" (one_lane cost 7% at bf16 16k) and Q held in
 # registers for the whole block (tuner: 299.6 -> 324.5 TFLOP/s). PORTABLE fits an A100 (163 KiB
 # per block, 164 per SM, min_blocks blocks each); LARGE_SMEM doubles BLOCK_N at d128 (96 KiB, two
-# blocks per SM) and d256 (192 KiB), halving the barriers and rescales per key.
+# blocks per SM) and d256 (192 KiB), halving the barriers and rescales per key. On sm_86 / sm_89
+# (99 KiB per block) PORTABLE d256 (128 KiB) and SIMT fp32 d256 (100.5 KiB) do not fit: the launch
+# refuses them there with the bytes it needs (as the dispatch before plans did).
 # Tensor cores, wgmma (sm_90): registers per thread are O D_TILE / 2, S BLOCK_N / 2 and P
 # BLOCK_N / 4, so d256 keeps BLOCK_N at 64. Tuner, bf16, TFLOP/s at 16k / 2k, non-causal: d64
 # 128x64 372 / 349 (128x128: 282 at 2k), d128 128x128 503 / 435 (128x64: 458 / 363), d256 538 / 475.
@@ -126,7 +128,7 @@ FORWARD_TILES = {
     ("mma", PORTABLE, 64): FwdConfig(128, 64, 4, q_in_regs=True, min_blocks=2, row_state="all_lanes"),
     ("mma", PORTABLE, 128): FwdConfig(128, 32, 4, q_in_regs=False, min_blocks=2),
     ("mma", PORTABLE, 256): FwdConfig(128, 32, 8, q_in_regs=False),
-    # perf log simt-v2
+    # perf log simt-v1, simt-v2
     ("simt", ACC_FP32, 16): SimtTiles(64, 64, 4),
     ("simt", ACC_FP32, 32): SimtTiles(64, 64, 4),
     ("simt", ACC_FP32, 64): SimtTiles(64, 64, 4),
@@ -183,7 +185,7 @@ def forward_family(dtype, headdim: int) -> str:
 
 
 def device_class(arch: str | None, smem_optin: int | None) -> str:
-    """The tensor-core FORWARD_TILES class of a device; None for what is not known."""
+    """The tensor-core FORWARD_TILES class of a device (either number None: not known)."""
     if arch == "90":
         return SM90
     if smem_optin is not None and smem_optin >= LARGE_SMEM_BYTES:

@@ -223,3 +223,21 @@ def lse_for(b, h, sq):
     lse = FakeArray((b, h, sq), np.float32)
     lse.flags = type("Flags", (), {"c_contiguous": True})()
     return lse
+
+
+@pytest.mark.gpu
+def test_the_plan_of_this_device_is_what_the_launchers_run_and_fits_it():
+    """The launchers' device numbers are the device's; every plan of it fits its shared memory
+    and compiles for it (sm_90: the wgmma rows)."""
+    import cupy
+
+    from cupyflash.kernels._module import _max_smem_optin, device_arch, runs_on_device
+
+    arch, smem = device_arch(), _max_smem_optin(cupy.cuda.Device().id)
+    assert (mma_fwd.current_arch(), mma_fwd.current_smem_optin()) == (arch, smem)
+    for dtype, headdim, mask in itertools.product(SUPPORTED, (24, 64, 96, 128, 256), KINDS):
+        plan = plans.plan_forward(arch, SUPPORTED[dtype], headdim, mask, smem)
+        if plan.family == "mma":
+            assert plan == mma_fwd.plan(SUPPORTED[dtype], plan.headdim, mask)
+            assert (plan.kernel == "flash_fwd_wgmma") == (arch == "90")
+        assert runs_on_device(plan.spec) and plan.spec.smem_bytes <= smem, plan.spec.name
