@@ -227,8 +227,8 @@ def lse_for(b, h, sq):
 
 @pytest.mark.gpu
 def test_the_plan_of_this_device_is_what_the_launchers_run_and_fits_it():
-    """The launchers' device numbers are the device's; every plan of it fits its shared memory
-    and compiles for it (sm_90: the wgmma rows)."""
+    """The launchers' device numbers are the device's, and every plan of it (sm_90: the wgmma rows)
+    is for its arch and fits its shared memory."""
     import cupy
 
     from cupyflash.kernels._module import _max_smem_optin, device_arch, runs_on_device

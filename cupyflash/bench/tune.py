@@ -68,16 +68,19 @@ def _check(config, headdim, dtype, causal) -> float:
     return float(err / allowed) if np.isfinite(err) else float("inf")
 
 
-def dev_dir() -> Path:
-    """Where a source checkout keeps dev/ (the superseded versions); an installed wheel has none."""
-    return Path(__file__).resolve().parents[2] / "dev"
+def dev_dir() -> Path | None:
+    """dev/ (the superseded versions) of the source checkout this module runs from, or None when it
+    runs from an installation (a wheel has no dev/)."""
+    root = Path(__file__).resolve().parents[2]
+    return root / "dev" if (root / "kernels_cu").is_dir() else None
 
 
 def load_dev_forward(folder: Path | None = None):
     """dev/mma_fwd.py of ``folder`` (default: this checkout's dev/) as a module, or None when it
     is not there."""
-    path = Path(folder or dev_dir()) / "mma_fwd.py"
-    if not path.is_file():
+    folder = folder or dev_dir()
+    path = Path(folder) / "mma_fwd.py" if folder is not None else None
+    if path is None or not path.is_file():
         return None
     spec = importlib.util.spec_from_file_location("cupyflash_dev_mma_fwd", path)
     module = importlib.util.module_from_spec(spec)
@@ -284,9 +287,9 @@ def _variants(direction: str, headdims, dtype=None, dev=None) -> list[tuple[int,
 def _dev_for(args):
     """dev/mma_fwd.py for a forward run, or None after saying on stderr why it is not there."""
     folder = Path(args.dev) if args.dev else dev_dir()
-    dev = load_dev_forward(folder)
+    dev = load_dev_forward(folder) if folder is not None else None
     if dev is None:
-        where = (f"{folder} has no mma_fwd.py" if args.dev else
+        where = (f"{folder} has no mma_fwd.py" if folder is not None else
                  "this installation has no dev/ folder (a wheel ships only the library)")
         print(f"cupyflash tune: note: {where}; timing the shipped plan only. The superseded forward "
               "versions and candidates are in a source checkout's dev/mma_fwd.py (or pass --dev DIR).",

@@ -70,11 +70,12 @@ def test_without_dev_the_tuner_times_the_plan_and_says_why(tmp_path, monkeypatch
     from cupyflash.bench import harness
 
     assert tune.load_dev_forward(tmp_path) is None
+    assert tune.dev_dir() == REPO / "dev"
     monkeypatch.setattr(harness, "gpu_unavailable_reason", lambda: None)
     timed = []
     monkeypatch.setattr(tune, "_check", lambda config, headdim, dtype, causal: 0.5)
     monkeypatch.setattr(tune, "_time_forward", lambda config, *rest: timed.append(config) or 1.0)
-    monkeypatch.setattr(tune, "dev_dir", lambda: tmp_path / "dev")  # as in an installed wheel
+    monkeypatch.setattr(tune, "dev_dir", lambda: None)  # as in an installed wheel
     assert cli.main(["tune", "--headdim", "64", "--seqlen", "1024", "--quiet"]) == cli.EXIT_OK
     err = capsys.readouterr().err
     assert "this installation has no dev/ folder" in err and "timing the shipped plan only" in err
