@@ -1025,23 +1025,6 @@ def dqw_dq_steps(L, tiles) -> list[Step]:
     return [Step(None, None, smem_desc(tiles.k + kk * 2048, L.KV_PANEL, 1024), 1) for kk in range(L.BLOCK_N // 16)]
 
 
-@mirrors("mma_bwd.cuh",
-         "return m < seqlen_q && n < seqlen_k && (!CAUSAL || n <= m + diag);",
-         "return m0 + bm > seqlen_q || n0 + bn > seqlen_k || (CAUSAL && n0 + bn - 1 > m0 + diag);")
-class Visibility(NamedTuple):
-    """Query m sees key n iff both exist and, when causal, n <= m + diag."""
-    causal: bool
-    seqlen_q: int
-    seqlen_k: int
-    diag: int
-
-    def __call__(self, m, n):
-        return (m < self.seqlen_q) & (n < self.seqlen_k) & ((not self.causal) | (n <= m + self.diag))
-
-    def partial(self, m0: int, bm: int, n0: int, bn: int) -> bool:
-        return m0 + bm > self.seqlen_q or n0 + bn > self.seqlen_k or (self.causal and n0 + bn - 1 > m0 + self.diag)
-
-
 @mirrors(DQW,
          "const int tid = threadIdx.x, wg = tid / 128, warp = tid / 32, lane = tid % 32;",
          "const int row_lo = m0 + 16 * warp + lane / 4;",
@@ -1069,6 +1052,8 @@ def dqw_thread_rows(m0: int, wg: int, lse, delta, seqlen_q: int, batch: int, hea
          "return i < seqlen_q && j < seqlen_k && (!RIGHT || j <= i + hi_off) && (!LEFT || j >= i + lo_off);",
          "return m0 + rows > seqlen_q || n0 + cols > seqlen_k || (RIGHT && n0 + cols - 1 > m0 + hi_off) ||",
          "(LEFT && n0 < m0 + rows - 1 + lo_off);")
+@mirrors("mask.cuh",
+         "return i < seqlen_q && j < seqlen_k && (!RIGHT || j <= i + hi_off) && (!LEFT || j >= i + lo_off);")
 class MaskPolicy(NamedTuple):
     """The kernels' mask policy (mask.cuh) for one problem, from its Python twin cupyflash.masks:
     element test and partial-block test in the kernel's form."""
@@ -1767,7 +1752,7 @@ def test_dq_wgmma_p_and_ds_are_exact_zeros_where_hidden(d_tile, block_m, block_n
     L = dqw_smem(d_tile, block_m, block_n, k_stages)
     rng = _rng(12, d_tile, block_n, int(causal))
     seqlen_q, seqlen_k, scale_log2 = 2 * block_m - 3, 2 * block_m + 2, 0.3
-    visible = Visibility(causal, seqlen_q, seqlen_k, seqlen_k - seqlen_q)
+    visible = MaskPolicy(masks.mask_for(causal), seqlen_q, seqlen_k)
     lse, delta = rng.standard_normal((2, seqlen_q))
     last = (seqlen_k - 1) // block_n * block_n
     seen = set()
