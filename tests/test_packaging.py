@@ -95,3 +95,11 @@ def test_each_cuda_extra_brings_cupy_nvrtc_and_the_headers(built, extra, cuda):
     parts = set(re.match(r"cuda-toolkit\[([^\]]*)\]", toolkit[0]).group(1).split(","))
     assert {"nvrtc", "cudart"} <= parts  # cudart's wheel holds the CUDA headers
     assert f"=={cuda}.*" in toolkit[0]
+
+
+def test_the_wheel_installs_the_cupyflash_command(built):
+    wheel, _ = built
+    with zipfile.ZipFile(wheel) as z:
+        entry_points = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/entry_points.txt"))).decode()
+    assert "[console_scripts]" in entry_points
+    assert "cupyflash = cupyflash.cli:main" in entry_points.splitlines()
