@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from cupyflash import masks, numpy_backend, reference
 from strategies import attention_case, make_inputs
-from tolerance import SIXTEEN_BIT, assert_close, max_abs, output_rounding_allowance
+from tolerance import assert_close, max_abs, output_rounding_allowance, references_and_baselines
 from windows import window_size
 
 TILES = (16, 32, 48, 64, 80, 128)
@@ -113,13 +113,8 @@ def check_twin_against_reference(case, window, q, k, v, do, **blocks):
                                    **blocks)
     grads = numpy_backend.backward(do, q, k, v, o, lse, softmax_scale=case.scale, causal=case.causal,
                                    window_size=window, **blocks)
-    o_ref, lse_ref = reference.attention(q, k, v, **kwargs)
-    grads_ref = reference.attention_backward(do, q, k, v, **kwargs)
-    o_std = lse_std = None
-    grads_std = (None, None, None)
-    if case.dtype in SIXTEEN_BIT:
-        o_std, lse_std = reference.standard_attention(q, k, v, dtype=case.dtype, **kwargs)
-        grads_std = reference.standard_attention_backward(do, q, k, v, dtype=case.dtype, **kwargs)
+    (o_ref, lse_ref, grads_ref), (o_std, lse_std, grads_std) = references_and_baselines(
+        do, q, k, v, dtype=case.dtype, **kwargs)
     assert all(np.isfinite(x.astype(np.float64)).all() for x in (o, *grads))
     # Rows that see no key: o = 0, lse = -inf, dq = 0 (lse_ref is -inf exactly there).
     hidden_rows = np.isneginf(lse_ref)

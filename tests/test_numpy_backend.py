@@ -9,14 +9,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cupyflash import numpy_backend, reference
+from cupyflash import numpy_backend
 from strategies import attention_case, make_inputs
 from tolerance import (
-    SIXTEEN_BIT,
     assert_close,
     bound,
     max_abs,
     output_rounding_allowance,
+    references_and_baselines,
 )
 
 # Block sizes the kernels use, and odd ones that leave ragged edges on both axes.
@@ -38,13 +38,8 @@ def check_against_reference(case, q, k, v, do):
     kwargs = dict(softmax_scale=case.softmax_scale, causal=case.causal)
     o, lse = twin_forward(case, q, k, v)
     grads = twin_backward(case, do, q, k, v, o, lse)
-    o_ref, lse_ref = reference.attention(q, k, v, **kwargs)
-    grads_ref = reference.attention_backward(do, q, k, v, **kwargs)
-    o_std = lse_std = None
-    grads_std = (None, None, None)
-    if case.dtype in SIXTEEN_BIT:
-        o_std, lse_std = reference.standard_attention(q, k, v, dtype=case.dtype, **kwargs)
-        grads_std = reference.standard_attention_backward(do, q, k, v, dtype=case.dtype, **kwargs)
+    (o_ref, lse_ref, grads_ref), (o_std, lse_std, grads_std) = references_and_baselines(
+        do, q, k, v, dtype=case.dtype, **kwargs)
 
     acc = np.float64 if case.dtype == np.float64 else np.float32
     assert o.dtype == case.dtype and o.shape == q.shape

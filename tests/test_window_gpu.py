@@ -16,9 +16,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cupyflash import reference
 from strategies import attention_case, make_inputs
-from tolerance import SIXTEEN_BIT, assert_close, max_abs, output_rounding_allowance
+from tolerance import SIXTEEN_BIT, assert_close, max_abs, output_rounding_allowance, references_and_baselines
 from windows import window_size
 
 pytestmark = pytest.mark.gpu
@@ -73,13 +72,8 @@ def _run(case, window, q, k, v, do, deterministic=True, mma_sync=None):
 
 def _check(case, window, q, k, v, do, o, lse, grads):
     kwargs = dict(softmax_scale=case.softmax_scale, causal=case.causal, window_size=window)
-    o_ref, lse_ref = reference.attention(q, k, v, **kwargs)
-    grads_ref = reference.attention_backward(do, q, k, v, **kwargs)
-    o_std = lse_std = None
-    grads_std = (None, None, None)
-    if case.dtype in SIXTEEN_BIT:
-        o_std, lse_std = reference.standard_attention(q, k, v, dtype=case.dtype, **kwargs)
-        grads_std = reference.standard_attention_backward(do, q, k, v, dtype=case.dtype, **kwargs)
+    (o_ref, lse_ref, grads_ref), (o_std, lse_std, grads_std) = references_and_baselines(
+        do, q, k, v, dtype=case.dtype, **kwargs)
     for name, x in zip(("o", "dq", "dk", "dv"), (o, *grads)):
         assert np.isfinite(x.astype(np.float64)).all(), f"{name}: NaN or inf (an unwritten or poisoned entry)"
     hidden_rows = np.isneginf(lse_ref)

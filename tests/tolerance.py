@@ -13,6 +13,7 @@ from cupyflash.testing.tolerance import (  # noqa: F401
     max_abs,
     max_abs_error,
     output_rounding_allowance,
+    references_and_baselines,
     rel_fro_error,
     worse_baseline,
 )

@@ -136,6 +136,20 @@ def flash_rounding_baseline(do, q, k, v, *, softmax_scale, causal, dtype, window
     return tuple(rnd(g) for g in (dq, dk, dv))
 
 
+def references_and_baselines(do, q, k, v, *, dtype, **options):
+    """(o, lse, grads) of the float64 reference and, for 16-bit dtypes, of standard attention in
+    that dtype (Nones otherwise): what the rule compares a result and its baseline against.
+    ``options``: softmax_scale, causal, window_size, as for ``reference.attention``."""
+    o_ref, lse_ref = reference.attention(q, k, v, **options)
+    grads_ref = reference.attention_backward(do, q, k, v, **options)
+    o_std = lse_std = None
+    grads_std = (None, None, None)
+    if np.dtype(dtype) in SIXTEEN_BIT:
+        o_std, lse_std = reference.standard_attention(q, k, v, dtype=dtype, **options)
+        grads_std = reference.standard_attention_backward(do, q, k, v, dtype=dtype, **options)
+    return (o_ref, lse_ref, grads_ref), (o_std, lse_std, grads_std)
+
+
 def worse_baseline(ref64, first, *others):
     """The baseline farthest from ``ref64`` (max abs error) among ``first`` and those ``others``
     whose error is finite: a baseline that overflows its dtype must not make the allowed error
