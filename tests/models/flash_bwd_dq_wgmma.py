@@ -1,0 +1,252 @@
+"""Model of kernels_cu/flash_bwd_dq_wgmma.cu: Q and dO once, K and V stages by absolute key block,
+S, dP, P, dS in registers, dQ += dS K_j, and one CTA emulated over the key blocks its mask policy
+walks."""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+
+from cupyflash import masks
+
+from .flash_fwd_wgmma import row_block_k_major_steps
+from .fragments import lse_base_log2, pack_a_frags
+from .mask import MaskPolicy
+from .mirrors import mirrors
+from .smem import RAW_SMEM, aligned_base, new_smem
+from .wgmma import THREADS, Step, cp_async_panels, smem_desc, wgmma
+
+DQW = "flash_bwd_dq_wgmma.cu"
+
+
+
+@mirrors(DQW,
+         "static constexpr int V_STAGES = 2;",
+         "static constexpr u32 Q_PANEL = BLOCK_M * 128, KV_PANEL = BLOCK_N * 128;",
+         "static constexpr u32 Q_TILE = BLOCK_M * D_TILE * 2, KV_TILE = BLOCK_N * D_TILE * 2;",
+         "static constexpr u32 Q = 0;",
+         "static constexpr u32 DO = Q + Q_TILE;",
+         "static constexpr u32 K = DO + Q_TILE;",
+         "static constexpr u32 V = K + K_STAGES * KV_TILE;",
+         "static constexpr u32 BYTES = V + V_STAGES * KV_TILE;",
+         "constexpr int NWG = BLOCK_M / 64, NTHREADS = NWG * 128;",
+         "constexpr int N_FRAGS = BLOCK_N / 8, D_FRAGS = D_TILE / 8;",
+         "constexpr bool DQ_ACROSS_BARRIER = K_STAGES >= 3;",
+         "static_assert(BLOCK_M % 64 == 0 && BLOCK_N % 16 == 0 && D_TILE % 64 == 0,"
+         " \"64-row panels, 16-key k-steps\");",
+         "static_assert(K_STAGES == 2 || K_STAGES == 3, \"two or three K stages\");",
+         "static_assert(L::BYTES + 1024 <= 227 * 1024, \"shared memory\");")
+def dqw_smem(d_tile: int, block_m: int, block_n: int, k_stages: int) -> SimpleNamespace:
+    """DqWgmmaSmem and the kernel's derived constants (the shared-memory static_assert is checked
+    by test_smem_layouts_are_panel_aligned_and_match_python)."""
+    assert block_m % 64 == 0 and block_n % 16 == 0 and d_tile % 64 == 0 and k_stages in (2, 3)
+    L = SimpleNamespace(D_TILE=d_tile, BLOCK_M=block_m, BLOCK_N=block_n, K_STAGES=k_stages, V_STAGES=2,
+                        Q_PANEL=block_m * 128, KV_PANEL=block_n * 128, Q_TILE=block_m * d_tile * 2,
+                        KV_TILE=block_n * d_tile * 2, Q=0)
+    L.DO = L.Q + L.Q_TILE
+    L.K = L.DO + L.Q_TILE
+    L.V = L.K + L.K_STAGES * L.KV_TILE
+    L.BYTES = L.V + L.V_STAGES * L.KV_TILE
+    L.NWG = block_m // 64
+    L.NTHREADS = L.NWG * 128
+    L.N_FRAGS, L.D_FRAGS = block_n // 8, d_tile // 8
+    L.DQ_ACROSS_BARRIER = k_stages >= 3
+    return L
+
+
+@mirrors(DQW,
+         "const u32 raw = smem_u32(smem_raw);",
+         "const u32 s_q = base + L::Q, s_do = base + L::DO;",
+         "const u32 k_tile = base + L::K + (j % K_STAGES) * L::KV_TILE;",
+         "const u32 v_tile = base + L::V + (j % L::V_STAGES) * L::KV_TILE;")
+def dqw_tiles(L, j: int) -> SimpleNamespace:
+    """The tiles the products of key block j read (stages: K j % K_STAGES, V j % 2)."""
+    base = aligned_base(RAW_SMEM)
+    return SimpleNamespace(q=base + L.Q, do=base + L.DO, k=base + L.K + (j % L.K_STAGES) * L.KV_TILE,
+                           v=base + L.V + (j % L.V_STAGES) * L.KV_TILE)
+
+
+@mirrors(DQW,
+         "cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(s_q, q + row_offset(batch, m0, head, q_sb, q_ss, q_sh),"
+         " seqlen_q - m0, headdim, q_ss, tid);",
+         "cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(s_do, dout + row_offset(batch, m0, head, do_sb, do_ss, do_sh),"
+         " seqlen_q - m0, headdim, do_ss, tid);")
+def dqw_load_q_do(smem, L, q, do, m0: int, headdim: int) -> None:
+    """The query block's Q and dO (rows m0.. of q and do), once per CTA."""
+    tiles = dqw_tiles(L, 0)
+    seqlen_q = q.shape[0]
+    for tile, g in ((tiles.q, q), (tiles.do, do)):
+        cp_async_panels(smem, tile, L.BLOCK_M, L.D_TILE, L.NTHREADS, g[m0:], seqlen_q - m0, headdim)
+
+
+@mirrors(DQW,
+         "const int n0 = j * BLOCK_N;",
+         "cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(base + L::K + (j % K_STAGES) * L::KV_TILE,"
+         " k_rows + n0 * k_ss, seqlen_k - n0, headdim, k_ss, tid);",
+         "cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(base + L::V + (j % L::V_STAGES) * L::KV_TILE,"
+         " v_rows + n0 * v_ss, seqlen_k - n0, headdim, v_ss, tid);")
+def dqw_load_kv_block(smem, L, j: int, k, v, headdim: int) -> None:
+    """load_kv_block(j): K_j and V_j (rows n0.. of k and v) into their stages. The destinations are
+    the lambda's own expressions, not dqw_tiles': the two must agree."""
+    base = aligned_base(RAW_SMEM)
+    n0 = j * L.BLOCK_N
+    seqlen_k = k.shape[0]
+    cp_async_panels(smem, base + L.K + (j % L.K_STAGES) * L.KV_TILE, L.BLOCK_N, L.D_TILE, L.NTHREADS,
+                    k[n0:], seqlen_k - n0, headdim)
+    cp_async_panels(smem, base + L.V + (j % L.V_STAGES) * L.KV_TILE, L.BLOCK_N, L.D_TILE, L.NTHREADS,
+                    v[n0:], seqlen_k - n0, headdim)
+
+
+@mirrors(DQW,
+         "for (int kk = 0; kk < D_TILE / 16; ++kk) {",
+         "const u32 q_off = (kk / 4) * L::Q_PANEL + wg * 64 * 128 + (kk % 4) * 32;",
+         "const u32 k_off = (kk / 4) * L::KV_PANEL + (kk % 4) * 32;",
+         "Wgmma<T, BLOCK_N>::template ss<0, 0>(reinterpret_cast<float(&)[N_FRAGS * 4]>(s_acc),"
+         " smem_desc(s_q + q_off, 16, 1024), smem_desc(k_tile + k_off, 16, 1024), kk > 0);")
+def dqw_s_steps(L, tiles, wg: int) -> list[Step]:
+    """S = Q K_j^T of warpgroup wg (its 64 query rows x BLOCK_N keys), k-steps over the head dim;
+    both operands K-major."""
+    return row_block_k_major_steps(L, tiles.q, tiles.k, wg)
+
+
+@mirrors(DQW,
+         "for (int kk = 0; kk < D_TILE / 16; ++kk) {",
+         "const u32 q_off = (kk / 4) * L::Q_PANEL + wg * 64 * 128 + (kk % 4) * 32;",
+         "const u32 v_off = (kk / 4) * L::KV_PANEL + (kk % 4) * 32;",
+         "Wgmma<T, BLOCK_N>::template ss<0, 0>(reinterpret_cast<float(&)[N_FRAGS * 4]>(dp_acc),"
+         " smem_desc(s_do + q_off, 16, 1024), smem_desc(v_tile + v_off, 16, 1024), kk > 0);")
+def dqw_dp_steps(L, tiles, wg: int) -> list[Step]:
+    """dP = dO V_j^T of warpgroup wg: S's shape and offsets with dO and V_j."""
+    return row_block_k_major_steps(L, tiles.do, tiles.v, wg)
+
+
+@mirrors(DQW,
+         "for (int kk = 0; kk < BLOCK_N / 16; ++kk)",
+         "Wgmma<T, D_TILE>::template rs<1>(reinterpret_cast<float(&)[D_FRAGS * 4]>(dq_acc), ds_frag[kk],"
+         " smem_desc(k_tile + kk * 2048, L::KV_PANEL, 1024), 1);")
+def dqw_dq_steps(L, tiles) -> list[Step]:
+    """dQ += dS K_j: A = dS from registers (k-step kk: ds_frag[kk]), B = K_j MN-major (B[key][d]:
+    16 keys of 2048 bytes per k-step, the D_TILE columns in 64-column atoms one panel apart)."""
+    return [Step(None, None, smem_desc(tiles.k + kk * 2048, L.KV_PANEL, 1024), 1) for kk in range(L.BLOCK_N // 16)]
+
+
+@mirrors(DQW,
+         "const int tid = threadIdx.x, wg = tid / 128, warp = tid / 32, lane = tid % 32;",
+         "const int row_lo = m0 + 16 * warp + lane / 4;",
+         "const int m = row_lo + 8 * h;",
+         "const i64 stat = ((i64)batch * nheads + head) * seqlen_q + m;",
+         "base_log2[h] = m < seqlen_q ? lse_base_log2(lse[stat]) : 0.f;",
+         "delta_row[h] = m < seqlen_q ? delta[stat] : 0.f;")
+def dqw_thread_rows(m0: int, wg: int, lse, delta, seqlen_q: int, batch: int, head: int, nheads: int):
+    """Warpgroup wg's threads: lane, row_lo, and base_log2[thread, h], delta_row[thread, h] (lse and
+    delta flat, (batch, nheads, seqlen_q))."""
+    tid = 128 * wg + THREADS
+    warp, lane = tid // 32, tid % 32
+    row_lo = m0 + 16 * warp + lane // 4
+    base_log2, delta_row = np.empty((128, 2)), np.empty((128, 2))
+    for h in range(2):
+        m = row_lo + 8 * h
+        stat = (batch * nheads + head) * seqlen_q + m
+        inside = m < seqlen_q
+        base_log2[:, h] = np.where(inside, lse_base_log2(lse[np.where(inside, stat, 0)]), 0.0)
+        delta_row[:, h] = np.where(inside, delta[np.where(inside, stat, 0)], 0.0)
+    return lane, row_lo, base_log2, delta_row
+
+
+@mirrors(DQW,
+         "const bool partial = mask.partial(m0, BLOCK_M, n0, BLOCK_N);",
+         "const int key0 = n0 + 2 * (lane % 4);",
+         "const float p = exp2_approx(fmaf(s_acc[f][e], scale_log2, -base_log2[e >> 1]));",
+         "s_acc[f][e] = partial && !mask.visible(row_lo + 8 * (e >> 1), key0 + 8 * f + (e & 1)) ? 0.f : p;",
+         "dp_acc[f][e] = s_acc[f][e] == 0.f ? 0.f : s_acc[f][e] * (dp_acc[f][e] - delta_row[e >> 1]);")
+def dqw_p_and_ds(L, s_acc, dp_acc, visible, m0: int, n0: int, lane, row_lo, base_log2, delta_row, scale_log2):
+    """Steps 3-4 on the accumulators [thread, f, e]: P (0 where hidden), then dS = P o (dP - D)."""
+    partial = visible.partial(m0, L.BLOCK_M, n0, L.BLOCK_N)
+    key0 = n0 + 2 * (lane % 4)
+    f, e = np.arange(L.N_FRAGS)[None, :, None], np.arange(4)
+    p = np.exp2(s_acc * scale_log2 - base_log2[:, None, e >> 1])
+    p = np.where(partial & ~visible(row_lo[:, None, None] + 8 * (e >> 1), key0[:, None, None] + 8 * f + (e & 1)),
+                 0.0, p)
+    ds = np.where(p == 0.0, 0.0, p * (dp_acc - delta_row[:, None, e >> 1]))
+    return p, ds
+
+
+@mirrors(DQW,
+         "if (m >= seqlen_q) continue;",
+         "T* dq_row = dq + row_offset(batch, m, head, dq_sb, dq_ss, dq_sh);",
+         "const int col = 8 * f + 2 * (lane % 4);",
+         "if (col < headdim)",
+         "*reinterpret_cast<u32*>(dq_row + col) = pack2<T>(dq_acc[f][2 * h] * scale, dq_acc[f][2 * h + 1] * scale);")
+def dqw_store_dq(dq, dq_acc, lane, row_lo, scale: float, headdim: int) -> None:
+    """Epilogue: rows row_lo + 8h (below seqlen_q = dq.shape[0]), columns 8f + 2 (lane % 4), +1."""
+    for h in range(2):
+        m = row_lo + 8 * h
+        for f in range(dq_acc.shape[1]):
+            col = 8 * f + 2 * (lane % 4)
+            for r, c, (x, y) in zip(m, col, dq_acc[:, f, 2 * h: 2 * h + 2]):
+                if r < dq.shape[0] and c < headdim:
+                    dq[r, c: c + 2] = x * scale, y * scale
+
+
+@mirrors(DQW,
+         "const Mask mask(seqlen_q, seqlen_k, window_left, window_right);",
+         "const int j_begin = mask.key_begin(m0) / BLOCK_N;",
+         "const int n_end = mask.key_end(m0, BLOCK_M);",
+         "if (j_begin * BLOCK_N < n_end) load_kv_block(j_begin);",
+         "for (int j = j_begin; j * BLOCK_N < n_end; ++j) {",
+         "if ((j + 1) * BLOCK_N < n_end) load_kv_block(j + 1);",
+         "pack_a_frags<T, BLOCK_N>(ds_frag, dp_acc);")
+def dqw_emulated(q, k, v, do, lse, delta, L, headdim: int, scale: float, causal: bool, m0: int,
+                 batch: int, head: int, nheads: int, log_blocks=None, window_size=(-1, -1)):
+    """One CTA of flash_bwd_dq_wgmma (query block m0 of one head): Q and dO once, then every key
+    block it visits: S, dP, P, dS through registers, dQ += dS K_j; the epilogue's rows and columns.
+    Block j + 1's copies land before block j's products read (cp.async is instantaneous here), so
+    a stage clash shows up as wrong operands. Returns dq (seqlen_q x headdim, NaN where this CTA
+    wrote nothing) and fills log_blocks (optional) with the key blocks visited."""
+    seqlen_q, seqlen_k = q.shape[0], k.shape[0]
+    scale_log2 = scale * math.log2(math.e)
+    mask = masks.mask_for(causal, window_size)
+    visible = MaskPolicy(mask, seqlen_q, seqlen_k)
+    j_begin = mask.key_begin(m0, seqlen_q, seqlen_k) // L.BLOCK_N
+    n_end = mask.key_end(m0, L.BLOCK_M, seqlen_q, seqlen_k)
+    smem = new_smem()
+    dqw_load_q_do(smem, L, q, do, m0, headdim)
+    if j_begin * L.BLOCK_N < n_end:
+        dqw_load_kv_block(smem, L, j_begin, k, v, headdim)
+    rows = [dqw_thread_rows(m0, wg, lse, delta, seqlen_q, batch, head, nheads) for wg in range(L.NWG)]
+    dq_acc = [np.zeros((128, L.D_FRAGS, 4)) for _ in range(L.NWG)]
+    j = j_begin
+    while j * L.BLOCK_N < n_end:
+        if (j + 1) * L.BLOCK_N < n_end:
+            dqw_load_kv_block(smem, L, j + 1, k, v, headdim)
+        if log_blocks is not None:
+            log_blocks.append(j)
+        n0 = j * L.BLOCK_N
+        tiles = dqw_tiles(L, j)
+        for wg in range(L.NWG):
+            lane, row_lo, base_log2, delta_row = rows[wg]
+            s_acc, dp_acc = np.empty((128, L.N_FRAGS, 4)), np.empty((128, L.N_FRAGS, 4))
+            for kk, step in enumerate(dqw_s_steps(L, tiles, wg)):
+                wgmma(s_acc, smem, step, accumulate=kk > 0)
+            for kk, step in enumerate(dqw_dp_steps(L, tiles, wg)):
+                wgmma(dp_acc, smem, step, accumulate=kk > 0)
+            _, ds = dqw_p_and_ds(L, s_acc, dp_acc, visible, m0, n0, lane, row_lo, base_log2, delta_row, scale_log2)
+            ds_frag = pack_a_frags(ds)
+            for kk, step in enumerate(dqw_dq_steps(L, tiles)):
+                wgmma(dq_acc[wg], smem, step, accumulate=True, a_regs=ds_frag[:, kk])
+        j += 1
+    dq = np.full((seqlen_q, headdim), np.nan)
+    for wg in range(L.NWG):
+        lane, row_lo = rows[wg][:2]
+        dqw_store_dq(dq, dq_acc[wg], lane, row_lo, scale, headdim)
+    return dq
+
+
+
+mirrors(DQW, "const u32 base = (raw + 1023) & ~1023u;")(aligned_base)
+
+
+# (D_TILE, BLOCK_M, BLOCK_N, K_STAGES) of flash_bwd_dq_wgmma: mma_bwd.DQ_WGMMA_CONFIG and the tuner's
+# DQ_WGMMA_CANDIDATES (test_smem_layouts_are_panel_aligned_and_match_python checks it is both).
+DQW_CONFIGS = [(64, 128, 128, 2), (64, 128, 64, 2), (128, 128, 64, 2), (256, 128, 32, 2), (256, 128, 32, 3)]

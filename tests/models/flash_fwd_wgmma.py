@@ -1,0 +1,121 @@
+"""Model of kernels_cu/flash_fwd_wgmma.cu: the shared-memory tiles and stages, the descriptors of
+every k-step, and one CTA emulated product by product."""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+
+from .fragments import pack_a_frags
+from .mirrors import mirrors
+from .smem import RAW_SMEM, aligned_base, new_smem
+from .wgmma import Step, acc_to_matrix, cp_async_panels, smem_desc, wgmma
+
+FWD = "flash_fwd_wgmma.cu"
+
+
+
+@mirrors(FWD,
+         "static constexpr int K_STAGES = 2, V_STAGES = 3;",
+         "static constexpr u32 Q_PANEL = BLOCK_M * 128, KV_PANEL = BLOCK_N * 128;",
+         "static constexpr u32 KV_TILE = BLOCK_N * D_TILE * 2;",
+         "static constexpr u32 Q = 0;",
+         "static constexpr u32 K = Q + BLOCK_M * D_TILE * 2;",
+         "static constexpr u32 V = K + K_STAGES * KV_TILE;",
+         "static constexpr u32 BYTES = V + V_STAGES * KV_TILE;",
+         "constexpr int NWG = BLOCK_M / 64, NTHREADS = NWG * 128;",
+         "constexpr int N_FRAGS = BLOCK_N / 8, D_FRAGS = D_TILE / 8;",
+         "static_assert(L::BYTES + 1024 <= 227 * 1024, \"shared memory\");")
+def fwd_smem(d_tile: int, block_m: int, block_n: int) -> SimpleNamespace:
+    L = SimpleNamespace(D_TILE=d_tile, BLOCK_M=block_m, BLOCK_N=block_n, K_STAGES=2, V_STAGES=3,
+                        Q_PANEL=block_m * 128, KV_PANEL=block_n * 128, KV_TILE=block_n * d_tile * 2, Q=0)
+    L.K = L.Q + block_m * d_tile * 2
+    L.V = L.K + L.K_STAGES * L.KV_TILE
+    L.BYTES = L.V + L.V_STAGES * L.KV_TILE
+    L.NWG = block_m // 64
+    L.NTHREADS = L.NWG * 128
+    return L
+
+
+@mirrors(FWD,
+         "const u32 raw = smem_u32(smem_raw);",
+         "const u32 q_tile = base + L::Q;",
+         "const u32 k_tile = base + L::K + (j % L::K_STAGES) * L::KV_TILE;",
+         "const u32 v_tile = base + L::V + (j % L::V_STAGES) * L::KV_TILE;",
+         "cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(base + L::K + (j % L::K_STAGES) * L::KV_TILE,"
+         " k_rows + n0 * k_ss, seqlen_k - n0, headdim, k_ss, tid);",
+         "cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(base + L::V + (j % L::V_STAGES) * L::KV_TILE,"
+         " v_rows + n0 * v_ss, seqlen_k - n0, headdim, v_ss, tid);",
+         "cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(q_tile, q + row_offset(batch, m0, head, q_sb, q_ss, q_sh),"
+         " seqlen_q - m0, headdim, q_ss, tid);")
+def fwd_tiles(L, j: int) -> SimpleNamespace:
+    """Tile addresses of key block j (stages: K j % 2, V j % 3)."""
+    base = aligned_base(RAW_SMEM)
+    return SimpleNamespace(q=base + L.Q, k=base + L.K + (j % L.K_STAGES) * L.KV_TILE,
+                           v=base + L.V + (j % L.V_STAGES) * L.KV_TILE)
+
+
+@mirrors(FWD,
+         "const u32 q_off = (kk / 4) * L::Q_PANEL + wg * 64 * 128 + (kk % 4) * 32;",
+         "const u32 k_off = (kk / 4) * L::KV_PANEL + (kk % 4) * 32;",
+         "Wgmma<T, BLOCK_N>::template ss<0, 0>(reinterpret_cast<float(&)[N_FRAGS * 4]>(s),"
+         " smem_desc(q_tile + q_off, 16, 1024), smem_desc(k_tile + k_off, 16, 1024), kk > 0);")
+def fwd_s_steps(L, tiles, wg: int) -> list[Step]:
+    """S = Q K^T of warpgroup wg (its 64 query rows x BLOCK_N keys), k-steps over the head dim."""
+    return row_block_k_major_steps(L, tiles.q, tiles.k, wg)
+
+
+def row_block_k_major_steps(L, a_tile: int, b_tile: int, wg: int) -> list[Step]:
+    """The k-steps over the head dim of a 64-row x BLOCK_N product with both operands K-major: A
+    the warpgroup's 64 rows of a BLOCK_M tile (Q or dO), B a BLOCK_N tile (K or V). The offsets of
+    S = Q K^T in the forward, and of S and dP in flash_bwd_dq_wgmma (each mirror names its own
+    statements)."""
+    steps = []
+    for kk in range(L.D_TILE // 16):
+        a_off = (kk // 4) * L.Q_PANEL + wg * 64 * 128 + (kk % 4) * 32
+        b_off = (kk // 4) * L.KV_PANEL + (kk % 4) * 32
+        steps.append(Step(smem_desc(a_tile + a_off, 16, 1024), 0, smem_desc(b_tile + b_off, 16, 1024), 0))
+    return steps
+
+
+@mirrors(FWD,
+         "Wgmma<T, D_TILE>::template rs<1>(reinterpret_cast<float(&)[D_FRAGS * 4]>(o_acc), p[0][kk],"
+         " smem_desc(v_tile + kk * 2048, L::KV_PANEL, 1024), 1);")
+def fwd_pv_steps(L, tiles) -> list[Step]:
+    """O += P V: A = P from registers (k-step kk: p[kk]), B = V MN-major, k-steps over the keys."""
+    return [Step(None, None, smem_desc(tiles.v + kk * 2048, L.KV_PANEL, 1024), 1) for kk in range(L.BLOCK_N // 16)]
+
+
+def fwd_emulated(q, k, v, L, headdim: int, elementwise):
+    """One CTA (query rows 0..BLOCK_M) over every key block: S_j = Q K_j^T, P_j = elementwise(S_j)
+    on the accumulators (the softmax's row math is online_softmax.cuh's, tested in
+    test_mma_layout.py), O += P_j V_j. Returns O (BLOCK_M x D_TILE)."""
+    smem = new_smem()
+    seqlen_q, seqlen_k = q.shape[0], k.shape[0]
+    cp_async_panels(smem, fwd_tiles(L, 0).q, L.BLOCK_M, L.D_TILE, L.NTHREADS, q, seqlen_q, headdim)
+    o_acc = [np.zeros((128, L.D_TILE // 8, 4)) for _ in range(L.NWG)]
+    for j in range(math.ceil(seqlen_k / L.BLOCK_N)):
+        n0 = j * L.BLOCK_N
+        tiles = fwd_tiles(L, j)
+        cp_async_panels(smem, tiles.k, L.BLOCK_N, L.D_TILE, L.NTHREADS, k[n0:], seqlen_k - n0, headdim)
+        cp_async_panels(smem, tiles.v, L.BLOCK_N, L.D_TILE, L.NTHREADS, v[n0:], seqlen_k - n0, headdim)
+        for wg in range(L.NWG):
+            s = np.empty((128, L.BLOCK_N // 8, 4))
+            for kk, step in enumerate(fwd_s_steps(L, tiles, wg)):
+                wgmma(s, smem, step, accumulate=kk > 0)
+            p = pack_a_frags(elementwise(s))
+            for kk, step in enumerate(fwd_pv_steps(L, tiles)):
+                wgmma(o_acc[wg], smem, step, accumulate=True, a_regs=p[:, kk])
+    return np.concatenate([acc_to_matrix(o) for o in o_acc])
+
+
+
+mirrors(FWD, "const u32 base = (raw + 1023) & ~1023u;")(aligned_base)
+
+
+FWD_BLOCK_M = 128
+# (D_TILE, BLOCK_N) with BLOCK_M = 128 that pass the kernel's shared-memory static_assert: all of
+# {64, 128, 256} x {64, 128} but d256 with 128-key blocks (Q, two K and three V stages: 384 KiB).
+FWD_SHAPES = [(d, bn) for d in (64, 128, 256) for bn in (64, 128)
+              if fwd_smem(d, FWD_BLOCK_M, bn).BYTES + 1024 <= 227 * 1024]
