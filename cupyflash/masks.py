@@ -70,6 +70,30 @@ class Mask:
             ok &= j >= i + lo
         return ok
 
+    # --- per-row bounds (elementwise over arrays of rows or keys) ---------------------------
+    def row_key_begin(self, i, seqlen_q: int, seqlen_k: int):
+        """First key the left bound lets query ``i`` see (not clamped to 0: mask.cuh's form)."""
+        lo, _ = self.offsets(seqlen_q, seqlen_k)
+        return np.asarray(i) + lo if self.HAS_LEFT else np.zeros_like(np.asarray(i))
+
+    def row_key_end(self, i, seqlen_q: int, seqlen_k: int):
+        """One past the last key query ``i`` sees by its right bound and seqlen_k."""
+        _, hi = self.offsets(seqlen_q, seqlen_k)
+        return np.minimum(seqlen_k, np.asarray(i) + 1 + hi) if self.HAS_RIGHT else np.full_like(np.asarray(i), seqlen_k)
+
+    def row_query_begin(self, j, seqlen_q: int, seqlen_k: int):
+        """First query the right bound lets see key ``j`` (S^T; the left bound ends the range)."""
+        _, hi = self.offsets(seqlen_q, seqlen_k)
+        return np.asarray(j) - hi if self.HAS_RIGHT else np.zeros_like(np.asarray(j))
+
+    def hidden_left(self, i, j, seqlen_q: int, seqlen_k: int):
+        """Whether the left bound alone hides (i, j): the part of the element test that kernels
+        holding per-row bounds for the other sides add (mask.cuh's hidden_left at an origin)."""
+        lo, _ = self.offsets(seqlen_q, seqlen_k)
+        if not self.HAS_LEFT:
+            return np.zeros(np.broadcast(np.asarray(i), np.asarray(j)).shape, dtype=bool)
+        return np.asarray(j) < np.asarray(i) + lo
+
     # --- S: the keys of query rows [m0, m0 + rows) ------------------------------------------
     def key_begin(self, m0: int, seqlen_q: int, seqlen_k: int) -> int:
         lo, _ = self.offsets(seqlen_q, seqlen_k)

@@ -82,6 +82,27 @@ def test_policy_matches_brute_force(seqlen_q, seqlen_k, causal, window, block_m,
         assert order[0] == q_blocks - 1
 
 
+@given(st.integers(0, 200), st.integers(0, 200), st.booleans(), window_size())
+def test_per_row_bounds_and_hidden_left_give_the_element_mask(seqlen_q, seqlen_k, causal, window):
+    """The form the mma.sync backward kernels test elements in: a per-row bound for the right side
+    (row_key_end per query row of S, row_query_begin per key row of S^T) and the left bound alone
+    (hidden_left) give the brute-force mask, also on the band's rows past seqlen_q and on keys
+    past seqlen_k; row_key_begin is the left bound as a per-row range."""
+    mask = masks.mask_for(causal, window)
+    rows, cols = np.arange(seqlen_q + 20), np.arange(seqlen_k + 20)
+    truth = np.zeros((rows.size, cols.size), dtype=bool)
+    truth[:, :seqlen_k] = brute_force(seqlen_q, seqlen_k, causal, window, rows=rows)
+    i, j = rows[:, None], cols[None, :]
+    left_ok = ~mask.hidden_left(i, j, seqlen_q, seqlen_k)
+    np.testing.assert_array_equal(left_ok, j >= mask.row_key_begin(rows, seqlen_q, seqlen_k)[:, None])
+    by_query_rows = (j < mask.row_key_end(rows, seqlen_q, seqlen_k)[:, None]) & left_ok
+    np.testing.assert_array_equal(by_query_rows, truth)
+    by_key_rows = (j < seqlen_k) & (i >= mask.row_query_begin(cols, seqlen_q, seqlen_k)[None, :]) & left_ok
+    np.testing.assert_array_equal(by_key_rows, truth)
+    in_range = (i < seqlen_q) & truth
+    np.testing.assert_array_equal(mask.visible(rows, cols, seqlen_q, seqlen_k), in_range)
+
+
 @given(st.integers(1, 300), st.integers(1, 300), window_size())
 def test_causal_is_the_window_left_unbounded_right_zero(seqlen_q, seqlen_k, window):
     left = window[0]
