@@ -11,6 +11,9 @@ The layers of a call: ``api`` (public functions) -> ``_arrays`` (argument checks
 -> ``kernels/*.py`` (arguments and launch). The launchers build their plan here; they keep no
 tables of their own.
 
+The backward's plan, ``plan_backward(arch, dtype, headdim, mask, smem_optin, deterministic)``, and
+its table ``BACKWARD_KERNELS`` are in ``cupyflash.backward_plans`` (beside its kernels' tiles).
+
 The library ships only the configurations that are some device's best. Every earlier default and
 every candidate that lost is kept, numbered and with its note, in the repository's ``dev/`` folder,
 where ``python -m cupyflash tune`` times it against these rows (docs/perf-log.md has the numbers).
@@ -22,20 +25,17 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._dtypes import SHORT_NAMES, dtype_name, is_16bit, is_float64
+from ._dtypes import dtype_name, is_16bit, is_float64
 from .kernels._module import Specialization
+from .kernels.constants import CTYPES, SHORT_NAMES, SIMT_D_TILES, TENSOR_CORE_D_TILES, d_tile
 from .masks import Mask, as_mask
 
 __all__ = ["ForwardPlan", "FwdConfig", "WgmmaFwdConfig", "SimtTiles", "FORWARD_TILES", "plan_forward",
            "forward_plan", "forward_family", "device_class"]
 
-TENSOR_CORE_D_TILES = (64, 128, 256)
-SIMT_D_TILES = (16, 32, 64, 128, 256)
-
 # Opt-in shared memory per block that admits the LARGE_SMEM tiles (H100/H200: 227 KiB; A100: 163).
 LARGE_SMEM_BYTES = 193 * 1024
 
-CTYPES = {"float16": "cf::half_t", "bfloat16": "cf::bf16_t", "float32": "float", "float64": "double"}
 # FwdConfig.row_state -> the kernel's RowState: where the online softmax keeps a row's running max
 # and sum, on all 4 lanes of the row's quad or on one of them (see kernels_cu/flash_fwd_mma.cu).
 ROW_STATES = {"one_lane": "cf::RowState::ONE_LANE", "all_lanes": "cf::RowState::ALL_LANES"}
@@ -191,14 +191,6 @@ def device_class(arch: str | None, smem_optin: int | None) -> str:
     if smem_optin is not None and smem_optin >= LARGE_SMEM_BYTES:
         return LARGE_SMEM
     return PORTABLE
-
-
-def d_tile(headdim: int, d_tiles) -> int:
-    """The smallest of ``d_tiles`` that holds ``headdim``."""
-    for t in d_tiles:
-        if headdim <= t:
-            return t
-    raise ValueError(f"cupyflash: headdim {headdim} > {d_tiles[-1]}")
 
 
 def plan_forward(arch: str | None, dtype, headdim: int, mask: Mask | bool, smem_optin: int | None,

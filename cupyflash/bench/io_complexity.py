@@ -182,7 +182,7 @@ def flash_tiles(config: Config) -> dict:
 
         headdim = dispatch.mma_headdim(config.headdim)
         specs = {"fwd": mma_fwd.specialization(dtype, headdim, config.causal),
-                 "dkdv": mma_bwd.dkdv_spec(dtype, headdim, config.causal, atomic_dq=False),
+                 "dkdv": mma_bwd.dkdv_spec(dtype, headdim, config.causal, dq_add="none"),
                  "dq": mma_bwd.dq_spec(dtype, headdim, config.causal)}
     else:
         from ..kernels import simt

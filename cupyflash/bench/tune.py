@@ -123,58 +123,31 @@ def _time_forward(config, headdim, seqlen, causal, dtype, repeats, inputs) -> fl
 
 
 # ---------------------------------------------------------------------------------------------
-# Backward (--direction bwd): every version of mma_bwd.VERSIONS, deterministic (dK/dV + dQ
-# kernel) and atomic, plus each dQ candidate of the v2 kernel, checked against float64 first.
+# Backward (--direction bwd): the device's plan, deterministic and not, then every version and
+# candidate of dev/mma_bwd.py, checked against float64 first.
 # ---------------------------------------------------------------------------------------------
 
-def _bwd_candidates(headdim):
-    """(label, backward keyword arguments) of every backward variant worth timing."""
+def load_dev_backward(folder: Path | None = None):
+    """dev/mma_bwd.py of ``folder`` (default: this checkout's dev/) as a module, or None."""
+    from .. import _dev
+
+    return _dev.load("mma_bwd", folder)
+
+
+def _bwd_candidates(headdim, dev=None):
+    """(label, backward keyword arguments) of every backward variant worth timing: the plan of
+    the current device, then ``dev``'s (the loaded dev/mma_bwd.py, or None) entries."""
     from ..kernels import mma_bwd
     from ..kernels.mma_fwd import current_arch
 
     dt = mma_bwd.d_tile(headdim)
-    out, seen = [], set()
-    for version in mma_bwd.VERSIONS:
-        for deterministic in (True, False):
-            if version in ("v6", "v7", "v9", "v10"):  # v5's kernels except at the wgmma head dims
-                if version != "v6" and not deterministic:  # v6's atomic kernel
-                    continue
-                dq_add = mma_bwd.wgmma_dq_add(version, deterministic, dt)
-                if dq_add == "none":
-                    out.append((f"{version} wgmma{mma_bwd.WGMMA_CONFIG[dt]} + dq_wgmma{mma_bwd.DQ_WGMMA_CONFIG[dt]}",
-                                dict(version=version, deterministic=deterministic)))
-                elif dq_add is not None:
-                    out.append((f"{version} wgmma{mma_bwd.WGMMA_CONFIG[dt]} {dq_add} dq",
-                                dict(version=version, deterministic=deterministic)))
-                continue
-            if version in ("v4", "v5") and dt in mma_bwd.FUSED_CONFIG and not (version == "v5" and deterministic):
-                label = f"v4 fused{mma_bwd.FUSED_CONFIG[dt]} {'ordered' if deterministic else 'atomic'} dq"
-                if label not in seen:  # v5's atomic path is v4's
-                    seen.add(label)
-                    out.append((label, dict(version=version, deterministic=deterministic)))
-                continue
-            kernel, tiles = mma_bwd.dkdv_tiles(headdim, version, not deterministic)
-            dq = f"dq{mma_bwd.dq_tiles(headdim, version)}" if deterministic else "atomic dq"
-            if (kernel, tiles, dq) in seen:  # a later version that launches the same kernels here
-                continue
-            seen.add((kernel, tiles, dq))
-            out.append((f"{version} dkdv {kernel} {dq}", dict(version=version, deterministic=deterministic)))
-    # v10's tiles only where its kernels run (elsewhere dq_config would reach v3's dQ kernel).
-    split_tiles = current_arch() == "90" and dt in mma_bwd.WGMMA_SPLIT_D_TILES
-    for tiles in mma_bwd.DQ_WGMMA_CANDIDATES.get(dt, ()) if split_tiles else ():
-        out.append((f"v10 wgmma{mma_bwd.WGMMA_CONFIG[dt]} + dq_wgmma{tiles}",
-                    dict(version="v10", deterministic=True, dq_config=tiles)))
-    for tiles in mma_bwd.WGMMA_NONE_CANDIDATES.get(dt, ()) if split_tiles else ():
-        out.append((f"v10 wgmma{tiles} + dq_wgmma{mma_bwd.DQ_WGMMA_CONFIG[dt]}",
-                    dict(version="v10", deterministic=True, wgmma=tiles)))
-    for tiles in mma_bwd.DQ_CANDIDATES_V2.get(dt, ()):
-        out.append((f"v3 dq{tiles}", dict(version="v3", deterministic=True, dq_config=tiles)))
-    for tiles in mma_bwd.FUSED_CANDIDATES.get(dt, ()):
-        eager = len(tiles) > 6 and tiles[6]  # ordered release timing: no atomic variant
-        for deterministic in (True,) if eager else (True, False):
-            out.append((f"v4 fused{tiles} {'ordered' if deterministic else 'atomic'} dq",
-                        dict(version="v4", deterministic=deterministic, fused=tiles)))
-    return out
+    out = []
+    for deterministic in (True, False):
+        kernels = mma_bwd.plan("bfloat16", dt, False, deterministic).kernels
+        out.append((f"default {kernels.dkdv}{kernels.dkdv_tiles} {kernels.dq_add} dq"
+                    + (f" + {kernels.dq}{kernels.dq_tiles}" if kernels.dq else ""),
+                    dict(deterministic=deterministic)))
+    return out + (dev.entries(dt, current_arch()) if dev is not None else [])
 
 
 def _bwd_inputs(batch, seqlen, nheads, headdim, dtype, causal, n_sets=2, seed=0):
@@ -248,8 +221,8 @@ error relative to 2x that of standard attention in the same dtype; ok <= 1). A w
 row of cupyflash.plans.FORWARD_TILES by hand, and a new version in dev/, with the numbers in
 docs/perf-log.md. Without dev/ (an installed wheel) only the plan is timed, and the tuner says so.
 
---direction bwd times every backward version (mma_bwd.VERSIONS, deterministic and atomic) and
-each dQ / fused candidate the same way. Needs a GPU. Exit status: 0 every variant timed passed
+--direction bwd times the backward's plan (deterministic and not), then every version and
+candidate of dev/mma_bwd.py, the same way. Needs a GPU. Exit status: 0 every variant timed passed
 its check, 1 some variant failed it, 2 bad arguments, 3 no usable GPU."""
 
 
@@ -267,9 +240,9 @@ def configure(parser) -> None:
     parser.add_argument("--only", nargs="+", default=None, metavar="TEXT",
                         help="time only the variants whose label contains one of these strings")
     parser.add_argument("--direction", default="fwd", choices=["fwd", "bwd"],
-                        help="bwd: time every backward version (mma_bwd.VERSIONS) and dQ candidate")
+                        help="bwd: the backward's plan and every version and candidate of dev/mma_bwd.py")
     parser.add_argument("--dev", metavar="DIR", default=None,
-                        help="the dev/ folder of the forward's versions (default: this source checkout's)")
+                        help="the dev/ folder of the versions (default: this source checkout's)")
     parser.add_argument("--quiet", action="store_true", help="no progress line")
 
 
@@ -277,7 +250,7 @@ def _variants(direction: str, headdims, dtype=None, dev=None) -> list[tuple[int,
     """(headdim, label, description, variant) of every variant to check and time; ``dev``: the
     loaded dev/mma_fwd.py, or None."""
     if direction == "bwd":
-        return [(d, label, "", kwargs) for d in headdims for label, kwargs in _bwd_candidates(d)]
+        return [(d, label, "", kwargs) for d in headdims for label, kwargs in _bwd_candidates(d, dev)]
     from ..kernels import mma_fwd
 
     return [(d, label, _describe(config), config) for d in headdims
@@ -285,15 +258,18 @@ def _variants(direction: str, headdims, dtype=None, dev=None) -> list[tuple[int,
 
 
 def _dev_for(args):
-    """dev/mma_fwd.py for a forward run, or None after saying on stderr why it is not there."""
+    """dev/mma_fwd.py (or dev/mma_bwd.py with --direction bwd), or None after saying on stderr why
+    it is not there."""
+    backward = args.direction == "bwd"
+    name = "mma_bwd.py" if backward else "mma_fwd.py"
     folder = Path(args.dev) if args.dev else dev_dir()
-    dev = load_dev_forward(folder) if folder is not None else None
+    dev = (load_dev_backward if backward else load_dev_forward)(folder) if folder is not None else None
     if dev is None:
-        where = (f"{folder} has no mma_fwd.py" if folder is not None else
+        where = (f"{folder} has no {name}" if folder is not None else
                  "this installation has no dev/ folder (a wheel ships only the library)")
-        print(f"cupyflash tune: note: {where}; timing the shipped plan only. The superseded forward "
-              "versions and candidates are in a source checkout's dev/mma_fwd.py (or pass --dev DIR).",
-              file=sys.stderr)
+        print(f"cupyflash tune: note: {where}; timing the shipped plan only. The superseded "
+              f"{'backward' if backward else 'forward'} versions and candidates are in a source checkout's "
+              f"dev/{name} (or pass --dev DIR).", file=sys.stderr)
     return dev
 
 
@@ -309,7 +285,7 @@ def run(args) -> int:
         return cli.EXIT_UNAVAILABLE
     dtype = SUPPORTED[args.dtype]
     backward = args.direction == "bwd"
-    dev = None if backward else _dev_for(args)
+    dev = _dev_for(args)
     variants = [v for v in _variants(args.direction, args.headdim, dtype, dev)
                 if not args.only or any(text in v[1] for text in args.only)]
     if not variants:

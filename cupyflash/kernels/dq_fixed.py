@@ -23,7 +23,7 @@ import math
 import numpy as np
 
 from ._module import Specialization, launch, row_strides
-from .mma_bwd import _CTYPE, _SHORT, D_TILES, d_tile
+from .constants import CTYPES, SHORT_NAMES, SIXTEEN_BIT, TENSOR_CORE_D_TILES, d_tile
 from .._dtypes import dtype_name
 
 _SOURCE = "flash_bwd_dq_fixed.cu"
@@ -33,26 +33,26 @@ KV_BOUND_ROWS = 128  # key rows per block of flash_bwd_kv_bounds (ROWS in the ke
 
 def kv_bounds_spec(dtype, dt: int) -> Specialization:
     name = dtype_name(dtype)
-    return Specialization(f"flash_bwd_kv_bounds_{_SHORT[name]}_hdim{dt}", _SOURCE,
-                          f"cf::flash_bwd_kv_bounds<{_CTYPE[name]}, {dt}>", ROW_THREADS, 0)
+    return Specialization(f"flash_bwd_kv_bounds_{SHORT_NAMES[name]}_hdim{dt}", _SOURCE,
+                          f"cf::flash_bwd_kv_bounds<{CTYPES[name]}, {dt}>", ROW_THREADS, 0)
 
 
 def preprocess_spec(dtype, dt: int) -> Specialization:
     name = dtype_name(dtype)
-    return Specialization(f"flash_bwd_preprocess_fixed_{_SHORT[name]}_hdim{dt}", _SOURCE,
-                          f"cf::flash_bwd_preprocess_fixed<{_CTYPE[name]}, {dt}>", ROW_THREADS, 0)
+    return Specialization(f"flash_bwd_preprocess_fixed_{SHORT_NAMES[name]}_hdim{dt}", _SOURCE,
+                          f"cf::flash_bwd_preprocess_fixed<{CTYPES[name]}, {dt}>", ROW_THREADS, 0)
 
 
 def convert_spec(dtype) -> Specialization:
     name = dtype_name(dtype)
-    return Specialization(f"flash_bwd_dq_convert_fixed_{_SHORT[name]}", _SOURCE,
-                          f"cf::flash_bwd_dq_convert_fixed<{_CTYPE[name]}>", ROW_THREADS, 0)
+    return Specialization(f"flash_bwd_dq_convert_fixed_{SHORT_NAMES[name]}", _SOURCE,
+                          f"cf::flash_bwd_dq_convert_fixed<{CTYPES[name]}>", ROW_THREADS, 0)
 
 
 def specializations() -> list[Specialization]:
     """Every specialization these launchers use (for the compile check)."""
-    return [spec for name in _CTYPE
-            for spec in ([kv_bounds_spec(name, dt) for dt in D_TILES] + [preprocess_spec(name, dt) for dt in D_TILES]
+    return [spec for name in SIXTEEN_BIT
+            for spec in ([kv_bounds_spec(name, dt) for dt in TENSOR_CORE_D_TILES] + [preprocess_spec(name, dt) for dt in TENSOR_CORE_D_TILES]
                          + [convert_spec(name)])]
 
 

@@ -18,6 +18,7 @@ import math
 import numpy as np
 
 from ._module import _max_smem_optin, device_arch, launch
+from .constants import LOG2E, TENSOR_CORE_D_TILES
 from .. import plans
 from ..masks import KINDS, Mask, mask_for
 from ..plans import (LARGE_SMEM_BYTES, ROW_STATES, FwdConfig, ForwardPlan, WgmmaFwdConfig, smem_bytes,
@@ -26,8 +27,7 @@ from ..plans import (LARGE_SMEM_BYTES, ROW_STATES, FwdConfig, ForwardPlan, Wgmma
 __all__ = ["forward", "specialization", "specializations", "supports", "d_tile", "FwdConfig", "WgmmaFwdConfig",
            "ROW_STATES", "LARGE_SMEM_BYTES", "smem_bytes", "wgmma_smem_bytes"]
 
-D_TILES = plans.TENSOR_CORE_D_TILES
-LOG2E = 1.4426950408889634
+D_TILES = TENSOR_CORE_D_TILES
 
 
 def current_arch() -> str | None:

@@ -11,13 +11,12 @@ import math
 import numpy as np
 
 from ._module import Specialization, backward_is_empty, launch, row_strides
-from .. import plans
-from .._dtypes import SHORT_NAMES, dtype_name, is_float64
+from .constants import CTYPES, LOG2E, SIMT_D_TILES
+from .. import backward_plans, plans
+from .._dtypes import is_float64
 from ..masks import KINDS, Mask, mask_for
 
-D_TILES = plans.SIMT_D_TILES
-
-LOG2E = 1.4426950408889634
+D_TILES = SIMT_D_TILES
 
 
 def d_tile(headdim: int) -> int:
@@ -35,9 +34,7 @@ def _spec(kind: str, dtype, headdim: int, mask: Mask | bool) -> Specialization:
 
 
 def _preprocess_spec(dtype) -> Specialization:
-    name_dtype = dtype_name(dtype)
-    return Specialization(f"flash_bwd_preprocess_{SHORT_NAMES[name_dtype]}", "flash_bwd_simt.cu",
-                          f"cf::flash_bwd_preprocess<{plans.CTYPES[name_dtype]}>", 128, 0)
+    return backward_plans.preprocess_spec(dtype)
 
 
 def specialization(kind: str, dtype, headdim: int, mask: Mask | bool) -> Specialization:
@@ -47,7 +44,7 @@ def specialization(kind: str, dtype, headdim: int, mask: Mask | bool) -> Special
 def specializations() -> list[Specialization]:
     """Every specialization the dispatcher can launch (for the compile check)."""
     out = []
-    for dtype in plans.CTYPES:
+    for dtype in CTYPES:
         out.append(_preprocess_spec(dtype))
         for dt in D_TILES:
             for mask in KINDS:
@@ -87,26 +84,29 @@ def backward_preprocess(do, o):
         return delta
     args = (do, o, delta, np.int32(batch), np.int32(seqlen_q), np.int32(nheads), np.int32(headdim),
             *row_strides(do), *row_strides(o))
-    launch(_preprocess_spec(o.dtype), (math.ceil(rows / 4), 1, 1), args)
+    launch(_preprocess_spec(o.dtype), (math.ceil(rows / backward_plans.PREPROCESS_ROWS), 1, 1), args)
     return delta
 
 
 def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: bool,
              deterministic: bool = True, window_size=(-1, -1)) -> None:
-    """dq, dk, dv (preallocated, C-contiguous) from the saved lse. Always deterministic."""
+    """dq, dk, dv (preallocated, C-contiguous) from the saved lse, by the plan of
+    backward_plans.plan_backward (D, then the dK/dV kernel, then the dQ kernel). Always
+    deterministic."""
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     if backward_is_empty(q, k, dq, dk, dv):
         return
     mask = mask_for(causal, window_size)
+    plan = backward_plans.plan_backward(None, q.dtype, headdim, mask, None, True, family="simt")
+    grids = {launch.role: launch.grid(batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim)
+             for launch in plan.launches}
     delta = backward_preprocess(do, o)
-    bm, bn, _ = tile_config(q.dtype, headdim)
     common = (np.int32(seqlen_q), np.int32(seqlen_k), np.int32(nheads),
               np.int32(nheads // nheads_kv), np.int32(headdim),
               *row_strides(q), *row_strides(k), *row_strides(v), *row_strides(do))
     scales = (_acc_scalar(q.dtype, softmax_scale * LOG2E), _acc_scalar(q.dtype, softmax_scale),
               *mask.window_args())
-    launch(_spec("dkdv", q.dtype, headdim, mask), (math.ceil(seqlen_k / bn), nheads_kv, batch),
+    launch(plan.spec("dkdv"), grids["dkdv"],
            (q, k, v, do, lse, delta, dk, dv, *common, *row_strides(dk), *row_strides(dv), *scales))
-    launch(_spec("dq", q.dtype, headdim, mask), (math.ceil(seqlen_q / bm), nheads, batch),
-           (q, k, v, do, lse, delta, dq, *common, *row_strides(dq), *scales))
+    launch(plan.spec("dq"), grids["dq"], (q, k, v, do, lse, delta, dq, *common, *row_strides(dq), *scales))

@@ -1,0 +1,533 @@
+"""Backward plans: which kernels a backward call launches, in which order, with which tiles and
+under which specialization names.
+
+``plan_backward(arch, dtype, headdim, mask, smem_optin, deterministic)`` is, like
+``cupyflash.plans.plan_forward``, a pure function of the problem and the device's two numbers that
+matter: it makes no CUDA call. What runs on sm_90 at d128 with ``deterministic=True`` is the row
+``(SM90, 128, True)`` of ``BACKWARD_KERNELS``. ``deterministic`` is read here once and becomes the
+plan's ``dq_add`` (``DQ_ADDS``: how dQ is formed), the one encoding the launcher and the kernels'
+specializations see from then on.
+
+This module also holds the tile tables and specialization builders of the tensor-core backward
+kernels (``kernels_cu/flash_bwd_mma.cu``, ``flash_bwd_fused_mma.cu``, ``flash_bwd_wgmma.cu``,
+``flash_bwd_wgmma_dsplit.cu``, ``flash_bwd_dq_wgmma.cu``); ``kernels/mma_bwd.py`` launches a plan
+and keeps no tables. The versions that led here (v1-v10) and the tuner's candidates are in the
+repository's ``dev/mma_bwd.py``, with their numbers in docs/perf-log.md.
+
+Tile sizes, per head-dim tile D_TILE (64, 128 or 256, the smallest that holds the head dim).
+Registers per thread are what limit them (255 at most, and no spills):
+
+* dK/dV: a warp owns 16 key rows and DW = D_TILE / WARPS_D columns of dK and dV, that is
+  DW fp32 accumulator registers per thread, plus M_SUB for the S^T and dP^T of one sub-block of
+  M_SUB query columns. D_TILE = 128: 128 + 32 (M_SUB = 64 spills). D_TILE = 256 needs
+  WARPS_D = 2 (two warps per key-row group, partial S^T and dP^T swapped through shared memory).
+  BLOCK_M, the query rows per pipeline stage (and the dS block of the atomic dQ), may exceed
+  M_SUB: the CTA then walks a query block in BLOCK_M / M_SUB steps between two barriers.
+* dQ: a warp owns 16 query rows: D_TILE / 2 accumulator registers plus BLOCK_N for S and dP.
+
+Shared memory (bytes; mirrored by DkdvSmem / DqSmem in flash_bwd_mma.cu): K, V of the key block,
+two stages of Q, dO (and lse, D) per query block, the 16-bit dS^T block (atomic dQ) and the
+partial-sum exchange (WARPS_D = 2). The mma.sync rows fit sm_80's 163 KiB (the largest, the atomic
+head-dim-256 dK/dV kernel, takes 148.5 KiB); GPUs with 99 KiB per block (sm_86, sm_89) can run
+only head-dim tile 64 (the launch refuses the others with the bytes they need). The wgmma kernels
+take up to 218 KiB (sm_90 only).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from ._dtypes import dtype_name, is_16bit
+from .kernels import dq_fixed
+from .kernels._module import Specialization
+from .kernels.constants import CTYPES, SHORT_NAMES, SIXTEEN_BIT, TENSOR_CORE_D_TILES
+from .kernels.constants import d_tile as _d_tile
+from .masks import Local, Mask, as_mask
+from .plans import SIMT_D_TILES, mma_headdim, simt_specialization, simt_tiles
+
+__all__ = ["BackwardPlan", "BackwardKernels", "BACKWARD_KERNELS", "DQ_ADDS", "plan_backward", "backward_plan",
+           "backward_device_class", "SM90", "MMA_SYNC"]
+
+D_TILES = TENSOR_CORE_D_TILES
+CONVERT_THREADS = 256
+_SOURCE = "flash_bwd_mma.cu"
+
+
+def d_tile(headdim: int) -> int:
+    return _d_tile(headdim, D_TILES)
+
+
+def supports(dtype, headdim: int) -> bool:
+    """fp16/bf16 with headdim a multiple of 8 in [8, 256] (the dispatcher checks strides)."""
+    try:
+        name = dtype_name(dtype)
+    except ValueError:
+        return False
+    return name in SIXTEEN_BIT and 8 <= headdim <= D_TILES[-1] and headdim % 8 == 0
+
+
+# --- tiles of each kernel ---------------------------------------------------------------------
+
+# D_TILE -> (BLOCK_M, M_SUB, BLOCK_N, NWARPS, WARPS_D); BLOCK_N = 16 * NWARPS / WARPS_D.
+DKDV_CONFIG = {64: (64, 64, 128, 8, 1), 128: (64, 32, 128, 8, 1), 256: (32, 16, 64, 8, 2)}
+# D_TILE -> (BLOCK_M, BLOCK_N, NWARPS); BLOCK_M = 16 * NWARPS.
+DQ_CONFIG = {64: (64, 64, 4), 128: (128, 64, 8), 256: (64, 32, 4)}
+
+# flash_bwd_dq_mma_v2: D_TILE -> (BLOCK_M, BLOCK_N, NWARPS, ROW_GROUPS); BLOCK_M = 16 * ROW_GROUPS
+# * NWARPS. Head dim 256 has no entry: two 16-row dQ accumulators would take 256 registers.
+DQ_CONFIG_V2 = {64: (128, 32, 4, 2), 128: (128, 32, 4, 2)}
+
+# flash_bwd_dkdv_mma_v2: D_TILE -> (BLOCK_M, M_SUB, BLOCK_N, NWARPS, ROW_GROUPS); BLOCK_N = 16 *
+# ROW_GROUPS * NWARPS. Head dim 64 only: two 16-row groups of dK and dV take 4 D_TILE / 8
+# accumulator registers per thread (256 at head dim 128).
+DKDV_CONFIG_V2 = {64: (64, 32, 128, 4, 2)}
+# With a window's left bound and the atomic dQ it needs more than 255 registers (ptxas spills 24-36
+# bytes at sm_80 / sm_90), so v1's kernel runs there instead.
+
+# flash_bwd_dkdv_mma_split (v3, deterministic path only: with the atomic dQ it spills): D_TILE ->
+# (BLOCK_M, M_SUB, BLOCK_N, NWARPS, ROW_GROUPS); BLOCK_N = 16 * ROW_GROUPS * NWARPS / 2. Shared
+# memory 161 KiB (d128) and 144.5 KiB (d256): both fit sm_80's 163 KiB. At d256 one 16-row group
+# per pair (128 accumulator registers per warp) replaces v1's head-dim split and its partial-sum
+# exchange of S^T and dP^T.
+DKDV_CONFIG_SPLIT = {128: (64, 32, 128, 8, 2), 256: (32, 32, 64, 8, 1)}
+
+# flash_bwd_fused_mma (v4): D_TILE -> (BLOCK_M, BLOCK_N, WARPS_N, WARPS_D, DQ_WARPS_M, S_UNROLL). A warp owns
+# BLOCK_N / WARPS_N key rows x D_TILE / WARPS_D columns of dK and dV (accumulators), the same key
+# rows x BLOCK_M / WARPS_D query columns of S^T and dP^T, and BLOCK_M / DQ_WARPS_M query rows x
+# D_TILE / (8 / DQ_WARPS_M) columns of each step's dQ; S_UNROLL k-steps of S^T and dP^T are unrolled
+# (fewer hold fewer fragments in flight). With P_PACKED (8th entry, see below) d128 runs 2 of its 8
+# k-steps unrolled (4 spill in the fp16 ordered kernel): tuner, bf16 16k atomic, 255.8 / 260.3
+# TFLOP/s (u1, non-causal / causal) -> 262.0 / 266.7 (u4: 261.7 / 271.1). d256 unrolls all 16
+# (202.5 / 207.8 at u2 -> 213.4 / 210.8). Shared
+# memory: d64 97 KiB, d128 161 KiB (fits sm_80), d256 209 KiB (sm_90 only).
+# Head dim 64 has no entry: there v4 runs v3's kernels (the tuner measured the fused kernel at
+# 0.82x of flash_bwd_dkdv_mma_v2 with atomic dQ: at 64 columns a query block is too little work
+# per barrier and per P^T / dS^T round trip).
+FUSED_CONFIG = {128: (64, 128, 4, 2, 2, 2, 0, 1), 256: (64, 64, 2, 4, 2, 16)}
+
+# flash_bwd_wgmma (v6, sm_90a): D_TILE -> (BLOCK_M, BLOCK_N); BLOCK_N / 64 warpgroups, each owning 64
+# key rows: 64 x D_TILE dK and dV accumulators (D_TILE / 2 registers each per thread) and 64 x BLOCK_M
+# S^T and dP^T (BLOCK_M / 2 each). d128: 128 + 64 with BLOCK_M = 64; d64: 64 + 128 with BLOCK_M = 128.
+# d256 would need 256 registers for dK and dV alone: flash_bwd_wgmma_dsplit (64 x 64 blocks) gives
+# each of its two warpgroups half of the head dim instead, and S^T to one, dP^T to the other.
+WGMMA_CONFIG = {64: (128, 128), 128: (64, 128), 256: (64, 64)}
+
+# How dQ is formed, the one encoding of ``deterministic`` (kernels_cu/dq_add.cuh): float32 adds in any
+# order (not deterministic), float32 adds in key-block order, int64 fixed point (exact, so
+# reproducible in any order); none: no dQ in the dK/dV kernel, a dQ kernel of its own computes it
+# (flash_bwd_dq_mma, flash_bwd_dq_wgmma; deterministic).
+DQ_ADDS = ("atomic", "ordered", "fixed", "fixed_panels", "none")
+# DQ_ADDS entries that add int64 fixed point (an int64 dq_accum, row scales, dq_fixed's convert).
+FIXED_DQ_ADDS = ("fixed", "fixed_panels")
+# The head-dim tiles that have a fixed-point wgmma kernel at all (flash_bwd_wgmma; not dsplit).
+WGMMA_FIXED_KERNEL_D_TILES = (64, 128)
+
+# flash_bwd_dq_wgmma (v10, sm_90a): D_TILE -> (BLOCK_M, BLOCK_N, K_STAGES); BLOCK_M / 64 warpgroups,
+# each owning 64 query rows: a 64 x D_TILE dQ accumulator (D_TILE / 2 registers per thread) and
+# 64 x BLOCK_N S and dP (BLOCK_N / 2 each). Q and dO stay in shared memory for the CTA's life; K
+# has K_STAGES stages (2: dS K_j is waited for before the next barrier; 3: it runs on across it),
+# V two. Measured (bf16, whole backward in TFLOP/s at 16k / 16k causal / 2k / 2k causal;
+# docs/perf-log.md, mma-bwd-v10): d64 (128, 128, 2) 303 / 293 / 266 / 217 against (128, 64, 2)'s
+# 286 / 280 / 251 / 209; d128 (128, 64, 2) 356 / 358 / 327 / 264 (BLOCK_N 128 spills there);
+# d256 (128, 32, 2) 306 / 306 / 277 / 232 against K_STAGES 3's 302 / 305 / 263 / 230. K_STAGES 3
+# at d64 and d128 compiles with its wgmma serialized by ptxas (C7515), so it is no candidate there.
+DQ_WGMMA_CONFIG = {64: (128, 128, 2), 128: (128, 64, 2), 256: (128, 32, 2)}
+
+
+# --- specializations ---------------------------------------------------------------------------
+
+def dkdv_smem_bytes(dt: int, block_m: int, m_sub: int, block_n: int, nwarps: int, warps_d: int,
+                    atomic_dq: bool) -> int:
+    """Mirror of DkdvSmem<...>::BYTES in flash_bwd_mma.cu."""
+    kv = 2 * block_n * dt * 2  # K, V
+    qdo = 2 * 2 * block_m * dt * 2  # Q, dO, two stages each
+    ds = block_n * block_m * 2 if atomic_dq else 0
+    xchg = nwarps * 2 * (m_sub // 8) * 32 * 16 if warps_d > 1 else 0
+    stats = 2 * 2 * block_m * 4  # lse, D, two stages each
+    return kv + qdo + ds + xchg + stats
+
+
+def dq_smem_bytes(dt: int, block_m: int, block_n: int) -> int:
+    """Mirror of DqSmem<...>::BYTES in flash_bwd_mma.cu."""
+    return 2 * block_m * dt * 2 + 2 * 2 * block_n * dt * 2
+
+
+
+def _flag(x: bool) -> str:
+    return "true" if x else "false"
+
+
+
+def dkdv_split_smem_bytes(dt: int, block_m: int, m_sub: int, block_n: int, nwarps: int, row_groups: int,
+                          atomic_dq: bool) -> int:
+    """Mirror of DkdvSplitSmem<...>::BYTES: the v1 layout (WARPS_D = 1) plus two P^T slots per pair."""
+    slot = row_groups * (m_sub // 8) * 32 * 16
+    return dkdv_smem_bytes(dt, block_m, m_sub, block_n, nwarps, 1, atomic_dq) + (nwarps // 2) * 2 * slot
+
+
+
+def dq_smem_bytes_v2(dt: int, block_m: int, block_n: int) -> int:
+    """Mirror of DqSmemV2<...>::BYTES: v1's tiles plus lse and D of the block's rows."""
+    return dq_smem_bytes(dt, block_m, block_n) + 2 * block_m * 4
+
+
+
+def convert_spec(dtype) -> Specialization:
+    name = dtype_name(dtype)
+    return Specialization(f"flash_bwd_dq_convert_{SHORT_NAMES[name]}", _SOURCE,
+                          f"cf::flash_bwd_dq_convert<{CTYPES[name]}>", CONVERT_THREADS, 0)
+
+
+
+def fused_smem_bytes(dt: int, block_m: int, block_n: int) -> int:
+    """Mirror of FusedSmem<...>::BYTES in flash_bwd_fused_mma.cu: K, V; two stages of Q, dO; P^T,
+    dS^T; two stages of lse and D."""
+    return 2 * block_n * dt * 2 + 2 * 2 * block_m * dt * 2 + 2 * block_n * block_m * 2 + 2 * 2 * block_m * 4
+
+
+def fused_spec(dtype, headdim: int, causal: Mask | bool, dq_add: str,
+               config: tuple | None = None) -> Specialization:
+    """flash_bwd_fused_mma with dQ added in key-block order (``dq_add`` "ordered") or unordered
+    ("atomic"); ``causal`` the mask policy or a causal flag (the ordered adds take no window)."""
+    mask = as_mask(causal)
+    if dq_add not in ("ordered", "atomic"):
+        raise ValueError(f"cupyflash: the fused kernel adds dQ ordered or atomic, not {dq_add!r}")
+    ordered = dq_add == "ordered"
+    if isinstance(mask, Local) and ordered:
+        raise ValueError("cupyflash: the ordered dQ adds need every key block, so they take no window")
+    name = dtype_name(dtype)
+    dt = d_tile(headdim)
+    bm, bn, wn, wd, dqm, unroll, *extra = tuple(config or FUSED_CONFIG[dt])
+    eager = bool(extra and extra[0]) and ordered
+    packed = len(extra) > 1 and bool(extra[1])
+    spec_name = (f"flash_bwd_fused_mma_{SHORT_NAMES[name]}_hdim{dt}_{mask.name}"
+                 f"_bm{bm}_bn{bn}_wn{wn}_wd{wd}_dqm{dqm}_u{unroll}_{'dqordered' if ordered else 'dqatomic'}"
+                 f"{'_eager' if eager else ''}{'_p16' if packed else ''}")
+    expression = (f"cf::flash_bwd_fused_mma<{CTYPES[name]}, {dt}, {mask.cpp}, {bm}, {bn}, {wn}, {wd}, "
+                  f"{dqm}, {unroll}, {_flag(ordered)}, {_flag(eager)}, {_flag(packed)}>")
+    return Specialization(spec_name, "flash_bwd_fused_mma.cu", expression, wn * wd * 32,
+                          fused_smem_bytes(dt, bm, bn))
+
+
+DQ_STAGE_ROW = 64 * 8 + 64  # bytes per row of a fixed-point dQ staging tile (kernels_cu/dq_add.cuh)
+
+
+def wgmma_smem_bytes(dt: int, block_m: int, block_n: int, dq_add: str = "atomic") -> int:
+    """Mirror of WgmmaSmem<...>::BYTES in flash_bwd_wgmma.cu (K, V; two stages of Q, dO; dS^T; two
+    stages of lse and D; with fixed-point dQ a 64-row int64 staging tile per warpgroup, rows
+    DQ_STAGE_ROW bytes apart, or 512 with fixed_panels) or, at d256,
+    of DsplitSmem in flash_bwd_wgmma_dsplit.cu (P^T as well, no staging), plus 1024 bytes to align
+    the base for the 128-byte swizzle."""
+    pt = block_n * block_m * 2 if dt == 256 else 0
+    stage_row = {"fixed": DQ_STAGE_ROW, "fixed_panels": 512}.get(dq_add, 0) if dt != 256 else 0
+    stage = block_n // 64 * 64 * stage_row
+    return (2 * block_n * dt * 2 + 2 * 2 * block_m * dt * 2 + block_n * block_m * 2 + pt + 2 * 2 * block_m * 4
+            + stage + 1024)
+
+
+def wgmma_spec(dtype, headdim: int, causal: Mask | bool, dq_add: str, config: tuple | None = None) -> Specialization:
+    """flash_bwd_wgmma, or flash_bwd_wgmma_dsplit at head-dim tile 256 (two warpgroups of 128
+    threads); ``dq_add`` is one of DQ_ADDS (kernels_cu/dq_add.cuh); ``causal`` the mask policy
+    (kernels_cu/mask.cuh) or a causal flag."""
+    mask = as_mask(causal)
+    if isinstance(mask, Local) and dq_add == "ordered":
+        raise ValueError("cupyflash: the ordered dQ adds need every key block, so they take no window")
+    if dq_add not in DQ_ADDS:
+        raise ValueError(f"cupyflash: unknown dQ add mode {dq_add!r} (known: {', '.join(DQ_ADDS)})")
+    name = dtype_name(dtype)
+    dt = d_tile(headdim)
+    if dq_add in FIXED_DQ_ADDS and dt not in WGMMA_FIXED_KERNEL_D_TILES:
+        raise ValueError(f"cupyflash: no fixed-point wgmma backward at head-dim tile {dt}")
+    bm, bn = tuple(config or WGMMA_CONFIG[dt])
+    kernel = "flash_bwd_wgmma_dsplit" if dt == 256 else "flash_bwd_wgmma"
+    spec_name = f"{kernel}_{SHORT_NAMES[name]}_hdim{dt}_{mask.name}_bm{bm}_bn{bn}_dq{dq_add}"
+    expression = f"cf::{kernel}<{CTYPES[name]}, {dt}, {mask.cpp}, {bm}, {bn}, cf::DqAdd::{dq_add}>"
+    threads = 256 if dt == 256 else bn // 64 * 128
+    return Specialization(spec_name, f"{kernel}.cu", expression, threads, wgmma_smem_bytes(dt, bm, bn, dq_add),
+                          arch="90a")
+
+
+def dq_wgmma_smem_bytes(dt: int, block_m: int, block_n: int, k_stages: int) -> int:
+    """Mirror of DqWgmmaSmem<...>::BYTES in flash_bwd_dq_wgmma.cu (Q, dO; K_STAGES stages of K, two of
+    V), plus 1024 bytes to align the base for the 128-byte swizzle."""
+    return 2 * block_m * dt * 2 + (k_stages + 2) * block_n * dt * 2 + 1024
+
+
+def dq_wgmma_spec(dtype, headdim: int, causal: Mask | bool, config: tuple | None = None) -> Specialization:
+    """flash_bwd_dq_wgmma (v10): dQ with the query block outermost, BLOCK_M / 64 warpgroups;
+    ``causal`` the mask policy or a causal flag."""
+    mask = as_mask(causal)
+    name = dtype_name(dtype)
+    dt = d_tile(headdim)
+    bm, bn, stages = tuple(config or DQ_WGMMA_CONFIG[dt])
+    spec_name = f"flash_bwd_dq_wgmma_{SHORT_NAMES[name]}_hdim{dt}_{mask.name}_bm{bm}_bn{bn}_k{stages}"
+    expression = f"cf::flash_bwd_dq_wgmma<{CTYPES[name]}, {dt}, {mask.cpp}, {bm}, {bn}, {stages}>"
+    return Specialization(spec_name, "flash_bwd_dq_wgmma.cu", expression, bm // 64 * 128,
+                          dq_wgmma_smem_bytes(dt, bm, bn, stages), arch="90a")
+
+
+
+# The mma.sync dK/dV kernels: "v1" flash_bwd_dkdv_mma (DKDV_CONFIG, last entry WARPS_D), "v2"
+# flash_bwd_dkdv_mma_v2 (DKDV_CONFIG_V2) and "split" flash_bwd_dkdv_mma_split (DKDV_CONFIG_SPLIT;
+# last entry ROW_GROUPS).
+DKDV_KERNELS = {"v1": DKDV_CONFIG, "v2": DKDV_CONFIG_V2, "split": DKDV_CONFIG_SPLIT}
+
+
+def dkdv_spec(dtype, headdim: int, causal: Mask | bool, dq_add: str, kernel: str | None = None,
+              tiles: tuple | None = None) -> Specialization:
+    """An mma.sync dK/dV kernel (``kernel`` a key of DKDV_KERNELS; None: the one the mma.sync plan
+    runs) with dQ added by float32 atomics (``dq_add`` "atomic") or left to a dQ kernel ("none");
+    ``causal`` the mask policy (kernels_cu/mask.cuh) or a causal flag."""
+    mask = as_mask(causal)
+    if dq_add not in ("atomic", "none"):
+        raise ValueError(f"cupyflash: the mma.sync dK/dV kernels add dQ atomic or not at all, not {dq_add!r}")
+    atomic_dq = dq_add == "atomic"
+    name = dtype_name(dtype)
+    dt = d_tile(headdim)
+    if kernel is None:
+        kernel, tiles = mma_sync_dkdv(dt, dq_add, mask)
+    bm, ms, bn, nw, last = tuple(tiles or DKDV_KERNELS[kernel][dt])
+    suffix, last_name = {"v1": ("", "wd"), "v2": ("_v2", "rg"), "split": ("_split", "rg")}[kernel]
+    spec_name = (f"flash_bwd_dkdv_mma{suffix}_{SHORT_NAMES[name]}_hdim{dt}_{mask.name}"
+                 f"_bm{bm}_ms{ms}_bn{bn}_w{nw}_{last_name}{last}{'_dqatomic' if atomic_dq else ''}")
+    expression = (f"cf::flash_bwd_dkdv_mma{suffix}<{CTYPES[name]}, {dt}, {mask.cpp}, {bm}, {ms}, {bn}, "
+                  f"{nw}, {last}, {_flag(atomic_dq)}>")
+    if kernel == "split":
+        smem = dkdv_split_smem_bytes(dt, bm, ms, bn, nw, last, atomic_dq)
+    else:  # v2 keeps v1's layout with one warp per key-row group
+        smem = dkdv_smem_bytes(dt, bm, ms, bn, nw, last if kernel == "v1" else 1, atomic_dq)
+    return Specialization(spec_name, _SOURCE, expression, nw * 32, smem)
+
+
+def dq_spec(dtype, headdim: int, causal: Mask | bool, config: tuple | None = None) -> Specialization:
+    """flash_bwd_dq_mma (a 3-tuple config) or flash_bwd_dq_mma_v2 (a 4-tuple with ROW_GROUPS; None:
+    the mma.sync plan's tiles); ``causal`` the mask policy or a causal flag."""
+    mask = as_mask(causal)
+    name = dtype_name(dtype)
+    dt = d_tile(headdim)
+    config = tuple(config or mma_sync_dq(dt))
+    if len(config) == 4:
+        bm, bn, nw, rg = config
+        spec_name = f"flash_bwd_dq_mma_v2_{SHORT_NAMES[name]}_hdim{dt}_{mask.name}_bm{bm}_bn{bn}_w{nw}_rg{rg}"
+        expression = f"cf::flash_bwd_dq_mma_v2<{CTYPES[name]}, {dt}, {mask.cpp}, {bm}, {bn}, {nw}, {rg}>"
+        return Specialization(spec_name, _SOURCE, expression, nw * 32, dq_smem_bytes_v2(dt, bm, bn))
+    bm, bn, nw = config
+    spec_name = f"flash_bwd_dq_mma_{SHORT_NAMES[name]}_hdim{dt}_{mask.name}_bm{bm}_bn{bn}_w{nw}"
+    expression = f"cf::flash_bwd_dq_mma<{CTYPES[name]}, {dt}, {mask.cpp}, {bm}, {bn}, {nw}>"
+    return Specialization(spec_name, _SOURCE, expression, nw * 32, dq_smem_bytes(dt, bm, bn))
+
+
+# --- the table --------------------------------------------------------------------------------
+
+class BackwardKernels(NamedTuple):
+    """One way to run a tensor-core backward: the dK/dV kernel and its tiles, how dQ is formed
+    (``dq_add``, an entry of DQ_ADDS) and, where the dK/dV kernel adds no dQ ("none"), the dQ kernel
+    and its tiles. Kernels: "dkdv_mma", "dkdv_mma_v2", "dkdv_mma_split", "fused_mma", "wgmma"
+    (flash_bwd_wgmma, or flash_bwd_wgmma_dsplit at head-dim tile 256); dQ: "dq_mma" (3 tiles, or
+    flash_bwd_dq_mma_v2 with 4) and "dq_wgmma"."""
+
+    dkdv: str
+    dkdv_tiles: tuple
+    dq_add: str
+    dq: str | None = None
+    dq_tiles: tuple | None = None
+    perf_log: str = ""  # the heading anchor of the docs/perf-log.md entry that chose the row
+
+
+# Device classes of the backward: sm_90 runs the wgmma kernels; every other device the mma.sync ones.
+SM90 = "sm_90"
+MMA_SYNC = "mma_sync"
+_V10 = "mma-bwd-v10-two-wgmma-kernels-no-dq-adds-the-default-on-sm_90"
+_V5 = "mma-bwd-v5-the-backward-default-until-v6-still-the-default-on-sm_80"
+
+# (class, head-dim tile, deterministic) -> BackwardKernels in order of preference: a plan takes the
+# first whose shared memory fits the device (or the last: its launch then refuses with the bytes it
+# needs). sm_90 (perf log mma-bwd-v10): with determinism, dK/dV by the wgmma kernel without dQ and
+# dQ by flash_bwd_dq_wgmma (the forward's work split, S and dP recomputed), no adds at all; without,
+# float32 atomic adds from the wgmma kernel at d64 and d128 (d128 367 / 363 / 320 / 260 TFLOP/s at
+# 16k / 16k causal / 2k / 2k causal against the split's 356 / 358 / 327 / 264, d64 311 / 305 / 268
+# / 218 against 303 / 293 / 266 / 217) and the split at d256 (306 / 306 / 277 / 232 against the
+# atomic dsplit kernel's 248 / 253 / 216 / 198). Other devices (mma-bwd-v5): with determinism two
+# kernels, dK/dV with 2 x 16 key rows per warp (d64) or warp pairs split into a dV and a dK warp
+# (d128, d256), dQ with 2 x 16 query rows per warp where registers allow; without, the fused
+# kernel (S and dP once per block pair) where it fits, else the dK/dV kernel with atomic dQ.
+BACKWARD_KERNELS = {
+    (SM90, 64, True): (BackwardKernels("wgmma", (128, 128), "none", "dq_wgmma", (128, 128, 2), _V10),),
+    (SM90, 128, True): (BackwardKernels("wgmma", (64, 128), "none", "dq_wgmma", (128, 64, 2), _V10),),
+    (SM90, 256, True): (BackwardKernels("wgmma", (64, 64), "none", "dq_wgmma", (128, 32, 2), _V10),),
+    (SM90, 64, False): (BackwardKernels("wgmma", (128, 128), "atomic", perf_log=_V10),),
+    (SM90, 128, False): (BackwardKernels("wgmma", (64, 128), "atomic", perf_log=_V10),),
+    (SM90, 256, False): (BackwardKernels("wgmma", (64, 64), "none", "dq_wgmma", (128, 32, 2), _V10),),
+    (MMA_SYNC, 64, True): (BackwardKernels("dkdv_mma_v2", (64, 32, 128, 4, 2), "none", "dq_mma", (128, 32, 4, 2), _V5),),
+    (MMA_SYNC, 128, True): (BackwardKernels("dkdv_mma_split", (64, 32, 128, 8, 2), "none", "dq_mma", (128, 32, 4, 2),
+                                            _V5),),
+    (MMA_SYNC, 256, True): (BackwardKernels("dkdv_mma_split", (32, 32, 64, 8, 1), "none", "dq_mma", (64, 32, 4), _V5),),
+    (MMA_SYNC, 64, False): (BackwardKernels("dkdv_mma_v2", (64, 32, 128, 4, 2), "atomic", perf_log=_V5),),
+    (MMA_SYNC, 128, False): (BackwardKernels("fused_mma", (64, 128, 4, 2, 2, 2, 0, 1), "atomic", perf_log=_V5),
+                             BackwardKernels("dkdv_mma", (64, 32, 128, 8, 1), "atomic", perf_log=_V5)),
+    (MMA_SYNC, 256, False): (BackwardKernels("fused_mma", (64, 64, 2, 4, 2, 16), "atomic", perf_log=_V5),
+                             BackwardKernels("dkdv_mma", (32, 16, 64, 8, 2), "atomic", perf_log=_V5)),
+}
+# flash_bwd_dkdv_mma_v2 with atomic dQ and a window's left bound needs more than 255 registers
+# (ptxas spills 24-36 bytes at sm_80 / sm_90): there flash_bwd_dkdv_mma runs (DKDV_CONFIG's tiles).
+_DKDV_KIND = {"dkdv_mma": "v1", "dkdv_mma_v2": "v2", "dkdv_mma_split": "split"}
+
+
+def mma_sync_dkdv(dt: int, dq_add: str, mask: Mask) -> tuple[str, tuple]:
+    """(DKDV_KERNELS key, tiles) of the mma.sync plan's dK/dV kernel with ``dq_add`` at head-dim tile
+    ``dt`` (the fused kernel's fallback where dQ is atomic)."""
+    row = BACKWARD_KERNELS[(MMA_SYNC, dt, dq_add != "atomic")][-1]
+    row = _without_spills(row, as_mask(mask), dt)
+    return _DKDV_KIND[row.dkdv], row.dkdv_tiles
+
+
+def mma_sync_dq(dt: int) -> tuple:
+    """The tiles of the mma.sync plan's dQ kernel at head-dim tile ``dt``."""
+    return BACKWARD_KERNELS[(MMA_SYNC, dt, True)][0].dq_tiles
+
+
+def _without_spills(row: BackwardKernels, mask: Mask, dt: int) -> BackwardKernels:
+    if row.dkdv == "dkdv_mma_v2" and row.dq_add == "atomic" and mask.HAS_LEFT:
+        return row._replace(dkdv="dkdv_mma", dkdv_tiles=DKDV_CONFIG[dt])
+    return row
+
+
+# --- the plan ---------------------------------------------------------------------------------
+
+class Launch(NamedTuple):
+    """One kernel of a plan: its specialization and what its grid's x dimension counts."""
+
+    role: str  # "preprocess", "kv_bounds", "preprocess_fixed", "dkdv", "dq", "convert"
+    spec: Specialization
+    per_block: int  # rows (keys for dkdv and kv_bounds, queries for dq), or elements, per block
+
+    def grid(self, batch: int, seqlen_q: int, seqlen_k: int, nheads: int, nheads_kv: int,
+             headdim: int) -> tuple[int, int, int]:
+        if self.role == "preprocess":
+            return math.ceil(batch * nheads * seqlen_q / self.per_block), 1, 1
+        if self.role == "convert":
+            return math.ceil(batch * seqlen_q * nheads * (headdim // 8) / self.per_block), 1, 1
+        if self.role in ("dkdv", "kv_bounds"):
+            return math.ceil(seqlen_k / self.per_block), nheads_kv, batch
+        return math.ceil(seqlen_q / self.per_block), nheads, batch  # dq, preprocess_fixed
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    """What a backward call launches, in order (``launches``)."""
+
+    family: str  # "mma" or "simt"
+    device_class: str  # the BACKWARD_KERNELS class ("simt" for the SIMT family, "explicit": given kernels)
+    headdim: int
+    d_tile: int
+    dq_add: str  # DQ_ADDS: how dQ is formed (the SIMT family's dQ kernel: "none")
+    kernels: BackwardKernels | None  # the tensor-core row (None for SIMT)
+    launches: tuple[Launch, ...]
+
+    @property
+    def deterministic(self) -> bool:
+        return self.dq_add != "atomic"
+
+    def spec(self, role: str) -> Specialization | None:
+        return next((launch.spec for launch in self.launches if launch.role == role), None)
+
+    def grids(self, batch: int, seqlen_q: int, seqlen_k: int, nheads: int, nheads_kv: int) -> list:
+        """[(specialization, grid)] of every launch, in order."""
+        return [(launch.spec, launch.grid(batch, seqlen_q, seqlen_k, nheads, nheads_kv, self.headdim))
+                for launch in self.launches]
+
+
+def backward_device_class(arch: str | None) -> str:
+    return SM90 if arch == "90" else MMA_SYNC
+
+
+def plan_backward(arch: str | None, dtype, headdim: int, mask: Mask | bool, smem_optin: int | None,
+                  deterministic: bool, family: str | None = None) -> BackwardPlan:
+    """The kernels a backward call with this dtype, head dim, mask and ``deterministic`` launches on
+    a device of compute capability ``arch`` whose blocks may opt in to ``smem_optin`` bytes (None,
+    None: not known). 16-bit dtypes run the tensor-core family at the head dim padded to a multiple
+    of 8 (as the dispatcher pads it); float32 / float64 the SIMT family, which is always
+    deterministic. ``family`` ("mma", "simt") overrides that choice."""
+    mask = as_mask(mask)
+    family = family or ("mma" if is_16bit(dtype) else "simt")
+    if family == "simt":
+        return _simt_plan(dtype, headdim, mask)
+    if family != "mma":
+        raise ValueError(f"cupyflash: unknown backward family {family!r} (known: mma, simt)")
+    headdim = mma_headdim(headdim)
+    where = backward_device_class(arch)
+    dt = d_tile(headdim)
+    rows = BACKWARD_KERNELS[(where, dt, bool(deterministic))]
+    row = next((r for r in rows if smem_optin is None or _dkdv_spec(dtype, dt, mask, r).smem_bytes <= smem_optin),
+               rows[-1])
+    return _plan(dtype, headdim, mask, _without_spills(row, mask, dt), where)
+
+
+def backward_plan(dtype, headdim: int, mask: Mask | bool, kernels: BackwardKernels) -> BackwardPlan:
+    """The plan that runs ``kernels`` (any BackwardKernels: dev/'s versions and the tuner's, not only
+    BACKWARD_KERNELS') at exactly ``headdim``."""
+    if not supports(dtype, headdim):
+        raise ValueError(f"cupyflash: mma backward does not support dtype {dtype_name(dtype)}, headdim {headdim}")
+    return _plan(dtype, headdim, as_mask(mask), kernels, "explicit")
+
+
+def _plan(dtype, headdim: int, mask: Mask, row: BackwardKernels, where: str) -> BackwardPlan:
+    if row.dq_add not in DQ_ADDS:
+        raise ValueError(f"cupyflash: unknown dQ add mode {row.dq_add!r} (known: {', '.join(DQ_ADDS)})")
+    if (row.dq is None) != (row.dq_add != "none"):
+        raise ValueError(f"cupyflash: a dQ kernel runs exactly where the dK/dV kernel adds no dQ: {row!r}")
+    dt = d_tile(headdim)
+    dkdv = _dkdv_spec(dtype, dt, mask, row)
+    if row.dq_add in FIXED_DQ_ADDS:
+        launches = [Launch("kv_bounds", dq_fixed.kv_bounds_spec(dtype, dt), dq_fixed.KV_BOUND_ROWS),
+                    Launch("preprocess_fixed", dq_fixed.preprocess_spec(dtype, dt), dq_fixed.ROW_THREADS // (dt // 8))]
+    else:
+        launches = [Launch("preprocess", preprocess_spec(dtype), PREPROCESS_ROWS)]
+    launches.append(Launch("dkdv", dkdv, _key_rows(row)))
+    if row.dq == "dq_mma":
+        launches.append(Launch("dq", dq_spec(dtype, dt, mask, row.dq_tiles), row.dq_tiles[0]))
+    elif row.dq == "dq_wgmma":
+        launches.append(Launch("dq", dq_wgmma_spec(dtype, dt, mask, row.dq_tiles), row.dq_tiles[0]))
+    elif row.dq_add in FIXED_DQ_ADDS:
+        launches.append(Launch("convert", dq_fixed.convert_spec(dtype), dq_fixed.ROW_THREADS))
+    else:
+        launches.append(Launch("convert", convert_spec(dtype), CONVERT_THREADS))
+    return BackwardPlan("mma", where, headdim, dt, row.dq_add, row, tuple(launches))
+
+
+def _key_rows(row: BackwardKernels) -> int:
+    """Key rows per block of the dK/dV kernel (BLOCK_N)."""
+    return row.dkdv_tiles[2] if row.dkdv in _DKDV_KIND else row.dkdv_tiles[1]
+
+
+def _dkdv_spec(dtype, dt: int, mask: Mask, row: BackwardKernels) -> Specialization:
+    if row.dkdv in _DKDV_KIND:
+        return dkdv_spec(dtype, dt, mask, row.dq_add, _DKDV_KIND[row.dkdv], row.dkdv_tiles)
+    if row.dkdv == "fused_mma":
+        return fused_spec(dtype, dt, mask, row.dq_add, row.dkdv_tiles)
+    if row.dkdv == "wgmma":
+        return wgmma_spec(dtype, dt, mask, row.dq_add, row.dkdv_tiles)
+    raise ValueError(f"cupyflash: unknown backward kernel {row.dkdv!r}")
+
+
+# --- the SIMT family and the row statistic D ---------------------------------------------------
+
+PREPROCESS_ROWS = 4  # rows of D per block of flash_bwd_preprocess (a warp per row)
+
+
+def preprocess_spec(dtype) -> Specialization:
+    """flash_bwd_preprocess (kernels_cu/flash_bwd_simt.cu): D = rowsum(dO * O), every family."""
+    name = dtype_name(dtype)
+    return Specialization(f"flash_bwd_preprocess_{SHORT_NAMES[name]}", "flash_bwd_simt.cu",
+                          f"cf::flash_bwd_preprocess<{CTYPES[name]}>", 32 * PREPROCESS_ROWS, 0)
+
+
+def _simt_plan(dtype, headdim: int, mask: Mask) -> BackwardPlan:
+    """The SIMT family: D, then dK/dV with one block per BLOCK_N keys and dQ with one per BLOCK_M
+    queries, on the forward's tiles."""
+    bm, bn, _ = simt_tiles(dtype, headdim)
+    launches = (Launch("preprocess", preprocess_spec(dtype), PREPROCESS_ROWS),
+                Launch("dkdv", simt_specialization("dkdv", dtype, headdim, mask), bn),
+                Launch("dq", simt_specialization("dq", dtype, headdim, mask), bm))
+    return BackwardPlan("simt", "simt", headdim, _d_tile(headdim, SIMT_D_TILES), "none", None, launches)
