@@ -6,10 +6,11 @@ the launch are replaced by stand-ins that record (specialization, grid).
 
     git archive 5e4395f | tar -x -C OLD && PYTHONPATH=OLD python dev/backward_dispatch_before_plans.py
 
-The same ``launches`` runs against the current tree in the test, so the table pins both the plans
-and the launchers. Rows group the (arch, opt-in shared memory) pairs that launched alike; a row's
-head dims are those up to its bound and above the previous row's (the tensor-core rows step by 8:
-the dispatcher pads a head dim to a multiple of 8 before the backward sees it).
+The same ``launches`` runs against the current tree in the test, so the tables pin both the plans
+and the launchers: the specializations by name; which of them each call launches, in order (rows
+group the (arch, opt-in shared memory) pairs that launched alike, and a row's head dims are those up
+to its bound and above the previous row's; the tensor-core rows step by 8, as the dispatcher pads a
+head dim to a multiple of 8 before the backward sees it); and the grids at each head-dim tile.
 """
 from __future__ import annotations
 
@@ -89,28 +90,56 @@ def head_dims(dtype) -> range:
     return range(8, 257, 8) if np.dtype(dtype).itemsize == 2 else range(1, 257)
 
 
-def main() -> None:
+def grid_head_dims(dtype) -> tuple:
+    """The head dims whose grids the table keeps: each head-dim tile."""
+    return (64, 128, 256) if np.dtype(dtype).itemsize == 2 else (16, 32, 64, 128, 256)
+
+
+def tables() -> tuple[dict, list, dict]:
+    """(specs, choices, grids): {name: (source, expression, threads, smem_bytes, arch)}; rows
+    (dtype, mask, deterministic, devices, ((head-dim bound, names in launch order), ...)); and
+    {name: grid} on SHAPE (a name spells the kernel's tiles, so its grid is one; the dQ convert
+    kernels' count elements: {(name, head dim): grid})."""
     from cupyflash._dtypes import SUPPORTED
 
+    specs, choices, grids = {}, [], {}
     for (dtype_name, dtype), mask, deterministic in itertools.product(SUPPORTED.items(), WINDOWS, (True, False)):
         groups: dict = {}
         for arch, smem in itertools.product(ARCHS, SMEM_OPTINS):
             rows = []
             for headdim in head_dims(dtype):
-                try:
-                    row = launches(arch, smem, dtype, headdim, mask, deterministic)
-                except ValueError as e:  # does not fit the device
-                    row = ("refused", str(e))
-                if rows and rows[-1][1] == row:
-                    rows[-1] = (headdim, row)
+                launched = launches(arch, smem, dtype, headdim, mask, deterministic)
+                for name, *spec, grid in launched:
+                    specs[name] = tuple(spec)
+                if headdim in grid_head_dims(dtype):
+                    for name, *_, grid in launched:
+                        key = (name, headdim) if "_convert" in name else name
+                        assert grids.setdefault(key, grid) == grid, (key, grid)
+                names = tuple(name for name, *_ in launched)
+                if rows and rows[-1][1] == names:
+                    rows[-1] = (headdim, names)
                 else:
-                    rows.append((headdim, row))
+                    rows.append((headdim, names))
             groups.setdefault(tuple(rows), []).append((arch, smem))
-        for rows, devices in groups.items():
-            print(f"    ({dtype_name!r}, {mask!r}, {deterministic!r}, {tuple(devices)!r}, (")
-            for bound, row in rows:
-                print(f"        ({bound}, {row!r}),")
-            print("    )),")
+        choices += [(dtype_name, mask, deterministic, tuple(devices), rows) for rows, devices in groups.items()]
+    return specs, choices, grids
+
+
+def main() -> None:
+    specs, choices, grids = tables()
+    print("OLD_SPECS = {")
+    for name, spec in sorted(specs.items()):
+        print(f"    {name!r}: {spec!r},")
+    print("}\n\nOLD_CHOICES = (")
+    for dtype_name, mask, deterministic, devices, rows in choices:
+        print(f"    ({dtype_name!r}, {mask!r}, {deterministic!r}, {devices!r}, (")
+        for bound, names in rows:
+            print(f"        ({bound}, {names!r}),")
+        print("    )),")
+    print(")\n\nOLD_GRIDS = {")
+    for key, value in sorted(grids.items(), key=str):
+        print(f"    {key!r}: {value!r},")
+    print("}")
 
 
 if __name__ == "__main__":

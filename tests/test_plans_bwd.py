@@ -1,0 +1,1034 @@
+"""cupyflash.backward_plans: the backward plan of every device class, dtype, head dim, mask and
+``deterministic`` launches the kernels (names, sources, template instantiations, threads, shared
+memory, arch, grids, order) that the dispatch before plans launched; the launchers launch what the
+plan says; the compile check sees the same specializations.
+
+The OLD_* tables are what dev/backward_dispatch_before_plans.py printed from the tree before plans
+(5e4395f: ``mma_bwd.backward`` walking VERSIONS to v10, ``simt.backward``), on its SHAPE, with the
+mask tokens of that tree (full, causal, local: the window (100, 3)).
+"""
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cupyflash import backward_plans, plans
+from cupyflash._dtypes import SUPPORTED
+from cupyflash.backward_plans import BACKWARD_KERNELS, MMA_SYNC, SM90, plan_backward
+from cupyflash.kernels import mma_bwd
+from cupyflash.masks import Causal, Local, NoMask
+
+REPO = Path(__file__).resolve().parents[1]
+MASKS = {"full": NoMask(), "causal": Causal(), "local": Local(100, 3)}
+
+
+def _recorder():
+    spec = importlib.util.spec_from_file_location("backward_dispatch_before_plans",
+                                                  REPO / "dev" / "backward_dispatch_before_plans.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+RECORDER = _recorder()
+ARCHS, SMEM_OPTINS = RECORDER.ARCHS, RECORDER.SMEM_OPTINS
+
+OLD_SPECS = {
+    'flash_bwd_dkdv_mma_bf16_hdim128_causal_bm64_ms32_bn128_w8_wd1_dqatomic': ('flash_bwd_mma.cu', 'cf::flash_bwd_dkdv_mma<cf::bf16_t, 128, cf::Causal, 64, 32, 128, 8, 1, true>', 256, 148480, ''),
+    'flash_bwd_dkdv_mma_bf16_hdim128_full_bm64_ms32_bn128_w8_wd1_dqatomic': ('flash_bwd_mma.cu', 'cf::flash_bwd_dkdv_mma<cf::bf16_t, 128, cf::NoMask, 64, 32, 128, 8, 1, true>', 256, 148480, ''),
+    'flash_bwd_dkdv_mma_bf16_hdim128_local_bm64_ms32_bn128_w8_wd1_dqatomic': ('flash_bwd_mma.cu', 'cf::flash_bwd_dkdv_mma<cf::bf16_t, 128, cf::Local, 64, 32, 128, 8, 1, true>', 256, 148480, ''),
+    'flash_bwd_dkdv_mma_bf16_hdim256_causal_bm32_ms16_bn64_w8_wd2_dqatomic': ('flash_bwd_mma.cu', 'cf::flash_bwd_dkdv_mma<cf::bf16_t, 256, cf::Causal, 32, 16, 64, 8, 2, true>', 256, 152064, ''),
+    'flash_bwd_dkdv_mma_bf16_hdim256_full_bm32_ms16_bn64_w8_wd2_dqatomic': ('flash_bwd_mma.cu', 'cf::flash_bwd_dkdv_mma<cf::bf16_t, 256, cf::NoMask, 32, 16, 64, 8, 2, true>', 256, 152064, ''),
+    'flash_bwd_dkdv_mma_bf16_hdim256_local_bm32_ms16_bn64_w8_wd2_dqatomic': ('flash_bwd_mma.cu', 'cf::flash_bwd_dkdv_mma<cf::bf16_t, 256, cf::Local, 32, 16, 64, 8, 2, true>', 256, 152064, ''),
+    'flash_bwd_dkdv_mma_bf16_hdim64_local_bm64_ms64_bn128_w8_wd1_dqatomic': ('flash_bwd_mma.cu', 'cf::flash_bwd_dkdv_mma<cf::bf16_t, 64, cf::Local, 64, 64, 128, 8, 1, true>', 256, 82944, ''),
+    'flash_bwd_dkdv_mma_fp16_hdim128_causal_bm64_ms32_bn128_w8_wd1_dqatomic': ('flash_bwd_mma.cu', 'cf::flash_bwd_dkdv_mma<cf::half_t, 128, cf::Causal, 64, 32, 128, 8, 1, true>', 256, 148480, ''),
+    'flash_bwd_dkdv_mma_fp16_hdim128_full_bm64_ms32_bn128_w8_wd1_dqatomic': ('flash_bwd_mma.cu', 'cf::flash_bwd_dkdv_mma<cf::half_t, 128, cf::NoMask, 64, 32, 128, 8, 1, true>', 256, 148480, ''),
+    'flash_bwd_dkdv_mma_fp16_hdim128_local_bm64_ms32_bn128_w8_wd1_dqatomic': ('flash_bwd_mma.cu', 'cf::flash_bwd_dkdv_mma<cf::half_t, 128, cf::Local, 64, 32, 128, 8, 1, true>', 256, 148480, ''),
+    'flash_bwd_dkdv_mma_fp16_hdim256_causal_bm32_ms16_bn64_w8_wd2_dqatomic': ('flash_bwd_mma.cu', 'cf::flash_bwd_dkdv_mma<cf::half_t, 256, cf::Causal, 32, 16, 64, 8, 2, true>', 256, 152064, ''),
+    'flash_bwd_dkdv_mma_fp16_hdim256_full_bm32_ms16_bn64_w8_wd2_dqatomic': ('flash_bwd_mma.cu', 'cf::flash_bwd_dkdv_mma<cf::half_t, 256, cf::NoMask, 32, 16, 64, 8, 2, true>', 256, 152064, ''),
+    'flash_bwd_dkdv_mma_fp16_hdim256_local_bm32_ms16_bn64_w8_wd2_dqatomic': ('flash_bwd_mma.cu', 'cf::flash_bwd_dkdv_mma<cf::half_t, 256, cf::Local, 32, 16, 64, 8, 2, true>', 256, 152064, ''),
+    'flash_bwd_dkdv_mma_fp16_hdim64_local_bm64_ms64_bn128_w8_wd1_dqatomic': ('flash_bwd_mma.cu', 'cf::flash_bwd_dkdv_mma<cf::half_t, 64, cf::Local, 64, 64, 128, 8, 1, true>', 256, 82944, ''),
+    'flash_bwd_dkdv_mma_split_bf16_hdim128_causal_bm64_ms32_bn128_w8_rg2': ('flash_bwd_mma.cu', 'cf::flash_bwd_dkdv_mma_split<cf::bf16_t, 128, cf::Causal, 64, 32, 128, 8, 2, false>', 256, 164864, ''),
+    'flash_bwd_dkdv_mma_split_bf16_hdim128_full_bm64_ms32_bn128_w8_rg2': ('flash_bwd_mma.cu', 'cf::flash_bwd_dkdv_mma_split<cf::bf16_t, 128, cf::NoMask, 64, 32, 128, 8, 2, false>', 256, 164864, ''),
+    'flash_bwd_dkdv_mma_split_bf16_hdim128_local_bm64_ms32_bn128_w8_rg2': ('flash_bwd_mma.cu', 'cf::flash_bwd_dkdv_mma_split<cf::bf16_t, 128, cf::Local, 64, 32, 128, 8, 2, false>', 256, 164864, ''),
+    'flash_bwd_dkdv_mma_split_bf16_hdim256_causal_bm32_ms32_bn64_w8_rg1': ('flash_bwd_mma.cu', 'cf::flash_bwd_dkdv_mma_split<cf::bf16_t, 256, cf::Causal, 32, 32, 64, 8, 1, false>', 256, 147968, ''),
+    'flash_bwd_dkdv_mma_split_bf16_hdim256_full_bm32_ms32_bn64_w8_rg1': ('flash_bwd_mma.cu', 'cf::flash_bwd_dkdv_mma_split<cf::bf16_t, 256, cf::NoMask, 32, 32, 64, 8, 1, false>', 256, 147968, ''),
+    'flash_bwd_dkdv_mma_split_bf16_hdim256_local_bm32_ms32_bn64_w8_rg1': ('flash_bwd_mma.cu', 'cf::flash_bwd_dkdv_mma_split<cf::bf16_t, 256, cf::Local, 32, 32, 64, 8, 1, false>', 256, 147968, ''),
+    'flash_bwd_dkdv_mma_split_fp16_hdim128_causal_bm64_ms32_bn128_w8_rg2': ('flash_bwd_mma.cu', 'cf::flash_bwd_dkdv_mma_split<cf::half_t, 128, cf::Causal, 64, 32, 128, 8, 2, false>', 256, 164864, ''),
+    'flash_bwd_dkdv_mma_split_fp16_hdim128_full_bm64_ms32_bn128_w8_rg2': ('flash_bwd_mma.cu', 'cf::flash_bwd_dkdv_mma_split<cf::half_t, 128, cf::NoMask, 64, 32, 128, 8, 2, false>', 256, 164864, ''),
+    'flash_bwd_dkdv_mma_split_fp16_hdim128_local_bm64_ms32_bn128_w8_rg2': ('flash_bwd_mma.cu', 'cf::flash_bwd_dkdv_mma_split<cf::half_t, 128, cf::Local, 64, 32, 128, 8, 2, false>', 256, 164864, ''),
+    'flash_bwd_dkdv_mma_split_fp16_hdim256_causal_bm32_ms32_bn64_w8_rg1': ('flash_bwd_mma.cu', 'cf::flash_bwd_dkdv_mma_split<cf::half_t, 256, cf::Causal, 32, 32, 64, 8, 1, false>', 256, 147968, ''),
+    'flash_bwd_dkdv_mma_split_fp16_hdim256_full_bm32_ms32_bn64_w8_rg1': ('flash_bwd_mma.cu', 'cf::flash_bwd_dkdv_mma_split<cf::half_t, 256, cf::NoMask, 32, 32, 64, 8, 1, false>', 256, 147968, ''),
+    'flash_bwd_dkdv_mma_split_fp16_hdim256_local_bm32_ms32_bn64_w8_rg1': ('flash_bwd_mma.cu', 'cf::flash_bwd_dkdv_mma_split<cf::half_t, 256, cf::Local, 32, 32, 64, 8, 1, false>', 256, 147968, ''),
+    'flash_bwd_dkdv_mma_v2_bf16_hdim64_causal_bm64_ms32_bn128_w4_rg2': ('flash_bwd_mma.cu', 'cf::flash_bwd_dkdv_mma_v2<cf::bf16_t, 64, cf::Causal, 64, 32, 128, 4, 2, false>', 128, 66560, ''),
+    'flash_bwd_dkdv_mma_v2_bf16_hdim64_causal_bm64_ms32_bn128_w4_rg2_dqatomic': ('flash_bwd_mma.cu', 'cf::flash_bwd_dkdv_mma_v2<cf::bf16_t, 64, cf::Causal, 64, 32, 128, 4, 2, true>', 128, 82944, ''),
+    'flash_bwd_dkdv_mma_v2_bf16_hdim64_full_bm64_ms32_bn128_w4_rg2': ('flash_bwd_mma.cu', 'cf::flash_bwd_dkdv_mma_v2<cf::bf16_t, 64, cf::NoMask, 64, 32, 128, 4, 2, false>', 128, 66560, ''),
+    'flash_bwd_dkdv_mma_v2_bf16_hdim64_full_bm64_ms32_bn128_w4_rg2_dqatomic': ('flash_bwd_mma.cu', 'cf::flash_bwd_dkdv_mma_v2<cf::bf16_t, 64, cf::NoMask, 64, 32, 128, 4, 2, true>', 128, 82944, ''),
+    'flash_bwd_dkdv_mma_v2_bf16_hdim64_local_bm64_ms32_bn128_w4_rg2': ('flash_bwd_mma.cu', 'cf::flash_bwd_dkdv_mma_v2<cf::bf16_t, 64, cf::Local, 64, 32, 128, 4, 2, false>', 128, 66560, ''),
+    'flash_bwd_dkdv_mma_v2_fp16_hdim64_causal_bm64_ms32_bn128_w4_rg2': ('flash_bwd_mma.cu', 'cf::flash_bwd_dkdv_mma_v2<cf::half_t, 64, cf::Causal, 64, 32, 128, 4, 2, false>', 128, 66560, ''),
+    'flash_bwd_dkdv_mma_v2_fp16_hdim64_causal_bm64_ms32_bn128_w4_rg2_dqatomic': ('flash_bwd_mma.cu', 'cf::flash_bwd_dkdv_mma_v2<cf::half_t, 64, cf::Causal, 64, 32, 128, 4, 2, true>', 128, 82944, ''),
+    'flash_bwd_dkdv_mma_v2_fp16_hdim64_full_bm64_ms32_bn128_w4_rg2': ('flash_bwd_mma.cu', 'cf::flash_bwd_dkdv_mma_v2<cf::half_t, 64, cf::NoMask, 64, 32, 128, 4, 2, false>', 128, 66560, ''),
+    'flash_bwd_dkdv_mma_v2_fp16_hdim64_full_bm64_ms32_bn128_w4_rg2_dqatomic': ('flash_bwd_mma.cu', 'cf::flash_bwd_dkdv_mma_v2<cf::half_t, 64, cf::NoMask, 64, 32, 128, 4, 2, true>', 128, 82944, ''),
+    'flash_bwd_dkdv_mma_v2_fp16_hdim64_local_bm64_ms32_bn128_w4_rg2': ('flash_bwd_mma.cu', 'cf::flash_bwd_dkdv_mma_v2<cf::half_t, 64, cf::Local, 64, 32, 128, 4, 2, false>', 128, 66560, ''),
+    'flash_bwd_dkdv_simt_fp32_hdim128_causal_bm32_bn32_tpr8': ('flash_bwd_simt.cu', 'cf::flash_bwd_dkdv_simt<float, 128, cf::Causal, 32, 32, 8>', 256, 74752, ''),
+    'flash_bwd_dkdv_simt_fp32_hdim128_full_bm32_bn32_tpr8': ('flash_bwd_simt.cu', 'cf::flash_bwd_dkdv_simt<float, 128, cf::NoMask, 32, 32, 8>', 256, 74752, ''),
+    'flash_bwd_dkdv_simt_fp32_hdim128_local_bm32_bn32_tpr8': ('flash_bwd_simt.cu', 'cf::flash_bwd_dkdv_simt<float, 128, cf::Local, 32, 32, 8>', 256, 74752, ''),
+    'flash_bwd_dkdv_simt_fp32_hdim16_causal_bm64_bn64_tpr4': ('flash_bwd_simt.cu', 'cf::flash_bwd_dkdv_simt<float, 16, cf::Causal, 64, 64, 4>', 256, 51200, ''),
+    'flash_bwd_dkdv_simt_fp32_hdim16_full_bm64_bn64_tpr4': ('flash_bwd_simt.cu', 'cf::flash_bwd_dkdv_simt<float, 16, cf::NoMask, 64, 64, 4>', 256, 51200, ''),
+    'flash_bwd_dkdv_simt_fp32_hdim16_local_bm64_bn64_tpr4': ('flash_bwd_simt.cu', 'cf::flash_bwd_dkdv_simt<float, 16, cf::Local, 64, 64, 4>', 256, 51200, ''),
+    'flash_bwd_dkdv_simt_fp32_hdim256_causal_bm32_bn32_tpr8': ('flash_bwd_simt.cu', 'cf::flash_bwd_dkdv_simt<float, 256, cf::Causal, 32, 32, 8>', 256, 140288, ''),
+    'flash_bwd_dkdv_simt_fp32_hdim256_full_bm32_bn32_tpr8': ('flash_bwd_simt.cu', 'cf::flash_bwd_dkdv_simt<float, 256, cf::NoMask, 32, 32, 8>', 256, 140288, ''),
+    'flash_bwd_dkdv_simt_fp32_hdim256_local_bm32_bn32_tpr8': ('flash_bwd_simt.cu', 'cf::flash_bwd_dkdv_simt<float, 256, cf::Local, 32, 32, 8>', 256, 140288, ''),
+    'flash_bwd_dkdv_simt_fp32_hdim32_causal_bm64_bn64_tpr4': ('flash_bwd_simt.cu', 'cf::flash_bwd_dkdv_simt<float, 32, cf::Causal, 64, 64, 4>', 256, 67584, ''),
+    'flash_bwd_dkdv_simt_fp32_hdim32_full_bm64_bn64_tpr4': ('flash_bwd_simt.cu', 'cf::flash_bwd_dkdv_simt<float, 32, cf::NoMask, 64, 64, 4>', 256, 67584, ''),
+    'flash_bwd_dkdv_simt_fp32_hdim32_local_bm64_bn64_tpr4': ('flash_bwd_simt.cu', 'cf::flash_bwd_dkdv_simt<float, 32, cf::Local, 64, 64, 4>', 256, 67584, ''),
+    'flash_bwd_dkdv_simt_fp32_hdim64_causal_bm64_bn64_tpr4': ('flash_bwd_simt.cu', 'cf::flash_bwd_dkdv_simt<float, 64, cf::Causal, 64, 64, 4>', 256, 100352, ''),
+    'flash_bwd_dkdv_simt_fp32_hdim64_full_bm64_bn64_tpr4': ('flash_bwd_simt.cu', 'cf::flash_bwd_dkdv_simt<float, 64, cf::NoMask, 64, 64, 4>', 256, 100352, ''),
+    'flash_bwd_dkdv_simt_fp32_hdim64_local_bm64_bn64_tpr4': ('flash_bwd_simt.cu', 'cf::flash_bwd_dkdv_simt<float, 64, cf::Local, 64, 64, 4>', 256, 100352, ''),
+    'flash_bwd_dkdv_simt_fp64_hdim128_causal_bm16_bn16_tpr8': ('flash_bwd_simt.cu', 'cf::flash_bwd_dkdv_simt<double, 128, cf::Causal, 16, 16, 8>', 128, 70656, ''),
+    'flash_bwd_dkdv_simt_fp64_hdim128_full_bm16_bn16_tpr8': ('flash_bwd_simt.cu', 'cf::flash_bwd_dkdv_simt<double, 128, cf::NoMask, 16, 16, 8>', 128, 70656, ''),
+    'flash_bwd_dkdv_simt_fp64_hdim128_local_bm16_bn16_tpr8': ('flash_bwd_simt.cu', 'cf::flash_bwd_dkdv_simt<double, 128, cf::Local, 16, 16, 8>', 128, 70656, ''),
+    'flash_bwd_dkdv_simt_fp64_hdim16_causal_bm32_bn32_tpr4': ('flash_bwd_simt.cu', 'cf::flash_bwd_dkdv_simt<double, 16, cf::Causal, 32, 32, 4>', 128, 34816, ''),
+    'flash_bwd_dkdv_simt_fp64_hdim16_full_bm32_bn32_tpr4': ('flash_bwd_simt.cu', 'cf::flash_bwd_dkdv_simt<double, 16, cf::NoMask, 32, 32, 4>', 128, 34816, ''),
+    'flash_bwd_dkdv_simt_fp64_hdim16_local_bm32_bn32_tpr4': ('flash_bwd_simt.cu', 'cf::flash_bwd_dkdv_simt<double, 16, cf::Local, 32, 32, 4>', 128, 34816, ''),
+    'flash_bwd_dkdv_simt_fp64_hdim256_causal_bm16_bn16_tpr16': ('flash_bwd_simt.cu', 'cf::flash_bwd_dkdv_simt<double, 256, cf::Causal, 16, 16, 16>', 256, 136192, ''),
+    'flash_bwd_dkdv_simt_fp64_hdim256_full_bm16_bn16_tpr16': ('flash_bwd_simt.cu', 'cf::flash_bwd_dkdv_simt<double, 256, cf::NoMask, 16, 16, 16>', 256, 136192, ''),
+    'flash_bwd_dkdv_simt_fp64_hdim256_local_bm16_bn16_tpr16': ('flash_bwd_simt.cu', 'cf::flash_bwd_dkdv_simt<double, 256, cf::Local, 16, 16, 16>', 256, 136192, ''),
+    'flash_bwd_dkdv_simt_fp64_hdim32_causal_bm32_bn32_tpr4': ('flash_bwd_simt.cu', 'cf::flash_bwd_dkdv_simt<double, 32, cf::Causal, 32, 32, 4>', 128, 51200, ''),
+    'flash_bwd_dkdv_simt_fp64_hdim32_full_bm32_bn32_tpr4': ('flash_bwd_simt.cu', 'cf::flash_bwd_dkdv_simt<double, 32, cf::NoMask, 32, 32, 4>', 128, 51200, ''),
+    'flash_bwd_dkdv_simt_fp64_hdim32_local_bm32_bn32_tpr4': ('flash_bwd_simt.cu', 'cf::flash_bwd_dkdv_simt<double, 32, cf::Local, 32, 32, 4>', 128, 51200, ''),
+    'flash_bwd_dkdv_simt_fp64_hdim64_causal_bm32_bn32_tpr4': ('flash_bwd_simt.cu', 'cf::flash_bwd_dkdv_simt<double, 64, cf::Causal, 32, 32, 4>', 128, 83968, ''),
+    'flash_bwd_dkdv_simt_fp64_hdim64_full_bm32_bn32_tpr4': ('flash_bwd_simt.cu', 'cf::flash_bwd_dkdv_simt<double, 64, cf::NoMask, 32, 32, 4>', 128, 83968, ''),
+    'flash_bwd_dkdv_simt_fp64_hdim64_local_bm32_bn32_tpr4': ('flash_bwd_simt.cu', 'cf::flash_bwd_dkdv_simt<double, 64, cf::Local, 32, 32, 4>', 128, 83968, ''),
+    'flash_bwd_dq_convert_bf16': ('flash_bwd_mma.cu', 'cf::flash_bwd_dq_convert<cf::bf16_t>', 256, 0, ''),
+    'flash_bwd_dq_convert_fp16': ('flash_bwd_mma.cu', 'cf::flash_bwd_dq_convert<cf::half_t>', 256, 0, ''),
+    'flash_bwd_dq_mma_bf16_hdim256_causal_bm64_bn32_w4': ('flash_bwd_mma.cu', 'cf::flash_bwd_dq_mma<cf::bf16_t, 256, cf::Causal, 64, 32, 4>', 128, 131072, ''),
+    'flash_bwd_dq_mma_bf16_hdim256_full_bm64_bn32_w4': ('flash_bwd_mma.cu', 'cf::flash_bwd_dq_mma<cf::bf16_t, 256, cf::NoMask, 64, 32, 4>', 128, 131072, ''),
+    'flash_bwd_dq_mma_bf16_hdim256_local_bm64_bn32_w4': ('flash_bwd_mma.cu', 'cf::flash_bwd_dq_mma<cf::bf16_t, 256, cf::Local, 64, 32, 4>', 128, 131072, ''),
+    'flash_bwd_dq_mma_fp16_hdim256_causal_bm64_bn32_w4': ('flash_bwd_mma.cu', 'cf::flash_bwd_dq_mma<cf::half_t, 256, cf::Causal, 64, 32, 4>', 128, 131072, ''),
+    'flash_bwd_dq_mma_fp16_hdim256_full_bm64_bn32_w4': ('flash_bwd_mma.cu', 'cf::flash_bwd_dq_mma<cf::half_t, 256, cf::NoMask, 64, 32, 4>', 128, 131072, ''),
+    'flash_bwd_dq_mma_fp16_hdim256_local_bm64_bn32_w4': ('flash_bwd_mma.cu', 'cf::flash_bwd_dq_mma<cf::half_t, 256, cf::Local, 64, 32, 4>', 128, 131072, ''),
+    'flash_bwd_dq_mma_v2_bf16_hdim128_causal_bm128_bn32_w4_rg2': ('flash_bwd_mma.cu', 'cf::flash_bwd_dq_mma_v2<cf::bf16_t, 128, cf::Causal, 128, 32, 4, 2>', 128, 99328, ''),
+    'flash_bwd_dq_mma_v2_bf16_hdim128_full_bm128_bn32_w4_rg2': ('flash_bwd_mma.cu', 'cf::flash_bwd_dq_mma_v2<cf::bf16_t, 128, cf::NoMask, 128, 32, 4, 2>', 128, 99328, ''),
+    'flash_bwd_dq_mma_v2_bf16_hdim128_local_bm128_bn32_w4_rg2': ('flash_bwd_mma.cu', 'cf::flash_bwd_dq_mma_v2<cf::bf16_t, 128, cf::Local, 128, 32, 4, 2>', 128, 99328, ''),
+    'flash_bwd_dq_mma_v2_bf16_hdim64_causal_bm128_bn32_w4_rg2': ('flash_bwd_mma.cu', 'cf::flash_bwd_dq_mma_v2<cf::bf16_t, 64, cf::Causal, 128, 32, 4, 2>', 128, 50176, ''),
+    'flash_bwd_dq_mma_v2_bf16_hdim64_full_bm128_bn32_w4_rg2': ('flash_bwd_mma.cu', 'cf::flash_bwd_dq_mma_v2<cf::bf16_t, 64, cf::NoMask, 128, 32, 4, 2>', 128, 50176, ''),
+    'flash_bwd_dq_mma_v2_bf16_hdim64_local_bm128_bn32_w4_rg2': ('flash_bwd_mma.cu', 'cf::flash_bwd_dq_mma_v2<cf::bf16_t, 64, cf::Local, 128, 32, 4, 2>', 128, 50176, ''),
+    'flash_bwd_dq_mma_v2_fp16_hdim128_causal_bm128_bn32_w4_rg2': ('flash_bwd_mma.cu', 'cf::flash_bwd_dq_mma_v2<cf::half_t, 128, cf::Causal, 128, 32, 4, 2>', 128, 99328, ''),
+    'flash_bwd_dq_mma_v2_fp16_hdim128_full_bm128_bn32_w4_rg2': ('flash_bwd_mma.cu', 'cf::flash_bwd_dq_mma_v2<cf::half_t, 128, cf::NoMask, 128, 32, 4, 2>', 128, 99328, ''),
+    'flash_bwd_dq_mma_v2_fp16_hdim128_local_bm128_bn32_w4_rg2': ('flash_bwd_mma.cu', 'cf::flash_bwd_dq_mma_v2<cf::half_t, 128, cf::Local, 128, 32, 4, 2>', 128, 99328, ''),
+    'flash_bwd_dq_mma_v2_fp16_hdim64_causal_bm128_bn32_w4_rg2': ('flash_bwd_mma.cu', 'cf::flash_bwd_dq_mma_v2<cf::half_t, 64, cf::Causal, 128, 32, 4, 2>', 128, 50176, ''),
+    'flash_bwd_dq_mma_v2_fp16_hdim64_full_bm128_bn32_w4_rg2': ('flash_bwd_mma.cu', 'cf::flash_bwd_dq_mma_v2<cf::half_t, 64, cf::NoMask, 128, 32, 4, 2>', 128, 50176, ''),
+    'flash_bwd_dq_mma_v2_fp16_hdim64_local_bm128_bn32_w4_rg2': ('flash_bwd_mma.cu', 'cf::flash_bwd_dq_mma_v2<cf::half_t, 64, cf::Local, 128, 32, 4, 2>', 128, 50176, ''),
+    'flash_bwd_dq_simt_fp32_hdim128_causal_bm32_bn32_tpr8': ('flash_bwd_simt.cu', 'cf::flash_bwd_dq_simt<float, 128, cf::Causal, 32, 32, 8>', 256, 70272, ''),
+    'flash_bwd_dq_simt_fp32_hdim128_full_bm32_bn32_tpr8': ('flash_bwd_simt.cu', 'cf::flash_bwd_dq_simt<float, 128, cf::NoMask, 32, 32, 8>', 256, 70272, ''),
+    'flash_bwd_dq_simt_fp32_hdim128_local_bm32_bn32_tpr8': ('flash_bwd_simt.cu', 'cf::flash_bwd_dq_simt<float, 128, cf::Local, 32, 32, 8>', 256, 70272, ''),
+    'flash_bwd_dq_simt_fp32_hdim16_causal_bm64_bn64_tpr4': ('flash_bwd_simt.cu', 'cf::flash_bwd_dq_simt<float, 16, cf::Causal, 64, 64, 4>', 256, 34048, ''),
+    'flash_bwd_dq_simt_fp32_hdim16_full_bm64_bn64_tpr4': ('flash_bwd_simt.cu', 'cf::flash_bwd_dq_simt<float, 16, cf::NoMask, 64, 64, 4>', 256, 34048, ''),
+    'flash_bwd_dq_simt_fp32_hdim16_local_bm64_bn64_tpr4': ('flash_bwd_simt.cu', 'cf::flash_bwd_dq_simt<float, 16, cf::Local, 64, 64, 4>', 256, 34048, ''),
+    'flash_bwd_dq_simt_fp32_hdim256_causal_bm32_bn32_tpr8': ('flash_bwd_simt.cu', 'cf::flash_bwd_dq_simt<float, 256, cf::Causal, 32, 32, 8>', 256, 135808, ''),
+    'flash_bwd_dq_simt_fp32_hdim256_full_bm32_bn32_tpr8': ('flash_bwd_simt.cu', 'cf::flash_bwd_dq_simt<float, 256, cf::NoMask, 32, 32, 8>', 256, 135808, ''),
+    'flash_bwd_dq_simt_fp32_hdim256_local_bm32_bn32_tpr8': ('flash_bwd_simt.cu', 'cf::flash_bwd_dq_simt<float, 256, cf::Local, 32, 32, 8>', 256, 135808, ''),
+    'flash_bwd_dq_simt_fp32_hdim32_causal_bm64_bn64_tpr4': ('flash_bwd_simt.cu', 'cf::flash_bwd_dq_simt<float, 32, cf::Causal, 64, 64, 4>', 256, 50432, ''),
+    'flash_bwd_dq_simt_fp32_hdim32_full_bm64_bn64_tpr4': ('flash_bwd_simt.cu', 'cf::flash_bwd_dq_simt<float, 32, cf::NoMask, 64, 64, 4>', 256, 50432, ''),
+    'flash_bwd_dq_simt_fp32_hdim32_local_bm64_bn64_tpr4': ('flash_bwd_simt.cu', 'cf::flash_bwd_dq_simt<float, 32, cf::Local, 64, 64, 4>', 256, 50432, ''),
+    'flash_bwd_dq_simt_fp32_hdim64_causal_bm64_bn64_tpr4': ('flash_bwd_simt.cu', 'cf::flash_bwd_dq_simt<float, 64, cf::Causal, 64, 64, 4>', 256, 83200, ''),
+    'flash_bwd_dq_simt_fp32_hdim64_full_bm64_bn64_tpr4': ('flash_bwd_simt.cu', 'cf::flash_bwd_dq_simt<float, 64, cf::NoMask, 64, 64, 4>', 256, 83200, ''),
+    'flash_bwd_dq_simt_fp32_hdim64_local_bm64_bn64_tpr4': ('flash_bwd_simt.cu', 'cf::flash_bwd_dq_simt<float, 64, cf::Local, 64, 64, 4>', 256, 83200, ''),
+    'flash_bwd_dq_simt_fp64_hdim128_causal_bm16_bn16_tpr8': ('flash_bwd_simt.cu', 'cf::flash_bwd_dq_simt<double, 128, cf::Causal, 16, 16, 8>', 128, 68224, ''),
+    'flash_bwd_dq_simt_fp64_hdim128_full_bm16_bn16_tpr8': ('flash_bwd_simt.cu', 'cf::flash_bwd_dq_simt<double, 128, cf::NoMask, 16, 16, 8>', 128, 68224, ''),
+    'flash_bwd_dq_simt_fp64_hdim128_local_bm16_bn16_tpr8': ('flash_bwd_simt.cu', 'cf::flash_bwd_dq_simt<double, 128, cf::Local, 16, 16, 8>', 128, 68224, ''),
+    'flash_bwd_dq_simt_fp64_hdim16_causal_bm32_bn32_tpr4': ('flash_bwd_simt.cu', 'cf::flash_bwd_dq_simt<double, 16, cf::Causal, 32, 32, 4>', 128, 25856, ''),
+    'flash_bwd_dq_simt_fp64_hdim16_full_bm32_bn32_tpr4': ('flash_bwd_simt.cu', 'cf::flash_bwd_dq_simt<double, 16, cf::NoMask, 32, 32, 4>', 128, 25856, ''),
+    'flash_bwd_dq_simt_fp64_hdim16_local_bm32_bn32_tpr4': ('flash_bwd_simt.cu', 'cf::flash_bwd_dq_simt<double, 16, cf::Local, 32, 32, 4>', 128, 25856, ''),
+    'flash_bwd_dq_simt_fp64_hdim256_causal_bm16_bn16_tpr16': ('flash_bwd_simt.cu', 'cf::flash_bwd_dq_simt<double, 256, cf::Causal, 16, 16, 16>', 256, 133760, ''),
+    'flash_bwd_dq_simt_fp64_hdim256_full_bm16_bn16_tpr16': ('flash_bwd_simt.cu', 'cf::flash_bwd_dq_simt<double, 256, cf::NoMask, 16, 16, 16>', 256, 133760, ''),
+    'flash_bwd_dq_simt_fp64_hdim256_local_bm16_bn16_tpr16': ('flash_bwd_simt.cu', 'cf::flash_bwd_dq_simt<double, 256, cf::Local, 16, 16, 16>', 256, 133760, ''),
+    'flash_bwd_dq_simt_fp64_hdim32_causal_bm32_bn32_tpr4': ('flash_bwd_simt.cu', 'cf::flash_bwd_dq_simt<double, 32, cf::Causal, 32, 32, 4>', 128, 42240, ''),
+    'flash_bwd_dq_simt_fp64_hdim32_full_bm32_bn32_tpr4': ('flash_bwd_simt.cu', 'cf::flash_bwd_dq_simt<double, 32, cf::NoMask, 32, 32, 4>', 128, 42240, ''),
+    'flash_bwd_dq_simt_fp64_hdim32_local_bm32_bn32_tpr4': ('flash_bwd_simt.cu', 'cf::flash_bwd_dq_simt<double, 32, cf::Local, 32, 32, 4>', 128, 42240, ''),
+    'flash_bwd_dq_simt_fp64_hdim64_causal_bm32_bn32_tpr4': ('flash_bwd_simt.cu', 'cf::flash_bwd_dq_simt<double, 64, cf::Causal, 32, 32, 4>', 128, 75008, ''),
+    'flash_bwd_dq_simt_fp64_hdim64_full_bm32_bn32_tpr4': ('flash_bwd_simt.cu', 'cf::flash_bwd_dq_simt<double, 64, cf::NoMask, 32, 32, 4>', 128, 75008, ''),
+    'flash_bwd_dq_simt_fp64_hdim64_local_bm32_bn32_tpr4': ('flash_bwd_simt.cu', 'cf::flash_bwd_dq_simt<double, 64, cf::Local, 32, 32, 4>', 128, 75008, ''),
+    'flash_bwd_dq_wgmma_bf16_hdim128_causal_bm128_bn64_k2': ('flash_bwd_dq_wgmma.cu', 'cf::flash_bwd_dq_wgmma<cf::bf16_t, 128, cf::Causal, 128, 64, 2>', 256, 132096, '90a'),
+    'flash_bwd_dq_wgmma_bf16_hdim128_full_bm128_bn64_k2': ('flash_bwd_dq_wgmma.cu', 'cf::flash_bwd_dq_wgmma<cf::bf16_t, 128, cf::NoMask, 128, 64, 2>', 256, 132096, '90a'),
+    'flash_bwd_dq_wgmma_bf16_hdim128_local_bm128_bn64_k2': ('flash_bwd_dq_wgmma.cu', 'cf::flash_bwd_dq_wgmma<cf::bf16_t, 128, cf::Local, 128, 64, 2>', 256, 132096, '90a'),
+    'flash_bwd_dq_wgmma_bf16_hdim256_causal_bm128_bn32_k2': ('flash_bwd_dq_wgmma.cu', 'cf::flash_bwd_dq_wgmma<cf::bf16_t, 256, cf::Causal, 128, 32, 2>', 256, 197632, '90a'),
+    'flash_bwd_dq_wgmma_bf16_hdim256_full_bm128_bn32_k2': ('flash_bwd_dq_wgmma.cu', 'cf::flash_bwd_dq_wgmma<cf::bf16_t, 256, cf::NoMask, 128, 32, 2>', 256, 197632, '90a'),
+    'flash_bwd_dq_wgmma_bf16_hdim256_local_bm128_bn32_k2': ('flash_bwd_dq_wgmma.cu', 'cf::flash_bwd_dq_wgmma<cf::bf16_t, 256, cf::Local, 128, 32, 2>', 256, 197632, '90a'),
+    'flash_bwd_dq_wgmma_bf16_hdim64_causal_bm128_bn128_k2': ('flash_bwd_dq_wgmma.cu', 'cf::flash_bwd_dq_wgmma<cf::bf16_t, 64, cf::Causal, 128, 128, 2>', 256, 99328, '90a'),
+    'flash_bwd_dq_wgmma_bf16_hdim64_full_bm128_bn128_k2': ('flash_bwd_dq_wgmma.cu', 'cf::flash_bwd_dq_wgmma<cf::bf16_t, 64, cf::NoMask, 128, 128, 2>', 256, 99328, '90a'),
+    'flash_bwd_dq_wgmma_bf16_hdim64_local_bm128_bn128_k2': ('flash_bwd_dq_wgmma.cu', 'cf::flash_bwd_dq_wgmma<cf::bf16_t, 64, cf::Local, 128, 128, 2>', 256, 99328, '90a'),
+    'flash_bwd_dq_wgmma_fp16_hdim128_causal_bm128_bn64_k2': ('flash_bwd_dq_wgmma.cu', 'cf::flash_bwd_dq_wgmma<cf::half_t, 128, cf::Causal, 128, 64, 2>', 256, 132096, '90a'),
+    'flash_bwd_dq_wgmma_fp16_hdim128_full_bm128_bn64_k2': ('flash_bwd_dq_wgmma.cu', 'cf::flash_bwd_dq_wgmma<cf::half_t, 128, cf::NoMask, 128, 64, 2>', 256, 132096, '90a'),
+    'flash_bwd_dq_wgmma_fp16_hdim128_local_bm128_bn64_k2': ('flash_bwd_dq_wgmma.cu', 'cf::flash_bwd_dq_wgmma<cf::half_t, 128, cf::Local, 128, 64, 2>', 256, 132096, '90a'),
+    'flash_bwd_dq_wgmma_fp16_hdim256_causal_bm128_bn32_k2': ('flash_bwd_dq_wgmma.cu', 'cf::flash_bwd_dq_wgmma<cf::half_t, 256, cf::Causal, 128, 32, 2>', 256, 197632, '90a'),
+    'flash_bwd_dq_wgmma_fp16_hdim256_full_bm128_bn32_k2': ('flash_bwd_dq_wgmma.cu', 'cf::flash_bwd_dq_wgmma<cf::half_t, 256, cf::NoMask, 128, 32, 2>', 256, 197632, '90a'),
+    'flash_bwd_dq_wgmma_fp16_hdim256_local_bm128_bn32_k2': ('flash_bwd_dq_wgmma.cu', 'cf::flash_bwd_dq_wgmma<cf::half_t, 256, cf::Local, 128, 32, 2>', 256, 197632, '90a'),
+    'flash_bwd_dq_wgmma_fp16_hdim64_causal_bm128_bn128_k2': ('flash_bwd_dq_wgmma.cu', 'cf::flash_bwd_dq_wgmma<cf::half_t, 64, cf::Causal, 128, 128, 2>', 256, 99328, '90a'),
+    'flash_bwd_dq_wgmma_fp16_hdim64_full_bm128_bn128_k2': ('flash_bwd_dq_wgmma.cu', 'cf::flash_bwd_dq_wgmma<cf::half_t, 64, cf::NoMask, 128, 128, 2>', 256, 99328, '90a'),
+    'flash_bwd_dq_wgmma_fp16_hdim64_local_bm128_bn128_k2': ('flash_bwd_dq_wgmma.cu', 'cf::flash_bwd_dq_wgmma<cf::half_t, 64, cf::Local, 128, 128, 2>', 256, 99328, '90a'),
+    'flash_bwd_fused_mma_bf16_hdim128_causal_bm64_bn128_wn4_wd2_dqm2_u2_dqatomic_p16': ('flash_bwd_fused_mma.cu', 'cf::flash_bwd_fused_mma<cf::bf16_t, 128, cf::Causal, 64, 128, 4, 2, 2, 2, false, false, true>', 256, 164864, ''),
+    'flash_bwd_fused_mma_bf16_hdim128_full_bm64_bn128_wn4_wd2_dqm2_u2_dqatomic_p16': ('flash_bwd_fused_mma.cu', 'cf::flash_bwd_fused_mma<cf::bf16_t, 128, cf::NoMask, 64, 128, 4, 2, 2, 2, false, false, true>', 256, 164864, ''),
+    'flash_bwd_fused_mma_bf16_hdim128_local_bm64_bn128_wn4_wd2_dqm2_u2_dqatomic_p16': ('flash_bwd_fused_mma.cu', 'cf::flash_bwd_fused_mma<cf::bf16_t, 128, cf::Local, 64, 128, 4, 2, 2, 2, false, false, true>', 256, 164864, ''),
+    'flash_bwd_fused_mma_bf16_hdim256_causal_bm64_bn64_wn2_wd4_dqm2_u16_dqatomic': ('flash_bwd_fused_mma.cu', 'cf::flash_bwd_fused_mma<cf::bf16_t, 256, cf::Causal, 64, 64, 2, 4, 2, 16, false, false, false>', 256, 214016, ''),
+    'flash_bwd_fused_mma_bf16_hdim256_full_bm64_bn64_wn2_wd4_dqm2_u16_dqatomic': ('flash_bwd_fused_mma.cu', 'cf::flash_bwd_fused_mma<cf::bf16_t, 256, cf::NoMask, 64, 64, 2, 4, 2, 16, false, false, false>', 256, 214016, ''),
+    'flash_bwd_fused_mma_bf16_hdim256_local_bm64_bn64_wn2_wd4_dqm2_u16_dqatomic': ('flash_bwd_fused_mma.cu', 'cf::flash_bwd_fused_mma<cf::bf16_t, 256, cf::Local, 64, 64, 2, 4, 2, 16, false, false, false>', 256, 214016, ''),
+    'flash_bwd_fused_mma_fp16_hdim128_causal_bm64_bn128_wn4_wd2_dqm2_u2_dqatomic_p16': ('flash_bwd_fused_mma.cu', 'cf::flash_bwd_fused_mma<cf::half_t, 128, cf::Causal, 64, 128, 4, 2, 2, 2, false, false, true>', 256, 164864, ''),
+    'flash_bwd_fused_mma_fp16_hdim128_full_bm64_bn128_wn4_wd2_dqm2_u2_dqatomic_p16': ('flash_bwd_fused_mma.cu', 'cf::flash_bwd_fused_mma<cf::half_t, 128, cf::NoMask, 64, 128, 4, 2, 2, 2, false, false, true>', 256, 164864, ''),
+    'flash_bwd_fused_mma_fp16_hdim128_local_bm64_bn128_wn4_wd2_dqm2_u2_dqatomic_p16': ('flash_bwd_fused_mma.cu', 'cf::flash_bwd_fused_mma<cf::half_t, 128, cf::Local, 64, 128, 4, 2, 2, 2, false, false, true>', 256, 164864, ''),
+    'flash_bwd_fused_mma_fp16_hdim256_causal_bm64_bn64_wn2_wd4_dqm2_u16_dqatomic': ('flash_bwd_fused_mma.cu', 'cf::flash_bwd_fused_mma<cf::half_t, 256, cf::Causal, 64, 64, 2, 4, 2, 16, false, false, false>', 256, 214016, ''),
+    'flash_bwd_fused_mma_fp16_hdim256_full_bm64_bn64_wn2_wd4_dqm2_u16_dqatomic': ('flash_bwd_fused_mma.cu', 'cf::flash_bwd_fused_mma<cf::half_t, 256, cf::NoMask, 64, 64, 2, 4, 2, 16, false, false, false>', 256, 214016, ''),
+    'flash_bwd_fused_mma_fp16_hdim256_local_bm64_bn64_wn2_wd4_dqm2_u16_dqatomic': ('flash_bwd_fused_mma.cu', 'cf::flash_bwd_fused_mma<cf::half_t, 256, cf::Local, 64, 64, 2, 4, 2, 16, false, false, false>', 256, 214016, ''),
+    'flash_bwd_preprocess_bf16': ('flash_bwd_simt.cu', 'cf::flash_bwd_preprocess<cf::bf16_t>', 128, 0, ''),
+    'flash_bwd_preprocess_fp16': ('flash_bwd_simt.cu', 'cf::flash_bwd_preprocess<cf::half_t>', 128, 0, ''),
+    'flash_bwd_preprocess_fp32': ('flash_bwd_simt.cu', 'cf::flash_bwd_preprocess<float>', 128, 0, ''),
+    'flash_bwd_preprocess_fp64': ('flash_bwd_simt.cu', 'cf::flash_bwd_preprocess<double>', 128, 0, ''),
+    'flash_bwd_wgmma_bf16_hdim128_causal_bm64_bn128_dqatomic': ('flash_bwd_wgmma.cu', 'cf::flash_bwd_wgmma<cf::bf16_t, 128, cf::Causal, 64, 128, cf::DqAdd::atomic>', 256, 149504, '90a'),
+    'flash_bwd_wgmma_bf16_hdim128_causal_bm64_bn128_dqnone': ('flash_bwd_wgmma.cu', 'cf::flash_bwd_wgmma<cf::bf16_t, 128, cf::Causal, 64, 128, cf::DqAdd::none>', 256, 149504, '90a'),
+    'flash_bwd_wgmma_bf16_hdim128_full_bm64_bn128_dqatomic': ('flash_bwd_wgmma.cu', 'cf::flash_bwd_wgmma<cf::bf16_t, 128, cf::NoMask, 64, 128, cf::DqAdd::atomic>', 256, 149504, '90a'),
+    'flash_bwd_wgmma_bf16_hdim128_full_bm64_bn128_dqnone': ('flash_bwd_wgmma.cu', 'cf::flash_bwd_wgmma<cf::bf16_t, 128, cf::NoMask, 64, 128, cf::DqAdd::none>', 256, 149504, '90a'),
+    'flash_bwd_wgmma_bf16_hdim128_local_bm64_bn128_dqatomic': ('flash_bwd_wgmma.cu', 'cf::flash_bwd_wgmma<cf::bf16_t, 128, cf::Local, 64, 128, cf::DqAdd::atomic>', 256, 149504, '90a'),
+    'flash_bwd_wgmma_bf16_hdim128_local_bm64_bn128_dqnone': ('flash_bwd_wgmma.cu', 'cf::flash_bwd_wgmma<cf::bf16_t, 128, cf::Local, 64, 128, cf::DqAdd::none>', 256, 149504, '90a'),
+    'flash_bwd_wgmma_bf16_hdim64_causal_bm128_bn128_dqatomic': ('flash_bwd_wgmma.cu', 'cf::flash_bwd_wgmma<cf::bf16_t, 64, cf::Causal, 128, 128, cf::DqAdd::atomic>', 256, 134144, '90a'),
+    'flash_bwd_wgmma_bf16_hdim64_causal_bm128_bn128_dqnone': ('flash_bwd_wgmma.cu', 'cf::flash_bwd_wgmma<cf::bf16_t, 64, cf::Causal, 128, 128, cf::DqAdd::none>', 256, 134144, '90a'),
+    'flash_bwd_wgmma_bf16_hdim64_full_bm128_bn128_dqatomic': ('flash_bwd_wgmma.cu', 'cf::flash_bwd_wgmma<cf::bf16_t, 64, cf::NoMask, 128, 128, cf::DqAdd::atomic>', 256, 134144, '90a'),
+    'flash_bwd_wgmma_bf16_hdim64_full_bm128_bn128_dqnone': ('flash_bwd_wgmma.cu', 'cf::flash_bwd_wgmma<cf::bf16_t, 64, cf::NoMask, 128, 128, cf::DqAdd::none>', 256, 134144, '90a'),
+    'flash_bwd_wgmma_bf16_hdim64_local_bm128_bn128_dqatomic': ('flash_bwd_wgmma.cu', 'cf::flash_bwd_wgmma<cf::bf16_t, 64, cf::Local, 128, 128, cf::DqAdd::atomic>', 256, 134144, '90a'),
+    'flash_bwd_wgmma_bf16_hdim64_local_bm128_bn128_dqnone': ('flash_bwd_wgmma.cu', 'cf::flash_bwd_wgmma<cf::bf16_t, 64, cf::Local, 128, 128, cf::DqAdd::none>', 256, 134144, '90a'),
+    'flash_bwd_wgmma_dsplit_bf16_hdim256_causal_bm64_bn64_dqnone': ('flash_bwd_wgmma_dsplit.cu', 'cf::flash_bwd_wgmma_dsplit<cf::bf16_t, 256, cf::Causal, 64, 64, cf::DqAdd::none>', 256, 215040, '90a'),
+    'flash_bwd_wgmma_dsplit_bf16_hdim256_full_bm64_bn64_dqnone': ('flash_bwd_wgmma_dsplit.cu', 'cf::flash_bwd_wgmma_dsplit<cf::bf16_t, 256, cf::NoMask, 64, 64, cf::DqAdd::none>', 256, 215040, '90a'),
+    'flash_bwd_wgmma_dsplit_bf16_hdim256_local_bm64_bn64_dqnone': ('flash_bwd_wgmma_dsplit.cu', 'cf::flash_bwd_wgmma_dsplit<cf::bf16_t, 256, cf::Local, 64, 64, cf::DqAdd::none>', 256, 215040, '90a'),
+    'flash_bwd_wgmma_dsplit_fp16_hdim256_causal_bm64_bn64_dqnone': ('flash_bwd_wgmma_dsplit.cu', 'cf::flash_bwd_wgmma_dsplit<cf::half_t, 256, cf::Causal, 64, 64, cf::DqAdd::none>', 256, 215040, '90a'),
+    'flash_bwd_wgmma_dsplit_fp16_hdim256_full_bm64_bn64_dqnone': ('flash_bwd_wgmma_dsplit.cu', 'cf::flash_bwd_wgmma_dsplit<cf::half_t, 256, cf::NoMask, 64, 64, cf::DqAdd::none>', 256, 215040, '90a'),
+    'flash_bwd_wgmma_dsplit_fp16_hdim256_local_bm64_bn64_dqnone': ('flash_bwd_wgmma_dsplit.cu', 'cf::flash_bwd_wgmma_dsplit<cf::half_t, 256, cf::Local, 64, 64, cf::DqAdd::none>', 256, 215040, '90a'),
+    'flash_bwd_wgmma_fp16_hdim128_causal_bm64_bn128_dqatomic': ('flash_bwd_wgmma.cu', 'cf::flash_bwd_wgmma<cf::half_t, 128, cf::Causal, 64, 128, cf::DqAdd::atomic>', 256, 149504, '90a'),
+    'flash_bwd_wgmma_fp16_hdim128_causal_bm64_bn128_dqnone': ('flash_bwd_wgmma.cu', 'cf::flash_bwd_wgmma<cf::half_t, 128, cf::Causal, 64, 128, cf::DqAdd::none>', 256, 149504, '90a'),
+    'flash_bwd_wgmma_fp16_hdim128_full_bm64_bn128_dqatomic': ('flash_bwd_wgmma.cu', 'cf::flash_bwd_wgmma<cf::half_t, 128, cf::NoMask, 64, 128, cf::DqAdd::atomic>', 256, 149504, '90a'),
+    'flash_bwd_wgmma_fp16_hdim128_full_bm64_bn128_dqnone': ('flash_bwd_wgmma.cu', 'cf::flash_bwd_wgmma<cf::half_t, 128, cf::NoMask, 64, 128, cf::DqAdd::none>', 256, 149504, '90a'),
+    'flash_bwd_wgmma_fp16_hdim128_local_bm64_bn128_dqatomic': ('flash_bwd_wgmma.cu', 'cf::flash_bwd_wgmma<cf::half_t, 128, cf::Local, 64, 128, cf::DqAdd::atomic>', 256, 149504, '90a'),
+    'flash_bwd_wgmma_fp16_hdim128_local_bm64_bn128_dqnone': ('flash_bwd_wgmma.cu', 'cf::flash_bwd_wgmma<cf::half_t, 128, cf::Local, 64, 128, cf::DqAdd::none>', 256, 149504, '90a'),
+    'flash_bwd_wgmma_fp16_hdim64_causal_bm128_bn128_dqatomic': ('flash_bwd_wgmma.cu', 'cf::flash_bwd_wgmma<cf::half_t, 64, cf::Causal, 128, 128, cf::DqAdd::atomic>', 256, 134144, '90a'),
+    'flash_bwd_wgmma_fp16_hdim64_causal_bm128_bn128_dqnone': ('flash_bwd_wgmma.cu', 'cf::flash_bwd_wgmma<cf::half_t, 64, cf::Causal, 128, 128, cf::DqAdd::none>', 256, 134144, '90a'),
+    'flash_bwd_wgmma_fp16_hdim64_full_bm128_bn128_dqatomic': ('flash_bwd_wgmma.cu', 'cf::flash_bwd_wgmma<cf::half_t, 64, cf::NoMask, 128, 128, cf::DqAdd::atomic>', 256, 134144, '90a'),
+    'flash_bwd_wgmma_fp16_hdim64_full_bm128_bn128_dqnone': ('flash_bwd_wgmma.cu', 'cf::flash_bwd_wgmma<cf::half_t, 64, cf::NoMask, 128, 128, cf::DqAdd::none>', 256, 134144, '90a'),
+    'flash_bwd_wgmma_fp16_hdim64_local_bm128_bn128_dqatomic': ('flash_bwd_wgmma.cu', 'cf::flash_bwd_wgmma<cf::half_t, 64, cf::Local, 128, 128, cf::DqAdd::atomic>', 256, 134144, '90a'),
+    'flash_bwd_wgmma_fp16_hdim64_local_bm128_bn128_dqnone': ('flash_bwd_wgmma.cu', 'cf::flash_bwd_wgmma<cf::half_t, 64, cf::Local, 128, 128, cf::DqAdd::none>', 256, 134144, '90a'),
+}
+
+OLD_CHOICES = (
+    ('float16', 'full', True, (('80', 166912), ('80', 232448), ('80', 101376), ('86', 166912), ('86', 232448), ('86', 101376), ('89', 166912), ('89', 232448), ('89', 101376)), (
+        (64, ('flash_bwd_preprocess_fp16', 'flash_bwd_dkdv_mma_v2_fp16_hdim64_full_bm64_ms32_bn128_w4_rg2', 'flash_bwd_dq_mma_v2_fp16_hdim64_full_bm128_bn32_w4_rg2')),
+        (128, ('flash_bwd_preprocess_fp16', 'flash_bwd_dkdv_mma_split_fp16_hdim128_full_bm64_ms32_bn128_w8_rg2', 'flash_bwd_dq_mma_v2_fp16_hdim128_full_bm128_bn32_w4_rg2')),
+        (256, ('flash_bwd_preprocess_fp16', 'flash_bwd_dkdv_mma_split_fp16_hdim256_full_bm32_ms32_bn64_w8_rg1', 'flash_bwd_dq_mma_fp16_hdim256_full_bm64_bn32_w4')),
+    )),
+    ('float16', 'full', True, (('90', 166912), ('90', 232448), ('90', 101376)), (
+        (64, ('flash_bwd_preprocess_fp16', 'flash_bwd_wgmma_fp16_hdim64_full_bm128_bn128_dqnone', 'flash_bwd_dq_wgmma_fp16_hdim64_full_bm128_bn128_k2')),
+        (128, ('flash_bwd_preprocess_fp16', 'flash_bwd_wgmma_fp16_hdim128_full_bm64_bn128_dqnone', 'flash_bwd_dq_wgmma_fp16_hdim128_full_bm128_bn64_k2')),
+        (256, ('flash_bwd_preprocess_fp16', 'flash_bwd_wgmma_dsplit_fp16_hdim256_full_bm64_bn64_dqnone', 'flash_bwd_dq_wgmma_fp16_hdim256_full_bm128_bn32_k2')),
+    )),
+    ('float16', 'full', False, (('80', 166912), ('86', 166912), ('89', 166912)), (
+        (64, ('flash_bwd_preprocess_fp16', 'flash_bwd_dkdv_mma_v2_fp16_hdim64_full_bm64_ms32_bn128_w4_rg2_dqatomic', 'flash_bwd_dq_convert_fp16')),
+        (128, ('flash_bwd_preprocess_fp16', 'flash_bwd_fused_mma_fp16_hdim128_full_bm64_bn128_wn4_wd2_dqm2_u2_dqatomic_p16', 'flash_bwd_dq_convert_fp16')),
+        (256, ('flash_bwd_preprocess_fp16', 'flash_bwd_dkdv_mma_fp16_hdim256_full_bm32_ms16_bn64_w8_wd2_dqatomic', 'flash_bwd_dq_convert_fp16')),
+    )),
+    ('float16', 'full', False, (('80', 232448), ('86', 232448), ('89', 232448)), (
+        (64, ('flash_bwd_preprocess_fp16', 'flash_bwd_dkdv_mma_v2_fp16_hdim64_full_bm64_ms32_bn128_w4_rg2_dqatomic', 'flash_bwd_dq_convert_fp16')),
+        (128, ('flash_bwd_preprocess_fp16', 'flash_bwd_fused_mma_fp16_hdim128_full_bm64_bn128_wn4_wd2_dqm2_u2_dqatomic_p16', 'flash_bwd_dq_convert_fp16')),
+        (256, ('flash_bwd_preprocess_fp16', 'flash_bwd_fused_mma_fp16_hdim256_full_bm64_bn64_wn2_wd4_dqm2_u16_dqatomic', 'flash_bwd_dq_convert_fp16')),
+    )),
+    ('float16', 'full', False, (('80', 101376), ('86', 101376), ('89', 101376)), (
+        (64, ('flash_bwd_preprocess_fp16', 'flash_bwd_dkdv_mma_v2_fp16_hdim64_full_bm64_ms32_bn128_w4_rg2_dqatomic', 'flash_bwd_dq_convert_fp16')),
+        (128, ('flash_bwd_preprocess_fp16', 'flash_bwd_dkdv_mma_fp16_hdim128_full_bm64_ms32_bn128_w8_wd1_dqatomic', 'flash_bwd_dq_convert_fp16')),
+        (256, ('flash_bwd_preprocess_fp16', 'flash_bwd_dkdv_mma_fp16_hdim256_full_bm32_ms16_bn64_w8_wd2_dqatomic', 'flash_bwd_dq_convert_fp16')),
+    )),
+    ('float16', 'full', False, (('90', 166912), ('90', 232448), ('90', 101376)), (
+        (64, ('flash_bwd_preprocess_fp16', 'flash_bwd_wgmma_fp16_hdim64_full_bm128_bn128_dqatomic', 'flash_bwd_dq_convert_fp16')),
+        (128, ('flash_bwd_preprocess_fp16', 'flash_bwd_wgmma_fp16_hdim128_full_bm64_bn128_dqatomic', 'flash_bwd_dq_convert_fp16')),
+        (256, ('flash_bwd_preprocess_fp16', 'flash_bwd_wgmma_dsplit_fp16_hdim256_full_bm64_bn64_dqnone', 'flash_bwd_dq_wgmma_fp16_hdim256_full_bm128_bn32_k2')),
+    )),
+    ('float16', 'causal', True, (('80', 166912), ('80', 232448), ('80', 101376), ('86', 166912), ('86', 232448), ('86', 101376), ('89', 166912), ('89', 232448), ('89', 101376)), (
+        (64, ('flash_bwd_preprocess_fp16', 'flash_bwd_dkdv_mma_v2_fp16_hdim64_causal_bm64_ms32_bn128_w4_rg2', 'flash_bwd_dq_mma_v2_fp16_hdim64_causal_bm128_bn32_w4_rg2')),
+        (128, ('flash_bwd_preprocess_fp16', 'flash_bwd_dkdv_mma_split_fp16_hdim128_causal_bm64_ms32_bn128_w8_rg2', 'flash_bwd_dq_mma_v2_fp16_hdim128_causal_bm128_bn32_w4_rg2')),
+        (256, ('flash_bwd_preprocess_fp16', 'flash_bwd_dkdv_mma_split_fp16_hdim256_causal_bm32_ms32_bn64_w8_rg1', 'flash_bwd_dq_mma_fp16_hdim256_causal_bm64_bn32_w4')),
+    )),
+    ('float16', 'causal', True, (('90', 166912), ('90', 232448), ('90', 101376)), (
+        (64, ('flash_bwd_preprocess_fp16', 'flash_bwd_wgmma_fp16_hdim64_causal_bm128_bn128_dqnone', 'flash_bwd_dq_wgmma_fp16_hdim64_causal_bm128_bn128_k2')),
+        (128, ('flash_bwd_preprocess_fp16', 'flash_bwd_wgmma_fp16_hdim128_causal_bm64_bn128_dqnone', 'flash_bwd_dq_wgmma_fp16_hdim128_causal_bm128_bn64_k2')),
+        (256, ('flash_bwd_preprocess_fp16', 'flash_bwd_wgmma_dsplit_fp16_hdim256_causal_bm64_bn64_dqnone', 'flash_bwd_dq_wgmma_fp16_hdim256_causal_bm128_bn32_k2')),
+    )),
+    ('float16', 'causal', False, (('80', 166912), ('86', 166912), ('89', 166912)), (
+        (64, ('flash_bwd_preprocess_fp16', 'flash_bwd_dkdv_mma_v2_fp16_hdim64_causal_bm64_ms32_bn128_w4_rg2_dqatomic', 'flash_bwd_dq_convert_fp16')),
+        (128, ('flash_bwd_preprocess_fp16', 'flash_bwd_fused_mma_fp16_hdim128_causal_bm64_bn128_wn4_wd2_dqm2_u2_dqatomic_p16', 'flash_bwd_dq_convert_fp16')),
+        (256, ('flash_bwd_preprocess_fp16', 'flash_bwd_dkdv_mma_fp16_hdim256_causal_bm32_ms16_bn64_w8_wd2_dqatomic', 'flash_bwd_dq_convert_fp16')),
+    )),
+    ('float16', 'causal', False, (('80', 232448), ('86', 232448), ('89', 232448)), (
+        (64, ('flash_bwd_preprocess_fp16', 'flash_bwd_dkdv_mma_v2_fp16_hdim64_causal_bm64_ms32_bn128_w4_rg2_dqatomic', 'flash_bwd_dq_convert_fp16')),
+        (128, ('flash_bwd_preprocess_fp16', 'flash_bwd_fused_mma_fp16_hdim128_causal_bm64_bn128_wn4_wd2_dqm2_u2_dqatomic_p16', 'flash_bwd_dq_convert_fp16')),
+        (256, ('flash_bwd_preprocess_fp16', 'flash_bwd_fused_mma_fp16_hdim256_causal_bm64_bn64_wn2_wd4_dqm2_u16_dqatomic', 'flash_bwd_dq_convert_fp16')),
+    )),
+    ('float16', 'causal', False, (('80', 101376), ('86', 101376), ('89', 101376)), (
+        (64, ('flash_bwd_preprocess_fp16', 'flash_bwd_dkdv_mma_v2_fp16_hdim64_causal_bm64_ms32_bn128_w4_rg2_dqatomic', 'flash_bwd_dq_convert_fp16')),
+        (128, ('flash_bwd_preprocess_fp16', 'flash_bwd_dkdv_mma_fp16_hdim128_causal_bm64_ms32_bn128_w8_wd1_dqatomic', 'flash_bwd_dq_convert_fp16')),
+        (256, ('flash_bwd_preprocess_fp16', 'flash_bwd_dkdv_mma_fp16_hdim256_causal_bm32_ms16_bn64_w8_wd2_dqatomic', 'flash_bwd_dq_convert_fp16')),
+    )),
+    ('float16', 'causal', False, (('90', 166912), ('90', 232448), ('90', 101376)), (
+        (64, ('flash_bwd_preprocess_fp16', 'flash_bwd_wgmma_fp16_hdim64_causal_bm128_bn128_dqatomic', 'flash_bwd_dq_convert_fp16')),
+        (128, ('flash_bwd_preprocess_fp16', 'flash_bwd_wgmma_fp16_hdim128_causal_bm64_bn128_dqatomic', 'flash_bwd_dq_convert_fp16')),
+        (256, ('flash_bwd_preprocess_fp16', 'flash_bwd_wgmma_dsplit_fp16_hdim256_causal_bm64_bn64_dqnone', 'flash_bwd_dq_wgmma_fp16_hdim256_causal_bm128_bn32_k2')),
+    )),
+    ('float16', 'local', True, (('80', 166912), ('80', 232448), ('80', 101376), ('86', 166912), ('86', 232448), ('86', 101376), ('89', 166912), ('89', 232448), ('89', 101376)), (
+        (64, ('flash_bwd_preprocess_fp16', 'flash_bwd_dkdv_mma_v2_fp16_hdim64_local_bm64_ms32_bn128_w4_rg2', 'flash_bwd_dq_mma_v2_fp16_hdim64_local_bm128_bn32_w4_rg2')),
+        (128, ('flash_bwd_preprocess_fp16', 'flash_bwd_dkdv_mma_split_fp16_hdim128_local_bm64_ms32_bn128_w8_rg2', 'flash_bwd_dq_mma_v2_fp16_hdim128_local_bm128_bn32_w4_rg2')),
+        (256, ('flash_bwd_preprocess_fp16', 'flash_bwd_dkdv_mma_split_fp16_hdim256_local_bm32_ms32_bn64_w8_rg1', 'flash_bwd_dq_mma_fp16_hdim256_local_bm64_bn32_w4')),
+    )),
+    ('float16', 'local', True, (('90', 166912), ('90', 232448), ('90', 101376)), (
+        (64, ('flash_bwd_preprocess_fp16', 'flash_bwd_wgmma_fp16_hdim64_local_bm128_bn128_dqnone', 'flash_bwd_dq_wgmma_fp16_hdim64_local_bm128_bn128_k2')),
+        (128, ('flash_bwd_preprocess_fp16', 'flash_bwd_wgmma_fp16_hdim128_local_bm64_bn128_dqnone', 'flash_bwd_dq_wgmma_fp16_hdim128_local_bm128_bn64_k2')),
+        (256, ('flash_bwd_preprocess_fp16', 'flash_bwd_wgmma_dsplit_fp16_hdim256_local_bm64_bn64_dqnone', 'flash_bwd_dq_wgmma_fp16_hdim256_local_bm128_bn32_k2')),
+    )),
+    ('float16', 'local', False, (('80', 166912), ('86', 166912), ('89', 166912)), (
+        (64, ('flash_bwd_preprocess_fp16', 'flash_bwd_dkdv_mma_fp16_hdim64_local_bm64_ms64_bn128_w8_wd1_dqatomic', 'flash_bwd_dq_convert_fp16')),
+        (128, ('flash_bwd_preprocess_fp16', 'flash_bwd_fused_mma_fp16_hdim128_local_bm64_bn128_wn4_wd2_dqm2_u2_dqatomic_p16', 'flash_bwd_dq_convert_fp16')),
+        (256, ('flash_bwd_preprocess_fp16', 'flash_bwd_dkdv_mma_fp16_hdim256_local_bm32_ms16_bn64_w8_wd2_dqatomic', 'flash_bwd_dq_convert_fp16')),
+    )),
+    ('float16', 'local', False, (('80', 232448), ('86', 232448), ('89', 232448)), (
+        (64, ('flash_bwd_preprocess_fp16', 'flash_bwd_dkdv_mma_fp16_hdim64_local_bm64_ms64_bn128_w8_wd1_dqatomic', 'flash_bwd_dq_convert_fp16')),
+        (128, ('flash_bwd_preprocess_fp16', 'flash_bwd_fused_mma_fp16_hdim128_local_bm64_bn128_wn4_wd2_dqm2_u2_dqatomic_p16', 'flash_bwd_dq_convert_fp16')),
+        (256, ('flash_bwd_preprocess_fp16', 'flash_bwd_fused_mma_fp16_hdim256_local_bm64_bn64_wn2_wd4_dqm2_u16_dqatomic', 'flash_bwd_dq_convert_fp16')),
+    )),
+    ('float16', 'local', False, (('80', 101376), ('86', 101376), ('89', 101376)), (
+        (64, ('flash_bwd_preprocess_fp16', 'flash_bwd_dkdv_mma_fp16_hdim64_local_bm64_ms64_bn128_w8_wd1_dqatomic', 'flash_bwd_dq_convert_fp16')),
+        (128, ('flash_bwd_preprocess_fp16', 'flash_bwd_dkdv_mma_fp16_hdim128_local_bm64_ms32_bn128_w8_wd1_dqatomic', 'flash_bwd_dq_convert_fp16')),
+        (256, ('flash_bwd_preprocess_fp16', 'flash_bwd_dkdv_mma_fp16_hdim256_local_bm32_ms16_bn64_w8_wd2_dqatomic', 'flash_bwd_dq_convert_fp16')),
+    )),
+    ('float16', 'local', False, (('90', 166912), ('90', 232448), ('90', 101376)), (
+        (64, ('flash_bwd_preprocess_fp16', 'flash_bwd_wgmma_fp16_hdim64_local_bm128_bn128_dqatomic', 'flash_bwd_dq_convert_fp16')),
+        (128, ('flash_bwd_preprocess_fp16', 'flash_bwd_wgmma_fp16_hdim128_local_bm64_bn128_dqatomic', 'flash_bwd_dq_convert_fp16')),
+        (256, ('flash_bwd_preprocess_fp16', 'flash_bwd_wgmma_dsplit_fp16_hdim256_local_bm64_bn64_dqnone', 'flash_bwd_dq_wgmma_fp16_hdim256_local_bm128_bn32_k2')),
+    )),
+    ('bfloat16', 'full', True, (('80', 166912), ('80', 232448), ('80', 101376), ('86', 166912), ('86', 232448), ('86', 101376), ('89', 166912), ('89', 232448), ('89', 101376)), (
+        (64, ('flash_bwd_preprocess_bf16', 'flash_bwd_dkdv_mma_v2_bf16_hdim64_full_bm64_ms32_bn128_w4_rg2', 'flash_bwd_dq_mma_v2_bf16_hdim64_full_bm128_bn32_w4_rg2')),
+        (128, ('flash_bwd_preprocess_bf16', 'flash_bwd_dkdv_mma_split_bf16_hdim128_full_bm64_ms32_bn128_w8_rg2', 'flash_bwd_dq_mma_v2_bf16_hdim128_full_bm128_bn32_w4_rg2')),
+        (256, ('flash_bwd_preprocess_bf16', 'flash_bwd_dkdv_mma_split_bf16_hdim256_full_bm32_ms32_bn64_w8_rg1', 'flash_bwd_dq_mma_bf16_hdim256_full_bm64_bn32_w4')),
+    )),
+    ('bfloat16', 'full', True, (('90', 166912), ('90', 232448), ('90', 101376)), (
+        (64, ('flash_bwd_preprocess_bf16', 'flash_bwd_wgmma_bf16_hdim64_full_bm128_bn128_dqnone', 'flash_bwd_dq_wgmma_bf16_hdim64_full_bm128_bn128_k2')),
+        (128, ('flash_bwd_preprocess_bf16', 'flash_bwd_wgmma_bf16_hdim128_full_bm64_bn128_dqnone', 'flash_bwd_dq_wgmma_bf16_hdim128_full_bm128_bn64_k2')),
+        (256, ('flash_bwd_preprocess_bf16', 'flash_bwd_wgmma_dsplit_bf16_hdim256_full_bm64_bn64_dqnone', 'flash_bwd_dq_wgmma_bf16_hdim256_full_bm128_bn32_k2')),
+    )),
+    ('bfloat16', 'full', False, (('80', 166912), ('86', 166912), ('89', 166912)), (
+        (64, ('flash_bwd_preprocess_bf16', 'flash_bwd_dkdv_mma_v2_bf16_hdim64_full_bm64_ms32_bn128_w4_rg2_dqatomic', 'flash_bwd_dq_convert_bf16')),
+        (128, ('flash_bwd_preprocess_bf16', 'flash_bwd_fused_mma_bf16_hdim128_full_bm64_bn128_wn4_wd2_dqm2_u2_dqatomic_p16', 'flash_bwd_dq_convert_bf16')),
+        (256, ('flash_bwd_preprocess_bf16', 'flash_bwd_dkdv_mma_bf16_hdim256_full_bm32_ms16_bn64_w8_wd2_dqatomic', 'flash_bwd_dq_convert_bf16')),
+    )),
+    ('bfloat16', 'full', False, (('80', 232448), ('86', 232448), ('89', 232448)), (
+        (64, ('flash_bwd_preprocess_bf16', 'flash_bwd_dkdv_mma_v2_bf16_hdim64_full_bm64_ms32_bn128_w4_rg2_dqatomic', 'flash_bwd_dq_convert_bf16')),
+        (128, ('flash_bwd_preprocess_bf16', 'flash_bwd_fused_mma_bf16_hdim128_full_bm64_bn128_wn4_wd2_dqm2_u2_dqatomic_p16', 'flash_bwd_dq_convert_bf16')),
+        (256, ('flash_bwd_preprocess_bf16', 'flash_bwd_fused_mma_bf16_hdim256_full_bm64_bn64_wn2_wd4_dqm2_u16_dqatomic', 'flash_bwd_dq_convert_bf16')),
+    )),
+    ('bfloat16', 'full', False, (('80', 101376), ('86', 101376), ('89', 101376)), (
+        (64, ('flash_bwd_preprocess_bf16', 'flash_bwd_dkdv_mma_v2_bf16_hdim64_full_bm64_ms32_bn128_w4_rg2_dqatomic', 'flash_bwd_dq_convert_bf16')),
+        (128, ('flash_bwd_preprocess_bf16', 'flash_bwd_dkdv_mma_bf16_hdim128_full_bm64_ms32_bn128_w8_wd1_dqatomic', 'flash_bwd_dq_convert_bf16')),
+        (256, ('flash_bwd_preprocess_bf16', 'flash_bwd_dkdv_mma_bf16_hdim256_full_bm32_ms16_bn64_w8_wd2_dqatomic', 'flash_bwd_dq_convert_bf16')),
+    )),
+    ('bfloat16', 'full', False, (('90', 166912), ('90', 232448), ('90', 101376)), (
+        (64, ('flash_bwd_preprocess_bf16', 'flash_bwd_wgmma_bf16_hdim64_full_bm128_bn128_dqatomic', 'flash_bwd_dq_convert_bf16')),
+        (128, ('flash_bwd_preprocess_bf16', 'flash_bwd_wgmma_bf16_hdim128_full_bm64_bn128_dqatomic', 'flash_bwd_dq_convert_bf16')),
+        (256, ('flash_bwd_preprocess_bf16', 'flash_bwd_wgmma_dsplit_bf16_hdim256_full_bm64_bn64_dqnone', 'flash_bwd_dq_wgmma_bf16_hdim256_full_bm128_bn32_k2')),
+    )),
+    ('bfloat16', 'causal', True, (('80', 166912), ('80', 232448), ('80', 101376), ('86', 166912), ('86', 232448), ('86', 101376), ('89', 166912), ('89', 232448), ('89', 101376)), (
+        (64, ('flash_bwd_preprocess_bf16', 'flash_bwd_dkdv_mma_v2_bf16_hdim64_causal_bm64_ms32_bn128_w4_rg2', 'flash_bwd_dq_mma_v2_bf16_hdim64_causal_bm128_bn32_w4_rg2')),
+        (128, ('flash_bwd_preprocess_bf16', 'flash_bwd_dkdv_mma_split_bf16_hdim128_causal_bm64_ms32_bn128_w8_rg2', 'flash_bwd_dq_mma_v2_bf16_hdim128_causal_bm128_bn32_w4_rg2')),
+        (256, ('flash_bwd_preprocess_bf16', 'flash_bwd_dkdv_mma_split_bf16_hdim256_causal_bm32_ms32_bn64_w8_rg1', 'flash_bwd_dq_mma_bf16_hdim256_causal_bm64_bn32_w4')),
+    )),
+    ('bfloat16', 'causal', True, (('90', 166912), ('90', 232448), ('90', 101376)), (
+        (64, ('flash_bwd_preprocess_bf16', 'flash_bwd_wgmma_bf16_hdim64_causal_bm128_bn128_dqnone', 'flash_bwd_dq_wgmma_bf16_hdim64_causal_bm128_bn128_k2')),
+        (128, ('flash_bwd_preprocess_bf16', 'flash_bwd_wgmma_bf16_hdim128_causal_bm64_bn128_dqnone', 'flash_bwd_dq_wgmma_bf16_hdim128_causal_bm128_bn64_k2')),
+        (256, ('flash_bwd_preprocess_bf16', 'flash_bwd_wgmma_dsplit_bf16_hdim256_causal_bm64_bn64_dqnone', 'flash_bwd_dq_wgmma_bf16_hdim256_causal_bm128_bn32_k2')),
+    )),
+    ('bfloat16', 'causal', False, (('80', 166912), ('86', 166912), ('89', 166912)), (
+        (64, ('flash_bwd_preprocess_bf16', 'flash_bwd_dkdv_mma_v2_bf16_hdim64_causal_bm64_ms32_bn128_w4_rg2_dqatomic', 'flash_bwd_dq_convert_bf16')),
+        (128, ('flash_bwd_preprocess_bf16', 'flash_bwd_fused_mma_bf16_hdim128_causal_bm64_bn128_wn4_wd2_dqm2_u2_dqatomic_p16', 'flash_bwd_dq_convert_bf16')),
+        (256, ('flash_bwd_preprocess_bf16', 'flash_bwd_dkdv_mma_bf16_hdim256_causal_bm32_ms16_bn64_w8_wd2_dqatomic', 'flash_bwd_dq_convert_bf16')),
+    )),
+    ('bfloat16', 'causal', False, (('80', 232448), ('86', 232448), ('89', 232448)), (
+        (64, ('flash_bwd_preprocess_bf16', 'flash_bwd_dkdv_mma_v2_bf16_hdim64_causal_bm64_ms32_bn128_w4_rg2_dqatomic', 'flash_bwd_dq_convert_bf16')),
+        (128, ('flash_bwd_preprocess_bf16', 'flash_bwd_fused_mma_bf16_hdim128_causal_bm64_bn128_wn4_wd2_dqm2_u2_dqatomic_p16', 'flash_bwd_dq_convert_bf16')),
+        (256, ('flash_bwd_preprocess_bf16', 'flash_bwd_fused_mma_bf16_hdim256_causal_bm64_bn64_wn2_wd4_dqm2_u16_dqatomic', 'flash_bwd_dq_convert_bf16')),
+    )),
+    ('bfloat16', 'causal', False, (('80', 101376), ('86', 101376), ('89', 101376)), (
+        (64, ('flash_bwd_preprocess_bf16', 'flash_bwd_dkdv_mma_v2_bf16_hdim64_causal_bm64_ms32_bn128_w4_rg2_dqatomic', 'flash_bwd_dq_convert_bf16')),
+        (128, ('flash_bwd_preprocess_bf16', 'flash_bwd_dkdv_mma_bf16_hdim128_causal_bm64_ms32_bn128_w8_wd1_dqatomic', 'flash_bwd_dq_convert_bf16')),
+        (256, ('flash_bwd_preprocess_bf16', 'flash_bwd_dkdv_mma_bf16_hdim256_causal_bm32_ms16_bn64_w8_wd2_dqatomic', 'flash_bwd_dq_convert_bf16')),
+    )),
+    ('bfloat16', 'causal', False, (('90', 166912), ('90', 232448), ('90', 101376)), (
+        (64, ('flash_bwd_preprocess_bf16', 'flash_bwd_wgmma_bf16_hdim64_causal_bm128_bn128_dqatomic', 'flash_bwd_dq_convert_bf16')),
+        (128, ('flash_bwd_preprocess_bf16', 'flash_bwd_wgmma_bf16_hdim128_causal_bm64_bn128_dqatomic', 'flash_bwd_dq_convert_bf16')),
+        (256, ('flash_bwd_preprocess_bf16', 'flash_bwd_wgmma_dsplit_bf16_hdim256_causal_bm64_bn64_dqnone', 'flash_bwd_dq_wgmma_bf16_hdim256_causal_bm128_bn32_k2')),
+    )),
+    ('bfloat16', 'local', True, (('80', 166912), ('80', 232448), ('80', 101376), ('86', 166912), ('86', 232448), ('86', 101376), ('89', 166912), ('89', 232448), ('89', 101376)), (
+        (64, ('flash_bwd_preprocess_bf16', 'flash_bwd_dkdv_mma_v2_bf16_hdim64_local_bm64_ms32_bn128_w4_rg2', 'flash_bwd_dq_mma_v2_bf16_hdim64_local_bm128_bn32_w4_rg2')),
+        (128, ('flash_bwd_preprocess_bf16', 'flash_bwd_dkdv_mma_split_bf16_hdim128_local_bm64_ms32_bn128_w8_rg2', 'flash_bwd_dq_mma_v2_bf16_hdim128_local_bm128_bn32_w4_rg2')),
+        (256, ('flash_bwd_preprocess_bf16', 'flash_bwd_dkdv_mma_split_bf16_hdim256_local_bm32_ms32_bn64_w8_rg1', 'flash_bwd_dq_mma_bf16_hdim256_local_bm64_bn32_w4')),
+    )),
+    ('bfloat16', 'local', True, (('90', 166912), ('90', 232448), ('90', 101376)), (
+        (64, ('flash_bwd_preprocess_bf16', 'flash_bwd_wgmma_bf16_hdim64_local_bm128_bn128_dqnone', 'flash_bwd_dq_wgmma_bf16_hdim64_local_bm128_bn128_k2')),
+        (128, ('flash_bwd_preprocess_bf16', 'flash_bwd_wgmma_bf16_hdim128_local_bm64_bn128_dqnone', 'flash_bwd_dq_wgmma_bf16_hdim128_local_bm128_bn64_k2')),
+        (256, ('flash_bwd_preprocess_bf16', 'flash_bwd_wgmma_dsplit_bf16_hdim256_local_bm64_bn64_dqnone', 'flash_bwd_dq_wgmma_bf16_hdim256_local_bm128_bn32_k2')),
+    )),
+    ('bfloat16', 'local', False, (('80', 166912), ('86', 166912), ('89', 166912)), (
+        (64, ('flash_bwd_preprocess_bf16', 'flash_bwd_dkdv_mma_bf16_hdim64_local_bm64_ms64_bn128_w8_wd1_dqatomic', 'flash_bwd_dq_convert_bf16')),
+        (128, ('flash_bwd_preprocess_bf16', 'flash_bwd_fused_mma_bf16_hdim128_local_bm64_bn128_wn4_wd2_dqm2_u2_dqatomic_p16', 'flash_bwd_dq_convert_bf16')),
+        (256, ('flash_bwd_preprocess_bf16', 'flash_bwd_dkdv_mma_bf16_hdim256_local_bm32_ms16_bn64_w8_wd2_dqatomic', 'flash_bwd_dq_convert_bf16')),
+    )),
+    ('bfloat16', 'local', False, (('80', 232448), ('86', 232448), ('89', 232448)), (
+        (64, ('flash_bwd_preprocess_bf16', 'flash_bwd_dkdv_mma_bf16_hdim64_local_bm64_ms64_bn128_w8_wd1_dqatomic', 'flash_bwd_dq_convert_bf16')),
+        (128, ('flash_bwd_preprocess_bf16', 'flash_bwd_fused_mma_bf16_hdim128_local_bm64_bn128_wn4_wd2_dqm2_u2_dqatomic_p16', 'flash_bwd_dq_convert_bf16')),
+        (256, ('flash_bwd_preprocess_bf16', 'flash_bwd_fused_mma_bf16_hdim256_local_bm64_bn64_wn2_wd4_dqm2_u16_dqatomic', 'flash_bwd_dq_convert_bf16')),
+    )),
+    ('bfloat16', 'local', False, (('80', 101376), ('86', 101376), ('89', 101376)), (
+        (64, ('flash_bwd_preprocess_bf16', 'flash_bwd_dkdv_mma_bf16_hdim64_local_bm64_ms64_bn128_w8_wd1_dqatomic', 'flash_bwd_dq_convert_bf16')),
+        (128, ('flash_bwd_preprocess_bf16', 'flash_bwd_dkdv_mma_bf16_hdim128_local_bm64_ms32_bn128_w8_wd1_dqatomic', 'flash_bwd_dq_convert_bf16')),
+        (256, ('flash_bwd_preprocess_bf16', 'flash_bwd_dkdv_mma_bf16_hdim256_local_bm32_ms16_bn64_w8_wd2_dqatomic', 'flash_bwd_dq_convert_bf16')),
+    )),
+    ('bfloat16', 'local', False, (('90', 166912), ('90', 232448), ('90', 101376)), (
+        (64, ('flash_bwd_preprocess_bf16', 'flash_bwd_wgmma_bf16_hdim64_local_bm128_bn128_dqatomic', 'flash_bwd_dq_convert_bf16')),
+        (128, ('flash_bwd_preprocess_bf16', 'flash_bwd_wgmma_bf16_hdim128_local_bm64_bn128_dqatomic', 'flash_bwd_dq_convert_bf16')),
+        (256, ('flash_bwd_preprocess_bf16', 'flash_bwd_wgmma_dsplit_bf16_hdim256_local_bm64_bn64_dqnone', 'flash_bwd_dq_wgmma_bf16_hdim256_local_bm128_bn32_k2')),
+    )),
+    ('float32', 'full', True, (('80', 166912), ('80', 232448), ('80', 101376), ('86', 166912), ('86', 232448), ('86', 101376), ('89', 166912), ('89', 232448), ('89', 101376), ('90', 166912), ('90', 232448), ('90', 101376)), (
+        (16, ('flash_bwd_preprocess_fp32', 'flash_bwd_dkdv_simt_fp32_hdim16_full_bm64_bn64_tpr4', 'flash_bwd_dq_simt_fp32_hdim16_full_bm64_bn64_tpr4')),
+        (32, ('flash_bwd_preprocess_fp32', 'flash_bwd_dkdv_simt_fp32_hdim32_full_bm64_bn64_tpr4', 'flash_bwd_dq_simt_fp32_hdim32_full_bm64_bn64_tpr4')),
+        (64, ('flash_bwd_preprocess_fp32', 'flash_bwd_dkdv_simt_fp32_hdim64_full_bm64_bn64_tpr4', 'flash_bwd_dq_simt_fp32_hdim64_full_bm64_bn64_tpr4')),
+        (128, ('flash_bwd_preprocess_fp32', 'flash_bwd_dkdv_simt_fp32_hdim128_full_bm32_bn32_tpr8', 'flash_bwd_dq_simt_fp32_hdim128_full_bm32_bn32_tpr8')),
+        (256, ('flash_bwd_preprocess_fp32', 'flash_bwd_dkdv_simt_fp32_hdim256_full_bm32_bn32_tpr8', 'flash_bwd_dq_simt_fp32_hdim256_full_bm32_bn32_tpr8')),
+    )),
+    ('float32', 'full', False, (('80', 166912), ('80', 232448), ('80', 101376), ('86', 166912), ('86', 232448), ('86', 101376), ('89', 166912), ('89', 232448), ('89', 101376), ('90', 166912), ('90', 232448), ('90', 101376)), (
+        (16, ('flash_bwd_preprocess_fp32', 'flash_bwd_dkdv_simt_fp32_hdim16_full_bm64_bn64_tpr4', 'flash_bwd_dq_simt_fp32_hdim16_full_bm64_bn64_tpr4')),
+        (32, ('flash_bwd_preprocess_fp32', 'flash_bwd_dkdv_simt_fp32_hdim32_full_bm64_bn64_tpr4', 'flash_bwd_dq_simt_fp32_hdim32_full_bm64_bn64_tpr4')),
+        (64, ('flash_bwd_preprocess_fp32', 'flash_bwd_dkdv_simt_fp32_hdim64_full_bm64_bn64_tpr4', 'flash_bwd_dq_simt_fp32_hdim64_full_bm64_bn64_tpr4')),
+        (128, ('flash_bwd_preprocess_fp32', 'flash_bwd_dkdv_simt_fp32_hdim128_full_bm32_bn32_tpr8', 'flash_bwd_dq_simt_fp32_hdim128_full_bm32_bn32_tpr8')),
+        (256, ('flash_bwd_preprocess_fp32', 'flash_bwd_dkdv_simt_fp32_hdim256_full_bm32_bn32_tpr8', 'flash_bwd_dq_simt_fp32_hdim256_full_bm32_bn32_tpr8')),
+    )),
+    ('float32', 'causal', True, (('80', 166912), ('80', 232448), ('80', 101376), ('86', 166912), ('86', 232448), ('86', 101376), ('89', 166912), ('89', 232448), ('89', 101376), ('90', 166912), ('90', 232448), ('90', 101376)), (
+        (16, ('flash_bwd_preprocess_fp32', 'flash_bwd_dkdv_simt_fp32_hdim16_causal_bm64_bn64_tpr4', 'flash_bwd_dq_simt_fp32_hdim16_causal_bm64_bn64_tpr4')),
+        (32, ('flash_bwd_preprocess_fp32', 'flash_bwd_dkdv_simt_fp32_hdim32_causal_bm64_bn64_tpr4', 'flash_bwd_dq_simt_fp32_hdim32_causal_bm64_bn64_tpr4')),
+        (64, ('flash_bwd_preprocess_fp32', 'flash_bwd_dkdv_simt_fp32_hdim64_causal_bm64_bn64_tpr4', 'flash_bwd_dq_simt_fp32_hdim64_causal_bm64_bn64_tpr4')),
+        (128, ('flash_bwd_preprocess_fp32', 'flash_bwd_dkdv_simt_fp32_hdim128_causal_bm32_bn32_tpr8', 'flash_bwd_dq_simt_fp32_hdim128_causal_bm32_bn32_tpr8')),
+        (256, ('flash_bwd_preprocess_fp32', 'flash_bwd_dkdv_simt_fp32_hdim256_causal_bm32_bn32_tpr8', 'flash_bwd_dq_simt_fp32_hdim256_causal_bm32_bn32_tpr8')),
+    )),
+    ('float32', 'causal', False, (('80', 166912), ('80', 232448), ('80', 101376), ('86', 166912), ('86', 232448), ('86', 101376), ('89', 166912), ('89', 232448), ('89', 101376), ('90', 166912), ('90', 232448), ('90', 101376)), (
+        (16, ('flash_bwd_preprocess_fp32', 'flash_bwd_dkdv_simt_fp32_hdim16_causal_bm64_bn64_tpr4', 'flash_bwd_dq_simt_fp32_hdim16_causal_bm64_bn64_tpr4')),
+        (32, ('flash_bwd_preprocess_fp32', 'flash_bwd_dkdv_simt_fp32_hdim32_causal_bm64_bn64_tpr4', 'flash_bwd_dq_simt_fp32_hdim32_causal_bm64_bn64_tpr4')),
+        (64, ('flash_bwd_preprocess_fp32', 'flash_bwd_dkdv_simt_fp32_hdim64_causal_bm64_bn64_tpr4', 'flash_bwd_dq_simt_fp32_hdim64_causal_bm64_bn64_tpr4')),
+        (128, ('flash_bwd_preprocess_fp32', 'flash_bwd_dkdv_simt_fp32_hdim128_causal_bm32_bn32_tpr8', 'flash_bwd_dq_simt_fp32_hdim128_causal_bm32_bn32_tpr8')),
+        (256, ('flash_bwd_preprocess_fp32', 'flash_bwd_dkdv_simt_fp32_hdim256_causal_bm32_bn32_tpr8', 'flash_bwd_dq_simt_fp32_hdim256_causal_bm32_bn32_tpr8')),
+    )),
+    ('float32', 'local', True, (('80', 166912), ('80', 232448), ('80', 101376), ('86', 166912), ('86', 232448), ('86', 101376), ('89', 166912), ('89', 232448), ('89', 101376), ('90', 166912), ('90', 232448), ('90', 101376)), (
+        (16, ('flash_bwd_preprocess_fp32', 'flash_bwd_dkdv_simt_fp32_hdim16_local_bm64_bn64_tpr4', 'flash_bwd_dq_simt_fp32_hdim16_local_bm64_bn64_tpr4')),
+        (32, ('flash_bwd_preprocess_fp32', 'flash_bwd_dkdv_simt_fp32_hdim32_local_bm64_bn64_tpr4', 'flash_bwd_dq_simt_fp32_hdim32_local_bm64_bn64_tpr4')),
+        (64, ('flash_bwd_preprocess_fp32', 'flash_bwd_dkdv_simt_fp32_hdim64_local_bm64_bn64_tpr4', 'flash_bwd_dq_simt_fp32_hdim64_local_bm64_bn64_tpr4')),
+        (128, ('flash_bwd_preprocess_fp32', 'flash_bwd_dkdv_simt_fp32_hdim128_local_bm32_bn32_tpr8', 'flash_bwd_dq_simt_fp32_hdim128_local_bm32_bn32_tpr8')),
+        (256, ('flash_bwd_preprocess_fp32', 'flash_bwd_dkdv_simt_fp32_hdim256_local_bm32_bn32_tpr8', 'flash_bwd_dq_simt_fp32_hdim256_local_bm32_bn32_tpr8')),
+    )),
+    ('float32', 'local', False, (('80', 166912), ('80', 232448), ('80', 101376), ('86', 166912), ('86', 232448), ('86', 101376), ('89', 166912), ('89', 232448), ('89', 101376), ('90', 166912), ('90', 232448), ('90', 101376)), (
+        (16, ('flash_bwd_preprocess_fp32', 'flash_bwd_dkdv_simt_fp32_hdim16_local_bm64_bn64_tpr4', 'flash_bwd_dq_simt_fp32_hdim16_local_bm64_bn64_tpr4')),
+        (32, ('flash_bwd_preprocess_fp32', 'flash_bwd_dkdv_simt_fp32_hdim32_local_bm64_bn64_tpr4', 'flash_bwd_dq_simt_fp32_hdim32_local_bm64_bn64_tpr4')),
+        (64, ('flash_bwd_preprocess_fp32', 'flash_bwd_dkdv_simt_fp32_hdim64_local_bm64_bn64_tpr4', 'flash_bwd_dq_simt_fp32_hdim64_local_bm64_bn64_tpr4')),
+        (128, ('flash_bwd_preprocess_fp32', 'flash_bwd_dkdv_simt_fp32_hdim128_local_bm32_bn32_tpr8', 'flash_bwd_dq_simt_fp32_hdim128_local_bm32_bn32_tpr8')),
+        (256, ('flash_bwd_preprocess_fp32', 'flash_bwd_dkdv_simt_fp32_hdim256_local_bm32_bn32_tpr8', 'flash_bwd_dq_simt_fp32_hdim256_local_bm32_bn32_tpr8')),
+    )),
+    ('float64', 'full', True, (('80', 166912), ('80', 232448), ('80', 101376), ('86', 166912), ('86', 232448), ('86', 101376), ('89', 166912), ('89', 232448), ('89', 101376), ('90', 166912), ('90', 232448), ('90', 101376)), (
+        (16, ('flash_bwd_preprocess_fp64', 'flash_bwd_dkdv_simt_fp64_hdim16_full_bm32_bn32_tpr4', 'flash_bwd_dq_simt_fp64_hdim16_full_bm32_bn32_tpr4')),
+        (32, ('flash_bwd_preprocess_fp64', 'flash_bwd_dkdv_simt_fp64_hdim32_full_bm32_bn32_tpr4', 'flash_bwd_dq_simt_fp64_hdim32_full_bm32_bn32_tpr4')),
+        (64, ('flash_bwd_preprocess_fp64', 'flash_bwd_dkdv_simt_fp64_hdim64_full_bm32_bn32_tpr4', 'flash_bwd_dq_simt_fp64_hdim64_full_bm32_bn32_tpr4')),
+        (128, ('flash_bwd_preprocess_fp64', 'flash_bwd_dkdv_simt_fp64_hdim128_full_bm16_bn16_tpr8', 'flash_bwd_dq_simt_fp64_hdim128_full_bm16_bn16_tpr8')),
+        (256, ('flash_bwd_preprocess_fp64', 'flash_bwd_dkdv_simt_fp64_hdim256_full_bm16_bn16_tpr16', 'flash_bwd_dq_simt_fp64_hdim256_full_bm16_bn16_tpr16')),
+    )),
+    ('float64', 'full', False, (('80', 166912), ('80', 232448), ('80', 101376), ('86', 166912), ('86', 232448), ('86', 101376), ('89', 166912), ('89', 232448), ('89', 101376), ('90', 166912), ('90', 232448), ('90', 101376)), (
+        (16, ('flash_bwd_preprocess_fp64', 'flash_bwd_dkdv_simt_fp64_hdim16_full_bm32_bn32_tpr4', 'flash_bwd_dq_simt_fp64_hdim16_full_bm32_bn32_tpr4')),
+        (32, ('flash_bwd_preprocess_fp64', 'flash_bwd_dkdv_simt_fp64_hdim32_full_bm32_bn32_tpr4', 'flash_bwd_dq_simt_fp64_hdim32_full_bm32_bn32_tpr4')),
+        (64, ('flash_bwd_preprocess_fp64', 'flash_bwd_dkdv_simt_fp64_hdim64_full_bm32_bn32_tpr4', 'flash_bwd_dq_simt_fp64_hdim64_full_bm32_bn32_tpr4')),
+        (128, ('flash_bwd_preprocess_fp64', 'flash_bwd_dkdv_simt_fp64_hdim128_full_bm16_bn16_tpr8', 'flash_bwd_dq_simt_fp64_hdim128_full_bm16_bn16_tpr8')),
+        (256, ('flash_bwd_preprocess_fp64', 'flash_bwd_dkdv_simt_fp64_hdim256_full_bm16_bn16_tpr16', 'flash_bwd_dq_simt_fp64_hdim256_full_bm16_bn16_tpr16')),
+    )),
+    ('float64', 'causal', True, (('80', 166912), ('80', 232448), ('80', 101376), ('86', 166912), ('86', 232448), ('86', 101376), ('89', 166912), ('89', 232448), ('89', 101376), ('90', 166912), ('90', 232448), ('90', 101376)), (
+        (16, ('flash_bwd_preprocess_fp64', 'flash_bwd_dkdv_simt_fp64_hdim16_causal_bm32_bn32_tpr4', 'flash_bwd_dq_simt_fp64_hdim16_causal_bm32_bn32_tpr4')),
+        (32, ('flash_bwd_preprocess_fp64', 'flash_bwd_dkdv_simt_fp64_hdim32_causal_bm32_bn32_tpr4', 'flash_bwd_dq_simt_fp64_hdim32_causal_bm32_bn32_tpr4')),
+        (64, ('flash_bwd_preprocess_fp64', 'flash_bwd_dkdv_simt_fp64_hdim64_causal_bm32_bn32_tpr4', 'flash_bwd_dq_simt_fp64_hdim64_causal_bm32_bn32_tpr4')),
+        (128, ('flash_bwd_preprocess_fp64', 'flash_bwd_dkdv_simt_fp64_hdim128_causal_bm16_bn16_tpr8', 'flash_bwd_dq_simt_fp64_hdim128_causal_bm16_bn16_tpr8')),
+        (256, ('flash_bwd_preprocess_fp64', 'flash_bwd_dkdv_simt_fp64_hdim256_causal_bm16_bn16_tpr16', 'flash_bwd_dq_simt_fp64_hdim256_causal_bm16_bn16_tpr16')),
+    )),
+    ('float64', 'causal', False, (('80', 166912), ('80', 232448), ('80', 101376), ('86', 166912), ('86', 232448), ('86', 101376), ('89', 166912), ('89', 232448), ('89', 101376), ('90', 166912), ('90', 232448), ('90', 101376)), (
+        (16, ('flash_bwd_preprocess_fp64', 'flash_bwd_dkdv_simt_fp64_hdim16_causal_bm32_bn32_tpr4', 'flash_bwd_dq_simt_fp64_hdim16_causal_bm32_bn32_tpr4')),
+        (32, ('flash_bwd_preprocess_fp64', 'flash_bwd_dkdv_simt_fp64_hdim32_causal_bm32_bn32_tpr4', 'flash_bwd_dq_simt_fp64_hdim32_causal_bm32_bn32_tpr4')),
+        (64, ('flash_bwd_preprocess_fp64', 'flash_bwd_dkdv_simt_fp64_hdim64_causal_bm32_bn32_tpr4', 'flash_bwd_dq_simt_fp64_hdim64_causal_bm32_bn32_tpr4')),
+        (128, ('flash_bwd_preprocess_fp64', 'flash_bwd_dkdv_simt_fp64_hdim128_causal_bm16_bn16_tpr8', 'flash_bwd_dq_simt_fp64_hdim128_causal_bm16_bn16_tpr8')),
+        (256, ('flash_bwd_preprocess_fp64', 'flash_bwd_dkdv_simt_fp64_hdim256_causal_bm16_bn16_tpr16', 'flash_bwd_dq_simt_fp64_hdim256_causal_bm16_bn16_tpr16')),
+    )),
+    ('float64', 'local', True, (('80', 166912), ('80', 232448), ('80', 101376), ('86', 166912), ('86', 232448), ('86', 101376), ('89', 166912), ('89', 232448), ('89', 101376), ('90', 166912), ('90', 232448), ('90', 101376)), (
+        (16, ('flash_bwd_preprocess_fp64', 'flash_bwd_dkdv_simt_fp64_hdim16_local_bm32_bn32_tpr4', 'flash_bwd_dq_simt_fp64_hdim16_local_bm32_bn32_tpr4')),
+        (32, ('flash_bwd_preprocess_fp64', 'flash_bwd_dkdv_simt_fp64_hdim32_local_bm32_bn32_tpr4', 'flash_bwd_dq_simt_fp64_hdim32_local_bm32_bn32_tpr4')),
+        (64, ('flash_bwd_preprocess_fp64', 'flash_bwd_dkdv_simt_fp64_hdim64_local_bm32_bn32_tpr4', 'flash_bwd_dq_simt_fp64_hdim64_local_bm32_bn32_tpr4')),
+        (128, ('flash_bwd_preprocess_fp64', 'flash_bwd_dkdv_simt_fp64_hdim128_local_bm16_bn16_tpr8', 'flash_bwd_dq_simt_fp64_hdim128_local_bm16_bn16_tpr8')),
+        (256, ('flash_bwd_preprocess_fp64', 'flash_bwd_dkdv_simt_fp64_hdim256_local_bm16_bn16_tpr16', 'flash_bwd_dq_simt_fp64_hdim256_local_bm16_bn16_tpr16')),
+    )),
+    ('float64', 'local', False, (('80', 166912), ('80', 232448), ('80', 101376), ('86', 166912), ('86', 232448), ('86', 101376), ('89', 166912), ('89', 232448), ('89', 101376), ('90', 166912), ('90', 232448), ('90', 101376)), (
+        (16, ('flash_bwd_preprocess_fp64', 'flash_bwd_dkdv_simt_fp64_hdim16_local_bm32_bn32_tpr4', 'flash_bwd_dq_simt_fp64_hdim16_local_bm32_bn32_tpr4')),
+        (32, ('flash_bwd_preprocess_fp64', 'flash_bwd_dkdv_simt_fp64_hdim32_local_bm32_bn32_tpr4', 'flash_bwd_dq_simt_fp64_hdim32_local_bm32_bn32_tpr4')),
+        (64, ('flash_bwd_preprocess_fp64', 'flash_bwd_dkdv_simt_fp64_hdim64_local_bm32_bn32_tpr4', 'flash_bwd_dq_simt_fp64_hdim64_local_bm32_bn32_tpr4')),
+        (128, ('flash_bwd_preprocess_fp64', 'flash_bwd_dkdv_simt_fp64_hdim128_local_bm16_bn16_tpr8', 'flash_bwd_dq_simt_fp64_hdim128_local_bm16_bn16_tpr8')),
+        (256, ('flash_bwd_preprocess_fp64', 'flash_bwd_dkdv_simt_fp64_hdim256_local_bm16_bn16_tpr16', 'flash_bwd_dq_simt_fp64_hdim256_local_bm16_bn16_tpr16')),
+    )),
+)
+
+OLD_GRIDS = {
+    'flash_bwd_dkdv_mma_bf16_hdim128_causal_bm64_ms32_bn128_w8_wd1_dqatomic': (3, 2, 2),
+    'flash_bwd_dkdv_mma_bf16_hdim128_full_bm64_ms32_bn128_w8_wd1_dqatomic': (3, 2, 2),
+    'flash_bwd_dkdv_mma_bf16_hdim128_local_bm64_ms32_bn128_w8_wd1_dqatomic': (3, 2, 2),
+    'flash_bwd_dkdv_mma_bf16_hdim256_causal_bm32_ms16_bn64_w8_wd2_dqatomic': (5, 2, 2),
+    'flash_bwd_dkdv_mma_bf16_hdim256_full_bm32_ms16_bn64_w8_wd2_dqatomic': (5, 2, 2),
+    'flash_bwd_dkdv_mma_bf16_hdim256_local_bm32_ms16_bn64_w8_wd2_dqatomic': (5, 2, 2),
+    'flash_bwd_dkdv_mma_bf16_hdim64_local_bm64_ms64_bn128_w8_wd1_dqatomic': (3, 2, 2),
+    'flash_bwd_dkdv_mma_fp16_hdim128_causal_bm64_ms32_bn128_w8_wd1_dqatomic': (3, 2, 2),
+    'flash_bwd_dkdv_mma_fp16_hdim128_full_bm64_ms32_bn128_w8_wd1_dqatomic': (3, 2, 2),
+    'flash_bwd_dkdv_mma_fp16_hdim128_local_bm64_ms32_bn128_w8_wd1_dqatomic': (3, 2, 2),
+    'flash_bwd_dkdv_mma_fp16_hdim256_causal_bm32_ms16_bn64_w8_wd2_dqatomic': (5, 2, 2),
+    'flash_bwd_dkdv_mma_fp16_hdim256_full_bm32_ms16_bn64_w8_wd2_dqatomic': (5, 2, 2),
+    'flash_bwd_dkdv_mma_fp16_hdim256_local_bm32_ms16_bn64_w8_wd2_dqatomic': (5, 2, 2),
+    'flash_bwd_dkdv_mma_fp16_hdim64_local_bm64_ms64_bn128_w8_wd1_dqatomic': (3, 2, 2),
+    'flash_bwd_dkdv_mma_split_bf16_hdim128_causal_bm64_ms32_bn128_w8_rg2': (3, 2, 2),
+    'flash_bwd_dkdv_mma_split_bf16_hdim128_full_bm64_ms32_bn128_w8_rg2': (3, 2, 2),
+    'flash_bwd_dkdv_mma_split_bf16_hdim128_local_bm64_ms32_bn128_w8_rg2': (3, 2, 2),
+    'flash_bwd_dkdv_mma_split_bf16_hdim256_causal_bm32_ms32_bn64_w8_rg1': (5, 2, 2),
+    'flash_bwd_dkdv_mma_split_bf16_hdim256_full_bm32_ms32_bn64_w8_rg1': (5, 2, 2),
+    'flash_bwd_dkdv_mma_split_bf16_hdim256_local_bm32_ms32_bn64_w8_rg1': (5, 2, 2),
+    'flash_bwd_dkdv_mma_split_fp16_hdim128_causal_bm64_ms32_bn128_w8_rg2': (3, 2, 2),
+    'flash_bwd_dkdv_mma_split_fp16_hdim128_full_bm64_ms32_bn128_w8_rg2': (3, 2, 2),
+    'flash_bwd_dkdv_mma_split_fp16_hdim128_local_bm64_ms32_bn128_w8_rg2': (3, 2, 2),
+    'flash_bwd_dkdv_mma_split_fp16_hdim256_causal_bm32_ms32_bn64_w8_rg1': (5, 2, 2),
+    'flash_bwd_dkdv_mma_split_fp16_hdim256_full_bm32_ms32_bn64_w8_rg1': (5, 2, 2),
+    'flash_bwd_dkdv_mma_split_fp16_hdim256_local_bm32_ms32_bn64_w8_rg1': (5, 2, 2),
+    'flash_bwd_dkdv_mma_v2_bf16_hdim64_causal_bm64_ms32_bn128_w4_rg2': (3, 2, 2),
+    'flash_bwd_dkdv_mma_v2_bf16_hdim64_causal_bm64_ms32_bn128_w4_rg2_dqatomic': (3, 2, 2),
+    'flash_bwd_dkdv_mma_v2_bf16_hdim64_full_bm64_ms32_bn128_w4_rg2': (3, 2, 2),
+    'flash_bwd_dkdv_mma_v2_bf16_hdim64_full_bm64_ms32_bn128_w4_rg2_dqatomic': (3, 2, 2),
+    'flash_bwd_dkdv_mma_v2_bf16_hdim64_local_bm64_ms32_bn128_w4_rg2': (3, 2, 2),
+    'flash_bwd_dkdv_mma_v2_fp16_hdim64_causal_bm64_ms32_bn128_w4_rg2': (3, 2, 2),
+    'flash_bwd_dkdv_mma_v2_fp16_hdim64_causal_bm64_ms32_bn128_w4_rg2_dqatomic': (3, 2, 2),
+    'flash_bwd_dkdv_mma_v2_fp16_hdim64_full_bm64_ms32_bn128_w4_rg2': (3, 2, 2),
+    'flash_bwd_dkdv_mma_v2_fp16_hdim64_full_bm64_ms32_bn128_w4_rg2_dqatomic': (3, 2, 2),
+    'flash_bwd_dkdv_mma_v2_fp16_hdim64_local_bm64_ms32_bn128_w4_rg2': (3, 2, 2),
+    'flash_bwd_dkdv_simt_fp32_hdim128_causal_bm32_bn32_tpr8': (10, 2, 2),
+    'flash_bwd_dkdv_simt_fp32_hdim128_full_bm32_bn32_tpr8': (10, 2, 2),
+    'flash_bwd_dkdv_simt_fp32_hdim128_local_bm32_bn32_tpr8': (10, 2, 2),
+    'flash_bwd_dkdv_simt_fp32_hdim16_causal_bm64_bn64_tpr4': (5, 2, 2),
+    'flash_bwd_dkdv_simt_fp32_hdim16_full_bm64_bn64_tpr4': (5, 2, 2),
+    'flash_bwd_dkdv_simt_fp32_hdim16_local_bm64_bn64_tpr4': (5, 2, 2),
+    'flash_bwd_dkdv_simt_fp32_hdim256_causal_bm32_bn32_tpr8': (10, 2, 2),
+    'flash_bwd_dkdv_simt_fp32_hdim256_full_bm32_bn32_tpr8': (10, 2, 2),
+    'flash_bwd_dkdv_simt_fp32_hdim256_local_bm32_bn32_tpr8': (10, 2, 2),
+    'flash_bwd_dkdv_simt_fp32_hdim32_causal_bm64_bn64_tpr4': (5, 2, 2),
+    'flash_bwd_dkdv_simt_fp32_hdim32_full_bm64_bn64_tpr4': (5, 2, 2),
+    'flash_bwd_dkdv_simt_fp32_hdim32_local_bm64_bn64_tpr4': (5, 2, 2),
+    'flash_bwd_dkdv_simt_fp32_hdim64_causal_bm64_bn64_tpr4': (5, 2, 2),
+    'flash_bwd_dkdv_simt_fp32_hdim64_full_bm64_bn64_tpr4': (5, 2, 2),
+    'flash_bwd_dkdv_simt_fp32_hdim64_local_bm64_bn64_tpr4': (5, 2, 2),
+    'flash_bwd_dkdv_simt_fp64_hdim128_causal_bm16_bn16_tpr8': (19, 2, 2),
+    'flash_bwd_dkdv_simt_fp64_hdim128_full_bm16_bn16_tpr8': (19, 2, 2),
+    'flash_bwd_dkdv_simt_fp64_hdim128_local_bm16_bn16_tpr8': (19, 2, 2),
+    'flash_bwd_dkdv_simt_fp64_hdim16_causal_bm32_bn32_tpr4': (10, 2, 2),
+    'flash_bwd_dkdv_simt_fp64_hdim16_full_bm32_bn32_tpr4': (10, 2, 2),
+    'flash_bwd_dkdv_simt_fp64_hdim16_local_bm32_bn32_tpr4': (10, 2, 2),
+    'flash_bwd_dkdv_simt_fp64_hdim256_causal_bm16_bn16_tpr16': (19, 2, 2),
+    'flash_bwd_dkdv_simt_fp64_hdim256_full_bm16_bn16_tpr16': (19, 2, 2),
+    'flash_bwd_dkdv_simt_fp64_hdim256_local_bm16_bn16_tpr16': (19, 2, 2),
+    'flash_bwd_dkdv_simt_fp64_hdim32_causal_bm32_bn32_tpr4': (10, 2, 2),
+    'flash_bwd_dkdv_simt_fp64_hdim32_full_bm32_bn32_tpr4': (10, 2, 2),
+    'flash_bwd_dkdv_simt_fp64_hdim32_local_bm32_bn32_tpr4': (10, 2, 2),
+    'flash_bwd_dkdv_simt_fp64_hdim64_causal_bm32_bn32_tpr4': (10, 2, 2),
+    'flash_bwd_dkdv_simt_fp64_hdim64_full_bm32_bn32_tpr4': (10, 2, 2),
+    'flash_bwd_dkdv_simt_fp64_hdim64_local_bm32_bn32_tpr4': (10, 2, 2),
+    'flash_bwd_dq_mma_bf16_hdim256_causal_bm64_bn32_w4': (6, 4, 2),
+    'flash_bwd_dq_mma_bf16_hdim256_full_bm64_bn32_w4': (6, 4, 2),
+    'flash_bwd_dq_mma_bf16_hdim256_local_bm64_bn32_w4': (6, 4, 2),
+    'flash_bwd_dq_mma_fp16_hdim256_causal_bm64_bn32_w4': (6, 4, 2),
+    'flash_bwd_dq_mma_fp16_hdim256_full_bm64_bn32_w4': (6, 4, 2),
+    'flash_bwd_dq_mma_fp16_hdim256_local_bm64_bn32_w4': (6, 4, 2),
+    'flash_bwd_dq_mma_v2_bf16_hdim128_causal_bm128_bn32_w4_rg2': (3, 4, 2),
+    'flash_bwd_dq_mma_v2_bf16_hdim128_full_bm128_bn32_w4_rg2': (3, 4, 2),
+    'flash_bwd_dq_mma_v2_bf16_hdim128_local_bm128_bn32_w4_rg2': (3, 4, 2),
+    'flash_bwd_dq_mma_v2_bf16_hdim64_causal_bm128_bn32_w4_rg2': (3, 4, 2),
+    'flash_bwd_dq_mma_v2_bf16_hdim64_full_bm128_bn32_w4_rg2': (3, 4, 2),
+    'flash_bwd_dq_mma_v2_bf16_hdim64_local_bm128_bn32_w4_rg2': (3, 4, 2),
+    'flash_bwd_dq_mma_v2_fp16_hdim128_causal_bm128_bn32_w4_rg2': (3, 4, 2),
+    'flash_bwd_dq_mma_v2_fp16_hdim128_full_bm128_bn32_w4_rg2': (3, 4, 2),
+    'flash_bwd_dq_mma_v2_fp16_hdim128_local_bm128_bn32_w4_rg2': (3, 4, 2),
+    'flash_bwd_dq_mma_v2_fp16_hdim64_causal_bm128_bn32_w4_rg2': (3, 4, 2),
+    'flash_bwd_dq_mma_v2_fp16_hdim64_full_bm128_bn32_w4_rg2': (3, 4, 2),
+    'flash_bwd_dq_mma_v2_fp16_hdim64_local_bm128_bn32_w4_rg2': (3, 4, 2),
+    'flash_bwd_dq_simt_fp32_hdim128_causal_bm32_bn32_tpr8': (11, 4, 2),
+    'flash_bwd_dq_simt_fp32_hdim128_full_bm32_bn32_tpr8': (11, 4, 2),
+    'flash_bwd_dq_simt_fp32_hdim128_local_bm32_bn32_tpr8': (11, 4, 2),
+    'flash_bwd_dq_simt_fp32_hdim16_causal_bm64_bn64_tpr4': (6, 4, 2),
+    'flash_bwd_dq_simt_fp32_hdim16_full_bm64_bn64_tpr4': (6, 4, 2),
+    'flash_bwd_dq_simt_fp32_hdim16_local_bm64_bn64_tpr4': (6, 4, 2),
+    'flash_bwd_dq_simt_fp32_hdim256_causal_bm32_bn32_tpr8': (11, 4, 2),
+    'flash_bwd_dq_simt_fp32_hdim256_full_bm32_bn32_tpr8': (11, 4, 2),
+    'flash_bwd_dq_simt_fp32_hdim256_local_bm32_bn32_tpr8': (11, 4, 2),
+    'flash_bwd_dq_simt_fp32_hdim32_causal_bm64_bn64_tpr4': (6, 4, 2),
+    'flash_bwd_dq_simt_fp32_hdim32_full_bm64_bn64_tpr4': (6, 4, 2),
+    'flash_bwd_dq_simt_fp32_hdim32_local_bm64_bn64_tpr4': (6, 4, 2),
+    'flash_bwd_dq_simt_fp32_hdim64_causal_bm64_bn64_tpr4': (6, 4, 2),
+    'flash_bwd_dq_simt_fp32_hdim64_full_bm64_bn64_tpr4': (6, 4, 2),
+    'flash_bwd_dq_simt_fp32_hdim64_local_bm64_bn64_tpr4': (6, 4, 2),
+    'flash_bwd_dq_simt_fp64_hdim128_causal_bm16_bn16_tpr8': (21, 4, 2),
+    'flash_bwd_dq_simt_fp64_hdim128_full_bm16_bn16_tpr8': (21, 4, 2),
+    'flash_bwd_dq_simt_fp64_hdim128_local_bm16_bn16_tpr8': (21, 4, 2),
+    'flash_bwd_dq_simt_fp64_hdim16_causal_bm32_bn32_tpr4': (11, 4, 2),
+    'flash_bwd_dq_simt_fp64_hdim16_full_bm32_bn32_tpr4': (11, 4, 2),
+    'flash_bwd_dq_simt_fp64_hdim16_local_bm32_bn32_tpr4': (11, 4, 2),
+    'flash_bwd_dq_simt_fp64_hdim256_causal_bm16_bn16_tpr16': (21, 4, 2),
+    'flash_bwd_dq_simt_fp64_hdim256_full_bm16_bn16_tpr16': (21, 4, 2),
+    'flash_bwd_dq_simt_fp64_hdim256_local_bm16_bn16_tpr16': (21, 4, 2),
+    'flash_bwd_dq_simt_fp64_hdim32_causal_bm32_bn32_tpr4': (11, 4, 2),
+    'flash_bwd_dq_simt_fp64_hdim32_full_bm32_bn32_tpr4': (11, 4, 2),
+    'flash_bwd_dq_simt_fp64_hdim32_local_bm32_bn32_tpr4': (11, 4, 2),
+    'flash_bwd_dq_simt_fp64_hdim64_causal_bm32_bn32_tpr4': (11, 4, 2),
+    'flash_bwd_dq_simt_fp64_hdim64_full_bm32_bn32_tpr4': (11, 4, 2),
+    'flash_bwd_dq_simt_fp64_hdim64_local_bm32_bn32_tpr4': (11, 4, 2),
+    'flash_bwd_dq_wgmma_bf16_hdim128_causal_bm128_bn64_k2': (3, 4, 2),
+    'flash_bwd_dq_wgmma_bf16_hdim128_full_bm128_bn64_k2': (3, 4, 2),
+    'flash_bwd_dq_wgmma_bf16_hdim128_local_bm128_bn64_k2': (3, 4, 2),
+    'flash_bwd_dq_wgmma_bf16_hdim256_causal_bm128_bn32_k2': (3, 4, 2),
+    'flash_bwd_dq_wgmma_bf16_hdim256_full_bm128_bn32_k2': (3, 4, 2),
+    'flash_bwd_dq_wgmma_bf16_hdim256_local_bm128_bn32_k2': (3, 4, 2),
+    'flash_bwd_dq_wgmma_bf16_hdim64_causal_bm128_bn128_k2': (3, 4, 2),
+    'flash_bwd_dq_wgmma_bf16_hdim64_full_bm128_bn128_k2': (3, 4, 2),
+    'flash_bwd_dq_wgmma_bf16_hdim64_local_bm128_bn128_k2': (3, 4, 2),
+    'flash_bwd_dq_wgmma_fp16_hdim128_causal_bm128_bn64_k2': (3, 4, 2),
+    'flash_bwd_dq_wgmma_fp16_hdim128_full_bm128_bn64_k2': (3, 4, 2),
+    'flash_bwd_dq_wgmma_fp16_hdim128_local_bm128_bn64_k2': (3, 4, 2),
+    'flash_bwd_dq_wgmma_fp16_hdim256_causal_bm128_bn32_k2': (3, 4, 2),
+    'flash_bwd_dq_wgmma_fp16_hdim256_full_bm128_bn32_k2': (3, 4, 2),
+    'flash_bwd_dq_wgmma_fp16_hdim256_local_bm128_bn32_k2': (3, 4, 2),
+    'flash_bwd_dq_wgmma_fp16_hdim64_causal_bm128_bn128_k2': (3, 4, 2),
+    'flash_bwd_dq_wgmma_fp16_hdim64_full_bm128_bn128_k2': (3, 4, 2),
+    'flash_bwd_dq_wgmma_fp16_hdim64_local_bm128_bn128_k2': (3, 4, 2),
+    'flash_bwd_fused_mma_bf16_hdim128_causal_bm64_bn128_wn4_wd2_dqm2_u2_dqatomic_p16': (3, 2, 2),
+    'flash_bwd_fused_mma_bf16_hdim128_full_bm64_bn128_wn4_wd2_dqm2_u2_dqatomic_p16': (3, 2, 2),
+    'flash_bwd_fused_mma_bf16_hdim128_local_bm64_bn128_wn4_wd2_dqm2_u2_dqatomic_p16': (3, 2, 2),
+    'flash_bwd_fused_mma_bf16_hdim256_causal_bm64_bn64_wn2_wd4_dqm2_u16_dqatomic': (5, 2, 2),
+    'flash_bwd_fused_mma_bf16_hdim256_full_bm64_bn64_wn2_wd4_dqm2_u16_dqatomic': (5, 2, 2),
+    'flash_bwd_fused_mma_bf16_hdim256_local_bm64_bn64_wn2_wd4_dqm2_u16_dqatomic': (5, 2, 2),
+    'flash_bwd_fused_mma_fp16_hdim128_causal_bm64_bn128_wn4_wd2_dqm2_u2_dqatomic_p16': (3, 2, 2),
+    'flash_bwd_fused_mma_fp16_hdim128_full_bm64_bn128_wn4_wd2_dqm2_u2_dqatomic_p16': (3, 2, 2),
+    'flash_bwd_fused_mma_fp16_hdim128_local_bm64_bn128_wn4_wd2_dqm2_u2_dqatomic_p16': (3, 2, 2),
+    'flash_bwd_fused_mma_fp16_hdim256_causal_bm64_bn64_wn2_wd4_dqm2_u16_dqatomic': (5, 2, 2),
+    'flash_bwd_fused_mma_fp16_hdim256_full_bm64_bn64_wn2_wd4_dqm2_u16_dqatomic': (5, 2, 2),
+    'flash_bwd_fused_mma_fp16_hdim256_local_bm64_bn64_wn2_wd4_dqm2_u16_dqatomic': (5, 2, 2),
+    'flash_bwd_preprocess_bf16': (666, 1, 1),
+    'flash_bwd_preprocess_fp16': (666, 1, 1),
+    'flash_bwd_preprocess_fp32': (666, 1, 1),
+    'flash_bwd_preprocess_fp64': (666, 1, 1),
+    'flash_bwd_wgmma_bf16_hdim128_causal_bm64_bn128_dqatomic': (3, 2, 2),
+    'flash_bwd_wgmma_bf16_hdim128_causal_bm64_bn128_dqnone': (3, 2, 2),
+    'flash_bwd_wgmma_bf16_hdim128_full_bm64_bn128_dqatomic': (3, 2, 2),
+    'flash_bwd_wgmma_bf16_hdim128_full_bm64_bn128_dqnone': (3, 2, 2),
+    'flash_bwd_wgmma_bf16_hdim128_local_bm64_bn128_dqatomic': (3, 2, 2),
+    'flash_bwd_wgmma_bf16_hdim128_local_bm64_bn128_dqnone': (3, 2, 2),
+    'flash_bwd_wgmma_bf16_hdim64_causal_bm128_bn128_dqatomic': (3, 2, 2),
+    'flash_bwd_wgmma_bf16_hdim64_causal_bm128_bn128_dqnone': (3, 2, 2),
+    'flash_bwd_wgmma_bf16_hdim64_full_bm128_bn128_dqatomic': (3, 2, 2),
+    'flash_bwd_wgmma_bf16_hdim64_full_bm128_bn128_dqnone': (3, 2, 2),
+    'flash_bwd_wgmma_bf16_hdim64_local_bm128_bn128_dqatomic': (3, 2, 2),
+    'flash_bwd_wgmma_bf16_hdim64_local_bm128_bn128_dqnone': (3, 2, 2),
+    'flash_bwd_wgmma_dsplit_bf16_hdim256_causal_bm64_bn64_dqnone': (5, 2, 2),
+    'flash_bwd_wgmma_dsplit_bf16_hdim256_full_bm64_bn64_dqnone': (5, 2, 2),
+    'flash_bwd_wgmma_dsplit_bf16_hdim256_local_bm64_bn64_dqnone': (5, 2, 2),
+    'flash_bwd_wgmma_dsplit_fp16_hdim256_causal_bm64_bn64_dqnone': (5, 2, 2),
+    'flash_bwd_wgmma_dsplit_fp16_hdim256_full_bm64_bn64_dqnone': (5, 2, 2),
+    'flash_bwd_wgmma_dsplit_fp16_hdim256_local_bm64_bn64_dqnone': (5, 2, 2),
+    'flash_bwd_wgmma_fp16_hdim128_causal_bm64_bn128_dqatomic': (3, 2, 2),
+    'flash_bwd_wgmma_fp16_hdim128_causal_bm64_bn128_dqnone': (3, 2, 2),
+    'flash_bwd_wgmma_fp16_hdim128_full_bm64_bn128_dqatomic': (3, 2, 2),
+    'flash_bwd_wgmma_fp16_hdim128_full_bm64_bn128_dqnone': (3, 2, 2),
+    'flash_bwd_wgmma_fp16_hdim128_local_bm64_bn128_dqatomic': (3, 2, 2),
+    'flash_bwd_wgmma_fp16_hdim128_local_bm64_bn128_dqnone': (3, 2, 2),
+    'flash_bwd_wgmma_fp16_hdim64_causal_bm128_bn128_dqatomic': (3, 2, 2),
+    'flash_bwd_wgmma_fp16_hdim64_causal_bm128_bn128_dqnone': (3, 2, 2),
+    'flash_bwd_wgmma_fp16_hdim64_full_bm128_bn128_dqatomic': (3, 2, 2),
+    'flash_bwd_wgmma_fp16_hdim64_full_bm128_bn128_dqnone': (3, 2, 2),
+    'flash_bwd_wgmma_fp16_hdim64_local_bm128_bn128_dqatomic': (3, 2, 2),
+    'flash_bwd_wgmma_fp16_hdim64_local_bm128_bn128_dqnone': (3, 2, 2),
+    ('flash_bwd_dq_convert_bf16', 128): (167, 1, 1),
+    ('flash_bwd_dq_convert_bf16', 256): (333, 1, 1),
+    ('flash_bwd_dq_convert_bf16', 64): (84, 1, 1),
+    ('flash_bwd_dq_convert_fp16', 128): (167, 1, 1),
+    ('flash_bwd_dq_convert_fp16', 256): (333, 1, 1),
+    ('flash_bwd_dq_convert_fp16', 64): (84, 1, 1),
+}
+
+# mma_bwd.specializations() of that tree, by name.
+OLD_COMPILE_CHECK = (
+    'flash_bwd_dkdv_mma_bf16_hdim128_causal_bm64_ms32_bn128_w8_wd1',
+    'flash_bwd_dkdv_mma_bf16_hdim128_causal_bm64_ms32_bn128_w8_wd1_dqatomic',
+    'flash_bwd_dkdv_mma_bf16_hdim128_full_bm64_ms32_bn128_w8_wd1',
+    'flash_bwd_dkdv_mma_bf16_hdim128_full_bm64_ms32_bn128_w8_wd1_dqatomic',
+    'flash_bwd_dkdv_mma_bf16_hdim128_local_bm64_ms32_bn128_w8_wd1_dqatomic',
+    'flash_bwd_dkdv_mma_bf16_hdim256_causal_bm32_ms16_bn64_w8_wd2',
+    'flash_bwd_dkdv_mma_bf16_hdim256_causal_bm32_ms16_bn64_w8_wd2_dqatomic',
+    'flash_bwd_dkdv_mma_bf16_hdim256_full_bm32_ms16_bn64_w8_wd2',
+    'flash_bwd_dkdv_mma_bf16_hdim256_full_bm32_ms16_bn64_w8_wd2_dqatomic',
+    'flash_bwd_dkdv_mma_bf16_hdim256_local_bm32_ms16_bn64_w8_wd2_dqatomic',
+    'flash_bwd_dkdv_mma_bf16_hdim64_causal_bm64_ms64_bn128_w8_wd1',
+    'flash_bwd_dkdv_mma_bf16_hdim64_causal_bm64_ms64_bn128_w8_wd1_dqatomic',
+    'flash_bwd_dkdv_mma_bf16_hdim64_full_bm64_ms64_bn128_w8_wd1',
+    'flash_bwd_dkdv_mma_bf16_hdim64_full_bm64_ms64_bn128_w8_wd1_dqatomic',
+    'flash_bwd_dkdv_mma_bf16_hdim64_local_bm64_ms64_bn128_w8_wd1_dqatomic',
+    'flash_bwd_dkdv_mma_fp16_hdim128_causal_bm64_ms32_bn128_w8_wd1',
+    'flash_bwd_dkdv_mma_fp16_hdim128_causal_bm64_ms32_bn128_w8_wd1_dqatomic',
+    'flash_bwd_dkdv_mma_fp16_hdim128_full_bm64_ms32_bn128_w8_wd1',
+    'flash_bwd_dkdv_mma_fp16_hdim128_full_bm64_ms32_bn128_w8_wd1_dqatomic',
+    'flash_bwd_dkdv_mma_fp16_hdim128_local_bm64_ms32_bn128_w8_wd1_dqatomic',
+    'flash_bwd_dkdv_mma_fp16_hdim256_causal_bm32_ms16_bn64_w8_wd2',
+    'flash_bwd_dkdv_mma_fp16_hdim256_causal_bm32_ms16_bn64_w8_wd2_dqatomic',
+    'flash_bwd_dkdv_mma_fp16_hdim256_full_bm32_ms16_bn64_w8_wd2',
+    'flash_bwd_dkdv_mma_fp16_hdim256_full_bm32_ms16_bn64_w8_wd2_dqatomic',
+    'flash_bwd_dkdv_mma_fp16_hdim256_local_bm32_ms16_bn64_w8_wd2_dqatomic',
+    'flash_bwd_dkdv_mma_fp16_hdim64_causal_bm64_ms64_bn128_w8_wd1',
+    'flash_bwd_dkdv_mma_fp16_hdim64_causal_bm64_ms64_bn128_w8_wd1_dqatomic',
+    'flash_bwd_dkdv_mma_fp16_hdim64_full_bm64_ms64_bn128_w8_wd1',
+    'flash_bwd_dkdv_mma_fp16_hdim64_full_bm64_ms64_bn128_w8_wd1_dqatomic',
+    'flash_bwd_dkdv_mma_fp16_hdim64_local_bm64_ms64_bn128_w8_wd1_dqatomic',
+    'flash_bwd_dkdv_mma_split_bf16_hdim128_causal_bm64_ms32_bn128_w8_rg2',
+    'flash_bwd_dkdv_mma_split_bf16_hdim128_full_bm64_ms32_bn128_w8_rg2',
+    'flash_bwd_dkdv_mma_split_bf16_hdim128_local_bm64_ms32_bn128_w8_rg2',
+    'flash_bwd_dkdv_mma_split_bf16_hdim256_causal_bm32_ms32_bn64_w8_rg1',
+    'flash_bwd_dkdv_mma_split_bf16_hdim256_full_bm32_ms32_bn64_w8_rg1',
+    'flash_bwd_dkdv_mma_split_bf16_hdim256_local_bm32_ms32_bn64_w8_rg1',
+    'flash_bwd_dkdv_mma_split_fp16_hdim128_causal_bm64_ms32_bn128_w8_rg2',
+    'flash_bwd_dkdv_mma_split_fp16_hdim128_full_bm64_ms32_bn128_w8_rg2',
+    'flash_bwd_dkdv_mma_split_fp16_hdim128_local_bm64_ms32_bn128_w8_rg2',
+    'flash_bwd_dkdv_mma_split_fp16_hdim256_causal_bm32_ms32_bn64_w8_rg1',
+    'flash_bwd_dkdv_mma_split_fp16_hdim256_full_bm32_ms32_bn64_w8_rg1',
+    'flash_bwd_dkdv_mma_split_fp16_hdim256_local_bm32_ms32_bn64_w8_rg1',
+    'flash_bwd_dkdv_mma_v2_bf16_hdim64_causal_bm64_ms32_bn128_w4_rg2',
+    'flash_bwd_dkdv_mma_v2_bf16_hdim64_causal_bm64_ms32_bn128_w4_rg2_dqatomic',
+    'flash_bwd_dkdv_mma_v2_bf16_hdim64_full_bm64_ms32_bn128_w4_rg2',
+    'flash_bwd_dkdv_mma_v2_bf16_hdim64_full_bm64_ms32_bn128_w4_rg2_dqatomic',
+    'flash_bwd_dkdv_mma_v2_bf16_hdim64_local_bm64_ms32_bn128_w4_rg2',
+    'flash_bwd_dkdv_mma_v2_fp16_hdim64_causal_bm64_ms32_bn128_w4_rg2',
+    'flash_bwd_dkdv_mma_v2_fp16_hdim64_causal_bm64_ms32_bn128_w4_rg2_dqatomic',
+    'flash_bwd_dkdv_mma_v2_fp16_hdim64_full_bm64_ms32_bn128_w4_rg2',
+    'flash_bwd_dkdv_mma_v2_fp16_hdim64_full_bm64_ms32_bn128_w4_rg2_dqatomic',
+    'flash_bwd_dkdv_mma_v2_fp16_hdim64_local_bm64_ms32_bn128_w4_rg2',
+    'flash_bwd_dq_convert_bf16',
+    'flash_bwd_dq_convert_fixed_bf16',
+    'flash_bwd_dq_convert_fixed_fp16',
+    'flash_bwd_dq_convert_fp16',
+    'flash_bwd_dq_mma_bf16_hdim128_causal_bm128_bn64_w8',
+    'flash_bwd_dq_mma_bf16_hdim128_full_bm128_bn64_w8',
+    'flash_bwd_dq_mma_bf16_hdim256_causal_bm64_bn32_w4',
+    'flash_bwd_dq_mma_bf16_hdim256_full_bm64_bn32_w4',
+    'flash_bwd_dq_mma_bf16_hdim256_local_bm64_bn32_w4',
+    'flash_bwd_dq_mma_bf16_hdim64_causal_bm64_bn64_w4',
+    'flash_bwd_dq_mma_bf16_hdim64_full_bm64_bn64_w4',
+    'flash_bwd_dq_mma_fp16_hdim128_causal_bm128_bn64_w8',
+    'flash_bwd_dq_mma_fp16_hdim128_full_bm128_bn64_w8',
+    'flash_bwd_dq_mma_fp16_hdim256_causal_bm64_bn32_w4',
+    'flash_bwd_dq_mma_fp16_hdim256_full_bm64_bn32_w4',
+    'flash_bwd_dq_mma_fp16_hdim256_local_bm64_bn32_w4',
+    'flash_bwd_dq_mma_fp16_hdim64_causal_bm64_bn64_w4',
+    'flash_bwd_dq_mma_fp16_hdim64_full_bm64_bn64_w4',
+    'flash_bwd_dq_mma_v2_bf16_hdim128_causal_bm128_bn32_w4_rg2',
+    'flash_bwd_dq_mma_v2_bf16_hdim128_full_bm128_bn32_w4_rg2',
+    'flash_bwd_dq_mma_v2_bf16_hdim128_local_bm128_bn32_w4_rg2',
+    'flash_bwd_dq_mma_v2_bf16_hdim64_causal_bm128_bn32_w4_rg2',
+    'flash_bwd_dq_mma_v2_bf16_hdim64_full_bm128_bn32_w4_rg2',
+    'flash_bwd_dq_mma_v2_bf16_hdim64_local_bm128_bn32_w4_rg2',
+    'flash_bwd_dq_mma_v2_fp16_hdim128_causal_bm128_bn32_w4_rg2',
+    'flash_bwd_dq_mma_v2_fp16_hdim128_full_bm128_bn32_w4_rg2',
+    'flash_bwd_dq_mma_v2_fp16_hdim128_local_bm128_bn32_w4_rg2',
+    'flash_bwd_dq_mma_v2_fp16_hdim64_causal_bm128_bn32_w4_rg2',
+    'flash_bwd_dq_mma_v2_fp16_hdim64_full_bm128_bn32_w4_rg2',
+    'flash_bwd_dq_mma_v2_fp16_hdim64_local_bm128_bn32_w4_rg2',
+    'flash_bwd_dq_wgmma_bf16_hdim128_causal_bm128_bn64_k2',
+    'flash_bwd_dq_wgmma_bf16_hdim128_full_bm128_bn64_k2',
+    'flash_bwd_dq_wgmma_bf16_hdim128_local_bm128_bn64_k2',
+    'flash_bwd_dq_wgmma_bf16_hdim256_causal_bm128_bn32_k2',
+    'flash_bwd_dq_wgmma_bf16_hdim256_full_bm128_bn32_k2',
+    'flash_bwd_dq_wgmma_bf16_hdim256_local_bm128_bn32_k2',
+    'flash_bwd_dq_wgmma_bf16_hdim64_causal_bm128_bn128_k2',
+    'flash_bwd_dq_wgmma_bf16_hdim64_full_bm128_bn128_k2',
+    'flash_bwd_dq_wgmma_bf16_hdim64_local_bm128_bn128_k2',
+    'flash_bwd_dq_wgmma_fp16_hdim128_causal_bm128_bn64_k2',
+    'flash_bwd_dq_wgmma_fp16_hdim128_full_bm128_bn64_k2',
+    'flash_bwd_dq_wgmma_fp16_hdim128_local_bm128_bn64_k2',
+    'flash_bwd_dq_wgmma_fp16_hdim256_causal_bm128_bn32_k2',
+    'flash_bwd_dq_wgmma_fp16_hdim256_full_bm128_bn32_k2',
+    'flash_bwd_dq_wgmma_fp16_hdim256_local_bm128_bn32_k2',
+    'flash_bwd_dq_wgmma_fp16_hdim64_causal_bm128_bn128_k2',
+    'flash_bwd_dq_wgmma_fp16_hdim64_full_bm128_bn128_k2',
+    'flash_bwd_dq_wgmma_fp16_hdim64_local_bm128_bn128_k2',
+    'flash_bwd_fused_mma_bf16_hdim128_causal_bm64_bn128_wn4_wd2_dqm2_u2_dqatomic_p16',
+    'flash_bwd_fused_mma_bf16_hdim128_causal_bm64_bn128_wn4_wd2_dqm2_u2_dqordered_p16',
+    'flash_bwd_fused_mma_bf16_hdim128_full_bm64_bn128_wn4_wd2_dqm2_u2_dqatomic_p16',
+    'flash_bwd_fused_mma_bf16_hdim128_full_bm64_bn128_wn4_wd2_dqm2_u2_dqordered_p16',
+    'flash_bwd_fused_mma_bf16_hdim128_local_bm64_bn128_wn4_wd2_dqm2_u2_dqatomic_p16',
+    'flash_bwd_fused_mma_bf16_hdim256_causal_bm64_bn64_wn2_wd4_dqm2_u16_dqatomic',
+    'flash_bwd_fused_mma_bf16_hdim256_causal_bm64_bn64_wn2_wd4_dqm2_u16_dqordered',
+    'flash_bwd_fused_mma_bf16_hdim256_full_bm64_bn64_wn2_wd4_dqm2_u16_dqatomic',
+    'flash_bwd_fused_mma_bf16_hdim256_full_bm64_bn64_wn2_wd4_dqm2_u16_dqordered',
+    'flash_bwd_fused_mma_bf16_hdim256_local_bm64_bn64_wn2_wd4_dqm2_u16_dqatomic',
+    'flash_bwd_fused_mma_fp16_hdim128_causal_bm64_bn128_wn4_wd2_dqm2_u2_dqatomic_p16',
+    'flash_bwd_fused_mma_fp16_hdim128_causal_bm64_bn128_wn4_wd2_dqm2_u2_dqordered_p16',
+    'flash_bwd_fused_mma_fp16_hdim128_full_bm64_bn128_wn4_wd2_dqm2_u2_dqatomic_p16',
+    'flash_bwd_fused_mma_fp16_hdim128_full_bm64_bn128_wn4_wd2_dqm2_u2_dqordered_p16',
+    'flash_bwd_fused_mma_fp16_hdim128_local_bm64_bn128_wn4_wd2_dqm2_u2_dqatomic_p16',
+    'flash_bwd_fused_mma_fp16_hdim256_causal_bm64_bn64_wn2_wd4_dqm2_u16_dqatomic',
+    'flash_bwd_fused_mma_fp16_hdim256_causal_bm64_bn64_wn2_wd4_dqm2_u16_dqordered',
+    'flash_bwd_fused_mma_fp16_hdim256_full_bm64_bn64_wn2_wd4_dqm2_u16_dqatomic',
+    'flash_bwd_fused_mma_fp16_hdim256_full_bm64_bn64_wn2_wd4_dqm2_u16_dqordered',
+    'flash_bwd_fused_mma_fp16_hdim256_local_bm64_bn64_wn2_wd4_dqm2_u16_dqatomic',
+    'flash_bwd_kv_bounds_bf16_hdim128',
+    'flash_bwd_kv_bounds_bf16_hdim256',
+    'flash_bwd_kv_bounds_bf16_hdim64',
+    'flash_bwd_kv_bounds_fp16_hdim128',
+    'flash_bwd_kv_bounds_fp16_hdim256',
+    'flash_bwd_kv_bounds_fp16_hdim64',
+    'flash_bwd_preprocess_fixed_bf16_hdim128',
+    'flash_bwd_preprocess_fixed_bf16_hdim256',
+    'flash_bwd_preprocess_fixed_bf16_hdim64',
+    'flash_bwd_preprocess_fixed_fp16_hdim128',
+    'flash_bwd_preprocess_fixed_fp16_hdim256',
+    'flash_bwd_preprocess_fixed_fp16_hdim64',
+    'flash_bwd_wgmma_bf16_hdim128_causal_bm64_bn128_dqatomic',
+    'flash_bwd_wgmma_bf16_hdim128_causal_bm64_bn128_dqfixed',
+    'flash_bwd_wgmma_bf16_hdim128_causal_bm64_bn128_dqfixed_panels',
+    'flash_bwd_wgmma_bf16_hdim128_causal_bm64_bn128_dqnone',
+    'flash_bwd_wgmma_bf16_hdim128_causal_bm64_bn128_dqordered',
+    'flash_bwd_wgmma_bf16_hdim128_full_bm64_bn128_dqatomic',
+    'flash_bwd_wgmma_bf16_hdim128_full_bm64_bn128_dqfixed',
+    'flash_bwd_wgmma_bf16_hdim128_full_bm64_bn128_dqfixed_panels',
+    'flash_bwd_wgmma_bf16_hdim128_full_bm64_bn128_dqnone',
+    'flash_bwd_wgmma_bf16_hdim128_full_bm64_bn128_dqordered',
+    'flash_bwd_wgmma_bf16_hdim128_local_bm64_bn128_dqatomic',
+    'flash_bwd_wgmma_bf16_hdim128_local_bm64_bn128_dqnone',
+    'flash_bwd_wgmma_bf16_hdim64_causal_bm128_bn128_dqatomic',
+    'flash_bwd_wgmma_bf16_hdim64_causal_bm128_bn128_dqfixed',
+    'flash_bwd_wgmma_bf16_hdim64_causal_bm128_bn128_dqfixed_panels',
+    'flash_bwd_wgmma_bf16_hdim64_causal_bm128_bn128_dqnone',
+    'flash_bwd_wgmma_bf16_hdim64_causal_bm128_bn128_dqordered',
+    'flash_bwd_wgmma_bf16_hdim64_full_bm128_bn128_dqatomic',
+    'flash_bwd_wgmma_bf16_hdim64_full_bm128_bn128_dqfixed',
+    'flash_bwd_wgmma_bf16_hdim64_full_bm128_bn128_dqfixed_panels',
+    'flash_bwd_wgmma_bf16_hdim64_full_bm128_bn128_dqnone',
+    'flash_bwd_wgmma_bf16_hdim64_full_bm128_bn128_dqordered',
+    'flash_bwd_wgmma_bf16_hdim64_local_bm128_bn128_dqatomic',
+    'flash_bwd_wgmma_bf16_hdim64_local_bm128_bn128_dqnone',
+    'flash_bwd_wgmma_dsplit_bf16_hdim256_causal_bm64_bn64_dqatomic',
+    'flash_bwd_wgmma_dsplit_bf16_hdim256_causal_bm64_bn64_dqnone',
+    'flash_bwd_wgmma_dsplit_bf16_hdim256_causal_bm64_bn64_dqordered',
+    'flash_bwd_wgmma_dsplit_bf16_hdim256_full_bm64_bn64_dqatomic',
+    'flash_bwd_wgmma_dsplit_bf16_hdim256_full_bm64_bn64_dqnone',
+    'flash_bwd_wgmma_dsplit_bf16_hdim256_full_bm64_bn64_dqordered',
+    'flash_bwd_wgmma_dsplit_bf16_hdim256_local_bm64_bn64_dqnone',
+    'flash_bwd_wgmma_dsplit_fp16_hdim256_causal_bm64_bn64_dqatomic',
+    'flash_bwd_wgmma_dsplit_fp16_hdim256_causal_bm64_bn64_dqnone',
+    'flash_bwd_wgmma_dsplit_fp16_hdim256_causal_bm64_bn64_dqordered',
+    'flash_bwd_wgmma_dsplit_fp16_hdim256_full_bm64_bn64_dqatomic',
+    'flash_bwd_wgmma_dsplit_fp16_hdim256_full_bm64_bn64_dqnone',
+    'flash_bwd_wgmma_dsplit_fp16_hdim256_full_bm64_bn64_dqordered',
+    'flash_bwd_wgmma_dsplit_fp16_hdim256_local_bm64_bn64_dqnone',
+    'flash_bwd_wgmma_fp16_hdim128_causal_bm64_bn128_dqatomic',
+    'flash_bwd_wgmma_fp16_hdim128_causal_bm64_bn128_dqfixed',
+    'flash_bwd_wgmma_fp16_hdim128_causal_bm64_bn128_dqfixed_panels',
+    'flash_bwd_wgmma_fp16_hdim128_causal_bm64_bn128_dqnone',
+    'flash_bwd_wgmma_fp16_hdim128_causal_bm64_bn128_dqordered',
+    'flash_bwd_wgmma_fp16_hdim128_full_bm64_bn128_dqatomic',
+    'flash_bwd_wgmma_fp16_hdim128_full_bm64_bn128_dqfixed',
+    'flash_bwd_wgmma_fp16_hdim128_full_bm64_bn128_dqfixed_panels',
+    'flash_bwd_wgmma_fp16_hdim128_full_bm64_bn128_dqnone',
+    'flash_bwd_wgmma_fp16_hdim128_full_bm64_bn128_dqordered',
+    'flash_bwd_wgmma_fp16_hdim128_local_bm64_bn128_dqatomic',
+    'flash_bwd_wgmma_fp16_hdim128_local_bm64_bn128_dqnone',
+    'flash_bwd_wgmma_fp16_hdim64_causal_bm128_bn128_dqatomic',
+    'flash_bwd_wgmma_fp16_hdim64_causal_bm128_bn128_dqfixed',
+    'flash_bwd_wgmma_fp16_hdim64_causal_bm128_bn128_dqfixed_panels',
+    'flash_bwd_wgmma_fp16_hdim64_causal_bm128_bn128_dqnone',
+    'flash_bwd_wgmma_fp16_hdim64_causal_bm128_bn128_dqordered',
+    'flash_bwd_wgmma_fp16_hdim64_full_bm128_bn128_dqatomic',
+    'flash_bwd_wgmma_fp16_hdim64_full_bm128_bn128_dqfixed',
+    'flash_bwd_wgmma_fp16_hdim64_full_bm128_bn128_dqfixed_panels',
+    'flash_bwd_wgmma_fp16_hdim64_full_bm128_bn128_dqnone',
+    'flash_bwd_wgmma_fp16_hdim64_full_bm128_bn128_dqordered',
+    'flash_bwd_wgmma_fp16_hdim64_local_bm128_bn128_dqatomic',
+    'flash_bwd_wgmma_fp16_hdim64_local_bm128_bn128_dqnone',
+)
+
+
+def old_names(dtype: str, mask: str, deterministic: bool, arch: str, smem: int, headdim: int) -> tuple:
+    [rows] = [rows for name, m, det, devices, rows in OLD_CHOICES
+              if (name, m, det) == (dtype, mask, deterministic) and (arch, smem) in devices]
+    return next(names for bound, names in rows if headdim <= bound)
+
+
+def old_launch(name: str, headdim: int) -> tuple:
+    """(name, source, expression, threads, shared memory bytes, arch, grid) of the old table."""
+    grid = OLD_GRIDS[(name, headdim) if "_convert" in name else name]
+    return (name, *OLD_SPECS[name], grid)
+
+
+def planned(plan) -> tuple:
+    """The plan's launches on the recorder's SHAPE, in OLD_* terms."""
+    batch, seqlen_q, seqlen_k, nheads, nheads_kv = RECORDER.SHAPE
+    return tuple((s.name, s.source_file, s.expression, s.threads, s.smem_bytes, s.arch, grid)
+                 for s, grid in plan.grids(batch, seqlen_q, seqlen_k, nheads, nheads_kv))
+
+
+def test_old_tables_cover_every_device_once():
+    for dtype, mask, deterministic in itertools.product(SUPPORTED, MASKS, (True, False)):
+        devices = [d for name, m, det, ds, _ in OLD_CHOICES if (name, m, det) == (dtype, mask, deterministic)
+                   for d in ds]
+        assert sorted(devices) == sorted(itertools.product(ARCHS, SMEM_OPTINS))
+    assert all(rows[-1][0] == 256 for *_, rows in OLD_CHOICES)
+
+
+@pytest.mark.parametrize("dtype", list(SUPPORTED))
+def test_the_plan_is_the_old_dispatch_choice(dtype):
+    """Every (arch, opt-in shared memory, head dim 1..256, mask, deterministic): the plan's kernels in
+    launch order are the old choice, with the old specializations, and at each head-dim tile the
+    old grids. The tensor-core plans see the head dim padded to a multiple of 8, as the dispatcher
+    pads it; the SIMT plans do not depend on the device, so every head dim is checked on one."""
+    compared = 0
+    tensor_cores = SUPPORTED[dtype].itemsize == 2
+    for arch, smem in itertools.product(ARCHS, SMEM_OPTINS):
+        head_dims = range(1, 257) if tensor_cores or (arch, smem) == (ARCHS[0], SMEM_OPTINS[0]) else \
+            RECORDER.grid_head_dims(SUPPORTED[dtype])
+        for headdim, (mask, policy), deterministic in itertools.product(head_dims, MASKS.items(), (True, False)):
+            plan = plan_backward(arch, SUPPORTED[dtype], headdim, policy, smem, deterministic)
+            seen = plans.mma_headdim(headdim) if tensor_cores else headdim
+            names = old_names(dtype, mask, deterministic, arch, smem, seen)
+            assert tuple(launch.spec.name for launch in plan.launches) == names, (arch, smem, headdim, mask)
+            assert all((s.source_file, s.expression, s.threads, s.smem_bytes, s.arch) == OLD_SPECS[s.name]
+                       for s in (launch.spec for launch in plan.launches))
+            if seen in RECORDER.grid_head_dims(SUPPORTED[dtype]):
+                assert planned(plan) == tuple(old_launch(name, seen) for name in names)
+            assert plan.deterministic or not deterministic
+            compared += 1
+    assert compared >= 3 * 2 * 256 * (len(ARCHS) * len(SMEM_OPTINS) if tensor_cores else 1)
+
+
+@pytest.mark.parametrize("dtype", list(SUPPORTED))
+def test_the_launchers_launch_their_plan(dtype):
+    """mma_bwd.backward and simt.backward (stand-in arrays, launches recorded) launch the old
+    kernels with the old grids, in the old order, at each head-dim tile and at two head dims
+    between tiles, on every device."""
+    for arch, smem in itertools.product(ARCHS, SMEM_OPTINS):
+        for headdim, mask, deterministic in itertools.product(
+                (*RECORDER.grid_head_dims(SUPPORTED[dtype]), 40, 200), MASKS, (True, False)):
+            launched = RECORDER.launches(arch, smem, SUPPORTED[dtype], headdim, mask, deterministic)
+            names = old_names(dtype, mask, deterministic, arch, smem, headdim)
+            assert tuple(name for name, *_ in launched) == names, (arch, smem, headdim, mask, deterministic)
+            if headdim in RECORDER.grid_head_dims(SUPPORTED[dtype]):
+                assert launched == tuple(old_launch(name, headdim) for name in names)
+            plan = plan_backward(arch, SUPPORTED[dtype], headdim, MASKS[mask], smem, deterministic)
+            assert launched == planned(plan)
+
+
+def test_one_row_answers_what_runs():
+    """What runs on sm_90 at d128 with deterministic=True is one row of BACKWARD_KERNELS."""
+    plan = plan_backward("90", SUPPORTED["bfloat16"], 128, Causal(), 227 * 1024, True)
+    assert plan.kernels is BACKWARD_KERNELS[(SM90, 128, True)][0]
+    assert (plan.device_class, plan.d_tile, plan.dq_add) == (SM90, 128, "none")
+    assert [launch.spec.name for launch in plan.launches] == [
+        "flash_bwd_preprocess_bf16", "flash_bwd_wgmma_bf16_hdim128_causal_bm64_bn128_dqnone",
+        "flash_bwd_dq_wgmma_bf16_hdim128_causal_bm128_bn64_k2"]
+    # the fused kernel does not fit 163 KiB at d256: the row's second entry
+    assert plan_backward("80", SUPPORTED["float16"], 256, NoMask(), 163 * 1024, False).kernels is \
+        BACKWARD_KERNELS[(MMA_SYNC, 256, False)][1]
+    assert plan_backward(None, SUPPORTED["float16"], 256, NoMask(), None, False).kernels is \
+        BACKWARD_KERNELS[(MMA_SYNC, 256, False)][0]
+    anchors = _perf_log_anchors()
+    for (where, dt, deterministic), rows in BACKWARD_KERNELS.items():
+        assert where in (SM90, MMA_SYNC) and dt in backward_plans.D_TILES and rows
+        for row in rows:
+            assert row.perf_log in anchors
+            assert row.dq_add != "atomic" or not deterministic
+            assert backward_plans.backward_plan(SUPPORTED["bfloat16"], dt, Causal(), row).kernels == row
+
+
+def _perf_log_anchors():
+    sys.path.insert(0, str(REPO / "tests"))
+    from test_docs import heading_anchors
+
+    return heading_anchors(REPO / "docs" / "perf-log.md")
+
+
+def test_deterministic_has_one_encoding():
+    """The plan's dq_add says how dQ is formed; the plan is deterministic where it is not "atomic"
+    (a row may be deterministic where determinism is not asked for, never the reverse), and every
+    launch of a plan follows from it: a dQ kernel exactly where the dK/dV kernel adds none,
+    a convert kernel exactly where it adds."""
+    for (where, dt, deterministic), rows in BACKWARD_KERNELS.items():
+        for row in rows:
+            plan = backward_plans.backward_plan(SUPPORTED["float16"], dt, NoMask(), row)
+            roles = [launch.role for launch in plan.launches]
+            assert plan.deterministic or not deterministic  # sm_90 d256 runs its deterministic kernels
+            assert ("dq" in roles) == (plan.dq_add == "none") != ("convert" in roles)
+            name = plan.spec("dkdv").name
+            if row.dkdv == "wgmma":
+                assert name.endswith(f"_dq{plan.dq_add}")
+            else:
+                assert ("_dqatomic" in name) == (plan.dq_add == "atomic")
+    with pytest.raises(ValueError, match="unknown dQ add mode"):
+        backward_plans.backward_plan(SUPPORTED["float16"], 64, NoMask(),
+                                     backward_plans.BackwardKernels("wgmma", (128, 128), "sorted"))
+    with pytest.raises(ValueError, match="exactly where"):
+        backward_plans.backward_plan(SUPPORTED["float16"], 64, NoMask(),
+                                     backward_plans.BackwardKernels("wgmma", (128, 128), "none"))
+
+
+def test_plans_refuse_what_no_kernel_runs():
+    with pytest.raises(ValueError, match="unknown backward family"):
+        plan_backward("90", SUPPORTED["bfloat16"], 64, NoMask(), None, True, family="wgmma")
+    with pytest.raises(ValueError, match="does not support dtype float32"):
+        backward_plans.backward_plan(SUPPORTED["float32"], 64, NoMask(), BACKWARD_KERNELS[(SM90, 64, True)][0])
+    with pytest.raises(ValueError, match="headdim 257"):
+        plan_backward("80", SUPPORTED["float32"], 257, NoMask(), None, True)
+
+
+def test_the_compile_check_sees_the_same_specializations():
+    names = [s.name for s in mma_bwd.specializations()]
+    assert len(names) == len(set(names)) and sorted(names) == sorted(OLD_COMPILE_CHECK)
+    shipped = {s for s, *_ in OLD_SPECS.items() if s.startswith("flash_bwd_") and "simt" not in s
+               and "preprocess" not in s}
+    assert shipped <= set(names)
+
+
+@pytest.mark.gpu
+def test_the_plan_of_this_device_fits_it():
+    """The launcher's plan is plan_backward's for the device's numbers, for its arch, and fits its
+    shared memory where the old dispatch's did (sm_86 / sm_89 refuse d128 and d256 as before)."""
+    import cupy
+
+    from cupyflash.kernels import mma_fwd
+    from cupyflash.kernels._module import _max_smem_optin, device_arch, runs_on_device
+
+    arch, smem = device_arch(), _max_smem_optin(cupy.cuda.Device().id)
+    for dtype, headdim, (mask, policy), deterministic in itertools.product(
+            ("float16", "bfloat16"), (24, 64, 96, 128, 256), MASKS.items(), (True, False)):
+        plan = plan_backward(arch, SUPPORTED[dtype], headdim, policy, smem, deterministic)
+        assert plan == mma_bwd.plan(SUPPORTED[dtype], plan.headdim, policy, deterministic)
+        assert (plan.device_class == SM90) == (arch == "90") == (mma_fwd.current_arch() == "90")
+        for launch in plan.launches:
+            assert runs_on_device(launch.spec)
+            assert launch.spec.smem_bytes <= smem or (smem < 160 * 1024 and plan.d_tile > 64), launch.spec.name
