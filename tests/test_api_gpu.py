@@ -96,22 +96,23 @@ def test_mma_backward_with_atomic_dq_matches_reference(case):
 
 @contextlib.contextmanager
 def _backward_version(version):
-    """Runs the mma backward's ``version`` through the public API (mma_bwd.DEFAULT_VERSION is read
-    at call time)."""
+    """Runs dev/mma_bwd.py's ``version`` through the public API (mma_bwd.DEV_VERSION is read at
+    call time)."""
     from cupyflash.kernels import mma_bwd
 
-    saved = mma_bwd.DEFAULT_VERSION
-    mma_bwd.DEFAULT_VERSION = version
+    saved = mma_bwd.DEV_VERSION
+    mma_bwd.DEV_VERSION = version
     try:
         yield
     finally:
-        mma_bwd.DEFAULT_VERSION = saved
+        mma_bwd.DEV_VERSION = saved
 
 
 def _other_backward_versions():
-    from cupyflash.kernels import mma_bwd
+    from cupyflash.bench import tune
 
-    return [v for v in mma_bwd.VERSIONS if v != mma_bwd.DEFAULT_VERSION]
+    dev = tune.load_dev_backward()
+    return [v.name for v in dev.VERSIONS if v.name != dev.LAST_VERSION] if dev is not None else []
 
 
 # The default version gets the full example count above; the others stay launchable (the tuner
@@ -129,15 +130,17 @@ def test_mma_backward_versions_match_reference(version, deterministic, case):
 @given(case=attention_case(dtypes=SIXTEEN_BIT))
 def test_wgmma_ordered_dq_at_every_head_dim_matches_reference(case):
     """v6's ordered-dQ wgmma kernels where the default runs v3's instead (d64, d256 on sm_90)."""
+    from cupyflash.bench import tune
     from cupyflash.kernels import mma_bwd
 
-    saved = mma_bwd.WGMMA_ORDERED_D_TILES
-    mma_bwd.WGMMA_ORDERED_D_TILES = mma_bwd.D_TILES
+    dev = tune.load_dev_backward()
+    saved = dev.WGMMA_ORDERED_D_TILES
+    dev.WGMMA_ORDERED_D_TILES = mma_bwd.D_TILES
     try:
         with _backward_version("v6"):
             _check_backward(case, "mma", deterministic=True)
     finally:
-        mma_bwd.WGMMA_ORDERED_D_TILES = saved
+        dev.WGMMA_ORDERED_D_TILES = saved
 
 
 @pytest.mark.parametrize("version", ["v7", "v9"])
@@ -146,17 +149,19 @@ def test_wgmma_ordered_dq_at_every_head_dim_matches_reference(case):
 def test_wgmma_fixed_dq_at_every_head_dim_matches_reference(version, case):
     """The fixed-point dQ wgmma kernels (v7's row-wise reductions, v9's panel-major ones) at every
     head-dim tile they have, including those where the default runs another kernel."""
+    from cupyflash.bench import tune
     from cupyflash.kernels import mma_bwd, mma_fwd
 
     if mma_fwd.current_arch() != "90":
         pytest.skip("the fixed-point dQ kernel is sm_90's (wgmma)")
-    saved = mma_bwd.WGMMA_FIXED_D_TILES, mma_bwd.WGMMA_PANEL_D_TILES
-    mma_bwd.WGMMA_FIXED_D_TILES = mma_bwd.WGMMA_PANEL_D_TILES = mma_bwd.WGMMA_FIXED_KERNEL_D_TILES
+    dev = tune.load_dev_backward()
+    saved = dev.WGMMA_FIXED_D_TILES, dev.WGMMA_PANEL_D_TILES
+    dev.WGMMA_FIXED_D_TILES = dev.WGMMA_PANEL_D_TILES = mma_bwd.WGMMA_FIXED_KERNEL_D_TILES
     try:
         with _backward_version(version):
             _check_backward(case, "mma", deterministic=True)
     finally:
-        mma_bwd.WGMMA_FIXED_D_TILES, mma_bwd.WGMMA_PANEL_D_TILES = saved
+        dev.WGMMA_FIXED_D_TILES, dev.WGMMA_PANEL_D_TILES = saved
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)

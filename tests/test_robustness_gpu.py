@@ -54,11 +54,13 @@ def test_deterministic_dq_is_bitwise_reproducible_under_contention(version, d, c
     # per-block counters; on an H200 v6 runs the wgmma kernels, here at every head dim, and v7
     # the wgmma kernel with fixed-point adds, here at d64 and d128, v9 the same into panel-major
     # rows; v10 computes dQ without adds, one CTA per query block); uneven lengths, GQA.
+    from cupyflash.bench import tune
     from cupyflash.kernels import mma_bwd
 
-    monkeypatch.setattr(mma_bwd, "WGMMA_ORDERED_D_TILES", mma_bwd.D_TILES)
-    monkeypatch.setattr(mma_bwd, "WGMMA_FIXED_D_TILES", mma_bwd.WGMMA_FIXED_KERNEL_D_TILES)
-    monkeypatch.setattr(mma_bwd, "WGMMA_PANEL_D_TILES", mma_bwd.WGMMA_FIXED_KERNEL_D_TILES)
+    dev = tune.load_dev_backward()  # the versions are dev/mma_bwd.py's
+    monkeypatch.setattr(dev, "WGMMA_ORDERED_D_TILES", mma_bwd.D_TILES)
+    monkeypatch.setattr(dev, "WGMMA_FIXED_D_TILES", mma_bwd.WGMMA_FIXED_KERNEL_D_TILES)
+    monkeypatch.setattr(dev, "WGMMA_PANEL_D_TILES", mma_bwd.WGMMA_FIXED_KERNEL_D_TILES)
 
     q, do = randn((2, 1999, 8, d), BF16), randn((2, 1999, 8, d), BF16)
     k, v = randn((2, 2011, 2, d), BF16), randn((2, 2011, 2, d), BF16)

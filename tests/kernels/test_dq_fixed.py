@@ -173,13 +173,15 @@ def fixed_kernel_launches(request, monkeypatch):
     """The deterministic backward of version v7 / v9 with its fixed-point kernel at d64 as well;
     skips off sm_90 (where both are v5); yields the names of that version's fixed-point wgmma
     kernels launched, to assert that the test reached them."""
+    from cupyflash.bench import tune
     from cupyflash.kernels import mma_bwd, mma_fwd
 
     if mma_fwd.current_arch() != "90":
         pytest.skip("the fixed-point dQ kernel is sm_90's (wgmma)")
-    monkeypatch.setattr(mma_bwd, "DEFAULT_VERSION", request.param)
-    monkeypatch.setattr(mma_bwd, "WGMMA_FIXED_D_TILES", mma_bwd.WGMMA_FIXED_KERNEL_D_TILES)
-    monkeypatch.setattr(mma_bwd, "WGMMA_PANEL_D_TILES", mma_bwd.WGMMA_FIXED_KERNEL_D_TILES)
+    dev = tune.load_dev_backward()  # the versions are dev/mma_bwd.py's (a source checkout)
+    monkeypatch.setattr(mma_bwd, "DEV_VERSION", request.param)
+    monkeypatch.setattr(dev, "WGMMA_FIXED_D_TILES", mma_bwd.WGMMA_FIXED_KERNEL_D_TILES)
+    monkeypatch.setattr(dev, "WGMMA_PANEL_D_TILES", mma_bwd.WGMMA_FIXED_KERNEL_D_TILES)
     suffix = {"v7": "_dqfixed", "v9": "_dqfixed_panels"}[request.param]
     names, launch = [], mma_bwd.launch
 
