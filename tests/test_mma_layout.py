@@ -705,12 +705,33 @@ def bwd_dq_layout(d_tile, block_m, block_n):
     return lay
 
 
-def _visible(m, n, seqlen_q, seqlen_k, causal):
-    return (m < seqlen_q) & (n < seqlen_k) & ((not causal) | (n <= m + seqlen_k - seqlen_q))
+def _visible(m, n, seqlen_q, seqlen_k, mask):
+    """mask.cuh's visible(i, j), elementwise: the policy's bounds (cupyflash.masks) in the kernel's form."""
+    lo, hi = mask.offsets(seqlen_q, seqlen_k)
+    ok = (m < seqlen_q) & (n < seqlen_k)
+    if mask.HAS_RIGHT:
+        ok = ok & (n <= m + hi)
+    if mask.HAS_LEFT:
+        ok = ok & (n >= m + lo)
+    return ok
 
 
-def _partial(m0, bm, n0, bn, seqlen_q, seqlen_k, causal):
-    return m0 + bm > seqlen_q or n0 + bn > seqlen_k or (causal and n0 + bn - 1 > m0 + seqlen_k - seqlen_q)
+def _partial(m0, bm, n0, bn, seqlen_q, seqlen_k, mask):
+    return mask.partial(m0, bm, n0, bn, seqlen_q, seqlen_k)
+
+
+def _query_block_range(mask, n0, block_n, block_m, seqlen_q, seqlen_k):
+    """(m_block_first, m_blocks) of a dK/dV CTA: the query blocks that see some key of its block."""
+    m_block_first = mask.query_begin(n0, seqlen_q, seqlen_k) // block_m
+    m_block_end = -(-mask.query_end(n0, block_n, seqlen_q, seqlen_k) // block_m)
+    return m_block_first, max(0, m_block_end - m_block_first)
+
+
+def _key_block_range(mask, m0, block_m, block_n, seqlen_q, seqlen_k):
+    """[j_begin, j_end) of a dQ CTA: the key blocks some existing row of its block sees."""
+    j_begin = mask.key_begin(m0, seqlen_q, seqlen_k) // block_n
+    j_end = -(-mask.key_end(m0, min(block_m, seqlen_q - m0), seqlen_q, seqlen_k) // block_n)
+    return j_begin, j_end
 
 
 def _lse_base_log2(lse):
@@ -718,7 +739,7 @@ def _lse_base_log2(lse):
 
 
 def _dkdv_block(q, k, v, do, lse, delta, dk, dv, dq_accum, *, batch, head_kv, n_block, group, scale,
-                causal, d_tile, block_m, m_sub, block_n, nwarps, warps_d):
+                mask, d_tile, block_m, m_sub, block_n, nwarps, warps_d):
     """One CTA of flash_bwd_dkdv_mma (dq_accum is None unless ATOMIC_DQ)."""
     seqlen_q, nheads, headdim = q.shape[1], q.shape[2], q.shape[3]
     seqlen_k = k.shape[1]
@@ -732,10 +753,8 @@ def _dkdv_block(q, k, v, do, lse, delta, dk, dv, dq_accum, *, batch, head_kv, n_
     smem = np.full(lay["BYTES"] // 2, np.nan)  # 16-bit tiles, by byte address // 2
     smem32 = np.full(lay["BYTES"] // 4, np.nan)  # float slots (lse, D, partial sums), byte // 4
     scale_log2 = scale * math.log2(math.e)
-    diag = seqlen_k - seqlen_q
     n0 = n_block * block_n
-    m_block_first = max(0, n0 - diag) // block_m if causal else 0
-    m_blocks = max(0, (seqlen_q + block_m - 1) // block_m - m_block_first)
+    m_block_first, m_blocks = _query_block_range(mask, n0, block_n, block_m, seqlen_q, seqlen_k)
     n_iters = group * m_blocks
 
     def load_query_block(it, stage):
@@ -788,7 +807,7 @@ def _dkdv_block(q, k, v, do, lse, delta, dk, dv, dq_accum, *, batch, head_kv, n_
         for mc0 in range(0, block_m, m_sub):
             s_q_sub, s_do_sub = s_q + mc0 * d_tile * 2, s_do + mc0 * d_tile * 2
             m0_sub = m0 + mc0
-            partial = _partial(m0_sub, m_sub, n0, block_n, seqlen_q, seqlen_k, causal)
+            partial = _partial(m0_sub, m_sub, n0, block_n, seqlen_q, seqlen_k, mask)
             # Step 1
             s_acc = np.zeros((nwarps, 32, m_sub // 8, 4))
             for w in warps:
@@ -805,7 +824,7 @@ def _dkdv_block(q, k, v, do, lse, delta, dk, dv, dq_accum, *, batch, head_kv, n_
                         p = np.exp2(s_acc[w, :, j, e] * scale_log2 - base)
                         m = m0_sub + c + (e & 1)
                         n = n0 + row0[w] + GROUP + 8 * (e >> 1)
-                        hidden[w, :, j, e] = partial & ~_visible(m, n, seqlen_q, seqlen_k, causal)
+                        hidden[w, :, j, e] = partial & ~_visible(m, n, seqlen_q, seqlen_k, mask)
                         s_acc[w, :, j, e] = np.where(hidden[w, :, j, e], 0.0, p)
             # Step 3
             for w in warps:
@@ -857,7 +876,7 @@ def _dkdv_block(q, k, v, do, lse, delta, dk, dv, dq_accum, *, batch, head_kv, n_
     bwd_store_tile(dv[batch, n0:, head_kv], smem, lay["V"], block_n, d_tile, nthreads, seqlen_k - n0, headdim)
 
 
-def _dq_block(q, k, v, do, lse, delta, dq, *, batch, head, m_block, group, scale, causal,
+def _dq_block(q, k, v, do, lse, delta, dq, *, batch, head, m_block, group, scale, mask,
               d_tile, block_m, block_n, nwarps):
     """One CTA of flash_bwd_dq_mma."""
     seqlen_q, headdim = q.shape[1], q.shape[3]
@@ -867,11 +886,9 @@ def _dq_block(q, k, v, do, lse, delta, dq, *, batch, head, m_block, group, scale
     lay = bwd_dq_layout(d_tile, block_m, block_n)
     smem = np.full(lay["BYTES"] // 2, np.nan)
     scale_log2 = scale * math.log2(math.e)
-    diag = seqlen_k - seqlen_q
     m0 = m_block * block_m
     head_kv = head // group
-    n_end = min(seqlen_k, max(0, min(seqlen_q, m0 + block_m) + diag)) if causal else seqlen_k
-    n_blocks = (n_end + block_n - 1) // block_n
+    j_begin, j_end = _key_block_range(mask, m0, block_m, block_n, seqlen_q, seqlen_k)
 
     def load_key_block(it, stage):
         n0 = it * block_n
@@ -882,8 +899,8 @@ def _dq_block(q, k, v, do, lse, delta, dq, *, batch, head, m_block, group, scale
 
     cp_async_tile(smem, lay["Q"], block_m, d_tile, nthreads, q[batch, :, head], m0, seqlen_q - m0, headdim)
     cp_async_tile(smem, lay["DO"], block_m, d_tile, nthreads, do[batch, :, head], m0, seqlen_q - m0, headdim)
-    if n_blocks > 0:
-        load_key_block(0, 0)
+    if j_begin < j_end:
+        load_key_block(j_begin, j_begin & 1)
 
     warps = range(nwarps)
     stats = []
@@ -897,13 +914,13 @@ def _dq_block(q, k, v, do, lse, delta, dq, *, batch, head, m_block, group, scale
         stats.append((base, d))
     dq_acc = np.zeros((nwarps, 32, d_tile // 8, 4))
 
-    for it in range(n_blocks):
+    for it in range(j_begin, j_end):
         stage = it & 1
-        if it + 1 < n_blocks:
+        if it + 1 < j_end:
             load_key_block(it + 1, stage ^ 1)
         n0 = it * block_n
         s_k, s_v = lay["K"] + stage * lay["KV_TILE"], lay["V"] + stage * lay["KV_TILE"]
-        partial = _partial(m0, block_m, n0, block_n, seqlen_q, seqlen_k, causal)
+        partial = _partial(m0, block_m, n0, block_n, seqlen_q, seqlen_k, mask)
         for w in warps:
             s_acc = np.zeros((32, block_n // 8, 4))
             dp_acc = np.zeros((32, block_n // 8, 4))
@@ -915,7 +932,7 @@ def _dq_block(q, k, v, do, lse, delta, dq, *, batch, head, m_block, group, scale
                     p = np.exp2(s_acc[:, j, e] * scale_log2 - base[e >> 1])
                     ds = p * (dp_acc[:, j, e] - d[e >> 1])
                     hidden = partial & ~_visible(m0 + 16 * w + GROUP + 8 * (e >> 1),
-                                                 n0 + 8 * j + 2 * THREAD_IN_GROUP + (e & 1), seqlen_q, seqlen_k, causal)
+                                                 n0 + 8 * j + 2 * THREAD_IN_GROUP + (e & 1), seqlen_q, seqlen_k, mask)
                     dp_acc[:, j, e] = np.where(hidden, 0.0, ds)
             bwd_mma_AB_regs(dq_acc[w], bwd_pack_a_frags(dp_acc), smem, d_tile, block_n, d_tile, s_k, 0)
 
@@ -926,7 +943,7 @@ def _dq_block(q, k, v, do, lse, delta, dq, *, batch, head, m_block, group, scale
                        seqlen_q - m0 - 16 * w, headdim)
 
 
-def _bwd_emulated(q, k, v, do, *, causal, scale, dkdv_config, dq_config=None):
+def _bwd_emulated(q, k, v, do, *, causal, scale, dkdv_config, dq_config=None, window_size=(-1, -1)):
     """dq, dk, dv from the emulated kernels; dq by flash_bwd_dq_mma when dq_config is given, else
     by ATOMIC_DQ and flash_bwd_dq_convert."""
     batch, seqlen_q, nheads, headdim = q.shape
@@ -934,7 +951,8 @@ def _bwd_emulated(q, k, v, do, *, causal, scale, dkdv_config, dq_config=None):
     group = nheads // nheads_kv
     from cupyflash.reference import attention  # sums over visible keys only: NaN-safe
 
-    o, lse = attention(q, k, v, softmax_scale=scale, causal=causal)
+    o, lse = attention(q, k, v, softmax_scale=scale, causal=causal, window_size=window_size)
+    mask = masks.mask_for(causal, window_size)
     delta = np.einsum("bqhd,bqhd->bhq", do, o)
     # (d_tile, BLOCK_M, M_SUB, BLOCK_N, NWARPS, WARPS_D), or ("v2", ..., ROW_GROUPS) for v2
     kernel = dkdv_config[0] if isinstance(dkdv_config[0], str) else "v1"  # "v2", "split": + ROW_GROUPS
@@ -944,7 +962,7 @@ def _bwd_emulated(q, k, v, do, *, causal, scale, dkdv_config, dq_config=None):
     for b in range(batch):
         for hk in range(nheads_kv):
             for n_block in range(math.ceil(seqlen_k / block_n)):
-                kwargs = dict(batch=b, head_kv=hk, n_block=n_block, group=group, scale=scale, causal=causal,
+                kwargs = dict(batch=b, head_kv=hk, n_block=n_block, group=group, scale=scale, mask=mask,
                               d_tile=d_tile, block_m=block_m, m_sub=m_sub, block_n=block_n, nwarps=nwarps)
                 if kernel == "split":
                     _dkdv_block_split(q, k, v, do, lse, delta, dk, dv, dq_accum, row_groups=warps_d, **kwargs)
@@ -958,7 +976,7 @@ def _bwd_emulated(q, k, v, do, *, causal, scale, dkdv_config, dq_config=None):
         for b in range(batch):
             for h in range(nheads):
                 for m_block in range(math.ceil(seqlen_q / dq_bm)):
-                    kwargs = dict(batch=b, head=h, m_block=m_block, group=group, scale=scale, causal=causal,
+                    kwargs = dict(batch=b, head=h, m_block=m_block, group=group, scale=scale, mask=mask,
                                   d_tile=dq_d_tile, block_m=dq_bm, block_n=dq_bn, nwarps=dq_warps)
                     if len(dq_config) == 5:
                         _dq_block_v2(q, k, v, do, lse, delta, dq, row_groups=dq_config[4], **kwargs)
@@ -1003,7 +1021,7 @@ def _bwd_case_id(c):
     return name + "_hd{}_sq{}_sk{}_h{}_{}{}".format(c[2], c[4], c[5], c[6], c[7], "_causal" if c[8] else "")
 
 
-def _check_bwd_emulation(emulate, headdim, batch, sq, sk, nheads, nheads_kv, causal):
+def _check_bwd_emulation(emulate, headdim, batch, sq, sk, nheads, nheads_kv, causal, window_size=(-1, -1)):
     """emulate(q, k, v, do, scale) -> (dq, dk, dv) on float64 inputs drawn from the shape, against
     the float64 reference at 1e-9; no element may stay NaN (the emulations poison their outputs)."""
     from cupyflash.reference import attention_backward
@@ -1015,7 +1033,8 @@ def _check_bwd_emulation(emulate, headdim, batch, sq, sk, nheads, nheads_kv, cau
     do = rng.standard_normal((batch, sq, nheads, headdim))
     scale = 1 / math.sqrt(headdim)
     dq, dk, dv = emulate(q, k, v, do, scale)
-    dq_ref, dk_ref, dv_ref = attention_backward(do, q, k, v, softmax_scale=scale, causal=causal)
+    dq_ref, dk_ref, dv_ref = attention_backward(do, q, k, v, softmax_scale=scale, causal=causal,
+                                                window_size=window_size)
     for name, got, want in (("dq", dq, dq_ref), ("dk", dk, dk_ref), ("dv", dv, dv_ref)):
         assert not np.isnan(got).any(), f"{name}: some element was never written"
         np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9, err_msg=name)
@@ -1281,7 +1300,7 @@ def bwd_mma_AB_regs_groups(acc, a, smem, n, k, dim_b, tile_b, b_col0):
                 mma_16816(acc[g, :, 2 * nn + 1], a[g][:, kk], b[:, 2], b[:, 3])
 
 
-def _dq_block_v2(q, k, v, do, lse, delta, dq, *, batch, head, m_block, group, scale, causal,
+def _dq_block_v2(q, k, v, do, lse, delta, dq, *, batch, head, m_block, group, scale, mask,
                  d_tile, block_m, block_n, nwarps, row_groups):
     """One CTA of flash_bwd_dq_mma_v2."""
     seqlen_q, headdim = q.shape[1], q.shape[3]
@@ -1293,11 +1312,9 @@ def _dq_block_v2(q, k, v, do, lse, delta, dq, *, batch, head, m_block, group, sc
     lay = bwd_dq_layout_v2(d_tile, block_m, block_n)
     smem = np.full(lay["LSE"] // 2, np.nan)  # 16-bit tiles; the float statistics are s_lse, s_delta
     scale_log2 = scale * math.log2(math.e)
-    diag = seqlen_k - seqlen_q
     m0 = m_block * block_m
     head_kv = head // group
-    n_end = min(seqlen_k, max(0, min(seqlen_q, m0 + block_m) + diag)) if causal else seqlen_k
-    n_blocks = (n_end + block_n - 1) // block_n
+    j_begin, j_end = _key_block_range(mask, m0, block_m, block_n, seqlen_q, seqlen_k)
 
     def load_key_block(it, stage):
         n0 = it * block_n
@@ -1308,8 +1325,8 @@ def _dq_block_v2(q, k, v, do, lse, delta, dq, *, batch, head, m_block, group, sc
 
     cp_async_tile(smem, lay["Q"], block_m, d_tile, nthreads, q[batch, :, head], m0, seqlen_q - m0, headdim)
     cp_async_tile(smem, lay["DO"], block_m, d_tile, nthreads, do[batch, :, head], m0, seqlen_q - m0, headdim)
-    if n_blocks > 0:
-        load_key_block(0, 0)
+    if j_begin < j_end:
+        load_key_block(j_begin, j_begin & 1)
     s_lse, s_delta = np.full(block_m, np.nan), np.full(block_m, np.nan)
     for r in range(block_m):
         m = m0 + r
@@ -1317,13 +1334,13 @@ def _dq_block_v2(q, k, v, do, lse, delta, dq, *, batch, head, m_block, group, sc
         s_delta[r] = delta[batch, head, m] if m < seqlen_q else 0.0
 
     dq_acc = np.zeros((nwarps, G, 32, d_tile // 8, 4))
-    for it in range(n_blocks):
+    for it in range(j_begin, j_end):
         stage = it & 1
-        if it + 1 < n_blocks:
+        if it + 1 < j_end:
             load_key_block(it + 1, stage ^ 1)
         n0 = it * block_n
         s_k, s_v = lay["K"] + stage * lay["KV_TILE"], lay["V"] + stage * lay["KV_TILE"]
-        partial = _partial(m0, block_m, n0, block_n, seqlen_q, seqlen_k, causal)
+        partial = _partial(m0, block_m, n0, block_n, seqlen_q, seqlen_k, mask)
         for w in range(nwarps):
             row0 = warp_rows * w
             lane_row = row0 + GROUP
@@ -1332,14 +1349,14 @@ def _dq_block_v2(q, k, v, do, lse, delta, dq, *, batch, head, m_block, group, sc
             for g in range(G):
                 for j in range(block_n // 8):
                     for e in range(4):
-                        s_acc[g, :, j, e] = np.exp2(s_acc[g, :, j, e] * scale_log2
-                                                    - s_lse[lane_row + 16 * g + 8 * (e >> 1)])
+                        p = np.exp2(s_acc[g, :, j, e] * scale_log2 - s_lse[lane_row + 16 * g + 8 * (e >> 1)])
+                        m, n = m0 + lane_row + 16 * g + 8 * (e >> 1), n0 + 8 * j + 2 * THREAD_IN_GROUP + (e & 1)
+                        s_acc[g, :, j, e] = np.where(partial & mask.hidden_left(m, n, seqlen_q, seqlen_k), 0.0, p)
             n_lim = np.zeros((G, 2, 32), dtype=np.int64)
             for g in range(G):
                 for half in range(2):
                     m = m0 + lane_row + 16 * g + 8 * half
-                    lim = np.minimum(seqlen_k, m + diag + 1) if causal else np.full(32, seqlen_k)
-                    n_lim[g, half] = np.where(m < seqlen_q, lim, 0)
+                    n_lim[g, half] = np.where(m < seqlen_q, mask.row_key_end(m, seqlen_q, seqlen_k), 0)
             ds_frag = np.full((G, 32, block_n // 16, 4, 2), np.nan)
             for c0 in range(0, block_n, dp_cols):
                 dp_acc = np.zeros((G, 32, dp_cols // 8, 4))
@@ -1350,7 +1367,9 @@ def _dq_block_v2(q, k, v, do, lse, delta, dq, *, batch, head, m_block, group, sc
                         for e in range(4):
                             ds = s_acc[g, :, c0 // 8 + j, e] * (dp_acc[g, :, j, e]
                                                                  - s_delta[lane_row + 16 * g + 8 * (e >> 1)])
-                            hidden = partial & (n0 + c0 + 8 * j + 2 * THREAD_IN_GROUP + (e & 1) >= n_lim[g, e >> 1])
+                            n = n0 + c0 + 8 * j + 2 * THREAD_IN_GROUP + (e & 1)
+                            hidden = partial & ((n >= n_lim[g, e >> 1]) |
+                                                (mask.HAS_LEFT & (s_acc[g, :, c0 // 8 + j, e] == 0.0)))
                             dp_acc[g, :, j, e] = np.where(hidden, 0.0, ds)
                     ds_frag[g, :, c0 // 16: (c0 + dp_cols) // 16] = bwd_pack_a_frags(dp_acc[g])
             bwd_mma_AB_regs_groups(dq_acc[w], ds_frag, smem, d_tile, block_n, d_tile, s_k, 0)
@@ -1415,19 +1434,20 @@ def test_bwd_v2_tables_match_layouts_and_fit():
 # Backward v2: flash_bwd_dkdv_mma_v2 (ROW_GROUPS 16-row key groups per warp, WARPS_D = 1)
 # ---------------------------------------------------------------------------------------------
 
-def _first_query_of_key_rows(groups, key_row0, seqlen_q, seqlen_k, causal, diag):
-    """m_min[g, half, lane]: the first query that sees key key_row0 + 16 g + 8 half + lane / 4
-    (seqlen_q for keys past seqlen_k): the mask of the 2 x 16-row dK/dV emulations."""
+def _first_query_of_key_rows(groups, key_row0, seqlen_q, seqlen_k, mask):
+    """m_min[g, half, lane]: the first query the right bound lets see key key_row0 + 16 g + 8 half
+    + lane / 4 (seqlen_q for keys past seqlen_k): the per-row mask of the 2 x 16-row dK/dV
+    emulations (the left bound comes from hidden_left)."""
     m_min = np.zeros((groups, 2, 32), dtype=np.int64)
     for g in range(groups):
         for half in range(2):
             n = key_row0 + 16 * g + GROUP + 8 * half
-            m_min[g, half] = np.where(n < seqlen_k, (n - diag) if causal else 0, seqlen_q)
+            m_min[g, half] = np.where(n < seqlen_k, mask.row_query_begin(n, seqlen_q, seqlen_k), seqlen_q)
     return m_min
 
 
 def _p_transposed_groups(smem, smem32, tile_k, row0, s_q_sub, s_lse_sub, m0_sub, m_min, partial, groups, m_sub,
-                         d_tile, scale_log2, seqlen_q):
+                         d_tile, scale_log2, seqlen_q, mask, n0, seqlen_k):
     """S^T = K Q^T of a warp's row groups (mma_ABt_groups), then P^T = exp2(S^T scale - lse), 0
     where hidden: steps 1-2 of flash_bwd_dkdv_mma_v2 and of the dV warp of flash_bwd_dkdv_mma_split."""
     s_acc = np.zeros((groups, 32, m_sub // 8, 4))
@@ -1438,8 +1458,8 @@ def _p_transposed_groups(smem, smem32, tile_k, row0, s_q_sub, s_lse_sub, m0_sub,
             for e in range(4):
                 base = _lse_base_log2(smem32[s_lse_sub + c + (e & 1)])
                 p = np.exp2(s_acc[g, :, j, e] * scale_log2 - base)
-                m = m0_sub + c + (e & 1)
-                hidden = partial & ((m < m_min[g, e >> 1]) | (m >= seqlen_q))
+                m, n = m0_sub + c + (e & 1), n0 + row0 + 16 * g + GROUP + 8 * (e >> 1)
+                hidden = partial & ((m < m_min[g, e >> 1]) | (m >= seqlen_q) | mask.hidden_left(m, n, seqlen_q, seqlen_k))
                 s_acc[g, :, j, e] = np.where(hidden, 0.0, p)
     return s_acc
 
@@ -1458,7 +1478,7 @@ def _store_ds_transposed(smem, tile_ds, block_m, row0, mc0, ds_frags):
 
 
 def _dkdv_block_v2(q, k, v, do, lse, delta, dk, dv, dq_accum, *, batch, head_kv, n_block, group, scale,
-                   causal, d_tile, block_m, m_sub, block_n, nwarps, row_groups):
+                   mask, d_tile, block_m, m_sub, block_n, nwarps, row_groups):
     """One CTA of flash_bwd_dkdv_mma_v2 (dq_accum is None unless ATOMIC_DQ)."""
     seqlen_q, headdim = q.shape[1], q.shape[3]
     seqlen_k = k.shape[1]
@@ -1473,10 +1493,8 @@ def _dkdv_block_v2(q, k, v, do, lse, delta, dk, dv, dq_accum, *, batch, head_kv,
     smem = np.full(lay["BYTES"] // 2, np.nan)
     smem32 = np.full(lay["BYTES"] // 4, np.nan)
     scale_log2 = scale * math.log2(math.e)
-    diag = seqlen_k - seqlen_q
     n0 = n_block * block_n
-    m_block_first = max(0, n0 - diag) // block_m if causal else 0
-    m_blocks = max(0, (seqlen_q + block_m - 1) // block_m - m_block_first)
+    m_block_first, m_blocks = _query_block_range(mask, n0, block_n, block_m, seqlen_q, seqlen_k)
     n_iters = group * m_blocks
 
     def load_query_block(it, stage):
@@ -1510,13 +1528,13 @@ def _dkdv_block_v2(q, k, v, do, lse, delta, dk, dv, dq_accum, *, batch, head_kv,
         for mc0 in range(0, block_m, m_sub):
             s_q_sub, s_do_sub = s_q + mc0 * d_tile * 2, s_do + mc0 * d_tile * 2
             m0_sub = m0 + mc0
-            partial = _partial(m0_sub, m_sub, n0, block_n, seqlen_q, seqlen_k, causal)
+            partial = _partial(m0_sub, m_sub, n0, block_n, seqlen_q, seqlen_k, mask)
             for w in range(nwarps):
                 row0 = warp_rows * w
-                m_min = _first_query_of_key_rows(G, n0 + row0, seqlen_q, seqlen_k, causal, diag)
+                m_min = _first_query_of_key_rows(G, n0 + row0, seqlen_q, seqlen_k, mask)
                 # Step 1, 2
                 s_acc = _p_transposed_groups(smem, smem32, lay["K"], row0, s_q_sub, s_lse + mc0, m0_sub, m_min,
-                                             partial, G, m_sub, d_tile, scale_log2, seqlen_q)
+                                             partial, G, m_sub, d_tile, scale_log2, seqlen_q, mask, n0, seqlen_k)
                 # Step 3
                 bwd_mma_AB_regs_groups(dv_acc[w], [bwd_pack_a_frags(s_acc[g]) for g in range(G)], smem, d_tile,
                                        m_sub, d_tile, s_do_sub, 0)
@@ -1534,7 +1552,8 @@ def _dkdv_block_v2(q, k, v, do, lse, delta, dk, dv, dq_accum, *, batch, head_kv,
                                 d = smem32[s_delta + mc0 + c + (e & 1)]
                                 ds = s_acc[g, :, j, e] * (dp_acc[g, :, jj, e] - d)
                                 m = m0_sub + c + (e & 1)
-                                hidden = partial & ((m < m_min[g, e >> 1]) | (m >= seqlen_q))
+                                hidden = partial & ((m < m_min[g, e >> 1]) | (m >= seqlen_q) |
+                                                    (mask.HAS_LEFT & (s_acc[g, :, j, e] == 0.0)))
                                 dp_acc[g, :, jj, e] = np.where(hidden, 0.0, ds)
                     for g in range(G):
                         ds_frag[g, :, kk] = bwd_pack_a_frags(dp_acc[g])[:, 0]
@@ -1613,7 +1632,7 @@ def bwd_split_p_address(xchg, slot_bytes, m_sub, pair, slot, g, j):
 
 
 def _dkdv_block_split(q, k, v, do, lse, delta, dk, dv, dq_accum, *, batch, head_kv, n_block, group, scale,
-                      causal, d_tile, block_m, m_sub, block_n, nwarps, row_groups):
+                      mask, d_tile, block_m, m_sub, block_n, nwarps, row_groups):
     """One CTA of flash_bwd_dkdv_mma_split; within a sub-block each pair's dV warp runs up to the
     pair barrier (P^T stored), then its dK warp (which reads P^T after the barrier)."""
     seqlen_q, headdim = q.shape[1], q.shape[3]
@@ -1630,10 +1649,8 @@ def _dkdv_block_split(q, k, v, do, lse, delta, dk, dv, dq_accum, *, batch, head_
     smem = np.full(total // 2, np.nan)
     smem32 = np.full(total // 4, np.nan)
     scale_log2 = scale * math.log2(math.e)
-    diag = seqlen_k - seqlen_q
     n0 = n_block * block_n
-    m_block_first = max(0, n0 - diag) // block_m if causal else 0
-    m_blocks = max(0, (seqlen_q + block_m - 1) // block_m - m_block_first)
+    m_block_first, m_blocks = _query_block_range(mask, n0, block_n, block_m, seqlen_q, seqlen_k)
     n_iters = group * m_blocks
 
     def load_query_block(it, stage):
@@ -1667,13 +1684,13 @@ def _dkdv_block_split(q, k, v, do, lse, delta, dk, dv, dq_accum, *, batch, head_
         for mc0 in range(0, block_m, m_sub):
             s_q_sub, s_do_sub = s_q + mc0 * d_tile * 2, s_do + mc0 * d_tile * 2
             m0_sub = m0 + mc0
-            partial = _partial(m0_sub, m_sub, n0, block_n, seqlen_q, seqlen_k, causal)
+            partial = _partial(m0_sub, m_sub, n0, block_n, seqlen_q, seqlen_k, mask)
             for pair in range(pairs):
                 row0 = warp_rows * pair
-                m_min = _first_query_of_key_rows(G, n0 + row0, seqlen_q, seqlen_k, causal, diag)
+                m_min = _first_query_of_key_rows(G, n0 + row0, seqlen_q, seqlen_k, mask)
                 # dV warp
                 s_acc = _p_transposed_groups(smem, smem32, lay["K"], row0, s_q_sub, s_lse + mc0, m0_sub, m_min,
-                                             partial, G, m_sub, d_tile, scale_log2, seqlen_q)
+                                             partial, G, m_sub, d_tile, scale_log2, seqlen_q, mask, n0, seqlen_k)
                 for j in range(m_sub // 8):
                     for g in range(G):
                         addr = bwd_split_p_address(xchg, slot_bytes, m_sub, pair, slot, g, j)
@@ -1692,7 +1709,8 @@ def _dkdv_block_split(q, k, v, do, lse, delta, dk, dv, dq_accum, *, batch, head_
                             p = smem32[addr // 4 + e]
                             ds = p * (dp_acc[g, :, j, e] - smem32[s_delta + mc0 + c + (e & 1)])
                             m = m0_sub + c + (e & 1)
-                            hidden = partial & ((m < m_min[g, e >> 1]) | (m >= seqlen_q))
+                            hidden = partial & ((m < m_min[g, e >> 1]) | (m >= seqlen_q) |
+                                                (mask.HAS_LEFT & (p == 0.0)))
                             dp_acc[g, :, j, e] = np.where(hidden, 0.0, ds)
                 ds_frag = [bwd_pack_a_frags(dp_acc[g]) for g in range(G)]
                 bwd_mma_AB_regs_groups(acc[pairs + pair], ds_frag, smem, d_tile, m_sub, d_tile, s_q_sub, 0)
@@ -1738,6 +1756,47 @@ _BWD_SPLIT_CASES = [
 @pytest.mark.parametrize("case", _BWD_SPLIT_CASES, ids=_bwd_case_id)
 def test_bwd_v3_split_emulation_matches_reference(case):
     test_bwd_emulation_matches_reference(case)
+
+
+# Sliding windows (left, right) on every mma.sync backward model: v1 dK/dV (atomic dQ or the v1
+# dQ kernel), v2 dK/dV and dQ, the split dK/dV. Each case's walks skip blocks: a dK/dV CTA stops
+# short of the last query block, a dQ CTA starts past key block 0 (at an odd block for the stage
+# parity where marked); partial blocks sit on both bounds; one-sided windows and rows that see no key.
+_BWD_WINDOW_CASES = [
+    # dkdv config, dq config or None (atomic), headdim, batch, seqlen_q, seqlen_k, nheads, nheads_kv,
+    # causal, window_size
+    ((64, 64, 32, 64, 4, 1), (64, 64, 32, 4), 40, 1, 200, 200, 1, 1, True, (70, -1)),  # dQ from block 3
+    ((64, 32, 16, 32, 4, 2), None, 48, 1, 90, 120, 2, 1, False, (9, 17)),
+    (("v2", 64, 64, 32, 128, 4, 2), (64, 128, 32, 4, 2), 64, 1, 150, 260, 1, 1, False, (60, 40)),  # block 1
+    (("v2", 64, 32, 32, 64, 2, 2), None, 64, 1, 133, 200, 1, 1, False, (20, -1)),
+    (("split", 64, 64, 32, 64, 4, 2), None, 40, 1, 100, 100, 2, 1, False, (0, 0)),
+    (("split", 128, 64, 32, 128, 8, 2), (128, 128, 32, 4, 2), 72, 1, 250, 200, 1, 1, False, (-1, 5)),  # rows < 45: no key
+]
+
+
+def _window_case_id(c):
+    return _bwd_case_id(c[:9]) + "_window{}_{}".format(*c[9])
+
+
+def _assert_walks_skip_blocks(mask, sq, sk, block_m, block_n):
+    """The case exercises the window's walks: some key block visits fewer query blocks than exist
+    (dK/dV), or some query block starts its key walk past block 0 (dQ)."""
+    q_blocks, k_blocks = -(-sq // block_m), -(-sk // block_n)
+    assert (any(len(mask.query_blocks(j * block_n, block_n, block_m, sq, sk)) < q_blocks for j in range(k_blocks)) or
+            any(mask.key_begin(i * block_m, sq, sk) >= block_n for i in range(q_blocks)))
+
+
+@pytest.mark.parametrize("case", _BWD_WINDOW_CASES, ids=_window_case_id)
+def test_bwd_emulation_with_window_matches_reference(case):
+    dkdv_config, dq_config, headdim, batch, sq, sk, nheads, nheads_kv, causal, window = case
+    mask = masks.mask_for(causal, window)
+    assert mask.HAS_LEFT
+    dkdv = dkdv_config[1:] if isinstance(dkdv_config[0], str) else dkdv_config
+    _assert_walks_skip_blocks(mask, sq, sk, dkdv[1], dkdv[3])
+    _check_bwd_emulation(lambda q, k, v, do, scale: _bwd_emulated(q, k, v, do, causal=causal, scale=scale,
+                                                                  dkdv_config=dkdv_config, dq_config=dq_config,
+                                                                  window_size=window),
+                         headdim, batch, sq, sk, nheads, nheads_kv, causal, window_size=window)
 
 
 def test_bwd_v3_split_exchange_slots_are_disjoint_and_fit():
@@ -1909,23 +1968,23 @@ def bwd_fused_warp_origins(t, warp):
                 dq_col0=t["DQW"] * (warp // t["DQ_WARPS_M"]))
 
 
-def _fused_loop_bounds(seqlen_q, seqlen_k, block_m, block_n, causal, n_block):
-    """The kernel's (m_block_first, q_blocks, m_blocks) for key block n_block."""
-    diag = seqlen_k - seqlen_q
-    m_block_first = max(0, n_block * block_n - diag) // block_m if causal else 0
-    q_blocks = (seqlen_q + block_m - 1) // block_m
-    return m_block_first, q_blocks, max(0, q_blocks - m_block_first)
+def _fused_loop_bounds(seqlen_q, seqlen_k, block_m, block_n, mask, n_block):
+    """The kernel's (m_block_first, q_blocks, m_blocks) for key block n_block (mask: a policy, or
+    the causal flag of the ordered-dQ simulations, which take no window)."""
+    mask = masks.as_mask(mask)
+    m_block_first, m_blocks = _query_block_range(mask, n_block * block_n, block_n, block_m, seqlen_q, seqlen_k)
+    return m_block_first, (seqlen_q + block_m - 1) // block_m, m_blocks
 
 
-def _fused_iterations(seqlen_q, seqlen_k, block_m, block_n, causal, n_block, head_kv, group, ordered):
+def _fused_iterations(seqlen_q, seqlen_k, block_m, block_n, mask, n_block, head_kv, group, ordered):
     """(head, m_block) of each iteration of key block n_block's CTA: m_block_of(it); with
     DQ_ORDERED each head's query blocks from the last to the first."""
-    first, q_blocks, m_blocks = _fused_loop_bounds(seqlen_q, seqlen_k, block_m, block_n, causal, n_block)
+    first, q_blocks, m_blocks = _fused_loop_bounds(seqlen_q, seqlen_k, block_m, block_n, mask, n_block)
     return [(head_kv * group + it // m_blocks, q_blocks - 1 - it % m_blocks if ordered else first + it % m_blocks)
             for it in range(group * m_blocks)]
 
 
-def _fused_cta(q, k, v, do, lse, delta, dk, dv, dq_accum, semaphore, *, n_block, head_kv, batch, scale, causal,
+def _fused_cta(q, k, v, do, lse, delta, dk, dv, dq_accum, semaphore, *, n_block, head_kv, batch, scale, mask,
                d_tile, config, ordered):
     """One CTA (blockIdx = (n_block, head_kv, batch)) of flash_bwd_fused_mma, phase by phase: step 1
     of all warps, (ordered) the releases and the prefetch, steps 2-5 of all warps, the barrier,
@@ -1942,8 +2001,8 @@ def _fused_cta(q, k, v, do, lse, delta, dk, dv, dq_accum, semaphore, *, n_block,
     smem32 = np.full(lay["BYTES"] // 4, np.nan)  # lse and D, by byte address // 4
     scale_log2 = scale * math.log2(math.e)
     n0 = n_block * block_n
-    diag = seqlen_k - seqlen_q
-    iterations = _fused_iterations(seqlen_q, seqlen_k, block_m, block_n, causal, n_block, head_kv, group, ordered)
+    lo_off, hi_off = mask.offsets(seqlen_q, seqlen_k)
+    iterations = _fused_iterations(seqlen_q, seqlen_k, block_m, block_n, mask, n_block, head_kv, group, ordered)
     n_iters = len(iterations)
 
     def load_query_block(it, stage):
@@ -1975,7 +2034,7 @@ def _fused_cta(q, k, v, do, lse, delta, dk, dv, dq_accum, semaphore, *, n_block,
         m0 = m_block * block_m
         s_q, s_do = lay["Q"] + stage * lay["Q_TILE"], lay["DO"] + stage * lay["Q_TILE"]
         s_lse, s_delta = (lay["LSE"] + stage * block_m * 4) // 4, (lay["DELTA"] + stage * block_m * 4) // 4
-        partial = _partial(m0, block_m, n0, block_n, seqlen_q, seqlen_k, causal)
+        partial = _partial(m0, block_m, n0, block_n, seqlen_q, seqlen_k, mask)
 
         # Step 1
         s_acc = np.zeros((nwarps, KG, 32, SQ // 8, 4))
@@ -1992,7 +2051,7 @@ def _fused_cta(q, k, v, do, lse, delta, dk, dv, dq_accum, semaphore, *, n_block,
             key_row0, q_col0 = o["key_row0"], o["q_col0"]
             key0, query0 = n0 + key_row0 + GROUP, m0 + q_col0 + 2 * THREAD_IN_GROUP
             keys_left, queries_left = seqlen_k - key0, seqlen_q - query0
-            causal_slack = query0 + diag - key0
+            hi_slack, lo_slack = query0 + hi_off - key0, query0 + lo_off - key0  # the policy's origin
             for j in range(SQ // 8):
                 c = q_col0 + 8 * j + 2 * THREAD_IN_GROUP
                 base_log2 = [_lse_base_log2(smem32[s_lse + c]), _lse_base_log2(smem32[s_lse + c + 1])]
@@ -2001,8 +2060,10 @@ def _fused_cta(q, k, v, do, lse, delta, dk, dv, dq_accum, semaphore, *, n_block,
                         p = np.exp2(s_acc[w, g, :, j, e] * scale_log2 - base_log2[e & 1])
                         key_off, query_off = 16 * g + 8 * (e >> 1), 8 * j + (e & 1)
                         hidden = (key_off >= keys_left) | (query_off >= queries_left)
-                        if causal:
-                            hidden |= key_off - query_off > causal_slack
+                        if mask.HAS_RIGHT:
+                            hidden |= key_off - query_off > hi_slack
+                        if mask.HAS_LEFT:
+                            hidden |= key_off - query_off < lo_slack
                         s_acc[w, g, :, j, e] = np.where(partial & hidden, 0.0, p)
             for g in range(KG):
                 bwd_stage_acc(smem, lay["PT"], block_m, key_row0 + 16 * g, q_col0, s_acc[w, g], 1.0)
@@ -2057,7 +2118,7 @@ def _fused_cta(q, k, v, do, lse, delta, dk, dv, dq_accum, semaphore, *, n_block,
     bwd_store_tile(dv[batch, n0:, head_kv], smem, lay["V"], block_n, d_tile, nthreads, seqlen_k - n0, headdim)
 
 
-def _fused_emulated(q, k, v, do, causal, scale, config, ordered=True):
+def _fused_emulated(q, k, v, do, causal, scale, config, ordered=True, window_size=(-1, -1)):
     """dq, dk, dv from the emulated flash_bwd_fused_mma (CTAs in blockIdx order, x fastest) and
     flash_bwd_dq_convert; config is a FUSED_CONFIG entry, the head-dim tile follows from headdim."""
     from cupyflash.kernels.mma_bwd import d_tile as d_tile_of
@@ -2066,7 +2127,9 @@ def _fused_emulated(q, k, v, do, causal, scale, config, ordered=True):
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     d_tile, block_m, block_n = d_tile_of(headdim), config[0], config[1]
-    o, lse = attention(q, k, v, softmax_scale=scale, causal=causal)
+    o, lse = attention(q, k, v, softmax_scale=scale, causal=causal, window_size=window_size)
+    mask = masks.mask_for(causal, window_size)
+    assert not (ordered and mask.HAS_LEFT)  # the kernel's static_assert: ordered dQ adds take no window
     with np.errstate(invalid="ignore"):
         delta = np.einsum("bqhd,bqhd->bhq", do, o)
     dq, dk, dv = np.full(q.shape, np.nan), np.full(k.shape, np.nan), np.full(v.shape, np.nan)
@@ -2078,11 +2141,11 @@ def _fused_emulated(q, k, v, do, causal, scale, config, ordered=True):
         for hk in range(nheads_kv):
             for n_block in range(n_blocks):
                 _fused_cta(q, k, v, do, lse, delta, dk, dv, dq_accum, semaphore, n_block=n_block, head_kv=hk,
-                           batch=b, scale=scale, causal=causal, d_tile=d_tile, config=config, ordered=ordered)
+                           batch=b, scale=scale, mask=mask, d_tile=d_tile, config=config, ordered=ordered)
     if ordered:  # every warp of every key block that visits a query block released it once
         nwarps = config[2] * config[3]
         for m_block in range(q_blocks):
-            visitors = sum(m_block >= _fused_loop_bounds(seqlen_q, seqlen_k, block_m, block_n, causal, j)[0]
+            visitors = sum(m_block >= _fused_loop_bounds(seqlen_q, seqlen_k, block_m, block_n, mask, j)[0]
                            for j in range(n_blocks))
             assert np.all(semaphore[:, :, m_block] == visitors * nwarps)
     assert np.all(dq_accum[..., headdim:] == 0)
@@ -2129,6 +2192,26 @@ def test_bwd_fused_emulation_matches_reference(case):
     config, ordered, headdim, batch, sq, sk, nheads, nheads_kv, causal = case
     _check_bwd_emulation(lambda q, k, v, do, scale: _fused_emulated(q, k, v, do, causal, scale, config, ordered),
                          headdim, batch, sq, sk, nheads, nheads_kv, causal)
+
+
+# The fused kernel with a window: unordered dQ adds only (ordered ones refuse a left bound).
+_BWD_FUSED_WINDOW_CASES = [
+    # config, ordered, headdim, batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal, window_size
+    ((64, 128, 4, 2, 2, 4), False, 56, 1, 200, 230, 2, 1, False, (50, 10)),
+    ((64, 128, 4, 2, 2, 1), False, 64, 1, 150, 200, 1, 1, True, (30, -1)),
+]
+
+
+@pytest.mark.parametrize("case", _BWD_FUSED_WINDOW_CASES,
+                         ids=lambda c: _fused_case_id(c[:9]) + "_window{}_{}".format(*c[9]))
+def test_bwd_fused_emulation_with_window_matches_reference(case):
+    config, ordered, headdim, batch, sq, sk, nheads, nheads_kv, causal, window = case
+    mask = masks.mask_for(causal, window)
+    assert mask.HAS_LEFT and not ordered
+    _assert_walks_skip_blocks(mask, sq, sk, config[0], config[1])
+    _check_bwd_emulation(lambda q, k, v, do, scale: _fused_emulated(q, k, v, do, causal, scale, config, ordered,
+                                                                    window_size=window),
+                         headdim, batch, sq, sk, nheads, nheads_kv, causal, window_size=window)
 
 
 def test_bwd_fused_nan_in_a_value_row_stays_out_of_queries_that_do_not_see_it(nan_is_data):
