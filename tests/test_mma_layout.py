@@ -16,6 +16,7 @@ import math
 import numpy as np
 import pytest
 from launch_fakes import FakeArray, kernel_parameter_types
+from models.mirrors import MIRRORED, mirrors, missing_statements
 from cupyflash import masks, reference
 
 LANES = np.arange(32)
@@ -716,10 +717,16 @@ def _visible(m, n, seqlen_q, seqlen_k, mask):
     return ok
 
 
+@mirrors("flash_bwd_mma.cu",
+         "const bool partial = mask.partial(m0_sub, M_SUB, n0, BLOCK_N);",
+         "const bool partial = mask.partial(m0, BLOCK_M, n0, BLOCK_N);")
 def _partial(m0, bm, n0, bn, seqlen_q, seqlen_k, mask):
     return mask.partial(m0, bm, n0, bn, seqlen_q, seqlen_k)
 
 
+@mirrors("flash_bwd_mma.cu",
+         "const int m_block_first = mask.query_begin(n0) / BLOCK_M;",
+         "const int m_block_end = (mask.query_end(n0, BLOCK_N) + BLOCK_M - 1) / BLOCK_M;")
 def _query_block_range(mask, n0, block_n, block_m, seqlen_q, seqlen_k):
     """(m_block_first, m_blocks) of a dK/dV CTA: the query blocks that see some key of its block."""
     m_block_first = mask.query_begin(n0, seqlen_q, seqlen_k) // block_m
@@ -727,6 +734,9 @@ def _query_block_range(mask, n0, block_n, block_m, seqlen_q, seqlen_k):
     return m_block_first, max(0, m_block_end - m_block_first)
 
 
+@mirrors("flash_bwd_mma.cu",
+         "const int j_begin = mask.key_begin(m0) / BLOCK_N;",
+         "const int j_end = (mask.key_end(m0, min(BLOCK_M, seqlen_q - m0)) + BLOCK_N - 1) / BLOCK_N;")
 def _key_block_range(mask, m0, block_m, block_n, seqlen_q, seqlen_k):
     """[j_begin, j_end) of a dQ CTA: the key blocks some existing row of its block sees."""
     j_begin = mask.key_begin(m0, seqlen_q, seqlen_k) // block_n
@@ -738,6 +748,22 @@ def _lse_base_log2(lse):
     return np.where(lse == -np.inf, 0.0, lse * math.log2(math.e))
 
 
+# The policy twin's per-row bounds that the models above use are mask.cuh's.
+mirrors("mask.cuh", "return RIGHT ? min(seqlen_k, i + 1 + hi_off) : seqlen_k;")(masks.Mask.row_key_end)
+mirrors("mask.cuh", "return RIGHT ? j - hi_off : 0;")(masks.Mask.row_query_begin)
+mirrors("mask.cuh", "return LEFT && dj - di < o.lo_slack;")(masks.Mask.hidden_left)
+
+
+@pytest.mark.parametrize("source", ["flash_bwd_mma.cu", "flash_bwd_fused_mma.cu", "mask.cuh"])
+def test_bwd_mask_mirrors_match_the_kernel_sources(source):
+    """Every mask statement the backward models name is still in its source (whitespace aside):
+    an edit of a walk or an element test there fails here until its model follows."""
+    assert any(m.source == source for m in MIRRORED)
+    assert not (missing := missing_statements(source)), f"mirrored statements no longer in {source}: {missing}"
+
+
+@mirrors("flash_bwd_mma.cu",
+         "const bool hidden = partial && !mask.visible(m0_sub + c + (e & 1), n0 + row0 + lane / 4 + 8 * (e >> 1));")
 def _dkdv_block(q, k, v, do, lse, delta, dk, dv, dq_accum, *, batch, head_kv, n_block, group, scale,
                 mask, d_tile, block_m, m_sub, block_n, nwarps, warps_d):
     """One CTA of flash_bwd_dkdv_mma (dq_accum is None unless ATOMIC_DQ)."""
@@ -876,6 +902,9 @@ def _dkdv_block(q, k, v, do, lse, delta, dk, dv, dq_accum, *, batch, head_kv, n_
     bwd_store_tile(dv[batch, n0:, head_kv], smem, lay["V"], block_n, d_tile, nthreads, seqlen_k - n0, headdim)
 
 
+@mirrors("flash_bwd_mma.cu",
+         "if (j_begin < j_end) load_key_block(j_begin, j_begin & 1);",
+         "if (j + 1 < j_end) load_key_block(j + 1, stage ^ 1);")
 def _dq_block(q, k, v, do, lse, delta, dq, *, batch, head, m_block, group, scale, mask,
               d_tile, block_m, block_n, nwarps):
     """One CTA of flash_bwd_dq_mma."""
@@ -1300,6 +1329,12 @@ def bwd_mma_AB_regs_groups(acc, a, smem, n, k, dim_b, tile_b, b_col0):
                 mma_16816(acc[g, :, 2 * nn + 1], a[g][:, kk], b[:, 2], b[:, 3])
 
 
+@mirrors("flash_bwd_mma.cu",
+         "partial && mask.hidden_left(origin, 16 * g + 8 * (e >> 1), 8 * f + (e & 1));",
+         "s_acc[g][f][e] = hidden_left ? 0.f : p;",
+         "n_lim[g][half] = m < seqlen_q ? mask.row_key_end(m) : 0;",
+         "const bool hidden = partial && (n >= n_lim[g][e >> 1] ||",
+         "(Mask::HAS_LEFT && s_acc[g][c0 / 8 + f][e] == 0.f));")
 def _dq_block_v2(q, k, v, do, lse, delta, dq, *, batch, head, m_block, group, scale, mask,
                  d_tile, block_m, block_n, nwarps, row_groups):
     """One CTA of flash_bwd_dq_mma_v2."""
@@ -1434,6 +1469,8 @@ def test_bwd_v2_tables_match_layouts_and_fit():
 # Backward v2: flash_bwd_dkdv_mma_v2 (ROW_GROUPS 16-row key groups per warp, WARPS_D = 1)
 # ---------------------------------------------------------------------------------------------
 
+@mirrors("flash_bwd_mma.cu",
+         "m_min[g][half] = n < seqlen_k ? mask.row_query_begin(n) : seqlen_q;")
 def _first_query_of_key_rows(groups, key_row0, seqlen_q, seqlen_k, mask):
     """m_min[g, half, lane]: the first query the right bound lets see key key_row0 + 16 g + 8 half
     + lane / 4 (seqlen_q for keys past seqlen_k): the per-row mask of the 2 x 16-row dK/dV
@@ -1446,6 +1483,9 @@ def _first_query_of_key_rows(groups, key_row0, seqlen_q, seqlen_k, mask):
     return m_min
 
 
+@mirrors("flash_bwd_mma.cu",
+         "const bool hidden = partial && (m < m_min[g][e >> 1] || m >= seqlen_q ||",
+         "mask.hidden_left(origin, 8 * j + (e & 1), 16 * g + 8 * (e >> 1)));")
 def _p_transposed_groups(smem, smem32, tile_k, row0, s_q_sub, s_lse_sub, m0_sub, m_min, partial, groups, m_sub,
                          d_tile, scale_log2, seqlen_q, mask, n0, seqlen_k):
     """S^T = K Q^T of a warp's row groups (mma_ABt_groups), then P^T = exp2(S^T scale - lse), 0
@@ -1459,7 +1499,8 @@ def _p_transposed_groups(smem, smem32, tile_k, row0, s_q_sub, s_lse_sub, m0_sub,
                 base = _lse_base_log2(smem32[s_lse_sub + c + (e & 1)])
                 p = np.exp2(s_acc[g, :, j, e] * scale_log2 - base)
                 m, n = m0_sub + c + (e & 1), n0 + row0 + 16 * g + GROUP + 8 * (e >> 1)
-                hidden = partial & ((m < m_min[g, e >> 1]) | (m >= seqlen_q) | mask.hidden_left(m, n, seqlen_q, seqlen_k))
+                hidden = partial & ((m < m_min[g, e >> 1]) | (m >= seqlen_q) |
+                                    mask.hidden_left(m, n, seqlen_q, seqlen_k))
                 s_acc[g, :, j, e] = np.where(hidden, 0.0, p)
     return s_acc
 
@@ -1477,6 +1518,8 @@ def _store_ds_transposed(smem, tile_ds, block_m, row0, mc0, ds_frags):
             bwd_store_fragment_pairs(smem, tile_ds, block_m, r + 8, col + 8, frag[:, kk, 3])
 
 
+@mirrors("flash_bwd_mma.cu",
+         "(Mask::HAS_LEFT && s_acc[g][j][e] == 0.f));")
 def _dkdv_block_v2(q, k, v, do, lse, delta, dk, dv, dq_accum, *, batch, head_kv, n_block, group, scale,
                    mask, d_tile, block_m, m_sub, block_n, nwarps, row_groups):
     """One CTA of flash_bwd_dkdv_mma_v2 (dq_accum is None unless ATOMIC_DQ)."""
@@ -1631,6 +1674,8 @@ def bwd_split_p_address(xchg, slot_bytes, m_sub, pair, slot, g, j):
     return xchg + pair * 2 * slot_bytes + LANES * 16 + slot * slot_bytes + (g * (m_sub // 8) + j) * 512
 
 
+@mirrors("flash_bwd_mma.cu",
+         "(Mask::HAS_LEFT && __uint_as_float(p[e]) == 0.f));")
 def _dkdv_block_split(q, k, v, do, lse, delta, dk, dv, dq_accum, *, batch, head_kv, n_block, group, scale,
                       mask, d_tile, block_m, m_sub, block_n, nwarps, row_groups):
     """One CTA of flash_bwd_dkdv_mma_split; within a sub-block each pair's dV warp runs up to the
@@ -1770,7 +1815,8 @@ _BWD_WINDOW_CASES = [
     (("v2", 64, 64, 32, 128, 4, 2), (64, 128, 32, 4, 2), 64, 1, 150, 260, 1, 1, False, (60, 40)),  # block 1
     (("v2", 64, 32, 32, 64, 2, 2), None, 64, 1, 133, 200, 1, 1, False, (20, -1)),
     (("split", 64, 64, 32, 64, 4, 2), None, 40, 1, 100, 100, 2, 1, False, (0, 0)),
-    (("split", 128, 64, 32, 128, 8, 2), (128, 128, 32, 4, 2), 72, 1, 250, 200, 1, 1, False, (-1, 5)),  # rows < 45: no key
+    # rows 0..44 see no key
+    (("split", 128, 64, 32, 128, 8, 2), (128, 128, 32, 4, 2), 72, 1, 250, 200, 1, 1, False, (-1, 5)),
 ]
 
 
@@ -1968,6 +2014,9 @@ def bwd_fused_warp_origins(t, warp):
                 dq_col0=t["DQW"] * (warp // t["DQ_WARPS_M"]))
 
 
+@mirrors("flash_bwd_fused_mma.cu",
+         "const int m_block_first = mask.query_begin(n0) / BLOCK_M;",
+         "const int m_block_end = (mask.query_end(n0, BLOCK_N) + BLOCK_M - 1) / BLOCK_M;")
 def _fused_loop_bounds(seqlen_q, seqlen_k, block_m, block_n, mask, n_block):
     """The kernel's (m_block_first, q_blocks, m_blocks) for key block n_block (mask: a policy, or
     the causal flag of the ordered-dQ simulations, which take no window)."""
@@ -1984,6 +2033,10 @@ def _fused_iterations(seqlen_q, seqlen_k, block_m, block_n, mask, n_block, head_
             for it in range(group * m_blocks)]
 
 
+@mirrors("flash_bwd_fused_mma.cu",
+         "const typename Mask::Origin origin = mask.origin(query0, key0);",
+         "const bool hidden = mask.hidden(origin, query_off, key_off);",
+         "s_acc[g][j][e] = partial && hidden ? 0.f : p;")
 def _fused_cta(q, k, v, do, lse, delta, dk, dv, dq_accum, semaphore, *, n_block, head_kv, batch, scale, mask,
                d_tile, config, ordered):
     """One CTA (blockIdx = (n_block, head_kv, batch)) of flash_bwd_fused_mma, phase by phase: step 1
