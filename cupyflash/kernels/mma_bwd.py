@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import dq_fixed
+from . import dq_fixed, simt
 from ._module import Specialization, backward_is_empty, launch, row_strides
 from .constants import LOG2E, SIXTEEN_BIT
 from .. import backward_plans
@@ -125,7 +125,7 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
     if dq_add in FIXED_DQ_ADDS:
         delta, dq_scale = dq_fixed.preprocess(do, o, k, v)
     else:
-        delta, dq_scale = _preprocess(do, o, planned.spec("preprocess"), grids["preprocess"]), None
+        delta, dq_scale = simt.backward_preprocess(do, o), None  # the plan's "preprocess" launch
     if dq_add == "none":  # dQ by its own kernel: no dq_accum; dk stands in for its pointer
         dq_accum, accum_strides = dk, (np.int64(0),) * 3
     elif dq_add == "fixed_panels":
@@ -155,17 +155,6 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
         dq_fixed.convert(dq_accum, dq_scale, dq, scales[1], panel_major=dq_add == "fixed_panels")
     else:
         _convert_dq(dq_accum, dq, scales[1], planned.spec("convert"), grids["convert"])
-
-
-def _preprocess(do, o, spec, grid):
-    """D = rowsum(dO * O), (B, H, Sq) float32."""
-    import cupy
-
-    batch, seqlen_q, nheads, headdim = o.shape
-    delta = cupy.empty((batch, nheads, seqlen_q), dtype=np.float32)
-    launch(spec, grid, (do, o, delta, np.int32(batch), np.int32(seqlen_q), np.int32(nheads), np.int32(headdim),
-                        *row_strides(do), *row_strides(o)))
-    return delta
 
 
 def _convert_dq(dq_accum, dq, scale, spec, grid) -> None:
