@@ -18,6 +18,9 @@ import pytest
 from launch_fakes import FakeArray, kernel_parameter_types
 from models.mirrors import MIRRORED, mirrors, missing_statements
 from cupyflash import masks, reference
+from cupyflash.bench.tune import load_dev_backward
+
+DEV_BWD = load_dev_backward()  # the backward's versions and candidates: dev/mma_bwd.py
 
 LANES = np.arange(32)
 GROUP = LANES // 4  # g: row (A, C) or column (B) of a lane's fragment elements
@@ -1232,6 +1235,31 @@ def test_bwd_nan_in_a_value_row_stays_out_of_queries_that_do_not_see_it(dq_confi
     np.testing.assert_allclose(dv, dv_ref, rtol=1e-9, atol=1e-9)
 
 
+
+@pytest.mark.parametrize("dkdv_config, dq_config", [(("v2", 64, 64, 32, 128, 4, 2), None),
+                                                    (("split", 64, 64, 32, 64, 4, 2), None),
+                                                    ((64, 64, 64, 128, 8, 1), (64, 64, 32, 2, 2))],
+                         ids=["v2_atomic", "split_atomic", "dq_v2"])
+def test_bwd_nan_in_a_value_row_stays_out_of_queries_outside_its_window(dkdv_config, dq_config, nan_is_data):
+    # The same with the window (5, 5): key 40 is seen by queries 35..45. Past them its entries are
+    # hidden by the left bound, which v2 dQ and the v2 / split dK/dV encode as P = 0 and then
+    # select dS to 0 by that test: a product 0 * NaN would reach dQ of queries 46..89.
+    from cupyflash.reference import attention_backward
+
+    rng = np.random.default_rng(8)
+    q, k, v, do = (rng.standard_normal((1, 90, 1, 64)) for _ in range(4))
+    v[0, 40, 0, 3] = np.nan
+    window = (5, 5)
+    dq, _, dv = _bwd_emulated(q, k, v, do, causal=False, scale=0.125, dkdv_config=dkdv_config,
+                              dq_config=dq_config, window_size=window)
+    # (the reference's dK = dS^T Q multiplies the NaN rows of dS by zeros: NaN for every key)
+    dq_ref, _, dv_ref = attention_backward(do, q, k, v, softmax_scale=0.125, window_size=window)
+    sees = (np.arange(90) >= 35) & (np.arange(90) <= 45)
+    assert np.isfinite(dq[0, ~sees]).all() and np.isnan(dq[0, sees]).all()
+    np.testing.assert_allclose(dq, dq_ref, rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(dv, dv_ref, rtol=1e-9, atol=1e-9)
+
+
 _LAUNCH_SHAPE = dict(b=2, sq=100, sk=70, h=4, hkv=2)
 
 
@@ -1284,9 +1312,10 @@ def test_bwd_launch_arguments_match_kernel_signatures(deterministic, version, d,
 
     launches = _record_backward_launches(monkeypatch, version, d, deterministic)
     assert len(launches) == 2
-    assert launches[0][0] == mma_bwd.dkdv_spec(np.float16, d, True, not deterministic, version)
+    assert launches[0][0] == mma_bwd.dkdv_spec(np.float16, d, True, "none" if deterministic else "atomic",
+                                                 DEV_BWD.dkdv_tiles(d, version, not deterministic)[0])
     sk = _LAUNCH_SHAPE["sk"]
-    assert launches[0][1][0] == math.ceil(sk / mma_bwd.dkdv_tiles(d, version, not deterministic)[1][2])
+    assert launches[0][1][0] == math.ceil(sk / DEV_BWD.dkdv_tiles(d, version, not deterministic)[1][2])
     for spec, grid, args in launches:
         _assert_arguments_match_signature(spec, grid, args)
 
@@ -1453,16 +1482,16 @@ def test_bwd_v2_fragment_rows_cover_the_warp_tile_once():
 def test_bwd_v2_tables_match_layouts_and_fit():
     from cupyflash.kernels import mma_bwd
 
-    for dt, configs in ((dt, (c, *mma_bwd.DQ_CANDIDATES_V2.get(dt, ()))) for dt, c in mma_bwd.DQ_CONFIG_V2.items()):
+    for dt, configs in ((dt, (c, *DEV_BWD.DQ_CANDIDATES_V2.get(dt, ()))) for dt, c in mma_bwd.DQ_CONFIG_V2.items()):
         for bm, bn, nw, rg in configs:
             lay = bwd_dq_layout_v2(dt, bm, bn)
             assert lay["BYTES"] == mma_bwd.dq_smem_bytes_v2(dt, bm, bn) <= 227 * 1024
             assert bm == 16 * rg * nw and bn % 16 == 0 and lay["LSE"] % 128 == 0
             assert (bm * dt // 8) % (32 * nw) == 0 and (bn * dt // 8) % (32 * nw) == 0  # cp_async_tile
-    assert set(mma_bwd.VERSIONS) >= {"v1", "v2"} and mma_bwd.DEFAULT_VERSION in mma_bwd.VERSIONS
-    assert mma_bwd.dq_tiles(256, "v2") == mma_bwd.DQ_CONFIG[256]
+    assert {v.name for v in DEV_BWD.VERSIONS} >= {"v1", "v2"} and DEV_BWD.LAST_VERSION == DEV_BWD.VERSIONS[-1].name
+    assert DEV_BWD.dq_tiles(256, "v2") == mma_bwd.DQ_CONFIG[256]
     with pytest.raises(ValueError):
-        mma_bwd.dq_tiles(64, "v99")
+        DEV_BWD.dq_tiles(64, "v99")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1652,10 +1681,10 @@ def test_bwd_v2_dkdv_table_matches_layout_and_fits():
             lay = bwd_dkdv_layout(dt, bm, ms, bn, nw, 1, atomic)
             assert lay["BYTES"] == mma_bwd.dkdv_smem_bytes(dt, bm, ms, bn, nw, 1, atomic) <= 227 * 1024
             assert bn == 16 * rg * nw and bm % ms == 0 and ms % 16 == 0
-            spec = mma_bwd.dkdv_spec(np.float16, dt, False, atomic, version="v2")
+            spec = mma_bwd.dkdv_spec(np.float16, dt, False, "atomic" if atomic else "none", "v2")
             assert spec.smem_bytes == lay["BYTES"] and "dkdv_mma_v2" in spec.name
-        assert mma_bwd.dkdv_tiles(dt, "v2") == ("v2", (bm, ms, bn, nw, rg))
-    assert mma_bwd.dkdv_tiles(128, "v2") == ("v1", mma_bwd.DKDV_CONFIG[128])
+        assert DEV_BWD.dkdv_tiles(dt, "v2") == ("v2", (bm, ms, bn, nw, rg))
+    assert DEV_BWD.dkdv_tiles(128, "v2") == ("v1", mma_bwd.DKDV_CONFIG[128])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1852,10 +1881,10 @@ def test_bwd_v3_split_exchange_slots_are_disjoint_and_fit():
         xchg, slot_bytes, total = bwd_dkdv_split_xchg(dt, bm, ms, bn, nw, rg, False)
         assert total == mma_bwd.dkdv_split_smem_bytes(dt, bm, ms, bn, nw, rg, False) <= 163 * 1024
         assert bn == 16 * rg * nw // 2 and xchg % 128 == 0
-        spec = mma_bwd.dkdv_spec(np.float16, dt, True, False, version="v3")
+        spec = mma_bwd.dkdv_spec(np.float16, dt, True, "none", DEV_BWD.dkdv_tiles(dt, "v3", False)[0])
         assert spec.smem_bytes == total and "dkdv_mma_split" in spec.name
         # the atomic path of v3 is v2's (the split kernel spills with ATOMIC_DQ)
-        assert mma_bwd.dkdv_tiles(dt, "v3", atomic_dq=True)[0] != "split"
+        assert DEV_BWD.dkdv_tiles(dt, "v3", atomic_dq=True)[0] != "split"
         addrs = np.concatenate([bwd_split_p_address(xchg, slot_bytes, ms, p, s, g, j)
                                 for p in range(nw // 2) for s in range(2) for g in range(rg) for j in range(ms // 8)])
         assert len(set(addrs.tolist())) == addrs.size and addrs.min() == xchg and addrs.max() + 16 == total
@@ -2213,7 +2242,7 @@ def _fused_configs():
     from cupyflash.kernels import mma_bwd
 
     return [(dt, c) for dt, c in mma_bwd.FUSED_CONFIG.items()] + [
-        (dt, c) for dt, configs in mma_bwd.FUSED_CANDIDATES.items() for c in configs]
+        (dt, c) for dt, configs in DEV_BWD.FUSED_CANDIDATES.items() for c in configs]
 
 
 # The FUSED_CONFIG entries and some FUSED_CANDIDATES on a few blocks each: uneven lengths, head
@@ -2344,14 +2373,14 @@ def test_bwd_fused_configs_satisfy_the_kernel_static_asserts_and_fit():
         # the layout and its Python mirror; regions 128-byte aligned (lse, D read as float2)
         assert lay["BYTES"] == mma_bwd.fused_smem_bytes(dt, bm, bn), what
         assert all(lay[r] % 128 == 0 for r in ("K", "V", "Q", "DO", "PT", "DST", "LSE", "DELTA")), what
-        spec = mma_bwd.fused_spec(np.float16, dt, True, True, config)
+        spec = mma_bwd.fused_spec(np.float16, dt, True, "ordered", config)
         assert spec.smem_bytes == lay["BYTES"] and spec.threads == nthreads, what
     # fused_config: the table's entry where it fits the device's shared memory per block
     for dt in mma_bwd.D_TILES:
         config = mma_bwd.FUSED_CONFIG.get(dt)
-        assert mma_bwd.fused_config(dt, 227 * 1024) == mma_bwd.fused_config(dt, None) == config
+        assert DEV_BWD.fused_config(dt, 227 * 1024) == DEV_BWD.fused_config(dt, None) == config
         fits_sm80 = config is not None and mma_bwd.fused_smem_bytes(dt, *config[:2]) <= 163 * 1024
-        assert mma_bwd.fused_config(dt, 163 * 1024) == (config if fits_sm80 else None)
+        assert DEV_BWD.fused_config(dt, 163 * 1024) == (config if fits_sm80 else None)
 
 
 def test_bwd_fused_every_table_geometry_is_emulated():
@@ -2460,7 +2489,7 @@ def _assert_fused_launches(launches, d, deterministic, config):
     _fused_backward and argument lists matching the kernels' parameter lists."""
     from cupyflash.kernels import mma_bwd
 
-    assert [spec for spec, _, _ in launches] == [mma_bwd.fused_spec(np.float16, d, True, deterministic, config),
+    assert [spec for spec, _, _ in launches] == [mma_bwd.fused_spec(np.float16, d, True, "ordered" if deterministic else "atomic", config),
                                                  mma_bwd.convert_spec(np.float16)]
     b, sq, sk, h, hkv = (_LAUNCH_SHAPE[x] for x in ("b", "sq", "sk", "h", "hkv"))
     dt = mma_bwd.d_tile(d)
@@ -2506,7 +2535,7 @@ def test_bwd_windows_on_the_mma_sync_path_launch_local_kernels(deterministic, d,
         assert args[-2:] == (np.int32(100), np.int32(0))  # causal=True sets the right side to 0
         expected = plain_spec.name.replace("_causal_", "_local_")
         if "dkdv_mma_v2" in expected and "dqatomic" in expected:
-            assert spec == mma_bwd.dkdv_spec(np.float16, d, masks.Local(100, 0), True, "v1")
+            assert spec == mma_bwd.dkdv_spec(np.float16, d, masks.Local(100, 0), "atomic", "v1")
         else:
             assert spec.name == expected and grid == plain_grid
 
@@ -2523,7 +2552,7 @@ def test_bwd_ordered_dq_adds_take_no_window(monkeypatch):
     v3 = _record_backward_launches(monkeypatch, "v3", 96, True, window_size=(64, 64))
     assert [spec for spec, _, _ in v4] == [spec for spec, _, _ in v3]
     with pytest.raises(ValueError, match="ordered"):
-        mma_bwd.fused_spec(np.float16, 128, masks.Local(64, 64), True)
+        mma_bwd.fused_spec(np.float16, 128, masks.Local(64, 64), "ordered")
     with pytest.raises(ValueError, match="ordered"):
         _record_backward_launches(monkeypatch, "v4", 96, True, fused=mma_bwd.FUSED_CONFIG[128], window_size=(64, 64))
 
@@ -2545,7 +2574,7 @@ def test_bwd_v4_launch_arguments_match_kernel_signatures(deterministic, d, monke
     else:
         v3 = _record_backward_launches(monkeypatch, "v3", d, deterministic)
         assert [(spec, grid) for spec, grid, _ in launches] == [(spec, grid) for spec, grid, _ in v3]
-    for config in mma_bwd.FUSED_CANDIDATES.get(mma_bwd.d_tile(d), ()):
+    for config in DEV_BWD.FUSED_CANDIDATES.get(mma_bwd.d_tile(d), ()):
         launches = _record_backward_launches(monkeypatch, "v1", d, deterministic, fused=config)
         _assert_fused_launches(launches, d, deterministic, config)
 
@@ -2557,17 +2586,17 @@ def test_bwd_v4_falls_back_to_v3_where_shared_memory_is_short(deterministic, mon
     from cupyflash.kernels import mma_bwd, mma_fwd
 
     monkeypatch.setattr(mma_fwd, "current_smem_optin", lambda: 163 * 1024)
-    assert mma_bwd.fused_config(200, 163 * 1024) is None
+    assert DEV_BWD.fused_config(200, 163 * 1024) is None
     for d in (64, 96, 200):
         v4 = _record_backward_launches(monkeypatch, "v4", d, deterministic)
-        if mma_bwd.fused_config(d, 163 * 1024) is None:
+        if DEV_BWD.fused_config(d, 163 * 1024) is None:
             v3 = _record_backward_launches(monkeypatch, "v3", d, deterministic)
             assert [(spec, grid) for spec, grid, _ in v4] == [(spec, grid) for spec, grid, _ in v3]
             assert not any("fused" in spec.name for spec, _, _ in v4)
             for spec, grid, args in v4:
                 _assert_arguments_match_signature(spec, grid, args)
         else:
-            _assert_fused_launches(v4, d, deterministic, mma_bwd.fused_config(d, 163 * 1024))
+            _assert_fused_launches(v4, d, deterministic, DEV_BWD.fused_config(d, 163 * 1024))
 
 
 @pytest.mark.parametrize("version", ["v6", "v7", "v9", "v10"])
@@ -2590,10 +2619,10 @@ def test_bwd_wgmma_versions_launch_the_wgmma_kernel_on_sm90(deterministic, d, ve
     dt = mma_bwd.d_tile(d)
     dq_add = "atomic" if not deterministic else {"v6": "ordered", "v7": "fixed", "v9": "fixed_panels",
                                                   "v10": "none"}[version]
-    if version == "v10" and not deterministic and dt in mma_bwd.WGMMA_SPLIT_ATOMIC_D_TILES:
+    if version == "v10" and not deterministic and dt in DEV_BWD.WGMMA_SPLIT_ATOMIC_D_TILES:
         dq_add = "none"  # the split kernels beat the float atomics there
     if dq_add == "none":
-        assert dt in mma_bwd.WGMMA_SPLIT_D_TILES
+        assert dt in DEV_BWD.WGMMA_SPLIT_D_TILES
         b, sq, sk, h, hkv = (_LAUNCH_SHAPE[x] for x in ("b", "sq", "sk", "h", "hkv"))
         spec, dq_spec = mma_bwd.wgmma_spec(np.float16, d, True, "none"), mma_bwd.dq_wgmma_spec(np.float16, d, True)
         assert [s for s, _, _ in launches] == [spec, dq_spec]
@@ -2604,9 +2633,9 @@ def test_bwd_wgmma_versions_launch_the_wgmma_kernel_on_sm90(deterministic, d, ve
         assert args[6].shape == args[7].shape == (b, sk, hkv, d)  # dk, dv
         assert dq_args[6].shape == (b, sq, h, d) and dq_args[6].dtype == np.float16  # dq itself
         assert dq_args[5] is args[5]  # both kernels read the same D = rowsum(dO o O)
-    elif (dq_add == "ordered" and dt not in mma_bwd.WGMMA_ORDERED_D_TILES) or (
-            dq_add == "fixed" and dt not in mma_bwd.WGMMA_FIXED_D_TILES) or (
-            dq_add == "fixed_panels" and dt not in mma_bwd.WGMMA_PANEL_D_TILES):
+    elif (dq_add == "ordered" and dt not in DEV_BWD.WGMMA_ORDERED_D_TILES) or (
+            dq_add == "fixed" and dt not in DEV_BWD.WGMMA_FIXED_D_TILES) or (
+            dq_add == "fixed_panels" and dt not in DEV_BWD.WGMMA_PANEL_D_TILES):
         v3 = _record_backward_launches(monkeypatch, "v3", d, deterministic)
         assert [(spec, grid) for spec, grid, _ in launches] == [(spec, grid) for spec, grid, _ in v3]
     else:
