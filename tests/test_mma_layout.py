@@ -1683,8 +1683,8 @@ def test_bwd_v2_dkdv_table_matches_layout_and_fits():
             assert bn == 16 * rg * nw and bm % ms == 0 and ms % 16 == 0
             spec = mma_bwd.dkdv_spec(np.float16, dt, False, "atomic" if atomic else "none", "v2")
             assert spec.smem_bytes == lay["BYTES"] and "dkdv_mma_v2" in spec.name
-        assert DEV_BWD.dkdv_tiles(dt, "v2") == ("v2", (bm, ms, bn, nw, rg))
-    assert DEV_BWD.dkdv_tiles(128, "v2") == ("v1", mma_bwd.DKDV_CONFIG[128])
+        assert DEV_BWD.dkdv_tiles(dt, "v2", False) == ("v2", (bm, ms, bn, nw, rg))
+    assert DEV_BWD.dkdv_tiles(128, "v2", False) == ("v1", mma_bwd.DKDV_CONFIG[128])
 
 
 # ---------------------------------------------------------------------------------------------
