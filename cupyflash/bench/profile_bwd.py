@@ -17,7 +17,7 @@ def main(argv=None) -> int:
     parser.add_argument("--headdim", type=int, default=128)
     parser.add_argument("--seqlen", type=int, default=16384)
     parser.add_argument("--causal", action="store_true")
-    parser.add_argument("--version", default=None, help="an entry of mma_bwd.VERSIONS (default: the default)")
+    parser.add_argument("--version", default=None, help="a version of dev/mma_bwd.py (default: the plan)")
     parser.add_argument("--nondeterministic", action="store_true", help="deterministic=False (atomic dQ)")
     args = parser.parse_args(argv)
 

@@ -83,7 +83,9 @@ def test_smem_layouts_are_panel_aligned_and_match_python(configs):
             assert L.BYTES + 1024 == mma_fwd.wgmma_smem_bytes(dt, mma_fwd.WgmmaFwdConfig(bm, bn)) <= 227 * 1024
     elif configs == "dq":
         launched = {(dt, *cfg) for dt, cfg in mma_bwd.DQ_WGMMA_CONFIG.items()}
-        launched |= {(dt, *cfg) for dt, cfgs in mma_bwd.DQ_WGMMA_CANDIDATES.items() for cfg in cfgs}
+        from cupyflash.bench.tune import load_dev_backward  # the tuner's candidates: dev/mma_bwd.py
+
+        launched |= {(dt, *cfg) for dt, cfgs in load_dev_backward().DQ_WGMMA_CANDIDATES.items() for cfg in cfgs}
         assert launched == set(DQW_CONFIGS) and len(DQW_CONFIGS) == 5
         assert {ks for _, _, _, ks in DQW_CONFIGS} == {2, 3}
         for dt, bm, bn, ks in DQW_CONFIGS:

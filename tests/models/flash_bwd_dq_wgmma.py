@@ -248,5 +248,5 @@ mirrors(DQW, "const u32 base = (raw + 1023) & ~1023u;")(aligned_base)
 
 
 # (D_TILE, BLOCK_M, BLOCK_N, K_STAGES) of flash_bwd_dq_wgmma: mma_bwd.DQ_WGMMA_CONFIG and the tuner's
-# DQ_WGMMA_CANDIDATES (test_smem_layouts_are_panel_aligned_and_match_python checks it is both).
+# DQ_WGMMA_CANDIDATES in dev/mma_bwd.py (test_smem_layouts_are_panel_aligned_and_match_python checks it is both).
 DQW_CONFIGS = [(64, 128, 128, 2), (64, 128, 64, 2), (128, 128, 64, 2), (256, 128, 32, 2), (256, 128, 32, 3)]
