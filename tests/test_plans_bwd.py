@@ -14,7 +14,6 @@ import itertools
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from cupyflash import backward_plans, plans

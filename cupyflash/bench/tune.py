@@ -7,7 +7,6 @@ docs/perf-log.md.
 """
 from __future__ import annotations
 
-import importlib.util
 import statistics
 import sys
 from pathlib import Path
@@ -71,22 +70,17 @@ def _check(config, headdim, dtype, causal) -> float:
 def dev_dir() -> Path | None:
     """dev/ (the superseded versions) of the source checkout this module runs from, or None when it
     runs from an installation (a wheel has no dev/)."""
-    root = Path(__file__).resolve().parents[2]
-    return root / "dev" if (root / "kernels_cu").is_dir() else None
+    from .. import _dev
+
+    return _dev.dev_dir()
 
 
 def load_dev_forward(folder: Path | None = None):
     """dev/mma_fwd.py of ``folder`` (default: this checkout's dev/) as a module, or None when it
     is not there."""
-    folder = folder or dev_dir()
-    path = Path(folder) / "mma_fwd.py" if folder is not None else None
-    if path is None or not path.is_file():
-        return None
-    spec = importlib.util.spec_from_file_location("cupyflash_dev_mma_fwd", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
-    spec.loader.exec_module(module)
-    return module
+    from .. import _dev
+
+    return _dev.load("mma_fwd", folder)
 
 
 def _configs(dt: int, dtype, dev) -> list[tuple[str, object]]:

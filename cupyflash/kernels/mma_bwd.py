@@ -21,7 +21,7 @@ from . import dq_fixed, simt
 from ._module import Specialization, backward_is_empty, launch, row_strides
 from .constants import LOG2E, SIXTEEN_BIT
 from .. import backward_plans
-from ..backward_plans import (  # the tables and specializations, for the compile check and tests
+from ..backward_plans import (
     CONVERT_THREADS, D_TILES, DKDV_CONFIG, DKDV_CONFIG_SPLIT, DKDV_CONFIG_V2, DKDV_KERNELS, DQ_ADDS, DQ_CONFIG,
     DQ_CONFIG_V2, DQ_STAGE_ROW, DQ_WGMMA_CONFIG, FIXED_DQ_ADDS, FUSED_CONFIG, WGMMA_CONFIG,
     WGMMA_FIXED_KERNEL_D_TILES, BackwardPlan, convert_spec, d_tile, dkdv_smem_bytes, dkdv_spec,
@@ -29,7 +29,14 @@ from ..backward_plans import (  # the tables and specializations, for the compil
     fused_smem_bytes, fused_spec, supports, wgmma_smem_bytes, wgmma_spec)
 from ..masks import KINDS, Mask, mask_for
 
-__all__ = ["backward", "plan", "specializations", "supports", "d_tile", "DEV_VERSION"]
+__all__ = ["backward", "plan", "specializations", "supports", "d_tile", "DEV_VERSION",
+           # backward_plans' tables and builders, here beside the launcher that runs them
+           "CONVERT_THREADS", "D_TILES", "DKDV_CONFIG", "DKDV_CONFIG_SPLIT", "DKDV_CONFIG_V2", "DKDV_KERNELS",
+           "DQ_ADDS", "DQ_CONFIG", "DQ_CONFIG_V2", "DQ_STAGE_ROW", "DQ_WGMMA_CONFIG", "FIXED_DQ_ADDS", "FUSED_CONFIG",
+           "WGMMA_CONFIG", "WGMMA_FIXED_KERNEL_D_TILES", "BackwardPlan", "convert_spec", "dkdv_smem_bytes",
+           "dkdv_spec", "dkdv_split_smem_bytes", "dq_smem_bytes", "dq_smem_bytes_v2", "dq_spec",
+           "dq_wgmma_smem_bytes", "dq_wgmma_spec", "fused_smem_bytes", "fused_spec", "wgmma_smem_bytes",
+           "wgmma_spec"]
 
 # A dev/mma_bwd.py version that every call without ``version=`` runs instead of its plan (None: the
 # plan). The GPU tests set it to run the superseded versions through the public API.
