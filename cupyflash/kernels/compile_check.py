@@ -372,6 +372,18 @@ def compiled_for(spec: Specialization, arch: str) -> bool:
     return spec.arch == arch or (not spec.arch and not arch.endswith("a"))
 
 
+def compile_groups(archs, specs) -> list[tuple[str, str, list[Specialization]]]:
+    """(arch, source file, its specializations built for that arch): one NVRTC program each."""
+    groups = []
+    for arch in archs:
+        by_file: dict[str, list[Specialization]] = defaultdict(list)
+        for spec in specs:
+            if compiled_for(spec, arch):
+                by_file[spec.source_file].append(spec)
+        groups += [(arch, source_file, group) for source_file, group in by_file.items()]
+    return groups
+
+
 def check_archs(archs, specs: list[Specialization] | None = None,
                 with_sass: bool = False, cache: bool = True) -> dict[str, list[Resources]]:
     """{arch: resources} for ``specs`` (default: all) compiled for each ``sm_<arch>``.
@@ -383,13 +395,7 @@ def check_archs(archs, specs: list[Specialization] | None = None,
     from concurrent.futures import ThreadPoolExecutor
 
     specs = all_specializations() if specs is None else specs
-    jobs = []
-    for arch in archs:
-        by_file: dict[str, list[Specialization]] = defaultdict(list)
-        for spec in specs:
-            if compiled_for(spec, arch):
-                by_file[spec.source_file].append(spec)
-        jobs.extend((arch, f, group) for f, group in by_file.items())
+    jobs = compile_groups(archs, specs)
     with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
         futures = [(arch, pool.submit(_check_group, f, group, arch, with_sass, cache))
                    for arch, f, group in jobs]
@@ -444,13 +450,7 @@ def run(args) -> int:
     archs = list(dict.fromkeys(args.arch or ARCHS))
     specs = [s for s in all_specializations()
              if not args.kernel or any(text in s.name for text in args.kernel)]
-    groups = []
-    for arch in archs:
-        by_file: dict[str, list[Specialization]] = defaultdict(list)
-        for spec in specs:
-            if compiled_for(spec, arch):
-                by_file[spec.source_file].append(spec)
-        groups += [(arch, source_file, group) for source_file, group in by_file.items()]
+    groups = compile_groups(archs, specs)
     if not groups:
         raise cli.UsageError(f"no specialization for sm_{', sm_'.join(archs)} matches "
                              f"--kernel {' '.join(args.kernel or [])}")
