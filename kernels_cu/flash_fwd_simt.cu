@@ -7,17 +7,13 @@
 // running sum l of the online softmax, so S and P never leave the chip.
 #include "common.cuh"
 #include "mask.cuh"
+#include "params.cuh"
 
 namespace cf {
 
 template <typename T, int D_TILE, class Mask, int BLOCK_M, int BLOCK_N, int TPR>
 __global__ void __launch_bounds__(BLOCK_M * TPR, 2)
-flash_fwd_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-               T* __restrict__ o, typename acc_of<T>::type* __restrict__ lse,
-               int seqlen_q, int seqlen_k, int nheads, int group, int headdim,
-               i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
-               i64 v_sb, i64 v_ss, i64 v_sh, i64 o_sb, i64 o_ss, i64 o_sh,
-               typename acc_of<T>::type scale_log2, int window_left, int window_right) {
+flash_fwd_simt(const __grid_constant__ FwdParams p) {
     typedef typename acc_of<T>::type A;
     constexpr int NTHREADS = BLOCK_M * TPR;
     constexpr int S_PER_LANE = BLOCK_N / TPR;
@@ -33,20 +29,22 @@ flash_fwd_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
     constexpr unsigned SMEM_BYTES = sizeof(A) * (BLOCK_M * LD + 2 * BLOCK_N * LD + BLOCK_M * (BLOCK_N + 1));
     if (dynamic_smem_bytes() < SMEM_BYTES) __trap();
 
-    const Mask mask(seqlen_q, seqlen_k, window_left, window_right);
+    const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, headdim = p.headdim;
+    const A scale_log2 = A(p.scale_log2);
+    const Mask mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
     const int m_block = Mask::query_block(blockIdx.x, gridDim.x);
     const int head = blockIdx.y, batch = blockIdx.z;
-    const int head_kv = head / group;
+    const int head_kv = head / p.group;
     const int m0 = m_block * BLOCK_M;
     const int row = threadIdx.x / TPR, lane_in_row = threadIdx.x % TPR;
     const int q_row = m0 + row;
 
-    const T* q_base = q + row_offset(batch, 0, head, q_sb, q_ss, q_sh);
-    const T* k_base = k + row_offset(batch, 0, head_kv, k_sb, k_ss, k_sh);
-    const T* v_base = v + row_offset(batch, 0, head_kv, v_sb, v_ss, v_sh);
+    const T* __restrict__ q_base = p.q.head_rows<const T>(batch, head);
+    const T* __restrict__ k_base = p.k.head_rows<const T>(batch, head_kv);
+    const T* __restrict__ v_base = p.v.head_rows<const T>(batch, head_kv);
 
     // load Q tile (scaled, so scores come out in log2 units)
-    load_tile<BLOCK_M, D_TILE, NTHREADS>(q_tile, q_base, m0, seqlen_q, headdim, q_ss, scale_log2);
+    load_tile<BLOCK_M, D_TILE, NTHREADS>(q_tile, q_base, m0, seqlen_q, headdim, p.q.row_stride, scale_log2);
 
     const int n_begin = mask.key_begin(m0) / BLOCK_N * BLOCK_N;
     const int n_end = mask.key_end(m0, BLOCK_M);
@@ -58,8 +56,8 @@ flash_fwd_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
 
     for (int n0 = n_begin; n0 < n_end; n0 += BLOCK_N) {
         __syncthreads();  // previous K/V/P tiles fully consumed
-        load_tile<BLOCK_N, D_TILE, NTHREADS>(k_tile, k_base, n0, seqlen_k, headdim, k_ss, A(1));
-        load_tile<BLOCK_N, D_TILE, NTHREADS>(v_tile, v_base, n0, seqlen_k, headdim, v_ss, A(1));
+        load_tile<BLOCK_N, D_TILE, NTHREADS>(k_tile, k_base, n0, seqlen_k, headdim, p.k.row_stride, A(1));
+        load_tile<BLOCK_N, D_TILE, NTHREADS>(v_tile, v_base, n0, seqlen_k, headdim, p.v.row_stride, A(1));
         __syncthreads();
 
         // S_ij = Q_i K_j^T (log2 units), masked past the end and outside the mask
@@ -83,9 +81,9 @@ flash_fwd_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
         A row_sum = A(0);
 #pragma unroll
         for (int j = 0; j < S_PER_LANE; ++j) {
-            const A p = exp2_(s[j] - base);
-            row_sum += p;
-            p_tile[row * (BLOCK_N + 1) + lane_in_row + TPR * j] = p;
+            const A p_ij = exp2_(s[j] - base);
+            row_sum += p_ij;
+            p_tile[row * (BLOCK_N + 1) + lane_in_row + TPR * j] = p_ij;
         }
         row_sum = group_sum<TPR>(row_sum);
         l_i = l_i * rescale + row_sum;
@@ -98,16 +96,16 @@ flash_fwd_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
         for (int j = 0; j < O_PER_LANE; ++j) o_acc[j] *= rescale;
         const int n_valid = min(BLOCK_N, seqlen_k - n0);
         for (int n = 0; n < n_valid; ++n) {
-            const A p = p_tile[row * (BLOCK_N + 1) + n];
+            const A p_ij = p_tile[row * (BLOCK_N + 1) + n];
 #pragma unroll
-            for (int j = 0; j < O_PER_LANE; ++j) o_acc[j] += p * v_tile[n * LD + lane_in_row + TPR * j];
+            for (int j = 0; j < O_PER_LANE; ++j) o_acc[j] += p_ij * v_tile[n * LD + lane_in_row + TPR * j];
         }
     }
 
     // store O = O_i / l_i and lse = (m_i + log2 l_i) ln 2; rows that saw no key give 0 and -inf
     if (q_row < seqlen_q) {
         const A inv_l = l_i > A(0) ? A(1) / l_i : A(0);
-        T* o_row = o + row_offset(batch, q_row, head, o_sb, o_ss, o_sh);
+        T* o_row = p.o.row<T>(batch, q_row, head);
 #pragma unroll
         for (int j = 0; j < O_PER_LANE; ++j) {
             const int col = lane_in_row + TPR * j;
@@ -115,7 +113,7 @@ flash_fwd_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __rest
         }
         if (lane_in_row == 0) {
             const A ln2 = A(0.6931471805599453094172321);
-            lse[((i64)batch * nheads + head) * seqlen_q + q_row] =
+            static_cast<A*>(p.lse)[((i64)batch * p.nheads + head) * seqlen_q + q_row] =
                 l_i > A(0) ? (m_i + log2_(l_i)) * ln2 : neg_inf<A>();
         }
     }

@@ -165,6 +165,11 @@ def compile_options(arch: str) -> tuple[str, ...]:
 
 def compile_cubin(source_file: str, expressions: list[str], arch: str) -> tuple[bytes, dict, str]:
     """(cubin, {expression: mangled name}, ptxas log) for the given template instantiations."""
+    return compile_text(kernel_source(source_file), source_file, expressions, arch)
+
+
+def compile_text(text: str, source_file: str, expressions: list[str], arch: str) -> tuple[bytes, dict, str]:
+    """compile_cubin for source text (its local includes already inlined: kernel_source)."""
     import ctypes
 
     lib = _nvrtc()
@@ -174,7 +179,7 @@ def compile_cubin(source_file: str, expressions: list[str], arch: str) -> tuple[
             raise RuntimeError(f"NVRTC {what} failed with status {status}")
 
     program = ctypes.c_void_p()
-    source = kernel_source(source_file).encode()
+    source = text.encode()
     check_call(lib.nvrtcCreateProgram(ctypes.byref(program), source, source_file.encode(), 0, None, None),
                "create")
     try:

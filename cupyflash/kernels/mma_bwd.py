@@ -18,8 +18,9 @@ from __future__ import annotations
 import numpy as np
 
 from . import dq_fixed, simt
-from ._module import Specialization, backward_is_empty, launch, row_strides
-from .constants import LOG2E, SIXTEEN_BIT
+from ._module import Specialization, backward_is_empty, launch
+from .constants import SIXTEEN_BIT
+from .params import backward_params, pointer, set_rows
 from .. import backward_plans
 from ..backward_plans import (
     CONVERT_THREADS, D_TILES, DKDV_CONFIG, DKDV_CONFIG_SPLIT, DKDV_CONFIG_V2, DKDV_KERNELS, DQ_ADDS, DQ_CONFIG,
@@ -125,48 +126,31 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
     dt, dq_add = planned.d_tile, planned.dq_add
     grids = {launch.role: launch.grid(batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim)
              for launch in planned.launches}
-    scales = (np.float32(softmax_scale * LOG2E), np.float32(softmax_scale))
-    common = (np.int32(seqlen_q), np.int32(seqlen_k), np.int32(nheads), np.int32(nheads // nheads_kv),
-              np.int32(headdim), *row_strides(q), *row_strides(k), *row_strides(v), *row_strides(do))
-
+    # One BwdParams for every kernel of the call; each buffer the plan needs is added to it as it
+    # is allocated (the arrays stay referenced here until the launches are queued).
+    params = backward_params(do, q, k, v, o, lse, dq, dk, dv, softmax_scale=softmax_scale, mask=mask)
     if dq_add in FIXED_DQ_ADDS:
-        delta, dq_scale = dq_fixed.preprocess(do, o, k, v)
+        buffers = dq_fixed.preprocess(params, do, o, k, v)  # kv_bound, delta, dq_row_scale
     else:
-        delta, dq_scale = simt.backward_preprocess(do, o), None  # the plan's "preprocess" launch
-    if dq_add == "none":  # dQ by its own kernel: no dq_accum; dk stands in for its pointer
-        dq_accum, accum_strides = dk, (np.int64(0),) * 3
-    elif dq_add == "fixed_panels":
+        buffers = (simt.backward_preprocess(params, do, o),)  # the plan's "preprocess" launch: delta
+    dq_accum = None
+    if dq_add == "fixed_panels":
         dq_accum = dq_fixed.accum_panels(batch, seqlen_q, nheads, dt, planned.kernels.dkdv_tiles[0])
-        accum_strides = dq_fixed.panel_strides(dq_accum)
-    else:
+        set_rows(params, "dq_accum", dq_accum, dq_fixed.panel_strides(dq_accum, nheads))
+        params["dq_accum_panel_stride"] = dq_fixed.panel_stride(dq_accum)
+    elif dq_add != "none":  # dQ added across key blocks; "none": dQ by its own kernel, no dq_accum
         dq_accum = cupy.zeros((batch, seqlen_q, nheads, dt), dtype=np.int64 if dq_add == "fixed" else np.float32)
-        accum_strides = row_strides(dq_accum)
-    tails = (*row_strides(dk), *row_strides(dv), *accum_strides, *scales, *mask.window_args())
-    kernel = planned.kernels.dkdv
-    if kernel == "wgmma" and dq_add == "none":  # the counter and the row scales are not read
-        extra = (delta, delta)
-    elif kernel in ("fused_mma", "wgmma"):
-        # ordered adds: one counter per (batch, head, query block), how many warps of earlier key
-        # blocks have added; the other modes do not read it.
+        set_rows(params, "dq_accum", dq_accum)
+        params["dq_accum_panel_stride"] = 64
+    semaphore = None
+    if dq_add == "ordered":
+        # one counter per (batch, head, query block): how many warps of earlier key blocks have added
         block_m = planned.kernels.dkdv_tiles[0]
-        semaphore = cupy.zeros((batch, nheads, -(-seqlen_q // block_m)) if dq_add == "ordered" else (1,),
-                               dtype=np.int32)
-        extra = (semaphore,) if kernel == "fused_mma" else (semaphore, delta if dq_scale is None else dq_scale)
-    else:
-        extra = ()
-    launch(planned.spec("dkdv"), grids["dkdv"], (q, k, v, do, lse, delta, dk, dv, dq_accum, *extra, *common, *tails))
+        semaphore = cupy.zeros((batch, nheads, -(-seqlen_q // block_m)), dtype=np.int32)
+        params["dq_semaphore"] = pointer(semaphore)
+    launch(planned.spec("dkdv"), grids["dkdv"], (params,))
     if dq_add == "none":
-        launch(planned.spec("dq"), grids["dq"],
-               (q, k, v, do, lse, delta, dq, *common, *row_strides(dq), *scales, *mask.window_args()))
-    elif dq_add in FIXED_DQ_ADDS:
-        dq_fixed.convert(dq_accum, dq_scale, dq, scales[1], panel_major=dq_add == "fixed_panels")
+        launch(planned.spec("dq"), grids["dq"], (params,))
     else:
-        _convert_dq(dq_accum, dq, scales[1], planned.spec("convert"), grids["convert"])
-
-
-def _convert_dq(dq_accum, dq, scale, spec, grid) -> None:
-    """flash_bwd_dq_convert: dq = scale * dq_accum in dq's dtype."""
-    batch, seqlen_q, nheads, headdim = dq.shape
-    n_chunks = batch * seqlen_q * nheads * (headdim // 8)
-    launch(spec, grid, (dq_accum, dq, np.int32(seqlen_q), np.int32(nheads), np.int32(headdim), np.int64(n_chunks),
-                        *row_strides(dq_accum), *row_strides(dq), np.float32(scale)))
+        launch(planned.spec("convert"), grids["convert"], (params,))
+    del buffers, dq_accum, semaphore  # freed to CuPy's pool in stream order, after the launches

@@ -18,7 +18,8 @@ import math
 import numpy as np
 
 from ._module import _max_smem_optin, device_arch, launch
-from .constants import LOG2E, TENSOR_CORE_D_TILES
+from .constants import TENSOR_CORE_D_TILES
+from .params import forward_params
 from .. import plans
 from ..masks import KINDS, Mask, mask_for
 from ..plans import (LARGE_SMEM_BYTES, ROW_STATES, FwdConfig, ForwardPlan, WgmmaFwdConfig, smem_bytes,
@@ -91,8 +92,9 @@ def _by_tile(entry) -> tuple:
     return dt, isinstance(tiles, WgmmaFwdConfig), tiles.block_n
 
 
-def _strides(a, what: str) -> tuple:
-    """(batch, seq, head) strides of a (B, S, H, D) array in elements, as int64 kernel arguments."""
+def _check_layout(a, what: str) -> None:
+    """The tensor-core kernels' layout: contiguous rows, strides multiples of 8 elements, 16-byte
+    aligned (the dispatcher guarantees it; a violation would be silent corruption)."""
     item = a.itemsize
     if a.strides[3] != item:
         raise ValueError(f"cupyflash: {what} must be contiguous in its last dimension")
@@ -100,7 +102,6 @@ def _strides(a, what: str) -> tuple:
     if any(s % 8 for s in strides) or a.data.ptr % 16:
         raise ValueError(f"cupyflash: {what} needs strides that are multiples of 8 elements and a "
                          f"16-byte aligned pointer for the tensor-core kernel")
-    return tuple(np.int64(s) for s in strides)
 
 
 def forward(q, k, v, o, lse, *, softmax_scale: float, causal: bool,
@@ -117,8 +118,6 @@ def forward(q, k, v, o, lse, *, softmax_scale: float, causal: bool,
     mask = mask_for(causal, window_size)
     planned = plan(q.dtype, headdim, mask, config)
     grid = (math.ceil(seqlen_q / planned.block_m), nheads, batch)
-    args = (q, k, v, o, lse, np.int32(seqlen_q), np.int32(seqlen_k), np.int32(nheads),
-            np.int32(nheads // nheads_kv), np.int32(headdim),
-            *_strides(q, "q"), *_strides(k, "k"), *_strides(v, "v"), *_strides(o, "o"),
-            np.float32(softmax_scale * LOG2E), *mask.window_args())
-    launch(planned.spec, grid, args)
+    for a, what in ((q, "q"), (k, "k"), (v, "v"), (o, "o")):
+        _check_layout(a, what)
+    launch(planned.spec, grid, (forward_params(q, k, v, o, lse, softmax_scale=softmax_scale, mask=mask),))

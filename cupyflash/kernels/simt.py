@@ -10,8 +10,9 @@ import math
 
 import numpy as np
 
-from ._module import Specialization, backward_is_empty, launch, row_strides
-from .constants import CTYPES, LOG2E, SIMT_D_TILES
+from ._module import Specialization, backward_is_empty, launch
+from .constants import CTYPES, SIMT_D_TILES
+from .params import backward_params, forward_params, pointer
 from .. import backward_plans, plans
 from .._dtypes import is_float64
 from ..masks import KINDS, Mask, mask_for
@@ -53,10 +54,6 @@ def specializations() -> list[Specialization]:
     return out
 
 
-def _acc_scalar(dtype, x: float):
-    return np.float64(x) if is_float64(dtype) else np.float32(x)
-
-
 def forward(q, k, v, o, lse, *, softmax_scale: float, causal: bool, window_size=(-1, -1)) -> None:
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
@@ -65,26 +62,22 @@ def forward(q, k, v, o, lse, *, softmax_scale: float, causal: bool, window_size=
     mask = mask_for(causal, window_size)
     plan = plans.plan_forward(None, q.dtype, headdim, mask, None, family="simt")  # SIMT tiles do not depend on the device
     grid = (math.ceil(seqlen_q / plan.block_m), nheads, batch)
-    args = (q, k, v, o, lse, np.int32(seqlen_q), np.int32(seqlen_k), np.int32(nheads),
-            np.int32(nheads // nheads_kv), np.int32(headdim),
-            *row_strides(q), *row_strides(k), *row_strides(v), *row_strides(o),
-            _acc_scalar(q.dtype, softmax_scale * LOG2E), *mask.window_args())
-    launch(plan.spec, grid, args)
+    launch(plan.spec, grid, (forward_params(q, k, v, o, lse, softmax_scale=softmax_scale, mask=mask),))
 
 
-def backward_preprocess(do, o):
-    """D = rowsum(dO * O) as a (B, H, Sq) array of the accumulator dtype."""
+def backward_preprocess(params, do, o):
+    """D = rowsum(dO * O) as a (B, H, Sq) array of the accumulator dtype, its address put in
+    ``params`` (the call's BwdParams, which holds dO and O)."""
     import cupy
 
     batch, seqlen_q, nheads, headdim = o.shape
     acc = np.float64 if is_float64(o.dtype) else np.float32
     delta = cupy.empty((batch, nheads, seqlen_q), dtype=acc)
+    params["delta"] = pointer(delta)
     rows = batch * nheads * seqlen_q
     if rows == 0:
         return delta
-    args = (do, o, delta, np.int32(batch), np.int32(seqlen_q), np.int32(nheads), np.int32(headdim),
-            *row_strides(do), *row_strides(o))
-    launch(_preprocess_spec(o.dtype), (math.ceil(rows / backward_plans.PREPROCESS_ROWS), 1, 1), args)
+    launch(_preprocess_spec(o.dtype), (math.ceil(rows / backward_plans.PREPROCESS_ROWS), 1, 1), (params,))
     return delta
 
 
@@ -101,12 +94,8 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
     plan = backward_plans.plan_backward(None, q.dtype, headdim, mask, None, True, family="simt")
     grids = {launch.role: launch.grid(batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim)
              for launch in plan.launches}
-    delta = backward_preprocess(do, o)
-    common = (np.int32(seqlen_q), np.int32(seqlen_k), np.int32(nheads),
-              np.int32(nheads // nheads_kv), np.int32(headdim),
-              *row_strides(q), *row_strides(k), *row_strides(v), *row_strides(do))
-    scales = (_acc_scalar(q.dtype, softmax_scale * LOG2E), _acc_scalar(q.dtype, softmax_scale),
-              *mask.window_args())
-    launch(plan.spec("dkdv"), grids["dkdv"],
-           (q, k, v, do, lse, delta, dk, dv, *common, *row_strides(dk), *row_strides(dv), *scales))
-    launch(plan.spec("dq"), grids["dq"], (q, k, v, do, lse, delta, dq, *common, *row_strides(dq), *scales))
+    params = backward_params(do, q, k, v, o, lse, dq, dk, dv, softmax_scale=softmax_scale, mask=mask)
+    delta = backward_preprocess(params, do, o)
+    launch(plan.spec("dkdv"), grids["dkdv"], (params,))
+    launch(plan.spec("dq"), grids["dq"], (params,))
+    del delta  # back to CuPy's pool in stream order, after the launches

@@ -1,0 +1,111 @@
+"""The kernels' run-time arguments: NumPy twins of ``kernels_cu/params.cuh``'s structs.
+
+Every kernel takes one argument, its direction's ``FwdParams`` or ``BwdParams``, passed by value
+(``__grid_constant__``). Here each is a NumPy structured dtype with the same fields in the same
+order and ``align=True``, so NumPy's offsets are the C++ compiler's; ``layout_asserts`` writes
+static_asserts of every offset and size, which tests/kernels/test_params.py (and the compile
+check) compile under NVRTC on CPU. A launcher fills one scalar per call (``forward_params``,
+``backward_params``) and passes it to every kernel of the call; fields a kernel does not read stay
+zero (null pointers).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .constants import LOG2E
+
+__all__ = ["TENSOR_ROWS", "FWD_PARAMS", "BWD_PARAMS", "forward_params", "backward_params", "set_rows",
+           "pointer", "layout_asserts"]
+
+TENSOR_ROWS = np.dtype([("data", np.uint64), ("batch_stride", np.int64), ("row_stride", np.int64),
+                        ("head_stride", np.int64)], align=True)
+
+_SHAPE_FIELDS = [("batch", np.int32), ("seqlen_q", np.int32), ("seqlen_k", np.int32), ("nheads", np.int32),
+                 ("nheads_kv", np.int32), ("group", np.int32), ("headdim", np.int32),
+                 ("window_left", np.int32), ("window_right", np.int32)]
+
+FWD_PARAMS = np.dtype([*((name, TENSOR_ROWS) for name in ("q", "k", "v", "o")), ("lse", np.uint64),
+                       *_SHAPE_FIELDS, ("scale_log2", np.float64)], align=True)
+
+BWD_PARAMS = np.dtype([*((name, TENSOR_ROWS) for name in ("q", "k", "v", "o", "dout", "dq", "dk", "dv",
+                                                           "dq_accum")),
+                       ("dq_accum_panel_stride", np.int64), ("lse", np.uint64), ("delta", np.uint64),
+                       ("dq_semaphore", np.uint64), ("dq_row_scale", np.uint64), ("kv_bound", np.uint64),
+                       *_SHAPE_FIELDS, ("scale_log2", np.float64), ("scale", np.float64)], align=True)
+
+_CPP_NAMES = {FWD_PARAMS: "cf::FwdParams", BWD_PARAMS: "cf::BwdParams"}
+
+
+def pointer(a) -> np.uint64:
+    """The device address of a CuPy array (0 for None)."""
+    return np.uint64(0 if a is None else a.data.ptr)
+
+
+def set_rows(params, name: str, a, strides: tuple | None = None) -> None:
+    """Field ``name`` of ``params`` = (address, batch, row, head strides in elements) of the
+    (B, S, H, D) array ``a``; ``strides`` overrides the strides (a panel-major dq_accum)."""
+    field = params[name]
+    field["data"] = pointer(a)
+    if strides is None:
+        strides = tuple(s // a.itemsize for s in a.strides[:3])
+    field["batch_stride"], field["row_stride"], field["head_stride"] = (np.int64(s) for s in strides)
+
+
+def _set_shape(params, q, k, mask) -> None:
+    batch, seqlen_q, nheads, headdim = q.shape
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    params["batch"], params["seqlen_q"], params["seqlen_k"] = batch, seqlen_q, seqlen_k
+    params["nheads"], params["nheads_kv"], params["group"] = nheads, nheads_kv, nheads // nheads_kv
+    params["headdim"] = headdim
+    params["window_left"], params["window_right"] = mask.window_args()
+
+
+def forward_params(q, k, v, o, lse, *, softmax_scale: float, mask) -> np.ndarray:
+    """FwdParams of one forward call (a size-1 array of FWD_PARAMS: CuPy passes its bytes by value)."""
+    params = np.zeros(1, FWD_PARAMS)
+    for name, a in (("q", q), ("k", k), ("v", v), ("o", o)):
+        set_rows(params, name, a)
+    params["lse"] = pointer(lse)
+    _set_shape(params, q, k, mask)
+    params["scale_log2"] = np.float64(softmax_scale) * LOG2E
+    return params
+
+
+def backward_params(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, mask, delta=None) -> np.ndarray:
+    """BwdParams of one backward call; the launcher adds the buffers of its plan (delta, dq_accum,
+    dq_semaphore, dq_row_scale, kv_bound) with ``set_rows`` / ``pointer`` as it allocates them."""
+    params = np.zeros(1, BWD_PARAMS)
+    for name, a in (("q", q), ("k", k), ("v", v), ("o", o), ("dout", do), ("dq", dq), ("dk", dk), ("dv", dv)):
+        set_rows(params, name, a)
+    params["lse"], params["delta"] = pointer(lse), pointer(delta)
+    _set_shape(params, q, k, mask)
+    params["scale_log2"] = np.float64(softmax_scale) * LOG2E
+    params["scale"] = np.float64(softmax_scale)
+    return params
+
+
+def _fields(dtype: np.dtype, prefix: str = ""):
+    """(C++ member path, offset, size) of every leaf field of ``dtype``."""
+    for name in dtype.names:
+        sub, offset = dtype.fields[name][:2]
+        if sub.names:
+            for path, inner, size in _fields(sub, f"{prefix}{name}."):
+                yield path, offset + inner, size
+        else:
+            yield f"{prefix}{name}", offset, sub.itemsize
+
+
+def layout_asserts() -> str:
+    """params.cuh followed by C++ static_asserts that params.cuh's structs have exactly these dtypes' layouts (sizes,
+    alignment, every field's offset and size). Equal total sizes and fields that tile the struct
+    leave no member unchecked."""
+    from ._module import kernel_source
+
+    lines = [kernel_source("params.cuh")]
+    for dtype, cpp in _CPP_NAMES.items():
+        lines.append(f'static_assert(sizeof({cpp}) == {dtype.itemsize}, "{cpp}: size");')
+        lines.append(f'static_assert(alignof({cpp}) == {dtype.alignment}, "{cpp}: alignment");')
+        for path, offset, size in _fields(dtype):
+            lines.append(f'static_assert(__builtin_offsetof({cpp}, {path}) == {offset}, "{cpp}::{path}: offset");')
+            lines.append(f'static_assert(sizeof((({cpp}*)0)->{path}) == {size}, "{cpp}::{path}: size");')
+    return "\n".join(lines) + "\n"

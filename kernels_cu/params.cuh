@@ -1,0 +1,73 @@
+// The run-time arguments of every kernel: one struct per direction, passed by value as a
+// __grid_constant__ parameter (read from the parameter bank, never copied to local memory).
+//
+// Python builds each as a NumPy structured scalar (cupyflash/kernels/params.py: FWD_PARAMS,
+// BWD_PARAMS, the same fields in the same order with align=True, so the offsets are C's); the CPU
+// test tests/kernels/test_params.py compiles static_asserts of every field's offset, the sizes
+// and the alignment under NVRTC, so the two cannot drift apart.
+//
+// The scalars come after the pointers in both structs and in the same order: batch, seqlen_q,
+// seqlen_k, nheads, nheads_kv, group (nheads / nheads_kv, query heads per kv head), headdim,
+// window_left, window_right (the Local policy's bounds, mask.cuh; NoMask and Causal ignore them).
+//
+// Compile-time choices (dtype, tiles, the mask policy, how dQ is added) stay template arguments;
+// everything that varies per call is here. A field a kernel does not read is zero (a null
+// pointer), never another tensor standing in. A new variant parameter (softcap, ALiBi slopes,
+// sinks, sequence offsets of a packed batch) becomes a field of both structs and of their twins.
+#pragma once
+
+#include "common.cuh"
+
+namespace cf {
+
+// One (batch, seqlen, heads, dim) tensor with a contiguous last dimension: its address and its
+// strides in elements, 64-bit (one tensor may pass 2^31 elements).
+struct TensorRows {
+    void* data;
+    i64 batch_stride, row_stride, head_stride;
+
+    // Row 0 of head `head` in batch `batch`, as T (const T for inputs).
+    template <typename T>
+    __device__ __forceinline__ T* head_rows(int batch, int head) const {
+        return static_cast<T*>(data) + row_offset(batch, 0, head, batch_stride, row_stride, head_stride);
+    }
+    template <typename T>
+    __device__ __forceinline__ T* row(int batch, int r, int head) const {
+        return static_cast<T*>(data) + row_offset(batch, r, head, batch_stride, row_stride, head_stride);
+    }
+};
+
+// Forward: o and lse from q, k, v.
+struct FwdParams {
+    TensorRows q, k, v, o;
+    void* lse;          // (batch, nheads, seqlen_q), C-contiguous, float32 (float64 for float64)
+    int batch, seqlen_q, seqlen_k, nheads, nheads_kv;
+    int group;          // nheads / nheads_kv: query heads per kv head (GQA)
+    int headdim;
+    int window_left, window_right;  // the mask's run-time bounds (mask.cuh), -1 unbounded
+    double scale_log2;  // softmax_scale * log2(e); a kernel takes it in its accumulator type
+};
+
+// Backward: dq, dk, dv (and the statistics and buffers around them) from dout, q, k, v, o, lse.
+struct BwdParams {
+    TensorRows q, k, v, o, dout, dq, dk, dv;
+    // dQ partial sums of the kernels that add dQ across key blocks (dq_add.cuh, every DqAdd but
+    // none): float32 or int64 rows of the head-dim tile, or (fixed_panels) int64 64-column
+    // panels, a head being D_TILE / 64 consecutive panels (head_stride). Column c of a row is at
+    // (c / 64) dq_accum_panel_stride + c % 64: the panel stride is 64 for row-major accumulators.
+    TensorRows dq_accum;
+    i64 dq_accum_panel_stride;
+    const void* lse;    // (batch, nheads, seqlen_q), C-contiguous, the accumulator type
+    void* delta;        // D = rowsum(dO * O), same layout (written by the preprocess)
+    int* dq_semaphore;  // DqAdd::ordered: one counter per (batch, head, query block)
+    float* dq_row_scale;        // DqAdd::fixed*: 2^E_i per row, same layout as lse
+    unsigned* kv_bound;         // DqAdd::fixed*: max |K|, max |V| per (batch, kv head)
+    int batch, seqlen_q, seqlen_k, nheads, nheads_kv;
+    int group;          // nheads / nheads_kv: query heads per kv head (GQA)
+    int headdim;
+    int window_left, window_right;  // the mask's run-time bounds (mask.cuh), -1 unbounded
+    double scale_log2;  // softmax_scale * log2(e)
+    double scale;       // softmax_scale
+};
+
+}  // namespace cf

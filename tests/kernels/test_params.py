@@ -1,0 +1,84 @@
+"""kernels_cu/params.cuh and its NumPy twin (cupyflash/kernels/params.py) have one layout, and every
+kernel takes its direction's struct as its only argument.
+
+The layout check compiles static_asserts of every field's offset and size, the structs' sizes and
+alignment, under NVRTC for each target on CPU: a field added, dropped, reordered or retyped on one
+side fails to compile."""
+import re
+
+import numpy as np
+import pytest
+
+from cupyflash.kernels import compile_check, params
+from cupyflash.kernels._module import kernels_dir
+
+try:
+    compile_check._nvrtc()
+    HAVE_NVRTC = True
+except (FileNotFoundError, OSError):
+    HAVE_NVRTC = False
+
+needs_nvrtc = pytest.mark.skipif(not HAVE_NVRTC, reason="NVRTC not installed (pip install '.[cuda13]')")
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("arch", compile_check.ARCHS)
+def test_params_layout_matches_numpy(arch):
+    compile_check.compile_text(params.layout_asserts(), "params_layout.cu", [], arch)
+
+
+@needs_nvrtc
+def test_params_layout_check_fails_on_a_moved_field():
+    """The check can fail: a dtype with two fields swapped gives offsets the compiler rejects."""
+    names = list(params.FWD_PARAMS.names)
+    i, j = names.index("seqlen_q"), names.index("seqlen_k")
+    names[i], names[j] = names[j], names[i]
+    swapped = np.dtype([(n, params.FWD_PARAMS.fields[n][0]) for n in names], align=True)
+    saved = dict(params._CPP_NAMES)
+    try:
+        params._CPP_NAMES.clear()
+        params._CPP_NAMES[swapped] = "cf::FwdParams"
+        text = params.layout_asserts()
+    finally:
+        params._CPP_NAMES.clear()
+        params._CPP_NAMES.update(saved)
+    with pytest.raises(RuntimeError, match="seqlen_q: offset"):
+        compile_check.compile_text(text, "params_layout.cu", [], compile_check.ARCHS[0])
+
+
+_KERNEL = re.compile(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s*)?(\w+)\s*\(([^)]*)\)", re.S)
+
+
+def kernel_signatures():
+    """(file, kernel, parameter list) of every kernel in kernels_cu/."""
+    for path in sorted(kernels_dir().glob("*.cu")):
+        for name, args in _KERNEL.findall(path.read_text()):
+            yield path.name, name, " ".join(args.split())
+
+
+def test_every_kernel_takes_one_params_struct():
+    signatures = list(kernel_signatures())
+    assert len(signatures) >= 15
+    for source, name, args in signatures:
+        direction = "Fwd" if name.startswith("flash_fwd") else "Bwd"
+        assert args == f"const __grid_constant__ {direction}Params p", (source, name, args)
+
+
+def test_forward_params_hold_the_call():
+    class Array:  # the attributes forward_params reads, without a GPU
+        def __init__(self, shape, ptr, itemsize=2):
+            self.shape, self.itemsize = shape, itemsize
+            self.strides = tuple(int(np.prod(shape[i + 1:])) * itemsize for i in range(len(shape)))
+            self.data = type("Ptr", (), {"ptr": ptr})()
+
+    from cupyflash.masks import mask_for
+
+    q, k = Array((2, 5, 6, 64), 0x1000), Array((2, 7, 3, 64), 0x2000)
+    v, o, lse = Array((2, 7, 3, 64), 0x3000), Array((2, 5, 6, 64), 0x4000), Array((2, 6, 5), 0x5000, 4)
+    p = params.forward_params(q, k, v, o, lse, softmax_scale=0.125, mask=mask_for(False, (3, 0)))[0]
+    assert p["q"]["data"] == 0x1000 and p["lse"] == 0x5000
+    assert (p["k"]["batch_stride"], p["k"]["row_stride"], p["k"]["head_stride"]) == (7 * 3 * 64, 3 * 64, 64)
+    assert (p["batch"], p["seqlen_q"], p["seqlen_k"], p["nheads"], p["nheads_kv"], p["group"], p["headdim"]) == \
+        (2, 5, 7, 6, 3, 2, 64)
+    assert (p["window_left"], p["window_right"]) == (3, 0)
+    assert p["scale_log2"] == np.float64(0.125) * 1.4426950408889634
