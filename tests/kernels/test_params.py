@@ -56,11 +56,15 @@ def kernel_signatures():
             yield path.name, name, " ".join(args.split())
 
 
+# kernel name prefix -> its struct (the first match)
+DIRECTIONS = (("flash_fwd", "Fwd"), ("merge_", "Merge"), ("", "Bwd"))
+
+
 def test_every_kernel_takes_one_params_struct():
     signatures = list(kernel_signatures())
     assert len(signatures) >= 15
     for source, name, args in signatures:
-        direction = "Fwd" if name.startswith("flash_fwd") else "Bwd"
+        direction = next(d for prefix, d in DIRECTIONS if name.startswith(prefix))
         assert args == f"const __grid_constant__ {direction}Params p", (source, name, args)
 
 
