@@ -1,7 +1,8 @@
 """``python -m cupyflash sanitize``: every kernel family under NVIDIA compute-sanitizer.
 
 Runs a small workload (forward and backward of each family at odd shapes: sequence lengths that
-are not tile multiples, head dimensions 1, 40, 72 and 200, causal and not, GQA) once under each of
+are not tile multiples, head dimensions 1, 40, 72 and 200, full, causal and a sliding window,
+GQA) once under each of
 memcheck, racecheck, initcheck and synccheck, and reports each tool's verdict. Needs a GPU and
 compute-sanitizer on the PATH (or in $CUDA_HOME/bin).
 """
@@ -15,11 +16,14 @@ import sys
 
 TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
 HEADDIMS = (1, 40, 72, 200)
+# (causal, window_size): with 77 queries and 130 keys the window (19, 70) skips key blocks before
+# it, and its blocks are partial on either bound
+MASKS = ((False, (-1, -1)), (True, (-1, -1)), (False, (19, 70)))
 
 
 def workload(families=("simt", "mma"), quick=False) -> int:
     """Forward + backward of each family over odd shapes; returns the number of shapes run.
-    ``quick``: one dtype per family and causal only (racecheck is slow)."""
+    ``quick``: one dtype per family, causal and the window only (racecheck is slow)."""
     import cupy
     import numpy as np
 
@@ -33,14 +37,15 @@ def workload(families=("simt", "mma"), quick=False) -> int:
         for dtype_name in dtypes[-1:] if quick else dtypes:
             dtype = SUPPORTED[dtype_name]
             for headdim in HEADDIMS:
-                for causal in (True,) if quick else (False, True):
+                for causal, window in MASKS[1:] if quick else MASKS:
                     q, do = (cupy.asarray(rng.standard_normal((1, 77, 4, headdim)).astype(dtype)) for _ in range(2))
                     k, v = (cupy.asarray(rng.standard_normal((1, 130, 2, headdim)).astype(dtype)) for _ in range(2))
-                    o, lse = api.flash_attn_func(q, k, v, causal=causal, return_lse=True, backend=backend)
-                    api.flash_attn_backward(do, q, k, v, o, lse, causal=causal, backend=backend)
+                    o, lse = api.flash_attn_func(q, k, v, causal=causal, window_size=window, return_lse=True,
+                                                 backend=backend)
+                    api.flash_attn_backward(do, q, k, v, o, lse, causal=causal, window_size=window, backend=backend)
                     if backend == "mma":
-                        api.flash_attn_backward(do, q, k, v, o, lse, causal=causal, backend=backend,
-                                                deterministic=False)
+                        api.flash_attn_backward(do, q, k, v, o, lse, causal=causal, window_size=window,
+                                                backend=backend, deterministic=False)
                     calls += 1
     cupy.cuda.runtime.deviceSynchronize()
     return calls
