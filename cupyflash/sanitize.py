@@ -71,7 +71,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tool", action="append", choices=TOOLS, help="repeatable (default: all four)")
     parser.add_argument("--family", action="append", choices=("simt", "mma"), help="default: both")
     parser.add_argument("--quick", action="store_true",
-                        help="one dtype per family (bfloat16), causal only: the slow tools finish sooner")
+                        help="one dtype per family (bfloat16), causal and the window only: the slow tools finish sooner")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
 
 

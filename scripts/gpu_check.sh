@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# The GPU checks of a change, in two parts that each fit a 10-minute call on one GPU:
-#   scripts/gpu_check.sh OUTDIR tests   the GPU test suite (logs and JUnit XML under OUTDIR)
+# The GPU checks of a change, in parts that each fit a 10-minute call on one GPU:
+#   scripts/gpu_check.sh OUTDIR tests   every kernel compiled into CuPy's cache on all cores, then
+#                                       the GPU test suite as concurrent shards (HYPOTHESIS_PROFILE,
+#                                       default gpu: 200 examples per property; logs, JUnit XML)
+#   scripts/gpu_check.sh OUTDIR sanitize  memcheck on the full workload, racecheck on --quick
 #   scripts/gpu_check.sh OUTDIR bench   the default-kernel bench before/after (BEFORE_TREE: an
 #                                       exported older tree, optional), the bench table with the
 #                                       SDPA anchors, and the window/FlexAttention variants
@@ -24,10 +27,15 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,
 case $what in
 tests)
     export PYTHONPATH=$PWD
-    step gpu-tests "${TEST_LIMIT:-420}" env HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-dev}" \
-        python -m pytest -m gpu -q -p no:cacheprovider --junitxml="$out/gpu-tests.xml" tests/
-    step window-gpu-200 "${WINDOW_LIMIT:-150}" env HYPOTHESIS_PROFILE=gpu \
-        python -m pytest -m gpu -q -p no:cacheprovider tests/test_window_gpu.py
+    step warm-cache "${WARM_LIMIT:-240}" python scripts/warm_kernel_cache.py
+    step gpu-tests "${TEST_LIMIT:-420}" env HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-gpu}" \
+        python scripts/pytest_shards.py --shards "${SHARDS:-12}" --limit "$(( ${TEST_LIMIT:-420} - 20 ))" \
+        --out "$out/shards" -m gpu tests/
+    ;;
+sanitize)
+    export PYTHONPATH=$PWD
+    step memcheck "${MEMCHECK_LIMIT:-300}" python -m cupyflash sanitize --tool memcheck
+    step racecheck-quick "${RACECHECK_LIMIT:-240}" python -m cupyflash sanitize --tool racecheck --quick
     ;;
 bench)
     sweep=(--dtype bf16 --headdim 64 128 256 --seqlen 2k 16k --causal both --mode fwd bwd --no-validate --quiet)
