@@ -71,3 +71,29 @@ struct BwdParams {
 };
 
 }  // namespace cf
+
+namespace cf {
+
+// The statistics (lse) of one attention result: (batch, nheads, seqlen) with its strides in
+// elements, so that a kernel can read and write a row range of a larger lse in place (the ring's
+// second-half rows are lse[:, :, C:], a strided view).
+struct LseRows {
+    void* data;
+    i64 batch_stride, head_stride, row_stride;
+
+    template <typename A>
+    __device__ __forceinline__ A* at(int batch, int head, int r) const {
+        return static_cast<A*>(data) + batch * batch_stride + head * head_stride + r * row_stride;
+    }
+};
+
+// merge_attention_states: (o, lse) of attention over the union of two disjoint key sets, from the
+// results over each, (o_a, lse_a) and (o_b, lse_b), all of one (batch, seqlen, nheads, headdim)
+// shape. o may be o_a and lse may be lse_a (accumulation in place).
+struct MergeParams {
+    TensorRows o_a, o_b, o;
+    LseRows lse_a, lse_b, lse;
+    int batch, seqlen, nheads, headdim;
+};
+
+}  // namespace cf

@@ -109,3 +109,17 @@ def layout_asserts() -> str:
             lines.append(f'static_assert(__builtin_offsetof({cpp}, {path}) == {offset}, "{cpp}::{path}: offset");')
             lines.append(f'static_assert(sizeof((({cpp}*)0)->{path}) == {size}, "{cpp}::{path}: size");')
     return "\n".join(lines) + "\n"
+
+
+# merge_attention_states (kernels_cu/merge_attention_states.cu): a (batch, nheads, seqlen) lse with
+# its strides in elements, and the merge's one argument.
+LSE_ROWS = np.dtype([("data", np.uint64), ("batch_stride", np.int64), ("head_stride", np.int64),
+                     ("row_stride", np.int64)], align=True)
+
+MERGE_PARAMS = np.dtype([*((name, TENSOR_ROWS) for name in ("o_a", "o_b", "o")),
+                         *((name, LSE_ROWS) for name in ("lse_a", "lse_b", "lse")),
+                         ("batch", np.int32), ("seqlen", np.int32), ("nheads", np.int32), ("headdim", np.int32)],
+                        align=True)
+
+_CPP_NAMES[MERGE_PARAMS] = "cf::MergeParams"
+__all__ += ["LSE_ROWS", "MERGE_PARAMS"]
