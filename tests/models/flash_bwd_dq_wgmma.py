@@ -17,7 +17,7 @@ from .mirrors import mirrors
 from .smem import RAW_SMEM, aligned_base, new_smem
 from .wgmma import THREADS, Step, cp_async_panels, smem_desc, wgmma
 
-DQW = "flash_bwd_dq_wgmma.cu"
+DQW = "flash_bwd_dq_wgmma"  # the kernel (models.mirrors finds its file)
 
 
 

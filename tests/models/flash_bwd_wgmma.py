@@ -14,7 +14,7 @@ from .smem import RAW_SMEM, aligned_base, new_smem, st_shared_b32
 from .wgmma import (LANE, ROW_LO, THREAD_IN_GROUP, WARP_IN_WG, Step, cp_async_panels, panel_offset, smem_desc,
                     wgmma)
 
-BWD = "flash_bwd_wgmma.cu"
+BWD = "flash_bwd_wgmma"  # the kernel (models.mirrors finds its file)
 
 
 
@@ -150,7 +150,7 @@ def _acc_columns(nj: int) -> np.ndarray:
     return 8 * np.arange(nj)[None, :, None] + 2 * THREAD_IN_GROUP[:, None, None] + (np.arange(4) & 1)[None, None, :]
 
 
-@mirrors("flash_bwd_wgmma.cu",
+@mirrors(BWD,
          "const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + 8 * j + 2 * (lane % 4));",
          "const float base_log2[2] = {lse_base_log2(lse2.x), lse_base_log2(lse2.y)};",
          "const float p = exp2_approx(fmaf(s_acc[j][e], scale_log2, -base_log2[e & 1]));")
@@ -159,7 +159,7 @@ def p_transposed(s_acc, s_lse, scale_log2):
     return np.exp2(s_acc * scale_log2 - lse_base_log2(s_lse[_acc_columns(s_acc.shape[1])]))
 
 
-@mirrors("flash_bwd_wgmma.cu",
+@mirrors(BWD,
          "const float2 d2 = *reinterpret_cast<const float2*>(s_delta + 8 * j + 2 * (lane % 4));",
          "const float p16[4] = {lo.x, lo.y, hi.x, hi.y};",
          "dp_acc[j][e] = p16[e] == 0.f ? 0.f : p16[e] * (dp_acc[j][e] - ((e & 1) ? d2.y : d2.x));")
@@ -168,7 +168,7 @@ def ds_transposed(dp_acc, p16, s_delta):
     return np.where(p16 == 0.0, 0.0, p16 * (dp_acc - s_delta[_acc_columns(dp_acc.shape[1])]))
 
 
-@mirrors("flash_bwd_wgmma.cu",
+@mirrors(BWD,
          "const float2 lo = unpack2<T>(p_frag[j / 2][2 * (j % 2)]), hi = unpack2<T>(p_frag[j / 2][2 * (j % 2) + 1]);")
 def unpack_p16(p_frag, sj: int) -> np.ndarray:
     """p16[thread, j, e] = {lo.x, lo.y, hi.x, hi.y} of column block j from the packed A fragments."""
@@ -179,7 +179,7 @@ def unpack_p16(p_frag, sj: int) -> np.ndarray:
     return p16
 
 
-@mirrors("flash_bwd_wgmma.cu",
+@mirrors(BWD,
          "const int m_lo = m0 + 64 * qp + 16 * warp_in_wg + lane / 4, m_hi = m_lo + 8;",
          "const int col = 64 * dp + 8 * j + 2 * (lane % 4);",
          "if (m_lo < seqlen_q) red_add_f32x2(dqa + m_lo * dqa_ss + col, dq_acc[j][0], dq_acc[j][1]);",
@@ -273,7 +273,7 @@ def red_add_pairs(out, rows, cols, pairs, headdim):
             out[r, c + 1] += y
 
 
-@mirrors("flash_bwd_wgmma.cu",
+@mirrors(BWD,
          "const int n = n0 + key_row + 8 * h;",
          "const int col = 8 * j + 2 * (lane % 4);",
          "*reinterpret_cast<u32*>(dk_row + col) = pack2<T>(dk_acc[j][2 * h] * scale, dk_acc[j][2 * h + 1] * scale);",

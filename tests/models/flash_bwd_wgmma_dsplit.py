@@ -12,7 +12,7 @@ from .mirrors import mirrors
 from .smem import RAW_SMEM, aligned_base, ld_shared_b32, new_smem, st_shared_b32
 from .wgmma import ROW_LO, THREAD_IN_GROUP, Step, cp_async_panels, panel_offset, smem_desc, wgmma
 
-DSPLIT = "flash_bwd_wgmma_dsplit.cu"
+DSPLIT = "flash_bwd_wgmma_dsplit"  # the kernel (models.mirrors finds its file)
 
 
 

@@ -12,7 +12,7 @@ from .mirrors import mirrors
 from .smem import RAW_SMEM, aligned_base, new_smem
 from .wgmma import Step, acc_to_matrix, cp_async_panels, smem_desc, wgmma
 
-FWD = "flash_fwd_wgmma.cu"
+FWD = "flash_fwd_wgmma"  # the kernel (models.mirrors finds its file)
 
 
 
