@@ -138,7 +138,8 @@ def merge_attention_states_reference(o_a, lse_a, o_b, lse_b):
     """The merge in float64 from its formula: lse = logaddexp(lse_a, lse_b), o = the sum over the
     sides whose lse is not -inf of exp(lse_side - lse) o_side (0 when neither is)."""
     o_a, o_b, lse_a, lse_b = (np.asarray(x).astype(np.float64) for x in (o_a, o_b, lse_a, lse_b))
-    lse = np.logaddexp(lse_a, lse_b)
+    with np.errstate(invalid="ignore"):  # logaddexp(inf, inf) and NaN inputs warn
+        lse = np.logaddexp(lse_a, lse_b)
     o = np.zeros(o_a.shape)
     for lse_side, o_side in ((lse_a, o_a), (lse_b, o_b)):
         with np.errstate(invalid="ignore"):
