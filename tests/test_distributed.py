@@ -47,18 +47,19 @@ RING_MAX_COST = 4e6  # batch * heads * seqlen_q * seqlen_k * headdim of one ring
 
 
 @st.composite
-def ring_problems(draw, dtypes=(BF16, F16, F32, F64), max_ranks=4):
+def ring_problems(draw, dtypes=(BF16, F16, F32, F64), min_ranks=1, max_ranks=4, headdims=None):
     """(AttentionProblem, P, layout) with sequence lengths the layout can shard: multiples of 2P
     (zigzag) or P (contiguous); causal problems are self-attention, the others may have another
-    key length. GQA groups, head dims, scales and magnitudes as the library's strategies draw."""
-    size = draw(st.integers(1, max_ranks))
+    key length. GQA groups, head dims (or one of ``headdims``), scales and magnitudes as the
+    library's strategies draw them."""
+    size = draw(st.integers(min_ranks, max_ranks))
     causal = draw(st.booleans())
     layout = draw(st.sampled_from(["zigzag", "zigzag", "contiguous"]))
     parts = 2 * size if layout == "zigzag" else size
     seqlen_q = parts * draw(st.integers(1, MAX_ROWS // parts))
     seqlen_k = seqlen_q if causal else parts * draw(st.integers(1, MAX_ROWS // parts))
     problem = draw(attention_problems(dtypes=dtypes, causal=causal, min_seqlen=seqlen_q, max_seqlen=seqlen_q,
-                                      same_seqlens=True, max_cost=RING_MAX_COST))
+                                      same_seqlens=True, headdims=headdims, max_cost=RING_MAX_COST))
     return replace(problem, seqlen_k=seqlen_k), size, layout
 
 

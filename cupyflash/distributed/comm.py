@@ -208,6 +208,10 @@ class LocalRing:
                 errors[comm.rank] = exc
                 self._abort()
 
+        if self.xp is not np:
+            # The ranks' streams do not synchronize with the caller's (non-blocking streams): its
+            # queued work, such as the copies of the shards to the GPU, must be done first.
+            _cupy().cuda.get_current_stream().synchronize()
         threads = [threading.Thread(target=rank_main, args=(c,), name=f"ring-rank-{c.rank}") for c in self.comms]
         for t in threads:
             t.start()

@@ -1,0 +1,204 @@
+"""Context parallelism on a GPU: the merge kernel against its NumPy twin, and the ring schedule on
+one GPU (LocalRing over CuPy: P "ranks" with their own compute and copy streams, transfers as
+device copies ordered by events, the same code that runs over NCCL) against the float64 reference
+under the ring's rule (tests/ring_check.py) and against flash_attn_func / flash_attn_backward on
+the whole sequence. NCCL itself: one process (the launcher, the communicator, no transfer), and
+two processes on two GPUs (skipped with fewer). Outputs start as NaN (poisoned). Marked ``gpu``."""
+from __future__ import annotations
+
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+import cupyflash
+from cupyflash.distributed import LocalRing, launch, ring_flash_attn_backward, ring_flash_attn_func
+from cupyflash.merge import merge_attention_states, merge_attention_states_numpy
+from cupyflash.testing import AttentionProblem, assert_attention_close, poisoned_outputs
+
+import distributed_workers
+from ring_check import assert_ring_close, shard_functions
+from test_distributed import BF16, F16, F32, F64, merge_inputs, ring_problems
+
+pytestmark = pytest.mark.gpu
+
+
+def _cupy():
+    import cupy
+
+    return cupy
+
+
+# --- the merge kernel ------------------------------------------------------------------------------
+
+
+def assert_kernel_matches_twin(o, lse, o_twin, lse_twin, out_dtype, scale):
+    """The kernel and the twin take the same steps; exp2/log2 and FMA contraction differ by a few
+    float32 ulps, which can move o across one rounding boundary of its dtype."""
+    acc_eps = float(np.finfo(F64 if out_dtype == F64 else F32).eps)
+    out_eps = float(ml_dtypes.finfo(out_dtype).eps)
+    lse, o = lse.get(), o.get()
+    np.testing.assert_array_equal(np.isnan(lse), np.isnan(lse_twin))
+    np.testing.assert_array_equal(np.isinf(lse), np.isinf(lse_twin))
+    finite = np.isfinite(lse_twin)
+    np.testing.assert_allclose(lse[finite], lse_twin[finite], rtol=8 * acc_eps, atol=8 * acc_eps)
+    np.testing.assert_array_equal(lse[~finite], lse_twin[~finite])  # -inf, +inf and NaN where the twin has them
+    np.testing.assert_array_equal(np.isnan(o.astype(np.float64)), np.isnan(o_twin.astype(np.float64)))
+    np.testing.assert_allclose(o.astype(np.float64), o_twin.astype(np.float64), rtol=0,
+                               atol=(16 * acc_eps + out_eps) * scale)
+
+
+@settings(max_examples=100)
+@given(merge_inputs())
+def test_the_merge_kernel_matches_its_twin(inputs):
+    cupy = _cupy()
+    o_a, lse_a, o_b, lse_b = inputs
+    out = cupy.full(o_a.shape, np.nan, o_a.dtype)  # every element must be written
+    lse_out = cupy.full(lse_a.shape, np.nan, lse_a.dtype)
+    o, lse = merge_attention_states(*(cupy.asarray(x) for x in inputs), out=out, lse_out=lse_out)
+    assert o is out and lse is lse_out
+    o_twin, lse_twin = merge_attention_states_numpy(o_a, lse_a, o_b, lse_b)
+    scale = max(float(np.abs(x.astype(np.float64)).max()) for x in (o_a, o_b))
+    assert_kernel_matches_twin(o, lse, o_twin, lse_twin, o_a.dtype, scale)
+
+
+def test_the_merge_kernel_edge_cases_and_in_place_strided_rows():
+    cupy = _cupy()
+    inf, nan = np.inf, np.nan
+    lse_a = np.array([[[-inf, -inf, 2.0, 0.0, nan, 0.0, inf, -200.0]]], np.float32)
+    lse_b = np.array([[[-inf, 1.0, -inf, nan, 0.0, -inf, 0.0, 0.0]]], np.float32)
+    o_a = np.full((1, 8, 1, 40), 3.0, np.float32)
+    o_b = np.full((1, 8, 1, 40), 5.0, BF16)
+    o_a[0, 1] = nan
+    o_b[0, 2] = nan
+    o_a[0, 7] = nan
+    o, lse = merge_attention_states(*(cupy.asarray(x) for x in (o_a, lse_a, o_b, lse_b)))
+    o_twin, lse_twin = merge_attention_states_numpy(o_a, lse_a, o_b, lse_b)
+    np.testing.assert_array_equal(o.get(), o_twin)  # exact here: weights are 0 or 1, or NaN
+    np.testing.assert_array_equal(lse.get(), lse_twin)
+
+    rng = np.random.default_rng(5)
+    o_acc = rng.standard_normal((2, 300, 3, 200)).astype(np.float32)  # headdim 200: lanes loop
+    lse_acc = rng.standard_normal((2, 3, 300)).astype(np.float32)
+    o_part = rng.standard_normal((2, 150, 3, 200)).astype(BF16)
+    lse_part = rng.standard_normal((2, 3, 150)).astype(np.float32) * 5
+    twin = merge_attention_states_numpy(o_acc[:, 150:], lse_acc[:, :, 150:], o_part, lse_part)
+    o_gpu, lse_gpu = cupy.asarray(o_acc), cupy.asarray(lse_acc)
+    rows, lse_rows = o_gpu[:, 150:], lse_gpu[:, :, 150:]
+    merge_attention_states(rows, lse_rows, cupy.asarray(o_part), cupy.asarray(lse_part), out=rows, lse_out=lse_rows)
+    np.testing.assert_array_equal(o_gpu[:, :150].get(), o_acc[:, :150])  # rows outside the view: untouched
+    np.testing.assert_array_equal(lse_gpu[:, :, :150].get(), lse_acc[:, :, :150])
+    assert_kernel_matches_twin(rows, lse_rows, *twin, np.dtype(np.float32), 5.0)
+
+
+# --- the ring on one GPU -------------------------------------------------------------------------
+
+
+def run_gpu_ring(problem, size, layout, *, overlap=True, backend="auto", deterministic=True):
+    """(o, lse, dq, dk, dv) of the whole sequence (CuPy), from a LocalRing of ``size`` ranks on
+    this GPU, outputs poisoned."""
+    cupy = _cupy()
+    shard, unshard = shard_functions(layout)
+    q_s, k_s, v_s, do_s = ([cupy.asarray(s) for s in shard(x, size)] for x in problem.arrays())
+    options = dict(softmax_scale=problem.softmax_scale, causal=problem.causal, layout=layout, backend=backend,
+                   overlap=overlap)
+
+    def rank_main(comm):
+        r = comm.rank
+        o, lse = ring_flash_attn_func(q_s[r], k_s[r], v_s[r], comm=comm, return_lse=True, **options)
+        grads = ring_flash_attn_backward(do_s[r], q_s[r], k_s[r], v_s[r], o, lse, comm=comm,
+                                         deterministic=deterministic, **options)
+        return (o, lse, *grads)
+
+    with poisoned_outputs():
+        per_rank = LocalRing(size, cupy).run(rank_main)
+    return tuple(unshard([result[i] for result in per_rank], axis=2 if i == 1 else 1) for i in range(5))
+
+
+def whole_sequence(problem, backend="auto"):
+    """flash_attn_func and flash_attn_backward on the whole sequence, on this GPU."""
+    cupy = _cupy()
+    q, k, v, do = (cupy.asarray(x) for x in problem.arrays())
+    with poisoned_outputs():
+        o, lse = cupyflash.flash_attn_func(q, k, v, return_lse=True, backend=backend, **problem.kwargs)
+        grads = cupyflash.flash_attn_backward(do, q, k, v, o, lse, backend=backend, **problem.kwargs)
+    return (o, lse, *grads)
+
+
+def problem_of(dtype, causal, *, seqlen=512, headdim=128, seed=0):
+    return AttentionProblem(batch=2, seqlen_q=seqlen, seqlen_k=seqlen, nheads_kv=2, group=2, headdim=headdim,
+                            causal=causal, softmax_scale=None, magnitude=1.0, dtype=dtype, seed=seed)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_the_one_gpu_ring_matches_the_whole_sequence(dtype, causal, size):
+    problem = problem_of(dtype, causal)
+    layout = "zigzag" if causal else "contiguous"
+    ring = run_gpu_ring(problem, size, layout)
+    whole = whole_sequence(problem)
+    assert_ring_close(problem, size, layout, ring[0], ring[1], ring[2:])
+    assert_attention_close(problem, whole[0], whole[1], whole[2:])
+    # The two differ by the ring's roundings only: far less than either's error against float64
+    # in 16-bit (the rule above), and float32 noise in float32.
+    for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), ring, whole):
+        a, b = a.get().astype(np.float64), b.get().astype(np.float64)
+        tolerance = (4e-2 if problem.dtype in (BF16, F16) else 1e-4) * (1 + np.abs(b).max())
+        assert np.abs(a - b).max() <= tolerance, (name, float(np.abs(a - b).max()), tolerance)
+
+
+@settings(max_examples=30)
+@given(ring_problems(dtypes=(BF16, F16, F32), min_ranks=2, headdims=(64, 128)))  # few kernels to compile
+def test_the_one_gpu_ring_matches_the_reference(case):
+    problem, size, layout = case
+    o, lse, *grads = run_gpu_ring(problem, size, layout)
+    assert_ring_close(problem, size, layout, o, lse, grads)
+
+
+def test_the_one_gpu_ring_is_deterministic_and_the_overlap_changes_no_bit():
+    problem = problem_of("bfloat16", True, seqlen=1024)
+    first = run_gpu_ring(problem, 4, "zigzag")
+    for again in (run_gpu_ring(problem, 4, "zigzag"), run_gpu_ring(problem, 4, "zigzag", overlap=False)):
+        for a, b in zip(first, again):
+            np.testing.assert_array_equal(a.get().view(np.uint8), b.get().view(np.uint8))
+
+
+# --- NCCL ------------------------------------------------------------------------------------------
+
+
+def _nccl_or_skip():
+    from cupy.cuda import nccl
+
+    if not getattr(nccl, "available", False):
+        pytest.skip("NCCL not loadable by CuPy (pip install nvidia-nccl-cu13)")
+
+
+def _launch_ring(problem, nprocs, layout):
+    shard, unshard = shard_functions(layout)
+    shards = [shard(x, nprocs) for x in problem.arrays()]
+    options = dict(softmax_scale=problem.softmax_scale, causal=problem.causal, layout=layout)
+    per_rank = launch(distributed_workers.ring_on_gpu, nprocs, args=(shards, options), timeout=300)
+    return tuple(unshard([result[i] for result in per_rank], axis=2 if i == 1 else 1) for i in range(5))
+
+
+def test_nccl_ring_of_one_process():
+    """The launcher, an NCCL communicator of one rank and the ring in a spawned process (no
+    transfer happens with one rank)."""
+    _nccl_or_skip()
+    problem = problem_of("bfloat16", True, seqlen=256)
+    o, lse, *grads = _launch_ring(problem, 1, "zigzag")
+    assert_ring_close(problem, 1, "zigzag", o, lse, grads)
+
+
+def test_nccl_ring_of_two_gpus():
+    _nccl_or_skip()
+    if _cupy().cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+    problem = problem_of("bfloat16", True, seqlen=1024)
+    o, lse, *grads = _launch_ring(problem, 2, "zigzag")
+    assert_ring_close(problem, 2, "zigzag", o, lse, grads)
+    ring = run_gpu_ring(problem, 2, "zigzag")
+    for a, b in zip((o, lse, *grads), ring):  # NCCL and the one-GPU ring: the same arithmetic
+        np.testing.assert_array_equal(a, b.get())
