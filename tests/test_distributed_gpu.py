@@ -202,3 +202,13 @@ def test_nccl_ring_of_two_gpus():
     ring = run_gpu_ring(problem, 2, "zigzag")
     for a, b in zip((o, lse, *grads), ring):  # NCCL and the one-GPU ring: the same arithmetic
         np.testing.assert_array_equal(a, b.get())
+
+
+def test_the_bench_runs_on_one_gpu(capsys):
+    """python -m cupyflash.distributed.bench --local: the bars' measurement, small, on one GPU."""
+    from cupyflash.distributed import bench
+
+    assert bench.main(["--local", "--ranks", "2", "--seqlen", "2048", "--heads", "4", "--kv-heads", "2",
+                       "--headdim", "64", "--repeats", "1"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("ring ") and "efficiency" in last and "communication hidden" in last
