@@ -26,6 +26,11 @@ __all__ = [
     "standard_attention",
     "standard_attention_backward",
     "visible_keys",
+    "varlen_attention",
+    "varlen_attention_backward",
+    "kvcache_sequences",
+    "kvcache_appended",
+    "kvcache_attention",
 ]
 
 
@@ -223,3 +228,114 @@ def standard_attention_backward(do, q, k, v, *, softmax_scale=None, causal=False
         _seqlen_first(g, n).astype(dtype)
         for g, n in ((dq, nheads), (dk, nheads_kv), (dv, nheads_kv))
     )
+
+
+# Packed variable-length batches and KV caches, from the same definitions: each sequence is one
+# attention problem of its own, computed by ``attention`` above. Nothing here reads cupyflash's
+# checks or layouts; index arguments are taken as given.
+
+
+def _sequence_ranges(cu_seqlens) -> list[tuple[int, int]]:
+    cu = [int(x) for x in np.asarray(cu_seqlens).reshape(-1)]
+    return list(zip(cu[:-1], cu[1:]))
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale=None, causal=False,
+                     window_size=(-1, -1)):
+    """Exact attention in float64 over a packed batch: q (total_q, nheads, headdim), k, v (total_k,
+    nheads_kv, headdim); sequence b is rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 of q and
+    cu_seqlens_k[b] .. cu_seqlens_k[b + 1] - 1 of k and v, masked with its own lengths. Returns
+    (o, lse): o (total_q, nheads, headdim), lse (nheads, total_q)."""
+    q, k, v = (np.asarray(x).astype(np.float64) for x in (q, k, v))
+    o = np.zeros(q.shape)
+    lse = np.full((q.shape[1], q.shape[0]), -np.inf)
+    for (q0, q1), (k0, k1) in zip(_sequence_ranges(cu_seqlens_q), _sequence_ranges(cu_seqlens_k)):
+        o_b, lse_b = attention(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], softmax_scale=softmax_scale,
+                               causal=causal, window_size=window_size)
+        o[q0:q1], lse[:, q0:q1] = o_b[0], lse_b[0]
+    return o, lse
+
+
+def varlen_attention_backward(do, q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale=None, causal=False,
+                              window_size=(-1, -1)):
+    """Gradients (dq, dk, dv) in float64 of sum(do * o) with o = varlen_attention(q, k, v, ...);
+    packed like q, k and v."""
+    do, q, k, v = (np.asarray(x).astype(np.float64) for x in (do, q, k, v))
+    dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
+    for (q0, q1), (k0, k1) in zip(_sequence_ranges(cu_seqlens_q), _sequence_ranges(cu_seqlens_k)):
+        dq_b, dk_b, dv_b = attention_backward(do[None, q0:q1], q[None, q0:q1], k[None, k0:k1], v[None, k0:k1],
+                                              softmax_scale=softmax_scale, causal=causal, window_size=window_size)
+        dq[q0:q1], dk[k0:k1], dv[k0:k1] = dq_b[0], dk_b[0], dv_b[0]
+    return dq, dk, dv
+
+
+def _cache_position(b: int, p: int, cache, cache_batch_idx, block_table):
+    """(first, second) index of position p of sequence b in a cache: (row, p) of a contiguous
+    cache, (page, slot) of a paged one (num_blocks, page_size, ...)."""
+    if block_table is not None:
+        page_size = cache.shape[1]
+        return int(np.asarray(block_table)[b, p // page_size]), p % page_size
+    row = b if cache_batch_idx is None else int(np.asarray(cache_batch_idx)[b])
+    return row, p
+
+
+def _cached_lengths(batch: int, k_cache, cache_seqlens, block_table) -> list[int]:
+    if cache_seqlens is None:  # the whole row, or every page of the table
+        capacity = k_cache.shape[1] * (1 if block_table is None else np.asarray(block_table).shape[1])
+        return [capacity] * batch
+    if np.ndim(cache_seqlens) == 0:
+        return [int(cache_seqlens)] * batch
+    return [int(n) for n in np.asarray(cache_seqlens)]
+
+
+def kvcache_sequences(batch, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, cache_batch_idx=None,
+                      block_table=None):
+    """[(K_b, V_b)] for b < batch: the keys and values sequence b attends to after the append, in
+    the caches' dtype, (cache_seqlens[b] + seqlen_new, nheads_kv, headdim). Its cached tokens are
+    read one position at a time: position p from row cache_batch_idx[b] (b without it) at p, or
+    from page block_table[b, p // page_size] at slot p % page_size; then its new k[b], v[b]."""
+    k_cache, v_cache = np.asarray(k_cache), np.asarray(v_cache)
+    lengths = _cached_lengths(batch, k_cache, cache_seqlens, block_table)
+    sequences = []
+    for b in range(batch):
+        keys = [k_cache[_cache_position(b, p, k_cache, cache_batch_idx, block_table)]
+                for p in range(lengths[b])]
+        values = [v_cache[_cache_position(b, p, v_cache, cache_batch_idx, block_table)]
+                  for p in range(lengths[b])]
+        if k is not None:
+            keys += list(np.asarray(k)[b])
+            values += list(np.asarray(v)[b])
+        empty = np.zeros((0,) + k_cache.shape[2:], k_cache.dtype)
+        sequences.append((np.stack(keys) if keys else empty, np.stack(values) if values else empty))
+    return sequences
+
+
+def kvcache_appended(cache, new, *, cache_seqlens, cache_batch_idx=None, block_table=None):
+    """A copy of ``cache`` with ``new`` (batch, seqlen_new, nheads_kv, headdim) written where the
+    append puts it: token t of sequence b at position cache_seqlens[b] + t, one position at a
+    time (row and page addressing as in kvcache_sequences). Everything else is the cache's own."""
+    out = np.array(cache, copy=True)
+    new = np.asarray(new)
+    lengths = _cached_lengths(new.shape[0], out, cache_seqlens, block_table)
+    for b in range(new.shape[0]):
+        for t in range(new.shape[1]):
+            out[_cache_position(b, lengths[b] + t, out, cache_batch_idx, block_table)] = new[b, t]
+    return out
+
+
+def kvcache_attention(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, cache_batch_idx=None,
+                      block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1)):
+    """Exact attention in float64 of q (batch, seqlen_q, nheads, headdim) over each sequence's
+    cached and new tokens (kvcache_sequences), the mask aligned to the end of them (seqlen_k =
+    cache_seqlens[b] + seqlen_new). Returns (o, lse): o like q, lse (batch, nheads, seqlen_q)."""
+    q = np.asarray(q).astype(np.float64)
+    batch, seqlen_q, nheads, _ = q.shape
+    o = np.zeros(q.shape)
+    lse = np.full((batch, nheads, seqlen_q), -np.inf)
+    sequences = kvcache_sequences(batch, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
+                                  cache_batch_idx=cache_batch_idx, block_table=block_table)
+    for b, (keys, values) in enumerate(sequences):
+        o_b, lse_b = attention(q[b:b + 1], keys[None], values[None], softmax_scale=softmax_scale, causal=causal,
+                               window_size=window_size)
+        o[b], lse[b] = o_b[0], lse_b[0]
+    return o, lse
