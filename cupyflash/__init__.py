@@ -7,6 +7,8 @@
 from . import kernels, numpy_backend, reference
 from .api import flash_attn_backward, flash_attn_func, flash_attn_vjp
 from .dispatch import gpu_available
+from .kvcache import flash_attn_with_kvcache
+from .varlen import flash_attn_varlen_backward, flash_attn_varlen_func, flash_attn_varlen_vjp
 
 __version__ = "0.1.0"
 
@@ -19,5 +21,6 @@ def __getattr__(name):
         return importlib.import_module(".torch", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-__all__ = ["flash_attn_func", "flash_attn_backward", "flash_attn_vjp", "reference", "numpy_backend",
-           "gpu_available", "__version__"]
+__all__ = ["flash_attn_func", "flash_attn_backward", "flash_attn_vjp", "flash_attn_varlen_func",
+           "flash_attn_varlen_backward", "flash_attn_varlen_vjp", "flash_attn_with_kvcache", "reference",
+           "numpy_backend", "gpu_available", "__version__"]

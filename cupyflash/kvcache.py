@@ -1,0 +1,361 @@
+"""flash_attn_with_kvcache: attention of new queries over a KV cache, with the new keys and values
+appended to the cache in place first (flash-attn 2.8's names, shapes and semantics).
+
+Caches: contiguous, (batch_cache, seqlen_cache, nheads_kv, headdim), sequence b in row b or in
+row cache_batch_idx[b]; or paged, (num_blocks, page_size, nheads_kv, headdim) with a block table
+(batch, max_blocks_per_seq): position p of sequence b lives in page block_table[b, p // page_size],
+slot p % page_size. Any page size is accepted (1, odd sizes, not only multiples of 256).
+
+Interim implementation, until the kernels read per-sequence lengths and page tables themselves:
+- the append is one NumPy / CuPy advanced-index assignment per cache (in place for every layout
+  and stride; no kernel of our own);
+- attention is one dense call per sequence over a view of its cache row, or, for a paged cache,
+  over its pages gathered into a contiguous temporary (``take``), one call for the whole batch
+  where every sequence has the same length; ``num_splits`` is checked and not used (no split-KV
+  kernel yet);
+- cache_seqlens, cache_batch_idx and block_table are read to the host for the checks (one
+  synchronisation each for device arrays).
+Neither the decode bandwidth bar nor the paged-kernel bar of issue 17 is met by this path.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _arrays as A
+from . import api, dispatch
+from ._dtypes import lse_dtype
+from .masks import check_window
+from .varlen import device_arrays, check_count, check_softcap, dense_forward, host_int32
+
+__all__ = ["flash_attn_with_kvcache"]
+
+
+# --- the layout of a call, checked before anything is written or launched -------------------------
+
+class CacheLayout:
+    """Where each sequence's tokens live, in one form for both layouts: a contiguous cache is a
+    paged one whose pages are whole rows (page_size = seqlen_cache) with a one-column table
+    (the rows). ``pages`` (batch, pages_per_seq) int64; ``old_lengths`` and ``lengths`` (batch,)
+    int64, the tokens before and after the append."""
+
+    def __init__(self, paged: bool, page_size: int, pages: np.ndarray, old_lengths: np.ndarray, new_tokens: int):
+        self.paged = paged
+        self.page_size = page_size
+        self.pages = pages
+        self.old_lengths = old_lengths
+        self.lengths = old_lengths + new_tokens
+        self.new_tokens = new_tokens
+
+    @property
+    def capacity(self) -> int:
+        return self.pages.shape[1] * self.page_size
+
+    def pages_used(self, b: int) -> np.ndarray:
+        """The pages sequence b attends over, in order."""
+        return self.pages[b, : -(-int(self.lengths[b]) // self.page_size)]
+
+    def appended_slots(self) -> tuple[np.ndarray, np.ndarray]:
+        """(page, slot) of every appended token, sequence-major (the order of k.reshape(-1, ...))."""
+        positions = self.old_lengths[:, None] + np.arange(self.new_tokens, dtype=np.int64)[None, :]
+        pages = np.take_along_axis(self.pages, positions // self.page_size, axis=1)
+        return pages.reshape(-1), (positions % self.page_size).reshape(-1)
+
+    def cached_extent(self, page_ids: np.ndarray) -> np.ndarray:
+        """For each page in ``page_ids``: one past the last slot that some sequence holds as a cached
+        token (before the append), 0 where none does."""
+        column = np.arange(self.pages.shape[1], dtype=np.int64)[None, :]
+        extent = np.clip(self.old_lengths[:, None] - column * self.page_size, 0, self.page_size)
+        found = np.zeros(page_ids.shape, np.int64)
+        where = np.searchsorted(page_ids, self.pages)  # page_ids is sorted
+        hit = (where < page_ids.size) & (page_ids[np.minimum(where, page_ids.size - 1)] == self.pages) & (extent > 0)
+        np.maximum.at(found, where[hit], extent[hit])
+        return found
+
+
+def _check_cache_seqlens(cache_seqlens, batch: int, capacity: int, appending: bool) -> np.ndarray:
+    if cache_seqlens is None:
+        if appending:
+            raise ValueError("k and v are appended at cache_seqlens: pass cache_seqlens (the tokens each sequence "
+                             "already has in the cache)")
+        return np.full(batch, capacity, np.int64)
+    if isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, (bool, np.bool_)):
+        return np.full(batch, check_count(cache_seqlens, "cache_seqlens"), np.int64)
+    lengths = host_int32(cache_seqlens, "cache_seqlens", 1)
+    if lengths.shape != (batch,):
+        raise ValueError(f"cache_seqlens must have shape (batch,) = ({batch},); got {tuple(lengths.shape)}")
+    if (lengths < 0).any():
+        b = int(np.argmax(lengths < 0))
+        raise ValueError(f"cache_seqlens must be >= 0; got cache_seqlens[{b}] = {int(lengths[b])}")
+    return lengths.astype(np.int64)
+
+
+def _check_layout(q_shape, cache_shape, new_tokens: int, appending: bool, cache_seqlens, cache_batch_idx,
+                  block_table) -> CacheLayout:
+    batch = q_shape[0]
+    if block_table is not None:
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx and block_table cannot be combined (a paged cache is addressed "
+                             "through block_table alone, as in flash-attn)")
+        num_blocks, page_size = cache_shape[0], cache_shape[1]
+        table = host_int32(block_table, "block_table", 2)
+        if table.shape[0] != batch:
+            raise ValueError(f"block_table must have shape (batch, max_blocks_per_seq) with batch = {batch}; "
+                             f"got {tuple(table.shape)}")
+        if page_size == 0:
+            raise ValueError("a paged k_cache (num_blocks, page_size, nheads_kv, headdim) needs page_size >= 1; "
+                             f"got shape {tuple(cache_shape)}")
+        layout = CacheLayout(True, page_size, table.astype(np.int64),
+                             _check_cache_seqlens(cache_seqlens, batch, table.shape[1] * page_size, appending),
+                             new_tokens)
+    else:
+        rows, seqlen_cache = cache_shape[0], cache_shape[1]
+        if cache_batch_idx is None:
+            if rows < batch:
+                raise ValueError(f"k_cache has {rows} rows for a batch of {batch} sequences (sequence b reads row b "
+                                 "unless cache_batch_idx says otherwise)")
+            row_of = np.arange(batch, dtype=np.int64)
+        else:
+            row_of = host_int32(cache_batch_idx, "cache_batch_idx", 1).astype(np.int64)
+            if row_of.shape != (batch,):
+                raise ValueError(f"cache_batch_idx must have shape (batch,) = ({batch},); got {tuple(row_of.shape)}")
+            bad = (row_of < 0) | (row_of >= rows)
+            if bad.any():
+                b = int(np.argmax(bad))
+                raise ValueError(f"cache_batch_idx[{b}] = {int(row_of[b])} is not a row of k_cache (0 .. {rows - 1})")
+        # One page per sequence, its row; with seqlen_cache = 0 nothing fits and nothing is read.
+        layout = CacheLayout(False, seqlen_cache, row_of[:, None],
+                             _check_cache_seqlens(cache_seqlens, batch, seqlen_cache, appending), new_tokens)
+
+    too_long = layout.lengths > layout.capacity
+    if too_long.any():
+        b = int(np.argmax(too_long))
+        where = (f"its {layout.pages.shape[1]} pages of {layout.page_size} tokens" if layout.paged
+                 else f"a cache of {layout.capacity} tokens per sequence")
+        if appending:
+            raise ValueError(f"the cache is too small for the append: sequence {b} has {int(layout.old_lengths[b])} "
+                             f"cached tokens + {new_tokens} new ones = {int(layout.lengths[b])} > {where}")
+        raise ValueError(f"cache_seqlens[{b}] = {int(layout.old_lengths[b])} exceeds {where}")
+    if layout.paged:
+        num_blocks = cache_shape[0]
+        for b in range(batch):
+            used = layout.pages_used(b)
+            bad = (used < 0) | (used >= num_blocks)
+            if bad.any():
+                j = int(np.argmax(bad))
+                raise ValueError(f"block_table[{b}, {j}] = {int(used[j])} is not a page of k_cache (0 .. {num_blocks - 1}); "
+                                 f"sequence {b} needs its first {used.size} entries")
+    if appending and batch * new_tokens:
+        _check_append_targets(layout)
+    return layout
+
+
+def _check_append_targets(layout: CacheLayout) -> None:
+    """Every appended token gets a slot of its own, and none overwrites a cached token of any
+    sequence: both would make the result depend on the order of the writes."""
+    pages, slots = layout.appended_slots()
+    flat = pages * layout.page_size + slots
+    unique, first, counts = np.unique(flat, return_index=True, return_counts=True)
+    what = "row" if not layout.paged else "page"
+    if (counts > 1).any():
+        slot = unique[np.argmax(counts > 1)]
+        writers = sorted({int(i) // layout.new_tokens for i in np.flatnonzero(flat == slot)})
+        raise ValueError(f"sequences {writers} would append into the same cache slot ({what} "
+                         f"{int(slot // layout.page_size)}, slot {int(slot % layout.page_size)}): each appended token "
+                         "needs a slot of its own (distinct cache_batch_idx rows / block_table pages)")
+    page_ids = np.unique(pages)
+    extent = layout.cached_extent(page_ids)
+    overwrites = slots < extent[np.searchsorted(page_ids, pages)]
+    if overwrites.any():
+        i = int(np.argmax(overwrites))
+        raise ValueError(f"sequence {i // layout.new_tokens} would append over a cached token of the batch ({what} "
+                         f"{int(pages[i])}, slot {int(slots[i])}, within cache_seqlens of a sequence that reads it)")
+
+
+def _check_new_kv(k, v, q_shape, cache_shape):
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (the new keys and values to append), or neither")
+    if k is None:
+        return 0
+    for name, x in (("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(f"{name} must have 4 dimensions (batch, seqlen_new, nheads_kv, headdim); "
+                             f"got shape {tuple(x.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if k.shape[0] != q_shape[0]:
+        raise ValueError(f"k must have the batch size of q ({q_shape[0]}); got {k.shape[0]}")
+    if k.shape[2:] != tuple(cache_shape[2:]):
+        raise ValueError(f"k must have the (nheads_kv, headdim) of k_cache {tuple(cache_shape[2:])}; got "
+                         f"{tuple(k.shape[2:])}")
+    return k.shape[1]
+
+
+def _check_shapes(q, k_cache, v_cache) -> None:
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if x.ndim != 4:
+            layout = ("(batch, seqlen, nheads, headdim)" if name == "q" else "(batch_cache, seqlen_cache, nheads_kv, "
+                      "headdim), or (num_blocks, page_size, nheads_kv, headdim) with a block_table")
+            raise ValueError(f"{name} must have 4 dimensions {layout}; got shape {tuple(x.shape)}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must have the same shape; got {tuple(k_cache.shape)} and "
+                         f"{tuple(v_cache.shape)}")
+    nheads, headdim = q.shape[2], q.shape[3]
+    nheads_kv = k_cache.shape[2]
+    if k_cache.shape[3] != headdim:
+        raise ValueError(f"q and k_cache must have the same headdim; got {headdim} and {k_cache.shape[3]}")
+    if not 1 <= headdim <= A.MAX_HEADDIM:
+        raise ValueError(f"headdim must be between 1 and {A.MAX_HEADDIM}; got {headdim}")
+    if nheads_kv == 0 and nheads != 0 or nheads_kv != 0 and nheads % nheads_kv != 0:
+        raise ValueError(f"nheads of q ({nheads}) must be a multiple of nheads of k_cache/v_cache ({nheads_kv}) "
+                         "(GQA/MQA); the caches may have 0 heads only when q has 0")
+
+
+def _scores_may_overflow(dtype, headdim: int, scale: float) -> bool:
+    """Whether A.check_scores_fit has to read values for this dtype, head dim and scale (its
+    bounds from the scale and the dtype alone do not settle it). The cached keys are checked
+    per sequence only then: most of a cache is not this call's keys, and may hold anything."""
+    import ml_dtypes
+
+    amplification = abs(scale) * A.LOG2E
+    limit = float(np.finfo(lse_dtype(dtype)).max)
+    dtype_max = float(ml_dtypes.finfo(dtype).max)
+    return amplification > 1.0 and amplification * dtype_max * max(headdim * dtype_max, 1.0) > limit
+
+
+# --- reading a sequence's keys and values ----------------------------------------------------------
+
+def _sequence_keys(cache, layout: CacheLayout, b: int, length: int):
+    """Sequence b's first ``length`` keys (or values) of ``cache``, (1, length, nheads_kv, headdim):
+    a view of its row, or its pages gathered into a contiguous temporary."""
+    if not layout.paged:
+        return cache[int(layout.pages[b, 0])][None, :length]
+    xp = np if isinstance(cache, np.ndarray) else A._cupy()
+    pages = layout.pages[b, : -(-length // layout.page_size)]
+    gathered = xp.take(cache, xp.asarray(pages), axis=0)
+    return gathered.reshape((1, pages.size * layout.page_size) + cache.shape[2:])[:, :length]
+
+
+def _batch_keys(cache, layout: CacheLayout, length: int):
+    """Every sequence's first ``length`` keys at once, (batch, length, nheads_kv, headdim), where
+    that is one view or one gather; None otherwise."""
+    batch = layout.pages.shape[0]
+    if not layout.paged:
+        if not np.array_equal(layout.pages[:, 0], np.arange(batch)):
+            return None
+        return cache[:batch, :length]
+    xp = np if isinstance(cache, np.ndarray) else A._cupy()
+    pages = layout.pages[:, : -(-length // layout.page_size)]
+    gathered = xp.take(cache, xp.asarray(pages.reshape(-1)), axis=0)
+    return gathered.reshape((batch, pages.shape[1] * layout.page_size) + cache.shape[2:])[:, :length]
+
+
+# --- the public function ----------------------------------------------------------------------------
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, cache_batch_idx=None,
+                            block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            num_splits=0, return_softmax_lse=False, return_lse=False, backend="auto"):
+    """Append k, v to the caches in place at each sequence's cache_seqlens, then attend q over
+    each sequence's cache_seqlens[b] + seqlen_new keys (flash-attn 2.8's flash_attn_with_kvcache).
+
+    q: (batch, seqlen_q, nheads, headdim). k_cache, v_cache: (batch_cache, seqlen_cache,
+    nheads_kv, headdim), or (num_blocks, page_size, nheads_kv, headdim) with ``block_table``
+    (batch, max_blocks_per_seq) int32 (paged; any page size). k, v (optional, together):
+    (batch, seqlen_new, nheads_kv, headdim), written into the caches at positions
+    cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 of sequence b. ``cache_seqlens``: an int
+    or (batch,) int32, the tokens already cached per sequence (required with k, v; without it the
+    whole cache row / table is the sequence). ``cache_batch_idx`` (batch,) int32: the cache row of
+    each sequence (contiguous caches only). ``causal`` and ``window_size`` align the queries to the
+    end of the updated cache: with seqlen_k = cache_seqlens[b] + seqlen_new, query i sees key j
+    iff j <= i + seqlen_k - seqlen_q (and the window's bounds around that diagonal).
+    Returns o (like q), or (o, lse) with lse (batch, nheads, seqlen_q) when ``return_softmax_lse``
+    (flash-attn's name) or ``return_lse`` (cupyflash's) is set.
+
+    Every check runs before the caches are written: shapes, dtypes, index dtypes and ranges,
+    block_table entries within the cache (those the call uses), room for the append, no two
+    appended tokens on one slot, none over a cached token. ``num_splits`` (0: heuristic) is
+    accepted and not used yet; ``softcap`` only 0. Interim implementation (see the module
+    docstring): a dense call per sequence, pages gathered first.
+    """
+    backend = A.check_backend(backend)
+    causal = A.check_flag(causal, "causal")
+    window = check_window(window_size)
+    want_lse = A.check_flag(return_softmax_lse, "return_softmax_lse")
+    want_lse = A.check_flag(return_lse, "return_lse") or want_lse
+    check_softcap(softcap)
+    check_count(num_splits, "num_splits")
+    on_gpu = api._on_gpu(backend)
+    named = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
+    if k is not None:
+        named["k"] = k
+    if v is not None:
+        named["v"] = v
+    arrays, host_out = api._take(named)
+    dtype = A.check_dtype(arrays)
+    q, k_cache, v_cache = arrays["q"], arrays["k_cache"], arrays["v_cache"]
+    k, v = arrays.get("k"), arrays.get("v")
+    _check_shapes(q, k_cache, v_cache)
+    batch, seqlen_q, nheads, headdim = q.shape
+    new_tokens = _check_new_kv(k, v, q.shape, k_cache.shape)
+    appending = k is not None
+    layout = _check_layout(q.shape, k_cache.shape, new_tokens, appending, cache_seqlens, cache_batch_idx,
+                           block_table)
+    scale = A.resolve_scale(softmax_scale, headdim)
+    indices = {"cache_batch_idx": cache_batch_idx, "block_table": block_table}
+    if not isinstance(cache_seqlens, (int, np.integer)):
+        indices["cache_seqlens"] = cache_seqlens
+    A.same_device({**arrays, **device_arrays(**indices)})
+    which = dispatch.choose(backend, dtype, headdim, "fwd")
+    if appending:
+        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if isinstance(cache, np.ndarray) and not cache.flags.writeable:
+                raise ValueError(f"{name} is read-only; k and v are appended to it in place")
+    if batch * seqlen_q * nheads:
+        if appending and new_tokens:
+            A.check_scores_fit(q, k, scale)
+        if _scores_may_overflow(dtype, headdim, scale):
+            for b in range(batch):
+                if layout.old_lengths[b]:
+                    A.check_scores_fit(q[b:b + 1], _sequence_keys(k_cache, layout, b, int(layout.old_lengths[b])),
+                                       scale)
+
+    if appending and batch * new_tokens:
+        _append(k_cache, v_cache, k, v, layout)
+    return _attend(which, on_gpu, host_out, q, k_cache, v_cache, layout, scale, causal, window, want_lse)
+
+
+def _append(k_cache, v_cache, k, v, layout: CacheLayout) -> None:
+    """k, v into their slots: one advanced-index assignment per cache, which NumPy and CuPy carry
+    out in place whatever the cache's strides (CuPy scatters into the array's own memory)."""
+    pages, slots = layout.appended_slots()
+    for cache, new in ((k_cache, k), (v_cache, v)):
+        on_host = isinstance(cache, np.ndarray)
+        xp = np if on_host else A._cupy()
+        values = (A.to_numpy if on_host else A.to_cupy)(new, "k").reshape((-1,) + cache.shape[2:])
+        cache[xp.asarray(pages), xp.asarray(slots)] = values
+
+
+def _attend(which, on_gpu, host_out, q, k_cache, v_cache, layout: CacheLayout, scale, causal, window, want_lse):
+    batch, seqlen_q, nheads, _ = q.shape
+    convert = A.to_cupy if on_gpu else A.to_numpy
+    q = A.last_dim_contiguous(convert(q, "q"))
+
+    def compute(q_part, keys, values):
+        keys, values = (A.last_dim_contiguous(convert(x, "k_cache")) for x in (keys, values))
+        return dense_forward(which, q_part, keys, values, scale, causal, window)
+
+    lengths = layout.lengths
+    if batch and (lengths == lengths[0]).all() and (batch_keys := _batch_keys(k_cache, layout, int(lengths[0]))) is not None:
+        # One call for the whole batch: every sequence has the same keys' length and one view or
+        # one gather holds them all.
+        o, lse = compute(q, batch_keys, _batch_keys(v_cache, layout, int(lengths[0])))
+    else:
+        xp = np if which == "numpy" else A._cupy()
+        o = api._empty(q.shape, q.dtype, xp=xp)
+        lse = api._empty((batch, nheads, seqlen_q), lse_dtype(q.dtype), xp=xp)
+        for b in range(batch):
+            length = int(lengths[b])
+            o_b, lse_b = compute(q[b:b + 1], _sequence_keys(k_cache, layout, b, length),
+                                 _sequence_keys(v_cache, layout, b, length))
+            o[b], lse[b] = o_b[0], lse_b[0]
+    o, lse = api._to_device((o, lse)) if which == "numpy" and not host_out else api._to_host((o, lse), host_out)
+    return (o, lse) if want_lse else o

@@ -1,0 +1,277 @@
+"""Packed variable-length batches: flash_attn_varlen_func, flash_attn_varlen_backward,
+flash_attn_varlen_vjp (flash-attn 2.8's names, layout and semantics).
+
+Layout: the sequences of a batch are packed one after the other along the first axis, no padding.
+q, o, do, dq: (total_q, nheads, headdim); k, v, dk, dv: (total_k, nheads_kv, headdim);
+``cu_seqlens_q`` (batch + 1,) int32 with sequence b's queries at rows cu_seqlens_q[b] ..
+cu_seqlens_q[b + 1] - 1 (likewise ``cu_seqlens_k``); lse: (nheads, total_q), flash-attn's varlen
+layout. Each sequence is its own attention problem: its own bottom-right causal alignment and
+window (diag = seqlen_k[b] - seqlen_q[b]); sequences never see each other's keys.
+
+Interim GPU path, until the kernels read cu_seqlens themselves (a Params field): one dense call
+per sequence on views of the packed arrays (no padding work, but one kernel launch and one copy
+of its o and lse into place per sequence; per-launch overhead dominates batches of many short
+sequences), and cu_seqlens are read back to the host once per call to find the sequences. NumPy
+inputs run the NumPy twin per sequence the same way.
+"""
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+from . import _arrays as A
+from . import api, dispatch
+from ._dtypes import lse_dtype
+from .masks import check_window
+
+__all__ = ["flash_attn_varlen_func", "flash_attn_varlen_backward", "flash_attn_varlen_vjp"]
+
+
+# --- argument checks (everything here runs before any launch) -----------------------------------
+
+def check_softcap(softcap) -> None:
+    """softcap is accepted for flash-attn's signature; only 0 (off) is computed so far."""
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a real number; got {type(softcap).__name__}")
+    if softcap != 0:
+        raise NotImplementedError(f"softcap={softcap}: cupyflash does not compute soft-capped scores yet "
+                                  "(pass softcap=0.0)")
+
+
+def check_count(value, name: str) -> int:
+    """A non-negative int (Python or NumPy integer, not a bool)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Integral, np.integer)):
+        raise TypeError(f"{name} must be an int; got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0; got {value}")
+    return int(value)
+
+
+def host_int32(x, name: str, ndim: int) -> np.ndarray:
+    """An int32 index array of ``ndim`` dimensions (NumPy, CuPy or DLPack), as a NumPy array on the
+    host (a device array is read back: a synchronisation)."""
+    kind = A.array_kind(x, name)
+    array = A.take_array(x, name, kind)
+    if np.dtype(array.dtype) != np.int32:
+        raise TypeError(f"{name} must have dtype int32 (as flash-attn's); got {array.dtype}")
+    if array.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D; got shape {tuple(array.shape)}")
+    return array if isinstance(array, np.ndarray) else array.get()
+
+
+def check_cu_seqlens(cu_seqlens: np.ndarray, name: str, total: int, total_name: str) -> np.ndarray:
+    """The sequence lengths (int64) of a checked cumulative-length array."""
+    if cu_seqlens.shape[0] == 0:
+        raise ValueError(f"{name} must have batch + 1 entries (just [0] for an empty batch); got none")
+    if cu_seqlens[0] != 0:
+        raise ValueError(f"{name} must start at 0; got {name}[0] = {int(cu_seqlens[0])}")
+    lengths = np.diff(cu_seqlens.astype(np.int64))
+    if (lengths < 0).any():
+        b = int(np.argmax(lengths < 0))
+        raise ValueError(f"{name} must be non-decreasing (every sequence length >= 0); got {name}[{b + 1}] = "
+                         f"{int(cu_seqlens[b + 1])} < {name}[{b}] = {int(cu_seqlens[b])}")
+    if int(cu_seqlens[-1]) != total:
+        raise ValueError(f"{name}[-1] = {int(cu_seqlens[-1])} must equal the number of tokens of {total_name} "
+                         f"({total_name}.shape[0] = {total})")
+    return lengths
+
+
+def check_max_seqlen(lengths: np.ndarray, max_seqlen, name: str, what: str) -> int:
+    max_seqlen = check_count(max_seqlen, name)
+    if lengths.size and int(lengths.max()) > max_seqlen:
+        b = int(np.argmax(lengths))
+        raise ValueError(f"sequence {b} has {int(lengths[b])} {what}, more than {name} = {max_seqlen}")
+    return max_seqlen
+
+
+def check_packed_shapes(q, k, v) -> tuple[int, int, int, int, int]:
+    """(total_q, total_k, nheads, nheads_kv, headdim) of packed q, k, v."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 3:
+            raise ValueError(f"{name} must have 3 dimensions (total_tokens, nheads, headdim), the packed layout; "
+                             f"got shape {tuple(x.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    # headdim and GQA as the dense API checks them, on one-sequence views.
+    A.check_qkv_shapes(q[None], k[None], v[None])
+    total_q, nheads, headdim = q.shape
+    total_k, nheads_kv, _ = k.shape
+    return total_q, total_k, nheads, nheads_kv, headdim
+
+
+def check_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q: int, total_k: int):
+    """(cu_seqlens_q, cu_seqlens_k) checked, as host int64 arrays."""
+    cu_q = host_int32(cu_seqlens_q, "cu_seqlens_q", 1)
+    cu_k = host_int32(cu_seqlens_k, "cu_seqlens_k", 1)
+    if cu_q.shape != cu_k.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1); got "
+                         f"{cu_q.shape[0]} and {cu_k.shape[0]}")
+    lengths_q = check_cu_seqlens(cu_q, "cu_seqlens_q", total_q, "q")
+    lengths_k = check_cu_seqlens(cu_k, "cu_seqlens_k", total_k, "k")
+    check_max_seqlen(lengths_q, max_seqlen_q, "max_seqlen_q", "query tokens")
+    check_max_seqlen(lengths_k, max_seqlen_k, "max_seqlen_k", "key tokens")
+    return cu_q.astype(np.int64), cu_k.astype(np.int64)
+
+
+def device_arrays(**arrays) -> dict:
+    """The device arrays among index arguments, for the one-device check."""
+    return {name: x for name, x in arrays.items() if x is not None and A.array_kind(x, name) == "cupy"}
+
+
+# --- one sequence through the dense API's compute paths -------------------------------------------
+
+def dense_forward(which: str, q, k, v, scale: float, causal: bool, window) -> tuple:
+    """(o, lse) of (batch, seqlen, heads, headdim) arrays already on the compute side, through the
+    dense API's paths (its chunks over batch and heads included); zeros and -inf where nothing
+    is to be computed."""
+    batch, seqlen_q, nheads, _ = q.shape
+    xp = np if which == "numpy" else A._cupy()
+    if batch * seqlen_q * nheads * k.shape[1] == 0:
+        return xp.zeros(q.shape, q.dtype), xp.full((batch, nheads, seqlen_q), -np.inf, lse_dtype(q.dtype))
+    if which == "numpy":
+        from . import numpy_backend
+
+        return api._forward_in_chunks(
+            lambda q, k, v: numpy_backend.forward(q, k, v, softmax_scale=scale, causal=causal, window_size=window),
+            q, k, v)
+    return api._forward_in_chunks(lambda q, k, v: api._forward_gpu(which, q, k, v, scale, causal, window), q, k, v)
+
+
+def dense_backward(which: str, do, q, k, v, o, lse, scale: float, causal: bool, window, deterministic: bool):
+    """(dq, dk, dv) of the dense API's backward paths; zeros where nothing is to be computed."""
+    xp = np if which == "numpy" else A._cupy()
+    if q.shape[0] * q.shape[1] * q.shape[2] * k.shape[1] == 0:
+        return tuple(xp.zeros(x.shape, x.dtype) for x in (q, k, v))
+    if which == "numpy":
+        from . import numpy_backend
+
+        return api._backward_in_chunks(
+            lambda *chunk: numpy_backend.backward(*chunk, softmax_scale=scale, causal=causal, window_size=window),
+            do, q, k, v, o, lse)
+    return api._backward_in_chunks(
+        lambda *chunk: api._backward_gpu(which, *chunk, scale, causal, window, deterministic), do, q, k, v, o, lse)
+
+
+def _finish(results, which: str, host_out: bool):
+    """Results back to the caller's side, as the dense API returns them."""
+    return api._to_device(results) if which == "numpy" and not host_out else api._to_host(results, host_out)
+
+
+# --- the public functions ---------------------------------------------------------------------------
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, softmax_scale=None,
+                           causal=False, window_size=(-1, -1), softcap=0.0, return_lse=False, backend="auto"):
+    """Exact attention over a packed batch of sequences of different lengths (flash-attn 2.8's
+    flash_attn_varlen_func).
+
+    q: (total_q, nheads, headdim); k, v: (total_k, nheads_kv, headdim), nheads % nheads_kv == 0
+    (GQA/MQA). cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32, starting at 0, non-decreasing,
+    ending at total_q / total_k; sequence b is queries cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1
+    and keys cu_seqlens_k[b] .. cu_seqlens_k[b + 1] - 1, and no sequence is longer than
+    max_seqlen_q / max_seqlen_k. Empty sequences are allowed (no query: nothing; no key: o = 0,
+    lse = -inf). ``causal`` and ``window_size`` are flash_attn_func's, applied per sequence with
+    its own bottom-right alignment. Returns o (like q), or (o, lse) with lse (nheads, total_q),
+    float32 (float64 for float64).
+
+    Interim implementation: one dense launch per non-empty sequence on views of the packed
+    arrays (no padding is computed, but launches grow with the batch), after reading cu_seqlens
+    to the host (one synchronisation for device arrays). softcap: only 0.0.
+    """
+    backend = A.check_backend(backend)
+    causal = A.check_flag(causal, "causal")
+    window = check_window(window_size)
+    return_lse = A.check_flag(return_lse, "return_lse")
+    check_softcap(softcap)
+    on_gpu = api._on_gpu(backend)
+    arrays, host_out = api._take({"q": q, "k": k, "v": v})
+    dtype = A.check_dtype(arrays)
+    total_q, total_k, nheads, _, headdim = check_packed_shapes(*arrays.values())
+    cu_q, cu_k = check_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, total_k)
+    scale = A.resolve_scale(softmax_scale, headdim)
+    A.same_device({**arrays, **device_arrays(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)})
+    which = dispatch.choose(backend, dtype, headdim, "fwd")
+    if total_q * nheads * total_k:
+        A.check_scores_fit(arrays["q"], arrays["k"], scale)
+    q, k, v = api._move(arrays, on_gpu).values()
+
+    xp = np if which == "numpy" else A._cupy()
+    o = api._empty(q.shape, dtype, xp=xp)
+    lse = api._empty((nheads, total_q), lse_dtype(dtype), xp=xp)
+    for q0, q1, k0, k1 in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()):
+        if q1 == q0:
+            continue
+        o_b, lse_b = dense_forward(which, q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], scale, causal, window)
+        o[q0:q1] = o_b[0]
+        lse[:, q0:q1] = lse_b[0]
+    o, lse = _finish((o, lse), which, host_out)
+    return (o, lse) if return_lse else o
+
+
+def check_varlen_backward_arrays(do, o, lse, q_shape, dtype) -> None:
+    """Shapes and dtypes of the varlen backward's extra inputs."""
+    total_q, nheads, _ = q_shape
+    for name, x in (("do", do), ("o", o)):
+        if tuple(x.shape) != tuple(q_shape):
+            raise ValueError(f"{name} must have the shape of q {tuple(q_shape)}; got {tuple(x.shape)}")
+        if np.dtype(x.dtype) != dtype:
+            raise TypeError(f"{name} must have the dtype of q ({dtype}); got {x.dtype}")
+    if tuple(lse.shape) != (nheads, total_q):
+        raise ValueError(f"lse must have shape (nheads, total_q) = {(nheads, total_q)}, flash-attn's varlen "
+                         f"layout; got {tuple(lse.shape)}")
+    if np.dtype(lse.dtype) != lse_dtype(dtype):
+        raise TypeError(f"lse must have dtype {lse_dtype(dtype)} for {dtype} inputs; got {lse.dtype}")
+
+
+def flash_attn_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                               softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, backend="auto",
+                               deterministic=True):
+    """Gradients (dq, dk, dv) of flash_attn_varlen_func from its o and lse (nheads, total_q).
+
+    dq is shaped like q, dk and dv like k and v; for GQA they sum over the query heads sharing a
+    kv head. Keys of a sequence without queries, and queries of a sequence without keys, get zero
+    gradients. The options must be the forward's; ``deterministic`` is flash_attn_backward's.
+    Interim implementation: one dense backward per sequence on views, as the forward.
+    """
+    backend = A.check_backend(backend)
+    causal = A.check_flag(causal, "causal")
+    window = check_window(window_size)
+    deterministic = A.check_flag(deterministic, "deterministic")
+    check_softcap(softcap)
+    on_gpu = api._on_gpu(backend)
+    arrays, host_out = api._take({"do": do, "q": q, "k": k, "v": v, "o": o, "lse": lse})
+    dtype = A.check_dtype({name: arrays[name] for name in ("q", "k", "v", "do", "o")})
+    total_q, total_k, nheads, _, headdim = check_packed_shapes(arrays["q"], arrays["k"], arrays["v"])
+    check_varlen_backward_arrays(arrays["do"], arrays["o"], arrays["lse"], arrays["q"].shape, dtype)
+    cu_q, cu_k = check_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, total_k)
+    scale = A.resolve_scale(softmax_scale, headdim)
+    A.same_device({**arrays, **device_arrays(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)})
+    which = dispatch.choose(backend, dtype, headdim, "bwd")
+    if total_q * nheads * total_k:
+        A.check_scores_fit(arrays["q"], arrays["k"], scale)
+    do, q, k, v, o, lse = api._move(arrays, on_gpu).values()
+
+    xp = np if which == "numpy" else A._cupy()
+    dq, dk, dv = (api._empty(x.shape, dtype, xp=xp) for x in (q, k, v))
+    for q0, q1, k0, k1 in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()):
+        queries, keys = slice(q0, q1), slice(k0, k1)
+        dq_b, dk_b, dv_b = dense_backward(which, do[None, queries], q[None, queries], k[None, keys], v[None, keys],
+                                          o[None, queries], lse[None, :, queries], scale, causal, window, deterministic)
+        dq[queries], dk[keys], dv[keys] = dq_b[0], dk_b[0], dv_b[0]
+    return _finish((dq, dk, dv), which, host_out)
+
+
+def flash_attn_varlen_vjp(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **options):
+    """(o, vjp) with vjp(do) -> (dq, dk, dv) for a packed batch: flash_attn_varlen_func and its
+    backward without a framework. ``options`` are flash_attn_varlen_func's (softmax_scale, causal,
+    window_size, softcap, backend); ``deterministic`` goes to the backward."""
+    deterministic = options.pop("deterministic", True)
+    if "return_lse" in options:
+        raise TypeError("flash_attn_varlen_vjp does not take return_lse (the lse is kept for the backward)")
+    sequences = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    o, lse = flash_attn_varlen_func(q, k, v, *sequences, return_lse=True, **options)
+
+    def vjp(do):
+        return flash_attn_varlen_backward(do, q, k, v, o, lse, *sequences, deterministic=deterministic, **options)
+
+    return o, vjp
