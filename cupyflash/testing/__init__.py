@@ -7,6 +7,9 @@
   raises one readable AssertionError naming every output that fails.
 - ``strategies.attention_problems(...)``: Hypothesis strategies of AttentionProblems with keyword
   bounds (needs Hypothesis; importing this package does not import it).
+- ``VarlenProblem`` / ``KVCacheProblem`` (``testing.packed``): packed variable-length batches
+  and KV-cache decoding steps; ``assert_varlen_close`` / ``assert_kvcache_close`` apply the same
+  rule to them, and ``strategies.varlen_problems`` / ``strategies.kvcache_problems`` draw them.
 - ``poisoned_outputs()`` makes every GPU output buffer cupyflash allocates start as NaN instead of
   uninitialised memory, so an element a kernel forgets to write fails a comparison instead of
   passing by luck.
@@ -18,17 +21,24 @@ from __future__ import annotations
 import contextlib
 import threading
 
+from .packed import KVCacheProblem, VarlenProblem
 from .problem import AttentionProblem, as_numpy
-from .tolerance import assert_attention_close, assert_close
+from .tolerance import assert_attention_close, assert_close, assert_kvcache_close, assert_varlen_close
 
 __all__ = [
     "AttentionProblem",
+    "KVCacheProblem",
+    "VarlenProblem",
     "as_numpy",
     "assert_attention_close",
     "assert_close",
+    "assert_kvcache_close",
+    "assert_varlen_close",
     "attention_problems",
+    "kvcache_problems",
     "poison_enabled",
     "poisoned_outputs",
+    "varlen_problems",
 ]
 
 _state = threading.local()
@@ -49,9 +59,9 @@ def poisoned_outputs(enabled: bool = True):
 
 
 def __getattr__(name):
-    # attention_problems lives with Hypothesis, which is imported only when it is asked for.
-    if name == "attention_problems":
-        from .strategies import attention_problems
+    # The strategies live with Hypothesis, which is imported only when one is asked for.
+    if name in ("attention_problems", "varlen_problems", "kvcache_problems"):
+        from . import strategies
 
-        return attention_problems
+        return getattr(strategies, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

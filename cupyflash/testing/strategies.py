@@ -151,3 +151,170 @@ def _attention_problems(draw, dtypes, causal, windows, min_seqlen, max_seqlen, s
         batch, seqlen_q, seqlen_k, nheads_kv, group, headdim, causal, softmax_scale, magnitude,
         dtype, seed, window_size,
     )
+
+
+# --- packed variable-length batches and KV caches -------------------------------------------------
+
+# Ragged lengths: empty sequences and single tokens as often as tile edges.
+PACKED_SEQLENS = (0, 1, 2, 3, 17, 63, 64, 65, 127, 129)
+# Page sizes of a paged KV cache (None: contiguous): 1, odd ones and powers of two up to 256.
+PAGE_SIZES = (None, 1, 3, 5, 16, 17, 64, 256)
+
+
+def _draw_heads_and_scale(draw, budget, headdims, max_headdim, max_heads_kv, max_group, scales, magnitudes,
+                          max_logit_std):
+    """(headdim, nheads_kv, group, softmax_scale, magnitude) within ``budget`` of
+    nheads * headdim, the magnitude capped as attention_problems caps it."""
+    if headdims is None:
+        headdim = draw(_favourite_or_any(HEADDIMS, 1, min(max_headdim, budget)))
+    else:
+        fitting = [d for d in headdims if d <= min(max_headdim, budget)]
+        headdim = draw(st.sampled_from(fitting or [min(headdims)]))
+    budget = max(budget // headdim, 1)
+    nheads_kv = draw(st.integers(1, min(max_heads_kv, budget)))
+    group = draw(st.integers(1, min(max_group, max(budget // nheads_kv, 1))))
+    softmax_scale = draw(st.none() if scales is None else st.one_of(st.none(), st.floats(*scales)))
+    magnitude = draw(st.floats(*magnitudes))
+    scale = 1.0 / math.sqrt(headdim) if softmax_scale is None else softmax_scale
+    if max_logit_std is not None and scale > 0:
+        magnitude = min(magnitude, math.sqrt(max_logit_std / (scale * math.sqrt(headdim))))
+    return headdim, nheads_kv, group, softmax_scale, magnitude
+
+
+def _draw_window(draw, windows, causal, max_side):
+    if not windows:
+        return (-1, -1)
+    side = st.one_of(st.just(-1), st.integers(0, max(max_side, 0)))
+    return (draw(side), 0 if causal else draw(side))
+
+
+def varlen_problems(
+    *,
+    dtypes: Sequence = DTYPES,
+    causal: bool | None = None,
+    windows: bool = False,
+    min_batch: int = 1,
+    max_batch: int = 5,
+    max_seqlen: int = 130,
+    same_seqlens: bool | None = None,
+    headdims: Sequence[int] | None = None,
+    max_headdim: int = 128,
+    max_heads_kv: int = 3,
+    max_group: int = 3,
+    scales: tuple[float, float] | None = (0.05, 2.0),
+    magnitudes: tuple[float, float] = (0.1, 4.0),
+    max_logit_std: float | None = MAX_LOGIT_STD,
+    max_cost: float = CPU_MAX_COST / 4,
+):
+    """VarlenProblems: a batch of [min_batch, max_batch] sequences whose query and key lengths
+    are each 0..max_seqlen, drawn one by one (half the time one of PACKED_SEQLENS: zeros, ones,
+    tile edges), so batches are ragged. ``same_seqlens``: True gives every sequence as many keys as
+    queries (self-attention, as in packed training), False draws them apart, None either way.
+    The other bounds are attention_problems'; the cost is sum of seqlen_q * seqlen_k over the
+    sequences, times nheads * headdim."""
+    dtypes = [as_dtype(d) for d in dtypes]
+    if not dtypes:
+        raise ValueError("dtypes is empty")
+    _check_range("(min_batch, max_batch)", (min_batch, max_batch), 0)
+    _check_range("(0, max_seqlen)", (0, max_seqlen), 0)
+    _check_range("magnitudes", magnitudes, 0)
+    if magnitudes[0] <= 0:
+        raise ValueError(f"magnitudes must be positive (zero inputs test nothing), got {magnitudes}")
+    return _varlen_problems(dtypes, causal, windows, min_batch, max_batch, max_seqlen, same_seqlens,
+                            None if headdims is None else tuple(headdims), max_headdim, max_heads_kv, max_group,
+                            scales, magnitudes, max_logit_std, max_cost)
+
+
+@st.composite
+def _varlen_problems(draw, dtypes, causal, windows, min_batch, max_batch, max_seqlen, same_seqlens, headdims,
+                     max_headdim, max_heads_kv, max_group, scales, magnitudes, max_logit_std, max_cost):
+    from .packed import VarlenProblem
+
+    dtype = draw(st.sampled_from(dtypes))
+    causal = draw(st.booleans() if causal is None else st.just(bool(causal)))
+    same = draw(st.booleans() if same_seqlens is None else st.just(bool(same_seqlens)))
+    length = _favourite_or_any(PACKED_SEQLENS, 0, max_seqlen)
+    batch = draw(st.integers(min_batch, max_batch))
+    seqlens_q = draw(st.lists(length, min_size=batch, max_size=batch))
+    seqlens_k = seqlens_q if same else draw(st.lists(length, min_size=batch, max_size=batch))
+    pairs = sum(a * b for a, b in zip(seqlens_q, seqlens_k))
+    budget = max(int(max_cost) // max(pairs, 1), 1)
+    headdim, nheads_kv, group, softmax_scale, magnitude = _draw_heads_and_scale(
+        draw, budget, headdims, max_headdim, max_heads_kv, max_group, scales, magnitudes, max_logit_std)
+    seed = draw(st.integers(0, 2**32 - 1))
+    window_size = _draw_window(draw, windows, causal, max(seqlens_q + seqlens_k, default=0))
+    return VarlenProblem(tuple(seqlens_q), tuple(seqlens_k), nheads_kv, group, headdim, causal, softmax_scale,
+                         magnitude, dtype, seed, window_size)
+
+
+def kvcache_problems(
+    *,
+    dtypes: Sequence = DTYPES,
+    causal: bool | None = None,
+    windows: bool = False,
+    page_sizes: Sequence = PAGE_SIZES,
+    max_batch: int = 3,
+    max_seqlen_q: int = 4,
+    max_new: int = 4,
+    max_capacity: int = 300,
+    headdims: Sequence[int] | None = None,
+    max_headdim: int = 128,
+    max_heads_kv: int = 2,
+    max_group: int = 4,
+    scales: tuple[float, float] | None = (0.05, 2.0),
+    magnitudes: tuple[float, float] = (0.1, 4.0),
+    max_logit_std: float | None = MAX_LOGIT_STD,
+    max_cost: float = CPU_MAX_COST / 4,
+):
+    """KVCacheProblems of decoding steps: 1..max_batch sequences, each with 0..capacity - seqlen_new
+    cached tokens (half the time an edge: none, one, a page edge, a full cache), seqlen_new in
+    0..max_new appended tokens and seqlen_q in 1..max_seqlen_q queries (half the time as many as the
+    new tokens, the usual decode step); a cache of ``page_sizes`` (None: contiguous) holding up to
+    max_capacity tokens per sequence (at least one page), spare rows or pages, in order or
+    shuffled. GQA groups up to max_group (decode's usual shape: many query heads per kv head)."""
+    dtypes = [as_dtype(d) for d in dtypes]
+    if not dtypes or not page_sizes:
+        raise ValueError("dtypes and page_sizes must not be empty")
+    if any(p is not None and p < 1 for p in page_sizes):
+        raise ValueError(f"page sizes must be >= 1 (or None for a contiguous cache), got {page_sizes}")
+    if min(max_batch, max_seqlen_q, max_capacity) < 1 or max_new < 0:
+        raise ValueError("max_batch, max_seqlen_q and max_capacity must be >= 1, max_new >= 0")
+    _check_range("magnitudes", magnitudes, 0)
+    return _kvcache_problems(dtypes, causal, windows, tuple(page_sizes), max_batch, max_seqlen_q, max_new,
+                             max_capacity, None if headdims is None else tuple(headdims), max_headdim,
+                             max_heads_kv, max_group, scales, magnitudes, max_logit_std, max_cost)
+
+
+@st.composite
+def _kvcache_problems(draw, dtypes, causal, windows, page_sizes, max_batch, max_seqlen_q, max_new, max_capacity,
+                      headdims, max_headdim, max_heads_kv, max_group, scales, magnitudes, max_logit_std, max_cost):
+    from .packed import KVCacheProblem
+
+    dtype = draw(st.sampled_from(dtypes))
+    causal = draw(st.booleans() if causal is None else st.just(bool(causal)))
+    page_size = draw(st.sampled_from(page_sizes))
+    seqlen_new = draw(st.integers(0, max_new))
+    if page_size is None:
+        capacity = draw(_favourite_or_any(SEQLENS, max(seqlen_new, 1), max(max_capacity, seqlen_new, 1)))
+    else:
+        fewest = max(-(-max(seqlen_new, 1) // page_size), 1)
+        pages = draw(st.integers(fewest, max(fewest, max_capacity // page_size)))
+        capacity = pages * page_size
+    batch = draw(st.integers(1, max_batch))
+    room = capacity - seqlen_new
+    edges = [0, 1, room] + ([] if page_size is None else [page_size - 1, page_size, page_size + 1])
+    cached = _favourite_or_any(edges, 0, room)
+    cache_seqlens = draw(st.lists(cached, min_size=batch, max_size=batch))
+    seqlens_as_int = len(set(cache_seqlens)) == 1 and draw(st.booleans())
+    seqlen_q = seqlen_new if seqlen_new and draw(st.booleans()) else draw(st.integers(1, max_seqlen_q))
+    spare = draw(st.integers(0, 3))
+    shuffle = draw(st.booleans())
+    keys = sum(cache_seqlens) + batch * seqlen_new
+    budget = max(int(max_cost) // max(seqlen_q * keys, 1), 1)
+    headdim, nheads_kv, group, softmax_scale, magnitude = _draw_heads_and_scale(
+        draw, budget, headdims, max_headdim, max_heads_kv, max_group, scales, magnitudes, max_logit_std)
+    seed = draw(st.integers(0, 2**32 - 1))
+    window_size = _draw_window(draw, windows, causal, capacity)
+    return KVCacheProblem(tuple(cache_seqlens), seqlen_q, seqlen_new, capacity, page_size, spare, shuffle,
+                          nheads_kv, group, headdim, causal, softmax_scale, magnitude, dtype, seed, window_size,
+                          seqlens_as_int)

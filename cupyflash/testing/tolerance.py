@@ -303,3 +303,121 @@ def assert_attention_close(problem: AttentionProblem, o, lse=None, grads=None, *
             f"{len(failures)} of {given} outputs fail against the float64 reference for "
             f"{problem}:\n" + "\n".join(f"  {f}" for f in failures)
         )
+
+
+# --- packed batches and KV caches: the same rule over every sequence at once ----------------------
+
+def _passes(failures, name, actual, ref64, baseline, *, dtype, **options) -> bool:
+    """assert_close, its failure recorded in ``failures`` instead of raised."""
+    try:
+        assert_close(name, actual, ref64, baseline, dtype=dtype, **options)
+    except AssertionError as failure:
+        failures.append(str(failure))
+        return False
+    return True
+
+
+def assert_varlen_close(problem, o, lse=None, grads=None, *, inputs=None, check_dtype=True):
+    """assert_attention_close for a packed batch (``cupyflash.testing.packed.VarlenProblem``):
+    o (total_q, nheads, headdim), lse (nheads, total_q), grads (dq, dk, dv) packed like q, k, v,
+    against ``reference.varlen_attention`` in float64.
+
+    The rule is the dense one applied to the whole packed batch: the baselines (standard attention
+    in the dtype, and for gradients the FlashAttention rounding baseline) are computed sequence by
+    sequence and packed, the allowance for the rounded o the backward saw is the largest of any
+    sequence, and each output's largest error over all sequences is compared with them."""
+    q, k, v, do = problem.arrays() if inputs is None else (as_numpy(x) for x in inputs)
+    options = problem.kwargs
+    dtype = problem.dtype
+    out_dtype = dtype if check_dtype else None
+    sixteen_bit = dtype in SIXTEEN_BIT
+    given = 1 + (lse is not None) + (3 if grads is not None else 0)
+    failures = []
+    cu_q, cu_k = problem.cu_seqlens_q, problem.cu_seqlens_k
+    ranges = [(queries, keys) for queries, keys in problem.ranges()
+              if queries.stop > queries.start and keys.stop > keys.start]  # the others are exact zeros
+
+    o_ref, lse_ref = reference.varlen_attention(q, k, v, cu_q, cu_k, **options)
+    o_std, lse_std = o_ref.copy(), lse_ref.copy()
+    if sixteen_bit:
+        for queries, keys in ranges:
+            o_b, lse_b = reference.standard_attention(q[None, queries], k[None, keys], v[None, keys], dtype=dtype,
+                                                      **options)
+            o_std[queries], lse_std[:, queries] = o_b[0], lse_b[0]
+    o = _check_output(failures, "o", o, problem.q_shape, out_dtype)
+    o_passes = o is not None and _passes(failures, "o", o, o_ref, o_std, dtype=dtype, factor=OUTPUT_FACTOR)
+    if lse is not None:
+        lse = _check_output(failures, "lse", lse, problem.lse_shape, None)
+        if lse is not None:
+            _passes(failures, "lse", lse, lse_ref, lse_std, dtype=dtype, factor=OUTPUT_FACTOR)
+
+    if grads is not None:
+        grads = tuple(grads)
+        if len(grads) != 3:
+            raise ValueError(f"grads must be (dq, dk, dv), got {len(grads)} arrays")
+        refs = reference.varlen_attention_backward(do, q, k, v, cu_q, cu_k, **options)
+        standard = [r.copy() for r in refs]
+        flash = [r.copy() for r in refs]
+        allowances = [0.0, 0.0, 0.0]
+        # The allowance for the o the backward saw, if that o is within the rule; else for a
+        # correctly rounded one (as assert_attention_close).
+        o_seen = o if o_passes else o_ref.astype(dtype)
+        for queries, keys in ranges:
+            parts = (do[None, queries], q[None, queries], k[None, keys], v[None, keys])
+            if sixteen_bit:
+                for packed, part in ((standard, reference.standard_attention_backward(*parts, dtype=dtype, **options)),
+                                     (flash, flash_rounding_baseline(*parts, dtype=dtype, **options))):
+                    packed[0][queries], packed[1][keys], packed[2][keys] = (g[0] for g in part)
+            part_allowances = output_rounding_allowance(*parts, o_seen[None, queries], o_ref[None, queries], **options)
+            allowances = [max(a, b) for a, b in zip(allowances, part_allowances)]
+        baselines = ([worse_baseline(r, s, f) for r, s, f in zip(refs, standard, flash)] if sixteen_bit
+                     else [None, None, None])
+        grad_scale = max(max_abs(r) for r in refs)  # dq, dk may cancel to 0 while their terms do not
+        shapes = (problem.q_shape, problem.kv_shape, problem.kv_shape)
+        for name, grad, shape, ref, baseline, atol in zip(("dq", "dk", "dv"), grads, shapes, refs, baselines,
+                                                            allowances):
+            grad = _check_output(failures, name, grad, shape, out_dtype)
+            if grad is not None:
+                _passes(failures, name, grad, ref, baseline, dtype=dtype, factor=GRADIENT_FACTOR, scale=grad_scale,
+                        atol=atol)
+
+    if failures:
+        raise AssertionError(f"{len(failures)} of {given} outputs fail against the float64 reference for "
+                             f"{problem}:\n" + "\n".join(f"  {f}" for f in failures))
+
+
+def assert_kvcache_close(problem, o, lse=None, *, inputs=None, check_dtype=True):
+    """The rule for a KV-cache call (``cupyflash.testing.packed.KVCacheProblem``): o (batch,
+    seqlen_q, nheads, headdim) and lse (batch, nheads, seqlen_q) against
+    ``reference.kvcache_attention`` over the cache as it was before the call (``inputs``: the
+    arrays the call was given, copied before it; problem.inputs() by default), the standard
+    attention baseline computed sequence by sequence over its keys."""
+    inputs = problem.inputs() if inputs is None else inputs
+    arrays = {name: None if x is None or np.ndim(x) == 0 else as_numpy(x) for name, x in inputs.items()}
+    if np.ndim(inputs["cache_seqlens"]) == 0:
+        arrays["cache_seqlens"] = inputs["cache_seqlens"]
+    options = problem.kwargs
+    dtype = problem.dtype
+    failures = []
+    o_ref, lse_ref = reference.kvcache_attention(**arrays, **options)
+    o_std, lse_std = o_ref.copy(), lse_ref.copy()
+    if dtype in SIXTEEN_BIT:
+        sequences = reference.kvcache_sequences(
+            problem.batch, arrays["k_cache"], arrays["v_cache"], arrays["k"], arrays["v"],
+            cache_seqlens=arrays["cache_seqlens"], cache_batch_idx=arrays["cache_batch_idx"],
+            block_table=arrays["block_table"])
+        for b, (keys, values) in enumerate(sequences):
+            if keys.shape[0] and problem.seqlen_q:
+                o_b, lse_b = reference.standard_attention(arrays["q"][b:b + 1], keys[None], values[None], dtype=dtype,
+                                                          **options)
+                o_std[b], lse_std[b] = o_b[0], lse_b[0]
+    o = _check_output(failures, "o", o, problem.q_shape, dtype if check_dtype else None)
+    if o is not None:
+        _passes(failures, "o", o, o_ref, o_std, dtype=dtype, factor=OUTPUT_FACTOR)
+    if lse is not None:
+        lse = _check_output(failures, "lse", lse, problem.lse_shape, None)
+        if lse is not None:
+            _passes(failures, "lse", lse, lse_ref, lse_std, dtype=dtype, factor=OUTPUT_FACTOR)
+    if failures:
+        raise AssertionError(f"{len(failures)} of {1 + (lse is not None)} outputs fail against the float64 "
+                             f"reference for {problem}:\n" + "\n".join(f"  {f}" for f in failures))
