@@ -1,0 +1,284 @@
+"""Packed variable-length batches on the CPU: flash_attn_varlen_func / _backward / _vjp on the NumPy
+twin against the float64 reference (ragged lengths with zeros and ones, GQA, causal, windows), the
+packing itself (each sequence is the dense problem of its rows), the reference's varlen functions
+against the dense reference, and every rejected input."""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given
+
+import cupyflash
+from cupyflash import reference
+from cupyflash.testing import VarlenProblem, assert_varlen_close, poisoned_outputs
+from cupyflash.testing.strategies import varlen_problems
+
+# The CPU budget of one example: reference, baselines and the twin, forward and backward.
+CPU_COST = 2e6
+
+
+def run_varlen(problem, backend="numpy", **extra):
+    q, k, v, do = problem.arrays()
+    o, lse = cupyflash.flash_attn_varlen_func(q, k, v, *problem.sequences, return_lse=True, backend=backend,
+                                              **problem.kwargs, **extra)
+    grads = cupyflash.flash_attn_varlen_backward(do, q, k, v, o, lse, *problem.sequences, backend=backend,
+                                                 **problem.kwargs)
+    return o, lse, grads
+
+
+@given(varlen_problems(windows=True, max_cost=CPU_COST))
+def test_matches_the_reference(problem):
+    o, lse, grads = run_varlen(problem)
+    assert_varlen_close(problem, o, lse, grads)
+
+
+@given(varlen_problems(max_cost=CPU_COST, max_group=4, dtypes=["float32"]))
+def test_each_sequence_is_the_dense_problem_of_its_rows(problem):
+    """The packing changes nothing: every sequence's o, lse and gradients are bitwise those of
+    flash_attn_func on its rows alone; rows of the other sequences are not read."""
+    q, k, v, do = problem.arrays()
+    o, lse, (dq, dk, dv) = run_varlen(problem)
+    for queries, keys in problem.ranges():
+        parts = [x[None, queries] for x in (q, do)], [x[None, keys] for x in (k, v)]
+        (q_b, do_b), (k_b, v_b) = parts
+        o_b, lse_b = cupyflash.flash_attn_func(q_b, k_b, v_b, return_lse=True, backend="numpy", **problem.kwargs)
+        grads_b = cupyflash.flash_attn_backward(do_b, q_b, k_b, v_b, o_b, lse_b, backend="numpy", **problem.kwargs)
+        np.testing.assert_array_equal(o[queries], o_b[0])
+        np.testing.assert_array_equal(lse[:, queries], lse_b[0])
+        for packed, rows, dense in ((dq, queries, grads_b[0]), (dk, keys, grads_b[1]), (dv, keys, grads_b[2])):
+            np.testing.assert_array_equal(packed[rows], dense[0])
+
+
+@given(varlen_problems(max_cost=CPU_COST, windows=True))
+def test_every_output_row_is_written(problem):
+    """Outputs start as NaN (poisoned): sequences without keys get 0 and -inf, keys of sequences
+    without queries get zero gradients, nothing is left unwritten."""
+    with poisoned_outputs():
+        o, lse, grads = run_varlen(problem)
+    assert not np.isnan(o.astype(np.float64)).any() and not np.isnan(lse).any()
+    assert all(not np.isnan(g.astype(np.float64)).any() for g in grads)
+    for queries, keys in problem.ranges():
+        if keys.stop == keys.start:
+            assert (o[queries] == 0).all() and (lse[:, queries] == -np.inf).all() and (grads[0][queries] == 0).all()
+        if queries.stop == queries.start:
+            assert (grads[1][keys] == 0).all() and (grads[2][keys] == 0).all()
+
+
+def test_lse_has_flash_attns_varlen_layout():
+    problem = VarlenProblem((3, 0, 5), (4, 2, 6), nheads_kv=2, group=2, headdim=8, causal=True, softmax_scale=None,
+                            magnitude=1.0, dtype=np.float32, seed=1)
+    o, lse, _ = run_varlen(problem)
+    assert o.shape == (8, 4, 8) and lse.shape == (4, 8) and lse.dtype == np.float32
+    q, k, v, _ = problem.arrays()
+    _, lse_last = cupyflash.flash_attn_func(q[None, 3:], k[None, 6:], v[None, 6:], causal=True, return_lse=True,
+                                            backend="numpy")
+    np.testing.assert_array_equal(lse[:, 3:], lse_last[0])  # (nheads, total_q): head-major, tokens packed
+
+
+@pytest.mark.parametrize("seqlens_q,seqlens_k", [((), ()), ((0, 0), (0, 0)), ((0, 3), (2, 0)), ((1,), (0,))])
+def test_empty_batches_and_sequences(seqlens_q, seqlens_k):
+    problem = VarlenProblem(seqlens_q, seqlens_k, nheads_kv=1, group=2, headdim=4, causal=False, softmax_scale=None,
+                            magnitude=1.0, dtype=ml_dtypes.bfloat16, seed=0)
+    with poisoned_outputs():
+        o, lse, (dq, dk, dv) = run_varlen(problem)
+    assert o.shape == problem.q_shape and lse.shape == problem.lse_shape
+    assert (o == 0).all() and (lse == -np.inf).all()
+    assert (dq == 0).all() and (dk == 0).all() and (dv == 0).all()
+    assert dk.shape == problem.kv_shape and dk.dtype == problem.dtype
+
+
+def test_vjp_is_forward_and_backward():
+    problem = VarlenProblem((5, 1, 7), (5, 1, 9), nheads_kv=1, group=3, headdim=16, causal=True, softmax_scale=0.3,
+                            magnitude=1.0, dtype=np.float64, seed=2, window_size=(3, -1))
+    q, k, v, do = problem.arrays()
+    o, vjp = cupyflash.flash_attn_varlen_vjp(q, k, v, *problem.sequences, backend="numpy", **problem.kwargs)
+    o_direct, lse, grads = run_varlen(problem)
+    np.testing.assert_array_equal(o, o_direct)
+    for a, b in zip(vjp(do), grads):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(TypeError, match="return_lse"):
+        cupyflash.flash_attn_varlen_vjp(q, k, v, *problem.sequences, return_lse=True)
+
+
+def test_max_seqlen_may_exceed_every_length():
+    problem = VarlenProblem((3, 2), (4, 4), nheads_kv=1, group=1, headdim=4, causal=False, softmax_scale=None,
+                            magnitude=1.0, dtype=np.float32, seed=3)
+    q, k, v, _ = problem.arrays()
+    cu_q, cu_k, _, _ = problem.sequences
+    loose = cupyflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 100, np.int64(7), backend="numpy")
+    np.testing.assert_array_equal(loose, run_varlen(problem)[0])
+
+
+# --- the reference's varlen functions against the dense reference ---------------------------------
+
+@given(varlen_problems(dtypes=["float64"], max_cost=2e5, windows=True))
+def test_reference_is_the_dense_reference_sequence_by_sequence(problem):
+    q, k, v, do = problem.arrays()
+    o, lse = reference.varlen_attention(q, k, v, problem.cu_seqlens_q, problem.cu_seqlens_k, **problem.kwargs)
+    grads = reference.varlen_attention_backward(do, q, k, v, problem.cu_seqlens_q, problem.cu_seqlens_k,
+                                                **problem.kwargs)
+    for queries, keys in problem.ranges():
+        o_b, lse_b = reference.attention(q[None, queries], k[None, keys], v[None, keys], **problem.kwargs)
+        np.testing.assert_array_equal(o[queries], o_b[0])
+        np.testing.assert_array_equal(lse[:, queries], lse_b[0])
+        dense = reference.attention_backward(do[None, queries], q[None, queries], k[None, keys], v[None, keys],
+                                             **problem.kwargs)
+        for packed, rows, g in zip(grads, (queries, keys, keys), dense):
+            np.testing.assert_array_equal(packed[rows], g[0])
+
+
+def test_reference_with_equal_lengths_is_the_dense_batch():
+    rng = np.random.default_rng(4)
+    batch, seqlen_q, seqlen_k = 3, 6, 9
+    q = rng.standard_normal((batch, seqlen_q, 4, 8))
+    k, v = rng.standard_normal((2, batch, seqlen_k, 2, 8))
+    do = rng.standard_normal(q.shape)
+    cu_q = np.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=np.int32)
+    cu_k = np.arange(0, (batch + 1) * seqlen_k, seqlen_k, dtype=np.int32)
+    flat = [x.reshape((-1,) + x.shape[2:]) for x in (q, k, v, do)]
+    o, lse = reference.varlen_attention(*flat[:3], cu_q, cu_k, causal=True)
+    o_dense, lse_dense = reference.attention(q, k, v, causal=True)
+    np.testing.assert_allclose(o, o_dense.reshape(o.shape), rtol=1e-13, atol=1e-13)
+    np.testing.assert_allclose(lse, np.moveaxis(lse_dense, 1, 0).reshape(lse.shape), rtol=1e-13)
+    grads = reference.varlen_attention_backward(flat[3], *flat[:3], cu_q, cu_k, causal=True)
+    dense = reference.attention_backward(do, q, k, v, causal=True)
+    for g, d in zip(grads, dense):
+        np.testing.assert_allclose(g, d.reshape(g.shape), rtol=1e-12, atol=1e-12)
+
+
+def test_the_rule_fails_a_wrong_sequence():
+    problem = VarlenProblem((4, 6), (5, 7), nheads_kv=1, group=2, headdim=8, causal=True, softmax_scale=None,
+                            magnitude=1.0, dtype=np.float16, seed=5)
+    o, lse, grads = run_varlen(problem)
+    assert_varlen_close(problem, o, lse, grads)
+    o = o.copy()
+    o[4:] = o[4:][::-1]  # the second sequence's rows in the wrong order
+    with pytest.raises(AssertionError, match=r"o \(float16\): max abs error"):
+        assert_varlen_close(problem, o, lse, grads)
+
+
+# --- rejected inputs, before anything runs -----------------------------------------------------------
+
+def packed(seqlens_q=(3, 0, 2), seqlens_k=(4, 1, 2), h=2, hkv=1, d=8, dtype=np.float32):
+    problem = VarlenProblem(seqlens_q, seqlens_k, nheads_kv=hkv, group=h // hkv, headdim=d, causal=False,
+                            softmax_scale=None, magnitude=1.0, dtype=dtype, seed=0)
+    q, k, v, do = problem.arrays()
+    return dict(q=q, k=k, v=v, cu_seqlens_q=problem.cu_seqlens_q, cu_seqlens_k=problem.cu_seqlens_k,
+                max_seqlen_q=problem.max_seqlen_q, max_seqlen_k=problem.max_seqlen_k), do
+
+
+def call_forward(**changes):
+    arguments, _ = packed()
+    options = {}
+    for name, change in changes.items():
+        if name in arguments:
+            arguments[name] = change(arguments[name]) if callable(change) else change
+        else:
+            options[name] = change
+    order = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+    return lambda: cupyflash.flash_attn_varlen_func(*(arguments[n] for n in order), backend="numpy", **options)
+
+
+FORWARD_ERRORS = [
+    ("cu_seqlens_q int64", call_forward(cu_seqlens_q=lambda c: c.astype(np.int64)), TypeError,
+     "cu_seqlens_q must have dtype int32"),
+    ("cu_seqlens_k uint32", call_forward(cu_seqlens_k=lambda c: c.astype(np.uint32)), TypeError,
+     "cu_seqlens_k must have dtype int32"),
+    ("cu_seqlens_q float", call_forward(cu_seqlens_q=lambda c: c.astype(np.float32)), TypeError,
+     "cu_seqlens_q must have dtype int32"),
+    ("cu_seqlens_q a list", call_forward(cu_seqlens_q=lambda c: c.tolist()), TypeError,
+     "cu_seqlens_q must be an array"),
+    ("cu_seqlens_q 2-D", call_forward(cu_seqlens_q=lambda c: c[None]), ValueError, r"cu_seqlens_q must be 1-D"),
+    ("cu_seqlens_q 0-D", call_forward(cu_seqlens_q=np.array(0, np.int32)), ValueError, r"cu_seqlens_q must be 1-D"),
+    ("cu_seqlens_q empty", call_forward(cu_seqlens_q=np.zeros(0, np.int32), cu_seqlens_k=np.zeros(0, np.int32)),
+     ValueError, "cu_seqlens_q must have batch \\+ 1 entries"),
+    ("cu_seqlens lengths differ", call_forward(cu_seqlens_k=lambda c: np.append(c, c[-1]).astype(np.int32)),
+     ValueError, "cu_seqlens_q and cu_seqlens_k must have the same length"),
+    ("cu_seqlens_q not from 0", call_forward(cu_seqlens_q=np.array([1, 3, 3, 5], np.int32)), ValueError,
+     r"cu_seqlens_q must start at 0; got cu_seqlens_q\[0\] = 1"),
+    ("cu_seqlens_k decreasing", call_forward(cu_seqlens_k=np.array([0, 4, 3, 7], np.int32)), ValueError,
+     r"cu_seqlens_k must be non-decreasing .* cu_seqlens_k\[2\] = 3 < cu_seqlens_k\[1\] = 4"),
+    ("cu_seqlens_q short of q", call_forward(cu_seqlens_q=np.array([0, 3, 3, 4], np.int32)), ValueError,
+     r"cu_seqlens_q\[-1\] = 4 must equal the number of tokens of q \(q.shape\[0\] = 5\)"),
+    ("cu_seqlens_k past k", call_forward(cu_seqlens_k=np.array([0, 4, 5, 9], np.int32)), ValueError,
+     r"cu_seqlens_k\[-1\] = 9 must equal the number of tokens of k \(k.shape\[0\] = 7\)"),
+    ("max_seqlen_q too small", call_forward(max_seqlen_q=2), ValueError,
+     "sequence 0 has 3 query tokens, more than max_seqlen_q = 2"),
+    ("max_seqlen_k too small", call_forward(max_seqlen_k=3), ValueError,
+     "sequence 0 has 4 key tokens, more than max_seqlen_k = 3"),
+    ("max_seqlen_q negative", call_forward(max_seqlen_q=-1), ValueError, "max_seqlen_q must be >= 0"),
+    ("max_seqlen_k float", call_forward(max_seqlen_k=4.0), TypeError, "max_seqlen_k must be an int"),
+    ("max_seqlen_q bool", call_forward(max_seqlen_q=True), TypeError, "max_seqlen_q must be an int"),
+    ("q 4-D", call_forward(q=lambda x: x[None]), ValueError,
+     r"q must have 3 dimensions \(total_tokens, nheads, headdim\)"),
+    ("k 2-D", call_forward(k=lambda x: x[:, 0]), ValueError, "k must have 3 dimensions"),
+    ("k/v shapes differ", call_forward(v=lambda x: x[:, :, :4]), ValueError, "k and v must have the same shape"),
+    ("headdim differs", call_forward(q=lambda x: x[..., :4]), ValueError, "q and k must have the same headdim"),
+    ("nheads not a multiple", call_forward(q=lambda x: np.concatenate([x, x[:, :1]], axis=1),
+                                           k=lambda x: np.concatenate([x, x], axis=1),
+                                           v=lambda x: np.concatenate([x, x], axis=1)),
+     ValueError, r"nheads of q \(3\) must be a multiple of nheads of k/v \(2\)"),
+    ("dtype differs", call_forward(v=lambda x: x.astype(np.float64)), TypeError, "v has dtype float64"),
+    ("int q", call_forward(q=lambda x: x.astype(np.int32)), TypeError, "q has dtype int32"),
+    ("causal not bool", call_forward(causal=1), TypeError, "causal must be a bool"),
+    ("bad window", call_forward(window_size=(-2, 0)), ValueError, "window_size must be a pair"),
+    ("softcap", call_forward(softcap=30.0), NotImplementedError, "softcap=30.0: cupyflash does not compute"),
+    ("softcap string", call_forward(softcap="0"), TypeError, "softcap must be a real number"),
+    ("scale nan", call_forward(softmax_scale=np.nan), ValueError, "softmax_scale must be finite"),
+]
+
+
+@pytest.mark.parametrize("label,call,error,message", FORWARD_ERRORS, ids=[c[0] for c in FORWARD_ERRORS])
+def test_forward_rejects(label, call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+def test_unknown_backend_is_rejected():
+    arguments, _ = packed()
+    with pytest.raises(ValueError, match="backend must be one of"):
+        cupyflash.flash_attn_varlen_func(*arguments.values(), backend="triton")
+
+
+def backward_arguments():
+    arguments, do = packed()
+    o, lse = cupyflash.flash_attn_varlen_func(*arguments.values(), return_lse=True, backend="numpy")
+    return dict(do=do, q=arguments["q"], k=arguments["k"], v=arguments["v"], o=o, lse=lse), arguments
+
+
+BACKWARD_ERRORS = [
+    ("do wrong shape", "do", lambda x: x[:4], ValueError, "do must have the shape of q"),
+    ("o wrong dtype", "o", lambda x: x.astype(np.float16), TypeError, "o has dtype float16"),
+    ("lse dense layout", "lse", lambda x: x[None], ValueError,
+     r"lse must have shape \(nheads, total_q\) = \(2, 5\), flash-attn's varlen layout"),
+    ("lse transposed", "lse", lambda x: np.ascontiguousarray(x.T), ValueError, r"lse must have shape \(nheads, total_q\)"),
+    ("lse float64", "lse", lambda x: x.astype(np.float64), TypeError, "lse must have dtype float32"),
+]
+
+
+@pytest.mark.parametrize("label,name,change,error,message", BACKWARD_ERRORS, ids=[c[0] for c in BACKWARD_ERRORS])
+def test_backward_rejects(label, name, change, error, message):
+    arrays, arguments = backward_arguments()
+    arrays[name] = change(arrays[name])
+    sequences = [arguments[n] for n in ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")]
+    with pytest.raises(error, match=message):
+        cupyflash.flash_attn_varlen_backward(*arrays.values(), *sequences, backend="numpy")
+
+
+def test_backward_checks_the_sequences_too():
+    arrays, arguments = backward_arguments()
+    with pytest.raises(ValueError, match="cu_seqlens_k must be non-decreasing"):
+        cupyflash.flash_attn_varlen_backward(*arrays.values(), arguments["cu_seqlens_q"],
+                                             np.array([0, 5, 4, 7], np.int32), 3, 5, backend="numpy")
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        cupyflash.flash_attn_varlen_backward(*arrays.values(), *list(arguments.values())[3:], backend="numpy",
+                                             deterministic="yes")
+
+
+def test_gpu_backend_without_device_says_so():
+    if cupyflash.gpu_available():
+        pytest.skip("a GPU is present")
+    arguments, _ = packed()
+    with pytest.raises(RuntimeError, match=r"^backend='cuda'.* CUDA device"):
+        cupyflash.flash_attn_varlen_func(*arguments.values(), backend="cuda")
