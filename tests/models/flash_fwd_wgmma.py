@@ -90,7 +90,7 @@ def fwd_pv_steps(L, tiles) -> list[Step]:
 def fwd_emulated(q, k, v, L, headdim: int, elementwise):
     """One CTA (query rows 0..BLOCK_M) over every key block: S_j = Q K_j^T, P_j = elementwise(S_j)
     on the accumulators (the softmax's row math is online_softmax.cuh's, tested in
-    test_mma_layout.py), O += P_j V_j. Returns O (BLOCK_M x D_TILE)."""
+    tests/kernels/test_flash_fwd_mma.py), O += P_j V_j. Returns O (BLOCK_M x D_TILE)."""
     smem = new_smem()
     seqlen_q, seqlen_k = q.shape[0], k.shape[0]
     cp_async_panels(smem, fwd_tiles(L, 0).q, L.BLOCK_M, L.D_TILE, L.NTHREADS, q, seqlen_q, headdim)

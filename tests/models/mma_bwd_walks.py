@@ -1,0 +1,72 @@
+"""The mask walks of the mma.sync backward kernels (flash_bwd_dkdv_mma and its v2 and split
+forms, flash_bwd_dq_mma and its v2 form): which query blocks a dK/dV CTA visits, which key
+blocks a dQ CTA visits, which blocks are partial, and the element test, all asked of the mask
+policy (cupyflash.masks, the twin of kernels_cu/mask.cuh) as the kernels ask it."""
+from __future__ import annotations
+
+from cupyflash import masks
+
+from .mirrors import mirrors
+
+DKDV_KERNELS = ("flash_bwd_dkdv_mma", "flash_bwd_dkdv_mma_v2", "flash_bwd_dkdv_mma_split")
+DQ_KERNELS = ("flash_bwd_dq_mma", "flash_bwd_dq_mma_v2")
+
+
+def _each(kernels, *statements):
+    """@mirrors of the same statements in each of ``kernels``."""
+    def register(obj):
+        for kernel in kernels:
+            mirrors(kernel, *statements)(obj)
+        return obj
+    return register
+
+
+def visible(m, n, seqlen_q, seqlen_k, mask):
+    """mask.cuh's visible(i, j), elementwise: the policy's bounds (cupyflash.masks) in the kernel's form."""
+    lo, hi = mask.offsets(seqlen_q, seqlen_k)
+    ok = (m < seqlen_q) & (n < seqlen_k)
+    if mask.HAS_RIGHT:
+        ok = ok & (n <= m + hi)
+    if mask.HAS_LEFT:
+        ok = ok & (n >= m + lo)
+    return ok
+
+
+@_each(DKDV_KERNELS, "const bool partial = mask.partial(m0_sub, M_SUB, n0, BLOCK_N);")
+@_each(DQ_KERNELS, "const bool partial = mask.partial(m0, BLOCK_M, n0, BLOCK_N);")
+def block_partial(m0, bm, n0, bn, seqlen_q, seqlen_k, mask):
+    return mask.partial(m0, bm, n0, bn, seqlen_q, seqlen_k)
+
+
+@_each(DKDV_KERNELS,
+       "const int m_block_first = mask.query_begin(n0) / BLOCK_M;",
+       "const int m_block_end = (mask.query_end(n0, BLOCK_N) + BLOCK_M - 1) / BLOCK_M;")
+def query_block_range(mask, n0, block_n, block_m, seqlen_q, seqlen_k):
+    """(m_block_first, m_blocks) of a dK/dV CTA: the query blocks that see some key of its block."""
+    m_block_first = mask.query_begin(n0, seqlen_q, seqlen_k) // block_m
+    m_block_end = -(-mask.query_end(n0, block_n, seqlen_q, seqlen_k) // block_m)
+    return m_block_first, max(0, m_block_end - m_block_first)
+
+
+@_each(DQ_KERNELS,
+       "const int j_begin = mask.key_begin(m0) / BLOCK_N;",
+       "const int j_end = (mask.key_end(m0, min(BLOCK_M, seqlen_q - m0)) + BLOCK_N - 1) / BLOCK_N;")
+def key_block_range(mask, m0, block_m, block_n, seqlen_q, seqlen_k):
+    """[j_begin, j_end) of a dQ CTA: the key blocks some existing row of its block sees."""
+    j_begin = mask.key_begin(m0, seqlen_q, seqlen_k) // block_n
+    j_end = -(-mask.key_end(m0, min(block_m, seqlen_q - m0), seqlen_q, seqlen_k) // block_n)
+    return j_begin, j_end
+
+
+# The policy twin's per-row bounds that the models above use are mask.cuh's.
+mirrors("mask.cuh", "return RIGHT ? min(seqlen_k, i + 1 + hi_off) : seqlen_k;")(masks.Mask.row_key_end)
+mirrors("mask.cuh", "return RIGHT ? j - hi_off : 0;")(masks.Mask.row_query_begin)
+mirrors("mask.cuh", "return LEFT && dj - di < o.lo_slack;")(masks.Mask.hidden_left)
+
+
+def assert_walks_skip_blocks(mask, sq, sk, block_m, block_n):
+    """The case exercises the window's walks: some key block visits fewer query blocks than exist
+    (dK/dV), or some query block starts its key walk past block 0 (dQ)."""
+    q_blocks, k_blocks = -(-sq // block_m), -(-sk // block_n)
+    assert (any(len(mask.query_blocks(j * block_n, block_n, block_m, sq, sk)) < q_blocks for j in range(k_blocks)) or
+            any(mask.key_begin(i * block_m, sq, sk) >= block_n for i in range(q_blocks)))
