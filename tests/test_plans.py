@@ -14,7 +14,7 @@ from cupyflash import dispatch, plans
 from cupyflash._dtypes import SUPPORTED
 from cupyflash.kernels import mma_fwd, simt
 from cupyflash.masks import KINDS, Causal, Local, NoMask
-from launch_fakes import FakeArray
+from launch_fakes import FakeArray, LaunchRecorder, assert_forward_launch
 
 ARCHS = ("80", "86", "89", "90")
 SMEM_OPTINS = (163 * 1024, 227 * 1024, 99 * 1024)  # A100, H100/H200, sm_86/sm_89 opt-in per block
@@ -185,44 +185,39 @@ def test_the_tensor_core_rows_fit_their_devices():
 
 def _fake_qkvo(shape_q, shape_k, dtype):
     q, o = FakeArray(shape_q, dtype), FakeArray(shape_q, dtype)
-    q.data = o.data = type("Ptr", (), {"ptr": 0})()
     k, v = FakeArray(shape_k, dtype), FakeArray(shape_k, dtype)
-    k.data = v.data = q.data
     return q, k, v, o
 
 
 @pytest.mark.parametrize("arch,smem", [("90", 227 * 1024), ("80", 163 * 1024), ("89", 99 * 1024), (None, None)])
 def test_the_launchers_launch_their_plan(arch, smem, monkeypatch):
     """mma_fwd.forward and simt.forward launch the plan of the current device (stand-in arrays,
-    launch recorded) with its grid, and mma_fwd.forward(config=...) the given tiles."""
+    launch recorded) with its grid and one FwdParams of the call, and mma_fwd.forward(config=...)
+    the given tiles."""
     monkeypatch.setattr(mma_fwd, "current_arch", lambda: arch)
     monkeypatch.setattr(mma_fwd, "current_smem_optin", lambda: smem)
-    launches = []
-    monkeypatch.setattr(mma_fwd, "launch", lambda spec, grid, args: launches.append((spec, grid)))
-    monkeypatch.setattr(simt, "launch", lambda spec, grid, args: launches.append((spec, grid)))
+    recorder = LaunchRecorder(monkeypatch, [mma_fwd, simt])
     b, sq, sk, h, hkv = 2, 300, 200, 4, 2
     for (dtype, d), window in itertools.product([("float16", 64), ("bfloat16", 200), ("float32", 40),
                                                   ("float64", 256)], [(-1, -1), (-1, 0), (64, 0)]):
         q, k, v, o = _fake_qkvo((b, sq, h, d), (b, sk, hkv, d), SUPPORTED[dtype])
         lse = FakeArray((b, h, sq), np.float64 if dtype == "float64" else np.float32)
-        lse.flags = type("Flags", (), {"c_contiguous": True})()
         family = plans.forward_family(SUPPORTED[dtype], d)
         kernels = {"mma": mma_fwd, "simt": simt}[family]
         kernels.forward(q, k, v, o, lse, softmax_scale=0.1, causal=False, window_size=window)
         mask = {(-1, -1): NoMask(), (-1, 0): Causal(), (64, 0): Local(64, 0)}[window]
         plan = plans.plan_forward(arch, SUPPORTED[dtype], d, mask, smem)
-        assert launches.pop() == (plan.spec, (math.ceil(sq / plan.block_m), h, b))
+        [launch] = recorder.take()
+        assert (launch.spec, launch.grid) == (plan.spec, (math.ceil(sq / plan.block_m), h, b))
+        assert_forward_launch(launch, q, k, v, o, lse, softmax_scale=0.1, mask=mask)
     tiles = plans.WgmmaFwdConfig(128, 64) if arch == "90" else plans.FwdConfig(128, 64, 8, False)
     q, k, v, o = _fake_qkvo((b, sq, h, 128), (b, sk, hkv, 128), SUPPORTED["bfloat16"])
-    mma_fwd.forward(q, k, v, o, lse_for(b, h, sq), softmax_scale=0.1, causal=True, config=tiles)
-    assert launches.pop() == (plans.specialization_for(SUPPORTED["bfloat16"], 128, Causal(), tiles),
-                              (math.ceil(sq / tiles.block_m), h, b))
-
-
-def lse_for(b, h, sq):
     lse = FakeArray((b, h, sq), np.float32)
-    lse.flags = type("Flags", (), {"c_contiguous": True})()
-    return lse
+    mma_fwd.forward(q, k, v, o, lse, softmax_scale=0.1, causal=True, config=tiles)
+    [launch] = recorder.take()
+    assert (launch.spec, launch.grid) == (plans.specialization_for(SUPPORTED["bfloat16"], 128, Causal(), tiles),
+                                          (math.ceil(sq / tiles.block_m), h, b))
+    assert_forward_launch(launch, q, k, v, o, lse, softmax_scale=0.1, mask=Causal())
 
 
 @pytest.mark.gpu

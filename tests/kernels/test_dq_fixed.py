@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from cupyflash import reference
 from launch_fakes import FakeArray
+from models.mirrors import code, squash
 
 KERNELS_CU = Path(__file__).resolve().parents[2] / "kernels_cu"
 DQ_FIXED_BITS = 48
@@ -136,24 +137,40 @@ def test_the_row_bound_holds_for_every_partial_sum_in_any_order(seed, causal, sq
 
 
 def _source_line(statement: str) -> bool:
-    text = "".join((KERNELS_CU / "flash_bwd_dq_fixed.cu").read_text().split())
-    return "".join(statement.split()) in text
+    """Whether the convert kernel (found by name in kernels_cu/) holds ``statement``."""
+    return squash(statement) in squash(code("flash_bwd_dq_convert_fixed", includes=True))
 
 
 @pytest.mark.parametrize("panel_major", [False, True], ids=["rows", "panels"])
 @pytest.mark.parametrize("dt", [64, 128, 256])
 def test_convert_reads_each_element_where_the_backward_added_it(panel_major, dt):
-    """flash_bwd_dq_convert_fixed's offset (b sb + m ss + h sh + (c / 64) sp + c % 64, with the
-    strides dq_fixed.convert_strides passes) is element (b, m, h, c)'s place in dq_accum: (batch,
-    seqlen, nheads, dt) C order, or accum_panels' (batch, nheads * dt / 64, rows, 64)."""
-    from cupyflash.kernels import dq_fixed
+    """flash_bwd_dq_convert_fixed's offset (b sb + m ss + h sh + (c / 64) sp + c % 64, from the
+    BwdParams fields dq_accum and dq_accum_panel_stride, as mma_bwd.backward fills them: set_rows
+    with dq_fixed.panel_strides and dq_fixed.panel_stride for a panel-major dq_accum, the rows'
+    strides and 64 otherwise) is element (b, m, h, c)'s place in dq_accum: (batch, seqlen, nheads,
+    dt) C order, or accum_panels' (batch, nheads * dt / 64, rows, 64)."""
+    from cupyflash.kernels import dq_fixed, params
 
+    assert _source_line("const i64 dqa_sb = p.dq_accum.batch_stride, dqa_ss = p.dq_accum.row_stride,"
+                        " dqa_sh = p.dq_accum.head_stride;")
+    assert _source_line("const i64 dqa_sp = p.dq_accum_panel_stride;")
     assert _source_line("dq_accum + row_offset(batch, row, head, dqa_sb, dqa_ss, dqa_sh)"
                         " + (chunk / 8) * dqa_sp + (chunk % 8) * 8);")
     batch, seqlen, nheads, block_m = 2, 77, 3, 64
     rows = -(-seqlen // block_m) * block_m
     shape = (batch, nheads * dt // 64, rows, 64) if panel_major else (batch, seqlen, nheads, dt)
-    sb, ss, sh, sp = (int(x) for x in dq_fixed.convert_strides(FakeArray(shape, np.int64), nheads, panel_major))
+    accum = FakeArray(shape, np.int64)
+    p = np.zeros(1, params.BWD_PARAMS)
+    if panel_major:
+        params.set_rows(p, "dq_accum", accum, dq_fixed.panel_strides(accum, nheads))
+        p["dq_accum_panel_stride"] = dq_fixed.panel_stride(accum)
+    else:
+        params.set_rows(p, "dq_accum", accum)
+        p["dq_accum_panel_stride"] = 64
+    f = p[0]["dq_accum"]
+    sb, ss, sh, sp = (int(x) for x in (f["batch_stride"], f["row_stride"], f["head_stride"],
+                                        p[0]["dq_accum_panel_stride"]))
+    assert int(f["data"]) == accum.data.ptr
     b, m, h, c = np.meshgrid(np.arange(batch), np.arange(seqlen), np.arange(nheads), np.arange(dt), indexing="ij")
     got = b * sb + m * ss + h * sh + (c // 8 // 8) * sp + (c // 8 % 8) * 8 + c % 8
     if panel_major:

@@ -1,46 +1,41 @@
-"""The SIMT family's launch arguments against its kernels' C++ parameter lists, without a GPU:
-forward, backward preprocess, dK/dV and dQ run on stand-in arrays with ``launch`` recorded, and
-every argument must match its parameter in count and type (pointer, int32, int64, and the
-accumulator type for scalars declared ``typename acc_of<T>::type``)."""
-import sys
-import types
-
+"""The SIMT family's launches, without a GPU: forward, backward preprocess, dK/dV and dQ run on
+stand-in arrays with ``launch`` recorded; each passes one struct, FwdParams for the forward and
+BwdParams for the backward (the kernels' only parameter), holding the call's arrays, shape,
+window and scales, and the backward's three launches one struct."""
 import ml_dtypes
 import numpy as np
 import pytest
 
+from cupyflash import backward_plans, plans
 from cupyflash.kernels import simt
-from launch_fakes import FakeArray, kernel_parameter_types
+from cupyflash.masks import mask_for
+from launch_fakes import FakeArray, LaunchRecorder, assert_backward_launches, assert_forward_launch
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, ml_dtypes.bfloat16, np.float16], ids=str)
 @pytest.mark.parametrize("deterministic", [True, False])
-def test_simt_launch_arguments_match_kernel_signatures(dtype, deterministic, monkeypatch):
-    launches = []
-    monkeypatch.setattr(simt, "launch", lambda spec, grid, args: launches.append((spec, grid, args)))
-    fake_cupy = types.SimpleNamespace(empty=lambda shape, dtype=None: FakeArray(shape, dtype),
-                                      zeros=lambda shape, dtype=None: FakeArray(shape, dtype),
-                                      ascontiguousarray=lambda a, dtype=None: a)
-    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
-
+@pytest.mark.parametrize("window", [(-1, 0), (30, 5)], ids=["causal", "window30_5"])
+def test_simt_launches_pass_the_call_in_one_struct(dtype, deterministic, window, monkeypatch):
+    recorder = LaunchRecorder(monkeypatch, [simt])
     b, sq, sk, h, hkv, d = 2, 100, 70, 4, 2, 40
     acc = np.float64 if np.dtype(dtype) == np.float64 else np.float32
-    q, o, do = (FakeArray((b, sq, h, d), dtype) for _ in range(3))
-    k, v = FakeArray((b, sk, hkv, d), dtype), FakeArray((b, sk, hkv, d), dtype)
+    q, o, do, dq = (FakeArray((b, sq, h, d), dtype) for _ in range(4))
+    k, v, dk, dv = (FakeArray((b, sk, hkv, d), dtype) for _ in range(4))
     lse = FakeArray((b, h, sq), acc)
-    simt.forward(q, k, v, o, lse, softmax_scale=0.1, causal=True)
-    simt.backward(do, q, k, v, o, lse, FakeArray(q.shape, dtype), FakeArray(k.shape, dtype),
-                  FakeArray(k.shape, dtype), softmax_scale=0.1, causal=True, deterministic=deterministic)
+    causal, window_size = window == (-1, 0), window if window != (-1, 0) else (-1, -1)
+    mask = mask_for(causal, window_size)
 
-    assert [s.name.split("_")[1:3] for s, _, _ in launches] == [["fwd", "simt"], ["bwd", "preprocess"],
-                                                                 ["bwd", "dkdv"], ["bwd", "dq"]]
-    kinds = {"int": np.int32, "i64": np.int64, "typename acc_of<T>::type": acc}
-    for spec, grid, args in launches:
-        types_ = kernel_parameter_types(spec)
-        assert len(types_) == len(args), spec.name
-        for t, a in zip(types_, args):
-            if t.endswith("*"):
-                assert isinstance(a, FakeArray), (spec.name, t, a)
-            else:
-                assert type(a) is kinds[t], (spec.name, t, type(a))
-        assert all(0 < g < 65536 for g in grid)
+    simt.forward(q, k, v, o, lse, softmax_scale=0.1, causal=causal, window_size=window_size)
+    [fwd] = recorder.take()
+    plan = plans.plan_forward(None, dtype, d, mask, None, family="simt")
+    assert (fwd.spec, fwd.grid) == (plan.spec, (-(-sq // plan.block_m), h, b))
+    assert fwd.spec.name.startswith("flash_fwd_simt")
+    assert_forward_launch(fwd, q, k, v, o, lse, softmax_scale=0.1, mask=mask)
+
+    simt.backward(do, q, k, v, o, lse, dq, dk, dv, softmax_scale=0.1, causal=causal, deterministic=deterministic,
+                  window_size=window_size)
+    launches = recorder.launches
+    assert [s.spec.name.split("_")[1:3] for s in launches] == [["bwd", "preprocess"], ["bwd", "dkdv"], ["bwd", "dq"]]
+    plan = backward_plans.plan_backward(None, dtype, d, mask, None, True, family="simt")
+    assert plan.dq_add == "none"  # the SIMT backward is always deterministic
+    assert_backward_launches(recorder, launches, plan, do, q, k, v, o, lse, dq, dk, dv, softmax_scale=0.1, mask=mask)

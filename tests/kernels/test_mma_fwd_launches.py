@@ -1,0 +1,36 @@
+"""mma_fwd.forward's launch, without a GPU: on an sm_90 device it launches flash_fwd_wgmma, on
+others flash_fwd_mma, the plan's specialization with its grid and one argument, the call's
+FwdParams (the kernels' only parameter) with its arrays, shape, window and scale."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from cupyflash import plans
+from cupyflash.kernels import mma_fwd
+from cupyflash.masks import mask_for
+from launch_fakes import FakeArray, LaunchRecorder, assert_forward_launch
+
+B, SQ, SK, H, HKV = 2, 100, 70, 4, 2
+
+
+@pytest.mark.parametrize("window", [(-1, 0), (30, 2)], ids=["causal", "window30_2"])
+def test_fwd_wgmma_launch_passes_the_call_in_one_struct(window, monkeypatch):
+    causal, window_size = window == (-1, 0), window if window != (-1, 0) else (-1, -1)
+    mask = mask_for(causal, window_size)
+    recorder = LaunchRecorder(monkeypatch, [mma_fwd])
+    for arch, smem, kernel in (("90", 227 * 1024, "flash_fwd_wgmma"), ("80", 163 * 1024, "flash_fwd_mma")):
+        monkeypatch.setattr(mma_fwd, "current_arch", lambda: arch)
+        monkeypatch.setattr(mma_fwd, "current_smem_optin", lambda: smem)
+        for d in (64, 96, 200):
+            q, o = FakeArray((B, SQ, H, d), np.float16), FakeArray((B, SQ, H, d), np.float16)
+            k, v = FakeArray((B, SK, HKV, d), np.float16), FakeArray((B, SK, HKV, d), np.float16)
+            lse = FakeArray((B, H, SQ), np.float32)
+            mma_fwd.forward(q, k, v, o, lse, softmax_scale=0.1, causal=causal, window_size=window_size)
+            [launch] = recorder.take()
+            plan = plans.plan_forward(arch, np.float16, d, mask, smem)
+            assert launch.spec.name.startswith(kernel) and launch.spec == plan.spec
+            assert launch.grid == (math.ceil(SQ / plan.block_m), H, B)
+            assert_forward_launch(launch, q, k, v, o, lse, softmax_scale=0.1, mask=mask)
