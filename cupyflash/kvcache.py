@@ -142,8 +142,8 @@ def _check_layout(q_shape, cache_shape, new_tokens: int, appending: bool, cache_
             bad = (used < 0) | (used >= num_blocks)
             if bad.any():
                 j = int(np.argmax(bad))
-                raise ValueError(f"block_table[{b}, {j}] = {int(used[j])} is not a page of k_cache (0 .. {num_blocks - 1}); "
-                                 f"sequence {b} needs its first {used.size} entries")
+                raise ValueError(f"block_table[{b}, {j}] = {int(used[j])} is not a page of k_cache "
+                                 f"(0 .. {num_blocks - 1}); sequence {b} needs its first {used.size} entries")
     if appending and batch * new_tokens:
         _check_append_targets(layout)
     return layout
@@ -344,7 +344,9 @@ def _attend(which, on_gpu, host_out, q, k_cache, v_cache, layout: CacheLayout, s
         return dense_forward(which, q_part, keys, values, scale, causal, window)
 
     lengths = layout.lengths
-    if batch and (lengths == lengths[0]).all() and (batch_keys := _batch_keys(k_cache, layout, int(lengths[0]))) is not None:
+    same_length = batch > 0 and bool((lengths == lengths[0]).all())
+    batch_keys = _batch_keys(k_cache, layout, int(lengths[0])) if same_length else None
+    if batch_keys is not None:
         # One call for the whole batch: every sequence has the same keys' length and one view or
         # one gather holds them all.
         o, lse = compute(q, batch_keys, _batch_keys(v_cache, layout, int(lengths[0])))

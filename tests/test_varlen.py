@@ -252,7 +252,8 @@ BACKWARD_ERRORS = [
     ("o wrong dtype", "o", lambda x: x.astype(np.float16), TypeError, "o has dtype float16"),
     ("lse dense layout", "lse", lambda x: x[None], ValueError,
      r"lse must have shape \(nheads, total_q\) = \(2, 5\), flash-attn's varlen layout"),
-    ("lse transposed", "lse", lambda x: np.ascontiguousarray(x.T), ValueError, r"lse must have shape \(nheads, total_q\)"),
+    ("lse transposed", "lse", lambda x: np.ascontiguousarray(x.T), ValueError,
+     r"lse must have shape \(nheads, total_q\)"),
     ("lse float64", "lse", lambda x: x.astype(np.float64), TypeError, "lse must have dtype float32"),
 ]
 
