@@ -77,7 +77,7 @@ def test_bwd_panel_major_dq_staging_is_the_global_panel_byte_for_byte(d_tile, bl
     int64 values of dq_accum's panel-major rows it adds to: staging byte 8 c + 512 r of warp w is
     accumulator element (16 w + r, c) of the panel, and the destination is that element's place in
     a (batch, nheads * d_tile / 64, rows, 64) array (the layout of cupyflash.kernels.dq_fixed.
-    accum_panels, whose strides panel_strides turns into the kernel's); each cell is written once,
+    accum_panels, whose strides panel_strides and panel_stride turn into BwdParams'); each cell is written once,
     by the issuing warp; quarter-warp stores are conflict-free; the sources are 16-byte aligned and
     inside the layout; in every query block, the last one cut short by seqlen_q included, each row
     below seqlen_q is added by exactly one reduction and every destination lies inside the buffer
@@ -90,7 +90,8 @@ def test_bwd_panel_major_dq_staging_is_the_global_panel_byte_for_byte(d_tile, bl
 
     rows = -(-seqlen_q // block_m) * block_m
     accum = FakeArray((batch, nheads * (d_tile // 64), rows, 64), np.int64)  # accum_panels' layout
-    strides = tuple(int(x) for x in dq_fixed.panel_strides(accum))
+    # BwdParams' dq_accum strides and panel stride, as mma_bwd.backward sets them for accum_panels
+    strides = (*(int(x) for x in dq_fixed.panel_strides(accum, nheads)), int(dq_fixed.panel_stride(accum)))
     base = aligned_base(RAW_SMEM)
     b, h = 1, 2
     added = {}  # (panel dp, row) -> number of reductions that add it

@@ -68,10 +68,10 @@ def dqw_tiles(L, j: int) -> SimpleNamespace:
 
 
 @mirrors(DQW,
-         "cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(s_q, q + row_offset(batch, m0, head, q_sb, q_ss, q_sh),"
-         " seqlen_q - m0, headdim, q_ss, tid);",
-         "cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(s_do, dout + row_offset(batch, m0, head, do_sb, do_ss, do_sh),"
-         " seqlen_q - m0, headdim, do_ss, tid);")
+         "cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(s_q, p.q.row<const T>(batch, m0, head), seqlen_q - m0, headdim,"
+         " p.q.row_stride, tid);",
+         "cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(s_do, p.dout.row<const T>(batch, m0, head), seqlen_q - m0, headdim,"
+         " p.dout.row_stride, tid);")
 def dqw_load_q_do(smem, L, q, do, m0: int, headdim: int) -> None:
     """The query block's Q and dO (rows m0.. of q and do), once per CTA."""
     tiles = dqw_tiles(L, 0)
@@ -136,8 +136,8 @@ def dqw_dq_steps(L, tiles) -> list[Step]:
          "const int row_lo = m0 + 16 * warp + lane / 4;",
          "const int m = row_lo + 8 * h;",
          "const i64 stat = ((i64)batch * nheads + head) * seqlen_q + m;",
-         "base_log2[h] = m < seqlen_q ? lse_base_log2(lse[stat]) : 0.f;",
-         "delta_row[h] = m < seqlen_q ? delta[stat] : 0.f;")
+         "base_log2[h] = m < seqlen_q ? lse_base_log2(__ldg(lse + stat)) : 0.f;",
+         "delta_row[h] = m < seqlen_q ? __ldg(delta + stat) : 0.f;")
 def dqw_thread_rows(m0: int, wg: int, lse, delta, seqlen_q: int, batch: int, head: int, nheads: int):
     """Warpgroup wg's threads: lane, row_lo, and base_log2[thread, h], delta_row[thread, h] (lse and
     delta flat, (batch, nheads, seqlen_q))."""
@@ -157,8 +157,12 @@ def dqw_thread_rows(m0: int, wg: int, lse, delta, seqlen_q: int, batch: int, hea
 @mirrors(DQW,
          "const bool partial = mask.partial(m0, BLOCK_M, n0, BLOCK_N);",
          "const int key0 = n0 + 2 * (lane % 4);",
-         "const float p = exp2_approx(fmaf(s_acc[f][e], scale_log2, -base_log2[e >> 1]));",
-         "s_acc[f][e] = partial && !mask.visible(row_lo + 8 * (e >> 1), key0 + 8 * f + (e & 1)) ? 0.f : p;",
+         "const float p_ij = exp2_approx(fmaf(s_acc[f][e], scale_log2, -base_log2[e >> 1]));",
+         "const bool hidden = !mask.visible(row_lo + 8 * (e >> 1), key0 + 8 * f + (e & 1));",
+         "s_acc[f][e] = decltype(masked)::value && hidden ? 0.f : p_ij;",
+         "if (partial)",
+         "probabilities(Bool<true>{});",
+         "probabilities(Bool<false>{});",
          "dp_acc[f][e] = s_acc[f][e] == 0.f ? 0.f : s_acc[f][e] * (dp_acc[f][e] - delta_row[e >> 1]);")
 def dqw_p_and_ds(L, s_acc, dp_acc, visible, m0: int, n0: int, lane, row_lo, base_log2, delta_row, scale_log2):
     """Steps 3-4 on the accumulators [thread, f, e]: P (0 where hidden), then dS = P o (dP - D)."""
@@ -174,7 +178,7 @@ def dqw_p_and_ds(L, s_acc, dp_acc, visible, m0: int, n0: int, lane, row_lo, base
 
 @mirrors(DQW,
          "if (m >= seqlen_q) continue;",
-         "T* dq_row = dq + row_offset(batch, m, head, dq_sb, dq_ss, dq_sh);",
+         "T* dq_row = p.dq.row<T>(batch, m, head);",
          "const int col = 8 * f + 2 * (lane % 4);",
          "if (col < headdim)",
          "*reinterpret_cast<u32*>(dq_row + col) = pack2<T>(dq_acc[f][2 * h] * scale, dq_acc[f][2 * h + 1] * scale);")
@@ -190,7 +194,7 @@ def dqw_store_dq(dq, dq_acc, lane, row_lo, scale: float, headdim: int) -> None:
 
 
 @mirrors(DQW,
-         "const Mask mask(seqlen_q, seqlen_k, window_left, window_right);",
+         "const Mask mask(seqlen_q, seqlen_k, p.window_left, p.window_right);",
          "const int j_begin = mask.key_begin(m0) / BLOCK_N;",
          "const int n_end = mask.key_end(m0, BLOCK_M);",
          "if (j_begin * BLOCK_N < n_end) load_kv_block(j_begin);",

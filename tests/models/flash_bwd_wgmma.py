@@ -67,10 +67,8 @@ def bwd_smem(d_tile: int, block_m: int, block_n: int, dq_add: str = "atomic") ->
          " q + row_offset(batch, m0, head, q_sb, q_ss, q_sh), seqlen_q - m0, headdim, q_ss, tid);",
          "cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(base + L::DO + stage * L::Q_TILE,"
          " dout + row_offset(batch, m0, head, do_sb, do_ss, do_sh), seqlen_q - m0, headdim, do_ss, tid);",
-         "cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(s_k, k + row_offset(batch, n0, head_kv, k_sb, k_ss, k_sh),"
-         " seqlen_k - n0, headdim, k_ss, tid);",
-         "cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(s_v, v + row_offset(batch, n0, head_kv, v_sb, v_ss, v_sh),"
-         " seqlen_k - n0, headdim, v_ss, tid);")
+         "cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(s_k, k_rows + n0 * k_ss, seqlen_k - n0, headdim, k_ss, tid);",
+         "cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(s_v, v_rows + n0 * v_ss, seqlen_k - n0, headdim, v_ss, tid);")
 def bwd_tiles(L, stage: int) -> SimpleNamespace:
     base = aligned_base(RAW_SMEM)
     return SimpleNamespace(k=base + L.K, v=base + L.V, dst=base + L.DST,
@@ -153,7 +151,7 @@ def _acc_columns(nj: int) -> np.ndarray:
 @mirrors(BWD,
          "const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + 8 * j + 2 * (lane % 4));",
          "const float base_log2[2] = {lse_base_log2(lse2.x), lse_base_log2(lse2.y)};",
-         "const float p = exp2_approx(fmaf(s_acc[j][e], scale_log2, -base_log2[e & 1]));")
+         "const float p_ij = exp2_approx(fmaf(s_acc[j][e], scale_log2, -base_log2[e & 1]));")
 def p_transposed(s_acc, s_lse, scale_log2):
     """Step 3 (P^T from S^T; full blocks, so no entry is hidden)."""
     return np.exp2(s_acc * scale_log2 - lse_base_log2(s_lse[_acc_columns(s_acc.shape[1])]))
@@ -232,7 +230,7 @@ def bwd_dq_stage_stores(L, wg: int):
 
 
 @mirrors(BWD,
-         "const i64 dqa_head = (i64)batch * dqa_sb + (i64)head * (PANEL_MAJOR ? D_TILE / 64 : 1) * dqa_sh;",
+         "const i64 dqa_head = (i64)batch * dqa_sb + (i64)head * dqa_sh;",
          "const u32 s_warp = base + L::DQ_STAGE + (wg * 64 + 16 * warp_in_wg) * L::STAGE_ROW;",
          "if (lane == 0) bulk_wait_read_all();",
          "const int flip = (lane / 4) & 1;",
@@ -242,7 +240,7 @@ def bwd_dq_stage_stores(L, wg: int):
          "st_shared_v2_b64(at + 8 * L::STAGE_ROW, to_fixed(x[2], scale_hi, dq_limit, bad_hi),"
          " to_fixed(x[3], scale_hi, dq_limit, bad_hi));",
          "const int m = m0 + 64 * qp + 16 * warp_in_wg;",
-         "if (m < seqlen_q) bulk_reduce_add_s64(static_cast<long long*>(dq_accum) + dqa_head + dp * dqa_sh"
+         "if (m < seqlen_q) bulk_reduce_add_s64(static_cast<long long*>(dq_accum) + dqa_head + dp * dqa_sp"
          " + m * dqa_ss, s_warp, 16 * L::STAGE_ROW);")
 def bwd_dq_panel_stage(L, wg: int, qp: int, dp: int, m0: int, batch: int, head: int, strides, seqlen_q: int):
     """Panel-major fixed point: warpgroup wg's 16-byte stores into its staging, as [(addresses
@@ -250,8 +248,8 @@ def bwd_dq_panel_stage(L, wg: int, qp: int, dp: int, m0: int, batch: int, head: 
     order of odd rows takes its values from dq_acc[j ^ 1]; and the bulk reductions the warps issue
     (none for a warp whose first row is past seqlen_q): {warp: (shared source, bytes, dq_accum
     element offset)}."""
-    sb, ss, sh = strides
-    dqa_head = batch * sb + head * (L.D_TILE // 64) * sh
+    sb, ss, sh, sp = strides  # BwdParams' dq_accum strides and dq_accum_panel_stride
+    dqa_head = batch * sb + head * sh
     s_warp = aligned_base(RAW_SMEM) + L.DQ_STAGE + (wg * 64 + 16 * WARP_IN_WG) * L.STAGE_ROW
     flip = (LANE // 4) & 1
     stores = []
@@ -261,7 +259,7 @@ def bwd_dq_panel_stage(L, wg: int, qp: int, dp: int, m0: int, batch: int, head: 
         col = 8 * src_j + 2 * (LANE % 4)
         stores.append((at, ROW_LO, col))
         stores.append((at + 8 * L.STAGE_ROW, ROW_LO + 8, col))
-    bulks = {w: (s_warp[32 * w], 16 * L.STAGE_ROW, dqa_head + dp * sh + (m0 + 64 * qp + 16 * w) * ss)
+    bulks = {w: (s_warp[32 * w], 16 * L.STAGE_ROW, dqa_head + dp * sp + (m0 + 64 * qp + 16 * w) * ss)
              for w in range(4) if m0 + 64 * qp + 16 * w < seqlen_q}
     return stores, bulks
 

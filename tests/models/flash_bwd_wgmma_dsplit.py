@@ -60,10 +60,8 @@ def dsplit_smem(d_tile: int, block_m: int, block_n: int) -> SimpleNamespace:
          " q + row_offset(batch, m0, head, q_sb, q_ss, q_sh), seqlen_q - m0, headdim, q_ss, tid);",
          "cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(base + L::DO + stage * L::Q_TILE,"
          " dout + row_offset(batch, m0, head, do_sb, do_ss, do_sh), seqlen_q - m0, headdim, do_ss, tid);",
-         "cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(s_k, k + row_offset(batch, n0, head_kv, k_sb, k_ss, k_sh),"
-         " seqlen_k - n0, headdim, k_ss, tid);",
-         "cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(s_v, v + row_offset(batch, n0, head_kv, v_sb, v_ss, v_sh),"
-         " seqlen_k - n0, headdim, v_ss, tid);")
+         "cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(s_k, k_rows + n0 * k_ss, seqlen_k - n0, headdim, k_ss, tid);",
+         "cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(s_v, v_rows + n0 * v_ss, seqlen_k - n0, headdim, v_ss, tid);")
 def dsplit_tiles(L, stage: int) -> SimpleNamespace:
     base = aligned_base(RAW_SMEM)
     return SimpleNamespace(k=base + L.K, v=base + L.V, pt=base + L.PT, dst=base + L.DST,
@@ -195,7 +193,7 @@ mirrors(DSPLIT,
         "*reinterpret_cast<u32*>(dk_row + col) = pack2<T>(dk_acc[j][2 * h] * scale, dk_acc[j][2 * h + 1] * scale);",
         "*reinterpret_cast<u32*>(dv_row + col) = pack2<T>(dv_acc[j][2 * h], dv_acc[j][2 * h + 1]);",
         "const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + 8 * j + 2 * (lane % 4));",
-        "const float p = exp2_approx(fmaf(acc[j][e], scale_log2, -base_log2[e & 1]));",
+        "const float p_ij = exp2_approx(fmaf(acc[j][e], scale_log2, -base_log2[e & 1]));",
         "const float2 d2 = *reinterpret_cast<const float2*>(s_delta + 8 * j + 2 * (lane % 4));",
         "const float2 lo = unpack2<T>(p2[0]), hi = unpack2<T>(p2[1]);",
         "acc[j][e] = p16[e] == 0.f ? 0.f : p16[e] * (acc[j][e] - ((e & 1) ? d2.y : d2.x));")(dsplit_emulated)

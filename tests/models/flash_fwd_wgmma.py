@@ -47,8 +47,8 @@ def fwd_smem(d_tile: int, block_m: int, block_n: int) -> SimpleNamespace:
          " k_rows + n0 * k_ss, seqlen_k - n0, headdim, k_ss, tid);",
          "cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(base + L::V + (j % L::V_STAGES) * L::KV_TILE,"
          " v_rows + n0 * v_ss, seqlen_k - n0, headdim, v_ss, tid);",
-         "cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(q_tile, q + row_offset(batch, m0, head, q_sb, q_ss, q_sh),"
-         " seqlen_q - m0, headdim, q_ss, tid);")
+         "cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(q_tile, p.q.row<const T>(batch, m0, head), seqlen_q - m0,"
+         " headdim, p.q.row_stride, tid);")
 def fwd_tiles(L, j: int) -> SimpleNamespace:
     """Tile addresses of key block j (stages: K j % 2, V j % 3)."""
     base = aligned_base(RAW_SMEM)
@@ -80,10 +80,10 @@ def row_block_k_major_steps(L, a_tile: int, b_tile: int, wg: int) -> list[Step]:
 
 
 @mirrors(FWD,
-         "Wgmma<T, D_TILE>::template rs<1>(reinterpret_cast<float(&)[D_FRAGS * 4]>(o_acc), p[0][kk],"
+         "Wgmma<T, D_TILE>::template rs<1>(reinterpret_cast<float(&)[D_FRAGS * 4]>(o_acc), p_frag[0][kk],"
          " smem_desc(v_tile + kk * 2048, L::KV_PANEL, 1024), 1);")
 def fwd_pv_steps(L, tiles) -> list[Step]:
-    """O += P V: A = P from registers (k-step kk: p[kk]), B = V MN-major, k-steps over the keys."""
+    """O += P V: A = P from registers (k-step kk: p_frag[kk]), B = V MN-major, k-steps over the keys."""
     return [Step(None, None, smem_desc(tiles.v + kk * 2048, L.KV_PANEL, 1024), 1) for kk in range(L.BLOCK_N // 16)]
 
 
