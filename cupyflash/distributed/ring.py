@@ -98,7 +98,7 @@ def _array_module_of(x) -> str:
 
 
 def _check(comm, arrays: dict, causal: bool, window_size, layout: str):
-    """The softmax scale's head dim and shapes, or a clear error."""
+    """A TypeError or ValueError naming what the ring cannot take; nothing when it can."""
     for attr in ("rank", "size", "xp", "start_exchange"):
         if not hasattr(comm, attr):
             raise TypeError(f"comm must be a ring communicator (rank, size, xp, start_exchange), got {type(comm).__name__}")
