@@ -85,6 +85,21 @@ def test_bwd_launches_pass_the_call_in_one_struct(deterministic, version, d, mon
     assert (call.params["dq_accum"]["data"] == 0) == deterministic
 
 
+@pytest.mark.parametrize("arch,smem", [("90", 227 * 1024), ("80", 163 * 1024), ("86", 99 * 1024), (None, None)])
+@pytest.mark.parametrize("window", [(-1, -1), (100, 3)], ids=["causal", "window100_3"])
+def test_every_plan_launches_with_one_struct(arch, smem, window, monkeypatch):
+    """The plans themselves (no version), on each device class, at every head-dim tile and between
+    tiles, deterministic or not: every launch gets the call's BwdParams with the buffers of the
+    plan's dQ mode (record_backward checks each call)."""
+    monkeypatch.setattr(mma_fwd, "current_arch", lambda: arch)
+    monkeypatch.setattr(mma_fwd, "current_smem_optin", lambda: smem)
+    modes = set()
+    for d in (40, 64, 96, 128, 200, 256):
+        for deterministic in (True, False):
+            modes.add(record_backward(monkeypatch, None, d, deterministic, window_size=window).plan.dq_add)
+    assert "atomic" in modes and "none" in modes
+
+
 @pytest.mark.parametrize("corrupt", [None, "dq_of_another_array", "no_delta_for_dq", "two_arguments",
                                      "forward_struct", "window"])
 def test_the_struct_checks_can_fail(corrupt, monkeypatch):
