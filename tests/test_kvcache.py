@@ -369,3 +369,28 @@ def test_cached_keys_are_checked_for_overflowing_scores_before_the_append():
     assert_same_bytes("k_cache", inputs["k_cache"], before["k_cache"])
     # NaN in slots no sequence holds is not read by the check
     cupyflash.flash_attn_with_kvcache(**problem.inputs(), softmax_scale=10.0, backend="numpy")
+
+
+# --- the strategy reaches the edges it promises ----------------------------------------------------
+
+EDGES = {"empty cache": lambda p: 0 in p.cache_seqlens, "full cache": lambda p: p.capacity in p.seqlens_k,
+         "append": lambda p: p.seqlen_new > 0}
+
+
+@pytest.mark.parametrize("page_size", [None, 1, 3, 16, 256])
+@pytest.mark.parametrize("edge", EDGES.values(), ids=EDGES.keys())
+def test_strategy_draws_the_edges_of_each_page_size(page_size, edge):
+    from hypothesis import Phase, find, settings
+
+    quick = settings(phases=[Phase.generate], database=None, max_examples=500)  # found, not shrunk
+    problem = find(kvcache_problems(page_sizes=(page_size,), max_cost=CPU_COST), edge, settings=quick)
+    assert problem.page_size == page_size
+    assert (problem.inputs()["block_table"] is None) == (page_size is None)
+
+
+@pytest.mark.parametrize("bad,match", [(dict(page_sizes=(0,)), "page sizes must be >= 1"),
+                                       (dict(page_sizes=()), "must not be empty"),
+                                       (dict(max_capacity=0), "max_capacity must be >= 1")])
+def test_strategy_rejects_bad_bounds(bad, match):
+    with pytest.raises(ValueError, match=match):
+        kvcache_problems(**bad)

@@ -283,3 +283,23 @@ def test_gpu_backend_without_device_says_so():
     arguments, _ = packed()
     with pytest.raises(RuntimeError, match=r"^backend='cuda'.* CUDA device"):
         cupyflash.flash_attn_varlen_func(*arguments.values(), backend="cuda")
+
+
+# --- the strategy reaches the edges it promises ----------------------------------------------------
+
+@pytest.mark.parametrize("edge", [lambda p: 0 in p.seqlens_q, lambda p: 1 in p.seqlens_k, lambda p: p.group > 1],
+                         ids=["empty sequence", "single key", "GQA"])
+def test_strategy_draws_the_edges(edge):
+    from hypothesis import Phase, find, settings
+
+    quick = settings(phases=[Phase.generate], database=None, max_examples=500)  # found, not shrunk
+    problem = find(varlen_problems(max_cost=CPU_COST), edge, settings=quick)
+    assert problem.cu_seqlens_q.dtype == np.int32 and problem.cu_seqlens_q[-1] == problem.q_shape[0]
+
+
+@pytest.mark.parametrize("bad,match", [(dict(min_batch=3, max_batch=2), "min_batch"),
+                                       (dict(magnitudes=(0.0, 1.0)), "magnitudes must be positive"),
+                                       (dict(dtypes=[]), "dtypes is empty")])
+def test_strategy_rejects_bad_bounds(bad, match):
+    with pytest.raises(ValueError, match=match):
+        varlen_problems(**bad)
