@@ -9,26 +9,38 @@
 // P and dS are recomputed in both passes rather than exchanged through global memory.
 #include "common.cuh"
 #include "mask.cuh"
+#include "params.cuh"
 
 namespace cf {
+
+// A scale of BwdParams (double) in the accumulator type. The conversion is asm because a plain
+// one is sunk into every use: each predicated store of the epilogue would convert again, under
+// -ftz=true with a flush emulated by 2 more instructions on sm_80. Not .ftz: the host's float32
+// conversion of the positional-argument kernels did not flush either.
+template <typename A> __device__ __forceinline__ A scale_as(double x);
+template <> __device__ __forceinline__ double scale_as<double>(double x) { return x; }
+template <> __device__ __forceinline__ float scale_as<float>(double x) {
+    float r;
+    asm("cvt.rn.f32.f64 %0, %1;" : "=f"(r) : "d"(x));
+    return r;
+}
 
 // One warp per (batch, head, row): lanes stride over the head dimension.
 template <typename T>
 __global__ void __launch_bounds__(128)
-flash_bwd_preprocess(const T* __restrict__ dout, const T* __restrict__ out,
-                     typename acc_of<T>::type* __restrict__ delta,
-                     int batch_size, int seqlen_q, int nheads, int headdim,
-                     i64 do_sb, i64 do_ss, i64 do_sh, i64 o_sb, i64 o_ss, i64 o_sh) {
+flash_bwd_preprocess(const __grid_constant__ BwdParams p) {
     typedef typename acc_of<T>::type A;
+    const int seqlen_q = p.seqlen_q, nheads = p.nheads, headdim = p.headdim;
+    A* __restrict__ delta = static_cast<A*>(p.delta);
     const i64 row_id = (i64)blockIdx.x * 4 + threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
-    const i64 total = (i64)batch_size * nheads * seqlen_q;
+    const i64 total = (i64)p.batch * nheads * seqlen_q;
     if (row_id >= total) return;
     const int row = (int)(row_id % seqlen_q);
     const int head = (int)((row_id / seqlen_q) % nheads);
     const int batch = (int)(row_id / ((i64)seqlen_q * nheads));
-    const T* do_row = dout + row_offset(batch, row, head, do_sb, do_ss, do_sh);
-    const T* o_row = out + row_offset(batch, row, head, o_sb, o_ss, o_sh);
+    const T* __restrict__ do_row = p.dout.row<const T>(batch, row, head);
+    const T* __restrict__ o_row = p.o.row<const T>(batch, row, head);
     A sum = A(0);
     for (int d = lane; d < headdim; d += 32) sum += to_acc(do_row[d]) * to_acc(o_row[d]);
     sum = group_sum<32>(sum);
@@ -37,16 +49,7 @@ flash_bwd_preprocess(const T* __restrict__ dout, const T* __restrict__ out,
 
 template <typename T, int D_TILE, class Mask, int BLOCK_M, int BLOCK_N, int TPR>
 __global__ void __launch_bounds__(BLOCK_N * TPR, 2)
-flash_bwd_dkdv_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                    const T* __restrict__ dout, const typename acc_of<T>::type* __restrict__ lse,
-                    const typename acc_of<T>::type* __restrict__ delta,
-                    T* __restrict__ dk, T* __restrict__ dv,
-                    int seqlen_q, int seqlen_k, int nheads, int group, int headdim,
-                    i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
-                    i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
-                    i64 dk_sb, i64 dk_ss, i64 dk_sh, i64 dv_sb, i64 dv_ss, i64 dv_sh,
-                    typename acc_of<T>::type scale_log2, typename acc_of<T>::type scale,
-                    int window_left, int window_right) {
+flash_bwd_dkdv_simt(const __grid_constant__ BwdParams p) {
     typedef typename acc_of<T>::type A;
     constexpr int NTHREADS = BLOCK_N * TPR;
     constexpr int S_PER_LANE = BLOCK_M / TPR;
@@ -68,16 +71,21 @@ flash_bwd_dkdv_simt(const T* __restrict__ q, const T* __restrict__ k, const T* _
         sizeof(A) * (2 * BLOCK_N * LD + 2 * BLOCK_M * LD + 2 * BLOCK_N * LDP + 2 * BLOCK_M);
     if (dynamic_smem_bytes() < SMEM_BYTES) __trap();
 
+    const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, nheads = p.nheads, group = p.group;
+    const int headdim = p.headdim;
+    const A scale_log2 = scale_as<A>(p.scale_log2), scale = scale_as<A>(p.scale);
+    const A* __restrict__ lse = static_cast<const A*>(p.lse);
+    const A* __restrict__ delta = static_cast<const A*>(p.delta);
     const int n0 = blockIdx.x * BLOCK_N;
     const int head_kv = blockIdx.y, batch = blockIdx.z;
     const int key = threadIdx.x / TPR, lane_in_row = threadIdx.x % TPR;
-    const Mask mask(seqlen_q, seqlen_k, window_left, window_right);
+    const Mask mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
     const A log2e = A(1.4426950408889634073599247);
 
-    load_tile<BLOCK_N, D_TILE, NTHREADS>(k_tile, k + row_offset(batch, 0, head_kv, k_sb, k_ss, k_sh),
-                                         n0, seqlen_k, headdim, k_ss, A(1));
-    load_tile<BLOCK_N, D_TILE, NTHREADS>(v_tile, v + row_offset(batch, 0, head_kv, v_sb, v_ss, v_sh),
-                                         n0, seqlen_k, headdim, v_ss, A(1));
+    const T* __restrict__ k_rows = p.k.head_rows<const T>(batch, head_kv);
+    const T* __restrict__ v_rows = p.v.head_rows<const T>(batch, head_kv);
+    load_tile<BLOCK_N, D_TILE, NTHREADS>(k_tile, k_rows, n0, seqlen_k, headdim, p.k.row_stride, A(1));
+    load_tile<BLOCK_N, D_TILE, NTHREADS>(v_tile, v_rows, n0, seqlen_k, headdim, p.v.row_stride, A(1));
 
     A dk_acc[O_PER_LANE], dv_acc[O_PER_LANE];
 #pragma unroll
@@ -88,14 +96,14 @@ flash_bwd_dkdv_simt(const T* __restrict__ q, const T* __restrict__ k, const T* _
     const int m_end = mask.query_end(n0, BLOCK_N);
 
     for (int head = head_kv * group; head < (head_kv + 1) * group; ++head) {
-        const T* q_base = q + row_offset(batch, 0, head, q_sb, q_ss, q_sh);
-        const T* do_base = dout + row_offset(batch, 0, head, do_sb, do_ss, do_sh);
+        const T* __restrict__ q_base = p.q.head_rows<const T>(batch, head);
+        const T* __restrict__ do_base = p.dout.head_rows<const T>(batch, head);
         const A* lse_row = lse + ((i64)batch * nheads + head) * seqlen_q;
         const A* delta_row = delta + ((i64)batch * nheads + head) * seqlen_q;
         for (int m0 = m_first; m0 < m_end; m0 += BLOCK_M) {
             __syncthreads();  // previous Q/dO tiles fully consumed
-            load_tile<BLOCK_M, D_TILE, NTHREADS>(q_tile, q_base, m0, seqlen_q, headdim, q_ss, A(1));
-            load_tile<BLOCK_M, D_TILE, NTHREADS>(do_tile, do_base, m0, seqlen_q, headdim, do_ss, A(1));
+            load_tile<BLOCK_M, D_TILE, NTHREADS>(q_tile, q_base, m0, seqlen_q, headdim, p.q.row_stride, A(1));
+            load_tile<BLOCK_M, D_TILE, NTHREADS>(do_tile, do_base, m0, seqlen_q, headdim, p.dout.row_stride, A(1));
             for (int i = threadIdx.x; i < BLOCK_M; i += NTHREADS) {
                 const bool valid = m0 + i < seqlen_q;
                 lse_log2[i] = valid ? lse_row[m0 + i] * log2e : neg_inf<A>();
@@ -112,20 +120,20 @@ flash_bwd_dkdv_simt(const T* __restrict__ q, const T* __restrict__ k, const T* _
                 const int qi = lane_in_row + TPR * j, q_row = m0 + qi;
                 // lse = -inf marks a row with no visible key (or a row past the end): P = 0
                 const bool masked = lse_log2[qi] == neg_inf<A>() || mask.hides(q_row, n0 + key);
-                const A p = masked ? A(0) : exp2_(st[j] * scale_log2 - lse_log2[qi]);
-                pt_tile[key * LDP + qi] = p;
-                dst_tile[key * LDP + qi] = masked ? A(0) : p * (dpt[j] - delta_tile[qi]);
+                const A p_ij = masked ? A(0) : exp2_(st[j] * scale_log2 - lse_log2[qi]);
+                pt_tile[key * LDP + qi] = p_ij;
+                dst_tile[key * LDP + qi] = masked ? A(0) : p_ij * (dpt[j] - delta_tile[qi]);
             }
             // P^T/dS^T rows are written and read only by their own row group (one warp).
             __syncwarp();
 
             // dV_j += P^T dO_i ; dK_j += dS^T Q_i
             for (int i = 0; i < BLOCK_M; ++i) {
-                const A p = pt_tile[key * LDP + i], ds = dst_tile[key * LDP + i];
+                const A p_ji = pt_tile[key * LDP + i], ds = dst_tile[key * LDP + i];
 #pragma unroll
                 for (int j = 0; j < O_PER_LANE; ++j) {
                     const int col = lane_in_row + TPR * j;
-                    dv_acc[j] += p * do_tile[i * LD + col];
+                    dv_acc[j] += p_ji * do_tile[i * LD + col];
                     dk_acc[j] += ds * q_tile[i * LD + col];
                 }
             }
@@ -133,8 +141,8 @@ flash_bwd_dkdv_simt(const T* __restrict__ q, const T* __restrict__ k, const T* _
     }
 
     if (n0 + key < seqlen_k) {
-        T* dk_row = dk + row_offset(batch, n0 + key, head_kv, dk_sb, dk_ss, dk_sh);
-        T* dv_row = dv + row_offset(batch, n0 + key, head_kv, dv_sb, dv_ss, dv_sh);
+        T* __restrict__ dk_row = p.dk.row<T>(batch, n0 + key, head_kv);
+        T* __restrict__ dv_row = p.dv.row<T>(batch, n0 + key, head_kv);
 #pragma unroll
         for (int j = 0; j < O_PER_LANE; ++j) {
             const int col = lane_in_row + TPR * j;
@@ -148,15 +156,7 @@ flash_bwd_dkdv_simt(const T* __restrict__ q, const T* __restrict__ k, const T* _
 
 template <typename T, int D_TILE, class Mask, int BLOCK_M, int BLOCK_N, int TPR>
 __global__ void __launch_bounds__(BLOCK_M * TPR, 2)
-flash_bwd_dq_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                  const T* __restrict__ dout, const typename acc_of<T>::type* __restrict__ lse,
-                  const typename acc_of<T>::type* __restrict__ delta, T* __restrict__ dq,
-                  int seqlen_q, int seqlen_k, int nheads, int group, int headdim,
-                  i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
-                  i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
-                  i64 dq_sb, i64 dq_ss, i64 dq_sh,
-                  typename acc_of<T>::type scale_log2, typename acc_of<T>::type scale,
-                  int window_left, int window_right) {
+flash_bwd_dq_simt(const __grid_constant__ BwdParams p) {
     typedef typename acc_of<T>::type A;
     constexpr int NTHREADS = BLOCK_M * TPR;
     constexpr int S_PER_LANE = BLOCK_N / TPR;
@@ -174,26 +174,30 @@ flash_bwd_dq_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __r
     constexpr unsigned SMEM_BYTES = sizeof(A) * (2 * BLOCK_M * LD + 2 * BLOCK_N * LD + BLOCK_M * LDS);
     if (dynamic_smem_bytes() < SMEM_BYTES) __trap();
 
-    const Mask mask(seqlen_q, seqlen_k, window_left, window_right);
+    const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, headdim = p.headdim;
+    const A scale_log2 = scale_as<A>(p.scale_log2), scale = scale_as<A>(p.scale);
+    const A* __restrict__ lse = static_cast<const A*>(p.lse);
+    const A* __restrict__ delta = static_cast<const A*>(p.delta);
+    const Mask mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
     const int m_block = Mask::query_block(blockIdx.x, gridDim.x);
     const int head = blockIdx.y, batch = blockIdx.z;
-    const int head_kv = head / group;
+    const int head_kv = head / p.group;
     const int m0 = m_block * BLOCK_M;
     const int row = threadIdx.x / TPR, lane_in_row = threadIdx.x % TPR;
     const int q_row = m0 + row;
     const A log2e = A(1.4426950408889634073599247);
 
-    load_tile<BLOCK_M, D_TILE, NTHREADS>(q_tile, q + row_offset(batch, 0, head, q_sb, q_ss, q_sh),
-                                         m0, seqlen_q, headdim, q_ss, A(1));
-    load_tile<BLOCK_M, D_TILE, NTHREADS>(do_tile, dout + row_offset(batch, 0, head, do_sb, do_ss, do_sh),
-                                         m0, seqlen_q, headdim, do_ss, A(1));
+    const T* __restrict__ q_rows = p.q.head_rows<const T>(batch, head);
+    const T* __restrict__ do_rows = p.dout.head_rows<const T>(batch, head);
+    load_tile<BLOCK_M, D_TILE, NTHREADS>(q_tile, q_rows, m0, seqlen_q, headdim, p.q.row_stride, A(1));
+    load_tile<BLOCK_M, D_TILE, NTHREADS>(do_tile, do_rows, m0, seqlen_q, headdim, p.dout.row_stride, A(1));
     const bool row_valid = q_row < seqlen_q;
-    const i64 stat = ((i64)batch * nheads + head) * seqlen_q + q_row;
+    const i64 stat = ((i64)batch * p.nheads + head) * seqlen_q + q_row;
     const A row_lse_log2 = row_valid ? lse[stat] * log2e : neg_inf<A>();
     const A row_delta = row_valid ? delta[stat] : A(0);
 
-    const T* k_base = k + row_offset(batch, 0, head_kv, k_sb, k_ss, k_sh);
-    const T* v_base = v + row_offset(batch, 0, head_kv, v_sb, v_ss, v_sh);
+    const T* __restrict__ k_base = p.k.head_rows<const T>(batch, head_kv);
+    const T* __restrict__ v_base = p.v.head_rows<const T>(batch, head_kv);
     const int n_begin = mask.key_begin(m0) / BLOCK_N * BLOCK_N;
     const int n_end = mask.key_end(m0, BLOCK_M);
 
@@ -203,8 +207,8 @@ flash_bwd_dq_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __r
 
     for (int n0 = n_begin; n0 < n_end; n0 += BLOCK_N) {
         __syncthreads();  // previous K/V/dS tiles fully consumed
-        load_tile<BLOCK_N, D_TILE, NTHREADS>(k_tile, k_base, n0, seqlen_k, headdim, k_ss, A(1));
-        load_tile<BLOCK_N, D_TILE, NTHREADS>(v_tile, v_base, n0, seqlen_k, headdim, v_ss, A(1));
+        load_tile<BLOCK_N, D_TILE, NTHREADS>(k_tile, k_base, n0, seqlen_k, headdim, p.k.row_stride, A(1));
+        load_tile<BLOCK_N, D_TILE, NTHREADS>(v_tile, v_base, n0, seqlen_k, headdim, p.v.row_stride, A(1));
         __syncthreads();
 
         // dS_ij = P_ij (dO_i . V_j - D_i) with P_ij = exp2(S_ij - lse_i)
@@ -229,7 +233,7 @@ flash_bwd_dq_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __r
     }
 
     if (row_valid) {
-        T* dq_row = dq + row_offset(batch, q_row, head, dq_sb, dq_ss, dq_sh);
+        T* __restrict__ dq_row = p.dq.row<T>(batch, q_row, head);
 #pragma unroll
         for (int j = 0; j < O_PER_LANE; ++j) {
             const int col = lane_in_row + TPR * j;

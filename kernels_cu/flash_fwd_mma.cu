@@ -20,6 +20,7 @@
 // at d64 its extra shuffles per key block cost more than the registers it frees are worth.
 #include "mma.cuh"
 #include "online_softmax.cuh"
+#include "params.cuh"
 
 namespace cf {
 
@@ -155,11 +156,7 @@ __device__ __forceinline__ int tid_x() {
 template <typename T, int D_TILE, class Mask, int BLOCK_M, int BLOCK_N, int WARPS, bool Q_IN_REGS,
           int STAGES, int MIN_BLOCKS, RowState ROW_STATE>
 __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
-flash_fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-              T* __restrict__ o, float* __restrict__ lse, int seqlen_q, int seqlen_k, int nheads,
-              int group, int headdim, i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
-              i64 v_sb, i64 v_ss, i64 v_sh, i64 o_sb, i64 o_ss, i64 o_sh, float scale_log2,
-              int window_left, int window_right) {
+flash_fwd_mma(const __grid_constant__ FwdParams p) {
     constexpr int NTHREADS = WARPS * 32;
     constexpr int M_STRIPS = BLOCK_M / (16 * WARPS);
     constexpr int N_FRAGS = BLOCK_N / 8;
@@ -179,7 +176,9 @@ flash_fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
     const u32 smem_base = smem_u32(smem);
     const u32 q_tile = smem_base;
 
-    const Mask mask(seqlen_q, seqlen_k, window_left, window_right);
+    const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, headdim = p.headdim;
+    const float scale_log2 = float(p.scale_log2);
+    const Mask mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
     auto first_row = [&]() {  // of the block, in the policy's order (heaviest first)
         constexpr bool FRESH = REREAD_INVARIANTS;
         return Mask::query_block(ctaid_x<FRESH>(), nctaid_x<FRESH>()) * BLOCK_M;
@@ -188,14 +187,14 @@ flash_fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
     auto n_end = [&]() { return mask.key_end(first_row(), BLOCK_M); };
     const int j_begin = mask.key_begin(first_row()) / BLOCK_N;
     const int head = blockIdx.y, batch = blockIdx.z;
-    const int head_kv = head / group;
+    const int head_kv = head / p.group;
     const int m0 = first_row();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int strip_row0 = warp * 16 * M_STRIPS;  // first row of the warp's strips within the block
 
-    const T* q_rows = q + row_offset(batch, m0, head, q_sb, q_ss, q_sh);
-    const T* k_rows = k + row_offset(batch, 0, head_kv, k_sb, k_ss, k_sh);
-    const T* v_rows = v + row_offset(batch, 0, head_kv, v_sb, v_ss, v_sh);
+    const T* __restrict__ q_rows = p.q.row<const T>(batch, m0, head);
+    const T* __restrict__ k_rows = p.k.head_rows<const T>(batch, head_kv);
+    const T* __restrict__ v_rows = p.v.head_rows<const T>(batch, head_kv);
 
     auto load_kv_tile = [&](const KvSource<T>& src, int block, int stage) {
         const int n0 = block * BLOCK_N;
@@ -209,7 +208,7 @@ flash_fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
     };
 
     // Published for the key loop; its first __syncthreads() orders the store before any read.
-    const KvSource<T> kv_source{k_rows, v_rows, k_ss, v_ss};
+    const KvSource<T> kv_source{k_rows, v_rows, p.k.row_stride, p.v.row_stride};
     if (REREAD_INVARIANTS && threadIdx.x == 0) kv_source.store(Smem::kv_source(smem_base));
     auto kv_source_in_loop = [&]() {
         if constexpr (REREAD_INVARIANTS) return KvSource<T>::load(Smem::kv_source(smem_base));
@@ -218,7 +217,7 @@ flash_fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
 
     // Commit groups: Q, then one per key block (empty past the last), so that before block j
     // exactly STAGES - 2 younger groups may still be in flight.
-    cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(q_tile, q_rows, seqlen_q - m0, headdim, q_ss, threadIdx.x);
+    cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(q_tile, q_rows, seqlen_q - m0, headdim, p.q.row_stride, threadIdx.x);
     cp_async_commit();
 #pragma unroll
     // Stages belong to absolute block indices (block j in j % STAGES), whichever block comes first.
@@ -274,9 +273,9 @@ flash_fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
         float m_new[M_STRIPS][2];
         row_max(m_new, s, row_stats, lane);
         softmax_rescale(s, o_acc, row_stats, m_new, lane);
-        u32 p[M_STRIPS][N_FRAGS / 2][4];
-        pack_p<T>(p, s);
-        mma_pv<T, D_TILE>(o_acc, p, Smem::v_tile(smem_base, stage), a_addr);
+        u32 p_frag[M_STRIPS][N_FRAGS / 2][4];
+        pack_p<T>(p_frag, s);
+        mma_pv<T, D_TILE>(o_acc, p_frag, Smem::v_tile(smem_base, stage), a_addr);
     }
 
     // The Q tile is reused for O. If the block saw no key block, copies into it (issued by any
@@ -284,8 +283,8 @@ flash_fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restr
     cp_async_wait<0>();
     __syncthreads();
     store_o<T, D_TILE>(o_acc, row_stats, q_tile, strip_row0, m0, seqlen_q, headdim,
-                       o + row_offset(batch, m0, head, o_sb, o_ss, o_sh), o_ss,
-                       lse + ((i64)batch * nheads + head) * seqlen_q + m0, lane);
+                       p.o.row<T>(batch, m0, head), p.o.row_stride,
+                       static_cast<float*>(p.lse) + ((i64)batch * p.nheads + head) * seqlen_q + m0, lane);
 }
 
 }  // namespace cf

@@ -15,6 +15,7 @@
 #include "common.cuh"
 #include "mma.cuh"
 #include "online_softmax.cuh"
+#include "params.cuh"
 #include "wgmma.cuh"
 
 namespace cf {
@@ -34,11 +35,7 @@ struct FwdWgmmaSmem {
 
 template <typename T, int D_TILE, class Mask, int BLOCK_M, int BLOCK_N>
 __global__ void __launch_bounds__(BLOCK_M / 64 * 128, 1)
-flash_fwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                T* __restrict__ o, float* __restrict__ lse, int seqlen_q, int seqlen_k, int nheads,
-                int group, int headdim, i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
-                i64 v_sb, i64 v_ss, i64 v_sh, i64 o_sb, i64 o_ss, i64 o_sh, float scale_log2,
-                int window_left, int window_right) {
+flash_fwd_wgmma(const __grid_constant__ FwdParams p) {
     typedef FwdWgmmaSmem<D_TILE, BLOCK_M, BLOCK_N> L;
     constexpr int NWG = BLOCK_M / 64, NTHREADS = NWG * 128;
     constexpr int N_FRAGS = BLOCK_N / 8, D_FRAGS = D_TILE / 8;
@@ -51,8 +48,10 @@ flash_fwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
     const u32 base = (raw + 1023) & ~1023u;  // 128-byte swizzle: panels 1024-byte aligned
     const u32 q_tile = base + L::Q;
 
-    const int head = blockIdx.y, batch = blockIdx.z, head_kv = head / group;
-    const Mask mask(seqlen_q, seqlen_k, window_left, window_right);
+    const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, headdim = p.headdim;
+    const float scale_log2 = float(p.scale_log2);
+    const int head = blockIdx.y, batch = blockIdx.z, head_kv = head / p.group;
+    const Mask mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
     const int m0 = Mask::query_block(blockIdx.x, gridDim.x) * BLOCK_M;
     // Key blocks [j_begin, ceil(n_end / BLOCK_N)) hold the keys some row of the block sees.
     // NoMask: the literal 0, not a call that folds to 0 only after inlining. With the call NVRTC
@@ -63,8 +62,9 @@ flash_fwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
     const int tid = threadIdx.x, wg = tid / 128, warp = tid / 32, lane = tid % 32;
     const int strip_row0 = 16 * warp;  // the warp's 16 rows within the block
 
-    const T* k_rows = k + row_offset(batch, 0, head_kv, k_sb, k_ss, k_sh);
-    const T* v_rows = v + row_offset(batch, 0, head_kv, v_sb, v_ss, v_sh);
+    const T* __restrict__ k_rows = p.k.head_rows<const T>(batch, head_kv);
+    const T* __restrict__ v_rows = p.v.head_rows<const T>(batch, head_kv);
+    const i64 k_ss = p.k.row_stride, v_ss = p.v.row_stride;
     auto load_kv_block = [&](int j) {
         const int n0 = j * BLOCK_N;
         cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(base + L::K + (j % L::K_STAGES) * L::KV_TILE,
@@ -73,8 +73,8 @@ flash_fwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
                                                    v_rows + n0 * v_ss, seqlen_k - n0, headdim, v_ss, tid);
     };
 
-    cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(q_tile, q + row_offset(batch, m0, head, q_sb, q_ss, q_sh),
-                                               seqlen_q - m0, headdim, q_ss, tid);
+    cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(q_tile, p.q.row<const T>(batch, m0, head), seqlen_q - m0, headdim,
+                                               p.q.row_stride, tid);
     // Stages are those of absolute block indices (K_j in j % 2, V_j in j % 3), so the pipeline is
     // the same whichever block the walk starts at.
     if (j_begin * BLOCK_N < n_end) load_kv_block(j_begin);
@@ -86,8 +86,8 @@ flash_fwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
     RowStats<RowState::ALL_LANES, 1> row_stats;
     auto store = [&]() {
         store_o<T, D_TILE>(o_acc, row_stats, q_tile, strip_row0, m0, seqlen_q, headdim,
-                           o + row_offset(batch, m0, head, o_sb, o_ss, o_sh), o_ss,
-                           lse + ((i64)batch * nheads + head) * seqlen_q + m0, lane);
+                           p.o.row<T>(batch, m0, head), p.o.row_stride,
+                           static_cast<float*>(p.lse) + ((i64)batch * p.nheads + head) * seqlen_q + m0, lane);
     };
     if (j_begin * BLOCK_N >= n_end) {  // rows that see no key: O = 0, lse = -inf
         cp_async_wait<0>();
@@ -128,13 +128,13 @@ flash_fwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
         float m_new[1][2];
         row_max(m_new, s, row_stats, lane);
         softmax_rescale(s, o_acc, row_stats, m_new, lane);
-        u32 p[1][N_FRAGS / 2][4];
-        pack_p<T>(p, s);
+        u32 p_frag[1][N_FRAGS / 2][4];
+        pack_p<T>(p_frag, s);
 
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BLOCK_N / 16; ++kk)
-            Wgmma<T, D_TILE>::template rs<1>(reinterpret_cast<float(&)[D_FRAGS * 4]>(o_acc), p[0][kk],
+            Wgmma<T, D_TILE>::template rs<1>(reinterpret_cast<float(&)[D_FRAGS * 4]>(o_acc), p_frag[0][kk],
                                              smem_desc(v_tile + kk * 2048, L::KV_PANEL, 1024), 1);
         wgmma_commit();
     }
