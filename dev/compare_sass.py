@@ -6,8 +6,8 @@ opcodes of every specialization both trees name the same, compiled by this machi
 
 A refactor that should not change the code (run-time arguments moved into a struct, a template
 argument renamed) shows up here before any GPU run: same registers, no spills, and instruction
-counts within a few (parameter loads) of before. Memory opcodes keep their first modifiers
-(LDG.E.CONSTANT vs LDG.E), so a lost read-only path is visible. ``--identical`` exits 1 unless
+counts within a few (parameter loads) of before. Memory opcodes keep all their modifiers
+(LDG.E.U16.CONSTANT vs LDG.E.U16), so a lost read-only path is visible. ``--identical`` exits 1 unless
 every compared kernel has the same opcode histogram and register count.
 """
 from __future__ import annotations
@@ -61,8 +61,8 @@ def specs_of(root: Path) -> list[tuple[str, str, str, str]]:
 
 
 def opcode(line_opcode: str) -> str:
-    parts = line_opcode.split(".")
-    return ".".join(parts[:3]) if parts[0] in _MEMORY else parts[0]
+    """Memory opcodes with all their modifiers (LDG.E.U16.CONSTANT is not LDG.E.U16), others bare."""
+    return line_opcode if line_opcode.split(".")[0] in _MEMORY else line_opcode.split(".")[0]
 
 
 def compile_tree(root: Path, specs, archs) -> dict:
