@@ -77,6 +77,15 @@ __device__ __forceinline__ i64 row_offset(int batch, int row, int head, i64 stri
     return batch * stride_b + row * stride_s + head * stride_h;
 }
 
+// A load through the read-only path (ld.global.nc), for inputs no thread of the kernel writes.
+// Explicit because NVVM proves it only for __restrict__ kernel parameters: pointers taken from
+// the params struct (even into __restrict__ locals) get plain loads once the kernel holds a
+// __trap() or an asm statement.
+__device__ __forceinline__ float ldg(const float* p) { return __ldg(p); }
+__device__ __forceinline__ double ldg(const double* p) { return __ldg(p); }
+__device__ __forceinline__ half_t ldg(const half_t* p) { return half_t{__ldg(&p->bits)}; }
+__device__ __forceinline__ bf16_t ldg(const bf16_t* p) { return bf16_t{__ldg(&p->bits)}; }
+
 // Copies a (ROWS x DIM) tile of a (batch, seqlen, heads, dim) tensor into shared memory as the
 // accumulator type, rows of length DIM + 1 (the pad keeps column walks free of bank conflicts).
 // Rows past `rows_valid` and columns past `headdim` are zero, so padded lanes add nothing.
@@ -87,7 +96,7 @@ __device__ __forceinline__ void load_tile(A* tile, const T* base, int row0, int 
     for (int idx = threadIdx.x; idx < ROWS * DIM; idx += NTHREADS) {
         const int r = idx / DIM, c = idx % DIM;
         A x = A(0);
-        if (row0 + r < rows_valid && c < headdim) x = to_acc(base[(i64)(row0 + r) * stride_s + c]) * multiplier;
+        if (row0 + r < rows_valid && c < headdim) x = to_acc(ldg(base + (i64)(row0 + r) * stride_s + c)) * multiplier;
         tile[r * (DIM + 1) + c] = x;
     }
 }

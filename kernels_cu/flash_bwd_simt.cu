@@ -42,7 +42,7 @@ flash_bwd_preprocess(const __grid_constant__ BwdParams p) {
     const T* __restrict__ do_row = p.dout.row<const T>(batch, row, head);
     const T* __restrict__ o_row = p.o.row<const T>(batch, row, head);
     A sum = A(0);
-    for (int d = lane; d < headdim; d += 32) sum += to_acc(do_row[d]) * to_acc(o_row[d]);
+    for (int d = lane; d < headdim; d += 32) sum += to_acc(ldg(do_row + d)) * to_acc(ldg(o_row + d));
     sum = group_sum<32>(sum);
     if (lane == 0) delta[row_id] = sum;  // (batch, head, row) order equals row_id
 }
@@ -106,8 +106,8 @@ flash_bwd_dkdv_simt(const __grid_constant__ BwdParams p) {
             load_tile<BLOCK_M, D_TILE, NTHREADS>(do_tile, do_base, m0, seqlen_q, headdim, p.dout.row_stride, A(1));
             for (int i = threadIdx.x; i < BLOCK_M; i += NTHREADS) {
                 const bool valid = m0 + i < seqlen_q;
-                lse_log2[i] = valid ? lse_row[m0 + i] * log2e : neg_inf<A>();
-                delta_tile[i] = valid ? delta_row[m0 + i] : A(0);
+                lse_log2[i] = valid ? ldg(lse_row + m0 + i) * log2e : neg_inf<A>();
+                delta_tile[i] = valid ? ldg(delta_row + m0 + i) : A(0);
             }
             __syncthreads();
 
@@ -193,8 +193,8 @@ flash_bwd_dq_simt(const __grid_constant__ BwdParams p) {
     load_tile<BLOCK_M, D_TILE, NTHREADS>(do_tile, do_rows, m0, seqlen_q, headdim, p.dout.row_stride, A(1));
     const bool row_valid = q_row < seqlen_q;
     const i64 stat = ((i64)batch * p.nheads + head) * seqlen_q + q_row;
-    const A row_lse_log2 = row_valid ? lse[stat] * log2e : neg_inf<A>();
-    const A row_delta = row_valid ? delta[stat] : A(0);
+    const A row_lse_log2 = row_valid ? ldg(lse + stat) * log2e : neg_inf<A>();
+    const A row_delta = row_valid ? ldg(delta + stat) : A(0);
 
     const T* __restrict__ k_base = p.k.head_rows<const T>(batch, head_kv);
     const T* __restrict__ v_base = p.v.head_rows<const T>(batch, head_kv);
