@@ -45,6 +45,7 @@
 #include "mma.cuh"
 #include "mma_bwd.cuh"
 #include "dq_order.cuh"
+#include "params.cuh"
 
 namespace cf {
 
@@ -72,16 +73,7 @@ struct FusedSmem {
 template <typename T, int D_TILE, class Mask, int BLOCK_M, int BLOCK_N, int WARPS_N, int WARPS_D,
           int DQ_WARPS_M, int S_UNROLL, bool DQ_ORDERED, bool EAGER_RELEASE = false, bool P_PACKED = false>
 __global__ void __launch_bounds__(WARPS_N * WARPS_D * 32, 1)
-flash_bwd_fused_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                    const T* __restrict__ dout, const float* __restrict__ lse,
-                    const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
-                    float* __restrict__ dq_accum, int* __restrict__ dq_semaphore,
-                    int seqlen_q, int seqlen_k, int nheads, int group, int headdim,
-                    i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
-                    i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
-                    i64 dk_sb, i64 dk_ss, i64 dk_sh, i64 dv_sb, i64 dv_ss, i64 dv_sh,
-                    i64 dqa_sb, i64 dqa_ss, i64 dqa_sh, float scale_log2, float scale,
-                    int window_left, int window_right) {
+flash_bwd_fused_mma(const __grid_constant__ BwdParams p) {
     typedef FusedSmem<D_TILE, BLOCK_M, BLOCK_N> L;
     constexpr int NWARPS = WARPS_N * WARPS_D;
     constexpr int NTHREADS = NWARPS * 32;
@@ -109,7 +101,14 @@ flash_bwd_fused_mma(const T* __restrict__ q, const T* __restrict__ k, const T* _
     const int tid = threadIdx.x;
 
     const int n_block = blockIdx.x, n0 = n_block * BLOCK_N, head_kv = blockIdx.y, batch = blockIdx.z;
-    const Mask mask(seqlen_q, seqlen_k, window_left, window_right);
+    // The run-time arguments, read once here (bwd_args in mma_bwd.cuh says why).
+    const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, nheads = p.nheads, group = p.group, headdim = p.headdim;
+    const float scale_log2 = f32_rn(p.scale_log2), scale = f32_rn(p.scale);
+    const TensorRows q = p.q, k = p.k, v = p.v, dout = p.dout, dk = p.dk, dv = p.dv, dq_accum = p.dq_accum;
+    const float* __restrict__ lse = static_cast<const float*>(p.lse);
+    const float* __restrict__ delta = static_cast<const float*>(p.delta);
+    int* __restrict__ const dq_semaphore = p.dq_semaphore;  // DQ_ORDERED only (null otherwise)
+    const Mask mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
 
     // Query blocks [m_block_first, m_block_end) see some key of this block (mask.cuh); the others
     // are never loaded.
@@ -130,20 +129,20 @@ flash_bwd_fused_mma(const T* __restrict__ q, const T* __restrict__ k, const T* _
         const int head = head_kv * group + it / m_blocks;
         const int m0 = m_block_of(it) * BLOCK_M;
         cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(base + L::Q + stage * L::Q_TILE,
-                                                 q + row_offset(batch, m0, head, q_sb, q_ss, q_sh),
-                                                 seqlen_q - m0, headdim, q_ss, tid);
+                                                 q.row<const T>(batch, m0, head),
+                                                 seqlen_q - m0, headdim, q.row_stride, tid);
         cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(base + L::DO + stage * L::Q_TILE,
-                                                 dout + row_offset(batch, m0, head, do_sb, do_ss, do_sh),
-                                                 seqlen_q - m0, headdim, do_ss, tid);
+                                                 dout.row<const T>(batch, m0, head),
+                                                 seqlen_q - m0, headdim, dout.row_stride, tid);
         cp_async_row_stats<BLOCK_M, NTHREADS>(base + L::LSE, base + L::DELTA, stage, lse, delta,
                                                ((i64)batch * nheads + head) * seqlen_q + m0, m0, seqlen_q, tid);
     };
 
     // Prologue: K_j, V_j and the first query block in one group.
-    cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(s_k, k + row_offset(batch, n0, head_kv, k_sb, k_ss, k_sh),
-                                             seqlen_k - n0, headdim, k_ss, tid);
-    cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(s_v, v + row_offset(batch, n0, head_kv, v_sb, v_ss, v_sh),
-                                             seqlen_k - n0, headdim, v_ss, tid);
+    cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(s_k, k.row<const T>(batch, n0, head_kv), seqlen_k - n0, headdim,
+                                             k.row_stride, tid);
+    cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(s_v, v.row<const T>(batch, n0, head_kv), seqlen_k - n0, headdim,
+                                             v.row_stride, tid);
     if (n_iters > 0) load_query_block(0, 0);
     cp_async_commit();
 
@@ -203,7 +202,8 @@ flash_bwd_fused_mma(const T* __restrict__ q, const T* __restrict__ k, const T* _
         }
 
         // Step 2: P^T = exp2(S^T scale log2(e) - lse log2(e)), lse per column (query). Hidden
-        // entries are set to 0 by selection, not multiplication, so a non-finite score cannot leak.
+        // entries are set to 0 by selection, not multiplication, so a non-finite score cannot leak;
+        // blocks inside the mask run an instance without the test (masked_or_not, mma_bwd.cuh).
         // Element (g, j, e) is key key0 + 16 g + 8 (e / 2), query query0 + 8 j + e % 2; the mask
         // compares compile-time offsets against the per-thread values of the policy's origin.
         const int key0 = n0 + key_row0 + lane / 4, query0 = m0 + q_col0 + 2 * (lane % 4);
@@ -214,13 +214,15 @@ flash_bwd_fused_mma(const T* __restrict__ q, const T* __restrict__ k, const T* _
             const float base_log2[2] = {lse_base_log2(lse2.x), lse_base_log2(lse2.y)};
 #pragma unroll
             for (int g = 0; g < KG; ++g) {
+                masked_or_not(partial, [&](auto masked) {
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float p = exp2_approx(fmaf(s_acc[g][j][e], scale_log2, -base_log2[e & 1]));
-                    const int key_off = 16 * g + 8 * (e >> 1), query_off = 8 * j + (e & 1);
-                    const bool hidden = mask.hidden(origin, query_off, key_off);
-                    s_acc[g][j][e] = partial && hidden ? 0.f : p;
-                }
+                    for (int e = 0; e < 4; ++e) {
+                        const int key_off = 16 * g + 8 * (e >> 1), query_off = 8 * j + (e & 1);
+                        const bool hidden = mask.hidden(origin, query_off, key_off);
+                        const float p = exp2_approx(fmaf(s_acc[g][j][e], scale_log2, -base_log2[e & 1]));
+                        s_acc[g][j][e] = masked.value && hidden ? 0.f : p;
+                    }
+                });
             }
         }
 
@@ -274,7 +276,8 @@ flash_bwd_fused_mma(const T* __restrict__ q, const T* __restrict__ k, const T* _
         // Step 9: dQ_i += dS K_j (dS read as the transpose of dS^T) on this warp's query rows and
         // head-dim columns, added to dq_accum; in passes of at most 32 columns (registers: dK, dV
         // are live throughout).
-        float* dqa = dq_accum + (i64)batch * dqa_sb + (i64)head * dqa_sh;
+        float* dqa = dq_accum.head_rows<float>(batch, head);  // float32 rows (panel stride 64)
+        const i64 dqa_ss = dq_accum.row_stride;
 #pragma unroll 1
         for (int pass_col0 = dq_col0; pass_col0 < dq_col0 + DQW; pass_col0 += DQ_PASS) {
             float dq_acc[QG][DQ_PASS / 8][4];
@@ -310,10 +313,10 @@ flash_bwd_fused_mma(const T* __restrict__ q, const T* __restrict__ k, const T* _
         stage_acc<T, DW, D_TILE>(s_v, key_row0 + 16 * g, d_col0, dv_acc[g], 1.f, lane);
     }
     __syncthreads();
-    store_tile<BLOCK_N, D_TILE, NTHREADS>(dk + row_offset(batch, n0, head_kv, dk_sb, dk_ss, dk_sh), s_k,
-                                          seqlen_k - n0, headdim, dk_ss, tid);
-    store_tile<BLOCK_N, D_TILE, NTHREADS>(dv + row_offset(batch, n0, head_kv, dv_sb, dv_ss, dv_sh), s_v,
-                                          seqlen_k - n0, headdim, dv_ss, tid);
+    store_tile<BLOCK_N, D_TILE, NTHREADS>(dk.row<T>(batch, n0, head_kv), s_k, seqlen_k - n0, headdim,
+                                          dk.row_stride, tid);
+    store_tile<BLOCK_N, D_TILE, NTHREADS>(dv.row<T>(batch, n0, head_kv), s_v, seqlen_k - n0, headdim,
+                                          dv.row_stride, tid);
 }
 
 }  // namespace cf

@@ -34,6 +34,7 @@
 #include "mask.cuh"
 #include "mma.cuh"
 #include "mma_bwd.cuh"
+#include "params.cuh"
 
 namespace cf {
 
@@ -63,16 +64,7 @@ struct DkdvSmem {
 template <typename T, int D_TILE, class Mask, int BLOCK_M, int M_SUB, int BLOCK_N, int NWARPS,
           int WARPS_D, bool ATOMIC_DQ>
 __global__ void __launch_bounds__(NWARPS * 32, 1)
-flash_bwd_dkdv_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                   const T* __restrict__ dout, const float* __restrict__ lse,
-                   const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
-                   float* __restrict__ dq_accum,
-                   int seqlen_q, int seqlen_k, int nheads, int group, int headdim,
-                   i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
-                   i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
-                   i64 dk_sb, i64 dk_ss, i64 dk_sh, i64 dv_sb, i64 dv_ss, i64 dv_sh,
-                   i64 dqa_sb, i64 dqa_ss, i64 dqa_sh, float scale_log2, float scale,
-                   int window_left, int window_right) {
+flash_bwd_dkdv_mma(const __grid_constant__ BwdParams p) {
     typedef DkdvSmem<D_TILE, BLOCK_M, M_SUB, BLOCK_N, NWARPS, WARPS_D, ATOMIC_DQ> L;
     constexpr int NTHREADS = NWARPS * 32;
     constexpr int DW = D_TILE / WARPS_D;  // dK, dV columns per warp
@@ -95,7 +87,13 @@ flash_bwd_dkdv_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __
     const int key_group = warp / WARPS_D, d_part = warp % WARPS_D;
     const int row0 = 16 * key_group;  // this warp's key rows within the block
     const int n0 = blockIdx.x * BLOCK_N, head_kv = blockIdx.y, batch = blockIdx.z;
-    const Mask mask(seqlen_q, seqlen_k, window_left, window_right);
+    // The run-time arguments, read once here (bwd_args in mma_bwd.cuh says why).
+    const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, nheads = p.nheads, group = p.group, headdim = p.headdim;
+    const float scale_log2 = f32_rn(p.scale_log2), scale = f32_rn(p.scale);
+    const TensorRows q = p.q, k = p.k, v = p.v, dout = p.dout, dk = p.dk, dv = p.dv, dq_accum = p.dq_accum;
+    const float* __restrict__ lse = static_cast<const float*>(p.lse);
+    const float* __restrict__ delta = static_cast<const float*>(p.delta);
+    const Mask mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
 
     // Query blocks [m_block_first, m_block_end) see some key of this block (mask.cuh); the others
     // are never loaded.
@@ -108,20 +106,20 @@ flash_bwd_dkdv_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __
         const int head = head_kv * group + it / m_blocks;
         const int m0 = (m_block_first + it % m_blocks) * BLOCK_M;
         cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(base + L::Q + stage * L::Q_TILE,
-                                                 q + row_offset(batch, m0, head, q_sb, q_ss, q_sh),
-                                                 seqlen_q - m0, headdim, q_ss, tid);
+                                                 q.row<const T>(batch, m0, head),
+                                                 seqlen_q - m0, headdim, q.row_stride, tid);
         cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(base + L::DO + stage * L::Q_TILE,
-                                                 dout + row_offset(batch, m0, head, do_sb, do_ss, do_sh),
-                                                 seqlen_q - m0, headdim, do_ss, tid);
+                                                 dout.row<const T>(batch, m0, head),
+                                                 seqlen_q - m0, headdim, dout.row_stride, tid);
         cp_async_row_stats<BLOCK_M, NTHREADS>(base + L::LSE, base + L::DELTA, stage, lse, delta,
                                                ((i64)batch * nheads + head) * seqlen_q + m0, m0, seqlen_q, tid);
     };
 
     // Prologue: K_j, V_j and the first query block in one group.
-    cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(s_k, k + row_offset(batch, n0, head_kv, k_sb, k_ss, k_sh),
-                                             seqlen_k - n0, headdim, k_ss, tid);
-    cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(s_v, v + row_offset(batch, n0, head_kv, v_sb, v_ss, v_sh),
-                                             seqlen_k - n0, headdim, v_ss, tid);
+    cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(s_k, k.row<const T>(batch, n0, head_kv), seqlen_k - n0, headdim,
+                                             k.row_stride, tid);
+    cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(s_v, v.row<const T>(batch, n0, head_kv), seqlen_k - n0, headdim,
+                                             v.row_stride, tid);
     if (n_iters > 0) load_query_block(0, 0);
     cp_async_commit();
 
@@ -160,18 +158,22 @@ flash_bwd_dkdv_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __
 
             // Step 2: P^T = exp2(S^T scale log2(e) - lse log2(e)); entries are (key row, query
             // column), so lse is per column. Hidden entries are set to 0 by selection, not by
-            // multiplication, so that a non-finite score there cannot leak.
+            // multiplication, so that a non-finite score there cannot leak; blocks inside the mask
+            // run an instance without the test (masked_or_not, mma_bwd.cuh; likewise in step 5).
 #pragma unroll
             for (int j = 0; j < M_SUB / 8; ++j) {
                 const int c = 8 * j + 2 * (lane % 4);
                 const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + mc0 + c);
                 const float base_log2[2] = {lse_base_log2(lse2.x), lse_base_log2(lse2.y)};
+                masked_or_not(partial, [&](auto masked) {
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float p = exp2_approx(fmaf(s_acc[j][e], scale_log2, -base_log2[e & 1]));
-                    const bool hidden = partial && !mask.visible(m0_sub + c + (e & 1), n0 + row0 + lane / 4 + 8 * (e >> 1));
-                    s_acc[j][e] = hidden ? 0.f : p;
-                }
+                    for (int e = 0; e < 4; ++e) {
+                        const bool hidden =
+                            masked.value && !mask.visible(m0_sub + c + (e & 1), n0 + row0 + lane / 4 + 8 * (e >> 1));
+                        const float p = exp2_approx(fmaf(s_acc[j][e], scale_log2, -base_log2[e & 1]));
+                        s_acc[j][e] = hidden ? 0.f : p;
+                    }
+                });
             }
 
             // Step 3: dV_j += P^T dO on this warp's head-dim slice.
@@ -193,12 +195,15 @@ flash_bwd_dkdv_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __
             for (int j = 0; j < M_SUB / 8; ++j) {
                 const int c = 8 * j + 2 * (lane % 4);
                 const float2 d2 = *reinterpret_cast<const float2*>(s_delta + mc0 + c);
+                masked_or_not(partial, [&](auto masked) {
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float ds = s_acc[j][e] * (dp_acc[j][e] - ((e & 1) ? d2.y : d2.x));
-                    const bool hidden = partial && !mask.visible(m0_sub + c + (e & 1), n0 + row0 + lane / 4 + 8 * (e >> 1));
-                    dp_acc[j][e] = hidden ? 0.f : ds;
-                }
+                    for (int e = 0; e < 4; ++e) {
+                        const bool hidden =
+                            masked.value && !mask.visible(m0_sub + c + (e & 1), n0 + row0 + lane / 4 + 8 * (e >> 1));
+                        const float ds = s_acc[j][e] * (dp_acc[j][e] - ((e & 1) ? d2.y : d2.x));
+                        dp_acc[j][e] = hidden ? 0.f : ds;
+                    }
+                });
             }
             u32 ds_frag[M_SUB / 16][4];
             pack_a_frags<T, M_SUB>(ds_frag, dp_acc);
@@ -227,7 +232,8 @@ flash_bwd_dkdv_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __
             __syncthreads();
             const int q_row0 = 16 * (warp % DQ_WARPS_M);
             const int m_lo = m0 + q_row0 + lane / 4, m_hi = m_lo + 8;
-            float* dqa = dq_accum + (i64)batch * dqa_sb + (i64)head * dqa_sh;
+            float* dqa = dq_accum.head_rows<float>(batch, head);  // float32 rows (panel stride 64)
+            const i64 dqa_ss = dq_accum.row_stride;
 #pragma unroll 1
             for (int col0 = DQ_COLS * (warp / DQ_WARPS_M); col0 < DQ_COLS * (warp / DQ_WARPS_M + 1);
                  col0 += DQ_PASS) {
@@ -252,10 +258,10 @@ flash_bwd_dkdv_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __
     stage_acc<T, DW, D_TILE>(s_k, row0, d_part * DW, dk_acc, scale, lane);
     stage_acc<T, DW, D_TILE>(s_v, row0, d_part * DW, dv_acc, 1.f, lane);
     __syncthreads();
-    store_tile<BLOCK_N, D_TILE, NTHREADS>(dk + row_offset(batch, n0, head_kv, dk_sb, dk_ss, dk_sh), s_k,
-                                          seqlen_k - n0, headdim, dk_ss, tid);
-    store_tile<BLOCK_N, D_TILE, NTHREADS>(dv + row_offset(batch, n0, head_kv, dv_sb, dv_ss, dv_sh), s_v,
-                                          seqlen_k - n0, headdim, dv_ss, tid);
+    store_tile<BLOCK_N, D_TILE, NTHREADS>(dk.row<T>(batch, n0, head_kv), s_k, seqlen_k - n0, headdim,
+                                          dk.row_stride, tid);
+    store_tile<BLOCK_N, D_TILE, NTHREADS>(dv.row<T>(batch, n0, head_kv), s_v, seqlen_k - n0, headdim,
+                                          dv.row_stride, tid);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -275,14 +281,7 @@ struct DqSmem {
 
 template <typename T, int D_TILE, class Mask, int BLOCK_M, int BLOCK_N, int NWARPS>
 __global__ void __launch_bounds__(NWARPS * 32, 1)
-flash_bwd_dq_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                 const T* __restrict__ dout, const float* __restrict__ lse,
-                 const float* __restrict__ delta, T* __restrict__ dq,
-                 int seqlen_q, int seqlen_k, int nheads, int group, int headdim,
-                 i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
-                 i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
-                 i64 dq_sb, i64 dq_ss, i64 dq_sh, float scale_log2, float scale,
-                 int window_left, int window_right) {
+flash_bwd_dq_mma(const __grid_constant__ BwdParams p) {
     typedef DqSmem<D_TILE, BLOCK_M, BLOCK_N> L;
     constexpr int NTHREADS = NWARPS * 32;
     static_assert(BLOCK_M == 16 * NWARPS, "16 query rows per warp");
@@ -296,17 +295,24 @@ flash_bwd_dq_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __re
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int row0 = 16 * warp;  // this warp's query rows within the block
-    const Mask mask(seqlen_q, seqlen_k, window_left, window_right);
+    // The run-time arguments, read once here (bwd_args in mma_bwd.cuh says why).
+    const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, nheads = p.nheads, headdim = p.headdim;
+    const float scale_log2 = f32_rn(p.scale_log2), scale = f32_rn(p.scale);
+    const TensorRows q = p.q, k = p.k, v = p.v, dout = p.dout, dq = p.dq;
+    const float* __restrict__ lse = static_cast<const float*>(p.lse);
+    const float* __restrict__ delta = static_cast<const float*>(p.delta);
+    const Mask mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
     const int m0 = Mask::query_block(blockIdx.x, gridDim.x) * BLOCK_M;
-    const int head = blockIdx.y, batch = blockIdx.z, head_kv = head / group;
+    const int head = blockIdx.y, batch = blockIdx.z, head_kv = head / p.group;
 
     // Key blocks [j_begin, j_end) hold the keys some existing row of the block sees (mask.cuh);
     // K_j and V_j sit in stage j % 2, whichever block the walk starts at.
     const int j_begin = mask.key_begin(m0) / BLOCK_N;
     const int j_end = (mask.key_end(m0, min(BLOCK_M, seqlen_q - m0)) + BLOCK_N - 1) / BLOCK_N;
 
-    const T* k_head = k + row_offset(batch, 0, head_kv, k_sb, k_ss, k_sh);
-    const T* v_head = v + row_offset(batch, 0, head_kv, v_sb, v_ss, v_sh);
+    const T* k_head = k.head_rows<const T>(batch, head_kv);
+    const T* v_head = v.head_rows<const T>(batch, head_kv);
+    const i64 k_ss = k.row_stride, v_ss = v.row_stride;
     auto load_key_block = [&](int j, int stage) {
         const int n0 = j * BLOCK_N;
         cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(base + L::K + stage * L::KV_TILE, k_head + n0 * k_ss,
@@ -315,21 +321,22 @@ flash_bwd_dq_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __re
                                                  seqlen_k - n0, headdim, v_ss, tid);
     };
 
-    cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(s_q, q + row_offset(batch, m0, head, q_sb, q_ss, q_sh),
-                                             seqlen_q - m0, headdim, q_ss, tid);
-    cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(s_do, dout + row_offset(batch, m0, head, do_sb, do_ss, do_sh),
-                                             seqlen_q - m0, headdim, do_ss, tid);
+    cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(s_q, q.row<const T>(batch, m0, head), seqlen_q - m0, headdim,
+                                             q.row_stride, tid);
+    cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(s_do, dout.row<const T>(batch, m0, head), seqlen_q - m0, headdim,
+                                             dout.row_stride, tid);
     if (j_begin < j_end) load_key_block(j_begin, j_begin & 1);
     cp_async_commit();
 
-    // Per-row statistics of this lane's two accumulator rows (lane / 4 and lane / 4 + 8).
+    // Per-row statistics of this lane's two accumulator rows (lane / 4 and lane / 4 + 8), by ldg
+    // (bwd_args in mma_bwd.cuh).
     float base_log2[2], d[2];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int m = m0 + row0 + lane / 4 + 8 * half;
         const i64 stat = ((i64)batch * nheads + head) * seqlen_q + m;
-        base_log2[half] = m < seqlen_q ? lse_base_log2(lse[stat]) : 0.f;
-        d[half] = m < seqlen_q ? delta[stat] : 0.f;
+        base_log2[half] = m < seqlen_q ? lse_base_log2(ldg(lse + stat)) : 0.f;
+        d[half] = m < seqlen_q ? ldg(delta + stat) : 0.f;
     }
 
     float dq_acc[D_TILE / 8][4];
@@ -379,9 +386,9 @@ flash_bwd_dq_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     __syncthreads();
     stage_acc<T, D_TILE, D_TILE>(s_q, row0, 0, dq_acc, scale, lane);
     __syncwarp();
-    T* dq_rows = dq + row_offset(batch, m0 + row0, head, dq_sb, dq_ss, dq_sh);
+    T* dq_rows = dq.row<T>(batch, m0 + row0, head);
     store_tile<16, D_TILE, 32>(dq_rows, s_q + tile_offset<D_TILE>(row0, 0), seqlen_q - m0 - row0, headdim,
-                               dq_ss, lane);
+                               dq.row_stride, lane);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -407,14 +414,7 @@ struct DqSmemV2 : DqSmem<D_TILE, BLOCK_M, BLOCK_N> {
 
 template <typename T, int D_TILE, class Mask, int BLOCK_M, int BLOCK_N, int NWARPS, int ROW_GROUPS>
 __global__ void __launch_bounds__(NWARPS * 32, 1)
-flash_bwd_dq_mma_v2(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                    const T* __restrict__ dout, const float* __restrict__ lse,
-                    const float* __restrict__ delta, T* __restrict__ dq,
-                    int seqlen_q, int seqlen_k, int nheads, int group, int headdim,
-                    i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
-                    i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
-                    i64 dq_sb, i64 dq_ss, i64 dq_sh, float scale_log2, float scale,
-                    int window_left, int window_right) {
+flash_bwd_dq_mma_v2(const __grid_constant__ BwdParams p) {
     typedef DqSmemV2<D_TILE, BLOCK_M, BLOCK_N> L;
     constexpr int NTHREADS = NWARPS * 32;
     constexpr int G = ROW_GROUPS;
@@ -431,42 +431,48 @@ flash_bwd_dq_mma_v2(const T* __restrict__ q, const T* __restrict__ k, const T* _
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int row0 = WARP_ROWS * warp;  // this warp's query rows within the block
-    const Mask mask(seqlen_q, seqlen_k, window_left, window_right);
+    // The run-time arguments, read once here (bwd_args in mma_bwd.cuh says why).
+    const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, nheads = p.nheads, headdim = p.headdim;
+    const float scale_log2 = f32_rn(p.scale_log2), scale = f32_rn(p.scale);
+    const TensorRows q = p.q, k = p.k, v = p.v, dout = p.dout, dq = p.dq;
+    const float* __restrict__ lse = static_cast<const float*>(p.lse);
+    const float* __restrict__ delta = static_cast<const float*>(p.delta);
+    const Mask mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
     const int m0 = Mask::query_block(blockIdx.x, gridDim.x) * BLOCK_M;
-    const int head = blockIdx.y, batch = blockIdx.z, head_kv = head / group;
+    const int head = blockIdx.y, batch = blockIdx.z, head_kv = head / p.group;
 
     // Key blocks [j_begin, j_end) hold the keys some existing row of the block sees (mask.cuh);
     // K_j and V_j sit in stage j % 2, whichever block the walk starts at.
     const int j_begin = mask.key_begin(m0) / BLOCK_N;
     const int j_end = (mask.key_end(m0, min(BLOCK_M, seqlen_q - m0)) + BLOCK_N - 1) / BLOCK_N;
 
-    // The key-block addresses are recomputed from the kernel arguments (constant bank) at each
+    // The key-block addresses are recomputed from the run-time arguments (p: constant bank) at each
     // load: held across the loop, they are what tips the main loop into spilling.
     auto load_key_block = [&](int j, int stage) {
         const int n0 = j * BLOCK_N;
         cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(base + L::K + stage * L::KV_TILE,
-                                                 k + row_offset(batch, n0, head_kv, k_sb, k_ss, k_sh),
-                                                 seqlen_k - n0, headdim, k_ss, tid);
+                                                 p.k.row<const T>(batch, n0, head_kv),
+                                                 seqlen_k - n0, headdim, p.k.row_stride, tid);
         cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(base + L::V + stage * L::KV_TILE,
-                                                 v + row_offset(batch, n0, head_kv, v_sb, v_ss, v_sh),
-                                                 seqlen_k - n0, headdim, v_ss, tid);
+                                                 p.v.row<const T>(batch, n0, head_kv),
+                                                 seqlen_k - n0, headdim, p.v.row_stride, tid);
     };
 
-    cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(s_q, q + row_offset(batch, m0, head, q_sb, q_ss, q_sh),
-                                             seqlen_q - m0, headdim, q_ss, tid);
-    cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(s_do, dout + row_offset(batch, m0, head, do_sb, do_ss, do_sh),
-                                             seqlen_q - m0, headdim, do_ss, tid);
+    cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(s_q, q.row<const T>(batch, m0, head), seqlen_q - m0, headdim,
+                                             q.row_stride, tid);
+    cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(s_do, dout.row<const T>(batch, m0, head), seqlen_q - m0, headdim,
+                                             dout.row_stride, tid);
     if (j_begin < j_end) load_key_block(j_begin, j_begin & 1);
     cp_async_commit();
 
-    // Row statistics, made visible by the first iteration's barrier.
+    // Row statistics (by ldg: bwd_args in mma_bwd.cuh), made visible by the first iteration's barrier.
     float* s_lse = reinterpret_cast<float*>(smem + L::LSE);
     float* s_delta = reinterpret_cast<float*>(smem + L::DELTA);
     for (int r = tid; r < BLOCK_M; r += NTHREADS) {
         const int m = m0 + r;
         const i64 stat = ((i64)batch * nheads + head) * seqlen_q + m;
-        s_lse[r] = m < seqlen_q ? lse_base_log2(lse[stat]) : 0.f;
-        s_delta[r] = m < seqlen_q ? delta[stat] : 0.f;
+        s_lse[r] = m < seqlen_q ? lse_base_log2(ldg(lse + stat)) : 0.f;
+        s_delta[r] = m < seqlen_q ? ldg(delta + stat) : 0.f;
     }
     // This lane's accumulator rows within the block: group g, half h is lane_row + 16 g + 8 h.
     const int lane_row = row0 + lane / 4;
@@ -559,9 +565,9 @@ flash_bwd_dq_mma_v2(const T* __restrict__ q, const T* __restrict__ k, const T* _
 #pragma unroll
     for (int g = 0; g < G; ++g) stage_acc<T, D_TILE, D_TILE>(s_q, row0 + 16 * g, 0, dq_acc[g], scale, lane);
     __syncwarp();
-    T* dq_rows = dq + row_offset(batch, m0 + row0, head, dq_sb, dq_ss, dq_sh);
+    T* dq_rows = dq.row<T>(batch, m0 + row0, head);
     store_tile<WARP_ROWS, D_TILE, 32>(dq_rows, s_q + tile_offset<D_TILE>(row0, 0), seqlen_q - m0 - row0,
-                                      headdim, dq_ss, lane);
+                                      headdim, dq.row_stride, lane);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -575,16 +581,7 @@ flash_bwd_dq_mma_v2(const T* __restrict__ q, const T* __restrict__ k, const T* _
 template <typename T, int D_TILE, class Mask, int BLOCK_M, int M_SUB, int BLOCK_N, int NWARPS, int ROW_GROUPS,
           bool ATOMIC_DQ>
 __global__ void __launch_bounds__(NWARPS * 32, 1)
-flash_bwd_dkdv_mma_v2(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                      const T* __restrict__ dout, const float* __restrict__ lse,
-                      const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
-                      float* __restrict__ dq_accum,
-                      int seqlen_q, int seqlen_k, int nheads, int group, int headdim,
-                      i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
-                      i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
-                      i64 dk_sb, i64 dk_ss, i64 dk_sh, i64 dv_sb, i64 dv_ss, i64 dv_sh,
-                      i64 dqa_sb, i64 dqa_ss, i64 dqa_sh, float scale_log2, float scale,
-                      int window_left, int window_right) {
+flash_bwd_dkdv_mma_v2(const __grid_constant__ BwdParams p) {
     typedef DkdvSmem<D_TILE, BLOCK_M, M_SUB, BLOCK_N, NWARPS, 1, ATOMIC_DQ> L;
     constexpr int NTHREADS = NWARPS * 32;
     constexpr int G = ROW_GROUPS;
@@ -606,7 +603,13 @@ flash_bwd_dkdv_mma_v2(const T* __restrict__ q, const T* __restrict__ k, const T*
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int row0 = WARP_ROWS * warp;  // this warp's key rows within the block
     const int n0 = blockIdx.x * BLOCK_N, head_kv = blockIdx.y, batch = blockIdx.z;
-    const Mask mask(seqlen_q, seqlen_k, window_left, window_right);
+    // The run-time arguments, read once here (bwd_args in mma_bwd.cuh says why).
+    const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, nheads = p.nheads, group = p.group, headdim = p.headdim;
+    const float scale_log2 = f32_rn(p.scale_log2), scale = f32_rn(p.scale);
+    const TensorRows q = p.q, k = p.k, v = p.v, dout = p.dout, dk = p.dk, dv = p.dv, dq_accum = p.dq_accum;
+    const float* __restrict__ lse = static_cast<const float*>(p.lse);
+    const float* __restrict__ delta = static_cast<const float*>(p.delta);
+    const Mask mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
 
     // Query blocks [m_block_first, m_block_end) see some key of this block (mask.cuh); the others
     // are never loaded.
@@ -619,19 +622,19 @@ flash_bwd_dkdv_mma_v2(const T* __restrict__ q, const T* __restrict__ k, const T*
         const int head = head_kv * group + it / m_blocks;
         const int m0 = (m_block_first + it % m_blocks) * BLOCK_M;
         cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(base + L::Q + stage * L::Q_TILE,
-                                                 q + row_offset(batch, m0, head, q_sb, q_ss, q_sh),
-                                                 seqlen_q - m0, headdim, q_ss, tid);
+                                                 q.row<const T>(batch, m0, head),
+                                                 seqlen_q - m0, headdim, q.row_stride, tid);
         cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(base + L::DO + stage * L::Q_TILE,
-                                                 dout + row_offset(batch, m0, head, do_sb, do_ss, do_sh),
-                                                 seqlen_q - m0, headdim, do_ss, tid);
+                                                 dout.row<const T>(batch, m0, head),
+                                                 seqlen_q - m0, headdim, dout.row_stride, tid);
         cp_async_row_stats<BLOCK_M, NTHREADS>(base + L::LSE, base + L::DELTA, stage, lse, delta,
                                                ((i64)batch * nheads + head) * seqlen_q + m0, m0, seqlen_q, tid);
     };
 
-    cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(s_k, k + row_offset(batch, n0, head_kv, k_sb, k_ss, k_sh),
-                                             seqlen_k - n0, headdim, k_ss, tid);
-    cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(s_v, v + row_offset(batch, n0, head_kv, v_sb, v_ss, v_sh),
-                                             seqlen_k - n0, headdim, v_ss, tid);
+    cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(s_k, k.row<const T>(batch, n0, head_kv), seqlen_k - n0, headdim,
+                                             k.row_stride, tid);
+    cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(s_v, v.row<const T>(batch, n0, head_kv), seqlen_k - n0, headdim,
+                                             v.row_stride, tid);
     if (n_iters > 0) load_query_block(0, 0);
     cp_async_commit();
 
@@ -681,24 +684,27 @@ flash_bwd_dkdv_mma_v2(const T* __restrict__ q, const T* __restrict__ k, const T*
             mma_ABt_groups<T, G, M_SUB, D_TILE, D_TILE, D_TILE>(s_acc, s_k, row0, s_q_sub, 0, lane);
 
             // Step 2: P^T = exp2(S^T scale log2(e) - lse log2(e)), lse per column; hidden entries
-            // selected to 0.
+            // selected to 0, blocks inside the mask without the test (masked_or_not; also step 5).
+            masked_or_not(partial, [&](auto masked) {
 #pragma unroll
-            for (int j = 0; j < M_SUB / 8; ++j) {
-                const int c = 8 * j + 2 * (lane % 4);
-                const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + mc0 + c);
-                const float base_log2[2] = {lse_base_log2(lse2.x), lse_base_log2(lse2.y)};
+                for (int j = 0; j < M_SUB / 8; ++j) {
+                    const int c = 8 * j + 2 * (lane % 4);
+                    const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + mc0 + c);
+                    const float base_log2[2] = {lse_base_log2(lse2.x), lse_base_log2(lse2.y)};
 #pragma unroll
-                for (int g = 0; g < G; ++g) {
+                    for (int g = 0; g < G; ++g) {
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const float p = exp2_approx(fmaf(s_acc[g][j][e], scale_log2, -base_log2[e & 1]));
-                        const int m = m0_sub + c + (e & 1);
-                        const bool hidden = partial && (m < m_min[g][e >> 1] || m >= seqlen_q ||
-                                                        mask.hidden_left(origin, 8 * j + (e & 1), 16 * g + 8 * (e >> 1)));
-                        s_acc[g][j][e] = hidden ? 0.f : p;
+                        for (int e = 0; e < 4; ++e) {
+                            const int m = m0_sub + c + (e & 1);
+                            const bool hidden = masked.value && (m < m_min[g][e >> 1] || m >= seqlen_q ||
+                                                                 mask.hidden_left(origin, 8 * j + (e & 1),
+                                                                                  16 * g + 8 * (e >> 1)));
+                            const float p = exp2_approx(fmaf(s_acc[g][j][e], scale_log2, -base_log2[e & 1]));
+                            s_acc[g][j][e] = hidden ? 0.f : p;
+                        }
                     }
                 }
-            }
+            });
 
             // Step 3: dV_j += P^T dO.
             {
@@ -721,23 +727,25 @@ flash_bwd_dkdv_mma_v2(const T* __restrict__ q, const T* __restrict__ k, const T*
                 // dO rows 16 kk.. form a tile of their own: 16 rows keep the swizzle phase.
                 mma_ABt_groups<T, G, 16, D_TILE, D_TILE, D_TILE>(dp_acc, s_v, row0,
                                                                  s_do_sub + 16 * kk * (D_TILE * 2), 0, lane);
+                masked_or_not(partial, [&](auto masked) {
 #pragma unroll
-                for (int jj = 0; jj < 2; ++jj) {
-                    const int j = 2 * kk + jj;
-                    const int c = 8 * j + 2 * (lane % 4);
-                    const float2 d2 = *reinterpret_cast<const float2*>(s_delta + mc0 + c);
+                    for (int jj = 0; jj < 2; ++jj) {
+                        const int j = 2 * kk + jj;
+                        const int c = 8 * j + 2 * (lane % 4);
+                        const float2 d2 = *reinterpret_cast<const float2*>(s_delta + mc0 + c);
 #pragma unroll
-                    for (int g = 0; g < G; ++g) {
+                        for (int g = 0; g < G; ++g) {
 #pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const float ds = s_acc[g][j][e] * (dp_acc[g][jj][e] - ((e & 1) ? d2.y : d2.x));
-                            const int m = m0_sub + c + (e & 1);
-                            const bool hidden = partial && (m < m_min[g][e >> 1] || m >= seqlen_q ||
-                                                            (Mask::HAS_LEFT && s_acc[g][j][e] == 0.f));
-                            dp_acc[g][jj][e] = hidden ? 0.f : ds;
+                            for (int e = 0; e < 4; ++e) {
+                                const int m = m0_sub + c + (e & 1);
+                                const bool hidden = masked.value && (m < m_min[g][e >> 1] || m >= seqlen_q ||
+                                                                     (Mask::HAS_LEFT && s_acc[g][j][e] == 0.f));
+                                const float ds = s_acc[g][j][e] * (dp_acc[g][jj][e] - ((e & 1) ? d2.y : d2.x));
+                                dp_acc[g][jj][e] = hidden ? 0.f : ds;
+                            }
                         }
                     }
-                }
+                });
 #pragma unroll
                 for (int g = 0; g < G; ++g) {
                     ds_frag[g][kk][0] = pack2<T>(dp_acc[g][0][0], dp_acc[g][0][1]);
@@ -772,7 +780,8 @@ flash_bwd_dkdv_mma_v2(const T* __restrict__ q, const T* __restrict__ k, const T*
             __syncthreads();
             const int q_row0 = 16 * (warp % DQ_WARPS_M);
             const int m_lo = m0 + q_row0 + lane / 4, m_hi = m_lo + 8;
-            float* dqa = dq_accum + (i64)batch * dqa_sb + (i64)head * dqa_sh;
+            float* dqa = dq_accum.head_rows<float>(batch, head);  // float32 rows (panel stride 64)
+            const i64 dqa_ss = dq_accum.row_stride;
 #pragma unroll 1
             for (int col0 = DQ_COLS * (warp / DQ_WARPS_M); col0 < DQ_COLS * (warp / DQ_WARPS_M + 1);
                  col0 += DQ_PASS) {
@@ -799,10 +808,10 @@ flash_bwd_dkdv_mma_v2(const T* __restrict__ q, const T* __restrict__ k, const T*
         stage_acc<T, D_TILE, D_TILE>(s_v, row0 + 16 * g, 0, dv_acc[g], 1.f, lane);
     }
     __syncthreads();
-    store_tile<BLOCK_N, D_TILE, NTHREADS>(dk + row_offset(batch, n0, head_kv, dk_sb, dk_ss, dk_sh), s_k,
-                                          seqlen_k - n0, headdim, dk_ss, tid);
-    store_tile<BLOCK_N, D_TILE, NTHREADS>(dv + row_offset(batch, n0, head_kv, dv_sb, dv_ss, dv_sh), s_v,
-                                          seqlen_k - n0, headdim, dv_ss, tid);
+    store_tile<BLOCK_N, D_TILE, NTHREADS>(dk.row<T>(batch, n0, head_kv), s_k, seqlen_k - n0, headdim,
+                                          dk.row_stride, tid);
+    store_tile<BLOCK_N, D_TILE, NTHREADS>(dv.row<T>(batch, n0, head_kv), s_v, seqlen_k - n0, headdim,
+                                          dv.row_stride, tid);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -831,16 +840,7 @@ struct DkdvSplitSmem {
 template <typename T, int D_TILE, class Mask, int BLOCK_M, int M_SUB, int BLOCK_N, int NWARPS, int ROW_GROUPS,
           bool ATOMIC_DQ>
 __global__ void __launch_bounds__(NWARPS * 32, 1)
-flash_bwd_dkdv_mma_split(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                         const T* __restrict__ dout, const float* __restrict__ lse,
-                         const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
-                         float* __restrict__ dq_accum,
-                         int seqlen_q, int seqlen_k, int nheads, int group, int headdim,
-                         i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
-                         i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
-                         i64 dk_sb, i64 dk_ss, i64 dk_sh, i64 dv_sb, i64 dv_ss, i64 dv_sh,
-                         i64 dqa_sb, i64 dqa_ss, i64 dqa_sh, float scale_log2, float scale,
-                         int window_left, int window_right) {
+flash_bwd_dkdv_mma_split(const __grid_constant__ BwdParams p) {
     typedef DkdvSmem<D_TILE, BLOCK_M, M_SUB, BLOCK_N, NWARPS, 1, ATOMIC_DQ> L;
     typedef DkdvSplitSmem<D_TILE, BLOCK_M, M_SUB, BLOCK_N, NWARPS, ROW_GROUPS, ATOMIC_DQ> X;
     constexpr int NTHREADS = NWARPS * 32;
@@ -868,7 +868,13 @@ flash_bwd_dkdv_mma_split(const T* __restrict__ q, const T* __restrict__ k, const
     const int row0 = WARP_ROWS * pair;   // the pair's key rows within the block
     const u32 s_xchg = base + X::XCHG + pair * 2 * X::XCHG_SLOT + lane * 16;
     const int n0 = blockIdx.x * BLOCK_N, head_kv = blockIdx.y, batch = blockIdx.z;
-    const Mask mask(seqlen_q, seqlen_k, window_left, window_right);
+    // The run-time arguments, read once here (bwd_args in mma_bwd.cuh says why).
+    const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, nheads = p.nheads, group = p.group, headdim = p.headdim;
+    const float scale_log2 = f32_rn(p.scale_log2), scale = f32_rn(p.scale);
+    const TensorRows q = p.q, k = p.k, v = p.v, dout = p.dout, dk = p.dk, dv = p.dv, dq_accum = p.dq_accum;
+    const float* __restrict__ lse = static_cast<const float*>(p.lse);
+    const float* __restrict__ delta = static_cast<const float*>(p.delta);
+    const Mask mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
 
     // Query blocks [m_block_first, m_block_end) see some key of this block (mask.cuh); the others
     // are never loaded.
@@ -881,19 +887,19 @@ flash_bwd_dkdv_mma_split(const T* __restrict__ q, const T* __restrict__ k, const
         const int head = head_kv * group + it / m_blocks;
         const int m0 = (m_block_first + it % m_blocks) * BLOCK_M;
         cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(base + L::Q + stage * L::Q_TILE,
-                                                 q + row_offset(batch, m0, head, q_sb, q_ss, q_sh),
-                                                 seqlen_q - m0, headdim, q_ss, tid);
+                                                 q.row<const T>(batch, m0, head),
+                                                 seqlen_q - m0, headdim, q.row_stride, tid);
         cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(base + L::DO + stage * L::Q_TILE,
-                                                 dout + row_offset(batch, m0, head, do_sb, do_ss, do_sh),
-                                                 seqlen_q - m0, headdim, do_ss, tid);
+                                                 dout.row<const T>(batch, m0, head),
+                                                 seqlen_q - m0, headdim, dout.row_stride, tid);
         cp_async_row_stats<BLOCK_M, NTHREADS>(base + L::LSE, base + L::DELTA, stage, lse, delta,
                                                ((i64)batch * nheads + head) * seqlen_q + m0, m0, seqlen_q, tid);
     };
 
-    cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(s_k, k + row_offset(batch, n0, head_kv, k_sb, k_ss, k_sh),
-                                             seqlen_k - n0, headdim, k_ss, tid);
-    cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(s_v, v + row_offset(batch, n0, head_kv, v_sb, v_ss, v_sh),
-                                             seqlen_k - n0, headdim, v_ss, tid);
+    cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(s_k, k.row<const T>(batch, n0, head_kv), seqlen_k - n0, headdim,
+                                             k.row_stride, tid);
+    cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(s_v, v.row<const T>(batch, n0, head_kv), seqlen_k - n0, headdim,
+                                             v.row_stride, tid);
     if (n_iters > 0) load_query_block(0, 0);
     cp_async_commit();
 
@@ -938,7 +944,7 @@ flash_bwd_dkdv_mma_split(const T* __restrict__ q, const T* __restrict__ k, const
 
             if (!role_dk) {
                 // S^T = K_j Q^T; P^T = exp2(S^T scale log2(e) - lse log2(e)), lse per column,
-                // hidden entries selected to 0; P^T to the pair's slot; dV_j += P^T dO.
+                // hidden entries selected to 0 (masked_or_not); P^T to the pair's slot; dV_j += P^T dO.
                 float s_acc[G][M_SUB / 8][4];
 #pragma unroll
                 for (int g = 0; g < G; ++g) zero(s_acc[g]);
@@ -950,14 +956,17 @@ flash_bwd_dkdv_mma_split(const T* __restrict__ q, const T* __restrict__ k, const
                     const float base_log2[2] = {lse_base_log2(lse2.x), lse_base_log2(lse2.y)};
 #pragma unroll
                     for (int g = 0; g < G; ++g) {
+                        masked_or_not(partial, [&](auto masked) {
 #pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const float p = exp2_approx(fmaf(s_acc[g][j][e], scale_log2, -base_log2[e & 1]));
-                            const int m = m0_sub + c + (e & 1);
-                            const bool hidden = partial && (m < m_min[g][e >> 1] || m >= seqlen_q ||
-                                                            mask.hidden_left(origin, 8 * j + (e & 1), 16 * g + 8 * (e >> 1)));
-                            s_acc[g][j][e] = hidden ? 0.f : p;
-                        }
+                            for (int e = 0; e < 4; ++e) {
+                                const int m = m0_sub + c + (e & 1);
+                                const bool hidden = masked.value && (m < m_min[g][e >> 1] || m >= seqlen_q ||
+                                                                     mask.hidden_left(origin, 8 * j + (e & 1),
+                                                                                      16 * g + 8 * (e >> 1)));
+                                const float p = exp2_approx(fmaf(s_acc[g][j][e], scale_log2, -base_log2[e & 1]));
+                                s_acc[g][j][e] = hidden ? 0.f : p;
+                            }
+                        });
                         st_shared_v4(s_p + (g * (M_SUB / 8) + j) * 512, __float_as_uint(s_acc[g][j][0]),
                                      __float_as_uint(s_acc[g][j][1]), __float_as_uint(s_acc[g][j][2]),
                                      __float_as_uint(s_acc[g][j][3]));
@@ -985,14 +994,18 @@ flash_bwd_dkdv_mma_split(const T* __restrict__ q, const T* __restrict__ k, const
                     for (int g = 0; g < G; ++g) {
                         u32 p[4];
                         ld_shared_v4(p, s_p + (g * (M_SUB / 8) + j) * 512);
+                        masked_or_not(partial, [&](auto masked) {
 #pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const float ds = __uint_as_float(p[e]) * (dp_acc[g][j][e] - ((e & 1) ? d2.y : d2.x));
-                            const int m = m0_sub + c + (e & 1);
-                            const bool hidden = partial && (m < m_min[g][e >> 1] || m >= seqlen_q ||
-                                                            (Mask::HAS_LEFT && __uint_as_float(p[e]) == 0.f));
-                            dp_acc[g][j][e] = hidden ? 0.f : ds;
-                        }
+                            for (int e = 0; e < 4; ++e) {
+                                const int m = m0_sub + c + (e & 1);
+                                const bool hidden =
+                                    masked.value && (m < m_min[g][e >> 1] || m >= seqlen_q ||
+                                                     (Mask::HAS_LEFT && __uint_as_float(p[e]) == 0.f));
+                                const float ds =
+                                    __uint_as_float(p[e]) * (dp_acc[g][j][e] - ((e & 1) ? d2.y : d2.x));
+                                dp_acc[g][j][e] = hidden ? 0.f : ds;
+                            }
+                        });
                     }
                 }
                 u32 ds_frag[G][M_SUB / 16][4];
@@ -1023,7 +1036,8 @@ flash_bwd_dkdv_mma_split(const T* __restrict__ q, const T* __restrict__ k, const
             __syncthreads();
             const int q_row0 = 16 * (warp % DQ_WARPS_M);
             const int m_lo = m0 + q_row0 + lane / 4, m_hi = m_lo + 8;
-            float* dqa = dq_accum + (i64)batch * dqa_sb + (i64)head * dqa_sh;
+            float* dqa = dq_accum.head_rows<float>(batch, head);  // float32 rows (panel stride 64)
+            const i64 dqa_ss = dq_accum.row_stride;
 #pragma unroll 1
             for (int col0 = DQ_COLS * (warp / DQ_WARPS_M); col0 < DQ_COLS * (warp / DQ_WARPS_M + 1);
                  col0 += DQ_PASS) {
@@ -1050,10 +1064,10 @@ flash_bwd_dkdv_mma_split(const T* __restrict__ q, const T* __restrict__ k, const
         else stage_acc<T, D_TILE, D_TILE>(s_v, row0 + 16 * g, 0, acc[g], 1.f, lane);
     }
     __syncthreads();
-    store_tile<BLOCK_N, D_TILE, NTHREADS>(dk + row_offset(batch, n0, head_kv, dk_sb, dk_ss, dk_sh), s_k,
-                                          seqlen_k - n0, headdim, dk_ss, tid);
-    store_tile<BLOCK_N, D_TILE, NTHREADS>(dv + row_offset(batch, n0, head_kv, dv_sb, dv_ss, dv_sh), s_v,
-                                          seqlen_k - n0, headdim, dv_ss, tid);
+    store_tile<BLOCK_N, D_TILE, NTHREADS>(dk.row<T>(batch, n0, head_kv), s_k, seqlen_k - n0, headdim,
+                                          dk.row_stride, tid);
+    store_tile<BLOCK_N, D_TILE, NTHREADS>(dv.row<T>(batch, n0, head_kv), s_v, seqlen_k - n0, headdim,
+                                          dv.row_stride, tid);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1063,9 +1077,9 @@ flash_bwd_dkdv_mma_split(const T* __restrict__ q, const T* __restrict__ k, const
 // One thread per 8 columns of one (batch, row, head): two 16-byte loads, one 16-byte store.
 template <typename T>
 __global__ void __launch_bounds__(256)
-flash_bwd_dq_convert(const float* __restrict__ dq_accum, T* __restrict__ dq, int seqlen_q, int nheads,
-                     int headdim, i64 n_chunks, i64 dqa_sb, i64 dqa_ss, i64 dqa_sh,
-                     i64 dq_sb, i64 dq_ss, i64 dq_sh, float scale) {
+flash_bwd_dq_convert(const __grid_constant__ BwdParams p) {
+    const int seqlen_q = p.seqlen_q, nheads = p.nheads, headdim = p.headdim;
+    const i64 n_chunks = ((i64)p.batch * seqlen_q) * (nheads * (headdim / 8));  // nheads headdim / 8 < 2^31
     const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= n_chunks) return;
     const int chunks_per_row = headdim / 8;
@@ -1074,12 +1088,12 @@ flash_bwd_dq_convert(const float* __restrict__ dq_accum, T* __restrict__ dq, int
     const int head = (int)(row_id % nheads);
     const int row = (int)((row_id / nheads) % seqlen_q);
     const int batch = (int)(row_id / ((i64)nheads * seqlen_q));
-    const float4* src = reinterpret_cast<const float4*>(
-        dq_accum + row_offset(batch, row, head, dqa_sb, dqa_ss, dqa_sh) + chunk * 8);
-    const float4 lo = src[0], hi = src[1];
+    const float scale = f32_rn(p.scale);
+    const float4* src = reinterpret_cast<const float4*>(p.dq_accum.row<const float>(batch, row, head) + chunk * 8);
+    const float4 lo = __ldg(src), hi = __ldg(src + 1);  // the read-only path (bwd_args in mma_bwd.cuh)
     const u32 r[4] = {pack2<T>(lo.x * scale, lo.y * scale), pack2<T>(lo.z * scale, lo.w * scale),
                       pack2<T>(hi.x * scale, hi.y * scale), pack2<T>(hi.z * scale, hi.w * scale)};
-    st_global_v4(dq + row_offset(batch, row, head, dq_sb, dq_ss, dq_sh) + chunk * 8, r);
+    st_global_v4(p.dq.row<T>(batch, row, head) + chunk * 8, r);
 }
 
 }  // namespace cf

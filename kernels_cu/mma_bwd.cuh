@@ -9,6 +9,45 @@
 
 namespace cf {
 // ---------------------------------------------------------------------------------------------
+// Run-time arguments (bwd_args)
+// ---------------------------------------------------------------------------------------------
+//
+// Every kernel takes one BwdParams (params.cuh) and copies the fields it uses into locals at its
+// top, its tensors as TensorRows values: fields read where the loops use them changed the address
+// arithmetic built on them (flash_bwd_dq_mma_v2 d128: 40 more instructions, 6 more registers);
+// copied at the top they are values, like the kernel arguments they replace, still read from the
+// constant bank. (flash_bwd_dq_mma_v2 reads its key-block addresses from `p`
+// at each load on purpose: held across the loop they cost its causal d128 instance 8 bytes of
+// spills.) Plain C++ loads of read-only data (lse and D in the dQ kernels, dq_accum in the
+// convert) go through ldg / __ldg: a pointer from the struct does not get the read-only path
+// (LDG.CONSTANT) that a const __restrict__ kernel argument got.
+//
+// What a copy cannot restore: NVVM's uniformity analysis treats every value loaded from the
+// struct as divergent (a scalar kernel argument was uniform), so it no longer duplicates a loop
+// on a condition built from them, such as a block's `partial`. masked_or_not below makes the two
+// instances of each masking step explicit instead.
+
+// The struct's double scales as the float32 the kernels compute with, rounded to nearest as the
+// launcher's np.float32 did: cvt.rn.f32.f64 is one F2F. float(x) compiles (under -ftz) to
+// cvt.rn.ftz.f32.f64, which ptxas implements as F2F plus a flush test (DSETP, FMUL) that holds the
+// double in two more registers wherever it rematerializes the conversion.
+__device__ __forceinline__ float f32_rn(double x) {
+    float r;
+    asm("cvt.rn.f32.f64 %0, %1;" : "=f"(r) : "d"(x));
+    return r;
+}
+
+// A compile-time flag passed as a value: masked_or_not(partial, f) runs f(Flag<true>()) where the
+// block needs the element mask and f(Flag<false>()) where it does not.
+template <bool B> struct Flag { static constexpr bool value = B; };
+
+template <typename F>
+__device__ __forceinline__ void masked_or_not(bool masked, F&& f) {
+    if (masked) f(Flag<true>());
+    else f(Flag<false>());
+}
+
+// ---------------------------------------------------------------------------------------------
 // PTX used only by the backward
 // ---------------------------------------------------------------------------------------------
 
