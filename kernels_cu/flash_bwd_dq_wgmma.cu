@@ -24,6 +24,7 @@
 #include "mma.cuh"
 #include "mma_bwd.cuh"
 #include "wgmma.cuh"
+#include "params.cuh"
 
 namespace cf {
 
@@ -44,12 +45,7 @@ struct DqWgmmaSmem {
 // K_STAGES: 2 waits for dS K_j before the next barrier, 3 leaves it running across (above).
 template <typename T, int D_TILE, class Mask, int BLOCK_M, int BLOCK_N, int K_STAGES>
 __global__ void __launch_bounds__(BLOCK_M / 64 * 128, 1)
-flash_bwd_dq_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                   const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
-                   T* __restrict__ dq, int seqlen_q, int seqlen_k, int nheads, int group, int headdim,
-                   i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh, i64 v_sb, i64 v_ss, i64 v_sh,
-                   i64 do_sb, i64 do_ss, i64 do_sh, i64 dq_sb, i64 dq_ss, i64 dq_sh, float scale_log2,
-                   float scale, int window_left, int window_right) {
+flash_bwd_dq_wgmma(const __grid_constant__ BwdParams p) {
     typedef DqWgmmaSmem<D_TILE, BLOCK_M, BLOCK_N, K_STAGES> L;
     constexpr int NWG = BLOCK_M / 64, NTHREADS = NWG * 128;
     constexpr int N_FRAGS = BLOCK_N / 8, D_FRAGS = D_TILE / 8;
@@ -64,8 +60,14 @@ flash_bwd_dq_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __
     const u32 base = (raw + 1023) & ~1023u;  // 128-byte swizzle: panels 1024-byte aligned
     const u32 s_q = base + L::Q, s_do = base + L::DO;
 
-    const int head = blockIdx.y, batch = blockIdx.z, head_kv = head / group;
-    const Mask mask(seqlen_q, seqlen_k, window_left, window_right);
+    const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, nheads = p.nheads, headdim = p.headdim;
+    const float scale_log2 = float(p.scale_log2), scale = float_once(p.scale);
+    const float* __restrict__ lse = static_cast<const float*>(p.lse);
+    const float* __restrict__ delta = static_cast<const float*>(p.delta);
+    const i64 k_ss = p.k.row_stride, v_ss = p.v.row_stride;
+
+    const int head = blockIdx.y, batch = blockIdx.z, head_kv = head / p.group;
+    const Mask mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
     const int m0 = Mask::query_block(blockIdx.x, gridDim.x) * BLOCK_M;
     // Key blocks [j_begin, ceil(n_end / BLOCK_N)) hold the keys some row of the block sees; K_j
     // and V_j sit in the stages of the absolute index j, whichever block the walk starts at.
@@ -73,8 +75,8 @@ flash_bwd_dq_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __
     const int n_end = mask.key_end(m0, BLOCK_M);
     const int tid = threadIdx.x, wg = tid / 128, warp = tid / 32, lane = tid % 32;
 
-    const T* k_rows = k + row_offset(batch, 0, head_kv, k_sb, k_ss, k_sh);
-    const T* v_rows = v + row_offset(batch, 0, head_kv, v_sb, v_ss, v_sh);
+    const T* __restrict__ k_rows = p.k.head_rows<const T>(batch, head_kv);
+    const T* __restrict__ v_rows = p.v.head_rows<const T>(batch, head_kv);
     auto load_kv_block = [&](int j) {
         const int n0 = j * BLOCK_N;
         cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(base + L::K + (j % K_STAGES) * L::KV_TILE,
@@ -82,10 +84,10 @@ flash_bwd_dq_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __
         cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(base + L::V + (j % L::V_STAGES) * L::KV_TILE,
                                                    v_rows + n0 * v_ss, seqlen_k - n0, headdim, v_ss, tid);
     };
-    cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(s_q, q + row_offset(batch, m0, head, q_sb, q_ss, q_sh),
-                                               seqlen_q - m0, headdim, q_ss, tid);
-    cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(s_do, dout + row_offset(batch, m0, head, do_sb, do_ss, do_sh),
-                                               seqlen_q - m0, headdim, do_ss, tid);
+    cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(s_q, p.q.row<const T>(batch, m0, head), seqlen_q - m0, headdim,
+                                               p.q.row_stride, tid);
+    cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(s_do, p.dout.row<const T>(batch, m0, head), seqlen_q - m0, headdim,
+                                               p.dout.row_stride, tid);
     if (j_begin * BLOCK_N < n_end) load_kv_block(j_begin);
     cp_async_commit();
 
@@ -96,8 +98,9 @@ flash_bwd_dq_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __
     for (int h = 0; h < 2; ++h) {
         const int m = row_lo + 8 * h;
         const i64 stat = ((i64)batch * nheads + head) * seqlen_q + m;
-        base_log2[h] = m < seqlen_q ? lse_base_log2(lse[stat]) : 0.f;
-        delta_row[h] = m < seqlen_q ? delta[stat] : 0.f;
+        // __ldg: the read-only path that const __restrict__ kernel parameters gave these loads
+        base_log2[h] = m < seqlen_q ? lse_base_log2(__ldg(lse + stat)) : 0.f;
+        delta_row[h] = m < seqlen_q ? __ldg(delta + stat) : 0.f;
     }
 
     float dq_acc[D_FRAGS][4];
@@ -145,13 +148,23 @@ flash_bwd_dq_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __
         // is row row_lo + 8 (e / 2), key n0 + 8 f + 2 (lane % 4) + e % 2.
         const bool partial = mask.partial(m0, BLOCK_M, n0, BLOCK_N);
         const int key0 = n0 + 2 * (lane % 4);
+        // Two copies, with and without the element mask (a block inside the mask needs none): the
+        // split the compiler made itself while the shape came as kernel arguments, and no longer
+        // makes with it read from BwdParams.
+        auto probabilities = [&](auto masked) {
 #pragma unroll
-        for (int f = 0; f < N_FRAGS; ++f)
+            for (int f = 0; f < N_FRAGS; ++f)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float p = exp2_approx(fmaf(s_acc[f][e], scale_log2, -base_log2[e >> 1]));
-                s_acc[f][e] = partial && !mask.visible(row_lo + 8 * (e >> 1), key0 + 8 * f + (e & 1)) ? 0.f : p;
-            }
+                for (int e = 0; e < 4; ++e) {
+                    const float p_ij = exp2_approx(fmaf(s_acc[f][e], scale_log2, -base_log2[e >> 1]));
+                    const bool hidden = !mask.visible(row_lo + 8 * (e >> 1), key0 + 8 * f + (e & 1));
+                    s_acc[f][e] = decltype(masked)::value && hidden ? 0.f : p_ij;
+                }
+        };
+        if (partial)
+            probabilities(Bool<true>{});
+        else
+            probabilities(Bool<false>{});
 
         // Step 4: dS = P o (dP - D), 0 where P is 0 by selection (a non-finite dP of a hidden key
         // must not become NaN), packed as the A fragments of dS K_j.
@@ -186,7 +199,7 @@ flash_bwd_dq_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __
     for (int h = 0; h < 2; ++h) {
         const int m = row_lo + 8 * h;
         if (m >= seqlen_q) continue;
-        T* dq_row = dq + row_offset(batch, m, head, dq_sb, dq_ss, dq_sh);
+        T* dq_row = p.dq.row<T>(batch, m, head);
 #pragma unroll
         for (int f = 0; f < D_FRAGS; ++f) {
             const int col = 8 * f + 2 * (lane % 4);

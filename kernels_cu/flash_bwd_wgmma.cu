@@ -34,6 +34,7 @@
 #include "wgmma.cuh"
 #include "dq_order.cuh"
 #include "dq_add.cuh"
+#include "params.cuh"
 
 namespace cf {
 
@@ -62,16 +63,7 @@ struct WgmmaSmem {
 
 template <typename T, int D_TILE, class Mask, int BLOCK_M, int BLOCK_N, DqAdd DQ_ADD>
 __global__ void __launch_bounds__(BLOCK_N / 64 * 128, 1)
-flash_bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
-                T* __restrict__ dk, T* __restrict__ dv, void* __restrict__ dq_accum,
-                int* __restrict__ dq_semaphore, float* __restrict__ dq_row_scale,
-                int seqlen_q, int seqlen_k, int nheads, int group, int headdim,
-                i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
-                i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
-                i64 dk_sb, i64 dk_ss, i64 dk_sh, i64 dv_sb, i64 dv_ss, i64 dv_sh,
-                i64 dqa_sb, i64 dqa_ss, i64 dqa_sh, float scale_log2, float scale,
-                int window_left, int window_right) {
+flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
     // Fixed point: bulk reductions from shared memory. One panel per warpgroup per iteration in
     // every configuration (DQ_PANELS == NWG), so a staging row is reused an iteration later.
     constexpr bool PANEL_MAJOR = DQ_ADD == DqAdd::fixed_panels;
@@ -95,9 +87,29 @@ flash_bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
     unsigned char* const smem = smem_raw + (base - raw);
     const u32 s_k = base + L::K, s_v = base + L::V, s_dst = base + L::DST;
 
+    const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, nheads = p.nheads, group = p.group, headdim = p.headdim;
+    const float scale_log2 = float(p.scale_log2), scale = float_once(p.scale);
+    // Q, dO and the row statistics move with the query head; K, V, dK, dV are this CTA's kv head.
+    const T* __restrict__ q = static_cast<const T*>(p.q.data);
+    const T* __restrict__ dout = static_cast<const T*>(p.dout.data);
+    const float* __restrict__ lse = static_cast<const float*>(p.lse);
+    const float* __restrict__ delta = static_cast<const float*>(p.delta);
+    const i64 q_sb = p.q.batch_stride, q_ss = p.q.row_stride, q_sh = p.q.head_stride;
+    const i64 do_sb = p.dout.batch_stride, do_ss = p.dout.row_stride, do_sh = p.dout.head_stride;
+    const i64 k_ss = p.k.row_stride, v_ss = p.v.row_stride;
+    // dq_accum (DQ_ADD != none): a head's rows at batch dqa_sb + head dqa_sh (PANEL_MAJOR: the
+    // head's D_TILE / 64 panels, dqa_sp apart), rows dqa_ss apart.
+    void* __restrict__ dq_accum = p.dq_accum.data;
+    const i64 dqa_sb = p.dq_accum.batch_stride, dqa_ss = p.dq_accum.row_stride, dqa_sh = p.dq_accum.head_stride;
+    const i64 dqa_sp = p.dq_accum_panel_stride;
+    int* __restrict__ dq_semaphore = p.dq_semaphore;    // ORDERED
+    float* __restrict__ dq_row_scale = p.dq_row_scale;  // STAGED
+
     const int tid = threadIdx.x;
     const int n_block = blockIdx.x, n0 = n_block * BLOCK_N, head_kv = blockIdx.y, batch = blockIdx.z;
-    const Mask mask(seqlen_q, seqlen_k, window_left, window_right);
+    const Mask mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
+    const T* __restrict__ k_rows = p.k.head_rows<const T>(batch, head_kv);
+    const T* __restrict__ v_rows = p.v.head_rows<const T>(batch, head_kv);
 
     // Query blocks [m_block_first, m_block_end) see some key of this block (mask.cuh).
     const int m_block_first = mask.query_begin(n0) / BLOCK_M;
@@ -126,10 +138,8 @@ flash_bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
                                                ((i64)batch * nheads + head) * seqlen_q + m0, m0, seqlen_q, tid);
     };
 
-    cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(s_k, k + row_offset(batch, n0, head_kv, k_sb, k_ss, k_sh),
-                                               seqlen_k - n0, headdim, k_ss, tid);
-    cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(s_v, v + row_offset(batch, n0, head_kv, v_sb, v_ss, v_sh),
-                                               seqlen_k - n0, headdim, v_ss, tid);
+    cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(s_k, k_rows + n0 * k_ss, seqlen_k - n0, headdim, k_ss, tid);
+    cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(s_v, v_rows + n0 * v_ss, seqlen_k - n0, headdim, v_ss, tid);
     if (n_iters > 0) load_query_block(0, 0);
     cp_async_commit();
 
@@ -202,18 +212,27 @@ flash_bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
         const int key_row = 64 * wg + 16 * warp_in_wg + lane / 4;  // within the block
         const int key0 = n0 + key_row, query0 = m0 + 2 * (lane % 4);
         const typename Mask::Origin origin = mask.origin(query0, key0);
+        // Two copies, with and without the element mask (a block inside the mask needs none): the
+        // split the compiler made itself while the shape came as kernel arguments, and no longer
+        // makes with it read from BwdParams.
+        auto probabilities = [&](auto masked) {
 #pragma unroll
-        for (int j = 0; j < SJ; ++j) {
-            const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + 8 * j + 2 * (lane % 4));
-            const float base_log2[2] = {lse_base_log2(lse2.x), lse_base_log2(lse2.y)};
+            for (int j = 0; j < SJ; ++j) {
+                const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + 8 * j + 2 * (lane % 4));
+                const float base_log2[2] = {lse_base_log2(lse2.x), lse_base_log2(lse2.y)};
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float p = exp2_approx(fmaf(s_acc[j][e], scale_log2, -base_log2[e & 1]));
-                const int key_off = 8 * (e >> 1), query_off = 8 * j + (e & 1);
-                const bool hidden = mask.hidden(origin, query_off, key_off);
-                s_acc[j][e] = partial && hidden ? 0.f : p;
+                for (int e = 0; e < 4; ++e) {
+                    const float p_ij = exp2_approx(fmaf(s_acc[j][e], scale_log2, -base_log2[e & 1]));
+                    const int key_off = 8 * (e >> 1), query_off = 8 * j + (e & 1);
+                    const bool hidden = mask.hidden(origin, query_off, key_off);
+                    s_acc[j][e] = decltype(masked)::value && hidden ? 0.f : p_ij;
+                }
             }
-        }
+        };
+        if (partial)
+            probabilities(Bool<true>{});
+        else
+            probabilities(Bool<false>{});
         u32 p_frag[QK][4];
         pack_a_frags<T, BLOCK_M>(p_frag, s_acc);
 
@@ -272,7 +291,7 @@ flash_bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
 
         // Step 8: dQ_i += dS K_j, 64 x 64 panels (query panel qp, head-dim panel dp); A = dS is the
         // MN-major view of dS^T panel qp, B = K_j panel dp (MN-major), k-steps of 16 keys.
-        const i64 dqa_head = (i64)batch * dqa_sb + (i64)head * (PANEL_MAJOR ? D_TILE / 64 : 1) * dqa_sh;
+        const i64 dqa_head = (i64)batch * dqa_sb + (i64)head * dqa_sh;
         float* const dqa = static_cast<float*>(dq_accum) + dqa_head;  // float adds
         float* const row_scale = dq_row_scale + ((i64)batch * nheads + head) * seqlen_q;  // fixed
 #pragma unroll 1
@@ -296,7 +315,7 @@ flash_bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
             pin_registers(reinterpret_cast<float(&)[32]>(dq_acc));
             if constexpr (PANEL_MAJOR) {
                 // Fixed point, panel-major dq_accum ([batch][head][D_TILE / 64 panels][rows][64];
-                // dqa_sh is the panel stride): a warp's 16 rows of the panel are 8 KiB of
+                // dqa_sp is the panel stride): a warp's 16 rows of the panel are 8 KiB of
                 // contiguous int64 there, staged in the same order and added by one bulk reduction
                 // (fixed issues 16 of 512 bytes, which the uniform datapath serialises: measured,
                 // a third of fixed's stall samples). A quarter-warp stores rows g and g + 1, 512
@@ -327,7 +346,7 @@ flash_bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
                     // Rows past seqlen_q (zero contributions) land in the buffer's padding rows.
                     const int m = m0 + 64 * qp + 16 * warp_in_wg;
                     if (m < seqlen_q)
-                        bulk_reduce_add_s64(static_cast<long long*>(dq_accum) + dqa_head + dp * dqa_sh + m * dqa_ss,
+                        bulk_reduce_add_s64(static_cast<long long*>(dq_accum) + dqa_head + dp * dqa_sp + m * dqa_ss,
                                             s_warp, 16 * L::STAGE_ROW);
                     bulk_commit();
                 }
@@ -389,8 +408,8 @@ flash_bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __res
     for (int h = 0; h < 2; ++h) {
         const int n = n0 + key_row + 8 * h;
         if (n >= seqlen_k) continue;
-        T* dk_row = dk + row_offset(batch, n, head_kv, dk_sb, dk_ss, dk_sh);
-        T* dv_row = dv + row_offset(batch, n, head_kv, dv_sb, dv_ss, dv_sh);
+        T* dk_row = p.dk.row<T>(batch, n, head_kv);
+        T* dv_row = p.dv.row<T>(batch, n, head_kv);
 #pragma unroll
         for (int j = 0; j < DJ; ++j) {
             const int col = 8 * j + 2 * (lane % 4);

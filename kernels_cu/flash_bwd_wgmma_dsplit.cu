@@ -23,6 +23,7 @@
 #include "wgmma.cuh"
 #include "dq_order.cuh"
 #include "dq_add.cuh"
+#include "params.cuh"
 
 namespace cf {
 
@@ -45,17 +46,7 @@ struct DsplitSmem {
 
 template <typename T, int D_TILE, class Mask, int BLOCK_M, int BLOCK_N, DqAdd DQ_ADD>
 __global__ void __launch_bounds__(256, 1)
-flash_bwd_wgmma_dsplit(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                       const T* __restrict__ dout, const float* __restrict__ lse,
-                       const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
-                       void* __restrict__ dq_accum, int* __restrict__ dq_semaphore,
-                       float* __restrict__ dq_row_scale, int seqlen_q, int seqlen_k, int nheads, int group,
-                       int headdim,
-                       i64 q_sb, i64 q_ss, i64 q_sh, i64 k_sb, i64 k_ss, i64 k_sh,
-                       i64 v_sb, i64 v_ss, i64 v_sh, i64 do_sb, i64 do_ss, i64 do_sh,
-                       i64 dk_sb, i64 dk_ss, i64 dk_sh, i64 dv_sb, i64 dv_ss, i64 dv_sh,
-                       i64 dqa_sb, i64 dqa_ss, i64 dqa_sh, float scale_log2, float scale,
-                int window_left, int window_right) {
+flash_bwd_wgmma_dsplit(const __grid_constant__ BwdParams p) {
     typedef DsplitSmem<D_TILE, BLOCK_M, BLOCK_N> L;
     constexpr int NTHREADS = 256, NWARPS = 8;
     constexpr int HALF = D_TILE / 2;   // head-dim columns per warpgroup
@@ -63,7 +54,6 @@ flash_bwd_wgmma_dsplit(const T* __restrict__ q, const T* __restrict__ k, const T
     constexpr int HJ = HALF / 8;       // ... of a dK, dV or dQ half
     constexpr bool ORDERED = DQ_ADD == DqAdd::ordered;
     constexpr bool WITH_DQ = DQ_ADD != DqAdd::none;  // none: dK and dV only (flash_bwd_dq_wgmma.cu)
-    // dq_row_scale is unused: the parameter list is flash_bwd_wgmma's, so one launcher serves both.
     static_assert(DQ_ADD != DqAdd::fixed && DQ_ADD != DqAdd::fixed_panels,
                   "fixed-point dQ needs a staging tile, and there is no room for one here");
     static_assert(BLOCK_N == 64 && BLOCK_M == 64, "one 64-row wgmma per product and warpgroup");
@@ -77,9 +67,25 @@ flash_bwd_wgmma_dsplit(const T* __restrict__ q, const T* __restrict__ k, const T
     unsigned char* const smem = smem_raw + (base - raw);
     const u32 s_k = base + L::K, s_v = base + L::V, s_pt = base + L::PT, s_dst = base + L::DST;
 
+    const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, nheads = p.nheads, group = p.group, headdim = p.headdim;
+    const float scale_log2 = float(p.scale_log2), scale = float_once(p.scale);
+    // Q, dO and the row statistics move with the query head; K, V, dK, dV are this CTA's kv head.
+    const T* __restrict__ q = static_cast<const T*>(p.q.data);
+    const T* __restrict__ dout = static_cast<const T*>(p.dout.data);
+    const float* __restrict__ lse = static_cast<const float*>(p.lse);
+    const float* __restrict__ delta = static_cast<const float*>(p.delta);
+    const i64 q_sb = p.q.batch_stride, q_ss = p.q.row_stride, q_sh = p.q.head_stride;
+    const i64 do_sb = p.dout.batch_stride, do_ss = p.dout.row_stride, do_sh = p.dout.head_stride;
+    const i64 k_ss = p.k.row_stride, v_ss = p.v.row_stride;
+    void* __restrict__ dq_accum = p.dq_accum.data;  // float32 rows (DQ_ADD atomic, ordered)
+    const i64 dqa_sb = p.dq_accum.batch_stride, dqa_ss = p.dq_accum.row_stride, dqa_sh = p.dq_accum.head_stride;
+    int* __restrict__ dq_semaphore = p.dq_semaphore;  // ORDERED
+
     const int tid = threadIdx.x;
     const int n_block = blockIdx.x, n0 = n_block * BLOCK_N, head_kv = blockIdx.y, batch = blockIdx.z;
-    const Mask mask(seqlen_q, seqlen_k, window_left, window_right);
+    const Mask mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
+    const T* __restrict__ k_rows = p.k.head_rows<const T>(batch, head_kv);
+    const T* __restrict__ v_rows = p.v.head_rows<const T>(batch, head_kv);
 
     // Query blocks [m_block_first, m_block_end) see some key of this block (mask.cuh).
     const int m_block_first = mask.query_begin(n0) / BLOCK_M;
@@ -106,10 +112,8 @@ flash_bwd_wgmma_dsplit(const T* __restrict__ q, const T* __restrict__ k, const T
                                                ((i64)batch * nheads + head) * seqlen_q + m0, m0, seqlen_q, tid);
     };
 
-    cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(s_k, k + row_offset(batch, n0, head_kv, k_sb, k_ss, k_sh),
-                                               seqlen_k - n0, headdim, k_ss, tid);
-    cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(s_v, v + row_offset(batch, n0, head_kv, v_sb, v_ss, v_sh),
-                                               seqlen_k - n0, headdim, v_ss, tid);
+    cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(s_k, k_rows + n0 * k_ss, seqlen_k - n0, headdim, k_ss, tid);
+    cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(s_v, v_rows + n0 * v_ss, seqlen_k - n0, headdim, v_ss, tid);
     if (n_iters > 0) load_query_block(0, 0);
     cp_async_commit();
 
@@ -175,13 +179,22 @@ flash_bwd_wgmma_dsplit(const T* __restrict__ q, const T* __restrict__ k, const T
             for (int j = 0; j < SJ; ++j) {
                 const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + 8 * j + 2 * (lane % 4));
                 const float base_log2[2] = {lse_base_log2(lse2.x), lse_base_log2(lse2.y)};
+                // Two copies, with and without the element mask (a block inside the mask needs none): the
+                // split the compiler made itself while the shape came as kernel arguments, and no longer
+                // makes with it read from BwdParams.
+                auto probabilities = [&](auto masked) {
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float p = exp2_approx(fmaf(acc[j][e], scale_log2, -base_log2[e & 1]));
-                    const int key_off = 8 * (e >> 1), query_off = 8 * j + (e & 1);
-                    const bool hidden = mask.hidden(origin, query_off, key_off);
-                    acc[j][e] = partial && hidden ? 0.f : p;
-                }
+                    for (int e = 0; e < 4; ++e) {
+                        const float p_ij = exp2_approx(fmaf(acc[j][e], scale_log2, -base_log2[e & 1]));
+                        const int key_off = 8 * (e >> 1), query_off = 8 * j + (e & 1);
+                        const bool hidden = mask.hidden(origin, query_off, key_off);
+                        acc[j][e] = decltype(masked)::value && hidden ? 0.f : p_ij;
+                    }
+                };
+                if (partial)
+                    probabilities(Bool<true>{});
+                else
+                    probabilities(Bool<false>{});
                 st_shared_b32(pair_addr(s_pt, j, 0), pack2<T>(acc[j][0], acc[j][1]));
                 st_shared_b32(pair_addr(s_pt, j, 1), pack2<T>(acc[j][2], acc[j][3]));
             }
@@ -270,8 +283,8 @@ flash_bwd_wgmma_dsplit(const T* __restrict__ q, const T* __restrict__ k, const T
     for (int h = 0; h < 2; ++h) {
         const int n = n0 + key_row + 8 * h;
         if (n >= seqlen_k) continue;
-        T* dk_row = dk + row_offset(batch, n, head_kv, dk_sb, dk_ss, dk_sh);
-        T* dv_row = dv + row_offset(batch, n, head_kv, dv_sb, dv_ss, dv_sh);
+        T* dk_row = p.dk.row<T>(batch, n, head_kv);
+        T* dv_row = p.dv.row<T>(batch, n, head_kv);
 #pragma unroll
         for (int j = 0; j < HJ; ++j) {
             const int col = HALF * wg + 8 * j + 2 * (lane % 4);

@@ -12,6 +12,11 @@ ordered kernels' waiting. Around the backward kernel (kernels_cu/flash_bwd_dq_fi
 3. the backward kernel adds into ``dq_accum``;
 4. ``flash_bwd_dq_convert_fixed``: dq = softmax_scale * dq_accum * 2^-E_i in the input dtype.
 
+Every kernel takes the call's ``BwdParams`` (kernels/params.py): ``preprocess`` allocates the
+bounds, D and the scales and puts their addresses into it; the launcher (mma_bwd.backward) adds
+dq_accum (``panel_strides``, ``panel_stride`` for ``accum_panels``' layout) and launches the
+backward kernel and the convert with the same struct.
+
 A row whose contributions are not finite, or large enough that int64 sums could wrap (an lse that
 is not the forward's), comes out NaN (the backward kernel marks it by storing NaN over its scale);
 the bound ignores non-finite K and V entries, so rows that never see them are not affected.
@@ -22,8 +27,9 @@ import math
 
 import numpy as np
 
-from ._module import Specialization, launch, row_strides
+from ._module import Specialization, launch
 from .constants import CTYPES, SHORT_NAMES, SIXTEEN_BIT, TENSOR_CORE_D_TILES, d_tile
+from .params import pointer
 from .._dtypes import dtype_name
 
 _SOURCE = "flash_bwd_dq_fixed.cu"
@@ -56,26 +62,29 @@ def specializations() -> list[Specialization]:
                          + [convert_spec(name)])]
 
 
-def preprocess(do, o, k, v):
-    """(delta, dq_scale), both (B, H, Sq) float32: D_i and the fixed-point scale 2^E_i of each row.
+def preprocess(params, do, o, k, v) -> tuple:
+    """(kv_bound, delta, dq_scale): max |K|, max |V| per (batch, kv head) (B, Hkv, 2) uint32 float
+    bits, and D_i and the fixed-point scale 2^E_i of each row, both (B, H, Sq) float32; their
+    addresses go into ``params`` (kv_bound, delta, dq_row_scale), the call's BwdParams, which both
+    kernels read (k, v, dout, o and the shape with them).
 
-    The arrays meet the mma family's guarantees (16-byte aligned rows)."""
+    The arrays meet the mma family's guarantees (16-byte aligned rows); the caller keeps them
+    referenced until the launches that read them are queued."""
     import cupy
 
     batch, seqlen_q, nheads, headdim = o.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     dt = d_tile(headdim)
     kv_bound = cupy.zeros((batch, nheads_kv, 2), dtype=np.uint32)
-    launch(kv_bounds_spec(o.dtype, dt), (math.ceil(seqlen_k / KV_BOUND_ROWS), nheads_kv, batch),
-           (k, v, kv_bound, np.int32(seqlen_k), np.int32(nheads_kv), np.int32(headdim),
-            *row_strides(k), *row_strides(v)))
     delta = cupy.empty((batch, nheads, seqlen_q), dtype=np.float32)
     dq_scale = cupy.empty((batch, nheads, seqlen_q), dtype=np.float32)
+    params["kv_bound"] = pointer(kv_bound)
+    params["delta"] = pointer(delta)
+    params["dq_row_scale"] = pointer(dq_scale)
+    launch(kv_bounds_spec(o.dtype, dt), (math.ceil(seqlen_k / KV_BOUND_ROWS), nheads_kv, batch), (params,))
     rows_per_block = ROW_THREADS // (dt // 8)
-    launch(preprocess_spec(o.dtype, dt), (math.ceil(seqlen_q / rows_per_block), nheads, batch),
-           (do, o, kv_bound, delta, dq_scale, np.int32(seqlen_q), np.int32(nheads),
-            np.int32(nheads // nheads_kv), np.int32(headdim), *row_strides(do), *row_strides(o)))
-    return delta, dq_scale
+    launch(preprocess_spec(o.dtype, dt), (math.ceil(seqlen_q / rows_per_block), nheads, batch), (params,))
+    return kv_bound, delta, dq_scale
 
 
 def accum_panels(batch: int, seqlen_q: int, nheads: int, dt: int, block_m: int):
@@ -87,27 +96,15 @@ def accum_panels(batch: int, seqlen_q: int, nheads: int, dt: int, block_m: int):
     return cupy.zeros((batch, nheads * (dt // 64), rows, 64), dtype=np.int64)
 
 
-def panel_strides(dq_accum) -> tuple:
-    """(batch, row, panel) strides of a panel-major dq_accum in elements: the backward kernel's
-    (dqa_sb, dqa_ss, dqa_sh), where a head is dt / 64 consecutive panels."""
+def panel_strides(dq_accum, nheads: int) -> tuple:
+    """(batch, row, head) strides in elements of a panel-major dq_accum (``accum_panels``), as
+    BwdParams' dq_accum takes them: a head is dt / 64 consecutive panels, so its stride is that
+    many panel strides (``panel_stride``)."""
     sb, sp, ss, _ = (s // dq_accum.itemsize for s in dq_accum.strides)
-    return np.int64(sb), np.int64(ss), np.int64(sp)
+    return np.int64(sb), np.int64(ss), np.int64(sp * (dq_accum.shape[1] // nheads))
 
 
-def convert(dq_accum, dq_scale, dq, softmax_scale: float, panel_major: bool = False) -> None:
-    """dq = softmax_scale * dq_accum * 2^-E_i in dq's dtype: ``dq_accum`` int64, (batch, seqlen,
-    nheads, head-dim tile) or, ``panel_major``, from ``accum_panels``."""
-    batch, seqlen_q, nheads, headdim = dq.shape
-    n_chunks = batch * seqlen_q * nheads * (headdim // 8)
-    launch(convert_spec(dq.dtype), (math.ceil(n_chunks / ROW_THREADS), 1, 1),
-           (dq_accum, dq_scale, dq, np.int32(seqlen_q), np.int32(nheads), np.int32(headdim), np.int64(n_chunks),
-            *convert_strides(dq_accum, nheads, panel_major), *row_strides(dq), np.float32(softmax_scale)))
-
-
-def convert_strides(dq_accum, nheads: int, panel_major: bool) -> tuple:
-    """The convert kernel's (dqa_sb, dqa_ss, dqa_sh, dqa_sp): element (b, m, h, c) of dQ is at
-    b sb + m ss + h sh + (c // 64) sp + c % 64."""
-    if not panel_major:
-        return (*row_strides(dq_accum), np.int64(64))
-    sb, ss, sp = panel_strides(dq_accum)
-    return sb, ss, np.int64(sp * (dq_accum.shape[1] // nheads)), sp
+def panel_stride(dq_accum) -> np.int64:
+    """The stride in elements between consecutive 64-column panels of a panel-major dq_accum
+    (BwdParams' dq_accum_panel_stride: column c of a row is at (c / 64) panel strides + c % 64)."""
+    return np.int64(dq_accum.strides[1] // dq_accum.itemsize)
