@@ -37,7 +37,9 @@ def bwd_dkdv_layout(d_tile, block_m, m_sub, block_n, nwarps, warps_d, atomic_dq)
 
 
 @mirrors(V1,
-         "const bool hidden = partial && !mask.visible(m0_sub + c + (e & 1), n0 + row0 + lane / 4 + 8 * (e >> 1));")
+         "const bool hidden = masked.value && !mask.visible(m0_sub + c + (e & 1), n0 + row0 + lane / 4 + 8 * (e >> 1));",
+         "s_acc[j][e] = hidden ? 0.f : p;",
+         "dp_acc[j][e] = hidden ? 0.f : ds;")
 def dkdv_block(q, k, v, do, lse, delta, dk, dv, dq_accum, *, batch, head_kv, n_block, group, scale,
                mask, d_tile, block_m, m_sub, block_n, nwarps, warps_d):
     """One CTA of flash_bwd_dkdv_mma (dq_accum is None unless ATOMIC_DQ)."""
@@ -192,11 +194,13 @@ def first_query_of_key_rows(groups, key_row0, seqlen_q, seqlen_k, mask):
 
 
 @mirrors(V2,
-         "const bool hidden = partial && (m < m_min[g][e >> 1] || m >= seqlen_q ||",
-         "mask.hidden_left(origin, 8 * j + (e & 1), 16 * g + 8 * (e >> 1)));")
+         "const bool hidden = masked.value && (m < m_min[g][e >> 1] || m >= seqlen_q ||",
+         "mask.hidden_left(origin, 8 * j + (e & 1), 16 * g + 8 * (e >> 1)));",
+         "s_acc[g][j][e] = hidden ? 0.f : p;")
 @mirrors(SPLIT,
-         "const bool hidden = partial && (m < m_min[g][e >> 1] || m >= seqlen_q ||",
-         "mask.hidden_left(origin, 8 * j + (e & 1), 16 * g + 8 * (e >> 1)));")
+         "const bool hidden = masked.value && (m < m_min[g][e >> 1] || m >= seqlen_q ||",
+         "mask.hidden_left(origin, 8 * j + (e & 1), 16 * g + 8 * (e >> 1)));",
+         "s_acc[g][j][e] = hidden ? 0.f : p;")
 def p_transposed_groups(smem, smem32, tile_k, row0, s_q_sub, s_lse_sub, m0_sub, m_min, partial, groups, m_sub,
                         d_tile, scale_log2, seqlen_q, mask, n0, seqlen_k):
     """S^T = K Q^T of a warp's row groups (mma_ABt_groups), then P^T = exp2(S^T scale - lse), 0

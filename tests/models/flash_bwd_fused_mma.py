@@ -78,7 +78,8 @@ def fused_iterations(seqlen_q, seqlen_k, block_m, block_n, mask, n_block, head_k
 @mirrors(FUSED,
          "const typename Mask::Origin origin = mask.origin(query0, key0);",
          "const bool hidden = mask.hidden(origin, query_off, key_off);",
-         "s_acc[g][j][e] = partial && hidden ? 0.f : p;")
+         "masked_or_not(partial, [&](auto masked) {",
+         "s_acc[g][j][e] = masked.value && hidden ? 0.f : p;")
 def fused_cta(q, k, v, do, lse, delta, dk, dv, dq_accum, semaphore, *, n_block, head_kv, batch, scale, mask,
               d_tile, config, ordered):
     """One CTA (blockIdx = (n_block, head_kv, batch)) of flash_bwd_fused_mma, phase by phase: step 1

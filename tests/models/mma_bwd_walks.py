@@ -32,9 +32,13 @@ def visible(m, n, seqlen_q, seqlen_k, mask):
     return ok
 
 
-@_each(DKDV_KERNELS, "const bool partial = mask.partial(m0_sub, M_SUB, n0, BLOCK_N);")
+@mirrors("mma_bwd.cuh", "if (masked) f(Flag<true>());", "else f(Flag<false>());")
+@_each(DKDV_KERNELS, "const bool partial = mask.partial(m0_sub, M_SUB, n0, BLOCK_N);",
+       "masked_or_not(partial, [&](auto masked) {")
 @_each(DQ_KERNELS, "const bool partial = mask.partial(m0, BLOCK_M, n0, BLOCK_N);")
 def block_partial(m0, bm, n0, bn, seqlen_q, seqlen_k, mask):
+    """Whether the element mask applies in the block (the dK/dV kernels run their masked
+    instance, masked_or_not, exactly there; the dQ kernels test ``partial`` per element)."""
     return mask.partial(m0, bm, n0, bn, seqlen_q, seqlen_k)
 
 
