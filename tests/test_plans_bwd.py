@@ -5,11 +5,14 @@ plan says; the compile check sees the same specializations.
 
 The OLD_* tables are what dev/backward_dispatch_before_plans.py printed from the tree before plans
 (5e4395f: ``mma_bwd.backward`` walking VERSIONS to v10, ``simt.backward``), on its SHAPE, with the
-mask tokens of that tree (full, causal, local: the window (100, 3)).
+mask tokens of that tree (full, causal, local: the window (100, 3)). Its expressions spell the dQ
+mode of the mma.sync dK/dV and fused kernels as bools (ATOMIC_DQ, DQ_ORDERED); the kernels now take
+``DqAdd DQ_ADD`` (dq_add.cuh), the same instantiations, which ``old_spec`` spells today's way.
 """
 from __future__ import annotations
 
 import importlib.util
+import re
 import itertools
 import sys
 from pathlib import Path
@@ -880,10 +883,30 @@ def old_names(dtype: str, mask: str, deterministic: bool, arch: str, smem: int, 
     return next(names for bound, names in rows if headdim <= bound)
 
 
+def old_spec(name: str) -> tuple:
+    """(source, expression, threads, shared memory bytes, arch) of the old table, the dQ mode in
+    the DqAdd spelling: the dK/dV kernels' last template argument ATOMIC_DQ true / false is
+    DqAdd::atomic / none, the fused kernel's tenth, DQ_ORDERED true / false, DqAdd::ordered /
+    atomic (the names say which: _dqatomic, _dqordered)."""
+    source, expression, *rest = OLD_SPECS[name]
+    if name.startswith("flash_bwd_dkdv_mma"):
+        dq_add = "atomic" if name.endswith("_dqatomic") else "none"
+        flag = re.search(r", (true|false)>$", expression)
+        assert flag and (flag.group(1) == "true") == (dq_add == "atomic"), name
+        expression = f"{expression[:flag.start()]}, cf::DqAdd::{dq_add}>"
+    elif name.startswith("flash_bwd_fused_mma"):
+        head, args = expression[:-1].split("<", 1)
+        args = args.split(", ")
+        assert args[9] == ("true" if "_dqordered" in name else "false"), name
+        args[9] = "cf::DqAdd::" + ("ordered" if "_dqordered" in name else "atomic")
+        expression = f"{head}<{', '.join(args)}>"
+    return (source, expression, *rest)
+
+
 def old_launch(name: str, headdim: int) -> tuple:
     """(name, source, expression, threads, shared memory bytes, arch, grid) of the old table."""
     grid = OLD_GRIDS[(name, headdim) if "_convert" in name else name]
-    return (name, *OLD_SPECS[name], grid)
+    return (name, *old_spec(name), grid)
 
 
 def planned(plan) -> tuple:
@@ -917,7 +940,7 @@ def test_the_plan_is_the_old_dispatch_choice(dtype):
             seen = plans.mma_headdim(headdim) if tensor_cores else headdim
             names = old_names(dtype, mask, deterministic, arch, smem, seen)
             assert tuple(launch.spec.name for launch in plan.launches) == names, (arch, smem, headdim, mask)
-            assert all((s.source_file, s.expression, s.threads, s.smem_bytes, s.arch) == OLD_SPECS[s.name]
+            assert all((s.source_file, s.expression, s.threads, s.smem_bytes, s.arch) == old_spec(s.name)
                        for s in (launch.spec for launch in plan.launches))
             if seen in RECORDER.grid_head_dims(SUPPORTED[dtype]):
                 assert planned(plan) == tuple(old_launch(name, seen) for name in names)

@@ -65,9 +65,9 @@ def test_bwd_smem_layouts_match_python_and_fit():
     from cupyflash.kernels import mma_bwd
 
     for dt, (bm, ms, bn, nw, wd) in mma_bwd.DKDV_CONFIG.items():
-        for atomic in (False, True):
-            lay = bwd_dkdv_layout(dt, bm, ms, bn, nw, wd, atomic)
-            assert lay["BYTES"] == mma_bwd.dkdv_smem_bytes(dt, bm, ms, bn, nw, wd, atomic)
+        for dq_add in ("none", "atomic"):
+            lay = bwd_dkdv_layout(dt, bm, ms, bn, nw, wd, dq_add)
+            assert lay["BYTES"] == mma_bwd.dkdv_smem_bytes(dt, bm, ms, bn, nw, wd, dq_add)
             assert lay["BYTES"] <= 227 * 1024
             assert all(lay[r] % 128 == 0 for r in ("K", "V", "Q", "DO", "DS", "XCHG", "LSE", "DELTA"))
             assert bn == 16 * nw // wd and bm % ms == 0
@@ -141,11 +141,11 @@ def test_bwd_v2_dkdv_table_matches_layout_and_fits():
     from cupyflash.kernels import mma_bwd
 
     for dt, (bm, ms, bn, nw, rg) in mma_bwd.DKDV_CONFIG_V2.items():
-        for atomic in (False, True):
-            lay = bwd_dkdv_layout(dt, bm, ms, bn, nw, 1, atomic)
-            assert lay["BYTES"] == mma_bwd.dkdv_smem_bytes(dt, bm, ms, bn, nw, 1, atomic) <= 227 * 1024
+        for dq_add in ("none", "atomic"):
+            lay = bwd_dkdv_layout(dt, bm, ms, bn, nw, 1, dq_add)
+            assert lay["BYTES"] == mma_bwd.dkdv_smem_bytes(dt, bm, ms, bn, nw, 1, dq_add) <= 227 * 1024
             assert bn == 16 * rg * nw and bm % ms == 0 and ms % 16 == 0
-            spec = mma_bwd.dkdv_spec(np.float16, dt, False, "atomic" if atomic else "none", "v2")
+            spec = mma_bwd.dkdv_spec(np.float16, dt, False, dq_add, "v2")
             assert spec.smem_bytes == lay["BYTES"] and "dkdv_mma_v2" in spec.name
         assert DEV_BWD.dkdv_tiles(dt, "v2", False) == ("v2", (bm, ms, bn, nw, rg))
     assert DEV_BWD.dkdv_tiles(128, "v2", False) == ("v1", mma_bwd.DKDV_CONFIG[128])
@@ -205,8 +205,8 @@ def test_bwd_v3_split_exchange_slots_are_disjoint_and_fit():
     from cupyflash.kernels import mma_bwd
 
     for dt, (bm, ms, bn, nw, rg) in mma_bwd.DKDV_CONFIG_SPLIT.items():
-        xchg, slot_bytes, total = bwd_dkdv_split_xchg(dt, bm, ms, bn, nw, rg, False)
-        assert total == mma_bwd.dkdv_split_smem_bytes(dt, bm, ms, bn, nw, rg, False) <= 163 * 1024
+        xchg, slot_bytes, total = bwd_dkdv_split_xchg(dt, bm, ms, bn, nw, rg, "none")
+        assert total == mma_bwd.dkdv_split_smem_bytes(dt, bm, ms, bn, nw, rg, "none") <= 163 * 1024
         assert bn == 16 * rg * nw // 2 and xchg % 128 == 0
         spec = mma_bwd.dkdv_spec(np.float16, dt, True, "none", DEV_BWD.dkdv_tiles(dt, "v3", False)[0])
         assert spec.smem_bytes == total and "dkdv_mma_split" in spec.name

@@ -20,15 +20,18 @@ from .mma_bwd_walks import DKDV_KERNELS, block_partial, query_block_range, visib
 
 V1, V2, SPLIT = DKDV_KERNELS
 
-def bwd_dkdv_layout(d_tile, block_m, m_sub, block_n, nwarps, warps_d, atomic_dq):
-    """DkdvSmem<...> of the dK/dV kernels, field by field."""
+@mirrors(V1, "static constexpr u32 XCHG = DS + (DQ_ADD == DqAdd::atomic ? BLOCK_N * BLOCK_M * 2 : 0);")
+def bwd_dkdv_layout(d_tile, block_m, m_sub, block_n, nwarps, warps_d, dq_add):
+    """DkdvSmem<...> of the dK/dV kernels, field by field (``dq_add`` "atomic": the dS^T tile of
+    the atomic dQ adds; "none")."""
+    assert dq_add in ("atomic", "none")
     kv_tile, q_tile = block_n * d_tile * 2, block_m * d_tile * 2
     lay = dict(KV_TILE=kv_tile, Q_TILE=q_tile, K=0)
     lay["V"] = lay["K"] + kv_tile
     lay["Q"] = lay["V"] + kv_tile
     lay["DO"] = lay["Q"] + 2 * q_tile
     lay["DS"] = lay["DO"] + 2 * q_tile
-    lay["XCHG"] = lay["DS"] + (block_n * block_m * 2 if atomic_dq else 0)
+    lay["XCHG"] = lay["DS"] + (block_n * block_m * 2 if dq_add == "atomic" else 0)
     lay["XCHG_WARP"] = 2 * (m_sub // 8) * 32 * 16 if warps_d > 1 else 0
     lay["LSE"] = lay["XCHG"] + nwarps * lay["XCHG_WARP"]
     lay["DELTA"] = lay["LSE"] + 2 * block_m * 4
@@ -51,7 +54,7 @@ def dkdv_block(q, k, v, do, lse, delta, dk, dv, dq_accum, *, batch, head_kv, n_b
     dq_cols = d_tile // (nwarps // dq_warps_m)
     dq_pass = min(dq_cols, 32)
     assert block_n == 16 * nwarps // warps_d and block_m % m_sub == 0
-    lay = bwd_dkdv_layout(d_tile, block_m, m_sub, block_n, nwarps, warps_d, atomic_dq)
+    lay = bwd_dkdv_layout(d_tile, block_m, m_sub, block_n, nwarps, warps_d, "atomic" if atomic_dq else "none")
     smem = np.full(lay["BYTES"] // 2, np.nan)  # 16-bit tiles, by byte address // 2
     smem32 = np.full(lay["BYTES"] // 4, np.nan)  # float slots (lse, D, partial sums), byte // 4
     scale_log2 = scale * math.log2(math.e)
@@ -246,7 +249,7 @@ def dkdv_block_v2(q, k, v, do, lse, delta, dk, dv, dq_accum, *, batch, head_kv, 
     dq_cols = d_tile // (nwarps // dq_warps_m)
     dq_pass = min(dq_cols, 32)
     assert block_n == warp_rows * nwarps and block_m % m_sub == 0 and m_sub % 16 == 0
-    lay = bwd_dkdv_layout(d_tile, block_m, m_sub, block_n, nwarps, 1, atomic_dq)
+    lay = bwd_dkdv_layout(d_tile, block_m, m_sub, block_n, nwarps, 1, "atomic" if atomic_dq else "none")
     smem = np.full(lay["BYTES"] // 2, np.nan)
     smem32 = np.full(lay["BYTES"] // 4, np.nan)
     scale_log2 = scale * math.log2(math.e)
@@ -342,10 +345,10 @@ def dkdv_block_v2(q, k, v, do, lse, delta, dk, dv, dq_accum, *, batch, head_kv, 
     store_tile(dv[batch, n0:, head_kv], smem, lay["V"], block_n, d_tile, nthreads, seqlen_k - n0, headdim)
 
 
-def bwd_dkdv_split_xchg(d_tile, block_m, m_sub, block_n, nwarps, row_groups, atomic_dq):
+def bwd_dkdv_split_xchg(d_tile, block_m, m_sub, block_n, nwarps, row_groups, dq_add):
     """DkdvSplitSmem<...>: (XCHG, XCHG_SLOT, BYTES)."""
     slot = row_groups * (m_sub // 8) * 32 * 16
-    xchg = bwd_dkdv_layout(d_tile, block_m, m_sub, block_n, nwarps, 1, atomic_dq)["BYTES"]
+    xchg = bwd_dkdv_layout(d_tile, block_m, m_sub, block_n, nwarps, 1, dq_add)["BYTES"]
     return xchg, slot, xchg + (nwarps // 2) * 2 * slot
 
 
@@ -369,8 +372,9 @@ def dkdv_block_split(q, k, v, do, lse, delta, dk, dv, dq_accum, *, batch, head_k
     dq_cols = d_tile // (nwarps // dq_warps_m)
     dq_pass = min(dq_cols, 32)
     assert block_n == warp_rows * pairs and block_m % m_sub == 0 and m_sub % 16 == 0
-    lay = bwd_dkdv_layout(d_tile, block_m, m_sub, block_n, nwarps, 1, atomic_dq)
-    xchg, slot_bytes, total = bwd_dkdv_split_xchg(d_tile, block_m, m_sub, block_n, nwarps, G, atomic_dq)
+    dq_add = "atomic" if atomic_dq else "none"
+    lay = bwd_dkdv_layout(d_tile, block_m, m_sub, block_n, nwarps, 1, dq_add)
+    xchg, slot_bytes, total = bwd_dkdv_split_xchg(d_tile, block_m, m_sub, block_n, nwarps, G, dq_add)
     smem = np.full(total // 2, np.nan)
     smem32 = np.full(total // 4, np.nan)
     scale_log2 = scale * math.log2(math.e)
