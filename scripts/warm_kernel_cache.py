@@ -9,6 +9,7 @@ the cache. Run from the tree to warm (PYTHONPATH=<tree>):
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import re
 import sys
@@ -45,7 +46,8 @@ def main(argv=None) -> int:
     chunks = [names[i::args.processes * 4] for i in range(args.processes * 4)]
     t0 = time.time()
     compiled, errors = 0, []
-    with ProcessPoolExecutor(max_workers=args.processes) as pool:
+    # spawn, not fork: the parent has initialised CUDA (runs_on_device), which a forked child cannot use
+    with ProcessPoolExecutor(max_workers=args.processes, mp_context=multiprocessing.get_context("spawn")) as pool:
         for n, errs in pool.map(_compile, [c for c in chunks if c]):
             compiled += n
             errors += errs
