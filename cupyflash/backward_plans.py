@@ -137,12 +137,20 @@ DQ_WGMMA_CONFIG = {64: (128, 128, 2), 128: (128, 64, 2), 256: (128, 32, 2)}
 
 # --- specializations ---------------------------------------------------------------------------
 
+def _mma_sync_dq_add(dq_add: str) -> str:
+    """The dQ adds of the mma.sync dK/dV kernels: "atomic" (float32 adds into dq_accum) or "none"
+    (dQ by flash_bwd_dq_mma)."""
+    if dq_add not in ("atomic", "none"):
+        raise ValueError(f"cupyflash: the mma.sync dK/dV kernels add dQ atomic or not at all, not {dq_add!r}")
+    return dq_add
+
+
 def dkdv_smem_bytes(dt: int, block_m: int, m_sub: int, block_n: int, nwarps: int, warps_d: int,
-                    atomic_dq: bool) -> int:
-    """Mirror of DkdvSmem<...>::BYTES in flash_bwd_mma.cu."""
+                    dq_add: str) -> int:
+    """Mirror of DkdvSmem<...>::BYTES in flash_bwd_mma.cu (``dq_add`` "atomic" or "none")."""
     kv = 2 * block_n * dt * 2  # K, V
     qdo = 2 * 2 * block_m * dt * 2  # Q, dO, two stages each
-    ds = block_n * block_m * 2 if atomic_dq else 0
+    ds = block_n * block_m * 2 if _mma_sync_dq_add(dq_add) == "atomic" else 0  # dS^T of the atomic adds
     xchg = nwarps * 2 * (m_sub // 8) * 32 * 16 if warps_d > 1 else 0
     stats = 2 * 2 * block_m * 4  # lse, D, two stages each
     return kv + qdo + ds + xchg + stats
@@ -160,10 +168,10 @@ def _flag(x: bool) -> str:
 
 
 def dkdv_split_smem_bytes(dt: int, block_m: int, m_sub: int, block_n: int, nwarps: int, row_groups: int,
-                          atomic_dq: bool) -> int:
+                          dq_add: str) -> int:
     """Mirror of DkdvSplitSmem<...>::BYTES: the v1 layout (WARPS_D = 1) plus two P^T slots per pair."""
     slot = row_groups * (m_sub // 8) * 32 * 16
-    return dkdv_smem_bytes(dt, block_m, m_sub, block_n, nwarps, 1, atomic_dq) + (nwarps // 2) * 2 * slot
+    return dkdv_smem_bytes(dt, block_m, m_sub, block_n, nwarps, 1, dq_add) + (nwarps // 2) * 2 * slot
 
 
 
@@ -205,7 +213,7 @@ def fused_spec(dtype, headdim: int, causal: Mask | bool, dq_add: str,
                  f"_bm{bm}_bn{bn}_wn{wn}_wd{wd}_dqm{dqm}_u{unroll}_{'dqordered' if ordered else 'dqatomic'}"
                  f"{'_eager' if eager else ''}{'_p16' if packed else ''}")
     expression = (f"cf::flash_bwd_fused_mma<{CTYPES[name]}, {dt}, {mask.cpp}, {bm}, {bn}, {wn}, {wd}, "
-                  f"{dqm}, {unroll}, {_flag(ordered)}, {_flag(eager)}, {_flag(packed)}>")
+                  f"{dqm}, {unroll}, cf::DqAdd::{dq_add}, {_flag(eager)}, {_flag(packed)}>")
     return Specialization(spec_name, "flash_bwd_fused_mma.cu", expression, wn * wd * 32,
                           fused_smem_bytes(dt, bm, bn))
 
@@ -280,9 +288,7 @@ def dkdv_spec(dtype, headdim: int, causal: Mask | bool, dq_add: str, kernel: str
     runs) with dQ added by float32 atomics (``dq_add`` "atomic") or left to a dQ kernel ("none");
     ``causal`` the mask policy (kernels_cu/mask.cuh) or a causal flag."""
     mask = as_mask(causal)
-    if dq_add not in ("atomic", "none"):
-        raise ValueError(f"cupyflash: the mma.sync dK/dV kernels add dQ atomic or not at all, not {dq_add!r}")
-    atomic_dq = dq_add == "atomic"
+    atomic_dq = _mma_sync_dq_add(dq_add) == "atomic"
     name = dtype_name(dtype)
     dt = d_tile(headdim)
     if kernel is None:
@@ -292,11 +298,11 @@ def dkdv_spec(dtype, headdim: int, causal: Mask | bool, dq_add: str, kernel: str
     spec_name = (f"flash_bwd_dkdv_mma{suffix}_{SHORT_NAMES[name]}_hdim{dt}_{mask.name}"
                  f"_bm{bm}_ms{ms}_bn{bn}_w{nw}_{last_name}{last}{'_dqatomic' if atomic_dq else ''}")
     expression = (f"cf::flash_bwd_dkdv_mma{suffix}<{CTYPES[name]}, {dt}, {mask.cpp}, {bm}, {ms}, {bn}, "
-                  f"{nw}, {last}, {_flag(atomic_dq)}>")
+                  f"{nw}, {last}, cf::DqAdd::{dq_add}>")
     if kernel == "split":
-        smem = dkdv_split_smem_bytes(dt, bm, ms, bn, nw, last, atomic_dq)
+        smem = dkdv_split_smem_bytes(dt, bm, ms, bn, nw, last, dq_add)
     else:  # v2 keeps v1's layout with one warp per key-row group
-        smem = dkdv_smem_bytes(dt, bm, ms, bn, nw, last if kernel == "v1" else 1, atomic_dq)
+        smem = dkdv_smem_bytes(dt, bm, ms, bn, nw, last if kernel == "v1" else 1, dq_add)
     return Specialization(spec_name, _SOURCE, expression, nw * 32, smem)
 
 

@@ -8,10 +8,10 @@
 // added to a float32 dq_accum by red.global.add; flash_bwd_dq_convert scales and converts it.
 //
 // The adds to one dQ_i come from every key block that sees query block i. Float addition does not
-// associate, so their order decides the bits of dQ. With DQ_ORDERED the order is fixed: key block
-// j adds after key blocks 0..j-1 (always exactly the ones before it: a key block that sees query
-// block i makes every earlier key block see it too), waiting on a per-(batch, head, query block)
-// counter that each of them raises by NWARPS. The protocol is laid out so that nobody waits in
+// associate, so their order decides the bits of dQ. With DqAdd::ordered (DQ_ORDERED below) the
+// order is fixed: key block j adds after key blocks 0..j-1 (always exactly the ones before it: a
+// key block that sees query block i makes every earlier key block see it too), waiting on a
+// per-(batch, head, query block) counter that each of them raises by NWARPS. The protocol is laid out so that nobody waits in
 // steady state (on an H200 it still runs 15-20% slower than the unordered adds: the acquire loads,
 // the fences and the pipeline fill; docs/perf-log.md, mma-bwd-v4):
 //   * every CTA walks its query blocks from the last to the first, so all CTAs of a (batch, head)
@@ -26,7 +26,7 @@
 //     cp.async prefetch is issued after the release for the same reason.
 // EAGER_RELEASE: release right after the adds, prefetch first (measured slower: the fence then
 // waits for the adds in flight).
-// Without DQ_ORDERED the adds land in whatever order the CTAs reach them (query blocks walked
+// With DqAdd::atomic the adds land in whatever order the CTAs reach them (query blocks walked
 // forward: under a causal mask the CTAs then start on different blocks and contend less).
 //
 // Warp tiles (the FlashAttention-2 backward's, with S computed transposed):
@@ -44,6 +44,7 @@
 #include "mask.cuh"
 #include "mma.cuh"
 #include "mma_bwd.cuh"
+#include "dq_add.cuh"
 #include "dq_order.cuh"
 #include "params.cuh"
 
@@ -53,7 +54,7 @@ namespace cf {
 // The kernel
 // ---------------------------------------------------------------------------------------------
 
-// Shared-memory layout in bytes; cupyflash/kernels/mma_bwd.py (fused_smem_bytes) mirrors BYTES.
+// Shared-memory layout in bytes; cupyflash/backward_plans.py (fused_smem_bytes) mirrors BYTES.
 template <int D_TILE, int BLOCK_M, int BLOCK_N>
 struct FusedSmem {
     static constexpr u32 KV_TILE = BLOCK_N * D_TILE * 2;
@@ -71,9 +72,11 @@ struct FusedSmem {
 };
 
 template <typename T, int D_TILE, class Mask, int BLOCK_M, int BLOCK_N, int WARPS_N, int WARPS_D,
-          int DQ_WARPS_M, int S_UNROLL, bool DQ_ORDERED, bool EAGER_RELEASE = false, bool P_PACKED = false>
+          int DQ_WARPS_M, int S_UNROLL, DqAdd DQ_ADD, bool EAGER_RELEASE = false, bool P_PACKED = false>
 __global__ void __launch_bounds__(WARPS_N * WARPS_D * 32, 1)
 flash_bwd_fused_mma(const __grid_constant__ BwdParams p) {
+    static_assert(DQ_ADD == DqAdd::atomic || DQ_ADD == DqAdd::ordered, "float32 dQ adds, in any or key-block order");
+    constexpr bool DQ_ORDERED = DQ_ADD == DqAdd::ordered;
     typedef FusedSmem<D_TILE, BLOCK_M, BLOCK_N> L;
     constexpr int NWARPS = WARPS_N * WARPS_D;
     constexpr int NTHREADS = NWARPS * 32;

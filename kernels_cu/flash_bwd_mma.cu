@@ -5,7 +5,8 @@
 //                         memory while the CTA walks every query block i of every query head of its
 //                         GQA group (Q_i, dO_i, lse_i, D_i double-buffered by cp.async) and keeps
 //                         dK_j, dV_j in registers, so the sum over the group is deterministic.
-//                         With ATOMIC_DQ it also adds dS_ij K_j to a float32 dq_accum by red.add.
+//                         With DqAdd::atomic it also adds dS_ij K_j to a float32 dq_accum by red.add
+//                         (DqAdd::none: no dQ, flash_bwd_dq_mma computes it).
 //   flash_bwd_dq_mma      one CTA per (query block i, head, batch) walking the key blocks: dQ_i with
 //                         no atomics (bitwise reproducible), at the price of recomputing S and dP.
 //   flash_bwd_dq_mma_v2   the same with 2 x 16 query rows per warp: half the K_j, V_j reads per mma.
@@ -31,6 +32,7 @@
 // of its block, a dQ CTA only the key blocks that some of its rows see; blocks outside a window
 // are never loaded. Rows of a visited block that see none of its keys get P = 0 by selection.
 #include "common.cuh"
+#include "dq_add.cuh"
 #include "mask.cuh"
 #include "mma.cuh"
 #include "mma_bwd.cuh"
@@ -42,9 +44,9 @@ namespace cf {
 // dK, dV (and optionally dQ by atomics)
 // ---------------------------------------------------------------------------------------------
 
-// Shared-memory layout of flash_bwd_dkdv_mma, in bytes; cupyflash/kernels/mma_bwd.py computes the
-// same total.
-template <int D_TILE, int BLOCK_M, int M_SUB, int BLOCK_N, int NWARPS, int WARPS_D, bool ATOMIC_DQ>
+// Shared-memory layout of flash_bwd_dkdv_mma, in bytes; cupyflash/backward_plans.py
+// (dkdv_smem_bytes) computes the same total.
+template <int D_TILE, int BLOCK_M, int M_SUB, int BLOCK_N, int NWARPS, int WARPS_D, DqAdd DQ_ADD>
 struct DkdvSmem {
     static constexpr u32 KV_TILE = BLOCK_N * D_TILE * 2;
     static constexpr u32 Q_TILE = BLOCK_M * D_TILE * 2;
@@ -53,7 +55,7 @@ struct DkdvSmem {
     static constexpr u32 Q = V + KV_TILE;    // [2 stages]
     static constexpr u32 DO = Q + 2 * Q_TILE;  // [2 stages]
     static constexpr u32 DS = DO + 2 * Q_TILE;  // dS^T [BLOCK_N][BLOCK_M], 16-bit
-    static constexpr u32 XCHG = DS + (ATOMIC_DQ ? BLOCK_N * BLOCK_M * 2 : 0);
+    static constexpr u32 XCHG = DS + (DQ_ADD == DqAdd::atomic ? BLOCK_N * BLOCK_M * 2 : 0);
     // per warp: its partial S^T then dP^T, one float4 per (C fragment, lane)
     static constexpr u32 XCHG_WARP = (WARPS_D > 1 ? 2 * (M_SUB / 8) * 32 * 16 : 0);
     static constexpr u32 LSE = XCHG + NWARPS * XCHG_WARP;  // float [2 stages][BLOCK_M]
@@ -62,14 +64,16 @@ struct DkdvSmem {
 };
 
 template <typename T, int D_TILE, class Mask, int BLOCK_M, int M_SUB, int BLOCK_N, int NWARPS,
-          int WARPS_D, bool ATOMIC_DQ>
+          int WARPS_D, DqAdd DQ_ADD>
 __global__ void __launch_bounds__(NWARPS * 32, 1)
 flash_bwd_dkdv_mma(const __grid_constant__ BwdParams p) {
-    typedef DkdvSmem<D_TILE, BLOCK_M, M_SUB, BLOCK_N, NWARPS, WARPS_D, ATOMIC_DQ> L;
+    static_assert(DQ_ADD == DqAdd::atomic || DQ_ADD == DqAdd::none, "dQ by float32 atomics or by flash_bwd_dq_mma");
+    constexpr bool ATOMIC_DQ = DQ_ADD == DqAdd::atomic;
+    typedef DkdvSmem<D_TILE, BLOCK_M, M_SUB, BLOCK_N, NWARPS, WARPS_D, DQ_ADD> L;
     constexpr int NTHREADS = NWARPS * 32;
     constexpr int DW = D_TILE / WARPS_D;  // dK, dV columns per warp
     constexpr int DQ_WARPS_M = BLOCK_M / 16;
-    constexpr int DQ_COLS = D_TILE / (NWARPS / DQ_WARPS_M);  // dQ columns per warp (ATOMIC_DQ)
+    constexpr int DQ_COLS = D_TILE / (NWARPS / DQ_WARPS_M);  // dQ columns per warp (DqAdd::atomic)
     constexpr int DQ_PASS = DQ_COLS < 32 ? DQ_COLS : 32;
     static_assert(BLOCK_N == 16 * NWARPS / WARPS_D, "one 16-row key group per warp (pair)");
     static_assert(WARPS_D == 1 || WARPS_D == 2, "head-dim split into 1 or 2 slices");
@@ -225,7 +229,7 @@ flash_bwd_dkdv_mma(const __grid_constant__ BwdParams p) {
             }
         }
 
-        // Step 7 (ATOMIC_DQ): dq_accum += dS K_j, dS read back from shared memory. Warps tile the
+        // Step 7 (DqAdd::atomic): dq_accum += dS K_j, dS read back from shared memory. Warps tile the
         // query block by 16 rows x DQ_COLS columns, in passes of DQ_PASS columns (registers again),
         // each reduced over all BLOCK_N keys and added to dq_accum by red.global.add.
         if constexpr (ATOMIC_DQ) {
@@ -579,15 +583,17 @@ flash_bwd_dq_mma_v2(const __grid_constant__ BwdParams p) {
 // 2 groups and M_SUB = 32, 48 ldmatrix.x4 per 128 mma (v1: 72 per 128). Two 16-row groups of dK
 // and dV at head dim 128 would take 256 accumulator registers, so there v1 stays.
 template <typename T, int D_TILE, class Mask, int BLOCK_M, int M_SUB, int BLOCK_N, int NWARPS, int ROW_GROUPS,
-          bool ATOMIC_DQ>
+          DqAdd DQ_ADD>
 __global__ void __launch_bounds__(NWARPS * 32, 1)
 flash_bwd_dkdv_mma_v2(const __grid_constant__ BwdParams p) {
-    typedef DkdvSmem<D_TILE, BLOCK_M, M_SUB, BLOCK_N, NWARPS, 1, ATOMIC_DQ> L;
+    static_assert(DQ_ADD == DqAdd::atomic || DQ_ADD == DqAdd::none, "dQ by float32 atomics or by flash_bwd_dq_mma");
+    constexpr bool ATOMIC_DQ = DQ_ADD == DqAdd::atomic;
+    typedef DkdvSmem<D_TILE, BLOCK_M, M_SUB, BLOCK_N, NWARPS, 1, DQ_ADD> L;
     constexpr int NTHREADS = NWARPS * 32;
     constexpr int G = ROW_GROUPS;
     constexpr int WARP_ROWS = 16 * G;
     constexpr int DQ_WARPS_M = BLOCK_M / 16;
-    constexpr int DQ_COLS = D_TILE / (NWARPS / DQ_WARPS_M);  // dQ columns per warp (ATOMIC_DQ)
+    constexpr int DQ_COLS = D_TILE / (NWARPS / DQ_WARPS_M);  // dQ columns per warp (DqAdd::atomic)
     constexpr int DQ_PASS = DQ_COLS < 32 ? DQ_COLS : 32;
     static_assert(BLOCK_N == WARP_ROWS * NWARPS, "16 * ROW_GROUPS key rows per warp");
     static_assert(BLOCK_M % M_SUB == 0 && M_SUB % 16 == 0 && D_TILE % 16 == 0, "m16n8k16 tiles");
@@ -775,7 +781,7 @@ flash_bwd_dkdv_mma_v2(const __grid_constant__ BwdParams p) {
             }
         }
 
-        // Step 7 (ATOMIC_DQ): as in v1.
+        // Step 7 (DqAdd::atomic): as in v1.
         if constexpr (ATOMIC_DQ) {
             __syncthreads();
             const int q_row0 = 16 * (warp % DQ_WARPS_M);
@@ -829,26 +835,28 @@ flash_bwd_dkdv_mma_v2(const __grid_constant__ BwdParams p) {
 // and query columns, so lane l of the dK warp reads what lane l of the dV warp wrote. Two slots
 // per pair alternate by sub-block: a slot is rewritten two pair barriers after it was written,
 // and the dK warp reaches the second of them only after reading it.
-template <int D_TILE, int BLOCK_M, int M_SUB, int BLOCK_N, int NWARPS, int ROW_GROUPS, bool ATOMIC_DQ>
+template <int D_TILE, int BLOCK_M, int M_SUB, int BLOCK_N, int NWARPS, int ROW_GROUPS, DqAdd DQ_ADD>
 struct DkdvSplitSmem {
-    typedef DkdvSmem<D_TILE, BLOCK_M, M_SUB, BLOCK_N, NWARPS, 1, ATOMIC_DQ> V1;
+    typedef DkdvSmem<D_TILE, BLOCK_M, M_SUB, BLOCK_N, NWARPS, 1, DQ_ADD> V1;
     static constexpr u32 XCHG_SLOT = ROW_GROUPS * (M_SUB / 8) * 32 * 16;
     static constexpr u32 XCHG = V1::BYTES;  // [NWARPS / 2 pairs][2 slots]
     static constexpr u32 BYTES = XCHG + (NWARPS / 2) * 2 * XCHG_SLOT;
 };
 
 template <typename T, int D_TILE, class Mask, int BLOCK_M, int M_SUB, int BLOCK_N, int NWARPS, int ROW_GROUPS,
-          bool ATOMIC_DQ>
+          DqAdd DQ_ADD>
 __global__ void __launch_bounds__(NWARPS * 32, 1)
 flash_bwd_dkdv_mma_split(const __grid_constant__ BwdParams p) {
-    typedef DkdvSmem<D_TILE, BLOCK_M, M_SUB, BLOCK_N, NWARPS, 1, ATOMIC_DQ> L;
-    typedef DkdvSplitSmem<D_TILE, BLOCK_M, M_SUB, BLOCK_N, NWARPS, ROW_GROUPS, ATOMIC_DQ> X;
+    static_assert(DQ_ADD == DqAdd::atomic || DQ_ADD == DqAdd::none, "dQ by float32 atomics or by flash_bwd_dq_mma");
+    constexpr bool ATOMIC_DQ = DQ_ADD == DqAdd::atomic;
+    typedef DkdvSmem<D_TILE, BLOCK_M, M_SUB, BLOCK_N, NWARPS, 1, DQ_ADD> L;
+    typedef DkdvSplitSmem<D_TILE, BLOCK_M, M_SUB, BLOCK_N, NWARPS, ROW_GROUPS, DQ_ADD> X;
     constexpr int NTHREADS = NWARPS * 32;
     constexpr int PAIRS = NWARPS / 2;
     constexpr int G = ROW_GROUPS;
     constexpr int WARP_ROWS = 16 * G;
     constexpr int DQ_WARPS_M = BLOCK_M / 16;
-    constexpr int DQ_COLS = D_TILE / (NWARPS / DQ_WARPS_M);  // dQ columns per warp (ATOMIC_DQ)
+    constexpr int DQ_COLS = D_TILE / (NWARPS / DQ_WARPS_M);  // dQ columns per warp (DqAdd::atomic)
     constexpr int DQ_PASS = DQ_COLS < 32 ? DQ_COLS : 32;
     static_assert(NWARPS % 2 == 0 && PAIRS <= 15, "warp pairs, one named barrier each");
     static_assert(BLOCK_N == WARP_ROWS * PAIRS, "16 * ROW_GROUPS key rows per warp pair");
@@ -1031,7 +1039,7 @@ flash_bwd_dkdv_mma_split(const __grid_constant__ BwdParams p) {
             }
         }
 
-        // Step 7 (ATOMIC_DQ): as in v1, by all warps.
+        // Step 7 (DqAdd::atomic): as in v1, by all warps.
         if constexpr (ATOMIC_DQ) {
             __syncthreads();
             const int q_row0 = 16 * (warp % DQ_WARPS_M);
