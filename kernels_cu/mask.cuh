@@ -8,8 +8,8 @@
 //   query i sees key j  iff  j < seqlen_k,  i + lo_off <= j (LEFT),  j <= i + hi_off (RIGHT),
 // lo_off = diag - window_left and hi_off = diag + window_right. NoMask has neither bound, Causal
 // the right one with window_right = 0 known at compile time, Local both at run time (a side the
-// caller leaves unbounded, window -1, gets an offset no index reaches). Every kernel takes
-// window_left and window_right as its last two arguments; NoMask and Causal ignore them.
+// caller leaves unbounded, window -1, gets an offset no index reaches). The bounds reach a kernel
+// as window_left and window_right of its Params struct (params.cuh); NoMask and Causal ignore them.
 //
 // Block ranges are of keys (or queries) as indices, half-open; a kernel visits the blocks that
 // hold them and no others, so key blocks outside the window are never loaded. A row of a visited
