@@ -160,6 +160,17 @@ def _finish(results, which: str, host_out: bool):
 
 # --- the public functions ---------------------------------------------------------------------------
 
+def _check_options(backend, causal, window_size, flag, flag_name, softcap):
+    """The options both directions take, checked in this order: (backend, causal, window, the
+    bool ``flag_name``, on_gpu); softcap must be 0."""
+    backend = A.check_backend(backend)
+    causal = A.check_flag(causal, "causal")
+    window = check_window(window_size)
+    flag = A.check_flag(flag, flag_name)
+    check_softcap(softcap)
+    return backend, causal, window, flag, api._on_gpu(backend)
+
+
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, softmax_scale=None,
                            causal=False, window_size=(-1, -1), softcap=0.0, return_lse=False, backend="auto"):
     """Exact attention over a packed batch of sequences of different lengths (flash-attn 2.8's
@@ -178,12 +189,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     arrays (no padding is computed, but launches grow with the batch), after reading cu_seqlens
     to the host (one synchronisation for device arrays). softcap: only 0.0.
     """
-    backend = A.check_backend(backend)
-    causal = A.check_flag(causal, "causal")
-    window = check_window(window_size)
-    return_lse = A.check_flag(return_lse, "return_lse")
-    check_softcap(softcap)
-    on_gpu = api._on_gpu(backend)
+    backend, causal, window, return_lse, on_gpu = _check_options(backend, causal, window_size, return_lse,
+                                                                 "return_lse", softcap)
     arrays, host_out = api._take({"q": q, "k": k, "v": v})
     dtype = A.check_dtype(arrays)
     total_q, total_k, nheads, _, headdim = check_packed_shapes(*arrays.values())
@@ -233,12 +240,8 @@ def flash_attn_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, 
     gradients. The options must be the forward's; ``deterministic`` is flash_attn_backward's.
     Interim implementation: one dense backward per sequence on views, as the forward.
     """
-    backend = A.check_backend(backend)
-    causal = A.check_flag(causal, "causal")
-    window = check_window(window_size)
-    deterministic = A.check_flag(deterministic, "deterministic")
-    check_softcap(softcap)
-    on_gpu = api._on_gpu(backend)
+    backend, causal, window, deterministic, on_gpu = _check_options(backend, causal, window_size, deterministic,
+                                                                    "deterministic", softcap)
     arrays, host_out = api._take({"do": do, "q": q, "k": k, "v": v, "o": o, "lse": lse})
     dtype = A.check_dtype({name: arrays[name] for name in ("q", "k", "v", "do", "o")})
     total_q, total_k, nheads, _, headdim = check_packed_shapes(arrays["q"], arrays["k"], arrays["v"])

@@ -16,6 +16,7 @@ import cupyflash
 from cupyflash import reference
 from cupyflash.testing import KVCacheProblem, assert_kvcache_close, poisoned_outputs
 from cupyflash.testing.strategies import kvcache_problems
+from kvcache_checks import assert_same_bytes, expected_caches
 
 CPU_COST = 2e6
 
@@ -25,35 +26,12 @@ def call(problem, inputs, backend="numpy", **extra):
                                              **extra)
 
 
-def expected_caches(problem, before):
-    """The caches after the call: copies of ``before`` with the appended slots written."""
-    if before["k"] is None:
-        return before["k_cache"], before["v_cache"]
-    where = dict(cache_seqlens=before["cache_seqlens"], cache_batch_idx=before["cache_batch_idx"],
-                 block_table=before["block_table"])
-    return (reference.kvcache_appended(before["k_cache"], before["k"], **where),
-            reference.kvcache_appended(before["v_cache"], before["v"], **where))
-
-
-def assert_same_bytes(name, actual, expected):
-    """Byte for byte: NaN payloads and signed zeros included, every slot of the cache."""
-    actual, expected = np.asarray(actual), np.asarray(expected)
-    assert actual.shape == expected.shape and actual.dtype == expected.dtype, name
-    def as_bytes(x):
-        return np.ascontiguousarray(x).view(np.uint8).reshape(x.shape + (x.itemsize,))
-
-    same = (as_bytes(actual) == as_bytes(expected)).all(axis=-1)
-    if not same.all():
-        where = tuple(int(i) for i in np.argwhere(~same)[0])
-        raise AssertionError(f"{name}: {int((~same).sum())} entries differ, first at {list(where)}")
-
-
 def check(problem, **extra):
     inputs, before = problem.inputs(), problem.inputs()
     with poisoned_outputs():
         o, lse = call(problem, inputs, **extra)
     assert_kvcache_close(problem, o, lse, inputs=before)
-    k_expected, v_expected = expected_caches(problem, before)
+    k_expected, v_expected = expected_caches(before)
     assert_same_bytes("k_cache", inputs["k_cache"], k_expected)
     assert_same_bytes("v_cache", inputs["v_cache"], v_expected)
     return o, lse
@@ -153,7 +131,7 @@ def test_append_through_a_strided_view_writes_the_base_in_place():
         inputs[name] = view
         bases.append(base)
     expected_bases = [b.copy() for b in bases]
-    k_expected, v_expected = expected_caches(problem, before)
+    k_expected, v_expected = expected_caches(before)
     expected_bases[0][::-1, :, ::2] = k_expected
     expected_bases[1][::-1, :, ::2] = v_expected
     o, lse = call(problem, inputs)

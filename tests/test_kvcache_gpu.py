@@ -14,9 +14,9 @@ import pytest
 from hypothesis import given, settings
 
 import cupyflash
-from cupyflash import reference
 from cupyflash.testing import KVCacheProblem, assert_kvcache_close, poisoned_outputs
 from cupyflash.testing.strategies import kvcache_problems
+from kvcache_checks import assert_same_bytes, expected_caches
 
 pytestmark = pytest.mark.gpu
 
@@ -24,28 +24,6 @@ SIXTEEN_BIT = [np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)]
 ALL_DTYPES = SIXTEEN_BIT + [np.dtype(np.float32), np.dtype(np.float64)]
 GPU_COST = 8e6
 EXAMPLES = 60  # per property (a launch per sequence and a float64 reference on the CPU each)
-
-
-def expected_caches(before):
-    if before["k"] is None:
-        return before["k_cache"], before["v_cache"]
-    where = dict(cache_seqlens=before["cache_seqlens"], cache_batch_idx=before["cache_batch_idx"],
-                 block_table=before["block_table"])
-    return (reference.kvcache_appended(before["k_cache"], before["k"], **where),
-            reference.kvcache_appended(before["v_cache"], before["v"], **where))
-
-
-def assert_same_bytes(name, actual, expected):
-    actual, expected = np.asarray(actual), np.asarray(expected)
-    assert actual.shape == expected.shape and actual.dtype == expected.dtype, name
-
-    def as_bytes(x):
-        return np.ascontiguousarray(x).view(np.uint8).reshape(x.shape + (x.itemsize,))
-
-    same = (as_bytes(actual) == as_bytes(expected)).all(axis=-1)
-    if not same.all():
-        where = [int(i) for i in np.argwhere(~same)[0]]
-        raise AssertionError(f"{name}: {int((~same).sum())} entries differ, first at {where}")
 
 
 def on_device(inputs, index_arrays_on_device=True):

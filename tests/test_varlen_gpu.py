@@ -40,27 +40,32 @@ def run_on_device(problem, backend, deterministic=True, device_cu_seqlens=True):
     return o, lse, grads
 
 
+def problems(dtypes, **options):
+    """Packed batches of ``dtypes`` up to 300 tokens a sequence within the GPU cost."""
+    return varlen_problems(dtypes=dtypes, max_seqlen=300, max_cost=GPU_COST, **options)
+
+
+def check_on_device(problem, backend, **options):
+    o, lse, grads = run_on_device(problem, backend, **options)
+    assert_varlen_close(problem, o, lse, grads)
+
+
 @settings(max_examples=EXAMPLES)
-@given(problem=varlen_problems(dtypes=ALL_DTYPES, windows=True, max_seqlen=300, max_headdim=256,
-                              max_cost=GPU_COST))
+@given(problem=problems(ALL_DTYPES, windows=True, max_headdim=256))
 def test_simt_matches_the_reference(problem):
-    o, lse, grads = run_on_device(problem, "simt")
-    assert_varlen_close(problem, o, lse, grads)
+    check_on_device(problem, "simt")
 
 
 @settings(max_examples=EXAMPLES)
-@given(problem=varlen_problems(dtypes=SIXTEEN_BIT, windows=True, max_seqlen=300, max_headdim=256,
-                              max_cost=GPU_COST))
+@given(problem=problems(SIXTEEN_BIT, windows=True, max_headdim=256))
 def test_tensor_cores_match_the_reference(problem):
-    o, lse, grads = run_on_device(problem, "mma")
-    assert_varlen_close(problem, o, lse, grads)
+    check_on_device(problem, "mma")
 
 
 @settings(max_examples=EXAMPLES // 2)
-@given(problem=varlen_problems(dtypes=SIXTEEN_BIT, max_seqlen=300, max_cost=GPU_COST))
+@given(problem=problems(SIXTEEN_BIT))
 def test_atomic_dq_backward_matches_the_reference(problem):
-    o, lse, grads = run_on_device(problem, "mma", deterministic=False, device_cu_seqlens=False)
-    assert_varlen_close(problem, o, lse, grads)
+    check_on_device(problem, "mma", deterministic=False, device_cu_seqlens=False)
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)

@@ -4,33 +4,19 @@ its repr.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import numpy as np
 
-from .problem import as_dtype
-
-
-def _repr(problem) -> str:
-    values = {f.name: getattr(problem, f.name) for f in fields(problem)}
-    values["dtype"] = problem.dtype.name
-    return f"{type(problem).__name__}({', '.join(f'{k}={v!r}' for k, v in values.items())})"
-
-
-def _options(softmax_scale, causal, window_size) -> dict:
-    options = dict(softmax_scale=softmax_scale, causal=causal)
-    if tuple(window_size) != (-1, -1):
-        options["window_size"] = tuple(window_size)
-    return options
+from .problem import ProblemData, as_dtype
 
 
 def _cumulative(lengths) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int32)
 
 
-@dataclass(frozen=True)
-class VarlenProblem:
+@dataclass(frozen=True, repr=False)
+class VarlenProblem(ProblemData):
     """A packed batch: sequence b has seqlens_q[b] queries and seqlens_k[b] keys (0 allowed), each
     sequence masked on its own (bottom-right causal alignment, window around its own diagonal).
     q (total_q, nheads, headdim), k, v (total_k, nheads_kv, headdim), nheads = nheads_kv * group;
@@ -56,28 +42,9 @@ class VarlenProblem:
         if len(self.seqlens_q) != len(self.seqlens_k):
             raise ValueError(f"seqlens_q and seqlens_k differ in length: {self.seqlens_q}, {self.seqlens_k}")
 
-    __repr__ = _repr
-
-    def _repr_pretty_(self, printer, cycle):
-        printer.text(repr(self))
-
     @property
     def batch(self) -> int:
         return len(self.seqlens_q)
-
-    @property
-    def nheads(self) -> int:
-        return self.nheads_kv * self.group
-
-    @property
-    def scale(self) -> float:
-        return 1.0 / math.sqrt(self.headdim) if self.softmax_scale is None else self.softmax_scale
-
-    @property
-    def kwargs(self) -> dict:
-        """softmax_scale, causal and (when set) window_size: the keywords of flash_attn_varlen_func
-        and of reference.varlen_attention."""
-        return _options(self.softmax_scale, self.causal, self.window_size)
 
     @property
     def cu_seqlens_q(self) -> np.ndarray:
@@ -130,8 +97,8 @@ class VarlenProblem:
                      for shape in (self.q_shape, self.kv_shape, self.kv_shape, self.q_shape))
 
 
-@dataclass(frozen=True)
-class KVCacheProblem:
+@dataclass(frozen=True, repr=False)
+class KVCacheProblem(ProblemData):
     """A decoding step: sequence b has cache_seqlens[b] tokens in the cache, seqlen_new new tokens
     to append (0: no k, v), and seqlen_q queries that attend over all cache_seqlens[b] + seqlen_new
     tokens (the mask aligned to their end).
@@ -173,27 +140,9 @@ class KVCacheProblem:
         if self.seqlens_as_int and len(set(self.cache_seqlens)) > 1:
             raise ValueError("seqlens_as_int needs equal cache_seqlens")
 
-    __repr__ = _repr
-
-    def _repr_pretty_(self, printer, cycle):
-        printer.text(repr(self))
-
     @property
     def batch(self) -> int:
         return len(self.cache_seqlens)
-
-    @property
-    def nheads(self) -> int:
-        return self.nheads_kv * self.group
-
-    @property
-    def scale(self) -> float:
-        return 1.0 / math.sqrt(self.headdim) if self.softmax_scale is None else self.softmax_scale
-
-    @property
-    def kwargs(self) -> dict:
-        """softmax_scale, causal and (when set) window_size."""
-        return _options(self.softmax_scale, self.causal, self.window_size)
 
     @property
     def seqlens_k(self) -> tuple[int, ...]:

@@ -26,8 +26,47 @@ def as_dtype(dtype) -> np.dtype:
     return dtype
 
 
-@dataclass(frozen=True)
-class AttentionProblem:
+def mask_options(softmax_scale, causal, window_size) -> dict:
+    """softmax_scale, causal and, only when a window is set, window_size: keywords of
+    ``cupyflash.reference``'s functions and of flash-attn's."""
+    options = dict(softmax_scale=softmax_scale, causal=causal)
+    if tuple(window_size) != (-1, -1):
+        options["window_size"] = tuple(window_size)
+    return options
+
+
+class ProblemData:
+    """What every problem dataclass here shares (each declares nheads_kv, group, headdim,
+    causal, softmax_scale, dtype and window_size): a repr that rebuilds it, its head count,
+    scale and keywords. The dataclasses take ``repr=False`` so that this repr is kept."""
+
+    def __repr__(self) -> str:
+        # dtype by name, so that the repr is the call that rebuilds the problem.
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values["dtype"] = self.dtype.name
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in values.items())})"
+
+    def _repr_pretty_(self, printer, cycle):
+        # Hypothesis prints falsifying examples with this (IPython's protocol) when it exists.
+        printer.text(repr(self))
+
+    @property
+    def nheads(self) -> int:
+        return self.nheads_kv * self.group
+
+    @property
+    def scale(self) -> float:
+        """The softmax scale in effect."""
+        return 1.0 / math.sqrt(self.headdim) if self.softmax_scale is None else self.softmax_scale
+
+    @property
+    def kwargs(self) -> dict:
+        """softmax_scale, causal and (when set) window_size."""
+        return mask_options(self.softmax_scale, self.causal, self.window_size)
+
+
+@dataclass(frozen=True, repr=False)
+class AttentionProblem(ProblemData):
     """q (batch, seqlen_q, nheads, headdim); k, v (batch, seqlen_k, nheads_kv, headdim), with
     nheads = nheads_kv * group query heads (group > 1: GQA, nheads_kv = 1: MQA). Masks are
     aligned bottom-right: with diagonal = i + seqlen_k - seqlen_q, ``causal`` lets query i see
@@ -52,33 +91,11 @@ class AttentionProblem:
         object.__setattr__(self, "dtype", as_dtype(self.dtype))
         object.__setattr__(self, "window_size", tuple(int(side) for side in self.window_size))
 
-    def __repr__(self) -> str:
-        # dtype by name, so that the repr is the call that rebuilds the problem.
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
-        values["dtype"] = self.dtype.name
-        return f"AttentionProblem({', '.join(f'{k}={v!r}' for k, v in values.items())})"
-
-    def _repr_pretty_(self, printer, cycle):
-        # Hypothesis prints falsifying examples with this (IPython's protocol) when it exists.
-        printer.text(repr(self))
-
-    @property
-    def nheads(self) -> int:
-        return self.nheads_kv * self.group
-
-    @property
-    def scale(self) -> float:
-        """The softmax scale in effect."""
-        return 1.0 / math.sqrt(self.headdim) if self.softmax_scale is None else self.softmax_scale
-
     @property
     def kwargs(self) -> dict:
         """softmax_scale, causal and, when a window is set, window_size: the keywords of
         ``cupyflash.reference.attention`` and of flash_attn_func for this problem."""
-        options = dict(softmax_scale=self.softmax_scale, causal=self.causal)
-        if tuple(self.window_size) != (-1, -1):
-            options["window_size"] = tuple(self.window_size)
-        return options
+        return mask_options(self.softmax_scale, self.causal, self.window_size)
 
     @property
     def q_shape(self) -> tuple[int, int, int, int]:

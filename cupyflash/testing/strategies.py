@@ -118,6 +118,33 @@ def attention_problems(
     )
 
 
+def _draw_headdim(draw, budget, headdims, max_headdim) -> int:
+    """A head dimension of ``headdims`` (any up to max_headdim when None, favourites first) within
+    ``budget``; the smallest of ``headdims`` when none fits."""
+    if headdims is None:
+        return draw(_favourite_or_any(HEADDIMS, 1, min(max_headdim, budget)))
+    fitting = [d for d in headdims if d <= min(max_headdim, budget)]
+    return draw(st.sampled_from(fitting or [min(headdims)]))
+
+
+def _draw_heads(draw, budget, max_heads_kv, max_group) -> tuple[int, int]:
+    """(nheads_kv, group) with nheads_kv * group within ``budget`` (at least 1 each)."""
+    nheads_kv = draw(st.integers(1, min(max_heads_kv, budget)))
+    group = draw(st.integers(1, min(max_group, max(budget // nheads_kv, 1))))
+    return nheads_kv, group
+
+
+def _draw_scale(draw, headdim, scales, magnitudes, max_logit_std) -> tuple[float | None, float]:
+    """(softmax_scale, magnitude): the magnitude capped so that the logits' standard deviation
+    stays within max_logit_std (when given)."""
+    softmax_scale = draw(st.none() if scales is None else st.one_of(st.none(), st.floats(*scales)))
+    magnitude = draw(st.floats(*magnitudes))
+    scale = 1.0 / math.sqrt(headdim) if softmax_scale is None else softmax_scale
+    if max_logit_std is not None and scale > 0:
+        magnitude = min(magnitude, math.sqrt(max_logit_std / (scale * math.sqrt(headdim))))
+    return softmax_scale, magnitude
+
+
 @st.composite
 def _attention_problems(draw, dtypes, causal, windows, min_seqlen, max_seqlen, same_seqlens,
                         headdims, max_headdim, max_batch, max_heads_kv, max_group, scales,
@@ -127,26 +154,15 @@ def _attention_problems(draw, dtypes, causal, windows, min_seqlen, max_seqlen, s
     seqlen_q = draw(_favourite_or_any(SEQLENS, min_seqlen, max_seqlen))
     seqlen_k = seqlen_q if same_seqlens else draw(_favourite_or_any(SEQLENS, min_seqlen, max_seqlen))
     budget = max(int(max_cost) // max(seqlen_q * seqlen_k, 1), 1)
-    if headdims is None:
-        headdim = draw(_favourite_or_any(HEADDIMS, 1, min(max_headdim, budget)))
-    else:
-        fitting = [d for d in headdims if d <= min(max_headdim, budget)]
-        headdim = draw(st.sampled_from(fitting or [min(headdims)]))
+    headdim = _draw_headdim(draw, budget, headdims, max_headdim)
     budget = max(budget // headdim, 1)
     batch = draw(st.integers(1, min(max_batch, budget)))
     budget = max(budget // batch, 1)
-    nheads_kv = draw(st.integers(1, min(max_heads_kv, budget)))
-    group = draw(st.integers(1, min(max_group, max(budget // nheads_kv, 1))))
-    softmax_scale = draw(st.none() if scales is None else st.one_of(st.none(), st.floats(*scales)))
-    magnitude = draw(st.floats(*magnitudes))
-    scale = 1.0 / math.sqrt(headdim) if softmax_scale is None else softmax_scale
-    if max_logit_std is not None and scale > 0:
-        magnitude = min(magnitude, math.sqrt(max_logit_std / (scale * math.sqrt(headdim))))
+    nheads_kv, group = _draw_heads(draw, budget, max_heads_kv, max_group)
+    softmax_scale, magnitude = _draw_scale(draw, headdim, scales, magnitudes, max_logit_std)
     seed = draw(st.integers(0, 2**32 - 1))
-    window_size = (-1, -1)
-    if windows:  # drawn last, so that windows=False draws exactly what it did before windows
-        side = st.one_of(st.just(-1), st.integers(0, max(seqlen_q, seqlen_k)))
-        window_size = (draw(side), 0 if causal else draw(side))
+    # drawn last, so that windows=False draws exactly what it did before windows
+    window_size = _draw_window(draw, windows, causal, max(seqlen_q, seqlen_k))
     return AttentionProblem(
         batch, seqlen_q, seqlen_k, nheads_kv, group, headdim, causal, softmax_scale, magnitude,
         dtype, seed, window_size,
@@ -165,19 +181,9 @@ def _draw_heads_and_scale(draw, budget, headdims, max_headdim, max_heads_kv, max
                           max_logit_std):
     """(headdim, nheads_kv, group, softmax_scale, magnitude) within ``budget`` of
     nheads * headdim, the magnitude capped as attention_problems caps it."""
-    if headdims is None:
-        headdim = draw(_favourite_or_any(HEADDIMS, 1, min(max_headdim, budget)))
-    else:
-        fitting = [d for d in headdims if d <= min(max_headdim, budget)]
-        headdim = draw(st.sampled_from(fitting or [min(headdims)]))
-    budget = max(budget // headdim, 1)
-    nheads_kv = draw(st.integers(1, min(max_heads_kv, budget)))
-    group = draw(st.integers(1, min(max_group, max(budget // nheads_kv, 1))))
-    softmax_scale = draw(st.none() if scales is None else st.one_of(st.none(), st.floats(*scales)))
-    magnitude = draw(st.floats(*magnitudes))
-    scale = 1.0 / math.sqrt(headdim) if softmax_scale is None else softmax_scale
-    if max_logit_std is not None and scale > 0:
-        magnitude = min(magnitude, math.sqrt(max_logit_std / (scale * math.sqrt(headdim))))
+    headdim = _draw_headdim(draw, budget, headdims, max_headdim)
+    nheads_kv, group = _draw_heads(draw, max(budget // headdim, 1), max_heads_kv, max_group)
+    softmax_scale, magnitude = _draw_scale(draw, headdim, scales, magnitudes, max_logit_std)
     return headdim, nheads_kv, group, softmax_scale, magnitude
 
 

@@ -20,7 +20,7 @@ import ml_dtypes
 import numpy as np
 
 from .. import reference
-from .problem import AttentionProblem, as_numpy
+from .problem import AttentionProblem, as_numpy, mask_options
 
 # Relative bounds on max|actual - ref| / (1 + max|ref|). They assume inputs drawn as in
 # strategies.py, where the standard deviation of the scores S = scale * q.k is capped at
@@ -40,14 +40,6 @@ SIXTEEN_BIT = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 # flash-attn's factors on the baseline's error.
 OUTPUT_FACTOR = 2.0
 GRADIENT_FACTOR = 3.0
-
-
-def _reference_options(softmax_scale, causal, window_size) -> dict:
-    """Keywords of cupyflash.reference's functions; window_size only when a window is set."""
-    options = dict(softmax_scale=softmax_scale, causal=causal)
-    if tuple(window_size) != (-1, -1):
-        options["window_size"] = tuple(window_size)
-    return options
 
 
 def _as_f64(x) -> np.ndarray:
@@ -104,7 +96,7 @@ def output_rounding_allowance(do, q, k, v, o, o_ref, *, softmax_scale, causal, w
     q, k, v, do, o, o_ref = (_as_f64(x) for x in (q, k, v, do, o, o_ref))
     scale = 1.0 / np.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
     e = np.sum(do * (o - o_ref), axis=-1, keepdims=True)  # (batch, seqlen_q, heads, 1)
-    kwargs = _reference_options(softmax_scale, causal, window_size)
+    kwargs = mask_options(softmax_scale, causal, window_size)
     p_k = reference.attention(q, k, k, **kwargs)[0]
     p_t_e_q = reference.attention_backward(e * q, q, k, v, **kwargs)[2]
     return scale * max_abs(e * p_k), scale * max_abs(p_t_e_q), 0.0
@@ -232,6 +224,16 @@ def _check_output(failures, name, value, shape, dtype):
     return value
 
 
+def _passes(failures, name, actual, ref64, baseline, *, dtype, **options) -> bool:
+    """assert_close, its failure recorded in ``failures`` instead of raised."""
+    try:
+        assert_close(name, actual, ref64, baseline, dtype=dtype, **options)
+    except AssertionError as failure:
+        failures.append(str(failure))
+        return False
+    return True
+
+
 def assert_attention_close(problem: AttentionProblem, o, lse=None, grads=None, *, inputs=None,
                            check_dtype=True):
     """Assert that an attention implementation's results for ``problem`` are as accurate as the
@@ -256,12 +258,7 @@ def assert_attention_close(problem: AttentionProblem, o, lse=None, grads=None, *
     failures = []
 
     def passes(name, actual, ref64, baseline, **options) -> bool:
-        try:
-            assert_close(name, actual, ref64, baseline, dtype=dtype, **options)
-        except AssertionError as failure:
-            failures.append(str(failure))
-            return False
-        return True
+        return _passes(failures, name, actual, ref64, baseline, dtype=dtype, **options)
 
     o_ref, lse_ref = reference.attention(q, k, v, **kwargs)
     o_std = lse_std = None
@@ -306,16 +303,6 @@ def assert_attention_close(problem: AttentionProblem, o, lse=None, grads=None, *
 
 
 # --- packed batches and KV caches: the same rule over every sequence at once ----------------------
-
-def _passes(failures, name, actual, ref64, baseline, *, dtype, **options) -> bool:
-    """assert_close, its failure recorded in ``failures`` instead of raised."""
-    try:
-        assert_close(name, actual, ref64, baseline, dtype=dtype, **options)
-    except AssertionError as failure:
-        failures.append(str(failure))
-        return False
-    return True
-
 
 def assert_varlen_close(problem, o, lse=None, grads=None, *, inputs=None, check_dtype=True):
     """assert_attention_close for a packed batch (``cupyflash.testing.packed.VarlenProblem``):

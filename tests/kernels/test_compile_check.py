@@ -13,13 +13,8 @@ from cupyflash.kernels import compile_check
 
 pytest.importorskip("cupy")
 
-try:
-    compile_check._nvrtc()
-    HAVE_NVRTC = True
-except (FileNotFoundError, OSError):
-    HAVE_NVRTC = False
+from nvrtc_check import HAVE_NVRTC, needs_nvrtc  # noqa: E402
 
-needs_nvrtc = pytest.mark.skipif(not HAVE_NVRTC, reason="NVRTC not installed (pip install '.[cuda13]')")
 needs_cuobjdump = pytest.mark.skipif(not HAVE_NVRTC or compile_check.find_cuobjdump() is None,
                                      reason="NVRTC or cuobjdump not installed (pip install '.[cuda13,test]')")
 

@@ -12,13 +12,7 @@ import pytest
 from cupyflash.kernels import compile_check, params
 from cupyflash.kernels._module import kernels_dir
 
-try:
-    compile_check._nvrtc()
-    HAVE_NVRTC = True
-except (FileNotFoundError, OSError):
-    HAVE_NVRTC = False
-
-needs_nvrtc = pytest.mark.skipif(not HAVE_NVRTC, reason="NVRTC not installed (pip install '.[cuda13]')")
+from nvrtc_check import needs_nvrtc
 
 
 @needs_nvrtc
