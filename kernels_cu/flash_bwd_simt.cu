@@ -13,18 +13,6 @@
 
 namespace cf {
 
-// A scale of BwdParams (double) in the accumulator type. The conversion is asm because a plain
-// one is sunk into every use: each predicated store of the epilogue would convert again, under
-// -ftz=true with a flush emulated by 2 more instructions on sm_80. Not .ftz: the host's float32
-// conversion of the positional-argument kernels did not flush either.
-template <typename A> __device__ __forceinline__ A scale_as(double x);
-template <> __device__ __forceinline__ double scale_as<double>(double x) { return x; }
-template <> __device__ __forceinline__ float scale_as<float>(double x) {
-    float r;
-    asm("cvt.rn.f32.f64 %0, %1;" : "=f"(r) : "d"(x));
-    return r;
-}
-
 // One warp per (batch, head, row): lanes stride over the head dimension.
 template <typename T>
 __global__ void __launch_bounds__(128)

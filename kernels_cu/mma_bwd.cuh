@@ -27,26 +27,6 @@ namespace cf {
 // on a condition built from them, such as a block's `partial`. masked_or_not below makes the two
 // instances of each masking step explicit instead.
 
-// The struct's double scales as the float32 the kernels compute with, rounded to nearest as the
-// launcher's np.float32 did: cvt.rn.f32.f64 is one F2F. float(x) compiles (under -ftz) to
-// cvt.rn.ftz.f32.f64, which ptxas implements as F2F plus a flush test (DSETP, FMUL) that holds the
-// double in two more registers wherever it rematerializes the conversion.
-__device__ __forceinline__ float f32_rn(double x) {
-    float r;
-    asm("cvt.rn.f32.f64 %0, %1;" : "=f"(r) : "d"(x));
-    return r;
-}
-
-// A compile-time flag passed as a value: masked_or_not(partial, f) runs f(Flag<true>()) where the
-// block needs the element mask and f(Flag<false>()) where it does not.
-template <bool B> struct Flag { static constexpr bool value = B; };
-
-template <typename F>
-__device__ __forceinline__ void masked_or_not(bool masked, F&& f) {
-    if (masked) f(Flag<true>());
-    else f(Flag<false>());
-}
-
 // ---------------------------------------------------------------------------------------------
 // PTX used only by the backward
 // ---------------------------------------------------------------------------------------------

@@ -75,23 +75,6 @@ __device__ __forceinline__ void pin_registers(u32 (&a)[N][4]) {
         for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[i][e])::"memory");
 }
 
-// A compile-time bool as a type: a generic lambda called with Bool<true>{} and with Bool<false>{}
-// is two copies of its body, each with decltype(argument)::value known (a step split on a
-// run-time condition, e.g. a block that needs the element mask and one that does not).
-template <bool B>
-struct Bool {
-    static constexpr bool value = B;
-};
-
-// A double of the params struct (params.cuh) as float, converted once where this is called. Left
-// to itself NVVM re-converts the parameter at every use (cvt.rn.f32.f64 and ptxas's fix-up, ~5
-// instructions each): once per dK store in the epilogues, 32 times at d128.
-__device__ __forceinline__ float float_once(double x) {
-    float f = float(x);
-    asm("" : "+f"(f));
-    return f;
-}
-
 // Copies a ROWS x DIM tile of a (seqlen, dim) slice (row stride `stride` elements) into a panel
 // tile by cp.async, like cp_async_tile (zero fill past rows_valid and headdim).
 template <int ROWS, int DIM, int NTHREADS, typename T>

@@ -161,8 +161,8 @@ def dqw_thread_rows(m0: int, wg: int, lse, delta, seqlen_q: int, batch: int, hea
          "const bool hidden = !mask.visible(row_lo + 8 * (e >> 1), key0 + 8 * f + (e & 1));",
          "s_acc[f][e] = decltype(masked)::value && hidden ? 0.f : p_ij;",
          "if (partial)",
-         "probabilities(Bool<true>{});",
-         "probabilities(Bool<false>{});",
+         "probabilities(Flag<true>());",
+         "probabilities(Flag<false>());",
          "dp_acc[f][e] = s_acc[f][e] == 0.f ? 0.f : s_acc[f][e] * (dp_acc[f][e] - delta_row[e >> 1]);")
 def dqw_p_and_ds(L, s_acc, dp_acc, visible, m0: int, n0: int, lane, row_lo, base_log2, delta_row, scale_log2):
     """Steps 3-4 on the accumulators [thread, f, e]: P (0 where hidden), then dS = P o (dP - D)."""

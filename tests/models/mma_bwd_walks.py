@@ -32,7 +32,7 @@ def visible(m, n, seqlen_q, seqlen_k, mask):
     return ok
 
 
-@mirrors("mma_bwd.cuh", "if (masked) f(Flag<true>());", "else f(Flag<false>());")
+@mirrors("common.cuh", "if (masked) f(Flag<true>());", "else f(Flag<false>());")
 @_each(DKDV_KERNELS, "const bool partial = mask.partial(m0_sub, M_SUB, n0, BLOCK_N);",
        "masked_or_not(partial, [&](auto masked) {")
 @_each(DQ_KERNELS, "const bool partial = mask.partial(m0, BLOCK_M, n0, BLOCK_N);")
