@@ -7,6 +7,9 @@
 #   scripts/gpu_check.sh OUTDIR bench   the default-kernel bench before/after (BEFORE_TREE: an
 #                                       exported older tree, optional), the bench table with the
 #                                       SDPA anchors, and the window/FlexAttention variants
+#   scripts/gpu_check.sh OUTDIR ncu     kernel by kernel, this tree against BEFORE_TREE (required):
+#                                       time, registers, instructions of NCU_CASES, then the full
+#                                       section set of NCU_FULL (ncu --clock-control none)
 # Runs from the source tree without installing (PYTHONPATH), so two trees never mix.
 set -uo pipefail
 out=${1:?usage: gpu_check.sh OUTDIR tests|bench}
@@ -49,6 +52,31 @@ bench)
     step variants-8k 200 python -m cupyflash.bench.variants --seqlen 8192 --json "$out/variants-8k.json"
     step variants-16k 120 python -m cupyflash.bench.variants --seqlen 16384 --impls cupyflash \
         --variants causal "causal window 1024" "window (512, 512)" --json "$out/variants-16k.json"
+    ;;
+ncu)
+    : "${BEFORE_TREE:?the ncu part compares against BEFORE_TREE}"
+    cases=${NCU_CASES:-"64 16384 bwd;64 2048 bwd;128 16384 bwd;128 16384 causal fwd;128 2048 fwd"}
+    full=${NCU_FULL:-"64 16384 bwd;128 16384 causal fwd"}
+    metrics=gpu__time_duration.sum,launch__registers_per_thread,smsp__inst_executed.sum,sm__warps_active.avg.pct_of_peak_sustained_active,smsp__cycles_active.avg,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,dram__bytes.sum
+    trees=("$BEFORE_TREE" "$PWD"); labels=(before after)
+    for i in 0 1; do  # compile every case's kernels first, all cases at once
+        IFS=';'; for c in $cases; do IFS=' '
+            (cd "${trees[$i]}" && PYTHONPATH=$PWD python "$OLDPWD/scripts/ncu_workload.py" $c) &
+        done; IFS=' '
+    done; wait
+    for i in 0 1; do
+        IFS=';'; for c in $cases; do IFS=' '
+            tag=${labels[$i]}-$(echo "$c" | tr ' ' '-')
+            (cd "${trees[$i]}" && PYTHONPATH=$PWD step "ncu-$tag" 120 ncu --clock-control none -k regex:flash \
+                --metrics "$metrics" --csv python "$OLDPWD/scripts/ncu_workload.py" $c)
+        done; IFS=' '
+        IFS=';'; for c in $full; do IFS=' '
+            tag=${labels[$i]}-$(echo "$c" | tr ' ' '-')
+            (cd "${trees[$i]}" && PYTHONPATH=$PWD step "full-$tag" 200 ncu --clock-control none -k regex:flash \
+                --set full --import-source no -o "$out/full-$tag" python "$OLDPWD/scripts/ncu_workload.py" $c)
+            ncu -i "$out/full-$tag.ncu-rep" --page details > "$out/full-$tag.txt" 2>&1
+        done; IFS=' '
+    done
     ;;
 *) echo "unknown part $what"; exit 2 ;;
 esac

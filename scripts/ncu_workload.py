@@ -1,5 +1,11 @@
-"""One forward and one backward (deterministic and atomic dq) of the tensor-core kernels, for
-Nsight Compute: ``ncu --clock-control none -k regex:flash python scripts/ncu_workload.py 128 16384``."""
+"""One forward and one backward of the tensor-core kernels, for Nsight Compute:
+
+    ncu --clock-control none -k regex:flash python scripts/ncu_workload.py 128 16384 [causal] [fwd|bwd|all]
+
+``all`` (the default) runs the forward and the backward both deterministic and with atomic dQ;
+``fwd`` and ``bwd`` run the forward alone or the default (deterministic) backward alone, so two
+source trees can be profiled kernel by kernel (``PYTHONPATH=<tree>``). The shape is the bench's
+(batch * seqlen = 16384 tokens, nheads * headdim = 2048), on fresh normal bfloat16 inputs."""
 import sys
 
 import cupy
@@ -9,12 +15,15 @@ import cupyflash
 from cupyflash._dtypes import SUPPORTED
 
 headdim, seqlen = int(sys.argv[1]), int(sys.argv[2])
-causal = len(sys.argv) > 3 and sys.argv[3] == "causal"
+causal = "causal" in sys.argv[3:]
+passes = next((a for a in sys.argv[3:] if a in ("fwd", "bwd", "all")), "all")
 batch, nheads = 16384 // seqlen, 2048 // headdim
 rng = np.random.default_rng(0)
 q, k, v, do = (cupy.asarray(rng.standard_normal((batch, seqlen, nheads, headdim)).astype(SUPPORTED["bfloat16"]))
                for _ in range(4))
 o, lse = cupyflash.flash_attn_func(q, k, v, causal=causal, return_lse=True, backend="mma")
-cupyflash.flash_attn_backward(do, q, k, v, o, lse, causal=causal, backend="mma")
-cupyflash.flash_attn_backward(do, q, k, v, o, lse, causal=causal, backend="mma", deterministic=False)
+if passes in ("bwd", "all"):
+    cupyflash.flash_attn_backward(do, q, k, v, o, lse, causal=causal, backend="mma")
+if passes == "all":
+    cupyflash.flash_attn_backward(do, q, k, v, o, lse, causal=causal, backend="mma", deterministic=False)
 cupy.cuda.runtime.deviceSynchronize()
