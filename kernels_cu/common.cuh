@@ -86,20 +86,6 @@ __device__ __forceinline__ double ldg(const double* p) { return __ldg(p); }
 __device__ __forceinline__ half_t ldg(const half_t* p) { return half_t{__ldg(&p->bits)}; }
 __device__ __forceinline__ bf16_t ldg(const bf16_t* p) { return bf16_t{__ldg(&p->bits)}; }
 
-// A double of a Params struct (params.cuh) in the accumulator type. float32 by cvt.rn.f32.f64 in
-// asm: one F2F, rounded to nearest as the launcher's np.float32 of the positional kernels was.
-// float(x) compiles under -ftz=true to cvt.rn.ftz.f32.f64, which ptxas implements as F2F plus a
-// flush test (DSETP, FMUL) holding the double in two more registers, and NVVM sinks it into every
-// use (each predicated store of an epilogue converts again); the asm is converted once.
-__device__ __forceinline__ float f32_rn(double x) {
-    float r;
-    asm("cvt.rn.f32.f64 %0, %1;" : "=f"(r) : "d"(x));
-    return r;
-}
-template <typename A> __device__ __forceinline__ A scale_as(double x);
-template <> __device__ __forceinline__ double scale_as<double>(double x) { return x; }
-template <> __device__ __forceinline__ float scale_as<float>(double x) { return f32_rn(x); }
-
 // A compile-time flag passed as a value: masked_or_not(partial, f) runs f(Flag<true>()) where a
 // block needs the element mask and f(Flag<false>()) where it does not, two instances of f's body
 // with decltype(flag)::value known. The kernels write the split out because NVVM does not make it

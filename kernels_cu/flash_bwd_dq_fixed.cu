@@ -126,7 +126,7 @@ flash_bwd_dq_convert_fixed(const __grid_constant__ BwdParams p) {
     const i64 dqa_sb = p.dq_accum.batch_stride, dqa_ss = p.dq_accum.row_stride, dqa_sh = p.dq_accum.head_stride;
     const i64 dqa_sp = p.dq_accum_panel_stride;
     const float* __restrict__ dq_scale = p.dq_row_scale;
-    const float scale = float(p.scale);
+    const float scale = p.scale;
     const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     const int chunks_per_row = headdim / 8;
     const int chunk = (int)(idx % chunks_per_row);

@@ -61,7 +61,7 @@ flash_bwd_dq_wgmma(const __grid_constant__ BwdParams p) {
     const u32 s_q = base + L::Q, s_do = base + L::DO;
 
     const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, nheads = p.nheads, headdim = p.headdim;
-    const float scale_log2 = float(p.scale_log2), scale = f32_rn(p.scale);
+    const float scale_log2 = p.scale_log2, scale = p.scale;
     const float* __restrict__ lse = static_cast<const float*>(p.lse);
     const float* __restrict__ delta = static_cast<const float*>(p.delta);
     const i64 k_ss = p.k.row_stride, v_ss = p.v.row_stride;

@@ -106,7 +106,7 @@ flash_bwd_fused_mma(const __grid_constant__ BwdParams p) {
     const int n_block = blockIdx.x, n0 = n_block * BLOCK_N, head_kv = blockIdx.y, batch = blockIdx.z;
     // The run-time arguments, read once here (bwd_args in mma_bwd.cuh says why).
     const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, nheads = p.nheads, group = p.group, headdim = p.headdim;
-    const float scale_log2 = f32_rn(p.scale_log2), scale = f32_rn(p.scale);
+    const float scale_log2 = p.scale_log2, scale = p.scale;
     const TensorRows q = p.q, k = p.k, v = p.v, dout = p.dout, dk = p.dk, dv = p.dv, dq_accum = p.dq_accum;
     const float* __restrict__ lse = static_cast<const float*>(p.lse);
     const float* __restrict__ delta = static_cast<const float*>(p.delta);

@@ -93,7 +93,7 @@ flash_bwd_dkdv_mma(const __grid_constant__ BwdParams p) {
     const int n0 = blockIdx.x * BLOCK_N, head_kv = blockIdx.y, batch = blockIdx.z;
     // The run-time arguments, read once here (bwd_args in mma_bwd.cuh says why).
     const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, nheads = p.nheads, group = p.group, headdim = p.headdim;
-    const float scale_log2 = f32_rn(p.scale_log2), scale = f32_rn(p.scale);
+    const float scale_log2 = p.scale_log2, scale = p.scale;
     const TensorRows q = p.q, k = p.k, v = p.v, dout = p.dout, dk = p.dk, dv = p.dv, dq_accum = p.dq_accum;
     const float* __restrict__ lse = static_cast<const float*>(p.lse);
     const float* __restrict__ delta = static_cast<const float*>(p.delta);
@@ -301,7 +301,7 @@ flash_bwd_dq_mma(const __grid_constant__ BwdParams p) {
     const int row0 = 16 * warp;  // this warp's query rows within the block
     // The run-time arguments, read once here (bwd_args in mma_bwd.cuh says why).
     const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, nheads = p.nheads, headdim = p.headdim;
-    const float scale_log2 = f32_rn(p.scale_log2), scale = f32_rn(p.scale);
+    const float scale_log2 = p.scale_log2, scale = p.scale;
     const TensorRows q = p.q, k = p.k, v = p.v, dout = p.dout, dq = p.dq;
     const float* __restrict__ lse = static_cast<const float*>(p.lse);
     const float* __restrict__ delta = static_cast<const float*>(p.delta);
@@ -437,7 +437,7 @@ flash_bwd_dq_mma_v2(const __grid_constant__ BwdParams p) {
     const int row0 = WARP_ROWS * warp;  // this warp's query rows within the block
     // The run-time arguments, read once here (bwd_args in mma_bwd.cuh says why).
     const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, nheads = p.nheads, headdim = p.headdim;
-    const float scale_log2 = f32_rn(p.scale_log2), scale = f32_rn(p.scale);
+    const float scale_log2 = p.scale_log2, scale = p.scale;
     const TensorRows q = p.q, k = p.k, v = p.v, dout = p.dout, dq = p.dq;
     const float* __restrict__ lse = static_cast<const float*>(p.lse);
     const float* __restrict__ delta = static_cast<const float*>(p.delta);
@@ -611,7 +611,7 @@ flash_bwd_dkdv_mma_v2(const __grid_constant__ BwdParams p) {
     const int n0 = blockIdx.x * BLOCK_N, head_kv = blockIdx.y, batch = blockIdx.z;
     // The run-time arguments, read once here (bwd_args in mma_bwd.cuh says why).
     const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, nheads = p.nheads, group = p.group, headdim = p.headdim;
-    const float scale_log2 = f32_rn(p.scale_log2), scale = f32_rn(p.scale);
+    const float scale_log2 = p.scale_log2, scale = p.scale;
     const TensorRows q = p.q, k = p.k, v = p.v, dout = p.dout, dk = p.dk, dv = p.dv, dq_accum = p.dq_accum;
     const float* __restrict__ lse = static_cast<const float*>(p.lse);
     const float* __restrict__ delta = static_cast<const float*>(p.delta);
@@ -878,7 +878,7 @@ flash_bwd_dkdv_mma_split(const __grid_constant__ BwdParams p) {
     const int n0 = blockIdx.x * BLOCK_N, head_kv = blockIdx.y, batch = blockIdx.z;
     // The run-time arguments, read once here (bwd_args in mma_bwd.cuh says why).
     const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, nheads = p.nheads, group = p.group, headdim = p.headdim;
-    const float scale_log2 = f32_rn(p.scale_log2), scale = f32_rn(p.scale);
+    const float scale_log2 = p.scale_log2, scale = p.scale;
     const TensorRows q = p.q, k = p.k, v = p.v, dout = p.dout, dk = p.dk, dv = p.dv, dq_accum = p.dq_accum;
     const float* __restrict__ lse = static_cast<const float*>(p.lse);
     const float* __restrict__ delta = static_cast<const float*>(p.delta);
@@ -1096,7 +1096,7 @@ flash_bwd_dq_convert(const __grid_constant__ BwdParams p) {
     const int head = (int)(row_id % nheads);
     const int row = (int)((row_id / nheads) % seqlen_q);
     const int batch = (int)(row_id / ((i64)nheads * seqlen_q));
-    const float scale = f32_rn(p.scale);
+    const float scale = p.scale;
     const float4* src = reinterpret_cast<const float4*>(p.dq_accum.row<const float>(batch, row, head) + chunk * 8);
     const float4 lo = __ldg(src), hi = __ldg(src + 1);  // the read-only path (bwd_args in mma_bwd.cuh)
     const u32 r[4] = {pack2<T>(lo.x * scale, lo.y * scale), pack2<T>(lo.z * scale, lo.w * scale),

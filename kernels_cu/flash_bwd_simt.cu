@@ -61,7 +61,7 @@ flash_bwd_dkdv_simt(const __grid_constant__ BwdParams p) {
 
     const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, nheads = p.nheads, group = p.group;
     const int headdim = p.headdim;
-    const A scale_log2 = scale_as<A>(p.scale_log2), scale = scale_as<A>(p.scale);
+    const A scale_log2 = scale_log2_in<A>(p), scale = scale_in<A>(p);
     const A* __restrict__ lse = static_cast<const A*>(p.lse);
     const A* __restrict__ delta = static_cast<const A*>(p.delta);
     const int n0 = blockIdx.x * BLOCK_N;
@@ -163,7 +163,7 @@ flash_bwd_dq_simt(const __grid_constant__ BwdParams p) {
     if (dynamic_smem_bytes() < SMEM_BYTES) __trap();
 
     const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, headdim = p.headdim;
-    const A scale_log2 = scale_as<A>(p.scale_log2), scale = scale_as<A>(p.scale);
+    const A scale_log2 = scale_log2_in<A>(p), scale = scale_in<A>(p);
     const A* __restrict__ lse = static_cast<const A*>(p.lse);
     const A* __restrict__ delta = static_cast<const A*>(p.delta);
     const Mask mask(seqlen_q, seqlen_k, p.window_left, p.window_right);

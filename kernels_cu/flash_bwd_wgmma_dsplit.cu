@@ -68,7 +68,7 @@ flash_bwd_wgmma_dsplit(const __grid_constant__ BwdParams p) {
     const u32 s_k = base + L::K, s_v = base + L::V, s_pt = base + L::PT, s_dst = base + L::DST;
 
     const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, nheads = p.nheads, group = p.group, headdim = p.headdim;
-    const float scale_log2 = float(p.scale_log2), scale = f32_rn(p.scale);
+    const float scale_log2 = p.scale_log2, scale = p.scale;
     // Q, dO and the row statistics move with the query head; K, V, dK, dV are this CTA's kv head.
     const T* __restrict__ q = static_cast<const T*>(p.q.data);
     const T* __restrict__ dout = static_cast<const T*>(p.dout.data);

@@ -177,7 +177,7 @@ flash_fwd_mma(const __grid_constant__ FwdParams p) {
     const u32 q_tile = smem_base;
 
     const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, headdim = p.headdim;
-    const float scale_log2 = float(p.scale_log2);
+    const float scale_log2 = p.scale_log2;
     const Mask mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
     auto first_row = [&]() {  // of the block, in the policy's order (heaviest first)
         constexpr bool FRESH = REREAD_INVARIANTS;

@@ -30,7 +30,7 @@ flash_fwd_simt(const __grid_constant__ FwdParams p) {
     if (dynamic_smem_bytes() < SMEM_BYTES) __trap();
 
     const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, headdim = p.headdim;
-    const A scale_log2 = A(p.scale_log2);
+    const A scale_log2 = scale_log2_in<A>(p);
     const Mask mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
     const int m_block = Mask::query_block(blockIdx.x, gridDim.x);
     const int head = blockIdx.y, batch = blockIdx.z;

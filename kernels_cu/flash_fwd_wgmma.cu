@@ -49,7 +49,7 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p) {
     const u32 q_tile = base + L::Q;
 
     const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, headdim = p.headdim;
-    const float scale_log2 = float(p.scale_log2);
+    const float scale_log2 = p.scale_log2;
     const int head = blockIdx.y, batch = blockIdx.z, head_kv = head / p.group;
     const Mask mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
     const int m0 = Mask::query_block(blockIdx.x, gridDim.x) * BLOCK_M;

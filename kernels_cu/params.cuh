@@ -45,7 +45,10 @@ struct FwdParams {
     int group;          // nheads / nheads_kv: query heads per kv head (GQA)
     int headdim;
     int window_left, window_right;  // the mask's run-time bounds (mask.cuh), -1 unbounded
-    double scale_log2;  // softmax_scale * log2(e); a kernel takes it in its accumulator type
+    // softmax_scale * log2(e), rounded to the nearest float (the 16-bit and float32 kernels), and
+    // in double (the float64 kernels): a kernel reads its own precision with scale_log2_in<A>.
+    float scale_log2;
+    double scale_log2_f64;
 };
 
 // Backward: dq, dk, dv (and the statistics and buffers around them) from dout, q, k, v, o, lse.
@@ -66,9 +69,28 @@ struct BwdParams {
     int group;          // nheads / nheads_kv: query heads per kv head (GQA)
     int headdim;
     int window_left, window_right;  // the mask's run-time bounds (mask.cuh), -1 unbounded
-    double scale_log2;  // softmax_scale * log2(e)
-    double scale;       // softmax_scale
+    // softmax_scale * log2(e) and softmax_scale, rounded to the nearest float and in double, as in
+    // FwdParams (scale_log2_in<A>, scale_in<A>).
+    float scale_log2, scale;
+    double scale_log2_f64, scale_f64;
 };
+
+// The scales in a kernel's accumulator type A. The float fields are read in place: a float kernel
+// takes them as constant-bank operands of its FFMAs, as it took the positional float arguments
+// before the structs. A double field converted in the kernel instead (float(x) under -ftz: F2F
+// plus a DSETP flush test) is rematerialized by NVVM at its uses, inside the key-block loop of
+// the wgmma kernels, where the DSETP alone drew 7% of dq_wgmma d64's stall samples and the
+// kernels ran 6-14% slower (ncu, H200; docs/perf-log.md, "params").
+template <typename A, class Params>
+__device__ __forceinline__ A scale_log2_in(const Params& p) {
+    if constexpr (sizeof(A) == sizeof(double)) return p.scale_log2_f64;
+    else return p.scale_log2;
+}
+template <typename A>
+__device__ __forceinline__ A scale_in(const BwdParams& p) {
+    if constexpr (sizeof(A) == sizeof(double)) return p.scale_f64;
+    else return p.scale;
+}
 
 }  // namespace cf
 

@@ -170,7 +170,8 @@ def _assert_shape(p, q, k, mask, softmax_scale) -> None:
     got = tuple(int(p[f]) for f in ("batch", "seqlen_q", "seqlen_k", "nheads", "nheads_kv", "group", "headdim"))
     assert got == (batch, seqlen_q, seqlen_k, nheads, nheads_kv, nheads // nheads_kv, headdim)
     assert (int(p["window_left"]), int(p["window_right"])) == _window(mask)
-    assert p["scale_log2"] == np.float64(softmax_scale) * LOG2E
+    assert p["scale_log2_f64"] == np.float64(softmax_scale) * LOG2E
+    assert p["scale_log2"] == np.float32(np.float64(softmax_scale) * LOG2E)  # rounded once, to nearest
 
 
 def assert_forward_launch(launch: Launch, q, k, v, o, lse, *, softmax_scale: float, mask) -> None:
@@ -227,7 +228,7 @@ def assert_backward_launches(recorder: LaunchRecorder, launches: list[Launch], p
         assert rows_of(p, name) == rows_want(a), name
     assert int(p["lse"]) == lse.data.ptr
     _assert_shape(p, q, k, mask, softmax_scale)
-    assert p["scale"] == np.float64(softmax_scale)
+    assert p["scale_f64"] == np.float64(softmax_scale) and p["scale"] == np.float32(softmax_scale)
 
     acc = np.float64 if q.dtype == np.float64 else np.float32
     delta = recorder.allocation(int(p["delta"]))

@@ -25,13 +25,14 @@ _SHAPE_FIELDS = [("batch", np.int32), ("seqlen_q", np.int32), ("seqlen_k", np.in
                  ("window_left", np.int32), ("window_right", np.int32)]
 
 FWD_PARAMS = np.dtype([*((name, TENSOR_ROWS) for name in ("q", "k", "v", "o")), ("lse", np.uint64),
-                       *_SHAPE_FIELDS, ("scale_log2", np.float64)], align=True)
+                       *_SHAPE_FIELDS, ("scale_log2", np.float32), ("scale_log2_f64", np.float64)], align=True)
 
 BWD_PARAMS = np.dtype([*((name, TENSOR_ROWS) for name in ("q", "k", "v", "o", "dout", "dq", "dk", "dv",
                                                            "dq_accum")),
                        ("dq_accum_panel_stride", np.int64), ("lse", np.uint64), ("delta", np.uint64),
                        ("dq_semaphore", np.uint64), ("dq_row_scale", np.uint64), ("kv_bound", np.uint64),
-                       *_SHAPE_FIELDS, ("scale_log2", np.float64), ("scale", np.float64)], align=True)
+                       *_SHAPE_FIELDS, ("scale_log2", np.float32), ("scale", np.float32),
+                       ("scale_log2_f64", np.float64), ("scale_f64", np.float64)], align=True)
 
 _CPP_NAMES = {FWD_PARAMS: "cf::FwdParams", BWD_PARAMS: "cf::BwdParams"}
 
@@ -60,6 +61,15 @@ def _set_shape(params, q, k, mask) -> None:
     params["window_left"], params["window_right"] = mask.window_args()
 
 
+def _set_scales(params, softmax_scale: float) -> None:
+    """softmax_scale * log2(e) (and softmax_scale, backward) in double and rounded once to the
+    nearest float32: the float kernels read the float fields as they are (params.cuh)."""
+    scale_log2 = np.float64(softmax_scale) * LOG2E
+    params["scale_log2"], params["scale_log2_f64"] = np.float32(scale_log2), scale_log2
+    if "scale" in params.dtype.names:
+        params["scale"], params["scale_f64"] = np.float32(softmax_scale), np.float64(softmax_scale)
+
+
 def forward_params(q, k, v, o, lse, *, softmax_scale: float, mask) -> np.ndarray:
     """FwdParams of one forward call (a size-1 array of FWD_PARAMS: CuPy passes its bytes by value)."""
     params = np.zeros(1, FWD_PARAMS)
@@ -67,7 +77,7 @@ def forward_params(q, k, v, o, lse, *, softmax_scale: float, mask) -> np.ndarray
         set_rows(params, name, a)
     params["lse"] = pointer(lse)
     _set_shape(params, q, k, mask)
-    params["scale_log2"] = np.float64(softmax_scale) * LOG2E
+    _set_scales(params, softmax_scale)
     return params
 
 
@@ -79,8 +89,7 @@ def backward_params(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, ma
         set_rows(params, name, a)
     params["lse"], params["delta"] = pointer(lse), pointer(delta)
     _set_shape(params, q, k, mask)
-    params["scale_log2"] = np.float64(softmax_scale) * LOG2E
-    params["scale"] = np.float64(softmax_scale)
+    _set_scales(params, softmax_scale)
     return params
 
 

@@ -161,8 +161,8 @@ def _assert_fused_launches(call: Call, d, deterministic, config):
     else:
         assert p["dq_semaphore"] == 0
     assert (p["seqlen_q"], p["seqlen_k"], p["nheads"], p["group"], p["headdim"]) == (SQ, SK, H, H // HKV, d)
-    assert p["scale_log2"] == np.float64(0.1) * LOG2E
-    assert p["scale"] == np.float64(0.1)
+    assert p["scale_log2_f64"] == np.float64(0.1) * LOG2E and p["scale_log2"] == np.float32(np.float64(0.1) * LOG2E)
+    assert p["scale_f64"] == np.float64(0.1) and p["scale"] == np.float32(0.1)
     assert (p["window_left"], p["window_right"]) == (-1, 0)  # the causal policy's window (mask.cuh)
     assert rows_of(convert.params, "dq_accum") == rows_of(p, "dq_accum") and convert.params["scale"] == p["scale"]
 

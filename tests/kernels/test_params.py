@@ -79,4 +79,5 @@ def test_forward_params_hold_the_call():
     assert (p["batch"], p["seqlen_q"], p["seqlen_k"], p["nheads"], p["nheads_kv"], p["group"], p["headdim"]) == \
         (2, 5, 7, 6, 3, 2, 64)
     assert (p["window_left"], p["window_right"]) == (3, 0)
-    assert p["scale_log2"] == np.float64(0.125) * 1.4426950408889634
+    assert p["scale_log2_f64"] == np.float64(0.125) * 1.4426950408889634
+    assert p["scale_log2"] == np.float32(np.float64(0.125) * 1.4426950408889634)
