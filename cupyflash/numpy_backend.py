@@ -140,7 +140,8 @@ def backward(do, q, k, v, o, lse, *, softmax_scale, causal, window_size=(-1, -1)
             visible = _block_mask(mask, rows, cols, seqlen_q, seqlen_k)
             if visible is not None:
                 S_ij = np.where(visible, S_ij, -np.inf)
-            P_ij = np.exp2(S_ij - lse_log2[:, :, rows, None])
+            # The exponent clamped at 0 as the kernels clamp it (kernels_cu/softmax_bwd.cuh): P <= 1.
+            P_ij = np.exp2(np.minimum(S_ij - lse_log2[:, :, rows, None], 0.0))
             dV_j += np.swapaxes(P_ij, -1, -2) @ dO_i
             dP_ij = dO_i @ np.swapaxes(V_j, -1, -2)
             dS_ij = P_ij * (dP_ij - D[:, :, rows, None])

@@ -25,6 +25,7 @@
 #include "mma_bwd.cuh"
 #include "wgmma.cuh"
 #include "params.cuh"
+#include "softmax_bwd.cuh"
 
 namespace cf {
 
@@ -156,7 +157,7 @@ flash_bwd_dq_wgmma(const __grid_constant__ BwdParams p) {
             for (int f = 0; f < N_FRAGS; ++f)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const float p_ij = exp2_approx(fmaf(s_acc[f][e], scale_log2, -base_log2[e >> 1]));
+                    const float p_ij = recomputed_p(s_acc[f][e], scale_log2, base_log2[e >> 1]);
                     const bool hidden = !mask.visible(row_lo + 8 * (e >> 1), key0 + 8 * f + (e & 1));
                     s_acc[f][e] = decltype(masked)::value && hidden ? 0.f : p_ij;
                 }

@@ -47,6 +47,7 @@
 #include "dq_add.cuh"
 #include "dq_order.cuh"
 #include "params.cuh"
+#include "softmax_bwd.cuh"
 
 namespace cf {
 
@@ -222,7 +223,7 @@ flash_bwd_fused_mma(const __grid_constant__ BwdParams p) {
                     for (int e = 0; e < 4; ++e) {
                         const int key_off = 16 * g + 8 * (e >> 1), query_off = 8 * j + (e & 1);
                         const bool hidden = mask.hidden(origin, query_off, key_off);
-                        const float p = exp2_approx(fmaf(s_acc[g][j][e], scale_log2, -base_log2[e & 1]));
+                        const float p = recomputed_p(s_acc[g][j][e], scale_log2, base_log2[e & 1]);
                         s_acc[g][j][e] = masked.value && hidden ? 0.f : p;
                     }
                 });

@@ -37,6 +37,7 @@
 #include "mma.cuh"
 #include "mma_bwd.cuh"
 #include "params.cuh"
+#include "softmax_bwd.cuh"
 
 namespace cf {
 
@@ -174,7 +175,7 @@ flash_bwd_dkdv_mma(const __grid_constant__ BwdParams p) {
                     for (int e = 0; e < 4; ++e) {
                         const bool hidden =
                             masked.value && !mask.visible(m0_sub + c + (e & 1), n0 + row0 + lane / 4 + 8 * (e >> 1));
-                        const float p = exp2_approx(fmaf(s_acc[j][e], scale_log2, -base_log2[e & 1]));
+                        const float p = recomputed_p(s_acc[j][e], scale_log2, base_log2[e & 1]);
                         s_acc[j][e] = hidden ? 0.f : p;
                     }
                 });
@@ -370,7 +371,7 @@ flash_bwd_dq_mma(const __grid_constant__ BwdParams p) {
         for (int f = 0; f < BLOCK_N / 8; ++f) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const float p = exp2_approx(fmaf(s_acc[f][e], scale_log2, -base_log2[e >> 1]));
+                const float p = recomputed_p(s_acc[f][e], scale_log2, base_log2[e >> 1]);
                 const float ds = p * (dp_acc[f][e] - d[e >> 1]);
                 const bool hidden = partial && !mask.visible(m0 + row0 + lane / 4 + 8 * (e >> 1),
                                                              n0 + 8 * f + 2 * (lane % 4) + (e & 1));
@@ -512,8 +513,8 @@ flash_bwd_dq_mma_v2(const __grid_constant__ BwdParams p) {
             for (int f = 0; f < BLOCK_N / 8; ++f)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const float p = exp2_approx(
-                        fmaf(s_acc[g][f][e], scale_log2, -s_lse[lane_row + 16 * g + 8 * (e >> 1)]));
+                    const float p =
+                        recomputed_p(s_acc[g][f][e], scale_log2, s_lse[lane_row + 16 * g + 8 * (e >> 1)]);
                     const bool hidden_left =
                         partial && mask.hidden_left(origin, 16 * g + 8 * (e >> 1), 8 * f + (e & 1));
                     s_acc[g][f][e] = hidden_left ? 0.f : p;
@@ -705,7 +706,7 @@ flash_bwd_dkdv_mma_v2(const __grid_constant__ BwdParams p) {
                             const bool hidden = masked.value && (m < m_min[g][e >> 1] || m >= seqlen_q ||
                                                                  mask.hidden_left(origin, 8 * j + (e & 1),
                                                                                   16 * g + 8 * (e >> 1)));
-                            const float p = exp2_approx(fmaf(s_acc[g][j][e], scale_log2, -base_log2[e & 1]));
+                            const float p = recomputed_p(s_acc[g][j][e], scale_log2, base_log2[e & 1]);
                             s_acc[g][j][e] = hidden ? 0.f : p;
                         }
                     }
@@ -971,7 +972,7 @@ flash_bwd_dkdv_mma_split(const __grid_constant__ BwdParams p) {
                                 const bool hidden = masked.value && (m < m_min[g][e >> 1] || m >= seqlen_q ||
                                                                      mask.hidden_left(origin, 8 * j + (e & 1),
                                                                                       16 * g + 8 * (e >> 1)));
-                                const float p = exp2_approx(fmaf(s_acc[g][j][e], scale_log2, -base_log2[e & 1]));
+                                const float p = recomputed_p(s_acc[g][j][e], scale_log2, base_log2[e & 1]);
                                 s_acc[g][j][e] = hidden ? 0.f : p;
                             }
                         });

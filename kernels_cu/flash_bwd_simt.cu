@@ -10,6 +10,7 @@
 #include "common.cuh"
 #include "mask.cuh"
 #include "params.cuh"
+#include "softmax_bwd.cuh"
 
 namespace cf {
 
@@ -108,7 +109,7 @@ flash_bwd_dkdv_simt(const __grid_constant__ BwdParams p) {
                 const int qi = lane_in_row + TPR * j, q_row = m0 + qi;
                 // lse = -inf marks a row with no visible key (or a row past the end): P = 0
                 const bool masked = lse_log2[qi] == neg_inf<A>() || mask.hides(q_row, n0 + key);
-                const A p_ij = masked ? A(0) : exp2_(st[j] * scale_log2 - lse_log2[qi]);
+                const A p_ij = masked ? A(0) : recomputed_p_exact(st[j], scale_log2, lse_log2[qi]);
                 pt_tile[key * LDP + qi] = p_ij;
                 dst_tile[key * LDP + qi] = masked ? A(0) : p_ij * (dpt[j] - delta_tile[qi]);
             }
@@ -207,7 +208,8 @@ flash_bwd_dq_simt(const __grid_constant__ BwdParams p) {
         for (int j = 0; j < S_PER_LANE; ++j) {
             const int col = lane_in_row + TPR * j, key = n0 + col;
             const bool masked = row_lse_log2 == neg_inf<A>() || mask.hides(q_row, key);
-            ds_tile[row * LDS + col] = masked ? A(0) : exp2_(s[j] * scale_log2 - row_lse_log2) * (dp[j] - row_delta);
+            ds_tile[row * LDS + col] =
+                masked ? A(0) : recomputed_p_exact(s[j], scale_log2, row_lse_log2) * (dp[j] - row_delta);
         }
         // dS rows are written and read only by their own row group (one warp).
         __syncwarp();

@@ -35,6 +35,7 @@
 #include "dq_order.cuh"
 #include "dq_add.cuh"
 #include "params.cuh"
+#include "softmax_bwd.cuh"
 
 namespace cf {
 
@@ -222,7 +223,7 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
                 const float base_log2[2] = {lse_base_log2(lse2.x), lse_base_log2(lse2.y)};
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const float p_ij = exp2_approx(fmaf(s_acc[j][e], scale_log2, -base_log2[e & 1]));
+                    const float p_ij = recomputed_p(s_acc[j][e], scale_log2, base_log2[e & 1]);
                     const int key_off = 8 * (e >> 1), query_off = 8 * j + (e & 1);
                     const bool hidden = mask.hidden(origin, query_off, key_off);
                     s_acc[j][e] = decltype(masked)::value && hidden ? 0.f : p_ij;

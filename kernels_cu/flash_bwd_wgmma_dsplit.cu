@@ -24,6 +24,7 @@
 #include "dq_order.cuh"
 #include "dq_add.cuh"
 #include "params.cuh"
+#include "softmax_bwd.cuh"
 
 namespace cf {
 
@@ -185,7 +186,7 @@ flash_bwd_wgmma_dsplit(const __grid_constant__ BwdParams p) {
                 auto probabilities = [&](auto masked) {
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
-                        const float p_ij = exp2_approx(fmaf(acc[j][e], scale_log2, -base_log2[e & 1]));
+                        const float p_ij = recomputed_p(acc[j][e], scale_log2, base_log2[e & 1]);
                         const int key_off = 8 * (e >> 1), query_off = 8 * j + (e & 1);
                         const bool hidden = mask.hidden(origin, query_off, key_off);
                         acc[j][e] = decltype(masked)::value && hidden ? 0.f : p_ij;

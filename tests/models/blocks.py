@@ -18,7 +18,7 @@ def bwd_inputs(rng, seqlen_q, seqlen_k, headdim):
 
 
 def bwd_reference(q, k, v, do, lse, delta, scale):
-    p_t = np.exp2(k @ q.T * scale * math.log2(math.e) - lse[None, :] * math.log2(math.e))
+    p_t = np.exp2(np.minimum(k @ q.T * scale * math.log2(math.e) - lse[None, :] * math.log2(math.e), 0.0))
     ds_t = p_t * (v @ do.T - delta[None, :])
     return scale * ds_t @ q, p_t @ do, ds_t.T @ k  # dK, dV, dq_accum (unscaled: dq_convert scales)
 

@@ -15,7 +15,7 @@ from .mirrors import mirrors
 from .mma import GROUP, LANES, THREAD_IN_GROUP, cp_async_tile
 from .mma_bwd import (mma_AB_regs, mma_AB_regs_groups, mma_ABt, mma_ABt_groups, mma_AtB, pack_a_frags, stage_acc,
                       store_fragment_pairs, store_tile)
-from .fragments import lse_base_log2
+from .fragments import lse_base_log2, recomputed_p
 from .mma_bwd_walks import DKDV_KERNELS, block_partial, query_block_range, visible
 
 V1, V2, SPLIT = DKDV_KERNELS
@@ -126,7 +126,7 @@ def dkdv_block(q, k, v, do, lse, delta, dk, dv, dq_accum, *, batch, head_kv, n_b
                     c = 8 * j + 2 * THREAD_IN_GROUP
                     for e in range(4):
                         base = lse_base_log2(smem32[s_lse + mc0 + c + (e & 1)])
-                        p = np.exp2(s_acc[w, :, j, e] * scale_log2 - base)
+                        p = recomputed_p(s_acc[w, :, j, e], scale_log2, base)
                         m = m0_sub + c + (e & 1)
                         n = n0 + row0[w] + GROUP + 8 * (e >> 1)
                         hidden[w, :, j, e] = partial & ~visible(m, n, seqlen_q, seqlen_k, mask)
@@ -215,7 +215,7 @@ def p_transposed_groups(smem, smem32, tile_k, row0, s_q_sub, s_lse_sub, m0_sub, 
         for g in range(groups):
             for e in range(4):
                 base = lse_base_log2(smem32[s_lse_sub + c + (e & 1)])
-                p = np.exp2(s_acc[g, :, j, e] * scale_log2 - base)
+                p = recomputed_p(s_acc[g, :, j, e], scale_log2, base)
                 m, n = m0_sub + c + (e & 1), n0 + row0 + 16 * g + GROUP + 8 * (e >> 1)
                 hidden = partial & ((m < m_min[g, e >> 1]) | (m >= seqlen_q) |
                                     mask.hidden_left(m, n, seqlen_q, seqlen_k))

@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from .fragments import lse_base_log2
+from .fragments import lse_base_log2, recomputed_p
 from .mirrors import mirrors
 from .mma import GROUP, THREAD_IN_GROUP, cp_async_tile
 from .mma_bwd import (mma_AB_regs, mma_AB_regs_groups, mma_ABt, mma_ABt_groups, pack_a_frags, stage_acc, store_tile,
@@ -94,7 +94,7 @@ def dq_block(q, k, v, do, lse, delta, dq, *, batch, head, m_block, group, scale,
             base, d = stats[w]
             for j in range(block_n // 8):
                 for e in range(4):
-                    p = np.exp2(s_acc[:, j, e] * scale_log2 - base[e >> 1])
+                    p = recomputed_p(s_acc[:, j, e], scale_log2, base[e >> 1])
                     ds = p * (dp_acc[:, j, e] - d[e >> 1])
                     hidden = partial & ~visible(m0 + 16 * w + GROUP + 8 * (e >> 1),
                                                  n0 + 8 * j + 2 * THREAD_IN_GROUP + (e & 1), seqlen_q, seqlen_k, mask)
@@ -163,7 +163,7 @@ def dq_block_v2(q, k, v, do, lse, delta, dq, *, batch, head, m_block, group, sca
             for g in range(G):
                 for j in range(block_n // 8):
                     for e in range(4):
-                        p = np.exp2(s_acc[g, :, j, e] * scale_log2 - s_lse[lane_row + 16 * g + 8 * (e >> 1)])
+                        p = recomputed_p(s_acc[g, :, j, e], scale_log2, s_lse[lane_row + 16 * g + 8 * (e >> 1)])
                         m, n = m0 + lane_row + 16 * g + 8 * (e >> 1), n0 + 8 * j + 2 * THREAD_IN_GROUP + (e & 1)
                         s_acc[g, :, j, e] = np.where(partial & mask.hidden_left(m, n, seqlen_q, seqlen_k), 0.0, p)
             n_lim = np.zeros((G, 2, 32), dtype=np.int64)

@@ -11,7 +11,7 @@ import numpy as np
 from cupyflash import masks
 
 from .flash_fwd_wgmma import row_block_k_major_steps
-from .fragments import lse_base_log2, pack_a_frags
+from .fragments import lse_base_log2, pack_a_frags, recomputed_p
 from .mask import MaskPolicy
 from .mirrors import mirrors
 from .smem import RAW_SMEM, aligned_base, new_smem
@@ -157,7 +157,7 @@ def dqw_thread_rows(m0: int, wg: int, lse, delta, seqlen_q: int, batch: int, hea
 @mirrors(DQW,
          "const bool partial = mask.partial(m0, BLOCK_M, n0, BLOCK_N);",
          "const int key0 = n0 + 2 * (lane % 4);",
-         "const float p_ij = exp2_approx(fmaf(s_acc[f][e], scale_log2, -base_log2[e >> 1]));",
+         "const float p_ij = recomputed_p(s_acc[f][e], scale_log2, base_log2[e >> 1]);",
          "const bool hidden = !mask.visible(row_lo + 8 * (e >> 1), key0 + 8 * f + (e & 1));",
          "s_acc[f][e] = decltype(masked)::value && hidden ? 0.f : p_ij;",
          "if (partial)",
@@ -169,7 +169,7 @@ def dqw_p_and_ds(L, s_acc, dp_acc, visible, m0: int, n0: int, lane, row_lo, base
     partial = visible.partial(m0, L.BLOCK_M, n0, L.BLOCK_N)
     key0 = n0 + 2 * (lane % 4)
     f, e = np.arange(L.N_FRAGS)[None, :, None], np.arange(4)
-    p = np.exp2(s_acc * scale_log2 - base_log2[:, None, e >> 1])
+    p = recomputed_p(s_acc, scale_log2, base_log2[:, None, e >> 1])
     p = np.where(partial & ~visible(row_lo[:, None, None] + 8 * (e >> 1), key0[:, None, None] + 8 * f + (e & 1)),
                  0.0, p)
     ds = np.where(p == 0.0, 0.0, p * (dp_acc - delta_row[:, None, e >> 1]))

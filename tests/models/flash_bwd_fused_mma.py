@@ -11,7 +11,7 @@ import numpy as np
 
 from cupyflash import masks
 
-from .fragments import lse_base_log2
+from .fragments import lse_base_log2, recomputed_p
 from .mirrors import mirrors
 from .mma import GROUP, THREAD_IN_GROUP, cp_async_tile
 from .mma_bwd import mma_AB_groups, mma_ABt_groups, mma_AtB_groups, stage_acc, store_tile
@@ -153,7 +153,7 @@ def fused_cta(q, k, v, do, lse, delta, dk, dv, dq_accum, semaphore, *, n_block, 
                 base_log2 = [lse_base_log2(smem32[s_lse + c]), lse_base_log2(smem32[s_lse + c + 1])]
                 for g in range(KG):
                     for e in range(4):
-                        p = np.exp2(s_acc[w, g, :, j, e] * scale_log2 - base_log2[e & 1])
+                        p = recomputed_p(s_acc[w, g, :, j, e], scale_log2, base_log2[e & 1])
                         key_off, query_off = 16 * g + 8 * (e >> 1), 8 * j + (e & 1)
                         hidden = (key_off >= keys_left) | (query_off >= queries_left)
                         if mask.HAS_RIGHT:

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from .fragments import lse_base_log2, pack_a_frags
+from .fragments import lse_base_log2, pack_a_frags, recomputed_p
 from .mirrors import mirrors
 from .smem import RAW_SMEM, aligned_base, new_smem, st_shared_b32
 from .wgmma import (LANE, ROW_LO, THREAD_IN_GROUP, WARP_IN_WG, Step, cp_async_panels, panel_offset, smem_desc,
@@ -151,10 +151,10 @@ def _acc_columns(nj: int) -> np.ndarray:
 @mirrors(BWD,
          "const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + 8 * j + 2 * (lane % 4));",
          "const float base_log2[2] = {lse_base_log2(lse2.x), lse_base_log2(lse2.y)};",
-         "const float p_ij = exp2_approx(fmaf(s_acc[j][e], scale_log2, -base_log2[e & 1]));")
+         "const float p_ij = recomputed_p(s_acc[j][e], scale_log2, base_log2[e & 1]);")
 def p_transposed(s_acc, s_lse, scale_log2):
     """Step 3 (P^T from S^T; full blocks, so no entry is hidden)."""
-    return np.exp2(s_acc * scale_log2 - lse_base_log2(s_lse[_acc_columns(s_acc.shape[1])]))
+    return recomputed_p(s_acc, scale_log2, lse_base_log2(s_lse[_acc_columns(s_acc.shape[1])]))
 
 
 @mirrors(BWD,

@@ -193,7 +193,7 @@ mirrors(DSPLIT,
         "*reinterpret_cast<u32*>(dk_row + col) = pack2<T>(dk_acc[j][2 * h] * scale, dk_acc[j][2 * h + 1] * scale);",
         "*reinterpret_cast<u32*>(dv_row + col) = pack2<T>(dv_acc[j][2 * h], dv_acc[j][2 * h + 1]);",
         "const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + 8 * j + 2 * (lane % 4));",
-        "const float p_ij = exp2_approx(fmaf(acc[j][e], scale_log2, -base_log2[e & 1]));",
+        "const float p_ij = recomputed_p(acc[j][e], scale_log2, base_log2[e & 1]);",
         "const float2 d2 = *reinterpret_cast<const float2*>(s_delta + 8 * j + 2 * (lane % 4));",
         "const float2 lo = unpack2<T>(p2[0]), hi = unpack2<T>(p2[1]);",
         "acc[j][e] = p16[e] == 0.f ? 0.f : p16[e] * (acc[j][e] - ((e & 1) ? d2.y : d2.x));")(dsplit_emulated)

@@ -1,0 +1,42 @@
+// The backward's probability recompute, one tile step for every backward kernel (SIMT, mma.sync,
+// wgmma): P_ij = 2^(S_ij * scale_log2 - lse_i * log2(e)) from the forward's saved lse.
+//
+// P_ij <= 1 by definition (lse_i is at least every visible scaled score of its row), but the
+// exponent is a difference of two large numbers, each rounded: the product S_ij * scale_log2,
+// and lse, which went from log2 units to the natural log (the API's lse) and back. At scores of
+// order 1e9 and more (16-bit inputs near 6e4) one rounding of that round trip is hundreds in the
+// exponent, and 2^(+hundreds) = inf made dS = P (dP - D) inf or NaN (inf * 0) for finite inputs
+// that standard attention handles. The exponent is clamped at 0 instead: the row maximum's weight
+// is then at most 1 whatever the rounding, as in the forward, where S - m <= 0 holds exactly.
+// The clamp keeps NaN (min.NaN): a NaN score still gives a NaN row, as without it.
+//
+// A policy that transforms scores (softcap, ALiBi: the variants issue) transforms S before this
+// step; the clamp stays valid because lse is taken over the transformed scores.
+#pragma once
+
+#include "common.cuh"
+#include "mma.cuh"
+
+namespace cf {
+
+// min(x, 0) that returns NaN for a NaN x (fminf would return 0).
+__device__ __forceinline__ float min0_keep_nan(float x) {
+    float r;
+    asm("min.NaN.f32 %0, %1, 0f00000000;" : "=f"(r) : "f"(x));
+    return r;
+}
+__device__ __forceinline__ double min0_keep_nan(double x) { return x > 0.0 ? 0.0 : x; }
+
+// Tensor-core kernels (float scores, one FFMA and one MUFU.EX2 per entry): s a raw score,
+// base_log2 = lse_i * log2(e) (0 for a row that sees no key, lse_base_log2).
+__device__ __forceinline__ float recomputed_p(float s, float scale_log2, float base_log2) {
+    return exp2_approx(min0_keep_nan(fmaf(s, scale_log2, -base_log2)));
+}
+
+// SIMT kernels, in their accumulator type (float32 or float64), with the accurate exp2.
+template <typename A>
+__device__ __forceinline__ A recomputed_p_exact(A s, A scale_log2, A lse_log2) {
+    return exp2_(min0_keep_nan(s * scale_log2 - lse_log2));
+}
+
+}  // namespace cf

@@ -1,0 +1,97 @@
+"""Finite inputs of any magnitude give finite outputs wherever standard attention in the same dtype
+does, on every GPU kernel path (kernel_paths.py), forward and backward.
+
+At |q|, |k| of order 1e4 and more the scores reach 1e9..1e30: the softmax is one-hot, and the
+backward's P = exp2(S * scale_log2 - lse * log2(e)) subtracts two numbers whose float32 rounding
+is hundreds or more in the exponent. Unclamped, 2^(+hundreds) = inf and inf * 0 = NaN reached dq,
+dk and dv (bfloat16 at 6e4); the kernels clamp the exponent at 0 (recomputed_p, P <= 1 as its
+definition says). Standard attention (cupyflash.reference.standard_attention*, an unfused
+implementation in the same dtype) decides where an output must be finite: float16 gradients
+overflow its range long before the scores do, and there nothing is asked.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cupyflash import reference
+from cupyflash.testing import attention_problems
+
+from kernel_paths import MMA_SYNC_BWD, run_path
+from tolerance import SIXTEEN_BIT
+
+pytestmark = pytest.mark.gpu
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+# Input standard deviations up to near each dtype's range (the scores, m^2 sqrt(d) scale, stay
+# within float32 / float64 there only for the smaller ones: standard attention says which).
+MAGNITUDES = {np.dtype(np.float16): 6e4, BF16: 1e18, np.dtype(np.float32): 1e18, np.dtype(np.float64): 1e150}
+COST = 2e6
+
+
+def _problems(dtypes):
+    """Problems of these dtypes whose inputs' standard deviation is 10^e, e uniform in
+    [0, log10(MAGNITUDES[dtype])] (log-uniform: every decade as often)."""
+    def of(dtype):
+        top = math.log10(MAGNITUDES[np.dtype(dtype)])
+        cases = attention_problems(dtypes=(dtype,), max_seqlen=200, max_cost=COST, max_headdim=128).filter(
+            lambda c: c.dtype not in SIXTEEN_BIT or c.headdim % 8 == 0)
+        return st.builds(lambda c, e: dataclasses.replace(c, magnitude=10.0 ** e), cases, st.floats(0.0, top))
+
+    return st.one_of(*(of(d) for d in dtypes))
+
+
+def _assert_finite_where_standard_is(case, q, k, v, do, outputs):
+    o, lse, dq, dk, dv = outputs
+    kwargs = dict(softmax_scale=case.softmax_scale, causal=case.causal)
+    with np.errstate(all="ignore"):
+        o_std, lse_std = reference.standard_attention(q, k, v, dtype=case.dtype, **kwargs)
+        grads_std = reference.standard_attention_backward(do, q, k, v, dtype=case.dtype, **kwargs)
+    for name, got, std in zip(("o", "lse", "dq", "dk", "dv"), (o, lse, dq, dk, dv), (o_std, lse_std, *grads_std)):
+        got, std = np.asarray(got, np.float64), np.asarray(std, np.float64)
+        if name == "lse":  # rows that see no key: -inf in both
+            got, std = np.where(np.isneginf(std), 0, got), np.where(np.isneginf(std), 0, std)
+        bad = np.isfinite(std) & ~np.isfinite(got)
+        assert not bad.any(), (f"{name}: {int(bad.sum())} non-finite where standard attention is finite "
+                               f"(magnitude {case.magnitude:.3g}, first at {np.argwhere(bad)[0].tolist()})")
+
+
+@given(_problems(tuple(MAGNITUDES)), st.booleans())
+def test_large_inputs_stay_finite_on_default_kernels(case, deterministic):
+    q, k, v, do = case.arrays()
+    _assert_finite_where_standard_is(case, q, k, v, do, run_path(case, (-1, -1), q, k, v, do, deterministic))
+
+
+@given(_problems(tuple(SIXTEEN_BIT)), st.sampled_from(MMA_SYNC_BWD))
+def test_large_inputs_stay_finite_on_mma_sync_kernels(case, path):
+    q, k, v, do = case.arrays()
+    _assert_finite_where_standard_is(case, q, k, v, do, run_path(case, (-1, -1), q, k, v, do, mma_sync=path))
+
+
+@pytest.mark.parametrize("path", [None, *MMA_SYNC_BWD], ids=["default", *(f"{v}-{d}" for v, d in MMA_SYNC_BWD)])
+def test_bfloat16_at_6e4_gives_the_one_hot_gradients(path):
+    """The reported case: bfloat16 q, k near 6e4. The softmax is one-hot, so dV_j is the sum of
+    dO over the rows whose maximum is key j, which the float64 reference gives exactly; dq and dk
+    must be finite (their exact values are 0 but for ties)."""
+    case = _fixed_case()
+    q, k, v, do = case.arrays()
+    o, lse, dq, dk, dv = run_path(case, (-1, -1), q, k, v, do, mma_sync=path)
+    for name, x in (("o", o), ("dq", dq), ("dk", dk), ("dv", dv)):
+        assert np.isfinite(x.astype(np.float64)).all(), name
+    _, _, dv_ref = reference.attention_backward(do, q, k, v, softmax_scale=case.softmax_scale)
+    # bfloat16 rounding of each dO sum (a few terms of the same magnitude): 2^-7 relative.
+    err = np.abs(dv.astype(np.float64) - dv_ref).max()
+    assert err <= 2.0 ** -6 * np.abs(dv_ref).max(), err
+
+
+def _fixed_case():
+    from cupyflash.testing.problem import AttentionProblem
+
+    return AttentionProblem(batch=1, seqlen_q=77, seqlen_k=93, nheads_kv=2, group=1, headdim=64, causal=False,
+                            softmax_scale=None, magnitude=6e4, dtype=BF16, seed=20261201)
