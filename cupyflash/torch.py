@@ -1,11 +1,14 @@
-"""PyTorch front end: flash-attn's ``flash_attn_func`` and an SDPA-shaped helper, on cupyflash.
+"""PyTorch front end: flash-attn's ``flash_attn_func``, ``flash_attn_varlen_func`` and
+``flash_attn_with_kvcache``, and an SDPA-shaped helper, on cupyflash.
 
     from cupyflash.torch import flash_attn_func        # instead of: from flash_attn import ...
     out = flash_attn_func(q, k, v, causal=True)         # (batch, seqlen, nheads, headdim)
 
-Both are differentiable and opaque to ``torch.compile``: the forward and the backward are custom
-operators (``torch.ops.cupyflash.flash_attn_forward`` / ``flash_attn_backward``) with fake
-implementations for tracing and an autograd formula registered on the forward.
+All are opaque to ``torch.compile``: each direction is a custom operator
+(``torch.ops.cupyflash.flash_attn_forward`` / ``flash_attn_backward``, ``flash_attn_varlen_forward``
+/ ``flash_attn_varlen_backward``, ``flash_attn_with_kvcache``) with a fake implementation for
+tracing; the dense and the varlen forward are differentiable (an autograd formula registered on
+each), the kv-cache call is inference only and mutates its caches (``mutates_args``).
 
 CUDA tensors go to the kernels zero-copy through DLPack, on torch's current stream of their
 device; every buffer CuPy allocates meanwhile (outputs and temporaries) comes from torch's caching
@@ -20,11 +23,11 @@ import math
 import numpy as np
 import torch
 
-from . import api
+from . import api, kvcache, varlen
 from ._dtypes import bfloat16 as _numpy_bfloat16
 from .masks import check_window
 
-__all__ = ["flash_attn_func", "scaled_dot_product_attention"]
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "scaled_dot_product_attention"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -181,10 +184,124 @@ def _backward_formula(ctx, do, dlse):
 _forward_op.register_autograd(_backward_formula, setup_context=_setup_context)
 
 
+# --- packed variable-length batches (cupyflash.varlen) --------------------------------------------
+
+@torch.library.custom_op("cupyflash::flash_attn_varlen_forward", mutates_args=())
+def _varlen_forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                       cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
+                       causal: bool, window_left: int, window_right: int,
+                       deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse) of cupyflash.flash_attn_varlen_func; lse is (nheads, total_q)."""
+    def compute(q, k, v, cu_q, cu_k, backend):
+        return varlen.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k,
+                                             softmax_scale=softmax_scale, causal=causal,
+                                             window_size=(window_left, window_right), return_lse=True,
+                                             backend=backend)
+
+    return _run(q.device, compute, q, k, v, cu_seqlens_q, cu_seqlens_k)
+
+
+@_varlen_forward_op.register_fake
+def _varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                         window_left, window_right, deterministic):
+    total_q, nheads, _ = q.shape
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            q.new_empty((nheads, total_q), dtype=_lse_dtype(q.dtype)))
+
+
+@torch.library.custom_op("cupyflash::flash_attn_varlen_backward", mutates_args=())
+def _varlen_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                        lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+                        max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int,
+                        window_right: int, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of cupyflash.flash_attn_varlen_backward."""
+    def compute(do, q, k, v, o, lse, cu_q, cu_k, backend):
+        return varlen.flash_attn_varlen_backward(do, q, k, v, o, lse, cu_q, cu_k, max_seqlen_q, max_seqlen_k,
+                                                 softmax_scale=softmax_scale, causal=causal,
+                                                 window_size=(window_left, window_right), backend=backend,
+                                                 deterministic=deterministic)
+
+    return _run(q.device, compute, do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
+
+
+@_varlen_backward_op.register_fake
+def _varlen_backward_fake(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                          softmax_scale, causal, window_left, window_right, deterministic):
+    return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window_left, window_right, deterministic = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
+    ctx.options = (max_q, max_k, softmax_scale, causal, window_left, window_right, deterministic)
+    ctx.set_materialize_grads(False)
+
+
+def _varlen_backward_formula(ctx, do, dlse):
+    q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
+    scale = ctx.options[2]
+    if do is None:
+        do = torch.zeros_like(o)
+    dq, dk, dv = _varlen_backward_op(do, q, k, v, o, lse, cu_q, cu_k, *ctx.options)
+    if dlse is not None:
+        # As for the dense operator: dlse_i adds scale dlse_i (P K)_i to dq_i and
+        # scale (P^T (dlse q))_j to dk_j, sequence by sequence (P is block diagonal).
+        dlse_rows = dlse.transpose(0, 1).unsqueeze(-1)  # (total_q, nheads, 1)
+        pk, _ = _varlen_forward_op(q, k, k, cu_q, cu_k, *ctx.options)
+        dq = (dq.to(dlse.dtype) + scale * dlse_rows * pk.to(dlse.dtype)).to(q.dtype)
+        _, _, pt_dlse_q = _varlen_backward_op((dlse_rows * q.to(dlse.dtype)).to(q.dtype), q, k, v, o, lse, cu_q,
+                                              cu_k, *ctx.options)
+        dk = (dk.to(dlse.dtype) + scale * pt_dlse_q.to(dlse.dtype)).to(k.dtype)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+
+
+_varlen_forward_op.register_autograd(_varlen_backward_formula, setup_context=_varlen_setup_context)
+
+
+# --- KV-cache inference (cupyflash.kvcache) --------------------------------------------------------
+
+@torch.library.custom_op("cupyflash::flash_attn_with_kvcache", mutates_args=("k_cache", "v_cache"))
+def _kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor | None,
+                v: torch.Tensor | None, cache_seqlens: torch.Tensor | None, cache_batch_idx: torch.Tensor | None,
+                block_table: torch.Tensor | None, softmax_scale: float, causal: bool, window_left: int,
+                window_right: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse) of cupyflash.flash_attn_with_kvcache; k, v (when given) are appended to the caches
+    in place, which DLPack (CUDA) and NumPy's views (CPU) share with the tensors."""
+    named = {"k": k, "v": v, "cache_seqlens": cache_seqlens, "cache_batch_idx": cache_batch_idx,
+             "block_table": block_table}
+    present = [name for name, t in named.items() if t is not None]
+
+    def compute(q, k_cache, v_cache, *given, backend):
+        options = dict(zip(present, given))
+        return kvcache.flash_attn_with_kvcache(q, k_cache, v_cache, options.pop("k", None), options.pop("v", None),
+                                               softmax_scale=softmax_scale, causal=causal,
+                                               window_size=(window_left, window_right), return_lse=True,
+                                               backend=backend, **options)
+
+    return _run(q.device, compute, q, k_cache, v_cache, *(named[name] for name in present))
+
+
+@_kvcache_op.register_fake
+def _kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal,
+                  window_left, window_right):
+    batch, seqlen_q, nheads, _ = q.shape
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            q.new_empty((batch, nheads, seqlen_q), dtype=_lse_dtype(q.dtype)))
+
+
 # --- flash-attn's interface ------------------------------------------------------------------------
 
-def _check_tensors(q, k, v) -> None:
-    for name, x in (("q", q), ("k", k), ("v", v)):
+_DENSE = "(batch, seqlen, nheads, headdim)"
+_PACKED = "(total_tokens, nheads, headdim)"
+
+
+def _check_tensors(q, k, v, layout: str = _DENSE, names=("q", "k", "v")) -> None:
+    """q, k, v: tensors of one supported dtype on one device, in ``layout`` (_DENSE or _PACKED),
+    k and v of one shape, nheads a multiple of nheads_kv. ``names`` name them in the errors."""
+    ndim = 4 if layout == _DENSE else 3
+    tensors = tuple(zip(names, (q, k, v)))
+    for name, x in tensors:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
         if x.dtype not in _DTYPES:
@@ -193,24 +310,50 @@ def _check_tensors(q, k, v) -> None:
         if x.device.type not in ("cuda", "cpu", "meta"):
             raise ValueError(f"{name} is on {x.device}; cupyflash.torch takes CUDA or CPU tensors "
                              "(and meta tensors, for shapes)")
-    for name, x in (("k", k), ("v", v)):
+    q_name = names[0]
+    for name, x in tensors[1:]:
         if x.dtype != q.dtype:
-            raise TypeError(f"{name} has dtype {x.dtype} but q has {q.dtype}; q, k, v must share one dtype")
+            raise TypeError(f"{name} has dtype {x.dtype} but {q_name} has {q.dtype}; {', '.join(names)} must share "
+                            "one dtype")
         if x.device != q.device:
-            raise ValueError(f"{name} is on {x.device} but q is on {q.device}; q, k, v must share one device")
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.dim() != 4:
-            raise ValueError(f"{name} must have 4 dimensions (batch, seqlen, nheads, headdim); "
-                             f"got shape {tuple(x.shape)}")
+            raise ValueError(f"{name} is on {x.device} but {q_name} is on {q.device}; {', '.join(names)} must share "
+                             "one device")
+    for name, x in tensors:
+        if x.dim() != ndim:
+            raise ValueError(f"{name} must have {ndim} dimensions {layout}; got shape {tuple(x.shape)}")
+    (k_name, _), (v_name, _) = tensors[1:]
     if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape; got k {tuple(k.shape)} and v {tuple(v.shape)}")
-    if k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
-        raise ValueError(f"q and k must have the same batch size and headdim; got q {tuple(q.shape)} "
-                         f"and k {tuple(k.shape)}")
-    nheads, nheads_kv = q.shape[2], k.shape[2]
+        raise ValueError(f"{k_name} and {v_name} must have the same shape; got {k_name} {tuple(k.shape)} and "
+                         f"{v_name} {tuple(v.shape)}")
+    same_batch = ndim == 4 and not k_name.endswith("_cache")  # a cache's rows are not q's batch
+    if k.shape[-1] != q.shape[-1] or (same_batch and k.shape[0] != q.shape[0]):
+        raise ValueError(f"{q_name} and {k_name} must have the same {'batch size and headdim' if same_batch else 'headdim'}"
+                         f"; got {q_name} {tuple(q.shape)} and {k_name} {tuple(k.shape)}")
+    nheads, nheads_kv = q.shape[-2], k.shape[-2]
     if nheads_kv == 0 or nheads % nheads_kv != 0:
-        raise ValueError(f"nheads of q ({nheads}) must be a positive multiple of nheads of k/v ({nheads_kv}) "
-                         "(GQA/MQA)")
+        raise ValueError(f"nheads of {q_name} ({nheads}) must be a positive multiple of nheads of "
+                         f"{k_name}/{v_name} ({nheads_kv}) (GQA/MQA)")
+
+
+def _index_tensor(x, name: str, device: torch.device, optional: bool = True):
+    """An int32 index tensor (flash-attn's dtype) on ``device`` or the CPU, or None."""
+    if x is None:
+        if optional:
+            return None
+        raise TypeError(f"{name} is required")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor (int32); got {type(x).__name__}")
+    if x.dtype != torch.int32:
+        raise TypeError(f"{name} must have dtype torch.int32 (as flash-attn's); got {x.dtype}")
+    if x.device != device and x.device.type != "cpu":
+        raise ValueError(f"{name} is on {x.device} but q is on {device}")
+    return x
+
+
+def _max_seqlen(value, name: str) -> int:
+    if isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a Python int, not a tensor (as flash-attn takes it)")
+    return varlen.check_count(value, name)
 
 
 def _unsupported(**options) -> None:
@@ -251,6 +394,75 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     if not return_attn_probs:
         return o
     return o, lse, q.new_empty((0,))
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None):
+    """flash-attn 2's flash_attn_varlen_func, computed by cupyflash: attention over a packed batch.
+
+    q: (total_q, nheads, headdim); k, v: (total_k, nheads_kv, headdim). cu_seqlens_q,
+    cu_seqlens_k: (batch + 1,) torch.int32 cumulative lengths (on q's device or the CPU; a CUDA
+    one is read back once, a synchronisation); max_seqlen_q, max_seqlen_k: Python ints bounding
+    every sequence. Each sequence is its own problem with its own bottom-right causal alignment
+    and window; empty sequences are allowed. Differentiable in q, k, v (and through the lse).
+
+    Returns out (like q), or with ``return_attn_probs`` (out, softmax_lse, S_dmask): softmax_lse
+    (nheads, total_q), float32 (float64 for float64); S_dmask an empty tensor. Not supported yet,
+    each a NotImplementedError: dropout_p != 0, softcap != 0, alibi_slopes, block_table (paged
+    varlen). cupyflash.flash_attn_varlen_func's notes on its interim implementation apply.
+    """
+    _unsupported(dropout_p=dropout_p != 0, softcap=softcap != 0, alibi_slopes=alibi_slopes is not None,
+                 block_table=block_table is not None)
+    _check_tensors(q, k, v, _PACKED)
+    cu_q = _index_tensor(cu_seqlens_q, "cu_seqlens_q", q.device, optional=False)
+    cu_k = _index_tensor(cu_seqlens_k, "cu_seqlens_k", q.device, optional=False)
+    max_q, max_k = _max_seqlen(max_seqlen_q, "max_seqlen_q"), _max_seqlen(max_seqlen_k, "max_seqlen_k")
+    scale = _scale(softmax_scale, q.shape[2])
+    window_left, window_right = check_window(window_size)
+    o, lse = _varlen_forward_op(q, k, v, cu_q, cu_k, max_q, max_k, scale, bool(causal), window_left, window_right,
+                                bool(deterministic))
+    if not return_attn_probs:
+        return o
+    return o, lse, q.new_empty((0,))
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+    """flash-attn 2's flash_attn_with_kvcache, computed by cupyflash (inference: no autograd).
+
+    q: (batch, seqlen_q, nheads, headdim); k_cache, v_cache: (batch_cache, seqlen_cache,
+    nheads_kv, headdim), or (num_blocks, page_size, nheads_kv, headdim) with ``block_table``
+    (batch, max_blocks_per_seq) int32 (any page size). k, v (optional, together): (batch,
+    seqlen_new, nheads_kv, headdim), appended to the caches IN PLACE at each sequence's
+    cache_seqlens (an int or (batch,) int32), then q attends to each sequence's cache_seqlens[b]
+    + seqlen_new keys, causal / window aligned to the end of the updated cache.
+    ``cache_batch_idx`` (batch,) int32 picks the cache row of each sequence. Returns out (like q),
+    or (out, softmax_lse) with ``return_softmax_lse`` (softmax_lse (batch, nheads, seqlen_q)).
+    Not supported yet, each a NotImplementedError: rotary_cos / rotary_sin, cache_leftpad,
+    softcap != 0, alibi_slopes. ``num_splits`` is accepted (cupyflash.flash_attn_with_kvcache's
+    note); ``rotary_interleaved`` matters only with rotary.
+    """
+    _unsupported(rotary_cos=rotary_cos is not None, rotary_sin=rotary_sin is not None,
+                 cache_leftpad=cache_leftpad is not None, softcap=softcap != 0, alibi_slopes=alibi_slopes is not None)
+    _check_tensors(q, k_cache, v_cache, names=("q", "k_cache", "v_cache"))
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (the new tokens to append) or both be None")
+    if k is not None:
+        _check_tensors(q, k, v)
+    varlen.check_count(num_splits, "num_splits")
+    if isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, bool):
+        cache_seqlens = torch.full((q.shape[0],), int(cache_seqlens), dtype=torch.int32, device=q.device)
+    cache_seqlens = _index_tensor(cache_seqlens, "cache_seqlens", q.device)
+    cache_batch_idx = _index_tensor(cache_batch_idx, "cache_batch_idx", q.device)
+    block_table = _index_tensor(block_table, "block_table", q.device)
+    scale = _scale(softmax_scale, q.shape[3])
+    window_left, window_right = check_window(window_size)
+    o, lse = _kvcache_op(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, scale, bool(causal),
+                         window_left, window_right)
+    return (o, lse) if return_softmax_lse else o
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,

@@ -1,6 +1,7 @@
 """cupyflash.torch on CUDA tensors: gradcheck in float64, gradients bitwise equal to
 cupyflash.flash_attn_backward, zero-copy inputs, outputs from torch's caching allocator, torch's
-current stream, a short training loop, and torch.compile(fullgraph=True) with Inductor.
+current stream, a short training loop, torch.compile(fullgraph=True) with Inductor, and the
+packed-batch and kv-cache front ends against cupyflash's own calls.
 """
 import pytest
 
@@ -220,3 +221,80 @@ def test_torch_compile_fullgraph_inductor_matches_eager():
     torch.testing.assert_close(compiled[0], eager[0], rtol=3e-2, atol=3e-2)
     for a, b in zip(compiled[1], eager[1]):
         torch.testing.assert_close(a, b, rtol=5e-2, atol=5e-2 * b.abs().max().item())
+
+
+# --- packed batches and kv caches -----------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_outputs_and_gradients_equal_cupyflash_bitwise(dtype, causal):
+    """cupyflash.torch.flash_attn_varlen_func reaches cupyflash.flash_attn_varlen_func and its
+    backward: equal bit for bit on a packed batch with an empty sequence, GQA, device cu_seqlens."""
+    import cupy
+
+    from cupyflash.torch import flash_attn_varlen_func
+
+    lengths_q, lengths_k = [130, 0, 77, 301], [129, 64, 200, 301]
+    cu_q = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, *torch.tensor(lengths_k).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    generator = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v = (torch.randn(shape, generator=generator, device="cuda").to(dtype).requires_grad_(True)
+               for shape in ((sum(lengths_q), 8, 64), (sum(lengths_k), 2, 64), (sum(lengths_k), 2, 64)))
+    o, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=causal,
+                                       deterministic=True, return_attn_probs=True)
+    do = torch.randn_like(o)
+    o.backward(do)
+    arrays = [cupy.from_dlpack(t.detach()) for t in (q, k, v)]
+    sequences = (cupy.from_dlpack(cu_q), cupy.from_dlpack(cu_k), max(lengths_q), max(lengths_k))
+    o_ref, lse_ref = cupyflash.flash_attn_varlen_func(*arrays, *sequences, causal=causal, return_lse=True)
+    grads = cupyflash.flash_attn_varlen_backward(cupy.from_dlpack(do), *arrays, o_ref, lse_ref, *sequences,
+                                                 causal=causal, deterministic=True)
+    assert torch.equal(o.detach(), torch.from_dlpack(o_ref)) and torch.equal(lse.detach(), torch.from_dlpack(lse_ref))
+    for name, t, g in zip("qkv", (q, k, v), grads):
+        assert torch.equal(t.grad, torch.from_dlpack(g)), f"d{name} differs"
+
+
+@pytest.mark.parametrize("page_size", [None, 16, 5])
+def test_kvcache_appends_in_place_on_the_device(page_size):
+    """flash_attn_with_kvcache on CUDA tensors: the new tokens land in torch's cache tensors (the
+    same memory, through DLPack), byte for byte where the reference puts them and nowhere else,
+    and the output equals cupyflash.flash_attn_with_kvcache's on copies of the caches."""
+    import cupy
+    import numpy as np
+
+    from cupyflash import reference
+    from cupyflash.torch import flash_attn_with_kvcache
+
+    batch, capacity, nheads, nheads_kv, headdim = 3, 64, 8, 2, 128
+    generator = torch.Generator(device="cuda").manual_seed(9)
+
+    def randn(*shape):
+        return torch.randn(shape, generator=generator, device="cuda").to(torch.bfloat16)
+
+    if page_size is None:
+        k_cache, v_cache = randn(batch, capacity, nheads_kv, headdim), randn(batch, capacity, nheads_kv, headdim)
+        block_table = None
+    else:
+        pages = batch * -(-capacity // page_size)
+        k_cache, v_cache = randn(pages, page_size, nheads_kv, headdim), randn(pages, page_size, nheads_kv, headdim)
+        block_table = torch.randperm(pages, device="cuda").to(torch.int32).view(batch, -1)
+    q = randn(batch, 3, nheads, headdim)
+    k_new, v_new = randn(batch, 3, nheads_kv, headdim), randn(batch, 3, nheads_kv, headdim)
+    seqlens = torch.tensor([0, 17, 60], dtype=torch.int32, device="cuda")
+    k_copy, v_copy = (cupy.from_dlpack(c.clone()) for c in (k_cache, v_cache))
+    before = [c.clone() for c in (k_cache, v_cache)]
+    pointers = [c.data_ptr() for c in (k_cache, v_cache)]
+    o = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens, block_table=block_table,
+                                causal=True)
+    assert [c.data_ptr() for c in (k_cache, v_cache)] == pointers
+    index = dict(cache_seqlens=seqlens.cpu().numpy(),
+                 block_table=None if block_table is None else block_table.cpu().numpy())
+    for got, old, new in zip((k_cache, v_cache), before, (k_new, v_new)):
+        want = reference.kvcache_appended(old.cpu().view(torch.int16).numpy(), new.cpu().view(torch.int16).numpy(),
+                                          **index)
+        np.testing.assert_array_equal(got.cpu().view(torch.int16).numpy(), want)
+    o_ref = cupyflash.flash_attn_with_kvcache(
+        cupy.from_dlpack(q), k_copy, v_copy, cupy.from_dlpack(k_new), cupy.from_dlpack(v_new),
+        cache_seqlens=cupy.from_dlpack(seqlens), block_table=None if block_table is None else cupy.from_dlpack(block_table),
+        causal=True)
+    assert torch.equal(o, torch.from_dlpack(o_ref))

@@ -1,0 +1,202 @@
+"""cupyflash.torch's packed-batch and kv-cache front ends on CPU tensors (the NumPy twin):
+flash_attn_varlen_func against the float64 reference with gradcheck through o and the lse (empty
+sequences, GQA, causal, windows), flash_attn_with_kvcache's in-place append (contiguous and paged
+caches, an int cache_seqlens, cache_batch_idx) against the reference, fake shapes, opcheck of the
+three operators, torch.compile, and the errors. The same calls on a GPU: tests/test_torch_gpu.py.
+"""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from cupyflash import reference  # noqa: E402
+from cupyflash.torch import flash_attn_varlen_func, flash_attn_with_kvcache  # noqa: E402
+
+LENGTHS_Q, LENGTHS_K = [3, 0, 5, 2], [4, 3, 6, 0]  # an empty query run and an empty key run
+
+
+def packed(lengths_q=LENGTHS_Q, lengths_k=LENGTHS_K, nheads=4, nheads_kv=2, headdim=8, dtype=torch.float64,
+           requires_grad=True, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    cu_q = torch.tensor(np.concatenate([[0], np.cumsum(lengths_q)]), dtype=torch.int32)
+    cu_k = torch.tensor(np.concatenate([[0], np.cumsum(lengths_k)]), dtype=torch.int32)
+    shapes = [(sum(lengths_q), nheads, headdim)] + [(sum(lengths_k), nheads_kv, headdim)] * 2
+    q, k, v = (torch.randn(s, generator=generator, dtype=torch.float64).to(dtype).requires_grad_(requires_grad)
+               for s in shapes)
+    return q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k)
+
+
+@pytest.mark.parametrize("causal, window_size", [(False, (-1, -1)), (True, (-1, -1)), (False, (2, 1))])
+def test_varlen_matches_the_float64_reference(causal, window_size):
+    q, k, v, cu_q, cu_k, max_q, max_k = packed(requires_grad=False)
+    o, lse, s_dmask = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal,
+                                             window_size=window_size, return_attn_probs=True)
+    o_ref, lse_ref = reference.varlen_attention(q.numpy(), k.numpy(), v.numpy(), cu_q.numpy(), cu_k.numpy(),
+                                                causal=causal, window_size=window_size)
+    assert o.shape == q.shape and lse.shape == (q.shape[1], q.shape[0]) and s_dmask.numel() == 0
+    np.testing.assert_allclose(o.numpy(), o_ref, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse.numpy(), lse_ref, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_gradcheck_through_o_and_lse(causal):
+    """Every sequence with queries has keys and (causal) no more queries than keys, so every row
+    sees a key and the lse's finite differences exist; one sequence has keys but no queries."""
+    q, k, v, cu_q, cu_k, max_q, max_k = packed(lengths_q=[3, 0, 2], lengths_k=[4, 3, 2])
+
+    def out_and_lse(q, k, v):
+        o, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, return_attn_probs=True)
+        return o, lse
+
+    assert torch.autograd.gradcheck(out_and_lse, (q, k, v))
+    grads = torch.autograd.grad(out_and_lse(q, k, v)[0], (q, k, v), torch.ones_like(q))
+    want = reference.varlen_attention_backward(np.ones(q.shape), *(x.detach().numpy() for x in (q, k, v)),
+                                               cu_q.numpy(), cu_k.numpy(), causal=causal)
+    for g, w in zip(grads, want):
+        np.testing.assert_allclose(g.numpy(), w, rtol=1e-10, atol=1e-10)
+
+
+def test_varlen_fake_shapes_and_opcheck():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, v, cu_q, cu_k, max_q, max_k = packed()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fq, fk, fv = (torch.empty(x.shape, dtype=torch.bfloat16) for x in (q, k, v))
+        o, lse, _ = flash_attn_varlen_func(fq, fk, fv, cu_q, cu_k, max_q, max_k, return_attn_probs=True)
+        assert o.shape == q.shape and o.dtype == torch.bfloat16
+        assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32
+    options = (max_q, max_k, 0.3, True, -1, 0, True)
+    report = torch.library.opcheck(torch.ops.cupyflash.flash_attn_varlen_forward.default, (q, k, v, cu_q, cu_k, *options))
+    assert set(report.values()) == {"SUCCESS"}, report
+    o, lse = torch.ops.cupyflash.flash_attn_varlen_forward(*(t.detach() for t in (q, k, v)), cu_q, cu_k, *options)
+    args = (torch.randn_like(o), *(t.detach() for t in (q, k, v)), o, lse, cu_q, cu_k, *options)
+    report = torch.library.opcheck(torch.ops.cupyflash.flash_attn_varlen_backward.default, args)
+    assert set(report.values()) == {"SUCCESS"}, report
+
+
+def test_varlen_torch_compile_fullgraph_matches_eager():
+    q, k, v, cu_q, cu_k, max_q, max_k = packed()
+
+    def loss(q, k, v):
+        return flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True).square().sum()
+
+    eager = torch.autograd.grad(loss(q, k, v), (q, k, v))
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    for a, b in zip(eager, torch.autograd.grad(compiled(q, k, v), (q, k, v))):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_varlen_errors_name_the_argument():
+    q, k, v, cu_q, cu_k, max_q, max_k = packed(requires_grad=False)
+    cases = [
+        (dict(cu_seqlens_q=cu_q.to(torch.int64)), TypeError, "cu_seqlens_q must have dtype torch.int32"),
+        (dict(max_seqlen_q=torch.tensor(5)), TypeError, "max_seqlen_q must be a Python int"),
+        (dict(max_seqlen_k=2), ValueError, "max_seqlen_k"),
+        (dict(q=q[None]), ValueError, "q must have 3 dimensions"),
+        (dict(dropout_p=0.1), NotImplementedError, "dropout_p"),
+        (dict(block_table=torch.zeros((4, 1), dtype=torch.int32)), NotImplementedError, "block_table"),
+    ]
+    for change, error, message in cases:
+        args = dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k)
+        args.update(change)
+        with pytest.raises(error, match=message):
+            flash_attn_varlen_func(**args)
+
+
+# --- kv cache ---------------------------------------------------------------------------------------
+
+def caches(batch=3, capacity=12, nheads_kv=2, headdim=8, page_size=None, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    if page_size is None:
+        shape = (batch, capacity, nheads_kv, headdim)
+    else:
+        shape = (batch * capacity // page_size + 1, page_size, nheads_kv, headdim)
+    return [torch.randn(shape, generator=generator, dtype=torch.float64) for _ in range(2)]
+
+
+@pytest.mark.parametrize("page_size", [None, 4, 3])
+@pytest.mark.parametrize("causal", [False, True])
+def test_kvcache_appends_in_place_and_matches_the_reference(page_size, causal):
+    batch, seqlen_q, new, nheads, nheads_kv, headdim = 3, 2, 2, 4, 2, 8
+    generator = torch.Generator().manual_seed(7)
+    q = torch.randn((batch, seqlen_q, nheads, headdim), generator=generator, dtype=torch.float64)
+    k_new, v_new = (torch.randn((batch, new, nheads_kv, headdim), generator=generator, dtype=torch.float64)
+                    for _ in range(2))
+    k_cache, v_cache = caches(batch, page_size=page_size)
+    cache_seqlens = torch.tensor([5, 0, 9], dtype=torch.int32)
+    block_table = None
+    if page_size is not None:  # pages in a shuffled order, as a paged allocator hands them out
+        per_seq = 12 // page_size
+        order = torch.randperm(k_cache.shape[0], generator=generator)[:batch * per_seq]
+        block_table = order.view(batch, per_seq).to(torch.int32)
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    o, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=cache_seqlens,
+                                     block_table=block_table, causal=causal, return_softmax_lse=True)
+    index = dict(cache_seqlens=cache_seqlens.numpy(),
+                 block_table=None if block_table is None else block_table.numpy())
+    for got, before, new_tokens in ((k_cache, before_k, k_new), (v_cache, before_v, v_new)):
+        np.testing.assert_array_equal(got.numpy(), reference.kvcache_appended(before.numpy(), new_tokens.numpy(),
+                                                                              **index))
+    o_ref, lse_ref = reference.kvcache_attention(q.numpy(), before_k.numpy(), before_v.numpy(), k_new.numpy(),
+                                                 v_new.numpy(), causal=causal, **index)
+    np.testing.assert_allclose(o.numpy(), o_ref, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse.numpy(), lse_ref, rtol=1e-12, atol=1e-12)
+
+
+def test_kvcache_int_seqlens_and_batch_index_without_append():
+    batch, nheads, headdim = 2, 2, 8
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn((batch, 1, nheads, headdim), generator=generator, dtype=torch.float64)
+    k_cache, v_cache = caches(4, nheads_kv=2)
+    cache_batch_idx = torch.tensor([3, 1], dtype=torch.int32)
+    before = k_cache.clone()
+    o = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=7, cache_batch_idx=cache_batch_idx)
+    assert torch.equal(k_cache, before)  # nothing appended, nothing written
+    o_ref, _ = reference.kvcache_attention(q.numpy(), k_cache.numpy(), v_cache.numpy(),
+                                           cache_seqlens=np.full(batch, 7, np.int32),
+                                           cache_batch_idx=cache_batch_idx.numpy())
+    np.testing.assert_allclose(o.numpy(), o_ref, rtol=1e-12, atol=1e-12)
+
+
+def test_kvcache_bfloat16_caches_are_written_in_place():
+    q = torch.randn((1, 1, 2, 8)).to(torch.bfloat16)
+    k_cache, v_cache = (c.to(torch.bfloat16) for c in caches(1))
+    k_new, v_new = (torch.randn((1, 1, 2, 8)).to(torch.bfloat16) for _ in range(2))
+    flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=4)
+    assert torch.equal(k_cache[0, 4], k_new[0, 0]) and torch.equal(v_cache[0, 4], v_new[0, 0])
+
+
+def test_kvcache_fake_shapes_and_opcheck():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q = torch.randn((2, 3, 4, 8), dtype=torch.float64)
+    k_cache, v_cache = caches(2)
+    k_new, v_new = (torch.randn((2, 3, 2, 8), dtype=torch.float64) for _ in range(2))
+    seqlens = torch.tensor([2, 5], dtype=torch.int32)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = [torch.empty(x.shape, dtype=torch.float16) for x in (q, k_cache, v_cache, k_new, v_new)]
+        o, lse = flash_attn_with_kvcache(*fake, cache_seqlens=seqlens, return_softmax_lse=True)
+        assert o.shape == q.shape and lse.shape == (2, 4, 3) and lse.dtype == torch.float32
+    args = (q, k_cache, v_cache, k_new, v_new, seqlens, None, None, 0.35, True, -1, 0)
+    report = torch.library.opcheck(torch.ops.cupyflash.flash_attn_with_kvcache.default, args,
+                                   test_utils=("test_schema", "test_faketensor"))
+    assert set(report.values()) == {"SUCCESS"}, report
+
+
+def test_kvcache_errors_name_the_argument():
+    q = torch.randn((2, 1, 4, 8), dtype=torch.float64)
+    k_cache, v_cache = caches(2)
+    k_new = torch.randn((2, 1, 2, 8), dtype=torch.float64)
+    cases = [
+        (dict(k=k_new), ValueError, "k and v must be given together"),
+        (dict(cache_seqlens=torch.tensor([1, 2])), TypeError, "cache_seqlens must have dtype torch.int32"),
+        (dict(rotary_cos=torch.ones(1)), NotImplementedError, "rotary_cos"),
+        (dict(cache_leftpad=torch.zeros(2, dtype=torch.int32)), NotImplementedError, "cache_leftpad"),
+        (dict(k_cache=k_cache.float()), TypeError, "k_cache has dtype torch.float32"),
+        (dict(num_splits=-1), ValueError, "num_splits must be >= 0"),
+    ]
+    for change, error, message in cases:
+        args = dict(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=torch.tensor([1, 2], dtype=torch.int32))
+        args.update(change)
+        with pytest.raises(error, match=message):
+            flash_attn_with_kvcache(**args)
