@@ -523,9 +523,9 @@ PREPROCESS_ROWS = 4  # rows of D per block of flash_bwd_preprocess (a warp per r
 
 
 def preprocess_spec(dtype) -> Specialization:
-    """flash_bwd_preprocess (kernels_cu/flash_bwd_simt.cu): D = rowsum(dO * O), every family."""
+    """flash_bwd_preprocess (kernels_cu/flash_bwd_preprocess.cu): D = rowsum(dO * O), every family."""
     name = dtype_name(dtype)
-    return Specialization(f"flash_bwd_preprocess_{SHORT_NAMES[name]}", "flash_bwd_simt.cu",
+    return Specialization(f"flash_bwd_preprocess_{SHORT_NAMES[name]}", "flash_bwd_preprocess.cu",
                           f"cf::flash_bwd_preprocess<{CTYPES[name]}>", 32 * PREPROCESS_ROWS, 0)
 
 
