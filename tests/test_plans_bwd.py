@@ -886,7 +886,7 @@ def old_names(dtype: str, mask: str, deterministic: bool, arch: str, smem: int, 
 
 
 # Files of the old tree that held several kernels: kernels_cu/<kernel>.cu each now.
-SPLIT_SOURCES = ("flash_bwd_simt.cu",)
+SPLIT_SOURCES = ("flash_bwd_mma.cu", "flash_bwd_simt.cu")
 
 
 def old_spec(name: str) -> tuple:
