@@ -9,9 +9,9 @@ plan's ``dq_add`` (``DQ_ADDS``: how dQ is formed), the one encoding the launcher
 specializations see from then on.
 
 This module also holds the tile tables and specialization builders of the tensor-core backward
-kernels (``kernels_cu/flash_bwd_mma.cu``, ``flash_bwd_fused_mma.cu``, ``flash_bwd_wgmma.cu``,
-``flash_bwd_wgmma_dsplit.cu``, ``flash_bwd_dq_wgmma.cu``); ``kernels/mma_bwd.py`` launches a plan
-and keeps no tables. The versions that led here (v1-v10) and the tuner's candidates are in the
+kernels, each in ``kernels_cu/<kernel>.cu``: ``flash_bwd_dkdv_mma*``, ``flash_bwd_dq_mma*``,
+``flash_bwd_dq_convert``, ``flash_bwd_fused_mma``, ``flash_bwd_wgmma``, ``flash_bwd_wgmma_dsplit``,
+``flash_bwd_dq_wgmma``; ``kernels/mma_bwd.py`` launches a plan and keeps no tables. The versions that led here (v1-v10) and the tuner's candidates are in the
 repository's ``dev/mma_bwd.py``, with their numbers in docs/perf-log.md.
 
 Tile sizes, per head-dim tile D_TILE (64, 128 or 256, the smallest that holds the head dim).
@@ -25,7 +25,7 @@ Registers per thread are what limit them (255 at most, and no spills):
   M_SUB: the CTA then walks a query block in BLOCK_M / M_SUB steps between two barriers.
 * dQ: a warp owns 16 query rows: D_TILE / 2 accumulator registers plus BLOCK_N for S and dP.
 
-Shared memory (bytes; mirrored by DkdvSmem / DqSmem in flash_bwd_mma.cu): K, V of the key block,
+Shared memory (bytes; mirrored by DkdvSmem / DqSmem in mma_bwd_layouts.cuh): K, V of the key block,
 two stages of Q, dO (and lse, D) per query block, the 16-bit dS^T block (atomic dQ) and the
 partial-sum exchange (WARPS_D = 2). The mma.sync rows fit sm_80's 163 KiB (the largest, the atomic
 head-dim-256 dK/dV kernel, takes 148.5 KiB); GPUs with 99 KiB per block (sm_86, sm_89) can run
@@ -51,7 +51,6 @@ __all__ = ["BackwardPlan", "BackwardKernels", "BACKWARD_KERNELS", "DQ_ADDS", "pl
 
 D_TILES = TENSOR_CORE_D_TILES
 CONVERT_THREADS = 256
-_SOURCE = "flash_bwd_mma.cu"
 
 
 def d_tile(headdim: int) -> int:
@@ -147,7 +146,7 @@ def _mma_sync_dq_add(dq_add: str) -> str:
 
 def dkdv_smem_bytes(dt: int, block_m: int, m_sub: int, block_n: int, nwarps: int, warps_d: int,
                     dq_add: str) -> int:
-    """Mirror of DkdvSmem<...>::BYTES in flash_bwd_mma.cu (``dq_add`` "atomic" or "none")."""
+    """Mirror of DkdvSmem<...>::BYTES in mma_bwd_layouts.cuh (``dq_add`` "atomic" or "none")."""
     kv = 2 * block_n * dt * 2  # K, V
     qdo = 2 * 2 * block_m * dt * 2  # Q, dO, two stages each
     ds = block_n * block_m * 2 if _mma_sync_dq_add(dq_add) == "atomic" else 0  # dS^T of the atomic adds
@@ -157,7 +156,7 @@ def dkdv_smem_bytes(dt: int, block_m: int, m_sub: int, block_n: int, nwarps: int
 
 
 def dq_smem_bytes(dt: int, block_m: int, block_n: int) -> int:
-    """Mirror of DqSmem<...>::BYTES in flash_bwd_mma.cu."""
+    """Mirror of DqSmem<...>::BYTES in mma_bwd_layouts.cuh."""
     return 2 * block_m * dt * 2 + 2 * 2 * block_n * dt * 2
 
 
@@ -183,7 +182,7 @@ def dq_smem_bytes_v2(dt: int, block_m: int, block_n: int) -> int:
 
 def convert_spec(dtype) -> Specialization:
     name = dtype_name(dtype)
-    return Specialization(f"flash_bwd_dq_convert_{SHORT_NAMES[name]}", _SOURCE,
+    return Specialization(f"flash_bwd_dq_convert_{SHORT_NAMES[name]}", "flash_bwd_dq_convert.cu",
                           f"cf::flash_bwd_dq_convert<{CTYPES[name]}>", CONVERT_THREADS, 0)
 
 
@@ -303,7 +302,7 @@ def dkdv_spec(dtype, headdim: int, causal: Mask | bool, dq_add: str, kernel: str
         smem = dkdv_split_smem_bytes(dt, bm, ms, bn, nw, last, dq_add)
     else:  # v2 keeps v1's layout with one warp per key-row group
         smem = dkdv_smem_bytes(dt, bm, ms, bn, nw, last if kernel == "v1" else 1, dq_add)
-    return Specialization(spec_name, _SOURCE, expression, nw * 32, smem)
+    return Specialization(spec_name, f"flash_bwd_dkdv_mma{suffix}.cu", expression, nw * 32, smem)
 
 
 def dq_spec(dtype, headdim: int, causal: Mask | bool, config: tuple | None = None) -> Specialization:
@@ -317,11 +316,11 @@ def dq_spec(dtype, headdim: int, causal: Mask | bool, config: tuple | None = Non
         bm, bn, nw, rg = config
         spec_name = f"flash_bwd_dq_mma_v2_{SHORT_NAMES[name]}_hdim{dt}_{mask.name}_bm{bm}_bn{bn}_w{nw}_rg{rg}"
         expression = f"cf::flash_bwd_dq_mma_v2<{CTYPES[name]}, {dt}, {mask.cpp}, {bm}, {bn}, {nw}, {rg}>"
-        return Specialization(spec_name, _SOURCE, expression, nw * 32, dq_smem_bytes_v2(dt, bm, bn))
+        return Specialization(spec_name, "flash_bwd_dq_mma_v2.cu", expression, nw * 32, dq_smem_bytes_v2(dt, bm, bn))
     bm, bn, nw = config
     spec_name = f"flash_bwd_dq_mma_{SHORT_NAMES[name]}_hdim{dt}_{mask.name}_bm{bm}_bn{bn}_w{nw}"
     expression = f"cf::flash_bwd_dq_mma<{CTYPES[name]}, {dt}, {mask.cpp}, {bm}, {bn}, {nw}>"
-    return Specialization(spec_name, _SOURCE, expression, nw * 32, dq_smem_bytes(dt, bm, bn))
+    return Specialization(spec_name, "flash_bwd_dq_mma.cu", expression, nw * 32, dq_smem_bytes(dt, bm, bn))
 
 
 # --- the table --------------------------------------------------------------------------------
@@ -523,9 +522,9 @@ PREPROCESS_ROWS = 4  # rows of D per block of flash_bwd_preprocess (a warp per r
 
 
 def preprocess_spec(dtype) -> Specialization:
-    """flash_bwd_preprocess (kernels_cu/flash_bwd_simt.cu): D = rowsum(dO * O), every family."""
+    """flash_bwd_preprocess (kernels_cu/flash_bwd_preprocess.cu): D = rowsum(dO * O), every family."""
     name = dtype_name(dtype)
-    return Specialization(f"flash_bwd_preprocess_{SHORT_NAMES[name]}", "flash_bwd_simt.cu",
+    return Specialization(f"flash_bwd_preprocess_{SHORT_NAMES[name]}", "flash_bwd_preprocess.cu",
                           f"cf::flash_bwd_preprocess<{CTYPES[name]}>", 32 * PREPROCESS_ROWS, 0)
 
 

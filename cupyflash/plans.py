@@ -285,14 +285,14 @@ def _simt_spec(kind: str, name: str, dt: int, mask: Mask, tiles: SimtTiles) -> S
     ld = dt + 1
     if kind == "fwd":
         smem = ab * (bm * ld + 2 * bn * ld + bm * (bn + 1))
-        threads, source, fn = bm * tpr, "flash_fwd_simt.cu", "flash_fwd_simt"
+        threads, fn = bm * tpr, "flash_fwd_simt"
     elif kind == "dkdv":
         smem = ab * (2 * bn * ld + 2 * bm * ld + 2 * bn * (bm + 1) + 2 * bm)
-        threads, source, fn = bn * tpr, "flash_bwd_simt.cu", "flash_bwd_dkdv_simt"
+        threads, fn = bn * tpr, "flash_bwd_dkdv_simt"
     elif kind == "dq":
         smem = ab * (2 * bm * ld + 2 * bn * ld + bm * (bn + 1))
-        threads, source, fn = bm * tpr, "flash_bwd_simt.cu", "flash_bwd_dq_simt"
+        threads, fn = bm * tpr, "flash_bwd_dq_simt"
     else:
         raise ValueError(kind)
-    return Specialization(f"{fn}_{SHORT_NAMES[name]}_hdim{dt}_{mask.name}_bm{bm}_bn{bn}_tpr{tpr}", source,
+    return Specialization(f"{fn}_{SHORT_NAMES[name]}_hdim{dt}_{mask.name}_bm{bm}_bn{bn}_tpr{tpr}", f"{fn}.cu",
                           f"cf::{fn}<{CTYPES[name]}, {dt}, {mask.cpp}, {bm}, {bn}, {tpr}>", threads, smem)

@@ -1,6 +1,6 @@
 // flash_bwd_fused_mma: attention backward on tensor cores in one kernel (fp16/bf16, sm_80 and
 // sm_90). dK, dV and dQ from one recomputation of S and dP per (query block, key block) pair:
-// five matrix products where the two-kernel deterministic path (flash_bwd_mma.cu) needs seven.
+// five matrix products where the two-kernel deterministic path (mma_bwd_layouts.cuh) needs seven.
 //
 // One CTA per (key block j, kv head, batch) keeps K_j and V_j in shared memory and walks every
 // query block i of every query head of its GQA group (Q_i, dO_i, lse_i, D_i double-buffered by

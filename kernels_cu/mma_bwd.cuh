@@ -1,7 +1,7 @@
-// Tile steps shared by the tensor-core backward kernels (flash_bwd_mma.cu, flash_bwd_fused_mma.cu):
-// backward-only PTX, swizzled tile geometry for tiles of any width, warp-tile products whose
-// operands come from shared memory or registers, accumulator staging and stores. The mask is
-// the policy's (mask.cuh).
+// Tile steps shared by the tensor-core backward kernels (the two-kernel family of
+// mma_bwd_layouts.cuh, flash_bwd_fused_mma.cu): backward-only PTX, swizzled tile geometry for tiles
+// of any width, warp-tile products whose operands come from shared memory or registers,
+// accumulator staging and stores. The mask is the policy's (mask.cuh).
 #pragma once
 
 #include "common.cuh"

@@ -338,7 +338,7 @@ def test_compile_check_compiles_one_kernel_with_nvrtc(monkeypatch, tmp_path, cap
     assert line.split()[:2] == ["sm_80", "flash_bwd_preprocess_fp16"] and "spill     0" in line
     assert summary == ("cupyflash compile-check: 1 kernels compiled for sm_80: 1 ok, "
                        "0 with spills, 0 failed")
-    assert captured.err.startswith("[1/1 ") and "sm_80 flash_bwd_simt.cu: 1 compiled" in captured.err
+    assert captured.err.startswith("[1/1 ") and "sm_80 flash_bwd_preprocess.cu: 1 compiled" in captured.err
     assert len(list(tmp_path.rglob("*.json"))) == 1
 
 

@@ -7,7 +7,9 @@ The OLD_* tables are what dev/backward_dispatch_before_plans.py printed from the
 (5e4395f: ``mma_bwd.backward`` walking VERSIONS to v10, ``simt.backward``), on its SHAPE, with the
 mask tokens of that tree (full, causal, local: the window (100, 3)). Its expressions spell the dQ
 mode of the mma.sync dK/dV and fused kernels as bools (ATOMIC_DQ, DQ_ORDERED); the kernels now take
-``DqAdd DQ_ADD`` (dq_add.cuh), the same instantiations, which ``old_spec`` spells today's way.
+``DqAdd DQ_ADD`` (dq_add.cuh), the same instantiations, which ``old_spec`` spells today's way. Its
+sources name files that held several kernels then (SPLIT_SOURCES); each kernel now has a file of
+its own named after it, which ``old_spec`` names too.
 """
 from __future__ import annotations
 
@@ -883,12 +885,19 @@ def old_names(dtype: str, mask: str, deterministic: bool, arch: str, smem: int, 
     return next(names for bound, names in rows if headdim <= bound)
 
 
+# Files of the old tree that held several kernels: kernels_cu/<kernel>.cu each now.
+SPLIT_SOURCES = ("flash_bwd_mma.cu", "flash_bwd_simt.cu")
+
+
 def old_spec(name: str) -> tuple:
     """(source, expression, threads, shared memory bytes, arch) of the old table, the dQ mode in
     the DqAdd spelling: the dK/dV kernels' last template argument ATOMIC_DQ true / false is
     DqAdd::atomic / none, the fused kernel's tenth, DQ_ORDERED true / false, DqAdd::ordered /
-    atomic (the names say which: _dqatomic, _dqordered)."""
+    atomic (the names say which: _dqatomic, _dqordered); a source of SPLIT_SOURCES is the kernel's
+    own file."""
     source, expression, *rest = OLD_SPECS[name]
+    if source in SPLIT_SOURCES:
+        source = expression.removeprefix("cf::").split("<", 1)[0] + ".cu"
     if name.startswith("flash_bwd_dkdv_mma"):
         dq_add = "atomic" if name.endswith("_dqatomic") else "none"
         flag = re.search(r", (true|false)>$", expression)

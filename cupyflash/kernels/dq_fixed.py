@@ -3,7 +3,8 @@
 Every key block's contribution to dQ_i is added into an int64 ``dq_accum`` as round(x 2^E_i),
 with 2^E_i a per-row power of two chosen from a bound on |dQ_i|. Integer adds are exact and
 associative, so dQ is the same bits whatever order the CTAs add in: deterministic without the
-ordered kernels' waiting. Around the backward kernel (kernels_cu/flash_bwd_dq_fixed.cu):
+ordered kernels' waiting. Around the backward kernel (kernels_cu/dq_fixed.cuh; each kernel in
+kernels_cu/<kernel>.cu):
 
 1. ``flash_bwd_kv_bounds``: max |K| and max |V| per (batch, kv head);
 2. ``flash_bwd_preprocess_fixed``: D_i = dO_i . O_i (the backward's row statistic, which
@@ -32,27 +33,28 @@ from .constants import CTYPES, SHORT_NAMES, SIXTEEN_BIT, TENSOR_CORE_D_TILES, d_
 from .params import pointer
 from .._dtypes import dtype_name
 
-_SOURCE = "flash_bwd_dq_fixed.cu"
 ROW_THREADS = 256
 KV_BOUND_ROWS = 128  # key rows per block of flash_bwd_kv_bounds (ROWS in the kernel)
 
 
+def _spec(kernel: str, suffix: str, arguments: str) -> Specialization:
+    """``kernel`` (kernels_cu/<kernel>.cu) at template ``arguments``, named <kernel>_<suffix>."""
+    return Specialization(f"{kernel}_{suffix}", f"{kernel}.cu", f"cf::{kernel}<{arguments}>", ROW_THREADS, 0)
+
+
 def kv_bounds_spec(dtype, dt: int) -> Specialization:
     name = dtype_name(dtype)
-    return Specialization(f"flash_bwd_kv_bounds_{SHORT_NAMES[name]}_hdim{dt}", _SOURCE,
-                          f"cf::flash_bwd_kv_bounds<{CTYPES[name]}, {dt}>", ROW_THREADS, 0)
+    return _spec("flash_bwd_kv_bounds", f"{SHORT_NAMES[name]}_hdim{dt}", f"{CTYPES[name]}, {dt}")
 
 
 def preprocess_spec(dtype, dt: int) -> Specialization:
     name = dtype_name(dtype)
-    return Specialization(f"flash_bwd_preprocess_fixed_{SHORT_NAMES[name]}_hdim{dt}", _SOURCE,
-                          f"cf::flash_bwd_preprocess_fixed<{CTYPES[name]}, {dt}>", ROW_THREADS, 0)
+    return _spec("flash_bwd_preprocess_fixed", f"{SHORT_NAMES[name]}_hdim{dt}", f"{CTYPES[name]}, {dt}")
 
 
 def convert_spec(dtype) -> Specialization:
     name = dtype_name(dtype)
-    return Specialization(f"flash_bwd_dq_convert_fixed_{SHORT_NAMES[name]}", _SOURCE,
-                          f"cf::flash_bwd_dq_convert_fixed<{CTYPES[name]}>", ROW_THREADS, 0)
+    return _spec("flash_bwd_dq_convert_fixed", SHORT_NAMES[name], CTYPES[name])
 
 
 def specializations() -> list[Specialization]:

@@ -1,5 +1,5 @@
 """kernels_cu/params.cuh and its NumPy twin (cupyflash/kernels/params.py) have one layout, and every
-kernel takes its direction's struct as its only argument.
+kernel takes its direction's struct as its only argument, in a file of its own named after it.
 
 The layout check compiles static_asserts of every field's offset and size, the structs' sizes and
 alignment, under NVRTC for each target on CPU: a field added, dropped, reordered or retyped on one
@@ -48,6 +48,19 @@ def kernel_signatures():
     for path in sorted(kernels_dir().glob("*.cu")):
         for name, args in _KERNEL.findall(path.read_text()):
             yield path.name, name, " ".join(args.split())
+
+
+def test_one_kernel_per_file_named_after_it():
+    """Every kernels_cu/*.cu defines one kernel and is named after it; every specialization
+    compiles its kernel's file."""
+    kernels = {}
+    for source, name, _ in kernel_signatures():
+        kernels.setdefault(source, []).append(name)
+    assert set(kernels) == {p.name for p in kernels_dir().glob("*.cu")}
+    assert {source: names for source, names in kernels.items() if names != [source.removesuffix(".cu")]} == {}
+    for spec in compile_check.all_specializations():
+        kernel = spec.expression.removeprefix("cf::").split("<", 1)[0]
+        assert spec.source_file == f"{kernel}.cu", spec
 
 
 # kernel name prefix -> its struct (the first match)

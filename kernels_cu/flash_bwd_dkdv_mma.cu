@@ -1,0 +1,230 @@
+// flash_bwd_dkdv_mma: dK, dV (and optionally dQ by atomics) of the two-kernel tensor-core backward
+// (the family: mma_bwd_layouts.cuh).
+//
+// Warp split of flash_bwd_dkdv_mma: warp w owns 16 key rows (w / WARPS_D) and head-dim slice
+// (w % WARPS_D) of dK_j and dV_j. It computes the transposed scores S^T = K_j Q_i^T and
+// dP^T = V_j dO_i^T of its 16 key rows, so the accumulator fragments of P^T and dS^T repack
+// directly into the A operands of dV += P^T dO_i and dK += dS^T Q_i (see mma.cuh): neither goes
+// through shared memory. Only dQ += dS K_j, which sums over the key rows of all warps, reads dS
+// from shared memory. A query block of BLOCK_M rows (one pipeline stage) is processed in steps of
+// M_SUB query columns, sized so that S^T and dP^T of a step fit next to dK_j and dV_j in
+// registers. With WARPS_D = 2 (head dim 256: 16 rows of dK and dV at full width would need 256
+// accumulator registers per thread) the two warps of a key-row group each reduce S^T and dP^T
+// over their half of the head dim and swap the partial sums through shared memory.
+#include "common.cuh"
+#include "dq_add.cuh"
+#include "mask.cuh"
+#include "mma.cuh"
+#include "mma_bwd.cuh"
+#include "mma_bwd_layouts.cuh"
+#include "params.cuh"
+#include "softmax_bwd.cuh"
+
+namespace cf {
+
+template <typename T, int D_TILE, class Mask, int BLOCK_M, int M_SUB, int BLOCK_N, int NWARPS,
+          int WARPS_D, DqAdd DQ_ADD>
+__global__ void __launch_bounds__(NWARPS * 32, 1)
+flash_bwd_dkdv_mma(const __grid_constant__ BwdParams p) {
+    static_assert(DQ_ADD == DqAdd::atomic || DQ_ADD == DqAdd::none, "dQ by float32 atomics or by flash_bwd_dq_mma");
+    constexpr bool ATOMIC_DQ = DQ_ADD == DqAdd::atomic;
+    typedef DkdvSmem<D_TILE, BLOCK_M, M_SUB, BLOCK_N, NWARPS, WARPS_D, DQ_ADD> L;
+    constexpr int NTHREADS = NWARPS * 32;
+    constexpr int DW = D_TILE / WARPS_D;  // dK, dV columns per warp
+    constexpr int DQ_WARPS_M = BLOCK_M / 16;
+    constexpr int DQ_COLS = D_TILE / (NWARPS / DQ_WARPS_M);  // dQ columns per warp (DqAdd::atomic)
+    constexpr int DQ_PASS = DQ_COLS < 32 ? DQ_COLS : 32;
+    static_assert(BLOCK_N == 16 * NWARPS / WARPS_D, "one 16-row key group per warp (pair)");
+    static_assert(WARPS_D == 1 || WARPS_D == 2, "head-dim split into 1 or 2 slices");
+    static_assert(BLOCK_M % M_SUB == 0 && M_SUB % 16 == 0 && DW % 16 == 0, "m16n8k16 tiles");
+    static_assert(!ATOMIC_DQ || (NWARPS % DQ_WARPS_M == 0 && DQ_COLS % DQ_PASS == 0 && DQ_PASS % 16 == 0),
+                  "dQ warp grid");
+    static_assert(L::BYTES <= 227 * 1024, "shared memory");
+
+    extern __shared__ __align__(128) unsigned char smem[];
+    if (dynamic_smem_bytes() < L::BYTES) __trap();
+    const u32 base = smem_u32(smem);
+    const u32 s_k = base + L::K, s_v = base + L::V, s_ds = base + L::DS, s_xchg = base + L::XCHG;
+
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int key_group = warp / WARPS_D, d_part = warp % WARPS_D;
+    const int row0 = 16 * key_group;  // this warp's key rows within the block
+    const int n0 = blockIdx.x * BLOCK_N, head_kv = blockIdx.y, batch = blockIdx.z;
+    // The run-time arguments, read once here (bwd_args in mma_bwd.cuh says why).
+    const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, nheads = p.nheads, group = p.group, headdim = p.headdim;
+    const float scale_log2 = p.scale_log2, scale = p.scale;
+    const TensorRows q = p.q, k = p.k, v = p.v, dout = p.dout, dk = p.dk, dv = p.dv, dq_accum = p.dq_accum;
+    const float* __restrict__ lse = static_cast<const float*>(p.lse);
+    const float* __restrict__ delta = static_cast<const float*>(p.delta);
+    const Mask mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
+
+    // Query blocks [m_block_first, m_block_end) see some key of this block (mask.cuh); the others
+    // are never loaded.
+    const int m_block_first = mask.query_begin(n0) / BLOCK_M;
+    const int m_block_end = (mask.query_end(n0, BLOCK_N) + BLOCK_M - 1) / BLOCK_M;
+    const int m_blocks = max(0, m_block_end - m_block_first);
+    const int n_iters = group * m_blocks;  // (query head of the group, query block) pairs
+
+    auto load_query_block = [&](int it, int stage) {
+        const int head = head_kv * group + it / m_blocks;
+        const int m0 = (m_block_first + it % m_blocks) * BLOCK_M;
+        cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(base + L::Q + stage * L::Q_TILE,
+                                                 q.row<const T>(batch, m0, head),
+                                                 seqlen_q - m0, headdim, q.row_stride, tid);
+        cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(base + L::DO + stage * L::Q_TILE,
+                                                 dout.row<const T>(batch, m0, head),
+                                                 seqlen_q - m0, headdim, dout.row_stride, tid);
+        cp_async_row_stats<BLOCK_M, NTHREADS>(base + L::LSE, base + L::DELTA, stage, lse, delta,
+                                               ((i64)batch * nheads + head) * seqlen_q + m0, m0, seqlen_q, tid);
+    };
+
+    // Prologue: K_j, V_j and the first query block in one group.
+    cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(s_k, k.row<const T>(batch, n0, head_kv), seqlen_k - n0, headdim,
+                                             k.row_stride, tid);
+    cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(s_v, v.row<const T>(batch, n0, head_kv), seqlen_k - n0, headdim,
+                                             v.row_stride, tid);
+    if (n_iters > 0) load_query_block(0, 0);
+    cp_async_commit();
+
+    float dk_acc[DW / 8][4], dv_acc[DW / 8][4];
+    zero(dk_acc);
+    zero(dv_acc);
+
+    for (int it = 0; it < n_iters; ++it) {
+        const int stage = it & 1;
+        // The wait lands this block's copies; the barrier makes every thread's copies visible and
+        // guarantees that all warps are done with iteration it - 1 (stage ^ 1 and the dS tile).
+        cp_async_wait<0>();
+        __syncthreads();
+        if (it + 1 < n_iters) load_query_block(it + 1, stage ^ 1);
+        cp_async_commit();
+
+        const int head = head_kv * group + it / m_blocks;
+        const int m0 = (m_block_first + it % m_blocks) * BLOCK_M;
+        const u32 s_q = base + L::Q + stage * L::Q_TILE, s_do = base + L::DO + stage * L::Q_TILE;
+        const float* s_lse = reinterpret_cast<const float*>(smem + L::LSE) + stage * BLOCK_M;
+        const float* s_delta = reinterpret_cast<const float*>(smem + L::DELTA) + stage * BLOCK_M;
+
+        // Steps 1-6 per sub-block of M_SUB query columns, one after the other: the S^T and dP^T
+        // fragments of a sub-block are what the registers left by dK_j, dV_j can hold.
+#pragma unroll 1
+        for (int mc0 = 0; mc0 < BLOCK_M; mc0 += M_SUB) {
+            const u32 s_q_sub = s_q + mc0 * (D_TILE * 2), s_do_sub = s_do + mc0 * (D_TILE * 2);
+            const int m0_sub = m0 + mc0;
+            const bool partial = mask.partial(m0_sub, M_SUB, n0, BLOCK_N);
+
+            // Step 1: S^T = K_j Q^T for this warp's key rows (over its head-dim slice if WARPS_D = 2).
+            float s_acc[M_SUB / 8][4];
+            zero(s_acc);
+            mma_ABt<T, M_SUB, DW, D_TILE, D_TILE>(s_acc, s_k, row0, s_q_sub, d_part * DW, lane);
+            if constexpr (WARPS_D == 2) swap_partial_sums(s_acc, s_xchg, L::XCHG_WARP, warp, key_group, lane);
+
+            // Step 2: P^T = exp2(S^T scale log2(e) - lse log2(e)); entries are (key row, query
+            // column), so lse is per column. Hidden entries are set to 0 by selection, not by
+            // multiplication, so that a non-finite score there cannot leak; blocks inside the mask
+            // run an instance without the test (masked_or_not, mma_bwd.cuh; likewise in step 5).
+#pragma unroll
+            for (int j = 0; j < M_SUB / 8; ++j) {
+                const int c = 8 * j + 2 * (lane % 4);
+                const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + mc0 + c);
+                const float base_log2[2] = {lse_base_log2(lse2.x), lse_base_log2(lse2.y)};
+                masked_or_not(partial, [&](auto masked) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const bool hidden =
+                            masked.value && !mask.visible(m0_sub + c + (e & 1), n0 + row0 + lane / 4 + 8 * (e >> 1));
+                        const float p = recomputed_p(s_acc[j][e], scale_log2, base_log2[e & 1]);
+                        s_acc[j][e] = hidden ? 0.f : p;
+                    }
+                });
+            }
+
+            // Step 3: dV_j += P^T dO on this warp's head-dim slice.
+            {
+                u32 p_frag[M_SUB / 16][4];
+                pack_a_frags<T, M_SUB>(p_frag, s_acc);
+                mma_AB_regs<T, DW, M_SUB, D_TILE>(dv_acc, p_frag, s_do_sub, d_part * DW, lane);
+            }
+
+            // Step 4: dP^T = V_j dO^T.
+            float dp_acc[M_SUB / 8][4];
+            zero(dp_acc);
+            mma_ABt<T, M_SUB, DW, D_TILE, D_TILE>(dp_acc, s_v, row0, s_do_sub, d_part * DW, lane);
+            if constexpr (WARPS_D == 2)
+                swap_partial_sums(dp_acc, s_xchg + M_SUB / 8 * 512, L::XCHG_WARP, warp, key_group, lane);
+
+            // Step 5: dS^T = P^T o (dP^T - D), D per column (P^T is already 0 where hidden).
+#pragma unroll
+            for (int j = 0; j < M_SUB / 8; ++j) {
+                const int c = 8 * j + 2 * (lane % 4);
+                const float2 d2 = *reinterpret_cast<const float2*>(s_delta + mc0 + c);
+                masked_or_not(partial, [&](auto masked) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const bool hidden =
+                            masked.value && !mask.visible(m0_sub + c + (e & 1), n0 + row0 + lane / 4 + 8 * (e >> 1));
+                        const float ds = s_acc[j][e] * (dp_acc[j][e] - ((e & 1) ? d2.y : d2.x));
+                        dp_acc[j][e] = hidden ? 0.f : ds;
+                    }
+                });
+            }
+            u32 ds_frag[M_SUB / 16][4];
+            pack_a_frags<T, M_SUB>(ds_frag, dp_acc);
+
+            // Step 6: dK_j += dS^T Q.
+            mma_AB_regs<T, DW, M_SUB, D_TILE>(dk_acc, ds_frag, s_q_sub, d_part * DW, lane);
+
+            // dS^T to shared memory for step 7 (both warps of a pair hold the same values).
+            if (ATOMIC_DQ && d_part == 0) {
+                const int r = row0 + lane / 4, c = 2 * (lane % 4);
+#pragma unroll
+                for (int kk = 0; kk < M_SUB / 16; ++kk) {
+                    const int chunk = mc0 / 8 + 2 * kk;
+                    st_shared_b32(s_ds + tile_offset<BLOCK_M>(r, chunk) + 2 * c, ds_frag[kk][0]);
+                    st_shared_b32(s_ds + tile_offset<BLOCK_M>(r + 8, chunk) + 2 * c, ds_frag[kk][1]);
+                    st_shared_b32(s_ds + tile_offset<BLOCK_M>(r, chunk + 1) + 2 * c, ds_frag[kk][2]);
+                    st_shared_b32(s_ds + tile_offset<BLOCK_M>(r + 8, chunk + 1) + 2 * c, ds_frag[kk][3]);
+                }
+            }
+        }
+
+        // Step 7 (DqAdd::atomic): dq_accum += dS K_j, dS read back from shared memory. Warps tile the
+        // query block by 16 rows x DQ_COLS columns, in passes of DQ_PASS columns (registers again),
+        // each reduced over all BLOCK_N keys and added to dq_accum by red.global.add.
+        if constexpr (ATOMIC_DQ) {
+            __syncthreads();
+            const int q_row0 = 16 * (warp % DQ_WARPS_M);
+            const int m_lo = m0 + q_row0 + lane / 4, m_hi = m_lo + 8;
+            float* dqa = dq_accum.head_rows<float>(batch, head);  // float32 rows (panel stride 64)
+            const i64 dqa_ss = dq_accum.row_stride;
+#pragma unroll 1
+            for (int col0 = DQ_COLS * (warp / DQ_WARPS_M); col0 < DQ_COLS * (warp / DQ_WARPS_M + 1);
+                 col0 += DQ_PASS) {
+                float dq_acc[DQ_PASS / 8][4];
+                zero(dq_acc);
+                mma_AtB<T, DQ_PASS, BLOCK_N, BLOCK_M, D_TILE>(dq_acc, s_ds, q_row0, s_k, col0, lane);
+#pragma unroll
+                for (int j = 0; j < DQ_PASS / 8; ++j) {
+                    const int col = col0 + 8 * j + 2 * (lane % 4);
+                    if (col < headdim) {
+                        if (m_lo < seqlen_q) red_add_f32x2(dqa + m_lo * dqa_ss + col, dq_acc[j][0], dq_acc[j][1]);
+                        if (m_hi < seqlen_q) red_add_f32x2(dqa + m_hi * dqa_ss + col, dq_acc[j][2], dq_acc[j][3]);
+                    }
+                }
+            }
+        }
+    }
+
+    // Epilogue: dK = scale dS^T Q summed, dV; staged through the K and V tiles for 16-byte stores.
+    cp_async_wait<0>();
+    __syncthreads();
+    stage_acc<T, DW, D_TILE>(s_k, row0, d_part * DW, dk_acc, scale, lane);
+    stage_acc<T, DW, D_TILE>(s_v, row0, d_part * DW, dv_acc, 1.f, lane);
+    __syncthreads();
+    store_tile<BLOCK_N, D_TILE, NTHREADS>(dk.row<T>(batch, n0, head_kv), s_k, seqlen_k - n0, headdim,
+                                          dk.row_stride, tid);
+    store_tile<BLOCK_N, D_TILE, NTHREADS>(dv.row<T>(batch, n0, head_kv), s_v, seqlen_k - n0, headdim,
+                                          dv.row_stride, tid);
+}
+
+}  // namespace cf

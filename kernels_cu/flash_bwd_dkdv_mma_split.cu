@@ -1,0 +1,269 @@
+// flash_bwd_dkdv_mma_split: v3 dK, dV, warp pairs split by role (head dim 128); v1 is
+// flash_bwd_dkdv_mma (flash_bwd_dkdv_mma.cu; the family: mma_bwd_layouts.cuh).
+//
+// Two 16-row groups of dK and dV at head dim 128 do not fit one warp's registers (256 fp32), so
+// the two warps of a pair share 16 ROW_GROUPS key rows and split the work by gradient: warp p
+// (role dV) computes S^T = K_j Q^T, P^T and dV += P^T dO; warp p + NWARPS / 2 (role dK) computes
+// dP^T = V_j dO^T, receives P^T through shared memory, and accumulates dK += dS^T Q. Each Q / dO
+// fragment then feeds 2 ROW_GROUPS mma. Head dim 128, 2 groups, M_SUB = 32: per pair and
+// sub-block 96 ldmatrix.x4 and 8 KiB of P^T exchange per 256 mma (v1: 160 ldmatrix.x4).
+//
+// The P^T exchange is one float4 per (lane, group, C fragment): both warps own the same key rows
+// and query columns, so lane l of the dK warp reads what lane l of the dV warp wrote. Two slots
+// per pair alternate by sub-block: a slot is rewritten two pair barriers after it was written,
+// and the dK warp reaches the second of them only after reading it.
+#include "common.cuh"
+#include "dq_add.cuh"
+#include "mask.cuh"
+#include "mma.cuh"
+#include "mma_bwd.cuh"
+#include "mma_bwd_layouts.cuh"
+#include "params.cuh"
+#include "softmax_bwd.cuh"
+
+namespace cf {
+
+template <int D_TILE, int BLOCK_M, int M_SUB, int BLOCK_N, int NWARPS, int ROW_GROUPS, DqAdd DQ_ADD>
+struct DkdvSplitSmem {
+    typedef DkdvSmem<D_TILE, BLOCK_M, M_SUB, BLOCK_N, NWARPS, 1, DQ_ADD> V1;
+    static constexpr u32 XCHG_SLOT = ROW_GROUPS * (M_SUB / 8) * 32 * 16;
+    static constexpr u32 XCHG = V1::BYTES;  // [NWARPS / 2 pairs][2 slots]
+    static constexpr u32 BYTES = XCHG + (NWARPS / 2) * 2 * XCHG_SLOT;
+};
+
+template <typename T, int D_TILE, class Mask, int BLOCK_M, int M_SUB, int BLOCK_N, int NWARPS, int ROW_GROUPS,
+          DqAdd DQ_ADD>
+__global__ void __launch_bounds__(NWARPS * 32, 1)
+flash_bwd_dkdv_mma_split(const __grid_constant__ BwdParams p) {
+    static_assert(DQ_ADD == DqAdd::atomic || DQ_ADD == DqAdd::none, "dQ by float32 atomics or by flash_bwd_dq_mma");
+    constexpr bool ATOMIC_DQ = DQ_ADD == DqAdd::atomic;
+    typedef DkdvSmem<D_TILE, BLOCK_M, M_SUB, BLOCK_N, NWARPS, 1, DQ_ADD> L;
+    typedef DkdvSplitSmem<D_TILE, BLOCK_M, M_SUB, BLOCK_N, NWARPS, ROW_GROUPS, DQ_ADD> X;
+    constexpr int NTHREADS = NWARPS * 32;
+    constexpr int PAIRS = NWARPS / 2;
+    constexpr int G = ROW_GROUPS;
+    constexpr int WARP_ROWS = 16 * G;
+    constexpr int DQ_WARPS_M = BLOCK_M / 16;
+    constexpr int DQ_COLS = D_TILE / (NWARPS / DQ_WARPS_M);  // dQ columns per warp (DqAdd::atomic)
+    constexpr int DQ_PASS = DQ_COLS < 32 ? DQ_COLS : 32;
+    static_assert(NWARPS % 2 == 0 && PAIRS <= 15, "warp pairs, one named barrier each");
+    static_assert(BLOCK_N == WARP_ROWS * PAIRS, "16 * ROW_GROUPS key rows per warp pair");
+    static_assert(BLOCK_M % M_SUB == 0 && M_SUB % 16 == 0 && D_TILE % 16 == 0, "m16n8k16 tiles");
+    static_assert(!ATOMIC_DQ || (NWARPS % DQ_WARPS_M == 0 && DQ_COLS % DQ_PASS == 0 && DQ_PASS % 16 == 0),
+                  "dQ warp grid");
+    static_assert(X::BYTES <= 227 * 1024, "shared memory");
+
+    extern __shared__ __align__(128) unsigned char smem[];
+    if (dynamic_smem_bytes() < X::BYTES) __trap();
+    const u32 base = smem_u32(smem);
+    const u32 s_k = base + L::K, s_v = base + L::V, s_ds = base + L::DS;
+
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int pair = warp % PAIRS;
+    const bool role_dk = warp >= PAIRS;  // warp-uniform
+    const int row0 = WARP_ROWS * pair;   // the pair's key rows within the block
+    const u32 s_xchg = base + X::XCHG + pair * 2 * X::XCHG_SLOT + lane * 16;
+    const int n0 = blockIdx.x * BLOCK_N, head_kv = blockIdx.y, batch = blockIdx.z;
+    // The run-time arguments, read once here (bwd_args in mma_bwd.cuh says why).
+    const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, nheads = p.nheads, group = p.group, headdim = p.headdim;
+    const float scale_log2 = p.scale_log2, scale = p.scale;
+    const TensorRows q = p.q, k = p.k, v = p.v, dout = p.dout, dk = p.dk, dv = p.dv, dq_accum = p.dq_accum;
+    const float* __restrict__ lse = static_cast<const float*>(p.lse);
+    const float* __restrict__ delta = static_cast<const float*>(p.delta);
+    const Mask mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
+
+    // Query blocks [m_block_first, m_block_end) see some key of this block (mask.cuh); the others
+    // are never loaded.
+    const int m_block_first = mask.query_begin(n0) / BLOCK_M;
+    const int m_block_end = (mask.query_end(n0, BLOCK_N) + BLOCK_M - 1) / BLOCK_M;
+    const int m_blocks = max(0, m_block_end - m_block_first);
+    const int n_iters = group * m_blocks;  // (query head of the group, query block) pairs
+
+    auto load_query_block = [&](int it, int stage) {
+        const int head = head_kv * group + it / m_blocks;
+        const int m0 = (m_block_first + it % m_blocks) * BLOCK_M;
+        cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(base + L::Q + stage * L::Q_TILE,
+                                                 q.row<const T>(batch, m0, head),
+                                                 seqlen_q - m0, headdim, q.row_stride, tid);
+        cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(base + L::DO + stage * L::Q_TILE,
+                                                 dout.row<const T>(batch, m0, head),
+                                                 seqlen_q - m0, headdim, dout.row_stride, tid);
+        cp_async_row_stats<BLOCK_M, NTHREADS>(base + L::LSE, base + L::DELTA, stage, lse, delta,
+                                               ((i64)batch * nheads + head) * seqlen_q + m0, m0, seqlen_q, tid);
+    };
+
+    cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(s_k, k.row<const T>(batch, n0, head_kv), seqlen_k - n0, headdim,
+                                             k.row_stride, tid);
+    cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(s_v, v.row<const T>(batch, n0, head_kv), seqlen_k - n0, headdim,
+                                             v.row_stride, tid);
+    if (n_iters > 0) load_query_block(0, 0);
+    cp_async_commit();
+
+    // dV_j rows of the pair (role dV) or dK_j rows (role dK).
+    float acc[G][D_TILE / 8][4];
+#pragma unroll
+    for (int g = 0; g < G; ++g) zero(acc[g]);
+    int slot = 0;
+
+    for (int it = 0; it < n_iters; ++it) {
+        const int stage = it & 1;
+        // As in v1: lands this block's copies; all warps are done with iteration it - 1.
+        cp_async_wait<0>();
+        __syncthreads();
+        if (it + 1 < n_iters) load_query_block(it + 1, stage ^ 1);
+        cp_async_commit();
+
+        const int head = head_kv * group + it / m_blocks;
+        const int m0 = (m_block_first + it % m_blocks) * BLOCK_M;
+        const u32 s_q = base + L::Q + stage * L::Q_TILE, s_do = base + L::DO + stage * L::Q_TILE;
+        const float* s_lse = reinterpret_cast<const float*>(smem + L::LSE) + stage * BLOCK_M;
+        const float* s_delta = reinterpret_cast<const float*>(smem + L::DELTA) + stage * BLOCK_M;
+
+#pragma unroll 1
+        for (int mc0 = 0; mc0 < BLOCK_M; mc0 += M_SUB, slot ^= 1) {
+            const u32 s_q_sub = s_q + mc0 * (D_TILE * 2), s_do_sub = s_do + mc0 * (D_TILE * 2);
+            const u32 s_p = s_xchg + slot * X::XCHG_SLOT;
+            const int m0_sub = m0 + mc0;
+            const bool partial = mask.partial(m0_sub, M_SUB, n0, BLOCK_N);
+            // Key row n is seen by the queries m_min <= m < seqlen_q (none if n >= seqlen_k) that the
+            // window's left bound allows: that bound from the policy's origin (query m0_sub + 2 (lane
+            // % 4), key n0 + row0 + lane / 4), one register for all rows of the lane.
+            int m_min[G][2];
+#pragma unroll
+            for (int g = 0; g < G; ++g)
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const int n = n0 + row0 + 16 * g + lane / 4 + 8 * half;
+                    m_min[g][half] = n < seqlen_k ? mask.row_query_begin(n) : seqlen_q;
+                }
+            const typename Mask::Origin origin = mask.origin(m0_sub + 2 * (lane % 4), n0 + row0 + lane / 4);
+
+            if (!role_dk) {
+                // S^T = K_j Q^T; P^T = exp2(S^T scale log2(e) - lse log2(e)), lse per column,
+                // hidden entries selected to 0 (masked_or_not); P^T to the pair's slot; dV_j += P^T dO.
+                float s_acc[G][M_SUB / 8][4];
+#pragma unroll
+                for (int g = 0; g < G; ++g) zero(s_acc[g]);
+                mma_ABt_groups<T, G, M_SUB, D_TILE, D_TILE, D_TILE>(s_acc, s_k, row0, s_q_sub, 0, lane);
+#pragma unroll
+                for (int j = 0; j < M_SUB / 8; ++j) {
+                    const int c = 8 * j + 2 * (lane % 4);
+                    const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + mc0 + c);
+                    const float base_log2[2] = {lse_base_log2(lse2.x), lse_base_log2(lse2.y)};
+#pragma unroll
+                    for (int g = 0; g < G; ++g) {
+                        masked_or_not(partial, [&](auto masked) {
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) {
+                                const int m = m0_sub + c + (e & 1);
+                                const bool hidden = masked.value && (m < m_min[g][e >> 1] || m >= seqlen_q ||
+                                                                     mask.hidden_left(origin, 8 * j + (e & 1),
+                                                                                      16 * g + 8 * (e >> 1)));
+                                const float p = recomputed_p(s_acc[g][j][e], scale_log2, base_log2[e & 1]);
+                                s_acc[g][j][e] = hidden ? 0.f : p;
+                            }
+                        });
+                        st_shared_v4(s_p + (g * (M_SUB / 8) + j) * 512, __float_as_uint(s_acc[g][j][0]),
+                                     __float_as_uint(s_acc[g][j][1]), __float_as_uint(s_acc[g][j][2]),
+                                     __float_as_uint(s_acc[g][j][3]));
+                    }
+                }
+                named_barrier_sync(1 + pair, 64);
+                u32 p_frag[G][M_SUB / 16][4];
+#pragma unroll
+                for (int g = 0; g < G; ++g) pack_a_frags<T, M_SUB>(p_frag[g], s_acc[g]);
+                mma_AB_regs_groups<T, G, D_TILE, M_SUB, D_TILE>(acc, p_frag, s_do_sub, 0, lane);
+            } else {
+                // dP^T = V_j dO^T; dS^T = P^T o (dP^T - D), D per column (P^T from the pair's
+                // slot, already 0 where hidden; the selection keeps a non-finite dP^T out);
+                // dK_j += dS^T Q.
+                float dp_acc[G][M_SUB / 8][4];
+#pragma unroll
+                for (int g = 0; g < G; ++g) zero(dp_acc[g]);
+                mma_ABt_groups<T, G, M_SUB, D_TILE, D_TILE, D_TILE>(dp_acc, s_v, row0, s_do_sub, 0, lane);
+                named_barrier_sync(1 + pair, 64);
+#pragma unroll
+                for (int j = 0; j < M_SUB / 8; ++j) {
+                    const int c = 8 * j + 2 * (lane % 4);
+                    const float2 d2 = *reinterpret_cast<const float2*>(s_delta + mc0 + c);
+#pragma unroll
+                    for (int g = 0; g < G; ++g) {
+                        u32 p[4];
+                        ld_shared_v4(p, s_p + (g * (M_SUB / 8) + j) * 512);
+                        masked_or_not(partial, [&](auto masked) {
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) {
+                                const int m = m0_sub + c + (e & 1);
+                                const bool hidden =
+                                    masked.value && (m < m_min[g][e >> 1] || m >= seqlen_q ||
+                                                     (Mask::HAS_LEFT && __uint_as_float(p[e]) == 0.f));
+                                const float ds =
+                                    __uint_as_float(p[e]) * (dp_acc[g][j][e] - ((e & 1) ? d2.y : d2.x));
+                                dp_acc[g][j][e] = hidden ? 0.f : ds;
+                            }
+                        });
+                    }
+                }
+                u32 ds_frag[G][M_SUB / 16][4];
+#pragma unroll
+                for (int g = 0; g < G; ++g) pack_a_frags<T, M_SUB>(ds_frag[g], dp_acc[g]);
+                mma_AB_regs_groups<T, G, D_TILE, M_SUB, D_TILE>(acc, ds_frag, s_q_sub, 0, lane);
+
+                if constexpr (ATOMIC_DQ) {
+#pragma unroll
+                    for (int g = 0; g < G; ++g) {
+                        const int r = row0 + 16 * g + lane / 4, c = 2 * (lane % 4);
+#pragma unroll
+                        for (int kk = 0; kk < M_SUB / 16; ++kk) {
+                            const int chunk = mc0 / 8 + 2 * kk;
+                            st_shared_b32(s_ds + tile_offset<BLOCK_M>(r, chunk) + 2 * c, ds_frag[g][kk][0]);
+                            st_shared_b32(s_ds + tile_offset<BLOCK_M>(r + 8, chunk) + 2 * c, ds_frag[g][kk][1]);
+                            st_shared_b32(s_ds + tile_offset<BLOCK_M>(r, chunk + 1) + 2 * c, ds_frag[g][kk][2]);
+                            st_shared_b32(s_ds + tile_offset<BLOCK_M>(r + 8, chunk + 1) + 2 * c,
+                                          ds_frag[g][kk][3]);
+                        }
+                    }
+                }
+            }
+        }
+
+        // Step 7 (DqAdd::atomic): as in v1, by all warps.
+        if constexpr (ATOMIC_DQ) {
+            __syncthreads();
+            const int q_row0 = 16 * (warp % DQ_WARPS_M);
+            const int m_lo = m0 + q_row0 + lane / 4, m_hi = m_lo + 8;
+            float* dqa = dq_accum.head_rows<float>(batch, head);  // float32 rows (panel stride 64)
+            const i64 dqa_ss = dq_accum.row_stride;
+#pragma unroll 1
+            for (int col0 = DQ_COLS * (warp / DQ_WARPS_M); col0 < DQ_COLS * (warp / DQ_WARPS_M + 1);
+                 col0 += DQ_PASS) {
+                float dq_acc[DQ_PASS / 8][4];
+                zero(dq_acc);
+                mma_AtB<T, DQ_PASS, BLOCK_N, BLOCK_M, D_TILE>(dq_acc, s_ds, q_row0, s_k, col0, lane);
+#pragma unroll
+                for (int j = 0; j < DQ_PASS / 8; ++j) {
+                    const int col = col0 + 8 * j + 2 * (lane % 4);
+                    if (col < headdim) {
+                        if (m_lo < seqlen_q) red_add_f32x2(dqa + m_lo * dqa_ss + col, dq_acc[j][0], dq_acc[j][1]);
+                        if (m_hi < seqlen_q) red_add_f32x2(dqa + m_hi * dqa_ss + col, dq_acc[j][2], dq_acc[j][3]);
+                    }
+                }
+            }
+        }
+    }
+
+    cp_async_wait<0>();
+    __syncthreads();
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        if (role_dk) stage_acc<T, D_TILE, D_TILE>(s_k, row0 + 16 * g, 0, acc[g], scale, lane);
+        else stage_acc<T, D_TILE, D_TILE>(s_v, row0 + 16 * g, 0, acc[g], 1.f, lane);
+    }
+    __syncthreads();
+    store_tile<BLOCK_N, D_TILE, NTHREADS>(dk.row<T>(batch, n0, head_kv), s_k, seqlen_k - n0, headdim,
+                                          dk.row_stride, tid);
+    store_tile<BLOCK_N, D_TILE, NTHREADS>(dv.row<T>(batch, n0, head_kv), s_v, seqlen_k - n0, headdim,
+                                          dv.row_stride, tid);
+}
+
+}  // namespace cf

@@ -1,0 +1,99 @@
+// flash_bwd_dq_simt: dQ of the SIMT backward, one block per query block Q_i walking the key blocks
+// and accumulating dQ_i, P and dS recomputed (the family: flash_bwd_dkdv_simt.cu).
+#include "common.cuh"
+#include "mask.cuh"
+#include "params.cuh"
+#include "softmax_bwd.cuh"
+
+namespace cf {
+
+template <typename T, int D_TILE, class Mask, int BLOCK_M, int BLOCK_N, int TPR>
+__global__ void __launch_bounds__(BLOCK_M * TPR, 2)
+flash_bwd_dq_simt(const __grid_constant__ BwdParams p) {
+    typedef typename acc_of<T>::type A;
+    constexpr int NTHREADS = BLOCK_M * TPR;
+    constexpr int S_PER_LANE = BLOCK_N / TPR;
+    constexpr int O_PER_LANE = D_TILE / TPR;
+    constexpr int LD = D_TILE + 1;
+    constexpr int LDS = BLOCK_N + 1;
+    static_assert(BLOCK_N % TPR == 0 && D_TILE % TPR == 0 && 32 % TPR == 0, "row group shape");
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    A* q_tile = reinterpret_cast<A*>(smem_raw);  // [BLOCK_M][LD]
+    A* do_tile = q_tile + BLOCK_M * LD;            // [BLOCK_M][LD]
+    A* k_tile = do_tile + BLOCK_M * LD;            // [BLOCK_N][LD]
+    A* v_tile = k_tile + BLOCK_N * LD;             // [BLOCK_N][LD]
+    A* ds_tile = v_tile + BLOCK_N * LD;            // [BLOCK_M][LDS]
+    constexpr unsigned SMEM_BYTES = sizeof(A) * (2 * BLOCK_M * LD + 2 * BLOCK_N * LD + BLOCK_M * LDS);
+    if (dynamic_smem_bytes() < SMEM_BYTES) __trap();
+
+    const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, headdim = p.headdim;
+    const A scale_log2 = scale_log2_in<A>(p), scale = scale_in<A>(p);
+    const A* __restrict__ lse = static_cast<const A*>(p.lse);
+    const A* __restrict__ delta = static_cast<const A*>(p.delta);
+    const Mask mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
+    const int m_block = Mask::query_block(blockIdx.x, gridDim.x);
+    const int head = blockIdx.y, batch = blockIdx.z;
+    const int head_kv = head / p.group;
+    const int m0 = m_block * BLOCK_M;
+    const int row = threadIdx.x / TPR, lane_in_row = threadIdx.x % TPR;
+    const int q_row = m0 + row;
+    const A log2e = A(1.4426950408889634073599247);
+
+    const T* __restrict__ q_rows = p.q.head_rows<const T>(batch, head);
+    const T* __restrict__ do_rows = p.dout.head_rows<const T>(batch, head);
+    load_tile<BLOCK_M, D_TILE, NTHREADS>(q_tile, q_rows, m0, seqlen_q, headdim, p.q.row_stride, A(1));
+    load_tile<BLOCK_M, D_TILE, NTHREADS>(do_tile, do_rows, m0, seqlen_q, headdim, p.dout.row_stride, A(1));
+    const bool row_valid = q_row < seqlen_q;
+    const i64 stat = ((i64)batch * p.nheads + head) * seqlen_q + q_row;
+    const A row_lse_log2 = row_valid ? ldg(lse + stat) * log2e : neg_inf<A>();
+    const A row_delta = row_valid ? ldg(delta + stat) : A(0);
+
+    const T* __restrict__ k_base = p.k.head_rows<const T>(batch, head_kv);
+    const T* __restrict__ v_base = p.v.head_rows<const T>(batch, head_kv);
+    const int n_begin = mask.key_begin(m0) / BLOCK_N * BLOCK_N;
+    const int n_end = mask.key_end(m0, BLOCK_M);
+
+    A dq_acc[O_PER_LANE];
+#pragma unroll
+    for (int j = 0; j < O_PER_LANE; ++j) dq_acc[j] = A(0);
+
+    for (int n0 = n_begin; n0 < n_end; n0 += BLOCK_N) {
+        __syncthreads();  // previous K/V/dS tiles fully consumed
+        load_tile<BLOCK_N, D_TILE, NTHREADS>(k_tile, k_base, n0, seqlen_k, headdim, p.k.row_stride, A(1));
+        load_tile<BLOCK_N, D_TILE, NTHREADS>(v_tile, v_base, n0, seqlen_k, headdim, p.v.row_stride, A(1));
+        __syncthreads();
+
+        // dS_ij = P_ij (dO_i . V_j - D_i) with P_ij = exp2(S_ij - lse_i)
+        A s[S_PER_LANE], dp[S_PER_LANE];
+        row_dots<D_TILE>(s, q_tile + row * LD, k_tile + lane_in_row * LD, TPR * LD);
+        row_dots<D_TILE>(dp, do_tile + row * LD, v_tile + lane_in_row * LD, TPR * LD);
+#pragma unroll
+        for (int j = 0; j < S_PER_LANE; ++j) {
+            const int col = lane_in_row + TPR * j, key = n0 + col;
+            const bool masked = row_lse_log2 == neg_inf<A>() || mask.hides(q_row, key);
+            ds_tile[row * LDS + col] =
+                masked ? A(0) : recomputed_p_exact(s[j], scale_log2, row_lse_log2) * (dp[j] - row_delta);
+        }
+        // dS rows are written and read only by their own row group (one warp).
+        __syncwarp();
+
+        // dQ_i += dS_ij K_j
+        for (int n = 0; n < BLOCK_N; ++n) {
+            const A ds = ds_tile[row * LDS + n];
+#pragma unroll
+            for (int j = 0; j < O_PER_LANE; ++j) dq_acc[j] += ds * k_tile[n * LD + lane_in_row + TPR * j];
+        }
+    }
+
+    if (row_valid) {
+        T* __restrict__ dq_row = p.dq.row<T>(batch, q_row, head);
+#pragma unroll
+        for (int j = 0; j < O_PER_LANE; ++j) {
+            const int col = lane_in_row + TPR * j;
+            if (col < headdim) store_as(dq_row + col, dq_acc[j] * scale);
+        }
+    }
+}
+
+}  // namespace cf
