@@ -60,8 +60,8 @@ def convert_spec(dtype) -> Specialization:
 def specializations() -> list[Specialization]:
     """Every specialization these launchers use (for the compile check)."""
     return [spec for name in SIXTEEN_BIT
-            for spec in ([kv_bounds_spec(name, dt) for dt in TENSOR_CORE_D_TILES] + [preprocess_spec(name, dt) for dt in TENSOR_CORE_D_TILES]
-                         + [convert_spec(name)])]
+            for spec in ([kv_bounds_spec(name, dt) for dt in TENSOR_CORE_D_TILES]
+                         + [preprocess_spec(name, dt) for dt in TENSOR_CORE_D_TILES] + [convert_spec(name)])]
 
 
 def preprocess(params, do, o, k, v) -> tuple:
