@@ -169,16 +169,23 @@ def _backward_formula(ctx, do, dlse):
         do = torch.zeros_like(o)
     dq, dk, dv = _backward_op(do, q, k, v, o, lse, *ctx.options)
     if dlse is not None:
-        # lse_i = log sum_j exp(scale q_i.k_j) has dlse_i/dS_ij = P_ij, which adds
-        # scale dlse_i (P K)_i to dq_i and scale (P^T (dlse q))_j to dk_j. P K is attention with
-        # K as the values; P^T (dlse q) is the dv of a backward whose output gradient is dlse q.
-        dlse_rows = dlse.transpose(1, 2).unsqueeze(-1)  # (batch, seqlen_q, nheads, 1)
-        pk, _ = _forward_op(q, k, k, *ctx.options)
-        dq = (dq.to(dlse.dtype) + scale * dlse_rows * pk.to(dlse.dtype)).to(q.dtype)
-        _, _, pt_dlse_q = _backward_op((dlse_rows * q.to(dlse.dtype)).to(q.dtype), q, k, v, o, lse,
-                                       *ctx.options)
-        dk = (dk.to(dlse.dtype) + scale * pt_dlse_q.to(dlse.dtype)).to(k.dtype)
+        dq, dk = _add_lse_gradient(dq, dk, q, k, dlse.transpose(1, 2).unsqueeze(-1), scale,
+                                   lambda: _forward_op(q, k, k, *ctx.options)[0],
+                                   lambda do_q: _backward_op(do_q, q, k, v, o, lse, *ctx.options)[2])
     return dq, dk, dv, None, None, None, None, None
+
+
+def _add_lse_gradient(dq, dk, q, k, dlse_rows, scale, attend_to_keys, dv_for):
+    """(dq, dk) plus the lse's gradient. lse_i = log sum_j exp(scale q_i.k_j) has dlse_i/dS_ij =
+    P_ij, which adds scale dlse_i (P K)_i to dq_i and scale (P^T (dlse q))_j to dk_j. P K is
+    attention with K as the values (``attend_to_keys()``); P^T (dlse q) is the dv of a backward
+    whose output gradient is dlse q (``dv_for(dlse q)``). ``dlse_rows``: dlse laid out like q's
+    rows with a trailing 1 (broadcast over headdim)."""
+    acc = dlse_rows.dtype
+    dq = (dq.to(acc) + scale * dlse_rows * attend_to_keys().to(acc)).to(q.dtype)
+    pt_dlse_q = dv_for((dlse_rows * q.to(acc)).to(q.dtype))
+    dk = (dk.to(acc) + scale * pt_dlse_q.to(acc)).to(k.dtype)
+    return dq, dk
 
 
 _forward_op.register_autograd(_backward_formula, setup_context=_setup_context)
@@ -244,15 +251,11 @@ def _varlen_backward_formula(ctx, do, dlse):
     if do is None:
         do = torch.zeros_like(o)
     dq, dk, dv = _varlen_backward_op(do, q, k, v, o, lse, cu_q, cu_k, *ctx.options)
-    if dlse is not None:
-        # As for the dense operator: dlse_i adds scale dlse_i (P K)_i to dq_i and
-        # scale (P^T (dlse q))_j to dk_j, sequence by sequence (P is block diagonal).
-        dlse_rows = dlse.transpose(0, 1).unsqueeze(-1)  # (total_q, nheads, 1)
-        pk, _ = _varlen_forward_op(q, k, k, cu_q, cu_k, *ctx.options)
-        dq = (dq.to(dlse.dtype) + scale * dlse_rows * pk.to(dlse.dtype)).to(q.dtype)
-        _, _, pt_dlse_q = _varlen_backward_op((dlse_rows * q.to(dlse.dtype)).to(q.dtype), q, k, v, o, lse, cu_q,
-                                              cu_k, *ctx.options)
-        dk = (dk.to(dlse.dtype) + scale * pt_dlse_q.to(dlse.dtype)).to(k.dtype)
+    if dlse is not None:  # as for the dense operator, sequence by sequence (P is block diagonal)
+        dq, dk = _add_lse_gradient(dq, dk, q, k, dlse.transpose(0, 1).unsqueeze(-1), scale,
+                                   lambda: _varlen_forward_op(q, k, k, cu_q, cu_k, *ctx.options)[0],
+                                   lambda do_q: _varlen_backward_op(do_q, q, k, v, o, lse, cu_q, cu_k,
+                                                                    *ctx.options)[2])
     return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
@@ -296,9 +299,10 @@ _DENSE = "(batch, seqlen, nheads, headdim)"
 _PACKED = "(total_tokens, nheads, headdim)"
 
 
-def _check_tensors(q, k, v, layout: str = _DENSE, names=("q", "k", "v")) -> None:
+def _check_tensors(q, k, v, layout: str = _DENSE, names=("q", "k", "v"), same_batch: bool = True) -> None:
     """q, k, v: tensors of one supported dtype on one device, in ``layout`` (_DENSE or _PACKED),
-    k and v of one shape, nheads a multiple of nheads_kv. ``names`` name them in the errors."""
+    k and v of one shape, nheads a multiple of nheads_kv; in _DENSE and with ``same_batch`` (not
+    for a kv cache, whose rows are not q's batch) one batch size. ``names`` name them in the errors."""
     ndim = 4 if layout == _DENSE else 3
     tensors = tuple(zip(names, (q, k, v)))
     for name, x in tensors:
@@ -325,7 +329,7 @@ def _check_tensors(q, k, v, layout: str = _DENSE, names=("q", "k", "v")) -> None
     if k.shape != v.shape:
         raise ValueError(f"{k_name} and {v_name} must have the same shape; got {k_name} {tuple(k.shape)} and "
                          f"{v_name} {tuple(v.shape)}")
-    same_batch = ndim == 4 and not k_name.endswith("_cache")  # a cache's rows are not q's batch
+    same_batch = same_batch and ndim == 4
     if k.shape[-1] != q.shape[-1] or (same_batch and k.shape[0] != q.shape[0]):
         raise ValueError(f"{q_name} and {k_name} must have the same {'batch size and headdim' if same_batch else 'headdim'}"
                          f"; got {q_name} {tuple(q.shape)} and {k_name} {tuple(k.shape)}")
@@ -447,14 +451,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     """
     _unsupported(rotary_cos=rotary_cos is not None, rotary_sin=rotary_sin is not None,
                  cache_leftpad=cache_leftpad is not None, softcap=softcap != 0, alibi_slopes=alibi_slopes is not None)
-    _check_tensors(q, k_cache, v_cache, names=("q", "k_cache", "v_cache"))
+    _check_tensors(q, k_cache, v_cache, names=("q", "k_cache", "v_cache"), same_batch=False)
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together (the new tokens to append) or both be None")
     if k is not None:
         _check_tensors(q, k, v)
     varlen.check_count(num_splits, "num_splits")
     if isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, bool):
-        cache_seqlens = torch.full((q.shape[0],), int(cache_seqlens), dtype=torch.int32, device=q.device)
+        # on the host: the kv-cache call reads the lengths on the host anyway, so a device tensor
+        # would cost a copy and a synchronisation per decode step
+        cache_seqlens = torch.full((q.shape[0],), int(cache_seqlens), dtype=torch.int32)
     cache_seqlens = _index_tensor(cache_seqlens, "cache_seqlens", q.device)
     cache_batch_idx = _index_tensor(cache_batch_idx, "cache_batch_idx", q.device)
     block_table = _index_tensor(block_table, "block_table", q.device)
