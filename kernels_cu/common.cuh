@@ -56,6 +56,16 @@ __device__ __forceinline__ float max_(float a, float b) { return fmaxf(a, b); }
 __device__ __forceinline__ double max_(double a, double b) { return fmax(a, b); }
 __device__ __forceinline__ unsigned max_(unsigned a, unsigned b) { return max(a, b); }
 
+// A double rounded to the nearest float by cvt.rn (one F2F). float(x) compiles under -ftz=true to
+// cvt.rn.ftz.f32.f64: an F2F plus a flush test (DSETP) on the FP64 pipe, which NVVM may
+// rematerialize inside a loop. The Params structs carry their scales as floats already
+// (params.cuh); this is for a kernel that converts a double field on purpose.
+__device__ __forceinline__ float f32_rn(double x) {
+    float r;
+    asm("cvt.rn.f32.f64 %0, %1;" : "=f"(r) : "d"(x));
+    return r;
+}
+
 // Reductions over the GROUP consecutive lanes that share one tile row.
 template <int GROUP, typename A> __device__ __forceinline__ A group_max(A x) {
 #pragma unroll

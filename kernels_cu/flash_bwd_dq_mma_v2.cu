@@ -52,9 +52,7 @@ flash_bwd_dq_mma_v2(const __grid_constant__ BwdParams p) {
     // the float fields, so the values are the same): with the float fields read instead, ptxas's
     // allocation of the causal d128 instance on sm_90 spills 24 bytes at 254 registers; this way
     // it takes 247 and none (an allocation accident at the 255 limit, not a cost of the fields).
-    float scale_log2, scale;
-    asm("cvt.rn.f32.f64 %0, %1;" : "=f"(scale_log2) : "d"(p.scale_log2_f64));
-    asm("cvt.rn.f32.f64 %0, %1;" : "=f"(scale) : "d"(p.scale_f64));
+    const float scale_log2 = f32_rn(p.scale_log2_f64), scale = f32_rn(p.scale_f64);
     const TensorRows q = p.q, k = p.k, v = p.v, dout = p.dout, dq = p.dq;
     const float* __restrict__ lse = static_cast<const float*>(p.lse);
     const float* __restrict__ delta = static_cast<const float*>(p.delta);
