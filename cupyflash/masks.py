@@ -13,9 +13,11 @@ The NumPy twin, the bench's IO model and the layout tests take their masks from 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
+
+from .scores import PLAIN, Score
 
 __all__ = ["Mask", "NoMask", "Causal", "Local", "KINDS", "mask_for", "as_mask", "check_window"]
 
@@ -37,14 +39,34 @@ def check_window(window_size) -> tuple[int, int]:
 @dataclass(frozen=True)
 class Mask:
     """A band policy; subclasses fix which bounds exist. ``left``/``right`` are the window sides
-    (-1: unbounded)."""
+    (-1: unbounded). ``score`` is the variant's compile-time part (cupyflash.scores): the
+    transform of the scores and the sink that the kernels apply inside the band."""
 
     left: int = -1
     right: int = -1
+    score: Score = PLAIN
     HAS_LEFT = False
     HAS_RIGHT = False
-    name = ""  # in specialization names: "full", "causal", "local"
-    cpp = ""  # the kernels' template argument
+    band = ""  # in specialization names: "full", "causal", "local"
+    band_cpp = ""  # the band's type in kernels_cu/mask.cuh
+
+    @property
+    def name(self) -> str:
+        """The policy in specialization names: the band, then the score's parts."""
+        return f"{self.band}_{self.score.name}" if not self.score.plain else self.band
+
+    @property
+    def cpp(self) -> str:
+        """The kernels' template argument: the band, with its score where there is one."""
+        return self.band_cpp if self.score.plain else f"cf::WithScore<{self.band_cpp}, {self.score.cpp}>"
+
+    def with_score(self, score: Score) -> "Mask":
+        """The same band with ``score``."""
+        return replace(self, score=score)
+
+    def backward(self) -> "Mask":
+        """The policy of the backward's kernels (a sink does not reach them: Score.backward)."""
+        return self.with_score(self.score.backward())
 
     def offsets(self, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
         """(lo_off, hi_off) for this problem, as the kernel's constructor computes them."""
@@ -154,8 +176,8 @@ class Mask:
 
 @dataclass(frozen=True)
 class NoMask(Mask):
-    name = "full"
-    cpp = "cf::NoMask"
+    band = "full"
+    band_cpp = "cf::NoMask"
 
 
 @dataclass(frozen=True)
@@ -163,16 +185,16 @@ class Causal(Mask):
     left: int = -1
     right: int = 0
     HAS_RIGHT = True
-    name = "causal"
-    cpp = "cf::Causal"
+    band = "causal"
+    band_cpp = "cf::Causal"
 
 
 @dataclass(frozen=True)
 class Local(Mask):
     HAS_LEFT = True
     HAS_RIGHT = True
-    name = "local"
-    cpp = "cf::Local"
+    band = "local"
+    band_cpp = "cf::Local"
 
 
 # One instance per kernel specialization (a Local's run-time window does not change its kernel).
@@ -184,14 +206,15 @@ def as_mask(mask_or_causal) -> Mask:
     return mask_or_causal if isinstance(mask_or_causal, Mask) else mask_for(bool(mask_or_causal))
 
 
-def mask_for(causal: bool, window_size=(-1, -1)) -> Mask:
+def mask_for(causal: bool, window_size=(-1, -1), score: Score = PLAIN) -> Mask:
     """The policy of a call: ``causal`` sets the right side to 0 (flash-attn 2.8); a window equal
-    to no mask or to the causal one gets that policy (and its kernels)."""
+    to no mask or to the causal one gets that policy (and its kernels); ``score`` the variant's
+    transforms (cupyflash.scores)."""
     left, right = check_window(window_size)
     if causal:
         right = 0
     if right < 0 and left < 0:
-        return NoMask()
+        return NoMask(score=score)
     if right == 0 and left < 0:
-        return Causal()
-    return Local(left, right)
+        return Causal(score=score)
+    return Local(left, right, score)

@@ -19,7 +19,12 @@
 // To add a variant: a new policy type here (its bounds and its element test), its twin in
 // cupyflash/masks.py (with its entry in KINDS, which the launchers compile), the API argument
 // that selects it, and its cases in tests/test_masks.py (docs/algorithm.md, "Mask policy").
+// A variant that changes scores rather than the band (softcap, ALiBi, sinks) is a score policy
+// (score.cuh) that a band carries as its Score: WithScore<Causal, ScoreMod<...>>; the plain
+// bands carry NoScore.
 #pragma once
+
+#include "score.cuh"
 
 namespace cf {
 
@@ -29,6 +34,7 @@ constexpr int MASK_UNBOUNDED = 1 << 30;
 template <bool LEFT, bool RIGHT>
 struct Band {
     static constexpr bool HAS_LEFT = LEFT, HAS_RIGHT = RIGHT;
+    typedef NoScore Score;  // WithScore replaces it
     int seqlen_q, seqlen_k;
     int lo_off, hi_off;  // query i sees keys [i + lo_off, i + hi_off] (where the bound applies)
 
@@ -121,6 +127,14 @@ struct Local : Band<true, true> {
         : Band{seqlen_q_, seqlen_k_,
                window_left < 0 ? -MASK_UNBOUNDED : seqlen_k_ - seqlen_q_ - window_left,
                window_right < 0 ? MASK_UNBOUNDED : seqlen_k_ - seqlen_q_ + window_right} {}
+};
+
+// A band with the score policy S (score.cuh): the band's answers, S's transforms.
+template <class Band_, class S>
+struct WithScore : Band_ {
+    typedef S Score;
+    __device__ __forceinline__ WithScore(int seqlen_q_, int seqlen_k_, int window_left, int window_right)
+        : Band_(seqlen_q_, seqlen_k_, window_left, window_right) {}
 };
 
 }  // namespace cf

@@ -37,6 +37,18 @@ struct TensorRows {
     }
 };
 
+// The values of a call's variant (score.cuh), read only by the kernels whose score policy uses
+// them (zero otherwise): ALiBi's slopes, (batch, nheads) float32 with batch stride
+// alibi_batch_stride (0 for (nheads,) slopes); the sink logits, (nheads,) float32 (forward);
+// the softcap c, as float and as double.
+struct VariantArgs {
+    const float* alibi_slopes;
+    const float* sink;
+    i64 alibi_batch_stride;
+    float softcap;
+    double softcap_f64;
+};
+
 // Forward: o and lse from q, k, v.
 struct FwdParams {
     TensorRows q, k, v, o;
@@ -45,10 +57,12 @@ struct FwdParams {
     int group;          // nheads / nheads_kv: query heads per kv head (GQA)
     int headdim;
     int window_left, window_right;  // the mask's run-time bounds (mask.cuh), -1 unbounded
-    // softmax_scale * log2(e), rounded to the nearest float (the 16-bit and float32 kernels), and
-    // in double (the float64 kernels): a kernel reads its own precision with scale_log2_in<A>.
-    float scale_log2;
-    double scale_log2_f64;
+    // softmax_scale * log2(e) and softmax_scale, rounded to the nearest float (the 16-bit and
+    // float32 kernels), and in double (the float64 kernels): a kernel reads its own precision with
+    // scale_log2_in<A>, scale_in<A>.
+    float scale_log2, scale;
+    double scale_log2_f64, scale_f64;
+    VariantArgs variant;
 };
 
 // Backward: dq, dk, dv (and the statistics and buffers around them) from dout, q, k, v, o, lse.
@@ -73,6 +87,7 @@ struct BwdParams {
     // FwdParams (scale_log2_in<A>, scale_in<A>).
     float scale_log2, scale;
     double scale_log2_f64, scale_f64;
+    VariantArgs variant;
 };
 
 // The scales in a kernel's accumulator type A. The float fields are read in place: a float kernel
@@ -86,8 +101,8 @@ __device__ __forceinline__ A scale_log2_in(const Params& p) {
     if constexpr (sizeof(A) == sizeof(double)) return p.scale_log2_f64;
     else return p.scale_log2;
 }
-template <typename A>
-__device__ __forceinline__ A scale_in(const BwdParams& p) {
+template <typename A, class Params>
+__device__ __forceinline__ A scale_in(const Params& p) {
     if constexpr (sizeof(A) == sizeof(double)) return p.scale_f64;
     else return p.scale;
 }

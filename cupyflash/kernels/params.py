@@ -14,7 +14,7 @@ import numpy as np
 
 from .constants import LOG2E
 
-__all__ = ["TENSOR_ROWS", "FWD_PARAMS", "BWD_PARAMS", "forward_params", "backward_params", "set_rows",
+__all__ = ["TENSOR_ROWS", "VARIANT_ARGS", "FWD_PARAMS", "BWD_PARAMS", "set_variant", "forward_params", "backward_params", "set_rows",
            "pointer", "layout_asserts"]
 
 TENSOR_ROWS = np.dtype([("data", np.uint64), ("batch_stride", np.int64), ("row_stride", np.int64),
@@ -24,17 +24,23 @@ _SHAPE_FIELDS = [("batch", np.int32), ("seqlen_q", np.int32), ("seqlen_k", np.in
                  ("nheads_kv", np.int32), ("group", np.int32), ("headdim", np.int32),
                  ("window_left", np.int32), ("window_right", np.int32)]
 
+# A call's variant values (score.cuh): null pointers and zeros for the plain softmax.
+VARIANT_ARGS = np.dtype([("alibi_slopes", np.uint64), ("sink", np.uint64), ("alibi_batch_stride", np.int64),
+                         ("softcap", np.float32), ("softcap_f64", np.float64)], align=True)
+
+_SCALE_FIELDS = [("scale_log2", np.float32), ("scale", np.float32), ("scale_log2_f64", np.float64),
+                 ("scale_f64", np.float64), ("variant", VARIANT_ARGS)]
+
 FWD_PARAMS = np.dtype([*((name, TENSOR_ROWS) for name in ("q", "k", "v", "o")), ("lse", np.uint64),
-                       *_SHAPE_FIELDS, ("scale_log2", np.float32), ("scale_log2_f64", np.float64)], align=True)
+                       *_SHAPE_FIELDS, *_SCALE_FIELDS], align=True)
 
 BWD_PARAMS = np.dtype([*((name, TENSOR_ROWS) for name in ("q", "k", "v", "o", "dout", "dq", "dk", "dv",
                                                            "dq_accum")),
                        ("dq_accum_panel_stride", np.int64), ("lse", np.uint64), ("delta", np.uint64),
                        ("dq_semaphore", np.uint64), ("dq_row_scale", np.uint64), ("kv_bound", np.uint64),
-                       *_SHAPE_FIELDS, ("scale_log2", np.float32), ("scale", np.float32),
-                       ("scale_log2_f64", np.float64), ("scale_f64", np.float64)], align=True)
+                       *_SHAPE_FIELDS, *_SCALE_FIELDS], align=True)
 
-_CPP_NAMES = {FWD_PARAMS: "cf::FwdParams", BWD_PARAMS: "cf::BwdParams"}
+_CPP_NAMES = {FWD_PARAMS: "cf::FwdParams", BWD_PARAMS: "cf::BwdParams", VARIANT_ARGS: "cf::VariantArgs"}
 
 
 def pointer(a) -> np.uint64:
@@ -66,11 +72,29 @@ def _set_scales(params, softmax_scale: float) -> None:
     nearest float32: the float kernels read the float fields as they are (params.cuh)."""
     scale_log2 = np.float64(softmax_scale) * LOG2E
     params["scale_log2"], params["scale_log2_f64"] = np.float32(scale_log2), scale_log2
-    if "scale" in params.dtype.names:
-        params["scale"], params["scale_f64"] = np.float32(softmax_scale), np.float64(softmax_scale)
+    params["scale"], params["scale_f64"] = np.float32(softmax_scale), np.float64(softmax_scale)
 
 
-def forward_params(q, k, v, o, lse, *, softmax_scale: float, mask) -> np.ndarray:
+def set_variant(params, variant) -> None:
+    """The variant's values into ``params`` (a cupyflash.scores.Variant whose arrays are
+    C-contiguous float32 CuPy arrays, Variant.to(cupy); None: the plain softmax). The pointers
+    address the variant's own arrays, which the caller holds until the launch is queued."""
+    if variant is None or variant.plain:
+        return
+    field = params["variant"]
+    field["softcap"], field["softcap_f64"] = np.float32(variant.softcap), np.float64(variant.softcap)
+    for name in ("alibi_slopes", "sink"):
+        a = getattr(variant, name)
+        if a is None:
+            continue
+        if isinstance(a, np.ndarray) or a.dtype != np.float32 or not a.flags.c_contiguous:
+            raise ValueError(f"cupyflash: the kernels read {name} as a C-contiguous float32 CuPy array")
+        field[name] = pointer(a)
+    if variant.alibi_slopes is not None:
+        field["alibi_batch_stride"] = np.int64(variant.alibi_slopes.shape[1] if variant.alibi_slopes.ndim == 2 else 0)
+
+
+def forward_params(q, k, v, o, lse, *, softmax_scale: float, mask, variant=None) -> np.ndarray:
     """FwdParams of one forward call (a size-1 array of FWD_PARAMS: CuPy passes its bytes by value)."""
     params = np.zeros(1, FWD_PARAMS)
     for name, a in (("q", q), ("k", k), ("v", v), ("o", o)):
@@ -78,10 +102,12 @@ def forward_params(q, k, v, o, lse, *, softmax_scale: float, mask) -> np.ndarray
     params["lse"] = pointer(lse)
     _set_shape(params, q, k, mask)
     _set_scales(params, softmax_scale)
+    set_variant(params, variant)
     return params
 
 
-def backward_params(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, mask, delta=None) -> np.ndarray:
+def backward_params(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, mask, delta=None,
+                    variant=None) -> np.ndarray:
     """BwdParams of one backward call; the launcher adds the buffers of its plan (delta, dq_accum,
     dq_semaphore, dq_row_scale, kv_bound) with ``set_rows`` / ``pointer`` as it allocates them."""
     params = np.zeros(1, BWD_PARAMS)
@@ -90,6 +116,7 @@ def backward_params(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, ma
     params["lse"], params["delta"] = pointer(lse), pointer(delta)
     _set_shape(params, q, k, mask)
     _set_scales(params, softmax_scale)
+    set_variant(params, variant)
     return params
 
 

@@ -1,0 +1,132 @@
+"""The score policy in Python: the twin of ``kernels_cu/score.cuh``.
+
+A variant changes what the softmax of a row is taken over, in two places:
+
+* the **score transform**, applied to each scaled score z = softmax_scale * q_i . k_j before
+  the mask and the softmax, in this order (flash-attn 2.8's):
+    softcap = c > 0:  z <- c * tanh(z / c)                               (Gemma 2, Grok)
+    ALiBi slopes:     z <- z - slope[b, h] * |i + seqlen_k - seqlen_q - j|
+  The backward applies the chain rule: dz = dz' * (1 - tanh(z / c)^2) (ALiBi adds a constant).
+* **attention sinks** (gpt-oss): a logit sink[h] per query head joins each row's denominator
+  without a value row, sum_j exp(z'_ij) + exp(sink[h]), so lse includes it and the row's weights
+  sum to less than 1. A row that sees no key has o = 0 and lse = sink[h]. Its gradient is
+  dsink[h] = -sum_{b, i} exp(sink[h] - lse[b, h, i]) * D[b, h, i], D = rowsum(dO * O).
+
+``Score`` is the compile-time part (which of these a kernel specialization applies: part of the
+mask policy's name and template argument, cupyflash.masks); ``Variant`` carries a call's values
+(the cap, the slopes, the sink logits) to the kernels' Params structs, the NumPy twin and the
+launchers. ``cupyflash.reference`` implements the same definitions independently.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["Score", "PLAIN", "Variant", "NO_VARIANT", "check_variant"]
+
+
+@dataclass(frozen=True)
+class Score:
+    """Which transforms a kernel specialization applies (kernels_cu/score.cuh's ScoreMod)."""
+
+    softcap: bool = False
+    alibi: bool = False
+    sink: bool = False  # the forward's epilogue adds exp(sink) to each row's sum
+
+    @property
+    def plain(self) -> bool:
+        return not (self.softcap or self.alibi or self.sink)
+
+    @property
+    def name(self) -> str:
+        """The suffix of specialization names ("" for the plain softmax)."""
+        return "_".join(part for part, on in (("softcap", self.softcap), ("alibi", self.alibi),
+                                               ("sink", self.sink)) if on)
+
+    @property
+    def cpp(self) -> str:
+        flag = {True: "true", False: "false"}
+        return f"cf::ScoreMod<{flag[self.softcap]}, {flag[self.alibi]}, {flag[self.sink]}>"
+
+    def backward(self) -> "Score":
+        """The score of the backward's kernels: a sink changes only lse, which they read, so
+        they are the kernels without it (dsink is reduced from D and lse by the launcher)."""
+        return Score(self.softcap, self.alibi, False)
+
+
+PLAIN = Score()
+
+
+@dataclass(frozen=True, eq=False)
+class Variant:
+    """The variant values of one call: ``softcap`` (0: none), ``alibi_slopes`` ((nheads,) or
+    (batch, nheads) float32) and ``sink`` ((nheads,) float32), arrays as NumPy or CuPy."""
+
+    softcap: float = 0.0
+    alibi_slopes: object = None
+    sink: object = None
+
+    @property
+    def score(self) -> Score:
+        return Score(self.softcap > 0, self.alibi_slopes is not None, self.sink is not None)
+
+    @property
+    def plain(self) -> bool:
+        return self.score.plain
+
+    def slopes(self, batch: int, nheads: int, xp=np):
+        """The slopes as a (batch, nheads) float array of module ``xp`` (None without ALiBi)."""
+        if self.alibi_slopes is None:
+            return None
+        s = xp.asarray(self.alibi_slopes)
+        return xp.broadcast_to(s if s.ndim == 2 else s[None, :], (batch, nheads))
+
+    def sliced(self, batch: slice, heads: slice) -> "Variant":
+        """The values of a chunk of batch entries and query heads (cupyflash.api's chunking)."""
+        slopes = self.alibi_slopes
+        if slopes is not None:
+            slopes = slopes[batch, heads] if slopes.ndim == 2 else slopes[heads]
+        sink = None if self.sink is None else self.sink[heads]
+        return Variant(self.softcap, slopes, sink)
+
+    def to(self, xp) -> "Variant":
+        """The same values with arrays of module ``xp`` (contiguous float32)."""
+        def move(a):
+            if a is None:
+                return None
+            if xp is np and not isinstance(a, np.ndarray):
+                a = a.get()
+            return xp.ascontiguousarray(xp.asarray(a, dtype=np.float32))
+        return Variant(self.softcap, move(self.alibi_slopes), move(self.sink))
+
+
+NO_VARIANT = Variant()
+
+
+def _float_array(x, name: str, shapes: tuple, shape_text: str):
+    """x as a NumPy or CuPy float32 array of one of ``shapes`` (DLPack / torch objects via CuPy)."""
+    from . import _arrays as A
+
+    kind = A.array_kind(x, name)
+    arr = A.take_array(x, name, kind)
+    if arr.dtype != np.float32:
+        raise TypeError(f"cupyflash: {name} must be float32 (flash-attn's type), got {arr.dtype}")
+    if tuple(arr.shape) not in shapes:
+        raise ValueError(f"cupyflash: {name} must have shape {shape_text}, got {tuple(arr.shape)}")
+    return arr
+
+
+def check_variant(softcap, alibi_slopes, sink, batch: int, nheads: int) -> Variant:
+    """A call's variant arguments checked against its batch and query heads, or a clear error."""
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, (int, float, np.integer, np.floating)):
+        raise TypeError(f"cupyflash: softcap must be a float >= 0 (0: no cap), got {softcap!r}")
+    softcap = float(softcap)
+    if not np.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"cupyflash: softcap must be a finite float >= 0 (0: no cap), got {softcap!r}")
+    if alibi_slopes is not None:
+        alibi_slopes = _float_array(alibi_slopes, "alibi_slopes", ((nheads,), (batch, nheads)),
+                                    f"(nheads,) = ({nheads},) or (batch, nheads) = ({batch}, {nheads})")
+    if sink is not None:
+        sink = _float_array(sink, "sink", ((nheads,),), f"(nheads,) = ({nheads},)")
+    return Variant(softcap, alibi_slopes, sink)

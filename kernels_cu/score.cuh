@@ -1,0 +1,145 @@
+// The score policy of every live kernel: what a variant does to the scores inside the mask's
+// band. Python twin: cupyflash/scores.py (the definitions, in flash-attn 2.8's order):
+//   softcap c > 0   z <- c tanh(z / c)                        z = softmax_scale * q_i . k_j
+//   ALiBi           z <- z - slope[b, h] |i + seqlen_k - seqlen_q - j|
+//   sink            each row's sum gains exp(sink[h]) (no value row): lse includes it
+//
+// A mask policy (mask.cuh) carries its score as Mask::Score, a ScoreMod<SOFTCAP, ALIBI, SINK>;
+// the plain band's is NoScore, whose IDENTITY makes every hook below vanish at compile time, so
+// the plain kernels are the kernels without this header. A kernel builds the score's function
+// in its accumulator type, ScoreOf<Mask, A, FAST> score(p, batch, head, unit), where unit says
+// what its scores are: z = unit * s (softmax_scale for raw Q K^T accumulators, ln 2 for scores
+// already in log2 units). The transform keeps that unit, so everything after it (the scale, the
+// exponentials, lse) is the plain kernel's: s' = transform(s) = z' / unit.
+//
+// Where a kernel asks (the same place it asks the mask about an element): at a fragment origin
+// (query i0, key j0), origin() once, then transform(s, origin, di, dj) per element with the
+// offsets known after unrolling; ALiBi's distance is then one add and one FMA with |.| per element.
+// The backward asks for the derivative too, transform(s, origin, di, dj, dsds), and multiplies dS
+// by it (softcap's 1 - tanh^2; 1 otherwise, which it does not store: HAS_GRAD).
+//
+// FAST (the tensor-core kernels): tanh(y) = 1 - 2 / (1 + 2^(2 log2(e) y)) with ex2.approx and
+// rcp.approx, two MUFU operations, absolute error near 1e-7 (tanh.approx.f32 alone would be one
+// MUFU op, but its 2^-11 relative error is 0.015 in the exponent at c = 30: a 1.5% error in P,
+// more than bfloat16's own rounding). Otherwise (SIMT, float32 and float64) the accurate tanh.
+#pragma once
+
+#include "common.cuh"
+#include "mma.cuh"
+
+namespace cf {
+
+__device__ __forceinline__ float abs_(float x) { return fabsf(x); }
+__device__ __forceinline__ double abs_(double x) { return fabs(x); }
+
+__device__ __forceinline__ float rcp_approx(float x) {
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
+}
+
+__device__ __forceinline__ float tanh_(float x) { return tanhf(x); }
+__device__ __forceinline__ double tanh_(double x) { return tanh(x); }
+
+template <bool SOFTCAP, bool ALIBI, bool SINK, typename A, bool FAST>
+struct ScoreFn {
+    static constexpr bool IDENTITY = !SOFTCAP && !ALIBI;
+    static constexpr bool HAS_GRAD = SOFTCAP;
+    A cap_u = A(0), in_u = A(0);  // softcap: c / unit and unit / c (FAST: 2 log2(e) unit / c)
+    A slope_u = A(0);             // ALiBi: slope / unit
+    int diag = 0;                 // seqlen_k - seqlen_q
+
+    struct Origin {
+        A dist;  // i0 + diag - j0 as A
+    };
+
+    ScoreFn() = default;
+    template <class Params>
+    __device__ __forceinline__ ScoreFn(const Params& p, int batch, int head, A unit) {
+        if constexpr (SOFTCAP) {
+            const A cap = sizeof(A) == sizeof(double) ? A(p.variant.softcap_f64) : A(p.variant.softcap);
+            cap_u = cap / unit;
+            in_u = FAST ? A(2.8853900817779268) * unit / cap : unit / cap;  // 2 log2(e) = 2.885...
+        }
+        if constexpr (ALIBI) {
+            slope_u = A(ldg(p.variant.alibi_slopes + batch * p.variant.alibi_batch_stride + head)) / unit;
+            diag = p.seqlen_k - p.seqlen_q;
+        }
+    }
+
+    __device__ __forceinline__ Origin origin(int i0, int j0) const {
+        return {ALIBI ? A(i0 + diag - j0) : A(0)};
+    }
+
+    // tanh(s unit / c), from s.
+    __device__ __forceinline__ A cap_tanh(A s) const {
+        if constexpr (FAST && sizeof(A) == sizeof(float))
+            return 1.f - 2.f * rcp_approx(1.f + exp2_approx(s * in_u));
+        else
+            return tanh_(s * in_u);
+    }
+
+    // s' (same unit as s) and ds'/ds.
+    __device__ __forceinline__ A transform(A s, const Origin& o, int di, int dj, A& dsds) const {
+        A out = s;
+        dsds = A(1);
+        if constexpr (SOFTCAP) {
+            const A t = cap_tanh(s);
+            out = cap_u * t;
+            dsds = A(1) - t * t;
+        }
+        if constexpr (ALIBI) out -= slope_u * abs_(o.dist + A(di - dj));
+        return out;
+    }
+    __device__ __forceinline__ A transform(A s, const Origin& o, int di, int dj) const {
+        A unused;
+        return transform(s, o, di, dj, unused);
+    }
+};
+
+// The compile-time part, the template argument of a mask policy (mask.cuh's WithScore).
+template <bool SOFTCAP, bool ALIBI, bool SINK>
+struct ScoreMod {
+    static constexpr bool IDENTITY = !SOFTCAP && !ALIBI;
+    static constexpr bool HAS_GRAD = SOFTCAP;
+    static constexpr bool HAS_SINK = SINK;
+    template <typename A, bool FAST>
+    using In = ScoreFn<SOFTCAP, ALIBI, SINK, A, FAST>;
+};
+
+typedef ScoreMod<false, false, false> NoScore;
+
+template <class Mask, typename A, bool FAST = false>
+using ScoreOf = typename Mask::Score::template In<A, FAST>;
+
+// The sink logit of `head` in log2 units, or -inf without one (a row's sum then gains 0).
+template <class Mask, typename A, class Params>
+__device__ __forceinline__ A sink_log2(const Params& p, int head) {
+    if constexpr (Mask::Score::HAS_SINK)
+        return A(ldg(p.variant.sink + head)) * A(1.4426950408889634074);
+    else
+        return neg_inf<A>();
+}
+
+// The epilogue of a row with running maximum m and sum l (log2 units) and the sink logit
+// sink2 (log2 units, -inf: none): the factor of O (1 / l, or 0 for a row that saw no key) and
+// lse in natural log. With a sink the denominator is l 2^(m - M) + 2^(sink2 - M), M = max(m,
+// sink2), and O is scaled by 2^(m - M) over it; a row that saw no key gets O = 0, lse = sink.
+// (The kernels without a sink keep their own epilogue: this is the sink's.) A sink of -inf is
+// no sink.
+template <typename A>
+__device__ __forceinline__ void finish_row_with_sink(A m, A l, A sink2, A& o_factor, A& lse) {
+    const bool seen = l > A(0);
+    const A top = seen ? max_(m, sink2) : sink2;
+    if (top == neg_inf<A>()) {
+        o_factor = A(0);
+        lse = neg_inf<A>();
+        return;
+    }
+    const A own = seen ? exp2_(m - top) : A(0);
+    const A denom = l * own + exp2_(sink2 - top);
+    o_factor = own / denom;
+    lse = (top + log2_(denom)) * A(0.6931471805599453094172321);
+}
+
+}  // namespace cf
