@@ -12,6 +12,7 @@ from . import _arrays as A
 from . import dispatch, testing
 from ._dtypes import lse_dtype
 from .masks import check_window
+from .scores import check_variant
 
 MAX_GRID_YZ = 65535
 """Most batch entries, and most query heads, one kernel launch takes: the kernels put heads in
@@ -76,24 +77,24 @@ def _chunks(batch: int, nheads: int, nheads_kv: int, limit: int) -> list[tuple[s
     return [(slice(b, min(b + limit, batch)), h, kv) for b in range(0, batch, limit) for h, kv in heads]
 
 
-def _forward_in_chunks(compute, q, k, v):
-    """``compute(q, k, v) -> (o, lse)`` over the whole call: one call, or one per chunk of
-    _chunks(..., MAX_GRID_YZ) on views of q, k, v, each chunk's fresh (C-contiguous) o and lse
-    copied into place."""
+def _forward_in_chunks(compute, q, k, v, variant):
+    """``compute(q, k, v, variant) -> (o, lse)`` over the whole call: one call, or one per chunk of
+    _chunks(..., MAX_GRID_YZ) on views of q, k, v (and the chunk's part of the variant's per-head
+    arrays), each chunk's fresh (C-contiguous) o and lse copied into place."""
     batch, seqlen_q, nheads, _ = q.shape
     chunks = _chunks(batch, nheads, k.shape[2], MAX_GRID_YZ)
     if len(chunks) == 1:
-        return compute(q, k, v)
+        return compute(q, k, v, variant)
     xp = _array_module(q)
     o = _empty(q.shape, q.dtype, xp=xp)
     lse = _empty((batch, nheads, seqlen_q), lse_dtype(q.dtype), xp=xp)
     for b, h, kv in chunks:
-        o[b, :, h], lse[b, h] = compute(q[b, :, h], k[b, :, kv], v[b, :, kv])
+        o[b, :, h], lse[b, h] = compute(q[b, :, h], k[b, :, kv], v[b, :, kv], variant.sliced(b, h).to(xp))
     return o, lse
 
 
-def _backward_in_chunks(compute, do, q, k, v, o, lse):
-    """``compute(do, q, k, v, o, lse) -> (dq, dk, dv)`` over the whole call, chunked as
+def _backward_in_chunks(compute, do, q, k, v, o, lse, variant):
+    """``compute(do, q, k, v, o, lse, variant) -> (dq, dk, dv)`` over the whole call, chunked as
     _forward_in_chunks (a chunk's lse is a strided view; the launchers make it contiguous). Where
     one GQA group spans several chunks, its dk, dv parts are added in the accumulator dtype and
     rounded once: one more rounding per part than a single launch."""
@@ -101,7 +102,7 @@ def _backward_in_chunks(compute, do, q, k, v, o, lse):
     nheads_kv = k.shape[2]
     chunks = _chunks(batch, nheads, nheads_kv, MAX_GRID_YZ)
     if len(chunks) == 1:
-        return compute(do, q, k, v, o, lse)
+        return compute(do, q, k, v, o, lse, variant)
     xp = _array_module(q)
     dq = _empty(q.shape, q.dtype, xp=xp)
     split_groups = nheads // nheads_kv > MAX_GRID_YZ
@@ -110,7 +111,8 @@ def _backward_in_chunks(compute, do, q, k, v, o, lse):
     else:
         dk, dv = _empty(k.shape, k.dtype, xp=xp), _empty(v.shape, v.dtype, xp=xp)
     for b, h, kv in chunks:
-        dq_c, dk_c, dv_c = compute(do[b, :, h], q[b, :, h], k[b, :, kv], v[b, :, kv], o[b, :, h], lse[b, h])
+        dq_c, dk_c, dv_c = compute(do[b, :, h], q[b, :, h], k[b, :, kv], v[b, :, kv], o[b, :, h], lse[b, h],
+                                   variant.sliced(b, h).to(xp))
         dq[b, :, h] = dq_c
         if split_groups:
             dk[b, :, kv] += dk_c
@@ -147,8 +149,8 @@ def _mma_ready(x, headdim_padded: int):
     return padded
 
 
-def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), return_lse=False,
-                    backend="auto"):
+def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, sink=None, return_lse=False, backend="auto"):
     """Exact attention softmax(q kᵀ · scale) v, computed tile by tile without materialising S.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim) with
@@ -156,7 +158,13 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     j <= i + seqlen_k - seqlen_q. ``window_size=(left, right)`` is flash-attn's sliding window
     (-1: that side unbounded): query i sees key j iff i + seqlen_k - seqlen_q - left <= j <=
     i + seqlen_k - seqlen_q + right; with ``causal`` the right side is 0. A row that sees no key
-    outputs 0 and has lse = -inf. Key blocks outside the window are skipped, not masked. Returns o (like q), or (o, lse) with lse (batch, nheads, seqlen_q) float32 (float64 for float64).
+    outputs 0 and has lse = -inf. Key blocks outside the window are skipped, not masked.
+    Variants (flash-attn 2.8's names; cupyflash.scores has the definitions): ``softcap`` c > 0
+    replaces each scaled score z by c tanh(z / c); ``alibi_slopes`` ((nheads,) or (batch,
+    nheads) float32) adds -slope |i + seqlen_k - seqlen_q - j|; ``sink`` ((nheads,) float32) is a
+    logit per query head in every row's softmax denominator with no value row (gpt-oss), which
+    lse includes (a row that sees no key then has lse = sink). Returns o (like q), or (o, lse)
+    with lse (batch, nheads, seqlen_q) float32 (float64 for float64).
     backend: 'auto' (tensor cores for 16-bit, SIMT otherwise, NumPy without a GPU), 'cuda',
     'mma', 'simt' or 'numpy'.
     """
@@ -168,6 +176,7 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     arrays, host_out = _take({"q": q, "k": k, "v": v})
     dtype = A.check_dtype(arrays)
     batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim = A.check_qkv_shapes(*arrays.values())
+    variant = check_variant(softcap, alibi_slopes, sink, batch, nheads)
     scale = A.resolve_scale(softmax_scale, headdim)
     A.same_device(arrays)
     which = dispatch.choose(backend, dtype, headdim, "fwd")
@@ -175,24 +184,29 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     if not empty:
         A.check_scores_fit(arrays["q"], arrays["k"], scale)
     q, k, v = _move(arrays, on_gpu).values()
+    xp = np if which == "numpy" else A._cupy()
+    variant = variant.to(xp)
 
-    if empty:  # nothing to launch; every row (if any) sees no key
-        xp = np if which == "numpy" else A._cupy()
+    if empty:  # nothing to launch; every row (if any) sees no key (only the sink, if there is one)
         o = xp.zeros(q.shape, dtype)
         lse = xp.full((batch, nheads, seqlen_q), -np.inf, lse_dtype(dtype))
+        if variant.sink is not None:
+            lse[...] = variant.sink.astype(lse.dtype)[None, :, None]
     elif which == "numpy":
         from . import numpy_backend
 
         o, lse = _forward_in_chunks(
-            lambda q, k, v: numpy_backend.forward(q, k, v, softmax_scale=scale, causal=causal, window_size=window),
-            q, k, v)
+            lambda q, k, v, variant: numpy_backend.forward(q, k, v, softmax_scale=scale, causal=causal,
+                                                           window_size=window, variant=variant),
+            q, k, v, variant)
     else:
-        o, lse = _forward_in_chunks(lambda q, k, v: _forward_gpu(which, q, k, v, scale, causal, window), q, k, v)
+        o, lse = _forward_in_chunks(
+            lambda q, k, v, variant: _forward_gpu(which, q, k, v, scale, causal, window, variant), q, k, v, variant)
     o, lse = _to_device((o, lse)) if which == "numpy" and not host_out else _to_host((o, lse), host_out)
     return (o, lse) if return_lse else o
 
 
-def _forward_gpu(which, q, k, v, scale, causal, window):
+def _forward_gpu(which, q, k, v, scale, causal, window, variant):
     batch, seqlen_q, nheads, headdim = q.shape
     lse = _empty((batch, nheads, seqlen_q), lse_dtype(q.dtype))
     kernels = dispatch.family(which, "fwd")
@@ -200,22 +214,24 @@ def _forward_gpu(which, q, k, v, scale, causal, window):
         padded = dispatch.mma_headdim(headdim)
         qp, kp, vp = (_mma_ready(x, padded) for x in (q, k, v))
         o = _empty(qp.shape, q.dtype)
-        kernels.forward(qp, kp, vp, o, lse, softmax_scale=scale, causal=causal, window_size=window)
+        kernels.forward(qp, kp, vp, o, lse, softmax_scale=scale, causal=causal, window_size=window, variant=variant)
         if padded != headdim:
             o = o[..., :headdim].copy()
         return o, lse
     o = _empty(q.shape, q.dtype)
-    kernels.forward(q, k, v, o, lse, softmax_scale=scale, causal=causal, window_size=window)
+    kernels.forward(q, k, v, o, lse, softmax_scale=scale, causal=causal, window_size=window, variant=variant)
     return o, lse
 
 
 def flash_attn_backward(do, q, k, v, o, lse, *, softmax_scale=None, causal=False, window_size=(-1, -1),
-                        backend="auto", deterministic=True):
-    """Gradients (dq, dk, dv) of flash_attn_func from the saved o and lse (P is recomputed).
+                        softcap=0.0, alibi_slopes=None, sink=None, backend="auto", deterministic=True):
+    """Gradients (dq, dk, dv) of flash_attn_func from the saved o and lse (P is recomputed); with a
+    ``sink``, (dq, dk, dv, dsink), dsink (nheads,) float32.
 
     For GQA, dk and dv sum over the query heads that share a kv head. ``deterministic=True`` gives
     bitwise-reproducible results (no atomics); ``False`` lets the tensor-core kernels accumulate dq
-    with atomics. ``causal`` and ``window_size`` must be the forward's.
+    with atomics. ``causal``, ``window_size``, ``softcap``, ``alibi_slopes`` and ``sink`` must be
+    the forward's. dsink = -sum over batch and rows of exp(sink - lse) rowsum(do * o).
     """
     backend = A.check_backend(backend)
     causal = A.check_flag(causal, "causal")
@@ -227,6 +243,7 @@ def flash_attn_backward(do, q, k, v, o, lse, *, softmax_scale=None, causal=False
     batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim = A.check_qkv_shapes(
         arrays["q"], arrays["k"], arrays["v"])
     A.check_backward_arrays(arrays["do"], arrays["o"], arrays["lse"], arrays["q"].shape, dtype)
+    variant = check_variant(softcap, alibi_slopes, sink, batch, nheads)
     scale = A.resolve_scale(softmax_scale, headdim)
     A.same_device(arrays)
     which = dispatch.choose(backend, dtype, headdim, "bwd")
@@ -234,23 +251,30 @@ def flash_attn_backward(do, q, k, v, o, lse, *, softmax_scale=None, causal=False
     if not empty:
         A.check_scores_fit(arrays["q"], arrays["k"], scale)
     do, q, k, v, o, lse = _move(arrays, on_gpu).values()
+    xp = np if which == "numpy" else A._cupy()
+    variant = variant.to(xp)
 
     if empty:  # nothing to launch; no query row sees a key
-        xp = np if which == "numpy" else A._cupy()
         grads = tuple(xp.zeros(x.shape, dtype) for x in (q, k, v))
     elif which == "numpy":
         from . import numpy_backend
 
         grads = _backward_in_chunks(
-            lambda *chunk: numpy_backend.backward(*chunk, softmax_scale=scale, causal=causal, window_size=window),
-            do, q, k, v, o, lse)
+            lambda *chunk: numpy_backend.backward(*chunk[:6], softmax_scale=scale, causal=causal, window_size=window,
+                                                  variant=chunk[6]),
+            do, q, k, v, o, lse, variant)
     else:
         grads = _backward_in_chunks(
-            lambda *chunk: _backward_gpu(which, *chunk, scale, causal, window, deterministic), do, q, k, v, o, lse)
+            lambda *chunk: _backward_gpu(which, *chunk, scale, causal, window, deterministic), do, q, k, v, o, lse,
+            variant)
+    if variant.sink is not None:  # one formula for every family: the sink's row has no value
+        from .scores import sink_grad
+
+        grads = grads + (sink_grad(variant.sink, do, o, lse, xp=xp),)
     return _to_device(grads) if which == "numpy" and not host_out else _to_host(grads, host_out)
 
 
-def _backward_gpu(which, do, q, k, v, o, lse, scale, causal, window, deterministic):
+def _backward_gpu(which, do, q, k, v, o, lse, variant, scale, causal, window, deterministic):
     import cupy
 
     headdim = q.shape[3]
@@ -260,21 +284,24 @@ def _backward_gpu(which, do, q, k, v, o, lse, scale, causal, window, determinist
         dop, qp, kp, vp, op = (_mma_ready(x, padded) for x in (do, q, k, v, o))
         dq, dk, dv = _empty(qp.shape, q.dtype), _empty(kp.shape, k.dtype), _empty(vp.shape, v.dtype)
         kernels.backward(dop, qp, kp, vp, op, cupy.ascontiguousarray(lse), dq, dk, dv,
-                         softmax_scale=scale, causal=causal, deterministic=deterministic, window_size=window)
+                         softmax_scale=scale, causal=causal, deterministic=deterministic, window_size=window,
+                         variant=variant)
         if padded != headdim:
             dq, dk, dv = (g[..., :headdim].copy() for g in (dq, dk, dv))
         return dq, dk, dv
     dq, dk, dv = _empty(q.shape, q.dtype), _empty(k.shape, k.dtype), _empty(v.shape, v.dtype)
     kernels.backward(do, q, k, v, o, cupy.ascontiguousarray(lse), dq, dk, dv,
-                     softmax_scale=scale, causal=causal, deterministic=deterministic, window_size=window)
+                     softmax_scale=scale, causal=causal, deterministic=deterministic, window_size=window,
+                     variant=variant)
     return dq, dk, dv
 
 
 def flash_attn_vjp(q, k, v, **options):
-    """(o, vjp) with vjp(do) -> (dq, dk, dv): autodiff of attention without a framework.
+    """(o, vjp) with vjp(do) -> (dq, dk, dv) (and dsink with a ``sink``): autodiff of attention
+    without a framework.
 
-    ``options`` are flash_attn_func's (softmax_scale, causal, window_size, backend); ``deterministic`` goes to
-    the backward.
+    ``options`` are flash_attn_func's (softmax_scale, causal, window_size, softcap, alibi_slopes,
+    sink, backend); ``deterministic`` goes to the backward.
     """
     deterministic = options.pop("deterministic", True)
     if "return_lse" in options:

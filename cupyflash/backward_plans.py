@@ -393,8 +393,19 @@ def mma_sync_dq(dt: int) -> tuple:
 
 
 def _without_spills(row: BackwardKernels, mask: Mask, dt: int) -> BackwardKernels:
-    if row.dkdv == "dkdv_mma_v2" and row.dq_add == "atomic" and mask.HAS_LEFT:
+    """The row's kernels, or where they spill registers with this mask and score (ptxas, sm_80 /
+    sm_90a) the nearest kernels that do not: flash_bwd_dkdv_mma_v2 with the window's left bound and
+    atomic dQ, or with softcap's derivative (4-44 bytes), runs v1's flash_bwd_dkdv_mma; the fused
+    kernel with ALiBi (8-24 bytes at d128) the atomic dK/dV kernel, v1; flash_bwd_wgmma at d64
+    with softcap (BLOCK_M 128: 4-84 bytes) the d128 tiles, BLOCK_M 64, without dQ adds (their
+    static layout needs two dQ panels per warpgroup), and dQ by flash_bwd_dq_wgmma."""
+    score = mask.score
+    if row.dkdv == "dkdv_mma_v2" and ((row.dq_add == "atomic" and mask.HAS_LEFT) or score.softcap):
         return row._replace(dkdv="dkdv_mma", dkdv_tiles=DKDV_CONFIG[dt])
+    if row.dkdv == "fused_mma" and score.alibi:
+        return row._replace(dkdv="dkdv_mma", dkdv_tiles=DKDV_CONFIG[dt])
+    if row.dkdv == "wgmma" and dt == 64 and score.softcap:
+        return row._replace(dkdv_tiles=(64, 128), dq_add="none", dq="dq_wgmma", dq_tiles=DQ_WGMMA_CONFIG[64])
     return row
 
 

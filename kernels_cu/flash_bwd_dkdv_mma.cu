@@ -104,6 +104,7 @@ flash_bwd_dkdv_mma(const __grid_constant__ BwdParams p) {
         const u32 s_q = base + L::Q + stage * L::Q_TILE, s_do = base + L::DO + stage * L::Q_TILE;
         const float* s_lse = reinterpret_cast<const float*>(smem + L::LSE) + stage * BLOCK_M;
         const float* s_delta = reinterpret_cast<const float*>(smem + L::DELTA) + stage * BLOCK_M;
+        const ScoreOf<Mask, float, true> score(p, batch, head, scale);
 
         // Steps 1-6 per sub-block of M_SUB query columns, one after the other: the S^T and dP^T
         // fragments of a sub-block are what the registers left by dK_j, dV_j can hold.
@@ -123,6 +124,9 @@ flash_bwd_dkdv_mma(const __grid_constant__ BwdParams p) {
             // column), so lse is per column. Hidden entries are set to 0 by selection, not by
             // multiplication, so that a non-finite score there cannot leak; blocks inside the mask
             // run an instance without the test (masked_or_not, mma_bwd.cuh; likewise in step 5).
+            // The score policy's transform first (score.cuh), its derivative kept for step 5.
+            const auto score_origin = score.origin(m0_sub + 2 * (lane % 4), n0 + row0 + lane / 4);
+            ScoreGrads<Mask::Score::HAS_GRAD, M_SUB / 2> grads;
 #pragma unroll
             for (int j = 0; j < M_SUB / 8; ++j) {
                 const int c = 8 * j + 2 * (lane % 4);
@@ -133,7 +137,10 @@ flash_bwd_dkdv_mma(const __grid_constant__ BwdParams p) {
                     for (int e = 0; e < 4; ++e) {
                         const bool hidden =
                             masked.value && !mask.visible(m0_sub + c + (e & 1), n0 + row0 + lane / 4 + 8 * (e >> 1));
-                        const float p = recomputed_p(s_acc[j][e], scale_log2, base_log2[e & 1]);
+                        float dsds;
+                        const float s_ij = score.transform(s_acc[j][e], score_origin, 8 * j + (e & 1), 8 * (e >> 1), dsds);
+                        grads.put(4 * j + e, dsds);
+                        const float p = recomputed_p(s_ij, scale_log2, base_log2[e & 1]);
                         s_acc[j][e] = hidden ? 0.f : p;
                     }
                 });
@@ -163,7 +170,7 @@ flash_bwd_dkdv_mma(const __grid_constant__ BwdParams p) {
                     for (int e = 0; e < 4; ++e) {
                         const bool hidden =
                             masked.value && !mask.visible(m0_sub + c + (e & 1), n0 + row0 + lane / 4 + 8 * (e >> 1));
-                        const float ds = s_acc[j][e] * (dp_acc[j][e] - ((e & 1) ? d2.y : d2.x));
+                        const float ds = s_acc[j][e] * (dp_acc[j][e] - ((e & 1) ? d2.y : d2.x)) * grads.get(4 * j + e);
                         dp_acc[j][e] = hidden ? 0.f : ds;
                     }
                 });

@@ -118,6 +118,7 @@ flash_bwd_dkdv_mma_split(const __grid_constant__ BwdParams p) {
         const u32 s_q = base + L::Q + stage * L::Q_TILE, s_do = base + L::DO + stage * L::Q_TILE;
         const float* s_lse = reinterpret_cast<const float*>(smem + L::LSE) + stage * BLOCK_M;
         const float* s_delta = reinterpret_cast<const float*>(smem + L::DELTA) + stage * BLOCK_M;
+        const ScoreOf<Mask, float, true> score(p, batch, head, p.scale);
 
 #pragma unroll 1
         for (int mc0 = 0; mc0 < BLOCK_M; mc0 += M_SUB, slot ^= 1) {
@@ -141,6 +142,9 @@ flash_bwd_dkdv_mma_split(const __grid_constant__ BwdParams p) {
             if (!role_dk) {
                 // S^T = K_j Q^T; P^T = exp2(S^T scale log2(e) - lse log2(e)), lse per column,
                 // hidden entries selected to 0 (masked_or_not); P^T to the pair's slot; dV_j += P^T dO.
+                // With a score transform (score.cuh) S^T is transformed first, and the slot gets
+                // P^T times its derivative: the dK warp needs P^T only in dS^T.
+                const auto score_origin = score.origin(m0_sub + 2 * (lane % 4), n0 + row0 + lane / 4);
                 float s_acc[G][M_SUB / 8][4];
 #pragma unroll
                 for (int g = 0; g < G; ++g) zero(s_acc[g]);
@@ -152,6 +156,7 @@ flash_bwd_dkdv_mma_split(const __grid_constant__ BwdParams p) {
                     const float base_log2[2] = {lse_base_log2(lse2.x), lse_base_log2(lse2.y)};
 #pragma unroll
                     for (int g = 0; g < G; ++g) {
+                        float p_ds[4];  // what the slot gets: P^T, times ds'/ds with a derivative
                         masked_or_not(partial, [&](auto masked) {
 #pragma unroll
                             for (int e = 0; e < 4; ++e) {
@@ -159,13 +164,16 @@ flash_bwd_dkdv_mma_split(const __grid_constant__ BwdParams p) {
                                 const bool hidden = masked.value && (m < m_min[g][e >> 1] || m >= seqlen_q ||
                                                                      mask.hidden_left(origin, 8 * j + (e & 1),
                                                                                       16 * g + 8 * (e >> 1)));
-                                const float p = recomputed_p(s_acc[g][j][e], scale_log2, base_log2[e & 1]);
+                                float dsds;
+                                const float s_ij = score.transform(s_acc[g][j][e], score_origin, 8 * j + (e & 1),
+                                                                   16 * g + 8 * (e >> 1), dsds);
+                                const float p = recomputed_p(s_ij, scale_log2, base_log2[e & 1]);
                                 s_acc[g][j][e] = hidden ? 0.f : p;
+                                p_ds[e] = Mask::Score::HAS_GRAD ? s_acc[g][j][e] * dsds : s_acc[g][j][e];
                             }
                         });
-                        st_shared_v4(s_p + (g * (M_SUB / 8) + j) * 512, __float_as_uint(s_acc[g][j][0]),
-                                     __float_as_uint(s_acc[g][j][1]), __float_as_uint(s_acc[g][j][2]),
-                                     __float_as_uint(s_acc[g][j][3]));
+                        st_shared_v4(s_p + (g * (M_SUB / 8) + j) * 512, __float_as_uint(p_ds[0]),
+                                     __float_as_uint(p_ds[1]), __float_as_uint(p_ds[2]), __float_as_uint(p_ds[3]));
                     }
                 }
                 named_barrier_sync(1 + pair, 64);

@@ -97,6 +97,7 @@ flash_bwd_dkdv_mma_v2(const __grid_constant__ BwdParams p) {
         const u32 s_q = base + L::Q + stage * L::Q_TILE, s_do = base + L::DO + stage * L::Q_TILE;
         const float* s_lse = reinterpret_cast<const float*>(smem + L::LSE) + stage * BLOCK_M;
         const float* s_delta = reinterpret_cast<const float*>(smem + L::DELTA) + stage * BLOCK_M;
+        const ScoreOf<Mask, float, true> score(p, batch, head, scale);
 
 #pragma unroll 1
         for (int mc0 = 0; mc0 < BLOCK_M; mc0 += M_SUB) {
@@ -115,6 +116,8 @@ flash_bwd_dkdv_mma_v2(const __grid_constant__ BwdParams p) {
                     m_min[g][half] = n < seqlen_k ? mask.row_query_begin(n) : seqlen_q;
                 }
             const typename Mask::Origin origin = mask.origin(m0_sub + 2 * (lane % 4), n0 + row0 + lane / 4);
+            const auto score_origin = score.origin(m0_sub + 2 * (lane % 4), n0 + row0 + lane / 4);
+            ScoreGrads<Mask::Score::HAS_GRAD, G * M_SUB / 2> grads;  // ds'/ds of the entries [g][j][e]
 
             // Step 1: S^T = K_j Q^T for this warp's 16 G key rows.
             float s_acc[G][M_SUB / 8][4];
@@ -138,7 +141,11 @@ flash_bwd_dkdv_mma_v2(const __grid_constant__ BwdParams p) {
                             const bool hidden = masked.value && (m < m_min[g][e >> 1] || m >= seqlen_q ||
                                                                  mask.hidden_left(origin, 8 * j + (e & 1),
                                                                                   16 * g + 8 * (e >> 1)));
-                            const float p = recomputed_p(s_acc[g][j][e], scale_log2, base_log2[e & 1]);
+                            float dsds;
+                            const float s_ij = score.transform(s_acc[g][j][e], score_origin, 8 * j + (e & 1),
+                                                               16 * g + 8 * (e >> 1), dsds);
+                            grads.put((g * (M_SUB / 8) + j) * 4 + e, dsds);
+                            const float p = recomputed_p(s_ij, scale_log2, base_log2[e & 1]);
                             s_acc[g][j][e] = hidden ? 0.f : p;
                         }
                     }
@@ -179,7 +186,8 @@ flash_bwd_dkdv_mma_v2(const __grid_constant__ BwdParams p) {
                                 const int m = m0_sub + c + (e & 1);
                                 const bool hidden = masked.value && (m < m_min[g][e >> 1] || m >= seqlen_q ||
                                                                      (Mask::HAS_LEFT && s_acc[g][j][e] == 0.f));
-                                const float ds = s_acc[g][j][e] * (dp_acc[g][jj][e] - ((e & 1) ? d2.y : d2.x));
+                                const float ds = s_acc[g][j][e] * (dp_acc[g][jj][e] - ((e & 1) ? d2.y : d2.x)) *
+                                                 grads.get((g * (M_SUB / 8) + j) * 4 + e);
                                 dp_acc[g][jj][e] = hidden ? 0.f : ds;
                             }
                         }

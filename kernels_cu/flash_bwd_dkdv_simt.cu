@@ -69,6 +69,7 @@ flash_bwd_dkdv_simt(const __grid_constant__ BwdParams p) {
         const T* __restrict__ do_base = p.dout.head_rows<const T>(batch, head);
         const A* lse_row = lse + ((i64)batch * nheads + head) * seqlen_q;
         const A* delta_row = delta + ((i64)batch * nheads + head) * seqlen_q;
+        const ScoreOf<Mask, A> score(p, batch, head, scale);  // raw scores: the unit is the scale
         for (int m0 = m_first; m0 < m_end; m0 += BLOCK_M) {
             __syncthreads();  // previous Q/dO tiles fully consumed
             load_tile<BLOCK_M, D_TILE, NTHREADS>(q_tile, q_base, m0, seqlen_q, headdim, p.q.row_stride, A(1));
@@ -89,9 +90,12 @@ flash_bwd_dkdv_simt(const __grid_constant__ BwdParams p) {
                 const int qi = lane_in_row + TPR * j, q_row = m0 + qi;
                 // lse = -inf marks a row with no visible key (or a row past the end): P = 0
                 const bool masked = lse_log2[qi] == neg_inf<A>() || mask.hides(q_row, n0 + key);
-                const A p_ij = masked ? A(0) : recomputed_p_exact(st[j], scale_log2, lse_log2[qi]);
+                A dsds;
+                const A s_ij = score.transform(st[j], score.origin(q_row, n0 + key), 0, 0, dsds);
+                const A p_ij = masked ? A(0) : recomputed_p_exact(s_ij, scale_log2, lse_log2[qi]);
                 pt_tile[key * LDP + qi] = p_ij;
-                dst_tile[key * LDP + qi] = masked ? A(0) : p_ij * (dpt[j] - delta_tile[qi]);
+                const A ds_ij = p_ij * (dpt[j] - delta_tile[qi]);
+                dst_tile[key * LDP + qi] = masked ? A(0) : Mask::Score::HAS_GRAD ? ds_ij * dsds : ds_ij;
             }
             // P^T/dS^T rows are written and read only by their own row group (one warp).
             __syncwarp();

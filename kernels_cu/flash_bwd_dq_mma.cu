@@ -35,6 +35,7 @@ flash_bwd_dq_mma(const __grid_constant__ BwdParams p) {
     const Mask mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
     const int m0 = Mask::query_block(blockIdx.x, gridDim.x) * BLOCK_M;
     const int head = blockIdx.y, batch = blockIdx.z, head_kv = head / p.group;
+    const ScoreOf<Mask, float, true> score(p, batch, head, scale);
 
     // Key blocks [j_begin, j_end) hold the keys some existing row of the block sees (mask.cuh);
     // K_j and V_j sit in stage j % 2, whichever block the walk starts at.
@@ -92,13 +93,18 @@ flash_bwd_dq_mma(const __grid_constant__ BwdParams p) {
         mma_ABt<T, BLOCK_N, D_TILE, D_TILE, D_TILE>(dp_acc, s_do, row0, s_v, 0, lane);
 
         // Step 2: dS = P o (dP - D) with P = exp2(S scale log2(e) - lse log2(e)); lse, D per row.
+        // The score policy's transform first (score.cuh), its derivative on dS.
         const bool partial = mask.partial(m0, BLOCK_M, n0, BLOCK_N);
+        const auto score_origin = score.origin(m0 + row0 + lane / 4, n0 + 2 * (lane % 4));
 #pragma unroll
         for (int f = 0; f < BLOCK_N / 8; ++f) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const float p = recomputed_p(s_acc[f][e], scale_log2, base_log2[e >> 1]);
-                const float ds = p * (dp_acc[f][e] - d[e >> 1]);
+                float dsds;
+                const float s_ij = score.transform(s_acc[f][e], score_origin, 8 * (e >> 1), 8 * f + (e & 1), dsds);
+                const float p = recomputed_p(s_ij, scale_log2, base_log2[e >> 1]);
+                const float ds = Mask::Score::HAS_GRAD ? p * (dp_acc[f][e] - d[e >> 1]) * dsds
+                                                       : p * (dp_acc[f][e] - d[e >> 1]);
                 const bool hidden = partial && !mask.visible(m0 + row0 + lane / 4 + 8 * (e >> 1),
                                                              n0 + 8 * f + 2 * (lane % 4) + (e & 1));
                 dp_acc[f][e] = hidden ? 0.f : ds;

@@ -59,6 +59,7 @@ flash_bwd_dq_mma_v2(const __grid_constant__ BwdParams p) {
     const Mask mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
     const int m0 = Mask::query_block(blockIdx.x, gridDim.x) * BLOCK_M;
     const int head = blockIdx.y, batch = blockIdx.z, head_kv = head / p.group;
+    const ScoreOf<Mask, float, true> score(p, batch, head, scale);
 
     // Key blocks [j_begin, j_end) hold the keys some existing row of the block sees (mask.cuh);
     // K_j and V_j sit in stage j % 2, whichever block the walk starts at.
@@ -117,6 +118,9 @@ flash_bwd_dq_mma_v2(const __grid_constant__ BwdParams p) {
         // step 2 tells those entries by P == 0: the d128 kernel has no registers to spare there.
         const bool partial = mask.partial(m0, BLOCK_M, n0, BLOCK_N);
         const typename Mask::Origin origin = mask.origin(m0 + lane_row, n0 + 2 * (lane % 4));
+        // The score policy's transform first (score.cuh); P is read only by dS here, so with a
+        // derivative it is kept as P ds'/ds.
+        const auto score_origin = score.origin(m0 + lane_row, n0 + 2 * (lane % 4));
         float s_acc[G][BLOCK_N / 8][4];
 #pragma unroll
         for (int g = 0; g < G; ++g) zero(s_acc[g]);
@@ -127,11 +131,13 @@ flash_bwd_dq_mma_v2(const __grid_constant__ BwdParams p) {
             for (int f = 0; f < BLOCK_N / 8; ++f)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const float p =
-                        recomputed_p(s_acc[g][f][e], scale_log2, s_lse[lane_row + 16 * g + 8 * (e >> 1)]);
+                    float dsds;
+                    const float s_ij = score.transform(s_acc[g][f][e], score_origin, 16 * g + 8 * (e >> 1),
+                                                       8 * f + (e & 1), dsds);
+                    const float p = recomputed_p(s_ij, scale_log2, s_lse[lane_row + 16 * g + 8 * (e >> 1)]);
                     const bool hidden_left =
                         partial && mask.hidden_left(origin, 16 * g + 8 * (e >> 1), 8 * f + (e & 1));
-                    s_acc[g][f][e] = hidden_left ? 0.f : p;
+                    s_acc[g][f][e] = hidden_left ? 0.f : Mask::Score::HAS_GRAD ? p * dsds : p;
                 }
 
         // Step 2: dP = dO_i V_j^T and dS = P o (dP - D), in slices of DP_COLS keys: at head dim 128

@@ -35,6 +35,7 @@ flash_bwd_dq_simt(const __grid_constant__ BwdParams p) {
     const int m_block = Mask::query_block(blockIdx.x, gridDim.x);
     const int head = blockIdx.y, batch = blockIdx.z;
     const int head_kv = head / p.group;
+    const ScoreOf<Mask, A> score(p, batch, head, scale);  // raw scores: the unit is the scale
     const int m0 = m_block * BLOCK_M;
     const int row = threadIdx.x / TPR, lane_in_row = threadIdx.x % TPR;
     const int q_row = m0 + row;
@@ -72,8 +73,10 @@ flash_bwd_dq_simt(const __grid_constant__ BwdParams p) {
         for (int j = 0; j < S_PER_LANE; ++j) {
             const int col = lane_in_row + TPR * j, key = n0 + col;
             const bool masked = row_lse_log2 == neg_inf<A>() || mask.hides(q_row, key);
-            ds_tile[row * LDS + col] =
-                masked ? A(0) : recomputed_p_exact(s[j], scale_log2, row_lse_log2) * (dp[j] - row_delta);
+            A dsds;
+            const A s_ij = score.transform(s[j], score.origin(q_row, key), 0, 0, dsds);
+            const A ds_ij = recomputed_p_exact(s_ij, scale_log2, row_lse_log2) * (dp[j] - row_delta);
+            ds_tile[row * LDS + col] = masked ? A(0) : Mask::Score::HAS_GRAD ? ds_ij * dsds : ds_ij;
         }
         // dS rows are written and read only by their own row group (one warp).
         __syncwarp();

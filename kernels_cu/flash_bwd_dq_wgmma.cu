@@ -69,6 +69,7 @@ flash_bwd_dq_wgmma(const __grid_constant__ BwdParams p) {
 
     const int head = blockIdx.y, batch = blockIdx.z, head_kv = head / p.group;
     const Mask mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
+    const ScoreOf<Mask, float, true> score(p, batch, head, scale);
     const int m0 = Mask::query_block(blockIdx.x, gridDim.x) * BLOCK_M;
     // Key blocks [j_begin, ceil(n_end / BLOCK_N)) hold the keys some row of the block sees; K_j
     // and V_j sit in the stages of the absolute index j, whichever block the walk starts at.
@@ -152,12 +153,18 @@ flash_bwd_dq_wgmma(const __grid_constant__ BwdParams p) {
         // Two copies, with and without the element mask (a block inside the mask needs none): the
         // split the compiler made itself while the shape came as kernel arguments, and no longer
         // makes with it read from BwdParams.
+        // The score policy's transform first (score.cuh); P is read only by dS here, so with a
+        // derivative it is kept as P ds'/ds.
+        const auto score_origin = score.origin(row_lo, key0);
         auto probabilities = [&](auto masked) {
 #pragma unroll
             for (int f = 0; f < N_FRAGS; ++f)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const float p_ij = recomputed_p(s_acc[f][e], scale_log2, base_log2[e >> 1]);
+                    float dsds;
+                    const float s_ij = score.transform(s_acc[f][e], score_origin, 8 * (e >> 1), 8 * f + (e & 1), dsds);
+                    float p_ij = recomputed_p(s_ij, scale_log2, base_log2[e >> 1]);
+                    if constexpr (Mask::Score::HAS_GRAD) p_ij *= dsds;
                     const bool hidden = !mask.visible(row_lo + 8 * (e >> 1), key0 + 8 * f + (e & 1));
                     s_acc[f][e] = decltype(masked)::value && hidden ? 0.f : p_ij;
                 }

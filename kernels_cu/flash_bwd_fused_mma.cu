@@ -210,8 +210,12 @@ flash_bwd_fused_mma(const __grid_constant__ BwdParams p) {
         // blocks inside the mask run an instance without the test (masked_or_not, mma_bwd.cuh).
         // Element (g, j, e) is key key0 + 16 g + 8 (e / 2), query query0 + 8 j + e % 2; the mask
         // compares compile-time offsets against the per-thread values of the policy's origin.
+        // The score policy's transform first (score.cuh), its derivative kept for step 5.
         const int key0 = n0 + key_row0 + lane / 4, query0 = m0 + q_col0 + 2 * (lane % 4);
         const typename Mask::Origin origin = mask.origin(query0, key0);
+        const ScoreOf<Mask, float, true> score(p, batch, head, scale);
+        const auto score_origin = score.origin(query0, key0);
+        ScoreGrads<Mask::Score::HAS_GRAD, KG * SQ / 2> grads;
 #pragma unroll
         for (int j = 0; j < SQ / 8; ++j) {
             const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + q_col0 + 8 * j + 2 * (lane % 4));
@@ -223,7 +227,10 @@ flash_bwd_fused_mma(const __grid_constant__ BwdParams p) {
                     for (int e = 0; e < 4; ++e) {
                         const int key_off = 16 * g + 8 * (e >> 1), query_off = 8 * j + (e & 1);
                         const bool hidden = mask.hidden(origin, query_off, key_off);
-                        const float p = recomputed_p(s_acc[g][j][e], scale_log2, base_log2[e & 1]);
+                        float dsds;
+                        const float s_ij = score.transform(s_acc[g][j][e], score_origin, query_off, key_off, dsds);
+                        grads.put((g * (SQ / 8) + j) * 4 + e, dsds);
+                        const float p = recomputed_p(s_ij, scale_log2, base_log2[e & 1]);
                         s_acc[g][j][e] = masked.value && hidden ? 0.f : p;
                     }
                 });
@@ -261,7 +268,9 @@ flash_bwd_fused_mma(const __grid_constant__ BwdParams p) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const float p = P_PACKED ? p16[e] : s_acc[g][j][e];
-                    dp_acc[g][j][e] = p == 0.f ? 0.f : p * (dp_acc[g][j][e] - ((e & 1) ? d2.y : d2.x));
+                    dp_acc[g][j][e] = p == 0.f ? 0.f
+                                               : p * (dp_acc[g][j][e] - ((e & 1) ? d2.y : d2.x)) *
+                                                     grads.get((g * (SQ / 8) + j) * 4 + e);
                 }
             }
         }

@@ -173,6 +173,7 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
         const float* s_lse = reinterpret_cast<const float*>(smem + L::LSE) + stage * BLOCK_M;
         const float* s_delta = reinterpret_cast<const float*>(smem + L::DELTA) + stage * BLOCK_M;
         const bool partial = mask.partial(m0, BLOCK_M, n0, BLOCK_N);
+        const ScoreOf<Mask, float, true> score(p, batch, head, scale);
 
         // Steps 1-2: S^T = K_g Q^T and dP^T = V_g dO^T, issued back to back (K-major operands:
         // a 16-column k-step is 32 bytes into a panel).
@@ -213,6 +214,15 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
         const int key_row = 64 * wg + 16 * warp_in_wg + lane / 4;  // within the block
         const int key0 = n0 + key_row, query0 = m0 + 2 * (lane % 4);
         const typename Mask::Origin origin = mask.origin(query0, key0);
+        // The score policy's transform first (score.cuh). Its derivative waits for step 4 in
+        // float16 in the dS^T tile, at the thread's own words there, which step 5 overwrites with
+        // dS^T (registers are what limit this kernel: measured, 4-52 bytes of spills with the
+        // derivative kept in them). The tile's readers of the previous iteration (dQ) were waited
+        // for before this iteration's first barrier; nothing else reads it before step 5.
+        const auto score_origin = score.origin(query0, key0);
+        auto stash_addr = [&](int j, int h) {
+            return s_dst + panel_offset<BLOCK_N>(key_row + 8 * h, j) + 4 * (lane % 4);
+        };
         // Two copies, with and without the element mask (a block inside the mask needs none): the
         // split the compiler made itself while the shape came as kernel arguments, and no longer
         // makes with it read from BwdParams.
@@ -221,12 +231,18 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
             for (int j = 0; j < SJ; ++j) {
                 const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + 8 * j + 2 * (lane % 4));
                 const float base_log2[2] = {lse_base_log2(lse2.x), lse_base_log2(lse2.y)};
+                float dsds[4];
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const float p_ij = recomputed_p(s_acc[j][e], scale_log2, base_log2[e & 1]);
                     const int key_off = 8 * (e >> 1), query_off = 8 * j + (e & 1);
+                    const float s_ij = score.transform(s_acc[j][e], score_origin, query_off, key_off, dsds[e]);
+                    const float p_ij = recomputed_p(s_ij, scale_log2, base_log2[e & 1]);
                     const bool hidden = mask.hidden(origin, query_off, key_off);
                     s_acc[j][e] = decltype(masked)::value && hidden ? 0.f : p_ij;
+                }
+                if constexpr (Mask::Score::HAS_GRAD) {
+                    st_shared_b32(stash_addr(j, 0), pack2<half_t>(dsds[0], dsds[1]));
+                    st_shared_b32(stash_addr(j, 1), pack2<half_t>(dsds[2], dsds[3]));
                 }
             }
         };
@@ -248,9 +264,15 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
             const float2 d2 = *reinterpret_cast<const float2*>(s_delta + 8 * j + 2 * (lane % 4));
             const float2 lo = unpack2<T>(p_frag[j / 2][2 * (j % 2)]), hi = unpack2<T>(p_frag[j / 2][2 * (j % 2) + 1]);
             const float p16[4] = {lo.x, lo.y, hi.x, hi.y};
+            float dsds[4] = {1.f, 1.f, 1.f, 1.f};
+            if constexpr (Mask::Score::HAS_GRAD) {
+                const float2 g_lo = unpack2<half_t>(ld_shared_b32(stash_addr(j, 0)));
+                const float2 g_hi = unpack2<half_t>(ld_shared_b32(stash_addr(j, 1)));
+                dsds[0] = g_lo.x, dsds[1] = g_lo.y, dsds[2] = g_hi.x, dsds[3] = g_hi.y;
+            }
 #pragma unroll
             for (int e = 0; e < 4; ++e)
-                dp_acc[j][e] = p16[e] == 0.f ? 0.f : p16[e] * (dp_acc[j][e] - ((e & 1) ? d2.y : d2.x));
+                dp_acc[j][e] = p16[e] == 0.f ? 0.f : p16[e] * (dp_acc[j][e] - ((e & 1) ? d2.y : d2.x)) * dsds[e];
         }
         u32 ds_frag[QK][4];
         pack_a_frags<T, BLOCK_M>(ds_frag, dp_acc);

@@ -144,6 +144,7 @@ flash_bwd_wgmma_dsplit(const __grid_constant__ BwdParams p) {
         const float* s_lse = reinterpret_cast<const float*>(smem + L::LSE) + stage * BLOCK_M;
         const float* s_delta = reinterpret_cast<const float*>(smem + L::DELTA) + stage * BLOCK_M;
         const bool partial = mask.partial(m0, BLOCK_M, n0, BLOCK_N);
+        const ScoreOf<Mask, float, true> score(p, batch, head, scale);
 
         // Step 1: warpgroup 0 S^T = K Q^T, warpgroup 1 dP^T = V dO^T (K-major, 16 k-steps).
         float acc[SJ][4];
@@ -174,8 +175,13 @@ flash_bwd_wgmma_dsplit(const __grid_constant__ BwdParams p) {
         };
         if (wg == 0) {
             // Step 2 (warpgroup 0): P^T = exp2(S^T scale log2(e) - lse log2(e)), 0 where hidden.
+            // The score policy's transform first (score.cuh); with a derivative, warpgroup 0 hands
+            // it to warpgroup 1 in float16 through the dS^T tile, the same thread's words there,
+            // which step 4 reads before it overwrites them with dS^T (the previous iteration's
+            // readers of the tile were waited for before this iteration's first barrier).
             const int key0 = n0 + key_row, query0 = m0 + 2 * (lane % 4);
             const typename Mask::Origin origin = mask.origin(query0, key0);
+            const auto score_origin = score.origin(query0, key0);
 #pragma unroll
             for (int j = 0; j < SJ; ++j) {
                 const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + 8 * j + 2 * (lane % 4));
@@ -183,11 +189,13 @@ flash_bwd_wgmma_dsplit(const __grid_constant__ BwdParams p) {
                 // Two copies, with and without the element mask (a block inside the mask needs none): the
                 // split the compiler made itself while the shape came as kernel arguments, and no longer
                 // makes with it read from BwdParams.
+                float dsds[4];
                 auto probabilities = [&](auto masked) {
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
-                        const float p_ij = recomputed_p(acc[j][e], scale_log2, base_log2[e & 1]);
                         const int key_off = 8 * (e >> 1), query_off = 8 * j + (e & 1);
+                        const float s_ij = score.transform(acc[j][e], score_origin, query_off, key_off, dsds[e]);
+                        const float p_ij = recomputed_p(s_ij, scale_log2, base_log2[e & 1]);
                         const bool hidden = mask.hidden(origin, query_off, key_off);
                         acc[j][e] = decltype(masked)::value && hidden ? 0.f : p_ij;
                     }
@@ -198,6 +206,10 @@ flash_bwd_wgmma_dsplit(const __grid_constant__ BwdParams p) {
                     probabilities(Flag<false>());
                 st_shared_b32(pair_addr(s_pt, j, 0), pack2<T>(acc[j][0], acc[j][1]));
                 st_shared_b32(pair_addr(s_pt, j, 1), pack2<T>(acc[j][2], acc[j][3]));
+                if constexpr (Mask::Score::HAS_GRAD) {
+                    st_shared_b32(pair_addr(s_dst, j, 0), pack2<half_t>(dsds[0], dsds[1]));
+                    st_shared_b32(pair_addr(s_dst, j, 1), pack2<half_t>(dsds[2], dsds[3]));
+                }
             }
         }
         fence_proxy_async_shared();
@@ -223,9 +235,15 @@ flash_bwd_wgmma_dsplit(const __grid_constant__ BwdParams p) {
                 asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(p2[1]) : "r"(pair_addr(s_pt, j, 1)));
                 const float2 lo = unpack2<T>(p2[0]), hi = unpack2<T>(p2[1]);
                 const float p16[4] = {lo.x, lo.y, hi.x, hi.y};
+                float dsds[4] = {1.f, 1.f, 1.f, 1.f};
+                if constexpr (Mask::Score::HAS_GRAD) {
+                    const float2 g_lo = unpack2<half_t>(ld_shared_b32(pair_addr(s_dst, j, 0)));
+                    const float2 g_hi = unpack2<half_t>(ld_shared_b32(pair_addr(s_dst, j, 1)));
+                    dsds[0] = g_lo.x, dsds[1] = g_lo.y, dsds[2] = g_hi.x, dsds[3] = g_hi.y;
+                }
 #pragma unroll
                 for (int e = 0; e < 4; ++e)
-                    acc[j][e] = p16[e] == 0.f ? 0.f : p16[e] * (acc[j][e] - ((e & 1) ? d2.y : d2.x));
+                    acc[j][e] = p16[e] == 0.f ? 0.f : p16[e] * (acc[j][e] - ((e & 1) ? d2.y : d2.x)) * dsds[e];
                 st_shared_b32(pair_addr(s_dst, j, 0), pack2<T>(acc[j][0], acc[j][1]));
                 st_shared_b32(pair_addr(s_dst, j, 1), pack2<T>(acc[j][2], acc[j][3]));
             }

@@ -179,6 +179,7 @@ flash_fwd_mma(const __grid_constant__ FwdParams p) {
     const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, headdim = p.headdim;
     const float scale_log2 = p.scale_log2;
     const Mask mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
+    const ScoreOf<Mask, float, true> score(p, blockIdx.z, blockIdx.y, p.scale);
     auto first_row = [&]() {  // of the block, in the policy's order (heaviest first)
         constexpr bool FRESH = REREAD_INVARIANTS;
         return Mask::query_block(ctaid_x<FRESH>(), nctaid_x<FRESH>()) * BLOCK_M;
@@ -269,7 +270,7 @@ flash_fwd_mma(const __grid_constant__ FwdParams p) {
         mma_qk<T, D_TILE>(s, q_frag, q_strips, a_addr, Smem::k_tile(smem_base, stage), k_addr);
         const int n0 = j * BLOCK_N;
         const bool masked = mask.keys_partial(first_row(), BLOCK_M, n0, BLOCK_N);
-        scale_and_mask(s, scale_log2, masked, mask, first_row() + strip_row0, n0, lane);
+        scale_and_mask(s, scale_log2, masked, mask, score, first_row() + strip_row0, n0, lane);
         float m_new[M_STRIPS][2];
         row_max(m_new, s, row_stats, lane);
         softmax_rescale(s, o_acc, row_stats, m_new, lane);
@@ -282,9 +283,10 @@ flash_fwd_mma(const __grid_constant__ FwdParams p) {
     // thread) may still be in flight.
     cp_async_wait<0>();
     __syncthreads();
-    store_o<T, D_TILE>(o_acc, row_stats, q_tile, strip_row0, m0, seqlen_q, headdim,
-                       p.o.row<T>(batch, m0, head), p.o.row_stride,
-                       static_cast<float*>(p.lse) + ((i64)batch * p.nheads + head) * seqlen_q + m0, lane);
+    store_o<T, D_TILE, Mask::Score::HAS_SINK>(
+        o_acc, row_stats, q_tile, strip_row0, m0, seqlen_q, headdim, p.o.row<T>(batch, m0, head), p.o.row_stride,
+        static_cast<float*>(p.lse) + ((i64)batch * p.nheads + head) * seqlen_q + m0, lane,
+        sink_log2<Mask, float>(p, head));
 }
 
 }  // namespace cf

@@ -32,6 +32,8 @@ flash_fwd_simt(const __grid_constant__ FwdParams p) {
     const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, headdim = p.headdim;
     const A scale_log2 = scale_log2_in<A>(p);
     const Mask mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
+    // Scores come out in log2 units (Q is pre-scaled): the score policy's unit is ln 2.
+    const ScoreOf<Mask, A> score(p, blockIdx.z, blockIdx.y, A(0.6931471805599453094172321));
     const int m_block = Mask::query_block(blockIdx.x, gridDim.x);
     const int head = blockIdx.y, batch = blockIdx.z;
     const int head_kv = head / p.group;
@@ -67,6 +69,7 @@ flash_fwd_simt(const __grid_constant__ FwdParams p) {
 #pragma unroll
         for (int j = 0; j < S_PER_LANE; ++j) {
             const int key = n0 + lane_in_row + TPR * j;
+            if constexpr (!ScoreOf<Mask, A>::IDENTITY) s[j] = score.transform(s[j], score.origin(q_row, key), 0, 0);
             if (mask.hides(q_row, key)) s[j] = neg_inf<A>();
             row_max = max_(row_max, s[j]);
         }
@@ -104,18 +107,21 @@ flash_fwd_simt(const __grid_constant__ FwdParams p) {
 
     // store O = O_i / l_i and lse = (m_i + log2 l_i) ln 2; rows that saw no key give 0 and -inf
     if (q_row < seqlen_q) {
-        const A inv_l = l_i > A(0) ? A(1) / l_i : A(0);
+        A inv_l, lse_row;
+        if constexpr (Mask::Score::HAS_SINK) {
+            finish_row_with_sink(m_i, l_i, sink_log2<Mask, A>(p, head), inv_l, lse_row);
+        } else {
+            const A ln2 = A(0.6931471805599453094172321);
+            inv_l = l_i > A(0) ? A(1) / l_i : A(0);
+            lse_row = l_i > A(0) ? (m_i + log2_(l_i)) * ln2 : neg_inf<A>();
+        }
         T* o_row = p.o.row<T>(batch, q_row, head);
 #pragma unroll
         for (int j = 0; j < O_PER_LANE; ++j) {
             const int col = lane_in_row + TPR * j;
             if (col < headdim) store_as(o_row + col, o_acc[j] * inv_l);
         }
-        if (lane_in_row == 0) {
-            const A ln2 = A(0.6931471805599453094172321);
-            static_cast<A*>(p.lse)[((i64)batch * p.nheads + head) * seqlen_q + q_row] =
-                l_i > A(0) ? (m_i + log2_(l_i)) * ln2 : neg_inf<A>();
-        }
+        if (lane_in_row == 0) static_cast<A*>(p.lse)[((i64)batch * p.nheads + head) * seqlen_q + q_row] = lse_row;
     }
 }
 

@@ -52,6 +52,7 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p) {
     const float scale_log2 = p.scale_log2;
     const int head = blockIdx.y, batch = blockIdx.z, head_kv = head / p.group;
     const Mask mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
+    const ScoreOf<Mask, float, true> score(p, blockIdx.z, blockIdx.y, p.scale);
     const int m0 = Mask::query_block(blockIdx.x, gridDim.x) * BLOCK_M;
     // Key blocks [j_begin, ceil(n_end / BLOCK_N)) hold the keys some row of the block sees.
     // NoMask: the literal 0, not a call that folds to 0 only after inlining. With the call NVRTC
@@ -85,9 +86,10 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p) {
     for (int f = 0; f < D_FRAGS; ++f) o_acc[0][f][0] = o_acc[0][f][1] = o_acc[0][f][2] = o_acc[0][f][3] = 0.f;
     RowStats<RowState::ALL_LANES, 1> row_stats;
     auto store = [&]() {
-        store_o<T, D_TILE>(o_acc, row_stats, q_tile, strip_row0, m0, seqlen_q, headdim,
-                           p.o.row<T>(batch, m0, head), p.o.row_stride,
-                           static_cast<float*>(p.lse) + ((i64)batch * p.nheads + head) * seqlen_q + m0, lane);
+        store_o<T, D_TILE, Mask::Score::HAS_SINK>(
+            o_acc, row_stats, q_tile, strip_row0, m0, seqlen_q, headdim, p.o.row<T>(batch, m0, head),
+            p.o.row_stride, static_cast<float*>(p.lse) + ((i64)batch * p.nheads + head) * seqlen_q + m0, lane,
+            sink_log2<Mask, float>(p, head));
     };
     if (j_begin * BLOCK_N >= n_end) {  // rows that see no key: O = 0, lse = -inf
         cp_async_wait<0>();
@@ -123,8 +125,8 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p) {
         pin_registers(reinterpret_cast<float(&)[D_FRAGS * 4]>(o_acc));
 
         const int n0 = j * BLOCK_N;
-        scale_and_mask(s, scale_log2, mask.keys_partial(m0, BLOCK_M, n0, BLOCK_N), mask, m0 + strip_row0, n0,
-                       lane);
+        scale_and_mask(s, scale_log2, mask.keys_partial(m0, BLOCK_M, n0, BLOCK_N), mask, score, m0 + strip_row0,
+                       n0, lane);
         float m_new[1][2];
         row_max(m_new, s, row_stats, lane);
         softmax_rescale(s, o_acc, row_stats, m_new, lane);

@@ -136,6 +136,12 @@ __device__ __forceinline__ void st_shared_b32(u32 addr, u32 value) {
     asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(value) : "memory");
 }
 
+__device__ __forceinline__ u32 ld_shared_b32(u32 addr) {
+    u32 r;
+    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(r) : "r"(addr) : "memory");
+    return r;
+}
+
 __device__ __forceinline__ void ld_shared_v4(u32 (&r)[4], u32 addr) {
     asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])

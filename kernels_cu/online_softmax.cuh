@@ -14,10 +14,26 @@ namespace cf {
 // Scores to log2 units; keys the mask hides from a row (past the end of the sequence, outside
 // its band: mask.cuh) become -inf. `masked` is uniform over the block (Mask::keys_partial): only
 // the blocks that cross a bound of the band pay for the compares.
-template <class Mask, int M_STRIPS, int N_FRAGS>
+// The score policy's transform (score.cuh; none for the plain softmax) comes first, on the raw
+// scores: its result keeps their unit, so the scaling after it is the plain kernel's.
+template <class Mask, class Score, int M_STRIPS, int N_FRAGS>
 __device__ __forceinline__ void scale_and_mask(float (&s)[M_STRIPS][N_FRAGS][4], float scale_log2,
-                                               bool masked, const Mask& mask, int row0, int n0,
-                                               int lane) {
+                                               bool masked, const Mask& mask, const Score& score,
+                                               int row0, int n0, int lane) {
+    if constexpr (!Score::IDENTITY) {
+#pragma unroll
+        for (int i = 0; i < M_STRIPS; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const typename Score::Origin origin = score.origin(row0 + 16 * i + 8 * h + (lane >> 2),
+                                                                   n0 + 2 * (lane & 3));
+#pragma unroll
+                for (int f = 0; f < N_FRAGS; ++f)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e)
+                        s[i][f][2 * h + e] = score.transform(s[i][f][2 * h + e], origin, 0, 8 * f + e);
+            }
+    }
 #pragma unroll
     for (int i = 0; i < M_STRIPS; ++i)
 #pragma unroll
@@ -251,23 +267,31 @@ __device__ __forceinline__ void pack_p(u32 (&p)[M_STRIPS][N_FRAGS / 2][4],
 // Epilogue: O / l rounded to T through the warp's own rows of the (swizzled) Q tile, then
 // 16-byte coalesced stores of the rows < seqlen_q and columns < headdim; lse by lane 0 of each
 // quad. Rows that saw no key (l = 0) get O = 0 and lse = -inf. Only the warp's own rows of the Q
-// tile are touched, which no other warp reads, so a warp barrier suffices.
-template <typename T, int D_TILE, int M_STRIPS, int D_FRAGS, typename Stats>
+// tile are touched, which no other warp reads, so a warp barrier suffices. With a sink (HAS_SINK,
+// sink2 its logit in log2 units) the row's denominator gains it (score.cuh, finish_row_with_sink).
+template <typename T, int D_TILE, bool HAS_SINK = false, int M_STRIPS, int D_FRAGS, typename Stats>
 __device__ __forceinline__ void store_o(float (&o)[M_STRIPS][D_FRAGS][4], const Stats& stats,
                                         u32 stage_tile, int strip_row0, int m0, int seqlen_q,
                                         int headdim, T* o_rows, i64 o_ss, float* lse_rows,
-                                        int lane) {
+                                        int lane, float sink2 = 0.f) {
 #pragma unroll
     for (int i = 0; i < M_STRIPS; ++i)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             float m, l;
             stats.get(i, h, lane, m, l);
-            const float inv_l = l > 0.f ? 1.f / l : 0.f;
             const int row = strip_row0 + 16 * i + 8 * h + (lane >> 2);
-            if ((lane & 3) == 0 && m0 + row < seqlen_q) {
-                const float ln2 = 0.6931471805599453f;
-                lse_rows[row] = l > 0.f ? (m + __log2f(l)) * ln2 : neg_inf<float>();
+            float inv_l;
+            if constexpr (HAS_SINK) {
+                float lse;
+                finish_row_with_sink(m, l, sink2, inv_l, lse);
+                if ((lane & 3) == 0 && m0 + row < seqlen_q) lse_rows[row] = lse;
+            } else {
+                inv_l = l > 0.f ? 1.f / l : 0.f;
+                if ((lane & 3) == 0 && m0 + row < seqlen_q) {
+                    const float ln2 = 0.6931471805599453f;
+                    lse_rows[row] = l > 0.f ? (m + __log2f(l)) * ln2 : neg_inf<float>();
+                }
             }
 #pragma unroll
             for (int f = 0; f < D_FRAGS; ++f)

@@ -10,7 +10,7 @@
 // is then at most 1 whatever the rounding, as in the forward, where S - m <= 0 holds exactly.
 // The clamp keeps NaN (min.NaN): a NaN score still gives a NaN row, as without it.
 //
-// A policy that transforms scores (softcap, ALiBi: the variants issue) transforms S before this
+// A score policy that transforms scores (score.cuh: softcap, ALiBi) transforms S before this
 // step; the clamp stays valid because lse is taken over the transformed scores.
 #pragma once
 
@@ -38,5 +38,34 @@ template <typename A>
 __device__ __forceinline__ A recomputed_p_exact(A s, A scale_log2, A lse_log2) {
     return exp2_(min0_keep_nan(s * scale_log2 - lse_log2));
 }
+
+// ds'/ds of a score policy with a derivative (score.cuh, HAS_GRAD: softcap), for N accumulator
+// entries, kept from the P recompute until dS = P (dP - D) ds'/ds is formed. Stored as float16:
+// the values lie in [0, 1], where float16's 2^-11 relative rounding is below that of the 16-bit
+// dS they scale, and half the registers of float32. Without a derivative nothing is stored and
+// get() is the constant 1, which folds away.
+template <bool HAS_GRAD, int N>
+struct ScoreGrads {
+    u32 bits[HAS_GRAD ? (N + 1) / 2 : 1] = {};
+
+    __device__ __forceinline__ void put(int idx, float g) {
+        if constexpr (HAS_GRAD) {
+            unsigned short h;
+            asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(g));
+            if (idx & 1) bits[idx / 2] = (bits[idx / 2] & 0xffffu) | (u32(h) << 16);
+            else bits[idx / 2] = (bits[idx / 2] & 0xffff0000u) | h;
+        }
+    }
+    __device__ __forceinline__ float get(int idx) const {
+        if constexpr (HAS_GRAD) {
+            const unsigned short h = static_cast<unsigned short>((idx & 1) ? bits[idx / 2] >> 16 : bits[idx / 2]);
+            float f;
+            asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+            return f;
+        } else {
+            return 1.f;
+        }
+    }
+};
 
 }  // namespace cf

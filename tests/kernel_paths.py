@@ -29,12 +29,14 @@ def _d_tile(headdim):
     return next(t for t in (64, 128, 256) if headdim <= t)
 
 
-def run_path(case, window, q, k, v, do, deterministic=True, mma_sync=None):
+def run_path(case, window, q, k, v, do, deterministic=True, mma_sync=None, variant=None):
     """(o, lse, dq, dk, dv) as NumPy arrays from the family that serves case.dtype; ``mma_sync`` a
-    (version, deterministic) of MMA_SYNC_BWD runs the sm_80 kernels instead of the device's."""
+    (version, deterministic) of MMA_SYNC_BWD runs the sm_80 kernels instead of the device's;
+    ``variant`` the variant keyword arguments (softcap, alibi_slopes, sink: tests/variants.py)."""
     import cupy
 
     from cupyflash.kernels import mma_bwd, mma_fwd, simt
+    from cupyflash.scores import Variant
 
     qd, kd, vd, dod = (cupy.asarray(x) for x in (q, k, v, do))
     acc = np.float64 if case.dtype == np.float64 else np.float32
@@ -42,6 +44,8 @@ def run_path(case, window, q, k, v, do, deterministic=True, mma_sync=None):
     lse = _nan((case.batch, case.nheads, case.seqlen_q), acc)
     grads = [_nan(x.shape, x.dtype) for x in (q, k, v)]
     options = dict(softmax_scale=case.scale, causal=case.causal, window_size=window)
+    if variant:
+        options["variant"] = Variant(**variant).to(cupy)
     if mma_sync is not None:
         version, deterministic = mma_sync
         config = mma_fwd.FwdConfig(**SM80_FWD[_d_tile(case.headdim)])

@@ -29,6 +29,7 @@ from ..backward_plans import (
     dkdv_split_smem_bytes, dq_smem_bytes, dq_smem_bytes_v2, dq_spec, dq_wgmma_smem_bytes, dq_wgmma_spec,
     fused_smem_bytes, fused_spec, supports, wgmma_smem_bytes, wgmma_spec)
 from ..masks import KINDS, Mask, mask_for
+from ..scores import PLAIN
 
 __all__ = ["backward", "plan", "specializations", "supports", "d_tile", "DEV_VERSION",
            # backward_plans' tables and builders, here beside the launcher that runs them
@@ -104,7 +105,7 @@ def specializations() -> list[Specialization]:
 def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: bool,
              deterministic: bool = True, version: str | None = None,
              dq_config: tuple | None = None, fused: tuple | None = None, wgmma: tuple | None = None,
-             window_size=(-1, -1)) -> None:
+             window_size=(-1, -1), variant=None) -> None:
     """Fill the preallocated dq, dk, dv (C-contiguous, dtype of q) from the saved lse (B, H, Sq).
 
     Inputs are CuPy arrays meeting the mma family's guarantees (fp16/bf16, last dim contiguous,
@@ -119,7 +120,8 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     if backward_is_empty(q, k, dq, dk, dv):
         return
-    mask = mask_for(causal, window_size)
+    # A sink changes only lse, which the kernels read (scores.Score.backward); dsink is the API's.
+    mask = mask_for(causal, window_size, PLAIN if variant is None else variant.score).backward()
     planned = plan(q.dtype, headdim, mask, deterministic, version, dq_config=dq_config, fused=fused,
                    wgmma=wgmma)
     lse = cupy.ascontiguousarray(lse, dtype=np.float32)  # indexed as (batch, head, row) in C order
@@ -128,7 +130,8 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
              for launch in planned.launches}
     # One BwdParams for every kernel of the call; each buffer the plan needs is added to it as it
     # is allocated (the arrays stay referenced here until the launches are queued).
-    params = backward_params(do, q, k, v, o, lse, dq, dk, dv, softmax_scale=softmax_scale, mask=mask)
+    params = backward_params(do, q, k, v, o, lse, dq, dk, dv, softmax_scale=softmax_scale, mask=mask,
+                             variant=variant)
     if dq_add in FIXED_DQ_ADDS:
         buffers = dq_fixed.preprocess(params, do, o, k, v)  # kv_bound, delta, dq_row_scale
     else:

@@ -22,6 +22,7 @@ from .constants import TENSOR_CORE_D_TILES
 from .params import forward_params
 from .. import plans
 from ..masks import KINDS, Mask, mask_for
+from ..scores import PLAIN
 from ..plans import (LARGE_SMEM_BYTES, ROW_STATES, FwdConfig, ForwardPlan, WgmmaFwdConfig, smem_bytes,
                      wgmma_smem_bytes)
 
@@ -105,19 +106,21 @@ def _check_layout(a, what: str) -> None:
 
 
 def forward(q, k, v, o, lse, *, softmax_scale: float, causal: bool,
-            config: FwdConfig | WgmmaFwdConfig | None = None, window_size=(-1, -1)) -> None:
+            config: FwdConfig | WgmmaFwdConfig | None = None, window_size=(-1, -1), variant=None) -> None:
     """o (like q, C-contiguous) and lse ((B, H, Sq) float32, contiguous) from q (B, Sq, H, D) and
     k, v (B, Sk, Hkv, D), on the current stream, by the plan of the current device (``config``:
-    other tiles, e.g. a dev/ version's)."""
+    other tiles, e.g. a dev/ version's); ``variant`` a cupyflash.scores.Variant with CuPy arrays
+    (None: the plain softmax)."""
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     if batch == 0 or seqlen_q == 0 or nheads == 0:
         return
     if lse.dtype != np.float32 or not lse.flags.c_contiguous or lse.shape != (batch, nheads, seqlen_q):
         raise ValueError("cupyflash: lse must be a C-contiguous float32 (batch, nheads, seqlen_q) array")
-    mask = mask_for(causal, window_size)
+    mask = mask_for(causal, window_size, PLAIN if variant is None else variant.score)
     planned = plan(q.dtype, headdim, mask, config)
     grid = (math.ceil(seqlen_q / planned.block_m), nheads, batch)
     for a, what in ((q, "q"), (k, "k"), (v, "v"), (o, "o")):
         _check_layout(a, what)
-    launch(planned.spec, grid, (forward_params(q, k, v, o, lse, softmax_scale=softmax_scale, mask=mask),))
+    launch(planned.spec, grid, (forward_params(q, k, v, o, lse, softmax_scale=softmax_scale, mask=mask,
+                                                 variant=variant),))

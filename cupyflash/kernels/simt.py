@@ -16,6 +16,7 @@ from .params import backward_params, forward_params, pointer
 from .. import backward_plans, plans
 from .._dtypes import is_float64
 from ..masks import KINDS, Mask, mask_for
+from ..scores import PLAIN
 
 D_TILES = SIMT_D_TILES
 
@@ -54,15 +55,16 @@ def specializations() -> list[Specialization]:
     return out
 
 
-def forward(q, k, v, o, lse, *, softmax_scale: float, causal: bool, window_size=(-1, -1)) -> None:
+def forward(q, k, v, o, lse, *, softmax_scale: float, causal: bool, window_size=(-1, -1), variant=None) -> None:
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     if batch == 0 or seqlen_q == 0 or nheads == 0:
         return
-    mask = mask_for(causal, window_size)
+    mask = mask_for(causal, window_size, PLAIN if variant is None else variant.score)
     plan = plans.plan_forward(None, q.dtype, headdim, mask, None, family="simt")  # SIMT tiles do not depend on the device
     grid = (math.ceil(seqlen_q / plan.block_m), nheads, batch)
-    launch(plan.spec, grid, (forward_params(q, k, v, o, lse, softmax_scale=softmax_scale, mask=mask),))
+    launch(plan.spec, grid, (forward_params(q, k, v, o, lse, softmax_scale=softmax_scale, mask=mask,
+                                            variant=variant),))
 
 
 def backward_preprocess(params, do, o):
@@ -82,7 +84,7 @@ def backward_preprocess(params, do, o):
 
 
 def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: bool,
-             deterministic: bool = True, window_size=(-1, -1)) -> None:
+             deterministic: bool = True, window_size=(-1, -1), variant=None) -> None:
     """dq, dk, dv (preallocated, C-contiguous) from the saved lse, by the plan of
     backward_plans.plan_backward (D, then the dK/dV kernel, then the dQ kernel). Always
     deterministic."""
@@ -90,11 +92,12 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     if backward_is_empty(q, k, dq, dk, dv):
         return
-    mask = mask_for(causal, window_size)
+    mask = mask_for(causal, window_size, PLAIN if variant is None else variant.score).backward()
     plan = backward_plans.plan_backward(None, q.dtype, headdim, mask, None, True, family="simt")
     grids = {launch.role: launch.grid(batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim)
              for launch in plan.launches}
-    params = backward_params(do, q, k, v, o, lse, dq, dk, dv, softmax_scale=softmax_scale, mask=mask)
+    params = backward_params(do, q, k, v, o, lse, dq, dk, dv, softmax_scale=softmax_scale, mask=mask,
+                             variant=variant)
     delta = backward_preprocess(params, do, o)
     launch(plan.spec("dkdv"), grids["dkdv"], (params,))
     launch(plan.spec("dq"), grids["dq"], (params,))
