@@ -19,7 +19,7 @@ import numpy as np
 
 from .scores import PLAIN, Score
 
-__all__ = ["Mask", "NoMask", "Causal", "Local", "KINDS", "mask_for", "as_mask", "check_window"]
+__all__ = ["Mask", "NoMask", "Causal", "Local", "KINDS", "VARIANT_KINDS", "mask_for", "as_mask", "check_window"]
 
 MASK_UNBOUNDED = 1 << 30  # offset of an unbounded side (mask.cuh's MASK_UNBOUNDED)
 
@@ -199,6 +199,11 @@ class Local(Mask):
 
 # One instance per kernel specialization (a Local's run-time window does not change its kernel).
 KINDS = (NoMask(), Causal(), Local())
+# The score policies that the compile check builds beside KINDS for every kernel the plans launch:
+# softcap with the sink on the causal band, ALiBi on the window (the backward's kernels take them
+# without the sink). Two, not one with all: the plans route some kernels by score (the fused
+# kernel runs softcap, not ALiBi).
+VARIANT_KINDS = (Causal(score=Score(softcap=True, sink=True)), Local(score=Score(alibi=True)))
 
 
 def as_mask(mask_or_causal) -> Mask:

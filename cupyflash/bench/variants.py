@@ -1,4 +1,5 @@
-"""Masked and windowed attention against PyTorch FlexAttention, TFLOP/s over the visible pairs.
+"""Masked, windowed and score-modified attention (softcap, ALiBi, sinks) against PyTorch
+FlexAttention, TFLOP/s over the visible pairs.
 
 ``python -m cupyflash.bench.variants`` times, on the same inputs and in one process:
 
@@ -34,6 +35,9 @@ class Variant:
     name: str
     causal: bool
     window: tuple[int, int] = (-1, -1)  # flash-attn's (left, right); -1 = unbounded
+    softcap: float = 0.0  # c tanh(z / c) (0: none)
+    alibi: bool = False  # ALiBi with the geometric slopes 2^(-8 (h + 1) / nheads)
+    sink: bool = False  # a sink logit per head (gpt-oss)
 
     def bounds(self) -> tuple[int, int]:
         """(left, right) with causal folded in; -1 = unbounded."""
@@ -48,7 +52,15 @@ VARIANTS = (
     Variant("causal", True),
     Variant("causal window 1024", True, (1024, 0)),
     Variant("window (512, 512)", False, (512, 512)),
+    Variant("causal softcap 30", True, softcap=30.0),
+    Variant("causal alibi", True, alibi=True),
+    Variant("causal sink", True, sink=True),
 )
+
+
+def alibi_slopes(nheads: int) -> np.ndarray:
+    """ALiBi's slopes for ``nheads`` heads (the geometric sequence of its paper), float32."""
+    return (2.0 ** (-8.0 * (np.arange(nheads) + 1) / nheads)).astype(np.float32)
 
 
 def visible_pairs(seqlen_q: int, seqlen_k: int, left: int, right: int) -> int:
@@ -97,6 +109,8 @@ def _time(run, n_sets, stream) -> float:
 
 
 def _cupyflash_runs(variant: Variant, sets):
+    import cupy
+
     import cupyflash
 
     kwargs = {"causal": variant.causal}
@@ -104,6 +118,16 @@ def _cupyflash_runs(variant: Variant, sets):
         if not _cupyflash_has_window():
             return None, None
         kwargs["window_size"] = variant.window
+    if variant.softcap or variant.alibi or variant.sink:
+        if "softcap" not in inspect.signature(cupyflash.flash_attn_func).parameters:
+            return None, None
+        nheads = sets[0][0].shape[2]
+        if variant.softcap:
+            kwargs["softcap"] = variant.softcap
+        if variant.alibi:
+            kwargs["alibi_slopes"] = cupy.asarray(alibi_slopes(nheads))
+        if variant.sink:
+            kwargs["sink"] = cupy.random.default_rng(1).standard_normal(nheads, dtype=np.float32)
     saved = [cupyflash.flash_attn_func(q, k, v, return_lse=True, **kwargs) for q, k, v, _ in sets]
 
     def fwd(i):
@@ -131,6 +155,20 @@ def _flex_runs(torch, variant: Variant, sets, seqlen):
             visible = visible & (kv_idx - q_idx <= right)
         return visible
 
+    if variant.sink:
+        return None, None  # flex_attention has no sink term
+    score_mod = None
+    if variant.softcap:
+        cap = variant.softcap
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return cap * torch.tanh(score / cap)
+    elif variant.alibi:
+        slopes = torch.from_numpy(alibi_slopes(sets[0][0].shape[2])).cuda()
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score - slopes[h] * (q_idx - kv_idx).abs()
+
     block_mask = None
     if (left, right) != (-1, -1):
         block_mask = create_block_mask(mask_mod, None, None, seqlen, seqlen, device="cuda")
@@ -140,9 +178,9 @@ def _flex_runs(torch, variant: Variant, sets, seqlen):
 
     def fwd(i):
         q, k, v, _ = views[i]
-        compiled(q, k, v, block_mask=block_mask)
+        compiled(q, k, v, score_mod=score_mod, block_mask=block_mask)
 
-    outs = [compiled(q, k, v, block_mask=block_mask) for q, k, v, _ in leaves]
+    outs = [compiled(q, k, v, score_mod=score_mod, block_mask=block_mask) for q, k, v, _ in leaves]
 
     def bwd(i):
         q, k, v, do = leaves[i]
@@ -153,7 +191,7 @@ def _flex_runs(torch, variant: Variant, sets, seqlen):
 
 
 def _cudnn_runs(torch, variant: Variant, sets):
-    if variant.window != (-1, -1):
+    if variant.window != (-1, -1) or variant.softcap or variant.alibi or variant.sink:
         return None, None
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -63,18 +63,25 @@ def _name_tokens() -> tuple[frozenset, frozenset]:
     from .. import masks
     from .._dtypes import SHORT_NAMES
 
-    return frozenset(SHORT_NAMES.values()), frozenset(m.name for m in masks.KINDS)
+    variants = {m.name for m in masks.VARIANT_KINDS} | {m.backward().name for m in masks.VARIANT_KINDS}
+    return frozenset(SHORT_NAMES.values()), frozenset({m.name for m in masks.KINDS} | variants)
 
 
 def _variant(spec: Specialization) -> tuple[str, tuple[str, ...], tuple[str, str]]:
     """(kernel, tile configuration, (dtype, mask)) read from the specialization's name: the kernel
-    is what precedes the dtype token, the configuration is every other token."""
+    is what precedes the dtype token, the configuration is every other token. A mask with a score
+    spans several tokens ("causal_softcap_alibi"): the longest mask name in the name is taken."""
     dtypes, masks = _name_tokens()
     tokens = spec.name.split("_")
     dtype = next((t for t in tokens if t in dtypes), "")
-    mask = next((t for t in tokens if t in masks), "")
+    mask, span = "", ()
+    for start in range(len(tokens)):
+        for end in range(len(tokens), start, -1):
+            candidate = "_".join(tokens[start:end])
+            if candidate in masks and end - start > len(span):
+                mask, span = candidate, tuple(range(start, end))
     kernel = "_".join(tokens[:tokens.index(dtype)]) if dtype else spec.name
-    config = tuple(t for t in tokens if t not in (dtype, mask))
+    config = tuple(t for i, t in enumerate(tokens) if t != dtype and i not in span)
     return f"{spec.source_file}:{kernel}", config, (dtype, mask)
 
 

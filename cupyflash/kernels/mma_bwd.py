@@ -28,7 +28,7 @@ from ..backward_plans import (
     WGMMA_FIXED_KERNEL_D_TILES, BackwardPlan, convert_spec, d_tile, dkdv_smem_bytes, dkdv_spec,
     dkdv_split_smem_bytes, dq_smem_bytes, dq_smem_bytes_v2, dq_spec, dq_wgmma_smem_bytes, dq_wgmma_spec,
     fused_smem_bytes, fused_spec, supports, wgmma_smem_bytes, wgmma_spec)
-from ..masks import KINDS, Mask, mask_for
+from ..masks import KINDS, VARIANT_KINDS, Mask, mask_for
 from ..scores import PLAIN
 
 __all__ = ["backward", "plan", "specializations", "supports", "d_tile", "DEV_VERSION",
@@ -92,13 +92,14 @@ def specializations() -> list[Specialization]:
                                if dq_add not in FIXED_DQ_ADDS or dt in WGMMA_FIXED_KERNEL_D_TILES)
                 if dt in DQ_WGMMA_CONFIG:
                     out.append(dq_wgmma_spec(name, dt, mask))
-            local = KINDS[2]
-            launched = [backward_plans.plan_backward(arch, name, dt, local, None, deterministic).launches
-                        for arch in ("80", "90") for deterministic in (True, False)]
-            # where the fused kernel does not fit (sm_80 at d256), the atomic dK/dV kernel runs
-            launched += [backward_plans.plan_backward("80", name, dt, local, 0, False).launches]
-            out.extend(dict.fromkeys(launch.spec for launches in launched for launch in launches
-                                     if launch.role in ("dkdv", "dq")))
+            # with a window and with the score variants, the kernels the plans launch
+            for mask in (KINDS[2], *(m.backward() for m in VARIANT_KINDS)):
+                launched = [backward_plans.plan_backward(arch, name, dt, mask, None, deterministic).launches
+                            for arch in ("80", "90") for deterministic in (True, False)]
+                # where the fused kernel does not fit (sm_80 at d256), the atomic dK/dV kernel runs
+                launched += [backward_plans.plan_backward("80", name, dt, mask, 0, False).launches]
+                out.extend(dict.fromkeys(launch.spec for launches in launched for launch in launches
+                                         if launch.role in ("dkdv", "dq")))
     return out
 
 

@@ -21,7 +21,7 @@ from ._module import _max_smem_optin, device_arch, launch
 from .constants import TENSOR_CORE_D_TILES
 from .params import forward_params
 from .. import plans
-from ..masks import KINDS, Mask, mask_for
+from ..masks import KINDS, VARIANT_KINDS, Mask, mask_for
 from ..scores import PLAIN
 from ..plans import (LARGE_SMEM_BYTES, ROW_STATES, FwdConfig, ForwardPlan, WgmmaFwdConfig, smem_bytes,
                      wgmma_smem_bytes)
@@ -84,7 +84,7 @@ def specializations() -> list:
     tiles = [(dt, t) for (family, _, dt), t in plans.FORWARD_TILES.items() if family == "mma"]
     return list(dict.fromkeys(plans.specialization_for(dtype, dt, mask, t)
                               for dtype in ("float16", "bfloat16") for dt, t in sorted(tiles, key=_by_tile)
-                              for mask in KINDS))
+                              for mask in KINDS + VARIANT_KINDS))
 
 
 def _by_tile(entry) -> tuple:

@@ -15,7 +15,7 @@ from .constants import CTYPES, SIMT_D_TILES
 from .params import backward_params, forward_params, pointer
 from .. import backward_plans, plans
 from .._dtypes import is_float64
-from ..masks import KINDS, Mask, mask_for
+from ..masks import KINDS, VARIANT_KINDS, Mask, mask_for
 from ..scores import PLAIN
 
 D_TILES = SIMT_D_TILES
@@ -52,6 +52,9 @@ def specializations() -> list[Specialization]:
             for mask in KINDS:
                 for kind in ("fwd", "dkdv", "dq"):
                     out.append(_spec(kind, dtype, dt, mask))
+            for mask in VARIANT_KINDS:
+                out.append(_spec("fwd", dtype, dt, mask))
+                out.extend(_spec(kind, dtype, dt, mask.backward()) for kind in ("dkdv", "dq"))
     return out
 
 
