@@ -13,6 +13,11 @@ Numerics shared with the kernels:
 - A row that has seen no visible key yet has m_i = -inf; its exponentials are taken against 0
   instead, so they come out 0 rather than exp2(-inf - -inf) = NaN. Such a row ends with o = 0,
   lse = -inf, and gets zero gradients.
+- Variants (cupyflash.scores) transform the log2-unit scores where the kernels do (score.cuh's
+  ScoreFn with unit ln 2): the cap c as (c log2(e)) tanh(s / (c log2(e))), ALiBi's bias as
+  slope log2(e) |i + seqlen_k - seqlen_q - j|, both before the mask; the backward multiplies dS by
+  the cap's 1 - tanh^2. A sink joins each row's sum in the forward's epilogue only (lse carries
+  it to the backward; dsink comes from D and lse: cupyflash.scores.sink_grad).
 
 Arrays arrive validated: NumPy arrays of one float dtype in the (batch, seqlen, heads, headdim)
 layout, with nheads a multiple of nheads_kv.
@@ -24,6 +29,7 @@ import math
 import numpy as np
 
 from .masks import mask_for
+from .scores import NO_VARIANT
 
 __all__ = ["forward", "backward"]
 
@@ -50,8 +56,51 @@ def _block_mask(mask, rows: slice, cols: slice, seqlen_q: int, seqlen_k: int):
     return mask.visible(np.arange(rows.start, rows.stop), np.arange(cols.start, cols.stop), seqlen_q, seqlen_k)
 
 
-def forward(q, k, v, *, softmax_scale, causal, window_size=(-1, -1), block_m=64, block_n=64):
-    """Tiled forward pass: returns (o, lse), o in q's dtype, lse (batch, nheads, seqlen_q)."""
+class _ScoreTransform:
+    """The variant's transform of log2-unit scores in the accumulator type ``acc``."""
+
+    def __init__(self, variant, batch: int, nheads: int, seqlen_q: int, seqlen_k: int, acc: np.dtype):
+        self.acc = acc
+        self.cap_log2 = acc.type(variant.softcap * LOG2E) if variant.softcap > 0 else None
+        slopes = variant.slopes(batch, nheads)
+        self.slopes_log2 = None if slopes is None else (slopes.astype(acc) * acc.type(LOG2E))[:, :, None, None]
+        self.diag = seqlen_k - seqlen_q
+
+    def __call__(self, S, rows: slice, cols: slice):
+        """(S', dS'/dS) of the block (rows, cols) of S (S itself without a transform); dS'/dS is
+        None without a cap."""
+        dS_dS = None
+        if self.cap_log2 is not None:
+            t = np.tanh(S / self.cap_log2)
+            S = self.cap_log2 * t
+            dS_dS = 1 - t * t
+        if self.slopes_log2 is not None:
+            i = np.arange(rows.start, rows.stop)[:, None]
+            j = np.arange(cols.start, cols.stop)[None, :]
+            S = S - self.slopes_log2 * np.abs(i + self.diag - j).astype(self.acc)
+        return S, dS_dS
+
+
+def _finish_rows_with_sink(m, l, sink_log2, acc):
+    """The factor of each row's O and its lse (natural log) from its maximum m and sum l (log2
+    units) when the sink logit ``sink_log2`` (nheads,) joins the sum (score.cuh's
+    finish_row_with_sink): O = 0 and lse = sink for a row that saw no key."""
+    seen_a_key = l > 0
+    sink2 = sink_log2[None, :, None]
+    top = np.where(seen_a_key, np.maximum(m, sink2), sink2)
+    weighs_something = top != -np.inf
+    top_safe = np.where(weighs_something, top, acc.type(0))
+    own = np.where(seen_a_key, np.exp2(m - top_safe), acc.type(0))
+    denom = l * own + np.exp2(sink2 - top_safe)
+    denom_safe = np.where(weighs_something, denom, acc.type(1))
+    factor = np.where(weighs_something, own / denom_safe, acc.type(0))
+    lse = np.where(weighs_something, (top + np.log2(denom_safe)) * acc.type(LN2), -np.inf)
+    return factor, lse
+
+
+def forward(q, k, v, *, softmax_scale, causal, window_size=(-1, -1), block_m=64, block_n=64, variant=None):
+    """Tiled forward pass: returns (o, lse), o in q's dtype, lse (batch, nheads, seqlen_q).
+    ``variant``: a cupyflash.scores.Variant with NumPy arrays, or None (plain attention)."""
     acc = _accumulator(q.dtype)
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k = k.shape[1]
@@ -62,6 +111,9 @@ def forward(q, k, v, *, softmax_scale, causal, window_size=(-1, -1), block_m=64,
     lse = np.full((batch, nheads, seqlen_q), -np.inf, acc)
     scale_log2 = acc.type(softmax_scale * LOG2E)
     mask = mask_for(causal, window_size)
+    variant = NO_VARIANT if variant is None else variant
+    transform = _ScoreTransform(variant, batch, nheads, seqlen_q, seqlen_k, acc)
+    sink_log2 = None if variant.sink is None else np.asarray(variant.sink).astype(acc) * acc.type(LOG2E)
 
     Br, Bc = block_m, block_n
     Tr = math.ceil(seqlen_q / Br)
@@ -78,6 +130,7 @@ def forward(q, k, v, *, softmax_scale, causal, window_size=(-1, -1), block_m=64,
             K_j = K[:, :, cols]
             V_j = V[:, :, cols]
             S_ij = Q_i @ np.swapaxes(K_j, -1, -2)
+            S_ij, _ = transform(S_ij, rows, cols)
             visible = _block_mask(mask, rows, cols, seqlen_q, seqlen_k)
             if visible is not None:
                 S_ij = np.where(visible, S_ij, -np.inf)
@@ -88,21 +141,27 @@ def forward(q, k, v, *, softmax_scale, causal, window_size=(-1, -1), block_m=64,
             l_i = rescale * l_i + P_ij.sum(axis=-1)
             O_i = rescale[..., None] * O_i + P_ij @ V_j
             m_i = m_new
-        seen_a_key = l_i > 0
-        l_safe = np.where(seen_a_key, l_i, acc.type(1))
-        O[:, :, rows] = O_i / l_safe[..., None]
-        lse[:, :, rows] = np.where(
-            seen_a_key, (m_i + np.log2(l_safe)) * acc.type(LN2), -np.inf
-        )
+        if sink_log2 is None:
+            seen_a_key = l_i > 0
+            l_safe = np.where(seen_a_key, l_i, acc.type(1))
+            O[:, :, rows] = O_i / l_safe[..., None]
+            lse[:, :, rows] = np.where(
+                seen_a_key, (m_i + np.log2(l_safe)) * acc.type(LN2), -np.inf
+            )
+        else:
+            factor, lse[:, :, rows] = _finish_rows_with_sink(m_i, l_i, sink_log2, acc)
+            O[:, :, rows] = O_i * factor[..., None]
     o = np.moveaxis(O, 1, 2).astype(q.dtype, order="C")
     return o, lse
 
 
-def backward(do, q, k, v, o, lse, *, softmax_scale, causal, window_size=(-1, -1), block_m=64, block_n=64):
+def backward(do, q, k, v, o, lse, *, softmax_scale, causal, window_size=(-1, -1), block_m=64, block_n=64,
+             variant=None):
     """Tiled backward pass from the saved lse: returns (dq, dk, dv) in q's dtype.
 
     Key/value blocks form the outer loop (each owns its dK_j, dV_j); dQ is accumulated block by
-    block in a fixed order, so the result is deterministic.
+    block in a fixed order, so the result is deterministic. ``variant`` must be the forward's; its
+    sink acts only through lse (dsink: cupyflash.scores.sink_grad).
     """
     acc = _accumulator(q.dtype)
     batch, seqlen_q, nheads, headdim = q.shape
@@ -115,6 +174,7 @@ def backward(do, q, k, v, o, lse, *, softmax_scale, causal, window_size=(-1, -1)
     scale = acc.type(softmax_scale)
     scale_log2 = acc.type(softmax_scale * LOG2E)
     mask = mask_for(causal, window_size)
+    transform = _ScoreTransform(NO_VARIANT if variant is None else variant, batch, nheads, seqlen_q, seqlen_k, acc)
 
     # D_i = rowsum(dO_i * O_i) = sum_j P_ij dP_ij, the softmax-backward term of each row.
     D = (dO * O).sum(axis=-1)
@@ -137,6 +197,7 @@ def backward(do, q, k, v, o, lse, *, softmax_scale, causal, window_size=(-1, -1)
             Q_i = Q[:, :, rows]
             dO_i = dO[:, :, rows]
             S_ij = (Q_i @ np.swapaxes(K_j, -1, -2)) * scale_log2
+            S_ij, dS_dS = transform(S_ij, rows, cols)
             visible = _block_mask(mask, rows, cols, seqlen_q, seqlen_k)
             if visible is not None:
                 S_ij = np.where(visible, S_ij, -np.inf)
@@ -145,6 +206,8 @@ def backward(do, q, k, v, o, lse, *, softmax_scale, causal, window_size=(-1, -1)
             dV_j += np.swapaxes(P_ij, -1, -2) @ dO_i
             dP_ij = dO_i @ np.swapaxes(V_j, -1, -2)
             dS_ij = P_ij * (dP_ij - D[:, :, rows, None])
+            if dS_dS is not None:
+                dS_ij = dS_ij * dS_dS
             dK_j += np.swapaxes(dS_ij, -1, -2) @ Q_i
             dQ[:, :, rows] += dS_ij @ K_j
         dK[:, :, cols] = dK_j * scale

@@ -13,6 +13,13 @@ Masks are aligned bottom-right, as in flash-attn 2.8: with ``window_size=(left, 
 sees key j iff i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right, each bound
 only where that side is not -1; ``causal=True`` sets right = 0. A query that sees no key has
 output 0, lse -inf and zero gradients.
+
+Variants (flash-attn 2.8's), with z_ij = softmax_scale * q_i . k_j for query head h of batch b:
+``softcap`` c > 0 replaces z by c * tanh(z / c); then ``alibi_slopes`` ((nheads,) or (batch,
+nheads)) subtracts slope[b, h] * |i + seqlen_k - seqlen_q - j|; the mask then hides keys as
+above. ``sink`` ((nheads,)) is a logit per query head that joins every row's softmax without a
+value row: the row's weights are exp(z_ij - lse_i) with lse_i = log(sum_j exp(z_ij) + exp(sink[h]))
+over its visible keys. A query that sees no key then has output 0 and lse = sink[h].
 """
 from __future__ import annotations
 
@@ -97,55 +104,141 @@ def _sum_over_visible(weights: np.ndarray, rows: np.ndarray, mask: np.ndarray) -
     return out
 
 
-def _probabilities(q, k, scale, causal, window_size=(-1, -1)):
-    """P = softmax(scale * Q K^T) over the visible keys, in float64, and the log-sum-exp."""
-    mask = visible_keys(q.shape[2], k.shape[2], causal, window_size)
-    s = np.where(mask, scale * (q @ np.swapaxes(k, -1, -2)), -np.inf)
-    row_max = s.max(axis=-1, keepdims=True, initial=-np.inf)
-    sees_a_key = np.isfinite(row_max)
-    e = np.exp(s - np.where(sees_a_key, row_max, 0.0))  # exactly 0 where masked
+def _check_variant(softcap, alibi_slopes, sink, batch: int, nheads: int) -> float:
+    softcap = float(softcap)
+    if not softcap >= 0:
+        raise ValueError(f"softcap must be >= 0 (0: no cap), got {softcap}")
+    if alibi_slopes is not None and np.shape(alibi_slopes) not in ((nheads,), (batch, nheads)):
+        raise ValueError(f"alibi_slopes {np.shape(alibi_slopes)} must be (nheads,) = ({nheads},) "
+                         f"or (batch, nheads) = ({batch}, {nheads})")
+    if sink is not None and np.shape(sink) != (nheads,):
+        raise ValueError(f"sink {np.shape(sink)} must be (nheads,) = ({nheads},)")
+    return softcap
+
+
+def _per_head(values, batch: int, nheads: int, dtype):
+    """Per-head values ((nheads,) or (batch, nheads)) as a (batch, nheads, 1, 1) array of
+    ``dtype``, which broadcasts over (batch, nheads, seqlen_q, seqlen_k); None stays None."""
+    if values is None:
+        return None
+    values = np.asarray(values).astype(dtype)
+    return np.broadcast_to(values, (batch, nheads))[:, :, None, None]
+
+
+def _alibi_distances(seqlen_q: int, seqlen_k: int, dtype) -> np.ndarray:
+    """|i + seqlen_k - seqlen_q - j|, (seqlen_q, seqlen_k): ALiBi's distance of key j from query
+    i's bottom-right diagonal."""
+    i = np.arange(seqlen_q)[:, None]
+    j = np.arange(seqlen_k)[None, :]
+    return np.abs(i + (seqlen_k - seqlen_q) - j).astype(dtype)
+
+
+def _transformed_scores(z, softcap: float, slopes, acc: np.dtype, rnd):
+    """(z', dz'/dz): the variant's transform of the scaled scores z (batch, nheads, seqlen_q,
+    seqlen_k), the cap first, then ALiBi's bias (``slopes`` (batch, nheads, 1, 1) or None), each
+    step computed in ``acc`` and passed through ``rnd``. dz'/dz is None without a cap (ALiBi's bias
+    is additive)."""
+    dz_dz = None
+    if softcap > 0:
+        cap = acc.type(softcap)
+        t = np.tanh(z / cap)
+        z = rnd(cap * t)
+        dz_dz = 1 - t * t
+    if slopes is not None:
+        z = rnd(z - slopes * _alibi_distances(z.shape[-2], z.shape[-1], acc))
+    return z, dz_dz
+
+
+def _softmax_with_sink(s, sink):
+    """Row softmax of s (-inf where a key is hidden) whose denominator also holds exp(sink) when
+    ``sink`` ((batch, nheads, 1, 1)) is given: (p, p_sink, lse), p_sink the sink's weight
+    (batch, nheads, seqlen_q, 1) or None. A row with nothing to weigh (no visible key and no
+    sink) gets p = 0 and lse = -inf."""
+    top = s.max(axis=-1, keepdims=True, initial=-np.inf)
+    if sink is not None:
+        top = np.maximum(top, sink)
+    weighs_something = np.isfinite(top)
+    e = np.exp(s - np.where(weighs_something, top, 0))  # exactly 0 where hidden
     denom = e.sum(axis=-1, keepdims=True)
-    p = e / np.where(sees_a_key, denom, 1.0)
+    p_sink = None
+    if sink is not None:
+        e_sink = np.exp(sink - np.where(weighs_something, top, 0))
+        denom = denom + e_sink
+        p_sink = e_sink / np.where(weighs_something, denom, 1)
+    p = e / np.where(weighs_something, denom, 1)
     with np.errstate(divide="ignore"):
-        lse = np.where(sees_a_key, row_max + np.log(denom), -np.inf)[..., 0]
-    return p, lse, mask
+        lse = np.where(weighs_something, top + np.log(denom), -np.inf)[..., 0]
+    return p, p_sink, lse
 
 
-def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)):
-    """Exact attention in float64: (o, lse), o shaped like q, lse (batch, nheads, seqlen_q)."""
+def _exact(x):
+    return x
+
+
+def _probabilities(q, k, scale, causal, window_size=(-1, -1), softcap=0.0, slopes=None, sink=None):
+    """P = softmax(z') over the visible keys (and the sink), in float64, z' the variant's transform
+    of z = scale * Q K^T: (P, the sink's weight, lse, the mask, dz'/dz)."""
+    mask = visible_keys(q.shape[2], k.shape[2], causal, window_size)
+    z, dz_dz = _transformed_scores(scale * (q @ np.swapaxes(k, -1, -2)), softcap, slopes,
+                                   np.dtype(np.float64), _exact)
+    p, p_sink, lse = _softmax_with_sink(np.where(mask, z, -np.inf), sink)
+    return p, p_sink, lse, mask, dz_dz
+
+
+def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+              alibi_slopes=None, sink=None):
+    """Exact attention in float64: (o, lse), o shaped like q, lse (batch, nheads, seqlen_q).
+    ``softcap``, ``alibi_slopes`` and ``sink``: the variants of the module docstring."""
     q, k, v = (np.asarray(x).astype(np.float64) for x in (q, k, v))
     _check_shapes(q, k, v)
-    nheads = q.shape[2]
+    batch, nheads = q.shape[0], q.shape[2]
+    softcap = _check_variant(softcap, alibi_slopes, sink, batch, nheads)
     q_, k_, v_ = _heads_first(q, nheads), _heads_first(k, nheads), _heads_first(v, nheads)
-    p, lse, mask = _probabilities(q_, k_, _scale(softmax_scale, q.shape[3]), causal, window_size)
+    p, _, lse, mask, _ = _probabilities(q_, k_, _scale(softmax_scale, q.shape[3]), causal, window_size, softcap,
+                                        _per_head(alibi_slopes, batch, nheads, np.float64),
+                                        _per_head(sink, batch, nheads, np.float64))
     o = _sum_over_visible(p, v_, mask)
     return _seqlen_first(o, nheads), lse
 
 
-def attention_backward(do, q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)):
-    """Gradients (dq, dk, dv) in float64 of sum(do * o) with o = attention(q, k, v).
+def attention_backward(do, q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                       alibi_slopes=None, sink=None):
+    """Gradients (dq, dk, dv) in float64 of sum(do * o) with o = attention(q, k, v, ...); with a
+    ``sink``, (dq, dk, dv, dsink), dsink (nheads,).
 
     dS is formed from the softmax Jacobian, dS_i = (diag(P_i) - P_i P_i^T) dP_i, rather than
-    from rowsum(dO * O), so that this stays independent of the fused formulation.
+    from rowsum(dO * O), so that this stays independent of the fused formulation. With a sink the
+    Jacobian's row spans the visible keys and the sink, whose dP is 0 (it has no value row); its
+    column of dS, summed over batch and queries, is dsink. A cap multiplies dS by dz'/dz.
     """
     do, q, k, v = (np.asarray(x).astype(np.float64) for x in (do, q, k, v))
     _check_shapes(q, k, v)
     if do.shape != q.shape:
         raise ValueError(f"do {do.shape} must have the shape of q {q.shape}")
-    nheads, nheads_kv = q.shape[2], k.shape[2]
+    batch, nheads, nheads_kv = q.shape[0], q.shape[2], k.shape[2]
+    softcap = _check_variant(softcap, alibi_slopes, sink, batch, nheads)
     scale = _scale(softmax_scale, q.shape[3])
     q_, k_, v_, do_ = (_heads_first(x, nheads) for x in (q, k, v, do))
-    p, _, mask = _probabilities(q_, k_, scale, causal, window_size)
+    p, p_sink, _, mask, dz_dz = _probabilities(q_, k_, scale, causal, window_size, softcap,
+                                               _per_head(alibi_slopes, batch, nheads, np.float64),
+                                               _per_head(sink, batch, nheads, np.float64))
     dp = np.where(mask, do_ @ np.swapaxes(v_, -1, -2), 0.0)
-    ds = p * dp - p * (p * dp).sum(axis=-1, keepdims=True)
+    weighted_dp = (p * dp).sum(axis=-1, keepdims=True)  # the sink's term p_sink * 0 adds nothing
+    ds = p * dp - p * weighted_dp
+    if dz_dz is not None:
+        ds = np.where(mask, ds * dz_dz, 0.0)  # a hidden key's score may be NaN
     dq = scale * _sum_over_visible(ds, k_, mask)
     dk = scale * (np.swapaxes(ds, -1, -2) @ q_)
     dv = np.swapaxes(p, -1, -2) @ do_
-    return (
+    grads = (
         _seqlen_first(dq, nheads),
         _seqlen_first(dk, nheads_kv),
         _seqlen_first(dv, nheads_kv),
     )
+    if sink is None:
+        return grads
+    ds_sink = p_sink * (0.0 - weighted_dp)
+    return (*grads, ds_sink.sum(axis=(0, 2, 3)))
 
 
 # Standard (unfused) attention in a given dtype: the baseline of the tolerance rule.
@@ -162,21 +255,25 @@ def _rounder(dtype):
     return lambda x: np.asarray(x).astype(acc).astype(dtype).astype(acc)
 
 
-def _standard_probabilities(q, k, scale, causal, dtype, window_size=(-1, -1)):
-    """P of standard attention in ``dtype``: S = Q K^T rounded, then scaled and rounded, then a
-    softmax in the accumulator type whose result is rounded."""
+def _standard_softmax(q, k, scale, causal, dtype, window_size=(-1, -1), softcap=0.0, slopes=None, sink=None):
+    """(P, the sink's weight, lse, dz'/dz) of standard attention in ``dtype``: S = Q K^T rounded,
+    then scaled and rounded, each transform of the variant in the accumulator type and rounded,
+    then a softmax in the accumulator type (the sink logit rounded to ``dtype`` as one more column
+    of S) whose results are rounded. ``slopes`` and ``sink``: (batch, nheads, 1, 1) or None, in
+    the accumulator type."""
     rnd, acc = _rounder(dtype), _accumulator(dtype)
     mask = visible_keys(q.shape[2], k.shape[2], causal, window_size)
     s = rnd(rnd(q @ np.swapaxes(k, -1, -2)) * acc.type(scale))
-    s = np.where(mask, s, -np.inf)
-    row_max = s.max(axis=-1, keepdims=True, initial=-np.inf)
-    sees_a_key = np.isfinite(row_max)
-    e = np.exp(s - np.where(sees_a_key, row_max, 0))
-    denom = e.sum(axis=-1, keepdims=True)
-    p = e / np.where(sees_a_key, denom, 1)
-    with np.errstate(divide="ignore"):
-        lse = np.where(sees_a_key, row_max + np.log(denom), -np.inf)[..., 0]
-    return rnd(p), lse.astype(acc)
+    s, dz_dz = _transformed_scores(s, softcap, slopes, acc, rnd)
+    p, p_sink, lse = _softmax_with_sink(np.where(mask, s, -np.inf), None if sink is None else rnd(sink))
+    return rnd(p), None if p_sink is None else rnd(p_sink), lse.astype(acc), dz_dz
+
+
+def _standard_probabilities(q, k, scale, causal, dtype, window_size=(-1, -1)):
+    """P of standard attention in ``dtype``: S = Q K^T rounded, then scaled and rounded, then a
+    softmax in the accumulator type whose result is rounded; and lse."""
+    p, _, lse, _ = _standard_softmax(q, k, scale, causal, dtype, window_size)
+    return p, lse
 
 
 def _standard_inputs(dtype, nheads, *xs):
@@ -184,50 +281,68 @@ def _standard_inputs(dtype, nheads, *xs):
     return [_heads_first(rnd(np.asarray(x)), nheads) for x in xs]
 
 
-def standard_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), dtype):
+def standard_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                       alibi_slopes=None, sink=None, dtype):
     """Attention as an unfused implementation computes it in ``dtype``: returns (o, lse).
 
     Inputs are rounded to ``dtype``; products accumulate in float32 (float64 for float64) and are
-    rounded to ``dtype`` where an unfused implementation stores them (S, P, O). o has ``dtype``;
-    lse comes from the accumulator-precision softmax and has the accumulator type. A query that
-    sees no key gets o = 0 and lse = -inf (an unfused softmax would give NaN there).
+    rounded to ``dtype`` where an unfused implementation stores them (S, each transform of S, P,
+    O). o has ``dtype``; lse comes from the accumulator-precision softmax and has the accumulator
+    type. A query that sees no key gets o = 0 and lse = -inf, or the sink (an unfused softmax
+    would give NaN without one).
     """
     dtype = np.dtype(dtype)
     q, k, v = (np.asarray(x) for x in (q, k, v))
     _check_shapes(q, k, v)
-    nheads = q.shape[2]
+    batch, nheads = q.shape[0], q.shape[2]
+    softcap = _check_variant(softcap, alibi_slopes, sink, batch, nheads)
+    acc = _accumulator(dtype)
     q_, k_, v_ = _standard_inputs(dtype, nheads, q, k, v)
-    p, lse = _standard_probabilities(q_, k_, _scale(softmax_scale, q.shape[3]), causal, dtype, window_size)
+    p, _, lse, _ = _standard_softmax(q_, k_, _scale(softmax_scale, q.shape[3]), causal, dtype, window_size, softcap,
+                                     _per_head(alibi_slopes, batch, nheads, acc), _per_head(sink, batch, nheads, acc))
     o = _rounder(dtype)(p @ v_)
     return _seqlen_first(o, nheads).astype(dtype), lse
 
 
 def standard_attention_backward(do, q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
-                                dtype):
-    """Gradients (dq, dk, dv) as an unfused implementation computes them in ``dtype``.
+                                softcap=0.0, alibi_slopes=None, sink=None, dtype):
+    """Gradients (dq, dk, dv) as an unfused implementation computes them in ``dtype``; with a
+    ``sink``, (dq, dk, dv, dsink), dsink (nheads,) in the accumulator type.
 
     Rounded to ``dtype``: P, dP = dO V^T, dS = P * (dP - rowsum(P * dP)) (formed in the
-    accumulator type, as a softmax backward does), scale * dS, and each gradient. For GQA the
-    per-query-head dk, dv are rounded, then summed in the accumulator type and rounded again.
+    accumulator type, as a softmax backward does), dS times the cap's dz'/dz, scale * dS, and each
+    gradient. For GQA the per-query-head dk, dv are rounded, then summed in the accumulator type
+    and rounded again. The sink's column of dS (its dP is 0) is rounded, summed over batch and
+    queries in the accumulator type and rounded.
     """
     dtype = np.dtype(dtype)
     do, q, k, v = (np.asarray(x) for x in (do, q, k, v))
     _check_shapes(q, k, v)
-    nheads, nheads_kv = q.shape[2], k.shape[2]
+    batch, nheads, nheads_kv = q.shape[0], q.shape[2], k.shape[2]
+    softcap = _check_variant(softcap, alibi_slopes, sink, batch, nheads)
     scale = _scale(softmax_scale, q.shape[3])
     rnd, acc = _rounder(dtype), _accumulator(dtype)
     q_, k_, v_, do_ = _standard_inputs(dtype, nheads, q, k, v, do)
-    p, _ = _standard_probabilities(q_, k_, scale, causal, dtype, window_size)
+    p, p_sink, _, dz_dz = _standard_softmax(q_, k_, scale, causal, dtype, window_size, softcap,
+                                            _per_head(alibi_slopes, batch, nheads, acc),
+                                            _per_head(sink, batch, nheads, acc))
     dv = rnd(np.swapaxes(p, -1, -2) @ do_)
     dp = rnd(do_ @ np.swapaxes(v_, -1, -2))
-    ds = rnd(p * (dp - (p * dp).sum(axis=-1, keepdims=True)))
+    weighted_dp = (p * dp).sum(axis=-1, keepdims=True)
+    ds = rnd(p * (dp - weighted_dp))
+    if dz_dz is not None:
+        ds = rnd(ds * dz_dz)
     ds = rnd(ds * acc.type(scale))
     dq = rnd(ds @ k_)
     dk = rnd(np.swapaxes(ds, -1, -2) @ q_)
-    return tuple(
+    grads = tuple(
         _seqlen_first(g, n).astype(dtype)
         for g, n in ((dq, nheads), (dk, nheads_kv), (dv, nheads_kv))
     )
+    if sink is None:
+        return grads
+    ds_sink = rnd(p_sink * (0 - weighted_dp))
+    return (*grads, rnd(ds_sink.sum(axis=(0, 2, 3))))
 
 
 # Packed variable-length batches and KV caches, from the same definitions: each sequence is one

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Score", "PLAIN", "Variant", "NO_VARIANT", "check_variant"]
+__all__ = ["Score", "PLAIN", "Variant", "NO_VARIANT", "check_variant", "sink_grad"]
 
 
 @dataclass(frozen=True)
@@ -130,3 +130,18 @@ def check_variant(softcap, alibi_slopes, sink, batch: int, nheads: int) -> Varia
     if sink is not None:
         sink = _float_array(sink, "sink", ((nheads,),), f"(nheads,) = ({nheads},)")
     return Variant(softcap, alibi_slopes, sink)
+
+
+def sink_grad(sink, do, o, lse, xp=np):
+    """dsink (nheads,) float32: -sum over batch and queries of exp(sink[h] - lse[b, h, i]) *
+    D[b, h, i], D = rowsum(do * o) in float32 (float64 for float64 inputs); do, o (batch, seqlen,
+    nheads, headdim), lse (batch, nheads, seqlen), arrays of module ``xp`` (NumPy or CuPy). A row
+    with lse = -inf (it saw no key and there is no sink) adds 0."""
+    acc = np.float64 if do.dtype == np.float64 else np.float32
+    D = (do.astype(acc) * o.astype(acc)).sum(axis=-1).transpose(0, 2, 1)
+    sink = xp.asarray(sink).astype(acc)[None, :, None]
+    lse = lse.astype(acc)
+    live = lse != -np.inf
+    # A dead row's exp(sink - lse) would be inf, and inf * 0 NaN: it gets exp(0), then the factor 0.
+    weight = xp.exp(sink - xp.where(live, lse, sink)) * live
+    return (-(weight * D).sum(axis=(0, 2))).astype(np.float32)
