@@ -83,7 +83,8 @@ def bound(ref, *, dtype, scale=None) -> float:
     return RTOL[np.dtype(np.float32) if dtype in SIXTEEN_BIT else dtype] * (1.0 + scale)
 
 
-def output_rounding_allowance(do, q, k, v, o, o_ref, *, softmax_scale, causal, window_size=(-1, -1)):
+def output_rounding_allowance(do, q, k, v, o, o_ref, *, softmax_scale, causal, window_size=(-1, -1),
+                              **variant):
     """max|change| of (dq, dk, dv) caused by a backward being handed o (rounded to its dtype)
     instead of the exact output o_ref. Standard attention never forms D, so it does not show in
     the baseline error; on small problems with nearly one-hot rows (where dP - D cancels) it can
@@ -92,14 +93,19 @@ def output_rounding_allowance(do, q, k, v, o, o_ref, *, softmax_scale, causal, w
     The backward forms D = rowsum(dO * o); an error e_i of D_i moves dS_ij by exactly -P_ij e_i,
     so dq_i by -scale * e_i * sum_j P_ij k_j and dk_j by -scale * sum_i P_ij e_i q_i: attention
     outputs that the float64 reference computes. dv does not depend on D.
+
+    ``variant``: the variant keyword arguments (softcap, alibi_slopes, sink), P being theirs. With
+    softcap dS_ij moves by -P_ij g_ij e_i, g_ij = 1 - tanh^2 in [0, 1]: the sums are bounded
+    through |k| and |e q| instead.
     """
     q, k, v, do, o, o_ref = (_as_f64(x) for x in (q, k, v, do, o, o_ref))
     scale = 1.0 / np.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
     e = np.sum(do * (o - o_ref), axis=-1, keepdims=True)  # (batch, seqlen_q, heads, 1)
-    kwargs = mask_options(softmax_scale, causal, window_size)
-    p_k = reference.attention(q, k, k, **kwargs)[0]
-    p_t_e_q = reference.attention_backward(e * q, q, k, v, **kwargs)[2]
-    return scale * max_abs(e * p_k), scale * max_abs(p_t_e_q), 0.0
+    kwargs = {**mask_options(softmax_scale, causal, window_size), **variant}
+    capped = bool(variant.get("softcap"))
+    p_k = reference.attention(q, k, np.abs(k) if capped else k, **kwargs)[0]
+    p_t_e_q = reference.attention_backward(np.abs(e * q) if capped else e * q, q, k, v, **kwargs)[2]
+    return scale * max_abs(np.abs(e) * p_k if capped else e * p_k), scale * max_abs(p_t_e_q), 0.0
 
 
 def flash_rounding_baseline(do, q, k, v, *, softmax_scale, causal, dtype, window_size=(-1, -1)):
