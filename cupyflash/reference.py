@@ -105,6 +105,7 @@ def _sum_over_visible(weights: np.ndarray, rows: np.ndarray, mask: np.ndarray) -
 
 
 def _check_variant(softcap, alibi_slopes, sink, batch: int, nheads: int) -> float:
+    """softcap as a float, after checking it and the shapes of the slopes and sinks."""
     softcap = float(softcap)
     if not softcap >= 0:
         raise ValueError(f"softcap must be >= 0 (0: no cap), got {softcap}")
