@@ -22,6 +22,7 @@ import numpy as np
 
 from . import _arrays as A
 from . import api, dispatch
+from .scores import NO_VARIANT
 from ._dtypes import lse_dtype
 from .masks import check_window
 
@@ -133,9 +134,11 @@ def dense_forward(which: str, q, k, v, scale: float, causal: bool, window) -> tu
         from . import numpy_backend
 
         return api._forward_in_chunks(
-            lambda q, k, v: numpy_backend.forward(q, k, v, softmax_scale=scale, causal=causal, window_size=window),
-            q, k, v)
-    return api._forward_in_chunks(lambda q, k, v: api._forward_gpu(which, q, k, v, scale, causal, window), q, k, v)
+            lambda q, k, v, variant: numpy_backend.forward(q, k, v, softmax_scale=scale, causal=causal,
+                                                           window_size=window),
+            q, k, v, NO_VARIANT)
+    return api._forward_in_chunks(lambda q, k, v, variant: api._forward_gpu(which, q, k, v, scale, causal, window,
+                                                                            variant), q, k, v, NO_VARIANT)
 
 
 def dense_backward(which: str, do, q, k, v, o, lse, scale: float, causal: bool, window, deterministic: bool):
@@ -147,10 +150,11 @@ def dense_backward(which: str, do, q, k, v, o, lse, scale: float, causal: bool, 
         from . import numpy_backend
 
         return api._backward_in_chunks(
-            lambda *chunk: numpy_backend.backward(*chunk, softmax_scale=scale, causal=causal, window_size=window),
-            do, q, k, v, o, lse)
+            lambda *chunk: numpy_backend.backward(*chunk[:6], softmax_scale=scale, causal=causal, window_size=window),
+            do, q, k, v, o, lse, NO_VARIANT)
     return api._backward_in_chunks(
-        lambda *chunk: api._backward_gpu(which, *chunk, scale, causal, window, deterministic), do, q, k, v, o, lse)
+        lambda *chunk: api._backward_gpu(which, *chunk, scale, causal, window, deterministic), do, q, k, v, o, lse,
+        NO_VARIANT)
 
 
 def _finish(results, which: str, host_out: bool):
