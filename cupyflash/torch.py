@@ -117,19 +117,33 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
 
 # --- the operators ---------------------------------------------------------------------------------
 
+def _variant_arrays(alibi_slopes, sink):
+    """The variant's tensors as the API's keyword arguments (arrays on the tensors' side)."""
+    out = {}
+    if alibi_slopes is not None:
+        out["alibi_slopes"] = _as_array(alibi_slopes.contiguous())
+    if sink is not None:
+        out["sink"] = _as_array(sink.contiguous())
+    return out
+
+
 @torch.library.custom_op("cupyflash::flash_attn_forward", mutates_args=())
 def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool,
-                window_left: int, window_right: int, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                window_left: int, window_right: int, deterministic: bool, softcap: float = 0.0,
+                alibi_slopes: torch.Tensor | None = None,
+                sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse) of cupyflash.flash_attn_func; ``deterministic`` is kept for the backward."""
     def compute(q, k, v, backend):
         return api.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                                   window_size=(window_left, window_right), return_lse=True, backend=backend)
+                                   window_size=(window_left, window_right), softcap=softcap,
+                                   **_variant_arrays(alibi_slopes, sink), return_lse=True, backend=backend)
 
     return _run(q.device, compute, q, k, v)
 
 
 @_forward_op.register_fake
-def _forward_fake(q, k, v, softmax_scale, causal, window_left, window_right, deterministic):
+def _forward_fake(q, k, v, softmax_scale, causal, window_left, window_right, deterministic, softcap=0.0,
+                  alibi_slopes=None, sink=None):
     batch, seqlen_q, nheads, _ = q.shape
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = q.new_empty((batch, nheads, seqlen_q), dtype=_lse_dtype(q.dtype))
@@ -139,40 +153,58 @@ def _forward_fake(q, k, v, softmax_scale, causal, window_left, window_right, det
 @torch.library.custom_op("cupyflash::flash_attn_backward", mutates_args=())
 def _backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                  lse: torch.Tensor, softmax_scale: float, causal: bool, window_left: int, window_right: int,
-                 deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of cupyflash.flash_attn_backward."""
+                 deterministic: bool, softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
+                 sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dsink) of cupyflash.flash_attn_backward; dsink empty without a sink."""
     def compute(do, q, k, v, o, lse, backend):
-        return api.flash_attn_backward(do, q, k, v, o, lse, softmax_scale=softmax_scale, causal=causal,
-                                       window_size=(window_left, window_right), backend=backend,
-                                       deterministic=deterministic)
+        grads = api.flash_attn_backward(do, q, k, v, o, lse, softmax_scale=softmax_scale, causal=causal,
+                                        window_size=(window_left, window_right), softcap=softcap,
+                                        **_variant_arrays(alibi_slopes, sink), backend=backend,
+                                        deterministic=deterministic)
+        return grads if len(grads) == 4 else (*grads, (np if backend == "numpy" else _cupy()).zeros(0, np.float32))
 
     return _run(q.device, compute, do, q, k, v, o, lse)
 
 
+def _cupy():
+    import cupy
+
+    return cupy
+
+
 @_backward_op.register_fake
-def _backward_fake(do, q, k, v, o, lse, softmax_scale, causal, window_left, window_right, deterministic):
-    return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
+def _backward_fake(do, q, k, v, o, lse, softmax_scale, causal, window_left, window_right, deterministic,
+                   softcap=0.0, alibi_slopes=None, sink=None):
+    dsink = q.new_empty((0,) if sink is None else tuple(sink.shape), dtype=torch.float32)
+    return (*(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v)), dsink)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal, window_left, window_right, deterministic = inputs
+    q, k, v, softmax_scale, causal, window_left, window_right, deterministic, softcap, alibi_slopes, sink = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse)
-    ctx.options = (softmax_scale, causal, window_left, window_right, deterministic)
+    ctx.options = (softmax_scale, causal, window_left, window_right, deterministic, softcap, alibi_slopes, sink)
     ctx.set_materialize_grads(False)  # an unused lse then brings None, not a tensor of zeros to add
 
 
 def _backward_formula(ctx, do, dlse):
     q, k, v, o, lse = ctx.saved_tensors
-    scale = ctx.options[0]
+    scale, softcap, sink = ctx.options[0], ctx.options[5], ctx.options[7]
     if do is None:
         do = torch.zeros_like(o)
-    dq, dk, dv = _backward_op(do, q, k, v, o, lse, *ctx.options)
+    dq, dk, dv, dsink = _backward_op(do, q, k, v, o, lse, *ctx.options)
     if dlse is not None:
+        if softcap:
+            # dlse/dS_ij = P_ij (1 - tanh^2): the attention-shaped products below would miss the factor.
+            raise NotImplementedError("cupyflash.torch: a gradient through softmax_lse with softcap != 0 is not "
+                                      "supported yet")
         dq, dk = _add_lse_gradient(dq, dk, q, k, dlse.transpose(1, 2).unsqueeze(-1), scale,
                                    lambda: _forward_op(q, k, k, *ctx.options)[0],
                                    lambda do_q: _backward_op(do_q, q, k, v, o, lse, *ctx.options)[2])
-    return dq, dk, dv, None, None, None, None, None
+        if sink is not None:  # dlse_i/dsink = exp(sink - lse_i), the sink's share of row i
+            share = torch.exp(sink.to(lse.dtype)[None, :, None] - lse) * (lse != -math.inf)
+            dsink = dsink + (dlse.to(lse.dtype) * share).sum(dim=(0, 2)).to(dsink.dtype)
+    return dq, dk, dv, None, None, None, None, None, None, None, (dsink if sink is not None else None)
 
 
 def _add_lse_gradient(dq, dk, q, k, dlse_rows, scale, attend_to_keys, dv_for):
@@ -375,7 +407,7 @@ def _scale(softmax_scale, headdim: int) -> float:
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, sink=None):
     """flash-attn 2's flash_attn_func, computed by cupyflash: softmax(q kᵀ · scale) v.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim), nheads a
@@ -388,13 +420,23 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     softmax_lse (batch, nheads, seqlen_q), float32 (float64 for float64), differentiable; S_dmask
     an empty tensor, as flash-attn returns it without dropout. ``deterministic=True`` makes the
     backward bitwise reproducible (cupyflash.flash_attn_backward's option of that name).
-    Not supported yet, each a NotImplementedError: dropout_p != 0, softcap != 0, alibi_slopes.
+    ``softcap`` (c tanh(s / c) of the scaled scores), ``alibi_slopes`` ((nheads,) or (batch,
+    nheads) float32, not differentiated, as in flash-attn) and ``sink`` ((nheads,) float32 logits
+    in each row's softmax denominator, gpt-oss; differentiable) are cupyflash.flash_attn_func's.
+    Not supported yet, each a NotImplementedError: dropout_p != 0; a gradient through softmax_lse
+    with softcap != 0.
     """
-    _unsupported(dropout_p=dropout_p != 0, softcap=softcap != 0, alibi_slopes=alibi_slopes is not None)
+    _unsupported(dropout_p=dropout_p != 0)
     _check_tensors(q, k, v)
     scale = _scale(softmax_scale, q.shape[3])
     window_left, window_right = check_window(window_size)
-    o, lse = _forward_op(q, k, v, scale, bool(causal), window_left, window_right, bool(deterministic))
+    if isinstance(softcap, torch.Tensor):
+        raise TypeError("softcap must be a Python number, not a tensor")
+    for name, t in (("alibi_slopes", alibi_slopes), ("sink", sink)):
+        if t is not None and (not isinstance(t, torch.Tensor) or t.device != q.device):
+            raise TypeError(f"{name} must be a tensor on q's device ({q.device})")
+    o, lse = _forward_op(q, k, v, scale, bool(causal), window_left, window_right, bool(deterministic),
+                         float(softcap), alibi_slopes, sink)
     if not return_attn_probs:
         return o
     return o, lse, q.new_empty((0,))

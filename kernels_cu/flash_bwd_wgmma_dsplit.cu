@@ -189,13 +189,17 @@ flash_bwd_wgmma_dsplit(const __grid_constant__ BwdParams p) {
                 // Two copies, with and without the element mask (a block inside the mask needs none): the
                 // split the compiler made itself while the shape came as kernel arguments, and no longer
                 // makes with it read from BwdParams.
-                float dsds[4];
+                float dsds[4];  // HAS_GRAD only
                 auto probabilities = [&](auto masked) {
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
-                        const int key_off = 8 * (e >> 1), query_off = 8 * j + (e & 1);
-                        const float s_ij = score.transform(acc[j][e], score_origin, query_off, key_off, dsds[e]);
+                        float s_ij = acc[j][e];
+                        if constexpr (Mask::Score::HAS_GRAD)
+                            s_ij = score.transform(s_ij, score_origin, 8 * j + (e & 1), 8 * (e >> 1), dsds[e]);
+                        else if constexpr (!Mask::Score::IDENTITY)
+                            s_ij = score.transform(s_ij, score_origin, 8 * j + (e & 1), 8 * (e >> 1));
                         const float p_ij = recomputed_p(s_ij, scale_log2, base_log2[e & 1]);
+                        const int key_off = 8 * (e >> 1), query_off = 8 * j + (e & 1);
                         const bool hidden = mask.hidden(origin, query_off, key_off);
                         acc[j][e] = decltype(masked)::value && hidden ? 0.f : p_ij;
                     }
@@ -235,15 +239,14 @@ flash_bwd_wgmma_dsplit(const __grid_constant__ BwdParams p) {
                 asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(p2[1]) : "r"(pair_addr(s_pt, j, 1)));
                 const float2 lo = unpack2<T>(p2[0]), hi = unpack2<T>(p2[1]);
                 const float p16[4] = {lo.x, lo.y, hi.x, hi.y};
-                float dsds[4] = {1.f, 1.f, 1.f, 1.f};
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    acc[j][e] = p16[e] == 0.f ? 0.f : p16[e] * (acc[j][e] - ((e & 1) ? d2.y : d2.x));
                 if constexpr (Mask::Score::HAS_GRAD) {
                     const float2 g_lo = unpack2<half_t>(ld_shared_b32(pair_addr(s_dst, j, 0)));
                     const float2 g_hi = unpack2<half_t>(ld_shared_b32(pair_addr(s_dst, j, 1)));
-                    dsds[0] = g_lo.x, dsds[1] = g_lo.y, dsds[2] = g_hi.x, dsds[3] = g_hi.y;
+                    acc[j][0] *= g_lo.x, acc[j][1] *= g_lo.y, acc[j][2] *= g_hi.x, acc[j][3] *= g_hi.y;
                 }
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    acc[j][e] = p16[e] == 0.f ? 0.f : p16[e] * (acc[j][e] - ((e & 1) ? d2.y : d2.x)) * dsds[e];
                 st_shared_b32(pair_addr(s_dst, j, 0), pack2<T>(acc[j][0], acc[j][1]));
                 st_shared_b32(pair_addr(s_dst, j, 1), pack2<T>(acc[j][2], acc[j][3]));
             }

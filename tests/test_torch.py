@@ -193,8 +193,8 @@ def test_meta_and_fake_tensors_have_the_shapes(dtype, lse_dtype):
         o, lse, _ = flash_attn_func(*tensors, causal=True, return_attn_probs=True)
         assert (o.shape, o.dtype, lse.shape, lse.dtype) == (shapes[0], dtype, (2, 8, 33), lse_dtype)
         assert o.device == tensors[0].device
-        dq, dk, dv = torch.ops.cupyflash.flash_attn_backward(o, *tensors, o, lse, 0.125, True, 3, 0, True)
-        assert [g.shape for g in (dq, dk, dv)] == shapes and dk.dtype == dtype
+        dq, dk, dv, dsink = torch.ops.cupyflash.flash_attn_backward(o, *tensors, o, lse, 0.125, True, 3, 0, True)
+        assert [g.shape for g in (dq, dk, dv)] == shapes and dk.dtype == dtype and dsink.shape == (0,)
 
     check([torch.empty(s, dtype=dtype, device="meta") for s in shapes])
     with FakeTensorMode():
@@ -292,10 +292,70 @@ def test_sdpa_helper_errors():
 
 # --- errors ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("option, value", [("dropout_p", 0.1), ("softcap", 30.0), ("alibi_slopes", torch.ones(4))])
+@pytest.mark.parametrize("option, value", [("dropout_p", 0.1)])
 def test_unsupported_options_are_named(option, value):
     with pytest.raises(NotImplementedError, match=option):
         flash_attn_func(*qkv(), **{option: value})
+
+
+# --- variants: softcap, ALiBi, sinks ----------------------------------------------------------------
+
+def _variant_inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 9, 4, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    k = torch.randn(2, 11, 2, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    v = torch.randn(2, 11, 2, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    slopes = torch.rand(2, 4, generator=g).to(torch.float32)
+    sink = torch.randn(4, generator=g).to(torch.float32).requires_grad_(True)
+    return q, k, v, slopes, sink
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_variants_match_the_reference_with_autograd(causal):
+    """softcap, ALiBi and a sink through the torch front end: outputs and every gradient (dsink
+    included) against cupyflash.reference in float64."""
+    q, k, v, slopes, sink = _variant_inputs()
+    out = flash_attn_func(q, k, v, causal=causal, softcap=3.0, alibi_slopes=slopes, sink=sink)
+    do = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    out.backward(do)
+    arrays = [x.detach().numpy() for x in (q, k, v)]
+    kw = dict(causal=causal, softcap=3.0, alibi_slopes=slopes.numpy(), sink=sink.detach().numpy())
+    o_ref, _ = reference.attention(*arrays, **kw)
+    dq, dk, dv, dsink = reference.attention_backward(do.numpy(), *arrays, **kw)
+    np.testing.assert_allclose(out.detach().numpy(), o_ref, atol=1e-10)
+    for got, want in ((q.grad, dq), (k.grad, dk), (v.grad, dv)):
+        np.testing.assert_allclose(got.numpy(), want, atol=1e-9)
+    np.testing.assert_allclose(sink.grad.numpy(), dsink, rtol=1e-5, atol=1e-6)  # dsink is float32
+
+
+def test_gradcheck_through_the_lse_with_alibi_and_a_sink():
+    """The lse's own gradient with ALiBi and a sink: gradcheck over q, k, v and the sink's effect
+    (sink as float64 logits cast to float32 inside would break gradcheck's precision, so the sink
+    is fixed and its gradient is checked against the reference instead)."""
+    q, k, v, slopes, sink = _variant_inputs(2)
+    sink = sink.detach()
+
+    def f(q, k, v):
+        o, lse, _ = flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes, sink=sink, return_attn_probs=True)
+        return o, lse
+
+    assert torch.autograd.gradcheck(f, (q, k, v))
+
+
+def test_the_sink_gradient_through_the_lse():
+    q, k, v, slopes, sink = _variant_inputs(3)
+    o, lse, _ = flash_attn_func(q, k, v, sink=sink, return_attn_probs=True)
+    lse.sum().backward()
+    # d(sum lse)/dsink_h = sum over rows of exp(sink_h - lse): the sink's share of each row
+    share = torch.exp(sink.detach().double()[None, :, None] - lse.detach()).sum(dim=(0, 2))
+    np.testing.assert_allclose(sink.grad.numpy(), share.numpy(), rtol=1e-5)
+
+
+def test_an_lse_gradient_with_softcap_is_refused():
+    q, k, v, _, _ = _variant_inputs()
+    o, lse, _ = flash_attn_func(q, k, v, softcap=2.0, return_attn_probs=True)
+    with pytest.raises(NotImplementedError, match="softcap"):
+        lse.sum().backward()
 
 
 def test_errors_name_the_argument():
