@@ -138,10 +138,36 @@ def sink_grad(sink, do, o, lse, xp=np):
     nheads, headdim), lse (batch, nheads, seqlen), arrays of module ``xp`` (NumPy or CuPy). A row
     with lse = -inf (it saw no key and there is no sink) adds 0."""
     acc = np.float64 if do.dtype == np.float64 else np.float32
-    D = (do.astype(acc) * o.astype(acc)).sum(axis=-1).transpose(0, 2, 1)
+    D = _row_dots(do, o, acc, xp).transpose(0, 2, 1)
     sink = xp.asarray(sink).astype(acc)[None, :, None]
     lse = lse.astype(acc)
     live = lse != -np.inf
     # A dead row's exp(sink - lse) would be inf, and inf * 0 NaN: it gets exp(0), then the factor 0.
     weight = xp.exp(sink - xp.where(live, lse, sink)) * live
     return (-(weight * D).sum(axis=(0, 2))).astype(np.float32)
+
+
+def _row_dots(do, o, acc, xp):
+    """rowsum(do * o) over the last axis in ``acc``. On CuPy one reduction kernel reads the 16-bit
+    inputs as they are (bfloat16 through its bits: the upper half of a float32): converting both
+    arrays first would write and read three accumulator-sized temporaries, 10% of a d128
+    backward's time at 8k."""
+    if xp is np or np.dtype(acc) == np.float64 or do.dtype == np.float32:
+        return (do.astype(acc) * o.astype(acc)).sum(axis=-1)
+    if do.dtype == np.float16:
+        return _ROW_DOT_KERNELS("half")(do, o, axis=-1)
+    return _ROW_DOT_KERNELS("bf16")(do.view(np.uint16), o.view(np.uint16), axis=-1)
+
+
+_KERNELS = {}
+
+
+def _ROW_DOT_KERNELS(kind: str):
+    if kind not in _KERNELS:
+        import cupy
+
+        to_float = ("float(a) * float(b)" if kind == "half" else
+                    "__uint_as_float((unsigned)a << 16) * __uint_as_float((unsigned)b << 16)")
+        _KERNELS[kind] = cupy.ReductionKernel("T a, T b", "float32 y", to_float, "a + b", "y = a", "0",
+                                              f"cupyflash_row_dot_{kind}", reduce_type="float")
+    return _KERNELS[kind]

@@ -134,10 +134,11 @@ flash_bwd_dq_mma_v2(const __grid_constant__ BwdParams p) {
                     float dsds;
                     const float s_ij = score.transform(s_acc[g][f][e], score_origin, 16 * g + 8 * (e >> 1),
                                                        8 * f + (e & 1), dsds);
-                    const float p = recomputed_p(s_ij, scale_log2, s_lse[lane_row + 16 * g + 8 * (e >> 1)]);
+                    float p = recomputed_p(s_ij, scale_log2, s_lse[lane_row + 16 * g + 8 * (e >> 1)]);
+                    if constexpr (Mask::Score::HAS_GRAD) p *= dsds;
                     const bool hidden_left =
                         partial && mask.hidden_left(origin, 16 * g + 8 * (e >> 1), 8 * f + (e & 1));
-                    s_acc[g][f][e] = hidden_left ? 0.f : Mask::Score::HAS_GRAD ? p * dsds : p;
+                    s_acc[g][f][e] = hidden_left ? 0.f : p;
                 }
 
         // Step 2: dP = dO_i V_j^T and dS = P o (dP - D), in slices of DP_COLS keys: at head dim 128

@@ -264,15 +264,14 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
             const float2 d2 = *reinterpret_cast<const float2*>(s_delta + 8 * j + 2 * (lane % 4));
             const float2 lo = unpack2<T>(p_frag[j / 2][2 * (j % 2)]), hi = unpack2<T>(p_frag[j / 2][2 * (j % 2) + 1]);
             const float p16[4] = {lo.x, lo.y, hi.x, hi.y};
-            float dsds[4] = {1.f, 1.f, 1.f, 1.f};
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                dp_acc[j][e] = p16[e] == 0.f ? 0.f : p16[e] * (dp_acc[j][e] - ((e & 1) ? d2.y : d2.x));
             if constexpr (Mask::Score::HAS_GRAD) {
                 const float2 g_lo = unpack2<half_t>(ld_shared_b32(stash_addr(j, 0)));
                 const float2 g_hi = unpack2<half_t>(ld_shared_b32(stash_addr(j, 1)));
-                dsds[0] = g_lo.x, dsds[1] = g_lo.y, dsds[2] = g_hi.x, dsds[3] = g_hi.y;
+                dp_acc[j][0] *= g_lo.x, dp_acc[j][1] *= g_lo.y, dp_acc[j][2] *= g_hi.x, dp_acc[j][3] *= g_hi.y;
             }
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                dp_acc[j][e] = p16[e] == 0.f ? 0.f : p16[e] * (dp_acc[j][e] - ((e & 1) ? d2.y : d2.x)) * dsds[e];
         }
         u32 ds_frag[QK][4];
         pack_a_frags<T, BLOCK_M>(ds_frag, dp_acc);

@@ -13,7 +13,7 @@ import pytest
 from cupyflash import dispatch, plans
 from cupyflash._dtypes import SUPPORTED
 from cupyflash.kernels import mma_fwd, simt
-from cupyflash.masks import KINDS, Causal, Local, NoMask
+from cupyflash.masks import KINDS, VARIANT_KINDS, Causal, Local, NoMask
 from launch_fakes import FakeArray, LaunchRecorder, assert_forward_launch
 
 ARCHS = ("80", "86", "89", "90")
@@ -155,16 +155,20 @@ def test_plans_refuse_what_no_kernel_runs():
 
 def test_the_compile_check_sees_every_shipped_forward_specialization():
     """mma_fwd.specializations() is every row's specialization for both 16-bit dtypes and every
-    mask: the old tree's set (its two masks) plus the same names with "local"."""
+    mask: the old tree's set (its two masks) plus the same names with "local", and each of those
+    kernels with the score policies of masks.VARIANT_KINDS."""
     old = {old_choice(arch, smem, dtype, hd, mask)[0] for dtype in ("float16", "bfloat16")
            for arch, smem in itertools.product(ARCHS, SMEM_OPTINS) for hd in (64, 128, 256) for mask in OLD_MASKS}
-    names = [s.name for s in mma_fwd.specializations()]
-    assert len(names) == len(set(names)) == len(old) // 2 * 3
+    all_names = [s.name for s in mma_fwd.specializations()]
+    variant_names = {m.name for m in VARIANT_KINDS}
+    names = [n for n in all_names if not any(f"_{v}_" in n for v in variant_names)]
+    assert len(all_names) == len(set(all_names)) == len(names) // 3 * (3 + len(VARIANT_KINDS))
+    assert len(names) == len(old) // 2 * 3
     assert {n for n in names if "_local_" not in n} == old
     assert {n.replace("_local_", "_causal_") for n in names if "_local_" in n} == {n for n in old if "_causal_" in n}
     simt_fwd = {s.name for s in simt.specializations() if s.source_file == "flash_fwd_simt.cu"}
     assert simt_fwd == {plans.plan_forward("80", SUPPORTED[dtype], hd, mask, None, family="simt").spec.name
-                        for dtype in SUPPORTED for hd in plans.SIMT_D_TILES for mask in KINDS}
+                        for dtype in SUPPORTED for hd in plans.SIMT_D_TILES for mask in KINDS + VARIANT_KINDS}
 
 
 def test_the_tensor_core_rows_fit_their_devices():

@@ -25,6 +25,7 @@ from cupyflash import backward_plans, plans
 from cupyflash._dtypes import SUPPORTED
 from cupyflash.backward_plans import BACKWARD_KERNELS, MMA_SYNC, SM90, plan_backward
 from cupyflash.kernels import mma_bwd
+from cupyflash import masks
 from cupyflash.masks import Causal, Local, NoMask
 
 REPO = Path(__file__).resolve().parents[1]
@@ -1038,8 +1039,18 @@ def test_plans_refuse_what_no_kernel_runs():
 
 
 def test_the_compile_check_sees_the_same_specializations():
+    """The plain kernels the old compile check built, and with the score variants of
+    masks.VARIANT_KINDS exactly the kernels the plans launch for them."""
     names = [s.name for s in mma_bwd.specializations()]
-    assert len(names) == len(set(names)) and sorted(names) == sorted(OLD_COMPILE_CHECK)
+    scored = [n for n in names if any(f"_{part}_" in n for part in ("softcap", "alibi", "sink"))]
+    plain = [n for n in names if n not in scored]
+    assert len(names) == len(set(names)) and sorted(plain) == sorted(OLD_COMPILE_CHECK)
+    launched = {launch.spec.name for mask in masks.VARIANT_KINDS for dtype in ("float16", "bfloat16")
+                for dt in (64, 128, 256) for arch, smem in (("80", None), ("90", None), ("80", 0))
+                for det in (True, False)
+                for launch in plan_backward(arch, SUPPORTED[dtype], dt, mask.backward(), smem, det).launches
+                if launch.role in ("dkdv", "dq")}
+    assert set(scored) == launched
     shipped = {s for s, *_ in OLD_SPECS.items() if s.startswith("flash_bwd_") and "simt" not in s
                and "preprocess" not in s}
     assert shipped <= set(names)

@@ -154,3 +154,24 @@ def test_plain_scores_after_variants_are_unchanged():
     again = run_path(case, (-1, -1), q, k, v, do)
     for a, b in zip(plain, again):
         assert np.array_equal(a.view(np.uint16) if a.itemsize == 2 else a, b.view(np.uint16) if b.itemsize == 2 else b)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_sink_grad_on_the_device_equals_the_host_formula(dtype):
+    """scores.sink_grad on CuPy (one reduction kernel reading 16-bit inputs as they are) against
+    the same formula on NumPy in float64."""
+    import cupy
+    import ml_dtypes
+
+    from cupyflash.scores import sink_grad
+
+    dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    rng = np.random.default_rng(4)
+    do, o = (rng.standard_normal((2, 37, 3, 72)).astype(dt) for _ in range(2))
+    lse = rng.standard_normal((2, 3, 37)) + 2.0
+    lse[0, 1, :5] = -np.inf  # rows that saw nothing add 0
+    sink = rng.standard_normal(3).astype(np.float32)
+    acc = np.float64 if dt == np.float64 else np.float32
+    got = sink_grad(cupy.asarray(sink), cupy.asarray(do), cupy.asarray(o), cupy.asarray(lse.astype(acc)), xp=cupy)
+    want = sink_grad(sink, do.astype(np.float64), o.astype(np.float64), lse)
+    np.testing.assert_allclose(got.get(), want, rtol=1e-5, atol=1e-5)

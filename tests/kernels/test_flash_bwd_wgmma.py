@@ -8,7 +8,7 @@ import pytest
 from launch_fakes import FakeArray
 from models.blocks import assert_float64_close, bwd_inputs, bwd_reference, seeded_rng
 from models.flash_bwd_wgmma import (BWD, BWD_CONFIGS, DQ_STAGE_ROW, bwd_dkdv_steps, bwd_dq_panel_stage,
-                                    bwd_dq_panels, bwd_dq_stage_stores, bwd_dq_steps, bwd_ds_t_stores, bwd_emulated,
+                                    bwd_dq_panels, bwd_dq_stage_stores, bwd_dq_steps, bwd_ds_t_stores, bwd_emulated, bwd_grad_stash,
                                     bwd_smem, bwd_st_steps, bwd_tiles)
 from models.mirrors import missing_statements, unmirrored_statements
 from models.smem import RAW_SMEM, aligned_base, new_smem, store_panels
@@ -179,3 +179,15 @@ def test_bwd_block_emulation_matches_numpy(d_tile, block_m, block_n):
     for got, want in zip((dk, dv, dq), bwd_reference(q, k, v, do, lse, delta, scale)):
         assert_float64_close(got, want)
 
+
+
+@pytest.mark.parametrize("d_tile, block_m, block_n", [(64, 128, 128), (64, 64, 128), (128, 64, 128)])
+def test_the_softcap_derivative_is_stashed_at_the_threads_own_ds_t_words(d_tile, block_m, block_n):
+    """Every thread's stash words are exactly its dS^T words of step 5: no other thread reads or
+    writes them before that thread overwrites them with dS^T."""
+    L = bwd_smem(d_tile, block_m, block_n)
+    tiles = bwd_tiles(L, 0)
+    for wg in range(block_n // 64):
+        stash = np.stack(bwd_grad_stash(L, tiles, wg), axis=1)  # (threads, words)
+        stores = np.stack([addr for addr, _, _ in bwd_ds_t_stores(L, tiles, wg)], axis=1)
+        assert (np.sort(stash, axis=1) == np.sort(stores, axis=1)).all()

@@ -116,10 +116,14 @@ def dsplit_dq_steps(L, tiles, wg: int) -> list[Step]:
          "asm volatile(\"ld.shared.b32 %0, [%1];\\n\" : \"=r\"(p2[0]) : \"r\"(pair_addr(s_pt, j, 0)));",
          "asm volatile(\"ld.shared.b32 %0, [%1];\\n\" : \"=r\"(p2[1]) : \"r\"(pair_addr(s_pt, j, 1)));",
          "st_shared_b32(pair_addr(s_dst, j, 0), pack2<T>(acc[j][0], acc[j][1]));",
-         "st_shared_b32(pair_addr(s_dst, j, 1), pack2<T>(acc[j][2], acc[j][3]));")
+         "st_shared_b32(pair_addr(s_dst, j, 1), pack2<T>(acc[j][2], acc[j][3]));",
+         "st_shared_b32(pair_addr(s_dst, j, 0), pack2<half_t>(dsds[0], dsds[1]));",
+         "st_shared_b32(pair_addr(s_dst, j, 1), pack2<half_t>(dsds[2], dsds[3]));")
 def dsplit_pair_addr(L, tile: int, j: int, h: int) -> np.ndarray:
     """Address of each thread's 16-bit pair of accumulator column block j, row half h (word
-    lane % 4 of chunk j of row key_row + 8h) in a [BLOCK_N][BLOCK_M] panel tile."""
+    lane % 4 of chunk j of row key_row + 8h) in a [BLOCK_N][BLOCK_M] panel tile. Softcap's
+    derivative (float16) passes from warpgroup 0 to 1 at the dS^T pair of the same element, which
+    thread t + 128 reads and then overwrites with dS^T."""
     return tile + panel_offset(L.BLOCK_N, ROW_LO + 8 * h, j) + 4 * THREAD_IN_GROUP
 
 
@@ -193,7 +197,7 @@ mirrors(DSPLIT,
         "*reinterpret_cast<u32*>(dk_row + col) = pack2<T>(dk_acc[j][2 * h] * scale, dk_acc[j][2 * h + 1] * scale);",
         "*reinterpret_cast<u32*>(dv_row + col) = pack2<T>(dv_acc[j][2 * h], dv_acc[j][2 * h + 1]);",
         "const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + 8 * j + 2 * (lane % 4));",
-        "const float p_ij = recomputed_p(acc[j][e], scale_log2, base_log2[e & 1]);",
+        "const float p_ij = recomputed_p(s_ij, scale_log2, base_log2[e & 1]);",  # s_ij: the score policy's transform of S (the identity of the plain kernels modelled here)
         "const float2 d2 = *reinterpret_cast<const float2*>(s_delta + 8 * j + 2 * (lane % 4));",
         "const float2 lo = unpack2<T>(p2[0]), hi = unpack2<T>(p2[1]);",
         "acc[j][e] = p16[e] == 0.f ? 0.f : p16[e] * (acc[j][e] - ((e & 1) ? d2.y : d2.x));")(dsplit_emulated)
