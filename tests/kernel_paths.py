@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from tolerance import SIXTEEN_BIT
+from cupyflash import reference
+from tolerance import SIXTEEN_BIT, assert_close, max_abs, output_rounding_allowance, references_and_baselines
 
 # The sm_80 forward tiles (flash_fwd_mma) by head-dim tile, launched on any device by config=.
 SM80_FWD = {64: dict(block_m=128, block_n=64, warps=4, q_in_regs=True, min_blocks=2, row_state="all_lanes"),
@@ -59,3 +60,34 @@ def run_path(case, window, q, k, v, do, deterministic=True, mma_sync=None, varia
         simt.backward(dod, qd, kd, vd, o, lse, *grads, deterministic=deterministic, **options)
     cupy.cuda.get_current_stream().synchronize()
     return tuple(x.get() for x in (o, lse, *grads))
+
+
+def check_against_reference(case, window, q, k, v, do, o, lse, grads, variant=None, dsink=None):
+    """The tolerance rule (tolerance.py) for (o, lse, dq, dk, dv) of a kernel path, and dsink when
+    given, against the float64 reference with the case's mask, ``window`` and ``variant`` (the
+    variant keyword arguments); rows that see no key: o = 0 and zero dq."""
+    variant = variant or {}
+    kwargs = dict(softmax_scale=case.softmax_scale, causal=case.causal, window_size=window, **variant)
+    (o_ref, lse_ref, grads_ref), (o_std, lse_std, grads_std) = references_and_baselines(
+        do, q, k, v, dtype=case.dtype, **kwargs)
+    dsink_ref = grads_ref[3] if len(grads_ref) == 4 else None
+    grads_ref, grads_std = grads_ref[:3], grads_std[:3]
+    for name, x in zip(("o", "dq", "dk", "dv"), (o, *grads)):
+        assert np.isfinite(x.astype(np.float64)).all(), f"{name}: NaN or inf (an unwritten or poisoned entry)"
+    assert (np.isneginf(lse) == np.isneginf(lse_ref)).all(), "lse = -inf exactly where the reference's is"
+    hidden_rows = ~reference.visible_keys(case.seqlen_q, case.seqlen_k, case.causal, window).any(axis=1)
+    assert (o[:, hidden_rows] == 0).all() and (grads[0][:, hidden_rows] == 0).all(), "rows that see no key"
+    assert_close("o", o, o_ref, o_std, dtype=case.dtype)
+    assert_close("lse", lse, lse_ref, lse_std, dtype=case.dtype)
+    grad_scale = max(max_abs(g) for g in grads_ref)
+    allowances = output_rounding_allowance(do, q, k, v, o, o_ref, **kwargs)
+    for name, grad, ref, std, atol in zip(("dq", "dk", "dv"), grads, grads_ref, grads_std, allowances):
+        assert_close(name, grad, ref, std, dtype=case.dtype, factor=3.0, scale=grad_scale, atol=atol)
+    if dsink is not None:
+        # dsink sums D over the rows: D's error is that of o, e_i = do_i . (o_i - o_ref_i).
+        p_sink = np.exp(variant["sink"].astype(np.float64)[None, :, None] - lse_ref)
+        e = np.moveaxis(np.sum(do.astype(np.float64) * (o.astype(np.float64) - o_ref), axis=-1), 1, 2)
+        atol = float(np.abs(p_sink * e).sum(axis=(0, 2)).max())
+        floor = 1e-5 * (1 + float(np.abs(dsink_ref).max()) + float(np.abs(p_sink).sum(axis=(0, 2)).max()))
+        err = float(np.abs(dsink.astype(np.float64) - dsink_ref).max())
+        assert err <= 3 * atol + floor, f"dsink: error {err:.3e} > 3 x {atol:.3e} + {floor:.3e}"

@@ -13,36 +13,13 @@ from hypothesis import strategies as st
 from cupyflash import reference
 from strategies import attention_case, make_inputs
 from tolerance import rel_fro_error
+from brute_force import brute_force_attention, numerical_gradient
 
 FLOAT64 = (np.dtype(np.float64),)
 # Small enough for Python loops over rows and keys.
 small_case = attention_case(dtypes=FLOAT64, max_seqlen=12, max_cost=20_000, max_headdim=40)
 # Small enough for one forward pass per perturbed input entry.
 tiny_case = attention_case(dtypes=FLOAT64, max_seqlen=5, max_cost=300, max_headdim=4)
-
-
-def brute_force_attention(q, k, v, scale, causal):
-    """One query row at a time, one key at a time, sums with math.fsum."""
-    batch, seqlen_q, nheads, headdim = q.shape
-    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
-    o = np.zeros(q.shape)
-    lse = np.full((batch, nheads, seqlen_q), -np.inf)
-    for b in range(batch):
-        for h in range(nheads):
-            kv_head = h // (nheads // nheads_kv)
-            for i in range(seqlen_q):
-                keys = [j for j in range(seqlen_k) if not causal or j <= i + seqlen_k - seqlen_q]
-                if not keys:
-                    continue
-                scores = [scale * math.fsum(q[b, i, h] * k[b, j, kv_head]) for j in keys]
-                top = max(scores)
-                weights = [math.exp(s - top) for s in scores]
-                total = math.fsum(weights)
-                for d in range(headdim):
-                    weighted = (w * v[b, j, kv_head, d] for w, j in zip(weights, keys))
-                    o[b, i, h, d] = math.fsum(weighted) / total
-                lse[b, h, i] = top + math.log(total)
-    return o, lse
 
 
 def assert_allclose_with_inf(actual, expected, rtol, atol):
@@ -55,25 +32,11 @@ def assert_allclose_with_inf(actual, expected, rtol, atol):
 def test_forward_matches_brute_force(case):
     q, k, v, _ = make_inputs(case)
     o, lse = reference.attention(q, k, v, softmax_scale=case.softmax_scale, causal=case.causal)
-    o_bf, lse_bf = brute_force_attention(q, k, v, case.scale, case.causal)
+    o_bf, lse_bf = brute_force_attention(q, k, v, case)
     assert o.dtype == lse.dtype == np.float64
     assert o.shape == q.shape and lse.shape == (case.batch, case.nheads, case.seqlen_q)
     np.testing.assert_allclose(o, o_bf, rtol=1e-12, atol=1e-12)
     assert_allclose_with_inf(lse, lse_bf, rtol=1e-12, atol=1e-12)
-
-
-def numerical_gradient(loss, x, step=1e-6):
-    """Central differences of loss() with respect to every entry of x (perturbed in place)."""
-    grad = np.zeros_like(x)
-    for idx in np.ndindex(*x.shape):
-        saved = x[idx]
-        x[idx] = saved + step
-        up = loss()
-        x[idx] = saved - step
-        down = loss()
-        x[idx] = saved
-        grad[idx] = (up - down) / (2 * step)
-    return grad
 
 
 @given(tiny_case)

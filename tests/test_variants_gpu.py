@@ -13,10 +13,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cupyflash import reference
-from kernel_paths import MMA_SYNC_BWD, run_path
+from kernel_paths import MMA_SYNC_BWD, check_against_reference, run_path
 from strategies import attention_case, make_inputs
-from tolerance import SIXTEEN_BIT, assert_close, max_abs, output_rounding_allowance, references_and_baselines
+from tolerance import SIXTEEN_BIT
 from variants import variant_kwargs
 from windows import window_size
 
@@ -28,33 +27,6 @@ SMALL_COST = 4e6
 def _mma_case(max_cost=GPU_MAX_COST, **kw):
     return attention_case(max_cost=max_cost, **kw).filter(
         lambda c: c.dtype not in SIXTEEN_BIT or (c.headdim % 8 == 0 and c.headdim <= 256))
-
-
-def _check(case, window, variant, q, k, v, do, o, lse, grads, dsink=None):
-    kwargs = dict(softmax_scale=case.softmax_scale, causal=case.causal, window_size=window, **variant)
-    (o_ref, lse_ref, grads_ref), (o_std, lse_std, grads_std) = references_and_baselines(
-        do, q, k, v, dtype=case.dtype, **kwargs)
-    dsink_ref = grads_ref[3] if len(grads_ref) == 4 else None
-    grads_ref, grads_std = grads_ref[:3], grads_std[:3]
-    for name, x in zip(("o", "dq", "dk", "dv"), (o, *grads)):
-        assert np.isfinite(x.astype(np.float64)).all(), f"{name}: NaN or inf (an unwritten or poisoned entry)"
-    assert (np.isneginf(lse) == np.isneginf(lse_ref)).all(), "lse = -inf exactly where the reference's is"
-    hidden_rows = ~reference.visible_keys(case.seqlen_q, case.seqlen_k, case.causal, window).any(axis=1)
-    assert (o[:, hidden_rows] == 0).all() and (grads[0][:, hidden_rows] == 0).all(), "rows that see no key"
-    assert_close("o", o, o_ref, o_std, dtype=case.dtype)
-    assert_close("lse", lse, lse_ref, lse_std, dtype=case.dtype)
-    grad_scale = max(max_abs(g) for g in grads_ref)
-    allowances = output_rounding_allowance(do, q, k, v, o, o_ref, **kwargs)
-    for name, grad, ref, std, atol in zip(("dq", "dk", "dv"), grads, grads_ref, grads_std, allowances):
-        assert_close(name, grad, ref, std, dtype=case.dtype, factor=3.0, scale=grad_scale, atol=atol)
-    if dsink is not None:
-        # dsink sums D over the rows: D's error is that of o, e_i = do_i . (o_i - o_ref_i).
-        p_sink = np.exp(variant["sink"].astype(np.float64)[None, :, None] - lse_ref)
-        e = np.moveaxis(np.sum(do.astype(np.float64) * (o.astype(np.float64) - o_ref), axis=-1), 1, 2)
-        atol = float(np.abs(p_sink * e).sum(axis=(0, 2)).max())
-        floor = 1e-5 * (1 + float(np.abs(dsink_ref).max()) + float(np.abs(p_sink).sum(axis=(0, 2)).max()))
-        err = float(np.abs(dsink.astype(np.float64) - dsink_ref).max())
-        assert err <= 3 * atol + floor, f"dsink: error {err:.3e} > 3 x {atol:.3e} + {floor:.3e}"
 
 
 @st.composite
@@ -69,7 +41,7 @@ def test_variant_matches_reference(problem, deterministic):
     case, window, variant = problem
     q, k, v, do = make_inputs(case)
     o, lse, *grads = run_path(case, window, q, k, v, do, deterministic, variant=variant)
-    _check(case, window, variant, q, k, v, do, o, lse, grads)
+    check_against_reference(case, window, q, k, v, do, o, lse, grads, variant)
 
 
 @given(_problem(SMALL_COST, dtypes=tuple(SIXTEEN_BIT)), st.sampled_from(MMA_SYNC_BWD))
@@ -78,7 +50,7 @@ def test_mma_sync_kernels_with_variant_match_reference(problem, path):
     case, window, variant = problem
     q, k, v, do = make_inputs(case)
     o, lse, *grads = run_path(case, window, q, k, v, do, mma_sync=path, variant=variant)
-    _check(case, window, variant, q, k, v, do, o, lse, grads)
+    check_against_reference(case, window, q, k, v, do, o, lse, grads, variant)
 
 
 @given(_problem(dtypes=tuple(SIXTEEN_BIT)), st.booleans())
@@ -110,8 +82,8 @@ def test_public_api_with_variant_matches_reference(problem, deterministic):
     out = cupyflash.flash_attn_backward(cupy.asarray(do), *arrays, o, lse, deterministic=deterministic, **kwargs,
                                         **device_variant)
     assert len(out) == (4 if "sink" in variant else 3)
-    _check(case, window, variant, q, k, v, do, o.get(), lse.get(), [g.get() for g in out[:3]],
-           dsink=out[3].get() if len(out) == 4 else None)
+    check_against_reference(case, window, q, k, v, do, o.get(), lse.get(), [g.get() for g in out[:3]], variant,
+                            dsink=out[3].get() if len(out) == 4 else None)
 
 
 @pytest.mark.parametrize("mma_sync", [None, *MMA_SYNC_BWD])
@@ -137,7 +109,7 @@ def test_long_sequence_with_variant_matches_reference(variant, causal, headdim, 
     if "sink" in variant:
         kwargs["sink"] = (rng.standard_normal(4) * 3).astype(np.float32)
     o, lse, *grads = run_path(case, (-1, -1), q, k, v, do, mma_sync=mma_sync, variant=kwargs)
-    _check(case, (-1, -1), kwargs, q, k, v, do, o, lse, grads)
+    check_against_reference(case, (-1, -1), q, k, v, do, o, lse, grads, kwargs)
 
 
 def test_plain_scores_after_variants_are_unchanged():
