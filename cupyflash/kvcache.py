@@ -25,7 +25,8 @@ from . import _arrays as A
 from . import api, dispatch
 from ._dtypes import lse_dtype
 from .masks import check_window
-from .varlen import device_arrays, check_count, check_softcap, dense_forward, host_int32
+from .scores import check_variant
+from .varlen import device_arrays, check_count, check_softcap, dense_forward, host_int32, sequence_variant
 
 __all__ = ["flash_attn_with_kvcache"]
 
@@ -253,7 +254,8 @@ def _batch_keys(cache, layout: CacheLayout, length: int):
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, cache_batch_idx=None,
                             block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                            num_splits=0, return_softmax_lse=False, return_lse=False, backend="auto"):
+                            alibi_slopes=None, sink=None, num_splits=0, return_softmax_lse=False, return_lse=False,
+                            backend="auto"):
     """Append k, v to the caches in place at each sequence's cache_seqlens, then attend q over
     each sequence's cache_seqlens[b] + seqlen_new keys (flash-attn 2.8's flash_attn_with_kvcache).
 
@@ -273,8 +275,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     Every check runs before the caches are written: shapes, dtypes, index dtypes and ranges,
     block_table entries within the cache (those the call uses), room for the append, no two
     appended tokens on one slot, none over a cached token. ``num_splits`` (0: heuristic) is
-    accepted and not used yet; ``softcap`` only 0. Interim implementation (see the module
-    docstring): a dense call per sequence, pages gathered first.
+    accepted and not used yet. ``softcap``, ``alibi_slopes`` ((nheads,) or (batch, nheads)
+    float32) and ``sink`` ((nheads,) float32) are flash_attn_func's, the ALiBi distance taken
+    from the end-aligned diagonal. Interim implementation (see the module docstring): a dense call
+    per sequence, pages gathered first.
     """
     backend = A.check_backend(backend)
     causal = A.check_flag(causal, "causal")
@@ -295,6 +299,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     k, v = arrays.get("k"), arrays.get("v")
     _check_shapes(q, k_cache, v_cache)
     batch, seqlen_q, nheads, headdim = q.shape
+    variant = check_variant(softcap, alibi_slopes, sink, batch, nheads)
     new_tokens = _check_new_kv(k, v, q.shape, k_cache.shape)
     appending = k is not None
     layout = _check_layout(q.shape, k_cache.shape, new_tokens, appending, cache_seqlens, cache_batch_idx,
@@ -320,7 +325,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
 
     if appending and batch * new_tokens:
         _append(k_cache, v_cache, k, v, layout)
-    return _attend(which, on_gpu, host_out, q, k_cache, v_cache, layout, scale, causal, window, want_lse)
+    return _attend(which, on_gpu, host_out, q, k_cache, v_cache, layout, scale, causal, window, want_lse, variant)
 
 
 def _append(k_cache, v_cache, k, v, layout: CacheLayout) -> None:
@@ -334,14 +339,16 @@ def _append(k_cache, v_cache, k, v, layout: CacheLayout) -> None:
         cache[xp.asarray(pages), xp.asarray(slots)] = values
 
 
-def _attend(which, on_gpu, host_out, q, k_cache, v_cache, layout: CacheLayout, scale, causal, window, want_lse):
+def _attend(which, on_gpu, host_out, q, k_cache, v_cache, layout: CacheLayout, scale, causal, window, want_lse,
+            variant):
     batch, seqlen_q, nheads, _ = q.shape
     convert = A.to_cupy if on_gpu else A.to_numpy
     q = A.last_dim_contiguous(convert(q, "q"))
+    variant = variant.to(np if which == "numpy" else A._cupy())
 
-    def compute(q_part, keys, values):
+    def compute(q_part, keys, values, part_variant):
         keys, values = (A.last_dim_contiguous(convert(x, "k_cache")) for x in (keys, values))
-        return dense_forward(which, q_part, keys, values, scale, causal, window)
+        return dense_forward(which, q_part, keys, values, scale, causal, window, part_variant)
 
     lengths = layout.lengths
     same_length = batch > 0 and bool((lengths == lengths[0]).all())
@@ -349,7 +356,7 @@ def _attend(which, on_gpu, host_out, q, k_cache, v_cache, layout: CacheLayout, s
     if batch_keys is not None:
         # One call for the whole batch: every sequence has the same keys' length and one view or
         # one gather holds them all.
-        o, lse = compute(q, batch_keys, _batch_keys(v_cache, layout, int(lengths[0])))
+        o, lse = compute(q, batch_keys, _batch_keys(v_cache, layout, int(lengths[0])), variant)
     else:
         xp = np if which == "numpy" else A._cupy()
         o = api._empty(q.shape, q.dtype, xp=xp)
@@ -357,7 +364,7 @@ def _attend(which, on_gpu, host_out, q, k_cache, v_cache, layout: CacheLayout, s
         for b in range(batch):
             length = int(lengths[b])
             o_b, lse_b = compute(q[b:b + 1], _sequence_keys(k_cache, layout, b, length),
-                                 _sequence_keys(v_cache, layout, b, length))
+                                 _sequence_keys(v_cache, layout, b, length), sequence_variant(variant, b))
             o[b], lse[b] = o_b[0], lse_b[0]
     o, lse = api._to_device((o, lse)) if which == "numpy" and not host_out else api._to_host((o, lse), host_out)
     return (o, lse) if want_lse else o

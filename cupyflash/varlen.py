@@ -22,7 +22,7 @@ import numpy as np
 
 from . import _arrays as A
 from . import api, dispatch
-from .scores import NO_VARIANT
+from .scores import NO_VARIANT, check_variant, sink_grad
 from ._dtypes import lse_dtype
 from .masks import check_window
 
@@ -32,12 +32,10 @@ __all__ = ["flash_attn_varlen_func", "flash_attn_varlen_backward", "flash_attn_v
 # --- argument checks (everything here runs before any launch) -----------------------------------
 
 def check_softcap(softcap) -> None:
-    """softcap is accepted for flash-attn's signature; only 0 (off) is computed so far."""
+    """softcap's type, checked with the other options before any array is looked at (its value is
+    checked by scores.check_variant with the arrays)."""
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
         raise TypeError(f"softcap must be a real number; got {type(softcap).__name__}")
-    if softcap != 0:
-        raise NotImplementedError(f"softcap={softcap}: cupyflash does not compute soft-capped scores yet "
-                                  "(pass softcap=0.0)")
 
 
 def check_count(value, name: str) -> int:
@@ -122,27 +120,33 @@ def device_arrays(**arrays) -> dict:
 
 # --- one sequence through the dense API's compute paths -------------------------------------------
 
-def dense_forward(which: str, q, k, v, scale: float, causal: bool, window) -> tuple:
+def dense_forward(which: str, q, k, v, scale: float, causal: bool, window, variant=NO_VARIANT) -> tuple:
     """(o, lse) of (batch, seqlen, heads, headdim) arrays already on the compute side, through the
-    dense API's paths (its chunks over batch and heads included); zeros and -inf where nothing
-    is to be computed."""
+    dense API's paths (its chunks over batch and heads included); zeros and -inf (the sink, with
+    one) where nothing is to be computed. ``variant``: a scores.Variant of this batch, its arrays
+    on the compute side."""
     batch, seqlen_q, nheads, _ = q.shape
     xp = np if which == "numpy" else A._cupy()
     if batch * seqlen_q * nheads * k.shape[1] == 0:
-        return xp.zeros(q.shape, q.dtype), xp.full((batch, nheads, seqlen_q), -np.inf, lse_dtype(q.dtype))
+        lse = xp.full((batch, nheads, seqlen_q), -np.inf, lse_dtype(q.dtype))
+        if variant.sink is not None:
+            lse[...] = variant.sink.astype(lse.dtype)[None, :, None]
+        return xp.zeros(q.shape, q.dtype), lse
     if which == "numpy":
         from . import numpy_backend
 
         return api._forward_in_chunks(
             lambda q, k, v, variant: numpy_backend.forward(q, k, v, softmax_scale=scale, causal=causal,
-                                                           window_size=window),
-            q, k, v, NO_VARIANT)
+                                                           window_size=window, variant=variant),
+            q, k, v, variant)
     return api._forward_in_chunks(lambda q, k, v, variant: api._forward_gpu(which, q, k, v, scale, causal, window,
-                                                                            variant), q, k, v, NO_VARIANT)
+                                                                            variant), q, k, v, variant)
 
 
-def dense_backward(which: str, do, q, k, v, o, lse, scale: float, causal: bool, window, deterministic: bool):
-    """(dq, dk, dv) of the dense API's backward paths; zeros where nothing is to be computed."""
+def dense_backward(which: str, do, q, k, v, o, lse, scale: float, causal: bool, window, deterministic: bool,
+                   variant=NO_VARIANT):
+    """(dq, dk, dv) of the dense API's backward paths; zeros where nothing is to be computed (dsink
+    is the caller's: scores.sink_grad over all its rows)."""
     xp = np if which == "numpy" else A._cupy()
     if q.shape[0] * q.shape[1] * q.shape[2] * k.shape[1] == 0:
         return tuple(xp.zeros(x.shape, x.dtype) for x in (q, k, v))
@@ -150,11 +154,17 @@ def dense_backward(which: str, do, q, k, v, o, lse, scale: float, causal: bool, 
         from . import numpy_backend
 
         return api._backward_in_chunks(
-            lambda *chunk: numpy_backend.backward(*chunk[:6], softmax_scale=scale, causal=causal, window_size=window),
-            do, q, k, v, o, lse, NO_VARIANT)
+            lambda *chunk: numpy_backend.backward(*chunk[:6], softmax_scale=scale, causal=causal, window_size=window,
+                                                  variant=chunk[6]),
+            do, q, k, v, o, lse, variant)
     return api._backward_in_chunks(
         lambda *chunk: api._backward_gpu(which, *chunk, scale, causal, window, deterministic), do, q, k, v, o, lse,
-        NO_VARIANT)
+        variant)
+
+
+def sequence_variant(variant, b: int):
+    """The variant of sequence ``b`` as a batch of one (its row of (batch, nheads) ALiBi slopes)."""
+    return variant.sliced(slice(b, b + 1), slice(None))
 
 
 def _finish(results, which: str, host_out: bool):
@@ -166,7 +176,7 @@ def _finish(results, which: str, host_out: bool):
 
 def _check_options(backend, causal, window_size, flag, flag_name, softcap):
     """The options both directions take, checked in this order: (backend, causal, window, the
-    bool ``flag_name``, on_gpu); softcap must be 0."""
+    bool ``flag_name``, on_gpu); softcap's type (its value with the arrays: scores.check_variant)."""
     backend = A.check_backend(backend)
     causal = A.check_flag(causal, "causal")
     window = check_window(window_size)
@@ -176,7 +186,8 @@ def _check_options(backend, causal, window_size, flag, flag_name, softcap):
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, softmax_scale=None,
-                           causal=False, window_size=(-1, -1), softcap=0.0, return_lse=False, backend="auto"):
+                           causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sink=None,
+                           return_lse=False, backend="auto"):
     """Exact attention over a packed batch of sequences of different lengths (flash-attn 2.8's
     flash_attn_varlen_func).
 
@@ -186,12 +197,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     and keys cu_seqlens_k[b] .. cu_seqlens_k[b + 1] - 1, and no sequence is longer than
     max_seqlen_q / max_seqlen_k. Empty sequences are allowed (no query: nothing; no key: o = 0,
     lse = -inf). ``causal`` and ``window_size`` are flash_attn_func's, applied per sequence with
-    its own bottom-right alignment. Returns o (like q), or (o, lse) with lse (nheads, total_q),
-    float32 (float64 for float64).
+    its own bottom-right alignment, as are ``softcap``, ``alibi_slopes`` ((nheads,) or (batch,
+    nheads) float32: row b for sequence b) and ``sink`` ((nheads,) float32). Returns o (like q),
+    or (o, lse) with lse (nheads, total_q), float32 (float64 for float64).
 
     Interim implementation: one dense launch per non-empty sequence on views of the packed
     arrays (no padding is computed, but launches grow with the batch), after reading cu_seqlens
-    to the host (one synchronisation for device arrays). softcap: only 0.0.
+    to the host (one synchronisation for device arrays).
     """
     backend, causal, window, return_lse, on_gpu = _check_options(backend, causal, window_size, return_lse,
                                                                  "return_lse", softcap)
@@ -199,6 +211,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     dtype = A.check_dtype(arrays)
     total_q, total_k, nheads, _, headdim = check_packed_shapes(*arrays.values())
     cu_q, cu_k = check_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, total_k)
+    variant = check_variant(softcap, alibi_slopes, sink, len(cu_q) - 1, nheads)
     scale = A.resolve_scale(softmax_scale, headdim)
     A.same_device({**arrays, **device_arrays(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)})
     which = dispatch.choose(backend, dtype, headdim, "fwd")
@@ -207,12 +220,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     q, k, v = api._move(arrays, on_gpu).values()
 
     xp = np if which == "numpy" else A._cupy()
+    variant = variant.to(xp)
     o = api._empty(q.shape, dtype, xp=xp)
     lse = api._empty((nheads, total_q), lse_dtype(dtype), xp=xp)
-    for q0, q1, k0, k1 in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()):
+    for b, (q0, q1, k0, k1) in enumerate(zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(),
+                                             cu_k[1:].tolist())):
         if q1 == q0:
             continue
-        o_b, lse_b = dense_forward(which, q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], scale, causal, window)
+        o_b, lse_b = dense_forward(which, q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], scale, causal, window,
+                                   sequence_variant(variant, b))
         o[q0:q1] = o_b[0]
         lse[:, q0:q1] = lse_b[0]
     o, lse = _finish((o, lse), which, host_out)
@@ -235,9 +251,10 @@ def check_varlen_backward_arrays(do, o, lse, q_shape, dtype) -> None:
 
 
 def flash_attn_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                               softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, backend="auto",
-                               deterministic=True):
-    """Gradients (dq, dk, dv) of flash_attn_varlen_func from its o and lse (nheads, total_q).
+                               softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                               sink=None, backend="auto", deterministic=True):
+    """Gradients (dq, dk, dv) of flash_attn_varlen_func from its o and lse (nheads, total_q); with a
+    ``sink``, (dq, dk, dv, dsink), dsink summed over every sequence's rows.
 
     dq is shaped like q, dk and dv like k and v; for GQA they sum over the query heads sharing a
     kv head. Keys of a sequence without queries, and queries of a sequence without keys, get zero
@@ -251,6 +268,7 @@ def flash_attn_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, 
     total_q, total_k, nheads, _, headdim = check_packed_shapes(arrays["q"], arrays["k"], arrays["v"])
     check_varlen_backward_arrays(arrays["do"], arrays["o"], arrays["lse"], arrays["q"].shape, dtype)
     cu_q, cu_k = check_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, total_k)
+    variant = check_variant(softcap, alibi_slopes, sink, len(cu_q) - 1, nheads)
     scale = A.resolve_scale(softmax_scale, headdim)
     A.same_device({**arrays, **device_arrays(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)})
     which = dispatch.choose(backend, dtype, headdim, "bwd")
@@ -259,19 +277,25 @@ def flash_attn_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, 
     do, q, k, v, o, lse = api._move(arrays, on_gpu).values()
 
     xp = np if which == "numpy" else A._cupy()
+    variant = variant.to(xp)
     dq, dk, dv = (api._empty(x.shape, dtype, xp=xp) for x in (q, k, v))
-    for q0, q1, k0, k1 in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()):
+    for b, (q0, q1, k0, k1) in enumerate(zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(),
+                                             cu_k[1:].tolist())):
         queries, keys = slice(q0, q1), slice(k0, k1)
         dq_b, dk_b, dv_b = dense_backward(which, do[None, queries], q[None, queries], k[None, keys], v[None, keys],
-                                          o[None, queries], lse[None, :, queries], scale, causal, window, deterministic)
+                                          o[None, queries], lse[None, :, queries], scale, causal, window, deterministic,
+                                          sequence_variant(variant, b))
         dq[queries], dk[keys], dv[keys] = dq_b[0], dk_b[0], dv_b[0]
-    return _finish((dq, dk, dv), which, host_out)
+    grads = (dq, dk, dv)
+    if variant.sink is not None:  # every row of the packed batch at once: D and lse per row
+        grads += (sink_grad(variant.sink, do[None], o[None], lse[None], xp=xp),)
+    return _finish(grads, which, host_out)
 
 
 def flash_attn_varlen_vjp(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **options):
     """(o, vjp) with vjp(do) -> (dq, dk, dv) for a packed batch: flash_attn_varlen_func and its
     backward without a framework. ``options`` are flash_attn_varlen_func's (softmax_scale, causal,
-    window_size, softcap, backend); ``deterministic`` goes to the backward."""
+    window_size, softcap, alibi_slopes, sink, backend); ``deterministic`` goes to the backward."""
     deterministic = options.pop("deterministic", True)
     if "return_lse" in options:
         raise TypeError("flash_attn_varlen_vjp does not take return_lse (the lse is kept for the backward)")

@@ -315,7 +315,8 @@ ERRORS = [
     ("read-only cache", rejected(k_cache=read_only), ValueError, "k_cache is read-only"),
     ("num_splits negative", rejected(num_splits=-1), ValueError, "num_splits must be >= 0"),
     ("num_splits float", rejected(num_splits=2.0), TypeError, "num_splits must be an int"),
-    ("softcap", rejected(softcap=50.0), NotImplementedError, "softcap=50.0"),
+    ("softcap", rejected(softcap=-50.0), ValueError, "softcap must be a finite float >= 0"),
+    ("sink shape", rejected(sink=np.ones(3, np.float32)), ValueError, "sink must have shape"),
     ("causal", rejected(causal=None), TypeError, "causal must be a bool"),
     ("return_softmax_lse", rejected(return_softmax_lse="yes"), TypeError, "return_softmax_lse must be a bool"),
     ("window", rejected(window_size=(1,)), ValueError, "window_size must be a pair"),
@@ -372,3 +373,25 @@ def test_strategy_draws_the_edges_of_each_page_size(page_size, edge):
 def test_strategy_rejects_bad_bounds(bad, match):
     with pytest.raises(ValueError, match=match):
         kvcache_problems(**bad)
+
+
+def test_variants_over_a_ragged_cache():
+    """softcap, per-sequence ALiBi slopes and a sink over cached + appended keys of different
+    lengths, against the dense float64 reference of each sequence (keys from reference's
+    kvcache_sequences)."""
+    rng = np.random.default_rng(3)
+    batch, h, hkv, d, capacity = 3, 4, 2, 8, 16
+    q = rng.standard_normal((batch, 2, h, d))
+    k_cache, v_cache = (rng.standard_normal((batch, capacity, hkv, d)) for _ in range(2))
+    k, v = (rng.standard_normal((batch, 2, hkv, d)) for _ in range(2))
+    lengths = np.array([5, 0, 9], np.int32)
+    variant = dict(softcap=6.0, alibi_slopes=rng.uniform(0, 1, (batch, h)).astype(np.float32),
+                   sink=rng.standard_normal(h).astype(np.float32))
+    sequences = reference.kvcache_sequences(batch, k_cache, v_cache, k, v, cache_seqlens=lengths)
+    o, lse = cupyflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, causal=True,
+                                               return_lse=True, backend="numpy", **variant)
+    for b, (keys, values) in enumerate(sequences):
+        o_ref, lse_ref = reference.attention(q[b:b + 1], keys[None], values[None], causal=True, softcap=6.0,
+                                             alibi_slopes=variant["alibi_slopes"][b], sink=variant["sink"])
+        np.testing.assert_allclose(o[b], o_ref[0], atol=1e-12)
+        np.testing.assert_allclose(lse[b], lse_ref[0], atol=1e-12)

@@ -223,7 +223,9 @@ FORWARD_ERRORS = [
     ("int q", call_forward(q=lambda x: x.astype(np.int32)), TypeError, "q has dtype int32"),
     ("causal not bool", call_forward(causal=1), TypeError, "causal must be a bool"),
     ("bad window", call_forward(window_size=(-2, 0)), ValueError, "window_size must be a pair"),
-    ("softcap", call_forward(softcap=30.0), NotImplementedError, "softcap=30.0: cupyflash does not compute"),
+    ("softcap negative", call_forward(softcap=-1.0), ValueError, "softcap must be a finite float >= 0"),
+    ("slopes shape", call_forward(alibi_slopes=np.ones(5, np.float32)), ValueError, "alibi_slopes must have shape"),
+    ("sink dtype", call_forward(sink=np.ones(2, np.float64)), TypeError, "sink must be float32"),
     ("softcap string", call_forward(softcap="0"), TypeError, "softcap must be a real number"),
     ("scale nan", call_forward(softmax_scale=np.nan), ValueError, "softmax_scale must be finite"),
 ]
@@ -303,3 +305,36 @@ def test_strategy_draws_the_edges(edge):
 def test_strategy_rejects_bad_bounds(bad, match):
     with pytest.raises(ValueError, match=match):
         varlen_problems(**bad)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_variants_apply_per_sequence(causal):
+    """softcap, ALiBi slopes per sequence ((batch, nheads): row b for sequence b) and a sink, in
+    the forward and the backward (dsink summed over every sequence), against the dense float64
+    reference of each sequence."""
+    rng = np.random.default_rng(7)
+    seqlens_q, seqlens_k, h, hkv, d = (3, 0, 5, 2), (4, 2, 6, 0), 4, 2, 8
+    cu_q = np.concatenate([[0], np.cumsum(seqlens_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(seqlens_k)]).astype(np.int32)
+    q = rng.standard_normal((cu_q[-1], h, d))
+    k, v = (rng.standard_normal((cu_k[-1], hkv, d)) for _ in range(2))
+    do = rng.standard_normal(q.shape)
+    variant = dict(softcap=4.0, alibi_slopes=rng.uniform(0, 1, (4, h)).astype(np.float32),
+                   sink=rng.standard_normal(h).astype(np.float32))
+    sequences = (cu_q, cu_k, max(seqlens_q), max(seqlens_k))
+    o, lse = cupyflash.flash_attn_varlen_func(q, k, v, *sequences, causal=causal, return_lse=True,
+                                              backend="numpy", **variant)
+    dq, dk, dv, dsink = cupyflash.flash_attn_varlen_backward(do, q, k, v, o, lse, *sequences, causal=causal,
+                                                             backend="numpy", **variant)
+    dsink_ref = np.zeros(h)
+    for b in range(4):
+        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        kw = dict(causal=causal, softcap=4.0, alibi_slopes=variant["alibi_slopes"][b], sink=variant["sink"])
+        o_ref, lse_ref = reference.attention(q[None, qs], k[None, ks], v[None, ks], **kw)
+        np.testing.assert_allclose(o[qs], o_ref[0], atol=1e-12)
+        np.testing.assert_allclose(lse[:, qs], lse_ref[0], atol=1e-12)
+        grads = reference.attention_backward(do[None, qs], q[None, qs], k[None, ks], v[None, ks], **kw)
+        for got, want in zip((dq[qs], dk[ks], dv[ks]), grads[:3]):
+            np.testing.assert_allclose(got, want[0], atol=1e-10)
+        dsink_ref += grads[3]
+    np.testing.assert_allclose(dsink, dsink_ref, rtol=1e-5, atol=1e-6)  # dsink is float32
