@@ -228,13 +228,15 @@ _forward_op.register_autograd(_backward_formula, setup_context=_setup_context)
 @torch.library.custom_op("cupyflash::flash_attn_varlen_forward", mutates_args=())
 def _varlen_forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                        cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
-                       causal: bool, window_left: int, window_right: int,
-                       deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                       causal: bool, window_left: int, window_right: int, deterministic: bool,
+                       softcap: float = 0.0,
+                       alibi_slopes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse) of cupyflash.flash_attn_varlen_func; lse is (nheads, total_q)."""
     def compute(q, k, v, cu_q, cu_k, backend):
         return varlen.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k,
                                              softmax_scale=softmax_scale, causal=causal,
-                                             window_size=(window_left, window_right), return_lse=True,
+                                             window_size=(window_left, window_right), softcap=softcap,
+                                             **_variant_arrays(alibi_slopes, None), return_lse=True,
                                              backend=backend)
 
     return _run(q.device, compute, q, k, v, cu_seqlens_q, cu_seqlens_k)
@@ -242,7 +244,7 @@ def _varlen_forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
 
 @_varlen_forward_op.register_fake
 def _varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                         window_left, window_right, deterministic):
+                         window_left, window_right, deterministic, softcap=0.0, alibi_slopes=None):
     total_q, nheads, _ = q.shape
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             q.new_empty((nheads, total_q), dtype=_lse_dtype(q.dtype)))
@@ -252,12 +254,14 @@ def _varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
 def _varlen_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                         lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
                         max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int,
-                        window_right: int, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        window_right: int, deterministic: bool, softcap: float = 0.0,
+                        alibi_slopes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of cupyflash.flash_attn_varlen_backward."""
     def compute(do, q, k, v, o, lse, cu_q, cu_k, backend):
         return varlen.flash_attn_varlen_backward(do, q, k, v, o, lse, cu_q, cu_k, max_seqlen_q, max_seqlen_k,
                                                  softmax_scale=softmax_scale, causal=causal,
-                                                 window_size=(window_left, window_right), backend=backend,
+                                                 window_size=(window_left, window_right), softcap=softcap,
+                                                 **_variant_arrays(alibi_slopes, None), backend=backend,
                                                  deterministic=deterministic)
 
     return _run(q.device, compute, do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
@@ -265,15 +269,17 @@ def _varlen_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
 
 @_varlen_backward_op.register_fake
 def _varlen_backward_fake(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                          softmax_scale, causal, window_left, window_right, deterministic):
+                          softmax_scale, causal, window_left, window_right, deterministic, softcap=0.0,
+                          alibi_slopes=None):
     return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
 
 
 def _varlen_setup_context(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window_left, window_right, deterministic = inputs
+    (q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window_left, window_right, deterministic, softcap,
+     alibi_slopes) = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
-    ctx.options = (max_q, max_k, softmax_scale, causal, window_left, window_right, deterministic)
+    ctx.options = (max_q, max_k, softmax_scale, causal, window_left, window_right, deterministic, softcap, alibi_slopes)
     ctx.set_materialize_grads(False)
 
 
@@ -284,11 +290,14 @@ def _varlen_backward_formula(ctx, do, dlse):
         do = torch.zeros_like(o)
     dq, dk, dv = _varlen_backward_op(do, q, k, v, o, lse, cu_q, cu_k, *ctx.options)
     if dlse is not None:  # as for the dense operator, sequence by sequence (P is block diagonal)
+        if ctx.options[7]:
+            raise NotImplementedError("cupyflash.torch: a gradient through softmax_lse with softcap != 0 is not "
+                                      "supported yet")
         dq, dk = _add_lse_gradient(dq, dk, q, k, dlse.transpose(0, 1).unsqueeze(-1), scale,
                                    lambda: _varlen_forward_op(q, k, k, cu_q, cu_k, *ctx.options)[0],
                                    lambda do_q: _varlen_backward_op(do_q, q, k, v, o, lse, cu_q, cu_k,
                                                                     *ctx.options)[2])
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
 
 
 _varlen_forward_op.register_autograd(_varlen_backward_formula, setup_context=_varlen_setup_context)
@@ -300,7 +309,8 @@ _varlen_forward_op.register_autograd(_varlen_backward_formula, setup_context=_va
 def _kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor | None,
                 v: torch.Tensor | None, cache_seqlens: torch.Tensor | None, cache_batch_idx: torch.Tensor | None,
                 block_table: torch.Tensor | None, softmax_scale: float, causal: bool, window_left: int,
-                window_right: int) -> tuple[torch.Tensor, torch.Tensor]:
+                window_right: int, softcap: float = 0.0,
+                alibi_slopes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse) of cupyflash.flash_attn_with_kvcache; k, v (when given) are appended to the caches
     in place, which DLPack (CUDA) and NumPy's views (CPU) share with the tensors."""
     named = {"k": k, "v": v, "cache_seqlens": cache_seqlens, "cache_batch_idx": cache_batch_idx,
@@ -311,7 +321,8 @@ def _kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k
         options = dict(zip(present, given))
         return kvcache.flash_attn_with_kvcache(q, k_cache, v_cache, options.pop("k", None), options.pop("v", None),
                                                softmax_scale=softmax_scale, causal=causal,
-                                               window_size=(window_left, window_right), return_lse=True,
+                                               window_size=(window_left, window_right), softcap=softcap,
+                                               **_variant_arrays(alibi_slopes, None), return_lse=True,
                                                backend=backend, **options)
 
     return _run(q.device, compute, q, k_cache, v_cache, *(named[name] for name in present))
@@ -319,7 +330,7 @@ def _kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k
 
 @_kvcache_op.register_fake
 def _kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal,
-                  window_left, window_right):
+                  window_left, window_right, softcap=0.0, alibi_slopes=None):
     batch, seqlen_q, nheads, _ = q.shape
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             q.new_empty((batch, nheads, seqlen_q), dtype=_lse_dtype(q.dtype)))
@@ -398,6 +409,16 @@ def _unsupported(**options) -> None:
         raise NotImplementedError(f"cupyflash.torch does not support {', '.join(named)} yet")
 
 
+def _check_variant_tensors(q, softcap, alibi_slopes, sink) -> None:
+    """softcap a Python number; alibi_slopes and sink tensors on q's device (their shapes and
+    dtypes are cupyflash's checks, scores.check_variant)."""
+    if isinstance(softcap, torch.Tensor):
+        raise TypeError("softcap must be a Python number, not a tensor")
+    for name, t in (("alibi_slopes", alibi_slopes), ("sink", sink)):
+        if t is not None and (not isinstance(t, torch.Tensor) or t.device != q.device):
+            raise TypeError(f"{name} must be a tensor on q's device ({q.device})")
+
+
 def _scale(softmax_scale, headdim: int) -> float:
     if softmax_scale is None:
         return 1.0 / math.sqrt(headdim)
@@ -430,11 +451,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     _check_tensors(q, k, v)
     scale = _scale(softmax_scale, q.shape[3])
     window_left, window_right = check_window(window_size)
-    if isinstance(softcap, torch.Tensor):
-        raise TypeError("softcap must be a Python number, not a tensor")
-    for name, t in (("alibi_slopes", alibi_slopes), ("sink", sink)):
-        if t is not None and (not isinstance(t, torch.Tensor) or t.device != q.device):
-            raise TypeError(f"{name} must be a tensor on q's device ({q.device})")
+    _check_variant_tensors(q, softcap, alibi_slopes, sink)
     o, lse = _forward_op(q, k, v, scale, bool(causal), window_left, window_right, bool(deterministic),
                          float(softcap), alibi_slopes, sink)
     if not return_attn_probs:
@@ -454,12 +471,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     and window; empty sequences are allowed. Differentiable in q, k, v (and through the lse).
 
     Returns out (like q), or with ``return_attn_probs`` (out, softmax_lse, S_dmask): softmax_lse
-    (nheads, total_q), float32 (float64 for float64); S_dmask an empty tensor. Not supported yet,
-    each a NotImplementedError: dropout_p != 0, softcap != 0, alibi_slopes, block_table (paged
-    varlen). cupyflash.flash_attn_varlen_func's notes on its interim implementation apply.
+    (nheads, total_q), float32 (float64 for float64); S_dmask an empty tensor. ``softcap`` and
+    ``alibi_slopes`` ((nheads,) or (batch, nheads) float32, row b for sequence b; not
+    differentiated) are cupyflash.flash_attn_varlen_func's. Not supported yet, each a
+    NotImplementedError: dropout_p != 0, block_table (paged varlen), a gradient through
+    softmax_lse with softcap != 0. cupyflash.flash_attn_varlen_func's notes on its interim
+    implementation apply.
     """
-    _unsupported(dropout_p=dropout_p != 0, softcap=softcap != 0, alibi_slopes=alibi_slopes is not None,
-                 block_table=block_table is not None)
+    _unsupported(dropout_p=dropout_p != 0, block_table=block_table is not None)
+    _check_variant_tensors(q, softcap, alibi_slopes, None)
     _check_tensors(q, k, v, _PACKED)
     cu_q = _index_tensor(cu_seqlens_q, "cu_seqlens_q", q.device, optional=False)
     cu_k = _index_tensor(cu_seqlens_k, "cu_seqlens_k", q.device, optional=False)
@@ -467,7 +487,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     scale = _scale(softmax_scale, q.shape[2])
     window_left, window_right = check_window(window_size)
     o, lse = _varlen_forward_op(q, k, v, cu_q, cu_k, max_q, max_k, scale, bool(causal), window_left, window_right,
-                                bool(deterministic))
+                                bool(deterministic), float(softcap), alibi_slopes)
     if not return_attn_probs:
         return o
     return o, lse, q.new_empty((0,))
@@ -487,12 +507,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     + seqlen_new keys, causal / window aligned to the end of the updated cache.
     ``cache_batch_idx`` (batch,) int32 picks the cache row of each sequence. Returns out (like q),
     or (out, softmax_lse) with ``return_softmax_lse`` (softmax_lse (batch, nheads, seqlen_q)).
-    Not supported yet, each a NotImplementedError: rotary_cos / rotary_sin, cache_leftpad,
-    softcap != 0, alibi_slopes. ``num_splits`` is accepted (cupyflash.flash_attn_with_kvcache's
-    note); ``rotary_interleaved`` matters only with rotary.
+    ``softcap`` and ``alibi_slopes`` ((nheads,) or (batch, nheads) float32) are
+    cupyflash.flash_attn_with_kvcache's. Not supported yet, each a NotImplementedError:
+    rotary_cos / rotary_sin, cache_leftpad. ``num_splits`` is accepted
+    (cupyflash.flash_attn_with_kvcache's note); ``rotary_interleaved`` matters only with rotary.
     """
     _unsupported(rotary_cos=rotary_cos is not None, rotary_sin=rotary_sin is not None,
-                 cache_leftpad=cache_leftpad is not None, softcap=softcap != 0, alibi_slopes=alibi_slopes is not None)
+                 cache_leftpad=cache_leftpad is not None)
+    _check_variant_tensors(q, softcap, alibi_slopes, None)
     _check_tensors(q, k_cache, v_cache, names=("q", "k_cache", "v_cache"), same_batch=False)
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together (the new tokens to append) or both be None")
@@ -509,7 +531,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     scale = _scale(softmax_scale, q.shape[3])
     window_left, window_right = check_window(window_size)
     o, lse = _kvcache_op(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, scale, bool(causal),
-                         window_left, window_right)
+                         window_left, window_right, float(softcap), alibi_slopes)
     return (o, lse) if return_softmax_lse else o
 
 

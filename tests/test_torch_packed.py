@@ -200,3 +200,42 @@ def test_kvcache_errors_name_the_argument():
         args.update(change)
         with pytest.raises(error, match=message):
             flash_attn_with_kvcache(**args)
+
+
+# --- variants through the packed and kv-cache front ends --------------------------------------------
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_variants_with_autograd(causal):
+    """softcap and per-sequence ALiBi slopes through torch's varlen function: o and the gradients
+    against each sequence's dense float64 reference."""
+    q, k, v, cu_q, cu_k, max_q, max_k = packed()
+    slopes = torch.rand(4, 4, generator=torch.Generator().manual_seed(5)).to(torch.float32)
+    o = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, softcap=3.0, alibi_slopes=slopes)
+    do = torch.randn(o.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    o.backward(do)
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for b in range(4):
+        qs, ks = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        arrays = [x.detach().numpy() for x in (q[None, qs], k[None, ks], v[None, ks])]
+        kw = dict(causal=causal, softcap=3.0, alibi_slopes=slopes[b].numpy())
+        np.testing.assert_allclose(o.detach().numpy()[qs], reference.attention(*arrays, **kw)[0][0], atol=1e-10)
+        dq, dk, dv = reference.attention_backward(do.numpy()[None, qs], *arrays, **kw)
+        np.testing.assert_allclose(q.grad.numpy()[qs], dq[0], atol=1e-9)
+        np.testing.assert_allclose(k.grad.numpy()[ks], dk[0], atol=1e-9)
+        np.testing.assert_allclose(v.grad.numpy()[ks], dv[0], atol=1e-9)
+
+
+def test_kvcache_variants_match_the_reference():
+    batch, nheads, headdim = 3, 4, 8
+    k_cache, v_cache = caches(batch=batch)
+    generator = torch.Generator().manual_seed(9)
+    q = torch.randn((batch, 2, nheads, headdim), generator=generator, dtype=torch.float64)
+    lengths = torch.tensor([5, 0, 9], dtype=torch.int32)
+    slopes = torch.rand(nheads, generator=generator).to(torch.float32)
+    o = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, causal=True, softcap=6.0,
+                                alibi_slopes=slopes)
+    sequences = reference.kvcache_sequences(batch, k_cache.numpy(), v_cache.numpy(), cache_seqlens=lengths.numpy())
+    for b, (keys, values) in enumerate(sequences):
+        want, _ = reference.attention(q.numpy()[b:b + 1], keys[None], values[None], causal=True, softcap=6.0,
+                                      alibi_slopes=slopes.numpy())
+        np.testing.assert_allclose(o.numpy()[b], want[0], atol=1e-12)
