@@ -187,11 +187,8 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     xp = np if which == "numpy" else A._cupy()
     variant = variant.to(xp)
 
-    if empty:  # nothing to launch; every row (if any) sees no key (only the sink, if there is one)
-        o = xp.zeros(q.shape, dtype)
-        lse = xp.full((batch, nheads, seqlen_q), -np.inf, lse_dtype(dtype))
-        if variant.sink is not None:
-            lse[...] = variant.sink.astype(lse.dtype)[None, :, None]
+    if empty:  # nothing to launch; every row (if any) sees no key
+        o, lse = seeing_no_key(q, variant, xp)
     elif which == "numpy":
         from . import numpy_backend
 
@@ -204,6 +201,15 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
             lambda q, k, v, variant: _forward_gpu(which, q, k, v, scale, causal, window, variant), q, k, v, variant)
     o, lse = _to_device((o, lse)) if which == "numpy" and not host_out else _to_host((o, lse), host_out)
     return (o, lse) if return_lse else o
+
+
+def seeing_no_key(q, variant, xp):
+    """(o, lse) of rows that see no key: o = 0, lse = -inf, or the sink where there is one."""
+    batch, seqlen_q, nheads, _ = q.shape
+    lse = xp.full((batch, nheads, seqlen_q), -np.inf, lse_dtype(q.dtype))
+    if variant.sink is not None:
+        lse[...] = variant.sink.astype(lse.dtype)[None, :, None]
+    return xp.zeros(q.shape, q.dtype), lse
 
 
 def _forward_gpu(which, q, k, v, scale, causal, window, variant):

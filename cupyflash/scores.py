@@ -19,6 +19,7 @@ launchers. ``cupyflash.reference`` implements the same definitions independently
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -155,19 +156,16 @@ def _row_dots(do, o, acc, xp):
     if xp is np or np.dtype(acc) == np.float64 or do.dtype == np.float32:
         return (do.astype(acc) * o.astype(acc)).sum(axis=-1)
     if do.dtype == np.float16:
-        return _ROW_DOT_KERNELS("half")(do, o, axis=-1)
-    return _ROW_DOT_KERNELS("bf16")(do.view(np.uint16), o.view(np.uint16), axis=-1)
+        return _row_dot_kernel("half")(do, o, axis=-1)
+    return _row_dot_kernel("bf16")(do.view(np.uint16), o.view(np.uint16), axis=-1)
 
 
-_KERNELS = {}
+@functools.lru_cache(maxsize=None)
+def _row_dot_kernel(kind: str):
+    """The CuPy reduction of rowsum(a * b) in float32 for float16 ("half") or bfloat16 bits ("bf16")."""
+    import cupy
 
-
-def _ROW_DOT_KERNELS(kind: str):
-    if kind not in _KERNELS:
-        import cupy
-
-        to_float = ("float(a) * float(b)" if kind == "half" else
-                    "__uint_as_float((unsigned)a << 16) * __uint_as_float((unsigned)b << 16)")
-        _KERNELS[kind] = cupy.ReductionKernel("T a, T b", "float32 y", to_float, "a + b", "y = a", "0",
-                                              f"cupyflash_row_dot_{kind}", reduce_type="float")
-    return _KERNELS[kind]
+    to_float = ("float(a) * float(b)" if kind == "half" else
+                "__uint_as_float((unsigned)a << 16) * __uint_as_float((unsigned)b << 16)")
+    return cupy.ReductionKernel("T a, T b", "float32 y", to_float, "a + b", "y = a", "0",
+                                f"cupyflash_row_dot_{kind}", reduce_type="float")

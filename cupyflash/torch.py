@@ -157,19 +157,13 @@ def _backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                  sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dsink) of cupyflash.flash_attn_backward; dsink empty without a sink."""
     def compute(do, q, k, v, o, lse, backend):
-        grads = api.flash_attn_backward(do, q, k, v, o, lse, softmax_scale=softmax_scale, causal=causal,
-                                        window_size=(window_left, window_right), softcap=softcap,
-                                        **_variant_arrays(alibi_slopes, sink), backend=backend,
-                                        deterministic=deterministic)
-        return grads if len(grads) == 4 else (*grads, (np if backend == "numpy" else _cupy()).zeros(0, np.float32))
+        return api.flash_attn_backward(do, q, k, v, o, lse, softmax_scale=softmax_scale, causal=causal,
+                                       window_size=(window_left, window_right), softcap=softcap,
+                                       **_variant_arrays(alibi_slopes, sink), backend=backend,
+                                       deterministic=deterministic)
 
-    return _run(q.device, compute, do, q, k, v, o, lse)
-
-
-def _cupy():
-    import cupy
-
-    return cupy
+    grads = _run(q.device, compute, do, q, k, v, o, lse)
+    return grads if sink is not None else (*grads, q.new_empty((0,), dtype=torch.float32))
 
 
 @_backward_op.register_fake

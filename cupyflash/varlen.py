@@ -128,10 +128,7 @@ def dense_forward(which: str, q, k, v, scale: float, causal: bool, window, varia
     batch, seqlen_q, nheads, _ = q.shape
     xp = np if which == "numpy" else A._cupy()
     if batch * seqlen_q * nheads * k.shape[1] == 0:
-        lse = xp.full((batch, nheads, seqlen_q), -np.inf, lse_dtype(q.dtype))
-        if variant.sink is not None:
-            lse[...] = variant.sink.astype(lse.dtype)[None, :, None]
-        return xp.zeros(q.shape, q.dtype), lse
+        return api.seeing_no_key(q, variant, xp)
     if which == "numpy":
         from . import numpy_backend
 
