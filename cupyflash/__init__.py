@@ -3,11 +3,13 @@
     import cupyflash
     o = cupyflash.flash_attn_func(q, k, v, causal=True)            # (batch, seqlen, heads, dim)
     o, vjp = cupyflash.flash_attn_vjp(q, k, v); dq, dk, dv = vjp(do)
+    o = cupyflash.flash_attn_func(q, k, v, score_mod=fn, mask_mod=cupyflash.MaskMod(pred, doc=ids))
 """
 from . import kernels, numpy_backend, reference
 from .api import flash_attn_backward, flash_attn_func, flash_attn_vjp
 from .dispatch import gpu_available
 from .kvcache import flash_attn_with_kvcache
+from .modifiers import BlockMask, MaskMod, ScoreMod, create_block_mask
 from .varlen import flash_attn_varlen_backward, flash_attn_varlen_func, flash_attn_varlen_vjp
 
 __version__ = "0.1.0"
@@ -23,4 +25,4 @@ def __getattr__(name):
 
 __all__ = ["flash_attn_func", "flash_attn_backward", "flash_attn_vjp", "flash_attn_varlen_func",
            "flash_attn_varlen_backward", "flash_attn_varlen_vjp", "flash_attn_with_kvcache", "reference",
-           "numpy_backend", "gpu_available", "__version__"]
+           "numpy_backend", "gpu_available", "ScoreMod", "MaskMod", "BlockMask", "create_block_mask", "__version__"]

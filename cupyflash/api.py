@@ -12,6 +12,7 @@ from . import _arrays as A
 from . import dispatch, testing
 from ._dtypes import lse_dtype
 from .masks import check_window
+from .modifiers import check_modifiers
 from .scores import check_variant
 
 MAX_GRID_YZ = 65535
@@ -150,7 +151,8 @@ def _mma_ready(x, headdim_padded: int):
 
 
 def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, sink=None, return_lse=False, backend="auto"):
+                    alibi_slopes=None, sink=None, score_mod=None, mask_mod=None, block_mask=None,
+                    return_lse=False, backend="auto"):
     """Exact attention softmax(q kᵀ · scale) v, computed tile by tile without materialising S.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim) with
@@ -163,8 +165,14 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     replaces each scaled score z by c tanh(z / c); ``alibi_slopes`` ((nheads,) or (batch,
     nheads) float32) adds -slope |i + seqlen_k - seqlen_q - j|; ``sink`` ((nheads,) float32) is a
     logit per query head in every row's softmax denominator with no value row (gpt-oss), which
-    lse includes (a row that sees no key then has lse = sink). Returns o (like q), or (o, lse)
-    with lse (batch, nheads, seqlen_q) float32 (float64 for float64).
+    lse includes (a row that sees no key then has lse = sink). User modifiers, compiled into the
+    kernels at run time (cupyflash.modifiers): ``score_mod`` (a ScoreMod, or a function of
+    (score, b, h, q_idx, kv_idx)) replaces each scaled score; ``mask_mod`` (a MaskMod, or a
+    function of (b, h, q_idx, kv_idx)) hides the pairs it returns False for, on top of causal and
+    window_size; ``block_mask`` (create_block_mask: a mask_mod with its block map, kept across
+    calls) in its place lets the kernels skip the blocks it hides without remaking the map.
+    Returns o (like q), or (o, lse) with lse (batch, nheads, seqlen_q) float32 (float64 for
+    float64).
     backend: 'auto' (tensor cores for 16-bit, SIMT otherwise, NumPy without a GPU), 'cuda',
     'mma', 'simt' or 'numpy'.
     """
@@ -176,10 +184,12 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     arrays, host_out = _take({"q": q, "k": k, "v": v})
     dtype = A.check_dtype(arrays)
     batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim = A.check_qkv_shapes(*arrays.values())
-    variant = check_variant(softcap, alibi_slopes, sink, batch, nheads)
+    which = dispatch.choose(backend, dtype, headdim, "fwd")
+    mods = check_modifiers(score_mod, mask_mod, block_mask, batch=batch, nheads=nheads, seqlen_q=seqlen_q,
+                           seqlen_k=seqlen_k, on_gpu=which != "numpy")
+    variant = check_variant(softcap, alibi_slopes, sink, batch, nheads, mods)
     scale = A.resolve_scale(softmax_scale, headdim)
     A.same_device(arrays)
-    which = dispatch.choose(backend, dtype, headdim, "fwd")
     empty = batch * seqlen_q * nheads * seqlen_k == 0
     if not empty:
         A.check_scores_fit(arrays["q"], arrays["k"], scale)
@@ -230,14 +240,16 @@ def _forward_gpu(which, q, k, v, scale, causal, window, variant):
 
 
 def flash_attn_backward(do, q, k, v, o, lse, *, softmax_scale=None, causal=False, window_size=(-1, -1),
-                        softcap=0.0, alibi_slopes=None, sink=None, backend="auto", deterministic=True):
+                        softcap=0.0, alibi_slopes=None, sink=None, score_mod=None, mask_mod=None, block_mask=None,
+                        backend="auto", deterministic=True):
     """Gradients (dq, dk, dv) of flash_attn_func from the saved o and lse (P is recomputed); with a
     ``sink``, (dq, dk, dv, dsink), dsink (nheads,) float32.
 
     For GQA, dk and dv sum over the query heads that share a kv head. ``deterministic=True`` gives
     bitwise-reproducible results (no atomics); ``False`` lets the tensor-core kernels accumulate dq
-    with atomics. ``causal``, ``window_size``, ``softcap``, ``alibi_slopes`` and ``sink`` must be
-    the forward's. dsink = -sum over batch and rows of exp(sink - lse) rowsum(do * o).
+    with atomics. ``causal``, ``window_size``, ``softcap``, ``alibi_slopes``, ``sink`` and the
+    modifiers (``score_mod``, ``mask_mod`` / ``block_mask``) must be the forward's; the chain
+    rule through score_mod uses its traced derivative. dsink = -sum over batch and rows of exp(sink - lse) rowsum(do * o).
     """
     backend = A.check_backend(backend)
     causal = A.check_flag(causal, "causal")
@@ -249,10 +261,12 @@ def flash_attn_backward(do, q, k, v, o, lse, *, softmax_scale=None, causal=False
     batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim = A.check_qkv_shapes(
         arrays["q"], arrays["k"], arrays["v"])
     A.check_backward_arrays(arrays["do"], arrays["o"], arrays["lse"], arrays["q"].shape, dtype)
-    variant = check_variant(softcap, alibi_slopes, sink, batch, nheads)
+    which = dispatch.choose(backend, dtype, headdim, "bwd")
+    mods = check_modifiers(score_mod, mask_mod, block_mask, batch=batch, nheads=nheads, seqlen_q=seqlen_q,
+                           seqlen_k=seqlen_k, on_gpu=which != "numpy")
+    variant = check_variant(softcap, alibi_slopes, sink, batch, nheads, mods)
     scale = A.resolve_scale(softmax_scale, headdim)
     A.same_device(arrays)
-    which = dispatch.choose(backend, dtype, headdim, "bwd")
     empty = batch * seqlen_q * nheads * seqlen_k == 0
     if not empty:
         A.check_scores_fit(arrays["q"], arrays["k"], scale)
@@ -307,11 +321,20 @@ def flash_attn_vjp(q, k, v, **options):
     without a framework.
 
     ``options`` are flash_attn_func's (softmax_scale, causal, window_size, softcap, alibi_slopes,
-    sink, backend); ``deterministic`` goes to the backward.
+    sink, score_mod, mask_mod, block_mask, backend); ``deterministic`` goes to the backward. A
+    mask_mod's block map is made once, by the forward, and kept for the backward.
     """
     deterministic = options.pop("deterministic", True)
     if "return_lse" in options:
         raise TypeError("flash_attn_vjp does not take return_lse (the lse is kept for the backward)")
+    if options.get("mask_mod") is not None and options.get("block_mask") is None:
+        from .modifiers import BlockMask, MaskMod
+
+        mask_mod = options.pop("mask_mod")
+        mask_mod = mask_mod if isinstance(mask_mod, MaskMod) else MaskMod(mask_mod)
+        batch, seqlen_q, nheads = np.shape(q)[:3]
+        device = "cpu" if options.get("backend") == "numpy" or not dispatch.gpu_available() else "cuda"
+        options["block_mask"] = BlockMask(mask_mod, batch, nheads, seqlen_q, np.shape(k)[1], device=device)
     o, lse = flash_attn_func(q, k, v, return_lse=True, **options)
 
     def vjp(do):

@@ -44,7 +44,7 @@ from .kernels._module import Specialization
 from .kernels.constants import CTYPES, SHORT_NAMES, SIXTEEN_BIT, TENSOR_CORE_D_TILES
 from .kernels.constants import d_tile as _d_tile
 from .masks import Local, Mask, as_mask
-from .plans import SIMT_D_TILES, mma_headdim, simt_specialization, simt_tiles
+from .plans import SIMT_D_TILES, mma_headdim, simt_specialization, simt_tiles, without_spills
 
 __all__ = ["BackwardPlan", "BackwardKernels", "BACKWARD_KERNELS", "DQ_ADDS", "plan_backward", "backward_plan",
            "backward_device_class", "SM90", "MMA_SYNC"]
@@ -398,14 +398,22 @@ def _without_spills(row: BackwardKernels, mask: Mask, dt: int) -> BackwardKernel
     atomic dQ, or with softcap's derivative (4-44 bytes), runs v1's flash_bwd_dkdv_mma; the fused
     kernel with ALiBi (8-24 bytes at d128) the atomic dK/dV kernel, v1; flash_bwd_wgmma at d64
     with softcap (BLOCK_M 128: 4-84 bytes) the d128 tiles, BLOCK_M 64, without dQ adds (their
-    static layout needs two dQ panels per warpgroup), and dQ by flash_bwd_dq_wgmma."""
+    static layout needs two dQ panels per warpgroup), and dQ by flash_bwd_dq_wgmma.
+
+    User modifiers (cupyflash.modifiers) are routed as softcap and ALiBi together, their derivative
+    as softcap's, their per-element reads as ALiBi's, and the dQ kernel at d64 with BLOCK_N 64 (the
+    compile check's modifiers, a capped score with a table read and a document mask, spill 88
+    bytes at BLOCK_N 128 there): what a modifier costs in registers depends on its code, which
+    these rules cannot see (docs/api.md, "User modifiers")."""
     score = mask.score
-    if row.dkdv == "dkdv_mma_v2" and ((row.dq_add == "atomic" and mask.HAS_LEFT) or score.softcap):
+    user = score.user is not None
+    if row.dkdv == "dkdv_mma_v2" and ((row.dq_add == "atomic" and mask.HAS_LEFT) or score.has_grad):
         return row._replace(dkdv="dkdv_mma", dkdv_tiles=DKDV_CONFIG[dt])
-    if row.dkdv == "fused_mma" and score.alibi:
+    if row.dkdv == "fused_mma" and (score.alibi or user):
         return row._replace(dkdv="dkdv_mma", dkdv_tiles=DKDV_CONFIG[dt])
-    if row.dkdv == "wgmma" and dt == 64 and score.softcap:
-        return row._replace(dkdv_tiles=(64, 128), dq_add="none", dq="dq_wgmma", dq_tiles=DQ_WGMMA_CONFIG[64])
+    if row.dkdv == "wgmma" and dt == 64 and (score.softcap or user):
+        dq_tiles = (128, 64, 2) if user else DQ_WGMMA_CONFIG[64]
+        return row._replace(dkdv_tiles=(64, 128), dq_add="none", dq="dq_wgmma", dq_tiles=dq_tiles)
     return row
 
 
@@ -477,7 +485,14 @@ def plan_backward(arch: str | None, dtype, headdim: int, mask: Mask | bool, smem
     rows = BACKWARD_KERNELS[(where, dt, bool(deterministic))]
     row = next((r for r in rows if smem_optin is None or _dkdv_spec(dtype, dt, mask, r).smem_bytes <= smem_optin),
                rows[-1])
-    return _plan(dtype, headdim, mask, _without_spills(row, mask, dt), where)
+    row = _without_spills(row, mask, dt)
+    if mask.score.user is not None and where == SM90:
+        # The mma.sync kernels hold fewer accumulators per thread than the wgmma ones: where a
+        # modifier's code leaves the wgmma kernels short of registers, they run instead.
+        fallback = _without_spills(BACKWARD_KERNELS[(MMA_SYNC, dt, bool(deterministic))][0], mask, dt)
+        row = without_spills([row, fallback], arch, lambda r: [l.spec for l in _plan(dtype, headdim, mask, r, where)
+                                                                 .launches if l.role in ("dkdv", "dq")])
+    return _plan(dtype, headdim, mask, row, where)
 
 
 def backward_plan(dtype, headdim: int, mask: Mask | bool, kernels: BackwardKernels) -> BackwardPlan:

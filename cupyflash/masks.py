@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from .modifiers import example_modifiers
 from .scores import PLAIN, Score
 
 __all__ = ["Mask", "NoMask", "Causal", "Local", "KINDS", "VARIANT_KINDS", "mask_for", "as_mask", "check_window"]
@@ -203,7 +204,10 @@ KINDS = (NoMask(), Causal(), Local())
 # softcap with the sink on the causal band, ALiBi on the window (the backward's kernels take them
 # without the sink). Two, not one with all: the plans route some kernels by score (the fused
 # kernel runs softcap, not ALiBi).
-VARIANT_KINDS = (Causal(score=Score(softcap=True, sink=True)), Local(score=Score(alibi=True)))
+# A third, the user modifiers (cupyflash.modifiers.example_modifiers: a score with a derivative and a
+# table read, a mask with a block map) on the band without bounds, as a mask_mod call runs.
+VARIANT_KINDS = (Causal(score=Score(softcap=True, sink=True)), Local(score=Score(alibi=True)),
+                 NoMask(score=Score(user=example_modifiers())))
 
 
 def as_mask(mask_or_causal) -> Mask:

@@ -61,6 +61,9 @@ class _ScoreTransform:
 
     def __init__(self, variant, batch: int, nheads: int, seqlen_q: int, seqlen_k: int, acc: np.dtype):
         self.acc = acc
+        self.mods = variant.mods  # cupyflash.modifiers.Modifiers with NumPy tensors, or None
+        self.b = np.arange(batch, dtype=np.int32)[:, None, None, None]
+        self.h = np.arange(nheads, dtype=np.int32)[None, :, None, None]
         self.cap_log2 = acc.type(variant.softcap * LOG2E) if variant.softcap > 0 else None
         slopes = variant.slopes(batch, nheads)
         self.slopes_log2 = None if slopes is None else (slopes.astype(acc) * acc.type(LOG2E))[:, :, None, None]
@@ -78,7 +81,51 @@ class _ScoreTransform:
             i = np.arange(rows.start, rows.stop)[:, None]
             j = np.arange(cols.start, cols.stop)[None, :]
             S = S - self.slopes_log2 * np.abs(i + self.diag - j).astype(self.acc)
+        if self.mods is not None:
+            S, dS_dS = self._user(S, rows, cols)
         return S, dS_dS
+
+    def _user(self, S, rows: slice, cols: slice):
+        """The user modifiers on log2-unit scores, as score.cuh's UserScoreFn: z = ln 2 S through
+        score_mod, back to log2 units; pairs the mask_mod hides -inf with dS'/dS = 0."""
+        acc = self.acc
+        q = np.arange(rows.start, rows.stop, dtype=np.int32)[None, None, :, None]
+        kv = np.arange(cols.start, cols.stop, dtype=np.int32)[None, None, None, :]
+        dS_dS = None
+        if self.mods.has_score:
+            z, dS_dS = self.mods.scores(S * acc.type(LN2), self.b, self.h, q, kv, acc)
+            S = z * acc.type(LOG2E)
+        if self.mods.has_mask:
+            keep = self.mods.visible(self.b, self.h, q, kv)
+            S = np.where(keep, S, -np.inf).astype(acc)
+            if dS_dS is not None:
+                dS_dS = np.where(keep, dS_dS, 0).astype(acc)
+        return S, dS_dS
+
+
+def _map_range(variant, table: str, start: int, count: int, other_block: int) -> tuple[int, int] | None:
+    """The block map's range (in indices of the other axis, whole granules) for indices [start,
+    start + count) of one axis, as mask.cuh's WithScore reads it, as a union over every (batch,
+    head) (the twin handles all of them at once); None without a map. ``table``: "key" (the keys
+    of query rows) or "query" (the queries of key rows)."""
+    mods = variant.mods
+    if mods is None or mods.block_mask is None or count <= 0:
+        return None
+    bm = mods.block_mask
+    G = bm.GRANULE
+    key, query = bm.tables(1, np)
+    t = key if table == "key" else query
+    first = int(t[..., start // G, 0].min()) * G
+    end = int(t[..., (start + count - 1) // G, 1].max()) * G
+    return first, max(first, end)
+
+
+def _narrowed(blocks: range, block: int, limits) -> range:
+    """``blocks`` (of ``block`` indices each) less those wholly outside ``limits`` = [first, end)."""
+    if limits is None:
+        return blocks
+    first, end = limits
+    return range(max(blocks.start, first // block), min(blocks.stop, -(-end // block))) if end > first else range(0)
 
 
 def _finish_rows_with_sink(m, l, sink_log2, acc):
@@ -125,7 +172,9 @@ def forward(q, k, v, *, softmax_scale, causal, window_size=(-1, -1), block_m=64,
         O_i = np.zeros(Q_i.shape, acc)
         # Key blocks outside the mask are skipped; the rest are masked element by element only
         # where some pair of the block is hidden.
-        for j in mask.key_blocks(rows.start, Br, Bc, seqlen_q, seqlen_k):
+        key_blocks = _narrowed(mask.key_blocks(rows.start, Br, Bc, seqlen_q, seqlen_k), Bc,
+                               _map_range(variant, "key", rows.start, rows.stop - rows.start, Bc))
+        for j in key_blocks:
             cols = slice(j * Bc, min((j + 1) * Bc, seqlen_k))
             K_j = K[:, :, cols]
             V_j = V[:, :, cols]
@@ -174,7 +223,8 @@ def backward(do, q, k, v, o, lse, *, softmax_scale, causal, window_size=(-1, -1)
     scale = acc.type(softmax_scale)
     scale_log2 = acc.type(softmax_scale * LOG2E)
     mask = mask_for(causal, window_size)
-    transform = _ScoreTransform(NO_VARIANT if variant is None else variant, batch, nheads, seqlen_q, seqlen_k, acc)
+    variant = NO_VARIANT if variant is None else variant
+    transform = _ScoreTransform(variant, batch, nheads, seqlen_q, seqlen_k, acc)
 
     # D_i = rowsum(dO_i * O_i) = sum_j P_ij dP_ij, the softmax-backward term of each row.
     D = (dO * O).sum(axis=-1)
@@ -192,7 +242,9 @@ def backward(do, q, k, v, o, lse, *, softmax_scale, causal, window_size=(-1, -1)
         V_j = V[:, :, cols]
         dK_j = np.zeros(K_j.shape, acc)
         dV_j = np.zeros(V_j.shape, acc)
-        for i in mask.query_blocks(cols.start, Bc, Br, seqlen_q, seqlen_k):
+        query_blocks = _narrowed(mask.query_blocks(cols.start, Bc, Br, seqlen_q, seqlen_k), Br,
+                                 _map_range(variant, "query", cols.start, cols.stop - cols.start, Br))
+        for i in query_blocks:
             rows = slice(i * Br, min((i + 1) * Br, seqlen_q))
             Q_i = Q[:, :, rows]
             dO_i = dO[:, :, rows]

@@ -4,7 +4,9 @@
 device's two numbers that matter (compute capability, opt-in shared memory per block): it makes no
 CUDA call, so a machine without a GPU can say what an H200 launches. What runs on sm_90 at d128
 bf16 causal is the row ``("mma", SM90, 128)`` of ``FORWARD_TILES``; the mask never changes the tiles,
-only the template argument and the name of the specialization.
+only the template argument and the name of the specialization. User modifiers are the exception
+(``without_spills``): their register cost is their code's, so their plans ask ptxas (NVRTC, no GPU
+needed) which of a few tiles compiles without spills.
 
 The layers of a call: ``api`` (public functions) -> ``_arrays`` (argument checks) -> ``dispatch``
 (the backend request: NumPy twin or a kernel family) -> ``plans`` (kernel, tiles, specialization)
@@ -207,8 +209,61 @@ def plan_forward(arch: str | None, dtype, headdim: int, mask: Mask | bool, smem_
         where = ACC_FP64 if is_float64(dtype) else ACC_FP32
     else:
         raise ValueError(f"cupyflash: unknown forward family {family!r} (known: mma, simt)")
-    tiles = FORWARD_TILES[(family, where, d_tile(headdim, _D_TILES[family]))]
-    return _plan(dtype, headdim, as_mask(mask), tiles, where)
+    dt = d_tile(headdim, _D_TILES[family])
+    mask = as_mask(mask)
+    tiles = forward_tiles(family, where, dt, dtype, mask, arch)
+    return _plan(dtype, headdim, mask, tiles, where)
+
+
+def forward_tiles(family: str, where: str, dt: int, dtype, mask: Mask, arch: str | None):
+    """FORWARD_TILES' row, or with user modifiers the first of it and USER_FORWARD_FALLBACKS'
+    that compiles without spills (``without_spills``; ``arch`` None: the class's own arch)."""
+    tiles = FORWARD_TILES[(family, where, dt)]
+    if mask.score.user is None or family != "mma":
+        return tiles
+    arch = arch or ("90" if where == SM90 else "80")
+    return without_spills([tiles, *USER_FORWARD_FALLBACKS.get((family, where, dt), ())], arch,
+                          lambda t: [specialization_for(dtype, dt, mask, t)])
+
+
+# Tiles a forward with user modifiers tries after the row's, in order (fewer S registers).
+USER_FORWARD_FALLBACKS = {
+    ("mma", SM90, 128): (WgmmaFwdConfig(128, 64),),
+    ("mma", LARGE_SMEM, 128): (FwdConfig(128, 32, 4, q_in_regs=False, min_blocks=2),),
+    ("mma", LARGE_SMEM, 256): (FwdConfig(128, 32, 8, q_in_regs=False),),
+}
+
+
+def without_spills(candidates: list, arch: str | None, specs_of):
+    """The first of ``candidates`` whose specializations (``specs_of(candidate)``) ptxas compiles
+    for ``arch`` without register spills, else the last; the first where the arch is not known or
+    NVRTC is not there. For user modifiers, whose code the tables cannot know: each answer is
+    cached per specialization name (which holds the modifier's hash), in memory and on disk
+    (cupyflash.kernels.compile_check's cache)."""
+    if arch is None or len(candidates) == 1:
+        return candidates[0]
+    for candidate in candidates:
+        try:
+            spilled = any(_spills(spec, arch) for spec in specs_of(candidate))
+        except (RuntimeError, OSError):  # no NVRTC: take the row as it is
+            return candidates[0]
+        if not spilled:
+            return candidate
+    return candidates[-1]
+
+
+_spill_answers: dict = {}
+
+
+def _spills(spec: Specialization, arch: str) -> bool:
+    target = spec.arch or arch
+    key = (spec.name, target)
+    if key not in _spill_answers:
+        from .kernels import compile_check
+
+        result = compile_check.check(target, [spec])[0]
+        _spill_answers[key] = result.spill_bytes > 0 or result.stack_bytes > 0
+    return _spill_answers[key]
 
 
 def forward_plan(dtype, headdim: int, mask: Mask | bool, tiles) -> ForwardPlan:

@@ -20,6 +20,12 @@ nheads)) subtracts slope[b, h] * |i + seqlen_k - seqlen_q - j|; the mask then hi
 above. ``sink`` ((nheads,)) is a logit per query head that joins every row's softmax without a
 value row: the row's weights are exp(z_ij - lse_i) with lse_i = log(sum_j exp(z_ij) + exp(sink[h]))
 over its visible keys. A query that sees no key then has output 0 and lse = sink[h].
+
+User modifiers (cupyflash.modifiers): ``score_mod(score, b, h, q_idx, kv_idx, **tensors)`` replaces
+z (after softcap and ALiBi here; cupyflash's API takes it without them); ``mask_mod(b, h, q_idx, kv_idx, **tensors)`` hides the pairs it
+returns False for, on top of the mask above. Both are called here on NumPy float64 and int64
+arrays, the user's own functions, not their traced graphs; only the backward's dz'/dz of a score
+modifier comes from the graph (cupyflash.modifiers.ScoreMod's symbolic derivative).
 """
 from __future__ import annotations
 
@@ -134,7 +140,60 @@ def _alibi_distances(seqlen_q: int, seqlen_k: int, dtype) -> np.ndarray:
     return np.abs(i + (seqlen_k - seqlen_q) - j).astype(dtype)
 
 
-def _transformed_scores(z, softcap: float, slopes, acc: np.dtype, rnd):
+def _user_mods(score_mod, mask_mod):
+    """(score_mod, mask_mod) as cupyflash.modifiers objects (a bare function: one reading no
+    tensors), or Nones."""
+    if score_mod is None and mask_mod is None:
+        return None
+    from .modifiers import MaskMod, ScoreMod
+
+    score_mod = score_mod if score_mod is None or isinstance(score_mod, ScoreMod) else ScoreMod(score_mod)
+    mask_mod = mask_mod if mask_mod is None or isinstance(mask_mod, MaskMod) else MaskMod(mask_mod)
+    return score_mod, mask_mod
+
+
+def _index_grids(shape):
+    """b, h, q_idx, kv_idx as int64 arrays that broadcast to (batch, nheads, seqlen_q, seqlen_k)."""
+    b, h, sq, sk = shape
+    return (np.arange(b)[:, None, None, None], np.arange(h)[None, :, None, None],
+            np.arange(sq)[None, None, :, None], np.arange(sk)[None, None, None, :])
+
+
+def _host_tensors(mod) -> dict:
+    from ._arrays import to_numpy
+
+    return {t.name: to_numpy(t.array, t.name) for t in mod.tensors}
+
+
+def _user_visible(user, shape):
+    """The mask modifier's pairs, (batch, nheads, seqlen_q, seqlen_k) bool, or None."""
+    if user is None or user[1] is None:
+        return None
+    mod = user[1]
+    keep = np.asarray(mod.fn(*_index_grids(shape), **_host_tensors(mod)))
+    if keep.dtype != np.bool_:
+        raise TypeError(f"mask_mod {mod.fn.__name__} returned {keep.dtype} on NumPy arrays, not bool")
+    return np.broadcast_to(keep, shape)
+
+
+def _user_scores(z, user, acc: np.dtype, rnd):
+    """(z', dz'/dz) of the score modifier: z' from the user's function on z (in ``acc``, rounded by
+    ``rnd``), dz'/dz from its traced graph (None where it is 1); (z, None) without one."""
+    if user is None or user[0] is None:
+        return z, None
+    from .modifiers import Modifiers
+
+    mod = user[0]
+    grids = _index_grids(z.shape)
+    with np.errstate(all="ignore"):
+        out = np.asarray(mod.fn(z, *grids, **_host_tensors(mod)))
+    z_new = rnd(np.broadcast_to(out, z.shape).astype(acc))
+    host = Modifiers(mod, None).to(np)
+    _, dz_dz = host.scores(z, *(g.astype(np.int32) for g in grids), acc)
+    return z_new, None if dz_dz is None else np.broadcast_to(dz_dz, z.shape).astype(acc)
+
+
+def _transformed_scores(z, softcap: float, slopes, acc: np.dtype, rnd, user=None):
     """(z', dz'/dz): the variant's transform of the scaled scores z (batch, nheads, seqlen_q,
     seqlen_k), the cap first, then ALiBi's bias (``slopes`` (batch, nheads, 1, 1) or None), each
     step computed in ``acc`` and passed through ``rnd``. dz'/dz is None without a cap (ALiBi's bias
@@ -147,6 +206,8 @@ def _transformed_scores(z, softcap: float, slopes, acc: np.dtype, rnd):
         dz_dz = 1 - t * t
     if slopes is not None:
         z = rnd(z - slopes * _alibi_distances(z.shape[-2], z.shape[-1], acc))
+    if user is not None and user[0] is not None:
+        z, dz_dz = _user_scores(z, user, acc, rnd)
     return z, dz_dz
 
 
@@ -176,18 +237,21 @@ def _exact(x):
     return x
 
 
-def _probabilities(q, k, scale, causal, window_size=(-1, -1), softcap=0.0, slopes=None, sink=None):
+def _probabilities(q, k, scale, causal, window_size=(-1, -1), softcap=0.0, slopes=None, sink=None, user=None):
     """P = softmax(z') over the visible keys (and the sink), in float64, z' the variant's transform
-    of z = scale * Q K^T: (P, the sink's weight, lse, the mask, dz'/dz)."""
+    of z = scale * Q K^T: (P, the sink's weight, lse, the band's mask, dz'/dz, the mask with the
+    user's mask modifier: the band's where there is none)."""
     mask = visible_keys(q.shape[2], k.shape[2], causal, window_size)
     z, dz_dz = _transformed_scores(scale * (q @ np.swapaxes(k, -1, -2)), softcap, slopes,
-                                   np.dtype(np.float64), _exact)
-    p, p_sink, lse = _softmax_with_sink(np.where(mask, z, -np.inf), sink)
-    return p, p_sink, lse, mask, dz_dz
+                                   np.dtype(np.float64), _exact, user)
+    keep = _user_visible(user, z.shape)
+    visible = mask if keep is None else mask & keep
+    p, p_sink, lse = _softmax_with_sink(np.where(visible, z, -np.inf), sink)
+    return p, p_sink, lse, mask, dz_dz, visible
 
 
 def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-              alibi_slopes=None, sink=None):
+              alibi_slopes=None, sink=None, score_mod=None, mask_mod=None):
     """Exact attention in float64: (o, lse), o shaped like q, lse (batch, nheads, seqlen_q).
     ``softcap``, ``alibi_slopes`` and ``sink``: the variants of the module docstring."""
     q, k, v = (np.asarray(x).astype(np.float64) for x in (q, k, v))
@@ -195,15 +259,15 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
     batch, nheads = q.shape[0], q.shape[2]
     softcap = _check_variant(softcap, alibi_slopes, sink, batch, nheads)
     q_, k_, v_ = _heads_first(q, nheads), _heads_first(k, nheads), _heads_first(v, nheads)
-    p, _, lse, mask, _ = _probabilities(q_, k_, _scale(softmax_scale, q.shape[3]), causal, window_size, softcap,
-                                        _per_head(alibi_slopes, batch, nheads, np.float64),
-                                        _per_head(sink, batch, nheads, np.float64))
+    p, _, lse, mask, _, _ = _probabilities(q_, k_, _scale(softmax_scale, q.shape[3]), causal, window_size, softcap,
+                                           _per_head(alibi_slopes, batch, nheads, np.float64),
+                                           _per_head(sink, batch, nheads, np.float64), _user_mods(score_mod, mask_mod))
     o = _sum_over_visible(p, v_, mask)
     return _seqlen_first(o, nheads), lse
 
 
 def attention_backward(do, q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                       alibi_slopes=None, sink=None):
+                       alibi_slopes=None, sink=None, score_mod=None, mask_mod=None):
     """Gradients (dq, dk, dv) in float64 of sum(do * o) with o = attention(q, k, v, ...); with a
     ``sink``, (dq, dk, dv, dsink), dsink (nheads,).
 
@@ -220,14 +284,15 @@ def attention_backward(do, q, k, v, *, softmax_scale=None, causal=False, window_
     softcap = _check_variant(softcap, alibi_slopes, sink, batch, nheads)
     scale = _scale(softmax_scale, q.shape[3])
     q_, k_, v_, do_ = (_heads_first(x, nheads) for x in (q, k, v, do))
-    p, p_sink, _, mask, dz_dz = _probabilities(q_, k_, scale, causal, window_size, softcap,
-                                               _per_head(alibi_slopes, batch, nheads, np.float64),
-                                               _per_head(sink, batch, nheads, np.float64))
-    dp = np.where(mask, do_ @ np.swapaxes(v_, -1, -2), 0.0)
+    p, p_sink, _, mask, dz_dz, visible = _probabilities(q_, k_, scale, causal, window_size, softcap,
+                                                        _per_head(alibi_slopes, batch, nheads, np.float64),
+                                                        _per_head(sink, batch, nheads, np.float64),
+                                                        _user_mods(score_mod, mask_mod))
+    dp = np.where(visible, do_ @ np.swapaxes(v_, -1, -2), 0.0)
     weighted_dp = (p * dp).sum(axis=-1, keepdims=True)  # the sink's term p_sink * 0 adds nothing
     ds = p * dp - p * weighted_dp
     if dz_dz is not None:
-        ds = np.where(mask, ds * dz_dz, 0.0)  # a hidden key's score may be NaN
+        ds = np.where(visible, ds * dz_dz, 0.0)  # a hidden key's score may be NaN
     dq = scale * _sum_over_visible(ds, k_, mask)
     dk = scale * (np.swapaxes(ds, -1, -2) @ q_)
     dv = np.swapaxes(p, -1, -2) @ do_
@@ -256,7 +321,8 @@ def _rounder(dtype):
     return lambda x: np.asarray(x).astype(acc).astype(dtype).astype(acc)
 
 
-def _standard_softmax(q, k, scale, causal, dtype, window_size=(-1, -1), softcap=0.0, slopes=None, sink=None):
+def _standard_softmax(q, k, scale, causal, dtype, window_size=(-1, -1), softcap=0.0, slopes=None, sink=None,
+                      user=None):
     """(P, the sink's weight, lse, dz'/dz) of standard attention in ``dtype``: S = Q K^T rounded,
     then scaled and rounded, each transform of the variant in the accumulator type and rounded,
     then a softmax in the accumulator type (the sink logit rounded to ``dtype`` as one more column
@@ -265,8 +331,10 @@ def _standard_softmax(q, k, scale, causal, dtype, window_size=(-1, -1), softcap=
     rnd, acc = _rounder(dtype), _accumulator(dtype)
     mask = visible_keys(q.shape[2], k.shape[2], causal, window_size)
     s = rnd(rnd(q @ np.swapaxes(k, -1, -2)) * acc.type(scale))
-    s, dz_dz = _transformed_scores(s, softcap, slopes, acc, rnd)
-    p, p_sink, lse = _softmax_with_sink(np.where(mask, s, -np.inf), None if sink is None else rnd(sink))
+    s, dz_dz = _transformed_scores(s, softcap, slopes, acc, rnd, user)
+    keep = _user_visible(user, s.shape)
+    p, p_sink, lse = _softmax_with_sink(np.where(mask if keep is None else mask & keep, s, -np.inf),
+                                        None if sink is None else rnd(sink))
     return rnd(p), None if p_sink is None else rnd(p_sink), lse.astype(acc), dz_dz
 
 
@@ -283,7 +351,7 @@ def _standard_inputs(dtype, nheads, *xs):
 
 
 def standard_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                       alibi_slopes=None, sink=None, dtype):
+                       alibi_slopes=None, sink=None, score_mod=None, mask_mod=None, dtype):
     """Attention as an unfused implementation computes it in ``dtype``: returns (o, lse).
 
     Inputs are rounded to ``dtype``; products accumulate in float32 (float64 for float64) and are
@@ -300,13 +368,14 @@ def standard_attention(q, k, v, *, softmax_scale=None, causal=False, window_size
     acc = _accumulator(dtype)
     q_, k_, v_ = _standard_inputs(dtype, nheads, q, k, v)
     p, _, lse, _ = _standard_softmax(q_, k_, _scale(softmax_scale, q.shape[3]), causal, dtype, window_size, softcap,
-                                     _per_head(alibi_slopes, batch, nheads, acc), _per_head(sink, batch, nheads, acc))
+                                     _per_head(alibi_slopes, batch, nheads, acc), _per_head(sink, batch, nheads, acc),
+                                     _user_mods(score_mod, mask_mod))
     o = _rounder(dtype)(p @ v_)
     return _seqlen_first(o, nheads).astype(dtype), lse
 
 
 def standard_attention_backward(do, q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
-                                softcap=0.0, alibi_slopes=None, sink=None, dtype):
+                                softcap=0.0, alibi_slopes=None, sink=None, score_mod=None, mask_mod=None, dtype):
     """Gradients (dq, dk, dv) as an unfused implementation computes them in ``dtype``; with a
     ``sink``, (dq, dk, dv, dsink), dsink (nheads,) in the accumulator type.
 
@@ -326,13 +395,13 @@ def standard_attention_backward(do, q, k, v, *, softmax_scale=None, causal=False
     q_, k_, v_, do_ = _standard_inputs(dtype, nheads, q, k, v, do)
     p, p_sink, _, dz_dz = _standard_softmax(q_, k_, scale, causal, dtype, window_size, softcap,
                                             _per_head(alibi_slopes, batch, nheads, acc),
-                                            _per_head(sink, batch, nheads, acc))
+                                            _per_head(sink, batch, nheads, acc), _user_mods(score_mod, mask_mod))
     dv = rnd(np.swapaxes(p, -1, -2) @ do_)
     dp = rnd(do_ @ np.swapaxes(v_, -1, -2))
     weighted_dp = (p * dp).sum(axis=-1, keepdims=True)
     ds = rnd(p * (dp - weighted_dp))
     if dz_dz is not None:
-        ds = rnd(ds * dz_dz)
+        ds = rnd(np.where(p > 0, ds * dz_dz, 0.0))  # a hidden key's dz'/dz may be NaN
     ds = rnd(ds * acc.type(scale))
     dq = rnd(ds @ k_)
     dk = rnd(np.swapaxes(ds, -1, -2) @ q_)

@@ -29,31 +29,43 @@ __all__ = ["Score", "PLAIN", "Variant", "NO_VARIANT", "check_variant", "sink_gra
 
 @dataclass(frozen=True)
 class Score:
-    """Which transforms a kernel specialization applies (kernels_cu/score.cuh's ScoreMod)."""
+    """Which transforms a kernel specialization applies (kernels_cu/score.cuh's ScoreMod, or its
+    UserScore for a call with user modifiers: ``user``, a cupyflash.modifiers.Modifiers, whose
+    hash names the specialization)."""
 
     softcap: bool = False
     alibi: bool = False
     sink: bool = False  # the forward's epilogue adds exp(sink) to each row's sum
+    user: object = None  # cupyflash.modifiers.Modifiers (score_mod / mask_mod), or None
 
     @property
     def plain(self) -> bool:
-        return not (self.softcap or self.alibi or self.sink)
+        return not (self.softcap or self.alibi or self.sink or self.user is not None)
+
+    @property
+    def has_grad(self) -> bool:
+        """Whether the backward multiplies dS by ds'/ds (softcap's, or a user score's)."""
+        return self.softcap or (self.user is not None and self.user.has_grad)
 
     @property
     def name(self) -> str:
         """The suffix of specialization names ("" for the plain softmax)."""
-        return "_".join(part for part, on in (("softcap", self.softcap), ("alibi", self.alibi),
-                                               ("sink", self.sink)) if on)
+        parts = (("softcap", self.softcap), ("alibi", self.alibi),
+                 (self.user.name if self.user is not None else "", self.user is not None), ("sink", self.sink))
+        return "_".join(part for part, on in parts if on)
 
     @property
     def cpp(self) -> str:
         flag = {True: "true", False: "false"}
+        if self.user is not None:
+            self.user.register()
+            return f"cf::UserScore<{self.user.cpp}, {flag[self.sink]}>"
         return f"cf::ScoreMod<{flag[self.softcap]}, {flag[self.alibi]}, {flag[self.sink]}>"
 
     def backward(self) -> "Score":
         """The score of the backward's kernels: a sink changes only lse, which they read, so
         they are the kernels without it (dsink is reduced from D and lse by the launcher)."""
-        return Score(self.softcap, self.alibi, False)
+        return Score(self.softcap, self.alibi, False, self.user)
 
 
 PLAIN = Score()
@@ -67,10 +79,11 @@ class Variant:
     softcap: float = 0.0
     alibi_slopes: object = None
     sink: object = None
+    mods: object = None  # cupyflash.modifiers.Modifiers: the user's score_mod / mask_mod, or None
 
     @property
     def score(self) -> Score:
-        return Score(self.softcap > 0, self.alibi_slopes is not None, self.sink is not None)
+        return Score(self.softcap > 0, self.alibi_slopes is not None, self.sink is not None, self.mods)
 
     @property
     def plain(self) -> bool:
@@ -89,6 +102,9 @@ class Variant:
         if slopes is not None:
             slopes = slopes[batch, heads] if slopes.ndim == 2 else slopes[heads]
         sink = None if self.sink is None else self.sink[heads]
+        if self.mods is not None:
+            raise NotImplementedError("cupyflash: user modifiers take at most 65535 batch entries and 65535 "
+                                      "query heads per call (one launch); split the call")
         return Variant(self.softcap, slopes, sink)
 
     def to(self, xp) -> "Variant":
@@ -99,7 +115,8 @@ class Variant:
             if xp is np and not isinstance(a, np.ndarray):
                 a = a.get()
             return xp.ascontiguousarray(xp.asarray(a, dtype=np.float32))
-        return Variant(self.softcap, move(self.alibi_slopes), move(self.sink))
+        mods = None if self.mods is None else self.mods.to(xp)
+        return Variant(self.softcap, move(self.alibi_slopes), move(self.sink), mods)
 
 
 NO_VARIANT = Variant()
@@ -118,8 +135,10 @@ def _float_array(x, name: str, shapes: tuple, shape_text: str):
     return arr
 
 
-def check_variant(softcap, alibi_slopes, sink, batch: int, nheads: int) -> Variant:
-    """A call's variant arguments checked against its batch and query heads, or a clear error."""
+def check_variant(softcap, alibi_slopes, sink, batch: int, nheads: int, mods=None) -> Variant:
+    """A call's variant arguments checked against its batch and query heads, or a clear error;
+    ``mods`` the call's user modifiers (cupyflash.modifiers.check_modifiers), which take a sink
+    but not softcap or ALiBi (a score_mod writes them itself)."""
     if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, (int, float, np.integer, np.floating)):
         raise TypeError(f"cupyflash: softcap must be a float >= 0 (0: no cap), got {softcap!r}")
     softcap = float(softcap)
@@ -130,7 +149,10 @@ def check_variant(softcap, alibi_slopes, sink, batch: int, nheads: int) -> Varia
                                     f"(nheads,) = ({nheads},) or (batch, nheads) = ({batch}, {nheads})")
     if sink is not None:
         sink = _float_array(sink, "sink", ((nheads,),), f"(nheads,) = ({nheads},)")
-    return Variant(softcap, alibi_slopes, sink)
+    if mods is not None and mods.has_score and (softcap > 0 or alibi_slopes is not None):
+        raise ValueError("cupyflash: score_mod does not combine with softcap or alibi_slopes; write the cap or "
+                         "the bias into the score_mod (cupyflash.modifiers.tanh, a slopes tensor)")
+    return Variant(softcap, alibi_slopes, sink, mods)
 
 
 def sink_grad(sink, do, o, lse, xp=np):

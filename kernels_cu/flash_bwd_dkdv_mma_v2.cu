@@ -48,7 +48,7 @@ flash_bwd_dkdv_mma_v2(const __grid_constant__ BwdParams p) {
     const TensorRows q = p.q, k = p.k, v = p.v, dout = p.dout, dk = p.dk, dv = p.dv, dq_accum = p.dq_accum;
     const float* __restrict__ lse = static_cast<const float*>(p.lse);
     const float* __restrict__ delta = static_cast<const float*>(p.delta);
-    const Mask mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
+    const Mask mask = cta_mask<Mask>(p, seqlen_q, seqlen_k);
 
     // Query blocks [m_block_first, m_block_end) see some key of this block (mask.cuh); the others
     // are never loaded.

@@ -48,7 +48,7 @@ flash_bwd_dkdv_simt(const __grid_constant__ BwdParams p) {
     const int n0 = blockIdx.x * BLOCK_N;
     const int head_kv = blockIdx.y, batch = blockIdx.z;
     const int key = threadIdx.x / TPR, lane_in_row = threadIdx.x % TPR;
-    const Mask mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
+    const Mask mask = cta_mask<Mask>(p, seqlen_q, seqlen_k);
     const A log2e = A(1.4426950408889634073599247);
 
     const T* __restrict__ k_rows = p.k.head_rows<const T>(batch, head_kv);

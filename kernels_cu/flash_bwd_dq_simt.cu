@@ -31,7 +31,7 @@ flash_bwd_dq_simt(const __grid_constant__ BwdParams p) {
     const A scale_log2 = scale_log2_in<A>(p), scale = scale_in<A>(p);
     const A* __restrict__ lse = static_cast<const A*>(p.lse);
     const A* __restrict__ delta = static_cast<const A*>(p.delta);
-    const Mask mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
+    const Mask mask = cta_mask<Mask>(p, seqlen_q, seqlen_k);
     const int m_block = Mask::query_block(blockIdx.x, gridDim.x);
     const int head = blockIdx.y, batch = blockIdx.z;
     const int head_kv = head / p.group;

@@ -68,7 +68,7 @@ flash_bwd_dq_wgmma(const __grid_constant__ BwdParams p) {
     const i64 k_ss = p.k.row_stride, v_ss = p.v.row_stride;
 
     const int head = blockIdx.y, batch = blockIdx.z, head_kv = head / p.group;
-    const Mask mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
+    const Mask mask = cta_mask<Mask>(p, seqlen_q, seqlen_k);
     const ScoreOf<Mask, float, true> score(p, batch, head, scale);
     const int m0 = Mask::query_block(blockIdx.x, gridDim.x) * BLOCK_M;
     // Key blocks [j_begin, ceil(n_end / BLOCK_N)) hold the keys some row of the block sees; K_j

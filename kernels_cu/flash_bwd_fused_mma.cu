@@ -112,7 +112,7 @@ flash_bwd_fused_mma(const __grid_constant__ BwdParams p) {
     const float* __restrict__ lse = static_cast<const float*>(p.lse);
     const float* __restrict__ delta = static_cast<const float*>(p.delta);
     int* __restrict__ const dq_semaphore = p.dq_semaphore;  // DQ_ORDERED only (null otherwise)
-    const Mask mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
+    const Mask mask = cta_mask<Mask>(p, seqlen_q, seqlen_k);
 
     // Query blocks [m_block_first, m_block_end) see some key of this block (mask.cuh); the others
     // are never loaded.
@@ -122,7 +122,8 @@ flash_bwd_fused_mma(const __grid_constant__ BwdParams p) {
     const int m_blocks = max(0, m_block_end - m_block_first);
     const int n_iters = group * m_blocks;  // (query head of the group, query block) pairs
     // The ordered adds wait for key blocks 0..j-1, which a left bound would skip.
-    static_assert(!DQ_ORDERED || !Mask::HAS_LEFT, "ordered dQ adds need every earlier key block to visit");
+    static_assert(!DQ_ORDERED || !(Mask::HAS_LEFT || Mask::HAS_BLOCK_MAP),
+                  "ordered dQ adds need every earlier key block to visit");
 
     // Iteration it -> query block (and head: it / m_blocks); DQ_ORDERED walks each head's blocks
     // from the last to the first.

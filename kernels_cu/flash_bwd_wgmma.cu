@@ -108,7 +108,7 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
 
     const int tid = threadIdx.x;
     const int n_block = blockIdx.x, n0 = n_block * BLOCK_N, head_kv = blockIdx.y, batch = blockIdx.z;
-    const Mask mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
+    const Mask mask = cta_mask<Mask>(p, seqlen_q, seqlen_k);
     const T* __restrict__ k_rows = p.k.head_rows<const T>(batch, head_kv);
     const T* __restrict__ v_rows = p.v.head_rows<const T>(batch, head_kv);
 
@@ -118,7 +118,7 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
     const int m_block_end = (mask.query_end(n0, BLOCK_N) + BLOCK_M - 1) / BLOCK_M;
     const int m_blocks = max(0, m_block_end - m_block_first);
     // The ordered dQ adds count every key block of a query block's column: no skipped blocks.
-    static_assert(!ORDERED || !Mask::HAS_LEFT, "ordered dQ adds need every key block to visit");
+    static_assert(!ORDERED || !(Mask::HAS_LEFT || Mask::HAS_BLOCK_MAP), "ordered dQ adds need every key block");
     const int n_iters = group * m_blocks;
 
     // Iteration it -> query block (and head: it / m_blocks); ORDERED walks each head's blocks

@@ -178,7 +178,7 @@ flash_fwd_mma(const __grid_constant__ FwdParams p) {
 
     const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, headdim = p.headdim;
     const float scale_log2 = p.scale_log2;
-    const Mask mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
+    const Mask mask = cta_mask<Mask>(p, seqlen_q, seqlen_k);
     const ScoreOf<Mask, float, true> score(p, blockIdx.z, blockIdx.y, p.scale);
     auto first_row = [&]() {  // of the block, in the policy's order (heaviest first)
         constexpr bool FRESH = REREAD_INVARIANTS;

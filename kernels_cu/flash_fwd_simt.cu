@@ -31,7 +31,7 @@ flash_fwd_simt(const __grid_constant__ FwdParams p) {
 
     const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, headdim = p.headdim;
     const A scale_log2 = scale_log2_in<A>(p);
-    const Mask mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
+    const Mask mask = cta_mask<Mask>(p, seqlen_q, seqlen_k);
     // Scores come out in log2 units (Q is pre-scaled): the score policy's unit is ln 2.
     const ScoreOf<Mask, A> score(p, blockIdx.z, blockIdx.y, A(0.6931471805599453094172321));
     const int m_block = Mask::query_block(blockIdx.x, gridDim.x);

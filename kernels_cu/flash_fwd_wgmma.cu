@@ -51,14 +51,14 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p) {
     const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, headdim = p.headdim;
     const float scale_log2 = p.scale_log2;
     const int head = blockIdx.y, batch = blockIdx.z, head_kv = head / p.group;
-    const Mask mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
+    const Mask mask = cta_mask<Mask>(p, seqlen_q, seqlen_k);
     const ScoreOf<Mask, float, true> score(p, blockIdx.z, blockIdx.y, p.scale);
     const int m0 = Mask::query_block(blockIdx.x, gridDim.x) * BLOCK_M;
     // Key blocks [j_begin, ceil(n_end / BLOCK_N)) hold the keys some row of the block sees.
     // NoMask: the literal 0, not a call that folds to 0 only after inlining. With the call NVRTC
     // emitted another loop (other PTX, an 8-11% slower d128 forward on an H200); with the literal
     // its PTX is the pre-policy kernel's. Causal and Local keep the form measured with the policy.
-    const int j_begin = Mask::HAS_LEFT || Mask::HAS_RIGHT ? mask.key_begin(m0) / BLOCK_N : 0;
+    const int j_begin = Mask::HAS_LEFT || Mask::HAS_RIGHT || Mask::HAS_BLOCK_MAP ? mask.key_begin(m0) / BLOCK_N : 0;
     const int n_end = mask.key_end(m0, BLOCK_M);
     const int tid = threadIdx.x, wg = tid / 128, warp = tid / 32, lane = tid % 32;
     const int strip_row0 = 16 * warp;  // the warp's 16 rows within the block

@@ -34,6 +34,7 @@ constexpr int MASK_UNBOUNDED = 1 << 30;
 template <bool LEFT, bool RIGHT>
 struct Band {
     static constexpr bool HAS_LEFT = LEFT, HAS_RIGHT = RIGHT;
+    static constexpr bool HAS_BLOCK_MAP = false;  // WithScore with a user mask: narrower ranges
     typedef NoScore Score;  // WithScore replaces it
     int seqlen_q, seqlen_k;
     int lo_off, hi_off;  // query i sees keys [i + lo_off, i + hi_off] (where the bound applies)
@@ -129,12 +130,72 @@ struct Local : Band<true, true> {
                window_right < 0 ? MASK_UNBOUNDED : seqlen_k_ - seqlen_q_ + window_right} {}
 };
 
-// A band with the score policy S (score.cuh): the band's answers, S's transforms.
+// A band with the score policy S (score.cuh): the band's answers, S's transforms. With a user
+// mask (S::HAS_BLOCK_MAP) the block ranges are also the block map's (modifier.cuh's ModArgs), so
+// a document mask costs what its visible blocks cost: a query block visits only the keys from
+// the first one its rows may see to the last, a key block only such queries. The map is kept
+// per granule of rows (columns), not per kernel tile, so one map serves every kernel: entry r
+// holds the smallest first visible key of granules r, r + 1, ... (a suffix minimum) and the
+// largest end of granules 0..r (a prefix maximum). A block's range is then one read at its
+// first granule and one at its last, exact where the visible keys move forward with the query
+// (documents, causal, windows, prefix-LM) and wider, never narrower, elsewhere. The element test
+// stays the band's; the mask's own predicate is applied by the score's transform (UserScoreFn),
+// which every kernel runs on every element it computes.
 template <class Band_, class S>
 struct WithScore : Band_ {
     typedef S Score;
+    static constexpr bool HAS_BLOCK_MAP = S::HAS_BLOCK_MAP;
+    const int* key_blocks = nullptr;    // this (batch, query head)'s [query granule][2]
+    const int* query_blocks = nullptr;  // this (batch, kv head)'s [key granule][2]
+    int rows_per_granule = 1, keys_per_granule = 1;
+
     __device__ __forceinline__ WithScore(int seqlen_q_, int seqlen_k_, int window_left, int window_right)
         : Band_(seqlen_q_, seqlen_k_, window_left, window_right) {}
+
+    __device__ __forceinline__ void bind_blocks(const ModArgs& t, int batch, int head) {
+        key_blocks = t.key_blocks + batch * t.key_blocks_batch_stride + head * t.key_blocks_head_stride;
+        query_blocks = t.query_blocks + batch * t.query_blocks_batch_stride + head * t.query_blocks_head_stride;
+        rows_per_granule = t.block_m;
+        keys_per_granule = t.block_n;
+    }
+
+    __device__ __forceinline__ int key_begin(int m0) const {
+        const int band = Band_::key_begin(m0);
+        if constexpr (!HAS_BLOCK_MAP) return band;
+        else return max(band, __ldg(key_blocks + 2 * (m0 / rows_per_granule)) * keys_per_granule);
+    }
+    __device__ __forceinline__ int key_end(int m0, int rows) const {
+        const int band = Band_::key_end(m0, rows);
+        if constexpr (!HAS_BLOCK_MAP) return band;
+        else {
+            const int last = (min(m0 + rows, Band_::seqlen_q) - 1) / rows_per_granule;
+            return max(key_begin(m0), min(band, __ldg(key_blocks + 2 * last + 1) * keys_per_granule));
+        }
+    }
+    __device__ __forceinline__ int query_begin(int n0) const {
+        const int band = Band_::query_begin(n0);
+        if constexpr (!HAS_BLOCK_MAP) return band;
+        else return max(band, __ldg(query_blocks + 2 * (n0 / keys_per_granule)) * rows_per_granule);
+    }
+    __device__ __forceinline__ int query_end(int n0, int cols) const {
+        const int band = Band_::query_end(n0, cols);
+        if constexpr (!HAS_BLOCK_MAP) return band;
+        else {
+            const int last = (min(n0 + cols, Band_::seqlen_k) - 1) / keys_per_granule;
+            return max(query_begin(n0), min(band, __ldg(query_blocks + 2 * last + 1) * rows_per_granule));
+        }
+    }
 };
+
+// The policy of the calling CTA: the band's bounds from p and, with a user mask, the block map of
+// the CTA's (batch, head), blockIdx.z and blockIdx.y in every attention kernel: the query head in
+// the forward and dQ grids, the kv head in the dK/dV grids, which is the head each of the map's
+// two tables is kept by.
+template <class Mask, class Params>
+__device__ __forceinline__ Mask cta_mask(const Params& p, int seqlen_q, int seqlen_k) {
+    Mask mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
+    if constexpr (Mask::HAS_BLOCK_MAP) mask.bind_blocks(p.variant.mods, blockIdx.z, blockIdx.y);
+    return mask;
+}
 
 }  // namespace cf

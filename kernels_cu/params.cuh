@@ -17,6 +17,7 @@
 #pragma once
 
 #include "common.cuh"
+#include "modifier.cuh"
 
 namespace cf {
 
@@ -40,13 +41,15 @@ struct TensorRows {
 // The values of a call's variant (score.cuh), read only by the kernels whose score policy uses
 // them (zero otherwise): ALiBi's slopes, (batch, nheads) float32 with batch stride
 // alibi_batch_stride (0 for (nheads,) slopes); the sink logits, (nheads,) float32 (forward);
-// the softcap c, as float and as double.
+// the softcap c, as float and as double; the user modifiers' tensors and block map
+// (modifier.cuh), last, so that the fields before them keep their offsets.
 struct VariantArgs {
     const float* alibi_slopes;
     const float* sink;
     i64 alibi_batch_stride;
     float softcap;
     double softcap_f64;
+    ModArgs mods;
 };
 
 // Forward: o and lse from q, k, v.

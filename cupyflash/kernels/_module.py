@@ -76,6 +76,15 @@ def kernel_source(filename: str) -> str:
     return f"// cupyflash: {filename}\n" + expand(filename)
 
 
+def module_source(source_file: str, expressions) -> str:
+    """The text NVRTC compiles for these template expressions: the kernel's file (kernel_source),
+    then the user modifier structs they name (cupyflash.modifiers: generated per call's
+    modifiers, so a kernel without them compiles its file alone)."""
+    from ..modifiers import source_for
+
+    return kernel_source(source_file) + source_for(" ".join(expressions))
+
+
 _lock = threading.Lock()
 _functions: dict = {}
 
@@ -101,7 +110,7 @@ def get_function(spec: Specialization):
             # An explicit -arch comes before the one CuPy appends for the device; NVRTC compiles
             # for the first (sm_90a adds wgmma to sm_90).
             module = cupy.RawModule(
-                code=kernel_source(spec.source_file),
+                code=module_source(spec.source_file, (spec.expression,)),
                 options=NVRTC_OPTIONS + ((f"-arch=sm_{spec.arch}",) if spec.arch else ()),
                 name_expressions=(spec.expression,),
             )

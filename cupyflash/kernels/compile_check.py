@@ -30,7 +30,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ._module import NVRTC_OPTIONS, Specialization, kernel_source
+from ._module import NVRTC_OPTIONS, Specialization, module_source
 
 
 @dataclass
@@ -55,6 +55,9 @@ def all_specializations() -> list[Specialization]:
         except ImportError:
             continue
         specs.extend(module.specializations())
+    from .. import modifiers
+
+    specs.extend(modifiers.specializations())
     return specs
 
 
@@ -172,7 +175,7 @@ def compile_options(arch: str) -> tuple[str, ...]:
 
 def compile_cubin(source_file: str, expressions: list[str], arch: str) -> tuple[bytes, dict, str]:
     """(cubin, {expression: mangled name}, ptxas log) for the given template instantiations."""
-    return compile_text(kernel_source(source_file), source_file, expressions, arch)
+    return compile_text(module_source(source_file, expressions), source_file, expressions, arch)
 
 
 def compile_text(text: str, source_file: str, expressions: list[str], arch: str) -> tuple[bytes, dict, str]:
@@ -320,7 +323,7 @@ def _toolchain_fingerprint() -> str:
 
 def _cache_key(source_file: str, expressions: list[str], arch: str, with_sass: bool) -> str:
     cuobjdump = find_cuobjdump() if with_sass else None
-    text = json.dumps([kernel_source(source_file), expressions, compile_options(arch), arch,
+    text = json.dumps([module_source(source_file, expressions), expressions, compile_options(arch), arch,
                        with_sass, cuobjdump, _toolchain_fingerprint()])
     return hashlib.sha256(text.encode()).hexdigest()
 

@@ -81,10 +81,12 @@ def specialization(dtype, headdim: int, mask: Mask | bool, config: FwdConfig | N
 def specializations() -> list:
     """Every specialization the plans can launch on any supported GPU (for the compile check,
     which builds them all for sm_80 and sm_90)."""
-    tiles = [(dt, t) for (family, _, dt), t in plans.FORWARD_TILES.items() if family == "mma"]
-    return list(dict.fromkeys(plans.specialization_for(dtype, dt, mask, t)
-                              for dtype in ("float16", "bfloat16") for dt, t in sorted(tiles, key=_by_tile)
-                              for mask in KINDS + VARIANT_KINDS))
+    rows = [(dt, where) for (family, where, dt) in plans.FORWARD_TILES if family == "mma"]
+    # user modifiers: the tiles their plans choose (plans.forward_tiles)
+    entries = [(dtype, dt, mask, plans.forward_tiles("mma", where, dt, dtype, mask, None))
+               for dtype in ("float16", "bfloat16") for dt, where in rows for mask in KINDS + VARIANT_KINDS]
+    entries.sort(key=lambda e: (e[0] != "float16", *_by_tile((e[1], e[3]))))
+    return list(dict.fromkeys(plans.specialization_for(dtype, dt, mask, t) for dtype, dt, mask, t in entries))
 
 
 def _by_tile(entry) -> tuple:

@@ -14,7 +14,7 @@ import numpy as np
 
 from .constants import LOG2E
 
-__all__ = ["TENSOR_ROWS", "VARIANT_ARGS", "FWD_PARAMS", "BWD_PARAMS", "set_variant", "forward_params", "backward_params", "set_rows",
+__all__ = ["TENSOR_ROWS", "MOD_ARGS", "BLOCK_MAP_PARAMS", "VARIANT_ARGS", "set_modifiers", "set_mod_tensors", "FWD_PARAMS", "BWD_PARAMS", "set_variant", "forward_params", "backward_params", "set_rows",
            "pointer", "layout_asserts"]
 
 TENSOR_ROWS = np.dtype([("data", np.uint64), ("batch_stride", np.int64), ("row_stride", np.int64),
@@ -24,9 +24,22 @@ _SHAPE_FIELDS = [("batch", np.int32), ("seqlen_q", np.int32), ("seqlen_k", np.in
                  ("nheads_kv", np.int32), ("group", np.int32), ("headdim", np.int32),
                  ("window_left", np.int32), ("window_right", np.int32)]
 
+# The user modifiers' tensors and block map (modifier.cuh's ModArgs): zeros without modifiers.
+MOD_ARGS = np.dtype([("data", np.uint64, (4,)), ("strides", np.int64, (4, 4)),
+                     ("key_blocks", np.uint64), ("query_blocks", np.uint64),
+                     ("key_blocks_batch_stride", np.int64), ("key_blocks_head_stride", np.int64),
+                     ("query_blocks_batch_stride", np.int64), ("query_blocks_head_stride", np.int64),
+                     ("block_m", np.int32), ("block_n", np.int32)], align=True)
+
 # A call's variant values (score.cuh): null pointers and zeros for the plain softmax.
 VARIANT_ARGS = np.dtype([("alibi_slopes", np.uint64), ("sink", np.uint64), ("alibi_batch_stride", np.int64),
-                         ("softcap", np.float32), ("softcap_f64", np.float64)], align=True)
+                         ("softcap", np.float32), ("softcap_f64", np.float64), ("mods", MOD_ARGS)], align=True)
+
+# flash_block_map's argument (modifier.cuh's BlockMapParams).
+BLOCK_MAP_PARAMS = np.dtype([("t", MOD_ARGS), ("key_blocks", np.uint64), ("query_blocks", np.uint64),
+                             ("map_batch", np.int32), ("map_heads", np.int32), ("seqlen_q", np.int32),
+                             ("seqlen_k", np.int32), ("query_granules", np.int32), ("key_granules", np.int32)],
+                            align=True)
 
 _SCALE_FIELDS = [("scale_log2", np.float32), ("scale", np.float32), ("scale_log2_f64", np.float64),
                  ("scale_f64", np.float64), ("variant", VARIANT_ARGS)]
@@ -40,7 +53,8 @@ BWD_PARAMS = np.dtype([*((name, TENSOR_ROWS) for name in ("q", "k", "v", "o", "d
                        ("dq_semaphore", np.uint64), ("dq_row_scale", np.uint64), ("kv_bound", np.uint64),
                        *_SHAPE_FIELDS, *_SCALE_FIELDS], align=True)
 
-_CPP_NAMES = {FWD_PARAMS: "cf::FwdParams", BWD_PARAMS: "cf::BwdParams", VARIANT_ARGS: "cf::VariantArgs"}
+_CPP_NAMES = {FWD_PARAMS: "cf::FwdParams", BWD_PARAMS: "cf::BwdParams", VARIANT_ARGS: "cf::VariantArgs",
+              MOD_ARGS: "cf::ModArgs", BLOCK_MAP_PARAMS: "cf::BlockMapParams"}
 
 
 def pointer(a) -> np.uint64:
@@ -92,6 +106,37 @@ def set_variant(params, variant) -> None:
         field[name] = pointer(a)
     if variant.alibi_slopes is not None:
         field["alibi_batch_stride"] = np.int64(variant.alibi_slopes.shape[1] if variant.alibi_slopes.ndim == 2 else 0)
+    if variant.mods is not None:
+        set_modifiers(field["mods"], variant.mods, params)
+
+
+def set_mod_tensors(mod_args, tensors) -> None:
+    """The addresses and strides (in elements) of a modifier's CuPy tensors into a ModArgs field."""
+    for slot, t in enumerate(tensors):
+        a = t.array
+        if isinstance(a, np.ndarray):
+            raise ValueError(f"cupyflash: the kernels read the modifier's tensor {t.name!r} as a CuPy array")
+        mod_args["data"][0, slot] = pointer(a)
+        for d, stride in enumerate(a.strides):
+            mod_args["strides"][0, slot, d] = np.int64(stride // a.itemsize)
+
+
+def set_modifiers(mod_args, mods, params) -> None:
+    """A call's modifiers (cupyflash.modifiers.Modifiers, tensors on the GPU) into the ModArgs field
+    of ``params``: the tensors, and the block map's folded tables for the call's GQA group."""
+    set_mod_tensors(mod_args, mods.tensors)
+    if mods.block_mask is None:
+        return
+    import cupy
+
+    group = int(params["group"][0])
+    key, query = mods.block_mask.tables(group, cupy)
+    mod_args["key_blocks"], mod_args["query_blocks"] = pointer(key), pointer(query)
+    for name, table in (("key_blocks", key), ("query_blocks", query)):
+        mb, mh = table.shape[:2]
+        mod_args[f"{name}_batch_stride"] = np.int64(table.strides[0] // 4 if mb > 1 else 0)
+        mod_args[f"{name}_head_stride"] = np.int64(table.strides[1] // 4 if mh > 1 else 0)
+    mod_args["block_m"] = mod_args["block_n"] = np.int32(mods.block_mask.GRANULE)
 
 
 def forward_params(q, k, v, o, lse, *, softmax_scale: float, mask, variant=None) -> np.ndarray:

@@ -102,7 +102,8 @@ def output_rounding_allowance(do, q, k, v, o, o_ref, *, softmax_scale, causal, w
     scale = 1.0 / np.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
     e = np.sum(do * (o - o_ref), axis=-1, keepdims=True)  # (batch, seqlen_q, heads, 1)
     kwargs = {**mask_options(softmax_scale, causal, window_size), **variant}
-    capped = bool(variant.get("softcap"))
+    score_mod = variant.get("score_mod")
+    capped = bool(variant.get("softcap")) or (score_mod is not None and getattr(score_mod, "has_grad", True))
     p_k = reference.attention(q, k, np.abs(k) if capped else k, **kwargs)[0]
     p_t_e_q = reference.attention_backward(np.abs(e * q) if capped else e * q, q, k, v, **kwargs)[2]
     return scale * max_abs(np.abs(e) * p_k if capped else e * p_k), scale * max_abs(p_t_e_q), 0.0
@@ -241,7 +242,7 @@ def _passes(failures, name, actual, ref64, baseline, *, dtype, **options) -> boo
 
 
 def assert_attention_close(problem: AttentionProblem, o, lse=None, grads=None, *, inputs=None,
-                           check_dtype=True):
+                           check_dtype=True, variant=None):
     """Assert that an attention implementation's results for ``problem`` are as accurate as the
     rule in this module requires, against ``cupyflash.reference`` in float64.
 
@@ -251,12 +252,19 @@ def assert_attention_close(problem: AttentionProblem, o, lse=None, grads=None, *
     was handed this ``o`` (as a FlashAttention backward is); its rounding is allowed for
     (``output_rounding_allowance``). Arrays may be NumPy, CuPy or torch (any device) or anything
     ``np.asarray`` takes. With ``check_dtype``, o and the gradients must have ``problem.dtype``.
+    ``variant``: the call's variant keywords beyond the problem's (softcap, alibi_slopes,
+    score_mod, mask_mod: those of ``cupyflash.reference.attention``), which the references and
+    the baseline then take too. A score_mod's derivative must lie in [0, 1] (a cap, a bias) for
+    the output-rounding allowance (``output_rounding_allowance``) to bound the gradients.
 
     Every output is checked, then one AssertionError lists each failing one: its largest error,
     where, the reference value there, and the allowed error with the rule that set it.
     """
     q, k, v, do = problem.arrays() if inputs is None else (as_numpy(x) for x in inputs)
-    kwargs = problem.kwargs
+    variant = dict(variant or {})
+    if variant.get("sink") is not None:
+        raise ValueError("assert_attention_close checks (dq, dk, dv); check a sink's dsink on its own")
+    kwargs = {**problem.kwargs, **variant}
     dtype = problem.dtype
     out_dtype = dtype if check_dtype else None
     sixteen_bit = dtype in SIXTEEN_BIT
@@ -285,8 +293,11 @@ def assert_attention_close(problem: AttentionProblem, o, lse=None, grads=None, *
         baselines = (None, None, None)
         if sixteen_bit:
             standard = reference.standard_attention_backward(do, q, k, v, dtype=dtype, **kwargs)
-            flash = flash_rounding_baseline(do, q, k, v, dtype=dtype, **kwargs)
-            baselines = [worse_baseline(r, s, f) for r, s, f in zip(refs, standard, flash)]
+            if variant:  # the FlashAttention-2 rounding baseline is of the plain softmax
+                baselines = list(standard)
+            else:
+                flash = flash_rounding_baseline(do, q, k, v, dtype=dtype, **kwargs)
+                baselines = [worse_baseline(r, s, f) for r, s, f in zip(refs, standard, flash)]
         # The allowance for the o the backward saw, if that o is within the rule; else for a
         # correctly rounded one: a wrong o must not widen what the gradients may get wrong.
         o_seen = o if o_passes else o_ref.astype(dtype)

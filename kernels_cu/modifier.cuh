@@ -1,0 +1,106 @@
+// User modifiers: the contract between cupyflash/modifiers.py's generated structs and the
+// kernels. A call with score_mod / mask_mod compiles every kernel it launches with a struct
+//
+//   namespace cfu { struct mod_<hash> {
+//       static constexpr bool HAS_SCORE, HAS_MASK, HAS_GRAD;
+//       template <typename A> static A score(A z, int b, int h, int q_idx, int kv_idx,
+//                                            const cf::ModArgs& t, A& dz_dz);   // HAS_SCORE
+//       static bool mask(int b, int h, int q_idx, int kv_idx, const cf::ModArgs& t); // HAS_MASK
+//   }; }
+//
+// appended to the kernel's source (the hash is of the struct's own text, so it is in the
+// specialization's name and CuPy's cache key); score.cuh's UserScore<M, SINK> applies it where
+// the built-in variants apply theirs, and mask.cuh's WithScore narrows the block ranges by the
+// mask's block map. The helpers below are the only functions the generated text calls.
+#pragma once
+
+#include "common.cuh"
+
+namespace cf {
+
+constexpr int MOD_TENSORS = 4;     // cupyflash/modifiers.py: MAX_TENSORS, MAX_TENSOR_DIMS
+constexpr int MOD_TENSOR_DIMS = 4;
+
+// The run-time part of a call's modifiers (a field of VariantArgs, so of both Params structs):
+// the tensors a modifier reads (address, strides in elements), and a mask modifier's block map
+// (cupyflash.modifiers.BlockMask): per (batch, query head) and granule of block_m query rows the
+// key granules (block_n keys) [first, end) that may hold a visible pair, per (batch, kv head) and
+// key granule the query granules [first, end) over the kv head's query heads, each entry folded
+// with its neighbours as mask.cuh's WithScore reads it (a suffix minimum of first, a prefix
+// maximum of end). A stride of 0 broadcasts a map made for every batch entry or head at once.
+struct ModArgs {
+    const void* data[MOD_TENSORS];
+    i64 strides[MOD_TENSORS][MOD_TENSOR_DIMS];
+    const int* key_blocks;    // [batch][head][query granule][2]
+    const int* query_blocks;  // [batch][kv head][key granule][2]
+    i64 key_blocks_batch_stride, key_blocks_head_stride;      // in ints
+    i64 query_blocks_batch_stride, query_blocks_head_stride;  // in ints
+    int block_m, block_n;     // the granules: rows, keys
+};
+
+// Element (idx...) of tensor `slot`, read through the read-only cache.
+template <typename T, typename... I>
+__device__ __forceinline__ T mod_load(const ModArgs& t, int slot, I... idx) {
+    static_assert(sizeof...(I) >= 1 && sizeof...(I) <= MOD_TENSOR_DIMS, "one index per dimension");
+    i64 offset = 0;
+    int d = 0;
+    ((offset += i64(idx) * t.strides[slot][d++]), ...);
+    return __ldg(static_cast<const T*>(t.data[slot]) + offset);
+}
+
+// The modifiers' math, in the score's type (float or double), accurate (not the MUFU forms: a
+// modifier's value is the model's definition, and it is computed once per score).
+__device__ __forceinline__ float mod_exp(float x) { return expf(x); }
+__device__ __forceinline__ double mod_exp(double x) { return exp(x); }
+__device__ __forceinline__ float mod_log(float x) { return logf(x); }
+__device__ __forceinline__ double mod_log(double x) { return log(x); }
+__device__ __forceinline__ float mod_tanh(float x) { return tanhf(x); }
+__device__ __forceinline__ double mod_tanh(double x) { return tanh(x); }
+__device__ __forceinline__ float mod_sqrt(float x) { return sqrtf(x); }
+__device__ __forceinline__ double mod_sqrt(double x) { return sqrt(x); }
+__device__ __forceinline__ float mod_floor(float x) { return floorf(x); }
+__device__ __forceinline__ double mod_floor(double x) { return floor(x); }
+__device__ __forceinline__ float mod_sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+__device__ __forceinline__ double mod_sigmoid(double x) { return 1.0 / (1.0 + exp(-x)); }
+__device__ __forceinline__ float mod_pow(float x, float y) { return powf(x, y); }
+__device__ __forceinline__ double mod_pow(double x, double y) { return pow(x, y); }
+template <typename T>
+__device__ __forceinline__ T mod_min(T a, T b) { return a < b ? a : b; }
+template <typename T>
+__device__ __forceinline__ T mod_max(T a, T b) { return a < b ? b : a; }
+
+// Python's // and % (floor), which modifiers.py's NumPy form computes: C's / and % truncate. A
+// divisor of 0 divides by 1 in both (C's would be undefined).
+__device__ __forceinline__ int mod_floordiv(int a, int b) {
+    b = b == 0 ? 1 : b;
+    const int q = a / b;
+    return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+__device__ __forceinline__ int mod_mod(int a, int b) {
+    b = b == 0 ? 1 : b;
+    const int r = a % b;
+    return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
+}
+__device__ __forceinline__ float mod_floordiv(float a, float b) { return floorf(a / b); }
+__device__ __forceinline__ double mod_floordiv(double a, double b) { return floor(a / b); }
+__device__ __forceinline__ float mod_mod(float a, float b) { return a - b * floorf(a / b); }
+__device__ __forceinline__ double mod_mod(double a, double b) { return a - b * floor(a / b); }
+
+}  // namespace cf
+
+namespace cf {
+
+// The block map of a mask modifier (cupyflash.modifiers.BlockMask, made by flash_block_map.cu):
+// per (batch, head) of the map (map_batch, map_heads: 1 where the mask reads no b or no h) and
+// granule of ROWS query rows, the key granules [first, end) that hold a pair the mask keeps, and
+// per key granule the query granules [first, end); both [map_batch][map_heads][granule][2], the
+// key-granule table's first filled with the row granule count and its end with 0 beforehand.
+struct BlockMapParams {
+    ModArgs t;         // the mask's tensors (slots from 0)
+    int* key_blocks;   // [..][query granules][2]
+    int* query_blocks; // [..][key granules][2], atomic min / max
+    int map_batch, map_heads, seqlen_q, seqlen_k;
+    int query_granules, key_granules;
+};
+
+}  // namespace cf
