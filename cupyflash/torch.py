@@ -421,8 +421,44 @@ def _scale(softmax_scale, headdim: int) -> float:
     return float(softmax_scale)
 
 
+class _ModifiedAttention(torch.autograd.Function):
+    """Attention with user modifiers (cupyflash.modifiers), differentiable in q, k, v and the sink.
+    Not a custom operator: a modifier is a Python object, which an operator schema cannot carry
+    (torch.compile breaks its graph here and runs the call eagerly)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sink, options, deterministic):
+        def compute(q, k, v, *sink_array, backend):
+            return api.flash_attn_func(q, k, v, **options, sink=sink_array[0] if sink_array else None,
+                                       return_lse=True, backend=backend)
+
+        o, lse = _run(q.device, compute, q, k, v, *(() if sink is None else (sink.contiguous(),)))
+        ctx.save_for_backward(q, k, v, o, lse, sink)
+        ctx.options, ctx.deterministic = options, deterministic
+        ctx.set_materialize_grads(False)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, o, lse, sink = ctx.saved_tensors
+        if dlse is not None:
+            raise NotImplementedError("cupyflash.torch: a gradient through softmax_lse with score_mod / mask_mod is "
+                                      "not supported yet")
+        if do is None:
+            return None, None, None, None, None, None
+        options, deterministic = ctx.options, ctx.deterministic
+
+        def compute(do, q, k, v, o, lse, *sink_array, backend):
+            return api.flash_attn_backward(do, q, k, v, o, lse, **options, sink=sink_array[0] if sink_array else None,
+                                           backend=backend, deterministic=deterministic)
+
+        grads = _run(q.device, compute, do.contiguous(), q, k, v, o, lse, *(() if sink is None else (sink,)))
+        return (*grads[:3], grads[3] if sink is not None else None, None, None)
+
+
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, sink=None):
+                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, sink=None,
+                    *, score_mod=None, mask_mod=None, block_mask=None):
     """flash-attn 2's flash_attn_func, computed by cupyflash: softmax(q kᵀ · scale) v.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim), nheads a
@@ -438,14 +474,33 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     ``softcap`` (c tanh(s / c) of the scaled scores), ``alibi_slopes`` ((nheads,) or (batch,
     nheads) float32, not differentiated, as in flash-attn) and ``sink`` ((nheads,) float32 logits
     in each row's softmax denominator, gpt-oss; differentiable) are cupyflash.flash_attn_func's.
+    ``score_mod``, ``mask_mod`` and ``block_mask`` (keywords only) are cupyflash's user modifiers
+    (cupyflash.modifiers), their tensors torch tensors on q's device (read, not differentiated);
+    with them the call is an autograd.Function rather than a custom operator.
     Not supported yet, each a NotImplementedError: dropout_p != 0; a gradient through softmax_lse
-    with softcap != 0.
+    with softcap != 0 or with modifiers.
     """
     _unsupported(dropout_p=dropout_p != 0)
     _check_tensors(q, k, v)
     scale = _scale(softmax_scale, q.shape[3])
     window_left, window_right = check_window(window_size)
     _check_variant_tensors(q, softcap, alibi_slopes, sink)
+    if score_mod is not None or mask_mod is not None or block_mask is not None:
+        if softcap or alibi_slopes is not None:
+            raise ValueError("cupyflash: score_mod does not combine with softcap or alibi_slopes; write the cap or "
+                             "the bias into the score_mod")
+        options = dict(softmax_scale=scale, causal=bool(causal), window_size=(window_left, window_right),
+                       score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask)
+        on_stream = _cupy_on_torch_stream(q.device) if q.device.type == "cuda" else contextlib.nullcontext()
+        with on_stream:  # the block map's kernel reads the mask's tensors in torch's stream order
+            if mask_mod is not None and block_mask is None:  # one block map for the forward and the backward
+                from .modifiers import BlockMask, MaskMod
+
+                mask = mask_mod if isinstance(mask_mod, MaskMod) else MaskMod(mask_mod)
+                options.update(mask_mod=None, block_mask=BlockMask(mask, q.shape[0], q.shape[2], q.shape[1],
+                                                                   k.shape[1], device=q.device.type))
+        o, lse = _ModifiedAttention.apply(q, k, v, sink, options, bool(deterministic))
+        return o if not return_attn_probs else (o, lse, q.new_empty((0,)))
     o, lse = _forward_op(q, k, v, scale, bool(causal), window_left, window_right, bool(deterministic),
                          float(softcap), alibi_slopes, sink)
     if not return_attn_probs:

@@ -370,3 +370,29 @@ def test_the_fuzzer_finds_a_wrong_modifier():
 
     with pytest.raises(AssertionError):
         check_modifier(replace(next_problem(), seqlen_q=20, seqlen_k=20, headdim=8, seed=2), None, wrong, backend="numpy")
+
+
+# --- cupyflash.torch ---------------------------------------------------------------------------------
+
+def test_torch_passes_the_modifiers_through_with_autograd():
+    torch = pytest.importorskip("torch")
+    from cupyflash.torch import flash_attn_func as torch_attention
+
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(s, generator=generator, dtype=torch.float64).requires_grad_()
+               for s in [(2, 30, 4, 8), (2, 30, 2, 8), (2, 30, 2, 8)])
+    sink = torch.randn(4, generator=generator, dtype=torch.float64).float().requires_grad_()
+    table = torch.randn(4, 61, generator=generator).float()
+    score_mod = cf.ScoreMod(zoo.relative_bias, table=table)
+    o = torch_attention(q, k, v, causal=True, score_mod=score_mod, mask_mod=zoo.sliding_window, sink=sink)
+    do = torch.randn(o.shape, generator=generator, dtype=torch.float64)
+    dq, dk, dv, dsink = torch.autograd.grad(o, (q, k, v, sink), do)
+    arrays = [x.detach().numpy() for x in (q, k, v)]
+    ref = dict(causal=True, score_mod=cf.ScoreMod(zoo.relative_bias, table=table.numpy()), mask_mod=zoo.sliding_window,
+               sink=sink.detach().numpy())
+    np.testing.assert_allclose(o.detach().numpy(), reference.attention(*arrays, **ref)[0], rtol=1e-10, atol=1e-10)
+    grads = reference.attention_backward(do.numpy(), *arrays, **ref)
+    for name, got, want in zip(("dq", "dk", "dv", "dsink"), (dq, dk, dv, dsink), grads):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6, err_msg=name)  # dsink is float32
+    with pytest.raises(ValueError, match="softcap"):
+        torch_attention(q, k, v, softcap=3.0, score_mod=zoo.tanh_cap)

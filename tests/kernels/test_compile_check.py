@@ -161,8 +161,8 @@ def test_results_are_cached_by_source_and_options(tmp_path, monkeypatch):
         compile_check.check("90", [spec])  # another arch is another key
     with pytest.raises(AssertionError, match="compiled although"):
         compile_check.check("80", [spec], cache=False)
-    source = compile_check.kernel_source(spec.source_file)
-    monkeypatch.setattr(compile_check, "kernel_source", lambda name: source + "\n// edited\n")
+    source = compile_check.module_source(spec.source_file, [spec.expression])
+    monkeypatch.setattr(compile_check, "module_source", lambda name, expressions: source + "\n// edited\n")
     with pytest.raises(AssertionError, match="compiled although"):
         compile_check.check("80", [spec])  # an edit of the source (or of a header) is another key
 
