@@ -482,17 +482,35 @@ def plan_backward(arch: str | None, dtype, headdim: int, mask: Mask | bool, smem
     headdim = mma_headdim(headdim)
     where = backward_device_class(arch)
     dt = d_tile(headdim)
+    candidates = backward_candidates(where, dtype, dt, mask, smem_optin, deterministic)
+    row = candidates[0] if len(candidates) == 1 else without_spills(
+        candidates, arch, lambda r: [launch.spec for launch in _plan(dtype, headdim, mask, r, where).launches
+                                     if launch.role in ("dkdv", "dq")])
+    return _plan(dtype, headdim, mask, row, where)
+
+
+def backward_candidates(where: str, dtype, dt: int, mask: Mask, smem_optin: int | None,
+                        deterministic: bool) -> list:
+    """The rows plan_backward chooses from, in order: the first of BACKWARD_KERNELS' rows that fits
+    ``smem_optin`` (routed by _without_spills), and with user modifiers on sm_90 the mma.sync row
+    after it (fewer accumulators per thread than the wgmma kernels: where a modifier's code
+    leaves those short of registers, the mma.sync kernels run instead)."""
     rows = BACKWARD_KERNELS[(where, dt, bool(deterministic))]
     row = next((r for r in rows if smem_optin is None or _dkdv_spec(dtype, dt, mask, r).smem_bytes <= smem_optin),
                rows[-1])
     row = _without_spills(row, mask, dt)
-    if mask.score.user is not None and where == SM90:
-        # The mma.sync kernels hold fewer accumulators per thread than the wgmma ones: where a
-        # modifier's code leaves the wgmma kernels short of registers, they run instead.
-        fallback = _without_spills(BACKWARD_KERNELS[(MMA_SYNC, dt, bool(deterministic))][0], mask, dt)
-        row = without_spills([row, fallback], arch, lambda r: [l.spec for l in _plan(dtype, headdim, mask, r, where)
-                                                                 .launches if l.role in ("dkdv", "dq")])
-    return _plan(dtype, headdim, mask, row, where)
+    if mask.score.user is None or where != SM90:
+        return [row]
+    return [row, _without_spills(BACKWARD_KERNELS[(MMA_SYNC, dt, bool(deterministic))][0], mask, dt)]
+
+
+def candidate_specs(where: str, dtype, headdim: int, mask: Mask, smem_optin: int | None,
+                    deterministic: bool) -> list:
+    """The dK/dV and dQ specializations of every candidate row (what ``without_spills`` compiles to
+    choose: scripts/warm_kernel_cache.py compiles them all at once first)."""
+    dt = d_tile(mma_headdim(headdim))
+    return [launch.spec for r in backward_candidates(where, dtype, dt, mask, smem_optin, deterministic)
+            for launch in _plan(dtype, mma_headdim(headdim), mask, r, where).launches if launch.role in ("dkdv", "dq")]
 
 
 def backward_plan(dtype, headdim: int, mask: Mask | bool, kernels: BackwardKernels) -> BackwardPlan:

@@ -44,6 +44,7 @@ import functools
 import hashlib
 import inspect
 import math
+import sys
 import threading
 from dataclasses import dataclass, field
 
@@ -77,11 +78,12 @@ class Expr:
     float in the kernel's accumulator type, "i" an int32, "b" a condition). Nodes are hash-consed
     per trace, so equal subexpressions are one node (one line of CUDA)."""
 
-    __slots__ = ("op", "args", "kind", "value", "_trace", "__weakref__")
+    __slots__ = ("op", "args", "kind", "value", "where", "_trace", "__weakref__")
     __array_priority__ = 1000  # NumPy scalars on the left defer to the Expr's operators
 
-    def __init__(self, trace, op, args, kind, value=None):
+    def __init__(self, trace, op, args, kind, value=None, where=None):
         self._trace, self.op, self.args, self.kind, self.value = trace, op, args, kind, value
+        self.where = where  # (file, line) of the user's code that made it, for NVRTC's messages
 
     # Python's control flow cannot follow a symbolic value.
     def __bool__(self):
@@ -158,17 +160,29 @@ class Expr:
 
 
 class _Trace:
-    """One tracing: the hash-consing table of its nodes."""
+    """One tracing: the hash-consing table of its nodes, and where in the user's function each
+    was made (the frame of ``code`` on the stack; ``at``: a location to use instead, set while the
+    derivative of a node is built)."""
 
-    def __init__(self):
+    def __init__(self, code=None):
         self.nodes: dict = {}
+        self.code = code
+        self.at = None
 
     def node(self, op, args, kind, value=None):
         key = (op, tuple(id(a) for a in args), kind, value)
         found = self.nodes.get(key)
         if found is None:
-            found = self.nodes[key] = Expr(self, op, tuple(args), kind, value)
+            found = self.nodes[key] = Expr(self, op, tuple(args), kind, value, self._where())
         return found
+
+    def _where(self):
+        if self.at is not None or self.code is None:
+            return self.at
+        frame = sys._getframe(2)
+        while frame is not None and frame.f_code is not self.code:
+            frame = frame.f_back
+        return None if frame is None else (frame.f_code.co_filename, frame.f_lineno)
 
 
 def _node(trace, op, args, kind, value=None) -> Expr:
@@ -433,6 +447,15 @@ def _grad(out: Expr, wrt: Expr) -> Expr:
             return zero
         if id(e) in memo:
             return memo[id(e)]
+        outer, trace.at = trace.at, e.where  # the derivative's nodes are the line's that made e
+        try:
+            r = _d(e)
+        finally:
+            trace.at = outer
+        memo[id(e)] = r
+        return r
+
+    def _d(e: Expr) -> Expr:
         a = e.args
         op = e.op
         if op == "add":
@@ -472,7 +495,6 @@ def _grad(out: Expr, wrt: Expr) -> Expr:
             r = da if da is db else where(a[0], da, db)
         else:
             raise AssertionError(op)
-        memo[id(e)] = r
         return r
 
     return d(out)
@@ -503,6 +525,10 @@ def _topological(roots) -> list:
     return order
 
 
+def _c_string(text: str) -> str:
+    return text.replace("\\", "\\\\").replace('"', '\\"')
+
+
 def _float_literal(x: float) -> str:
     if math.isnan(x):
         return "A(NAN)"
@@ -516,6 +542,8 @@ def _cpp_body(roots: dict, tensors: list) -> tuple[list, dict]:
     names: dict = {}
     lines = []
     ctype = {"f": "A", "i": "int", "b": "bool"}
+    at = None
+    count = 0
     for e in _topological(roots.values()):
         op, a = e.op, [names.get(id(x)) for x in e.args]
         if op in ("score", "b", "h", "q_idx", "kv_idx"):
@@ -553,7 +581,11 @@ def _cpp_body(roots: dict, tensors: list) -> tuple[list, dict]:
             text = {"f": f"A({load})", "i": f"int({load})", "b": f"({load} != 0)"}[e.kind]
         else:
             raise AssertionError(op)
-        var = f"v{len(lines)}"
+        var = f"v{count}"
+        count += 1
+        if e.where is not None and e.where != at:  # NVRTC's messages name the user's line
+            at = e.where
+            lines.append(f'#line {at[1]} "{_c_string(at[0])}"')
         lines.append(f"        const {ctype[e.kind]} {var} = {text};")
         names[id(e)] = var
     return lines, {k: names[id(v)] for k, v in roots.items()}
@@ -698,7 +730,7 @@ class _Modifier:
             raise ModifierError(f"cupyflash: {type(self).__name__} takes a Python function, got {type(fn).__name__}")
         self.fn = fn
         self.tensors = _check_tensors(fn, self.LEADING, tensors, self.WHAT)
-        self.trace = _Trace()
+        self.trace = _Trace(getattr(fn, "__code__", None))
         self.vars = {name: _node(self.trace, name, (), "f" if name == "score" else "i")
                      for name in ("score", "b", "h", "q_idx", "kv_idx")}
         stand_ins = [_TensorArg(self.trace, slot, t.name, t.dtype, t.shape) for slot, t in enumerate(self.tensors)]
@@ -992,7 +1024,10 @@ class Modifiers:
         """The struct the kernels include (kernels_cu/modifier.cuh's contract), named by the hash of
         its own text."""
         body = self._cuda_body()
-        digest = hashlib.sha1(body.encode()).hexdigest()[:12]
+        # The name hashes the code, not where it was written: moving the function in its file
+        # keeps its kernels (the #line directives only name lines in NVRTC's messages).
+        code = "\n".join(line for line in body.splitlines() if not line.startswith("#line"))
+        digest = hashlib.sha1(code.encode()).hexdigest()[:12]
         return body.replace("CFU_NAME", f"mod_{digest}")
 
     @property
@@ -1087,7 +1122,11 @@ def _shift_slots(mod: MaskMod, offset: int) -> Expr:
             return memo[id(e)]
         args = tuple(copy(a) for a in e.args)
         value = e.value + offset if e.op == "load" else e.value
-        out = e if (not args and e.op != "load") else mod.trace.node(e.op, args, e.kind, value)
+        outer, mod.trace.at = mod.trace.at, e.where  # the copy keeps the user's line
+        try:
+            out = e if (not args and e.op != "load") else mod.trace.node(e.op, args, e.kind, value)
+        finally:
+            mod.trace.at = outer
         memo[id(e)] = out
         return out
 

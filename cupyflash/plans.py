@@ -218,12 +218,20 @@ def plan_forward(arch: str | None, dtype, headdim: int, mask: Mask | bool, smem_
 def forward_tiles(family: str, where: str, dt: int, dtype, mask: Mask, arch: str | None):
     """FORWARD_TILES' row, or with user modifiers the first of it and USER_FORWARD_FALLBACKS'
     that compiles without spills (``without_spills``; ``arch`` None: the class's own arch)."""
+    candidates = forward_candidates(family, where, dt, mask)
+    if len(candidates) == 1:
+        return candidates[0]
+    arch = arch or ("90" if where == SM90 else "80")
+    return without_spills(candidates, arch, lambda t: [specialization_for(dtype, dt, mask, t)])
+
+
+def forward_candidates(family: str, where: str, dt: int, mask: Mask) -> list:
+    """The tiles ``forward_tiles`` chooses from, in order: FORWARD_TILES' row, and with user
+    modifiers USER_FORWARD_FALLBACKS' after it."""
     tiles = FORWARD_TILES[(family, where, dt)]
     if mask.score.user is None or family != "mma":
-        return tiles
-    arch = arch or ("90" if where == SM90 else "80")
-    return without_spills([tiles, *USER_FORWARD_FALLBACKS.get((family, where, dt), ())], arch,
-                          lambda t: [specialization_for(dtype, dt, mask, t)])
+        return [tiles]
+    return [tiles, *USER_FORWARD_FALLBACKS.get((family, where, dt), ())]
 
 
 # Tiles a forward with user modifiers tries after the row's, in order (fewer S registers).

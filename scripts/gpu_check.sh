@@ -7,6 +7,9 @@
 #   scripts/gpu_check.sh OUTDIR bench   the default-kernel bench before/after (BEFORE_TREE: an
 #                                       exported older tree, optional), the bench table with the
 #                                       SDPA anchors, and the window/FlexAttention variants
+#   scripts/gpu_check.sh OUTDIR modifiers  the user modifiers' GPU tests, then their bench: softcap
+#                                       and ALiBi as score_mods and a document mask against
+#                                       FlexAttention at 8k, 8 documents of 2k against no mask at 16k
 #   scripts/gpu_check.sh OUTDIR ncu     kernel by kernel, this tree against BEFORE_TREE (required):
 #                                       time, registers, instructions of NCU_CASES, then the full
 #                                       section set of NCU_FULL (ncu --clock-control none)
@@ -30,7 +33,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,
 case $what in
 tests)
     export PYTHONPATH=$PWD
-    step warm-cache "${WARM_LIMIT:-240}" python scripts/warm_kernel_cache.py
+    step warm-cache "${WARM_LIMIT:-240}" python scripts/warm_kernel_cache.py ${WARM_ZOO:+--zoo}
     step gpu-tests "${TEST_LIMIT:-420}" env HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-gpu}" \
         python scripts/pytest_shards.py --shards "${SHARDS:-12}" --limit "$(( ${TEST_LIMIT:-420} - 20 ))" \
         --out "$out/shards" -m gpu tests/
@@ -49,9 +52,21 @@ bench)
     export PYTHONPATH=$PWD
     step bench-after 240 python -m cupyflash bench "${sweep[@]}" --anchors FA2 cuDNN \
         --json "$out/bench-after.json" --markdown "$out/bench-after.md"
-    step variants-8k 200 python -m cupyflash.bench.variants --seqlen 8192 --json "$out/variants-8k.json"
+    step variants-8k 200 python -m cupyflash.bench.variants --seqlen 8192 --json "$out/variants-8k.json" \
+        --variants full causal "causal window 1024" "window (512, 512)" "causal softcap 30" "causal alibi" "causal sink"
     step variants-16k 120 python -m cupyflash.bench.variants --seqlen 16384 --impls cupyflash \
         --variants causal "causal window 1024" "window (512, 512)" --json "$out/variants-16k.json"
+    ;;
+modifiers)
+    export PYTHONPATH=$PWD
+    step warm-zoo "${WARM_LIMIT:-240}" python scripts/warm_kernel_cache.py --zoo --match _mod_
+    step modifier-tests "${TEST_LIMIT:-300}" env HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-gpu}" \
+        python scripts/pytest_shards.py --shards "${SHARDS:-8}" --limit "$(( ${TEST_LIMIT:-300} - 20 ))" \
+        --out "$out/modifier-shards" -m gpu tests/test_modifiers_gpu.py tests/test_docs.py
+    step modifiers-8k 150 python -m cupyflash.bench.variants --seqlen 8192 --json "$out/modifiers-8k.json" \
+        --variants causal "causal softcap 30 (score_mod)" "causal alibi (score_mod)" "causal documents 2048"
+    step documents-16k 120 python -m cupyflash.bench.variants --seqlen 16384 --impls cupyflash flex \
+        --variants full "documents 2048" --json "$out/documents-16k.json"
     ;;
 ncu)
     : "${BEFORE_TREE:?the ncu part compares against BEFORE_TREE}"

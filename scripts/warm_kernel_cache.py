@@ -4,7 +4,12 @@ NVRTC compiles are CPU-bound and a test run or a bench otherwise meets them one 
 first use; warmed here in parallel, later processes (pytest groups, the bench) load cubins from
 the cache. Run from the tree to warm (PYTHONPATH=<tree>):
 
-    python scripts/warm_kernel_cache.py [--processes N] [--match REGEX]
+    python scripts/warm_kernel_cache.py [--processes N] [--match REGEX] [--zoo]
+
+``--zoo`` adds the kernels of the user modifiers the GPU tests draw (tests/modifier_zoo.py's
+GPU_COMBOS) for this device: first the candidates their plans choose among, compiled at once for
+ptxas's spill reports (compile_check's disk cache, which the plans then read), then the kernels
+the plans choose, into CuPy's cache.
 """
 from __future__ import annotations
 
@@ -17,10 +22,13 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 
 
-def _compile(names: list[str]) -> tuple[int, list[str]]:
+def _compile(names: list[str], extra=(), sources=None) -> tuple[int, list[str]]:
+    from cupyflash import modifiers
     from cupyflash.kernels import _module, compile_check
 
+    modifiers._SOURCES.update(sources or {})  # a spawned process starts without the parent's modifiers
     by_name = {s.name: s for s in compile_check.all_specializations()}
+    by_name.update({s.name: s for s in extra})
     errors = []
     for name in names:
         try:
@@ -37,24 +45,86 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--processes", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--match", default="")
+    parser.add_argument("--zoo", action="store_true", help="also the GPU tests' user modifiers")
     args = parser.parse_args(argv)
+    from cupyflash import modifiers
     from cupyflash.kernels import _module, compile_check
 
     pattern = re.compile(args.match)
-    specs = [s for s in compile_check.all_specializations() if pattern.search(s.name) and _module.runs_on_device(s)]
+    t0 = time.time()
+    extra = _zoo_specializations(args.processes) if args.zoo else []
+    specs = [s for s in [*compile_check.all_specializations(), *extra]
+             if pattern.search(s.name) and _module.runs_on_device(s)]
     names = sorted({s.name for s in specs})
     chunks = [names[i::args.processes * 4] for i in range(args.processes * 4)]
-    t0 = time.time()
     compiled, errors = 0, []
+    sources = dict(modifiers._SOURCES)
     # spawn, not fork: the parent has initialised CUDA (runs_on_device), which a forked child cannot use
     with ProcessPoolExecutor(max_workers=args.processes, mp_context=multiprocessing.get_context("spawn")) as pool:
-        for n, errs in pool.map(_compile, [c for c in chunks if c]):
+        for n, errs in pool.map(_compile, [c for c in chunks if c], [extra] * len(chunks), [sources] * len(chunks)):
             compiled += n
             errors += errs
     for line in errors:
         print(line)
     print(f"warm_kernel_cache: {compiled} specializations in {time.time() - t0:.0f} s, {len(errors)} errors")
     return 1 if errors else 0
+
+
+def _zoo_specializations(processes: int) -> list:
+    """The kernels this device's plans launch for GPU_COMBOS (every 16-bit plan and its backward,
+    deterministic or not, for each band and head-dim tile; the SIMT kernels for float32 / float64;
+    the block map kernels), after compiling every candidate the plans choose among for ptxas."""
+    from pathlib import Path
+
+    import cupy
+
+    from cupyflash import backward_plans, modifiers, plans
+    from cupyflash.kernels import compile_check
+    from cupyflash.kernels._module import _max_smem_optin, device_arch
+    from cupyflash.masks import Causal, Local, NoMask
+    from cupyflash.scores import Score
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import modifier_zoo
+
+    arch, smem = device_arch(), _max_smem_optin(cupy.cuda.Device().id)
+    where_fwd = plans.device_class(arch, smem)
+    where_bwd = backward_plans.backward_device_class(arch)
+    masks = [band(score=Score(user=mods)) for mods in modifier_zoo.gpu_combo_modifiers()
+             for band in (NoMask, Causal, lambda score: Local(5, 3, score))]
+    # what the plans choose among, compiled for ptxas in parallel threads first
+    candidates = []
+    for mask in masks:
+        for dtype in ("float16", "bfloat16"):
+            for dt in (64, 128, 256):
+                candidates += [plans.specialization_for(dtype, dt, mask, t)
+                               for t in plans.forward_candidates("mma", where_fwd, dt, mask)]
+                for deterministic in (True, False):
+                    candidates += backward_plans.candidate_specs(where_bwd, dtype, dt, mask, smem, deterministic)
+    by_arch = {}
+    for spec in dict.fromkeys(candidates):
+        by_arch.setdefault(spec.arch or arch, []).append(spec)
+    for target, group in by_arch.items():
+        compile_check.check_archs([target], group)
+    chosen = []
+    for mask in masks:
+        for dtype in ("float16", "bfloat16"):
+            for dt in (64, 128, 256):
+                chosen.append(plans.plan_forward(arch, dtype, dt, mask, smem).spec)
+                for deterministic in (True, False):
+                    chosen += [launch.spec for launch in
+                               backward_plans.plan_backward(arch, dtype, dt, mask, smem, deterministic).launches]
+        for dtype in ("float32", "float64"):
+            for dt in plans.SIMT_D_TILES:
+                chosen.append(plans.plan_forward(arch, dtype, dt, mask, smem, family="simt").spec)
+                chosen += [launch.spec for launch in backward_plans.plan_backward(arch, dtype, dt, mask, smem, True)
+                           .launches]
+        if mask.score.user.has_mask:
+            mods = mask.score.user
+            chosen.append(modifiers.block_map_spec(modifiers.Modifiers(None, modifiers._MaskOnly(mods.mask_mod))))
+    print(f"warm_kernel_cache: {len(set(candidates))} candidates checked by ptxas, {len(set(chosen))} zoo kernels",
+          flush=True)
+    return list(dict.fromkeys(chosen))
 
 
 if __name__ == "__main__":

@@ -14,8 +14,13 @@ import cupyflash as cf
 from cupyflash import modifiers as M
 
 
+# The code of a modifier (its hash, its kernels) must not depend on a problem's sizes, or every
+# drawn problem compiles new kernels: tables have a fixed width, read at fixed offsets.
+MAX_DISTANCE = 1023  # |q_idx - kv_idx| the relative-bias table covers (seqlens up to 1024)
+
+
 def relative_bias(score, b, h, q_idx, kv_idx, table):
-    return score + table[h, q_idx - kv_idx + table.shape[1] // 2]
+    return score + table[h, q_idx - kv_idx + MAX_DISTANCE]
 
 
 def tanh_cap(score, b, h, q_idx, kv_idx):
@@ -63,9 +68,11 @@ MASKS = ("causal", "sliding_window", "documents", "prefix_lm", "strided", "per_h
 
 def make_score_mod(name: str, problem, seed: int):
     rng = np.random.default_rng(seed)
-    nheads, longest = problem.nheads, max(problem.seqlen_q, problem.seqlen_k)
+    nheads = problem.nheads
+    if max(problem.seqlen_q, problem.seqlen_k) > MAX_DISTANCE + 1:
+        raise ValueError(f"the zoo's relative bias covers sequences up to {MAX_DISTANCE + 1}")
     if name == "relative_bias":
-        return cf.ScoreMod(relative_bias, table=rng.standard_normal((nheads, 2 * longest + 1)).astype(np.float32))
+        return cf.ScoreMod(relative_bias, table=rng.standard_normal((nheads, 2 * MAX_DISTANCE + 1)).astype(np.float32))
     if name == "tanh_cap":
         return cf.ScoreMod(tanh_cap)
     if name == "alibi":
@@ -93,12 +100,39 @@ def make_mask_mod(name: str, problem, seed: int):
     return cf.MaskMod(globals()[name])
 
 
+# The (score, mask) pairs the GPU tests draw: each pair is its own kernels, compiled for every
+# dtype, head-dim tile and band a test meets, so the GPU suite keeps to a few that between them use
+# every part of the contract (a derivative, a table read per pair, a mask with tensors, a mask whose
+# ranges are wider than its blocks, a score alone, a mask alone). scripts/warm_kernel_cache.py
+# --zoo compiles their kernels on every core first.
+GPU_COMBOS = (("relative_bias", "documents"), ("tanh_cap", None), ("t5_buckets", "sliding_window"),
+              (None, "strided"), ("alibi", "per_head_window"))
+
+
 @st.composite
-def modifiers_for(draw, problem, scores=SCORES + (None,), masks=MASKS + (None,)):
+def modifiers_for(draw, problem, scores=SCORES + (None,), masks=MASKS + (None,), combos=None):
     """(score_mod, mask_mod) for ``problem``: one of ``scores`` and one of ``masks`` (None: that
-    one absent), not both absent."""
-    score = draw(st.sampled_from(scores), label="score_mod")
-    mask = draw(st.sampled_from([m for m in masks if m is not None or score is not None]), label="mask_mod")
+    one absent), not both absent; or one pair of ``combos``."""
+    if combos is not None:
+        score, mask = draw(st.sampled_from(combos), label="modifiers")
+    else:
+        score = draw(st.sampled_from(scores), label="score_mod")
+        mask = draw(st.sampled_from([m for m in masks if m is not None or score is not None]), label="mask_mod")
     seed = draw(st.integers(0, 2**32 - 1), label="modifier_seed")
     return (None if score is None else make_score_mod(score, problem, seed),
             None if mask is None else make_mask_mod(mask, problem, seed + 1))
+
+
+def gpu_combo_modifiers():
+    """The Modifiers of GPU_COMBOS with placeholder tensors (a kernel's name and code depend on the
+    tensors' dtypes and dimensions, not on their values or sizes)."""
+    from cupyflash.modifiers import Modifiers, _MaskOnly
+
+    problem = cf.testing.AttentionProblem(batch=1, seqlen_q=16, seqlen_k=16, nheads_kv=1, group=1, headdim=8,
+                                          causal=False, softmax_scale=None, magnitude=1.0, dtype=np.float32, seed=0)
+    out = []
+    for score, mask in GPU_COMBOS:
+        score_mod = None if score is None else make_score_mod(score, problem, 0)
+        mask_mod = None if mask is None else make_mask_mod(mask, problem, 0)
+        out.append(Modifiers(score_mod, None if mask_mod is None else _MaskOnly(mask_mod)))
+    return out

@@ -38,4 +38,15 @@ def test_tables_show_ratios_and_speedups():
     text = table(rows)
     assert "| causal | 16384 | fwd | 400.0 | 333.0 | 1.20 |" in text
     assert "| causal window 1024 | 16384 | fwd | 380.0 | — | — |" in text
-    assert "| causal window 1024 | 16384 | 10.0x | — |" in speedups(rows)
+    assert "| causal window 1024 | 16384 | causal | 10.0x | — |" in speedups(rows)
+    rows += [Row("full", 16384, "cupyflash", "fwd", 16.0, 400.0), Row("documents 2048", 16384, "cupyflash", "fwd", 2.0, 400.0)]
+    assert "| documents 2048 | 16384 | full | 8.0x | — |" in speedups(rows)
+
+
+def test_document_pairs_are_each_documents_own():
+    from cupyflash.bench.variants import VARIANTS, pairs_of
+
+    by_name = {v.name: v for v in VARIANTS}
+    assert pairs_of(by_name["documents 2048"], 16384) == 8 * 2048 * 2048
+    assert pairs_of(by_name["causal documents 2048"], 16384) == 8 * 2048 * 2049 // 2
+    assert pairs_of(by_name["documents 2048"], 5000) == 2 * 2048 ** 2 + 904 ** 2

@@ -396,3 +396,38 @@ def test_torch_passes_the_modifiers_through_with_autograd():
         np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6, err_msg=name)  # dsink is float32
     with pytest.raises(ValueError, match="softcap"):
         torch_attention(q, k, v, softcap=3.0, score_mod=zoo.tanh_cap)
+
+
+@needs_nvrtc
+def test_nvrtc_names_the_users_lines(monkeypatch):
+    """The generated CUDA carries #line directives of the user's function: an error NVRTC finds in
+    it (here a literal broken on purpose) is reported at the Python line that wrote it. The
+    directives do not enter the name (moving a function keeps its kernels)."""
+    from cupyflash.kernels import compile_check
+    from cupyflash.kernels._module import kernel_source
+
+    def scaled(score, b, h, q_idx, kv_idx):
+        shifted = score - 1.25
+        return shifted * 3.5  # the line NVRTC must name
+
+    line = scaled.__code__.co_firstlineno + 2
+    mods = Modifiers(ScoreMod(scaled))
+    assert f'#line {line} "{__file__}"' in mods.cuda
+    # the same function written elsewhere: other #line directives, the same name
+    namespace = {"M": M}
+    exec(compile("\n" * 40 + "def scaled(score, b, h, q_idx, kv_idx):\n    return (score - 1.25) * 3.5\n",
+                 "elsewhere.py", "exec"), namespace)
+    moved = Modifiers(ScoreMod(namespace["scaled"]))
+    assert '"elsewhere.py"' in moved.cuda and moved.name == mods.name
+    real = M._float_literal
+    monkeypatch.setattr(M, "_float_literal", lambda x: "A(3.5 +)" if x == 3.5 else real(x))
+    broken = Modifiers(ScoreMod(scaled))
+    text = kernel_source("score.cuh") + broken.cuda + f"""
+extern "C" __global__ void probe(cf::ModArgs t, float* out) {{
+    float d;
+    out[0] = {broken.cpp}::score<float>(1.f, 0, 0, 0, 0, t, d);
+}}
+"""
+    with pytest.raises(RuntimeError) as error:
+        compile_check.compile_text(text, "probe.cu", [], "80")
+    assert f'{__file__}({line})' in str(error.value) or f'{__file__}:{line}' in str(error.value), str(error.value)[:2000]

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import cupyflash as cf
 from cupyflash import modifiers as M
 from kernel_paths import MMA_SYNC_BWD, check_against_reference, run_path
-from modifier_zoo import MASKS, make_mask_mod, modifiers_for
+from modifier_zoo import GPU_COMBOS, MASKS, make_mask_mod, modifiers_for
 import modifier_zoo as zoo
 from strategies import attention_case, make_inputs
 from tolerance import SIXTEEN_BIT
@@ -35,7 +35,7 @@ def _case(max_cost=GPU_MAX_COST, **kw):
 def _problem(draw, max_cost=GPU_MAX_COST, **kw):
     case = draw(_case(max_cost, **kw))
     window = draw(st.one_of(st.just((-1, -1)), window_size()))
-    score_mod, mask_mod = draw(modifiers_for(case))
+    score_mod, mask_mod = draw(modifiers_for(case, combos=GPU_COMBOS))
     return case, window, score_mod, mask_mod
 
 
@@ -68,7 +68,7 @@ def test_public_api_with_modifiers(case, data):
     the modifiers' tensors on the GPU."""
     import cupy
 
-    score_mod, mask_mod = data.draw(modifiers_for(case))
+    score_mod, mask_mod = data.draw(modifiers_for(case, combos=GPU_COMBOS))
     q, k, v, do = make_inputs(case)
     device = [cupy.asarray(x) for x in (q, k, v, do)]
     on_gpu = lambda mod: None if mod is None else type(mod)(mod.fn, **{t.name: cupy.asarray(t.array)  # noqa: E731

@@ -15,7 +15,13 @@ definition (flash-attn 2.8: query i sees key j iff i + sk - sq - left <= j <= i 
 not from cupyflash's masks.
 
 A second table gives the window's speed-up over full causal attention at the same shape (the
-issue's bar: at 16k, window (1024, 0) and (512, 512) at least 8x faster forward and backward).
+issue's bar: at 16k, window (1024, 0) and (512, 512) at least 8x faster forward and backward),
+and a document mask's over the same sequence without a mask.
+
+User modifiers (cupyflash.modifiers): the variants marked "(score_mod)" run softcap and ALiBi as
+cupyflash score modifiers (FlexAttention runs the same functions), "documents N" a mask_mod of
+documents of N tokens packed into the sequence, with its block map made once before timing (as
+FlexAttention's create_block_mask).
 """
 from __future__ import annotations
 
@@ -38,6 +44,8 @@ class Variant:
     softcap: float = 0.0  # c tanh(z / c) (0: none)
     alibi: bool = False  # ALiBi with the geometric slopes 2^(-8 (h + 1) / nheads)
     sink: bool = False  # a sink logit per head (gpt-oss)
+    modifier: bool = False  # softcap / ALiBi as a cupyflash score_mod instead of the argument
+    documents: int = 0  # a mask_mod of packed documents of this many tokens (0: none)
 
     def bounds(self) -> tuple[int, int]:
         """(left, right) with causal folded in; -1 = unbounded."""
@@ -55,7 +63,25 @@ VARIANTS = (
     Variant("causal softcap 30", True, softcap=30.0),
     Variant("causal alibi", True, alibi=True),
     Variant("causal sink", True, sink=True),
+    Variant("causal softcap 30 (score_mod)", True, softcap=30.0, modifier=True),
+    Variant("causal alibi (score_mod)", True, alibi=True, modifier=True),
+    Variant("documents 2048", False, documents=2048),
+    Variant("causal documents 2048", True, documents=2048),
 )
+
+
+def document_ids(seqlen: int, length: int) -> np.ndarray:
+    """(1, seqlen) int32: token t belongs to document t // length."""
+    return (np.arange(seqlen, dtype=np.int32) // length)[None]
+
+
+def pairs_of(variant: "Variant", seqlen: int) -> int:
+    """Visible pairs of ``variant`` at seqlen_q = seqlen_k = ``seqlen``: the band's, within each
+    document for a document mask."""
+    if not variant.documents:
+        return visible_pairs(seqlen, seqlen, *variant.bounds())
+    lengths = [min(variant.documents, seqlen - start) for start in range(0, seqlen, variant.documents)]
+    return sum(visible_pairs(n, n, *variant.bounds()) for n in lengths)
 
 
 def alibi_slopes(nheads: int) -> np.ndarray:
@@ -118,7 +144,24 @@ def _cupyflash_runs(variant: Variant, sets):
         if not _cupyflash_has_window():
             return None, None
         kwargs["window_size"] = variant.window
-    if variant.softcap or variant.alibi or variant.sink:
+    if variant.modifier or variant.documents:
+        if "score_mod" not in inspect.signature(cupyflash.flash_attn_func).parameters:
+            return None, None
+        from cupyflash import modifiers as M
+
+        if variant.softcap:
+            cap = variant.softcap
+            kwargs["score_mod"] = cupyflash.ScoreMod(lambda score, b, h, q_idx, kv_idx: cap * M.tanh(score / cap))
+        elif variant.alibi:
+            kwargs["score_mod"] = cupyflash.ScoreMod(
+                lambda score, b, h, q_idx, kv_idx, slopes: score - slopes[h] * abs(q_idx - kv_idx),
+                slopes=cupy.asarray(alibi_slopes(sets[0][0].shape[2])))
+        if variant.documents:
+            seqlen = sets[0][0].shape[1]
+            doc = cupy.asarray(document_ids(seqlen, variant.documents))
+            mask = cupyflash.MaskMod(lambda b, h, q_idx, kv_idx, doc: doc[0, q_idx] == doc[0, kv_idx], doc=doc)
+            kwargs["block_mask"] = cupyflash.create_block_mask(mask, None, None, seqlen, seqlen)
+    elif variant.softcap or variant.alibi or variant.sink:
         if "softcap" not in inspect.signature(cupyflash.flash_attn_func).parameters:
             return None, None
         nheads = sets[0][0].shape[2]
@@ -147,12 +190,16 @@ def _flex_runs(torch, variant: Variant, sets, seqlen):
 
     left, right = variant.bounds()
 
+    doc = torch.from_numpy(document_ids(seqlen, variant.documents or seqlen)[0]).cuda()
+
     def mask_mod(b, h, q_idx, kv_idx):
         visible = q_idx >= 0  # all-true of the right type
         if left >= 0:
             visible = visible & (q_idx - kv_idx <= left)
         if right >= 0:
             visible = visible & (kv_idx - q_idx <= right)
+        if variant.documents:
+            visible = visible & (doc[q_idx] == doc[kv_idx])
         return visible
 
     if variant.sink:
@@ -170,7 +217,7 @@ def _flex_runs(torch, variant: Variant, sets, seqlen):
             return score - slopes[h] * (q_idx - kv_idx).abs()
 
     block_mask = None
-    if (left, right) != (-1, -1):
+    if (left, right) != (-1, -1) or variant.documents:
         block_mask = create_block_mask(mask_mod, None, None, seqlen, seqlen, device="cuda")
     compiled = torch.compile(flex_attention, dynamic=False)
     views = [[torch.from_dlpack(x).transpose(1, 2) for x in s] for s in sets]
@@ -191,7 +238,7 @@ def _flex_runs(torch, variant: Variant, sets, seqlen):
 
 
 def _cudnn_runs(torch, variant: Variant, sets):
-    if variant.window != (-1, -1) or variant.softcap or variant.alibi or variant.sink:
+    if variant.window != (-1, -1) or variant.softcap or variant.alibi or variant.sink or variant.documents:
         return None, None
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -234,7 +281,7 @@ def run(batch: int, nheads: int, headdim: int, seqlens, variants, impls, seed: i
         with stream, torch.cuda.stream(torch_stream):
             sets = _inputs(batch, seqlen, nheads, headdim, n_sets, seed)
             for variant in variants:
-                pairs = visible_pairs(seqlen, seqlen, *variant.bounds())
+                pairs = pairs_of(variant, seqlen)
                 flops = {"fwd": 4.0 * batch * nheads * pairs * headdim}
                 flops["bwd"] = 2.5 * flops["fwd"]
                 for impl in impls:
@@ -286,16 +333,18 @@ def table(rows: list[Row]) -> str:
 
 
 def speedups(rows: list[Row], impl: str = "cupyflash") -> str:
-    """Time of full causal attention over the time of each windowed variant, same seqlen."""
+    """Time of the unwindowed attention (causal; full for a non-causal document mask) over the time
+    of each windowed or document-masked variant, same seqlen."""
     ms = {(r.variant, r.seqlen, r.mode): r.ms for r in rows if r.impl == impl and r.ms}
-    lines = ["| variant | seqlen | fwd speed-up over causal | bwd speed-up over causal |",
-             "|---|---|---|---|"]
+    lines = ["| variant | seqlen | baseline | fwd speed-up | bwd speed-up |",
+             "|---|---|---|---|---|"]
     for (variant, seqlen) in dict.fromkeys((r.variant, r.seqlen) for r in rows):
-        if "window" not in variant:
+        if "window" not in variant and "documents" not in variant:
             continue
-        cells = [variant, str(seqlen)]
+        baseline = "causal" if "window" in variant or variant.startswith("causal") else "full"
+        cells = [variant, str(seqlen), baseline]
         for mode in ("fwd", "bwd"):
-            base, here = ms.get(("causal", seqlen, mode)), ms.get((variant, seqlen, mode))
+            base, here = ms.get((baseline, seqlen, mode)), ms.get((variant, seqlen, mode))
             cells.append(f"{base / here:.1f}x" if base and here else "—")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -114,7 +114,15 @@ def get_function(spec: Specialization):
                 options=NVRTC_OPTIONS + ((f"-arch=sm_{spec.arch}",) if spec.arch else ()),
                 name_expressions=(spec.expression,),
             )
-            fn = module.get_function(spec.expression)
+            try:
+                fn = module.get_function(spec.expression)
+            except cupy.cuda.compiler.CompileException as exc:
+                if "cfu::" not in spec.expression:
+                    raise
+                from ..modifiers import ModifierError
+
+                raise ModifierError(f"cupyflash: kernel {spec.name} with a user modifier did not compile; NVRTC's "
+                                    f"log names the modifier's lines by its Python file and line:\n{exc}") from exc
             limit = _max_smem_optin(device)
             if spec.smem_bytes > limit:
                 raise ValueError(
