@@ -102,11 +102,11 @@ def make_mask_mod(name: str, problem, seed: int):
 
 # The (score, mask) pairs the GPU tests draw: each pair is its own kernels, compiled for every
 # dtype, head-dim tile and band a test meets, so the GPU suite keeps to a few that between them use
-# every part of the contract (a derivative, a table read per pair, a mask with tensors, a mask whose
-# ranges are wider than its blocks, a score alone, a mask alone). scripts/warm_kernel_cache.py
+# every part of the contract (a derivative, a table read per pair, masks with tensors, per head, and
+# whose ranges are wider than their blocks; a score alone and a mask alone: the causal and ALiBi
+# tests of tests/test_modifiers_gpu.py). scripts/warm_kernel_cache.py
 # --zoo compiles their kernels on every core first.
-GPU_COMBOS = (("relative_bias", "documents"), ("tanh_cap", None), ("t5_buckets", "sliding_window"),
-              (None, "strided"), ("alibi", "per_head_window"))
+GPU_COMBOS = (("relative_bias", "documents"), ("tanh_cap", "strided"), ("t5_buckets", "per_head_window"))
 
 
 @st.composite

@@ -382,7 +382,7 @@ def test_torch_passes_the_modifiers_through_with_autograd():
     q, k, v = (torch.randn(s, generator=generator, dtype=torch.float64).requires_grad_()
                for s in [(2, 30, 4, 8), (2, 30, 2, 8), (2, 30, 2, 8)])
     sink = torch.randn(4, generator=generator, dtype=torch.float64).float().requires_grad_()
-    table = torch.randn(4, 61, generator=generator).float()
+    table = torch.randn(4, 2 * zoo.MAX_DISTANCE + 1, generator=generator).float()
     score_mod = cf.ScoreMod(zoo.relative_bias, table=table)
     o = torch_attention(q, k, v, causal=True, score_mod=score_mod, mask_mod=zoo.sliding_window, sink=sink)
     do = torch.randn(o.shape, generator=generator, dtype=torch.float64)
