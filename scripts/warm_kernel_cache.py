@@ -101,11 +101,19 @@ def _zoo_specializations(processes: int) -> list:
                                for t in plans.forward_candidates("mma", where_fwd, dt, mask)]
                 for deterministic in (True, False):
                     candidates += backward_plans.candidate_specs(where_bwd, dtype, dt, mask, smem, deterministic)
+    # One specialization per NVRTC program, every core busy (one program per source file, the
+    # compile check's grouping, would compile its dozens of expressions one after another), and
+    # each cached under the key plans._spills asks for: the check of that one specialization.
+    from concurrent.futures import ThreadPoolExecutor
+
+    chunks = []
     by_arch = {}
     for spec in dict.fromkeys(candidates):
-        by_arch.setdefault(spec.arch or arch, []).append(spec)
-    for target, group in by_arch.items():
-        compile_check.check_archs([target], group)
+        by_arch.setdefault((spec.arch or arch, spec.source_file), []).append(spec)
+    for (target, _), group in by_arch.items():
+        chunks += [(target, [spec]) for spec in group]
+    with ThreadPoolExecutor(max_workers=processes) as pool:
+        list(pool.map(lambda chunk: compile_check.check_archs([chunk[0]], chunk[1]), chunks))
     chosen = []
     for mask in masks:
         for dtype in ("float16", "bfloat16"):
