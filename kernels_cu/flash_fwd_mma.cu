@@ -190,7 +190,6 @@ flash_fwd_mma(const __grid_constant__ FwdParams p) {
     const int head = blockIdx.y, batch = blockIdx.z;
     const int head_kv = head / p.group;
     const int m0 = first_row();
-    const typename Mask::FullKeys full_keys = mask.full_keys_of(m0, BLOCK_M);  // a user mask's whole blocks
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int strip_row0 = warp * 16 * M_STRIPS;  // first row of the warp's strips within the block
 
@@ -270,7 +269,7 @@ flash_fwd_mma(const __grid_constant__ FwdParams p) {
         float s[M_STRIPS][N_FRAGS][4];
         mma_qk<T, D_TILE>(s, q_frag, q_strips, a_addr, Smem::k_tile(smem_base, stage), k_addr);
         const int n0 = j * BLOCK_N;
-        const bool masked = mask.keys_partial(first_row(), BLOCK_M, n0, BLOCK_N, full_keys);
+        const bool masked = mask.keys_partial(first_row(), BLOCK_M, n0, BLOCK_N);
         scale_and_mask(s, scale_log2, masked, mask, score, first_row() + strip_row0, n0, lane);
         float m_new[M_STRIPS][2];
         row_max(m_new, s, row_stats, lane);

@@ -54,7 +54,6 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p) {
     const Mask mask = cta_mask<Mask>(p, seqlen_q, seqlen_k);
     const ScoreOf<Mask, float, true> score(p, blockIdx.z, blockIdx.y, p.scale);
     const int m0 = Mask::query_block(blockIdx.x, gridDim.x) * BLOCK_M;
-    const typename Mask::FullKeys full_keys = mask.full_keys_of(m0, BLOCK_M);  // a user mask's whole blocks
     // Key blocks [j_begin, ceil(n_end / BLOCK_N)) hold the keys some row of the block sees.
     // NoMask: the literal 0, not a call that folds to 0 only after inlining. With the call NVRTC
     // emitted another loop (other PTX, an 8-11% slower d128 forward on an H200); with the literal
@@ -126,8 +125,8 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p) {
         pin_registers(reinterpret_cast<float(&)[D_FRAGS * 4]>(o_acc));
 
         const int n0 = j * BLOCK_N;
-        scale_and_mask(s, scale_log2, mask.keys_partial(m0, BLOCK_M, n0, BLOCK_N, full_keys), mask, score,
-                       m0 + strip_row0, n0, lane);
+        scale_and_mask(s, scale_log2, mask.keys_partial(m0, BLOCK_M, n0, BLOCK_N), mask, score, m0 + strip_row0,
+                       n0, lane);
         float m_new[1][2];
         row_max(m_new, s, row_stats, lane);
         softmax_rescale(s, o_acc, row_stats, m_new, lane);

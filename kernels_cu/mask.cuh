@@ -92,13 +92,6 @@ struct Band {
     __device__ __forceinline__ bool keys_partial(int m0, int rows, int n0, int cols) const {
         return n0 + cols > key_full_end(m0) || (LEFT && n0 < key_full_begin(m0, rows));
     }
-    // The same with what a block map adds for these rows, read once per CTA (full_keys_of): a
-    // band has nothing to add.
-    struct FullKeys {};
-    __device__ __forceinline__ FullKeys full_keys_of(int, int) const { return {}; }
-    __device__ __forceinline__ bool keys_partial(int m0, int rows, int n0, int cols, FullKeys) const {
-        return keys_partial(m0, rows, n0, cols);
-    }
 
     // --- S^T: the queries of key rows [n0, n0 + cols) ---------------------------------------
     __device__ __forceinline__ int query_begin(int n0) const { return RIGHT ? max(0, n0 - hi_off) : 0; }
@@ -197,28 +190,21 @@ struct WithScore : Band_ {
 
     // The forward's question (online_softmax.cuh's scale_and_mask): whether keys [n0, n0 + cols)
     // need the element mask for rows [m0, m0 + rows). With a user mask also unless every granule of
-    // the rows keeps every pair of the keys: full_keys_of intersects the rows' granules' full
-    // ranges (at most BLOCK_M / 16 pairs of reads), once per CTA, before the key loop (read in
-    // every key block, their latency stalled the forward by a quarter); the user's predicate then
-    // is skipped in the blocks inside (UserScoreFn's Origin::check).
-    struct FullKeys {
-        int lo, hi;  // key granules every row of the CTA's block keeps whole: [lo, hi)
-    };
-    __device__ __forceinline__ FullKeys full_keys_of(int m0, int rows) const {
-        FullKeys range{0, 1 << 26};  // granules: no row range reaches 2^26
-        if constexpr (HAS_BLOCK_MAP) {
-            const int last = (min(m0 + rows, Band_::seqlen_q) - 1) / rows_per_granule;
-            for (int r = m0 / rows_per_granule; r <= last; ++r) {
-                range.lo = max(range.lo, __ldg(full_keys + 2 * r));
-                range.hi = min(range.hi, __ldg(full_keys + 2 * r + 1));
-            }
-        }
-        return range;
-    }
-    __device__ __forceinline__ bool keys_partial(int m0, int rows, int n0, int cols, const FullKeys& full) const {
+    // the rows keeps every pair of the keys (full_keys, the intersection over the rows'
+    // granules: at most BLOCK_M / 16 reads, the same in every key block); the user's predicate then
+    // is skipped there (UserScoreFn's Origin::check).
+    __device__ __forceinline__ bool keys_partial(int m0, int rows, int n0, int cols) const {
         const bool band = Band_::keys_partial(m0, rows, n0, cols);
         if constexpr (!HAS_BLOCK_MAP) return band;
-        else return band || n0 < full.lo * keys_per_granule || n0 + cols > full.hi * keys_per_granule;
+        else {
+            int lo = 0, hi = 1 << 26;  // granules: no row range reaches it
+            const int last = (min(m0 + rows, Band_::seqlen_q) - 1) / rows_per_granule;
+            for (int r = m0 / rows_per_granule; r <= last; ++r) {
+                lo = max(lo, __ldg(full_keys + 2 * r));
+                hi = min(hi, __ldg(full_keys + 2 * r + 1));
+            }
+            return band || n0 < lo * keys_per_granule || n0 + cols > hi * keys_per_granule;
+        }
     }
 };
 

@@ -23,7 +23,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seqlen", type=int, default=200)
-    parser.add_argument("--only", default="", help="the cases whose label holds this text")
     args = parser.parse_args(argv)
     import cupy
 
@@ -35,8 +34,6 @@ def main(argv=None) -> int:
 
     def case(label, fn):
         nonlocal failures
-        if args.only not in label:
-            return
         t0 = time.time()
         try:
             fn()
