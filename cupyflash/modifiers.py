@@ -816,8 +816,6 @@ class BlockMask:
     The map holds, per (batch, head) of the map and query granule, the key granules [first, end)
     that hold a pair the mask keeps (``key_ranges``), and per key granule the query granules
     (``query_ranges``), as made; the kernels read them folded (modifier.cuh, mask.cuh's WithScore).
-    ``full_ranges``: per query granule the longest run of key granules whose every pair it keeps
-    (the first of the longest), where the forward skips the mask's predicate.
     The map is of the mask's tensors as they are when it is made: change them, make a new map."""
 
     GRANULE = 16  # kernels_cu/flash_block_map.cu: BLOCK_MAP_GRANULE
@@ -847,9 +845,9 @@ class BlockMask:
 
             device = "cuda" if dispatch.gpu_available() else "cpu"
         if device == "cuda":
-            self.key_ranges, self.query_ranges, self.full_ranges = self._make_on_gpu()
+            self.key_ranges, self.query_ranges = self._make_on_gpu()
         elif device == "cpu":
-            self.key_ranges, self.query_ranges, self.full_ranges = self._make_on_host()
+            self.key_ranges, self.query_ranges = self._make_on_host()
         else:
             raise ValueError(f"cupyflash: create_block_mask's device must be 'auto', 'cuda' or 'cpu', got {device!r}")
         self._tables: dict = {}
@@ -866,7 +864,6 @@ class BlockMask:
         G, (mb, mh) = self.GRANULE, self._shape()
         Rg, Cg = self.query_granules, self.key_granules
         any_pair = np.zeros((mb, mh, Rg, Cg), bool)
-        all_pairs = np.zeros((mb, mh, Rg, Cg), bool)  # pairs outside the sequences count as kept
         b = np.arange(mb, dtype=np.int32)[:, None, None, None]
         h = np.arange(mh, dtype=np.int32)[None, :, None, None]
         kv = np.arange(self.seqlen_k, dtype=np.int32)[None, None, None, :]
@@ -877,10 +874,7 @@ class BlockMask:
             padded = np.zeros((mb, mh, Cg * G), bool)
             padded[..., :self.seqlen_k] = keep.any(axis=2)
             any_pair[:, :, r] = padded.reshape(mb, mh, Cg, G).any(axis=-1)
-            padded = np.ones((mb, mh, Cg * G), bool)
-            padded[..., :self.seqlen_k] = keep.all(axis=2)
-            all_pairs[:, :, r] = padded.reshape(mb, mh, Cg, G).all(axis=-1)
-        return _ranges(any_pair, axis=3), _ranges(any_pair, axis=2), _longest_runs(all_pairs)
+        return _ranges(any_pair, axis=3), _ranges(any_pair, axis=2)
 
     def _make_on_gpu(self):
         """Both tables by kernels_cu/flash_block_map.cu on the current device."""
@@ -893,22 +887,19 @@ class BlockMask:
         Rg, Cg = self.query_granules, self.key_granules
         key = cupy.empty((mb, mh, Rg, 2), np.int32)
         query = cupy.empty((mb, mh, Cg, 2), np.int32)
-        full = cupy.empty((mb, mh, Rg, 2), np.int32)
         query[..., 0], query[..., 1] = Rg, 0
         if Rg and Cg:
             mods = Modifiers(None, _MaskOnly(self.mask_mod)).to(cupy)
             params = np.zeros(1, BLOCK_MAP_PARAMS)
             set_mod_tensors(params["t"], mods.tensors)
             params["key_blocks"], params["query_blocks"] = np.uint64(key.data.ptr), np.uint64(query.data.ptr)
-            params["full_keys"] = np.uint64(full.data.ptr)
             params["map_batch"], params["map_heads"] = mb, mh
             params["seqlen_q"], params["seqlen_k"] = self.seqlen_q, self.seqlen_k
             params["query_granules"], params["key_granules"] = Rg, Cg
             launch(block_map_spec(mods), (Rg, mh, mb), (params,))
         else:
             key[..., 0], key[..., 1] = Cg, 0
-            full[..., 0], full[..., 1] = Cg, 0
-        return key.get(), query.get(), full.get()
+        return key.get(), query.get()
 
     def density(self) -> float:
         """The fraction of (query granule, key granule) pairs inside the key ranges."""
@@ -927,21 +918,19 @@ class BlockMask:
                              f"nheads={nheads}, seqlen_q={seqlen_q}, seqlen_k={seqlen_k}")
 
     def tables(self, group: int, xp):
-        """(key table, query table, full table) as the kernels read them: the first two folded (the
-        key table's first a suffix minimum over query granules, its end a prefix maximum; the query
-        table's the same over key granules), the query table per kv head (the union over each group
-        of ``group`` query heads); the full ranges as they are; int32 C-contiguous arrays of module
-        ``xp``."""
+        """(key table, query table) as the kernels read them: folded (the key table's first a
+        suffix minimum over query granules, its end a prefix maximum; the query table's the same
+        over key granules), the query table per kv head (the union over each group of ``group``
+        query heads), int32 C-contiguous arrays of module ``xp``."""
         cache_key = (group, xp.__name__)
         if cache_key not in self._tables:
             key = _folded(self.key_ranges)
             query = _folded(self.query_ranges)
-            full = self.full_ranges
             if self.map_heads > 1 and group > 1:
                 mb, mh, n, _ = query.shape
                 grouped = query.reshape(mb, mh // group, group, n, 2)
                 query = np.stack([grouped[..., 0].min(axis=2), grouped[..., 1].max(axis=2)], axis=-1)
-            tables = tuple(np.ascontiguousarray(t, dtype=np.int32) for t in (key, query, full))
+            tables = tuple(np.ascontiguousarray(t, dtype=np.int32) for t in (key, query))
             if xp is not np:
                 tables = tuple(xp.asarray(t) for t in tables)
             self._tables[cache_key] = tables
@@ -963,22 +952,6 @@ def _ranges(any_pair: np.ndarray, axis: int) -> np.ndarray:
     first = np.where(has, np.argmax(any_pair, axis=axis), n)
     last = n - np.argmax(np.flip(any_pair, axis=axis), axis=axis)
     out = np.stack([first, np.where(has, last, 0)], axis=-1).astype(np.int32)
-    return out
-
-
-def _longest_runs(full: np.ndarray) -> np.ndarray:
-    """Per row (the last axis), [first, end) of the longest run of True (the first of the
-    longest), (n, 0) where there is none: flash_block_map.cu's full_keys."""
-    *lead, n = full.shape
-    out = np.empty((*lead, 2), np.int32)
-    for index in np.ndindex(*lead):
-        best, start = (n, 0), 0
-        for c, kept in enumerate(full[index]):
-            if not kept:
-                start = c + 1
-            elif c + 1 - start > best[1] - best[0]:
-                best = (start, c + 1)
-        out[index] = best
     return out
 
 

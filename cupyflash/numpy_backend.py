@@ -113,7 +113,7 @@ def _map_range(variant, table: str, start: int, count: int, other_block: int) ->
         return None
     bm = mods.block_mask
     G = bm.GRANULE
-    key, query, _ = bm.tables(1, np)
+    key, query = bm.tables(1, np)
     t = key if table == "key" else query
     first = int(t[..., start // G, 0].min()) * G
     end = int(t[..., (start + count - 1) // G, 1].max()) * G

@@ -6,9 +6,6 @@
 // __syncthreads_or says whether the block holds a kept pair. The first and the last such key
 // granule are the row granule's key range; each such block also widens its key granule's query
 // range (atomicMin / atomicMax, so the result does not depend on the order the CTAs run in).
-// __syncthreads_and says whether the mask keeps every pair of the block (pairs outside the
-// sequences count as kept: the band hides them); the longest run of such key granules, the first
-// of the longest, is the row granule's full range.
 // Every pair is evaluated once: 2^28 predicate calls for a 16k x 16k map, a few hundred
 // microseconds, once per map (the user keeps the BlockMask across calls).
 #pragma once
@@ -29,19 +26,9 @@ flash_block_map(const __grid_constant__ BlockMapParams p) {
     const int q = r * G + threadIdx.x / G;
     const i64 map_row = (i64(batch) * p.map_heads + head);
     int first = p.key_granules, end = 0;
-    int run = 0, best_first = p.key_granules, best_end = 0;  // full granules: the current run's start, the best
     for (int c = 0; c < p.key_granules; ++c) {
         const int kv = c * G + threadIdx.x % G;
-        const bool inside = q < p.seqlen_q && kv < p.seqlen_k;
-        const bool kept = inside && M::mask(batch, head, q, kv, p.t);
-        if (__syncthreads_and(kept || !inside)) {
-            if (c + 1 - run > best_end - best_first) {
-                best_first = run;
-                best_end = c + 1;
-            }
-        } else {
-            run = c + 1;
-        }
+        const bool kept = q < p.seqlen_q && kv < p.seqlen_k && M::mask(batch, head, q, kv, p.t);
         if (__syncthreads_or(kept)) {
             first = min(first, c);
             end = c + 1;
@@ -56,9 +43,6 @@ flash_block_map(const __grid_constant__ BlockMapParams p) {
         int* range = p.key_blocks + (map_row * p.query_granules + r) * 2;
         range[0] = first;
         range[1] = end;
-        int* full = p.full_keys + (map_row * p.query_granules + r) * 2;
-        full[0] = best_first;
-        full[1] = best_end;
     }
 }
 

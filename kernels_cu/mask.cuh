@@ -147,7 +147,6 @@ struct WithScore : Band_ {
     static constexpr bool HAS_BLOCK_MAP = S::HAS_BLOCK_MAP;
     const int* key_blocks = nullptr;    // this (batch, query head)'s [query granule][2]
     const int* query_blocks = nullptr;  // this (batch, kv head)'s [key granule][2]
-    const int* full_keys = nullptr;     // this (batch, query head)'s [query granule][2]
     int rows_per_granule = 1, keys_per_granule = 1;
 
     __device__ __forceinline__ WithScore(int seqlen_q_, int seqlen_k_, int window_left, int window_right)
@@ -156,7 +155,6 @@ struct WithScore : Band_ {
     __device__ __forceinline__ void bind_blocks(const ModArgs& t, int batch, int head) {
         key_blocks = t.key_blocks + batch * t.key_blocks_batch_stride + head * t.key_blocks_head_stride;
         query_blocks = t.query_blocks + batch * t.query_blocks_batch_stride + head * t.query_blocks_head_stride;
-        full_keys = t.full_keys + batch * t.full_keys_batch_stride + head * t.full_keys_head_stride;
         rows_per_granule = t.block_m;
         keys_per_granule = t.block_n;
     }
@@ -185,25 +183,6 @@ struct WithScore : Band_ {
         else {
             const int last = (min(n0 + cols, Band_::seqlen_k) - 1) / keys_per_granule;
             return max(query_begin(n0), min(band, __ldg(query_blocks + 2 * last + 1) * rows_per_granule));
-        }
-    }
-
-    // The forward's question (online_softmax.cuh's scale_and_mask): whether keys [n0, n0 + cols)
-    // need the element mask for rows [m0, m0 + rows). With a user mask also unless every granule of
-    // the rows keeps every pair of the keys (full_keys, the intersection over the rows'
-    // granules: at most BLOCK_M / 16 reads, the same in every key block); the user's predicate then
-    // is skipped there (UserScoreFn's Origin::check).
-    __device__ __forceinline__ bool keys_partial(int m0, int rows, int n0, int cols) const {
-        const bool band = Band_::keys_partial(m0, rows, n0, cols);
-        if constexpr (!HAS_BLOCK_MAP) return band;
-        else {
-            int lo = 0, hi = 1 << 26;  // granules: no row range reaches it
-            const int last = (min(m0 + rows, Band_::seqlen_q) - 1) / rows_per_granule;
-            for (int r = m0 / rows_per_granule; r <= last; ++r) {
-                lo = max(lo, __ldg(full_keys + 2 * r));
-                hi = min(hi, __ldg(full_keys + 2 * r + 1));
-            }
-            return band || n0 < lo * keys_per_granule || n0 + cols > hi * keys_per_granule;
         }
     }
 };

@@ -28,9 +28,6 @@ constexpr int MOD_TENSOR_DIMS = 4;
 // key granule the query granules [first, end) over the kv head's query heads, each entry folded
 // with its neighbours as mask.cuh's WithScore reads it (a suffix minimum of first, a prefix
 // maximum of end). A stride of 0 broadcasts a map made for every batch entry or head at once.
-// full_keys: per (batch, query head) and query granule, the longest run [first, end) of key
-// granules whose every pair the mask keeps (not folded): the forward skips the predicate in a
-// block whose granules all hold it.
 struct ModArgs {
     const void* data[MOD_TENSORS];
     i64 strides[MOD_TENSORS][MOD_TENSOR_DIMS];
@@ -39,8 +36,6 @@ struct ModArgs {
     i64 key_blocks_batch_stride, key_blocks_head_stride;      // in ints
     i64 query_blocks_batch_stride, query_blocks_head_stride;  // in ints
     int block_m, block_n;     // the granules: rows, keys
-    const int* full_keys;     // [batch][head][query granule][2]
-    i64 full_keys_batch_stride, full_keys_head_stride;        // in ints
 };
 
 // Element (idx...) of tensor `slot`, read through the read-only cache.
@@ -104,7 +99,6 @@ struct BlockMapParams {
     ModArgs t;         // the mask's tensors (slots from 0)
     int* key_blocks;   // [..][query granules][2]
     int* query_blocks; // [..][key granules][2], atomic min / max
-    int* full_keys;    // [..][query granules][2]: the longest run of fully kept key granules
     int map_batch, map_heads, seqlen_q, seqlen_k;
     int query_granules, key_granules;
 };

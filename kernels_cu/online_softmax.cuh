@@ -26,7 +26,7 @@ __device__ __forceinline__ void scale_and_mask(float (&s)[M_STRIPS][N_FRAGS][4],
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const typename Score::Origin origin = score.origin(row0 + 16 * i + 8 * h + (lane >> 2),
-                                                                   n0 + 2 * (lane & 3), masked);
+                                                                   n0 + 2 * (lane & 3));
 #pragma unroll
                 for (int f = 0; f < N_FRAGS; ++f)
 #pragma unroll

@@ -71,7 +71,7 @@ struct ScoreFn {
         }
     }
 
-    __device__ __forceinline__ Origin origin(int i0, int j0, bool = true) const {
+    __device__ __forceinline__ Origin origin(int i0, int j0) const {
         return {ALIBI ? A(i0 + diag - j0) : A(0)};
     }
 
@@ -131,7 +131,6 @@ struct UserScoreFn {
 
     struct Origin {
         int q, kv;
-        bool check;  // whether the user's mask is asked (not in the blocks the map says it keeps whole)
     };
 
     template <class Params>
@@ -139,7 +138,7 @@ struct UserScoreFn {
         : t(p.variant.mods), batch(batch_), head(head_), last_q(p.seqlen_q - 1), last_kv(p.seqlen_k - 1),
           unit(unit_), inv_unit(A(1) / unit_) {}
 
-    __device__ __forceinline__ Origin origin(int i0, int j0, bool masked = true) const { return {i0, j0, masked}; }
+    __device__ __forceinline__ Origin origin(int i0, int j0) const { return {i0, j0}; }
 
     __device__ __forceinline__ A transform(A s, const Origin& o, int di, int dj, A& dsds) const {
         const int q = min(o.q + di, last_q), kv = min(o.kv + dj, last_kv);
@@ -151,7 +150,7 @@ struct UserScoreFn {
             dsds = dz;
         }
         if constexpr (M::HAS_MASK) {
-            if (o.check && !M::mask(batch, head, q, kv, t)) {
+            if (!M::mask(batch, head, q, kv, t)) {
                 out = neg_inf<A>();
                 dsds = A(0);
             }

@@ -193,7 +193,7 @@ def test_block_map_against_brute_force(sizes, mask, seed, block):
     np.testing.assert_array_equal(np.broadcast_to(bm.key_ranges, full.shape), full)
     exact_t = exact_ranges(np.swapaxes(visible, 2, 3), G)
     np.testing.assert_array_equal(np.broadcast_to(bm.query_ranges, exact_t.shape), exact_t)
-    key, query, _ = bm.tables(1, np)
+    key, query = bm.tables(1, np)
     key, query = np.broadcast_to(key, full.shape), np.broadcast_to(query, exact_t.shape)
     monotone = mask in ("causal", "sliding_window", "documents", "prefix_lm", "per_head_window")
     for m0 in range(0, seqlen_q, block):
@@ -215,43 +215,6 @@ def test_block_map_against_brute_force(sizes, mask, seed, block):
                 assert first[i] <= qs.min() and qs.max() < end[i], (i, n0)
 
 
-@given(sizes=problem_sizes, mask=st.sampled_from(MASKS), seed=st.integers(0, 2**32 - 1))
-def test_full_ranges_against_brute_force(sizes, mask, seed):
-    """full_ranges: the longest run of key granules whose every pair (inside the sequences) the mask
-    keeps, for every granule of query rows; and every block the forward then treats as full (the
-    intersection over its rows' granules, mask.cuh's keys_partial) is kept whole."""
-    batch, nheads, seqlen_q, seqlen_k = sizes
-    problem = replace(next_problem(), batch=batch, nheads_kv=nheads, group=1, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
-    mask_mod = make_mask_mod(mask, problem, seed)
-    bm = BlockMask(mask_mod, batch, nheads, seqlen_q, seqlen_k, device="cpu")
-    visible = dense_visible(mask_mod, batch, nheads, seqlen_q, seqlen_k)
-    G = bm.GRANULE
-    Rg, Cg = -(-seqlen_q // G), -(-seqlen_k // G)
-    full = np.broadcast_to(bm.full_ranges, (batch, nheads, Rg, 2))
-    padded = np.ones((batch, nheads, Rg * G, Cg * G), bool)
-    padded[:, :, :seqlen_q, :seqlen_k] = visible
-    padded[:, :, seqlen_q:] = True
-    whole = padded.reshape(batch, nheads, Rg, G, Cg, G).all(axis=(3, 5))
-    for i in np.ndindex(batch, nheads, Rg):
-        runs, start = [], 0
-        for c in range(Cg + 1):
-            if c == Cg or not whole[i + (c,)]:
-                if c > start:
-                    runs.append((start, c))
-                start = c + 1
-        best = max(runs, key=lambda r: (r[1] - r[0], -r[0])) if runs else (Cg, 0)
-        assert tuple(full[i]) == best, (i, runs)
-    for block_m, block_n in ((64, 64), (128, 128), (128, 32)):
-        for m0 in range(0, seqlen_q, block_m):
-            rows = range(m0 // G, (min(m0 + block_m, seqlen_q) - 1) // G + 1)
-            for n0 in range(0, seqlen_k, block_n):
-                lo = np.max(full[:, :, rows, 0], axis=2, initial=0)
-                hi = np.min(full[:, :, rows, 1], axis=2, initial=1 << 26)
-                whole_block = (n0 >= lo * G) & (n0 + block_n <= hi * G)
-                kept = visible[:, :, m0:m0 + block_m, n0:n0 + block_n].all(axis=(2, 3))
-                assert not (whole_block & ~kept).any(), (m0, n0)
-
-
 def next_problem():
     return cf.testing.AttentionProblem(batch=1, seqlen_q=1, seqlen_k=1, nheads_kv=1, group=1, headdim=8, causal=False,
                                        softmax_scale=None, magnitude=1.0, dtype=np.float32, seed=0)
@@ -267,8 +230,8 @@ def test_block_map_of_a_mask_that_reads_no_batch_or_head_is_one_map():
 def test_block_map_query_table_is_a_union_over_each_gqa_group():
     width = np.array([0, 20, 3, 40], np.int32)
     bm = BlockMask(MaskMod(zoo.per_head_window, width=width), 1, 4, 64, 64, device="cpu")
-    _, query, _ = bm.tables(2, np)
-    _, per_head, _ = bm.tables(1, np)
+    _, query = bm.tables(2, np)
+    _, per_head = bm.tables(1, np)
     assert query.shape[1] == 2
     np.testing.assert_array_equal(query[:, 0, :, 0], per_head[:, :2, :, 0].min(axis=1))
     np.testing.assert_array_equal(query[:, 1, :, 1], per_head[:, 2:, :, 1].max(axis=1))

@@ -93,7 +93,6 @@ def test_block_map_on_the_gpu_is_the_hosts(sizes, mask, seed):
     host = M.BlockMask(mask_mod, batch, nheads, seqlen_q, seqlen_k, device="cpu")
     np.testing.assert_array_equal(gpu.key_ranges, host.key_ranges)
     np.testing.assert_array_equal(gpu.query_ranges, host.query_ranges)
-    np.testing.assert_array_equal(gpu.full_ranges, host.full_ranges)
 
 
 def zoo_case():

@@ -29,8 +29,7 @@ MOD_ARGS = np.dtype([("data", np.uint64, (4,)), ("strides", np.int64, (4, 4)),
                      ("key_blocks", np.uint64), ("query_blocks", np.uint64),
                      ("key_blocks_batch_stride", np.int64), ("key_blocks_head_stride", np.int64),
                      ("query_blocks_batch_stride", np.int64), ("query_blocks_head_stride", np.int64),
-                     ("block_m", np.int32), ("block_n", np.int32), ("full_keys", np.uint64),
-                     ("full_keys_batch_stride", np.int64), ("full_keys_head_stride", np.int64)], align=True)
+                     ("block_m", np.int32), ("block_n", np.int32)], align=True)
 
 # A call's variant values (score.cuh): null pointers and zeros for the plain softmax.
 VARIANT_ARGS = np.dtype([("alibi_slopes", np.uint64), ("sink", np.uint64), ("alibi_batch_stride", np.int64),
@@ -38,7 +37,6 @@ VARIANT_ARGS = np.dtype([("alibi_slopes", np.uint64), ("sink", np.uint64), ("ali
 
 # flash_block_map's argument (modifier.cuh's BlockMapParams).
 BLOCK_MAP_PARAMS = np.dtype([("t", MOD_ARGS), ("key_blocks", np.uint64), ("query_blocks", np.uint64),
-                             ("full_keys", np.uint64),
                              ("map_batch", np.int32), ("map_heads", np.int32), ("seqlen_q", np.int32),
                              ("seqlen_k", np.int32), ("query_granules", np.int32), ("key_granules", np.int32)],
                             align=True)
@@ -132,9 +130,9 @@ def set_modifiers(mod_args, mods, params) -> None:
     import cupy
 
     group = int(params["group"][0])
-    key, query, full = mods.block_mask.tables(group, cupy)
-    mod_args["key_blocks"], mod_args["query_blocks"], mod_args["full_keys"] = pointer(key), pointer(query), pointer(full)
-    for name, table in (("key_blocks", key), ("query_blocks", query), ("full_keys", full)):
+    key, query = mods.block_mask.tables(group, cupy)
+    mod_args["key_blocks"], mod_args["query_blocks"] = pointer(key), pointer(query)
+    for name, table in (("key_blocks", key), ("query_blocks", query)):
         mb, mh = table.shape[:2]
         mod_args[f"{name}_batch_stride"] = np.int64(table.strides[0] // 4 if mb > 1 else 0)
         mod_args[f"{name}_head_stride"] = np.int64(table.strides[1] // 4 if mh > 1 else 0)
