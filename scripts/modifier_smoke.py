@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seqlen", type=int, default=200)
+    parser.add_argument("--only", default="", help="the cases whose label holds this text")
     args = parser.parse_args(argv)
     import cupy
 
@@ -34,6 +35,8 @@ def main(argv=None) -> int:
 
     def case(label, fn):
         nonlocal failures
+        if args.only not in label:
+            return
         t0 = time.time()
         try:
             fn()
@@ -63,6 +66,18 @@ def main(argv=None) -> int:
     case("bfloat16 d128 window (17, 5) relative_bias + documents",
          attention(replace(base, dtype=cf.testing.problem.as_dtype("bfloat16"), headdim=128, causal=False,
                            window_size=(17, 5)), "relative_bias", "documents"))
+
+    def aligned_documents(causal):
+        def run():
+            # documents of 512 tokens: most visited blocks are whole
+            problem = replace(base, batch=1, seqlen_q=2048, seqlen_k=2048, nheads_kv=2, group=1, headdim=128,
+                              dtype=cf.testing.problem.as_dtype("bfloat16"), causal=causal)
+            doc = (np.arange(2048, dtype=np.int32) // 512)[None]
+            mask_mod = cf.MaskMod(zoo.documents, doc_q=doc, doc_k=doc)
+            cf.testing.modifiers.check_modifier(problem, None, mask_mod, backend="cuda")
+        return run
+    case("bfloat16 d128 2048 documents of 512", aligned_documents(False))
+    case("bfloat16 d128 2048 causal documents of 512", aligned_documents(True))
 
     def block_map():
         for mask in zoo.MASKS:
