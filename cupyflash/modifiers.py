@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["Expr", "ScoreMod", "MaskMod", "BlockMask", "Modifiers", "create_block_mask", "ModifierError", "where", "minimum", "maximum", "exp", "log", "tanh", "sqrt",
+__all__ = ["Expr", "ScoreMod", "MaskMod", "BlockMask", "Modifiers", "create_block_mask", "ModifierError", "kernel_report", "where", "minimum", "maximum", "exp", "log", "tanh", "sqrt",
            "sigmoid", "floor", "TENSOR_DTYPES", "MAX_TENSORS", "MAX_TENSOR_DIMS", "source_for"]
 
 MAX_TENSORS = 4       # kernels_cu/modifier.cuh's ModArgs
@@ -1180,3 +1180,34 @@ def check_modifiers(score_mod, mask_mod, block_mask, *, batch: int, nheads: int,
     elif mask_mod is not None:
         block_mask = BlockMask(mask_mod, batch, nheads, seqlen_q, seqlen_k, device="cuda" if on_gpu else "cpu")
     return Modifiers(score_mod, block_mask)
+
+
+# --- what a modifier costs the kernels, before any GPU run -----------------------------------------
+def kernel_report(score_mod=None, mask_mod=None, *, dtype="bfloat16", headdim: int = 128, causal: bool = False,
+                  window_size=(-1, -1), archs=("80", "90"), deterministic: bool = True) -> list[dict]:
+    """The kernels the plans launch with these modifiers (forward, dK/dV, dQ) for each arch, with
+    ptxas's registers and spill bytes: compiled by NVRTC on the CPU (no GPU needed; cached on disk
+    by cupyflash.kernels.compile_check). A modifier's code runs on every score in the kernels'
+    registers; this says where it pushed a kernel to spill, and which tiles the plans chose
+    instead (plans.without_spills). One dict per kernel: arch, role, name, registers, spill_bytes."""
+    from . import backward_plans, plans
+    from .kernels import compile_check
+    from .masks import mask_for
+    from .scores import Score
+
+    mods = check_modifiers(score_mod, mask_mod, None, batch=1, nheads=1, seqlen_q=1, seqlen_k=1, on_gpu=False)
+    if mods is None:
+        raise ValueError("kernel_report needs a score_mod or a mask_mod")
+    mask = mask_for(causal, window_size, Score(user=mods))
+    rows = []
+    for arch in archs:
+        smem = 232448 if arch == "90" else 166912
+        launches = [("fwd", plans.plan_forward(arch, dtype, headdim, mask, smem).spec)]
+        launches += [(launch.role, launch.spec) for launch in
+                     backward_plans.plan_backward(arch, dtype, headdim, mask.backward(), smem, deterministic).launches
+                     if launch.role in ("dkdv", "dq")]
+        for role, spec in launches:
+            result = compile_check.check(spec.arch or arch, [spec])[0]
+            rows.append({"arch": spec.arch or arch, "role": role, "name": spec.name, "registers": result.registers,
+                         "spill_bytes": result.spill_bytes})
+    return rows

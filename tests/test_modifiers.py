@@ -431,3 +431,21 @@ extern "C" __global__ void probe(cf::ModArgs t, float* out) {{
     with pytest.raises(RuntimeError) as error:
         compile_check.compile_text(text, "probe.cu", [], "80")
     assert f'{__file__}({line})' in str(error.value) or f'{__file__}:{line}' in str(error.value), str(error.value)[:2000]
+
+
+@needs_nvrtc
+def test_kernel_report_names_the_planned_kernels():
+    """kernel_report: for each arch the plans' forward, dK/dV and dQ kernels with the modifier, and
+    ptxas's registers (compiled on CPU)."""
+    from cupyflash import backward_plans, plans
+    from cupyflash.masks import mask_for
+    from cupyflash.scores import Score
+
+    report = M.kernel_report(score_mod=zoo.tanh_cap, mask_mod=zoo.causal, headdim=64, archs=("90",))
+    mods = M.check_modifiers(zoo.tanh_cap, zoo.causal, None, batch=1, nheads=1, seqlen_q=1, seqlen_k=1, on_gpu=False)
+    mask = mask_for(False, (-1, -1), Score(user=mods))
+    planned = [plans.plan_forward("90", "bfloat16", 64, mask, 232448).spec.name]
+    planned += [launch.spec.name for launch in backward_plans.plan_backward("90", "bfloat16", 64, mask.backward(), 232448,
+                                                                           True).launches if launch.role in ("dkdv", "dq")]
+    assert [row["name"] for row in report] == planned and [row["role"] for row in report] == ["fwd", "dkdv", "dq"]
+    assert all(row["registers"] > 0 and row["spill_bytes"] == 0 for row in report)
