@@ -328,10 +328,9 @@ def flash_attn_vjp(q, k, v, **options):
     if "return_lse" in options:
         raise TypeError("flash_attn_vjp does not take return_lse (the lse is kept for the backward)")
     if options.get("mask_mod") is not None and options.get("block_mask") is None:
-        from .modifiers import BlockMask, MaskMod
+        from .modifiers import BlockMask
 
         mask_mod = options.pop("mask_mod")
-        mask_mod = mask_mod if isinstance(mask_mod, MaskMod) else MaskMod(mask_mod)
         batch, seqlen_q, nheads = np.shape(q)[:3]
         device = "cpu" if options.get("backend") == "numpy" or not dispatch.gpu_available() else "cuda"
         options["block_mask"] = BlockMask(mask_mod, batch, nheads, seqlen_q, np.shape(k)[1], device=device)

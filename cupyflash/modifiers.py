@@ -247,7 +247,8 @@ def _binary(op, x, y) -> Expr:
     elif a.kind != b.kind:
         a, b = _as_float(a), _as_float(b)
     kind = a.kind
-    # Simplifications that keep the value exact (they let the derivative of a bias fold to 1).
+    # Simplifications that keep the value exact (they let the derivative of a bias fold to 1); 0 * x
+    # stays (x may be inf): the derivative's own products drop their zero terms (_grad's mul).
     if a.op == "const" and b.op == "const" and kind == "f" and op in ("add", "sub", "mul", "div"):
         return _node(trace, "const", (), "f", float(_fold(op, a.value, b.value)))
     if op == "add":
@@ -258,8 +259,6 @@ def _binary(op, x, y) -> Expr:
     if op == "mul":
         if _is(b, 1): return a
         if _is(a, 1): return b
-        if kind == "f" and (_is(a, 0) or _is(b, 0)) and not _may_be_nonfinite(a if _is(b, 0) else b):
-            return _node(trace, "const", (), "f", 0.0)
     if op == "div" and _is(b, 1):
         return a
     return _node(trace, op, (a, b), kind)
@@ -267,11 +266,6 @@ def _binary(op, x, y) -> Expr:
 
 def _is(e: Expr, value) -> bool:
     return e.op == "const" and e.kind in ("f", "i") and e.value == value
-
-
-def _may_be_nonfinite(e: Expr) -> bool:
-    """Whether e can be inf or NaN (0 * e is then not 0): only constants are known finite."""
-    return not (e.op == "const" and math.isfinite(e.value)) and e.kind == "f"
 
 
 def _power(x, y) -> Expr:
@@ -435,10 +429,10 @@ def _grad(out: Expr, wrt: Expr) -> Expr:
     def mul(x: Expr, y: Expr) -> Expr:
         # A term of the chain rule whose derivative factor is 0 is 0, whatever the other factor
         # (0 * inf would be NaN, but the term does not exist).
-        return zero if _is_zero(x) or _is_zero(y) else x * y
+        return zero if _is(x, 0) or _is(y, 0) else x * y
 
     def div(x: Expr, y: Expr) -> Expr:
-        return zero if _is_zero(x) else x / y
+        return zero if _is(x, 0) else x / y
 
     def d(e: Expr) -> Expr:
         if e is wrt:
@@ -469,7 +463,7 @@ def _grad(out: Expr, wrt: Expr) -> Expr:
         elif op == "neg":
             r = -d(a[0])
         elif op == "abs":
-            r = zero if _is_zero(d(a[0])) else where(a[0] < 0, -d(a[0]), d(a[0]))
+            r = zero if _is(d(a[0]), 0) else where(a[0] < 0, -d(a[0]), d(a[0]))
         elif op == "exp":
             r = mul(d(a[0]), e)
         elif op == "log":
@@ -498,10 +492,6 @@ def _grad(out: Expr, wrt: Expr) -> Expr:
         return r
 
     return d(out)
-
-
-def _is_zero(e: Expr) -> bool:
-    return e.op == "const" and e.value == 0
 
 
 # --- CUDA text ----------------------------------------------------------------------------------
@@ -748,8 +738,15 @@ class _Modifier:
     def tensor_signature(self) -> str:
         return ",".join(f"{t.dtype}[{'x'.join(map(str, t.shape))}]" for t in self.tensors)
 
-    def arrays(self) -> list:
-        return [t.array for t in self.tensors]
+    def cpp(self, roots: dict, offset: int = 0) -> tuple[list, dict]:
+        """_cpp_body of ``roots`` (this modifier's graphs), its tensors in slots from ``offset``,
+        made once per modifier: a call builds its Modifiers anew, the code is the modifier's."""
+        cache = self.__dict__.setdefault("_cpp_cache", {})
+        key = (tuple(roots), offset)
+        if key not in cache:
+            shifted = {k: _shift_slots(self, v, offset) for k, v in roots.items()}
+            cache[key] = _cpp_body(shifted, [None] * offset + self.tensors)
+        return cache[key]
 
     def with_arrays(self, arrays):
         """The same modifier reading ``arrays`` (the API's moved copies) in place of its own."""
@@ -936,9 +933,6 @@ class BlockMask:
             self._tables[cache_key] = tables
         return self._tables[cache_key]
 
-    def visible(self, b, h, q_idx, kv_idx):
-        """The mask's predicate on NumPy index arrays."""
-        return Modifiers(None, _MaskOnly(self.mask_mod)).to(np).visible(b, h, q_idx, kv_idx)
 
 
 def _ranges(any_pair: np.ndarray, axis: int) -> np.ndarray:
@@ -1040,20 +1034,19 @@ class Modifiers:
         return f"cfu::{self.name}"
 
     def _cuda_body(self) -> str:
-        all_tensors = self.tensors
         lines = ["namespace cfu {", "struct CFU_NAME {",
                  f"    static constexpr bool HAS_SCORE = {str(self.has_score).lower()};",
                  f"    static constexpr bool HAS_MASK = {str(self.has_mask).lower()};",
                  f"    static constexpr bool HAS_GRAD = {str(self.has_grad).lower()};"]
         if self.score_mod is not None:
-            body, out = _cpp_body({"out": self.score_mod.out, "dout": self.score_mod.dout}, self.score_mod.tensors)
+            body, out = self.score_mod.cpp({"out": self.score_mod.out, "dout": self.score_mod.dout})
             lines += ["    template <typename A>",
                       "    __device__ __forceinline__ static A score(A score, int b, int h, int q_idx, int kv_idx,",
                       "                                              const cf::ModArgs& t, A& dscore) {",
                       *body, f"        dscore = {out['dout']};", f"        return {out['out']};", "    }"]
         if self.mask_mod is not None:
             offset = len(self.score_mod.tensors) if self.score_mod else 0
-            body, out = _cpp_body({"keep": _shift_slots(self.mask_mod, offset)}, all_tensors)
+            body, out = self.mask_mod.cpp({"keep": self.mask_mod.out}, offset)
             lines += ["    __device__ __forceinline__ static bool mask(int b, int h, int q_idx, int kv_idx,",
                       "                                                const cf::ModArgs& t) {",
                       *body, f"        return {out['keep']};", "    }"]
@@ -1111,10 +1104,11 @@ class _MovedBlockMask:
         return getattr(self._inner, name)
 
 
-def _shift_slots(mod: MaskMod, offset: int) -> Expr:
-    """The mask's graph with its tensor reads moved by ``offset`` slots (after the score's)."""
+def _shift_slots(mod: _Modifier, root: Expr, offset: int) -> Expr:
+    """``root`` (a graph of ``mod``'s) with its tensor reads moved by ``offset`` slots (a mask's
+    tensors come after the score's)."""
     if offset == 0:
-        return mod.out
+        return root
     memo: dict = {}
 
     def copy(e):
@@ -1130,7 +1124,7 @@ def _shift_slots(mod: MaskMod, offset: int) -> Expr:
         memo[id(e)] = out
         return out
 
-    return copy(mod.out)
+    return copy(root)
 
 
 # --- the compile check's modifiers ----------------------------------------------------------------
@@ -1201,7 +1195,7 @@ def kernel_report(score_mod=None, mask_mod=None, *, dtype="bfloat16", headdim: i
     mask = mask_for(causal, window_size, Score(user=mods))
     rows = []
     for arch in archs:
-        smem = 232448 if arch == "90" else 166912
+        smem = 232448 if arch == "90" else 166912  # opt-in bytes per block: H100 / H200, A100
         launches = [("fwd", plans.plan_forward(arch, dtype, headdim, mask, smem).spec)]
         launches += [(launch.role, launch.spec) for launch in
                      backward_plans.plan_backward(arch, dtype, headdim, mask.backward(), smem, deterministic).launches

@@ -494,10 +494,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         on_stream = _cupy_on_torch_stream(q.device) if q.device.type == "cuda" else contextlib.nullcontext()
         with on_stream:  # the block map's kernel reads the mask's tensors in torch's stream order
             if mask_mod is not None and block_mask is None:  # one block map for the forward and the backward
-                from .modifiers import BlockMask, MaskMod
+                from .modifiers import BlockMask
 
-                mask = mask_mod if isinstance(mask_mod, MaskMod) else MaskMod(mask_mod)
-                options.update(mask_mod=None, block_mask=BlockMask(mask, q.shape[0], q.shape[2], q.shape[1],
+                options.update(mask_mod=None, block_mask=BlockMask(mask_mod, q.shape[0], q.shape[2], q.shape[1],
                                                                    k.shape[1], device=q.device.type))
         o, lse = _ModifiedAttention.apply(q, k, v, sink, options, bool(deterministic))
         return o if not return_attn_probs else (o, lse, q.new_empty((0,)))
