@@ -325,7 +325,36 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
 
     if appending and batch * new_tokens:
         _append(k_cache, v_cache, k, v, layout)
-    return _attend(which, on_gpu, host_out, q, k_cache, v_cache, layout, scale, causal, window, want_lse, variant)
+    return _attend(which, on_gpu, host_out, q, k_cache, v_cache, layout, scale, causal, window, want_lse, variant,
+                   int(num_splits))
+
+
+def _attend_in_cache(q, k_cache, v_cache, layout: CacheLayout, scale, causal, window, variant, num_splits):
+    """(o, lse) from the tensor-core KV-cache kernel, which reads the caches in place through the
+    layout's block table (kernels/kvcache_mma.py); None where it does not apply (a head dim that is
+    not a multiple of 8, caches whose strides or alignment the kernel cannot take): the per-sequence
+    path then runs."""
+    from .kernels import kvcache_mma
+    from .masks import mask_for
+
+    cupy = A._cupy()
+    headdim = q.shape[3]
+    if not kvcache_mma.supports(q.dtype, headdim) or variant.mods is not None:
+        return None
+    k_cache, v_cache = (A.last_dim_contiguous(A.to_cupy(c, "k_cache")) for c in (k_cache, v_cache))
+    for a in (q, k_cache, v_cache):
+        if any((s // a.itemsize) % 8 for s in a.strides[:3]) or a.data.ptr % 16:
+            return None
+    batch, seqlen_q, nheads, _ = q.shape
+    o = api._empty(q.shape, q.dtype, xp=cupy)
+    lse = api._empty((batch, nheads, seqlen_q), np.float32, xp=cupy)
+    seqlens_k = cupy.asarray(layout.lengths.astype(np.int32))
+    table = cupy.asarray(np.ascontiguousarray(layout.pages, dtype=np.int32))
+    kvcache_mma.forward(q, k_cache, v_cache, o, lse, seqlens_k=seqlens_k, block_table=table,
+                        page_size=max(1, layout.page_size), paged=layout.paged,
+                        max_seqlen_k=int(layout.lengths.max(initial=0)), softmax_scale=scale,
+                        mask=mask_for(causal, window, variant.score), variant=variant, num_splits=num_splits)
+    return o, lse
 
 
 def _append(k_cache, v_cache, k, v, layout: CacheLayout) -> None:
@@ -340,11 +369,16 @@ def _append(k_cache, v_cache, k, v, layout: CacheLayout) -> None:
 
 
 def _attend(which, on_gpu, host_out, q, k_cache, v_cache, layout: CacheLayout, scale, causal, window, want_lse,
-            variant):
+            variant, num_splits=0):
     batch, seqlen_q, nheads, _ = q.shape
     convert = A.to_cupy if on_gpu else A.to_numpy
     q = A.last_dim_contiguous(convert(q, "q"))
     variant = variant.to(np if which == "numpy" else A._cupy())
+    if which == "mma" and batch * seqlen_q * nheads:
+        done = _attend_in_cache(q, k_cache, v_cache, layout, scale, causal, window, variant, num_splits)
+        if done is not None:
+            o, lse = api._to_host(done, host_out)
+            return (o, lse) if want_lse else o
 
     def compute(q_part, keys, values, part_variant):
         keys, values = (A.last_dim_contiguous(convert(x, "k_cache")) for x in (keys, values))

@@ -509,10 +509,13 @@ def kvcache_appended(cache, new, *, cache_seqlens, cache_batch_idx=None, block_t
 
 
 def kvcache_attention(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, cache_batch_idx=None,
-                      block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1)):
+                      block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                      alibi_slopes=None, sink=None):
     """Exact attention in float64 of q (batch, seqlen_q, nheads, headdim) over each sequence's
     cached and new tokens (kvcache_sequences), the mask aligned to the end of them (seqlen_k =
-    cache_seqlens[b] + seqlen_new). Returns (o, lse): o like q, lse (batch, nheads, seqlen_q)."""
+    cache_seqlens[b] + seqlen_new). Returns (o, lse): o like q, lse (batch, nheads, seqlen_q).
+    ``softcap``, ``alibi_slopes`` ((nheads,), or (batch, nheads): row b for sequence b) and ``sink``
+    are attention's, per sequence."""
     q = np.asarray(q).astype(np.float64)
     batch, seqlen_q, nheads, _ = q.shape
     o = np.zeros(q.shape)
@@ -520,7 +523,10 @@ def kvcache_attention(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None
     sequences = kvcache_sequences(batch, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
                                   cache_batch_idx=cache_batch_idx, block_table=block_table)
     for b, (keys, values) in enumerate(sequences):
+        slopes = None if alibi_slopes is None else np.asarray(alibi_slopes)
+        if slopes is not None and slopes.ndim == 2:
+            slopes = slopes[b:b + 1]
         o_b, lse_b = attention(q[b:b + 1], keys[None], values[None], softmax_scale=softmax_scale, causal=causal,
-                               window_size=window_size)
+                               window_size=window_size, softcap=softcap, alibi_slopes=slopes, sink=sink)
         o[b], lse[b] = o_b[0], lse_b[0]
     return o, lse

@@ -198,4 +198,13 @@ __device__ __forceinline__ Mask cta_mask(const Params& p, int seqlen_q, int seql
     return mask;
 }
 
+// The policy of a sequence with lengths of its own (a KV cache's sequence: seqlen_k from the
+// cache's seqlens_k), the band's bounds from p. No block map: a user mask's map is made per call
+// for one (seqlen_q, seqlen_k), not per sequence.
+template <class Mask, class Params>
+__device__ __forceinline__ Mask sequence_mask(const Params& p, int seqlen_q, int seqlen_k) {
+    static_assert(!Mask::HAS_BLOCK_MAP, "a block map is made for one dense problem, not per sequence");
+    return Mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
+}
+
 }  // namespace cf

@@ -93,6 +93,63 @@ struct BwdParams {
     VariantArgs variant;
 };
 
+// Where each sequence's keys live in a KV cache (flash_fwd_kvcache_mma): key n of sequence b is
+// slot n % page_size of page block_table[b * block_table_stride + n / page_size], the page being a
+// "batch" of the cache tensors (k.batch_stride). A contiguous cache is the one-page case: its
+// table holds each sequence's cache row (cache_batch_idx, or b) and page_size its capacity. The
+// division by page_size is a multiply-high and a shift (page_div, FastDivmod below): any page
+// size, not only powers of two.
+struct FastDivmod {
+    int divisor;
+    unsigned multiplier;  // ceil(2^(31 + L) / divisor), L = ceil(log2(divisor)) (divisor > 1)
+    unsigned shift;       // L - 1 (divisor > 1); host side: cupyflash/kernels/kvcache_mma.py
+    // n / divisor for 0 <= n < 2^31 (Granlund and Montgomery's division by a run-time invariant).
+    __device__ __forceinline__ int div(int n) const {
+        return divisor == 1 ? n : static_cast<int>(__umulhi(static_cast<unsigned>(n), multiplier) >> shift);
+    }
+};
+
+// Forward over a KV cache: the new queries of each sequence against its seqlens_k[b] cached keys
+// (the new keys already appended), their query heads packed by kv head (a CTA's rows are the
+// (query, head) pairs of one kv head, so each K/V byte is read once per step for the whole GQA
+// group), the keys split across num_splits CTAs. q, o: (batch, seqlen_q, nheads, d); k, v: the
+// caches (pages, page_size, nheads_kv, d) as TensorRows. The shape and scale fields are
+// FwdParams' (seqlen_k: the longest sequence), so the mask and score policies take this struct
+// as they take FwdParams.
+struct CacheFwdParams {
+    TensorRows q, k, v, o;
+    void* lse;          // (batch, nheads, seqlen_q) float32, written when num_splits == 1
+    int batch, seqlen_q, seqlen_k, nheads, nheads_kv;
+    int group;
+    int headdim;
+    int window_left, window_right;
+    float scale_log2, scale;
+    double scale_log2_f64, scale_f64;
+    VariantArgs variant;
+    const int* seqlens_k;       // (batch,) keys of each sequence, the appended ones included
+    const int* block_table;     // (batch, block_table_stride) pages of each sequence
+    i64 block_table_stride;
+    FastDivmod page;            // page_size
+    int num_splits;             // CTAs along the keys of one sequence
+    int split_keys;             // keys per split, a multiple of the kernel's key block
+    // num_splits > 1: each split's O / l and lse (natural log, without the sink), float32,
+    // (num_splits, batch, nheads, seqlen_q, headdim) and (num_splits, batch, nheads, seqlen_q);
+    // flash_fwd_combine makes o and lse from them.
+    float* o_partial;
+    float* lse_partial;
+};
+
+// flash_fwd_combine: o and lse of every (batch, head, query) row from its num_splits partial
+// results (CacheFwdParams' o_partial, lse_partial) by the LSE rule, the sink's term added once.
+struct CombineParams {
+    const float* o_partial;
+    const float* lse_partial;
+    TensorRows o;
+    float* lse;                 // (batch, nheads, seqlen_q) float32
+    const float* sink;          // (nheads,) float32 or null
+    int num_splits, batch, seqlen_q, nheads, headdim;
+};
+
 // The scales in a kernel's accumulator type A. The float fields are read in place: a float kernel
 // takes them as constant-bank operands of its FFMAs, as it took the positional float arguments
 // before the structs. A double field converted in the kernel instead (float(x) under -ftz: F2F

@@ -204,3 +204,35 @@ MERGE_PARAMS = np.dtype([*((name, TENSOR_ROWS) for name in ("o_a", "o_b", "o")),
 
 _CPP_NAMES[MERGE_PARAMS] = "cf::MergeParams"
 __all__ += ["LSE_ROWS", "MERGE_PARAMS"]
+
+
+# flash_fwd_kvcache_mma and flash_fwd_combine (kernels_cu/params.cuh's FastDivmod, CacheFwdParams,
+# CombineParams).
+FAST_DIVMOD = np.dtype([("divisor", np.int32), ("multiplier", np.uint32), ("shift", np.uint32)], align=True)
+
+CACHE_FWD_PARAMS = np.dtype([*((name, TENSOR_ROWS) for name in ("q", "k", "v", "o")), ("lse", np.uint64),
+                             *_SHAPE_FIELDS, *_SCALE_FIELDS,
+                             ("seqlens_k", np.uint64), ("block_table", np.uint64), ("block_table_stride", np.int64),
+                             ("page", FAST_DIVMOD), ("num_splits", np.int32), ("split_keys", np.int32),
+                             ("o_partial", np.uint64), ("lse_partial", np.uint64)], align=True)
+
+COMBINE_PARAMS = np.dtype([("o_partial", np.uint64), ("lse_partial", np.uint64), ("o", TENSOR_ROWS),
+                           ("lse", np.uint64), ("sink", np.uint64), ("num_splits", np.int32), ("batch", np.int32),
+                           ("seqlen_q", np.int32), ("nheads", np.int32), ("headdim", np.int32)], align=True)
+
+_CPP_NAMES.update({FAST_DIVMOD: "cf::FastDivmod", CACHE_FWD_PARAMS: "cf::CacheFwdParams",
+                   COMBINE_PARAMS: "cf::CombineParams"})
+__all__ += ["FAST_DIVMOD", "CACHE_FWD_PARAMS", "COMBINE_PARAMS", "fast_divmod"]
+
+
+def fast_divmod(divisor: int) -> tuple:
+    """(divisor, multiplier, shift) of FastDivmod: n / divisor = umulhi(n, multiplier) >> shift for
+    0 <= n < 2^31 (divisor > 1; divisor 1 is taken as n itself)."""
+    divisor = int(divisor)
+    if not 1 <= divisor < 2**31:
+        raise ValueError(f"cupyflash: divisor out of range: {divisor}")
+    if divisor == 1:
+        return np.int32(1), np.uint32(0), np.uint32(0)
+    log2 = (divisor - 1).bit_length()  # ceil(log2(divisor))
+    multiplier = -(-(1 << (31 + log2)) // divisor)
+    return np.int32(divisor), np.uint32(multiplier), np.uint32(log2 - 1)

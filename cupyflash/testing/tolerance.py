@@ -390,20 +390,22 @@ def assert_varlen_close(problem, o, lse=None, grads=None, *, inputs=None, check_
                              f"{problem}:\n" + "\n".join(f"  {f}" for f in failures))
 
 
-def assert_kvcache_close(problem, o, lse=None, *, inputs=None, check_dtype=True):
+def assert_kvcache_close(problem, o, lse=None, *, inputs=None, check_dtype=True, variant=None):
     """The rule for a KV-cache call (``cupyflash.testing.packed.KVCacheProblem``): o (batch,
     seqlen_q, nheads, headdim) and lse (batch, nheads, seqlen_q) against
     ``reference.kvcache_attention`` over the cache as it was before the call (``inputs``: the
     arrays the call was given, copied before it; problem.inputs() by default), the standard
-    attention baseline computed sequence by sequence over its keys."""
+    attention baseline computed sequence by sequence over its keys. ``variant``: the call's
+    softcap, alibi_slopes and sink keywords, which the references then take too."""
     inputs = problem.inputs() if inputs is None else inputs
     arrays = {name: None if x is None or np.ndim(x) == 0 else as_numpy(x) for name, x in inputs.items()}
     if np.ndim(inputs["cache_seqlens"]) == 0:
         arrays["cache_seqlens"] = inputs["cache_seqlens"]
     options = problem.kwargs
+    variant = dict(variant or {})  # softcap, alibi_slopes, sink: reference.kvcache_attention's
     dtype = problem.dtype
     failures = []
-    o_ref, lse_ref = reference.kvcache_attention(**arrays, **options)
+    o_ref, lse_ref = reference.kvcache_attention(**arrays, **options, **variant)
     o_std, lse_std = o_ref.copy(), lse_ref.copy()
     if dtype in SIXTEEN_BIT:
         sequences = reference.kvcache_sequences(
@@ -412,8 +414,11 @@ def assert_kvcache_close(problem, o, lse=None, *, inputs=None, check_dtype=True)
             block_table=arrays["block_table"])
         for b, (keys, values) in enumerate(sequences):
             if keys.shape[0] and problem.seqlen_q:
+                own = dict(variant)
+                if own.get("alibi_slopes") is not None and np.ndim(own["alibi_slopes"]) == 2:
+                    own["alibi_slopes"] = np.asarray(own["alibi_slopes"])[b:b + 1]
                 o_b, lse_b = reference.standard_attention(arrays["q"][b:b + 1], keys[None], values[None], dtype=dtype,
-                                                          **options)
+                                                          **options, **own)
                 o_std[b], lse_std[b] = o_b[0], lse_b[0]
     o = _check_output(failures, "o", o, problem.q_shape, dtype if check_dtype else None)
     if o is not None:

@@ -1,0 +1,171 @@
+"""Decode bandwidth of flash_attn_with_kvcache's kernel (issue 17's bar), against cuDNN and
+FlashAttention-2 through torch SDPA and a device-to-device copy, all in one run:
+
+    python -m cupyflash.bench.kvcache_decode [--json FILE] [--quick]
+
+One query token per sequence, bf16, d128, every sequence at the full length. For each shape
+(batch x query heads / kv heads at kv_len): cupyflash's kernel over a contiguous cache and over
+paged caches of 16 and 256 tokens per page (the same keys behind a random block table), the
+split count its heuristic picks; SDPA's cuDNN and flash backends on (B, H, S, D) views of a
+(B, S, H, D) cache, enable_gqa for GQA. The figure of merit is K+V bytes over the device time
+of the kernels of one step (the cupyflash split combine included); the copy counts bytes read
+plus written. The end-to-end time of flash_attn_with_kvcache from Python (argument checks,
+index arrays read to the host, launches) is reported next to it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+from .timing import RepeatPolicy, time_region
+
+SHAPES = ((8, 32, 32, 32768), (8, 32, 8, 32768), (1, 32, 8, 131072), (64, 32, 8, 4096))
+HEADDIM = 128
+POLICY = RepeatPolicy(warmup=3, target_s=0.2, min_repeats=10, max_repeats=50)
+
+
+def _copy_tbps(stream, nbytes=2 * 2**30) -> float:
+    import cupy
+
+    src = cupy.empty(nbytes, cupy.uint8)
+    src.fill(0xA5)
+    dst = cupy.empty_like(src)
+    timing = time_region(lambda _: dst.data.copy_from_device_async(src.data, nbytes, stream), 1, policy=POLICY,
+                         stream=stream)
+    return 2 * nbytes / timing.median_ms / 1e9
+
+
+def _paged(k, v, page_size, rng):
+    """The same keys and values as pools of pages behind one random block table: (k pages, v pages,
+    table)."""
+    import cupy
+
+    batch, length = k.shape[:2]
+    per_seq = -(-length // page_size)
+    order = cupy.asarray(rng.permutation(batch * per_seq))
+    pools = []
+    for cache in (k, v):
+        padded = cupy.zeros((batch, per_seq * page_size) + cache.shape[2:], cache.dtype)
+        padded[:, :length] = cache
+        pool = cupy.empty((batch * per_seq, page_size) + cache.shape[2:], cache.dtype)
+        pool[order] = padded.reshape((batch * per_seq, page_size) + cache.shape[2:])
+        pools.append(pool)
+    return pools[0], pools[1], order.reshape(batch, per_seq).astype(np.int32)
+
+
+def measure(shapes=SHAPES, headdim=HEADDIM, quick=False) -> dict:
+    import cupy
+    import ml_dtypes
+
+    from ..kernels import kvcache_mma
+    from ..masks import mask_for
+    from .. import flash_attn_with_kvcache
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    rng = np.random.default_rng(0)
+    dtype = ml_dtypes.bfloat16
+    rows = []
+    with stream:
+        copy = _copy_tbps(stream)
+        torch = None
+        try:
+            import torch
+            import torch.nn.functional as F
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+        except ImportError:
+            torch = None
+        for batch, hq, hkv, length in shapes:
+            row = {"batch": batch, "nheads": hq, "nheads_kv": hkv, "kv_len": length, "headdim": headdim}
+            kv_bytes = 2 * batch * length * hkv * headdim * 2
+            q = cupy.asarray(rng.standard_normal((batch, 1, hq, headdim), np.float32)).astype(dtype)
+            k = cupy.asarray(rng.standard_normal((batch, length, hkv, headdim), np.float32)).astype(dtype)
+            v = cupy.asarray(rng.standard_normal((batch, length, hkv, headdim), np.float32)).astype(dtype)
+            o = cupy.empty_like(q)
+            lse = cupy.empty((batch, hq, 1), np.float32)
+            seqlens = cupy.full(batch, length, np.int32)
+            scale = 1.0 / np.sqrt(headdim)
+            mask = mask_for(False)
+            layouts = {"contiguous": (k, v, cupy.arange(batch, dtype=np.int32)[:, None], length, False)}
+            for page in (16, 256):
+                pk, pv, table = _paged(k, v, page, rng)
+                layouts[f"paged{page}"] = (pk, pv, table, page, True)
+            for name, (kc, vc, table, page_size, paged) in layouts.items():
+                splits = []
+
+                def run(_):
+                    splits.append(kvcache_mma.forward(q, kc, vc, o, lse, seqlens_k=seqlens, block_table=table,
+                                                      page_size=page_size, paged=paged, max_seqlen_k=length,
+                                                      softmax_scale=scale, mask=mask))
+                timing = time_region(run, 1, policy=POLICY, stream=stream)
+                row[f"cupyflash_{name}_tbps"] = kv_bytes / timing.median_ms / 1e9
+                row[f"cupyflash_{name}_ms"] = timing.median_ms
+                row["num_splits"] = splits[-1]
+                del kc, vc
+            # the whole API call from Python, contiguous cache (host checks and syncs included)
+            cache_seqlens = cupy.full(batch, length, np.int32)
+            flash_attn_with_kvcache(q, k, v, cache_seqlens=cache_seqlens)
+            stream.synchronize()
+            n = 5 if quick else 20
+            t0 = time.perf_counter()
+            for _ in range(n):
+                flash_attn_with_kvcache(q, k, v, cache_seqlens=cache_seqlens)
+            stream.synchronize()
+            row["api_ms"] = (time.perf_counter() - t0) / n * 1e3
+            if torch is not None:
+                ts = torch.cuda.ExternalStream(stream.ptr)
+                with torch.cuda.stream(ts):
+                    tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v))
+                    kwargs = {"enable_gqa": True} if hq != hkv else {}
+                    for label, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("fa2", SDPBackend.FLASH_ATTENTION)):
+                        try:
+                            with sdpa_kernel([backend]):
+                                F.scaled_dot_product_attention(tq, tk, tv, **kwargs)
+
+                                def run_torch(_):
+                                    F.scaled_dot_product_attention(tq, tk, tv, **kwargs)
+                                timing = time_region(run_torch, 1, policy=POLICY, stream=stream)
+                            row[f"{label}_tbps"] = kv_bytes / timing.median_ms / 1e9
+                        except Exception as exc:  # a backend that rejects the shape
+                            row[f"{label}_tbps"] = None
+                            row[f"{label}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            rows.append(row)
+            del q, k, v, layouts
+            cupy.get_default_memory_pool().free_all_blocks()
+    return {"copy_tbps": copy, "rows": rows}
+
+
+def table(result: dict) -> str:
+    copy = result["copy_tbps"]
+    lines = [f"device-to-device copy: {copy:.2f} TB/s (read + write)", "",
+             "| shape (B x Hq/Hkv @ L) | splits | cupyflash contiguous | paged 16 | paged 256 | cuDNN | FA2 | "
+             "×cuDNN | % copy | paged16/contig | paged256/contig | API call ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        c, p16, p256 = (r[f"cupyflash_{n}_tbps"] for n in ("contiguous", "paged16", "paged256"))
+        cudnn, fa2 = r.get("cudnn_tbps"), r.get("fa2_tbps")
+        fmt = lambda x: "—" if x is None else f"{x:.2f}"
+        lines.append(f"| {r['batch']} x {r['nheads']}/{r['nheads_kv']} @ {r['kv_len']} | {r['num_splits']} | "
+                     f"{c:.2f} | {p16:.2f} | {p256:.2f} | {fmt(cudnn)} | {fmt(fa2)} | "
+                     f"{'—' if not cudnn else f'{c / cudnn:.2f}'} | {100 * c / copy:.0f}% | {p16 / c:.3f} | "
+                     f"{p256 / c:.3f} | {r['api_ms']:.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write the measurements here")
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    result = measure(quick=args.quick)
+    print(table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,224 @@
+"""The KV-cache forward on tensor cores (``kernels_cu/flash_fwd_kvcache_mma.cu``) and its split
+combine (``kernels_cu/flash_fwd_combine.cu``): float16 / bfloat16, head dims multiples of 8 up
+to 256, contiguous or paged caches of any page size, each sequence its own cached length.
+
+A call is one launch of (m_blocks x num_splits, nheads_kv, batch) CTAs, m_blocks the 16 WARPS-row
+blocks of the seqlen_q * group packed (query, head) rows of one kv head, and with num_splits > 1
+one combine launch. ``plan`` picks the tiles and the split count from the shape and the device
+(``num_splits_heuristic``); the caller may set num_splits itself (flash-attn's argument).
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from ._module import Specialization, launch
+from .constants import CTYPES, SHORT_NAMES, TENSOR_CORE_D_TILES, d_tile
+from .params import CACHE_FWD_PARAMS, COMBINE_PARAMS, _set_scales, fast_divmod, pointer, set_rows, set_variant
+from .._dtypes import dtype_name
+from ..masks import KINDS, VARIANT_KINDS, Mask
+
+__all__ = ["CacheTiles", "cache_tiles", "specialization", "combine_specialization", "specializations",
+           "num_splits_heuristic", "supports", "forward", "smem_bytes", "MAX_SPLITS", "COMBINE_ROWS"]
+
+MAX_SPLITS = 128
+COMBINE_ROWS = 4  # flash_fwd_combine.cu's COMBINE_ROWS_PER_BLOCK
+
+
+class CacheTiles(NamedTuple):
+    warps: int     # 16 rows each: BLOCK_M = 16 warps
+    block_n: int   # keys per tile
+    stages: int    # K/V tiles in flight
+
+    @property
+    def block_m(self) -> int:
+        return 16 * self.warps
+
+
+# Decode (few packed rows): one warp per CTA, many CTAs per SM, each with STAGES - 1 tiles in
+# flight: at d128 a 32-key stage is 16 KiB and 4 stages keep 48 KiB per CTA on the way.
+_DECODE_TILES = {64: CacheTiles(1, 64, 4), 128: CacheTiles(1, 32, 4), 256: CacheTiles(1, 32, 3)}
+# Many packed rows (chunked prefill, long speculation): four warps share each K/V tile.
+_PREFILL_TILES = {64: CacheTiles(4, 64, 3), 128: CacheTiles(4, 64, 2), 256: CacheTiles(4, 32, 2)}
+
+
+def supports(dtype, headdim: int) -> bool:
+    """float16 / bfloat16 with a head dim that is a multiple of 8, 8..256 (no padding of the cache)."""
+    try:
+        name = dtype_name(dtype)
+    except ValueError:
+        return False
+    return name in ("float16", "bfloat16") and headdim % 8 == 0 and 8 <= headdim <= TENSOR_CORE_D_TILES[-1]
+
+
+def cache_tiles(dt: int, packed_rows: int) -> CacheTiles:
+    """The tiles for head-dim tile ``dt`` and seqlen_q * group packed rows per kv head."""
+    return (_DECODE_TILES if packed_rows <= 16 else _PREFILL_TILES)[dt]
+
+
+def smem_bytes(dt: int, tiles: CacheTiles) -> int:
+    """CacheSmemLayout<...>::BYTES: the Q tile and STAGES K and V tiles, 16-bit."""
+    return 2 * dt * (tiles.block_m + 2 * tiles.stages * tiles.block_n)
+
+
+def specialization(dtype, dt: int, mask: Mask, tiles: CacheTiles, paged: bool, split: bool) -> Specialization:
+    name = dtype_name(dtype)
+    t = tiles
+    flag = {True: "true", False: "false"}
+    return Specialization(
+        f"flash_fwd_kvcache_mma_{SHORT_NAMES[name]}_hdim{dt}_{mask.name}_w{t.warps}_bn{t.block_n}_s{t.stages}"
+        f"_{'paged' if paged else 'rows'}_{'split' if split else 'whole'}",
+        "flash_fwd_kvcache_mma.cu",
+        f"cf::flash_fwd_kvcache_mma<{CTYPES[name]}, {dt}, {mask.cpp}, {t.warps}, {t.block_n}, {t.stages}, "
+        f"{flag[paged]}, {flag[split]}>",
+        32 * t.warps, smem_bytes(dt, t))
+
+
+def combine_specialization(dtype) -> Specialization:
+    name = dtype_name(dtype)
+    return Specialization(f"flash_fwd_combine_{SHORT_NAMES[name]}", "flash_fwd_combine.cu",
+                          f"cf::flash_fwd_combine<{CTYPES[name]}>", 32 * COMBINE_ROWS, 0)
+
+
+def specializations() -> list:
+    """Every specialization a call can launch (the compile check builds them for sm_80 and sm_90)."""
+    out = []
+    for dtype in ("float16", "bfloat16"):
+        for table in (_DECODE_TILES, _PREFILL_TILES):
+            for dt, tiles in table.items():
+                for mask in KINDS + VARIANT_KINDS:
+                    if mask.score.user is not None:
+                        continue  # no modifiers on this path (a block map is per dense problem)
+                    for paged in (False, True):
+                        for split in (False, True):
+                            out.append(specialization(dtype, dt, mask, tiles, paged, split))
+        out.append(combine_specialization(dtype))
+    return list(dict.fromkeys(out))
+
+
+def num_splits_heuristic(ctas: int, slots: int, key_blocks: int, max_splits: int = MAX_SPLITS) -> int:
+    """Splits of the keys for ``ctas`` CTAs (m_blocks x nheads_kv x batch) on a device that holds
+    ``slots`` of them at once, with ``key_blocks`` key tiles in the longest sequence. A grid that
+    nearly fills the device is not split. Otherwise the candidates run up to what fills it four
+    times (and one key tile per split at least); of those whose last wave is at least 85% as full
+    as the best one's, the fewest splits win (each split costs a partial O and the combine)."""
+    if ctas <= 0 or key_blocks <= 1 or ctas >= 0.8 * slots:
+        return 1
+    limit = max(1, min(max_splits, key_blocks, math.ceil(4 * slots / ctas)))
+
+    def efficiency(s: int) -> float:
+        waves = ctas * s / slots
+        return waves / math.ceil(waves)
+
+    best = max(efficiency(s) for s in range(1, limit + 1))
+    for s in range(1, limit + 1):
+        if efficiency(s) >= 0.85 * best and ctas * s >= 0.8 * slots or s == limit:
+            return s
+    return limit
+
+
+def _device_slots(spec: Specialization) -> int:
+    """CTAs of ``spec`` the current device holds at once (shared memory and the 32-block limit)."""
+    import cupy
+
+    attributes = cupy.cuda.Device().attributes
+    sms = int(attributes["MultiProcessorCount"])
+    per_sm = int(attributes["MaxSharedMemoryPerMultiprocessor"])
+    reserved = 1024  # per block, by the driver
+    by_smem = per_sm // (spec.smem_bytes + reserved) if spec.smem_bytes else 32
+    by_threads = 2048 // spec.threads
+    return sms * max(1, min(32, by_smem, by_threads))
+
+
+class CachePlan(NamedTuple):
+    spec: Specialization
+    tiles: CacheTiles
+    grid: tuple
+    num_splits: int
+    split_keys: int
+
+
+def plan(dtype, headdim: int, mask: Mask, *, batch: int, seqlen_q: int, group: int, nheads_kv: int,
+         max_seqlen_k: int, paged: bool, num_splits: int = 0) -> CachePlan:
+    """Kernel, grid and split of one call (num_splits 0: the heuristic's choice)."""
+    dt = d_tile(headdim, TENSOR_CORE_D_TILES)
+    tiles = cache_tiles(dt, seqlen_q * group)
+    m_blocks = math.ceil(seqlen_q * group / tiles.block_m)
+    key_blocks = max(1, math.ceil(max_seqlen_k / tiles.block_n))
+    if num_splits == 0:
+        probe = specialization(dtype, dt, mask, tiles, paged, True)
+        num_splits = num_splits_heuristic(m_blocks * nheads_kv * batch, _device_slots(probe), key_blocks)
+    num_splits = max(1, min(int(num_splits), key_blocks, MAX_SPLITS))
+    split_keys = math.ceil(key_blocks / num_splits) * tiles.block_n
+    num_splits = max(1, math.ceil(max(max_seqlen_k, 1) / split_keys))  # no split past the longest sequence
+    split = num_splits > 1
+    return CachePlan(specialization(dtype, dt, mask, tiles, paged, split), tiles,
+                     (m_blocks * num_splits, nheads_kv, batch), num_splits, split_keys)
+
+
+def forward(q, k_cache, v_cache, o, lse, *, seqlens_k, block_table, page_size: int, paged: bool, max_seqlen_k: int,
+            softmax_scale: float, mask: Mask, variant=None, num_splits: int = 0) -> int:
+    """o (like q) and lse ((batch, nheads, seqlen_q) float32, C-contiguous) of q over the caches,
+    on the current stream. ``seqlens_k`` (batch,) int32 and ``block_table`` (batch, n) int32 CuPy
+    arrays (a contiguous cache: each sequence's row, one column, page_size its capacity);
+    ``variant`` a scores.Variant with CuPy arrays, without modifiers. Returns the split count."""
+    import cupy
+
+    batch, seqlen_q, nheads, headdim = q.shape
+    nheads_kv = k_cache.shape[2]
+    if batch == 0 or seqlen_q == 0 or nheads == 0:
+        return 0
+    for a, what in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache"), (o, "o")):
+        item = a.itemsize
+        if a.strides[3] != item or any((s // item) % 8 for s in a.strides[:3]) or a.data.ptr % 16:
+            raise ValueError(f"cupyflash: {what} needs a contiguous last dimension, strides that are multiples "
+                             "of 8 elements and a 16-byte aligned pointer for the tensor-core kernel")
+    if lse.dtype != np.float32 or not lse.flags.c_contiguous or lse.shape != (batch, nheads, seqlen_q):
+        raise ValueError("cupyflash: lse must be a C-contiguous float32 (batch, nheads, seqlen_q) array")
+    for a, what in ((seqlens_k, "seqlens_k"), (block_table, "block_table")):
+        if a.dtype != np.int32 or a.strides[-1] != 4:
+            raise ValueError(f"cupyflash: {what} must be int32 with a contiguous last dimension")
+    planned = plan(q.dtype, headdim, mask, batch=batch, seqlen_q=seqlen_q, group=nheads // nheads_kv,
+                   nheads_kv=nheads_kv, max_seqlen_k=max_seqlen_k, paged=paged, num_splits=num_splits)
+
+    params = np.zeros(1, CACHE_FWD_PARAMS)
+    for name, a in (("q", q), ("k", k_cache), ("v", v_cache), ("o", o)):
+        set_rows(params, name, a)
+    params["lse"] = pointer(lse)
+    params["batch"], params["seqlen_q"], params["seqlen_k"] = batch, seqlen_q, max_seqlen_k
+    params["nheads"], params["nheads_kv"], params["group"] = nheads, nheads_kv, nheads // nheads_kv
+    params["headdim"] = headdim
+    params["window_left"], params["window_right"] = mask.window_args()
+    _set_scales(params, softmax_scale)
+    set_variant(params, variant)
+    params["seqlens_k"], params["block_table"] = pointer(seqlens_k), pointer(block_table)
+    params["block_table_stride"] = np.int64(block_table.strides[0] // 4 if block_table.shape[0] > 1 else 0)
+    params["page"]["divisor"], params["page"]["multiplier"], params["page"]["shift"] = fast_divmod(page_size)
+    params["num_splits"], params["split_keys"] = np.int32(planned.num_splits), np.int32(planned.split_keys)
+    if planned.num_splits == 1:
+        launch(planned.spec, planned.grid, (params,))
+        return 1
+
+    from ..testing import poison_enabled
+
+    # NaN under testing.poisoned_outputs: a split that saw no key of a row leaves its o unwritten,
+    # and the combine must not read it.
+    empty = (lambda shape: cupy.full(shape, np.nan, np.float32)) if poison_enabled() else \
+        (lambda shape: cupy.empty(shape, np.float32))
+    o_partial = empty((planned.num_splits, batch, nheads, seqlen_q, headdim))
+    lse_partial = empty((planned.num_splits, batch, nheads, seqlen_q))
+    params["o_partial"], params["lse_partial"] = pointer(o_partial), pointer(lse_partial)
+    launch(planned.spec, planned.grid, (params,))
+
+    combine = np.zeros(1, COMBINE_PARAMS)
+    combine["o_partial"], combine["lse_partial"] = pointer(o_partial), pointer(lse_partial)
+    set_rows(combine, "o", o)
+    combine["lse"] = pointer(lse)
+    sink = None if variant is None else variant.sink
+    combine["sink"] = pointer(sink)
+    combine["num_splits"], combine["batch"], combine["seqlen_q"] = planned.num_splits, batch, seqlen_q
+    combine["nheads"], combine["headdim"] = nheads, headdim
+    launch(combine_specialization(q.dtype), (math.ceil(batch * nheads * seqlen_q / COMBINE_ROWS), 1, 1), (combine,))
+    return planned.num_splits

@@ -1,0 +1,134 @@
+"""The KV-cache kernel (kernels_cu/flash_fwd_kvcache_mma.cu) and its split combine
+(kernels_cu/flash_fwd_combine.cu) on the GPU, through flash_attn_with_kvcache: split counts from
+one to more than there are key blocks, GQA packing (groups 1..8, seqlen_q up to 16: the one-warp
+and the four-warp tiles), contiguous and paged caches (page sizes 1, 3, 16, 17, 256), windows and
+the variants (softcap, ALiBi, sinks) against the float64 reference, outputs and split partials
+NaN-poisoned, every cache slot outside the sequences NaN. Marker ``gpu``."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import cupyflash
+from cupyflash.kernels import kvcache_mma
+from cupyflash.testing import KVCacheProblem, assert_kvcache_close, poisoned_outputs
+from cupyflash.testing.strategies import kvcache_problems
+from kvcache_checks import assert_same_bytes, expected_caches
+
+pytestmark = pytest.mark.gpu
+
+SIXTEEN_BIT = [np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)]
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The split counts of the cache kernel's launches during a test."""
+    seen = []
+    forward = kvcache_mma.forward
+
+    def spy(*args, **kwargs):
+        seen.append(forward(*args, **kwargs))
+        return seen[-1]
+    monkeypatch.setattr(kvcache_mma, "forward", spy)
+    return seen
+
+
+def run(problem, variant=None, **options):
+    import cupy
+
+    before = problem.inputs()
+    inputs = {name: x if x is None or np.ndim(x) == 0 else cupy.asarray(x) for name, x in problem.inputs().items()}
+    device_variant = {name: cupy.asarray(x) if isinstance(x, np.ndarray) else x for name, x in (variant or {}).items()}
+    with poisoned_outputs():
+        o, lse = cupyflash.flash_attn_with_kvcache(**inputs, return_lse=True, **problem.kwargs, **device_variant,
+                                                   **options)
+    assert_kvcache_close(problem, o, lse, inputs=before, variant=variant)
+    k_expected, v_expected = expected_caches(before)
+    assert_same_bytes("k_cache", inputs["k_cache"].get(), k_expected)
+    assert_same_bytes("v_cache", inputs["v_cache"].get(), v_expected)
+
+
+def problem_with(**changes):
+    base = KVCacheProblem(cache_seqlens=(5, 0, 300, 77, 1000), seqlen_q=1, seqlen_new=1, capacity=1024, page_size=16,
+                          spare=5, shuffle=True, nheads_kv=2, group=4, headdim=128, causal=True, softmax_scale=None,
+                          magnitude=1.0, dtype=ml_dtypes.bfloat16, seed=17)
+    return replace(base, **changes)
+
+
+@pytest.mark.parametrize("page_size", [None, 1, 3, 17, 256])
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 500])
+def test_every_split_count_and_page_size(page_size, num_splits, launches):
+    capacity = 1024 if page_size is None else -(-1024 // page_size) * page_size
+    run(problem_with(page_size=page_size, capacity=capacity), num_splits=num_splits)
+    assert launches and 1 <= launches[-1] <= num_splits
+
+
+def test_the_heuristic_splits_a_small_batch(launches):
+    """One long sequence on 2 kv heads: the grid would fill a few SMs unsplit."""
+    run(problem_with(cache_seqlens=(4000,), capacity=4096, page_size=None, shuffle=False, spare=0))
+    assert launches[-1] > 1
+
+
+@pytest.mark.parametrize("seqlen_q, group", [(1, 1), (1, 8), (2, 8), (3, 5), (16, 4), (5, 8)])
+@pytest.mark.parametrize("window_size", [(-1, -1), (64, 0), (100, 3)])
+def test_packed_rows_and_windows(seqlen_q, group, window_size, launches):
+    run(problem_with(seqlen_q=seqlen_q, seqlen_new=min(seqlen_q, 2), group=group, causal=False, window_size=window_size),
+        num_splits=3)
+    assert launches
+
+
+@pytest.mark.parametrize("headdim", [8, 40, 64, 96, 128, 256])
+@pytest.mark.parametrize("dtype", SIXTEEN_BIT, ids=str)
+def test_head_dims(headdim, dtype, launches):
+    run(problem_with(headdim=headdim, dtype=dtype, seqlen_q=2, seqlen_new=2), num_splits=2)
+    run(problem_with(headdim=headdim, dtype=dtype, causal=False), num_splits=1)
+    assert len(launches) == 2
+
+
+VARIANTS = {
+    "softcap": lambda batch, nheads, rng: {"softcap": 5.0},
+    "alibi": lambda batch, nheads, rng: {"alibi_slopes": rng.uniform(0.01, 0.5, nheads).astype(np.float32)},
+    "alibi per sequence": lambda batch, nheads, rng: {
+        "alibi_slopes": rng.uniform(0.01, 0.5, (batch, nheads)).astype(np.float32)},
+    "sink": lambda batch, nheads, rng: {"sink": rng.uniform(-2, 4, nheads).astype(np.float32)},
+    "softcap alibi sink": lambda batch, nheads, rng: {
+        "softcap": 8.0, "alibi_slopes": rng.uniform(0.01, 0.5, nheads).astype(np.float32),
+        "sink": rng.uniform(-2, 4, nheads).astype(np.float32)},
+}
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("seqlen_q", [1, 6])
+def test_variants(name, num_splits, seqlen_q, launches):
+    problem = problem_with(seqlen_q=seqlen_q, seqlen_new=2, window_size=(200, 0))
+    variant = VARIANTS[name](problem.batch, problem.nheads, np.random.default_rng(3))
+    run(problem, variant, num_splits=num_splits)
+    assert launches
+
+
+def test_a_sequence_without_keys_gets_the_sink():
+    import cupy
+
+    problem = problem_with(cache_seqlens=(0, 9), seqlen_new=0, seqlen_q=1)
+    sink = np.array([0.5, -1.0, 2.0, 0.0, 1.0, 3.0, -2.0, 0.25], np.float32)
+    inputs = {name: x if x is None or np.ndim(x) == 0 else cupy.asarray(x) for name, x in problem.inputs().items()}
+    for splits in (1, 3):
+        with poisoned_outputs():
+            o, lse = cupyflash.flash_attn_with_kvcache(**inputs, return_lse=True, sink=cupy.asarray(sink),
+                                                       num_splits=splits, **problem.kwargs)
+        assert float(cupy.abs(o[0]).max()) == 0.0
+        np.testing.assert_array_equal(lse[0, :, 0].get(), sink)
+
+
+@settings(max_examples=60)
+@given(problem=kvcache_problems(dtypes=SIXTEEN_BIT, windows=True, max_capacity=2100, max_new=8, max_seqlen_q=8,
+                                max_headdim=256, max_group=8, max_cost=8e6),
+       num_splits=st.integers(0, 9))
+def test_the_kernel_matches_the_reference(problem, num_splits):
+    run(problem, num_splits=num_splits)
