@@ -88,7 +88,7 @@ def measure(shapes=SHAPES, headdim=HEADDIM, quick=False) -> dict:
             seqlens = cupy.full(batch, length, np.int32)
             scale = 1.0 / np.sqrt(headdim)
             mask = mask_for(False)
-            layouts = {"contiguous": (k, v, cupy.arange(batch, dtype=np.int32)[:, None], length, False)}
+            layouts = {"contiguous": (k, v, cupy.arange(batch, dtype=np.int32).reshape(batch, 1), length, False)}
             for page in (16, 256):
                 pk, pv, table = _paged(k, v, page, rng)
                 layouts[f"paged{page}"] = (pk, pv, table, page, True)

@@ -178,7 +178,7 @@ def forward(q, k_cache, v_cache, o, lse, *, seqlens_k, block_table, page_size: i
     if lse.dtype != np.float32 or not lse.flags.c_contiguous or lse.shape != (batch, nheads, seqlen_q):
         raise ValueError("cupyflash: lse must be a C-contiguous float32 (batch, nheads, seqlen_q) array")
     for a, what in ((seqlens_k, "seqlens_k"), (block_table, "block_table")):
-        if a.dtype != np.int32 or a.strides[-1] != 4:
+        if a.dtype != np.int32 or (a.shape[-1] > 1 and a.strides[-1] != 4):
             raise ValueError(f"cupyflash: {what} must be int32 with a contiguous last dimension")
     planned = plan(q.dtype, headdim, mask, batch=batch, seqlen_q=seqlen_q, group=nheads // nheads_kv,
                    nheads_kv=nheads_kv, max_seqlen_k=max_seqlen_k, paged=paged, num_splits=num_splits)
