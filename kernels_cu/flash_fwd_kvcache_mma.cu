@@ -1,15 +1,20 @@
 // flash_fwd_kvcache_mma: attention of a few new queries per sequence over a KV cache (decoding,
 // speculative decoding, chunked prefill), float16 / bfloat16 on mma.sync, head dim up to D_TILE.
 //
-// The work of one sequence is cut two ways so that a decode step fills the GPU and reads each
+// The work of one sequence is cut three ways so that a decode step fills the GPU and reads each
 // K/V byte once:
-// - GQA packing: a CTA's BLOCK_M = 16 WARPS rows are (query, head) pairs of ONE kv head
+// - GQA packing: a CTA's BLOCK_M = 16 ROW_WARPS rows are (query, head) pairs of ONE kv head
 //   (cache_rows.cuh, PackedRows), so the group's query heads share each K/V tile. One decode
 //   query of a 32/8-head model is 4 rows of one 16-row strip: the tensor cores idle on the rest,
 //   and the kernel stays bound by memory, which is what decoding is.
 // - split-KV (flash-decoding): blockIdx.x = m_block * num_splits + split; split s visits keys
 //   [s split_keys, (s + 1) split_keys) of the mask's range, and with num_splits > 1 writes its
 //   O / l and lse to float32 partials that flash_fwd_combine.cu merges by the LSE rule.
+// - keys across warps: the KEY_WARPS warps of a row strip take WARP_KEYS = BLOCK_N / KEY_WARPS
+//   keys each of every tile, with their own running max, sum and O, merged through shared memory
+//   at the end in a fixed order (merge_key_warps). A decode CTA is then 4 warps on one 16-row
+//   strip: 4 times the warps per SM of one warp per strip for the same shared memory, which is
+//   what hides the latency of the loads and of the mma chains when each warp has little to do.
 // Keys come from the cache through the sequence's block table (CacheKeys: any page size, or a
 // contiguous cache row), each sequence with its own seqlens_k[b] keys; the mask and score
 // policies (mask.cuh, score.cuh) are the dense kernels', asked per query of each packed row.
@@ -71,18 +76,131 @@ __device__ __forceinline__ void scale_and_mask_packed(float (&s)[1][N_FRAGS][4],
     }
 }
 
-template <typename T, int D_TILE, class Mask, int WARPS, int BLOCK_N, int STAGES, bool PAGED, bool SPLIT>
-__global__ void __launch_bounds__(WARPS * 32)
+// The epilogue of one row: the factor of its O (1 / l, or with a sink finish_row_with_sink's) and
+// its lse, from the running max m and sum l in log2 units. SPLIT: the split's own O / l and lse,
+// without the sink, which joins once in the combine.
+template <class Mask, bool SPLIT>
+__device__ __forceinline__ void finish_row(float m, float l, const CacheFwdParams& p, int head, float& o_factor,
+                                           float& lse) {
+    if constexpr (!SPLIT && Mask::Score::HAS_SINK) {
+        finish_row_with_sink(m, l, sink_log2<Mask, float>(p, head), o_factor, lse);
+    } else {
+        o_factor = l > 0.f ? 1.f / l : 0.f;
+        lse = l > 0.f ? (m + __log2f(l)) * 0.6931471805599453f : neg_inf<float>();
+    }
+}
+
+// Where row r's results go: lse at (batch, head, query) of p.lse or (split, ...) of p.lse_partial,
+// O at the row of o or of o_partial. `id` is (batch, head, query) flattened.
+template <bool SPLIT>
+__device__ __forceinline__ i64 result_row(const CacheFwdParams& p, int split, int batch, int head, int query) {
+    const i64 id = ((i64)batch * p.nheads + head) * p.seqlen_q + query;
+    return SPLIT ? (i64)split * p.batch * p.nheads * p.seqlen_q + id : id;
+}
+
+// The epilogue of KEY_WARPS warps that took different keys of the same 16 rows: each warp's
+// (m, l, O) through shared memory, merged in warp order (deterministic), then the rows stored.
+//   M = max_w m_w    L = sum_w l_w 2^(m_w - M)    O = (sum_w 2^(m_w - M) O_w) o_factor(M, L)
+// Stats go to `stats` (2 KEY_WARPS x 16 floats), the warps' O (float32, 16 x D_TILE each, a
+// warp's fragments at their own columns) to `o_tiles`, both free once the key loop is done.
+template <typename T, int D_TILE, class Mask, int KEY_WARPS, bool SPLIT, int D_FRAGS>
+__device__ __forceinline__ void merge_key_warps(const float (&o)[1][D_FRAGS][4],
+                                                const RowStats<RowState::ALL_LANES, 1>& row_stats,
+                                                const CacheFwdParams& p, u32 stats, u32 o_tiles,
+                                                const PackedRows& rows, int m0, int split, int batch, int lane) {
+    constexpr int NTHREADS = 32 * KEY_WARPS;
+    const int warp = threadIdx.x / 32;
+    __syncthreads();  // every warp is done with the tiles (and Q) the merge reuses
+    float m[2], l[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        row_stats.get(0, h, lane, m[h], l[h]);
+        const int r = 8 * h + (lane >> 2);
+        if ((lane & 3) == 0) {
+            st_shared_b32(stats + 4 * (warp * 16 + r), __float_as_uint(m[h]));
+            st_shared_b32(stats + 4 * ((KEY_WARPS + warp) * 16 + r), __float_as_uint(l[h]));
+        }
+    }
+    __syncthreads();
+    // This warp's share of each of its rows: 2^(m_w - M).
+    float share[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = 8 * h + (lane >> 2);
+        float top = neg_inf<float>();
+#pragma unroll
+        for (int w = 0; w < KEY_WARPS; ++w) top = fmaxf(top, __uint_as_float(ld_shared_b32(stats + 4 * (w * 16 + r))));
+        share[h] = m[h] == neg_inf<float>() ? 0.f : exp2_approx(m[h] - top);
+    }
+    const u32 tile = o_tiles + warp * 16 * D_TILE * 4;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = 8 * h + (lane >> 2);
+#pragma unroll
+        for (int f = 0; f < D_FRAGS; ++f) {
+            const u32 at = tile + 4 * (r * D_TILE + 8 * f + 2 * (lane & 3));
+            st_shared_b32(at, __float_as_uint(o[0][f][2 * h] * share[h]));
+            st_shared_b32(at + 4, __float_as_uint(o[0][f][2 * h + 1] * share[h]));
+        }
+    }
+    __syncthreads();
+    // Every thread: 4 consecutive columns of one row at a time, summed over the warps in order.
+    const int headdim = p.headdim;
+    for (int idx = threadIdx.x; idx < 16 * D_TILE / 4; idx += NTHREADS) {
+        const int r = idx / (D_TILE / 4), c = 4 * (idx % (D_TILE / 4));
+        if (m0 + r >= rows.rows || c >= headdim) continue;
+        float top = neg_inf<float>(), total = 0.f;
+#pragma unroll
+        for (int w = 0; w < KEY_WARPS; ++w) top = fmaxf(top, __uint_as_float(ld_shared_b32(stats + 4 * (w * 16 + r))));
+#pragma unroll
+        for (int w = 0; w < KEY_WARPS; ++w) {
+            const float m_w = __uint_as_float(ld_shared_b32(stats + 4 * (w * 16 + r)));
+            const float l_w = __uint_as_float(ld_shared_b32(stats + 4 * ((KEY_WARPS + w) * 16 + r)));
+            total += m_w == neg_inf<float>() ? 0.f : l_w * exp2_approx(m_w - top);
+        }
+        const int head = rows.head(m0 + r), query = rows.query(m0 + r);
+        float o_factor, lse;
+        finish_row<Mask, SPLIT>(top, total, p, head, o_factor, lse);
+        const i64 out = result_row<SPLIT>(p, split, batch, head, query);
+        if (c == 0) (SPLIT ? p.lse_partial : static_cast<float*>(p.lse))[out] = lse;
+        if (SPLIT && total == 0.f) continue;  // the combine reads this split's lse only
+        float x[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int w = 0; w < KEY_WARPS; ++w) {
+            u32 v[4];
+            ld_shared_v4(v, o_tiles + w * 16 * D_TILE * 4 + 4 * (r * D_TILE + c));
+#pragma unroll
+            for (int e = 0; e < 4; ++e) x[e] += __uint_as_float(v[e]);
+        }
+        if constexpr (SPLIT) {
+            *reinterpret_cast<float4*>(p.o_partial + out * headdim + c) =
+                make_float4(x[0] * o_factor, x[1] * o_factor, x[2] * o_factor, x[3] * o_factor);
+        } else {
+            T* o_row = p.o.row<T>(batch, query, head) + c;
+            *reinterpret_cast<uint2*>(o_row) = make_uint2(pack2<T>(x[0] * o_factor, x[1] * o_factor),
+                                                          pack2<T>(x[2] * o_factor, x[3] * o_factor));
+        }
+    }
+}
+
+template <typename T, int D_TILE, class Mask, int ROW_WARPS, int KEY_WARPS, int BLOCK_N, int STAGES, bool PAGED,
+          bool SPLIT>
+__global__ void __launch_bounds__(ROW_WARPS * KEY_WARPS * 32)
 flash_fwd_kvcache_mma(const __grid_constant__ CacheFwdParams p) {
-    constexpr int NTHREADS = WARPS * 32;
-    constexpr int BLOCK_M = 16 * WARPS;
-    constexpr int N_FRAGS = BLOCK_N / 8;
+    constexpr int NTHREADS = ROW_WARPS * KEY_WARPS * 32;
+    constexpr int BLOCK_M = 16 * ROW_WARPS;
+    constexpr int WARP_KEYS = BLOCK_N / KEY_WARPS;
+    constexpr int N_FRAGS = WARP_KEYS / 8;
     constexpr int D_FRAGS = D_TILE / 8;
     // Q in registers up to d128 (32 of them); at d256 its 64 would crowd O's 128.
     constexpr bool Q_IN_REGS = D_TILE <= 128;
     constexpr int Q_STEPS = Q_IN_REGS ? D_TILE / 16 : 1;
     typedef CacheSmemLayout<D_TILE, BLOCK_M, BLOCK_N, STAGES> Smem;
-    static_assert(BLOCK_N % 16 == 0 && D_TILE % 64 == 0 && STAGES >= 2, "tile shape");
+    static_assert(WARP_KEYS % 16 == 0 && BLOCK_N == KEY_WARPS * WARP_KEYS && D_TILE % 64 == 0 && STAGES >= 2,
+                  "tile shape: whole 16-key steps per warp");
+    static_assert(KEY_WARPS == 1 || ROW_WARPS == 1, "keys across warps: one row strip");
+    static_assert(KEY_WARPS == 1 || (KEY_WARPS * 16 * D_TILE * 4 <= STAGES * Smem::STAGE_BYTES &&
+                                     2 * KEY_WARPS * 16 * 4 <= Smem::Q_BYTES), "merge_key_warps' shared memory");
 
     extern __shared__ __align__(128) unsigned char smem[];
     if (dynamic_smem_bytes() < Smem::BYTES) __trap();
@@ -98,7 +216,9 @@ flash_fwd_kvcache_mma(const __grid_constant__ CacheFwdParams p) {
     const PackedRows rows{p.group, seqlen_q * p.group, head_kv};
     const int m0 = m_block * BLOCK_M;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int strip_row0 = 16 * warp;
+    const int key_warp = warp % KEY_WARPS;
+    const int strip_row0 = 16 * (warp / KEY_WARPS);
+    const u32 warp_keys = key_warp * WARP_KEYS * D_TILE * 2;  // the warp's rows of a K or V tile
     const Mask mask = sequence_mask<Mask>(p, seqlen_q, seqlen_k);
     const SequenceProblem problem{p.variant, seqlen_q, seqlen_k};
 
@@ -171,18 +291,22 @@ flash_fwd_kvcache_mma(const __grid_constant__ CacheFwdParams p) {
             cp_async_commit();
         }
         float s[1][N_FRAGS][4];
-        mma_qk<T, D_TILE>(s, q_frag, q_strip, a_addr, Smem::k_tile(smem_base, stage), k_addr);
-        const int n0 = j * BLOCK_N;
-        const bool masked = mask.keys_partial(q_first, q_count, n0, BLOCK_N);
-        scale_and_mask_packed(s, p.scale_log2, masked, mask, score, query, n0, lane);
+        mma_qk<T, D_TILE>(s, q_frag, q_strip, a_addr, Smem::k_tile(smem_base, stage) + warp_keys, k_addr);
+        const bool masked = mask.keys_partial(q_first, q_count, j * BLOCK_N, BLOCK_N);
+        scale_and_mask_packed(s, p.scale_log2, masked, mask, score, query, j * BLOCK_N + key_warp * WARP_KEYS, lane);
         float m_new[1][2];
         row_max(m_new, s, row_stats, lane);
         softmax_rescale(s, o_acc, row_stats, m_new, lane);
         u32 p_frag[1][N_FRAGS / 2][4];
         pack_p<T>(p_frag, s);
-        mma_pv<T, D_TILE>(o_acc, p_frag, Smem::v_tile(smem_base, stage), a_addr);
+        mma_pv<T, D_TILE>(o_acc, p_frag, Smem::v_tile(smem_base, stage) + warp_keys, a_addr);
     }
     cp_async_wait<0>();  // a block that saw no key may still have copies in flight
+    if constexpr (KEY_WARPS > 1) {
+        merge_key_warps<T, D_TILE, Mask, KEY_WARPS, SPLIT>(o_acc, row_stats, p, smem_base, Smem::k_tile(smem_base, 0),
+                                                           rows, m0, split, batch, lane);
+        return;
+    }
 
     // --- epilogue: each row to its own (query, head) -----------------------------------------------
 #pragma unroll
@@ -191,36 +315,25 @@ flash_fwd_kvcache_mma(const __grid_constant__ CacheFwdParams p) {
         row_stats.get(0, h, lane, m, l);
         const int r = m0 + strip_row0 + 8 * h + (lane >> 2);
         if (r >= rows.rows) continue;
-        const i64 row_id = ((i64)batch * p.nheads + head[h]) * seqlen_q + query[h];  // (batch, head, query)
-        float inv_l, lse;
+        float o_factor, lse;
+        finish_row<Mask, SPLIT>(m, l, p, head[h], o_factor, lse);
+        const i64 out = result_row<SPLIT>(p, split, batch, head[h], query[h]);
+        if ((lane & 3) == 0) (SPLIT ? p.lse_partial : static_cast<float*>(p.lse))[out] = lse;
         if constexpr (SPLIT) {
-            // O / l and lse of this split alone; the sink joins once, in the combine.
-            inv_l = l > 0.f ? 1.f / l : 0.f;
-            lse = l > 0.f ? (m + __log2f(l)) * 0.6931471805599453f : neg_inf<float>();
-            const i64 part = (i64)split * p.batch * p.nheads * seqlen_q + row_id;
-            if ((lane & 3) == 0) p.lse_partial[part] = lse;
-            if (l > 0.f) {  // a split that saw no key of this row: the combine reads its lse only
-                float* o_row = p.o_partial + part * headdim;
+            if (l == 0.f) continue;  // a split that saw no key of this row: the combine reads its lse only
+            float* o_row = p.o_partial + out * headdim;
 #pragma unroll
-                for (int f = 0; f < D_FRAGS; ++f)
-                    if (8 * f < headdim)
-                        *reinterpret_cast<float2*>(o_row + 8 * f + 2 * (lane & 3)) =
-                            make_float2(o_acc[0][f][2 * h] * inv_l, o_acc[0][f][2 * h + 1] * inv_l);
-            }
+            for (int f = 0; f < D_FRAGS; ++f)
+                if (8 * f < headdim)
+                    *reinterpret_cast<float2*>(o_row + 8 * f + 2 * (lane & 3)) =
+                        make_float2(o_acc[0][f][2 * h] * o_factor, o_acc[0][f][2 * h + 1] * o_factor);
         } else {
-            if constexpr (Mask::Score::HAS_SINK) {
-                finish_row_with_sink(m, l, sink_log2<Mask, float>(p, head[h]), inv_l, lse);
-            } else {
-                inv_l = l > 0.f ? 1.f / l : 0.f;
-                lse = l > 0.f ? (m + __log2f(l)) * 0.6931471805599453f : neg_inf<float>();
-            }
-            if ((lane & 3) == 0) static_cast<float*>(p.lse)[row_id] = lse;
             T* o_row = p.o.row<T>(batch, query[h], head[h]);
 #pragma unroll
             for (int f = 0; f < D_FRAGS; ++f)
                 if (8 * f < headdim)
                     *reinterpret_cast<u32*>(o_row + 8 * f + 2 * (lane & 3)) =
-                        pack2<T>(o_acc[0][f][2 * h] * inv_l, o_acc[0][f][2 * h + 1] * inv_l);
+                        pack2<T>(o_acc[0][f][2 * h] * o_factor, o_acc[0][f][2 * h + 1] * o_factor);
         }
     }
 }

@@ -137,6 +137,74 @@ def measure(shapes=SHAPES, headdim=HEADDIM, quick=False) -> dict:
     return {"copy_tbps": copy, "rows": rows}
 
 
+TUNE_TILES = ((1, 1, 32, 4), (1, 4, 64, 2), (1, 4, 64, 3), (1, 2, 32, 4), (1, 8, 128, 2), (1, 4, 128, 2),
+              (1, 2, 64, 3))
+
+
+def _compile_one(spec):
+    from ..kernels._module import get_function
+
+    get_function(spec)
+
+
+def _compile_all(specs) -> None:
+    """Into CuPy's disk cache on every core (NVRTC is CPU-bound), before anything is timed."""
+    import multiprocessing
+    import os
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(os.cpu_count() or 1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        list(pool.map(_compile_one, specs))
+
+
+def tune(shapes=SHAPES, headdim=HEADDIM, candidates=TUNE_TILES) -> list:
+    """K+V bandwidth of each candidate CacheTiles over a contiguous cache and a page-16 cache,
+    the heuristic's split count for each: [(tiles, shape, layout, splits, TB/s)]."""
+    import cupy
+    import ml_dtypes
+
+    from ..kernels import kvcache_mma
+    from ..masks import mask_for
+
+    _compile_all([kvcache_mma.specialization(ml_dtypes.bfloat16, headdim, mask_for(False), kvcache_mma.CacheTiles(*t),
+                                             paged, split)
+                  for t in candidates for paged in (False, True) for split in (False, True)])
+    stream = cupy.cuda.Stream(non_blocking=True)
+    rng = np.random.default_rng(0)
+    out = []
+    with stream:
+        for batch, hq, hkv, length in shapes:
+            kv_bytes = 2 * batch * length * hkv * headdim * 2
+            q = cupy.asarray(rng.standard_normal((batch, 1, hq, headdim), np.float32)).astype(ml_dtypes.bfloat16)
+            k = cupy.asarray(rng.standard_normal((batch, length, hkv, headdim), np.float32)).astype(q.dtype)
+            v = cupy.asarray(rng.standard_normal((batch, length, hkv, headdim), np.float32)).astype(q.dtype)
+            o, lse = cupy.empty_like(q), cupy.empty((batch, hq, 1), np.float32)
+            seqlens = cupy.full(batch, length, np.int32)
+            pk, pv, table = _paged(k, v, 16, rng)
+            layouts = {"contiguous": (k, v, cupy.arange(batch, dtype=np.int32).reshape(batch, 1), length, False),
+                       "paged16": (pk, pv, table, 16, True)}
+            for t in candidates:
+                tiles = kvcache_mma.CacheTiles(*t)
+                for name, (kc, vc, tab, page, paged) in layouts.items():
+                    splits = []
+
+                    def run(_):
+                        splits.append(kvcache_mma.forward(q, kc, vc, o, lse, seqlens_k=seqlens, block_table=tab,
+                                                          page_size=page, paged=paged, max_seqlen_k=length,
+                                                          softmax_scale=0.088, mask=mask_for(False), tiles=tiles))
+                    try:
+                        timing = time_region(run, 1, policy=POLICY, stream=stream)
+                    except Exception as exc:
+                        print(f"{t} {name}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+                        continue
+                    tbps = kv_bytes / timing.median_ms / 1e9
+                    out.append((t, (batch, hq, hkv, length), name, splits[-1], tbps))
+                    print(f"{t} {batch}x{hq}/{hkv}@{length} {name}: splits {splits[-1]} {tbps:.2f} TB/s", flush=True)
+            del q, k, v, pk, pv, layouts
+            cupy.get_default_memory_pool().free_all_blocks()
+    return out
+
+
 def table(result: dict) -> str:
     copy = result["copy_tbps"]
     lines = [f"device-to-device copy: {copy:.2f} TB/s (read + write)", "",
@@ -158,7 +226,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the measurements here")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--tune", action="store_true", help="the candidate tiles (TUNE_TILES) instead")
     args = parser.parse_args(argv)
+    if args.tune:
+        tune()
+        return 0
     result = measure(quick=args.quick)
     print(table(result))
     if args.json:

@@ -9,6 +9,7 @@ one combine launch. ``plan`` picks the tiles and the split count from the shape 
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -28,20 +29,24 @@ COMBINE_ROWS = 4  # flash_fwd_combine.cu's COMBINE_ROWS_PER_BLOCK
 
 
 class CacheTiles(NamedTuple):
-    warps: int     # 16 rows each: BLOCK_M = 16 warps
-    block_n: int   # keys per tile
-    stages: int    # K/V tiles in flight
+    row_warps: int  # 16-row strips: BLOCK_M = 16 row_warps
+    key_warps: int  # warps per strip, each on block_n / key_warps keys of every tile
+    block_n: int    # keys per tile
+    stages: int     # K/V tiles in the ring (stages - 1 in flight)
 
     @property
     def block_m(self) -> int:
-        return 16 * self.warps
+        return 16 * self.row_warps
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.row_warps * self.key_warps
 
 
-# Decode (few packed rows): one warp per CTA, many CTAs per SM, each with STAGES - 1 tiles in
-# flight: at d128 a 32-key stage is 16 KiB and 4 stages keep 48 KiB per CTA on the way.
-_DECODE_TILES = {64: CacheTiles(1, 64, 4), 128: CacheTiles(1, 32, 4), 256: CacheTiles(1, 32, 3)}
-# Many packed rows (chunked prefill, long speculation): four warps share each K/V tile.
-_PREFILL_TILES = {64: CacheTiles(4, 64, 3), 128: CacheTiles(4, 64, 2), 256: CacheTiles(4, 32, 2)}
+# Decode (at most 16 packed rows): one strip, four warps on the keys of each 64-key tile.
+_DECODE_TILES = {64: CacheTiles(1, 4, 64, 4), 128: CacheTiles(1, 4, 64, 2), 256: CacheTiles(1, 4, 64, 2)}
+# Many packed rows (chunked prefill, long speculation): four strips share each K/V tile.
+_PREFILL_TILES = {64: CacheTiles(4, 1, 64, 3), 128: CacheTiles(4, 1, 64, 2), 256: CacheTiles(4, 1, 32, 2)}
 
 
 def supports(dtype, headdim: int) -> bool:
@@ -68,12 +73,13 @@ def specialization(dtype, dt: int, mask: Mask, tiles: CacheTiles, paged: bool, s
     t = tiles
     flag = {True: "true", False: "false"}
     return Specialization(
-        f"flash_fwd_kvcache_mma_{SHORT_NAMES[name]}_hdim{dt}_{mask.name}_w{t.warps}_bn{t.block_n}_s{t.stages}"
+        f"flash_fwd_kvcache_mma_{SHORT_NAMES[name]}_hdim{dt}_{mask.name}_rw{t.row_warps}_kw{t.key_warps}"
+        f"_bn{t.block_n}_s{t.stages}"
         f"_{'paged' if paged else 'rows'}_{'split' if split else 'whole'}",
         "flash_fwd_kvcache_mma.cu",
-        f"cf::flash_fwd_kvcache_mma<{CTYPES[name]}, {dt}, {mask.cpp}, {t.warps}, {t.block_n}, {t.stages}, "
-        f"{flag[paged]}, {flag[split]}>",
-        32 * t.warps, smem_bytes(dt, t))
+        f"cf::flash_fwd_kvcache_mma<{CTYPES[name]}, {dt}, {mask.cpp}, {t.row_warps}, {t.key_warps}, {t.block_n}, "
+        f"{t.stages}, {flag[paged]}, {flag[split]}>",
+        t.threads, smem_bytes(dt, t))
 
 
 def combine_specialization(dtype) -> Specialization:
@@ -100,11 +106,12 @@ def specializations() -> list:
 
 def num_splits_heuristic(ctas: int, slots: int, key_blocks: int, max_splits: int = MAX_SPLITS) -> int:
     """Splits of the keys for ``ctas`` CTAs (m_blocks x nheads_kv x batch) on a device that holds
-    ``slots`` of them at once, with ``key_blocks`` key tiles in the longest sequence. A grid that
-    nearly fills the device is not split. Otherwise the candidates run up to what fills it four
-    times (and one key tile per split at least); of those whose last wave is at least 85% as full
-    as the best one's, the fewest splits win (each split costs a partial O and the combine)."""
-    if ctas <= 0 or key_blocks <= 1 or ctas >= 0.8 * slots:
+    ``slots`` of them at once, with ``key_blocks`` key tiles in the longest sequence. The candidates
+    run up to what fills the device four times over (one key tile per split at least); each is
+    scored by how full its last wave is (waves / ceil(waves), sequences of equal length assumed),
+    and of those within 85% of the best score the fewest splits win: each split costs a partial O
+    and a share of the combine. A grid that fills the device in whole waves is not split."""
+    if ctas <= 0 or key_blocks <= 1:
         return 1
     limit = max(1, min(max_splits, key_blocks, math.ceil(4 * slots / ctas)))
 
@@ -113,23 +120,26 @@ def num_splits_heuristic(ctas: int, slots: int, key_blocks: int, max_splits: int
         return waves / math.ceil(waves)
 
     best = max(efficiency(s) for s in range(1, limit + 1))
-    for s in range(1, limit + 1):
-        if efficiency(s) >= 0.85 * best and ctas * s >= 0.8 * slots or s == limit:
-            return s
-    return limit
+    return next(s for s in range(1, limit + 1) if efficiency(s) >= 0.85 * best)
+
+
+@functools.lru_cache(maxsize=None)
+def _slots(spec: Specialization, device: int) -> int:
+    return _device_slots(spec)
 
 
 def _device_slots(spec: Specialization) -> int:
-    """CTAs of ``spec`` the current device holds at once (shared memory and the 32-block limit)."""
+    """CTAs of ``spec`` the current device holds at once: the driver's occupancy for the compiled
+    kernel (registers, shared memory, threads), times the SMs."""
     import cupy
+    from cupy.cuda import driver
 
-    attributes = cupy.cuda.Device().attributes
-    sms = int(attributes["MultiProcessorCount"])
-    per_sm = int(attributes["MaxSharedMemoryPerMultiprocessor"])
-    reserved = 1024  # per block, by the driver
-    by_smem = per_sm // (spec.smem_bytes + reserved) if spec.smem_bytes else 32
-    by_threads = 2048 // spec.threads
-    return sms * max(1, min(32, by_smem, by_threads))
+    from ._module import get_function
+
+    sms = int(cupy.cuda.Device().attributes["MultiProcessorCount"])
+    fn = get_function(spec)
+    per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, spec.threads, spec.smem_bytes)
+    return sms * max(1, int(per_sm))
 
 
 class CachePlan(NamedTuple):
@@ -141,15 +151,19 @@ class CachePlan(NamedTuple):
 
 
 def plan(dtype, headdim: int, mask: Mask, *, batch: int, seqlen_q: int, group: int, nheads_kv: int,
-         max_seqlen_k: int, paged: bool, num_splits: int = 0) -> CachePlan:
-    """Kernel, grid and split of one call (num_splits 0: the heuristic's choice)."""
+         max_seqlen_k: int, paged: bool, num_splits: int = 0, tiles: CacheTiles | None = None) -> CachePlan:
+    """Kernel, grid and split of one call (num_splits 0: the heuristic's choice; ``tiles``: other
+    tiles than the table's, for tuning)."""
     dt = d_tile(headdim, TENSOR_CORE_D_TILES)
-    tiles = cache_tiles(dt, seqlen_q * group)
+    tiles = cache_tiles(dt, seqlen_q * group) if tiles is None else tiles
     m_blocks = math.ceil(seqlen_q * group / tiles.block_m)
     key_blocks = max(1, math.ceil(max_seqlen_k / tiles.block_n))
     if num_splits == 0:
         probe = specialization(dtype, dt, mask, tiles, paged, True)
-        num_splits = num_splits_heuristic(m_blocks * nheads_kv * batch, _device_slots(probe), key_blocks)
+        import cupy
+
+        num_splits = num_splits_heuristic(m_blocks * nheads_kv * batch, _slots(probe, cupy.cuda.Device().id),
+                                          key_blocks)
     num_splits = max(1, min(int(num_splits), key_blocks, MAX_SPLITS))
     split_keys = math.ceil(key_blocks / num_splits) * tiles.block_n
     num_splits = max(1, math.ceil(max(max_seqlen_k, 1) / split_keys))  # no split past the longest sequence
@@ -159,11 +173,12 @@ def plan(dtype, headdim: int, mask: Mask, *, batch: int, seqlen_q: int, group: i
 
 
 def forward(q, k_cache, v_cache, o, lse, *, seqlens_k, block_table, page_size: int, paged: bool, max_seqlen_k: int,
-            softmax_scale: float, mask: Mask, variant=None, num_splits: int = 0) -> int:
+            softmax_scale: float, mask: Mask, variant=None, num_splits: int = 0, tiles: CacheTiles | None = None) -> int:
     """o (like q) and lse ((batch, nheads, seqlen_q) float32, C-contiguous) of q over the caches,
     on the current stream. ``seqlens_k`` (batch,) int32 and ``block_table`` (batch, n) int32 CuPy
     arrays (a contiguous cache: each sequence's row, one column, page_size its capacity);
-    ``variant`` a scores.Variant with CuPy arrays, without modifiers. Returns the split count."""
+    ``variant`` a scores.Variant with CuPy arrays, without modifiers; ``tiles`` overrides the plan's
+    (the tuner). Returns the split count."""
     import cupy
 
     batch, seqlen_q, nheads, headdim = q.shape
@@ -181,7 +196,7 @@ def forward(q, k_cache, v_cache, o, lse, *, seqlens_k, block_table, page_size: i
         if a.dtype != np.int32 or (a.shape[-1] > 1 and a.strides[-1] != 4):
             raise ValueError(f"cupyflash: {what} must be int32 with a contiguous last dimension")
     planned = plan(q.dtype, headdim, mask, batch=batch, seqlen_q=seqlen_q, group=nheads // nheads_kv,
-                   nheads_kv=nheads_kv, max_seqlen_k=max_seqlen_k, paged=paged, num_splits=num_splits)
+                   nheads_kv=nheads_kv, max_seqlen_k=max_seqlen_k, paged=paged, num_splits=num_splits, tiles=tiles)
 
     params = np.zeros(1, CACHE_FWD_PARAMS)
     for name, a in (("q", q), ("k", k_cache), ("v", v_cache), ("o", o)):
