@@ -129,17 +129,20 @@ def _slots(spec: Specialization, device: int) -> int:
 
 
 def _device_slots(spec: Specialization) -> int:
-    """CTAs of ``spec`` the current device holds at once: the driver's occupancy for the compiled
-    kernel (registers, shared memory, threads), times the SMs."""
+    """CTAs of ``spec`` the current device holds at once: per SM the fewest that its registers
+    (the compiled kernel's, allocated per warp in units of 256), its shared memory (1 KiB of it
+    reserved per block), its 2048 threads and 32 blocks allow, times the SMs."""
     import cupy
-    from cupy.cuda import driver
 
     from ._module import get_function
 
-    sms = int(cupy.cuda.Device().attributes["MultiProcessorCount"])
-    fn = get_function(spec)
-    per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, spec.threads, spec.smem_bytes)
-    return sms * max(1, int(per_sm))
+    attributes = cupy.cuda.Device().attributes
+    warps = spec.threads // 32
+    warp_regs = -(-get_function(spec).num_regs * 32 // 256) * 256
+    by_regs = int(attributes["MaxRegistersPerMultiprocessor"]) // (warp_regs * warps)
+    by_smem = int(attributes["MaxSharedMemoryPerMultiprocessor"]) // (spec.smem_bytes + 1024)
+    per_sm = min(32, by_regs, by_smem, int(attributes["MaxThreadsPerMultiProcessor"]) // spec.threads)
+    return int(attributes["MultiProcessorCount"]) * max(1, per_sm)
 
 
 class CachePlan(NamedTuple):
