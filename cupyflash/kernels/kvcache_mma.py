@@ -43,8 +43,12 @@ class CacheTiles(NamedTuple):
         return 32 * self.row_warps * self.key_warps
 
 
-# Decode (at most 16 packed rows): one strip, four warps on the keys of each 64-key tile.
-_DECODE_TILES = {64: CacheTiles(1, 4, 64, 4), 128: CacheTiles(1, 4, 64, 2), 256: CacheTiles(1, 4, 64, 2)}
+# Decode (at most 16 packed rows): one strip, four warps on the keys of each 64-key tile. d128
+# from the H200 sweep of docs/perf-log.md ("kvcache"): 1 x 4 warps with 64-key tiles and 3 stages
+# (2 CTAs per SM) or 2 stages (3 per SM) within 3% of each other on every decode shape; one warp
+# per CTA, the first version, 2% to 50% slower (paged caches most: the row lookups of a tile on 32
+# threads instead of 128).
+_DECODE_TILES = {64: CacheTiles(1, 4, 64, 4), 128: CacheTiles(1, 4, 64, 3), 256: CacheTiles(1, 4, 64, 2)}
 # Many packed rows (chunked prefill, long speculation): four strips share each K/V tile.
 _PREFILL_TILES = {64: CacheTiles(4, 1, 64, 3), 128: CacheTiles(4, 1, 64, 2), 256: CacheTiles(4, 1, 32, 2)}
 
@@ -109,8 +113,10 @@ def num_splits_heuristic(ctas: int, slots: int, key_blocks: int, max_splits: int
     ``slots`` of them at once, with ``key_blocks`` key tiles in the longest sequence. The candidates
     run up to what fills the device four times over (one key tile per split at least); each is
     scored by how full its last wave is (waves / ceil(waves), sequences of equal length assumed),
-    and of those within 85% of the best score the fewest splits win: each split costs a partial O
-    and a share of the combine. A grid that fills the device in whole waves is not split."""
+    and of those within 95% of the best score the fewest splits win: each split costs a partial O
+    and a share of the combine. A grid that fills the device in whole waves is not split. (85%, as
+    flash-attn has it, left 12% of the H200 idle at 1 x 32/8 heads and 128k keys: 232 CTAs on 264
+    slots where 264 was one split more away.)"""
     if ctas <= 0 or key_blocks <= 1:
         return 1
     limit = max(1, min(max_splits, key_blocks, math.ceil(4 * slots / ctas)))
@@ -120,7 +126,7 @@ def num_splits_heuristic(ctas: int, slots: int, key_blocks: int, max_splits: int
         return waves / math.ceil(waves)
 
     best = max(efficiency(s) for s in range(1, limit + 1))
-    return next(s for s in range(1, limit + 1) if efficiency(s) >= 0.85 * best)
+    return next(s for s in range(1, limit + 1) if efficiency(s) >= 0.95 * best)
 
 
 @functools.lru_cache(maxsize=None)
