@@ -374,6 +374,15 @@ def _attend(which, on_gpu, host_out, q, k_cache, v_cache, layout: CacheLayout, s
     convert = A.to_cupy if on_gpu else A.to_numpy
     q = A.last_dim_contiguous(convert(q, "q"))
     variant = variant.to(np if which == "numpy" else A._cupy())
+    if which == "numpy" and batch * seqlen_q * nheads:
+        from . import numpy_backend
+
+        sequences = [tuple(A.to_numpy(_sequence_keys(c, layout, b, int(layout.lengths[b]))[0], "k_cache")
+                           for c in (k_cache, v_cache)) for b in range(batch)]
+        o, lse = numpy_backend.kvcache_forward(q, sequences, softmax_scale=scale, causal=causal, window_size=window,
+                                               variant=variant, num_splits=max(1, num_splits))
+        o, lse = api._to_device((o, lse)) if not host_out else api._to_host((o, lse), host_out)
+        return (o, lse) if want_lse else o
     if which == "mma" and batch * seqlen_q * nheads:
         done = _attend_in_cache(q, k_cache, v_cache, layout, scale, causal, window, variant, num_splits)
         if done is not None:

@@ -31,7 +31,7 @@ import numpy as np
 from .masks import mask_for
 from .scores import NO_VARIANT
 
-__all__ = ["forward", "backward"]
+__all__ = ["forward", "backward", "kvcache_forward"]
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
 LN2 = 0.6931471805599453  # ln(2): ln(x) == log2(x) * LN2
@@ -273,3 +273,100 @@ def backward(do, q, k, v, o, lse, *, softmax_scale, causal, window_size=(-1, -1)
 
     dq = to_input_layout(dQ, nheads)
     return dq, to_input_layout(dK, nheads_kv), to_input_layout(dV, nheads_kv)
+
+
+def kvcache_forward(q, sequences, *, softmax_scale, causal, window_size=(-1, -1), variant=None, num_splits=1,
+                    block_n=64, key_warps=4):
+    """The KV-cache kernel's algorithm (kernels_cu/flash_fwd_kvcache_mma.cu with
+    flash_fwd_combine.cu) for q (batch, seqlen_q, nheads, headdim) and each sequence's keys and
+    values ``sequences[b] = (K_b, V_b)``, (seqlen_k_b, nheads_kv, headdim): returns (o, lse).
+
+    Per sequence the keys are cut into ``num_splits`` ranges of split_keys keys (whole tiles of
+    ``block_n``, as kvcache_mma.plan cuts them for its longest sequence; a split past a sequence's
+    end sees nothing). Within a split each tile's keys are dealt to ``key_warps`` shares, one per
+    warp, and each share keeps its own running max m, sum l and O; at the split's end they are
+    merged in share order (merge_key_warps: M = max m_w, L = sum l_w 2^(m_w - M), O = sum
+    2^(m_w - M) O_w / L). The splits' (O / l, lse) are then combined by the LSE rule with the sink's
+    term added once. (The kernel also packs a kv head's query heads into the rows of one tile; here
+    the heads are one vectorised axis, which is the same arithmetic row by row.) ``variant``: a
+    cupyflash.scores.Variant with NumPy arrays (ALiBi slopes (batch, nheads): row b for sequence b).
+    """
+    from .varlen import sequence_variant
+
+    acc = _accumulator(q.dtype)
+    batch, seqlen_q, nheads, headdim = q.shape
+    variant = NO_VARIANT if variant is None else variant
+    mask = mask_for(causal, window_size)
+    scale_log2 = acc.type(softmax_scale * LOG2E)
+    o = np.zeros(q.shape, q.dtype)
+    lse = np.full((batch, nheads, seqlen_q), -np.inf, acc)
+    longest = max((int(keys.shape[0]) for keys, _ in sequences), default=0)
+    tiles = max(1, math.ceil(longest / block_n))
+    split_keys = math.ceil(tiles / max(1, num_splits)) * block_n
+    share = block_n // key_warps
+    sink_log2 = None if variant.sink is None else np.asarray(variant.sink).astype(acc) * acc.type(LOG2E)
+    for b, (keys, values) in enumerate(sequences):
+        seqlen_k = int(keys.shape[0])
+        own = sequence_variant(variant, b)
+        transform = _ScoreTransform(own, 1, nheads, seqlen_q, seqlen_k, acc)
+        Q = _heads_first(q[b:b + 1], acc, nheads) * scale_log2
+        K = _heads_first(keys[None], acc, nheads)
+        V = _heads_first(values[None], acc, nheads)
+        rows = slice(0, seqlen_q)
+        first, end = mask.key_begin(0, seqlen_q, seqlen_k), mask.key_end(0, seqlen_q, seqlen_q, seqlen_k)
+        partials = []  # (O / l, lse) of each split
+        for s in range(max(1, num_splits)):
+            begin, stop = max(first, s * split_keys), min(end, (s + 1) * split_keys)
+            m = np.full((key_warps, 1, nheads, seqlen_q), -np.inf, acc)
+            l = np.zeros(m.shape, acc)
+            O = np.zeros((key_warps, 1, nheads, seqlen_q, headdim), acc)
+            for j in range(begin // block_n, -(-stop // block_n) if stop > begin else 0):
+                for w in range(key_warps):
+                    cols = slice(j * block_n + w * share, min(j * block_n + (w + 1) * share, seqlen_k))
+                    if cols.start >= cols.stop:
+                        continue
+                    S, _ = transform(Q @ np.swapaxes(K[:, :, cols], -1, -2), rows, cols)
+                    visible = mask.visible(np.arange(seqlen_q), np.arange(cols.start, cols.stop), seqlen_q, seqlen_k)
+                    S = np.where(visible, S, -np.inf)
+                    m_new = np.maximum(m[w], S.max(axis=-1))
+                    m_ref = np.where(m_new == -np.inf, acc.type(0), m_new)
+                    P = np.exp2(S - m_ref[..., None])
+                    rescale = np.exp2(m[w] - m_ref)
+                    l[w] = rescale * l[w] + P.sum(axis=-1)
+                    O[w] = rescale[..., None] * O[w] + P @ V[:, :, cols]
+                    m[w] = m_new
+            top = m.max(axis=0)
+            top_ref = np.where(top == -np.inf, acc.type(0), top)
+            weight = np.where(m == -np.inf, acc.type(0), np.exp2(m - top_ref))
+            total = (weight * l).sum(axis=0)
+            merged = (weight[..., None] * O).sum(axis=0)
+            seen = total > 0
+            total_safe = np.where(seen, total, acc.type(1))
+            partials.append((merged / total_safe[..., None],
+                             np.where(seen, (top + np.log2(total_safe)) * acc.type(LN2), -np.inf)))
+        o_b, lse_b = _combine_splits(partials, None if sink_log2 is None else sink_log2 * acc.type(LN2), acc)
+        o[b] = np.moveaxis(o_b[0], 0, 1).astype(q.dtype)
+        lse[b] = lse_b[0]
+    return o, lse
+
+
+def _combine_splits(partials, sink, acc):
+    """flash_fwd_combine.cu: (o, lse) from the splits' (O_s, lse_s) (natural log) and the sink
+    logits ``sink`` (nheads,) or None: M = max(lse_s, sink), lse = M + log(sum exp(lse_s - M) +
+    exp(sink - M)), o = sum exp(lse_s - lse) O_s over the splits with lse_s > -inf."""
+    lses = np.stack([lse_s for _, lse_s in partials])
+    top = lses.max(axis=0)
+    if sink is not None:
+        top = np.maximum(top, sink[None, :, None])
+    nothing = top == -np.inf
+    top_ref = np.where(nothing, acc.type(0), top)
+    total = np.exp2((lses - top_ref) * acc.type(LOG2E)).sum(axis=0)
+    if sink is not None:
+        total = total + np.exp2((sink[None, :, None] - top_ref) * acc.type(LOG2E))
+    lse = np.where(nothing, -np.inf, top_ref + np.log2(np.where(nothing, acc.type(1), total)) * acc.type(LN2))
+    o = np.zeros(partials[0][0].shape, acc)
+    for O_s, lse_s in partials:
+        seen = lse_s != -np.inf
+        w = np.where(seen, np.exp2((lse_s - np.where(nothing, acc.type(0), lse)) * acc.type(LOG2E)), acc.type(0))
+        o = o + np.where(seen[..., None], w[..., None] * O_s, acc.type(0))
+    return o, lse
