@@ -41,73 +41,66 @@ struct CacheKeys {
           k_page(p.k.batch_stride), k_row(p.k.row_stride), v_page(p.v.batch_stride), v_row(p.v.row_stride),
           k_head(head_kv * p.k.head_stride), v_head(head_kv * p.v.head_stride), row(PAGED ? 0 : __ldg(table)) {}
 
-    // A walk over keys n, n + STEP, n + 2 STEP, ... (one thread's rows of a tile): one division at
-    // the start, then a page is looked up only where the walk enters it, so a thread's 8 rows of a
-    // 64-key tile cost one table read at 256 tokens per page and 4 at 16, where a division and a
-    // read per row had made paged caches 6-9% slower than contiguous ones. Table entries are read
-    // only for keys below seqlen_k (the entries past a sequence's pages may hold anything and the
-    // row may end there).
-    template <int STEP>
-    struct Walk {
-        const CacheKeys& keys;
-        int n, index, slot, page_id;
-
-        __device__ __forceinline__ Walk(const CacheKeys& keys_, int n_, int seqlen_k) : keys(keys_), n(n_) {
-            if constexpr (PAGED) {
-                index = keys.page.div(n);
-                slot = n - index * keys.page.divisor;
-                page_id = n < seqlen_k ? __ldg(keys.table + index) : 0;
-            } else {
-                index = 0;
-                slot = n;
-                page_id = keys.row;
-            }
-        }
-        __device__ __forceinline__ i64 k_offset() const { return page_id * keys.k_page + slot * keys.k_row + keys.k_head; }
-        __device__ __forceinline__ i64 v_offset() const { return page_id * keys.v_page + slot * keys.v_row + keys.v_head; }
-        __device__ __forceinline__ void advance(int seqlen_k) {
-            n += STEP;
-            slot += STEP;
-            if constexpr (PAGED) {
-                const int size = keys.page.divisor;
-                if (slot >= size) {
-                    if (STEP < size) {
-                        slot -= size;
-                        ++index;
-                    } else {
-                        const int pages = keys.page.div(slot);
-                        index += pages;
-                        slot -= pages * size;
-                    }
-                    if (n < seqlen_k) page_id = __ldg(keys.table + index);
-                }
-            }
-        }
+    // The pages of a thread's N rows of one tile (keys n, n + STEP, ...), read from the table a
+    // tile ahead of their copies: the kernel fetches the next tile's while the copies of this one
+    // are issued, so the table read's latency never stands between a tile and its cp.async (read
+    // just before them, it had made paged caches 5-9% slower than contiguous ones; walking the
+    // pages with a branch per row, 15%). Only entries of keys below seqlen_k are read: those past
+    // a sequence's pages may hold anything, and its table row may end there.
+    template <int N>
+    struct Pages {
+        int id[PAGED ? N : 1];
     };
+    template <int N, int STEP>
+    __device__ __forceinline__ void fetch(Pages<N>& pages, int n, int seqlen_k) const {
+        if constexpr (PAGED) {
+#pragma unroll
+            for (int i = 0; i < N; ++i) {
+                const int key = n + i * STEP;
+                pages.id[i] = key < seqlen_k ? __ldg(table + page.div(key)) : 0;
+            }
+        }
+    }
+    // Element offsets of key n's row in K and V; `page_id` its page (PAGED).
+    __device__ __forceinline__ void offsets(int n, int page_id, i64& k_off, i64& v_off) const {
+        int slot = n;
+        if constexpr (PAGED) slot = n - page.div(n) * page.divisor;
+        else page_id = row;
+        k_off = page_id * k_page + slot * k_row + k_head;
+        v_off = page_id * v_page + slot * v_row + v_head;
+    }
+};
+
+// The copy layout of a K/V tile of ROWS x DIM on NTHREADS threads: thread t copies chunk column
+// t % CHUNKS of rows t / CHUNKS + i ROW_STEP.
+template <int ROWS, int DIM, int NTHREADS>
+struct CacheTileCopy {
+    static constexpr int CHUNKS = DIM / 8;
+    static constexpr int ROW_STEP = NTHREADS / CHUNKS;
+    static constexpr int ROWS_PER_THREAD = ROWS / ROW_STEP;
+    static_assert(NTHREADS % CHUNKS == 0 && ROWS % ROW_STEP == 0, "tile chunks must divide evenly among the threads");
+    static __device__ __forceinline__ int row0(int thread) { return thread / CHUNKS; }
 };
 
 // Issues the copies of keys [n0, n0 + ROWS) of K and V into swizzled shared tiles, spread over
-// NTHREADS threads (`thread` the caller's index); keys >= seqlen_k and columns >= headdim are
-// zero-filled. Each thread copies one chunk column of ROWS / ROW_STEP rows, n0 + row0 + i ROW_STEP,
-// walking them with one CacheKeys::Walk for both tiles.
-template <int ROWS, int DIM, int NTHREADS, bool PAGED, typename T>
+// NTHREADS threads (`thread` the caller's index) as CacheTileCopy lays them out, `pages` the
+// thread's rows' pages (CacheKeys::fetch); keys >= seqlen_k and columns >= headdim are zero-filled.
+template <int ROWS, int DIM, int NTHREADS, bool PAGED, typename T, class Pages>
 __device__ __forceinline__ void cp_async_cache_rows(u32 k_tile, u32 v_tile, const T* k, const T* v,
-                                                    const CacheKeys<PAGED>& keys, int n0, int seqlen_k,
-                                                    int headdim, int thread) {
-    constexpr int CHUNKS = DIM / 8;
-    constexpr int ROW_STEP = NTHREADS / CHUNKS;
-    static_assert(NTHREADS % CHUNKS == 0 && ROWS % ROW_STEP == 0, "tile chunks must divide evenly among the threads");
-    const int row0 = thread / CHUNKS, chunk = thread % CHUNKS;
+                                                    const CacheKeys<PAGED>& keys, const Pages& pages, int n0,
+                                                    int seqlen_k, int headdim, int thread) {
+    typedef CacheTileCopy<ROWS, DIM, NTHREADS> Copy;
+    const int row0 = Copy::row0(thread), chunk = thread % Copy::CHUNKS;
     const bool column = chunk * 8 < headdim;
-    typename CacheKeys<PAGED>::template Walk<ROW_STEP> walk(keys, n0 + row0, seqlen_k);
 #pragma unroll
-    for (int i = 0; i < ROWS / ROW_STEP; ++i) {
-        const int r = row0 + i * ROW_STEP;
-        const bool valid = column && walk.n < seqlen_k;
+    for (int i = 0; i < Copy::ROWS_PER_THREAD; ++i) {
+        const int r = row0 + i * Copy::ROW_STEP;
+        const bool valid = column && n0 + r < seqlen_k;
+        i64 k_off = 0, v_off = 0;
+        if (valid) keys.offsets(n0 + r, pages.id[PAGED ? i : 0], k_off, v_off);
         const u32 dst = swizzled_offset<DIM>(r, chunk);
-        cp_async_16(k_tile + dst, valid ? k + walk.k_offset() + chunk * 8 : k, valid);
-        cp_async_16(v_tile + dst, valid ? v + walk.v_offset() + chunk * 8 : v, valid);
-        if (i + 1 < ROWS / ROW_STEP) walk.advance(seqlen_k);
+        cp_async_16(k_tile + dst, k + k_off + chunk * 8, valid);
+        cp_async_16(v_tile + dst, v + v_off + chunk * 8, valid);
     }
 }
 
