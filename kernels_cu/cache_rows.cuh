@@ -24,9 +24,13 @@ struct PackedRows {
     __device__ __forceinline__ int head(int r) const { return head_kv * group + min(r, rows - 1) % group; }
 };
 
-// The keys of one sequence in a cache (CacheFwdParams' block table) for head head_kv: key n's
-// row is slot n % page_size of page table[n / page_size] (PAGED), or slot n of the sequence's
-// cache row (its one table entry). Offsets in elements, 64-bit.
+// The keys of one sequence in a cache (CacheFwdParams' block table): element offsets of key n's
+// row in K and in V (head head_kv). PAGED: through the table, one division (a multiply-high) and
+// one read per row; otherwise the sequence is one cache row (its table entry), key n its slot n.
+// Tried on the H200 and slower (docs/perf-log.md, "kvcache"): walking a thread's rows page by page
+// (one division, a read where a page starts: a branch per row), and reading the next tile's pages
+// while this tile's copies go out (a second division per row). This form's reads and divisions
+// are independent of each other, and issue back to back.
 template <bool PAGED>
 struct CacheKeys {
     const int* table;  // the sequence's row of the block table
@@ -41,63 +45,37 @@ struct CacheKeys {
           k_page(p.k.batch_stride), k_row(p.k.row_stride), v_page(p.v.batch_stride), v_row(p.v.row_stride),
           k_head(head_kv * p.k.head_stride), v_head(head_kv * p.v.head_stride), row(PAGED ? 0 : __ldg(table)) {}
 
-    // The pages of a thread's N rows of one tile (keys n, n + STEP, ...), read from the table a
-    // tile ahead of their copies: the kernel fetches the next tile's while the copies of this one
-    // are issued, so the table read's latency never stands between a tile and its cp.async (read
-    // just before them, it had made paged caches 5-9% slower than contiguous ones; walking the
-    // pages with a branch per row, 15%). Only entries of keys below seqlen_k are read: those past
-    // a sequence's pages may hold anything, and its table row may end there.
-    template <int N>
-    struct Pages {
-        int id[PAGED ? N : 1];
-    };
-    template <int N, int STEP>
-    __device__ __forceinline__ void fetch(Pages<N>& pages, int n, int seqlen_k) const {
+    __device__ __forceinline__ void offsets(int n, i64& k_off, i64& v_off) const {
+        int page_id = row, slot = n;
         if constexpr (PAGED) {
-#pragma unroll
-            for (int i = 0; i < N; ++i) {
-                const int key = n + i * STEP;
-                pages.id[i] = key < seqlen_k ? __ldg(table + page.div(key)) : 0;
-            }
+            const int index = page.div(n);
+            slot = n - index * page.divisor;
+            page_id = __ldg(table + index);
         }
-    }
-    // Element offsets of key n's row in K and V; `page_id` its page (PAGED).
-    __device__ __forceinline__ void offsets(int n, int page_id, i64& k_off, i64& v_off) const {
-        int slot = n;
-        if constexpr (PAGED) slot = n - page.div(n) * page.divisor;
-        else page_id = row;
         k_off = page_id * k_page + slot * k_row + k_head;
         v_off = page_id * v_page + slot * v_row + v_head;
     }
 };
 
-// The copy layout of a K/V tile of ROWS x DIM on NTHREADS threads: thread t copies chunk column
-// t % CHUNKS of rows t / CHUNKS + i ROW_STEP.
-template <int ROWS, int DIM, int NTHREADS>
-struct CacheTileCopy {
-    static constexpr int CHUNKS = DIM / 8;
-    static constexpr int ROW_STEP = NTHREADS / CHUNKS;
-    static constexpr int ROWS_PER_THREAD = ROWS / ROW_STEP;
-    static_assert(NTHREADS % CHUNKS == 0 && ROWS % ROW_STEP == 0, "tile chunks must divide evenly among the threads");
-    static __device__ __forceinline__ int row0(int thread) { return thread / CHUNKS; }
-};
-
 // Issues the copies of keys [n0, n0 + ROWS) of K and V into swizzled shared tiles, spread over
-// NTHREADS threads (`thread` the caller's index) as CacheTileCopy lays them out, `pages` the
-// thread's rows' pages (CacheKeys::fetch); keys >= seqlen_k and columns >= headdim are zero-filled.
-template <int ROWS, int DIM, int NTHREADS, bool PAGED, typename T, class Pages>
+// NTHREADS threads (`thread` the caller's index); keys >= seqlen_k and columns >= headdim are
+// zero-filled. Each thread copies one chunk column of ROWS / ROW_STEP rows and looks each row up
+// once for both tiles.
+template <int ROWS, int DIM, int NTHREADS, bool PAGED, typename T>
 __device__ __forceinline__ void cp_async_cache_rows(u32 k_tile, u32 v_tile, const T* k, const T* v,
-                                                    const CacheKeys<PAGED>& keys, const Pages& pages, int n0,
-                                                    int seqlen_k, int headdim, int thread) {
-    typedef CacheTileCopy<ROWS, DIM, NTHREADS> Copy;
-    const int row0 = Copy::row0(thread), chunk = thread % Copy::CHUNKS;
+                                                    const CacheKeys<PAGED>& keys, int n0, int seqlen_k,
+                                                    int headdim, int thread) {
+    constexpr int CHUNKS = DIM / 8;
+    constexpr int ROW_STEP = NTHREADS / CHUNKS;
+    static_assert(NTHREADS % CHUNKS == 0 && ROWS % ROW_STEP == 0, "tile chunks must divide evenly among the threads");
+    const int row0 = thread / CHUNKS, chunk = thread % CHUNKS;
     const bool column = chunk * 8 < headdim;
 #pragma unroll
-    for (int i = 0; i < Copy::ROWS_PER_THREAD; ++i) {
-        const int r = row0 + i * Copy::ROW_STEP;
+    for (int i = 0; i < ROWS / ROW_STEP; ++i) {
+        const int r = row0 + i * ROW_STEP;
         const bool valid = column && n0 + r < seqlen_k;
         i64 k_off = 0, v_off = 0;
-        if (valid) keys.offsets(n0 + r, pages.id[PAGED ? i : 0], k_off, v_off);
+        if (valid) keys.offsets(n0 + r, k_off, v_off);
         const u32 dst = swizzled_offset<DIM>(r, chunk);
         cp_async_16(k_tile + dst, k + k_off + chunk * 8, valid);
         cp_async_16(v_tile + dst, v + v_off + chunk * 8, valid);

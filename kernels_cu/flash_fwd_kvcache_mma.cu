@@ -243,28 +243,18 @@ flash_fwd_kvcache_mma(const __grid_constant__ CacheFwdParams p) {
     }
     const Score score[2] = {Score(problem, batch, head[0], p.scale), Score(problem, batch, head[1], p.scale)};
 
-    // K/V tiles: each thread's rows' pages are fetched a tile ahead of their copies (CacheKeys).
-    typedef CacheTileCopy<BLOCK_N, D_TILE, NTHREADS> Copy;
     const CacheKeys<PAGED> keys(p, batch, head_kv);
     const T* k_cache = static_cast<const T*>(p.k.data);
     const T* v_cache = static_cast<const T*>(p.v.data);
-    const int copy_row0 = Copy::row0(threadIdx.x);
-    typename CacheKeys<PAGED>::template Pages<Copy::ROWS_PER_THREAD> next_pages;
-    auto fetch_pages = [&](int block) {
-        keys.template fetch<Copy::ROWS_PER_THREAD, Copy::ROW_STEP>(next_pages, block * BLOCK_N + copy_row0, seqlen_k);
-    };
-    // Copies of tile `block` (whose pages next_pages holds), then the pages of tile block + 1.
     auto load_kv_tile = [&](int block, int stage) {
         cp_async_cache_rows<BLOCK_N, D_TILE, NTHREADS>(Smem::k_tile(smem_base, stage), Smem::v_tile(smem_base, stage),
-                                                       k_cache, v_cache, keys, next_pages, block * BLOCK_N, seqlen_k,
-                                                       headdim, threadIdx.x);
-        fetch_pages(block + 1);
+                                                       k_cache, v_cache, keys, block * BLOCK_N, seqlen_k, headdim,
+                                                       threadIdx.x);
     };
 
     // --- prologue: Q, then STAGES - 1 key blocks (commit groups as in flash_fwd_mma) -------------
     cp_async_packed_rows<BLOCK_M, D_TILE, NTHREADS, T>(q_tile, p.q, batch, rows, m0, headdim, threadIdx.x);
     cp_async_commit();
-    fetch_pages(j_begin);
 #pragma unroll
     for (int ahead = 0; ahead < STAGES - 1; ++ahead) {
         const int j = j_begin + ahead;
