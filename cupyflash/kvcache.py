@@ -6,16 +6,22 @@ row cache_batch_idx[b]; or paged, (num_blocks, page_size, nheads_kv, headdim) wi
 (batch, max_blocks_per_seq): position p of sequence b lives in page block_table[b, p // page_size],
 slot p % page_size. Any page size is accepted (1, odd sizes, not only multiples of 256).
 
-Interim implementation, until the kernels read per-sequence lengths and page tables themselves:
+How a call runs:
 - the append is one NumPy / CuPy advanced-index assignment per cache (in place for every layout
   and stride; no kernel of our own);
-- attention is one dense call per sequence over a view of its cache row, or, for a paged cache,
-  over its pages gathered into a contiguous temporary (``take``), one call for the whole batch
-  where every sequence has the same length; ``num_splits`` is checked and not used (no split-KV
-  kernel yet);
+- float16 / bfloat16 with a head dim that is a multiple of 8, on the GPU: one launch of the KV-cache
+  kernel (kernels/kvcache_mma.py, kernels_cu/flash_fwd_kvcache_mma.cu), which reads the caches in
+  place through the block table (a contiguous cache: one page per sequence, its row), each sequence
+  its own length, the query heads of a kv head packed into one tile, the keys split across CTAs
+  (``num_splits``, 0: a heuristic from the shape and the device) and the splits combined by a
+  second kernel (flash_fwd_combine.cu);
+- float32 / float64 and other head dims, on the GPU: still one dense call per sequence over a view
+  of its cache row, or over its pages gathered into a contiguous temporary (``take``), one call for
+  the whole batch where every sequence has the same length (``num_splits`` unused there);
+- the numpy backend: the NumPy twin of the KV-cache kernel's algorithm
+  (numpy_backend.kvcache_forward: splits as ``num_splits`` asks, 0 meaning 1);
 - cache_seqlens, cache_batch_idx and block_table are read to the host for the checks (one
-  synchronisation each for device arrays).
-Neither the decode bandwidth bar nor the paged-kernel bar of issue 17 is met by this path.
+  synchronisation each for device arrays), so a decode step cannot be captured in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -274,11 +280,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
 
     Every check runs before the caches are written: shapes, dtypes, index dtypes and ranges,
     block_table entries within the cache (those the call uses), room for the append, no two
-    appended tokens on one slot, none over a cached token. ``num_splits`` (0: heuristic) is
-    accepted and not used yet. ``softcap``, ``alibi_slopes`` ((nheads,) or (batch, nheads)
+    appended tokens on one slot, none over a cached token. ``num_splits``: CTAs along each
+    sequence's keys (split-KV decoding), 0 to let a heuristic choose from the grid and the device;
+    fewer are used where the longest sequence has fewer key tiles. ``softcap``, ``alibi_slopes`` ((nheads,) or (batch, nheads)
     float32) and ``sink`` ((nheads,) float32) are flash_attn_func's, the ALiBi distance taken
-    from the end-aligned diagonal. Interim implementation (see the module docstring): a dense call
-    per sequence, pages gathered first.
+    from the end-aligned diagonal. Which kernels run: the module docstring.
     """
     backend = A.check_backend(backend)
     causal = A.check_flag(causal, "causal")

@@ -304,7 +304,7 @@ def _kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k
                 v: torch.Tensor | None, cache_seqlens: torch.Tensor | None, cache_batch_idx: torch.Tensor | None,
                 block_table: torch.Tensor | None, softmax_scale: float, causal: bool, window_left: int,
                 window_right: int, softcap: float = 0.0,
-                alibi_slopes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                alibi_slopes: torch.Tensor | None = None, num_splits: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse) of cupyflash.flash_attn_with_kvcache; k, v (when given) are appended to the caches
     in place, which DLPack (CUDA) and NumPy's views (CPU) share with the tensors."""
     named = {"k": k, "v": v, "cache_seqlens": cache_seqlens, "cache_batch_idx": cache_batch_idx,
@@ -316,15 +316,15 @@ def _kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k
         return kvcache.flash_attn_with_kvcache(q, k_cache, v_cache, options.pop("k", None), options.pop("v", None),
                                                softmax_scale=softmax_scale, causal=causal,
                                                window_size=(window_left, window_right), softcap=softcap,
-                                               **_variant_arrays(alibi_slopes, None), return_lse=True,
-                                               backend=backend, **options)
+                                               **_variant_arrays(alibi_slopes, None), num_splits=num_splits,
+                                               return_lse=True, backend=backend, **options)
 
     return _run(q.device, compute, q, k_cache, v_cache, *(named[name] for name in present))
 
 
 @_kvcache_op.register_fake
 def _kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal,
-                  window_left, window_right, softcap=0.0, alibi_slopes=None):
+                  window_left, window_right, softcap=0.0, alibi_slopes=None, num_splits=0):
     batch, seqlen_q, nheads, _ = q.shape
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             q.new_empty((batch, nheads, seqlen_q), dtype=_lse_dtype(q.dtype)))
@@ -557,8 +557,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     or (out, softmax_lse) with ``return_softmax_lse`` (softmax_lse (batch, nheads, seqlen_q)).
     ``softcap`` and ``alibi_slopes`` ((nheads,) or (batch, nheads) float32) are
     cupyflash.flash_attn_with_kvcache's. Not supported yet, each a NotImplementedError:
-    rotary_cos / rotary_sin, cache_leftpad. ``num_splits`` is accepted
-    (cupyflash.flash_attn_with_kvcache's note); ``rotary_interleaved`` matters only with rotary.
+    rotary_cos / rotary_sin, cache_leftpad. ``num_splits`` is the split-KV count
+    (cupyflash.flash_attn_with_kvcache's: 0 picks it); ``rotary_interleaved`` matters only with rotary.
     """
     _unsupported(rotary_cos=rotary_cos is not None, rotary_sin=rotary_sin is not None,
                  cache_leftpad=cache_leftpad is not None)
@@ -579,7 +579,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     scale = _scale(softmax_scale, q.shape[3])
     window_left, window_right = check_window(window_size)
     o, lse = _kvcache_op(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, scale, bool(causal),
-                         window_left, window_right, float(softcap), alibi_slopes)
+                         window_left, window_right, float(softcap), alibi_slopes, int(num_splits))
     return (o, lse) if return_softmax_lse else o
 
 

@@ -1,7 +1,9 @@
 """Decode bandwidth of flash_attn_with_kvcache's kernel (issue 17's bar), against cuDNN and
 FlashAttention-2 through torch SDPA and a device-to-device copy, all in one run:
 
-    python -m cupyflash.bench.kvcache_decode [--json FILE] [--quick]
+    python -m cupyflash.bench.kvcache_decode [--json FILE] [--plot PNG] [--quick]
+    python -m cupyflash.bench.kvcache_decode --from-json FILE [--plot PNG]   (no GPU needed)
+    python -m cupyflash.bench.kvcache_decode --tune   (the tile candidates)
 
 One query token per sequence, bf16, d128, every sequence at the full length. For each shape
 (batch x query heads / kv heads at kv_len): cupyflash's kernel over a contiguous cache and over
@@ -222,17 +224,57 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def plot(result: dict, path: str) -> None:
+    """Bars of K+V read bandwidth per shape: cupyflash (contiguous, pages of 16 and 256), cuDNN,
+    FA2, with the copy bandwidth as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    series = [("cupyflash contiguous", "cupyflash_contiguous_tbps"), ("cupyflash paged 16", "cupyflash_paged16_tbps"),
+              ("cupyflash paged 256", "cupyflash_paged256_tbps"), ("cuDNN (SDPA)", "cudnn_tbps"),
+              ("FA2 (SDPA)", "fa2_tbps")]
+    width = 0.8 / len(series)
+    fig, ax = plt.subplots(figsize=(9, 5))
+    for i, (label, key) in enumerate(series):
+        values = [r.get(key) or 0.0 for r in rows]
+        ax.bar([x + (i - len(series) / 2 + 0.5) * width for x in range(len(rows))], values, width, label=label)
+    ax.axhline(result["copy_tbps"], color="black", linestyle="--", linewidth=1,
+               label=f"device copy {result['copy_tbps']:.2f} TB/s (read + write)")
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels([f"{r['batch']} x {r['nheads']}/{r['nheads_kv']}\n{r['kv_len'] // 1024}k keys" for r in rows])
+    ax.set_ylabel("K+V read bandwidth, TB/s")
+    ax.set_title(f"Decode, one query token, bf16, d{rows[0]['headdim']} (H200)")
+    ax.set_ylim(0, 1.2 * max(result["copy_tbps"], max(r.get("cupyflash_contiguous_tbps") or 0 for r in rows)))
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the measurements here")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--tune", action="store_true", help="the candidate tiles (TUNE_TILES) instead")
+    parser.add_argument("--from-json", help="print the table (and --plot) of an earlier run's --json file")
+    parser.add_argument("--plot", help="write the bandwidth bars here (PNG)")
     args = parser.parse_args(argv)
+    if args.from_json:
+        with open(args.from_json) as f:
+            result = json.load(f)
+        print(table(result))
+        if args.plot:
+            plot(result, args.plot)
+        return 0
     if args.tune:
         tune()
         return 0
     result = measure(quick=args.quick)
     print(table(result))
+    if args.plot:
+        plot(result, args.plot)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
