@@ -10,6 +10,8 @@
 #   scripts/gpu_check.sh OUTDIR modifiers  the user modifiers' GPU tests, then their bench: softcap
 #                                       and ALiBi as score_mods and a document mask against
 #                                       FlexAttention at 8k, 8 documents of 2k against no mask at 16k
+#   scripts/gpu_check.sh OUTDIR kvcache  the KV-cache kernel's tests (its kernels compiled first),
+#                                       then the decode bandwidth table and plot against cuDNN / FA2
 #   scripts/gpu_check.sh OUTDIR ncu     kernel by kernel, this tree against BEFORE_TREE (required):
 #                                       time, registers, instructions of NCU_CASES, then the full
 #                                       section set of NCU_FULL (ncu --clock-control none)
@@ -67,6 +69,13 @@ modifiers)
         --variants causal "causal softcap 30 (score_mod)" "causal alibi (score_mod)" "causal documents 2048"
     step documents-16k 120 python -m cupyflash.bench.variants --seqlen 16384 --impls cupyflash flex \
         --variants full "documents 2048" --json "$out/documents-16k.json"
+    ;;
+kvcache)
+    export PYTHONPATH=$PWD
+    step warm-kvcache "${WARM_LIMIT:-120}" python scripts/warm_kernel_cache.py --match 'kvcache|combine'
+    step kvcache-tests "${TEST_LIMIT:-240}" env HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-gpu}" \
+        python -m pytest -q -m gpu tests/test_kvcache_kernel_gpu.py tests/test_kvcache_gpu.py -p no:cacheprovider
+    step decode 150 python -m cupyflash.bench.kvcache_decode --json "$out/decode.json" --plot "$out/decode.png"
     ;;
 ncu)
     : "${BEFORE_TREE:?the ncu part compares against BEFORE_TREE}"
