@@ -276,14 +276,15 @@ def backward(do, q, k, v, o, lse, *, softmax_scale, causal, window_size=(-1, -1)
 
 
 def kvcache_forward(q, sequences, *, softmax_scale, causal, window_size=(-1, -1), variant=None, num_splits=1,
-                    block_n=64, key_warps=4):
+                    block_n=None, key_warps=None):
     """The KV-cache kernel's algorithm (kernels_cu/flash_fwd_kvcache_mma.cu with
     flash_fwd_combine.cu) for q (batch, seqlen_q, nheads, headdim) and each sequence's keys and
     values ``sequences[b] = (K_b, V_b)``, (seqlen_k_b, nheads_kv, headdim): returns (o, lse).
 
     Per sequence the keys are cut into ``num_splits`` ranges of split_keys keys (whole tiles of
-    ``block_n``, as kvcache_mma.plan cuts them for its longest sequence; a split past a sequence's
-    end sees nothing). Within a split each tile's keys are dealt to ``key_warps`` shares, one per
+    ``block_n``, kvcache_mma.split_layout over the longest sequence, as the plan cuts them; a split
+    past a sequence's end sees nothing). ``block_n`` and ``key_warps`` default to the tiles the
+    kernel's plan takes for this head dim and number of packed rows (kvcache_mma.cache_tiles). Within a split each tile's keys are dealt to ``key_warps`` shares, one per
     warp, and each share keeps its own running max m, sum l and O; at the split's end they are
     merged in share order (merge_key_warps: M = max m_w, L = sum l_w 2^(m_w - M), O = sum
     2^(m_w - M) O_w / L). The splits' (O / l, lse) are then combined by the LSE rule with the sink's
@@ -300,9 +301,17 @@ def kvcache_forward(q, sequences, *, softmax_scale, causal, window_size=(-1, -1)
     scale_log2 = acc.type(softmax_scale * LOG2E)
     o = np.zeros(q.shape, q.dtype)
     lse = np.full((batch, nheads, seqlen_q), -np.inf, acc)
+    from .kernels import kvcache_mma
+    from .kernels.constants import TENSOR_CORE_D_TILES, d_tile
+
+    if block_n is None or key_warps is None:
+        tiles = kvcache_mma.cache_tiles(d_tile(max(headdim, 8), TENSOR_CORE_D_TILES),
+                                        seqlen_q * (nheads // max(int(sequences[0][0].shape[1]), 1) if sequences else 1))
+        block_n = tiles.block_n if block_n is None else block_n
+        key_warps = tiles.key_warps if key_warps is None else key_warps
     longest = max((int(keys.shape[0]) for keys, _ in sequences), default=0)
-    tiles = max(1, math.ceil(longest / block_n))
-    split_keys = math.ceil(tiles / max(1, num_splits)) * block_n
+    num_splits, per_split = kvcache_mma.split_layout(math.ceil(longest / block_n), num_splits)
+    split_keys = per_split * block_n
     share = block_n // key_warps
     sink_log2 = None if variant.sink is None else np.asarray(variant.sink).astype(acc) * acc.type(LOG2E)
     for b, (keys, values) in enumerate(sequences):

@@ -183,9 +183,13 @@ __device__ __forceinline__ void merge_key_warps(const float (&o)[1][D_FRAGS][4],
     }
 }
 
+// Launch bounds: the four-strip tiles say "one block per SM at least", which lets ptxas use up to
+// 255 registers; left to itself (a minimum of 0 is none) it held them to 168 and spilled up to 28
+// bytes at d128. The decode tiles keep ptxas's own choice (164-168 registers, no spills), which
+// is what the H200 measured.
 template <typename T, int D_TILE, class Mask, int ROW_WARPS, int KEY_WARPS, int BLOCK_N, int STAGES, bool PAGED,
           bool SPLIT>
-__global__ void __launch_bounds__(ROW_WARPS * KEY_WARPS * 32)
+__global__ void __launch_bounds__(ROW_WARPS * KEY_WARPS * 32, ROW_WARPS > 1 ? 1 : 0)
 flash_fwd_kvcache_mma(const __grid_constant__ CacheFwdParams p) {
     constexpr int NTHREADS = ROW_WARPS * KEY_WARPS * 32;
     constexpr int BLOCK_M = 16 * ROW_WARPS;

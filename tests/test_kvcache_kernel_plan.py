@@ -63,9 +63,25 @@ def test_the_split_heuristic_fills_the_last_wave(ctas, slots, key_blocks):
     if key_blocks <= 1:
         assert s == 1
         return
-    best = max(efficiency(ctas, slots, t) for t in range(1, limit + 1))
+    runnable = sorted({kvcache_mma.split_layout(key_blocks, t)[0] for t in range(1, limit + 1)})
+    assert s in runnable and kvcache_mma.split_layout(key_blocks, s)[0] == s  # it runs as chosen
+    best = max(efficiency(ctas, slots, t) for t in runnable)
     assert efficiency(ctas, slots, s) >= 0.95 * best
-    assert all(efficiency(ctas, slots, t) < 0.95 * best for t in range(1, s))  # the fewest that do
+    assert all(efficiency(ctas, slots, t) < 0.95 * best for t in runnable if t < s)  # the fewest that do
+
+
+@given(key_blocks=st.integers(0, 10000), num_splits=st.integers(0, 1000))
+def test_a_split_layout_covers_the_tiles_without_an_empty_split(key_blocks, num_splits):
+    splits, per_split = kvcache_mma.split_layout(key_blocks, num_splits)
+    tiles = max(1, key_blocks)
+    assert 1 <= splits <= min(max(1, num_splits), tiles, kvcache_mma.MAX_SPLITS)
+    assert splits * per_split >= tiles > (splits - 1) * per_split
+
+
+def test_the_heuristic_scores_only_split_counts_that_run():
+    """32 key tiles on 8 CTAs: 31 splits would run as 16 of 2 tiles; 32 fill the wave."""
+    assert kvcache_mma.split_layout(32, 31) == (16, 2)
+    assert kvcache_mma.num_splits_heuristic(8, 264, 32) == 32
 
 
 def test_the_split_heuristic_on_the_decode_shapes():

@@ -22,7 +22,7 @@ from .._dtypes import dtype_name
 from ..masks import KINDS, VARIANT_KINDS, Mask
 
 __all__ = ["CacheTiles", "cache_tiles", "specialization", "combine_specialization", "specializations",
-           "num_splits_heuristic", "supports", "forward", "smem_bytes", "MAX_SPLITS", "COMBINE_ROWS"]
+           "num_splits_heuristic", "split_layout", "supports", "forward", "smem_bytes", "MAX_SPLITS", "COMBINE_ROWS"]
 
 MAX_SPLITS = 128
 COMBINE_ROWS = 4  # flash_fwd_combine.cu's COMBINE_ROWS_PER_BLOCK
@@ -108,25 +108,36 @@ def specializations() -> list:
     return list(dict.fromkeys(out))
 
 
+def split_layout(key_blocks: int, num_splits: int) -> tuple[int, int]:
+    """(splits, key tiles per split) that a request for ``num_splits`` splits of ``key_blocks``
+    key tiles runs as: whole tiles per split, as many splits as it takes to cover the tiles (fewer
+    than asked where the tiles do not divide: 32 tiles in 31 splits are 16 splits of 2)."""
+    key_blocks = max(1, int(key_blocks))
+    wanted = max(1, min(int(num_splits), key_blocks, MAX_SPLITS))
+    per_split = math.ceil(key_blocks / wanted)
+    return math.ceil(key_blocks / per_split), per_split
+
+
 def num_splits_heuristic(ctas: int, slots: int, key_blocks: int, max_splits: int = MAX_SPLITS) -> int:
     """Splits of the keys for ``ctas`` CTAs (m_blocks x nheads_kv x batch) on a device that holds
     ``slots`` of them at once, with ``key_blocks`` key tiles in the longest sequence. The candidates
-    run up to what fills the device four times over (one key tile per split at least); each is
-    scored by how full its last wave is (waves / ceil(waves), sequences of equal length assumed),
-    and of those within 95% of the best score the fewest splits win: each split costs a partial O
-    and a share of the combine. A grid that fills the device in whole waves is not split. (85%, as
-    flash-attn has it, left 12% of the H200 idle at 1 x 32/8 heads and 128k keys: 232 CTAs on 264
-    slots where 264 was one split more away.)"""
+    are the split counts that can run (split_layout's, up to what fills the device four times over
+    and one key tile per split); each is scored by how full its last wave is (waves / ceil(waves),
+    sequences of equal length assumed), and of those within 95% of the best score the fewest
+    splits win: each split costs a partial O and a share of the combine. A grid that fills the
+    device in whole waves is not split. (85%, as flash-attn has it, left 12% of the H200 idle at
+    1 x 32/8 heads and 128k keys: 232 CTAs on 264 slots where 264 was one split more away.)"""
     if ctas <= 0 or key_blocks <= 1:
         return 1
     limit = max(1, min(max_splits, key_blocks, math.ceil(4 * slots / ctas)))
+    candidates = sorted({split_layout(key_blocks, t)[0] for t in range(1, limit + 1)})
 
     def efficiency(s: int) -> float:
         waves = ctas * s / slots
         return waves / math.ceil(waves)
 
-    best = max(efficiency(s) for s in range(1, limit + 1))
-    return next(s for s in range(1, limit + 1) if efficiency(s) >= 0.95 * best)
+    best = max(efficiency(s) for s in candidates)
+    return next(s for s in candidates if efficiency(s) >= 0.95 * best)
 
 
 @functools.lru_cache(maxsize=None)
@@ -173,9 +184,8 @@ def plan(dtype, headdim: int, mask: Mask, *, batch: int, seqlen_q: int, group: i
 
         num_splits = num_splits_heuristic(m_blocks * nheads_kv * batch, _slots(probe, cupy.cuda.Device().id),
                                           key_blocks)
-    num_splits = max(1, min(int(num_splits), key_blocks, MAX_SPLITS))
-    split_keys = math.ceil(key_blocks / num_splits) * tiles.block_n
-    num_splits = max(1, math.ceil(max(max_seqlen_k, 1) / split_keys))  # no split past the longest sequence
+    num_splits, per_split = split_layout(key_blocks, num_splits)  # no split past the longest sequence
+    split_keys = per_split * tiles.block_n
     split = num_splits > 1
     return CachePlan(specialization(dtype, dt, mask, tiles, paged, split), tiles,
                      (m_blocks * num_splits, nheads_kv, batch), num_splits, split_keys)
