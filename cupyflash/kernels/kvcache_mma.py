@@ -18,8 +18,10 @@ import numpy as np
 from ._module import Specialization, launch
 from .constants import CTYPES, SHORT_NAMES, TENSOR_CORE_D_TILES, d_tile
 from .params import CACHE_FWD_PARAMS, COMBINE_PARAMS, _set_scales, fast_divmod, pointer, set_rows, set_variant
+from .mma_fwd import _check_layout
 from .._dtypes import dtype_name
 from ..masks import KINDS, VARIANT_KINDS, Mask
+from ..plans import tensor_core_supports
 
 __all__ = ["CacheTiles", "cache_tiles", "specialization", "combine_specialization", "specializations",
            "num_splits_heuristic", "split_layout", "supports", "forward", "smem_bytes", "MAX_SPLITS", "COMBINE_ROWS"]
@@ -54,12 +56,9 @@ _PREFILL_TILES = {64: CacheTiles(4, 1, 64, 3), 128: CacheTiles(4, 1, 64, 2), 256
 
 
 def supports(dtype, headdim: int) -> bool:
-    """float16 / bfloat16 with a head dim that is a multiple of 8, 8..256 (no padding of the cache)."""
-    try:
-        name = dtype_name(dtype)
-    except ValueError:
-        return False
-    return name in ("float16", "bfloat16") and headdim % 8 == 0 and 8 <= headdim <= TENSOR_CORE_D_TILES[-1]
+    """float16 / bfloat16 with a head dim that is a multiple of 8, 8..256 (the cache is not padded):
+    the tensor-core forward's own condition (plans.tensor_core_supports)."""
+    return tensor_core_supports(dtype, headdim)
 
 
 def cache_tiles(dt: int, packed_rows: int) -> CacheTiles:
@@ -205,10 +204,7 @@ def forward(q, k_cache, v_cache, o, lse, *, seqlens_k, block_table, page_size: i
     if batch == 0 or seqlen_q == 0 or nheads == 0:
         return 0
     for a, what in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache"), (o, "o")):
-        item = a.itemsize
-        if a.strides[3] != item or any((s // item) % 8 for s in a.strides[:3]) or a.data.ptr % 16:
-            raise ValueError(f"cupyflash: {what} needs a contiguous last dimension, strides that are multiples "
-                             "of 8 elements and a 16-byte aligned pointer for the tensor-core kernel")
+        _check_layout(a, what)
     if lse.dtype != np.float32 or not lse.flags.c_contiguous or lse.shape != (batch, nheads, seqlen_q):
         raise ValueError("cupyflash: lse must be a C-contiguous float32 (batch, nheads, seqlen_q) array")
     for a, what in ((seqlens_k, "seqlens_k"), (block_table, "block_table")):
