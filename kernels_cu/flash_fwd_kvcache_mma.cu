@@ -183,6 +183,57 @@ __device__ __forceinline__ void merge_key_warps(const float (&o)[1][D_FRAGS][4],
     }
 }
 
+// P V with P in two parts for bfloat16 (P_TWICE): P = hi + lo, hi = bf16(P) and lo = bf16(P - hi),
+// O += hi V + lo V with V's fragments loaded once. bfloat16's 8-bit P is the largest error of a
+// 16-bit forward (each P off by up to 2^-9 relative, rounded before the normalisation that
+// standard attention rounds after); two products make P good to about 2^-17, and cost nothing
+// where this kernel runs: a decode step is bound by memory, its tensor cores mostly idle. One
+// H200 property example (a 16-key row, d8) had put the one-part kernel at 0.8 ulp of o, past
+// the test rule of twice standard attention's error (docs/perf-log.md, "kvcache"). The decode
+// tiles only (one row strip): with four strips the second product made ptxas spill, and those
+// tiles' P is then the dense kernels' one-part P.
+template <typename T>
+struct TwoPartP {
+    static constexpr bool ON = false;
+};
+template <>
+struct TwoPartP<bf16_t> {
+    static constexpr bool ON = true;
+};
+
+template <typename T, int D_TILE, int P_STEPS, int D_FRAGS>
+__device__ __forceinline__ void mma_pv_two_parts(float (&o)[1][D_FRAGS][4], const u32 (&hi)[1][P_STEPS][4],
+                                                 const u32 (&lo)[1][P_STEPS][4], u32 v_tile,
+                                                 const FragmentAddress<D_TILE>& v_addr) {
+#pragma unroll
+    for (int kk = 0; kk < P_STEPS; ++kk) {
+#pragma unroll
+        for (int f = 0; f < D_FRAGS; f += 2) {
+            u32 b[4];
+            ldmatrix_x4_trans(b, v_addr(v_tile, kk, f / 2));
+            mma_16816<T>(o[0][f], hi[0][kk], b[0], b[1]);
+            mma_16816<T>(o[0][f + 1], hi[0][kk], b[2], b[3]);
+            mma_16816<T>(o[0][f], lo[0][kk], b[0], b[1]);
+            mma_16816<T>(o[0][f + 1], lo[0][kk], b[2], b[3]);
+        }
+    }
+}
+
+// The low parts of P: lo = P - hi for each bfloat16 pair of hi (a bfloat16 is the top half of
+// its float).
+template <int P_STEPS, int N_FRAGS>
+__device__ __forceinline__ void p_low_parts(u32 (&lo)[1][P_STEPS][4], const u32 (&hi)[1][P_STEPS][4],
+                                            const float (&s)[1][N_FRAGS][4]) {
+#pragma unroll
+    for (int kk = 0; kk < P_STEPS; ++kk)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int f = 2 * kk + e / 2, x = 2 * (e % 2);  // hi[kk][e] holds s[f][x], s[f][x + 1]
+            const float h0 = __uint_as_float(hi[0][kk][e] << 16), h1 = __uint_as_float(hi[0][kk][e] & 0xffff0000u);
+            lo[0][kk][e] = pack2<bf16_t>(s[0][f][x] - h0, s[0][f][x + 1] - h1);
+        }
+}
+
 // Launch bounds: the four-strip tiles say "one block per SM at least", which lets ptxas use up to
 // 255 registers; left to itself (a minimum of 0 is none) it held them to 168 and spilled up to 28
 // bytes at d128. The decode tiles keep ptxas's own choice (164-168 registers, no spills), which
@@ -303,7 +354,13 @@ flash_fwd_kvcache_mma(const __grid_constant__ CacheFwdParams p) {
         softmax_rescale(s, o_acc, row_stats, m_new, lane);
         u32 p_frag[1][N_FRAGS / 2][4];
         pack_p<T>(p_frag, s);
-        mma_pv<T, D_TILE>(o_acc, p_frag, Smem::v_tile(smem_base, stage) + warp_keys, a_addr);
+        if constexpr (TwoPartP<T>::ON && ROW_WARPS == 1) {  // the decode tiles (four row strips would spill)
+            u32 p_low[1][N_FRAGS / 2][4];
+            p_low_parts(p_low, p_frag, s);
+            mma_pv_two_parts<T, D_TILE>(o_acc, p_frag, p_low, Smem::v_tile(smem_base, stage) + warp_keys, a_addr);
+        } else {
+            mma_pv<T, D_TILE>(o_acc, p_frag, Smem::v_tile(smem_base, stage) + warp_keys, a_addr);
+        }
     }
     cp_async_wait<0>();  // a block that saw no key may still have copies in flight
     if constexpr (KEY_WARPS > 1) {
