@@ -28,11 +28,13 @@ def launches(monkeypatch):
 
 
 def run(problem, variant=None):
+    """``variant``: NumPy arrays (the reference's); the call gets them as CuPy arrays."""
     import cupy
 
     q, k, v, _ = (cupy.asarray(x) for x in problem.arrays())
+    on_device = {name: cupy.asarray(x) if isinstance(x, np.ndarray) else x for name, x in (variant or {}).items()}
     with poisoned_outputs():
-        o, lse = cupyflash.flash_attn_func(q, k, v, return_lse=True, **problem.kwargs, **(variant or {}))
+        o, lse = cupyflash.flash_attn_func(q, k, v, return_lse=True, **problem.kwargs, **on_device)
     assert_attention_close(problem, o, lse, variant=variant)
 
 
@@ -48,11 +50,9 @@ def test_decode_shapes_take_the_cache_kernel(seqlen_q, group, seqlen_k, causal, 
 
 @pytest.mark.parametrize("variant", [{"softcap": 20.0}, {"alibi_slopes": np.linspace(0.05, 0.5, 8).astype(np.float32)}])
 def test_decode_variants(variant, launches):
-    import cupy
-
     problem = AttentionProblem(batch=2, seqlen_q=1, seqlen_k=3000, nheads_kv=2, group=4, headdim=64, causal=True,
                                softmax_scale=None, magnitude=1.0, dtype=np.float16, seed=4, window_size=(500, 0))
-    run(problem, {name: cupy.asarray(x) if isinstance(x, np.ndarray) else x for name, x in variant.items()})
+    run(problem, variant)
     assert launches
 
 
