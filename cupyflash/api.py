@@ -222,8 +222,41 @@ def seeing_no_key(q, variant, xp):
     return xp.zeros(q.shape, q.dtype), lse
 
 
+def _decode_by_cache_kernel(q, k, v, scale, causal, window, variant):
+    """(o, lse) of a decode-shaped call (at most 16 (query, head) rows per kv head: one query
+    token, or a few with GQA) from the KV-cache kernel (kernels/kvcache_mma.py), which packs a kv
+    head's query heads into one tile and splits the keys across CTAs, treating k and v as a
+    contiguous cache of one row per sequence; None where it does not apply (user modifiers, a head
+    dim that is not a multiple of 8, strides or alignment the kernel cannot take)."""
+    from .kernels import kvcache_mma
+    from .masks import mask_for
+
+    batch, seqlen_q, nheads, headdim = q.shape
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    if variant.mods is not None or not kvcache_mma.supports(q.dtype, headdim):
+        return None
+    if seqlen_q * (nheads // nheads_kv) > 16 or seqlen_k == 0:
+        return None
+    for a in (q, k, v):
+        if a.strides[3] != a.itemsize or any((s // a.itemsize) % 8 for s in a.strides[:3]) or a.data.ptr % 16:
+            return None
+    import cupy
+
+    o = _empty(q.shape, q.dtype)
+    lse = _empty((batch, nheads, seqlen_q), lse_dtype(q.dtype))
+    kvcache_mma.forward(q, k, v, o, lse, seqlens_k=cupy.full(batch, seqlen_k, np.int32),
+                        block_table=cupy.arange(batch, dtype=np.int32).reshape(batch, 1), page_size=seqlen_k,
+                        paged=False, max_seqlen_k=seqlen_k, softmax_scale=scale,
+                        mask=mask_for(causal, window, variant.score), variant=variant)
+    return o, lse
+
+
 def _forward_gpu(which, q, k, v, scale, causal, window, variant):
     batch, seqlen_q, nheads, headdim = q.shape
+    if which == "mma":
+        decoded = _decode_by_cache_kernel(q, k, v, scale, causal, window, variant)
+        if decoded is not None:
+            return decoded
     lse = _empty((batch, nheads, seqlen_q), lse_dtype(q.dtype))
     kernels = dispatch.family(which, "fwd")
     if which == "mma":
