@@ -427,11 +427,16 @@ class Launch(NamedTuple):
     per_block: int  # rows (keys for dkdv and kv_bounds, queries for dq), or elements, per block
 
     def grid(self, batch: int, seqlen_q: int, seqlen_k: int, nheads: int, nheads_kv: int,
-             headdim: int) -> tuple[int, int, int]:
+             headdim: int, packed=None) -> tuple[int, int, int]:
+        """The launch's grid; ``packed`` (kernels.params.PackedBatch): a varlen batch, whose
+        tensors are batch 1 of the total rows (the row-wise kernels cover them all) and whose
+        attention kernels take a CTA column per sequence, covering its longest one."""
         if self.role == "preprocess":
             return math.ceil(batch * nheads * seqlen_q / self.per_block), 1, 1
         if self.role == "convert":
             return math.ceil(batch * seqlen_q * nheads * (headdim // 8) / self.per_block), 1, 1
+        if packed is not None:
+            batch, seqlen_q, seqlen_k = packed.sequences, packed.max_seqlen_q, packed.max_seqlen_k
         if self.role in ("dkdv", "kv_bounds"):
             return math.ceil(seqlen_k / self.per_block), nheads_kv, batch
         return math.ceil(seqlen_q / self.per_block), nheads, batch  # dq, preprocess_fixed

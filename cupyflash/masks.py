@@ -20,7 +20,7 @@ import numpy as np
 from .modifiers import example_modifiers
 from .scores import PLAIN, Score
 
-__all__ = ["Mask", "NoMask", "Causal", "Local", "KINDS", "VARIANT_KINDS", "mask_for", "as_mask", "check_window"]
+__all__ = ["Mask", "NoMask", "Causal", "Local", "KINDS", "VARIANT_KINDS", "PACKED_KINDS", "mask_for", "as_mask", "check_window"]
 
 MASK_UNBOUNDED = 1 << 30  # offset of an unbounded side (mask.cuh's MASK_UNBOUNDED)
 
@@ -46,6 +46,9 @@ class Mask:
     left: int = -1
     right: int = -1
     score: Score = PLAIN
+    # A packed (varlen) batch: each sequence its own problem, the kernels' Packed<...> policy
+    # (mask.cuh), which finds the sequence's rows and lengths from the call's cu_seqlens.
+    packed: bool = False
     HAS_LEFT = False
     HAS_RIGHT = False
     band = ""  # in specialization names: "full", "causal", "local"
@@ -53,13 +56,22 @@ class Mask:
 
     @property
     def name(self) -> str:
-        """The policy in specialization names: the band, then the score's parts."""
-        return f"{self.band}_{self.score.name}" if not self.score.plain else self.band
+        """The policy in specialization names: the band, then the score's parts, then "packed"."""
+        name = f"{self.band}_{self.score.name}" if not self.score.plain else self.band
+        return f"{name}_packed" if self.packed else name
 
     @property
     def cpp(self) -> str:
-        """The kernels' template argument: the band, with its score where there is one."""
-        return self.band_cpp if self.score.plain else f"cf::WithScore<{self.band_cpp}, {self.score.cpp}>"
+        """The kernels' template argument: the band, with its score where there is one, packed
+        where the batch is."""
+        cpp = self.band_cpp if self.score.plain else f"cf::WithScore<{self.band_cpp}, {self.score.cpp}>"
+        return f"cf::Packed<{cpp}>" if self.packed else cpp
+
+    def as_packed(self, packed: bool = True) -> "Mask":
+        """The same policy over a packed batch (or a dense one)."""
+        if packed and self.score.user is not None:
+            raise ValueError("cupyflash: user modifiers take dense batches (their block map is made for one problem)")
+        return replace(self, packed=packed)
 
     def with_score(self, score: Score) -> "Mask":
         """The same band with ``score``."""
@@ -209,21 +221,27 @@ KINDS = (NoMask(), Causal(), Local())
 VARIANT_KINDS = (Causal(score=Score(softcap=True, sink=True)), Local(score=Score(alibi=True)),
                  NoMask(score=Score(user=example_modifiers())))
 
+# Packed (varlen) batches, which the compile check builds into every kernel the plans launch for
+# them: the causal band, and ALiBi (whose diagonal is each sequence's) on the window.
+PACKED_KINDS = (Causal(packed=True), Local(score=Score(alibi=True), packed=True))
+
 
 def as_mask(mask_or_causal) -> Mask:
     """A Mask, or the policy of a bare ``causal`` flag (launchers and tools that predate windows)."""
     return mask_or_causal if isinstance(mask_or_causal, Mask) else mask_for(bool(mask_or_causal))
 
 
-def mask_for(causal: bool, window_size=(-1, -1), score: Score = PLAIN) -> Mask:
+def mask_for(causal: bool, window_size=(-1, -1), score: Score = PLAIN, packed: bool = False) -> Mask:
     """The policy of a call: ``causal`` sets the right side to 0 (flash-attn 2.8); a window equal
     to no mask or to the causal one gets that policy (and its kernels); ``score`` the variant's
-    transforms (cupyflash.scores)."""
+    transforms (cupyflash.scores); ``packed`` a varlen batch's."""
     left, right = check_window(window_size)
     if causal:
         right = 0
     if right < 0 and left < 0:
-        return NoMask(score=score)
-    if right == 0 and left < 0:
-        return Causal(score=score)
-    return Local(left, right, score)
+        mask = NoMask(score=score)
+    elif right == 0 and left < 0:
+        mask = Causal(score=score)
+    else:
+        mask = Local(left, right, score)
+    return mask.as_packed() if packed else mask

@@ -229,10 +229,19 @@ def forward_candidates(family: str, where: str, dt: int, mask: Mask) -> list:
     """The tiles ``forward_tiles`` chooses from, in order: FORWARD_TILES' row, and with user
     modifiers USER_FORWARD_FALLBACKS' after it."""
     tiles = FORWARD_TILES[(family, where, dt)]
+    if mask.packed:
+        tiles = PACKED_FORWARD_TILES.get((family, where, dt), tiles)
     if mask.score.user is None or family != "mma":
         return [tiles]
     return [tiles, *USER_FORWARD_FALLBACKS.get((family, where, dt), ())]
 
+
+# Rows a packed (varlen) batch replaces: its sequence's lengths and first rows live in registers
+# (the dense kernels read them from the parameter bank), which takes the LARGE_SMEM d128 tile past
+# 255 registers at sm_80 (80 bytes spilled; sm_90 compiles it clean, but sm_90 runs wgmma).
+PACKED_FORWARD_TILES = {
+    ("mma", LARGE_SMEM, 128): FORWARD_TILES[("mma", PORTABLE, 128)],
+}
 
 # Tiles a forward with user modifiers tries after the row's, in order (fewer S registers).
 USER_FORWARD_FALLBACKS = {

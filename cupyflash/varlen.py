@@ -8,11 +8,12 @@ cu_seqlens_q[b + 1] - 1 (likewise ``cu_seqlens_k``); lse: (nheads, total_q), fla
 layout. Each sequence is its own attention problem: its own bottom-right causal alignment and
 window (diag = seqlen_k[b] - seqlen_q[b]); sequences never see each other's keys.
 
-Interim GPU path, until the kernels read cu_seqlens themselves (a Params field): one dense call
-per sequence on views of the packed arrays (no padding work, but one kernel launch and one copy
-of its o and lse into place per sequence; per-launch overhead dominates batches of many short
-sequences), and cu_seqlens are read back to the host once per call to find the sequences. NumPy
-inputs run the NumPy twin per sequence the same way.
+On the GPU one launch per kernel covers the whole batch: the kernels read cu_seqlens themselves
+(the Packed mask policies of kernels_cu/mask.cuh, their Params' cu_seqlens_q / cu_seqlens_k), a
+CTA column per sequence over its longest one, so no padding is computed and no copy made. The
+cumulative lengths are still read back to the host once per call, for the checks (a
+synchronisation for device arrays). The NumPy backend runs the NumPy twin per sequence on views
+(``per_sequence``), as do batches beyond the grid's 65535 sequences or heads.
 """
 from __future__ import annotations
 
@@ -159,6 +160,62 @@ def dense_backward(which: str, do, q, k, v, o, lse, scale: float, causal: bool, 
         variant)
 
 
+# --- the whole packed batch in one launch per kernel (GPU) ----------------------------------------
+
+def packed_batch(cu_seqlens_q, cu_seqlens_k, cu_q: np.ndarray, cu_k: np.ndarray):
+    """The kernels' kernels.params.PackedBatch: the caller's cumulative lengths on the device as
+    C-contiguous int32 (copied there from host arrays), the grid sized by the longest sequences."""
+    import cupy
+
+    from .kernels.params import PackedBatch
+
+    def on_device(given, host):
+        if A.array_kind(given, "cu_seqlens") == "cupy":
+            return cupy.ascontiguousarray(A.take_array(given, "cu_seqlens", "cupy"))
+        return cupy.asarray(host.astype(np.int32))
+
+    longest = lambda cu: int(np.diff(cu).max()) if len(cu) > 1 else 0
+    return PackedBatch(on_device(cu_seqlens_q, cu_q), on_device(cu_seqlens_k, cu_k), longest(cu_q), longest(cu_k))
+
+
+def packs(which: str, cu_q: np.ndarray, nheads: int, total_q: int, total_k: int) -> bool:
+    """Whether the batch runs packed: a GPU family, something to compute, and a grid that fits."""
+    return (which != "numpy" and total_q * nheads * total_k > 0 and len(cu_q) - 1 <= api.MAX_GRID_YZ
+            and nheads <= api.MAX_GRID_YZ)
+
+
+def packed_forward(which: str, q, k, v, scale: float, causal: bool, window, variant, packed) -> tuple:
+    """(o, lse (nheads, total_q)) of packed (total, heads, dim) CuPy arrays, one launch."""
+    total_q, nheads, headdim = q.shape
+    lse = api._empty((1, nheads, total_q), lse_dtype(q.dtype))
+    kernels = dispatch.family(which, "fwd")
+    q, k, v = q[None], k[None], v[None]
+    if which == "mma":
+        padded = dispatch.mma_headdim(headdim)
+        q, k, v = (api._mma_ready(x, padded) for x in (q, k, v))
+    o = api._empty(q.shape, q.dtype)
+    kernels.forward(q, k, v, o, lse, softmax_scale=scale, causal=causal, window_size=window, variant=variant,
+                    packed=packed)
+    return o[0, ..., :headdim], lse[0]
+
+
+def packed_backward(which: str, do, q, k, v, o, lse, scale: float, causal: bool, window, deterministic: bool,
+                    variant, packed) -> tuple:
+    """(dq, dk, dv) of packed CuPy arrays (lse (nheads, total_q)), one launch per kernel."""
+    import cupy
+
+    headdim = q.shape[2]
+    kernels = dispatch.family(which, "bwd")
+    do, q, k, v, o = (x[None] for x in (do, q, k, v, o))
+    if which == "mma":
+        padded = dispatch.mma_headdim(headdim)
+        do, q, k, v, o = (api._mma_ready(x, padded) for x in (do, q, k, v, o))
+    dq, dk, dv = (api._empty(x.shape, x.dtype) for x in (q, k, v))
+    kernels.backward(do, q, k, v, o, cupy.ascontiguousarray(lse[None]), dq, dk, dv, softmax_scale=scale,
+                     causal=causal, deterministic=deterministic, window_size=window, variant=variant, packed=packed)
+    return tuple(g[0, ..., :headdim] for g in (dq, dk, dv))
+
+
 def sequence_variant(variant, b: int):
     """The variant of sequence ``b`` as a batch of one (its row of (batch, nheads) ALiBi slopes)."""
     return variant.sliced(slice(b, b + 1), slice(None))
@@ -198,9 +255,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     nheads) float32: row b for sequence b) and ``sink`` ((nheads,) float32). Returns o (like q),
     or (o, lse) with lse (nheads, total_q), float32 (float64 for float64).
 
-    Interim implementation: one dense launch per non-empty sequence on views of the packed
-    arrays (no padding is computed, but launches grow with the batch), after reading cu_seqlens
-    to the host (one synchronisation for device arrays).
+    On the GPU one launch covers every sequence (the kernels read cu_seqlens); cu_seqlens are
+    read to the host once for the checks (one synchronisation for device arrays).
     """
     backend, causal, window, return_lse, on_gpu = _check_options(backend, causal, window_size, return_lse,
                                                                  "return_lse", softcap)
@@ -218,6 +274,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
     xp = np if which == "numpy" else A._cupy()
     variant = variant.to(xp)
+    if packs(which, cu_q, nheads, total_q, total_k):
+        o, lse = packed_forward(which, q, k, v, scale, causal, window, variant,
+                                packed_batch(cu_seqlens_q, cu_seqlens_k, cu_q, cu_k))
+        o, lse = _finish((o, lse), which, host_out)
+        return (o, lse) if return_lse else o
     o = api._empty(q.shape, dtype, xp=xp)
     lse = api._empty((nheads, total_q), lse_dtype(dtype), xp=xp)
     for b, (q0, q1, k0, k1) in enumerate(zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(),
@@ -256,7 +317,7 @@ def flash_attn_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, 
     dq is shaped like q, dk and dv like k and v; for GQA they sum over the query heads sharing a
     kv head. Keys of a sequence without queries, and queries of a sequence without keys, get zero
     gradients. The options must be the forward's; ``deterministic`` is flash_attn_backward's.
-    Interim implementation: one dense backward per sequence on views, as the forward.
+    On the GPU one launch per backward kernel covers every sequence, as in the forward.
     """
     backend, causal, window, deterministic, on_gpu = _check_options(backend, causal, window_size, deterministic,
                                                                     "deterministic", softcap)
@@ -275,7 +336,21 @@ def flash_attn_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, 
 
     xp = np if which == "numpy" else A._cupy()
     variant = variant.to(xp)
-    dq, dk, dv = (api._empty(x.shape, dtype, xp=xp) for x in (q, k, v))
+    if packs(which, cu_q, nheads, total_q, total_k):
+        grads = packed_backward(which, do, q, k, v, o, lse, scale, causal, window, deterministic, variant,
+                                packed_batch(cu_seqlens_q, cu_seqlens_k, cu_q, cu_k))
+    else:
+        grads = per_sequence_backward(which, do, q, k, v, o, lse, cu_q, cu_k, scale, causal, window,
+                                      deterministic, variant)
+    if variant.sink is not None:  # every row of the packed batch at once: D and lse per row
+        grads += (sink_grad(variant.sink, do[None], o[None], lse[None], xp=xp),)
+    return _finish(grads, which, host_out)
+
+
+def per_sequence_backward(which, do, q, k, v, o, lse, cu_q, cu_k, scale, causal, window, deterministic, variant):
+    """(dq, dk, dv) by one dense backward per sequence on views (the NumPy twin's path)."""
+    xp = np if which == "numpy" else A._cupy()
+    dq, dk, dv = (api._empty(x.shape, x.dtype, xp=xp) for x in (q, k, v))
     for b, (q0, q1, k0, k1) in enumerate(zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(),
                                              cu_k[1:].tolist())):
         queries, keys = slice(q0, q1), slice(k0, k1)
@@ -283,10 +358,7 @@ def flash_attn_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, 
                                           o[None, queries], lse[None, :, queries], scale, causal, window, deterministic,
                                           sequence_variant(variant, b))
         dq[queries], dk[keys], dv[keys] = dq_b[0], dk_b[0], dv_b[0]
-    grads = (dq, dk, dv)
-    if variant.sink is not None:  # every row of the packed batch at once: D and lse per row
-        grads += (sink_grad(variant.sink, do[None], o[None], lse[None], xp=xp),)
-    return _finish(grads, which, host_out)
+    return dq, dk, dv
 
 
 def flash_attn_varlen_vjp(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **options):

@@ -3,17 +3,12 @@
 // cp.async loaders that gather them into swizzled shared tiles row by row.
 #pragma once
 
+#include "mask.cuh"
 #include "mma.cuh"
 #include "params.cuh"
 
 namespace cf {
 
-// A sequence's problem as the score policies (score.cuh) see it: the call's variant values and
-// this sequence's own lengths (ScoreFn's ALiBi diagonal is seqlen_k - seqlen_q of the sequence).
-struct SequenceProblem {
-    const VariantArgs& variant;
-    int seqlen_q, seqlen_k;
-};
 
 // The query rows of a CTA: the (query, head) pairs of one kv head, the head fastest. Packed row r
 // is query r / group of query head head_kv * group + r % group, so consecutive rows share a query

@@ -49,9 +49,14 @@ flash_bwd_dkdv_mma(const __grid_constant__ BwdParams p) {
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int key_group = warp / WARPS_D, d_part = warp % WARPS_D;
     const int row0 = 16 * key_group;  // this warp's key rows within the block
-    const int n0 = blockIdx.x * BLOCK_N, head_kv = blockIdx.y, batch = blockIdx.z;
+    const int n0 = blockIdx.x * BLOCK_N, head_kv = blockIdx.y;
+    const SequenceRows seq = cta_sequence_uniform<Mask>(p, blockIdx.z);
+    const int batch = seq.batch;
     // The run-time arguments, read once here (bwd_args in mma_bwd.cuh says why).
-    const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, nheads = p.nheads, group = p.group, headdim = p.headdim;
+    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k, group = p.group, headdim = p.headdim;
+    const StatDims stat_dims{p.nheads, p.seqlen_q};
+    // Past a shorter sequence's end. A sequence without queries still stores dK = dV = 0 below.
+    if (Mask::PACKED && n0 >= seqlen_k) return;
     const float scale_log2 = p.scale_log2, scale = p.scale;
     const TensorRows q = p.q, k = p.k, v = p.v, dout = p.dout, dk = p.dk, dv = p.dv, dq_accum = p.dq_accum;
     const float* __restrict__ lse = static_cast<const float*>(p.lse);
@@ -69,20 +74,20 @@ flash_bwd_dkdv_mma(const __grid_constant__ BwdParams p) {
         const int head = head_kv * group + it / m_blocks;
         const int m0 = (m_block_first + it % m_blocks) * BLOCK_M;
         cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(base + L::Q + stage * L::Q_TILE,
-                                                 q.row<const T>(batch, m0, head),
+                                                 q.row<const T>(batch, seq.q_begin + m0, head),
                                                  seqlen_q - m0, headdim, q.row_stride, tid);
         cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(base + L::DO + stage * L::Q_TILE,
-                                                 dout.row<const T>(batch, m0, head),
+                                                 dout.row<const T>(batch, seq.q_begin + m0, head),
                                                  seqlen_q - m0, headdim, dout.row_stride, tid);
         cp_async_row_stats<BLOCK_M, NTHREADS>(base + L::LSE, base + L::DELTA, stage, lse, delta,
-                                               ((i64)batch * nheads + head) * seqlen_q + m0, m0, seqlen_q, tid);
+                                               seq.stat(stat_dims, head, m0), m0, seqlen_q, tid);
     };
 
     // Prologue: K_j, V_j and the first query block in one group.
-    cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(s_k, k.row<const T>(batch, n0, head_kv), seqlen_k - n0, headdim,
-                                             k.row_stride, tid);
-    cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(s_v, v.row<const T>(batch, n0, head_kv), seqlen_k - n0, headdim,
-                                             v.row_stride, tid);
+    cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(s_k, k.row<const T>(batch, seq.k_begin + n0, head_kv), seqlen_k - n0,
+                                             headdim, k.row_stride, tid);
+    cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(s_v, v.row<const T>(batch, seq.k_begin + n0, head_kv), seqlen_k - n0,
+                                             headdim, v.row_stride, tid);
     if (n_iters > 0) load_query_block(0, 0);
     cp_async_commit();
 
@@ -104,7 +109,7 @@ flash_bwd_dkdv_mma(const __grid_constant__ BwdParams p) {
         const u32 s_q = base + L::Q + stage * L::Q_TILE, s_do = base + L::DO + stage * L::Q_TILE;
         const float* s_lse = reinterpret_cast<const float*>(smem + L::LSE) + stage * BLOCK_M;
         const float* s_delta = reinterpret_cast<const float*>(smem + L::DELTA) + stage * BLOCK_M;
-        const ScoreOf<Mask, float, true> score(p, batch, head, scale);
+        const ScoreOf<Mask, float, true> score(score_problem<Mask>(p, seq), seq.index, head, scale);
 
         // Steps 1-6 per sub-block of M_SUB query columns, one after the other: the S^T and dP^T
         // fragments of a sub-block are what the registers left by dK_j, dV_j can hold.
@@ -202,7 +207,7 @@ flash_bwd_dkdv_mma(const __grid_constant__ BwdParams p) {
             __syncthreads();
             const int q_row0 = 16 * (warp % DQ_WARPS_M);
             const int m_lo = m0 + q_row0 + lane / 4, m_hi = m_lo + 8;
-            float* dqa = dq_accum.head_rows<float>(batch, head);  // float32 rows (panel stride 64)
+            float* dqa = dq_accum.row<float>(batch, seq.q_begin, head);  // float32 rows (panel stride 64)
             const i64 dqa_ss = dq_accum.row_stride;
 #pragma unroll 1
             for (int col0 = DQ_COLS * (warp / DQ_WARPS_M); col0 < DQ_COLS * (warp / DQ_WARPS_M + 1);
@@ -228,10 +233,10 @@ flash_bwd_dkdv_mma(const __grid_constant__ BwdParams p) {
     stage_acc<T, DW, D_TILE>(s_k, row0, d_part * DW, dk_acc, scale, lane);
     stage_acc<T, DW, D_TILE>(s_v, row0, d_part * DW, dv_acc, 1.f, lane);
     __syncthreads();
-    store_tile<BLOCK_N, D_TILE, NTHREADS>(dk.row<T>(batch, n0, head_kv), s_k, seqlen_k - n0, headdim,
-                                          dk.row_stride, tid);
-    store_tile<BLOCK_N, D_TILE, NTHREADS>(dv.row<T>(batch, n0, head_kv), s_v, seqlen_k - n0, headdim,
-                                          dv.row_stride, tid);
+    store_tile<BLOCK_N, D_TILE, NTHREADS>(dk.row<T>(batch, seq.k_begin + n0, head_kv), s_k, seqlen_k - n0,
+                                          headdim, dk.row_stride, tid);
+    store_tile<BLOCK_N, D_TILE, NTHREADS>(dv.row<T>(batch, seq.k_begin + n0, head_kv), s_v, seqlen_k - n0,
+                                          headdim, dv.row_stride, tid);
 }
 
 }  // namespace cf

@@ -40,19 +40,24 @@ flash_bwd_dkdv_simt(const __grid_constant__ BwdParams p) {
         sizeof(A) * (2 * BLOCK_N * LD + 2 * BLOCK_M * LD + 2 * BLOCK_N * LDP + 2 * BLOCK_M);
     if (dynamic_smem_bytes() < SMEM_BYTES) __trap();
 
-    const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, nheads = p.nheads, group = p.group;
+    const SequenceRows seq = cta_sequence<Mask>(p, blockIdx.z);
+    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
+    const StatDims stat_dims{p.nheads, p.seqlen_q};
+    const int group = p.group;
     const int headdim = p.headdim;
     const A scale_log2 = scale_log2_in<A>(p), scale = scale_in<A>(p);
     const A* __restrict__ lse = static_cast<const A*>(p.lse);
     const A* __restrict__ delta = static_cast<const A*>(p.delta);
     const int n0 = blockIdx.x * BLOCK_N;
-    const int head_kv = blockIdx.y, batch = blockIdx.z;
+    const int head_kv = blockIdx.y, batch = seq.batch;
+    // Past a shorter sequence's end. A sequence without queries still stores dK = dV = 0 below.
+    if (Mask::PACKED && n0 >= seqlen_k) return;
     const int key = threadIdx.x / TPR, lane_in_row = threadIdx.x % TPR;
     const Mask mask = cta_mask<Mask>(p, seqlen_q, seqlen_k);
     const A log2e = A(1.4426950408889634073599247);
 
-    const T* __restrict__ k_rows = p.k.head_rows<const T>(batch, head_kv);
-    const T* __restrict__ v_rows = p.v.head_rows<const T>(batch, head_kv);
+    const T* __restrict__ k_rows = p.k.row<const T>(batch, seq.k_begin, head_kv);
+    const T* __restrict__ v_rows = p.v.row<const T>(batch, seq.k_begin, head_kv);
     load_tile<BLOCK_N, D_TILE, NTHREADS>(k_tile, k_rows, n0, seqlen_k, headdim, p.k.row_stride, A(1));
     load_tile<BLOCK_N, D_TILE, NTHREADS>(v_tile, v_rows, n0, seqlen_k, headdim, p.v.row_stride, A(1));
 
@@ -65,11 +70,12 @@ flash_bwd_dkdv_simt(const __grid_constant__ BwdParams p) {
     const int m_end = mask.query_end(n0, BLOCK_N);
 
     for (int head = head_kv * group; head < (head_kv + 1) * group; ++head) {
-        const T* __restrict__ q_base = p.q.head_rows<const T>(batch, head);
-        const T* __restrict__ do_base = p.dout.head_rows<const T>(batch, head);
-        const A* lse_row = lse + ((i64)batch * nheads + head) * seqlen_q;
-        const A* delta_row = delta + ((i64)batch * nheads + head) * seqlen_q;
-        const ScoreOf<Mask, A> score(p, batch, head, scale);  // raw scores: the unit is the scale
+        const T* __restrict__ q_base = p.q.row<const T>(batch, seq.q_begin, head);
+        const T* __restrict__ do_base = p.dout.row<const T>(batch, seq.q_begin, head);
+        const A* lse_row = lse + seq.stat(stat_dims, head, 0);
+        const A* delta_row = delta + seq.stat(stat_dims, head, 0);
+        // raw scores: the unit is the scale
+        const ScoreOf<Mask, A> score(score_problem<Mask>(p, seq), seq.index, head, scale);
         for (int m0 = m_first; m0 < m_end; m0 += BLOCK_M) {
             __syncthreads();  // previous Q/dO tiles fully consumed
             load_tile<BLOCK_M, D_TILE, NTHREADS>(q_tile, q_base, m0, seqlen_q, headdim, p.q.row_stride, A(1));
@@ -114,8 +120,8 @@ flash_bwd_dkdv_simt(const __grid_constant__ BwdParams p) {
     }
 
     if (n0 + key < seqlen_k) {
-        T* __restrict__ dk_row = p.dk.row<T>(batch, n0 + key, head_kv);
-        T* __restrict__ dv_row = p.dv.row<T>(batch, n0 + key, head_kv);
+        T* __restrict__ dk_row = p.dk.row<T>(batch, seq.k_begin + n0 + key, head_kv);
+        T* __restrict__ dv_row = p.dv.row<T>(batch, seq.k_begin + n0 + key, head_kv);
 #pragma unroll
         for (int j = 0; j < O_PER_LANE; ++j) {
             const int col = lane_in_row + TPR * j;

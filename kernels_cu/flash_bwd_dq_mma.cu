@@ -27,23 +27,27 @@ flash_bwd_dq_mma(const __grid_constant__ BwdParams p) {
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int row0 = 16 * warp;  // this warp's query rows within the block
     // The run-time arguments, read once here (bwd_args in mma_bwd.cuh says why).
-    const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, nheads = p.nheads, headdim = p.headdim;
+    const SequenceRows seq = cta_sequence<Mask>(p, blockIdx.z);
+    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
+    const StatDims stat_dims{p.nheads, p.seqlen_q};
+    const int headdim = p.headdim;
     const float scale_log2 = p.scale_log2, scale = p.scale;
     const TensorRows q = p.q, k = p.k, v = p.v, dout = p.dout, dq = p.dq;
     const float* __restrict__ lse = static_cast<const float*>(p.lse);
     const float* __restrict__ delta = static_cast<const float*>(p.delta);
     const Mask mask = cta_mask<Mask>(p, seqlen_q, seqlen_k);
     const int m0 = Mask::query_block(blockIdx.x, gridDim.x) * BLOCK_M;
-    const int head = blockIdx.y, batch = blockIdx.z, head_kv = head / p.group;
-    const ScoreOf<Mask, float, true> score(p, batch, head, scale);
+    if (Mask::PACKED && m0 >= seqlen_q) return;  // past a shorter sequence's end
+    const int head = blockIdx.y, batch = seq.batch, head_kv = head / p.group;
+    const ScoreOf<Mask, float, true> score(score_problem<Mask>(p, seq), seq.index, head, scale);
 
     // Key blocks [j_begin, j_end) hold the keys some existing row of the block sees (mask.cuh);
     // K_j and V_j sit in stage j % 2, whichever block the walk starts at.
     const int j_begin = mask.key_begin(m0) / BLOCK_N;
     const int j_end = (mask.key_end(m0, min(BLOCK_M, seqlen_q - m0)) + BLOCK_N - 1) / BLOCK_N;
 
-    const T* k_head = k.head_rows<const T>(batch, head_kv);
-    const T* v_head = v.head_rows<const T>(batch, head_kv);
+    const T* k_head = k.row<const T>(batch, seq.k_begin, head_kv);
+    const T* v_head = v.row<const T>(batch, seq.k_begin, head_kv);
     const i64 k_ss = k.row_stride, v_ss = v.row_stride;
     auto load_key_block = [&](int j, int stage) {
         const int n0 = j * BLOCK_N;
@@ -53,10 +57,10 @@ flash_bwd_dq_mma(const __grid_constant__ BwdParams p) {
                                                  seqlen_k - n0, headdim, v_ss, tid);
     };
 
-    cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(s_q, q.row<const T>(batch, m0, head), seqlen_q - m0, headdim,
-                                             q.row_stride, tid);
-    cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(s_do, dout.row<const T>(batch, m0, head), seqlen_q - m0, headdim,
-                                             dout.row_stride, tid);
+    cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(s_q, q.row<const T>(batch, seq.q_begin + m0, head), seqlen_q - m0,
+                                             headdim, q.row_stride, tid);
+    cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(s_do, dout.row<const T>(batch, seq.q_begin + m0, head), seqlen_q - m0,
+                                             headdim, dout.row_stride, tid);
     if (j_begin < j_end) load_key_block(j_begin, j_begin & 1);
     cp_async_commit();
 
@@ -66,7 +70,7 @@ flash_bwd_dq_mma(const __grid_constant__ BwdParams p) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int m = m0 + row0 + lane / 4 + 8 * half;
-        const i64 stat = ((i64)batch * nheads + head) * seqlen_q + m;
+        const i64 stat = seq.stat(stat_dims, head, m);
         base_log2[half] = m < seqlen_q ? lse_base_log2(ldg(lse + stat)) : 0.f;
         d[half] = m < seqlen_q ? ldg(delta + stat) : 0.f;
     }
@@ -123,7 +127,7 @@ flash_bwd_dq_mma(const __grid_constant__ BwdParams p) {
     __syncthreads();
     stage_acc<T, D_TILE, D_TILE>(s_q, row0, 0, dq_acc, scale, lane);
     __syncwarp();
-    T* dq_rows = dq.row<T>(batch, m0 + row0, head);
+    T* dq_rows = dq.row<T>(batch, seq.q_begin + m0 + row0, head);
     store_tile<16, D_TILE, 32>(dq_rows, s_q + tile_offset<D_TILE>(row0, 0), seqlen_q - m0 - row0, headdim,
                                dq.row_stride, lane);
 }

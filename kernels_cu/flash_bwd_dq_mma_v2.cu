@@ -47,7 +47,8 @@ flash_bwd_dq_mma_v2(const __grid_constant__ BwdParams p) {
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int row0 = WARP_ROWS * warp;  // this warp's query rows within the block
     // The run-time arguments, read once here (bwd_args in mma_bwd.cuh says why).
-    const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, nheads = p.nheads, headdim = p.headdim;
+    const SequenceRows seq = cta_sequence<Mask>(p, blockIdx.z);
+    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k, headdim = p.headdim;
     // The scales converted here from the doubles by cvt.rn (one F2F each, rounded as NumPy rounds
     // the float fields, so the values are the same): with the float fields read instead, ptxas's
     // allocation of the causal d128 instance on sm_90 spills 24 bytes at 254 registers; this way
@@ -58,8 +59,9 @@ flash_bwd_dq_mma_v2(const __grid_constant__ BwdParams p) {
     const float* __restrict__ delta = static_cast<const float*>(p.delta);
     const Mask mask = cta_mask<Mask>(p, seqlen_q, seqlen_k);
     const int m0 = Mask::query_block(blockIdx.x, gridDim.x) * BLOCK_M;
-    const int head = blockIdx.y, batch = blockIdx.z, head_kv = head / p.group;
-    const ScoreOf<Mask, float, true> score(p, batch, head, scale);
+    if (Mask::PACKED && m0 >= seqlen_q) return;  // past a shorter sequence's end
+    const int head = blockIdx.y, batch = seq.batch, head_kv = head / p.group;
+    const ScoreOf<Mask, float, true> score(seq.problem(p), seq.index, head, scale);
 
     // Key blocks [j_begin, j_end) hold the keys some existing row of the block sees (mask.cuh);
     // K_j and V_j sit in stage j % 2, whichever block the walk starts at.
@@ -71,17 +73,17 @@ flash_bwd_dq_mma_v2(const __grid_constant__ BwdParams p) {
     auto load_key_block = [&](int j, int stage) {
         const int n0 = j * BLOCK_N;
         cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(base + L::K + stage * L::KV_TILE,
-                                                 p.k.row<const T>(batch, n0, head_kv),
+                                                 p.k.row<const T>(batch, seq.k_begin + n0, head_kv),
                                                  seqlen_k - n0, headdim, p.k.row_stride, tid);
         cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(base + L::V + stage * L::KV_TILE,
-                                                 p.v.row<const T>(batch, n0, head_kv),
+                                                 p.v.row<const T>(batch, seq.k_begin + n0, head_kv),
                                                  seqlen_k - n0, headdim, p.v.row_stride, tid);
     };
 
-    cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(s_q, q.row<const T>(batch, m0, head), seqlen_q - m0, headdim,
-                                             q.row_stride, tid);
-    cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(s_do, dout.row<const T>(batch, m0, head), seqlen_q - m0, headdim,
-                                             dout.row_stride, tid);
+    cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(s_q, q.row<const T>(batch, seq.q_begin + m0, head), seqlen_q - m0,
+                                             headdim, q.row_stride, tid);
+    cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(s_do, dout.row<const T>(batch, seq.q_begin + m0, head), seqlen_q - m0,
+                                             headdim, dout.row_stride, tid);
     if (j_begin < j_end) load_key_block(j_begin, j_begin & 1);
     cp_async_commit();
 
@@ -90,7 +92,7 @@ flash_bwd_dq_mma_v2(const __grid_constant__ BwdParams p) {
     float* s_delta = reinterpret_cast<float*>(smem + L::DELTA);
     for (int r = tid; r < BLOCK_M; r += NTHREADS) {
         const int m = m0 + r;
-        const i64 stat = ((i64)batch * nheads + head) * seqlen_q + m;
+        const i64 stat = seq.stat(p, head, m);
         s_lse[r] = m < seqlen_q ? lse_base_log2(ldg(lse + stat)) : 0.f;
         s_delta[r] = m < seqlen_q ? ldg(delta + stat) : 0.f;
     }
@@ -191,7 +193,7 @@ flash_bwd_dq_mma_v2(const __grid_constant__ BwdParams p) {
 #pragma unroll
     for (int g = 0; g < G; ++g) stage_acc<T, D_TILE, D_TILE>(s_q, row0 + 16 * g, 0, dq_acc[g], scale, lane);
     __syncwarp();
-    T* dq_rows = dq.row<T>(batch, m0 + row0, head);
+    T* dq_rows = dq.row<T>(batch, seq.q_begin + m0 + row0, head);
     store_tile<WARP_ROWS, D_TILE, 32>(dq_rows, s_q + tile_offset<D_TILE>(row0, 0), seqlen_q - m0 - row0,
                                       headdim, dq.row_stride, lane);
 }

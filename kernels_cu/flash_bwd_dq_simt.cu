@@ -27,31 +27,35 @@ flash_bwd_dq_simt(const __grid_constant__ BwdParams p) {
     constexpr unsigned SMEM_BYTES = sizeof(A) * (2 * BLOCK_M * LD + 2 * BLOCK_N * LD + BLOCK_M * LDS);
     if (dynamic_smem_bytes() < SMEM_BYTES) __trap();
 
-    const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, headdim = p.headdim;
+    const int stat_rows = p.seqlen_q;  // of lse and D: the tensors' (total_q of a packed batch)
+    const SequenceRows seq = cta_sequence<Mask>(p, blockIdx.z);
+    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k, headdim = p.headdim;
     const A scale_log2 = scale_log2_in<A>(p), scale = scale_in<A>(p);
     const A* __restrict__ lse = static_cast<const A*>(p.lse);
     const A* __restrict__ delta = static_cast<const A*>(p.delta);
     const Mask mask = cta_mask<Mask>(p, seqlen_q, seqlen_k);
     const int m_block = Mask::query_block(blockIdx.x, gridDim.x);
-    const int head = blockIdx.y, batch = blockIdx.z;
+    const int head = blockIdx.y, batch = seq.batch;
     const int head_kv = head / p.group;
-    const ScoreOf<Mask, A> score(p, batch, head, scale);  // raw scores: the unit is the scale
+    // raw scores: the unit is the scale
+    const ScoreOf<Mask, A> score(score_problem<Mask>(p, seq), seq.index, head, scale);
     const int m0 = m_block * BLOCK_M;
+    if (Mask::PACKED && m0 >= seqlen_q) return;  // past a shorter sequence's end
     const int row = threadIdx.x / TPR, lane_in_row = threadIdx.x % TPR;
     const int q_row = m0 + row;
     const A log2e = A(1.4426950408889634073599247);
 
-    const T* __restrict__ q_rows = p.q.head_rows<const T>(batch, head);
-    const T* __restrict__ do_rows = p.dout.head_rows<const T>(batch, head);
+    const T* __restrict__ q_rows = p.q.row<const T>(batch, seq.q_begin, head);
+    const T* __restrict__ do_rows = p.dout.row<const T>(batch, seq.q_begin, head);
     load_tile<BLOCK_M, D_TILE, NTHREADS>(q_tile, q_rows, m0, seqlen_q, headdim, p.q.row_stride, A(1));
     load_tile<BLOCK_M, D_TILE, NTHREADS>(do_tile, do_rows, m0, seqlen_q, headdim, p.dout.row_stride, A(1));
     const bool row_valid = q_row < seqlen_q;
-    const i64 stat = ((i64)batch * p.nheads + head) * seqlen_q + q_row;
+    const i64 stat = seq.stat(StatDims{p.nheads, stat_rows}, head, q_row);
     const A row_lse_log2 = row_valid ? ldg(lse + stat) * log2e : neg_inf<A>();
     const A row_delta = row_valid ? ldg(delta + stat) : A(0);
 
-    const T* __restrict__ k_base = p.k.head_rows<const T>(batch, head_kv);
-    const T* __restrict__ v_base = p.v.head_rows<const T>(batch, head_kv);
+    const T* __restrict__ k_base = p.k.row<const T>(batch, seq.k_begin, head_kv);
+    const T* __restrict__ v_base = p.v.row<const T>(batch, seq.k_begin, head_kv);
     const int n_begin = mask.key_begin(m0) / BLOCK_N * BLOCK_N;
     const int n_end = mask.key_end(m0, BLOCK_M);
 
@@ -90,7 +94,7 @@ flash_bwd_dq_simt(const __grid_constant__ BwdParams p) {
     }
 
     if (row_valid) {
-        T* __restrict__ dq_row = p.dq.row<T>(batch, q_row, head);
+        T* __restrict__ dq_row = p.dq.row<T>(batch, seq.q_begin + q_row, head);
 #pragma unroll
         for (int j = 0; j < O_PER_LANE; ++j) {
             const int col = lane_in_row + TPR * j;

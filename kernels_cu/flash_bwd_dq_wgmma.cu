@@ -61,24 +61,28 @@ flash_bwd_dq_wgmma(const __grid_constant__ BwdParams p) {
     const u32 base = (raw + 1023) & ~1023u;  // 128-byte swizzle: panels 1024-byte aligned
     const u32 s_q = base + L::Q, s_do = base + L::DO;
 
-    const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, nheads = p.nheads, headdim = p.headdim;
+    const SequenceRows seq = cta_sequence_uniform<Mask>(p, blockIdx.z);
+    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
+    const StatDims stat_dims{p.nheads, p.seqlen_q};
+    const int headdim = p.headdim;
     const float scale_log2 = p.scale_log2, scale = p.scale;
     const float* __restrict__ lse = static_cast<const float*>(p.lse);
     const float* __restrict__ delta = static_cast<const float*>(p.delta);
     const i64 k_ss = p.k.row_stride, v_ss = p.v.row_stride;
 
-    const int head = blockIdx.y, batch = blockIdx.z, head_kv = head / p.group;
+    const int head = blockIdx.y, batch = seq.batch, head_kv = head / p.group;
     const Mask mask = cta_mask<Mask>(p, seqlen_q, seqlen_k);
-    const ScoreOf<Mask, float, true> score(p, batch, head, scale);
+    const ScoreOf<Mask, float, true> score(score_problem<Mask>(p, seq), seq.index, head, scale);
     const int m0 = Mask::query_block(blockIdx.x, gridDim.x) * BLOCK_M;
+    if (Mask::PACKED && m0 >= seqlen_q) return;  // past a shorter sequence's end
     // Key blocks [j_begin, ceil(n_end / BLOCK_N)) hold the keys some row of the block sees; K_j
     // and V_j sit in the stages of the absolute index j, whichever block the walk starts at.
     const int j_begin = mask.key_begin(m0) / BLOCK_N;
     const int n_end = mask.key_end(m0, BLOCK_M);
     const int tid = threadIdx.x, wg = tid / 128, warp = tid / 32, lane = tid % 32;
 
-    const T* __restrict__ k_rows = p.k.head_rows<const T>(batch, head_kv);
-    const T* __restrict__ v_rows = p.v.head_rows<const T>(batch, head_kv);
+    const T* __restrict__ k_rows = p.k.row<const T>(batch, seq.k_begin, head_kv);
+    const T* __restrict__ v_rows = p.v.row<const T>(batch, seq.k_begin, head_kv);
     auto load_kv_block = [&](int j) {
         const int n0 = j * BLOCK_N;
         cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(base + L::K + (j % K_STAGES) * L::KV_TILE,
@@ -86,10 +90,10 @@ flash_bwd_dq_wgmma(const __grid_constant__ BwdParams p) {
         cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(base + L::V + (j % L::V_STAGES) * L::KV_TILE,
                                                    v_rows + n0 * v_ss, seqlen_k - n0, headdim, v_ss, tid);
     };
-    cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(s_q, p.q.row<const T>(batch, m0, head), seqlen_q - m0, headdim,
-                                               p.q.row_stride, tid);
-    cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(s_do, p.dout.row<const T>(batch, m0, head), seqlen_q - m0, headdim,
-                                               p.dout.row_stride, tid);
+    cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(s_q, p.q.row<const T>(batch, seq.q_begin + m0, head), seqlen_q - m0,
+                                               headdim, p.q.row_stride, tid);
+    cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(s_do, p.dout.row<const T>(batch, seq.q_begin + m0, head),
+                                               seqlen_q - m0, headdim, p.dout.row_stride, tid);
     if (j_begin * BLOCK_N < n_end) load_kv_block(j_begin);
     cp_async_commit();
 
@@ -99,7 +103,7 @@ flash_bwd_dq_wgmma(const __grid_constant__ BwdParams p) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int m = row_lo + 8 * h;
-        const i64 stat = ((i64)batch * nheads + head) * seqlen_q + m;
+        const i64 stat = seq.stat(stat_dims, head, m);
         // __ldg: the read-only path that const __restrict__ kernel parameters gave these loads
         base_log2[h] = m < seqlen_q ? lse_base_log2(__ldg(lse + stat)) : 0.f;
         delta_row[h] = m < seqlen_q ? __ldg(delta + stat) : 0.f;
@@ -207,7 +211,7 @@ flash_bwd_dq_wgmma(const __grid_constant__ BwdParams p) {
     for (int h = 0; h < 2; ++h) {
         const int m = row_lo + 8 * h;
         if (m >= seqlen_q) continue;
-        T* dq_row = p.dq.row<T>(batch, m, head);
+        T* dq_row = p.dq.row<T>(batch, seq.q_begin + m, head);
 #pragma unroll
         for (int f = 0; f < D_FRAGS; ++f) {
             const int col = 8 * f + 2 * (lane % 4);

@@ -77,6 +77,9 @@ template <typename T, int D_TILE, class Mask, int BLOCK_M, int BLOCK_N, int WARP
 __global__ void __launch_bounds__(WARPS_N * WARPS_D * 32, 1)
 flash_bwd_fused_mma(const __grid_constant__ BwdParams p) {
     static_assert(DQ_ADD == DqAdd::atomic || DQ_ADD == DqAdd::ordered, "float32 dQ adds, in any or key-block order");
+    // The ordered adds' counters are laid out per dense (batch, head, query block).
+    static_assert(!Mask::PACKED || DQ_ADD == DqAdd::none || DQ_ADD == DqAdd::atomic,
+                  "a packed batch adds dQ by atomics");
     constexpr bool DQ_ORDERED = DQ_ADD == DqAdd::ordered;
     typedef FusedSmem<D_TILE, BLOCK_M, BLOCK_N> L;
     constexpr int NWARPS = WARPS_N * WARPS_D;
@@ -104,9 +107,15 @@ flash_bwd_fused_mma(const __grid_constant__ BwdParams p) {
 
     const int tid = threadIdx.x;
 
-    const int n_block = blockIdx.x, n0 = n_block * BLOCK_N, head_kv = blockIdx.y, batch = blockIdx.z;
+    const int n_block = blockIdx.x, n0 = n_block * BLOCK_N, head_kv = blockIdx.y;
+    const SequenceRows seq = cta_sequence<Mask>(p, blockIdx.z);
+    const int batch = seq.batch;
     // The run-time arguments, read once here (bwd_args in mma_bwd.cuh says why).
-    const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, nheads = p.nheads, group = p.group, headdim = p.headdim;
+    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k, nheads = p.nheads, group = p.group;
+    const int headdim = p.headdim;
+    const StatDims stat_dims{nheads, p.seqlen_q};
+    // Past a shorter sequence's end. A sequence without queries still stores dK = dV = 0 below.
+    if (Mask::PACKED && n0 >= seqlen_k) return;
     const float scale_log2 = p.scale_log2, scale = p.scale;
     const TensorRows q = p.q, k = p.k, v = p.v, dout = p.dout, dk = p.dk, dv = p.dv, dq_accum = p.dq_accum;
     const float* __restrict__ lse = static_cast<const float*>(p.lse);
@@ -117,7 +126,7 @@ flash_bwd_fused_mma(const __grid_constant__ BwdParams p) {
     // Query blocks [m_block_first, m_block_end) see some key of this block (mask.cuh); the others
     // are never loaded.
     const int m_block_first = mask.query_begin(n0) / BLOCK_M;
-    const int q_blocks = (seqlen_q + BLOCK_M - 1) / BLOCK_M;
+    const int q_blocks = (seqlen_q + BLOCK_M - 1) / BLOCK_M;  // the counters' stride (dense only)
     const int m_block_end = (mask.query_end(n0, BLOCK_N) + BLOCK_M - 1) / BLOCK_M;
     const int m_blocks = max(0, m_block_end - m_block_first);
     const int n_iters = group * m_blocks;  // (query head of the group, query block) pairs
@@ -134,20 +143,20 @@ flash_bwd_fused_mma(const __grid_constant__ BwdParams p) {
         const int head = head_kv * group + it / m_blocks;
         const int m0 = m_block_of(it) * BLOCK_M;
         cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(base + L::Q + stage * L::Q_TILE,
-                                                 q.row<const T>(batch, m0, head),
+                                                 q.row<const T>(batch, seq.q_begin + m0, head),
                                                  seqlen_q - m0, headdim, q.row_stride, tid);
         cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(base + L::DO + stage * L::Q_TILE,
-                                                 dout.row<const T>(batch, m0, head),
+                                                 dout.row<const T>(batch, seq.q_begin + m0, head),
                                                  seqlen_q - m0, headdim, dout.row_stride, tid);
         cp_async_row_stats<BLOCK_M, NTHREADS>(base + L::LSE, base + L::DELTA, stage, lse, delta,
-                                               ((i64)batch * nheads + head) * seqlen_q + m0, m0, seqlen_q, tid);
+                                               seq.stat(stat_dims, head, m0), m0, seqlen_q, tid);
     };
 
     // Prologue: K_j, V_j and the first query block in one group.
-    cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(s_k, k.row<const T>(batch, n0, head_kv), seqlen_k - n0, headdim,
-                                             k.row_stride, tid);
-    cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(s_v, v.row<const T>(batch, n0, head_kv), seqlen_k - n0, headdim,
-                                             v.row_stride, tid);
+    cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(s_k, k.row<const T>(batch, seq.k_begin + n0, head_kv), seqlen_k - n0,
+                                             headdim, k.row_stride, tid);
+    cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(s_v, v.row<const T>(batch, seq.k_begin + n0, head_kv), seqlen_k - n0,
+                                             headdim, v.row_stride, tid);
     if (n_iters > 0) load_query_block(0, 0);
     cp_async_commit();
 
@@ -214,7 +223,7 @@ flash_bwd_fused_mma(const __grid_constant__ BwdParams p) {
         // The score policy's transform first (score.cuh), its derivative kept for step 5.
         const int key0 = n0 + key_row0 + lane / 4, query0 = m0 + q_col0 + 2 * (lane % 4);
         const typename Mask::Origin origin = mask.origin(query0, key0);
-        const ScoreOf<Mask, float, true> score(p, batch, head, scale);
+        const ScoreOf<Mask, float, true> score(score_problem<Mask>(p, seq), seq.index, head, scale);
         const auto score_origin = score.origin(query0, key0);
         ScoreGrads<Mask::Score::HAS_GRAD, KG * SQ / 2> grads;
 #pragma unroll
@@ -290,7 +299,7 @@ flash_bwd_fused_mma(const __grid_constant__ BwdParams p) {
         // Step 9: dQ_i += dS K_j (dS read as the transpose of dS^T) on this warp's query rows and
         // head-dim columns, added to dq_accum; in passes of at most 32 columns (registers: dK, dV
         // are live throughout).
-        float* dqa = dq_accum.head_rows<float>(batch, head);  // float32 rows (panel stride 64)
+        float* dqa = dq_accum.row<float>(batch, seq.q_begin, head);  // float32 rows (panel stride 64)
         const i64 dqa_ss = dq_accum.row_stride;
 #pragma unroll 1
         for (int pass_col0 = dq_col0; pass_col0 < dq_col0 + DQW; pass_col0 += DQ_PASS) {
@@ -327,10 +336,10 @@ flash_bwd_fused_mma(const __grid_constant__ BwdParams p) {
         stage_acc<T, DW, D_TILE>(s_v, key_row0 + 16 * g, d_col0, dv_acc[g], 1.f, lane);
     }
     __syncthreads();
-    store_tile<BLOCK_N, D_TILE, NTHREADS>(dk.row<T>(batch, n0, head_kv), s_k, seqlen_k - n0, headdim,
-                                          dk.row_stride, tid);
-    store_tile<BLOCK_N, D_TILE, NTHREADS>(dv.row<T>(batch, n0, head_kv), s_v, seqlen_k - n0, headdim,
-                                          dv.row_stride, tid);
+    store_tile<BLOCK_N, D_TILE, NTHREADS>(dk.row<T>(batch, seq.k_begin + n0, head_kv), s_k, seqlen_k - n0,
+                                          headdim, dk.row_stride, tid);
+    store_tile<BLOCK_N, D_TILE, NTHREADS>(dv.row<T>(batch, seq.k_begin + n0, head_kv), s_v, seqlen_k - n0,
+                                          headdim, dv.row_stride, tid);
 }
 
 }  // namespace cf

@@ -58,6 +58,9 @@ flash_bwd_wgmma_dsplit(const __grid_constant__ BwdParams p) {
     static_assert(DQ_ADD != DqAdd::fixed && DQ_ADD != DqAdd::fixed_panels,
                   "fixed-point dQ needs a staging tile, and there is no room for one here");
     static_assert(BLOCK_N == 64 && BLOCK_M == 64, "one 64-row wgmma per product and warpgroup");
+    // The ordered adds' counters are laid out per dense query block.
+    static_assert(!Mask::PACKED || DQ_ADD == DqAdd::none || DQ_ADD == DqAdd::atomic,
+                  "a packed batch adds dQ by atomics or not at all");
     static_assert(D_TILE == 256, "the head-dim halves are 128 columns: two panels");
     static_assert(L::BYTES + 1024 <= 227 * 1024, "shared memory");
 
@@ -68,7 +71,10 @@ flash_bwd_wgmma_dsplit(const __grid_constant__ BwdParams p) {
     unsigned char* const smem = smem_raw + (base - raw);
     const u32 s_k = base + L::K, s_v = base + L::V, s_pt = base + L::PT, s_dst = base + L::DST;
 
-    const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, nheads = p.nheads, group = p.group, headdim = p.headdim;
+    const SequenceRows seq = cta_sequence<Mask>(p, blockIdx.z);
+    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k, nheads = p.nheads, group = p.group;
+    const int headdim = p.headdim;
+    const StatDims stat_dims{nheads, p.seqlen_q};
     const float scale_log2 = p.scale_log2, scale = p.scale;
     // Q, dO and the row statistics move with the query head; K, V, dK, dV are this CTA's kv head.
     const T* __restrict__ q = static_cast<const T*>(p.q.data);
@@ -83,14 +89,16 @@ flash_bwd_wgmma_dsplit(const __grid_constant__ BwdParams p) {
     int* __restrict__ dq_semaphore = p.dq_semaphore;  // ORDERED
 
     const int tid = threadIdx.x;
-    const int n_block = blockIdx.x, n0 = n_block * BLOCK_N, head_kv = blockIdx.y, batch = blockIdx.z;
+    const int n_block = blockIdx.x, n0 = n_block * BLOCK_N, head_kv = blockIdx.y, batch = seq.batch;
+    // Past a shorter sequence's end. A sequence without queries still stores dK = dV = 0 below.
+    if (Mask::PACKED && n0 >= seqlen_k) return;
     const Mask mask = cta_mask<Mask>(p, seqlen_q, seqlen_k);
-    const T* __restrict__ k_rows = p.k.head_rows<const T>(batch, head_kv);
-    const T* __restrict__ v_rows = p.v.head_rows<const T>(batch, head_kv);
+    const T* __restrict__ k_rows = p.k.row<const T>(batch, seq.k_begin, head_kv);
+    const T* __restrict__ v_rows = p.v.row<const T>(batch, seq.k_begin, head_kv);
 
     // Query blocks [m_block_first, m_block_end) see some key of this block (mask.cuh).
     const int m_block_first = mask.query_begin(n0) / BLOCK_M;
-    const int q_blocks = (seqlen_q + BLOCK_M - 1) / BLOCK_M;
+    const int q_blocks = (seqlen_q + BLOCK_M - 1) / BLOCK_M;  // ORDERED: the counters' stride (dense only)
     const int m_block_end = (mask.query_end(n0, BLOCK_N) + BLOCK_M - 1) / BLOCK_M;
     const int m_blocks = max(0, m_block_end - m_block_first);
     // The ordered dQ adds count every key block of a query block's column: no skipped blocks.
@@ -104,13 +112,14 @@ flash_bwd_wgmma_dsplit(const __grid_constant__ BwdParams p) {
         const int head = head_kv * group + it / m_blocks;
         const int m0 = m_block_of(it) * BLOCK_M;
         cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(base + L::Q + stage * L::Q_TILE,
-                                                   q + row_offset(batch, m0, head, q_sb, q_ss, q_sh),
+                                                   q + row_offset(batch, seq.q_begin + m0, head, q_sb, q_ss, q_sh),
                                                    seqlen_q - m0, headdim, q_ss, tid);
         cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(base + L::DO + stage * L::Q_TILE,
-                                                   dout + row_offset(batch, m0, head, do_sb, do_ss, do_sh),
+                                                   dout + row_offset(batch, seq.q_begin + m0, head, do_sb, do_ss,
+                                                                     do_sh),
                                                    seqlen_q - m0, headdim, do_ss, tid);
         cp_async_row_stats<BLOCK_M, NTHREADS>(base + L::LSE, base + L::DELTA, stage, lse, delta,
-                                               ((i64)batch * nheads + head) * seqlen_q + m0, m0, seqlen_q, tid);
+                                               seq.stat(stat_dims, head, m0), m0, seqlen_q, tid);
     };
 
     cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(s_k, k_rows + n0 * k_ss, seqlen_k - n0, headdim, k_ss, tid);
@@ -144,7 +153,7 @@ flash_bwd_wgmma_dsplit(const __grid_constant__ BwdParams p) {
         const float* s_lse = reinterpret_cast<const float*>(smem + L::LSE) + stage * BLOCK_M;
         const float* s_delta = reinterpret_cast<const float*>(smem + L::DELTA) + stage * BLOCK_M;
         const bool partial = mask.partial(m0, BLOCK_M, n0, BLOCK_N);
-        const ScoreOf<Mask, float, true> score(p, batch, head, scale);
+        const ScoreOf<Mask, float, true> score(seq.problem(p), seq.index, head, scale);
 
         // Step 1: warpgroup 0 S^T = K Q^T, warpgroup 1 dP^T = V dO^T (K-major, 16 k-steps).
         float acc[SJ][4];
@@ -286,7 +295,8 @@ flash_bwd_wgmma_dsplit(const __grid_constant__ BwdParams p) {
         pin_registers(reinterpret_cast<float(&)[HJ * 4]>(dk_acc));
         if constexpr (ORDERED) wait_dq_turn(sem, sem_seen, n_block * NWARPS);
         const int m_lo = m0 + 16 * warp_in_wg + lane / 4, m_hi = m_lo + 8;
-        float* const dqa = static_cast<float*>(dq_accum) + (i64)batch * dqa_sb + (i64)head * dqa_sh;
+        float* const dqa = static_cast<float*>(dq_accum) + (i64)batch * dqa_sb + (i64)head * dqa_sh +
+                           (i64)seq.q_begin * dqa_ss;
 #pragma unroll
         for (int j = 0; j < HJ; ++j) {
             const int col = HALF * wg + 8 * j + 2 * (lane % 4);
@@ -305,8 +315,8 @@ flash_bwd_wgmma_dsplit(const __grid_constant__ BwdParams p) {
     for (int h = 0; h < 2; ++h) {
         const int n = n0 + key_row + 8 * h;
         if (n >= seqlen_k) continue;
-        T* dk_row = p.dk.row<T>(batch, n, head_kv);
-        T* dv_row = p.dv.row<T>(batch, n, head_kv);
+        T* dk_row = p.dk.row<T>(batch, seq.k_begin + n, head_kv);
+        T* dv_row = p.dv.row<T>(batch, seq.k_begin + n, head_kv);
 #pragma unroll
         for (int j = 0; j < HJ; ++j) {
             const int col = HALF * wg + 8 * j + 2 * (lane % 4);

@@ -115,10 +115,11 @@ flash_fwd_mma(const __grid_constant__ FwdParams p) {
     const u32 smem_base = smem_u32(smem);
     const u32 q_tile = smem_base;
 
-    const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, headdim = p.headdim;
+    const SequenceRows seq = cta_sequence<Mask>(p, blockIdx.z);
+    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k, headdim = p.headdim;
     const float scale_log2 = p.scale_log2;
     const Mask mask = cta_mask<Mask>(p, seqlen_q, seqlen_k);
-    const ScoreOf<Mask, float, true> score(p, blockIdx.z, blockIdx.y, p.scale);
+    const ScoreOf<Mask, float, true> score(seq.problem(p), seq.index, blockIdx.y, p.scale);
     auto first_row = [&]() {  // of the block, in the policy's order (heaviest first)
         constexpr bool FRESH = REREAD_INVARIANTS;
         return Mask::query_block(ctaid_x<FRESH>(), nctaid_x<FRESH>()) * BLOCK_M;
@@ -126,15 +127,16 @@ flash_fwd_mma(const __grid_constant__ FwdParams p) {
     // Keys [j_begin BLOCK_N, n_end) hold those some row of the block sees (mask.cuh).
     auto n_end = [&]() { return mask.key_end(first_row(), BLOCK_M); };
     const int j_begin = mask.key_begin(first_row()) / BLOCK_N;
-    const int head = blockIdx.y, batch = blockIdx.z;
+    const int head = blockIdx.y, batch = seq.batch;
     const int head_kv = head / p.group;
     const int m0 = first_row();
+    if (Mask::PACKED && m0 >= seqlen_q) return;  // past a shorter sequence's end
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int strip_row0 = warp * 16 * M_STRIPS;  // first row of the warp's strips within the block
 
-    const T* __restrict__ q_rows = p.q.row<const T>(batch, m0, head);
-    const T* __restrict__ k_rows = p.k.head_rows<const T>(batch, head_kv);
-    const T* __restrict__ v_rows = p.v.head_rows<const T>(batch, head_kv);
+    const T* __restrict__ q_rows = p.q.row<const T>(batch, seq.q_begin + m0, head);
+    const T* __restrict__ k_rows = p.k.row<const T>(batch, seq.k_begin, head_kv);
+    const T* __restrict__ v_rows = p.v.row<const T>(batch, seq.k_begin, head_kv);
 
     auto load_kv_tile = [&](const KvSource<T>& src, int block, int stage) {
         const int n0 = block * BLOCK_N;
@@ -223,8 +225,8 @@ flash_fwd_mma(const __grid_constant__ FwdParams p) {
     cp_async_wait<0>();
     __syncthreads();
     store_o<T, D_TILE, Mask::Score::HAS_SINK>(
-        o_acc, row_stats, q_tile, strip_row0, m0, seqlen_q, headdim, p.o.row<T>(batch, m0, head), p.o.row_stride,
-        static_cast<float*>(p.lse) + ((i64)batch * p.nheads + head) * seqlen_q + m0, lane,
+        o_acc, row_stats, q_tile, strip_row0, m0, seqlen_q, headdim, p.o.row<T>(batch, seq.q_begin + m0, head),
+        p.o.row_stride, static_cast<float*>(p.lse) + seq.stat(p, head, m0), lane,
         sink_log2<Mask, float>(p, head));
 }
 

@@ -29,21 +29,23 @@ flash_fwd_simt(const __grid_constant__ FwdParams p) {
     constexpr unsigned SMEM_BYTES = sizeof(A) * (BLOCK_M * LD + 2 * BLOCK_N * LD + BLOCK_M * (BLOCK_N + 1));
     if (dynamic_smem_bytes() < SMEM_BYTES) __trap();
 
-    const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, headdim = p.headdim;
+    const SequenceRows seq = cta_sequence<Mask>(p, blockIdx.z);
+    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k, headdim = p.headdim;
     const A scale_log2 = scale_log2_in<A>(p);
     const Mask mask = cta_mask<Mask>(p, seqlen_q, seqlen_k);
     // Scores come out in log2 units (Q is pre-scaled): the score policy's unit is ln 2.
-    const ScoreOf<Mask, A> score(p, blockIdx.z, blockIdx.y, A(0.6931471805599453094172321));
+    const ScoreOf<Mask, A> score(seq.problem(p), seq.index, blockIdx.y, A(0.6931471805599453094172321));
     const int m_block = Mask::query_block(blockIdx.x, gridDim.x);
-    const int head = blockIdx.y, batch = blockIdx.z;
+    const int head = blockIdx.y, batch = seq.batch;
     const int head_kv = head / p.group;
     const int m0 = m_block * BLOCK_M;
+    if (Mask::PACKED && m0 >= seqlen_q) return;  // past a shorter sequence's end
     const int row = threadIdx.x / TPR, lane_in_row = threadIdx.x % TPR;
     const int q_row = m0 + row;
 
-    const T* __restrict__ q_base = p.q.head_rows<const T>(batch, head);
-    const T* __restrict__ k_base = p.k.head_rows<const T>(batch, head_kv);
-    const T* __restrict__ v_base = p.v.head_rows<const T>(batch, head_kv);
+    const T* __restrict__ q_base = p.q.row<const T>(batch, seq.q_begin, head);
+    const T* __restrict__ k_base = p.k.row<const T>(batch, seq.k_begin, head_kv);
+    const T* __restrict__ v_base = p.v.row<const T>(batch, seq.k_begin, head_kv);
 
     // load Q tile (scaled, so scores come out in log2 units)
     load_tile<BLOCK_M, D_TILE, NTHREADS>(q_tile, q_base, m0, seqlen_q, headdim, p.q.row_stride, scale_log2);
@@ -115,13 +117,13 @@ flash_fwd_simt(const __grid_constant__ FwdParams p) {
             inv_l = l_i > A(0) ? A(1) / l_i : A(0);
             lse_row = l_i > A(0) ? (m_i + log2_(l_i)) * ln2 : neg_inf<A>();
         }
-        T* o_row = p.o.row<T>(batch, q_row, head);
+        T* o_row = p.o.row<T>(batch, seq.q_begin + q_row, head);
 #pragma unroll
         for (int j = 0; j < O_PER_LANE; ++j) {
             const int col = lane_in_row + TPR * j;
             if (col < headdim) store_as(o_row + col, o_acc[j] * inv_l);
         }
-        if (lane_in_row == 0) static_cast<A*>(p.lse)[((i64)batch * p.nheads + head) * seqlen_q + q_row] = lse_row;
+        if (lane_in_row == 0) static_cast<A*>(p.lse)[seq.stat(p, head, q_row)] = lse_row;
     }
 }
 

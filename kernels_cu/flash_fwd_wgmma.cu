@@ -48,12 +48,14 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p) {
     const u32 base = (raw + 1023) & ~1023u;  // 128-byte swizzle: panels 1024-byte aligned
     const u32 q_tile = base + L::Q;
 
-    const int seqlen_q = p.seqlen_q, seqlen_k = p.seqlen_k, headdim = p.headdim;
+    const SequenceRows seq = cta_sequence<Mask>(p, blockIdx.z);
+    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k, headdim = p.headdim;
     const float scale_log2 = p.scale_log2;
-    const int head = blockIdx.y, batch = blockIdx.z, head_kv = head / p.group;
+    const int head = blockIdx.y, batch = seq.batch, head_kv = head / p.group;
     const Mask mask = cta_mask<Mask>(p, seqlen_q, seqlen_k);
-    const ScoreOf<Mask, float, true> score(p, blockIdx.z, blockIdx.y, p.scale);
+    const ScoreOf<Mask, float, true> score(seq.problem(p), seq.index, blockIdx.y, p.scale);
     const int m0 = Mask::query_block(blockIdx.x, gridDim.x) * BLOCK_M;
+    if (Mask::PACKED && m0 >= seqlen_q) return;  // past a shorter sequence's end
     // Key blocks [j_begin, ceil(n_end / BLOCK_N)) hold the keys some row of the block sees.
     // NoMask: the literal 0, not a call that folds to 0 only after inlining. With the call NVRTC
     // emitted another loop (other PTX, an 8-11% slower d128 forward on an H200); with the literal
@@ -63,8 +65,8 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p) {
     const int tid = threadIdx.x, wg = tid / 128, warp = tid / 32, lane = tid % 32;
     const int strip_row0 = 16 * warp;  // the warp's 16 rows within the block
 
-    const T* __restrict__ k_rows = p.k.head_rows<const T>(batch, head_kv);
-    const T* __restrict__ v_rows = p.v.head_rows<const T>(batch, head_kv);
+    const T* __restrict__ k_rows = p.k.row<const T>(batch, seq.k_begin, head_kv);
+    const T* __restrict__ v_rows = p.v.row<const T>(batch, seq.k_begin, head_kv);
     const i64 k_ss = p.k.row_stride, v_ss = p.v.row_stride;
     auto load_kv_block = [&](int j) {
         const int n0 = j * BLOCK_N;
@@ -74,8 +76,8 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p) {
                                                    v_rows + n0 * v_ss, seqlen_k - n0, headdim, v_ss, tid);
     };
 
-    cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(q_tile, p.q.row<const T>(batch, m0, head), seqlen_q - m0, headdim,
-                                               p.q.row_stride, tid);
+    cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(q_tile, p.q.row<const T>(batch, seq.q_begin + m0, head), seqlen_q - m0,
+                                               headdim, p.q.row_stride, tid);
     // Stages are those of absolute block indices (K_j in j % 2, V_j in j % 3), so the pipeline is
     // the same whichever block the walk starts at.
     if (j_begin * BLOCK_N < n_end) load_kv_block(j_begin);
@@ -87,8 +89,8 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p) {
     RowStats<RowState::ALL_LANES, 1> row_stats;
     auto store = [&]() {
         store_o<T, D_TILE, Mask::Score::HAS_SINK>(
-            o_acc, row_stats, q_tile, strip_row0, m0, seqlen_q, headdim, p.o.row<T>(batch, m0, head),
-            p.o.row_stride, static_cast<float*>(p.lse) + ((i64)batch * p.nheads + head) * seqlen_q + m0, lane,
+            o_acc, row_stats, q_tile, strip_row0, m0, seqlen_q, headdim, p.o.row<T>(batch, seq.q_begin + m0, head),
+            p.o.row_stride, static_cast<float*>(p.lse) + seq.stat(p, head, m0), lane,
             sink_log2<Mask, float>(p, head));
     };
     if (j_begin * BLOCK_N >= n_end) {  // rows that see no key: O = 0, lse = -inf

@@ -35,6 +35,7 @@ template <bool LEFT, bool RIGHT>
 struct Band {
     static constexpr bool HAS_LEFT = LEFT, HAS_RIGHT = RIGHT;
     static constexpr bool HAS_BLOCK_MAP = false;  // WithScore with a user mask: narrower ranges
+    static constexpr bool PACKED = false;         // Packed<...>: a varlen batch (below)
     typedef NoScore Score;  // WithScore replaces it
     int seqlen_q, seqlen_k;
     int lo_off, hi_off;  // query i sees keys [i + lo_off, i + hi_off] (where the bound applies)
@@ -196,6 +197,61 @@ __device__ __forceinline__ Mask cta_mask(const Params& p, int seqlen_q, int seql
     Mask mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
     if constexpr (Mask::HAS_BLOCK_MAP) mask.bind_blocks(p.variant.mods, blockIdx.z, blockIdx.y);
     return mask;
+}
+
+// --- the sequences of a call --------------------------------------------------------------
+// A dense batch: sequence b is batch b of every tensor, each of the call's seqlen_q x seqlen_k.
+// A packed batch (flash_attn_varlen_func; the policy Packed<Band>): the tensors are one batch of
+// total_q query and total_k key rows (the Params' seqlen_q and seqlen_k), and sequence b is rows
+// cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 of q (keys likewise), its own attention problem with
+// its own bottom-right diagonal. Every (batch, nheads, seqlen_q) buffer (lse, D) is then
+// flash-attn's varlen (nheads, total_q). The grid's z is the sequence, its x covers the longest
+// sequence (max_seqlen), and a CTA whose block lies past its sequence's end leaves at once.
+//
+// A kernel asks the policy for its CTA's sequence once, cta_sequence<Mask>(p, b), and then reads
+// every length from it, offsets every row index by it and builds its mask and score from it; for
+// a dense batch the answers are the Params' fields and zero offsets, known to the compiler, so
+// the dense kernels are what they were without it.
+template <class Mask_>
+struct Packed : Mask_ {
+    static constexpr bool PACKED = true;
+    static_assert(!Mask_::HAS_BLOCK_MAP, "a block map is made for one dense problem, not per sequence");
+    using Mask_::Mask_;
+};
+
+// A sequence's problem as the score policies (score.cuh) see it: the call's variant values and
+// this sequence's own lengths (ScoreFn's ALiBi diagonal is seqlen_k - seqlen_q of the sequence).
+struct SequenceProblem {
+    const VariantArgs& variant;
+    int seqlen_q, seqlen_k;
+};
+
+struct SequenceRows {
+    int index;             // b: the sequence (ALiBi's slope row, the grid's z)
+    int batch;             // the tensors' batch of it (b dense, 0 packed)
+    int q_begin, k_begin;  // its first query and key row in that batch (0 dense)
+    int seqlen_q, seqlen_k;
+
+    // Index of (head, query r of the sequence) in a (batch, nheads, rows) statistics buffer of the
+    // call (lse, D, rows = p.seqlen_q).
+    template <class Params>
+    __device__ __forceinline__ i64 stat(const Params& p, int head, int r) const {
+        return ((i64)batch * p.nheads + head) * p.seqlen_q + q_begin + r;
+    }
+    template <class Params>
+    __device__ __forceinline__ SequenceProblem problem(const Params& p) const {
+        return {p.variant, seqlen_q, seqlen_k};
+    }
+};
+
+template <class Mask, class Params>
+__device__ __forceinline__ SequenceRows cta_sequence(const Params& p, int b) {
+    if constexpr (Mask::PACKED) {
+        const int q0 = __ldg(p.cu_seqlens_q + b), k0 = __ldg(p.cu_seqlens_k + b);
+        return {b, 0, q0, k0, __ldg(p.cu_seqlens_q + b + 1) - q0, __ldg(p.cu_seqlens_k + b + 1) - k0};
+    } else {
+        return {b, b, 0, 0, p.seqlen_q, p.seqlen_k};
+    }
 }
 
 // The policy of a sequence with lengths of its own (a KV cache's sequence: seqlen_k from the

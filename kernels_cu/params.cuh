@@ -13,7 +13,8 @@
 // Compile-time choices (dtype, tiles, the mask policy, how dQ is added) stay template arguments;
 // everything that varies per call is here. A field a kernel does not read is zero (a null
 // pointer), never another tensor standing in. A new variant parameter (softcap, ALiBi slopes,
-// sinks, sequence offsets of a packed batch) becomes a field of both structs and of their twins.
+// sinks, the cumulative lengths of a packed batch) becomes a field of both structs and of their
+// twins.
 #pragma once
 
 #include "common.cuh"
@@ -66,6 +67,10 @@ struct FwdParams {
     float scale_log2, scale;
     double scale_log2_f64, scale_f64;
     VariantArgs variant;
+    // A packed batch (mask.cuh's Packed policies): (sequences + 1,) int32 cumulative lengths;
+    // seqlen_q and seqlen_k above are then the tensors' total rows. Null for a dense batch.
+    const int* cu_seqlens_q;
+    const int* cu_seqlens_k;
 };
 
 // Backward: dq, dk, dv (and the statistics and buffers around them) from dout, q, k, v, o, lse.
@@ -91,6 +96,8 @@ struct BwdParams {
     float scale_log2, scale;
     double scale_log2_f64, scale_f64;
     VariantArgs variant;
+    const int* cu_seqlens_q;    // a packed batch, as in FwdParams
+    const int* cu_seqlens_k;
 };
 
 // Where each sequence's keys live in a KV cache (flash_fwd_kvcache_mma): key n of sequence b is

@@ -12,9 +12,12 @@
 //
 // A score policy that transforms scores (score.cuh: softcap, ALiBi) transforms S before this
 // step; the clamp stays valid because lse is taken over the transformed scores.
+//
+// Also here, at the end: how every backward kernel takes its CTA's sequence (packed batches).
 #pragma once
 
 #include "common.cuh"
+#include "mask.cuh"
 #include "mma.cuh"
 
 namespace cf {
@@ -67,5 +70,45 @@ struct ScoreGrads {
         }
     }
 };
+
+// --- the CTA's sequence (mask.cuh's cta_sequence) in the backward kernels --------------------
+// Three helpers that keep a dense instance what it was without sequences and a packed one lean.
+
+// The shape of the (batch, nheads, seqlen_q) statistics lse and D, for SequenceRows::stat, which
+// takes any struct with these two fields: copied from BwdParams at a kernel's top like its other
+// fields (bwd_args, mma_bwd.cuh). Given p itself, stat reads them where the kernel indexes lse
+// and D, and dense flash_bwd_dkdv_mma and flash_bwd_dq_simt instances came out 1-2 registers off.
+struct StatDims {
+    int nheads, seqlen_q;  // seqlen_q: the tensors' rows (total_q of a packed batch)
+};
+
+// What a score policy (score.cuh) is built from: a packed sequence's own problem, or p itself for
+// a dense batch (seq.problem(p) holds the same values, yet dense ALiBi and user-score instances
+// of flash_bwd_dq_simt came out with other code and up to 14 registers more or fewer).
+template <class Mask, class Params>
+__device__ __forceinline__ decltype(auto) score_problem(const Params& p, const SequenceRows& seq) {
+    if constexpr (Mask::PACKED) return seq.problem(p);
+    else return (p);
+}
+
+// cta_sequence, its values shuffled from lane 0 for a packed batch. Read from memory they are
+// per-thread values to ptxas, so everything derived from them (block ranges, the walk's counters
+// and divisions, row addresses, the `partial` tests) takes vector registers, where a dense
+// batch's, derived from the Params, stays on the uniform datapath; shuffled, they are known to be
+// warp-uniform and stay there too (flash_bwd_wgmma d128, DqAdd::atomic: 255 registers and 20-44
+// bytes of spills without, 242-245 registers with). Chosen per kernel by measurement:
+// flash_bwd_dq_mma and flash_bwd_fused_mma spill more with it and call cta_sequence. Called at a
+// kernel's top, where every warp is converged. Dense: cta_sequence itself.
+template <class Mask, class Params>
+__device__ __forceinline__ SequenceRows cta_sequence_uniform(const Params& p, int b) {
+    SequenceRows s = cta_sequence<Mask>(p, b);
+    if constexpr (Mask::PACKED) {
+        s.q_begin = __shfl_sync(0xffffffffu, s.q_begin, 0);
+        s.k_begin = __shfl_sync(0xffffffffu, s.k_begin, 0);
+        s.seqlen_q = __shfl_sync(0xffffffffu, s.seqlen_q, 0);
+        s.seqlen_k = __shfl_sync(0xffffffffu, s.seqlen_k, 0);
+    }
+    return s;
+}
 
 }  // namespace cf

@@ -12,6 +12,8 @@
 #                                       FlexAttention at 8k, 8 documents of 2k against no mask at 16k
 #   scripts/gpu_check.sh OUTDIR kvcache  the KV-cache kernel's tests (its kernels compiled first),
 #                                       then the decode bandwidth table and plot against cuDNN / FA2
+#   scripts/gpu_check.sh OUTDIR varlen   the packed kernels compiled, the varlen GPU tests, then the
+#                                       varlen bench (FA2 on the padded batch, cupyflash dense)
 #   scripts/gpu_check.sh OUTDIR ncu     kernel by kernel, this tree against BEFORE_TREE (required):
 #                                       time, registers, instructions of NCU_CASES, then the full
 #                                       section set of NCU_FULL (ncu --clock-control none)
@@ -76,6 +78,14 @@ kvcache)
     step kvcache-tests "${TEST_LIMIT:-240}" env HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-gpu}" \
         python -m pytest -q -m gpu tests/test_kvcache_kernel_gpu.py tests/test_kvcache_gpu.py -p no:cacheprovider
     step decode 150 python -m cupyflash.bench.kvcache_decode --json "$out/decode.json" --plot "$out/decode.png"
+    ;;
+varlen)
+    export PYTHONPATH=$PWD
+    step warm-varlen "${WARM_LIMIT:-200}" python scripts/warm_kernel_cache.py --packed --match 'packed|preprocess|convert'
+    step varlen-tests "${TEST_LIMIT:-300}" env HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-gpu}" \
+        python scripts/pytest_shards.py --shards "${SHARDS:-6}" --limit "$(( ${TEST_LIMIT:-300} - 20 ))" \
+        --out "$out/varlen-shards" -m gpu tests/test_varlen_gpu.py
+    step varlen-bench 150 python -m cupyflash.bench.varlen --json "$out/varlen.json"
     ;;
 ncu)
     : "${BEFORE_TREE:?the ncu part compares against BEFORE_TREE}"

@@ -46,6 +46,8 @@ def main(argv=None) -> int:
     parser.add_argument("--processes", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--match", default="")
     parser.add_argument("--zoo", action="store_true", help="also the GPU tests' user modifiers")
+    parser.add_argument("--packed", action="store_true",
+                        help="also the packed (varlen) kernels this device's plans launch for every band")
     args = parser.parse_args(argv)
     from cupyflash import modifiers
     from cupyflash.kernels import _module, compile_check
@@ -53,6 +55,8 @@ def main(argv=None) -> int:
     pattern = re.compile(args.match)
     t0 = time.time()
     extra = _zoo_specializations(args.processes) if args.zoo else []
+    if args.packed:
+        extra += _packed_specializations()
     specs = [s for s in [*compile_check.all_specializations(), *extra]
              if pattern.search(s.name) and _module.runs_on_device(s)]
     names = sorted({s.name for s in specs})
@@ -68,6 +72,28 @@ def main(argv=None) -> int:
         print(line)
     print(f"warm_kernel_cache: {compiled} specializations in {time.time() - t0:.0f} s, {len(errors)} errors")
     return 1 if errors else 0
+
+
+def _packed_specializations() -> list:
+    """The kernels this device's plans launch for packed batches: every band (no mask, causal, a
+    window), every dtype and head-dim tile, forward and backward (deterministic or not)."""
+    from cupyflash import backward_plans, masks, plans
+    from cupyflash.kernels import mma_bwd, mma_fwd
+
+    out = []
+    for band in (masks.NoMask(), masks.Causal(), masks.Local(64, 0)):
+        mask = band.as_packed()
+        for dtype in ("float16", "bfloat16", "float32", "float64"):
+            for dt in plans.SIMT_D_TILES:
+                out.append(plans.plan_forward(None, dtype, dt, mask, None, family="simt").spec)
+                out.extend(launch.spec for launch in backward_plans.plan_backward(
+                    None, dtype, dt, mask.backward(), None, True, family="simt").launches)
+        for dtype in ("float16", "bfloat16"):
+            for dt in (64, 128, 256):
+                out.append(mma_fwd.plan(dtype, dt, mask).spec)
+                for deterministic in (True, False):
+                    out.extend(launch.spec for launch in mma_bwd.plan(dtype, dt, mask.backward(), deterministic).launches)
+    return list({s.name: s for s in out}.values())
 
 
 def _zoo_specializations(processes: int) -> list:

@@ -13,7 +13,7 @@ import pytest
 from cupyflash import dispatch, plans
 from cupyflash._dtypes import SUPPORTED
 from cupyflash.kernels import mma_fwd, simt
-from cupyflash.masks import KINDS, VARIANT_KINDS, Causal, Local, NoMask
+from cupyflash.masks import KINDS, PACKED_KINDS, VARIANT_KINDS, Causal, Local, NoMask
 from launch_fakes import FakeArray, LaunchRecorder, assert_forward_launch
 
 ARCHS = ("80", "86", "89", "90")
@@ -160,6 +160,13 @@ def test_the_compile_check_sees_every_shipped_forward_specialization():
     old = {old_choice(arch, smem, dtype, hd, mask)[0] for dtype in ("float16", "bfloat16")
            for arch, smem in itertools.product(ARCHS, SMEM_OPTINS) for hd in (64, 128, 256) for mask in OLD_MASKS}
     all_names = [s.name for s in mma_fwd.specializations()]
+    # packed batches: each row's plan for masks.PACKED_KINDS (PACKED_FORWARD_TILES where it differs)
+    packed = {n for n in all_names if "_packed_" in n}
+    assert packed == {plans.specialization_for(dtype, dt, mask, plans.forward_tiles("mma", where, dt, dtype, mask,
+                                                                                    None)).name
+                      for dtype in ("float16", "bfloat16") for (family, where, dt) in plans.FORWARD_TILES
+                      if family == "mma" for mask in PACKED_KINDS}
+    all_names = [n for n in all_names if n not in packed]
     variant_names = {m.name for m in VARIANT_KINDS}
     names = [n for n in all_names if not any(f"_{v}_" in n for v in variant_names)]
     # user modifiers: the tiles their plans choose (some rows share them: fewer names)
@@ -175,7 +182,8 @@ def test_the_compile_check_sees_every_shipped_forward_specialization():
     assert {n.replace("_local_", "_causal_") for n in names if "_local_" in n} == {n for n in old if "_causal_" in n}
     simt_fwd = {s.name for s in simt.specializations() if s.source_file == "flash_fwd_simt.cu"}
     assert simt_fwd == {plans.plan_forward("80", SUPPORTED[dtype], hd, mask, None, family="simt").spec.name
-                        for dtype in SUPPORTED for hd in plans.SIMT_D_TILES for mask in KINDS + VARIANT_KINDS}
+                        for dtype in SUPPORTED for hd in plans.SIMT_D_TILES
+                        for mask in KINDS + VARIANT_KINDS + PACKED_KINDS}
 
 
 def test_the_tensor_core_rows_fit_their_devices():

@@ -1040,12 +1040,15 @@ def test_plans_refuse_what_no_kernel_runs():
 
 def test_the_compile_check_sees_the_same_specializations():
     """The plain kernels the old compile check built, and with the score variants of
-    masks.VARIANT_KINDS exactly the kernels the plans launch for them."""
+    masks.VARIANT_KINDS and the packed batches of masks.PACKED_KINDS exactly the kernels the plans
+    launch for them."""
     names = [s.name for s in mma_bwd.specializations()]
-    scored = [n for n in names if any(f"_{part}_" in n for part in ("softcap", "alibi", "sink")) or "_mod_" in n]
+    scored = [n for n in names if any(f"_{part}_" in n for part in ("softcap", "alibi", "sink", "packed"))
+              or "_mod_" in n]
     plain = [n for n in names if n not in scored]
     assert len(names) == len(set(names)) and sorted(plain) == sorted(OLD_COMPILE_CHECK)
-    launched = {launch.spec.name for mask in masks.VARIANT_KINDS for dtype in ("float16", "bfloat16")
+    launched = {launch.spec.name for mask in masks.VARIANT_KINDS + masks.PACKED_KINDS
+                for dtype in ("float16", "bfloat16")
                 for dt in (64, 128, 256) for arch, smem in (("80", None), ("90", None), ("80", 0))
                 for det in (True, False)
                 for launch in plan_backward(arch, SUPPORTED[dtype], dt, mask.backward(), smem, det).launches

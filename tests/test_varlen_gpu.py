@@ -1,8 +1,9 @@
 """Packed variable-length batches on the GPU: flash_attn_varlen_func and its backward through every
 kernel family (SIMT for every dtype, tensor cores for 16-bit) against the float64 reference under
 the tolerance rule, ragged lengths with zeros and ones, GQA, causal and windows, outputs poisoned
-with NaN. For now the GPU path is one dense launch per sequence (cupyflash/varlen.py); these tests
-hold for the kernel path that reads cu_seqlens itself too. Marker ``gpu``."""
+with NaN; the score variants sequence by sequence against the dense reference. The GPU path is
+one launch per kernel for the whole batch (the Packed mask policies, kernels reading cu_seqlens).
+Marker ``gpu``."""
 from __future__ import annotations
 
 import ml_dtypes
@@ -19,8 +20,8 @@ pytestmark = pytest.mark.gpu
 SIXTEEN_BIT = [np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)]
 ALL_DTYPES = SIXTEEN_BIT + [np.dtype(np.float32), np.dtype(np.float64)]
 GPU_COST = 8e6  # the reference and baselines still run on the CPU
-# Examples per property: each one is a launch per sequence and a float64 reference on the CPU, so
-# fewer than the dense properties' 200 keep these files to a few minutes of device time.
+# Examples per property: each one is a float64 reference per sequence on the CPU, so fewer than
+# the dense properties' 200 keep these files to a few minutes of device time.
 EXAMPLES = 60
 
 
@@ -80,10 +81,124 @@ def test_numpy_arrays_are_computed_on_the_device_and_come_back(dtype):
 
 
 def test_many_sequences_of_one_token():
-    """Decode-shaped packing: 300 sequences of one query over ragged keys (one launch each, for now)."""
+    """Decode-shaped packing: 300 sequences of one query over ragged keys."""
     rng = np.random.default_rng(5)
     seqlens_k = tuple(int(n) for n in rng.integers(0, 40, 300))
     problem = VarlenProblem((1,) * 300, seqlens_k, nheads_kv=1, group=8, headdim=64, causal=True,
                             softmax_scale=None, magnitude=1.0, dtype=ml_dtypes.bfloat16, seed=3)
     o, lse, grads = run_on_device(problem, "cuda")
     assert_varlen_close(problem, o, lse, grads)
+
+
+def _check_sequences_against_dense_reference(problem, o, lse, grads, variant, slopes):
+    """Each non-empty sequence of a packed result against the dense float64 reference with its own
+    variant (its row of (batch, nheads) ALiBi slopes): sequences are independent problems."""
+    from cupyflash.testing import AttentionProblem, assert_attention_close
+
+    q, k, v, do = problem.arrays()
+    o, lse = cupy_get(o), cupy_get(lse)
+    grads = [cupy_get(g) for g in grads]
+    for b, (queries, keys) in enumerate(problem.ranges()):
+        if queries.stop == queries.start or keys.stop == keys.start:
+            continue
+        dense = AttentionProblem(1, queries.stop - queries.start, keys.stop - keys.start, problem.nheads_kv,
+                                 problem.group, problem.headdim, problem.causal, problem.softmax_scale,
+                                 problem.magnitude, problem.dtype, problem.seed, problem.window_size)
+        sequence_variant = dict(variant)
+        if slopes is not None:
+            sequence_variant["alibi_slopes"] = slopes[b:b + 1]
+        assert_attention_close(dense, o[None, queries], lse[None, :, queries],
+                               (grads[0][None, queries], grads[1][None, keys], grads[2][None, keys]),
+                               inputs=(q[None, queries], k[None, keys], v[None, keys], do[None, queries]),
+                               variant=sequence_variant)
+
+
+def cupy_get(x):
+    return x.get() if hasattr(x, "get") else np.asarray(x)
+
+
+@pytest.mark.parametrize("backend,dtype", [("mma", ml_dtypes.bfloat16), ("mma", np.float16), ("simt", np.float32),
+                                           ("simt", np.float64)], ids=str)
+@pytest.mark.parametrize("variant", ["softcap", "alibi", "softcap+alibi"])
+def test_score_variants_per_sequence(backend, dtype, variant):
+    """softcap and ALiBi ((batch, nheads) slopes: row b for sequence b, its diagonal the sequence's
+    own) through the packed kernels, each sequence against the dense reference."""
+    import cupy
+
+    problem = VarlenProblem((0, 1, 65, 200, 3, 130), (7, 1, 129, 200, 0, 64), nheads_kv=2, group=2, headdim=64,
+                            causal=True, softmax_scale=None, magnitude=1.0, dtype=dtype, seed=17,
+                            window_size=(96, -1))
+    rng = np.random.default_rng(2)
+    slopes = rng.uniform(0.01, 0.5, (problem.batch, problem.nheads_kv * problem.group)).astype(np.float32)
+    kwargs = {}
+    if "softcap" in variant:
+        kwargs["softcap"] = 8.0
+    q, k, v, do = (cupy.asarray(x) for x in problem.arrays())
+    cu_q, cu_k, max_q, max_k = problem.sequences
+    call = dict(kwargs, alibi_slopes=cupy.asarray(slopes)) if "alibi" in variant else kwargs
+    with poisoned_outputs():
+        o, lse = cupyflash.flash_attn_varlen_func(q, k, v, cupy.asarray(cu_q), cupy.asarray(cu_k), max_q, max_k,
+                                                  return_lse=True, backend=backend, **problem.kwargs, **call)
+        grads = cupyflash.flash_attn_varlen_backward(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, backend=backend,
+                                                     **problem.kwargs, **call)
+    _check_sequences_against_dense_reference(problem, o, lse, grads, kwargs,
+                                             slopes if "alibi" in variant else None)
+
+
+@pytest.mark.parametrize("backend", ["mma", "simt"])
+def test_a_sink_per_sequence(backend):
+    """The sink's lse (a sequence without keys: lse = sink) and dsink summed over every sequence,
+    against the per-sequence path of the dense API."""
+    import cupy
+
+    problem = VarlenProblem((4, 0, 70, 9), (4, 5, 70, 0), nheads_kv=1, group=4, headdim=64, causal=False,
+                            softmax_scale=None, magnitude=1.0, dtype=ml_dtypes.bfloat16, seed=23)
+    sink = cupy.asarray(np.array([0.5, -1.0, 2.0, 0.0], np.float32))
+    q, k, v, do = (cupy.asarray(x) for x in problem.arrays())
+    cu_q, cu_k, max_q, max_k = problem.sequences
+    o, lse = cupyflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, sink=sink, return_lse=True,
+                                              backend=backend)
+    *grads, dsink = cupyflash.flash_attn_varlen_backward(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, sink=sink,
+                                                         backend=backend)
+    dsink_want = 0.0
+    for queries, keys in problem.ranges():
+        if queries.stop == queries.start:
+            continue
+        o_b, lse_b = cupyflash.flash_attn_func(q[None, queries], k[None, keys], v[None, keys], sink=sink,
+                                               return_lse=True, backend=backend)
+        # the dense call may take another kernel (a decode-shaped one the KV-cache kernel): the
+        # same values up to the dtype's rounding, not the same bits
+        np.testing.assert_allclose(cupy_get(o[queries]).astype(np.float32), cupy_get(o_b[0]).astype(np.float32),
+                                   rtol=2e-2, atol=2e-2)
+        np.testing.assert_allclose(cupy_get(lse[:, queries]), cupy_get(lse_b[0]), rtol=1e-5, atol=1e-5)
+        *_, dsink_b = cupyflash.flash_attn_backward(do[None, queries], q[None, queries], k[None, keys],
+                                                    v[None, keys], o_b, lse_b, sink=sink, backend=backend)
+        dsink_want = dsink_want + dsink_b
+    np.testing.assert_allclose(cupy_get(dsink), cupy_get(dsink_want), rtol=2e-2, atol=2e-2)
+    assert all(bool(cupy.isfinite(g).all()) for g in grads)
+
+
+def test_one_launch_per_kernel(monkeypatch):
+    """The packed path launches each kernel once for the whole batch, whatever its sequence count."""
+    import cupy
+
+    from cupyflash.kernels import _module, mma_bwd, mma_fwd
+
+    launched = []
+    real = _module.launch
+
+    def counting(spec, grid, args):
+        launched.append((spec.name, grid))
+        return real(spec, grid, args)
+
+    for module in (mma_fwd, mma_bwd):
+        monkeypatch.setattr(module, "launch", counting)
+    problem = VarlenProblem((3,) * 40, (9,) * 40, nheads_kv=2, group=2, headdim=64, causal=True, softmax_scale=None,
+                            magnitude=1.0, dtype=ml_dtypes.bfloat16, seed=4)
+    q, k, v, do = (cupy.asarray(x) for x in problem.arrays())
+    o, lse = cupyflash.flash_attn_varlen_func(q, k, v, *problem.sequences, causal=True, return_lse=True,
+                                              backend="mma")
+    cupyflash.flash_attn_varlen_backward(do, q, k, v, o, lse, *problem.sequences, causal=True, backend="mma")
+    attention = [(name, grid) for name, grid in launched if "packed" in name]
+    assert len(attention) == len([n for n, _ in launched if "preprocess" not in n and "convert" not in n]) >= 2
+    assert all(grid[2] == 40 for _, grid in attention)

@@ -66,7 +66,8 @@ def _name_tokens() -> tuple[frozenset, frozenset]:
     from .. import masks
     from .._dtypes import SHORT_NAMES
 
-    variants = {m.name for m in masks.VARIANT_KINDS} | {m.backward().name for m in masks.VARIANT_KINDS}
+    kinds = masks.VARIANT_KINDS + masks.PACKED_KINDS
+    variants = {m.name for m in kinds} | {m.backward().name for m in kinds}
     return frozenset(SHORT_NAMES.values()), frozenset({m.name for m in masks.KINDS} | variants)
 
 

@@ -20,7 +20,7 @@ import numpy as np
 from . import dq_fixed, simt
 from ._module import Specialization, backward_is_empty, launch
 from .constants import SIXTEEN_BIT
-from .params import backward_params, pointer, set_rows
+from .params import PackedBatch, backward_params, pointer, set_rows
 from .. import backward_plans
 from ..backward_plans import (
     CONVERT_THREADS, D_TILES, DKDV_CONFIG, DKDV_CONFIG_SPLIT, DKDV_CONFIG_V2, DKDV_KERNELS, DQ_ADDS, DQ_CONFIG,
@@ -28,7 +28,7 @@ from ..backward_plans import (
     WGMMA_FIXED_KERNEL_D_TILES, BackwardPlan, convert_spec, d_tile, dkdv_smem_bytes, dkdv_spec,
     dkdv_split_smem_bytes, dq_smem_bytes, dq_smem_bytes_v2, dq_spec, dq_wgmma_smem_bytes, dq_wgmma_spec,
     fused_smem_bytes, fused_spec, supports, wgmma_smem_bytes, wgmma_spec)
-from ..masks import KINDS, VARIANT_KINDS, Mask, mask_for
+from ..masks import KINDS, PACKED_KINDS, VARIANT_KINDS, Mask, mask_for
 from ..scores import PLAIN
 
 __all__ = ["backward", "plan", "specializations", "supports", "d_tile", "DEV_VERSION",
@@ -93,7 +93,7 @@ def specializations() -> list[Specialization]:
                 if dt in DQ_WGMMA_CONFIG:
                     out.append(dq_wgmma_spec(name, dt, mask))
             # with a window and with the score variants, the kernels the plans launch
-            for mask in (KINDS[2], *(m.backward() for m in VARIANT_KINDS)):
+            for mask in (KINDS[2], *(m.backward() for m in VARIANT_KINDS + PACKED_KINDS)):
                 launched = [backward_plans.plan_backward(arch, name, dt, mask, None, deterministic).launches
                             for arch in ("80", "90") for deterministic in (True, False)]
                 # where the fused kernel does not fit (sm_80 at d256), the atomic dK/dV kernel runs
@@ -106,8 +106,10 @@ def specializations() -> list[Specialization]:
 def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: bool,
              deterministic: bool = True, version: str | None = None,
              dq_config: tuple | None = None, fused: tuple | None = None, wgmma: tuple | None = None,
-             window_size=(-1, -1), variant=None) -> None:
-    """Fill the preallocated dq, dk, dv (C-contiguous, dtype of q) from the saved lse (B, H, Sq).
+             window_size=(-1, -1), variant=None, packed: PackedBatch | None = None) -> None:
+    """Fill the preallocated dq, dk, dv (C-contiguous, dtype of q) from the saved lse (B, H, Sq);
+    ``packed`` a varlen batch (B = 1, its sequences' rows packed; dQ without adds or by float
+    atomics, the plans' two modes).
 
     Inputs are CuPy arrays meeting the mma family's guarantees (fp16/bf16, last dim contiguous,
     row strides multiples of 8 elements, 16-byte aligned, headdim % 8 == 0, headdim <= 256).
@@ -122,17 +124,20 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
     if backward_is_empty(q, k, dq, dk, dv):
         return
     # A sink changes only lse, which the kernels read (scores.Score.backward); dsink is the API's.
-    mask = mask_for(causal, window_size, PLAIN if variant is None else variant.score).backward()
+    mask = mask_for(causal, window_size, PLAIN if variant is None else variant.score, packed is not None).backward()
     planned = plan(q.dtype, headdim, mask, deterministic, version, dq_config=dq_config, fused=fused,
                    wgmma=wgmma)
+    if packed is not None and planned.dq_add not in ("none", "atomic"):
+        raise ValueError(f"cupyflash: a packed batch's backward adds dQ by its own kernel or by float atomics; "
+                         f"this plan adds it as {planned.dq_add!r} (a dev/ version)")
     lse = cupy.ascontiguousarray(lse, dtype=np.float32)  # indexed as (batch, head, row) in C order
     dt, dq_add = planned.d_tile, planned.dq_add
-    grids = {launch.role: launch.grid(batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim)
+    grids = {launch.role: launch.grid(batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, packed)
              for launch in planned.launches}
     # One BwdParams for every kernel of the call; each buffer the plan needs is added to it as it
     # is allocated (the arrays stay referenced here until the launches are queued).
     params = backward_params(do, q, k, v, o, lse, dq, dk, dv, softmax_scale=softmax_scale, mask=mask,
-                             variant=variant)
+                             variant=variant, packed=packed)
     if dq_add in FIXED_DQ_ADDS:
         buffers = dq_fixed.preprocess(params, do, o, k, v)  # kv_bound, delta, dq_row_scale
     else:

@@ -19,9 +19,9 @@ import numpy as np
 
 from ._module import _max_smem_optin, device_arch, launch
 from .constants import TENSOR_CORE_D_TILES
-from .params import forward_params
+from .params import PackedBatch, forward_params
 from .. import plans
-from ..masks import KINDS, VARIANT_KINDS, Mask, mask_for
+from ..masks import KINDS, PACKED_KINDS, VARIANT_KINDS, Mask, mask_for
 from ..scores import PLAIN
 from ..plans import (LARGE_SMEM_BYTES, ROW_STATES, FwdConfig, ForwardPlan, WgmmaFwdConfig, smem_bytes,
                      wgmma_smem_bytes)
@@ -84,7 +84,7 @@ def specializations() -> list:
     rows = [(dt, where) for (family, where, dt) in plans.FORWARD_TILES if family == "mma"]
     # user modifiers: the tiles their plans choose (plans.forward_tiles)
     entries = [(dtype, dt, mask, plans.forward_tiles("mma", where, dt, dtype, mask, None))
-               for dtype in ("float16", "bfloat16") for dt, where in rows for mask in KINDS + VARIANT_KINDS]
+               for dtype in ("float16", "bfloat16") for dt, where in rows for mask in KINDS + VARIANT_KINDS + PACKED_KINDS]
     entries.sort(key=lambda e: (e[0] != "float16", *_by_tile((e[1], e[3]))))
     return list(dict.fromkeys(plans.specialization_for(dtype, dt, mask, t) for dtype, dt, mask, t in entries))
 
@@ -108,21 +108,29 @@ def _check_layout(a, what: str) -> None:
 
 
 def forward(q, k, v, o, lse, *, softmax_scale: float, causal: bool,
-            config: FwdConfig | WgmmaFwdConfig | None = None, window_size=(-1, -1), variant=None) -> None:
+            config: FwdConfig | WgmmaFwdConfig | None = None, window_size=(-1, -1), variant=None,
+            packed: PackedBatch | None = None) -> None:
     """o (like q, C-contiguous) and lse ((B, H, Sq) float32, contiguous) from q (B, Sq, H, D) and
     k, v (B, Sk, Hkv, D), on the current stream, by the plan of the current device (``config``:
     other tiles, e.g. a dev/ version's); ``variant`` a cupyflash.scores.Variant with CuPy arrays
-    (None: the plain softmax)."""
+    (None: the plain softmax); ``packed`` a varlen batch (B = 1, its sequences' rows packed)."""
     batch, seqlen_q, nheads, headdim = q.shape
-    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     if batch == 0 or seqlen_q == 0 or nheads == 0:
         return
     if lse.dtype != np.float32 or not lse.flags.c_contiguous or lse.shape != (batch, nheads, seqlen_q):
         raise ValueError("cupyflash: lse must be a C-contiguous float32 (batch, nheads, seqlen_q) array")
-    mask = mask_for(causal, window_size, PLAIN if variant is None else variant.score)
+    mask = mask_for(causal, window_size, PLAIN if variant is None else variant.score, packed is not None)
     planned = plan(q.dtype, headdim, mask, config)
-    grid = (math.ceil(seqlen_q / planned.block_m), nheads, batch)
+    grid = query_grid(planned.block_m, batch, seqlen_q, nheads, packed)
     for a, what in ((q, "q"), (k, "k"), (v, "v"), (o, "o")):
         _check_layout(a, what)
     launch(planned.spec, grid, (forward_params(q, k, v, o, lse, softmax_scale=softmax_scale, mask=mask,
-                                                 variant=variant),))
+                                                 variant=variant, packed=packed),))
+
+
+def query_grid(block_m: int, batch: int, seqlen_q: int, nheads: int, packed: PackedBatch | None) -> tuple:
+    """(query blocks, heads, sequences) of a forward grid: a packed batch's x covers its longest
+    sequence (a CTA past its own sequence's end leaves at once) and its z counts sequences."""
+    if packed is not None:
+        return math.ceil(packed.max_seqlen_q / block_m), nheads, packed.sequences
+    return math.ceil(seqlen_q / block_m), nheads, batch

@@ -10,12 +10,14 @@ zero (null pointers).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from .constants import LOG2E
 
-__all__ = ["TENSOR_ROWS", "MOD_ARGS", "BLOCK_MAP_PARAMS", "VARIANT_ARGS", "set_modifiers", "set_mod_tensors", "FWD_PARAMS", "BWD_PARAMS", "set_variant", "forward_params", "backward_params", "set_rows",
-           "pointer", "layout_asserts"]
+__all__ = ["PackedBatch", "TENSOR_ROWS", "MOD_ARGS", "BLOCK_MAP_PARAMS", "VARIANT_ARGS", "set_modifiers", "set_mod_tensors", "FWD_PARAMS", "BWD_PARAMS", "set_variant", "forward_params", "backward_params", "set_rows",
+           "set_packed", "pointer", "layout_asserts"]
 
 TENSOR_ROWS = np.dtype([("data", np.uint64), ("batch_stride", np.int64), ("row_stride", np.int64),
                         ("head_stride", np.int64)], align=True)
@@ -44,17 +46,47 @@ BLOCK_MAP_PARAMS = np.dtype([("t", MOD_ARGS), ("key_blocks", np.uint64), ("query
 _SCALE_FIELDS = [("scale_log2", np.float32), ("scale", np.float32), ("scale_log2_f64", np.float64),
                  ("scale_f64", np.float64), ("variant", VARIANT_ARGS)]
 
+# A packed batch's cumulative lengths (mask.cuh's Packed policies), null for a dense batch.
+_SEQUENCE_FIELDS = [("cu_seqlens_q", np.uint64), ("cu_seqlens_k", np.uint64)]
+
 FWD_PARAMS = np.dtype([*((name, TENSOR_ROWS) for name in ("q", "k", "v", "o")), ("lse", np.uint64),
-                       *_SHAPE_FIELDS, *_SCALE_FIELDS], align=True)
+                       *_SHAPE_FIELDS, *_SCALE_FIELDS, *_SEQUENCE_FIELDS], align=True)
 
 BWD_PARAMS = np.dtype([*((name, TENSOR_ROWS) for name in ("q", "k", "v", "o", "dout", "dq", "dk", "dv",
                                                            "dq_accum")),
                        ("dq_accum_panel_stride", np.int64), ("lse", np.uint64), ("delta", np.uint64),
                        ("dq_semaphore", np.uint64), ("dq_row_scale", np.uint64), ("kv_bound", np.uint64),
-                       *_SHAPE_FIELDS, *_SCALE_FIELDS], align=True)
+                       *_SHAPE_FIELDS, *_SCALE_FIELDS, *_SEQUENCE_FIELDS], align=True)
 
 _CPP_NAMES = {FWD_PARAMS: "cf::FwdParams", BWD_PARAMS: "cf::BwdParams", VARIANT_ARGS: "cf::VariantArgs",
               MOD_ARGS: "cf::ModArgs", BLOCK_MAP_PARAMS: "cf::BlockMapParams"}
+
+
+class PackedBatch(NamedTuple):
+    """A packed (varlen) batch as the launchers take it: the tensors are (1, total, heads, dim)
+    views of the packed arrays, lse (1, nheads, total_q); sequence b is rows cu_seqlens_q[b] ..
+    cu_seqlens_q[b + 1] - 1 of q (keys likewise). The grids cover max_seqlen_q (max_seqlen_k) rows
+    per sequence; the kernels read the lengths themselves (mask.cuh's cta_sequence)."""
+
+    cu_seqlens_q: object  # CuPy int32 (sequences + 1,)
+    cu_seqlens_k: object
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+    @property
+    def sequences(self) -> int:
+        return int(self.cu_seqlens_q.shape[0]) - 1
+
+
+def set_packed(params, packed: PackedBatch | None) -> None:
+    """The cumulative lengths of a packed batch into ``params`` (None: a dense batch, null)."""
+    if packed is None:
+        return
+    for name in ("cu_seqlens_q", "cu_seqlens_k"):
+        a = getattr(packed, name)
+        if isinstance(a, np.ndarray) or a.dtype != np.int32 or not a.flags.c_contiguous:
+            raise ValueError(f"cupyflash: the kernels read {name} as a C-contiguous int32 CuPy array")
+        params[name] = pointer(a)
 
 
 def pointer(a) -> np.uint64:
@@ -139,8 +171,9 @@ def set_modifiers(mod_args, mods, params) -> None:
     mod_args["block_m"] = mod_args["block_n"] = np.int32(mods.block_mask.GRANULE)
 
 
-def forward_params(q, k, v, o, lse, *, softmax_scale: float, mask, variant=None) -> np.ndarray:
-    """FwdParams of one forward call (a size-1 array of FWD_PARAMS: CuPy passes its bytes by value)."""
+def forward_params(q, k, v, o, lse, *, softmax_scale: float, mask, variant=None, packed=None) -> np.ndarray:
+    """FwdParams of one forward call (a size-1 array of FWD_PARAMS: CuPy passes its bytes by value);
+    ``packed`` a PackedBatch (its arrays (1, total, heads, dim)) or None."""
     params = np.zeros(1, FWD_PARAMS)
     for name, a in (("q", q), ("k", k), ("v", v), ("o", o)):
         set_rows(params, name, a)
@@ -148,11 +181,12 @@ def forward_params(q, k, v, o, lse, *, softmax_scale: float, mask, variant=None)
     _set_shape(params, q, k, mask)
     _set_scales(params, softmax_scale)
     set_variant(params, variant)
+    set_packed(params, packed)
     return params
 
 
 def backward_params(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, mask, delta=None,
-                    variant=None) -> np.ndarray:
+                    variant=None, packed=None) -> np.ndarray:
     """BwdParams of one backward call; the launcher adds the buffers of its plan (delta, dq_accum,
     dq_semaphore, dq_row_scale, kv_bound) with ``set_rows`` / ``pointer`` as it allocates them."""
     params = np.zeros(1, BWD_PARAMS)
@@ -162,6 +196,7 @@ def backward_params(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, ma
     _set_shape(params, q, k, mask)
     _set_scales(params, softmax_scale)
     set_variant(params, variant)
+    set_packed(params, packed)
     return params
 
 

@@ -12,10 +12,10 @@ import numpy as np
 
 from ._module import Specialization, backward_is_empty, launch
 from .constants import CTYPES, SIMT_D_TILES
-from .params import backward_params, forward_params, pointer
+from .params import PackedBatch, backward_params, forward_params, pointer
 from .. import backward_plans, plans
 from .._dtypes import is_float64
-from ..masks import KINDS, VARIANT_KINDS, Mask, mask_for
+from ..masks import KINDS, PACKED_KINDS, VARIANT_KINDS, Mask, mask_for
 from ..scores import PLAIN
 
 D_TILES = SIMT_D_TILES
@@ -52,22 +52,26 @@ def specializations() -> list[Specialization]:
             for mask in KINDS:
                 for kind in ("fwd", "dkdv", "dq"):
                     out.append(_spec(kind, dtype, dt, mask))
-            for mask in VARIANT_KINDS:
+            for mask in VARIANT_KINDS + PACKED_KINDS:
                 out.append(_spec("fwd", dtype, dt, mask))
                 out.extend(_spec(kind, dtype, dt, mask.backward()) for kind in ("dkdv", "dq"))
     return out
 
 
-def forward(q, k, v, o, lse, *, softmax_scale: float, causal: bool, window_size=(-1, -1), variant=None) -> None:
+def forward(q, k, v, o, lse, *, softmax_scale: float, causal: bool, window_size=(-1, -1), variant=None,
+            packed: PackedBatch | None = None) -> None:
+    """o and lse ((B, H, Sq), the accumulator dtype) from q, k, v, as mma_fwd.forward (``packed``:
+    a varlen batch, B = 1)."""
+    from .mma_fwd import query_grid
+
     batch, seqlen_q, nheads, headdim = q.shape
-    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     if batch == 0 or seqlen_q == 0 or nheads == 0:
         return
-    mask = mask_for(causal, window_size, PLAIN if variant is None else variant.score)
+    mask = mask_for(causal, window_size, PLAIN if variant is None else variant.score, packed is not None)
     plan = plans.plan_forward(None, q.dtype, headdim, mask, None, family="simt")  # SIMT tiles do not depend on the device
-    grid = (math.ceil(seqlen_q / plan.block_m), nheads, batch)
+    grid = query_grid(plan.block_m, batch, seqlen_q, nheads, packed)
     launch(plan.spec, grid, (forward_params(q, k, v, o, lse, softmax_scale=softmax_scale, mask=mask,
-                                            variant=variant),))
+                                            variant=variant, packed=packed),))
 
 
 def backward_preprocess(params, do, o):
@@ -87,20 +91,21 @@ def backward_preprocess(params, do, o):
 
 
 def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: bool,
-             deterministic: bool = True, window_size=(-1, -1), variant=None) -> None:
+             deterministic: bool = True, window_size=(-1, -1), variant=None,
+             packed: PackedBatch | None = None) -> None:
     """dq, dk, dv (preallocated, C-contiguous) from the saved lse, by the plan of
     backward_plans.plan_backward (D, then the dK/dV kernel, then the dQ kernel). Always
-    deterministic."""
+    deterministic. ``packed``: a varlen batch (B = 1)."""
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     if backward_is_empty(q, k, dq, dk, dv):
         return
-    mask = mask_for(causal, window_size, PLAIN if variant is None else variant.score).backward()
+    mask = mask_for(causal, window_size, PLAIN if variant is None else variant.score, packed is not None).backward()
     plan = backward_plans.plan_backward(None, q.dtype, headdim, mask, None, True, family="simt")
-    grids = {launch.role: launch.grid(batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim)
+    grids = {launch.role: launch.grid(batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, packed)
              for launch in plan.launches}
     params = backward_params(do, q, k, v, o, lse, dq, dk, dv, softmax_scale=softmax_scale, mask=mask,
-                             variant=variant)
+                             variant=variant, packed=packed)
     delta = backward_preprocess(params, do, o)
     launch(plan.spec("dkdv"), grids["dkdv"], (params,))
     launch(plan.spec("dq"), grids["dq"], (params,))
