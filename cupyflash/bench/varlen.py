@@ -4,7 +4,9 @@
 
 A batch of sequences with lengths drawn log-uniformly from 128..8k until they fill 16k tokens
 (seeded), bf16, causal and not. Timed on the device (CUDA events):
-  * cupyflash.flash_attn_varlen_func / flash_attn_varlen_backward (one launch per kernel);
+  * cupyflash.flash_attn_varlen_func / flash_attn_varlen_backward (one launch per kernel), with
+    cu_seqlens given as NumPy arrays (copied to the device) and as CuPy arrays (read back to the
+    host for the checks: a synchronisation, during which the GPU idles);
   * PyTorch SDPA's FlashAttention-2 backend on the same sequences as one dense batch padded to the
     longest (what a user without varlen runs; its padding rows are computed and discarded);
   * cupyflash's dense kernels at the same total tokens: one sequence of all of them, and a batch
@@ -71,18 +73,21 @@ def measure(headdims=(64, 128), causal_modes=(False, True), quick=False) -> dict
             for causal in causal_modes:
                 row = {"headdim": d, "causal": causal, "nheads": NHEADS, "lengths": lengths, "total": total}
                 work = pairs(lengths, causal) * NHEADS * d
-                sequences = (cu_dev, cu_dev, max(lengths), max(lengths))
-                o, lse = cupyflash.flash_attn_varlen_func(q, k, v, *sequences, causal=causal, return_lse=True)
+                # cu_seqlens from the host (as a data loader makes them: no device read-back), and on
+                # the device (read back for the checks: the GPU idles while the host checks them)
+                for label, cu_arg in (("varlen", cu), ("varlen_device_cu", cu_dev)):
+                    sequences = (cu_arg, cu_arg, max(lengths), max(lengths))
+                    o, lse = cupyflash.flash_attn_varlen_func(q, k, v, *sequences, causal=causal, return_lse=True)
 
-                def fwd(_):
-                    cupyflash.flash_attn_varlen_func(q, k, v, *sequences, causal=causal, return_lse=True)
+                    def fwd(_):
+                        cupyflash.flash_attn_varlen_func(q, k, v, *sequences, causal=causal, return_lse=True)
 
-                def bwd(_):
-                    cupyflash.flash_attn_varlen_backward(do, q, k, v, o, lse, *sequences, causal=causal)
+                    def bwd(_):
+                        cupyflash.flash_attn_varlen_backward(do, q, k, v, o, lse, *sequences, causal=causal)
 
-                for mode, run, flops in (("fwd", fwd, 4 * work), ("bwd", bwd, 10 * work)):
-                    row[f"varlen_{mode}_tflops"] = flops / time_region(run, 1, policy=policy,
-                                                                       stream=stream).median_ms / 1e9
+                    for mode, run, flops in (("fwd", fwd, 4 * work), ("bwd", bwd, 10 * work)):
+                        row[f"{label}_{mode}_tflops"] = flops / time_region(run, 1, policy=policy,
+                                                                            stream=stream).median_ms / 1e9
                 # cupyflash dense: all tokens as one sequence, and equal sequences of the mean length
                 mean = int(round(pairs(lengths, False) / total))
                 for label, batch, length in (("dense_one", 1, total), ("dense_mean", max(1, total // mean), mean)):
@@ -147,15 +152,16 @@ def _fa2_padded(q, k, v, do, cu, lengths, causal, work, stream, policy, torch, F
 
 
 def table(result: dict) -> str:
-    lines = ["| d | causal | mode | varlen TFLOP/s | FA2 padded | x FA2 padded | dense 1 x total | x dense | "
-             "dense B x mean | x dense mean |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| d | causal | mode | varlen TFLOP/s | device cu_seqlens | FA2 padded | x FA2 padded | "
+             "dense 1 x total | x dense | dense B x mean | x dense mean |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         for mode in ("fwd", "bwd"):
-            v = r[f"varlen_{mode}_tflops"]
+            v, vd = r[f"varlen_{mode}_tflops"], r[f"varlen_device_cu_{mode}_tflops"]
             fa2 = r.get(f"fa2_padded_{mode}_tflops")
             one, mean = r[f"dense_one_{mode}_tflops"], r[f"dense_mean_{mode}_tflops"]
             fa2_cell = f"{fa2:.1f} | {v / fa2:.2f}" if fa2 else "- | -"
-            lines.append(f"| {r['headdim']} | {r['causal']} | {mode} | {v:.1f} | {fa2_cell} | {one:.1f} | "
+            lines.append(f"| {r['headdim']} | {r['causal']} | {mode} | {v:.1f} | {vd:.1f} | {fa2_cell} | {one:.1f} | "
                          f"{v / one:.2f} | {mean:.1f} | {v / mean:.2f} |")
     return "\n".join(lines)
 
