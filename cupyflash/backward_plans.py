@@ -494,16 +494,27 @@ def plan_backward(arch: str | None, dtype, headdim: int, mask: Mask | bool, smem
     return _plan(dtype, headdim, mask, row, where)
 
 
+# flash_bwd_dq_mma's tiles for a packed batch with a score at head-dim tile 256 (backward_candidates).
+PACKED_DQ_D256_TILES = (64, 16, 4)
+
+
 def backward_candidates(where: str, dtype, dt: int, mask: Mask, smem_optin: int | None,
                         deterministic: bool) -> list:
     """The rows plan_backward chooses from, in order: the first of BACKWARD_KERNELS' rows that fits
     ``smem_optin`` (routed by _without_spills), and with user modifiers on sm_90 the mma.sync row
     after it (fewer accumulators per thread than the wgmma kernels: where a modifier's code
     leaves those short of registers, the mma.sync kernels run instead)."""
-    rows = BACKWARD_KERNELS[(where, dt, bool(deterministic))]
+    # Packed batches on mma.sync take the deterministic row: their atomic-dQ kernels (dkdv_mma_v2
+    # at d64, dkdv_mma and the fused kernel at d128) spill 8-24 bytes with the sequence's values
+    # in registers (ptxas, sm_80 / sm_90), the dQ-kernel rows do not.
+    packed_mma_sync = mask.packed and where == MMA_SYNC
+    rows = BACKWARD_KERNELS[(where, dt, bool(deterministic) or packed_mma_sync)]
     row = next((r for r in rows if smem_optin is None or _dkdv_spec(dtype, dt, mask, r).smem_bytes <= smem_optin),
                rows[-1])
     row = _without_spills(row, mask, dt)
+    if packed_mma_sync and dt == 256 and not mask.score.plain:
+        # the d256 dQ kernel with a score and packed: 12 bytes of spills at BLOCK_N 32 (sm_90), none at 16
+        row = row._replace(dq_tiles=PACKED_DQ_D256_TILES)
     if mask.score.user is None or where != SM90:
         return [row]
     return [row, _without_spills(BACKWARD_KERNELS[(MMA_SYNC, dt, bool(deterministic))][0], mask, dt)]
