@@ -245,6 +245,10 @@ PACKED_FORWARD_TILES = {
 
 # Tiles a forward with user modifiers tries after the row's, in order (fewer S registers).
 USER_FORWARD_FALLBACKS = {
+    # d64: Q from shared memory rather than registers (the compile check's modifiers spill 8 bytes
+    # at 255 registers with Q in registers at sm_80; 236 registers without)
+    ("mma", LARGE_SMEM, 64): (FwdConfig(128, 64, 4, q_in_regs=False, min_blocks=2, row_state="all_lanes"),),
+    ("mma", PORTABLE, 64): (FwdConfig(128, 64, 4, q_in_regs=False, min_blocks=2, row_state="all_lanes"),),
     ("mma", SM90, 128): (WgmmaFwdConfig(128, 64),),
     ("mma", LARGE_SMEM, 128): (FwdConfig(128, 32, 4, q_in_regs=False, min_blocks=2),),
     ("mma", LARGE_SMEM, 256): (FwdConfig(128, 32, 8, q_in_regs=False),),

@@ -61,7 +61,7 @@ flash_bwd_dq_mma_v2(const __grid_constant__ BwdParams p) {
     const int m0 = Mask::query_block(blockIdx.x, gridDim.x) * BLOCK_M;
     if (Mask::PACKED && m0 >= seqlen_q) return;  // past a shorter sequence's end
     const int head = blockIdx.y, batch = seq.batch, head_kv = head / p.group;
-    const ScoreOf<Mask, float, true> score(seq.problem(p), seq.index, head, scale);
+    const ScoreOf<Mask, float, true> score(score_problem<Mask>(p, seq), seq.index, head, scale);
 
     // Key blocks [j_begin, j_end) hold the keys some existing row of the block sees (mask.cuh);
     // K_j and V_j sit in stage j % 2, whichever block the walk starts at.

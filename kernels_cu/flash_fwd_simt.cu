@@ -34,7 +34,7 @@ flash_fwd_simt(const __grid_constant__ FwdParams p) {
     const A scale_log2 = scale_log2_in<A>(p);
     const Mask mask = cta_mask<Mask>(p, seqlen_q, seqlen_k);
     // Scores come out in log2 units (Q is pre-scaled): the score policy's unit is ln 2.
-    const ScoreOf<Mask, A> score(seq.problem(p), seq.index, blockIdx.y, A(0.6931471805599453094172321));
+    const ScoreOf<Mask, A> score(score_problem<Mask>(p, seq), seq.index, blockIdx.y, A(0.6931471805599453094172321));
     const int m_block = Mask::query_block(blockIdx.x, gridDim.x);
     const int head = blockIdx.y, batch = seq.batch;
     const int head_kv = head / p.group;

@@ -254,6 +254,16 @@ __device__ __forceinline__ SequenceRows cta_sequence(const Params& p, int b) {
     }
 }
 
+// What a score policy (score.cuh) is built from: a packed sequence's own problem, or p itself for
+// a dense batch (seq.problem(p) holds the same values, yet dense ALiBi and user-score instances
+// came out with other code: up to 14 registers more or fewer in flash_bwd_dq_simt, and 8 bytes of
+// spills in flash_fwd_mma d64 with the compile check's user modifiers at sm_80).
+template <class Mask, class Params>
+__device__ __forceinline__ decltype(auto) score_problem(const Params& p, const SequenceRows& seq) {
+    if constexpr (Mask::PACKED) return seq.problem(p);
+    else return (p);
+}
+
 // The policy of a sequence with lengths of its own (a KV cache's sequence: seqlen_k from the
 // cache's seqlens_k), the band's bounds from p. No block map: a user mask's map is made per call
 // for one (seqlen_q, seqlen_k), not per sequence.

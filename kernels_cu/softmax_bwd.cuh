@@ -82,14 +82,6 @@ struct StatDims {
     int nheads, seqlen_q;  // seqlen_q: the tensors' rows (total_q of a packed batch)
 };
 
-// What a score policy (score.cuh) is built from: a packed sequence's own problem, or p itself for
-// a dense batch (seq.problem(p) holds the same values, yet dense ALiBi and user-score instances
-// of flash_bwd_dq_simt came out with other code and up to 14 registers more or fewer).
-template <class Mask, class Params>
-__device__ __forceinline__ decltype(auto) score_problem(const Params& p, const SequenceRows& seq) {
-    if constexpr (Mask::PACKED) return seq.problem(p);
-    else return (p);
-}
 
 // cta_sequence, its values shuffled from lane 0 for a packed batch. Read from memory they are
 // per-thread values to ptxas, so everything derived from them (block ranges, the walk's counters

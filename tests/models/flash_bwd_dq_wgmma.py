@@ -68,9 +68,9 @@ def dqw_tiles(L, j: int) -> SimpleNamespace:
 
 
 @mirrors(DQW,
-         "cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(s_q, p.q.row<const T>(batch, m0, head), seqlen_q - m0, headdim,"
+         "cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(s_q, p.q.row<const T>(batch, seq.q_begin + m0, head), seqlen_q - m0, headdim,"
          " p.q.row_stride, tid);",
-         "cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(s_do, p.dout.row<const T>(batch, m0, head), seqlen_q - m0, headdim,"
+         "cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(s_do, p.dout.row<const T>(batch, seq.q_begin + m0, head), seqlen_q - m0, headdim,"
          " p.dout.row_stride, tid);")
 def dqw_load_q_do(smem, L, q, do, m0: int, headdim: int) -> None:
     """The query block's Q and dO (rows m0.. of q and do), once per CTA."""
@@ -135,7 +135,7 @@ def dqw_dq_steps(L, tiles) -> list[Step]:
          "const int tid = threadIdx.x, wg = tid / 128, warp = tid / 32, lane = tid % 32;",
          "const int row_lo = m0 + 16 * warp + lane / 4;",
          "const int m = row_lo + 8 * h;",
-         "const i64 stat = ((i64)batch * nheads + head) * seqlen_q + m;",
+         "const i64 stat = seq.stat(stat_dims, head, m);",
          "base_log2[h] = m < seqlen_q ? lse_base_log2(__ldg(lse + stat)) : 0.f;",
          "delta_row[h] = m < seqlen_q ? __ldg(delta + stat) : 0.f;")
 def dqw_thread_rows(m0: int, wg: int, lse, delta, seqlen_q: int, batch: int, head: int, nheads: int):
@@ -178,7 +178,7 @@ def dqw_p_and_ds(L, s_acc, dp_acc, visible, m0: int, n0: int, lane, row_lo, base
 
 @mirrors(DQW,
          "if (m >= seqlen_q) continue;",
-         "T* dq_row = p.dq.row<T>(batch, m, head);",
+         "T* dq_row = p.dq.row<T>(batch, seq.q_begin + m, head);",
          "const int col = 8 * f + 2 * (lane % 4);",
          "if (col < headdim)",
          "*reinterpret_cast<u32*>(dq_row + col) = pack2<T>(dq_acc[f][2 * h] * scale, dq_acc[f][2 * h + 1] * scale);")

@@ -64,9 +64,9 @@ def bwd_smem(d_tile: int, block_m: int, block_n: int, dq_add: str = "atomic") ->
          "const u32 s_k = base + L::K, s_v = base + L::V, s_dst = base + L::DST;",
          "const u32 s_q = base + L::Q + stage * L::Q_TILE, s_do = base + L::DO + stage * L::Q_TILE;",
          "cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(base + L::Q + stage * L::Q_TILE,"
-         " q + row_offset(batch, m0, head, q_sb, q_ss, q_sh), seqlen_q - m0, headdim, q_ss, tid);",
+         " q + row_offset(batch, seq.q_begin + m0, head, q_sb, q_ss, q_sh), seqlen_q - m0, headdim, q_ss, tid);",
          "cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(base + L::DO + stage * L::Q_TILE,"
-         " dout + row_offset(batch, m0, head, do_sb, do_ss, do_sh), seqlen_q - m0, headdim, do_ss, tid);",
+         " dout + row_offset(batch, seq.q_begin + m0, head, do_sb, do_ss, do_sh), seqlen_q - m0, headdim, do_ss, tid);",
          "cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(s_k, k_rows + n0 * k_ss, seqlen_k - n0, headdim, k_ss, tid);",
          "cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(s_v, v_rows + n0 * v_ss, seqlen_k - n0, headdim, v_ss, tid);")
 def bwd_tiles(L, stage: int) -> SimpleNamespace:
@@ -243,7 +243,7 @@ def bwd_dq_stage_stores(L, wg: int):
 
 
 @mirrors(BWD,
-         "const i64 dqa_head = (i64)batch * dqa_sb + (i64)head * dqa_sh;",
+         "const i64 dqa_head = (i64)batch * dqa_sb + (i64)head * dqa_sh + (i64)seq.q_begin * dqa_ss;",
          "const u32 s_warp = base + L::DQ_STAGE + (wg * 64 + 16 * warp_in_wg) * L::STAGE_ROW;",
          "if (lane == 0) bulk_wait_read_all();",
          "const int flip = (lane / 4) & 1;",

@@ -47,7 +47,7 @@ def fwd_smem(d_tile: int, block_m: int, block_n: int) -> SimpleNamespace:
          " k_rows + n0 * k_ss, seqlen_k - n0, headdim, k_ss, tid);",
          "cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(base + L::V + (j % L::V_STAGES) * L::KV_TILE,"
          " v_rows + n0 * v_ss, seqlen_k - n0, headdim, v_ss, tid);",
-         "cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(q_tile, p.q.row<const T>(batch, m0, head), seqlen_q - m0,"
+         "cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(q_tile, p.q.row<const T>(batch, seq.q_begin + m0, head), seqlen_q - m0,"
          " headdim, p.q.row_stride, tid);")
 def fwd_tiles(L, j: int) -> SimpleNamespace:
     """Tile addresses of key block j (stages: K j % 2, V j % 3)."""
