@@ -96,7 +96,6 @@ def test_the_packed_d128_tile_without_spills_on_large_smem_devices():
     a packed batch takes the PORTABLE row there, a dense one keeps its own."""
     dense = plans.plan_forward("100", np.float16, 128, masks.mask_for(True), 227 * 1024, family="mma")
     packed = plans.plan_forward("100", np.float16, 128, masks.mask_for(True, packed=True), 227 * 1024, family="mma")
-    assert dense.spec.name.replace("causal", "") != packed.spec.name.replace("causal_packed", "")
     assert packed.block_m == plans.FORWARD_TILES[("mma", plans.PORTABLE, 128)].block_m
     assert "_bn32_" in packed.spec.name and "_bn64_" in dense.spec.name
 
