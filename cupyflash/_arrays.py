@@ -13,6 +13,7 @@ import numbers
 import ml_dtypes
 import numpy as np
 
+from . import capture
 from ._dtypes import SUPPORTED, bfloat16, dtype_name, lse_dtype
 
 MAX_HEADDIM = 256
@@ -185,8 +186,8 @@ def check_scores_fit(q, k, scale: float) -> None:
     The kernels form s = scale log2(e) q·k (the SIMT ones scale q first). With a = |scale| log2(e),
     |s| <= a max|q| max(headdim max|k|, 1). Nothing is read from the arrays unless a > 1 and the
     largest values of the dtype could overflow; only then one max-abs reduction of q and of k is
-    made (for device arrays a synchronisation). The ordinary call (scale 1/sqrt(headdim) with
-    headdim >= 3, or float16 at any reasonable scale) reads nothing.
+    made (for device arrays a synchronisation, which cupyflash.capture's modes skip). The ordinary
+    call (scale 1/sqrt(headdim) with headdim >= 3, or float16 at any reasonable scale) reads nothing.
     """
     headdim = q.shape[-1]
     limit = float(np.finfo(lse_dtype(q.dtype)).max)
@@ -199,6 +200,8 @@ def check_scores_fit(q, k, scale: float) -> None:
     dtype_max = float(ml_dtypes.finfo(q.dtype).max)
     if amplification * dtype_max * max(headdim * dtype_max, 1.0) <= limit or q.size == 0 or k.size == 0:
         return
+    if not (isinstance(q, np.ndarray) and isinstance(k, np.ndarray)) and not capture.reads_allowed():
+        return  # cupyflash.capture: device values are not read back, as flash-attn never reads them
     bound = amplification * _max_abs(q) * max(headdim * _max_abs(k), 1.0)
     if bound > limit:
         raise ValueError(f"softmax_scale={scale:g} can overflow the {lse_dtype(q.dtype)} scores of these "

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _arrays as A
-from . import dispatch, testing
+from . import capture, dispatch, testing
 from ._dtypes import lse_dtype
 from .masks import check_window
 from .modifiers import check_modifiers
@@ -150,6 +150,7 @@ def _mma_ready(x, headdim_padded: int):
     return padded
 
 
+@capture.graph_safe
 def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, sink=None, score_mod=None, mask_mod=None, block_mask=None,
                     return_lse=False, backend="auto"):
@@ -272,6 +273,7 @@ def _forward_gpu(which, q, k, v, scale, causal, window, variant):
     return o, lse
 
 
+@capture.graph_safe
 def flash_attn_backward(do, q, k, v, o, lse, *, softmax_scale=None, causal=False, window_size=(-1, -1),
                         softcap=0.0, alibi_slopes=None, sink=None, score_mod=None, mask_mod=None, block_mask=None,
                         backend="auto", deterministic=True):

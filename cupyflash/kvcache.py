@@ -21,18 +21,23 @@ How a call runs:
 - the numpy backend: the NumPy twin of the KV-cache kernel's algorithm
   (numpy_backend.kvcache_forward: splits as ``num_splits`` asks, 0 meaning 1);
 - cache_seqlens, cache_batch_idx and block_table are read to the host for the checks (one
-  synchronisation each for device arrays), so a decode step cannot be captured in a CUDA graph.
+  synchronisation each for device arrays), except inside cupyflash.no_host_sync() and CUDA-graph
+  capture (cupyflash.capture): there device index arrays are used unread (their dtypes and
+  shapes checked), the append is a scatter on the device at each sequence's cache_seqlens, and
+  the kernel's grid is sized by the cache's capacity, so a captured decode step replays correctly
+  while its sequences grow (``_attend_unread``; float16 / bfloat16 on the KV-cache kernel only).
 """
 from __future__ import annotations
 
 import numpy as np
 
 from . import _arrays as A
-from . import api, dispatch
+from . import api, capture, dispatch
 from ._dtypes import lse_dtype
 from .masks import check_window
 from .scores import check_variant
-from .varlen import device_arrays, check_count, check_softcap, dense_forward, host_int32, sequence_variant
+from .varlen import (check_count, check_softcap, dense_forward, device_arrays, device_int32, host_int32, int32_index,
+                     sequence_variant, unread)
 
 __all__ = ["flash_attn_with_kvcache"]
 
@@ -258,6 +263,7 @@ def _batch_keys(cache, layout: CacheLayout, length: int):
 
 # --- the public function ----------------------------------------------------------------------------
 
+@capture.graph_safe
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, cache_batch_idx=None,
                             block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                             alibi_slopes=None, sink=None, num_splits=0, return_softmax_lse=False, return_lse=False,
@@ -308,12 +314,18 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     variant = check_variant(softcap, alibi_slopes, sink, batch, nheads)
     new_tokens = _check_new_kv(k, v, q.shape, k_cache.shape)
     appending = k is not None
-    layout = _check_layout(q.shape, k_cache.shape, new_tokens, appending, cache_seqlens, cache_batch_idx,
-                           block_table)
     scale = A.resolve_scale(softmax_scale, headdim)
     indices = {"cache_batch_idx": cache_batch_idx, "block_table": block_table}
     if not isinstance(cache_seqlens, (int, np.integer)):
         indices["cache_seqlens"] = cache_seqlens
+    given = {name: None if x is None else int32_index(x, name, 2 if name == "block_table" else 1)
+             for name, x in indices.items()}
+    if unread(*given.values()):
+        A.same_device({**arrays, **device_arrays(**indices)})
+        return _attend_unread(backend, q, k_cache, v_cache, k, v, new_tokens, cache_seqlens, given, scale, causal,
+                              window, want_lse, variant, int(num_splits))
+    layout = _check_layout(q.shape, k_cache.shape, new_tokens, appending, cache_seqlens, cache_batch_idx,
+                           block_table)
     A.same_device({**arrays, **device_arrays(**indices)})
     which = dispatch.choose(backend, dtype, headdim, "fwd")
     if appending:
@@ -361,6 +373,97 @@ def _attend_in_cache(q, k_cache, v_cache, layout: CacheLayout, scale, causal, wi
                         max_seqlen_k=int(layout.lengths.max(initial=0)), softmax_scale=scale,
                         mask=mask_for(causal, window, variant.score), variant=variant, num_splits=num_splits)
     return o, lse
+
+
+def _attend_unread(backend, q, k_cache, v_cache, k, v, new_tokens: int, cache_seqlens, given: dict, scale, causal,
+                   window, want_lse, variant, num_splits: int):
+    """flash_attn_with_kvcache with its device index arrays unread (cupyflash.capture): their dtypes
+    and shapes checked, their values taken as given (flash-attn's contract: each sequence fits its
+    cache, appends land on free slots). The append scatters k and v on the device at
+    cache_seqlens[b] .. + seqlen_new - 1 through the table; the KV-cache kernel reads each
+    sequence's length from the device and its grid is sized by the capacity of a sequence's cache,
+    so a captured call stays valid while the lengths grow between replays."""
+    from .kernels import kvcache_mma
+    from .masks import mask_for
+
+    cupy = A._cupy()
+    batch, seqlen_q, nheads, headdim = q.shape
+    appending = k is not None
+    paged = given.get("block_table") is not None
+    if paged and given.get("cache_batch_idx") is not None:
+        raise ValueError("cache_batch_idx and block_table cannot be combined (a paged cache is addressed "
+                         "through block_table alone, as in flash-attn)")
+    if paged:
+        table = given["block_table"]
+        page_size = k_cache.shape[1]
+        if table.shape[0] != batch:
+            raise ValueError(f"block_table must have shape (batch, max_blocks_per_seq) with batch = {batch}; "
+                             f"got {tuple(table.shape)}")
+        if page_size == 0:
+            raise ValueError("a paged k_cache (num_blocks, page_size, nheads_kv, headdim) needs page_size >= 1; "
+                             f"got shape {tuple(k_cache.shape)}")
+        capacity = table.shape[1] * page_size
+        table = device_int32(table, "block_table")
+    else:
+        rows = given.get("cache_batch_idx")
+        if rows is not None and rows.shape != (batch,):
+            raise ValueError(f"cache_batch_idx must have shape (batch,) = ({batch},); got {tuple(rows.shape)}")
+        if rows is None and k_cache.shape[0] < batch:
+            raise ValueError(f"k_cache has {k_cache.shape[0]} rows for a batch of {batch} sequences (sequence b "
+                             "reads row b unless cache_batch_idx says otherwise)")
+        page_size = capacity = k_cache.shape[1]
+        table = (cupy.arange(batch, dtype=np.int32) if rows is None else device_int32(rows, "cache_batch_idx"))
+        table = table.reshape(batch, 1)
+    if cache_seqlens is None:
+        if appending:
+            raise ValueError("k and v are appended at cache_seqlens: pass cache_seqlens (the tokens each sequence "
+                             "already has in the cache)")
+        old_lengths = cupy.full(batch, capacity, np.int32)
+    elif isinstance(cache_seqlens, (int, np.integer)):
+        old_lengths = cupy.full(batch, check_count(cache_seqlens, "cache_seqlens"), np.int32)
+    else:
+        old_lengths = given["cache_seqlens"]
+        if old_lengths.shape != (batch,):
+            raise ValueError(f"cache_seqlens must have shape (batch,) = ({batch},); got {tuple(old_lengths.shape)}")
+        old_lengths = device_int32(old_lengths, "cache_seqlens")
+    if backend == "numpy" or not api._on_gpu(backend) or dispatch.choose(backend, q.dtype, headdim, "fwd") != "mma" \
+            or not kvcache_mma.supports(q.dtype, headdim) or variant.mods is not None:
+        raise ValueError("cupyflash.no_host_sync() / CUDA-graph capture: the KV cache is read unread only by the "
+                         "tensor-core KV-cache kernel (float16 / bfloat16, a head dim that is a multiple of 8, "
+                         f"no user modifiers); this call ({np.dtype(q.dtype)}, headdim {headdim}, backend "
+                         f"{backend!r}) runs sequence by sequence and needs cache_seqlens, block_table and "
+                         "cache_batch_idx on the host")
+    for cache, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
+        if isinstance(cache, np.ndarray):
+            raise ValueError(f"cupyflash.no_host_sync() / CUDA-graph capture: {name} is a host array, and the append "
+                             "and the kernel work on device caches; pass CuPy caches")
+    if appending and batch * seqlen_q * nheads * new_tokens:
+        A.check_scores_fit(q, k, scale)  # its scale bounds only: device values stay unread
+    q = A.last_dim_contiguous(A.to_cupy(q, "q"))
+    if appending and batch * new_tokens:
+        positions = old_lengths[:, None] + cupy.arange(new_tokens, dtype=np.int32)[None, :]
+        if paged:
+            pages = table[cupy.arange(batch)[:, None], positions // page_size]
+            slots = positions % page_size
+        else:
+            pages, slots = cupy.broadcast_to(table, positions.shape), positions
+        for cache, new, name in ((k_cache, k, "k"), (v_cache, v, "v")):
+            cache[pages.ravel(), slots.ravel()] = A.to_cupy(new, name).reshape((-1,) + cache.shape[2:])
+    if batch * seqlen_q * nheads == 0:
+        o, lse = cupy.zeros(q.shape, q.dtype), cupy.full((batch, nheads, seqlen_q), -np.inf, np.float32)
+        return (o, lse) if want_lse else o
+    k_view, v_view = (A.last_dim_contiguous(c) for c in (k_cache, v_cache))
+    for a, name in ((q, "q"), (k_view, "k_cache"), (v_view, "v_cache")):
+        if any((st // a.itemsize) % 8 for st in a.strides[:3]) or a.data.ptr % 16:
+            raise ValueError(f"cupyflash.no_host_sync() / CUDA-graph capture: {name}'s strides or alignment are not "
+                             "the KV-cache kernel's (rows of 16 bytes, strides multiples of 8 elements)")
+    o = api._empty(q.shape, q.dtype, xp=cupy)
+    lse = api._empty((batch, nheads, seqlen_q), np.float32, xp=cupy)
+    kvcache_mma.forward(q, k_view, v_view, o, lse, seqlens_k=old_lengths + np.int32(new_tokens), block_table=table,
+                        page_size=max(1, page_size), paged=paged, max_seqlen_k=capacity, softmax_scale=scale,
+                        mask=mask_for(causal, window, variant.score), variant=variant.to(cupy),
+                        num_splits=num_splits)
+    return (o, lse) if want_lse else o
 
 
 def _append(k_cache, v_cache, k, v, layout: CacheLayout) -> None:

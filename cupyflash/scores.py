@@ -109,14 +109,18 @@ class Variant:
 
     def to(self, xp) -> "Variant":
         """The same values with arrays of module ``xp`` (contiguous float32)."""
-        def move(a):
+        def move(a, name):
             if a is None:
                 return None
             if xp is np and not isinstance(a, np.ndarray):
                 a = a.get()
+            elif xp is not np and isinstance(a, np.ndarray):
+                from . import capture
+
+                capture.refuse_host_upload(name)
             return xp.ascontiguousarray(xp.asarray(a, dtype=np.float32))
         mods = None if self.mods is None else self.mods.to(xp)
-        return Variant(self.softcap, move(self.alibi_slopes), move(self.sink), mods)
+        return Variant(self.softcap, move(self.alibi_slopes, "alibi_slopes"), move(self.sink, "sink"), mods)
 
 
 NO_VARIANT = Variant()

@@ -11,18 +11,21 @@ window (diag = seqlen_k[b] - seqlen_q[b]); sequences never see each other's keys
 On the GPU one launch per kernel covers the whole batch: the kernels read cu_seqlens themselves
 (the Packed mask policies of kernels_cu/mask.cuh, their Params' cu_seqlens_q / cu_seqlens_k), a
 CTA column per sequence over its longest one, so no padding is computed and no copy made. The
-cumulative lengths are still read back to the host once per call, for the checks (a
-synchronisation for device arrays). The NumPy backend runs the NumPy twin per sequence on views
+cumulative lengths are read back to the host once per call, for the checks (a synchronisation
+for device arrays), except inside cupyflash.no_host_sync() and CUDA-graph capture
+(cupyflash.capture): there device cu_seqlens are used as given and the grid is sized by
+max_seqlen_q / max_seqlen_k. The NumPy backend runs the NumPy twin per sequence on views
 (``per_sequence``), as do batches beyond the grid's 65535 sequences or heads.
 """
 from __future__ import annotations
 
 import numbers
+from typing import NamedTuple
 
 import numpy as np
 
 from . import _arrays as A
-from . import api, dispatch
+from . import api, capture, dispatch
 from .scores import NO_VARIANT, check_variant, sink_grad
 from ._dtypes import lse_dtype
 from .masks import check_window
@@ -48,16 +51,38 @@ def check_count(value, name: str) -> int:
     return int(value)
 
 
-def host_int32(x, name: str, ndim: int) -> np.ndarray:
-    """An int32 index array of ``ndim`` dimensions (NumPy, CuPy or DLPack), as a NumPy array on the
-    host (a device array is read back: a synchronisation)."""
+def int32_index(x, name: str, ndim: int):
+    """An int32 index array of ``ndim`` dimensions (NumPy, CuPy or DLPack), dtype and rank checked,
+    as a NumPy or a CuPy array (nothing read)."""
     kind = A.array_kind(x, name)
     array = A.take_array(x, name, kind)
     if np.dtype(array.dtype) != np.int32:
         raise TypeError(f"{name} must have dtype int32 (as flash-attn's); got {array.dtype}")
     if array.ndim != ndim:
         raise ValueError(f"{name} must be {ndim}-D; got shape {tuple(array.shape)}")
+    return array
+
+
+def host_int32(x, name: str, ndim: int) -> np.ndarray:
+    """int32_index's array on the host (a device array is read back: a synchronisation)."""
+    array = int32_index(x, name, ndim)
     return array if isinstance(array, np.ndarray) else array.get()
+
+
+def unread(*arrays) -> bool:
+    """Whether these index arrays (int32_index's) stay unread: some of them is on the device and
+    the call may not read it back (cupyflash.capture)."""
+    return any(a is not None and not isinstance(a, np.ndarray) for a in arrays) and not capture.reads_allowed()
+
+
+def device_int32(array, name: str):
+    """An index array (int32_index's) on the device, C-contiguous: a device array as it is (or a
+    contiguous copy, made on the device), a host one copied (not under capture)."""
+    cupy = A._cupy()
+    if isinstance(array, np.ndarray):
+        capture.refuse_host_upload(name)
+        return cupy.asarray(np.ascontiguousarray(array, dtype=np.int32))
+    return cupy.ascontiguousarray(array)
 
 
 def check_cu_seqlens(cu_seqlens: np.ndarray, name: str, total: int, total_name: str) -> np.ndarray:
@@ -100,18 +125,46 @@ def check_packed_shapes(q, k, v) -> tuple[int, int, int, int, int]:
     return total_q, total_k, nheads, nheads_kv, headdim
 
 
-def check_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q: int, total_k: int):
-    """(cu_seqlens_q, cu_seqlens_k) checked, as host int64 arrays."""
-    cu_q = host_int32(cu_seqlens_q, "cu_seqlens_q", 1)
-    cu_k = host_int32(cu_seqlens_k, "cu_seqlens_k", 1)
-    if cu_q.shape != cu_k.shape:
+class Sequences(NamedTuple):
+    """A call's checked cumulative lengths. ``cu_q``, ``cu_k``: host int64 copies, or None where
+    they stay on the device unread (cupyflash.capture: only their dtype and shape are checked);
+    ``given_q``, ``given_k``: the arrays as given (NumPy or CuPy); ``longest_q``, ``longest_k``: the
+    longest sequences, read, or the call's max_seqlen_q / max_seqlen_k where unread."""
+    count: int
+    cu_q: np.ndarray | None
+    cu_k: np.ndarray | None
+    given_q: object
+    given_k: object
+    longest_q: int
+    longest_k: int
+
+    @property
+    def read(self) -> bool:
+        return self.cu_q is not None
+
+
+def check_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q: int, total_k: int) -> Sequences:
+    """cu_seqlens_q and cu_seqlens_k checked: in full where they are read, dtype and shape only
+    where they stay on the device (cupyflash.capture)."""
+    given_q = int32_index(cu_seqlens_q, "cu_seqlens_q", 1)
+    given_k = int32_index(cu_seqlens_k, "cu_seqlens_k", 1)
+    if given_q.shape != given_k.shape:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1); got "
-                         f"{cu_q.shape[0]} and {cu_k.shape[0]}")
+                         f"{given_q.shape[0]} and {given_k.shape[0]}")
+    count = given_q.shape[0] - 1
+    if unread(given_q, given_k):
+        if count < 0:
+            raise ValueError("cu_seqlens_q must have batch + 1 entries (just [0] for an empty batch); got none")
+        return Sequences(count, None, None, given_q, given_k, check_count(max_seqlen_q, "max_seqlen_q"),
+                         check_count(max_seqlen_k, "max_seqlen_k"))
+    cu_q, cu_k = (x if isinstance(x, np.ndarray) else x.get() for x in (given_q, given_k))
     lengths_q = check_cu_seqlens(cu_q, "cu_seqlens_q", total_q, "q")
     lengths_k = check_cu_seqlens(cu_k, "cu_seqlens_k", total_k, "k")
     check_max_seqlen(lengths_q, max_seqlen_q, "max_seqlen_q", "query tokens")
     check_max_seqlen(lengths_k, max_seqlen_k, "max_seqlen_k", "key tokens")
-    return cu_q.astype(np.int64), cu_k.astype(np.int64)
+    longest = lambda lengths: int(lengths.max()) if lengths.size else 0
+    return Sequences(count, cu_q.astype(np.int64), cu_k.astype(np.int64), given_q, given_k, longest(lengths_q),
+                     longest(lengths_k))
 
 
 def device_arrays(**arrays) -> dict:
@@ -162,26 +215,27 @@ def dense_backward(which: str, do, q, k, v, o, lse, scale: float, causal: bool, 
 
 # --- the whole packed batch in one launch per kernel (GPU) ----------------------------------------
 
-def packed_batch(cu_seqlens_q, cu_seqlens_k, cu_q: np.ndarray, cu_k: np.ndarray):
+def packed_batch(sequences: Sequences):
     """The kernels' kernels.params.PackedBatch: the caller's cumulative lengths on the device as
     C-contiguous int32 (copied there from host arrays), the grid sized by the longest sequences."""
-    import cupy
-
     from .kernels.params import PackedBatch
 
-    def on_device(given, host):
-        if A.array_kind(given, "cu_seqlens") == "cupy":
-            return cupy.ascontiguousarray(A.take_array(given, "cu_seqlens", "cupy"))
-        return cupy.asarray(host.astype(np.int32))
-
-    longest = lambda cu: int(np.diff(cu).max()) if len(cu) > 1 else 0
-    return PackedBatch(on_device(cu_seqlens_q, cu_q), on_device(cu_seqlens_k, cu_k), longest(cu_q), longest(cu_k))
+    return PackedBatch(device_int32(sequences.given_q, "cu_seqlens_q"),
+                       device_int32(sequences.given_k, "cu_seqlens_k"), sequences.longest_q, sequences.longest_k)
 
 
-def packs(which: str, cu_q: np.ndarray, nheads: int, total_q: int, total_k: int) -> bool:
-    """Whether the batch runs packed: a GPU family, something to compute, and a grid that fits."""
-    return (which != "numpy" and total_q * nheads * total_k > 0 and len(cu_q) - 1 <= api.MAX_GRID_YZ
-            and nheads <= api.MAX_GRID_YZ)
+def packs(which: str, sequences: Sequences, nheads: int, total_q: int, total_k: int) -> bool:
+    """Whether the batch runs packed: a GPU family, something to compute, and a grid that fits.
+    Where it does not and the lengths stay unread, the per-sequence path cannot run: the error."""
+    fits = sequences.count <= api.MAX_GRID_YZ and nheads <= api.MAX_GRID_YZ
+    if which != "numpy" and total_q * nheads * total_k > 0 and fits:
+        return True
+    if not sequences.read and total_q * nheads * total_k > 0:
+        why = "backend 'numpy'" if which == "numpy" else f"{sequences.count} sequences and {nheads} heads"
+        raise ValueError(f"cupyflash.no_host_sync() / CUDA-graph capture: with {why} the batch runs sequence by "
+                         "sequence, which needs cu_seqlens on the host; pass NumPy cu_seqlens, or call outside "
+                         "no_host_sync() and capture (the GPU kernels take up to 65535 sequences and heads)")
+    return False
 
 
 def packed_forward(which: str, q, k, v, scale: float, causal: bool, window, variant, packed) -> tuple:
@@ -239,6 +293,7 @@ def _check_options(backend, causal, window_size, flag, flag_name, softcap):
     return backend, causal, window, flag, api._on_gpu(backend)
 
 
+@capture.graph_safe
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, softmax_scale=None,
                            causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sink=None,
                            return_lse=False, backend="auto"):
@@ -256,15 +311,17 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     or (o, lse) with lse (nheads, total_q), float32 (float64 for float64).
 
     On the GPU one launch covers every sequence (the kernels read cu_seqlens); cu_seqlens are
-    read to the host once for the checks (one synchronisation for device arrays).
+    read to the host once for the checks (one synchronisation for device arrays), except inside
+    cupyflash.no_host_sync() and CUDA-graph capture, which use device cu_seqlens unread and size
+    the grid by max_seqlen_q / max_seqlen_k (cupyflash.capture).
     """
     backend, causal, window, return_lse, on_gpu = _check_options(backend, causal, window_size, return_lse,
                                                                  "return_lse", softcap)
     arrays, host_out = api._take({"q": q, "k": k, "v": v})
     dtype = A.check_dtype(arrays)
     total_q, total_k, nheads, _, headdim = check_packed_shapes(*arrays.values())
-    cu_q, cu_k = check_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, total_k)
-    variant = check_variant(softcap, alibi_slopes, sink, len(cu_q) - 1, nheads)
+    sequences = check_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, total_k)
+    variant = check_variant(softcap, alibi_slopes, sink, sequences.count, nheads)
     scale = A.resolve_scale(softmax_scale, headdim)
     A.same_device({**arrays, **device_arrays(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)})
     which = dispatch.choose(backend, dtype, headdim, "fwd")
@@ -274,11 +331,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
     xp = np if which == "numpy" else A._cupy()
     variant = variant.to(xp)
-    if packs(which, cu_q, nheads, total_q, total_k):
-        o, lse = packed_forward(which, q, k, v, scale, causal, window, variant,
-                                packed_batch(cu_seqlens_q, cu_seqlens_k, cu_q, cu_k))
+    if packs(which, sequences, nheads, total_q, total_k):
+        o, lse = packed_forward(which, q, k, v, scale, causal, window, variant, packed_batch(sequences))
         o, lse = _finish((o, lse), which, host_out)
         return (o, lse) if return_lse else o
+    if not sequences.read:  # nothing to compute: every query row (if any) sees no key
+        o, lse = api.seeing_no_key(q[None], variant, xp)
+        o, lse = _finish((o[0], lse[0]), which, host_out)
+        return (o, lse) if return_lse else o
+    cu_q, cu_k = sequences.cu_q, sequences.cu_k
     o = api._empty(q.shape, dtype, xp=xp)
     lse = api._empty((nheads, total_q), lse_dtype(dtype), xp=xp)
     for b, (q0, q1, k0, k1) in enumerate(zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(),
@@ -308,6 +369,7 @@ def check_varlen_backward_arrays(do, o, lse, q_shape, dtype) -> None:
         raise TypeError(f"lse must have dtype {lse_dtype(dtype)} for {dtype} inputs; got {lse.dtype}")
 
 
+@capture.graph_safe
 def flash_attn_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                                softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                                sink=None, backend="auto", deterministic=True):
@@ -325,8 +387,8 @@ def flash_attn_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, 
     dtype = A.check_dtype({name: arrays[name] for name in ("q", "k", "v", "do", "o")})
     total_q, total_k, nheads, _, headdim = check_packed_shapes(arrays["q"], arrays["k"], arrays["v"])
     check_varlen_backward_arrays(arrays["do"], arrays["o"], arrays["lse"], arrays["q"].shape, dtype)
-    cu_q, cu_k = check_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, total_k)
-    variant = check_variant(softcap, alibi_slopes, sink, len(cu_q) - 1, nheads)
+    sequences = check_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, total_k)
+    variant = check_variant(softcap, alibi_slopes, sink, sequences.count, nheads)
     scale = A.resolve_scale(softmax_scale, headdim)
     A.same_device({**arrays, **device_arrays(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)})
     which = dispatch.choose(backend, dtype, headdim, "bwd")
@@ -336,12 +398,14 @@ def flash_attn_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, 
 
     xp = np if which == "numpy" else A._cupy()
     variant = variant.to(xp)
-    if packs(which, cu_q, nheads, total_q, total_k):
+    if packs(which, sequences, nheads, total_q, total_k):
         grads = packed_backward(which, do, q, k, v, o, lse, scale, causal, window, deterministic, variant,
-                                packed_batch(cu_seqlens_q, cu_seqlens_k, cu_q, cu_k))
+                                packed_batch(sequences))
+    elif not sequences.read:  # nothing to compute: no query row sees a key
+        grads = tuple(xp.zeros(x.shape, x.dtype) for x in (q, k, v))
     else:
-        grads = per_sequence_backward(which, do, q, k, v, o, lse, cu_q, cu_k, scale, causal, window,
-                                      deterministic, variant)
+        grads = per_sequence_backward(which, do, q, k, v, o, lse, sequences.cu_q, sequences.cu_k, scale, causal,
+                                      window, deterministic, variant)
     if variant.sink is not None:  # every row of the packed batch at once: D and lse per row
         grads += (sink_grad(variant.sink, do[None], o[None], lse[None], xp=xp),)
     return _finish(grads, which, host_out)

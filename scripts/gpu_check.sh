@@ -14,6 +14,9 @@
 #                                       then the decode bandwidth table and plot against cuDNN / FA2
 #   scripts/gpu_check.sh OUTDIR varlen   the packed kernels compiled, the varlen GPU tests, then the
 #                                       varlen bench (FA2 on the padded batch, cupyflash dense)
+#   scripts/gpu_check.sh OUTDIR capture  the no_host_sync / CUDA-graph tests, then the decode-loop
+#                                       bench (32 layers: checked, no_host_sync, graph) and the
+#                                       varlen bench (with device cu_seqlens unread)
 #   scripts/gpu_check.sh OUTDIR ncu     kernel by kernel, this tree against BEFORE_TREE (required):
 #                                       time, registers, instructions of NCU_CASES, then the full
 #                                       section set of NCU_FULL (ncu --clock-control none)
@@ -86,6 +89,14 @@ varlen)
         python scripts/pytest_shards.py --shards "${SHARDS:-6}" --limit "$(( ${TEST_LIMIT:-300} - 20 ))" \
         --out "$out/varlen-shards" -m gpu tests/test_varlen_gpu.py
     step varlen-bench 150 python -m cupyflash.bench.varlen --json "$out/varlen.json"
+    ;;
+capture)
+    export PYTHONPATH=$PWD
+    step capture-tests "${TEST_LIMIT:-300}" env HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-gpu}" \
+        python scripts/pytest_shards.py --shards "${SHARDS:-6}" --limit "$(( ${TEST_LIMIT:-300} - 20 ))" \
+        --out "$out/capture-shards" -m gpu tests/test_capture_gpu.py
+    step decode-loop 240 python -m cupyflash.bench.decode_loop --json "$out/decode-loop.json"
+    step varlen-bench 240 python -m cupyflash.bench.varlen --json "$out/varlen.json"
     ;;
 ncu)
     : "${BEFORE_TREE:?the ncu part compares against BEFORE_TREE}"

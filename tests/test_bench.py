@@ -884,3 +884,17 @@ def test_from_json_needs_neither_cupy_nor_torch(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().endswith("ok")
     assert "cupyflash-bench:memory:begin" in (tmp_path / "b.md").read_text()
+
+
+def test_decode_loop_table_and_bytes():
+    from cupyflash.bench import decode_loop
+
+    row = {"batch": 8, "cached": 4096, "capacity": 8192, "page_size": 16, "layers": 32, "heads": 32, "heads_kv": 8,
+           "headdim": 128, "steps": 40, "checked_ms": 9.5, "no_host_sync_ms": 3.25, "graph_ms": 2.0,
+           "graph_device_ms": 1.9, "step_bytes": 1, "graph_device_tbps": 3.5, "floor_ms": 1.6}
+    text = decode_loop.table({"copy_tbps": 4.2, "rows": [row]})
+    assert "| 8 | 4096 | paged 16 | 9.500 | 3.250 | 2.000 | 1.900 | 3.50 | 1.600 |" in text
+    # K + V of 32 layers, 8 sequences of 4096 tokens, 8 kv heads of 128 bf16 values
+    model = object.__new__(decode_loop._Model)
+    model.batch = 8
+    assert model.step_bytes(4096) == 32 * 2 * 8 * 4096 * 8 * 128 * 2
