@@ -412,8 +412,7 @@ def _attend_unread(backend, q, k_cache, v_cache, k, v, new_tokens: int, cache_se
             raise ValueError(f"k_cache has {k_cache.shape[0]} rows for a batch of {batch} sequences (sequence b "
                              "reads row b unless cache_batch_idx says otherwise)")
         page_size = capacity = k_cache.shape[1]
-        table = (cupy.arange(batch, dtype=np.int32) if rows is None else device_int32(rows, "cache_batch_idx"))
-        table = table.reshape(batch, 1)
+        table = _identity_rows(batch) if rows is None else device_int32(rows, "cache_batch_idx").reshape(batch, 1)
     if cache_seqlens is None:
         if appending:
             raise ValueError("k and v are appended at cache_seqlens: pass cache_seqlens (the tokens each sequence "
@@ -437,33 +436,55 @@ def _attend_unread(backend, q, k_cache, v_cache, k, v, new_tokens: int, cache_se
         if isinstance(cache, np.ndarray):
             raise ValueError(f"cupyflash.no_host_sync() / CUDA-graph capture: {name} is a host array, and the append "
                              "and the kernel work on device caches; pass CuPy caches")
+        if cache.strides[3] != cache.itemsize or any((st // cache.itemsize) % 8 for st in cache.strides[:3]) \
+                or cache.data.ptr % 16:
+            raise ValueError(f"cupyflash.no_host_sync() / CUDA-graph capture: {name}'s strides or alignment are not "
+                             "the KV-cache kernel's (a contiguous last dimension, rows of 16 bytes, strides "
+                             "multiples of 8 elements)")
     if appending and batch * seqlen_q * nheads * new_tokens:
         A.check_scores_fit(q, k, scale)  # its scale bounds only: device values stay unread
     q = A.last_dim_contiguous(A.to_cupy(q, "q"))
+    if any((st // q.itemsize) % 8 for st in q.strides[:3]) or q.data.ptr % 16:
+        q = cupy.ascontiguousarray(q)
+    seqlens_k = old_lengths
     if appending and batch * new_tokens:
-        positions = old_lengths[:, None] + cupy.arange(new_tokens, dtype=np.int32)[None, :]
-        if paged:
-            pages = table[cupy.arange(batch)[:, None], positions // page_size]
-            slots = positions % page_size
-        else:
-            pages, slots = cupy.broadcast_to(table, positions.shape), positions
-        for cache, new, name in ((k_cache, k, "k"), (v_cache, v, "v")):
-            cache[pages.ravel(), slots.ravel()] = A.to_cupy(new, name).reshape((-1,) + cache.shape[2:])
+        from .kernels import kvcache_append
+
+        if capacity == 0:
+            raise ValueError(f"the cache is too small for the append: its sequences hold 0 tokens, {new_tokens} "
+                             "are appended")
+
+        seqlens_k = cupy.empty(batch, np.int32)
+        kvcache_append.append(A.last_dim_contiguous(A.to_cupy(k, "k")), A.last_dim_contiguous(A.to_cupy(v, "v")),
+                              k_cache, v_cache, cache_seqlens=old_lengths, block_table=table, page_size=page_size,
+                              seqlens_k=seqlens_k)
     if batch * seqlen_q * nheads == 0:
         o, lse = cupy.zeros(q.shape, q.dtype), cupy.full((batch, nheads, seqlen_q), -np.inf, np.float32)
         return (o, lse) if want_lse else o
-    k_view, v_view = (A.last_dim_contiguous(c) for c in (k_cache, v_cache))
-    for a, name in ((q, "q"), (k_view, "k_cache"), (v_view, "v_cache")):
-        if any((st // a.itemsize) % 8 for st in a.strides[:3]) or a.data.ptr % 16:
-            raise ValueError(f"cupyflash.no_host_sync() / CUDA-graph capture: {name}'s strides or alignment are not "
-                             "the KV-cache kernel's (rows of 16 bytes, strides multiples of 8 elements)")
     o = api._empty(q.shape, q.dtype, xp=cupy)
     lse = api._empty((batch, nheads, seqlen_q), np.float32, xp=cupy)
-    kvcache_mma.forward(q, k_view, v_view, o, lse, seqlens_k=old_lengths + np.int32(new_tokens), block_table=table,
+    kvcache_mma.forward(q, k_cache, v_cache, o, lse, seqlens_k=seqlens_k, block_table=table,
                         page_size=max(1, page_size), paged=paged, max_seqlen_k=capacity, softmax_scale=scale,
                         mask=mask_for(causal, window, variant.score), variant=variant.to(cupy),
                         num_splits=num_splits)
     return (o, lse) if want_lse else o
+
+
+_IDENTITY_ROWS: dict = {}
+
+
+def _identity_rows(batch: int):
+    """(batch, 1) int32 [[0], [1], ...] on the current device: a contiguous cache's table without
+    cache_batch_idx. Kept per device and batch, but never one made under capture: its values
+    would exist only once the graph replays."""
+    cupy = A._cupy()
+    key = (cupy.cuda.Device().id, batch)
+    rows = _IDENTITY_ROWS.get(key)
+    if rows is None:
+        rows = cupy.arange(batch, dtype=np.int32).reshape(batch, 1)
+        if not capture.under_capture():
+            _IDENTITY_ROWS[key] = rows
+    return rows
 
 
 def _append(k_cache, v_cache, k, v, layout: CacheLayout) -> None:

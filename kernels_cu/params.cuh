@@ -146,6 +146,24 @@ struct CacheFwdParams {
     float* lse_partial;
 };
 
+// flash_kvcache_append: the new keys and values of each sequence written into its cache slots on
+// the device, so that a call reads no index array back and a CUDA graph can hold the append
+// (cupyflash.capture). Token t of sequence b goes to position cache_seqlens[b] + t, which
+// CacheFwdParams' addressing puts in slot position % page_size of page
+// block_table[b * block_table_stride + position / page_size] (a contiguous cache: one page per
+// sequence, its row, page_size its capacity). seqlens_k (or null) gets cache_seqlens[b] +
+// seqlen_new, the lengths the attention kernel then reads.
+struct AppendParams {
+    TensorRows k_new, v_new;    // (batch, seqlen_new, nheads_kv, headdim)
+    TensorRows k, v;            // the caches (pages, page_size, nheads_kv, headdim)
+    const int* cache_seqlens;   // (batch,)
+    const int* block_table;
+    i64 block_table_stride;
+    int* seqlens_k;
+    FastDivmod page;
+    int batch, seqlen_new, nheads_kv, headdim;
+};
+
 // flash_fwd_combine: o and lse of every (batch, head, query) row from its num_splits partial
 // results (CacheFwdParams' o_partial, lse_partial) by the LSE rule, the sink's term added once.
 struct CombineParams {

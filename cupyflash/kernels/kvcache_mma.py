@@ -172,15 +172,33 @@ class CachePlan(NamedTuple):
 def plan(dtype, headdim: int, mask: Mask, *, batch: int, seqlen_q: int, group: int, nheads_kv: int,
          max_seqlen_k: int, paged: bool, num_splits: int = 0, tiles: CacheTiles | None = None) -> CachePlan:
     """Kernel, grid and split of one call (num_splits 0: the heuristic's choice; ``tiles``: other
-    tiles than the table's, for tuning)."""
+    tiles than the table's, for tuning). Kept per device and arguments: a decode loop asks the
+    same question every step, and the answer took about a tenth of a call's host time."""
+    import cupy
+
+    key = (np.dtype(dtype), headdim, mask, batch, seqlen_q, group, nheads_kv, max_seqlen_k, paged, num_splits, tiles,
+           cupy.cuda.Device().id if num_splits == 0 else None)
+    planned = _PLANS.get(key)
+    if planned is None:
+        planned = _PLANS[key] = _plan(dtype, headdim, mask, batch=batch, seqlen_q=seqlen_q, group=group,
+                                      nheads_kv=nheads_kv, max_seqlen_k=max_seqlen_k, paged=paged,
+                                      num_splits=num_splits, tiles=tiles)
+    return planned
+
+
+_PLANS: dict = {}
+
+
+def _plan(dtype, headdim: int, mask: Mask, *, batch: int, seqlen_q: int, group: int, nheads_kv: int,
+          max_seqlen_k: int, paged: bool, num_splits: int, tiles: CacheTiles | None) -> CachePlan:
     dt = d_tile(headdim, TENSOR_CORE_D_TILES)
     tiles = cache_tiles(dt, seqlen_q * group) if tiles is None else tiles
     m_blocks = math.ceil(seqlen_q * group / tiles.block_m)
     key_blocks = max(1, math.ceil(max_seqlen_k / tiles.block_n))
     if num_splits == 0:
-        probe = specialization(dtype, dt, mask, tiles, paged, True)
         import cupy
 
+        probe = specialization(dtype, dt, mask, tiles, paged, True)
         num_splits = num_splits_heuristic(m_blocks * nheads_kv * batch, _slots(probe, cupy.cuda.Device().id),
                                           key_blocks)
     num_splits, per_split = split_layout(key_blocks, num_splits)  # no split past the longest sequence

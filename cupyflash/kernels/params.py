@@ -255,9 +255,14 @@ COMBINE_PARAMS = np.dtype([("o_partial", np.uint64), ("lse_partial", np.uint64),
                            ("lse", np.uint64), ("sink", np.uint64), ("num_splits", np.int32), ("batch", np.int32),
                            ("seqlen_q", np.int32), ("nheads", np.int32), ("headdim", np.int32)], align=True)
 
+APPEND_PARAMS = np.dtype([*((name, TENSOR_ROWS) for name in ("k_new", "v_new", "k", "v")),
+                          ("cache_seqlens", np.uint64), ("block_table", np.uint64), ("block_table_stride", np.int64),
+                          ("seqlens_k", np.uint64), ("page", FAST_DIVMOD), ("batch", np.int32),
+                          ("seqlen_new", np.int32), ("nheads_kv", np.int32), ("headdim", np.int32)], align=True)
+
 _CPP_NAMES.update({FAST_DIVMOD: "cf::FastDivmod", CACHE_FWD_PARAMS: "cf::CacheFwdParams",
-                   COMBINE_PARAMS: "cf::CombineParams"})
-__all__ += ["FAST_DIVMOD", "CACHE_FWD_PARAMS", "COMBINE_PARAMS", "fast_divmod"]
+                   COMBINE_PARAMS: "cf::CombineParams", APPEND_PARAMS: "cf::AppendParams"})
+__all__ += ["FAST_DIVMOD", "CACHE_FWD_PARAMS", "COMBINE_PARAMS", "APPEND_PARAMS", "fast_divmod"]
 
 
 def fast_divmod(divisor: int) -> tuple:

@@ -94,3 +94,32 @@ def test_cache_forward_refuses_layouts_the_kernel_cannot_take(monkeypatch):
     with pytest.raises(ValueError, match="int32"):
         kvcache_mma.forward(q, k, v, o, lse, seqlens_k=FakeArray((1,), np.int64), block_table=table, page_size=64,
                             paged=False, max_seqlen_k=64, softmax_scale=0.1, mask=mask_for(False), num_splits=1)
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 17, 4096])
+def test_append_launch(page_size, monkeypatch):
+    """kvcache_append.append: one launch over (sequence, new token) x kv head with one AppendParams
+    of the call's arrays, the table and its row stride, and the page divisor."""
+    from cupyflash.kernels import kvcache_append
+    from cupyflash.kernels.params import APPEND_PARAMS
+
+    recorder = LaunchRecorder(monkeypatch, [kvcache_append])
+    dtype = ml_dtypes.bfloat16
+    new = 3
+    k_new, v_new = FakeArray((B, new, HKV, D), dtype), FakeArray((B, new, HKV, D), dtype)
+    k, v = FakeArray((50, page_size, HKV, D), dtype), FakeArray((50, page_size, HKV, D), dtype)
+    seqlens, lengths_out = FakeArray((B,), np.int32), FakeArray((B,), np.int32)
+    table = FakeArray((B, 7), np.int32)
+    kvcache_append.append(k_new, v_new, k, v, cache_seqlens=seqlens, block_table=table, page_size=page_size,
+                          seqlens_k=lengths_out)
+    [launch] = recorder.take()
+    assert launch.spec == kvcache_append.specialization(2) and launch.grid == (B * new, HKV, 1)
+    assert launch.args[0].dtype == APPEND_PARAMS
+    [p] = launch.args[0]
+    for name, a in (("k_new", k_new), ("v_new", v_new), ("k", k), ("v", v)):
+        assert rows_of(p[name], a), name
+    assert (int(p["cache_seqlens"]), int(p["block_table"]), int(p["seqlens_k"])) == (
+        seqlens.data.ptr, table.data.ptr, lengths_out.data.ptr)
+    assert int(p["block_table_stride"]) == 7
+    assert tuple(p["page"].item()) == tuple(int(x) for x in fast_divmod(page_size))
+    assert (int(p["batch"]), int(p["seqlen_new"]), int(p["nheads_kv"]), int(p["headdim"])) == (B, new, HKV, D)
