@@ -320,7 +320,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
         indices["cache_seqlens"] = cache_seqlens
     given = {name: None if x is None else int32_index(x, name, 2 if name == "block_table" else 1)
              for name, x in indices.items()}
-    if unread(*given.values()):
+    on_device = not isinstance(k_cache, np.ndarray)
+    # Under capture every call takes this path (an int cache_seqlens included: its lengths become a
+    # device array there), so nothing is uploaded from the host inside the graph.
+    if unread(*given.values()) or (on_device and capture.under_capture()):
         A.same_device({**arrays, **device_arrays(**indices)})
         return _attend_unread(backend, q, k_cache, v_cache, k, v, new_tokens, cache_seqlens, given, scale, causal,
                               window, want_lse, variant, int(num_splits))

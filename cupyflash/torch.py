@@ -570,9 +570,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         _check_tensors(q, k, v)
     varlen.check_count(num_splits, "num_splits")
     if isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, bool):
-        # on the host: the kv-cache call reads the lengths on the host anyway, so a device tensor
-        # would cost a copy and a synchronisation per decode step
-        cache_seqlens = torch.full((q.shape[0],), int(cache_seqlens), dtype=torch.int32)
+        # on the host: the checked kv-cache call reads the lengths on the host anyway, so a device
+        # tensor would cost a copy and a synchronisation per decode step; under CUDA-graph capture
+        # on the device, where nothing may come from the host (cupyflash.capture)
+        capturing = q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        cache_seqlens = torch.full((q.shape[0],), int(cache_seqlens), dtype=torch.int32,
+                                   device=q.device if capturing else "cpu")
     cache_seqlens = _index_tensor(cache_seqlens, "cache_seqlens", q.device)
     cache_batch_idx = _index_tensor(cache_batch_idx, "cache_batch_idx", q.device)
     block_table = _index_tensor(block_table, "block_table", q.device)

@@ -298,3 +298,85 @@ def test_kvcache_appends_in_place_on_the_device(page_size):
         cache_seqlens=cupy.from_dlpack(seqlens), block_table=None if block_table is None else cupy.from_dlpack(block_table),
         causal=True)
     assert torch.equal(o, torch.from_dlpack(o_ref))
+
+
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_kvcache_decode_step_captures_into_a_torch_cuda_graph(page_size):
+    """A decode step (append one token, attend) captured with torch.cuda.graph and replayed while
+    cache_seqlens grows on the device: each replay equals the same call made eagerly inside
+    cupyflash.no_host_sync() on a mirror of the caches (the captured path, cupyflash.capture),
+    and the caches agree byte for byte."""
+    from cupyflash.torch import flash_attn_with_kvcache
+
+    batch, capacity, nheads, nheads_kv, headdim = 4, 256, 16, 4, 128
+    generator = torch.Generator(device="cuda").manual_seed(11)
+
+    def randn(*shape):
+        return torch.randn(shape, generator=generator, device="cuda").to(torch.bfloat16)
+
+    if page_size is None:
+        shape, block_table = (batch, capacity, nheads_kv, headdim), None
+    else:
+        pages = batch * capacity // page_size
+        shape = (pages, page_size, nheads_kv, headdim)
+        block_table = torch.randperm(pages, device="cuda", generator=generator).to(torch.int32).view(batch, -1)
+    k_cache, v_cache = randn(*shape), randn(*shape)
+    mirror = [c.clone() for c in (k_cache, v_cache)]
+    q = randn(batch, 1, nheads, headdim)
+    k_new, v_new = randn(batch, 1, nheads_kv, headdim), randn(batch, 1, nheads_kv, headdim)
+    seqlens = torch.tensor([0, 7, 100, 200], dtype=torch.int32, device="cuda")
+    seqlens_mirror = seqlens.clone()
+
+    def step(caches, lengths):
+        o = flash_attn_with_kvcache(q, caches[0], caches[1], k_new, v_new, cache_seqlens=lengths,
+                                    block_table=block_table, causal=True)
+        lengths += 1
+        return o
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture, on both
+        step((k_cache, v_cache), seqlens)
+        with cupyflash.no_host_sync():
+            step(mirror, seqlens_mirror)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step((k_cache, v_cache), seqlens)
+    for trial in range(3):
+        for t in (q, k_new, v_new):
+            t.copy_(randn(*t.shape))
+        graph.replay()
+        with cupyflash.no_host_sync():
+            expected = step(mirror, seqlens_mirror)
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected), trial
+        assert torch.equal(seqlens, seqlens_mirror)
+    for c, m in zip((k_cache, v_cache), mirror):
+        assert torch.equal(c.view(torch.int16), m.view(torch.int16))
+
+
+def test_varlen_forward_captures_into_a_torch_cuda_graph():
+    """flash_attn_varlen_func with device cu_seqlens under torch.cuda.graph: no read-back (which
+    capture forbids), replays over new inputs and new sequence boundaries equal eager calls."""
+    from cupyflash.torch import flash_attn_varlen_func
+
+    generator = torch.Generator(device="cuda").manual_seed(12)
+    total, heads, dim = 700, 4, 64
+    q, k, v = (torch.randn((total, heads, dim), generator=generator, device="cuda").to(torch.bfloat16)
+               for _ in range(3))
+    cu = torch.tensor([0, 300, 301, 700], dtype=torch.int32, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        flash_attn_varlen_func(q, k, v, cu, cu, 512, 512, causal=True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flash_attn_varlen_func(q, k, v, cu, cu, 512, 512, causal=True)
+    for cuts in ([0, 300, 301, 700], [0, 0, 512, 700]):
+        cu.copy_(torch.tensor(cuts, dtype=torch.int32))
+        q.copy_(torch.randn((total, heads, dim), generator=generator, device="cuda").to(torch.bfloat16))
+        graph.replay()
+        expected = flash_attn_varlen_func(q, k, v, cu, cu, 512, 512, causal=True)
+        assert torch.equal(out, expected), cuts
