@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One part of the GPU test suite as concurrent shards, everything it says in one file:
+#   scripts/gpu_suite_part.sh OUTFILE LIMIT_S PYTEST_PATHS...
+# Shard summaries, then every failure's and error's lines from the shard logs (the logs
+# themselves are deleted: a device run returns few files). HYPOTHESIS_PROFILE and SHARDS from the
+# environment (defaults dev, 14); benchmark tests run once each (--benchmark-disable).
+set -uo pipefail
+outfile=${1:?usage: gpu_suite_part.sh OUTFILE LIMIT_S PATHS...}
+limit=${2:?}
+shift 2
+cd "$(dirname "$0")/.."
+dir=$(mktemp -d)
+export HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-dev} PYTHONPATH=$PWD PYTEST_ADDOPTS="--benchmark-disable"
+python scripts/pytest_shards.py --shards "${SHARDS:-14}" --limit "$limit" --out "$dir" -m gpu "$@" > "$outfile" 2>&1
+status=$?
+for log in "$dir"/shard*.log; do
+    if grep -qE "FAILED|ERROR|Error|Timeout|no summary" "$log" || ! grep -qE "[0-9]+ passed" "$log"; then
+        echo "=== $(basename "$log")" >> "$outfile"
+        grep -E "^(FAILED|ERROR)|^E  |Error|passed|failed" "$log" | head -60 >> "$outfile"
+    fi
+done
+grep -h -oE "[0-9]+ (passed|failed|skipped|xfailed|errors?)" "$dir"/shard*.log | awk '{n[$2]+=$1} END {for (k in n) printf "%s %d  ", k, n[k]; print ""}' >> "$outfile"
+rm -rf "$dir"
+exit $status
