@@ -4,6 +4,7 @@ FlashAttention-2 through torch SDPA and a device-to-device copy, all in one run:
     python -m cupyflash.bench.kvcache_decode [--json FILE] [--plot PNG] [--quick]
     python -m cupyflash.bench.kvcache_decode --from-json FILE [--plot PNG]   (no GPU needed)
     python -m cupyflash.bench.kvcache_decode --tune   (the tile candidates)
+    python -m cupyflash.bench.kvcache_decode --splits (num_splits swept where cuDNN is ahead)
 
 One query token per sequence, bf16, d128, every sequence at the full length. For each shape
 (batch x query heads / kv heads at kv_len): cupyflash's kernel over a contiguous cache and over
@@ -253,11 +254,68 @@ def plot(result: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+SPLIT_SHAPES = ((8, 32, 8, 32768), (1, 32, 8, 131072))
+SPLIT_COUNTS = (0, 2, 4, 6, 8, 12, 16, 24, 32, 33, 48, 64, 96, 128)
+
+
+def split_sweep(shapes=SPLIT_SHAPES, counts=SPLIT_COUNTS, headdim=HEADDIM) -> list:
+    """K+V bandwidth of the contiguous-cache kernel at each requested num_splits (0: the
+    heuristic's), cuDNN's through SDPA in the same run: [(shape, requested, splits run, TB/s)]."""
+    import cupy
+    import ml_dtypes
+
+    from ..kernels import kvcache_mma
+    from ..masks import mask_for
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    rng = np.random.default_rng(0)
+    out = []
+    with stream:
+        for batch, hq, hkv, length in shapes:
+            kv_bytes = 2 * batch * length * hkv * headdim * 2
+            q = cupy.asarray(rng.standard_normal((batch, 1, hq, headdim), np.float32)).astype(ml_dtypes.bfloat16)
+            k = cupy.asarray(rng.standard_normal((batch, length, hkv, headdim), np.float32)).astype(q.dtype)
+            v = cupy.asarray(rng.standard_normal((batch, length, hkv, headdim), np.float32)).astype(q.dtype)
+            o, lse = cupy.empty_like(q), cupy.empty((batch, hq, 1), np.float32)
+            seqlens = cupy.full(batch, length, np.int32)
+            rows = cupy.arange(batch, dtype=np.int32).reshape(batch, 1)
+            for requested in counts:
+                splits = []
+
+                def run(_):
+                    splits.append(kvcache_mma.forward(q, k, v, o, lse, seqlens_k=seqlens, block_table=rows,
+                                                      page_size=length, paged=False, max_seqlen_k=length,
+                                                      softmax_scale=0.088, mask=mask_for(False),
+                                                      num_splits=requested))
+                timing = time_region(run, 1, policy=POLICY, stream=stream)
+                tbps = kv_bytes / timing.median_ms / 1e9
+                out.append(((batch, hq, hkv, length), requested, splits[-1], tbps))
+                print(f"{batch}x{hq}/{hkv} {length}: num_splits={requested} ran {splits[-1]}: {tbps:.2f} TB/s",
+                      flush=True)
+            try:
+                import torch
+                import torch.nn.functional as F
+                from torch.nn.attention import SDPBackend, sdpa_kernel
+
+                with torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr)), sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                    tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v))
+                    timing = time_region(lambda _: F.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True), 1,
+                                         policy=POLICY, stream=stream)
+                print(f"{batch}x{hq}/{hkv} {length}: cuDNN {kv_bytes / timing.median_ms / 1e9:.2f} TB/s", flush=True)
+            except Exception as exc:  # no torch, or cuDNN refuses
+                print(f"cuDNN: {type(exc).__name__}: {str(exc)[:120]}")
+            del q, k, v
+            cupy.get_default_memory_pool().free_all_blocks()
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the measurements here")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--tune", action="store_true", help="the candidate tiles (TUNE_TILES) instead")
+    parser.add_argument("--splits", action="store_true",
+                        help="num_splits swept on the shapes below cuDNN (SPLIT_SHAPES, SPLIT_COUNTS) instead")
     parser.add_argument("--from-json", help="print the table (and --plot) of an earlier run's --json file")
     parser.add_argument("--plot", help="write the bandwidth bars here (PNG)")
     args = parser.parse_args(argv)
@@ -270,6 +328,9 @@ def main(argv=None) -> int:
         return 0
     if args.tune:
         tune()
+        return 0
+    if args.splits:
+        split_sweep()
         return 0
     result = measure(quick=args.quick)
     print(table(result))
