@@ -117,48 +117,31 @@ def split_layout(key_blocks: int, num_splits: int) -> tuple[int, int]:
     return math.ceil(key_blocks / per_split), per_split
 
 
-def num_splits_heuristic(ctas: int, slots: int, key_blocks: int, max_splits: int = MAX_SPLITS) -> int:
-    """Splits of the keys for ``ctas`` CTAs (m_blocks x nheads_kv x batch) on a device that holds
-    ``slots`` of them at once, with ``key_blocks`` key tiles in the longest sequence. The candidates
-    are the split counts that can run (split_layout's, up to what fills the device four times over
-    and one key tile per split); each is scored by how full its last wave is (waves / ceil(waves),
-    sequences of equal length assumed), and of those within 95% of the best score the fewest
-    splits win: each split costs a partial O and a share of the combine. A grid that fills the
-    device in whole waves is not split. (85%, as flash-attn has it, left 12% of the H200 idle at
-    1 x 32/8 heads and 128k keys: 232 CTAs on 264 slots where 264 was one split more away.)"""
-    if ctas <= 0 or key_blocks <= 1:
+def num_splits_heuristic(ctas: int, sms: int, key_blocks: int, max_splits: int = MAX_SPLITS) -> int:
+    """Splits of the keys for ``ctas`` CTAs (m_blocks x nheads_kv x batch) on a device of ``sms``
+    multiprocessors, with ``key_blocks`` key tiles in the longest sequence: the count whose CTAs
+    come closest to one per SM (the fewer splits on a tie), among the counts that run as asked
+    (split_layout's); no split for a grid that already has a CTA per SM.
+
+    Why one per SM: each decode CTA keeps its stages of K and V tiles in flight, and one of them
+    per SM already streams K+V at the device's bandwidth; more CTAs share their SMs and only add
+    partial results to the combine. Measured on the H200 (132 SMs, bf16 d128, one query token,
+    ``python -m cupyflash.bench.kvcache_decode --splits``): 1 x 32/8 heads at 128k keys, 16 splits
+    (128 CTAs) 4.07 TB/s, 32 (256 CTAs, every slot of two per SM) 3.84; 8 x 32/8 at 32k, 2 splits
+    (128 CTAs) 4.36, 4 (256) 4.26. The rule before this one filled the slots (two CTAs per SM) and
+    was 3-6% slower there."""
+    if ctas <= 0 or key_blocks <= 1 or ctas >= sms:
         return 1
-    limit = max(1, min(max_splits, key_blocks, math.ceil(4 * slots / ctas)))
+    limit = max(1, min(max_splits, key_blocks))
     candidates = sorted({split_layout(key_blocks, t)[0] for t in range(1, limit + 1)})
-
-    def efficiency(s: int) -> float:
-        waves = ctas * s / slots
-        return waves / math.ceil(waves)
-
-    best = max(efficiency(s) for s in candidates)
-    return next(s for s in candidates if efficiency(s) >= 0.95 * best)
+    return min(candidates, key=lambda s: (abs(ctas * s - sms), s))
 
 
 @functools.lru_cache(maxsize=None)
-def _slots(spec: Specialization, device: int) -> int:
-    return _device_slots(spec)
-
-
-def _device_slots(spec: Specialization) -> int:
-    """CTAs of ``spec`` the current device holds at once: per SM the fewest that its registers
-    (the compiled kernel's, allocated per warp in units of 256), its shared memory (1 KiB of it
-    reserved per block), its 2048 threads and 32 blocks allow, times the SMs."""
+def _multiprocessors(device: int) -> int:
     import cupy
 
-    from ._module import get_function
-
-    attributes = cupy.cuda.Device().attributes
-    warps = spec.threads // 32
-    warp_regs = -(-get_function(spec).num_regs * 32 // 256) * 256
-    by_regs = int(attributes["MaxRegistersPerMultiprocessor"]) // (warp_regs * warps)
-    by_smem = int(attributes["MaxSharedMemoryPerMultiprocessor"]) // (spec.smem_bytes + 1024)
-    per_sm = min(32, by_regs, by_smem, int(attributes["MaxThreadsPerMultiProcessor"]) // spec.threads)
-    return int(attributes["MultiProcessorCount"]) * max(1, per_sm)
+    return int(cupy.cuda.Device(device).attributes["MultiProcessorCount"])
 
 
 class CachePlan(NamedTuple):
@@ -198,8 +181,7 @@ def _plan(dtype, headdim: int, mask: Mask, *, batch: int, seqlen_q: int, group: 
     if num_splits == 0:
         import cupy
 
-        probe = specialization(dtype, dt, mask, tiles, paged, True)
-        num_splits = num_splits_heuristic(m_blocks * nheads_kv * batch, _slots(probe, cupy.cuda.Device().id),
+        num_splits = num_splits_heuristic(m_blocks * nheads_kv * batch, _multiprocessors(cupy.cuda.Device().id),
                                           key_blocks)
     num_splits, per_split = split_layout(key_blocks, num_splits)  # no split past the longest sequence
     split_keys = per_split * tiles.block_n
