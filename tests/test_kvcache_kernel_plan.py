@@ -64,6 +64,36 @@ def test_the_split_heuristic_comes_closest_to_one_cta_per_sm(ctas, sms, key_bloc
     assert all(abs(ctas * t - sms) > distance or (abs(ctas * t - sms) == distance and t >= s) for t in runnable)
 
 
+def efficiency(ctas, slots, s):
+    waves = ctas * s / slots
+    return waves / math.ceil(waves)
+
+
+@given(ctas=st.integers(1, 5000), slots=st.integers(1, 2000), key_blocks=st.integers(0, 5000))
+def test_the_paged_split_heuristic_fills_the_last_wave(ctas, slots, key_blocks):
+    s = kvcache_mma.paged_num_splits_heuristic(ctas, slots, key_blocks)
+    limit = max(1, min(kvcache_mma.MAX_SPLITS, key_blocks, math.ceil(4 * slots / ctas)))
+    assert 1 <= s <= limit
+    if key_blocks <= 1:
+        assert s == 1
+        return
+    runnable = sorted({kvcache_mma.split_layout(key_blocks, t)[0] for t in range(1, limit + 1)})
+    assert s in runnable and kvcache_mma.split_layout(key_blocks, s)[0] == s  # it runs as chosen
+    best = max(efficiency(ctas, slots, t) for t in runnable)
+    assert efficiency(ctas, slots, s) >= 0.95 * best
+    assert all(efficiency(ctas, slots, t) < 0.95 * best for t in runnable if t < s)  # the fewest that do
+
+
+def test_the_paged_split_heuristic_on_the_decode_shapes():
+    """The H200 (2 decode CTAs per SM at d128, 264 slots): the splits of the decode table's paged runs."""
+    slots = 264
+    assert kvcache_mma.paged_num_splits_heuristic(8 * 32, slots, 512) == 1
+    assert kvcache_mma.paged_num_splits_heuristic(8 * 8, slots, 512) == 4
+    assert kvcache_mma.paged_num_splits_heuristic(1 * 8, slots, 2048) == 32
+    assert kvcache_mma.paged_num_splits_heuristic(64 * 8, slots, 64) == 1
+    assert kvcache_mma.paged_num_splits_heuristic(2 * slots, slots, 64) == 1
+
+
 @given(key_blocks=st.integers(0, 10000), num_splits=st.integers(0, 1000))
 def test_a_split_layout_covers_the_tiles_without_an_empty_split(key_blocks, num_splits):
     splits, per_split = kvcache_mma.split_layout(key_blocks, num_splits)

@@ -259,8 +259,9 @@ SPLIT_COUNTS = (0, 2, 4, 6, 8, 12, 16, 24, 32, 33, 48, 64, 96, 128)
 
 
 def split_sweep(shapes=SPLIT_SHAPES, counts=SPLIT_COUNTS, headdim=HEADDIM) -> list:
-    """K+V bandwidth of the contiguous-cache kernel at each requested num_splits (0: the
-    heuristic's), cuDNN's through SDPA in the same run: [(shape, requested, splits run, TB/s)]."""
+    """K+V bandwidth of the KV-cache kernel over a contiguous cache and a page-16 cache at each
+    requested num_splits (0: the heuristic's), cuDNN's through SDPA in the same run:
+    [(shape, layout, requested, splits run, TB/s)]."""
     import cupy
     import ml_dtypes
 
@@ -278,20 +279,24 @@ def split_sweep(shapes=SPLIT_SHAPES, counts=SPLIT_COUNTS, headdim=HEADDIM) -> li
             v = cupy.asarray(rng.standard_normal((batch, length, hkv, headdim), np.float32)).astype(q.dtype)
             o, lse = cupy.empty_like(q), cupy.empty((batch, hq, 1), np.float32)
             seqlens = cupy.full(batch, length, np.int32)
-            rows = cupy.arange(batch, dtype=np.int32).reshape(batch, 1)
-            for requested in counts:
-                splits = []
+            pk, pv, table = _paged(k, v, 16, rng)
+            layouts = {"contiguous": (k, v, cupy.arange(batch, dtype=np.int32).reshape(batch, 1), length, False),
+                       "paged16": (pk, pv, table, 16, True)}
+            for name, (kc, vc, tab, page, paged) in layouts.items():
+                for requested in counts:
+                    splits = []
 
-                def run(_):
-                    splits.append(kvcache_mma.forward(q, k, v, o, lse, seqlens_k=seqlens, block_table=rows,
-                                                      page_size=length, paged=False, max_seqlen_k=length,
-                                                      softmax_scale=0.088, mask=mask_for(False),
-                                                      num_splits=requested))
-                timing = time_region(run, 1, policy=POLICY, stream=stream)
-                tbps = kv_bytes / timing.median_ms / 1e9
-                out.append(((batch, hq, hkv, length), requested, splits[-1], tbps))
-                print(f"{batch}x{hq}/{hkv} {length}: num_splits={requested} ran {splits[-1]}: {tbps:.2f} TB/s",
-                      flush=True)
+                    def run(_):
+                        splits.append(kvcache_mma.forward(q, kc, vc, o, lse, seqlens_k=seqlens, block_table=tab,
+                                                          page_size=page, paged=paged, max_seqlen_k=length,
+                                                          softmax_scale=0.088, mask=mask_for(False),
+                                                          num_splits=requested))
+                    timing = time_region(run, 1, policy=POLICY, stream=stream)
+                    tbps = kv_bytes / timing.median_ms / 1e9
+                    out.append(((batch, hq, hkv, length), name, requested, splits[-1], tbps))
+                    print(f"{batch}x{hq}/{hkv} {length} {name}: num_splits={requested} ran {splits[-1]}: "
+                          f"{tbps:.2f} TB/s", flush=True)
+            del pk, pv, layouts
             try:
                 import torch
                 import torch.nn.functional as F

@@ -5,7 +5,8 @@ to 256, contiguous or paged caches of any page size, each sequence its own cache
 A call is one launch of (m_blocks x num_splits, nheads_kv, batch) CTAs, m_blocks the 16 WARPS-row
 blocks of the seqlen_q * group packed (query, head) rows of one kv head, and with num_splits > 1
 one combine launch. ``plan`` picks the tiles and the split count from the shape and the device
-(``num_splits_heuristic``); the caller may set num_splits itself (flash-attn's argument).
+(``num_splits_heuristic``, ``paged_num_splits_heuristic`` for paged caches); the caller may set
+num_splits itself (flash-attn's argument).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from ..masks import KINDS, VARIANT_KINDS, Mask
 from ..plans import tensor_core_supports
 
 __all__ = ["CacheTiles", "cache_tiles", "specialization", "combine_specialization", "specializations",
-           "num_splits_heuristic", "split_layout", "supports", "forward", "smem_bytes", "MAX_SPLITS", "COMBINE_ROWS"]
+           "num_splits_heuristic", "paged_num_splits_heuristic", "split_layout", "supports", "forward", "smem_bytes", "MAX_SPLITS", "COMBINE_ROWS"]
 
 MAX_SPLITS = 128
 COMBINE_ROWS = 4  # flash_fwd_combine.cu's COMBINE_ROWS_PER_BLOCK
@@ -129,12 +130,53 @@ def num_splits_heuristic(ctas: int, sms: int, key_blocks: int, max_splits: int =
     ``python -m cupyflash.bench.kvcache_decode --splits``): 1 x 32/8 heads at 128k keys, 16 splits
     (128 CTAs) 4.07 TB/s, 32 (256 CTAs, every slot of two per SM) 3.84; 8 x 32/8 at 32k, 2 splits
     (128 CTAs) 4.36, 4 (256) 4.26. The rule before this one filled the slots (two CTAs per SM) and
-    was 3-6% slower there."""
+    was 3-6% slower there; paged caches keep it (paged_num_splits_heuristic) until measured."""
     if ctas <= 0 or key_blocks <= 1 or ctas >= sms:
         return 1
     limit = max(1, min(max_splits, key_blocks))
     candidates = sorted({split_layout(key_blocks, t)[0] for t in range(1, limit + 1)})
     return min(candidates, key=lambda s: (abs(ctas * s - sms), s))
+
+
+def paged_num_splits_heuristic(ctas: int, slots: int, key_blocks: int, max_splits: int = MAX_SPLITS) -> int:
+    """The split rule of paged caches, for ``ctas`` CTAs on a device that holds ``slots`` of them
+    at once: the one all layouts had before num_splits_heuristic's sweep, which measured
+    contiguous caches only (a paged cache's per-row page lookups may want the second CTA per SM
+    to hide their latency; ``kvcache_decode --splits`` measures page 16 too, not yet run). The
+    candidates are the split counts that can run (split_layout's, up to what fills the device
+    four times over and one key tile per split); each is scored by how full its last wave is
+    (waves / ceil(waves)), and of those within 95% of the best score the fewest splits win. A grid
+    that fills the device in whole waves is not split. (85%, as flash-attn has it, left 12% of the
+    H200 idle at 1 x 32/8 heads and 128k keys: 232 CTAs on 264 slots.)"""
+    if ctas <= 0 or key_blocks <= 1:
+        return 1
+    limit = max(1, min(max_splits, key_blocks, math.ceil(4 * slots / ctas)))
+    candidates = sorted({split_layout(key_blocks, t)[0] for t in range(1, limit + 1)})
+
+    def efficiency(s: int) -> float:
+        waves = ctas * s / slots
+        return waves / math.ceil(waves)
+
+    best = max(efficiency(s) for s in candidates)
+    return next(s for s in candidates if efficiency(s) >= 0.95 * best)
+
+
+@functools.lru_cache(maxsize=None)
+def _slots(spec: Specialization, device: int) -> int:
+    """CTAs of ``spec`` device ``device`` holds at once: per SM the fewest that its registers
+    (the compiled kernel's, allocated per warp in units of 256), its shared memory (1 KiB of it
+    reserved per block), its 2048 threads and 32 blocks allow, times the SMs."""
+    import cupy
+
+    from ._module import get_function
+
+    attributes = cupy.cuda.Device(device).attributes
+    warps = spec.threads // 32
+    warp_regs = -(-get_function(spec).num_regs * 32 // 256) * 256
+    by_regs = int(attributes["MaxRegistersPerMultiprocessor"]) // (warp_regs * warps)
+    by_smem = int(attributes["MaxSharedMemoryPerMultiprocessor"]) // (spec.smem_bytes + 1024)
+    per_sm = min(32, by_regs, by_smem, int(attributes["MaxThreadsPerMultiProcessor"]) // spec.threads)
+    return int(attributes["MultiProcessorCount"]) * max(1, per_sm)
 
 
 @functools.lru_cache(maxsize=None)
@@ -181,8 +223,12 @@ def _plan(dtype, headdim: int, mask: Mask, *, batch: int, seqlen_q: int, group: 
     if num_splits == 0:
         import cupy
 
-        num_splits = num_splits_heuristic(m_blocks * nheads_kv * batch, _multiprocessors(cupy.cuda.Device().id),
-                                          key_blocks)
+        device, ctas = cupy.cuda.Device().id, m_blocks * nheads_kv * batch
+        if paged:
+            probe = specialization(dtype, dt, mask, tiles, paged, True)
+            num_splits = paged_num_splits_heuristic(ctas, _slots(probe, device), key_blocks)
+        else:
+            num_splits = num_splits_heuristic(ctas, _multiprocessors(device), key_blocks)
     num_splits, per_split = split_layout(key_blocks, num_splits)  # no split past the longest sequence
     split_keys = per_split * tiles.block_n
     split = num_splits > 1
