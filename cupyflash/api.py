@@ -29,6 +29,12 @@ def _take(arrays: dict) -> tuple[dict, bool]:
     return {name: A.take_array(x, name, kinds[name]) for name, x in arrays.items()}, host_out
 
 
+def _refuse_host_under_capture(arrays: dict, backend: str) -> None:
+    """Under CUDA-graph capture every array is on the device and the backend a GPU one
+    (cupyflash.capture): the error otherwise, before anything is queued."""
+    capture.refuse_host_arrays((name for name, x in arrays.items() if isinstance(x, np.ndarray)), backend)
+
+
 def _move(arrays: dict, on_gpu: bool) -> dict:
     """Checked arrays moved to the compute side, each with a contiguous last dimension."""
     convert = A.to_cupy if on_gpu else A.to_numpy
@@ -183,6 +189,7 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     return_lse = A.check_flag(return_lse, "return_lse")
     on_gpu = _on_gpu(backend)
     arrays, host_out = _take({"q": q, "k": k, "v": v})
+    _refuse_host_under_capture(arrays, backend)
     dtype = A.check_dtype(arrays)
     batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim = A.check_qkv_shapes(*arrays.values())
     which = dispatch.choose(backend, dtype, headdim, "fwd")
@@ -292,6 +299,7 @@ def flash_attn_backward(do, q, k, v, o, lse, *, softmax_scale=None, causal=False
     deterministic = A.check_flag(deterministic, "deterministic")
     on_gpu = _on_gpu(backend)
     arrays, host_out = _take({"do": do, "q": q, "k": k, "v": v, "o": o, "lse": lse})
+    _refuse_host_under_capture(arrays, backend)
     dtype = A.check_dtype({name: arrays[name] for name in ("q", "k", "v", "do", "o")})
     batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim = A.check_qkv_shapes(
         arrays["q"], arrays["k"], arrays["v"])

@@ -32,19 +32,31 @@ Memory under capture. A captured graph writes to the same addresses at every rep
 later allocation may be handed the memory a captured call used. A call made while the current
 stream captures therefore allocates from a CuPy memory pool of its own, which is kept for the
 life of the process (its outputs, scratch and temporaries; a call's pool is about what the call
-allocates). With cupyflash.torch the allocator is torch's, whose graph pools keep such memory
-already, and it is left as it is.
+allocates, and every captured call keeps one). With cupyflash.torch the allocator is torch's,
+whose graph pools keep such memory already, and it is left as it is (``graph_aware_allocator``).
+Under capture every array must already be on the device (a host array's upload, or a result's
+download, cannot be captured), and the capture mode must allow cudaMalloc: CuPy's default,
+relaxed, does; torch.cuda.graph's allocator does its own.
+
+no_host_sync() holds in its context (contextvars): threads it starts do not inherit it.
+Warm a step up inside no_host_sync() before capturing it, so that the kernels the captured call
+launches (its grid, its split count) are compiled and loaded before the capture.
 """
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import sys
-import threading
 
-__all__ = ["no_host_sync", "reads_allowed", "capturing", "under_capture", "graph_safe", "refuse_host_upload"]
+__all__ = ["no_host_sync", "reads_allowed", "capturing", "under_capture", "graph_safe", "refuse_host_upload",
+           "refuse_host_arrays", "graph_aware_allocator"]
 
-_local = threading.local()
+# no_host_sync()'s depth; the decision of the public call under way, (reads allowed, capturing),
+# or None outside one; whether the current allocator keeps captured memory itself (torch's).
+_NO_SYNC = contextvars.ContextVar("cupyflash_no_host_sync", default=0)
+_CALL = contextvars.ContextVar("cupyflash_call", default=None)
+_GRAPH_AWARE = contextvars.ContextVar("cupyflash_graph_aware_allocator", default=False)
 # Memory pools of the calls made under capture: the graphs that recorded them refer to their blocks.
 _GRAPH_POOLS: list = []
 # cudaErrorStreamCaptureUnsupported .. cudaErrorStreamCaptureWrongThread: a query that fails with
@@ -55,12 +67,23 @@ _CAPTURE_ERRORS = range(900, 909)
 @contextlib.contextmanager
 def no_host_sync():
     """Inside, calls read no device array back to the host (the module docstring)."""
-    depth = getattr(_local, "no_sync", 0)
-    _local.no_sync = depth + 1
+    token = _NO_SYNC.set(_NO_SYNC.get() + 1)
     try:
         yield
     finally:
-        _local.no_sync = depth
+        _NO_SYNC.reset(token)
+
+
+@contextlib.contextmanager
+def graph_aware_allocator():
+    """Inside, CuPy's current allocator is one that keeps memory allocated under capture for the
+    graph itself (cupyflash.torch's: torch's caching allocator and its graph pools), so captured
+    calls do not switch to a pool of their own."""
+    token = _GRAPH_AWARE.set(True)
+    try:
+        yield
+    finally:
+        _GRAPH_AWARE.reset(token)
 
 
 def capturing() -> bool:
@@ -77,45 +100,54 @@ def capturing() -> bool:
 def reads_allowed() -> bool:
     """Whether the call under way may read device arrays back to the host: not inside
     no_host_sync(), not while the current stream captures."""
-    state = getattr(_local, "call", None)
+    state = _CALL.get()
     if state is not None:
         return state[0]
-    return not getattr(_local, "no_sync", 0) and not capturing()
+    return not _NO_SYNC.get() and not capturing()
 
 
 def under_capture() -> bool:
     """capturing(), as decided at the start of the call under way."""
-    state = getattr(_local, "call", None)
+    state = _CALL.get()
     return state[1] if state is not None else capturing()
-
-
-def _uses_default_pool(cupy) -> bool:
-    return cupy.cuda.get_allocator() == cupy.get_default_memory_pool().malloc
 
 
 def graph_safe(fn):
     """A public function whose calls follow this module: whether reads are allowed is decided
-    once per outermost call, and under capture with CuPy's default pool the call allocates from a
-    pool of its own."""
+    once per outermost call, and under capture the call allocates from a pool of its own (unless
+    the allocator is graph-aware: graph_aware_allocator)."""
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        if getattr(_local, "call", None) is not None:  # inside another public call (a vjp, a fallback)
+        if _CALL.get() is not None:  # inside another public call (a vjp, a fallback)
             return fn(*args, **kwargs)
         capture = capturing()
-        _local.call = (not capture and not getattr(_local, "no_sync", 0), capture)
+        token = _CALL.set((not capture and not _NO_SYNC.get(), capture))
         try:
-            if capture:
+            if capture and not _GRAPH_AWARE.get():
                 cupy = sys.modules["cupy"]
-                if _uses_default_pool(cupy):
-                    pool = cupy.cuda.MemoryPool()
-                    _GRAPH_POOLS.append(pool)
-                    with cupy.cuda.using_allocator(pool.malloc):
-                        return fn(*args, **kwargs)
+                pool = cupy.cuda.MemoryPool()
+                _GRAPH_POOLS.append(pool)
+                with cupy.cuda.using_allocator(pool.malloc):
+                    return fn(*args, **kwargs)
             return fn(*args, **kwargs)
         finally:
-            _local.call = None
+            _CALL.reset(token)
 
     return call
+
+
+def refuse_host_arrays(host_names, backend: str) -> None:
+    """Under capture: the error for arrays that are on the host (``host_names``) or a NumPy
+    backend, neither of which a graph can hold (an upload, a download, host computation)."""
+    if not under_capture():
+        return
+    if backend == "numpy":
+        raise ValueError("backend='numpy' cannot run inside a CUDA-graph capture: the NumPy twin computes on the host")
+    names = list(host_names)
+    if names:
+        raise ValueError(f"{', '.join(names)} {'is a host array' if len(names) == 1 else 'are host arrays'}: inside "
+                         "a CUDA-graph capture every array must already be on the device (a host-to-device copy, "
+                         "or the copy of a result back, cannot be captured); pass CuPy arrays")
 
 
 def refuse_host_upload(name: str) -> None:

@@ -306,6 +306,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     if v is not None:
         named["v"] = v
     arrays, host_out = api._take(named)
+    api._refuse_host_under_capture(arrays, backend)
     dtype = A.check_dtype(arrays)
     q, k_cache, v_cache = arrays["q"], arrays["k_cache"], arrays["v_cache"]
     k, v = arrays.get("k"), arrays.get("v")
@@ -381,23 +382,23 @@ def _attend_in_cache(q, k_cache, v_cache, layout: CacheLayout, scale, causal, wi
 def _attend_unread(backend, q, k_cache, v_cache, k, v, new_tokens: int, cache_seqlens, given: dict, scale, causal,
                    window, want_lse, variant, num_splits: int):
     """flash_attn_with_kvcache with its device index arrays unread (cupyflash.capture): their dtypes
-    and shapes checked, their values taken as given (flash-attn's contract: each sequence fits its
-    cache, appends land on free slots). The append scatters k and v on the device at
-    cache_seqlens[b] .. + seqlen_new - 1 through the table; the KV-cache kernel reads each
-    sequence's length from the device and its grid is sized by the capacity of a sequence's cache,
-    so a captured call stays valid while the lengths grow between replays."""
+    and shapes checked, the values of those on the host checked as far as the others allow, the
+    device values taken as given (flash-attn's contract: each sequence fits its cache, appends land
+    on free slots). Every check runs before anything is queued. The append writes k and v on the
+    device at cache_seqlens[b] .. + seqlen_new - 1 through the table (flash_kvcache_append.cu); the
+    KV-cache kernel reads each sequence's length from the device and its grid is sized by the
+    capacity of a sequence's cache, so a captured call stays valid while the lengths grow."""
     from .kernels import kvcache_mma
     from .masks import mask_for
 
-    cupy = A._cupy()
     batch, seqlen_q, nheads, headdim = q.shape
     appending = k is not None
-    paged = given.get("block_table") is not None
-    if paged and given.get("cache_batch_idx") is not None:
+    rows, table = given.get("cache_batch_idx"), given.get("block_table")
+    paged = table is not None
+    if paged and rows is not None:
         raise ValueError("cache_batch_idx and block_table cannot be combined (a paged cache is addressed "
                          "through block_table alone, as in flash-attn)")
     if paged:
-        table = given["block_table"]
         page_size = k_cache.shape[1]
         if table.shape[0] != batch:
             raise ValueError(f"block_table must have shape (batch, max_blocks_per_seq) with batch = {batch}; "
@@ -406,28 +407,39 @@ def _attend_unread(backend, q, k_cache, v_cache, k, v, new_tokens: int, cache_se
             raise ValueError("a paged k_cache (num_blocks, page_size, nheads_kv, headdim) needs page_size >= 1; "
                              f"got shape {tuple(k_cache.shape)}")
         capacity = table.shape[1] * page_size
-        table = device_int32(table, "block_table")
     else:
-        rows = given.get("cache_batch_idx")
         if rows is not None and rows.shape != (batch,):
             raise ValueError(f"cache_batch_idx must have shape (batch,) = ({batch},); got {tuple(rows.shape)}")
         if rows is None and k_cache.shape[0] < batch:
             raise ValueError(f"k_cache has {k_cache.shape[0]} rows for a batch of {batch} sequences (sequence b "
                              "reads row b unless cache_batch_idx says otherwise)")
+        if isinstance(rows, np.ndarray) and ((rows < 0) | (rows >= k_cache.shape[0])).any():
+            b = int(np.argmax((rows < 0) | (rows >= k_cache.shape[0])))
+            raise ValueError(f"cache_batch_idx[{b}] = {int(rows[b])} is not a row of k_cache "
+                             f"(0 .. {k_cache.shape[0] - 1})")
         page_size = capacity = k_cache.shape[1]
-        table = _identity_rows(batch) if rows is None else device_int32(rows, "cache_batch_idx").reshape(batch, 1)
+    if cache_seqlens is None and appending:
+        raise ValueError("k and v are appended at cache_seqlens: pass cache_seqlens (the tokens each sequence "
+                         "already has in the cache)")
+    host_lengths = None  # the lengths before the append, where they are known on the host
     if cache_seqlens is None:
-        if appending:
-            raise ValueError("k and v are appended at cache_seqlens: pass cache_seqlens (the tokens each sequence "
-                             "already has in the cache)")
-        old_lengths = cupy.full(batch, capacity, np.int32)
+        host_lengths = np.full(batch, capacity, np.int64)
     elif isinstance(cache_seqlens, (int, np.integer)):
-        old_lengths = cupy.full(batch, check_count(cache_seqlens, "cache_seqlens"), np.int32)
+        host_lengths = np.full(batch, check_count(cache_seqlens, "cache_seqlens"), np.int64)
     else:
-        old_lengths = given["cache_seqlens"]
-        if old_lengths.shape != (batch,):
-            raise ValueError(f"cache_seqlens must have shape (batch,) = ({batch},); got {tuple(old_lengths.shape)}")
-        old_lengths = device_int32(old_lengths, "cache_seqlens")
+        if given["cache_seqlens"].shape != (batch,):
+            raise ValueError(f"cache_seqlens must have shape (batch,) = ({batch},); got "
+                             f"{tuple(given['cache_seqlens'].shape)}")
+        if isinstance(given["cache_seqlens"], np.ndarray):
+            host_lengths = given["cache_seqlens"].astype(np.int64)
+            if (host_lengths < 0).any():
+                b = int(np.argmax(host_lengths < 0))
+                raise ValueError(f"cache_seqlens must be >= 0; got cache_seqlens[{b}] = {int(host_lengths[b])}")
+    if new_tokens > capacity or (host_lengths is not None and (host_lengths + new_tokens > capacity).any()):
+        b = 0 if host_lengths is None else int(np.argmax(host_lengths + new_tokens > capacity))
+        cached = "" if host_lengths is None else f"{int(host_lengths[b])} cached tokens + "
+        raise ValueError(f"the cache is too small for the append: sequence {b} has {cached}{new_tokens} new ones "
+                         f"> its capacity of {capacity} tokens")
     if backend == "numpy" or not api._on_gpu(backend) or dispatch.choose(backend, q.dtype, headdim, "fwd") != "mma" \
             or not kvcache_mma.supports(q.dtype, headdim) or variant.mods is not None:
         raise ValueError("cupyflash.no_host_sync() / CUDA-graph capture: the KV cache is read unread only by the "
@@ -446,16 +458,29 @@ def _attend_unread(backend, q, k_cache, v_cache, k, v, new_tokens: int, cache_se
                              "multiples of 8 elements)")
     if appending and batch * seqlen_q * nheads * new_tokens:
         A.check_scores_fit(q, k, scale)  # its scale bounds only: device values stay unread
+    for name, x in given.items():
+        if isinstance(x, np.ndarray):
+            capture.refuse_host_upload(name)
+    cupy = A._cupy()
+    variant = variant.to(cupy)
+
+    # Checked: from here on work is queued.
+    if paged:
+        table = device_int32(table, "block_table")
+    elif rows is None:
+        table = cupy.arange(batch, dtype=np.int32).reshape(batch, 1)
+    else:
+        table = device_int32(rows, "cache_batch_idx").reshape(batch, 1)
+    if host_lengths is not None and not isinstance(given.get("cache_seqlens"), np.ndarray):
+        old_lengths = cupy.full(batch, int(host_lengths[0]) if batch else 0, np.int32)  # an int, or the capacity
+    else:
+        old_lengths = device_int32(given["cache_seqlens"], "cache_seqlens")
     q = A.last_dim_contiguous(A.to_cupy(q, "q"))
     if any((st // q.itemsize) % 8 for st in q.strides[:3]) or q.data.ptr % 16:
         q = cupy.ascontiguousarray(q)
     seqlens_k = old_lengths
     if appending and batch * new_tokens:
         from .kernels import kvcache_append
-
-        if capacity == 0:
-            raise ValueError(f"the cache is too small for the append: its sequences hold 0 tokens, {new_tokens} "
-                             "are appended")
 
         seqlens_k = cupy.empty(batch, np.int32)
         kvcache_append.append(A.last_dim_contiguous(A.to_cupy(k, "k")), A.last_dim_contiguous(A.to_cupy(v, "v")),
@@ -468,26 +493,8 @@ def _attend_unread(backend, q, k_cache, v_cache, k, v, new_tokens: int, cache_se
     lse = api._empty((batch, nheads, seqlen_q), np.float32, xp=cupy)
     kvcache_mma.forward(q, k_cache, v_cache, o, lse, seqlens_k=seqlens_k, block_table=table,
                         page_size=max(1, page_size), paged=paged, max_seqlen_k=capacity, softmax_scale=scale,
-                        mask=mask_for(causal, window, variant.score), variant=variant.to(cupy),
-                        num_splits=num_splits)
+                        mask=mask_for(causal, window, variant.score), variant=variant, num_splits=num_splits)
     return (o, lse) if want_lse else o
-
-
-_IDENTITY_ROWS: dict = {}
-
-
-def _identity_rows(batch: int):
-    """(batch, 1) int32 [[0], [1], ...] on the current device: a contiguous cache's table without
-    cache_batch_idx. Kept per device and batch, but never one made under capture: its values
-    would exist only once the graph replays."""
-    cupy = A._cupy()
-    key = (cupy.cuda.Device().id, batch)
-    rows = _IDENTITY_ROWS.get(key)
-    if rows is None:
-        rows = cupy.arange(batch, dtype=np.int32).reshape(batch, 1)
-        if not capture.under_capture():
-            _IDENTITY_ROWS[key] = rows
-    return rows
 
 
 def _append(k_cache, v_cache, k, v, layout: CacheLayout) -> None:

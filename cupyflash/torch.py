@@ -23,7 +23,7 @@ import math
 import numpy as np
 import torch
 
-from . import api, kvcache, varlen
+from . import api, capture, kvcache, varlen
 from ._dtypes import bfloat16 as _numpy_bfloat16
 from .masks import check_window
 
@@ -76,7 +76,7 @@ def _cupy_on_torch_stream(device: torch.device):
     stream = torch.cuda.current_stream(device)
     with cupy.cuda.Device(device.index), \
             cupy.cuda.Stream.from_external(_StreamHandle(stream.cuda_stream)), \
-            cupy.cuda.using_allocator(_torch_allocator().malloc):
+            cupy.cuda.using_allocator(_torch_allocator().malloc), capture.graph_aware_allocator():
         yield
 
 
@@ -574,8 +574,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         # tensor would cost a copy and a synchronisation per decode step; under CUDA-graph capture
         # on the device, where nothing may come from the host (cupyflash.capture)
         capturing = q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        cache_seqlens = torch.full((q.shape[0],), int(cache_seqlens), dtype=torch.int32,
-                                   device=q.device if capturing else "cpu")
+        cache_seqlens = torch.full((q.shape[0],), varlen.check_count(cache_seqlens, "cache_seqlens"),
+                                   dtype=torch.int32, device=q.device if capturing else "cpu")
     cache_seqlens = _index_tensor(cache_seqlens, "cache_seqlens", q.device)
     cache_batch_idx = _index_tensor(cache_batch_idx, "cache_batch_idx", q.device)
     block_table = _index_tensor(block_table, "block_table", q.device)

@@ -155,8 +155,17 @@ def check_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tota
     if unread(given_q, given_k):
         if count < 0:
             raise ValueError("cu_seqlens_q must have batch + 1 entries (just [0] for an empty batch); got none")
-        return Sequences(count, None, None, given_q, given_k, check_count(max_seqlen_q, "max_seqlen_q"),
-                         check_count(max_seqlen_k, "max_seqlen_k"))
+        longest_q, longest_k = check_count(max_seqlen_q, "max_seqlen_q"), check_count(max_seqlen_k, "max_seqlen_k")
+        for given, name, total, total_name, longest, what in (
+                (given_q, "cu_seqlens_q", total_q, "q", max_seqlen_q, "query tokens"),
+                (given_k, "cu_seqlens_k", total_k, "k", max_seqlen_k, "key tokens")):
+            if isinstance(given, np.ndarray):  # a host array beside a device one: checked in full
+                check_max_seqlen(check_cu_seqlens(given, name, total, total_name), longest, f"max_seqlen_{name[-1]}",
+                                 what)
+        if count > 0 and ((total_q and not longest_q) or (total_k and not longest_k)):
+            raise ValueError(f"max_seqlen_q = {longest_q}, max_seqlen_k = {longest_k} with {total_q} query and "
+                             f"{total_k} key tokens: the longest sequence sizes the grid, so it must be given")
+        return Sequences(count, None, None, given_q, given_k, longest_q, longest_k)
     cu_q, cu_k = (x if isinstance(x, np.ndarray) else x.get() for x in (given_q, given_k))
     lengths_q = check_cu_seqlens(cu_q, "cu_seqlens_q", total_q, "q")
     lengths_k = check_cu_seqlens(cu_k, "cu_seqlens_k", total_k, "k")
@@ -318,6 +327,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     backend, causal, window, return_lse, on_gpu = _check_options(backend, causal, window_size, return_lse,
                                                                  "return_lse", softcap)
     arrays, host_out = api._take({"q": q, "k": k, "v": v})
+    api._refuse_host_under_capture(arrays, backend)
     dtype = A.check_dtype(arrays)
     total_q, total_k, nheads, _, headdim = check_packed_shapes(*arrays.values())
     sequences = check_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, total_k)
@@ -384,6 +394,7 @@ def flash_attn_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, 
     backend, causal, window, deterministic, on_gpu = _check_options(backend, causal, window_size, deterministic,
                                                                     "deterministic", softcap)
     arrays, host_out = api._take({"do": do, "q": q, "k": k, "v": v, "o": o, "lse": lse})
+    api._refuse_host_under_capture(arrays, backend)
     dtype = A.check_dtype({name: arrays[name] for name in ("q", "k", "v", "do", "o")})
     total_q, total_k, nheads, _, headdim = check_packed_shapes(arrays["q"], arrays["k"], arrays["v"])
     check_varlen_backward_arrays(arrays["do"], arrays["o"], arrays["lse"], arrays["q"].shape, dtype)

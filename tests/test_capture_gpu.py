@@ -45,6 +45,20 @@ def _churn(cupy):
     del blocks
 
 
+class Sentinels:
+    """Blocks of the default pool allocated after a capture and kept across its replays, filled with
+    one byte: had the captured calls' memory gone back to that pool, some of these would be handed
+    it, and a replay would overwrite them."""
+
+    SIZES = tuple(1 << e for e in range(8, 25, 2))
+
+    def __init__(self, cupy):
+        self.blocks = [cupy.full(n, 0x5A, np.uint8) for n in self.SIZES for _ in range(4)]
+
+    def intact(self) -> bool:
+        return all(bool((b == 0x5A).all()) for b in self.blocks)
+
+
 # --- no_host_sync -----------------------------------------------------------------------------------
 
 @settings(max_examples=EXAMPLES)
@@ -117,10 +131,11 @@ def test_kvcache_without_host_reads_every_layout(page_size):
 
 def _capture(fn):
     """(graph, outputs) of fn() captured on a fresh non-blocking stream, after one eager warm-up
-    (kernels compiled and loaded outside the capture)."""
+    inside no_host_sync() (the captured path's kernels compiled and loaded outside the capture)."""
     import cupy
 
-    fn()
+    with cupyflash.no_host_sync():
+        fn()
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         stream.begin_capture()
@@ -148,12 +163,14 @@ def test_dense_forward_and_backward_replay_in_a_graph():
         return (o, lse, *cupyflash.flash_attn_backward(do, q, k, v, o, lse, causal=True))
 
     graph, captured, stream = _capture(step)
+    sentinels = Sentinels(cupy)
     for trial in range(3):
         for x in (q, k, v, do):  # new inputs, written into the captured buffers
             x[...] = cupy.asarray(rng.standard_normal(shape).astype(BF16))
         _churn(cupy)
         graph.launch(stream)
         stream.synchronize()
+        assert sentinels.intact(), trial
         for got, want in zip(captured, step()):
             assert _same_bits(got, want), trial
 
@@ -171,12 +188,14 @@ def test_varlen_forward_and_backward_replay_in_a_graph():
         return (o, lse, *cupyflash.flash_attn_varlen_backward(do, q, k, v, o, lse, cu, cu, 600, 600, causal=True))
 
     graph, captured, stream = _capture(step)
+    sentinels = Sentinels(cupy)
     for cuts in ([0, 100, 350, 900], [0, 600, 601, 900], [0, 0, 300, 900]):  # other sequences, same total
         cu[...] = cupy.asarray(np.array(cuts, np.int32))
         q[...] = cupy.asarray(rng.standard_normal((total, heads, dim)).astype(BF16))
         _churn(cupy)
         graph.launch(stream)
         stream.synchronize()
+        assert sentinels.intact(), cuts
         for got, want in zip(captured, step()):
             assert _same_bits(got, want), cuts
 
@@ -213,15 +232,18 @@ def test_decode_step_of_several_layers_replays_with_growing_caches():
     q[...] = cupy.asarray(rng.standard_normal(q.shape).astype(BF16))
     kv[...] = cupy.asarray(rng.standard_normal(kv.shape).astype(BF16))
     # The warm-up step runs on the real caches; the mirror takes the same step.
-    step(mirror, seqlens_mirror)
+    with cupyflash.no_host_sync():
+        step(mirror, seqlens_mirror)
     graph, captured, stream = _capture(lambda: step(caches, seqlens))
     cupy.cuda.get_current_stream().synchronize()
+    sentinels = Sentinels(cupy)
     for trial in range(4):
         q[...] = cupy.asarray(rng.standard_normal(q.shape).astype(BF16))
         kv[...] = cupy.asarray(rng.standard_normal(kv.shape).astype(BF16))
         _churn(cupy)
         graph.launch(stream)
         stream.synchronize()
+        assert sentinels.intact(), trial
         with cupyflash.no_host_sync():
             expected = step(mirror, seqlens_mirror)
         for (o, lse), (o_want, lse_want) in zip(captured, expected):
@@ -232,7 +254,62 @@ def test_decode_step_of_several_layers_replays_with_growing_caches():
             assert_same_bytes("cache", c.get(), m.get())
 
 
+def test_contiguous_cache_rows_and_an_int_length_replay_in_a_graph():
+    """A contiguous cache addressed through a device cache_batch_idx, and an int cache_seqlens
+    (every replay appends at that position): replays against eager no_host_sync calls on a mirror."""
+    import cupy
+
+    rng = np.random.default_rng(10)
+    batch, rows, capacity, heads_kv, group, dim = 3, 6, 320, 2, 4, 128
+    caches = [cupy.asarray(rng.standard_normal((rows, capacity, heads_kv, dim)).astype(BF16)) for _ in range(2)]
+    mirror = [c.copy() for c in caches]
+    row_of = cupy.asarray(np.array([4, 0, 2], np.int32))
+    q = cupy.empty((batch, 2, heads_kv * group, dim), BF16)
+    kv = cupy.empty((2, batch, 2, heads_kv, dim), BF16)
+
+    def step(pair):
+        return cupyflash.flash_attn_with_kvcache(q, pair[0], pair[1], kv[0], kv[1], cache_seqlens=100,
+                                                 cache_batch_idx=row_of, causal=True, return_lse=True)
+
+    q[...] = cupy.asarray(rng.standard_normal(q.shape).astype(BF16))
+    kv[...] = cupy.asarray(rng.standard_normal(kv.shape).astype(BF16))
+    with cupyflash.no_host_sync():
+        step(mirror)
+    graph, captured, stream = _capture(lambda: step(caches))
+    sentinels = Sentinels(cupy)
+    for trial in range(3):
+        q[...] = cupy.asarray(rng.standard_normal(q.shape).astype(BF16))
+        kv[...] = cupy.asarray(rng.standard_normal(kv.shape).astype(BF16))
+        graph.launch(stream)
+        stream.synchronize()
+        with cupyflash.no_host_sync():
+            expected = step(mirror)
+        assert sentinels.intact(), trial
+        assert all(_same_bits(a, b) for a, b in zip(captured, expected)), trial
+    for c, m in zip(caches, mirror):
+        assert_same_bytes("cache", c.get(), m.get())
+
+
 # --- errors ---------------------------------------------------------------------------------------
+
+def test_host_arrays_and_the_numpy_backend_are_refused_under_capture():
+    import cupy
+
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((1, 64, 2, 64)).astype(BF16)
+    dev = cupy.asarray(x)
+    cupyflash.flash_attn_func(dev, dev, dev)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        try:
+            with pytest.raises(ValueError, match="q is a host array"):
+                cupyflash.flash_attn_func(x, dev, dev)
+            with pytest.raises(ValueError, match="backend='numpy'"):
+                cupyflash.flash_attn_func(dev, dev, dev, backend="numpy")
+        finally:
+            stream.end_capture()
+
 
 def test_host_index_arrays_cannot_be_captured():
     import cupy

@@ -380,3 +380,29 @@ def test_varlen_forward_captures_into_a_torch_cuda_graph():
         graph.replay()
         expected = flash_attn_varlen_func(q, k, v, cu, cu, 512, 512, causal=True)
         assert torch.equal(out, expected), cuts
+
+
+def test_kvcache_with_an_int_length_captures_into_a_torch_cuda_graph():
+    """An int cache_seqlens under torch.cuda.graph becomes a device tensor (nothing may come from
+    the host inside the capture): replays over new queries equal eager calls."""
+    from cupyflash.torch import flash_attn_with_kvcache
+
+    generator = torch.Generator(device="cuda").manual_seed(13)
+    k_cache, v_cache = (torch.randn((2, 128, 2, 64), generator=generator, device="cuda").to(torch.bfloat16)
+                        for _ in range(2))
+    q = torch.randn((2, 1, 8, 64), generator=generator, device="cuda").to(torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), cupyflash.no_host_sync():
+        flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=50)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=50)
+    for _ in range(2):
+        q.copy_(torch.randn(q.shape, generator=generator, device="cuda").to(torch.bfloat16))
+        graph.replay()
+        with cupyflash.no_host_sync():
+            expected = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.full(
+                (2,), 50, dtype=torch.int32, device="cuda"))
+        assert torch.equal(out, expected)

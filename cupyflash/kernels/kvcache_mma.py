@@ -199,12 +199,20 @@ def plan(dtype, headdim: int, mask: Mask, *, batch: int, seqlen_q: int, group: i
     """Kernel, grid and split of one call (num_splits 0: the heuristic's choice; ``tiles``: other
     tiles than the table's, for tuning). Kept per device and arguments: a decode loop asks the
     same question every step, and the answer took about a tenth of a call's host time."""
-    import cupy
+    dt = d_tile(headdim, TENSOR_CORE_D_TILES)
+    chosen = cache_tiles(dt, seqlen_q * group) if tiles is None else tiles
+    key_blocks = max(1, math.ceil(max_seqlen_k / chosen.block_n))  # all the plan needs of max_seqlen_k
+    device = None
+    if num_splits == 0:
+        import cupy
 
-    key = (np.dtype(dtype), headdim, mask, batch, seqlen_q, group, nheads_kv, max_seqlen_k, paged, num_splits, tiles,
-           cupy.cuda.Device().id if num_splits == 0 else None)
+        device = cupy.cuda.Device().id
+    key = (np.dtype(dtype), headdim, mask, batch, seqlen_q, group, nheads_kv, key_blocks, paged, num_splits, tiles,
+           device)
     planned = _PLANS.get(key)
     if planned is None:
+        if len(_PLANS) >= 4096:  # a long-running server's many shapes: start over rather than grow
+            _PLANS.clear()
         planned = _PLANS[key] = _plan(dtype, headdim, mask, batch=batch, seqlen_q=seqlen_q, group=group,
                                       nheads_kv=nheads_kv, max_seqlen_k=max_seqlen_k, paged=paged,
                                       num_splits=num_splits, tiles=tiles)
