@@ -73,3 +73,38 @@ def test_host_kvcache_indices_are_checked_in_full_inside_no_host_sync():
     cache = np.zeros((2, 8, 1, 16), np.float32)
     with cupyflash.no_host_sync(), pytest.raises(ValueError, match="exceeds"):
         cupyflash.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=np.array([3, 9], np.int32), backend="numpy")
+
+
+def test_under_capture_host_arrays_and_the_numpy_backend_are_refused(monkeypatch):
+    monkeypatch.setattr(capture, "capturing", lambda: True)
+    with pytest.raises(ValueError, match="q is a host array"):
+        capture.refuse_host_arrays(["q"], "auto")
+    with pytest.raises(ValueError, match="q, k are host arrays"):
+        capture.refuse_host_arrays(["q", "k"], "cuda")
+    with pytest.raises(ValueError, match="backend='numpy'"):
+        capture.refuse_host_arrays([], "numpy")
+    with pytest.raises(ValueError, match="cannot be captured"):
+        capture.refuse_host_upload("cu_seqlens_q")
+    capture.refuse_host_arrays([], "auto")  # device arrays, a GPU backend: nothing to refuse
+
+
+def test_outside_capture_nothing_is_refused():
+    capture.refuse_host_arrays(["q"], "numpy")
+    capture.refuse_host_upload("cache_seqlens")
+
+
+def test_a_call_under_capture_decides_reads_and_capture_once(monkeypatch):
+    """Under capture a call sees reads disallowed and capture on, whatever the stream says later
+    in the call; with a graph-aware allocator it keeps that allocator (no pool of its own)."""
+    seen = []
+
+    @capture.graph_safe
+    def call():
+        seen.append((capture.reads_allowed(), capture.under_capture()))
+
+    monkeypatch.setattr(capture, "capturing", lambda: True)
+    with capture.graph_aware_allocator():
+        pools = len(capture._GRAPH_POOLS)
+        call()
+        assert len(capture._GRAPH_POOLS) == pools
+    assert seen == [(False, True)]
