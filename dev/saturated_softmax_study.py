@@ -1,0 +1,122 @@
+"""When the softmax saturates, how far is the float32 backward from float64, against standard
+attention in float32? A CPU study for issue 18's saturated-softmax item.
+
+Three backward recipes, each with the forward statistics it needs, against the float64
+reference (cupyflash.reference) and standard float32 attention (materialised P, D = rowsum(P dP)):
+
+    kernels   today's: lse in natural log from log2-unit statistics, P = exp2(min(S c2 - lse log2 e, 0)),
+              D = rowsum(dO * O) from the stored O
+    pdp       the same P, D = rowsum(P * dP) (one more pass over the keys of each row)
+    natural   the forward's lse = m + log(l) with m the largest fl(S * scale), the backward's
+              P = exp(min(fl(S * scale) - lse, 0)) in natural units, D = rowsum(P * dP)
+    natural_o natural's P with the kernels' D = rowsum(dO * O)
+    lse64     lse kept in float64 (from the kernels' float32 log2-unit m and l), the backward's
+              exponent fl32(S c2) - lse log2 e formed in float64, D = rowsum(P * dP)
+
+Each recipe keeps the kernels' arithmetic in the accumulator type (float32 here; float64 runs too)
+and their order of operations per element; the matrix products are NumPy's in that type. Printed:
+for each softmax scale and input magnitude, the worst ratio over seeds of a recipe's max abs
+error to standard attention's (per gradient: dq, dk, dv), with the floor of the error at 1e-30 of
+the gradients' own size so that exact zeros compare.
+
+    python dev/saturated_softmax_study.py [--seeds 3] [--dtype float32]
+"""
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+from cupyflash import reference
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+RECIPES = ("kernels", "pdp", "natural", "natural_o", "lse64")
+
+
+def forward_log2(q, k, v, scale, acc):
+    """o and lse as the kernels make them: log2-unit statistics, lse in natural log."""
+    s2 = (q @ k.T).astype(acc) * acc(scale * LOG2E)
+    m2 = s2.max(axis=-1, keepdims=True)
+    p = np.exp2(s2 - m2)
+    l = p.sum(axis=-1, keepdims=True)
+    o = (p @ v) / l
+    lse = (m2 + np.log2(l)) * acc(LN2)
+    return o.astype(acc), lse[:, 0].astype(acc)
+
+
+def forward_natural(q, k, v, scale, acc):
+    """o and lse with natural-unit statistics: lse = m + log(l), m the largest fl(S * scale)."""
+    sn = (q @ k.T).astype(acc) * acc(scale)
+    m = sn.max(axis=-1, keepdims=True)
+    p = np.exp(sn - m)
+    l = p.sum(axis=-1, keepdims=True)
+    o = (p @ v) / l
+    lse = m + np.log(l)
+    return o.astype(acc), lse[:, 0].astype(acc)
+
+
+def backward(recipe, do, q, k, v, scale, acc):
+    if recipe == "lse64":
+        s2 = (q @ k.T).astype(acc) * acc(scale * LOG2E)
+        m2 = s2.max(axis=-1, keepdims=True)
+        e = np.exp2(s2 - m2)
+        l = e.sum(axis=-1, keepdims=True)
+        o = ((e @ v) / l).astype(acc)
+        lse = (m2.astype(np.float64) + np.log2(l.astype(np.float64))) * LN2
+        p = np.exp2(np.minimum(s2.astype(np.float64) - lse * LOG2E, 0)).astype(acc)
+    elif recipe.startswith("natural"):
+        o, lse = forward_natural(q, k, v, scale, acc)
+        sn = (q @ k.T).astype(acc) * acc(scale)
+        p = np.exp(np.minimum(sn - lse[:, None], 0))
+    else:  # kernels, pdp
+        o, lse = forward_log2(q, k, v, scale, acc)
+        s2 = (q @ k.T).astype(acc) * acc(scale * LOG2E)
+        p = np.exp2(np.minimum(s2 - lse[:, None] * acc(LOG2E), 0))
+    dp = (do @ v.T).astype(acc)
+    from_o = recipe in ("kernels", "natural_o")
+    d = (do * o).sum(axis=-1, keepdims=True) if from_o else (p * dp).sum(axis=-1, keepdims=True)
+    ds = p * (dp - d)
+    return (ds @ k) * acc(scale), (ds.T @ q) * acc(scale), p.T @ do
+
+
+def worst_ratios(scale, magnitude, seeds, acc, n=96, d=64):
+    out = {r: [0.0, 0.0, 0.0] for r in RECIPES}
+    for seed in range(seeds):
+        rng = np.random.default_rng(seed)
+        q, k, v, do = ((rng.standard_normal((n, d)) * (magnitude if i < 2 else 1)).astype(acc) for i in range(4))
+        shaped = [x[None, :, None, :] for x in (do, q, k, v)]
+        with np.errstate(all="ignore"):
+            ref = reference.attention_backward(*shaped, softmax_scale=scale)
+            std = reference.standard_attention_backward(*shaped, softmax_scale=scale, dtype=acc)
+        ref = [np.asarray(g, np.float64)[0, :, 0] for g in ref]
+        std = [np.asarray(g, np.float64)[0, :, 0] for g in std]
+        for recipe in out:
+            with np.errstate(all="ignore"):
+                got = backward(recipe, do, q, k, v, scale, acc)
+            for i, (g, r, s) in enumerate(zip(got, ref, std)):
+                floor = max(1e-30 * np.abs(r).max(), 1e-300)
+                err = np.nan_to_num(np.abs(np.asarray(g, np.float64) - r).max(), nan=np.inf)
+                err_std = np.abs(s - r).max()
+                out[recipe][i] = max(out[recipe][i], (err + floor) / (err_std + floor))
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "float64"))
+    args = parser.parse_args(argv)
+    acc = np.dtype(args.dtype).type
+    print(f"worst max-abs error / standard {args.dtype} attention's, over {args.seeds} seeds (dq, dk, dv)")
+    print(f"{'scale':>8} {'magnitude':>9}  " + "  ".join(f"{r:>24}" for r in RECIPES))
+    for scale in (0.125, 1.0, 1e2, 1e4):
+        for magnitude in (1.0, 10.0, 100.0):
+            ratios = worst_ratios(scale, magnitude, args.seeds, acc)
+            cells = ["/".join(f"{x:7.2g}" for x in ratios[r]) for r in RECIPES]
+            print(f"{scale:8g} {magnitude:9g}  " + "  ".join(f"{c:>24}" for c in cells))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
