@@ -21,7 +21,9 @@ Two ways to do without the reads:
 Either way, an index array on the device is used as it is. Its dtype, shape and layout are
 checked, as flash-attn checks them, but not its values: lengths beyond max_seqlen, a
 non-monotone cu_seqlens or a block_table entry outside the cache give undefined results, as in
-flash-attn. Host (NumPy) index arrays are still checked in full: that reads nothing back. The
+flash-attn. Host (NumPy) index arrays are still checked (that reads nothing back): in full when
+all of a call's index arrays are on the host, as far as their values allow beside a device one
+(docs/varlen-kvcache.md, "Without host synchronisation, and CUDA graphs"). The
 shapes that need host lengths are refused with an error that says so (the per-sequence paths:
 float32/float64 KV caches, head dims that are not a multiple of 8, more than 65535 sequences).
 The grids come from what the call is told, not from the values: a varlen call's from
