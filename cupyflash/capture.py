@@ -40,7 +40,8 @@ Under capture every array must already be on the device (a host array's upload, 
 download, cannot be captured), and the capture mode must allow cudaMalloc: CuPy's default,
 relaxed, does; torch.cuda.graph's allocator does its own.
 
-no_host_sync() holds in its context (contextvars): threads it starts do not inherit it.
+no_host_sync() holds in its context (contextvars): code that runs in a copy of the context
+(asyncio tasks, asyncio.to_thread) sees it, a plain thread started inside does not.
 Warm a step up inside no_host_sync() before capturing it, so that the kernels the captured call
 launches (its grid, its split count) are compiled and loaded before the capture.
 """
@@ -117,7 +118,7 @@ def under_capture() -> bool:
 def graph_safe(fn):
     """A public function whose calls follow this module: whether reads are allowed is decided
     once per outermost call, and under capture the call allocates from a pool of its own (unless
-    the allocator is graph-aware: graph_aware_allocator)."""
+    the allocator is graph-aware, graph_aware_allocator, or a MemoryAsyncPool's)."""
     @functools.wraps(fn)
     def call(*args, **kwargs):
         if _CALL.get() is not None:  # inside another public call (a vjp, a fallback)
@@ -125,7 +126,7 @@ def graph_safe(fn):
         capture = capturing()
         token = _CALL.set((not capture and not _NO_SYNC.get(), capture))
         try:
-            if capture and not _GRAPH_AWARE.get():
+            if capture and not _GRAPH_AWARE.get() and not _stream_ordered_allocator(sys.modules["cupy"]):
                 cupy = sys.modules["cupy"]
                 pool = cupy.cuda.MemoryPool()
                 _GRAPH_POOLS.append(pool)
@@ -136,6 +137,15 @@ def graph_safe(fn):
             _CALL.reset(token)
 
     return call
+
+
+def _stream_ordered_allocator(cupy) -> bool:
+    """Whether CuPy's current allocator is a MemoryAsyncPool's: cudaMallocAsync, which a capture
+    records as allocation nodes of the graph itself (and which a global-mode capture allows where
+    it refuses cudaMalloc), so the call keeps it."""
+    owner = getattr(cupy.cuda.get_allocator(), "__self__", None)
+    async_pool = getattr(cupy.cuda, "MemoryAsyncPool", None)
+    return async_pool is not None and isinstance(owner, async_pool)
 
 
 def refuse_host_arrays(host_names, backend: str) -> None:

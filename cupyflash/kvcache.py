@@ -435,8 +435,11 @@ def _attend_unread(backend, q, k_cache, v_cache, k, v, new_tokens: int, cache_se
             if (host_lengths < 0).any():
                 b = int(np.argmax(host_lengths < 0))
                 raise ValueError(f"cache_seqlens must be >= 0; got cache_seqlens[{b}] = {int(host_lengths[b])}")
-    if new_tokens > capacity or (host_lengths is not None and (host_lengths + new_tokens > capacity).any()):
+    if batch and (new_tokens > capacity or (host_lengths is not None and (host_lengths + new_tokens > capacity).any())):
         b = 0 if host_lengths is None else int(np.argmax(host_lengths + new_tokens > capacity))
+        if not appending:
+            raise ValueError(f"cache_seqlens[{b}] = {int(host_lengths[b])} exceeds the capacity of a sequence's "
+                             f"cache ({capacity} tokens)")
         cached = "" if host_lengths is None else f"{int(host_lengths[b])} cached tokens + "
         raise ValueError(f"the cache is too small for the append: sequence {b} has {cached}{new_tokens} new ones "
                          f"> its capacity of {capacity} tokens")

@@ -17,6 +17,9 @@
 #   scripts/gpu_check.sh OUTDIR capture  the no_host_sync / CUDA-graph tests, then the decode-loop
 #                                       bench (32 layers: checked, no_host_sync, graph) and the
 #                                       varlen bench (with device cu_seqlens unread)
+#   scripts/gpu_check.sh OUTDIR recheck  the GPU tests the 2026-12-02 Python changes after its GPU runs
+#                                       need (capture, torch, kv cache, varlen), the decode table and
+#                                       the split sweep (contiguous and page 16)
 #   scripts/gpu_check.sh OUTDIR ncu     kernel by kernel, this tree against BEFORE_TREE (required):
 #                                       time, registers, instructions of NCU_CASES, then the full
 #                                       section set of NCU_FULL (ncu --clock-control none)
@@ -97,6 +100,16 @@ capture)
         --out "$out/capture-shards" -m gpu tests/test_capture_gpu.py
     step decode-loop 240 python -m cupyflash.bench.decode_loop --json "$out/decode-loop.json"
     step varlen-bench 240 python -m cupyflash.bench.varlen --json "$out/varlen.json"
+    ;;
+recheck)  # the GPU tests of the Python changes after the 2026-12-02 GPU runs, then the decode table
+    export PYTHONPATH=$PWD
+    step warm-recheck "${WARM_LIMIT:-200}" python scripts/warm_kernel_cache.py --packed --match 'kvcache|combine|append|packed|preprocess|convert'
+    step recheck-tests "${TEST_LIMIT:-360}" env HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-dev}" \
+        python scripts/pytest_shards.py --shards "${SHARDS:-14}" --limit "$(( ${TEST_LIMIT:-360} - 20 ))" \
+        --out "$out/recheck-shards" -m gpu tests/test_capture_gpu.py tests/test_torch_gpu.py tests/test_kvcache_gpu.py \
+        tests/test_kvcache_kernel_gpu.py tests/test_varlen_gpu.py
+    step decode 150 python -m cupyflash.bench.kvcache_decode --json "$out/decode.json" --plot "$out/decode.png"
+    step splits 150 python -m cupyflash.bench.kvcache_decode --splits
     ;;
 ncu)
     : "${BEFORE_TREE:?the ncu part compares against BEFORE_TREE}"

@@ -393,8 +393,9 @@ def test_kvcache_with_an_int_length_captures_into_a_torch_cuda_graph():
     q = torch.randn((2, 1, 8, 64), generator=generator, device="cuda").to(torch.bfloat16)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), cupyflash.no_host_sync():
-        flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=50)
+    with torch.cuda.stream(side), cupyflash.no_host_sync():  # the captured path's kernels: a device length
+        flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.full((2,), 50, dtype=torch.int32,
+                                                                              device="cuda"))
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
