@@ -101,39 +101,54 @@ def _check_cache_seqlens(cache_seqlens, batch: int, capacity: int, appending: bo
     return lengths.astype(np.int64)
 
 
-def _check_layout(q_shape, cache_shape, new_tokens: int, appending: bool, cache_seqlens, cache_batch_idx,
-                  block_table) -> CacheLayout:
-    batch = q_shape[0]
-    if block_table is not None:
-        if cache_batch_idx is not None:
-            raise ValueError("cache_batch_idx and block_table cannot be combined (a paged cache is addressed "
-                             "through block_table alone, as in flash-attn)")
-        num_blocks, page_size = cache_shape[0], cache_shape[1]
-        table = host_int32(block_table, "block_table", 2)
+def _check_not_both(cache_batch_idx, block_table) -> None:
+    if cache_batch_idx is not None and block_table is not None:
+        raise ValueError("cache_batch_idx and block_table cannot be combined (a paged cache is addressed "
+                         "through block_table alone, as in flash-attn)")
+
+
+def _check_index_shapes(batch: int, cache_shape, rows, table) -> int:
+    """The index arrays' shapes against the batch and the cache (cache_batch_idx ``rows``, a
+    block_table ``table``: NumPy or CuPy arrays, or None), and a host cache_batch_idx's rows
+    against the cache; a sequence's capacity in tokens."""
+    _check_not_both(rows, table)
+    if table is not None:
         if table.shape[0] != batch:
             raise ValueError(f"block_table must have shape (batch, max_blocks_per_seq) with batch = {batch}; "
                              f"got {tuple(table.shape)}")
-        if page_size == 0:
+        if cache_shape[1] == 0:
             raise ValueError("a paged k_cache (num_blocks, page_size, nheads_kv, headdim) needs page_size >= 1; "
                              f"got shape {tuple(cache_shape)}")
-        layout = CacheLayout(True, page_size, table.astype(np.int64),
-                             _check_cache_seqlens(cache_seqlens, batch, table.shape[1] * page_size, appending),
-                             new_tokens)
-    else:
-        rows, seqlen_cache = cache_shape[0], cache_shape[1]
-        if cache_batch_idx is None:
-            if rows < batch:
-                raise ValueError(f"k_cache has {rows} rows for a batch of {batch} sequences (sequence b reads row b "
-                                 "unless cache_batch_idx says otherwise)")
-            row_of = np.arange(batch, dtype=np.int64)
-        else:
-            row_of = host_int32(cache_batch_idx, "cache_batch_idx", 1).astype(np.int64)
-            if row_of.shape != (batch,):
-                raise ValueError(f"cache_batch_idx must have shape (batch,) = ({batch},); got {tuple(row_of.shape)}")
-            bad = (row_of < 0) | (row_of >= rows)
+        return table.shape[1] * cache_shape[1]
+    cache_rows = cache_shape[0]
+    if rows is None and cache_rows < batch:
+        raise ValueError(f"k_cache has {cache_rows} rows for a batch of {batch} sequences (sequence b reads row b "
+                         "unless cache_batch_idx says otherwise)")
+    if rows is not None:
+        if rows.shape != (batch,):
+            raise ValueError(f"cache_batch_idx must have shape (batch,) = ({batch},); got {tuple(rows.shape)}")
+        if isinstance(rows, np.ndarray):
+            bad = (rows < 0) | (rows >= cache_rows)
             if bad.any():
                 b = int(np.argmax(bad))
-                raise ValueError(f"cache_batch_idx[{b}] = {int(row_of[b])} is not a row of k_cache (0 .. {rows - 1})")
+                raise ValueError(f"cache_batch_idx[{b}] = {int(rows[b])} is not a row of k_cache "
+                                 f"(0 .. {cache_rows - 1})")
+    return cache_shape[1]
+
+
+def _check_layout(q_shape, cache_shape, new_tokens: int, appending: bool, cache_seqlens, cache_batch_idx,
+                  block_table) -> CacheLayout:
+    batch = q_shape[0]
+    _check_not_both(cache_batch_idx, block_table)  # before either is read back
+    table = None if block_table is None else host_int32(block_table, "block_table", 2)
+    row_of = None if cache_batch_idx is None else host_int32(cache_batch_idx, "cache_batch_idx", 1)
+    capacity = _check_index_shapes(batch, cache_shape, row_of, table)
+    if table is not None:
+        layout = CacheLayout(True, cache_shape[1], table.astype(np.int64),
+                             _check_cache_seqlens(cache_seqlens, batch, capacity, appending), new_tokens)
+    else:
+        seqlen_cache = capacity
+        row_of = np.arange(batch, dtype=np.int64) if row_of is None else row_of.astype(np.int64)
         # One page per sequence, its row; with seqlen_cache = 0 nothing fits and nothing is read.
         layout = CacheLayout(False, seqlen_cache, row_of[:, None],
                              _check_cache_seqlens(cache_seqlens, batch, seqlen_cache, appending), new_tokens)
@@ -395,29 +410,8 @@ def _attend_unread(backend, q, k_cache, v_cache, k, v, new_tokens: int, cache_se
     appending = k is not None
     rows, table = given.get("cache_batch_idx"), given.get("block_table")
     paged = table is not None
-    if paged and rows is not None:
-        raise ValueError("cache_batch_idx and block_table cannot be combined (a paged cache is addressed "
-                         "through block_table alone, as in flash-attn)")
-    if paged:
-        page_size = k_cache.shape[1]
-        if table.shape[0] != batch:
-            raise ValueError(f"block_table must have shape (batch, max_blocks_per_seq) with batch = {batch}; "
-                             f"got {tuple(table.shape)}")
-        if page_size == 0:
-            raise ValueError("a paged k_cache (num_blocks, page_size, nheads_kv, headdim) needs page_size >= 1; "
-                             f"got shape {tuple(k_cache.shape)}")
-        capacity = table.shape[1] * page_size
-    else:
-        if rows is not None and rows.shape != (batch,):
-            raise ValueError(f"cache_batch_idx must have shape (batch,) = ({batch},); got {tuple(rows.shape)}")
-        if rows is None and k_cache.shape[0] < batch:
-            raise ValueError(f"k_cache has {k_cache.shape[0]} rows for a batch of {batch} sequences (sequence b "
-                             "reads row b unless cache_batch_idx says otherwise)")
-        if isinstance(rows, np.ndarray) and ((rows < 0) | (rows >= k_cache.shape[0])).any():
-            b = int(np.argmax((rows < 0) | (rows >= k_cache.shape[0])))
-            raise ValueError(f"cache_batch_idx[{b}] = {int(rows[b])} is not a row of k_cache "
-                             f"(0 .. {k_cache.shape[0] - 1})")
-        page_size = capacity = k_cache.shape[1]
+    capacity = _check_index_shapes(batch, k_cache.shape, rows, table)
+    page_size = k_cache.shape[1]
     if cache_seqlens is None and appending:
         raise ValueError("k and v are appended at cache_seqlens: pass cache_seqlens (the tokens each sequence "
                          "already has in the cache)")

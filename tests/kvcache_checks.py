@@ -30,3 +30,19 @@ def assert_same_bytes(name, actual, expected):
     if not same.all():
         where = [int(i) for i in np.argwhere(~same)[0]]
         raise AssertionError(f"{name}: {int((~same).sum())} entries differ, first at {where}")
+
+
+def assert_call_result(problem, before, after, o, lse):
+    """A device flash_attn_with_kvcache call on a problem: (o, lse) CuPy arrays within the tolerance
+    of the reference on the inputs ``before`` it, and the caches of its inputs ``after`` it byte for
+    byte where the reference appends."""
+    import cupy
+
+    from cupyflash.testing import assert_kvcache_close
+
+    assert isinstance(o, cupy.ndarray)
+    assert_kvcache_close(problem, o, lse, inputs=before)
+    k_expected, v_expected = expected_caches(before)
+    assert_same_bytes("k_cache", after["k_cache"].get(), k_expected)
+    assert_same_bytes("v_cache", after["v_cache"].get(), v_expected)
+

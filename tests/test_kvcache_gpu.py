@@ -16,7 +16,7 @@ from hypothesis import given, settings
 import cupyflash
 from cupyflash.testing import KVCacheProblem, assert_kvcache_close, poisoned_outputs
 from cupyflash.testing.strategies import kvcache_problems
-from kvcache_checks import assert_same_bytes, expected_caches
+from kvcache_checks import assert_call_result, assert_same_bytes, expected_caches
 
 pytestmark = pytest.mark.gpu
 
@@ -38,18 +38,12 @@ def on_device(inputs, index_arrays_on_device=True):
 
 
 def check_on_device(problem, backend, index_arrays_on_device=True):
-    import cupy
-
     before = problem.inputs()
     inputs = on_device(problem.inputs(), index_arrays_on_device)
     with poisoned_outputs():
         o, lse = cupyflash.flash_attn_with_kvcache(**inputs, return_softmax_lse=True, backend=backend,
                                                    **problem.kwargs)
-    assert isinstance(o, cupy.ndarray)
-    assert_kvcache_close(problem, o, lse, inputs=before)
-    k_expected, v_expected = expected_caches(before)
-    assert_same_bytes("k_cache", inputs["k_cache"].get(), k_expected)
-    assert_same_bytes("v_cache", inputs["v_cache"].get(), v_expected)
+    assert_call_result(problem, before, inputs, o, lse)
 
 
 @settings(max_examples=EXAMPLES)

@@ -160,6 +160,24 @@ def _compile_all(specs) -> None:
         list(pool.map(_compile_one, specs))
 
 
+def _decode_inputs(batch, hq, hkv, length, headdim, rng):
+    """One decode step's bf16 q, k, v, its o and lse buffers, every sequence's length, and the
+    layouts the sweeps time: {name: (k cache, v cache, table, page size, paged)}, a contiguous
+    cache and the same keys in pages of 16 tokens."""
+    import cupy
+    import ml_dtypes
+
+    q = cupy.asarray(rng.standard_normal((batch, 1, hq, headdim), np.float32)).astype(ml_dtypes.bfloat16)
+    k = cupy.asarray(rng.standard_normal((batch, length, hkv, headdim), np.float32)).astype(q.dtype)
+    v = cupy.asarray(rng.standard_normal((batch, length, hkv, headdim), np.float32)).astype(q.dtype)
+    o, lse = cupy.empty_like(q), cupy.empty((batch, hq, 1), np.float32)
+    seqlens = cupy.full(batch, length, np.int32)
+    pk, pv, table = _paged(k, v, 16, rng)
+    layouts = {"contiguous": (k, v, cupy.arange(batch, dtype=np.int32).reshape(batch, 1), length, False),
+               "paged16": (pk, pv, table, 16, True)}
+    return q, k, v, o, lse, seqlens, layouts
+
+
 def tune(shapes=SHAPES, headdim=HEADDIM, candidates=TUNE_TILES) -> list:
     """K+V bandwidth of each candidate CacheTiles over a contiguous cache and a page-16 cache,
     the heuristic's split count for each: [(tiles, shape, layout, splits, TB/s)]."""
@@ -178,14 +196,7 @@ def tune(shapes=SHAPES, headdim=HEADDIM, candidates=TUNE_TILES) -> list:
     with stream:
         for batch, hq, hkv, length in shapes:
             kv_bytes = 2 * batch * length * hkv * headdim * 2
-            q = cupy.asarray(rng.standard_normal((batch, 1, hq, headdim), np.float32)).astype(ml_dtypes.bfloat16)
-            k = cupy.asarray(rng.standard_normal((batch, length, hkv, headdim), np.float32)).astype(q.dtype)
-            v = cupy.asarray(rng.standard_normal((batch, length, hkv, headdim), np.float32)).astype(q.dtype)
-            o, lse = cupy.empty_like(q), cupy.empty((batch, hq, 1), np.float32)
-            seqlens = cupy.full(batch, length, np.int32)
-            pk, pv, table = _paged(k, v, 16, rng)
-            layouts = {"contiguous": (k, v, cupy.arange(batch, dtype=np.int32).reshape(batch, 1), length, False),
-                       "paged16": (pk, pv, table, 16, True)}
+            q, k, v, o, lse, seqlens, layouts = _decode_inputs(batch, hq, hkv, length, headdim, rng)
             for t in candidates:
                 tiles = kvcache_mma.CacheTiles(*t)
                 for name, (kc, vc, tab, page, paged) in layouts.items():
@@ -203,7 +214,7 @@ def tune(shapes=SHAPES, headdim=HEADDIM, candidates=TUNE_TILES) -> list:
                     tbps = kv_bytes / timing.median_ms / 1e9
                     out.append((t, (batch, hq, hkv, length), name, splits[-1], tbps))
                     print(f"{t} {batch}x{hq}/{hkv}@{length} {name}: splits {splits[-1]} {tbps:.2f} TB/s", flush=True)
-            del q, k, v, pk, pv, layouts
+            del q, k, v, layouts
             cupy.get_default_memory_pool().free_all_blocks()
     return out
 
@@ -263,7 +274,6 @@ def split_sweep(shapes=SPLIT_SHAPES, counts=SPLIT_COUNTS, headdim=HEADDIM) -> li
     requested num_splits (0: the heuristic's), cuDNN's through SDPA in the same run:
     [(shape, layout, requested, splits run, TB/s)]."""
     import cupy
-    import ml_dtypes
 
     from ..kernels import kvcache_mma
     from ..masks import mask_for
@@ -274,14 +284,7 @@ def split_sweep(shapes=SPLIT_SHAPES, counts=SPLIT_COUNTS, headdim=HEADDIM) -> li
     with stream:
         for batch, hq, hkv, length in shapes:
             kv_bytes = 2 * batch * length * hkv * headdim * 2
-            q = cupy.asarray(rng.standard_normal((batch, 1, hq, headdim), np.float32)).astype(ml_dtypes.bfloat16)
-            k = cupy.asarray(rng.standard_normal((batch, length, hkv, headdim), np.float32)).astype(q.dtype)
-            v = cupy.asarray(rng.standard_normal((batch, length, hkv, headdim), np.float32)).astype(q.dtype)
-            o, lse = cupy.empty_like(q), cupy.empty((batch, hq, 1), np.float32)
-            seqlens = cupy.full(batch, length, np.int32)
-            pk, pv, table = _paged(k, v, 16, rng)
-            layouts = {"contiguous": (k, v, cupy.arange(batch, dtype=np.int32).reshape(batch, 1), length, False),
-                       "paged16": (pk, pv, table, 16, True)}
+            q, k, v, o, lse, seqlens, layouts = _decode_inputs(batch, hq, hkv, length, headdim, rng)
             for name, (kc, vc, tab, page, paged) in layouts.items():
                 for requested in counts:
                     splits = []
@@ -296,7 +299,7 @@ def split_sweep(shapes=SPLIT_SHAPES, counts=SPLIT_COUNTS, headdim=HEADDIM) -> li
                     out.append(((batch, hq, hkv, length), name, requested, splits[-1], tbps))
                     print(f"{batch}x{hq}/{hkv} {length} {name}: num_splits={requested} ran {splits[-1]}: "
                           f"{tbps:.2f} TB/s", flush=True)
-            del pk, pv, layouts
+            del layouts
             try:
                 import torch
                 import torch.nn.functional as F
