@@ -140,6 +140,18 @@ def _capture(fn):
     return graph, outputs, stream
 
 
+def _replay(graph, stream):
+    """graph replayed on its non-blocking stream after the current stream's work (the new inputs
+    written into the captured buffers, _churn), then waited for. A non-blocking stream is not
+    ordered after the legacy default stream: without the event a replay may read inputs that are
+    still being written."""
+    import cupy
+
+    stream.wait_event(cupy.cuda.get_current_stream().record())
+    graph.launch(stream)
+    stream.synchronize()
+
+
 def _same_bits(a, b):
     a, b = a.get(), b.get()
     return a.shape == b.shape and (a.view(np.uint8) == b.view(np.uint8)).all()
@@ -162,8 +174,7 @@ def test_dense_forward_and_backward_replay_in_a_graph():
         for x in (q, k, v, do):  # new inputs, written into the captured buffers
             x[...] = cupy.asarray(rng.standard_normal(shape).astype(BF16))
         _churn(cupy)
-        graph.launch(stream)
-        stream.synchronize()
+        _replay(graph, stream)
         assert sentinels.intact(), trial
         for got, want in zip(captured, step()):
             assert _same_bits(got, want), trial
@@ -187,8 +198,7 @@ def test_varlen_forward_and_backward_replay_in_a_graph():
         cu[...] = cupy.asarray(np.array(cuts, np.int32))
         q[...] = cupy.asarray(rng.standard_normal((total, heads, dim)).astype(BF16))
         _churn(cupy)
-        graph.launch(stream)
-        stream.synchronize()
+        _replay(graph, stream)
         assert sentinels.intact(), cuts
         for got, want in zip(captured, step()):
             assert _same_bits(got, want), cuts
@@ -235,8 +245,7 @@ def test_decode_step_of_several_layers_replays_with_growing_caches():
         q[...] = cupy.asarray(rng.standard_normal(q.shape).astype(BF16))
         kv[...] = cupy.asarray(rng.standard_normal(kv.shape).astype(BF16))
         _churn(cupy)
-        graph.launch(stream)
-        stream.synchronize()
+        _replay(graph, stream)
         assert sentinels.intact(), trial
         with cupyflash.no_host_sync():
             expected = step(mirror, seqlens_mirror)
@@ -274,8 +283,7 @@ def test_contiguous_cache_rows_and_an_int_length_replay_in_a_graph():
     for trial in range(3):
         q[...] = cupy.asarray(rng.standard_normal(q.shape).astype(BF16))
         kv[...] = cupy.asarray(rng.standard_normal(kv.shape).astype(BF16))
-        graph.launch(stream)
-        stream.synchronize()
+        _replay(graph, stream)
         with cupyflash.no_host_sync():
             expected = step(mirror)
         assert sentinels.intact(), trial

@@ -105,8 +105,9 @@ def measure(shapes=SHAPES, headdim=HEADDIM, quick=False) -> dict:
                 timing = time_region(run, 1, policy=POLICY, stream=stream)
                 row[f"cupyflash_{name}_tbps"] = kv_bytes / timing.median_ms / 1e9
                 row[f"cupyflash_{name}_ms"] = timing.median_ms
-                row["num_splits"] = splits[-1]
+                row[f"num_splits_{name}"] = splits[-1]
                 del kc, vc
+            row["num_splits"] = row["num_splits_contiguous"]  # the table's column
             # the whole API call from Python, contiguous cache (host checks and syncs included)
             cache_seqlens = cupy.full(batch, length, np.int32)
             flash_attn_with_kvcache(q, k, v, cache_seqlens=cache_seqlens)
@@ -219,17 +220,23 @@ def tune(shapes=SHAPES, headdim=HEADDIM, candidates=TUNE_TILES) -> list:
     return out
 
 
+def _split_counts(row: dict) -> str:
+    """The split counts of the row's three layouts (rows of older JSON: the one count they kept)."""
+    counts = [row.get(f"num_splits_{n}") for n in ("contiguous", "paged16", "paged256")]
+    return str(row["num_splits"]) if None in counts else " / ".join(map(str, counts))
+
+
 def table(result: dict) -> str:
     copy = result["copy_tbps"]
     lines = [f"device-to-device copy: {copy:.2f} TB/s (read + write)", "",
-             "| shape (B x Hq/Hkv @ L) | splits | cupyflash contiguous | paged 16 | paged 256 | cuDNN | FA2 | "
+             "| shape (B x Hq/Hkv @ L) | splits (contig / p16 / p256) | cupyflash contiguous | paged 16 | paged 256 | cuDNN | FA2 | "
              "×cuDNN | % copy | paged16/contig | paged256/contig | API call ms |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         c, p16, p256 = (r[f"cupyflash_{n}_tbps"] for n in ("contiguous", "paged16", "paged256"))
         cudnn, fa2 = r.get("cudnn_tbps"), r.get("fa2_tbps")
         fmt = lambda x: "—" if x is None else f"{x:.2f}"
-        lines.append(f"| {r['batch']} x {r['nheads']}/{r['nheads_kv']} @ {r['kv_len']} | {r['num_splits']} | "
+        lines.append(f"| {r['batch']} x {r['nheads']}/{r['nheads_kv']} @ {r['kv_len']} | {_split_counts(r)} | "
                      f"{c:.2f} | {p16:.2f} | {p256:.2f} | {fmt(cudnn)} | {fmt(fa2)} | "
                      f"{'—' if not cudnn else f'{c / cudnn:.2f}'} | {100 * c / copy:.0f}% | {p16 / c:.3f} | "
                      f"{p256 / c:.3f} | {r['api_ms']:.3f} |")
