@@ -107,4 +107,19 @@ __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.comm
 // This thread's bulk groups have finished reading shared memory (the source may be overwritten).
 __device__ __forceinline__ void bulk_wait_read_all() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 
+// The 8-column chunk of a (batch, seqlen_q, nheads, headdim) tensor that thread idx of a dq
+// convert kernel (flash_bwd_dq_convert, _fixed) rounds: chunks in C order of (batch, row, head,
+// chunk), nheads * headdim / 8 < 2^31.
+struct RowChunk {
+    int batch, row, head, chunk;
+    __device__ __forceinline__ RowChunk(i64 idx, int seqlen_q, int nheads, int headdim) {
+        const int chunks_per_row = headdim / 8;
+        chunk = (int)(idx % chunks_per_row);
+        const i64 row_id = idx / chunks_per_row;  // (batch, row, head) in C order
+        head = (int)(row_id % nheads);
+        row = (int)((row_id / nheads) % seqlen_q);
+        batch = (int)(row_id / ((i64)nheads * seqlen_q));
+    }
+};
+
 }  // namespace cf

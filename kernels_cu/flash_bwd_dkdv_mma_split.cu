@@ -14,6 +14,7 @@
 // and the dK warp reaches the second of them only after reading it.
 #include "common.cuh"
 #include "dq_add.cuh"
+#include "block_walk.cuh"
 #include "mask.cuh"
 #include "mma.cuh"
 #include "mma_bwd.cuh"
@@ -43,14 +44,9 @@ flash_bwd_dkdv_mma_split(const __grid_constant__ BwdParams p) {
     constexpr int PAIRS = NWARPS / 2;
     constexpr int G = ROW_GROUPS;
     constexpr int WARP_ROWS = 16 * G;
-    constexpr int DQ_WARPS_M = BLOCK_M / 16;
-    constexpr int DQ_COLS = D_TILE / (NWARPS / DQ_WARPS_M);  // dQ columns per warp (DqAdd::atomic)
-    constexpr int DQ_PASS = DQ_COLS < 32 ? DQ_COLS : 32;
     static_assert(NWARPS % 2 == 0 && PAIRS <= 15, "warp pairs, one named barrier each");
     static_assert(BLOCK_N == WARP_ROWS * PAIRS, "16 * ROW_GROUPS key rows per warp pair");
     static_assert(BLOCK_M % M_SUB == 0 && M_SUB % 16 == 0 && D_TILE % 16 == 0, "m16n8k16 tiles");
-    static_assert(!ATOMIC_DQ || (NWARPS % DQ_WARPS_M == 0 && DQ_COLS % DQ_PASS == 0 && DQ_PASS % 16 == 0),
-                  "dQ warp grid");
     static_assert(X::BYTES <= 227 * 1024, "shared memory");
 
     extern __shared__ __align__(128) unsigned char smem[];
@@ -77,31 +73,17 @@ flash_bwd_dkdv_mma_split(const __grid_constant__ BwdParams p) {
     const float* __restrict__ delta = static_cast<const float*>(p.delta);
     const Mask mask = cta_mask<Mask>(p, seqlen_q, seqlen_k);
 
-    // Query blocks [m_block_first, m_block_end) see some key of this block (mask.cuh); the others
-    // are never loaded.
-    const int m_block_first = mask.query_begin(n0) / BLOCK_M;
-    const int m_block_end = (mask.query_end(n0, BLOCK_N) + BLOCK_M - 1) / BLOCK_M;
-    const int m_blocks = max(0, m_block_end - m_block_first);
-    const int n_iters = group * m_blocks;  // (query head of the group, query block) pairs
-
+    // The query blocks that see some key of this block, for each query head of the group
+    // (block_walk.cuh); the others are never loaded.
+    const QueryBlockWalk<BLOCK_M> walk(mask, n0, BLOCK_N, group);
     auto load_query_block = [&](int it, int stage) {
-        const int head = head_kv * group + it / m_blocks;
-        const int m0 = (m_block_first + it % m_blocks) * BLOCK_M;
-        cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(base + L::Q + stage * L::Q_TILE,
-                                                 q.row<const T>(batch, seq.q_begin + m0, head),
-                                                 seqlen_q - m0, headdim, q.row_stride, tid);
-        cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(base + L::DO + stage * L::Q_TILE,
-                                                 dout.row<const T>(batch, seq.q_begin + m0, head),
-                                                 seqlen_q - m0, headdim, dout.row_stride, tid);
-        cp_async_row_stats<BLOCK_M, NTHREADS>(base + L::LSE, base + L::DELTA, stage, lse, delta,
-                                               seq.stat(stat_dims, head, m0), m0, seqlen_q, tid);
+        cp_async_query_block<T, L, BLOCK_M, D_TILE, NTHREADS>(base, stage, q, dout, lse, delta, seq, stat_dims,
+                                                              walk.head(head_kv, it), walk.block(it) * BLOCK_M,
+                                                              seqlen_q, headdim, tid);
     };
 
-    cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(s_k, k.row<const T>(batch, seq.k_begin + n0, head_kv), seqlen_k - n0,
-                                             headdim, k.row_stride, tid);
-    cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(s_v, v.row<const T>(batch, seq.k_begin + n0, head_kv), seqlen_k - n0,
-                                             headdim, v.row_stride, tid);
-    if (n_iters > 0) load_query_block(0, 0);
+    cp_async_key_block<T, BLOCK_N, D_TILE, NTHREADS>(s_k, s_v, k, v, seq, head_kv, n0, seqlen_k, headdim, tid);
+    if (walk.iters > 0) load_query_block(0, 0);
     cp_async_commit();
 
     // dV_j rows of the pair (role dV) or dK_j rows (role dK).
@@ -110,16 +92,16 @@ flash_bwd_dkdv_mma_split(const __grid_constant__ BwdParams p) {
     for (int g = 0; g < G; ++g) zero(acc[g]);
     int slot = 0;
 
-    for (int it = 0; it < n_iters; ++it) {
+    for (int it = 0; it < walk.iters; ++it) {
         const int stage = it & 1;
         // As in v1: lands this block's copies; all warps are done with iteration it - 1.
         cp_async_wait<0>();
         __syncthreads();
-        if (it + 1 < n_iters) load_query_block(it + 1, stage ^ 1);
+        if (it + 1 < walk.iters) load_query_block(it + 1, stage ^ 1);
         cp_async_commit();
 
-        const int head = head_kv * group + it / m_blocks;
-        const int m0 = (m_block_first + it % m_blocks) * BLOCK_M;
+        const int head = walk.head(head_kv, it);
+        const int m0 = walk.block(it) * BLOCK_M;
         const u32 s_q = base + L::Q + stage * L::Q_TILE, s_do = base + L::DO + stage * L::Q_TILE;
         const float* s_lse = reinterpret_cast<const float*>(smem + L::LSE) + stage * BLOCK_M;
         const float* s_delta = reinterpret_cast<const float*>(smem + L::DELTA) + stage * BLOCK_M;
@@ -222,47 +204,14 @@ flash_bwd_dkdv_mma_split(const __grid_constant__ BwdParams p) {
                 for (int g = 0; g < G; ++g) pack_a_frags<T, M_SUB>(ds_frag[g], dp_acc[g]);
                 mma_AB_regs_groups<T, G, D_TILE, M_SUB, D_TILE>(acc, ds_frag, s_q_sub, 0, lane);
 
-                if constexpr (ATOMIC_DQ) {
-#pragma unroll
-                    for (int g = 0; g < G; ++g) {
-                        const int r = row0 + 16 * g + lane / 4, c = 2 * (lane % 4);
-#pragma unroll
-                        for (int kk = 0; kk < M_SUB / 16; ++kk) {
-                            const int chunk = mc0 / 8 + 2 * kk;
-                            st_shared_b32(s_ds + tile_offset<BLOCK_M>(r, chunk) + 2 * c, ds_frag[g][kk][0]);
-                            st_shared_b32(s_ds + tile_offset<BLOCK_M>(r + 8, chunk) + 2 * c, ds_frag[g][kk][1]);
-                            st_shared_b32(s_ds + tile_offset<BLOCK_M>(r, chunk + 1) + 2 * c, ds_frag[g][kk][2]);
-                            st_shared_b32(s_ds + tile_offset<BLOCK_M>(r + 8, chunk + 1) + 2 * c,
-                                          ds_frag[g][kk][3]);
-                        }
-                    }
-                }
+                if constexpr (ATOMIC_DQ) store_ds_t<G, BLOCK_M, M_SUB>(s_ds, ds_frag, row0, mc0, lane);
             }
         }
 
-        // Step 7 (DqAdd::atomic): as in v1, by all warps.
-        if constexpr (ATOMIC_DQ) {
-            __syncthreads();
-            const int q_row0 = 16 * (warp % DQ_WARPS_M);
-            const int m_lo = m0 + q_row0 + lane / 4, m_hi = m_lo + 8;
-            float* dqa = dq_accum.row<float>(batch, seq.q_begin, head);  // float32 rows (panel stride 64)
-            const i64 dqa_ss = dq_accum.row_stride;
-#pragma unroll 1
-            for (int col0 = DQ_COLS * (warp / DQ_WARPS_M); col0 < DQ_COLS * (warp / DQ_WARPS_M + 1);
-                 col0 += DQ_PASS) {
-                float dq_acc[DQ_PASS / 8][4];
-                zero(dq_acc);
-                mma_AtB<T, DQ_PASS, BLOCK_N, BLOCK_M, D_TILE>(dq_acc, s_ds, q_row0, s_k, col0, lane);
-#pragma unroll
-                for (int j = 0; j < DQ_PASS / 8; ++j) {
-                    const int col = col0 + 8 * j + 2 * (lane % 4);
-                    if (col < headdim) {
-                        if (m_lo < seqlen_q) red_add_f32x2(dqa + m_lo * dqa_ss + col, dq_acc[j][0], dq_acc[j][1]);
-                        if (m_hi < seqlen_q) red_add_f32x2(dqa + m_hi * dqa_ss + col, dq_acc[j][2], dq_acc[j][3]);
-                    }
-                }
-            }
-        }
+        // Step 7 (DqAdd::atomic): dq_accum += dS K_j, dS read back from shared memory (mma_bwd_layouts.cuh).
+        if constexpr (ATOMIC_DQ)
+            add_dq_atomic<T, BLOCK_M, BLOCK_N, D_TILE, NWARPS>(dq_accum, seq, head, m0, s_ds, s_k, seqlen_q, headdim,
+                                                            warp, lane);
     }
 
     cp_async_wait<0>();
@@ -273,10 +222,7 @@ flash_bwd_dkdv_mma_split(const __grid_constant__ BwdParams p) {
         else stage_acc<T, D_TILE, D_TILE>(s_v, row0 + 16 * g, 0, acc[g], 1.f, lane);
     }
     __syncthreads();
-    store_tile<BLOCK_N, D_TILE, NTHREADS>(dk.row<T>(batch, seq.k_begin + n0, head_kv), s_k, seqlen_k - n0,
-                                          headdim, dk.row_stride, tid);
-    store_tile<BLOCK_N, D_TILE, NTHREADS>(dv.row<T>(batch, seq.k_begin + n0, head_kv), s_v, seqlen_k - n0,
-                                          headdim, dv.row_stride, tid);
+    store_key_block_grads<T, BLOCK_N, D_TILE, NTHREADS>(dk, dv, s_k, s_v, seq, head_kv, n0, seqlen_k, headdim, tid);
 }
 
 }  // namespace cf

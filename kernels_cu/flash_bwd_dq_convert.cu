@@ -1,6 +1,7 @@
 // flash_bwd_dq_convert: dq = scale * dq_accum in the input dtype, after the float32 atomic dQ adds
 // (DqAdd::atomic) of the tensor-core backward kernels (the mma.sync family: mma_bwd_layouts.cuh).
 #include "common.cuh"
+#include "dq_add.cuh"
 #include "mma.cuh"
 #include "params.cuh"
 
@@ -14,12 +15,8 @@ flash_bwd_dq_convert(const __grid_constant__ BwdParams p) {
     const i64 n_chunks = ((i64)p.batch * seqlen_q) * (nheads * (headdim / 8));  // nheads headdim / 8 < 2^31
     const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= n_chunks) return;
-    const int chunks_per_row = headdim / 8;
-    const int chunk = (int)(idx % chunks_per_row);
-    const i64 row_id = idx / chunks_per_row;  // (batch, row, head) in C order
-    const int head = (int)(row_id % nheads);
-    const int row = (int)((row_id / nheads) % seqlen_q);
-    const int batch = (int)(row_id / ((i64)nheads * seqlen_q));
+    const RowChunk at(idx, seqlen_q, nheads, headdim);
+    const int batch = at.batch, row = at.row, head = at.head, chunk = at.chunk;
     const float scale = p.scale;
     const float4* src = reinterpret_cast<const float4*>(p.dq_accum.row<const float>(batch, row, head) + chunk * 8);
     const float4 lo = __ldg(src), hi = __ldg(src + 1);  // the read-only path (bwd_args in mma_bwd.cuh)

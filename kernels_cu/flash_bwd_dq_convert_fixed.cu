@@ -22,12 +22,8 @@ flash_bwd_dq_convert_fixed(const __grid_constant__ BwdParams p) {
     const float* __restrict__ dq_scale = p.dq_row_scale;
     const float scale = p.scale;
     const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    const int chunks_per_row = headdim / 8;
-    const int chunk = (int)(idx % chunks_per_row);
-    const i64 row_id = idx / chunks_per_row;  // (batch, row, head) in C order
-    const int head = (int)(row_id % nheads);
-    const int row = (int)((row_id / nheads) % seqlen_q);
-    const int batch = (int)(row_id / ((i64)nheads * seqlen_q));
+    const RowChunk at(idx, seqlen_q, nheads, headdim);
+    const int batch = at.batch, row = at.row, head = at.head, chunk = at.chunk;
     if (batch >= p.batch) return;  // idx past the batch * seqlen_q * nheads * headdim / 8 chunks
     // 2^-E_i is exact (a power of two, subnormal at most); applying it before the softmax scale
     // keeps the product normal. A NaN scale makes the row NaN. The inputs are read-only here:

@@ -41,9 +41,11 @@
 // dS^T go through shared memory (16-bit, swizzled), since the products after them need rows or
 // columns that other warps computed.
 #include "common.cuh"
+#include "block_walk.cuh"
 #include "mask.cuh"
 #include "mma.cuh"
 #include "mma_bwd.cuh"
+#include "mma_bwd_layouts.cuh"
 #include "dq_add.cuh"
 #include "dq_order.cuh"
 #include "params.cuh"
@@ -123,41 +125,25 @@ flash_bwd_fused_mma(const __grid_constant__ BwdParams p) {
     int* __restrict__ const dq_semaphore = p.dq_semaphore;  // DQ_ORDERED only (null otherwise)
     const Mask mask = cta_mask<Mask>(p, seqlen_q, seqlen_k);
 
-    // Query blocks [m_block_first, m_block_end) see some key of this block (mask.cuh); the others
-    // are never loaded.
-    const int m_block_first = mask.query_begin(n0) / BLOCK_M;
+    // The query blocks that see some key of this block, for each query head of the group
+    // (block_walk.cuh); the others are never loaded.
+    const QueryBlockWalk<BLOCK_M> walk(mask, n0, BLOCK_N, group);
     const int q_blocks = (seqlen_q + BLOCK_M - 1) / BLOCK_M;  // the counters' stride (dense only)
-    const int m_block_end = (mask.query_end(n0, BLOCK_N) + BLOCK_M - 1) / BLOCK_M;
-    const int m_blocks = max(0, m_block_end - m_block_first);
-    const int n_iters = group * m_blocks;  // (query head of the group, query block) pairs
     // The ordered adds wait for key blocks 0..j-1, which a left bound would skip.
     static_assert(!DQ_ORDERED || !(Mask::HAS_LEFT || Mask::HAS_BLOCK_MAP),
                   "ordered dQ adds need every earlier key block to visit");
 
-    // Iteration it -> query block (and head: it / m_blocks); DQ_ORDERED walks each head's blocks
-    // from the last to the first.
-    auto m_block_of = [&](int it) {
-        return DQ_ORDERED ? m_block_end - 1 - it % m_blocks : m_block_first + it % m_blocks;
-    };
+    // Iteration it -> query block; DQ_ORDERED walks each head's blocks from the last to the first.
+    auto m_block_of = [&](int it) { return DQ_ORDERED ? walk.block_down_from(walk.end - 1, it) : walk.block(it); };
     auto load_query_block = [&](int it, int stage) {
-        const int head = head_kv * group + it / m_blocks;
-        const int m0 = m_block_of(it) * BLOCK_M;
-        cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(base + L::Q + stage * L::Q_TILE,
-                                                 q.row<const T>(batch, seq.q_begin + m0, head),
-                                                 seqlen_q - m0, headdim, q.row_stride, tid);
-        cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(base + L::DO + stage * L::Q_TILE,
-                                                 dout.row<const T>(batch, seq.q_begin + m0, head),
-                                                 seqlen_q - m0, headdim, dout.row_stride, tid);
-        cp_async_row_stats<BLOCK_M, NTHREADS>(base + L::LSE, base + L::DELTA, stage, lse, delta,
-                                               seq.stat(stat_dims, head, m0), m0, seqlen_q, tid);
+        cp_async_query_block<T, L, BLOCK_M, D_TILE, NTHREADS>(base, stage, q, dout, lse, delta, seq, stat_dims,
+                                                              walk.head(head_kv, it), m_block_of(it) * BLOCK_M,
+                                                              seqlen_q, headdim, tid);
     };
 
     // Prologue: K_j, V_j and the first query block in one group.
-    cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(s_k, k.row<const T>(batch, seq.k_begin + n0, head_kv), seqlen_k - n0,
-                                             headdim, k.row_stride, tid);
-    cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(s_v, v.row<const T>(batch, seq.k_begin + n0, head_kv), seqlen_k - n0,
-                                             headdim, v.row_stride, tid);
-    if (n_iters > 0) load_query_block(0, 0);
+    cp_async_key_block<T, BLOCK_N, D_TILE, NTHREADS>(s_k, s_v, k, v, seq, head_kv, n0, seqlen_k, headdim, tid);
+    if (walk.iters > 0) load_query_block(0, 0);
     cp_async_commit();
 
     float dk_acc[KG][DW / 8][4], dv_acc[KG][DW / 8][4];
@@ -169,18 +155,18 @@ flash_bwd_fused_mma(const __grid_constant__ BwdParams p) {
 
     constexpr bool DEFERRED_RELEASE = DQ_ORDERED && !EAGER_RELEASE;
     int* pending_release = nullptr;  // DQ_ORDERED: counter of the query block added last, not yet released
-    for (int it = 0; it < n_iters; ++it) {
+    for (int it = 0; it < walk.iters; ++it) {
         const int stage = it & 1;
         // The wait lands this block's copies; the barrier makes every thread's copies visible and
         // guarantees that all warps are done with iteration it - 1 (stage ^ 1, P^T and dS^T).
         cp_async_wait<0>();
         __syncthreads();
         if constexpr (!DEFERRED_RELEASE) {
-            if (it + 1 < n_iters) load_query_block(it + 1, stage ^ 1);
+            if (it + 1 < walk.iters) load_query_block(it + 1, stage ^ 1);
             cp_async_commit();
         }
 
-        const int head = head_kv * group + it / m_blocks;
+        const int head = walk.head(head_kv, it);
         const int m_block = m_block_of(it), m0 = m_block * BLOCK_M;
         int* const sem = dq_semaphore + ((i64)batch * nheads + head) * q_blocks + m_block;
         int sem_seen = 0;  // DQ_ORDERED: the counter, read early so its latency hides behind steps 1-7
@@ -211,7 +197,7 @@ flash_bwd_fused_mma(const __grid_constant__ BwdParams p) {
         if constexpr (DEFERRED_RELEASE) {
             release_dq_block(pending_release, lane);
             pending_release = nullptr;
-            if (it + 1 < n_iters) load_query_block(it + 1, stage ^ 1);
+            if (it + 1 < walk.iters) load_query_block(it + 1, stage ^ 1);
             cp_async_commit();
         }
 
@@ -336,10 +322,7 @@ flash_bwd_fused_mma(const __grid_constant__ BwdParams p) {
         stage_acc<T, DW, D_TILE>(s_v, key_row0 + 16 * g, d_col0, dv_acc[g], 1.f, lane);
     }
     __syncthreads();
-    store_tile<BLOCK_N, D_TILE, NTHREADS>(dk.row<T>(batch, seq.k_begin + n0, head_kv), s_k, seqlen_k - n0,
-                                          headdim, dk.row_stride, tid);
-    store_tile<BLOCK_N, D_TILE, NTHREADS>(dv.row<T>(batch, seq.k_begin + n0, head_kv), s_v, seqlen_k - n0,
-                                          headdim, dv.row_stride, tid);
+    store_key_block_grads<T, BLOCK_N, D_TILE, NTHREADS>(dk, dv, s_k, s_v, seq, head_kv, n0, seqlen_k, headdim, tid);
 }
 
 }  // namespace cf

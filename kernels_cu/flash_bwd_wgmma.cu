@@ -27,6 +27,7 @@
 // layout both orientations of wgmma accept, so no tile is stored twice. The S^T and dP^T products
 // are issued back to back and P^T is computed while dP^T is still running; dV and dK run while
 // dS^T is stored and the warpgroups meet at the barrier before dQ.
+#include "block_walk.cuh"
 #include "common.cuh"
 #include "mask.cuh"
 #include "mma.cuh"
@@ -36,6 +37,7 @@
 #include "dq_add.cuh"
 #include "params.cuh"
 #include "softmax_bwd.cuh"
+#include "wgmma_bwd.cuh"
 
 namespace cf {
 
@@ -121,37 +123,23 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
     const T* __restrict__ k_rows = p.k.row<const T>(batch, seq.k_begin, head_kv);
     const T* __restrict__ v_rows = p.v.row<const T>(batch, seq.k_begin, head_kv);
 
-    // Query blocks [m_block_first, m_block_end) see some key of this block (mask.cuh).
-    const int m_block_first = mask.query_begin(n0) / BLOCK_M;
+    // The query blocks that see some key of this block, for each query head of the group
+    // (block_walk.cuh); the others are never loaded.
+    const QueryBlockWalk<BLOCK_M> walk(mask, n0, BLOCK_N, group);
     const int q_blocks = (seqlen_q + BLOCK_M - 1) / BLOCK_M;  // ORDERED: the counters' stride (dense only)
-    const int m_block_end = (mask.query_end(n0, BLOCK_N) + BLOCK_M - 1) / BLOCK_M;
-    const int m_blocks = max(0, m_block_end - m_block_first);
     // The ordered dQ adds count every key block of a query block's column: no skipped blocks.
     static_assert(!ORDERED || !(Mask::HAS_LEFT || Mask::HAS_BLOCK_MAP), "ordered dQ adds need every key block");
-    const int n_iters = group * m_blocks;
 
-    // Iteration it -> query block (and head: it / m_blocks); ORDERED walks each head's blocks
-    // from the last to the first.
-    auto m_block_of = [&](int it) {
-        return ORDERED ? q_blocks - 1 - it % m_blocks : m_block_first + it % m_blocks;
-    };
+    // Iteration it -> query block; ORDERED walks each head's blocks from the last to the first.
+    auto m_block_of = [&](int it) { return ORDERED ? walk.block_down_from(q_blocks - 1, it) : walk.block(it); };
     auto load_query_block = [&](int it, int stage) {
-        const int head = head_kv * group + it / m_blocks;
-        const int m0 = m_block_of(it) * BLOCK_M;
-        cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(base + L::Q + stage * L::Q_TILE,
-                                                   q + row_offset(batch, seq.q_begin + m0, head, q_sb, q_ss, q_sh),
-                                                   seqlen_q - m0, headdim, q_ss, tid);
-        cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(base + L::DO + stage * L::Q_TILE,
-                                                   dout + row_offset(batch, seq.q_begin + m0, head, do_sb, do_ss,
-                                                                     do_sh),
-                                                   seqlen_q - m0, headdim, do_ss, tid);
-        cp_async_row_stats<BLOCK_M, NTHREADS>(base + L::LSE, base + L::DELTA, stage, lse, delta,
-                                               seq.stat(stat_dims, head, m0), m0, seqlen_q, tid);
+        cp_async_query_panels<L, BLOCK_M, D_TILE, NTHREADS>(base, stage, q, q_sb, q_ss, q_sh, dout, do_sb, do_ss, do_sh,
+                                                            lse, delta, seq, stat_dims, walk.head(head_kv, it),
+                                                            m_block_of(it) * BLOCK_M, seqlen_q, headdim, tid);
     };
 
-    cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(s_k, k_rows + n0 * k_ss, seqlen_k - n0, headdim, k_ss, tid);
-    cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(s_v, v_rows + n0 * v_ss, seqlen_k - n0, headdim, v_ss, tid);
-    if (n_iters > 0) load_query_block(0, 0);
+    cp_async_key_panels<BLOCK_N, D_TILE, NTHREADS>(s_k, s_v, k_rows, k_ss, v_rows, v_ss, n0, seqlen_k, headdim, tid);
+    if (walk.iters > 0) load_query_block(0, 0);
     cp_async_commit();
 
     const int wg = tid / 128, warp_in_wg = (tid / 32) % 4, lane = tid % 32;
@@ -161,7 +149,7 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
 
     int* pending_release = nullptr;  // ORDERED: counter of the query block added last, not yet released
     const float dq_limit = fixed_limit((seqlen_k + BLOCK_N - 1) / BLOCK_N);  // fixed: one add per key block
-    for (int it = 0; it < n_iters; ++it) {
+    for (int it = 0; it < walk.iters; ++it) {
         const int stage = it & 1;
         // The wait lands this block's copies; the proxy fence hands them (and the previous
         // iteration's dS^T stores) to wgmma's async proxy; the barrier does so for every thread
@@ -170,11 +158,11 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
         fence_proxy_async_shared();
         __syncthreads();
         if constexpr (!ORDERED) {
-            if (it + 1 < n_iters) load_query_block(it + 1, stage ^ 1);
+            if (it + 1 < walk.iters) load_query_block(it + 1, stage ^ 1);
             cp_async_commit();
         }
 
-        const int head = head_kv * group + it / m_blocks;
+        const int head = walk.head(head_kv, it);
         const int m_block = m_block_of(it), m0 = m_block * BLOCK_M;
         int* const sem = dq_semaphore + ((i64)batch * nheads + head) * q_blocks + m_block;
         int sem_seen = 0;  // ORDERED: the counter, read early so its latency hides behind steps 1-7
@@ -213,7 +201,7 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
         if constexpr (ORDERED) {
             release_dq_block(pending_release, lane);
             pending_release = nullptr;
-            if (it + 1 < n_iters) load_query_block(it + 1, stage ^ 1);
+            if (it + 1 < walk.iters) load_query_block(it + 1, stage ^ 1);
             cp_async_commit();
         }
         wgmma_wait<1>();

@@ -1,6 +1,7 @@
 // The KV-cache append of flash_attn_with_kvcache on the device (AppendParams, params.cuh): each new
 // key and value row copied into its cache slot, the slot found through the block table from the
-// sequence's cache_seqlens as the attention kernel finds it, so the two agree by construction.
+// sequence's cache_seqlens by the attention kernel's own lookup (CacheKeys, cache_rows.cuh), so the
+// two agree by construction.
 // What cupyflash.capture's calls use: nothing is read back to the host, and the append is one
 // launch a CUDA graph holds. The values are copied as raw bits of their width (NaN payloads and
 // signed zeros kept: the append is checked byte for byte).
@@ -8,6 +9,7 @@
 // One CTA per (sequence, new token) and kv head, its threads over the head dimension; the CTA of
 // a sequence's token 0 and head 0 also writes seqlens_k[b]. Two appended tokens on one slot, or an
 // append beyond a cache's capacity, is the caller's contract (flash-attn's): nothing checks it here.
+#include "cache_rows.cuh"
 #include "common.cuh"
 #include "params.cuh"
 
@@ -25,14 +27,15 @@ __global__ void __launch_bounds__(APPEND_THREADS) flash_kvcache_append(const __g
     typedef typename raw_bits<BYTES>::type U;
     const int b = blockIdx.x / p.seqlen_new, t = blockIdx.x % p.seqlen_new, head = blockIdx.y;
     const int cached = __ldg(p.cache_seqlens + b);
-    const int position = cached + t;
-    const int page_index = p.page.div(position);
-    const int slot = position - page_index * p.page.divisor;
-    const int page = __ldg(p.block_table + b * p.block_table_stride + page_index);
+    // The slot of key cached + t, found as the attention kernel finds it (cache_rows.cuh). A
+    // contiguous cache comes as a table of one page per sequence, its row, of the cache's
+    // capacity: the paged lookup then gives that row and slot `position`.
+    i64 k_off, v_off;
+    CacheKeys<true>(p, b, head).offsets(cached + t, k_off, v_off);
     const U* k_src = p.k_new.row<const U>(b, t, head);
     const U* v_src = p.v_new.row<const U>(b, t, head);
-    U* k_dst = p.k.row<U>(page, slot, head);
-    U* v_dst = p.v.row<U>(page, slot, head);
+    U* k_dst = static_cast<U*>(p.k.data) + k_off;
+    U* v_dst = static_cast<U*>(p.v.data) + v_off;
     for (int c = threadIdx.x; c < p.headdim; c += APPEND_THREADS) {
         k_dst[c] = k_src[c];
         v_dst[c] = v_src[c];

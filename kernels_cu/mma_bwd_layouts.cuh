@@ -28,7 +28,11 @@
 
 #include "common.cuh"
 #include "dq_add.cuh"
+#include "mask.cuh"
 #include "mma.cuh"
+#include "mma_bwd.cuh"
+#include "params.cuh"
+#include "softmax_bwd.cuh"
 
 namespace cf {
 
@@ -64,5 +68,102 @@ struct DqSmem {
     static constexpr u32 V = K + 2 * KV_TILE;  // [2 stages]
     static constexpr u32 BYTES = V + 2 * KV_TILE;
 };
+
+// --- a dK/dV CTA's copies and stores (flash_bwd_dkdv_mma, _v2, _split, flash_bwd_fused_mma) -----
+// Each kernel copies the tensors from its BwdParams into locals at its top (bwd_args,
+// mma_bwd.cuh) and passes those here. Rows past the sequence's end are zero-filled on the way in
+// and not written on the way out.
+
+// K_j, V_j: rows n0 .. n0 + BLOCK_N - 1 of the sequence's keys, kv head head_kv.
+template <typename T, int BLOCK_N, int D_TILE, int NTHREADS>
+__device__ __forceinline__ void cp_async_key_block(u32 k_tile, u32 v_tile, const TensorRows& k, const TensorRows& v,
+                                                   const SequenceRows& seq, int head_kv, int n0, int seqlen_k,
+                                                   int headdim, int tid) {
+    cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(k_tile, k.row<const T>(seq.batch, seq.k_begin + n0, head_kv), seqlen_k - n0,
+                                             headdim, k.row_stride, tid);
+    cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(v_tile, v.row<const T>(seq.batch, seq.k_begin + n0, head_kv), seqlen_k - n0,
+                                             headdim, v.row_stride, tid);
+}
+
+// Q_i, dO_i (query block m0 of query head `head`) and the lse, D of its rows into pipeline stage
+// `stage` of layout L: its Q and DO tiles (Q_TILE bytes a stage) and its LSE, DELTA slots.
+template <typename T, class L, int BLOCK_M, int D_TILE, int NTHREADS>
+__device__ __forceinline__ void cp_async_query_block(u32 base, int stage, const TensorRows& q, const TensorRows& dout,
+                                                     const float* lse, const float* delta, const SequenceRows& seq,
+                                                     const StatDims& stat_dims, int head, int m0, int seqlen_q,
+                                                     int headdim, int tid) {
+    cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(base + L::Q + stage * L::Q_TILE,
+                                             q.row<const T>(seq.batch, seq.q_begin + m0, head), seqlen_q - m0, headdim,
+                                             q.row_stride, tid);
+    cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(base + L::DO + stage * L::Q_TILE,
+                                             dout.row<const T>(seq.batch, seq.q_begin + m0, head), seqlen_q - m0,
+                                             headdim, dout.row_stride, tid);
+    cp_async_row_stats<BLOCK_M, NTHREADS>(base + L::LSE, base + L::DELTA, stage, lse, delta,
+                                           seq.stat(stat_dims, head, m0), m0, seqlen_q, tid);
+}
+
+// dK_j, dV_j from the tiles they were staged in (stage_acc into the K and V tiles) to rows
+// n0 .. of dk and dv, 16 bytes a thread and step.
+template <typename T, int BLOCK_N, int D_TILE, int NTHREADS>
+__device__ __forceinline__ void store_key_block_grads(const TensorRows& dk, const TensorRows& dv, u32 dk_tile,
+                                                      u32 dv_tile, const SequenceRows& seq, int head_kv, int n0,
+                                                      int seqlen_k, int headdim, int tid) {
+    store_tile<BLOCK_N, D_TILE, NTHREADS>(dk.row<T>(seq.batch, seq.k_begin + n0, head_kv), dk_tile, seqlen_k - n0,
+                                          headdim, dk.row_stride, tid);
+    store_tile<BLOCK_N, D_TILE, NTHREADS>(dv.row<T>(seq.batch, seq.k_begin + n0, head_kv), dv_tile, seqlen_k - n0,
+                                          headdim, dv.row_stride, tid);
+}
+
+// dS^T of a warp's G groups of 16 key rows (rows row0 + 16 g ..) and M_SUB query columns (mc0 ..)
+// into the shared dS^T tile ([BLOCK_N][BLOCK_M], 16-bit, swizzled) that step 7 reads back.
+template <int G, int BLOCK_M, int M_SUB>
+__device__ __forceinline__ void store_ds_t(u32 s_ds, const u32 (&ds_frag)[G][M_SUB / 16][4], int row0, int mc0,
+                                           int lane) {
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        const int r = row0 + 16 * g + lane / 4, c = 2 * (lane % 4);
+#pragma unroll
+        for (int kk = 0; kk < M_SUB / 16; ++kk) {
+            const int chunk = mc0 / 8 + 2 * kk;
+            st_shared_b32(s_ds + tile_offset<BLOCK_M>(r, chunk) + 2 * c, ds_frag[g][kk][0]);
+            st_shared_b32(s_ds + tile_offset<BLOCK_M>(r + 8, chunk) + 2 * c, ds_frag[g][kk][1]);
+            st_shared_b32(s_ds + tile_offset<BLOCK_M>(r, chunk + 1) + 2 * c, ds_frag[g][kk][2]);
+            st_shared_b32(s_ds + tile_offset<BLOCK_M>(r + 8, chunk + 1) + 2 * c, ds_frag[g][kk][3]);
+        }
+    }
+}
+
+// Step 7 with DqAdd::atomic (flash_bwd_dkdv_mma, _v2, _split): dq_accum += dS K_j for query block
+// m0 of query head `head`, dS^T read back from its shared tile s_ds ([BLOCK_N][BLOCK_M], every
+// warp's rows stored and past a barrier: the one at the top). The NWARPS warps tile the query
+// block by 16 rows x DQ_COLS columns, in passes of DQ_PASS columns (registers again: dK_j, dV_j
+// stay live), each reduced over all BLOCK_N keys and added to dq_accum by red.global.add.
+template <typename T, int BLOCK_M, int BLOCK_N, int D_TILE, int NWARPS>
+__device__ __forceinline__ void add_dq_atomic(const TensorRows& dq_accum, const SequenceRows& seq, int head, int m0,
+                                              u32 s_ds, u32 s_k, int seqlen_q, int headdim, int warp, int lane) {
+    constexpr int DQ_WARPS_M = BLOCK_M / 16;
+    constexpr int DQ_COLS = D_TILE / (NWARPS / DQ_WARPS_M);  // dQ columns per warp
+    constexpr int DQ_PASS = DQ_COLS < 32 ? DQ_COLS : 32;
+    static_assert(NWARPS % DQ_WARPS_M == 0 && DQ_COLS % DQ_PASS == 0 && DQ_PASS % 16 == 0, "dQ warp grid");
+    __syncthreads();
+    const int q_row0 = 16 * (warp % DQ_WARPS_M);
+    const int m_lo = m0 + q_row0 + lane / 4, m_hi = m_lo + 8;
+    float* dqa = dq_accum.row<float>(seq.batch, seq.q_begin, head);  // float32 rows (panel stride 64)
+    const i64 dqa_ss = dq_accum.row_stride;
+#pragma unroll 1
+    for (int col0 = DQ_COLS * (warp / DQ_WARPS_M); col0 < DQ_COLS * (warp / DQ_WARPS_M + 1); col0 += DQ_PASS) {
+        float dq_acc[DQ_PASS / 8][4];
+        zero(dq_acc);
+        mma_AtB<T, DQ_PASS, BLOCK_N, BLOCK_M, D_TILE>(dq_acc, s_ds, q_row0, s_k, col0, lane);
+#pragma unroll
+        for (int j = 0; j < DQ_PASS / 8; ++j) {
+            const int col = col0 + 8 * j + 2 * (lane % 4);
+            if (col < headdim) {
+                if (m_lo < seqlen_q) red_add_f32x2(dqa + m_lo * dqa_ss + col, dq_acc[j][0], dq_acc[j][1]);
+                if (m_hi < seqlen_q) red_add_f32x2(dqa + m_hi * dqa_ss + col, dq_acc[j][2], dq_acc[j][3]);
+            }
+        }
+    }
+}
 
 }  // namespace cf

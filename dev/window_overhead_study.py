@@ -1,0 +1,84 @@
+"""What a CTA's short walk costs: causal sliding windows of growing width at one shape, forward
+and backward, and a straight-line fit of time against the key blocks the forward visits.
+
+    python dev/window_overhead_study.py [--seqlen 16384] [--json out.json]
+
+Why: at 16k a causal window of 1024 runs at 0.73-0.75 of the causal kernel's TFLOP/s over the
+visible pairs (perf log, mask-policy), where the tiles alone allow 0.89. Every CTA of the forward
+runs one walk of ~9 key blocks instead of causal's 64 on average, so whatever a CTA pays once
+(Q and the first K/V tiles before the first product, the epilogue's O store) weighs 7x more. The
+fit t = a * blocks + c over windows of 128 .. 8192 keys (the CTA count is the same for all of
+them: one per query block and head) gives a, the time per visited block, and c, the time all
+CTAs pay besides; c / (a * CTAs) is that fixed cost in block iterations per CTA, which is what a
+persistent kernel that overlaps one tile's epilogue and the next one's prologue could hide.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cupyflash.bench import variants as V  # noqa: E402
+
+BLOCK = 128  # flash_fwd_wgmma's query and key tiles at d128 (plans.FORWARD_TILES)
+
+
+def forward_blocks(seqlen: int, left: int) -> int:
+    """Key blocks of BLOCK keys all query blocks of one head visit with a causal window of
+    ``left`` keys (-1: plain causal), from the definition (query i sees keys i - left .. i)."""
+    total = 0
+    for m0 in range(0, seqlen, BLOCK):
+        last_row = min(m0 + BLOCK, seqlen) - 1
+        first_key = 0 if left < 0 else max(0, m0 - left)
+        total += last_row // BLOCK - first_key // BLOCK + 1
+    return total
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seqlen", type=int, default=16384)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--windows", type=int, nargs="+", default=[128, 256, 512, 1024, 2048, 4096, 8192])
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    import cupy
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    rows = []
+    with stream:
+        sets = V._inputs(args.batch, args.seqlen, args.heads, 128, 2, 0)
+        for left in [*args.windows, -1]:
+            variant = V.Variant("causal" if left < 0 else f"causal window {left}", True,
+                                (-1, -1) if left < 0 else (left, 0))
+            fwd, bwd = V._cupyflash_runs(variant, sets)
+            pairs = V.pairs_of(variant, args.seqlen)
+            flops = 4.0 * args.batch * args.heads * pairs * 128
+            row = {"left": left, "pairs": pairs, "blocks": forward_blocks(args.seqlen, left) * args.batch * args.heads}
+            for mode, fn, f in (("fwd", fwd, flops), ("bwd", bwd, 2.5 * flops)):
+                ms = V._time(fn, 2, stream)
+                row[f"{mode}_ms"], row[f"{mode}_tflops"] = ms, f / (ms * 1e-3) / 1e12
+            rows.append(row)
+            print(f"left {left:>5}: blocks {row['blocks']:>7}  fwd {row['fwd_ms']:8.3f} ms {row['fwd_tflops']:6.1f}"
+                  f"  bwd {row['bwd_ms']:8.3f} ms {row['bwd_tflops']:6.1f} TFLOP/s", flush=True)
+    ctas = math.ceil(args.seqlen / BLOCK) * args.batch * args.heads
+    windows = [r for r in rows if r["left"] >= 0]
+    fit = {}
+    for mode in ("fwd", "bwd"):
+        a, c = np.polyfit([r["blocks"] for r in windows], [r[f"{mode}_ms"] for r in windows], 1)
+        fit[mode] = {"ms_per_block": a, "intercept_ms": c, "fixed_blocks_per_cta": c / (a * ctas)}
+        print(f"{mode}: {a * 1e3:.4f} us per visited block, intercept {c:.3f} ms = "
+              f"{c / (a * ctas):.2f} block iterations per CTA ({ctas} CTAs)")
+    if args.json:
+        args.json.write_text(json.dumps({"rows": rows, "fit": fit, "ctas": ctas}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+// The walk of a backward CTA over the blocks of the other side, from the mask policy's ranges
+// (mask.cuh): which blocks it visits, in which order, and for which head of a GQA group. The
+// policy says which queries see a key block; the walk turns that into the iterations of the
+// kernel's main loop, the same way in every dK/dV kernel (mma.sync, fused, wgmma).
+#pragma once
+
+#include "common.cuh"
+
+namespace cf {
+
+// A dK/dV CTA owns key block n0 of one kv head and visits, for each of the `group` query heads
+// that share that kv head, the query blocks whose rows see some key of its block: blocks
+// [first, end) of BLOCK_M rows, from the mask's query range of the key block (blocks outside it
+// are never loaded). Iteration it is query head head(head_kv, it) and query block block(it),
+// the blocks ascending within each head; the ordered dQ adds walk each head's blocks from the
+// last one down instead (block_down_from).
+template <int BLOCK_M>
+struct QueryBlockWalk {
+    int group;   // query heads per kv head
+    int first;   // the first query block that sees the key block
+    int end;     // one past the last
+    int blocks;  // end - first, or 0
+    int iters;   // (query head, query block) pairs: group * blocks
+
+    template <class Mask>
+    __device__ __forceinline__ QueryBlockWalk(const Mask& mask, int n0, int block_n, int group_)
+        : group(group_),
+          first(mask.query_begin(n0) / BLOCK_M),
+          end((mask.query_end(n0, block_n) + BLOCK_M - 1) / BLOCK_M),
+          blocks(max(0, end - first)),
+          iters(group_ * blocks) {}
+
+    __device__ __forceinline__ int head(int head_kv, int it) const { return head_kv * group + it / blocks; }
+    __device__ __forceinline__ int block(int it) const { return first + it % blocks; }
+    // Iteration it's block counted down from `last` (the ordered dQ adds: a dQ block's key blocks
+    // add in key order, so every key block visits the last query blocks first).
+    __device__ __forceinline__ int block_down_from(int last, int it) const { return last - it % blocks; }
+};
+
+}  // namespace cf
