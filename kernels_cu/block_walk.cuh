@@ -1,7 +1,8 @@
-// The walk of a backward CTA over the blocks of the other side, from the mask policy's ranges
-// (mask.cuh): which blocks it visits, in which order, and for which head of a GQA group. The
-// policy says which queries see a key block; the walk turns that into the iterations of the
-// kernel's main loop, the same way in every dK/dV kernel (mma.sync, fused, wgmma).
+// Walks and tile orders, from the mask policy's ranges (mask.cuh): which blocks a CTA visits, in
+// which order, and for which head of a GQA group. The policy says which queries see a key block;
+// a walk turns that into the iterations of a kernel's main loop, the same way in every kernel of
+// a kind (QueryBlockWalk: every dK/dV kernel, mma.sync, fused and wgmma), and a tile order hands
+// the tiles of a persistent grid out (ForwardTileOrder: flash_fwd_wgmma's persistent instances).
 #pragma once
 
 #include "common.cuh"
@@ -35,6 +36,22 @@ struct QueryBlockWalk {
     // Iteration it's block counted down from `last` (the ordered dQ adds: a dQ block's key blocks
     // add in key order, so every key block visits the last query blocks first).
     __device__ __forceinline__ int block_down_from(int last, int it) const { return last - it % blocks; }
+};
+
+// The query-block tiles of a dense forward in the order a persistent grid takes them: CTA c runs
+// tiles c, c + gridDim.x, c + 2 gridDim.x, ... . Tile t is query block query_block(t / (H B)) of
+// head t % H and batch (t / H) % B: every head's and batch's block of one rank goes out together,
+// and with a right bound (causal) the ranks go from the heaviest query blocks (most keys) down,
+// as Mask::query_block orders a grid's x. Handed out round-robin, costs that fall steadily give
+// each CTA tiles of every weight; what a CTA can lose to another is about one tile.
+template <class Mask>
+struct ForwardTileOrder {
+    int m_blocks, nheads, batch;
+
+    __device__ __forceinline__ int count() const { return m_blocks * nheads * batch; }
+    __device__ __forceinline__ int m_block(int t) const { return Mask::query_block(t / (nheads * batch), m_blocks); }
+    __device__ __forceinline__ int head(int t) const { return t % nheads; }
+    __device__ __forceinline__ int batch_of(int t) const { return (t / nheads) % batch; }
 };
 
 }  // namespace cf

@@ -15,7 +15,7 @@ from .fragments import lse_base_log2, recomputed_p
 from .mirrors import mirrors
 from .mma import GROUP, THREAD_IN_GROUP, cp_async_tile
 from .mma_bwd import mma_AB_groups, mma_ABt_groups, mma_AtB_groups, stage_acc, store_tile
-from .mma_bwd_walks import block_partial, query_block_range
+from .mma_bwd_walks import QUERY_BLOCK_WALK, block_partial, query_block_range
 
 FUSED = "flash_bwd_fused_mma"  # the kernel (models.mirrors finds its file)
 
@@ -56,9 +56,8 @@ def bwd_fused_warp_origins(t, warp):
                 dq_col0=t["DQW"] * (warp // t["DQ_WARPS_M"]))
 
 
-@mirrors(FUSED,
-         "const int m_block_first = mask.query_begin(n0) / BLOCK_M;",
-         "const int m_block_end = (mask.query_end(n0, BLOCK_N) + BLOCK_M - 1) / BLOCK_M;")
+@mirrors(FUSED, *QUERY_BLOCK_WALK,
+         "auto m_block_of = [&](int it) { return DQ_ORDERED ? walk.block_down_from(walk.end - 1, it) : walk.block(it); };")
 def fused_loop_bounds(seqlen_q, seqlen_k, block_m, block_n, mask, n_block):
     """The kernel's (m_block_first, q_blocks, m_blocks) for key block n_block (mask: a policy, or
     the causal flag of the ordered-dQ simulations, which take no window)."""

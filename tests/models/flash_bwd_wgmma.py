@@ -63,12 +63,15 @@ def bwd_smem(d_tile: int, block_m: int, block_n: int, dq_add: str = "atomic") ->
          "const u32 raw = smem_u32(smem_raw);",
          "const u32 s_k = base + L::K, s_v = base + L::V, s_dst = base + L::DST;",
          "const u32 s_q = base + L::Q + stage * L::Q_TILE, s_do = base + L::DO + stage * L::Q_TILE;",
+         # the copies, shared with the other wgmma dK/dV kernel (wgmma_bwd.cuh)
          "cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(base + L::Q + stage * L::Q_TILE,"
-         " q + row_offset(batch, seq.q_begin + m0, head, q_sb, q_ss, q_sh), seqlen_q - m0, headdim, q_ss, tid);",
+         " q + row_offset(seq.batch, seq.q_begin + m0, head, q_sb, q_ss, q_sh), seqlen_q - m0, headdim, q_ss, tid);",
          "cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(base + L::DO + stage * L::Q_TILE,"
-         " dout + row_offset(batch, seq.q_begin + m0, head, do_sb, do_ss, do_sh), seqlen_q - m0, headdim, do_ss, tid);",
-         "cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(s_k, k_rows + n0 * k_ss, seqlen_k - n0, headdim, k_ss, tid);",
-         "cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(s_v, v_rows + n0 * v_ss, seqlen_k - n0, headdim, v_ss, tid);")
+         " dout + row_offset(seq.batch, seq.q_begin + m0, head, do_sb, do_ss, do_sh), seqlen_q - m0, headdim, do_ss,"
+         " tid);",
+         "cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(k_tile, k_rows + n0 * k_ss, seqlen_k - n0, headdim, k_ss, tid);",
+         "cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(v_tile, v_rows + n0 * v_ss, seqlen_k - n0, headdim, v_ss, tid);",
+         "cp_async_key_panels<BLOCK_N, D_TILE, NTHREADS>(s_k, s_v, k_rows, k_ss, v_rows, v_ss, n0, seqlen_k, headdim, tid);")
 def bwd_tiles(L, stage: int) -> SimpleNamespace:
     base = aligned_base(RAW_SMEM)
     return SimpleNamespace(k=base + L.K, v=base + L.V, dst=base + L.DST,

@@ -42,11 +42,17 @@ def block_partial(m0, bm, n0, bn, seqlen_q, seqlen_k, mask):
     return mask.partial(m0, bm, n0, bn, seqlen_q, seqlen_k)
 
 
-@_each(DKDV_KERNELS,
-       "const int m_block_first = mask.query_begin(n0) / BLOCK_M;",
-       "const int m_block_end = (mask.query_end(n0, BLOCK_N) + BLOCK_M - 1) / BLOCK_M;")
+# block_walk.cuh's QueryBlockWalk, which every dK/dV kernel builds (the wgmma ones too:
+# tests/models/flash_bwd_wgmma.py's walk mirrors name them)
+QUERY_BLOCK_WALK = ("first(mask.query_begin(n0) / BLOCK_M)",
+                    "end((mask.query_end(n0, block_n) + BLOCK_M - 1) / BLOCK_M)",
+                    "blocks(max(0, end - first))",
+                    "const QueryBlockWalk<BLOCK_M> walk(mask, n0, BLOCK_N, group);")
+
+
+@_each(DKDV_KERNELS, *QUERY_BLOCK_WALK)
 def query_block_range(mask, n0, block_n, block_m, seqlen_q, seqlen_k):
-    """(m_block_first, m_blocks) of a dK/dV CTA: the query blocks that see some key of its block."""
+    """(first, blocks) of a dK/dV CTA's walk: the query blocks that see some key of its block."""
     m_block_first = mask.query_begin(n0, seqlen_q, seqlen_k) // block_m
     m_block_end = -(-mask.query_end(n0, block_n, seqlen_q, seqlen_k) // block_m)
     return m_block_first, max(0, m_block_end - m_block_first)
