@@ -118,7 +118,7 @@ recheck)  # the GPU tests of the Python changes after the 2026-12-02 GPU runs, t
 persistent)  # mma-fwd-v7: its bitwise tests against v6 and the capture tests, v6 against v7 timed
     # by the tuner in one run, the window study on both, then the bench table with the anchors
     export PYTHONPATH=$PWD
-    step warm-all "${WARM_LIMIT:-200}" python scripts/warm_kernel_cache.py --packed
+    step warm-all "${WARM_LIMIT:-200}" python scripts/warm_kernel_cache.py --packed --grid-forward
     step persistent-tests "${TEST_LIMIT:-150}" env HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-dev}" \
         python -m pytest -q -m gpu -p no:cacheprovider tests/test_forward_persistent_gpu.py tests/test_capture_gpu.py
     step racecheck-persistent 150 compute-sanitizer --tool racecheck --error-exitcode 3 \
