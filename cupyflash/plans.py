@@ -22,7 +22,7 @@ where ``python -m cupyflash tune`` times it against these rows (docs/perf-log.md
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -72,14 +72,10 @@ class FwdConfig:
 @dataclass(frozen=True)
 class WgmmaFwdConfig:
     """flash_fwd_wgmma (``kernels_cu/flash_fwd_wgmma.cu``, sm_90a only): block_m query rows, one
-    warpgroup (4 warps) per 64 of them; block_n keys per K/V stage (two K stages, three V).
-    ``persistent``: a grid of the CTAs the device holds at once, each taking query-block tiles in
-    turn and loading the next tile's Q and first K, V while its last block computes (two Q
-    stages); dense batches without a block map (other calls run the grid of query blocks)."""
+    warpgroup (4 warps) per 64 of them; block_n keys per K/V stage (two K stages, three V)."""
 
     block_m: int
     block_n: int
-    persistent: bool = False
 
     @property
     def threads(self) -> int:
@@ -123,10 +119,9 @@ ACC_FP64 = "fp64_acc"
 # 128x64 372 / 349 (128x128: 282 at 2k), d128 128x128 503 / 435 (128x64: 458 / 363), d256 538 / 475.
 # SIMT: float64 tiles are smaller (twice the bytes per element, twice the registers per accumulator).
 FORWARD_TILES = {
-    # perf log mma-fwd-v7 (d64, d128: persistent), mma-fwd-v6 (d256: the grid of query blocks; two
-    # Q stages of 64 KiB do not fit beside its K and V stages)
-    ("mma", SM90, 64): WgmmaFwdConfig(128, 64, persistent=True),
-    ("mma", SM90, 128): WgmmaFwdConfig(128, 128, persistent=True),
+    # perf log mma-fwd-v6
+    ("mma", SM90, 64): WgmmaFwdConfig(128, 64),
+    ("mma", SM90, 128): WgmmaFwdConfig(128, 128),
     ("mma", SM90, 256): WgmmaFwdConfig(128, 64),
     # perf log mma-fwd-v5
     ("mma", LARGE_SMEM, 64): FwdConfig(128, 64, 4, q_in_regs=True, min_blocks=2, row_state="all_lanes"),
@@ -236,10 +231,6 @@ def forward_candidates(family: str, where: str, dt: int, mask: Mask) -> list:
     tiles = FORWARD_TILES[(family, where, dt)]
     if mask.packed:
         tiles = PACKED_FORWARD_TILES.get((family, where, dt), tiles)
-    if isinstance(tiles, WgmmaFwdConfig) and tiles.persistent and (mask.packed or mask.score.user is not None):
-        # persistent tiles are ordered for one dense problem: a packed batch's sequences and a
-        # user mask's block map are per CTA of the grid of query blocks
-        tiles = replace(tiles, persistent=False)
     if mask.score.user is None or family != "mma":
         return [tiles]
     return [tiles, *USER_FORWARD_FALLBACKS.get((family, where, dt), ())]
@@ -329,10 +320,9 @@ def smem_bytes(dt: int, config: FwdConfig) -> int:
 
 
 def wgmma_smem_bytes(dt: int, config: WgmmaFwdConfig) -> int:
-    """Mirror of FwdWgmmaSmem<...>::BYTES (one Q stage, two when persistent; two K and three V
-    stages), plus 1024 bytes to align the base for the 128-byte swizzle."""
-    q_stages = 2 if config.persistent else 1
-    return 2 * dt * (q_stages * config.block_m + 5 * config.block_n) + 1024
+    """Mirror of FwdWgmmaSmem<...>::BYTES (Q, two K and three V stages), plus 1024 bytes to align
+    the base for the 128-byte swizzle."""
+    return 2 * dt * (config.block_m + 5 * config.block_n) + 1024
 
 
 def specialization_for(dtype, dt: int, mask: Mask | bool, tiles) -> Specialization:
@@ -343,11 +333,9 @@ def specialization_for(dtype, dt: int, mask: Mask | bool, tiles) -> Specializati
     if isinstance(c, SimtTiles):
         return _simt_spec("fwd", name, dt, mask, c)
     if isinstance(c, WgmmaFwdConfig):
-        return Specialization(f"flash_fwd_wgmma_{short}_hdim{dt}_{mask.name}_bm{c.block_m}_bn{c.block_n}"
-                              f"{'_persistent' if c.persistent else ''}",
+        return Specialization(f"flash_fwd_wgmma_{short}_hdim{dt}_{mask.name}_bm{c.block_m}_bn{c.block_n}",
                               "flash_fwd_wgmma.cu",
-                              f"cf::flash_fwd_wgmma<{ctype}, {dt}, {mask.cpp}, {c.block_m}, {c.block_n}, "
-                              f"{'true' if c.persistent else 'false'}>",
+                              f"cf::flash_fwd_wgmma<{ctype}, {dt}, {mask.cpp}, {c.block_m}, {c.block_n}>",
                               c.threads, wgmma_smem_bytes(dt, c), arch="90a")
     if isinstance(c, FwdConfig):
         return Specialization(

@@ -54,13 +54,7 @@ VERSIONS = (
             "read from swizzled shared memory (P from registers)",
             "mma-fwd-v6--mma-bwd-v6-hopper-wgmma-the-forward-default-on-sm_90-the-backward-default-until-v7",
             {64: WgmmaFwdConfig(128, 64), 128: WgmmaFwdConfig(128, 128), 256: WgmmaFwdConfig(128, 64)},
-            shipped="sm_90 (d256; d64 and d128 of packed batches and user modifiers)"),
-    Version("v7", "v6 persistent at d64 and d128: about one CTA per SM (two at d64) takes query-block tiles in "
-            "turn, the next tile's Q and first K, V loaded while the last block of this one computes",
-            "mma-fwd-v7-persistent-tiles-the-forward-default-on-sm_90-at-d64-and-d128",
-            {64: WgmmaFwdConfig(128, 64, persistent=True), 128: WgmmaFwdConfig(128, 128, persistent=True),
-             256: WgmmaFwdConfig(128, 64)},
-            shipped="sm_90 (d64, d128 dense)"),
+            shipped="sm_90"),
 )
 
 # Alternatives worth timing, never a default: FlashAttention-2's 128 x 128 tiles for d64 still

@@ -1,11 +1,10 @@
 """What a CTA's short walk costs: causal sliding windows of growing width at one shape, forward
 and backward, and a straight-line fit of time against the key blocks the forward visits.
 
-    python dev/window_overhead_study.py [--seqlen 16384] [--tiles grid persistent] [--json out.json]
+    python dev/window_overhead_study.py [--seqlen 16384] [--windows 256 1024 4096] [--json out.json]
 
-``--tiles``: the d128 forward's tiles on sm_90 for each pass, mma-fwd-v6's grid of query blocks
-("grid") or v7's persistent CTAs ("persistent", the plan's), set in plans.FORWARD_TILES for the
-pass (the backward is the same in both).
+(Branch experiment/persistent-forward has a --tiles option that also times the rejected
+persistent forward, perf log mma-fwd-v7.)
 
 Why: at 16k a causal window of 1024 runs at 0.73-0.75 of the causal kernel's TFLOP/s over the
 visible pairs (perf log, mask-policy), where the tiles alone allow 0.89. Every CTA of the forward
@@ -49,50 +48,41 @@ def main(argv=None) -> int:
     parser.add_argument("--seqlen", type=int, default=16384)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--windows", type=int, nargs="+", default=[128, 256, 512, 1024, 2048, 4096, 8192])
-    parser.add_argument("--tiles", nargs="+", choices=["grid", "persistent"], default=["persistent"])
+    parser.add_argument("--windows", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     import cupy
 
-    from cupyflash import plans
-
     stream = cupy.cuda.Stream(non_blocking=True)
     rows = []
-    row_key = ("mma", plans.SM90, 128)
-    shipped = plans.FORWARD_TILES[row_key]
     with stream:
         sets = V._inputs(args.batch, args.seqlen, args.heads, 128, 2, 0)
-        for tiles, left in [(t, w) for t in args.tiles for w in [*args.windows, -1]]:
-            plans.FORWARD_TILES[row_key] = plans.WgmmaFwdConfig(shipped.block_m, shipped.block_n, tiles == "persistent")
+        for left in [*args.windows, -1]:
             variant = V.Variant("causal" if left < 0 else f"causal window {left}", True,
                                 (-1, -1) if left < 0 else (left, 0))
             fwd, bwd = V._cupyflash_runs(variant, sets)
             pairs = V.pairs_of(variant, args.seqlen)
             flops = 4.0 * args.batch * args.heads * pairs * 128
-            row = {"tiles": tiles, "left": left, "pairs": pairs,
-                   "blocks": forward_blocks(args.seqlen, left) * args.batch * args.heads}
+            row = {"left": left, "pairs": pairs, "blocks": forward_blocks(args.seqlen, left) * args.batch * args.heads}
             for mode, fn, f in (("fwd", fwd, flops), ("bwd", bwd, 2.5 * flops)):
                 ms = V._time(fn, 2, stream)
                 row[f"{mode}_ms"], row[f"{mode}_tflops"] = ms, f / (ms * 1e-3) / 1e12
             rows.append(row)
-            print(f"{tiles:>10} left {left:>5}: blocks {row['blocks']:>7}  fwd {row['fwd_ms']:8.3f} ms {row['fwd_tflops']:6.1f}"
+            print(f"left {left:>5}: blocks {row['blocks']:>7}  fwd {row['fwd_ms']:8.3f} ms {row['fwd_tflops']:6.1f}"
                   f"  bwd {row['bwd_ms']:8.3f} ms {row['bwd_tflops']:6.1f} TFLOP/s", flush=True)
-    plans.FORWARD_TILES[row_key] = shipped
     ctas = math.ceil(args.seqlen / BLOCK) * args.batch * args.heads
+    windows = [r for r in rows if r["left"] >= 0]
+    causal = next(r for r in rows if r["left"] < 0)
+    for r in windows:
+        print(f"left {r['left']:>5}: fwd {r['fwd_tflops'] / causal['fwd_tflops']:.2f} / bwd "
+              f"{r['bwd_tflops'] / causal['bwd_tflops']:.2f} of causal's TFLOP/s, "
+              f"{causal['fwd_ms'] / r['fwd_ms']:.2f}x / {causal['bwd_ms'] / r['bwd_ms']:.2f}x faster")
     fit = {}
-    for tiles in args.tiles:
-        windows = [r for r in rows if r["left"] >= 0 and r["tiles"] == tiles]
-        causal = next(r for r in rows if r["left"] < 0 and r["tiles"] == tiles)
-        for r in windows:
-            print(f"{tiles:>10} left {r['left']:>5}: fwd {r['fwd_tflops'] / causal['fwd_tflops']:.2f} / bwd "
-                  f"{r['bwd_tflops'] / causal['bwd_tflops']:.2f} of causal's TFLOP/s, "
-                  f"{causal['fwd_ms'] / r['fwd_ms']:.2f}x / {causal['bwd_ms'] / r['bwd_ms']:.2f}x faster")
-        for mode in ("fwd", "bwd"):
-            a, c = np.polyfit([r["blocks"] for r in windows], [r[f"{mode}_ms"] for r in windows], 1)
-            fit[f"{tiles} {mode}"] = {"ms_per_block": a, "intercept_ms": c, "fixed_blocks_per_cta": c / (a * ctas)}
-            print(f"{tiles:>10} {mode}: {a * 1e3:.4f} us per visited block, intercept {c:.3f} ms = "
-                  f"{c / (a * ctas):.2f} block iterations per CTA ({ctas} query-block tiles)")
+    for mode in ("fwd", "bwd"):
+        a, c = np.polyfit([r["blocks"] for r in windows], [r[f"{mode}_ms"] for r in windows], 1)
+        fit[mode] = {"ms_per_block": a, "intercept_ms": c, "fixed_blocks_per_cta": c / (a * ctas)}
+        print(f"{mode}: {a * 1e3:.4f} us per visited block, intercept {c:.3f} ms = "
+              f"{c / (a * ctas):.2f} block iterations per CTA ({ctas} query-block tiles)")
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "fit": fit, "ctas": ctas}, indent=1))
     return 0

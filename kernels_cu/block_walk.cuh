@@ -1,8 +1,7 @@
-// Walks and tile orders, from the mask policy's ranges (mask.cuh): which blocks a CTA visits, in
-// which order, and for which head of a GQA group. The policy says which queries see a key block;
-// a walk turns that into the iterations of a kernel's main loop, the same way in every kernel of
-// a kind (QueryBlockWalk: every dK/dV kernel, mma.sync, fused and wgmma), and a tile order hands
-// the tiles of a persistent grid out (ForwardTileOrder: flash_fwd_wgmma's persistent instances).
+// The walk of a backward CTA over the blocks of the other side, from the mask policy's ranges
+// (mask.cuh): which blocks it visits, in which order, and for which head of a GQA group. The
+// policy says which queries see a key block; the walk turns that into the iterations of the
+// kernel's main loop, the same way in every dK/dV kernel (mma.sync, fused, wgmma).
 #pragma once
 
 #include "common.cuh"
@@ -36,23 +35,6 @@ struct QueryBlockWalk {
     // Iteration it's block counted down from `last` (the ordered dQ adds: a dQ block's key blocks
     // add in key order, so every key block visits the last query blocks first).
     __device__ __forceinline__ int block_down_from(int last, int it) const { return last - it % blocks; }
-};
-
-// The query-block tiles of a dense forward in the order a persistent grid takes them: CTA c runs
-// tiles c, c + gridDim.x, c + 2 gridDim.x, ... . Tile t is the grid's block t in launch order
-// (x fastest): query block query_block(t % M) of head (t / M) % H and batch t / (M H), so the
-// CTAs at work at one time share a head's K and V in L2, as the grid's do, and under a right bound
-// each head's heaviest query blocks go first. (Rank-major, every head's block of one rank
-// together, measured 12-17% slower than the grid at d128 on an H200; its 132 CTAs at work read
-// 16 heads' K and V at once where the grid's read one or two.)
-template <class Mask>
-struct ForwardTileOrder {
-    int m_blocks, nheads, batch;
-
-    __device__ __forceinline__ int count() const { return m_blocks * nheads * batch; }
-    __device__ __forceinline__ int m_block(int t) const { return Mask::query_block(t % m_blocks, m_blocks); }
-    __device__ __forceinline__ int head(int t) const { return (t / m_blocks) % nheads; }
-    __device__ __forceinline__ int batch_of(int t) const { return t / (m_blocks * nheads); }
 };
 
 }  // namespace cf

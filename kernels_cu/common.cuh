@@ -144,14 +144,4 @@ __device__ __forceinline__ unsigned dynamic_smem_bytes() {
     return n;
 }
 
-// threadIdx.x read by a volatile instruction, which the compiler cannot hoist out of a loop.
-// Fragment addresses derived from it inside a loop body are recomputed every iteration (a few
-// integer instructions) instead of being held in registers across the loop, where they would
-// push the accumulators into local memory.
-__device__ __forceinline__ int thread_index_uncached() {
-    int t;
-    asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(t));
-    return t;
-}
-
 }  // namespace cf

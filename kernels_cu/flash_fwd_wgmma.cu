@@ -12,16 +12,6 @@
 // block j + 1: V has three stages and K two. At the top of block j the stages of K_{j-1} and
 // V_{j-2} are free in every warpgroup (their products were waited for before the barrier), and
 // K_{j+1}, V_{j+1} are copied into them while block j computes.
-//
-// PERSISTENT: a grid of about one CTA per SM, each CTA taking query-block tiles in
-// ForwardTileOrder (block_walk.cuh). A short walk (a sliding window, a short sequence: ~9 key
-// blocks at window 1024 against causal's 64 on average at 16k) otherwise pays a CTA's fixed costs
-// every few blocks: Q and the first K/V tiles before the first product, and the epilogue. Here the
-// last block of a tile issues the next tile's Q (into the second of two Q stages) and its first
-// K, V (into the stages the walk would have used next: stages count iterations across tiles), so
-// they land while this tile's last block computes and its O is stored. Dense batches without a
-// block map only (a packed batch's tiles would need its sequences' lengths to be ordered).
-#include "block_walk.cuh"
 #include "common.cuh"
 #include "mma.cuh"
 #include "online_softmax.cuh"
@@ -30,206 +20,135 @@
 
 namespace cf {
 
-// Shared memory from a 1024-byte aligned base; cupyflash/plans.py (wgmma_smem_bytes) mirrors BYTES
-// and adds the alignment slack. Q is reused to stage O in the epilogue (PERSISTENT: the tile's own
-// Q stage, while the next tile's Q lands in the other).
-template <int D_TILE, int BLOCK_M, int BLOCK_N, bool PERSISTENT>
+// Shared memory from a 1024-byte aligned base; cupyflash/kernels/mma_fwd.py (wgmma_smem_bytes)
+// mirrors BYTES and adds the alignment slack. Q is reused to stage O in the epilogue.
+template <int D_TILE, int BLOCK_M, int BLOCK_N>
 struct FwdWgmmaSmem {
-    static constexpr int Q_STAGES = PERSISTENT ? 2 : 1, K_STAGES = 2, V_STAGES = 3;
+    static constexpr int K_STAGES = 2, V_STAGES = 3;
     static constexpr u32 Q_PANEL = BLOCK_M * 128, KV_PANEL = BLOCK_N * 128;
-    static constexpr u32 Q_TILE = BLOCK_M * D_TILE * 2;
     static constexpr u32 KV_TILE = BLOCK_N * D_TILE * 2;
     static constexpr u32 Q = 0;
-    static constexpr u32 K = Q + Q_STAGES * Q_TILE;
+    static constexpr u32 K = Q + BLOCK_M * D_TILE * 2;
     static constexpr u32 V = K + K_STAGES * KV_TILE;
     static constexpr u32 BYTES = V + V_STAGES * KV_TILE;
-    // CTAs per SM the registers must allow: PERSISTENT instances whose shared memory fits twice
-    // (d64: 73 KiB) run two, so that one's epilogue and prologue overlap the other's products, as
-    // the grid's kernel gets two at d64 (114-128 registers) by itself; capped at 128 registers
-    // they do not spill.
-    static constexpr int MIN_BLOCKS = PERSISTENT && 2 * (BYTES + 2048) <= 228 * 1024 ? 2 : 1;
 };
 
-template <typename T, int D_TILE, class Mask, int BLOCK_M, int BLOCK_N, bool PERSISTENT>
-__global__ void __launch_bounds__(BLOCK_M / 64 * 128, FwdWgmmaSmem<D_TILE, BLOCK_M, BLOCK_N, PERSISTENT>::MIN_BLOCKS)
+template <typename T, int D_TILE, class Mask, int BLOCK_M, int BLOCK_N>
+__global__ void __launch_bounds__(BLOCK_M / 64 * 128, 1)
 flash_fwd_wgmma(const __grid_constant__ FwdParams p) {
-    typedef FwdWgmmaSmem<D_TILE, BLOCK_M, BLOCK_N, PERSISTENT> L;
+    typedef FwdWgmmaSmem<D_TILE, BLOCK_M, BLOCK_N> L;
     constexpr int NWG = BLOCK_M / 64, NTHREADS = NWG * 128;
     constexpr int N_FRAGS = BLOCK_N / 8, D_FRAGS = D_TILE / 8;
     static_assert(BLOCK_M % 64 == 0 && BLOCK_N % 64 == 0 && D_TILE % 64 == 0, "64-row/column panels");
     static_assert(L::BYTES + 1024 <= 227 * 1024, "shared memory");
-    static_assert(!PERSISTENT || !(Mask::PACKED || Mask::HAS_BLOCK_MAP), "persistent tiles: dense, no block map");
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
     if (dynamic_smem_bytes() < L::BYTES + 1024) __trap();
     const u32 raw = smem_u32(smem_raw);
     const u32 base = (raw + 1023) & ~1023u;  // 128-byte swizzle: panels 1024-byte aligned
+    const u32 q_tile = base + L::Q;
 
-    // The CTA's first tile: its grid position, or (PERSISTENT) tile blockIdx.x of the order. Only
-    // the tile index, its Q stage and the stage of its first block are carried from tile to tile;
-    // the rest is derived where it is used (carried, the next tile's values took the d128
-    // instance past 255 registers).
-    const ForwardTileOrder<Mask> order{(p.seqlen_q + BLOCK_M - 1) / BLOCK_M, p.nheads, p.batch};
-    int tile = blockIdx.x;
-    if (PERSISTENT && tile >= order.count()) return;
-    int q_stage = 0;
-    int first_stage = -1;  // PERSISTENT: the stage of this tile's first key block (-1: its j_begin)
-
-    const int headdim = p.headdim;
+    const SequenceRows seq = cta_sequence<Mask>(p, blockIdx.z);
+    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k, headdim = p.headdim;
     const float scale_log2 = p.scale_log2;
+    const int head = blockIdx.y, batch = seq.batch, head_kv = head / p.group;
+    const Mask mask = cta_mask<Mask>(p, seqlen_q, seqlen_k);
+    const ScoreOf<Mask, float, true> score(score_problem<Mask>(p, seq), seq.index, blockIdx.y, p.scale);
+    const int m0 = Mask::query_block(blockIdx.x, gridDim.x) * BLOCK_M;
+    if (Mask::PACKED && m0 >= seqlen_q) return;  // past a shorter sequence's end
+    // Key blocks [j_begin, ceil(n_end / BLOCK_N)) hold the keys some row of the block sees.
+    // NoMask: the literal 0, not a call that folds to 0 only after inlining. With the call NVRTC
+    // emitted another loop (other PTX, an 8-11% slower d128 forward on an H200); with the literal
+    // its PTX is the pre-policy kernel's. Causal and Local keep the form measured with the policy.
+    const int j_begin = Mask::HAS_LEFT || Mask::HAS_RIGHT || Mask::HAS_BLOCK_MAP ? mask.key_begin(m0) / BLOCK_N : 0;
+    const int n_end = mask.key_end(m0, BLOCK_M);
+    const int tid = threadIdx.x, wg = tid / 128, warp = tid / 32, lane = tid % 32;
+    const int strip_row0 = 16 * warp;  // the warp's 16 rows within the block
+
+    const T* __restrict__ k_rows = p.k.row<const T>(batch, seq.k_begin, head_kv);
+    const T* __restrict__ v_rows = p.v.row<const T>(batch, seq.k_begin, head_kv);
     const i64 k_ss = p.k.row_stride, v_ss = p.v.row_stride;
-    // PERSISTENT: the thread's index read anew in every tile (thread_index_uncached): otherwise
-    // the per-thread addresses of the copies, the fragments and the epilogue are hoisted out of
-    // the tile loop and held across the key loop (measured: 224 -> 255 registers and spills, d128).
-    int tid = threadIdx.x;
-    const Mask dense_mask = cta_mask<Mask>(p, p.seqlen_q, p.seqlen_k);  // PERSISTENT: every tile's
-
-    // K_j, V_j of a kv head's keys (k_head, v_head: its row 0) into the stages of iteration c
-    // (K in c % 2, V in c % 3).
-    auto load_kv_block = [&](const T* k_head, const T* v_head, int j, int c, int keys) {
+    auto load_kv_block = [&](int j) {
         const int n0 = j * BLOCK_N;
-        cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(base + L::K + (c % L::K_STAGES) * L::KV_TILE, k_head + n0 * k_ss,
-                                                   keys - n0, headdim, k_ss, tid);
-        cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(base + L::V + (c % L::V_STAGES) * L::KV_TILE, v_head + n0 * v_ss,
-                                                   keys - n0, headdim, v_ss, tid);
-    };
-    // PERSISTENT: the next tile's Q (into the other Q stage) and first K, V (into stage c), issued
-    // by the last block of this one.
-    auto prefetch_next = [&](int c) {
-        const int next = tile + gridDim.x;
-        const int nb = order.batch_of(next), nh = order.head(next), nm0 = order.m_block(next) * BLOCK_M;
-        cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(base + L::Q + (q_stage ^ 1) * L::Q_TILE, p.q.row<const T>(nb, nm0, nh),
-                                                   p.seqlen_q - nm0, headdim, p.q.row_stride, tid);
-        const int nj = Mask::HAS_LEFT || Mask::HAS_RIGHT ? dense_mask.key_begin(nm0) / BLOCK_N : 0;
-        if (nj * BLOCK_N < dense_mask.key_end(nm0, BLOCK_M))
-            load_kv_block(p.k.row<const T>(nb, 0, nh / p.group), p.v.row<const T>(nb, 0, nh / p.group), nj, c,
-                          p.seqlen_k);
+        cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(base + L::K + (j % L::K_STAGES) * L::KV_TILE,
+                                                   k_rows + n0 * k_ss, seqlen_k - n0, headdim, k_ss, tid);
+        cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(base + L::V + (j % L::V_STAGES) * L::KV_TILE,
+                                                   v_rows + n0 * v_ss, seqlen_k - n0, headdim, v_ss, tid);
     };
 
-    for (;;) {
-        // PERSISTENT: the tile's coordinates come out of integer divisions, which ptxas computes
-        // in vector registers, and so would be every address built on them, live across the key
-        // loop (255 registers and spills at d128); shuffled from lane 0 they are known to be
-        // warp-uniform and stay on the uniform datapath, as blockIdx's do (cta_sequence_uniform,
-        // softmax_bwd.cuh, does the same for a packed batch's sequence).
-        int b = blockIdx.z, head = blockIdx.y, m_block = Mask::query_block(blockIdx.x, gridDim.x);
-        if constexpr (PERSISTENT) {
-            b = __shfl_sync(0xffffffffu, order.batch_of(tile), 0);
-            head = __shfl_sync(0xffffffffu, order.head(tile), 0);
-            m_block = __shfl_sync(0xffffffffu, order.m_block(tile), 0);
-        }
-        const bool has_next = PERSISTENT && tile + gridDim.x < order.count();
-        const u32 q_tile = base + L::Q + q_stage * L::Q_TILE;
-        if constexpr (PERSISTENT) tid = thread_index_uncached();
-        const int wg = tid / 128, warp = tid / 32, lane = tid % 32;
-        const int strip_row0 = 16 * warp;  // the warp's 16 rows within the block
+    cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(q_tile, p.q.row<const T>(batch, seq.q_begin + m0, head), seqlen_q - m0,
+                                               headdim, p.q.row_stride, tid);
+    // Stages are those of absolute block indices (K_j in j % 2, V_j in j % 3), so the pipeline is
+    // the same whichever block the walk starts at.
+    if (j_begin * BLOCK_N < n_end) load_kv_block(j_begin);
+    cp_async_commit();
 
-        const SequenceRows seq = cta_sequence<Mask>(p, b);
-        const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
-        const int batch = seq.batch, head_kv = head / p.group;
-        const Mask mask = cta_mask<Mask>(p, seqlen_q, seqlen_k);
-        const ScoreOf<Mask, float, true> score(score_problem<Mask>(p, seq), seq.index, head, p.scale);
-        const int m0 = m_block * BLOCK_M;
-        if (Mask::PACKED && m0 >= seqlen_q) return;  // past a shorter sequence's end
-        // Key blocks [j_begin, ceil(n_end / BLOCK_N)) hold the keys some row of the block sees.
-        // NoMask: the literal 0, not a call that folds to 0 only after inlining. With the call
-        // NVRTC emitted another loop (other PTX, an 8-11% slower d128 forward on an H200); with
-        // the literal its PTX is the pre-policy kernel's. Causal and Local keep the form measured
-        // with the policy.
-        const int j_begin = Mask::HAS_LEFT || Mask::HAS_RIGHT || Mask::HAS_BLOCK_MAP ? mask.key_begin(m0) / BLOCK_N : 0;
-        const int n_end = mask.key_end(m0, BLOCK_M);
-        // Stages count iterations (PERSISTENT: across tiles); the grid's kernel keeps those of
-        // absolute block indices (K_j in j % 2, V_j in j % 3), the same whichever block the walk
-        // starts at.
-        const int stage_shift = PERSISTENT && first_stage >= 0 ? first_stage - j_begin : 0;
-
-        const T* __restrict__ k_rows = p.k.row<const T>(batch, seq.k_begin, head_kv);
-        const T* __restrict__ v_rows = p.v.row<const T>(batch, seq.k_begin, head_kv);
-        if (!PERSISTENT || first_stage < 0) {  // the first tile's prologue; later ones were prefetched
-            cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(q_tile, p.q.row<const T>(batch, seq.q_begin + m0, head),
-                                                       seqlen_q - m0, headdim, p.q.row_stride, tid);
-            if (j_begin * BLOCK_N < n_end) load_kv_block(k_rows, v_rows, j_begin, j_begin, seqlen_k);
-            cp_async_commit();
-        }
-
-        float o_acc[1][D_FRAGS][4];
+    float o_acc[1][D_FRAGS][4];
 #pragma unroll
-        for (int f = 0; f < D_FRAGS; ++f) o_acc[0][f][0] = o_acc[0][f][1] = o_acc[0][f][2] = o_acc[0][f][3] = 0.f;
-        RowStats<RowState::ALL_LANES, 1> row_stats;
-        auto store = [&]() {
-            store_o<T, D_TILE, Mask::Score::HAS_SINK>(
-                o_acc, row_stats, q_tile, strip_row0, m0, seqlen_q, headdim, p.o.row<T>(batch, seq.q_begin + m0, head),
-                p.o.row_stride, static_cast<float*>(p.lse) + seq.stat(p, head, m0), lane,
-                sink_log2<Mask, float>(p, head));
-        };
-        if (j_begin * BLOCK_N >= n_end) {  // rows that see no key: O = 0, lse = -inf
-            cp_async_wait<0>();
-            __syncthreads();
-            if constexpr (PERSISTENT) {
-                if (has_next) prefetch_next(j_begin + stage_shift);
-                cp_async_commit();
-            }
-            store();
-            first_stage = j_begin + stage_shift;  // the next tile starts where this one would have
-        } else {
-            for (int j = j_begin; j * BLOCK_N < n_end; ++j) {
-                const int c = j + stage_shift;  // this iteration's stages
-                // Block j's copies land; the proxy fence hands them to wgmma; after the barrier every
-                // warpgroup is past S_{j-1} and P V_{j-2}, whose stages the next copies refill.
-                cp_async_wait<0>();
-                fence_proxy_async_shared();
-                __syncthreads();
-                if ((j + 1) * BLOCK_N < n_end) load_kv_block(k_rows, v_rows, j + 1, c + 1, seqlen_k);
-                else if (has_next) prefetch_next(c + 1);
-                cp_async_commit();
-
-                const u32 k_tile = base + L::K + (c % L::K_STAGES) * L::KV_TILE;
-                const u32 v_tile = base + L::V + (c % L::V_STAGES) * L::KV_TILE;
-                float s[1][N_FRAGS][4];
-                wgmma_fence();
-#pragma unroll
-                for (int kk = 0; kk < D_TILE / 16; ++kk) {
-                    const u32 q_off = (kk / 4) * L::Q_PANEL + wg * 64 * 128 + (kk % 4) * 32;
-                    const u32 k_off = (kk / 4) * L::KV_PANEL + (kk % 4) * 32;
-                    Wgmma<T, BLOCK_N>::template ss<0, 0>(reinterpret_cast<float(&)[N_FRAGS * 4]>(s),
-                                                         smem_desc(q_tile + q_off, 16, 1024),
-                                                         smem_desc(k_tile + k_off, 16, 1024), kk > 0);
-                }
-                wgmma_commit();
-                wgmma_wait<0>();  // S_j, and P V_{j-1}: O may be rescaled
-                pin_registers(reinterpret_cast<float(&)[N_FRAGS * 4]>(s));
-                pin_registers(reinterpret_cast<float(&)[D_FRAGS * 4]>(o_acc));
-
-                const int n0 = j * BLOCK_N;
-                scale_and_mask(s, scale_log2, mask.keys_partial(m0, BLOCK_M, n0, BLOCK_N), mask, score,
-                               m0 + strip_row0, n0, lane);
-                float m_new[1][2];
-                row_max(m_new, s, row_stats, lane);
-                softmax_rescale(s, o_acc, row_stats, m_new, lane);
-                u32 p_frag[1][N_FRAGS / 2][4];
-                pack_p<T>(p_frag, s);
-
-                wgmma_fence();
-#pragma unroll
-                for (int kk = 0; kk < BLOCK_N / 16; ++kk)
-                    Wgmma<T, D_TILE>::template rs<1>(reinterpret_cast<float(&)[D_FRAGS * 4]>(o_acc), p_frag[0][kk],
-                                                     smem_desc(v_tile + kk * 2048, L::KV_PANEL, 1024), 1);
-                wgmma_commit();
-            }
-            wgmma_wait<0>();
-            pin_registers(reinterpret_cast<float(&)[D_FRAGS * 4]>(o_acc));
-
-            // Q is reused to stage O: every warpgroup must be done reading it. PERSISTENT: the next
-            // tile's copies stay in flight (they fill the other Q stage and free K, V stages).
-            if constexpr (!PERSISTENT) cp_async_wait<0>();
-            __syncthreads();
-            store();
-            first_stage = (n_end + BLOCK_N - 1) / BLOCK_N + stage_shift;  // one past this tile's last
-        }
-        if (!has_next) return;
-        tile += gridDim.x;
-        q_stage ^= 1;
+    for (int f = 0; f < D_FRAGS; ++f) o_acc[0][f][0] = o_acc[0][f][1] = o_acc[0][f][2] = o_acc[0][f][3] = 0.f;
+    RowStats<RowState::ALL_LANES, 1> row_stats;
+    auto store = [&]() {
+        store_o<T, D_TILE, Mask::Score::HAS_SINK>(
+            o_acc, row_stats, q_tile, strip_row0, m0, seqlen_q, headdim, p.o.row<T>(batch, seq.q_begin + m0, head),
+            p.o.row_stride, static_cast<float*>(p.lse) + seq.stat(p, head, m0), lane,
+            sink_log2<Mask, float>(p, head));
+    };
+    if (j_begin * BLOCK_N >= n_end) {  // rows that see no key: O = 0, lse = -inf
+        cp_async_wait<0>();
+        __syncthreads();
+        store();
+        return;
     }
+
+    for (int j = j_begin; j * BLOCK_N < n_end; ++j) {
+        // Block j's copies land; the proxy fence hands them to wgmma; after the barrier every
+        // warpgroup is past S_{j-1} and P V_{j-2}, whose stages the next copies refill.
+        cp_async_wait<0>();
+        fence_proxy_async_shared();
+        __syncthreads();
+        if ((j + 1) * BLOCK_N < n_end) load_kv_block(j + 1);
+        cp_async_commit();
+
+        const u32 k_tile = base + L::K + (j % L::K_STAGES) * L::KV_TILE;
+        const u32 v_tile = base + L::V + (j % L::V_STAGES) * L::KV_TILE;
+        float s[1][N_FRAGS][4];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < D_TILE / 16; ++kk) {
+            const u32 q_off = (kk / 4) * L::Q_PANEL + wg * 64 * 128 + (kk % 4) * 32;
+            const u32 k_off = (kk / 4) * L::KV_PANEL + (kk % 4) * 32;
+            Wgmma<T, BLOCK_N>::template ss<0, 0>(reinterpret_cast<float(&)[N_FRAGS * 4]>(s),
+                                                 smem_desc(q_tile + q_off, 16, 1024),
+                                                 smem_desc(k_tile + k_off, 16, 1024), kk > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();  // S_j, and P V_{j-1}: O may be rescaled
+        pin_registers(reinterpret_cast<float(&)[N_FRAGS * 4]>(s));
+        pin_registers(reinterpret_cast<float(&)[D_FRAGS * 4]>(o_acc));
+
+        const int n0 = j * BLOCK_N;
+        scale_and_mask(s, scale_log2, mask.keys_partial(m0, BLOCK_M, n0, BLOCK_N), mask, score, m0 + strip_row0,
+                       n0, lane);
+        float m_new[1][2];
+        row_max(m_new, s, row_stats, lane);
+        softmax_rescale(s, o_acc, row_stats, m_new, lane);
+        u32 p_frag[1][N_FRAGS / 2][4];
+        pack_p<T>(p_frag, s);
+
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk)
+            Wgmma<T, D_TILE>::template rs<1>(reinterpret_cast<float(&)[D_FRAGS * 4]>(o_acc), p_frag[0][kk],
+                                             smem_desc(v_tile + kk * 2048, L::KV_PANEL, 1024), 1);
+        wgmma_commit();
+    }
+    wgmma_wait<0>();
+    pin_registers(reinterpret_cast<float(&)[D_FRAGS * 4]>(o_acc));
+
+    // Q is reused to stage O: every warpgroup must be done reading it.
+    cp_async_wait<0>();
+    __syncthreads();
+    store();
 }
 
 }  // namespace cf

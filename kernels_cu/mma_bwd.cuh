@@ -74,6 +74,15 @@ __device__ __forceinline__ void red_add_f32x2(float* p, float a, float b) {
 #endif
 }
 
+// threadIdx.x read by a volatile instruction, which the compiler cannot hoist out of a loop.
+// Fragment addresses derived from it inside a loop body are recomputed every iteration (a few
+// integer instructions) instead of being held in registers across the loop, where they would
+// push the accumulators into local memory.
+__device__ __forceinline__ int thread_index_uncached() {
+    int t;
+    asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(t));
+    return t;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Tile geometry

@@ -20,8 +20,6 @@
 #   scripts/gpu_check.sh OUTDIR recheck  the GPU tests the 2026-12-02 Python changes after its GPU runs
 #                                       need (capture, torch, kv cache, varlen), the decode table and
 #                                       the split sweep (contiguous and page 16)
-#   scripts/gpu_check.sh OUTDIR persistent  the persistent forward's tests, v6 against v7 (tuner), the
-#                                       window study on both, the bench table with its anchors
 #   scripts/gpu_check.sh OUTDIR suite   SUITE_PART=1 or 2: the GPU test suite's two halves, shards
 #                                       and one summary file each (scripts/gpu_suite_part.sh)
 #   scripts/gpu_check.sh OUTDIR ncu     kernel by kernel, this tree against BEFORE_TREE (required):
@@ -115,29 +113,12 @@ recheck)  # the GPU tests of the Python changes after the 2026-12-02 GPU runs, t
     step decode 150 python -m cupyflash.bench.kvcache_decode --json "$out/decode.json" --plot "$out/decode.png"
     step splits 150 python -m cupyflash.bench.kvcache_decode --splits
     ;;
-persistent)  # mma-fwd-v7: its bitwise tests against v6 and the capture tests, v6 against v7 timed
-    # by the tuner in one run, the window study on both, then the bench table with the anchors
-    export PYTHONPATH=$PWD
-    step warm-all "${WARM_LIMIT:-200}" python scripts/warm_kernel_cache.py --packed --grid-forward
-    step persistent-tests "${TEST_LIMIT:-150}" env HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-dev}" \
-        python -m pytest -q -m gpu -p no:cacheprovider tests/test_forward_persistent_gpu.py tests/test_capture_gpu.py
-    step racecheck-persistent 150 compute-sanitizer --tool racecheck --error-exitcode 3 \
-        python dev/persistent_forward_workload.py
-    step memcheck-persistent 60 compute-sanitizer --tool memcheck --error-exitcode 3 \
-        python dev/persistent_forward_workload.py
-    step tune 120 python -m cupyflash tune --only v6 v7 --headdim 64 128 --seqlen 2048 16384 --quiet
-    step window-study 150 python dev/window_overhead_study.py --tiles grid persistent --windows 256 1024 4096 \
-        --json "$out/window-study.json"
-    step bench-after 200 python -m cupyflash bench --dtype bf16 --headdim 64 128 256 --seqlen 2k 16k --causal both \
-        --mode fwd bwd --no-validate --quiet --anchors FA2 cuDNN --json "$out/bench-after.json" \
-        --markdown "$out/bench-after.md"
-    ;;
 suite)  # the GPU test suite in two parts (SUITE_PART=1 or 2), each one summary file
     case ${SUITE_PART:-1} in
     1) paths=(tests/test_api_gpu.py tests/test_robustness_gpu.py tests/test_torch_gpu.py tests/test_kvcache_kernel_gpu.py
               tests/test_capture_gpu.py tests/test_varlen_gpu.py tests/test_docs.py tests/test_cli.py tests/test_testing.py
               tests/test_validation.py tests/test_plans.py tests/test_plans_bwd.py tests/test_dispatch.py
-              tests/kernels/test_compile_check.py tests/dev tests/test_forward_persistent_gpu.py) ;;
+              tests/kernels/test_compile_check.py tests/dev) ;;
     *) paths=(tests/test_variants_gpu.py tests/test_window_gpu.py tests/kernels tests/test_modifiers_gpu.py
               tests/test_magnitudes_gpu.py tests/benchmarks tests/test_kvcache_gpu.py tests/test_decode_dispatch_gpu.py
               tests/test_distributed_gpu.py) ;;

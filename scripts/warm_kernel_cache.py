@@ -48,9 +48,6 @@ def main(argv=None) -> int:
     parser.add_argument("--zoo", action="store_true", help="also the GPU tests' user modifiers")
     parser.add_argument("--packed", action="store_true",
                         help="also the packed (varlen) kernels this device's plans launch for every band")
-    parser.add_argument("--grid-forward", action="store_true",
-                        help="also the sm_90 forward on the grid of query blocks at d64 and d128 (mma-fwd-v6), "
-                             "which the persistent kernel's tests compare against")
     args = parser.parse_args(argv)
     from cupyflash import modifiers
     from cupyflash.kernels import _module, compile_check
@@ -60,8 +57,6 @@ def main(argv=None) -> int:
     extra = _zoo_specializations(args.processes) if args.zoo else []
     if args.packed:
         extra += _packed_specializations()
-    if args.grid_forward:
-        extra += _grid_forward_specializations()
     specs = [s for s in [*compile_check.all_specializations(), *extra]
              if pattern.search(s.name) and _module.runs_on_device(s)]
     names = sorted({s.name for s in specs})
@@ -77,20 +72,6 @@ def main(argv=None) -> int:
         print(line)
     print(f"warm_kernel_cache: {compiled} specializations in {time.time() - t0:.0f} s, {len(errors)} errors")
     return 1 if errors else 0
-
-
-def _grid_forward_specializations() -> list:
-    """flash_fwd_wgmma on the grid of query blocks where the plans run it persistent (d64, d128),
-    for every band and 16-bit dtype."""
-    from cupyflash import masks, plans
-
-    out = []
-    for (family, where, dt), tiles in plans.FORWARD_TILES.items():
-        if family == "mma" and getattr(tiles, "persistent", False):
-            grid = plans.WgmmaFwdConfig(tiles.block_m, tiles.block_n, persistent=False)
-            out += [plans.specialization_for(dtype, dt, band, grid) for dtype in ("float16", "bfloat16")
-                    for band in (masks.NoMask(), masks.Causal(), masks.Local(64, 0))]
-    return out
 
 
 def _packed_specializations() -> list:

@@ -65,20 +65,6 @@ class Launch(NamedTuple):
         return self.args[0][0]
 
 
-# The CTAs a recorded launch's device "holds at once" (kernels._module.resident_ctas).
-FAKE_RESIDENT_CTAS = 7
-
-
-def forward_grid(plan, batch: int, seqlen_q: int, nheads: int) -> tuple:
-    """The grid mma_fwd.forward launches ``plan`` on: one CTA per query block, head and batch, or
-    for persistent tiles (plans.WgmmaFwdConfig.persistent) as many as the device holds, at most
-    one per tile."""
-    grid = (-(-seqlen_q // plan.block_m), nheads, batch)
-    if getattr(plan.tiles, "persistent", False):
-        return (min(grid[0] * grid[1] * grid[2], FAKE_RESIDENT_CTAS), 1, 1)
-    return grid
-
-
 class LaunchRecorder:
     """``launch`` of the launcher modules recorded, CuPy's empty / zeros / ascontiguousarray
     replaced by FakeArray (zeros marks its arrays ``zeroed``)."""
@@ -90,8 +76,6 @@ class LaunchRecorder:
         self.allocations: list[FakeArray] = []
         for module in modules or (mma_fwd, mma_bwd, dq_fixed, simt):
             monkeypatch.setattr(module, "launch", self._record)
-            if hasattr(module, "resident_ctas"):  # a persistent grid's size: no device to ask
-                monkeypatch.setattr(module, "resident_ctas", lambda spec, device=None: FAKE_RESIDENT_CTAS)
         try:
             import cupy
         except ImportError:

@@ -14,7 +14,7 @@ from cupyflash import dispatch, plans
 from cupyflash._dtypes import SUPPORTED
 from cupyflash.kernels import mma_fwd, simt
 from cupyflash.masks import KINDS, PACKED_KINDS, VARIANT_KINDS, Causal, Local, NoMask
-from launch_fakes import FakeArray, LaunchRecorder, assert_forward_launch, forward_grid
+from launch_fakes import FakeArray, LaunchRecorder, assert_forward_launch
 
 ARCHS = ("80", "86", "89", "90")
 SMEM_OPTINS = (163 * 1024, 227 * 1024, 99 * 1024)  # A100, H100/H200, sm_86/sm_89 opt-in per block
@@ -84,22 +84,6 @@ def old_choice(arch: str, smem_optin: int, dtype: str, headdim: int, mask_name: 
             *launch)
 
 
-def since_plans(old: tuple, headdim: int) -> tuple:
-    """An OLD_FORWARD row as the versions after plans changed it. mma-fwd-v7 (docs/perf-log.md):
-    flash_fwd_wgmma takes PERSISTENT as its last template argument, true at d-tiles 64 and 128
-    (the name ends in "_persistent", and a second Q stage of block_m x d-tile 16-bit values is
-    added to its shared memory), false at 256."""
-    name, source, expression, threads, smem, arch, block_m = old
-    if source != "flash_fwd_wgmma.cu":
-        return old
-    d_tile = mma_fwd.d_tile(plans.mma_headdim(headdim))
-    persistent = d_tile <= 128
-    expression = expression[:-1] + (", true>" if persistent else ", false>")
-    if persistent:
-        name, smem = name + "_persistent", smem + 2 * block_m * d_tile
-    return name, source, expression, threads, smem, arch, block_m
-
-
 def new_choice(plan: plans.ForwardPlan, mask, old_mask_cpp: str) -> tuple:
     """The plan in OLD_FORWARD's terms: the policy type ``mask.cpp``, which replaced the bool,
     spelled ``old_mask_cpp``."""
@@ -118,13 +102,12 @@ def test_old_table_covers_every_device_and_dtype_once():
 @pytest.mark.parametrize("dtype", list(SUPPORTED))
 def test_the_plan_is_the_old_dispatch_choice(dtype):
     """Every (arch, opt-in shared memory, head dim 1..256, mask): NoMask and Causal as the old tree
-    chose them, changed only as later versions say (since_plans); Local the Causal choice's kernel
-    and tiles with its own mask token and argument."""
+    chose them; Local the Causal choice's kernel and tiles with its own mask token and argument."""
     compared = 0
     for arch, smem, headdim in itertools.product(ARCHS, SMEM_OPTINS, range(1, 257)):
         for mask, old_name in ((NoMask(), "full"), (Causal(), "causal"), (Local(100, 3), "causal")):
             plan = plans.plan_forward(arch, SUPPORTED[dtype], headdim, mask, smem)
-            old = since_plans(old_choice(arch, smem, dtype, headdim, old_name), headdim)
+            old = old_choice(arch, smem, dtype, headdim, old_name)
             if isinstance(mask, Local):
                 old = (old[0].replace("_causal_", "_local_", 1), *old[1:])
             assert new_choice(plan, mask, OLD_MASKS[old_name]) == old, (arch, smem, dtype, headdim, mask)
@@ -149,7 +132,7 @@ def test_one_row_answers_what_runs():
     plan = plans.plan_forward("90", SUPPORTED["bfloat16"], 128, Causal(), 227 * 1024)
     assert plan.tiles is plans.FORWARD_TILES[("mma", plans.SM90, 128)]
     assert (plan.kernel, plan.device_class, plan.d_tile) == ("flash_fwd_wgmma", plans.SM90, 128)
-    assert plan.spec.name == "flash_fwd_wgmma_bf16_hdim128_causal_bm128_bn128_persistent"
+    assert plan.spec.name == "flash_fwd_wgmma_bf16_hdim128_causal_bm128_bn128"
     assert plans.plan_forward(None, SUPPORTED["float16"], 100, False, None).tiles is \
         plans.FORWARD_TILES[("mma", plans.PORTABLE, 128)]
     for (family, where, dt), tiles in plans.FORWARD_TILES.items():
@@ -172,10 +155,9 @@ def test_plans_refuse_what_no_kernel_runs():
 
 def test_the_compile_check_sees_every_shipped_forward_specialization():
     """mma_fwd.specializations() is every row's specialization for both 16-bit dtypes and every
-    mask: the old tree's set (its two masks, as since_plans changes them) plus the same names with
-    "local", and each of those
+    mask: the old tree's set (its two masks) plus the same names with "local", and each of those
     kernels with the score policies of masks.VARIANT_KINDS."""
-    old = {since_plans(old_choice(arch, smem, dtype, hd, mask), hd)[0] for dtype in ("float16", "bfloat16")
+    old = {old_choice(arch, smem, dtype, hd, mask)[0] for dtype in ("float16", "bfloat16")
            for arch, smem in itertools.product(ARCHS, SMEM_OPTINS) for hd in (64, 128, 256) for mask in OLD_MASKS}
     all_names = [s.name for s in mma_fwd.specializations()]
     # packed batches: each row's plan for masks.PACKED_KINDS (PACKED_FORWARD_TILES where it differs)
@@ -245,7 +227,7 @@ def test_the_launchers_launch_their_plan(arch, smem, monkeypatch):
         mask = {(-1, -1): NoMask(), (-1, 0): Causal(), (64, 0): Local(64, 0)}[window]
         plan = plans.plan_forward(arch, SUPPORTED[dtype], d, mask, smem)
         [launch] = recorder.take()
-        assert (launch.spec, launch.grid) == (plan.spec, forward_grid(plan, b, sq, h))
+        assert (launch.spec, launch.grid) == (plan.spec, (math.ceil(sq / plan.block_m), h, b))
         assert_forward_launch(launch, q, k, v, o, lse, softmax_scale=0.1, mask=mask)
     tiles = plans.WgmmaFwdConfig(128, 64) if arch == "90" else plans.FwdConfig(128, 64, 8, False)
     q, k, v, o = _fake_qkvo((b, sq, h, 128), (b, sk, hkv, 128), SUPPORTED["bfloat16"])

@@ -138,23 +138,6 @@ def get_function(spec: Specialization):
 
 
 @functools.lru_cache(maxsize=None)
-def resident_ctas(spec: Specialization, device: int | None = None) -> int:
-    """CTAs of ``spec`` device ``device`` (None: the current one) holds at once: per SM the
-    fewest that its registers (the compiled kernel's, allocated per warp in units of 256), its
-    shared memory (1 KiB of it reserved per block), its 2048 threads and 32 blocks allow, times
-    the SMs (a persistent grid's size, a split count's slots)."""
-    import cupy
-
-    device = cupy.cuda.Device().id if device is None else device
-    attributes = cupy.cuda.Device(device).attributes
-    warps = spec.threads // 32
-    warp_regs = -(-get_function(spec).num_regs * 32 // 256) * 256
-    by_regs = int(attributes["MaxRegistersPerMultiprocessor"]) // (warp_regs * warps)
-    by_smem = int(attributes["MaxSharedMemoryPerMultiprocessor"]) // (spec.smem_bytes + 1024)
-    per_sm = min(32, by_regs, by_smem, int(attributes["MaxThreadsPerMultiProcessor"]) // spec.threads)
-    return int(attributes["MultiProcessorCount"]) * max(1, per_sm)
-
-
 def _max_smem_optin(device: int) -> int:
     import cupy
 

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._module import Specialization, launch, resident_ctas
+from ._module import Specialization, launch
 from .constants import CTYPES, SHORT_NAMES, TENSOR_CORE_D_TILES, d_tile
 from .params import CACHE_FWD_PARAMS, COMBINE_PARAMS, _set_scales, fast_divmod, pointer, set_rows, set_variant
 from .mma_fwd import _check_layout
@@ -162,6 +162,23 @@ def paged_num_splits_heuristic(ctas: int, slots: int, key_blocks: int, max_split
 
 
 @functools.lru_cache(maxsize=None)
+def _slots(spec: Specialization, device: int) -> int:
+    """CTAs of ``spec`` device ``device`` holds at once: per SM the fewest that its registers
+    (the compiled kernel's, allocated per warp in units of 256), its shared memory (1 KiB of it
+    reserved per block), its 2048 threads and 32 blocks allow, times the SMs."""
+    import cupy
+
+    from ._module import get_function
+
+    attributes = cupy.cuda.Device(device).attributes
+    warps = spec.threads // 32
+    warp_regs = -(-get_function(spec).num_regs * 32 // 256) * 256
+    by_regs = int(attributes["MaxRegistersPerMultiprocessor"]) // (warp_regs * warps)
+    by_smem = int(attributes["MaxSharedMemoryPerMultiprocessor"]) // (spec.smem_bytes + 1024)
+    per_sm = min(32, by_regs, by_smem, int(attributes["MaxThreadsPerMultiProcessor"]) // spec.threads)
+    return int(attributes["MultiProcessorCount"]) * max(1, per_sm)
+
+
 @functools.lru_cache(maxsize=None)
 def _multiprocessors(device: int) -> int:
     import cupy
@@ -217,7 +234,7 @@ def _plan(dtype, headdim: int, mask: Mask, *, batch: int, seqlen_q: int, group: 
         device, ctas = cupy.cuda.Device().id, m_blocks * nheads_kv * batch
         if paged:
             probe = specialization(dtype, dt, mask, tiles, paged, True)
-            num_splits = paged_num_splits_heuristic(ctas, resident_ctas(probe, device), key_blocks)
+            num_splits = paged_num_splits_heuristic(ctas, _slots(probe, device), key_blocks)
         else:
             num_splits = num_splits_heuristic(ctas, _multiprocessors(device), key_blocks)
     num_splits, per_split = split_layout(key_blocks, num_splits)  # no split past the longest sequence

@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-from ._module import _max_smem_optin, device_arch, launch, resident_ctas
+from ._module import _max_smem_optin, device_arch, launch
 from .constants import TENSOR_CORE_D_TILES
 from .params import PackedBatch, forward_params
 from .. import plans
@@ -122,8 +122,6 @@ def forward(q, k, v, o, lse, *, softmax_scale: float, causal: bool,
     mask = mask_for(causal, window_size, PLAIN if variant is None else variant.score, packed is not None)
     planned = plan(q.dtype, headdim, mask, config)
     grid = query_grid(planned.block_m, batch, seqlen_q, nheads, packed)
-    if getattr(planned.tiles, "persistent", False):  # the tiles in turn, by as many CTAs as fit at once
-        grid = (min(math.prod(grid), resident_ctas(planned.spec)), 1, 1)
     for a, what in ((q, "q"), (k, "k"), (v, "v"), (o, "o")):
         _check_layout(a, what)
     launch(planned.spec, grid, (forward_params(q, k, v, o, lse, softmax_scale=softmax_scale, mask=mask,

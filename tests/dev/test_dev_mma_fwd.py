@@ -4,7 +4,6 @@ the rest never a row; the tuner finds them from a source checkout and says so wh
 there; on a GPU every entry that fits the device matches the float64 reference."""
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -35,14 +34,12 @@ def test_versions_are_numbered_with_a_note_and_a_perf_log_entry(dev):
 
 
 def test_shipped_versions_are_their_rows_and_the_rest_is_not_shipped(dev):
-    v5, v6, v7 = (next(v for v in dev.VERSIONS if v.name == name) for name in ("v5", "v6", "v7"))
+    v5, v6 = (next(v for v in dev.VERSIONS if v.name == name) for name in ("v5", "v6"))
     for dt in mma_fwd.D_TILES:
         assert v5.tiles[dt] == plans.FORWARD_TILES[("mma", plans.LARGE_SMEM, dt)]
-        assert v7.tiles[dt] == plans.FORWARD_TILES[("mma", plans.SM90, dt)]
-        # v6: the same tiles on the grid of query blocks, what packed batches and user modifiers run
-        assert dataclasses.replace(v7.tiles[dt], persistent=False) == v6.tiles[dt]
+        assert v6.tiles[dt] == plans.FORWARD_TILES[("mma", plans.SM90, dt)]
     assert v5.tiles[64] == plans.FORWARD_TILES[("mma", plans.PORTABLE, 64)]
-    assert [v.name for v in dev.VERSIONS if v.shipped] == ["v5", "v6", "v7"]
+    assert [v.name for v in dev.VERSIONS if v.shipped] == ["v5", "v6"]
     shipped = {(dt, tiles) for (family, _, dt), tiles in plans.FORWARD_TILES.items() if family == "mma"}
     for dt, candidates in dev.CANDIDATES.items():
         assert not {(dt, c) for c in candidates} & shipped
@@ -61,7 +58,7 @@ def test_the_tuner_times_the_plan_then_every_dev_entry_once(dev, monkeypatch):
     monkeypatch.setattr(mma_fwd, "current_arch", lambda: "90")
     monkeypatch.setattr(mma_fwd, "current_smem_optin", lambda: 227 * 1024)
     configs = tune._configs(128, SUPPORTED["bfloat16"], dev)
-    assert configs[0] == ("default+v7", plans.FORWARD_TILES[("mma", plans.SM90, 128)])
+    assert configs[0] == ("default+v6", plans.FORWARD_TILES[("mma", plans.SM90, 128)])
     assert len({c for _, c in configs}) == len(configs)
     assert {c for _, c in configs} == {c for _, c in dev.entries(128)}
     labels = [label for label, _ in configs]

@@ -92,25 +92,3 @@ def test_fwd_block_emulation_matches_numpy(d_tile, block_n):
     want[:seqlen_q, :headdim] = np.tanh(q @ k.T) @ v
     assert_float64_close(o, want)
 
-
-
-from hypothesis import given, strategies as st  # noqa: E402
-
-from models.flash_fwd_wgmma import check_schedule, persistent_schedule  # noqa: E402
-
-
-@given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 5)), min_size=1, max_size=12))
-def test_persistent_pipeline_refills_only_free_stages(walks):
-    """A persistent CTA's tiles in a row (any key ranges, rows that see no key among them): each
-    product reads the tile and block it wants from a landed copy, and no copy or O staging lands
-    on a stage or Q buffer that a product in flight still reads."""
-    tiles = [(begin, begin + count) for begin, count in walks]
-    check_schedule(persistent_schedule(tiles))
-
-
-@pytest.mark.parametrize("k_stages, v_stages", [(2, 2), (1, 3)])
-def test_persistent_pipeline_model_has_teeth(k_stages, v_stages):
-    """With one V stage fewer (P V_{j-1} still in flight when V_{j+1} is copied) or one K stage (the
-    next block's K over the block S reads), the check fails."""
-    with pytest.raises(AssertionError):
-        check_schedule(persistent_schedule([(0, 5), (2, 4), (1, 1), (0, 3)], k_stages, v_stages))

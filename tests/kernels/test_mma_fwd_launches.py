@@ -3,6 +3,7 @@ others flash_fwd_mma, the plan's specialization with its grid and one argument, 
 FwdParams (the kernels' only parameter) with its arrays, shape, window and scale."""
 from __future__ import annotations
 
+import math
 
 import numpy as np
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from cupyflash import plans
 from cupyflash.kernels import mma_fwd
 from cupyflash.masks import mask_for
-from launch_fakes import FakeArray, LaunchRecorder, assert_forward_launch, forward_grid
+from launch_fakes import FakeArray, LaunchRecorder, assert_forward_launch
 
 B, SQ, SK, H, HKV = 2, 100, 70, 4, 2
 
@@ -31,5 +32,5 @@ def test_fwd_wgmma_launch_passes_the_call_in_one_struct(window, monkeypatch):
             [launch] = recorder.take()
             plan = plans.plan_forward(arch, np.float16, d, mask, smem)
             assert launch.spec.name.startswith(kernel) and launch.spec == plan.spec
-            assert launch.grid == forward_grid(plan, B, SQ, H)
+            assert launch.grid == (math.ceil(SQ / plan.block_m), H, B)
             assert_forward_launch(launch, q, k, v, o, lse, softmax_scale=0.1, mask=mask)

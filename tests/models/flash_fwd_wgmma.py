@@ -17,26 +17,22 @@ FWD = "flash_fwd_wgmma"  # the kernel (models.mirrors finds its file)
 
 
 @mirrors(FWD,
-         "static constexpr int Q_STAGES = PERSISTENT ? 2 : 1, K_STAGES = 2, V_STAGES = 3;",
+         "static constexpr int K_STAGES = 2, V_STAGES = 3;",
          "static constexpr u32 Q_PANEL = BLOCK_M * 128, KV_PANEL = BLOCK_N * 128;",
-         "static constexpr u32 Q_TILE = BLOCK_M * D_TILE * 2;",
          "static constexpr u32 KV_TILE = BLOCK_N * D_TILE * 2;",
          "static constexpr u32 Q = 0;",
-         "static constexpr u32 K = Q + Q_STAGES * Q_TILE;",
+         "static constexpr u32 K = Q + BLOCK_M * D_TILE * 2;",
          "static constexpr u32 V = K + K_STAGES * KV_TILE;",
          "static constexpr u32 BYTES = V + V_STAGES * KV_TILE;",
-         "static constexpr int MIN_BLOCKS = PERSISTENT && 2 * (BYTES + 2048) <= 228 * 1024 ? 2 : 1;",
          "constexpr int NWG = BLOCK_M / 64, NTHREADS = NWG * 128;",
          "constexpr int N_FRAGS = BLOCK_N / 8, D_FRAGS = D_TILE / 8;",
          "static_assert(L::BYTES + 1024 <= 227 * 1024, \"shared memory\");")
-def fwd_smem(d_tile: int, block_m: int, block_n: int, persistent: bool = False) -> SimpleNamespace:
-    L = SimpleNamespace(D_TILE=d_tile, BLOCK_M=block_m, BLOCK_N=block_n, Q_STAGES=2 if persistent else 1,
-                        K_STAGES=2, V_STAGES=3, Q_PANEL=block_m * 128, KV_PANEL=block_n * 128,
-                        Q_TILE=block_m * d_tile * 2, KV_TILE=block_n * d_tile * 2, Q=0)
-    L.K = L.Q + L.Q_STAGES * L.Q_TILE
+def fwd_smem(d_tile: int, block_m: int, block_n: int) -> SimpleNamespace:
+    L = SimpleNamespace(D_TILE=d_tile, BLOCK_M=block_m, BLOCK_N=block_n, K_STAGES=2, V_STAGES=3,
+                        Q_PANEL=block_m * 128, KV_PANEL=block_n * 128, KV_TILE=block_n * d_tile * 2, Q=0)
+    L.K = L.Q + block_m * d_tile * 2
     L.V = L.K + L.K_STAGES * L.KV_TILE
     L.BYTES = L.V + L.V_STAGES * L.KV_TILE
-    L.MIN_BLOCKS = 2 if persistent and 2 * (L.BYTES + 2048) <= 228 * 1024 else 1
     L.NWG = block_m // 64
     L.NTHREADS = L.NWG * 128
     return L
@@ -44,23 +40,20 @@ def fwd_smem(d_tile: int, block_m: int, block_n: int, persistent: bool = False) 
 
 @mirrors(FWD,
          "const u32 raw = smem_u32(smem_raw);",
-         "const u32 q_tile = base + L::Q + q_stage * L::Q_TILE;",
-         "const u32 k_tile = base + L::K + (c % L::K_STAGES) * L::KV_TILE;",
-         "const u32 v_tile = base + L::V + (c % L::V_STAGES) * L::KV_TILE;",
-         "cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(base + L::K + (c % L::K_STAGES) * L::KV_TILE, k_head + n0 * k_ss,"
-         " keys - n0, headdim, k_ss, tid);",
-         "cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(base + L::V + (c % L::V_STAGES) * L::KV_TILE, v_head + n0 * v_ss,"
-         " keys - n0, headdim, v_ss, tid);",
-         "cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(q_tile, p.q.row<const T>(batch, seq.q_begin + m0, head),"
-         " seqlen_q - m0, headdim, p.q.row_stride, tid);",
-         "cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(base + L::Q + (q_stage ^ 1) * L::Q_TILE, p.q.row<const T>(nb, nm0, nh),"
-         " p.seqlen_q - nm0, headdim, p.q.row_stride, tid);")
-def fwd_tiles(L, c: int, q_stage: int = 0) -> SimpleNamespace:
-    """Tile addresses of iteration c (stages: K c % 2, V c % 3; the grid's kernel counts c = j, the
-    key block; the persistent one counts iterations across tiles) with Q in stage q_stage."""
+         "const u32 q_tile = base + L::Q;",
+         "const u32 k_tile = base + L::K + (j % L::K_STAGES) * L::KV_TILE;",
+         "const u32 v_tile = base + L::V + (j % L::V_STAGES) * L::KV_TILE;",
+         "cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(base + L::K + (j % L::K_STAGES) * L::KV_TILE,"
+         " k_rows + n0 * k_ss, seqlen_k - n0, headdim, k_ss, tid);",
+         "cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(base + L::V + (j % L::V_STAGES) * L::KV_TILE,"
+         " v_rows + n0 * v_ss, seqlen_k - n0, headdim, v_ss, tid);",
+         "cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(q_tile, p.q.row<const T>(batch, seq.q_begin + m0, head), seqlen_q - m0,"
+         " headdim, p.q.row_stride, tid);")
+def fwd_tiles(L, j: int) -> SimpleNamespace:
+    """Tile addresses of key block j (stages: K j % 2, V j % 3)."""
     base = aligned_base(RAW_SMEM)
-    return SimpleNamespace(q=base + L.Q + q_stage * L.Q_TILE, k=base + L.K + (c % L.K_STAGES) * L.KV_TILE,
-                           v=base + L.V + (c % L.V_STAGES) * L.KV_TILE)
+    return SimpleNamespace(q=base + L.Q, k=base + L.K + (j % L.K_STAGES) * L.KV_TILE,
+                           v=base + L.V + (j % L.V_STAGES) * L.KV_TILE)
 
 
 @mirrors(FWD,
@@ -126,93 +119,3 @@ FWD_BLOCK_M = 128
 # {64, 128, 256} x {64, 128} but d256 with 128-key blocks (Q, two K and three V stages: 384 KiB).
 FWD_SHAPES = [(d, bn) for d in (64, 128, 256) for bn in (64, 128)
               if fwd_smem(d, FWD_BLOCK_M, bn).BYTES + 1024 <= 227 * 1024]
-
-
-# --- the persistent pipeline: which copy fills which stage, and who still reads it --------------
-
-@mirrors(FWD,
-         "const int stage_shift = PERSISTENT && first_stage >= 0 ? first_stage - j_begin : 0;",
-         "const int c = j + stage_shift;",
-         "if ((j + 1) * BLOCK_N < n_end) load_kv_block(k_rows, v_rows, j + 1, c + 1, seqlen_k);",
-         "else if (has_next) prefetch_next(c + 1);",
-         "if (has_next) prefetch_next(j_begin + stage_shift);",
-         "first_stage = j_begin + stage_shift;",
-         "first_stage = (n_end + BLOCK_N - 1) / BLOCK_N + stage_shift;",
-         "q_stage ^= 1;")
-def persistent_schedule(tiles, k_stages: int = 2, v_stages: int = 3):
-    """The events of one persistent CTA over ``tiles`` ((j_begin, j_end): the key blocks of each
-    tile, j_end == j_begin for rows that see no key), in the kernel's program order: ("copy",
-    buffer, what) for a cp.async issue, ("wait_copies",) for cp_async_wait<0> + barrier,
-    ("read", buffer, what) for a product that reads a buffer and is waited for in the same
-    iteration (S = Q K^T), ("read_async", buffer, what) for one waited for at the next wait
-    (P V: the next iteration's or the epilogue's), ("wait_products",), and ("write", buffer, what)
-    for the epilogue's O staging into its Q stage. A buffer is ("Q", s), ("K", s) or ("V", s); what
-    is (tile, block) or (tile, "Q")."""
-    events = []
-    first_stage, q_stage = -1, 0
-
-    def copy_first(t, c):  # the tile's Q into the other Q stage (a later tile), its first K, V
-        j_begin, j_end = tiles[t]
-        events.append(("copy", ("Q", q_stage ^ 1 if c is not None else q_stage), (t, "Q")))
-        if j_end > j_begin:
-            c = j_begin if c is None else c
-            events.append(("copy", ("K", c % k_stages), (t, j_begin)))
-            events.append(("copy", ("V", c % v_stages), (t, j_begin)))
-
-    for t, (j_begin, j_end) in enumerate(tiles):
-        has_next = t + 1 < len(tiles)
-        stage_shift = first_stage - j_begin if first_stage >= 0 else 0
-        if first_stage < 0:
-            copy_first(t, None)  # the first tile's prologue
-        if j_end == j_begin:  # no key: O = 0
-            events.append(("wait_copies",))
-            if has_next:
-                copy_first(t + 1, j_begin + stage_shift)
-            events.append(("write", ("Q", q_stage), (t, "O")))
-            first_stage = j_begin + stage_shift
-        else:
-            for j in range(j_begin, j_end):
-                c = j + stage_shift
-                events.append(("wait_copies",))
-                if j + 1 < j_end:
-                    events.append(("copy", ("K", (c + 1) % k_stages), (t, j + 1)))
-                    events.append(("copy", ("V", (c + 1) % v_stages), (t, j + 1)))
-                elif has_next:
-                    copy_first(t + 1, c + 1)
-                events.append(("read", ("Q", q_stage), (t, "Q")))
-                events.append(("read", ("K", c % k_stages), (t, j)))
-                events.append(("wait_products",))  # S_j and P V_{j-1}
-                events.append(("read_async", ("V", c % v_stages), (t, j)))
-            events.append(("wait_products",))  # the last P V
-            events.append(("write", ("Q", q_stage), (t, "O")))  # after the barrier: no S reads Q
-            first_stage = j_end + stage_shift
-        q_stage ^= 1
-    return events
-
-
-def check_schedule(events) -> None:
-    """Every read finds what it wants in its buffer, its copy landed (a wait since the issue),
-    and no copy or write lands on a buffer while a product that reads it is in flight or before a
-    read of its old contents that is still to come."""
-    contents, landed = {}, {}
-    in_flight = []  # (buffer, what) of the products not yet waited for
-    for event in events:
-        kind = event[0]
-        if kind == "copy":
-            _, buffer, what = event
-            assert buffer not in [b for b, _ in in_flight], f"copy of {what} into {buffer} while a product reads it"
-            contents[buffer], landed[buffer] = what, False
-        elif kind == "wait_copies":
-            landed = {b: True for b in landed}
-        elif kind in ("read", "read_async"):
-            _, buffer, what = event
-            assert contents.get(buffer) == what, f"{what} read from {buffer}, which holds {contents.get(buffer)}"
-            assert landed[buffer], f"{what} read from {buffer} before its copy landed"
-            in_flight.append((buffer, what))
-        elif kind == "wait_products":
-            in_flight = []
-        elif kind == "write":
-            _, buffer, what = event
-            assert buffer not in [b for b, _ in in_flight], f"{what} staged in {buffer} while a product reads it"
-            contents[buffer] = what
-    # later reads of overwritten contents are caught as wrong contents above
