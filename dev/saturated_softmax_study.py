@@ -12,14 +12,23 @@ reference (cupyflash.reference) and standard float32 attention (materialised P, 
     natural_o natural's P with the kernels' D = rowsum(dO * O)
     lse64     lse kept in float64 (from the kernels' float32 log2-unit m and l), the backward's
               exponent fl32(S c2) - lse log2 e formed in float64, D = rowsum(P * dP)
+    lse_ext   lse64 one precision up: lse kept, and the exponent formed, in NumPy's longdouble
+              (x86: 64-bit significand), D = rowsum(P * dP); the float64 inputs' lse64 (its
+              conversions between log2 and natural units use float64 ln 2 and log2 e)
+    m_l       no lse: the forward keeps each row's maximum m (log2 units, exact: one of the
+              scores) and log2(l) apart, the backward forms (S c2 - m) - log2(l), so the row
+              maximum's exponent is exactly -log2(l); D = rowsum(P * dP)
 
-Each recipe keeps the kernels' arithmetic in the accumulator type (float32 here; float64 runs too)
-and their order of operations per element; the matrix products are NumPy's in that type. Printed:
+Each recipe keeps the kernels' arithmetic in the accumulator type (float32, or float64) and their
+order of operations per element; the matrix products are NumPy's in that type. The reference is
+cupyflash.reference's float64 for float32 inputs; for float64 inputs float64 cannot judge float64,
+so there it is the same definition evaluated in longdouble (``extended_reference``; ``--reference``
+chooses). Printed:
 for each softmax scale and input magnitude, the worst ratio over seeds of a recipe's max abs
 error to standard attention's (per gradient: dq, dk, dv), with the floor of the error at 1e-30 of
 the gradients' own size so that exact zeros compare.
 
-    python dev/saturated_softmax_study.py [--seeds 3] [--dtype float32]
+    python dev/saturated_softmax_study.py [--seeds 3] [--dtype float32 | float64] [--reference float64 | extended]
 """
 from __future__ import annotations
 
@@ -31,7 +40,8 @@ from cupyflash import reference
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-RECIPES = ("kernels", "pdp", "natural", "natural_o", "lse64")
+RECIPES = ("kernels", "pdp", "natural", "natural_o", "lse64", "lse_ext", "m_l")
+EXT = np.longdouble
 
 
 def forward_log2(q, k, v, scale, acc):
@@ -56,8 +66,36 @@ def forward_natural(q, k, v, scale, acc):
     return o.astype(acc), lse[:, 0].astype(acc)
 
 
+def extended_reference(do, q, k, v, scale):
+    """(dq, dk, dv) of softmax attention from its definition, every step in longdouble: the
+    reference for float64 inputs (float64's own rounding is what is measured). Safe softmax: the
+    row maximum subtracted before the exponential, which is exact in any precision."""
+    do, q, k, v = (x.astype(EXT) for x in (do, q, k, v))
+    s = (q @ k.T) * EXT(scale)
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    dp = do @ v.T
+    ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True))
+    return (ds @ k) * EXT(scale), (ds.T @ q) * EXT(scale), p.T @ do
+
+
 def backward(recipe, do, q, k, v, scale, acc):
-    if recipe == "lse64":
+    if recipe == "m_l":
+        s2 = (q @ k.T).astype(acc) * acc(scale * LOG2E)
+        m2 = s2.max(axis=-1, keepdims=True)
+        e = np.exp2(s2 - m2)
+        l = e.sum(axis=-1, keepdims=True)
+        o = ((e @ v) / l).astype(acc)
+        p = np.exp2(np.minimum((s2 - m2) - np.log2(l), 0)).astype(acc)
+    elif recipe == "lse_ext":
+        s2 = (q @ k.T).astype(acc) * acc(scale * LOG2E)
+        m2 = s2.max(axis=-1, keepdims=True)
+        e = np.exp2(s2 - m2)
+        l = e.sum(axis=-1, keepdims=True)
+        o = ((e @ v) / l).astype(acc)
+        lse = (m2.astype(EXT) + np.log2(l.astype(EXT))) * EXT(LN2)
+        p = np.exp2(np.minimum(s2.astype(EXT) - lse * EXT(LOG2E), 0)).astype(acc)
+    elif recipe == "lse64":
         s2 = (q @ k.T).astype(acc) * acc(scale * LOG2E)
         m2 = s2.max(axis=-1, keepdims=True)
         e = np.exp2(s2 - m2)
@@ -80,24 +118,28 @@ def backward(recipe, do, q, k, v, scale, acc):
     return (ds @ k) * acc(scale), (ds.T @ q) * acc(scale), p.T @ do
 
 
-def worst_ratios(scale, magnitude, seeds, acc, n=96, d=64):
+def worst_ratios(scale, magnitude, seeds, acc, n=96, d=64, extended=False):
     out = {r: [0.0, 0.0, 0.0] for r in RECIPES}
     for seed in range(seeds):
         rng = np.random.default_rng(seed)
         q, k, v, do = ((rng.standard_normal((n, d)) * (magnitude if i < 2 else 1)).astype(acc) for i in range(4))
         shaped = [x[None, :, None, :] for x in (do, q, k, v)]
         with np.errstate(all="ignore"):
-            ref = reference.attention_backward(*shaped, softmax_scale=scale)
+            if extended:
+                ref = [np.asarray(g) for g in extended_reference(do, q, k, v, scale)]
+            else:
+                ref = [np.asarray(g, np.float64)[0, :, 0]
+                       for g in reference.attention_backward(*shaped, softmax_scale=scale)]
             std = reference.standard_attention_backward(*shaped, softmax_scale=scale, dtype=acc)
-        ref = [np.asarray(g, np.float64)[0, :, 0] for g in ref]
         std = [np.asarray(g, np.float64)[0, :, 0] for g in std]
         for recipe in out:
             with np.errstate(all="ignore"):
                 got = backward(recipe, do, q, k, v, scale, acc)
             for i, (g, r, s) in enumerate(zip(got, ref, std)):
-                floor = max(1e-30 * np.abs(r).max(), 1e-300)
-                err = np.nan_to_num(np.abs(np.asarray(g, np.float64) - r).max(), nan=np.inf)
-                err_std = np.abs(s - r).max()
+                wide = r.dtype  # the reference's precision: the differences are taken in it
+                floor = max(1e-30 * float(np.abs(r).max()), 1e-300)
+                err = float(np.nan_to_num(np.abs(np.asarray(g).astype(wide) - r).max(), nan=np.inf))
+                err_std = float(np.abs(s.astype(wide) - r).max())
                 out[recipe][i] = max(out[recipe][i], (err + floor) / (err_std + floor))
     return out
 
@@ -106,13 +148,20 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--dtype", default="float32", choices=("float32", "float64"))
+    parser.add_argument("--reference", choices=("float64", "extended"), default=None,
+                        help="float64 (cupyflash.reference) or longdouble (extended_reference); default: "
+                             "float64 for float32 inputs, extended for float64")
     args = parser.parse_args(argv)
     acc = np.dtype(args.dtype).type
-    print(f"worst max-abs error / standard {args.dtype} attention's, over {args.seeds} seeds (dq, dk, dv)")
+    extended = (args.reference or ("extended" if args.dtype == "float64" else "float64")) == "extended"
+    if extended and np.finfo(EXT).nmant <= np.finfo(np.float64).nmant:
+        parser.error("this platform's longdouble is float64: no extended reference")
+    print(f"worst max-abs error / standard {args.dtype} attention's, over {args.seeds} seeds (dq, dk, dv), "
+          f"reference in {'longdouble' if extended else 'float64'}")
     print(f"{'scale':>8} {'magnitude':>9}  " + "  ".join(f"{r:>24}" for r in RECIPES))
     for scale in (0.125, 1.0, 1e2, 1e4):
         for magnitude in (1.0, 10.0, 100.0):
-            ratios = worst_ratios(scale, magnitude, args.seeds, acc)
+            ratios = worst_ratios(scale, magnitude, args.seeds, acc, extended=extended)
             cells = ["/".join(f"{x:7.2g}" for x in ratios[r]) for r in RECIPES]
             print(f"{scale:8g} {magnitude:9g}  " + "  ".join(f"{c:>24}" for c in cells))
     return 0
