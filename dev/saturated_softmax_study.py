@@ -79,30 +79,25 @@ def extended_reference(do, q, k, v, scale):
     return (ds @ k) * EXT(scale), (ds.T @ q) * EXT(scale), p.T @ do
 
 
+def forward_stats(q, k, v, scale, acc):
+    """The kernels' forward statistics in the accumulator type: the scores in log2 units s2, each
+    row's maximum m2 (one of the scores, so exact) and sum l, and o."""
+    s2 = (q @ k.T).astype(acc) * acc(scale * LOG2E)
+    m2 = s2.max(axis=-1, keepdims=True)
+    e = np.exp2(s2 - m2)
+    l = e.sum(axis=-1, keepdims=True)
+    return s2, m2, l, ((e @ v) / l).astype(acc)
+
+
 def backward(recipe, do, q, k, v, scale, acc):
-    if recipe == "m_l":
-        s2 = (q @ k.T).astype(acc) * acc(scale * LOG2E)
-        m2 = s2.max(axis=-1, keepdims=True)
-        e = np.exp2(s2 - m2)
-        l = e.sum(axis=-1, keepdims=True)
-        o = ((e @ v) / l).astype(acc)
-        p = np.exp2(np.minimum((s2 - m2) - np.log2(l), 0)).astype(acc)
-    elif recipe == "lse_ext":
-        s2 = (q @ k.T).astype(acc) * acc(scale * LOG2E)
-        m2 = s2.max(axis=-1, keepdims=True)
-        e = np.exp2(s2 - m2)
-        l = e.sum(axis=-1, keepdims=True)
-        o = ((e @ v) / l).astype(acc)
-        lse = (m2.astype(EXT) + np.log2(l.astype(EXT))) * EXT(LN2)
-        p = np.exp2(np.minimum(s2.astype(EXT) - lse * EXT(LOG2E), 0)).astype(acc)
-    elif recipe == "lse64":
-        s2 = (q @ k.T).astype(acc) * acc(scale * LOG2E)
-        m2 = s2.max(axis=-1, keepdims=True)
-        e = np.exp2(s2 - m2)
-        l = e.sum(axis=-1, keepdims=True)
-        o = ((e @ v) / l).astype(acc)
-        lse = (m2.astype(np.float64) + np.log2(l.astype(np.float64))) * LN2
-        p = np.exp2(np.minimum(s2.astype(np.float64) - lse * LOG2E, 0)).astype(acc)
+    if recipe in ("m_l", "lse_ext", "lse64"):
+        s2, m2, l, o = forward_stats(q, k, v, scale, acc)
+        if recipe == "m_l":
+            p = np.exp2(np.minimum((s2 - m2) - np.log2(l), 0)).astype(acc)
+        else:  # lse kept one precision up (lse_ext: longdouble, lse64: float64)
+            wide = EXT if recipe == "lse_ext" else np.float64
+            lse = (m2.astype(wide) + np.log2(l.astype(wide))) * wide(LN2)
+            p = np.exp2(np.minimum(s2.astype(wide) - lse * wide(LOG2E), 0)).astype(acc)
     elif recipe.startswith("natural"):
         o, lse = forward_natural(q, k, v, scale, acc)
         sn = (q @ k.T).astype(acc) * acc(scale)
