@@ -13,8 +13,8 @@ reference (cupyflash.reference) and standard float32 attention (materialised P, 
     lse64     lse kept in float64 (from the kernels' float32 log2-unit m and l), the backward's
               exponent fl32(S c2) - lse log2 e formed in float64, D = rowsum(P * dP)
     lse_ext   lse64 one precision up: lse kept, and the exponent formed, in NumPy's longdouble
-              (x86: 64-bit significand), D = rowsum(P * dP); the float64 inputs' lse64 (its
-              conversions between log2 and natural units use float64 ln 2 and log2 e)
+              (x86: 64-bit significand), with ln 2 and log2 e in longdouble too, D = rowsum(P * dP);
+              the float64 inputs' lse64
     m_l       no lse: the forward keeps each row's maximum m (log2 units, exact: one of the
               scores) and log2(l) apart, the backward forms (S c2 - m) - log2(l), so the row
               maximum's exponent is exactly -log2(l); D = rowsum(P * dP)
@@ -42,6 +42,8 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 RECIPES = ("kernels", "pdp", "natural", "natural_o", "lse64", "lse_ext", "m_l")
 EXT = np.longdouble
+LN2_EXT = np.log(EXT(2))  # ln 2 and log2 e to longdouble's precision: float64's would round the
+LOG2E_EXT = EXT(1) / LN2_EXT  # natural-log round trip of lse_ext's lse to float64's ulp
 
 
 def forward_log2(q, k, v, scale, acc):
@@ -69,7 +71,8 @@ def forward_natural(q, k, v, scale, acc):
 def extended_reference(do, q, k, v, scale):
     """(dq, dk, dv) of softmax attention from its definition, every step in longdouble: the
     reference for float64 inputs (float64's own rounding is what is measured). Safe softmax: the
-    row maximum subtracted before the exponential, which is exact in any precision."""
+    row maximum subtracted before the exponential (the result does not depend on it; its rounding
+    is longdouble's)."""
     do, q, k, v = (x.astype(EXT) for x in (do, q, k, v))
     s = (q @ k.T) * EXT(scale)
     p = np.exp(s - s.max(axis=-1, keepdims=True))
@@ -95,9 +98,9 @@ def backward(recipe, do, q, k, v, scale, acc):
         if recipe == "m_l":
             p = np.exp2(np.minimum((s2 - m2) - np.log2(l), 0)).astype(acc)
         else:  # lse kept one precision up (lse_ext: longdouble, lse64: float64)
-            wide = EXT if recipe == "lse_ext" else np.float64
-            lse = (m2.astype(wide) + np.log2(l.astype(wide))) * wide(LN2)
-            p = np.exp2(np.minimum(s2.astype(wide) - lse * wide(LOG2E), 0)).astype(acc)
+            wide, ln2, log2e = (EXT, LN2_EXT, LOG2E_EXT) if recipe == "lse_ext" else (np.float64, LN2, LOG2E)
+            lse = (m2.astype(wide) + np.log2(l.astype(wide))) * wide(ln2)
+            p = np.exp2(np.minimum(s2.astype(wide) - lse * wide(log2e), 0)).astype(acc)
     elif recipe.startswith("natural"):
         o, lse = forward_natural(q, k, v, scale, acc)
         sn = (q @ k.T).astype(acc) * acc(scale)
@@ -114,7 +117,14 @@ def backward(recipe, do, q, k, v, scale, acc):
 
 
 def worst_ratios(scale, magnitude, seeds, acc, n=96, d=64, extended=False):
+    """{recipe: [dq, dk, dv]} worst ratios over seeds, and {recipe: worst error on the gradients'
+    natural scale}: where the softmax saturates the reference's gradients can be exactly 0 (a
+    one-hot P makes dS = 0), and so standard attention's error, so that a ratio of any nonzero
+    error is huge; the second number says how large that error is, as a fraction of the size the
+    gradients have without saturation (|dS| ~ |dP| ~ |dO| |V|, times |K| or |Q| and the scale, or
+    |dO| for dv)."""
     out = {r: [0.0, 0.0, 0.0] for r in RECIPES}
+    absolute = {r: 0.0 for r in RECIPES}
     for seed in range(seeds):
         rng = np.random.default_rng(seed)
         q, k, v, do = ((rng.standard_normal((n, d)) * (magnitude if i < 2 else 1)).astype(acc) for i in range(4))
@@ -127,6 +137,9 @@ def worst_ratios(scale, magnitude, seeds, acc, n=96, d=64, extended=False):
                        for g in reference.attention_backward(*shaped, softmax_scale=scale)]
             std = reference.standard_attention_backward(*shaped, softmax_scale=scale, dtype=acc)
         std = [np.asarray(g, np.float64)[0, :, 0] for g in std]
+        big = lambda x: float(np.abs(x.astype(np.float64)).max())  # noqa: E731
+        dp_scale = big(do) * big(v) * d
+        natural = (dp_scale * big(k) * scale * n, dp_scale * big(q) * scale * n, big(do) * n)
         for recipe in out:
             with np.errstate(all="ignore"):
                 got = backward(recipe, do, q, k, v, scale, acc)
@@ -136,7 +149,8 @@ def worst_ratios(scale, magnitude, seeds, acc, n=96, d=64, extended=False):
                 err = float(np.nan_to_num(np.abs(np.asarray(g).astype(wide) - r).max(), nan=np.inf))
                 err_std = float(np.abs(s.astype(wide) - r).max())
                 out[recipe][i] = max(out[recipe][i], (err + floor) / (err_std + floor))
-    return out
+                absolute[recipe] = max(absolute[recipe], err / natural[i])
+    return out, absolute
 
 
 def main(argv=None) -> int:
@@ -154,11 +168,18 @@ def main(argv=None) -> int:
     print(f"worst max-abs error / standard {args.dtype} attention's, over {args.seeds} seeds (dq, dk, dv), "
           f"reference in {'longdouble' if extended else 'float64'}")
     print(f"{'scale':>8} {'magnitude':>9}  " + "  ".join(f"{r:>24}" for r in RECIPES))
+    rows = []
     for scale in (0.125, 1.0, 1e2, 1e4):
         for magnitude in (1.0, 10.0, 100.0):
-            ratios = worst_ratios(scale, magnitude, args.seeds, acc, extended=extended)
+            ratios, absolute = worst_ratios(scale, magnitude, args.seeds, acc, extended=extended)
             cells = ["/".join(f"{x:7.2g}" for x in ratios[r]) for r in RECIPES]
             print(f"{scale:8g} {magnitude:9g}  " + "  ".join(f"{c:>24}" for c in cells))
+            rows.append((scale, magnitude, absolute))
+    print(f"\nworst max-abs error on the gradients' natural scale (worst_ratios), {args.dtype} eps "
+          f"{np.finfo(acc).eps:.1e}")
+    print(f"{'scale':>8} {'magnitude':>9}  " + "  ".join(f"{r:>10}" for r in RECIPES))
+    for scale, magnitude, absolute in rows:
+        print(f"{scale:8g} {magnitude:9g}  " + "  ".join(f"{absolute[r]:10.2g}" for r in RECIPES))
     return 0
 
 

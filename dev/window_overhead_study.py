@@ -10,10 +10,12 @@ Why: at 16k a causal window of 1024 runs at 0.73-0.75 of the causal kernel's TFL
 visible pairs (perf log, mask-policy), where the tiles alone allow 0.89. Every CTA of the forward
 runs one walk of ~9 key blocks instead of causal's 64 on average, so whatever a CTA pays once
 (Q and the first K/V tiles before the first product, the epilogue's O store) weighs 7x more. The
-fit t = a * blocks + c over windows of 128 .. 8192 keys (the CTA count is the same for all of
+fit t = a * blocks + c over the windows (default 256 .. 4096 keys) (the CTA count is the same for all of
 them: one per query block and head) gives a, the time per visited block, and c, the time all
 CTAs pay besides; c / (a * CTAs) is that fixed cost in block iterations per CTA, which is what a
-persistent kernel that overlaps one tile's epilogue and the next one's prologue could hide.
+persistent kernel that overlaps one tile's epilogue and the next one's prologue could hide. The
+backward is fitted against the same regressor (the forward's visited blocks and query-block
+tiles), so its figure is in those units, not per backward CTA.
 """
 from __future__ import annotations
 
