@@ -221,9 +221,10 @@ def tune(shapes=SHAPES, headdim=HEADDIM, candidates=TUNE_TILES) -> list:
 
 
 def _split_counts(row: dict) -> str:
-    """The split counts of the row's three layouts (rows of older JSON: the one count they kept)."""
+    """The split counts of the row's three layouts; a row of older JSON kept one count, the last
+    layout's (page 256), and says so."""
     counts = [row.get(f"num_splits_{n}") for n in ("contiguous", "paged16", "paged256")]
-    return str(row["num_splits"]) if None in counts else " / ".join(map(str, counts))
+    return f"- / - / {row['num_splits']}" if None in counts else " / ".join(map(str, counts))
 
 
 def table(result: dict) -> str:

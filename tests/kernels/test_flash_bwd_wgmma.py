@@ -191,3 +191,25 @@ def test_the_softcap_derivative_is_stashed_at_the_threads_own_ds_t_words(d_tile,
         stash = np.stack(bwd_grad_stash(L, tiles, wg), axis=1)  # (threads, words)
         stores = np.stack([addr for addr, _, _ in bwd_ds_t_stores(L, tiles, wg)], axis=1)
         assert (np.sort(stash, axis=1) == np.sort(stores, axis=1)).all()
+
+
+from hypothesis import given, strategies as st  # noqa: E402
+
+from cupyflash import masks  # noqa: E402
+from models.mma_bwd_walks import wgmma_walk  # noqa: E402
+
+
+@given(st.integers(1, 700), st.integers(1, 700), st.sampled_from([64, 128]), st.sampled_from([64, 128]),
+       st.integers(1, 3), st.booleans())
+def test_the_ordered_walk_visits_the_ascending_walks_blocks(seqlen_q, seqlen_k, block_m, block_n, group, causal):
+    """The ordered dQ adds walk each head's query blocks from the sequence's last one down; with no
+    left bound (which those kernels refuse) that is the ascending walk's set of blocks, reversed:
+    every key block visits the same (head, query block) pairs either way."""
+    mask = masks.Causal() if causal else masks.NoMask()
+    for n0 in range(0, seqlen_k, block_n):
+        up = wgmma_walk(mask, n0, block_n, block_m, seqlen_q, seqlen_k, group, 1, ordered=False)
+        down = wgmma_walk(mask, n0, block_n, block_m, seqlen_q, seqlen_k, group, 1, ordered=True)
+        assert sorted(up) == sorted(down)
+        for head in range(group, 2 * group):
+            blocks = [m for h, m in down if h == head]
+            assert blocks == sorted(blocks, reverse=True)

@@ -10,6 +10,7 @@ from .mirrors import mirrors
 
 DKDV_KERNELS = ("flash_bwd_dkdv_mma", "flash_bwd_dkdv_mma_v2", "flash_bwd_dkdv_mma_split")
 DQ_KERNELS = ("flash_bwd_dq_mma", "flash_bwd_dq_mma_v2")
+WGMMA_DKDV_KERNELS = ("flash_bwd_wgmma", "flash_bwd_wgmma_dsplit")
 
 
 def _each(kernels, *statements):
@@ -42,8 +43,7 @@ def block_partial(m0, bm, n0, bn, seqlen_q, seqlen_k, mask):
     return mask.partial(m0, bm, n0, bn, seqlen_q, seqlen_k)
 
 
-# block_walk.cuh's QueryBlockWalk, which every dK/dV kernel builds (the wgmma ones too:
-# tests/models/flash_bwd_wgmma.py's walk mirrors name them)
+# block_walk.cuh's QueryBlockWalk, which every dK/dV kernel builds (the wgmma ones: wgmma_walk)
 QUERY_BLOCK_WALK = ("first(mask.query_begin(n0) / BLOCK_M)",
                     "end((mask.query_end(n0, block_n) + BLOCK_M - 1) / BLOCK_M)",
                     "blocks(max(0, end - first))",
@@ -56,6 +56,18 @@ def query_block_range(mask, n0, block_n, block_m, seqlen_q, seqlen_k):
     m_block_first = mask.query_begin(n0, seqlen_q, seqlen_k) // block_m
     m_block_end = -(-mask.query_end(n0, block_n, seqlen_q, seqlen_k) // block_m)
     return m_block_first, max(0, m_block_end - m_block_first)
+
+
+@_each(WGMMA_DKDV_KERNELS, *QUERY_BLOCK_WALK,
+       "auto m_block_of = [&](int it) { return ORDERED ? walk.block_down_from(q_blocks - 1, it) : walk.block(it); };")
+def wgmma_walk(mask, n0, block_n, block_m, seqlen_q, seqlen_k, group, head_kv, ordered):
+    """(query head, query block) of each iteration of a wgmma dK/dV CTA: query_block_range's
+    blocks for each head of the group, ascending, or with the ordered dQ adds from the sequence's
+    last query block down (those kernels refuse a left bound, so the walk ends there)."""
+    first, blocks = query_block_range(mask, n0, block_n, block_m, seqlen_q, seqlen_k)
+    q_blocks = -(-seqlen_q // block_m)
+    return [(head_kv * group + it // blocks, q_blocks - 1 - it % blocks if ordered else first + it % blocks)
+            for it in range(group * blocks)]
 
 
 @_each(DQ_KERNELS,
