@@ -9,6 +9,7 @@ from . import kernels, numpy_backend, reference
 from .api import flash_attn_backward, flash_attn_func, flash_attn_vjp
 from .capture import no_host_sync
 from .dispatch import gpu_available
+from .dropout import dropout_mask
 from .kvcache import flash_attn_with_kvcache
 from .modifiers import BlockMask, MaskMod, ScoreMod, create_block_mask
 from .varlen import flash_attn_varlen_backward, flash_attn_varlen_func, flash_attn_varlen_vjp
@@ -26,4 +27,4 @@ def __getattr__(name):
 
 __all__ = ["flash_attn_func", "flash_attn_backward", "flash_attn_vjp", "flash_attn_varlen_func",
            "flash_attn_varlen_backward", "flash_attn_varlen_vjp", "flash_attn_with_kvcache", "reference",
-           "numpy_backend", "gpu_available", "no_host_sync", "ScoreMod", "MaskMod", "BlockMask", "create_block_mask", "__version__"]
+           "numpy_backend", "gpu_available", "dropout_mask", "no_host_sync", "ScoreMod", "MaskMod", "BlockMask", "create_block_mask", "__version__"]

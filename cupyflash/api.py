@@ -13,6 +13,7 @@ from . import capture, dispatch, testing
 from ._dtypes import lse_dtype
 from .masks import check_window
 from .modifiers import check_modifiers
+from .dropout import check_dropout
 from .scores import check_variant
 
 MAX_GRID_YZ = 65535
@@ -157,9 +158,9 @@ def _mma_ready(x, headdim_padded: int):
 
 
 @capture.graph_safe
-def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+def flash_attn_func(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, sink=None, score_mod=None, mask_mod=None, block_mask=None,
-                    return_lse=False, backend="auto"):
+                    return_lse=False, backend="auto", seed=None, offset=0):
     """Exact attention softmax(q kᵀ · scale) v, computed tile by tile without materialising S.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim) with
@@ -178,6 +179,11 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     function of (b, h, q_idx, kv_idx)) hides the pairs it returns False for, on top of causal and
     window_size; ``block_mask`` (create_block_mask: a mask_mod with its block map, kept across
     calls) in its place lets the kernels skip the blocks it hides without remaking the map.
+    ``dropout_p`` in [0, 1) drops each attention weight with that probability and scales the
+    kept ones by 1 / (1 - dropout_p) (flash-attn's); the mask is a function of ``seed`` (uint64;
+    None: a fresh random seed), ``offset`` (uint32) and the element's indices alone, the same in
+    any backend and in the backward given the same seed and offset
+    (cupyflash.dropout.dropout_mask returns it).
     Returns o (like q), or (o, lse) with lse (batch, nheads, seqlen_q) float32 (float64 for
     float64).
     backend: 'auto' (tensor cores for 16-bit, SIMT otherwise, NumPy without a GPU), 'cuda',
@@ -195,7 +201,7 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     which = dispatch.choose(backend, dtype, headdim, "fwd")
     mods = check_modifiers(score_mod, mask_mod, block_mask, batch=batch, nheads=nheads, seqlen_q=seqlen_q,
                            seqlen_k=seqlen_k, on_gpu=which != "numpy")
-    variant = check_variant(softcap, alibi_slopes, sink, batch, nheads, mods)
+    variant = check_variant(softcap, alibi_slopes, sink, batch, nheads, mods, check_dropout(dropout_p, seed, offset))
     scale = A.resolve_scale(softmax_scale, headdim)
     A.same_device(arrays)
     empty = batch * seqlen_q * nheads * seqlen_k == 0
@@ -241,7 +247,7 @@ def _decode_by_cache_kernel(q, k, v, scale, causal, window, variant):
 
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
-    if variant.mods is not None or not kvcache_mma.supports(q.dtype, headdim):
+    if variant.mods is not None or variant.dropout.on or not kvcache_mma.supports(q.dtype, headdim):
         return None
     if seqlen_q * (nheads // nheads_kv) > 16 or seqlen_k == 0:
         return None
@@ -281,9 +287,9 @@ def _forward_gpu(which, q, k, v, scale, causal, window, variant):
 
 
 @capture.graph_safe
-def flash_attn_backward(do, q, k, v, o, lse, *, softmax_scale=None, causal=False, window_size=(-1, -1),
+def flash_attn_backward(do, q, k, v, o, lse, *, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                         softcap=0.0, alibi_slopes=None, sink=None, score_mod=None, mask_mod=None, block_mask=None,
-                        backend="auto", deterministic=True):
+                        backend="auto", deterministic=True, seed=None, offset=0):
     """Gradients (dq, dk, dv) of flash_attn_func from the saved o and lse (P is recomputed); with a
     ``sink``, (dq, dk, dv, dsink), dsink (nheads,) float32.
 
@@ -292,6 +298,7 @@ def flash_attn_backward(do, q, k, v, o, lse, *, softmax_scale=None, causal=False
     with atomics. ``causal``, ``window_size``, ``softcap``, ``alibi_slopes``, ``sink`` and the
     modifiers (``score_mod``, ``mask_mod`` / ``block_mask``) must be the forward's; the chain
     rule through score_mod uses its traced derivative. dsink = -sum over batch and rows of exp(sink - lse) rowsum(do * o).
+    With ``dropout_p`` > 0, ``seed`` and ``offset`` must be the forward's (there is no default seed).
     """
     backend = A.check_backend(backend)
     causal = A.check_flag(causal, "causal")
@@ -307,7 +314,8 @@ def flash_attn_backward(do, q, k, v, o, lse, *, softmax_scale=None, causal=False
     which = dispatch.choose(backend, dtype, headdim, "bwd")
     mods = check_modifiers(score_mod, mask_mod, block_mask, batch=batch, nheads=nheads, seqlen_q=seqlen_q,
                            seqlen_k=seqlen_k, on_gpu=which != "numpy")
-    variant = check_variant(softcap, alibi_slopes, sink, batch, nheads, mods)
+    variant = check_variant(softcap, alibi_slopes, sink, batch, nheads, mods,
+                            check_dropout(dropout_p, seed, offset, need_seed=True))
     scale = A.resolve_scale(softmax_scale, headdim)
     A.same_device(arrays)
     empty = batch * seqlen_q * nheads * seqlen_k == 0
@@ -363,11 +371,14 @@ def flash_attn_vjp(q, k, v, **options):
     """(o, vjp) with vjp(do) -> (dq, dk, dv) (and dsink with a ``sink``): autodiff of attention
     without a framework.
 
-    ``options`` are flash_attn_func's (softmax_scale, causal, window_size, softcap, alibi_slopes,
-    sink, score_mod, mask_mod, block_mask, backend); ``deterministic`` goes to the backward. A
-    mask_mod's block map is made once, by the forward, and kept for the backward.
+    ``options`` are flash_attn_func's (dropout_p, softmax_scale, causal, window_size, softcap,
+    alibi_slopes, sink, score_mod, mask_mod, block_mask, backend, seed, offset); ``deterministic``
+    goes to the backward. A mask_mod's block map is made once, by the forward, and kept for the
+    backward; so is a dropout seed drawn for the call (seed None).
     """
     deterministic = options.pop("deterministic", True)
+    if options.get("dropout_p", 0.0) and options.get("seed") is None:
+        options["seed"] = check_dropout(options["dropout_p"], None, options.get("offset", 0)).seed
     if "return_lse" in options:
         raise TypeError("flash_attn_vjp does not take return_lse (the lse is kept for the backward)")
     if options.get("mask_mod") is not None and options.get("block_mask") is None:

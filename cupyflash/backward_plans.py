@@ -404,14 +404,18 @@ def _without_spills(row: BackwardKernels, mask: Mask, dt: int) -> BackwardKernel
     as softcap's, their per-element reads as ALiBi's, and the dQ kernel at d64 with BLOCK_N 64 (the
     compile check's modifiers, a capped score with a table read and a document mask, spill 88
     bytes at BLOCK_N 128 there): what a modifier costs in registers depends on its code, which
-    these rules cannot see (docs/api.md, "User modifiers")."""
+    these rules cannot see (docs/api.md, "User modifiers"). Dropout's Philox words (dropout.cuh)
+    are routed as softcap's derivative (v2 spills 24 bytes at d64, the wgmma d64 tile 16-32), and
+    flash_bwd_dkdv_mma_split at d128 (64 bytes) runs v1's kernel."""
     score = mask.score
     user = score.user is not None
-    if row.dkdv == "dkdv_mma_v2" and ((row.dq_add == "atomic" and mask.HAS_LEFT) or score.has_grad):
+    if row.dkdv == "dkdv_mma_v2" and ((row.dq_add == "atomic" and mask.HAS_LEFT) or score.has_grad or score.dropout):
+        return row._replace(dkdv="dkdv_mma", dkdv_tiles=DKDV_CONFIG[dt])
+    if row.dkdv == "dkdv_mma_split" and dt == 128 and score.dropout:
         return row._replace(dkdv="dkdv_mma", dkdv_tiles=DKDV_CONFIG[dt])
     if row.dkdv == "fused_mma" and (score.alibi or user):
         return row._replace(dkdv="dkdv_mma", dkdv_tiles=DKDV_CONFIG[dt])
-    if row.dkdv == "wgmma" and dt == 64 and (score.softcap or user):
+    if row.dkdv == "wgmma" and dt == 64 and (score.softcap or user or score.dropout):
         dq_tiles = (128, 64, 2) if user else DQ_WGMMA_CONFIG[64]
         return row._replace(dkdv_tiles=(64, 128), dq_add="none", dq="dq_wgmma", dq_tiles=dq_tiles)
     return row

@@ -216,10 +216,11 @@ KINDS = (NoMask(), Causal(), Local())
 # softcap with the sink on the causal band, ALiBi on the window (the backward's kernels take them
 # without the sink). Two, not one with all: the plans route some kernels by score (the fused
 # kernel runs softcap, not ALiBi).
+# Dropout (cupyflash.dropout) on the causal band, alone: its kernels' own code path.
 # A third, the user modifiers (cupyflash.modifiers.example_modifiers: a score with a derivative and a
 # table read, a mask with a block map) on the band without bounds, as a mask_mod call runs.
 VARIANT_KINDS = (Causal(score=Score(softcap=True, sink=True)), Local(score=Score(alibi=True)),
-                 NoMask(score=Score(user=example_modifiers())))
+                 NoMask(score=Score(user=example_modifiers())), Causal(score=Score(dropout=True)))
 
 # Packed (varlen) batches, which the compile check builds into every kernel the plans launch for
 # them: the causal band, and ALiBi (whose diagonal is each sequence's) on the window.

@@ -18,6 +18,8 @@ Numerics shared with the kernels:
   slope log2(e) |i + seqlen_k - seqlen_q - j|, both before the mask; the backward multiplies dS by
   the cap's 1 - tanh^2. A sink joins each row's sum in the forward's epilogue only (lse carries
   it to the backward; dsink comes from D and lse: cupyflash.scores.sink_grad).
+- Dropout (cupyflash.dropout) zeroes the dropped weights after the row sum and multiplies O by
+  1 / (1 - p) at the end; the backward's dV takes the kept weights, dS = P (Z dP / (1 - p) - D).
 
 Arrays arrive validated: NumPy arrays of one float dtype in the (batch, seqlen, heads, headdim)
 layout, with nheads a multiple of nheads_kv.
@@ -128,6 +130,12 @@ def _narrowed(blocks: range, block: int, limits) -> range:
     return range(max(blocks.start, first // block), min(blocks.stop, -(-end // block))) if end > first else range(0)
 
 
+def _keep(dropout, batch: int, nheads: int, rows: slice, cols: slice) -> np.ndarray:
+    """The dropout keep bits (batch, nheads, rows, cols) of one block (cupyflash.dropout)."""
+    return dropout.keep(np.arange(batch)[:, None, None, None], np.arange(nheads)[None, :, None, None], nheads,
+                        np.arange(rows.start, rows.stop)[:, None], np.arange(cols.start, cols.stop)[None, :])
+
+
 def _finish_rows_with_sink(m, l, sink_log2, acc):
     """The factor of each row's O and its lse (natural log) from its maximum m and sum l (log2
     units) when the sink logit ``sink_log2`` (nheads,) joins the sum (score.cuh's
@@ -161,6 +169,7 @@ def forward(q, k, v, *, softmax_scale, causal, window_size=(-1, -1), block_m=64,
     variant = NO_VARIANT if variant is None else variant
     transform = _ScoreTransform(variant, batch, nheads, seqlen_q, seqlen_k, acc)
     sink_log2 = None if variant.sink is None else np.asarray(variant.sink).astype(acc) * acc.type(LOG2E)
+    dropout = variant.dropout
 
     Br, Bc = block_m, block_n
     Tr = math.ceil(seqlen_q / Br)
@@ -188,8 +197,12 @@ def forward(q, k, v, *, softmax_scale, causal, window_size=(-1, -1), block_m=64,
             P_ij = np.exp2(S_ij - m_ref[..., None])
             rescale = np.exp2(m_i - m_ref)  # exp(m_old - m_new), in log2 units
             l_i = rescale * l_i + P_ij.sum(axis=-1)
+            if dropout.on:  # after the row sum: l and lse are the softmax's (cupyflash.dropout)
+                P_ij = np.where(_keep(dropout, batch, nheads, rows, cols), P_ij, acc.type(0))
             O_i = rescale[..., None] * O_i + P_ij @ V_j
             m_i = m_new
+        if dropout.on:  # kept weights count 1 / (1 - p)
+            O_i = O_i * acc.type(dropout.scale)
         if sink_log2 is None:
             seen_a_key = l_i > 0
             l_safe = np.where(seen_a_key, l_i, acc.type(1))
@@ -225,6 +238,7 @@ def backward(do, q, k, v, o, lse, *, softmax_scale, causal, window_size=(-1, -1)
     mask = mask_for(causal, window_size)
     variant = NO_VARIANT if variant is None else variant
     transform = _ScoreTransform(variant, batch, nheads, seqlen_q, seqlen_k, acc)
+    dropout = variant.dropout
 
     # D_i = rowsum(dO_i * O_i) = sum_j P_ij dP_ij, the softmax-backward term of each row.
     D = (dO * O).sum(axis=-1)
@@ -255,15 +269,20 @@ def backward(do, q, k, v, o, lse, *, softmax_scale, causal, window_size=(-1, -1)
                 S_ij = np.where(visible, S_ij, -np.inf)
             # The exponent clamped at 0 as the kernels clamp it (kernels_cu/softmax_bwd.cuh): P <= 1.
             P_ij = np.exp2(np.minimum(S_ij - lse_log2[:, :, rows, None], 0.0))
-            dV_j += np.swapaxes(P_ij, -1, -2) @ dO_i
             dP_ij = dO_i @ np.swapaxes(V_j, -1, -2)
+            if dropout.on:  # O = (P o Z / (1 - p)) V: dV takes P Z, dS = P (Z dP / (1 - p) - D)
+                keep = _keep(dropout, batch, nheads, rows, cols)
+                dV_j += np.swapaxes(np.where(keep, P_ij, acc.type(0)), -1, -2) @ dO_i
+                dP_ij = np.where(keep, dP_ij * acc.type(dropout.scale), acc.type(0))
+            else:
+                dV_j += np.swapaxes(P_ij, -1, -2) @ dO_i
             dS_ij = P_ij * (dP_ij - D[:, :, rows, None])
             if dS_dS is not None:
                 dS_ij = dS_ij * dS_dS
             dK_j += np.swapaxes(dS_ij, -1, -2) @ Q_i
             dQ[:, :, rows] += dS_ij @ K_j
         dK[:, :, cols] = dK_j * scale
-        dV[:, :, cols] = dV_j
+        dV[:, :, cols] = dV_j * acc.type(dropout.scale) if dropout.on else dV_j
     dQ *= scale
 
     def to_input_layout(x, heads):

@@ -231,9 +231,18 @@ def forward_candidates(family: str, where: str, dt: int, mask: Mask) -> list:
     tiles = FORWARD_TILES[(family, where, dt)]
     if mask.packed:
         tiles = PACKED_FORWARD_TILES.get((family, where, dt), tiles)
+    if mask.score.dropout:
+        tiles = DROPOUT_FORWARD_TILES.get((family, where, dt), tiles)
     if mask.score.user is None or family != "mma":
         return [tiles]
     return [tiles, *USER_FORWARD_FALLBACKS.get((family, where, dt), ())]
+
+
+# Rows dropout replaces: its Philox words (dropout.cuh) take the LARGE_SMEM d128 tile past 255
+# registers (32 bytes spilled at sm_80): PORTABLE's BLOCK_N 32 compiles clean.
+DROPOUT_FORWARD_TILES = {
+    ("mma", LARGE_SMEM, 128): FORWARD_TILES[("mma", PORTABLE, 128)],
+}
 
 
 # Rows a packed (varlen) batch replaces: its sequence's lengths and first rows live in registers

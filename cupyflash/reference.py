@@ -237,6 +237,16 @@ def _exact(x):
     return x
 
 
+def _dropped(x, dropout_p, dropout_mask, acc=np.float64):
+    """x o Z / (1 - dropout_p) for a (batch, nheads, seqlen_q, seqlen_k) x (x itself without a mask)."""
+    if dropout_mask is None:
+        return x
+    keep = np.asarray(dropout_mask, dtype=bool)
+    if keep.shape != x.shape:
+        raise ValueError(f"dropout_mask must have shape {x.shape}, got {keep.shape}")
+    return np.where(keep, x * np.dtype(acc).type(1.0 / (1.0 - float(dropout_p))), np.dtype(acc).type(0))
+
+
 def _probabilities(q, k, scale, causal, window_size=(-1, -1), softcap=0.0, slopes=None, sink=None, user=None):
     """P = softmax(z') over the visible keys (and the sink), in float64, z' the variant's transform
     of z = scale * Q K^T: (P, the sink's weight, lse, the band's mask, dz'/dz, the mask with the
@@ -251,9 +261,11 @@ def _probabilities(q, k, scale, causal, window_size=(-1, -1), softcap=0.0, slope
 
 
 def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-              alibi_slopes=None, sink=None, score_mod=None, mask_mod=None):
+              alibi_slopes=None, sink=None, score_mod=None, mask_mod=None, dropout_p=0.0, dropout_mask=None):
     """Exact attention in float64: (o, lse), o shaped like q, lse (batch, nheads, seqlen_q).
-    ``softcap``, ``alibi_slopes`` and ``sink``: the variants of the module docstring."""
+    ``softcap``, ``alibi_slopes`` and ``sink``: the variants of the module docstring. Dropout:
+    ``dropout_mask`` (batch, nheads, seqlen_q, seqlen_k) bool, True where a weight is kept, and
+    ``dropout_p``: o = (P o Z / (1 - dropout_p)) V; lse is the softmax's."""
     q, k, v = (np.asarray(x).astype(np.float64) for x in (q, k, v))
     _check_shapes(q, k, v)
     batch, nheads = q.shape[0], q.shape[2]
@@ -262,19 +274,22 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
     p, _, lse, mask, _, _ = _probabilities(q_, k_, _scale(softmax_scale, q.shape[3]), causal, window_size, softcap,
                                            _per_head(alibi_slopes, batch, nheads, np.float64),
                                            _per_head(sink, batch, nheads, np.float64), _user_mods(score_mod, mask_mod))
-    o = _sum_over_visible(p, v_, mask)
+    o = _sum_over_visible(_dropped(p, dropout_p, dropout_mask), v_, mask)
     return _seqlen_first(o, nheads), lse
 
 
 def attention_backward(do, q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                       alibi_slopes=None, sink=None, score_mod=None, mask_mod=None):
+                       alibi_slopes=None, sink=None, score_mod=None, mask_mod=None, dropout_p=0.0,
+                       dropout_mask=None):
     """Gradients (dq, dk, dv) in float64 of sum(do * o) with o = attention(q, k, v, ...); with a
     ``sink``, (dq, dk, dv, dsink), dsink (nheads,).
 
     dS is formed from the softmax Jacobian, dS_i = (diag(P_i) - P_i P_i^T) dP_i, rather than
     from rowsum(dO * O), so that this stays independent of the fused formulation. With a sink the
     Jacobian's row spans the visible keys and the sink, whose dP is 0 (it has no value row); its
-    column of dS, summed over batch and queries, is dsink. A cap multiplies dS by dz'/dz.
+    column of dS, summed over batch and queries, is dsink. A cap multiplies dS by dz'/dz. With
+    dropout (``attention``'s arguments) o = W V, W = P o Z / (1 - p): dV = W^T dO, and the
+    Jacobian takes dP = (dO V^T) o Z / (1 - p).
     """
     do, q, k, v = (np.asarray(x).astype(np.float64) for x in (do, q, k, v))
     _check_shapes(q, k, v)
@@ -288,14 +303,14 @@ def attention_backward(do, q, k, v, *, softmax_scale=None, causal=False, window_
                                                         _per_head(alibi_slopes, batch, nheads, np.float64),
                                                         _per_head(sink, batch, nheads, np.float64),
                                                         _user_mods(score_mod, mask_mod))
-    dp = np.where(visible, do_ @ np.swapaxes(v_, -1, -2), 0.0)
+    dp = np.where(visible, _dropped(do_ @ np.swapaxes(v_, -1, -2), dropout_p, dropout_mask), 0.0)
     weighted_dp = (p * dp).sum(axis=-1, keepdims=True)  # the sink's term p_sink * 0 adds nothing
     ds = p * dp - p * weighted_dp
     if dz_dz is not None:
         ds = np.where(visible, ds * dz_dz, 0.0)  # a hidden key's score may be NaN
     dq = scale * _sum_over_visible(ds, k_, mask)
     dk = scale * (np.swapaxes(ds, -1, -2) @ q_)
-    dv = np.swapaxes(p, -1, -2) @ do_
+    dv = np.swapaxes(_dropped(p, dropout_p, dropout_mask), -1, -2) @ do_
     grads = (
         _seqlen_first(dq, nheads),
         _seqlen_first(dk, nheads_kv),
@@ -351,7 +366,8 @@ def _standard_inputs(dtype, nheads, *xs):
 
 
 def standard_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                       alibi_slopes=None, sink=None, score_mod=None, mask_mod=None, dtype):
+                       alibi_slopes=None, sink=None, score_mod=None, mask_mod=None, dropout_p=0.0,
+                       dropout_mask=None, dtype):
     """Attention as an unfused implementation computes it in ``dtype``: returns (o, lse).
 
     Inputs are rounded to ``dtype``; products accumulate in float32 (float64 for float64) and are
@@ -370,12 +386,14 @@ def standard_attention(q, k, v, *, softmax_scale=None, causal=False, window_size
     p, _, lse, _ = _standard_softmax(q_, k_, _scale(softmax_scale, q.shape[3]), causal, dtype, window_size, softcap,
                                      _per_head(alibi_slopes, batch, nheads, acc), _per_head(sink, batch, nheads, acc),
                                      _user_mods(score_mod, mask_mod))
-    o = _rounder(dtype)(p @ v_)
+    rnd = _rounder(dtype)
+    o = rnd(rnd(_dropped(p, dropout_p, dropout_mask, acc)) @ v_)  # dropout's W stored, as unfused code does
     return _seqlen_first(o, nheads).astype(dtype), lse
 
 
 def standard_attention_backward(do, q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
-                                softcap=0.0, alibi_slopes=None, sink=None, score_mod=None, mask_mod=None, dtype):
+                                softcap=0.0, alibi_slopes=None, sink=None, score_mod=None, mask_mod=None,
+                                dropout_p=0.0, dropout_mask=None, dtype):
     """Gradients (dq, dk, dv) as an unfused implementation computes them in ``dtype``; with a
     ``sink``, (dq, dk, dv, dsink), dsink (nheads,) in the accumulator type.
 
@@ -396,8 +414,10 @@ def standard_attention_backward(do, q, k, v, *, softmax_scale=None, causal=False
     p, p_sink, _, dz_dz = _standard_softmax(q_, k_, scale, causal, dtype, window_size, softcap,
                                             _per_head(alibi_slopes, batch, nheads, acc),
                                             _per_head(sink, batch, nheads, acc), _user_mods(score_mod, mask_mod))
-    dv = rnd(np.swapaxes(p, -1, -2) @ do_)
+    dv = rnd(np.swapaxes(rnd(_dropped(p, dropout_p, dropout_mask, acc)), -1, -2) @ do_)
     dp = rnd(do_ @ np.swapaxes(v_, -1, -2))
+    if dropout_mask is not None:
+        dp = rnd(_dropped(dp, dropout_p, dropout_mask, acc))
     weighted_dp = (p * dp).sum(axis=-1, keepdims=True)
     ds = rnd(p * (dp - weighted_dp))
     if dz_dz is not None:

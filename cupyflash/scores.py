@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .dropout import NO_DROPOUT, Dropout
+
 __all__ = ["Score", "PLAIN", "Variant", "NO_VARIANT", "check_variant", "sink_grad"]
 
 
@@ -37,10 +39,11 @@ class Score:
     alibi: bool = False
     sink: bool = False  # the forward's epilogue adds exp(sink) to each row's sum
     user: object = None  # cupyflash.modifiers.Modifiers (score_mod / mask_mod), or None
+    dropout: bool = False  # the weights go through the call's dropout mask (cupyflash.dropout)
 
     @property
     def plain(self) -> bool:
-        return not (self.softcap or self.alibi or self.sink or self.user is not None)
+        return not (self.softcap or self.alibi or self.sink or self.dropout or self.user is not None)
 
     @property
     def has_grad(self) -> bool:
@@ -51,7 +54,8 @@ class Score:
     def name(self) -> str:
         """The suffix of specialization names ("" for the plain softmax)."""
         parts = (("softcap", self.softcap), ("alibi", self.alibi),
-                 (self.user.name if self.user is not None else "", self.user is not None), ("sink", self.sink))
+                 (self.user.name if self.user is not None else "", self.user is not None), ("sink", self.sink),
+                 ("dropout", self.dropout))
         return "_".join(part for part, on in parts if on)
 
     @property
@@ -59,13 +63,14 @@ class Score:
         flag = {True: "true", False: "false"}
         if self.user is not None:
             self.user.register()
-            return f"cf::UserScore<{self.user.cpp}, {flag[self.sink]}>"
-        return f"cf::ScoreMod<{flag[self.softcap]}, {flag[self.alibi]}, {flag[self.sink]}>"
+            return f"cf::UserScore<{self.user.cpp}, {flag[self.sink]}{', true' if self.dropout else ''}>"
+        dropout = ", true" if self.dropout else ""  # the template's default otherwise: names unchanged
+        return f"cf::ScoreMod<{flag[self.softcap]}, {flag[self.alibi]}, {flag[self.sink]}{dropout}>"
 
     def backward(self) -> "Score":
         """The score of the backward's kernels: a sink changes only lse, which they read, so
         they are the kernels without it (dsink is reduced from D and lse by the launcher)."""
-        return Score(self.softcap, self.alibi, False, self.user)
+        return Score(self.softcap, self.alibi, False, self.user, self.dropout)
 
 
 PLAIN = Score()
@@ -80,10 +85,12 @@ class Variant:
     alibi_slopes: object = None
     sink: object = None
     mods: object = None  # cupyflash.modifiers.Modifiers: the user's score_mod / mask_mod, or None
+    dropout: Dropout = NO_DROPOUT  # cupyflash.dropout: p, seed, offset
 
     @property
     def score(self) -> Score:
-        return Score(self.softcap > 0, self.alibi_slopes is not None, self.sink is not None, self.mods)
+        return Score(self.softcap > 0, self.alibi_slopes is not None, self.sink is not None, self.mods,
+                     self.dropout.on)
 
     @property
     def plain(self) -> bool:
@@ -105,6 +112,9 @@ class Variant:
         if self.mods is not None:
             raise NotImplementedError("cupyflash: user modifiers take at most 65535 batch entries and 65535 "
                                       "query heads per call (one launch); split the call")
+        if self.dropout.on:
+            raise NotImplementedError("cupyflash: dropout takes at most 65535 batch entries and 65535 query heads "
+                                      "per call (one launch: the mask is a function of the call's indices)")
         return Variant(self.softcap, slopes, sink)
 
     def to(self, xp) -> "Variant":
@@ -120,7 +130,8 @@ class Variant:
                 capture.refuse_host_upload(name)
             return xp.ascontiguousarray(xp.asarray(a, dtype=np.float32))
         mods = None if self.mods is None else self.mods.to(xp)
-        return Variant(self.softcap, move(self.alibi_slopes, "alibi_slopes"), move(self.sink, "sink"), mods)
+        return Variant(self.softcap, move(self.alibi_slopes, "alibi_slopes"), move(self.sink, "sink"), mods,
+                       self.dropout)
 
 
 NO_VARIANT = Variant()
@@ -139,10 +150,11 @@ def _float_array(x, name: str, shapes: tuple, shape_text: str):
     return arr
 
 
-def check_variant(softcap, alibi_slopes, sink, batch: int, nheads: int, mods=None) -> Variant:
+def check_variant(softcap, alibi_slopes, sink, batch: int, nheads: int, mods=None, dropout=NO_DROPOUT) -> Variant:
     """A call's variant arguments checked against its batch and query heads, or a clear error;
     ``mods`` the call's user modifiers (cupyflash.modifiers.check_modifiers), which take a sink
-    but not softcap or ALiBi (a score_mod writes them itself)."""
+    but not softcap or ALiBi (a score_mod writes them itself); ``dropout`` a checked
+    cupyflash.dropout.Dropout."""
     if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, (int, float, np.integer, np.floating)):
         raise TypeError(f"cupyflash: softcap must be a float >= 0 (0: no cap), got {softcap!r}")
     softcap = float(softcap)
@@ -156,7 +168,7 @@ def check_variant(softcap, alibi_slopes, sink, batch: int, nheads: int, mods=Non
     if mods is not None and mods.has_score and (softcap > 0 or alibi_slopes is not None):
         raise ValueError("cupyflash: score_mod does not combine with softcap or alibi_slopes; write the cap or "
                          "the bias into the score_mod (cupyflash.modifiers.tanh, a slopes tensor)")
-    return Variant(softcap, alibi_slopes, sink, mods)
+    return Variant(softcap, alibi_slopes, sink, mods, dropout)
 
 
 def sink_grad(sink, do, o, lse, xp=np):

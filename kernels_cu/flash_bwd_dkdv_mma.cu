@@ -54,6 +54,7 @@ flash_bwd_dkdv_mma(const __grid_constant__ BwdParams p) {
     // Past a shorter sequence's end. A sequence without queries still stores dK = dV = 0 below.
     if (Mask::PACKED && n0 >= seqlen_k) return;
     const float scale_log2 = p.scale_log2, scale = p.scale;
+    const float drop_scale = DropoutOf<Mask>::ENABLED ? p.variant.dropout.scale : 1.f;  // 1 / (1 - p)
     const TensorRows q = p.q, k = p.k, v = p.v, dout = p.dout, dk = p.dk, dv = p.dv, dq_accum = p.dq_accum;
     const float* __restrict__ lse = static_cast<const float*>(p.lse);
     const float* __restrict__ delta = static_cast<const float*>(p.delta);
@@ -92,6 +93,7 @@ flash_bwd_dkdv_mma(const __grid_constant__ BwdParams p) {
         const float* s_lse = reinterpret_cast<const float*>(smem + L::LSE) + stage * BLOCK_M;
         const float* s_delta = reinterpret_cast<const float*>(smem + L::DELTA) + stage * BLOCK_M;
         const ScoreOf<Mask, float, true> score(score_problem<Mask>(p, seq), seq.index, head, scale);
+        const DropoutOf<Mask> dropout(p, seq.index, head);
 
         // Steps 1-6 per sub-block of M_SUB query columns, one after the other: the S^T and dP^T
         // fragments of a sub-block are what the registers left by dK_j, dV_j can hold.
@@ -132,11 +134,15 @@ flash_bwd_dkdv_mma(const __grid_constant__ BwdParams p) {
                     }
                 });
             }
+            // Dropout (dropout.cuh): a dropped weight keeps its magnitude for dS and loses its sign.
+            if constexpr (DropoutOf<Mask>::ENABLED)
+                for_st_frags(s_acc, dropout, n0 + row0 + lane / 4, m0_sub + 2 * (lane % 4), MarkDropped{});
 
-            // Step 3: dV_j += P^T dO on this warp's head-dim slice.
+            // Step 3: dV_j += P^T dO on this warp's head-dim slice (Z P^T: the kept weights).
             {
                 u32 p_frag[M_SUB / 16][4];
                 pack_a_frags<T, M_SUB>(p_frag, s_acc);
+                if constexpr (DropoutOf<Mask>::ENABLED) relu_frags<T>(p_frag);
                 mma_AB_regs<T, DW, M_SUB, D_TILE>(dv_acc, p_frag, s_do_sub, d_part * DW, lane);
             }
 
@@ -157,7 +163,10 @@ flash_bwd_dkdv_mma(const __grid_constant__ BwdParams p) {
                     for (int e = 0; e < 4; ++e) {
                         const bool hidden =
                             masked.value && !mask.visible(m0_sub + c + (e & 1), n0 + row0 + lane / 4 + 8 * (e >> 1));
-                        const float ds = s_acc[j][e] * (dp_acc[j][e] - ((e & 1) ? d2.y : d2.x)) * grads.get(4 * j + e);
+                        const float d = (e & 1) ? d2.y : d2.x;
+                        const float ds = (DropoutOf<Mask>::ENABLED ? dropped_ds(s_acc[j][e], dp_acc[j][e], d, drop_scale)
+                                                                   : s_acc[j][e] * (dp_acc[j][e] - d)) *
+                                         grads.get(4 * j + e);
                         dp_acc[j][e] = hidden ? 0.f : ds;
                     }
                 });
@@ -184,7 +193,7 @@ flash_bwd_dkdv_mma(const __grid_constant__ BwdParams p) {
     cp_async_wait<0>();
     __syncthreads();
     stage_acc<T, DW, D_TILE>(s_k, row0, d_part * DW, dk_acc, scale, lane);
-    stage_acc<T, DW, D_TILE>(s_v, row0, d_part * DW, dv_acc, 1.f, lane);
+    stage_acc<T, DW, D_TILE>(s_v, row0, d_part * DW, dv_acc, drop_scale, lane);
     __syncthreads();
     store_key_block_grads<T, BLOCK_N, D_TILE, NTHREADS>(dk, dv, s_k, s_v, seq, head_kv, n0, seqlen_k, headdim, tid);
 }

@@ -68,6 +68,7 @@ flash_bwd_dkdv_mma_split(const __grid_constant__ BwdParams p) {
     // Past a shorter sequence's end. A sequence without queries still stores dK = dV = 0 below.
     if (Mask::PACKED && n0 >= seqlen_k) return;
     const float scale_log2 = p.scale_log2, scale = p.scale;
+    const float drop_scale = DropoutOf<Mask>::ENABLED ? p.variant.dropout.scale : 1.f;  // 1 / (1 - p)
     const TensorRows q = p.q, k = p.k, v = p.v, dout = p.dout, dk = p.dk, dv = p.dv, dq_accum = p.dq_accum;
     const float* __restrict__ lse = static_cast<const float*>(p.lse);
     const float* __restrict__ delta = static_cast<const float*>(p.delta);
@@ -106,6 +107,7 @@ flash_bwd_dkdv_mma_split(const __grid_constant__ BwdParams p) {
         const float* s_lse = reinterpret_cast<const float*>(smem + L::LSE) + stage * BLOCK_M;
         const float* s_delta = reinterpret_cast<const float*>(smem + L::DELTA) + stage * BLOCK_M;
         const ScoreOf<Mask, float, true> score(score_problem<Mask>(p, seq), seq.index, head, p.scale);
+        const DropoutOf<Mask> dropout(p, seq.index, head);
 
 #pragma unroll 1
         for (int mc0 = 0; mc0 < BLOCK_M; mc0 += M_SUB, slot ^= 1) {
@@ -164,6 +166,12 @@ flash_bwd_dkdv_mma_split(const __grid_constant__ BwdParams p) {
                     }
                 }
                 named_barrier_sync(1 + pair, 64);
+                // Dropout (dropout.cuh): dV takes the kept weights; the dK warp finds the bits itself.
+                if constexpr (DropoutOf<Mask>::ENABLED)
+#pragma unroll
+                    for (int g = 0; g < G; ++g)
+                        for_st_frags(s_acc[g], dropout, n0 + row0 + 16 * g + lane / 4, m0_sub + 2 * (lane % 4),
+                                     DropToZero{});
                 u32 p_frag[G][M_SUB / 16][4];
 #pragma unroll
                 for (int g = 0; g < G; ++g) pack_a_frags<T, M_SUB>(p_frag[g], s_acc[g]);
@@ -176,6 +184,11 @@ flash_bwd_dkdv_mma_split(const __grid_constant__ BwdParams p) {
 #pragma unroll
                 for (int g = 0; g < G; ++g) zero(dp_acc[g]);
                 mma_ABt_groups<T, G, M_SUB, D_TILE, D_TILE, D_TILE>(dp_acc, s_v, row0, s_do_sub, 0, lane);
+                if constexpr (DropoutOf<Mask>::ENABLED)  // Z dP^T / (1 - p)
+#pragma unroll
+                    for (int g = 0; g < G; ++g)
+                        for_st_frags(dp_acc[g], dropout, n0 + row0 + 16 * g + lane / 4, m0_sub + 2 * (lane % 4),
+                                     ScaleKept{drop_scale});
                 named_barrier_sync(1 + pair, 64);
 #pragma unroll
                 for (int j = 0; j < M_SUB / 8; ++j) {
@@ -219,7 +232,7 @@ flash_bwd_dkdv_mma_split(const __grid_constant__ BwdParams p) {
 #pragma unroll
     for (int g = 0; g < G; ++g) {
         if (role_dk) stage_acc<T, D_TILE, D_TILE>(s_k, row0 + 16 * g, 0, acc[g], scale, lane);
-        else stage_acc<T, D_TILE, D_TILE>(s_v, row0 + 16 * g, 0, acc[g], 1.f, lane);
+        else stage_acc<T, D_TILE, D_TILE>(s_v, row0 + 16 * g, 0, acc[g], drop_scale, lane);
     }
     __syncthreads();
     store_key_block_grads<T, BLOCK_N, D_TILE, NTHREADS>(dk, dv, s_k, s_v, seq, head_kv, n0, seqlen_k, headdim, tid);

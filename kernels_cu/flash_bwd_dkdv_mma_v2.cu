@@ -46,6 +46,7 @@ flash_bwd_dkdv_mma_v2(const __grid_constant__ BwdParams p) {
     // Past a shorter sequence's end. A sequence without queries still stores dK = dV = 0 below.
     if (Mask::PACKED && n0 >= seqlen_k) return;
     const float scale_log2 = p.scale_log2, scale = p.scale;
+    const float drop_scale = DropoutOf<Mask>::ENABLED ? p.variant.dropout.scale : 1.f;  // 1 / (1 - p)
     const TensorRows q = p.q, k = p.k, v = p.v, dout = p.dout, dk = p.dk, dv = p.dv, dq_accum = p.dq_accum;
     const float* __restrict__ lse = static_cast<const float*>(p.lse);
     const float* __restrict__ delta = static_cast<const float*>(p.delta);
@@ -85,6 +86,7 @@ flash_bwd_dkdv_mma_v2(const __grid_constant__ BwdParams p) {
         const float* s_lse = reinterpret_cast<const float*>(smem + L::LSE) + stage * BLOCK_M;
         const float* s_delta = reinterpret_cast<const float*>(smem + L::DELTA) + stage * BLOCK_M;
         const ScoreOf<Mask, float, true> score(score_problem<Mask>(p, seq), seq.index, head, scale);
+        const DropoutOf<Mask> dropout(p, seq.index, head);
 
 #pragma unroll 1
         for (int mc0 = 0; mc0 < BLOCK_M; mc0 += M_SUB) {
@@ -138,12 +140,19 @@ flash_bwd_dkdv_mma_v2(const __grid_constant__ BwdParams p) {
                     }
                 }
             });
+            // Dropout (dropout.cuh): a dropped weight keeps its magnitude for dS and loses its sign.
+            if constexpr (DropoutOf<Mask>::ENABLED)
+#pragma unroll
+                for (int g = 0; g < G; ++g)
+                    for_st_frags(s_acc[g], dropout, n0 + row0 + 16 * g + lane / 4, m0_sub + 2 * (lane % 4),
+                                 MarkDropped{});
 
-            // Step 3: dV_j += P^T dO.
+            // Step 3: dV_j += P^T dO (Z P^T: the kept weights).
             {
                 u32 p_frag[G][M_SUB / 16][4];
 #pragma unroll
                 for (int g = 0; g < G; ++g) pack_a_frags<T, M_SUB>(p_frag[g], s_acc[g]);
+                if constexpr (DropoutOf<Mask>::ENABLED) relu_frags<T>(p_frag);
                 mma_AB_regs_groups<T, G, D_TILE, M_SUB, D_TILE>(dv_acc, p_frag, s_do_sub, 0, lane);
             }
 
@@ -173,7 +182,8 @@ flash_bwd_dkdv_mma_v2(const __grid_constant__ BwdParams p) {
                                 const int m = m0_sub + c + (e & 1);
                                 const bool hidden = masked.value && (m < m_min[g][e >> 1] || m >= seqlen_q ||
                                                                      (Mask::HAS_LEFT && s_acc[g][j][e] == 0.f));
-                                const float ds = s_acc[g][j][e] * (dp_acc[g][jj][e] - ((e & 1) ? d2.y : d2.x)) *
+                                const float d = (e & 1) ? d2.y : d2.x, x = s_acc[g][j][e], dp = dp_acc[g][jj][e];
+                                const float ds = (DropoutOf<Mask>::ENABLED ? dropped_ds(x, dp, d, drop_scale) : x * (dp - d)) *
                                                  grads.get((g * (M_SUB / 8) + j) * 4 + e);
                                 dp_acc[g][jj][e] = hidden ? 0.f : ds;
                             }
@@ -207,7 +217,7 @@ flash_bwd_dkdv_mma_v2(const __grid_constant__ BwdParams p) {
 #pragma unroll
     for (int g = 0; g < G; ++g) {
         stage_acc<T, D_TILE, D_TILE>(s_k, row0 + 16 * g, 0, dk_acc[g], scale, lane);
-        stage_acc<T, D_TILE, D_TILE>(s_v, row0 + 16 * g, 0, dv_acc[g], 1.f, lane);
+        stage_acc<T, D_TILE, D_TILE>(s_v, row0 + 16 * g, 0, dv_acc[g], drop_scale, lane);
     }
     __syncthreads();
     store_key_block_grads<T, BLOCK_N, D_TILE, NTHREADS>(dk, dv, s_k, s_v, seq, head_kv, n0, seqlen_k, headdim, tid);

@@ -61,6 +61,7 @@ flash_bwd_dkdv_simt(const __grid_constant__ BwdParams p) {
     load_tile<BLOCK_N, D_TILE, NTHREADS>(k_tile, k_rows, n0, seqlen_k, headdim, p.k.row_stride, A(1));
     load_tile<BLOCK_N, D_TILE, NTHREADS>(v_tile, v_rows, n0, seqlen_k, headdim, p.v.row_stride, A(1));
 
+    const A drop_scale = DropoutOf<Mask>::ENABLED ? dropout_scale_in<A>(p) : A(1);
     A dk_acc[O_PER_LANE], dv_acc[O_PER_LANE];
 #pragma unroll
     for (int j = 0; j < O_PER_LANE; ++j) dk_acc[j] = dv_acc[j] = A(0);
@@ -76,6 +77,7 @@ flash_bwd_dkdv_simt(const __grid_constant__ BwdParams p) {
         const A* delta_row = delta + seq.stat(stat_dims, head, 0);
         // raw scores: the unit is the scale
         const ScoreOf<Mask, A> score(score_problem<Mask>(p, seq), seq.index, head, scale);
+        const DropoutOf<Mask> dropout(p, seq.index, head);
         for (int m0 = m_first; m0 < m_end; m0 += BLOCK_M) {
             __syncthreads();  // previous Q/dO tiles fully consumed
             load_tile<BLOCK_M, D_TILE, NTHREADS>(q_tile, q_base, m0, seqlen_q, headdim, p.q.row_stride, A(1));
@@ -99,8 +101,11 @@ flash_bwd_dkdv_simt(const __grid_constant__ BwdParams p) {
                 A dsds;
                 const A s_ij = score.transform(st[j], score.origin(q_row, n0 + key), 0, 0, dsds);
                 const A p_ij = masked ? A(0) : recomputed_p_exact(s_ij, scale_log2, lse_log2[qi]);
-                pt_tile[key * LDP + qi] = p_ij;
-                const A ds_ij = p_ij * (dpt[j] - delta_tile[qi]);
+                // Dropout (dropout.cuh): dV takes P Z (1 / (1 - p) in the epilogue), dS = P (Z dP / (1 - p) - D).
+                const bool kept = !DropoutOf<Mask>::ENABLED || dropout.keep(q_row, n0 + key);
+                pt_tile[key * LDP + qi] = kept ? p_ij : A(0);
+                const A dp_ij = !DropoutOf<Mask>::ENABLED ? dpt[j] : kept ? dpt[j] * drop_scale : A(0);
+                const A ds_ij = p_ij * (dp_ij - delta_tile[qi]);
                 dst_tile[key * LDP + qi] = masked ? A(0) : Mask::Score::HAS_GRAD ? ds_ij * dsds : ds_ij;
             }
             // P^T/dS^T rows are written and read only by their own row group (one warp).
@@ -127,7 +132,7 @@ flash_bwd_dkdv_simt(const __grid_constant__ BwdParams p) {
             const int col = lane_in_row + TPR * j;
             if (col < headdim) {
                 store_as(dk_row + col, dk_acc[j] * scale);
-                store_as(dv_row + col, dv_acc[j]);
+                store_as(dv_row + col, dv_acc[j] * drop_scale);
             }
         }
     }

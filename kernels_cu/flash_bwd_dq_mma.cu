@@ -77,6 +77,8 @@ flash_bwd_dq_mma(const __grid_constant__ BwdParams p) {
 
     float dq_acc[D_TILE / 8][4];
     zero(dq_acc);
+    const DropoutOf<Mask> dropout(p, seq.index, head);
+    const float drop_scale = DropoutOf<Mask>::ENABLED ? p.variant.dropout.scale : 1.f;
 
     for (int j = j_begin; j < j_end; ++j) {
         const int stage = j & 1;
@@ -95,6 +97,8 @@ flash_bwd_dq_mma(const __grid_constant__ BwdParams p) {
         zero(dp_acc);
         mma_ABt<T, BLOCK_N, D_TILE, D_TILE, D_TILE>(s_acc, s_q, row0, s_k, 0, lane);
         mma_ABt<T, BLOCK_N, D_TILE, D_TILE, D_TILE>(dp_acc, s_do, row0, s_v, 0, lane);
+        if constexpr (DropoutOf<Mask>::ENABLED)  // Z dP / (1 - p) (dropout.cuh)
+            for_s_frags(dp_acc, dropout, m0 + row0 + lane / 4, j * BLOCK_N + 2 * (lane % 4), ScaleKept{drop_scale});
 
         // Step 2: dS = P o (dP - D) with P = exp2(S scale log2(e) - lse log2(e)); lse, D per row.
         // The score policy's transform first (score.cuh), its derivative on dS.

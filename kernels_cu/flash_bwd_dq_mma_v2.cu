@@ -102,6 +102,8 @@ flash_bwd_dq_mma_v2(const __grid_constant__ BwdParams p) {
     float dq_acc[G][D_TILE / 8][4];
 #pragma unroll
     for (int g = 0; g < G; ++g) zero(dq_acc[g]);
+    const DropoutOf<Mask> dropout(p, seq.index, head);
+    const float drop_scale = DropoutOf<Mask>::ENABLED ? p.variant.dropout.scale : 1.f;
 
     for (int j = j_begin; j < j_end; ++j) {
         const int stage = j & 1;
@@ -164,6 +166,11 @@ flash_bwd_dq_mma_v2(const __grid_constant__ BwdParams p) {
             // Row offsets that are multiples of 8 keep the swizzle phase: V rows c0.. are a tile.
             mma_ABt_groups<T, G, DP_COLS, D_TILE, D_TILE, D_TILE>(dp_acc, s_do, row0,
                                                                   s_v + c0 * (D_TILE * 2), 0, lane);
+            if constexpr (DropoutOf<Mask>::ENABLED)  // Z dP / (1 - p) (dropout.cuh)
+#pragma unroll
+                for (int g = 0; g < G; ++g)
+                    for_s_frags(dp_acc[g], dropout, m0 + lane_row + 16 * g, n0 + c0 + 2 * (lane % 4),
+                                ScaleKept{drop_scale});
 #pragma unroll
             for (int g = 0; g < G; ++g) {
 #pragma unroll

@@ -59,6 +59,8 @@ flash_bwd_dq_simt(const __grid_constant__ BwdParams p) {
     const int n_begin = mask.key_begin(m0) / BLOCK_N * BLOCK_N;
     const int n_end = mask.key_end(m0, BLOCK_M);
 
+    const DropoutOf<Mask> dropout(p, seq.index, head);
+    const A drop_scale = DropoutOf<Mask>::ENABLED ? dropout_scale_in<A>(p) : A(1);
     A dq_acc[O_PER_LANE];
 #pragma unroll
     for (int j = 0; j < O_PER_LANE; ++j) dq_acc[j] = A(0);
@@ -79,7 +81,10 @@ flash_bwd_dq_simt(const __grid_constant__ BwdParams p) {
             const bool masked = row_lse_log2 == neg_inf<A>() || mask.hides(q_row, key);
             A dsds;
             const A s_ij = score.transform(s[j], score.origin(q_row, key), 0, 0, dsds);
-            const A ds_ij = recomputed_p_exact(s_ij, scale_log2, row_lse_log2) * (dp[j] - row_delta);
+            const A p_ij = recomputed_p_exact(s_ij, scale_log2, row_lse_log2);
+            // Dropout (dropout.cuh): dS = P (Z dP / (1 - p) - D).
+            const A dp_ij = !DropoutOf<Mask>::ENABLED ? dp[j] : dropout.keep(q_row, key) ? dp[j] * drop_scale : A(0);
+            const A ds_ij = p_ij * (dp_ij - row_delta);
             ds_tile[row * LDS + col] = masked ? A(0) : Mask::Score::HAS_GRAD ? ds_ij * dsds : ds_ij;
         }
         // dS rows are written and read only by their own row group (one warp).

@@ -99,6 +99,7 @@ flash_bwd_dq_wgmma(const __grid_constant__ BwdParams p) {
 
     // This thread's two rows (accumulator halves h = 0, 1): lse (log2 units) and D, for the block.
     const int row_lo = m0 + 16 * warp + lane / 4;
+    const DropoutOf<Mask> dropout(p, seq.index, head);
     float base_log2[2], delta_row[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -146,6 +147,12 @@ flash_bwd_dq_wgmma(const __grid_constant__ BwdParams p) {
                                                  kk > 0);
         }
         wgmma_commit();
+        // Dropout's keep bits depend on indices only: found while the tensor cores compute S_j, dP_j.
+        KeepBits<N_FRAGS * 4> keep;
+        if constexpr (DropoutOf<Mask>::ENABLED) {
+            keep = s_frag_keep_bits<DropoutOf<Mask>, 1, N_FRAGS>(dropout, row_lo, n0 + 2 * (lane % 4));
+            keep.pin();
+        }
         wgmma_wait<1>();  // S_j, and dS K_{j-1}: its A fragments may be overwritten below
         pin_registers(reinterpret_cast<float(&)[N_FRAGS * 4]>(s_acc));
         pin_registers(reinterpret_cast<float(&)[D_FRAGS * 4]>(dq_acc));
@@ -182,6 +189,8 @@ flash_bwd_dq_wgmma(const __grid_constant__ BwdParams p) {
         // must not become NaN), packed as the A fragments of dS K_j.
         wgmma_wait<0>();
         pin_registers(reinterpret_cast<float(&)[N_FRAGS * 4]>(dp_acc));
+        if constexpr (DropoutOf<Mask>::ENABLED)  // Z dP / (1 - p) (dropout.cuh)
+            apply_keep_bits(dp_acc, keep, ScaleKept{p.variant.dropout.scale});
 #pragma unroll
         for (int f = 0; f < N_FRAGS; ++f)
 #pragma unroll

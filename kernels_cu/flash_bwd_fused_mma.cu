@@ -119,6 +119,7 @@ flash_bwd_fused_mma(const __grid_constant__ BwdParams p) {
     // Past a shorter sequence's end. A sequence without queries still stores dK = dV = 0 below.
     if (Mask::PACKED && n0 >= seqlen_k) return;
     const float scale_log2 = p.scale_log2, scale = p.scale;
+    const float drop_scale = DropoutOf<Mask>::ENABLED ? p.variant.dropout.scale : 1.f;  // 1 / (1 - p)
     const TensorRows q = p.q, k = p.k, v = p.v, dout = p.dout, dk = p.dk, dv = p.dv, dq_accum = p.dq_accum;
     const float* __restrict__ lse = static_cast<const float*>(p.lse);
     const float* __restrict__ delta = static_cast<const float*>(p.delta);
@@ -232,6 +233,12 @@ flash_bwd_fused_mma(const __grid_constant__ BwdParams p) {
                 });
             }
         }
+        // Dropout (dropout.cuh): a dropped weight keeps its magnitude for dS and loses its sign.
+        if constexpr (DropoutOf<Mask>::ENABLED) {
+            const DropoutOf<Mask> dropout(p, seq.index, head);
+#pragma unroll
+            for (int g = 0; g < KG; ++g) for_st_frags(s_acc[g], dropout, key0 + 16 * g, query0, MarkDropped{});
+        }
 
         // Step 3: P^T to shared memory (dV needs all BLOCK_M query columns of its key rows). With
         // P_PACKED the 16-bit P^T is also what step 5 reads: the float32 one dies here, which frees
@@ -240,7 +247,15 @@ flash_bwd_fused_mma(const __grid_constant__ BwdParams p) {
 #pragma unroll
         for (int g = 0; g < KG; ++g) {
             pack_c_frags<T, SQ>(p_packed[g], s_acc[g]);
-            stage_packed<SQ, BLOCK_M>(s_pt, key_row0 + 16 * g, q_col0, p_packed[g], lane);
+            if constexpr (DropoutOf<Mask>::ENABLED) {  // dV's P^T: the kept weights
+                u32 kept[SQ / 8][2];
+#pragma unroll
+                for (int j = 0; j < SQ / 8; ++j) kept[j][0] = p_packed[g][j][0], kept[j][1] = p_packed[g][j][1];
+                relu_frags<T>(kept);
+                stage_packed<SQ, BLOCK_M>(s_pt, key_row0 + 16 * g, q_col0, kept, lane);
+            } else {
+                stage_packed<SQ, BLOCK_M>(s_pt, key_row0 + 16 * g, q_col0, p_packed[g], lane);
+            }
         }
 
         // Step 4: dP^T = V_j dO^T.
@@ -263,10 +278,10 @@ flash_bwd_fused_mma(const __grid_constant__ BwdParams p) {
                 const float p16[4] = {lo.x, lo.y, hi.x, hi.y};
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const float p = P_PACKED ? p16[e] : s_acc[g][j][e];
-                    dp_acc[g][j][e] = p == 0.f ? 0.f
-                                               : p * (dp_acc[g][j][e] - ((e & 1) ? d2.y : d2.x)) *
-                                                     grads.get((g * (SQ / 8) + j) * 4 + e);
+                    const float p = P_PACKED ? p16[e] : s_acc[g][j][e], d = (e & 1) ? d2.y : d2.x;
+                    const float ds = DropoutOf<Mask>::ENABLED ? dropped_ds(p, dp_acc[g][j][e], d, drop_scale)
+                                                              : p * (dp_acc[g][j][e] - d);
+                    dp_acc[g][j][e] = p == 0.f ? 0.f : ds * grads.get((g * (SQ / 8) + j) * 4 + e);
                 }
             }
         }
@@ -319,7 +334,7 @@ flash_bwd_fused_mma(const __grid_constant__ BwdParams p) {
 #pragma unroll
     for (int g = 0; g < KG; ++g) {
         stage_acc<T, DW, D_TILE>(s_k, key_row0 + 16 * g, d_col0, dk_acc[g], scale, lane);
-        stage_acc<T, DW, D_TILE>(s_v, key_row0 + 16 * g, d_col0, dv_acc[g], 1.f, lane);
+        stage_acc<T, DW, D_TILE>(s_v, key_row0 + 16 * g, d_col0, dv_acc[g], drop_scale, lane);
     }
     __syncthreads();
     store_key_block_grads<T, BLOCK_N, D_TILE, NTHREADS>(dk, dv, s_k, s_v, seq, head_kv, n0, seqlen_k, headdim, tid);

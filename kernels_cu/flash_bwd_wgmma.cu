@@ -204,6 +204,14 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
             if (it + 1 < walk.iters) load_query_block(it + 1, stage ^ 1);
             cp_async_commit();
         }
+        // Dropout's keep bits depend on indices only: found while the tensor cores compute S^T.
+        KeepBits<SJ * 4> keep;
+        if constexpr (DropoutOf<Mask>::ENABLED) {
+            keep = st_frag_keep_bits<DropoutOf<Mask>, SJ>(DropoutOf<Mask>(p, seq.index, head),
+                                                          n0 + 64 * wg + 16 * warp_in_wg + lane / 4,
+                                                          m0 + 2 * (lane % 4));
+            keep.pin();
+        }
         wgmma_wait<1>();
         pin_registers(reinterpret_cast<float(&)[SJ * 4]>(s_acc));
 
@@ -248,6 +256,8 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
             probabilities(Flag<true>());
         else
             probabilities(Flag<false>());
+        // Dropout (dropout.cuh): a dropped weight keeps its magnitude for dS and loses its sign.
+        if constexpr (DropoutOf<Mask>::ENABLED) apply_keep_bits(s_acc, keep, MarkDropped{});
         u32 p_frag[QK][4];
         pack_a_frags<T, BLOCK_M>(p_frag, s_acc);
 
@@ -263,8 +273,12 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
             const float2 lo = unpack2<T>(p_frag[j / 2][2 * (j % 2)]), hi = unpack2<T>(p_frag[j / 2][2 * (j % 2) + 1]);
             const float p16[4] = {lo.x, lo.y, hi.x, hi.y};
 #pragma unroll
-            for (int e = 0; e < 4; ++e)
-                dp_acc[j][e] = p16[e] == 0.f ? 0.f : p16[e] * (dp_acc[j][e] - ((e & 1) ? d2.y : d2.x));
+            for (int e = 0; e < 4; ++e) {
+                const float d = (e & 1) ? d2.y : d2.x;
+                const float ds = DropoutOf<Mask>::ENABLED ? dropped_ds(p16[e], dp_acc[j][e], d, p.variant.dropout.scale)
+                                                          : p16[e] * (dp_acc[j][e] - d);
+                dp_acc[j][e] = p16[e] == 0.f ? 0.f : ds;
+            }
             if constexpr (Mask::Score::HAS_GRAD) {
                 const float2 g_lo = unpack2<half_t>(ld_shared_b32(stash_addr(j, 0)));
                 const float2 g_hi = unpack2<half_t>(ld_shared_b32(stash_addr(j, 1)));
@@ -273,6 +287,7 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
         }
         u32 ds_frag[QK][4];
         pack_a_frags<T, BLOCK_M>(ds_frag, dp_acc);
+        if constexpr (DropoutOf<Mask>::ENABLED) relu_frags<T>(p_frag);  // dV's P^T: the kept weights
 
         // Step 5: dS^T to shared memory for dQ (which needs every warpgroup's key rows); the pair
         // (row, 8j + 2 (lane % 4)) is word lane % 4 of chunk j.
@@ -424,6 +439,7 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
 
     // Epilogue: dK = scale dS^T Q summed, and dV, straight from the accumulators (once per CTA).
     const int key_row = 64 * wg + 16 * warp_in_wg + lane / 4;
+    if constexpr (DropoutOf<Mask>::ENABLED) scale_acc(dv_acc, p.variant.dropout.scale);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int n = n0 + key_row + 8 * h;

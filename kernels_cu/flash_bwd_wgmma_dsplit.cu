@@ -30,6 +30,21 @@
 
 namespace cf {
 
+// flash_bwd_wgmma_dsplit's stash word of two elements: a kept one's ds'/ds in float16 (as
+// without dropout), a dropped one's dS^T in T; unstash reads half c back by its keep factor.
+template <typename T>
+__device__ __forceinline__ unsigned stash_pair(float a, float b, float keep_a, float keep_b) {
+    const unsigned as_half = pack2<half_t>(a, b), as_t = pack2<T>(a, b);
+    const unsigned lo = (keep_a != 0.f ? as_half : as_t) & 0xFFFFu, hi = (keep_b != 0.f ? as_half : as_t) & 0xFFFF0000u;
+    return lo | hi;
+}
+template <typename T>
+__device__ __forceinline__ float unstash(unsigned word, int c, float keep) {
+    const float2 h = unpack2<half_t>(word), t = unpack2<T>(word);
+    return keep != 0.f ? (c ? h.y : h.x) : (c ? t.y : t.x);
+}
+
+
 template <int D_TILE, int BLOCK_M, int BLOCK_N>
 struct DsplitSmem {
     static constexpr u32 KV_TILE = BLOCK_N * D_TILE * 2;
@@ -181,6 +196,8 @@ flash_bwd_wgmma_dsplit(const __grid_constant__ BwdParams p) {
             const int key0 = n0 + key_row, query0 = m0 + 2 * (lane % 4);
             const typename Mask::Origin origin = mask.origin(query0, key0);
             const auto score_origin = score.origin(query0, key0);
+            float keep[SJ][4];  // dropout: Z, 1 kept, 0 dropped
+            if constexpr (DropoutOf<Mask>::ENABLED) keep_factors(keep, DropoutOf<Mask>(p, seq.index, head), key0, query0);
 #pragma unroll
             for (int j = 0; j < SJ; ++j) {
                 const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + 8 * j + 2 * (lane % 4));
@@ -207,6 +224,27 @@ flash_bwd_wgmma_dsplit(const __grid_constant__ BwdParams p) {
                     probabilities(Flag<true>());
                 else
                     probabilities(Flag<false>());
+                if constexpr (DropoutOf<Mask>::ENABLED) {
+                    // Dropout (dropout.cuh): P^T gets the kept weights (dV); a dropped weight's dS^T,
+                    // -P D (ds'/ds), is known here, and goes to warpgroup 1 in T through the stash
+                    // words (a kept one's stash holds ds'/ds as without dropout; warpgroup 1
+                    // finds the keep bits itself).
+                    const float2 d2 = *reinterpret_cast<const float2*>(s_delta + 8 * j + 2 * (lane % 4));
+                    float stash[4];
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const float g = Mask::Score::HAS_GRAD ? dsds[e] : 1.f;
+                        stash[e] = keep[j][e] != 0.f ? g : -acc[j][e] * ((e & 1) ? d2.y : d2.x) * g;
+                        acc[j][e] *= keep[j][e];
+                    }
+                    st_shared_b32(pair_addr(s_pt, j, 0), pack2<T>(acc[j][0], acc[j][1]));
+                    st_shared_b32(pair_addr(s_pt, j, 1), pack2<T>(acc[j][2], acc[j][3]));
+#pragma unroll
+                    for (int h = 0; h < 2; ++h)
+                        st_shared_b32(pair_addr(s_dst, j, h), stash_pair<T>(stash[2 * h], stash[2 * h + 1],
+                                                                            keep[j][2 * h], keep[j][2 * h + 1]));
+                    continue;
+                }
                 st_shared_b32(pair_addr(s_pt, j, 0), pack2<T>(acc[j][0], acc[j][1]));
                 st_shared_b32(pair_addr(s_pt, j, 1), pack2<T>(acc[j][2], acc[j][3]));
                 if constexpr (Mask::Score::HAS_GRAD) {
@@ -230,8 +268,35 @@ flash_bwd_wgmma_dsplit(const __grid_constant__ BwdParams p) {
         if (wg == 1) {
             // Step 4 (warpgroup 1): dS^T = P^T o (dP^T - D) from the 16-bit P^T (0 where P^T is 0,
             // by selection: a non-finite dP^T of a hidden key must not become NaN).
+            float keep[SJ][4];  // dropout: Z, the same bits as warpgroup 0's
+            if constexpr (DropoutOf<Mask>::ENABLED)
+                keep_factors(keep, DropoutOf<Mask>(p, seq.index, head), n0 + key_row, m0 + 2 * (lane % 4));
 #pragma unroll
             for (int j = 0; j < SJ; ++j) {
+                if constexpr (DropoutOf<Mask>::ENABLED) {
+                    // Kept: P (Z dP / (1 - p) - D) (ds'/ds); dropped: warpgroup 0's dS^T.
+                    const float2 d2 = *reinterpret_cast<const float2*>(s_delta + 8 * j + 2 * (lane % 4));
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        u32 p2, st2;
+                        asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(p2) : "r"(pair_addr(s_pt, j, h)));
+                        st2 = ld_shared_b32(pair_addr(s_dst, j, h));
+                        const float2 pk = unpack2<T>(p2);
+                        const float pp[2] = {pk.x, pk.y};
+#pragma unroll
+                        for (int c = 0; c < 2; ++c) {
+                            const int e = 2 * h + c;
+                            const float stash = unstash<T>(st2, c, keep[j][e]);
+                            const float g = Mask::Score::HAS_GRAD ? stash : 1.f;
+                            acc[j][e] = keep[j][e] == 0.f ? stash
+                                        : pp[c] == 0.f    ? 0.f
+                                                          : pp[c] * (acc[j][e] * p.variant.dropout.scale - ((e & 1) ? d2.y : d2.x)) * g;
+                        }
+                    }
+                    st_shared_b32(pair_addr(s_dst, j, 0), pack2<T>(acc[j][0], acc[j][1]));
+                    st_shared_b32(pair_addr(s_dst, j, 1), pack2<T>(acc[j][2], acc[j][3]));
+                    continue;
+                }
                 const float2 d2 = *reinterpret_cast<const float2*>(s_delta + 8 * j + 2 * (lane % 4));
                 u32 p2[2];
                 asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(p2[0]) : "r"(pair_addr(s_pt, j, 0)));
@@ -301,6 +366,7 @@ flash_bwd_wgmma_dsplit(const __grid_constant__ BwdParams p) {
     cp_async_wait<0>();
 
     // Epilogue: this warpgroup's head-dim half of dK (scaled) and dV, from the accumulators.
+    const float drop_scale = DropoutOf<Mask>::ENABLED ? p.variant.dropout.scale : 1.f;  // 1 / (1 - p)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int n = n0 + key_row + 8 * h;
@@ -312,7 +378,7 @@ flash_bwd_wgmma_dsplit(const __grid_constant__ BwdParams p) {
             const int col = HALF * wg + 8 * j + 2 * (lane % 4);
             if (col < headdim) {
                 *reinterpret_cast<u32*>(dk_row + col) = pack2<T>(dk_acc[j][2 * h] * scale, dk_acc[j][2 * h + 1] * scale);
-                *reinterpret_cast<u32*>(dv_row + col) = pack2<T>(dv_acc[j][2 * h], dv_acc[j][2 * h + 1]);
+                *reinterpret_cast<u32*>(dv_row + col) = pack2<T>(dv_acc[j][2 * h] * drop_scale, dv_acc[j][2 * h + 1] * drop_scale);
             }
         }
     }

@@ -187,6 +187,7 @@ flash_fwd_mma(const __grid_constant__ FwdParams p) {
 
     float o_acc[M_STRIPS][D_FRAGS][4];
     RowStats<ROW_STATE, M_STRIPS> row_stats;  // running max m and sum l of the lane's rows
+    const DropoutOf<Mask> dropout(p, seq.index, head);
 #pragma unroll
     for (int i = 0; i < M_STRIPS; ++i)
 #pragma unroll
@@ -215,10 +216,14 @@ flash_fwd_mma(const __grid_constant__ FwdParams p) {
         float m_new[M_STRIPS][2];
         row_max(m_new, s, row_stats, lane);
         softmax_rescale(s, o_acc, row_stats, m_new, lane);
+        if constexpr (DropoutOf<Mask>::ENABLED)  // after the row sums: l and lse stay the softmax's
+            for_s_frags(s, dropout, first_row() + strip_row0 + lane / 4, n0 + 2 * (lane % 4), DropToZero{});
         u32 p_frag[M_STRIPS][N_FRAGS / 2][4];
         pack_p<T>(p_frag, s);
         mma_pv<T, D_TILE>(o_acc, p_frag, Smem::v_tile(smem_base, stage), a_addr);
     }
+
+    if constexpr (DropoutOf<Mask>::ENABLED) scale_acc(o_acc, p.variant.dropout.scale);
 
     // The Q tile is reused for O. If the block saw no key block, copies into it (issued by any
     // thread) may still be in flight.

@@ -54,6 +54,7 @@ flash_fwd_simt(const __grid_constant__ FwdParams p) {
     const int n_end = mask.key_end(m0, BLOCK_M);
 
     A m_i = neg_inf<A>(), l_i = A(0);
+    const DropoutOf<Mask> dropout(p, seq.index, head);
     A o_acc[O_PER_LANE];
 #pragma unroll
     for (int j = 0; j < O_PER_LANE; ++j) o_acc[j] = A(0);
@@ -88,7 +89,9 @@ flash_fwd_simt(const __grid_constant__ FwdParams p) {
         for (int j = 0; j < S_PER_LANE; ++j) {
             const A p_ij = exp2_(s[j] - base);
             row_sum += p_ij;
-            p_tile[row * (BLOCK_N + 1) + lane_in_row + TPR * j] = p_ij;
+            // Dropout after the row sum: l and lse stay the softmax's (dropout.cuh).
+            const bool dropped = DropoutOf<Mask>::ENABLED && !dropout.keep(q_row, n0 + lane_in_row + TPR * j);
+            p_tile[row * (BLOCK_N + 1) + lane_in_row + TPR * j] = dropped ? A(0) : p_ij;
         }
         row_sum = group_sum<TPR>(row_sum);
         l_i = l_i * rescale + row_sum;
@@ -117,6 +120,7 @@ flash_fwd_simt(const __grid_constant__ FwdParams p) {
             inv_l = l_i > A(0) ? A(1) / l_i : A(0);
             lse_row = l_i > A(0) ? (m_i + log2_(l_i)) * ln2 : neg_inf<A>();
         }
+        if constexpr (DropoutOf<Mask>::ENABLED) inv_l *= dropout_scale_in<A>(p);
         T* o_row = p.o.row<T>(batch, seq.q_begin + q_row, head);
 #pragma unroll
         for (int j = 0; j < O_PER_LANE; ++j) {

@@ -87,6 +87,7 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p) {
 #pragma unroll
     for (int f = 0; f < D_FRAGS; ++f) o_acc[0][f][0] = o_acc[0][f][1] = o_acc[0][f][2] = o_acc[0][f][3] = 0.f;
     RowStats<RowState::ALL_LANES, 1> row_stats;
+    const DropoutOf<Mask> dropout(p, seq.index, head);
     auto store = [&]() {
         store_o<T, D_TILE, Mask::Score::HAS_SINK>(
             o_acc, row_stats, q_tile, strip_row0, m0, seqlen_q, headdim, p.o.row<T>(batch, seq.q_begin + m0, head),
@@ -122,6 +123,13 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p) {
                                                  smem_desc(k_tile + k_off, 16, 1024), kk > 0);
         }
         wgmma_commit();
+        // Dropout's keep bits depend on indices only: found while the tensor cores compute S_j.
+        KeepBits<N_FRAGS * 4> keep;
+        if constexpr (DropoutOf<Mask>::ENABLED) {
+            keep = s_frag_keep_bits<DropoutOf<Mask>, 1, N_FRAGS>(dropout, m0 + strip_row0 + lane / 4,
+                                                                  j * BLOCK_N + 2 * (lane % 4));
+            keep.pin();
+        }
         wgmma_wait<0>();  // S_j, and P V_{j-1}: O may be rescaled
         pin_registers(reinterpret_cast<float(&)[N_FRAGS * 4]>(s));
         pin_registers(reinterpret_cast<float(&)[D_FRAGS * 4]>(o_acc));
@@ -132,6 +140,7 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p) {
         float m_new[1][2];
         row_max(m_new, s, row_stats, lane);
         softmax_rescale(s, o_acc, row_stats, m_new, lane);
+        if constexpr (DropoutOf<Mask>::ENABLED) apply_keep_bits(s, keep, DropToZero{});  // after the row sums
         u32 p_frag[1][N_FRAGS / 2][4];
         pack_p<T>(p_frag, s);
 
@@ -144,6 +153,8 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p) {
     }
     wgmma_wait<0>();
     pin_registers(reinterpret_cast<float(&)[D_FRAGS * 4]>(o_acc));
+
+    if constexpr (DropoutOf<Mask>::ENABLED) scale_acc(o_acc, p.variant.dropout.scale);
 
     // Q is reused to stage O: every warpgroup must be done reading it.
     cp_async_wait<0>();

@@ -18,6 +18,7 @@
 #pragma once
 
 #include "common.cuh"
+#include "dropout.cuh"
 #include "modifier.cuh"
 
 namespace cf {
@@ -43,7 +44,7 @@ struct TensorRows {
 // them (zero otherwise): ALiBi's slopes, (batch, nheads) float32 with batch stride
 // alibi_batch_stride (0 for (nheads,) slopes); the sink logits, (nheads,) float32 (forward);
 // the softcap c, as float and as double; the user modifiers' tensors and block map
-// (modifier.cuh), last, so that the fields before them keep their offsets.
+// (modifier.cuh); dropout's seed, offset, threshold and scale (dropout.cuh).
 struct VariantArgs {
     const float* alibi_slopes;
     const float* sink;
@@ -51,6 +52,7 @@ struct VariantArgs {
     float softcap;
     double softcap_f64;
     ModArgs mods;
+    DropoutArgs dropout;
 };
 
 // Forward: o and lse from q, k, v.

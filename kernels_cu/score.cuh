@@ -102,11 +102,14 @@ struct ScoreFn {
 };
 
 // The compile-time part, the template argument of a mask policy (mask.cuh's WithScore).
-template <bool SOFTCAP, bool ALIBI, bool SINK>
+// DROPOUT: the weights P go through the call's dropout mask (dropout.cuh), which leaves the
+// scores alone (the kernels ask DropoutOf<Mask> after the softmax, not the transform).
+template <bool SOFTCAP, bool ALIBI, bool SINK, bool DROPOUT = false>
 struct ScoreMod {
     static constexpr bool IDENTITY = !SOFTCAP && !ALIBI;
     static constexpr bool HAS_GRAD = SOFTCAP;
     static constexpr bool HAS_SINK = SINK;
+    static constexpr bool HAS_DROPOUT = DROPOUT;
     static constexpr bool HAS_BLOCK_MAP = false;
     template <typename A, bool FAST>
     using In = ScoreFn<SOFTCAP, ALIBI, SINK, A, FAST>;
@@ -165,11 +168,12 @@ struct UserScoreFn {
 
 // The compile-time part of a call with user modifiers M (and a sink, which they may combine
 // with); HAS_BLOCK_MAP: the mask policy narrows its block ranges by the mask's block map.
-template <class M, bool SINK>
+template <class M, bool SINK, bool DROPOUT = false>
 struct UserScore {
     static constexpr bool IDENTITY = false;
     static constexpr bool HAS_GRAD = M::HAS_GRAD;
     static constexpr bool HAS_SINK = SINK;
+    static constexpr bool HAS_DROPOUT = DROPOUT;
     static constexpr bool HAS_BLOCK_MAP = M::HAS_MASK;
     template <typename A, bool FAST>
     using In = UserScoreFn<M, A>;

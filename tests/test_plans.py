@@ -175,8 +175,16 @@ def test_the_compile_check_sees_every_shipped_forward_specialization():
                   for dtype in ("float16", "bfloat16") for (family, where, dt) in plans.FORWARD_TILES
                   if family == "mma" for mask in user_kinds}
     assert user_names <= set(all_names)
-    builtin = len(VARIANT_KINDS) - len(user_kinds)
-    assert len(all_names) == len(set(all_names)) == len(names) // 3 * (3 + builtin) + len(user_names)
+    # dropout: the tiles its plans choose (DROPOUT_FORWARD_TILES: some rows share them)
+    dropout_kinds = [m for m in VARIANT_KINDS if m.score.dropout]
+    dropout_names = {plans.specialization_for(dtype, dt, mask, plans.forward_tiles("mma", where, dt, dtype, mask,
+                                                                                   None)).name
+                     for dtype in ("float16", "bfloat16") for (family, where, dt) in plans.FORWARD_TILES
+                     if family == "mma" for mask in dropout_kinds}
+    assert dropout_names <= set(all_names)
+    builtin = len(VARIANT_KINDS) - len(user_kinds) - len(dropout_kinds)
+    assert len(all_names) == len(set(all_names)) == (len(names) // 3 * (3 + builtin) + len(user_names)
+                                                      + len(dropout_names))
     assert len(names) == len(old) // 2 * 3
     assert {n for n in names if "_local_" not in n} == old
     assert {n.replace("_local_", "_causal_") for n in names if "_local_" in n} == {n for n in old if "_causal_" in n}

@@ -46,6 +46,7 @@ class Variant:
     sink: bool = False  # a sink logit per head (gpt-oss)
     modifier: bool = False  # softcap / ALiBi as a cupyflash score_mod instead of the argument
     documents: int = 0  # a mask_mod of packed documents of this many tokens (0: none)
+    dropout: float = 0.0  # dropout_p (cupyflash only: FlexAttention has no dropout)
 
     def bounds(self) -> tuple[int, int]:
         """(left, right) with causal folded in; -1 = unbounded."""
@@ -63,6 +64,8 @@ VARIANTS = (
     Variant("causal softcap 30", True, softcap=30.0),
     Variant("causal alibi", True, alibi=True),
     Variant("causal sink", True, sink=True),
+    Variant("causal dropout 0.1", True, dropout=0.1),
+    Variant("dropout 0.1", False, dropout=0.1),
     Variant("causal softcap 30 (score_mod)", True, softcap=30.0, modifier=True),
     Variant("causal alibi (score_mod)", True, alibi=True, modifier=True),
     Variant("documents 2048", False, documents=2048),
@@ -144,6 +147,10 @@ def _cupyflash_runs(variant: Variant, sets):
         if not _cupyflash_has_window():
             return None, None
         kwargs["window_size"] = variant.window
+    if variant.dropout:
+        if "dropout_p" not in inspect.signature(cupyflash.flash_attn_func).parameters:
+            return None, None
+        kwargs.update(dropout_p=variant.dropout, seed=1234)
     if variant.modifier or variant.documents:
         if "score_mod" not in inspect.signature(cupyflash.flash_attn_func).parameters:
             return None, None
@@ -187,6 +194,9 @@ def _cupyflash_runs(variant: Variant, sets):
 
 def _flex_runs(torch, variant: Variant, sets, seqlen):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if variant.dropout:
+        return None, None
 
     left, right = variant.bounds()
 
@@ -238,7 +248,8 @@ def _flex_runs(torch, variant: Variant, sets, seqlen):
 
 
 def _cudnn_runs(torch, variant: Variant, sets):
-    if variant.window != (-1, -1) or variant.softcap or variant.alibi or variant.sink or variant.documents:
+    if variant.window != (-1, -1) or variant.softcap or variant.alibi or variant.sink or variant.documents or \
+            variant.dropout:
         return None, None
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -98,7 +98,7 @@ def specializations() -> list:
     for dtype in ("float16", "bfloat16"):
         for table in (_DECODE_TILES, _PREFILL_TILES):
             for dt, tiles in table.items():
-                for mask in KINDS + VARIANT_KINDS:
+                for mask in (m for m in KINDS + VARIANT_KINDS if not m.score.dropout):  # no dropout in decoding
                     if mask.score.user is not None:
                         continue  # no modifiers on this path (a block map is per dense problem)
                     for paged in (False, True):

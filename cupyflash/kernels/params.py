@@ -16,7 +16,7 @@ import numpy as np
 
 from .constants import LOG2E
 
-__all__ = ["PackedBatch", "TENSOR_ROWS", "MOD_ARGS", "BLOCK_MAP_PARAMS", "VARIANT_ARGS", "set_modifiers", "set_mod_tensors", "FWD_PARAMS", "BWD_PARAMS", "set_variant", "forward_params", "backward_params", "set_rows",
+__all__ = ["PackedBatch", "TENSOR_ROWS", "MOD_ARGS", "BLOCK_MAP_PARAMS", "VARIANT_ARGS", "DROPOUT_ARGS", "set_modifiers", "set_mod_tensors", "FWD_PARAMS", "BWD_PARAMS", "set_variant", "forward_params", "backward_params", "set_rows",
            "set_packed", "pointer", "layout_asserts"]
 
 TENSOR_ROWS = np.dtype([("data", np.uint64), ("batch_stride", np.int64), ("row_stride", np.int64),
@@ -33,9 +33,14 @@ MOD_ARGS = np.dtype([("data", np.uint64, (4,)), ("strides", np.int64, (4, 4)),
                      ("query_blocks_batch_stride", np.int64), ("query_blocks_head_stride", np.int64),
                      ("block_m", np.int32), ("block_n", np.int32)], align=True)
 
+# A call's dropout (dropout.cuh's DropoutArgs): zeros without one.
+DROPOUT_ARGS = np.dtype([("seed", np.uint64), ("offset", np.uint32), ("threshold", np.uint32),
+                         ("scale", np.float32), ("scale_f64", np.float64)], align=True)
+
 # A call's variant values (score.cuh): null pointers and zeros for the plain softmax.
 VARIANT_ARGS = np.dtype([("alibi_slopes", np.uint64), ("sink", np.uint64), ("alibi_batch_stride", np.int64),
-                         ("softcap", np.float32), ("softcap_f64", np.float64), ("mods", MOD_ARGS)], align=True)
+                         ("softcap", np.float32), ("softcap_f64", np.float64), ("mods", MOD_ARGS),
+                         ("dropout", DROPOUT_ARGS)], align=True)
 
 # flash_block_map's argument (modifier.cuh's BlockMapParams).
 BLOCK_MAP_PARAMS = np.dtype([("t", MOD_ARGS), ("key_blocks", np.uint64), ("query_blocks", np.uint64),
@@ -59,7 +64,7 @@ BWD_PARAMS = np.dtype([*((name, TENSOR_ROWS) for name in ("q", "k", "v", "o", "d
                        *_SHAPE_FIELDS, *_SCALE_FIELDS, *_SEQUENCE_FIELDS], align=True)
 
 _CPP_NAMES = {FWD_PARAMS: "cf::FwdParams", BWD_PARAMS: "cf::BwdParams", VARIANT_ARGS: "cf::VariantArgs",
-              MOD_ARGS: "cf::ModArgs", BLOCK_MAP_PARAMS: "cf::BlockMapParams"}
+              MOD_ARGS: "cf::ModArgs", DROPOUT_ARGS: "cf::DropoutArgs", BLOCK_MAP_PARAMS: "cf::BlockMapParams"}
 
 
 class PackedBatch(NamedTuple):
@@ -140,6 +145,11 @@ def set_variant(params, variant) -> None:
         field["alibi_batch_stride"] = np.int64(variant.alibi_slopes.shape[1] if variant.alibi_slopes.ndim == 2 else 0)
     if variant.mods is not None:
         set_modifiers(field["mods"], variant.mods, params)
+    if variant.dropout.on:
+        d = field["dropout"]
+        d["seed"], d["offset"] = np.uint64(variant.dropout.seed), np.uint32(variant.dropout.offset)
+        d["threshold"] = np.uint32(variant.dropout.threshold)
+        d["scale"], d["scale_f64"] = np.float32(variant.dropout.scale), np.float64(variant.dropout.scale)
 
 
 def set_mod_tensors(mod_args, tensors) -> None:

@@ -94,11 +94,14 @@ def output_rounding_allowance(do, q, k, v, o, o_ref, *, softmax_scale, causal, w
     so dq_i by -scale * e_i * sum_j P_ij k_j and dk_j by -scale * sum_i P_ij e_i q_i: attention
     outputs that the float64 reference computes. dv does not depend on D.
 
-    ``variant``: the variant keyword arguments (softcap, alibi_slopes, sink), P being theirs. With
+    ``variant``: the variant keyword arguments (softcap, alibi_slopes, sink; dropout's are
+    ignored), P being theirs. With
     softcap dS_ij moves by -P_ij g_ij e_i, g_ij = 1 - tanh^2 in [0, 1]: the sums are bounded
     through |k| and |e q| instead.
     """
     q, k, v, do, o, o_ref = (_as_f64(x) for x in (q, k, v, do, o, o_ref))
+    # Dropout leaves D's place in dS = P (Z dP / (1 - p) - D) as it is: P is the softmax's.
+    variant = {name: value for name, value in variant.items() if not name.startswith("dropout")}
     scale = 1.0 / np.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
     e = np.sum(do * (o - o_ref), axis=-1, keepdims=True)  # (batch, seqlen_q, heads, 1)
     kwargs = {**mask_options(softmax_scale, causal, window_size), **variant}

@@ -176,9 +176,11 @@ def p_transposed(s_acc, s_lse, scale_log2):
 @mirrors(BWD,
          "const float2 d2 = *reinterpret_cast<const float2*>(s_delta + 8 * j + 2 * (lane % 4));",
          "const float p16[4] = {lo.x, lo.y, hi.x, hi.y};",
-         "dp_acc[j][e] = p16[e] == 0.f ? 0.f : p16[e] * (dp_acc[j][e] - ((e & 1) ? d2.y : d2.x));")
+         "const float d = (e & 1) ? d2.y : d2.x;",
+         "dp_acc[j][e] = p16[e] == 0.f ? 0.f : ds;")
 def ds_transposed(dp_acc, p16, s_delta):
-    """Step 4: dS^T = P^T o (dP^T - D), with P^T from its 16-bit copy p16[thread, j, e]."""
+    """Step 4: dS^T = P^T o (dP^T - D), with P^T from its 16-bit copy p16[thread, j, e] (without
+    dropout: with it, dropout.cuh's dropped_ds, models/dropout.py)."""
     return np.where(p16 == 0.0, 0.0, p16 * (dp_acc - s_delta[_acc_columns(dp_acc.shape[1])]))
 
 

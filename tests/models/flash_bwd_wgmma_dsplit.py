@@ -121,7 +121,10 @@ def dsplit_dq_steps(L, tiles, wg: int) -> list[Step]:
          "st_shared_b32(pair_addr(s_dst, j, 0), pack2<T>(acc[j][0], acc[j][1]));",
          "st_shared_b32(pair_addr(s_dst, j, 1), pack2<T>(acc[j][2], acc[j][3]));",
          "st_shared_b32(pair_addr(s_dst, j, 0), pack2<half_t>(dsds[0], dsds[1]));",
-         "st_shared_b32(pair_addr(s_dst, j, 1), pack2<half_t>(dsds[2], dsds[3]));")
+         "st_shared_b32(pair_addr(s_dst, j, 1), pack2<half_t>(dsds[2], dsds[3]));",
+         # dropout: the stash words of the same pairs (a kept element's ds'/ds, a dropped one's dS^T)
+         "st_shared_b32(pair_addr(s_dst, j, h), stash_pair<T>(stash[2 * h], stash[2 * h + 1], keep[j][2 * h], "
+         "keep[j][2 * h + 1]));")
 def dsplit_pair_addr(L, tile: int, j: int, h: int) -> np.ndarray:
     """Address of each thread's 16-bit pair of accumulator column block j, row half h (word
     lane % 4 of chunk j of row key_row + 8h) in a [BLOCK_N][BLOCK_M] panel tile. Softcap's
@@ -198,7 +201,7 @@ def dsplit_emulated(q, k, v, do, lse, delta, L, headdim: int, scale: float):
 mirrors(DSPLIT,
         "const int col = HALF * wg + 8 * j + 2 * (lane % 4);",
         "*reinterpret_cast<u32*>(dk_row + col) = pack2<T>(dk_acc[j][2 * h] * scale, dk_acc[j][2 * h + 1] * scale);",
-        "*reinterpret_cast<u32*>(dv_row + col) = pack2<T>(dv_acc[j][2 * h], dv_acc[j][2 * h + 1]);",
+        "*reinterpret_cast<u32*>(dv_row + col) = pack2<T>(dv_acc[j][2 * h] * drop_scale, dv_acc[j][2 * h + 1] * drop_scale);",
         "const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + 8 * j + 2 * (lane % 4));",
         "const float p_ij = recomputed_p(s_ij, scale_log2, base_log2[e & 1]);",  # s_ij: the score policy's transform of S (the identity of the plain kernels modelled here)
         "const float2 d2 = *reinterpret_cast<const float2*>(s_delta + 8 * j + 2 * (lane % 4));",

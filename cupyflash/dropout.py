@@ -1,0 +1,149 @@
+"""Dropout on the attention weights: the twin of ``kernels_cu/dropout.cuh``, word for word.
+
+A call with ``dropout_p = p > 0`` multiplies each weight P_ij = softmax(z)_ij by Z_ij / (1 - p)
+before P V, where Z_ij = 1 with probability 1 - p. The mask Z is a function of the call's
+``seed`` and ``offset`` and of the element's coordinates alone (a counter-based generator,
+Philox4x32-10), so the forward and every backward kernel find the same Z whatever their tiles,
+and so does this module: ``dropout_mask`` returns the mask that a call with the same arguments
+used, on the CPU (NumPy) or the GPU (CuPy).
+
+The words: element (query i, key j) of sequence b, query head h (of nheads) is word 2 a + c of
+Philox4x32-10 with counter (j0, i0, b * nheads + h, offset) and key (seed mod 2^32, seed >> 32),
+where i0 = i & ~8, a = (i >> 3) & 1, j0 = j & ~8, c = (j >> 3) & 1; it is kept iff that word is
+below threshold = round((1 - p) 2^32) (at most 2^32 - 1). Indices are those of the sequence
+(a packed batch's sequence b counts its own rows from 0).
+
+The softmax statistics (lse) are those of the undropped weights; the backward uses
+D = rowsum(dO o O) of the dropped-out O, which equals rowsum(P o Z dP / (1 - p)).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["Dropout", "NO_DROPOUT", "check_dropout", "philox4x32_10", "dropout_mask", "keep_threshold"]
+
+_M0, _M1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
+_W0, _W1 = 0x9E3779B9, 0xBB67AE85
+_MASK32 = np.uint64(0xFFFFFFFF)
+
+
+def philox4x32_10(counter, key):
+    """Philox4x32-10 of arrays of counters: ``counter`` a tuple of four uint32-valued arrays
+    (broadcast together), ``key`` a pair of ints; returns four uint32 arrays."""
+    c0, c1, c2, c3 = (np.asarray(c, dtype=np.uint64) for c in np.broadcast_arrays(*counter))
+    k0, k1 = int(key[0]) & 0xFFFFFFFF, int(key[1]) & 0xFFFFFFFF
+    for _ in range(10):
+        p0 = _M0 * c0
+        p1 = _M1 * c2
+        hi0, lo0 = p0 >> np.uint64(32), p0 & _MASK32
+        hi1, lo1 = p1 >> np.uint64(32), p1 & _MASK32
+        c0, c1, c2, c3 = hi1 ^ c1 ^ np.uint64(k0), lo1, hi0 ^ c3 ^ np.uint64(k1), lo0
+        k0 = (k0 + _W0) & 0xFFFFFFFF
+        k1 = (k1 + _W1) & 0xFFFFFFFF
+    return tuple(c.astype(np.uint32) for c in (c0, c1, c2, c3))
+
+
+def keep_threshold(dropout_p: float) -> int:
+    """round((1 - p) 2^32), at most 2^32 - 1: a word below it keeps its element."""
+    return min(int(round((1.0 - float(dropout_p)) * 2.0**32)), 2**32 - 1)
+
+
+@dataclass(frozen=True)
+class Dropout:
+    """A call's dropout: probability ``p`` of dropping a weight (0: none), ``seed`` (uint64) and
+    ``offset`` (uint32)."""
+
+    p: float = 0.0
+    seed: int = 0
+    offset: int = 0
+
+    @property
+    def on(self) -> bool:
+        return self.p > 0
+
+    @property
+    def threshold(self) -> int:
+        return keep_threshold(self.p)
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / (1.0 - self.p)
+
+    def keep(self, sequence, head, nheads: int, i, j):
+        """The keep bits (bool) of elements (i, j) of (sequence, head), arrays broadcast together."""
+        sequence, head, i, j = (np.asarray(x, dtype=np.int64) for x in (sequence, head, i, j))
+        stream = (sequence * nheads + head) & 0xFFFFFFFF
+        words = philox4x32_10((j & ~8, i & ~8, stream, np.int64(self.offset)),
+                              (self.seed & 0xFFFFFFFF, self.seed >> 32))
+        a, c = (i >> 3) & 1, (j >> 3) & 1
+        pick = np.select([(a == 0) & (c == 0), (a == 0) & (c == 1), (a == 1) & (c == 0)], words[:3], words[3])
+        return pick < np.uint32(self.threshold)
+
+
+NO_DROPOUT = Dropout()
+
+
+def check_dropout(dropout_p, seed, offset, *, need_seed: bool = False) -> Dropout:
+    """The dropout arguments of a call as a Dropout, or a clear error. ``seed`` None with
+    ``dropout_p > 0`` draws a fresh seed (``need_seed``: the backward, which must be given the
+    forward's)."""
+    if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, (int, float, np.integer, np.floating)):
+        raise TypeError(f"cupyflash: dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    dropout_p = float(dropout_p)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"cupyflash: dropout_p must be in [0, 1), got {dropout_p!r}")
+    if dropout_p == 0.0:
+        return NO_DROPOUT
+    if seed is None:
+        if need_seed:
+            raise ValueError("cupyflash: a backward with dropout_p > 0 needs the forward's seed (and offset): "
+                             "pass seed=")
+        seed = int.from_bytes(os.urandom(8), "little")
+    for name, value, bits in (("seed", seed, 64), ("offset", offset, 32)):
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or \
+                not 0 <= int(value) < 2**bits:
+            raise ValueError(f"cupyflash: {name} must be an int in [0, 2^{bits}), got {value!r}")
+    return Dropout(dropout_p, int(seed), int(offset))
+
+
+def dropout_mask(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, dropout_p: float, seed: int,
+                 offset: int = 0, *, xp=np):
+    """The keep mask (batch, nheads, seqlen_q, seqlen_k) bool of a call with these arguments:
+    True where the call kept the weight (scaled by 1 / (1 - dropout_p)), False where it dropped it.
+    ``xp``: numpy (the default) or cupy (computed on the GPU by the kernels' own header)."""
+    d = check_dropout(dropout_p, seed, offset)
+    if not d.on:
+        return xp.ones((batch, nheads, seqlen_q, seqlen_k), dtype=bool)
+    if xp is not np:
+        return _mask_on_gpu(d, batch, nheads, seqlen_q, seqlen_k)
+    b = np.arange(batch)[:, None, None, None]
+    h = np.arange(nheads)[None, :, None, None]
+    i = np.arange(seqlen_q)[None, None, :, None]
+    j = np.arange(seqlen_k)[None, None, None, :]
+    return np.broadcast_to(d.keep(b, h, nheads, i, j), (batch, nheads, seqlen_q, seqlen_k)).copy()
+
+
+def _mask_on_gpu(d: Dropout, batch, nheads, seqlen_q, seqlen_k):
+    import cupy
+
+    from .kernels._module import kernel_source
+
+    kernel = cupy.ElementwiseKernel(
+        "uint64 seed, uint32 offset, uint32 threshold, int32 nheads, int32 seqlen_q, int32 seqlen_k",
+        "bool keep",
+        """
+        const long long n = i;
+        const int j = (int)(n % seqlen_k), r = (int)(n / seqlen_k % seqlen_q);
+        const long long bh = n / ((long long)seqlen_k * seqlen_q);
+        cf::DropoutFn<true> d;
+        d.k0 = (unsigned)seed; d.k1 = (unsigned)(seed >> 32);
+        d.stream = (unsigned)bh; d.offset = offset; d.threshold = threshold;
+        keep = d.keep(r, j);
+        """, "cupyflash_dropout_mask", preamble=kernel_source("dropout.cuh"))
+    out = cupy.empty((batch, nheads, seqlen_q, seqlen_k), dtype=bool)
+    kernel(np.uint64(d.seed), np.uint32(d.offset), np.uint32(d.threshold), np.int32(nheads), np.int32(seqlen_q),
+           np.int32(seqlen_k), out)
+    return out
