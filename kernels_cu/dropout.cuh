@@ -144,61 +144,6 @@ __device__ __forceinline__ void for_st_frags(float (&s)[N_FRAGS][4], const Drop&
     walk_st_frags<Drop, N_FRAGS>(d, key_lane, query_lane, [&](int f, int k, bool kept) { s[f][k] = op(s[f][k], kept); });
 }
 
-// The keep bits of N elements (bit n: element n of a fragment array in row-major order), for the
-// kernels that find them while the tensor cores compute the scores (the words depend on indices
-// only) and apply them after.
-template <int N>
-struct KeepBits {
-    unsigned word[(N + 31) / 32];
-    __device__ __forceinline__ void clear() {
-#pragma unroll
-        for (int w = 0; w < (N + 31) / 32; ++w) word[w] = 0u;
-    }
-    __device__ __forceinline__ void put(int n, bool kept) { word[n / 32] |= static_cast<unsigned>(kept) << (n % 32); }
-    __device__ __forceinline__ bool kept(int n) const { return (word[n / 32] >> (n % 32)) & 1u; }
-    // The bits are computed here, in program order: an empty volatile asm that reads and writes
-    // them (the compiler would otherwise sink their arithmetic past a wgmma wait, where it no
-    // longer overlaps the tensor cores).
-    __device__ __forceinline__ void pin() {
-#pragma unroll
-        for (int w = 0; w < (N + 31) / 32; ++w) asm volatile("" : "+r"(word[w])::"memory");
-    }
-};
-
-template <class Drop, int M_STRIPS, int N_FRAGS>
-__device__ __forceinline__ KeepBits<M_STRIPS * N_FRAGS * 4> s_frag_keep_bits(const Drop& d, int row_lane,
-                                                                              int key_lane) {
-    KeepBits<M_STRIPS * N_FRAGS * 4> bits;
-    bits.clear();
-    walk_s_frags<Drop, M_STRIPS, N_FRAGS>(d, row_lane, key_lane, [&](int i, int f, int k, bool kept) {
-        bits.put((i * N_FRAGS + f) * 4 + k, kept);
-    });
-    return bits;
-}
-template <class Drop, int N_FRAGS>
-__device__ __forceinline__ KeepBits<N_FRAGS * 4> st_frag_keep_bits(const Drop& d, int key_lane, int query_lane) {
-    KeepBits<N_FRAGS * 4> bits;
-    bits.clear();
-    walk_st_frags<Drop, N_FRAGS>(d, key_lane, query_lane, [&](int f, int k, bool kept) { bits.put(f * 4 + k, kept); });
-    return bits;
-}
-
-// x = op(x, kept) from bits made by s_frag_keep_bits / st_frag_keep_bits.
-template <int M_STRIPS, int N_FRAGS, class Op>
-__device__ __forceinline__ void apply_keep_bits(float (&s)[M_STRIPS][N_FRAGS][4],
-                                                const KeepBits<M_STRIPS * N_FRAGS * 4>& bits, Op op) {
-#pragma unroll
-    for (int i = 0; i < M_STRIPS; ++i)
-#pragma unroll
-        for (int f = 0; f < N_FRAGS; ++f)
-#pragma unroll
-            for (int k = 0; k < 4; ++k) s[i][f][k] = op(s[i][f][k], bits.kept((i * N_FRAGS + f) * 4 + k));
-}
-template <int N_FRAGS, class Op>
-__device__ __forceinline__ void apply_keep_bits(float (&s)[N_FRAGS][4], const KeepBits<N_FRAGS * 4>& bits, Op op) {
-    apply_keep_bits(reinterpret_cast<float(&)[1][N_FRAGS][4]>(s), bits, op);
-}
-
 // The three uses of the keep bit. Forward: a dropped weight is 0 (the 1 / (1 - p) comes in the
 // epilogue). Backward: a dropped weight is marked by its sign, dV takes kept_weight(x), dS
 // dropped_ds(x, dp, D, scale).

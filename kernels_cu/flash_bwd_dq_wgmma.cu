@@ -147,12 +147,6 @@ flash_bwd_dq_wgmma(const __grid_constant__ BwdParams p) {
                                                  kk > 0);
         }
         wgmma_commit();
-        // Dropout's keep bits depend on indices only: found while the tensor cores compute S_j, dP_j.
-        KeepBits<N_FRAGS * 4> keep;
-        if constexpr (DropoutOf<Mask>::ENABLED) {
-            keep = s_frag_keep_bits<DropoutOf<Mask>, 1, N_FRAGS>(dropout, row_lo, n0 + 2 * (lane % 4));
-            keep.pin();
-        }
         wgmma_wait<1>();  // S_j, and dS K_{j-1}: its A fragments may be overwritten below
         pin_registers(reinterpret_cast<float(&)[N_FRAGS * 4]>(s_acc));
         pin_registers(reinterpret_cast<float(&)[D_FRAGS * 4]>(dq_acc));
@@ -190,7 +184,7 @@ flash_bwd_dq_wgmma(const __grid_constant__ BwdParams p) {
         wgmma_wait<0>();
         pin_registers(reinterpret_cast<float(&)[N_FRAGS * 4]>(dp_acc));
         if constexpr (DropoutOf<Mask>::ENABLED)  // Z dP / (1 - p) (dropout.cuh)
-            apply_keep_bits(dp_acc, keep, ScaleKept{p.variant.dropout.scale});
+            for_s_frags(dp_acc, dropout, row_lo, key0, ScaleKept{p.variant.dropout.scale});
 #pragma unroll
         for (int f = 0; f < N_FRAGS; ++f)
 #pragma unroll

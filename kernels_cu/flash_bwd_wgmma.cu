@@ -204,14 +204,6 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
             if (it + 1 < walk.iters) load_query_block(it + 1, stage ^ 1);
             cp_async_commit();
         }
-        // Dropout's keep bits depend on indices only: found while the tensor cores compute S^T.
-        KeepBits<SJ * 4> keep;
-        if constexpr (DropoutOf<Mask>::ENABLED) {
-            keep = st_frag_keep_bits<DropoutOf<Mask>, SJ>(DropoutOf<Mask>(p, seq.index, head),
-                                                          n0 + 64 * wg + 16 * warp_in_wg + lane / 4,
-                                                          m0 + 2 * (lane % 4));
-            keep.pin();
-        }
         wgmma_wait<1>();
         pin_registers(reinterpret_cast<float(&)[SJ * 4]>(s_acc));
 
@@ -257,7 +249,8 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
         else
             probabilities(Flag<false>());
         // Dropout (dropout.cuh): a dropped weight keeps its magnitude for dS and loses its sign.
-        if constexpr (DropoutOf<Mask>::ENABLED) apply_keep_bits(s_acc, keep, MarkDropped{});
+        if constexpr (DropoutOf<Mask>::ENABLED)
+            for_st_frags(s_acc, DropoutOf<Mask>(p, seq.index, head), key0, query0, MarkDropped{});
         u32 p_frag[QK][4];
         pack_a_frags<T, BLOCK_M>(p_frag, s_acc);
 

@@ -123,13 +123,6 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p) {
                                                  smem_desc(k_tile + k_off, 16, 1024), kk > 0);
         }
         wgmma_commit();
-        // Dropout's keep bits depend on indices only: found while the tensor cores compute S_j.
-        KeepBits<N_FRAGS * 4> keep;
-        if constexpr (DropoutOf<Mask>::ENABLED) {
-            keep = s_frag_keep_bits<DropoutOf<Mask>, 1, N_FRAGS>(dropout, m0 + strip_row0 + lane / 4,
-                                                                  j * BLOCK_N + 2 * (lane % 4));
-            keep.pin();
-        }
         wgmma_wait<0>();  // S_j, and P V_{j-1}: O may be rescaled
         pin_registers(reinterpret_cast<float(&)[N_FRAGS * 4]>(s));
         pin_registers(reinterpret_cast<float(&)[D_FRAGS * 4]>(o_acc));
@@ -140,7 +133,8 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p) {
         float m_new[1][2];
         row_max(m_new, s, row_stats, lane);
         softmax_rescale(s, o_acc, row_stats, m_new, lane);
-        if constexpr (DropoutOf<Mask>::ENABLED) apply_keep_bits(s, keep, DropToZero{});  // after the row sums
+        if constexpr (DropoutOf<Mask>::ENABLED)  // after the row sums: l and lse stay the softmax's
+            for_s_frags(s, dropout, m0 + strip_row0 + lane / 4, n0 + 2 * (lane % 4), DropToZero{});
         u32 p_frag[1][N_FRAGS / 2][4];
         pack_p<T>(p_frag, s);
 

@@ -121,6 +121,7 @@ suite)  # the GPU test suite in two parts (SUITE_PART=1 or 2), each one summary 
               tests/kernels/test_compile_check.py tests/dev) ;;
     *) paths=(tests/test_variants_gpu.py tests/test_window_gpu.py tests/kernels tests/test_modifiers_gpu.py
               tests/test_magnitudes_gpu.py tests/benchmarks tests/test_kvcache_gpu.py tests/test_decode_dispatch_gpu.py
+              tests/test_dropout_gpu.py
               tests/test_distributed_gpu.py) ;;
     esac
     step "suite-part${SUITE_PART:-1}" "${TEST_LIMIT:-540}" bash scripts/gpu_suite_part.sh "$out/suite-part${SUITE_PART:-1}.txt" \
