@@ -131,19 +131,21 @@ def _variant_arrays(alibi_slopes, sink):
 def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool,
                 window_left: int, window_right: int, deterministic: bool, softcap: float = 0.0,
                 alibi_slopes: torch.Tensor | None = None,
-                sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                sink: torch.Tensor | None = None, dropout_p: float = 0.0,
+                seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse) of cupyflash.flash_attn_func; ``deterministic`` is kept for the backward."""
     def compute(q, k, v, backend):
         return api.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
                                    window_size=(window_left, window_right), softcap=softcap,
-                                   **_variant_arrays(alibi_slopes, sink), return_lse=True, backend=backend)
+                                   **_variant_arrays(alibi_slopes, sink), **_dropout_args(dropout_p, seed),
+                                   return_lse=True, backend=backend)
 
     return _run(q.device, compute, q, k, v)
 
 
 @_forward_op.register_fake
 def _forward_fake(q, k, v, softmax_scale, causal, window_left, window_right, deterministic, softcap=0.0,
-                  alibi_slopes=None, sink=None):
+                  alibi_slopes=None, sink=None, dropout_p=0.0, seed=0):
     batch, seqlen_q, nheads, _ = q.shape
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = q.new_empty((batch, nheads, seqlen_q), dtype=_lse_dtype(q.dtype))
@@ -154,13 +156,14 @@ def _forward_fake(q, k, v, softmax_scale, causal, window_left, window_right, det
 def _backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                  lse: torch.Tensor, softmax_scale: float, causal: bool, window_left: int, window_right: int,
                  deterministic: bool, softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
-                 sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                 sink: torch.Tensor | None = None, dropout_p: float = 0.0,
+                 seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dsink) of cupyflash.flash_attn_backward; dsink empty without a sink."""
     def compute(do, q, k, v, o, lse, backend):
         return api.flash_attn_backward(do, q, k, v, o, lse, softmax_scale=softmax_scale, causal=causal,
                                        window_size=(window_left, window_right), softcap=softcap,
-                                       **_variant_arrays(alibi_slopes, sink), backend=backend,
-                                       deterministic=deterministic)
+                                       **_variant_arrays(alibi_slopes, sink), **_dropout_args(dropout_p, seed),
+                                       backend=backend, deterministic=deterministic)
 
     grads = _run(q.device, compute, do, q, k, v, o, lse)
     return grads if sink is not None else (*grads, q.new_empty((0,), dtype=torch.float32))
@@ -168,16 +171,17 @@ def _backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
 
 @_backward_op.register_fake
 def _backward_fake(do, q, k, v, o, lse, softmax_scale, causal, window_left, window_right, deterministic,
-                   softcap=0.0, alibi_slopes=None, sink=None):
+                   softcap=0.0, alibi_slopes=None, sink=None, dropout_p=0.0, seed=0):
     dsink = q.new_empty((0,) if sink is None else tuple(sink.shape), dtype=torch.float32)
     return (*(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v)), dsink)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal, window_left, window_right, deterministic, softcap, alibi_slopes, sink = inputs
+    q, k, v, softmax_scale, causal, window_left, window_right, deterministic, softcap, alibi_slopes, sink, *drop = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse)
-    ctx.options = (softmax_scale, causal, window_left, window_right, deterministic, softcap, alibi_slopes, sink)
+    ctx.options = (softmax_scale, causal, window_left, window_right, deterministic, softcap, alibi_slopes, sink,
+                   *drop)
     ctx.set_materialize_grads(False)  # an unused lse then brings None, not a tensor of zeros to add
 
 
@@ -192,13 +196,17 @@ def _backward_formula(ctx, do, dlse):
             # dlse/dS_ij = P_ij (1 - tanh^2): the attention-shaped products below would miss the factor.
             raise NotImplementedError("cupyflash.torch: a gradient through softmax_lse with softcap != 0 is not "
                                       "supported yet")
+        if len(ctx.options) > 8 and ctx.options[8]:
+            # dlse/dS_ij = P_ij, the softmax's: the products below would take the dropped-out weights.
+            raise NotImplementedError("cupyflash.torch: a gradient through softmax_lse with dropout_p != 0 is not "
+                                      "supported yet")
         dq, dk = _add_lse_gradient(dq, dk, q, k, dlse.transpose(1, 2).unsqueeze(-1), scale,
                                    lambda: _forward_op(q, k, k, *ctx.options)[0],
                                    lambda do_q: _backward_op(do_q, q, k, v, o, lse, *ctx.options)[2])
         if sink is not None:  # dlse_i/dsink = exp(sink - lse_i), the sink's share of row i
             share = torch.exp(sink.to(lse.dtype)[None, :, None] - lse) * (lse != -math.inf)
             dsink = dsink + (dlse.to(lse.dtype) * share).sum(dim=(0, 2)).to(dsink.dtype)
-    return dq, dk, dv, None, None, None, None, None, None, None, (dsink if sink is not None else None)
+    return dq, dk, dv, None, None, None, None, None, None, None, (dsink if sink is not None else None), None, None
 
 
 def _add_lse_gradient(dq, dk, q, k, dlse_rows, scale, attend_to_keys, dv_for):
@@ -403,6 +411,21 @@ def _unsupported(**options) -> None:
         raise NotImplementedError(f"cupyflash.torch does not support {', '.join(named)} yet")
 
 
+def _dropout_args(dropout_p: float, seed: int) -> dict:
+    """cupyflash's dropout arguments (none for dropout_p = 0)."""
+    return dict(dropout_p=dropout_p, seed=seed) if dropout_p else {}
+
+
+def _dropout_seed(dropout_p) -> int:
+    """A seed for a call's dropout mask, drawn from torch's default CPU generator (so
+    torch.manual_seed reproduces it; no device synchronisation), 0 without dropout."""
+    if isinstance(dropout_p, torch.Tensor):
+        raise TypeError("dropout_p must be a Python number, not a tensor")
+    if not dropout_p:
+        return 0
+    return int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
+
+
 def _check_variant_tensors(q, softcap, alibi_slopes, sink) -> None:
     """softcap a Python number; alibi_slopes and sink tensors on q's device (their shapes and
     dtypes are cupyflash's checks, scores.check_variant)."""
@@ -477,11 +500,15 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     ``score_mod``, ``mask_mod`` and ``block_mask`` (keywords only) are cupyflash's user modifiers
     (cupyflash.modifiers), their tensors torch tensors on q's device (read, not differentiated);
     with them the call is an autograd.Function rather than a custom operator.
-    Not supported yet, each a NotImplementedError: dropout_p != 0; a gradient through softmax_lse
-    with softcap != 0 or with modifiers.
+    ``dropout_p`` drops each attention weight with that probability (cupyflash.flash_attn_func's
+    dropout): the mask's seed is drawn from torch's default generator (torch.manual_seed
+    reproduces it) and kept for the backward; S_dmask stays empty.
+    Not supported yet, each a NotImplementedError: a gradient through softmax_lse with softcap != 0,
+    with dropout_p != 0 or with modifiers.
     """
-    _unsupported(dropout_p=dropout_p != 0)
     _check_tensors(q, k, v)
+    dropout_p = float(dropout_p) if not isinstance(dropout_p, torch.Tensor) else dropout_p
+    seed = _dropout_seed(dropout_p)
     scale = _scale(softmax_scale, q.shape[3])
     window_left, window_right = check_window(window_size)
     _check_variant_tensors(q, softcap, alibi_slopes, sink)
@@ -490,7 +517,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             raise ValueError("cupyflash: score_mod does not combine with softcap or alibi_slopes; write the cap or "
                              "the bias into the score_mod")
         options = dict(softmax_scale=scale, causal=bool(causal), window_size=(window_left, window_right),
-                       score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask)
+                       score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
+                       **_dropout_args(dropout_p, seed))
         on_stream = _cupy_on_torch_stream(q.device) if q.device.type == "cuda" else contextlib.nullcontext()
         with on_stream:  # the block map's kernel reads the mask's tensors in torch's stream order
             if mask_mod is not None and block_mask is None:  # one block map for the forward and the backward
@@ -501,7 +529,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         o, lse = _ModifiedAttention.apply(q, k, v, sink, options, bool(deterministic))
         return o if not return_attn_probs else (o, lse, q.new_empty((0,)))
     o, lse = _forward_op(q, k, v, scale, bool(causal), window_left, window_right, bool(deterministic),
-                         float(softcap), alibi_slopes, sink)
+                         float(softcap), alibi_slopes, sink, dropout_p, seed)
     if not return_attn_probs:
         return o
     return o, lse, q.new_empty((0,))

@@ -292,10 +292,48 @@ def test_sdpa_helper_errors():
 
 # --- errors ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("option, value", [("dropout_p", 0.1)])
-def test_unsupported_options_are_named(option, value):
-    with pytest.raises(NotImplementedError, match=option):
-        flash_attn_func(*qkv(), **{option: value})
+# --- dropout ----------------------------------------------------------------------------------------
+
+def _drawn_seed(torch_seed: int) -> int:
+    """The seed cupyflash.torch draws for a dropout call after torch.manual_seed(torch_seed)."""
+    torch.manual_seed(torch_seed)
+    return int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_dropout_matches_cupyflash_with_the_seed_torch_draws(causal):
+    q, k, v, _, _ = _variant_inputs(5)
+    do = torch.randn_like(q)
+    seed = _drawn_seed(11)
+    torch.manual_seed(11)
+    out = flash_attn_func(q, k, v, dropout_p=0.25, causal=causal)
+    out.backward(do)
+    arrays = [t.detach().numpy() for t in (q, k, v)]
+    o, lse = cupyflash.flash_attn_func(*arrays, dropout_p=0.25, seed=seed, causal=causal, return_lse=True)
+    grads = cupyflash.flash_attn_backward(do.numpy(), *arrays, o, lse, dropout_p=0.25, seed=seed, causal=causal)
+    assert np.array_equal(out.detach().numpy(), o)
+    for t, g in zip((q, k, v), grads):
+        assert np.array_equal(t.grad.numpy(), g)
+    keep = cupyflash.dropout_mask(2, 4, 9, 11, 0.25, seed)
+    o_ref, _ = reference.attention(*arrays, causal=causal, dropout_p=0.25, dropout_mask=keep)
+    assert np.allclose(o, o_ref, atol=1e-12)
+
+
+def test_dropout_is_reproducible_under_manual_seed_and_differs_without():
+    q, k, v = qkv()
+    torch.manual_seed(3)
+    a = flash_attn_func(q, k, v, dropout_p=0.5)
+    torch.manual_seed(3)
+    b = flash_attn_func(q, k, v, dropout_p=0.5)
+    c = flash_attn_func(q, k, v, dropout_p=0.5)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_an_lse_gradient_with_dropout_is_refused():
+    q, k, v, _, _ = _variant_inputs(6)
+    _, lse, _ = flash_attn_func(q, k, v, dropout_p=0.1, return_attn_probs=True)
+    with pytest.raises(NotImplementedError, match="dropout_p"):
+        lse.sum().backward()
 
 
 # --- variants: softcap, ALiBi, sinks ----------------------------------------------------------------

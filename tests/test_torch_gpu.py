@@ -54,6 +54,28 @@ def test_outputs_and_gradients_equal_cupyflash_bitwise(dtype, headdim, causal, n
         assert torch.equal(t.grad, torch.from_dlpack(g)), f"d{name} differs"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("causal", [False, True])
+def test_dropout_outputs_and_gradients_equal_cupyflash_bitwise(dtype, causal):
+    """dropout_p on CUDA tensors: the seed torch's generator gives, the same kernels as cupyflash's."""
+    import cupy
+
+    q, k, v = qkv(headdim=64, nheads_kv=2, dtype=dtype)
+    torch.manual_seed(21)
+    seed = int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
+    torch.manual_seed(21)
+    o = flash_attn_func(q, k, v, dropout_p=0.2, causal=causal, deterministic=True)
+    do = torch.randn_like(o)
+    o.backward(do)
+    arrays = [cupy.from_dlpack(t.detach()) for t in (q, k, v)]
+    kw = dict(dropout_p=0.2, seed=seed, causal=causal)
+    o_ref, lse_ref = cupyflash.flash_attn_func(*arrays, return_lse=True, **kw)
+    grads = cupyflash.flash_attn_backward(cupy.from_dlpack(do), *arrays, o_ref, lse_ref, deterministic=True, **kw)
+    assert torch.equal(o.detach(), torch.from_dlpack(o_ref))
+    for name, t, g in zip("qkv", (q, k, v), grads):
+        assert torch.equal(t.grad, torch.from_dlpack(g)), f"d{name} differs"
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("causal, window_size", [(False, (64, 32)), (True, (100, -1)), (False, (0, 0))])
 def test_window_outputs_and_gradients_equal_cupyflash_bitwise(dtype, causal, window_size):
