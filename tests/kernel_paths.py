@@ -18,6 +18,19 @@ SM80_FWD = {64: dict(block_m=128, block_n=64, warps=4, q_in_regs=True, min_block
             256: dict(block_m=128, block_n=32, warps=8, q_in_regs=False)}
 # (version, deterministic) of the mma.sync backward paths (mma_bwd.backward's notes).
 MMA_SYNC_BWD = [("v5", True), ("v5", False), ("v3", False)]
+# Cost bounds of the GPU properties' problems: the default kernels', and the override paths'
+# (small shapes, so that 200 examples stay within the budget).
+GPU_MAX_COST = 4e7
+SMALL_COST = 4e6
+
+
+def mma_case(max_cost=GPU_MAX_COST, **kw):
+    """attention_case, with the 16-bit problems the tensor-core kernels take (head dims multiples
+    of 8 up to 256)."""
+    from strategies import attention_case
+
+    return attention_case(max_cost=max_cost, **kw).filter(
+        lambda c: c.dtype not in SIXTEEN_BIT or (c.headdim % 8 == 0 and c.headdim <= 256))
 
 
 def _nan(shape, dtype):

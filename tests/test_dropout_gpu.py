@@ -11,24 +11,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cupyflash.dropout import Dropout, dropout_mask
-from kernel_paths import MMA_SYNC_BWD, check_against_reference, run_path
-from strategies import attention_case, make_inputs
+from kernel_paths import GPU_MAX_COST, MMA_SYNC_BWD, SMALL_COST, check_against_reference, mma_case, run_path
+from strategies import make_inputs
 from tolerance import SIXTEEN_BIT
 from windows import window_size
 
 pytestmark = pytest.mark.gpu
-GPU_MAX_COST = 4e7
-SMALL_COST = 4e6
-
-
-def _mma_case(max_cost=GPU_MAX_COST, **kw):
-    return attention_case(max_cost=max_cost, **kw).filter(
-        lambda c: c.dtype not in SIXTEEN_BIT or (c.headdim % 8 == 0 and c.headdim <= 256))
 
 
 @st.composite
 def _problem(draw, max_cost=GPU_MAX_COST, **kw):
-    case = draw(_mma_case(max_cost, **kw))
+    case = draw(mma_case(max_cost, **kw))
     p = draw(st.sampled_from((0.1, 0.5, 0.9)) | st.floats(0.01, 0.95))
     dropout = Dropout(p, draw(st.integers(0, 2**64 - 1)), draw(st.integers(0, 2**32 - 1)))
     return case, draw(window_size()), dropout

@@ -13,25 +13,18 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kernel_paths import MMA_SYNC_BWD, check_against_reference, run_path
-from strategies import attention_case, make_inputs
+from kernel_paths import GPU_MAX_COST, MMA_SYNC_BWD, SMALL_COST, check_against_reference, mma_case, run_path
+from strategies import make_inputs
 from tolerance import SIXTEEN_BIT
 from variants import variant_kwargs
 from windows import window_size
 
 pytestmark = pytest.mark.gpu
-GPU_MAX_COST = 4e7
-SMALL_COST = 4e6
-
-
-def _mma_case(max_cost=GPU_MAX_COST, **kw):
-    return attention_case(max_cost=max_cost, **kw).filter(
-        lambda c: c.dtype not in SIXTEEN_BIT or (c.headdim % 8 == 0 and c.headdim <= 256))
 
 
 @st.composite
 def _problem(draw, max_cost=GPU_MAX_COST, **kw):
-    case = draw(_mma_case(max_cost, **kw))
+    case = draw(mma_case(max_cost, **kw))
     return case, draw(window_size()), draw(variant_kwargs(case.batch, case.nheads))
 
 
