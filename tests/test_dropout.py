@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cupyflash
@@ -13,6 +13,7 @@ from cupyflash import reference
 from cupyflash.dropout import Dropout, check_dropout, dropout_mask, keep_threshold, philox4x32_10
 from strategies import attention_case, make_inputs
 from kernel_paths import check_against_reference
+from variants import variant_kwargs
 from windows import window_size
 
 # Random123's kat_vectors for philox4x32 with 10 rounds: (counter, key, result).
@@ -143,3 +144,19 @@ def test_backward_with_dropout_needs_the_seed():
     o, lse = cupyflash.flash_attn_func(q, q, q, dropout_p=0.2, seed=1, backend="numpy", return_lse=True)
     with pytest.raises(ValueError, match="seed"):
         cupyflash.flash_attn_backward(q, q, q, q, o, lse, dropout_p=0.2, backend="numpy")
+
+
+@settings(max_examples=15, suppress_health_check=[HealthCheck.large_base_example])
+@given(attention_case(), window_size(), st.floats(0.05, 0.9), st.integers(0, 2**64 - 1), st.data())
+def test_numpy_twin_with_dropout_and_score_variants_matches_reference(case, window, p, seed, data):
+    """Dropout with softcap, ALiBi and a sink together (the variants enter before the softmax,
+    dropout after it), against the reference given the mask; dsink too."""
+    variant = data.draw(variant_kwargs(case.batch, case.nheads))
+    q, k, v, do = make_inputs(case)
+    kwargs = dict(softmax_scale=case.softmax_scale, causal=case.causal, window_size=window, **variant)
+    o, lse = cupyflash.flash_attn_func(q, k, v, dropout_p=p, seed=seed, return_lse=True, backend="numpy", **kwargs)
+    grads = cupyflash.flash_attn_backward(do, q, k, v, o, lse, dropout_p=p, seed=seed, backend="numpy", **kwargs)
+    keep = dropout_mask(case.batch, case.nheads, case.seqlen_q, case.seqlen_k, p, seed)
+    dsink = grads[3] if "sink" in variant else None
+    check_against_reference(case, window, q, k, v, do, o, lse, grads[:3],
+                            {**variant, "dropout_p": p, "dropout_mask": keep}, dsink=dsink)

@@ -88,3 +88,16 @@ def test_public_api_with_dropout_matches_reference(problem, deterministic):
     grads = cupyflash.flash_attn_backward(cupy.asarray(do), qd, kd, vd, o, lse, deterministic=deterministic, **kwargs)
     check_against_reference(case, window, q, k, v, do, o.get(), lse.get(), [g.get() for g in grads],
                             _reference_kwargs(case, dropout))
+
+
+@given(_problem(), st.data())
+def test_dropout_with_score_variants_matches_reference(problem, data):
+    """Dropout with softcap, ALiBi and a sink on the default kernels: the derivative's stash and
+    the dropped elements' dS share flash_bwd_wgmma_dsplit's words (d256 on sm_90)."""
+    from variants import variant_kwargs
+
+    case, window, dropout = problem
+    variant = data.draw(variant_kwargs(case.batch, case.nheads))
+    q, k, v, do = make_inputs(case)
+    o, lse, *grads = run_path(case, window, q, k, v, do, variant={**variant, "dropout": dropout})
+    check_against_reference(case, window, q, k, v, do, o, lse, grads, {**variant, **_reference_kwargs(case, dropout)})
