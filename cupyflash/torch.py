@@ -507,8 +507,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     with dropout_p != 0 or with modifiers.
     """
     _check_tensors(q, k, v)
-    dropout_p = float(dropout_p) if not isinstance(dropout_p, torch.Tensor) else dropout_p
-    seed = _dropout_seed(dropout_p)
+    seed = _dropout_seed(dropout_p)  # refuses a tensor
+    dropout_p = float(dropout_p)
     scale = _scale(softmax_scale, q.shape[3])
     window_left, window_right = check_window(window_size)
     _check_variant_tensors(q, softcap, alibi_slopes, sink)

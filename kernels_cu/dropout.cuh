@@ -49,6 +49,11 @@ __device__ __forceinline__ uint4 philox4x32_10(uint4 c, unsigned k0, unsigned k1
     return c;
 }
 
+// Word 2 a + c of a group's four (x, y, z, w): the element (i0 + 8 a, j0 + 8 c).
+__device__ __forceinline__ unsigned word_of(const uint4& w, int a, int c) {
+    return a ? (c ? w.w : w.z) : (c ? w.y : w.x);
+}
+
 // The mask of one (sequence, query head): ON false is no dropout, and every call below vanishes.
 template <bool ON>
 struct DropoutFn {
@@ -84,10 +89,6 @@ struct DropoutFn {
 
 template <class Mask>
 using DropoutOf = DropoutFn<Mask::Score::HAS_DROPOUT>;
-
-__device__ __forceinline__ unsigned word_of(const uint4& w, int a, int c) {
-    return a ? (c ? w.w : w.z) : (c ? w.y : w.x);
-}
 
 // The keep bits of a lane's m16n8 fragments of S, visit(i, f, k, kept) for s[i][f][k]: query
 // row_lane + 16 i + 8 (k / 2), key key_lane + 8 f + k % 2 (row_lane = row of lane / 4 in strip 0,
@@ -145,8 +146,8 @@ __device__ __forceinline__ void for_st_frags(float (&s)[N_FRAGS][4], const Drop&
 }
 
 // The three uses of the keep bit. Forward: a dropped weight is 0 (the 1 / (1 - p) comes in the
-// epilogue). Backward: a dropped weight is marked by its sign, dV takes kept_weight(x), dS
-// dropped_ds(x, dp, D, scale).
+// epilogue). Backward: a dropped weight is marked by its sign, dV takes max(x, 0) (relu_frags on
+// the packed operand), dS dropped_ds(x, dp, D, scale).
 struct DropToZero {
     template <typename A>
     __device__ __forceinline__ A operator()(A x, bool kept) const { return kept ? x : A(0); }
@@ -162,8 +163,6 @@ struct ScaleKept {
     template <typename A>
     __device__ __forceinline__ A operator()(A x, bool kept) const { return kept ? x * A(scale) : A(0); }
 };
-template <typename A>
-__device__ __forceinline__ A kept_weight(A x) { return x > A(0) ? x : A(0); }
 // P o (Z dP / (1 - p) - D) from a marked weight x (|x| = P; -0 and +0 both give 0).
 template <typename A>
 __device__ __forceinline__ A dropped_ds(A x, A dp, A delta, A scale) {
