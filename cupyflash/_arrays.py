@@ -120,22 +120,25 @@ def check_dtype(arrays: dict) -> np.dtype:
 
 
 def check_qkv_shapes(q, k, v) -> tuple[int, int, int, int, int, int]:
-    """(batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim) after checking the layouts."""
+    """(batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim) after checking the layouts; headdim
+    is q's and k's. v may have another head dim (``headdim_v``), which o (and do) then have."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 4:
             raise ValueError(f"{name} must have 4 dimensions (batch, seqlen, nheads, headdim); "
                              f"got shape {tuple(x.shape)}")
     batch, seqlen_q, nheads, headdim = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape; got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v must have the same (batch, seqlen, nheads); got k {tuple(k.shape)} and "
+                         f"v {tuple(v.shape)}")
     if k.shape[0] != batch:
         raise ValueError(f"q and k must have the same batch size; got {batch} and {k.shape[0]}")
     if k.shape[3] != headdim:
         raise ValueError(f"q and k must have the same headdim; got {headdim} and {k.shape[3]} "
-                         "(a v headdim different from q/k is not supported)")
+                         "(v's may differ)")
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
-    if not 1 <= headdim <= MAX_HEADDIM:
-        raise ValueError(f"headdim must be between 1 and {MAX_HEADDIM}; got {headdim}")
+    for name, d in (("headdim", headdim), ("headdim of v", v.shape[3])):
+        if not 1 <= d <= MAX_HEADDIM:
+            raise ValueError(f"{name} must be between 1 and {MAX_HEADDIM}; got {d}")
     if nheads_kv == 0 and nheads != 0 or nheads_kv != 0 and nheads % nheads_kv != 0:
         raise ValueError(f"nheads of q ({nheads}) must be a multiple of nheads of k/v ({nheads_kv}) "
                          "(GQA/MQA); k/v may have 0 heads only when q has 0")
@@ -221,12 +224,14 @@ def check_backend(backend) -> str:
     return backend
 
 
-def check_backward_arrays(do, o, lse, q_shape, dtype):
-    """Shapes and dtypes of the backward's extra inputs."""
-    batch, seqlen_q, nheads, _ = q_shape
+def check_backward_arrays(do, o, lse, out_shape, dtype):
+    """Shapes and dtypes of the backward's extra inputs; ``out_shape`` is the forward output's,
+    q's (batch, seqlen_q, nheads) and v's headdim."""
+    batch, seqlen_q, nheads, _ = out_shape
     for name, x in (("do", do), ("o", o)):
-        if tuple(x.shape) != tuple(q_shape):
-            raise ValueError(f"{name} must have the shape of q {tuple(q_shape)}; got {tuple(x.shape)}")
+        if tuple(x.shape) != tuple(out_shape):
+            raise ValueError(f"{name} must have the output's shape (q's batch, seqlen, nheads and v's headdim) "
+                             f"{tuple(out_shape)}; got {tuple(x.shape)}")
         if np.dtype(x.dtype) != dtype:
             raise TypeError(f"{name} must have the dtype of q ({dtype}); got {x.dtype}")
     expected = (batch, nheads, seqlen_q)

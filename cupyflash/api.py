@@ -1,6 +1,7 @@
 """Public API: flash_attn_func, flash_attn_backward, flash_attn_vjp.
 
-Layout (batch, seqlen, nheads, headdim) for q, k, v, o; lse is (batch, nheads, seqlen_q), natural
+Layout (batch, seqlen, nheads, headdim) for q, k, v, o (v and o may have a head dim of their own,
+headdim_v); lse is (batch, nheads, seqlen_q), natural
 log. CuPy arrays in → CuPy out on the current stream; NumPy in → NumPy out (computed on the GPU when
 one is usable); DLPack / CUDA-array-interface objects (torch, JAX) → zero-copy in, CuPy out.
 """
@@ -94,7 +95,7 @@ def _forward_in_chunks(compute, q, k, v, variant):
     if len(chunks) == 1:
         return compute(q, k, v, variant)
     xp = _array_module(q)
-    o = _empty(q.shape, q.dtype, xp=xp)
+    o = _empty(q.shape[:3] + v.shape[3:], q.dtype, xp=xp)
     lse = _empty((batch, nheads, seqlen_q), lse_dtype(q.dtype), xp=xp)
     for b, h, kv in chunks:
         o[b, :, h], lse[b, h] = compute(q[b, :, h], k[b, :, kv], v[b, :, kv], variant.sliced(b, h).to(xp))
@@ -163,7 +164,8 @@ def flash_attn_func(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
                     return_lse=False, backend="auto", seed=None, offset=0):
     """Exact attention softmax(q kᵀ · scale) v, computed tile by tile without materialising S.
 
-    q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim) with
+    q: (batch, seqlen_q, nheads, headdim); k: (batch, seqlen_k, nheads_kv, headdim); v: (batch,
+    seqlen_k, nheads_kv, headdim_v), headdim_v any of 1..256 like headdim (DeepSeek MLA's 192 / 128);
     nheads % nheads_kv == 0 (GQA/MQA). ``causal`` masks bottom-right aligned: query i sees key j iff
     j <= i + seqlen_k - seqlen_q. ``window_size=(left, right)`` is flash-attn's sliding window
     (-1: that side unbounded): query i sees key j iff i + seqlen_k - seqlen_q - left <= j <=
@@ -184,8 +186,8 @@ def flash_attn_func(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
     None: a fresh random seed), ``offset`` (uint32) and the element's indices alone, the same in
     any backend and in the backward given the same seed and offset
     (cupyflash.dropout.dropout_mask returns it).
-    Returns o (like q), or (o, lse) with lse (batch, nheads, seqlen_q) float32 (float64 for
-    float64).
+    Returns o (batch, seqlen_q, nheads, headdim_v), or (o, lse) with lse (batch, nheads, seqlen_q)
+    float32 (float64 for float64).
     backend: 'auto' (tensor cores for 16-bit, SIMT otherwise, NumPy without a GPU), 'cuda',
     'mma', 'simt' or 'numpy'.
     """
@@ -198,7 +200,7 @@ def flash_attn_func(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
     _refuse_host_under_capture(arrays, backend)
     dtype = A.check_dtype(arrays)
     batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim = A.check_qkv_shapes(*arrays.values())
-    which = dispatch.choose(backend, dtype, headdim, "fwd")
+    which = dispatch.choose(backend, dtype, max(headdim, arrays["v"].shape[3]), "fwd")
     mods = check_modifiers(score_mod, mask_mod, block_mask, batch=batch, nheads=nheads, seqlen_q=seqlen_q,
                            seqlen_k=seqlen_k, on_gpu=which != "numpy")
     variant = check_variant(softcap, alibi_slopes, sink, batch, nheads, mods, check_dropout(dropout_p, seed, offset))
@@ -212,7 +214,7 @@ def flash_attn_func(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
     variant = variant.to(xp)
 
     if empty:  # nothing to launch; every row (if any) sees no key
-        o, lse = seeing_no_key(q, variant, xp)
+        o, lse = seeing_no_key(q, v, variant, xp)
     elif which == "numpy":
         from . import numpy_backend
 
@@ -227,13 +229,14 @@ def flash_attn_func(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
     return (o, lse) if return_lse else o
 
 
-def seeing_no_key(q, variant, xp):
-    """(o, lse) of rows that see no key: o = 0, lse = -inf, or the sink where there is one."""
+def seeing_no_key(q, v, variant, xp):
+    """(o, lse) of rows that see no key: o = 0 (q's rows, v's head dim), lse = -inf, or the sink
+    where there is one."""
     batch, seqlen_q, nheads, _ = q.shape
     lse = xp.full((batch, nheads, seqlen_q), -np.inf, lse_dtype(q.dtype))
     if variant.sink is not None:
         lse[...] = variant.sink.astype(lse.dtype)[None, :, None]
-    return xp.zeros(q.shape, q.dtype), lse
+    return xp.zeros(q.shape[:3] + v.shape[3:], q.dtype), lse
 
 
 def _decode_by_cache_kernel(q, k, v, scale, causal, window, variant):
@@ -246,8 +249,9 @@ def _decode_by_cache_kernel(q, k, v, scale, causal, window, variant):
     from .masks import mask_for
 
     batch, seqlen_q, nheads, headdim = q.shape
-    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
-    if variant.mods is not None or variant.dropout.on or not kvcache_mma.supports(q.dtype, headdim):
+    seqlen_k, nheads_kv, headdim_v = k.shape[1], k.shape[2], v.shape[3]
+    if variant.mods is not None or variant.dropout.on or not kvcache_mma.supports(q.dtype, headdim) \
+            or not kvcache_mma.supports(q.dtype, headdim_v):
         return None
     if seqlen_q * (nheads // nheads_kv) > 16 or seqlen_k == 0:
         return None
@@ -256,7 +260,7 @@ def _decode_by_cache_kernel(q, k, v, scale, causal, window, variant):
             return None
     import cupy
 
-    o = _empty(q.shape, q.dtype)
+    o = _empty(q.shape[:3] + (headdim_v,), q.dtype)
     lse = _empty((batch, nheads, seqlen_q), lse_dtype(q.dtype))
     kvcache_mma.forward(q, k, v, o, lse, seqlens_k=cupy.full(batch, seqlen_k, np.int32),
                         block_table=cupy.arange(batch, dtype=np.int32).reshape(batch, 1), page_size=seqlen_k,
@@ -274,14 +278,13 @@ def _forward_gpu(which, q, k, v, scale, causal, window, variant):
     lse = _empty((batch, nheads, seqlen_q), lse_dtype(q.dtype))
     kernels = dispatch.family(which, "fwd")
     if which == "mma":
-        padded = dispatch.mma_headdim(headdim)
-        qp, kp, vp = (_mma_ready(x, padded) for x in (q, k, v))
-        o = _empty(qp.shape, q.dtype)
+        qp, kp, vp = (_mma_ready(x, dispatch.mma_headdim(x.shape[3])) for x in (q, k, v))
+        o = _empty(qp.shape[:3] + vp.shape[3:], q.dtype)
         kernels.forward(qp, kp, vp, o, lse, softmax_scale=scale, causal=causal, window_size=window, variant=variant)
-        if padded != headdim:
-            o = o[..., :headdim].copy()
+        if o.shape[3] != v.shape[3]:
+            o = o[..., :v.shape[3]].copy()
         return o, lse
-    o = _empty(q.shape, q.dtype)
+    o = _empty(q.shape[:3] + v.shape[3:], q.dtype)
     kernels.forward(q, k, v, o, lse, softmax_scale=scale, causal=causal, window_size=window, variant=variant)
     return o, lse
 
@@ -310,8 +313,9 @@ def flash_attn_backward(do, q, k, v, o, lse, *, dropout_p=0.0, softmax_scale=Non
     dtype = A.check_dtype({name: arrays[name] for name in ("q", "k", "v", "do", "o")})
     batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim = A.check_qkv_shapes(
         arrays["q"], arrays["k"], arrays["v"])
-    A.check_backward_arrays(arrays["do"], arrays["o"], arrays["lse"], arrays["q"].shape, dtype)
-    which = dispatch.choose(backend, dtype, headdim, "bwd")
+    A.check_backward_arrays(arrays["do"], arrays["o"], arrays["lse"], arrays["q"].shape[:3] + arrays["v"].shape[3:],
+                            dtype)
+    which = dispatch.choose(backend, dtype, max(headdim, arrays["v"].shape[3]), "bwd")
     mods = check_modifiers(score_mod, mask_mod, block_mask, batch=batch, nheads=nheads, seqlen_q=seqlen_q,
                            seqlen_k=seqlen_k, on_gpu=which != "numpy")
     variant = check_variant(softcap, alibi_slopes, sink, batch, nheads, mods,
@@ -348,18 +352,14 @@ def flash_attn_backward(do, q, k, v, o, lse, *, dropout_p=0.0, softmax_scale=Non
 def _backward_gpu(which, do, q, k, v, o, lse, variant, scale, causal, window, deterministic):
     import cupy
 
-    headdim = q.shape[3]
     kernels = dispatch.family(which, "bwd")
     if which == "mma":
-        padded = dispatch.mma_headdim(headdim)
-        dop, qp, kp, vp, op = (_mma_ready(x, padded) for x in (do, q, k, v, o))
+        dop, qp, kp, vp, op = (_mma_ready(x, dispatch.mma_headdim(x.shape[3])) for x in (do, q, k, v, o))
         dq, dk, dv = _empty(qp.shape, q.dtype), _empty(kp.shape, k.dtype), _empty(vp.shape, v.dtype)
         kernels.backward(dop, qp, kp, vp, op, cupy.ascontiguousarray(lse), dq, dk, dv,
                          softmax_scale=scale, causal=causal, deterministic=deterministic, window_size=window,
                          variant=variant)
-        if padded != headdim:
-            dq, dk, dv = (g[..., :headdim].copy() for g in (dq, dk, dv))
-        return dq, dk, dv
+        return tuple(g if g.shape == x.shape else g[..., :x.shape[3]].copy() for g, x in ((dq, q), (dk, k), (dv, v)))
     dq, dk, dv = _empty(q.shape, q.dtype), _empty(k.shape, k.dtype), _empty(v.shape, v.dtype)
     kernels.backward(do, q, k, v, o, cupy.ascontiguousarray(lse), dq, dk, dv,
                      softmax_scale=scale, causal=causal, deterministic=deterministic, window_size=window,

@@ -198,7 +198,7 @@ def _check_append_targets(layout: CacheLayout) -> None:
                          f"{int(pages[i])}, slot {int(slots[i])}, within cache_seqlens of a sequence that reads it)")
 
 
-def _check_new_kv(k, v, q_shape, cache_shape):
+def _check_new_kv(k, v, q_shape, cache_shape, v_cache_shape):
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together (the new keys and values to append), or neither")
     if k is None:
@@ -207,13 +207,15 @@ def _check_new_kv(k, v, q_shape, cache_shape):
         if x.ndim != 4:
             raise ValueError(f"{name} must have 4 dimensions (batch, seqlen_new, nheads_kv, headdim); "
                              f"got shape {tuple(x.shape)}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape; got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v must have the same (batch, seqlen_new, nheads_kv); got k {tuple(k.shape)} and "
+                         f"v {tuple(v.shape)}")
     if k.shape[0] != q_shape[0]:
         raise ValueError(f"k must have the batch size of q ({q_shape[0]}); got {k.shape[0]}")
-    if k.shape[2:] != tuple(cache_shape[2:]):
-        raise ValueError(f"k must have the (nheads_kv, headdim) of k_cache {tuple(cache_shape[2:])}; got "
-                         f"{tuple(k.shape[2:])}")
+    for name, x, cache_name, shape in (("k", k, "k_cache", cache_shape), ("v", v, "v_cache", v_cache_shape)):
+        if x.shape[2:] != tuple(shape[2:]):
+            raise ValueError(f"{name} must have the (nheads_kv, headdim) of {cache_name} {tuple(shape[2:])}; got "
+                             f"{tuple(x.shape[2:])}")
     return k.shape[1]
 
 
@@ -223,15 +225,16 @@ def _check_shapes(q, k_cache, v_cache) -> None:
             layout = ("(batch, seqlen, nheads, headdim)" if name == "q" else "(batch_cache, seqlen_cache, nheads_kv, "
                       "headdim), or (num_blocks, page_size, nheads_kv, headdim) with a block_table")
             raise ValueError(f"{name} must have 4 dimensions {layout}; got shape {tuple(x.shape)}")
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache and v_cache must have the same shape; got {tuple(k_cache.shape)} and "
-                         f"{tuple(v_cache.shape)}")
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(f"k_cache and v_cache must have the same shape but for the head dim (v_cache's may differ); "
+                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     nheads, headdim = q.shape[2], q.shape[3]
     nheads_kv = k_cache.shape[2]
     if k_cache.shape[3] != headdim:
         raise ValueError(f"q and k_cache must have the same headdim; got {headdim} and {k_cache.shape[3]}")
-    if not 1 <= headdim <= A.MAX_HEADDIM:
-        raise ValueError(f"headdim must be between 1 and {A.MAX_HEADDIM}; got {headdim}")
+    for name, d in (("headdim", headdim), ("headdim of v_cache", v_cache.shape[3])):
+        if not 1 <= d <= A.MAX_HEADDIM:
+            raise ValueError(f"{name} must be between 1 and {A.MAX_HEADDIM}; got {d}")
     if nheads_kv == 0 and nheads != 0 or nheads_kv != 0 and nheads % nheads_kv != 0:
         raise ValueError(f"nheads of q ({nheads}) must be a multiple of nheads of k_cache/v_cache ({nheads_kv}) "
                          "(GQA/MQA); the caches may have 0 heads only when q has 0")
@@ -288,15 +291,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
 
     q: (batch, seqlen_q, nheads, headdim). k_cache, v_cache: (batch_cache, seqlen_cache,
     nheads_kv, headdim), or (num_blocks, page_size, nheads_kv, headdim) with ``block_table``
-    (batch, max_blocks_per_seq) int32 (paged; any page size). k, v (optional, together):
-    (batch, seqlen_new, nheads_kv, headdim), written into the caches at positions
+    (batch, max_blocks_per_seq) int32 (paged; any page size); v_cache's head dim (headdim_v) may
+    differ from q's and k_cache's, and o then has it. k, v (optional, together): (batch,
+    seqlen_new, nheads_kv, headdim) and (..., headdim_v), written into the caches at positions
     cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 of sequence b. ``cache_seqlens``: an int
     or (batch,) int32, the tokens already cached per sequence (required with k, v; without it the
     whole cache row / table is the sequence). ``cache_batch_idx`` (batch,) int32: the cache row of
     each sequence (contiguous caches only). ``causal`` and ``window_size`` align the queries to the
     end of the updated cache: with seqlen_k = cache_seqlens[b] + seqlen_new, query i sees key j
     iff j <= i + seqlen_k - seqlen_q (and the window's bounds around that diagonal).
-    Returns o (like q), or (o, lse) with lse (batch, nheads, seqlen_q) when ``return_softmax_lse``
+    Returns o (batch, seqlen_q, nheads, headdim_v), or (o, lse) with lse (batch, nheads, seqlen_q)
+    when ``return_softmax_lse``
     (flash-attn's name) or ``return_lse`` (cupyflash's) is set.
 
     Every check runs before the caches are written: shapes, dtypes, index dtypes and ranges,
@@ -328,7 +333,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     _check_shapes(q, k_cache, v_cache)
     batch, seqlen_q, nheads, headdim = q.shape
     variant = check_variant(softcap, alibi_slopes, sink, batch, nheads)
-    new_tokens = _check_new_kv(k, v, q.shape, k_cache.shape)
+    new_tokens = _check_new_kv(k, v, q.shape, k_cache.shape, v_cache.shape)
     appending = k is not None
     scale = A.resolve_scale(softmax_scale, headdim)
     indices = {"cache_batch_idx": cache_batch_idx, "block_table": block_table}
@@ -346,7 +351,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     layout = _check_layout(q.shape, k_cache.shape, new_tokens, appending, cache_seqlens, cache_batch_idx,
                            block_table)
     A.same_device({**arrays, **device_arrays(**indices)})
-    which = dispatch.choose(backend, dtype, headdim, "fwd")
+    which = dispatch.choose(backend, dtype, max(headdim, v_cache.shape[3]), "fwd")
     if appending:
         for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
             if isinstance(cache, np.ndarray) and not cache.flags.writeable:
@@ -375,15 +380,14 @@ def _attend_in_cache(q, k_cache, v_cache, layout: CacheLayout, scale, causal, wi
     from .masks import mask_for
 
     cupy = A._cupy()
-    headdim = q.shape[3]
-    if not kvcache_mma.supports(q.dtype, headdim) or variant.mods is not None:
+    if not all(kvcache_mma.supports(q.dtype, d) for d in (q.shape[3], v_cache.shape[3])) or variant.mods is not None:
         return None
     k_cache, v_cache = (A.last_dim_contiguous(A.to_cupy(c, "k_cache")) for c in (k_cache, v_cache))
     for a in (q, k_cache, v_cache):
         if any((s // a.itemsize) % 8 for s in a.strides[:3]) or a.data.ptr % 16:
             return None
     batch, seqlen_q, nheads, _ = q.shape
-    o = api._empty(q.shape, q.dtype, xp=cupy)
+    o = api._empty(q.shape[:3] + v_cache.shape[3:], q.dtype, xp=cupy)
     lse = api._empty((batch, nheads, seqlen_q), np.float32, xp=cupy)
     seqlens_k = cupy.asarray(layout.lengths.astype(np.int32))
     table = cupy.asarray(np.ascontiguousarray(layout.pages, dtype=np.int32))
@@ -437,11 +441,13 @@ def _attend_unread(backend, q, k_cache, v_cache, k, v, new_tokens: int, cache_se
         cached = "" if host_lengths is None else f"{int(host_lengths[b])} cached tokens + "
         raise ValueError(f"the cache is too small for the append: sequence {b} has {cached}{new_tokens} new ones "
                          f"> its capacity of {capacity} tokens")
-    if backend == "numpy" or not api._on_gpu(backend) or dispatch.choose(backend, q.dtype, headdim, "fwd") != "mma" \
-            or not kvcache_mma.supports(q.dtype, headdim) or variant.mods is not None:
+    headdim_v = v_cache.shape[3]
+    if backend == "numpy" or not api._on_gpu(backend) \
+            or dispatch.choose(backend, q.dtype, max(headdim, headdim_v), "fwd") != "mma" \
+            or not all(kvcache_mma.supports(q.dtype, d) for d in (headdim, headdim_v)) or variant.mods is not None:
         raise ValueError("cupyflash.no_host_sync() / CUDA-graph capture: the KV cache is read unread only by the "
                          "tensor-core KV-cache kernel (float16 / bfloat16, a head dim that is a multiple of 8, "
-                         f"no user modifiers); this call ({np.dtype(q.dtype)}, headdim {headdim}, backend "
+                         f"no user modifiers); this call ({np.dtype(q.dtype)}, headdims {headdim} / {headdim_v}, backend "
                          f"{backend!r}) runs sequence by sequence and needs cache_seqlens, block_table and "
                          "cache_batch_idx on the host")
     for cache, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
@@ -483,10 +489,11 @@ def _attend_unread(backend, q, k_cache, v_cache, k, v, new_tokens: int, cache_se
         kvcache_append.append(A.last_dim_contiguous(A.to_cupy(k, "k")), A.last_dim_contiguous(A.to_cupy(v, "v")),
                               k_cache, v_cache, cache_seqlens=old_lengths, block_table=table, page_size=page_size,
                               seqlens_k=seqlens_k)
+    out_shape = q.shape[:3] + v_cache.shape[3:]
     if batch * seqlen_q * nheads == 0:
-        o, lse = cupy.zeros(q.shape, q.dtype), cupy.full((batch, nheads, seqlen_q), -np.inf, np.float32)
+        o, lse = cupy.zeros(out_shape, q.dtype), cupy.full((batch, nheads, seqlen_q), -np.inf, np.float32)
         return (o, lse) if want_lse else o
-    o = api._empty(q.shape, q.dtype, xp=cupy)
+    o = api._empty(out_shape, q.dtype, xp=cupy)
     lse = api._empty((batch, nheads, seqlen_q), np.float32, xp=cupy)
     kvcache_mma.forward(q, k_cache, v_cache, o, lse, seqlens_k=seqlens_k, block_table=table,
                         page_size=max(1, page_size), paged=paged, max_seqlen_k=capacity, softmax_scale=scale,
@@ -539,7 +546,7 @@ def _attend(which, on_gpu, host_out, q, k_cache, v_cache, layout: CacheLayout, s
         o, lse = compute(q, batch_keys, _batch_keys(v_cache, layout, int(lengths[0])), variant)
     else:
         xp = np if which == "numpy" else A._cupy()
-        o = api._empty(q.shape, q.dtype, xp=xp)
+        o = api._empty(q.shape[:3] + v_cache.shape[3:], q.dtype, xp=xp)
         lse = api._empty((batch, nheads, seqlen_q), lse_dtype(q.dtype), xp=xp)
         for b in range(batch):
             length = int(lengths[b])

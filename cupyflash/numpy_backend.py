@@ -162,7 +162,7 @@ def forward(q, k, v, *, softmax_scale, causal, window_size=(-1, -1), block_m=64,
     Q = _heads_first(q, acc, nheads)
     K = _heads_first(k, acc, nheads)
     V = _heads_first(v, acc, nheads)
-    O = np.zeros((batch, nheads, seqlen_q, headdim), acc)
+    O = np.zeros((batch, nheads, seqlen_q, v.shape[3]), acc)  # v's head dim (headdim_v)
     lse = np.full((batch, nheads, seqlen_q), -np.inf, acc)
     scale_log2 = acc.type(softmax_scale * LOG2E)
     mask = mask_for(causal, window_size)
@@ -178,7 +178,7 @@ def forward(q, k, v, *, softmax_scale, causal, window_size=(-1, -1), block_m=64,
         Q_i = Q[:, :, rows] * scale_log2  # scores come out in log2 units
         m_i = np.full(Q_i.shape[:-1], -np.inf, acc)
         l_i = np.zeros(Q_i.shape[:-1], acc)
-        O_i = np.zeros(Q_i.shape, acc)
+        O_i = np.zeros(Q_i.shape[:-1] + V.shape[-1:], acc)
         # Key blocks outside the mask are skipped; the rest are masked element by element only
         # where some pair of the block is hidden.
         key_blocks = _narrowed(mask.key_blocks(rows.start, Br, Bc, seqlen_q, seqlen_k), Bc,
@@ -287,7 +287,7 @@ def backward(do, q, k, v, o, lse, *, softmax_scale, causal, window_size=(-1, -1)
 
     def to_input_layout(x, heads):
         # Query heads sharing one kv head (GQA) are adjacent: sum them.
-        x = x.reshape(batch, heads, nheads // heads if heads else 0, x.shape[2], headdim).sum(axis=2)
+        x = x.reshape(batch, heads, nheads // heads if heads else 0, *x.shape[2:]).sum(axis=2)
         return np.moveaxis(x, 1, 2).astype(q.dtype, order="C")
 
     dq = to_input_layout(dQ, nheads)
@@ -298,7 +298,8 @@ def kvcache_forward(q, sequences, *, softmax_scale, causal, window_size=(-1, -1)
                     block_n=None, key_warps=None):
     """The KV-cache kernel's algorithm (kernels_cu/flash_fwd_kvcache_mma.cu with
     flash_fwd_combine.cu) for q (batch, seqlen_q, nheads, headdim) and each sequence's keys and
-    values ``sequences[b] = (K_b, V_b)``, (seqlen_k_b, nheads_kv, headdim): returns (o, lse).
+    values ``sequences[b] = (K_b, V_b)``, (seqlen_k_b, nheads_kv, headdim) and (seqlen_k_b,
+    nheads_kv, headdim_v): returns (o, lse), o (batch, seqlen_q, nheads, headdim_v).
 
     Per sequence the keys are cut into ``num_splits`` ranges of split_keys keys (whole tiles of
     ``block_n``, kvcache_mma.split_layout over the longest sequence, as the plan cuts them; a split
@@ -315,16 +316,17 @@ def kvcache_forward(q, sequences, *, softmax_scale, causal, window_size=(-1, -1)
 
     acc = _accumulator(q.dtype)
     batch, seqlen_q, nheads, headdim = q.shape
+    headdim_v = int(sequences[0][1].shape[-1]) if sequences else headdim
     variant = NO_VARIANT if variant is None else variant
     mask = mask_for(causal, window_size)
     scale_log2 = acc.type(softmax_scale * LOG2E)
-    o = np.zeros(q.shape, q.dtype)
+    o = np.zeros(q.shape[:3] + (headdim_v,), q.dtype)
     lse = np.full((batch, nheads, seqlen_q), -np.inf, acc)
     from .kernels import kvcache_mma
     from .kernels.constants import TENSOR_CORE_D_TILES, d_tile
 
     if block_n is None or key_warps is None:
-        tiles = kvcache_mma.cache_tiles(d_tile(max(headdim, 8), TENSOR_CORE_D_TILES),
+        tiles = kvcache_mma.cache_tiles(d_tile(max(headdim, headdim_v, 8), TENSOR_CORE_D_TILES),
                                         seqlen_q * (nheads // max(int(sequences[0][0].shape[1]), 1) if sequences else 1))
         block_n = tiles.block_n if block_n is None else block_n
         key_warps = tiles.key_warps if key_warps is None else key_warps
@@ -347,7 +349,7 @@ def kvcache_forward(q, sequences, *, softmax_scale, causal, window_size=(-1, -1)
             begin, stop = max(first, s * split_keys), min(end, (s + 1) * split_keys)
             m = np.full((key_warps, 1, nheads, seqlen_q), -np.inf, acc)
             l = np.zeros(m.shape, acc)
-            O = np.zeros((key_warps, 1, nheads, seqlen_q, headdim), acc)
+            O = np.zeros((key_warps, 1, nheads, seqlen_q, headdim_v), acc)
             for j in range(begin // block_n, -(-stop // block_n) if stop > begin else 0):
                 for w in range(key_warps):
                     cols = slice(j * block_n + w * share, min(j * block_n + (w + 1) * share, seqlen_k))

@@ -7,8 +7,9 @@ the same thing the way an unfused implementation does in a 16-bit dtype (roundin
 gradients to that dtype); their error against float64 is the yardstick of flash-attn's tolerance
 rule: a fused kernel may be at most a small multiple of it.
 
-Layouts: q (batch, seqlen_q, nheads, headdim); k, v (batch, seqlen_k, nheads_kv, headdim);
-query head h reads kv head h // (nheads // nheads_kv). lse is (batch, nheads, seqlen_q).
+Layouts: q (batch, seqlen_q, nheads, headdim); k (batch, seqlen_k, nheads_kv, headdim); v
+(batch, seqlen_k, nheads_kv, headdim_v), headdim_v any width (o and do have it); query head h
+reads kv head h // (nheads // nheads_kv). lse is (batch, nheads, seqlen_q).
 Masks are aligned bottom-right, as in flash-attn 2.8: with ``window_size=(left, right)`` query i
 sees key j iff i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right, each bound
 only where that side is not -1; ``causal=True`` sets right = 0. A query that sees no key has
@@ -66,8 +67,8 @@ def visible_keys(seqlen_q: int, seqlen_k: int, causal: bool, window_size=(-1, -1
 def _check_shapes(q, k, v) -> None:
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError("q, k, v must be 4-d: (batch, seqlen, heads, headdim)")
-    if k.shape != v.shape:
-        raise ValueError(f"k {k.shape} and v {v.shape} differ")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k {k.shape} and v {v.shape} differ in batch, seqlen or heads")
     if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         raise ValueError(f"q {q.shape} and k {k.shape} differ in batch or headdim")
     if k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
@@ -262,7 +263,8 @@ def _probabilities(q, k, scale, causal, window_size=(-1, -1), softcap=0.0, slope
 
 def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
               alibi_slopes=None, sink=None, score_mod=None, mask_mod=None, dropout_p=0.0, dropout_mask=None):
-    """Exact attention in float64: (o, lse), o shaped like q, lse (batch, nheads, seqlen_q).
+    """Exact attention in float64: (o, lse), o (batch, seqlen_q, nheads, headdim_v), lse (batch,
+    nheads, seqlen_q).
     ``softcap``, ``alibi_slopes`` and ``sink``: the variants of the module docstring. Dropout:
     ``dropout_mask`` (batch, nheads, seqlen_q, seqlen_k) bool, True where a weight is kept, and
     ``dropout_p``: o = (P o Z / (1 - dropout_p)) V; lse is the softmax's."""
@@ -293,8 +295,8 @@ def attention_backward(do, q, k, v, *, softmax_scale=None, causal=False, window_
     """
     do, q, k, v = (np.asarray(x).astype(np.float64) for x in (do, q, k, v))
     _check_shapes(q, k, v)
-    if do.shape != q.shape:
-        raise ValueError(f"do {do.shape} must have the shape of q {q.shape}")
+    if do.shape != q.shape[:3] + v.shape[3:]:
+        raise ValueError(f"do {do.shape} must have the shape of the output {q.shape[:3] + v.shape[3:]}")
     batch, nheads, nheads_kv = q.shape[0], q.shape[2], k.shape[2]
     softcap = _check_variant(softcap, alibi_slopes, sink, batch, nheads)
     scale = _scale(softmax_scale, q.shape[3])
@@ -450,9 +452,9 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale=None,
     """Exact attention in float64 over a packed batch: q (total_q, nheads, headdim), k, v (total_k,
     nheads_kv, headdim); sequence b is rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 of q and
     cu_seqlens_k[b] .. cu_seqlens_k[b + 1] - 1 of k and v, masked with its own lengths. Returns
-    (o, lse): o (total_q, nheads, headdim), lse (nheads, total_q)."""
+    (o, lse): o (total_q, nheads, headdim_v), lse (nheads, total_q)."""
     q, k, v = (np.asarray(x).astype(np.float64) for x in (q, k, v))
-    o = np.zeros(q.shape)
+    o = np.zeros(q.shape[:2] + v.shape[2:])
     lse = np.full((q.shape[1], q.shape[0]), -np.inf)
     for (q0, q1), (k0, k1) in zip(_sequence_ranges(cu_seqlens_q), _sequence_ranges(cu_seqlens_k)):
         o_b, lse_b = attention(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], softmax_scale=softmax_scale,
@@ -510,8 +512,8 @@ def kvcache_sequences(batch, k_cache, v_cache, k=None, v=None, *, cache_seqlens=
         if k is not None:
             keys += list(np.asarray(k)[b])
             values += list(np.asarray(v)[b])
-        empty = np.zeros((0,) + k_cache.shape[2:], k_cache.dtype)
-        sequences.append((np.stack(keys) if keys else empty, np.stack(values) if values else empty))
+        sequences.append((np.stack(keys) if keys else np.zeros((0,) + k_cache.shape[2:], k_cache.dtype),
+                          np.stack(values) if values else np.zeros((0,) + v_cache.shape[2:], v_cache.dtype)))
     return sequences
 
 
@@ -533,12 +535,13 @@ def kvcache_attention(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None
                       alibi_slopes=None, sink=None):
     """Exact attention in float64 of q (batch, seqlen_q, nheads, headdim) over each sequence's
     cached and new tokens (kvcache_sequences), the mask aligned to the end of them (seqlen_k =
-    cache_seqlens[b] + seqlen_new). Returns (o, lse): o like q, lse (batch, nheads, seqlen_q).
+    cache_seqlens[b] + seqlen_new). Returns (o, lse): o (batch, seqlen_q, nheads, v_cache's
+    headdim), lse (batch, nheads, seqlen_q).
     ``softcap``, ``alibi_slopes`` ((nheads,), or (batch, nheads): row b for sequence b) and ``sink``
     are attention's, per sequence."""
     q = np.asarray(q).astype(np.float64)
     batch, seqlen_q, nheads, _ = q.shape
-    o = np.zeros(q.shape)
+    o = np.zeros(q.shape[:3] + np.shape(v_cache)[-1:])
     lse = np.full((batch, nheads, seqlen_q), -np.inf)
     sequences = kvcache_sequences(batch, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
                                   cache_batch_idx=cache_batch_idx, block_table=block_table)

@@ -147,7 +147,7 @@ def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale
 def _forward_fake(q, k, v, softmax_scale, causal, window_left, window_right, deterministic, softcap=0.0,
                   alibi_slopes=None, sink=None, dropout_p=0.0, seed=0):
     batch, seqlen_q, nheads, _ = q.shape
-    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    o = q.new_empty((batch, seqlen_q, nheads, v.shape[3]))  # v's head dim
     lse = q.new_empty((batch, nheads, seqlen_q), dtype=_lse_dtype(q.dtype))
     return o, lse
 
@@ -202,7 +202,7 @@ def _backward_formula(ctx, do, dlse):
                                       "supported yet")
         dq, dk = _add_lse_gradient(dq, dk, q, k, dlse.transpose(1, 2).unsqueeze(-1), scale,
                                    lambda: _forward_op(q, k, k, *ctx.options)[0],
-                                   lambda do_q: _backward_op(do_q, q, k, v, o, lse, *ctx.options)[2])
+                                   lambda do_q, pk: _backward_op(do_q, q, k, k, pk, lse, *ctx.options)[2])
         if sink is not None:  # dlse_i/dsink = exp(sink - lse_i), the sink's share of row i
             share = torch.exp(sink.to(lse.dtype)[None, :, None] - lse) * (lse != -math.inf)
             dsink = dsink + (dlse.to(lse.dtype) * share).sum(dim=(0, 2)).to(dsink.dtype)
@@ -213,11 +213,14 @@ def _add_lse_gradient(dq, dk, q, k, dlse_rows, scale, attend_to_keys, dv_for):
     """(dq, dk) plus the lse's gradient. lse_i = log sum_j exp(scale q_i.k_j) has dlse_i/dS_ij =
     P_ij, which adds scale dlse_i (P K)_i to dq_i and scale (P^T (dlse q))_j to dk_j. P K is
     attention with K as the values (``attend_to_keys()``); P^T (dlse q) is the dv of a backward
-    whose output gradient is dlse q (``dv_for(dlse q)``). ``dlse_rows``: dlse laid out like q's
+    whose output gradient is dlse q (``dv_for(dlse q, P K)``: a backward with K as the values and
+    P K as its output, whose shapes are q's whatever v's head dim; only its dv is taken, which
+    does not depend on them). ``dlse_rows``: dlse laid out like q's
     rows with a trailing 1 (broadcast over headdim)."""
     acc = dlse_rows.dtype
-    dq = (dq.to(acc) + scale * dlse_rows * attend_to_keys().to(acc)).to(q.dtype)
-    pt_dlse_q = dv_for((dlse_rows * q.to(acc)).to(q.dtype))
+    pk = attend_to_keys()
+    dq = (dq.to(acc) + scale * dlse_rows * pk.to(acc)).to(q.dtype)
+    pt_dlse_q = dv_for((dlse_rows * q.to(acc)).to(q.dtype), pk)
     dk = (dk.to(acc) + scale * pt_dlse_q.to(acc)).to(k.dtype)
     return dq, dk
 
@@ -248,8 +251,7 @@ def _varlen_forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
 def _varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                          window_left, window_right, deterministic, softcap=0.0, alibi_slopes=None):
     total_q, nheads, _ = q.shape
-    return (torch.empty_like(q, memory_format=torch.contiguous_format),
-            q.new_empty((nheads, total_q), dtype=_lse_dtype(q.dtype)))
+    return (q.new_empty((total_q, nheads, v.shape[2])), q.new_empty((nheads, total_q), dtype=_lse_dtype(q.dtype)))
 
 
 @torch.library.custom_op("cupyflash::flash_attn_varlen_backward", mutates_args=())
@@ -297,8 +299,8 @@ def _varlen_backward_formula(ctx, do, dlse):
                                       "supported yet")
         dq, dk = _add_lse_gradient(dq, dk, q, k, dlse.transpose(0, 1).unsqueeze(-1), scale,
                                    lambda: _varlen_forward_op(q, k, k, cu_q, cu_k, *ctx.options)[0],
-                                   lambda do_q: _varlen_backward_op(do_q, q, k, v, o, lse, cu_q, cu_k,
-                                                                    *ctx.options)[2])
+                                   lambda do_q, pk: _varlen_backward_op(do_q, q, k, k, pk, lse, cu_q, cu_k,
+                                                                        *ctx.options)[2])
     return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
 
 
@@ -334,7 +336,7 @@ def _kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k
 def _kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal,
                   window_left, window_right, softcap=0.0, alibi_slopes=None, num_splits=0):
     batch, seqlen_q, nheads, _ = q.shape
-    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+    return (q.new_empty((batch, seqlen_q, nheads, v_cache.shape[3])),
             q.new_empty((batch, nheads, seqlen_q), dtype=_lse_dtype(q.dtype)))
 
 
@@ -346,7 +348,7 @@ _PACKED = "(total_tokens, nheads, headdim)"
 
 def _check_tensors(q, k, v, layout: str = _DENSE, names=("q", "k", "v"), same_batch: bool = True) -> None:
     """q, k, v: tensors of one supported dtype on one device, in ``layout`` (_DENSE or _PACKED),
-    k and v of one shape, nheads a multiple of nheads_kv; in _DENSE and with ``same_batch`` (not
+    k and v of one shape but for the head dim (v's may differ), nheads a multiple of nheads_kv; in _DENSE and with ``same_batch`` (not
     for a kv cache, whose rows are not q's batch) one batch size. ``names`` name them in the errors."""
     ndim = 4 if layout == _DENSE else 3
     tensors = tuple(zip(names, (q, k, v)))
@@ -371,9 +373,9 @@ def _check_tensors(q, k, v, layout: str = _DENSE, names=("q", "k", "v"), same_ba
         if x.dim() != ndim:
             raise ValueError(f"{name} must have {ndim} dimensions {layout}; got shape {tuple(x.shape)}")
     (k_name, _), (v_name, _) = tensors[1:]
-    if k.shape != v.shape:
-        raise ValueError(f"{k_name} and {v_name} must have the same shape; got {k_name} {tuple(k.shape)} and "
-                         f"{v_name} {tuple(v.shape)}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"{k_name} and {v_name} must have the same shape but for the head dim; got {k_name} "
+                         f"{tuple(k.shape)} and {v_name} {tuple(v.shape)}")
     same_batch = same_batch and ndim == 4
     if k.shape[-1] != q.shape[-1] or (same_batch and k.shape[0] != q.shape[0]):
         raise ValueError(f"{q_name} and {k_name} must have the same {'batch size and headdim' if same_batch else 'headdim'}"
@@ -484,13 +486,13 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                     *, score_mod=None, mask_mod=None, block_mask=None):
     """flash-attn 2's flash_attn_func, computed by cupyflash: softmax(q kᵀ · scale) v.
 
-    q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim), nheads a
-    multiple of nheads_kv (GQA/MQA; query head h reads kv head h // (nheads // nheads_kv)). Causal
+    q, k: (batch, seqlen_q, nheads, headdim), (batch, seqlen_k, nheads_kv, headdim); v: (batch,
+    seqlen_k, nheads_kv, headdim_v), v's head dim free; nheads a multiple of nheads_kv (GQA/MQA; query head h reads kv head h // (nheads // nheads_kv)). Causal
     masking is aligned bottom-right: query i sees key j iff j <= i + seqlen_k - seqlen_q;
     ``window_size=(left, right)`` is flash-attn's sliding window (-1: unbounded; with ``causal`` the
     right side is 0); a row that sees no key outputs 0. dtypes float16, bfloat16, float32, float64; CUDA or CPU tensors.
 
-    Returns out (like q, contiguous), or with ``return_attn_probs`` (out, softmax_lse, S_dmask):
+    Returns out ((batch, seqlen_q, nheads, headdim_v), contiguous), or with ``return_attn_probs`` (out, softmax_lse, S_dmask):
     softmax_lse (batch, nheads, seqlen_q), float32 (float64 for float64), differentiable; S_dmask
     an empty tensor, as flash-attn returns it without dropout. ``deterministic=True`` makes the
     backward bitwise reproducible (cupyflash.flash_attn_backward's option of that name).
@@ -540,7 +542,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            deterministic=False, return_attn_probs=False, block_table=None):
     """flash-attn 2's flash_attn_varlen_func, computed by cupyflash: attention over a packed batch.
 
-    q: (total_q, nheads, headdim); k, v: (total_k, nheads_kv, headdim). cu_seqlens_q,
+    q: (total_q, nheads, headdim); k, v: (total_k, nheads_kv, headdim), v's headdim free (out has
+    it). cu_seqlens_q,
     cu_seqlens_k: (batch + 1,) torch.int32 cumulative lengths (on q's device or the CPU; a CUDA
     one is read back once, a synchronisation); max_seqlen_q, max_seqlen_k: Python ints bounding
     every sequence. Each sequence is its own problem with its own bottom-right causal alignment
@@ -578,7 +581,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     q: (batch, seqlen_q, nheads, headdim); k_cache, v_cache: (batch_cache, seqlen_cache,
     nheads_kv, headdim), or (num_blocks, page_size, nheads_kv, headdim) with ``block_table``
     (batch, max_blocks_per_seq) int32 (any page size). k, v (optional, together): (batch,
-    seqlen_new, nheads_kv, headdim), appended to the caches IN PLACE at each sequence's
+    seqlen_new, nheads_kv, headdim), v_cache and v with a head dim of their own (out has it),
+    appended to the caches IN PLACE at each sequence's
     cache_seqlens (an int or (batch,) int32), then q attends to each sequence's cache_seqlens[b]
     + seqlen_new keys, causal / window aligned to the end of the updated cache.
     ``cache_batch_idx`` (batch,) int32 picks the cache row of each sequence. Returns out (like q),

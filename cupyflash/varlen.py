@@ -111,14 +111,15 @@ def check_max_seqlen(lengths: np.ndarray, max_seqlen, name: str, what: str) -> i
 
 
 def check_packed_shapes(q, k, v) -> tuple[int, int, int, int, int]:
-    """(total_q, total_k, nheads, nheads_kv, headdim) of packed q, k, v."""
+    """(total_q, total_k, nheads, nheads_kv, headdim) of packed q, k, v (headdim q's and k's)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 3:
             raise ValueError(f"{name} must have 3 dimensions (total_tokens, nheads, headdim), the packed layout; "
                              f"got shape {tuple(x.shape)}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape; got k {tuple(k.shape)} and v {tuple(v.shape)}")
-    # headdim and GQA as the dense API checks them, on one-sequence views.
+    # headdims (v's may differ) and GQA as the dense API checks them, on one-sequence views.
+    if k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"k and v must have the same (total_tokens, nheads); got k {tuple(k.shape)} and "
+                         f"v {tuple(v.shape)}")
     A.check_qkv_shapes(q[None], k[None], v[None])
     total_q, nheads, headdim = q.shape
     total_k, nheads_kv, _ = k.shape
@@ -191,7 +192,7 @@ def dense_forward(which: str, q, k, v, scale: float, causal: bool, window, varia
     batch, seqlen_q, nheads, _ = q.shape
     xp = np if which == "numpy" else A._cupy()
     if batch * seqlen_q * nheads * k.shape[1] == 0:
-        return api.seeing_no_key(q, variant, xp)
+        return api.seeing_no_key(q, v, variant, xp)
     if which == "numpy":
         from . import numpy_backend
 
@@ -249,17 +250,17 @@ def packs(which: str, sequences: Sequences, nheads: int, total_q: int, total_k: 
 
 def packed_forward(which: str, q, k, v, scale: float, causal: bool, window, variant, packed) -> tuple:
     """(o, lse (nheads, total_q)) of packed (total, heads, dim) CuPy arrays, one launch."""
-    total_q, nheads, headdim = q.shape
+    total_q, nheads, _ = q.shape
+    headdim_v = v.shape[2]
     lse = api._empty((1, nheads, total_q), lse_dtype(q.dtype))
     kernels = dispatch.family(which, "fwd")
     q, k, v = q[None], k[None], v[None]
     if which == "mma":
-        padded = dispatch.mma_headdim(headdim)
-        q, k, v = (api._mma_ready(x, padded) for x in (q, k, v))
-    o = api._empty(q.shape, q.dtype)
+        q, k, v = (api._mma_ready(x, dispatch.mma_headdim(x.shape[3])) for x in (q, k, v))
+    o = api._empty(q.shape[:3] + v.shape[3:], q.dtype)
     kernels.forward(q, k, v, o, lse, softmax_scale=scale, causal=causal, window_size=window, variant=variant,
                     packed=packed)
-    return o[0, ..., :headdim], lse[0]
+    return o[0, ..., :headdim_v], lse[0]
 
 
 def packed_backward(which: str, do, q, k, v, o, lse, scale: float, causal: bool, window, deterministic: bool,
@@ -267,16 +268,15 @@ def packed_backward(which: str, do, q, k, v, o, lse, scale: float, causal: bool,
     """(dq, dk, dv) of packed CuPy arrays (lse (nheads, total_q)), one launch per kernel."""
     import cupy
 
-    headdim = q.shape[2]
+    widths = (q.shape[2], k.shape[2], v.shape[2])
     kernels = dispatch.family(which, "bwd")
     do, q, k, v, o = (x[None] for x in (do, q, k, v, o))
     if which == "mma":
-        padded = dispatch.mma_headdim(headdim)
-        do, q, k, v, o = (api._mma_ready(x, padded) for x in (do, q, k, v, o))
+        do, q, k, v, o = (api._mma_ready(x, dispatch.mma_headdim(x.shape[3])) for x in (do, q, k, v, o))
     dq, dk, dv = (api._empty(x.shape, x.dtype) for x in (q, k, v))
     kernels.backward(do, q, k, v, o, cupy.ascontiguousarray(lse[None]), dq, dk, dv, softmax_scale=scale,
                      causal=causal, deterministic=deterministic, window_size=window, variant=variant, packed=packed)
-    return tuple(g[0, ..., :headdim] for g in (dq, dk, dv))
+    return tuple(g[0, ..., :width] for g, width in zip((dq, dk, dv), widths))
 
 
 def sequence_variant(variant, b: int):
@@ -309,15 +309,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """Exact attention over a packed batch of sequences of different lengths (flash-attn 2.8's
     flash_attn_varlen_func).
 
-    q: (total_q, nheads, headdim); k, v: (total_k, nheads_kv, headdim), nheads % nheads_kv == 0
-    (GQA/MQA). cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32, starting at 0, non-decreasing,
+    q, k: (total_q, nheads, headdim), (total_k, nheads_kv, headdim); v: (total_k, nheads_kv,
+    headdim_v), v's head dim free as in flash_attn_func; nheads % nheads_kv == 0 (GQA/MQA). cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32, starting at 0, non-decreasing,
     ending at total_q / total_k; sequence b is queries cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1
     and keys cu_seqlens_k[b] .. cu_seqlens_k[b + 1] - 1, and no sequence is longer than
     max_seqlen_q / max_seqlen_k. Empty sequences are allowed (no query: nothing; no key: o = 0,
     lse = -inf). ``causal`` and ``window_size`` are flash_attn_func's, applied per sequence with
     its own bottom-right alignment, as are ``softcap``, ``alibi_slopes`` ((nheads,) or (batch,
-    nheads) float32: row b for sequence b) and ``sink`` ((nheads,) float32). Returns o (like q),
-    or (o, lse) with lse (nheads, total_q), float32 (float64 for float64).
+    nheads) float32: row b for sequence b) and ``sink`` ((nheads,) float32). Returns o
+    (total_q, nheads, headdim_v), or (o, lse) with lse (nheads, total_q), float32 (float64 for float64).
 
     On the GPU one launch covers every sequence (the kernels read cu_seqlens); cu_seqlens are
     read to the host once for the checks (one synchronisation for device arrays), except inside
@@ -334,7 +334,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     variant = check_variant(softcap, alibi_slopes, sink, sequences.count, nheads)
     scale = A.resolve_scale(softmax_scale, headdim)
     A.same_device({**arrays, **device_arrays(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)})
-    which = dispatch.choose(backend, dtype, headdim, "fwd")
+    which = dispatch.choose(backend, dtype, max(headdim, arrays["v"].shape[2]), "fwd")
     if total_q * nheads * total_k:
         A.check_scores_fit(arrays["q"], arrays["k"], scale)
     q, k, v = api._move(arrays, on_gpu).values()
@@ -346,11 +346,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         o, lse = _finish((o, lse), which, host_out)
         return (o, lse) if return_lse else o
     if not sequences.read:  # nothing to compute: every query row (if any) sees no key
-        o, lse = api.seeing_no_key(q[None], variant, xp)
+        o, lse = api.seeing_no_key(q[None], v[None], variant, xp)
         o, lse = _finish((o[0], lse[0]), which, host_out)
         return (o, lse) if return_lse else o
     cu_q, cu_k = sequences.cu_q, sequences.cu_k
-    o = api._empty(q.shape, dtype, xp=xp)
+    o = api._empty(q.shape[:2] + v.shape[2:], dtype, xp=xp)
     lse = api._empty((nheads, total_q), lse_dtype(dtype), xp=xp)
     for b, (q0, q1, k0, k1) in enumerate(zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(),
                                              cu_k[1:].tolist())):
@@ -364,12 +364,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return (o, lse) if return_lse else o
 
 
-def check_varlen_backward_arrays(do, o, lse, q_shape, dtype) -> None:
-    """Shapes and dtypes of the varlen backward's extra inputs."""
-    total_q, nheads, _ = q_shape
+def check_varlen_backward_arrays(do, o, lse, out_shape, dtype) -> None:
+    """Shapes and dtypes of the varlen backward's extra inputs; ``out_shape`` the forward output's
+    (q's tokens and heads, v's headdim)."""
+    total_q, nheads, _ = out_shape
     for name, x in (("do", do), ("o", o)):
-        if tuple(x.shape) != tuple(q_shape):
-            raise ValueError(f"{name} must have the shape of q {tuple(q_shape)}; got {tuple(x.shape)}")
+        if tuple(x.shape) != tuple(out_shape):
+            raise ValueError(f"{name} must have the output's shape (q's tokens and heads, v's headdim) "
+                             f"{tuple(out_shape)}; got {tuple(x.shape)}")
         if np.dtype(x.dtype) != dtype:
             raise TypeError(f"{name} must have the dtype of q ({dtype}); got {x.dtype}")
     if tuple(lse.shape) != (nheads, total_q):
@@ -397,12 +399,13 @@ def flash_attn_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, 
     api._refuse_host_under_capture(arrays, backend)
     dtype = A.check_dtype({name: arrays[name] for name in ("q", "k", "v", "do", "o")})
     total_q, total_k, nheads, _, headdim = check_packed_shapes(arrays["q"], arrays["k"], arrays["v"])
-    check_varlen_backward_arrays(arrays["do"], arrays["o"], arrays["lse"], arrays["q"].shape, dtype)
+    check_varlen_backward_arrays(arrays["do"], arrays["o"], arrays["lse"],
+                                 arrays["q"].shape[:2] + arrays["v"].shape[2:], dtype)
     sequences = check_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, total_k)
     variant = check_variant(softcap, alibi_slopes, sink, sequences.count, nheads)
     scale = A.resolve_scale(softmax_scale, headdim)
     A.same_device({**arrays, **device_arrays(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)})
-    which = dispatch.choose(backend, dtype, headdim, "bwd")
+    which = dispatch.choose(backend, dtype, max(headdim, arrays["v"].shape[2]), "bwd")
     if total_q * nheads * total_k:
         A.check_scores_fit(arrays["q"], arrays["k"], scale)
     do, q, k, v, o, lse = api._move(arrays, on_gpu).values()

@@ -53,27 +53,28 @@ struct CacheKeys {
 };
 
 // Issues the copies of keys [n0, n0 + ROWS) of K and V into swizzled shared tiles, spread over
-// NTHREADS threads (`thread` the caller's index); keys >= seqlen_k and columns >= headdim are
-// zero-filled. Each thread copies one chunk column of ROWS / ROW_STEP rows and looks each row up
-// once for both tiles.
+// NTHREADS threads (`thread` the caller's index); keys >= seqlen_k, K's columns >= headdim and
+// V's >= headdim_v are zero-filled. Each thread copies one chunk column of ROWS / ROW_STEP rows
+// and looks each row up once for both tiles.
 template <int ROWS, int DIM, int NTHREADS, bool PAGED, typename T>
 __device__ __forceinline__ void cp_async_cache_rows(u32 k_tile, u32 v_tile, const T* k, const T* v,
                                                     const CacheKeys<PAGED>& keys, int n0, int seqlen_k,
-                                                    int headdim, int thread) {
+                                                    int headdim, int headdim_v, int thread) {
     constexpr int CHUNKS = DIM / 8;
     constexpr int ROW_STEP = NTHREADS / CHUNKS;
     static_assert(NTHREADS % CHUNKS == 0 && ROWS % ROW_STEP == 0, "tile chunks must divide evenly among the threads");
     const int row0 = thread / CHUNKS, chunk = thread % CHUNKS;
-    const bool column = chunk * 8 < headdim;
+    const bool k_column = chunk * 8 < headdim, v_column = chunk * 8 < headdim_v;
 #pragma unroll
     for (int i = 0; i < ROWS / ROW_STEP; ++i) {
         const int r = row0 + i * ROW_STEP;
-        const bool valid = column && n0 + r < seqlen_k;
+        const bool key = n0 + r < seqlen_k;
+        const bool k_valid = k_column && key, v_valid = v_column && key;
         i64 k_off = 0, v_off = 0;
-        if (valid) keys.offsets(n0 + r, k_off, v_off);
+        if (k_valid || v_valid) keys.offsets(n0 + r, k_off, v_off);
         const u32 dst = swizzled_offset<DIM>(r, chunk);
-        cp_async_16(k_tile + dst, k + k_off + chunk * 8, valid);
-        cp_async_16(v_tile + dst, v + v_off + chunk * 8, valid);
+        cp_async_16(k_tile + dst, k + k_off + chunk * 8, k_valid);
+        cp_async_16(v_tile + dst, v + v_off + chunk * 8, v_valid);
     }
 }
 

@@ -59,7 +59,7 @@ flash_bwd_dkdv_simt(const __grid_constant__ BwdParams p) {
     const T* __restrict__ k_rows = p.k.row<const T>(batch, seq.k_begin, head_kv);
     const T* __restrict__ v_rows = p.v.row<const T>(batch, seq.k_begin, head_kv);
     load_tile<BLOCK_N, D_TILE, NTHREADS>(k_tile, k_rows, n0, seqlen_k, headdim, p.k.row_stride, A(1));
-    load_tile<BLOCK_N, D_TILE, NTHREADS>(v_tile, v_rows, n0, seqlen_k, headdim, p.v.row_stride, A(1));
+    load_tile<BLOCK_N, D_TILE, NTHREADS>(v_tile, v_rows, n0, seqlen_k, p.headdim_v, p.v.row_stride, A(1));
 
     const A drop_scale = DropoutOf<Mask>::ENABLED ? dropout_scale_in<A>(p) : A(1);
     A dk_acc[O_PER_LANE], dv_acc[O_PER_LANE];
@@ -81,7 +81,7 @@ flash_bwd_dkdv_simt(const __grid_constant__ BwdParams p) {
         for (int m0 = m_first; m0 < m_end; m0 += BLOCK_M) {
             __syncthreads();  // previous Q/dO tiles fully consumed
             load_tile<BLOCK_M, D_TILE, NTHREADS>(q_tile, q_base, m0, seqlen_q, headdim, p.q.row_stride, A(1));
-            load_tile<BLOCK_M, D_TILE, NTHREADS>(do_tile, do_base, m0, seqlen_q, headdim, p.dout.row_stride, A(1));
+            load_tile<BLOCK_M, D_TILE, NTHREADS>(do_tile, do_base, m0, seqlen_q, p.headdim_v, p.dout.row_stride, A(1));
             for (int i = threadIdx.x; i < BLOCK_M; i += NTHREADS) {
                 const bool valid = m0 + i < seqlen_q;
                 lse_log2[i] = valid ? ldg(lse_row + m0 + i) * log2e : neg_inf<A>();
@@ -130,10 +130,8 @@ flash_bwd_dkdv_simt(const __grid_constant__ BwdParams p) {
 #pragma unroll
         for (int j = 0; j < O_PER_LANE; ++j) {
             const int col = lane_in_row + TPR * j;
-            if (col < headdim) {
-                store_as(dk_row + col, dk_acc[j] * scale);
-                store_as(dv_row + col, dv_acc[j] * drop_scale);
-            }
+            if (col < headdim) store_as(dk_row + col, dk_acc[j] * scale);
+            if (col < p.headdim_v) store_as(dv_row + col, dv_acc[j] * drop_scale);
         }
     }
 }

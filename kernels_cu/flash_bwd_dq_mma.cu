@@ -54,13 +54,13 @@ flash_bwd_dq_mma(const __grid_constant__ BwdParams p) {
         cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(base + L::K + stage * L::KV_TILE, k_head + n0 * k_ss,
                                                  seqlen_k - n0, headdim, k_ss, tid);
         cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(base + L::V + stage * L::KV_TILE, v_head + n0 * v_ss,
-                                                 seqlen_k - n0, headdim, v_ss, tid);
+                                                 seqlen_k - n0, p.headdim_v, v_ss, tid);
     };
 
     cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(s_q, q.row<const T>(batch, seq.q_begin + m0, head), seqlen_q - m0,
                                              headdim, q.row_stride, tid);
     cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(s_do, dout.row<const T>(batch, seq.q_begin + m0, head), seqlen_q - m0,
-                                             headdim, dout.row_stride, tid);
+                                             p.headdim_v, dout.row_stride, tid);
     if (j_begin < j_end) load_key_block(j_begin, j_begin & 1);
     cp_async_commit();
 

@@ -77,13 +77,13 @@ flash_bwd_dq_mma_v2(const __grid_constant__ BwdParams p) {
                                                  seqlen_k - n0, headdim, p.k.row_stride, tid);
         cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(base + L::V + stage * L::KV_TILE,
                                                  p.v.row<const T>(batch, seq.k_begin + n0, head_kv),
-                                                 seqlen_k - n0, headdim, p.v.row_stride, tid);
+                                                 seqlen_k - n0, p.headdim_v, p.v.row_stride, tid);
     };
 
     cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(s_q, q.row<const T>(batch, seq.q_begin + m0, head), seqlen_q - m0,
                                              headdim, q.row_stride, tid);
     cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(s_do, dout.row<const T>(batch, seq.q_begin + m0, head), seqlen_q - m0,
-                                             headdim, dout.row_stride, tid);
+                                             p.headdim_v, dout.row_stride, tid);
     if (j_begin < j_end) load_key_block(j_begin, j_begin & 1);
     cp_async_commit();
 

@@ -48,7 +48,7 @@ flash_bwd_dq_simt(const __grid_constant__ BwdParams p) {
     const T* __restrict__ q_rows = p.q.row<const T>(batch, seq.q_begin, head);
     const T* __restrict__ do_rows = p.dout.row<const T>(batch, seq.q_begin, head);
     load_tile<BLOCK_M, D_TILE, NTHREADS>(q_tile, q_rows, m0, seqlen_q, headdim, p.q.row_stride, A(1));
-    load_tile<BLOCK_M, D_TILE, NTHREADS>(do_tile, do_rows, m0, seqlen_q, headdim, p.dout.row_stride, A(1));
+    load_tile<BLOCK_M, D_TILE, NTHREADS>(do_tile, do_rows, m0, seqlen_q, p.headdim_v, p.dout.row_stride, A(1));
     const bool row_valid = q_row < seqlen_q;
     const i64 stat = seq.stat(StatDims{p.nheads, stat_rows}, head, q_row);
     const A row_lse_log2 = row_valid ? ldg(lse + stat) * log2e : neg_inf<A>();
@@ -68,7 +68,7 @@ flash_bwd_dq_simt(const __grid_constant__ BwdParams p) {
     for (int n0 = n_begin; n0 < n_end; n0 += BLOCK_N) {
         __syncthreads();  // previous K/V/dS tiles fully consumed
         load_tile<BLOCK_N, D_TILE, NTHREADS>(k_tile, k_base, n0, seqlen_k, headdim, p.k.row_stride, A(1));
-        load_tile<BLOCK_N, D_TILE, NTHREADS>(v_tile, v_base, n0, seqlen_k, headdim, p.v.row_stride, A(1));
+        load_tile<BLOCK_N, D_TILE, NTHREADS>(v_tile, v_base, n0, seqlen_k, p.headdim_v, p.v.row_stride, A(1));
         __syncthreads();
 
         // dS_ij = P_ij (dO_i . V_j - D_i) with P_ij = exp2(S_ij - lse_i)

@@ -88,12 +88,12 @@ flash_bwd_dq_wgmma(const __grid_constant__ BwdParams p) {
         cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(base + L::K + (j % K_STAGES) * L::KV_TILE,
                                                    k_rows + n0 * k_ss, seqlen_k - n0, headdim, k_ss, tid);
         cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(base + L::V + (j % L::V_STAGES) * L::KV_TILE,
-                                                   v_rows + n0 * v_ss, seqlen_k - n0, headdim, v_ss, tid);
+                                                   v_rows + n0 * v_ss, seqlen_k - n0, p.headdim_v, v_ss, tid);
     };
     cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(s_q, p.q.row<const T>(batch, seq.q_begin + m0, head), seqlen_q - m0,
                                                headdim, p.q.row_stride, tid);
     cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(s_do, p.dout.row<const T>(batch, seq.q_begin + m0, head),
-                                               seqlen_q - m0, headdim, p.dout.row_stride, tid);
+                                               seqlen_q - m0, p.headdim_v, p.dout.row_stride, tid);
     if (j_begin * BLOCK_N < n_end) load_kv_block(j_begin);
     cp_async_commit();
 

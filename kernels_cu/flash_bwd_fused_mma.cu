@@ -115,6 +115,7 @@ flash_bwd_fused_mma(const __grid_constant__ BwdParams p) {
     // The run-time arguments, read once here (bwd_args in mma_bwd.cuh says why).
     const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k, nheads = p.nheads, group = p.group;
     const int headdim = p.headdim;
+    const int query_cols = max(headdim, p.headdim_v);  // of the Q and dO tiles (cp_async_query_block)
     const StatDims stat_dims{nheads, p.seqlen_q};
     // Past a shorter sequence's end. A sequence without queries still stores dK = dV = 0 below.
     if (Mask::PACKED && n0 >= seqlen_k) return;
@@ -139,11 +140,12 @@ flash_bwd_fused_mma(const __grid_constant__ BwdParams p) {
     auto load_query_block = [&](int it, int stage) {
         cp_async_query_block<T, L, BLOCK_M, D_TILE, NTHREADS>(base, stage, q, dout, lse, delta, seq, stat_dims,
                                                               walk.head(head_kv, it), m_block_of(it) * BLOCK_M,
-                                                              seqlen_q, headdim, tid);
+                                                              seqlen_q, query_cols, tid);
     };
 
     // Prologue: K_j, V_j and the first query block in one group.
-    cp_async_key_block<T, BLOCK_N, D_TILE, NTHREADS>(s_k, s_v, k, v, seq, head_kv, n0, seqlen_k, headdim, tid);
+    cp_async_key_block<T, BLOCK_N, D_TILE, NTHREADS>(s_k, s_v, k, v, seq, head_kv, n0,
+                                                     seqlen_k, headdim, p.headdim_v, tid);
     if (walk.iters > 0) load_query_block(0, 0);
     cp_async_commit();
 
@@ -337,7 +339,8 @@ flash_bwd_fused_mma(const __grid_constant__ BwdParams p) {
         stage_acc<T, DW, D_TILE>(s_v, key_row0 + 16 * g, d_col0, dv_acc[g], drop_scale, lane);
     }
     __syncthreads();
-    store_key_block_grads<T, BLOCK_N, D_TILE, NTHREADS>(dk, dv, s_k, s_v, seq, head_kv, n0, seqlen_k, headdim, tid);
+    store_key_block_grads<T, BLOCK_N, D_TILE, NTHREADS>(dk, dv, s_k, s_v, seq, head_kv, n0,
+                                                        seqlen_k, headdim, p.headdim_v, tid);
 }
 
 }  // namespace cf

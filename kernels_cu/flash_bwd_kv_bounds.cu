@@ -13,7 +13,7 @@ __global__ void __launch_bounds__(256)
 flash_bwd_kv_bounds(const __grid_constant__ BwdParams p) {
     constexpr int LANES = D_TILE / 8, ROWS_PER_PASS = 256 / LANES, ROWS = 128;
     const int head = blockIdx.y, batch = blockIdx.z;
-    const int seqlen_k = p.seqlen_k, headdim = p.headdim;
+    const int seqlen_k = p.seqlen_k, headdim = p.headdim, headdim_v = p.headdim_v;
     const T* __restrict__ k_rows = p.k.head_rows<const T>(batch, head);
     const T* __restrict__ v_rows = p.v.head_rows<const T>(batch, head);
     const i64 k_ss = p.k.row_stride, v_ss = p.v.row_stride;
@@ -24,15 +24,15 @@ flash_bwd_kv_bounds(const __grid_constant__ BwdParams p) {
         // Rows past the end read as zeros (no early exit: the whole warp takes part in the sums).
         const int n = blockIdx.x * ROWS + r;
         const bool valid = n < seqlen_k;
-        const int n_read = valid ? n : 0, col_read = valid ? col : headdim;
+        const int n_read = valid ? n : 0;
         float x[8];
-        load_chunk(x, k_rows + n_read * k_ss, col_read, headdim);
+        load_chunk(x, k_rows + n_read * k_ss, valid ? col : headdim, headdim);
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
             const float a = fabsf(x[e]);
             if (a <= 3.402823466e38f) k_max = max(k_max, __float_as_uint(a));
         }
-        load_chunk(x, v_rows + n_read * v_ss, col_read, headdim);
+        load_chunk(x, v_rows + n_read * v_ss, valid ? col : headdim_v, headdim_v);
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
             const float a = fabsf(x[e]);

@@ -11,7 +11,7 @@ template <typename T>
 __global__ void __launch_bounds__(128)
 flash_bwd_preprocess(const __grid_constant__ BwdParams p) {
     typedef typename acc_of<T>::type A;
-    const int seqlen_q = p.seqlen_q, nheads = p.nheads, headdim = p.headdim;
+    const int seqlen_q = p.seqlen_q, nheads = p.nheads, headdim = p.headdim_v;  // dO and O: v's width
     A* __restrict__ delta = static_cast<A*>(p.delta);
     const i64 row_id = (i64)blockIdx.x * 4 + threadIdx.x / 32;
     const int lane = threadIdx.x % 32;

@@ -13,7 +13,7 @@ __global__ void __launch_bounds__(256)
 flash_bwd_preprocess_fixed(const __grid_constant__ BwdParams p) {
     constexpr int LANES = D_TILE / 8, ROWS = 256 / LANES;
     const int head = blockIdx.y, batch = blockIdx.z;
-    const int seqlen_q = p.seqlen_q, nheads = p.nheads, group = p.group, headdim = p.headdim;
+    const int seqlen_q = p.seqlen_q, nheads = p.nheads, group = p.group, headdim = p.headdim_v;  // of dO and O
     const T* __restrict__ do_rows = p.dout.head_rows<const T>(batch, head);
     const T* __restrict__ o_rows = p.o.head_rows<const T>(batch, head);
     const i64 do_ss = p.dout.row_stride, o_ss = p.o.row_stride;

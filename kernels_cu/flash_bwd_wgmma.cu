@@ -96,7 +96,7 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
 
     const SequenceRows seq = cta_sequence_uniform<Mask>(p, blockIdx.z);
     const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k, nheads = p.nheads, group = p.group;
-    const int headdim = p.headdim;
+    const int headdim = p.headdim, headdim_v = p.headdim_v;
     const StatDims stat_dims{nheads, p.seqlen_q};
     const float scale_log2 = p.scale_log2, scale = p.scale;
     // Q, dO and the row statistics move with the query head; K, V, dK, dV are this CTA's kv head.
@@ -135,10 +135,12 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
     auto load_query_block = [&](int it, int stage) {
         cp_async_query_panels<L, BLOCK_M, D_TILE, NTHREADS>(base, stage, q, q_sb, q_ss, q_sh, dout, do_sb, do_ss, do_sh,
                                                             lse, delta, seq, stat_dims, walk.head(head_kv, it),
-                                                            m_block_of(it) * BLOCK_M, seqlen_q, headdim, tid);
+                                                            m_block_of(it) * BLOCK_M, seqlen_q, headdim, headdim_v,
+                                                            tid);
     };
 
-    cp_async_key_panels<BLOCK_N, D_TILE, NTHREADS>(s_k, s_v, k_rows, k_ss, v_rows, v_ss, n0, seqlen_k, headdim, tid);
+    cp_async_key_panels<BLOCK_N, D_TILE, NTHREADS>(s_k, s_v, k_rows, k_ss, v_rows, v_ss, n0, seqlen_k, headdim,
+                                                   headdim_v, tid);
     if (walk.iters > 0) load_query_block(0, 0);
     cp_async_commit();
 
@@ -442,10 +444,9 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
 #pragma unroll
         for (int j = 0; j < DJ; ++j) {
             const int col = 8 * j + 2 * (lane % 4);
-            if (col < headdim) {
+            if (col < headdim)
                 *reinterpret_cast<u32*>(dk_row + col) = pack2<T>(dk_acc[j][2 * h] * scale, dk_acc[j][2 * h + 1] * scale);
-                *reinterpret_cast<u32*>(dv_row + col) = pack2<T>(dv_acc[j][2 * h], dv_acc[j][2 * h + 1]);
-            }
+            if (col < headdim_v) *reinterpret_cast<u32*>(dv_row + col) = pack2<T>(dv_acc[j][2 * h], dv_acc[j][2 * h + 1]);
         }
     }
     // Fixed point: the staging tiles must outlive the bulk reductions' reads of them.

@@ -145,7 +145,7 @@ __device__ __forceinline__ void merge_key_warps(const float (&o)[1][D_FRAGS][4],
     }
     __syncthreads();
     // Every thread: 4 consecutive columns of one row at a time, summed over the warps in order.
-    const int headdim = p.headdim;
+    const int headdim = p.headdim_v;  // of o
     for (int idx = threadIdx.x; idx < 16 * D_TILE / 4; idx += NTHREADS) {
         const int r = idx / (D_TILE / 4), c = 4 * (idx % (D_TILE / 4));
         if (m0 + r >= rows.rows || c >= headdim) continue;
@@ -304,7 +304,7 @@ flash_fwd_kvcache_mma(const __grid_constant__ CacheFwdParams p) {
     auto load_kv_tile = [&](int block, int stage) {
         cp_async_cache_rows<BLOCK_N, D_TILE, NTHREADS>(Smem::k_tile(smem_base, stage), Smem::v_tile(smem_base, stage),
                                                        k_cache, v_cache, keys, block * BLOCK_N, seqlen_k, headdim,
-                                                       threadIdx.x);
+                                                       p.headdim_v, threadIdx.x);
     };
 
     // --- prologue: Q, then STAGES - 1 key blocks (commit groups as in flash_fwd_mma) -------------
@@ -382,17 +382,17 @@ flash_fwd_kvcache_mma(const __grid_constant__ CacheFwdParams p) {
         if ((lane & 3) == 0) (SPLIT ? p.lse_partial : static_cast<float*>(p.lse))[out] = lse;
         if constexpr (SPLIT) {
             if (l == 0.f) continue;  // a split that saw no key of this row: the combine reads its lse only
-            float* o_row = p.o_partial + out * headdim;
+            float* o_row = p.o_partial + out * p.headdim_v;
 #pragma unroll
             for (int f = 0; f < D_FRAGS; ++f)
-                if (8 * f < headdim)
+                if (8 * f < p.headdim_v)
                     *reinterpret_cast<float2*>(o_row + 8 * f + 2 * (lane & 3)) =
                         make_float2(o_acc[0][f][2 * h] * o_factor, o_acc[0][f][2 * h + 1] * o_factor);
         } else {
             T* o_row = p.o.row<T>(batch, query[h], head[h]);
 #pragma unroll
             for (int f = 0; f < D_FRAGS; ++f)
-                if (8 * f < headdim)
+                if (8 * f < p.headdim_v)
                     *reinterpret_cast<u32*>(o_row + 8 * f + 2 * (lane & 3)) =
                         pack2<T>(o_acc[0][f][2 * h] * o_factor, o_acc[0][f][2 * h + 1] * o_factor);
         }

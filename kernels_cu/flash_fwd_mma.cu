@@ -145,7 +145,7 @@ flash_fwd_mma(const __grid_constant__ FwdParams p) {
                                                  src.k + n0 * src.k_stride, seqlen_k - n0, headdim,
                                                  src.k_stride, thread);
         cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(Smem::v_tile(smem_base, stage),
-                                                 src.v + n0 * src.v_stride, seqlen_k - n0, headdim,
+                                                 src.v + n0 * src.v_stride, seqlen_k - n0, p.headdim_v,
                                                  src.v_stride, thread);
     };
 
@@ -230,7 +230,7 @@ flash_fwd_mma(const __grid_constant__ FwdParams p) {
     cp_async_wait<0>();
     __syncthreads();
     store_o<T, D_TILE, Mask::Score::HAS_SINK>(
-        o_acc, row_stats, q_tile, strip_row0, m0, seqlen_q, headdim, p.o.row<T>(batch, seq.q_begin + m0, head),
+        o_acc, row_stats, q_tile, strip_row0, m0, seqlen_q, p.headdim_v, p.o.row<T>(batch, seq.q_begin + m0, head),
         p.o.row_stride, static_cast<float*>(p.lse) + seq.stat(p, head, m0), lane,
         sink_log2<Mask, float>(p, head));
 }

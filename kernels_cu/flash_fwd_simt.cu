@@ -62,7 +62,7 @@ flash_fwd_simt(const __grid_constant__ FwdParams p) {
     for (int n0 = n_begin; n0 < n_end; n0 += BLOCK_N) {
         __syncthreads();  // previous K/V/P tiles fully consumed
         load_tile<BLOCK_N, D_TILE, NTHREADS>(k_tile, k_base, n0, seqlen_k, headdim, p.k.row_stride, A(1));
-        load_tile<BLOCK_N, D_TILE, NTHREADS>(v_tile, v_base, n0, seqlen_k, headdim, p.v.row_stride, A(1));
+        load_tile<BLOCK_N, D_TILE, NTHREADS>(v_tile, v_base, n0, seqlen_k, p.headdim_v, p.v.row_stride, A(1));
         __syncthreads();
 
         // S_ij = Q_i K_j^T (log2 units), masked past the end and outside the mask
@@ -125,7 +125,7 @@ flash_fwd_simt(const __grid_constant__ FwdParams p) {
 #pragma unroll
         for (int j = 0; j < O_PER_LANE; ++j) {
             const int col = lane_in_row + TPR * j;
-            if (col < headdim) store_as(o_row + col, o_acc[j] * inv_l);
+            if (col < p.headdim_v) store_as(o_row + col, o_acc[j] * inv_l);
         }
         if (lane_in_row == 0) static_cast<A*>(p.lse)[seq.stat(p, head, q_row)] = lse_row;
     }

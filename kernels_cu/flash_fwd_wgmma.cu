@@ -73,7 +73,7 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p) {
         cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(base + L::K + (j % L::K_STAGES) * L::KV_TILE,
                                                    k_rows + n0 * k_ss, seqlen_k - n0, headdim, k_ss, tid);
         cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(base + L::V + (j % L::V_STAGES) * L::KV_TILE,
-                                                   v_rows + n0 * v_ss, seqlen_k - n0, headdim, v_ss, tid);
+                                                   v_rows + n0 * v_ss, seqlen_k - n0, p.headdim_v, v_ss, tid);
     };
 
     cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(q_tile, p.q.row<const T>(batch, seq.q_begin + m0, head), seqlen_q - m0,
@@ -90,7 +90,7 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p) {
     const DropoutOf<Mask> dropout(p, seq.index, head);
     auto store = [&]() {
         store_o<T, D_TILE, Mask::Score::HAS_SINK>(
-            o_acc, row_stats, q_tile, strip_row0, m0, seqlen_q, headdim, p.o.row<T>(batch, seq.q_begin + m0, head),
+            o_acc, row_stats, q_tile, strip_row0, m0, seqlen_q, p.headdim_v, p.o.row<T>(batch, seq.q_begin + m0, head),
             p.o.row_stride, static_cast<float*>(p.lse) + seq.stat(p, head, m0), lane,
             sink_log2<Mask, float>(p, head));
     };

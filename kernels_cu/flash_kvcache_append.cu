@@ -36,10 +36,8 @@ __global__ void __launch_bounds__(APPEND_THREADS) flash_kvcache_append(const __g
     const U* v_src = p.v_new.row<const U>(b, t, head);
     U* k_dst = static_cast<U*>(p.k.data) + k_off;
     U* v_dst = static_cast<U*>(p.v.data) + v_off;
-    for (int c = threadIdx.x; c < p.headdim; c += APPEND_THREADS) {
-        k_dst[c] = k_src[c];
-        v_dst[c] = v_src[c];
-    }
+    for (int c = threadIdx.x; c < p.headdim; c += APPEND_THREADS) k_dst[c] = k_src[c];
+    for (int c = threadIdx.x; c < p.headdim_v; c += APPEND_THREADS) v_dst[c] = v_src[c];
     if (p.seqlens_k != nullptr && t == 0 && head == 0 && threadIdx.x == 0) p.seqlens_k[b] = cached + p.seqlen_new;
 }
 

@@ -74,44 +74,49 @@ struct DqSmem {
 // mma_bwd.cuh) and passes those here. Rows past the sequence's end are zero-filled on the way in
 // and not written on the way out.
 
-// K_j, V_j: rows n0 .. n0 + BLOCK_N - 1 of the sequence's keys, kv head head_kv.
+// K_j, V_j: rows n0 .. n0 + BLOCK_N - 1 of the sequence's keys, kv head head_kv; K's columns past
+// headdim and V's past headdim_v zero-filled.
 template <typename T, int BLOCK_N, int D_TILE, int NTHREADS>
 __device__ __forceinline__ void cp_async_key_block(u32 k_tile, u32 v_tile, const TensorRows& k, const TensorRows& v,
                                                    const SequenceRows& seq, int head_kv, int n0, int seqlen_k,
-                                                   int headdim, int tid) {
+                                                   int headdim, int headdim_v, int tid) {
     cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(k_tile, k.row<const T>(seq.batch, seq.k_begin + n0, head_kv), seqlen_k - n0,
                                              headdim, k.row_stride, tid);
     cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(v_tile, v.row<const T>(seq.batch, seq.k_begin + n0, head_kv), seqlen_k - n0,
-                                             headdim, v.row_stride, tid);
+                                             headdim_v, v.row_stride, tid);
 }
 
 // Q_i, dO_i (query block m0 of query head `head`) and the lse, D of its rows into pipeline stage
-// `stage` of layout L: its Q and DO tiles (Q_TILE bytes a stage) and its LSE, DELTA slots.
+// `stage` of layout L: its Q and DO tiles (Q_TILE bytes a stage) and its LSE, DELTA slots. Both
+// tiles take `query_cols` columns, max(headdim, headdim_v): one column bound for the two, as a
+// bound of their own for dO held one more register across these kernels' query loop and spilled
+// (8-212 bytes). The launcher pads the narrower of q and dout with zero columns to that width
+// (mma_bwd.backward), so the columns past a tensor's own head dim read as zeros.
 template <typename T, class L, int BLOCK_M, int D_TILE, int NTHREADS>
 __device__ __forceinline__ void cp_async_query_block(u32 base, int stage, const TensorRows& q, const TensorRows& dout,
                                                      const float* lse, const float* delta, const SequenceRows& seq,
                                                      const StatDims& stat_dims, int head, int m0, int seqlen_q,
-                                                     int headdim, int tid) {
+                                                     int query_cols, int tid) {
     cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(base + L::Q + stage * L::Q_TILE,
-                                             q.row<const T>(seq.batch, seq.q_begin + m0, head), seqlen_q - m0, headdim,
-                                             q.row_stride, tid);
+                                             q.row<const T>(seq.batch, seq.q_begin + m0, head), seqlen_q - m0,
+                                             query_cols, q.row_stride, tid);
     cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(base + L::DO + stage * L::Q_TILE,
                                              dout.row<const T>(seq.batch, seq.q_begin + m0, head), seqlen_q - m0,
-                                             headdim, dout.row_stride, tid);
+                                             query_cols, dout.row_stride, tid);
     cp_async_row_stats<BLOCK_M, NTHREADS>(base + L::LSE, base + L::DELTA, stage, lse, delta,
                                            seq.stat(stat_dims, head, m0), m0, seqlen_q, tid);
 }
 
 // dK_j, dV_j from the tiles they were staged in (stage_acc into the K and V tiles) to rows
-// n0 .. of dk and dv, 16 bytes a thread and step.
+// n0 .. of dk (headdim columns) and dv (headdim_v), 16 bytes a thread and step.
 template <typename T, int BLOCK_N, int D_TILE, int NTHREADS>
 __device__ __forceinline__ void store_key_block_grads(const TensorRows& dk, const TensorRows& dv, u32 dk_tile,
                                                       u32 dv_tile, const SequenceRows& seq, int head_kv, int n0,
-                                                      int seqlen_k, int headdim, int tid) {
+                                                      int seqlen_k, int headdim, int headdim_v, int tid) {
     store_tile<BLOCK_N, D_TILE, NTHREADS>(dk.row<T>(seq.batch, seq.k_begin + n0, head_kv), dk_tile, seqlen_k - n0,
                                           headdim, dk.row_stride, tid);
     store_tile<BLOCK_N, D_TILE, NTHREADS>(dv.row<T>(seq.batch, seq.k_begin + n0, head_kv), dv_tile, seqlen_k - n0,
-                                          headdim, dv.row_stride, tid);
+                                          headdim_v, dv.row_stride, tid);
 }
 
 // dS^T of a warp's G groups of 16 key rows (rows row0 + 16 g ..) and M_SUB query columns (mc0 ..)

@@ -7,8 +7,8 @@
 // and the alignment under NVRTC, so the two cannot drift apart.
 //
 // The scalars come after the pointers in both structs and in the same order: batch, seqlen_q,
-// seqlen_k, nheads, nheads_kv, group (nheads / nheads_kv, query heads per kv head), headdim,
-// window_left, window_right (the Local policy's bounds, mask.cuh; NoMask and Causal ignore them).
+// seqlen_k, nheads, nheads_kv, group (nheads / nheads_kv, query heads per kv head), headdim (of q
+// and k), headdim_v (of v and o), window_left, window_right (the Local policy's bounds, mask.cuh; NoMask and Causal ignore them).
 //
 // Compile-time choices (dtype, tiles, the mask policy, how dQ is added) stay template arguments;
 // everything that varies per call is here. A field a kernel does not read is zero (a null
@@ -61,7 +61,8 @@ struct FwdParams {
     void* lse;          // (batch, nheads, seqlen_q), C-contiguous, float32 (float64 for float64)
     int batch, seqlen_q, seqlen_k, nheads, nheads_kv;
     int group;          // nheads / nheads_kv: query heads per kv head (GQA)
-    int headdim;
+    int headdim;        // of q and k
+    int headdim_v;      // of v and o (and dout, dv): headdim or another width (DeepSeek MLA's 192 / 128)
     int window_left, window_right;  // the mask's run-time bounds (mask.cuh), -1 unbounded
     // softmax_scale * log2(e) and softmax_scale, rounded to the nearest float (the 16-bit and
     // float32 kernels), and in double (the float64 kernels): a kernel reads its own precision with
@@ -91,7 +92,8 @@ struct BwdParams {
     unsigned* kv_bound;         // DqAdd::fixed*: max |K|, max |V| per (batch, kv head)
     int batch, seqlen_q, seqlen_k, nheads, nheads_kv;
     int group;          // nheads / nheads_kv: query heads per kv head (GQA)
-    int headdim;
+    int headdim;        // of q and k
+    int headdim_v;      // of v and o (and dout, dv): headdim or another width (DeepSeek MLA's 192 / 128)
     int window_left, window_right;  // the mask's run-time bounds (mask.cuh), -1 unbounded
     // softmax_scale * log2(e) and softmax_scale, rounded to the nearest float and in double, as in
     // FwdParams (scale_log2_in<A>, scale_in<A>).
@@ -130,7 +132,7 @@ struct CacheFwdParams {
     void* lse;          // (batch, nheads, seqlen_q) float32, written when num_splits == 1
     int batch, seqlen_q, seqlen_k, nheads, nheads_kv;
     int group;
-    int headdim;
+    int headdim, headdim_v;
     int window_left, window_right;
     float scale_log2, scale;
     double scale_log2_f64, scale_f64;
@@ -156,14 +158,14 @@ struct CacheFwdParams {
 // sequence, its row, page_size its capacity). seqlens_k (or null) gets cache_seqlens[b] +
 // seqlen_new, the lengths the attention kernel then reads.
 struct AppendParams {
-    TensorRows k_new, v_new;    // (batch, seqlen_new, nheads_kv, headdim)
-    TensorRows k, v;            // the caches (pages, page_size, nheads_kv, headdim)
+    TensorRows k_new, v_new;    // (batch, seqlen_new, nheads_kv, headdim or headdim_v)
+    TensorRows k, v;            // the caches (pages, page_size, nheads_kv, headdim or headdim_v)
     const int* cache_seqlens;   // (batch,)
     const int* block_table;
     i64 block_table_stride;
     int* seqlens_k;
     FastDivmod page;
-    int batch, seqlen_new, nheads_kv, headdim;
+    int batch, seqlen_new, nheads_kv, headdim, headdim_v;
 };
 
 // flash_fwd_combine: o and lse of every (batch, head, query) row from its num_splits partial
@@ -174,7 +176,7 @@ struct CombineParams {
     TensorRows o;
     float* lse;                 // (batch, nheads, seqlen_q) float32
     const float* sink;          // (nheads,) float32 or null
-    int num_splits, batch, seqlen_q, nheads, headdim;
+    int num_splits, batch, seqlen_q, nheads, headdim;  // headdim: o's (the call's headdim_v)
 };
 
 // The scales in a kernel's accumulator type A. The float fields are read in place: a float kernel
@@ -217,7 +219,7 @@ struct LseRows {
 struct MergeParams {
     TensorRows o_a, o_b, o;
     LseRows lse_a, lse_b, lse;
-    int batch, seqlen, nheads, headdim;
+    int batch, seqlen, nheads, headdim;  // o's
 };
 
 }  // namespace cf

@@ -20,6 +20,8 @@
 #   scripts/gpu_check.sh OUTDIR recheck  the GPU tests the 2026-12-02 Python changes after its GPU runs
 #                                       need (capture, torch, kv cache, varlen), the decode table and
 #                                       the split sweep (contiguous and page 16)
+#   scripts/gpu_check.sh OUTDIR headdim_v  v's own head dim: the kernels compiled, its GPU tests and
+#                                       dropout's, the 192/128 bench against cuDNN / Flex, the 16k table
 #   scripts/gpu_check.sh OUTDIR suite   SUITE_PART=1 or 2: the GPU test suite's two halves, shards
 #                                       and one summary file each (scripts/gpu_suite_part.sh)
 #   scripts/gpu_check.sh OUTDIR ncu     kernel by kernel, this tree against BEFORE_TREE (required):
@@ -113,6 +115,18 @@ recheck)  # the GPU tests of the Python changes after the 2026-12-02 GPU runs, t
     step decode 150 python -m cupyflash.bench.kvcache_decode --json "$out/decode.json" --plot "$out/decode.png"
     step splits 150 python -m cupyflash.bench.kvcache_decode --splits
     ;;
+headdim_v)  # v's own head dim: its GPU tests with dropout's, its bench against cuDNN and Flex, the 16k table
+    export PYTHONPATH=$PWD
+    step warm-cache "${WARM_LIMIT:-220}" python scripts/warm_kernel_cache.py --packed
+    step headdim-v-tests "${TEST_LIMIT:-200}" env HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-gpu}" \
+        python scripts/pytest_shards.py --shards "${SHARDS:-12}" --limit "$(( ${TEST_LIMIT:-200} - 20 ))" \
+        --out "$out/headdim-v-shards" -m gpu tests/test_headdim_v_gpu.py tests/test_dropout_gpu.py
+    step variants-dv 150 python -m cupyflash.bench.variants --seqlen 8192 --json "$out/variants-dv.json" \
+        --variants causal "causal 192/128" "causal 192/192" "192/128"
+    step bench-16k 150 python -m cupyflash bench --dtype bf16 --headdim 64 128 256 --seqlen 16k --causal both \
+        --mode fwd bwd --no-validate --quiet --anchors FA2 cuDNN --json "$out/bench-16k.json" \
+        --markdown "$out/bench-16k.md"
+    ;;
 suite)  # the GPU test suite in two parts (SUITE_PART=1 or 2), each one summary file
     case ${SUITE_PART:-1} in
     1) paths=(tests/test_api_gpu.py tests/test_robustness_gpu.py tests/test_torch_gpu.py tests/test_kvcache_kernel_gpu.py
@@ -121,7 +135,7 @@ suite)  # the GPU test suite in two parts (SUITE_PART=1 or 2), each one summary 
               tests/kernels/test_compile_check.py tests/dev) ;;
     *) paths=(tests/test_variants_gpu.py tests/test_window_gpu.py tests/kernels tests/test_modifiers_gpu.py
               tests/test_magnitudes_gpu.py tests/benchmarks tests/test_kvcache_gpu.py tests/test_decode_dispatch_gpu.py
-              tests/test_dropout_gpu.py
+              tests/test_dropout_gpu.py tests/test_headdim_v_gpu.py
               tests/test_distributed_gpu.py) ;;
     esac
     step "suite-part${SUITE_PART:-1}" "${TEST_LIMIT:-540}" bash scripts/gpu_suite_part.sh "$out/suite-part${SUITE_PART:-1}.txt" \

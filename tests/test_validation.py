@@ -39,7 +39,7 @@ FORWARD_ERRORS = [
     ("q 3-d", fwd_case(q=lambda x: x[0]), ValueError, "q must have 4 dimensions"),
     ("k 5-d", fwd_case(k=lambda x: x[None]), ValueError, "k must have 4 dimensions"),
     ("v 2-d", fwd_case(v=lambda x: x[0, :, 0]), ValueError, "v must have 4 dimensions"),
-    ("k/v shape mismatch", fwd_case(v=lambda x: x[:, :3]), ValueError, "k and v must have the same shape"),
+    ("k/v shape mismatch", fwd_case(v=lambda x: x[:, :3]), ValueError, r"k and v must have the same \(batch, seqlen, nheads\)"),
     ("batch mismatch", fwd_case(q=lambda x: np.concatenate([x, x])), ValueError, "same batch size"),
     ("headdim mismatch", fwd_case(q=lambda x: x[..., :4]), ValueError, "same headdim"),
     ("headdim zero", fwd_case(q=lambda x: x[..., :0], k=lambda x: x[..., :0], v=lambda x: x[..., :0]),
@@ -85,8 +85,8 @@ def backward_inputs(dtype=np.float32):
 
 
 BACKWARD_ERRORS = [
-    ("do wrong shape", "do", lambda x: x[:, :3], ValueError, "do must have the shape of q"),
-    ("o wrong shape", "o", lambda x: x[..., :4], ValueError, "o must have the shape of q"),
+    ("do wrong shape", "do", lambda x: x[:, :3], ValueError, "do must have the output's shape"),
+    ("o wrong shape", "o", lambda x: x[..., :4], ValueError, "o must have the output's shape"),
     ("do wrong dtype", "do", lambda x: x.astype(np.float64), TypeError, "do has dtype float64"),
     ("o wrong dtype", "o", lambda x: x.astype(np.float16), TypeError, "o has dtype float16"),
     ("lse wrong shape", "lse", lambda x: x[:, :, :2], ValueError, "lse must have shape"),

@@ -213,7 +213,8 @@ FORWARD_ERRORS = [
     ("q 4-D", call_forward(q=lambda x: x[None]), ValueError,
      r"q must have 3 dimensions \(total_tokens, nheads, headdim\)"),
     ("k 2-D", call_forward(k=lambda x: x[:, 0]), ValueError, "k must have 3 dimensions"),
-    ("k/v shapes differ", call_forward(v=lambda x: x[:, :, :4]), ValueError, "k and v must have the same shape"),
+    ("k/v tokens differ", call_forward(v=lambda x: x[:3]), ValueError,
+     r"k and v must have the same \(total_tokens, nheads\)"),
     ("headdim differs", call_forward(q=lambda x: x[..., :4]), ValueError, "q and k must have the same headdim"),
     ("nheads not a multiple", call_forward(q=lambda x: np.concatenate([x, x[:, :1]], axis=1),
                                            k=lambda x: np.concatenate([x, x], axis=1),
@@ -250,7 +251,7 @@ def backward_arguments():
 
 
 BACKWARD_ERRORS = [
-    ("do wrong shape", "do", lambda x: x[:4], ValueError, "do must have the shape of q"),
+    ("do wrong shape", "do", lambda x: x[:4], ValueError, "do must have the output's shape"),
     ("o wrong dtype", "o", lambda x: x.astype(np.float16), TypeError, "o has dtype float16"),
     ("lse dense layout", "lse", lambda x: x[None], ValueError,
      r"lse must have shape \(nheads, total_q\) = \(2, 5\), flash-attn's varlen layout"),

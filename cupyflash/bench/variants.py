@@ -8,7 +8,8 @@ FlexAttention, TFLOP/s over the visible pairs.
   (the anchor torch users have for windows and document masks);
 * cuDNN through SDPA, for the cases SDPA can express (full and causal).
 
-FLOPs count only the visible (query, key) pairs: 4 * B * H * pairs * D forward, 2.5x that
+FLOPs count only the visible (query, key) pairs: 4 * B * H * pairs * D forward (2 * B * H *
+pairs * (D_qk + D_v) for the variants with a head dim of v of its own, "192/128"), 2.5x that
 backward, so a window that is skipped block by block shows as the same TFLOP/s as the causal
 kernel, and one masked element by element shows as a drop. The pairs are counted from the
 definition (flash-attn 2.8: query i sees key j iff i + sk - sq - left <= j <= i + sk - sq + right),
@@ -47,6 +48,10 @@ class Variant:
     modifier: bool = False  # softcap / ALiBi as a cupyflash score_mod instead of the argument
     documents: int = 0  # a mask_mod of packed documents of this many tokens (0: none)
     dropout: float = 0.0  # dropout_p (cupyflash only: FlexAttention has no dropout)
+    dims: tuple[int, int] | None = None  # (headdim of q and k, of v) in place of the run's headdim
+
+    def headdims(self, headdim: int) -> tuple[int, int]:
+        return self.dims or (headdim, headdim)
 
     def bounds(self) -> tuple[int, int]:
         """(left, right) with causal folded in; -1 = unbounded."""
@@ -70,6 +75,9 @@ VARIANTS = (
     Variant("causal alibi (score_mod)", True, alibi=True, modifier=True),
     Variant("documents 2048", False, documents=2048),
     Variant("causal documents 2048", True, documents=2048),
+    Variant("causal 192/128", True, dims=(192, 128)),
+    Variant("causal 192/192", True, dims=(192, 192)),
+    Variant("192/128", False, dims=(192, 128)),
 )
 
 
@@ -118,17 +126,17 @@ def _cupyflash_has_window() -> bool:
     return "window_size" in inspect.signature(cupyflash.flash_attn_func).parameters
 
 
-def _inputs(batch, seqlen, nheads, headdim, n_sets, seed):
+def _inputs(batch, seqlen, nheads, headdims, n_sets, seed):
+    """``n_sets`` of (q, k, v, do), bf16; headdims (of q and k, of v and do)."""
     import cupy
     import ml_dtypes
 
     dtype = np.dtype(ml_dtypes.bfloat16)
-    shape = (batch, seqlen, nheads, headdim)
     sets = []
     for index in range(n_sets):
         rng = cupy.random.default_rng(seed * 1000 + index)
-        sets.append(tuple(rng.standard_normal(shape, dtype=np.float32).astype(dtype)
-                          for _ in range(4)))  # q, k, v, do
+        sets.append(tuple(rng.standard_normal((batch, seqlen, nheads, d), dtype=np.float32).astype(dtype)
+                          for d in (headdims[0], headdims[0], headdims[1], headdims[1])))  # q, k, v, do
     return sets
 
 
@@ -151,6 +159,8 @@ def _cupyflash_runs(variant: Variant, sets):
         if "dropout_p" not in inspect.signature(cupyflash.flash_attn_func).parameters:
             return None, None
         kwargs.update(dropout_p=variant.dropout, seed=1234)
+    if sets[0][0].shape[3] != sets[0][2].shape[3] and "headdim_v" not in (cupyflash.flash_attn_func.__doc__ or ""):
+        return None, None  # a version without a head dim of its own for v
     if variant.modifier or variant.documents:
         if "score_mod" not in inspect.signature(cupyflash.flash_attn_func).parameters:
             return None, None
@@ -290,10 +300,15 @@ def run(batch: int, nheads: int, headdim: int, seqlens, variants, impls, seed: i
     for seqlen in seqlens:
         n_sets = 2
         with stream, torch.cuda.stream(torch_stream):
-            sets = _inputs(batch, seqlen, nheads, headdim, n_sets, seed)
+            inputs = {}  # by (headdim of q and k, of v)
             for variant in variants:
+                dims = variant.headdims(headdim)
+                if dims not in inputs:
+                    inputs[dims] = _inputs(batch, seqlen, nheads, dims, n_sets, seed)
+                sets = inputs[dims]
                 pairs = pairs_of(variant, seqlen)
-                flops = {"fwd": 4.0 * batch * nheads * pairs * headdim}
+                # 2 pairs d_qk for S = Q K^T, 2 pairs d_v for O = P V (4 pairs headdim when equal)
+                flops = {"fwd": 2.0 * batch * nheads * pairs * (dims[0] + dims[1])}
                 flops["bwd"] = 2.5 * flops["fwd"]
                 for impl in impls:
                     try:
@@ -317,7 +332,7 @@ def run(batch: int, nheads: int, headdim: int, seqlens, variants, impls, seed: i
                                         flops[mode] / (ms * 1e-3) / 1e12))
                         print(f"  {variant.name:<22} {seqlen:>6} {impl:<10} {mode} {ms:9.3f} ms "
                               f"{rows[-1].tflops:7.1f} TFLOP/s", file=sys.stderr, flush=True)
-            del sets
+            del sets, inputs
     return rows
 
 

@@ -74,9 +74,9 @@ def preprocess(params, do, o, k, v) -> tuple:
     referenced until the launches that read them are queued."""
     import cupy
 
-    batch, seqlen_q, nheads, headdim = o.shape
+    batch, seqlen_q, nheads, _ = o.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
-    dt = d_tile(headdim)
+    dt = d_tile(max(k.shape[3], v.shape[3]))  # the backward kernel's tile: holds q, k and v
     kv_bound = cupy.zeros((batch, nheads_kv, 2), dtype=np.uint32)
     delta = cupy.empty((batch, nheads, seqlen_q), dtype=np.float32)
     dq_scale = cupy.empty((batch, nheads, seqlen_q), dtype=np.float32)

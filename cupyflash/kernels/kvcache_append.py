@@ -28,8 +28,8 @@ def specializations() -> list[Specialization]:
 
 
 def append(k_new, v_new, k_cache, v_cache, *, cache_seqlens, block_table, page_size: int, seqlens_k=None) -> None:
-    """k_new, v_new (batch, seqlen_new, nheads_kv, headdim) into the caches (pages, page_size,
-    nheads_kv, headdim) at positions cache_seqlens[b] + t through block_table (batch, n) int32 (a
+    """k_new, v_new (batch, seqlen_new, nheads_kv, headdim / headdim_v) into the caches (pages,
+    page_size, nheads_kv, headdim / headdim_v) at positions cache_seqlens[b] + t through block_table (batch, n) int32 (a
     contiguous cache: its rows, one column, page_size its capacity), on the current stream; and
     seqlens_k[b] = cache_seqlens[b] + seqlen_new when given. CuPy arrays, last dimensions
     contiguous, checked by the caller; the index values are taken as given."""
@@ -50,4 +50,5 @@ def append(k_new, v_new, k_cache, v_cache, *, cache_seqlens, block_table, page_s
     params["page"]["divisor"], params["page"]["multiplier"], params["page"]["shift"] = fast_divmod(page_size)
     params["batch"], params["seqlen_new"] = np.int32(batch), np.int32(seqlen_new)
     params["nheads_kv"], params["headdim"] = np.int32(nheads_kv), np.int32(headdim)
+    params["headdim_v"] = np.int32(v_new.shape[3])
     launch(specialization(k_cache.itemsize), (batch * seqlen_new, nheads_kv, 1), (params,))

@@ -254,7 +254,7 @@ def forward(q, k_cache, v_cache, o, lse, *, seqlens_k, block_table, page_size: i
     import cupy
 
     batch, seqlen_q, nheads, headdim = q.shape
-    nheads_kv = k_cache.shape[2]
+    nheads_kv, headdim_v = k_cache.shape[2], v_cache.shape[3]
     if batch == 0 or seqlen_q == 0 or nheads == 0:
         return 0
     for a, what in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache"), (o, "o")):
@@ -264,7 +264,7 @@ def forward(q, k_cache, v_cache, o, lse, *, seqlens_k, block_table, page_size: i
     for a, what in ((seqlens_k, "seqlens_k"), (block_table, "block_table")):
         if a.dtype != np.int32 or (a.shape[-1] > 1 and a.strides[-1] != 4):
             raise ValueError(f"cupyflash: {what} must be int32 with a contiguous last dimension")
-    planned = plan(q.dtype, headdim, mask, batch=batch, seqlen_q=seqlen_q, group=nheads // nheads_kv,
+    planned = plan(q.dtype, max(headdim, headdim_v), mask, batch=batch, seqlen_q=seqlen_q, group=nheads // nheads_kv,
                    nheads_kv=nheads_kv, max_seqlen_k=max_seqlen_k, paged=paged, num_splits=num_splits, tiles=tiles)
 
     params = np.zeros(1, CACHE_FWD_PARAMS)
@@ -273,7 +273,7 @@ def forward(q, k_cache, v_cache, o, lse, *, seqlens_k, block_table, page_size: i
     params["lse"] = pointer(lse)
     params["batch"], params["seqlen_q"], params["seqlen_k"] = batch, seqlen_q, max_seqlen_k
     params["nheads"], params["nheads_kv"], params["group"] = nheads, nheads_kv, nheads // nheads_kv
-    params["headdim"] = headdim
+    params["headdim"], params["headdim_v"] = headdim, headdim_v
     params["window_left"], params["window_right"] = mask.window_args()
     _set_scales(params, softmax_scale)
     set_variant(params, variant)
@@ -291,7 +291,7 @@ def forward(q, k_cache, v_cache, o, lse, *, seqlens_k, block_table, page_size: i
     # and the combine must not read it.
     empty = (lambda shape: cupy.full(shape, np.nan, np.float32)) if poison_enabled() else \
         (lambda shape: cupy.empty(shape, np.float32))
-    o_partial = empty((planned.num_splits, batch, nheads, seqlen_q, headdim))
+    o_partial = empty((planned.num_splits, batch, nheads, seqlen_q, headdim_v))
     lse_partial = empty((planned.num_splits, batch, nheads, seqlen_q))
     params["o_partial"], params["lse_partial"] = pointer(o_partial), pointer(lse_partial)
     launch(planned.spec, planned.grid, (params,))
@@ -303,6 +303,6 @@ def forward(q, k_cache, v_cache, o, lse, *, seqlens_k, block_table, page_size: i
     sink = None if variant is None else variant.sink
     combine["sink"] = pointer(sink)
     combine["num_splits"], combine["batch"], combine["seqlen_q"] = planned.num_splits, batch, seqlen_q
-    combine["nheads"], combine["headdim"] = nheads, headdim
+    combine["nheads"], combine["headdim"] = nheads, headdim_v
     launch(combine_specialization(q.dtype), (math.ceil(batch * nheads * seqlen_q / COMBINE_ROWS), 1, 1), (combine,))
     return planned.num_splits

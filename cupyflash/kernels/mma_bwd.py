@@ -103,6 +103,15 @@ def specializations() -> list[Specialization]:
     return out
 
 
+def _zero_padded(x, width: int):
+    """x (B, S, H, D) with zero columns D .. width - 1, C-contiguous."""
+    import cupy
+
+    padded = cupy.zeros(x.shape[:3] + (width,), x.dtype)
+    padded[..., :x.shape[3]] = x
+    return padded
+
+
 def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: bool,
              deterministic: bool = True, version: str | None = None,
              dq_config: tuple | None = None, fused: tuple | None = None, wgmma: tuple | None = None,
@@ -125,12 +134,19 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
         return
     # A sink changes only lse, which the kernels read (scores.Score.backward); dsink is the API's.
     mask = mask_for(causal, window_size, PLAIN if variant is None else variant.score, packed is not None).backward()
-    planned = plan(q.dtype, headdim, mask, deterministic, version, dq_config=dq_config, fused=fused,
-                   wgmma=wgmma)
+    planned = plan(q.dtype, max(headdim, v.shape[3]), mask, deterministic, version, dq_config=dq_config, fused=fused,
+                   wgmma=wgmma)  # one head-dim tile holds q, k and v
     if packed is not None and planned.dq_add not in ("none", "atomic"):
         raise ValueError(f"cupyflash: a packed batch's backward adds dQ by its own kernel or by float atomics; "
                          f"this plan adds it as {planned.dq_add!r} (a dev/ version)")
     lse = cupy.ascontiguousarray(lse, dtype=np.float32)  # indexed as (batch, head, row) in C order
+    headdims = headdim, v.shape[3]
+    if q.shape[3] != do.shape[3]:
+        # The mma.sync dK/dV kernels load their Q and dO tiles under one column bound, the wider
+        # head dim (mma_bwd_layouts.cuh, cp_async_query_block): the narrower of the two gets zero
+        # columns up to it (one copy of q or do; the kernels still write dq and dk at headdim).
+        width = max(headdims)
+        q, do = (x if x.shape[3] == width else _zero_padded(x, width) for x in (q, do))
     dt, dq_add = planned.d_tile, planned.dq_add
     grids = {launch.role: launch.grid(batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, packed)
              for launch in planned.launches}
@@ -138,6 +154,7 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
     # is allocated (the arrays stay referenced here until the launches are queued).
     params = backward_params(do, q, k, v, o, lse, dq, dk, dv, softmax_scale=softmax_scale, mask=mask,
                              variant=variant, packed=packed)
+    params["headdim"], params["headdim_v"] = headdims  # q's own, should it have been padded
     if dq_add in FIXED_DQ_ADDS:
         buffers = dq_fixed.preprocess(params, do, o, k, v)  # kv_bound, delta, dq_row_scale
     else:

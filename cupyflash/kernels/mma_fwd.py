@@ -110,8 +110,8 @@ def _check_layout(a, what: str) -> None:
 def forward(q, k, v, o, lse, *, softmax_scale: float, causal: bool,
             config: FwdConfig | WgmmaFwdConfig | None = None, window_size=(-1, -1), variant=None,
             packed: PackedBatch | None = None) -> None:
-    """o (like q, C-contiguous) and lse ((B, H, Sq) float32, contiguous) from q (B, Sq, H, D) and
-    k, v (B, Sk, Hkv, D), on the current stream, by the plan of the current device (``config``:
+    """o ((B, Sq, H, Dv) C-contiguous) and lse ((B, H, Sq) float32, contiguous) from q (B, Sq, H, D),
+    k (B, Sk, Hkv, D) and v (B, Sk, Hkv, Dv), on the current stream, by the plan of the current device (``config``:
     other tiles, e.g. a dev/ version's); ``variant`` a cupyflash.scores.Variant with CuPy arrays
     (None: the plain softmax); ``packed`` a varlen batch (B = 1, its sequences' rows packed)."""
     batch, seqlen_q, nheads, headdim = q.shape
@@ -120,7 +120,7 @@ def forward(q, k, v, o, lse, *, softmax_scale: float, causal: bool,
     if lse.dtype != np.float32 or not lse.flags.c_contiguous or lse.shape != (batch, nheads, seqlen_q):
         raise ValueError("cupyflash: lse must be a C-contiguous float32 (batch, nheads, seqlen_q) array")
     mask = mask_for(causal, window_size, PLAIN if variant is None else variant.score, packed is not None)
-    planned = plan(q.dtype, headdim, mask, config)
+    planned = plan(q.dtype, max(headdim, v.shape[3]), mask, config)  # one head-dim tile holds q, k and v
     grid = query_grid(planned.block_m, batch, seqlen_q, nheads, packed)
     for a, what in ((q, "q"), (k, "k"), (v, "v"), (o, "o")):
         _check_layout(a, what)

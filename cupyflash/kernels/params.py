@@ -24,7 +24,7 @@ TENSOR_ROWS = np.dtype([("data", np.uint64), ("batch_stride", np.int64), ("row_s
 
 _SHAPE_FIELDS = [("batch", np.int32), ("seqlen_q", np.int32), ("seqlen_k", np.int32), ("nheads", np.int32),
                  ("nheads_kv", np.int32), ("group", np.int32), ("headdim", np.int32),
-                 ("window_left", np.int32), ("window_right", np.int32)]
+                 ("headdim_v", np.int32), ("window_left", np.int32), ("window_right", np.int32)]
 
 # The user modifiers' tensors and block map (modifier.cuh's ModArgs): zeros without modifiers.
 MOD_ARGS = np.dtype([("data", np.uint64, (4,)), ("strides", np.int64, (4, 4)),
@@ -109,12 +109,12 @@ def set_rows(params, name: str, a, strides: tuple | None = None) -> None:
     field["batch_stride"], field["row_stride"], field["head_stride"] = (np.int64(s) for s in strides)
 
 
-def _set_shape(params, q, k, mask) -> None:
+def _set_shape(params, q, k, v, mask) -> None:
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     params["batch"], params["seqlen_q"], params["seqlen_k"] = batch, seqlen_q, seqlen_k
     params["nheads"], params["nheads_kv"], params["group"] = nheads, nheads_kv, nheads // nheads_kv
-    params["headdim"] = headdim
+    params["headdim"], params["headdim_v"] = headdim, v.shape[3]
     params["window_left"], params["window_right"] = mask.window_args()
 
 
@@ -188,7 +188,7 @@ def forward_params(q, k, v, o, lse, *, softmax_scale: float, mask, variant=None,
     for name, a in (("q", q), ("k", k), ("v", v), ("o", o)):
         set_rows(params, name, a)
     params["lse"] = pointer(lse)
-    _set_shape(params, q, k, mask)
+    _set_shape(params, q, k, v, mask)
     _set_scales(params, softmax_scale)
     set_variant(params, variant)
     set_packed(params, packed)
@@ -203,7 +203,7 @@ def backward_params(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, ma
     for name, a in (("q", q), ("k", k), ("v", v), ("o", o), ("dout", do), ("dq", dq), ("dk", dk), ("dv", dv)):
         set_rows(params, name, a)
     params["lse"], params["delta"] = pointer(lse), pointer(delta)
-    _set_shape(params, q, k, mask)
+    _set_shape(params, q, k, v, mask)
     _set_scales(params, softmax_scale)
     set_variant(params, variant)
     set_packed(params, packed)
@@ -268,7 +268,8 @@ COMBINE_PARAMS = np.dtype([("o_partial", np.uint64), ("lse_partial", np.uint64),
 APPEND_PARAMS = np.dtype([*((name, TENSOR_ROWS) for name in ("k_new", "v_new", "k", "v")),
                           ("cache_seqlens", np.uint64), ("block_table", np.uint64), ("block_table_stride", np.int64),
                           ("seqlens_k", np.uint64), ("page", FAST_DIVMOD), ("batch", np.int32),
-                          ("seqlen_new", np.int32), ("nheads_kv", np.int32), ("headdim", np.int32)], align=True)
+                          ("seqlen_new", np.int32), ("nheads_kv", np.int32), ("headdim", np.int32),
+                          ("headdim_v", np.int32)], align=True)
 
 _CPP_NAMES.update({FAST_DIVMOD: "cf::FastDivmod", CACHE_FWD_PARAMS: "cf::CacheFwdParams",
                    COMBINE_PARAMS: "cf::CombineParams", APPEND_PARAMS: "cf::AppendParams"})

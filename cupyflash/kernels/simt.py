@@ -68,7 +68,8 @@ def forward(q, k, v, o, lse, *, softmax_scale: float, causal: bool, window_size=
     if batch == 0 or seqlen_q == 0 or nheads == 0:
         return
     mask = mask_for(causal, window_size, PLAIN if variant is None else variant.score, packed is not None)
-    plan = plans.plan_forward(None, q.dtype, headdim, mask, None, family="simt")  # SIMT tiles do not depend on the device
+    # SIMT tiles do not depend on the device; one head-dim tile holds q, k and v.
+    plan = plans.plan_forward(None, q.dtype, max(headdim, v.shape[3]), mask, None, family="simt")
     grid = query_grid(plan.block_m, batch, seqlen_q, nheads, packed)
     launch(plan.spec, grid, (forward_params(q, k, v, o, lse, softmax_scale=softmax_scale, mask=mask,
                                             variant=variant, packed=packed),))
@@ -101,7 +102,7 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
     if backward_is_empty(q, k, dq, dk, dv):
         return
     mask = mask_for(causal, window_size, PLAIN if variant is None else variant.score, packed is not None).backward()
-    plan = backward_plans.plan_backward(None, q.dtype, headdim, mask, None, True, family="simt")
+    plan = backward_plans.plan_backward(None, q.dtype, max(headdim, v.shape[3]), mask, None, True, family="simt")
     grids = {launch.role: launch.grid(batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, packed)
              for launch in plan.launches}
     params = backward_params(do, q, k, v, o, lse, dq, dk, dv, softmax_scale=softmax_scale, mask=mask,

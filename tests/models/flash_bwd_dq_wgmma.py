@@ -70,14 +70,15 @@ def dqw_tiles(L, j: int) -> SimpleNamespace:
 @mirrors(DQW,
          "cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(s_q, p.q.row<const T>(batch, seq.q_begin + m0, head), seqlen_q - m0, headdim,"
          " p.q.row_stride, tid);",
-         "cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(s_do, p.dout.row<const T>(batch, seq.q_begin + m0, head), seqlen_q - m0, headdim,"
-         " p.dout.row_stride, tid);")
-def dqw_load_q_do(smem, L, q, do, m0: int, headdim: int) -> None:
-    """The query block's Q and dO (rows m0.. of q and do), once per CTA."""
+         "cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(s_do, p.dout.row<const T>(batch, seq.q_begin + m0, head),"
+         " seqlen_q - m0, p.headdim_v, p.dout.row_stride, tid);")
+def dqw_load_q_do(smem, L, q, do, m0: int, headdim: int, headdim_v: int | None = None) -> None:
+    """The query block's Q and dO (rows m0.. of q and do; headdim and headdim_v columns), once per
+    CTA."""
     tiles = dqw_tiles(L, 0)
     seqlen_q = q.shape[0]
-    for tile, g in ((tiles.q, q), (tiles.do, do)):
-        cp_async_panels(smem, tile, L.BLOCK_M, L.D_TILE, L.NTHREADS, g[m0:], seqlen_q - m0, headdim)
+    for tile, g, width in ((tiles.q, q, headdim), (tiles.do, do, headdim if headdim_v is None else headdim_v)):
+        cp_async_panels(smem, tile, L.BLOCK_M, L.D_TILE, L.NTHREADS, g[m0:], seqlen_q - m0, width)
 
 
 @mirrors(DQW,
@@ -85,8 +86,8 @@ def dqw_load_q_do(smem, L, q, do, m0: int, headdim: int) -> None:
          "cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(base + L::K + (j % K_STAGES) * L::KV_TILE,"
          " k_rows + n0 * k_ss, seqlen_k - n0, headdim, k_ss, tid);",
          "cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(base + L::V + (j % L::V_STAGES) * L::KV_TILE,"
-         " v_rows + n0 * v_ss, seqlen_k - n0, headdim, v_ss, tid);")
-def dqw_load_kv_block(smem, L, j: int, k, v, headdim: int) -> None:
+         " v_rows + n0 * v_ss, seqlen_k - n0, p.headdim_v, v_ss, tid);")
+def dqw_load_kv_block(smem, L, j: int, k, v, headdim: int, headdim_v: int | None = None) -> None:
     """load_kv_block(j): K_j and V_j (rows n0.. of k and v) into their stages. The destinations are
     the lambda's own expressions, not dqw_tiles': the two must agree."""
     base = aligned_base(RAW_SMEM)
@@ -95,7 +96,7 @@ def dqw_load_kv_block(smem, L, j: int, k, v, headdim: int) -> None:
     cp_async_panels(smem, base + L.K + (j % L.K_STAGES) * L.KV_TILE, L.BLOCK_N, L.D_TILE, L.NTHREADS,
                     k[n0:], seqlen_k - n0, headdim)
     cp_async_panels(smem, base + L.V + (j % L.V_STAGES) * L.KV_TILE, L.BLOCK_N, L.D_TILE, L.NTHREADS,
-                    v[n0:], seqlen_k - n0, headdim)
+                    v[n0:], seqlen_k - n0, headdim if headdim_v is None else headdim_v)
 
 
 @mirrors(DQW,

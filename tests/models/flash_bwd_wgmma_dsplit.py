@@ -60,11 +60,12 @@ def dsplit_smem(d_tile: int, block_m: int, block_n: int) -> SimpleNamespace:
          "cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(base + L::Q + stage * L::Q_TILE,"
          " q + row_offset(seq.batch, seq.q_begin + m0, head, q_sb, q_ss, q_sh), seqlen_q - m0, headdim, q_ss, tid);",
          "cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(base + L::DO + stage * L::Q_TILE,"
-         " dout + row_offset(seq.batch, seq.q_begin + m0, head, do_sb, do_ss, do_sh), seqlen_q - m0, headdim, do_ss,"
-         " tid);",
+         " dout + row_offset(seq.batch, seq.q_begin + m0, head, do_sb, do_ss, do_sh), seqlen_q - m0, headdim_v,"
+         " do_ss, tid);",
          "cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(k_tile, k_rows + n0 * k_ss, seqlen_k - n0, headdim, k_ss, tid);",
-         "cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(v_tile, v_rows + n0 * v_ss, seqlen_k - n0, headdim, v_ss, tid);",
-         "cp_async_key_panels<BLOCK_N, D_TILE, NTHREADS>(s_k, s_v, k_rows, k_ss, v_rows, v_ss, n0, seqlen_k, headdim, tid);")
+         "cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(v_tile, v_rows + n0 * v_ss, seqlen_k - n0, headdim_v, v_ss, tid);",
+         "cp_async_key_panels<BLOCK_N, D_TILE, NTHREADS>(s_k, s_v, k_rows, k_ss, v_rows, v_ss, n0, seqlen_k, headdim,"
+         " headdim_v, tid);")
 def dsplit_tiles(L, stage: int) -> SimpleNamespace:
     base = aligned_base(RAW_SMEM)
     return SimpleNamespace(k=base + L.K, v=base + L.V, pt=base + L.PT, dst=base + L.DST,

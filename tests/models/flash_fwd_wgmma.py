@@ -46,7 +46,7 @@ def fwd_smem(d_tile: int, block_m: int, block_n: int) -> SimpleNamespace:
          "cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(base + L::K + (j % L::K_STAGES) * L::KV_TILE,"
          " k_rows + n0 * k_ss, seqlen_k - n0, headdim, k_ss, tid);",
          "cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(base + L::V + (j % L::V_STAGES) * L::KV_TILE,"
-         " v_rows + n0 * v_ss, seqlen_k - n0, headdim, v_ss, tid);",
+         " v_rows + n0 * v_ss, seqlen_k - n0, p.headdim_v, v_ss, tid);",
          "cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(q_tile, p.q.row<const T>(batch, seq.q_begin + m0, head), seqlen_q - m0,"
          " headdim, p.q.row_stride, tid);")
 def fwd_tiles(L, j: int) -> SimpleNamespace:
@@ -87,7 +87,7 @@ def fwd_pv_steps(L, tiles) -> list[Step]:
     return [Step(None, None, smem_desc(tiles.v + kk * 2048, L.KV_PANEL, 1024), 1) for kk in range(L.BLOCK_N // 16)]
 
 
-def fwd_emulated(q, k, v, L, headdim: int, elementwise):
+def fwd_emulated(q, k, v, L, headdim: int, elementwise, headdim_v: int | None = None):
     """One CTA (query rows 0..BLOCK_M) over every key block: S_j = Q K_j^T, P_j = elementwise(S_j)
     on the accumulators (the softmax's row math is online_softmax.cuh's, tested in
     tests/kernels/test_flash_fwd_mma.py), O += P_j V_j. Returns O (BLOCK_M x D_TILE)."""
@@ -99,7 +99,8 @@ def fwd_emulated(q, k, v, L, headdim: int, elementwise):
         n0 = j * L.BLOCK_N
         tiles = fwd_tiles(L, j)
         cp_async_panels(smem, tiles.k, L.BLOCK_N, L.D_TILE, L.NTHREADS, k[n0:], seqlen_k - n0, headdim)
-        cp_async_panels(smem, tiles.v, L.BLOCK_N, L.D_TILE, L.NTHREADS, v[n0:], seqlen_k - n0, headdim)
+        cp_async_panels(smem, tiles.v, L.BLOCK_N, L.D_TILE, L.NTHREADS, v[n0:], seqlen_k - n0,
+                        headdim if headdim_v is None else headdim_v)
         for wg in range(L.NWG):
             s = np.empty((128, L.BLOCK_N // 8, 4))
             for kk, step in enumerate(fwd_s_steps(L, tiles, wg)):
