@@ -108,7 +108,9 @@ def output_rounding_allowance(do, q, k, v, o, o_ref, *, softmax_scale, causal, w
     score_mod = variant.get("score_mod")
     capped = bool(variant.get("softcap")) or (score_mod is not None and getattr(score_mod, "has_grad", True))
     p_k = reference.attention(q, k, np.abs(k) if capped else k, **kwargs)[0]
-    p_t_e_q = reference.attention_backward(np.abs(e * q) if capped else e * q, q, k, v, **kwargs)[2]
+    # P^T (e q) is the dv of a backward whose output gradient is e q: k stands in for v, whose
+    # values (and head dim, should it be v's own) dv does not depend on.
+    p_t_e_q = reference.attention_backward(np.abs(e * q) if capped else e * q, q, k, k, **kwargs)[2]
     return scale * max_abs(np.abs(e) * p_k if capped else e * p_k), scale * max_abs(p_t_e_q), 0.0
 
 
