@@ -106,6 +106,27 @@ def test_passes_on_the_numpy_backend(problem):
     assert_attention_close(problem, o, lse, grads)
 
 
+@given(attention_problems(distinct_v=True, **SMALL))
+def test_problems_with_a_head_dim_of_v_of_their_own(problem):
+    q, k, v, do = problem.arrays()
+    assert v.shape == problem.v_shape and do.shape == problem.o_shape
+    o, lse = cupyflash.flash_attn_func(q, k, v, return_lse=True, backend="numpy", **problem.kwargs)
+    grads = cupyflash.flash_attn_backward(do, q, k, v, o, lse, backend="numpy", **problem.kwargs)
+    assert_attention_close(problem, o, lse, grads)
+
+
+def test_distinct_v_draws_other_head_dims():
+    drawn = set()
+
+    @settings(max_examples=60, database=None)
+    @given(attention_problems(distinct_v=True, **SMALL))
+    def collect(problem):
+        drawn.add(problem.headdim_v != problem.headdim)
+
+    collect()
+    assert drawn == {True, False}
+
+
 @given(attention_problems(**SMALL))
 def test_passes_on_a_naive_implementation(problem):
     o, lse, grads = naive_attention(problem, *problem.arrays())
@@ -318,6 +339,7 @@ def test_arrays_are_reproducible_random_and_shaped(problem):
 
 
 def test_a_problem_is_rebuilt_from_its_repr():
+    assert eval(repr(_problem("float32", headdim_v=5)), {"AttentionProblem": AttentionProblem}).headdim_v == 5  # noqa: S307
     problem = _problem("bfloat16", window_size=[3, 0])
     assert problem.dtype == BF16 and problem.window_size == (3, 0)
     assert "dtype='bfloat16'" in repr(problem)

@@ -67,8 +67,8 @@ class ProblemData:
 
 @dataclass(frozen=True, repr=False)
 class AttentionProblem(ProblemData):
-    """q (batch, seqlen_q, nheads, headdim); k, v (batch, seqlen_k, nheads_kv, headdim), with
-    nheads = nheads_kv * group query heads (group > 1: GQA, nheads_kv = 1: MQA). Masks are
+    """q (batch, seqlen_q, nheads, headdim); k, v (batch, seqlen_k, nheads_kv, headdim), v (and
+    o, do) with ``headdim_v`` columns where that is set; nheads = nheads_kv * group query heads (group > 1: GQA, nheads_kv = 1: MQA). Masks are
     aligned bottom-right: with diagonal = i + seqlen_k - seqlen_q, ``causal`` lets query i see
     key j iff j <= diagonal; ``window_size = (left, right)`` (flash-attn's local attention)
     iff diagonal - left <= j <= diagonal + right, a side of -1 being unbounded (causal sets
@@ -86,10 +86,12 @@ class AttentionProblem(ProblemData):
     dtype: np.dtype
     seed: int
     window_size: tuple[int, int] = (-1, -1)
+    headdim_v: int | None = None  # v's own head dim (None: headdim)
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", as_dtype(self.dtype))
         object.__setattr__(self, "window_size", tuple(int(side) for side in self.window_size))
+        object.__setattr__(self, "headdim_v", self.headdim if self.headdim_v is None else int(self.headdim_v))
 
     @property
     def kwargs(self) -> dict:
@@ -106,14 +108,23 @@ class AttentionProblem(ProblemData):
         return (self.batch, self.seqlen_k, self.nheads_kv, self.headdim)
 
     @property
+    def v_shape(self) -> tuple[int, int, int, int]:
+        return (self.batch, self.seqlen_k, self.nheads_kv, self.headdim_v)
+
+    @property
+    def o_shape(self) -> tuple[int, int, int, int]:
+        """Of o and do: q's rows, v's head dim."""
+        return (self.batch, self.seqlen_q, self.nheads, self.headdim_v)
+
+    @property
     def lse_shape(self) -> tuple[int, int, int]:
         return (self.batch, self.nheads, self.seqlen_q)
 
     @property
     def cost(self) -> int:
-        """batch * nheads * seqlen_q * seqlen_k * headdim: the work of one forward, up to a
-        constant."""
-        return self.batch * self.nheads * self.seqlen_q * self.seqlen_k * self.headdim
+        """batch * nheads * seqlen_q * seqlen_k * max(headdim, headdim_v): the work of one forward,
+        up to a constant."""
+        return self.batch * self.nheads * self.seqlen_q * self.seqlen_k * max(self.headdim, self.headdim_v)
 
     def arrays(self):
         """(q, k, v, do): NumPy arrays of ``dtype``, standard normal times ``magnitude``, drawn
@@ -121,7 +132,7 @@ class AttentionProblem(ProblemData):
         rng = np.random.default_rng(self.seed)
         return tuple(
             (rng.standard_normal(shape) * self.magnitude).astype(self.dtype)
-            for shape in (self.q_shape, self.kv_shape, self.kv_shape, self.q_shape)
+            for shape in (self.q_shape, self.kv_shape, self.v_shape, self.o_shape)
         )
 
 

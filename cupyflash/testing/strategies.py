@@ -73,6 +73,7 @@ def attention_problems(
     magnitudes: tuple[float, float] = (0.1, 4.0),
     max_logit_std: float | None = MAX_LOGIT_STD,
     max_cost: float = CPU_MAX_COST,
+    distinct_v: bool = False,
 ):
     """AttentionProblems within the given bounds.
 
@@ -82,7 +83,8 @@ def attention_problems(
       (unbounded) or 0..max(seqlen_q, seqlen_k); right is 0 where causal. Off: (-1, -1).
     - Sequence lengths in [min_seqlen, max_seqlen] (0 allowed), half the time one just off a
       tile multiple; ``same_seqlens``: seqlen_k = seqlen_q.
-    - Head dim in [1, max_headdim], or one of ``headdims`` if given.
+    - Head dim in [1, max_headdim], or one of ``headdims`` if given; ``distinct_v``: v's head
+      dim (``problem.headdim_v``) drawn on its own the same way (off: v has q's and k's).
     - batch in [1, max_batch]; nheads_kv in [1, max_heads_kv] kv heads, each shared by a group
       of [1, max_group] query heads (GQA; max_group=1 for none).
     - ``softmax_scale``: None (the default 1 / sqrt(headdim)) or a float in ``scales``;
@@ -114,7 +116,7 @@ def attention_problems(
     return _attention_problems(
         dtypes, causal, windows, min_seqlen, max_seqlen, same_seqlens,
         None if headdims is None else tuple(headdims), max_headdim, max_batch, max_heads_kv,
-        max_group, scales, magnitudes, max_logit_std, max_cost,
+        max_group, scales, magnitudes, max_logit_std, max_cost, bool(distinct_v),
     )
 
 
@@ -148,7 +150,7 @@ def _draw_scale(draw, headdim, scales, magnitudes, max_logit_std) -> tuple[float
 @st.composite
 def _attention_problems(draw, dtypes, causal, windows, min_seqlen, max_seqlen, same_seqlens,
                         headdims, max_headdim, max_batch, max_heads_kv, max_group, scales,
-                        magnitudes, max_logit_std, max_cost):
+                        magnitudes, max_logit_std, max_cost, distinct_v=False):
     dtype = draw(st.sampled_from(dtypes))
     causal = draw(st.booleans() if causal is None else st.just(bool(causal)))
     seqlen_q = draw(_favourite_or_any(SEQLENS, min_seqlen, max_seqlen))
@@ -163,9 +165,11 @@ def _attention_problems(draw, dtypes, causal, windows, min_seqlen, max_seqlen, s
     seed = draw(st.integers(0, 2**32 - 1))
     # drawn last, so that windows=False draws exactly what it did before windows
     window_size = _draw_window(draw, windows, causal, max(seqlen_q, seqlen_k))
+    # drawn after everything else for the same reason, within the cost share headdim took
+    headdim_v = _draw_headdim(draw, max(headdim, 1), headdims, max_headdim) if distinct_v else None
     return AttentionProblem(
         batch, seqlen_q, seqlen_k, nheads_kv, group, headdim, causal, softmax_scale, magnitude,
-        dtype, seed, window_size,
+        dtype, seed, window_size, headdim_v,
     )
 
 

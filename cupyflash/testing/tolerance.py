@@ -283,7 +283,7 @@ def assert_attention_close(problem: AttentionProblem, o, lse=None, grads=None, *
     o_std = lse_std = None
     if sixteen_bit:
         o_std, lse_std = reference.standard_attention(q, k, v, dtype=dtype, **kwargs)
-    o = _check_output(failures, "o", o, problem.q_shape, out_dtype)
+    o = _check_output(failures, "o", o, problem.o_shape, out_dtype)
     o_passes = o is not None and passes("o", o, o_ref, o_std, factor=OUTPUT_FACTOR)
     if lse is not None:
         lse = _check_output(failures, "lse", lse, problem.lse_shape, None)
@@ -308,7 +308,7 @@ def assert_attention_close(problem: AttentionProblem, o, lse=None, grads=None, *
         o_seen = o if o_passes else o_ref.astype(dtype)
         allowances = output_rounding_allowance(do, q, k, v, o_seen, o_ref, **kwargs)
         grad_scale = max(max_abs(r) for r in refs)  # dq, dk may cancel to 0 while their terms do not
-        shapes = (problem.q_shape, problem.kv_shape, problem.kv_shape)
+        shapes = (problem.q_shape, problem.kv_shape, problem.v_shape)
         for name, grad, shape, ref, baseline, atol in zip(
             ("dq", "dk", "dv"), grads, shapes, refs, baselines, allowances
         ):
