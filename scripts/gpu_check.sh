@@ -21,7 +21,8 @@
 #                                       need (capture, torch, kv cache, varlen), the decode table and
 #                                       the split sweep (contiguous and page 16)
 #   scripts/gpu_check.sh OUTDIR headdim_v  v's own head dim: the kernels compiled, its GPU tests and
-#                                       dropout's, the 192/128 bench against cuDNN / Flex, the 16k table
+#                                       dropout's, the 192/128 bench against cuDNN / Flex (DV_IMPLS),
+#                                       the 16k table with BENCH_16K=1
 #   scripts/gpu_check.sh OUTDIR suite   SUITE_PART=1 or 2: the GPU test suite's two halves, shards
 #                                       and one summary file each (scripts/gpu_suite_part.sh)
 #   scripts/gpu_check.sh OUTDIR ncu     kernel by kernel, this tree against BEFORE_TREE (required):
@@ -122,8 +123,8 @@ headdim_v)  # v's own head dim: its GPU tests with dropout's, its bench against 
         python scripts/pytest_shards.py --shards "${SHARDS:-12}" --limit "$(( ${TEST_LIMIT:-200} - 20 ))" \
         --out "$out/headdim-v-shards" -m gpu tests/test_headdim_v_gpu.py tests/test_dropout_gpu.py
     step variants-dv 150 python -m cupyflash.bench.variants --seqlen 8192 --json "$out/variants-dv.json" \
-        --variants causal "causal 192/128" "causal 192/192" "192/128"
-    step bench-16k 150 python -m cupyflash bench --dtype bf16 --headdim 64 128 256 --seqlen 16k --causal both \
+        --impls ${DV_IMPLS:-cupyflash cudnn flex} --variants full causal "causal 192/128" "causal 192/192" "192/128"
+    [ -n "${BENCH_16K:-}" ] && step bench-16k 150 python -m cupyflash bench --dtype bf16 --headdim 64 128 256 --seqlen 16k --causal both \
         --mode fwd bwd --no-validate --quiet --anchors FA2 cuDNN --json "$out/bench-16k.json" \
         --markdown "$out/bench-16k.md"
     ;;
