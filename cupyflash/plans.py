@@ -196,11 +196,13 @@ def device_class(arch: str | None, smem_optin: int | None) -> str:
 
 
 def plan_forward(arch: str | None, dtype, headdim: int, mask: Mask | bool, smem_optin: int | None,
-                 family: str | None = None) -> ForwardPlan:
+                 family: str | None = None, headdim_v: int | None = None) -> ForwardPlan:
     """The forward kernel a call with this dtype, head dim and mask launches on a device of compute
     capability ``arch`` ("80", "90") whose blocks may opt in to ``smem_optin`` bytes of shared memory
     (None, None: a device not known; the portable rows). ``family`` ("mma", "simt") overrides the
-    default family of forward_family; ``mask`` is a policy of cupyflash.masks or a causal flag."""
+    default family of forward_family; ``mask`` is a policy of cupyflash.masks or a causal flag.
+    ``headdim`` is the wider of q's and v's head dims, which sets the tile; ``headdim_v`` v's, when
+    it is its own: the wgmma kernel then takes v and o in a narrower tile (``v_tile``)."""
     family = family or forward_family(dtype, headdim)
     if family == "mma":
         headdim = mma_headdim(headdim)
@@ -212,7 +214,17 @@ def plan_forward(arch: str | None, dtype, headdim: int, mask: Mask | bool, smem_
     dt = d_tile(headdim, _D_TILES[family])
     mask = as_mask(mask)
     tiles = forward_tiles(family, where, dt, dtype, mask, arch)
-    return _plan(dtype, headdim, mask, tiles, where)
+    return _plan(dtype, headdim, mask, tiles, where, headdim_v)
+
+
+def v_tile(tiles, dt: int, headdim_v: int | None) -> int:
+    """The head-dim tile of v and o: the smallest tensor-core tile that holds ``headdim_v`` where
+    the kernel is the wgmma forward and that tile is narrower than ``dt`` (its O accumulators, V
+    stages and P V products then that narrow); ``dt`` otherwise, every other kernel running v in
+    q's tile."""
+    if headdim_v is None or not isinstance(tiles, WgmmaFwdConfig):
+        return dt
+    return min(dt, d_tile(mma_headdim(headdim_v), TENSOR_CORE_D_TILES))
 
 
 def forward_tiles(family: str, where: str, dt: int, dtype, mask: Mask, arch: str | None):
@@ -296,18 +308,19 @@ def _spills(spec: Specialization, arch: str) -> bool:
     return _spill_answers[key]
 
 
-def forward_plan(dtype, headdim: int, mask: Mask | bool, tiles) -> ForwardPlan:
+def forward_plan(dtype, headdim: int, mask: Mask | bool, tiles, headdim_v: int | None = None) -> ForwardPlan:
     """The plan that runs ``tiles`` (any FwdConfig, WgmmaFwdConfig or SimtTiles: the tuner's and
-    dev/'s, not only FORWARD_TILES') at exactly ``headdim``."""
-    return _plan(dtype, headdim, as_mask(mask), tiles, "explicit")
+    dev/'s, not only FORWARD_TILES') at exactly ``headdim`` (and ``headdim_v``, plan_forward's)."""
+    return _plan(dtype, headdim, as_mask(mask), tiles, "explicit", headdim_v)
 
 
-def _plan(dtype, headdim: int, mask: Mask, tiles, where: str) -> ForwardPlan:
+def _plan(dtype, headdim: int, mask: Mask, tiles, where: str, headdim_v: int | None = None) -> ForwardPlan:
     family = "simt" if isinstance(tiles, SimtTiles) else "mma"
     if family == "mma" and not tensor_core_supports(dtype, headdim):
         raise ValueError(f"cupyflash: mma forward does not support dtype {np.dtype(dtype)}, headdim {headdim}")
     dt = d_tile(headdim, _D_TILES[family])
-    return ForwardPlan(family, where, headdim, dt, tiles, specialization_for(dtype, dt, mask, tiles))
+    return ForwardPlan(family, where, headdim, dt, tiles,
+                       specialization_for(dtype, dt, mask, tiles, v_tile(tiles, dt, headdim_v)))
 
 
 def simt_tiles(dtype, headdim: int) -> SimtTiles:
@@ -328,24 +341,29 @@ def smem_bytes(dt: int, config: FwdConfig) -> int:
     return 2 * dt * (config.block_m + 2 * config.stages * config.block_n) + 32
 
 
-def wgmma_smem_bytes(dt: int, config: WgmmaFwdConfig) -> int:
-    """Mirror of FwdWgmmaSmem<...>::BYTES (Q, two K and three V stages), plus 1024 bytes to align
-    the base for the 128-byte swizzle."""
-    return 2 * dt * (config.block_m + 5 * config.block_n) + 1024
+def wgmma_smem_bytes(dt: int, config: WgmmaFwdConfig, dvt: int | None = None) -> int:
+    """Mirror of FwdWgmmaSmem<...>::BYTES (Q, two K stages of ``dt`` columns and three V stages
+    of ``dvt``, dt by default), plus 1024 bytes to align the base for the 128-byte swizzle."""
+    dvt = dt if dvt is None else dvt
+    return 2 * (dt * (config.block_m + 2 * config.block_n) + 3 * dvt * config.block_n) + 1024
 
 
-def specialization_for(dtype, dt: int, mask: Mask | bool, tiles) -> Specialization:
-    """The specialization of the forward kernel that ``tiles`` configures, at head-dim tile ``dt``."""
+def specialization_for(dtype, dt: int, mask: Mask | bool, tiles, dvt: int | None = None) -> Specialization:
+    """The specialization of the forward kernel that ``tiles`` configures, at head-dim tile ``dt``
+    (and, for the wgmma kernel, v's tile ``dvt`` when narrower: plans.v_tile)."""
     mask = as_mask(mask)
     name = dtype_name(dtype)
     c, ctype, short = tiles, CTYPES[name], SHORT_NAMES[name]
     if isinstance(c, SimtTiles):
         return _simt_spec("fwd", name, dt, mask, c)
     if isinstance(c, WgmmaFwdConfig):
-        return Specialization(f"flash_fwd_wgmma_{short}_hdim{dt}_{mask.name}_bm{c.block_m}_bn{c.block_n}",
+        own_v = dvt is not None and dvt != dt  # the template's default otherwise: names unchanged
+        return Specialization(f"flash_fwd_wgmma_{short}_hdim{dt}{f'v{dvt}' if own_v else ''}_{mask.name}"
+                              f"_bm{c.block_m}_bn{c.block_n}",
                               "flash_fwd_wgmma.cu",
-                              f"cf::flash_fwd_wgmma<{ctype}, {dt}, {mask.cpp}, {c.block_m}, {c.block_n}>",
-                              c.threads, wgmma_smem_bytes(dt, c), arch="90a")
+                              f"cf::flash_fwd_wgmma<{ctype}, {dt}, {mask.cpp}, {c.block_m}, {c.block_n}"
+                              f"{f', {dvt}' if own_v else ''}>",
+                              c.threads, wgmma_smem_bytes(dt, c, dvt), arch="90a")
     if isinstance(c, FwdConfig):
         return Specialization(
             f"flash_fwd_mma_{short}_hdim{dt}_{mask.name}_bm{c.block_m}_bn{c.block_n}_w{c.warps}"

@@ -1,12 +1,14 @@
 // flash_fwd_wgmma: exact attention forward on Hopper warpgroup MMA (wgmma, sm_90a; fp16/bf16),
-// head dimension up to D_TILE (64, 128 or 256).
+// head dimension up to D_TILE (64, 128 or 256), and v's (o's) up to DV_TILE <= D_TILE (D_TILE
+// unless v has a narrower head dim of its own: DeepSeek MLA's 192 / 128 runs D_TILE 256 for
+// S = Q K^T and DV_TILE 128 for O = P V, not 256 for both).
 //
 // flash_fwd_mma.cu's work split with a warpgroup (4 warps) per 64 query rows: one CTA owns
 // BLOCK_M = 64 NWG rows of one (batch, head) and walks the key blocks of its kv head.
 //   S = Q K_j^T      wgmma m64 x BLOCK_N, A = the warpgroup's Q rows, B = K_j (both K-major, in
 //                    shared memory)
 //   online softmax   on the accumulators, whose layout per warp is mma.sync's: online_softmax.cuh
-//   O += P V_j       wgmma m64 x D_TILE, A = P from registers, B = V_j (MN-major)
+//   O += P V_j       wgmma m64 x DV_TILE, A = P from registers, B = V_j (MN-major)
 // Every shared tile is a 128-byte-swizzled panel tile (wgmma.cuh). P V_j is left running while the
 // next block starts (its wait comes with S_{j+1}'s), so V_j must outlive the barrier at the top of
 // block j + 1: V has three stages and K two. At the top of block j the stages of K_{j-1} and
@@ -21,25 +23,28 @@
 namespace cf {
 
 // Shared memory from a 1024-byte aligned base; cupyflash/kernels/mma_fwd.py (wgmma_smem_bytes)
-// mirrors BYTES and adds the alignment slack. Q is reused to stage O in the epilogue.
-template <int D_TILE, int BLOCK_M, int BLOCK_N>
+// mirrors BYTES and adds the alignment slack. Q is reused to stage O in the epilogue (DV_TILE
+// <= D_TILE columns). A K stage is KV_TILE bytes, a V stage V_TILE (KV_TILE when DV_TILE = D_TILE).
+template <int D_TILE, int BLOCK_M, int BLOCK_N, int DV_TILE = D_TILE>
 struct FwdWgmmaSmem {
     static constexpr int K_STAGES = 2, V_STAGES = 3;
     static constexpr u32 Q_PANEL = BLOCK_M * 128, KV_PANEL = BLOCK_N * 128;
     static constexpr u32 KV_TILE = BLOCK_N * D_TILE * 2;
+    static constexpr u32 V_TILE = BLOCK_N * DV_TILE * 2;
     static constexpr u32 Q = 0;
     static constexpr u32 K = Q + BLOCK_M * D_TILE * 2;
     static constexpr u32 V = K + K_STAGES * KV_TILE;
-    static constexpr u32 BYTES = V + V_STAGES * KV_TILE;
+    static constexpr u32 BYTES = V + V_STAGES * V_TILE;
 };
 
-template <typename T, int D_TILE, class Mask, int BLOCK_M, int BLOCK_N>
+template <typename T, int D_TILE, class Mask, int BLOCK_M, int BLOCK_N, int DV_TILE = D_TILE>
 __global__ void __launch_bounds__(BLOCK_M / 64 * 128, 1)
 flash_fwd_wgmma(const __grid_constant__ FwdParams p) {
-    typedef FwdWgmmaSmem<D_TILE, BLOCK_M, BLOCK_N> L;
+    typedef FwdWgmmaSmem<D_TILE, BLOCK_M, BLOCK_N, DV_TILE> L;
     constexpr int NWG = BLOCK_M / 64, NTHREADS = NWG * 128;
-    constexpr int N_FRAGS = BLOCK_N / 8, D_FRAGS = D_TILE / 8;
+    constexpr int N_FRAGS = BLOCK_N / 8, D_FRAGS = DV_TILE / 8;  // D_FRAGS: of O
     static_assert(BLOCK_M % 64 == 0 && BLOCK_N % 64 == 0 && D_TILE % 64 == 0, "64-row/column panels");
+    static_assert(DV_TILE % 64 == 0 && DV_TILE <= D_TILE, "O: 64-column panels, staged in the Q tile");
     static_assert(L::BYTES + 1024 <= 227 * 1024, "shared memory");
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -72,8 +77,8 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p) {
         const int n0 = j * BLOCK_N;
         cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(base + L::K + (j % L::K_STAGES) * L::KV_TILE,
                                                    k_rows + n0 * k_ss, seqlen_k - n0, headdim, k_ss, tid);
-        cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(base + L::V + (j % L::V_STAGES) * L::KV_TILE,
-                                                   v_rows + n0 * v_ss, seqlen_k - n0, p.headdim_v, v_ss, tid);
+        cp_async_panels<BLOCK_N, DV_TILE, NTHREADS>(base + L::V + (j % L::V_STAGES) * L::V_TILE,
+                                                    v_rows + n0 * v_ss, seqlen_k - n0, p.headdim_v, v_ss, tid);
     };
 
     cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(q_tile, p.q.row<const T>(batch, seq.q_begin + m0, head), seqlen_q - m0,
@@ -89,7 +94,7 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p) {
     RowStats<RowState::ALL_LANES, 1> row_stats;
     const DropoutOf<Mask> dropout(p, seq.index, head);
     auto store = [&]() {
-        store_o<T, D_TILE, Mask::Score::HAS_SINK>(
+        store_o<T, DV_TILE, Mask::Score::HAS_SINK>(
             o_acc, row_stats, q_tile, strip_row0, m0, seqlen_q, p.headdim_v, p.o.row<T>(batch, seq.q_begin + m0, head),
             p.o.row_stride, static_cast<float*>(p.lse) + seq.stat(p, head, m0), lane,
             sink_log2<Mask, float>(p, head));
@@ -111,7 +116,7 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p) {
         cp_async_commit();
 
         const u32 k_tile = base + L::K + (j % L::K_STAGES) * L::KV_TILE;
-        const u32 v_tile = base + L::V + (j % L::V_STAGES) * L::KV_TILE;
+        const u32 v_tile = base + L::V + (j % L::V_STAGES) * L::V_TILE;
         float s[1][N_FRAGS][4];
         wgmma_fence();
 #pragma unroll
@@ -141,7 +146,7 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p) {
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BLOCK_N / 16; ++kk)
-            Wgmma<T, D_TILE>::template rs<1>(reinterpret_cast<float(&)[D_FRAGS * 4]>(o_acc), p_frag[0][kk],
+            Wgmma<T, DV_TILE>::template rs<1>(reinterpret_cast<float(&)[D_FRAGS * 4]>(o_acc), p_frag[0][kk],
                                              smem_desc(v_tile + kk * 2048, L::KV_PANEL, 1024), 1);
         wgmma_commit();
     }

@@ -60,16 +60,19 @@ def d_tile(headdim: int) -> int:
     return plans.d_tile(headdim, D_TILES)
 
 
-def plan(dtype, headdim: int, mask: Mask | bool, config: FwdConfig | WgmmaFwdConfig | None = None) -> ForwardPlan:
-    """The plan ``forward`` runs at exactly ``headdim`` on the current device: plans.plan_forward's,
-    or ``config``'s (the tuner's)."""
+def plan(dtype, headdim: int, mask: Mask | bool, config: FwdConfig | WgmmaFwdConfig | None = None,
+         headdim_v: int | None = None) -> ForwardPlan:
+    """The plan ``forward`` runs at exactly ``headdim`` (the wider of q's and v's; ``headdim_v``
+    v's, plans.plan_forward's) on the current device: plans.plan_forward's, or ``config``'s (the
+    tuner's)."""
     if not supports(dtype, headdim):
         raise ValueError(f"cupyflash: mma forward does not support dtype {np.dtype(dtype)}, headdim {headdim}")
     if config is not None:
         if not isinstance(config, (FwdConfig, WgmmaFwdConfig)):
             raise TypeError(f"cupyflash: config must be a FwdConfig or WgmmaFwdConfig, not {config!r}")
-        return plans.forward_plan(dtype, headdim, mask, config)
-    return plans.plan_forward(current_arch(), dtype, headdim, mask, current_smem_optin(), family="mma")
+        return plans.forward_plan(dtype, headdim, mask, config, headdim_v)
+    return plans.plan_forward(current_arch(), dtype, headdim, mask, current_smem_optin(), family="mma",
+                              headdim_v=headdim_v)
 
 
 def specialization(dtype, headdim: int, mask: Mask | bool, config: FwdConfig | None = None):
@@ -86,7 +89,12 @@ def specializations() -> list:
     entries = [(dtype, dt, mask, plans.forward_tiles("mma", where, dt, dtype, mask, None))
                for dtype in ("float16", "bfloat16") for dt, where in rows for mask in KINDS + VARIANT_KINDS + PACKED_KINDS]
     entries.sort(key=lambda e: (e[0] != "float16", *_by_tile((e[1], e[3]))))
-    return list(dict.fromkeys(plans.specialization_for(dtype, dt, mask, t) for dtype, dt, mask, t in entries))
+    specs = [plans.specialization_for(dtype, dt, mask, t) for dtype, dt, mask, t in entries]
+    # the wgmma kernel with v in a narrower tile of its own (plans.v_tile): MLA's 192 / 128, and
+    # every narrower pair, for the plain masks
+    specs += [plans.specialization_for(dtype, dt, mask, t, dvt) for dtype, dt, mask, t in entries
+              if isinstance(t, WgmmaFwdConfig) and mask in KINDS for dvt in D_TILES if dvt < dt]
+    return list(dict.fromkeys(specs))
 
 
 def _by_tile(entry) -> tuple:
@@ -120,7 +128,8 @@ def forward(q, k, v, o, lse, *, softmax_scale: float, causal: bool,
     if lse.dtype != np.float32 or not lse.flags.c_contiguous or lse.shape != (batch, nheads, seqlen_q):
         raise ValueError("cupyflash: lse must be a C-contiguous float32 (batch, nheads, seqlen_q) array")
     mask = mask_for(causal, window_size, PLAIN if variant is None else variant.score, packed is not None)
-    planned = plan(q.dtype, max(headdim, v.shape[3]), mask, config)  # one head-dim tile holds q, k and v
+    # The tile of the wider head dim (the wgmma kernel takes v's own where narrower: plans.v_tile).
+    planned = plan(q.dtype, max(headdim, v.shape[3]), mask, config, v.shape[3])
     grid = query_grid(planned.block_m, batch, seqlen_q, nheads, packed)
     for a, what in ((q, "q"), (k, "k"), (v, "v"), (o, "o")):
         _check_layout(a, what)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
+from cupyflash.kernels import mma_fwd
 from models.blocks import assert_float64_close, seeded_rng
 from models.flash_fwd_wgmma import (FWD, FWD_BLOCK_M, FWD_SHAPES, fwd_emulated, fwd_pv_steps, fwd_s_steps,
                                     fwd_smem, fwd_tiles)
@@ -90,5 +92,23 @@ def test_fwd_block_emulation_matches_numpy(d_tile, block_n):
     o = fwd_emulated(q, k, v, L, headdim, np.tanh)
     want = np.zeros((L.BLOCK_M, d_tile))
     want[:seqlen_q, :headdim] = np.tanh(q @ k.T) @ v
+    assert_float64_close(o, want)
+
+
+@pytest.mark.parametrize("d_tile, dv_tile, block_n", [(256, 128, 64), (256, 64, 64), (128, 64, 128), (128, 64, 64)])
+def test_fwd_block_emulation_with_v_in_a_narrower_tile(d_tile, dv_tile, block_n):
+    """v's own head dim in its own tile (DV_TILE < D_TILE: MLA's 192 / 128 at 256 / 128): S over
+    the D_TILE columns of Q and K, O over DV_TILE, V stages of V_TILE bytes after the K stages."""
+    L = fwd_smem(d_tile, FWD_BLOCK_M, block_n, dv_tile)
+    assert L.BYTES + 1024 == mma_fwd.wgmma_smem_bytes(d_tile, mma_fwd.WgmmaFwdConfig(FWD_BLOCK_M, block_n),
+                                                      dv_tile) <= 227 * 1024
+    assert all(x % 1024 == 0 for x in (L.V, L.V_TILE))
+    rng = seeded_rng(8, d_tile, dv_tile, block_n)
+    headdim, headdim_v, seqlen_q, seqlen_k = d_tile - 64, dv_tile - 8, L.BLOCK_M - 3, 4 * block_n - 5
+    q, k = (rng.standard_normal((n, headdim)) / headdim ** 0.25 for n in (seqlen_q, seqlen_k))
+    v = rng.standard_normal((seqlen_k, headdim_v))
+    o = fwd_emulated(q, k, v, L, headdim, np.tanh, headdim_v)
+    want = np.zeros((L.BLOCK_M, dv_tile))
+    want[:seqlen_q, :headdim_v] = np.tanh(q @ k.T) @ v
     assert_float64_close(o, want)
 

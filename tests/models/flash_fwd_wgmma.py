@@ -20,19 +20,23 @@ FWD = "flash_fwd_wgmma"  # the kernel (models.mirrors finds its file)
          "static constexpr int K_STAGES = 2, V_STAGES = 3;",
          "static constexpr u32 Q_PANEL = BLOCK_M * 128, KV_PANEL = BLOCK_N * 128;",
          "static constexpr u32 KV_TILE = BLOCK_N * D_TILE * 2;",
+         "static constexpr u32 V_TILE = BLOCK_N * DV_TILE * 2;",
          "static constexpr u32 Q = 0;",
          "static constexpr u32 K = Q + BLOCK_M * D_TILE * 2;",
          "static constexpr u32 V = K + K_STAGES * KV_TILE;",
-         "static constexpr u32 BYTES = V + V_STAGES * KV_TILE;",
+         "static constexpr u32 BYTES = V + V_STAGES * V_TILE;",
          "constexpr int NWG = BLOCK_M / 64, NTHREADS = NWG * 128;",
-         "constexpr int N_FRAGS = BLOCK_N / 8, D_FRAGS = D_TILE / 8;",
+         "constexpr int N_FRAGS = BLOCK_N / 8, D_FRAGS = DV_TILE / 8;",
          "static_assert(L::BYTES + 1024 <= 227 * 1024, \"shared memory\");")
-def fwd_smem(d_tile: int, block_m: int, block_n: int) -> SimpleNamespace:
-    L = SimpleNamespace(D_TILE=d_tile, BLOCK_M=block_m, BLOCK_N=block_n, K_STAGES=2, V_STAGES=3,
-                        Q_PANEL=block_m * 128, KV_PANEL=block_n * 128, KV_TILE=block_n * d_tile * 2, Q=0)
+def fwd_smem(d_tile: int, block_m: int, block_n: int, dv_tile: int | None = None) -> SimpleNamespace:
+    """FwdWgmmaSmem<D_TILE, BLOCK_M, BLOCK_N, DV_TILE> (DV_TILE: D_TILE unless given)."""
+    dv_tile = d_tile if dv_tile is None else dv_tile
+    L = SimpleNamespace(D_TILE=d_tile, DV_TILE=dv_tile, BLOCK_M=block_m, BLOCK_N=block_n, K_STAGES=2, V_STAGES=3,
+                        Q_PANEL=block_m * 128, KV_PANEL=block_n * 128, KV_TILE=block_n * d_tile * 2,
+                        V_TILE=block_n * dv_tile * 2, Q=0)
     L.K = L.Q + block_m * d_tile * 2
     L.V = L.K + L.K_STAGES * L.KV_TILE
-    L.BYTES = L.V + L.V_STAGES * L.KV_TILE
+    L.BYTES = L.V + L.V_STAGES * L.V_TILE
     L.NWG = block_m // 64
     L.NTHREADS = L.NWG * 128
     return L
@@ -42,10 +46,10 @@ def fwd_smem(d_tile: int, block_m: int, block_n: int) -> SimpleNamespace:
          "const u32 raw = smem_u32(smem_raw);",
          "const u32 q_tile = base + L::Q;",
          "const u32 k_tile = base + L::K + (j % L::K_STAGES) * L::KV_TILE;",
-         "const u32 v_tile = base + L::V + (j % L::V_STAGES) * L::KV_TILE;",
+         "const u32 v_tile = base + L::V + (j % L::V_STAGES) * L::V_TILE;",
          "cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(base + L::K + (j % L::K_STAGES) * L::KV_TILE,"
          " k_rows + n0 * k_ss, seqlen_k - n0, headdim, k_ss, tid);",
-         "cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(base + L::V + (j % L::V_STAGES) * L::KV_TILE,"
+         "cp_async_panels<BLOCK_N, DV_TILE, NTHREADS>(base + L::V + (j % L::V_STAGES) * L::V_TILE,"
          " v_rows + n0 * v_ss, seqlen_k - n0, p.headdim_v, v_ss, tid);",
          "cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(q_tile, p.q.row<const T>(batch, seq.q_begin + m0, head), seqlen_q - m0,"
          " headdim, p.q.row_stride, tid);")
@@ -53,7 +57,7 @@ def fwd_tiles(L, j: int) -> SimpleNamespace:
     """Tile addresses of key block j (stages: K j % 2, V j % 3)."""
     base = aligned_base(RAW_SMEM)
     return SimpleNamespace(q=base + L.Q, k=base + L.K + (j % L.K_STAGES) * L.KV_TILE,
-                           v=base + L.V + (j % L.V_STAGES) * L.KV_TILE)
+                           v=base + L.V + (j % L.V_STAGES) * L.V_TILE)
 
 
 @mirrors(FWD,
@@ -80,7 +84,7 @@ def row_block_k_major_steps(L, a_tile: int, b_tile: int, wg: int) -> list[Step]:
 
 
 @mirrors(FWD,
-         "Wgmma<T, D_TILE>::template rs<1>(reinterpret_cast<float(&)[D_FRAGS * 4]>(o_acc), p_frag[0][kk],"
+         "Wgmma<T, DV_TILE>::template rs<1>(reinterpret_cast<float(&)[D_FRAGS * 4]>(o_acc), p_frag[0][kk],"
          " smem_desc(v_tile + kk * 2048, L::KV_PANEL, 1024), 1);")
 def fwd_pv_steps(L, tiles) -> list[Step]:
     """O += P V: A = P from registers (k-step kk: p_frag[kk]), B = V MN-major, k-steps over the keys."""
@@ -90,16 +94,16 @@ def fwd_pv_steps(L, tiles) -> list[Step]:
 def fwd_emulated(q, k, v, L, headdim: int, elementwise, headdim_v: int | None = None):
     """One CTA (query rows 0..BLOCK_M) over every key block: S_j = Q K_j^T, P_j = elementwise(S_j)
     on the accumulators (the softmax's row math is online_softmax.cuh's, tested in
-    tests/kernels/test_flash_fwd_mma.py), O += P_j V_j. Returns O (BLOCK_M x D_TILE)."""
+    tests/kernels/test_flash_fwd_mma.py), O += P_j V_j. Returns O (BLOCK_M x DV_TILE)."""
     smem = new_smem()
     seqlen_q, seqlen_k = q.shape[0], k.shape[0]
     cp_async_panels(smem, fwd_tiles(L, 0).q, L.BLOCK_M, L.D_TILE, L.NTHREADS, q, seqlen_q, headdim)
-    o_acc = [np.zeros((128, L.D_TILE // 8, 4)) for _ in range(L.NWG)]
+    o_acc = [np.zeros((128, L.DV_TILE // 8, 4)) for _ in range(L.NWG)]
     for j in range(math.ceil(seqlen_k / L.BLOCK_N)):
         n0 = j * L.BLOCK_N
         tiles = fwd_tiles(L, j)
         cp_async_panels(smem, tiles.k, L.BLOCK_N, L.D_TILE, L.NTHREADS, k[n0:], seqlen_k - n0, headdim)
-        cp_async_panels(smem, tiles.v, L.BLOCK_N, L.D_TILE, L.NTHREADS, v[n0:], seqlen_k - n0,
+        cp_async_panels(smem, tiles.v, L.BLOCK_N, L.DV_TILE, L.NTHREADS, v[n0:], seqlen_k - n0,
                         headdim if headdim_v is None else headdim_v)
         for wg in range(L.NWG):
             s = np.empty((128, L.BLOCK_N // 8, 4))
