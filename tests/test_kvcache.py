@@ -42,6 +42,14 @@ def test_appends_in_place_and_matches_the_reference(problem):
     check(problem)
 
 
+@given(kvcache_problems(max_cost=CPU_COST, distinct_v=True))
+def test_appends_in_place_and_matches_the_reference_with_a_head_dim_of_v_of_its_own(problem):
+    inputs = problem.inputs()
+    assert inputs["v_cache"].shape == problem.v_cache_shape
+    o, _ = check(problem)
+    assert o.shape == problem.o_shape
+
+
 def problem_with(**changes):
     base = KVCacheProblem(cache_seqlens=(5, 0, 17), seqlen_q=2, seqlen_new=2, capacity=48, page_size=16, spare=3,
                           shuffle=True, nheads_kv=2, group=3, headdim=24, causal=True, softmax_scale=None,

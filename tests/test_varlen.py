@@ -33,6 +33,14 @@ def test_matches_the_reference(problem):
     assert_varlen_close(problem, o, lse, grads)
 
 
+@given(varlen_problems(max_cost=CPU_COST, distinct_v=True))
+def test_matches_the_reference_with_a_head_dim_of_v_of_its_own(problem):
+    q, k, v, do = problem.arrays()
+    assert v.shape == problem.v_shape and do.shape == problem.o_shape
+    o, lse, grads = run_varlen(problem)
+    assert_varlen_close(problem, o, lse, grads)
+
+
 @given(varlen_problems(max_cost=CPU_COST, max_group=4, dtypes=["float32"]))
 def test_each_sequence_is_the_dense_problem_of_its_rows(problem):
     """The packing changes nothing: every sequence's o, lse and gradients are bitwise those of

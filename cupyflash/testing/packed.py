@@ -19,8 +19,8 @@ def _cumulative(lengths) -> np.ndarray:
 class VarlenProblem(ProblemData):
     """A packed batch: sequence b has seqlens_q[b] queries and seqlens_k[b] keys (0 allowed), each
     sequence masked on its own (bottom-right causal alignment, window around its own diagonal).
-    q (total_q, nheads, headdim), k, v (total_k, nheads_kv, headdim), nheads = nheads_kv * group;
-    lse (nheads, total_q)."""
+    q (total_q, nheads, headdim), k, v (total_k, nheads_kv, headdim), v (and o, do) with
+    ``headdim_v`` columns where that is set, nheads = nheads_kv * group; lse (nheads, total_q)."""
 
     seqlens_q: tuple[int, ...]
     seqlens_k: tuple[int, ...]
@@ -33,11 +33,13 @@ class VarlenProblem(ProblemData):
     dtype: np.dtype
     seed: int
     window_size: tuple[int, int] = (-1, -1)
+    headdim_v: int | None = None  # v's own head dim (None: headdim)
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", as_dtype(self.dtype))
         object.__setattr__(self, "seqlens_q", tuple(int(n) for n in self.seqlens_q))
         object.__setattr__(self, "seqlens_k", tuple(int(n) for n in self.seqlens_k))
+        object.__setattr__(self, "headdim_v", self.headdim if self.headdim_v is None else int(self.headdim_v))
         object.__setattr__(self, "window_size", tuple(int(side) for side in self.window_size))
         if len(self.seqlens_q) != len(self.seqlens_k):
             raise ValueError(f"seqlens_q and seqlens_k differ in length: {self.seqlens_q}, {self.seqlens_k}")
@@ -82,19 +84,29 @@ class VarlenProblem(ProblemData):
         return (sum(self.seqlens_k), self.nheads_kv, self.headdim)
 
     @property
+    def v_shape(self) -> tuple[int, int, int]:
+        return (sum(self.seqlens_k), self.nheads_kv, self.headdim_v)
+
+    @property
+    def o_shape(self) -> tuple[int, int, int]:
+        """Of o and do: q's rows, v's head dim."""
+        return (sum(self.seqlens_q), self.nheads, self.headdim_v)
+
+    @property
     def lse_shape(self) -> tuple[int, int]:
         return (self.nheads, sum(self.seqlens_q))
 
     @property
     def cost(self) -> int:
-        """sum over sequences of seqlen_q * seqlen_k, times nheads * headdim."""
-        return sum(a * b for a, b in zip(self.seqlens_q, self.seqlens_k)) * self.nheads * self.headdim
+        """sum over sequences of seqlen_q * seqlen_k, times nheads * max(headdim, headdim_v)."""
+        return (sum(a * b for a, b in zip(self.seqlens_q, self.seqlens_k)) * self.nheads
+                * max(self.headdim, self.headdim_v))
 
     def arrays(self):
         """(q, k, v, do) packed: NumPy arrays of ``dtype``, standard normal times ``magnitude``."""
         rng = np.random.default_rng(self.seed)
         return tuple((rng.standard_normal(shape) * self.magnitude).astype(self.dtype)
-                     for shape in (self.q_shape, self.kv_shape, self.kv_shape, self.q_shape))
+                     for shape in (self.q_shape, self.kv_shape, self.v_shape, self.o_shape))
 
 
 @dataclass(frozen=True, repr=False)
@@ -108,7 +120,8 @@ class KVCacheProblem(ProblemData):
     ``shuffle``; or a paged one (capacity a multiple of page_size) of batch * capacity / page_size
     + spare pages, the block table a random permutation of them when ``shuffle`` (in order
     otherwise). Every slot that holds no cached token starts as NaN, so an implementation that
-    reads one fails. ``seqlens_as_int`` passes cache_seqlens as one int (all of them equal)."""
+    reads one fails. ``seqlens_as_int`` passes cache_seqlens as one int (all of them equal).
+    ``headdim_v``: v_cache's (and v's, o's) own head dim (None: headdim)."""
 
     cache_seqlens: tuple[int, ...]
     seqlen_q: int
@@ -127,9 +140,11 @@ class KVCacheProblem(ProblemData):
     seed: int
     window_size: tuple[int, int] = (-1, -1)
     seqlens_as_int: bool = False
+    headdim_v: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", as_dtype(self.dtype))
+        object.__setattr__(self, "headdim_v", self.headdim if self.headdim_v is None else int(self.headdim_v))
         object.__setattr__(self, "cache_seqlens", tuple(int(n) for n in self.cache_seqlens))
         object.__setattr__(self, "window_size", tuple(int(side) for side in self.window_size))
         if self.page_size is not None and self.capacity % self.page_size:
@@ -165,8 +180,16 @@ class KVCacheProblem(ProblemData):
         return (pages, self.page_size, self.nheads_kv, self.headdim)
 
     @property
+    def v_cache_shape(self) -> tuple[int, int, int, int]:
+        return self.cache_shape[:3] + (self.headdim_v,)
+
+    @property
+    def o_shape(self) -> tuple[int, int, int, int]:
+        return (self.batch, self.seqlen_q, self.nheads, self.headdim_v)
+
+    @property
     def cost(self) -> int:
-        return self.seqlen_q * sum(self.seqlens_k) * self.nheads * self.headdim
+        return self.seqlen_q * sum(self.seqlens_k) * self.nheads * max(self.headdim, self.headdim_v)
 
     def inputs(self) -> dict:
         """The arrays of a call, by flash_attn_with_kvcache's argument names: q, k_cache, v_cache,
@@ -178,9 +201,9 @@ class KVCacheProblem(ProblemData):
             return (rng.standard_normal(shape) * self.magnitude).astype(self.dtype)
 
         q = normal(self.q_shape)
-        k_cache, v_cache = normal(self.cache_shape), normal(self.cache_shape)
+        k_cache, v_cache = normal(self.cache_shape), normal(self.v_cache_shape)
         new_shape = (self.batch, self.seqlen_new, self.nheads_kv, self.headdim)
-        k, v = (normal(new_shape), normal(new_shape)) if self.seqlen_new else (None, None)
+        k, v = (normal(new_shape), normal(new_shape[:3] + (self.headdim_v,))) if self.seqlen_new else (None, None)
         order = rng.permutation(self.cache_shape[0]) if self.shuffle else np.arange(self.cache_shape[0])
         holds = np.zeros(self.cache_shape[:2], bool)  # slots holding a cached token
         cache_batch_idx = block_table = None

@@ -215,13 +215,14 @@ def varlen_problems(
     magnitudes: tuple[float, float] = (0.1, 4.0),
     max_logit_std: float | None = MAX_LOGIT_STD,
     max_cost: float = CPU_MAX_COST / 4,
+    distinct_v: bool = False,
 ):
     """VarlenProblems: a batch of [min_batch, max_batch] sequences whose query and key lengths
     are each 0..max_seqlen, drawn one by one (half the time one of PACKED_SEQLENS: zeros, ones,
     tile edges), so batches are ragged. ``same_seqlens``: True gives every sequence as many keys as
     queries (self-attention, as in packed training), False draws them apart, None either way.
-    The other bounds are attention_problems'; the cost is sum of seqlen_q * seqlen_k over the
-    sequences, times nheads * headdim."""
+    The other bounds are attention_problems' (``distinct_v`` too); the cost is sum of seqlen_q *
+    seqlen_k over the sequences, times nheads * headdim."""
     dtypes = [as_dtype(d) for d in dtypes]
     if not dtypes:
         raise ValueError("dtypes is empty")
@@ -232,12 +233,13 @@ def varlen_problems(
         raise ValueError(f"magnitudes must be positive (zero inputs test nothing), got {magnitudes}")
     return _varlen_problems(dtypes, causal, windows, min_batch, max_batch, max_seqlen, same_seqlens,
                             None if headdims is None else tuple(headdims), max_headdim, max_heads_kv, max_group,
-                            scales, magnitudes, max_logit_std, max_cost)
+                            scales, magnitudes, max_logit_std, max_cost, bool(distinct_v))
 
 
 @st.composite
 def _varlen_problems(draw, dtypes, causal, windows, min_batch, max_batch, max_seqlen, same_seqlens, headdims,
-                     max_headdim, max_heads_kv, max_group, scales, magnitudes, max_logit_std, max_cost):
+                     max_headdim, max_heads_kv, max_group, scales, magnitudes, max_logit_std, max_cost,
+                     distinct_v=False):
     from .packed import VarlenProblem
 
     dtype = draw(st.sampled_from(dtypes))
@@ -253,8 +255,9 @@ def _varlen_problems(draw, dtypes, causal, windows, min_batch, max_batch, max_se
         draw, budget, headdims, max_headdim, max_heads_kv, max_group, scales, magnitudes, max_logit_std)
     seed = draw(st.integers(0, 2**32 - 1))
     window_size = _draw_window(draw, windows, causal, max(seqlens_q + seqlens_k, default=0))
+    headdim_v = _draw_headdim(draw, max(headdim, 1), headdims, max_headdim) if distinct_v else None
     return VarlenProblem(tuple(seqlens_q), tuple(seqlens_k), nheads_kv, group, headdim, causal, softmax_scale,
-                         magnitude, dtype, seed, window_size)
+                         magnitude, dtype, seed, window_size, headdim_v)
 
 
 def kvcache_problems(
@@ -275,13 +278,15 @@ def kvcache_problems(
     magnitudes: tuple[float, float] = (0.1, 4.0),
     max_logit_std: float | None = MAX_LOGIT_STD,
     max_cost: float = CPU_MAX_COST / 4,
+    distinct_v: bool = False,
 ):
     """KVCacheProblems of decoding steps: 1..max_batch sequences, each with 0..capacity - seqlen_new
     cached tokens (half the time an edge: none, one, a page edge, a full cache), seqlen_new in
     0..max_new appended tokens and seqlen_q in 1..max_seqlen_q queries (half the time as many as the
     new tokens, the usual decode step); a cache of ``page_sizes`` (None: contiguous) holding up to
     max_capacity tokens per sequence (at least one page), spare rows or pages, in order or
-    shuffled. GQA groups up to max_group (decode's usual shape: many query heads per kv head)."""
+    shuffled. GQA groups up to max_group (decode's usual shape: many query heads per kv head).
+    ``distinct_v``: v_cache's own head dim, drawn as attention_problems draws it."""
     dtypes = [as_dtype(d) for d in dtypes]
     if not dtypes or not page_sizes:
         raise ValueError("dtypes and page_sizes must not be empty")
@@ -292,12 +297,13 @@ def kvcache_problems(
     _check_range("magnitudes", magnitudes, 0)
     return _kvcache_problems(dtypes, causal, windows, tuple(page_sizes), max_batch, max_seqlen_q, max_new,
                              max_capacity, None if headdims is None else tuple(headdims), max_headdim,
-                             max_heads_kv, max_group, scales, magnitudes, max_logit_std, max_cost)
+                             max_heads_kv, max_group, scales, magnitudes, max_logit_std, max_cost, bool(distinct_v))
 
 
 @st.composite
 def _kvcache_problems(draw, dtypes, causal, windows, page_sizes, max_batch, max_seqlen_q, max_new, max_capacity,
-                      headdims, max_headdim, max_heads_kv, max_group, scales, magnitudes, max_logit_std, max_cost):
+                      headdims, max_headdim, max_heads_kv, max_group, scales, magnitudes, max_logit_std, max_cost,
+                      distinct_v=False):
     from .packed import KVCacheProblem
 
     dtype = draw(st.sampled_from(dtypes))
@@ -325,6 +331,7 @@ def _kvcache_problems(draw, dtypes, causal, windows, page_sizes, max_batch, max_
         draw, budget, headdims, max_headdim, max_heads_kv, max_group, scales, magnitudes, max_logit_std)
     seed = draw(st.integers(0, 2**32 - 1))
     window_size = _draw_window(draw, windows, causal, capacity)
+    headdim_v = _draw_headdim(draw, max(headdim, 1), headdims, max_headdim) if distinct_v else None
     return KVCacheProblem(tuple(cache_seqlens), seqlen_q, seqlen_new, capacity, page_size, spare, shuffle,
                           nheads_kv, group, headdim, causal, softmax_scale, magnitude, dtype, seed, window_size,
-                          seqlens_as_int)
+                          seqlens_as_int, headdim_v)

@@ -353,7 +353,7 @@ def assert_varlen_close(problem, o, lse=None, grads=None, *, inputs=None, check_
             o_b, lse_b = reference.standard_attention(q[None, queries], k[None, keys], v[None, keys], dtype=dtype,
                                                       **options)
             o_std[queries], lse_std[:, queries] = o_b[0], lse_b[0]
-    o = _check_output(failures, "o", o, problem.q_shape, out_dtype)
+    o = _check_output(failures, "o", o, problem.o_shape, out_dtype)
     o_passes = o is not None and _passes(failures, "o", o, o_ref, o_std, dtype=dtype, factor=OUTPUT_FACTOR)
     if lse is not None:
         lse = _check_output(failures, "lse", lse, problem.lse_shape, None)
@@ -382,7 +382,7 @@ def assert_varlen_close(problem, o, lse=None, grads=None, *, inputs=None, check_
         baselines = ([worse_baseline(r, s, f) for r, s, f in zip(refs, standard, flash)] if sixteen_bit
                      else [None, None, None])
         grad_scale = max(max_abs(r) for r in refs)  # dq, dk may cancel to 0 while their terms do not
-        shapes = (problem.q_shape, problem.kv_shape, problem.kv_shape)
+        shapes = (problem.q_shape, problem.kv_shape, problem.v_shape)
         for name, grad, shape, ref, baseline, atol in zip(("dq", "dk", "dv"), grads, shapes, refs, baselines,
                                                             allowances):
             grad = _check_output(failures, name, grad, shape, out_dtype)
@@ -425,7 +425,7 @@ def assert_kvcache_close(problem, o, lse=None, *, inputs=None, check_dtype=True,
                 o_b, lse_b = reference.standard_attention(arrays["q"][b:b + 1], keys[None], values[None], dtype=dtype,
                                                           **options, **own)
                 o_std[b], lse_std[b] = o_b[0], lse_b[0]
-    o = _check_output(failures, "o", o, problem.q_shape, dtype if check_dtype else None)
+    o = _check_output(failures, "o", o, problem.o_shape, dtype if check_dtype else None)
     if o is not None:
         _passes(failures, "o", o, o_ref, o_std, dtype=dtype, factor=OUTPUT_FACTOR)
     if lse is not None:
