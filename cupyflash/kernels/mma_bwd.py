@@ -140,12 +140,12 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
         raise ValueError(f"cupyflash: a packed batch's backward adds dQ by its own kernel or by float atomics; "
                          f"this plan adds it as {planned.dq_add!r} (a dev/ version)")
     lse = cupy.ascontiguousarray(lse, dtype=np.float32)  # indexed as (batch, head, row) in C order
-    headdims = headdim, v.shape[3]
     if q.shape[3] != do.shape[3]:
         # The mma.sync dK/dV kernels load their Q and dO tiles under one column bound, the wider
         # head dim (mma_bwd_layouts.cuh, cp_async_query_block): the narrower of the two gets zero
-        # columns up to it (one copy of q or do; the kernels still write dq and dk at headdim).
-        width = max(headdims)
+        # columns up to it (one copy of q or do; BwdParams' headdim is k's, so the kernels still
+        # write dq and dk at it).
+        width = max(q.shape[3], do.shape[3])
         q, do = (x if x.shape[3] == width else _zero_padded(x, width) for x in (q, do))
     dt, dq_add = planned.d_tile, planned.dq_add
     grids = {launch.role: launch.grid(batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, packed)
@@ -154,7 +154,6 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
     # is allocated (the arrays stay referenced here until the launches are queued).
     params = backward_params(do, q, k, v, o, lse, dq, dk, dv, softmax_scale=softmax_scale, mask=mask,
                              variant=variant, packed=packed)
-    params["headdim"], params["headdim_v"] = headdims  # q's own, should it have been padded
     if dq_add in FIXED_DQ_ADDS:
         buffers = dq_fixed.preprocess(params, do, o, k, v)  # kv_bound, delta, dq_row_scale
     else:

@@ -110,11 +110,12 @@ def set_rows(params, name: str, a, strides: tuple | None = None) -> None:
 
 
 def _set_shape(params, q, k, v, mask) -> None:
-    batch, seqlen_q, nheads, headdim = q.shape
+    """The shape fields; headdim is k's (q's, unless a launcher padded q: mma_bwd.backward)."""
+    batch, seqlen_q, nheads, _ = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     params["batch"], params["seqlen_q"], params["seqlen_k"] = batch, seqlen_q, seqlen_k
     params["nheads"], params["nheads_kv"], params["group"] = nheads, nheads_kv, nheads // nheads_kv
-    params["headdim"], params["headdim_v"] = headdim, v.shape[3]
+    params["headdim"], params["headdim_v"] = k.shape[3], v.shape[3]
     params["window_left"], params["window_right"] = mask.window_args()
 
 
