@@ -161,7 +161,7 @@ def _mma_ready(x, headdim_padded: int):
 @capture.graph_safe
 def flash_attn_func(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, sink=None, score_mod=None, mask_mod=None, block_mask=None,
-                    return_lse=False, backend="auto", seed=None, offset=0):
+                    return_lse=False, backend="auto", seed=None, offset=0, precision=None):
     """Exact attention softmax(q kᵀ · scale) v, computed tile by tile without materialising S.
 
     q: (batch, seqlen_q, nheads, headdim); k: (batch, seqlen_k, nheads_kv, headdim); v: (batch,
@@ -186,10 +186,13 @@ def flash_attn_func(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
     None: a fresh random seed), ``offset`` (uint32) and the element's indices alone, the same in
     any backend and in the backward given the same seed and offset
     (cupyflash.dropout.dropout_mask returns it).
+    ``precision`` ("ieee", the default, or "tf32"; PyTorch's names) is how float32 products are
+    formed on tensor cores: "ieee" to float32 accuracy (three tf32 products of split operands),
+    "tf32" one product on operands rounded to tf32 (cupyflash.precision); other dtypes ignore it.
     Returns o (batch, seqlen_q, nheads, headdim_v), or (o, lse) with lse (batch, nheads, seqlen_q)
     float32 (float64 for float64).
-    backend: 'auto' (tensor cores for 16-bit, SIMT otherwise, NumPy without a GPU), 'cuda',
-    'mma', 'simt' or 'numpy'.
+    backend: 'auto' (tensor cores for float16, bfloat16 and float32, SIMT for float64, NumPy
+    without a GPU), 'cuda', 'mma', 'simt' or 'numpy'.
     """
     backend = A.check_backend(backend)
     causal = A.check_flag(causal, "causal")
@@ -203,7 +206,8 @@ def flash_attn_func(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
     which = dispatch.choose(backend, dtype, max(headdim, arrays["v"].shape[3]), "fwd")
     mods = check_modifiers(score_mod, mask_mod, block_mask, batch=batch, nheads=nheads, seqlen_q=seqlen_q,
                            seqlen_k=seqlen_k, on_gpu=which != "numpy")
-    variant = check_variant(softcap, alibi_slopes, sink, batch, nheads, mods, check_dropout(dropout_p, seed, offset))
+    variant = check_variant(softcap, alibi_slopes, sink, batch, nheads, mods, check_dropout(dropout_p, seed, offset),
+                            precision)
     scale = A.resolve_scale(softmax_scale, headdim)
     A.same_device(arrays)
     empty = batch * seqlen_q * nheads * seqlen_k == 0
@@ -292,7 +296,7 @@ def _forward_gpu(which, q, k, v, scale, causal, window, variant):
 @capture.graph_safe
 def flash_attn_backward(do, q, k, v, o, lse, *, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                         softcap=0.0, alibi_slopes=None, sink=None, score_mod=None, mask_mod=None, block_mask=None,
-                        backend="auto", deterministic=True, seed=None, offset=0):
+                        backend="auto", deterministic=True, seed=None, offset=0, precision=None):
     """Gradients (dq, dk, dv) of flash_attn_func from the saved o and lse (P is recomputed); with a
     ``sink``, (dq, dk, dv, dsink), dsink (nheads,) float32.
 
@@ -302,6 +306,8 @@ def flash_attn_backward(do, q, k, v, o, lse, *, dropout_p=0.0, softmax_scale=Non
     modifiers (``score_mod``, ``mask_mod`` / ``block_mask``) must be the forward's; the chain
     rule through score_mod uses its traced derivative. dsink = -sum over batch and rows of exp(sink - lse) rowsum(do * o).
     With ``dropout_p`` > 0, ``seed`` and ``offset`` must be the forward's (there is no default seed).
+    ``precision`` is checked as flash_attn_func's; the float32 backward computes in float32 on CUDA
+    cores today, at "ieee" accuracy whichever is asked.
     """
     backend = A.check_backend(backend)
     causal = A.check_flag(causal, "causal")
@@ -319,7 +325,7 @@ def flash_attn_backward(do, q, k, v, o, lse, *, dropout_p=0.0, softmax_scale=Non
     mods = check_modifiers(score_mod, mask_mod, block_mask, batch=batch, nheads=nheads, seqlen_q=seqlen_q,
                            seqlen_k=seqlen_k, on_gpu=which != "numpy")
     variant = check_variant(softcap, alibi_slopes, sink, batch, nheads, mods,
-                            check_dropout(dropout_p, seed, offset, need_seed=True))
+                            check_dropout(dropout_p, seed, offset, need_seed=True), precision)
     scale = A.resolve_scale(softmax_scale, headdim)
     A.same_device(arrays)
     empty = batch * seqlen_q * nheads * seqlen_k == 0
@@ -372,7 +378,7 @@ def flash_attn_vjp(q, k, v, **options):
     without a framework.
 
     ``options`` are flash_attn_func's (dropout_p, softmax_scale, causal, window_size, softcap,
-    alibi_slopes, sink, score_mod, mask_mod, block_mask, backend, seed, offset); ``deterministic``
+    alibi_slopes, sink, score_mod, mask_mod, block_mask, backend, seed, offset, precision); ``deterministic``
     goes to the backward. A mask_mod's block map is made once, by the forward, and kept for the
     backward; so is a dropout seed drawn for the call (seed None).
     """

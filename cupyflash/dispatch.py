@@ -1,7 +1,8 @@
 """Which implementation runs a call: the kernel family (tensor cores, SIMT) or the NumPy twin.
 
-``auto`` picks the tensor-core family for float16/bfloat16 on a GPU, the SIMT family for float32
-and float64, and the NumPy twin when no CUDA device is usable.
+``auto`` picks the tensor-core family for float16/bfloat16 on a GPU and for the float32 forward
+(tf32 tensor cores, cupyflash.precision), the SIMT family for float64 and the float32 backward, and
+the NumPy twin when no CUDA device is usable.
 """
 from __future__ import annotations
 
@@ -75,7 +76,8 @@ def choose(backend: str, dtype, headdim: int, direction: str) -> str:
         mma_ok = is_16bit(dtype) and mma is not None and mma.supports(np.dtype(dtype), mma_headdim(headdim))
     if backend == "mma":
         if not mma_ok:
-            raise ValueError(f"backend='mma' (tensor cores) supports float16/bfloat16 with headdim <= 256; "
+            dtypes = "float16/bfloat16/float32" if direction == "fwd" else "float16/bfloat16 (the float32 backward runs on SIMT)"
+            raise ValueError(f"backend='mma' (tensor cores) supports {dtypes} with headdim <= 256; "
                              f"got {np.dtype(dtype)} with headdim {headdim}")
         return "mma"
     if backend == "simt":

@@ -285,7 +285,7 @@ def _batch_keys(cache, layout: CacheLayout, length: int):
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, cache_batch_idx=None,
                             block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                             alibi_slopes=None, sink=None, num_splits=0, return_softmax_lse=False, return_lse=False,
-                            backend="auto"):
+                            backend="auto", precision=None):
     """Append k, v to the caches in place at each sequence's cache_seqlens, then attend q over
     each sequence's cache_seqlens[b] + seqlen_new keys (flash-attn 2.8's flash_attn_with_kvcache).
 
@@ -310,7 +310,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     sequence's keys (split-KV decoding), 0 to let a heuristic choose from the grid and the device;
     fewer are used where the longest sequence has fewer key tiles. ``softcap``, ``alibi_slopes`` ((nheads,) or (batch, nheads)
     float32) and ``sink`` ((nheads,) float32) are flash_attn_func's, the ALiBi distance taken
-    from the end-aligned diagonal. Which kernels run: the module docstring.
+    from the end-aligned diagonal; so is ``precision`` (float32's products). Which kernels run: the
+    module docstring.
     """
     backend = A.check_backend(backend)
     causal = A.check_flag(causal, "causal")
@@ -332,7 +333,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     k, v = arrays.get("k"), arrays.get("v")
     _check_shapes(q, k_cache, v_cache)
     batch, seqlen_q, nheads, headdim = q.shape
-    variant = check_variant(softcap, alibi_slopes, sink, batch, nheads)
+    variant = check_variant(softcap, alibi_slopes, sink, batch, nheads, precision=precision)
     new_tokens = _check_new_kv(k, v, q.shape, k_cache.shape, v_cache.shape)
     appending = k is not None
     scale = A.resolve_scale(softmax_scale, headdim)

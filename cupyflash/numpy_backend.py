@@ -31,6 +31,7 @@ import math
 import numpy as np
 
 from .masks import mask_for
+from .precision import round_tf32
 from .scores import NO_VARIANT
 
 __all__ = ["forward", "backward", "kvcache_forward"]
@@ -170,6 +171,11 @@ def forward(q, k, v, *, softmax_scale, causal, window_size=(-1, -1), block_m=64,
     transform = _ScoreTransform(variant, batch, nheads, seqlen_q, seqlen_k, acc)
     sink_log2 = None if variant.sink is None else np.asarray(variant.sink).astype(acc) * acc.type(LOG2E)
     dropout = variant.dropout
+    # precision "tf32": the float32 kernel's one product on operands rounded to tf32 (P too; its
+    # row sums stay float32's). "ieee" products are float32's, which NumPy forms.
+    one_tf32_product = variant.precision == "tf32" and np.dtype(q.dtype) == np.float32
+    if one_tf32_product:
+        Q, K, V = (round_tf32(x) for x in (Q, K, V))
 
     Br, Bc = block_m, block_n
     Tr = math.ceil(seqlen_q / Br)
@@ -199,7 +205,7 @@ def forward(q, k, v, *, softmax_scale, causal, window_size=(-1, -1), block_m=64,
             l_i = rescale * l_i + P_ij.sum(axis=-1)
             if dropout.on:  # after the row sum: l and lse are the softmax's (cupyflash.dropout)
                 P_ij = np.where(_keep(dropout, batch, nheads, rows, cols), P_ij, acc.type(0))
-            O_i = rescale[..., None] * O_i + P_ij @ V_j
+            O_i = rescale[..., None] * O_i + (round_tf32(P_ij) if one_tf32_product else P_ij) @ V_j
             m_i = m_new
         if dropout.on:  # kept weights count 1 / (1 - p)
             O_i = O_i * acc.type(dropout.scale)

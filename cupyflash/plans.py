@@ -28,11 +28,12 @@ from typing import NamedTuple
 import numpy as np
 
 from ._dtypes import dtype_name, is_16bit, is_float64
+from .precision import DEFAULT as DEFAULT_PRECISION, PRODUCTS, check_precision
 from .kernels._module import Specialization
 from .kernels.constants import CTYPES, SHORT_NAMES, SIMT_D_TILES, TENSOR_CORE_D_TILES, d_tile
 from .masks import Mask, as_mask
 
-__all__ = ["ForwardPlan", "FwdConfig", "WgmmaFwdConfig", "SimtTiles", "FORWARD_TILES", "plan_forward",
+__all__ = ["ForwardPlan", "FwdConfig", "WgmmaFwdConfig", "Tf32FwdConfig", "SimtTiles", "FORWARD_TILES", "plan_forward",
            "forward_plan", "forward_family", "device_class"]
 
 # Opt-in shared memory per block that admits the LARGE_SMEM tiles (H100/H200: 227 KiB; A100: 163).
@@ -82,6 +83,21 @@ class WgmmaFwdConfig:
         return self.block_m // 64 * 128
 
 
+@dataclass(frozen=True)
+class Tf32FwdConfig:
+    """flash_fwd_tf32 (``kernels_cu/flash_fwd_tf32.cu``, mma.sync m16n8k8 tf32, sm_80+): float32;
+    block_m query rows, 16 per warp; block_n keys per K/V stage."""
+
+    block_m: int
+    block_n: int
+    warps: int
+    stages: int = 2
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+
 class SimtTiles(NamedTuple):
     """flash_fwd_simt and the SIMT backward kernels: BLOCK_M query rows and BLOCK_N key rows per
     block, TPR lanes per tile row."""
@@ -118,6 +134,11 @@ ACC_FP64 = "fp64_acc"
 # BLOCK_N / 4, so d256 keeps BLOCK_N at 64. Tuner, bf16, TFLOP/s at 16k / 2k, non-causal: d64
 # 128x64 372 / 349 (128x128: 282 at 2k), d128 128x128 503 / 435 (128x64: 458 / 363), d256 538 / 475.
 # SIMT: float64 tiles are smaller (twice the bytes per element, twice the registers per accumulator).
+# Tensor cores, float32 (tf32): every tile is float32, twice the bytes of the 16-bit kernels', so
+# BLOCK_N is what shared memory leaves: d64 96 KiB; d128 192 KiB; d256 192 KiB, Q alone 128 KiB
+# with BLOCK_M 128. PORTABLE takes 96 KiB at every head dim, which sm_86 / sm_89 (99 KiB) run as
+# the SIMT kernels they replace did. Registers: O D_TILE / 2 and S BLOCK_N / 2 per thread with one
+# strip per warp; no spills (perf log tf32-fwd-v1).
 FORWARD_TILES = {
     # perf log mma-fwd-v6
     ("mma", SM90, 64): WgmmaFwdConfig(128, 64),
@@ -130,6 +151,16 @@ FORWARD_TILES = {
     ("mma", PORTABLE, 64): FwdConfig(128, 64, 4, q_in_regs=True, min_blocks=2, row_state="all_lanes"),
     ("mma", PORTABLE, 128): FwdConfig(128, 32, 4, q_in_regs=False, min_blocks=2),
     ("mma", PORTABLE, 256): FwdConfig(128, 32, 8, q_in_regs=False),
+    # perf log tf32-fwd-v1
+    ("tf32", SM90, 64): Tf32FwdConfig(128, 64, 8),
+    ("tf32", SM90, 128): Tf32FwdConfig(128, 64, 8),
+    ("tf32", SM90, 256): Tf32FwdConfig(128, 16, 8),
+    ("tf32", LARGE_SMEM, 64): Tf32FwdConfig(128, 64, 8),
+    ("tf32", LARGE_SMEM, 128): Tf32FwdConfig(128, 64, 8),
+    ("tf32", LARGE_SMEM, 256): Tf32FwdConfig(128, 16, 8),
+    ("tf32", PORTABLE, 64): Tf32FwdConfig(128, 64, 8),
+    ("tf32", PORTABLE, 128): Tf32FwdConfig(64, 32, 4),
+    ("tf32", PORTABLE, 256): Tf32FwdConfig(32, 16, 2),
     # perf log simt-v1, simt-v2
     ("simt", ACC_FP32, 16): SimtTiles(64, 64, 4),
     ("simt", ACC_FP32, 32): SimtTiles(64, 64, 4),
@@ -150,11 +181,11 @@ FORWARD_TILES = {
 class ForwardPlan:
     """What a forward call launches: one block per ``block_m`` query rows of each (head, batch)."""
 
-    family: str  # "mma" (tensor cores: mma.sync or wgmma) or "simt"
+    family: str  # "mma" (tensor cores: mma.sync or wgmma, tf32 for float32) or "simt"
     device_class: str  # the FORWARD_TILES class of the row
     headdim: int  # the head dim the kernel sees (the mma family's is a multiple of 8)
     d_tile: int
-    tiles: FwdConfig | WgmmaFwdConfig | SimtTiles
+    tiles: FwdConfig | WgmmaFwdConfig | Tf32FwdConfig | SimtTiles
     spec: Specialization  # name, source, template instantiation, threads, shared memory
 
     @property
@@ -172,18 +203,24 @@ def mma_headdim(headdim: int) -> int:
 
 
 def tensor_core_supports(dtype, headdim: int) -> bool:
-    """Whether the tensor-core forward runs ``dtype`` at exactly ``headdim`` (no padding)."""
+    """Whether the tensor-core forward runs ``dtype`` at exactly ``headdim`` (no padding): float16
+    and bfloat16 (mma.sync, wgmma) and float32 (tf32), a head dim that is a multiple of 8 up to 256."""
     try:
         name = dtype_name(dtype)
     except ValueError:
         return False
-    return name in ("float16", "bfloat16") and headdim % 8 == 0 and 8 <= headdim <= TENSOR_CORE_D_TILES[-1]
+    return name in ("float16", "bfloat16", "float32") and headdim % 8 == 0 and 8 <= headdim <= TENSOR_CORE_D_TILES[-1]
 
 
 def forward_family(dtype, headdim: int) -> str:
     """The family a forward call runs on a GPU unless the caller asks for one: tensor cores for
-    float16/bfloat16 (the head dim padded to a multiple of 8), SIMT otherwise."""
-    return "mma" if is_16bit(dtype) and tensor_core_supports(dtype, mma_headdim(headdim)) else "simt"
+    float16, bfloat16 and float32 (the head dim padded to a multiple of 8), SIMT for float64."""
+    return "mma" if tensor_core_supports(dtype, mma_headdim(headdim)) else "simt"
+
+
+def _table_family(family: str, dtype) -> str:
+    """The FORWARD_TILES family of a tensor-core call: "tf32" for float32, "mma" otherwise."""
+    return "tf32" if family == "mma" and dtype_name(dtype) == "float32" else family
 
 
 def device_class(arch: str | None, smem_optin: int | None) -> str:
@@ -196,13 +233,15 @@ def device_class(arch: str | None, smem_optin: int | None) -> str:
 
 
 def plan_forward(arch: str | None, dtype, headdim: int, mask: Mask | bool, smem_optin: int | None,
-                 family: str | None = None, headdim_v: int | None = None) -> ForwardPlan:
+                 family: str | None = None, headdim_v: int | None = None,
+                 precision: str = DEFAULT_PRECISION) -> ForwardPlan:
     """The forward kernel a call with this dtype, head dim and mask launches on a device of compute
     capability ``arch`` ("80", "90") whose blocks may opt in to ``smem_optin`` bytes of shared memory
     (None, None: a device not known; the portable rows). ``family`` ("mma", "simt") overrides the
     default family of forward_family; ``mask`` is a policy of cupyflash.masks or a causal flag.
     ``headdim`` is the wider of q's and v's head dims, which sets the tile; ``headdim_v`` v's, when
-    it is its own: the wgmma kernel then takes v and o in a narrower tile (``v_tile``)."""
+    it is its own: the wgmma kernel then takes v and o in a narrower tile (``v_tile``). ``precision``
+    (cupyflash.precision) picks the float32 kernel's products; other dtypes ignore it."""
     family = family or forward_family(dtype, headdim)
     if family == "mma":
         headdim = mma_headdim(headdim)
@@ -213,8 +252,8 @@ def plan_forward(arch: str | None, dtype, headdim: int, mask: Mask | bool, smem_
         raise ValueError(f"cupyflash: unknown forward family {family!r} (known: mma, simt)")
     dt = d_tile(headdim, _D_TILES[family])
     mask = as_mask(mask)
-    tiles = forward_tiles(family, where, dt, dtype, mask, arch)
-    return _plan(dtype, headdim, mask, tiles, where, headdim_v)
+    tiles = forward_tiles(_table_family(family, dtype), where, dt, dtype, mask, arch)
+    return _plan(dtype, headdim, mask, tiles, where, headdim_v, precision)
 
 
 def v_tile(tiles, dt: int, headdim_v: int | None) -> int:
@@ -308,19 +347,25 @@ def _spills(spec: Specialization, arch: str) -> bool:
     return _spill_answers[key]
 
 
-def forward_plan(dtype, headdim: int, mask: Mask | bool, tiles, headdim_v: int | None = None) -> ForwardPlan:
-    """The plan that runs ``tiles`` (any FwdConfig, WgmmaFwdConfig or SimtTiles: the tuner's and
-    dev/'s, not only FORWARD_TILES') at exactly ``headdim`` (and ``headdim_v``, plan_forward's)."""
-    return _plan(dtype, headdim, as_mask(mask), tiles, "explicit", headdim_v)
+def forward_plan(dtype, headdim: int, mask: Mask | bool, tiles, headdim_v: int | None = None,
+                 precision: str = DEFAULT_PRECISION) -> ForwardPlan:
+    """The plan that runs ``tiles`` (any FwdConfig, WgmmaFwdConfig, Tf32FwdConfig or SimtTiles: the
+    tuner's and dev/'s, not only FORWARD_TILES') at exactly ``headdim`` (and ``headdim_v`` and
+    ``precision``, plan_forward's)."""
+    return _plan(dtype, headdim, as_mask(mask), tiles, "explicit", headdim_v, precision)
 
 
-def _plan(dtype, headdim: int, mask: Mask, tiles, where: str, headdim_v: int | None = None) -> ForwardPlan:
+def _plan(dtype, headdim: int, mask: Mask, tiles, where: str, headdim_v: int | None = None,
+          precision: str = DEFAULT_PRECISION) -> ForwardPlan:
     family = "simt" if isinstance(tiles, SimtTiles) else "mma"
     if family == "mma" and not tensor_core_supports(dtype, headdim):
         raise ValueError(f"cupyflash: mma forward does not support dtype {np.dtype(dtype)}, headdim {headdim}")
+    if family == "mma" and (dtype_name(dtype) == "float32") != isinstance(tiles, Tf32FwdConfig):
+        raise ValueError(f"cupyflash: {type(tiles).__name__} does not run {np.dtype(dtype)} (float32 runs "
+                         f"Tf32FwdConfig's kernel, float16 / bfloat16 the others)")
     dt = d_tile(headdim, _D_TILES[family])
     return ForwardPlan(family, where, headdim, dt, tiles,
-                       specialization_for(dtype, dt, mask, tiles, v_tile(tiles, dt, headdim_v)))
+                       specialization_for(dtype, dt, mask, tiles, v_tile(tiles, dt, headdim_v), precision))
 
 
 def simt_tiles(dtype, headdim: int) -> SimtTiles:
@@ -330,7 +375,8 @@ def simt_tiles(dtype, headdim: int) -> SimtTiles:
 
 # --- specializations: the kernels' template arguments and launch configuration ----------------
 
-_KERNELS = {FwdConfig: "flash_fwd_mma", WgmmaFwdConfig: "flash_fwd_wgmma", SimtTiles: "flash_fwd_simt"}
+_KERNELS = {FwdConfig: "flash_fwd_mma", WgmmaFwdConfig: "flash_fwd_wgmma", Tf32FwdConfig: "flash_fwd_tf32",
+            SimtTiles: "flash_fwd_simt"}
 _D_TILES = {"mma": TENSOR_CORE_D_TILES, "simt": SIMT_D_TILES}
 
 
@@ -348,9 +394,17 @@ def wgmma_smem_bytes(dt: int, config: WgmmaFwdConfig, dvt: int | None = None) ->
     return 2 * (dt * (config.block_m + 2 * config.block_n) + 3 * dvt * config.block_n) + 1024
 
 
-def specialization_for(dtype, dt: int, mask: Mask | bool, tiles, dvt: int | None = None) -> Specialization:
+def tf32_smem_bytes(dt: int, config: Tf32FwdConfig) -> int:
+    """Dynamic shared memory of one flash_fwd_tf32 block: Q tile plus `stages` K and V tiles,
+    float32 elements. Mirrors Tf32FwdSmem in flash_fwd_tf32.cu."""
+    return 4 * dt * (config.block_m + 2 * config.stages * config.block_n)
+
+
+def specialization_for(dtype, dt: int, mask: Mask | bool, tiles, dvt: int | None = None,
+                       precision: str = DEFAULT_PRECISION) -> Specialization:
     """The specialization of the forward kernel that ``tiles`` configures, at head-dim tile ``dt``
-    (and, for the wgmma kernel, v's tile ``dvt`` when narrower: plans.v_tile)."""
+    (and, for the wgmma kernel, v's tile ``dvt`` when narrower: plans.v_tile; for the float32
+    kernel, ``precision``'s products)."""
     mask = as_mask(mask)
     name = dtype_name(dtype)
     c, ctype, short = tiles, CTYPES[name], SHORT_NAMES[name]
@@ -364,6 +418,15 @@ def specialization_for(dtype, dt: int, mask: Mask | bool, tiles, dvt: int | None
                               f"cf::flash_fwd_wgmma<{ctype}, {dt}, {mask.cpp}, {c.block_m}, {c.block_n}"
                               f"{f', {dvt}' if own_v else ''}>",
                               c.threads, wgmma_smem_bytes(dt, c, dvt), arch="90a")
+    if isinstance(c, Tf32FwdConfig):
+        precision = check_precision(precision)
+        return Specialization(
+            f"flash_fwd_tf32_{short}_hdim{dt}_{mask.name}_bm{c.block_m}_bn{c.block_n}_w{c.warps}_s{c.stages}"
+            f"_{precision}",
+            "flash_fwd_tf32.cu",
+            f"cf::flash_fwd_tf32<{dt}, {mask.cpp}, {c.block_m}, {c.block_n}, {c.warps}, {c.stages}, "
+            f"{PRODUCTS[precision]}>",
+            c.threads, tf32_smem_bytes(dt, c))
     if isinstance(c, FwdConfig):
         return Specialization(
             f"flash_fwd_mma_{short}_hdim{dt}_{mask.name}_bm{c.block_m}_bn{c.block_n}_w{c.warps}"

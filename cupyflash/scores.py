@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .dropout import NO_DROPOUT, Dropout
+from .precision import check_precision
 
 __all__ = ["Score", "PLAIN", "Variant", "NO_VARIANT", "check_variant", "sink_grad"]
 
@@ -86,6 +87,8 @@ class Variant:
     sink: object = None
     mods: object = None  # cupyflash.modifiers.Modifiers: the user's score_mod / mask_mod, or None
     dropout: Dropout = NO_DROPOUT  # cupyflash.dropout: p, seed, offset
+    # cupyflash.precision: how float32 products are formed ("ieee", "tf32"); not part of the score
+    precision: str = "ieee"
 
     @property
     def score(self) -> Score:
@@ -115,7 +118,7 @@ class Variant:
         if self.dropout.on:
             raise NotImplementedError("cupyflash: dropout takes at most 65535 batch entries and 65535 query heads "
                                       "per call (one launch: the mask is a function of the call's indices)")
-        return Variant(self.softcap, slopes, sink)
+        return Variant(self.softcap, slopes, sink, precision=self.precision)
 
     def to(self, xp) -> "Variant":
         """The same values with arrays of module ``xp`` (contiguous float32)."""
@@ -131,7 +134,7 @@ class Variant:
             return xp.ascontiguousarray(xp.asarray(a, dtype=np.float32))
         mods = None if self.mods is None else self.mods.to(xp)
         return Variant(self.softcap, move(self.alibi_slopes, "alibi_slopes"), move(self.sink, "sink"), mods,
-                       self.dropout)
+                       self.dropout, self.precision)
 
 
 NO_VARIANT = Variant()
@@ -150,11 +153,13 @@ def _float_array(x, name: str, shapes: tuple, shape_text: str):
     return arr
 
 
-def check_variant(softcap, alibi_slopes, sink, batch: int, nheads: int, mods=None, dropout=NO_DROPOUT) -> Variant:
+def check_variant(softcap, alibi_slopes, sink, batch: int, nheads: int, mods=None, dropout=NO_DROPOUT,
+                  precision=None) -> Variant:
     """A call's variant arguments checked against its batch and query heads, or a clear error;
     ``mods`` the call's user modifiers (cupyflash.modifiers.check_modifiers), which take a sink
     but not softcap or ALiBi (a score_mod writes them itself); ``dropout`` a checked
-    cupyflash.dropout.Dropout."""
+    cupyflash.dropout.Dropout; ``precision`` cupyflash.precision's (None: "ieee")."""
+    precision = check_precision(precision)
     if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, (int, float, np.integer, np.floating)):
         raise TypeError(f"cupyflash: softcap must be a float >= 0 (0: no cap), got {softcap!r}")
     softcap = float(softcap)
@@ -168,7 +173,7 @@ def check_variant(softcap, alibi_slopes, sink, batch: int, nheads: int, mods=Non
     if mods is not None and mods.has_score and (softcap > 0 or alibi_slopes is not None):
         raise ValueError("cupyflash: score_mod does not combine with softcap or alibi_slopes; write the cap or "
                          "the bias into the score_mod (cupyflash.modifiers.tanh, a slopes tensor)")
-    return Variant(softcap, alibi_slopes, sink, mods, dropout)
+    return Variant(softcap, alibi_slopes, sink, mods, dropout, precision)
 
 
 def sink_grad(sink, do, o, lse, xp=np):

@@ -305,7 +305,7 @@ def _check_options(backend, causal, window_size, flag, flag_name, softcap):
 @capture.graph_safe
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, softmax_scale=None,
                            causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sink=None,
-                           return_lse=False, backend="auto"):
+                           return_lse=False, backend="auto", precision=None):
     """Exact attention over a packed batch of sequences of different lengths (flash-attn 2.8's
     flash_attn_varlen_func).
 
@@ -316,7 +316,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     max_seqlen_q / max_seqlen_k. Empty sequences are allowed (no query: nothing; no key: o = 0,
     lse = -inf). ``causal`` and ``window_size`` are flash_attn_func's, applied per sequence with
     its own bottom-right alignment, as are ``softcap``, ``alibi_slopes`` ((nheads,) or (batch,
-    nheads) float32: row b for sequence b) and ``sink`` ((nheads,) float32). Returns o
+    nheads) float32: row b for sequence b), ``sink`` ((nheads,) float32) and ``precision`` (float32's
+    products: cupyflash.precision). Returns o
     (total_q, nheads, headdim_v), or (o, lse) with lse (nheads, total_q), float32 (float64 for float64).
 
     On the GPU one launch covers every sequence (the kernels read cu_seqlens); cu_seqlens are
@@ -331,7 +332,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     dtype = A.check_dtype(arrays)
     total_q, total_k, nheads, _, headdim = check_packed_shapes(*arrays.values())
     sequences = check_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, total_k)
-    variant = check_variant(softcap, alibi_slopes, sink, sequences.count, nheads)
+    variant = check_variant(softcap, alibi_slopes, sink, sequences.count, nheads, precision=precision)
     scale = A.resolve_scale(softmax_scale, headdim)
     A.same_device({**arrays, **device_arrays(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)})
     which = dispatch.choose(backend, dtype, max(headdim, arrays["v"].shape[2]), "fwd")
@@ -384,13 +385,13 @@ def check_varlen_backward_arrays(do, o, lse, out_shape, dtype) -> None:
 @capture.graph_safe
 def flash_attn_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                                softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                               sink=None, backend="auto", deterministic=True):
+                               sink=None, backend="auto", deterministic=True, precision=None):
     """Gradients (dq, dk, dv) of flash_attn_varlen_func from its o and lse (nheads, total_q); with a
     ``sink``, (dq, dk, dv, dsink), dsink summed over every sequence's rows.
 
     dq is shaped like q, dk and dv like k and v; for GQA they sum over the query heads sharing a
     kv head. Keys of a sequence without queries, and queries of a sequence without keys, get zero
-    gradients. The options must be the forward's; ``deterministic`` is flash_attn_backward's.
+    gradients. The options must be the forward's; ``deterministic`` and ``precision`` are flash_attn_backward's.
     On the GPU one launch per backward kernel covers every sequence, as in the forward.
     """
     backend, causal, window, deterministic, on_gpu = _check_options(backend, causal, window_size, deterministic,
@@ -402,7 +403,7 @@ def flash_attn_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, 
     check_varlen_backward_arrays(arrays["do"], arrays["o"], arrays["lse"],
                                  arrays["q"].shape[:2] + arrays["v"].shape[2:], dtype)
     sequences = check_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, total_k)
-    variant = check_variant(softcap, alibi_slopes, sink, sequences.count, nheads)
+    variant = check_variant(softcap, alibi_slopes, sink, sequences.count, nheads, precision=precision)
     scale = A.resolve_scale(softmax_scale, headdim)
     A.same_device({**arrays, **device_arrays(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)})
     which = dispatch.choose(backend, dtype, max(headdim, arrays["v"].shape[2]), "bwd")

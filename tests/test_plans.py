@@ -103,11 +103,14 @@ def test_old_table_covers_every_device_and_dtype_once():
 @pytest.mark.parametrize("dtype", list(SUPPORTED))
 def test_the_plan_is_the_old_dispatch_choice(dtype):
     """Every (arch, opt-in shared memory, head dim 1..256, mask): NoMask and Causal as the old tree
-    chose them; Local the Causal choice's kernel and tiles with its own mask token and argument."""
+    chose them; Local the Causal choice's kernel and tiles with its own mask token and argument.
+    float32's default is the tf32 kernel now (test_float32_runs_on_tensor_cores); its old choice,
+    the SIMT kernel, is what family="simt" (backend="simt") runs."""
     compared = 0
+    family = "simt" if dtype == "float32" else None
     for arch, smem, headdim in itertools.product(ARCHS, SMEM_OPTINS, range(1, 257)):
         for mask, old_name in ((NoMask(), "full"), (Causal(), "causal"), (Local(100, 3), "causal")):
-            plan = plans.plan_forward(arch, SUPPORTED[dtype], headdim, mask, smem)
+            plan = plans.plan_forward(arch, SUPPORTED[dtype], headdim, mask, smem, family=family)
             old = old_choice(arch, smem, dtype, headdim, old_name)
             if isinstance(mask, Local):
                 old = (old[0].replace("_causal_", "_local_", 1), *old[1:])
@@ -122,7 +125,8 @@ def test_the_family_is_the_dispatch_choice(dtype, monkeypatch):
     for headdim in range(1, 257):
         plan = plans.plan_forward("80", SUPPORTED[dtype], headdim, NoMask(), 163 * 1024)
         assert plan.family == dispatch.choose("auto", SUPPORTED[dtype], headdim, "fwd")
-        assert plan.spec.source_file == {"mma": "flash_fwd_mma.cu", "simt": "flash_fwd_simt.cu"}[plan.family]
+        assert plan.spec.source_file == {"mma": "flash_fwd_tf32.cu" if dtype == "float32" else "flash_fwd_mma.cu",
+                                         "simt": "flash_fwd_simt.cu"}[plan.family]
         if plan.family == "mma":
             assert plan.headdim == dispatch.mma_headdim(headdim) and plan.headdim % 8 == 0
             assert plans.plan_forward("80", SUPPORTED[dtype], headdim, NoMask(), 163 * 1024, family="simt").family == "simt"
@@ -137,15 +141,46 @@ def test_one_row_answers_what_runs():
     assert plans.plan_forward(None, SUPPORTED["float16"], 100, False, None).tiles is \
         plans.FORWARD_TILES[("mma", plans.PORTABLE, 128)]
     for (family, where, dt), tiles in plans.FORWARD_TILES.items():
-        assert dt in plans._D_TILES[family] and plans.forward_plan(
-            SUPPORTED["float64" if where == plans.ACC_FP64 else "bfloat16"], dt, Causal(), tiles).tiles == tiles
+        dtype = "float64" if where == plans.ACC_FP64 else "float32" if family == "tf32" else "bfloat16"
+        assert dt in plans._D_TILES["mma" if family == "tf32" else family]
+        assert plans.forward_plan(SUPPORTED[dtype], dt, Causal(), tiles).tiles == tiles
+
+
+def test_float32_runs_on_tensor_cores():
+    """float32's default forward is flash_fwd_tf32 on every device class, in the precision asked
+    (three tf32 products for "ieee", one for "tf32"), with the row of its class and head-dim tile;
+    float64 stays SIMT."""
+    for arch, smem in itertools.product(ARCHS, SMEM_OPTINS):
+        where = plans.device_class(arch, smem)
+        for headdim, dt in ((1, 64), (40, 64), (64, 64), (100, 128), (128, 128), (200, 256), (256, 256)):
+            for precision, products in (("ieee", 3), ("tf32", 1)):
+                plan = plans.plan_forward(arch, SUPPORTED["float32"], headdim, Causal(), smem, precision=precision)
+                tiles = plans.FORWARD_TILES[("tf32", where, dt)]
+                assert (plan.family, plan.kernel, plan.tiles, plan.d_tile) == ("mma", "flash_fwd_tf32", tiles, dt)
+                assert plan.headdim == dispatch.mma_headdim(headdim)
+                assert plan.spec.name == (f"flash_fwd_tf32_fp32_hdim{dt}_causal_bm{tiles.block_m}_bn{tiles.block_n}"
+                                          f"_w{tiles.warps}_s{tiles.stages}_{precision}")
+                assert plan.spec.expression.endswith(f", {products}>")
+                assert plan.spec.smem_bytes == 4 * dt * (tiles.block_m + 2 * tiles.stages * tiles.block_n)
+                # every sm_90 part has 227 KiB per block (the table's smaller opt-ins there are hypothetical)
+                assert plan.spec.smem_bytes <= (227 * 1024 if where == plans.SM90 else smem)
+        assert plans.plan_forward(arch, SUPPORTED["float64"], 128, Causal(), smem).family == "simt"
+    # other dtypes ignore the precision
+    assert plans.plan_forward("90", SUPPORTED["bfloat16"], 128, Causal(), 227 * 1024, precision="tf32") == \
+        plans.plan_forward("90", SUPPORTED["bfloat16"], 128, Causal(), 227 * 1024)
 
 
 def test_plans_refuse_what_no_kernel_runs():
     with pytest.raises(ValueError, match="unknown forward family"):
         plans.plan_forward("90", SUPPORTED["bfloat16"], 64, NoMask(), None, family="wgmma")
-    with pytest.raises(ValueError, match="does not support dtype float32"):
-        plans.plan_forward("90", SUPPORTED["float32"], 64, NoMask(), None, family="mma")
+    with pytest.raises(ValueError, match="does not support dtype float64"):
+        plans.plan_forward("90", SUPPORTED["float64"], 64, NoMask(), None, family="mma")
+    with pytest.raises(ValueError, match="Tf32FwdConfig does not run float16"):
+        plans.forward_plan(SUPPORTED["float16"], 64, NoMask(), plans.Tf32FwdConfig(128, 64, 8))
+    with pytest.raises(ValueError, match="FwdConfig does not run float32"):
+        plans.forward_plan(SUPPORTED["float32"], 64, NoMask(), plans.FwdConfig(128, 64, 4, False))
+    with pytest.raises(ValueError, match="precision must be one of"):
+        plans.plan_forward("90", SUPPORTED["float32"], 64, NoMask(), None, precision="highest")
     with pytest.raises(ValueError, match="headdim 36"):
         plans.forward_plan(SUPPORTED["float16"], 36, NoMask(), plans.FwdConfig(128, 64, 4, False))
     with pytest.raises(ValueError, match="headdim 257"):
@@ -161,6 +196,12 @@ def test_the_compile_check_sees_every_shipped_forward_specialization():
     old = {old_choice(arch, smem, dtype, hd, mask)[0] for dtype in ("float16", "bfloat16")
            for arch, smem in itertools.product(ARCHS, SMEM_OPTINS) for hd in (64, 128, 256) for mask in OLD_MASKS}
     all_names = [s.name for s in mma_fwd.specializations()]
+    # float32: every tf32 row with every mask, in both precisions
+    tf32 = {n for n in all_names if n.startswith("flash_fwd_tf32_")}
+    assert tf32 == {plans.specialization_for("float32", dt, mask, tiles, precision=precision).name
+                    for (family, where, dt), tiles in plans.FORWARD_TILES.items() if family == "tf32"
+                    for mask in KINDS + VARIANT_KINDS + PACKED_KINDS for precision in ("ieee", "tf32")}
+    all_names = [n for n in all_names if n not in tf32]
     # packed batches: each row's plan for masks.PACKED_KINDS (PACKED_FORWARD_TILES where it differs)
     packed = {n for n in all_names if "_packed_" in n}
     assert packed == {plans.specialization_for(dtype, dt, mask, plans.forward_tiles("mma", where, dt, dtype, mask,
@@ -207,7 +248,10 @@ def test_the_tensor_core_rows_fit_their_devices():
     fits 227 KiB per block and 228 per SM, within the opt-in that admits it; SM90 within 227 KiB."""
     reserved = 1024  # per block, by the driver
     for (family, where, dt), tiles in plans.FORWARD_TILES.items():
-        if where == plans.PORTABLE:
+        if family == "tf32":  # PORTABLE: 99 KiB (sm_86 / sm_89); the others 227 KiB, one block per SM
+            limit = 99 * 1024 if where == plans.PORTABLE else 227 * 1024
+            assert plans.tf32_smem_bytes(dt, tiles) + reserved <= limit
+        elif where == plans.PORTABLE:
             assert tiles.min_blocks * (plans.smem_bytes(dt, tiles) + reserved) <= 164 * 1024
         elif where == plans.LARGE_SMEM:
             assert tiles.min_blocks * (plans.smem_bytes(dt, tiles) + reserved) <= 228 * 1024

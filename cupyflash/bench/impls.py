@@ -21,6 +21,8 @@ STANDARD = "standard"
 
 # Backends timed on the device. "numpy" runs on the host, which CUDA events cannot time.
 HOST_BACKENDS = ("numpy",)
+# A pseudo-backend: "auto" with precision="tf32" (float32's one-product tensor-core forward).
+TF32 = "tf32"
 
 TORCH_ANCHORS = (
     Impl("FA2", "torch", "FLASH_ATTENTION",
@@ -41,8 +43,8 @@ def cupyflash_impls(backends) -> list[Impl]:
             raise ValueError(f"backend {backend!r} runs on the host; the benchmark times device "
                              "work with CUDA events")
         label = "cupyflash" if backend == "auto" else f"cupyflash[{backend}]"
-        impls.append(Impl(label, "cupyflash", backend,
-                          f"cupyflash.flash_attn_func / flash_attn_backward, backend={backend!r}"))
+        options = "backend='auto', precision='tf32'" if backend == TF32 else f"backend={backend!r}"
+        impls.append(Impl(label, "cupyflash", backend, f"cupyflash.flash_attn_func / flash_attn_backward, {options}"))
     if len({i.label for i in impls}) != len(impls):
         raise ValueError(f"backend listed twice: {list(backends)}")
     return impls

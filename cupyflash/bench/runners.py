@@ -17,6 +17,7 @@ import functools
 from contextlib import contextmanager
 
 from .impls import Rejected
+from .impls import TF32
 from .shapes import Case
 
 # What the public API raises for a combination it does not support (dtype, headdim, backend).
@@ -24,13 +25,15 @@ REJECTIONS = (ValueError, NotImplementedError, TypeError)
 
 
 def api(backend: str, case: Case, *, softmax_scale=None, deterministic=True):
-    """(forward, backward) of the public API with this case's options bound."""
+    """(forward, backward) of the public API with this case's options bound; the pseudo-backend
+    "tf32" is backend "auto" with precision="tf32" (cupyflash.precision)."""
     import cupyflash
 
+    backend, precision = ("auto", "tf32") if backend == TF32 else (backend, None)
     fwd = functools.partial(cupyflash.flash_attn_func, softmax_scale=softmax_scale,
-                            causal=case.causal, backend=backend)
+                            causal=case.causal, backend=backend, precision=precision)
     bwd = functools.partial(cupyflash.flash_attn_backward, softmax_scale=softmax_scale,
-                            causal=case.causal, backend=backend, deterministic=deterministic)
+                            causal=case.causal, backend=backend, deterministic=deterministic, precision=precision)
     return fwd, bwd
 
 

@@ -20,7 +20,7 @@ from ._module import Specialization, launch
 from .constants import CTYPES, SHORT_NAMES, TENSOR_CORE_D_TILES, d_tile
 from .params import CACHE_FWD_PARAMS, COMBINE_PARAMS, _set_scales, fast_divmod, pointer, set_rows, set_variant
 from .mma_fwd import _check_layout
-from .._dtypes import dtype_name
+from .._dtypes import dtype_name, is_16bit
 from ..masks import KINDS, VARIANT_KINDS, Mask
 from ..plans import tensor_core_supports
 
@@ -58,8 +58,9 @@ _PREFILL_TILES = {64: CacheTiles(4, 1, 64, 3), 128: CacheTiles(4, 1, 64, 2), 256
 
 def supports(dtype, headdim: int) -> bool:
     """float16 / bfloat16 with a head dim that is a multiple of 8, 8..256 (the cache is not padded):
-    the tensor-core forward's own condition (plans.tensor_core_supports)."""
-    return tensor_core_supports(dtype, headdim)
+    the 16-bit tensor-core forward's condition (plans.tensor_core_supports, which also admits
+    float32: this kernel has no tf32 form yet, float32 caches take the dense forward)."""
+    return is_16bit(dtype) and tensor_core_supports(dtype, headdim)
 
 
 def cache_tiles(dt: int, packed_rows: int) -> CacheTiles:

@@ -1,5 +1,6 @@
 """Tensor-core forward (``kernels_cu/flash_fwd_mma.cu``; on sm_90 ``kernels_cu/flash_fwd_wgmma.cu``,
-the same work split on warpgroup MMA, see ``WgmmaFwdConfig``): float16 / bfloat16, head dims 8..256.
+the same work split on warpgroup MMA, see ``WgmmaFwdConfig``): float16 / bfloat16, head dims 8..256;
+float32 on tf32 tensor cores (``kernels_cu/flash_fwd_tf32.cu``, ``Tf32FwdConfig``, cupyflash.precision).
 
 FlashAttention-2 work split: a block owns BLOCK_M query rows of one (batch, head), each warp owns
 16-row strips of them; K and V tiles stream through a ring of STAGES shared-memory stages filled
@@ -7,7 +8,7 @@ by cp.async. Which kernel and tiles run on which device is ``cupyflash.plans``' 
 tile D_TILE, the smallest of 64, 128, 256 that holds headdim; columns past headdim are zero-filled
 in shared memory and never stored); this module turns arrays into the plan's kernel arguments.
 
-The dispatcher guarantees what the kernel relies on: 16-bit dtype, last dim contiguous, every
+The dispatcher guarantees what the kernel relies on: 16-bit or float32 dtype, last dim contiguous, every
 other stride of q/k/v/o a multiple of 8 elements, data pointers 16-byte aligned, headdim % 8 == 0
 (``forward`` re-checks the layout, which is cheap, because a violation would be silent corruption).
 """
@@ -23,10 +24,12 @@ from .params import PackedBatch, forward_params
 from .. import plans
 from ..masks import KINDS, PACKED_KINDS, VARIANT_KINDS, Mask, mask_for
 from ..scores import PLAIN
-from ..plans import (LARGE_SMEM_BYTES, ROW_STATES, FwdConfig, ForwardPlan, WgmmaFwdConfig, smem_bytes,
-                     wgmma_smem_bytes)
+from ..plans import (LARGE_SMEM_BYTES, ROW_STATES, FwdConfig, ForwardPlan, Tf32FwdConfig, WgmmaFwdConfig,
+                     smem_bytes, wgmma_smem_bytes)
+from ..precision import DEFAULT as DEFAULT_PRECISION, PRECISIONS
 
 __all__ = ["forward", "specialization", "specializations", "supports", "d_tile", "FwdConfig", "WgmmaFwdConfig",
+           "Tf32FwdConfig",
            "ROW_STATES", "LARGE_SMEM_BYTES", "smem_bytes", "wgmma_smem_bytes"]
 
 D_TILES = TENSOR_CORE_D_TILES
@@ -52,7 +55,7 @@ def current_smem_optin() -> int | None:
 
 
 def supports(dtype, headdim: int) -> bool:
-    """Whether this family runs ``dtype`` at exactly ``headdim`` (16-bit, a multiple of 8, <= 256)."""
+    """Whether this family runs ``dtype`` at exactly ``headdim`` (16-bit or float32, a multiple of 8, <= 256)."""
     return plans.tensor_core_supports(dtype, headdim)
 
 
@@ -60,19 +63,19 @@ def d_tile(headdim: int) -> int:
     return plans.d_tile(headdim, D_TILES)
 
 
-def plan(dtype, headdim: int, mask: Mask | bool, config: FwdConfig | WgmmaFwdConfig | None = None,
-         headdim_v: int | None = None) -> ForwardPlan:
+def plan(dtype, headdim: int, mask: Mask | bool, config: FwdConfig | WgmmaFwdConfig | Tf32FwdConfig | None = None,
+         headdim_v: int | None = None, precision: str = DEFAULT_PRECISION) -> ForwardPlan:
     """The plan ``forward`` runs at exactly ``headdim`` (the wider of q's and v's; ``headdim_v``
-    v's, plans.plan_forward's) on the current device: plans.plan_forward's, or ``config``'s (the
-    tuner's)."""
+    v's, ``precision`` float32's, plans.plan_forward's) on the current device: plans.plan_forward's,
+    or ``config``'s (the tuner's)."""
     if not supports(dtype, headdim):
         raise ValueError(f"cupyflash: mma forward does not support dtype {np.dtype(dtype)}, headdim {headdim}")
     if config is not None:
-        if not isinstance(config, (FwdConfig, WgmmaFwdConfig)):
-            raise TypeError(f"cupyflash: config must be a FwdConfig or WgmmaFwdConfig, not {config!r}")
-        return plans.forward_plan(dtype, headdim, mask, config, headdim_v)
+        if not isinstance(config, (FwdConfig, WgmmaFwdConfig, Tf32FwdConfig)):
+            raise TypeError(f"cupyflash: config must be a FwdConfig, WgmmaFwdConfig or Tf32FwdConfig, not {config!r}")
+        return plans.forward_plan(dtype, headdim, mask, config, headdim_v, precision)
     return plans.plan_forward(current_arch(), dtype, headdim, mask, current_smem_optin(), family="mma",
-                              headdim_v=headdim_v)
+                              headdim_v=headdim_v, precision=precision)
 
 
 def specialization(dtype, headdim: int, mask: Mask | bool, config: FwdConfig | None = None):
@@ -94,6 +97,12 @@ def specializations() -> list:
     # every narrower pair, for the plain masks
     specs += [plans.specialization_for(dtype, dt, mask, t, dvt) for dtype, dt, mask, t in entries
               if isinstance(t, WgmmaFwdConfig) and mask in KINDS for dvt in D_TILES if dvt < dt]
+    # float32 (tf32 tensor cores), in both precisions
+    tf32_rows = [(dt, plans.FORWARD_TILES[(family, where, dt)]) for (family, where, dt) in plans.FORWARD_TILES
+                 if family == "tf32"]
+    specs += [plans.specialization_for("float32", dt, mask, t, precision=precision)
+              for dt, t in sorted(set(tf32_rows), key=lambda e: (e[0], e[1].block_m, e[1].block_n))
+              for mask in KINDS + VARIANT_KINDS + PACKED_KINDS for precision in PRECISIONS]
     return list(dict.fromkeys(specs))
 
 
@@ -129,7 +138,8 @@ def forward(q, k, v, o, lse, *, softmax_scale: float, causal: bool,
         raise ValueError("cupyflash: lse must be a C-contiguous float32 (batch, nheads, seqlen_q) array")
     mask = mask_for(causal, window_size, PLAIN if variant is None else variant.score, packed is not None)
     # The tile of the wider head dim (the wgmma kernel takes v's own where narrower: plans.v_tile).
-    planned = plan(q.dtype, max(headdim, v.shape[3]), mask, config, v.shape[3])
+    precision = DEFAULT_PRECISION if variant is None else variant.precision
+    planned = plan(q.dtype, max(headdim, v.shape[3]), mask, config, v.shape[3], precision)
     grid = query_grid(planned.block_m, batch, seqlen_q, nheads, packed)
     for a, what in ((q, "q"), (k, "k"), (v, "v"), (o, "o")):
         _check_layout(a, what)

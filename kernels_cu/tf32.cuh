@@ -1,0 +1,90 @@
+// float32 on tensor cores (sm_80+): mma.sync m16n8k8 with .tf32 operands, fp32 accumulate, and
+// the split that makes its products float32-accurate.
+//
+// A tf32 operand is a float32 register of which the tensor core reads the sign, the 8 exponent
+// bits and the 10 high mantissa bits; it ignores the 13 low bits. Rounding x to tf32 (to nearest,
+// ties away from zero: cvt.rna's rule) is therefore one integer add of half a tf32 ulp (0x1000)
+// to its bits, the tensor core truncating what remains. One product in tf32 has the error of
+// 11-bit operands (precision "tf32"). Precision "ieee" splits each operand x = hi + lo,
+// hi = tf32(x) with its low bits cleared, lo = x - hi (exact in float32, |lo| <= 2^-11 |x|)
+// itself read as tf32, and forms a b as a_lo b_hi + a_hi b_lo + a_hi b_hi: the dropped a_lo b_lo
+// and the rounding of lo are each of order 2^-22 |a b|, below float32's own rounding of a sum of
+// products (docs/algorithm.md, "float32 on tensor cores").
+//
+// Fragment layouts of mma.sync.m16n8k8 .tf32 (PTX ISA, "Matrix Fragments for mma.m16n8k8"),
+// g = lane / 4 and t = lane % 4, one value per register:
+//   A (16 x 8, row-major), 4 x b32:  a0 (g, t)   a1 (g+8, t)   a2 (g, t+4)   a3 (g+8, t+4)
+//   B (8 x 8, k x n),      2 x b32:  b0 (k = t, n = g)         b1 (k = t+4, n = g)
+//   C (16 x 8, float),     4 x f32:  c0,c1 (g, 2t..2t+1)       c2,c3 (g+8, 2t..2t+1)
+// C is the m16n8k16 accumulator's layout, so the online softmax of the 16-bit kernels
+// (online_softmax.cuh) runs on these S fragments unchanged. Seen as 16-bit pairs, a row of
+// float32 values is a row of twice as many 16-bit values: ldmatrix (non-transposed) of an 8 x 4
+// float32 block gives lane l the value at (row l / 4, column l % 4), which is A's and B's pattern
+// for row-major Q [m][k] and K [n][k] tiles (mma.cuh's swizzled tiles and address providers at
+// twice the width serve them as they are).
+#pragma once
+
+#include "mma.cuh"
+
+namespace cf {
+
+// How many tf32 products make one float32 product: 3 (split operands, precision "ieee") or 1.
+template <int PRODUCTS>
+struct Tf32Operand {
+    static_assert(PRODUCTS == 1 || PRODUCTS == 3, "1 or 3 tf32 products per product");
+    static constexpr bool SPLIT = PRODUCTS == 3;
+};
+
+// x rounded to tf32 (its low 13 bits are left for the tensor core to ignore).
+__device__ __forceinline__ u32 tf32_rounded(float x) { return __float_as_uint(x) + 0x1000u; }
+
+// hi and lo of x (lo = 0 where one product is all there is).
+template <int PRODUCTS>
+__device__ __forceinline__ void split_tf32(float x, u32& hi, u32& lo) {
+    if constexpr (Tf32Operand<PRODUCTS>::SPLIT) {
+        hi = tf32_rounded(x) & 0xffffe000u;  // cleared: the subtraction below must see hi exactly
+        lo = tf32_rounded(x - __uint_as_float(hi));
+    } else {
+        hi = tf32_rounded(x);
+        lo = 0u;
+    }
+}
+
+// hi and lo of N float32 values held as their bits (ldmatrix results).
+template <int PRODUCTS, int N>
+__device__ __forceinline__ void split_tf32(const u32 (&x)[N], u32 (&hi)[N], u32 (&lo)[N]) {
+#pragma unroll
+    for (int e = 0; e < N; ++e) split_tf32<PRODUCTS>(__uint_as_float(x[e]), hi[e], lo[e]);
+}
+
+// acc += A B, one m16n8k8 tf32 product.
+__device__ __forceinline__ void mma_1688_tf32(float (&acc)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// acc += A B in PRODUCTS tf32 products, the two small terms first (they join a smaller sum).
+template <int PRODUCTS>
+__device__ __forceinline__ void mma_tf32(float (&acc)[4], const u32 (&a_hi)[4], const u32 (&a_lo)[4],
+                                         u32 b_hi0, u32 b_hi1, u32 b_lo0, u32 b_lo1) {
+    if constexpr (Tf32Operand<PRODUCTS>::SPLIT) {
+        mma_1688_tf32(acc, a_lo, b_hi0, b_hi1);
+        mma_1688_tf32(acc, a_hi, b_lo0, b_lo1);
+    }
+    mma_1688_tf32(acc, a_hi, b_hi0, b_hi1);
+}
+
+// Byte offset of float32 (row, col) in a swizzled tile of DIM float32 columns (mma.cuh's
+// swizzle on 16-byte chunks of 4 values).
+template <int DIM>
+__device__ __forceinline__ u32 swizzled_offset_f32(int row, int col) {
+    return swizzled_offset<2 * DIM>(row, col >> 2) + static_cast<u32>(4 * (col & 3));
+}
+
+__device__ __forceinline__ void st_shared_v2_f32(u32 addr, float x, float y) {
+    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(x), "f"(y) : "memory");
+}
+
+}  // namespace cf

@@ -1,0 +1,125 @@
+// The tile steps of the float32 tensor-core forward (flash_fwd_tf32.cu) on a warp's strips of 16
+// query rows: S = Q K^T and O += P V from swizzled float32 shared tiles (tf32.cuh), and the
+// epilogue O / l in float32.
+#pragma once
+
+#include "online_softmax.cuh"
+#include "tf32.cuh"
+
+namespace cf {
+
+// S = Q K^T: one k-step per 8 columns of the head dim. Q's A fragments (the warp's rows of the
+// shared Q tile, q_rows its first) are split once per k-step and serve every key fragment; K's
+// non-transposed ldmatrix gives B = K^T, one x4 load covering keys 8f..8f+15.
+template <int PRODUCTS, int D_TILE, int M_STRIPS, int N_FRAGS>
+__device__ __forceinline__ void mma_qk_tf32(float (&s)[M_STRIPS][N_FRAGS][4], u32 q_rows,
+                                            const FragmentAddress<2 * D_TILE>& a_addr, u32 k_tile,
+                                            const FragmentAddress<2 * D_TILE>& k_addr) {
+#pragma unroll
+    for (int i = 0; i < M_STRIPS; ++i)
+#pragma unroll
+        for (int f = 0; f < N_FRAGS; ++f)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[i][f][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D_TILE / 8; ++kk) {
+        u32 a_hi[M_STRIPS][4], a_lo[M_STRIPS][4];
+#pragma unroll
+        for (int i = 0; i < M_STRIPS; ++i) {
+            u32 a[4];
+            ldmatrix_x4(a, a_addr(q_rows, i, kk));
+            split_tf32<PRODUCTS>(a, a_hi[i], a_lo[i]);
+        }
+#pragma unroll
+        for (int f = 0; f < N_FRAGS; f += 2) {
+            u32 b[4], b_hi[4], b_lo[4];
+            ldmatrix_x4(b, k_addr(k_tile, f / 2, kk));
+            split_tf32<PRODUCTS>(b, b_hi, b_lo);
+#pragma unroll
+            for (int i = 0; i < M_STRIPS; ++i) {
+                mma_tf32<PRODUCTS>(s[i][f], a_hi[i], a_lo[i], b_hi[0], b_hi[1], b_lo[0], b_lo[1]);
+                mma_tf32<PRODUCTS>(s[i][f + 1], a_hi[i], a_lo[i], b_hi[2], b_hi[3], b_lo[2], b_lo[3]);
+            }
+        }
+    }
+}
+
+// O += P V: one k-step per key fragment of S. The A fragment of k-step kk is S fragment kk itself
+// with its k index permuted, k = t <-> key 2t and k = t + 4 <-> key 2t + 1 (the accumulator's
+// own columns, so P never moves between lanes); B takes the same permutation: b0 = V[2t][n],
+// b1 = V[2t + 1][n], two float32 reads from the row-major V tile (ldmatrix's .trans splits
+// 32-bit values). The reads of a warp hit 32 distinct banks: its rows 2t + e (e fixed) sit at
+// swizzle phases 2t + e, its columns 8c + g in chunks 2c + g / 4.
+template <int PRODUCTS, int D_TILE, int M_STRIPS, int N_FRAGS, int D_FRAGS>
+__device__ __forceinline__ void mma_pv_tf32(float (&o)[M_STRIPS][D_FRAGS][4],
+                                            const float (&s)[M_STRIPS][N_FRAGS][4],
+                                            const unsigned char* v_tile, int lane) {
+    constexpr int ROW_BYTES = D_TILE * 4;
+    const int g = lane >> 2, t = lane & 3;
+    // Byte offset of V[2t + e][8c + g] within an 8-key group: the row, the lane's column within
+    // its chunk, and (XOR-ed with the chunk pair of c, below) its swizzled chunk.
+    u32 row_base[2], chunk_x16[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+        const int row = 2 * t + e;
+        row_base[e] = static_cast<u32>(row * ROW_BYTES + 4 * (g & 3));
+        chunk_x16[e] = static_cast<u32>(((g >> 2) ^ row) * 16);
+    }
+#pragma unroll
+    for (int kk = 0; kk < N_FRAGS; ++kk) {
+        u32 a_hi[M_STRIPS][4], a_lo[M_STRIPS][4];
+#pragma unroll
+        for (int i = 0; i < M_STRIPS; ++i) {
+            const float p[4] = {s[i][kk][0], s[i][kk][2], s[i][kk][1], s[i][kk][3]};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) split_tf32<PRODUCTS>(p[e], a_hi[i][e], a_lo[i][e]);
+        }
+#pragma unroll
+        for (int c = 0; c < D_FRAGS; ++c) {
+            u32 b_hi[2], b_lo[2];
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const u32 offset = row_base[e] + static_cast<u32>(kk * 8 * ROW_BYTES + (c >> 2) * 128) +
+                                   (chunk_x16[e] ^ static_cast<u32>((2 * c & 7) * 16));
+                split_tf32<PRODUCTS>(*reinterpret_cast<const float*>(v_tile + offset), b_hi[e], b_lo[e]);
+            }
+#pragma unroll
+            for (int i = 0; i < M_STRIPS; ++i) mma_tf32<PRODUCTS>(o[i][c], a_hi[i], a_lo[i], b_hi[0], b_hi[1], b_lo[0], b_lo[1]);
+        }
+    }
+}
+
+// Epilogue: O / l in float32 through the warp's own rows of the (swizzled) Q tile, then 16-byte
+// coalesced stores of the rows < seqlen_q and columns < headdim; lse as store_o's (row_epilogue).
+template <int D_TILE, bool HAS_SINK = false, int M_STRIPS, int D_FRAGS, typename Stats>
+__device__ __forceinline__ void store_o_f32(float (&o)[M_STRIPS][D_FRAGS][4], const Stats& stats,
+                                            u32 stage_tile, int strip_row0, int m0, int seqlen_q,
+                                            int headdim, float* o_rows, i64 o_ss, float* lse_rows,
+                                            int lane, float sink2 = 0.f) {
+#pragma unroll
+    for (int i = 0; i < M_STRIPS; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = strip_row0 + 16 * i + 8 * h + (lane >> 2);
+            const float inv_l = row_epilogue<HAS_SINK>(stats, i, h, lane, m0 + row < seqlen_q, lse_rows + row, sink2);
+#pragma unroll
+            for (int f = 0; f < D_FRAGS; ++f)
+                st_shared_v2_f32(stage_tile + swizzled_offset_f32<D_TILE>(row, 8 * f + 2 * (lane & 3)),
+                                 o[i][f][2 * h] * inv_l, o[i][f][2 * h + 1] * inv_l);
+        }
+    __syncwarp();
+    constexpr int CHUNKS = D_TILE / 4;
+    constexpr int WARP_ROWS = 16 * M_STRIPS;
+#pragma unroll
+    for (int it = 0; it < WARP_ROWS * CHUNKS / 32; ++it) {
+        const int idx = lane + 32 * it;
+        const int row = strip_row0 + idx / CHUNKS, chunk = idx % CHUNKS;
+        if (m0 + row < seqlen_q && chunk * 4 < headdim) {
+            u32 r[4];
+            ld_shared_v4(r, stage_tile + swizzled_offset<2 * D_TILE>(row, chunk));
+            st_global_v4(o_rows + row * o_ss + chunk * 4, r);
+        }
+    }
+}
+
+}  // namespace cf

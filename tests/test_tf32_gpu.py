@@ -1,0 +1,134 @@
+"""float32 on tensor cores (kernels_cu/flash_fwd_tf32.cu, issue 18) against the float64 reference:
+fresh random inputs, NaN-poisoned outputs.
+
+- precision "ieee" (the default): the forward's error is at most 2x that of standard float32
+  attention (cupyflash.reference.standard_attention: materialised S and P, float32 products, no
+  TF32) against float64, plus a floor of 2^-21 max|o| where standard attention is exact (a single
+  visible key: o = v, which three tf32 products reproduce to 2^-22). Hypothesis over shapes,
+  masks, GQA, v's own head dim and the score variants.
+- precision "tf32": at most 2x standard float16 attention's error (tf32 operands have float16's
+  11-bit mantissa, and nothing else is rounded to 16 bits); equal to the NumPy twin's "tf32"
+  (the same operand rounding, exact products) to float32 accumulation error, which also shows that
+  the precision reaches the kernel.
+- the plan: on a device with tensor cores, float32 runs flash_fwd_tf32 in the precision asked.
+
+The float32 backward is the SIMT family's, unchanged (its tests: test_api_gpu.py and the rest).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import cupyflash
+from cupyflash import reference
+from cupyflash.kernels import mma_fwd
+from cupyflash.testing import attention_problems, poisoned_outputs
+from cupyflash.testing.tolerance import max_abs_error
+
+pytestmark = pytest.mark.gpu
+
+FLOOR = 2.0 ** -21  # times max|o_ref|: where standard float32 attention is exact
+
+VARIANTS = ("plain", "softcap", "alibi", "sink")
+
+
+def _variant_options(name: str, nheads: int, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    if name == "softcap":
+        return {"softcap": 5.0}
+    if name == "alibi":
+        return {"alibi_slopes": rng.uniform(0.01, 0.5, nheads).astype(np.float32)}
+    if name == "sink":
+        return {"sink": rng.standard_normal(nheads).astype(np.float32)}
+    return {}
+
+
+def _device_forward(q, k, v, **options):
+    import cupy
+
+    with poisoned_outputs():
+        o, lse = cupyflash.flash_attn_func(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), return_lse=True,
+                                           **options)
+    return cupy.asnumpy(o), cupy.asnumpy(lse)
+
+
+def _errors(o, lse, o_ref, lse_ref):
+    return max_abs_error(o, o_ref), max_abs_error(lse, lse_ref)
+
+
+@given(problem=attention_problems(dtypes=("float32",), windows=True, distinct_v=True, max_seqlen=300),
+       variant=st.sampled_from(VARIANTS))
+def test_ieee_forward_within_twice_standard_float32(problem, variant):
+    q, k, v, _ = problem.arrays()
+    options = dict(problem.kwargs, **_variant_options(variant, problem.nheads, problem.seed))
+    o, lse = _device_forward(q, k, v, **options)
+    assert np.isfinite(o).all() and not np.isnan(lse).any()
+    o_ref, lse_ref = reference.attention(q, k, v, **options)
+    o_std, lse_std = reference.standard_attention(q, k, v, dtype=np.float32, **options)
+    err_o, err_lse = _errors(o, lse, o_ref, lse_ref)
+    std_o, std_lse = _errors(o_std, lse_std, o_ref, lse_ref)
+    floor = FLOOR * max(1.0, float(np.abs(o_ref).max(initial=0.0)))
+    assert err_o <= 2 * std_o + floor, (err_o, std_o, floor)
+    lse_floor = FLOOR * max(1.0, float(np.abs(lse_ref[np.isfinite(lse_ref)]).max(initial=0.0)))
+    assert err_lse <= 2 * std_lse + lse_floor, (err_lse, std_lse, lse_floor)
+
+
+@given(problem=attention_problems(dtypes=("float32",), windows=True, max_seqlen=300, magnitudes=(0.1, 2.0)),
+       variant=st.sampled_from(VARIANTS))
+def test_tf32_forward_within_twice_standard_float16(problem, variant):
+    q, k, v, _ = problem.arrays()
+    options = dict(problem.kwargs, **_variant_options(variant, problem.nheads, problem.seed))
+    o, lse = _device_forward(q, k, v, precision="tf32", **options)
+    o_ref, lse_ref = reference.attention(q, k, v, **options)
+    o_std, lse_std = reference.standard_attention(q, k, v, dtype=np.float16, **options)
+    err_o, err_lse = _errors(o, lse, o_ref, lse_ref)
+    std_o, std_lse = _errors(o_std, lse_std, o_ref, lse_ref)
+    floor = FLOOR * max(1.0, float(np.abs(o_ref).max(initial=0.0)))
+    assert err_o <= 2 * std_o + floor, (err_o, std_o)
+    assert err_lse <= 2 * std_lse + floor, (err_lse, std_lse)
+
+
+CASES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, headdim_v, causal, window)
+    (1, 1024, 1024, 2, 2, 128, 128, False, (-1, -1)),
+    (1, 1024, 1024, 2, 1, 128, 128, True, (-1, -1)),
+    (2, 333, 517, 4, 2, 64, 64, True, (-1, -1)),
+    (1, 700, 700, 2, 2, 256, 256, False, (-1, -1)),
+    (1, 500, 900, 2, 2, 192, 128, True, (-1, -1)),
+    (1, 600, 600, 2, 2, 40, 40, False, (100, 50)),
+    (1, 257, 257, 2, 2, 72, 100, True, (64, 0)),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[1]}x{c[2]}-h{c[3]}/{c[4]}-d{c[5]}/{c[6]}-{'causal' if c[7] else 'full'}"
+                                             f"{'-window' if c[8] != (-1, -1) else ''}" for c in CASES])
+def test_precisions_against_reference_and_twin(case):
+    batch, sq, sk, h, hkv, d, dv, causal, window = case
+    rng = np.random.default_rng(sum(case[:7]))
+    q = rng.standard_normal((batch, sq, h, d)).astype(np.float32)
+    k = rng.standard_normal((batch, sk, hkv, d)).astype(np.float32)
+    v = rng.standard_normal((batch, sk, hkv, dv)).astype(np.float32)
+    options = dict(causal=causal, window_size=window)
+    o_ref, _ = reference.attention(q, k, v, **options)
+    o_std, _ = reference.standard_attention(q, k, v, dtype=np.float32, **options)
+    o_ieee, _ = _device_forward(q, k, v, **options)
+    o_tf32, _ = _device_forward(q, k, v, precision="tf32", **options)
+    twin_tf32 = cupyflash.flash_attn_func(q, k, v, backend="numpy", precision="tf32", **options)
+    size = max(1.0, float(np.abs(o_ref).max()))
+    err_std = max_abs_error(o_std, o_ref)
+    assert max_abs_error(o_ieee, o_ref) <= 2 * err_std + FLOOR * size
+    # the twin rounds the same operands the same way; what differs is float32 summation order
+    assert max_abs_error(o_tf32, twin_tf32) <= 2e-5 * size
+    # one tf32 product is far from float32: the precision reached the kernel
+    assert max_abs_error(o_tf32, o_ref) > 10 * max_abs_error(o_ieee, o_ref)
+
+
+@pytest.mark.parametrize("precision", ["ieee", "tf32"])
+@pytest.mark.parametrize("headdim", [64, 128, 256])
+def test_float32_plan_is_the_tf32_kernel(headdim, precision):
+    plan = mma_fwd.plan(np.float32, headdim, True, precision=precision)
+    assert plan.kernel == "flash_fwd_tf32"
+    assert plan.spec.name.endswith(f"_{precision}")
+    assert cupyflash.dispatch.choose("auto", np.float32, headdim, "fwd") == "mma"
+    assert cupyflash.dispatch.choose("auto", np.float32, headdim, "bwd") == "simt"
