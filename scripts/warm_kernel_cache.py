@@ -88,6 +88,8 @@ def _packed_specializations() -> list:
                 out.append(plans.plan_forward(None, dtype, dt, mask, None, family="simt").spec)
                 out.extend(launch.spec for launch in backward_plans.plan_backward(
                     None, dtype, dt, mask.backward(), None, True, family="simt").launches)
+        for dt in (64, 128, 256):  # float32's forward: the tf32 kernel, both precisions
+            out += [mma_fwd.plan("float32", dt, mask, precision=precision).spec for precision in ("ieee", "tf32")]
         for dtype in ("float16", "bfloat16"):
             for dt in (64, 128, 256):
                 out.append(mma_fwd.plan(dtype, dt, mask).spec)
@@ -98,7 +100,7 @@ def _packed_specializations() -> list:
 
 def _zoo_specializations(processes: int) -> list:
     """The kernels this device's plans launch for GPU_COMBOS (every 16-bit plan and its backward,
-    deterministic or not, for each band and head-dim tile; the SIMT kernels for float32 / float64;
+    deterministic or not, for each band and head-dim tile; the tf32 forward and the SIMT kernels for float32, the SIMT kernels for float64;
     the block map kernels), after compiling every candidate the plans choose among for ptxas."""
     from pathlib import Path
 
@@ -148,6 +150,9 @@ def _zoo_specializations(processes: int) -> list:
                 for deterministic in (True, False):
                     chosen += [launch.spec for launch in
                                backward_plans.plan_backward(arch, dtype, dt, mask, smem, deterministic).launches]
+        for dt in (64, 128, 256):  # float32's forward: the tf32 kernel, both precisions
+            chosen += [plans.plan_forward(arch, "float32", dt, mask, smem, precision=precision).spec
+                       for precision in ("ieee", "tf32")]
         for dtype in ("float32", "float64"):
             for dt in plans.SIMT_D_TILES:
                 chosen.append(plans.plan_forward(arch, dtype, dt, mask, smem, family="simt").spec)

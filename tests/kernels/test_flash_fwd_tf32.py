@@ -1,0 +1,83 @@
+"""flash_fwd_tf32 (models/tf32.py): the m16n8k8 tf32 fragments of Q, K (ldmatrix on float32 tiles
+seen as 16-bit tiles of twice the width) and the permuted P and V give Q K^T and P V; the split
+gives float32-level products with three tf32 products and tf32-rounded ones with one; the V reads
+hit 32 distinct banks; the mirrored statements are the kernels' (CPU)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from models.mirrors import MIRRORED, missing_statements
+from models.mma import a_operand_address, c_from_matrix, k_operand_address
+from models.tf32 import (float32_tile, mma_pv_tf32, mma_qk_tf32, split_tf32, tensor_core_reads, tf32_rounded,
+                         v_read_banks)
+
+from cupyflash.precision import round_tf32
+
+
+@pytest.mark.parametrize("source", sorted({m.source for m in MIRRORED if "tf32" in m.source}))
+def test_mirrored_statements_are_the_kernels(source):
+    assert not (missing := missing_statements(source)), f"mirrored statements no longer in {source}: {missing}"
+
+
+def test_rounding_is_to_nearest_ties_away():
+    one = np.float32(1.0)
+    ulp = np.float32(2.0 ** -10)  # of tf32 at 1
+    x = np.array([1.0, 1.0 + 2.0 ** -11, 1.0 + 2.0 ** -11 - 2.0 ** -23, -(1.0 + 2.0 ** -11), 3.0e-39], np.float32)
+    read = tensor_core_reads(tf32_rounded(x))
+    assert read.tolist() == [1.0, float(one + ulp), 1.0, -float(one + ulp), float(round_tf32(x[4:])[0])]
+    assert np.array_equal(round_tf32(x).astype(np.float64), read)
+    special = np.array([np.inf, -np.inf], np.float32)
+    assert np.array_equal(tensor_core_reads(tf32_rounded(special)), special.astype(np.float64))
+    assert np.isnan(tensor_core_reads(tf32_rounded(np.array([np.nan], np.float32))))
+
+
+def test_the_split_is_float32_accurate():
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(100_000) * np.exp(rng.uniform(-20, 20, 100_000))).astype(np.float32)
+    hi, lo = split_tf32(3, x)
+    exact = x.astype(np.float64)
+    assert np.all(np.abs(tensor_core_reads(hi) + tensor_core_reads(lo) - exact) <= 2.0 ** -22 * np.abs(exact))
+    hi1, lo1 = split_tf32(1, x)
+    assert np.array_equal(tensor_core_reads(hi1), round_tf32(x).astype(np.float64)) and not lo1.any()
+
+
+@pytest.mark.parametrize("products", [3, 1])
+@pytest.mark.parametrize("dim", [64, 128, 256])
+def test_qk_fragments_give_q_k_transposed(dim, products):
+    rng = np.random.default_rng(dim)
+    q = rng.standard_normal((16, dim)).astype(np.float32)
+    k = rng.standard_normal((32, dim)).astype(np.float32)
+    s = mma_qk_tf32(products, dim, 4, float32_tile(16, dim, q), a_operand_address(2 * dim),
+                    float32_tile(32, dim, k), k_operand_address(2 * dim))
+    if products == 3:
+        want, tol = q.astype(np.float64) @ k.T.astype(np.float64), 2.0 ** -20 * np.abs(q) @ np.abs(k).T
+    else:  # exactly the products of the rounded operands
+        want, tol = round_tf32(q).astype(np.float64) @ round_tf32(k).T.astype(np.float64), 1e-9
+    for f in range(4):
+        np.testing.assert_array_less(np.abs(s[:, f] - c_from_matrix(want[:, 8 * f: 8 * f + 8])),
+                                     c_from_matrix(np.broadcast_to(tol, want.shape)[:, 8 * f: 8 * f + 8]) + 1e-12)
+
+
+@pytest.mark.parametrize("products", [3, 1])
+@pytest.mark.parametrize("dim", [64, 128, 256])
+def test_pv_fragments_take_the_accumulators_permuted(dim, products):
+    rng = np.random.default_rng(dim + 1)
+    p = rng.uniform(0, 1, (16, 32)).astype(np.float32)
+    v = rng.standard_normal((32, dim)).astype(np.float32)
+    s = np.stack([c_from_matrix(p[:, 8 * f: 8 * f + 8].astype(np.float64)) for f in range(4)], axis=1)
+    o = mma_pv_tf32(products, dim, s, float32_tile(32, dim, v))
+    if products == 3:
+        want, tol = p.astype(np.float64) @ v.astype(np.float64), 2.0 ** -20 * np.abs(p) @ np.abs(v) + 1e-12
+    else:
+        want, tol = round_tf32(p).astype(np.float64) @ round_tf32(v).astype(np.float64), np.full((16, dim), 1e-9)
+    for c in range(dim // 8):
+        cols = slice(8 * c, 8 * c + 8)
+        assert np.all(np.abs(o[:, c] - c_from_matrix(want[:, cols])) <= c_from_matrix(tol[:, cols]))
+
+
+@pytest.mark.parametrize("dim", [32, 64, 128, 256])
+def test_v_reads_hit_32_banks(dim):
+    for kk in range(4):
+        for c in range(dim // 8):
+            for e in range(2):
+                assert len(set(v_read_banks(dim, kk, c, e).tolist())) == 32, (kk, c, e)
