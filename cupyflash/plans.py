@@ -160,7 +160,7 @@ FORWARD_TILES = {
     ("tf32", LARGE_SMEM, 256): Tf32FwdConfig(128, 16, 8),
     ("tf32", PORTABLE, 64): Tf32FwdConfig(128, 64, 8),
     ("tf32", PORTABLE, 128): Tf32FwdConfig(64, 32, 4),
-    ("tf32", PORTABLE, 256): Tf32FwdConfig(32, 16, 2),
+    ("tf32", PORTABLE, 256): Tf32FwdConfig(64, 16, 4),
     # perf log simt-v1, simt-v2
     ("simt", ACC_FP32, 16): SimtTiles(64, 64, 4),
     ("simt", ACC_FP32, 32): SimtTiles(64, 64, 4),
