@@ -136,9 +136,10 @@ ACC_FP64 = "fp64_acc"
 # SIMT: float64 tiles are smaller (twice the bytes per element, twice the registers per accumulator).
 # Tensor cores, float32 (tf32): every tile is float32, twice the bytes of the 16-bit kernels', so
 # BLOCK_N is what shared memory leaves: d64 96 KiB; d128 192 KiB; d256 192 KiB, Q alone 128 KiB
-# with BLOCK_M 128. PORTABLE takes 96 KiB at every head dim, which sm_86 / sm_89 (99 KiB) run as
-# the SIMT kernels they replace did. Registers: O D_TILE / 2 and S BLOCK_N / 2 per thread with one
-# strip per warp; no spills (perf log tf32-fwd-v1).
+# with BLOCK_M 128. PORTABLE takes 96 KiB up to d128, which sm_86 / sm_89 (99 KiB) run as they ran
+# the SIMT kernels it replaces, and 128 KiB at d256 (A100; sm_86 / sm_89 refuse it, as they refused
+# SIMT's 100.5). Registers: O D_TILE / 2 and S BLOCK_N / 2 per thread with one strip per warp
+# (perf log tf32-fwd-v1: d256 is at 255, and two variant kernels spill 8-52 bytes at sm_90).
 FORWARD_TILES = {
     # perf log mma-fwd-v6
     ("mma", SM90, 64): WgmmaFwdConfig(128, 64),
