@@ -266,22 +266,23 @@ __device__ __forceinline__ void pack_p(u32 (&p)[M_STRIPS][N_FRAGS / 2][4],
 
 // The factor of row (i, h)'s O in the epilogue, 1 / l (0 for a row that saw no key; with a sink,
 // finish_row_with_sink's), and its lse in natural log, which lane 0 of the row's quad stores at
-// `lse` where the row is one of the sequence's (row_valid). Rows that saw no key get lse = -inf.
+// lse_rows[row] where the row is one of the sequence's (m0 + row < seqlen_q). Rows that saw no key
+// get lse = -inf.
 template <bool HAS_SINK, typename Stats>
-__device__ __forceinline__ float row_epilogue(const Stats& stats, int i, int h, int lane, bool row_valid, float* lse,
-                                            float sink2) {
+__device__ __forceinline__ float row_epilogue(const Stats& stats, int i, int h, int lane, int row, int m0,
+                                              int seqlen_q, float* lse_rows, float sink2) {
     float m, l;
     stats.get(i, h, lane, m, l);
     float inv_l;
     if constexpr (HAS_SINK) {
-        float lse_value;
-        finish_row_with_sink(m, l, sink2, inv_l, lse_value);
-        if ((lane & 3) == 0 && row_valid) *lse = lse_value;
+        float lse;
+        finish_row_with_sink(m, l, sink2, inv_l, lse);
+        if ((lane & 3) == 0 && m0 + row < seqlen_q) lse_rows[row] = lse;
     } else {
         inv_l = l > 0.f ? 1.f / l : 0.f;
-        if ((lane & 3) == 0 && row_valid) {
+        if ((lane & 3) == 0 && m0 + row < seqlen_q) {
             const float ln2 = 0.6931471805599453f;
-            *lse = l > 0.f ? (m + __log2f(l)) * ln2 : neg_inf<float>();
+            lse_rows[row] = l > 0.f ? (m + __log2f(l)) * ln2 : neg_inf<float>();
         }
     }
     return inv_l;
@@ -302,7 +303,7 @@ __device__ __forceinline__ void store_o(float (&o)[M_STRIPS][D_FRAGS][4], const 
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int row = strip_row0 + 16 * i + 8 * h + (lane >> 2);
-            const float inv_l = row_epilogue<HAS_SINK>(stats, i, h, lane, m0 + row < seqlen_q, lse_rows + row, sink2);
+            const float inv_l = row_epilogue<HAS_SINK>(stats, i, h, lane, row, m0, seqlen_q, lse_rows, sink2);
 #pragma unroll
             for (int f = 0; f < D_FRAGS; ++f)
                 st_shared_b32(stage_tile + swizzled_offset<D_TILE>(row, f) + 4 * (lane & 3),

@@ -101,7 +101,7 @@ __device__ __forceinline__ void store_o_f32(float (&o)[M_STRIPS][D_FRAGS][4], co
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int row = strip_row0 + 16 * i + 8 * h + (lane >> 2);
-            const float inv_l = row_epilogue<HAS_SINK>(stats, i, h, lane, m0 + row < seqlen_q, lse_rows + row, sink2);
+            const float inv_l = row_epilogue<HAS_SINK>(stats, i, h, lane, row, m0, seqlen_q, lse_rows, sink2);
 #pragma unroll
             for (int f = 0; f < D_FRAGS; ++f)
                 st_shared_v2_f32(stage_tile + swizzled_offset_f32<D_TILE>(row, 8 * f + 2 * (lane & 3)),
