@@ -8,9 +8,9 @@ fresh random inputs, NaN-poisoned outputs.
   into a running accumulator loses more than float32's rounding (dev/tf32_accumulation_probe.py),
   and at 1k keys the kernel's error is 10-14x standard's. A strict xfail pins it.
 - precision "tf32": within 2x standard float16 attention's error (tf32 operands have float16's
-  11-bit mantissa) plus 2^-10 max|v|; equal to the NumPy twin's "tf32" (the same operand rounding,
-  exact products) to float32 accumulation error, and far from "ieee": the precision reaches the
-  kernel.
+  11-bit mantissa) plus 2^-10 max|v|; within 2^-10 max|v| of the NumPy twin's "tf32" (the same
+  operand rounding; P from an exact exp2 there, so a P that straddles a rounding boundary differs
+  by one tf32 ulp), and far from "ieee": the precision reaches the kernel.
 - the plan: on a device with tensor cores, float32 runs flash_fwd_tf32 in the precision asked.
 
 The float32 backward is the SIMT family's, unchanged (its tests: test_api_gpu.py and the rest).
@@ -126,8 +126,10 @@ def test_precisions_against_reference_and_twin(case):
     twin_tf32 = cupyflash.flash_attn_func(q, k, v, backend="numpy", precision="tf32", **options)
     size = max(1.0, float(np.abs(o_ref).max()))
     assert max_abs_error(o_ieee, o_ref) <= RTOL[np.dtype(np.float32)] * size
-    # the twin rounds the same operands the same way; what differs is float32 summation order
-    assert max_abs_error(o_tf32, twin_tf32) <= 2e-5 * size
+    # The twin rounds the same operands the same way, but its P comes from an exact exp2 and the
+    # kernel's from ex2.approx: where the two straddle a tf32 rounding boundary, P differs by one
+    # tf32 ulp (2^-10 relative). Measured on the H200: 3.1e-5 to 2.2e-4 (max|v| about 4.5).
+    assert max_abs_error(o_tf32, twin_tf32) <= 2.0 ** -10 * float(np.abs(v).max())
     # one tf32 product is far from float32: the precision reached the kernel
     assert max_abs_error(o_tf32, o_ref) > 10 * max_abs_error(o_ieee, o_ref)
 
