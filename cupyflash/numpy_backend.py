@@ -341,13 +341,15 @@ def kvcache_forward(q, sequences, *, softmax_scale, causal, window_size=(-1, -1)
     split_keys = per_split * block_n
     share = block_n // key_warps
     sink_log2 = None if variant.sink is None else np.asarray(variant.sink).astype(acc) * acc.type(LOG2E)
+    one_tf32_product = variant.precision == "tf32" and np.dtype(q.dtype) == np.float32
     for b, (keys, values) in enumerate(sequences):
         seqlen_k = int(keys.shape[0])
         own = sequence_variant(variant, b)
         transform = _ScoreTransform(own, 1, nheads, seqlen_q, seqlen_k, acc)
-        Q = _heads_first(q[b:b + 1], acc, nheads) * scale_log2
-        K = _heads_first(keys[None], acc, nheads)
-        V = _heads_first(values[None], acc, nheads)
+        Q, K, V = (_heads_first(x, acc, nheads) for x in (q[b:b + 1], keys[None], values[None]))
+        if one_tf32_product:  # as forward's: one product on tf32 operands
+            Q, K, V = (round_tf32(x) for x in (Q, K, V))
+        Q = Q * scale_log2
         rows = slice(0, seqlen_q)
         first, end = mask.key_begin(0, seqlen_q, seqlen_k), mask.key_end(0, seqlen_q, seqlen_q, seqlen_k)
         partials = []  # (O / l, lse) of each split
@@ -369,7 +371,7 @@ def kvcache_forward(q, sequences, *, softmax_scale, causal, window_size=(-1, -1)
                     P = np.exp2(S - m_ref[..., None])
                     rescale = np.exp2(m[w] - m_ref)
                     l[w] = rescale * l[w] + P.sum(axis=-1)
-                    O[w] = rescale[..., None] * O[w] + P @ V[:, :, cols]
+                    O[w] = rescale[..., None] * O[w] + (round_tf32(P) if one_tf32_product else P) @ V[:, :, cols]
                     m[w] = m_new
             top = m.max(axis=0)
             top_ref = np.where(top == -np.inf, acc.type(0), top)

@@ -26,6 +26,7 @@ import torch
 from . import api, capture, kvcache, varlen
 from ._dtypes import bfloat16 as _numpy_bfloat16
 from .masks import check_window
+from .precision import check_precision
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "scaled_dot_product_attention"]
 
@@ -132,20 +133,20 @@ def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale
                 window_left: int, window_right: int, deterministic: bool, softcap: float = 0.0,
                 alibi_slopes: torch.Tensor | None = None,
                 sink: torch.Tensor | None = None, dropout_p: float = 0.0,
-                seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                seed: int = 0, precision: str = "ieee") -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse) of cupyflash.flash_attn_func; ``deterministic`` is kept for the backward."""
     def compute(q, k, v, backend):
         return api.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
                                    window_size=(window_left, window_right), softcap=softcap,
                                    **_variant_arrays(alibi_slopes, sink), **_dropout_args(dropout_p, seed),
-                                   return_lse=True, backend=backend)
+                                   return_lse=True, backend=backend, precision=precision)
 
     return _run(q.device, compute, q, k, v)
 
 
 @_forward_op.register_fake
 def _forward_fake(q, k, v, softmax_scale, causal, window_left, window_right, deterministic, softcap=0.0,
-                  alibi_slopes=None, sink=None, dropout_p=0.0, seed=0):
+                  alibi_slopes=None, sink=None, dropout_p=0.0, seed=0, precision="ieee"):
     batch, seqlen_q, nheads, _ = q.shape
     o = q.new_empty((batch, seqlen_q, nheads, v.shape[3]))  # v's head dim
     lse = q.new_empty((batch, nheads, seqlen_q), dtype=_lse_dtype(q.dtype))
@@ -157,13 +158,13 @@ def _backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                  lse: torch.Tensor, softmax_scale: float, causal: bool, window_left: int, window_right: int,
                  deterministic: bool, softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
                  sink: torch.Tensor | None = None, dropout_p: float = 0.0,
-                 seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                 seed: int = 0, precision: str = "ieee") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dsink) of cupyflash.flash_attn_backward; dsink empty without a sink."""
     def compute(do, q, k, v, o, lse, backend):
         return api.flash_attn_backward(do, q, k, v, o, lse, softmax_scale=softmax_scale, causal=causal,
                                        window_size=(window_left, window_right), softcap=softcap,
                                        **_variant_arrays(alibi_slopes, sink), **_dropout_args(dropout_p, seed),
-                                       backend=backend, deterministic=deterministic)
+                                       backend=backend, deterministic=deterministic, precision=precision)
 
     grads = _run(q.device, compute, do, q, k, v, o, lse)
     return grads if sink is not None else (*grads, q.new_empty((0,), dtype=torch.float32))
@@ -171,7 +172,7 @@ def _backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
 
 @_backward_op.register_fake
 def _backward_fake(do, q, k, v, o, lse, softmax_scale, causal, window_left, window_right, deterministic,
-                   softcap=0.0, alibi_slopes=None, sink=None, dropout_p=0.0, seed=0):
+                   softcap=0.0, alibi_slopes=None, sink=None, dropout_p=0.0, seed=0, precision="ieee"):
     dsink = q.new_empty((0,) if sink is None else tuple(sink.shape), dtype=torch.float32)
     return (*(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v)), dsink)
 
@@ -206,7 +207,7 @@ def _backward_formula(ctx, do, dlse):
         if sink is not None:  # dlse_i/dsink = exp(sink - lse_i), the sink's share of row i
             share = torch.exp(sink.to(lse.dtype)[None, :, None] - lse) * (lse != -math.inf)
             dsink = dsink + (dlse.to(lse.dtype) * share).sum(dim=(0, 2)).to(dsink.dtype)
-    return dq, dk, dv, None, None, None, None, None, None, None, (dsink if sink is not None else None), None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, (dsink if sink is not None else None), None, None, None
 
 
 def _add_lse_gradient(dq, dk, q, k, dlse_rows, scale, attend_to_keys, dv_for):
@@ -235,21 +236,22 @@ def _varlen_forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
                        cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
                        causal: bool, window_left: int, window_right: int, deterministic: bool,
                        softcap: float = 0.0,
-                       alibi_slopes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       alibi_slopes: torch.Tensor | None = None,
+                       precision: str = "ieee") -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse) of cupyflash.flash_attn_varlen_func; lse is (nheads, total_q)."""
     def compute(q, k, v, cu_q, cu_k, backend):
         return varlen.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k,
                                              softmax_scale=softmax_scale, causal=causal,
                                              window_size=(window_left, window_right), softcap=softcap,
                                              **_variant_arrays(alibi_slopes, None), return_lse=True,
-                                             backend=backend)
+                                             backend=backend, precision=precision)
 
     return _run(q.device, compute, q, k, v, cu_seqlens_q, cu_seqlens_k)
 
 
 @_varlen_forward_op.register_fake
 def _varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                         window_left, window_right, deterministic, softcap=0.0, alibi_slopes=None):
+                         window_left, window_right, deterministic, softcap=0.0, alibi_slopes=None, precision="ieee"):
     total_q, nheads, _ = q.shape
     return (q.new_empty((total_q, nheads, v.shape[2])), q.new_empty((nheads, total_q), dtype=_lse_dtype(q.dtype)))
 
@@ -259,14 +261,15 @@ def _varlen_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
                         lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
                         max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int,
                         window_right: int, deterministic: bool, softcap: float = 0.0,
-                        alibi_slopes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        alibi_slopes: torch.Tensor | None = None,
+                        precision: str = "ieee") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of cupyflash.flash_attn_varlen_backward."""
     def compute(do, q, k, v, o, lse, cu_q, cu_k, backend):
         return varlen.flash_attn_varlen_backward(do, q, k, v, o, lse, cu_q, cu_k, max_seqlen_q, max_seqlen_k,
                                                  softmax_scale=softmax_scale, causal=causal,
                                                  window_size=(window_left, window_right), softcap=softcap,
                                                  **_variant_arrays(alibi_slopes, None), backend=backend,
-                                                 deterministic=deterministic)
+                                                 deterministic=deterministic, precision=precision)
 
     return _run(q.device, compute, do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
 
@@ -274,16 +277,17 @@ def _varlen_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
 @_varlen_backward_op.register_fake
 def _varlen_backward_fake(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                           softmax_scale, causal, window_left, window_right, deterministic, softcap=0.0,
-                          alibi_slopes=None):
+                          alibi_slopes=None, precision="ieee"):
     return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
 
 
 def _varlen_setup_context(ctx, inputs, output):
     (q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window_left, window_right, deterministic, softcap,
-     alibi_slopes) = inputs
+     alibi_slopes, *precision) = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
-    ctx.options = (max_q, max_k, softmax_scale, causal, window_left, window_right, deterministic, softcap, alibi_slopes)
+    ctx.options = (max_q, max_k, softmax_scale, causal, window_left, window_right, deterministic, softcap, alibi_slopes,
+                   *precision)
     ctx.set_materialize_grads(False)
 
 
@@ -301,7 +305,7 @@ def _varlen_backward_formula(ctx, do, dlse):
                                    lambda: _varlen_forward_op(q, k, k, cu_q, cu_k, *ctx.options)[0],
                                    lambda do_q, pk: _varlen_backward_op(do_q, q, k, k, pk, lse, cu_q, cu_k,
                                                                         *ctx.options)[2])
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None, None
 
 
 _varlen_forward_op.register_autograd(_varlen_backward_formula, setup_context=_varlen_setup_context)
@@ -314,7 +318,8 @@ def _kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k
                 v: torch.Tensor | None, cache_seqlens: torch.Tensor | None, cache_batch_idx: torch.Tensor | None,
                 block_table: torch.Tensor | None, softmax_scale: float, causal: bool, window_left: int,
                 window_right: int, softcap: float = 0.0,
-                alibi_slopes: torch.Tensor | None = None, num_splits: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                alibi_slopes: torch.Tensor | None = None, num_splits: int = 0,
+                precision: str = "ieee") -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse) of cupyflash.flash_attn_with_kvcache; k, v (when given) are appended to the caches
     in place, which DLPack (CUDA) and NumPy's views (CPU) share with the tensors."""
     named = {"k": k, "v": v, "cache_seqlens": cache_seqlens, "cache_batch_idx": cache_batch_idx,
@@ -327,14 +332,14 @@ def _kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k
                                                softmax_scale=softmax_scale, causal=causal,
                                                window_size=(window_left, window_right), softcap=softcap,
                                                **_variant_arrays(alibi_slopes, None), num_splits=num_splits,
-                                               return_lse=True, backend=backend, **options)
+                                               return_lse=True, backend=backend, precision=precision, **options)
 
     return _run(q.device, compute, q, k_cache, v_cache, *(named[name] for name in present))
 
 
 @_kvcache_op.register_fake
 def _kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal,
-                  window_left, window_right, softcap=0.0, alibi_slopes=None, num_splits=0):
+                  window_left, window_right, softcap=0.0, alibi_slopes=None, num_splits=0, precision="ieee"):
     batch, seqlen_q, nheads, _ = q.shape
     return (q.new_empty((batch, seqlen_q, nheads, v_cache.shape[3])),
             q.new_empty((batch, nheads, seqlen_q), dtype=_lse_dtype(q.dtype)))
@@ -483,7 +488,7 @@ class _ModifiedAttention(torch.autograd.Function):
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                     softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, sink=None,
-                    *, score_mod=None, mask_mod=None, block_mask=None):
+                    *, score_mod=None, mask_mod=None, block_mask=None, precision=None):
     """flash-attn 2's flash_attn_func, computed by cupyflash: softmax(q kᵀ · scale) v.
 
     q, k: (batch, seqlen_q, nheads, headdim), (batch, seqlen_k, nheads_kv, headdim); v: (batch,
@@ -505,9 +510,12 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     ``dropout_p`` drops each attention weight with that probability (cupyflash.flash_attn_func's
     dropout): the mask's seed is drawn from torch's default generator (torch.manual_seed
     reproduces it) and kept for the backward; S_dmask stays empty.
+    ``precision`` (keyword only; "ieee", the default, or "tf32") is cupyflash.flash_attn_func's: how
+    float32 products are formed on tensor cores.
     Not supported yet, each a NotImplementedError: a gradient through softmax_lse with softcap != 0,
     with dropout_p != 0 or with modifiers.
     """
+    precision = check_precision(precision)
     _check_tensors(q, k, v)
     seed = _dropout_seed(dropout_p)  # refuses a tensor
     dropout_p = float(dropout_p)
@@ -520,7 +528,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                              "the bias into the score_mod")
         options = dict(softmax_scale=scale, causal=bool(causal), window_size=(window_left, window_right),
                        score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
-                       **_dropout_args(dropout_p, seed))
+                       **_dropout_args(dropout_p, seed), precision=precision)
         on_stream = _cupy_on_torch_stream(q.device) if q.device.type == "cuda" else contextlib.nullcontext()
         with on_stream:  # the block map's kernel reads the mask's tensors in torch's stream order
             if mask_mod is not None and block_mask is None:  # one block map for the forward and the backward
@@ -531,7 +539,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         o, lse = _ModifiedAttention.apply(q, k, v, sink, options, bool(deterministic))
         return o if not return_attn_probs else (o, lse, q.new_empty((0,)))
     o, lse = _forward_op(q, k, v, scale, bool(causal), window_left, window_right, bool(deterministic),
-                         float(softcap), alibi_slopes, sink, dropout_p, seed)
+                         float(softcap), alibi_slopes, sink, dropout_p, seed, precision)
     if not return_attn_probs:
         return o
     return o, lse, q.new_empty((0,))
@@ -539,7 +547,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, block_table=None):
+                           deterministic=False, return_attn_probs=False, block_table=None, *, precision=None):
     """flash-attn 2's flash_attn_varlen_func, computed by cupyflash: attention over a packed batch.
 
     q: (total_q, nheads, headdim); k, v: (total_k, nheads_kv, headdim), v's headdim free (out has
@@ -555,8 +563,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     differentiated) are cupyflash.flash_attn_varlen_func's. Not supported yet, each a
     NotImplementedError: dropout_p != 0, block_table (paged varlen), a gradient through
     softmax_lse with softcap != 0. cupyflash.flash_attn_varlen_func's notes on its interim
-    implementation apply.
+    implementation apply. ``precision`` (keyword only) is cupyflash.flash_attn_func's.
     """
+    precision = check_precision(precision)
     _unsupported(dropout_p=dropout_p != 0, block_table=block_table is not None)
     _check_variant_tensors(q, softcap, alibi_slopes, None)
     _check_tensors(q, k, v, _PACKED)
@@ -566,7 +575,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     scale = _scale(softmax_scale, q.shape[2])
     window_left, window_right = check_window(window_size)
     o, lse = _varlen_forward_op(q, k, v, cu_q, cu_k, max_q, max_k, scale, bool(causal), window_left, window_right,
-                                bool(deterministic), float(softcap), alibi_slopes)
+                                bool(deterministic), float(softcap), alibi_slopes, precision)
     if not return_attn_probs:
         return o
     return o, lse, q.new_empty((0,))
@@ -575,7 +584,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False, *,
+                            precision=None):
     """flash-attn 2's flash_attn_with_kvcache, computed by cupyflash (inference: no autograd).
 
     q: (batch, seqlen_q, nheads, headdim); k_cache, v_cache: (batch_cache, seqlen_cache,
@@ -591,7 +601,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     cupyflash.flash_attn_with_kvcache's. Not supported yet, each a NotImplementedError:
     rotary_cos / rotary_sin, cache_leftpad. ``num_splits`` is the split-KV count
     (cupyflash.flash_attn_with_kvcache's: 0 picks it); ``rotary_interleaved`` matters only with rotary.
+    ``precision`` (keyword only) is cupyflash.flash_attn_func's.
     """
+    precision = check_precision(precision)
     _unsupported(rotary_cos=rotary_cos is not None, rotary_sin=rotary_sin is not None,
                  cache_leftpad=cache_leftpad is not None)
     _check_variant_tensors(q, softcap, alibi_slopes, None)
@@ -614,7 +626,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     scale = _scale(softmax_scale, q.shape[3])
     window_left, window_right = check_window(window_size)
     o, lse = _kvcache_op(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, scale, bool(causal),
-                         window_left, window_right, float(softcap), alibi_slopes, int(num_splits))
+                         window_left, window_right, float(softcap), alibi_slopes, int(num_splits), precision)
     return (o, lse) if return_softmax_lse else o
 
 

@@ -69,3 +69,30 @@ def test_round_tf32():
     r = round_tf32(x)
     assert r[:6].tolist() == [1.0, 1.0 + 2.0 ** -10, 1.0, -(1.0 + 2.0 ** -10), np.inf, -np.inf] and np.isnan(r[6])
     assert not (r[:4].view(np.uint32) & np.uint32(0x1FFF)).any()
+
+
+def test_torch_functions_pass_precision_through():
+    torch = pytest.importorskip("torch")
+    from cupyflash import torch as cf_torch
+
+    q, k, v, _ = _inputs(seed=3)
+    want_tf32 = cupyflash.flash_attn_func(q, k, v, backend="numpy", precision="tf32")
+    want_ieee = cupyflash.flash_attn_func(q, k, v, backend="numpy")
+    tq, tk, tv = (torch.from_numpy(x).requires_grad_() for x in (q, k, v))
+    got_tf32 = cf_torch.flash_attn_func(tq, tk, tv, precision="tf32")
+    assert np.array_equal(got_tf32.detach().numpy(), want_tf32)
+    assert np.array_equal(cf_torch.flash_attn_func(tq, tk, tv).detach().numpy(), want_ieee)
+    got_tf32.sum().backward()  # the backward takes the precision too (float32 on CUDA cores: "ieee")
+    assert tq.grad is not None and np.isfinite(tq.grad.numpy()).all()
+    cu = torch.tensor([0, 97], dtype=torch.int32)
+    varlen_tf32 = cf_torch.flash_attn_varlen_func(tq[0], tk[0], tv[0], cu, cu, 97, 97, precision="tf32")
+    assert np.array_equal(varlen_tf32.detach().numpy(), want_tf32[0])
+    cache = cf_torch.flash_attn_with_kvcache(tq.detach(), tk.detach().clone(), tv.detach().clone(),
+                                             cache_seqlens=97, precision="tf32")
+    # the KV-cache twin (its own tiling) rounds the same operands: float32 summation apart
+    assert max_abs_error(cache.numpy(), want_tf32) < 1e-5 < max_abs_error(cache.numpy(), want_ieee)
+    for call in (lambda: cf_torch.flash_attn_func(tq, tk, tv, precision="fp32"),
+                 lambda: cf_torch.flash_attn_varlen_func(tq[0], tk[0], tv[0], cu, cu, 97, 97, precision="fp32"),
+                 lambda: cf_torch.flash_attn_with_kvcache(tq.detach(), tk.detach(), tv.detach(), precision="fp32")):
+        with pytest.raises(ValueError, match="precision must be one of"):
+            call()
