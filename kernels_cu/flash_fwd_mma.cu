@@ -188,12 +188,7 @@ flash_fwd_mma(const __grid_constant__ FwdParams p) {
     float o_acc[M_STRIPS][D_FRAGS][4];
     RowStats<ROW_STATE, M_STRIPS> row_stats;  // running max m and sum l of the lane's rows
     const DropoutOf<Mask> dropout(p, seq.index, head);
-#pragma unroll
-    for (int i = 0; i < M_STRIPS; ++i)
-#pragma unroll
-        for (int f = 0; f < D_FRAGS; ++f)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) o_acc[i][f][e] = 0.f;
+    zero_acc(o_acc);
 
     for (int j = j_begin; j * BLOCK_N < n_end(); ++j) {
         const int stage = j % STAGES;

@@ -185,6 +185,17 @@ __device__ __forceinline__ void ldmatrix_x2_trans(u32 (&r)[2], u32 addr) {
                  : "r"(addr));
 }
 
+// Every accumulator of a warp's fragment array [strips][fragments][4] set to 0.
+template <int M, int N>
+__device__ __forceinline__ void zero_acc(float (&acc)[M][N][4]) {
+#pragma unroll
+    for (int i = 0; i < M; ++i)
+#pragma unroll
+        for (int f = 0; f < N; ++f)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][f][e] = 0.f;
+}
+
 // ---------------------------------------------------------------------------------------------
 // mma.sync m16n8k16, fp32 accumulate: acc += A B
 // ---------------------------------------------------------------------------------------------

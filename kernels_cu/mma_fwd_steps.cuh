@@ -16,12 +16,7 @@ __device__ __forceinline__ void mma_qk(float (&s)[M_STRIPS][N_FRAGS][4],
                                        const FragmentAddress<D_TILE>& a_addr, u32 k_tile,
                                        const FragmentAddress<D_TILE>& k_addr) {
     constexpr bool Q_IN_REGS = Q_STEPS == D_TILE / 16;
-#pragma unroll
-    for (int i = 0; i < M_STRIPS; ++i)
-#pragma unroll
-        for (int f = 0; f < N_FRAGS; ++f)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[i][f][e] = 0.f;
+    zero_acc(s);
 #pragma unroll
     for (int kk = 0; kk < D_TILE / 16; ++kk) {
         u32 a[M_STRIPS][4];

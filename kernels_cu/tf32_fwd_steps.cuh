@@ -15,12 +15,7 @@ template <int PRODUCTS, int D_TILE, int M_STRIPS, int N_FRAGS>
 __device__ __forceinline__ void mma_qk_tf32(float (&s)[M_STRIPS][N_FRAGS][4], u32 q_rows,
                                             const FragmentAddress<2 * D_TILE>& a_addr, u32 k_tile,
                                             const FragmentAddress<2 * D_TILE>& k_addr) {
-#pragma unroll
-    for (int i = 0; i < M_STRIPS; ++i)
-#pragma unroll
-        for (int f = 0; f < N_FRAGS; ++f)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[i][f][e] = 0.f;
+    zero_acc(s);
 #pragma unroll
     for (int kk = 0; kk < D_TILE / 8; ++kk) {
         u32 a_hi[M_STRIPS][4], a_lo[M_STRIPS][4];
