@@ -92,6 +92,9 @@ class Tf32FwdConfig:
     block_n: int
     warps: int
     stages: int = 2
+    # each key block's P V in accumulators of its own, merged into O by FFMA (FRESH_O; a candidate
+    # in dev/tf32_accumulation_probe.py, not a shipped row)
+    fresh_o: bool = False
 
     @property
     def threads(self) -> int:
@@ -423,10 +426,10 @@ def specialization_for(dtype, dt: int, mask: Mask | bool, tiles, dvt: int | None
         precision = check_precision(precision)
         return Specialization(
             f"flash_fwd_tf32_{short}_hdim{dt}_{mask.name}_bm{c.block_m}_bn{c.block_n}_w{c.warps}_s{c.stages}"
-            f"_{precision}",
+            f"_{precision}{'_fresh_o' if c.fresh_o else ''}",
             "flash_fwd_tf32.cu",
             f"cf::flash_fwd_tf32<{dt}, {mask.cpp}, {c.block_m}, {c.block_n}, {c.warps}, {c.stages}, "
-            f"{PRODUCTS[precision]}>",
+            f"{PRODUCTS[precision]}{', true' if c.fresh_o else ''}>",
             c.threads, tf32_smem_bytes(dt, c))
     if isinstance(c, FwdConfig):
         return Specialization(

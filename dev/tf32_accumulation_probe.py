@@ -12,7 +12,9 @@ about 10x. This probe separates the suspects on the device:
    one FADD, rounded to nearest), ``one`` (one tf32 product), and ``fma`` (float32 FMA on CUDA
    cores, the SIMT kernels' arithmetic). Inputs signed (S = Q K^T) or A >= 0 (O = P V).
 2. Attention itself, one case per head dim: standard float32 (NumPy), the SIMT kernel and the
-   tf32 kernel in both precisions, max error against float64.
+   tf32 kernel in both precisions, max error against float64; and the FRESH_O candidate (each key
+   block's P V in accumulators of its own, merged into O by FFMA: Tf32FwdConfig(fresh_o=True),
+   no spills at d64 and d128), its error and its time against the shipped row's.
 
     python dev/tf32_accumulation_probe.py
 """
@@ -129,6 +131,63 @@ def attention_errors() -> None:
         print(f"| {sq} d{d} {'causal' if causal else 'full'} | " + " | ".join(f"{e:.2e}" for e in errs) + " |")
 
 
+# The FRESH_O candidates: the shipped row's tiles with fresh_o, per head-dim tile (d256 spills).
+FRESH_O = {64: (128, 64, 8), 128: (128, 64, 8)}
+
+
+def _forward_with(tiles, q, k, v, causal, o, lse):
+    from cupyflash.kernels import mma_fwd
+    from cupyflash.scores import Variant
+
+    o.fill(np.nan)
+    mma_fwd.forward(q, k, v, o, lse, softmax_scale=q.shape[3] ** -0.5, causal=causal, config=tiles,
+                    variant=Variant(precision="ieee"))
+    return o
+
+
+def fresh_o_candidate() -> None:
+    import cupy
+
+    from cupyflash import plans, reference
+    from cupyflash.kernels import mma_fwd
+
+    print("\n| case | shipped ieee error | fresh_o error | standard fp32 error | shipped ms | fresh_o ms |")
+    print("|---|---:|---:|---:|---:|---:|")
+    rng = np.random.default_rng(2)
+    for batch, sq, d, causal in ((1, 1024, 64, False), (1, 1024, 128, False), (1, 4096, 128, True),
+                                 (2, 8192, 64, False), (2, 8192, 128, False)):
+        shape = (batch, sq, 32 if d == 64 else 16, d)
+        q, k, v = (cupy.asarray(rng.standard_normal(shape).astype(np.float32)) for _ in range(3))
+        o = cupy.empty(shape, np.float32)
+        lse = cupy.empty((shape[0], shape[2], shape[1]), np.float32)
+        shipped = mma_fwd.plan(np.float32, d, causal).tiles
+        fresh = plans.Tf32FwdConfig(*FRESH_O[d], fresh_o=True)
+        row = []
+        if sq <= 4096:  # the float64 reference on the host: the first heads only
+            heads = slice(0, 2)
+            hq, hk, hv = (cupy.asnumpy(x[:, :, heads]) for x in (q, k, v))
+            o_ref, _ = reference.attention(hq, hk, hv, causal=causal)
+            o_std, _ = reference.standard_attention(hq, hk, hv, dtype=np.float32, causal=causal)
+            for tiles in (shipped, fresh):
+                o = cupy.asnumpy(_forward_with(tiles, q, k, v, causal, o, lse)[:, :, heads])
+                row.append(f"{np.abs(o.astype(np.float64) - o_ref).max():.2e}")
+            row.append(f"{np.abs(o_std.astype(np.float64) - o_ref).max():.2e}")
+        else:
+            row += ["", "", ""]
+        for tiles in (shipped, fresh):
+            for _ in range(3):
+                _forward_with(tiles, q, k, v, causal, o, lse)
+            start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record()
+            for _ in range(10):
+                _forward_with(tiles, q, k, v, causal, o, lse)
+            stop.record()
+            stop.synchronize()
+            row.append(f"{cupy.cuda.get_elapsed_time(start, stop) / 10:.3f}")
+        print(f"| {batch}x{sq} d{d} {'causal' if causal else 'full'} | " + " | ".join(row) + " |")
+
+
 if __name__ == "__main__":
     dot_products()
     attention_errors()
+    fresh_o_candidate()

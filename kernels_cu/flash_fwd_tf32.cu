@@ -13,6 +13,10 @@
 // V_j stream through a ring of STAGES shared-memory stages that cp.async refills. The operands
 // are split where they are read: Q and K after their ldmatrix, P in registers, V after its
 // reads (tf32_fwd_steps.cuh).
+//
+// FRESH_O (a candidate, dev/tf32_accumulation_probe.py; not a shipped row): each key block's P V
+// goes into accumulators of its own, merged into O by one FFMA with the rescale, instead of the
+// tensor core adding every block's products into O itself. D_TILE / 2 more registers per thread.
 #include "online_softmax.cuh"
 #include "params.cuh"
 #include "tf32_fwd_steps.cuh"
@@ -41,7 +45,8 @@ __device__ __forceinline__ void cp_async_tile_f32(u32 smem_tile, const float* gm
                                               2 * headdim, 2 * stride, thread);
 }
 
-template <int D_TILE, class Mask, int BLOCK_M, int BLOCK_N, int WARPS, int STAGES, int PRODUCTS>
+template <int D_TILE, class Mask, int BLOCK_M, int BLOCK_N, int WARPS, int STAGES, int PRODUCTS,
+          bool FRESH_O = false>
 __global__ void __launch_bounds__(WARPS * 32, 1)
 flash_fwd_tf32(const __grid_constant__ FwdParams p) {
     constexpr int NTHREADS = WARPS * 32;
@@ -127,10 +132,17 @@ flash_fwd_tf32(const __grid_constant__ FwdParams p) {
         scale_and_mask(s, p.scale_log2, masked, mask, score, m0 + strip_row0, n0, lane);
         float m_new[M_STRIPS][2];
         row_max(m_new, s, row_stats, lane);
-        softmax_rescale(s, o_acc, row_stats, m_new, lane);
+        const auto rescale = softmax_rescale<!FRESH_O>(s, o_acc, row_stats, m_new, lane);
         if constexpr (DropoutOf<Mask>::ENABLED)  // after the row sums: l and lse stay the softmax's
             for_s_frags(s, dropout, m0 + strip_row0 + lane / 4, n0 + 2 * (lane % 4), DropToZero{});
-        mma_pv_tf32<PRODUCTS, D_TILE>(o_acc, s, smem + Smem::v_tile(stage), lane);
+        if constexpr (FRESH_O) {
+            float o_block[M_STRIPS][D_FRAGS][4];
+            zero_acc(o_block);
+            mma_pv_tf32<PRODUCTS, D_TILE>(o_block, s, smem + Smem::v_tile(stage), lane);
+            merge_block(o_acc, rescale, o_block, lane);
+        } else {
+            mma_pv_tf32<PRODUCTS, D_TILE>(o_acc, s, smem + Smem::v_tile(stage), lane);
+        }
     }
 
     if constexpr (DropoutOf<Mask>::ENABLED) scale_acc(o_acc, p.variant.dropout.scale);

@@ -215,11 +215,12 @@ __device__ __forceinline__ void row_max(float (&m_new)[M_STRIPS][2],
 }
 
 // Online-softmax update: S becomes P = exp2(S - m_new) in place, O is rescaled by
-// exp2(m - m_new), l becomes rescale l + rowsum P and m becomes m_new.
-template <int M_STRIPS, int N_FRAGS, int D_FRAGS, typename Stats>
-__device__ __forceinline__ void softmax_rescale(float (&s)[M_STRIPS][N_FRAGS][4],
-                                                float (&o)[M_STRIPS][D_FRAGS][4], Stats& stats,
-                                                const float (&m_new)[M_STRIPS][2], int lane) {
+// exp2(m - m_new) (RESCALE_O; otherwise the caller applies the returned factors), l becomes
+// rescale l + rowsum P and m becomes m_new.
+template <bool RESCALE_O = true, int M_STRIPS, int N_FRAGS, int D_FRAGS, typename Stats>
+__device__ __forceinline__ typename Stats::Rescale softmax_rescale(float (&s)[M_STRIPS][N_FRAGS][4],
+                                                                   float (&o)[M_STRIPS][D_FRAGS][4], Stats& stats,
+                                                                   const float (&m_new)[M_STRIPS][2], int lane) {
     const typename Stats::Rescale rescale = stats.take_max(m_new, lane);
     float row_sum[M_STRIPS][2];
 #pragma unroll
@@ -237,14 +238,17 @@ __device__ __forceinline__ void softmax_rescale(float (&s)[M_STRIPS][N_FRAGS][4]
                     sum += p;
                 }
             row_sum[i][h] = sum;
-            const float row_rescale = rescale.row(i, h, lane);
+            if constexpr (RESCALE_O) {
+                const float row_rescale = rescale.row(i, h, lane);
 #pragma unroll
-            for (int f = 0; f < D_FRAGS; ++f) {
-                o[i][f][2 * h] *= row_rescale;
-                o[i][f][2 * h + 1] *= row_rescale;
+                for (int f = 0; f < D_FRAGS; ++f) {
+                    o[i][f][2 * h] *= row_rescale;
+                    o[i][f][2 * h + 1] *= row_rescale;
+                }
             }
         }
     stats.add_sums(rescale, row_sum, lane);
+    return rescale;
 }
 
 // P rounded to 16 bits, packed as mma A fragments: the accumulator fragments of key columns

@@ -84,6 +84,24 @@ __device__ __forceinline__ void mma_pv_tf32(float (&o)[M_STRIPS][D_FRAGS][4],
     }
 }
 
+// O = rescale O + O_block, one FFMA (rounded to nearest) per accumulator: the key block's P V summed
+// in accumulators of its own (FRESH_O), so that the tensor core's accumulation never runs over
+// more than one block's keys (dev/tf32_accumulation_probe.py).
+template <int M_STRIPS, int D_FRAGS, typename Rescale>
+__device__ __forceinline__ void merge_block(float (&o)[M_STRIPS][D_FRAGS][4], const Rescale& rescale,
+                                            const float (&block)[M_STRIPS][D_FRAGS][4], int lane) {
+#pragma unroll
+    for (int i = 0; i < M_STRIPS; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float r = rescale.row(i, h, lane);
+#pragma unroll
+            for (int f = 0; f < D_FRAGS; ++f)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) o[i][f][2 * h + e] = fmaf(o[i][f][2 * h + e], r, block[i][f][2 * h + e]);
+        }
+}
+
 // Epilogue: O / l in float32 through the warp's own rows of the (swizzled) Q tile, then 16-byte
 // coalesced stores of the rows < seqlen_q and columns < headdim; lse as store_o's (row_epilogue).
 template <int D_TILE, bool HAS_SINK = false, int M_STRIPS, int D_FRAGS, typename Stats>

@@ -10,6 +10,7 @@ from models.mirrors import MIRRORED, missing_statements
 from models.mma import a_operand_address, c_from_matrix, k_operand_address
 from models.tf32 import (float32_tile, mma_pv_tf32, mma_qk_tf32, split_tf32, tensor_core_reads, tf32_rounded,
                          v_read_banks)
+from nvrtc_check import needs_nvrtc
 
 from cupyflash.precision import round_tf32
 
@@ -81,3 +82,17 @@ def test_v_reads_hit_32_banks(dim):
         for c in range(dim // 8):
             for e in range(2):
                 assert len(set(v_read_banks(dim, kk, c, e).tolist())) == 32, (kk, c, e)
+
+
+@needs_nvrtc
+def test_the_fresh_o_candidate_compiles_without_spills():
+    """Tf32FwdConfig(fresh_o=True) (dev/tf32_accumulation_probe.py's candidate: each key block's P V in
+    accumulators of its own, merged by FFMA) at d128 with the shipped row's tiles, sm_90."""
+    from cupyflash import plans
+    from cupyflash.kernels import compile_check
+    from cupyflash.masks import Causal
+
+    spec = plans.specialization_for("float32", 128, Causal(), plans.Tf32FwdConfig(128, 64, 8, fresh_o=True))
+    assert spec.name.endswith("_ieee_fresh_o") and spec.expression.endswith(", 3, true>")
+    [result] = compile_check.check("90", [spec])
+    assert result.spill_bytes == 0 and result.stack_bytes == 0, result
