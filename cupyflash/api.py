@@ -187,8 +187,9 @@ def flash_attn_func(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
     any backend and in the backward given the same seed and offset
     (cupyflash.dropout.dropout_mask returns it).
     ``precision`` ("ieee", the default, or "tf32"; PyTorch's names) is how float32 products are
-    formed on tensor cores: "ieee" to float32 accuracy (three tf32 products of split operands),
-    "tf32" one product on operands rounded to tf32 (cupyflash.precision); other dtypes ignore it.
+    formed on tensor cores: "ieee" with products as precise as float32's (three tf32 products of
+    split operands), "tf32" one product on operands rounded to tf32 (cupyflash.precision); other
+    dtypes ignore it.
     Returns o (batch, seqlen_q, nheads, headdim_v), or (o, lse) with lse (batch, nheads, seqlen_q)
     float32 (float64 for float64).
     backend: 'auto' (tensor cores for float16, bfloat16 and float32, SIMT for float64, NumPy

@@ -3,7 +3,8 @@
 // split; flash_fwd_mma's structure on float32 tiles.
 //
 // PRODUCTS = 3 (precision "ieee"): every product of S = Q K^T and O += P V is three tf32
-// products of split operands (tf32.cuh), accurate to float32's level; PRODUCTS = 1 (precision
+// products of split operands (tf32.cuh), each as precise as a float32 product (their accumulation
+// in the tensor core is less so: docs/perf-log.md, "tf32-fwd-v1"); PRODUCTS = 1 (precision
 // "tf32"): one, on operands rounded to tf32. The online softmax and everything the mask and score
 // policies add (mask.cuh, score.cuh, dropout.cuh) are the 16-bit kernels' tile steps, unchanged:
 // the m16n8k8 accumulators have the m16n8k16 layout.

@@ -1,5 +1,5 @@
 // float32 on tensor cores (sm_80+): mma.sync m16n8k8 with .tf32 operands, fp32 accumulate, and
-// the split that makes its products float32-accurate.
+// the split that gives its products float32's precision.
 //
 // A tf32 operand is a float32 register of which the tensor core reads the sign, the 8 exponent
 // bits and the 10 high mantissa bits; it ignores the 13 low bits. Rounding x to tf32 (to nearest,
@@ -8,8 +8,9 @@
 // 11-bit operands (precision "tf32"). Precision "ieee" splits each operand x = hi + lo,
 // hi = tf32(x) with its low bits cleared, lo = x - hi (exact in float32, |lo| <= 2^-11 |x|)
 // itself read as tf32, and forms a b as a_lo b_hi + a_hi b_lo + a_hi b_hi: the dropped a_lo b_lo
-// and the rounding of lo are each of order 2^-22 |a b|, below float32's own rounding of a sum of
-// products (docs/algorithm.md, "float32 on tensor cores").
+// and the rounding of lo are each at most 2^-22 |a b|. The tensor core's accumulation of such
+// products is not round to nearest and costs more than that over many of them (docs/perf-log.md,
+// "tf32-fwd-v1"; docs/algorithm.md, "float32 on tensor cores").
 //
 // Fragment layouts of mma.sync.m16n8k8 .tf32 (PTX ISA, "Matrix Fragments for mma.m16n8k8"),
 // g = lane / 4 and t = lane % 4, one value per register:
