@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._dtypes import dtype_name, is_16bit, is_float64
+from ._dtypes import dtype_name, is_float64
 from .precision import DEFAULT as DEFAULT_PRECISION, PRODUCTS, check_precision
 from .kernels._module import Specialization
 from .kernels.constants import CTYPES, SHORT_NAMES, SIMT_D_TILES, TENSOR_CORE_D_TILES, d_tile
@@ -95,6 +95,9 @@ class Tf32FwdConfig:
     # each key block's P V in accumulators of its own, merged into O by FFMA (FRESH_O; a candidate
     # in dev/tf32_accumulation_probe.py, not a shipped row)
     fresh_o: bool = False
+    # K and V split once per tile in shared memory by the threads that copied them (PRESPLIT; a
+    # candidate, not a shipped row): lo tiles of their own for three products
+    presplit: bool = False
 
     @property
     def threads(self) -> int:
@@ -398,10 +401,19 @@ def wgmma_smem_bytes(dt: int, config: WgmmaFwdConfig, dvt: int | None = None) ->
     return 2 * (dt * (config.block_m + 2 * config.block_n) + 3 * dvt * config.block_n) + 1024
 
 
-def tf32_smem_bytes(dt: int, config: Tf32FwdConfig) -> int:
-    """Dynamic shared memory of one flash_fwd_tf32 block: Q tile plus `stages` K and V tiles,
-    float32 elements. Mirrors Tf32FwdSmem in flash_fwd_tf32.cu."""
-    return 4 * dt * (config.block_m + 2 * config.stages * config.block_n)
+def tf32_smem_bytes(dt: int, config: Tf32FwdConfig, precision: str = DEFAULT_PRECISION) -> int:
+    """Dynamic shared memory of one flash_fwd_tf32 block: Q tile plus `stages` K and V tiles (and
+    their lo tiles where ``presplit`` splits for three products), float32 elements. Mirrors
+    Tf32FwdSmem in flash_fwd_tf32.cu."""
+    tiles = 4 if config.presplit and PRODUCTS[check_precision(precision)] == 3 else 2
+    return 4 * dt * (config.block_m + tiles * config.stages * config.block_n)
+
+
+def _tf32_options(config: Tf32FwdConfig) -> str:
+    """The FRESH_O and PRESPLIT template arguments where either is set (the defaults otherwise)."""
+    if config.presplit:
+        return f", {'true' if config.fresh_o else 'false'}, true"
+    return ", true" if config.fresh_o else ""
 
 
 def specialization_for(dtype, dt: int, mask: Mask | bool, tiles, dvt: int | None = None,
@@ -426,11 +438,11 @@ def specialization_for(dtype, dt: int, mask: Mask | bool, tiles, dvt: int | None
         precision = check_precision(precision)
         return Specialization(
             f"flash_fwd_tf32_{short}_hdim{dt}_{mask.name}_bm{c.block_m}_bn{c.block_n}_w{c.warps}_s{c.stages}"
-            f"_{precision}{'_fresh_o' if c.fresh_o else ''}",
+            f"_{precision}{'_fresh_o' if c.fresh_o else ''}{'_presplit' if c.presplit else ''}",
             "flash_fwd_tf32.cu",
             f"cf::flash_fwd_tf32<{dt}, {mask.cpp}, {c.block_m}, {c.block_n}, {c.warps}, {c.stages}, "
-            f"{PRODUCTS[precision]}{', true' if c.fresh_o else ''}>",
-            c.threads, tf32_smem_bytes(dt, c))
+            f"{PRODUCTS[precision]}{_tf32_options(c)}>",
+            c.threads, tf32_smem_bytes(dt, c, precision))
     if isinstance(c, FwdConfig):
         return Specialization(
             f"flash_fwd_mma_{short}_hdim{dt}_{mask.name}_bm{c.block_m}_bn{c.block_n}_w{c.warps}"

@@ -12,9 +12,10 @@ about 10x. This probe separates the suspects on the device:
    one FADD, rounded to nearest), ``one`` (one tf32 product), and ``fma`` (float32 FMA on CUDA
    cores, the SIMT kernels' arithmetic). Inputs signed (S = Q K^T) or A >= 0 (O = P V).
 2. Attention itself, one case per head dim: standard float32 (NumPy), the SIMT kernel and the
-   tf32 kernel in both precisions, max error against float64; and the FRESH_O candidate (each key
-   block's P V in accumulators of its own, merged into O by FFMA: Tf32FwdConfig(fresh_o=True),
-   no spills at d64 and d128), its error and its time against the shipped row's.
+   tf32 kernel in both precisions, max error against float64.
+3. The candidates against the shipped row, error and time: FRESH_O (each key block's P V in
+   accumulators of its own, merged into O by FFMA: Tf32FwdConfig(fresh_o=True)), PRESPLIT (K and V
+   split once per tile in shared memory: presplit=True) and both; no spills at d64 and d128.
 
     python dev/tf32_accumulation_probe.py
 """
@@ -131,8 +132,16 @@ def attention_errors() -> None:
         print(f"| {sq} d{d} {'causal' if causal else 'full'} | " + " | ".join(f"{e:.2e}" for e in errs) + " |")
 
 
-# The FRESH_O candidates: the shipped row's tiles with fresh_o, per head-dim tile (d256 spills).
-FRESH_O = {64: (128, 64, 8), 128: (128, 64, 8)}
+# The candidates, per head-dim tile (d256 spills with FRESH_O): FRESH_O (each key block's P V in
+# accumulators of its own, merged by FFMA), PRESPLIT (K and V split once per tile in shared memory)
+# and both; (block_m, block_n, warps) as the compile check found them spill-free.
+def candidates(d: int):
+    from cupyflash.plans import Tf32FwdConfig
+
+    bn_presplit = 64 if d == 64 else 32  # the lo tiles double K/V's shared memory
+    return {"fresh_o": Tf32FwdConfig(128, 64, 8, fresh_o=True),
+            "presplit": Tf32FwdConfig(128, bn_presplit, 8, presplit=True),
+            "fresh_o+presplit": Tf32FwdConfig(128, bn_presplit, 8, fresh_o=True, presplit=True)}
 
 
 def _forward_with(tiles, q, k, v, causal, o, lse):
@@ -145,14 +154,28 @@ def _forward_with(tiles, q, k, v, causal, o, lse):
     return o
 
 
-def fresh_o_candidate() -> None:
+def _ms(tiles, q, k, v, causal, o, lse) -> float:
     import cupy
 
-    from cupyflash import plans, reference
+    for _ in range(3):
+        _forward_with(tiles, q, k, v, causal, o, lse)
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    for _ in range(10):
+        _forward_with(tiles, q, k, v, causal, o, lse)
+    stop.record()
+    stop.synchronize()
+    return cupy.cuda.get_elapsed_time(start, stop) / 10
+
+
+def candidates_against_shipped() -> None:
+    import cupy
+
+    from cupyflash import reference
     from cupyflash.kernels import mma_fwd
 
-    print("\n| case | shipped ieee error | fresh_o error | standard fp32 error | shipped ms | fresh_o ms |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("\n| case | kernel | max error (2 heads) | standard fp32 error | ms | TFLOP/s |")
+    print("|---|---|---:|---:|---:|---:|")
     rng = np.random.default_rng(2)
     for batch, sq, d, causal in ((1, 1024, 64, False), (1, 1024, 128, False), (1, 4096, 128, True),
                                  (2, 8192, 64, False), (2, 8192, 128, False)):
@@ -160,34 +183,25 @@ def fresh_o_candidate() -> None:
         q, k, v = (cupy.asarray(rng.standard_normal(shape).astype(np.float32)) for _ in range(3))
         o = cupy.empty(shape, np.float32)
         lse = cupy.empty((shape[0], shape[2], shape[1]), np.float32)
-        shipped = mma_fwd.plan(np.float32, d, causal).tiles
-        fresh = plans.Tf32FwdConfig(*FRESH_O[d], fresh_o=True)
-        row = []
-        if sq <= 4096:  # the float64 reference on the host: the first heads only
-            heads = slice(0, 2)
-            hq, hk, hv = (cupy.asnumpy(x[:, :, heads]) for x in (q, k, v))
-            o_ref, _ = reference.attention(hq, hk, hv, causal=causal)
+        flops = 4 * batch * shape[2] * sq * sq * d * (0.5 if causal else 1.0)
+        reference_o = std_err = None
+        if sq <= 4096:  # the float64 reference on the host: the first two heads
+            hq, hk, hv = (cupy.asnumpy(x[:, :, :2]) for x in (q, k, v))
+            reference_o, _ = reference.attention(hq, hk, hv, causal=causal)
             o_std, _ = reference.standard_attention(hq, hk, hv, dtype=np.float32, causal=causal)
-            for tiles in (shipped, fresh):
-                o = cupy.asnumpy(_forward_with(tiles, q, k, v, causal, o, lse)[:, :, heads])
-                row.append(f"{np.abs(o.astype(np.float64) - o_ref).max():.2e}")
-            row.append(f"{np.abs(o_std.astype(np.float64) - o_ref).max():.2e}")
-        else:
-            row += ["", "", ""]
-        for tiles in (shipped, fresh):
-            for _ in range(3):
-                _forward_with(tiles, q, k, v, causal, o, lse)
-            start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-            start.record()
-            for _ in range(10):
-                _forward_with(tiles, q, k, v, causal, o, lse)
-            stop.record()
-            stop.synchronize()
-            row.append(f"{cupy.cuda.get_elapsed_time(start, stop) / 10:.3f}")
-        print(f"| {batch}x{sq} d{d} {'causal' if causal else 'full'} | " + " | ".join(row) + " |")
+            std_err = np.abs(o_std.astype(np.float64) - reference_o).max()
+        for name, tiles in {"shipped": mma_fwd.plan(np.float32, d, causal).tiles, **candidates(d)}.items():
+            err = ""
+            if reference_o is not None:
+                got = cupy.asnumpy(_forward_with(tiles, q, k, v, causal, o, lse)[:, :, :2]).astype(np.float64)
+                err = f"{np.abs(got - reference_o).max():.2e}"
+            ms = _ms(tiles, q, k, v, causal, o, lse)
+            std = "" if std_err is None else f"{std_err:.2e}"
+            print(f"| {batch}x{sq} d{d} {'causal' if causal else 'full'} | {name} | {err} | {std} | {ms:.3f} | "
+                  f"{flops / ms / 1e9:.1f} |")
 
 
 if __name__ == "__main__":
     dot_products()
     attention_errors()
-    fresh_o_candidate()
+    candidates_against_shipped()

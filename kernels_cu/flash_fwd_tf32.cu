@@ -18,6 +18,9 @@
 // FRESH_O (a candidate, dev/tf32_accumulation_probe.py; not a shipped row): each key block's P V
 // goes into accumulators of its own, merged into O by one FFMA with the rescale, instead of the
 // tensor core adding every block's products into O itself. D_TILE / 2 more registers per thread.
+// PRESPLIT (a candidate too): each landed K and V tile split once, by the threads that copied it,
+// into hi in place and lo in tiles of their own (split_tile), instead of every warp splitting
+// every fragment it reads; twice the K/V shared memory for three products.
 #include "online_softmax.cuh"
 #include "params.cuh"
 #include "tf32_fwd_steps.cuh"
@@ -25,16 +28,19 @@
 namespace cf {
 
 // Shared memory, mirrored by cupyflash/plans.py (tf32_smem_bytes):
-//   [Q: BLOCK_M x D_TILE] [stage 0: K, V: BLOCK_N x D_TILE each] [stage 1] ...
-// float32, every tile swizzled (swizzled_offset_f32). The Q tile is reused to stage O.
-template <int D_TILE, int BLOCK_M, int BLOCK_N, int STAGES>
+//   [Q: BLOCK_M x D_TILE] [stage 0: K, V (, K lo, V lo): BLOCK_N x D_TILE each] [stage 1] ...
+// float32, every tile swizzled (swizzled_offset_f32); the lo tiles with LO_TILES (PRESPLIT with
+// three products). The Q tile is reused to stage O.
+template <int D_TILE, int BLOCK_M, int BLOCK_N, int STAGES, bool LO_TILES = false>
 struct Tf32FwdSmem {
     static constexpr u32 Q_BYTES = BLOCK_M * D_TILE * 4;
     static constexpr u32 KV_TILE_BYTES = BLOCK_N * D_TILE * 4;
-    static constexpr u32 STAGE_BYTES = 2 * KV_TILE_BYTES;
+    static constexpr u32 STAGE_BYTES = (LO_TILES ? 4 : 2) * KV_TILE_BYTES;
     static constexpr u32 BYTES = Q_BYTES + STAGES * STAGE_BYTES;
     static __device__ __forceinline__ u32 k_tile(int stage) { return Q_BYTES + stage * STAGE_BYTES; }
     static __device__ __forceinline__ u32 v_tile(int stage) { return k_tile(stage) + KV_TILE_BYTES; }
+    static __device__ __forceinline__ u32 k_lo_tile(int stage) { return k_tile(stage) + 2 * KV_TILE_BYTES; }
+    static __device__ __forceinline__ u32 v_lo_tile(int stage) { return k_tile(stage) + 3 * KV_TILE_BYTES; }
 };
 
 // cp.async of a ROWS x D_TILE float32 tile: mma.cuh's copy of 16-bit tiles at twice the width
@@ -47,14 +53,14 @@ __device__ __forceinline__ void cp_async_tile_f32(u32 smem_tile, const float* gm
 }
 
 template <int D_TILE, class Mask, int BLOCK_M, int BLOCK_N, int WARPS, int STAGES, int PRODUCTS,
-          bool FRESH_O = false>
+          bool FRESH_O = false, bool PRESPLIT = false>
 __global__ void __launch_bounds__(WARPS * 32, 1)
 flash_fwd_tf32(const __grid_constant__ FwdParams p) {
     constexpr int NTHREADS = WARPS * 32;
     constexpr int M_STRIPS = BLOCK_M / (16 * WARPS);
     constexpr int N_FRAGS = BLOCK_N / 8;
     constexpr int D_FRAGS = D_TILE / 8;
-    typedef Tf32FwdSmem<D_TILE, BLOCK_M, BLOCK_N, STAGES> Smem;
+    typedef Tf32FwdSmem<D_TILE, BLOCK_M, BLOCK_N, STAGES, PRESPLIT && Tf32Operand<PRODUCTS>::SPLIT> Smem;
     static_assert(M_STRIPS >= 1 && BLOCK_M == 16 * WARPS * M_STRIPS, "BLOCK_M: whole 16-row strips per warp");
     static_assert(BLOCK_N % 16 == 0 && D_TILE % 32 == 0 && STAGES >= 2, "tile shape");
 
@@ -119,6 +125,12 @@ flash_fwd_tf32(const __grid_constant__ FwdParams p) {
         // K_j, V_j have landed for every thread, and every warp is done with block j - 1, whose
         // stage the loads below refill.
         cp_async_wait<STAGES - 2>();
+        if constexpr (PRESPLIT) {  // this thread's own copies of block j have landed
+            split_tile<PRODUCTS, BLOCK_N, D_TILE, NTHREADS>(smem_base + Smem::k_tile(stage),
+                                                            smem_base + Smem::k_lo_tile(stage), threadIdx.x);
+            split_tile<PRODUCTS, BLOCK_N, D_TILE, NTHREADS>(smem_base + Smem::v_tile(stage),
+                                                            smem_base + Smem::v_lo_tile(stage), threadIdx.x);
+        }
         __syncthreads();
         {
             const int ahead = j + STAGES - 1;
@@ -127,7 +139,8 @@ flash_fwd_tf32(const __grid_constant__ FwdParams p) {
         }
 
         float s[M_STRIPS][N_FRAGS][4];
-        mma_qk_tf32<PRODUCTS, D_TILE>(s, q_strips, a_addr, smem_base + Smem::k_tile(stage), k_addr);
+        mma_qk_tf32<PRODUCTS, D_TILE, PRESPLIT>(s, q_strips, a_addr, smem_base + Smem::k_tile(stage), k_addr,
+                                                smem_base + Smem::k_lo_tile(stage));
         const int n0 = j * BLOCK_N;
         const bool masked = mask.keys_partial(m0, BLOCK_M, n0, BLOCK_N);
         scale_and_mask(s, p.scale_log2, masked, mask, score, m0 + strip_row0, n0, lane);
@@ -139,10 +152,12 @@ flash_fwd_tf32(const __grid_constant__ FwdParams p) {
         if constexpr (FRESH_O) {
             float o_block[M_STRIPS][D_FRAGS][4];
             zero_acc(o_block);
-            mma_pv_tf32<PRODUCTS, D_TILE>(o_block, s, smem + Smem::v_tile(stage), lane);
+            mma_pv_tf32<PRODUCTS, D_TILE, PRESPLIT>(o_block, s, smem + Smem::v_tile(stage), lane,
+                                                    smem + Smem::v_lo_tile(stage));
             merge_block(o_acc, rescale, o_block, lane);
         } else {
-            mma_pv_tf32<PRODUCTS, D_TILE>(o_acc, s, smem + Smem::v_tile(stage), lane);
+            mma_pv_tf32<PRODUCTS, D_TILE, PRESPLIT>(o_acc, s, smem + Smem::v_tile(stage), lane,
+                                                    smem + Smem::v_lo_tile(stage));
         }
     }
 

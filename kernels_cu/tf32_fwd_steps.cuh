@@ -11,10 +11,11 @@ namespace cf {
 // S = Q K^T: one k-step per 8 columns of the head dim. Q's A fragments (the warp's rows of the
 // shared Q tile, q_rows its first) are split once per k-step and serve every key fragment; K's
 // non-transposed ldmatrix gives B = K^T, one x4 load covering keys 8f..8f+15.
-template <int PRODUCTS, int D_TILE, int M_STRIPS, int N_FRAGS>
+// PRESPLIT: K's tile holds hi already and k_lo_tile lo (split_tile), read by two ldmatrix.
+template <int PRODUCTS, int D_TILE, bool PRESPLIT = false, int M_STRIPS, int N_FRAGS>
 __device__ __forceinline__ void mma_qk_tf32(float (&s)[M_STRIPS][N_FRAGS][4], u32 q_rows,
                                             const FragmentAddress<2 * D_TILE>& a_addr, u32 k_tile,
-                                            const FragmentAddress<2 * D_TILE>& k_addr) {
+                                            const FragmentAddress<2 * D_TILE>& k_addr, u32 k_lo_tile = 0) {
     zero_acc(s);
 #pragma unroll
     for (int kk = 0; kk < D_TILE / 8; ++kk) {
@@ -28,8 +29,13 @@ __device__ __forceinline__ void mma_qk_tf32(float (&s)[M_STRIPS][N_FRAGS][4], u3
 #pragma unroll
         for (int f = 0; f < N_FRAGS; f += 2) {
             u32 b[4], b_hi[4], b_lo[4];
-            ldmatrix_x4(b, k_addr(k_tile, f / 2, kk));
-            split_tf32<PRODUCTS>(b, b_hi, b_lo);
+            if constexpr (PRESPLIT) {
+                ldmatrix_x4(b_hi, k_addr(k_tile, f / 2, kk));
+                if constexpr (Tf32Operand<PRODUCTS>::SPLIT) ldmatrix_x4(b_lo, k_addr(k_lo_tile, f / 2, kk));
+            } else {
+                ldmatrix_x4(b, k_addr(k_tile, f / 2, kk));
+                split_tf32<PRODUCTS>(b, b_hi, b_lo);
+            }
 #pragma unroll
             for (int i = 0; i < M_STRIPS; ++i) {
                 mma_tf32<PRODUCTS>(s[i][f], a_hi[i], a_lo[i], b_hi[0], b_hi[1], b_lo[0], b_lo[1]);
@@ -45,10 +51,12 @@ __device__ __forceinline__ void mma_qk_tf32(float (&s)[M_STRIPS][N_FRAGS][4], u3
 // b1 = V[2t + 1][n], two float32 reads from the row-major V tile (ldmatrix's .trans splits
 // 32-bit values). The reads of a warp hit 32 distinct banks: its rows 2t + e (e fixed) sit at
 // swizzle phases 2t + e, its columns 8c + g in chunks 2c + g / 4.
-template <int PRODUCTS, int D_TILE, int M_STRIPS, int N_FRAGS, int D_FRAGS>
+// PRESPLIT: V's tile holds hi already and v_lo_tile lo (split_tile).
+template <int PRODUCTS, int D_TILE, bool PRESPLIT = false, int M_STRIPS, int N_FRAGS, int D_FRAGS>
 __device__ __forceinline__ void mma_pv_tf32(float (&o)[M_STRIPS][D_FRAGS][4],
                                             const float (&s)[M_STRIPS][N_FRAGS][4],
-                                            const unsigned char* v_tile, int lane) {
+                                            const unsigned char* v_tile, int lane,
+                                            const unsigned char* v_lo_tile = nullptr) {
     constexpr int ROW_BYTES = D_TILE * 4;
     const int g = lane >> 2, t = lane & 3;
     // Byte offset of V[2t + e][8c + g] within an 8-key group: the row, the lane's column within
@@ -76,7 +84,12 @@ __device__ __forceinline__ void mma_pv_tf32(float (&o)[M_STRIPS][D_FRAGS][4],
             for (int e = 0; e < 2; ++e) {
                 const u32 offset = row_base[e] + static_cast<u32>(kk * 8 * ROW_BYTES + (c >> 2) * 128) +
                                    (chunk_x16[e] ^ static_cast<u32>((2 * c & 7) * 16));
-                split_tf32<PRODUCTS>(*reinterpret_cast<const float*>(v_tile + offset), b_hi[e], b_lo[e]);
+                if constexpr (PRESPLIT) {
+                    b_hi[e] = *reinterpret_cast<const u32*>(v_tile + offset);
+                    b_lo[e] = Tf32Operand<PRODUCTS>::SPLIT ? *reinterpret_cast<const u32*>(v_lo_tile + offset) : 0u;
+                } else {
+                    split_tf32<PRODUCTS>(*reinterpret_cast<const float*>(v_tile + offset), b_hi[e], b_lo[e]);
+                }
             }
 #pragma unroll
             for (int i = 0; i < M_STRIPS; ++i) mma_tf32<PRODUCTS>(o[i][c], a_hi[i], a_lo[i], b_hi[0], b_hi[1], b_lo[0], b_lo[1]);
@@ -100,6 +113,27 @@ __device__ __forceinline__ void merge_block(float (&o)[M_STRIPS][D_FRAGS][4], co
 #pragma unroll
                 for (int e = 0; e < 2; ++e) o[i][f][2 * h + e] = fmaf(o[i][f][2 * h + e], r, block[i][f][2 * h + e]);
         }
+}
+
+// PRESPLIT's one split of a landed K or V tile for every warp: each thread takes the 16-byte
+// chunks it copied itself (cp_async_tile's mapping, so no barrier is needed first), replaces them
+// by hi and, for three products, writes lo at the same offset of lo_tile. Per thread and tile
+// ROWS D_TILE / (4 NTHREADS) chunks, against every warp splitting every fragment it reads.
+template <int PRODUCTS, int ROWS, int D_TILE, int NTHREADS>
+__device__ __forceinline__ void split_tile(u32 tile, u32 lo_tile, int thread) {
+    constexpr int CHUNKS = 2 * D_TILE / 8;
+    constexpr int ROW_STEP = NTHREADS / CHUNKS;
+    static_assert(NTHREADS % CHUNKS == 0 && ROWS % ROW_STEP == 0, "cp_async_tile's mapping");
+    const int row0 = thread / CHUNKS, chunk = thread % CHUNKS;
+#pragma unroll
+    for (int i = 0; i < ROWS / ROW_STEP; ++i) {
+        const u32 offset = swizzled_offset<2 * D_TILE>(row0 + i * ROW_STEP, chunk);
+        u32 x[4], hi[4], lo[4];
+        ld_shared_v4(x, tile + offset);
+        split_tf32<PRODUCTS>(x, hi, lo);
+        st_shared_v4(tile + offset, hi);
+        if constexpr (Tf32Operand<PRODUCTS>::SPLIT) st_shared_v4(lo_tile + offset, lo);
+    }
 }
 
 // Epilogue: O / l in float32 through the warp's own rows of the (swizzled) Q tile, then 16-byte

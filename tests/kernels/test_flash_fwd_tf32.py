@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from models.mirrors import MIRRORED, missing_statements
 from models.mma import a_operand_address, c_from_matrix, k_operand_address
-from models.tf32 import (float32_tile, mma_pv_tf32, mma_qk_tf32, split_tf32, tensor_core_reads, tf32_rounded,
-                         v_read_banks)
+from models.mma import ldmatrix_x4
+from models.tf32 import (float32_tile, mma_pv_tf32, mma_qk_tf32, split_tf32, split_tile, tensor_core_reads,
+                         tf32_rounded, v_read_banks, words)
 from nvrtc_check import needs_nvrtc
 
 from cupyflash.precision import round_tf32
@@ -96,3 +97,24 @@ def test_the_fresh_o_candidate_compiles_without_spills():
     assert spec.name.endswith("_ieee_fresh_o") and spec.expression.endswith(", 3, true>")
     [result] = compile_check.check("90", [spec])
     assert result.spill_bytes == 0 and result.stack_bytes == 0, result
+
+
+@pytest.mark.parametrize("products", [3, 1])
+@pytest.mark.parametrize("dim,rows", [(64, 64), (128, 32), (256, 16)])
+def test_presplit_tiles_hold_what_each_warp_would_split(dim, rows, products):
+    """split_tile (PRESPLIT): the threads cover every 16-byte chunk of the tile once, with
+    cp_async_tile's mapping, and ldmatrix of the hi and lo tiles gives bit for bit what splitting
+    each fragment after its ldmatrix gives."""
+    rng = np.random.default_rng(dim + products)
+    k = (rng.standard_normal((rows, dim)) * np.exp(rng.uniform(-8, 8, (rows, dim)))).astype(np.float32)
+    tile = float32_tile(rows, dim, k)
+    touched = np.zeros(rows * 2 * dim * 2 // 16, int)
+    hi_tile, lo_tile = split_tile(products, tile, rows, dim, 256, touched)
+    assert (touched == 1).all()
+    k_addr = k_operand_address(2 * dim)
+    for r in range(rows // 16):
+        for kk in range(dim // 8):
+            hi, lo = split_tf32(products, words(ldmatrix_x4(tile, k_addr(0, r, kk))).view(np.float32))
+            assert np.array_equal(words(ldmatrix_x4(hi_tile, k_addr(0, r, kk))), hi)
+            if products == 3:
+                assert np.array_equal(words(ldmatrix_x4(lo_tile, k_addr(0, r, kk))), lo)

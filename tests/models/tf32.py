@@ -170,6 +170,29 @@ def mma_pv_tf32(products: int, dim: int, s: np.ndarray, v_smem) -> np.ndarray:
     return o
 
 
+@mirrors("tf32_fwd_steps.cuh", "const u32 offset = swizzled_offset<2 * D_TILE>(row0 + i * ROW_STEP, chunk);",
+         "st_shared_v4(tile + offset, hi);", "if constexpr (Tf32Operand<PRODUCTS>::SPLIT) st_shared_v4(lo_tile + offset, lo);")
+def split_tile(products: int, tile: np.ndarray, rows: int, dim: int, nthreads: int, touched=None):
+    """split_tile on a float32 tile in 16-bit slots (float32_tile's): returns (hi tile, lo tile),
+    each value's bits in both slots of its word; ``touched`` (optional) counts each thread's
+    16-byte chunks, to show that the threads cover the tile once."""
+    chunks = 2 * dim // 8
+    row_step = nthreads // chunks
+    hi_tile, lo_tile = tile.copy(), np.full(tile.shape, np.nan)
+    for thread in range(nthreads):
+        row0, chunk = thread // chunks, thread % chunks
+        for i in range(rows // row_step):
+            offset = swizzled_offset(2 * dim, row0 + i * row_step, chunk)
+            if touched is not None:
+                touched[offset // 16] += 1
+            words = offset // 2 + 2 * np.arange(4)
+            hi, lo = split_tf32(products, _bits(tile[words]).view(np.float32))
+            for w, h, l_ in zip(words, hi, lo):
+                hi_tile[w] = hi_tile[w + 1] = h.view(np.float32)
+                lo_tile[w] = lo_tile[w + 1] = l_.view(np.float32)
+    return hi_tile, lo_tile
+
+
 def v_read_banks(dim: int, kk: int, c: int, e: int) -> np.ndarray:
     """The shared-memory bank of each lane's V read (kk, c, e): 4-byte banks, 32 of them."""
     row_base, chunk_x16 = v_lane_offsets(dim)
