@@ -31,7 +31,7 @@ import math
 import numpy as np
 
 from .masks import mask_for
-from .precision import round_tf32
+from .precision import round_tf32, rounds_operands
 from .scores import NO_VARIANT
 
 __all__ = ["forward", "backward", "kvcache_forward"]
@@ -173,7 +173,7 @@ def forward(q, k, v, *, softmax_scale, causal, window_size=(-1, -1), block_m=64,
     dropout = variant.dropout
     # precision "tf32": the float32 kernel's one product on operands rounded to tf32 (P too; its
     # row sums stay float32's). "ieee" products are float32's, which NumPy forms.
-    one_tf32_product = variant.precision == "tf32" and np.dtype(q.dtype) == np.float32
+    one_tf32_product = rounds_operands(variant.precision, q.dtype)
     if one_tf32_product:
         Q, K, V = (round_tf32(x) for x in (Q, K, V))
 
@@ -341,7 +341,7 @@ def kvcache_forward(q, sequences, *, softmax_scale, causal, window_size=(-1, -1)
     split_keys = per_split * block_n
     share = block_n // key_warps
     sink_log2 = None if variant.sink is None else np.asarray(variant.sink).astype(acc) * acc.type(LOG2E)
-    one_tf32_product = variant.precision == "tf32" and np.dtype(q.dtype) == np.float32
+    one_tf32_product = rounds_operands(variant.precision, q.dtype)
     for b, (keys, values) in enumerate(sequences):
         seqlen_k = int(keys.shape[0])
         own = sequence_variant(variant, b)

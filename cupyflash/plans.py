@@ -33,7 +33,8 @@ from .kernels._module import Specialization
 from .kernels.constants import CTYPES, SHORT_NAMES, SIMT_D_TILES, TENSOR_CORE_D_TILES, d_tile
 from .masks import Mask, as_mask
 
-__all__ = ["ForwardPlan", "FwdConfig", "WgmmaFwdConfig", "Tf32FwdConfig", "SimtTiles", "FORWARD_TILES", "plan_forward",
+__all__ = ["ForwardPlan", "FwdConfig", "WgmmaFwdConfig", "Tf32FwdConfig", "SimtTiles", "FORWARD_TILES",
+           "plan_forward",
            "forward_plan", "forward_family", "device_class"]
 
 # Opt-in shared memory per block that admits the LARGE_SMEM tiles (H100/H200: 227 KiB; A100: 163).
@@ -216,7 +217,8 @@ def tensor_core_supports(dtype, headdim: int) -> bool:
         name = dtype_name(dtype)
     except ValueError:
         return False
-    return name in ("float16", "bfloat16", "float32") and headdim % 8 == 0 and 8 <= headdim <= TENSOR_CORE_D_TILES[-1]
+    return (name in ("float16", "bfloat16", "float32") and headdim % 8 == 0
+            and 8 <= headdim <= TENSOR_CORE_D_TILES[-1])
 
 
 def forward_family(dtype, headdim: int) -> str:

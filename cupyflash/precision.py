@@ -38,6 +38,12 @@ def check_precision(precision) -> str:
     return precision
 
 
+def rounds_operands(precision: str, dtype) -> bool:
+    """Whether a call's products take operands rounded to tf32: precision "tf32" on float32 inputs
+    (the NumPy twin's rule; the kernels' is their plan's PRODUCTS)."""
+    return precision == "tf32" and np.dtype(dtype) == np.float32
+
+
 def round_tf32(x: np.ndarray) -> np.ndarray:
     """float32 values rounded to tf32 (to nearest, ties away from zero, as cvt.rna.tf32.f32 and the
     kernels' rounding), returned as float32 with their 13 low mantissa bits zero."""

@@ -158,7 +158,8 @@ def _backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                  lse: torch.Tensor, softmax_scale: float, causal: bool, window_left: int, window_right: int,
                  deterministic: bool, softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
                  sink: torch.Tensor | None = None, dropout_p: float = 0.0,
-                 seed: int = 0, precision: str = "ieee") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                 seed: int = 0,
+                 precision: str = "ieee") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dsink) of cupyflash.flash_attn_backward; dsink empty without a sink."""
     def compute(do, q, k, v, o, lse, backend):
         return api.flash_attn_backward(do, q, k, v, o, lse, softmax_scale=softmax_scale, causal=causal,
@@ -207,7 +208,8 @@ def _backward_formula(ctx, do, dlse):
         if sink is not None:  # dlse_i/dsink = exp(sink - lse_i), the sink's share of row i
             share = torch.exp(sink.to(lse.dtype)[None, :, None] - lse) * (lse != -math.inf)
             dsink = dsink + (dlse.to(lse.dtype) * share).sum(dim=(0, 2)).to(dsink.dtype)
-    return dq, dk, dv, None, None, None, None, None, None, None, (dsink if sink is not None else None), None, None, None
+    return (dq, dk, dv, None, None, None, None, None, None, None, (dsink if sink is not None else None), None, None,
+            None)
 
 
 def _add_lse_gradient(dq, dk, q, k, dlse_rows, scale, attend_to_keys, dv_for):
@@ -286,8 +288,8 @@ def _varlen_setup_context(ctx, inputs, output):
      alibi_slopes, *precision) = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
-    ctx.options = (max_q, max_k, softmax_scale, causal, window_left, window_right, deterministic, softcap, alibi_slopes,
-                   *precision)
+    ctx.options = (max_q, max_k, softmax_scale, causal, window_left, window_right, deterministic, softcap,
+                   alibi_slopes, *precision)
     ctx.set_materialize_grads(False)
 
 

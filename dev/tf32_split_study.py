@@ -20,18 +20,14 @@ fp32 attention") asks about.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-def tf32(x: np.ndarray) -> np.ndarray:
-    """cvt.rna.tf32.f32 of a float32 array (as float32 values with 13 low mantissa bits zero)."""
-    bits = np.asarray(x, np.float32).view(np.uint32)
-    sign = bits & np.uint32(0x80000000)
-    magnitude = bits & np.uint32(0x7FFFFFFF)
-    finite = magnitude < np.uint32(0x7F800000)
-    rounded = np.where(finite, (magnitude + np.uint32(0x1000)) & np.uint32(0xFFFFE000), magnitude)
-    return (sign | rounded).view(np.float32)
+from cupyflash.precision import round_tf32 as tf32  # noqa: E402  (cvt.rna.tf32.f32, the kernels' rounding)
 
 
 def product(kind: str):

@@ -100,8 +100,9 @@ def _packed_specializations() -> list:
 
 def _zoo_specializations(processes: int) -> list:
     """The kernels this device's plans launch for GPU_COMBOS (every 16-bit plan and its backward,
-    deterministic or not, for each band and head-dim tile; the tf32 forward and the SIMT kernels for float32, the SIMT kernels for float64;
-    the block map kernels), after compiling every candidate the plans choose among for ptxas."""
+    deterministic or not, for each band and head-dim tile; the tf32 forward and the SIMT kernels for
+    float32, the SIMT kernels for float64; the block map kernels), after compiling every candidate
+    the plans choose among for ptxas."""
     from pathlib import Path
 
     import cupy

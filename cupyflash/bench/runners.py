@@ -16,8 +16,7 @@ from __future__ import annotations
 import functools
 from contextlib import contextmanager
 
-from .impls import Rejected
-from .impls import TF32
+from .impls import TF32, Rejected
 from .shapes import Case
 
 # What the public API raises for a combination it does not support (dtype, headdim, backend).

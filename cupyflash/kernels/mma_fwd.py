@@ -72,7 +72,8 @@ def plan(dtype, headdim: int, mask: Mask | bool, config: FwdConfig | WgmmaFwdCon
         raise ValueError(f"cupyflash: mma forward does not support dtype {np.dtype(dtype)}, headdim {headdim}")
     if config is not None:
         if not isinstance(config, (FwdConfig, WgmmaFwdConfig, Tf32FwdConfig)):
-            raise TypeError(f"cupyflash: config must be a FwdConfig, WgmmaFwdConfig or Tf32FwdConfig, not {config!r}")
+            raise TypeError(f"cupyflash: config must be a FwdConfig, WgmmaFwdConfig or Tf32FwdConfig, "
+                            f"not {config!r}")
         return plans.forward_plan(dtype, headdim, mask, config, headdim_v, precision)
     return plans.plan_forward(current_arch(), dtype, headdim, mask, current_smem_optin(), family="mma",
                               headdim_v=headdim_v, precision=precision)
