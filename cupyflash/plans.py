@@ -22,7 +22,7 @@ where ``python -m cupyflash tune`` times it against these rows (docs/perf-log.md
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -99,6 +99,9 @@ class Tf32FwdConfig:
     # K and V split once per tile in shared memory by the threads that copied them (PRESPLIT; a
     # candidate, not a shipped row): lo tiles of their own for three products
     presplit: bool = False
+    # each k-step's three products summed apart and added into S and O by FADD, rounded to
+    # nearest (STEP_SUMS; "ieee" only: one product is one product)
+    step_sums: bool = False
 
     @property
     def threads(self) -> int:
@@ -261,7 +264,7 @@ def plan_forward(arch: str | None, dtype, headdim: int, mask: Mask | bool, smem_
         raise ValueError(f"cupyflash: unknown forward family {family!r} (known: mma, simt)")
     dt = d_tile(headdim, _D_TILES[family])
     mask = as_mask(mask)
-    tiles = forward_tiles(_table_family(family, dtype), where, dt, dtype, mask, arch)
+    tiles = forward_tiles(_table_family(family, dtype), where, dt, dtype, mask, arch, precision)
     return _plan(dtype, headdim, mask, tiles, where, headdim_v, precision)
 
 
@@ -275,20 +278,23 @@ def v_tile(tiles, dt: int, headdim_v: int | None) -> int:
     return min(dt, d_tile(mma_headdim(headdim_v), TENSOR_CORE_D_TILES))
 
 
-def forward_tiles(family: str, where: str, dt: int, dtype, mask: Mask, arch: str | None):
+def forward_tiles(family: str, where: str, dt: int, dtype, mask: Mask, arch: str | None,
+                  precision: str = DEFAULT_PRECISION):
     """FORWARD_TILES' row, or with user modifiers the first of it and USER_FORWARD_FALLBACKS'
     that compiles without spills (``without_spills``; ``arch`` None: the class's own arch)."""
-    candidates = forward_candidates(family, where, dt, mask)
+    candidates = forward_candidates(family, where, dt, mask, precision)
     if len(candidates) == 1:
         return candidates[0]
     arch = arch or ("90" if where == SM90 else "80")
-    return without_spills(candidates, arch, lambda t: [specialization_for(dtype, dt, mask, t)])
+    return without_spills(candidates, arch, lambda t: [specialization_for(dtype, dt, mask, t, precision=precision)])
 
 
-def forward_candidates(family: str, where: str, dt: int, mask: Mask) -> list:
-    """The tiles ``forward_tiles`` chooses from, in order: FORWARD_TILES' row, and with user
-    modifiers USER_FORWARD_FALLBACKS' after it."""
+def forward_candidates(family: str, where: str, dt: int, mask: Mask, precision: str = DEFAULT_PRECISION) -> list:
+    """The tiles ``forward_tiles`` chooses from, in order: FORWARD_TILES' row (IEEE_FORWARD_TILES'
+    for float32's three products), and with user modifiers USER_FORWARD_FALLBACKS' after it."""
     tiles = FORWARD_TILES[(family, where, dt)]
+    if family == "tf32" and PRODUCTS[check_precision(precision)] == 3:
+        tiles = IEEE_FORWARD_TILES.get((family, where, dt), tiles)
     if mask.packed:
         tiles = PACKED_FORWARD_TILES.get((family, where, dt), tiles)
     if mask.score.dropout:
@@ -296,6 +302,19 @@ def forward_candidates(family: str, where: str, dt: int, mask: Mask) -> list:
     if mask.score.user is None or family != "mma":
         return [tiles]
     return [tiles, *USER_FORWARD_FALLBACKS.get((family, where, dt), ())]
+
+
+# Rows float32's three products ("ieee") replace: K and V split once per tile in shared memory by
+# the threads that copied them (PRESPLIT), not by every warp for every fragment it reads; the lo
+# tiles double K/V's shared memory, so d128 halves BLOCK_N. H200, 8k, 2 x 16 (d128) / 32 (d64)
+# heads: 54.4 -> 61.4 TFLOP/s at d64, 56.1 -> 62.7 at d128, the same error (perf log
+# tf32-fwd-v2). PORTABLE stays within sm_86 / sm_89's 99 KiB; d256 has no room for lo tiles.
+IEEE_FORWARD_TILES = {
+    ("tf32", SM90, 64): Tf32FwdConfig(128, 64, 8, presplit=True),
+    ("tf32", SM90, 128): Tf32FwdConfig(128, 32, 8, presplit=True),
+    ("tf32", LARGE_SMEM, 64): Tf32FwdConfig(128, 64, 8, presplit=True),
+    ("tf32", LARGE_SMEM, 128): Tf32FwdConfig(128, 32, 8, presplit=True),
+}
 
 
 # Rows dropout replaces: its Philox words (dropout.cuh) take the LARGE_SMEM d128 tile past 255
@@ -412,10 +431,12 @@ def tf32_smem_bytes(dt: int, config: Tf32FwdConfig, precision: str = DEFAULT_PRE
 
 
 def _tf32_options(config: Tf32FwdConfig) -> str:
-    """The FRESH_O and PRESPLIT template arguments where either is set (the defaults otherwise)."""
-    if config.presplit:
-        return f", {'true' if config.fresh_o else 'false'}, true"
-    return ", true" if config.fresh_o else ""
+    """The FRESH_O, PRESPLIT and STEP_SUMS template arguments up to the last one set (the
+    defaults after it)."""
+    flags = [config.fresh_o, config.presplit, config.step_sums]
+    while flags and not flags[-1]:
+        flags.pop()
+    return "".join(f", {'true' if flag else 'false'}" for flag in flags)
 
 
 def specialization_for(dtype, dt: int, mask: Mask | bool, tiles, dvt: int | None = None,
@@ -438,9 +459,12 @@ def specialization_for(dtype, dt: int, mask: Mask | bool, tiles, dvt: int | None
                               c.threads, wgmma_smem_bytes(dt, c, dvt), arch="90a")
     if isinstance(c, Tf32FwdConfig):
         precision = check_precision(precision)
+        if PRODUCTS[precision] == 1 and c.step_sums:  # one product per k-step: nothing to sum apart
+            c = replace(c, step_sums=False)
         return Specialization(
             f"flash_fwd_tf32_{short}_hdim{dt}_{mask.name}_bm{c.block_m}_bn{c.block_n}_w{c.warps}_s{c.stages}"
-            f"_{precision}{'_fresh_o' if c.fresh_o else ''}{'_presplit' if c.presplit else ''}",
+            f"_{precision}{'_fresh_o' if c.fresh_o else ''}{'_presplit' if c.presplit else ''}"
+            f"{'_stepsums' if c.step_sums else ''}",
             "flash_fwd_tf32.cu",
             f"cf::flash_fwd_tf32<{dt}, {mask.cpp}, {c.block_m}, {c.block_n}, {c.warps}, {c.stages}, "
             f"{PRODUCTS[precision]}{_tf32_options(c)}>",

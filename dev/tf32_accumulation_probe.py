@@ -13,11 +13,12 @@ about 10x. This probe separates the suspects on the device:
    cores, the SIMT kernels' arithmetic). Inputs signed (S = Q K^T) or A >= 0 (O = P V).
 2. Attention itself, one case per head dim: standard float32 (NumPy), the SIMT kernel and the
    tf32 kernel in both precisions, max error against float64.
-3. The candidates against the shipped row, error and time: FRESH_O (each key block's P V in
-   accumulators of its own, merged into O by FFMA: Tf32FwdConfig(fresh_o=True)), PRESPLIT (K and V
-   split once per tile in shared memory: presplit=True) and both; no spills at d64 and d128.
+3. The candidates against the shipped row (PRESPLIT since tf32-fwd-v2), error and time: the row
+   before it (v1), FRESH_O (each key block's P V in accumulators of its own, merged into O by FFMA:
+   Tf32FwdConfig(fresh_o=True)), STEP_SUMS (the "fresh" mode above in the kernel, S and O:
+   step_sums=True) and each with PRESPLIT.
 
-    python dev/tf32_accumulation_probe.py
+    python dev/tf32_accumulation_probe.py [--candidates]
 """
 from __future__ import annotations
 
@@ -132,16 +133,21 @@ def attention_errors() -> None:
         print(f"| {sq} d{d} {'causal' if causal else 'full'} | " + " | ".join(f"{e:.2e}" for e in errs) + " |")
 
 
-# The candidates, per head-dim tile (d256 spills with FRESH_O): FRESH_O (each key block's P V in
-# accumulators of its own, merged by FFMA), PRESPLIT (K and V split once per tile in shared memory)
-# and both; (block_m, block_n, warps) as the compile check found them spill-free.
+# The candidates against the shipped row, per head-dim tile (d256 spills with FRESH_O and with
+# STEP_SUMS): the row before PRESPLIT shipped ("v1"), FRESH_O (each key block's P V in accumulators
+# of its own, merged by FFMA), PRESPLIT (K and V split once per tile in shared memory; shipped since
+# tf32-fwd-v2) with and without FRESH_O, and STEP_SUMS (each k-step's three products summed apart,
+# added by FADD: the probe's "fresh" mode in the kernel; it spills 48-148 bytes at d64 / d128, so
+# its time here is not its best); (block_m, block_n, warps) as the compile check found them.
 def candidates(d: int):
     from cupyflash.plans import Tf32FwdConfig
 
     bn_presplit = 64 if d == 64 else 32  # the lo tiles double K/V's shared memory
-    return {"fresh_o": Tf32FwdConfig(128, 64, 8, fresh_o=True),
-            "presplit": Tf32FwdConfig(128, bn_presplit, 8, presplit=True),
-            "fresh_o+presplit": Tf32FwdConfig(128, bn_presplit, 8, fresh_o=True, presplit=True)}
+    return {"v1": Tf32FwdConfig(128, 64, 8),
+            "fresh_o": Tf32FwdConfig(128, 64, 8, fresh_o=True),
+            "fresh_o+presplit": Tf32FwdConfig(128, bn_presplit, 8, fresh_o=True, presplit=True),
+            "step_sums": Tf32FwdConfig(128, 64, 8, step_sums=True),
+            "step_sums+presplit": Tf32FwdConfig(128, bn_presplit, 8, presplit=True, step_sums=True)}
 
 
 def _forward_with(tiles, q, k, v, causal, o, lse):
@@ -177,8 +183,7 @@ def candidates_against_shipped() -> None:
     print("\n| case | kernel | max error (2 heads) | standard fp32 error | ms | TFLOP/s |")
     print("|---|---|---:|---:|---:|---:|")
     rng = np.random.default_rng(2)
-    for batch, sq, d, causal in ((1, 1024, 64, False), (1, 1024, 128, False), (1, 4096, 128, True),
-                                 (2, 8192, 64, False), (2, 8192, 128, False)):
+    for batch, sq, d, causal in CASES:
         shape = (batch, sq, 32 if d == 64 else 16, d)
         q, k, v = (cupy.asarray(rng.standard_normal(shape).astype(np.float32)) for _ in range(3))
         o = cupy.empty(shape, np.float32)
@@ -201,7 +206,51 @@ def candidates_against_shipped() -> None:
                   f"{flops / ms / 1e9:.1f} |")
 
 
+CASES = ((1, 1024, 64, False), (1, 1024, 128, False), (1, 4096, 128, True), (2, 8192, 64, False),
+         (2, 8192, 128, False))
+
+
+def _compile(spec) -> str:
+    from cupyflash.kernels import _module
+
+    _module.get_function(spec)
+    return spec.name
+
+
+def warm() -> None:
+    """Every kernel the probe launches compiled into CuPy's disk cache on all cores first (NVRTC
+    is CPU-bound), so the device's time goes to measuring."""
+    import multiprocessing
+    import os
+    import time
+    from concurrent.futures import ProcessPoolExecutor
+
+    from cupyflash import plans
+    from cupyflash.kernels import mma_fwd
+
+    specs = {}
+    for _, _, d, causal in CASES:
+        for tiles in (mma_fwd.plan(np.float32, d, causal).tiles, *candidates(d).values()):
+            spec = plans.specialization_for(np.float32, d, causal, tiles, precision="ieee")
+            specs[spec.name] = spec
+    for d in (64, 128, 256):
+        for causal in (False, True):
+            for precision in ("ieee", "tf32"):
+                spec = mma_fwd.plan(np.float32, d, causal, precision=precision).spec
+                specs[spec.name] = spec
+            spec = plans.simt_specialization("fwd", np.float32, d, causal)  # attention_errors' SIMT column
+            specs[spec.name] = spec
+    t0 = time.time()
+    with ProcessPoolExecutor(max_workers=os.cpu_count(), mp_context=multiprocessing.get_context("spawn")) as pool:
+        names = list(pool.map(_compile, specs.values()))
+    print(f"warm: {len(names)} kernels in {time.time() - t0:.0f} s", flush=True)
+
+
 if __name__ == "__main__":
-    dot_products()
-    attention_errors()
+    # --candidates: only the warm-up and the candidates' table (the first two parts' numbers do not
+    # change with the kernels: docs/results/2026-12-03-tf32-accumulation-probe.txt)
+    warm()
+    if "--candidates" not in sys.argv[1:]:
+        dot_products()
+        attention_errors()
     candidates_against_shipped()

@@ -21,6 +21,8 @@
 // PRESPLIT (a candidate too): each landed K and V tile split once, by the threads that copied it,
 // into hi in place and lo in tiles of their own (split_tile), instead of every warp splitting
 // every fragment it reads; twice the K/V shared memory for three products.
+// STEP_SUMS (three products): every k-step's products summed apart and added into S and O by FADD,
+// rounded to nearest, where the tensor core's own accumulation is not (tf32.cuh, mma_tf32).
 #include "online_softmax.cuh"
 #include "params.cuh"
 #include "tf32_fwd_steps.cuh"
@@ -53,7 +55,7 @@ __device__ __forceinline__ void cp_async_tile_f32(u32 smem_tile, const float* gm
 }
 
 template <int D_TILE, class Mask, int BLOCK_M, int BLOCK_N, int WARPS, int STAGES, int PRODUCTS,
-          bool FRESH_O = false, bool PRESPLIT = false>
+          bool FRESH_O = false, bool PRESPLIT = false, bool STEP_SUMS = false>
 __global__ void __launch_bounds__(WARPS * 32, 1)
 flash_fwd_tf32(const __grid_constant__ FwdParams p) {
     constexpr int NTHREADS = WARPS * 32;
@@ -139,7 +141,7 @@ flash_fwd_tf32(const __grid_constant__ FwdParams p) {
         }
 
         float s[M_STRIPS][N_FRAGS][4];
-        mma_qk_tf32<PRODUCTS, D_TILE, PRESPLIT>(s, q_strips, a_addr, smem_base + Smem::k_tile(stage), k_addr,
+        mma_qk_tf32<PRODUCTS, D_TILE, PRESPLIT, STEP_SUMS>(s, q_strips, a_addr, smem_base + Smem::k_tile(stage), k_addr,
                                                 smem_base + Smem::k_lo_tile(stage));
         const int n0 = j * BLOCK_N;
         const bool masked = mask.keys_partial(m0, BLOCK_M, n0, BLOCK_N);
@@ -152,11 +154,11 @@ flash_fwd_tf32(const __grid_constant__ FwdParams p) {
         if constexpr (FRESH_O) {
             float o_block[M_STRIPS][D_FRAGS][4];
             zero_acc(o_block);
-            mma_pv_tf32<PRODUCTS, D_TILE, PRESPLIT>(o_block, s, smem + Smem::v_tile(stage), lane,
+            mma_pv_tf32<PRODUCTS, D_TILE, PRESPLIT, STEP_SUMS>(o_block, s, smem + Smem::v_tile(stage), lane,
                                                     smem + Smem::v_lo_tile(stage));
             merge_block(o_acc, rescale, o_block, lane);
         } else {
-            mma_pv_tf32<PRODUCTS, D_TILE, PRESPLIT>(o_acc, s, smem + Smem::v_tile(stage), lane,
+            mma_pv_tf32<PRODUCTS, D_TILE, PRESPLIT, STEP_SUMS>(o_acc, s, smem + Smem::v_tile(stage), lane,
                                                     smem + Smem::v_lo_tile(stage));
         }
     }

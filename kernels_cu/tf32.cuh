@@ -67,14 +67,31 @@ __device__ __forceinline__ void mma_1688_tf32(float (&acc)[4], const u32 (&a)[4]
 }
 
 // acc += A B in PRODUCTS tf32 products, the two small terms first (they join a smaller sum).
-template <int PRODUCTS>
+//
+// STEP_SUMS: the PRODUCTS products summed in a zeroed accumulator of their own, then added to acc
+// by FADD (rounded to nearest). The tensor core adds into its accumulator without rounding to
+// nearest (measured on the H200: each addition into a running sum loses about as much as a
+// float32 rounding, and the loss grows with the number of additions: 4.8e-6 of sum |a b| over
+// 8192 products against FMA's 3.0e-7, dev/tf32_accumulation_probe.py); summed apart, one k-step
+// of 8 products costs one truncation of its own size and one rounded add (8e-8 at any length).
+// Four FADDs per three products, and four registers per step in flight: ptxas overlaps the steps
+// of every fragment of S or O to hide the products' latency (a volatile asm block of one step
+// does not stop it), which spills 48-148 bytes at d64 / d128 (a candidate, not a shipped row).
+template <int PRODUCTS, bool STEP_SUMS = false>
 __device__ __forceinline__ void mma_tf32(float (&acc)[4], const u32 (&a_hi)[4], const u32 (&a_lo)[4],
                                          u32 b_hi0, u32 b_hi1, u32 b_lo0, u32 b_lo1) {
-    if constexpr (Tf32Operand<PRODUCTS>::SPLIT) {
-        mma_1688_tf32(acc, a_lo, b_hi0, b_hi1);
-        mma_1688_tf32(acc, a_hi, b_lo0, b_lo1);
+    if constexpr (STEP_SUMS && Tf32Operand<PRODUCTS>::SPLIT) {
+        float step[4] = {0.f, 0.f, 0.f, 0.f};
+        mma_tf32<PRODUCTS>(step, a_hi, a_lo, b_hi0, b_hi1, b_lo0, b_lo1);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[e] = __fadd_rn(acc[e], step[e]);
+    } else {
+        if constexpr (Tf32Operand<PRODUCTS>::SPLIT) {
+            mma_1688_tf32(acc, a_lo, b_hi0, b_hi1);
+            mma_1688_tf32(acc, a_hi, b_lo0, b_lo1);
+        }
+        mma_1688_tf32(acc, a_hi, b_hi0, b_hi1);
     }
-    mma_1688_tf32(acc, a_hi, b_hi0, b_hi1);
 }
 
 // Byte offset of float32 (row, col) in a swizzled tile of DIM float32 columns (mma.cuh's

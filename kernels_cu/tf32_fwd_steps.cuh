@@ -12,7 +12,8 @@ namespace cf {
 // shared Q tile, q_rows its first) are split once per k-step and serve every key fragment; K's
 // non-transposed ldmatrix gives B = K^T, one x4 load covering keys 8f..8f+15.
 // PRESPLIT: K's tile holds hi already and k_lo_tile lo (split_tile), read by two ldmatrix.
-template <int PRODUCTS, int D_TILE, bool PRESPLIT = false, int M_STRIPS, int N_FRAGS>
+// STEP_SUMS: each k-step's products summed apart and added by FADD (tf32.cuh, mma_tf32).
+template <int PRODUCTS, int D_TILE, bool PRESPLIT = false, bool STEP_SUMS = false, int M_STRIPS, int N_FRAGS>
 __device__ __forceinline__ void mma_qk_tf32(float (&s)[M_STRIPS][N_FRAGS][4], u32 q_rows,
                                             const FragmentAddress<2 * D_TILE>& a_addr, u32 k_tile,
                                             const FragmentAddress<2 * D_TILE>& k_addr, u32 k_lo_tile = 0) {
@@ -38,8 +39,8 @@ __device__ __forceinline__ void mma_qk_tf32(float (&s)[M_STRIPS][N_FRAGS][4], u3
             }
 #pragma unroll
             for (int i = 0; i < M_STRIPS; ++i) {
-                mma_tf32<PRODUCTS>(s[i][f], a_hi[i], a_lo[i], b_hi[0], b_hi[1], b_lo[0], b_lo[1]);
-                mma_tf32<PRODUCTS>(s[i][f + 1], a_hi[i], a_lo[i], b_hi[2], b_hi[3], b_lo[2], b_lo[3]);
+                mma_tf32<PRODUCTS, STEP_SUMS>(s[i][f], a_hi[i], a_lo[i], b_hi[0], b_hi[1], b_lo[0], b_lo[1]);
+                mma_tf32<PRODUCTS, STEP_SUMS>(s[i][f + 1], a_hi[i], a_lo[i], b_hi[2], b_hi[3], b_lo[2], b_lo[3]);
             }
         }
     }
@@ -51,8 +52,9 @@ __device__ __forceinline__ void mma_qk_tf32(float (&s)[M_STRIPS][N_FRAGS][4], u3
 // b1 = V[2t + 1][n], two float32 reads from the row-major V tile (ldmatrix's .trans splits
 // 32-bit values). The reads of a warp hit 32 distinct banks: its rows 2t + e (e fixed) sit at
 // swizzle phases 2t + e, its columns 8c + g in chunks 2c + g / 4.
-// PRESPLIT: V's tile holds hi already and v_lo_tile lo (split_tile).
-template <int PRODUCTS, int D_TILE, bool PRESPLIT = false, int M_STRIPS, int N_FRAGS, int D_FRAGS>
+// PRESPLIT: V's tile holds hi already and v_lo_tile lo (split_tile). STEP_SUMS as mma_qk_tf32's.
+template <int PRODUCTS, int D_TILE, bool PRESPLIT = false, bool STEP_SUMS = false, int M_STRIPS, int N_FRAGS,
+          int D_FRAGS>
 __device__ __forceinline__ void mma_pv_tf32(float (&o)[M_STRIPS][D_FRAGS][4],
                                             const float (&s)[M_STRIPS][N_FRAGS][4],
                                             const unsigned char* v_tile, int lane,
@@ -92,7 +94,8 @@ __device__ __forceinline__ void mma_pv_tf32(float (&o)[M_STRIPS][D_FRAGS][4],
                 }
             }
 #pragma unroll
-            for (int i = 0; i < M_STRIPS; ++i) mma_tf32<PRODUCTS>(o[i][c], a_hi[i], a_lo[i], b_hi[0], b_hi[1], b_lo[0], b_lo[1]);
+            for (int i = 0; i < M_STRIPS; ++i)
+                mma_tf32<PRODUCTS, STEP_SUMS>(o[i][c], a_hi[i], a_lo[i], b_hi[0], b_hi[1], b_lo[0], b_lo[1]);
         }
     }
 }

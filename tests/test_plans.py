@@ -148,20 +148,28 @@ def test_one_row_answers_what_runs():
 
 def test_float32_runs_on_tensor_cores():
     """float32's default forward is flash_fwd_tf32 on every device class, in the precision asked
-    (three tf32 products for "ieee", one for "tf32"), with the row of its class and head-dim tile;
-    float64 stays SIMT."""
+    (three tf32 products for "ieee", one for "tf32"), with the row of its class and head-dim tile:
+    IEEE_FORWARD_TILES' where "ieee" has one (K and V split once per tile, lo tiles of their own in
+    shared memory), FORWARD_TILES' otherwise; float64 stays SIMT."""
     for arch, smem in itertools.product(ARCHS, SMEM_OPTINS):
         where = plans.device_class(arch, smem)
         for headdim, dt in ((1, 64), (40, 64), (64, 64), (100, 128), (128, 128), (200, 256), (256, 256)):
             for precision, products in (("ieee", 3), ("tf32", 1)):
                 plan = plans.plan_forward(arch, SUPPORTED["float32"], headdim, Causal(), smem, precision=precision)
                 tiles = plans.FORWARD_TILES[("tf32", where, dt)]
+                if precision == "ieee":
+                    tiles = plans.IEEE_FORWARD_TILES.get(("tf32", where, dt), tiles)
+                    assert tiles.presplit == (where != plans.PORTABLE and dt <= 128)
+                else:
+                    assert not tiles.presplit
                 assert (plan.family, plan.kernel, plan.tiles, plan.d_tile) == ("mma", "flash_fwd_tf32", tiles, dt)
                 assert plan.headdim == dispatch.mma_headdim(headdim)
                 assert plan.spec.name == (f"flash_fwd_tf32_fp32_hdim{dt}_causal_bm{tiles.block_m}_bn{tiles.block_n}"
-                                          f"_w{tiles.warps}_s{tiles.stages}_{precision}")
-                assert plan.spec.expression.endswith(f", {products}>")
-                assert plan.spec.smem_bytes == 4 * dt * (tiles.block_m + 2 * tiles.stages * tiles.block_n)
+                                          f"_w{tiles.warps}_s{tiles.stages}_{precision}"
+                                          f"{'_presplit' if tiles.presplit else ''}")
+                assert plan.spec.expression.endswith(f", {products}{', false, true' if tiles.presplit else ''}>")
+                kv_tiles = 4 if tiles.presplit else 2
+                assert plan.spec.smem_bytes == 4 * dt * (tiles.block_m + kv_tiles * tiles.stages * tiles.block_n)
                 # every sm_90 part has 227 KiB per block (the table's smaller opt-ins there are hypothetical);
                 # d256 needs more than 99 KiB (sm_86 / sm_89 refuse it, as they refused the SIMT kernel's)
                 limit = 227 * 1024 if where == plans.SM90 else smem
@@ -198,11 +206,15 @@ def test_the_compile_check_sees_every_shipped_forward_specialization():
     old = {old_choice(arch, smem, dtype, hd, mask)[0] for dtype in ("float16", "bfloat16")
            for arch, smem in itertools.product(ARCHS, SMEM_OPTINS) for hd in (64, 128, 256) for mask in OLD_MASKS}
     all_names = [s.name for s in mma_fwd.specializations()]
-    # float32: every tf32 row with every mask, in both precisions
+    # float32: every tf32 row with every mask, in both precisions ("ieee" on IEEE_FORWARD_TILES' rows
+    # where it has them)
     tf32 = {n for n in all_names if n.startswith("flash_fwd_tf32_")}
-    assert tf32 == {plans.specialization_for("float32", dt, mask, tiles, precision=precision).name
-                    for (family, where, dt), tiles in plans.FORWARD_TILES.items() if family == "tf32"
+    assert tf32 == {plans.specialization_for("float32", dt, mask, plans.forward_candidates(family, where, dt, mask,
+                                                                                            precision)[0],
+                                             precision=precision).name
+                    for (family, where, dt) in plans.FORWARD_TILES if family == "tf32"
                     for mask in KINDS + VARIANT_KINDS + PACKED_KINDS for precision in ("ieee", "tf32")}
+    assert any(n.endswith("_ieee_presplit") for n in tf32)
     all_names = [n for n in all_names if n not in tf32]
     # packed batches: each row's plan for masks.PACKED_KINDS (PACKED_FORWARD_TILES where it differs)
     packed = {n for n in all_names if "_packed_" in n}

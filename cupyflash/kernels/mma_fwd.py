@@ -98,12 +98,12 @@ def specializations() -> list:
     # every narrower pair, for the plain masks
     specs += [plans.specialization_for(dtype, dt, mask, t, dvt) for dtype, dt, mask, t in entries
               if isinstance(t, WgmmaFwdConfig) and mask in KINDS for dvt in D_TILES if dvt < dt]
-    # float32 (tf32 tensor cores), in both precisions
-    tf32_rows = [(dt, plans.FORWARD_TILES[(family, where, dt)]) for (family, where, dt) in plans.FORWARD_TILES
-                 if family == "tf32"]
+    # float32 (tf32 tensor cores), each precision on its rows
+    tf32_rows = {(dt, precision, plans.forward_candidates(family, where, dt, KINDS[0], precision)[0])
+                 for (family, where, dt) in plans.FORWARD_TILES if family == "tf32" for precision in PRECISIONS}
     specs += [plans.specialization_for("float32", dt, mask, t, precision=precision)
-              for dt, t in sorted(set(tf32_rows), key=lambda e: (e[0], e[1].block_m, e[1].block_n))
-              for mask in KINDS + VARIANT_KINDS + PACKED_KINDS for precision in PRECISIONS]
+              for dt, precision, t in sorted(tf32_rows, key=lambda e: (e[0], e[1], e[2].block_m, e[2].block_n))
+              for mask in KINDS + VARIANT_KINDS + PACKED_KINDS]
     return list(dict.fromkeys(specs))
 
 

@@ -99,6 +99,24 @@ def test_the_fresh_o_candidate_compiles_without_spills():
     assert result.spill_bytes == 0 and result.stack_bytes == 0, result
 
 
+def test_step_sums_name_and_template_arguments():
+    """Tf32FwdConfig(step_sums=True) (dev/tf32_accumulation_probe.py's candidate: each k-step's products
+    summed apart and added by FADD) names its kernel and sets the last template argument; one tf32
+    product has nothing to sum apart, so "tf32" drops it (one kernel, one name)."""
+    from cupyflash import plans
+    from cupyflash.masks import Causal
+
+    both = plans.Tf32FwdConfig(128, 32, 8, presplit=True, step_sums=True)
+    spec = plans.specialization_for("float32", 128, Causal(), both)
+    assert spec.name.endswith("_ieee_presplit_stepsums") and spec.expression.endswith(", 3, false, true, true>")
+    alone = plans.specialization_for("float32", 64, Causal(), plans.Tf32FwdConfig(128, 64, 8, step_sums=True))
+    assert alone.name.endswith("_ieee_stepsums") and alone.expression.endswith(", 3, false, false, true>")
+    one = plans.specialization_for("float32", 128, Causal(), both, precision="tf32")
+    assert one == plans.specialization_for("float32", 128, Causal(), plans.Tf32FwdConfig(128, 32, 8, presplit=True),
+                                           precision="tf32")
+    assert one.expression.endswith(", 1, false, true>")
+
+
 @pytest.mark.parametrize("products", [3, 1])
 @pytest.mark.parametrize("dim,rows", [(64, 64), (128, 32), (256, 16)])
 def test_presplit_tiles_hold_what_each_warp_would_split(dim, rows, products):

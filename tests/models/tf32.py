@@ -122,8 +122,8 @@ def read_word(smem: np.ndarray, offsets: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 
 @mirrors("tf32_fwd_steps.cuh", "ldmatrix_x4(a, a_addr(q_rows, i, kk));", "ldmatrix_x4(b, k_addr(k_tile, f / 2, kk));",
-         "mma_tf32<PRODUCTS>(s[i][f], a_hi[i], a_lo[i], b_hi[0], b_hi[1], b_lo[0], b_lo[1]);",
-         "mma_tf32<PRODUCTS>(s[i][f + 1], a_hi[i], a_lo[i], b_hi[2], b_hi[3], b_lo[2], b_lo[3]);")
+         "mma_tf32<PRODUCTS, STEP_SUMS>(s[i][f], a_hi[i], a_lo[i], b_hi[0], b_hi[1], b_lo[0], b_lo[1]);",
+         "mma_tf32<PRODUCTS, STEP_SUMS>(s[i][f + 1], a_hi[i], a_lo[i], b_hi[2], b_hi[3], b_lo[2], b_lo[3]);")
 def mma_qk_tf32(products: int, dim: int, n_frags: int, q_smem, a_addr, k_smem, k_addr) -> np.ndarray:
     """s[lane, fragment, 4] of S = Q K^T for the strip at the A addresses' rows."""
     s = np.zeros((32, n_frags, 4))
@@ -154,7 +154,7 @@ def v_offset(dim: int, row_base, chunk_x16, kk: int, c: int):
 
 
 @mirrors("tf32_fwd_steps.cuh", "const float p[4] = {s[i][kk][0], s[i][kk][2], s[i][kk][1], s[i][kk][3]};",
-         "for (int i = 0; i < M_STRIPS; ++i) mma_tf32<PRODUCTS>(o[i][c], a_hi[i], a_lo[i], b_hi[0], b_hi[1], b_lo[0], b_lo[1]);")
+         "mma_tf32<PRODUCTS, STEP_SUMS>(o[i][c], a_hi[i], a_lo[i], b_hi[0], b_hi[1], b_lo[0], b_lo[1]);")
 def mma_pv_tf32(products: int, dim: int, s: np.ndarray, v_smem) -> np.ndarray:
     """o[lane, fragment, 4] += P V for one strip, P the accumulator fragments s[lane, kk, 4]."""
     n_frags = s.shape[1]
