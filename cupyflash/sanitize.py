@@ -23,7 +23,8 @@ MASKS = ((False, (-1, -1)), (True, (-1, -1)), (False, (19, 70)))
 
 def workload(families=("simt", "mma"), quick=False) -> int:
     """Forward + backward of each family over odd shapes; returns the number of shapes run.
-    ``quick``: one dtype per family, causal and the window only (racecheck is slow)."""
+    ``quick``: one dtype per family, causal and the window only (racecheck is slow); the mma
+    family's float32 forward (the tf32 kernel) in both precisions either way."""
     import cupy
     import numpy as np
 
@@ -46,6 +47,15 @@ def workload(families=("simt", "mma"), quick=False) -> int:
                     if backend == "mma":
                         api.flash_attn_backward(do, q, k, v, o, lse, causal=causal, window_size=window,
                                                 backend=backend, deterministic=False)
+                    calls += 1
+        if backend == "mma":  # float32's forward on tensor cores (tf32), both precisions; its backward is SIMT's
+            for headdim in HEADDIMS:
+                for causal, window in MASKS[1:] if quick else MASKS:
+                    q = cupy.asarray(rng.standard_normal((1, 77, 4, headdim)).astype(np.float32))
+                    k, v = (cupy.asarray(rng.standard_normal((1, 130, 2, headdim)).astype(np.float32)) for _ in range(2))
+                    for precision in ("ieee", "tf32"):
+                        api.flash_attn_func(q, k, v, causal=causal, window_size=window, backend=backend,
+                                            precision=precision)
                     calls += 1
     cupy.cuda.runtime.deviceSynchronize()
     return calls
