@@ -13,10 +13,10 @@ about 10x. This probe separates the suspects on the device:
    cores, the SIMT kernels' arithmetic). Inputs signed (S = Q K^T) or A >= 0 (O = P V).
 2. Attention itself, one case per head dim: standard float32 (NumPy), the SIMT kernel and the
    tf32 kernel in both precisions, max error against float64.
-3. The candidates against the shipped row (PRESPLIT since tf32-fwd-v2), error and time: the row
-   before it (v1), FRESH_O (each key block's P V in accumulators of its own, merged into O by FFMA:
-   Tf32FwdConfig(fresh_o=True)), STEP_SUMS (the "fresh" mode above in the kernel, S and O:
-   step_sums=True) and each with PRESPLIT.
+3. The candidates against the shipped row (PRESPLIT since tf32-fwd-v2), error and time: FRESH_O
+   (each key block's P V in accumulators of its own, merged into O by FFMA:
+   Tf32FwdConfig(fresh_o=True)) and STEP_SUMS (the "fresh" mode above in the kernel:
+   step_sums=True; for S, and for O where FRESH_O is off), with PRESPLIT and without.
 
     python dev/tf32_accumulation_probe.py [--candidates]
 """
@@ -134,20 +134,20 @@ def attention_errors() -> None:
 
 
 # The candidates against the shipped row, per head-dim tile (d256 spills with FRESH_O and with
-# STEP_SUMS): the row before PRESPLIT shipped ("v1"), FRESH_O (each key block's P V in accumulators
-# of its own, merged by FFMA), PRESPLIT (K and V split once per tile in shared memory; shipped since
-# tf32-fwd-v2) with and without FRESH_O, and STEP_SUMS (each k-step's three products summed apart,
-# added by FADD: the probe's "fresh" mode in the kernel; it spills 48-148 bytes at d64 / d128, so
-# its time here is not its best); (block_m, block_n, warps) as the compile check found them.
+# STEP_SUMS): FRESH_O (each key block's P V in accumulators of its own, merged by FFMA) on PRESPLIT
+# (K and V split once per tile in shared memory; shipped since tf32-fwd-v2), and STEP_SUMS (each
+# k-step's three products summed apart, added by FADD: the probe's "fresh" mode in the kernel) for
+# S and O (O's spill 24-116 bytes, so that time is not its best), or for S with FRESH_O's O
+# (spill-free); (block_m, block_n, warps) as the compile check found them.
 def candidates(d: int):
     from cupyflash.plans import Tf32FwdConfig
 
     bn_presplit = 64 if d == 64 else 32  # the lo tiles double K/V's shared memory
-    return {"v1": Tf32FwdConfig(128, 64, 8),
-            "fresh_o": Tf32FwdConfig(128, 64, 8, fresh_o=True),
-            "fresh_o+presplit": Tf32FwdConfig(128, bn_presplit, 8, fresh_o=True, presplit=True),
-            "step_sums": Tf32FwdConfig(128, 64, 8, step_sums=True),
-            "step_sums+presplit": Tf32FwdConfig(128, bn_presplit, 8, presplit=True, step_sums=True)}
+    return {"fresh_o+presplit": Tf32FwdConfig(128, bn_presplit, 8, fresh_o=True, presplit=True),
+            "step_sums+presplit": Tf32FwdConfig(128, bn_presplit, 8, presplit=True, step_sums=True),
+            "step_sums+fresh_o+presplit": Tf32FwdConfig(128, bn_presplit, 8, fresh_o=True, presplit=True,
+                                                        step_sums=True),
+            "step_sums+fresh_o": Tf32FwdConfig(128, 64, 8, fresh_o=True, step_sums=True)}
 
 
 def _forward_with(tiles, q, k, v, causal, o, lse):

@@ -21,8 +21,10 @@
 // PRESPLIT (a candidate too): each landed K and V tile split once, by the threads that copied it,
 // into hi in place and lo in tiles of their own (split_tile), instead of every warp splitting
 // every fragment it reads; twice the K/V shared memory for three products.
-// STEP_SUMS (three products): every k-step's products summed apart and added into S and O by FADD,
-// rounded to nearest, where the tensor core's own accumulation is not (tf32.cuh, mma_tf32).
+// STEP_SUMS (three products; a candidate too): every k-step's products summed apart and added by
+// FADD, rounded to nearest, where the tensor core's own accumulation is not (tf32.cuh, mma_tf32):
+// into S (one k-step in flight: spill-free), and into O unless FRESH_O sums each key block apart
+// instead (O's steps in flight spill 24-116 bytes).
 #include "online_softmax.cuh"
 #include "params.cuh"
 #include "tf32_fwd_steps.cuh"
@@ -154,7 +156,7 @@ flash_fwd_tf32(const __grid_constant__ FwdParams p) {
         if constexpr (FRESH_O) {
             float o_block[M_STRIPS][D_FRAGS][4];
             zero_acc(o_block);
-            mma_pv_tf32<PRODUCTS, D_TILE, PRESPLIT, STEP_SUMS>(o_block, s, smem + Smem::v_tile(stage), lane,
+            mma_pv_tf32<PRODUCTS, D_TILE, PRESPLIT>(o_block, s, smem + Smem::v_tile(stage), lane,
                                                     smem + Smem::v_lo_tile(stage));
             merge_block(o_acc, rescale, o_block, lane);
         } else {

@@ -74,9 +74,10 @@ __device__ __forceinline__ void mma_1688_tf32(float (&acc)[4], const u32 (&a)[4]
 // float32 rounding, and the loss grows with the number of additions: 4.8e-6 of sum |a b| over
 // 8192 products against FMA's 3.0e-7, dev/tf32_accumulation_probe.py); summed apart, one k-step
 // of 8 products costs one truncation of its own size and one rounded add (8e-8 at any length).
-// Four FADDs per three products, and four registers per step in flight: ptxas overlaps the steps
-// of every fragment of S or O to hide the products' latency (a volatile asm block of one step
-// does not stop it), which spills 48-148 bytes at d64 / d128 (a candidate, not a shipped row).
+// Four FADDs per three products, and four registers per step in flight: in a fully unrolled loop
+// ptxas overlaps many steps to hide the products' latency (a volatile asm block of one step does
+// not stop it, nor a zero C made to depend on the running sum) and spills; S's k-step loop stays
+// rolled for it (tf32_fwd_steps.cuh).
 template <int PRODUCTS, bool STEP_SUMS = false>
 __device__ __forceinline__ void mma_tf32(float (&acc)[4], const u32 (&a_hi)[4], const u32 (&a_lo)[4],
                                          u32 b_hi0, u32 b_hi1, u32 b_lo0, u32 b_lo1) {

@@ -12,14 +12,15 @@ namespace cf {
 // shared Q tile, q_rows its first) are split once per k-step and serve every key fragment; K's
 // non-transposed ldmatrix gives B = K^T, one x4 load covering keys 8f..8f+15.
 // PRESPLIT: K's tile holds hi already and k_lo_tile lo (split_tile), read by two ldmatrix.
-// STEP_SUMS: each k-step's products summed apart and added by FADD (tf32.cuh, mma_tf32).
+// STEP_SUMS: each k-step's products summed apart and added by FADD (tf32.cuh, mma_tf32), the k-step
+// loop kept rolled: unrolled, ptxas overlaps the k-steps and their sums' registers spill (no
+// register array is indexed by the k-step, so rolling it costs no local memory).
 template <int PRODUCTS, int D_TILE, bool PRESPLIT = false, bool STEP_SUMS = false, int M_STRIPS, int N_FRAGS>
 __device__ __forceinline__ void mma_qk_tf32(float (&s)[M_STRIPS][N_FRAGS][4], u32 q_rows,
                                             const FragmentAddress<2 * D_TILE>& a_addr, u32 k_tile,
                                             const FragmentAddress<2 * D_TILE>& k_addr, u32 k_lo_tile = 0) {
     zero_acc(s);
-#pragma unroll
-    for (int kk = 0; kk < D_TILE / 8; ++kk) {
+    auto k_step = [&](int kk) {
         u32 a_hi[M_STRIPS][4], a_lo[M_STRIPS][4];
 #pragma unroll
         for (int i = 0; i < M_STRIPS; ++i) {
@@ -43,6 +44,13 @@ __device__ __forceinline__ void mma_qk_tf32(float (&s)[M_STRIPS][N_FRAGS][4], u3
                 mma_tf32<PRODUCTS, STEP_SUMS>(s[i][f + 1], a_hi[i], a_lo[i], b_hi[2], b_hi[3], b_lo[2], b_lo[3]);
             }
         }
+    };
+    if constexpr (STEP_SUMS && Tf32Operand<PRODUCTS>::SPLIT) {
+#pragma unroll 1
+        for (int kk = 0; kk < D_TILE / 8; ++kk) k_step(kk);
+    } else {
+#pragma unroll
+        for (int kk = 0; kk < D_TILE / 8; ++kk) k_step(kk);
     }
 }
 
