@@ -239,13 +239,14 @@ def _varlen_forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
                        causal: bool, window_left: int, window_right: int, deterministic: bool,
                        softcap: float = 0.0,
                        alibi_slopes: torch.Tensor | None = None,
+                       sink: torch.Tensor | None = None,
                        precision: str = "ieee") -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse) of cupyflash.flash_attn_varlen_func; lse is (nheads, total_q)."""
     def compute(q, k, v, cu_q, cu_k, backend):
         return varlen.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k,
                                              softmax_scale=softmax_scale, causal=causal,
                                              window_size=(window_left, window_right), softcap=softcap,
-                                             **_variant_arrays(alibi_slopes, None), return_lse=True,
+                                             **_variant_arrays(alibi_slopes, sink), return_lse=True,
                                              backend=backend, precision=precision)
 
     return _run(q.device, compute, q, k, v, cu_seqlens_q, cu_seqlens_k)
@@ -253,7 +254,8 @@ def _varlen_forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
 
 @_varlen_forward_op.register_fake
 def _varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                         window_left, window_right, deterministic, softcap=0.0, alibi_slopes=None, precision="ieee"):
+                         window_left, window_right, deterministic, softcap=0.0, alibi_slopes=None, sink=None,
+                         precision="ieee"):
     total_q, nheads, _ = q.shape
     return (q.new_empty((total_q, nheads, v.shape[2])), q.new_empty((nheads, total_q), dtype=_lse_dtype(q.dtype)))
 
@@ -264,41 +266,44 @@ def _varlen_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
                         max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int,
                         window_right: int, deterministic: bool, softcap: float = 0.0,
                         alibi_slopes: torch.Tensor | None = None,
-                        precision: str = "ieee") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of cupyflash.flash_attn_varlen_backward."""
+                        sink: torch.Tensor | None = None,
+                        precision: str = "ieee") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dsink) of cupyflash.flash_attn_varlen_backward; dsink empty without a sink."""
     def compute(do, q, k, v, o, lse, cu_q, cu_k, backend):
         return varlen.flash_attn_varlen_backward(do, q, k, v, o, lse, cu_q, cu_k, max_seqlen_q, max_seqlen_k,
                                                  softmax_scale=softmax_scale, causal=causal,
                                                  window_size=(window_left, window_right), softcap=softcap,
-                                                 **_variant_arrays(alibi_slopes, None), backend=backend,
+                                                 **_variant_arrays(alibi_slopes, sink), backend=backend,
                                                  deterministic=deterministic, precision=precision)
 
-    return _run(q.device, compute, do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
+    grads = _run(q.device, compute, do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
+    return grads if sink is not None else (*grads, q.new_empty((0,), dtype=torch.float32))
 
 
 @_varlen_backward_op.register_fake
 def _varlen_backward_fake(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                           softmax_scale, causal, window_left, window_right, deterministic, softcap=0.0,
-                          alibi_slopes=None, precision="ieee"):
-    return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
+                          alibi_slopes=None, sink=None, precision="ieee"):
+    dsink = q.new_empty((0,) if sink is None else tuple(sink.shape), dtype=torch.float32)
+    return (*(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v)), dsink)
 
 
 def _varlen_setup_context(ctx, inputs, output):
     (q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window_left, window_right, deterministic, softcap,
-     alibi_slopes, *precision) = inputs
+     alibi_slopes, sink, *precision) = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
     ctx.options = (max_q, max_k, softmax_scale, causal, window_left, window_right, deterministic, softcap,
-                   alibi_slopes, *precision)
+                   alibi_slopes, sink, *precision)
     ctx.set_materialize_grads(False)
 
 
 def _varlen_backward_formula(ctx, do, dlse):
     q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
-    scale = ctx.options[2]
+    scale, sink = ctx.options[2], ctx.options[9]
     if do is None:
         do = torch.zeros_like(o)
-    dq, dk, dv = _varlen_backward_op(do, q, k, v, o, lse, cu_q, cu_k, *ctx.options)
+    dq, dk, dv, dsink = _varlen_backward_op(do, q, k, v, o, lse, cu_q, cu_k, *ctx.options)
     if dlse is not None:  # as for the dense operator, sequence by sequence (P is block diagonal)
         if ctx.options[7]:
             raise NotImplementedError("cupyflash.torch: a gradient through softmax_lse with softcap != 0 is not "
@@ -307,7 +312,11 @@ def _varlen_backward_formula(ctx, do, dlse):
                                    lambda: _varlen_forward_op(q, k, k, cu_q, cu_k, *ctx.options)[0],
                                    lambda do_q, pk: _varlen_backward_op(do_q, q, k, k, pk, lse, cu_q, cu_k,
                                                                         *ctx.options)[2])
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None, None
+        if sink is not None:  # dlse_i/dsink = exp(sink - lse_i), the sink's share of row i (lse: (nheads, total_q))
+            share = torch.exp(sink.to(lse.dtype)[:, None] - lse) * (lse != -math.inf)
+            dsink = dsink + (dlse.to(lse.dtype) * share).sum(dim=1).to(dsink.dtype)
+    return (dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None,
+            (dsink if sink is not None else None), None)
 
 
 _varlen_forward_op.register_autograd(_varlen_backward_formula, setup_context=_varlen_setup_context)
@@ -321,7 +330,7 @@ def _kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k
                 block_table: torch.Tensor | None, softmax_scale: float, causal: bool, window_left: int,
                 window_right: int, softcap: float = 0.0,
                 alibi_slopes: torch.Tensor | None = None, num_splits: int = 0,
-                precision: str = "ieee") -> tuple[torch.Tensor, torch.Tensor]:
+                precision: str = "ieee", sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse) of cupyflash.flash_attn_with_kvcache; k, v (when given) are appended to the caches
     in place, which DLPack (CUDA) and NumPy's views (CPU) share with the tensors."""
     named = {"k": k, "v": v, "cache_seqlens": cache_seqlens, "cache_batch_idx": cache_batch_idx,
@@ -333,7 +342,7 @@ def _kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k
         return kvcache.flash_attn_with_kvcache(q, k_cache, v_cache, options.pop("k", None), options.pop("v", None),
                                                softmax_scale=softmax_scale, causal=causal,
                                                window_size=(window_left, window_right), softcap=softcap,
-                                               **_variant_arrays(alibi_slopes, None), num_splits=num_splits,
+                                               **_variant_arrays(alibi_slopes, sink), num_splits=num_splits,
                                                return_lse=True, backend=backend, precision=precision, **options)
 
     return _run(q.device, compute, q, k_cache, v_cache, *(named[name] for name in present))
@@ -341,7 +350,8 @@ def _kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k
 
 @_kvcache_op.register_fake
 def _kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal,
-                  window_left, window_right, softcap=0.0, alibi_slopes=None, num_splits=0, precision="ieee"):
+                  window_left, window_right, softcap=0.0, alibi_slopes=None, num_splits=0, precision="ieee",
+                  sink=None):
     batch, seqlen_q, nheads, _ = q.shape
     return (q.new_empty((batch, seqlen_q, nheads, v_cache.shape[3])),
             q.new_empty((batch, nheads, seqlen_q), dtype=_lse_dtype(q.dtype)))
@@ -549,7 +559,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, block_table=None, *, precision=None):
+                           deterministic=False, return_attn_probs=False, block_table=None, *, sink=None,
+                           precision=None):
     """flash-attn 2's flash_attn_varlen_func, computed by cupyflash: attention over a packed batch.
 
     q: (total_q, nheads, headdim); k, v: (total_k, nheads_kv, headdim), v's headdim free (out has
@@ -560,16 +571,17 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     and window; empty sequences are allowed. Differentiable in q, k, v (and through the lse).
 
     Returns out (like q), or with ``return_attn_probs`` (out, softmax_lse, S_dmask): softmax_lse
-    (nheads, total_q), float32 (float64 for float64); S_dmask an empty tensor. ``softcap`` and
+    (nheads, total_q), float32 (float64 for float64); S_dmask an empty tensor. ``softcap``,
     ``alibi_slopes`` ((nheads,) or (batch, nheads) float32, row b for sequence b; not
-    differentiated) are cupyflash.flash_attn_varlen_func's. Not supported yet, each a
+    differentiated) and ``sink`` (keyword only: (nheads,) float32 logits in every row's softmax
+    denominator, differentiable) are cupyflash.flash_attn_varlen_func's. Not supported yet, each a
     NotImplementedError: dropout_p != 0, block_table (paged varlen), a gradient through
     softmax_lse with softcap != 0. cupyflash.flash_attn_varlen_func's notes on its interim
     implementation apply. ``precision`` (keyword only) is cupyflash.flash_attn_func's.
     """
     precision = check_precision(precision)
     _unsupported(dropout_p=dropout_p != 0, block_table=block_table is not None)
-    _check_variant_tensors(q, softcap, alibi_slopes, None)
+    _check_variant_tensors(q, softcap, alibi_slopes, sink)
     _check_tensors(q, k, v, _PACKED)
     cu_q = _index_tensor(cu_seqlens_q, "cu_seqlens_q", q.device, optional=False)
     cu_k = _index_tensor(cu_seqlens_k, "cu_seqlens_k", q.device, optional=False)
@@ -577,7 +589,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     scale = _scale(softmax_scale, q.shape[2])
     window_left, window_right = check_window(window_size)
     o, lse = _varlen_forward_op(q, k, v, cu_q, cu_k, max_q, max_k, scale, bool(causal), window_left, window_right,
-                                bool(deterministic), float(softcap), alibi_slopes, precision)
+                                bool(deterministic), float(softcap), alibi_slopes, sink, precision)
     if not return_attn_probs:
         return o
     return o, lse, q.new_empty((0,))
@@ -587,7 +599,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False, *,
-                            precision=None):
+                            sink=None, precision=None):
     """flash-attn 2's flash_attn_with_kvcache, computed by cupyflash (inference: no autograd).
 
     q: (batch, seqlen_q, nheads, headdim); k_cache, v_cache: (batch_cache, seqlen_cache,
@@ -599,7 +611,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     + seqlen_new keys, causal / window aligned to the end of the updated cache.
     ``cache_batch_idx`` (batch,) int32 picks the cache row of each sequence. Returns out (like q),
     or (out, softmax_lse) with ``return_softmax_lse`` (softmax_lse (batch, nheads, seqlen_q)).
-    ``softcap`` and ``alibi_slopes`` ((nheads,) or (batch, nheads) float32) are
+    ``softcap``, ``alibi_slopes`` ((nheads,) or (batch, nheads) float32) and ``sink`` (keyword
+    only: (nheads,) float32 logits in every row's softmax denominator) are
     cupyflash.flash_attn_with_kvcache's. Not supported yet, each a NotImplementedError:
     rotary_cos / rotary_sin, cache_leftpad. ``num_splits`` is the split-KV count
     (cupyflash.flash_attn_with_kvcache's: 0 picks it); ``rotary_interleaved`` matters only with rotary.
@@ -608,7 +621,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     precision = check_precision(precision)
     _unsupported(rotary_cos=rotary_cos is not None, rotary_sin=rotary_sin is not None,
                  cache_leftpad=cache_leftpad is not None)
-    _check_variant_tensors(q, softcap, alibi_slopes, None)
+    _check_variant_tensors(q, softcap, alibi_slopes, sink)
     _check_tensors(q, k_cache, v_cache, names=("q", "k_cache", "v_cache"), same_batch=False)
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together (the new tokens to append) or both be None")
@@ -628,12 +641,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     scale = _scale(softmax_scale, q.shape[3])
     window_left, window_right = check_window(window_size)
     o, lse = _kvcache_op(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, scale, bool(causal),
-                         window_left, window_right, float(softcap), alibi_slopes, int(num_splits), precision)
+                         window_left, window_right, float(softcap), alibi_slopes, int(num_splits), precision, sink)
     return (o, lse) if return_softmax_lse else o
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
-                                 scale=None, enable_gqa=False):
+                                 scale=None, enable_gqa=False, *, precision=None):
     """torch.nn.functional.scaled_dot_product_attention's call for 4-d (batch, nheads, seqlen, headdim)
     tensors, computed by cupyflash.
 
@@ -641,6 +654,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     bottom-right mask when seqlen_q == seqlen_k; other lengths with is_causal raise
     NotImplementedError, as do attn_mask and dropout_p != 0. ``enable_gqa`` allows key/value with
     fewer heads. The backward is deterministic when torch.are_deterministic_algorithms_enabled().
+    ``precision`` (keyword only; "ieee", the default, or "tf32") is cupyflash.flash_attn_func's: how
+    float32 products are formed on tensor cores.
     """
     _unsupported(attn_mask=attn_mask is not None, dropout_p=dropout_p != 0)
     for name, x in (("query", query), ("key", key), ("value", value)):
@@ -655,5 +670,5 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                                   "cupyflash bottom-right (use flash_attn_func for bottom-right)")
     out = flash_attn_func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                           softmax_scale=scale, causal=bool(is_causal),
-                          deterministic=torch.are_deterministic_algorithms_enabled())
+                          deterministic=torch.are_deterministic_algorithms_enabled(), precision=precision)
     return out.transpose(1, 2)

@@ -275,6 +275,23 @@ def test_sdpa_helper_matches_torch(is_causal, nheads_kv):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-10)
 
 
+def test_sdpa_helper_takes_the_precision():
+    """precision reaches the call: "tf32" rounds float32 operands to tf32 (the NumPy twin as the
+    kernel), "ieee" (the default) does not, and a bad value is refused by name."""
+    generator = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn((1, 2, 9, 16), generator=generator) for _ in range(3))
+    o_default = scaled_dot_product_attention(q, k, v, is_causal=True)
+    o_ieee = scaled_dot_product_attention(q, k, v, is_causal=True, precision="ieee")
+    o_tf32 = scaled_dot_product_attention(q, k, v, is_causal=True, precision="tf32")
+    want_tf32 = cupyflash.flash_attn_func(*(x.transpose(1, 2).numpy() for x in (q, k, v)), causal=True,
+                                          backend="numpy", precision="tf32")
+    assert torch.equal(o_default, o_ieee)
+    np.testing.assert_array_equal(o_tf32.transpose(1, 2).numpy(), want_tf32)
+    assert (o_tf32 - o_ieee).abs().max() > 1e-5
+    with pytest.raises(ValueError, match="precision"):
+        scaled_dot_product_attention(q, k, v, precision="fp32")
+
+
 def test_sdpa_helper_errors():
     q = torch.randn(1, 4, 5, 8)
     k = torch.randn(1, 2, 6, 8)

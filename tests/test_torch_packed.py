@@ -103,6 +103,54 @@ def test_varlen_errors_name_the_argument():
             flash_attn_varlen_func(**args)
 
 
+def _per_sequence(cu_q, cu_k):
+    """(rows of q, rows of k) of each sequence of a packed batch."""
+    return [(slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1])))
+            for b in range(len(cu_q) - 1)]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_sink_outputs_and_gradients_match_the_reference_sequence_by_sequence(causal):
+    """A sink (gpt-oss: one logit per head in every row's denominator) through the packed front
+    end: o, lse and the gradients of q, k, v and the sink against the dense float64 reference run
+    on each sequence alone (an empty query run: no rows, no share of dsink; an empty key run: o = 0,
+    lse = the sink)."""
+    q, k, v, cu_q, cu_k, max_q, max_k = packed(lengths_q=[3, 0, 5, 2], lengths_k=[4, 3, 6, 0])
+    sink = torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=torch.float32, requires_grad=True)
+    o, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, sink=sink,
+                                       return_attn_probs=True)
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    dq, dk, dv, dsink = torch.autograd.grad((o * do).sum(), (q, k, v, sink))
+    want_dsink = np.zeros(4)
+    for rows_q, rows_k in _per_sequence(cu_q, cu_k):
+        if rows_q.stop == rows_q.start:
+            continue
+        arrays = [x.detach().numpy()[rows][None] for x, rows in ((q, rows_q), (k, rows_k), (v, rows_k))]
+        kw = dict(causal=causal, sink=sink.detach().numpy())
+        o_ref, lse_ref = reference.attention(*arrays, **kw)
+        np.testing.assert_allclose(o.detach().numpy()[rows_q], o_ref[0], rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(lse.detach().numpy()[:, rows_q], lse_ref[0], rtol=1e-12, atol=1e-12)
+        g_q, g_k, g_v, g_sink = reference.attention_backward(do.numpy()[rows_q][None], *arrays, **kw)
+        for got, want, rows in ((dq, g_q, rows_q), (dk, g_k, rows_k), (dv, g_v, rows_k)):
+            # GQA: the reference's dk, dv already sum over the query heads sharing a kv head
+            np.testing.assert_allclose(got.numpy()[rows], want[0], rtol=1e-10, atol=1e-10)
+        want_dsink += g_sink
+    np.testing.assert_allclose(dsink.numpy(), want_dsink, rtol=1e-5, atol=1e-6)  # dsink is float32
+
+
+def test_varlen_sink_gradient_through_the_lse():
+    """d(sum lse)/dsink_h = sum over h's rows of exp(sink_h - lse_hi), the sink's share of each row
+    (a row with no key has lse = sink: its share is 1)."""
+    q, k, v, cu_q, cu_k, max_q, max_k = packed(lengths_q=[3, 2, 4], lengths_k=[4, 0, 5])
+    sink = torch.tensor([0.25, -0.5, 1.5, 0.0], dtype=torch.float32, requires_grad=True)
+    _, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, sink=sink,
+                                       return_attn_probs=True)
+    [dsink] = torch.autograd.grad(lse.sum(), (sink,))
+    lse64 = lse.detach().numpy()
+    want = np.exp(sink.detach().numpy().astype(np.float64)[:, None] - lse64).sum(axis=1)
+    np.testing.assert_allclose(dsink.numpy(), want, rtol=1e-5)
+
+
 # --- kv cache ---------------------------------------------------------------------------------------
 
 def caches(batch=3, capacity=12, nheads_kv=2, headdim=8, page_size=None, seed=1):
@@ -141,6 +189,27 @@ def test_kvcache_appends_in_place_and_matches_the_reference(page_size, causal):
                                                  v_new.numpy(), causal=causal, **index)
     np.testing.assert_allclose(o.numpy(), o_ref, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(lse.numpy(), lse_ref, rtol=1e-12, atol=1e-12)
+
+
+def test_kvcache_sink_matches_the_reference():
+    batch, nheads, nheads_kv, headdim = 3, 4, 2, 8
+    generator = torch.Generator().manual_seed(11)
+    q = torch.randn((batch, 2, nheads, headdim), generator=generator, dtype=torch.float64)
+    k_new, v_new = (torch.randn((batch, 2, nheads_kv, headdim), generator=generator, dtype=torch.float64)
+                    for _ in range(2))
+    k_cache, v_cache = caches(batch)
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    cache_seqlens = torch.tensor([5, 0, 9], dtype=torch.int32)
+    sink = torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=torch.float32)
+    o, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=cache_seqlens, causal=True,
+                                     sink=sink, return_softmax_lse=True)
+    o_ref, lse_ref = reference.kvcache_attention(q.numpy(), before_k.numpy(), before_v.numpy(), k_new.numpy(),
+                                                 v_new.numpy(), cache_seqlens=cache_seqlens.numpy(), causal=True,
+                                                 sink=sink.numpy())
+    np.testing.assert_allclose(o.numpy(), o_ref, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse.numpy(), lse_ref, rtol=1e-12, atol=1e-12)
+    with pytest.raises(TypeError, match="sink must be a tensor"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, sink=sink.numpy())
 
 
 def test_kvcache_int_seqlens_and_batch_index_without_append():
