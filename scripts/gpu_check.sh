@@ -28,13 +28,20 @@
 #   scripts/gpu_check.sh OUTDIR ncu     kernel by kernel, this tree against BEFORE_TREE (required):
 #                                       time, registers, instructions of NCU_CASES, then the full
 #                                       section set of NCU_FULL (ncu --clock-control none)
-# Runs from the source tree without installing (PYTHONPATH), so two trees never mix.
+#   scripts/gpu_check.sh OUTDIR tf32    the float32 forward: its kernels compiled, tests/test_tf32_gpu.py,
+#                                       the accumulation probe's candidates, the fp32 bench table, and
+#                                       racecheck / memcheck --quick (the tf32 forward in their workload)
+# Runs from the source tree without installing (PYTHONPATH), so two trees never mix. CuPy's kernel
+# cache is the tree's own .cupy-cache (ignored by git, kept by the device between calls of one
+# machine), so a second call on a warm machine loads what the first compiled: on a fresh machine
+# the first part's shards spend most of their time in NVRTC.
 set -uo pipefail
 out=${1:?usage: gpu_check.sh OUTDIR tests|bench}
 what=${2:?usage: gpu_check.sh OUTDIR tests|bench}
 cd "$(dirname "$0")/.."
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-$PWD/.cupy-cache}
 status=0
 step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to OUTDIR/NAME.log
     local name=$1 limit=$2; shift 2
@@ -130,7 +137,7 @@ headdim_v)  # v's own head dim: its GPU tests with dropout's, its bench against 
     ;;
 suite)  # the GPU test suite in two parts (SUITE_PART=1 or 2), each one summary file
     case ${SUITE_PART:-1} in
-    1) paths=(tests/test_api_gpu.py tests/test_robustness_gpu.py tests/test_torch_gpu.py tests/test_kvcache_kernel_gpu.py
+    1) paths=(tests/test_api_gpu.py tests/test_tf32_gpu.py tests/test_robustness_gpu.py tests/test_torch_gpu.py tests/test_kvcache_kernel_gpu.py
               tests/test_capture_gpu.py tests/test_varlen_gpu.py tests/test_docs.py tests/test_cli.py tests/test_testing.py
               tests/test_validation.py tests/test_plans.py tests/test_plans_bwd.py tests/test_dispatch.py
               tests/kernels/test_compile_check.py tests/dev) ;;
@@ -166,6 +173,19 @@ ncu)
             ncu -i "$out/full-$tag.ncu-rep" --page details > "$out/full-$tag.txt" 2>&1
         done; IFS=' '
     done
+    ;;
+tf32)  # the float32 forward on tensor cores: tests, the probe's candidates, the bench, the sanitizer
+    export PYTHONPATH=$PWD
+    step warm-tf32 "${WARM_LIMIT:-120}" python scripts/warm_kernel_cache.py --match 'tf32|simt_fp32'
+    step tf32-tests "${TEST_LIMIT:-200}" env HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-gpu}" \
+        python scripts/pytest_shards.py --shards "${SHARDS:-8}" --limit "$(( ${TEST_LIMIT:-200} - 20 ))" \
+        --out "$out/tf32-shards" -m gpu tests/test_tf32_gpu.py
+    step tf32-probe 150 python dev/tf32_accumulation_probe.py --candidates
+    step bench-fp32 170 python -m cupyflash bench --dtype fp32 --headdim 64 128 --seqlen 1k 4k 8k --causal both \
+        --mode fwd --backends auto tf32 --anchors mem-eff --no-validate --quiet --json "$out/bench-fp32.json" \
+        --markdown "$out/bench-fp32.md"
+    step racecheck-quick "${RACECHECK_LIMIT:-180}" python -m cupyflash sanitize --tool racecheck --quick
+    step memcheck-quick "${MEMCHECK_LIMIT:-180}" python -m cupyflash sanitize --tool memcheck --quick
     ;;
 *) echo "unknown part $what"; exit 2 ;;
 esac
