@@ -79,6 +79,12 @@ struct DropoutFn {
         return philox4x32_10(make_uint4(static_cast<unsigned>(j0), static_cast<unsigned>(i0), stream, offset), k0, k1);
     }
     __device__ __forceinline__ bool kept(unsigned word) const { return word < threshold; }
+    // The kept weights' factor 1 / (1 - p), 1 without dropout (the backward kernels' dP scale).
+    template <class Params>
+    static __device__ __forceinline__ float kept_scale(const Params& p) {
+        if constexpr (ON) return p.variant.dropout.scale;
+        else return 1.f;
+    }
     // Whether element (i, j) is kept, from its own group (the SIMT kernels).
     __device__ __forceinline__ bool keep(int i, int j) const {
         const uint4 w = words(i & ~8, j & ~8);

@@ -39,7 +39,6 @@ flash_bwd_dkdv_mma_v2(const __grid_constant__ BwdParams p) {
     const int row0 = WARP_ROWS * warp;  // this warp's key rows within the block
     const int n0 = blockIdx.x * BLOCK_N, head_kv = blockIdx.y;
     const SequenceRows seq = cta_sequence_uniform<Mask>(p, blockIdx.z);
-    const int batch = seq.batch;
     // The run-time arguments, read once here (bwd_args in mma_bwd.cuh says why).
     const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k, group = p.group, headdim = p.headdim;
     const int query_cols = max(headdim, p.headdim_v);  // of the Q and dO tiles (cp_async_query_block)
@@ -47,7 +46,7 @@ flash_bwd_dkdv_mma_v2(const __grid_constant__ BwdParams p) {
     // Past a shorter sequence's end. A sequence without queries still stores dK = dV = 0 below.
     if (Mask::PACKED && n0 >= seqlen_k) return;
     const float scale_log2 = p.scale_log2, scale = p.scale;
-    const float drop_scale = DropoutOf<Mask>::ENABLED ? p.variant.dropout.scale : 1.f;  // 1 / (1 - p)
+    const float drop_scale = DropoutOf<Mask>::kept_scale(p);  // 1 / (1 - p)
     const TensorRows q = p.q, k = p.k, v = p.v, dout = p.dout, dk = p.dk, dv = p.dv, dq_accum = p.dq_accum;
     const float* __restrict__ lse = static_cast<const float*>(p.lse);
     const float* __restrict__ delta = static_cast<const float*>(p.delta);

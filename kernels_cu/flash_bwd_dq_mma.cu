@@ -78,7 +78,7 @@ flash_bwd_dq_mma(const __grid_constant__ BwdParams p) {
     float dq_acc[D_TILE / 8][4];
     zero(dq_acc);
     const DropoutOf<Mask> dropout(p, seq.index, head);
-    const float drop_scale = DropoutOf<Mask>::ENABLED ? p.variant.dropout.scale : 1.f;
+    const float drop_scale = DropoutOf<Mask>::kept_scale(p);
 
     for (int j = j_begin; j < j_end; ++j) {
         const int stage = j & 1;

@@ -103,7 +103,7 @@ flash_bwd_dq_mma_v2(const __grid_constant__ BwdParams p) {
 #pragma unroll
     for (int g = 0; g < G; ++g) zero(dq_acc[g]);
     const DropoutOf<Mask> dropout(p, seq.index, head);
-    const float drop_scale = DropoutOf<Mask>::ENABLED ? p.variant.dropout.scale : 1.f;
+    const float drop_scale = DropoutOf<Mask>::kept_scale(p);
 
     for (int j = j_begin; j < j_end; ++j) {
         const int stage = j & 1;

@@ -368,7 +368,7 @@ flash_bwd_wgmma_dsplit(const __grid_constant__ BwdParams p) {
     cp_async_wait<0>();
 
     // Epilogue: this warpgroup's head-dim half of dK (scaled) and dV, from the accumulators.
-    const float drop_scale = DropoutOf<Mask>::ENABLED ? p.variant.dropout.scale : 1.f;  // 1 / (1 - p)
+    const float drop_scale = DropoutOf<Mask>::kept_scale(p);  // 1 / (1 - p)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int n = n0 + key_row + 8 * h;
