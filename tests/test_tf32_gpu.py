@@ -26,7 +26,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import cupyflash
-from cupyflash import reference
+from cupyflash import plans, reference
 from cupyflash.kernels import mma_fwd
 from cupyflash.plans import Tf32FwdConfig
 from cupyflash.scores import Variant
@@ -78,7 +78,7 @@ def test_ieee_forward_meets_the_float32_rule(problem, variant):
     assert err_lse <= RTOL[np.dtype(np.float32)] * (1 + float(np.abs(finite).max(initial=0.0))), err_lse
 
 
-@pytest.mark.xfail(strict=True, reason="issue 18's bar: the tensor core's accumulation costs 10-14x standard float32's "
+@pytest.mark.xfail(strict=True, reason="issue 18's bar: the tensor core's accumulation costs 8-14x standard float32's "
                                        "error at 1k keys (dev/tf32_accumulation_probe.py)")
 def test_ieee_forward_within_twice_standard_float32():
     rng = np.random.default_rng(18)
@@ -104,6 +104,12 @@ ACCURATE_CANDIDATES = {64: Tf32FwdConfig(128, 64, 8, fresh_o=True, presplit=True
 def test_step_sums_candidate_within_twice_standard_float32(problem, variant):
     import cupy
 
+    from cupyflash.kernels._module import _max_smem_optin, device_arch
+
+    tiles = ACCURATE_CANDIDATES[64 if problem.headdim <= 64 else 128]
+    where = plans.device_class(device_arch(), _max_smem_optin(cupy.cuda.Device().id))
+    if where == plans.PORTABLE:  # its lo tiles take 160-192 KiB of shared memory
+        pytest.skip(f"the candidate's tiles need sm_90 or a large-shared-memory device, not {where}")
     q, k, v, _ = problem.arrays()
     options = _variant_options(variant, problem.nheads, problem.seed)
     values = Variant(softcap=options.get("softcap", 0.0), precision="ieee",
@@ -112,8 +118,7 @@ def test_step_sums_candidate_within_twice_standard_float32(problem, variant):
     o = cupy.full(q.shape, np.nan, np.float32)
     lse = cupy.full((problem.batch, problem.nheads, problem.seqlen_q), np.nan, np.float32)
     mma_fwd.forward(qd, kd, vd, o, lse, softmax_scale=problem.scale, causal=problem.causal,
-                    window_size=problem.window_size, variant=values,
-                    config=ACCURATE_CANDIDATES[64 if problem.headdim <= 64 else 128])
+                    window_size=problem.window_size, variant=values, config=tiles)
     o, lse = cupy.asnumpy(o), cupy.asnumpy(lse)
     assert not np.isnan(o).any() and not np.isnan(lse).any()
     o_ref, lse_ref = reference.attention(q, k, v, **problem.kwargs, **options)
@@ -180,6 +185,6 @@ def test_float32_plan_is_the_tf32_kernel(headdim, precision):
     plan = mma_fwd.plan(np.float32, headdim, True, precision=precision)
     assert plan.kernel == "flash_fwd_tf32"
     # "ieee" splits K and V once per tile in shared memory where the device has room (IEEE_FORWARD_TILES)
-    assert re.search(f"_{precision}(_presplit)?$", plan.spec.name), plan.spec.name
+    assert re.search("_ieee(_presplit)?$" if precision == "ieee" else "_tf32$", plan.spec.name), plan.spec.name
     assert cupyflash.dispatch.choose("auto", np.float32, headdim, "fwd") == "mma"
     assert cupyflash.dispatch.choose("auto", np.float32, headdim, "bwd") == "simt"

@@ -102,7 +102,8 @@ def specializations() -> list:
     tf32_rows = {(dt, precision, plans.forward_candidates(family, where, dt, KINDS[0], precision)[0])
                  for (family, where, dt) in plans.FORWARD_TILES if family == "tf32" for precision in PRECISIONS}
     specs += [plans.specialization_for("float32", dt, mask, t, precision=precision)
-              for dt, precision, t in sorted(tf32_rows, key=lambda e: (e[0], e[1], e[2].block_m, e[2].block_n))
+              for dt, precision, t in sorted(tf32_rows, key=lambda e: (e[0], e[1], e[2].block_m, e[2].block_n,
+                                                                       e[2].fresh_o, e[2].presplit, e[2].step_sums))
               for mask in KINDS + VARIANT_KINDS + PACKED_KINDS]
     return list(dict.fromkeys(specs))
 
