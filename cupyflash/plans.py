@@ -96,11 +96,12 @@ class Tf32FwdConfig:
     # each key block's P V in accumulators of its own, merged into O by FFMA (FRESH_O; a candidate
     # in dev/tf32_accumulation_probe.py, not a shipped row)
     fresh_o: bool = False
-    # K and V split once per tile in shared memory by the threads that copied them (PRESPLIT; a
-    # candidate, not a shipped row): lo tiles of their own for three products
+    # K and V split once per tile in shared memory by the threads that copied them (PRESPLIT; the
+    # "ieee" rows of IEEE_FORWARD_TILES): lo tiles of their own for three products
     presplit: bool = False
-    # each k-step's three products summed apart and added into S and O by FADD, rounded to
-    # nearest (STEP_SUMS; "ieee" only: one product is one product)
+    # each k-step's three products summed apart and added by FADD, rounded to nearest, into S, and
+    # into O unless fresh_o (STEP_SUMS; a candidate, perf log tf32-fwd-v2; "ieee" only: one product
+    # is one product)
     step_sums: bool = False
 
     @property

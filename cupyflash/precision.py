@@ -7,8 +7,9 @@ format is tf32: 10 explicit mantissa bits instead of 23.
   hi = tf32(x), and each product is formed as three tf32 products (hi·hi + hi·lo + lo·hi, float32
   accumulation), whose error is of the order of float32's own rounding (docs/algorithm.md,
   "float32 on tensor cores"). The tensor core's accumulation of them is not round to nearest:
-  measured on the H200 the forward's error is 10-14x standard float32 attention's at 1k keys,
-  within the library's float32 tolerance (docs/perf-log.md, "tf32-fwd-v1").
+  measured on the H200 the forward's error is 8-14x standard float32 attention's at 1k keys,
+  within the library's float32 tolerance (docs/perf-log.md, "tf32-fwd-v1"); a candidate kernel
+  that sums them apart measured 0.74-1.08x ("tf32-fwd-v2").
 - ``"tf32"``: one product on operands rounded to tf32, about three times the speed, with the error
   of 11-bit operands (relative 2^-11 per operand, as float16's mantissa).
 

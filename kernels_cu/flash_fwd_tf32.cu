@@ -18,9 +18,10 @@
 // FRESH_O (a candidate, dev/tf32_accumulation_probe.py; not a shipped row): each key block's P V
 // goes into accumulators of its own, merged into O by one FFMA with the rescale, instead of the
 // tensor core adding every block's products into O itself. D_TILE / 2 more registers per thread.
-// PRESPLIT (a candidate too): each landed K and V tile split once, by the threads that copied it,
-// into hi in place and lo in tiles of their own (split_tile), instead of every warp splitting
-// every fragment it reads; twice the K/V shared memory for three products.
+// PRESPLIT (the "ieee" rows at d64 / d128 since tf32-fwd-v2): each landed K and V tile split once,
+// by the threads that copied it, into hi in place and lo in tiles of their own (split_tile),
+// instead of every warp splitting every fragment it reads; twice the K/V shared memory for three
+// products.
 // STEP_SUMS (three products; a candidate too): every k-step's products summed apart and added by
 // FADD, rounded to nearest, where the tensor core's own accumulation is not (tf32.cuh, mma_tf32):
 // into S (one k-step in flight: spill-free), and into O unless FRESH_O sums each key block apart
