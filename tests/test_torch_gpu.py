@@ -247,11 +247,13 @@ def test_torch_compile_fullgraph_inductor_matches_eager():
 
 # --- packed batches and kv caches -----------------------------------------------------------------
 
+@pytest.mark.parametrize("with_sink", [False, True], ids=["plain", "sink"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("causal", [False, True])
-def test_varlen_outputs_and_gradients_equal_cupyflash_bitwise(dtype, causal):
+def test_varlen_outputs_and_gradients_equal_cupyflash_bitwise(dtype, causal, with_sink):
     """cupyflash.torch.flash_attn_varlen_func reaches cupyflash.flash_attn_varlen_func and its
-    backward: equal bit for bit on a packed batch with an empty sequence, GQA, device cu_seqlens."""
+    backward: equal bit for bit on a packed batch with an empty sequence, GQA, device cu_seqlens;
+    with a sink, dsink too."""
     import cupy
 
     from cupyflash.torch import flash_attn_varlen_func
@@ -262,17 +264,19 @@ def test_varlen_outputs_and_gradients_equal_cupyflash_bitwise(dtype, causal):
     generator = torch.Generator(device="cuda").manual_seed(5)
     q, k, v = (torch.randn(shape, generator=generator, device="cuda").to(dtype).requires_grad_(True)
                for shape in ((sum(lengths_q), 8, 64), (sum(lengths_k), 2, 64), (sum(lengths_k), 2, 64)))
+    sink = torch.randn(8, generator=generator, device="cuda").requires_grad_(True) if with_sink else None
     o, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=causal,
-                                       deterministic=True, return_attn_probs=True)
+                                       deterministic=True, return_attn_probs=True, sink=sink)
     do = torch.randn_like(o)
     o.backward(do)
     arrays = [cupy.from_dlpack(t.detach()) for t in (q, k, v)]
     sequences = (cupy.from_dlpack(cu_q), cupy.from_dlpack(cu_k), max(lengths_q), max(lengths_k))
-    o_ref, lse_ref = cupyflash.flash_attn_varlen_func(*arrays, *sequences, causal=causal, return_lse=True)
+    options = dict(causal=causal, sink=None if sink is None else cupy.from_dlpack(sink.detach()))
+    o_ref, lse_ref = cupyflash.flash_attn_varlen_func(*arrays, *sequences, return_lse=True, **options)
     grads = cupyflash.flash_attn_varlen_backward(cupy.from_dlpack(do), *arrays, o_ref, lse_ref, *sequences,
-                                                 causal=causal, deterministic=True)
+                                                 deterministic=True, **options)
     assert torch.equal(o.detach(), torch.from_dlpack(o_ref)) and torch.equal(lse.detach(), torch.from_dlpack(lse_ref))
-    for name, t, g in zip("qkv", (q, k, v), grads):
+    for name, t, g in zip(["q", "k", "v", "sink"], (q, k, v, sink), grads):
         assert torch.equal(t.grad, torch.from_dlpack(g)), f"d{name} differs"
 
 
