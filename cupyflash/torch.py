@@ -205,11 +205,20 @@ def _backward_formula(ctx, do, dlse):
         dq, dk = _add_lse_gradient(dq, dk, q, k, dlse.transpose(1, 2).unsqueeze(-1), scale,
                                    lambda: _forward_op(q, k, k, *ctx.options)[0],
                                    lambda do_q, pk: _backward_op(do_q, q, k, k, pk, lse, *ctx.options)[2])
-        if sink is not None:  # dlse_i/dsink = exp(sink - lse_i), the sink's share of row i
-            share = torch.exp(sink.to(lse.dtype)[None, :, None] - lse) * (lse != -math.inf)
-            dsink = dsink + (dlse.to(lse.dtype) * share).sum(dim=(0, 2)).to(dsink.dtype)
+        if sink is not None:
+            dsink = _add_sink_lse_gradient(dsink, sink, lse, dlse, head_axis=1)
     return (dq, dk, dv, None, None, None, None, None, None, None, (dsink if sink is not None else None), None, None,
             None)
+
+
+def _add_sink_lse_gradient(dsink, sink, lse, dlse, head_axis: int):
+    """dsink plus the lse's gradient: dlse_i/dsink = exp(sink - lse_i), the sink's share of row i
+    (0 for a row of -inf lse); ``head_axis`` is lse's head axis, every other axis is summed."""
+    shape = [1] * lse.dim()
+    shape[head_axis] = -1
+    share = torch.exp(sink.to(lse.dtype).view(shape) - lse) * (lse != -math.inf)
+    rows = tuple(axis for axis in range(lse.dim()) if axis != head_axis)
+    return dsink + (dlse.to(lse.dtype) * share).sum(dim=rows).to(dsink.dtype)
 
 
 def _add_lse_gradient(dq, dk, q, k, dlse_rows, scale, attend_to_keys, dv_for):
@@ -312,9 +321,8 @@ def _varlen_backward_formula(ctx, do, dlse):
                                    lambda: _varlen_forward_op(q, k, k, cu_q, cu_k, *ctx.options)[0],
                                    lambda do_q, pk: _varlen_backward_op(do_q, q, k, k, pk, lse, cu_q, cu_k,
                                                                         *ctx.options)[2])
-        if sink is not None:  # dlse_i/dsink = exp(sink - lse_i), the sink's share of row i (lse: (nheads, total_q))
-            share = torch.exp(sink.to(lse.dtype)[:, None] - lse) * (lse != -math.inf)
-            dsink = dsink + (dlse.to(lse.dtype) * share).sum(dim=1).to(dsink.dtype)
+        if sink is not None:  # lse: (nheads, total_q)
+            dsink = _add_sink_lse_gradient(dsink, sink, lse, dlse, head_axis=0)
     return (dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None,
             (dsink if sink is not None else None), None)
 

@@ -99,11 +99,11 @@ def specializations() -> list:
     specs += [plans.specialization_for(dtype, dt, mask, t, dvt) for dtype, dt, mask, t in entries
               if isinstance(t, WgmmaFwdConfig) and mask in KINDS for dvt in D_TILES if dvt < dt]
     # float32 (tf32 tensor cores), each precision on its rows
-    tf32_rows = {(dt, precision, plans.forward_candidates(family, where, dt, KINDS[0], precision)[0])
-                 for (family, where, dt) in plans.FORWARD_TILES if family == "tf32" for precision in PRECISIONS}
+    tf32_rows = dict.fromkeys((dt, precision, plans.forward_candidates(family, where, dt, KINDS[0], precision)[0])
+                              for (family, where, dt) in plans.FORWARD_TILES if family == "tf32"
+                              for precision in PRECISIONS)
     specs += [plans.specialization_for("float32", dt, mask, t, precision=precision)
-              for dt, precision, t in sorted(tf32_rows, key=lambda e: (e[0], e[1], e[2].block_m, e[2].block_n,
-                                                                       e[2].fresh_o, e[2].presplit, e[2].step_sums))
+              for dt, precision, t in sorted(tf32_rows, key=lambda e: (e[0], e[1], e[2].block_m, e[2].block_n))
               for mask in KINDS + VARIANT_KINDS + PACKED_KINDS]
     return list(dict.fromkeys(specs))
 
