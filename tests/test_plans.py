@@ -159,15 +159,17 @@ def test_float32_runs_on_tensor_cores():
                 tiles = plans.FORWARD_TILES[("tf32", where, dt)]
                 if precision == "ieee":
                     tiles = plans.IEEE_FORWARD_TILES.get(("tf32", where, dt), tiles)
-                    assert tiles.presplit == (where != plans.PORTABLE and dt <= 128)
+                    accurate = where != plans.PORTABLE and dt <= 128
+                    assert tiles.presplit == tiles.fresh_o == tiles.step_sums == accurate
                 else:
                     assert not tiles.presplit
                 assert (plan.family, plan.kernel, plan.tiles, plan.d_tile) == ("mma", "flash_fwd_tf32", tiles, dt)
                 assert plan.headdim == dispatch.mma_headdim(headdim)
                 assert plan.spec.name == (f"flash_fwd_tf32_fp32_hdim{dt}_causal_bm{tiles.block_m}_bn{tiles.block_n}"
                                           f"_w{tiles.warps}_s{tiles.stages}_{precision}"
-                                          f"{'_presplit' if tiles.presplit else ''}")
-                assert plan.spec.expression.endswith(f", {products}{', false, true' if tiles.presplit else ''}>")
+                                          f"{'_fresh_o_presplit_stepsums' if tiles.step_sums else ''}")
+                flags = ", true, true, true" if tiles.step_sums else ""
+                assert plan.spec.expression.endswith(f", {products}{flags}>")
                 kv_tiles = 4 if tiles.presplit else 2
                 assert plan.spec.smem_bytes == 4 * dt * (tiles.block_m + kv_tiles * tiles.stages * tiles.block_n)
                 # every sm_90 part has 227 KiB per block (the table's smaller opt-ins there are hypothetical);
@@ -214,7 +216,7 @@ def test_the_compile_check_sees_every_shipped_forward_specialization():
                                              precision=precision).name
                     for (family, where, dt) in plans.FORWARD_TILES if family == "tf32"
                     for mask in KINDS + VARIANT_KINDS + PACKED_KINDS for precision in ("ieee", "tf32")}
-    assert any(n.endswith("_ieee_presplit") for n in tf32)
+    assert any(n.endswith("_ieee_fresh_o_presplit_stepsums") for n in tf32)
     all_names = [n for n in all_names if n not in tf32]
     # packed batches: each row's plan for masks.PACKED_KINDS (PACKED_FORWARD_TILES where it differs)
     packed = {n for n in all_names if "_packed_" in n}
