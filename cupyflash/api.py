@@ -16,6 +16,7 @@ from .masks import check_window
 from .modifiers import check_modifiers
 from .dropout import check_dropout
 from .scores import check_variant
+from .backward_plans import check_statistics, own_forward_statistics
 
 MAX_GRID_YZ = 65535
 """Most batch entries, and most query heads, one kernel launch takes: the kernels put heads in
@@ -297,7 +298,7 @@ def _forward_gpu(which, q, k, v, scale, causal, window, variant):
 @capture.graph_safe
 def flash_attn_backward(do, q, k, v, o, lse, *, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                         softcap=0.0, alibi_slopes=None, sink=None, score_mod=None, mask_mod=None, block_mask=None,
-                        backend="auto", deterministic=True, seed=None, offset=0, precision=None):
+                        backend="auto", deterministic=True, seed=None, offset=0, precision=None, statistics="saved"):
     """Gradients (dq, dk, dv) of flash_attn_func from the saved o and lse (P is recomputed); with a
     ``sink``, (dq, dk, dv, dsink), dsink (nheads,) float32.
 
@@ -308,7 +309,11 @@ def flash_attn_backward(do, q, k, v, o, lse, *, dropout_p=0.0, softmax_scale=Non
     rule through score_mod uses its traced derivative. dsink = -sum over batch and rows of exp(sink - lse) rowsum(do * o).
     With ``dropout_p`` > 0, ``seed`` and ``offset`` must be the forward's (there is no default seed).
     ``precision`` is checked as flash_attn_func's; the float32 backward computes in float32 on CUDA
-    cores today, at "ieee" accuracy whichever is asked.
+    cores today, at "ieee" accuracy whichever is asked. ``statistics="recomputed"`` (float32 and
+    float64) makes the backward walk each row's keys first and take lse and D = sum_j P_ij dP_ij from
+    its own scores, not from o and lse, so that a saturated softmax cancels exactly as in standard
+    attention (flash_attn_vjp and the torch autograd do so); "saved" is right where o and lse are
+    not this call's own, as in ring attention, whose rows see keys of other calls.
     """
     backend = A.check_backend(backend)
     causal = A.check_flag(causal, "causal")
@@ -326,7 +331,8 @@ def flash_attn_backward(do, q, k, v, o, lse, *, dropout_p=0.0, softmax_scale=Non
     mods = check_modifiers(score_mod, mask_mod, block_mask, batch=batch, nheads=nheads, seqlen_q=seqlen_q,
                            seqlen_k=seqlen_k, on_gpu=which != "numpy")
     variant = check_variant(softcap, alibi_slopes, sink, batch, nheads, mods,
-                            check_dropout(dropout_p, seed, offset, need_seed=True), precision)
+                            check_dropout(dropout_p, seed, offset, need_seed=True), precision,
+                            check_statistics(statistics, dtype))
     scale = A.resolve_scale(softmax_scale, headdim)
     A.same_device(arrays)
     empty = batch * seqlen_q * nheads * seqlen_k == 0
@@ -380,10 +386,12 @@ def flash_attn_vjp(q, k, v, **options):
 
     ``options`` are flash_attn_func's (dropout_p, softmax_scale, causal, window_size, softcap,
     alibi_slopes, sink, score_mod, mask_mod, block_mask, backend, seed, offset, precision); ``deterministic``
-    goes to the backward. A mask_mod's block map is made once, by the forward, and kept for the
+    and ``statistics`` go to the backward, statistics "recomputed" for float32 / float64 unless
+    given (the o and lse are this forward's own). A mask_mod's block map is made once, by the forward, and kept for the
     backward; so is a dropout seed drawn for the call (seed None).
     """
     deterministic = options.pop("deterministic", True)
+    statistics = options.pop("statistics", None)  # None: own_forward_statistics of the dtype
     if options.get("dropout_p", 0.0) and options.get("seed") is None:
         options["seed"] = check_dropout(options["dropout_p"], None, options.get("offset", 0)).seed
     if "return_lse" in options:
@@ -397,7 +405,10 @@ def flash_attn_vjp(q, k, v, **options):
         options["block_mask"] = BlockMask(mask_mod, batch, nheads, seqlen_q, np.shape(k)[1], device=device)
     o, lse = flash_attn_func(q, k, v, return_lse=True, **options)
 
+    statistics = statistics or own_forward_statistics(o.dtype)
+
     def vjp(do):
-        return flash_attn_backward(do, q, k, v, o, lse, deterministic=deterministic, **options)
+        return flash_attn_backward(do, q, k, v, o, lse, deterministic=deterministic, statistics=statistics,
+                                   **options)
 
     return o, vjp

@@ -46,7 +46,8 @@ from .kernels.constants import d_tile as _d_tile
 from .masks import Local, Mask, as_mask
 from .plans import SIMT_D_TILES, mma_headdim, simt_specialization, simt_tiles, without_spills
 
-__all__ = ["BackwardPlan", "BackwardKernels", "BACKWARD_KERNELS", "DQ_ADDS", "plan_backward", "backward_plan",
+__all__ = ["BackwardPlan", "BackwardKernels", "BACKWARD_KERNELS", "DQ_ADDS", "STATISTICS", "plan_backward",
+           "check_statistics", "own_forward_statistics", "backward_plan",
            "backward_device_class", "SM90", "MMA_SYNC"]
 
 D_TILES = TENSOR_CORE_D_TILES
@@ -426,7 +427,7 @@ def _without_spills(row: BackwardKernels, mask: Mask, dt: int) -> BackwardKernel
 class Launch(NamedTuple):
     """One kernel of a plan: its specialization and what its grid's x dimension counts."""
 
-    role: str  # "preprocess", "kv_bounds", "preprocess_fixed", "dkdv", "dq", "convert"
+    role: str  # "preprocess", "stats", "kv_bounds", "preprocess_fixed", "dkdv", "dq", "convert"
     spec: Specialization
     per_block: int  # rows (keys for dkdv and kv_bounds, queries for dq), or elements, per block
 
@@ -443,7 +444,7 @@ class Launch(NamedTuple):
             batch, seqlen_q, seqlen_k = packed.sequences, packed.max_seqlen_q, packed.max_seqlen_k
         if self.role in ("dkdv", "kv_bounds"):
             return math.ceil(seqlen_k / self.per_block), nheads_kv, batch
-        return math.ceil(seqlen_q / self.per_block), nheads, batch  # dq, preprocess_fixed
+        return math.ceil(seqlen_q / self.per_block), nheads, batch  # dq, stats, preprocess_fixed
 
 
 @dataclass(frozen=True)
@@ -475,17 +476,45 @@ def backward_device_class(arch: str | None) -> str:
     return SM90 if arch == "90" else MMA_SYNC
 
 
+STATISTICS = ("saved", "recomputed")
+
+
+def check_statistics(statistics, dtype) -> str:
+    """``statistics`` of a backward call, checked: "saved" (the forward's o and lse) or
+    "recomputed" (float32 and float64 only)."""
+    if statistics not in STATISTICS:
+        raise ValueError(f"cupyflash: statistics must be one of {', '.join(map(repr, STATISTICS))}; "
+                         f"got {statistics!r}")
+    if statistics == "recomputed" and is_16bit(dtype):
+        raise ValueError(f"cupyflash: statistics='recomputed' is for float32 and float64 (the SIMT backward); "
+                         f"the {dtype_name(dtype)} backward takes the saved o and lse")
+    return statistics
+
+
+def own_forward_statistics(dtype) -> str:
+    """The statistics of a backward whose o and lse come from its own forward call (flash_attn_vjp,
+    the torch autograd): "recomputed" where it exists (float32, float64), else "saved"."""
+    return "saved" if is_16bit(dtype) else "recomputed"
+
+
 def plan_backward(arch: str | None, dtype, headdim: int, mask: Mask | bool, smem_optin: int | None,
-                  deterministic: bool, family: str | None = None) -> BackwardPlan:
+                  deterministic: bool, family: str | None = None, statistics: str = "saved") -> BackwardPlan:
     """The kernels a backward call with this dtype, head dim, mask and ``deterministic`` launches on
     a device of compute capability ``arch`` whose blocks may opt in to ``smem_optin`` bytes (None,
     None: not known). 16-bit dtypes run the tensor-core family at the head dim padded to a multiple
     of 8 (as the dispatcher pads it); float32 / float64 the SIMT family, which is always
-    deterministic. ``family`` ("mma", "simt") overrides that choice."""
+    deterministic. ``family`` ("mma", "simt") overrides that choice.
+
+    ``statistics`` says where the row statistics come from: "saved", the forward's lse and
+    D = rowsum(dO * O) from its o (flash_bwd_preprocess), or "recomputed" (float32 / float64):
+    flash_bwd_stats_simt walks each row's keys first and forms lse and D = sum_j P_ij dP_ij from the
+    very scores and dP the gradient kernels form, so a saturated row cancels exactly as in standard
+    attention (kernels_cu/flash_bwd_stats_simt.cu)."""
     mask = as_mask(mask)
     family = family or ("mma" if is_16bit(dtype) else "simt")
+    check_statistics(statistics, dtype)
     if family == "simt":
-        return _simt_plan(dtype, headdim, mask)
+        return _simt_plan(dtype, headdim, mask, statistics)
     if family != "mma":
         raise ValueError(f"cupyflash: unknown backward family {family!r} (known: mma, simt)")
     headdim = mma_headdim(headdim)
@@ -592,11 +621,13 @@ def preprocess_spec(dtype) -> Specialization:
                           f"cf::flash_bwd_preprocess<{CTYPES[name]}>", 32 * PREPROCESS_ROWS, 0)
 
 
-def _simt_plan(dtype, headdim: int, mask: Mask) -> BackwardPlan:
-    """The SIMT family: D, then dK/dV with one block per BLOCK_N keys and dQ with one per BLOCK_M
-    queries, on the forward's tiles."""
+def _simt_plan(dtype, headdim: int, mask: Mask, statistics: str) -> BackwardPlan:
+    """The SIMT family: D (or, recomputed, lse and D), then dK/dV with one block per BLOCK_N keys
+    and dQ with one per BLOCK_M queries, on the forward's tiles."""
     bm, bn, _ = simt_tiles(dtype, headdim)
-    launches = (Launch("preprocess", preprocess_spec(dtype), PREPROCESS_ROWS),
+    first = (Launch("stats", simt_specialization("stats", dtype, headdim, mask), bm) if statistics == "recomputed"
+             else Launch("preprocess", preprocess_spec(dtype), PREPROCESS_ROWS))
+    launches = (first,
                 Launch("dkdv", simt_specialization("dkdv", dtype, headdim, mask), bn),
                 Launch("dq", simt_specialization("dq", dtype, headdim, mask), bm))
     return BackwardPlan("simt", "simt", headdim, _d_tile(headdim, SIMT_D_TILES), "none", None, launches)

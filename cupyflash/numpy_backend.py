@@ -137,21 +137,51 @@ def _keep(dropout, batch: int, nheads: int, rows: slice, cols: slice) -> np.ndar
                         np.arange(rows.start, rows.stop)[:, None], np.arange(cols.start, cols.stop)[None, :])
 
 
-def _finish_rows_with_sink(m, l, sink_log2, acc):
-    """The factor of each row's O and its lse (natural log) from its maximum m and sum l (log2
-    units) when the sink logit ``sink_log2`` (nheads,) joins the sum (score.cuh's
-    finish_row_with_sink): O = 0 and lse = sink for a row that saw no key."""
+def _finish_rows_log2(m, l, sink2, acc):
+    """(factor of each row's O, top, log2 of the sum over top) from its maximum m and sum l (log2
+    units) when the sink logit ``sink2`` (broadcast against m; -inf: none) joins the sum
+    (score.cuh's finish_row_log2): lse = top + log2_sum in log2 units; O = 0 and lse = sink for a
+    row that saw no key, and top = -inf, log2_sum = 0 for a row that weighs nothing."""
     seen_a_key = l > 0
-    sink2 = sink_log2[None, :, None]
-    top = np.where(seen_a_key, np.maximum(m, sink2), sink2)
+    top = np.where(seen_a_key, np.maximum(m, sink2), sink2).astype(acc)
     weighs_something = top != -np.inf
     top_safe = np.where(weighs_something, top, acc.type(0))
     own = np.where(seen_a_key, np.exp2(m - top_safe), acc.type(0))
     denom = l * own + np.exp2(sink2 - top_safe)
     denom_safe = np.where(weighs_something, denom, acc.type(1))
     factor = np.where(weighs_something, own / denom_safe, acc.type(0))
-    lse = np.where(weighs_something, (top + np.log2(denom_safe)) * acc.type(LN2), -np.inf)
-    return factor, lse
+    return factor, top, np.log2(denom_safe).astype(acc)
+
+
+def _finish_rows_with_sink(m, l, sink_log2, acc):
+    """_finish_rows_log2 for the sink logits ``sink_log2`` (nheads,): (factor, lse in natural log)."""
+    factor, top, log2_sum = _finish_rows_log2(m, l, sink_log2[None, :, None], acc)
+    return factor, (top + log2_sum) * acc.type(LN2)
+
+
+def _recomputed_statistics(blocks, scores_and_dp, shape, acc, sink_log2):
+    """(top, log2_sum, D = sum_j P_ij dP_ij) of every row (lse = top + log2_sum in log2 units)
+    from one walk over ``blocks`` ((cols, [rows, ...]) pairs) with an online maximum, as
+    flash_bwd_stats_simt: a one-hot row gets top = its key's score, log2_sum = 0 and D = its
+    key's dP, exactly. ``sink_log2``:
+    (nheads,) sink logits in log2 units, or None."""
+    m = np.full(shape, -np.inf, acc)
+    l = np.zeros(shape, acc)
+    w = np.zeros(shape, acc)
+    with np.errstate(invalid="ignore"):  # -inf - -inf where a row has seen no key yet
+        for cols, row_blocks in blocks:
+            for rows in row_blocks:
+                S, _, dP, _ = scores_and_dp(rows, cols)
+                m_new = np.maximum(m[:, :, rows], S.max(axis=-1))
+                base = np.where(m_new == -np.inf, acc.type(0), m_new)
+                rescale = np.exp2(m[:, :, rows] - base)
+                e = np.exp2(S - base[..., None])
+                l[:, :, rows] = l[:, :, rows] * rescale + e.sum(axis=-1)
+                w[:, :, rows] = w[:, :, rows] * rescale + np.where(S == -np.inf, acc.type(0), e * dP).sum(axis=-1)
+                m[:, :, rows] = m_new
+    sink2 = acc.type(-np.inf) if sink_log2 is None else sink_log2[None, :, None]
+    factor, top, log2_sum = _finish_rows_log2(m, l, sink2, acc)
+    return top, log2_sum, (w * factor).astype(acc)
 
 
 def forward(q, k, v, *, softmax_scale, causal, window_size=(-1, -1), block_m=64, block_n=64, variant=None):
@@ -229,7 +259,9 @@ def backward(do, q, k, v, o, lse, *, softmax_scale, causal, window_size=(-1, -1)
 
     Key/value blocks form the outer loop (each owns its dK_j, dV_j); dQ is accumulated block by
     block in a fixed order, so the result is deterministic. ``variant`` must be the forward's; its
-    sink acts only through lse (dsink: cupyflash.scores.sink_grad).
+    sink acts only through lse (dsink: cupyflash.scores.sink_grad). Its ``statistics``
+    "recomputed" (float32 / float64): lse and D from a first walk over the keys, as
+    flash_bwd_stats_simt forms them, instead of the saved lse and o.
     """
     acc = _accumulator(q.dtype)
     batch, seqlen_q, nheads, headdim = q.shape
@@ -246,42 +278,60 @@ def backward(do, q, k, v, o, lse, *, softmax_scale, causal, window_size=(-1, -1)
     transform = _ScoreTransform(variant, batch, nheads, seqlen_q, seqlen_k, acc)
     dropout = variant.dropout
 
-    # D_i = rowsum(dO_i * O_i) = sum_j P_ij dP_ij, the softmax-backward term of each row.
-    D = (dO * O).sum(axis=-1)
+    Br, Bc = block_m, block_n
+    Tc = math.ceil(seqlen_k / Bc)
+
+    def walk():
+        """The (rows, cols) blocks the backward visits, key blocks outermost."""
+        for j in range(Tc):
+            cols = slice(j * Bc, min((j + 1) * Bc, seqlen_k))
+            query_blocks = _narrowed(mask.query_blocks(cols.start, Bc, Br, seqlen_q, seqlen_k), Br,
+                                     _map_range(variant, "query", cols.start, cols.stop - cols.start, Br))
+            yield cols, [slice(i * Br, min((i + 1) * Br, seqlen_q)) for i in query_blocks]
+
+    def scores_and_dp(rows, cols):
+        """(S, dS'/dS, dP, keep) of a block: scores in log2 units (-inf where hidden), dP with
+        dropout's keep and scale. One function for the statistics' walk and the gradients', so
+        that recomputed statistics are those of the very values the gradients use."""
+        S_ij = (Q[:, :, rows] @ np.swapaxes(K[:, :, cols], -1, -2)) * scale_log2
+        S_ij, dS_dS = transform(S_ij, rows, cols)
+        visible = _block_mask(mask, rows, cols, seqlen_q, seqlen_k)
+        if visible is not None:
+            S_ij = np.where(visible, S_ij, -np.inf)
+        dP_ij = dO[:, :, rows] @ np.swapaxes(V[:, :, cols], -1, -2)
+        keep = None
+        if dropout.on:  # O = (P o Z / (1 - p)) V: dV takes P Z, dS = P (Z dP / (1 - p) - D)
+            keep = _keep(dropout, batch, nheads, rows, cols)
+            dP_ij = np.where(keep, dP_ij * acc.type(dropout.scale), acc.type(0))
+        return S_ij, dS_dS, dP_ij, keep
+
+    # P_ij = 2^((S_ij - top_i) - log2_sum_i): lse in log2 units is top + log2_sum, kept apart
+    # when recomputed, so that S - top is exact near the maximum (as standard attention's S - max)
+    # and the sum's logarithm is added after it, not lost in the rounding of a large lse.
+    if variant.statistics == "recomputed":
+        sink_log2 = None if variant.sink is None else np.asarray(variant.sink).astype(acc) * acc.type(LOG2E)
+        top, log2_sum, D = _recomputed_statistics(walk(), scores_and_dp, (batch, nheads, seqlen_q), acc, sink_log2)
+    else:
+        # D_i = rowsum(dO_i * O_i) = sum_j P_ij dP_ij, the softmax-backward term of each row.
+        D = (dO * O).sum(axis=-1)
+        top, log2_sum = lse.astype(acc) * acc.type(LOG2E), np.zeros(lse.shape, acc)
     # A row that saw no key has lse = -inf; +inf makes its recomputed P exactly 0.
-    lse_log2 = np.where(lse == -np.inf, np.inf, lse.astype(acc) * acc.type(LOG2E))
+    top = np.where(top == -np.inf, np.inf, top)
 
     dQ = np.zeros(Q.shape, acc)
     dK = np.zeros(K.shape, acc)
     dV = np.zeros(V.shape, acc)
-    Br, Bc = block_m, block_n
-    Tr, Tc = math.ceil(seqlen_q / Br), math.ceil(seqlen_k / Bc)
-    for j in range(Tc):
-        cols = slice(j * Bc, min((j + 1) * Bc, seqlen_k))
+    for cols, row_blocks in walk():
         K_j = K[:, :, cols]
-        V_j = V[:, :, cols]
         dK_j = np.zeros(K_j.shape, acc)
-        dV_j = np.zeros(V_j.shape, acc)
-        query_blocks = _narrowed(mask.query_blocks(cols.start, Bc, Br, seqlen_q, seqlen_k), Br,
-                                 _map_range(variant, "query", cols.start, cols.stop - cols.start, Br))
-        for i in query_blocks:
-            rows = slice(i * Br, min((i + 1) * Br, seqlen_q))
+        dV_j = np.zeros(V[:, :, cols].shape, acc)
+        for rows in row_blocks:
             Q_i = Q[:, :, rows]
             dO_i = dO[:, :, rows]
-            S_ij = (Q_i @ np.swapaxes(K_j, -1, -2)) * scale_log2
-            S_ij, dS_dS = transform(S_ij, rows, cols)
-            visible = _block_mask(mask, rows, cols, seqlen_q, seqlen_k)
-            if visible is not None:
-                S_ij = np.where(visible, S_ij, -np.inf)
+            S_ij, dS_dS, dP_ij, keep = scores_and_dp(rows, cols)
             # The exponent clamped at 0 as the kernels clamp it (kernels_cu/softmax_bwd.cuh): P <= 1.
-            P_ij = np.exp2(np.minimum(S_ij - lse_log2[:, :, rows, None], 0.0))
-            dP_ij = dO_i @ np.swapaxes(V_j, -1, -2)
-            if dropout.on:  # O = (P o Z / (1 - p)) V: dV takes P Z, dS = P (Z dP / (1 - p) - D)
-                keep = _keep(dropout, batch, nheads, rows, cols)
-                dV_j += np.swapaxes(np.where(keep, P_ij, acc.type(0)), -1, -2) @ dO_i
-                dP_ij = np.where(keep, dP_ij * acc.type(dropout.scale), acc.type(0))
-            else:
-                dV_j += np.swapaxes(P_ij, -1, -2) @ dO_i
+            P_ij = np.exp2(np.minimum((S_ij - top[:, :, rows, None]) - log2_sum[:, :, rows, None], 0.0))
+            dV_j += np.swapaxes(P_ij if keep is None else np.where(keep, P_ij, acc.type(0)), -1, -2) @ dO_i
             dS_ij = P_ij * (dP_ij - D[:, :, rows, None])
             if dS_dS is not None:
                 dS_ij = dS_ij * dS_dS

@@ -484,7 +484,7 @@ def specialization_for(dtype, dt: int, mask: Mask | bool, tiles, dvt: int | None
 
 
 def simt_specialization(kind: str, dtype, headdim: int, mask: Mask | bool) -> Specialization:
-    """One of the SIMT family's kernels, ``kind`` "fwd", "dkdv" or "dq", on its tiles."""
+    """One of the SIMT family's kernels, ``kind`` "fwd", "stats", "dkdv" or "dq", on its tiles."""
     return _simt_spec(kind, dtype_name(dtype), d_tile(headdim, SIMT_D_TILES), as_mask(mask),
                       simt_tiles(dtype, headdim))
 
@@ -498,11 +498,14 @@ def _simt_spec(kind: str, name: str, dt: int, mask: Mask, tiles: SimtTiles) -> S
         smem = ab * (bm * ld + 2 * bn * ld + bm * (bn + 1))
         threads, fn = bm * tpr, "flash_fwd_simt"
     elif kind == "dkdv":
-        smem = ab * (2 * bn * ld + 2 * bm * ld + 2 * bn * (bm + 1) + 2 * bm)
+        smem = ab * (2 * bn * ld + 2 * bm * ld + 2 * bn * (bm + 1) + 3 * bm)
         threads, fn = bn * tpr, "flash_bwd_dkdv_simt"
     elif kind == "dq":
         smem = ab * (2 * bm * ld + 2 * bn * ld + bm * (bn + 1))
         threads, fn = bm * tpr, "flash_bwd_dq_simt"
+    elif kind == "stats":  # flash_bwd_dq_simt's tiles without its dS tile
+        smem = ab * (2 * bm * ld + 2 * bn * ld)
+        threads, fn = bm * tpr, "flash_bwd_stats_simt"
     else:
         raise ValueError(kind)
     return Specialization(f"{fn}_{SHORT_NAMES[name]}_hdim{dt}_{mask.name}_bm{bm}_bn{bn}_tpr{tpr}", f"{fn}.cu",

@@ -89,6 +89,10 @@ class Variant:
     dropout: Dropout = NO_DROPOUT  # cupyflash.dropout: p, seed, offset
     # cupyflash.precision: how float32 products are formed ("ieee", "tf32"); not part of the score
     precision: str = "ieee"
+    # where a backward takes its row statistics (backward_plans.STATISTICS): the forward's o and
+    # lse ("saved") or its own walk over the keys ("recomputed", float32 / float64); not part of
+    # the score either
+    statistics: str = "saved"
 
     @property
     def score(self) -> Score:
@@ -118,7 +122,7 @@ class Variant:
         if self.dropout.on:
             raise NotImplementedError("cupyflash: dropout takes at most 65535 batch entries and 65535 query heads "
                                       "per call (one launch: the mask is a function of the call's indices)")
-        return Variant(self.softcap, slopes, sink, precision=self.precision)
+        return Variant(self.softcap, slopes, sink, precision=self.precision, statistics=self.statistics)
 
     def to(self, xp) -> "Variant":
         """The same values with arrays of module ``xp`` (contiguous float32)."""
@@ -134,7 +138,7 @@ class Variant:
             return xp.ascontiguousarray(xp.asarray(a, dtype=np.float32))
         mods = None if self.mods is None else self.mods.to(xp)
         return Variant(self.softcap, move(self.alibi_slopes, "alibi_slopes"), move(self.sink, "sink"), mods,
-                       self.dropout, self.precision)
+                       self.dropout, self.precision, self.statistics)
 
 
 NO_VARIANT = Variant()
@@ -154,11 +158,12 @@ def _float_array(x, name: str, shapes: tuple, shape_text: str):
 
 
 def check_variant(softcap, alibi_slopes, sink, batch: int, nheads: int, mods=None, dropout=NO_DROPOUT,
-                  precision=None) -> Variant:
+                  precision=None, statistics="saved") -> Variant:
     """A call's variant arguments checked against its batch and query heads, or a clear error;
     ``mods`` the call's user modifiers (cupyflash.modifiers.check_modifiers), which take a sink
     but not softcap or ALiBi (a score_mod writes them itself); ``dropout`` a checked
-    cupyflash.dropout.Dropout; ``precision`` cupyflash.precision's (None: "ieee")."""
+    cupyflash.dropout.Dropout; ``precision`` cupyflash.precision's (None: "ieee"); ``statistics``
+    a backward's, already checked against its dtype (backward_plans.check_statistics)."""
     precision = check_precision(precision)
     if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, (int, float, np.integer, np.floating)):
         raise TypeError(f"cupyflash: softcap must be a float >= 0 (0: no cap), got {softcap!r}")
@@ -173,7 +178,7 @@ def check_variant(softcap, alibi_slopes, sink, batch: int, nheads: int, mods=Non
     if mods is not None and mods.has_score and (softcap > 0 or alibi_slopes is not None):
         raise ValueError("cupyflash: score_mod does not combine with softcap or alibi_slopes; write the cap or "
                          "the bias into the score_mod (cupyflash.modifiers.tanh, a slopes tensor)")
-    return Variant(softcap, alibi_slopes, sink, mods, dropout, precision)
+    return Variant(softcap, alibi_slopes, sink, mods, dropout, precision, statistics)
 
 
 def sink_grad(sink, do, o, lse, xp=np):

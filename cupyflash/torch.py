@@ -116,6 +116,12 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _own_statistics(q: torch.Tensor) -> str:
+    """The autograd's backward statistics: its o and lse are its own forward's
+    (backward_plans.own_forward_statistics: "recomputed" for float32 and float64)."""
+    return "saved" if q.dtype in (torch.float16, torch.bfloat16) else "recomputed"
+
+
 # --- the operators ---------------------------------------------------------------------------------
 
 def _variant_arrays(alibi_slopes, sink):
@@ -158,14 +164,15 @@ def _backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                  lse: torch.Tensor, softmax_scale: float, causal: bool, window_left: int, window_right: int,
                  deterministic: bool, softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
                  sink: torch.Tensor | None = None, dropout_p: float = 0.0,
-                 seed: int = 0,
-                 precision: str = "ieee") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                 seed: int = 0, precision: str = "ieee",
+                 statistics: str = "saved") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dsink) of cupyflash.flash_attn_backward; dsink empty without a sink."""
     def compute(do, q, k, v, o, lse, backend):
         return api.flash_attn_backward(do, q, k, v, o, lse, softmax_scale=softmax_scale, causal=causal,
                                        window_size=(window_left, window_right), softcap=softcap,
                                        **_variant_arrays(alibi_slopes, sink), **_dropout_args(dropout_p, seed),
-                                       backend=backend, deterministic=deterministic, precision=precision)
+                                       backend=backend, deterministic=deterministic, precision=precision,
+                                       statistics=statistics)
 
     grads = _run(q.device, compute, do, q, k, v, o, lse)
     return grads if sink is not None else (*grads, q.new_empty((0,), dtype=torch.float32))
@@ -173,7 +180,8 @@ def _backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
 
 @_backward_op.register_fake
 def _backward_fake(do, q, k, v, o, lse, softmax_scale, causal, window_left, window_right, deterministic,
-                   softcap=0.0, alibi_slopes=None, sink=None, dropout_p=0.0, seed=0, precision="ieee"):
+                   softcap=0.0, alibi_slopes=None, sink=None, dropout_p=0.0, seed=0, precision="ieee",
+                   statistics="saved"):
     dsink = q.new_empty((0,) if sink is None else tuple(sink.shape), dtype=torch.float32)
     return (*(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v)), dsink)
 
@@ -192,7 +200,7 @@ def _backward_formula(ctx, do, dlse):
     scale, softcap, sink = ctx.options[0], ctx.options[5], ctx.options[7]
     if do is None:
         do = torch.zeros_like(o)
-    dq, dk, dv, dsink = _backward_op(do, q, k, v, o, lse, *ctx.options)
+    dq, dk, dv, dsink = _backward_op(do, q, k, v, o, lse, *ctx.options, statistics=_own_statistics(q))
     if dlse is not None:
         if softcap:
             # dlse/dS_ij = P_ij (1 - tanh^2): the attention-shaped products below would miss the factor.
@@ -275,15 +283,16 @@ def _varlen_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
                         max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int,
                         window_right: int, deterministic: bool, softcap: float = 0.0,
                         alibi_slopes: torch.Tensor | None = None,
-                        sink: torch.Tensor | None = None,
-                        precision: str = "ieee") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                        sink: torch.Tensor | None = None, precision: str = "ieee",
+                        statistics: str = "saved") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dsink) of cupyflash.flash_attn_varlen_backward; dsink empty without a sink."""
     def compute(do, q, k, v, o, lse, cu_q, cu_k, backend):
         return varlen.flash_attn_varlen_backward(do, q, k, v, o, lse, cu_q, cu_k, max_seqlen_q, max_seqlen_k,
                                                  softmax_scale=softmax_scale, causal=causal,
                                                  window_size=(window_left, window_right), softcap=softcap,
                                                  **_variant_arrays(alibi_slopes, sink), backend=backend,
-                                                 deterministic=deterministic, precision=precision)
+                                                 deterministic=deterministic, precision=precision,
+                                                 statistics=statistics)
 
     grads = _run(q.device, compute, do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
     return grads if sink is not None else (*grads, q.new_empty((0,), dtype=torch.float32))
@@ -292,7 +301,7 @@ def _varlen_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
 @_varlen_backward_op.register_fake
 def _varlen_backward_fake(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                           softmax_scale, causal, window_left, window_right, deterministic, softcap=0.0,
-                          alibi_slopes=None, sink=None, precision="ieee"):
+                          alibi_slopes=None, sink=None, precision="ieee", statistics="saved"):
     dsink = q.new_empty((0,) if sink is None else tuple(sink.shape), dtype=torch.float32)
     return (*(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v)), dsink)
 
@@ -312,7 +321,8 @@ def _varlen_backward_formula(ctx, do, dlse):
     scale, sink = ctx.options[2], ctx.options[9]
     if do is None:
         do = torch.zeros_like(o)
-    dq, dk, dv, dsink = _varlen_backward_op(do, q, k, v, o, lse, cu_q, cu_k, *ctx.options)
+    dq, dk, dv, dsink = _varlen_backward_op(do, q, k, v, o, lse, cu_q, cu_k, *ctx.options,
+                                            statistics=_own_statistics(q))
     if dlse is not None:  # as for the dense operator, sequence by sequence (P is block diagonal)
         if ctx.options[7]:
             raise NotImplementedError("cupyflash.torch: a gradient through softmax_lse with softcap != 0 is not "

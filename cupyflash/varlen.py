@@ -27,6 +27,7 @@ import numpy as np
 from . import _arrays as A
 from . import api, capture, dispatch
 from .scores import NO_VARIANT, check_variant, sink_grad
+from .backward_plans import check_statistics, own_forward_statistics
 from ._dtypes import lse_dtype
 from .masks import check_window
 
@@ -385,13 +386,14 @@ def check_varlen_backward_arrays(do, o, lse, out_shape, dtype) -> None:
 @capture.graph_safe
 def flash_attn_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                                softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                               sink=None, backend="auto", deterministic=True, precision=None):
+                               sink=None, backend="auto", deterministic=True, precision=None, statistics="saved"):
     """Gradients (dq, dk, dv) of flash_attn_varlen_func from its o and lse (nheads, total_q); with a
     ``sink``, (dq, dk, dv, dsink), dsink summed over every sequence's rows.
 
     dq is shaped like q, dk and dv like k and v; for GQA they sum over the query heads sharing a
     kv head. Keys of a sequence without queries, and queries of a sequence without keys, get zero
-    gradients. The options must be the forward's; ``deterministic`` and ``precision`` are flash_attn_backward's.
+    gradients. The options must be the forward's; ``deterministic``, ``precision`` and ``statistics`` are
+    flash_attn_backward's.
     On the GPU one launch per backward kernel covers every sequence, as in the forward.
     """
     backend, causal, window, deterministic, on_gpu = _check_options(backend, causal, window_size, deterministic,
@@ -403,7 +405,8 @@ def flash_attn_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, 
     check_varlen_backward_arrays(arrays["do"], arrays["o"], arrays["lse"],
                                  arrays["q"].shape[:2] + arrays["v"].shape[2:], dtype)
     sequences = check_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, total_k)
-    variant = check_variant(softcap, alibi_slopes, sink, sequences.count, nheads, precision=precision)
+    variant = check_variant(softcap, alibi_slopes, sink, sequences.count, nheads, precision=precision,
+                            statistics=check_statistics(statistics, dtype))
     scale = A.resolve_scale(softmax_scale, headdim)
     A.same_device({**arrays, **device_arrays(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)})
     which = dispatch.choose(backend, dtype, max(headdim, arrays["v"].shape[2]), "bwd")
@@ -443,14 +446,19 @@ def per_sequence_backward(which, do, q, k, v, o, lse, cu_q, cu_k, scale, causal,
 def flash_attn_varlen_vjp(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **options):
     """(o, vjp) with vjp(do) -> (dq, dk, dv) for a packed batch: flash_attn_varlen_func and its
     backward without a framework. ``options`` are flash_attn_varlen_func's (softmax_scale, causal,
-    window_size, softcap, alibi_slopes, sink, backend); ``deterministic`` goes to the backward."""
+    window_size, softcap, alibi_slopes, sink, backend); ``deterministic`` and ``statistics`` go to the
+    backward (statistics as flash_attn_vjp's)."""
     deterministic = options.pop("deterministic", True)
+    statistics = options.pop("statistics", None)
     if "return_lse" in options:
         raise TypeError("flash_attn_varlen_vjp does not take return_lse (the lse is kept for the backward)")
     sequences = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     o, lse = flash_attn_varlen_func(q, k, v, *sequences, return_lse=True, **options)
 
+    statistics = statistics or own_forward_statistics(o.dtype)
+
     def vjp(do):
-        return flash_attn_varlen_backward(do, q, k, v, o, lse, *sequences, deterministic=deterministic, **options)
+        return flash_attn_varlen_backward(do, q, k, v, o, lse, *sequences, deterministic=deterministic,
+                                          statistics=statistics, **options)
 
     return o, vjp

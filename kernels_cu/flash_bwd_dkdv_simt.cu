@@ -2,7 +2,9 @@
 // any head dimension up to D_TILE.
 //
 // Three deterministic kernels, no atomics:
-//   flash_bwd_preprocess  D_i = rowsum(dO_i * O_i) (flash_bwd_preprocess.cu)
+//   flash_bwd_preprocess  D_i = rowsum(dO_i * O_i) (flash_bwd_preprocess.cu), from the saved o;
+//     or flash_bwd_stats_simt, the row statistics recomputed (lse and D = sum_j P_ij dP_ij, from
+//     the same scores and dP as the kernels below: simt_bwd_steps.cuh)
 //   flash_bwd_dkdv_simt   one block per key block K_j, V_j (outer loop); walks every query block of
 //                         every query head of its GQA group, recomputing P from the saved lse, and
 //                         accumulates dK_j, dV_j in registers (this file).
@@ -34,10 +36,11 @@ flash_bwd_dkdv_simt(const __grid_constant__ BwdParams p) {
     A* do_tile = q_tile + BLOCK_M * LD;            // [BLOCK_M][LD]
     A* pt_tile = do_tile + BLOCK_M * LD;           // [BLOCK_N][LDP]  P^T
     A* dst_tile = pt_tile + BLOCK_N * LDP;         // [BLOCK_N][LDP]  dS^T
-    A* lse_log2 = dst_tile + BLOCK_N * LDP;        // [BLOCK_M]
-    A* delta_tile = lse_log2 + BLOCK_M;            // [BLOCK_M]
+    A* top_tile = dst_tile + BLOCK_N * LDP;        // [BLOCK_M] the rows' statistics (RowStats)
+    A* log2_sum_tile = top_tile + BLOCK_M;         // [BLOCK_M]
+    A* delta_tile = log2_sum_tile + BLOCK_M;       // [BLOCK_M]
     constexpr unsigned SMEM_BYTES =
-        sizeof(A) * (2 * BLOCK_N * LD + 2 * BLOCK_M * LD + 2 * BLOCK_N * LDP + 2 * BLOCK_M);
+        sizeof(A) * (2 * BLOCK_N * LD + 2 * BLOCK_M * LD + 2 * BLOCK_N * LDP + 3 * BLOCK_M);
     if (dynamic_smem_bytes() < SMEM_BYTES) __trap();
 
     const SequenceRows seq = cta_sequence<Mask>(p, blockIdx.z);
@@ -46,7 +49,6 @@ flash_bwd_dkdv_simt(const __grid_constant__ BwdParams p) {
     const int group = p.group;
     const int headdim = p.headdim;
     const A scale_log2 = scale_log2_in<A>(p), scale = scale_in<A>(p);
-    const A* __restrict__ lse = static_cast<const A*>(p.lse);
     const A* __restrict__ delta = static_cast<const A*>(p.delta);
     const int n0 = blockIdx.x * BLOCK_N;
     const int head_kv = blockIdx.y, batch = seq.batch;
@@ -54,7 +56,6 @@ flash_bwd_dkdv_simt(const __grid_constant__ BwdParams p) {
     if (Mask::PACKED && n0 >= seqlen_k) return;
     const int key = threadIdx.x / TPR, lane_in_row = threadIdx.x % TPR;
     const Mask mask = cta_mask<Mask>(p, seqlen_q, seqlen_k);
-    const A log2e = A(1.4426950408889634073599247);
 
     const T* __restrict__ k_rows = p.k.row<const T>(batch, seq.k_begin, head_kv);
     const T* __restrict__ v_rows = p.v.row<const T>(batch, seq.k_begin, head_kv);
@@ -73,8 +74,8 @@ flash_bwd_dkdv_simt(const __grid_constant__ BwdParams p) {
     for (int head = head_kv * group; head < (head_kv + 1) * group; ++head) {
         const T* __restrict__ q_base = p.q.row<const T>(batch, seq.q_begin, head);
         const T* __restrict__ do_base = p.dout.row<const T>(batch, seq.q_begin, head);
-        const A* lse_row = lse + seq.stat(stat_dims, head, 0);
-        const A* delta_row = delta + seq.stat(stat_dims, head, 0);
+        const i64 stat_row = seq.stat(stat_dims, head, 0);
+        const A* delta_row = delta + stat_row;
         // raw scores: the unit is the scale
         const ScoreOf<Mask, A> score(score_problem<Mask>(p, seq), seq.index, head, scale);
         const DropoutOf<Mask> dropout(p, seq.index, head);
@@ -84,12 +85,15 @@ flash_bwd_dkdv_simt(const __grid_constant__ BwdParams p) {
             load_tile<BLOCK_M, D_TILE, NTHREADS>(do_tile, do_base, m0, seqlen_q, p.headdim_v, p.dout.row_stride, A(1));
             for (int i = threadIdx.x; i < BLOCK_M; i += NTHREADS) {
                 const bool valid = m0 + i < seqlen_q;
-                lse_log2[i] = valid ? ldg(lse_row + m0 + i) * log2e : neg_inf<A>();
+                const RowStats<A> stats = valid ? row_stats<A>(p, stat_row + m0 + i) : RowStats<A>{neg_inf<A>(), A(0)};
+                top_tile[i] = stats.top;
+                log2_sum_tile[i] = stats.log2_sum;
                 delta_tile[i] = valid ? ldg(delta_row + m0 + i) : A(0);
             }
             __syncthreads();
 
-            // P^T_ji = exp2(S_ij - lse_i), dP^T_ji = dO_i . V_j, dS^T_ji = P_ij (dP_ij - D_i)
+            // P^T_ji = exp2(S_ij - lse_i), dP^T_ji = dO_i . V_j, dS^T_ji = P_ij (dP_ij - D_i): the
+            // transpose of simt_row_tile (simt_bwd_steps.cuh), the same values to the bit
             A st[S_PER_LANE], dpt[S_PER_LANE];
             row_dots<D_TILE>(st, k_tile + key * LD, q_tile + lane_in_row * LD, TPR * LD);
             row_dots<D_TILE>(dpt, v_tile + key * LD, do_tile + lane_in_row * LD, TPR * LD);
@@ -97,10 +101,10 @@ flash_bwd_dkdv_simt(const __grid_constant__ BwdParams p) {
             for (int j = 0; j < S_PER_LANE; ++j) {
                 const int qi = lane_in_row + TPR * j, q_row = m0 + qi;
                 // lse = -inf marks a row with no visible key (or a row past the end): P = 0
-                const bool masked = lse_log2[qi] == neg_inf<A>() || mask.hides(q_row, n0 + key);
+                const bool masked = top_tile[qi] == neg_inf<A>() || mask.hides(q_row, n0 + key);
                 A dsds;
                 const A s_ij = score.transform(st[j], score.origin(q_row, n0 + key), 0, 0, dsds);
-                const A p_ij = masked ? A(0) : recomputed_p_exact(s_ij, scale_log2, lse_log2[qi]);
+                const A p_ij = masked ? A(0) : recomputed_p_exact(s_ij, scale_log2, top_tile[qi], log2_sum_tile[qi]);
                 // Dropout (dropout.cuh): dV takes P Z (1 / (1 - p) in the epilogue), dS = P (Z dP / (1 - p) - D).
                 const bool kept = !DropoutOf<Mask>::ENABLED || dropout.keep(q_row, n0 + key);
                 pt_tile[key * LDP + qi] = kept ? p_ij : A(0);

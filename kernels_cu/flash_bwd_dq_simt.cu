@@ -3,6 +3,7 @@
 #include "common.cuh"
 #include "mask.cuh"
 #include "params.cuh"
+#include "simt_bwd_steps.cuh"
 #include "softmax_bwd.cuh"
 
 namespace cf {
@@ -31,7 +32,6 @@ flash_bwd_dq_simt(const __grid_constant__ BwdParams p) {
     const SequenceRows seq = cta_sequence<Mask>(p, blockIdx.z);
     const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k, headdim = p.headdim;
     const A scale_log2 = scale_log2_in<A>(p), scale = scale_in<A>(p);
-    const A* __restrict__ lse = static_cast<const A*>(p.lse);
     const A* __restrict__ delta = static_cast<const A*>(p.delta);
     const Mask mask = cta_mask<Mask>(p, seqlen_q, seqlen_k);
     const int m_block = Mask::query_block(blockIdx.x, gridDim.x);
@@ -43,7 +43,6 @@ flash_bwd_dq_simt(const __grid_constant__ BwdParams p) {
     if (Mask::PACKED && m0 >= seqlen_q) return;  // past a shorter sequence's end
     const int row = threadIdx.x / TPR, lane_in_row = threadIdx.x % TPR;
     const int q_row = m0 + row;
-    const A log2e = A(1.4426950408889634073599247);
 
     const T* __restrict__ q_rows = p.q.row<const T>(batch, seq.q_begin, head);
     const T* __restrict__ do_rows = p.dout.row<const T>(batch, seq.q_begin, head);
@@ -51,7 +50,7 @@ flash_bwd_dq_simt(const __grid_constant__ BwdParams p) {
     load_tile<BLOCK_M, D_TILE, NTHREADS>(do_tile, do_rows, m0, seqlen_q, p.headdim_v, p.dout.row_stride, A(1));
     const bool row_valid = q_row < seqlen_q;
     const i64 stat = seq.stat(StatDims{p.nheads, stat_rows}, head, q_row);
-    const A row_lse_log2 = row_valid ? ldg(lse + stat) * log2e : neg_inf<A>();
+    const RowStats<A> stats = row_valid ? row_stats<A>(p, stat) : RowStats<A>{neg_inf<A>(), A(0)};
     const A row_delta = row_valid ? ldg(delta + stat) : A(0);
 
     const T* __restrict__ k_base = p.k.row<const T>(batch, seq.k_begin, head_kv);
@@ -72,20 +71,15 @@ flash_bwd_dq_simt(const __grid_constant__ BwdParams p) {
         __syncthreads();
 
         // dS_ij = P_ij (dO_i . V_j - D_i) with P_ij = exp2(S_ij - lse_i)
-        A s[S_PER_LANE], dp[S_PER_LANE];
-        row_dots<D_TILE>(s, q_tile + row * LD, k_tile + lane_in_row * LD, TPR * LD);
-        row_dots<D_TILE>(dp, do_tile + row * LD, v_tile + lane_in_row * LD, TPR * LD);
+        SimtRowTile<A, S_PER_LANE> t;
+        simt_row_tile<D_TILE, TPR, LD>(t, q_tile + row * LD, do_tile + row * LD, k_tile, v_tile, lane_in_row, q_row,
+                                       n0, stats.top == neg_inf<A>(), mask, score, dropout, drop_scale);
 #pragma unroll
         for (int j = 0; j < S_PER_LANE; ++j) {
-            const int col = lane_in_row + TPR * j, key = n0 + col;
-            const bool masked = row_lse_log2 == neg_inf<A>() || mask.hides(q_row, key);
-            A dsds;
-            const A s_ij = score.transform(s[j], score.origin(q_row, key), 0, 0, dsds);
-            const A p_ij = recomputed_p_exact(s_ij, scale_log2, row_lse_log2);
-            // Dropout (dropout.cuh): dS = P (Z dP / (1 - p) - D).
-            const A dp_ij = !DropoutOf<Mask>::ENABLED ? dp[j] : dropout.keep(q_row, key) ? dp[j] * drop_scale : A(0);
-            const A ds_ij = p_ij * (dp_ij - row_delta);
-            ds_tile[row * LDS + col] = masked ? A(0) : Mask::Score::HAS_GRAD ? ds_ij * dsds : ds_ij;
+            const A p_ij = recomputed_p_exact(t.s[j], scale_log2, stats.top, stats.log2_sum);
+            const A ds_ij = p_ij * (t.dp[j] - row_delta);
+            ds_tile[row * LDS + lane_in_row + TPR * j] =
+                t.hidden[j] ? A(0) : Mask::Score::HAS_GRAD ? ds_ij * t.dsds[j] : ds_ij;
         }
         // dS rows are written and read only by their own row group (one warp).
         __syncwarp();

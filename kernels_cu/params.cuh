@@ -102,6 +102,15 @@ struct BwdParams {
     VariantArgs variant;
     const int* cu_seqlens_q;    // a packed batch, as in FwdParams
     const int* cu_seqlens_k;
+    // The SIMT backward's row statistics in log2 units are lse * lse_to_log2 + log2_sum
+    // (softmax_bwd.cuh, recomputed_p_exact). Saved statistics: lse natural, lse_to_log2 = log2(e),
+    // log2_sum null (0). Recomputed (flash_bwd_stats_simt): lse holds each row's top score and
+    // log2_sum the log2 of its sum over 2^(x - top), lse_to_log2 = 1; kept apart so that x - top
+    // is exact near the maximum and the sum's logarithm is not lost in the rounding of a large
+    // lse. The tensor-core kernels take the saved lse only and read log2(e) as a constant.
+    const void* log2_sum;
+    float lse_to_log2;
+    double lse_to_log2_f64;
 };
 
 // Where each sequence's keys live in a KV cache (flash_fwd_kvcache_mma): key n of sequence b is

@@ -193,23 +193,32 @@ __device__ __forceinline__ A sink_log2(const Params& p, int head) {
 
 // The epilogue of a row with running maximum m and sum l (log2 units) and the sink logit
 // sink2 (log2 units, -inf: none): the factor of O (1 / l, or 0 for a row that saw no key) and
-// lse in natural log. With a sink the denominator is l 2^(m - M) + 2^(sink2 - M), M = max(m,
-// sink2), and O is scaled by 2^(m - M) over it; a row that saw no key gets O = 0, lse = sink.
-// (The kernels without a sink keep their own epilogue: this is the sink's.) A sink of -inf is
-// no sink.
+// lse = top + log2_sum in log2 units. With a sink the denominator is l 2^(m - M) + 2^(sink2 - M),
+// top = M = max(m, sink2), and O is scaled by 2^(m - M) over it; a row that saw no key gets O = 0,
+// lse = sink, and one that weighs nothing top = -inf. A sink of -inf is no sink: then top = m
+// and the denominator l, so l = 1 gives log2_sum = 0 exactly (flash_bwd_stats_simt relies on it).
 template <typename A>
-__device__ __forceinline__ void finish_row_with_sink(A m, A l, A sink2, A& o_factor, A& lse) {
+__device__ __forceinline__ void finish_row_log2(A m, A l, A sink2, A& o_factor, A& top, A& log2_sum) {
     const bool seen = l > A(0);
-    const A top = seen ? max_(m, sink2) : sink2;
+    top = seen ? max_(m, sink2) : sink2;
     if (top == neg_inf<A>()) {
         o_factor = A(0);
-        lse = neg_inf<A>();
+        log2_sum = A(0);
         return;
     }
     const A own = seen ? exp2_(m - top) : A(0);
     const A denom = l * own + exp2_(sink2 - top);
     o_factor = own / denom;
-    lse = (top + log2_(denom)) * A(0.6931471805599453094172321);
+    log2_sum = log2_(denom);
+}
+
+// finish_row_log2 with lse in natural log, the forward kernels' sink epilogue. (The kernels
+// without a sink keep their own epilogue.)
+template <typename A>
+__device__ __forceinline__ void finish_row_with_sink(A m, A l, A sink2, A& o_factor, A& lse) {
+    A top, log2_sum;
+    finish_row_log2(m, l, sink2, o_factor, top, log2_sum);
+    lse = (top + log2_sum) * A(0.6931471805599453094172321);  // -inf stays -inf
 }
 
 }  // namespace cf

@@ -19,6 +19,7 @@
 #include "common.cuh"
 #include "mask.cuh"
 #include "mma.cuh"
+#include "params.cuh"
 
 namespace cf {
 
@@ -36,10 +37,31 @@ __device__ __forceinline__ float recomputed_p(float s, float scale_log2, float b
     return exp2_approx(min0_keep_nan(fmaf(s, scale_log2, -base_log2)));
 }
 
-// SIMT kernels, in their accumulator type (float32 or float64), with the accurate exp2.
+// The SIMT kernels' score in log2 units: the product rounded on its own, never fused into the
+// subtraction that follows. flash_bwd_stats_simt takes its row maximum over exactly these values,
+// so the maximum's exponent below is x - x = 0 and its P exactly 1, as in standard attention; an
+// FMA would subtract from the unrounded product and leave the rounding residue, up to half an ulp
+// of |x| (2^5 at scores of 1e9), in the exponent.
+__device__ __forceinline__ float log2_score(float s, float scale_log2) { return __fmul_rn(s, scale_log2); }
+__device__ __forceinline__ double log2_score(double s, double scale_log2) { return __dmul_rn(s, scale_log2); }
+
+// SIMT kernels, in their accumulator type (float32 or float64), with the accurate exp2: the row's
+// statistics are top + log2_sum in log2 units (BwdParams: a saved lse is top, log2_sum 0).
 template <typename A>
-__device__ __forceinline__ A recomputed_p_exact(A s, A scale_log2, A lse_log2) {
-    return exp2_(min0_keep_nan(s * scale_log2 - lse_log2));
+__device__ __forceinline__ A recomputed_p_exact(A s, A scale_log2, A top, A log2_sum) {
+    return exp2_(min0_keep_nan((log2_score(s, scale_log2) - top) - log2_sum));
+}
+
+// A row's statistics in log2 units (BwdParams), `stat` its index in lse's layout.
+template <typename A>
+struct RowStats {
+    A top, log2_sum;
+};
+template <typename A>
+__device__ __forceinline__ RowStats<A> row_stats(const BwdParams& p, i64 stat) {
+    const A to_log2 = sizeof(A) == sizeof(double) ? A(p.lse_to_log2_f64) : A(p.lse_to_log2);
+    const A* log2_sum = static_cast<const A*>(p.log2_sum);
+    return {ldg(static_cast<const A*>(p.lse) + stat) * to_log2, log2_sum != nullptr ? ldg(log2_sum + stat) : A(0)};
 }
 
 // ds'/ds of a score policy with a derivative (score.cuh, HAS_GRAD: softcap), for N accumulator

@@ -61,7 +61,9 @@ BWD_PARAMS = np.dtype([*((name, TENSOR_ROWS) for name in ("q", "k", "v", "o", "d
                                                            "dq_accum")),
                        ("dq_accum_panel_stride", np.int64), ("lse", np.uint64), ("delta", np.uint64),
                        ("dq_semaphore", np.uint64), ("dq_row_scale", np.uint64), ("kv_bound", np.uint64),
-                       *_SHAPE_FIELDS, *_SCALE_FIELDS, *_SEQUENCE_FIELDS], align=True)
+                       *_SHAPE_FIELDS, *_SCALE_FIELDS, *_SEQUENCE_FIELDS,
+                       ("log2_sum", np.uint64), ("lse_to_log2", np.float32), ("lse_to_log2_f64", np.float64)],
+                      align=True)
 
 _CPP_NAMES = {FWD_PARAMS: "cf::FwdParams", BWD_PARAMS: "cf::BwdParams", VARIANT_ARGS: "cf::VariantArgs",
               MOD_ARGS: "cf::ModArgs", DROPOUT_ARGS: "cf::DropoutArgs", BLOCK_MAP_PARAMS: "cf::BlockMapParams"}
@@ -204,11 +206,18 @@ def backward_params(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, ma
     for name, a in (("q", q), ("k", k), ("v", v), ("o", o), ("dout", do), ("dq", dq), ("dk", dk), ("dv", dv)):
         set_rows(params, name, a)
     params["lse"], params["delta"] = pointer(lse), pointer(delta)
+    set_lse_unit(params, LOG2E)
     _set_shape(params, q, k, v, mask)
     _set_scales(params, softmax_scale)
     set_variant(params, variant)
     set_packed(params, packed)
     return params
+
+
+def set_lse_unit(params: np.ndarray, to_log2: float) -> None:
+    """How the SIMT backward turns params' lse into log2 units: LOG2E for a saved (natural log)
+    lse, 1.0 for flash_bwd_stats_simt's top scores (params.cuh's BwdParams)."""
+    params["lse_to_log2"], params["lse_to_log2_f64"] = np.float32(to_log2), np.float64(to_log2)
 
 
 def _fields(dtype: np.dtype, prefix: str = ""):

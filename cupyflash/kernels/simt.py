@@ -12,9 +12,9 @@ import numpy as np
 
 from ._module import Specialization, backward_is_empty, launch
 from .constants import CTYPES, SIMT_D_TILES
-from .params import PackedBatch, backward_params, forward_params, pointer
+from .params import PackedBatch, backward_params, forward_params, pointer, set_lse_unit
 from .. import backward_plans, plans
-from .._dtypes import is_float64
+from .._dtypes import is_16bit, is_float64
 from ..masks import KINDS, PACKED_KINDS, VARIANT_KINDS, Mask, mask_for
 from ..scores import PLAIN
 
@@ -43,6 +43,12 @@ def specialization(kind: str, dtype, headdim: int, mask: Mask | bool) -> Special
     return _spec(kind, dtype, headdim, mask)
 
 
+def _kinds(dtype) -> tuple[str, ...]:
+    """The SIMT kernels of ``dtype``: the forward, then the backward's (statistics="recomputed"'s
+    flash_bwd_stats_simt for float32 and float64)."""
+    return ("fwd", "dkdv", "dq") if is_16bit(dtype) else ("fwd", "stats", "dkdv", "dq")
+
+
 def specializations() -> list[Specialization]:
     """Every specialization the dispatcher can launch (for the compile check)."""
     out = []
@@ -50,11 +56,11 @@ def specializations() -> list[Specialization]:
         out.append(_preprocess_spec(dtype))
         for dt in D_TILES:
             for mask in KINDS:
-                for kind in ("fwd", "dkdv", "dq"):
+                for kind in _kinds(dtype):
                     out.append(_spec(kind, dtype, dt, mask))
             for mask in VARIANT_KINDS + PACKED_KINDS:
                 out.append(_spec("fwd", dtype, dt, mask))
-                out.extend(_spec(kind, dtype, dt, mask.backward()) for kind in ("dkdv", "dq"))
+                out.extend(_spec(kind, dtype, dt, mask.backward()) for kind in _kinds(dtype)[1:])
     return out
 
 
@@ -91,23 +97,43 @@ def backward_preprocess(params, do, o):
     return delta
 
 
+def backward_statistics(params, plan, grid, o):
+    """flash_bwd_stats_simt's D and lse (as its top scores and log2 sums, log2 units), one
+    (3, B, H, Sq) array of the accumulator dtype, their addresses put in ``params`` in place of
+    the saved lse's (params.cuh's BwdParams)."""
+    import cupy
+
+    batch, seqlen_q, nheads, _ = o.shape
+    acc = np.float64 if is_float64(o.dtype) else np.float32
+    stats = cupy.empty((3, batch, nheads, seqlen_q), dtype=acc)
+    params["delta"], params["lse"], params["log2_sum"] = (pointer(x) for x in stats)
+    set_lse_unit(params, 1.0)
+    launch(plan.spec("stats"), grid, (params,))
+    return stats
+
+
 def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: bool,
              deterministic: bool = True, window_size=(-1, -1), variant=None,
              packed: PackedBatch | None = None) -> None:
     """dq, dk, dv (preallocated, C-contiguous) from the saved lse, by the plan of
     backward_plans.plan_backward (D, then the dK/dV kernel, then the dQ kernel). Always
-    deterministic. ``packed``: a varlen batch (B = 1)."""
+    deterministic. ``packed``: a varlen batch (B = 1). The variant's ``statistics``
+    "recomputed": lse and D from flash_bwd_stats_simt instead of the saved lse and o."""
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     if backward_is_empty(q, k, dq, dk, dv):
         return
     mask = mask_for(causal, window_size, PLAIN if variant is None else variant.score, packed is not None).backward()
-    plan = backward_plans.plan_backward(None, q.dtype, max(headdim, v.shape[3]), mask, None, True, family="simt")
+    plan = backward_plans.plan_backward(None, q.dtype, max(headdim, v.shape[3]), mask, None, True, family="simt",
+                                        statistics="saved" if variant is None else variant.statistics)
     grids = {launch.role: launch.grid(batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, packed)
              for launch in plan.launches}
     params = backward_params(do, q, k, v, o, lse, dq, dk, dv, softmax_scale=softmax_scale, mask=mask,
                              variant=variant, packed=packed)
-    delta = backward_preprocess(params, do, o)
+    if plan.spec("stats") is not None:
+        rows = backward_statistics(params, plan, grids["stats"], o)
+    else:
+        rows = backward_preprocess(params, do, o)
     launch(plan.spec("dkdv"), grids["dkdv"], (params,))
     launch(plan.spec("dq"), grids["dq"], (params,))
-    del delta  # back to CuPy's pool in stream order, after the launches
+    del rows  # back to CuPy's pool in stream order, after the launches

@@ -1,0 +1,116 @@
+// flash_bwd_stats_simt: the SIMT backward's row statistics recomputed from q, k, v and dO
+// (statistics="recomputed", backward_plans): lse_i in log2 units and D_i = sum_j P_ij dP_ij, in
+// place of the saved lse and of D = rowsum(dO * O) (flash_bwd_preprocess.cu). lse is written as
+// its two parts, the row's top score and the log2 of its sum over 2^(x - top) (BwdParams).
+//
+// Why: D from the saved o cancels the backward's own dP only to rounding, and at a saturated
+// softmax (a row one-hot to float32's precision) that residue, times scale and |K|, is the whole
+// of dq and dk, many times their true size, where standard attention's
+// dS = P (dP - sum_j P_ij dP_ij) is exactly 0. The saved lse has a second flaw at large scores:
+// its natural-log round trip moves the row maximum's exponent by ulps of |lse|, so P of the
+// maximum is not 1. Here both come from the scores and dP of the kernels that use them, to the bit
+// (simt_bwd_steps.cuh): one walk over the row's key blocks with an online maximum, as the forward
+// takes, and D summed with the same rescaling, so a one-hot row gets top = its key's score,
+// log2_sum = 0 and D = its key's dP. The saved o and lse are then not read (ring attention, whose o
+// and lse are the whole sequence's, keeps statistics="saved").
+//
+// One block per query block, the tiles and row groups of flash_bwd_dq_simt (TPR lanes a row).
+#include "common.cuh"
+#include "mask.cuh"
+#include "params.cuh"
+#include "simt_bwd_steps.cuh"
+
+namespace cf {
+
+template <typename T, int D_TILE, class Mask, int BLOCK_M, int BLOCK_N, int TPR>
+__global__ void __launch_bounds__(BLOCK_M * TPR, 2)
+flash_bwd_stats_simt(const __grid_constant__ BwdParams p) {
+    typedef typename acc_of<T>::type A;
+    constexpr int NTHREADS = BLOCK_M * TPR;
+    constexpr int S_PER_LANE = BLOCK_N / TPR;
+    constexpr int LD = D_TILE + 1;
+    static_assert(BLOCK_N % TPR == 0 && D_TILE % TPR == 0 && 32 % TPR == 0, "row group shape");
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    A* q_tile = reinterpret_cast<A*>(smem_raw);  // [BLOCK_M][LD]
+    A* do_tile = q_tile + BLOCK_M * LD;            // [BLOCK_M][LD]
+    A* k_tile = do_tile + BLOCK_M * LD;            // [BLOCK_N][LD]
+    A* v_tile = k_tile + BLOCK_N * LD;             // [BLOCK_N][LD]
+    constexpr unsigned SMEM_BYTES = sizeof(A) * (2 * BLOCK_M * LD + 2 * BLOCK_N * LD);
+    if (dynamic_smem_bytes() < SMEM_BYTES) __trap();
+
+    const SequenceRows seq = cta_sequence<Mask>(p, blockIdx.z);
+    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
+    const A scale_log2 = scale_log2_in<A>(p), scale = scale_in<A>(p);
+    const Mask mask = cta_mask<Mask>(p, seqlen_q, seqlen_k);
+    const int m_block = Mask::query_block(blockIdx.x, gridDim.x);
+    const int head = blockIdx.y, batch = seq.batch;
+    const int head_kv = head / p.group;
+    const ScoreOf<Mask, A> score(score_problem<Mask>(p, seq), seq.index, head, scale);
+    const int m0 = m_block * BLOCK_M;
+    if (Mask::PACKED && m0 >= seqlen_q) return;  // past a shorter sequence's end
+    const int row = threadIdx.x / TPR, lane_in_row = threadIdx.x % TPR;
+    const int q_row = m0 + row;
+
+    load_tile<BLOCK_M, D_TILE, NTHREADS>(q_tile, p.q.row<const T>(batch, seq.q_begin, head), m0, seqlen_q,
+                                         p.headdim, p.q.row_stride, A(1));
+    load_tile<BLOCK_M, D_TILE, NTHREADS>(do_tile, p.dout.row<const T>(batch, seq.q_begin, head), m0, seqlen_q,
+                                         p.headdim_v, p.dout.row_stride, A(1));
+    const T* __restrict__ k_base = p.k.row<const T>(batch, seq.k_begin, head_kv);
+    const T* __restrict__ v_base = p.v.row<const T>(batch, seq.k_begin, head_kv);
+    const int n_begin = mask.key_begin(m0) / BLOCK_N * BLOCK_N;
+    const int n_end = mask.key_end(m0, BLOCK_M);
+
+    const DropoutOf<Mask> dropout(p, seq.index, head);
+    const A drop_scale = DropoutOf<Mask>::ENABLED ? dropout_scale_in<A>(p) : A(1);
+    // The row's running maximum m (log2 units), sum l = sum_j 2^(x_j - m) and
+    // w = sum_j 2^(x_j - m) dP_j, each lane over its own keys until the end (the maxima of a
+    // row's lanes are merged per tile, so every lane rescales by the same m).
+    A m_i = neg_inf<A>(), l_i = A(0), w_i = A(0);
+
+    for (int n0 = n_begin; n0 < n_end; n0 += BLOCK_N) {
+        __syncthreads();  // previous K/V tiles fully consumed
+        load_tile<BLOCK_N, D_TILE, NTHREADS>(k_tile, k_base, n0, seqlen_k, p.headdim, p.k.row_stride, A(1));
+        load_tile<BLOCK_N, D_TILE, NTHREADS>(v_tile, v_base, n0, seqlen_k, p.headdim_v, p.v.row_stride, A(1));
+        __syncthreads();
+
+        SimtRowTile<A, S_PER_LANE> t;
+        simt_row_tile<D_TILE, TPR, LD>(t, q_tile + row * LD, do_tile + row * LD, k_tile, v_tile, lane_in_row, q_row,
+                                       n0, false, mask, score, dropout, drop_scale);
+        A x[S_PER_LANE];
+        A tile_max = neg_inf<A>();
+#pragma unroll
+        for (int j = 0; j < S_PER_LANE; ++j) {
+            x[j] = t.hidden[j] ? neg_inf<A>() : log2_score(t.s[j], scale_log2);
+            tile_max = max_(tile_max, x[j]);
+        }
+        const A m_new = max_(m_i, group_max<TPR>(tile_max));
+        // A row that has seen no key keeps m = -inf: subtracting 0 keeps 2^(-inf) = 0, not NaN.
+        const A base = m_new == neg_inf<A>() ? A(0) : m_new;
+        const A rescale = exp2_(m_i - base);
+        l_i *= rescale;
+        w_i *= rescale;
+#pragma unroll
+        for (int j = 0; j < S_PER_LANE; ++j) {
+            const A e = exp2_(x[j] - base);
+            l_i += e;
+            // a hidden key adds nothing, whatever its dP (a non-finite V there must not leak)
+            w_i += t.hidden[j] ? A(0) : e * t.dp[j];
+        }
+        m_i = m_new;
+    }
+    l_i = group_sum<TPR>(l_i);
+    w_i = group_sum<TPR>(w_i);
+
+    if (q_row < seqlen_q && lane_in_row == 0) {
+        A o_factor, top, log2_sum;
+        finish_row_log2(m_i, l_i, sink_log2<Mask, A>(p, head), o_factor, top, log2_sum);
+        const i64 stat = seq.stat(StatDims{p.nheads, p.seqlen_q}, head, q_row);
+        static_cast<A*>(p.delta)[stat] = w_i * o_factor;
+        // params' lse and log2_sum are this call's own buffers in this mode (kernels/simt.py)
+        const_cast<A*>(static_cast<const A*>(p.lse))[stat] = top;
+        const_cast<A*>(static_cast<const A*>(p.log2_sum))[stat] = log2_sum;
+    }
+}
+
+}  // namespace cf
