@@ -160,28 +160,39 @@ def _finish_rows_with_sink(m, l, sink_log2, acc):
 
 
 def _recomputed_statistics(blocks, scores_and_dp, shape, acc, sink_log2):
-    """(top, log2_sum, D = sum_j P_ij dP_ij) of every row (lse = top + log2_sum in log2 units)
-    from one walk over ``blocks`` ((cols, [rows, ...]) pairs) with an online maximum, as
-    flash_bwd_stats_simt: a one-hot row gets top = its key's score, log2_sum = 0 and D = its
-    key's dP, exactly. ``sink_log2``:
-    (nheads,) sink logits in log2 units, or None."""
+    """(top, weight, dp_ref, D - dp_ref) of every row from one walk over ``blocks`` ((cols,
+    [rows, ...]) pairs) with an online maximum, as flash_bwd_stats_simt: P_ij = 2^(S_ij - top)
+    weight (top the row's largest score, log2 units), dp_ref the dP of the row's top key and
+    D = sum_j P_ij dP_ij kept as D - dp_ref, summed as sum_j P_ij (dP_ij - dp_ref) so that it does
+    not cancel. A one-hot row gets top = its key's score, weight = 1, dp_ref = its key's dP and
+    D - dp_ref = 0, exactly. ``sink_log2``: (nheads,) sink logits in log2 units, or None."""
     m = np.full(shape, -np.inf, acc)
     l = np.zeros(shape, acc)
-    w = np.zeros(shape, acc)
+    w = np.zeros(shape, acc)  # sum_j 2^(S_j - m) (dP_j - ref)
+    ref = np.zeros(shape, acc)
     with np.errstate(invalid="ignore"):  # -inf - -inf where a row has seen no key yet
         for cols, row_blocks in blocks:
             for rows in row_blocks:
                 S, _, dP, _ = scores_and_dp(rows, cols)
-                m_new = np.maximum(m[:, :, rows], S.max(axis=-1))
+                best = S.argmax(axis=-1)[..., None]
+                block_max = np.take_along_axis(S, best, axis=-1)[..., 0]
+                block_ref = np.take_along_axis(dP, best, axis=-1)[..., 0]
+                m_old, ref_old = m[:, :, rows], ref[:, :, rows]
+                m_new = np.maximum(m_old, block_max)
+                ref_new = np.where(block_max > m_old, block_ref, ref_old).astype(acc)
                 base = np.where(m_new == -np.inf, acc.type(0), m_new)
-                rescale = np.exp2(m[:, :, rows] - base)
+                rescale = np.exp2(m_old - base)
                 e = np.exp2(S - base[..., None])
+                shifted = np.where(ref_new == ref_old, w[:, :, rows], w[:, :, rows] + l[:, :, rows] * (ref_old - ref_new))
+                w[:, :, rows] = shifted * rescale + np.where(S == -np.inf, acc.type(0),
+                                                             e * (dP - ref_new[..., None])).sum(axis=-1)
                 l[:, :, rows] = l[:, :, rows] * rescale + e.sum(axis=-1)
-                w[:, :, rows] = w[:, :, rows] * rescale + np.where(S == -np.inf, acc.type(0), e * dP).sum(axis=-1)
-                m[:, :, rows] = m_new
+                m[:, :, rows], ref[:, :, rows] = m_new, ref_new
     sink2 = acc.type(-np.inf) if sink_log2 is None else sink_log2[None, :, None]
-    factor, top, log2_sum = _finish_rows_log2(m, l, sink2, acc)
-    return top, log2_sum, (w * factor).astype(acc)
+    factor, _, _ = _finish_rows_log2(m, l, sink2, acc)
+    with np.errstate(invalid="ignore"):
+        sink_share = np.where(m == -np.inf, acc.type(0), np.exp2(sink2 - m) * factor)
+    return m, factor, ref, (w * factor - ref * sink_share).astype(acc)
 
 
 def forward(q, k, v, *, softmax_scale, causal, window_size=(-1, -1), block_m=64, block_n=64, variant=None):
@@ -305,16 +316,20 @@ def backward(do, q, k, v, o, lse, *, softmax_scale, causal, window_size=(-1, -1)
             dP_ij = np.where(keep, dP_ij * acc.type(dropout.scale), acc.type(0))
         return S_ij, dS_dS, dP_ij, keep
 
-    # P_ij = 2^((S_ij - top_i) - log2_sum_i): lse in log2 units is top + log2_sum, kept apart
-    # when recomputed, so that S - top is exact near the maximum (as standard attention's S - max)
-    # and the sum's logarithm is added after it, not lost in the rounding of a large lse.
+    # P_ij = 2^(S_ij - top_i) weight_i and dS_ij = P_ij ((dP_ij - dp_ref_i) - D_i). Saved: top is
+    # lse in log2 units, weight 1, dp_ref 0. Recomputed: top the row's largest score, weight
+    # 1 / its sum, and D kept as D - dp_ref, so that S - top and dP - dp_ref are exact at the
+    # maximum (as standard attention's S - max) and nothing small is lost in the rounding of a
+    # large lse or D.
     if variant.statistics == "recomputed":
         sink_log2 = None if variant.sink is None else np.asarray(variant.sink).astype(acc) * acc.type(LOG2E)
-        top, log2_sum, D = _recomputed_statistics(walk(), scores_and_dp, (batch, nheads, seqlen_q), acc, sink_log2)
+        top, weight, dp_ref, D = _recomputed_statistics(walk(), scores_and_dp, (batch, nheads, seqlen_q), acc,
+                                                        sink_log2)
     else:
         # D_i = rowsum(dO_i * O_i) = sum_j P_ij dP_ij, the softmax-backward term of each row.
         D = (dO * O).sum(axis=-1)
-        top, log2_sum = lse.astype(acc) * acc.type(LOG2E), np.zeros(lse.shape, acc)
+        top, weight = lse.astype(acc) * acc.type(LOG2E), np.ones(lse.shape, acc)
+        dp_ref = np.zeros(lse.shape, acc)
     # A row that saw no key has lse = -inf; +inf makes its recomputed P exactly 0.
     top = np.where(top == -np.inf, np.inf, top)
 
@@ -330,9 +345,9 @@ def backward(do, q, k, v, o, lse, *, softmax_scale, causal, window_size=(-1, -1)
             dO_i = dO[:, :, rows]
             S_ij, dS_dS, dP_ij, keep = scores_and_dp(rows, cols)
             # The exponent clamped at 0 as the kernels clamp it (kernels_cu/softmax_bwd.cuh): P <= 1.
-            P_ij = np.exp2(np.minimum((S_ij - top[:, :, rows, None]) - log2_sum[:, :, rows, None], 0.0))
+            P_ij = np.exp2(np.minimum(S_ij - top[:, :, rows, None], 0.0)) * weight[:, :, rows, None]
             dV_j += np.swapaxes(P_ij if keep is None else np.where(keep, P_ij, acc.type(0)), -1, -2) @ dO_i
-            dS_ij = P_ij * (dP_ij - D[:, :, rows, None])
+            dS_ij = P_ij * ((dP_ij - dp_ref[:, :, rows, None]) - D[:, :, rows, None])
             if dS_dS is not None:
                 dS_ij = dS_ij * dS_dS
             dK_j += np.swapaxes(dS_ij, -1, -2) @ Q_i

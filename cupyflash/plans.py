@@ -498,7 +498,7 @@ def _simt_spec(kind: str, name: str, dt: int, mask: Mask, tiles: SimtTiles) -> S
         smem = ab * (bm * ld + 2 * bn * ld + bm * (bn + 1))
         threads, fn = bm * tpr, "flash_fwd_simt"
     elif kind == "dkdv":
-        smem = ab * (2 * bn * ld + 2 * bm * ld + 2 * bn * (bm + 1) + 3 * bm)
+        smem = ab * (2 * bn * ld + 2 * bm * ld + 2 * bn * (bm + 1) + 4 * bm)
         threads, fn = bn * tpr, "flash_bwd_dkdv_simt"
     elif kind == "dq":
         smem = ab * (2 * bm * ld + 2 * bn * ld + bm * (bn + 1))

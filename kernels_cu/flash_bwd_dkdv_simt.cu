@@ -38,9 +38,10 @@ flash_bwd_dkdv_simt(const __grid_constant__ BwdParams p) {
     A* dst_tile = pt_tile + BLOCK_N * LDP;         // [BLOCK_N][LDP]  dS^T
     A* top_tile = dst_tile + BLOCK_N * LDP;        // [BLOCK_M] the rows' statistics (RowStats)
     A* log2_sum_tile = top_tile + BLOCK_M;         // [BLOCK_M]
-    A* delta_tile = log2_sum_tile + BLOCK_M;       // [BLOCK_M]
+    A* dp_ref_tile = log2_sum_tile + BLOCK_M;      // [BLOCK_M]
+    A* delta_tile = dp_ref_tile + BLOCK_M;         // [BLOCK_M]
     constexpr unsigned SMEM_BYTES =
-        sizeof(A) * (2 * BLOCK_N * LD + 2 * BLOCK_M * LD + 2 * BLOCK_N * LDP + 3 * BLOCK_M);
+        sizeof(A) * (2 * BLOCK_N * LD + 2 * BLOCK_M * LD + 2 * BLOCK_N * LDP + 4 * BLOCK_M);
     if (dynamic_smem_bytes() < SMEM_BYTES) __trap();
 
     const SequenceRows seq = cta_sequence<Mask>(p, blockIdx.z);
@@ -85,9 +86,10 @@ flash_bwd_dkdv_simt(const __grid_constant__ BwdParams p) {
             load_tile<BLOCK_M, D_TILE, NTHREADS>(do_tile, do_base, m0, seqlen_q, p.headdim_v, p.dout.row_stride, A(1));
             for (int i = threadIdx.x; i < BLOCK_M; i += NTHREADS) {
                 const bool valid = m0 + i < seqlen_q;
-                const RowStats<A> stats = valid ? row_stats<A>(p, stat_row + m0 + i) : RowStats<A>{neg_inf<A>(), A(0)};
+                const RowStats<A> stats = valid ? row_stats<A>(p, stat_row + m0 + i) : no_row_stats<A>();
                 top_tile[i] = stats.top;
                 log2_sum_tile[i] = stats.log2_sum;
+                dp_ref_tile[i] = stats.dp_ref;
                 delta_tile[i] = valid ? ldg(delta_row + m0 + i) : A(0);
             }
             __syncthreads();
@@ -109,7 +111,7 @@ flash_bwd_dkdv_simt(const __grid_constant__ BwdParams p) {
                 const bool kept = !DropoutOf<Mask>::ENABLED || dropout.keep(q_row, n0 + key);
                 pt_tile[key * LDP + qi] = kept ? p_ij : A(0);
                 const A dp_ij = !DropoutOf<Mask>::ENABLED ? dpt[j] : kept ? dpt[j] * drop_scale : A(0);
-                const A ds_ij = p_ij * (dp_ij - delta_tile[qi]);
+                const A ds_ij = ds_of(p_ij, dp_ij, dp_ref_tile[qi], delta_tile[qi]);
                 dst_tile[key * LDP + qi] = masked ? A(0) : Mask::Score::HAS_GRAD ? ds_ij * dsds : ds_ij;
             }
             // P^T/dS^T rows are written and read only by their own row group (one warp).

@@ -50,7 +50,7 @@ flash_bwd_dq_simt(const __grid_constant__ BwdParams p) {
     load_tile<BLOCK_M, D_TILE, NTHREADS>(do_tile, do_rows, m0, seqlen_q, p.headdim_v, p.dout.row_stride, A(1));
     const bool row_valid = q_row < seqlen_q;
     const i64 stat = seq.stat(StatDims{p.nheads, stat_rows}, head, q_row);
-    const RowStats<A> stats = row_valid ? row_stats<A>(p, stat) : RowStats<A>{neg_inf<A>(), A(0)};
+    const RowStats<A> stats = row_valid ? row_stats<A>(p, stat) : no_row_stats<A>();
     const A row_delta = row_valid ? ldg(delta + stat) : A(0);
 
     const T* __restrict__ k_base = p.k.row<const T>(batch, seq.k_begin, head_kv);
@@ -77,7 +77,7 @@ flash_bwd_dq_simt(const __grid_constant__ BwdParams p) {
 #pragma unroll
         for (int j = 0; j < S_PER_LANE; ++j) {
             const A p_ij = recomputed_p_exact(t.s[j], scale_log2, stats.top, stats.log2_sum);
-            const A ds_ij = p_ij * (t.dp[j] - row_delta);
+            const A ds_ij = ds_of(p_ij, t.dp[j], stats.dp_ref, row_delta);
             ds_tile[row * LDS + lane_in_row + TPR * j] =
                 t.hidden[j] ? A(0) : Mask::Score::HAS_GRAD ? ds_ij * t.dsds[j] : ds_ij;
         }

@@ -1,7 +1,8 @@
 // flash_bwd_stats_simt: the SIMT backward's row statistics recomputed from q, k, v and dO
 // (statistics="recomputed", backward_plans): lse_i in log2 units and D_i = sum_j P_ij dP_ij, in
 // place of the saved lse and of D = rowsum(dO * O) (flash_bwd_preprocess.cu). lse is written as
-// its two parts, the row's top score and the log2 of its sum over 2^(x - top) (BwdParams).
+// its two parts, the row's top score and the log2 of its sum over 2^(x - top), and D as D - ref,
+// ref the dP of the row's top key (BwdParams).
 //
 // Why: D from the saved o cancels the backward's own dP only to rounding, and at a saturated
 // softmax (a row one-hot to float32's precision) that residue, times scale and |K|, is the whole
@@ -11,7 +12,7 @@
 // maximum is not 1. Here both come from the scores and dP of the kernels that use them, to the bit
 // (simt_bwd_steps.cuh): one walk over the row's key blocks with an online maximum, as the forward
 // takes, and D summed with the same rescaling, so a one-hot row gets top = its key's score,
-// log2_sum = 0 and D = its key's dP. The saved o and lse are then not read (ring attention, whose o
+// log2_sum = 0, ref = its key's dP and D - ref = 0. The saved o and lse are then not read (ring attention, whose o
 // and lse are the whole sequence's, keeps statistics="saved").
 //
 // One block per query block, the tiles and row groups of flash_bwd_dq_simt (TPR lanes a row).
@@ -64,9 +65,12 @@ flash_bwd_stats_simt(const __grid_constant__ BwdParams p) {
     const DropoutOf<Mask> dropout(p, seq.index, head);
     const A drop_scale = DropoutOf<Mask>::ENABLED ? dropout_scale_in<A>(p) : A(1);
     // The row's running maximum m (log2 units), sum l = sum_j 2^(x_j - m) and
-    // w = sum_j 2^(x_j - m) dP_j, each lane over its own keys until the end (the maxima of a
-    // row's lanes are merged per tile, so every lane rescales by the same m).
-    A m_i = neg_inf<A>(), l_i = A(0), w_i = A(0);
+    // w = sum_j 2^(x_j - m) (dP_j - ref), ref the dP of the key at the maximum: each lane over its
+    // own keys until the end (maximum and ref are merged per tile, so every lane rescales and
+    // shifts alike). D = sum_j P_j dP_j is kept as D' = D - ref, its part that does not cancel:
+    // the gradient kernels form dP_j - D as (dP_j - ref) - D', exact 0 - D' at the maximum's key,
+    // where dP_j - D would lose the small D' to a rounding of |dP| (RowStats, softmax_bwd.cuh).
+    A m_i = neg_inf<A>(), l_i = A(0), w_i = A(0), ref = A(0);
 
     for (int n0 = n_begin; n0 < n_end; n0 += BLOCK_N) {
         __syncthreads();  // previous K/V tiles fully consumed
@@ -77,25 +81,37 @@ flash_bwd_stats_simt(const __grid_constant__ BwdParams p) {
         SimtRowTile<A, S_PER_LANE> t;
         simt_row_tile<D_TILE, TPR, LD>(t, q_tile + row * LD, do_tile + row * LD, k_tile, v_tile, lane_in_row, q_row,
                                        n0, false, mask, score, dropout, drop_scale);
+        // the tile's maximum and its key's dP, over the row group (ties: the larger dP, so
+        // every lane of the group ends with the same pair)
         A x[S_PER_LANE];
-        A tile_max = neg_inf<A>();
+        A tile_max = neg_inf<A>(), tile_ref = A(0);
 #pragma unroll
         for (int j = 0; j < S_PER_LANE; ++j) {
             x[j] = t.hidden[j] ? neg_inf<A>() : log2_score(t.s[j], scale_log2);
-            tile_max = max_(tile_max, x[j]);
+            if (!t.hidden[j] && (x[j] > tile_max || (x[j] == tile_max && t.dp[j] > tile_ref)))
+                tile_max = x[j], tile_ref = t.dp[j];
         }
-        const A m_new = max_(m_i, group_max<TPR>(tile_max));
+#pragma unroll
+        for (int offset = TPR / 2; offset > 0; offset /= 2) {
+            const A other_max = __shfl_xor_sync(0xffffffffu, tile_max, offset);
+            const A other_ref = __shfl_xor_sync(0xffffffffu, tile_ref, offset);
+            if (other_max > tile_max || (other_max == tile_max && other_ref > tile_ref))
+                tile_max = other_max, tile_ref = other_ref;
+        }
+        const A m_new = max_(m_i, tile_max);
+        const A ref_new = tile_max > m_i ? tile_ref : ref;
         // A row that has seen no key keeps m = -inf: subtracting 0 keeps 2^(-inf) = 0, not NaN.
         const A base = m_new == neg_inf<A>() ? A(0) : m_new;
         const A rescale = exp2_(m_i - base);
+        w_i = (ref_new == ref ? w_i : w_i + l_i * (ref - ref_new)) * rescale;
         l_i *= rescale;
-        w_i *= rescale;
+        ref = ref_new;
 #pragma unroll
         for (int j = 0; j < S_PER_LANE; ++j) {
             const A e = exp2_(x[j] - base);
             l_i += e;
             // a hidden key adds nothing, whatever its dP (a non-finite V there must not leak)
-            w_i += t.hidden[j] ? A(0) : e * t.dp[j];
+            w_i += t.hidden[j] ? A(0) : e * (t.dp[j] - ref);
         }
         m_i = m_new;
     }
@@ -104,12 +120,16 @@ flash_bwd_stats_simt(const __grid_constant__ BwdParams p) {
 
     if (q_row < seqlen_q && lane_in_row == 0) {
         A o_factor, top, log2_sum;
-        finish_row_log2(m_i, l_i, sink_log2<Mask, A>(p, head), o_factor, top, log2_sum);
+        const A sink2 = sink_log2<Mask, A>(p, head);
+        finish_row_log2(m_i, l_i, sink2, o_factor, top, log2_sum);
+        // D - ref = sum_j P_j (dP_j - ref) - ref P_sink: the sink's weight has no dP
+        const A sink_share = Mask::Score::HAS_SINK && top != neg_inf<A>() ? exp2_((sink2 - top) - log2_sum) : A(0);
         const i64 stat = seq.stat(StatDims{p.nheads, p.seqlen_q}, head, q_row);
-        static_cast<A*>(p.delta)[stat] = w_i * o_factor;
-        // params' lse and log2_sum are this call's own buffers in this mode (kernels/simt.py)
+        static_cast<A*>(p.delta)[stat] = w_i * o_factor - ref * sink_share;
+        // params' lse, log2_sum and dp_ref are this call's own buffers in this mode (kernels/simt.py)
         const_cast<A*>(static_cast<const A*>(p.lse))[stat] = top;
         const_cast<A*>(static_cast<const A*>(p.log2_sum))[stat] = log2_sum;
+        const_cast<A*>(static_cast<const A*>(p.dp_ref))[stat] = ref;
     }
 }
 

@@ -102,13 +102,16 @@ struct BwdParams {
     VariantArgs variant;
     const int* cu_seqlens_q;    // a packed batch, as in FwdParams
     const int* cu_seqlens_k;
-    // The SIMT backward's row statistics in log2 units are lse * lse_to_log2 + log2_sum
-    // (softmax_bwd.cuh, recomputed_p_exact). Saved statistics: lse natural, lse_to_log2 = log2(e),
-    // log2_sum null (0). Recomputed (flash_bwd_stats_simt): lse holds each row's top score and
-    // log2_sum the log2 of its sum over 2^(x - top), lse_to_log2 = 1; kept apart so that x - top
-    // is exact near the maximum and the sum's logarithm is not lost in the rounding of a large
-    // lse. The tensor-core kernels take the saved lse only and read log2(e) as a constant.
+    // The SIMT backward's row statistics (softmax_bwd.cuh's RowStats): lse in log2 units is
+    // lse * lse_to_log2 + log2_sum, and dS = P ((dP - dp_ref) - delta). Saved statistics: lse
+    // natural, lse_to_log2 = log2(e), log2_sum and dp_ref null (0). Recomputed
+    // (flash_bwd_stats_simt): lse holds each row's top score, log2_sum the log2 of its sum over
+    // 2^(x - top), lse_to_log2 = 1, dp_ref the dP of the top key and delta D - dp_ref; kept apart
+    // so that x - top and dP - dp_ref are exact at the maximum, and what remains is not lost in the
+    // rounding of a large lse or D. The tensor-core kernels take the saved lse only and read
+    // log2(e) as a constant.
     const void* log2_sum;
+    const void* dp_ref;
     float lse_to_log2;
     double lse_to_log2_f64;
 };

@@ -52,16 +52,29 @@ __device__ __forceinline__ A recomputed_p_exact(A s, A scale_log2, A top, A log2
     return exp2_(min0_keep_nan((log2_score(s, scale_log2) - top) - log2_sum));
 }
 
-// A row's statistics in log2 units (BwdParams), `stat` its index in lse's layout.
+// A row's statistics (BwdParams), `stat` its index in lse's layout: top + log2_sum is lse in
+// log2 units, and dS = P ((dP - dp_ref) - D) with D the row's delta (dS_of).
 template <typename A>
 struct RowStats {
-    A top, log2_sum;
+    A top, log2_sum, dp_ref;
 };
 template <typename A>
 __device__ __forceinline__ RowStats<A> row_stats(const BwdParams& p, i64 stat) {
     const A to_log2 = sizeof(A) == sizeof(double) ? A(p.lse_to_log2_f64) : A(p.lse_to_log2);
     const A* log2_sum = static_cast<const A*>(p.log2_sum);
-    return {ldg(static_cast<const A*>(p.lse) + stat) * to_log2, log2_sum != nullptr ? ldg(log2_sum + stat) : A(0)};
+    const A* dp_ref = static_cast<const A*>(p.dp_ref);
+    return {ldg(static_cast<const A*>(p.lse) + stat) * to_log2, log2_sum != nullptr ? ldg(log2_sum + stat) : A(0),
+            dp_ref != nullptr ? ldg(dp_ref + stat) : A(0)};
+}
+template <typename A>
+__device__ __forceinline__ RowStats<A> no_row_stats() {
+    return {neg_inf<A>(), A(0), A(0)};
+}
+
+// dS_ij / (ds'/ds) of the SIMT kernels.
+template <typename A>
+__device__ __forceinline__ A ds_of(A p, A dp, A dp_ref, A delta) {
+    return p * ((dp - dp_ref) - delta);
 }
 
 // ds'/ds of a score policy with a derivative (score.cuh, HAS_GRAD: softcap), for N accumulator

@@ -1,0 +1,146 @@
+"""The saturated-softmax property (issue 18) shared by the CPU test of the NumPy twin and the GPU
+test of the kernels: a float32 / float64 backward with recomputed statistics is within 2x the error
+of standard attention in the same dtype, both against attention's gradients in extended precision,
+over softmax scales up to 1e4 and input magnitudes up to 1e2, where the softmax is one-hot or nearly.
+
+The truth is computed here from the definition in np.longdouble (64-bit significand on x86-64),
+because float64's own reference is no yardstick for float64 results: it rounds as they do.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+from hypothesis import strategies as st
+
+from cupyflash import reference
+
+LONG = np.longdouble
+EPS = {np.dtype(np.float32): 2.0 ** -24, np.dtype(np.float64): 2.0 ** -53}
+FACTOR = 2.0
+# The floor under the bar, per entry, in units of the dtype's eps times the sum of |term| over the
+# final sum that forms the entry (dq_i = scale sum_j dS_ij k_j, ...): the rounding of that sum,
+# which no order of summation avoids. Without it an entry whose terms cancel to 0 or to a tiny
+# value (every dq and dk entry of a one-hot row) would ask for an error of exactly 0.
+FLOOR_EPS = 16.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    dtype: np.dtype
+    seqlen_q: int
+    seqlen_k: int
+    nheads: int
+    headdim: int
+    causal: bool
+    softmax_scale: float
+    magnitude: float  # standard deviation of q and k (v and do: 1)
+    seed: int
+
+    def arrays(self):
+        rng = np.random.default_rng(self.seed)
+        shape_q = (1, self.seqlen_q, self.nheads, self.headdim)
+        shape_k = (1, self.seqlen_k, self.nheads, self.headdim)
+        q = rng.standard_normal(shape_q) * self.magnitude
+        k = rng.standard_normal(shape_k) * self.magnitude
+        v = rng.standard_normal(shape_k)
+        do = rng.standard_normal(shape_q)
+        return tuple(x.astype(self.dtype) for x in (q, k, v, do))
+
+
+def cases(dtypes=(np.float32, np.float64), max_seqlen=72):
+    """Problems with log-uniform softmax scales in [1e-2, 1e4] and q, k magnitudes in [1, 1e2]."""
+    return st.builds(Case, st.sampled_from([np.dtype(d) for d in dtypes]), st.integers(1, max_seqlen),
+                     st.integers(1, max_seqlen), st.integers(1, 2), st.sampled_from([1, 8, 16, 40, 64]),
+                     st.booleans(), st.floats(-2.0, 4.0).map(lambda e: 10.0 ** e),
+                     st.floats(0.0, 2.0).map(lambda e: 10.0 ** e), st.integers(0, 2 ** 31 - 1))
+
+
+def extended_gradients(do, q, k, v, *, softmax_scale, causal):
+    """((dq, dk, dv), their term sizes) of sum(do * attention(q, k, v)) in np.longdouble, from the
+    definition, the term size of an entry being the sum of |term| over the final sum that forms it:
+    P = softmax(scale q k^T) over the visible keys (causal: key j visible to query i when
+    j <= i + seqlen_k - seqlen_q), dS_j = P_j sum_k P_k (dP_j - dP_k), dP = do v^T."""
+    q, k, v, do = (np.moveaxis(np.asarray(x).astype(LONG), 2, 1) for x in (q, k, v, do))
+    s = (q @ np.swapaxes(k, -1, -2)) * LONG(softmax_scale)
+    n, m = s.shape[-2:]
+    visible = np.ones((n, m), bool)
+    if causal:
+        visible = np.arange(m)[None, :] <= np.arange(n)[:, None] + (m - n)
+    s = np.where(visible, s, -np.inf)
+    top = s.max(axis=-1, keepdims=True)
+    seen = np.isfinite(top)
+    with np.errstate(invalid="ignore"):
+        e = np.where(visible & seen, np.exp(s - np.where(seen, top, 0)), 0)
+    total = e.sum(axis=-1, keepdims=True)
+    p = np.where(total > 0, e / np.where(total > 0, total, 1), 0)
+    dp = do @ np.swapaxes(v, -1, -2)
+    # dS_j = P_j (dP_j - sum_k P_k dP_k) = P_j sum_k P_k (dP_j - dP_k), as sum_k P_k = 1: the
+    # second form, because the first cancels at a one-hot row even in extended precision (there
+    # the true dS of the top key is -sum_k P_k (dP_k - dP_top), far below eps |dP|).
+    ds = p * (p[..., None, :] * (dp[..., :, None] - dp[..., None, :])).sum(axis=-1)
+    dq = (ds @ k) * LONG(softmax_scale)
+    dk = (np.swapaxes(ds, -1, -2) @ q) * LONG(softmax_scale)
+    dv = np.swapaxes(p, -1, -2) @ do
+    # sum |term| of each entry's final sum: what its rounding is proportional to
+    size = ((np.abs(ds) @ np.abs(k)) * LONG(softmax_scale), (np.abs(np.swapaxes(ds, -1, -2)) @ np.abs(q)) * LONG(softmax_scale),
+            np.swapaxes(p, -1, -2) @ np.abs(do))
+    return tuple(np.moveaxis(g, 1, 2) for g in (dq, dk, dv)), tuple(np.moveaxis(g, 1, 2) for g in size)
+
+
+def log2_unit_standard_gradients(do, q, k, v, *, softmax_scale, causal):
+    """(dq, dk, dv) of an unfused implementation in the inputs' dtype that takes its scores in
+    log2 units, as fused kernels do: S = (q k^T) * (scale log2(e)), P = 2^(S - max) / sum,
+    dS = P (dP - rowsum(P dP)), each product in the dtype. A second standard attention beside
+    cupyflash.reference.standard_attention_backward: both round at the same places, but where one
+    rounding lands is luck, and the 2x bar takes the worse of the two (as the 16-bit rule takes the
+    worse of its baselines, cupyflash.testing.tolerance.worse_baseline)."""
+    dtype = np.asarray(q).dtype
+    q, k, v, do = (np.moveaxis(np.asarray(x), 2, 1) for x in (q, k, v, do))
+    s = (q @ np.swapaxes(k, -1, -2)) * dtype.type(softmax_scale * 1.4426950408889634)
+    n, m = s.shape[-2:]
+    if causal:
+        s = np.where(np.arange(m)[None, :] <= np.arange(n)[:, None] + (m - n), s, -np.inf)
+    top = s.max(axis=-1, keepdims=True)
+    with np.errstate(invalid="ignore"):
+        e = np.where(np.isfinite(top), np.exp2(s - np.where(np.isfinite(top), top, 0)), 0).astype(dtype)
+    total = e.sum(axis=-1, keepdims=True)
+    p = np.where(total > 0, e / np.where(total > 0, total, 1), 0).astype(dtype)
+    dp = do @ np.swapaxes(v, -1, -2)
+    ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True))
+    ds = ds * dtype.type(softmax_scale)
+    grads = (ds @ k, np.swapaxes(ds, -1, -2) @ q, np.swapaxes(p, -1, -2) @ do)
+    return tuple(np.moveaxis(g, 1, 2).astype(dtype) for g in grads)
+
+
+def _error(got, truth):
+    """max |got - truth| in np.longdouble (whose exponent range goes below float64's)."""
+    return np.abs(np.asarray(got).astype(LONG) - truth).max() if truth.size else LONG(0)
+
+
+def check(case: Case, grads) -> None:
+    """Assert ``grads`` (dq, dk, dv) of ``case`` are within FACTOR x standard attention's max error
+    (in the case's dtype; the worse of two unfused implementations) of extended_gradients, entry by
+    entry above the rounding floor of the entry's final sum."""
+    q, k, v, do = case.arrays()
+    options = dict(softmax_scale=case.softmax_scale, causal=case.causal)
+    truth, sizes = extended_gradients(do, q, k, v, **options)
+    with np.errstate(all="ignore"):
+        standard = reference.standard_attention_backward(do, q, k, v, dtype=case.dtype, **options)
+        in_log2 = log2_unit_standard_gradients(do, q, k, v, **options)
+    for name, got, std, std2, true, size in zip(("dq", "dk", "dv"), grads, standard, in_log2, truth, sizes):
+        got = np.asarray(got)
+        assert got.dtype == case.dtype and got.shape == true.shape, name
+        assert np.isfinite(got).all(), f"{name}: non-finite entries ({case})"
+        if not true.size:
+            continue
+        baseline = max(_error(std, true), _error(std2, true))
+        # below the dtype's smallest subnormal nothing is representable (the truth's extended
+        # exponent range reaches far beneath it)
+        floor = FLOOR_EPS * EPS[case.dtype] * size + LONG(np.finfo(case.dtype).smallest_subnormal)
+        excess = np.abs(got.astype(LONG) - true) - floor
+        worst = np.unravel_index(int(np.argmax(excess)), excess.shape)
+        assert excess[worst] <= FACTOR * baseline, (
+            f"{name}: error {float(abs(got[worst] - true[worst])):.3e} at {tuple(map(int, worst))} exceeds the floor "
+            f"{float(floor[worst]):.3e} by {float(excess[worst]):.3e} > {FACTOR} x "
+            f"standard attention's max error {float(baseline):.3e} ({case})")

@@ -1,0 +1,144 @@
+"""Recomputed row statistics on the GPU (flash_bwd_stats_simt, issue 18's saturated softmax): the
+saturated-softmax property on the SIMT kernels (tests/saturation.py), the one-hot case bit for bit
+where the saved statistics fail it, every mask and score variant and the packed batch against the
+saved statistics where nothing saturates, and the magnitudes the saved ones overflow at. Outputs
+are poisoned with NaN. Marker ``gpu``."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+
+import cupyflash
+from cupyflash.testing import poisoned_outputs
+
+import saturation
+
+pytestmark = pytest.mark.gpu
+
+RTOL = {np.dtype(np.float32): 1e-4, np.dtype(np.float64): 1e-12}
+
+
+def _device(*arrays):
+    import cupy
+
+    return tuple(cupy.asarray(x) for x in arrays)
+
+
+def _host(grads):
+    return tuple(g.get() for g in grads)
+
+
+def backward_on_device(q, k, v, do, statistics, **options):
+    """(dq, dk, dv[, dsink]) of flash_attn_func + flash_attn_backward on the GPU (backend auto:
+    the SIMT backward for float32 / float64)."""
+    q, k, v, do = _device(q, k, v, do)
+    with poisoned_outputs():
+        o, lse = cupyflash.flash_attn_func(q, k, v, return_lse=True, **options)
+        grads = cupyflash.flash_attn_backward(do, q, k, v, o, lse, statistics=statistics, **options)
+    return _host(grads)
+
+
+@given(saturation.cases())
+def test_recomputed_statistics_are_as_accurate_as_standard_attention(case):
+    """The saturated-softmax property on the kernels: the vjp's backward (recomputed for float32
+    and float64) within 2x standard attention's error above the rounding floor, softmax scales up
+    to 1e4, q and k magnitudes up to 1e2."""
+    q, k, v, do = _device(*case.arrays())
+    with poisoned_outputs():
+        _, vjp = cupyflash.flash_attn_vjp(q, k, v, softmax_scale=case.softmax_scale, causal=case.causal)
+        grads = vjp(do)
+    saturation.check(case, _host(grads))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_one_hot_rows_cancel_exactly(dtype):
+    """softmax_scale 1e4: every row one-hot. The recomputed statistics pass the property and give
+    the top key's dS exactly 0 (dq below the smallest true gradient's rounding); the saved ones leave
+    the residue the issue reported."""
+    case = saturation.Case(np.dtype(dtype), 96, 80, 2, 64, False, 1e4, 1.0, 20261203)
+    q, k, v, do = case.arrays()
+    options = dict(softmax_scale=case.softmax_scale, causal=case.causal)
+    recomputed = backward_on_device(q, k, v, do, "recomputed", **options)
+    saturation.check(case, recomputed)
+    saved = backward_on_device(q, k, v, do, "saved", **options)
+    with pytest.raises(AssertionError, match="exceeds the floor"):
+        saturation.check(case, saved)
+    assert float(np.abs(recomputed[0]).max()) < 1e-30 < float(np.abs(saved[0]).max())
+
+
+VARIANTS = {
+    "full": dict(causal=False),
+    "causal": dict(causal=True),
+    "window": dict(causal=False, window_size=(17, 5)),
+    "softcap": dict(causal=True, softcap=2.5),
+    "alibi": dict(causal=True, alibi_slopes=np.array([0.25, 0.0625, 0.5, 0.125], np.float32)),
+    "sink": dict(causal=False, sink=np.array([0.5, -1.0, 2.0, 0.0], np.float32)),
+    "dropout": dict(causal=True, dropout_p=0.2, seed=5),
+}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_recomputed_matches_saved_on_every_variant(name, dtype):
+    """Where nothing saturates the two statistics give the same gradients to rounding: the
+    statistics kernel walks every mask and score policy as the gradient kernels do (GQA 4:2, v's
+    head dim 48 beside q's 40, ragged lengths)."""
+    rng = np.random.default_rng(17)
+    q = rng.standard_normal((2, 150, 4, 40)).astype(dtype)
+    k = rng.standard_normal((2, 170, 2, 40)).astype(dtype)
+    v = rng.standard_normal((2, 170, 2, 48)).astype(dtype)
+    do = rng.standard_normal((2, 150, 4, 48)).astype(dtype)
+    options = VARIANTS[name]
+    saved = backward_on_device(q, k, v, do, "saved", **options)
+    recomputed = backward_on_device(q, k, v, do, "recomputed", **options)
+    for which, a, b in zip(("dq", "dk", "dv", "dsink"), saved, recomputed):
+        assert np.isfinite(b).all(), which
+        assert np.abs(a - b).max() <= RTOL[np.dtype(dtype)] * (1 + np.abs(a).max()), which
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_recomputed_matches_saved_on_a_packed_batch(dtype):
+    """The packed (varlen) kernels: one launch per kernel over sequences of 0..190 rows."""
+    import cupy
+
+    rng = np.random.default_rng(29)
+    lengths_q, lengths_k = [0, 33, 190, 7, 64], [5, 40, 150, 0, 64]
+    cu_q = np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lengths_k)]).astype(np.int32)
+    q = rng.standard_normal((cu_q[-1], 4, 32)).astype(dtype)
+    k, v = (rng.standard_normal((cu_k[-1], 2, 32)).astype(dtype) for _ in range(2))
+    do = rng.standard_normal(q.shape).astype(dtype)
+    q, k, v, do, cu_qd, cu_kd = _device(q, k, v, do, cu_q, cu_k)
+    results = []
+    for statistics in ("saved", "recomputed"):
+        with poisoned_outputs():
+            o, lse = cupyflash.flash_attn_varlen_func(q, k, v, cu_qd, cu_kd, 190, 150, causal=True, return_lse=True)
+            grads = cupyflash.flash_attn_varlen_backward(do, q, k, v, o, lse, cu_qd, cu_kd, 190, 150, causal=True,
+                                                         statistics=statistics)
+        results.append(tuple(cupy.asnumpy(g) for g in grads))
+    for which, a, b in zip(("dq", "dk", "dv"), *results):
+        assert np.isfinite(b).all(), which
+        assert np.abs(a - b).max() <= RTOL[np.dtype(dtype)] * (1 + np.abs(a).max()), which
+
+
+@pytest.mark.parametrize("dtype, magnitude", [(np.float32, 1e13), (np.float64, 1e115)], ids=["fp32", "fp64"])
+def test_saturated_rows_past_the_saved_statistics_range_stay_finite(dtype, magnitude):
+    """tests/test_magnitudes_gpu.py's defect (1): at these magnitudes D's residue times |K|
+    overflows dq with the saved statistics, where standard attention's dS is 0. Recomputed, dq and
+    dk are exactly 0 (every row one-hot) and dv sums dO over the rows whose top key it is."""
+    rng = np.random.default_rng(2)
+    q, k = ((rng.standard_normal((1, 77, 2, 64)) * magnitude).astype(dtype) for _ in range(2))
+    v, do = (rng.standard_normal((1, 77, 2, 64)).astype(dtype) for _ in range(2))
+    q, k, v, do = _device(q, k, v, do)
+    with poisoned_outputs():
+        _, vjp = cupyflash.flash_attn_vjp(q, k, v)
+        dq, dk, dv = _host(vjp(do))
+    assert np.isfinite(dq).all() and np.isfinite(dk).all() and np.isfinite(dv).all()
+    assert not dq.any() and not dk.any()
+    s = np.einsum("bqhd,bkhd->bhqk", q.get().astype(np.float64), k.get().astype(np.float64))
+    top = s.argmax(axis=-1)  # (1, heads, rows)
+    expected = np.zeros(dv.shape)
+    for h in range(2):
+        np.add.at(expected[0, :, h], top[0, h], do.get()[0, :, h])
+    assert np.abs(dv - expected).max() <= 1e-5 * np.abs(expected).max()
