@@ -37,8 +37,8 @@ flash_bwd_dkdv_simt(const __grid_constant__ BwdParams p) {
     A* pt_tile = do_tile + BLOCK_M * LD;           // [BLOCK_N][LDP]  P^T
     A* dst_tile = pt_tile + BLOCK_N * LDP;         // [BLOCK_N][LDP]  dS^T
     A* top_tile = dst_tile + BLOCK_N * LDP;        // [BLOCK_M] the rows' statistics (RowStats)
-    A* log2_sum_tile = top_tile + BLOCK_M;         // [BLOCK_M]
-    A* dp_ref_tile = log2_sum_tile + BLOCK_M;      // [BLOCK_M]
+    A* weight_tile = top_tile + BLOCK_M;           // [BLOCK_M]
+    A* dp_ref_tile = weight_tile + BLOCK_M;        // [BLOCK_M]
     A* delta_tile = dp_ref_tile + BLOCK_M;         // [BLOCK_M]
     constexpr unsigned SMEM_BYTES =
         sizeof(A) * (2 * BLOCK_N * LD + 2 * BLOCK_M * LD + 2 * BLOCK_N * LDP + 4 * BLOCK_M);
@@ -88,7 +88,7 @@ flash_bwd_dkdv_simt(const __grid_constant__ BwdParams p) {
                 const bool valid = m0 + i < seqlen_q;
                 const RowStats<A> stats = valid ? row_stats<A>(p, stat_row + m0 + i) : no_row_stats<A>();
                 top_tile[i] = stats.top;
-                log2_sum_tile[i] = stats.log2_sum;
+                weight_tile[i] = stats.weight;
                 dp_ref_tile[i] = stats.dp_ref;
                 delta_tile[i] = valid ? ldg(delta_row + m0 + i) : A(0);
             }
@@ -106,7 +106,7 @@ flash_bwd_dkdv_simt(const __grid_constant__ BwdParams p) {
                 const bool masked = top_tile[qi] == neg_inf<A>() || mask.hides(q_row, n0 + key);
                 A dsds;
                 const A s_ij = score.transform(st[j], score.origin(q_row, n0 + key), 0, 0, dsds);
-                const A p_ij = masked ? A(0) : recomputed_p_exact(s_ij, scale_log2, top_tile[qi], log2_sum_tile[qi]);
+                const A p_ij = masked ? A(0) : recomputed_p_exact(s_ij, scale_log2, top_tile[qi], weight_tile[qi]);
                 // Dropout (dropout.cuh): dV takes P Z (1 / (1 - p) in the epilogue), dS = P (Z dP / (1 - p) - D).
                 const bool kept = !DropoutOf<Mask>::ENABLED || dropout.keep(q_row, n0 + key);
                 pt_tile[key * LDP + qi] = kept ? p_ij : A(0);

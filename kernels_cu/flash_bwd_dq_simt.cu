@@ -76,7 +76,7 @@ flash_bwd_dq_simt(const __grid_constant__ BwdParams p) {
                                        n0, stats.top == neg_inf<A>(), mask, score, dropout, drop_scale);
 #pragma unroll
         for (int j = 0; j < S_PER_LANE; ++j) {
-            const A p_ij = recomputed_p_exact(t.s[j], scale_log2, stats.top, stats.log2_sum);
+            const A p_ij = recomputed_p_exact(t.s[j], scale_log2, stats.top, stats.weight);
             const A ds_ij = ds_of(p_ij, t.dp[j], stats.dp_ref, row_delta);
             ds_tile[row * LDS + lane_in_row + TPR * j] =
                 t.hidden[j] ? A(0) : Mask::Score::HAS_GRAD ? ds_ij * t.dsds[j] : ds_ij;

@@ -1,8 +1,8 @@
 // flash_bwd_stats_simt: the SIMT backward's row statistics recomputed from q, k, v and dO
 // (statistics="recomputed", backward_plans): lse_i in log2 units and D_i = sum_j P_ij dP_ij, in
 // place of the saved lse and of D = rowsum(dO * O) (flash_bwd_preprocess.cu). lse is written as
-// its two parts, the row's top score and the log2 of its sum over 2^(x - top), and D as D - ref,
-// ref the dP of the row's top key (BwdParams).
+// the row's top score and its weight 1 / sum (P = 2^(x - top) weight), and D as D - ref, ref the
+// dP of the row's top key (BwdParams).
 //
 // Why: D from the saved o cancels the backward's own dP only to rounding, and at a saturated
 // softmax (a row one-hot to float32's precision) that residue, times scale and |K|, is the whole
@@ -12,7 +12,7 @@
 // maximum is not 1. Here both come from the scores and dP of the kernels that use them, to the bit
 // (simt_bwd_steps.cuh): one walk over the row's key blocks with an online maximum, as the forward
 // takes, and D summed with the same rescaling, so a one-hot row gets top = its key's score,
-// log2_sum = 0, ref = its key's dP and D - ref = 0. The saved o and lse are then not read (ring attention, whose o
+// weight = 1, ref = its key's dP and D - ref = 0. The saved o and lse are then not read (ring attention, whose o
 // and lse are the whole sequence's, keeps statistics="saved").
 //
 // One block per query block, the tiles and row groups of flash_bwd_dq_simt (TPR lanes a row).
@@ -119,16 +119,17 @@ flash_bwd_stats_simt(const __grid_constant__ BwdParams p) {
     w_i = group_sum<TPR>(w_i);
 
     if (q_row < seqlen_q && lane_in_row == 0) {
-        A o_factor, top, log2_sum;
+        // P_j = 2^(x_j - m) o_factor, o_factor = 1 / l without a sink (the forward's factor of O)
+        A o_factor, top_with_sink, log2_sum;
         const A sink2 = sink_log2<Mask, A>(p, head);
-        finish_row_log2(m_i, l_i, sink2, o_factor, top, log2_sum);
+        finish_row_log2(m_i, l_i, sink2, o_factor, top_with_sink, log2_sum);
         // D - ref = sum_j P_j (dP_j - ref) - ref P_sink: the sink's weight has no dP
-        const A sink_share = Mask::Score::HAS_SINK && top != neg_inf<A>() ? exp2_((sink2 - top) - log2_sum) : A(0);
+        const A sink_share = Mask::Score::HAS_SINK && m_i != neg_inf<A>() ? exp2_(sink2 - m_i) * o_factor : A(0);
         const i64 stat = seq.stat(StatDims{p.nheads, p.seqlen_q}, head, q_row);
         static_cast<A*>(p.delta)[stat] = w_i * o_factor - ref * sink_share;
-        // params' lse, log2_sum and dp_ref are this call's own buffers in this mode (kernels/simt.py)
-        const_cast<A*>(static_cast<const A*>(p.lse))[stat] = top;
-        const_cast<A*>(static_cast<const A*>(p.log2_sum))[stat] = log2_sum;
+        // params' lse, weight and dp_ref are this call's own buffers in this mode (kernels/simt.py)
+        const_cast<A*>(static_cast<const A*>(p.lse))[stat] = m_i;
+        const_cast<A*>(static_cast<const A*>(p.weight))[stat] = o_factor;
         const_cast<A*>(static_cast<const A*>(p.dp_ref))[stat] = ref;
     }
 }

@@ -102,15 +102,14 @@ struct BwdParams {
     VariantArgs variant;
     const int* cu_seqlens_q;    // a packed batch, as in FwdParams
     const int* cu_seqlens_k;
-    // The SIMT backward's row statistics (softmax_bwd.cuh's RowStats): lse in log2 units is
-    // lse * lse_to_log2 + log2_sum, and dS = P ((dP - dp_ref) - delta). Saved statistics: lse
-    // natural, lse_to_log2 = log2(e), log2_sum and dp_ref null (0). Recomputed
-    // (flash_bwd_stats_simt): lse holds each row's top score, log2_sum the log2 of its sum over
-    // 2^(x - top), lse_to_log2 = 1, dp_ref the dP of the top key and delta D - dp_ref; kept apart
-    // so that x - top and dP - dp_ref are exact at the maximum, and what remains is not lost in the
-    // rounding of a large lse or D. The tensor-core kernels take the saved lse only and read
-    // log2(e) as a constant.
-    const void* log2_sum;
+    // The SIMT backward's row statistics (softmax_bwd.cuh's RowStats): P = 2^(x - top) weight,
+    // top = lse * lse_to_log2, and dS = P ((dP - dp_ref) - delta). Saved statistics: lse natural,
+    // lse_to_log2 = log2(e), weight and dp_ref null (1 and 0). Recomputed (flash_bwd_stats_simt):
+    // lse holds each row's top score, weight 1 / its sum, lse_to_log2 = 1, dp_ref the dP of the
+    // top key and delta D - dp_ref; kept apart so that x - top and dP - dp_ref are exact at the
+    // maximum, and nothing small is lost in the rounding of a large lse or D. The tensor-core
+    // kernels take the saved lse only and read log2(e) as a constant.
+    const void* weight;
     const void* dp_ref;
     float lse_to_log2;
     double lse_to_log2_f64;

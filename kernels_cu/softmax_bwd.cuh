@@ -45,30 +45,30 @@ __device__ __forceinline__ float recomputed_p(float s, float scale_log2, float b
 __device__ __forceinline__ float log2_score(float s, float scale_log2) { return __fmul_rn(s, scale_log2); }
 __device__ __forceinline__ double log2_score(double s, double scale_log2) { return __dmul_rn(s, scale_log2); }
 
-// SIMT kernels, in their accumulator type (float32 or float64), with the accurate exp2: the row's
-// statistics are top + log2_sum in log2 units (BwdParams: a saved lse is top, log2_sum 0).
+// SIMT kernels, in their accumulator type (float32 or float64), with the accurate exp2: P =
+// 2^(x - top) weight from the row's statistics (RowStats: a saved lse is top, weight 1).
 template <typename A>
-__device__ __forceinline__ A recomputed_p_exact(A s, A scale_log2, A top, A log2_sum) {
-    return exp2_(min0_keep_nan((log2_score(s, scale_log2) - top) - log2_sum));
+__device__ __forceinline__ A recomputed_p_exact(A s, A scale_log2, A top, A weight) {
+    return exp2_(min0_keep_nan(log2_score(s, scale_log2) - top)) * weight;
 }
 
-// A row's statistics (BwdParams), `stat` its index in lse's layout: top + log2_sum is lse in
-// log2 units, and dS = P ((dP - dp_ref) - D) with D the row's delta (dS_of).
+// A row's statistics (BwdParams), `stat` its index in lse's layout: P = 2^(x - top) weight and
+// dS = P ((dP - dp_ref) - D) with D the row's delta (ds_of).
 template <typename A>
 struct RowStats {
-    A top, log2_sum, dp_ref;
+    A top, weight, dp_ref;
 };
 template <typename A>
 __device__ __forceinline__ RowStats<A> row_stats(const BwdParams& p, i64 stat) {
     const A to_log2 = sizeof(A) == sizeof(double) ? A(p.lse_to_log2_f64) : A(p.lse_to_log2);
-    const A* log2_sum = static_cast<const A*>(p.log2_sum);
+    const A* weight = static_cast<const A*>(p.weight);
     const A* dp_ref = static_cast<const A*>(p.dp_ref);
-    return {ldg(static_cast<const A*>(p.lse) + stat) * to_log2, log2_sum != nullptr ? ldg(log2_sum + stat) : A(0),
+    return {ldg(static_cast<const A*>(p.lse) + stat) * to_log2, weight != nullptr ? ldg(weight + stat) : A(1),
             dp_ref != nullptr ? ldg(dp_ref + stat) : A(0)};
 }
 template <typename A>
 __device__ __forceinline__ RowStats<A> no_row_stats() {
-    return {neg_inf<A>(), A(0), A(0)};
+    return {neg_inf<A>(), A(1), A(0)};
 }
 
 // dS_ij / (ds'/ds) of the SIMT kernels.

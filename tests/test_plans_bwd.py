@@ -912,7 +912,7 @@ def old_spec(name: str) -> tuple:
         expression = f"{head}<{', '.join(args)}>"
     elif name.startswith("flash_bwd_dkdv_simt"):
         # Since the recomputed statistics the SIMT dK/dV kernel stages four values per query row
-        # (top, log2 sum, dP reference, D), not two (lse, D): softmax_bwd.cuh's RowStats.
+        # (top, weight, dP reference, D), not two (lse, D): softmax_bwd.cuh's RowStats.
         threads, smem, arch = rest
         block_m = int(re.search(r"_bm(\d+)_", name).group(1))
         rest = [threads, smem + 2 * block_m * (8 if "_fp64_" in name else 4), arch]

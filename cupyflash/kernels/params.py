@@ -62,7 +62,7 @@ BWD_PARAMS = np.dtype([*((name, TENSOR_ROWS) for name in ("q", "k", "v", "o", "d
                        ("dq_accum_panel_stride", np.int64), ("lse", np.uint64), ("delta", np.uint64),
                        ("dq_semaphore", np.uint64), ("dq_row_scale", np.uint64), ("kv_bound", np.uint64),
                        *_SHAPE_FIELDS, *_SCALE_FIELDS, *_SEQUENCE_FIELDS,
-                       ("log2_sum", np.uint64), ("dp_ref", np.uint64), ("lse_to_log2", np.float32),
+                       ("weight", np.uint64), ("dp_ref", np.uint64), ("lse_to_log2", np.float32),
                        ("lse_to_log2_f64", np.float64)],
                       align=True)
 

@@ -99,14 +99,14 @@ def backward_preprocess(params, do, o):
 
 def backward_statistics(params, plan, grid, o):
     """flash_bwd_stats_simt's row statistics (params.cuh's BwdParams: D - dp_ref, the top score,
-    the log2 sum, dp_ref), one (4, B, H, Sq) array of the accumulator dtype, their addresses put
-    in ``params`` in place of the saved lse's."""
+    the weight 1 / sum, dp_ref), one (4, B, H, Sq) array of the accumulator dtype, their addresses
+    put in ``params`` in place of the saved lse's."""
     import cupy
 
     batch, seqlen_q, nheads, _ = o.shape
     acc = np.float64 if is_float64(o.dtype) else np.float32
     stats = cupy.empty((4, batch, nheads, seqlen_q), dtype=acc)
-    params["delta"], params["lse"], params["log2_sum"], params["dp_ref"] = (pointer(x) for x in stats)
+    params["delta"], params["lse"], params["weight"], params["dp_ref"] = (pointer(x) for x in stats)
     set_lse_unit(params, 1.0)
     launch(plan.spec("stats"), grid, (params,))
     return stats
