@@ -71,16 +71,14 @@ flash_bwd_dq_simt(const __grid_constant__ BwdParams p) {
         __syncthreads();
 
         // dS_ij = P_ij (dO_i . V_j - D_i) with P_ij = exp2(S_ij - lse_i)
-        SimtRowTile<A, S_PER_LANE> t;
-        simt_row_tile<D_TILE, TPR, LD>(t, q_tile + row * LD, do_tile + row * LD, k_tile, v_tile, lane_in_row, q_row,
-                                       n0, stats.top == neg_inf<A>(), mask, score, dropout, drop_scale);
-#pragma unroll
-        for (int j = 0; j < S_PER_LANE; ++j) {
-            const A p_ij = recomputed_p_exact(t.s[j], scale_log2, stats.top, stats.weight);
-            const A ds_ij = ds_of(p_ij, t.dp[j], stats.dp_ref, row_delta);
-            ds_tile[row * LDS + lane_in_row + TPR * j] =
-                t.hidden[j] ? A(0) : Mask::Score::HAS_GRAD ? ds_ij * t.dsds[j] : ds_ij;
-        }
+        simt_row_tile<D_TILE, TPR, LD, S_PER_LANE>(
+            q_tile + row * LD, do_tile + row * LD, k_tile, v_tile, lane_in_row, q_row, n0, stats.top == neg_inf<A>(),
+            mask, score, dropout, drop_scale, [&](int j, A s_ij, A dp_ij, A dsds, bool hidden) {
+                const A p_ij = recomputed_p_exact(s_ij, scale_log2, stats.top, stats.weight);
+                const A ds_ij = ds_of(p_ij, dp_ij, stats.dp_ref, row_delta);
+                ds_tile[row * LDS + lane_in_row + TPR * j] =
+                    hidden ? A(0) : Mask::Score::HAS_GRAD ? ds_ij * dsds : ds_ij;
+            });
         // dS rows are written and read only by their own row group (one warp).
         __syncwarp();
 

@@ -78,19 +78,18 @@ flash_bwd_stats_simt(const __grid_constant__ BwdParams p) {
         load_tile<BLOCK_N, D_TILE, NTHREADS>(v_tile, v_base, n0, seqlen_k, p.headdim_v, p.v.row_stride, A(1));
         __syncthreads();
 
-        SimtRowTile<A, S_PER_LANE> t;
-        simt_row_tile<D_TILE, TPR, LD>(t, q_tile + row * LD, do_tile + row * LD, k_tile, v_tile, lane_in_row, q_row,
-                                       n0, false, mask, score, dropout, drop_scale);
-        // the tile's maximum and its key's dP, over the row group (ties: the larger dP, so
-        // every lane of the group ends with the same pair)
-        A x[S_PER_LANE];
+        // the scores in log2 units (-inf where hidden) and dP; the tile's maximum and its key's
+        // dP over the row group (ties: the larger dP, so every lane of the group ends with the
+        // same pair)
+        A x[S_PER_LANE], dp[S_PER_LANE];
         A tile_max = neg_inf<A>(), tile_ref = A(0);
-#pragma unroll
-        for (int j = 0; j < S_PER_LANE; ++j) {
-            x[j] = t.hidden[j] ? neg_inf<A>() : log2_score(t.s[j], scale_log2);
-            if (!t.hidden[j] && (x[j] > tile_max || (x[j] == tile_max && t.dp[j] > tile_ref)))
-                tile_max = x[j], tile_ref = t.dp[j];
-        }
+        simt_row_tile<D_TILE, TPR, LD, S_PER_LANE>(
+            q_tile + row * LD, do_tile + row * LD, k_tile, v_tile, lane_in_row, q_row, n0, false, mask, score, dropout,
+            drop_scale, [&](int j, A s_ij, A dp_ij, A, bool hidden) {
+                x[j] = hidden ? neg_inf<A>() : log2_score(s_ij, scale_log2);
+                dp[j] = dp_ij;
+                if (!hidden && (x[j] > tile_max || (x[j] == tile_max && dp_ij > tile_ref))) tile_max = x[j], tile_ref = dp_ij;
+            });
 #pragma unroll
         for (int offset = TPR / 2; offset > 0; offset /= 2) {
             const A other_max = __shfl_xor_sync(0xffffffffu, tile_max, offset);
@@ -111,7 +110,7 @@ flash_bwd_stats_simt(const __grid_constant__ BwdParams p) {
             const A e = exp2_(x[j] - base);
             l_i += e;
             // a hidden key adds nothing, whatever its dP (a non-finite V there must not leak)
-            w_i += t.hidden[j] ? A(0) : e * (t.dp[j] - ref);
+            w_i += x[j] == neg_inf<A>() ? A(0) : e * (dp[j] - ref);
         }
         m_i = m_new;
     }

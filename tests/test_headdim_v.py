@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 import cupyflash
 from cupyflash import dispatch, reference
+from cupyflash.backward_plans import own_forward_statistics
 from cupyflash.dropout import dropout_mask
 from cupyflash.testing import poisoned_outputs
 from brute_force import numerical_gradient
@@ -369,10 +370,12 @@ def test_dropout(d_qk, d_v):
     """dropout_p with a seed against the reference given cupyflash.dropout_mask's mask; the vjp
     uses one drawn seed for both directions."""
     p = problem(d_qk, d_v, F32, causal=True)
-    o, _, grads = run_and_check(p, dropout=(0.3, 12345))
+    o, lse, _ = run_and_check(p, dropout=(0.3, 12345))
     q, k, v, do = p.arrays()
     o_again, vjp = cupyflash.flash_attn_vjp(q, k, v, dropout_p=0.3, seed=12345, causal=True, backend="numpy")
     assert np.array_equal(o_again, o)
+    grads = cupyflash.flash_attn_backward(do, q, k, v, o, lse, dropout_p=0.3, seed=12345, causal=True,
+                                          backend="numpy", statistics="recomputed")  # the vjp's, float32
     assert all(np.array_equal(a, b) for a, b in zip(vjp(do), grads))
     o_drawn, vjp_drawn = cupyflash.flash_attn_vjp(q, k, v, dropout_p=0.3, causal=True, backend="numpy")
     assert o_drawn.shape == p.o_shape and not np.array_equal(o_drawn, o)
@@ -629,6 +632,8 @@ def test_varlen_matches_the_reference(d_qk, d_v, dtype):
     check_varlen(inputs, sequences, o, lse, grads, dtype=dtype, causal=True, bitwise_dense=True)
     o_vjp, vjp = cupyflash.flash_attn_varlen_vjp(q, k, v, *sequences, causal=True, backend="numpy")
     assert np.array_equal(o_vjp.view(np.uint8), o.view(np.uint8))
+    grads = cupyflash.flash_attn_varlen_backward(do, q, k, v, o, lse, *sequences, causal=True, backend="numpy",
+                                                 statistics=own_forward_statistics(dtype))  # the vjp's
     assert all(np.array_equal(a.view(np.uint8), b.view(np.uint8)) for a, b in zip(vjp(do), grads))
 
 
@@ -844,7 +849,7 @@ def test_torch_autograd_equals_cupyflash_bitwise(d_qk, d_v, with_variants):
     np_variant = {name: (x.detach().numpy() if isinstance(x, torch.Tensor) else x) for name, x in variant.items()}
     o_ref, lse_ref = cupyflash.flash_attn_func(*arrays, causal=True, return_lse=True, backend="numpy", **np_variant)
     grads = cupyflash.flash_attn_backward(do.numpy(), *arrays, o_ref, lse_ref, causal=True, backend="numpy",
-                                          **np_variant)
+                                          statistics="recomputed", **np_variant)  # the autograd's, float32
     assert np.array_equal(o.detach().numpy(), o_ref) and np.array_equal(lse.detach().numpy(), lse_ref)
     for name, t, g in zip("qkv", (q, k, v), grads):
         assert t.grad.shape == t.shape and np.array_equal(t.grad.numpy(), g), f"d{name} differs"
@@ -953,7 +958,7 @@ def test_torch_varlen_and_kvcache_take_d_v():
     o_ref, lse_ref = cupyflash.flash_attn_varlen_func(*inputs[:3], cu_q, cu_k, max_q, max_k, causal=True,
                                                       return_lse=True, backend="numpy")
     grads = cupyflash.flash_attn_varlen_backward(inputs[3], *inputs[:3], o_ref, lse_ref, cu_q, cu_k, max_q, max_k,
-                                                 causal=True, backend="numpy")
+                                                 causal=True, backend="numpy", statistics="recomputed")
     assert np.array_equal(o.detach().numpy(), o_ref)
     for t, g in zip((q, k, v), grads):
         assert np.array_equal(t.grad.numpy(), g)
