@@ -118,12 +118,15 @@ flash_bwd_stats_simt(const __grid_constant__ BwdParams p) {
     w_i = group_sum<TPR>(w_i);
 
     if (q_row < seqlen_q && lane_in_row == 0) {
-        // P_j = 2^(x_j - m) o_factor, o_factor = 1 / l without a sink (the forward's factor of O)
+        // P_j = 2^(x_j - m) o_factor, o_factor = 1 / l without a sink (the forward's factor of O).
+        // The sink is read at run time: the backward's policies carry none (masks.py's
+        // Mask.backward: a saved lse holds it), and this kernel forms the row's sum itself.
+        const float* sink = p.variant.sink;
+        const A sink2 = sink != nullptr ? A(ldg(sink + head)) * A(1.4426950408889634074) : neg_inf<A>();
         A o_factor, top_with_sink, log2_sum;
-        const A sink2 = sink_log2<Mask, A>(p, head);
         finish_row_log2(m_i, l_i, sink2, o_factor, top_with_sink, log2_sum);
         // D - ref = sum_j P_j (dP_j - ref) - ref P_sink: the sink's weight has no dP
-        const A sink_share = Mask::Score::HAS_SINK && m_i != neg_inf<A>() ? exp2_(sink2 - m_i) * o_factor : A(0);
+        const A sink_share = sink != nullptr && m_i != neg_inf<A>() ? exp2_(sink2 - m_i) * o_factor : A(0);
         const i64 stat = seq.stat(StatDims{p.nheads, p.seqlen_q}, head, q_row);
         static_cast<A*>(p.delta)[stat] = w_i * o_factor - ref * sink_share;
         // params' lse, weight and dp_ref are this call's own buffers in this mode (kernels/simt.py)
