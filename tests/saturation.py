@@ -118,23 +118,26 @@ def _error(got, truth):
     return np.abs(np.asarray(got).astype(LONG) - truth).max() if truth.size else LONG(0)
 
 
-def check(case: Case, grads) -> None:
+def check(case: Case, grads, more_baselines=()) -> None:
     """Assert ``grads`` (dq, dk, dv) of ``case`` are within FACTOR x standard attention's max error
     (in the case's dtype; the worse of two unfused implementations) of extended_gradients, entry by
-    entry above the rounding floor of the entry's final sum."""
+    entry above the rounding floor of the entry's final sum. ``more_baselines``: further standard
+    attentions' (dq, dk, dv) in the dtype (the GPU test adds torch's on the device)."""
     q, k, v, do = case.arrays()
     options = dict(softmax_scale=case.softmax_scale, causal=case.causal)
     truth, sizes = extended_gradients(do, q, k, v, **options)
     with np.errstate(all="ignore"):
         standard = reference.standard_attention_backward(do, q, k, v, dtype=case.dtype, **options)
         in_log2 = log2_unit_standard_gradients(do, q, k, v, **options)
-    for name, got, std, std2, true, size in zip(("dq", "dk", "dv"), grads, standard, in_log2, truth, sizes):
+    others = list(zip(*more_baselines)) if more_baselines else [()] * 3
+    for name, got, std, std2, true, size, extra in zip(("dq", "dk", "dv"), grads, standard, in_log2, truth, sizes,
+                                                        others):
         got = np.asarray(got)
         assert got.dtype == case.dtype and got.shape == true.shape, name
         assert np.isfinite(got).all(), f"{name}: non-finite entries ({case})"
         if not true.size:
             continue
-        baseline = max(_error(std, true), _error(std2, true))
+        baseline = max(_error(b, true) for b in (std, std2, *extra))
         # below the dtype's smallest subnormal nothing is representable (the truth's extended
         # exponent range reaches far beneath it)
         floor = FLOOR_EPS * EPS[case.dtype] * size + LONG(np.finfo(case.dtype).smallest_subnormal)
