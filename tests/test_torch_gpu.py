@@ -9,6 +9,7 @@ torch = pytest.importorskip("torch")
 
 import cupyflash  # noqa: E402
 from cupyflash.torch import flash_attn_func, scaled_dot_product_attention  # noqa: E402
+from cupyflash.backward_plans import own_forward_statistics  # noqa: E402
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="torch has no CUDA device")]
@@ -47,7 +48,7 @@ def test_outputs_and_gradients_equal_cupyflash_bitwise(dtype, headdim, causal, n
     arrays = [cupy.from_dlpack(t.detach()) for t in (q, k, v)]
     o_ref, lse_ref = cupyflash.flash_attn_func(*arrays, causal=causal, return_lse=True)
     grads = cupyflash.flash_attn_backward(cupy.from_dlpack(do), *arrays, o_ref, lse_ref, causal=causal,
-                                          deterministic=True)
+                                          deterministic=True, statistics=own_forward_statistics(arrays[0].dtype))
     assert torch.equal(o.detach(), torch.from_dlpack(o_ref))
     assert torch.equal(lse.detach(), torch.from_dlpack(lse_ref))
     for name, t, g in zip("qkv", (q, k, v), grads):
@@ -70,7 +71,8 @@ def test_dropout_outputs_and_gradients_equal_cupyflash_bitwise(dtype, causal):
     arrays = [cupy.from_dlpack(t.detach()) for t in (q, k, v)]
     kw = dict(dropout_p=0.2, seed=seed, causal=causal)
     o_ref, lse_ref = cupyflash.flash_attn_func(*arrays, return_lse=True, **kw)
-    grads = cupyflash.flash_attn_backward(cupy.from_dlpack(do), *arrays, o_ref, lse_ref, deterministic=True, **kw)
+    grads = cupyflash.flash_attn_backward(cupy.from_dlpack(do), *arrays, o_ref, lse_ref, deterministic=True,
+                                          statistics=own_forward_statistics(arrays[0].dtype), **kw)
     assert torch.equal(o.detach(), torch.from_dlpack(o_ref))
     for name, t, g in zip("qkv", (q, k, v), grads):
         assert torch.equal(t.grad, torch.from_dlpack(g)), f"d{name} differs"
@@ -91,7 +93,7 @@ def test_window_outputs_and_gradients_equal_cupyflash_bitwise(dtype, causal, win
     options = dict(causal=causal, window_size=window_size)
     o_ref, lse_ref = cupyflash.flash_attn_func(*arrays, return_lse=True, **options)
     grads = cupyflash.flash_attn_backward(cupy.from_dlpack(do), *arrays, o_ref, lse_ref, deterministic=True,
-                                          **options)
+                                          statistics=own_forward_statistics(arrays[0].dtype), **options)
     assert torch.equal(o.detach(), torch.from_dlpack(o_ref))
     assert torch.equal(lse.detach(), torch.from_dlpack(lse_ref))
     for name, t, g in zip("qkv", (q, k, v), grads):
@@ -274,7 +276,8 @@ def test_varlen_outputs_and_gradients_equal_cupyflash_bitwise(dtype, causal, wit
     options = dict(causal=causal, sink=None if sink is None else cupy.from_dlpack(sink.detach()))
     o_ref, lse_ref = cupyflash.flash_attn_varlen_func(*arrays, *sequences, return_lse=True, **options)
     grads = cupyflash.flash_attn_varlen_backward(cupy.from_dlpack(do), *arrays, o_ref, lse_ref, *sequences,
-                                                 deterministic=True, **options)
+                                                 deterministic=True, statistics=own_forward_statistics(arrays[0].dtype),
+                                                 **options)
     assert torch.equal(o.detach(), torch.from_dlpack(o_ref)) and torch.equal(lse.detach(), torch.from_dlpack(lse_ref))
     for name, t, g in zip(["q", "k", "v", "sink"], (q, k, v, sink), grads):
         assert torch.equal(t.grad, torch.from_dlpack(g)), f"d{name} differs"
