@@ -24,7 +24,8 @@ MASKS = ((False, (-1, -1)), (True, (-1, -1)), (False, (19, 70)))
 def workload(families=("simt", "mma"), quick=False) -> int:
     """Forward + backward of each family over odd shapes; returns the number of shapes run.
     ``quick``: one dtype per family, causal and the window only (racecheck is slow); the mma
-    family's float32 forward (the tf32 kernel) in both precisions either way."""
+    family's float32 forward (the tf32 kernel) in both precisions and the SIMT float32 backward
+    with recomputed statistics either way."""
     import cupy
     import numpy as np
 
@@ -35,7 +36,8 @@ def workload(families=("simt", "mma"), quick=False) -> int:
     calls = 0
     for backend in families:
         dtypes = ("float32", "float64", "bfloat16") if backend == "simt" else ("float16", "bfloat16")
-        for dtype_name in dtypes[-1:] if quick else dtypes:
+        quick_dtypes = ("float32", "bfloat16") if backend == "simt" else dtypes[-1:]
+        for dtype_name in quick_dtypes if quick else dtypes:
             dtype = SUPPORTED[dtype_name]
             for headdim in HEADDIMS:
                 for causal, window in MASKS[1:] if quick else MASKS:
@@ -44,6 +46,9 @@ def workload(families=("simt", "mma"), quick=False) -> int:
                     o, lse = api.flash_attn_func(q, k, v, causal=causal, window_size=window, return_lse=True,
                                                  backend=backend)
                     api.flash_attn_backward(do, q, k, v, o, lse, causal=causal, window_size=window, backend=backend)
+                    if backend == "simt" and dtype_name != "bfloat16":  # flash_bwd_stats_simt
+                        api.flash_attn_backward(do, q, k, v, o, lse, causal=causal, window_size=window,
+                                                backend=backend, statistics="recomputed")
                     if backend == "mma":
                         api.flash_attn_backward(do, q, k, v, o, lse, causal=causal, window_size=window,
                                                 backend=backend, deterministic=False)
