@@ -56,6 +56,12 @@ def cases(dtypes=(np.float32, np.float64), max_seqlen=72):
                      st.floats(0.0, 2.0).map(lambda e: 10.0 ** e), st.integers(0, 2 ** 31 - 1))
 
 
+def saturating(case: Case) -> bool:
+    """Whether the case's rows are far from uniform: score gaps of scale * magnitude^2 >= 10 (in
+    natural log units, a second key's weight e^-10 of the first's and less)."""
+    return case.softmax_scale * case.magnitude ** 2 >= 10.0
+
+
 def extended_gradients(do, q, k, v, *, softmax_scale, causal):
     """((dq, dk, dv), their term sizes) of sum(do * attention(q, k, v)) in np.longdouble, from the
     definition, the term size of an entry being the sum of |term| over the final sum that forms it:
