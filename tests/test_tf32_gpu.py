@@ -88,10 +88,11 @@ def test_ieee_forward_within_twice_standard_float32():
     assert max_abs_error(o, o_ref) <= 2 * max_abs_error(o_std, o_ref) + floor
 
 
-# The candidate that sums the products apart (STEP_SUMS for S, FRESH_O for O, on the shipped
-# PRESPLIT tiles; docs/perf-log.md "tf32-fwd-v2": 0.74-1.08x standard float32's error on the H200),
-# not yet a plan row: issue 18's 2x bar over shapes, masks, GQA and the score variants, run through
-# the launcher with the candidate's tiles, so that making it the row needs only the row.
+# The rows that sum the products apart (STEP_SUMS for S, FRESH_O for O, on PRESPLIT tiles;
+# docs/perf-log.md "tf32-fwd-v3": 0.74-1.08x standard float32's error on the H200), precision
+# "ieee"'s at d64 and d128 on sm_90 and large-shared-memory devices (plans.IEEE_FORWARD_TILES):
+# issue 18's 2x bar over shapes, masks, GQA and the score variants, through the launcher with
+# these tiles on any device that holds them (PORTABLE devices keep the chained rows).
 ACCURATE_CANDIDATES = {64: Tf32FwdConfig(128, 64, 8, fresh_o=True, presplit=True, step_sums=True),
                        128: Tf32FwdConfig(128, 32, 8, fresh_o=True, presplit=True, step_sums=True)}
 
