@@ -9,12 +9,15 @@ definition says). Standard attention (cupyflash.reference.standard_attention*, a
 implementation in the same dtype) decides where an output must be finite: float16 gradients
 overflow its range long before the scores do, and there nothing is asked.
 
-Two defects remain beyond the magnitudes the properties draw (MAGNITUDES), each pinned by a
-strict xfail below so that the fix shows: (1) D = rowsum(dO * O) does not cancel the in-kernel dP
-of a one-hot row exactly (issue 18's saturated-softmax item), and the residue times |K| overflows
-dq near |x| ~ 1e13 (bfloat16 / float32) or 1e108 (float64), where standard attention's dS is 0;
+Two defects remain beyond the magnitudes the properties draw (MAGNITUDES) with the saved
+statistics (the paths here: flash_attn_backward's default), each pinned by a strict xfail below so
+that the fix shows: (1) D = rowsum(dO * O) does not cancel the in-kernel dP of a one-hot row
+exactly (issue 18's saturated-softmax item), and the residue times |K| overflows dq near
+|x| ~ 1e13 (bfloat16 / float32) or 1e108 (float64), where standard attention's dS is 0;
 (2) lse's natural-log round trip leaves the row maximum's exponent up to ~2 ulps of lse below 0,
-so at |lse| > 2^24 or so its P can come out 0 instead of 1 and dV loses that row.
+so at |lse| > 2^24 or so its P can come out 0 instead of 1 and dV loses that row. For float32 and
+float64 the recomputed statistics (the vjp's and torch autograd's) have neither:
+tests/test_statistics_gpu.py::test_saturated_rows_past_the_saved_statistics_range_stay_finite.
 """
 from __future__ import annotations
 
