@@ -33,7 +33,7 @@ from .kernels._module import Specialization
 from .kernels.constants import CTYPES, SHORT_NAMES, SIMT_D_TILES, TENSOR_CORE_D_TILES, d_tile
 from .masks import Mask, as_mask
 
-__all__ = ["ForwardPlan", "FwdConfig", "WgmmaFwdConfig", "Tf32FwdConfig", "SimtTiles", "FORWARD_TILES",
+__all__ = ["ForwardPlan", "FwdConfig", "WgmmaFwdConfig", "Tf32FwdConfig", "DmmaFwdConfig", "SimtTiles", "FORWARD_TILES",
            "plan_forward",
            "forward_plan", "forward_family", "device_class"]
 
@@ -107,6 +107,28 @@ class Tf32FwdConfig:
     @property
     def threads(self) -> int:
         return 32 * self.warps
+
+
+class DmmaFwdConfig(NamedTuple):
+    """flash_fwd_dmma (``kernels_cu/flash_fwd_dmma.cu``, mma.sync m8n8k4 .f64, sm_80+): float64 on
+    the FP64 tensor cores, a candidate with no plan row yet (``cupyflash.kernels.dmma``). warps of 8
+    query rows each; block_n keys per K/V tile."""
+
+    block_n: int
+    warps: int
+
+    @property
+    def block_m(self) -> int:
+        return 8 * self.warps
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+
+def dmma_smem_bytes(dt: int, config: DmmaFwdConfig) -> int:
+    """Q, K and V tiles of float64 rows padded to dt + 4 (flash_fwd_dmma's LD)."""
+    return 8 * (config.block_m + 2 * config.block_n) * (dt + 4)
 
 
 class SimtTiles(NamedTuple):
@@ -472,6 +494,12 @@ def specialization_for(dtype, dt: int, mask: Mask | bool, tiles, dvt: int | None
             f"cf::flash_fwd_tf32<{dt}, {mask.cpp}, {c.block_m}, {c.block_n}, {c.warps}, {c.stages}, "
             f"{PRODUCTS[precision]}{_tf32_options(c)}>",
             c.threads, tf32_smem_bytes(dt, c, precision))
+    if isinstance(c, DmmaFwdConfig):
+        if name != "float64":
+            raise TypeError(f"cupyflash: flash_fwd_dmma is float64 only, not {name}")
+        return Specialization(f"flash_fwd_dmma_{short}_hdim{dt}_{mask.name}_bm{c.block_m}_bn{c.block_n}_w{c.warps}",
+                              "flash_fwd_dmma.cu", f"cf::flash_fwd_dmma<{dt}, {mask.cpp}, {c.block_n}, {c.warps}>",
+                              c.threads, dmma_smem_bytes(dt, c))
     if isinstance(c, FwdConfig):
         return Specialization(
             f"flash_fwd_mma_{short}_hdim{dt}_{mask.name}_bm{c.block_m}_bn{c.block_n}_w{c.warps}"

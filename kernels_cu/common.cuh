@@ -109,18 +109,26 @@ __device__ __forceinline__ void masked_or_not(bool masked, F&& f) {
 }
 
 // Copies a (ROWS x DIM) tile of a (batch, seqlen, heads, dim) tensor into shared memory as the
-// accumulator type, rows of length DIM + 1 (the pad keeps column walks free of bank conflicts).
-// Rows past `rows_valid` and columns past `headdim` are zero, so padded lanes add nothing.
-template <int ROWS, int DIM, int NTHREADS, typename T, typename A>
-__device__ __forceinline__ void load_tile(A* tile, const T* base, int row0, int rows_valid,
-                                          int headdim, i64 stride_s, A multiplier) {
+// accumulator type, rows of length LD. Rows past `rows_valid` and columns past `headdim` are
+// zero, so padded lanes add nothing.
+template <int ROWS, int DIM, int LD, int NTHREADS, typename T, typename A>
+__device__ __forceinline__ void load_tile_rows(A* tile, const T* base, int row0, int rows_valid,
+                                               int headdim, i64 stride_s, A multiplier) {
 #pragma unroll 4
     for (int idx = threadIdx.x; idx < ROWS * DIM; idx += NTHREADS) {
         const int r = idx / DIM, c = idx % DIM;
         A x = A(0);
         if (row0 + r < rows_valid && c < headdim) x = to_acc(ldg(base + (i64)(row0 + r) * stride_s + c)) * multiplier;
-        tile[r * (DIM + 1) + c] = x;
+        tile[r * LD + c] = x;
     }
+}
+
+// load_tile_rows with rows of DIM + 1 (the SIMT kernels: the pad keeps column walks free of bank
+// conflicts).
+template <int ROWS, int DIM, int NTHREADS, typename T, typename A>
+__device__ __forceinline__ void load_tile(A* tile, const T* base, int row0, int rows_valid,
+                                          int headdim, i64 stride_s, A multiplier) {
+    load_tile_rows<ROWS, DIM, DIM + 1, NTHREADS>(tile, base, row0, rows_valid, headdim, stride_s, multiplier);
 }
 
 // out[j] = a . b_j for the N rows b_j = b0 + j * b_step (padded shared-memory rows). Each a[d]

@@ -1,0 +1,185 @@
+// flash_fwd_dmma: the float64 forward on the FP64 tensor cores (DMMA, mma.sync m8n8k4 .f64,
+// sm_80+), issue 18. A candidate (cupyflash/kernels/dmma.py launches it; no plan row yet): it has
+// not run on a GPU.
+//
+// Why: the SIMT float64 forward reaches 4-5 TFLOP/s on the H200, whose FP64 tensor cores peak near
+// 67. Everything is float64 end to end: the products are exact-rounded double FMAs, as the SIMT
+// kernel's, only in another order.
+//
+// Layout. A warp owns 8 query rows (BLOCK_M = 8 NWARPS) and walks the key blocks of BLOCK_N keys
+// as flash_fwd_simt does, through the same policies (mask.cuh's visibility and key range, the
+// score policy's transform, dropout, the sink epilogue). m8n8k4 fragments, lane = 4 g + t:
+//   A (8 x 4, row):  a = A[g][t]                 B (4 x 8, col): b = B[t][g]
+//   C (8 x 8):       c0 = C[g][2t], c1 = C[g][2t + 1]
+// S = Q K^T: A from Q (held in registers, D_TILE / 4 k-steps), B from K (b = K[key g][d t]).
+// O += P V: thread (g, t) holds P[g][8j + 2t] and P[g][8j + 2t + 1] of each 8-key n-tile j as
+// S's accumulator, not the A fragment's P[g][8j + t]; the keys of a sum can go in any order, so
+// the product takes two k-steps per n-tile, keys {8j + 2t} then {8j + 2t + 1}, and B reads V's
+// rows in that order (b = V[8j + 2t (+1)][8 dn + g]): P never leaves its lanes.
+// A row's four values per n-tile lie in its quad (lanes 4g .. 4g + 3): row max and sum reduce over
+// lane bits 0 and 1.
+#include "common.cuh"
+#include "mask.cuh"
+#include "params.cuh"
+
+namespace cf {
+
+// D = A B + C, one m8n8k4 float64 product (c and d may alias).
+__device__ __forceinline__ void dmma_m8n8k4(double (&d)[2], double a, double b, const double (&c)[2]) {
+    asm volatile("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0, %1}, {%2}, {%3}, {%4, %5};\n"
+                 : "=d"(d[0]), "=d"(d[1])
+                 : "d"(a), "d"(b), "d"(c[0]), "d"(c[1]));
+}
+
+template <int GROUP> __device__ __forceinline__ double quad_max(double x) {
+#pragma unroll
+    for (int offset = 1; offset < GROUP; offset *= 2) x = fmax(x, __shfl_xor_sync(0xffffffffu, x, offset));
+    return x;
+}
+template <int GROUP> __device__ __forceinline__ double quad_sum(double x) {
+#pragma unroll
+    for (int offset = 1; offset < GROUP; offset *= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
+    return x;
+}
+
+template <int D_TILE, class Mask, int BLOCK_N, int NWARPS>
+__global__ void __launch_bounds__(NWARPS * 32)
+flash_fwd_dmma(const __grid_constant__ FwdParams p) {
+    typedef double A;
+    constexpr int BLOCK_M = 8 * NWARPS;
+    constexpr int NTHREADS = NWARPS * 32;
+    constexpr int K_STEPS = D_TILE / 4;   // of S = Q K^T
+    constexpr int S_TILES = BLOCK_N / 8;  // 8-key n-tiles of S (and k-step pairs of P V)
+    constexpr int O_TILES = D_TILE / 8;   // 8-column n-tiles of O
+    // Rows padded by 4 doubles (LD = 4 mod 16): the eight rows g of one K fragment load then start
+    // 8 banks apart and the warp's 32 doubles take the minimum two wavefronts.
+    constexpr int LD = D_TILE + 4;
+    static_assert(D_TILE % 8 == 0 && BLOCK_N % 8 == 0, "m8n8k4 tiles");
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    A* q_tile = reinterpret_cast<A*>(smem_raw);  // [BLOCK_M][LD], pre-scaled by scale_log2
+    A* k_tile = q_tile + BLOCK_M * LD;             // [BLOCK_N][LD]
+    A* v_tile = k_tile + BLOCK_N * LD;             // [BLOCK_N][LD]
+    constexpr unsigned SMEM_BYTES = sizeof(A) * (BLOCK_M + 2 * BLOCK_N) * LD;
+    if (dynamic_smem_bytes() < SMEM_BYTES) __trap();
+
+    const SequenceRows seq = cta_sequence<Mask>(p, blockIdx.z);
+    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
+    const A scale_log2 = scale_log2_in<A>(p);
+    const Mask mask = cta_mask<Mask>(p, seqlen_q, seqlen_k);
+    // Scores come out in log2 units (Q is pre-scaled): the score policy's unit is ln 2.
+    const ScoreOf<Mask, A> score(score_problem<Mask>(p, seq), seq.index, blockIdx.y, A(0.6931471805599453094172321));
+    const int m_block = Mask::query_block(blockIdx.x, gridDim.x);
+    const int head = blockIdx.y, batch = seq.batch;
+    const int head_kv = head / p.group;
+    const int m0 = m_block * BLOCK_M;
+    if (Mask::PACKED && m0 >= seqlen_q) return;  // past a shorter sequence's end
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;
+    const int w0 = warp * 8;                 // the warp's first row in the block
+    const int q_row = m0 + w0 + g;           // this thread's row of S, P and O
+
+    load_tile_rows<BLOCK_M, D_TILE, LD, NTHREADS>(q_tile, p.q.row<const A>(batch, seq.q_begin, head), m0, seqlen_q,
+                                                  p.headdim, p.q.row_stride, scale_log2);
+    const A* __restrict__ k_base = p.k.row<const A>(batch, seq.k_begin, head_kv);
+    const A* __restrict__ v_base = p.v.row<const A>(batch, seq.k_begin, head_kv);
+    const int n_begin = mask.key_begin(m0) / BLOCK_N * BLOCK_N;
+    const int n_end = mask.key_end(m0, BLOCK_M);
+    const DropoutOf<Mask> dropout(p, seq.index, head);
+    __syncthreads();
+
+    // Q's A fragments, one per k-step, for the whole walk.
+    A q_frag[K_STEPS];
+#pragma unroll
+    for (int ks = 0; ks < K_STEPS; ++ks) q_frag[ks] = q_tile[(w0 + g) * LD + 4 * ks + t];
+
+    A o_acc[O_TILES][2];
+#pragma unroll
+    for (int dn = 0; dn < O_TILES; ++dn) o_acc[dn][0] = o_acc[dn][1] = A(0);
+    A m_i = neg_inf<A>(), l_i = A(0);  // l_i: this lane's share of the row sum until the end
+
+    for (int n0 = n_begin; n0 < n_end; n0 += BLOCK_N) {
+        __syncthreads();  // previous K/V tiles fully consumed
+        load_tile_rows<BLOCK_N, D_TILE, LD, NTHREADS>(k_tile, k_base, n0, seqlen_k, p.headdim, p.k.row_stride, A(1));
+        load_tile_rows<BLOCK_N, D_TILE, LD, NTHREADS>(v_tile, v_base, n0, seqlen_k, p.headdim_v, p.v.row_stride, A(1));
+        __syncthreads();
+
+        // S = Q K^T (log2 units)
+        A s[S_TILES][2];
+#pragma unroll
+        for (int nt = 0; nt < S_TILES; ++nt) {
+            s[nt][0] = s[nt][1] = A(0);
+#pragma unroll
+            for (int ks = 0; ks < K_STEPS; ++ks) dmma_m8n8k4(s[nt], q_frag[ks], k_tile[(8 * nt + g) * LD + 4 * ks + t], s[nt]);
+        }
+
+        // the score policy and the mask, then the online softmax's new maximum
+        A tile_max = neg_inf<A>();
+#pragma unroll
+        for (int nt = 0; nt < S_TILES; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int key = n0 + 8 * nt + 2 * t + e;
+                if constexpr (!ScoreOf<Mask, A>::IDENTITY) s[nt][e] = score.transform(s[nt][e], score.origin(q_row, key), 0, 0);
+                if (mask.hides(q_row, key)) s[nt][e] = neg_inf<A>();
+                tile_max = fmax(tile_max, s[nt][e]);
+            }
+        }
+        const A m_new = fmax(m_i, quad_max<4>(tile_max));
+        // A row with every key masked so far keeps m = -inf: subtracting 0 keeps 2^-inf = 0.
+        const A base = m_new == neg_inf<A>() ? A(0) : m_new;
+        const A rescale = exp2(m_i - base);
+        m_i = m_new;
+        l_i *= rescale;
+#pragma unroll
+        for (int dn = 0; dn < O_TILES; ++dn) o_acc[dn][0] *= rescale, o_acc[dn][1] *= rescale;
+
+        // P = 2^(S - m), summed before dropout (dropout.cuh: l and lse stay the softmax's)
+#pragma unroll
+        for (int nt = 0; nt < S_TILES; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const A p_ij = exp2(s[nt][e] - base);
+                l_i += p_ij;
+                const bool dropped = DropoutOf<Mask>::ENABLED && !dropout.keep(q_row, n0 + 8 * nt + 2 * t + e);
+                s[nt][e] = dropped ? A(0) : p_ij;
+            }
+        }
+
+        // O += P V, keys of n-tile nt in two k-steps: {8 nt + 2t}, then {8 nt + 2t + 1}
+#pragma unroll
+        for (int nt = 0; nt < S_TILES; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const A* v_row = v_tile + (8 * nt + 2 * t + e) * LD;
+#pragma unroll
+                for (int dn = 0; dn < O_TILES; ++dn) dmma_m8n8k4(o_acc[dn], s[nt][e], v_row[8 * dn + g], o_acc[dn]);
+            }
+        }
+    }
+
+    // store O = O / l and lse = (m + log2 l) ln 2; a row that saw no key gives 0 and -inf
+    l_i = quad_sum<4>(l_i);
+    if (q_row < seqlen_q) {
+        A inv_l, lse_row;
+        if constexpr (Mask::Score::HAS_SINK) {
+            finish_row_with_sink(m_i, l_i, sink_log2<Mask, A>(p, head), inv_l, lse_row);
+        } else {
+            inv_l = l_i > A(0) ? A(1) / l_i : A(0);
+            lse_row = l_i > A(0) ? (m_i + log2(l_i)) * A(0.6931471805599453094172321) : neg_inf<A>();
+        }
+        if constexpr (DropoutOf<Mask>::ENABLED) inv_l *= dropout_scale_in<A>(p);
+        A* o_row = p.o.row<A>(batch, seq.q_begin + q_row, head);
+#pragma unroll
+        for (int dn = 0; dn < O_TILES; ++dn) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int col = 8 * dn + 2 * t + e;
+                if (col < p.headdim_v) o_row[col] = o_acc[dn][e] * inv_l;
+            }
+        }
+        if (t == 0) static_cast<A*>(p.lse)[seq.stat(p, head, q_row)] = lse_row;
+    }
+}
+
+}  // namespace cf
