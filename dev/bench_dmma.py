@@ -1,0 +1,81 @@
+"""The float64 forward: the DMMA candidate (cupyflash.kernels.dmma, flash_fwd_dmma) against the SIMT
+kernel that float64 runs today and PyTorch's math backend in float64, one run, CUDA events, the
+median of N calls; each candidate output checked against the SIMT one first.
+
+    python dev/bench_dmma.py [--json OUT] [--repeats N]
+
+Issue 18's bar: >= 3x today's SIMT float64 forward, and reported against PyTorch's math backend.
+Prediction (docs/perf-log.md, dmma-fwd-v0): shared memory bound at about half the FP64 tensor
+cores' 67 TFLOP/s at d64 (one 8-byte B load per lane per DMMA; V's loads 2-way conflicted).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+
+
+def _time(run, repeats: int) -> float:
+    import cupy
+
+    run()
+    samples = []
+    for _ in range(repeats):
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        run()
+        stop.record()
+        stop.synchronize()
+        samples.append(cupy.cuda.get_elapsed_time(start, stop))
+    return float(np.median(samples))
+
+
+def main() -> None:
+    import cupy
+    import torch
+
+    import cupyflash
+    from cupyflash.kernels import dmma
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    rows = []
+    for headdim in (64, 128):
+        for seqlen in (1024, 4096):
+            for causal in (False, True):
+                batch, nheads = max(1, 8192 // seqlen), 16
+                rng = cupy.random.default_rng(0)
+                q, k, v = (rng.standard_normal((batch, seqlen, nheads, headdim)) for _ in range(3))
+                scale = headdim ** -0.5
+                o = cupy.empty_like(q)
+                lse = cupy.empty((batch, nheads, seqlen))
+                dmma.forward(q, k, v, o, lse, softmax_scale=scale, causal=causal)
+                o_simt = cupyflash.flash_attn_func(q, k, v, causal=causal, backend="simt")
+                error = float(cupy.abs(o - o_simt).max())
+                times = {
+                    "simt": _time(lambda: cupyflash.flash_attn_func(q, k, v, causal=causal, backend="simt"), args.repeats),
+                    "dmma": _time(lambda: dmma.forward(q, k, v, o, lse, softmax_scale=scale, causal=causal), args.repeats),
+                }
+                qt, kt, vt = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v))
+                with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+                    times["torch_math"] = _time(lambda: torch.nn.functional.scaled_dot_product_attention(
+                        qt, kt, vt, is_causal=causal), args.repeats)
+                flops = 4 * batch * nheads * seqlen * seqlen * headdim / (2 if causal else 1)
+                row = dict(headdim=headdim, seqlen=seqlen, causal=causal, max_abs_vs_simt=error,
+                           **{f"{name}_tflops": flops / ms / 1e9 for name, ms in times.items()})
+                row["dmma_over_simt"] = times["simt"] / times["dmma"]
+                row["dmma_over_torch_math"] = times["torch_math"] / times["dmma"]
+                rows.append(row)
+                print(f"d{headdim} {seqlen} {'causal' if causal else 'full':6} simt {row['simt_tflops']:6.2f} "
+                      f"dmma {row['dmma_tflops']:6.2f} torch-math {row['torch_math_tflops']:6.2f} TFLOP/s  "
+                      f"dmma/simt {row['dmma_over_simt']:.2f}  |o - o_simt| {error:.1e}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
