@@ -31,12 +31,18 @@ mirrors("online_softmax.cuh",
         "p[i][kk][3] = pack2<T>(s[i][2 * kk + 1][2], s[i][2 * kk + 1][3]);")(pack_a_frags)
 
 
-@mirrors("softmax_bwd.cuh", "return exp2_approx(min0_keep_nan(fmaf(s, scale_log2, -base_log2)));",
-         "return exp2_(min0_keep_nan(s * scale_log2 - lse_log2));")
+@mirrors("softmax_bwd.cuh", "return exp2_approx(min0_keep_nan(fmaf(s, scale_log2, -base_log2)));")
 def recomputed_p(s, scale_log2, base_log2):
     """The backward's P from a raw score and the row's base (lse in log2 units): the exponent is
     clamped at 0 (P <= 1 whatever the rounding of lse's round trip); NaN stays NaN."""
     return np.exp2(np.minimum(s * scale_log2 - base_log2, 0.0))
+
+
+@mirrors("softmax_bwd.cuh", "return exp2_(min0_keep_nan(log2_score(s, scale_log2) - top)) * weight;")
+def recomputed_p_exact(s, scale_log2, top, weight):
+    """The SIMT kernels' P: the score in log2 units rounded on its own (no FMA), its exponent
+    against the row's top clamped at 0, times the row's weight (RowStats: 1 for a saved lse)."""
+    return np.exp2(np.minimum((s * scale_log2) - top, 0.0)) * weight
 
 
 @mirrors("mma_bwd.cuh", "return lse == neg_inf<float>() ? 0.f : lse * 1.4426950408889634f;")
