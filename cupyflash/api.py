@@ -392,6 +392,8 @@ def flash_attn_vjp(q, k, v, **options):
     """
     deterministic = options.pop("deterministic", True)
     statistics = options.pop("statistics", None)  # None: own_forward_statistics of the dtype
+    if statistics is not None:  # refused before the forward runs, not when vjp is called
+        check_statistics(statistics, np.asarray(q).dtype if isinstance(q, np.ndarray) else q.dtype)
     if options.get("dropout_p", 0.0) and options.get("seed") is None:
         options["seed"] = check_dropout(options["dropout_p"], None, options.get("offset", 0)).seed
     if "return_lse" in options:

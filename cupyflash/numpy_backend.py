@@ -165,7 +165,9 @@ def _recomputed_statistics(blocks, scores_and_dp, shape, acc, sink_log2):
     weight (top the row's largest score, log2 units), dp_ref the dP of the row's top key and
     D = sum_j P_ij dP_ij kept as D - dp_ref, summed as sum_j P_ij (dP_ij - dp_ref) so that it does
     not cancel. A one-hot row gets top = its key's score, weight = 1, dp_ref = its key's dP and
-    D - dp_ref = 0, exactly. ``sink_log2``: (nheads,) sink logits in log2 units, or None."""
+    D - dp_ref = the other keys' small sum, exactly. ``sink_log2``: (nheads,) sink logits in log2
+    units, or None. The recipe is the kernel's, not its every rounding: a tie for the maximum takes
+    the first key here (the kernel: the larger dP), and nothing is flushed to zero."""
     m = np.full(shape, -np.inf, acc)
     l = np.zeros(shape, acc)
     w = np.zeros(shape, acc)  # sum_j 2^(S_j - m) (dP_j - ref)
@@ -189,9 +191,10 @@ def _recomputed_statistics(blocks, scores_and_dp, shape, acc, sink_log2):
                 l[:, :, rows] = l[:, :, rows] * rescale + e.sum(axis=-1)
                 m[:, :, rows], ref[:, :, rows] = m_new, ref_new
     sink2 = acc.type(-np.inf) if sink_log2 is None else sink_log2[None, :, None]
-    factor, _, _ = _finish_rows_log2(m, l, sink2, acc)
-    with np.errstate(invalid="ignore"):
-        sink_share = np.where(m == -np.inf, acc.type(0), np.exp2(sink2 - m) * factor)
+    factor, top, log2_sum = _finish_rows_log2(m, l, sink2, acc)
+    # P_sink against the row's top (<= 0): 2^(sink - m) factor would overflow for a dominant sink
+    with np.errstate(invalid="ignore", over="ignore"):
+        sink_share = np.where(top == -np.inf, acc.type(0), np.exp2((sink2 - top) - log2_sum))
     return m, factor, ref, (w * factor - ref * sink_share).astype(acc)
 
 

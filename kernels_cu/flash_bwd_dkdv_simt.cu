@@ -6,7 +6,7 @@
 //     or flash_bwd_stats_simt, the row statistics recomputed (lse and D = sum_j P_ij dP_ij, from
 //     the same scores and dP as the kernels below: simt_bwd_steps.cuh)
 //   flash_bwd_dkdv_simt   one block per key block K_j, V_j (outer loop); walks every query block of
-//                         every query head of its GQA group, recomputing P from the saved lse, and
+//                         every query head of its GQA group, recomputing P from the row statistics, and
 //                         accumulates dK_j, dV_j in registers (this file).
 //   flash_bwd_dq_simt     one block per query block Q_i; walks the key blocks and accumulates dQ_i
 //                         (flash_bwd_dq_simt.cu).

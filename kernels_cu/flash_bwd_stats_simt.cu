@@ -12,8 +12,10 @@
 // maximum is not 1. Here both come from the scores and dP of the kernels that use them, to the bit
 // (simt_bwd_steps.cuh): one walk over the row's key blocks with an online maximum, as the forward
 // takes, and D summed with the same rescaling, so a one-hot row gets top = its key's score,
-// weight = 1, ref = its key's dP and D - ref = 0. The saved o and lse are then not read (ring attention, whose o
-// and lse are the whole sequence's, keeps statistics="saved").
+// weight = 1, ref = its key's dP and D - ref = sum over the other keys (0 where their weights
+// underflow, and without a sink). The gradient kernels then read neither the saved o nor lse
+// (the sink's gradient, scores.sink_grad, still does); ring attention, whose o and lse are the
+// whole sequence's, keeps statistics="saved".
 //
 // One block per query block, the tiles and row groups of flash_bwd_dq_simt (TPR lanes a row).
 #include "common.cuh"
@@ -125,8 +127,11 @@ flash_bwd_stats_simt(const __grid_constant__ BwdParams p) {
         const A sink2 = sink != nullptr ? A(ldg(sink + head)) * A(1.4426950408889634074) : neg_inf<A>();
         A o_factor, top_with_sink, log2_sum;
         finish_row_log2(m_i, l_i, sink2, o_factor, top_with_sink, log2_sum);
-        // D - ref = sum_j P_j (dP_j - ref) - ref P_sink: the sink's weight has no dP
-        const A sink_share = sink != nullptr && m_i != neg_inf<A>() ? exp2_(sink2 - m_i) * o_factor : A(0);
+        // D - ref = sum_j P_j (dP_j - ref) - ref P_sink: the sink's weight has no dP. P_sink from
+        // the sink's own exponent against the row's top (<= 0), not 2^(sink - m) o_factor: a sink
+        // far above every score overflows that factor to inf while o_factor flushes to 0 (NaN).
+        const A sink_share =
+            sink != nullptr && top_with_sink != neg_inf<A>() ? exp2_((sink2 - top_with_sink) - log2_sum) : A(0);
         const i64 stat = seq.stat(StatDims{p.nheads, p.seqlen_q}, head, q_row);
         static_cast<A*>(p.delta)[stat] = w_i * o_factor - ref * sink_share;
         // params' lse, weight and dp_ref are this call's own buffers in this mode (kernels/simt.py)

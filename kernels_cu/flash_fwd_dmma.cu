@@ -43,7 +43,7 @@ template <int GROUP> __device__ __forceinline__ double quad_sum(double x) {
 }
 
 template <int D_TILE, class Mask, int BLOCK_N, int NWARPS>
-__global__ void __launch_bounds__(NWARPS * 32)
+__global__ void __launch_bounds__(NWARPS * 32, 1)
 flash_fwd_dmma(const __grid_constant__ FwdParams p) {
     typedef double A;
     constexpr int BLOCK_M = 8 * NWARPS;

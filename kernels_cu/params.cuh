@@ -86,7 +86,7 @@ struct BwdParams {
     TensorRows dq_accum;
     i64 dq_accum_panel_stride;
     const void* lse;    // (batch, nheads, seqlen_q), C-contiguous, the accumulator type
-    void* delta;        // D = rowsum(dO * O), same layout (written by the preprocess)
+    void* delta;        // D = rowsum(dO * O), same layout (the preprocess; D - dp_ref: flash_bwd_stats_simt)
     int* dq_semaphore;  // DqAdd::ordered: one counter per (batch, head, query block)
     float* dq_row_scale;        // DqAdd::fixed*: 2^E_i per row, same layout as lse
     unsigned* kv_bound;         // DqAdd::fixed*: max |K|, max |V| per (batch, kv head)

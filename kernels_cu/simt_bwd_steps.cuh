@@ -3,9 +3,9 @@
 // and dP that flash_bwd_dq_simt (this step) and flash_bwd_dkdv_simt (its transpose) form.
 //
 // Why the bits matter: with recomputed statistics (backward_plans, statistics="recomputed") a
-// one-hot row has top = its key's score and dp_ref = its key's dP exactly, weight = 1 and
-// D - dp_ref = 0, so the backward's P = 2^(x - top) weight = 1 and dS = P ((dP - dp_ref) - D') = 0
-// exactly, as in standard attention. flash_bwd_dkdv_simt forms the same values in its transposed
+// one-hot row has top = its key's score and dp_ref = its key's dP exactly and weight = 1, so the
+// backward's P = 2^(x - top) weight = 1 and dS = P ((dP - dp_ref) - D') = -D', the other keys'
+// small sum (0 where their weights underflow), where D from the saved o leaves eps |dO| |V|. flash_bwd_dkdv_simt forms the same values in its transposed
 // step: row_dots over d = 0, 1, ... (fma(k_d, q_d) is fma(q_d, k_d)), the same score transform,
 // recomputed_p_exact and dropout scale.
 #pragma once

@@ -117,3 +117,26 @@ def test_twin_statistics_with_a_sink_and_dropout_match_the_saved_ones_at_ordinar
     recomputed = cupyflash.flash_attn_backward(do, q, k, v, o, lse, statistics="recomputed", **options)
     for a, b in zip(saved, recomputed):
         assert np.abs(a - b).max() <= 1e-12 * max(1.0, np.abs(a).max())
+
+
+@pytest.mark.parametrize("dtype, gap", [(np.float32, 104.0), (np.float64, 760.0)])
+def test_a_dominant_sink_gives_finite_gradients(dtype, gap):
+    """A sink far above every score (float32: 2^(sink - m) past float32's range): P_sink is formed
+    against the row's top, so the recomputed gradients are finite and equal the saved ones (all
+    but 0: the sink takes the row's weight)."""
+    q = np.full((1, 6, 1, 8), np.sqrt(gap / 8), dtype)
+    k = -q[:, :5].copy()
+    v, do = np.ones((1, 5, 1, 8), dtype), np.ones((1, 6, 1, 8), dtype)
+    options = dict(softmax_scale=1.0, sink=np.zeros(1, np.float32), backend="numpy")
+    o, lse = cupyflash.flash_attn_func(q, k, v, return_lse=True, **options)
+    saved = cupyflash.flash_attn_backward(do, q, k, v, o, lse, statistics="saved", **options)
+    recomputed = cupyflash.flash_attn_backward(do, q, k, v, o, lse, statistics="recomputed", **options)
+    for a, b in zip(saved, recomputed):
+        assert np.isfinite(b).all()
+        assert np.abs(a - b).max() <= 1e-30
+
+
+def test_vjp_refuses_recomputed_16_bit_before_the_forward():
+    x = np.ones((1, 4, 1, 8), np.float16)
+    with pytest.raises(ValueError, match="float32 and float64"):
+        cupyflash.flash_attn_vjp(x, x, x, backend="numpy", statistics="recomputed")

@@ -5,6 +5,8 @@ dispatch choice; it has not run on a GPU. ``CANDIDATES`` holds its tiles per hea
 """
 from __future__ import annotations
 
+import numpy as np
+
 from ._module import Specialization, launch
 from .params import PackedBatch, forward_params
 from .. import plans
@@ -13,9 +15,9 @@ from ..plans import DmmaFwdConfig
 from ..scores import PLAIN
 
 D_TILES = (16, 32, 64, 128)
-# head-dim tile -> tiles. Registers per thread: Q's D/4 and O's D/4 doubles, S's block_n/4:
-# d64 96 doubles' worth of 32-bit registers, d128 144 (block_n 32); shared memory 104 KiB at d64,
-# 135 KiB at d128 (sm_80's 163 hold both).
+# head-dim tile -> tiles. Registers per thread: Q's D/4 and O's D/4 doubles, S's block_n/4 (two
+# 32-bit registers each); shared memory 102 KiB at d64, 132 KiB at d128 (sm_80's 163 hold both),
+# one block of 8 warps per SM either way (178-238 registers a thread).
 CANDIDATES = {16: DmmaFwdConfig(64, 8), 32: DmmaFwdConfig(64, 8), 64: DmmaFwdConfig(64, 8),
               128: DmmaFwdConfig(32, 8)}
 
@@ -40,6 +42,12 @@ def forward(q, k, v, o, lse, *, softmax_scale: float, causal: bool, window_size=
     batch, B = 1), on flash_fwd_dmma with ``config`` (CANDIDATES by default)."""
     from .mma_fwd import query_grid
 
+    from ._module import device_arch
+
+    if any(x.dtype != np.float64 for x in (q, k, v, o, lse)):
+        raise TypeError("cupyflash: flash_fwd_dmma takes float64 q, k, v, o and lse")
+    if int(device_arch()[:2]) < 80:
+        raise ValueError(f"cupyflash: flash_fwd_dmma needs sm_80 or newer (DMMA), not sm_{device_arch()}")
     batch, seqlen_q, nheads, headdim = q.shape
     if batch == 0 or seqlen_q == 0 or nheads == 0:
         return

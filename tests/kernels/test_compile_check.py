@@ -55,7 +55,8 @@ def test_no_register_spills(compiled):
     assert not spilled, f"sm_{arch}: spills in {spilled}"
     # A stack frame without reported spill bytes is local memory too (an indexed array, say): the
     # tensor-core kernels, which run at the register limit, must have none.
-    framed = [(r.name, r.stack_bytes) for r in results if ("_mma_" in r.name or "_wgmma_" in r.name) and r.stack_bytes]
+    framed = [(r.name, r.stack_bytes) for r in results
+              if ("_mma_" in r.name or "_wgmma_" in r.name or "_dmma_" in r.name) and r.stack_bytes]
     assert not framed, f"sm_{arch}: stack frames in {framed}"
 
 
@@ -74,6 +75,14 @@ def test_tensor_core_kernels_use_hmma(compiled):
     mma = [r for r in results if "_mma_" in r.name]
     missing = [r.name for r in mma if "HMMA" not in r.sass_opcodes]
     assert not missing, f"sm_{arch}: no HMMA in {missing}"
+
+
+@needs_cuobjdump
+def test_float64_tensor_core_kernels_use_dmma(compiled):
+    _, arch, results = compiled
+    dmma = [r for r in results if "_dmma_" in r.name]
+    missing = [r.name for r in dmma if "DMMA" not in r.sass_opcodes]
+    assert not missing, f"sm_{arch}: no DMMA in {missing}"
 
 
 @needs_cuobjdump

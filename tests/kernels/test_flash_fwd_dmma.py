@@ -65,3 +65,70 @@ def test_forward_matches_the_reference(headdim, causal):
     finite = np.isfinite(lse_ref)
     assert np.array_equal(np.isfinite(lse.get()), finite)
     assert np.abs(lse.get()[finite] - lse_ref[finite]).max() <= 1e-12 * (1 + np.abs(lse_ref[finite]).max())
+
+
+# Against flash_fwd_simt, which takes the same policies through the same calls: to float64's
+# rounding (the products' order differs). Not yet run on a GPU.
+SIMT_VARIANTS = {
+    "window": dict(causal=False, window_size=(17, 5)),
+    "softcap+sink": dict(causal=True, softcap=2.5, sink=[0.5, -1.0, 2.0, 0.0]),
+    "alibi": dict(causal=True, alibi_slopes=[0.25, 0.0625, 0.5, 0.125]),
+    "dropout": dict(causal=True, dropout_p=0.2, seed=5),
+}
+
+
+def _both_forwards(q, k, v, *, causal, window_size=(-1, -1), packed=None, **variant):
+    import cupy
+
+    from cupyflash.dropout import check_dropout
+    from cupyflash.kernels import simt
+    from cupyflash.scores import Variant
+
+    dropout = check_dropout(variant.pop("dropout_p", 0.0), variant.pop("seed", None), 0)
+    values = Variant(softcap=variant.get("softcap", 0.0), dropout=dropout,
+                     **{name: cupy.asarray(np.asarray(variant[name], np.float32))
+                        for name in ("alibi_slopes", "sink") if name in variant})
+    qd, kd, vd = (cupy.asarray(x) for x in (q, k, v))
+    outputs = []
+    for forward in (dmma.forward, simt.forward):
+        o = cupy.full(q.shape[:-1] + v.shape[-1:], np.nan)
+        lse = cupy.full((q.shape[0], q.shape[2], q.shape[1]), np.nan)
+        forward(qd, kd, vd, o, lse, softmax_scale=q.shape[-1] ** -0.5, causal=causal, window_size=window_size,
+                variant=values, packed=packed)
+        outputs.append((o.get(), lse.get()))
+    return outputs
+
+
+def _assert_same(dmma_out, simt_out):
+    for got, want in zip(dmma_out, simt_out):
+        assert np.array_equal(np.isnan(got), np.isnan(want)) and not np.isnan(want).all()
+        finite = np.isfinite(want)
+        assert np.array_equal(np.isfinite(got), finite)
+        assert np.abs(got[finite] - want[finite]).max() <= 1e-12 * (1 + np.abs(want[finite]).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(SIMT_VARIANTS))
+@pytest.mark.parametrize("headdim, headdim_v", [(24, 24), (64, 40), (128, 128)])
+def test_forward_matches_the_simt_kernel(name, headdim, headdim_v):
+    rng = np.random.default_rng(headdim)
+    q = rng.standard_normal((2, 150, 4, headdim))
+    k = rng.standard_normal((2, 173, 2, headdim))
+    v = rng.standard_normal((2, 173, 2, headdim_v))
+    _assert_same(*_both_forwards(q, k, v, **dict(SIMT_VARIANTS[name])))
+
+
+@pytest.mark.gpu
+def test_forward_matches_the_simt_kernel_on_a_packed_batch():
+    import cupy
+
+    from cupyflash.kernels.params import PackedBatch
+
+    rng = np.random.default_rng(3)
+    lengths_q, lengths_k = [0, 33, 190, 7, 64], [5, 40, 150, 0, 64]
+    cu_q = np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lengths_k)]).astype(np.int32)
+    q = rng.standard_normal((1, cu_q[-1], 4, 64))
+    k, v = (rng.standard_normal((1, cu_k[-1], 2, 64)) for _ in range(2))
+    packed = PackedBatch(cupy.asarray(cu_q), cupy.asarray(cu_k), max(lengths_q), max(lengths_k))
+    _assert_same(*_both_forwards(q, k, v, causal=True, packed=packed))
