@@ -13,22 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 
-import numpy as np
-
-
-def _time(run, repeats: int) -> float:
-    import cupy
-
-    run()
-    samples = []
-    for _ in range(repeats):
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        run()
-        stop.record()
-        stop.synchronize()
-        samples.append(cupy.cuda.get_elapsed_time(start, stop))
-    return float(np.median(samples))
+from bench_statistics import time_ms  # dev/ is the script's directory
 
 
 def main() -> None:
@@ -56,12 +41,12 @@ def main() -> None:
                 o_simt = cupyflash.flash_attn_func(q, k, v, causal=causal, backend="simt")
                 error = float(cupy.abs(o - o_simt).max())
                 times = {
-                    "simt": _time(lambda: cupyflash.flash_attn_func(q, k, v, causal=causal, backend="simt"), args.repeats),
-                    "dmma": _time(lambda: dmma.forward(q, k, v, o, lse, softmax_scale=scale, causal=causal), args.repeats),
+                    "simt": time_ms(lambda: cupyflash.flash_attn_func(q, k, v, causal=causal, backend="simt"), args.repeats),
+                    "dmma": time_ms(lambda: dmma.forward(q, k, v, o, lse, softmax_scale=scale, causal=causal), args.repeats),
                 }
                 qt, kt, vt = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v))
                 with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
-                    times["torch_math"] = _time(lambda: torch.nn.functional.scaled_dot_product_attention(
+                    times["torch_math"] = time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(
                         qt, kt, vt, is_causal=causal), args.repeats)
                 flops = 4 * batch * nheads * seqlen * seqlen * headdim / (2 if causal else 1)
                 row = dict(headdim=headdim, seqlen=seqlen, causal=causal, max_abs_vs_simt=error,

@@ -15,6 +15,22 @@ import json
 import numpy as np
 
 
+def time_ms(run, repeats: int) -> float:
+    """The median of ``repeats`` timed calls of ``run`` (CUDA events), after one untimed call."""
+    import cupy
+
+    run()
+    samples = []
+    for _ in range(repeats):
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        run()
+        stop.record()
+        stop.synchronize()
+        samples.append(cupy.cuda.get_elapsed_time(start, stop))
+    return float(np.median(samples))
+
+
 def main() -> None:
     import cupy
 
@@ -35,19 +51,9 @@ def main() -> None:
                     o, lse = cupyflash.flash_attn_func(q, k, v, causal=causal, return_lse=True)
                     times = {}
                     for statistics in ("saved", "recomputed"):
-                        def run():
-                            return cupyflash.flash_attn_backward(do, q, k, v, o, lse, causal=causal,
-                                                                 statistics=statistics)
-                        run()
-                        samples = []
-                        for _ in range(args.repeats):
-                            start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-                            start.record()
-                            run()
-                            stop.record()
-                            stop.synchronize()
-                            samples.append(cupy.cuda.get_elapsed_time(start, stop))
-                        times[statistics] = float(np.median(samples))
+                        times[statistics] = time_ms(
+                            lambda: cupyflash.flash_attn_backward(do, q, k, v, o, lse, causal=causal,
+                                                                  statistics=statistics), args.repeats)
                     flops = 4 * batch * nheads * seqlen * seqlen * headdim * 2.5 / (2 if causal else 1)
                     row = dict(dtype=np.dtype(dtype).name, headdim=headdim, seqlen=seqlen, causal=causal,
                                saved_ms=times["saved"], recomputed_ms=times["recomputed"],

@@ -70,19 +70,11 @@ def test_no_wgmma_serialized(compiled):
 
 
 @needs_cuobjdump
-def test_tensor_core_kernels_use_hmma(compiled):
+@pytest.mark.parametrize("family, opcode", [("_mma_", "HMMA"), ("_dmma_", "DMMA")], ids=["hmma", "dmma"])
+def test_tensor_core_kernels_use_their_mma(compiled, family, opcode):
     _, arch, results = compiled
-    mma = [r for r in results if "_mma_" in r.name]
-    missing = [r.name for r in mma if "HMMA" not in r.sass_opcodes]
-    assert not missing, f"sm_{arch}: no HMMA in {missing}"
-
-
-@needs_cuobjdump
-def test_float64_tensor_core_kernels_use_dmma(compiled):
-    _, arch, results = compiled
-    dmma = [r for r in results if "_dmma_" in r.name]
-    missing = [r.name for r in dmma if "DMMA" not in r.sass_opcodes]
-    assert not missing, f"sm_{arch}: no DMMA in {missing}"
+    missing = [r.name for r in results if family in r.name and opcode not in r.sass_opcodes]
+    assert not missing, f"sm_{arch}: no {opcode} in {missing}"
 
 
 @needs_cuobjdump
