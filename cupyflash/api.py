@@ -392,8 +392,6 @@ def flash_attn_vjp(q, k, v, **options):
     """
     deterministic = options.pop("deterministic", True)
     statistics = options.pop("statistics", None)  # None: own_forward_statistics of the dtype
-    if statistics is not None:  # refused before the forward runs, not when vjp is called
-        check_statistics(statistics, np.asarray(q).dtype if isinstance(q, np.ndarray) else q.dtype)
     if options.get("dropout_p", 0.0) and options.get("seed") is None:
         options["seed"] = check_dropout(options["dropout_p"], None, options.get("offset", 0)).seed
     if "return_lse" in options:
@@ -407,7 +405,8 @@ def flash_attn_vjp(q, k, v, **options):
         options["block_mask"] = BlockMask(mask_mod, batch, nheads, seqlen_q, np.shape(k)[1], device=device)
     o, lse = flash_attn_func(q, k, v, return_lse=True, **options)
 
-    statistics = statistics or own_forward_statistics(o.dtype)
+    # refused here, when the vjp is made, not when it is called (o: a NumPy or CuPy array)
+    statistics = check_statistics(statistics, o.dtype) if statistics else own_forward_statistics(o.dtype)
 
     def vjp(do):
         return flash_attn_backward(do, q, k, v, o, lse, deterministic=deterministic, statistics=statistics,

@@ -31,17 +31,6 @@ __device__ __forceinline__ void dmma_m8n8k4(double (&d)[2], double a, double b, 
                  : "d"(a), "d"(b), "d"(c[0]), "d"(c[1]));
 }
 
-template <int GROUP> __device__ __forceinline__ double quad_max(double x) {
-#pragma unroll
-    for (int offset = 1; offset < GROUP; offset *= 2) x = fmax(x, __shfl_xor_sync(0xffffffffu, x, offset));
-    return x;
-}
-template <int GROUP> __device__ __forceinline__ double quad_sum(double x) {
-#pragma unroll
-    for (int offset = 1; offset < GROUP; offset *= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
-    return x;
-}
-
 template <int D_TILE, class Mask, int BLOCK_N, int NWARPS>
 __global__ void __launch_bounds__(NWARPS * 32, 1)
 flash_fwd_dmma(const __grid_constant__ FwdParams p) {
@@ -125,7 +114,7 @@ flash_fwd_dmma(const __grid_constant__ FwdParams p) {
                 tile_max = fmax(tile_max, s[nt][e]);
             }
         }
-        const A m_new = fmax(m_i, quad_max<4>(tile_max));
+        const A m_new = fmax(m_i, group_max<4>(tile_max));
         // A row with every key masked so far keeps m = -inf: subtracting 0 keeps 2^-inf = 0.
         const A base = m_new == neg_inf<A>() ? A(0) : m_new;
         const A rescale = exp2(m_i - base);
@@ -159,7 +148,7 @@ flash_fwd_dmma(const __grid_constant__ FwdParams p) {
     }
 
     // store O = O / l and lse = (m + log2 l) ln 2; a row that saw no key gives 0 and -inf
-    l_i = quad_sum<4>(l_i);
+    l_i = group_sum<4>(l_i);
     if (q_row < seqlen_q) {
         A inv_l, lse_row;
         if constexpr (Mask::Score::HAS_SINK) {

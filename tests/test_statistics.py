@@ -136,7 +136,7 @@ def test_a_dominant_sink_gives_finite_gradients(dtype, gap):
         assert np.abs(a - b).max() <= 1e-30
 
 
-def test_vjp_refuses_recomputed_16_bit_before_the_forward():
+def test_vjp_refuses_recomputed_16_bit_when_it_is_made():
     x = np.ones((1, 4, 1, 8), np.float16)
     with pytest.raises(ValueError, match="float32 and float64"):
         cupyflash.flash_attn_vjp(x, x, x, backend="numpy", statistics="recomputed")
