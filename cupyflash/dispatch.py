@@ -76,9 +76,10 @@ def choose(backend: str, dtype, headdim: int, direction: str) -> str:
         mma_ok = is_16bit(dtype) and mma is not None and mma.supports(np.dtype(dtype), mma_headdim(headdim))
     if backend == "mma":
         if not mma_ok:
-            dtypes = ("float16/bfloat16/float32" if direction == "fwd"
-                      else "float16/bfloat16 (the float32 backward runs on SIMT)")
-            raise ValueError(f"backend='mma' (tensor cores) supports {dtypes} with headdim <= 256; "
+            dtypes = ("float16/bfloat16/float32 with headdim <= 256 and float64 with headdim <= 128"
+                      if direction == "fwd" else
+                      "float16/bfloat16 with headdim <= 256 (the float32 / float64 backward runs on SIMT)")
+            raise ValueError(f"backend='mma' (tensor cores) supports {dtypes}; "
                              f"got {np.dtype(dtype)} with headdim {headdim}")
         return "mma"
     if backend == "simt":

@@ -30,7 +30,7 @@ import numpy as np
 from ._dtypes import dtype_name, is_float64
 from .precision import DEFAULT as DEFAULT_PRECISION, PRODUCTS, check_precision
 from .kernels._module import Specialization
-from .kernels.constants import CTYPES, SHORT_NAMES, SIMT_D_TILES, TENSOR_CORE_D_TILES, d_tile
+from .kernels.constants import CTYPES, DMMA_D_TILES, SHORT_NAMES, SIMT_D_TILES, TENSOR_CORE_D_TILES, d_tile
 from .masks import Mask, as_mask
 
 __all__ = ["ForwardPlan", "FwdConfig", "WgmmaFwdConfig", "Tf32FwdConfig", "DmmaFwdConfig", "SimtTiles", "FORWARD_TILES",
@@ -111,8 +111,8 @@ class Tf32FwdConfig:
 
 class DmmaFwdConfig(NamedTuple):
     """flash_fwd_dmma (``kernels_cu/flash_fwd_dmma.cu``, mma.sync m8n8k4 .f64, sm_80+): float64 on
-    the FP64 tensor cores, a candidate with no plan row yet (``cupyflash.kernels.dmma``). warps of 8
-    query rows each; block_n keys per K/V tile."""
+    the FP64 tensor cores, the float64 forward's rows up to d128 (``cupyflash.kernels.dmma``).
+    warps of 8 query rows each; block_n keys per K/V tile."""
 
     block_n: int
     warps: int
@@ -127,8 +127,8 @@ class DmmaFwdConfig(NamedTuple):
 
 
 def dmma_smem_bytes(dt: int, config: DmmaFwdConfig) -> int:
-    """Q, K and V tiles of float64 rows padded to dt + 4 (flash_fwd_dmma's LD)."""
-    return 8 * (config.block_m + 2 * config.block_n) * (dt + 4)
+    """Q and K tiles of float64 rows padded to dt + 4, V's to dt + 2 (flash_fwd_dmma's LD, LD_V)."""
+    return 8 * ((config.block_m + config.block_n) * (dt + 4) + config.block_n * (dt + 2))
 
 
 class SimtTiles(NamedTuple):
@@ -195,6 +195,21 @@ FORWARD_TILES = {
     ("tf32", PORTABLE, 64): Tf32FwdConfig(128, 64, 8),
     ("tf32", PORTABLE, 128): Tf32FwdConfig(64, 32, 4),
     ("tf32", PORTABLE, 256): Tf32FwdConfig(64, 16, 4),
+    # perf log dmma-fwd-v0, dmma-fwd-v1. One block of 8 warps per SM (204-222 registers a thread);
+    # shared memory 103 KiB at d64, 134 KiB at d128. PORTABLE halves the key block (69 KiB; 67 KiB
+    # at d128 with 4 warps) for sm_86 / sm_89's 99 KiB.
+    ("dmma", SM90, 16): DmmaFwdConfig(64, 8),
+    ("dmma", SM90, 32): DmmaFwdConfig(64, 8),
+    ("dmma", SM90, 64): DmmaFwdConfig(64, 8),
+    ("dmma", SM90, 128): DmmaFwdConfig(32, 8),
+    ("dmma", LARGE_SMEM, 16): DmmaFwdConfig(64, 8),
+    ("dmma", LARGE_SMEM, 32): DmmaFwdConfig(64, 8),
+    ("dmma", LARGE_SMEM, 64): DmmaFwdConfig(64, 8),
+    ("dmma", LARGE_SMEM, 128): DmmaFwdConfig(32, 8),
+    ("dmma", PORTABLE, 16): DmmaFwdConfig(64, 8),
+    ("dmma", PORTABLE, 32): DmmaFwdConfig(64, 8),
+    ("dmma", PORTABLE, 64): DmmaFwdConfig(32, 8),
+    ("dmma", PORTABLE, 128): DmmaFwdConfig(16, 4),
     # perf log simt-v1, simt-v2
     ("simt", ACC_FP32, 16): SimtTiles(64, 64, 4),
     ("simt", ACC_FP32, 32): SimtTiles(64, 64, 4),
@@ -219,7 +234,7 @@ class ForwardPlan:
     device_class: str  # the FORWARD_TILES class of the row
     headdim: int  # the head dim the kernel sees (the mma family's is a multiple of 8)
     d_tile: int
-    tiles: FwdConfig | WgmmaFwdConfig | Tf32FwdConfig | SimtTiles
+    tiles: FwdConfig | WgmmaFwdConfig | Tf32FwdConfig | DmmaFwdConfig | SimtTiles
     spec: Specialization  # name, source, template instantiation, threads, shared memory
 
     @property
@@ -238,24 +253,30 @@ def mma_headdim(headdim: int) -> int:
 
 def tensor_core_supports(dtype, headdim: int) -> bool:
     """Whether the tensor-core forward runs ``dtype`` at exactly ``headdim`` (no padding): float16
-    and bfloat16 (mma.sync, wgmma) and float32 (tf32), a head dim that is a multiple of 8 up to 256."""
+    and bfloat16 (mma.sync, wgmma) and float32 (tf32), a head dim that is a multiple of 8 up to 256,
+    and float64 (DMMA) up to 128."""
     try:
         name = dtype_name(dtype)
     except ValueError:
         return False
-    return (name in ("float16", "bfloat16", "float32") and headdim % 8 == 0
-            and 8 <= headdim <= TENSOR_CORE_D_TILES[-1])
+    if name not in ("float16", "bfloat16", "float32", "float64") or headdim % 8 or headdim < 8:
+        return False
+    return headdim <= (DMMA_D_TILES if name == "float64" else TENSOR_CORE_D_TILES)[-1]
 
 
 def forward_family(dtype, headdim: int) -> str:
     """The family a forward call runs on a GPU unless the caller asks for one: tensor cores for
-    float16, bfloat16 and float32 (the head dim padded to a multiple of 8), SIMT for float64."""
+    float16, bfloat16 and float32 (the head dim padded to a multiple of 8) and float64 up to d128,
+    SIMT for float64 past it."""
     return "mma" if tensor_core_supports(dtype, mma_headdim(headdim)) else "simt"
 
 
 def _table_family(family: str, dtype) -> str:
-    """The FORWARD_TILES family of a tensor-core call: "tf32" for float32, "mma" otherwise."""
-    return "tf32" if family == "mma" and dtype_name(dtype) == "float32" else family
+    """The FORWARD_TILES family of a tensor-core call: "tf32" for float32, "dmma" for float64, "mma"
+    otherwise."""
+    if family != "mma":
+        return family
+    return {"float32": "tf32", "float64": "dmma"}.get(dtype_name(dtype), family)
 
 
 def device_class(arch: str | None, smem_optin: int | None) -> str:
@@ -285,9 +306,10 @@ def plan_forward(arch: str | None, dtype, headdim: int, mask: Mask | bool, smem_
         where = ACC_FP64 if is_float64(dtype) else ACC_FP32
     else:
         raise ValueError(f"cupyflash: unknown forward family {family!r} (known: mma, simt)")
-    dt = d_tile(headdim, _D_TILES[family])
+    table = _table_family(family, dtype)
+    dt = d_tile(headdim, _D_TILES[table])
     mask = as_mask(mask)
-    tiles = forward_tiles(_table_family(family, dtype), where, dt, dtype, mask, arch, precision)
+    tiles = forward_tiles(table, where, dt, dtype, mask, arch, precision)
     return _plan(dtype, headdim, mask, tiles, where, headdim_v, precision)
 
 
@@ -413,10 +435,11 @@ def _plan(dtype, headdim: int, mask: Mask, tiles, where: str, headdim_v: int | N
     family = "simt" if isinstance(tiles, SimtTiles) else "mma"
     if family == "mma" and not tensor_core_supports(dtype, headdim):
         raise ValueError(f"cupyflash: mma forward does not support dtype {np.dtype(dtype)}, headdim {headdim}")
-    if family == "mma" and (dtype_name(dtype) == "float32") != isinstance(tiles, Tf32FwdConfig):
+    table = _table_family(family, dtype)
+    if family == "mma" and _TABLE_FAMILIES[type(tiles)] != table:
         raise ValueError(f"cupyflash: {type(tiles).__name__} does not run {np.dtype(dtype)} (float32 runs "
-                         f"Tf32FwdConfig's kernel, float16 / bfloat16 the others)")
-    dt = d_tile(headdim, _D_TILES[family])
+                         f"Tf32FwdConfig's kernel, float64 DmmaFwdConfig's, float16 / bfloat16 the others)")
+    dt = d_tile(headdim, _D_TILES[table])
     return ForwardPlan(family, where, headdim, dt, tiles,
                        specialization_for(dtype, dt, mask, tiles, v_tile(tiles, dt, headdim_v), precision))
 
@@ -429,8 +452,10 @@ def simt_tiles(dtype, headdim: int) -> SimtTiles:
 # --- specializations: the kernels' template arguments and launch configuration ----------------
 
 _KERNELS = {FwdConfig: "flash_fwd_mma", WgmmaFwdConfig: "flash_fwd_wgmma", Tf32FwdConfig: "flash_fwd_tf32",
-            SimtTiles: "flash_fwd_simt"}
-_D_TILES = {"mma": TENSOR_CORE_D_TILES, "simt": SIMT_D_TILES}
+            DmmaFwdConfig: "flash_fwd_dmma", SimtTiles: "flash_fwd_simt"}
+_TABLE_FAMILIES = {FwdConfig: "mma", WgmmaFwdConfig: "mma", Tf32FwdConfig: "tf32", DmmaFwdConfig: "dmma",
+                   SimtTiles: "simt"}
+_D_TILES = {"mma": TENSOR_CORE_D_TILES, "tf32": TENSOR_CORE_D_TILES, "dmma": DMMA_D_TILES, "simt": SIMT_D_TILES}
 
 
 def smem_bytes(dt: int, config: FwdConfig) -> int:

@@ -1,8 +1,7 @@
 // flash_fwd_dmma: the float64 forward on the FP64 tensor cores (DMMA, mma.sync m8n8k4 .f64,
-// sm_80+), issue 18. A candidate (cupyflash/kernels/dmma.py launches it; no plan row yet): it has
-// not run on a GPU.
+// sm_80+), issue 18; the float64 forward's plan row (cupyflash/kernels/dmma.py launches it).
 //
-// Why: the SIMT float64 forward reaches 4-5 TFLOP/s on the H200, whose FP64 tensor cores peak near
+// Why: the SIMT float64 forward reaches 3-6 TFLOP/s on the H200, whose FP64 tensor cores peak near
 // 67. Everything is float64 end to end: the products are exact-rounded double FMAs, as the SIMT
 // kernel's, only in another order.
 //
@@ -18,8 +17,14 @@
 // rows in that order (b = V[8j + 2t (+1)][8 dn + g]): P never leaves its lanes.
 // A row's four values per n-tile lie in its quad (lanes 4g .. 4g + 3): row max and sum reduce over
 // lane bits 0 and 1.
+//
+// Loads (perf log dmma-fwd-v1). One K and one V tile, filled by cp.async as flash-attn 2 staggers
+// them: V's copy runs under S = Q K^T and the softmax, the next K's under O += P V. The v0 kernel
+// loaded both synchronously between two barriers, and with one block of 8 warps per SM nothing hid
+// that latency.
 #include "common.cuh"
 #include "mask.cuh"
+#include "mma.cuh"
 #include "params.cuh"
 
 namespace cf {
@@ -40,16 +45,20 @@ flash_fwd_dmma(const __grid_constant__ FwdParams p) {
     constexpr int K_STEPS = D_TILE / 4;   // of S = Q K^T
     constexpr int S_TILES = BLOCK_N / 8;  // 8-key n-tiles of S (and k-step pairs of P V)
     constexpr int O_TILES = D_TILE / 8;   // 8-column n-tiles of O
-    // Rows padded by 4 doubles (LD = 4 mod 16): the eight rows g of one K fragment load then start
-    // 8 banks apart and the warp's 32 doubles take the minimum two wavefronts.
+    // Q and K rows padded by 4 doubles (LD = 4 mod 16): the eight rows g of one K fragment load
+    // then start 8 banks apart and the warp's 32 doubles take the minimum two wavefronts. V's by 2
+    // (LD_V = 2 mod 8 in doubles): its fragment reads rows 2t and 2t + 1, which start 4 double
+    // slots apart, so again every slot is read twice (with LD rows 2t and 2t + 2 collide: 4
+    // wavefronts, perf log dmma-fwd-v0).
     constexpr int LD = D_TILE + 4;
+    constexpr int LD_V = D_TILE + 2;
     static_assert(D_TILE % 8 == 0 && BLOCK_N % 8 == 0, "m8n8k4 tiles");
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     A* q_tile = reinterpret_cast<A*>(smem_raw);  // [BLOCK_M][LD], pre-scaled by scale_log2
     A* k_tile = q_tile + BLOCK_M * LD;             // [BLOCK_N][LD]
-    A* v_tile = k_tile + BLOCK_N * LD;             // [BLOCK_N][LD]
-    constexpr unsigned SMEM_BYTES = sizeof(A) * (BLOCK_M + 2 * BLOCK_N) * LD;
+    A* v_tile = k_tile + BLOCK_N * LD;             // [BLOCK_N][LD_V]
+    constexpr unsigned SMEM_BYTES = sizeof(A) * ((BLOCK_M + BLOCK_N) * LD + BLOCK_N * LD_V);
     if (dynamic_smem_bytes() < SMEM_BYTES) __trap();
 
     const SequenceRows seq = cta_sequence<Mask>(p, blockIdx.z);
@@ -75,6 +84,10 @@ flash_fwd_dmma(const __grid_constant__ FwdParams p) {
     const int n_begin = mask.key_begin(m0) / BLOCK_N * BLOCK_N;
     const int n_end = mask.key_end(m0, BLOCK_M);
     const DropoutOf<Mask> dropout(p, seq.index, head);
+    if (n_begin < n_end) {
+        cp_async_rows_f64<BLOCK_N, D_TILE, LD, NTHREADS>(k_tile, k_base, n_begin, seqlen_k, p.headdim, p.k.row_stride);
+        cp_async_commit();
+    }
     __syncthreads();
 
     // Q's A fragments, one per k-step, for the whole walk.
@@ -88,10 +101,11 @@ flash_fwd_dmma(const __grid_constant__ FwdParams p) {
     A m_i = neg_inf<A>(), l_i = A(0);  // l_i: this lane's share of the row sum until the end
 
     for (int n0 = n_begin; n0 < n_end; n0 += BLOCK_N) {
-        __syncthreads();  // previous K/V tiles fully consumed
-        load_tile_rows<BLOCK_N, D_TILE, LD, NTHREADS>(k_tile, k_base, n0, seqlen_k, p.headdim, p.k.row_stride, A(1));
-        load_tile_rows<BLOCK_N, D_TILE, LD, NTHREADS>(v_tile, v_base, n0, seqlen_k, p.headdim_v, p.v.row_stride, A(1));
+        // K(n0) has landed, and every warp is done with V(n0 - BLOCK_N): V(n0) may overwrite it
+        cp_async_wait<0>();
         __syncthreads();
+        cp_async_rows_f64<BLOCK_N, D_TILE, LD_V, NTHREADS>(v_tile, v_base, n0, seqlen_k, p.headdim_v, p.v.row_stride);
+        cp_async_commit();
 
         // S = Q K^T (log2 units)
         A s[S_TILES][2];
@@ -135,12 +149,21 @@ flash_fwd_dmma(const __grid_constant__ FwdParams p) {
             }
         }
 
+        // V(n0) has landed, and every warp is done with K(n0): the next K may overwrite it
+        cp_async_wait<0>();
+        __syncthreads();
+        if (n0 + BLOCK_N < n_end) {
+            cp_async_rows_f64<BLOCK_N, D_TILE, LD, NTHREADS>(k_tile, k_base, n0 + BLOCK_N, seqlen_k, p.headdim,
+                                                             p.k.row_stride);
+            cp_async_commit();
+        }
+
         // O += P V, keys of n-tile nt in two k-steps: {8 nt + 2t}, then {8 nt + 2t + 1}
 #pragma unroll
         for (int nt = 0; nt < S_TILES; ++nt) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-                const A* v_row = v_tile + (8 * nt + 2 * t + e) * LD;
+                const A* v_row = v_tile + (8 * nt + 2 * t + e) * LD_V;
 #pragma unroll
                 for (int dn = 0; dn < O_TILES; ++dn) dmma_m8n8k4(o_acc[dn], s[nt][e], v_row[8 * dn + g], o_acc[dn]);
             }

@@ -61,6 +61,14 @@ __device__ __forceinline__ void cp_async_16(u32 dst, const void* src, bool valid
                  : "memory");
 }
 
+// 8-byte global -> shared copy (through L1: .cg takes 16 bytes only), zero-filled as cp_async_16.
+__device__ __forceinline__ void cp_async_8(u32 dst, const void* src, bool valid) {
+    const int src_bytes = valid ? 8 : 0;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src),
+                 "r"(src_bytes)
+                 : "memory");
+}
+
 __device__ __forceinline__ void cp_async_commit() {
     asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
@@ -70,6 +78,28 @@ __device__ __forceinline__ void cp_async_commit() {
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Issues the copies of rows row0 .. row0 + ROWS of a (seqlen, dim) float64 slice (`base` at row 0,
+// row stride `stride` elements) into a shared tile of rows of LD doubles, one double per copy:
+// 8 bytes need no alignment beyond a double's, so any head dim and stride goes (flash_fwd_dmma).
+// Rows >= rows_valid and columns >= dim are zero-filled.
+template <int ROWS, int DIM, int LD, int NTHREADS>
+__device__ __forceinline__ void cp_async_rows_f64(double* tile, const double* base, int row0, int rows_valid,
+                                                  int dim, i64 stride) {
+    // a thread keeps one column and steps down ROW_STEP rows at a time: one 64-bit add per copy
+    constexpr int ROW_STEP = NTHREADS / DIM;
+    static_assert(NTHREADS % DIM == 0 && ROWS % ROW_STEP == 0, "tile columns must divide evenly among the threads");
+    const int r0 = threadIdx.x / DIM, c = threadIdx.x % DIM;
+    const int rows_left = c < dim ? rows_valid - row0 - r0 : 0;  // of this thread's column
+    const double* src = base + (i64)(row0 + r0) * stride + c;
+    const u32 dst = smem_u32(tile + r0 * LD + c);
+#pragma unroll
+    for (int i = 0; i < ROWS / ROW_STEP; ++i) {
+        const bool valid = i * ROW_STEP < rows_left;
+        cp_async_8(dst + 8 * i * ROW_STEP * LD, valid ? src : base, valid);
+        src += ROW_STEP * stride;
+    }
 }
 
 // Issues the copies of a ROWS x DIM tile of a (seqlen, dim) slice (row stride `stride` elements,

@@ -62,11 +62,9 @@ def saturating(case: Case) -> bool:
     return case.softmax_scale * case.magnitude ** 2 >= 10.0
 
 
-def extended_gradients(do, q, k, v, *, softmax_scale, causal):
-    """((dq, dk, dv), their term sizes) of sum(do * attention(q, k, v)) in np.longdouble, from the
-    definition, the term size of an entry being the sum of |term| over the final sum that forms it:
-    P = softmax(scale q k^T) over the visible keys (causal: key j visible to query i when
-    j <= i + seqlen_k - seqlen_q), dS_j = P_j sum_k P_k (dP_j - dP_k), dP = do v^T."""
+def _extended_terms(do, q, k, v, *, softmax_scale, causal):
+    """(q, k, v, do) as (B, H, S, D) np.longdouble, and P, dP, dS and the visible pairs of
+    extended_gradients' definition."""
     q, k, v, do = (np.moveaxis(np.asarray(x).astype(LONG), 2, 1) for x in (q, k, v, do))
     s = (q @ np.swapaxes(k, -1, -2)) * LONG(softmax_scale)
     n, m = s.shape[-2:]
@@ -85,6 +83,15 @@ def extended_gradients(do, q, k, v, *, softmax_scale, causal):
     # second form, because the first cancels at a one-hot row even in extended precision (there
     # the true dS of the top key is -sum_k P_k (dP_k - dP_top), far below eps |dP|).
     ds = p * (p[..., None, :] * (dp[..., :, None] - dp[..., None, :])).sum(axis=-1)
+    return (q, k, v, do), p, dp, ds, visible & seen
+
+
+def extended_gradients(do, q, k, v, *, softmax_scale, causal):
+    """((dq, dk, dv), their term sizes) of sum(do * attention(q, k, v)) in np.longdouble, from the
+    definition, the term size of an entry being the sum of |term| over the final sum that forms it:
+    P = softmax(scale q k^T) over the visible keys (causal: key j visible to query i when
+    j <= i + seqlen_k - seqlen_q), dS_j = P_j sum_k P_k (dP_j - dP_k), dP = do v^T."""
+    (q, k, v, do), p, dp, ds, _ = _extended_terms(do, q, k, v, softmax_scale=softmax_scale, causal=causal)
     dq = (ds @ k) * LONG(softmax_scale)
     dk = (np.swapaxes(ds, -1, -2) @ q) * LONG(softmax_scale)
     dv = np.swapaxes(p, -1, -2) @ do
@@ -92,6 +99,21 @@ def extended_gradients(do, q, k, v, *, softmax_scale, causal):
     size = ((np.abs(ds) @ np.abs(k)) * LONG(softmax_scale), (np.abs(np.swapaxes(ds, -1, -2)) @ np.abs(q)) * LONG(softmax_scale),
             np.swapaxes(p, -1, -2) @ np.abs(do))
     return tuple(np.moveaxis(g, 1, 2) for g in (dq, dk, dv)), tuple(np.moveaxis(g, 1, 2) for g in size)
+
+
+def flush_sizes(do, q, k, v, *, softmax_scale, causal):
+    """Per entry of (dq, dk, dv), what flushing float32 subnormals to zero may take from it, in
+    units of the smallest normal float32: CuPy compiles every kernel with -ftz=true (and
+    flash-attn's builds use --use_fast_math), so a P or dS below 2^-126 becomes 0. A term
+    P_ij dO_i of dv loses at most that unit times |dO_i|; a term dS_ij k_j of dq (q_i of dk) at most
+    (2 + |dP_ij - D_i|) units times scale |k_j|: P itself (its 2^x and the product by the row's
+    weight each flush) and P (dP - D) flushing."""
+    (q, k, v, do), p, dp, _, visible = _extended_terms(do, q, k, v, softmax_scale=softmax_scale, causal=causal)
+    d = (p * dp).sum(axis=-1, keepdims=True)
+    per_pair = np.where(visible, 2 + np.abs(dp - d), 0)
+    sizes = ((per_pair @ np.abs(k)) * LONG(softmax_scale), (np.swapaxes(per_pair, -1, -2) @ np.abs(q)) * LONG(softmax_scale),
+             np.swapaxes(visible, -1, -2).astype(LONG) @ np.abs(do))
+    return tuple(np.moveaxis(s, 1, 2) for s in sizes)
 
 
 def log2_unit_standard_gradients(do, q, k, v, *, softmax_scale, causal):
@@ -132,12 +154,13 @@ def check(case: Case, grads, more_baselines=()) -> None:
     q, k, v, do = case.arrays()
     options = dict(softmax_scale=case.softmax_scale, causal=case.causal)
     truth, sizes = extended_gradients(do, q, k, v, **options)
+    flushed = flush_sizes(do, q, k, v, **options) if case.dtype == np.float32 else (LONG(0),) * 3
     with np.errstate(all="ignore"):
         standard = reference.standard_attention_backward(do, q, k, v, dtype=case.dtype, **options)
         in_log2 = log2_unit_standard_gradients(do, q, k, v, **options)
     others = list(zip(*more_baselines)) if more_baselines else [()] * 3
-    for name, got, std, std2, true, size, extra in zip(("dq", "dk", "dv"), grads, standard, in_log2, truth, sizes,
-                                                        others):
+    for name, got, std, std2, true, size, flush, extra in zip(("dq", "dk", "dv"), grads, standard, in_log2, truth,
+                                                               sizes, flushed, others):
         got = np.asarray(got)
         assert got.dtype == case.dtype and got.shape == true.shape, name
         assert np.isfinite(got).all(), f"{name}: non-finite entries ({case})"
@@ -146,8 +169,9 @@ def check(case: Case, grads, more_baselines=()) -> None:
         # a baseline that is not finite (torch's softmax of a row that sees no key) is no yardstick
         baseline = max(e for e in (_error(b, true) for b in (std, std2, *extra)) if np.isfinite(e))
         # below the dtype's smallest subnormal nothing is representable (the truth's extended
-        # exponent range reaches far beneath it)
-        floor = FLOOR_EPS * EPS[case.dtype] * size + LONG(np.finfo(case.dtype).smallest_subnormal)
+        # exponent range reaches far beneath it); float32 kernels flush subnormals (flush_sizes)
+        floor = (FLOOR_EPS * EPS[case.dtype] * size + LONG(np.finfo(case.dtype).smallest_subnormal)
+                 + LONG(np.finfo(np.float32).smallest_normal) * flush)
         excess = np.abs(got.astype(LONG) - true) - floor
         worst = np.unravel_index(int(np.argmax(excess)), excess.shape)
         assert excess[worst] <= FACTOR * baseline, (

@@ -104,10 +104,11 @@ def test_old_table_covers_every_device_and_dtype_once():
 def test_the_plan_is_the_old_dispatch_choice(dtype):
     """Every (arch, opt-in shared memory, head dim 1..256, mask): NoMask and Causal as the old tree
     chose them; Local the Causal choice's kernel and tiles with its own mask token and argument.
-    float32's default is the tf32 kernel now (test_float32_runs_on_tensor_cores); its old choice,
-    the SIMT kernel, is what family="simt" (backend="simt") runs."""
+    float32's default is the tf32 kernel now (test_float32_runs_on_tensor_cores), float64's up to
+    d128 the DMMA kernel (test_float64_runs_on_dmma_up_to_d128); their old choice, the SIMT
+    kernel, is what family="simt" (backend="simt") runs."""
     compared = 0
-    family = "simt" if dtype == "float32" else None
+    family = "simt" if dtype in ("float32", "float64") else None
     for arch, smem, headdim in itertools.product(ARCHS, SMEM_OPTINS, range(1, 257)):
         for mask, old_name in ((NoMask(), "full"), (Causal(), "causal"), (Local(100, 3), "causal")):
             plan = plans.plan_forward(arch, SUPPORTED[dtype], headdim, mask, smem, family=family)
@@ -125,8 +126,8 @@ def test_the_family_is_the_dispatch_choice(dtype, monkeypatch):
     for headdim in range(1, 257):
         plan = plans.plan_forward("80", SUPPORTED[dtype], headdim, NoMask(), 163 * 1024)
         assert plan.family == dispatch.choose("auto", SUPPORTED[dtype], headdim, "fwd")
-        assert plan.spec.source_file == {"mma": "flash_fwd_tf32.cu" if dtype == "float32" else "flash_fwd_mma.cu",
-                                         "simt": "flash_fwd_simt.cu"}[plan.family]
+        tensor_core_source = {"float32": "flash_fwd_tf32.cu", "float64": "flash_fwd_dmma.cu"}.get(dtype, "flash_fwd_mma.cu")
+        assert plan.spec.source_file == {"mma": tensor_core_source, "simt": "flash_fwd_simt.cu"}[plan.family]
         if plan.family == "mma":
             assert plan.headdim == dispatch.mma_headdim(headdim) and plan.headdim % 8 == 0
             assert plans.plan_forward("80", SUPPORTED[dtype], headdim, NoMask(), 163 * 1024, family="simt").family == "simt"
@@ -141,8 +142,9 @@ def test_one_row_answers_what_runs():
     assert plans.plan_forward(None, SUPPORTED["float16"], 100, False, None).tiles is \
         plans.FORWARD_TILES[("mma", plans.PORTABLE, 128)]
     for (family, where, dt), tiles in plans.FORWARD_TILES.items():
-        dtype = "float64" if where == plans.ACC_FP64 else "float32" if family == "tf32" else "bfloat16"
-        assert dt in plans._D_TILES["mma" if family == "tf32" else family]
+        dtype = ("float64" if where == plans.ACC_FP64 or family == "dmma" else "float32" if family == "tf32"
+                 else "bfloat16")
+        assert dt in plans._D_TILES[family]
         assert plans.forward_plan(SUPPORTED[dtype], dt, Causal(), tiles).tiles == tiles
 
 
@@ -150,7 +152,7 @@ def test_float32_runs_on_tensor_cores():
     """float32's default forward is flash_fwd_tf32 on every device class, in the precision asked
     (three tf32 products for "ieee", one for "tf32"), with the row of its class and head-dim tile:
     IEEE_FORWARD_TILES' where "ieee" has one (K and V split once per tile, lo tiles of their own in
-    shared memory), FORWARD_TILES' otherwise; float64 stays SIMT."""
+    shared memory), FORWARD_TILES' otherwise."""
     for arch, smem in itertools.product(ARCHS, SMEM_OPTINS):
         where = plans.device_class(arch, smem)
         for headdim, dt in ((1, 64), (40, 64), (64, 64), (100, 128), (128, 128), (200, 256), (256, 256)):
@@ -176,17 +178,40 @@ def test_float32_runs_on_tensor_cores():
                 # d256 needs more than 99 KiB (sm_86 / sm_89 refuse it, as they refused the SIMT kernel's)
                 limit = 227 * 1024 if where == plans.SM90 else smem
                 assert plan.spec.smem_bytes <= limit or (dt == 256 and limit < 128 * 1024)
-        assert plans.plan_forward(arch, SUPPORTED["float64"], 128, Causal(), smem).family == "simt"
     # other dtypes ignore the precision
     assert plans.plan_forward("90", SUPPORTED["bfloat16"], 128, Causal(), 227 * 1024, precision="tf32") == \
         plans.plan_forward("90", SUPPORTED["bfloat16"], 128, Causal(), 227 * 1024)
 
 
+def test_float64_runs_on_dmma_up_to_d128():
+    """float64's default forward is flash_fwd_dmma up to d128 on every device class, with the row
+    of its class and DMMA head-dim tile, and within the class's shared memory (sm_86 / sm_89's 99
+    KiB included, where the SIMT kernels it replaces ran); past 128 it stays SIMT."""
+    for arch, smem in itertools.product(ARCHS, SMEM_OPTINS):
+        where = plans.device_class(arch, smem)
+        for headdim, dt in ((1, 16), (16, 16), (24, 32), (40, 64), (64, 64), (100, 128), (128, 128)):
+            plan = plans.plan_forward(arch, SUPPORTED["float64"], headdim, Causal(), smem)
+            tiles = plans.FORWARD_TILES[("dmma", where, dt)]
+            assert (plan.family, plan.kernel, plan.tiles, plan.d_tile) == ("mma", "flash_fwd_dmma", tiles, dt)
+            assert plan.headdim == dispatch.mma_headdim(headdim)
+            assert plan.spec.name == f"flash_fwd_dmma_fp64_hdim{dt}_causal_bm{tiles.block_m}_bn{tiles.block_n}_w{tiles.warps}"
+            assert plan.spec.expression == f"cf::flash_fwd_dmma<{dt}, cf::Causal, {tiles.block_n}, {tiles.warps}>"
+            assert plan.spec.smem_bytes == 8 * ((tiles.block_m + tiles.block_n) * (dt + 4) + tiles.block_n * (dt + 2))
+            limit = 227 * 1024 if where == plans.SM90 else smem
+            assert plan.spec.smem_bytes <= limit
+        for headdim in (129, 200, 256):
+            assert plans.plan_forward(arch, SUPPORTED["float64"], headdim, Causal(), smem).family == "simt"
+
+
 def test_plans_refuse_what_no_kernel_runs():
     with pytest.raises(ValueError, match="unknown forward family"):
         plans.plan_forward("90", SUPPORTED["bfloat16"], 64, NoMask(), None, family="wgmma")
-    with pytest.raises(ValueError, match="does not support dtype float64"):
-        plans.plan_forward("90", SUPPORTED["float64"], 64, NoMask(), None, family="mma")
+    with pytest.raises(ValueError, match="headdim 136 > 128"):
+        plans.plan_forward("90", SUPPORTED["float64"], 136, NoMask(), None, family="mma")
+    with pytest.raises(ValueError, match="DmmaFwdConfig does not run float32"):
+        plans.forward_plan(SUPPORTED["float32"], 64, NoMask(), plans.DmmaFwdConfig(64, 8))
+    with pytest.raises(ValueError, match="Tf32FwdConfig does not run float64"):
+        plans.forward_plan(SUPPORTED["float64"], 64, NoMask(), plans.Tf32FwdConfig(128, 64, 8))
     with pytest.raises(ValueError, match="Tf32FwdConfig does not run float16"):
         plans.forward_plan(SUPPORTED["float16"], 64, NoMask(), plans.Tf32FwdConfig(128, 64, 8))
     with pytest.raises(ValueError, match="FwdConfig does not run float32"):
@@ -264,7 +289,10 @@ def test_the_tensor_core_rows_fit_their_devices():
     fits 227 KiB per block and 228 per SM, within the opt-in that admits it; SM90 within 227 KiB."""
     reserved = 1024  # per block, by the driver
     for (family, where, dt), tiles in plans.FORWARD_TILES.items():
-        if family == "tf32":  # PORTABLE: 99 KiB (sm_86 / sm_89) but d256 163 KiB (A100); the others 227 KiB
+        if family == "dmma":  # PORTABLE: 99 KiB (sm_86 / sm_89); the others 227 KiB
+            limit = 99 * 1024 if where == plans.PORTABLE else 227 * 1024
+            assert plans.dmma_smem_bytes(dt, tiles) + reserved <= limit
+        elif family == "tf32":  # PORTABLE: 99 KiB (sm_86 / sm_89) but d256 163 KiB (A100); the others 227 KiB
             limit = (163 if dt == 256 else 99) * 1024 if where == plans.PORTABLE else 227 * 1024
             assert plans.tf32_smem_bytes(dt, tiles) + reserved <= limit
         elif where == plans.PORTABLE:

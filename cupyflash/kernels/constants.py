@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from .._dtypes import SHORT_NAMES
 
-__all__ = ["CTYPES", "SHORT_NAMES", "SIXTEEN_BIT", "LOG2E", "TENSOR_CORE_D_TILES", "SIMT_D_TILES", "d_tile"]
+__all__ = ["CTYPES", "SHORT_NAMES", "SIXTEEN_BIT", "LOG2E", "TENSOR_CORE_D_TILES", "DMMA_D_TILES", "SIMT_D_TILES",
+           "d_tile"]
 
 CTYPES = {"float16": "cf::half_t", "bfloat16": "cf::bf16_t", "float32": "float", "float64": "double"}
 SIXTEEN_BIT = ("float16", "bfloat16")  # the tensor-core families' dtypes, in specialization order
@@ -13,6 +14,9 @@ SIXTEEN_BIT = ("float16", "bfloat16")  # the tensor-core families' dtypes, in sp
 LOG2E = 1.4426950408889634
 
 TENSOR_CORE_D_TILES = (64, 128, 256)
+# float64 on tensor cores (flash_fwd_dmma): Q fragments and O accumulators take D / 2 registers
+# each, so 256 does not fit
+DMMA_D_TILES = (16, 32, 64, 128)
 SIMT_D_TILES = (16, 32, 64, 128, 256)
 
 

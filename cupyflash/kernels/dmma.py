@@ -1,25 +1,22 @@
-"""The float64 forward on the FP64 tensor cores (``kernels_cu/flash_fwd_dmma.cu``, issue 18): a
-candidate, launched here with its tiles but not yet a plan row (``cupyflash.plans``) nor a
-dispatch choice; it has not run on a GPU. ``CANDIDATES`` holds its tiles per head-dim tile, up to
-128: at 256 the kernel's Q fragments and O accumulators alone would take 256 registers.
+"""The float64 forward on the FP64 tensor cores (``kernels_cu/flash_fwd_dmma.cu``, issue 18): the
+float64 rows of ``cupyflash.plans`` (``("dmma", class, d_tile)``) up to d128, which
+``cupyflash.kernels.mma_fwd.forward`` launches on the head dims padded to a multiple of 8; past
+128 the kernel's Q fragments and O accumulators alone would take 256 registers, and float64 runs
+the SIMT forward. ``forward`` here launches it on any head dim and strides, with other tiles if
+asked (dev/bench_dmma.py, the tests).
 """
 from __future__ import annotations
 
 import numpy as np
 
 from ._module import Specialization, launch
-from .params import PackedBatch, forward_params
+from .params import forward_params
 from .. import plans
 from ..masks import KINDS, PACKED_KINDS, VARIANT_KINDS, mask_for
 from ..plans import DmmaFwdConfig
 from ..scores import PLAIN
 
-D_TILES = (16, 32, 64, 128)
-# head-dim tile -> tiles. Registers per thread: Q's D/4 and O's D/4 doubles, S's block_n/4 (two
-# 32-bit registers each); shared memory 102 KiB at d64, 132 KiB at d128 (sm_80's 163 hold both),
-# one block of 8 warps per SM either way (178-238 registers a thread).
-CANDIDATES = {16: DmmaFwdConfig(64, 8), 32: DmmaFwdConfig(64, 8), 64: DmmaFwdConfig(64, 8),
-              128: DmmaFwdConfig(32, 8)}
+D_TILES = plans.DMMA_D_TILES
 
 
 def d_tile(headdim: int) -> int:
@@ -27,22 +24,24 @@ def d_tile(headdim: int) -> int:
 
 
 def specialization(headdim: int, mask, config: DmmaFwdConfig | None = None) -> Specialization:
+    """The specialization at ``headdim``'s tile: ``config``'s, or the SM90 row's."""
     dt = d_tile(headdim)
-    return plans.specialization_for("float64", dt, mask, config or CANDIDATES[dt])
+    return plans.specialization_for("float64", dt, mask, config or plans.FORWARD_TILES[("dmma", plans.SM90, dt)])
 
 
 def specializations() -> list[Specialization]:
-    """Every candidate specialization (for the compile check)."""
-    return [specialization(dt, mask) for dt in D_TILES for mask in KINDS + VARIANT_KINDS + PACKED_KINDS]
+    """Every specialization the float64 rows launch (for the compile check)."""
+    configs = sorted({(dt, c) for (family, _, dt), c in plans.FORWARD_TILES.items() if family == "dmma"})
+    return [specialization(dt, mask, c) for dt, c in configs for mask in KINDS + VARIANT_KINDS + PACKED_KINDS]
 
 
 def forward(q, k, v, o, lse, *, softmax_scale: float, causal: bool, window_size=(-1, -1), variant=None,
-            packed: PackedBatch | None = None, config: DmmaFwdConfig | None = None) -> None:
-    """o and lse ((B, H, Sq), float64) from float64 q, k, v, as simt.forward (``packed``: a varlen
-    batch, B = 1), on flash_fwd_dmma with ``config`` (CANDIDATES by default)."""
-    from .mma_fwd import query_grid
-
+            packed=None, config: DmmaFwdConfig | None = None) -> None:
+    """o and lse ((B, H, Sq), float64) from float64 q, k, v, as mma_fwd.forward (``packed``: a
+    varlen batch, B = 1), on flash_fwd_dmma with ``config`` (the plan's by default); any head dim
+    up to 128 and any strides (the kernel copies single doubles)."""
     from ._module import device_arch
+    from .mma_fwd import current_smem_optin, query_grid
 
     if any(x.dtype != np.float64 for x in (q, k, v, o, lse)):
         raise TypeError("cupyflash: flash_fwd_dmma takes float64 q, k, v, o and lse")
@@ -53,7 +52,8 @@ def forward(q, k, v, o, lse, *, softmax_scale: float, causal: bool, window_size=
         return
     mask = mask_for(causal, window_size, PLAIN if variant is None else variant.score, packed is not None)
     dt = d_tile(max(headdim, v.shape[3]))
-    config = config or CANDIDATES[dt]
+    if config is None:
+        config = plans.plan_forward(device_arch(), np.float64, dt, mask, current_smem_optin(), family="mma").tiles
     grid = query_grid(config.block_m, batch, seqlen_q, nheads, packed)
     launch(specialization(dt, mask, config), grid,
            (forward_params(q, k, v, o, lse, softmax_scale=softmax_scale, mask=mask, variant=variant, packed=packed),))

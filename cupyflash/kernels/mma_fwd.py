@@ -1,6 +1,8 @@
 """Tensor-core forward (``kernels_cu/flash_fwd_mma.cu``; on sm_90 ``kernels_cu/flash_fwd_wgmma.cu``,
 the same work split on warpgroup MMA, see ``WgmmaFwdConfig``): float16 / bfloat16, head dims 8..256;
-float32 on tf32 tensor cores (``kernels_cu/flash_fwd_tf32.cu``, ``Tf32FwdConfig``, cupyflash.precision).
+float32 on tf32 tensor cores (``kernels_cu/flash_fwd_tf32.cu``, ``Tf32FwdConfig``, cupyflash.precision);
+float64 up to d128 on the FP64 tensor cores (``kernels_cu/flash_fwd_dmma.cu``, ``DmmaFwdConfig``,
+``cupyflash.kernels.dmma``).
 
 FlashAttention-2 work split: a block owns BLOCK_M query rows of one (batch, head), each warp owns
 16-row strips of them; K and V tiles stream through a ring of STAGES shared-memory stages filled
@@ -8,7 +10,7 @@ by cp.async. Which kernel and tiles run on which device is ``cupyflash.plans``' 
 tile D_TILE, the smallest of 64, 128, 256 that holds headdim; columns past headdim are zero-filled
 in shared memory and never stored); this module turns arrays into the plan's kernel arguments.
 
-The dispatcher guarantees what the kernel relies on: 16-bit or float32 dtype, last dim contiguous, every
+The dispatcher guarantees what the kernel relies on: a dtype of ``supports``, last dim contiguous, every
 other stride of q/k/v/o a multiple of 8 elements, data pointers 16-byte aligned, headdim % 8 == 0
 (``forward`` re-checks the layout, which is cheap, because a violation would be silent corruption).
 """
@@ -24,8 +26,8 @@ from .params import PackedBatch, forward_params
 from .. import plans
 from ..masks import KINDS, PACKED_KINDS, VARIANT_KINDS, Mask, mask_for
 from ..scores import PLAIN
-from ..plans import (LARGE_SMEM_BYTES, ROW_STATES, FwdConfig, ForwardPlan, Tf32FwdConfig, WgmmaFwdConfig,
-                     smem_bytes, wgmma_smem_bytes)
+from ..plans import (LARGE_SMEM_BYTES, ROW_STATES, DmmaFwdConfig, FwdConfig, ForwardPlan, Tf32FwdConfig,
+                     WgmmaFwdConfig, smem_bytes, wgmma_smem_bytes)
 from ..precision import DEFAULT as DEFAULT_PRECISION, PRECISIONS
 
 __all__ = ["forward", "specialization", "specializations", "supports", "d_tile", "FwdConfig", "WgmmaFwdConfig",
@@ -55,7 +57,8 @@ def current_smem_optin() -> int | None:
 
 
 def supports(dtype, headdim: int) -> bool:
-    """Whether this family runs ``dtype`` at exactly ``headdim`` (16-bit or float32, a multiple of 8, <= 256)."""
+    """Whether this family runs ``dtype`` at exactly ``headdim`` (16-bit or float32, a multiple of 8,
+    <= 256; float64 <= 128)."""
     return plans.tensor_core_supports(dtype, headdim)
 
 
@@ -63,7 +66,8 @@ def d_tile(headdim: int) -> int:
     return plans.d_tile(headdim, D_TILES)
 
 
-def plan(dtype, headdim: int, mask: Mask | bool, config: FwdConfig | WgmmaFwdConfig | Tf32FwdConfig | None = None,
+def plan(dtype, headdim: int, mask: Mask | bool,
+         config: FwdConfig | WgmmaFwdConfig | Tf32FwdConfig | DmmaFwdConfig | None = None,
          headdim_v: int | None = None, precision: str = DEFAULT_PRECISION) -> ForwardPlan:
     """The plan ``forward`` runs at exactly ``headdim`` (the wider of q's and v's; ``headdim_v``
     v's, ``precision`` float32's, plans.plan_forward's) on the current device: plans.plan_forward's,
@@ -71,9 +75,9 @@ def plan(dtype, headdim: int, mask: Mask | bool, config: FwdConfig | WgmmaFwdCon
     if not supports(dtype, headdim):
         raise ValueError(f"cupyflash: mma forward does not support dtype {np.dtype(dtype)}, headdim {headdim}")
     if config is not None:
-        if not isinstance(config, (FwdConfig, WgmmaFwdConfig, Tf32FwdConfig)):
-            raise TypeError(f"cupyflash: config must be a FwdConfig, WgmmaFwdConfig or Tf32FwdConfig, "
-                            f"not {config!r}")
+        if not isinstance(config, (FwdConfig, WgmmaFwdConfig, Tf32FwdConfig, DmmaFwdConfig)):
+            raise TypeError(f"cupyflash: config must be a FwdConfig, WgmmaFwdConfig, Tf32FwdConfig or "
+                            f"DmmaFwdConfig, not {config!r}")
         return plans.forward_plan(dtype, headdim, mask, config, headdim_v, precision)
     return plans.plan_forward(current_arch(), dtype, headdim, mask, current_smem_optin(), family="mma",
                               headdim_v=headdim_v, precision=precision)
@@ -127,17 +131,20 @@ def _check_layout(a, what: str) -> None:
 
 
 def forward(q, k, v, o, lse, *, softmax_scale: float, causal: bool,
-            config: FwdConfig | WgmmaFwdConfig | None = None, window_size=(-1, -1), variant=None,
+            config: FwdConfig | WgmmaFwdConfig | Tf32FwdConfig | DmmaFwdConfig | None = None, window_size=(-1, -1),
+            variant=None,
             packed: PackedBatch | None = None) -> None:
-    """o ((B, Sq, H, Dv) C-contiguous) and lse ((B, H, Sq) float32, contiguous) from q (B, Sq, H, D),
+    """o ((B, Sq, H, Dv) C-contiguous) and lse ((B, H, Sq) float32, float64 for float64 q;
+    contiguous) from q (B, Sq, H, D),
     k (B, Sk, Hkv, D) and v (B, Sk, Hkv, Dv), on the current stream, by the plan of the current device (``config``:
     other tiles, e.g. a dev/ version's); ``variant`` a cupyflash.scores.Variant with CuPy arrays
     (None: the plain softmax); ``packed`` a varlen batch (B = 1, its sequences' rows packed)."""
     batch, seqlen_q, nheads, headdim = q.shape
     if batch == 0 or seqlen_q == 0 or nheads == 0:
         return
-    if lse.dtype != np.float32 or not lse.flags.c_contiguous or lse.shape != (batch, nheads, seqlen_q):
-        raise ValueError("cupyflash: lse must be a C-contiguous float32 (batch, nheads, seqlen_q) array")
+    lse_dtype = np.float64 if q.dtype == np.float64 else np.float32
+    if lse.dtype != lse_dtype or not lse.flags.c_contiguous or lse.shape != (batch, nheads, seqlen_q):
+        raise ValueError(f"cupyflash: lse must be a C-contiguous {np.dtype(lse_dtype)} (batch, nheads, seqlen_q) array")
     mask = mask_for(causal, window_size, PLAIN if variant is None else variant.score, packed is not None)
     # The tile of the wider head dim (the wgmma kernel takes v's own where narrower: plans.v_tile).
     precision = DEFAULT_PRECISION if variant is None else variant.precision

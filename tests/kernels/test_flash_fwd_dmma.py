@@ -36,21 +36,22 @@ def test_warp_scores_and_pv_are_the_products(d, block_n):
     assert np.allclose(model.rows_of(o), model.rows_of(p) @ v, rtol=0, atol=1e-12)
 
 
-def test_specializations_are_float64_with_the_candidate_tiles():
+def test_specializations_are_float64_with_the_plan_tiles():
     spec = dmma.specialization(100, as_mask(True))
     assert spec.name == "flash_fwd_dmma_fp64_hdim128_causal_bm64_bn32_w8"
     assert spec.expression == "cf::flash_fwd_dmma<128, cf::Causal, 32, 8>"
-    assert spec.threads == 256 and spec.smem_bytes == 8 * (64 + 64) * 132
+    # Q and K rows of 128 + 4 doubles, V's of 128 + 2
+    assert spec.threads == 256 and spec.smem_bytes == 8 * ((64 + 32) * 132 + 32 * 130)
     with pytest.raises(TypeError, match="float64 only"):
         plans.specialization_for("float32", 64, True, plans.DmmaFwdConfig(64, 8))
-    assert len(dmma.specializations()) == 4 * 9
+    # four head-dim tiles, and PORTABLE's own tiles at d64 and d128
+    assert len(dmma.specializations()) == 6 * 9
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("headdim", [8, 40, 64, 100, 128])
 @pytest.mark.parametrize("causal", [False, True])
 def test_forward_matches_the_reference(headdim, causal):
-    """Not yet run on a GPU (written with the kernel, the device time spent)."""
     import cupy
 
     rng = np.random.default_rng(headdim)
@@ -68,7 +69,7 @@ def test_forward_matches_the_reference(headdim, causal):
 
 
 # Against flash_fwd_simt, which takes the same policies through the same calls: to float64's
-# rounding (the products' order differs). Not yet run on a GPU.
+# rounding (the products' order differs).
 SIMT_VARIANTS = {
     "window": dict(causal=False, window_size=(17, 5)),
     "softcap+sink": dict(causal=True, softcap=2.5, sink=[0.5, -1.0, 2.0, 0.0]),
