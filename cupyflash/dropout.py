@@ -11,7 +11,7 @@ The words: element (query i, key j) of sequence b, query head h (of nheads) is w
 Philox4x32-10 with counter (j0, i0, b * nheads + h, offset) and key (seed mod 2^32, seed >> 32),
 where i0 = i & ~8, a = (i >> 3) & 1, j0 = j & ~8, c = (j >> 3) & 1; it is kept iff that word is
 below threshold = round((1 - p) 2^32) (at most 2^32 - 1). Indices are those of the sequence
-(a packed batch's sequence b counts its own rows from 0).
+(a packed batch's sequence b counts its own rows from 0, and its b is its index in the batch).
 
 The softmax statistics (lse) are those of the undropped weights; the backward uses
 D = rowsum(dO o O) of the dropped-out O, which equals rowsum(P o Z dP / (1 - p)).
@@ -19,7 +19,7 @@ D = rowsum(dO o O) of the dropped-out O, which equals rowsum(P o Z dP / (1 - p))
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -59,6 +59,10 @@ class Dropout:
     p: float = 0.0
     seed: int = 0
     offset: int = 0
+    # the batch index of this call's sequence 0: a packed batch's sequence b taken alone (the NumPy
+    # twin's per-sequence views of a varlen batch) is sequence 0 of a call with first_sequence b.
+    # The kernels take every sequence of a call in one launch: they run with 0 (kernels.params).
+    first_sequence: int = 0
 
     @property
     def on(self) -> bool:
@@ -75,7 +79,7 @@ class Dropout:
     def keep(self, sequence, head, nheads: int, i, j):
         """The keep bits (bool) of elements (i, j) of (sequence, head), arrays broadcast together."""
         sequence, head, i, j = (np.asarray(x, dtype=np.int64) for x in (sequence, head, i, j))
-        stream = (sequence * nheads + head) & 0xFFFFFFFF
+        stream = ((sequence + self.first_sequence) * nheads + head) & 0xFFFFFFFF
         words = philox4x32_10((j & ~8, i & ~8, stream, np.int64(self.offset)),
                               (self.seed & 0xFFFFFFFF, self.seed >> 32))
         a, c = (i >> 3) & 1, (j >> 3) & 1
@@ -110,15 +114,18 @@ def check_dropout(dropout_p, seed, offset, *, need_seed: bool = False) -> Dropou
 
 
 def dropout_mask(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, dropout_p: float, seed: int,
-                 offset: int = 0, *, xp=np):
+                 offset: int = 0, *, first_sequence: int = 0, xp=np):
     """The keep mask (batch, nheads, seqlen_q, seqlen_k) bool of a call with these arguments:
     True where the call kept the weight (scaled by 1 / (1 - dropout_p)), False where it dropped it.
+    ``first_sequence``: the mask of sequences first_sequence .. first_sequence + batch - 1 (a
+    flash_attn_varlen_func call's sequence b: first_sequence=b, batch=1, its own lengths).
     ``xp``: numpy (the default) or cupy (computed on the GPU by the kernels' own header)."""
     d = check_dropout(dropout_p, seed, offset)
     if not d.on:
         return xp.ones((batch, nheads, seqlen_q, seqlen_k), dtype=bool)
     if xp is not np:
-        return _mask_on_gpu(d, batch, nheads, seqlen_q, seqlen_k)
+        return _mask_on_gpu(d, batch, nheads, seqlen_q, seqlen_k, first_sequence)
+    d = replace(d, first_sequence=int(first_sequence))
     b = np.arange(batch)[:, None, None, None]
     h = np.arange(nheads)[None, :, None, None]
     i = np.arange(seqlen_q)[None, None, :, None]
@@ -126,13 +133,14 @@ def dropout_mask(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, dropout_
     return np.broadcast_to(d.keep(b, h, nheads, i, j), (batch, nheads, seqlen_q, seqlen_k)).copy()
 
 
-def _mask_on_gpu(d: Dropout, batch, nheads, seqlen_q, seqlen_k):
+def _mask_on_gpu(d: Dropout, batch, nheads, seqlen_q, seqlen_k, first_sequence=0):
     import cupy
 
     from .kernels._module import kernel_source
 
     kernel = cupy.ElementwiseKernel(
-        "uint64 seed, uint32 offset, uint32 threshold, int32 nheads, int32 seqlen_q, int32 seqlen_k",
+        "uint64 seed, uint32 offset, uint32 threshold, int32 nheads, int32 seqlen_q, int32 seqlen_k, "
+        "int64 first_bh",
         "bool keep",
         """
         const long long n = i;
@@ -140,10 +148,10 @@ def _mask_on_gpu(d: Dropout, batch, nheads, seqlen_q, seqlen_k):
         const long long bh = n / ((long long)seqlen_k * seqlen_q);
         cf::DropoutFn<true> d;
         d.k0 = (unsigned)seed; d.k1 = (unsigned)(seed >> 32);
-        d.stream = (unsigned)bh; d.offset = offset; d.threshold = threshold;
+        d.stream = (unsigned)(first_bh + bh); d.offset = offset; d.threshold = threshold;
         keep = d.keep(r, j);
         """, "cupyflash_dropout_mask", preamble=kernel_source("dropout.cuh"))
     out = cupy.empty((batch, nheads, seqlen_q, seqlen_k), dtype=bool)
     kernel(np.uint64(d.seed), np.uint32(d.offset), np.uint32(d.threshold), np.int32(nheads), np.int32(seqlen_q),
-           np.int32(seqlen_k), out)
+           np.int32(seqlen_k), np.int64(int(first_sequence) * nheads), out)
     return out

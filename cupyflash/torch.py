@@ -256,15 +256,15 @@ def _varlen_forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
                        causal: bool, window_left: int, window_right: int, deterministic: bool,
                        softcap: float = 0.0,
                        alibi_slopes: torch.Tensor | None = None,
-                       sink: torch.Tensor | None = None,
+                       sink: torch.Tensor | None = None, dropout_p: float = 0.0, seed: int = 0,
                        precision: str = "ieee") -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse) of cupyflash.flash_attn_varlen_func; lse is (nheads, total_q)."""
     def compute(q, k, v, cu_q, cu_k, backend):
         return varlen.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k,
                                              softmax_scale=softmax_scale, causal=causal,
                                              window_size=(window_left, window_right), softcap=softcap,
-                                             **_variant_arrays(alibi_slopes, sink), return_lse=True,
-                                             backend=backend, precision=precision)
+                                             **_variant_arrays(alibi_slopes, sink), **_dropout_args(dropout_p, seed),
+                                             return_lse=True, backend=backend, precision=precision)
 
     return _run(q.device, compute, q, k, v, cu_seqlens_q, cu_seqlens_k)
 
@@ -272,7 +272,7 @@ def _varlen_forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
 @_varlen_forward_op.register_fake
 def _varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                          window_left, window_right, deterministic, softcap=0.0, alibi_slopes=None, sink=None,
-                         precision="ieee"):
+                         dropout_p=0.0, seed=0, precision="ieee"):
     total_q, nheads, _ = q.shape
     return (q.new_empty((total_q, nheads, v.shape[2])), q.new_empty((nheads, total_q), dtype=_lse_dtype(q.dtype)))
 
@@ -283,14 +283,16 @@ def _varlen_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
                         max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int,
                         window_right: int, deterministic: bool, softcap: float = 0.0,
                         alibi_slopes: torch.Tensor | None = None,
-                        sink: torch.Tensor | None = None, precision: str = "ieee",
+                        sink: torch.Tensor | None = None, dropout_p: float = 0.0, seed: int = 0,
+                        precision: str = "ieee",
                         statistics: str = "saved") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dsink) of cupyflash.flash_attn_varlen_backward; dsink empty without a sink."""
     def compute(do, q, k, v, o, lse, cu_q, cu_k, backend):
         return varlen.flash_attn_varlen_backward(do, q, k, v, o, lse, cu_q, cu_k, max_seqlen_q, max_seqlen_k,
                                                  softmax_scale=softmax_scale, causal=causal,
                                                  window_size=(window_left, window_right), softcap=softcap,
-                                                 **_variant_arrays(alibi_slopes, sink), backend=backend,
+                                                 **_variant_arrays(alibi_slopes, sink),
+                                                 **_dropout_args(dropout_p, seed), backend=backend,
                                                  deterministic=deterministic, precision=precision,
                                                  statistics=statistics)
 
@@ -301,18 +303,18 @@ def _varlen_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
 @_varlen_backward_op.register_fake
 def _varlen_backward_fake(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                           softmax_scale, causal, window_left, window_right, deterministic, softcap=0.0,
-                          alibi_slopes=None, sink=None, precision="ieee", statistics="saved"):
+                          alibi_slopes=None, sink=None, dropout_p=0.0, seed=0, precision="ieee", statistics="saved"):
     dsink = q.new_empty((0,) if sink is None else tuple(sink.shape), dtype=torch.float32)
     return (*(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v)), dsink)
 
 
 def _varlen_setup_context(ctx, inputs, output):
     (q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window_left, window_right, deterministic, softcap,
-     alibi_slopes, sink, *precision) = inputs
+     alibi_slopes, sink, *dropout_and_precision) = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
     ctx.options = (max_q, max_k, softmax_scale, causal, window_left, window_right, deterministic, softcap,
-                   alibi_slopes, sink, *precision)
+                   alibi_slopes, sink, *dropout_and_precision)
     ctx.set_materialize_grads(False)
 
 
@@ -327,14 +329,17 @@ def _varlen_backward_formula(ctx, do, dlse):
         if ctx.options[7]:
             raise NotImplementedError("cupyflash.torch: a gradient through softmax_lse with softcap != 0 is not "
                                       "supported yet")
+        if len(ctx.options) > 10 and ctx.options[10]:  # dropout_p: as for the dense operator
+            raise NotImplementedError("cupyflash.torch: a gradient through softmax_lse with dropout_p != 0 is not "
+                                      "supported yet")
         dq, dk = _add_lse_gradient(dq, dk, q, k, dlse.transpose(0, 1).unsqueeze(-1), scale,
                                    lambda: _varlen_forward_op(q, k, k, cu_q, cu_k, *ctx.options)[0],
                                    lambda do_q, pk: _varlen_backward_op(do_q, q, k, k, pk, lse, cu_q, cu_k,
                                                                         *ctx.options)[2])
         if sink is not None:  # lse: (nheads, total_q)
             dsink = _add_sink_lse_gradient(dsink, sink, lse, dlse, head_axis=0)
-    return (dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None,
-            (dsink if sink is not None else None), None)
+    # q, k, v; cu_seqlens_q ... alibi_slopes; sink; dropout_p, seed, precision
+    return (dq, dk, dv, *(None,) * 11, (dsink if sink is not None else None), None, None, None)
 
 
 _varlen_forward_op.register_autograd(_varlen_backward_formula, setup_context=_varlen_setup_context)
@@ -592,13 +597,17 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     (nheads, total_q), float32 (float64 for float64); S_dmask an empty tensor. ``softcap``,
     ``alibi_slopes`` ((nheads,) or (batch, nheads) float32, row b for sequence b; not
     differentiated) and ``sink`` (keyword only: (nheads,) float32 logits in every row's softmax
-    denominator, differentiable) are cupyflash.flash_attn_varlen_func's. Not supported yet, each a
-    NotImplementedError: dropout_p != 0, block_table (paged varlen), a gradient through
-    softmax_lse with softcap != 0. cupyflash.flash_attn_varlen_func's notes on its interim
-    implementation apply. ``precision`` (keyword only) is cupyflash.flash_attn_func's.
+    denominator, differentiable) are cupyflash.flash_attn_varlen_func's. ``dropout_p`` drops each
+    attention weight with that probability (cupyflash.flash_attn_varlen_func's dropout, the seed
+    drawn from torch's default generator and kept for the backward, as flash_attn_func's); S_dmask
+    stays empty. Not supported yet, each a NotImplementedError: block_table (paged varlen), a
+    gradient through softmax_lse with softcap != 0 or dropout_p != 0. ``precision`` (keyword only)
+    is cupyflash.flash_attn_func's.
     """
     precision = check_precision(precision)
-    _unsupported(dropout_p=dropout_p != 0, block_table=block_table is not None)
+    _unsupported(block_table=block_table is not None)
+    seed = _dropout_seed(dropout_p)  # refuses a tensor
+    dropout_p = float(dropout_p)
     _check_variant_tensors(q, softcap, alibi_slopes, sink)
     _check_tensors(q, k, v, _PACKED)
     cu_q = _index_tensor(cu_seqlens_q, "cu_seqlens_q", q.device, optional=False)
@@ -607,7 +616,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     scale = _scale(softmax_scale, q.shape[2])
     window_left, window_right = check_window(window_size)
     o, lse = _varlen_forward_op(q, k, v, cu_q, cu_k, max_q, max_k, scale, bool(causal), window_left, window_right,
-                                bool(deterministic), float(softcap), alibi_slopes, sink, precision)
+                                bool(deterministic), float(softcap), alibi_slopes, sink, dropout_p, seed, precision)
     if not return_attn_probs:
         return o
     return o, lse, q.new_empty((0,))
@@ -670,12 +679,13 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
     ``is_causal`` is SDPA's top-left mask (query i sees key j iff j <= i), which equals cupyflash's
     bottom-right mask when seqlen_q == seqlen_k; other lengths with is_causal raise
-    NotImplementedError, as do attn_mask and dropout_p != 0. ``enable_gqa`` allows key/value with
-    fewer heads. The backward is deterministic when torch.are_deterministic_algorithms_enabled().
+    NotImplementedError, as does attn_mask. ``dropout_p`` is flash_attn_func's: cupyflash's own mask
+    (cupyflash.dropout), its seed drawn from torch's default generator, not SDPA's mask.
+    ``enable_gqa`` allows key/value with fewer heads. The backward is deterministic when torch.are_deterministic_algorithms_enabled().
     ``precision`` (keyword only; "ieee", the default, or "tf32") is cupyflash.flash_attn_func's: how
     float32 products are formed on tensor cores.
     """
-    _unsupported(attn_mask=attn_mask is not None, dropout_p=dropout_p != 0)
+    _unsupported(attn_mask=attn_mask is not None)
     for name, x in (("query", query), ("key", key), ("value", value)):
         if not isinstance(x, torch.Tensor) or x.dim() != 4:
             raise ValueError(f"{name} must be a 4-d tensor (batch, nheads, seqlen, headdim); got "
@@ -686,7 +696,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if is_causal and query.shape[2] != key.shape[2]:
         raise NotImplementedError("is_causal with seqlen_q != seqlen_k: SDPA aligns the mask top-left, "
                                   "cupyflash bottom-right (use flash_attn_func for bottom-right)")
-    out = flash_attn_func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+    out = flash_attn_func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), dropout_p=dropout_p,
                           softmax_scale=scale, causal=bool(is_causal),
                           deterministic=torch.are_deterministic_algorithms_enabled(), precision=precision)
     return out.transpose(1, 2)

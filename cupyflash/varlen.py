@@ -19,6 +19,7 @@ max_seqlen_q / max_seqlen_k. The NumPy backend runs the NumPy twin per sequence 
 """
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from typing import NamedTuple
 
@@ -26,6 +27,7 @@ import numpy as np
 
 from . import _arrays as A
 from . import api, capture, dispatch
+from .dropout import NO_DROPOUT, check_dropout
 from .scores import NO_VARIANT, check_variant, sink_grad
 from .backward_plans import check_statistics, own_forward_statistics
 from ._dtypes import lse_dtype
@@ -281,8 +283,22 @@ def packed_backward(which: str, do, q, k, v, o, lse, scale: float, causal: bool,
 
 
 def sequence_variant(variant, b: int):
-    """The variant of sequence ``b`` as a batch of one (its row of (batch, nheads) ALiBi slopes)."""
-    return variant.sliced(slice(b, b + 1), slice(None))
+    """The variant of sequence ``b`` as a batch of one (its row of (batch, nheads) ALiBi slopes;
+    with dropout, the mask of the batch's sequence b: cupyflash.dropout's first_sequence, which
+    only the NumPy twin takes, ``per_sequence_dropout``)."""
+    if not variant.dropout.on:
+        return variant.sliced(slice(b, b + 1), slice(None))
+    one = dataclasses.replace(variant, dropout=NO_DROPOUT).sliced(slice(b, b + 1), slice(None))
+    return dataclasses.replace(one, dropout=dataclasses.replace(variant.dropout, first_sequence=b))
+
+
+def per_sequence_dropout(which: str, variant) -> None:
+    """Refuse dropout where a GPU batch would run sequence by sequence (more sequences or heads than
+    one launch takes): the kernels number a launch's sequences from 0, so each would draw sequence
+    0's mask. The NumPy twin takes each sequence's own (sequence_variant)."""
+    if which != "numpy" and variant.dropout.on:
+        raise NotImplementedError("cupyflash: dropout in a varlen batch takes at most 65535 sequences and 65535 "
+                                  "query heads (one launch: the mask is a function of the sequence's index)")
 
 
 def _finish(results, which: str, host_out: bool):
@@ -306,7 +322,7 @@ def _check_options(backend, causal, window_size, flag, flag_name, softcap):
 @capture.graph_safe
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, softmax_scale=None,
                            causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sink=None,
-                           return_lse=False, backend="auto", precision=None):
+                           dropout_p=0.0, seed=None, offset=0, return_lse=False, backend="auto", precision=None):
     """Exact attention over a packed batch of sequences of different lengths (flash-attn 2.8's
     flash_attn_varlen_func).
 
@@ -317,7 +333,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     max_seqlen_q / max_seqlen_k. Empty sequences are allowed (no query: nothing; no key: o = 0,
     lse = -inf). ``causal`` and ``window_size`` are flash_attn_func's, applied per sequence with
     its own bottom-right alignment, as are ``softcap``, ``alibi_slopes`` ((nheads,) or (batch,
-    nheads) float32: row b for sequence b), ``sink`` ((nheads,) float32) and ``precision`` (float32's
+    nheads) float32: row b for sequence b), ``sink`` ((nheads,) float32), ``dropout_p``, ``seed``
+    and ``offset`` (sequence b's mask is that of batch entry b of a dense call with its lengths:
+    cupyflash.dropout.dropout_mask(1, ..., first_sequence=b)) and ``precision`` (float32's
     products: cupyflash.precision). Returns o
     (total_q, nheads, headdim_v), or (o, lse) with lse (nheads, total_q), float32 (float64 for float64).
 
@@ -333,7 +351,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     dtype = A.check_dtype(arrays)
     total_q, total_k, nheads, _, headdim = check_packed_shapes(*arrays.values())
     sequences = check_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, total_k)
-    variant = check_variant(softcap, alibi_slopes, sink, sequences.count, nheads, precision=precision)
+    variant = check_variant(softcap, alibi_slopes, sink, sequences.count, nheads,
+                            dropout=check_dropout(dropout_p, seed, offset), precision=precision)
     scale = A.resolve_scale(softmax_scale, headdim)
     A.same_device({**arrays, **device_arrays(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)})
     which = dispatch.choose(backend, dtype, max(headdim, arrays["v"].shape[2]), "fwd")
@@ -351,6 +370,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         o, lse = api.seeing_no_key(q[None], v[None], variant, xp)
         o, lse = _finish((o[0], lse[0]), which, host_out)
         return (o, lse) if return_lse else o
+    per_sequence_dropout(which, variant)
     cu_q, cu_k = sequences.cu_q, sequences.cu_k
     o = api._empty(q.shape[:2] + v.shape[2:], dtype, xp=xp)
     lse = api._empty((nheads, total_q), lse_dtype(dtype), xp=xp)
@@ -386,13 +406,15 @@ def check_varlen_backward_arrays(do, o, lse, out_shape, dtype) -> None:
 @capture.graph_safe
 def flash_attn_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                                softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                               sink=None, backend="auto", deterministic=True, precision=None, statistics="saved"):
+                               sink=None, dropout_p=0.0, seed=None, offset=0, backend="auto", deterministic=True,
+                               precision=None, statistics="saved"):
     """Gradients (dq, dk, dv) of flash_attn_varlen_func from its o and lse (nheads, total_q); with a
     ``sink``, (dq, dk, dv, dsink), dsink summed over every sequence's rows.
 
     dq is shaped like q, dk and dv like k and v; for GQA they sum over the query heads sharing a
     kv head. Keys of a sequence without queries, and queries of a sequence without keys, get zero
-    gradients. The options must be the forward's; ``deterministic``, ``precision`` and ``statistics`` are
+    gradients. The options must be the forward's (with ``dropout_p`` > 0, its ``seed`` and
+    ``offset``: there is no default seed); ``deterministic``, ``precision`` and ``statistics`` are
     flash_attn_backward's.
     On the GPU one launch per backward kernel covers every sequence, as in the forward.
     """
@@ -405,7 +427,8 @@ def flash_attn_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, 
     check_varlen_backward_arrays(arrays["do"], arrays["o"], arrays["lse"],
                                  arrays["q"].shape[:2] + arrays["v"].shape[2:], dtype)
     sequences = check_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, total_k)
-    variant = check_variant(softcap, alibi_slopes, sink, sequences.count, nheads, precision=precision,
+    variant = check_variant(softcap, alibi_slopes, sink, sequences.count, nheads,
+                            dropout=check_dropout(dropout_p, seed, offset, need_seed=True), precision=precision,
                             statistics=check_statistics(statistics, dtype))
     scale = A.resolve_scale(softmax_scale, headdim)
     A.same_device({**arrays, **device_arrays(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)})
@@ -422,6 +445,7 @@ def flash_attn_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, 
     elif not sequences.read:  # nothing to compute: no query row sees a key
         grads = tuple(xp.zeros(x.shape, x.dtype) for x in (q, k, v))
     else:
+        per_sequence_dropout(which, variant)
         grads = per_sequence_backward(which, do, q, k, v, o, lse, sequences.cu_q, sequences.cu_k, scale, causal,
                                       window, deterministic, variant)
     if variant.sink is not None:  # every row of the packed batch at once: D and lse per row
@@ -446,12 +470,15 @@ def per_sequence_backward(which, do, q, k, v, o, lse, cu_q, cu_k, scale, causal,
 def flash_attn_varlen_vjp(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **options):
     """(o, vjp) with vjp(do) -> (dq, dk, dv) for a packed batch: flash_attn_varlen_func and its
     backward without a framework. ``options`` are flash_attn_varlen_func's (softmax_scale, causal,
-    window_size, softcap, alibi_slopes, sink, backend); ``deterministic`` and ``statistics`` go to the
-    backward (statistics as flash_attn_vjp's)."""
+    window_size, softcap, alibi_slopes, sink, dropout_p, seed, offset, backend); ``deterministic``
+    and ``statistics`` go to the backward (statistics as flash_attn_vjp's). With dropout and no
+    seed, one is drawn here for both directions."""
     deterministic = options.pop("deterministic", True)
     statistics = options.pop("statistics", None)
     if "return_lse" in options:
         raise TypeError("flash_attn_varlen_vjp does not take return_lse (the lse is kept for the backward)")
+    if options.get("dropout_p", 0.0) and options.get("seed") is None:
+        options["seed"] = check_dropout(options["dropout_p"], None, options.get("offset", 0)).seed
     sequences = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     o, lse = flash_attn_varlen_func(q, k, v, *sequences, return_lse=True, **options)
 

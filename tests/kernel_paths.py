@@ -1,5 +1,6 @@
-"""The GPU kernel paths the property tests run, by family: SIMT for float32/float64; for
-float16/bfloat16 the device's default tensor-core kernels (on sm_90: flash_fwd_wgmma and the v10
+"""The GPU kernel paths the property tests run, by family: SIMT for float32, and for float64 the
+DMMA forward (flash_fwd_dmma, the default up to d128, launched at any head dim) or SIMT's past
+d128 with the SIMT backward; for float16/bfloat16 the device's default tensor-core kernels (on sm_90: flash_fwd_wgmma and the v10
 wgmma backward; on sm_80: flash_fwd_mma and the mma.sync backward), and the mma.sync kernels of
 sm_80 on any device through their overrides: ``mma_fwd.forward(config=FwdConfig(...))``
 (flash_fwd_mma) and ``mma_bwd.backward(version=...)`` ("v5": v3's two kernels when
@@ -49,7 +50,7 @@ def run_path(case, window, q, k, v, do, deterministic=True, mma_sync=None, varia
     ``variant`` the variant keyword arguments (softcap, alibi_slopes, sink: tests/variants.py)."""
     import cupy
 
-    from cupyflash.kernels import mma_bwd, mma_fwd, simt
+    from cupyflash.kernels import dmma, mma_bwd, mma_fwd, simt
     from cupyflash.scores import Variant
 
     qd, kd, vd, dod = (cupy.asarray(x) for x in (q, k, v, do))
@@ -69,7 +70,8 @@ def run_path(case, window, q, k, v, do, deterministic=True, mma_sync=None, varia
         mma_fwd.forward(qd, kd, vd, o, lse, **options)
         mma_bwd.backward(dod, qd, kd, vd, o, lse, *grads, deterministic=deterministic, **options)
     else:
-        simt.forward(qd, kd, vd, o, lse, **options)
+        on_dmma = case.dtype == np.float64 and max(q.shape[3], v.shape[3]) <= dmma.D_TILES[-1]
+        (dmma.forward if on_dmma else simt.forward)(qd, kd, vd, o, lse, **options)
         simt.backward(dod, qd, kd, vd, o, lse, *grads, deterministic=deterministic, **options)
     cupy.cuda.get_current_stream().synchronize()
     return tuple(x.get() for x in (o, lse, *grads))

@@ -78,6 +78,14 @@ def test_simt_backward_matches_reference(case):
     _check_backward(case, "simt")
 
 
+@given(case=attention_case(dtypes=[np.dtype(np.float64)]))
+def test_auto_float64_forward_and_backward_match_reference(case):
+    """float64's default: the DMMA forward up to d128 (padded to a multiple of 8), SIMT past it,
+    and the SIMT backward on its o and lse."""
+    _check_forward(case, "auto")
+    _check_backward(case, "auto")
+
+
 @given(case=attention_case(dtypes=SIXTEEN_BIT))
 def test_mma_forward_matches_reference(case):
     _check_forward(case, "mma")

@@ -295,6 +295,23 @@ def test_sdpa_helper_takes_the_precision():
         scaled_dot_product_attention(q, k, v, precision="fp32")
 
 
+def test_sdpa_helper_takes_dropout():
+    """dropout_p reaches the call as flash_attn_func's (cupyflash's own mask, the seed drawn from
+    torch's default generator; SDPA's own mask is torch's and not reproduced), in the forward and
+    the backward."""
+    generator = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn((1, 2, 9, 16), generator=generator, dtype=torch.float64, requires_grad=True)
+               for _ in range(3))
+    torch.manual_seed(4)
+    o = scaled_dot_product_attention(q, k, v, dropout_p=0.3)
+    torch.manual_seed(4)
+    o_want = flash_attn_func(*(x.transpose(1, 2) for x in (q, k, v)), dropout_p=0.3).transpose(1, 2)
+    assert torch.equal(o, o_want) and not torch.equal(o, scaled_dot_product_attention(q, k, v))
+    grads = torch.autograd.grad(o.sum(), (q, k, v))
+    grads_want = torch.autograd.grad(o_want.sum(), (q, k, v))
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_want))
+
+
 def test_sdpa_helper_errors():
     q = torch.randn(1, 4, 5, 8)
     k = torch.randn(1, 2, 6, 8)
@@ -304,8 +321,6 @@ def test_sdpa_helper_errors():
         scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True)
     with pytest.raises(NotImplementedError, match="attn_mask"):
         scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(5, 5, dtype=torch.bool))
-    with pytest.raises(NotImplementedError, match="dropout_p"):
-        scaled_dot_product_attention(q, q, q, dropout_p=0.1)
     with pytest.raises(ValueError, match="query must be a 4-d tensor"):
         scaled_dot_product_attention(q[0], q, q)
 

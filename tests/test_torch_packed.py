@@ -86,6 +86,33 @@ def test_varlen_torch_compile_fullgraph_matches_eager():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def test_varlen_dropout_draws_its_seed_from_torch_and_keeps_it_for_the_backward():
+    """dropout_p: the seed is drawn from torch's default generator (torch.manual_seed repeats it),
+    the result is cupyflash.flash_attn_varlen_func's with that seed, and the gradients its
+    backward's with the same seed; a gradient through the lse is refused."""
+    import cupyflash
+
+    q, k, v, cu_q, cu_k, max_q, max_k = packed()
+    torch.manual_seed(3)
+    o = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.25, causal=True)
+    torch.manual_seed(3)
+    seed = int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
+    arrays = [x.detach().numpy() for x in (q, k, v)]
+    sequences = (cu_q.numpy(), cu_k.numpy(), max_q, max_k)
+    call = dict(dropout_p=0.25, seed=seed, causal=True, backend="numpy")
+    o_want, lse = cupyflash.flash_attn_varlen_func(*arrays, *sequences, return_lse=True, **call)
+    np.testing.assert_array_equal(o.detach().numpy(), o_want)
+    do = torch.randn_like(o)
+    o.backward(do)
+    grads = cupyflash.flash_attn_varlen_backward(do.numpy(), *arrays, o_want, lse, *sequences, statistics="recomputed",
+                                                 **call)
+    for got, want in zip((q.grad, k.grad, v.grad), grads):
+        np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=1e-13)
+    _, lse_t, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.25, return_attn_probs=True)
+    with pytest.raises(NotImplementedError, match="dropout_p"):
+        lse_t.sum().backward()
+
+
 def test_varlen_errors_name_the_argument():
     q, k, v, cu_q, cu_k, max_q, max_k = packed(requires_grad=False)
     cases = [
@@ -93,7 +120,6 @@ def test_varlen_errors_name_the_argument():
         (dict(max_seqlen_q=torch.tensor(5)), TypeError, "max_seqlen_q must be a Python int"),
         (dict(max_seqlen_k=2), ValueError, "max_seqlen_k"),
         (dict(q=q[None]), ValueError, "q must have 3 dimensions"),
-        (dict(dropout_p=0.1), NotImplementedError, "dropout_p"),
         (dict(block_table=torch.zeros((4, 1), dtype=torch.int32)), NotImplementedError, "block_table"),
     ]
     for change, error, message in cases:

@@ -349,3 +349,54 @@ def test_variants_apply_per_sequence(causal):
             np.testing.assert_allclose(got, want[0], atol=1e-10)
         dsink_ref += grads[3]
     np.testing.assert_allclose(dsink, dsink_ref, rtol=1e-5, atol=1e-6)  # dsink is float32
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_dropout_applies_per_sequence(causal):
+    """dropout_p, seed, offset: sequence b draws batch entry b's mask of a dense call with its own
+    lengths (cupyflash.dropout.dropout_mask(1, ..., first_sequence=b)), in the forward and the
+    backward, against the dense float64 reference of each sequence given that mask; the vjp draws
+    one seed for both directions, and the backward needs the forward's."""
+    from cupyflash.dropout import dropout_mask
+
+    rng = np.random.default_rng(11)
+    seqlens_q, seqlens_k, h, hkv, d = (3, 0, 21, 17, 2), (4, 2, 30, 19, 0), 4, 2, 8
+    cu_q = np.concatenate([[0], np.cumsum(seqlens_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(seqlens_k)]).astype(np.int32)
+    q = rng.standard_normal((cu_q[-1], h, d))
+    k, v = (rng.standard_normal((cu_k[-1], hkv, d)) for _ in range(2))
+    do = rng.standard_normal(q.shape)
+    p, seed, offset = 0.3, 2**40 + 5, 7
+    sequences = (cu_q, cu_k, max(seqlens_q), max(seqlens_k))
+    call = dict(causal=causal, dropout_p=p, seed=seed, offset=offset, backend="numpy")
+    o, lse = cupyflash.flash_attn_varlen_func(q, k, v, *sequences, return_lse=True, **call)
+    dq, dk, dv = cupyflash.flash_attn_varlen_backward(do, q, k, v, o, lse, *sequences, **call)
+    masks_differ = False
+    for b in range(len(seqlens_q)):
+        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if seqlens_q[b] == 0:
+            continue
+        mask = dropout_mask(1, h, seqlens_q[b], seqlens_k[b], p, seed, offset, first_sequence=b)
+        masks_differ |= seqlens_k[b] > 0 and not np.array_equal(
+            mask, dropout_mask(1, h, seqlens_q[b], seqlens_k[b], p, seed, offset))
+        kw = dict(causal=causal, dropout_p=p, dropout_mask=mask)
+        o_ref, lse_ref = reference.attention(q[None, qs], k[None, ks], v[None, ks], **kw)
+        np.testing.assert_allclose(o[qs], o_ref[0], atol=1e-12)
+        np.testing.assert_allclose(lse[:, qs], lse_ref[0], atol=1e-12)
+        grads = reference.attention_backward(do[None, qs], q[None, qs], k[None, ks], v[None, ks], **kw)
+        for got, want in zip((dq[qs], dk[ks], dv[ks]), grads[:3]):
+            np.testing.assert_allclose(got, want[0], atol=1e-10)
+    assert masks_differ  # sequence b > 0 is not sequence 0's mask
+    with pytest.raises(ValueError, match="needs the forward's seed"):
+        cupyflash.flash_attn_varlen_backward(do, q, k, v, o, lse, *sequences, causal=causal, dropout_p=p,
+                                             backend="numpy")
+    o_vjp, vjp = cupyflash.flash_attn_varlen_vjp(q, k, v, *sequences, causal=causal, dropout_p=p, backend="numpy")
+    assert np.isfinite(o_vjp).all() and all(np.isfinite(g).all() for g in vjp(do))
+
+
+def test_dropout_mask_of_a_later_sequence_is_the_batch_entry():
+    from cupyflash.dropout import dropout_mask
+
+    batch = dropout_mask(3, 2, 20, 24, 0.4, seed=9, offset=1)
+    for b in range(3):
+        assert np.array_equal(dropout_mask(1, 2, 20, 24, 0.4, seed=9, offset=1, first_sequence=b)[0], batch[b])

@@ -64,6 +64,13 @@ def test_tensor_cores_match_the_reference(problem):
 
 
 @settings(max_examples=EXAMPLES // 2)
+@given(problem=problems([np.dtype(np.float64)], windows=True, max_headdim=256))
+def test_auto_float64_matches_the_reference(problem):
+    """float64's default: the packed DMMA forward up to d128, SIMT past it; the SIMT backward."""
+    check_on_device(problem, "auto")
+
+
+@settings(max_examples=EXAMPLES // 2)
 @given(problem=problems(SIXTEEN_BIT))
 def test_atomic_dq_backward_matches_the_reference(problem):
     check_on_device(problem, "mma", deterministic=False, device_cu_seqlens=False)
@@ -90,9 +97,10 @@ def test_many_sequences_of_one_token():
     assert_varlen_close(problem, o, lse, grads)
 
 
-def _check_sequences_against_dense_reference(problem, o, lse, grads, variant, slopes):
+def _check_sequences_against_dense_reference(problem, o, lse, grads, variant, slopes, masks=None):
     """Each non-empty sequence of a packed result against the dense float64 reference with its own
-    variant (its row of (batch, nheads) ALiBi slopes): sequences are independent problems."""
+    variant (its row of (batch, nheads) ALiBi slopes; ``masks(b, seqlen_q, seqlen_k)``: its
+    dropout mask): sequences are independent problems."""
     from cupyflash.testing import AttentionProblem, assert_attention_close
 
     q, k, v, do = problem.arrays()
@@ -107,6 +115,8 @@ def _check_sequences_against_dense_reference(problem, o, lse, grads, variant, sl
         sequence_variant = dict(variant)
         if slopes is not None:
             sequence_variant["alibi_slopes"] = slopes[b:b + 1]
+        if masks is not None:
+            sequence_variant["dropout_mask"] = masks(b, dense.seqlen_q, dense.seqlen_k)
         assert_attention_close(dense, o[None, queries], lse[None, :, queries],
                                (grads[0][None, queries], grads[1][None, keys], grads[2][None, keys]),
                                inputs=(q[None, queries], k[None, keys], v[None, keys], do[None, queries]),
@@ -143,6 +153,36 @@ def test_score_variants_per_sequence(backend, dtype, variant):
                                                      **problem.kwargs, **call)
     _check_sequences_against_dense_reference(problem, o, lse, grads, kwargs,
                                              slopes if "alibi" in variant else None)
+
+
+@pytest.mark.parametrize("backend,dtype", [("mma", ml_dtypes.bfloat16), ("mma", np.float16), ("simt", np.float32),
+                                           ("simt", np.float64), ("auto", np.float64)], ids=str)
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_dropout_per_sequence(backend, dtype, deterministic):
+    """dropout_p through the packed kernels (one launch: each CTA's sequence index picks its mask),
+    each sequence against the dense reference given batch entry b's mask of a call with its
+    lengths (cupyflash.dropout.dropout_mask(..., first_sequence=b)); "auto" float64 is the DMMA
+    forward and the SIMT backward."""
+    import cupy
+
+    from cupyflash.dropout import dropout_mask
+
+    problem = VarlenProblem((0, 1, 65, 200, 3, 130), (7, 1, 129, 200, 0, 64), nheads_kv=2, group=2, headdim=64,
+                            causal=True, softmax_scale=None, magnitude=1.0, dtype=dtype, seed=19,
+                            window_size=(96, -1))
+    p, seed, offset = 0.2, 2**33 + 17, 3
+    call = dict(dropout_p=p, seed=seed, offset=offset)
+    q, k, v, do = (cupy.asarray(x) for x in problem.arrays())
+    cu_q, cu_k, max_q, max_k = problem.sequences
+    with poisoned_outputs():
+        o, lse = cupyflash.flash_attn_varlen_func(q, k, v, cupy.asarray(cu_q), cupy.asarray(cu_k), max_q, max_k,
+                                                  return_lse=True, backend=backend, **problem.kwargs, **call)
+        grads = cupyflash.flash_attn_varlen_backward(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, backend=backend,
+                                                     deterministic=deterministic, **problem.kwargs, **call)
+    nheads = problem.nheads_kv * problem.group
+    _check_sequences_against_dense_reference(
+        problem, o, lse, grads, {"dropout_p": p}, None,
+        masks=lambda b, sq, sk: dropout_mask(1, nheads, sq, sk, p, seed, offset, first_sequence=b))
 
 
 @pytest.mark.parametrize("backend", ["mma", "simt"])

@@ -150,6 +150,9 @@ def set_variant(params, variant) -> None:
     if variant.mods is not None:
         set_modifiers(field["mods"], variant.mods, params)
     if variant.dropout.on:
+        if variant.dropout.first_sequence:  # the kernels' sequences count from their launch's 0
+            raise ValueError("cupyflash: a kernel launch takes dropout with first_sequence 0 (the NumPy twin's "
+                             "per-sequence views only take others)")
         d = field["dropout"]
         d["seed"], d["offset"] = np.uint64(variant.dropout.seed), np.uint32(variant.dropout.offset)
         d["threshold"] = np.uint32(variant.dropout.threshold)
