@@ -112,14 +112,19 @@ class Tf32FwdConfig:
 class DmmaFwdConfig(NamedTuple):
     """flash_fwd_dmma (``kernels_cu/flash_fwd_dmma.cu``, mma.sync m8n8k4 .f64, sm_80+): float64 on
     the FP64 tensor cores, the float64 forward's rows up to d128 (``cupyflash.kernels.dmma``).
-    warps of 8 query rows each; block_n keys per K/V tile."""
+    warps of 8 m_tiles query rows each (m_tiles 8-row m-tiles sharing each K and V fragment, their
+    Q fragments in registers or, q_in_regs False, read from shared memory per k-step); block_n keys
+    per K/V tile; min_blocks blocks per SM asked of ptxas."""
 
     block_n: int
     warps: int
+    m_tiles: int = 1
+    q_in_regs: bool = True
+    min_blocks: int = 1
 
     @property
     def block_m(self) -> int:
-        return 8 * self.warps
+        return 8 * self.m_tiles * self.warps
 
     @property
     def threads(self) -> int:
@@ -522,8 +527,16 @@ def specialization_for(dtype, dt: int, mask: Mask | bool, tiles, dvt: int | None
     if isinstance(c, DmmaFwdConfig):
         if name != "float64":
             raise TypeError(f"cupyflash: flash_fwd_dmma is float64 only, not {name}")
-        return Specialization(f"flash_fwd_dmma_{short}_hdim{dt}_{mask.name}_bm{c.block_m}_bn{c.block_n}_w{c.warps}",
-                              "flash_fwd_dmma.cu", f"cf::flash_fwd_dmma<{dt}, {mask.cpp}, {c.block_n}, {c.warps}>",
+        # the template's defaults (m_tiles 1, Q in registers, one block per SM) add nothing to the
+        # name or the expression: dmma-fwd-v1's names unchanged
+        options = [str(c.m_tiles), "true" if c.q_in_regs else "false", str(c.min_blocks)]
+        while options and options[-1] == ["1", "true", "1"][len(options) - 1]:
+            options.pop()
+        suffix = (f"{f'_mt{c.m_tiles}' if c.m_tiles != 1 else ''}{'' if c.q_in_regs else '_qsmem'}"
+                  f"{f'_mb{c.min_blocks}' if c.min_blocks != 1 else ''}")
+        return Specialization(f"flash_fwd_dmma_{short}_hdim{dt}_{mask.name}_bm{c.block_m}_bn{c.block_n}_w{c.warps}{suffix}",
+                              "flash_fwd_dmma.cu",
+                              f"cf::flash_fwd_dmma<{dt}, {mask.cpp}, {c.block_n}, {c.warps}{''.join(', ' + o for o in options)}>",
                               c.threads, dmma_smem_bytes(dt, c))
     if isinstance(c, FwdConfig):
         return Specialization(

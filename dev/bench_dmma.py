@@ -2,7 +2,10 @@
 kernel that float64 runs today and PyTorch's math backend in float64, one run, CUDA events, the
 median of N calls; each candidate output checked against the SIMT one first.
 
-    python dev/bench_dmma.py [--json OUT] [--repeats N]
+    python dev/bench_dmma.py [--json OUT] [--repeats N] [--candidates]
+
+``--candidates`` times dev/dmma_fwd.py's versions and candidates beside the plan's tiles (each
+output checked against the SIMT kernel's first; a "max |o - o_simt|" above 1e-12 marks it wrong).
 
 Issue 18's bar: >= 3x today's SIMT float64 forward, and reported against PyTorch's math backend.
 Prediction (docs/perf-log.md, dmma-fwd-v0): shared memory bound at about half the FP64 tensor
@@ -14,6 +17,7 @@ import argparse
 import json
 
 from bench_statistics import time_ms  # dev/ is the script's directory
+from dmma_fwd import CANDIDATES, VERSIONS
 
 
 def main() -> None:
@@ -26,7 +30,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--candidates", action="store_true")
     args = parser.parse_args()
+    entries = {**VERSIONS, **CANDIDATES} if args.candidates else {}
     rows = []
     for headdim in (64, 128):
         for seqlen in (1024, 4096):
@@ -44,6 +50,17 @@ def main() -> None:
                     "simt": time_ms(lambda: cupyflash.flash_attn_func(q, k, v, causal=causal, backend="simt"), args.repeats),
                     "dmma": time_ms(lambda: dmma.forward(q, k, v, o, lse, softmax_scale=scale, causal=causal), args.repeats),
                 }
+                for name, configs in entries.items():
+                    if headdim not in configs:
+                        continue
+                    config = configs[headdim]
+                    o[...] = cupy.nan
+                    dmma.forward(q, k, v, o, lse, softmax_scale=scale, causal=causal, config=config)
+                    wrong = float(cupy.abs(o - o_simt).max())
+                    times[name] = time_ms(lambda: dmma.forward(q, k, v, o, lse, softmax_scale=scale, causal=causal,
+                                                               config=config), args.repeats)
+                    print(f"    {name:24} {4 * batch * nheads * seqlen * seqlen * headdim / (2 if causal else 1) / times[name] / 1e9:6.2f} TFLOP/s  "
+                          f"max |o - o_simt| {wrong:.1e}", flush=True)
                 qt, kt, vt = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v))
                 with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
                     times["torch_math"] = time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(

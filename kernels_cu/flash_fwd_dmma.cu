@@ -36,20 +36,26 @@ __device__ __forceinline__ void dmma_m8n8k4(double (&d)[2], double a, double b, 
                  : "d"(a), "d"(b), "d"(c[0]), "d"(c[1]));
 }
 
-template <int D_TILE, class Mask, int BLOCK_N, int NWARPS>
-__global__ void __launch_bounds__(NWARPS * 32, 1)
+// M_TILES: 8-row m-tiles per warp (perf log dmma-fwd-v2). Two share each K and V B fragment, so a
+// DMMA costs half a shared-memory load; their Q A fragments then come from shared memory per
+// k-step (Q_IN_REGS false), shared by the step's n-tiles, or stay in registers (d64 fits).
+// MIN_BLOCKS: blocks per SM asked of ptxas (__launch_bounds__).
+template <int D_TILE, class Mask, int BLOCK_N, int NWARPS, int M_TILES = 1, bool Q_IN_REGS = true,
+          int MIN_BLOCKS = 1>
+__global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
 flash_fwd_dmma(const __grid_constant__ FwdParams p) {
     typedef double A;
-    constexpr int BLOCK_M = 8 * NWARPS;
+    constexpr int WARP_ROWS = 8 * M_TILES;
+    constexpr int BLOCK_M = WARP_ROWS * NWARPS;
     constexpr int NTHREADS = NWARPS * 32;
     constexpr int K_STEPS = D_TILE / 4;   // of S = Q K^T
     constexpr int S_TILES = BLOCK_N / 8;  // 8-key n-tiles of S (and k-step pairs of P V)
     constexpr int O_TILES = D_TILE / 8;   // 8-column n-tiles of O
-    // Q and K rows padded by 4 doubles (LD = 4 mod 16): the eight rows g of one K fragment load
-    // then start 8 banks apart and the warp's 32 doubles take the minimum two wavefronts. V's by 2
-    // (LD_V = 2 mod 8 in doubles): its fragment reads rows 2t and 2t + 1, which start 4 double
-    // slots apart, so again every slot is read twice (with LD rows 2t and 2t + 2 collide: 4
-    // wavefronts, perf log dmma-fwd-v0).
+    // Q and K rows padded by 4 doubles (LD = 4 mod 16): the eight rows g of one Q or K fragment
+    // load then start 8 banks apart and the warp's 32 doubles take the minimum two wavefronts.
+    // V's by 2 (LD_V = 2 mod 8 in doubles): its fragment reads rows 2t and 2t + 1, which start 4
+    // double slots apart, so again every slot is read twice (with LD rows 2t and 2t + 2 collide:
+    // 4 wavefronts, perf log dmma-fwd-v0).
     constexpr int LD = D_TILE + 4;
     constexpr int LD_V = D_TILE + 2;
     static_assert(D_TILE % 8 == 0 && BLOCK_N % 8 == 0, "m8n8k4 tiles");
@@ -74,8 +80,11 @@ flash_fwd_dmma(const __grid_constant__ FwdParams p) {
     if (Mask::PACKED && m0 >= seqlen_q) return;  // past a shorter sequence's end
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
-    const int w0 = warp * 8;                 // the warp's first row in the block
-    const int q_row = m0 + w0 + g;           // this thread's row of S, P and O
+    const int w0 = warp * WARP_ROWS;  // the warp's first row in the block
+    // this thread's rows of S, P and O: row g of each m-tile
+    int q_row[M_TILES];
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt) q_row[mt] = m0 + w0 + 8 * mt + g;
 
     load_tile_rows<BLOCK_M, D_TILE, LD, NTHREADS>(q_tile, p.q.row<const A>(batch, seq.q_begin, head), m0, seqlen_q,
                                                   p.headdim, p.q.row_stride, scale_log2);
@@ -90,15 +99,25 @@ flash_fwd_dmma(const __grid_constant__ FwdParams p) {
     }
     __syncthreads();
 
-    // Q's A fragments, one per k-step, for the whole walk.
-    A q_frag[K_STEPS];
+    // Q's A fragments, one per m-tile and k-step, for the whole walk (Q_IN_REGS); otherwise read
+    // from q_tile at each k-step.
+    const A* q_frag_row = q_tile + (w0 + g) * LD + t;  // m-tile mt, k-step ks: [8 mt LD + 4 ks]
+    A q_frag[Q_IN_REGS ? M_TILES : 1][Q_IN_REGS ? K_STEPS : 1];
+    if constexpr (Q_IN_REGS) {
 #pragma unroll
-    for (int ks = 0; ks < K_STEPS; ++ks) q_frag[ks] = q_tile[(w0 + g) * LD + 4 * ks + t];
+        for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+            for (int ks = 0; ks < K_STEPS; ++ks) q_frag[mt][ks] = q_frag_row[8 * mt * LD + 4 * ks];
+    }
 
-    A o_acc[O_TILES][2];
+    A o_acc[M_TILES][O_TILES][2];
+    A m_i[M_TILES], l_i[M_TILES];  // l_i: this lane's share of the row sum until the end
 #pragma unroll
-    for (int dn = 0; dn < O_TILES; ++dn) o_acc[dn][0] = o_acc[dn][1] = A(0);
-    A m_i = neg_inf<A>(), l_i = A(0);  // l_i: this lane's share of the row sum until the end
+    for (int mt = 0; mt < M_TILES; ++mt) {
+        m_i[mt] = neg_inf<A>(), l_i[mt] = A(0);
+#pragma unroll
+        for (int dn = 0; dn < O_TILES; ++dn) o_acc[mt][dn][0] = o_acc[mt][dn][1] = A(0);
+    }
 
     for (int n0 = n_begin; n0 < n_end; n0 += BLOCK_N) {
         // K(n0) has landed, and every warp is done with V(n0 - BLOCK_N): V(n0) may overwrite it
@@ -107,45 +126,60 @@ flash_fwd_dmma(const __grid_constant__ FwdParams p) {
         cp_async_rows_f64<BLOCK_N, D_TILE, LD_V, NTHREADS>(v_tile, v_base, n0, seqlen_k, p.headdim_v, p.v.row_stride);
         cp_async_commit();
 
-        // S = Q K^T (log2 units)
-        A s[S_TILES][2];
+        // S = Q K^T (log2 units): each K fragment serves the warp's M_TILES m-tiles
+        A s[M_TILES][S_TILES][2];
 #pragma unroll
-        for (int nt = 0; nt < S_TILES; ++nt) {
-            s[nt][0] = s[nt][1] = A(0);
+        for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
-            for (int ks = 0; ks < K_STEPS; ++ks) dmma_m8n8k4(s[nt], q_frag[ks], k_tile[(8 * nt + g) * LD + 4 * ks + t], s[nt]);
-        }
-
-        // the score policy and the mask, then the online softmax's new maximum
-        A tile_max = neg_inf<A>();
+            for (int nt = 0; nt < S_TILES; ++nt) s[mt][nt][0] = s[mt][nt][1] = A(0);
 #pragma unroll
-        for (int nt = 0; nt < S_TILES; ++nt) {
+        for (int ks = 0; ks < K_STEPS; ++ks) {
+            A a[M_TILES];
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int key = n0 + 8 * nt + 2 * t + e;
-                if constexpr (!ScoreOf<Mask, A>::IDENTITY) s[nt][e] = score.transform(s[nt][e], score.origin(q_row, key), 0, 0);
-                if (mask.hides(q_row, key)) s[nt][e] = neg_inf<A>();
-                tile_max = fmax(tile_max, s[nt][e]);
+            for (int mt = 0; mt < M_TILES; ++mt) a[mt] = Q_IN_REGS ? q_frag[Q_IN_REGS ? mt : 0][Q_IN_REGS ? ks : 0]
+                                                                   : q_frag_row[8 * mt * LD + 4 * ks];
+#pragma unroll
+            for (int nt = 0; nt < S_TILES; ++nt) {
+                const A b = k_tile[(8 * nt + g) * LD + 4 * ks + t];
+#pragma unroll
+                for (int mt = 0; mt < M_TILES; ++mt) dmma_m8n8k4(s[mt][nt], a[mt], b, s[mt][nt]);
             }
         }
-        const A m_new = fmax(m_i, group_max<4>(tile_max));
-        // A row with every key masked so far keeps m = -inf: subtracting 0 keeps 2^-inf = 0.
-        const A base = m_new == neg_inf<A>() ? A(0) : m_new;
-        const A rescale = exp2(m_i - base);
-        m_i = m_new;
-        l_i *= rescale;
-#pragma unroll
-        for (int dn = 0; dn < O_TILES; ++dn) o_acc[dn][0] *= rescale, o_acc[dn][1] *= rescale;
 
-        // P = 2^(S - m), summed before dropout (dropout.cuh: l and lse stay the softmax's)
 #pragma unroll
-        for (int nt = 0; nt < S_TILES; ++nt) {
+        for (int mt = 0; mt < M_TILES; ++mt) {
+            // the score policy and the mask, then the online softmax's new maximum
+            A tile_max = neg_inf<A>();
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const A p_ij = exp2(s[nt][e] - base);
-                l_i += p_ij;
-                const bool dropped = DropoutOf<Mask>::ENABLED && !dropout.keep(q_row, n0 + 8 * nt + 2 * t + e);
-                s[nt][e] = dropped ? A(0) : p_ij;
+            for (int nt = 0; nt < S_TILES; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int key = n0 + 8 * nt + 2 * t + e;
+                    if constexpr (!ScoreOf<Mask, A>::IDENTITY)
+                        s[mt][nt][e] = score.transform(s[mt][nt][e], score.origin(q_row[mt], key), 0, 0);
+                    if (mask.hides(q_row[mt], key)) s[mt][nt][e] = neg_inf<A>();
+                    tile_max = fmax(tile_max, s[mt][nt][e]);
+                }
+            }
+            const A m_new = fmax(m_i[mt], group_max<4>(tile_max));
+            // A row with every key masked so far keeps m = -inf: subtracting 0 keeps 2^-inf = 0.
+            const A base = m_new == neg_inf<A>() ? A(0) : m_new;
+            const A rescale = exp2(m_i[mt] - base);
+            m_i[mt] = m_new;
+            l_i[mt] *= rescale;
+#pragma unroll
+            for (int dn = 0; dn < O_TILES; ++dn) o_acc[mt][dn][0] *= rescale, o_acc[mt][dn][1] *= rescale;
+
+            // P = 2^(S - m), summed before dropout (dropout.cuh: l and lse stay the softmax's)
+#pragma unroll
+            for (int nt = 0; nt < S_TILES; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const A p_ij = exp2(s[mt][nt][e] - base);
+                    l_i[mt] += p_ij;
+                    const bool dropped = DropoutOf<Mask>::ENABLED && !dropout.keep(q_row[mt], n0 + 8 * nt + 2 * t + e);
+                    s[mt][nt][e] = dropped ? A(0) : p_ij;
+                }
             }
         }
 
@@ -158,39 +192,46 @@ flash_fwd_dmma(const __grid_constant__ FwdParams p) {
             cp_async_commit();
         }
 
-        // O += P V, keys of n-tile nt in two k-steps: {8 nt + 2t}, then {8 nt + 2t + 1}
+        // O += P V, keys of n-tile nt in two k-steps: {8 nt + 2t}, then {8 nt + 2t + 1}; each V
+        // fragment serves the warp's M_TILES m-tiles
 #pragma unroll
         for (int nt = 0; nt < S_TILES; ++nt) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const A* v_row = v_tile + (8 * nt + 2 * t + e) * LD_V;
 #pragma unroll
-                for (int dn = 0; dn < O_TILES; ++dn) dmma_m8n8k4(o_acc[dn], s[nt][e], v_row[8 * dn + g], o_acc[dn]);
+                for (int dn = 0; dn < O_TILES; ++dn) {
+                    const A b = v_row[8 * dn + g];
+#pragma unroll
+                    for (int mt = 0; mt < M_TILES; ++mt) dmma_m8n8k4(o_acc[mt][dn], s[mt][nt][e], b, o_acc[mt][dn]);
+                }
             }
         }
     }
 
     // store O = O / l and lse = (m + log2 l) ln 2; a row that saw no key gives 0 and -inf
-    l_i = group_sum<4>(l_i);
-    if (q_row < seqlen_q) {
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt) {
+        const A l_row = group_sum<4>(l_i[mt]);
+        if (q_row[mt] >= seqlen_q) continue;
         A inv_l, lse_row;
         if constexpr (Mask::Score::HAS_SINK) {
-            finish_row_with_sink(m_i, l_i, sink_log2<Mask, A>(p, head), inv_l, lse_row);
+            finish_row_with_sink(m_i[mt], l_row, sink_log2<Mask, A>(p, head), inv_l, lse_row);
         } else {
-            inv_l = l_i > A(0) ? A(1) / l_i : A(0);
-            lse_row = l_i > A(0) ? (m_i + log2(l_i)) * A(0.6931471805599453094172321) : neg_inf<A>();
+            inv_l = l_row > A(0) ? A(1) / l_row : A(0);
+            lse_row = l_row > A(0) ? (m_i[mt] + log2(l_row)) * A(0.6931471805599453094172321) : neg_inf<A>();
         }
         if constexpr (DropoutOf<Mask>::ENABLED) inv_l *= dropout_scale_in<A>(p);
-        A* o_row = p.o.row<A>(batch, seq.q_begin + q_row, head);
+        A* o_row = p.o.row<A>(batch, seq.q_begin + q_row[mt], head);
 #pragma unroll
         for (int dn = 0; dn < O_TILES; ++dn) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const int col = 8 * dn + 2 * t + e;
-                if (col < p.headdim_v) o_row[col] = o_acc[dn][e] * inv_l;
+                if (col < p.headdim_v) o_row[col] = o_acc[mt][dn][e] * inv_l;
             }
         }
-        if (t == 0) static_cast<A*>(p.lse)[seq.stat(p, head, q_row)] = lse_row;
+        if (t == 0) static_cast<A*>(p.lse)[seq.stat(p, head, q_row[mt])] = lse_row;
     }
 }
 
