@@ -193,8 +193,8 @@ def flash_attn_func(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
     dtypes ignore it.
     Returns o (batch, seqlen_q, nheads, headdim_v), or (o, lse) with lse (batch, nheads, seqlen_q)
     float32 (float64 for float64).
-    backend: 'auto' (tensor cores for float16, bfloat16 and float32, SIMT for float64, NumPy
-    without a GPU), 'cuda', 'mma', 'simt' or 'numpy'.
+    backend: 'auto' (tensor cores for float16, bfloat16, float32 and float64 up to headdim 128,
+    SIMT for float64 past it, NumPy without a GPU), 'cuda', 'mma', 'simt' or 'numpy'.
     """
     backend = A.check_backend(backend)
     causal = A.check_flag(causal, "causal")

@@ -114,13 +114,15 @@ class DmmaFwdConfig(NamedTuple):
     the FP64 tensor cores, the float64 forward's rows up to d128 (``cupyflash.kernels.dmma``).
     warps of 8 m_tiles query rows each (m_tiles 8-row m-tiles sharing each K and V fragment, their
     Q fragments in registers or, q_in_regs False, read from shared memory per k-step); block_n keys
-    per K/V tile; min_blocks blocks per SM asked of ptxas."""
+    per K/V tile; min_blocks blocks per SM asked of ptxas; wide (sm_90, m_tiles 2): the products as
+    m16n8k8 .f64, one for four m8n8k4 (the specialization is compiled for sm_90)."""
 
     block_n: int
     warps: int
     m_tiles: int = 1
     q_in_regs: bool = True
     min_blocks: int = 1
+    wide: bool = False
 
     @property
     def block_m(self) -> int:
@@ -201,8 +203,9 @@ FORWARD_TILES = {
     ("tf32", PORTABLE, 128): Tf32FwdConfig(64, 32, 4),
     ("tf32", PORTABLE, 256): Tf32FwdConfig(64, 16, 4),
     # perf log dmma-fwd-v0, dmma-fwd-v1. One block of 8 warps per SM (204-222 registers a thread);
-    # shared memory 103 KiB at d64, 134 KiB at d128. PORTABLE halves the key block (69 KiB; 67 KiB
-    # at d128 with 4 warps) for sm_86 / sm_89's 99 KiB.
+    # shared memory 101 KiB at d64, 131.5 KiB at d128. PORTABLE halves the key block (67.5 KiB;
+    # 65.75 KiB at d128 with 4 warps) for sm_86 / sm_89's 99 KiB, and so does an A100 (163 KiB,
+    # below LARGE_SMEM), as its tf32 rows do; measured on the H200 only.
     ("dmma", SM90, 16): DmmaFwdConfig(64, 8),
     ("dmma", SM90, 32): DmmaFwdConfig(64, 8),
     ("dmma", SM90, 64): DmmaFwdConfig(64, 8),
@@ -529,15 +532,16 @@ def specialization_for(dtype, dt: int, mask: Mask | bool, tiles, dvt: int | None
             raise TypeError(f"cupyflash: flash_fwd_dmma is float64 only, not {name}")
         # the template's defaults (m_tiles 1, Q in registers, one block per SM) add nothing to the
         # name or the expression: dmma-fwd-v1's names unchanged
-        options = [str(c.m_tiles), "true" if c.q_in_regs else "false", str(c.min_blocks)]
-        while options and options[-1] == ["1", "true", "1"][len(options) - 1]:
+        options = [str(c.m_tiles), "true" if c.q_in_regs else "false", str(c.min_blocks),
+                   "true" if c.wide else "false"]
+        while options and options[-1] == ["1", "true", "1", "false"][len(options) - 1]:
             options.pop()
         suffix = (f"{f'_mt{c.m_tiles}' if c.m_tiles != 1 else ''}{'' if c.q_in_regs else '_qsmem'}"
-                  f"{f'_mb{c.min_blocks}' if c.min_blocks != 1 else ''}")
+                  f"{f'_mb{c.min_blocks}' if c.min_blocks != 1 else ''}{'_wide' if c.wide else ''}")
         return Specialization(f"flash_fwd_dmma_{short}_hdim{dt}_{mask.name}_bm{c.block_m}_bn{c.block_n}_w{c.warps}{suffix}",
                               "flash_fwd_dmma.cu",
                               f"cf::flash_fwd_dmma<{dt}, {mask.cpp}, {c.block_n}, {c.warps}{''.join(', ' + o for o in options)}>",
-                              c.threads, dmma_smem_bytes(dt, c))
+                              c.threads, dmma_smem_bytes(dt, c), arch="90" if c.wide else "")
     if isinstance(c, FwdConfig):
         return Specialization(
             f"flash_fwd_mma_{short}_hdim{dt}_{mask.name}_bm{c.block_m}_bn{c.block_n}_w{c.warps}"

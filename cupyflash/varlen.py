@@ -292,11 +292,12 @@ def sequence_variant(variant, b: int):
     return dataclasses.replace(one, dropout=dataclasses.replace(variant.dropout, first_sequence=b))
 
 
-def per_sequence_dropout(which: str, variant) -> None:
+def per_sequence_dropout(which: str, variant, work: int) -> None:
     """Refuse dropout where a GPU batch would run sequence by sequence (more sequences or heads than
-    one launch takes): the kernels number a launch's sequences from 0, so each would draw sequence
-    0's mask. The NumPy twin takes each sequence's own (sequence_variant)."""
-    if which != "numpy" and variant.dropout.on:
+    one launch takes) with ``work`` (query rows x heads x keys) to do: the kernels number a
+    launch's sequences from 0, so each would draw sequence 0's mask. The NumPy twin takes each
+    sequence's own (sequence_variant); a batch with nothing to compute needs no mask."""
+    if which != "numpy" and variant.dropout.on and work:
         raise NotImplementedError("cupyflash: dropout in a varlen batch takes at most 65535 sequences and 65535 "
                                   "query heads (one launch: the mask is a function of the sequence's index)")
 
@@ -370,7 +371,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         o, lse = api.seeing_no_key(q[None], v[None], variant, xp)
         o, lse = _finish((o[0], lse[0]), which, host_out)
         return (o, lse) if return_lse else o
-    per_sequence_dropout(which, variant)
+    per_sequence_dropout(which, variant, total_q * nheads * total_k)
     cu_q, cu_k = sequences.cu_q, sequences.cu_k
     o = api._empty(q.shape[:2] + v.shape[2:], dtype, xp=xp)
     lse = api._empty((nheads, total_q), lse_dtype(dtype), xp=xp)
@@ -445,7 +446,7 @@ def flash_attn_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, 
     elif not sequences.read:  # nothing to compute: no query row sees a key
         grads = tuple(xp.zeros(x.shape, x.dtype) for x in (q, k, v))
     else:
-        per_sequence_dropout(which, variant)
+        per_sequence_dropout(which, variant, total_q * nheads * total_k)
         grads = per_sequence_backward(which, do, q, k, v, o, lse, sequences.cu_q, sequences.cu_k, scale, causal,
                                       window, deterministic, variant)
     if variant.sink is not None:  # every row of the packed batch at once: D and lse per row

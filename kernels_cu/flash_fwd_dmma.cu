@@ -36,12 +36,29 @@ __device__ __forceinline__ void dmma_m8n8k4(double (&d)[2], double a, double b, 
                  : "d"(a), "d"(b), "d"(c[0]), "d"(c[1]));
 }
 
+// The same work as four m8n8k4 products of two 8-row m-tiles over two k-steps, as one sm_90
+// m16n8k8 product (perf log dmma-fwd-v2): rows g and g + 8 are m-tiles 0 and 1, k = t and t + 4
+// the two k-steps' t. A: a[mt][step], B: b[step], C, D: c[mt][e] (rows g + 8 mt, columns 2t + e),
+// PTX's a0..a3 = (g, t), (g + 8, t), (g, t + 4), (g + 8, t + 4), b0, b1 = (t, g), (t + 4, g) and
+// c0..c3 = (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1).
+template <bool ON_SM90>
+__device__ __forceinline__ void dmma_m16n8k8(double (&c0)[2], double (&c1)[2], double a00, double a10, double a01,
+                                             double a11, double b0, double b1) {
+    if constexpr (ON_SM90) {
+        asm volatile("mma.sync.aligned.m16n8k8.row.col.f64.f64.f64.f64 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                     "{%8, %9}, {%0, %1, %2, %3};\n"
+                     : "+d"(c0[0]), "+d"(c0[1]), "+d"(c1[0]), "+d"(c1[1])
+                     : "d"(a00), "d"(a10), "d"(a01), "d"(a11), "d"(b0), "d"(b1));
+    }
+}
+
 // M_TILES: 8-row m-tiles per warp (perf log dmma-fwd-v2). Two share each K and V B fragment, so a
 // DMMA costs half a shared-memory load; their Q A fragments then come from shared memory per
 // k-step (Q_IN_REGS false), shared by the step's n-tiles, or stay in registers (d64 fits).
-// MIN_BLOCKS: blocks per SM asked of ptxas (__launch_bounds__).
+// MIN_BLOCKS: blocks per SM asked of ptxas (__launch_bounds__). WIDE (sm_90, M_TILES 2): each pair
+// of k-steps of both m-tiles as one m16n8k8 product (dmma_m16n8k8) instead of four m8n8k4.
 template <int D_TILE, class Mask, int BLOCK_N, int NWARPS, int M_TILES = 1, bool Q_IN_REGS = true,
-          int MIN_BLOCKS = 1>
+          int MIN_BLOCKS = 1, bool WIDE = false>
 __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS)
 flash_fwd_dmma(const __grid_constant__ FwdParams p) {
     typedef double A;
@@ -59,6 +76,10 @@ flash_fwd_dmma(const __grid_constant__ FwdParams p) {
     constexpr int LD = D_TILE + 4;
     constexpr int LD_V = D_TILE + 2;
     static_assert(D_TILE % 8 == 0 && BLOCK_N % 8 == 0, "m8n8k4 tiles");
+    static_assert(!WIDE || M_TILES == 2, "m16n8k8 takes two 8-row m-tiles");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+    static_assert(!WIDE, "m16n8k8 .f64 needs sm_90");
+#endif
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     A* q_tile = reinterpret_cast<A*>(smem_raw);  // [BLOCK_M][LD], pre-scaled by scale_log2
@@ -86,17 +107,18 @@ flash_fwd_dmma(const __grid_constant__ FwdParams p) {
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt) q_row[mt] = m0 + w0 + 8 * mt + g;
 
-    load_tile_rows<BLOCK_M, D_TILE, LD, NTHREADS>(q_tile, p.q.row<const A>(batch, seq.q_begin, head), m0, seqlen_q,
-                                                  p.headdim, p.q.row_stride, scale_log2);
     const A* __restrict__ k_base = p.k.row<const A>(batch, seq.k_begin, head_kv);
     const A* __restrict__ v_base = p.v.row<const A>(batch, seq.k_begin, head_kv);
     const int n_begin = mask.key_begin(m0) / BLOCK_N * BLOCK_N;
     const int n_end = mask.key_end(m0, BLOCK_M);
     const DropoutOf<Mask> dropout(p, seq.index, head);
+    // the first K tile's copy in flight while Q is loaded (scaled: not a plain copy)
     if (n_begin < n_end) {
         cp_async_rows_f64<BLOCK_N, D_TILE, LD, NTHREADS>(k_tile, k_base, n_begin, seqlen_k, p.headdim, p.k.row_stride);
         cp_async_commit();
     }
+    load_tile_rows<BLOCK_M, D_TILE, LD, NTHREADS>(q_tile, p.q.row<const A>(batch, seq.q_begin, head), m0, seqlen_q,
+                                                  p.headdim, p.q.row_stride, scale_log2);
     __syncthreads();
 
     // Q's A fragments, one per m-tile and k-step, for the whole walk (Q_IN_REGS); otherwise read
@@ -132,17 +154,27 @@ flash_fwd_dmma(const __grid_constant__ FwdParams p) {
         for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
             for (int nt = 0; nt < S_TILES; ++nt) s[mt][nt][0] = s[mt][nt][1] = A(0);
+        constexpr int KS_PER_STEP = WIDE ? 2 : 1;  // k-steps of 4 per product
 #pragma unroll
-        for (int ks = 0; ks < K_STEPS; ++ks) {
-            A a[M_TILES];
+        for (int ks = 0; ks < K_STEPS; ks += KS_PER_STEP) {
+            A a[M_TILES][KS_PER_STEP];
 #pragma unroll
-            for (int mt = 0; mt < M_TILES; ++mt) a[mt] = Q_IN_REGS ? q_frag[Q_IN_REGS ? mt : 0][Q_IN_REGS ? ks : 0]
-                                                                   : q_frag_row[8 * mt * LD + 4 * ks];
+            for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+                for (int h = 0; h < KS_PER_STEP; ++h)
+                    a[mt][h] = Q_IN_REGS ? q_frag[Q_IN_REGS ? mt : 0][Q_IN_REGS ? ks + h : 0]
+                                         : q_frag_row[8 * mt * LD + 4 * (ks + h)];
 #pragma unroll
             for (int nt = 0; nt < S_TILES; ++nt) {
-                const A b = k_tile[(8 * nt + g) * LD + 4 * ks + t];
+                const A* k_frag = k_tile + (8 * nt + g) * LD + 4 * ks + t;
+                if constexpr (WIDE) {
+                    dmma_m16n8k8<WIDE>(s[0][nt], s[M_TILES - 1][nt], a[0][0], a[M_TILES - 1][0], a[0][KS_PER_STEP - 1],
+                                       a[M_TILES - 1][KS_PER_STEP - 1], k_frag[0], k_frag[4]);
+                } else {
+                    const A b = k_frag[0];
 #pragma unroll
-                for (int mt = 0; mt < M_TILES; ++mt) dmma_m8n8k4(s[mt][nt], a[mt], b, s[mt][nt]);
+                    for (int mt = 0; mt < M_TILES; ++mt) dmma_m8n8k4(s[mt][nt], a[mt][0], b, s[mt][nt]);
+                }
             }
         }
 
@@ -196,14 +228,23 @@ flash_fwd_dmma(const __grid_constant__ FwdParams p) {
         // fragment serves the warp's M_TILES m-tiles
 #pragma unroll
         for (int nt = 0; nt < S_TILES; ++nt) {
+            const A* v_rows = v_tile + (8 * nt + 2 * t) * LD_V + g;  // keys 8 nt + 2t and 8 nt + 2t + 1
+            if constexpr (WIDE) {
+                // one product per O n-tile: k = t is key 2t, k = t + 4 key 2t + 1 (A's a0..a3
+                // from S's c0..c3 in the order c0, c2, c1, c3)
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const A* v_row = v_tile + (8 * nt + 2 * t + e) * LD_V;
+                for (int dn = 0; dn < O_TILES; ++dn)
+                    dmma_m16n8k8<WIDE>(o_acc[0][dn], o_acc[M_TILES - 1][dn], s[0][nt][0], s[M_TILES - 1][nt][0],
+                                       s[0][nt][1], s[M_TILES - 1][nt][1], v_rows[8 * dn], v_rows[LD_V + 8 * dn]);
+            } else {
 #pragma unroll
-                for (int dn = 0; dn < O_TILES; ++dn) {
-                    const A b = v_row[8 * dn + g];
+                for (int e = 0; e < 2; ++e) {
 #pragma unroll
-                    for (int mt = 0; mt < M_TILES; ++mt) dmma_m8n8k4(o_acc[mt][dn], s[mt][nt][e], b, o_acc[mt][dn]);
+                    for (int dn = 0; dn < O_TILES; ++dn) {
+                        const A b = v_rows[e * LD_V + 8 * dn];
+#pragma unroll
+                        for (int mt = 0; mt < M_TILES; ++mt) dmma_m8n8k4(o_acc[mt][dn], s[mt][nt][e], b, o_acc[mt][dn]);
+                    }
                 }
             }
         }

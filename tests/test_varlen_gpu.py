@@ -186,6 +186,23 @@ def test_dropout_per_sequence(backend, dtype, deterministic):
 
 
 @pytest.mark.parametrize("backend", ["mma", "simt"])
+def test_dropout_with_no_keys_anywhere(backend):
+    """A batch whose sequences have no keys computes nothing (o = 0, lse = -inf, zero gradients)
+    with dropout as without it."""
+    import cupy
+
+    q = cupy.asarray(np.random.default_rng(0).standard_normal((5, 2, 64)).astype(ml_dtypes.bfloat16))
+    k = v = cupy.zeros((0, 2, 64), ml_dtypes.bfloat16)
+    cu_q, cu_k = np.array([0, 2, 5], np.int32), np.array([0, 0, 0], np.int32)
+    o, lse = cupyflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 0, dropout_p=0.3, seed=1, return_lse=True,
+                                              backend=backend)
+    assert not cupy.asarray(o, np.float32).any() and bool(cupy.isneginf(lse).all())
+    grads = cupyflash.flash_attn_varlen_backward(cupy.ones_like(q), q, k, v, o, lse, cu_q, cu_k, 3, 0, dropout_p=0.3,
+                                                 seed=1, backend=backend)
+    assert not cupy.asarray(grads[0], np.float32).any()
+
+
+@pytest.mark.parametrize("backend", ["mma", "simt"])
 def test_a_sink_per_sequence(backend):
     """The sink's lse (a sequence without keys: lse = sink) and dsink summed over every sequence,
     against the per-sequence path of the dense API."""

@@ -45,8 +45,11 @@ def forward(q, k, v, o, lse, *, softmax_scale: float, causal: bool, window_size=
 
     if any(x.dtype != np.float64 for x in (q, k, v, o, lse)):
         raise TypeError("cupyflash: flash_fwd_dmma takes float64 q, k, v, o and lse")
-    if int(device_arch()[:2]) < 80:
+    if int(device_arch()) < 80:
         raise ValueError(f"cupyflash: flash_fwd_dmma needs sm_80 or newer (DMMA), not sm_{device_arch()}")
+    if config is not None and config.wide and device_arch() != "90":
+        raise ValueError(f"cupyflash: flash_fwd_dmma's wide layout (m16n8k8 .f64) is compiled for sm_90, "
+                         f"not sm_{device_arch()}")
     batch, seqlen_q, nheads, headdim = q.shape
     if batch == 0 or seqlen_q == 0 or nheads == 0:
         return

@@ -38,6 +38,27 @@ def test_warp_scores_and_pv_are_the_products(d, block_n):
     assert np.allclose(model.rows_of(o), model.rows_of(p) @ v, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("d, block_n", [(16, 64), (64, 32), (128, 16)])
+def test_wide_products_are_the_products(d, block_n):
+    """WIDE's m16n8k8 calls (two m-tiles over two k-steps; P V with A from S's accumulators in the
+    order c0, c2, c1, c3) against the PTX m16n8k8 layout: the same S and O as the 16 rows' products."""
+    rng = np.random.default_rng(d + 7)
+    q, k, v = rng.standard_normal((16, d)), rng.standard_normal((block_n, d)), rng.standard_normal((block_n, d))
+    s = model.warp_scores_wide(q, k)
+    rows = np.concatenate([model.rows_of(s[0]), model.rows_of(s[1])])
+    assert np.allclose(rows, q @ k.T, rtol=0, atol=1e-12)
+    p = np.exp(s - s.max())
+    o = model.warp_pv_wide(p, v)
+    p_rows = np.concatenate([model.rows_of(p[0]), model.rows_of(p[1])])
+    assert np.allclose(np.concatenate([model.rows_of(o[0]), model.rows_of(o[1])]), p_rows @ v, rtol=0, atol=1e-12)
+
+
+def test_wide_specializations_are_sm90_only():
+    spec = plans.specialization_for("float64", 64, as_mask(True), plans.DmmaFwdConfig(32, 4, 2, False, 2, True))
+    assert spec.arch == "90" and spec.name.endswith("_mt2_qsmem_mb2_wide")
+    assert spec.expression == "cf::flash_fwd_dmma<64, cf::Causal, 32, 4, 2, false, 2, true>"
+
+
 def test_specializations_are_float64_with_the_plan_tiles():
     spec = dmma.specialization(100, as_mask(True))
     assert spec.name == "flash_fwd_dmma_fp64_hdim128_causal_bm64_bn32_w8"
@@ -125,15 +146,21 @@ def test_forward_matches_the_simt_kernel(name, headdim, headdim_v):
 # times them): two 8-row m-tiles per warp sharing K and V fragments, Q's fragments from shared
 # memory or registers, two blocks per SM.
 WARP_LAYOUTS = [plans.DmmaFwdConfig(32, 4, 2, False, 2), plans.DmmaFwdConfig(16, 4, 2, True, 2),
-                plans.DmmaFwdConfig(16, 8, 2, False)]
+                plans.DmmaFwdConfig(16, 8, 2, False), plans.DmmaFwdConfig(32, 4, 2, False, 2, True),
+                plans.DmmaFwdConfig(16, 8, 2, True, 1, True)]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", WARP_LAYOUTS, ids=lambda c: f"bn{c.block_n}w{c.warps}mt{c.m_tiles}"
-                                                              f"{'q' if c.q_in_regs else 's'}mb{c.min_blocks}")
+                                                              f"{'q' if c.q_in_regs else 's'}mb{c.min_blocks}"
+                                                              f"{'wide' if c.wide else ''}")
 @pytest.mark.parametrize("name", list(SIMT_VARIANTS))
 @pytest.mark.parametrize("headdim, headdim_v", [(24, 24), (64, 40), (128, 128)])
 def test_warp_layouts_match_the_simt_kernel(config, name, headdim, headdim_v):
+    from cupyflash.kernels._module import device_arch
+
+    if config.wide and device_arch() != "90":
+        pytest.skip("m16n8k8 .f64: the wide layout is compiled for sm_90")
     rng = np.random.default_rng(headdim + 1)
     q = rng.standard_normal((2, 150, 4, headdim))
     k = rng.standard_normal((2, 173, 2, headdim))

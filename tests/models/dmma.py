@@ -75,3 +75,55 @@ def warp_pv(p: np.ndarray, v: np.ndarray) -> np.ndarray:
 def rows_of(frags: np.ndarray) -> np.ndarray:
     """The 8 x (8 n) matrix of n accumulator tiles frags[n, lane, 2]."""
     return np.concatenate([c_matrix(f) for f in frags], axis=1)
+
+
+# --- sm_90's m16n8k8 .f64 (WIDE: two m-tiles, two k-steps in one product) ------------------------
+# Ground truth from the PTX ISA's "Matrix Fragments for mma.m16n8k8" with .f64 (CuTe's
+# SM90_16x8x8_F64F64F64F64_TN layouts say the same): A 16 x 8, a[lane, i] at row groupID + 8 (i % 2),
+# column threadID_in_group + 4 (i // 2); B 8 x 8, b[lane, i] at row threadID_in_group + 4 i, column
+# groupID; C, D 16 x 8, c[lane, i] at row groupID + 8 (i // 2), column 2 threadID_in_group + i % 2.
+
+def mma_m16n8k8(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """d[lane, 4] = A B + C on the fragments (mma.sync.aligned.m16n8k8.row.col.f64.f64.f64.f64)."""
+    am, bm, cm = np.full((16, 8), np.nan), np.full((8, 8), np.nan), np.full((16, 8), np.nan)
+    for i in range(4):
+        am[G + 8 * (i % 2), T + 4 * (i // 2)] = a[:, i]
+        cm[G + 8 * (i // 2), 2 * T + i % 2] = c[:, i]
+    for i in range(2):
+        bm[T + 4 * i, G] = b[:, i]
+    d = am @ bm + cm
+    return np.stack([d[G + 8 * (i // 2), 2 * T + i % 2] for i in range(4)], axis=1)
+
+
+def wide(c0: np.ndarray, c1: np.ndarray, a00, a10, a01, a11, b0, b1):
+    """dmma_m16n8k8 as the kernel calls it: (c0, c1) = m-tiles 0 and 1's [lane, 2] accumulators,
+    a[mt][step] and b[step] the four m8n8k4 products' operands; returns the new (c0, c1)."""
+    d = mma_m16n8k8(np.stack([a00, a10, a01, a11], axis=1), np.stack([b0, b1], axis=1),
+                    np.concatenate([c0, c1], axis=1))
+    return d[:, :2], d[:, 2:]
+
+
+def warp_scores_wide(q: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """s[mt, nt, lane, 2] of the warp's 16 rows q (m-tile mt: rows 8 mt + g) with WIDE's products:
+    a[mt][h] = Q[8 mt + g][4 (ks + h) + t], b = K[8 nt + g][4 ks + t (+ 4)]."""
+    d, block_n = q.shape[1], k.shape[0]
+    s = np.zeros((2, block_n // 8, 32, 2))
+    for ks in range(0, d // 4, 2):
+        a = [[q[8 * mt + G, 4 * (ks + h) + T] for h in range(2)] for mt in range(2)]
+        for nt in range(block_n // 8):
+            frag = k[8 * nt + G, 4 * ks + T], k[8 * nt + G, 4 * ks + 4 + T]
+            s[0, nt], s[1, nt] = wide(s[0, nt], s[1, nt], a[0][0], a[1][0], a[0][1], a[1][1], *frag)
+    return s
+
+
+def warp_pv_wide(p: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """o[mt, dn, lane, 2] = P V for p[mt, nt, lane, 2] in S's layout, WIDE: one product per
+    (nt, dn), A = (p[0][nt][0], p[1][nt][0], p[0][nt][1], p[1][nt][1]) (k = t is key 2t, k = t + 4
+    key 2t + 1), b = V[8 nt + 2t (+ 1)][8 dn + g]."""
+    block_n, d = v.shape
+    o = np.zeros((2, d // 8, 32, 2))
+    for nt in range(block_n // 8):
+        for dn in range(d // 8):
+            o[0, dn], o[1, dn] = wide(o[0, dn], o[1, dn], p[0, nt, :, 0], p[1, nt, :, 0], p[0, nt, :, 1],
+                                      p[1, nt, :, 1], v[8 * nt + 2 * T, 8 * dn + G], v[8 * nt + 2 * T + 1, 8 * dn + G])
+    return o
