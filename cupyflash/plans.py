@@ -202,18 +202,16 @@ FORWARD_TILES = {
     ("tf32", PORTABLE, 64): Tf32FwdConfig(128, 64, 8),
     ("tf32", PORTABLE, 128): Tf32FwdConfig(64, 32, 4),
     ("tf32", PORTABLE, 256): Tf32FwdConfig(64, 16, 4),
-    # LARGE_SMEM, PORTABLE: perf log dmma-fwd-v0, dmma-fwd-v1 (m8n8k4, sm_80's shape). One block of
-    # 8 warps per SM (204-222 registers a thread);
-    # shared memory 101 KiB at d64, 131.5 KiB at d128. PORTABLE halves the key block (67.5 KiB;
-    # 65.75 KiB at d128 with 4 warps) for sm_86 / sm_89's 99 KiB, and so does an A100 (163 KiB,
-    # below LARGE_SMEM), as its tf32 rows do; measured on the H200 only.
-    # SM90: dmma-fwd-v2, warps of 16 rows whose products are m16n8k8 (sm_90's own shape, a quarter
-    # of the instructions), Q's fragments from shared memory, two blocks of 4 warps per SM (67.5 KiB
-    # up to d64, 98.75 KiB at d128).
-    ("dmma", SM90, 16): DmmaFwdConfig(32, 4, 2, False, 2, True),
-    ("dmma", SM90, 32): DmmaFwdConfig(32, 4, 2, False, 2, True),
-    ("dmma", SM90, 64): DmmaFwdConfig(32, 4, 2, False, 2, True),
-    ("dmma", SM90, 128): DmmaFwdConfig(16, 4, 2, False, 2, True),
+    # perf log dmma-fwd-v0, dmma-fwd-v1 (m8n8k4). One block of 8 warps per SM (204-222 registers a
+    # thread); shared memory 101 KiB at d64, 131.5 KiB at d128. PORTABLE halves the key block
+    # (67.5 KiB; 65.75 KiB at d128 with 4 warps) for sm_86 / sm_89's 99 KiB, and so does an A100
+    # (163 KiB, below LARGE_SMEM), as its tf32 rows do; measured on the H200 only. SM90 keeps these
+    # until the GPU suite passes with dmma-fwd-v2's wide layout (m16n8k8, 1.3-1.6x faster on the
+    # H200; dev/dmma_fwd.py).
+    ("dmma", SM90, 16): DmmaFwdConfig(64, 8),
+    ("dmma", SM90, 32): DmmaFwdConfig(64, 8),
+    ("dmma", SM90, 64): DmmaFwdConfig(64, 8),
+    ("dmma", SM90, 128): DmmaFwdConfig(32, 8),
     ("dmma", LARGE_SMEM, 16): DmmaFwdConfig(64, 8),
     ("dmma", LARGE_SMEM, 32): DmmaFwdConfig(64, 8),
     ("dmma", LARGE_SMEM, 64): DmmaFwdConfig(64, 8),

@@ -61,14 +61,14 @@ def test_wide_specializations_are_sm90_only():
 
 def test_specializations_are_float64_with_the_plan_tiles():
     spec = dmma.specialization(100, as_mask(True))  # the SM90 row
-    assert spec.name == "flash_fwd_dmma_fp64_hdim128_causal_bm64_bn16_w4_mt2_qsmem_mb2_wide"
-    assert spec.expression == "cf::flash_fwd_dmma<128, cf::Causal, 16, 4, 2, false, 2, true>"
+    assert spec.name == "flash_fwd_dmma_fp64_hdim128_causal_bm64_bn32_w8"
+    assert spec.expression == "cf::flash_fwd_dmma<128, cf::Causal, 32, 8>"
     # Q and K rows of 128 + 4 doubles, V's of 128 + 2
-    assert spec.threads == 128 and spec.smem_bytes == 8 * ((64 + 16) * 132 + 16 * 130) and spec.arch == "90"
+    assert spec.threads == 256 and spec.smem_bytes == 8 * ((64 + 32) * 132 + 32 * 130) and spec.arch == ""
     with pytest.raises(TypeError, match="float64 only"):
         plans.specialization_for("float32", 64, True, plans.DmmaFwdConfig(64, 8))
-    # SM90's four head-dim tiles, LARGE_SMEM's four and PORTABLE's own at d64 and d128
-    assert len(dmma.specializations()) == 10 * 9
+    # four head-dim tiles, and PORTABLE's own tiles at d64 and d128
+    assert len(dmma.specializations()) == 6 * 9
 
 
 @pytest.mark.gpu
