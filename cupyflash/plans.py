@@ -208,14 +208,9 @@ FORWARD_TILES = {
     # (163 KiB, below LARGE_SMEM), as its tf32 rows do; measured on the H200 only. SM90 keeps these
     # until the GPU suite passes with dmma-fwd-v2's wide layout (m16n8k8, 1.3-1.6x faster on the
     # H200; dev/dmma_fwd.py).
-    ("dmma", SM90, 16): DmmaFwdConfig(64, 8),
-    ("dmma", SM90, 32): DmmaFwdConfig(64, 8),
-    ("dmma", SM90, 64): DmmaFwdConfig(64, 8),
-    ("dmma", SM90, 128): DmmaFwdConfig(32, 8),
-    ("dmma", LARGE_SMEM, 16): DmmaFwdConfig(64, 8),
-    ("dmma", LARGE_SMEM, 32): DmmaFwdConfig(64, 8),
-    ("dmma", LARGE_SMEM, 64): DmmaFwdConfig(64, 8),
-    ("dmma", LARGE_SMEM, 128): DmmaFwdConfig(32, 8),
+    **{("dmma", where, dt): tiles for where in (SM90, LARGE_SMEM)
+       for dt, tiles in ((16, DmmaFwdConfig(64, 8)), (32, DmmaFwdConfig(64, 8)), (64, DmmaFwdConfig(64, 8)),
+                         (128, DmmaFwdConfig(32, 8)))},
     ("dmma", PORTABLE, 16): DmmaFwdConfig(64, 8),
     ("dmma", PORTABLE, 32): DmmaFwdConfig(64, 8),
     ("dmma", PORTABLE, 64): DmmaFwdConfig(32, 8),

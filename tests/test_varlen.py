@@ -318,6 +318,20 @@ def test_strategy_rejects_bad_bounds(bad, match):
         varlen_problems(**bad)
 
 
+def _assert_sequence_is_the_reference(inputs, results, qs, ks, kw):
+    """The packed (o, lse, dq, dk, dv) rows of one sequence (queries qs, keys ks) against the dense
+    float64 reference of that sequence with options ``kw``; returns the reference's gradients."""
+    q, k, v, do = inputs
+    o, lse, dq, dk, dv = results
+    o_ref, lse_ref = reference.attention(q[None, qs], k[None, ks], v[None, ks], **kw)
+    np.testing.assert_allclose(o[qs], o_ref[0], atol=1e-12)
+    np.testing.assert_allclose(lse[:, qs], lse_ref[0], atol=1e-12)
+    grads = reference.attention_backward(do[None, qs], q[None, qs], k[None, ks], v[None, ks], **kw)
+    for got, want in zip((dq[qs], dk[ks], dv[ks]), grads[:3]):
+        np.testing.assert_allclose(got, want[0], atol=1e-10)
+    return grads
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_variants_apply_per_sequence(causal):
     """softcap, ALiBi slopes per sequence ((batch, nheads): row b for sequence b) and a sink, in
@@ -341,13 +355,7 @@ def test_variants_apply_per_sequence(causal):
     for b in range(4):
         qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
         kw = dict(causal=causal, softcap=4.0, alibi_slopes=variant["alibi_slopes"][b], sink=variant["sink"])
-        o_ref, lse_ref = reference.attention(q[None, qs], k[None, ks], v[None, ks], **kw)
-        np.testing.assert_allclose(o[qs], o_ref[0], atol=1e-12)
-        np.testing.assert_allclose(lse[:, qs], lse_ref[0], atol=1e-12)
-        grads = reference.attention_backward(do[None, qs], q[None, qs], k[None, ks], v[None, ks], **kw)
-        for got, want in zip((dq[qs], dk[ks], dv[ks]), grads[:3]):
-            np.testing.assert_allclose(got, want[0], atol=1e-10)
-        dsink_ref += grads[3]
+        dsink_ref += _assert_sequence_is_the_reference((q, k, v, do), (o, lse, dq, dk, dv), qs, ks, kw)[3]
     np.testing.assert_allclose(dsink, dsink_ref, rtol=1e-5, atol=1e-6)  # dsink is float32
 
 
@@ -380,12 +388,7 @@ def test_dropout_applies_per_sequence(causal):
         masks_differ |= seqlens_k[b] > 0 and not np.array_equal(
             mask, dropout_mask(1, h, seqlens_q[b], seqlens_k[b], p, seed, offset))
         kw = dict(causal=causal, dropout_p=p, dropout_mask=mask)
-        o_ref, lse_ref = reference.attention(q[None, qs], k[None, ks], v[None, ks], **kw)
-        np.testing.assert_allclose(o[qs], o_ref[0], atol=1e-12)
-        np.testing.assert_allclose(lse[:, qs], lse_ref[0], atol=1e-12)
-        grads = reference.attention_backward(do[None, qs], q[None, qs], k[None, ks], v[None, ks], **kw)
-        for got, want in zip((dq[qs], dk[ks], dv[ks]), grads[:3]):
-            np.testing.assert_allclose(got, want[0], atol=1e-10)
+        _assert_sequence_is_the_reference((q, k, v, do), (o, lse, dq, dk, dv), qs, ks, kw)
     assert masks_differ  # sequence b > 0 is not sequence 0's mask
     with pytest.raises(ValueError, match="needs the forward's seed"):
         cupyflash.flash_attn_varlen_backward(do, q, k, v, o, lse, *sequences, causal=causal, dropout_p=p,
