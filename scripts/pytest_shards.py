@@ -17,6 +17,27 @@ import time
 from pathlib import Path
 
 _SUMMARY = re.compile(r"^=*\s*(\d+ (?:passed|failed|errors?|skipped|deselected).*?) in [\d.]+s", re.MULTILINE)
+# pytest -v's line per test: "<node id> PASSED [ 12%]"; a test still running when the shard was
+# killed has its node id and no outcome
+_OUTCOME = re.compile(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b", re.MULTILINE)
+_STARTED = re.compile(r"^(\S+::\S+) ?$", re.MULTILINE)
+
+
+def partial_summary(text: str) -> str:
+    """What a shard killed before its summary had done: its outcomes counted from -v's lines, the
+    failed tests by name, and the test it was running."""
+    outcomes = _OUTCOME.findall(text)
+    counts = {}
+    for _, outcome in outcomes:
+        counts[outcome.lower()] = counts.get(outcome.lower(), 0) + 1
+    parts = [", ".join(f"{n} {what}" for what, n in sorted(counts.items())) or "nothing finished"]
+    failed = [node for node, outcome in outcomes if outcome in ("FAILED", "ERROR")]
+    if failed:
+        parts.append("failed: " + " ".join(failed))
+    running = _STARTED.findall(text.rstrip().splitlines()[-1] + "\n") if text.strip() else []
+    if running:
+        parts.append(f"running when killed: {running[-1]}")
+    return "no summary (timed out?); " + "; ".join(parts)
 
 
 def main(argv=None) -> int:
@@ -45,7 +66,7 @@ def main(argv=None) -> int:
         node_file = args.out / f"shard{i}.ids"
         node_file.write_text("\n".join(shard) + "\n")
         log = open(args.out / f"shard{i}.log", "w")
-        cmd = ["timeout", str(args.limit), sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+        cmd = ["timeout", str(args.limit), sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider",
                f"--junitxml={args.out / f'shard{i}.xml'}", *options, *shard]
         procs.append((i, len(shard), subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
     status = 0
@@ -54,7 +75,7 @@ def main(argv=None) -> int:
         log.close()
         text = (args.out / f"shard{i}.log").read_text()
         found = _SUMMARY.findall(text)
-        print(f"shard {i}: {n} tests, rc {rc}: {found[-1] if found else 'no summary (timed out?)'}")
+        print(f"shard {i}: {n} tests, rc {rc}: {found[-1] if found else partial_summary(text)}")
         status |= rc != 0
     print(f"pytest_shards: {len(ids)} tests in {len(procs)} shards, {time.time() - t0:.0f} s")
     return int(status)
