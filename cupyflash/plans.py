@@ -206,7 +206,7 @@ FORWARD_TILES = {
     # thread); shared memory 101 KiB at d64, 131.5 KiB at d128. PORTABLE halves the key block
     # (67.5 KiB; 65.75 KiB at d128 with 4 warps) for sm_86 / sm_89's 99 KiB, and so does an A100
     # (163 KiB, below LARGE_SMEM), as its tf32 rows do; measured on the H200 only. SM90 keeps these
-    # until the GPU suite passes with dmma-fwd-v2's wide layout (m16n8k8, 1.3-1.6x faster on the
+    # until the GPU suite passes with dmma-fwd-v2's wide layout (m16n8k8, 1.25-1.6x faster on the
     # H200; dev/dmma_fwd.py).
     **{("dmma", where, dt): tiles for where in (SM90, LARGE_SMEM)
        for dt, tiles in ((16, DmmaFwdConfig(64, 8)), (32, DmmaFwdConfig(64, 8)), (64, DmmaFwdConfig(64, 8)),

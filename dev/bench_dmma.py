@@ -50,6 +50,7 @@ def main() -> None:
                     "simt": time_ms(lambda: cupyflash.flash_attn_func(q, k, v, causal=causal, backend="simt"), args.repeats),
                     "dmma": time_ms(lambda: dmma.forward(q, k, v, o, lse, softmax_scale=scale, causal=causal), args.repeats),
                 }
+                checks = {}
                 for name, configs in entries.items():
                     if headdim not in configs:
                         continue
@@ -57,6 +58,7 @@ def main() -> None:
                     o[...] = cupy.nan
                     dmma.forward(q, k, v, o, lse, softmax_scale=scale, causal=causal, config=config)
                     wrong = float(cupy.abs(o - o_simt).max())
+                    checks[f"{name}_max_abs_vs_simt"] = wrong
                     times[name] = time_ms(lambda: dmma.forward(q, k, v, o, lse, softmax_scale=scale, causal=causal,
                                                                config=config), args.repeats)
                     print(f"    {name:24} {4 * batch * nheads * seqlen * seqlen * headdim / (2 if causal else 1) / times[name] / 1e9:6.2f} TFLOP/s  "
@@ -66,7 +68,7 @@ def main() -> None:
                     times["torch_math"] = time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(
                         qt, kt, vt, is_causal=causal), args.repeats)
                 flops = 4 * batch * nheads * seqlen * seqlen * headdim / (2 if causal else 1)
-                row = dict(headdim=headdim, seqlen=seqlen, causal=causal, max_abs_vs_simt=error,
+                row = dict(headdim=headdim, seqlen=seqlen, causal=causal, max_abs_vs_simt=error, **checks,
                            **{f"{name}_tflops": flops / ms / 1e9 for name, ms in times.items()})
                 row["dmma_over_simt"] = times["simt"] / times["dmma"]
                 row["dmma_over_torch_math"] = times["torch_math"] / times["dmma"]

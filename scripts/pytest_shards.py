@@ -19,8 +19,8 @@ from pathlib import Path
 _SUMMARY = re.compile(r"^=*\s*(\d+ (?:passed|failed|errors?|skipped|deselected).*?) in [\d.]+s", re.MULTILINE)
 # pytest -v's line per test: "<node id> PASSED [ 12%]"; a test still running when the shard was
 # killed has its node id and no outcome
-_OUTCOME = re.compile(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b", re.MULTILINE)
-_STARTED = re.compile(r"^(\S+::\S+) ?$", re.MULTILINE)
+# (parametrized ids may hold spaces: "test_x[alibi per sequence]")
+_OUTCOME = re.compile(r"^(\S+::.+?) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b", re.MULTILINE)
 
 
 def partial_summary(text: str) -> str:
@@ -34,9 +34,9 @@ def partial_summary(text: str) -> str:
     failed = [node for node, outcome in outcomes if outcome in ("FAILED", "ERROR")]
     if failed:
         parts.append("failed: " + " ".join(failed))
-    running = _STARTED.findall(text.rstrip().splitlines()[-1] + "\n") if text.strip() else []
-    if running:
-        parts.append(f"running when killed: {running[-1]}")
+    last = text.rstrip().splitlines()[-1] if text.strip() else ""
+    if "::" in last and not _OUTCOME.match(last):
+        parts.append(f"running when killed: {last.strip()}")
     return "no summary (timed out?); " + "; ".join(parts)
 
 
