@@ -23,6 +23,8 @@
 #   scripts/gpu_check.sh OUTDIR headdim_v  v's own head dim: the kernels compiled, its GPU tests and
 #                                       dropout's, the 192/128 bench against cuDNN / Flex (DV_IMPLS),
 #                                       the 16k table with BENCH_16K=1
+#   scripts/gpu_check.sh OUTDIR warm    every kernel compiled into CuPy's cache, alone in a call: run
+#                                       it first, then suite with SUITE_PART=1 and 2 right after
 #   scripts/gpu_check.sh OUTDIR suite   SUITE_PART=1 or 2: the GPU test suite's two halves, shards
 #                                       and one summary file each (scripts/gpu_suite_part.sh)
 #   scripts/gpu_check.sh OUTDIR ncu     kernel by kernel, this tree against BEFORE_TREE (required):
@@ -135,16 +137,24 @@ headdim_v)  # v's own head dim: its GPU tests with dropout's, its bench against 
         --mode fwd bwd --no-validate --quiet --anchors FA2 cuDNN --json "$out/bench-16k.json" \
         --markdown "$out/bench-16k.md"
     ;;
-suite)  # the GPU test suite in two parts (SUITE_PART=1 or 2), each one summary file
+warm)  # every kernel this device runs into the tree's CuPy cache, alone in its call: then the
+       # suite's two parts (issued right after, on the same warm machine) load instead of compiling.
+       # Cold, 14 shards compiling side by side did not finish the suite in 430 s (2026-12-03).
+    export PYTHONPATH=$PWD
+    step warm-cache "${WARM_LIMIT:-540}" python scripts/warm_kernel_cache.py ${WARM_ZOO:+--zoo}
+    ;;
+suite)  # the GPU test suite in two parts (SUITE_PART=1 or 2), each one summary file; part 2 is
+        # every test file part 1 does not name, so a new file cannot fall between them
+    part1=(tests/test_api_gpu.py tests/test_tf32_gpu.py tests/test_robustness_gpu.py tests/test_torch_gpu.py
+           tests/test_kvcache_kernel_gpu.py tests/test_capture_gpu.py tests/test_varlen_gpu.py tests/test_docs.py
+           tests/test_cli.py tests/test_testing.py tests/test_validation.py tests/test_plans.py tests/test_plans_bwd.py
+           tests/test_dispatch.py tests/test_statistics_gpu.py tests/dev)
     case ${SUITE_PART:-1} in
-    1) paths=(tests/test_api_gpu.py tests/test_tf32_gpu.py tests/test_robustness_gpu.py tests/test_torch_gpu.py tests/test_kvcache_kernel_gpu.py
-              tests/test_capture_gpu.py tests/test_varlen_gpu.py tests/test_docs.py tests/test_cli.py tests/test_testing.py
-              tests/test_validation.py tests/test_plans.py tests/test_plans_bwd.py tests/test_dispatch.py
-              tests/kernels/test_compile_check.py tests/dev) ;;
-    *) paths=(tests/test_variants_gpu.py tests/test_window_gpu.py tests/kernels tests/test_modifiers_gpu.py
-              tests/test_magnitudes_gpu.py tests/benchmarks tests/test_kvcache_gpu.py tests/test_decode_dispatch_gpu.py
-              tests/test_dropout_gpu.py tests/test_headdim_v_gpu.py
-              tests/test_distributed_gpu.py) ;;
+    1) paths=("${part1[@]}") ;;
+    *) paths=(tests/kernels tests/benchmarks)
+       for f in tests/test_*.py; do
+           case " ${part1[*]} " in *" $f "*) ;; *) paths+=("$f") ;; esac
+       done ;;
     esac
     step "suite-part${SUITE_PART:-1}" "${TEST_LIMIT:-540}" bash scripts/gpu_suite_part.sh "$out/suite-part${SUITE_PART:-1}.txt" \
         "$(( ${TEST_LIMIT:-540} - 20 ))" "${paths[@]}"
