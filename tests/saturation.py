@@ -91,7 +91,12 @@ def extended_gradients(do, q, k, v, *, softmax_scale, causal):
     definition, the term size of an entry being the sum of |term| over the final sum that forms it:
     P = softmax(scale q k^T) over the visible keys (causal: key j visible to query i when
     j <= i + seqlen_k - seqlen_q), dS_j = P_j sum_k P_k (dP_j - dP_k), dP = do v^T."""
-    (q, k, v, do), p, dp, ds, _ = _extended_terms(do, q, k, v, softmax_scale=softmax_scale, causal=causal)
+    return _gradients(_extended_terms(do, q, k, v, softmax_scale=softmax_scale, causal=causal), softmax_scale)
+
+
+def _gradients(terms, softmax_scale):
+    """extended_gradients from _extended_terms' values."""
+    (q, k, v, do), p, dp, ds, _ = terms
     dq = (ds @ k) * LONG(softmax_scale)
     dk = (np.swapaxes(ds, -1, -2) @ q) * LONG(softmax_scale)
     dv = np.swapaxes(p, -1, -2) @ do
@@ -101,14 +106,14 @@ def extended_gradients(do, q, k, v, *, softmax_scale, causal):
     return tuple(np.moveaxis(g, 1, 2) for g in (dq, dk, dv)), tuple(np.moveaxis(g, 1, 2) for g in size)
 
 
-def flush_sizes(do, q, k, v, *, softmax_scale, causal):
+def _flush_sizes(terms, softmax_scale):
     """Per entry of (dq, dk, dv), what flushing float32 subnormals to zero may take from it, in
     units of the smallest normal float32: CuPy compiles every kernel with -ftz=true (and
     flash-attn's builds use --use_fast_math), so a P or dS below 2^-126 becomes 0. A term
     P_ij dO_i of dv loses at most that unit times |dO_i|; a term dS_ij k_j of dq (q_i of dk) at most
     (2 + |dP_ij - D_i|) units times scale |k_j|: P itself (its 2^x and the product by the row's
-    weight each flush) and P (dP - D) flushing."""
-    (q, k, v, do), p, dp, _, visible = _extended_terms(do, q, k, v, softmax_scale=softmax_scale, causal=causal)
+    weight each flush) and P (dP - D) flushing. ``terms``: _extended_terms' values."""
+    (q, k, v, do), p, dp, _, visible = terms
     d = (p * dp).sum(axis=-1, keepdims=True)
     per_pair = np.where(visible, 2 + np.abs(dp - d), 0)
     sizes = ((per_pair @ np.abs(k)) * LONG(softmax_scale), (np.swapaxes(per_pair, -1, -2) @ np.abs(q)) * LONG(softmax_scale),
@@ -153,8 +158,9 @@ def check(case: Case, grads, more_baselines=()) -> None:
     attentions' (dq, dk, dv) in the dtype (the GPU test adds torch's on the device)."""
     q, k, v, do = case.arrays()
     options = dict(softmax_scale=case.softmax_scale, causal=case.causal)
-    truth, sizes = extended_gradients(do, q, k, v, **options)
-    flushed = flush_sizes(do, q, k, v, **options) if case.dtype == np.float32 else (LONG(0),) * 3
+    terms = _extended_terms(do, q, k, v, **options)  # once for the truth and the flush floor
+    truth, sizes = _gradients(terms, case.softmax_scale)
+    flushed = _flush_sizes(terms, case.softmax_scale) if case.dtype == np.float32 else (LONG(0),) * 3
     with np.errstate(all="ignore"):
         standard = reference.standard_attention_backward(do, q, k, v, dtype=case.dtype, **options)
         in_log2 = log2_unit_standard_gradients(do, q, k, v, **options)
@@ -169,7 +175,7 @@ def check(case: Case, grads, more_baselines=()) -> None:
         # a baseline that is not finite (torch's softmax of a row that sees no key) is no yardstick
         baseline = max(e for e in (_error(b, true) for b in (std, std2, *extra)) if np.isfinite(e))
         # below the dtype's smallest subnormal nothing is representable (the truth's extended
-        # exponent range reaches far beneath it); float32 kernels flush subnormals (flush_sizes)
+        # exponent range reaches far beneath it); float32 kernels flush subnormals (_flush_sizes)
         floor = (FLOOR_EPS * EPS[case.dtype] * size + LONG(np.finfo(case.dtype).smallest_subnormal)
                  + LONG(np.finfo(np.float32).smallest_normal) * flush)
         excess = np.abs(got.astype(LONG) - true) - floor
