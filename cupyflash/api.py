@@ -14,7 +14,7 @@ from . import capture, dispatch, testing
 from ._dtypes import lse_dtype
 from .masks import check_window
 from .modifiers import check_modifiers
-from .dropout import check_dropout
+from .dropout import check_dropout, draw_seed_once
 from .scores import check_variant
 from .backward_plans import check_statistics, own_forward_statistics
 
@@ -392,8 +392,7 @@ def flash_attn_vjp(q, k, v, **options):
     """
     deterministic = options.pop("deterministic", True)
     statistics = options.pop("statistics", None)  # None: own_forward_statistics of the dtype
-    if options.get("dropout_p", 0.0) and options.get("seed") is None:
-        options["seed"] = check_dropout(options["dropout_p"], None, options.get("offset", 0)).seed
+    draw_seed_once(options)
     if "return_lse" in options:
         raise TypeError("flash_attn_vjp does not take return_lse (the lse is kept for the backward)")
     if options.get("mask_mod") is not None and options.get("block_mask") is None:

@@ -113,6 +113,13 @@ def check_dropout(dropout_p, seed, offset, *, need_seed: bool = False) -> Dropou
     return Dropout(dropout_p, int(seed), int(offset))
 
 
+def draw_seed_once(options: dict) -> None:
+    """A vjp's call options (flash_attn_vjp, flash_attn_varlen_vjp): with dropout and no seed, a
+    seed drawn here, in place, so that the forward and the backward use the same mask."""
+    if options.get("dropout_p", 0.0) and options.get("seed") is None:
+        options["seed"] = check_dropout(options["dropout_p"], None, options.get("offset", 0)).seed
+
+
 def dropout_mask(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, dropout_p: float, seed: int,
                  offset: int = 0, *, first_sequence: int = 0, xp=np):
     """The keep mask (batch, nheads, seqlen_q, seqlen_k) bool of a call with these arguments:

@@ -27,7 +27,7 @@ import numpy as np
 
 from . import _arrays as A
 from . import api, capture, dispatch
-from .dropout import NO_DROPOUT, check_dropout
+from .dropout import NO_DROPOUT, check_dropout, draw_seed_once
 from .scores import NO_VARIANT, check_variant, sink_grad
 from .backward_plans import check_statistics, own_forward_statistics
 from ._dtypes import lse_dtype
@@ -478,8 +478,7 @@ def flash_attn_varlen_vjp(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     statistics = options.pop("statistics", None)
     if "return_lse" in options:
         raise TypeError("flash_attn_varlen_vjp does not take return_lse (the lse is kept for the backward)")
-    if options.get("dropout_p", 0.0) and options.get("seed") is None:
-        options["seed"] = check_dropout(options["dropout_p"], None, options.get("offset", 0)).seed
+    draw_seed_once(options)
     sequences = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     o, lse = flash_attn_varlen_func(q, k, v, *sequences, return_lse=True, **options)
 
