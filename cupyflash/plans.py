@@ -202,13 +202,18 @@ FORWARD_TILES = {
     ("tf32", PORTABLE, 64): Tf32FwdConfig(128, 64, 8),
     ("tf32", PORTABLE, 128): Tf32FwdConfig(64, 32, 4),
     ("tf32", PORTABLE, 256): Tf32FwdConfig(64, 16, 4),
-    # perf log dmma-fwd-v0, dmma-fwd-v1 (m8n8k4). One block of 8 warps per SM (204-222 registers a
-    # thread); shared memory 101 KiB at d64, 131.5 KiB at d128. PORTABLE halves the key block
-    # (67.5 KiB; 65.75 KiB at d128 with 4 warps) for sm_86 / sm_89's 99 KiB, and so does an A100
-    # (163 KiB, below LARGE_SMEM), as its tf32 rows do; measured on the H200 only. SM90 keeps these
-    # until the GPU suite passes with dmma-fwd-v2's wide layout (m16n8k8, 1.25-1.6x faster on the
-    # H200; dev/dmma_fwd.py).
-    **{("dmma", where, dt): tiles for where in (SM90, LARGE_SMEM)
+    # perf log dmma-fwd-v2: sm_90's own m16n8k8 .f64 ("wide"), warps of two 8-row m-tiles, Q read
+    # from shared memory per k-step, two blocks of 4 warps per SM; 1.25-1.6x v1 on the H200. The
+    # 8-warp wide layouts were as fast but spill 16-80 bytes in some variants.
+    ("dmma", SM90, 16): DmmaFwdConfig(32, 4, 2, False, 2, True),  # 64 keys at d16 spill with dropout
+    ("dmma", SM90, 32): DmmaFwdConfig(32, 4, 2, False, 2, True),
+    ("dmma", SM90, 64): DmmaFwdConfig(32, 4, 2, False, 2, True),
+    ("dmma", SM90, 128): DmmaFwdConfig(16, 4, 2, False, 2, True),
+    # perf log dmma-fwd-v0, dmma-fwd-v1 (m8n8k4), every other arch. One block of 8 warps per SM
+    # (204-222 registers a thread); shared memory 101 KiB at d64, 131.5 KiB at d128. PORTABLE halves
+    # the key block (67.5 KiB; 65.75 KiB at d128 with 4 warps) for sm_86 / sm_89's 99 KiB, and so
+    # does an A100 (163 KiB, below LARGE_SMEM), as its tf32 rows do; measured on the H200 only.
+    **{("dmma", LARGE_SMEM, dt): tiles
        for dt, tiles in ((16, DmmaFwdConfig(64, 8)), (32, DmmaFwdConfig(64, 8)), (64, DmmaFwdConfig(64, 8)),
                          (128, DmmaFwdConfig(32, 8)))},
     ("dmma", PORTABLE, 16): DmmaFwdConfig(64, 8),

@@ -29,17 +29,14 @@ flash_fwd_simt(const __grid_constant__ FwdParams p) {
     constexpr unsigned SMEM_BYTES = sizeof(A) * (BLOCK_M * LD + 2 * BLOCK_N * LD + BLOCK_M * (BLOCK_N + 1));
     if (dynamic_smem_bytes() < SMEM_BYTES) __trap();
 
-    const SequenceRows seq = cta_sequence<Mask>(p, blockIdx.z);
+    const Log2ForwardCta<Mask, A> cta(p, BLOCK_M);
+    if (cta.past_end()) return;
+    const SequenceRows& seq = cta.seq;
+    const Mask& mask = cta.mask;
+    const auto& score = cta.score;
     const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k, headdim = p.headdim;
-    const A scale_log2 = scale_log2_in<A>(p);
-    const Mask mask = cta_mask<Mask>(p, seqlen_q, seqlen_k);
-    // Scores come out in log2 units (Q is pre-scaled): the score policy's unit is ln 2.
-    const ScoreOf<Mask, A> score(score_problem<Mask>(p, seq), seq.index, blockIdx.y, A(0.6931471805599453094172321));
-    const int m_block = Mask::query_block(blockIdx.x, gridDim.x);
-    const int head = blockIdx.y, batch = seq.batch;
-    const int head_kv = head / p.group;
-    const int m0 = m_block * BLOCK_M;
-    if (Mask::PACKED && m0 >= seqlen_q) return;  // past a shorter sequence's end
+    const A scale_log2 = cta.scale_log2;
+    const int head = cta.head, head_kv = cta.head_kv, batch = seq.batch, m0 = cta.m0;
     const int row = threadIdx.x / TPR, lane_in_row = threadIdx.x % TPR;
     const int q_row = m0 + row;
 

@@ -264,6 +264,30 @@ __device__ __forceinline__ decltype(auto) score_problem(const Params& p, const S
     else return (p);
 }
 
+// What a forward CTA of the kernels that pre-scale Q (scores in log2 units: flash_fwd_simt,
+// flash_fwd_dmma) asks the policies once: its sequence, mask and score policy (unit ln 2), and its
+// first query row. A CTA with past_end() (a block past a packed sequence's end) leaves at once.
+template <class Mask, typename A>
+struct Log2ForwardCta {
+    SequenceRows seq;
+    A scale_log2;
+    Mask mask;
+    ScoreOf<Mask, A> score;
+    int head, head_kv, m0;
+
+    template <class Params>
+    __device__ __forceinline__ Log2ForwardCta(const Params& p, int block_m)
+        : seq(cta_sequence<Mask>(p, blockIdx.z)),
+          scale_log2(scale_log2_in<A>(p)),
+          mask(cta_mask<Mask>(p, seq.seqlen_q, seq.seqlen_k)),
+          score(score_problem<Mask>(p, seq), seq.index, blockIdx.y, A(0.6931471805599453094172321)),
+          head(blockIdx.y),
+          head_kv(head / p.group),
+          m0(Mask::query_block(blockIdx.x, gridDim.x) * block_m) {}
+
+    __device__ __forceinline__ bool past_end() const { return Mask::PACKED && m0 >= seq.seqlen_q; }
+};
+
 // The policy of a sequence with lengths of its own (a KV cache's sequence: seqlen_k from the
 // cache's seqlens_k), the band's bounds from p. No block map: a user mask's map is made per call
 // for one (seqlen_q, seqlen_k), not per sequence.

@@ -141,7 +141,7 @@ warm)  # every kernel this device runs into the tree's CuPy cache, alone in its 
        # suite's two parts (issued right after, on the same warm machine) load instead of compiling.
        # Cold, 14 shards compiling side by side did not finish the suite in 430 s (2026-12-03).
     export PYTHONPATH=$PWD
-    step warm-cache "${WARM_LIMIT:-540}" python scripts/warm_kernel_cache.py ${WARM_ZOO:+--zoo}
+    step warm-cache "${WARM_LIMIT:-540}" python scripts/warm_kernel_cache.py --packed ${WARM_ZOO:+--zoo}
     ;;
 suite)  # the GPU test suite in two parts (SUITE_PART=1 or 2), each one summary file; part 2 is
         # every test file part 1 does not name, so a new file cannot fall between them

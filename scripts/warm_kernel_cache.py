@@ -77,9 +77,13 @@ def main(argv=None) -> int:
 def _packed_specializations() -> list:
     """The kernels this device's plans launch for packed batches: every band (no mask, causal, a
     window), every dtype and head-dim tile, forward and backward (deterministic or not)."""
+    import cupy
+
     from cupyflash import backward_plans, masks, plans
     from cupyflash.kernels import mma_bwd, mma_fwd
+    from cupyflash.kernels._module import _max_smem_optin, device_arch
 
+    arch, smem = device_arch(), _max_smem_optin(cupy.cuda.Device().id)
     out = []
     for band in (masks.NoMask(), masks.Causal(), masks.Local(64, 0)):
         mask = band.as_packed()
@@ -88,6 +92,8 @@ def _packed_specializations() -> list:
                 out.append(plans.plan_forward(None, dtype, dt, mask, None, family="simt").spec)
                 out.extend(launch.spec for launch in backward_plans.plan_backward(
                     None, dtype, dt, mask.backward(), None, True, family="simt").launches)
+        for dt in plans.DMMA_D_TILES:  # float64's forward: the DMMA kernel up to d128
+            out.append(plans.plan_forward(arch, "float64", dt, mask, smem).spec)
         for dt in (64, 128, 256):  # float32's forward: the tf32 kernel, both precisions
             out += [mma_fwd.plan("float32", dt, mask, precision=precision).spec for precision in ("ieee", "tf32")]
         for dtype in ("float16", "bfloat16"):
@@ -154,6 +160,8 @@ def _zoo_specializations(processes: int) -> list:
         for dt in (64, 128, 256):  # float32's forward: the tf32 kernel, both precisions
             chosen += [plans.plan_forward(arch, "float32", dt, mask, smem, precision=precision).spec
                        for precision in ("ieee", "tf32")]
+        chosen += [plans.plan_forward(arch, "float64", dt, mask, smem).spec  # float64's DMMA forward
+                   for dt in plans.DMMA_D_TILES]
         for dtype in ("float32", "float64"):
             for dt in plans.SIMT_D_TILES:
                 chosen.append(plans.plan_forward(arch, dtype, dt, mask, smem, family="simt").spec)

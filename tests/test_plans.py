@@ -194,10 +194,19 @@ def test_float64_runs_on_dmma_up_to_d128():
             tiles = plans.FORWARD_TILES[("dmma", where, dt)]
             assert (plan.family, plan.kernel, plan.tiles, plan.d_tile) == ("mma", "flash_fwd_dmma", tiles, dt)
             assert plan.headdim == dispatch.mma_headdim(headdim)
-            # the template's defaults: 8-row warps of m8n8k4 products, compiled for sm_80 and sm_90
-            assert not tiles.wide and tiles.m_tiles == 1 and plan.spec.arch == ""
-            assert plan.spec.name == f"flash_fwd_dmma_fp64_hdim{dt}_causal_bm{tiles.block_m}_bn{tiles.block_n}_w{tiles.warps}"
-            assert plan.spec.expression == f"cf::flash_fwd_dmma<{dt}, cf::Causal, {tiles.block_n}, {tiles.warps}>"
+            name = f"flash_fwd_dmma_fp64_hdim{dt}_causal_bm{tiles.block_m}_bn{tiles.block_n}_w{tiles.warps}"
+            expression = f"cf::flash_fwd_dmma<{dt}, cf::Causal, {tiles.block_n}, {tiles.warps}"
+            if where == plans.SM90:
+                # dmma-fwd-v2: sm_90's m16n8k8 products over two m-tiles, Q from shared memory, two
+                # blocks per SM; compiled for sm_90 alone
+                assert tiles.wide and tiles.m_tiles == 2 and not tiles.q_in_regs and plan.spec.arch == "90"
+                assert plan.spec.name == name + "_mt2_qsmem_mb2_wide"
+                assert plan.spec.expression == expression + ", 2, false, 2, true>"
+            else:
+                # the template's defaults: 8-row warps of m8n8k4 products, compiled for sm_80 and sm_90
+                assert not tiles.wide and tiles.m_tiles == 1 and plan.spec.arch == ""
+                assert plan.spec.name == name
+                assert plan.spec.expression == expression + ">"
             assert plan.spec.smem_bytes == 8 * ((tiles.block_m + tiles.block_n) * (dt + 4) + tiles.block_n * (dt + 2))
             limit = 227 * 1024 if where == plans.SM90 else smem
             assert plan.spec.smem_bytes <= limit

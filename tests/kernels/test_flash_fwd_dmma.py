@@ -60,15 +60,19 @@ def test_wide_specializations_are_sm90_only():
 
 
 def test_specializations_are_float64_with_the_plan_tiles():
-    spec = dmma.specialization(100, as_mask(True))  # the SM90 row
-    assert spec.name == "flash_fwd_dmma_fp64_hdim128_causal_bm64_bn32_w8"
-    assert spec.expression == "cf::flash_fwd_dmma<128, cf::Causal, 32, 8>"
+    spec = dmma.specialization(100, as_mask(True))  # the SM90 row (dmma-fwd-v2, wide)
+    assert spec.name == "flash_fwd_dmma_fp64_hdim128_causal_bm64_bn16_w4_mt2_qsmem_mb2_wide"
+    assert spec.expression == "cf::flash_fwd_dmma<128, cf::Causal, 16, 4, 2, false, 2, true>"
     # Q and K rows of 128 + 4 doubles, V's of 128 + 2
+    assert spec.threads == 128 and spec.smem_bytes == 8 * ((64 + 16) * 132 + 16 * 130) and spec.arch == "90"
+    spec = dmma.specialization(100, as_mask(True), plans.FORWARD_TILES[("dmma", plans.LARGE_SMEM, 128)])
+    assert spec.name == "flash_fwd_dmma_fp64_hdim128_causal_bm64_bn32_w8"  # dmma-fwd-v1, any sm_80+
+    assert spec.expression == "cf::flash_fwd_dmma<128, cf::Causal, 32, 8>"
     assert spec.threads == 256 and spec.smem_bytes == 8 * ((64 + 32) * 132 + 32 * 130) and spec.arch == ""
     with pytest.raises(TypeError, match="float64 only"):
         plans.specialization_for("float32", 64, True, plans.DmmaFwdConfig(64, 8))
-    # four head-dim tiles, and PORTABLE's own tiles at d64 and d128
-    assert len(dmma.specializations()) == 6 * 9
+    # four head-dim tiles for SM90 and four for the rest, and PORTABLE's own tiles at d64 and d128
+    assert len(dmma.specializations()) == 10 * 9
 
 
 @pytest.mark.gpu
@@ -142,11 +146,11 @@ def test_forward_matches_the_simt_kernel(name, headdim, headdim_v):
     _assert_same(*_both_forwards(q, k, v, **dict(SIMT_VARIANTS[name])))
 
 
-# The kernel's other warp layouts (template arguments the plan rows do not take yet; dev/dmma_fwd.py
-# times them): two 8-row m-tiles per warp sharing K and V fragments, Q's fragments from shared
-# memory or registers, two blocks per SM.
+# The kernel's warp layouts beside sm_90's plan rows (dev/dmma_fwd.py times them): v1's 8-row warps
+# of m8n8k4 products (the rows of every other arch), two 8-row m-tiles per warp sharing K and V
+# fragments, Q's fragments from shared memory or registers, two blocks per SM, m16n8k8 ("wide").
 WARP_LAYOUTS = [plans.DmmaFwdConfig(32, 4, 2, False, 2), plans.DmmaFwdConfig(16, 4, 2, True, 2),
-                plans.DmmaFwdConfig(16, 8, 2, False), plans.DmmaFwdConfig(32, 4, 2, False, 2, True),
+                plans.DmmaFwdConfig(16, 8, 2, False), plans.DmmaFwdConfig(32, 8),
                 plans.DmmaFwdConfig(16, 8, 2, True, 1, True)]
 
 
@@ -174,7 +178,7 @@ def test_warp_layouts_match_the_simt_kernel(config, name, headdim, headdim_v):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [None, WARP_LAYOUTS[0]], ids=["plan", "mt2"])
+@pytest.mark.parametrize("config", [None, WARP_LAYOUTS[0], WARP_LAYOUTS[3]], ids=["plan", "mt2", "v1"])
 def test_forward_matches_the_simt_kernel_on_a_packed_batch(config):
     import cupy
 
