@@ -68,9 +68,8 @@ class Mask:
         return f"cf::Packed<{cpp}>" if self.packed else cpp
 
     def as_packed(self, packed: bool = True) -> "Mask":
-        """The same policy over a packed batch (or a dense one)."""
-        if packed and self.score.user is not None:
-            raise ValueError("cupyflash: user modifiers take dense batches (their block map is made for one problem)")
+        """The same policy over a packed batch (or a dense one). User modifiers see each sequence
+        as batch entry b of a dense call, with indices from its first row (mask.cuh's Packed)."""
         return replace(self, packed=packed)
 
     def with_score(self, score: Score) -> "Mask":
@@ -223,8 +222,10 @@ VARIANT_KINDS = (Causal(score=Score(softcap=True, sink=True)), Local(score=Score
                  NoMask(score=Score(user=example_modifiers())), Causal(score=Score(dropout=True)))
 
 # Packed (varlen) batches, which the compile check builds into every kernel the plans launch for
-# them: the causal band, and ALiBi (whose diagonal is each sequence's) on the window.
-PACKED_KINDS = (Causal(packed=True), Local(score=Score(alibi=True), packed=True))
+# them: the causal band, ALiBi (whose diagonal is each sequence's) on the window, and the user
+# modifiers (a block map per sequence) on the band without bounds.
+PACKED_KINDS = (Causal(packed=True), Local(score=Score(alibi=True), packed=True),
+                NoMask(score=Score(user=example_modifiers()), packed=True))
 
 
 def as_mask(mask_or_causal) -> Mask:

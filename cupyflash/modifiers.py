@@ -46,7 +46,7 @@ import inspect
 import math
 import sys
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -992,6 +992,16 @@ class Modifiers:
 
     score_mod: ScoreMod | None = None
     block_mask: object = None  # BlockMask (or _MaskOnly: no map, the map's own kernel)
+    # The b of batch entry 0 (the NumPy twin's): a packed batch's sequence b run alone as a dense
+    # batch of one (cupyflash.varlen.sequence_variant) is still sequence b to the modifiers. The
+    # kernels number a launch's batch entries from 0 and never take it.
+    first_sequence: int = 0
+
+    def for_sequence(self, b: int) -> "Modifiers":
+        """The same modifiers for a dense batch of one that is sequence ``b`` of a packed call."""
+        moved = replace(self, first_sequence=b)
+        moved.__dict__["cuda"] = self.cuda  # same struct: same text, same name
+        return moved
 
     @property
     def mask_mod(self) -> MaskMod | None:
@@ -1073,6 +1083,7 @@ class Modifiers:
             block_mask = _MaskOnly(move(self.mask_mod)) if isinstance(self.block_mask, _MaskOnly) else \
                 _MovedBlockMask(self.block_mask, move(self.mask_mod))
             moved = Modifiers(moved.score_mod, block_mask)
+        moved = replace(moved, first_sequence=self.first_sequence)
         moved.__dict__["cuda"] = self.cuda  # same struct: same text, same name
         return moved
 

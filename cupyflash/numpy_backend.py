@@ -65,7 +65,8 @@ class _ScoreTransform:
     def __init__(self, variant, batch: int, nheads: int, seqlen_q: int, seqlen_k: int, acc: np.dtype):
         self.acc = acc
         self.mods = variant.mods  # cupyflash.modifiers.Modifiers with NumPy tensors, or None
-        self.b = np.arange(batch, dtype=np.int32)[:, None, None, None]
+        first = 0 if self.mods is None else self.mods.first_sequence  # a packed batch's sequence run alone
+        self.b = np.arange(first, first + batch, dtype=np.int32)[:, None, None, None]
         self.h = np.arange(nheads, dtype=np.int32)[None, :, None, None]
         self.cap_log2 = acc.type(variant.softcap * LOG2E) if variant.softcap > 0 else None
         slopes = variant.slopes(batch, nheads)

@@ -354,6 +354,8 @@ def forward_candidates(family: str, where: str, dt: int, mask: Mask, precision: 
         tiles = PACKED_FORWARD_TILES.get((family, where, dt), tiles)
     if mask.score.dropout:
         tiles = DROPOUT_FORWARD_TILES.get((family, where, dt), tiles)
+    if mask.packed and mask.score.user is not None:
+        tiles = PACKED_USER_FORWARD_TILES.get((family, where, dt), tiles)
     if mask.score.user is None or family != "mma":
         return [tiles]
     return [tiles, *USER_FORWARD_FALLBACKS.get((family, where, dt), ())]
@@ -386,6 +388,13 @@ DROPOUT_FORWARD_TILES = {
 # 255 registers at sm_80 (80 bytes spilled; sm_90 compiles it clean, but sm_90 runs wgmma).
 PACKED_FORWARD_TILES = {
     ("mma", LARGE_SMEM, 128): FORWARD_TILES[("mma", PORTABLE, 128)],
+}
+
+# Rows a packed batch with user modifiers replaces: float32 at d256, whose 8-warp row spills 96
+# bytes at sm_90 with the compile check's modifiers (the sequence's lengths and the block map's
+# bounds are live beside the modifier's code); PORTABLE's 4 warps of 64 rows do not.
+PACKED_USER_FORWARD_TILES = {
+    ("tf32", where, 256): FORWARD_TILES[("tf32", PORTABLE, 256)] for where in (SM90, LARGE_SMEM)
 }
 
 # Tiles a forward with user modifiers tries after the row's, in order (fewer S registers).

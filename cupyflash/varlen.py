@@ -32,6 +32,7 @@ from .scores import NO_VARIANT, check_variant, sink_grad
 from .backward_plans import check_statistics, own_forward_statistics
 from ._dtypes import lse_dtype
 from .masks import check_window
+from .modifiers import check_modifiers
 
 __all__ = ["flash_attn_varlen_func", "flash_attn_varlen_backward", "flash_attn_varlen_vjp"]
 
@@ -180,6 +181,19 @@ def check_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tota
                      longest(lengths_k))
 
 
+def sequence_modifiers(score_mod, mask_mod, block_mask, sequences: Sequences, nheads: int, max_seqlen_q,
+                       max_seqlen_k, which: str):
+    """A varlen call's user modifiers (cupyflash.modifiers.check_modifiers) with each sequence as
+    batch entry b of a dense call of max_seqlen_q x max_seqlen_k: b is the sequence, q_idx and kv_idx
+    count from its first row, and a mask's block map is made (or a block_mask must have been made)
+    for (sequences, nheads, max_seqlen_q, max_seqlen_k)."""
+    if score_mod is None and mask_mod is None and block_mask is None:
+        return None
+    return check_modifiers(score_mod, mask_mod, block_mask, batch=sequences.count, nheads=nheads,
+                           seqlen_q=check_count(max_seqlen_q, "max_seqlen_q"),
+                           seqlen_k=check_count(max_seqlen_k, "max_seqlen_k"), on_gpu=which != "numpy")
+
+
 def device_arrays(**arrays) -> dict:
     """The device arrays among index arguments, for the one-device check."""
     return {name: x for name, x in arrays.items() if x is not None and A.array_kind(x, name) == "cupy"}
@@ -284,22 +298,31 @@ def packed_backward(which: str, do, q, k, v, o, lse, scale: float, causal: bool,
 
 def sequence_variant(variant, b: int):
     """The variant of sequence ``b`` as a batch of one (its row of (batch, nheads) ALiBi slopes;
-    with dropout, the mask of the batch's sequence b: cupyflash.dropout's first_sequence, which
-    only the NumPy twin takes, ``per_sequence_dropout``)."""
-    if not variant.dropout.on:
+    with dropout, the mask of the batch's sequence b: cupyflash.dropout's first_sequence; with user
+    modifiers, b as the sequence's index: Modifiers.first_sequence. Only the NumPy twin takes the
+    last two: ``per_sequence_variant``)."""
+    if not variant.dropout.on and variant.mods is None:
         return variant.sliced(slice(b, b + 1), slice(None))
-    one = dataclasses.replace(variant, dropout=NO_DROPOUT).sliced(slice(b, b + 1), slice(None))
-    return dataclasses.replace(one, dropout=dataclasses.replace(variant.dropout, first_sequence=b))
+    one = dataclasses.replace(variant, dropout=NO_DROPOUT, mods=None).sliced(slice(b, b + 1), slice(None))
+    dropout = dataclasses.replace(variant.dropout, first_sequence=b) if variant.dropout.on else NO_DROPOUT
+    mods = None if variant.mods is None else variant.mods.for_sequence(b)
+    return dataclasses.replace(one, dropout=dropout, mods=mods)
 
 
-def per_sequence_dropout(which: str, variant, work: int) -> None:
-    """Refuse dropout where a GPU batch would run sequence by sequence (more sequences or heads than
-    one launch takes) with ``work`` (query rows x heads x keys) to do: the kernels number a
-    launch's sequences from 0, so each would draw sequence 0's mask. The NumPy twin takes each
-    sequence's own (sequence_variant); a batch with nothing to compute needs no mask."""
-    if which != "numpy" and variant.dropout.on and work:
+def per_sequence_variant(which: str, variant, work: int) -> None:
+    """Refuse dropout and user modifiers where a GPU batch would run sequence by sequence (more
+    sequences or heads than one launch takes) with ``work`` (query rows x heads x keys) to do: the
+    kernels number a launch's sequences from 0, so each would draw sequence 0's mask and see b = 0.
+    The NumPy twin takes each sequence's own (sequence_variant); a batch with nothing to compute
+    needs neither."""
+    if which == "numpy" or not work:
+        return
+    if variant.dropout.on:
         raise NotImplementedError("cupyflash: dropout in a varlen batch takes at most 65535 sequences and 65535 "
                                   "query heads (one launch: the mask is a function of the sequence's index)")
+    if variant.mods is not None:
+        raise NotImplementedError("cupyflash: user modifiers in a varlen batch take at most 65535 sequences and "
+                                  "65535 query heads (one launch: b is the sequence's index); split the call")
 
 
 def _finish(results, which: str, host_out: bool):
@@ -323,7 +346,8 @@ def _check_options(backend, causal, window_size, flag, flag_name, softcap):
 @capture.graph_safe
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, softmax_scale=None,
                            causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sink=None,
-                           dropout_p=0.0, seed=None, offset=0, return_lse=False, backend="auto", precision=None):
+                           score_mod=None, mask_mod=None, block_mask=None, dropout_p=0.0, seed=None, offset=0,
+                           return_lse=False, backend="auto", precision=None):
     """Exact attention over a packed batch of sequences of different lengths (flash-attn 2.8's
     flash_attn_varlen_func).
 
@@ -337,7 +361,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     nheads) float32: row b for sequence b), ``sink`` ((nheads,) float32), ``dropout_p``, ``seed``
     and ``offset`` (sequence b's mask is that of batch entry b of a dense call with its lengths:
     cupyflash.dropout.dropout_mask(1, ..., first_sequence=b)) and ``precision`` (float32's
-    products: cupyflash.precision). Returns o
+    products: cupyflash.precision). The user modifiers ``score_mod``, ``mask_mod`` and ``block_mask``
+    are flash_attn_func's with each sequence as a batch entry: b is the sequence, q_idx and kv_idx
+    count from its first query and key, and a block_mask is made for (batch, nheads, max_seqlen_q,
+    max_seqlen_k) (create_block_mask; a mask_mod alone gets one made per call). Returns o
     (total_q, nheads, headdim_v), or (o, lse) with lse (nheads, total_q), float32 (float64 for float64).
 
     On the GPU one launch covers every sequence (the kernels read cu_seqlens); cu_seqlens are
@@ -352,11 +379,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     dtype = A.check_dtype(arrays)
     total_q, total_k, nheads, _, headdim = check_packed_shapes(*arrays.values())
     sequences = check_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, total_k)
-    variant = check_variant(softcap, alibi_slopes, sink, sequences.count, nheads,
+    which = dispatch.choose(backend, dtype, max(headdim, arrays["v"].shape[2]), "fwd")
+    mods = sequence_modifiers(score_mod, mask_mod, block_mask, sequences, nheads, max_seqlen_q, max_seqlen_k, which)
+    variant = check_variant(softcap, alibi_slopes, sink, sequences.count, nheads, mods,
                             dropout=check_dropout(dropout_p, seed, offset), precision=precision)
     scale = A.resolve_scale(softmax_scale, headdim)
     A.same_device({**arrays, **device_arrays(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)})
-    which = dispatch.choose(backend, dtype, max(headdim, arrays["v"].shape[2]), "fwd")
     if total_q * nheads * total_k:
         A.check_scores_fit(arrays["q"], arrays["k"], scale)
     q, k, v = api._move(arrays, on_gpu).values()
@@ -371,7 +399,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         o, lse = api.seeing_no_key(q[None], v[None], variant, xp)
         o, lse = _finish((o[0], lse[0]), which, host_out)
         return (o, lse) if return_lse else o
-    per_sequence_dropout(which, variant, total_q * nheads * total_k)
+    per_sequence_variant(which, variant, total_q * nheads * total_k)
     cu_q, cu_k = sequences.cu_q, sequences.cu_k
     o = api._empty(q.shape[:2] + v.shape[2:], dtype, xp=xp)
     lse = api._empty((nheads, total_q), lse_dtype(dtype), xp=xp)
@@ -407,15 +435,16 @@ def check_varlen_backward_arrays(do, o, lse, out_shape, dtype) -> None:
 @capture.graph_safe
 def flash_attn_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                                softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                               sink=None, dropout_p=0.0, seed=None, offset=0, backend="auto", deterministic=True,
-                               precision=None, statistics="saved"):
+                               sink=None, score_mod=None, mask_mod=None, block_mask=None, dropout_p=0.0, seed=None,
+                               offset=0, backend="auto", deterministic=True, precision=None, statistics="saved"):
     """Gradients (dq, dk, dv) of flash_attn_varlen_func from its o and lse (nheads, total_q); with a
     ``sink``, (dq, dk, dv, dsink), dsink summed over every sequence's rows.
 
     dq is shaped like q, dk and dv like k and v; for GQA they sum over the query heads sharing a
     kv head. Keys of a sequence without queries, and queries of a sequence without keys, get zero
     gradients. The options must be the forward's (with ``dropout_p`` > 0, its ``seed`` and
-    ``offset``: there is no default seed); ``deterministic``, ``precision`` and ``statistics`` are
+    ``offset``: there is no default seed; the user modifiers too, the chain rule through a score_mod
+    by its traced derivative); ``deterministic``, ``precision`` and ``statistics`` are
     flash_attn_backward's.
     On the GPU one launch per backward kernel covers every sequence, as in the forward.
     """
@@ -428,12 +457,13 @@ def flash_attn_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, 
     check_varlen_backward_arrays(arrays["do"], arrays["o"], arrays["lse"],
                                  arrays["q"].shape[:2] + arrays["v"].shape[2:], dtype)
     sequences = check_sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, total_k)
-    variant = check_variant(softcap, alibi_slopes, sink, sequences.count, nheads,
+    which = dispatch.choose(backend, dtype, max(headdim, arrays["v"].shape[2]), "bwd")
+    mods = sequence_modifiers(score_mod, mask_mod, block_mask, sequences, nheads, max_seqlen_q, max_seqlen_k, which)
+    variant = check_variant(softcap, alibi_slopes, sink, sequences.count, nheads, mods,
                             dropout=check_dropout(dropout_p, seed, offset, need_seed=True), precision=precision,
                             statistics=check_statistics(statistics, dtype))
     scale = A.resolve_scale(softmax_scale, headdim)
     A.same_device({**arrays, **device_arrays(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)})
-    which = dispatch.choose(backend, dtype, max(headdim, arrays["v"].shape[2]), "bwd")
     if total_q * nheads * total_k:
         A.check_scores_fit(arrays["q"], arrays["k"], scale)
     do, q, k, v, o, lse = api._move(arrays, on_gpu).values()
@@ -446,7 +476,7 @@ def flash_attn_varlen_backward(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, 
     elif not sequences.read:  # nothing to compute: no query row sees a key
         grads = tuple(xp.zeros(x.shape, x.dtype) for x in (q, k, v))
     else:
-        per_sequence_dropout(which, variant, total_q * nheads * total_k)
+        per_sequence_variant(which, variant, total_q * nheads * total_k)
         grads = per_sequence_backward(which, do, q, k, v, o, lse, sequences.cu_q, sequences.cu_k, scale, causal,
                                       window, deterministic, variant)
     if variant.sink is not None:  # every row of the packed batch at once: D and lse per row
@@ -471,14 +501,22 @@ def per_sequence_backward(which, do, q, k, v, o, lse, cu_q, cu_k, scale, causal,
 def flash_attn_varlen_vjp(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **options):
     """(o, vjp) with vjp(do) -> (dq, dk, dv) for a packed batch: flash_attn_varlen_func and its
     backward without a framework. ``options`` are flash_attn_varlen_func's (softmax_scale, causal,
-    window_size, softcap, alibi_slopes, sink, dropout_p, seed, offset, backend); ``deterministic``
-    and ``statistics`` go to the backward (statistics as flash_attn_vjp's). With dropout and no
-    seed, one is drawn here for both directions."""
+    window_size, softcap, alibi_slopes, sink, score_mod, mask_mod, block_mask, dropout_p, seed,
+    offset, backend, precision); ``deterministic`` and ``statistics`` go to the backward
+    (statistics as flash_attn_vjp's). With dropout and no seed, one is drawn here for both
+    directions; a mask_mod's block map is made once, here, for both."""
     deterministic = options.pop("deterministic", True)
     statistics = options.pop("statistics", None)
     if "return_lse" in options:
         raise TypeError("flash_attn_varlen_vjp does not take return_lse (the lse is kept for the backward)")
     draw_seed_once(options)
+    if options.get("mask_mod") is not None and options.get("block_mask") is None:
+        from .modifiers import BlockMask
+
+        device = "cpu" if options.get("backend") == "numpy" or not dispatch.gpu_available() else "cuda"
+        options["block_mask"] = BlockMask(options.pop("mask_mod"), np.shape(cu_seqlens_q)[0] - 1, np.shape(q)[1],
+                                          check_count(max_seqlen_q, "max_seqlen_q"),
+                                          check_count(max_seqlen_k, "max_seqlen_k"), device=device)
     sequences = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     o, lse = flash_attn_varlen_func(q, k, v, *sequences, return_lse=True, **options)
 

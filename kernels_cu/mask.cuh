@@ -212,10 +212,15 @@ __device__ __forceinline__ Mask cta_mask(const Params& p, int seqlen_q, int seql
 // every length from it, offsets every row index by it and builds its mask and score from it; for
 // a dense batch the answers are the Params' fields and zero offsets, known to the compiler, so
 // the dense kernels are what they were without it.
+//
+// User modifiers see a sequence as a dense batch entry: b is the sequence, q_idx and kv_idx count
+// from its first row (the score policy is built from the sequence's problem), and a mask's block
+// map is made for (sequences, heads, max_seqlen_q, max_seqlen_k) (cupyflash/varlen.py), so
+// cta_mask's (blockIdx.z, head) is the sequence's map and its granules count from the sequence's
+// first row too. A sequence shorter than the longest reads only its own granules.
 template <class Mask_>
 struct Packed : Mask_ {
     static constexpr bool PACKED = true;
-    static_assert(!Mask_::HAS_BLOCK_MAP, "a block map is made for one dense problem, not per sequence");
     using Mask_::Mask_;
 };
 

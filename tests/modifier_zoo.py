@@ -31,6 +31,11 @@ def alibi(score, b, h, q_idx, kv_idx, slopes):
     return score - slopes[h] * abs(q_idx - kv_idx)
 
 
+def sequence_bias(score, b, h, q_idx, kv_idx, slopes):
+    """ALiBi with a slope per (batch entry, head): in a packed batch b is the sequence."""
+    return score - slopes[b, h] * abs(q_idx - kv_idx)
+
+
 def t5_buckets(score, b, h, q_idx, kv_idx, table):
     distance = M.minimum(abs(q_idx - kv_idx) // 4, 15)
     return score + table[h, distance] * M.where(q_idx >= kv_idx, 1.0, 0.5)

@@ -410,3 +410,54 @@ def test_dropout_mask_of_a_later_sequence_is_the_batch_entry():
     batch = dropout_mask(3, 2, 20, 24, 0.4, seed=9, offset=1)
     for b in range(3):
         assert np.array_equal(dropout_mask(1, 2, 20, 24, 0.4, seed=9, offset=1, first_sequence=b)[0], batch[b])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_user_modifiers_apply_per_sequence(causal):
+    """score_mod and mask_mod in a packed batch see each sequence as batch entry b of a dense call:
+    b is the sequence (a slope per (sequence, head), documents per sequence), q_idx and kv_idx
+    count from its first row, and the block map is made for (batch, nheads, max_seqlen_q,
+    max_seqlen_k). Forward, backward and the vjp (one block map for both) against the dense
+    float64 reference of each sequence given its rows of the modifiers' tensors."""
+    import modifier_zoo as zoo
+
+    rng = np.random.default_rng(13)
+    seqlens_q, seqlens_k, h, hkv, d = (3, 0, 21, 17, 2), (4, 2, 30, 19, 0), 4, 2, 8
+    cu_q = np.concatenate([[0], np.cumsum(seqlens_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(seqlens_k)]).astype(np.int32)
+    q = rng.standard_normal((cu_q[-1], h, d))
+    k, v = (rng.standard_normal((cu_k[-1], hkv, d)) for _ in range(2))
+    do = rng.standard_normal(q.shape)
+    slopes = rng.uniform(0.05, 0.5, (len(seqlens_q), h)).astype(np.float32)
+    doc_q = zoo.document_ids(rng, len(seqlens_q), max(seqlens_q), 3)
+    doc_k = zoo.document_ids(rng, len(seqlens_q), max(seqlens_k), 3)
+    score_mod = cupyflash.ScoreMod(zoo.sequence_bias, slopes=slopes)
+    mask_mod = cupyflash.MaskMod(zoo.documents, doc_q=doc_q, doc_k=doc_k)
+    sequences = (cu_q, cu_k, max(seqlens_q), max(seqlens_k))
+    call = dict(causal=causal, score_mod=score_mod, mask_mod=mask_mod, backend="numpy")
+    o, lse = cupyflash.flash_attn_varlen_func(q, k, v, *sequences, return_lse=True, **call)
+    dq, dk, dv = cupyflash.flash_attn_varlen_backward(do, q, k, v, o, lse, *sequences, **call)
+    sees_another_document = False
+    for b in range(len(seqlens_q)):
+        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if seqlens_q[b] == 0:
+            continue
+        # sequence b alone: its rows of the tensors are batch entry 0 of a dense call
+        kw = dict(causal=causal, score_mod=cupyflash.ScoreMod(zoo.sequence_bias, slopes=slopes[b:b + 1]),
+                  mask_mod=cupyflash.MaskMod(zoo.documents, doc_q=doc_q[b:b + 1], doc_k=doc_k[b:b + 1]))
+        _assert_sequence_is_the_reference((q, k, v, do), (o, lse, dq, dk, dv), qs, ks, kw)
+        sees_another_document |= len(set(doc_q[b, :seqlens_q[b]]) | set(doc_k[b, :seqlens_k[b]])) > 1
+    assert sees_another_document  # the mask hides something
+    # the vjp makes the block map once, for both directions: the same results
+    o_vjp, vjp = cupyflash.flash_attn_varlen_vjp(q, k, v, *sequences, **call)
+    np.testing.assert_array_equal(o_vjp, o)
+    for got, want in zip(vjp(do), (dq, dk, dv)):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
+    # a block_mask made for the call's shape is taken; one made for another is refused
+    made = cupyflash.create_block_mask(mask_mod, len(seqlens_q), h, max(seqlens_q), max(seqlens_k), device="cpu")
+    o_made = cupyflash.flash_attn_varlen_func(q, k, v, *sequences, causal=causal, score_mod=score_mod,
+                                              block_mask=made, backend="numpy")
+    np.testing.assert_array_equal(o_made, o)
+    other = cupyflash.create_block_mask(mask_mod, len(seqlens_q) - 1, h, max(seqlens_q), max(seqlens_k), device="cpu")
+    with pytest.raises(ValueError, match="block_mask was made for"):
+        cupyflash.flash_attn_varlen_func(q, k, v, *sequences, block_mask=other, backend="numpy")

@@ -97,10 +97,11 @@ def test_many_sequences_of_one_token():
     assert_varlen_close(problem, o, lse, grads)
 
 
-def _check_sequences_against_dense_reference(problem, o, lse, grads, variant, slopes, masks=None):
+def _check_sequences_against_dense_reference(problem, o, lse, grads, variant, slopes, masks=None, modifiers=None):
     """Each non-empty sequence of a packed result against the dense float64 reference with its own
     variant (its row of (batch, nheads) ALiBi slopes; ``masks(b, seqlen_q, seqlen_k)``: its
-    dropout mask): sequences are independent problems."""
+    dropout mask; ``modifiers(b)``: its score_mod / mask_mod as a dense batch of one): sequences
+    are independent problems."""
     from cupyflash.testing import AttentionProblem, assert_attention_close
 
     q, k, v, do = problem.arrays()
@@ -117,6 +118,8 @@ def _check_sequences_against_dense_reference(problem, o, lse, grads, variant, sl
             sequence_variant["alibi_slopes"] = slopes[b:b + 1]
         if masks is not None:
             sequence_variant["dropout_mask"] = masks(b, dense.seqlen_q, dense.seqlen_k)
+        if modifiers is not None:
+            sequence_variant.update(modifiers(b))
         assert_attention_close(dense, o[None, queries], lse[None, :, queries],
                                (grads[0][None, queries], grads[1][None, keys], grads[2][None, keys]),
                                inputs=(q[None, queries], k[None, keys], v[None, keys], do[None, queries]),
@@ -183,6 +186,45 @@ def test_dropout_per_sequence(backend, dtype, deterministic):
     _check_sequences_against_dense_reference(
         problem, o, lse, grads, {"dropout_p": p}, None,
         masks=lambda b, sq, sk: dropout_mask(1, nheads, sq, sk, p, seed, offset, first_sequence=b))
+
+
+@pytest.mark.parametrize("backend,dtype,deterministic", [
+    ("mma", ml_dtypes.bfloat16, True), ("mma", ml_dtypes.bfloat16, False), ("mma", np.float16, True),
+    ("simt", np.float32, True), ("auto", np.float32, True), ("simt", np.float64, True), ("auto", np.float64, True)],
+    ids=str)
+def test_user_modifiers_per_sequence(backend, dtype, deterministic):
+    """score_mod and mask_mod through the packed kernels (one launch; each CTA's sequence is b, its
+    indices count from the sequence's first row, its block map the sequence's): a slope per
+    (sequence, head) and documents per sequence, with causal and a window, each sequence against
+    the dense reference given its rows of the modifiers' tensors. "auto" float32 is the tf32
+    forward, float64 the DMMA forward; the backward runs with the same modifiers."""
+    import cupy
+
+    import modifier_zoo as zoo
+
+    problem = VarlenProblem((0, 1, 65, 200, 3, 130), (7, 1, 129, 200, 0, 64), nheads_kv=2, group=2, headdim=64,
+                            causal=True, softmax_scale=None, magnitude=1.0, dtype=dtype, seed=29,
+                            window_size=(150, -1))
+    rng = np.random.default_rng(5)
+    cu_q, cu_k, max_q, max_k = problem.sequences
+    nheads = problem.nheads_kv * problem.group
+    slopes = rng.uniform(0.005, 0.05, (problem.batch, nheads)).astype(np.float32)
+    doc_q = zoo.document_ids(rng, problem.batch, max_q, 3)
+    doc_k = zoo.document_ids(rng, problem.batch, max_k, 3)
+    call = dict(score_mod=cupyflash.ScoreMod(zoo.sequence_bias, slopes=cupy.asarray(slopes)),
+                mask_mod=cupyflash.MaskMod(zoo.documents, doc_q=cupy.asarray(doc_q), doc_k=cupy.asarray(doc_k)))
+    q, k, v, do = (cupy.asarray(x) for x in problem.arrays())
+    with poisoned_outputs():
+        o, lse = cupyflash.flash_attn_varlen_func(q, k, v, cupy.asarray(cu_q), cupy.asarray(cu_k), max_q, max_k,
+                                                  return_lse=True, backend=backend, **problem.kwargs, **call)
+        grads = cupyflash.flash_attn_varlen_backward(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, backend=backend,
+                                                     deterministic=deterministic, **problem.kwargs, **call)
+
+    def modifiers(b):
+        return {"score_mod": cupyflash.ScoreMod(zoo.sequence_bias, slopes=slopes[b:b + 1]),
+                "mask_mod": cupyflash.MaskMod(zoo.documents, doc_q=doc_q[b:b + 1], doc_k=doc_k[b:b + 1])}
+
+    _check_sequences_against_dense_reference(problem, o, lse, grads, {}, None, modifiers=modifiers)
 
 
 @pytest.mark.parametrize("backend", ["mma", "simt"])

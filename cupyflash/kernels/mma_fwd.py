@@ -106,9 +106,15 @@ def specializations() -> list:
     tf32_rows = dict.fromkeys((dt, precision, plans.forward_candidates(family, where, dt, KINDS[0], precision)[0])
                               for (family, where, dt) in plans.FORWARD_TILES if family == "tf32"
                               for precision in PRECISIONS)
+    kinds = KINDS + VARIANT_KINDS + PACKED_KINDS
     specs += [plans.specialization_for("float32", dt, mask, t, precision=precision)
               for dt, precision, t in sorted(tf32_rows, key=lambda e: (e[0], e[1], e[2].block_m, e[2].block_n))
-              for mask in KINDS + VARIANT_KINDS + PACKED_KINDS]
+              for mask in kinds if mask.score.user is None]
+    # user modifiers: the tiles their plans choose, per class (plans.forward_tiles)
+    specs += [plans.specialization_for("float32", dt, mask, plans.forward_tiles(family, where, dt, "float32", mask,
+                                                                                None, precision), precision=precision)
+              for (family, where, dt) in plans.FORWARD_TILES if family == "tf32"
+              for precision in PRECISIONS for mask in kinds if mask.score.user is not None]
     return list(dict.fromkeys(specs))
 
 

@@ -40,9 +40,11 @@ def test_the_packed_policy_is_its_own_specialization():
     assert alibi.cpp == "cf::Packed<cf::WithScore<cf::Local, cf::ScoreMod<false, true, false>>>"
     assert alibi.backward().packed and alibi.as_packed(False) == masks.mask_for(False, (8, 0), Score(alibi=True))
     assert not masks.mask_for(True).packed
-    user = next(m for m in masks.VARIANT_KINDS if m.score.user is not None)
-    with pytest.raises(ValueError, match="dense batches"):
-        user.as_packed()
+    # user modifiers take packed batches too: each sequence is batch entry b, indices from its first row
+    user = next(m for m in masks.VARIANT_KINDS if m.score.user is not None).as_packed()
+    assert user.packed and user.name.endswith("_packed") and user.score.user is not None
+    assert user.cpp.startswith("cf::Packed<cf::WithScore<cf::NoMask, cf::UserScore<cfu::mod_")
+    assert user.name in {m.name for m in masks.PACKED_KINDS}  # the compile check builds it
 
 
 def _record_forward(monkeypatch, family: str, dtype, d: int, packed):
