@@ -487,19 +487,26 @@ def _scale(softmax_scale, headdim: int) -> float:
 
 
 class _ModifiedAttention(torch.autograd.Function):
-    """Attention with user modifiers (cupyflash.modifiers), differentiable in q, k, v and the sink.
+    """Attention with user modifiers (cupyflash.modifiers), differentiable in q, k, v and the sink;
+    a packed batch where ``sequences`` is (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k).
     Not a custom operator: a modifier is a Python object, which an operator schema cannot carry
     (torch.compile breaks its graph here and runs the call eagerly)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sink, options, deterministic):
-        def compute(q, k, v, *sink_array, backend):
-            return api.flash_attn_func(q, k, v, **options, sink=sink_array[0] if sink_array else None,
-                                       return_lse=True, backend=backend)
+    def forward(ctx, q, k, v, sink, options, deterministic, sequences=None):
+        packed = () if sequences is None else sequences[:2]
 
-        o, lse = _run(q.device, compute, q, k, v, *(() if sink is None else (sink.contiguous(),)))
+        def compute(q, k, v, *rest, backend):
+            cu_seqlens, sink_array = rest[:len(packed)], rest[len(packed):]
+            sink_value = sink_array[0] if sink_array else None
+            if sequences is None:
+                return api.flash_attn_func(q, k, v, **options, sink=sink_value, return_lse=True, backend=backend)
+            return varlen.flash_attn_varlen_func(q, k, v, *cu_seqlens, *sequences[2:], **options, sink=sink_value,
+                                                 return_lse=True, backend=backend)
+
+        o, lse = _run(q.device, compute, q, k, v, *packed, *(() if sink is None else (sink.contiguous(),)))
         ctx.save_for_backward(q, k, v, o, lse, sink)
-        ctx.options, ctx.deterministic = options, deterministic
+        ctx.options, ctx.deterministic, ctx.sequences = options, deterministic, sequences
         ctx.set_materialize_grads(False)
         return o, lse
 
@@ -510,15 +517,22 @@ class _ModifiedAttention(torch.autograd.Function):
             raise NotImplementedError("cupyflash.torch: a gradient through softmax_lse with score_mod / mask_mod is "
                                       "not supported yet")
         if do is None:
-            return None, None, None, None, None, None
-        options, deterministic = ctx.options, ctx.deterministic
+            return None, None, None, None, None, None, None
+        options, deterministic, sequences = ctx.options, ctx.deterministic, ctx.sequences
+        packed = () if sequences is None else sequences[:2]
 
-        def compute(do, q, k, v, o, lse, *sink_array, backend):
-            return api.flash_attn_backward(do, q, k, v, o, lse, **options, sink=sink_array[0] if sink_array else None,
-                                           backend=backend, deterministic=deterministic)
+        def compute(do, q, k, v, o, lse, *rest, backend):
+            cu_seqlens, sink_array = rest[:len(packed)], rest[len(packed):]
+            sink_value = sink_array[0] if sink_array else None
+            if sequences is None:
+                return api.flash_attn_backward(do, q, k, v, o, lse, **options, sink=sink_value, backend=backend,
+                                               deterministic=deterministic)
+            return varlen.flash_attn_varlen_backward(do, q, k, v, o, lse, *cu_seqlens, *sequences[2:], **options,
+                                                     sink=sink_value, backend=backend, deterministic=deterministic)
 
-        grads = _run(q.device, compute, do.contiguous(), q, k, v, o, lse, *(() if sink is None else (sink,)))
-        return (*grads[:3], grads[3] if sink is not None else None, None, None)
+        grads = _run(q.device, compute, do.contiguous(), q, k, v, o, lse, *packed,
+                     *(() if sink is None else (sink,)))
+        return (*grads[:3], grads[3] if sink is not None else None, None, None, None)
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -583,7 +597,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None, *, sink=None,
-                           precision=None):
+                           score_mod=None, mask_mod=None, block_mask=None, precision=None):
     """flash-attn 2's flash_attn_varlen_func, computed by cupyflash: attention over a packed batch.
 
     q: (total_q, nheads, headdim); k, v: (total_k, nheads_kv, headdim), v's headdim free (out has
@@ -601,8 +615,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     attention weight with that probability (cupyflash.flash_attn_varlen_func's dropout, the seed
     drawn from torch's default generator and kept for the backward, as flash_attn_func's); S_dmask
     stays empty. Not supported yet, each a NotImplementedError: block_table (paged varlen), a
-    gradient through softmax_lse with softcap != 0 or dropout_p != 0. ``precision`` (keyword only)
-    is cupyflash.flash_attn_func's.
+    gradient through softmax_lse with softcap != 0, dropout_p != 0 or modifiers. ``precision``
+    (keyword only) is cupyflash.flash_attn_func's. ``score_mod``, ``mask_mod`` and ``block_mask``
+    (keywords only) are cupyflash.flash_attn_varlen_func's user modifiers (b the sequence, indices
+    from its first row; a block map for (batch, nheads, max_seqlen_q, max_seqlen_k)), as
+    flash_attn_func here takes them.
     """
     precision = check_precision(precision)
     _unsupported(block_table=block_table is not None)
@@ -615,6 +632,22 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     max_q, max_k = _max_seqlen(max_seqlen_q, "max_seqlen_q"), _max_seqlen(max_seqlen_k, "max_seqlen_k")
     scale = _scale(softmax_scale, q.shape[2])
     window_left, window_right = check_window(window_size)
+    if score_mod is not None or mask_mod is not None or block_mask is not None:
+        if softcap or alibi_slopes is not None:
+            raise ValueError("cupyflash: score_mod does not combine with softcap or alibi_slopes; write the cap or "
+                             "the bias into the score_mod")
+        options = dict(softmax_scale=scale, causal=bool(causal), window_size=(window_left, window_right),
+                       score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
+                       **_dropout_args(dropout_p, seed), precision=precision)
+        on_stream = _cupy_on_torch_stream(q.device) if q.device.type == "cuda" else contextlib.nullcontext()
+        with on_stream:  # the block map's kernel reads the mask's tensors in torch's stream order
+            if mask_mod is not None and block_mask is None:  # one block map for the forward and the backward
+                from .modifiers import BlockMask
+
+                options.update(mask_mod=None, block_mask=BlockMask(mask_mod, cu_q.shape[0] - 1, q.shape[1], max_q,
+                                                                   max_k, device=q.device.type))
+        o, lse = _ModifiedAttention.apply(q, k, v, sink, options, bool(deterministic), (cu_q, cu_k, max_q, max_k))
+        return o if not return_attn_probs else (o, lse, q.new_empty((0,)))
     o, lse = _varlen_forward_op(q, k, v, cu_q, cu_k, max_q, max_k, scale, bool(causal), window_left, window_right,
                                 bool(deterministic), float(softcap), alibi_slopes, sink, dropout_p, seed, precision)
     if not return_attn_probs:

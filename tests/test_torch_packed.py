@@ -334,3 +334,41 @@ def test_kvcache_variants_match_the_reference():
         want, _ = reference.attention(q.numpy()[b:b + 1], keys[None], values[None], causal=True, softcap=6.0,
                                       alibi_slopes=slopes.numpy())
         np.testing.assert_allclose(o.numpy()[b], want[0], atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_user_modifiers_with_autograd(causal):
+    """score_mod and mask_mod (keywords, tensors as torch tensors) through autograd on a packed
+    batch: out and the gradients of q, k, v are cupyflash.flash_attn_varlen_func's and its
+    backward's with the same modifiers (b the sequence), and the same with a block_mask made
+    once for the call's shape."""
+    import cupyflash
+    import modifier_zoo as zoo
+
+    q, k, v, cu_q, cu_k, max_q, max_k = packed()
+    rng = np.random.default_rng(3)
+    slopes = torch.tensor(rng.uniform(0.05, 0.5, (len(LENGTHS_Q), 4)).astype(np.float32))
+    doc_q = torch.tensor(zoo.document_ids(rng, len(LENGTHS_Q), max_q, 2))
+    doc_k = torch.tensor(zoo.document_ids(rng, len(LENGTHS_Q), max_k, 2))
+    mods = dict(score_mod=cupyflash.ScoreMod(zoo.sequence_bias, slopes=slopes),
+                mask_mod=cupyflash.MaskMod(zoo.documents, doc_q=doc_q, doc_k=doc_k))
+    o = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, **mods)
+    do = torch.randn(o.shape, dtype=o.dtype, generator=torch.Generator().manual_seed(1))
+    o.backward(do)
+    arrays = [x.detach().numpy() for x in (q, k, v)]
+    numpy_mods = dict(score_mod=cupyflash.ScoreMod(zoo.sequence_bias, slopes=slopes.numpy()),
+                      mask_mod=cupyflash.MaskMod(zoo.documents, doc_q=doc_q.numpy(), doc_k=doc_k.numpy()))
+    sequences = (cu_q.numpy(), cu_k.numpy(), max_q, max_k)
+    o_want, lse_want = cupyflash.flash_attn_varlen_func(*arrays, *sequences, causal=causal, return_lse=True,
+                                                        backend="numpy", **numpy_mods)
+    grads_want = cupyflash.flash_attn_varlen_backward(do.numpy(), *arrays, o_want, lse_want, *sequences, causal=causal,
+                                                      backend="numpy", **numpy_mods)
+    np.testing.assert_allclose(o.detach().numpy(), o_want, rtol=0, atol=1e-12)
+    for x, want in zip((q, k, v), grads_want):
+        np.testing.assert_allclose(x.grad.numpy(), want, rtol=0, atol=1e-12)
+    block_mask = cupyflash.create_block_mask(mods["mask_mod"], len(LENGTHS_Q), 4, max_q, max_k, device="cpu")
+    o_made = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, score_mod=mods["score_mod"],
+                                    block_mask=block_mask)
+    np.testing.assert_array_equal(o_made.detach().numpy(), o.detach().numpy())
+    with pytest.raises(ValueError, match="softcap or alibi_slopes"):
+        flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softcap=2.0, **mods)
