@@ -3,6 +3,7 @@ cupyflash.flash_attn_backward, zero-copy inputs, outputs from torch's caching al
 current stream, a short training loop, torch.compile(fullgraph=True) with Inductor, and the
 packed-batch and kv-cache front ends against cupyflash's own calls.
 """
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -280,6 +281,44 @@ def test_varlen_outputs_and_gradients_equal_cupyflash_bitwise(dtype, causal, wit
                                                  **options)
     assert torch.equal(o.detach(), torch.from_dlpack(o_ref)) and torch.equal(lse.detach(), torch.from_dlpack(lse_ref))
     for name, t, g in zip(["q", "k", "v", "sink"], (q, k, v, sink), grads):
+        assert torch.equal(t.grad, torch.from_dlpack(g)), f"d{name} differs"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_varlen_user_modifiers_equal_cupyflash_bitwise(dtype):
+    """cupyflash.torch.flash_attn_varlen_func with score_mod and mask_mod (torch tensors on the
+    device) reaches cupyflash.flash_attn_varlen_func and its backward with the same modifiers: out
+    and dq, dk, dv equal bit for bit."""
+    import cupy
+
+    import modifier_zoo as zoo
+    from cupyflash.torch import flash_attn_varlen_func
+
+    lengths_q, lengths_k = [130, 0, 77, 301], [129, 64, 200, 301]
+    cu_q = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, *torch.tensor(lengths_k).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    generator = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v = (torch.randn(shape, generator=generator, device="cuda").to(dtype).requires_grad_(True)
+               for shape in ((sum(lengths_q), 8, 64), (sum(lengths_k), 2, 64), (sum(lengths_k), 2, 64)))
+    rng = np.random.default_rng(7)
+    slopes = torch.tensor(rng.uniform(0.005, 0.05, (4, 8)).astype(np.float32), device="cuda")
+    doc_q = torch.tensor(zoo.document_ids(rng, 4, max(lengths_q), 3), device="cuda")
+    doc_k = torch.tensor(zoo.document_ids(rng, 4, max(lengths_k), 3), device="cuda")
+    o = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=True, deterministic=True,
+                               score_mod=cupyflash.ScoreMod(zoo.sequence_bias, slopes=slopes),
+                               mask_mod=cupyflash.MaskMod(zoo.documents, doc_q=doc_q, doc_k=doc_k))
+    do = torch.randn_like(o)
+    o.backward(do)
+    arrays = [cupy.from_dlpack(t.detach()) for t in (q, k, v)]
+    sequences = (cupy.from_dlpack(cu_q), cupy.from_dlpack(cu_k), max(lengths_q), max(lengths_k))
+    options = dict(causal=True, score_mod=cupyflash.ScoreMod(zoo.sequence_bias, slopes=cupy.from_dlpack(slopes)),
+                   mask_mod=cupyflash.MaskMod(zoo.documents, doc_q=cupy.from_dlpack(doc_q),
+                                              doc_k=cupy.from_dlpack(doc_k)))
+    o_ref, lse_ref = cupyflash.flash_attn_varlen_func(*arrays, *sequences, return_lse=True, **options)
+    grads = cupyflash.flash_attn_varlen_backward(cupy.from_dlpack(do), *arrays, o_ref, lse_ref, *sequences,
+                                                 deterministic=True, **options)
+    assert torch.equal(o.detach(), torch.from_dlpack(o_ref))
+    for name, t, g in zip(["q", "k", "v"], (q, k, v), grads):
         assert torch.equal(t.grad, torch.from_dlpack(g)), f"d{name} differs"
 
 
