@@ -356,8 +356,9 @@ def test_the_launchers_launch_their_plan(arch, smem, monkeypatch):
 
 @pytest.mark.gpu
 def test_the_plan_of_this_device_is_what_the_launchers_run_and_fits_it():
-    """The launchers' device numbers are the device's, and every plan of it (sm_90: the wgmma rows)
-    is for its arch and fits its shared memory."""
+    """The launchers' device numbers are the device's, and every plan of it (sm_90: the wgmma rows
+    for 16-bit dtypes; float32's tf32 and float64's DMMA kernels on every arch) is for its arch and
+    fits its shared memory."""
     import cupy
 
     from cupyflash.kernels._module import _max_smem_optin, device_arch, runs_on_device
@@ -368,5 +369,6 @@ def test_the_plan_of_this_device_is_what_the_launchers_run_and_fits_it():
         plan = plans.plan_forward(arch, SUPPORTED[dtype], headdim, mask, smem)
         if plan.family == "mma":
             assert plan == mma_fwd.plan(SUPPORTED[dtype], plan.headdim, mask)
-            assert (plan.kernel == "flash_fwd_wgmma") == (arch == "90")
+            own = {"float32": "flash_fwd_tf32", "float64": "flash_fwd_dmma"}.get(dtype)
+            assert plan.kernel == own if own else (plan.kernel == "flash_fwd_wgmma") == (arch == "90")
         assert runs_on_device(plan.spec) and plan.spec.smem_bytes <= smem, plan.spec.name
