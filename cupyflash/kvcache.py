@@ -35,6 +35,7 @@ from . import _arrays as A
 from . import api, capture, dispatch
 from ._dtypes import lse_dtype
 from .masks import check_window
+from .modifiers import check_element_modifiers
 from .scores import check_variant
 from .varlen import (check_count, check_softcap, dense_forward, device_arrays, device_int32, host_int32, int32_index,
                      sequence_variant, unread)
@@ -284,8 +285,8 @@ def _batch_keys(cache, layout: CacheLayout, length: int):
 @capture.graph_safe
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, cache_batch_idx=None,
                             block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                            alibi_slopes=None, sink=None, num_splits=0, return_softmax_lse=False, return_lse=False,
-                            backend="auto", precision=None):
+                            alibi_slopes=None, sink=None, score_mod=None, mask_mod=None, num_splits=0,
+                            return_softmax_lse=False, return_lse=False, backend="auto", precision=None):
     """Append k, v to the caches in place at each sequence's cache_seqlens, then attend q over
     each sequence's cache_seqlens[b] + seqlen_new keys (flash-attn 2.8's flash_attn_with_kvcache).
 
@@ -310,8 +311,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     sequence's keys (split-KV decoding), 0 to let a heuristic choose from the grid and the device;
     fewer are used where the longest sequence has fewer key tiles. ``softcap``, ``alibi_slopes`` ((nheads,) or (batch, nheads)
     float32) and ``sink`` ((nheads,) float32) are flash_attn_func's, the ALiBi distance taken
-    from the end-aligned diagonal; so is ``precision`` (float32's products). Which kernels run: the
-    module docstring.
+    from the end-aligned diagonal; so is ``precision`` (float32's products). ``score_mod`` and
+    ``mask_mod`` are flash_attn_func's user modifiers with kv_idx the cache position (0 .. seqlen_k
+    - 1 of sequence b) and q_idx the new query's index; the mask is applied element by element (no
+    block map, no block skipping). On the GPU they run on the tensor-core KV-cache kernel (float16
+    / bfloat16, head dims multiples of 8; NotImplementedError elsewhere); the NumPy twin takes them
+    in every dtype. Which kernels run: the module docstring.
     """
     backend = A.check_backend(backend)
     causal = A.check_flag(causal, "causal")
@@ -333,7 +338,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     k, v = arrays.get("k"), arrays.get("v")
     _check_shapes(q, k_cache, v_cache)
     batch, seqlen_q, nheads, headdim = q.shape
-    variant = check_variant(softcap, alibi_slopes, sink, batch, nheads, precision=precision)
+    variant = check_variant(softcap, alibi_slopes, sink, batch, nheads, check_element_modifiers(score_mod, mask_mod),
+                            precision=precision)
     new_tokens = _check_new_kv(k, v, q.shape, k_cache.shape, v_cache.shape)
     appending = k is not None
     scale = A.resolve_scale(softmax_scale, headdim)
@@ -381,7 +387,7 @@ def _attend_in_cache(q, k_cache, v_cache, layout: CacheLayout, scale, causal, wi
     from .masks import mask_for
 
     cupy = A._cupy()
-    if not all(kvcache_mma.supports(q.dtype, d) for d in (q.shape[3], v_cache.shape[3])) or variant.mods is not None:
+    if not all(kvcache_mma.supports(q.dtype, d) for d in (q.shape[3], v_cache.shape[3])):
         return None
     k_cache, v_cache = (A.last_dim_contiguous(A.to_cupy(c, "k_cache")) for c in (k_cache, v_cache))
     for a in (q, k_cache, v_cache):
@@ -395,7 +401,8 @@ def _attend_in_cache(q, k_cache, v_cache, layout: CacheLayout, scale, causal, wi
     kvcache_mma.forward(q, k_cache, v_cache, o, lse, seqlens_k=seqlens_k, block_table=table,
                         page_size=max(1, layout.page_size), paged=layout.paged,
                         max_seqlen_k=int(layout.lengths.max(initial=0)), softmax_scale=scale,
-                        mask=mask_for(causal, window, variant.score), variant=variant, num_splits=num_splits)
+                        mask=mask_for(causal, window, variant.score.without_block_map), variant=variant,
+                        num_splits=num_splits)
     return o, lse
 
 
@@ -445,10 +452,10 @@ def _attend_unread(backend, q, k_cache, v_cache, k, v, new_tokens: int, cache_se
     headdim_v = v_cache.shape[3]
     if backend == "numpy" or not api._on_gpu(backend) \
             or dispatch.choose(backend, q.dtype, max(headdim, headdim_v), "fwd") != "mma" \
-            or not all(kvcache_mma.supports(q.dtype, d) for d in (headdim, headdim_v)) or variant.mods is not None:
+            or not all(kvcache_mma.supports(q.dtype, d) for d in (headdim, headdim_v)):
         raise ValueError("cupyflash.no_host_sync() / CUDA-graph capture: the KV cache is read unread only by the "
-                         "tensor-core KV-cache kernel (float16 / bfloat16, a head dim that is a multiple of 8, "
-                         f"no user modifiers); this call ({np.dtype(q.dtype)}, headdims {headdim} / {headdim_v}, backend "
+                         "tensor-core KV-cache kernel (float16 / bfloat16, a head dim that is a multiple of 8); "
+                         f"this call ({np.dtype(q.dtype)}, headdims {headdim} / {headdim_v}, backend "
                          f"{backend!r}) runs sequence by sequence and needs cache_seqlens, block_table and "
                          "cache_batch_idx on the host")
     for cache, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
@@ -498,7 +505,8 @@ def _attend_unread(backend, q, k_cache, v_cache, k, v, new_tokens: int, cache_se
     lse = api._empty((batch, nheads, seqlen_q), np.float32, xp=cupy)
     kvcache_mma.forward(q, k_cache, v_cache, o, lse, seqlens_k=seqlens_k, block_table=table,
                         page_size=max(1, page_size), paged=paged, max_seqlen_k=capacity, softmax_scale=scale,
-                        mask=mask_for(causal, window, variant.score), variant=variant, num_splits=num_splits)
+                        mask=mask_for(causal, window, variant.score.without_block_map), variant=variant,
+                        num_splits=num_splits)
     return (o, lse) if want_lse else o
 
 
@@ -533,6 +541,11 @@ def _attend(which, on_gpu, host_out, q, k_cache, v_cache, layout: CacheLayout, s
         if done is not None:
             o, lse = api._to_host(done, host_out)
             return (o, lse) if want_lse else o
+    if variant.mods is not None and batch * seqlen_q * nheads:
+        # the dense kernels would see each sequence as batch entry 0, and want a block map
+        raise NotImplementedError("cupyflash: flash_attn_with_kvcache with score_mod / mask_mod runs on the GPU in the "
+                                  "tensor-core KV-cache kernel only (float16 / bfloat16, head dims multiples of 8, "
+                                  "caches of 16-byte rows); this call would run sequence by sequence")
 
     def compute(q_part, keys, values, part_variant):
         keys, values = (A.last_dim_contiguous(convert(x, "k_cache")) for x in (keys, values))

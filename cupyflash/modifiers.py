@@ -1023,6 +1023,12 @@ class Modifiers:
     def has_grad(self) -> bool:
         return self.score_mod is not None and self.score_mod.has_grad
 
+    @property
+    def has_map(self) -> bool:
+        """Whether a block map comes with the mask (a BlockMask; not a mask applied element by
+        element only, as the KV-cache kernel takes it)."""
+        return self.block_mask is not None and not isinstance(self.block_mask, _MaskOnly)
+
     @functools.cached_property
     def cuda(self) -> str:
         """The struct the kernels include (kernels_cu/modifier.cuh's contract), named by the hash of
@@ -1185,6 +1191,19 @@ def check_modifiers(score_mod, mask_mod, block_mask, *, batch: int, nheads: int,
     elif mask_mod is not None:
         block_mask = BlockMask(mask_mod, batch, nheads, seqlen_q, seqlen_k, device="cuda" if on_gpu else "cpu")
     return Modifiers(score_mod, block_mask)
+
+
+def check_element_modifiers(score_mod, mask_mod) -> Modifiers | None:
+    """A call's score_mod / mask_mod without a block map (flash_attn_with_kvcache: its mask is
+    applied element by element), as check_modifiers checks them; None without either."""
+    if score_mod is None and mask_mod is None:
+        return None
+    mods = check_modifiers(score_mod, None, None, batch=0, nheads=0, seqlen_q=0, seqlen_k=0, on_gpu=False)
+    if mask_mod is not None and not isinstance(mask_mod, MaskMod):
+        if isinstance(mask_mod, ScoreMod):
+            raise ModifierError("cupyflash: mask_mod got a ScoreMod; pass it as score_mod")
+        mask_mod = MaskMod(mask_mod)
+    return Modifiers(None if mods is None else mods.score_mod, None if mask_mod is None else _MaskOnly(mask_mod))
 
 
 # --- what a modifier costs the kernels, before any GPU run -----------------------------------------

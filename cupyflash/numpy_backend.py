@@ -113,7 +113,7 @@ def _map_range(variant, table: str, start: int, count: int, other_block: int) ->
     head) (the twin handles all of them at once); None without a map. ``table``: "key" (the keys
     of query rows) or "query" (the queries of key rows)."""
     mods = variant.mods
-    if mods is None or mods.block_mask is None or count <= 0:
+    if mods is None or not mods.has_map or count <= 0:
         return None
     bm = mods.block_mask
     G = bm.GRANULE

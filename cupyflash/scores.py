@@ -20,7 +20,7 @@ launchers. ``cupyflash.reference`` implements the same definitions independently
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -41,6 +41,14 @@ class Score:
     sink: bool = False  # the forward's epilogue adds exp(sink) to each row's sum
     user: object = None  # cupyflash.modifiers.Modifiers (score_mod / mask_mod), or None
     dropout: bool = False  # the weights go through the call's dropout mask (cupyflash.dropout)
+    # a user mask narrows the block ranges by its block map; False: element by element only (the
+    # KV-cache kernel's, "nomap" in names)
+    block_map: bool = True
+
+    @property
+    def without_block_map(self) -> "Score":
+        """The same score with a user mask applied element by element only (no block map)."""
+        return replace(self, block_map=False) if self.user is not None and self.user.has_mask else self
 
     @property
     def plain(self) -> bool:
@@ -55,7 +63,8 @@ class Score:
     def name(self) -> str:
         """The suffix of specialization names ("" for the plain softmax)."""
         parts = (("softcap", self.softcap), ("alibi", self.alibi),
-                 (self.user.name if self.user is not None else "", self.user is not None), ("sink", self.sink),
+                 (self.user.name if self.user is not None else "", self.user is not None),
+                 ("nomap", self.user is not None and not self.block_map), ("sink", self.sink),
                  ("dropout", self.dropout))
         return "_".join(part for part, on in parts if on)
 
@@ -64,7 +73,8 @@ class Score:
         flag = {True: "true", False: "false"}
         if self.user is not None:
             self.user.register()
-            return f"cf::UserScore<{self.user.cpp}, {flag[self.sink]}{', true' if self.dropout else ''}>"
+            options = f", {flag[self.dropout]}, false" if not self.block_map else (", true" if self.dropout else "")
+            return f"cf::UserScore<{self.user.cpp}, {flag[self.sink]}{options}>"
         dropout = ", true" if self.dropout else ""  # the template's default otherwise: names unchanged
         return f"cf::ScoreMod<{flag[self.softcap]}, {flag[self.alibi]}, {flag[self.sink]}{dropout}>"
 

@@ -168,13 +168,15 @@ struct UserScoreFn {
 
 // The compile-time part of a call with user modifiers M (and a sink, which they may combine
 // with); HAS_BLOCK_MAP: the mask policy narrows its block ranges by the mask's block map.
-template <class M, bool SINK, bool DROPOUT = false>
+// BLOCK_MAP false: a mask without a map, applied element by element only (the KV-cache kernel,
+// whose CTAs mix query heads and read each sequence's own length: mask.cuh's sequence_mask).
+template <class M, bool SINK, bool DROPOUT = false, bool BLOCK_MAP = M::HAS_MASK>
 struct UserScore {
     static constexpr bool IDENTITY = false;
     static constexpr bool HAS_GRAD = M::HAS_GRAD;
     static constexpr bool HAS_SINK = SINK;
     static constexpr bool HAS_DROPOUT = DROPOUT;
-    static constexpr bool HAS_BLOCK_MAP = M::HAS_MASK;
+    static constexpr bool HAS_BLOCK_MAP = BLOCK_MAP && M::HAS_MASK;
     template <typename A, bool FAST>
     using In = UserScoreFn<M, A>;
 };

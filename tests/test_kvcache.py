@@ -403,3 +403,38 @@ def test_variants_over_a_ragged_cache():
                                              alibi_slopes=variant["alibi_slopes"][b], sink=variant["sink"])
         np.testing.assert_allclose(o[b], o_ref[0], atol=1e-12)
         np.testing.assert_allclose(lse[b], lse_ref[0], atol=1e-12)
+
+
+def test_user_modifiers_over_a_ragged_cache():
+    """score_mod and mask_mod over cached + appended keys of different lengths: b is the sequence,
+    kv_idx the cache position, the mask applied element by element (no block map); against the
+    dense float64 reference of each sequence given its rows of the modifiers' tensors. The mask
+    hides something."""
+    import modifier_zoo as zoo
+
+    rng = np.random.default_rng(4)
+    batch, h, hkv, d, capacity, new = 3, 4, 2, 8, 16, 2
+    q = rng.standard_normal((batch, new, h, d))
+    k_cache, v_cache = (rng.standard_normal((batch, capacity, hkv, d)) for _ in range(2))
+    k, v = (rng.standard_normal((batch, new, hkv, d)) for _ in range(2))
+    lengths = np.array([5, 0, 9], np.int32)
+    slopes = rng.uniform(0.05, 0.5, (batch, h)).astype(np.float32)
+    doc_q = np.full((batch, new), 1, np.int32)
+    doc_k = zoo.document_ids(rng, batch, capacity, 2)
+    mods = dict(score_mod=cupyflash.ScoreMod(zoo.sequence_bias, slopes=slopes),
+                mask_mod=cupyflash.MaskMod(zoo.documents, doc_q=doc_q, doc_k=doc_k))
+    sequences = reference.kvcache_sequences(batch, k_cache, v_cache, k, v, cache_seqlens=lengths)
+    o, lse = cupyflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, causal=True,
+                                               return_lse=True, backend="numpy", **mods)
+    hidden = False
+    for b, (keys, values) in enumerate(sequences):
+        o_ref, lse_ref = reference.attention(
+            q[b:b + 1], keys[None], values[None], causal=True,
+            score_mod=cupyflash.ScoreMod(zoo.sequence_bias, slopes=slopes[b:b + 1]),
+            mask_mod=cupyflash.MaskMod(zoo.documents, doc_q=doc_q[b:b + 1], doc_k=doc_k[b:b + 1]))
+        np.testing.assert_allclose(o[b], o_ref[0], atol=1e-12)
+        np.testing.assert_allclose(lse[b], lse_ref[0], atol=1e-12)
+        hidden |= bool((doc_k[b, :len(keys)] != 1).any())
+    assert hidden
+    with pytest.raises(TypeError, match="block_mask"):
+        cupyflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, block_mask=object())

@@ -140,3 +140,55 @@ def test_a_short_bf16_row_at_the_rules_edge():
        num_splits=st.integers(0, 9))
 def test_the_kernel_matches_the_reference(problem, num_splits):
     run(problem, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("seqlen_q, group, headdim", [(1, 4, 128), (1, 4, 64), (6, 4, 128)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_user_modifiers(seqlen_q, group, headdim, num_splits, page_size, launches):
+    """score_mod and mask_mod in the KV-cache kernel (the mask element by element, no block map):
+    b is the sequence, kv_idx the cache position, with the GQA packing of decode (one strip) and of
+    6 queries x 4 heads (four strips), split or not, contiguous or paged; each sequence against the
+    dense float64 reference given its rows of the modifiers' tensors, the caches written as the
+    append says."""
+    import cupy
+
+    import modifier_zoo as zoo
+    from cupyflash import reference
+    from cupyflash.testing import AttentionProblem, assert_attention_close
+
+    problem = problem_with(seqlen_q=seqlen_q, seqlen_new=seqlen_q, group=group, headdim=headdim,
+                           page_size=page_size, cache_seqlens=(5, 0, 300, 77, 900))
+    rng = np.random.default_rng(31)
+    nheads = problem.nheads_kv * group
+    slopes = rng.uniform(0.005, 0.05, (problem.batch, nheads)).astype(np.float32)
+    doc_q = np.full((problem.batch, seqlen_q), 2, np.int32)
+    doc_k = zoo.document_ids(rng, problem.batch, problem.capacity, 3)
+    before = problem.inputs()
+    inputs = {name: x if x is None or np.ndim(x) == 0 else cupy.asarray(x) for name, x in before.items()}
+    mods = dict(score_mod=cupyflash.ScoreMod(zoo.sequence_bias, slopes=cupy.asarray(slopes)),
+                mask_mod=cupyflash.MaskMod(zoo.documents, doc_q=cupy.asarray(doc_q), doc_k=cupy.asarray(doc_k)))
+    with poisoned_outputs():
+        o, lse = cupyflash.flash_attn_with_kvcache(**inputs, return_lse=True, num_splits=num_splits, **problem.kwargs,
+                                                   **mods)
+    assert launches and all(s >= 1 for s in launches)  # the KV-cache kernel ran
+    k_expected, v_expected = expected_caches(before)
+    assert_same_bytes("k_cache", inputs["k_cache"].get(), k_expected)
+    assert_same_bytes("v_cache", inputs["v_cache"].get(), v_expected)
+    sequences = reference.kvcache_sequences(problem.batch, before["k_cache"], before["v_cache"], before["k"],
+                                            before["v"], cache_seqlens=before["cache_seqlens"],
+                                            cache_batch_idx=before["cache_batch_idx"], block_table=before["block_table"])
+    o, lse = o.get(), lse.get()
+    hidden = False
+    for b, (keys, values) in enumerate(sequences):
+        if not keys.shape[0]:
+            continue
+        dense = AttentionProblem(1, seqlen_q, keys.shape[0], problem.nheads_kv, group, headdim, problem.causal,
+                                 problem.softmax_scale, problem.magnitude, problem.dtype, problem.seed)
+        variant = {"score_mod": cupyflash.ScoreMod(zoo.sequence_bias, slopes=slopes[b:b + 1]),
+                   "mask_mod": cupyflash.MaskMod(zoo.documents, doc_q=doc_q[b:b + 1], doc_k=doc_k[b:b + 1])}
+        q_b = np.asarray(before["q"][b:b + 1])
+        assert_attention_close(dense, o[b:b + 1], lse[b:b + 1],
+                               inputs=(q_b, keys[None], values[None], np.zeros_like(q_b)), variant=variant)
+        hidden |= bool((doc_k[b, :keys.shape[0]] != 2).any())
+    assert hidden  # the mask hides cached keys

@@ -54,6 +54,10 @@ class CacheTiles(NamedTuple):
 _DECODE_TILES = {64: CacheTiles(1, 4, 64, 4), 128: CacheTiles(1, 4, 64, 3), 256: CacheTiles(1, 4, 64, 2)}
 # Many packed rows (chunked prefill, long speculation): four strips share each K/V tile.
 _PREFILL_TILES = {64: CacheTiles(4, 1, 64, 3), 128: CacheTiles(4, 1, 64, 2), 256: CacheTiles(4, 1, 32, 2)}
+# Decode with user modifiers: at d64 the float16 kernel of the compile check's modifiers spills 8
+# bytes (96 registers) with four key warps, at sm_90 with 3 or 4 stages and at sm_80 with 2;
+# two key warps of 32 keys each do not, at either arch.
+_USER_DECODE_TILES = {64: CacheTiles(1, 2, 64, 4)}
 
 
 def supports(dtype, headdim: int) -> bool:
@@ -63,9 +67,13 @@ def supports(dtype, headdim: int) -> bool:
     return is_16bit(dtype) and tensor_core_supports(dtype, headdim)
 
 
-def cache_tiles(dt: int, packed_rows: int) -> CacheTiles:
-    """The tiles for head-dim tile ``dt`` and seqlen_q * group packed rows per kv head."""
-    return (_DECODE_TILES if packed_rows <= 16 else _PREFILL_TILES)[dt]
+def cache_tiles(dt: int, packed_rows: int, mask: Mask | None = None) -> CacheTiles:
+    """The tiles for head-dim tile ``dt`` and seqlen_q * group packed rows per kv head (and
+    ``mask``'s user modifiers, where it has them)."""
+    if packed_rows > 16:
+        return _PREFILL_TILES[dt]
+    user = mask is not None and mask.score.user is not None
+    return _USER_DECODE_TILES.get(dt, _DECODE_TILES[dt]) if user else _DECODE_TILES[dt]
 
 
 def smem_bytes(dt: int, tiles: CacheTiles) -> int:
@@ -97,11 +105,13 @@ def specializations() -> list:
     """Every specialization a call can launch (the compile check builds them for sm_80 and sm_90)."""
     out = []
     for dtype in ("float16", "bfloat16"):
-        for table in (_DECODE_TILES, _PREFILL_TILES):
-            for dt, tiles in table.items():
+        for rows in (16, 17):  # decode, prefill
+            for dt in _DECODE_TILES:
                 for mask in (m for m in KINDS + VARIANT_KINDS if not m.score.dropout):  # no dropout in decoding
-                    if mask.score.user is not None:
-                        continue  # no modifiers on this path (a block map is per dense problem)
+                    # user modifiers: the mask element by element, without a block map (its CTAs mix
+                    # query heads, and a map is made for one dense problem)
+                    mask = mask.with_score(mask.score.without_block_map)
+                    tiles = cache_tiles(dt, rows, mask)
                     for paged in (False, True):
                         for split in (False, True):
                             out.append(specialization(dtype, dt, mask, tiles, paged, split))
@@ -201,7 +211,7 @@ def plan(dtype, headdim: int, mask: Mask, *, batch: int, seqlen_q: int, group: i
     tiles than the table's, for tuning). Kept per device and arguments: a decode loop asks the
     same question every step, and the answer took about a tenth of a call's host time."""
     dt = d_tile(headdim, TENSOR_CORE_D_TILES)
-    chosen = cache_tiles(dt, seqlen_q * group) if tiles is None else tiles
+    chosen = cache_tiles(dt, seqlen_q * group, mask) if tiles is None else tiles
     key_blocks = max(1, math.ceil(max_seqlen_k / chosen.block_n))  # all the plan needs of max_seqlen_k
     device = None
     if num_splits == 0:
@@ -226,7 +236,7 @@ _PLANS: dict = {}
 def _plan(dtype, headdim: int, mask: Mask, *, batch: int, seqlen_q: int, group: int, nheads_kv: int,
           max_seqlen_k: int, paged: bool, num_splits: int, tiles: CacheTiles | None) -> CachePlan:
     dt = d_tile(headdim, TENSOR_CORE_D_TILES)
-    tiles = cache_tiles(dt, seqlen_q * group) if tiles is None else tiles
+    tiles = cache_tiles(dt, seqlen_q * group, mask) if tiles is None else tiles
     m_blocks = math.ceil(seqlen_q * group / tiles.block_m)
     key_blocks = max(1, math.ceil(max_seqlen_k / tiles.block_n))
     if num_splits == 0:
@@ -250,8 +260,8 @@ def forward(q, k_cache, v_cache, o, lse, *, seqlens_k, block_table, page_size: i
     """o (like q) and lse ((batch, nheads, seqlen_q) float32, C-contiguous) of q over the caches,
     on the current stream. ``seqlens_k`` (batch,) int32 and ``block_table`` (batch, n) int32 CuPy
     arrays (a contiguous cache: each sequence's row, one column, page_size its capacity);
-    ``variant`` a scores.Variant with CuPy arrays, without modifiers; ``tiles`` overrides the plan's
-    (the tuner). Returns the split count."""
+    ``variant`` a scores.Variant with CuPy arrays (user modifiers without a block map: ``mask``'s
+    score.without_block_map); ``tiles`` overrides the plan's (the tuner). Returns the split count."""
     import cupy
 
     batch, seqlen_q, nheads, headdim = q.shape

@@ -148,6 +148,9 @@ def set_variant(params, variant) -> None:
     if variant.alibi_slopes is not None:
         field["alibi_batch_stride"] = np.int64(variant.alibi_slopes.shape[1] if variant.alibi_slopes.ndim == 2 else 0)
     if variant.mods is not None:
+        if variant.mods.first_sequence:  # the kernels' batch entries count from their launch's 0
+            raise ValueError("cupyflash: a kernel launch takes user modifiers with first_sequence 0 (the NumPy twin's "
+                             "per-sequence views only take others)")
         set_modifiers(field["mods"], variant.mods, params)
     if variant.dropout.on:
         if variant.dropout.first_sequence:  # the kernels' sequences count from their launch's 0
@@ -174,7 +177,7 @@ def set_modifiers(mod_args, mods, params) -> None:
     """A call's modifiers (cupyflash.modifiers.Modifiers, tensors on the GPU) into the ModArgs field
     of ``params``: the tensors, and the block map's folded tables for the call's GQA group."""
     set_mod_tensors(mod_args, mods.tensors)
-    if mods.block_mask is None:
+    if not mods.has_map:  # none, or a mask applied element by element (UserScore's BLOCK_MAP false)
         return
     import cupy
 
