@@ -184,7 +184,8 @@ def test_user_modifiers(seqlen_q, group, headdim, num_splits, page_size, launche
         if not keys.shape[0]:
             continue
         dense = AttentionProblem(1, seqlen_q, keys.shape[0], problem.nheads_kv, group, headdim, problem.causal,
-                                 problem.softmax_scale, problem.magnitude, problem.dtype, problem.seed)
+                                 problem.softmax_scale, problem.magnitude, problem.dtype, problem.seed,
+                                 headdim_v=values.shape[-1])
         variant = {"score_mod": cupyflash.ScoreMod(zoo.sequence_bias, slopes=slopes[b:b + 1]),
                    "mask_mod": cupyflash.MaskMod(zoo.documents, doc_q=doc_q[b:b + 1], doc_k=doc_k[b:b + 1])}
         q_b = np.asarray(before["q"][b:b + 1])
