@@ -71,8 +71,11 @@ def test_specializations_are_float64_with_the_plan_tiles():
     assert spec.threads == 256 and spec.smem_bytes == 8 * ((64 + 32) * 132 + 32 * 130) and spec.arch == ""
     with pytest.raises(TypeError, match="float64 only"):
         plans.specialization_for("float32", 64, True, plans.DmmaFwdConfig(64, 8))
-    # four head-dim tiles for SM90 and four for the rest, and PORTABLE's own tiles at d64 and d128
-    assert len(dmma.specializations()) == 10 * 9
+    # four head-dim tiles for SM90 and four for the rest, and PORTABLE's own tiles at d64 and d128,
+    # each with every mask kind the compile check builds
+    from cupyflash.masks import KINDS, PACKED_KINDS, VARIANT_KINDS
+
+    assert len(dmma.specializations()) == 10 * len(KINDS + VARIANT_KINDS + PACKED_KINDS)
 
 
 @pytest.mark.gpu
