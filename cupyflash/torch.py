@@ -535,6 +535,26 @@ class _ModifiedAttention(torch.autograd.Function):
         return (*grads[:3], grads[3] if sink is not None else None, None, None, None)
 
 
+def _modified_attention(q, k, v, sink, modifiers, softcap, alibi_slopes, options, deterministic, map_shape,
+                        sequences=None):
+    """(o, lse) of a call with user modifiers (score_mod, mask_mod, block_mask) through
+    _ModifiedAttention: a mask_mod alone gets its block map made here, for ``map_shape`` (batch,
+    nheads, seqlen_q, seqlen_k; a packed batch's sequences and longest lengths), once for the
+    forward and the backward."""
+    if softcap or alibi_slopes is not None:
+        raise ValueError("cupyflash: score_mod does not combine with softcap or alibi_slopes; write the cap or "
+                         "the bias into the score_mod")
+    score_mod, mask_mod, block_mask = modifiers
+    options = dict(options, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask)
+    on_stream = _cupy_on_torch_stream(q.device) if q.device.type == "cuda" else contextlib.nullcontext()
+    with on_stream:  # the block map's kernel reads the mask's tensors in torch's stream order
+        if mask_mod is not None and block_mask is None:
+            from .modifiers import BlockMask
+
+            options.update(mask_mod=None, block_mask=BlockMask(mask_mod, *map_shape, device=q.device.type))
+    return _ModifiedAttention.apply(q, k, v, sink, options, deterministic, sequences)
+
+
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                     softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, sink=None,
                     *, score_mod=None, mask_mod=None, block_mask=None, precision=None):
@@ -572,20 +592,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     window_left, window_right = check_window(window_size)
     _check_variant_tensors(q, softcap, alibi_slopes, sink)
     if score_mod is not None or mask_mod is not None or block_mask is not None:
-        if softcap or alibi_slopes is not None:
-            raise ValueError("cupyflash: score_mod does not combine with softcap or alibi_slopes; write the cap or "
-                             "the bias into the score_mod")
-        options = dict(softmax_scale=scale, causal=bool(causal), window_size=(window_left, window_right),
-                       score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
-                       **_dropout_args(dropout_p, seed), precision=precision)
-        on_stream = _cupy_on_torch_stream(q.device) if q.device.type == "cuda" else contextlib.nullcontext()
-        with on_stream:  # the block map's kernel reads the mask's tensors in torch's stream order
-            if mask_mod is not None and block_mask is None:  # one block map for the forward and the backward
-                from .modifiers import BlockMask
-
-                options.update(mask_mod=None, block_mask=BlockMask(mask_mod, q.shape[0], q.shape[2], q.shape[1],
-                                                                   k.shape[1], device=q.device.type))
-        o, lse = _ModifiedAttention.apply(q, k, v, sink, options, bool(deterministic))
+        o, lse = _modified_attention(q, k, v, sink, (score_mod, mask_mod, block_mask), softcap, alibi_slopes,
+                                     dict(softmax_scale=scale, causal=bool(causal),
+                                          window_size=(window_left, window_right), **_dropout_args(dropout_p, seed),
+                                          precision=precision),
+                                     bool(deterministic), (q.shape[0], q.shape[2], q.shape[1], k.shape[1]))
         return o if not return_attn_probs else (o, lse, q.new_empty((0,)))
     o, lse = _forward_op(q, k, v, scale, bool(causal), window_left, window_right, bool(deterministic),
                          float(softcap), alibi_slopes, sink, dropout_p, seed, precision)
@@ -633,20 +644,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     scale = _scale(softmax_scale, q.shape[2])
     window_left, window_right = check_window(window_size)
     if score_mod is not None or mask_mod is not None or block_mask is not None:
-        if softcap or alibi_slopes is not None:
-            raise ValueError("cupyflash: score_mod does not combine with softcap or alibi_slopes; write the cap or "
-                             "the bias into the score_mod")
-        options = dict(softmax_scale=scale, causal=bool(causal), window_size=(window_left, window_right),
-                       score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
-                       **_dropout_args(dropout_p, seed), precision=precision)
-        on_stream = _cupy_on_torch_stream(q.device) if q.device.type == "cuda" else contextlib.nullcontext()
-        with on_stream:  # the block map's kernel reads the mask's tensors in torch's stream order
-            if mask_mod is not None and block_mask is None:  # one block map for the forward and the backward
-                from .modifiers import BlockMask
-
-                options.update(mask_mod=None, block_mask=BlockMask(mask_mod, cu_q.shape[0] - 1, q.shape[1], max_q,
-                                                                   max_k, device=q.device.type))
-        o, lse = _ModifiedAttention.apply(q, k, v, sink, options, bool(deterministic), (cu_q, cu_k, max_q, max_k))
+        o, lse = _modified_attention(q, k, v, sink, (score_mod, mask_mod, block_mask), softcap, alibi_slopes,
+                                     dict(softmax_scale=scale, causal=bool(causal),
+                                          window_size=(window_left, window_right), **_dropout_args(dropout_p, seed),
+                                          precision=precision),
+                                     bool(deterministic), (cu_q.shape[0] - 1, q.shape[1], max_q, max_k),
+                                     (cu_q, cu_k, max_q, max_k))
         return o if not return_attn_probs else (o, lse, q.new_empty((0,)))
     o, lse = _varlen_forward_op(q, k, v, cu_q, cu_k, max_q, max_k, scale, bool(causal), window_left, window_right,
                                 bool(deterministic), float(softcap), alibi_slopes, sink, dropout_p, seed, precision)

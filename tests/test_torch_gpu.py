@@ -250,6 +250,18 @@ def test_torch_compile_fullgraph_inductor_matches_eager():
 
 # --- packed batches and kv caches -----------------------------------------------------------------
 
+def _packed_cuda_batch(dtype, seed: int):
+    """A packed batch on the GPU with an empty query run and GQA (8 query heads, 2 kv heads, d64):
+    (lengths_q, lengths_k, cu_q, cu_k, the generator, (q, k, v)) with q, k, v requiring grad."""
+    lengths_q, lengths_k = [130, 0, 77, 301], [129, 64, 200, 301]
+    cu_q = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, *torch.tensor(lengths_k).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    qkv = tuple(torch.randn(shape, generator=generator, device="cuda").to(dtype).requires_grad_(True)
+                for shape in ((sum(lengths_q), 8, 64), (sum(lengths_k), 2, 64), (sum(lengths_k), 2, 64)))
+    return lengths_q, lengths_k, cu_q, cu_k, generator, qkv
+
+
 @pytest.mark.parametrize("with_sink", [False, True], ids=["plain", "sink"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("causal", [False, True])
@@ -261,12 +273,7 @@ def test_varlen_outputs_and_gradients_equal_cupyflash_bitwise(dtype, causal, wit
 
     from cupyflash.torch import flash_attn_varlen_func
 
-    lengths_q, lengths_k = [130, 0, 77, 301], [129, 64, 200, 301]
-    cu_q = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    cu_k = torch.tensor([0, *torch.tensor(lengths_k).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    generator = torch.Generator(device="cuda").manual_seed(5)
-    q, k, v = (torch.randn(shape, generator=generator, device="cuda").to(dtype).requires_grad_(True)
-               for shape in ((sum(lengths_q), 8, 64), (sum(lengths_k), 2, 64), (sum(lengths_k), 2, 64)))
+    lengths_q, lengths_k, cu_q, cu_k, generator, (q, k, v) = _packed_cuda_batch(dtype, 5)
     sink = torch.randn(8, generator=generator, device="cuda").requires_grad_(True) if with_sink else None
     o, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=causal,
                                        deterministic=True, return_attn_probs=True, sink=sink)
@@ -294,12 +301,7 @@ def test_varlen_user_modifiers_equal_cupyflash_bitwise(dtype):
     import modifier_zoo as zoo
     from cupyflash.torch import flash_attn_varlen_func
 
-    lengths_q, lengths_k = [130, 0, 77, 301], [129, 64, 200, 301]
-    cu_q = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    cu_k = torch.tensor([0, *torch.tensor(lengths_k).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    generator = torch.Generator(device="cuda").manual_seed(7)
-    q, k, v = (torch.randn(shape, generator=generator, device="cuda").to(dtype).requires_grad_(True)
-               for shape in ((sum(lengths_q), 8, 64), (sum(lengths_k), 2, 64), (sum(lengths_k), 2, 64)))
+    lengths_q, lengths_k, cu_q, cu_k, generator, (q, k, v) = _packed_cuda_batch(dtype, 7)
     rng = np.random.default_rng(7)
     slopes = torch.tensor(rng.uniform(0.005, 0.05, (4, 8)).astype(np.float32), device="cuda")
     doc_q = torch.tensor(zoo.document_ids(rng, 4, max(lengths_q), 3), device="cuda")

@@ -318,6 +318,29 @@ def test_strategy_rejects_bad_bounds(bad, match):
         varlen_problems(**bad)
 
 
+def ragged_batch(rng, seqlens_q, seqlens_k, h: int, hkv: int, d: int):
+    """(cu_q, cu_k, q, k, v, do) of a packed float64 batch with these lengths, drawn from ``rng``."""
+    cu_q = np.concatenate([[0], np.cumsum(seqlens_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(seqlens_k)]).astype(np.int32)
+    q = rng.standard_normal((cu_q[-1], h, d))
+    k, v = (rng.standard_normal((cu_k[-1], hkv, d)) for _ in range(2))
+    return cu_q, cu_k, q, k, v, rng.standard_normal(q.shape)
+
+
+def forward_and_backward(inputs, sequences, call):
+    """(o, lse, (dq, dk, dv)) of flash_attn_varlen_func and its backward with the same options."""
+    q, k, v, do = inputs
+    o, lse = cupyflash.flash_attn_varlen_func(q, k, v, *sequences, return_lse=True, **call)
+    return o, lse, cupyflash.flash_attn_varlen_backward(do, q, k, v, o, lse, *sequences, **call)
+
+
+def sequences_with_queries(cu_q, cu_k):
+    """(b, query rows, key rows) of each sequence that has queries."""
+    for b in range(len(cu_q) - 1):
+        if cu_q[b + 1] > cu_q[b]:
+            yield b, slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+
+
 def _assert_sequence_is_the_reference(inputs, results, qs, ks, kw):
     """The packed (o, lse, dq, dk, dv) rows of one sequence (queries qs, keys ks) against the dense
     float64 reference of that sequence with options ``kw``; returns the reference's gradients."""
@@ -339,11 +362,7 @@ def test_variants_apply_per_sequence(causal):
     reference of each sequence."""
     rng = np.random.default_rng(7)
     seqlens_q, seqlens_k, h, hkv, d = (3, 0, 5, 2), (4, 2, 6, 0), 4, 2, 8
-    cu_q = np.concatenate([[0], np.cumsum(seqlens_q)]).astype(np.int32)
-    cu_k = np.concatenate([[0], np.cumsum(seqlens_k)]).astype(np.int32)
-    q = rng.standard_normal((cu_q[-1], h, d))
-    k, v = (rng.standard_normal((cu_k[-1], hkv, d)) for _ in range(2))
-    do = rng.standard_normal(q.shape)
+    cu_q, cu_k, q, k, v, do = ragged_batch(rng, seqlens_q, seqlens_k, h, hkv, d)
     variant = dict(softcap=4.0, alibi_slopes=rng.uniform(0, 1, (4, h)).astype(np.float32),
                    sink=rng.standard_normal(h).astype(np.float32))
     sequences = (cu_q, cu_k, max(seqlens_q), max(seqlens_k))
@@ -369,21 +388,13 @@ def test_dropout_applies_per_sequence(causal):
 
     rng = np.random.default_rng(11)
     seqlens_q, seqlens_k, h, hkv, d = (3, 0, 21, 17, 2), (4, 2, 30, 19, 0), 4, 2, 8
-    cu_q = np.concatenate([[0], np.cumsum(seqlens_q)]).astype(np.int32)
-    cu_k = np.concatenate([[0], np.cumsum(seqlens_k)]).astype(np.int32)
-    q = rng.standard_normal((cu_q[-1], h, d))
-    k, v = (rng.standard_normal((cu_k[-1], hkv, d)) for _ in range(2))
-    do = rng.standard_normal(q.shape)
+    cu_q, cu_k, q, k, v, do = ragged_batch(rng, seqlens_q, seqlens_k, h, hkv, d)
     p, seed, offset = 0.3, 2**40 + 5, 7
     sequences = (cu_q, cu_k, max(seqlens_q), max(seqlens_k))
     call = dict(causal=causal, dropout_p=p, seed=seed, offset=offset, backend="numpy")
-    o, lse = cupyflash.flash_attn_varlen_func(q, k, v, *sequences, return_lse=True, **call)
-    dq, dk, dv = cupyflash.flash_attn_varlen_backward(do, q, k, v, o, lse, *sequences, **call)
+    o, lse, (dq, dk, dv) = forward_and_backward((q, k, v, do), sequences, call)
     masks_differ = False
-    for b in range(len(seqlens_q)):
-        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
-        if seqlens_q[b] == 0:
-            continue
+    for b, qs, ks in sequences_with_queries(cu_q, cu_k):
         mask = dropout_mask(1, h, seqlens_q[b], seqlens_k[b], p, seed, offset, first_sequence=b)
         masks_differ |= seqlens_k[b] > 0 and not np.array_equal(
             mask, dropout_mask(1, h, seqlens_q[b], seqlens_k[b], p, seed, offset))
@@ -423,11 +434,7 @@ def test_user_modifiers_apply_per_sequence(causal):
 
     rng = np.random.default_rng(13)
     seqlens_q, seqlens_k, h, hkv, d = (3, 0, 21, 17, 2), (4, 2, 30, 19, 0), 4, 2, 8
-    cu_q = np.concatenate([[0], np.cumsum(seqlens_q)]).astype(np.int32)
-    cu_k = np.concatenate([[0], np.cumsum(seqlens_k)]).astype(np.int32)
-    q = rng.standard_normal((cu_q[-1], h, d))
-    k, v = (rng.standard_normal((cu_k[-1], hkv, d)) for _ in range(2))
-    do = rng.standard_normal(q.shape)
+    cu_q, cu_k, q, k, v, do = ragged_batch(rng, seqlens_q, seqlens_k, h, hkv, d)
     slopes = rng.uniform(0.05, 0.5, (len(seqlens_q), h)).astype(np.float32)
     doc_q = zoo.document_ids(rng, len(seqlens_q), max(seqlens_q), 3)
     doc_k = zoo.document_ids(rng, len(seqlens_q), max(seqlens_k), 3)
@@ -435,13 +442,9 @@ def test_user_modifiers_apply_per_sequence(causal):
     mask_mod = cupyflash.MaskMod(zoo.documents, doc_q=doc_q, doc_k=doc_k)
     sequences = (cu_q, cu_k, max(seqlens_q), max(seqlens_k))
     call = dict(causal=causal, score_mod=score_mod, mask_mod=mask_mod, backend="numpy")
-    o, lse = cupyflash.flash_attn_varlen_func(q, k, v, *sequences, return_lse=True, **call)
-    dq, dk, dv = cupyflash.flash_attn_varlen_backward(do, q, k, v, o, lse, *sequences, **call)
+    o, lse, (dq, dk, dv) = forward_and_backward((q, k, v, do), sequences, call)
     sees_another_document = False
-    for b in range(len(seqlens_q)):
-        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
-        if seqlens_q[b] == 0:
-            continue
+    for b, qs, ks in sequences_with_queries(cu_q, cu_k):
         # sequence b alone: its rows of the tensors are batch entry 0 of a dense call
         kw = dict(causal=causal, score_mod=cupyflash.ScoreMod(zoo.sequence_bias, slopes=slopes[b:b + 1]),
                   mask_mod=cupyflash.MaskMod(zoo.documents, doc_q=doc_q[b:b + 1], doc_k=doc_k[b:b + 1]))
