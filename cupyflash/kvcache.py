@@ -372,10 +372,35 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
                     A.check_scores_fit(q[b:b + 1], _sequence_keys(k_cache, layout, b, int(layout.old_lengths[b])),
                                        scale)
 
+    if variant.mods is not None and which != "numpy" and batch * seqlen_q * nheads \
+            and not (which == "mma" and _cache_kernel_reads(q.dtype, headdim, k_cache, v_cache)):
+        _refuse_modifiers_off_the_kernel()  # before the append: a refused call writes nothing
     if appending and batch * new_tokens:
         _append(k_cache, v_cache, k, v, layout)
     return _attend(which, on_gpu, host_out, q, k_cache, v_cache, layout, scale, causal, window, want_lse, variant,
                    int(num_splits))
+
+
+def _cache_kernel_reads(dtype, headdim: int, k_cache, v_cache) -> bool:
+    """Whether the tensor-core KV-cache kernel reads these caches (``_attend_in_cache``'s test): a
+    16-bit dtype, head dims multiples of 8, and device caches of 16-byte aligned rows whose strides
+    are multiples of 8 elements (a NumPy cache, or one whose last dimension is strided, becomes a
+    contiguous device copy first)."""
+    from .kernels import kvcache_mma
+
+    if not all(kvcache_mma.supports(dtype, d) for d in (headdim, v_cache.shape[3])):
+        return False
+    return all(isinstance(c, np.ndarray) or c.strides[3] != c.itemsize
+               or not (any((s // c.itemsize) % 8 for s in c.strides[:3]) or c.data.ptr % 16)
+               for c in (k_cache, v_cache))
+
+
+def _refuse_modifiers_off_the_kernel():
+    # the dense kernels would see every sequence as batch entry 0, and want a block map
+    raise NotImplementedError("cupyflash: flash_attn_with_kvcache with score_mod / mask_mod runs on the GPU in the "
+                              "tensor-core KV-cache kernel only (float16 / bfloat16, head dims multiples of 8, caches "
+                              "of 16-byte aligned rows with strides of multiples of 8 elements); this call would run "
+                              "sequence by sequence")
 
 
 def _attend_in_cache(q, k_cache, v_cache, layout: CacheLayout, scale, causal, window, variant, num_splits):
@@ -390,9 +415,11 @@ def _attend_in_cache(q, k_cache, v_cache, layout: CacheLayout, scale, causal, wi
     if not all(kvcache_mma.supports(q.dtype, d) for d in (q.shape[3], v_cache.shape[3])):
         return None
     k_cache, v_cache = (A.last_dim_contiguous(A.to_cupy(c, "k_cache")) for c in (k_cache, v_cache))
-    for a in (q, k_cache, v_cache):
+    for a in (k_cache, v_cache):
         if any((s // a.itemsize) % 8 for s in a.strides[:3]) or a.data.ptr % 16:
             return None
+    if any((s // q.itemsize) % 8 for s in q.strides[:3]) or q.data.ptr % 16:
+        q = cupy.ascontiguousarray(q)  # q is small: a copy, as _attend_unread makes
     batch, seqlen_q, nheads, _ = q.shape
     o = api._empty(q.shape[:3] + v_cache.shape[3:], q.dtype, xp=cupy)
     lse = api._empty((batch, nheads, seqlen_q), np.float32, xp=cupy)
@@ -542,10 +569,7 @@ def _attend(which, on_gpu, host_out, q, k_cache, v_cache, layout: CacheLayout, s
             o, lse = api._to_host(done, host_out)
             return (o, lse) if want_lse else o
     if variant.mods is not None and batch * seqlen_q * nheads:
-        # the dense kernels would see each sequence as batch entry 0, and want a block map
-        raise NotImplementedError("cupyflash: flash_attn_with_kvcache with score_mod / mask_mod runs on the GPU in the "
-                                  "tensor-core KV-cache kernel only (float16 / bfloat16, head dims multiples of 8, "
-                                  "caches of 16-byte rows); this call would run sequence by sequence")
+        _refuse_modifiers_off_the_kernel()  # checked before the append already: a second guard
 
     def compute(q_part, keys, values, part_variant):
         keys, values = (A.last_dim_contiguous(convert(x, "k_cache")) for x in (keys, values))

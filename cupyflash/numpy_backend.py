@@ -402,7 +402,8 @@ def kvcache_forward(q, sequences, *, softmax_scale, causal, window_size=(-1, -1)
 
     if block_n is None or key_warps is None:
         tiles = kvcache_mma.cache_tiles(d_tile(max(headdim, headdim_v, 8), TENSOR_CORE_D_TILES),
-                                        seqlen_q * (nheads // max(int(sequences[0][0].shape[1]), 1) if sequences else 1))
+                                        seqlen_q * (nheads // max(int(sequences[0][0].shape[1]), 1) if sequences else 1),
+                                        mask.with_score(variant.score))  # modifiers take their own tiles
         block_n = tiles.block_n if block_n is None else block_n
         key_warps = tiles.key_warps if key_warps is None else key_warps
     longest = max((int(keys.shape[0]) for keys, _ in sequences), default=0)

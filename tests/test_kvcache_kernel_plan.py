@@ -4,6 +4,7 @@ the specializations; and the NumPy twin of the kernel's algorithm (numpy_backend
 splits, key shares per warp, the combine) against the float64 reference."""
 from __future__ import annotations
 
+import itertools
 import math
 
 import ml_dtypes
@@ -16,7 +17,7 @@ import cupyflash
 from cupyflash import numpy_backend, reference
 from cupyflash.kernels import kvcache_mma
 from cupyflash.kernels.params import fast_divmod
-from cupyflash.masks import mask_for
+from cupyflash.masks import VARIANT_KINDS, mask_for
 from cupyflash.testing import KVCacheProblem, assert_kvcache_close
 from cupyflash.testing.strategies import kvcache_problems
 
@@ -144,17 +145,25 @@ def test_the_tiles_fit_an_h200_sm_and_name_their_kernels():
     for spec in specs:
         assert spec.source_file in ("flash_fwd_kvcache_mma.cu", "flash_fwd_combine.cu")
         assert spec.smem_bytes <= 227 * 1024
-    for dt in (64, 128, 256):
-        for rows in (1, 16, 17, 64):
-            tiles = kvcache_mma.cache_tiles(dt, rows)
-            assert tiles.block_n % (16 * tiles.key_warps) == 0
-            assert tiles.key_warps == 1 or tiles.row_warps == 1
-            assert kvcache_mma.smem_bytes(dt, tiles) == 2 * dt * (16 * tiles.row_warps + 2 * tiles.stages * tiles.block_n)
+    user = next(m for m in VARIANT_KINDS if m.score.user is not None)
+    user = user.with_score(user.score.without_block_map)
+    for dt, rows, mask in itertools.product((64, 128, 256), (1, 16, 17, 64), (None, user)):
+        tiles = kvcache_mma.cache_tiles(dt, rows, mask)
+        if mask is not None:  # the compile check builds the tiles modifiers take
+            assert kvcache_mma.specialization("bfloat16", dt, mask, tiles, False, True).name in {s.name for s in specs}
+        assert tiles.block_n % (16 * tiles.key_warps) == 0
+        assert tiles.key_warps == 1 or tiles.row_warps == 1
+        assert kvcache_mma.smem_bytes(dt, tiles) == 2 * dt * (16 * tiles.row_warps + 2 * tiles.stages * tiles.block_n)
 
 
 def test_the_packed_rows_pick_the_tiles():
     assert kvcache_mma.cache_tiles(128, 16).row_warps == 1    # one decode query of 16 heads per kv head
     assert kvcache_mma.cache_tiles(128, 17).row_warps == 4    # more rows: four strips share the tiles
+    # user modifiers at d64 decode: two key warps (four spill 8 bytes with the compile check's)
+    user = next(m for m in VARIANT_KINDS if m.score.user is not None)
+    assert kvcache_mma.cache_tiles(64, 4, user) == kvcache_mma.CacheTiles(1, 2, 64, 4)
+    assert kvcache_mma.cache_tiles(64, 4) == kvcache_mma.CacheTiles(1, 4, 64, 4)
+    assert kvcache_mma.cache_tiles(64, 17, user) == kvcache_mma.cache_tiles(64, 17)
 
 
 # --- the NumPy twin -----------------------------------------------------------------------------

@@ -18,7 +18,8 @@ import numpy as np
 
 from ._module import Specialization, launch
 from .constants import CTYPES, SHORT_NAMES, TENSOR_CORE_D_TILES, d_tile
-from .params import CACHE_FWD_PARAMS, COMBINE_PARAMS, _set_scales, fast_divmod, pointer, set_rows, set_variant
+from .params import (CACHE_FWD_PARAMS, COMBINE_PARAMS, _set_scales, check_block_map, fast_divmod, pointer, set_rows,
+                     set_variant)
 from .mma_fwd import _check_layout
 from .._dtypes import dtype_name, is_16bit
 from ..masks import KINDS, VARIANT_KINDS, Mask
@@ -218,8 +219,10 @@ def plan(dtype, headdim: int, mask: Mask, *, batch: int, seqlen_q: int, group: i
         import cupy
 
         device = cupy.cuda.Device().id
-    key = (np.dtype(dtype), headdim, mask, batch, seqlen_q, group, nheads_kv, key_blocks, paged, num_splits, tiles,
-           device)
+    # the mask by its name (band, score, a modifier's hash): a call's Modifiers object is new each
+    # call, and the plan depends only on the specialization it names
+    key = (np.dtype(dtype), headdim, mask.name, batch, seqlen_q, group, nheads_kv, key_blocks, paged, num_splits,
+           tiles, device)
     planned = _PLANS.get(key)
     if planned is None:
         if len(_PLANS) >= 4096:  # a long-running server's many shapes: start over rather than grow
@@ -278,6 +281,7 @@ def forward(q, k_cache, v_cache, o, lse, *, seqlens_k, block_table, page_size: i
     planned = plan(q.dtype, max(headdim, headdim_v), mask, batch=batch, seqlen_q=seqlen_q, group=nheads // nheads_kv,
                    nheads_kv=nheads_kv, max_seqlen_k=max_seqlen_k, paged=paged, num_splits=num_splits, tiles=tiles)
 
+    check_block_map(mask, variant)
     params = np.zeros(1, CACHE_FWD_PARAMS)
     for name, a in (("q", q), ("k", k_cache), ("v", v_cache), ("o", o)):
         set_rows(params, name, a)

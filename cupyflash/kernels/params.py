@@ -191,9 +191,20 @@ def set_modifiers(mod_args, mods, params) -> None:
     mod_args["block_m"] = mod_args["block_n"] = np.int32(mods.block_mask.GRANULE)
 
 
+def check_block_map(mask, variant) -> None:
+    """A user mask's block map is there exactly where the specialization reads one (UserScore's
+    BLOCK_MAP, scores.Score.block_map): a map-reading kernel handed a mask without one would read
+    its tables at address 0."""
+    mods = None if variant is None else variant.mods
+    if mods is not None and mods.has_mask and mask.score.block_map != mods.has_map:
+        raise ValueError(f"cupyflash: the kernel {'reads' if mask.score.block_map else 'takes no'} block map, and "
+                         f"the call's mask_mod {'has none' if mask.score.block_map else 'has one'}")
+
+
 def forward_params(q, k, v, o, lse, *, softmax_scale: float, mask, variant=None, packed=None) -> np.ndarray:
     """FwdParams of one forward call (a size-1 array of FWD_PARAMS: CuPy passes its bytes by value);
     ``packed`` a PackedBatch (its arrays (1, total, heads, dim)) or None."""
+    check_block_map(mask, variant)
     params = np.zeros(1, FWD_PARAMS)
     for name, a in (("q", q), ("k", k), ("v", v), ("o", o)):
         set_rows(params, name, a)
@@ -209,6 +220,7 @@ def backward_params(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, ma
                     variant=None, packed=None) -> np.ndarray:
     """BwdParams of one backward call; the launcher adds the buffers of its plan (delta, dq_accum,
     dq_semaphore, dq_row_scale, kv_bound) with ``set_rows`` / ``pointer`` as it allocates them."""
+    check_block_map(mask, variant)
     params = np.zeros(1, BWD_PARAMS)
     for name, a in (("q", q), ("k", k), ("v", v), ("o", o), ("dout", do), ("dq", dq), ("dk", dk), ("dv", dv)):
         set_rows(params, name, a)
