@@ -356,6 +356,14 @@ def _kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k
                 precision: str = "ieee", sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse) of cupyflash.flash_attn_with_kvcache; k, v (when given) are appended to the caches
     in place, which DLPack (CUDA) and NumPy's views (CPU) share with the tensors."""
+    return _kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal,
+                         window_left, window_right, softcap, alibi_slopes, num_splits, precision, sink)
+
+
+def _kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal,
+                  window_left, window_right, softcap, alibi_slopes, num_splits, precision, sink, modifiers=None):
+    """The operator's computation, and the eager call with user modifiers (``modifiers``:
+    score_mod / mask_mod keywords, which an operator schema cannot carry)."""
     named = {"k": k, "v": v, "cache_seqlens": cache_seqlens, "cache_batch_idx": cache_batch_idx,
              "block_table": block_table}
     present = [name for name, t in named.items() if t is not None]
@@ -366,7 +374,8 @@ def _kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k
                                                softmax_scale=softmax_scale, causal=causal,
                                                window_size=(window_left, window_right), softcap=softcap,
                                                **_variant_arrays(alibi_slopes, sink), num_splits=num_splits,
-                                               return_lse=True, backend=backend, precision=precision, **options)
+                                               return_lse=True, backend=backend, precision=precision, **options,
+                                               **(modifiers or {}))
 
     return _run(q.device, compute, q, k_cache, v_cache, *(named[name] for name in present))
 
@@ -662,7 +671,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False, *,
-                            sink=None, precision=None):
+                            sink=None, score_mod=None, mask_mod=None, precision=None):
     """flash-attn 2's flash_attn_with_kvcache, computed by cupyflash (inference: no autograd).
 
     q: (batch, seqlen_q, nheads, headdim); k_cache, v_cache: (batch_cache, seqlen_cache,
@@ -679,7 +688,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     cupyflash.flash_attn_with_kvcache's. Not supported yet, each a NotImplementedError:
     rotary_cos / rotary_sin, cache_leftpad. ``num_splits`` is the split-KV count
     (cupyflash.flash_attn_with_kvcache's: 0 picks it); ``rotary_interleaved`` matters only with rotary.
-    ``precision`` (keyword only) is cupyflash.flash_attn_func's.
+    ``precision`` (keyword only) is cupyflash.flash_attn_func's. ``score_mod`` and ``mask_mod``
+    (keywords only) are cupyflash.flash_attn_with_kvcache's user modifiers (b the sequence, kv_idx
+    the cache position, the mask element by element); with them the call runs eagerly, not as
+    the custom operator (torch.compile breaks its graph there).
     """
     precision = check_precision(precision)
     _unsupported(rotary_cos=rotary_cos is not None, rotary_sin=rotary_sin is not None,
@@ -703,8 +715,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     block_table = _index_tensor(block_table, "block_table", q.device)
     scale = _scale(softmax_scale, q.shape[3])
     window_left, window_right = check_window(window_size)
-    o, lse = _kvcache_op(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, scale, bool(causal),
-                         window_left, window_right, float(softcap), alibi_slopes, int(num_splits), precision, sink)
+    arguments = (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, scale, bool(causal),
+                 window_left, window_right, float(softcap), alibi_slopes, int(num_splits), precision, sink)
+    if score_mod is not None or mask_mod is not None:
+        o, lse = _kvcache_call(*arguments, modifiers=dict(score_mod=score_mod, mask_mod=mask_mod))
+    else:
+        o, lse = _kvcache_op(*arguments)
     return (o, lse) if return_softmax_lse else o
 
 

@@ -372,3 +372,36 @@ def test_varlen_user_modifiers_with_autograd(causal):
     np.testing.assert_array_equal(o_made.detach().numpy(), o.detach().numpy())
     with pytest.raises(ValueError, match="softcap or alibi_slopes"):
         flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softcap=2.0, **mods)
+
+
+def test_kvcache_user_modifiers_append_and_match_the_reference():
+    """score_mod and mask_mod (torch tensors) in the kv-cache call: k, v appended in place, and out
+    against the float64 reference of each sequence given its rows of the tensors (b the
+    sequence, kv_idx the cache position)."""
+    import cupyflash
+    import modifier_zoo as zoo
+
+    batch, nheads, headdim = 3, 4, 8
+    k_cache, v_cache = caches(batch=batch)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    generator = torch.Generator().manual_seed(11)
+    q = torch.randn((batch, 2, nheads, headdim), generator=generator, dtype=torch.float64)
+    k, v = (torch.randn((batch, 2, 2, headdim), generator=generator, dtype=torch.float64) for _ in range(2))
+    lengths = torch.tensor([5, 0, 9], dtype=torch.int32)
+    rng = np.random.default_rng(11)
+    slopes = rng.uniform(0.05, 0.5, (batch, nheads)).astype(np.float32)
+    doc_q = np.ones((batch, 2), np.int32)
+    doc_k = zoo.document_ids(rng, batch, k_cache.shape[1], 2)
+    o = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, causal=True,
+                                score_mod=cupyflash.ScoreMod(zoo.sequence_bias, slopes=torch.tensor(slopes)),
+                                mask_mod=cupyflash.MaskMod(zoo.documents, doc_q=torch.tensor(doc_q),
+                                                           doc_k=torch.tensor(doc_k)))
+    assert not torch.equal(k_cache, k_before) and not torch.equal(v_cache, v_before)  # appended in place
+    sequences = reference.kvcache_sequences(batch, k_before.numpy(), v_before.numpy(), k.numpy(), v.numpy(),
+                                            cache_seqlens=lengths.numpy())
+    for b, (keys, values) in enumerate(sequences):
+        want, _ = reference.attention(q.numpy()[b:b + 1], keys[None], values[None], causal=True,
+                                      score_mod=cupyflash.ScoreMod(zoo.sequence_bias, slopes=slopes[b:b + 1]),
+                                      mask_mod=cupyflash.MaskMod(zoo.documents, doc_q=doc_q[b:b + 1],
+                                                                 doc_k=doc_k[b:b + 1]))
+        np.testing.assert_allclose(o.numpy()[b], want[0], atol=1e-12)
