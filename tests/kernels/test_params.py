@@ -94,3 +94,29 @@ def test_forward_params_hold_the_call():
     assert (p["window_left"], p["window_right"]) == (3, 0)
     assert p["scale_log2_f64"] == np.float64(0.125) * 1.4426950408889634
     assert p["scale_log2"] == np.float32(np.float64(0.125) * 1.4426950408889634)
+
+
+def test_a_user_masks_block_map_must_match_the_specialization():
+    """A kernel that reads a block map (Score.block_map, UserScore's BLOCK_MAP) refuses a mask_mod
+    without one (its tables would be read at address 0), and one that takes none (the KV-cache
+    kernel's "nomap") refuses a map; a score_mod alone goes either way."""
+    from cupyflash import modifiers as M
+    from cupyflash.masks import mask_for
+    from cupyflash.scores import Variant
+
+    mods = M.example_modifiers()  # its mask comes without a map (_MaskOnly)
+    assert mods.has_mask and not mods.has_map
+    mapped = mask_for(True, score=Variant(mods=mods).score)
+    assert mapped.score.block_map
+    with pytest.raises(ValueError, match="reads block map"):
+        params.check_block_map(mapped, Variant(mods=mods))
+    nomap = mapped.with_score(mapped.score.without_block_map)
+    params.check_block_map(nomap, Variant(mods=mods))
+    with_map = M.Modifiers(mods.score_mod, M.create_block_mask(mods.mask_mod, 1, 1, 16, 16, device="cpu"))
+    params.check_block_map(mapped, Variant(mods=with_map))
+    with pytest.raises(ValueError, match="takes no block map"):
+        params.check_block_map(nomap, Variant(mods=with_map))
+    assert "nomap" in mapped.with_score(mapped.score.without_block_map).name and "nomap" not in mapped.name
+    score_only = M.Modifiers(mods.score_mod, None)
+    assert Variant(mods=score_only).score.without_block_map == Variant(mods=score_only).score
+    params.check_block_map(mask_for(True, score=Variant(mods=score_only).score), Variant(mods=score_only))
