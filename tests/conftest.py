@@ -22,7 +22,9 @@ import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile("dev", max_examples=25, deadline=None, print_blob=True)
-settings.register_profile("ci", max_examples=60, deadline=None, print_blob=True)
+# CI draws the same examples on every run (derandomize): a landing is judged on the change, not on
+# the draw; the dev and gpu profiles keep exploring, and what they find is pinned as an @example.
+settings.register_profile("ci", max_examples=60, deadline=None, print_blob=True, derandomize=True)
 settings.register_profile(
     "gpu",
     max_examples=200,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 
 import cupyflash
 from cupyflash import backward_plans
@@ -13,7 +13,15 @@ from cupyflash import backward_plans
 import saturation
 
 
+# Found by CI's draw (2026-12-04): float32, d16, causal, scale 1.33, magnitude 3.7 (scale x
+# magnitude^2 = 18), dq 1.23e-5 against an allowed 2 x 5.14e-6 + 1.0e-6: 1.09x over the bar. The
+# twin forms the kernels' scores and statistics, so this is the kernels' shortfall too (issue 18's
+# float32 statistics, the scores' single accumulation chain of docs/perf-log.md bwd-stats-v1).
+KNOWN_MISS = saturation.Case(np.dtype(np.float32), 13, 59, 2, 16, True, 10.0 ** 0.125, 3.684734918695216, 14822)
+
+
 @given(saturation.cases())
+@example(KNOWN_MISS).xfail(raises=AssertionError, reason="1.09x over 2x standard attention's dq error (issue 18)")
 def test_recomputed_statistics_are_as_accurate_as_standard_attention(case):
     """The saturated-softmax property on the NumPy twin: flash_attn_vjp's backward (recomputed
     statistics for float32 / float64) within 2x standard attention's error above the rounding floor,
