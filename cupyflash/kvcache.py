@@ -412,12 +412,9 @@ def _attend_in_cache(q, k_cache, v_cache, layout: CacheLayout, scale, causal, wi
     from .masks import mask_for
 
     cupy = A._cupy()
-    if not all(kvcache_mma.supports(q.dtype, d) for d in (q.shape[3], v_cache.shape[3])):
+    if not _cache_kernel_reads(q.dtype, q.shape[3], k_cache, v_cache):
         return None
     k_cache, v_cache = (A.last_dim_contiguous(A.to_cupy(c, "k_cache")) for c in (k_cache, v_cache))
-    for a in (k_cache, v_cache):
-        if any((s // a.itemsize) % 8 for s in a.strides[:3]) or a.data.ptr % 16:
-            return None
     if any((s // q.itemsize) % 8 for s in q.strides[:3]) or q.data.ptr % 16:
         q = cupy.ascontiguousarray(q)  # q is small: a copy, as _attend_unread makes
     batch, seqlen_q, nheads, _ = q.shape
