@@ -38,15 +38,16 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ._dtypes import dtype_name, is_16bit
+from ._dtypes import dtype_name, is_16bit, is_float64
 from .kernels import dq_fixed
 from .kernels._module import Specialization
-from .kernels.constants import CTYPES, SHORT_NAMES, SIXTEEN_BIT, TENSOR_CORE_D_TILES
+from .kernels.constants import CTYPES, DMMA_D_TILES, SHORT_NAMES, SIXTEEN_BIT, TENSOR_CORE_D_TILES
 from .kernels.constants import d_tile as _d_tile
 from .masks import Local, Mask, as_mask
 from .plans import SIMT_D_TILES, mma_headdim, simt_specialization, simt_tiles, without_spills
 
 __all__ = ["BackwardPlan", "BackwardKernels", "BACKWARD_KERNELS", "DQ_ADDS", "STATISTICS", "plan_backward",
+           "DmmaBwdConfig", "DMMA_BACKWARD_TILES", "dmma_backward_plan", "dmma_spec", "backward_family",
            "check_statistics", "own_forward_statistics", "backward_plan",
            "backward_device_class", "SM90", "MMA_SYNC"]
 
@@ -59,12 +60,24 @@ def d_tile(headdim: int) -> int:
 
 
 def supports(dtype, headdim: int) -> bool:
-    """fp16/bf16 with headdim a multiple of 8 in [8, 256] (the dispatcher checks strides)."""
+    """Whether the tensor-core backward runs ``dtype`` at exactly ``headdim``: fp16/bf16 with headdim
+    a multiple of 8 in [8, 256] (the dispatcher checks strides), and float64 (DMMA) up to 128."""
     try:
         name = dtype_name(dtype)
     except ValueError:
         return False
-    return name in SIXTEEN_BIT and 8 <= headdim <= D_TILES[-1] and headdim % 8 == 0
+    if headdim % 8 or headdim < 8:
+        return False
+    if name == "float64":
+        return headdim <= DMMA_D_TILES[-1]
+    return name in SIXTEEN_BIT and headdim <= D_TILES[-1]
+
+
+def backward_family(dtype, headdim: int) -> str:
+    """The family a backward call runs on a GPU unless the caller asks for one: tensor cores for
+    float16 / bfloat16 and for float64 up to d128 (the head dim padded to a multiple of 8), SIMT for
+    float32 and for float64 past it."""
+    return "mma" if (is_16bit(dtype) or is_float64(dtype)) and supports(dtype, mma_headdim(headdim)) else "simt"
 
 
 # --- tiles of each kernel ---------------------------------------------------------------------
@@ -456,7 +469,7 @@ class BackwardPlan:
     headdim: int
     d_tile: int
     dq_add: str  # DQ_ADDS: how dQ is formed (the SIMT family's dQ kernel: "none")
-    kernels: BackwardKernels | None  # the tensor-core row (None for SIMT)
+    kernels: BackwardKernels | DmmaBwdConfig | None  # the tensor-core row (float64's tiles; None for SIMT)
     launches: tuple[Launch, ...]
 
     @property
@@ -486,7 +499,7 @@ def check_statistics(statistics, dtype) -> str:
         raise ValueError(f"cupyflash: statistics must be one of {', '.join(map(repr, STATISTICS))}; "
                          f"got {statistics!r}")
     if statistics == "recomputed" and is_16bit(dtype):
-        raise ValueError(f"cupyflash: statistics='recomputed' is for float32 and float64 (the SIMT backward); "
+        raise ValueError(f"cupyflash: statistics='recomputed' is for float32 and float64 (their own kernels); "
                          f"the {dtype_name(dtype)} backward takes the saved o and lse")
     return statistics
 
@@ -502,8 +515,9 @@ def plan_backward(arch: str | None, dtype, headdim: int, mask: Mask | bool, smem
     """The kernels a backward call with this dtype, head dim, mask and ``deterministic`` launches on
     a device of compute capability ``arch`` whose blocks may opt in to ``smem_optin`` bytes (None,
     None: not known). 16-bit dtypes run the tensor-core family at the head dim padded to a multiple
-    of 8 (as the dispatcher pads it); float32 / float64 the SIMT family, which is always
-    deterministic. ``family`` ("mma", "simt") overrides that choice.
+    of 8 (as the dispatcher pads it), and so does float64 up to d128 (the DMMA kernels,
+    DMMA_BACKWARD_TILES); float32 and wider float64 the SIMT family. The float64 and SIMT kernels
+    are always deterministic. ``family`` ("mma", "simt") overrides that choice (backward_family).
 
     ``statistics`` says where the row statistics come from: "saved", the forward's lse and
     D = rowsum(dO * O) from its o (flash_bwd_preprocess), or "recomputed" (float32 / float64):
@@ -511,7 +525,7 @@ def plan_backward(arch: str | None, dtype, headdim: int, mask: Mask | bool, smem
     very scores and dP the gradient kernels form, so a saturated row cancels exactly as in standard
     attention (kernels_cu/flash_bwd_stats_simt.cu)."""
     mask = as_mask(mask)
-    family = family or ("mma" if is_16bit(dtype) else "simt")
+    family = family or backward_family(dtype, headdim)
     check_statistics(statistics, dtype)
     if family == "simt":
         return _simt_plan(dtype, headdim, mask, statistics)
@@ -519,6 +533,12 @@ def plan_backward(arch: str | None, dtype, headdim: int, mask: Mask | bool, smem
         raise ValueError(f"cupyflash: unknown backward family {family!r} (known: mma, simt)")
     headdim = mma_headdim(headdim)
     where = backward_device_class(arch)
+    if is_float64(dtype):
+        if not supports(dtype, headdim):
+            raise ValueError(f"cupyflash: the float64 tensor-core backward takes head dims up to "
+                             f"{DMMA_D_TILES[-1]}, not {headdim}")
+        return dmma_backward_plan(headdim, mask, DMMA_BACKWARD_TILES[(where, d_tile_dmma(headdim))], statistics,
+                                  where)
     dt = d_tile(headdim)
     candidates = backward_candidates(where, dtype, dt, mask, smem_optin, deterministic)
     row = candidates[0] if len(candidates) == 1 else without_spills(
@@ -565,7 +585,7 @@ def candidate_specs(where: str, dtype, headdim: int, mask: Mask, smem_optin: int
 def backward_plan(dtype, headdim: int, mask: Mask | bool, kernels: BackwardKernels) -> BackwardPlan:
     """The plan that runs ``kernels`` (any BackwardKernels: dev/'s versions and the tuner's, not only
     BACKWARD_KERNELS') at exactly ``headdim``."""
-    if not supports(dtype, headdim):
+    if not is_16bit(dtype) or not supports(dtype, headdim):
         raise ValueError(f"cupyflash: mma backward does not support dtype {dtype_name(dtype)}, headdim {headdim}")
     return _plan(dtype, headdim, as_mask(mask), kernels, "explicit")
 
@@ -631,3 +651,93 @@ def _simt_plan(dtype, headdim: int, mask: Mask, statistics: str) -> BackwardPlan
                 Launch("dkdv", simt_specialization("dkdv", dtype, headdim, mask), bn),
                 Launch("dq", simt_specialization("dq", dtype, headdim, mask), bm))
     return BackwardPlan("simt", "simt", headdim, _d_tile(headdim, SIMT_D_TILES), "none", None, launches)
+
+
+# --- the float64 backward on the FP64 tensor cores (issue 18) ------------------------------------
+
+class DmmaBwdConfig(NamedTuple):
+    """flash_bwd_dkdv_dmma, flash_bwd_dq_dmma and flash_bwd_stats_dmma (kernels_cu/, DMMA .f64):
+    the dK/dV kernel's blocks of ``dkdv_warps`` warps of 8 ``dkdv_m_tiles`` keys, stepping over
+    ``dkdv_block_m`` queries; the dQ and statistics kernels' blocks of ``dq_warps`` warps of
+    8 ``dq_m_tiles`` query rows, stepping over ``dq_block_n`` keys; ``wide`` (sm_90, m-tiles 2): the
+    products as m16n8k8, one for four m8n8k4. One product shape for the plan's three kernels: their
+    scores must agree to the bit (dmma_bwd_steps.cuh)."""
+
+    dkdv_block_m: int
+    dkdv_warps: int
+    dkdv_m_tiles: int
+    dq_block_n: int
+    dq_warps: int
+    dq_m_tiles: int
+    wide: bool = False
+
+    @property
+    def dkdv_block_n(self) -> int:
+        return 8 * self.dkdv_m_tiles * self.dkdv_warps
+
+    @property
+    def dq_block_m(self) -> int:
+        return 8 * self.dq_m_tiles * self.dq_warps
+
+
+# (device class, head-dim tile) -> tiles (perf log dmma-bwd-v0). Registers: dK and dV take D_TILE
+# m_tiles / 2 doubles a thread each (2 registers apiece), so d128 runs 8-key warps (m_tiles 1,
+# m8n8k4: 128 registers for both) and the narrower tiles 16-key warps as m16n8k8. Rows are padded to
+# D_TILE + 4 doubles. Shared memory on sm_90: 103-104 KiB at d64 (two blocks of 4 warps per SM),
+# 199 KiB at d128 (one of 8). Other archs (A100, sm_86 / sm_89): m8n8k4, 69-70 KiB at d64 and
+# 99-99.5 KiB at d128 (sm_86 / sm_89's 99 KiB takes d128's dQ kernel, not its dK/dV kernel: the
+# launch refuses it there with the bytes it needs); measured on the H200 only.
+DMMA_BACKWARD_TILES = {
+    **{(SM90, dt): DmmaBwdConfig(16, 4, 2, 16, 4, 2, True) for dt in (16, 32, 64)},
+    (SM90, 128): DmmaBwdConfig(16, 8, 1, 16, 8, 1),
+    **{(MMA_SYNC, dt): DmmaBwdConfig(16, 2, 2, 16, 2, 2) for dt in (16, 32, 64)},
+    (MMA_SYNC, 128): DmmaBwdConfig(8, 4, 1, 8, 4, 1),
+}
+
+
+def d_tile_dmma(headdim: int) -> int:
+    return _d_tile(headdim, DMMA_D_TILES)
+
+
+def dmma_smem_bytes(kind: str, dt: int, config: DmmaBwdConfig) -> int:
+    """Shared memory of one block (mirrors the kernels' SMEM_BYTES): rows of dt + 4 doubles. dK/dV:
+    K and V, then two stages of Q, dO and four row statistics; dQ and statistics: Q and dO, then two
+    stages of K and V."""
+    ld = dt + 4
+    if kind == "dkdv":
+        return 8 * (2 * config.dkdv_block_n * ld + 2 * (2 * config.dkdv_block_m * ld + 4 * config.dkdv_block_m))
+    return 8 * (2 * config.dq_block_m * ld + 4 * config.dq_block_n * ld)
+
+
+def dmma_spec(kind: str, dt: int, mask: Mask, config: DmmaBwdConfig) -> Specialization:
+    """The specialization of flash_bwd_{kind}_dmma (``kind`` "dkdv", "dq" or "stats")."""
+    fn = f"flash_bwd_{kind}_dmma"
+    if kind == "dkdv":
+        bm, bn, warps, m_tiles, step = (config.dkdv_block_m, config.dkdv_block_n, config.dkdv_warps,
+                                        config.dkdv_m_tiles, config.dkdv_block_m)
+    elif kind in ("dq", "stats"):
+        bm, bn, warps, m_tiles, step = (config.dq_block_m, config.dq_block_n, config.dq_warps, config.dq_m_tiles,
+                                        config.dq_block_n)
+    else:
+        raise ValueError(f"cupyflash: no DMMA backward kernel {kind!r} (known: dkdv, dq, stats)")
+    wide = "true" if config.wide else "false"
+    return Specialization(f"{fn}_{SHORT_NAMES['float64']}_hdim{dt}_{mask.name}_bm{bm}_bn{bn}_w{warps}_mt{m_tiles}"
+                          f"{'_wide' if config.wide else ''}", f"{fn}.cu",
+                          f"cf::{fn}<{dt}, {mask.cpp}, {step}, {warps}, {m_tiles}, {wide}>", 32 * warps,
+                          dmma_smem_bytes(kind, dt, config), arch="90" if config.wide else "")
+
+
+def dmma_backward_plan(headdim: int, mask: Mask | bool, config: DmmaBwdConfig, statistics: str = "saved",
+                       where: str = "explicit") -> BackwardPlan:
+    """The float64 backward on the FP64 tensor cores with ``config``'s tiles (DMMA_BACKWARD_TILES'
+    or the bench's): D (or, recomputed, the row statistics by flash_bwd_stats_dmma), then dK/dV,
+    then dQ; deterministic, no atomics."""
+    mask = as_mask(mask)
+    check_statistics(statistics, "float64")
+    dt = d_tile_dmma(headdim)
+    first = (Launch("stats", dmma_spec("stats", dt, mask, config), config.dq_block_m) if statistics == "recomputed"
+             else Launch("preprocess", preprocess_spec("float64"), PREPROCESS_ROWS))
+    launches = (first,
+                Launch("dkdv", dmma_spec("dkdv", dt, mask, config), config.dkdv_block_n),
+                Launch("dq", dmma_spec("dq", dt, mask, config), config.dq_block_m))
+    return BackwardPlan("mma", where, headdim, dt, "none", config, launches)

@@ -11,8 +11,7 @@ import functools
 
 import numpy as np
 
-from . import plans
-from ._dtypes import is_16bit
+from . import backward_plans, plans
 from .plans import mma_headdim
 
 
@@ -74,12 +73,13 @@ def choose(backend: str, dtype, headdim: int, direction: str) -> str:
         mma_ok = plans.forward_family(dtype, headdim) == "mma"
     else:
         mma = _mma_module(direction)
-        mma_ok = is_16bit(dtype) and mma is not None and mma.supports(np.dtype(dtype), mma_headdim(headdim))
+        mma_ok = mma is not None and backward_plans.backward_family(dtype, headdim) == "mma"
     if backend == "mma":
         if not mma_ok:
             dtypes = ("float16/bfloat16/float32 with headdim <= 256 and float64 with headdim <= 128"
                       if direction == "fwd" else
-                      "float16/bfloat16 with headdim <= 256 (the float32 / float64 backward runs on SIMT)")
+                      "float16/bfloat16 with headdim <= 256 and float64 with headdim <= 128 (the float32 "
+                      "backward runs on SIMT)")
             raise ValueError(f"backend='mma' (tensor cores) supports {dtypes}; "
                              f"got {np.dtype(dtype)} with headdim {headdim}")
         return "mma"

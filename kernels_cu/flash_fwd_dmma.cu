@@ -24,33 +24,11 @@
 // that latency.
 #include "common.cuh"
 #include "mask.cuh"
+#include "dmma.cuh"
 #include "mma.cuh"
 #include "params.cuh"
 
 namespace cf {
-
-// D = A B + C, one m8n8k4 float64 product (c and d may alias).
-__device__ __forceinline__ void dmma_m8n8k4(double (&d)[2], double a, double b, const double (&c)[2]) {
-    asm volatile("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0, %1}, {%2}, {%3}, {%4, %5};\n"
-                 : "=d"(d[0]), "=d"(d[1])
-                 : "d"(a), "d"(b), "d"(c[0]), "d"(c[1]));
-}
-
-// The same work as four m8n8k4 products of two 8-row m-tiles over two k-steps, as one sm_90
-// m16n8k8 product (perf log dmma-fwd-v2): rows g and g + 8 are m-tiles 0 and 1, k = t and t + 4
-// the two k-steps' t. A: a[mt][step], B: b[step], C, D: c[mt][e] (rows g + 8 mt, columns 2t + e),
-// PTX's a0..a3 = (g, t), (g + 8, t), (g, t + 4), (g + 8, t + 4), b0, b1 = (t, g), (t + 4, g) and
-// c0..c3 = (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1).
-template <bool ON_SM90>
-__device__ __forceinline__ void dmma_m16n8k8(double (&c0)[2], double (&c1)[2], double a00, double a10, double a01,
-                                             double a11, double b0, double b1) {
-    if constexpr (ON_SM90) {
-        asm volatile("mma.sync.aligned.m16n8k8.row.col.f64.f64.f64.f64 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-                     "{%8, %9}, {%0, %1, %2, %3};\n"
-                     : "+d"(c0[0]), "+d"(c0[1]), "+d"(c1[0]), "+d"(c1[1])
-                     : "d"(a00), "d"(a10), "d"(a01), "d"(a11), "d"(b0), "d"(b1));
-    }
-}
 
 // M_TILES: 8-row m-tiles per warp (perf log dmma-fwd-v2). Two share each K and V B fragment, so a
 // DMMA costs half a shared-memory load; their Q A fragments then come from shared memory per

@@ -952,7 +952,10 @@ def test_the_plan_is_the_old_dispatch_choice(dtype):
         head_dims = range(1, 257) if tensor_cores or (arch, smem) == (ARCHS[0], SMEM_OPTINS[0]) else \
             RECORDER.grid_head_dims(SUPPORTED[dtype])
         for headdim, (mask, policy), deterministic in itertools.product(head_dims, MASKS.items(), (True, False)):
-            plan = plan_backward(arch, SUPPORTED[dtype], headdim, policy, smem, deterministic)
+            # float64 runs the DMMA plans up to d128 now (tests/kernels/test_flash_bwd_dmma.py); its
+            # SIMT plans, the old choice everywhere, stay what they were
+            plan = plan_backward(arch, SUPPORTED[dtype], headdim, policy, smem, deterministic,
+                                 family="simt" if dtype == "float64" else None)
             seen = plans.mma_headdim(headdim) if tensor_cores else headdim
             names = old_names(dtype, mask, deterministic, arch, smem, seen)
             assert tuple(launch.spec.name for launch in plan.launches) == names, (arch, smem, headdim, mask)
@@ -978,7 +981,9 @@ def test_the_launchers_launch_their_plan(dtype):
             assert tuple(name for name, *_ in launched) == names, (arch, smem, headdim, mask, deterministic)
             if headdim in RECORDER.grid_head_dims(SUPPORTED[dtype]):
                 assert launched == tuple(old_launch(name, headdim) for name in names)
-            plan = plan_backward(arch, SUPPORTED[dtype], headdim, MASKS[mask], smem, deterministic)
+            # simt.backward asks for the SIMT plan (float64's default runs DMMA up to d128)
+            plan = plan_backward(arch, SUPPORTED[dtype], headdim, MASKS[mask], smem, deterministic,
+                                 family="simt" if dtype == "float64" else None)
             assert launched == planned(plan)
 
 

@@ -1,9 +1,11 @@
-"""The float64 forward on the FP64 tensor cores (``kernels_cu/flash_fwd_dmma.cu``, issue 18): the
+"""float64 on the FP64 tensor cores (issue 18). The forward (``kernels_cu/flash_fwd_dmma.cu``): the
 float64 rows of ``cupyflash.plans`` (``("dmma", class, d_tile)``) up to d128, which
 ``cupyflash.kernels.mma_fwd.forward`` launches on the head dims padded to a multiple of 8; past
 128 the kernel's Q fragments and O accumulators alone would take 256 registers, and float64 runs
-the SIMT forward. ``forward`` here launches it on any head dim and strides, with other tiles if
-asked (dev/bench_dmma.py, the tests).
+the SIMT forward. The backward (``flash_bwd_{dkdv,dq,stats}_dmma.cu``): the float64 plans of
+``cupyflash.backward_plans`` (``DMMA_BACKWARD_TILES``) up to d128, which
+``cupyflash.kernels.mma_bwd.backward`` hands to ``backward`` here. Both launch on any head dim
+and strides, with other tiles if asked (dev/bench_dmma.py, the tests).
 """
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ import numpy as np
 
 from ._module import Specialization, launch
 from .params import forward_params
-from .. import plans
+from .. import backward_plans, plans
+from ..backward_plans import DMMA_BACKWARD_TILES, DmmaBwdConfig
 from ..masks import KINDS, PACKED_KINDS, VARIANT_KINDS, mask_for
 from ..plans import DmmaFwdConfig
 from ..scores import PLAIN
@@ -30,9 +33,14 @@ def specialization(headdim: int, mask, config: DmmaFwdConfig | None = None) -> S
 
 
 def specializations() -> list[Specialization]:
-    """Every specialization the float64 rows launch (for the compile check)."""
+    """Every specialization the float64 rows launch, forward and backward (for the compile check)."""
     configs = sorted({(dt, c) for (family, _, dt), c in plans.FORWARD_TILES.items() if family == "dmma"})
-    return [specialization(dt, mask, c) for dt, c in configs for mask in KINDS + VARIANT_KINDS + PACKED_KINDS]
+    out = [specialization(dt, mask, c) for dt, c in configs for mask in KINDS + VARIANT_KINDS + PACKED_KINDS]
+    backward_masks = list(KINDS) + [mask.backward() for mask in VARIANT_KINDS + PACKED_KINDS]
+    for (_, dt), c in sorted(DMMA_BACKWARD_TILES.items()):
+        out.extend(backward_plans.dmma_spec(kind, dt, mask, c) for mask in backward_masks
+                   for kind in ("stats", "dkdv", "dq"))
+    return list(dict.fromkeys(out))
 
 
 def forward(q, k, v, o, lse, *, softmax_scale: float, causal: bool, window_size=(-1, -1), variant=None,
@@ -60,3 +68,35 @@ def forward(q, k, v, o, lse, *, softmax_scale: float, causal: bool, window_size=
     grid = query_grid(config.block_m, batch, seqlen_q, nheads, packed)
     launch(specialization(dt, mask, config), grid,
            (forward_params(q, k, v, o, lse, softmax_scale=softmax_scale, mask=mask, variant=variant, packed=packed),))
+
+
+def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: bool, deterministic: bool = True,
+             window_size=(-1, -1), variant=None, packed=None, config: DmmaBwdConfig | None = None) -> None:
+    """dq, dk, dv (preallocated, C-contiguous, float64) from float64 do, q, k, v, o and the saved lse
+    ((B, H, Sq), float64), as simt.backward (``packed``: a varlen batch, B = 1; the variant's
+    ``statistics`` "recomputed": flash_bwd_stats_dmma's row statistics), on the DMMA kernels with
+    ``config`` (the plan's by default); any head dim up to 128 and any strides. Always
+    deterministic (``deterministic`` is accepted and has nothing to choose)."""
+    from ._module import backward_is_empty, device_arch
+    from .mma_fwd import current_smem_optin
+    from .simt import run_backward
+
+    if any(x.dtype != np.float64 for x in (do, q, k, v, o, lse, dq, dk, dv)):
+        raise TypeError("cupyflash: the DMMA backward takes float64 arrays")
+    if int(device_arch()) < 80:
+        raise ValueError(f"cupyflash: the DMMA backward needs sm_80 or newer, not sm_{device_arch()}")
+    if config is not None and config.wide and device_arch() != "90":
+        raise ValueError(f"cupyflash: the DMMA backward's wide layout (m16n8k8 .f64) is compiled for sm_90, "
+                         f"not sm_{device_arch()}")
+    if backward_is_empty(q, k, dq, dk, dv):
+        return
+    mask = mask_for(causal, window_size, PLAIN if variant is None else variant.score, packed is not None).backward()
+    statistics = "saved" if variant is None else variant.statistics
+    headdim = max(q.shape[3], v.shape[3])
+    if config is None:
+        plan = backward_plans.plan_backward(device_arch(), np.float64, headdim, mask, current_smem_optin(), True,
+                                            statistics=statistics)
+    else:
+        plan = backward_plans.dmma_backward_plan(headdim, mask, config, statistics)
+    run_backward(plan, do, q, k, v, o, lse, dq, dk, dv, softmax_scale=softmax_scale, mask=mask, variant=variant,
+                 packed=packed)

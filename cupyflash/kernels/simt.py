@@ -119,13 +119,22 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
     backward_plans.plan_backward (D, then the dK/dV kernel, then the dQ kernel). Always
     deterministic. ``packed``: a varlen batch (B = 1). The variant's ``statistics``
     "recomputed": lse and D from flash_bwd_stats_simt instead of the saved lse and o."""
-    batch, seqlen_q, nheads, headdim = q.shape
-    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    headdim = q.shape[3]
     if backward_is_empty(q, k, dq, dk, dv):
         return
     mask = mask_for(causal, window_size, PLAIN if variant is None else variant.score, packed is not None).backward()
     plan = backward_plans.plan_backward(None, q.dtype, max(headdim, v.shape[3]), mask, None, True, family="simt",
                                         statistics="saved" if variant is None else variant.statistics)
+    run_backward(plan, do, q, k, v, o, lse, dq, dk, dv, softmax_scale=softmax_scale, mask=mask, variant=variant,
+                 packed=packed)
+
+
+def run_backward(plan, do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, mask: Mask, variant=None,
+                 packed: PackedBatch | None = None) -> None:
+    """Launches ``plan``, a plan of three kernels on one BwdParams (the SIMT family's, float64's
+    DMMA kernels'): D or the recomputed row statistics, then dK/dV, then dQ."""
+    batch, seqlen_q, nheads, headdim = q.shape
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     grids = {launch.role: launch.grid(batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, packed)
              for launch in plan.launches}
     params = backward_params(do, q, k, v, o, lse, dq, dk, dv, softmax_scale=softmax_scale, mask=mask,

@@ -75,7 +75,8 @@ def test_specializations_are_float64_with_the_plan_tiles():
     # each with every mask kind the compile check builds
     from cupyflash.masks import KINDS, PACKED_KINDS, VARIANT_KINDS
 
-    assert len(dmma.specializations()) == 10 * len(KINDS + VARIANT_KINDS + PACKED_KINDS)
+    forward = [spec for spec in dmma.specializations() if spec.name.startswith("flash_fwd_dmma")]
+    assert len(forward) == 10 * len(KINDS + VARIANT_KINDS + PACKED_KINDS)
 
 
 @pytest.mark.gpu

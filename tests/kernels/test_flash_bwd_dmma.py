@@ -1,0 +1,223 @@
+"""flash_bwd_dkdv_dmma, flash_bwd_dq_dmma and flash_bwd_stats_dmma (kernels_cu/), the float64 backward
+on the FP64 tensor cores: its plans and specializations on the CPU, and on a GPU its gradients
+against the float64 reference and against the SIMT backward, which takes the same policies through
+the same calls, through its launcher (cupyflash.kernels.dmma.backward)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cupyflash import backward_plans, reference
+from cupyflash.backward_plans import DMMA_BACKWARD_TILES, MMA_SYNC, SM90, DmmaBwdConfig
+from cupyflash.kernels import dmma
+from cupyflash.masks import KINDS, PACKED_KINDS, VARIANT_KINDS, as_mask
+
+
+def test_float64_backward_plans_run_dmma_up_to_d128():
+    """Every device class and head dim up to 128: statistics (or D), dK/dV, dQ on one DmmaBwdConfig,
+    sm_90's wide up to d64; past 128 the SIMT kernels."""
+    for arch, where in (("90", SM90), ("80", MMA_SYNC), (None, MMA_SYNC)):
+        for headdim, dt in ((8, 16), (40, 64), (64, 64), (100, 128), (128, 128)):
+            config = DMMA_BACKWARD_TILES[(where, dt)]
+            for statistics, first in (("saved", "flash_bwd_preprocess_fp64"), ("recomputed", "flash_bwd_stats_dmma")):
+                plan = backward_plans.plan_backward(arch, np.float64, headdim, True, None, True, statistics=statistics)
+                assert (plan.family, plan.d_tile, plan.kernels, plan.dq_add) == ("mma", dt, config, "none")
+                names = [launch.spec.name for launch in plan.launches]
+                assert names[0].startswith(first) and names[1].startswith("flash_bwd_dkdv_dmma_fp64")
+                assert names[2].startswith("flash_bwd_dq_dmma_fp64")
+                assert all(launch.spec.arch == ("90" if config.wide else "") for launch in plan.launches[1:])
+            assert config.wide == (where == SM90 and dt <= 64)
+    assert backward_plans.plan_backward("90", np.float64, 136, True, None, True).family == "simt"
+    assert backward_plans.backward_family(np.float64, 128) == "mma"
+    assert backward_plans.backward_family(np.float32, 64) == "simt"
+
+
+def test_specializations_mirror_the_kernels_tiles():
+    config = DmmaBwdConfig(16, 4, 2, 16, 4, 2, True)
+    mask = as_mask(True)
+    dkdv = backward_plans.dmma_spec("dkdv", 64, mask, config)
+    assert dkdv.name == "flash_bwd_dkdv_dmma_fp64_hdim64_causal_bm16_bn64_w4_mt2_wide"
+    assert dkdv.expression == "cf::flash_bwd_dkdv_dmma<64, cf::Causal, 16, 4, 2, true>"
+    # K and V of 64 keys, two stages of Q, dO (16 rows) and four statistics; rows of 64 + 4 doubles
+    assert dkdv.threads == 128 and dkdv.smem_bytes == 8 * (2 * 64 * 68 + 2 * (2 * 16 * 68 + 4 * 16))
+    dq = backward_plans.dmma_spec("dq", 64, mask, config)
+    assert dq.name == "flash_bwd_dq_dmma_fp64_hdim64_causal_bm64_bn16_w4_mt2_wide"
+    assert dq.expression == "cf::flash_bwd_dq_dmma<64, cf::Causal, 16, 4, 2, true>"
+    assert dq.smem_bytes == 8 * (2 * 64 * 68 + 4 * 16 * 68) and dq.arch == "90"
+    stats = backward_plans.dmma_spec("stats", 64, mask, config)
+    assert stats.name == dq.name.replace("_dq_", "_stats_") and stats.smem_bytes == dq.smem_bytes
+    with pytest.raises(ValueError, match="no DMMA backward kernel"):
+        backward_plans.dmma_spec("fwd", 64, mask, config)
+    # every tile row's three kernels for every mask kind the compile check builds, beside the forward's
+    names = {s.name for s in dmma.specializations()}
+    kinds = len(KINDS) + len(VARIANT_KINDS) + len(PACKED_KINDS)
+    distinct = {(dt, c) for (_, dt), c in DMMA_BACKWARD_TILES.items()}
+    assert sum(1 for n in names if "_bwd_" in n) == 3 * kinds * len(distinct)
+
+
+def test_smem_fits_the_device_classes():
+    """sm_90's blocks 227 KiB; the others' rows fit an A100 (163 KiB), d64 also sm_86 / sm_89 (99 KiB)."""
+    for (where, dt), config in DMMA_BACKWARD_TILES.items():
+        for kind in ("dkdv", "dq"):
+            need = backward_plans.dmma_smem_bytes(kind, dt, config)
+            assert need <= (227 if where == SM90 else 163) * 1024
+            if where == MMA_SYNC and dt <= 64:
+                assert need <= 99 * 1024
+
+
+# --- on the GPU -------------------------------------------------------------------------------
+
+def _gradients(do, q, k, v, *, causal, backward, window_size=(-1, -1), packed=None, statistics="saved",
+               **variant):
+    """(dq, dk, dv) of ``backward`` (dmma.backward with its options, or simt.backward) on the float64
+    forward's o and lse, NaN-poisoned outputs."""
+    import cupy
+
+    from cupyflash.dropout import check_dropout
+    from cupyflash.kernels import simt
+    from cupyflash.scores import Variant
+
+    dropout = check_dropout(variant.pop("dropout_p", 0.0), variant.pop("seed", None), 0)
+    values = Variant(softcap=variant.get("softcap", 0.0), dropout=dropout, statistics=statistics,
+                     **{name: cupy.asarray(np.asarray(variant[name], np.float32))
+                        for name in ("alibi_slopes", "sink") if name in variant})
+    qd, kd, vd, dod = (cupy.asarray(x) for x in (q, k, v, do))
+    scale = q.shape[-1] ** -0.5
+    o = cupy.full(q.shape[:-1] + v.shape[-1:], np.nan)
+    lse = cupy.full((q.shape[0], q.shape[2], q.shape[1]), np.nan)
+    simt.forward(qd, kd, vd, o, lse, softmax_scale=scale, causal=causal, window_size=window_size, variant=values,
+                 packed=packed)
+    grads = [cupy.full(x.shape, np.nan) for x in (qd, kd, vd)]
+    backward(dod, qd, kd, vd, o, lse, *grads, softmax_scale=scale, causal=causal, window_size=window_size,
+             variant=values, packed=packed)
+    return [g.get() for g in grads]
+
+
+def _assert_close(got, want, rtol=1e-11):
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert np.isfinite(a).all(), name
+        assert np.abs(a - b).max() <= rtol * (1 + np.abs(b).max()), name
+
+
+def _config_or_skip(config):
+    from cupyflash.kernels._module import device_arch
+    from cupyflash.kernels.mma_fwd import current_smem_optin
+
+    if config is not None and config.wide and device_arch() != "90":
+        pytest.skip("m16n8k8 .f64: the wide layout is compiled for sm_90")
+    if config is not None and any(backward_plans.dmma_smem_bytes(kind, 128, config) > current_smem_optin()
+                                  for kind in ("dkdv", "dq")):
+        pytest.skip("more shared memory than this device's blocks may take")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("headdim", [8, 40, 64, 100, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradients_match_the_reference(headdim, causal):
+    import functools
+
+    rng = np.random.default_rng(headdim + causal)
+    q = rng.standard_normal((2, 150, 4, headdim))
+    k, v = (rng.standard_normal((2, 173, 2, headdim)) for _ in range(2))
+    do = rng.standard_normal(q.shape)
+    got = _gradients(do, q, k, v, causal=causal, backward=functools.partial(dmma.backward))
+    _assert_close(got, reference.attention_backward(do, q, k, v, causal=causal))
+
+
+# Against the SIMT backward: the same policies through the same calls, to float64's rounding.
+SIMT_VARIANTS = {
+    "window": dict(causal=False, window_size=(17, 5)),
+    "softcap+sink": dict(causal=True, softcap=2.5, sink=[0.5, -1.0, 2.0, 0.0]),
+    "alibi": dict(causal=True, alibi_slopes=[0.25, 0.0625, 0.5, 0.125]),
+    "dropout": dict(causal=True, dropout_p=0.2, seed=5),
+    "recomputed": dict(causal=True, statistics="recomputed"),
+    "recomputed+sink+dropout": dict(causal=False, statistics="recomputed", sink=[0.5, -1.0, 2.0, 0.0],
+                                    dropout_p=0.1, seed=3),
+}
+# sm_90's plan rows and the other archs' (m8n8k4) on this GPU
+CONFIGS = [None, DMMA_BACKWARD_TILES[(MMA_SYNC, 64)], DMMA_BACKWARD_TILES[(MMA_SYNC, 128)],
+           DmmaBwdConfig(32, 2, 2, 32, 2, 2, True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", CONFIGS, ids=["plan", "sm80_d64", "sm80_d128", "wide_bm32"])
+@pytest.mark.parametrize("name", list(SIMT_VARIANTS))
+@pytest.mark.parametrize("headdim, headdim_v", [(24, 24), (64, 40), (128, 128)])
+def test_gradients_match_the_simt_backward(config, name, headdim, headdim_v):
+    import functools
+
+    from cupyflash.kernels import simt
+
+    _config_or_skip(config)
+    if config is CONFIGS[3] and headdim > 64:
+        pytest.skip("two m-tiles of dK and dV at d128 take 256 registers")
+    rng = np.random.default_rng(headdim + 3)
+    q = rng.standard_normal((2, 150, 4, headdim))
+    k = rng.standard_normal((2, 173, 2, headdim))
+    v = rng.standard_normal((2, 173, 2, headdim_v))
+    do = rng.standard_normal(q.shape[:-1] + (headdim_v,))
+    options = dict(SIMT_VARIANTS[name])
+    got = _gradients(do, q, k, v, backward=functools.partial(dmma.backward, config=config), **dict(options))
+    want = _gradients(do, q, k, v, backward=simt.backward, **dict(options))
+    _assert_close(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("statistics", ["saved", "recomputed"])
+@pytest.mark.parametrize("config", [None, DMMA_BACKWARD_TILES[(MMA_SYNC, 64)]], ids=["plan", "sm80"])
+def test_gradients_match_the_simt_backward_on_a_packed_batch(config, statistics):
+    import functools
+
+    import cupy
+
+    from cupyflash.kernels import simt
+    from cupyflash.kernels.params import PackedBatch
+
+    _config_or_skip(config)
+    rng = np.random.default_rng(5)
+    lengths_q, lengths_k = [0, 33, 190, 7, 64], [5, 40, 150, 0, 64]
+    cu_q = np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lengths_k)]).astype(np.int32)
+    q = rng.standard_normal((1, cu_q[-1], 4, 64))
+    k, v = (rng.standard_normal((1, cu_k[-1], 2, 64)) for _ in range(2))
+    do = rng.standard_normal(q.shape)
+    packed = PackedBatch(cupy.asarray(cu_q), cupy.asarray(cu_k), max(lengths_q), max(lengths_k))
+    got = _gradients(do, q, k, v, causal=True, packed=packed, statistics=statistics,
+                     backward=functools.partial(dmma.backward, config=config))
+    want = _gradients(do, q, k, v, causal=True, packed=packed, statistics=statistics, backward=simt.backward)
+    _assert_close(got, want)
+
+
+@pytest.mark.gpu
+def test_the_api_runs_the_dmma_backward_for_float64():
+    """flash_attn_backward on float64 up to d128 launches the DMMA kernels (backend auto and mma),
+    past it the SIMT ones; backend="simt" keeps SIMT."""
+    import cupy
+
+    import cupyflash
+    from cupyflash.kernels import _module
+
+    rng = np.random.default_rng(11)
+    launched = []
+    real_launch = _module.launch
+
+    def spy(spec, *args, **kwargs):
+        launched.append(spec.name)
+        return real_launch(spec, *args, **kwargs)
+
+    for headdim, backend, family in ((64, "auto", "_dmma_"), (72, "mma", "_dmma_"), (64, "simt", "_simt_"),
+                                     (136, "auto", "_simt_")):
+        q, k, v, do = (cupy.asarray(rng.standard_normal((1, 70, 2, headdim))) for _ in range(4))
+        o, lse = cupyflash.flash_attn_func(q, k, v, causal=True, return_lse=True)
+        launched.clear()
+        import cupyflash.kernels.simt as simt_module
+
+        simt_module.launch, saved = spy, simt_module.launch
+        try:
+            grads = cupyflash.flash_attn_backward(do, q, k, v, o, lse, causal=True, backend=backend)
+        finally:
+            simt_module.launch = saved
+        assert [name for name in launched if "_bwd_" in name and "preprocess" not in name], (headdim, backend)
+        assert all(family in name for name in launched if "dkdv" in name or "_dq_" in name), launched
+        want = reference.attention_backward(*(x.get() for x in (do, q, k, v)), causal=True)
+        _assert_close([g.get() for g in grads], want)
