@@ -537,8 +537,14 @@ def plan_backward(arch: str | None, dtype, headdim: int, mask: Mask | bool, smem
         if not supports(dtype, headdim):
             raise ValueError(f"cupyflash: the float64 tensor-core backward takes head dims up to "
                              f"{DMMA_D_TILES[-1]}, not {headdim}")
-        return dmma_backward_plan(headdim, mask, DMMA_BACKWARD_TILES[(where, d_tile_dmma(headdim))], statistics,
-                                  where)
+        config = DMMA_BACKWARD_TILES[(where, d_tile_dmma(headdim))]
+        too_large = smem_optin is not None and any(dmma_smem_bytes(kind, d_tile_dmma(headdim), config) > smem_optin
+                                                   for kind in ("dkdv", "dq"))
+        if too_large or (arch is not None and int(arch) < 80):
+            # d128's dK/dV block of the other archs (99.5 KiB) on sm_86 / sm_89 (99 KiB), and GPUs
+            # without DMMA: the SIMT kernels, as before
+            return _simt_plan(dtype, headdim, mask, statistics)
+        return dmma_backward_plan(headdim, mask, config, statistics, where)
     dt = d_tile(headdim)
     candidates = backward_candidates(where, dtype, dt, mask, smem_optin, deterministic)
     row = candidates[0] if len(candidates) == 1 else without_spills(

@@ -1,9 +1,9 @@
 """Which implementation runs a call: the kernel family (tensor cores, SIMT) or the NumPy twin.
 
 ``auto`` picks the tensor-core family for float16/bfloat16 on a GPU, for the float32 forward
-(tf32 tensor cores, cupyflash.precision) and for the float64 forward up to headdim 128 (DMMA), the
-SIMT family for the float32 / float64 backward and the float64 forward past 128, and the NumPy
-twin when no CUDA device is usable.
+(tf32 tensor cores, cupyflash.precision) and for float64 up to headdim 128 (DMMA, forward and
+backward), the SIMT family for the float32 backward and float64 past 128, and the NumPy twin when
+no CUDA device is usable.
 """
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ def workload(families=("simt", "mma"), quick=False) -> int:
     """Forward + backward of each family over odd shapes; returns the number of shapes run.
     ``quick``: one dtype per family, causal and the window only (racecheck is slow); the mma
     family's float32 forward (the tf32 kernel) in both precisions, its float64 forward (the DMMA
-    kernel) and the SIMT float32 backward with recomputed statistics either way."""
+    kernel, forward and backward) and the SIMT float32 backward with recomputed statistics either way."""
     import cupy
     import numpy as np
 
@@ -62,12 +62,16 @@ def workload(families=("simt", "mma"), quick=False) -> int:
                         api.flash_attn_func(q, k, v, causal=causal, window_size=window, backend=backend,
                                             precision=precision)
                     calls += 1
-            # float64's forward on tensor cores (DMMA) up to d128; its backward is SIMT's
+            # float64 on tensor cores (DMMA) up to d128, forward and backward (both statistics)
             for headdim in (h for h in HEADDIMS if h <= 128):
                 for causal, window in MASKS[1:] if quick else MASKS:
-                    q = cupy.asarray(rng.standard_normal((1, 77, 4, headdim)))
+                    q, do = (cupy.asarray(rng.standard_normal((1, 77, 4, headdim))) for _ in range(2))
                     k, v = (cupy.asarray(rng.standard_normal((1, 130, 2, headdim))) for _ in range(2))
-                    api.flash_attn_func(q, k, v, causal=causal, window_size=window, backend=backend)
+                    o, lse = api.flash_attn_func(q, k, v, causal=causal, window_size=window, return_lse=True,
+                                                 backend=backend)
+                    for statistics in ("saved", "recomputed"):
+                        api.flash_attn_backward(do, q, k, v, o, lse, causal=causal, window_size=window,
+                                                backend=backend, statistics=statistics)
                     calls += 1
     cupy.cuda.runtime.deviceSynchronize()
     return calls

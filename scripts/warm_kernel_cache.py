@@ -92,8 +92,11 @@ def _packed_specializations() -> list:
                 out.append(plans.plan_forward(None, dtype, dt, mask, None, family="simt").spec)
                 out.extend(launch.spec for launch in backward_plans.plan_backward(
                     None, dtype, dt, mask.backward(), None, True, family="simt").launches)
-        for dt in plans.DMMA_D_TILES:  # float64's forward: the DMMA kernel up to d128
+        for dt in plans.DMMA_D_TILES:  # float64's DMMA kernels up to d128, both statistics
             out.append(plans.plan_forward(arch, "float64", dt, mask, smem).spec)
+            for statistics in ("saved", "recomputed"):
+                out.extend(launch.spec for launch in backward_plans.plan_backward(
+                    arch, "float64", dt, mask.backward(), smem, True, statistics=statistics).launches)
         for dt in (64, 128, 256):  # float32's forward: the tf32 kernel, both precisions
             out += [mma_fwd.plan("float32", dt, mask, precision=precision).spec for precision in ("ieee", "tf32")]
         for dtype in ("float16", "bfloat16"):
@@ -107,7 +110,7 @@ def _packed_specializations() -> list:
 def _zoo_specializations(processes: int) -> list:
     """The kernels this device's plans launch for GPU_COMBOS (every 16-bit plan and its backward,
     deterministic or not, for each band and head-dim tile; the tf32 forward and the SIMT kernels for
-    float32, the SIMT kernels for float64; the block map kernels), after compiling every candidate
+    float32, the DMMA and SIMT kernels for float64; the block map kernels), after compiling every candidate
     the plans choose among for ptxas."""
     from pathlib import Path
 
@@ -165,8 +168,10 @@ def _zoo_specializations(processes: int) -> list:
         for dtype in ("float32", "float64"):
             for dt in plans.SIMT_D_TILES:
                 chosen.append(plans.plan_forward(arch, dtype, dt, mask, smem, family="simt").spec)
-                chosen += [launch.spec for launch in backward_plans.plan_backward(arch, dtype, dt, mask, smem, True)
-                           .launches]
+                # float64's default backward (DMMA up to d128) and the SIMT one
+                chosen += [launch.spec for family in (None, "simt")
+                           for launch in backward_plans.plan_backward(arch, dtype, dt, mask, smem, True,
+                                                                      family=family).launches]
         if mask.score.user.has_mask:
             mods = mask.score.user
             chosen.append(modifiers.block_map_spec(modifiers.Modifiers(None, modifiers._MaskOnly(mods.mask_mod))))

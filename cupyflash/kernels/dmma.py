@@ -75,15 +75,16 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
     """dq, dk, dv (preallocated, C-contiguous, float64) from float64 do, q, k, v, o and the saved lse
     ((B, H, Sq), float64), as simt.backward (``packed``: a varlen batch, B = 1; the variant's
     ``statistics`` "recomputed": flash_bwd_stats_dmma's row statistics), on the DMMA kernels with
-    ``config`` (the plan's by default); any head dim up to 128 and any strides. Always
-    deterministic (``deterministic`` is accepted and has nothing to choose)."""
+    ``config`` (the plan's by default: the SIMT kernels where the device has no DMMA or too little
+    shared memory for the row); any head dim up to 128 and any strides. Always deterministic
+    (``deterministic`` is accepted and has nothing to choose)."""
     from ._module import backward_is_empty, device_arch
     from .mma_fwd import current_smem_optin
     from .simt import run_backward
 
     if any(x.dtype != np.float64 for x in (do, q, k, v, o, lse, dq, dk, dv)):
         raise TypeError("cupyflash: the DMMA backward takes float64 arrays")
-    if int(device_arch()) < 80:
+    if config is not None and int(device_arch()) < 80:
         raise ValueError(f"cupyflash: the DMMA backward needs sm_80 or newer, not sm_{device_arch()}")
     if config is not None and config.wide and device_arch() != "90":
         raise ValueError(f"cupyflash: the DMMA backward's wide layout (m16n8k8 .f64) is compiled for sm_90, "

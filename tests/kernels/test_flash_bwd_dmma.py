@@ -55,6 +55,20 @@ def test_specializations_mirror_the_kernels_tiles():
     assert sum(1 for n in names if "_bwd_" in n) == 3 * kinds * len(distinct)
 
 
+def test_a_row_past_the_devices_shared_memory_runs_simt():
+    """sm_86 / sm_89 (99 KiB a block) cannot take the d128 dK/dV block of the other archs' row: the
+    SIMT plan runs there, as before the DMMA backward; d64 fits."""
+    for statistics in ("saved", "recomputed"):
+        plan = backward_plans.plan_backward("86", np.float64, 128, True, 99 * 1024, True, statistics=statistics)
+        assert plan.family == "simt" and all("_simt_" in launch.spec.name for launch in plan.launches[1:])
+        assert plan.spec("stats") is not None if statistics == "recomputed" else plan.spec("preprocess") is not None
+        assert backward_plans.plan_backward("86", np.float64, 64, True, 99 * 1024, True,
+                                            statistics=statistics).kernels == DMMA_BACKWARD_TILES[(MMA_SYNC, 64)]
+    assert backward_plans.plan_backward("80", np.float64, 128, True, 163 * 1024, True).kernels == \
+        DMMA_BACKWARD_TILES[(MMA_SYNC, 128)]
+    assert backward_plans.plan_backward("75", np.float64, 64, True, 64 * 1024, True).family == "simt"  # no DMMA
+
+
 def test_smem_fits_the_device_classes():
     """sm_90's blocks 227 KiB; the others' rows fit an A100 (163 KiB), d64 also sm_86 / sm_89 (99 KiB)."""
     for (where, dt), config in DMMA_BACKWARD_TILES.items():
@@ -151,6 +165,8 @@ def test_gradients_match_the_simt_backward(config, name, headdim, headdim_v):
     _config_or_skip(config)
     if config is CONFIGS[3] and headdim > 64:
         pytest.skip("two m-tiles of dK and dV at d128 take 256 registers")
+    if config is CONFIGS[1] and headdim > 64:
+        pytest.skip("2 warps copy rows of at most 64 doubles a step (cp_async_rows_f64): a d64 row")
     rng = np.random.default_rng(headdim + 3)
     q = rng.standard_normal((2, 150, 4, headdim))
     k = rng.standard_normal((2, 173, 2, headdim))

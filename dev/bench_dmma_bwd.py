@@ -1,0 +1,107 @@
+"""The float64 backward: the DMMA plan (cupyflash.kernels.dmma.backward: flash_bwd_dkdv_dmma,
+flash_bwd_dq_dmma, flash_bwd_stats_dmma) against the SIMT kernels float64 ran before it and
+PyTorch's math backend in float64, one run, CUDA events, the median of N calls; each DMMA result
+checked against the SIMT one first.
+
+    python dev/bench_dmma_bwd.py [--json OUT] [--repeats N] [--configs]
+
+Both statistics modes: "saved" (flash_attn_backward's default: D from the saved o) and
+"recomputed" (flash_attn_vjp's and torch autograd's for float64: flash_bwd_stats_*). FLOPs are
+counted as the backward's five products, 10 B H Sq Sk d (half of it causal). ``--configs`` also
+times the other DMMA tiles of the tests (dmma-bwd-v0's candidates).
+
+Issue 18's bar: >= 3x today's SIMT float64 backward, and reported against PyTorch's math backend.
+Prediction (docs/perf-log.md, dmma-bwd-v0): about 25 TFLOP/s, 5-6x the SIMT backward.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+from bench_statistics import time_ms  # dev/ is the script's directory
+
+CANDIDATES = {
+    # dK/dV (queries per step, warps, m-tiles), dQ (keys per step, warps, m-tiles), wide
+    "wide_bm32": ((32, 2, 2, 32, 2, 2, True), (16, 32, 64)),
+    "wide_w2": ((16, 2, 2, 16, 2, 2, True), (16, 32, 64)),
+    "narrow_d128_w4": ((16, 4, 1, 16, 4, 1, False), (128,)),
+}
+
+
+def main() -> None:
+    import cupy
+    import torch
+
+    from cupyflash.backward_plans import DmmaBwdConfig
+    from cupyflash.kernels import dmma, simt
+    from cupyflash.scores import Variant
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--configs", action="store_true")
+    args = parser.parse_args()
+    rows = []
+    for headdim in (64, 128):
+        for seqlen in (1024, 4096):
+            for causal in (False, True):
+                batch, nheads = max(1, 8192 // seqlen), 16
+                rng = cupy.random.default_rng(0)
+                q, k, v, do = (rng.standard_normal((batch, seqlen, nheads, headdim)) for _ in range(4))
+                scale = headdim ** -0.5
+                o = cupy.empty_like(q)
+                lse = cupy.empty((batch, nheads, seqlen))
+                dmma.forward(q, k, v, o, lse, softmax_scale=scale, causal=causal)
+                grads = [cupy.empty_like(x) for x in (q, k, v)]
+                flops = 10 * batch * nheads * seqlen * seqlen * headdim / (2 if causal else 1)
+                row = dict(headdim=headdim, seqlen=seqlen, causal=causal, batch=batch, nheads=nheads)
+                for statistics in ("saved", "recomputed"):
+                    variant = Variant(statistics=statistics)
+
+                    def run(backward, **options):
+                        return lambda: backward(do, q, k, v, o, lse, *grads, softmax_scale=scale, causal=causal,
+                                                variant=variant, **options)
+
+                    run(simt.backward)()
+                    want = [g.copy() for g in grads]
+                    times = {"simt": time_ms(run(simt.backward), args.repeats)}
+                    configs = {"dmma": None}
+                    if args.configs:
+                        configs.update({name: DmmaBwdConfig(*tiles) for name, (tiles, dts) in CANDIDATES.items()
+                                        if dmma.d_tile(headdim) in dts})
+                    for name, config in configs.items():
+                        for g in grads:
+                            g[...] = cupy.nan
+                        run(dmma.backward, config=config)()
+                        error = max(float(cupy.abs(g - w).max() / (1 + cupy.abs(w).max())) for g, w in zip(grads, want))
+                        row[f"{statistics}_{name}_rel_err_vs_simt"] = error
+                        times[name] = time_ms(run(dmma.backward, config=config), args.repeats)
+                    for name, ms in times.items():
+                        row[f"{statistics}_{name}_tflops"] = flops / ms / 1e9
+                    row[f"{statistics}_dmma_over_simt"] = times["simt"] / times["dmma"]
+                qt, kt, vt = (torch.from_dlpack(x).transpose(1, 2).requires_grad_() for x in (q, k, v))
+                dot = torch.from_dlpack(do).transpose(1, 2)
+                with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+                    out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                    ms = time_ms(lambda: torch.autograd.grad(out, (qt, kt, vt), dot, retain_graph=True), args.repeats)
+                row["torch_math_tflops"] = flops / ms / 1e9
+                row["dmma_over_torch_math"] = row["saved_dmma_tflops"] / row["torch_math_tflops"]
+                rows.append(row)
+                extra = "  ".join(f"{key[:-7]} {value:.2f}" for key, value in row.items()
+                                  if key.endswith("_tflops") and key.split("_")[1] not in ("simt", "dmma")
+                                  and not key.startswith("torch"))
+                print(f"d{headdim} {seqlen} {'causal' if causal else 'full':6} saved: simt {row['saved_simt_tflops']:5.2f} "
+                      f"dmma {row['saved_dmma_tflops']:5.2f} ({row['saved_dmma_over_simt']:.2f}x, err "
+                      f"{row['saved_dmma_rel_err_vs_simt']:.1e})  recomputed: simt {row['recomputed_simt_tflops']:5.2f} "
+                      f"dmma {row['recomputed_dmma_tflops']:5.2f} ({row['recomputed_dmma_over_simt']:.2f}x)  "
+                      f"torch-math {row['torch_math_tflops']:5.2f} TFLOP/s  {extra}", flush=True)
+                wrong = [key for key, value in row.items() if key.endswith("_rel_err_vs_simt") and not value <= 1e-11]
+                if wrong:
+                    print(f"    WRONG (relative error vs SIMT above 1e-11): {wrong}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

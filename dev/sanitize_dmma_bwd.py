@@ -1,0 +1,45 @@
+"""The float64 DMMA backward alone, small, for compute-sanitizer (racecheck on the full
+``python -m cupyflash sanitize`` workload takes minutes): sm_90's plan rows and the other archs'
+rows at d16 / d64 / d128 tiles, causal, a window and a packed batch, both statistics.
+
+    compute-sanitizer --tool racecheck python dev/sanitize_dmma_bwd.py
+"""
+from __future__ import annotations
+
+
+def main() -> None:
+    import cupy
+    import numpy as np
+
+    import cupyflash
+    from cupyflash.backward_plans import DMMA_BACKWARD_TILES, MMA_SYNC
+    from cupyflash.kernels import dmma, simt
+    from cupyflash.kernels.params import PackedBatch
+    from cupyflash.scores import Variant
+
+    rng = np.random.default_rng(0)
+    for headdim in (8, 40, 72, 128):
+        for config in (None, DMMA_BACKWARD_TILES[(MMA_SYNC, dmma.d_tile(headdim))]):
+            for causal, window in ((True, (-1, -1)), (False, (19, 70))):
+                q, do = (cupy.asarray(rng.standard_normal((1, 77, 4, headdim))) for _ in range(2))
+                k, v = (cupy.asarray(rng.standard_normal((1, 130, 2, headdim))) for _ in range(2))
+                o, lse = cupyflash.flash_attn_func(q, k, v, causal=causal, window_size=window, return_lse=True)
+                for statistics in ("saved", "recomputed"):
+                    grads = [cupy.empty_like(x) for x in (q, k, v)]
+                    dmma.backward(do, q, k, v, o, lse, *grads, softmax_scale=headdim ** -0.5, causal=causal,
+                                  window_size=window, variant=Variant(statistics=statistics), config=config)
+    lengths = [0, 33, 90, 7]
+    cu = cupy.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    q, k, v, do = (cupy.asarray(rng.standard_normal((1, sum(lengths), 4, 64))) for _ in range(4))
+    packed = PackedBatch(cu, cu, max(lengths), max(lengths))
+    o, lse = cupy.empty_like(q), cupy.empty((1, 4, sum(lengths)))
+    simt.forward(q, k, v, o, lse, softmax_scale=0.125, causal=True, packed=packed)
+    grads = [cupy.empty_like(x) for x in (q, k, v)]
+    dmma.backward(do, q, k, v, o, lse, *grads, softmax_scale=0.125, causal=True, packed=packed,
+                  variant=Variant(statistics="recomputed"))
+    cupy.cuda.runtime.deviceSynchronize()
+    print("sanitize_dmma_bwd: done")
+
+
+if __name__ == "__main__":
+    main()
