@@ -667,7 +667,9 @@ class DmmaBwdConfig(NamedTuple):
     ``dkdv_block_m`` queries; the dQ and statistics kernels' blocks of ``dq_warps`` warps of
     8 ``dq_m_tiles`` query rows, stepping over ``dq_block_n`` keys; ``wide`` (sm_90, m-tiles 2): the
     products as m16n8k8, one for four m8n8k4. One product shape for the plan's three kernels: their
-    scores must agree to the bit (dmma_bwd_steps.cuh)."""
+    scores must agree to the bit (dmma_bwd_steps.cuh). ``dkdv_pairs`` (wide, m-tiles 2): the dK/dV
+    kernel's warps in pairs of one dV and one dK warp over 16 keys (flash_bwd_dkdv_dmma_pairs, a
+    candidate for d128)."""
 
     dkdv_block_m: int
     dkdv_warps: int
@@ -676,10 +678,11 @@ class DmmaBwdConfig(NamedTuple):
     dq_warps: int
     dq_m_tiles: int
     wide: bool = False
+    dkdv_pairs: bool = False
 
     @property
     def dkdv_block_n(self) -> int:
-        return 8 * self.dkdv_m_tiles * self.dkdv_warps
+        return 8 * self.dkdv_m_tiles * self.dkdv_warps // (2 if self.dkdv_pairs else 1)
 
     @property
     def dq_block_m(self) -> int:
@@ -700,6 +703,12 @@ DMMA_BACKWARD_TILES = {
     (MMA_SYNC, 128): DmmaBwdConfig(8, 4, 1, 8, 4, 1),
 }
 
+# perf log dmma-bwd-v1: sm_90's d128 with the dK/dV kernel's warps in pairs (one dV, one dK warp
+# per 16 keys, m16n8k8) and the dQ kernel wide over 8 keys a step; 1.20-1.29x the row above on
+# the H200 and GPU-tested by its own tests, not yet by the whole suite: the candidate the row
+# becomes (dev/bench_dmma_bwd.py times it, the compile check builds it).
+DMMA_BACKWARD_CANDIDATES = {(SM90, 128): DmmaBwdConfig(16, 8, 2, 8, 4, 2, True, True)}
+
 
 def d_tile_dmma(headdim: int) -> int:
     return _d_tile(headdim, DMMA_D_TILES)
@@ -711,7 +720,10 @@ def dmma_smem_bytes(kind: str, dt: int, config: DmmaBwdConfig) -> int:
     stages of K and V."""
     ld = dt + 4
     if kind == "dkdv":
-        return 8 * (2 * config.dkdv_block_n * ld + 2 * (2 * config.dkdv_block_m * ld + 4 * config.dkdv_block_m))
+        # the pairs' kernel: the P entries each dV warp hands its partner, per lane
+        handed = config.dkdv_warps // 2 * (config.dkdv_block_m // 8 * 4) * 32 if config.dkdv_pairs else 0
+        return 8 * (2 * config.dkdv_block_n * ld + 2 * (2 * config.dkdv_block_m * ld + 4 * config.dkdv_block_m)
+                    + handed)
     return 8 * (2 * config.dq_block_m * ld + 4 * config.dq_block_n * ld)
 
 
@@ -727,6 +739,13 @@ def dmma_spec(kind: str, dt: int, mask: Mask, config: DmmaBwdConfig) -> Speciali
     else:
         raise ValueError(f"cupyflash: no DMMA backward kernel {kind!r} (known: dkdv, dq, stats)")
     wide = "true" if config.wide else "false"
+    if kind == "dkdv" and config.dkdv_pairs:
+        if not (config.wide and m_tiles == 2 and warps % 2 == 0):
+            raise ValueError(f"cupyflash: the dK/dV warp pairs are wide, of two m-tiles and an even warp count: {config!r}")
+        fn = "flash_bwd_dkdv_dmma_pairs"
+        return Specialization(f"{fn}_{SHORT_NAMES['float64']}_hdim{dt}_{mask.name}_bm{bm}_bn{bn}_w{warps}", f"{fn}.cu",
+                              f"cf::{fn}<{dt}, {mask.cpp}, {step}, {warps}>", 32 * warps,
+                              dmma_smem_bytes(kind, dt, config), arch="90")
     return Specialization(f"{fn}_{SHORT_NAMES['float64']}_hdim{dt}_{mask.name}_bm{bm}_bn{bn}_w{warps}_mt{m_tiles}"
                           f"{'_wide' if config.wide else ''}", f"{fn}.cu",
                           f"cf::{fn}<{dt}, {mask.cpp}, {step}, {warps}, {m_tiles}, {wide}>", 32 * warps,

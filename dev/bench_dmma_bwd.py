@@ -3,7 +3,7 @@ flash_bwd_dq_dmma, flash_bwd_stats_dmma) against the SIMT kernels float64 ran be
 PyTorch's math backend in float64, one run, CUDA events, the median of N calls; each DMMA result
 checked against the SIMT one first.
 
-    python dev/bench_dmma_bwd.py [--json OUT] [--repeats N] [--configs]
+    python dev/bench_dmma_bwd.py [--json OUT] [--repeats N] [--configs] [--headdims 64 128]
 
 Both statistics modes: "saved" (flash_attn_backward's default: D from the saved o) and
 "recomputed" (flash_attn_vjp's and torch autograd's for float64: flash_bwd_stats_*). FLOPs are
@@ -20,11 +20,17 @@ import json
 
 from bench_statistics import time_ms  # dev/ is the script's directory
 
+from cupyflash.backward_plans import DMMA_BACKWARD_CANDIDATES, SM90
+
 CANDIDATES = {
     # dK/dV (queries per step, warps, m-tiles), dQ (keys per step, warps, m-tiles), wide
     "wide_bm32": ((32, 2, 2, 32, 2, 2, True), (16, 32, 64)),
     "wide_w2": ((16, 2, 2, 16, 2, 2, True), (16, 32, 64)),
     "narrow_d128_w4": ((16, 4, 1, 16, 4, 1, False), (128,)),
+    # dmma-bwd-v1's candidate: d128 wide, the dK/dV kernel's warps in pairs (dV warp, dK warp)
+    # (the dQ kernel at 16 keys a step spills 16 bytes at d128 with two m-tiles: 8 keys)
+    "pairs_d128": (tuple(DMMA_BACKWARD_CANDIDATES[(SM90, 128)]), (128,)),
+    "pairs_d64": ((16, 8, 2, 16, 4, 2, True, True), (64,)),
 }
 
 
@@ -40,9 +46,10 @@ def main() -> None:
     parser.add_argument("--json")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--configs", action="store_true")
+    parser.add_argument("--headdims", type=int, nargs="+", default=[64, 128])
     args = parser.parse_args()
     rows = []
-    for headdim in (64, 128):
+    for headdim in args.headdims:
         for seqlen in (1024, 4096):
             for causal in (False, True):
                 batch, nheads = max(1, 8192 // seqlen), 16

@@ -4,7 +4,7 @@ The GPU suite's time goes mostly to NVRTC compiles and host-side reference math,
 CPU-bound: shards on a 16-core machine share the one GPU and finish several times sooner. Tests
 are dealt out round-robin by node id (parametrizations of one test land on different shards).
 
-    python scripts/pytest_shards.py --shards 8 --out OUTDIR [--limit SECONDS] [-m gpu] tests/ ...
+    python scripts/pytest_shards.py --shards 8 --out OUTDIR [--limit SECONDS] [-m gpu] [-k EXPR] tests/ ...
 """
 from __future__ import annotations
 
@@ -46,9 +46,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--limit", type=int, default=540, help="seconds per shard")
     parser.add_argument("-m", dest="marker", default=None, help="pytest marker expression")
+    parser.add_argument("-k", dest="keyword", default=None, help="pytest keyword expression")
     parser.add_argument("paths", nargs="+")
     args = parser.parse_args(argv)
-    options = ["-m", args.marker] if args.marker else []
+    options = (["-m", args.marker] if args.marker else []) + (["-k", args.keyword] if args.keyword else [])
     selection = [*options, *args.paths]
     args.out.mkdir(parents=True, exist_ok=True)
     collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",

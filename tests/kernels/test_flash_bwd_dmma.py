@@ -48,10 +48,20 @@ def test_specializations_mirror_the_kernels_tiles():
     assert stats.name == dq.name.replace("_dq_", "_stats_") and stats.smem_bytes == dq.smem_bytes
     with pytest.raises(ValueError, match="no DMMA backward kernel"):
         backward_plans.dmma_spec("fwd", 64, mask, config)
+    # the warp pairs' dK/dV kernel (a candidate): 4 pairs of 16 keys, each dV warp handing its
+    # partner 2 x 2 x 2 entries of P a lane per step
+    pairs = DmmaBwdConfig(16, 8, 2, 16, 4, 2, True, True)
+    spec = backward_plans.dmma_spec("dkdv", 128, mask, pairs)
+    assert spec.name == "flash_bwd_dkdv_dmma_pairs_fp64_hdim128_causal_bm16_bn64_w8" and spec.arch == "90"
+    assert spec.expression == "cf::flash_bwd_dkdv_dmma_pairs<128, cf::Causal, 16, 8>" and spec.threads == 256
+    assert spec.smem_bytes == 8 * (2 * 64 * 132 + 2 * (2 * 16 * 132 + 4 * 16) + 4 * 8 * 32)
+    assert backward_plans.dmma_spec("dq", 128, mask, pairs).name == "flash_bwd_dq_dmma_fp64_hdim128_causal_bm64_bn16_w4_mt2_wide"
+    with pytest.raises(ValueError, match="warp pairs"):
+        backward_plans.dmma_spec("dkdv", 128, mask, DmmaBwdConfig(16, 8, 1, 16, 4, 1, False, True))
     # every tile row's three kernels for every mask kind the compile check builds, beside the forward's
     names = {s.name for s in dmma.specializations()}
     kinds = len(KINDS) + len(VARIANT_KINDS) + len(PACKED_KINDS)
-    distinct = {(dt, c) for (_, dt), c in DMMA_BACKWARD_TILES.items()}
+    distinct = {(dt, c) for (_, dt), c in [*DMMA_BACKWARD_TILES.items(), *backward_plans.DMMA_BACKWARD_CANDIDATES.items()]}
     assert sum(1 for n in names if "_bwd_" in n) == 3 * kinds * len(distinct)
 
 
@@ -150,11 +160,12 @@ SIMT_VARIANTS = {
 }
 # sm_90's plan rows and the other archs' (m8n8k4) on this GPU
 CONFIGS = [None, DMMA_BACKWARD_TILES[(MMA_SYNC, 64)], DMMA_BACKWARD_TILES[(MMA_SYNC, 128)],
-           DmmaBwdConfig(32, 2, 2, 32, 2, 2, True)]
+           DmmaBwdConfig(32, 2, 2, 32, 2, 2, True),
+           backward_plans.DMMA_BACKWARD_CANDIDATES[(SM90, 128)]]  # dmma-bwd-v1's candidate: warp pairs
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", CONFIGS, ids=["plan", "sm80_d64", "sm80_d128", "wide_bm32"])
+@pytest.mark.parametrize("config", CONFIGS, ids=["plan", "sm80_d64", "sm80_d128", "wide_bm32", "pairs"])
 @pytest.mark.parametrize("name", list(SIMT_VARIANTS))
 @pytest.mark.parametrize("headdim, headdim_v", [(24, 24), (64, 40), (128, 128)])
 def test_gradients_match_the_simt_backward(config, name, headdim, headdim_v):
@@ -180,7 +191,7 @@ def test_gradients_match_the_simt_backward(config, name, headdim, headdim_v):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("statistics", ["saved", "recomputed"])
-@pytest.mark.parametrize("config", [None, DMMA_BACKWARD_TILES[(MMA_SYNC, 64)]], ids=["plan", "sm80"])
+@pytest.mark.parametrize("config", [None, DMMA_BACKWARD_TILES[(MMA_SYNC, 64)], CONFIGS[4]], ids=["plan", "sm80", "pairs"])
 def test_gradients_match_the_simt_backward_on_a_packed_batch(config, statistics):
     import functools
 
