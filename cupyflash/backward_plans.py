@@ -77,7 +77,7 @@ def backward_family(dtype, headdim: int) -> str:
     """The family a backward call runs on a GPU unless the caller asks for one: tensor cores for
     float16 / bfloat16 and for float64 up to d128 (the head dim padded to a multiple of 8), SIMT for
     float32 and for float64 past it."""
-    return "mma" if (is_16bit(dtype) or is_float64(dtype)) and supports(dtype, mma_headdim(headdim)) else "simt"
+    return "mma" if supports(dtype, mma_headdim(headdim)) else "simt"
 
 
 # --- tiles of each kernel ---------------------------------------------------------------------
@@ -537,8 +537,9 @@ def plan_backward(arch: str | None, dtype, headdim: int, mask: Mask | bool, smem
         if not supports(dtype, headdim):
             raise ValueError(f"cupyflash: the float64 tensor-core backward takes head dims up to "
                              f"{DMMA_D_TILES[-1]}, not {headdim}")
-        config = DMMA_BACKWARD_TILES[(where, d_tile_dmma(headdim))]
-        too_large = smem_optin is not None and any(dmma_smem_bytes(kind, d_tile_dmma(headdim), config) > smem_optin
+        dt = d_tile_dmma(headdim)
+        config = DMMA_BACKWARD_TILES[(where, dt)]
+        too_large = smem_optin is not None and any(dmma_smem_bytes(kind, dt, config) > smem_optin
                                                    for kind in ("dkdv", "dq"))
         if too_large or (arch is not None and int(arch) < 80):
             # d128's dK/dV block of the other archs (99.5 KiB) on sm_86 / sm_89 (99 KiB), and GPUs
@@ -694,8 +695,8 @@ class DmmaBwdConfig(NamedTuple):
 # m8n8k4: 128 registers for both) and the narrower tiles 16-key warps as m16n8k8. Rows are padded to
 # D_TILE + 4 doubles. Shared memory on sm_90: 103-104 KiB at d64 (two blocks of 4 warps per SM),
 # 199 KiB at d128 (one of 8). Other archs (A100, sm_86 / sm_89): m8n8k4, 69-70 KiB at d64 and
-# 99-99.5 KiB at d128 (sm_86 / sm_89's 99 KiB takes d128's dQ kernel, not its dK/dV kernel: the
-# launch refuses it there with the bytes it needs); measured on the H200 only.
+# 99-99.5 KiB at d128 (sm_86 / sm_89's 99 KiB takes d128's dQ kernel, not its dK/dV kernel:
+# plan_backward runs the SIMT plan there); measured on the H200 only.
 DMMA_BACKWARD_TILES = {
     **{(SM90, dt): DmmaBwdConfig(16, 4, 2, 16, 4, 2, True) for dt in (16, 32, 64)},
     (SM90, 128): DmmaBwdConfig(16, 8, 1, 16, 8, 1),
