@@ -107,11 +107,11 @@ def _gradients(do, q, k, v, *, causal, backward, window_size=(-1, -1), packed=No
                         for name in ("alibi_slopes", "sink") if name in variant})
     qd, kd, vd, dod = (cupy.asarray(x) for x in (q, k, v, do))
     scale = q.shape[-1] ** -0.5
-    o = cupy.full(q.shape[:-1] + v.shape[-1:], np.nan)
-    lse = cupy.full((q.shape[0], q.shape[2], q.shape[1]), np.nan)
+    o = cupy.full(q.shape[:-1] + v.shape[-1:], np.nan, q.dtype)
+    lse = cupy.full((q.shape[0], q.shape[2], q.shape[1]), np.nan, q.dtype)
     simt.forward(qd, kd, vd, o, lse, softmax_scale=scale, causal=causal, window_size=window_size, variant=values,
                  packed=packed)
-    grads = [cupy.full(x.shape, np.nan) for x in (qd, kd, vd)]
+    grads = [cupy.full(x.shape, np.nan, x.dtype) for x in (qd, kd, vd)]
     backward(dod, qd, kd, vd, o, lse, *grads, softmax_scale=scale, causal=causal, window_size=window_size,
              variant=values, packed=packed)
     return [g.get() for g in grads]
@@ -248,3 +248,35 @@ def test_the_api_runs_the_dmma_backward_for_float64():
         assert all(family in name for name in launched if "dkdv" in name or "_dq_" in name), launched
         want = reference.attention_backward(*(x.get() for x in (do, q, k, v)), causal=True)
         _assert_close([g.get() for g in grads], want)
+
+
+# --- the float32 experiment (experiment/tf32-backward): the same kernels on float, each product
+# three tf32 products of split operands (perf log tf32-bwd-v0) ----------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("statistics", ["saved", "recomputed"])
+@pytest.mark.parametrize("name", ["window", "softcap+sink", "alibi", "dropout"])
+@pytest.mark.parametrize("headdim", [40, 64, 128])
+def test_tf32x3_experiment_is_as_accurate_as_the_simt_float32_backward(headdim, name, statistics):
+    """Against the float64 reference (the SIMT float32 backward's gradients on the same float32
+    inputs as the measure): within 4x the SIMT kernels' error, plus float32's rounding of the
+    largest gradient."""
+    import functools
+
+    from cupyflash.kernels import simt
+
+    rng = np.random.default_rng(headdim + 5)
+    q = rng.standard_normal((2, 150, 4, headdim)).astype(np.float32)
+    k, v = (rng.standard_normal((2, 173, 2, headdim)).astype(np.float32) for _ in range(2))
+    do = rng.standard_normal(q.shape).astype(np.float32)
+    options = {key: value for key, value in SIMT_VARIANTS[name].items()}
+    config = backward_plans.TF32X3_BACKWARD_CONFIGS[dmma.d_tile(headdim)]
+    got = _gradients(do, q, k, v, backward=functools.partial(dmma.backward, config=config), statistics=statistics,
+                     **dict(options))
+    simt_grads = _gradients(do, q, k, v, backward=simt.backward, statistics=statistics, **dict(options))
+    want = _gradients(*(x.astype(np.float64) for x in (do, q, k, v)), backward=simt.backward, statistics=statistics,
+                      **dict(options))
+    for which, a, s, w in zip(("dq", "dk", "dv"), got, simt_grads, want):
+        assert np.isfinite(a).all(), which
+        error, simt_error = np.abs(a - w).max(), np.abs(s - w).max()
+        assert error <= 4 * simt_error + 2.0 ** -23 * np.abs(w).max(), (which, error, simt_error)
