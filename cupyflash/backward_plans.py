@@ -781,4 +781,6 @@ def dmma_backward_plan(headdim: int, mask: Mask | bool, config: DmmaBwdConfig, s
 
 # The float32 experiment on the same kernels (experiment/tf32-backward; perf log tf32-bwd-v0): not a
 # plan row, run through dmma.backward(config=...) on float32 arrays by its tests and the bench.
-TF32X3_BACKWARD_CONFIGS = {64: DmmaBwdConfig(16, 4, 2, 16, 4, 2), 128: DmmaBwdConfig(16, 4, 2, 16, 4, 2)}
+# d128's dK/dV kernel steps over 8 queries: at 16, dK and dV (128 registers) beside S^T, dP^T and
+# the split fragments spill 24-88 bytes at sm_80 and with a user modifier at sm_90.
+TF32X3_BACKWARD_CONFIGS = {64: DmmaBwdConfig(16, 4, 2, 16, 4, 2), 128: DmmaBwdConfig(8, 4, 2, 16, 4, 2)}

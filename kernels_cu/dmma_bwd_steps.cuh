@@ -28,7 +28,7 @@ namespace cf {
 // C[n] = A B_n^T over DIM columns, C in the accumulator layout: A's rows g + 8 mt at a_frag + 8 mt LD
 // (a_frag: row g, column t of an LD-strided tile), B's rows 8 n + g at b_frag + 8 n LD (the same
 // offsets). C starts at zero.
-template <int DIM, int N_TILES, int LD, int M_TILES, bool WIDE>
+template <int DIM, int N_TILES, int LD, int M_TILES, bool WIDE, bool TRANSPOSED = false>
 __device__ __forceinline__ void dmma_rows_times_rows(double (&c)[N_TILES][M_TILES][2], const double* a_frag,
                                                      const double* b_frag) {
 #pragma unroll
@@ -63,7 +63,14 @@ __device__ __forceinline__ void dmma_acc_times_rows(double (&c)[DIM / 8][M_TILES
 // product as three tf32 products of split operands, each k-step's three summed apart and added
 // with one rounding (tf32.cuh's mma_tf32, STEP_SUMS: "ieee" accuracy), in m16n8k8's layout,
 // which is m16n8k8 .f64's: two 8-row m-tiles, k-halves t and t + 4 (M_TILES 2 only).
-template <int DIM, int N_TILES, int LD, int M_TILES, bool WIDE>
+//
+// TRANSPOSED (the dK/dV kernel's S^T = K Q^T, dP^T = V dO^T): the two small products in the order
+// of the query-side kernels' S = Q K^T (q_lo k_hi, then q_hi k_lo, there a_lo b_hi then a_hi b_lo),
+// so that every entry is the same sum of the same products in the same order: the tensor core's
+// accumulation truncates, and another order could change S's last bit, which statistics
+// "recomputed" needs to the bit. (One .f64 product per k-step has no such order: TRANSPOSED is
+// accepted there and changes nothing.)
+template <int DIM, int N_TILES, int LD, int M_TILES, bool WIDE, bool TRANSPOSED = false>
 __device__ __forceinline__ void dmma_rows_times_rows(float (&c)[N_TILES][M_TILES][2], const float* a_frag,
                                                      const float* b_frag) {
     static_assert(M_TILES == 2, "m16n8k8 .tf32 takes two 8-row m-tiles");
@@ -81,7 +88,19 @@ __device__ __forceinline__ void dmma_rows_times_rows(float (&c)[N_TILES][M_TILES
             u32 b_hi0, b_lo0, b_hi1, b_lo1;
             split_tf32<3>(b_frag[8 * n * LD + 8 * ks], b_hi0, b_lo0);
             split_tf32<3>(b_frag[8 * n * LD + 8 * ks + 4], b_hi1, b_lo1);
-            mma_tf32<3, true>(reinterpret_cast<float(&)[4]>(c[n]), a_hi, a_lo, b_hi0, b_hi1, b_lo0, b_lo1);
+            // mma_tf32<3, STEP_SUMS>'s step, its two small products in the query-side order
+            float step[4] = {0.f, 0.f, 0.f, 0.f};
+            if constexpr (TRANSPOSED) {
+                mma_1688_tf32(step, a_hi, b_lo0, b_lo1);
+                mma_1688_tf32(step, a_lo, b_hi0, b_hi1);
+            } else {
+                mma_1688_tf32(step, a_lo, b_hi0, b_hi1);
+                mma_1688_tf32(step, a_hi, b_lo0, b_lo1);
+            }
+            mma_1688_tf32(step, a_hi, b_hi0, b_hi1);
+            float(&acc)[4] = reinterpret_cast<float(&)[4]>(c[n]);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[e] = __fadd_rn(acc[e], step[e]);
         }
     }
 }

@@ -125,8 +125,10 @@ flash_bwd_dkdv_dmma(const __grid_constant__ BwdParams p) {
 
         // S^T = K Q^T, dP^T = V dO^T
         A st[Q_TILES][M_TILES][2], dpt[Q_TILES][M_TILES][2];
-        dmma_rows_times_rows<D_TILE, Q_TILES, LD, M_TILES, WIDE>(st, k_tile + (w0 + g) * LD + t, q_tile + g * LD + t);
-        dmma_rows_times_rows<D_TILE, Q_TILES, LD, M_TILES, WIDE>(dpt, v_tile + (w0 + g) * LD + t, do_tile + g * LD + t);
+        dmma_rows_times_rows<D_TILE, Q_TILES, LD, M_TILES, WIDE, true>(st, k_tile + (w0 + g) * LD + t,
+                                                                      q_tile + g * LD + t);
+        dmma_rows_times_rows<D_TILE, Q_TILES, LD, M_TILES, WIDE, true>(dpt, v_tile + (w0 + g) * LD + t,
+                                                                      do_tile + g * LD + t);
 
         // P^T (times Z under dropout) into st, dS^T into dpt
 #pragma unroll

@@ -41,6 +41,9 @@ def specializations() -> list[Specialization]:
     for (_, dt), c in sorted(rows):
         out.extend(backward_plans.dmma_spec(kind, dt, mask, c) for mask in backward_masks
                    for kind in ("stats", "dkdv", "dq"))
+    for dt, c in sorted(backward_plans.TF32X3_BACKWARD_CONFIGS.items()):  # the float32 experiment
+        out.extend(backward_plans.dmma_spec(kind, dt, mask, c, "float32") for mask in backward_masks
+                   for kind in ("stats", "dkdv", "dq"))
     return list(dict.fromkeys(out))
 
 
