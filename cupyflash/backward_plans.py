@@ -715,22 +715,33 @@ def d_tile_dmma(headdim: int) -> int:
     return _d_tile(headdim, DMMA_D_TILES)
 
 
-def dmma_smem_bytes(kind: str, dt: int, config: DmmaBwdConfig) -> int:
-    """Shared memory of one block (mirrors the kernels' SMEM_BYTES): rows of dt + 4 doubles. dK/dV:
-    K and V, then two stages of Q, dO and four row statistics; dQ and statistics: Q and dO, then two
-    stages of K and V."""
+def dmma_smem_bytes(kind: str, dt: int, config: DmmaBwdConfig, itemsize: int = 8) -> int:
+    """Shared memory of one block (mirrors the kernels' SMEM_BYTES): rows of dt + 4 elements of
+    ``itemsize`` bytes (8: float64; 4: the float32 experiment). dK/dV: K and V, then two stages of
+    Q, dO and four row statistics; dQ and statistics: Q and dO, then two stages of K and V."""
     ld = dt + 4
     if kind == "dkdv":
         # the pairs' kernel: the P entries each dV warp hands its partner, per lane
         handed = config.dkdv_warps // 2 * (config.dkdv_block_m // 8 * 4) * 32 if config.dkdv_pairs else 0
-        return 8 * (2 * config.dkdv_block_n * ld + 2 * (2 * config.dkdv_block_m * ld + 4 * config.dkdv_block_m)
-                    + handed)
-    return 8 * (2 * config.dq_block_m * ld + 4 * config.dq_block_n * ld)
+        return itemsize * (2 * config.dkdv_block_n * ld + 2 * (2 * config.dkdv_block_m * ld + 4 * config.dkdv_block_m)
+                           + handed)
+    return itemsize * (2 * config.dq_block_m * ld + 4 * config.dq_block_n * ld)
 
 
-def dmma_spec(kind: str, dt: int, mask: Mask, config: DmmaBwdConfig) -> Specialization:
-    """The specialization of flash_bwd_{kind}_dmma (``kind`` "dkdv", "dq" or "stats")."""
+def dmma_spec(kind: str, dt: int, mask: Mask, config: DmmaBwdConfig, dtype="float64") -> Specialization:
+    """The specialization of flash_bwd_{kind}_dmma (``kind`` "dkdv", "dq" or "stats"); ``dtype``
+    float32: the experiment of its template on float, each product three tf32 products of split
+    operands ("tf32x3" in names; two m-tiles, not wide, no pairs)."""
     fn = f"flash_bwd_{kind}_dmma"
+    if dtype_name(dtype) == "float32":
+        if config.wide or config.dkdv_pairs or (config.dkdv_m_tiles, config.dq_m_tiles) != (2, 2):
+            raise ValueError(f"cupyflash: the float32 experiment takes m16n8k8 .tf32 of two m-tiles: {config!r}")
+        bm, bn, warps, step = ((config.dkdv_block_m, config.dkdv_block_n, config.dkdv_warps, config.dkdv_block_m)
+                               if kind == "dkdv" else
+                               (config.dq_block_m, config.dq_block_n, config.dq_warps, config.dq_block_n))
+        return Specialization(f"{fn}_{SHORT_NAMES['float32']}_hdim{dt}_{mask.name}_bm{bm}_bn{bn}_w{warps}_tf32x3",
+                              f"{fn}.cu", f"cf::{fn}<{dt}, {mask.cpp}, {step}, {warps}, 2, false, float>", 32 * warps,
+                              dmma_smem_bytes(kind, dt, config, 4))
     if kind == "dkdv":
         bm, bn, warps, m_tiles, step = (config.dkdv_block_m, config.dkdv_block_n, config.dkdv_warps,
                                         config.dkdv_m_tiles, config.dkdv_block_m)
@@ -754,16 +765,23 @@ def dmma_spec(kind: str, dt: int, mask: Mask, config: DmmaBwdConfig) -> Speciali
 
 
 def dmma_backward_plan(headdim: int, mask: Mask | bool, config: DmmaBwdConfig, statistics: str = "saved",
-                       where: str = "explicit") -> BackwardPlan:
+                       where: str = "explicit", dtype="float64") -> BackwardPlan:
     """The float64 backward on the FP64 tensor cores with ``config``'s tiles (DMMA_BACKWARD_TILES'
     or the bench's): D (or, recomputed, the row statistics by flash_bwd_stats_dmma), then dK/dV,
     then dQ; deterministic, no atomics."""
     mask = as_mask(mask)
-    check_statistics(statistics, "float64")
+    check_statistics(statistics, dtype)
     dt = d_tile_dmma(headdim)
-    first = (Launch("stats", dmma_spec("stats", dt, mask, config), config.dq_block_m) if statistics == "recomputed"
-             else Launch("preprocess", preprocess_spec("float64"), PREPROCESS_ROWS))
+    first = (Launch("stats", dmma_spec("stats", dt, mask, config, dtype), config.dq_block_m) if statistics == "recomputed"
+             else Launch("preprocess", preprocess_spec(dtype), PREPROCESS_ROWS))
     launches = (first,
-                Launch("dkdv", dmma_spec("dkdv", dt, mask, config), config.dkdv_block_n),
-                Launch("dq", dmma_spec("dq", dt, mask, config), config.dq_block_m))
+                Launch("dkdv", dmma_spec("dkdv", dt, mask, config, dtype), config.dkdv_block_n),
+                Launch("dq", dmma_spec("dq", dt, mask, config, dtype), config.dq_block_m))
     return BackwardPlan("mma", where, headdim, dt, "none", config, launches)
+
+
+# The float32 experiment on the same kernels (experiment/tf32-backward; perf log tf32-bwd-v0): not a
+# plan row, run through dmma.backward(config=...) on float32 arrays by its tests and the bench.
+# d128's dK/dV kernel steps over 8 queries: at 16, dK and dV (128 registers) beside S^T, dP^T and
+# the split fragments spill 24-88 bytes at sm_80 and with a user modifier at sm_90.
+TF32X3_BACKWARD_CONFIGS = {64: DmmaBwdConfig(16, 4, 2, 16, 4, 2), 128: DmmaBwdConfig(8, 4, 2, 16, 4, 2)}

@@ -20,7 +20,7 @@ import json
 
 from bench_statistics import time_ms  # dev/ is the script's directory
 
-from cupyflash.backward_plans import DMMA_BACKWARD_CANDIDATES, SM90
+from cupyflash.backward_plans import DMMA_BACKWARD_CANDIDATES, SM90, TF32X3_BACKWARD_CONFIGS
 
 CANDIDATES = {
     # dK/dV (queries per step, warps, m-tiles), dQ (keys per step, warps, m-tiles), wide
@@ -47,18 +47,23 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--configs", action="store_true")
     parser.add_argument("--headdims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--dtype", choices=("float64", "float32"), default="float64",
+                        help="float32: the tf32x3 experiment (perf log tf32-bwd-v0) against the SIMT float32 "
+                             "backward and PyTorch's mem-efficient float32 backward")
     args = parser.parse_args()
+    fp32 = args.dtype == "float32"
     rows = []
     for headdim in args.headdims:
         for seqlen in (1024, 4096):
             for causal in (False, True):
                 batch, nheads = max(1, 8192 // seqlen), 16
                 rng = cupy.random.default_rng(0)
-                q, k, v, do = (rng.standard_normal((batch, seqlen, nheads, headdim)) for _ in range(4))
+                q, k, v, do = (rng.standard_normal((batch, seqlen, nheads, headdim)).astype(args.dtype)
+                               for _ in range(4))
                 scale = headdim ** -0.5
                 o = cupy.empty_like(q)
-                lse = cupy.empty((batch, nheads, seqlen))
-                dmma.forward(q, k, v, o, lse, softmax_scale=scale, causal=causal)
+                lse = cupy.empty((batch, nheads, seqlen), q.dtype)
+                (simt.forward if fp32 else dmma.forward)(q, k, v, o, lse, softmax_scale=scale, causal=causal)
                 grads = [cupy.empty_like(x) for x in (q, k, v)]
                 flops = 10 * batch * nheads * seqlen * seqlen * headdim / (2 if causal else 1)
                 row = dict(headdim=headdim, seqlen=seqlen, causal=causal, batch=batch, nheads=nheads)
@@ -72,8 +77,8 @@ def main() -> None:
                     run(simt.backward)()
                     want = [g.copy() for g in grads]
                     times = {"simt": time_ms(run(simt.backward), args.repeats)}
-                    configs = {"dmma": None}
-                    if args.configs:
+                    configs = {"dmma": TF32X3_BACKWARD_CONFIGS[dmma.d_tile(headdim)] if fp32 else None}
+                    if args.configs and not fp32:
                         configs.update({name: DmmaBwdConfig(*tiles) for name, (tiles, dts) in CANDIDATES.items()
                                         if dmma.d_tile(headdim) in dts})
                     for name, config in configs.items():
@@ -88,11 +93,13 @@ def main() -> None:
                     row[f"{statistics}_dmma_over_simt"] = times["simt"] / times["dmma"]
                 qt, kt, vt = (torch.from_dlpack(x).transpose(1, 2).requires_grad_() for x in (q, k, v))
                 dot = torch.from_dlpack(do).transpose(1, 2)
-                with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+                backend = torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION if fp32 else torch.nn.attention.SDPBackend.MATH
+                with torch.nn.attention.sdpa_kernel(backend):
                     out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
                     ms = time_ms(lambda: torch.autograd.grad(out, (qt, kt, vt), dot, retain_graph=True), args.repeats)
-                row["torch_math_tflops"] = flops / ms / 1e9
-                row["dmma_over_torch_math"] = row["saved_dmma_tflops"] / row["torch_math_tflops"]
+                torch_name = "torch_mem_efficient" if fp32 else "torch_math"
+                row[f"{torch_name}_tflops"] = flops / ms / 1e9
+                row[f"dmma_over_{torch_name}"] = row["saved_dmma_tflops"] / row[f"{torch_name}_tflops"]
                 rows.append(row)
                 extra = "  ".join(f"{key[:-7]} {value:.2f}" for key, value in row.items()
                                   if key.endswith("_tflops") and key.split("_")[1] not in ("simt", "dmma")
@@ -101,10 +108,11 @@ def main() -> None:
                       f"dmma {row['saved_dmma_tflops']:5.2f} ({row['saved_dmma_over_simt']:.2f}x, err "
                       f"{row['saved_dmma_rel_err_vs_simt']:.1e})  recomputed: simt {row['recomputed_simt_tflops']:5.2f} "
                       f"dmma {row['recomputed_dmma_tflops']:5.2f} ({row['recomputed_dmma_over_simt']:.2f}x)  "
-                      f"torch-math {row['torch_math_tflops']:5.2f} TFLOP/s  {extra}", flush=True)
-                wrong = [key for key, value in row.items() if key.endswith("_rel_err_vs_simt") and not value <= 1e-11]
+                      f"{torch_name} {row[torch_name + '_tflops']:5.2f} TFLOP/s  {extra}", flush=True)
+                bound = 1e-4 if fp32 else 1e-11  # float32: two float32 backwards' own rounding apart
+                wrong = [key for key, value in row.items() if key.endswith("_rel_err_vs_simt") and not value <= bound]
                 if wrong:
-                    print(f"    WRONG (relative error vs SIMT above 1e-11): {wrong}", flush=True)
+                    print(f"    WRONG (relative error vs SIMT above {bound}): {wrong}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

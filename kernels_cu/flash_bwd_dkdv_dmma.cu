@@ -21,20 +21,22 @@ namespace cf {
 // only where the call has them).
 enum StatSlot { STAT_LSE = 0, STAT_DELTA = 1, STAT_WEIGHT = 2, STAT_DP_REF = 3, STAT_SLOTS = 4 };
 
-template <int D_TILE, class Mask, int BLOCK_M, int NWARPS, int M_TILES = 2, bool WIDE = false>
+template <int D_TILE, class Mask, int BLOCK_M, int NWARPS, int M_TILES = 2, bool WIDE = false,
+          typename T = double>
 __global__ void __launch_bounds__(NWARPS * 32, 1)
 flash_bwd_dkdv_dmma(const __grid_constant__ BwdParams p) {
-    typedef double A;
+    typedef T A;  // double: DMMA; float: three tf32 products (experiment)
     constexpr int WARP_KEYS = 8 * M_TILES;
     constexpr int BLOCK_N = WARP_KEYS * NWARPS;
     constexpr int NTHREADS = NWARPS * 32;
     constexpr int Q_TILES = BLOCK_M / 8;  // 8-query n-tiles of S^T
     constexpr int LD = D_TILE + 4;        // flash_bwd_dq_dmma.cu says why
-    constexpr int STAGE = 2 * BLOCK_M * LD + STAT_SLOTS * BLOCK_M;  // doubles: Q, dO, statistics
+    constexpr int STAGE = 2 * BLOCK_M * LD + STAT_SLOTS * BLOCK_M;  // elements: Q, dO, statistics
     static_assert(D_TILE % 8 == 0 && BLOCK_M % 8 == 0 && BLOCK_M <= NTHREADS, "m8n8k4 tiles");
     static_assert(!WIDE || M_TILES == 2, "m16n8k8 takes two 8-row m-tiles");
+    static_assert(sizeof(A) == 8 || M_TILES == 2, "m16n8k8 .tf32 takes two 8-row m-tiles");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-    static_assert(!WIDE, "m16n8k8 .f64 needs sm_90");
+    static_assert(!WIDE || sizeof(A) == 4, "m16n8k8 .f64 needs sm_90");
 #endif
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -47,7 +49,7 @@ flash_bwd_dkdv_dmma(const __grid_constant__ BwdParams p) {
     const SequenceRows seq = cta_sequence<Mask>(p, blockIdx.z);
     const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
     const A scale_log2 = scale_log2_in<A>(p), scale = scale_in<A>(p);
-    const A to_log2 = A(p.lse_to_log2_f64);
+    const A to_log2 = sizeof(A) == sizeof(double) ? A(p.lse_to_log2_f64) : A(p.lse_to_log2);
     const int n0 = blockIdx.x * BLOCK_N;
     const int head_kv = blockIdx.y, batch = seq.batch, group = p.group;
     // Past a shorter sequence's end. A sequence without queries still stores dK = dV = 0 below.
@@ -58,9 +60,9 @@ flash_bwd_dkdv_dmma(const __grid_constant__ BwdParams p) {
     const int g = lane / 4, t = lane % 4;
     const int w0 = warp * WARP_KEYS;
 
-    cp_async_rows_f64<BLOCK_N, D_TILE, LD, NTHREADS>(k_tile, p.k.row<const A>(batch, seq.k_begin, head_kv), n0,
+    cp_async_rows_of<BLOCK_N, D_TILE, LD, NTHREADS>(k_tile, p.k.row<const A>(batch, seq.k_begin, head_kv), n0,
                                                      seqlen_k, p.headdim, p.k.row_stride);
-    cp_async_rows_f64<BLOCK_N, D_TILE, LD, NTHREADS>(v_tile, p.v.row<const A>(batch, seq.k_begin, head_kv), n0,
+    cp_async_rows_of<BLOCK_N, D_TILE, LD, NTHREADS>(v_tile, p.v.row<const A>(batch, seq.k_begin, head_kv), n0,
                                                      seqlen_k, p.headdim_v, p.v.row_stride);
 
     // The walk: query blocks [m_first, m_end) of each head of the group; blocks that see no key
@@ -76,9 +78,9 @@ flash_bwd_dkdv_dmma(const __grid_constant__ BwdParams p) {
     auto load_step = [&](int step, int stage) {
         const int head = head_kv * group + step / blocks, m0 = m_first + step % blocks * BLOCK_M;
         A* q_stage = stages + stage * STAGE;
-        cp_async_rows_f64<BLOCK_M, D_TILE, LD, NTHREADS>(q_stage, p.q.row<const A>(batch, seq.q_begin, head), m0,
+        cp_async_rows_of<BLOCK_M, D_TILE, LD, NTHREADS>(q_stage, p.q.row<const A>(batch, seq.q_begin, head), m0,
                                                          seqlen_q, p.headdim, p.q.row_stride);
-        cp_async_rows_f64<BLOCK_M, D_TILE, LD, NTHREADS>(q_stage + BLOCK_M * LD,
+        cp_async_rows_of<BLOCK_M, D_TILE, LD, NTHREADS>(q_stage + BLOCK_M * LD,
                                                          p.dout.row<const A>(batch, seq.q_begin, head), m0, seqlen_q,
                                                          p.headdim_v, p.dout.row_stride);
         if (threadIdx.x < BLOCK_M) {
@@ -86,11 +88,11 @@ flash_bwd_dkdv_dmma(const __grid_constant__ BwdParams p) {
             const bool valid = m0 + i < seqlen_q;
             const i64 stat = seq.stat(p, head, valid ? m0 + i : 0);
             const u32 dst = smem_u32(q_stage + 2 * BLOCK_M * LD + i);
-            cp_async_8(dst + 8 * STAT_LSE * BLOCK_M, lse + stat, valid);
-            cp_async_8(dst + 8 * STAT_DELTA * BLOCK_M, delta + stat, valid);
-            cp_async_8(dst + 8 * STAT_WEIGHT * BLOCK_M, weight != nullptr ? weight + stat : lse + stat,
+            cp_async_value(dst + static_cast<u32>(sizeof(A)) * STAT_LSE * BLOCK_M, lse + stat, valid);
+            cp_async_value(dst + static_cast<u32>(sizeof(A)) * STAT_DELTA * BLOCK_M, delta + stat, valid);
+            cp_async_value(dst + static_cast<u32>(sizeof(A)) * STAT_WEIGHT * BLOCK_M, weight != nullptr ? weight + stat : lse + stat,
                        valid && weight != nullptr);
-            cp_async_8(dst + 8 * STAT_DP_REF * BLOCK_M, dp_ref != nullptr ? dp_ref + stat : lse + stat,
+            cp_async_value(dst + static_cast<u32>(sizeof(A)) * STAT_DP_REF * BLOCK_M, dp_ref != nullptr ? dp_ref + stat : lse + stat,
                        valid && dp_ref != nullptr);
         }
     };
@@ -123,8 +125,10 @@ flash_bwd_dkdv_dmma(const __grid_constant__ BwdParams p) {
 
         // S^T = K Q^T, dP^T = V dO^T
         A st[Q_TILES][M_TILES][2], dpt[Q_TILES][M_TILES][2];
-        dmma_rows_times_rows<D_TILE, Q_TILES, LD, M_TILES, WIDE>(st, k_tile + (w0 + g) * LD + t, q_tile + g * LD + t);
-        dmma_rows_times_rows<D_TILE, Q_TILES, LD, M_TILES, WIDE>(dpt, v_tile + (w0 + g) * LD + t, do_tile + g * LD + t);
+        dmma_rows_times_rows<D_TILE, Q_TILES, LD, M_TILES, WIDE, true>(st, k_tile + (w0 + g) * LD + t,
+                                                                      q_tile + g * LD + t);
+        dmma_rows_times_rows<D_TILE, Q_TILES, LD, M_TILES, WIDE, true>(dpt, v_tile + (w0 + g) * LD + t,
+                                                                      do_tile + g * LD + t);
 
         // P^T (times Z under dropout) into st, dS^T into dpt
 #pragma unroll
@@ -139,7 +143,7 @@ flash_bwd_dkdv_dmma(const __grid_constant__ BwdParams p) {
                 const A row_delta = stat_tile[STAT_DELTA * BLOCK_M + qi];
 #pragma unroll
                 for (int mt = 0; mt < M_TILES; ++mt) {
-                    const ScoreEntry x = score_entry(st[j][mt][e], dpt[j][mt][e], q_row, n0 + w0 + 8 * mt + g,
+                    const auto x = score_entry(st[j][mt][e], dpt[j][mt][e], q_row, n0 + w0 + 8 * mt + g,
                                                      top == neg_inf<A>(), mask, score, dropout, drop_scale);
                     const A p_ij = x.hidden ? A(0) : recomputed_p_exact(x.s, scale_log2, top, row_weight);
                     st[j][mt][e] = x.kept ? p_ij : A(0);

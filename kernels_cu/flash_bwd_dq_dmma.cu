@@ -20,10 +20,11 @@ namespace cf {
 // Rows padded by 4 doubles (LD = 4 mod 16): S's fragments read rows g, columns t, whose eight rows
 // then start 8 banks apart (every half-warp's 16 doubles in distinct banks, as flash_fwd_dmma's Q
 // and K). dQ's B fragments read K's rows 2t, columns g: a 2-way conflict per half-warp there.
-template <int D_TILE, class Mask, int BLOCK_N, int NWARPS, int M_TILES = 2, bool WIDE = false>
+template <int D_TILE, class Mask, int BLOCK_N, int NWARPS, int M_TILES = 2, bool WIDE = false,
+          typename T = double>
 __global__ void __launch_bounds__(NWARPS * 32, 1)
 flash_bwd_dq_dmma(const __grid_constant__ BwdParams p) {
-    typedef double A;
+    typedef T A;  // double: DMMA; float: three tf32 products (experiment)
     constexpr int WARP_ROWS = 8 * M_TILES;
     constexpr int BLOCK_M = WARP_ROWS * NWARPS;
     constexpr int NTHREADS = NWARPS * 32;
@@ -31,8 +32,9 @@ flash_bwd_dq_dmma(const __grid_constant__ BwdParams p) {
     constexpr int LD = D_TILE + 4;
     static_assert(D_TILE % 8 == 0 && BLOCK_N % 8 == 0, "m8n8k4 tiles");
     static_assert(!WIDE || M_TILES == 2, "m16n8k8 takes two 8-row m-tiles");
+    static_assert(sizeof(A) == 8 || M_TILES == 2, "m16n8k8 .tf32 takes two 8-row m-tiles");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-    static_assert(!WIDE, "m16n8k8 .f64 needs sm_90");
+    static_assert(!WIDE || sizeof(A) == 4, "m16n8k8 .f64 needs sm_90");
 #endif
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -63,14 +65,14 @@ flash_bwd_dq_dmma(const __grid_constant__ BwdParams p) {
     const int n_end = mask.key_end(m0, BLOCK_M);
     auto load_kv = [&](int n0, int stage) {
         A* k_stage = kv_tiles + 2 * stage * BLOCK_N * LD;
-        cp_async_rows_f64<BLOCK_N, D_TILE, LD, NTHREADS>(k_stage, k_base, n0, seqlen_k, p.headdim, p.k.row_stride);
-        cp_async_rows_f64<BLOCK_N, D_TILE, LD, NTHREADS>(k_stage + BLOCK_N * LD, v_base, n0, seqlen_k, p.headdim_v,
+        cp_async_rows_of<BLOCK_N, D_TILE, LD, NTHREADS>(k_stage, k_base, n0, seqlen_k, p.headdim, p.k.row_stride);
+        cp_async_rows_of<BLOCK_N, D_TILE, LD, NTHREADS>(k_stage + BLOCK_N * LD, v_base, n0, seqlen_k, p.headdim_v,
                                                          p.v.row_stride);
     };
     if (n_begin < n_end) load_kv(n_begin, 0);
-    cp_async_rows_f64<BLOCK_M, D_TILE, LD, NTHREADS>(q_tile, p.q.row<const A>(batch, seq.q_begin, head), m0, seqlen_q,
+    cp_async_rows_of<BLOCK_M, D_TILE, LD, NTHREADS>(q_tile, p.q.row<const A>(batch, seq.q_begin, head), m0, seqlen_q,
                                                      p.headdim, p.q.row_stride);
-    cp_async_rows_f64<BLOCK_M, D_TILE, LD, NTHREADS>(do_tile, p.dout.row<const A>(batch, seq.q_begin, head), m0,
+    cp_async_rows_of<BLOCK_M, D_TILE, LD, NTHREADS>(do_tile, p.dout.row<const A>(batch, seq.q_begin, head), m0,
                                                      seqlen_q, p.headdim_v, p.dout.row_stride);
     cp_async_commit();
 
@@ -118,7 +120,7 @@ flash_bwd_dq_dmma(const __grid_constant__ BwdParams p) {
             for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    const ScoreEntry x = score_entry(s[n][mt][e], dp[n][mt][e], q_row[mt], n0 + 8 * n + 2 * t + e,
+                    const auto x = score_entry(s[n][mt][e], dp[n][mt][e], q_row[mt], n0 + 8 * n + 2 * t + e,
                                                      stats[mt].top == neg_inf<A>(), mask, score, dropout, drop_scale);
                     const A p_ij = recomputed_p_exact(x.s, scale_log2, stats[mt].top, stats[mt].weight);
                     s[n][mt][e] = ds_entry<Mask>(x, p_ij, stats[mt].dp_ref, delta[mt]);

@@ -16,10 +16,11 @@
 
 namespace cf {
 
-template <int D_TILE, class Mask, int BLOCK_N, int NWARPS, int M_TILES = 2, bool WIDE = false>
+template <int D_TILE, class Mask, int BLOCK_N, int NWARPS, int M_TILES = 2, bool WIDE = false,
+          typename T = double>
 __global__ void __launch_bounds__(NWARPS * 32, 1)
 flash_bwd_stats_dmma(const __grid_constant__ BwdParams p) {
-    typedef double A;
+    typedef T A;  // double: DMMA; float: three tf32 products (experiment)
     constexpr int WARP_ROWS = 8 * M_TILES;
     constexpr int BLOCK_M = WARP_ROWS * NWARPS;
     constexpr int NTHREADS = NWARPS * 32;
@@ -27,8 +28,9 @@ flash_bwd_stats_dmma(const __grid_constant__ BwdParams p) {
     constexpr int LD = D_TILE + 4;  // flash_bwd_dq_dmma's tiles
     static_assert(D_TILE % 8 == 0 && BLOCK_N % 8 == 0, "m8n8k4 tiles");
     static_assert(!WIDE || M_TILES == 2, "m16n8k8 takes two 8-row m-tiles");
+    static_assert(sizeof(A) == 8 || M_TILES == 2, "m16n8k8 .tf32 takes two 8-row m-tiles");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-    static_assert(!WIDE, "m16n8k8 .f64 needs sm_90");
+    static_assert(!WIDE || sizeof(A) == 4, "m16n8k8 .f64 needs sm_90");
 #endif
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -58,14 +60,14 @@ flash_bwd_stats_dmma(const __grid_constant__ BwdParams p) {
     const int n_end = mask.key_end(m0, BLOCK_M);
     auto load_kv = [&](int n0, int stage) {
         A* k_stage = kv_tiles + 2 * stage * BLOCK_N * LD;
-        cp_async_rows_f64<BLOCK_N, D_TILE, LD, NTHREADS>(k_stage, k_base, n0, seqlen_k, p.headdim, p.k.row_stride);
-        cp_async_rows_f64<BLOCK_N, D_TILE, LD, NTHREADS>(k_stage + BLOCK_N * LD, v_base, n0, seqlen_k, p.headdim_v,
+        cp_async_rows_of<BLOCK_N, D_TILE, LD, NTHREADS>(k_stage, k_base, n0, seqlen_k, p.headdim, p.k.row_stride);
+        cp_async_rows_of<BLOCK_N, D_TILE, LD, NTHREADS>(k_stage + BLOCK_N * LD, v_base, n0, seqlen_k, p.headdim_v,
                                                          p.v.row_stride);
     };
     if (n_begin < n_end) load_kv(n_begin, 0);
-    cp_async_rows_f64<BLOCK_M, D_TILE, LD, NTHREADS>(q_tile, p.q.row<const A>(batch, seq.q_begin, head), m0, seqlen_q,
+    cp_async_rows_of<BLOCK_M, D_TILE, LD, NTHREADS>(q_tile, p.q.row<const A>(batch, seq.q_begin, head), m0, seqlen_q,
                                                      p.headdim, p.q.row_stride);
-    cp_async_rows_f64<BLOCK_M, D_TILE, LD, NTHREADS>(do_tile, p.dout.row<const A>(batch, seq.q_begin, head), m0,
+    cp_async_rows_of<BLOCK_M, D_TILE, LD, NTHREADS>(do_tile, p.dout.row<const A>(batch, seq.q_begin, head), m0,
                                                      seqlen_q, p.headdim_v, p.dout.row_stride);
     cp_async_commit();
 
@@ -101,7 +103,7 @@ flash_bwd_stats_dmma(const __grid_constant__ BwdParams p) {
             for (int n = 0; n < N_TILES; ++n)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    const ScoreEntry x = score_entry(s[n][mt][e], dp[n][mt][e], q_row[mt], n0 + 8 * n + 2 * t + e,
+                    const auto x = score_entry(s[n][mt][e], dp[n][mt][e], q_row[mt], n0 + 8 * n + 2 * t + e,
                                                      false, mask, score, dropout, drop_scale);
                     s[n][mt][e] = x.hidden ? neg_inf<A>() : log2_score(x.s, scale_log2);
                     dp[n][mt][e] = x.dp;

@@ -281,4 +281,30 @@ __device__ __forceinline__ float exp2_approx(float x) {
     return y;
 }
 
+// 4-byte cp.async (only .ca takes sizes below 16), zero-filled when !valid; `src` must be mapped.
+__device__ __forceinline__ void cp_async_4(u32 dst, const void* src, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
+                 "r"(valid ? 4 : 0)
+                 : "memory");
+}
+
+// cp_async_rows_f64 for float32 rows, one float per copy.
+template <int ROWS, int DIM, int LD, int NTHREADS>
+__device__ __forceinline__ void cp_async_rows_f32(float* tile, const float* base, int row0, int rows_valid,
+                                                  int dim, i64 stride) {
+    // a thread keeps one column and steps down ROW_STEP rows at a time: one 64-bit add per copy
+    constexpr int ROW_STEP = NTHREADS / DIM;
+    static_assert(NTHREADS % DIM == 0 && ROWS % ROW_STEP == 0, "tile columns must divide evenly among the threads");
+    const int r0 = threadIdx.x / DIM, c = threadIdx.x % DIM;
+    const int rows_left = c < dim ? rows_valid - row0 - r0 : 0;  // of this thread's column
+    const float* src = base + (i64)(row0 + r0) * stride + c;
+    const u32 dst = smem_u32(tile + r0 * LD + c);
+#pragma unroll
+    for (int i = 0; i < ROWS / ROW_STEP; ++i) {
+        const bool valid = i * ROW_STEP < rows_left;
+        cp_async_4(dst + 4 * i * ROW_STEP * LD, valid ? src : base, valid);
+        src += ROW_STEP * stride;
+    }
+}
+
 }  // namespace cf

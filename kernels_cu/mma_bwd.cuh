@@ -28,15 +28,8 @@ namespace cf {
 // instances of each masking step explicit instead.
 
 // ---------------------------------------------------------------------------------------------
-// PTX used only by the backward
+// Copies used only by the backward (cp_async_4: mma.cuh)
 // ---------------------------------------------------------------------------------------------
-
-// 4-byte cp.async (only .ca takes sizes below 16), zero-filled when !valid; `src` must be mapped.
-__device__ __forceinline__ void cp_async_4(u32 dst, const void* src, bool valid) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
-                 "r"(valid ? 4 : 0)
-                 : "memory");
-}
 
 // Copies lse and D of query rows m0..m0 + BLOCK_M - 1 (stat0: index of row m0 in the (batch, head,
 // seqlen_q) arrays) into stage `stage` of the [2][BLOCK_M]-float arrays at lse_slots and

@@ -41,6 +41,9 @@ def specializations() -> list[Specialization]:
     for (_, dt), c in sorted(rows):
         out.extend(backward_plans.dmma_spec(kind, dt, mask, c) for mask in backward_masks
                    for kind in ("stats", "dkdv", "dq"))
+    for dt, c in sorted(backward_plans.TF32X3_BACKWARD_CONFIGS.items()):  # the float32 experiment
+        out.extend(backward_plans.dmma_spec(kind, dt, mask, c, "float32") for mask in backward_masks
+                   for kind in ("stats", "dkdv", "dq"))
     return list(dict.fromkeys(out))
 
 
@@ -83,8 +86,12 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
     from .mma_fwd import current_smem_optin
     from .simt import run_backward
 
-    if any(x.dtype != np.float64 for x in (do, q, k, v, o, lse, dq, dk, dv)):
-        raise TypeError("cupyflash: the DMMA backward takes float64 arrays")
+    dtype = q.dtype
+    if dtype == np.float32 and config is None:
+        raise ValueError("cupyflash: the float32 experiment on the DMMA backward's kernels takes an explicit config "
+                         "(backward_plans.TF32X3_BACKWARD_CONFIGS)")
+    if dtype not in (np.float64, np.float32) or any(x.dtype != dtype for x in (do, q, k, v, o, lse, dq, dk, dv)):
+        raise TypeError("cupyflash: the DMMA backward takes float64 arrays (float32: the tf32 experiment)")
     if config is not None and int(device_arch()) < 80:
         raise ValueError(f"cupyflash: the DMMA backward needs sm_80 or newer, not sm_{device_arch()}")
     if config is not None and config.wide and device_arch() != "90":
@@ -99,6 +106,6 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
         plan = backward_plans.plan_backward(device_arch(), np.float64, headdim, mask, current_smem_optin(), True,
                                             statistics=statistics)
     else:
-        plan = backward_plans.dmma_backward_plan(headdim, mask, config, statistics)
+        plan = backward_plans.dmma_backward_plan(headdim, mask, config, statistics, dtype=dtype)
     run_backward(plan, do, q, k, v, o, lse, dq, dk, dv, softmax_scale=softmax_scale, mask=mask, variant=variant,
                  packed=packed)

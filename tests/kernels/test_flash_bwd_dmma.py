@@ -62,7 +62,8 @@ def test_specializations_mirror_the_kernels_tiles():
     names = {s.name for s in dmma.specializations()}
     kinds = len(KINDS) + len(VARIANT_KINDS) + len(PACKED_KINDS)
     distinct = {(dt, c) for (_, dt), c in [*DMMA_BACKWARD_TILES.items(), *backward_plans.DMMA_BACKWARD_CANDIDATES.items()]}
-    assert sum(1 for n in names if "_bwd_" in n) == 3 * kinds * len(distinct)
+    tf32 = len(backward_plans.TF32X3_BACKWARD_CONFIGS)  # the float32 experiment's kernels
+    assert sum(1 for n in names if "_bwd_" in n) == 3 * kinds * (len(distinct) + tf32)
 
 
 def test_a_row_past_the_devices_shared_memory_runs_simt():
@@ -92,7 +93,7 @@ def test_smem_fits_the_device_classes():
 # --- on the GPU -------------------------------------------------------------------------------
 
 def _gradients(do, q, k, v, *, causal, backward, window_size=(-1, -1), packed=None, statistics="saved",
-               **variant):
+               softmax_scale=None, **variant):
     """(dq, dk, dv) of ``backward`` (dmma.backward with its options, or simt.backward) on the float64
     forward's o and lse, NaN-poisoned outputs."""
     import cupy
@@ -106,12 +107,12 @@ def _gradients(do, q, k, v, *, causal, backward, window_size=(-1, -1), packed=No
                      **{name: cupy.asarray(np.asarray(variant[name], np.float32))
                         for name in ("alibi_slopes", "sink") if name in variant})
     qd, kd, vd, dod = (cupy.asarray(x) for x in (q, k, v, do))
-    scale = q.shape[-1] ** -0.5
-    o = cupy.full(q.shape[:-1] + v.shape[-1:], np.nan)
-    lse = cupy.full((q.shape[0], q.shape[2], q.shape[1]), np.nan)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    o = cupy.full(q.shape[:-1] + v.shape[-1:], np.nan, q.dtype)
+    lse = cupy.full((q.shape[0], q.shape[2], q.shape[1]), np.nan, q.dtype)
     simt.forward(qd, kd, vd, o, lse, softmax_scale=scale, causal=causal, window_size=window_size, variant=values,
                  packed=packed)
-    grads = [cupy.full(x.shape, np.nan) for x in (qd, kd, vd)]
+    grads = [cupy.full(x.shape, np.nan, x.dtype) for x in (qd, kd, vd)]
     backward(dod, qd, kd, vd, o, lse, *grads, softmax_scale=scale, causal=causal, window_size=window_size,
              variant=values, packed=packed)
     return [g.get() for g in grads]
@@ -248,3 +249,77 @@ def test_the_api_runs_the_dmma_backward_for_float64():
         assert all(family in name for name in launched if "dkdv" in name or "_dq_" in name), launched
         want = reference.attention_backward(*(x.get() for x in (do, q, k, v)), causal=True)
         _assert_close([g.get() for g in grads], want)
+
+
+# --- the float32 experiment (experiment/tf32-backward): the same kernels on float, each product
+# three tf32 products of split operands (perf log tf32-bwd-v0) ----------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("statistics", ["saved", "recomputed"])
+@pytest.mark.parametrize("name", ["window", "softcap+sink", "alibi", "dropout"])
+@pytest.mark.parametrize("headdim", [40, 64, 128])
+def test_tf32x3_experiment_is_as_accurate_as_the_simt_float32_backward(headdim, name, statistics, monkeypatch):
+    """Against the float64 reference (the SIMT float32 backward's gradients on the same float32
+    inputs as the measure): within 4x the SIMT kernels' error, plus float32's rounding of the
+    largest gradient; the experiment's kernels are the ones that ran."""
+    import functools
+
+    from cupyflash.kernels import simt
+
+    launched = _tf32x3_or_skip(monkeypatch)
+
+    rng = np.random.default_rng(headdim + 5)
+    q = rng.standard_normal((2, 150, 4, headdim)).astype(np.float32)
+    k, v = (rng.standard_normal((2, 173, 2, headdim)).astype(np.float32) for _ in range(2))
+    do = rng.standard_normal(q.shape).astype(np.float32)
+    options = {key: value for key, value in SIMT_VARIANTS[name].items()}
+    config = backward_plans.TF32X3_BACKWARD_CONFIGS[dmma.d_tile(headdim)]
+    got = _gradients(do, q, k, v, backward=functools.partial(dmma.backward, config=config), statistics=statistics,
+                     **dict(options))
+    simt_grads = _gradients(do, q, k, v, backward=simt.backward, statistics=statistics, **dict(options))
+    want = _gradients(*(x.astype(np.float64) for x in (do, q, k, v)), backward=simt.backward, statistics=statistics,
+                      **dict(options))
+    for which, a, s, w in zip(("dq", "dk", "dv"), got, simt_grads, want):
+        assert np.isfinite(a).all(), which
+        error, simt_error = np.abs(a - w).max(), np.abs(s - w).max()
+        assert error <= 4 * simt_error + 2.0 ** -23 * np.abs(w).max(), (which, error, simt_error)
+    assert {"dkdv", "dq"} <= {name.split("_")[2] for name in launched if name.endswith("_tf32x3")}
+
+
+def _tf32x3_or_skip(monkeypatch) -> list:
+    """The names of the kernels launched from here on in the test (simt.run_backward's launches);
+    skips below sm_80 (no tf32 tensor cores)."""
+    from cupyflash.kernels import _module, simt
+
+    if int(_module.device_arch()) < 80:
+        pytest.skip("m16n8k8 .tf32 needs sm_80")
+    launched = []
+    real = simt.launch
+
+    def spy(spec, *args, **kwargs):
+        launched.append(spec.name)
+        return real(spec, *args, **kwargs)
+
+    monkeypatch.setattr(simt, "launch", spy)
+    return launched
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("headdim", [32, 128])
+def test_tf32x3_experiment_cancels_one_hot_rows_exactly(headdim, monkeypatch):
+    """softmax_scale 1e4, statistics "recomputed": every row one-hot, so each row's top key gets
+    dS = -D' exactly and dq is far below any true gradient's rounding; this holds only if the dK/dV
+    kernel's S^T and dP^T are the statistics kernel's S and dP to the bit (TRANSPOSED's order)."""
+    import functools
+
+    launched = _tf32x3_or_skip(monkeypatch)
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((1, 48, 2, headdim)).astype(np.float32)
+    k, v = (rng.standard_normal((1, 48, 2, headdim)).astype(np.float32) for _ in range(2))
+    do = rng.standard_normal(q.shape).astype(np.float32)
+    config = backward_plans.TF32X3_BACKWARD_CONFIGS[dmma.d_tile(headdim)]
+    dq, dk, dv = _gradients(do, q, k, v, causal=False, softmax_scale=1e4, statistics="recomputed",
+                            backward=functools.partial(dmma.backward, config=config))
+    assert any(name.startswith("flash_bwd_stats_dmma_fp32") for name in launched), launched
+    assert np.isfinite(dk).all() and np.isfinite(dv).all()
+    assert float(np.abs(dq).max()) < 1e-30
