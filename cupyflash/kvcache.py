@@ -315,7 +315,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     ``mask_mod`` are flash_attn_func's user modifiers with kv_idx the cache position (0 .. seqlen_k
     - 1 of sequence b) and q_idx the new query's index; the mask is applied element by element (no
     block map, no block skipping). On the GPU they run on the tensor-core KV-cache kernel (float16
-    / bfloat16, head dims multiples of 8; NotImplementedError elsewhere); the NumPy twin takes them
+    / bfloat16, head dims multiples of 8), elsewhere (float32, float64, caches the kernel cannot
+    read) on one packed (varlen) launch over the sequences' gathered keys; the NumPy twin takes them
     in every dtype. Which kernels run: the module docstring.
     """
     backend = A.check_backend(backend)
@@ -372,9 +373,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
                     A.check_scores_fit(q[b:b + 1], _sequence_keys(k_cache, layout, b, int(layout.old_lengths[b])),
                                        scale)
 
-    if variant.mods is not None and which != "numpy" and batch * seqlen_q * nheads \
-            and not (which == "mma" and _cache_kernel_reads(q.dtype, headdim, k_cache, v_cache)):
-        _refuse_modifiers_off_the_kernel()  # before the append: a refused call writes nothing
     if appending and batch * new_tokens:
         _append(k_cache, v_cache, k, v, layout)
     return _attend(which, on_gpu, host_out, q, k_cache, v_cache, layout, scale, causal, window, want_lse, variant,
@@ -395,12 +393,31 @@ def _cache_kernel_reads(dtype, headdim: int, k_cache, v_cache) -> bool:
                for c in (k_cache, v_cache))
 
 
-def _refuse_modifiers_off_the_kernel():
-    # the dense kernels would see every sequence as batch entry 0, and want a block map
-    raise NotImplementedError("cupyflash: flash_attn_with_kvcache with score_mod / mask_mod runs on the GPU in the "
-                              "tensor-core KV-cache kernel only (float16 / bfloat16, head dims multiples of 8, caches "
-                              "of 16-byte aligned rows with strides of multiples of 8 elements); this call would run "
-                              "sequence by sequence")
+def _attend_packed(which, q, k_cache, v_cache, layout: CacheLayout, scale, causal, window, variant) -> tuple:
+    """(o, lse (batch, nheads, seqlen_q)) of a call with user modifiers off the KV-cache kernel
+    (float32, float64, or caches it cannot read): every sequence's keys gathered into one packed
+    batch and one varlen launch, whose kernels give the modifiers b = the sequence and kv_idx =
+    the cache position, as the KV-cache kernel does (sequence by sequence, the dense kernels would
+    see every sequence as batch entry 0). The mask is applied element by element: the modifiers
+    carry no block map (scores.Variant.score)."""
+    from .kernels.params import PackedBatch
+    from .varlen import packed_forward
+
+    cupy = A._cupy()
+    batch, seqlen_q, nheads, headdim = q.shape
+    lengths = [int(n) for n in layout.lengths]
+    if not sum(lengths):
+        return api.seeing_no_key(q, v_cache, variant, cupy)
+    k, v = ([A.last_dim_contiguous(A.to_cupy(_sequence_keys(c, layout, b, n)[0], "k_cache"))
+             for b, n in enumerate(lengths)] for c in (k_cache, v_cache))
+    k, v = (cupy.concatenate(parts) for parts in (k, v))
+    cu_q = cupy.asarray(np.arange(batch + 1, dtype=np.int32) * np.int32(seqlen_q))
+    cu_k = cupy.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    packed = PackedBatch(cu_q, cu_k, seqlen_q, max(lengths))
+    o, lse = packed_forward(which, q.reshape((batch * seqlen_q, nheads, headdim)), k, v, scale, causal, window,
+                            variant, packed)
+    return (o.reshape((batch, seqlen_q) + o.shape[1:]),
+            cupy.ascontiguousarray(lse.reshape((nheads, batch, seqlen_q)).transpose(1, 0, 2)))
 
 
 def _attend_in_cache(q, k_cache, v_cache, layout: CacheLayout, scale, causal, window, variant, num_splits):
@@ -566,7 +583,9 @@ def _attend(which, on_gpu, host_out, q, k_cache, v_cache, layout: CacheLayout, s
             o, lse = api._to_host(done, host_out)
             return (o, lse) if want_lse else o
     if variant.mods is not None and batch * seqlen_q * nheads:
-        _refuse_modifiers_off_the_kernel()  # checked before the append already: a second guard
+        o, lse = api._to_host(_attend_packed(which, q, k_cache, v_cache, layout, scale, causal, window, variant),
+                              host_out)
+        return (o, lse) if want_lse else o
 
     def compute(q_part, keys, values, part_variant):
         keys, values = (A.last_dim_contiguous(convert(x, "k_cache")) for x in (keys, values))

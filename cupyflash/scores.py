@@ -106,8 +106,11 @@ class Variant:
 
     @property
     def score(self) -> Score:
+        """The kernels' score policy; a user mask without a block map (flash_attn_with_kvcache's,
+        applied element by element) names the specializations that read none."""
+        element_mask = self.mods is not None and self.mods.has_mask and not self.mods.has_map
         return Score(self.softcap > 0, self.alibi_slopes is not None, self.sink is not None, self.mods,
-                     self.dropout.on)
+                     self.dropout.on, block_map=not element_mask)
 
     @property
     def plain(self) -> bool:

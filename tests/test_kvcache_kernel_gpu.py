@@ -151,14 +151,33 @@ def test_user_modifiers(seqlen_q, group, headdim, num_splits, page_size, launche
     6 queries x 4 heads (four strips), split or not, contiguous or paged; each sequence against the
     dense float64 reference given its rows of the modifiers' tensors, the caches written as the
     append says."""
+    problem = problem_with(seqlen_q=seqlen_q, seqlen_new=seqlen_q, group=group, headdim=headdim,
+                           page_size=page_size, cache_seqlens=(5, 0, 300, 77, 900))
+    check_user_modifiers(problem, num_splits)
+    assert launches and all(s >= 1 for s in launches)  # the KV-cache kernel ran
+
+
+@pytest.mark.parametrize("dtype, headdim", [(np.float32, 64), (np.float64, 128), (np.float64, 40),
+                                            (ml_dtypes.bfloat16, 36)], ids=["fp32", "fp64", "fp64_d40", "bf16_d36"])
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_user_modifiers_off_the_kernel(dtype, headdim, page_size, launches):
+    """The same where the KV-cache kernel does not run (float32, float64; a 16-bit head dim that
+    is not a multiple of 8): one packed (varlen) launch over the gathered keys, b the sequence and
+    kv_idx the cache position as in the kernel."""
+    problem = problem_with(seqlen_q=3, seqlen_new=3, group=4, headdim=headdim, page_size=page_size, dtype=dtype,
+                           cache_seqlens=(5, 0, 300, 77, 900))
+    check_user_modifiers(problem, 0)
+    assert not launches  # not the KV-cache kernel
+
+
+def check_user_modifiers(problem, num_splits):
     import cupy
 
     import modifier_zoo as zoo
     from cupyflash import reference
     from cupyflash.testing import AttentionProblem, assert_attention_close
 
-    problem = problem_with(seqlen_q=seqlen_q, seqlen_new=seqlen_q, group=group, headdim=headdim,
-                           page_size=page_size, cache_seqlens=(5, 0, 300, 77, 900))
+    seqlen_q, group, headdim = problem.seqlen_q, problem.group, problem.headdim
     rng = np.random.default_rng(31)
     nheads = problem.nheads_kv * group
     slopes = rng.uniform(0.005, 0.05, (problem.batch, nheads)).astype(np.float32)
@@ -171,7 +190,6 @@ def test_user_modifiers(seqlen_q, group, headdim, num_splits, page_size, launche
     with poisoned_outputs():
         o, lse = cupyflash.flash_attn_with_kvcache(**inputs, return_lse=True, num_splits=num_splits, **problem.kwargs,
                                                    **mods)
-    assert launches and all(s >= 1 for s in launches)  # the KV-cache kernel ran
     k_expected, v_expected = expected_caches(before)
     assert_same_bytes("k_cache", inputs["k_cache"].get(), k_expected)
     assert_same_bytes("v_cache", inputs["v_cache"].get(), v_expected)

@@ -104,9 +104,13 @@ def test_a_user_masks_block_map_must_match_the_specialization():
     from cupyflash.masks import mask_for
     from cupyflash.scores import Variant
 
+    from dataclasses import replace
+
     mods = M.example_modifiers()  # its mask comes without a map (_MaskOnly)
     assert mods.has_mask and not mods.has_map
-    mapped = mask_for(True, score=Variant(mods=mods).score)
+    # a variant's score follows its modifiers: no map, a specialization that reads none
+    assert not Variant(mods=mods).score.block_map
+    mapped = mask_for(True, score=replace(Variant(mods=mods).score, block_map=True))
     assert mapped.score.block_map
     with pytest.raises(ValueError, match="reads block map"):
         params.check_block_map(mapped, Variant(mods=mods))
