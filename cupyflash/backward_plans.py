@@ -699,16 +699,14 @@ class DmmaBwdConfig(NamedTuple):
 # plan_backward runs the SIMT plan there); measured on the H200 only.
 DMMA_BACKWARD_TILES = {
     **{(SM90, dt): DmmaBwdConfig(16, 4, 2, 16, 4, 2, True) for dt in (16, 32, 64)},
-    (SM90, 128): DmmaBwdConfig(16, 8, 1, 16, 8, 1),
+    # perf log dmma-bwd-v1: the dK/dV kernel's warps in pairs (one dV, one dK warp per 16 keys,
+    # m16n8k8) and the dQ kernel wide over 8 keys a step, 1.20-1.29x dmma-bwd-v0's row (16, 8, 1,
+    # 16, 8, 1: 8-key m8n8k4 warps, dev/bench_dmma_bwd.py's "v0_d128")
+    (SM90, 128): DmmaBwdConfig(16, 8, 2, 8, 4, 2, True, True),
     **{(MMA_SYNC, dt): DmmaBwdConfig(16, 2, 2, 16, 2, 2) for dt in (16, 32, 64)},
     (MMA_SYNC, 128): DmmaBwdConfig(8, 4, 1, 8, 4, 1),
 }
 
-# perf log dmma-bwd-v1: sm_90's d128 with the dK/dV kernel's warps in pairs (one dV, one dK warp
-# per 16 keys, m16n8k8) and the dQ kernel wide over 8 keys a step; 1.20-1.29x the row above on
-# the H200 and GPU-tested by its own tests, not yet by the whole suite: the candidate the row
-# becomes (dev/bench_dmma_bwd.py times it, the compile check builds it).
-DMMA_BACKWARD_CANDIDATES = {(SM90, 128): DmmaBwdConfig(16, 8, 2, 8, 4, 2, True, True)}
 
 
 def d_tile_dmma(headdim: int) -> int:

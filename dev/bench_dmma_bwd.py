@@ -20,16 +20,15 @@ import json
 
 from bench_statistics import time_ms  # dev/ is the script's directory
 
-from cupyflash.backward_plans import DMMA_BACKWARD_CANDIDATES, SM90, TF32X3_BACKWARD_CONFIGS
+from cupyflash.backward_plans import TF32X3_BACKWARD_CONFIGS
 
 CANDIDATES = {
     # dK/dV (queries per step, warps, m-tiles), dQ (keys per step, warps, m-tiles), wide
     "wide_bm32": ((32, 2, 2, 32, 2, 2, True), (16, 32, 64)),
     "wide_w2": ((16, 2, 2, 16, 2, 2, True), (16, 32, 64)),
     "narrow_d128_w4": ((16, 4, 1, 16, 4, 1, False), (128,)),
-    # dmma-bwd-v1's candidate: d128 wide, the dK/dV kernel's warps in pairs (dV warp, dK warp)
-    # (the dQ kernel at 16 keys a step spills 16 bytes at d128 with two m-tiles: 8 keys)
-    "pairs_d128": (tuple(DMMA_BACKWARD_CANDIDATES[(SM90, 128)]), (128,)),
+    # dmma-bwd-v0's sm_90 d128 row, before the warp pairs (dmma-bwd-v1) became the row
+    "v0_d128": ((16, 8, 1, 16, 8, 1, False), (128,)),
     "pairs_d64": ((16, 8, 2, 16, 4, 2, True, True), (64,)),
 }
 

@@ -153,19 +153,4 @@ __device__ __forceinline__ A ds_entry(const ScoreEntry<A>& x, A p_ij, A dp_ref, 
     return x.hidden ? A(0) : Mask::Score::HAS_GRAD ? ds * x.dsds : ds;
 }
 
-// K, V, Q and dO rows of a tile by cp.async, one element per copy (any head dim and stride).
-template <int ROWS, int DIM, int LD, int NTHREADS>
-__device__ __forceinline__ void cp_async_rows_of(double* tile, const double* base, int row0, int rows_valid, int dim,
-                                                 i64 stride) {
-    cp_async_rows_f64<ROWS, DIM, LD, NTHREADS>(tile, base, row0, rows_valid, dim, stride);
-}
-template <int ROWS, int DIM, int LD, int NTHREADS>
-__device__ __forceinline__ void cp_async_rows_of(float* tile, const float* base, int row0, int rows_valid, int dim,
-                                                 i64 stride) {
-    cp_async_rows_f32<ROWS, DIM, LD, NTHREADS>(tile, base, row0, rows_valid, dim, stride);
-}
-// one statistic of a row: 8 or 4 bytes
-__device__ __forceinline__ void cp_async_value(u32 dst, const double* src, bool valid) { cp_async_8(dst, src, valid); }
-__device__ __forceinline__ void cp_async_value(u32 dst, const float* src, bool valid) { cp_async_4(dst, src, valid); }
-
 }  // namespace cf

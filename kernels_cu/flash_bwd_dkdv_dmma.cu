@@ -60,9 +60,9 @@ flash_bwd_dkdv_dmma(const __grid_constant__ BwdParams p) {
     const int g = lane / 4, t = lane % 4;
     const int w0 = warp * WARP_KEYS;
 
-    cp_async_rows_of<BLOCK_N, D_TILE, LD, NTHREADS>(k_tile, p.k.row<const A>(batch, seq.k_begin, head_kv), n0,
+    cp_async_rows_scalar<BLOCK_N, D_TILE, LD, NTHREADS>(k_tile, p.k.row<const A>(batch, seq.k_begin, head_kv), n0,
                                                      seqlen_k, p.headdim, p.k.row_stride);
-    cp_async_rows_of<BLOCK_N, D_TILE, LD, NTHREADS>(v_tile, p.v.row<const A>(batch, seq.k_begin, head_kv), n0,
+    cp_async_rows_scalar<BLOCK_N, D_TILE, LD, NTHREADS>(v_tile, p.v.row<const A>(batch, seq.k_begin, head_kv), n0,
                                                      seqlen_k, p.headdim_v, p.v.row_stride);
 
     // The walk: query blocks [m_first, m_end) of each head of the group; blocks that see no key
@@ -78,9 +78,9 @@ flash_bwd_dkdv_dmma(const __grid_constant__ BwdParams p) {
     auto load_step = [&](int step, int stage) {
         const int head = head_kv * group + step / blocks, m0 = m_first + step % blocks * BLOCK_M;
         A* q_stage = stages + stage * STAGE;
-        cp_async_rows_of<BLOCK_M, D_TILE, LD, NTHREADS>(q_stage, p.q.row<const A>(batch, seq.q_begin, head), m0,
+        cp_async_rows_scalar<BLOCK_M, D_TILE, LD, NTHREADS>(q_stage, p.q.row<const A>(batch, seq.q_begin, head), m0,
                                                          seqlen_q, p.headdim, p.q.row_stride);
-        cp_async_rows_of<BLOCK_M, D_TILE, LD, NTHREADS>(q_stage + BLOCK_M * LD,
+        cp_async_rows_scalar<BLOCK_M, D_TILE, LD, NTHREADS>(q_stage + BLOCK_M * LD,
                                                          p.dout.row<const A>(batch, seq.q_begin, head), m0, seqlen_q,
                                                          p.headdim_v, p.dout.row_stride);
         if (threadIdx.x < BLOCK_M) {
@@ -88,12 +88,12 @@ flash_bwd_dkdv_dmma(const __grid_constant__ BwdParams p) {
             const bool valid = m0 + i < seqlen_q;
             const i64 stat = seq.stat(p, head, valid ? m0 + i : 0);
             const u32 dst = smem_u32(q_stage + 2 * BLOCK_M * LD + i);
-            cp_async_value(dst + static_cast<u32>(sizeof(A)) * STAT_LSE * BLOCK_M, lse + stat, valid);
-            cp_async_value(dst + static_cast<u32>(sizeof(A)) * STAT_DELTA * BLOCK_M, delta + stat, valid);
-            cp_async_value(dst + static_cast<u32>(sizeof(A)) * STAT_WEIGHT * BLOCK_M, weight != nullptr ? weight + stat : lse + stat,
-                       valid && weight != nullptr);
-            cp_async_value(dst + static_cast<u32>(sizeof(A)) * STAT_DP_REF * BLOCK_M, dp_ref != nullptr ? dp_ref + stat : lse + stat,
-                       valid && dp_ref != nullptr);
+            cp_async_scalar(dst + static_cast<u32>(sizeof(A)) * STAT_LSE * BLOCK_M, lse + stat, valid);
+            cp_async_scalar(dst + static_cast<u32>(sizeof(A)) * STAT_DELTA * BLOCK_M, delta + stat, valid);
+            cp_async_scalar(dst + static_cast<u32>(sizeof(A)) * STAT_WEIGHT * BLOCK_M, weight != nullptr ? weight + stat : lse + stat,
+                        valid && weight != nullptr);
+            cp_async_scalar(dst + static_cast<u32>(sizeof(A)) * STAT_DP_REF * BLOCK_M, dp_ref != nullptr ? dp_ref + stat : lse + stat,
+                        valid && dp_ref != nullptr);
         }
     };
     if (steps > 0) load_step(0, 0);

@@ -48,9 +48,9 @@ struct DmmaKeyBlock {
 
     // K and V, then the walk's extent and its first step, in one committed group
     __device__ __forceinline__ void load_first(const BwdParams& p, double* k_tile, double* v_tile, double* stages) {
-        cp_async_rows_f64<BLOCK_N, D_TILE, LD, NTHREADS>(k_tile, p.k.row<const double>(seq.batch, seq.k_begin, head_kv),
+        cp_async_rows_scalar<BLOCK_N, D_TILE, LD, NTHREADS>(k_tile, p.k.row<const double>(seq.batch, seq.k_begin, head_kv),
                                                          n0, seq.seqlen_k, p.headdim, p.k.row_stride);
-        cp_async_rows_f64<BLOCK_N, D_TILE, LD, NTHREADS>(v_tile, p.v.row<const double>(seq.batch, seq.k_begin, head_kv),
+        cp_async_rows_scalar<BLOCK_N, D_TILE, LD, NTHREADS>(v_tile, p.v.row<const double>(seq.batch, seq.k_begin, head_kv),
                                                          n0, seq.seqlen_k, p.headdim_v, p.v.row_stride);
         m_first = mask.query_begin(n0) / BLOCK_M * BLOCK_M;
         const int m_end = mask.query_end(n0, BLOCK_N);
@@ -65,9 +65,9 @@ struct DmmaKeyBlock {
     __device__ __forceinline__ void load_step(const BwdParams& p, double* stages, int step, int stage) const {
         const int h = head(p, step), m = m0(step);
         double* q_stage = stages + stage * STAGE;
-        cp_async_rows_f64<BLOCK_M, D_TILE, LD, NTHREADS>(q_stage, p.q.row<const double>(seq.batch, seq.q_begin, h), m,
+        cp_async_rows_scalar<BLOCK_M, D_TILE, LD, NTHREADS>(q_stage, p.q.row<const double>(seq.batch, seq.q_begin, h), m,
                                                          seq.seqlen_q, p.headdim, p.q.row_stride);
-        cp_async_rows_f64<BLOCK_M, D_TILE, LD, NTHREADS>(q_stage + BLOCK_M * LD,
+        cp_async_rows_scalar<BLOCK_M, D_TILE, LD, NTHREADS>(q_stage + BLOCK_M * LD,
                                                          p.dout.row<const double>(seq.batch, seq.q_begin, h), m,
                                                          seq.seqlen_q, p.headdim_v, p.dout.row_stride);
         if (threadIdx.x < BLOCK_M) {

@@ -65,14 +65,14 @@ flash_bwd_dq_dmma(const __grid_constant__ BwdParams p) {
     const int n_end = mask.key_end(m0, BLOCK_M);
     auto load_kv = [&](int n0, int stage) {
         A* k_stage = kv_tiles + 2 * stage * BLOCK_N * LD;
-        cp_async_rows_of<BLOCK_N, D_TILE, LD, NTHREADS>(k_stage, k_base, n0, seqlen_k, p.headdim, p.k.row_stride);
-        cp_async_rows_of<BLOCK_N, D_TILE, LD, NTHREADS>(k_stage + BLOCK_N * LD, v_base, n0, seqlen_k, p.headdim_v,
+        cp_async_rows_scalar<BLOCK_N, D_TILE, LD, NTHREADS>(k_stage, k_base, n0, seqlen_k, p.headdim, p.k.row_stride);
+        cp_async_rows_scalar<BLOCK_N, D_TILE, LD, NTHREADS>(k_stage + BLOCK_N * LD, v_base, n0, seqlen_k, p.headdim_v,
                                                          p.v.row_stride);
     };
     if (n_begin < n_end) load_kv(n_begin, 0);
-    cp_async_rows_of<BLOCK_M, D_TILE, LD, NTHREADS>(q_tile, p.q.row<const A>(batch, seq.q_begin, head), m0, seqlen_q,
+    cp_async_rows_scalar<BLOCK_M, D_TILE, LD, NTHREADS>(q_tile, p.q.row<const A>(batch, seq.q_begin, head), m0, seqlen_q,
                                                      p.headdim, p.q.row_stride);
-    cp_async_rows_of<BLOCK_M, D_TILE, LD, NTHREADS>(do_tile, p.dout.row<const A>(batch, seq.q_begin, head), m0,
+    cp_async_rows_scalar<BLOCK_M, D_TILE, LD, NTHREADS>(do_tile, p.dout.row<const A>(batch, seq.q_begin, head), m0,
                                                      seqlen_q, p.headdim_v, p.dout.row_stride);
     cp_async_commit();
 

@@ -89,7 +89,7 @@ flash_fwd_dmma(const __grid_constant__ FwdParams p) {
     const DropoutOf<Mask> dropout(p, seq.index, head);
     // the first K tile's copy in flight while Q is loaded (scaled: not a plain copy)
     if (n_begin < n_end) {
-        cp_async_rows_f64<BLOCK_N, D_TILE, LD, NTHREADS>(k_tile, k_base, n_begin, seqlen_k, p.headdim, p.k.row_stride);
+        cp_async_rows_scalar<BLOCK_N, D_TILE, LD, NTHREADS>(k_tile, k_base, n_begin, seqlen_k, p.headdim, p.k.row_stride);
         cp_async_commit();
     }
     load_tile_rows<BLOCK_M, D_TILE, LD, NTHREADS>(q_tile, p.q.row<const A>(batch, seq.q_begin, head), m0, seqlen_q,
@@ -120,7 +120,7 @@ flash_fwd_dmma(const __grid_constant__ FwdParams p) {
         // K(n0) has landed, and every warp is done with V(n0 - BLOCK_N): V(n0) may overwrite it
         cp_async_wait<0>();
         __syncthreads();
-        cp_async_rows_f64<BLOCK_N, D_TILE, LD_V, NTHREADS>(v_tile, v_base, n0, seqlen_k, p.headdim_v, p.v.row_stride);
+        cp_async_rows_scalar<BLOCK_N, D_TILE, LD_V, NTHREADS>(v_tile, v_base, n0, seqlen_k, p.headdim_v, p.v.row_stride);
         cp_async_commit();
 
         // S = Q K^T (log2 units): each K fragment serves the warp's M_TILES m-tiles
@@ -194,7 +194,7 @@ flash_fwd_dmma(const __grid_constant__ FwdParams p) {
         cp_async_wait<0>();
         __syncthreads();
         if (n0 + BLOCK_N < n_end) {
-            cp_async_rows_f64<BLOCK_N, D_TILE, LD, NTHREADS>(k_tile, k_base, n0 + BLOCK_N, seqlen_k, p.headdim,
+            cp_async_rows_scalar<BLOCK_N, D_TILE, LD, NTHREADS>(k_tile, k_base, n0 + BLOCK_N, seqlen_k, p.headdim,
                                                              p.k.row_stride);
             cp_async_commit();
         }

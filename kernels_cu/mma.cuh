@@ -69,6 +69,17 @@ __device__ __forceinline__ void cp_async_8(u32 dst, const void* src, bool valid)
                  : "memory");
 }
 
+// 4-byte cp.async (only .ca takes sizes below 16), zero-filled as cp_async_16.
+__device__ __forceinline__ void cp_async_4(u32 dst, const void* src, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
+                 "r"(valid ? 4 : 0)
+                 : "memory");
+}
+
+// one double or one float, zero-filled when !valid
+__device__ __forceinline__ void cp_async_scalar(u32 dst, const double* src, bool valid) { cp_async_8(dst, src, valid); }
+__device__ __forceinline__ void cp_async_scalar(u32 dst, const float* src, bool valid) { cp_async_4(dst, src, valid); }
+
 __device__ __forceinline__ void cp_async_commit() {
     asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
@@ -80,24 +91,24 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
-// Issues the copies of rows row0 .. row0 + ROWS of a (seqlen, dim) float64 slice (`base` at row 0,
-// row stride `stride` elements) into a shared tile of rows of LD doubles, one double per copy:
-// 8 bytes need no alignment beyond a double's, so any head dim and stride goes (flash_fwd_dmma).
-// Rows >= rows_valid and columns >= dim are zero-filled.
-template <int ROWS, int DIM, int LD, int NTHREADS>
-__device__ __forceinline__ void cp_async_rows_f64(double* tile, const double* base, int row0, int rows_valid,
-                                                  int dim, i64 stride) {
+// Issues the copies of rows row0 .. row0 + ROWS of a (seqlen, dim) float64 or float32 slice (`base`
+// at row 0, row stride `stride` elements) into a shared tile of rows of LD elements, one element
+// per copy: 8 or 4 bytes need no alignment beyond the element's, so any head dim and stride goes
+// (flash_fwd_dmma, the DMMA backward). Rows >= rows_valid and columns >= dim are zero-filled.
+template <int ROWS, int DIM, int LD, int NTHREADS, typename T>
+__device__ __forceinline__ void cp_async_rows_scalar(T* tile, const T* base, int row0, int rows_valid, int dim,
+                                                     i64 stride) {
     // a thread keeps one column and steps down ROW_STEP rows at a time: one 64-bit add per copy
     constexpr int ROW_STEP = NTHREADS / DIM;
     static_assert(NTHREADS % DIM == 0 && ROWS % ROW_STEP == 0, "tile columns must divide evenly among the threads");
     const int r0 = threadIdx.x / DIM, c = threadIdx.x % DIM;
     const int rows_left = c < dim ? rows_valid - row0 - r0 : 0;  // of this thread's column
-    const double* src = base + (i64)(row0 + r0) * stride + c;
+    const T* src = base + (i64)(row0 + r0) * stride + c;
     const u32 dst = smem_u32(tile + r0 * LD + c);
 #pragma unroll
     for (int i = 0; i < ROWS / ROW_STEP; ++i) {
         const bool valid = i * ROW_STEP < rows_left;
-        cp_async_8(dst + 8 * i * ROW_STEP * LD, valid ? src : base, valid);
+        cp_async_scalar(dst + sizeof(T) * i * ROW_STEP * LD, valid ? src : base, valid);
         src += ROW_STEP * stride;
     }
 }
@@ -279,32 +290,6 @@ __device__ __forceinline__ float exp2_approx(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
     return y;
-}
-
-// 4-byte cp.async (only .ca takes sizes below 16), zero-filled when !valid; `src` must be mapped.
-__device__ __forceinline__ void cp_async_4(u32 dst, const void* src, bool valid) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
-                 "r"(valid ? 4 : 0)
-                 : "memory");
-}
-
-// cp_async_rows_f64 for float32 rows, one float per copy.
-template <int ROWS, int DIM, int LD, int NTHREADS>
-__device__ __forceinline__ void cp_async_rows_f32(float* tile, const float* base, int row0, int rows_valid,
-                                                  int dim, i64 stride) {
-    // a thread keeps one column and steps down ROW_STEP rows at a time: one 64-bit add per copy
-    constexpr int ROW_STEP = NTHREADS / DIM;
-    static_assert(NTHREADS % DIM == 0 && ROWS % ROW_STEP == 0, "tile columns must divide evenly among the threads");
-    const int r0 = threadIdx.x / DIM, c = threadIdx.x % DIM;
-    const int rows_left = c < dim ? rows_valid - row0 - r0 : 0;  // of this thread's column
-    const float* src = base + (i64)(row0 + r0) * stride + c;
-    const u32 dst = smem_u32(tile + r0 * LD + c);
-#pragma unroll
-    for (int i = 0; i < ROWS / ROW_STEP; ++i) {
-        const bool valid = i * ROW_STEP < rows_left;
-        cp_async_4(dst + 4 * i * ROW_STEP * LD, valid ? src : base, valid);
-        src += ROW_STEP * stride;
-    }
 }
 
 }  // namespace cf

@@ -37,8 +37,7 @@ def specializations() -> list[Specialization]:
     configs = sorted({(dt, c) for (family, _, dt), c in plans.FORWARD_TILES.items() if family == "dmma"})
     out = [specialization(dt, mask, c) for dt, c in configs for mask in KINDS + VARIANT_KINDS + PACKED_KINDS]
     backward_masks = list(KINDS) + [mask.backward() for mask in VARIANT_KINDS + PACKED_KINDS]
-    rows = [*DMMA_BACKWARD_TILES.items(), *backward_plans.DMMA_BACKWARD_CANDIDATES.items()]
-    for (_, dt), c in sorted(rows):
+    for (_, dt), c in sorted(DMMA_BACKWARD_TILES.items()):
         out.extend(backward_plans.dmma_spec(kind, dt, mask, c) for mask in backward_masks
                    for kind in ("stats", "dkdv", "dq"))
     for dt, c in sorted(backward_plans.TF32X3_BACKWARD_CONFIGS.items()):  # the float32 experiment

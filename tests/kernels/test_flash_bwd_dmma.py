@@ -15,7 +15,7 @@ from cupyflash.masks import KINDS, PACKED_KINDS, VARIANT_KINDS, as_mask
 
 def test_float64_backward_plans_run_dmma_up_to_d128():
     """Every device class and head dim up to 128: statistics (or D), dK/dV, dQ on one DmmaBwdConfig,
-    sm_90's wide up to d64; past 128 the SIMT kernels."""
+    sm_90's wide (m16n8k8), its d128 dK/dV kernel on warp pairs; past 128 the SIMT kernels."""
     for arch, where in (("90", SM90), ("80", MMA_SYNC), (None, MMA_SYNC)):
         for headdim, dt in ((8, 16), (40, 64), (64, 64), (100, 128), (128, 128)):
             config = DMMA_BACKWARD_TILES[(where, dt)]
@@ -23,10 +23,10 @@ def test_float64_backward_plans_run_dmma_up_to_d128():
                 plan = backward_plans.plan_backward(arch, np.float64, headdim, True, None, True, statistics=statistics)
                 assert (plan.family, plan.d_tile, plan.kernels, plan.dq_add) == ("mma", dt, config, "none")
                 names = [launch.spec.name for launch in plan.launches]
-                assert names[0].startswith(first) and names[1].startswith("flash_bwd_dkdv_dmma_fp64")
+                assert names[0].startswith(first) and names[1].startswith("flash_bwd_dkdv_dmma_" + ("pairs_" if config.dkdv_pairs else "") + "fp64")
                 assert names[2].startswith("flash_bwd_dq_dmma_fp64")
                 assert all(launch.spec.arch == ("90" if config.wide else "") for launch in plan.launches[1:])
-            assert config.wide == (where == SM90 and dt <= 64)
+            assert config.wide == (where == SM90) and config.dkdv_pairs == (where == SM90 and dt == 128)
     assert backward_plans.plan_backward("90", np.float64, 136, True, None, True).family == "simt"
     assert backward_plans.backward_family(np.float64, 128) == "mma"
     assert backward_plans.backward_family(np.float32, 64) == "simt"
@@ -48,7 +48,7 @@ def test_specializations_mirror_the_kernels_tiles():
     assert stats.name == dq.name.replace("_dq_", "_stats_") and stats.smem_bytes == dq.smem_bytes
     with pytest.raises(ValueError, match="no DMMA backward kernel"):
         backward_plans.dmma_spec("fwd", 64, mask, config)
-    # the warp pairs' dK/dV kernel (a candidate): 4 pairs of 16 keys, each dV warp handing its
+    # the warp pairs' dK/dV kernel (sm_90's d128 row): 4 pairs of 16 keys, each dV warp handing its
     # partner 2 x 2 x 2 entries of P a lane per step
     pairs = DmmaBwdConfig(16, 8, 2, 16, 4, 2, True, True)
     spec = backward_plans.dmma_spec("dkdv", 128, mask, pairs)
@@ -61,7 +61,7 @@ def test_specializations_mirror_the_kernels_tiles():
     # every tile row's three kernels for every mask kind the compile check builds, beside the forward's
     names = {s.name for s in dmma.specializations()}
     kinds = len(KINDS) + len(VARIANT_KINDS) + len(PACKED_KINDS)
-    distinct = {(dt, c) for (_, dt), c in [*DMMA_BACKWARD_TILES.items(), *backward_plans.DMMA_BACKWARD_CANDIDATES.items()]}
+    distinct = {(dt, c) for (_, dt), c in DMMA_BACKWARD_TILES.items()}
     tf32 = len(backward_plans.TF32X3_BACKWARD_CONFIGS)  # the float32 experiment's kernels
     assert sum(1 for n in names if "_bwd_" in n) == 3 * kinds * (len(distinct) + tf32)
 
@@ -162,7 +162,7 @@ SIMT_VARIANTS = {
 # sm_90's plan rows and the other archs' (m8n8k4) on this GPU
 CONFIGS = [None, DMMA_BACKWARD_TILES[(MMA_SYNC, 64)], DMMA_BACKWARD_TILES[(MMA_SYNC, 128)],
            DmmaBwdConfig(32, 2, 2, 32, 2, 2, True),
-           backward_plans.DMMA_BACKWARD_CANDIDATES[(SM90, 128)]]  # dmma-bwd-v1's candidate: warp pairs
+           DMMA_BACKWARD_TILES[(SM90, 128)]]  # sm_90's d128 row (warp pairs) at every head dim
 
 
 @pytest.mark.gpu
@@ -178,7 +178,7 @@ def test_gradients_match_the_simt_backward(config, name, headdim, headdim_v):
     if config is CONFIGS[3] and headdim > 64:
         pytest.skip("two m-tiles of dK and dV at d128 take 256 registers")
     if config is CONFIGS[1] and headdim > 64:
-        pytest.skip("2 warps copy rows of at most 64 doubles a step (cp_async_rows_f64): a d64 row")
+        pytest.skip("2 warps copy rows of at most 64 doubles a step (cp_async_rows_scalar): a d64 row")
     rng = np.random.default_rng(headdim + 3)
     q = rng.standard_normal((2, 150, 4, headdim))
     k = rng.standard_normal((2, 173, 2, headdim))
