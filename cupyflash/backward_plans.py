@@ -782,4 +782,10 @@ def dmma_backward_plan(headdim: int, mask: Mask | bool, config: DmmaBwdConfig, s
 # plan row, run through dmma.backward(config=...) on float32 arrays by its tests and the bench.
 # d128's dK/dV kernel steps over 8 queries: at 16, dK and dV (128 registers) beside S^T, dP^T and
 # the split fragments spill 24-88 bytes at sm_80 and with a user modifier at sm_90.
+# The d64 tiles serve d16 and d32 too (as the float64 rows do); the compile check builds d64 and d128.
 TF32X3_BACKWARD_CONFIGS = {64: DmmaBwdConfig(16, 4, 2, 16, 4, 2), 128: DmmaBwdConfig(8, 4, 2, 16, 4, 2)}
+
+
+def tf32x3_backward_config(headdim: int) -> DmmaBwdConfig:
+    """The float32 experiment's tiles at ``headdim`` (its DMMA head-dim tile's)."""
+    return TF32X3_BACKWARD_CONFIGS[64 if d_tile_dmma(headdim) <= 64 else 128]

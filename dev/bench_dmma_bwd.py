@@ -20,7 +20,7 @@ import json
 
 from bench_statistics import time_ms  # dev/ is the script's directory
 
-from cupyflash.backward_plans import TF32X3_BACKWARD_CONFIGS
+from cupyflash.backward_plans import tf32x3_backward_config
 
 CANDIDATES = {
     # dK/dV (queries per step, warps, m-tiles), dQ (keys per step, warps, m-tiles), wide
@@ -76,7 +76,7 @@ def main() -> None:
                     run(simt.backward)()
                     want = [g.copy() for g in grads]
                     times = {"simt": time_ms(run(simt.backward), args.repeats)}
-                    configs = {"dmma": TF32X3_BACKWARD_CONFIGS[dmma.d_tile(headdim)] if fp32 else None}
+                    configs = {"dmma": tf32x3_backward_config(headdim) if fp32 else None}
                     if args.configs and not fp32:
                         configs.update({name: DmmaBwdConfig(*tiles) for name, (tiles, dts) in CANDIDATES.items()
                                         if dmma.d_tile(headdim) in dts})

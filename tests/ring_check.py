@@ -96,7 +96,7 @@ def assert_ring_close(problem, size, layout, o, lse, grads):
                                                                                          **kwargs)
     if dtype in SIXTEEN_BIT:
         o_ring, *grads_ring = ring_rounding_baseline(problem, size, layout, o_ref, lse_ref)
-        flash = flash_rounding_baseline(do, q, k, v, dtype=dtype, **kwargs)
+        flash = flash_rounding_baseline(do, q, k, v, dtype=dtype, o=o, **kwargs)
         o_base = worse_baseline(o_ref, o_std, o_ring)
         grad_bases = [worse_baseline(r, s, f, g) for r, s, f, g in zip(grads_ref, grads_std, flash, grads_ring)]
     else:

@@ -153,7 +153,7 @@ def check_against_reference(inputs, o, lse, grads=None, *, dtype, options, dsink
     assert (dq[:, hidden_rows] == 0).all(), "rows that see no key have dq = 0"
     baselines = list(grads_std[:3])
     if dtype in SIXTEEN_BIT and plain:  # the kernels' own operand rounding, as tests/test_api_gpu.py
-        flash = flash_rounding_baseline(do, q, k, v, dtype=dtype, **options)
+        flash = flash_rounding_baseline(do, q, k, v, dtype=dtype, o=o, **options)
         baselines = [worse_baseline(r, s, f) for r, s, f in zip(grads_ref, baselines, flash)]
     grad_scale = max(max_abs(g) for g in grads_ref[:3])  # dq, dk may cancel to 0 while their terms do not
     # The allowance's dv term is P^T (e q), the dv of a backward whose do is e q (d_qk wide): k in

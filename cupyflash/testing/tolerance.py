@@ -114,14 +114,22 @@ def output_rounding_allowance(do, q, k, v, o, o_ref, *, softmax_scale, causal, w
     return scale * max_abs(np.abs(e) * p_k if capped else e * p_k), scale * max_abs(p_t_e_q), 0.0
 
 
-def flash_rounding_baseline(do, q, k, v, *, softmax_scale, causal, dtype, window_size=(-1, -1)):
+def flash_rounding_baseline(do, q, k, v, *, softmax_scale, causal, dtype, window_size=(-1, -1), o=None):
     """(dq, dk, dv) computed exactly except where a FlashAttention-2-style backward rounds: P and
-    dS to ``dtype`` as 16-bit tensor-core operands (dV = P^T dO, dS = P (dP - D) from that P,
-    dK = dS^T Q, dQ = dS K), and each gradient to ``dtype``.
+    dS to ``dtype`` as 16-bit tensor-core operands (dV = P^T dO, dK = dS^T Q, dQ = dS K), and each
+    gradient to ``dtype``. dS = P (dP - D) is formed in two ways, both of which the kernels use:
+    from the unrounded P (the mma.sync kernels keep P in float32) and from P rounded as dV's
+    operand (the wgmma kernel); of the two, each gradient takes the one farther from exact.
+    ``o``: the output the backward is handed (rounded to ``dtype``), from which it forms
+    D = rowsum(dO * o); without it D is exact.
 
     A second baseline beside standard attention's: both round the same operands, but which
     rounding errors add up is luck, and on sums of a few terms 3x the standard baseline's error can
-    fall below what rounding P once does (headdim 1, 6 terms: 1.6e-3 against 5.0e-3).
+    fall below what rounding P once does (headdim 1, 6 terms: 1.6e-3 against 5.0e-3). The handed o
+    matters for the same reason: on a sum dominated by two terms of dS, the rounded o moved D just
+    enough to turn both terms' rounding the same way (headdim 1, 298 keys: dq off by 6.8e-2, where
+    the same rounding with the exact D is off by 7e-3; output_rounding_allowance, which moves dS
+    by exactly -P e, cannot see a change of rounding direction).
     """
     q, k, v, do = (_as_f64(x) for x in (q, k, v, do))
     nheads, nheads_kv = q.shape[2], k.shape[2]
@@ -131,13 +139,22 @@ def flash_rounding_baseline(do, q, k, v, *, softmax_scale, causal, dtype, window
     window = () if tuple(window_size) == (-1, -1) else (tuple(window_size),)
     p, _ = reference._standard_probabilities(q_, k_, scale, causal, np.float64, *window)
     dp = do_ @ np.swapaxes(v_, -1, -2)
-    delta = (p * dp).sum(axis=-1, keepdims=True)
+    if o is None:
+        delta = (p * dp).sum(axis=-1, keepdims=True)
+    else:
+        o_ = reference._standard_inputs(np.float64, nheads, _as_f64(o), k, v, do)[0]
+        delta = (do_ * o_).sum(axis=-1, keepdims=True)
     p16 = rnd(p)
-    ds16 = rnd(np.where(p16 > 0, p16 * (dp - delta), 0.0))
     dv = reference._seqlen_first(np.swapaxes(p16, -1, -2) @ do_, nheads_kv)
-    dk = reference._seqlen_first(np.swapaxes(ds16, -1, -2) @ q_, nheads_kv) * scale
-    dq = reference._seqlen_first(ds16 @ k_, nheads) * scale
-    return tuple(rnd(g) for g in (dq, dk, dv))
+    exact = reference.attention_backward(do, q, k, v, softmax_scale=scale, causal=causal, window_size=window_size)
+    dq = dk = None
+    for p_in_ds in (p, p16):
+        ds16 = rnd(np.where(p16 > 0, p_in_ds * (dp - delta), 0.0))
+        dk_ = rnd(reference._seqlen_first(np.swapaxes(ds16, -1, -2) @ q_, nheads_kv) * scale)
+        dq_ = rnd(reference._seqlen_first(ds16 @ k_, nheads) * scale)
+        dq = dq_ if dq is None else worse_baseline(exact[0], dq, dq_)
+        dk = dk_ if dk is None else worse_baseline(exact[1], dk, dk_)
+    return dq, dk, rnd(dv)
 
 
 def references_and_baselines(do, q, k, v, *, dtype, **options):
@@ -295,17 +312,17 @@ def assert_attention_close(problem: AttentionProblem, o, lse=None, grads=None, *
         if len(grads) != 3:
             raise ValueError(f"grads must be (dq, dk, dv), got {len(grads)} arrays")
         refs = reference.attention_backward(do, q, k, v, **kwargs)
+        # The o the backward saw, if that o is within the rule; else a correctly rounded one: a
+        # wrong o must not widen what the gradients may get wrong.
+        o_seen = o if o_passes else o_ref.astype(dtype)
         baselines = (None, None, None)
         if sixteen_bit:
             standard = reference.standard_attention_backward(do, q, k, v, dtype=dtype, **kwargs)
             if variant:  # the FlashAttention-2 rounding baseline is of the plain softmax
                 baselines = list(standard)
             else:
-                flash = flash_rounding_baseline(do, q, k, v, dtype=dtype, **kwargs)
+                flash = flash_rounding_baseline(do, q, k, v, dtype=dtype, o=o_seen, **kwargs)
                 baselines = [worse_baseline(r, s, f) for r, s, f in zip(refs, standard, flash)]
-        # The allowance for the o the backward saw, if that o is within the rule; else for a
-        # correctly rounded one: a wrong o must not widen what the gradients may get wrong.
-        o_seen = o if o_passes else o_ref.astype(dtype)
         allowances = output_rounding_allowance(do, q, k, v, o_seen, o_ref, **kwargs)
         grad_scale = max(max_abs(r) for r in refs)  # dq, dk may cancel to 0 while their terms do not
         shapes = (problem.q_shape, problem.kv_shape, problem.v_shape)
@@ -375,7 +392,8 @@ def assert_varlen_close(problem, o, lse=None, grads=None, *, inputs=None, check_
             parts = (do[None, queries], q[None, queries], k[None, keys], v[None, keys])
             if sixteen_bit:
                 for packed, part in ((standard, reference.standard_attention_backward(*parts, dtype=dtype, **options)),
-                                     (flash, flash_rounding_baseline(*parts, dtype=dtype, **options))):
+                                     (flash, flash_rounding_baseline(*parts, dtype=dtype, o=o_seen[None, queries],
+                                                                     **options))):
                     packed[0][queries], packed[1][keys], packed[2][keys] = (g[0] for g in part)
             part_allowances = output_rounding_allowance(*parts, o_seen[None, queries], o_ref[None, queries], **options)
             allowances = [max(a, b) for a, b in zip(allowances, part_allowances)]

@@ -273,7 +273,7 @@ def test_tf32x3_experiment_is_as_accurate_as_the_simt_float32_backward(headdim, 
     k, v = (rng.standard_normal((2, 173, 2, headdim)).astype(np.float32) for _ in range(2))
     do = rng.standard_normal(q.shape).astype(np.float32)
     options = {key: value for key, value in SIMT_VARIANTS[name].items()}
-    config = backward_plans.TF32X3_BACKWARD_CONFIGS[dmma.d_tile(headdim)]
+    config = backward_plans.tf32x3_backward_config(headdim)
     got = _gradients(do, q, k, v, backward=functools.partial(dmma.backward, config=config), statistics=statistics,
                      **dict(options))
     simt_grads = _gradients(do, q, k, v, backward=simt.backward, statistics=statistics, **dict(options))
@@ -305,7 +305,9 @@ def _tf32x3_or_skip(monkeypatch) -> list:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("headdim", [32, 128])
+# d24: the d64 tiles on the d32 tile. (At d32 these inputs are not one-hot: two keys of a row come
+# within ~2.5e-3 of each other, and the reference's dq is ~1e-11.)
+@pytest.mark.parametrize("headdim", [24, 128])
 def test_tf32x3_experiment_cancels_one_hot_rows_exactly(headdim, monkeypatch):
     """softmax_scale 1e4, statistics "recomputed": every row one-hot, so each row's top key gets
     dS = -D' exactly and dq is far below any true gradient's rounding; this holds only if the dK/dV
@@ -317,9 +319,11 @@ def test_tf32x3_experiment_cancels_one_hot_rows_exactly(headdim, monkeypatch):
     q = rng.standard_normal((1, 48, 2, headdim)).astype(np.float32)
     k, v = (rng.standard_normal((1, 48, 2, headdim)).astype(np.float32) for _ in range(2))
     do = rng.standard_normal(q.shape).astype(np.float32)
-    config = backward_plans.TF32X3_BACKWARD_CONFIGS[dmma.d_tile(headdim)]
+    config = backward_plans.tf32x3_backward_config(headdim)
     dq, dk, dv = _gradients(do, q, k, v, causal=False, softmax_scale=1e4, statistics="recomputed",
                             backward=functools.partial(dmma.backward, config=config))
     assert any(name.startswith("flash_bwd_stats_dmma_fp32") for name in launched), launched
     assert np.isfinite(dk).all() and np.isfinite(dv).all()
+    exact_dq = reference.attention_backward(*(x.astype(np.float64) for x in (do, q, k, v)), softmax_scale=1e4)[0]
+    assert float(np.abs(exact_dq).max()) < 1e-30, "the inputs are not one-hot"
     assert float(np.abs(dq).max()) < 1e-30
