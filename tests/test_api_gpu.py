@@ -7,7 +7,6 @@ import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import example, given, settings
-from hypothesis import strategies as st
 
 import cupyflash
 from cupyflash import reference

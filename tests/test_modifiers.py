@@ -20,7 +20,7 @@ from cupyflash.modifiers import BlockMask, MaskMod, ModifierError, Modifiers, Sc
 from cupyflash.scores import Variant
 from cupyflash.testing.modifiers import check_modifier, fuzz_modifier
 from cupyflash.testing.strategies import attention_problems
-from modifier_zoo import MASKS, SCORES, make_mask_mod, make_score_mod, modifiers_for
+from modifier_zoo import MASKS, make_mask_mod, make_score_mod, modifiers_for
 import modifier_zoo as zoo
 from nvrtc_check import needs_nvrtc
 

@@ -3,7 +3,6 @@ and finite differences, the NumPy twin against the reference, rows that see no k
 cupyflash.scores.sink_grad."""
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 import ml_dtypes

@@ -29,7 +29,6 @@ from dataclasses import replace
 try:
     from hypothesis import given, settings
     from hypothesis import seed as hypothesis_seed
-    from hypothesis import strategies as st
 except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError("cupyflash.testing.modifiers needs Hypothesis: pip install hypothesis") from exc
 

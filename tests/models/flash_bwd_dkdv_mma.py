@@ -46,7 +46,7 @@ def bwd_dkdv_layout(d_tile, block_m, m_sub, block_n, nwarps, warps_d, dq_add):
 def dkdv_block(q, k, v, do, lse, delta, dk, dv, dq_accum, *, batch, head_kv, n_block, group, scale,
                mask, d_tile, block_m, m_sub, block_n, nwarps, warps_d):
     """One CTA of flash_bwd_dkdv_mma (dq_accum is None unless ATOMIC_DQ)."""
-    seqlen_q, nheads, headdim = q.shape[1], q.shape[2], q.shape[3]
+    seqlen_q, headdim = q.shape[1], q.shape[3]
     seqlen_k = k.shape[1]
     atomic_dq = dq_accum is not None
     nthreads, dw = 32 * nwarps, d_tile // warps_d
