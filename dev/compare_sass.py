@@ -3,6 +3,7 @@ opcodes of every specialization both trees name the same, compiled by this machi
 
     git archive <rev> | tar -x -C .before          # the tree to compare against
     python dev/compare_sass.py --before .before [--match REGEX] [--arch 80 90 90a] [--identical]
+                               [--opcodes 'MMA|MUFU|^[DF](ADD|MUL|FMA)']   # the math a refactor must keep
 
 A refactor that should not change the code (run-time arguments moved into a struct, a template
 argument renamed) shows up here before any GPU run: same registers, no spills, and instruction
@@ -104,7 +105,12 @@ def main(argv=None) -> int:
     parser.add_argument("--match", default="", help="regex on specialization names")
     parser.add_argument("--arch", nargs="+", default=["80", "90", "90a"])
     parser.add_argument("--identical", action="store_true", help="exit 1 unless histograms and registers match")
+    parser.add_argument("--opcodes", default=None,
+                        help="regex: the opcodes a change must leave alone (a refactor: 'MMA|MUFU|^[DF](ADD|MUL|FMA)'); "
+                             "their every count change is listed after the table, and exit 1 if any")
     args = parser.parse_args(argv)
+    watched = re.compile(args.opcodes) if args.opcodes else None
+    watched_changes = []
     pattern = re.compile(args.match)
     before_specs = [s for s in specs_of(args.before.resolve()) if pattern.search(s[0])]
     after_specs = [s for s in specs_of(ROOT) if pattern.search(s[0])]
@@ -127,11 +133,17 @@ def main(argv=None) -> int:
         same = not delta and a["registers"] == b["registers"]
         differs += not same
         changes = " ".join(f"{op}{n:+d}" for op, n in sorted(delta.items(), key=lambda kv: -abs(kv[1]))[:8])
+        if watched is not None:
+            watched_changes += [(key, op, n) for op, n in sorted(delta.items()) if watched.search(op)]
         print(f"sm{key[0]:3} {key[1]:70} {b['registers']:>4}>{a['registers']:<4} {b['spill']:>3}>{a['spill']:<3} "
               f"{b['instructions']:>5}>{a['instructions']:<5}  {changes or 'same'}")
     print(f"{len(before)} kernels compared, {differs} differ; names in one tree only: {len(only)}"
           + (f" ({', '.join(only[:6])}{', ...' if len(only) > 6 else ''})" if only else ""))
-    return 1 if args.identical and differs else 0
+    if watched is not None:
+        for (arch, name), op, n in watched_changes:
+            print(f"watched: sm{arch} {name} {op}{n:+d}")
+        print(f"watched opcodes ({args.opcodes}): {len(watched_changes)} count changes")
+    return 1 if (args.identical and differs) or watched_changes else 0
 
 
 if __name__ == "__main__":
