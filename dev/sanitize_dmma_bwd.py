@@ -1,6 +1,7 @@
 """The float64 DMMA backward alone, small, for compute-sanitizer (racecheck on the full
 ``python -m cupyflash sanitize`` workload takes minutes): sm_90's plan rows and the other archs'
-rows at d16 / d64 / d128 tiles, causal, a window and a packed batch, both statistics.
+rows at d16 / d64 / d128 tiles (sm_90's d128 row: the warp pairs' dK/dV kernel), causal, a window
+and a packed batch, both statistics; then the float32 experiment's kernels (tf32x3) at d40 / d128.
 
     compute-sanitizer --tool racecheck python dev/sanitize_dmma_bwd.py
 """
@@ -12,7 +13,7 @@ def main() -> None:
     import numpy as np
 
     import cupyflash
-    from cupyflash.backward_plans import DMMA_BACKWARD_TILES, MMA_SYNC
+    from cupyflash.backward_plans import DMMA_BACKWARD_TILES, MMA_SYNC, tf32x3_backward_config
     from cupyflash.kernels import dmma, simt
     from cupyflash.kernels.params import PackedBatch
     from cupyflash.scores import Variant
@@ -37,6 +38,15 @@ def main() -> None:
     grads = [cupy.empty_like(x) for x in (q, k, v)]
     dmma.backward(do, q, k, v, o, lse, *grads, softmax_scale=0.125, causal=True, packed=packed,
                   variant=Variant(statistics="recomputed"))
+    for headdim in (40, 128):  # the float32 experiment on the same kernels
+        q, do = (cupy.asarray(rng.standard_normal((1, 77, 4, headdim), np.float32)) for _ in range(2))
+        k, v = (cupy.asarray(rng.standard_normal((1, 130, 2, headdim), np.float32)) for _ in range(2))
+        o, lse = cupy.empty_like(q), cupy.empty((1, 4, 77), np.float32)
+        simt.forward(q, k, v, o, lse, softmax_scale=headdim ** -0.5, causal=True)
+        for statistics in ("saved", "recomputed"):
+            grads = [cupy.empty_like(x) for x in (q, k, v)]
+            dmma.backward(do, q, k, v, o, lse, *grads, softmax_scale=headdim ** -0.5, causal=True,
+                          variant=Variant(statistics=statistics), config=tf32x3_backward_config(headdim))
     cupy.cuda.runtime.deviceSynchronize()
     print("sanitize_dmma_bwd: done")
 

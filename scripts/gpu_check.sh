@@ -30,6 +30,11 @@
 #   scripts/gpu_check.sh OUTDIR ncu     kernel by kernel, this tree against BEFORE_TREE (required):
 #                                       time, registers, instructions of NCU_CASES, then the full
 #                                       section set of NCU_FULL (ncu --clock-control none)
+#   scripts/gpu_check.sh OUTDIR dmma    a DMMA backward change (float64, the tf32x3 experiment): its
+#                                       kernels compiled, its GPU tests, racecheck / memcheck of
+#                                       dev/sanitize_dmma_bwd.py, dev/bench_dmma_bwd.py here and in
+#                                       BEFORE_TREE (optional: an exported tree inside the checkout,
+#                                       carried, e.g. .before)
 #   scripts/gpu_check.sh OUTDIR tf32    the float32 forward: its kernels compiled, tests/test_tf32_gpu.py,
 #                                       the accumulation probe's candidates, the fp32 bench table, and
 #                                       racecheck / memcheck --quick (the tf32 forward in their workload)
@@ -136,6 +141,20 @@ headdim_v)  # v's own head dim: its GPU tests with dropout's, its bench against 
     [ -n "${BENCH_16K:-}" ] && step bench-16k 150 python -m cupyflash bench --dtype bf16 --headdim 64 128 256 --seqlen 16k --causal both \
         --mode fwd bwd --no-validate --quiet --anchors FA2 cuDNN --json "$out/bench-16k.json" \
         --markdown "$out/bench-16k.md"
+    ;;
+dmma)  # a DMMA backward change: compile, tests, sanitizer, bench (before / after)
+    export PYTHONPATH=$PWD
+    step warm-dmma "${WARM_LIMIT:-200}" python scripts/warm_kernel_cache.py --packed --match 'dmma|preprocess|simt'
+    step dmma-tests "${TEST_LIMIT:-240}" env HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-dev}" \
+        python scripts/pytest_shards.py --shards "${SHARDS:-14}" --limit "$(( ${TEST_LIMIT:-240} - 20 ))" \
+        --out "$out/dmma-shards" -m gpu tests/kernels/test_flash_bwd_dmma.py tests/test_statistics_gpu.py
+    step racecheck-dmma 120 compute-sanitizer --tool racecheck --error-exitcode 1 python dev/sanitize_dmma_bwd.py
+    step memcheck-dmma 120 compute-sanitizer --tool memcheck --error-exitcode 1 python dev/sanitize_dmma_bwd.py
+    if [ -n "${BEFORE_TREE:-}" ]; then
+        (cd "$BEFORE_TREE" && PYTHONPATH=$PWD step bench-dmma-before 120 \
+            python dev/bench_dmma_bwd.py --repeats 3 --json "$out/bench-dmma-before.json")
+    fi
+    step bench-dmma-after 120 python dev/bench_dmma_bwd.py --repeats 3 --json "$out/bench-dmma-after.json"
     ;;
 warm)  # every kernel this device runs into the tree's CuPy cache, alone in its call: then the
        # suite's two parts (issued right after, on the same warm machine) load instead of compiling.
