@@ -117,11 +117,11 @@ def output_rounding_allowance(do, q, k, v, o, o_ref, *, softmax_scale, causal, w
 def flash_rounding_baseline(do, q, k, v, *, softmax_scale, causal, dtype, window_size=(-1, -1), o=None):
     """(dq, dk, dv) computed exactly except where a FlashAttention-2-style backward rounds: P and
     dS to ``dtype`` as 16-bit tensor-core operands (dV = P^T dO, dK = dS^T Q, dQ = dS K), and each
-    gradient to ``dtype``. dS = P (dP - D) is formed in two ways, both of which the kernels use:
-    from the unrounded P (the mma.sync kernels keep P in float32) and from P rounded as dV's
-    operand (the wgmma kernel); of the two, each gradient takes the one farther from exact.
-    ``o``: the output the backward is handed (rounded to ``dtype``), from which it forms
-    D = rowsum(dO * o); without it D is exact.
+    gradient to ``dtype``. dS = P (dP - D) is formed in the ways the kernels form it: from the
+    unrounded P (the mma.sync kernels keep P in float32) and from P rounded as dV's operand (the
+    wgmma kernel), D from ``o``, the output the backward is handed (rounded to ``dtype``); and, as
+    this baseline was before it modelled the handed o, from the rounded P with the exact D. Each
+    gradient takes the one farther from exact (so the rule only widened). Without ``o`` D is exact.
 
     A second baseline beside standard attention's: both round the same operands, but which
     rounding errors add up is luck, and on sums of a few terms 3x the standard baseline's error can
@@ -139,16 +139,21 @@ def flash_rounding_baseline(do, q, k, v, *, softmax_scale, causal, dtype, window
     window = () if tuple(window_size) == (-1, -1) else (tuple(window_size),)
     p, _ = reference._standard_probabilities(q_, k_, scale, causal, np.float64, *window)
     dp = do_ @ np.swapaxes(v_, -1, -2)
-    if o is None:
-        delta = (p * dp).sum(axis=-1, keepdims=True)
-    else:
-        o_ = reference._standard_inputs(np.float64, nheads, _as_f64(o), k, v, do)[0]
-        delta = (do_ * o_).sum(axis=-1, keepdims=True)
+    exact_delta = (p * dp).sum(axis=-1, keepdims=True)
     p16 = rnd(p)
+    # (P in dS, D): the rounded P with the exact D first (this baseline before the handed o was
+    # modelled, kept so that the rule only widens), then both kernel styles with the handed o's D
+    styles = [(p16, exact_delta)]
+    if o is not None:
+        o_ = reference._standard_inputs(np.float64, nheads, _as_f64(o), k, v, do)[0]
+        handed_delta = (do_ * o_).sum(axis=-1, keepdims=True)
+        styles += [(p, handed_delta), (p16, handed_delta)]
+    else:
+        styles += [(p, exact_delta)]
     dv = reference._seqlen_first(np.swapaxes(p16, -1, -2) @ do_, nheads_kv)
     exact = reference.attention_backward(do, q, k, v, softmax_scale=scale, causal=causal, window_size=window_size)
     dq = dk = None
-    for p_in_ds in (p, p16):
+    for p_in_ds, delta in styles:
         ds16 = rnd(np.where(p16 > 0, p_in_ds * (dp - delta), 0.0))
         dk_ = rnd(reference._seqlen_first(np.swapaxes(ds16, -1, -2) @ q_, nheads_kv) * scale)
         dq_ = rnd(reference._seqlen_first(ds16 @ k_, nheads) * scale)
