@@ -40,15 +40,82 @@ struct CacheKeys {
           k_page(p.k.batch_stride), k_row(p.k.row_stride), v_page(p.v.batch_stride), v_row(p.v.row_stride),
           k_head(head_kv * p.k.head_stride), v_head(head_kv * p.v.head_stride), row(PAGED ? 0 : __ldg(table)) {}
 
-    __device__ __forceinline__ void offsets(int n, i64& k_off, i64& v_off) const {
-        int page_id = row, slot = n;
+    // Key n's page and its slot in it: `page_id` is a read of the table (PAGED), which a caller
+    // that has other work issues early and uses late (RowOffsetRing).
+    __device__ __forceinline__ void locate(int n, int& page_id, int& slot) const {
+        page_id = row, slot = n;
         if constexpr (PAGED) {
             const int index = page.div(n);
             slot = n - index * page.divisor;
             page_id = __ldg(table + index);
         }
+    }
+    __device__ __forceinline__ void offsets_at(int page_id, int slot, i64& k_off, i64& v_off) const {
         k_off = page_id * k_page + slot * k_row + k_head;
         v_off = page_id * v_page + slot * v_row + v_head;
+    }
+    __device__ __forceinline__ void offsets(int n, i64& k_off, i64& v_off) const {
+        int page_id, slot;
+        locate(n, page_id, slot);
+        offsets_at(page_id, slot, k_off, v_off);
+    }
+};
+
+// A paged cache's row offsets worked out once per row, a tile ahead of their copies. The copy
+// loaders' threads each take one 16-byte chunk column of a tile (16 threads per row at d128), and
+// looking the row up in each of them (cp_async_cache_rows) made the paged kernel execute 1.67x
+// the contiguous kernel's instructions; at one CTA per SM it read K+V at half the contiguous rate,
+// the table reads' latency in front of every tile's copies (docs/perf-log.md, "paged-offsets").
+// Here ROWS threads each look up one row of tile t + 1 while tile t's copies go out (the table read
+// issued before the tile's math, its result stored after it), into one of two slots of
+// (k offset, v offset) pairs, 16 bytes per row; the copies then read their row's pair from shared
+// memory. The key loop's barrier orders a slot's stores before its reads, and its reads (tile t,
+// the slot of tile t - 2 before) before the stores of tile t + 2.
+template <int ROWS, int NTHREADS>
+struct RowOffsetRing {
+    static constexpr u32 SLOT_BYTES = ROWS * 16;
+    static constexpr u32 BYTES = 2 * SLOT_BYTES;
+    static constexpr int ROWS_PER_THREAD = (ROWS + NTHREADS - 1) / NTHREADS;
+    u32 base;
+
+    __device__ __forceinline__ u32 slot(int block) const { return base + (block & 1) * SLOT_BYTES; }
+
+    // The pages of block `block`'s rows that this thread looks up (read from the table now).
+    struct Pending {
+        int page_id[ROWS_PER_THREAD], slot[ROWS_PER_THREAD];
+    };
+    template <bool PAGED>
+    __device__ __forceinline__ Pending locate(const CacheKeys<PAGED>& keys, int block, int seqlen_k, int thread) const {
+        Pending pending;
+#pragma unroll
+        for (int i = 0; i < ROWS_PER_THREAD; ++i) {
+            const int r = thread + i * NTHREADS, n = block * ROWS + r;
+            pending.page_id[i] = 0, pending.slot[i] = 0;
+            if (r < ROWS && n < seqlen_k) keys.locate(n, pending.page_id[i], pending.slot[i]);
+        }
+        return pending;
+    }
+    // ... and their offsets into block `block`'s slot (rows past the keys: the copies zero-fill them).
+    template <bool PAGED>
+    __device__ __forceinline__ void store(const CacheKeys<PAGED>& keys, const Pending& pending, int block,
+                                          int thread) const {
+#pragma unroll
+        for (int i = 0; i < ROWS_PER_THREAD; ++i) {
+            const int r = thread + i * NTHREADS;
+            if (r >= ROWS) continue;
+            i64 k_off, v_off;
+            keys.offsets_at(pending.page_id[i], pending.slot[i], k_off, v_off);
+            asm volatile("st.shared.v2.b64 [%0], {%1, %2};\n" ::"r"(slot(block) + 16 * r), "l"(k_off), "l"(v_off)
+                         : "memory");
+        }
+    }
+    template <bool PAGED>
+    __device__ __forceinline__ void fill(const CacheKeys<PAGED>& keys, int block, int seqlen_k, int thread) const {
+        store(keys, locate(keys, block, seqlen_k, thread), block, thread);
+    }
+    __device__ __forceinline__ void offsets(int block, int r, i64& k_off, i64& v_off) const {
+        asm volatile("ld.shared.v2.b64 {%0, %1}, [%2];\n" : "=l"(k_off), "=l"(v_off) : "r"(slot(block) + 16 * r)
+                     : "memory");
     }
 };
 
@@ -72,6 +139,29 @@ __device__ __forceinline__ void cp_async_cache_rows(u32 k_tile, u32 v_tile, cons
         const bool k_valid = k_column && key, v_valid = v_column && key;
         i64 k_off = 0, v_off = 0;
         if (k_valid || v_valid) keys.offsets(n0 + r, k_off, v_off);
+        const u32 dst = swizzled_offset<DIM>(r, chunk);
+        cp_async_16(k_tile + dst, k + k_off + chunk * 8, k_valid);
+        cp_async_16(v_tile + dst, v + v_off + chunk * 8, v_valid);
+    }
+}
+
+// cp_async_cache_rows with each row's offsets from a RowOffsetRing (block `block` of ROWS keys).
+template <int ROWS, int DIM, int NTHREADS, typename T>
+__device__ __forceinline__ void cp_async_cache_rows(u32 k_tile, u32 v_tile, const T* k, const T* v,
+                                                    const RowOffsetRing<ROWS, NTHREADS>& ring, int block,
+                                                    int seqlen_k, int headdim, int headdim_v, int thread) {
+    constexpr int CHUNKS = DIM / 8;
+    constexpr int ROW_STEP = NTHREADS / CHUNKS;
+    static_assert(NTHREADS % CHUNKS == 0 && ROWS % ROW_STEP == 0, "tile chunks must divide evenly among the threads");
+    const int row0 = thread / CHUNKS, chunk = thread % CHUNKS;
+    const bool k_column = chunk * 8 < headdim, v_column = chunk * 8 < headdim_v;
+#pragma unroll
+    for (int i = 0; i < ROWS / ROW_STEP; ++i) {
+        const int r = row0 + i * ROW_STEP;
+        const bool key = block * ROWS + r < seqlen_k;
+        const bool k_valid = k_column && key, v_valid = v_column && key;
+        i64 k_off = 0, v_off = 0;
+        if (k_valid || v_valid) ring.offsets(block, r, k_off, v_off);
         const u32 dst = swizzled_offset<DIM>(r, chunk);
         cp_async_16(k_tile + dst, k + k_off + chunk * 8, k_valid);
         cp_async_16(v_tile + dst, v + v_off + chunk * 8, v_valid);

@@ -30,15 +30,16 @@
 namespace cf {
 
 // Shared memory, mirrored by cupyflash/kernels/kvcache_mma.py (smem_bytes):
-//   [Q: BLOCK_M x D_TILE] [stage 0: K, V: BLOCK_N x D_TILE each] [stage 1] ...
-template <int D_TILE, int BLOCK_M, int BLOCK_N, int STAGES>
+//   [Q: BLOCK_M x D_TILE] [stage 0: K, V: BLOCK_N x D_TILE each] [stage 1] ... [paged: RowOffsetRing]
+template <int D_TILE, int BLOCK_M, int BLOCK_N, int STAGES, u32 RING_BYTES>
 struct CacheSmemLayout {
     static constexpr u32 Q_BYTES = BLOCK_M * D_TILE * 2;
     static constexpr u32 KV_TILE_BYTES = BLOCK_N * D_TILE * 2;
     static constexpr u32 STAGE_BYTES = 2 * KV_TILE_BYTES;
-    static constexpr u32 BYTES = Q_BYTES + STAGES * STAGE_BYTES;
+    static constexpr u32 BYTES = Q_BYTES + STAGES * STAGE_BYTES + RING_BYTES;
     static __device__ __forceinline__ u32 k_tile(u32 base, int stage) { return base + Q_BYTES + stage * STAGE_BYTES; }
     static __device__ __forceinline__ u32 v_tile(u32 base, int stage) { return k_tile(base, stage) + KV_TILE_BYTES; }
+    static __device__ __forceinline__ u32 ring(u32 base) { return base + Q_BYTES + STAGES * STAGE_BYTES; }
 };
 
 // Scores of the warp's strip to log2 units: each of the lane's two rows (h) through the score of
@@ -250,7 +251,8 @@ flash_fwd_kvcache_mma(const __grid_constant__ CacheFwdParams p) {
     // Q in registers up to d128 (32 of them); at d256 its 64 would crowd O's 128.
     constexpr bool Q_IN_REGS = D_TILE <= 128;
     constexpr int Q_STEPS = Q_IN_REGS ? D_TILE / 16 : 1;
-    typedef CacheSmemLayout<D_TILE, BLOCK_M, BLOCK_N, STAGES> Smem;
+    typedef RowOffsetRing<BLOCK_N, NTHREADS> Ring;
+    typedef CacheSmemLayout<D_TILE, BLOCK_M, BLOCK_N, STAGES, PAGED ? Ring::BYTES : 0> Smem;
     static_assert(WARP_KEYS % 16 == 0 && BLOCK_N == KEY_WARPS * WARP_KEYS && D_TILE % 64 == 0 && STAGES >= 2,
                   "tile shape: whole 16-key steps per warp");
     static_assert(KEY_WARPS == 1 || ROW_WARPS == 1, "keys across warps: one row strip");
@@ -306,6 +308,17 @@ flash_fwd_kvcache_mma(const __grid_constant__ CacheFwdParams p) {
                                                        k_cache, v_cache, keys, block * BLOCK_N, seqlen_k, headdim,
                                                        p.headdim_v, threadIdx.x);
     };
+    // Paged caches: the key loop's tiles from row offsets looked up a tile ahead (RowOffsetRing).
+    const Ring ring{Smem::ring(smem_base)};
+    auto load_kv_tile_in_loop = [&](int block, int stage) {
+        if constexpr (PAGED) {
+            cp_async_cache_rows<BLOCK_N, D_TILE, NTHREADS>(Smem::k_tile(smem_base, stage),
+                                                           Smem::v_tile(smem_base, stage), k_cache, v_cache, ring,
+                                                           block, seqlen_k, headdim, p.headdim_v, threadIdx.x);
+        } else {
+            load_kv_tile(block, stage);
+        }
+    };
 
     // --- prologue: Q, then STAGES - 1 key blocks (commit groups as in flash_fwd_mma) -------------
     cp_async_packed_rows<BLOCK_M, D_TILE, NTHREADS, T>(q_tile, p.q, batch, rows, m0, headdim, threadIdx.x);
@@ -315,6 +328,10 @@ flash_fwd_kvcache_mma(const __grid_constant__ CacheFwdParams p) {
         const int j = j_begin + ahead;
         if (j * BLOCK_N < n_end) load_kv_tile(j, j % STAGES);
         cp_async_commit();
+    }
+    if constexpr (PAGED) {  // the first tile the key loop loads (the loop's barrier orders it)
+        const int j = j_begin + STAGES - 1;
+        if (j * BLOCK_N < n_end) ring.fill(keys, j, seqlen_k, threadIdx.x);
     }
 
     const FragmentAddress<D_TILE> a_addr(lane & 15, lane >> 4);
@@ -340,11 +357,14 @@ flash_fwd_kvcache_mma(const __grid_constant__ CacheFwdParams p) {
         const int stage = j % STAGES;
         cp_async_wait<STAGES - 2>();
         __syncthreads();
-        {
-            const int ahead = j + STAGES - 1;
-            if (ahead * BLOCK_N < n_end) load_kv_tile(ahead, ahead % STAGES);
-            cp_async_commit();
-        }
+        const int ahead = j + STAGES - 1;
+        if (ahead * BLOCK_N < n_end) load_kv_tile_in_loop(ahead, ahead % STAGES);
+        cp_async_commit();
+        // Paged: the table read for the tile after `ahead` goes out now, its offsets are stored
+        // after this tile's math.
+        const bool look_ahead = PAGED && (ahead + 1) * BLOCK_N < n_end;
+        typename Ring::Pending pending;
+        if (look_ahead) pending = ring.locate(keys, ahead + 1, seqlen_k, threadIdx.x);
         float s[1][N_FRAGS][4];
         mma_qk<T, D_TILE>(s, q_frag, q_strip, a_addr, Smem::k_tile(smem_base, stage) + warp_keys, k_addr);
         const bool masked = mask.keys_partial(q_first, q_count, j * BLOCK_N, BLOCK_N);
@@ -361,6 +381,7 @@ flash_fwd_kvcache_mma(const __grid_constant__ CacheFwdParams p) {
         } else {
             mma_pv<T, D_TILE>(o_acc, p_frag, Smem::v_tile(smem_base, stage) + warp_keys, a_addr);
         }
+        if (look_ahead) ring.store(keys, pending, ahead + 1, threadIdx.x);
     }
     cp_async_wait<0>();  // a block that saw no key may still have copies in flight
     if constexpr (KEY_WARPS > 1) {

@@ -28,7 +28,7 @@ from ..plans import tensor_core_supports
 __all__ = ["CacheTiles", "cache_tiles", "specialization", "combine_specialization", "specializations",
            "num_splits_heuristic", "paged_num_splits_heuristic", "split_layout", "supports", "forward", "smem_bytes", "MAX_SPLITS", "COMBINE_ROWS"]
 
-MAX_SPLITS = 128
+MAX_SPLITS = 128  # flash_fwd_combine.cu's COMBINE_MAX_SPLITS (its lanes hold 4 splits each)
 COMBINE_ROWS = 4  # flash_fwd_combine.cu's COMBINE_ROWS_PER_BLOCK
 
 
@@ -77,9 +77,10 @@ def cache_tiles(dt: int, packed_rows: int, mask: Mask | None = None) -> CacheTil
     return _USER_DECODE_TILES.get(dt, _DECODE_TILES[dt]) if user else _DECODE_TILES[dt]
 
 
-def smem_bytes(dt: int, tiles: CacheTiles) -> int:
-    """CacheSmemLayout<...>::BYTES: the Q tile and STAGES K and V tiles, 16-bit."""
-    return 2 * dt * (tiles.block_m + 2 * tiles.stages * tiles.block_n)
+def smem_bytes(dt: int, tiles: CacheTiles, paged: bool = False) -> int:
+    """CacheSmemLayout<...>::BYTES: the Q tile and STAGES K and V tiles, 16-bit; a paged cache's
+    RowOffsetRing after them (two slots of a 16-byte offset pair per key of a tile)."""
+    return 2 * dt * (tiles.block_m + 2 * tiles.stages * tiles.block_n) + (2 * 16 * tiles.block_n if paged else 0)
 
 
 def specialization(dtype, dt: int, mask: Mask, tiles: CacheTiles, paged: bool, split: bool) -> Specialization:
@@ -93,7 +94,7 @@ def specialization(dtype, dt: int, mask: Mask, tiles: CacheTiles, paged: bool, s
         "flash_fwd_kvcache_mma.cu",
         f"cf::flash_fwd_kvcache_mma<{CTYPES[name]}, {dt}, {mask.cpp}, {t.row_warps}, {t.key_warps}, {t.block_n}, "
         f"{t.stages}, {flag[paged]}, {flag[split]}>",
-        t.threads, smem_bytes(dt, t))
+        t.threads, smem_bytes(dt, t, paged))
 
 
 def combine_specialization(dtype) -> Specialization:

@@ -123,3 +123,20 @@ def test_append_launch(page_size, monkeypatch):
     assert int(p["block_table_stride"]) == 7
     assert tuple(p["page"].item()) == tuple(int(x) for x in fast_divmod(page_size))
     assert (int(p["batch"]), int(p["seqlen_new"]), int(p["nheads_kv"]), int(p["headdim"])) == (B, new, HKV, D)
+
+
+def test_combine_constants_match_the_kernel():
+    """The combine's rows per block (its grid) and its most splits (its lanes' lse registers)
+    are the constants of flash_fwd_combine.cu that kvcache_mma mirrors."""
+    import re
+
+    from cupyflash.kernels._module import kernels_dir
+
+    source = (kernels_dir() / "flash_fwd_combine.cu").read_text()
+
+    def constant(name):
+        return int(re.search(rf"constexpr int {name} = (\d+);", source).group(1))
+
+    assert constant("COMBINE_ROWS_PER_BLOCK") == kvcache_mma.COMBINE_ROWS
+    assert constant("COMBINE_MAX_SPLITS") == kvcache_mma.MAX_SPLITS
+    assert kvcache_mma.MAX_SPLITS % 32 == 0 and 32 % constant("SPLIT_LOADS") == 0
