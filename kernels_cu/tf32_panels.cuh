@@ -1,0 +1,116 @@
+// float32 operand tiles for wgmma's tf32 form (sm_90a), split for precision "ieee" on their way
+// into shared memory: the producer side of docs/perf-log.md's tf32-wgmma-v0 (step 1 of its plan;
+// no kernel uses these loaders yet).
+//
+// wgmma .tf32 reads both shared-memory operands K-major only (it has no transpose: ptxas rejects
+// the imm-trans operands on .tf32, dev/wgmma_tf32_probe.py). S = Q K^T and dP = dO V^T read Q, K,
+// dO and V as stored, [row][d]; O += P V, dV += P^T dO, dK += dS^T Q and dQ += dS K reduce over
+// the sequence, so their B operands (V, dO, Q, K) are wanted as [d][row]. Neither cp.async nor TMA
+// transposes, and every operand has to be split anyway (hi = tf32(x), lo = tf32(x - hi),
+// tf32.cuh's split_tf32): the loaders here read float4s from global memory into registers, split
+// them, and store hi and lo chunks, transposed where the product needs it.
+//
+// Tile layout: wgmma.cuh's panels with 4-byte elements. A tile of R rows and C float32 columns is
+// C / 32 panels of R rows x 128 bytes, panel after panel; 16-byte chunk c (columns 4c .. 4c + 3)
+// of panel row r sits at chunk position c ^ (r % 8): panel_offset<R>(r, c) unchanged. In bytes
+// this is the 16-bit panel, so the K-major descriptor is too (SBO 1024 bytes, 128-byte swizzle,
+// 1024-byte aligned panels); a tf32 k-step (m64nNk8: 8 columns, 32 bytes) advances the start
+// address by 32 bytes within a panel, the next panel after 4 steps.
+#pragma once
+
+#include "tf32.cuh"
+#include "wgmma.cuh"
+
+namespace cf {
+
+// Loads of float32 operands: read-only for the kernel's lifetime (the non-coherent path).
+__device__ __forceinline__ float4 ldg_f32x4(const float* p) { return __ldg(reinterpret_cast<const float4*>(p)); }
+
+// hi and lo of one 16-byte chunk of 4 values.
+template <int PRODUCTS>
+__device__ __forceinline__ void split_chunk(const float (&x)[4], u32 (&hi)[4], u32 (&lo)[4]) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) split_tf32<PRODUCTS>(x[e], hi[e], lo[e]);
+}
+
+// A ROWS x DIM tile of a (seqlen, dim) float32 slice (row stride `stride` elements) as hi and lo
+// panel tiles of ROWS rows and DIM columns (K-major for S = Q K^T and dP = dO V^T). Each thread
+// takes one 16-byte chunk column and ROWS / ROW_STEP rows of it; 8 consecutive threads store 8
+// chunks of one row, whose swizzled positions are distinct (no bank conflict). Rows >= rows_valid
+// and columns >= headdim are zero-filled. Needs headdim, stride and the slice's address in
+// multiples of 4 floats (16-byte loads); PRODUCTS 1 stores lo as zeros.
+template <int ROWS, int DIM, int NTHREADS, int PRODUCTS>
+__device__ __forceinline__ void split_tf32_panels(u32 hi_tile, u32 lo_tile, const float* gmem, int rows_valid,
+                                                  int headdim, i64 stride, int thread) {
+    constexpr int CHUNKS = DIM / 4;
+    constexpr int ROW_STEP = NTHREADS / CHUNKS;
+    static_assert(DIM % 32 == 0 && NTHREADS % CHUNKS == 0 && ROWS % ROW_STEP == 0,
+                  "whole panels, and tile chunks that divide evenly among the threads");
+    const int row0 = thread / CHUNKS, chunk = thread % CHUNKS;
+    const bool column_valid = 4 * chunk < headdim;
+#pragma unroll
+    for (int i = 0; i < ROWS / ROW_STEP; ++i) {
+        const int row = row0 + i * ROW_STEP;
+        const bool valid = column_valid && row < rows_valid;
+        const float4 v = valid ? ldg_f32x4(gmem + row * stride + 4 * chunk) : make_float4(0.f, 0.f, 0.f, 0.f);
+        const float x[4] = {v.x, v.y, v.z, v.w};
+        u32 hi[4], lo[4];
+        split_chunk<PRODUCTS>(x, hi, lo);
+        const u32 offset = panel_offset<ROWS>(row, chunk);
+        st_shared_v4(hi_tile + offset, hi);
+        st_shared_v4(lo_tile + offset, lo);
+    }
+}
+
+// The same slice transposed: hi and lo panel tiles of DIM rows (the head dim) and ROWS columns
+// (the sequence), the B operand of a product that reduces over the sequence (O += P V: B[k][n] =
+// V[k][n] stored [n][k]). A thread's unit is 4 sequence rows x 4 columns: four 16-byte loads, a
+// 4 x 4 transpose in registers (no instruction: the values are renamed), and four 16-byte stores
+// of 4 sequence values each. A warp takes 8 consecutive row groups (32 rows) of 4 consecutive
+// column groups (16 columns), lane 8 i + j row group j of column group i: each load instruction
+// reads 64 contiguous bytes of 8 rows (whole 32-byte sectors), and the 8 lanes of a store phase
+// (one i, so one tile row) store 8 consecutive chunks of that row, at 8 distinct swizzled
+// positions. Zero fill and alignment as split_tf32_panels.
+template <int ROWS, int DIM, int NTHREADS, int PRODUCTS>
+__device__ __forceinline__ void split_tf32_panels_transposed(u32 hi_tile, u32 lo_tile, const float* gmem,
+                                                             int rows_valid, int headdim, i64 stride, int thread) {
+    constexpr int ROW_BLOCKS = ROWS / 32, COLUMN_BLOCKS = DIM / 16;  // a warp's unit: 32 rows x 16 columns
+    constexpr int WARPS = NTHREADS / 32;
+    constexpr int WARP_UNITS = ROW_BLOCKS * COLUMN_BLOCKS;
+    static_assert(ROWS % 32 == 0 && DIM % 16 == 0 && NTHREADS % 32 == 0 && WARP_UNITS % WARPS == 0,
+                  "whole panels, and warp units that divide evenly among the warps");
+    const int warp = thread / 32, lane = thread % 32;
+#pragma unroll
+    for (int u = 0; u < WARP_UNITS / WARPS; ++u) {
+        const int unit = warp + u * WARPS;
+        const int row_group = 8 * (unit % ROW_BLOCKS) + lane % 8;        // rows 4 row_group .. + 3
+        const int column_group = 4 * (unit / ROW_BLOCKS) + lane / 8;     // columns 4 column_group .. + 3
+        const int row = 4 * row_group, column = 4 * column_group;
+        const bool column_valid = column < headdim;
+        float x[4][4];  // x[r][e]: row + r, column + e
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const bool valid = column_valid && row + r < rows_valid;
+            const float4 v = valid ? ldg_f32x4(gmem + (row + r) * stride + column) : make_float4(0.f, 0.f, 0.f, 0.f);
+            x[r][0] = v.x, x[r][1] = v.y, x[r][2] = v.z, x[r][3] = v.w;
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const float column_values[4] = {x[0][e], x[1][e], x[2][e], x[3][e]};
+            u32 hi[4], lo[4];
+            split_chunk<PRODUCTS>(column_values, hi, lo);
+            const u32 offset = panel_offset<DIM>(column + e, row_group);
+            st_shared_v4(hi_tile + offset, hi);
+            st_shared_v4(lo_tile + offset, lo);
+        }
+    }
+}
+
+// The K-major descriptor of k-step `step` (8 tf32 columns) of a panel tile of ROWS rows at
+// `tile`: 32 bytes per step within a panel, ROWS x 128 bytes per panel of 4 steps.
+template <int ROWS>
+__device__ __forceinline__ u64 tf32_k_step_desc(u32 tile, int step) {
+    return smem_desc(tile + (step >> 2) * (ROWS * 128) + (step & 3) * 32, 16, 1024);
+}
+
+}  // namespace cf

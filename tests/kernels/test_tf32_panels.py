@@ -1,0 +1,143 @@
+"""kernels_cu/tf32_panels.cuh on the CPU: the split-and-transpose loaders of float32 operand
+tiles for wgmma's tf32 form (perf log tf32-wgmma-v0, step 1; no kernel uses them yet, so nothing
+here has run on a GPU). The model (models/tf32_panels.py, mirrored statement by statement) fills
+shared memory as the loaders do; what the tensor cores read through the K-major descriptors of
+every k-step, written from the PTX ISA, must be exactly hi and lo of the tile (transposed for the
+sequence-reduced operands), zero-filled past rows_valid and headdim. The stores must be free of
+bank conflicts and the loads use whole 32-byte sectors. Then the header compiles, with the loads
+and stores as 16-byte instructions and nothing spilled."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from models.mirrors import missing_statements
+from models.tf32_panels import (SOURCE, Log, k_major_operand_of, split_tf32_panels, split_tf32_panels_transposed,
+                                tf32_k_step_desc, tf32_operand)
+from models.wgmma import bank_conflict_free
+from nvrtc_check import needs_nvrtc
+
+POISON = np.uint32(0xFFFFFFFF)  # a NaN pattern no split produces
+
+# (rows, dim, threads, rows_valid, headdim): the forward's K / V tiles at d64 and d128, a
+# producer warpgroup of 128 threads or two, partial tiles (the sequence's last block, a head dim
+# padded to the tile)
+SHAPES = [(64, 128, 128, 64, 128), (64, 64, 128, 64, 64), (32, 128, 256, 32, 128), (64, 128, 128, 37, 100),
+          (128, 64, 128, 1, 60), (32, 32, 64, 20, 32)]
+
+
+def test_mirrors_are_the_header():
+    assert not (missing := missing_statements(SOURCE)), f"mirrored statements no longer in {SOURCE}: {missing}"
+
+
+def _slice(rows, dim, rows_valid, headdim, seed):
+    """The global slice (values with all 23 mantissa bits in use) and what the tile must hold."""
+    rng = np.random.default_rng(seed)
+    gmem = (rng.standard_normal((rows, dim)) * np.exp2(rng.integers(-20, 20, (rows, dim)))).astype(np.float32)
+    want = np.zeros((rows, dim), np.float32)
+    want[:rows_valid, :headdim] = gmem[:rows_valid, :headdim]
+    return gmem, want
+
+
+def _smem(words):
+    return np.full(words, POISON, np.uint32), np.full(words, POISON, np.uint32)
+
+
+@pytest.mark.parametrize("products", [3, 1])
+@pytest.mark.parametrize("rows, dim, nthreads, rows_valid, headdim", SHAPES)
+def test_k_major_tile_reads_as_the_split_rows(products, rows, dim, nthreads, rows_valid, headdim):
+    """split_tf32_panels: the k-steps of the tile read through tf32_k_step_desc are hi and lo of
+    the rows (Q / K for S = Q K^T), 8 columns at a time; every word of the tile written."""
+    gmem, want = _slice(rows, dim, rows_valid, headdim, seed=rows + dim)
+    tile = rows * dim * 4  # a second tile after the first: the descriptors' addresses are absolute
+    hi_smem, lo_smem = _smem(3 * tile // 4)
+    split_tf32_panels(products, hi_smem, lo_smem, tile, tile, rows, dim, nthreads, gmem, rows_valid, headdim)
+    assert (hi_smem[tile // 4: 2 * tile // 4] != POISON).all() and (hi_smem[: tile // 4] == POISON).all()
+    want_hi, want_lo = k_major_operand_of(products, want)
+    for step in range(dim // 8):
+        desc = tf32_k_step_desc(rows, tile, step)
+        assert np.array_equal(tf32_operand(hi_smem, desc, rows), want_hi[:, 8 * step: 8 * step + 8]), step
+        assert np.array_equal(tf32_operand(lo_smem, desc, rows), want_lo[:, 8 * step: 8 * step + 8]), step
+
+
+@pytest.mark.parametrize("products", [3, 1])
+@pytest.mark.parametrize("rows, dim, nthreads, rows_valid, headdim", SHAPES)
+def test_transposed_tile_reads_as_the_split_columns(products, rows, dim, nthreads, rows_valid, headdim):
+    """split_tf32_panels_transposed: the tile is dim rows of `rows` sequence values; its k-steps
+    (8 sequence positions) read as hi and lo of the slice's transpose (V for O = P V, the B
+    operand B[key][d] stored [d][key])."""
+    gmem, want = _slice(rows, dim, rows_valid, headdim, seed=3 * rows + dim)
+    tile = rows * dim * 4
+    hi_smem, lo_smem = _smem(2 * tile // 4)
+    split_tf32_panels_transposed(products, hi_smem, lo_smem, 0, tile, rows, dim, nthreads, gmem, rows_valid, headdim)
+    assert (hi_smem[: tile // 4] != POISON).all() and (lo_smem[tile // 4:] != POISON).all()
+    want_hi, want_lo = k_major_operand_of(products, want.T)
+    for step in range(rows // 8):
+        assert np.array_equal(tf32_operand(hi_smem, tf32_k_step_desc(dim, 0, step), dim),
+                              want_hi[:, 8 * step: 8 * step + 8]), step
+        assert np.array_equal(tf32_operand(lo_smem, tf32_k_step_desc(dim, tile, step), dim),
+                              want_lo[:, 8 * step: 8 * step + 8]), step
+
+
+def _by_warp(entries: dict):
+    """{(instruction, warp): [value of lane 0 .. 31]} of a log's per-thread entries."""
+    out: dict = {}
+    for (instruction, thread), value in sorted(entries.items(), key=lambda kv: kv[0][1]):
+        out.setdefault((instruction, thread // 32), []).append(value)
+    return out
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("rows, dim, nthreads", [(64, 128, 128), (64, 64, 128), (32, 128, 256)])
+def test_stores_conflict_free_and_loads_whole_sectors(transposed, rows, dim, nthreads):
+    """Each 16-byte store instruction's phases of 8 lanes touch each bank once; each 16-byte load
+    instruction of a warp reads whole 32-byte sectors of the slice (row stride: dim floats)."""
+    gmem, _ = _slice(rows, dim, rows, dim, seed=1)
+    hi_smem, lo_smem = _smem(2 * rows * dim)
+    log = Log()
+    loader = split_tf32_panels_transposed if transposed else split_tf32_panels
+    loader(3, hi_smem, lo_smem, 0, rows * dim * 4, rows, dim, nthreads, gmem, rows, dim, log=log)
+    for (instruction, warp), offsets in _by_warp(log.stores).items():
+        for phase in range(4):
+            assert bank_conflict_free(offsets[8 * phase: 8 * phase + 8], 16), (instruction, warp, phase)
+    for (instruction, warp), starts in _by_warp(log.loads).items():
+        byte_ranges = [4 * (r * dim + c) for r, c in starts]
+        sectors = {b // 32 for b in byte_ranges} | {(b + 15) // 32 for b in byte_ranges}
+        assert 32 * len(sectors) == 16 * len(byte_ranges), (instruction, warp)
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("arch", ["90a", "80"])
+def test_loaders_compile_to_16_byte_accesses(arch):
+    """Both loaders in one kernel (a producer warpgroup filling a d128 K tile and a V^T tile of 64
+    keys, ieee split): no local memory, and where cuobjdump is installed, 16-byte global loads and
+    16-byte shared stores only."""
+    from cupyflash.kernels import compile_check
+    from cupyflash.kernels._module import kernel_source
+
+    text = kernel_source("tf32_panels.cuh") + """
+extern "C" __global__ void __launch_bounds__(128) tf32_panels_probe(const float* k, const float* v, int rows_valid,
+                                                                    int headdim, long long stride, float* out) {
+    extern __shared__ __align__(1024) unsigned char smem[];
+    const cf::u32 base = cf::smem_u32(smem);
+    constexpr cf::u32 TILE = 64 * 128 * 4;
+    cf::split_tf32_panels<64, 128, 128, 3>(base, base + TILE, k, rows_valid, headdim, stride, threadIdx.x);
+    cf::split_tf32_panels_transposed<64, 128, 128, 3>(base + 2 * TILE, base + 3 * TILE, v, rows_valid, headdim,
+                                                      stride, threadIdx.x);
+    __syncthreads();
+    out[threadIdx.x] = __uint_as_float(cf::ld_shared_b32(base + 4 * threadIdx.x))
+                       + (float)cf::tf32_k_step_desc<64>(base, threadIdx.x % 16);
+}
+"""
+    cubin, mangled, log = compile_check.compile_text(text, "tf32_panels_probe.cu", [], arch)
+    report = compile_check.ptxas_report(log)["tf32_panels_probe"]
+    assert report["stack"] == 0 and report["spill_stores"] == 0 and report["spill_loads"] == 0, report
+    if compile_check.find_cuobjdump() is None:
+        pytest.skip("cuobjdump not installed: the instruction widths are not checked")
+    sass = compile_check.resource_usage(cubin, with_sass=True)["tf32_panels_probe"]["sass"]
+    stores = [line for line in sass.splitlines() if " STS" in line]
+    loads = [line for line in sass.splitlines() if " LDG" in line]
+    # 64 x 128 tile, 128 threads: 16 chunk rows per thread, hi and lo -> 32 stores and 16 loads per
+    # loader; the probe's own read is an LDS
+    assert len(stores) == 64 and all("STS.128" in s for s in stores), stores
+    assert len(loads) == 32 and all(".128" in s for s in loads), loads
