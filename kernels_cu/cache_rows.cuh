@@ -121,12 +121,13 @@ struct RowOffsetRing {
 
 // Issues the copies of keys [n0, n0 + ROWS) of K and V into swizzled shared tiles, spread over
 // NTHREADS threads (`thread` the caller's index); keys >= seqlen_k, K's columns >= headdim and
-// V's >= headdim_v are zero-filled. Each thread copies one chunk column of ROWS / ROW_STEP rows
-// and looks each row up once for both tiles.
-template <int ROWS, int DIM, int NTHREADS, bool PAGED, typename T>
-__device__ __forceinline__ void cp_async_cache_rows(u32 k_tile, u32 v_tile, const T* k, const T* v,
-                                                    const CacheKeys<PAGED>& keys, int n0, int seqlen_k,
-                                                    int headdim, int headdim_v, int thread) {
+// V's >= headdim_v are zero-filled. Each thread copies one chunk column of ROWS / ROW_STEP rows;
+// `row_offsets(r, k_off, v_off)` gives tile row r's element offsets in K and V, once for both
+// tiles.
+template <int ROWS, int DIM, int NTHREADS, typename T, class RowOffsets>
+__device__ __forceinline__ void cp_async_key_rows(u32 k_tile, u32 v_tile, const T* k, const T* v,
+                                                  const RowOffsets& row_offsets, int n0, int seqlen_k, int headdim,
+                                                  int headdim_v, int thread) {
     constexpr int CHUNKS = DIM / 8;
     constexpr int ROW_STEP = NTHREADS / CHUNKS;
     static_assert(NTHREADS % CHUNKS == 0 && ROWS % ROW_STEP == 0, "tile chunks must divide evenly among the threads");
@@ -138,34 +139,31 @@ __device__ __forceinline__ void cp_async_cache_rows(u32 k_tile, u32 v_tile, cons
         const bool key = n0 + r < seqlen_k;
         const bool k_valid = k_column && key, v_valid = v_column && key;
         i64 k_off = 0, v_off = 0;
-        if (k_valid || v_valid) keys.offsets(n0 + r, k_off, v_off);
+        if (k_valid || v_valid) row_offsets(r, k_off, v_off);
         const u32 dst = swizzled_offset<DIM>(r, chunk);
         cp_async_16(k_tile + dst, k + k_off + chunk * 8, k_valid);
         cp_async_16(v_tile + dst, v + v_off + chunk * 8, v_valid);
     }
 }
 
-// cp_async_cache_rows with each row's offsets from a RowOffsetRing (block `block` of ROWS keys).
+// The keys [n0, n0 + ROWS), each row looked up in the cache by the threads that copy it.
+template <int ROWS, int DIM, int NTHREADS, bool PAGED, typename T>
+__device__ __forceinline__ void cp_async_cache_rows(u32 k_tile, u32 v_tile, const T* k, const T* v,
+                                                    const CacheKeys<PAGED>& keys, int n0, int seqlen_k,
+                                                    int headdim, int headdim_v, int thread) {
+    cp_async_key_rows<ROWS, DIM, NTHREADS>(
+        k_tile, v_tile, k, v, [&](int r, i64& k_off, i64& v_off) { keys.offsets(n0 + r, k_off, v_off); }, n0,
+        seqlen_k, headdim, headdim_v, thread);
+}
+
+// Key block `block` (ROWS keys), each row's offsets from a RowOffsetRing.
 template <int ROWS, int DIM, int NTHREADS, typename T>
 __device__ __forceinline__ void cp_async_cache_rows(u32 k_tile, u32 v_tile, const T* k, const T* v,
                                                     const RowOffsetRing<ROWS, NTHREADS>& ring, int block,
                                                     int seqlen_k, int headdim, int headdim_v, int thread) {
-    constexpr int CHUNKS = DIM / 8;
-    constexpr int ROW_STEP = NTHREADS / CHUNKS;
-    static_assert(NTHREADS % CHUNKS == 0 && ROWS % ROW_STEP == 0, "tile chunks must divide evenly among the threads");
-    const int row0 = thread / CHUNKS, chunk = thread % CHUNKS;
-    const bool k_column = chunk * 8 < headdim, v_column = chunk * 8 < headdim_v;
-#pragma unroll
-    for (int i = 0; i < ROWS / ROW_STEP; ++i) {
-        const int r = row0 + i * ROW_STEP;
-        const bool key = block * ROWS + r < seqlen_k;
-        const bool k_valid = k_column && key, v_valid = v_column && key;
-        i64 k_off = 0, v_off = 0;
-        if (k_valid || v_valid) ring.offsets(block, r, k_off, v_off);
-        const u32 dst = swizzled_offset<DIM>(r, chunk);
-        cp_async_16(k_tile + dst, k + k_off + chunk * 8, k_valid);
-        cp_async_16(v_tile + dst, v + v_off + chunk * 8, v_valid);
-    }
+    cp_async_key_rows<ROWS, DIM, NTHREADS>(
+        k_tile, v_tile, k, v, [&](int r, i64& k_off, i64& v_off) { ring.offsets(block, r, k_off, v_off); },
+        block * ROWS, seqlen_k, headdim, headdim_v, thread);
 }
 
 // The packed query rows [m0, m0 + ROWS) of kv head rows.head_kv (PackedRows) into a swizzled
