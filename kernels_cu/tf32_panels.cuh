@@ -71,7 +71,17 @@ __device__ __forceinline__ void split_tf32_panels(u32 hi_tile, u32 lo_tile, cons
 // reads 64 contiguous bytes of 8 rows (whole 32-byte sectors), and the 8 lanes of a store phase
 // (one i, so one tile row) store 8 consecutive chunks of that row, at 8 distinct swizzled
 // positions. Zero fill and alignment as split_tf32_panels.
-template <int ROWS, int DIM, int NTHREADS, int PRODUCTS>
+//
+// KEY_PAIRS: within each group of 8 sequence positions, column slots 0-3 hold positions 0, 2, 4, 6
+// and slots 4-7 positions 1, 3, 5, 7. That is the order in which P, an accumulator of the
+// product before (thread (g, t) of a warp holds columns 2t and 2t + 1 of rows g and g + 8),
+// serves as wgmma's register A operand (ALayout of m64nNk8 for 32-bit types: a0 (g, t), a1
+// (g + 8, t), a2 (g, t + 4), a3 (g + 8, t + 4)) with no data movement: registers {d0, d2, d1, d3}
+// of the accumulator's k-step are A's, the keys relabelled, and V's tile is relabelled to match.
+// The lanes of a pair (row groups 2G and 2G + 1 of the same columns) trade two values per column
+// by a shuffle; each then stores the one chunk of its parity (chunk index = its row group, as
+// without KEY_PAIRS), so the store phases stay conflict-free.
+template <int ROWS, int DIM, int NTHREADS, int PRODUCTS, bool KEY_PAIRS = false>
 __device__ __forceinline__ void split_tf32_panels_transposed(u32 hi_tile, u32 lo_tile, const float* gmem,
                                                              int rows_valid, int headdim, i64 stride, int thread) {
     constexpr int ROW_BLOCKS = ROWS / 32, COLUMN_BLOCKS = DIM / 16;  // a warp's unit: 32 rows x 16 columns
@@ -96,7 +106,20 @@ __device__ __forceinline__ void split_tf32_panels_transposed(u32 hi_tile, u32 lo
         }
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            const float column_values[4] = {x[0][e], x[1][e], x[2][e], x[3][e]};
+            float column_values[4] = {x[0][e], x[1][e], x[2][e], x[3][e]};
+            if constexpr (KEY_PAIRS) {
+                // The even lane of a pair holds positions 0-3 of its 8-group and keeps 0, 2 (slots 0,
+                // 1), taking 4, 6 (slots 2, 3) from its partner; the odd one holds 4-7, keeps 5, 7
+                // (slots 2, 3) and takes 1, 3 (slots 0, 1).
+                const bool even = (lane & 1) == 0;
+                const float give0 = even ? x[1][e] : x[0][e], give1 = even ? x[3][e] : x[2][e];
+                const float take0 = __shfl_xor_sync(0xffffffffu, give0, 1);
+                const float take1 = __shfl_xor_sync(0xffffffffu, give1, 1);
+                column_values[0] = even ? x[0][e] : take0;
+                column_values[1] = even ? x[2][e] : take1;
+                column_values[2] = even ? take0 : x[1][e];
+                column_values[3] = even ? take1 : x[3][e];
+            }
             u32 hi[4], lo[4];
             split_chunk<PRODUCTS>(column_values, hi, lo);
             const u32 offset = panel_offset<DIM>(column + e, row_group);

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 from models.mirrors import missing_statements
-from models.tf32_panels import (SOURCE, Log, k_major_operand_of, split_tf32_panels, split_tf32_panels_transposed,
-                                tf32_k_step_desc, tf32_operand)
-from models.wgmma import bank_conflict_free
+from models.tf32_panels import (SOURCE, Log, k_major_operand_of, key_pair_order, split_tf32_panels,
+                                split_tf32_panels_transposed, tf32_a_fragment_matrix, tf32_k_step_desc, tf32_operand)
+from models.tf32 import tensor_core_reads
+from models.wgmma import acc_from_matrix, bank_conflict_free
 from nvrtc_check import needs_nvrtc
 
 POISON = np.uint32(0xFFFFFFFF)  # a NaN pattern no split produces
@@ -79,6 +80,45 @@ def test_transposed_tile_reads_as_the_split_columns(products, rows, dim, nthread
                               want_lo[:, 8 * step: 8 * step + 8]), step
 
 
+@pytest.mark.parametrize("rows, dim, nthreads, rows_valid, headdim", SHAPES)
+def test_key_pairs_tile_reads_as_the_relabelled_columns(rows, dim, nthreads, rows_valid, headdim):
+    """KEY_PAIRS: slot s of each 8-position group holds position 0, 2, 4, 6, 1, 3, 5, 7."""
+    gmem, want = _slice(rows, dim, rows_valid, headdim, seed=5 * rows + dim)
+    tile = rows * dim * 4
+    hi_smem, lo_smem = _smem(2 * tile // 4)
+    split_tf32_panels_transposed(3, hi_smem, lo_smem, 0, tile, rows, dim, nthreads, gmem, rows_valid, headdim,
+                                 key_pairs=True)
+    want_hi, want_lo = k_major_operand_of(3, want.T[:, key_pair_order(rows)])
+    for step in range(rows // 8):
+        assert np.array_equal(tf32_operand(hi_smem, tf32_k_step_desc(dim, 0, step), dim),
+                              want_hi[:, 8 * step: 8 * step + 8]), step
+        assert np.array_equal(tf32_operand(lo_smem, tf32_k_step_desc(dim, tile, step), dim),
+                              want_lo[:, 8 * step: 8 * step + 8]), step
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+def test_p_accumulator_times_key_pairs_tile_is_p_v(dim):
+    """O = P V with P an accumulator of the product before (64 rows x 64 keys, the C layout) and
+    V a KEY_PAIRS tile: k-step j's A registers are the accumulator's {d0, d2, d1, d3} of column
+    block j, read as wgmma's tf32 A fragment, B the tile's k-step j through its descriptor. With
+    small integers every product and sum is exact, so the sum of the 8 k-steps must be P V
+    exactly: any slip in the relabelling moves a value to another key."""
+    rng = np.random.default_rng(dim)
+    keys = 64
+    p = rng.integers(-8, 9, (64, keys)).astype(np.float32)
+    v = rng.integers(-8, 9, (keys, dim)).astype(np.float32)
+    tile = keys * dim * 4
+    hi_smem, lo_smem = _smem(tile // 4)
+    split_tf32_panels_transposed(1, hi_smem, lo_smem, 0, 0, keys, dim, 128, v, keys, dim, key_pairs=True)
+    acc = acc_from_matrix(p.astype(np.float64))  # [thread, column block j, e]
+    o = np.zeros((64, dim))
+    for j in range(keys // 8):
+        a = acc[:, j, :][:, [0, 2, 1, 3]]
+        b = tensor_core_reads(tf32_operand(hi_smem, tf32_k_step_desc(dim, 0, j), dim)).astype(np.float64)
+        o += tf32_a_fragment_matrix(a) @ b.T
+    assert np.array_equal(o, p.astype(np.float64) @ v.astype(np.float64))
+
+
 def _by_warp(entries: dict):
     """{(instruction, warp): [value of lane 0 .. 31]} of a log's per-thread entries."""
     out: dict = {}
@@ -87,16 +127,19 @@ def _by_warp(entries: dict):
     return out
 
 
-@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("transposed, key_pairs", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("rows, dim, nthreads", [(64, 128, 128), (64, 64, 128), (32, 128, 256)])
-def test_stores_conflict_free_and_loads_whole_sectors(transposed, rows, dim, nthreads):
+def test_stores_conflict_free_and_loads_whole_sectors(transposed, key_pairs, rows, dim, nthreads):
     """Each 16-byte store instruction's phases of 8 lanes touch each bank once; each 16-byte load
     instruction of a warp reads whole 32-byte sectors of the slice (row stride: dim floats)."""
     gmem, _ = _slice(rows, dim, rows, dim, seed=1)
     hi_smem, lo_smem = _smem(2 * rows * dim)
     log = Log()
-    loader = split_tf32_panels_transposed if transposed else split_tf32_panels
-    loader(3, hi_smem, lo_smem, 0, rows * dim * 4, rows, dim, nthreads, gmem, rows, dim, log=log)
+    if transposed:
+        split_tf32_panels_transposed(3, hi_smem, lo_smem, 0, rows * dim * 4, rows, dim, nthreads, gmem, rows, dim,
+                                     log=log, key_pairs=key_pairs)
+    else:
+        split_tf32_panels(3, hi_smem, lo_smem, 0, rows * dim * 4, rows, dim, nthreads, gmem, rows, dim, log=log)
     for (instruction, warp), offsets in _by_warp(log.stores).items():
         for phase in range(4):
             assert bank_conflict_free(offsets[8 * phase: 8 * phase + 8], 16), (instruction, warp, phase)
@@ -110,7 +153,7 @@ def test_stores_conflict_free_and_loads_whole_sectors(transposed, rows, dim, nth
 @pytest.mark.parametrize("arch", ["90a", "80"])
 def test_loaders_compile_to_16_byte_accesses(arch):
     """Both loaders in one kernel (a producer warpgroup filling a d128 K tile and a V^T tile of 64
-    keys, ieee split): no local memory, and where cuobjdump is installed, 16-byte global loads and
+    keys in KEY_PAIRS order, ieee split): no local memory, and where cuobjdump is installed, 16-byte global loads and
     16-byte shared stores only."""
     from cupyflash.kernels import compile_check
     from cupyflash.kernels._module import kernel_source
@@ -122,8 +165,8 @@ extern "C" __global__ void __launch_bounds__(128) tf32_panels_probe(const float*
     const cf::u32 base = cf::smem_u32(smem);
     constexpr cf::u32 TILE = 64 * 128 * 4;
     cf::split_tf32_panels<64, 128, 128, 3>(base, base + TILE, k, rows_valid, headdim, stride, threadIdx.x);
-    cf::split_tf32_panels_transposed<64, 128, 128, 3>(base + 2 * TILE, base + 3 * TILE, v, rows_valid, headdim,
-                                                      stride, threadIdx.x);
+    cf::split_tf32_panels_transposed<64, 128, 128, 3, true>(base + 2 * TILE, base + 3 * TILE, v, rows_valid,
+                                                            headdim, stride, threadIdx.x);
     __syncthreads();
     out[threadIdx.x] = __uint_as_float(cf::ld_shared_b32(base + 4 * threadIdx.x))
                        + (float)cf::tf32_k_step_desc<64>(base, threadIdx.x % 16);

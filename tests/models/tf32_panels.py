@@ -35,6 +35,18 @@ def tf32_operand(smem: np.ndarray, desc: int, rows: int) -> np.ndarray:
     return smem[tf32_operand_addresses(desc, rows) // 4]
 
 
+def tf32_a_fragment_matrix(a: np.ndarray) -> np.ndarray:
+    """The 64 x 8 A operand of wgmma .m64nNk8 .tf32 held in registers a[thread, reg] (PTX ISA,
+    register fragments of wgmma for 32-bit types): warp w's rows 16w.., reg 0 (g, t), 1 (g + 8, t),
+    2 (g, t + 4), 3 (g + 8, t + 4), g = lane / 4, t = lane % 4."""
+    from .wgmma import ROW_LO, THREAD_IN_GROUP
+    m = np.full((64, 8), np.nan)
+    for reg in range(4):
+        m[ROW_LO + 8 * (reg & 1), THREAD_IN_GROUP + 4 * (reg >> 1)] = a[:, reg]
+    assert not np.isnan(m).any()
+    return m
+
+
 @mirrors(SOURCE, "return smem_desc(tile + (step >> 2) * (ROWS * 128) + (step & 3) * 32, 16, 1024);")
 def tf32_k_step_desc(rows: int, tile: int, step: int) -> int:
     return smem_desc(tile + (step >> 2) * (rows * 128) + (step & 3) * 32, 16, 1024)
@@ -104,20 +116,31 @@ def split_tf32_panels(products: int, hi_smem, lo_smem, hi_tile: int, lo_tile: in
          "const bool column_valid = column < headdim;",
          "const bool valid = column_valid && row + r < rows_valid;",
          "const float4 v = valid ? ldg_f32x4(gmem + (row + r) * stride + column) : make_float4(0.f, 0.f, 0.f, 0.f);",
-         "const float column_values[4] = {x[0][e], x[1][e], x[2][e], x[3][e]};",
+         "float column_values[4] = {x[0][e], x[1][e], x[2][e], x[3][e]};",
+         "const bool even = (lane & 1) == 0;",
+         "const float give0 = even ? x[1][e] : x[0][e], give1 = even ? x[3][e] : x[2][e];",
+         "const float take0 = __shfl_xor_sync(0xffffffffu, give0, 1);",
+         "const float take1 = __shfl_xor_sync(0xffffffffu, give1, 1);",
+         "column_values[0] = even ? x[0][e] : take0;",
+         "column_values[1] = even ? x[2][e] : take1;",
+         "column_values[2] = even ? take0 : x[1][e];",
+         "column_values[3] = even ? take1 : x[3][e];",
          "const u32 offset = panel_offset<DIM>(column + e, row_group);",
          "st_shared_v4(hi_tile + offset, hi);",
          "st_shared_v4(lo_tile + offset, lo);")
 def split_tf32_panels_transposed(products: int, hi_smem, lo_smem, hi_tile: int, lo_tile: int, rows: int, dim: int,
                                  nthreads: int, gmem: np.ndarray, rows_valid: int, headdim: int,
-                                 log: Log | None = None) -> None:
+                                 log: Log | None = None, key_pairs: bool = False) -> None:
+    """The threads run in lockstep per unit, so a shuffle reads the partner's registers of the
+    same unit (x_of[thread])."""
     row_blocks, column_blocks = rows // 32, dim // 16
     warps = nthreads // 32
     warp_units = row_blocks * column_blocks
     assert rows % 32 == 0 and dim % 16 == 0 and nthreads % 32 == 0 and warp_units % warps == 0  # the static_assert
-    for thread in range(nthreads):
-        warp, lane = thread // 32, thread % 32
-        for u in range(warp_units // warps):
+    for u in range(warp_units // warps):
+        x_of, where = {}, {}
+        for thread in range(nthreads):
+            warp, lane = thread // 32, thread % 32
             unit = warp + u * warps
             row_group = 8 * (unit % row_blocks) + lane % 8
             column_group = 4 * (unit // row_blocks) + lane // 8
@@ -130,13 +153,33 @@ def split_tf32_panels_transposed(products: int, hi_smem, lo_smem, hi_tile: int, 
                     x[r] = gmem[row + r, column: column + 4]
                 if log is not None:
                     log.load((u, r), thread, (row + r, column) if valid else None)
+            x_of[thread], where[thread] = x, (row_group, column)
+        for thread in range(nthreads):
+            lane = thread % 32
+            x, (row_group, column) = x_of[thread], where[thread]
             for e in range(4):
-                hi, lo = split_tf32(products, x[:, e])
+                column_values = x[:, e].copy()
+                if key_pairs:
+                    even = (lane & 1) == 0
+                    partner = x_of[thread ^ 1]
+                    give = (lambda y: (y[1, e], y[3, e]) if (thread ^ 1) % 2 == 0 else (y[0, e], y[2, e]))
+                    take0, take1 = give(partner)
+                    column_values = np.array([x[0, e] if even else take0, x[2, e] if even else take1,
+                                              take0 if even else x[1, e], take1 if even else x[3, e]], np.float32)
+                hi, lo = split_tf32(products, column_values)
                 offset = panel_offset(dim, column + e, row_group)
                 hi_smem[_chunk_words(hi_tile + offset)] = hi
                 lo_smem[_chunk_words(lo_tile + offset)] = lo
                 if log is not None:
                     log.store((u, e), thread, offset)
+
+
+KEY_PAIR_SLOTS = np.array([0, 2, 4, 6, 1, 3, 5, 7])  # slot s of an 8-group holds position KEY_PAIR_SLOTS[s]
+
+
+def key_pair_order(n: int) -> np.ndarray:
+    """The sequence position in each column slot of a KEY_PAIRS tile of n positions."""
+    return (8 * (np.arange(n) // 8) + KEY_PAIR_SLOTS[np.arange(n) % 8])
 
 
 def k_major_operand_of(products: int, matrix: np.ndarray):
@@ -145,5 +188,5 @@ def k_major_operand_of(products: int, matrix: np.ndarray):
     return split_tf32(products, np.ascontiguousarray(matrix, np.float32))
 
 
-__all__ = ["K_MAJOR", "Log", "k_major_operand_of", "split_tf32_panels", "split_tf32_panels_transposed",
+__all__ = ["tf32_a_fragment_matrix", "K_MAJOR", "KEY_PAIR_SLOTS", "Log", "k_major_operand_of", "key_pair_order", "split_tf32_panels", "split_tf32_panels_transposed",
            "tf32_k_step_desc", "tf32_operand", "tf32_operand_addresses"]
