@@ -1,10 +1,13 @@
-"""The wgmma wrappers of ``kernels_cu/wgmma.cuh``, written out by program.
+"""The wgmma wrappers of ``kernels_cu/wgmma.cuh`` and ``kernels_cu/wgmma_tf32.cuh``, written out
+by program.
 
 One ``Wgmma<T, N>`` specialization per 16-bit type and output width N (32, 64, 128, 256): ``ss`` (A and
-B from shared-memory descriptors) and ``rs`` (A from registers). Their inline-PTX operand lists
-run to N / 2 accumulator registers each, so they are generated here and pasted between the
-header's ``generated`` markers; ``tests/kernels/test_wgmma_wrappers.py`` checks that the header
-holds exactly this text. ``python -m cupyflash.kernels.wgmma_wrappers`` rewrites the header.
+B from shared-memory descriptors) and ``rs`` (A from registers); and one ``WgmmaTf32<N>`` per width
+for the tf32 form (m64nNk8, both shared-memory operands K-major: no transpose arguments). Their
+inline-PTX operand lists run to N / 2 accumulator registers each, so they are generated here and
+pasted between the headers' ``generated`` markers; ``tests/kernels/test_wgmma_wrappers.py`` checks
+that the headers hold exactly this text. ``python -m cupyflash.kernels.wgmma_wrappers`` rewrites
+the headers.
 """
 from __future__ import annotations
 
@@ -55,15 +58,50 @@ struct Wgmma<{ctype}, {n}> {{
 """
 
 
+def _tf32_specialization(n: int) -> str:
+    regs = n // 2
+    shape = f"m64n{n}k8.f32.tf32.tf32"
+    return f"""template <>
+struct WgmmaTf32<{n}> {{
+    // D (+)= A B, A and B from shared memory (K-major descriptors).
+    static __device__ __forceinline__ void ss(float (&d)[{regs}], u64 desc_a, u64 desc_b, int accumulate) {{
+        asm volatile(
+            "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{regs + 2}, 0;\\n"
+            "wgmma.mma_async.sync.aligned.{shape} "
+            "{{{_operands(regs)}}}, %{regs}, %{regs + 1}, p, 1, 1;\\n}}\\n"
+            : {_accumulators(regs)}
+            : "l"(desc_a), "l"(desc_b), "r"(accumulate)
+            : "memory");
+    }}
+    // D (+)= A B, A from registers (a0 (g, t), a1 (g + 8, t), a2 (g, t + 4), a3 (g + 8, t + 4) of the
+    // warp's 16 rows).
+    static __device__ __forceinline__ void rs(float (&d)[{regs}], const u32 (&a)[4], u64 desc_b, int accumulate) {{
+        asm volatile(
+            "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{regs + 5}, 0;\\n"
+            "wgmma.mma_async.sync.aligned.{shape} "
+            "{{{_operands(regs)}}}, {{{_operands(4, regs)}}}, %{regs + 4}, p, 1, 1;\\n}}\\n"
+            : {_accumulators(regs)}
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate)
+            : "memory");
+    }}
+}};
+"""
+
+
 def wrappers() -> str:
-    """The generated block, markers included."""
+    """The generated block of wgmma.cuh, markers included."""
     return BEGIN + "\n".join(_specialization(c, p, n) for n in WIDTHS for c, p in TYPES) + END
 
 
-def header_path() -> Path:
+def tf32_wrappers() -> str:
+    """The generated block of wgmma_tf32.cuh, markers included."""
+    return BEGIN + "\n".join(_tf32_specialization(n) for n in WIDTHS) + END
+
+
+def header_path(name: str = "wgmma.cuh") -> Path:
     from ._module import kernels_dir
 
-    return kernels_dir() / "wgmma.cuh"
+    return kernels_dir() / name
 
 
 def generated_block(text: str) -> str:
@@ -73,10 +111,11 @@ def generated_block(text: str) -> str:
 
 
 def main() -> int:
-    path = header_path()
-    text = path.read_text()
-    path.write_text(text.replace(generated_block(text), wrappers()))
-    print(f"wrote {path}")
+    for name, block in (("wgmma.cuh", wrappers()), ("wgmma_tf32.cuh", tf32_wrappers())):
+        path = header_path(name)
+        text = path.read_text()
+        path.write_text(text.replace(generated_block(text), block))
+        print(f"wrote {path}")
     return 0
 
 

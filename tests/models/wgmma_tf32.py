@@ -1,4 +1,4 @@
-"""Model of kernels_cu/tf32_panels.cuh: the split-and-transpose loaders of float32 operand tiles
+"""Model of kernels_cu/wgmma_tf32.cuh: the split-and-transpose loaders of float32 operand tiles
 for wgmma's tf32 form, their K-major descriptors, and what the tensor cores read through them.
 
 The ground truth of a tf32 operand is written from the PTX ISA (a K-major operand of wgmma
@@ -15,7 +15,7 @@ from .mirrors import mirrors
 from .tf32 import split_tf32
 from .wgmma import K_MAJOR, SWIZZLE_128B, decode_descriptor, panel_offset, smem_desc, swizzle_128b
 
-SOURCE = "tf32_panels.cuh"
+SOURCE = "wgmma_tf32.cuh"
 
 
 def tf32_operand_addresses(desc: int, rows: int) -> np.ndarray:

@@ -1,6 +1,6 @@
-"""kernels_cu/tf32_panels.cuh on the CPU: the split-and-transpose loaders of float32 operand
+"""kernels_cu/wgmma_tf32.cuh on the CPU: the split-and-transpose loaders of float32 operand
 tiles for wgmma's tf32 form (perf log tf32-wgmma-v0, step 1; no kernel uses them yet, so nothing
-here has run on a GPU). The model (models/tf32_panels.py, mirrored statement by statement) fills
+here has run on a GPU). The model (models/wgmma_tf32.py, mirrored statement by statement) fills
 shared memory as the loaders do; what the tensor cores read through the K-major descriptors of
 every k-step, written from the PTX ISA, must be exactly hi and lo of the tile (transposed for the
 sequence-reduced operands), zero-filled past rows_valid and headdim. The stores must be free of
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from models.mirrors import missing_statements
-from models.tf32_panels import (SOURCE, Log, k_major_operand_of, key_pair_order, split_tf32_panels,
+from models.wgmma_tf32 import (SOURCE, Log, k_major_operand_of, key_pair_order, split_tf32_panels,
                                 split_tf32_panels_transposed, tf32_a_fragment_matrix, tf32_k_step_desc, tf32_operand)
 from models.tf32 import tensor_core_reads
 from models.wgmma import acc_from_matrix, bank_conflict_free
@@ -158,8 +158,8 @@ def test_loaders_compile_to_16_byte_accesses(arch):
     from cupyflash.kernels import compile_check
     from cupyflash.kernels._module import kernel_source
 
-    text = kernel_source("tf32_panels.cuh") + """
-extern "C" __global__ void __launch_bounds__(128) tf32_panels_probe(const float* k, const float* v, int rows_valid,
+    text = kernel_source("wgmma_tf32.cuh") + """
+extern "C" __global__ void __launch_bounds__(128) wgmma_tf32_probe(const float* k, const float* v, int rows_valid,
                                                                     int headdim, long long stride, float* out) {
     extern __shared__ __align__(1024) unsigned char smem[];
     const cf::u32 base = cf::smem_u32(smem);
@@ -172,15 +172,50 @@ extern "C" __global__ void __launch_bounds__(128) tf32_panels_probe(const float*
                        + (float)cf::tf32_k_step_desc<64>(base, threadIdx.x % 16);
 }
 """
-    cubin, mangled, log = compile_check.compile_text(text, "tf32_panels_probe.cu", [], arch)
-    report = compile_check.ptxas_report(log)["tf32_panels_probe"]
+    cubin, mangled, log = compile_check.compile_text(text, "wgmma_tf32_probe.cu", [], arch)
+    report = compile_check.ptxas_report(log)["wgmma_tf32_probe"]
     assert report["stack"] == 0 and report["spill_stores"] == 0 and report["spill_loads"] == 0, report
     if compile_check.find_cuobjdump() is None:
         pytest.skip("cuobjdump not installed: the instruction widths are not checked")
-    sass = compile_check.resource_usage(cubin, with_sass=True)["tf32_panels_probe"]["sass"]
+    sass = compile_check.resource_usage(cubin, with_sass=True)["wgmma_tf32_probe"]["sass"]
     stores = [line for line in sass.splitlines() if " STS" in line]
     loads = [line for line in sass.splitlines() if " LDG" in line]
     # 64 x 128 tile, 128 threads: 16 chunk rows per thread, hi and lo -> 32 stores and 16 loads per
     # loader; the probe's own read is an LDS
     assert len(stores) == 64 and all("STS.128" in s for s in stores), stores
     assert len(loads) == 32 and all(".128" in s for s in loads), loads
+
+
+@needs_nvrtc
+def test_tf32_wgmma_wrappers_compile_without_serialization():
+    """WgmmaTf32<N>::ss and ::rs at every width, on descriptors of a loaded tile, for sm_90a: ptxas
+    takes them (the forms without transpose arguments) and does not serialize them (C7515)."""
+    from cupyflash.kernels import compile_check, wgmma_wrappers
+    from cupyflash.kernels._module import kernel_source
+
+    calls = "\n".join(f"""    {{
+        float d[{n // 2}];
+        for (int i = 0; i < {n // 2}; ++i) d[i] = 0.f;
+        cf::wgmma_fence();
+        cf::WgmmaTf32<{n}>::ss(d, cf::tf32_k_step_desc<64>(base, 1), cf::tf32_k_step_desc<{n}>(base + 32768, 2), 0);
+        cf::WgmmaTf32<{n}>::rs(d, a, cf::tf32_k_step_desc<{n}>(base + 32768, 5), 1);
+        cf::wgmma_commit();
+        cf::wgmma_wait<0>();
+        for (int i = 0; i < {n // 2}; ++i) sum += d[i];
+    }}""" for n in wgmma_wrappers.WIDTHS)
+    text = kernel_source("wgmma_tf32.cuh") + f"""
+extern "C" __global__ void __launch_bounds__(128) wgmma_tf32_wrappers_probe(const float* k, float* out) {{
+    extern __shared__ __align__(1024) unsigned char smem[];
+    const cf::u32 base = cf::smem_u32(smem);
+    cf::split_tf32_panels<64, 64, 128, 3>(base, base + 16384, k, 64, 64, 64, threadIdx.x);
+    __syncthreads();
+    cf::fence_proxy_async_shared();
+    const cf::u32 a[4] = {{threadIdx.x, threadIdx.x + 1, threadIdx.x + 2, threadIdx.x + 3}};
+    float sum = 0.f;
+{calls}
+    out[threadIdx.x] = sum;
+}}
+"""
+    _, _, log = compile_check.compile_text(text, "wgmma_tf32_wrappers_probe.cu", [], "90a")
+    assert "wgmma_tf32_wrappers_probe" in compile_check.ptxas_report(log)
+    assert not compile_check.wgmma_serialized_from_log(log), log

@@ -1,0 +1,250 @@
+// float32 operand tiles for wgmma's tf32 form (sm_90a), split for precision "ieee" on their way
+// into shared memory: the producer side of docs/perf-log.md's tf32-wgmma-v0 (step 1 of its plan;
+// no kernel uses these loaders yet).
+//
+// wgmma .tf32 reads both shared-memory operands K-major only (it has no transpose: ptxas rejects
+// the imm-trans operands on .tf32, dev/wgmma_tf32_probe.py). S = Q K^T and dP = dO V^T read Q, K,
+// dO and V as stored, [row][d]; O += P V, dV += P^T dO, dK += dS^T Q and dQ += dS K reduce over
+// the sequence, so their B operands (V, dO, Q, K) are wanted as [d][row]. Neither cp.async nor TMA
+// transposes, and every operand has to be split anyway (hi = tf32(x), lo = tf32(x - hi),
+// tf32.cuh's split_tf32): the loaders here read float4s from global memory into registers, split
+// them, and store hi and lo chunks, transposed where the product needs it.
+//
+// Tile layout: wgmma.cuh's panels with 4-byte elements. A tile of R rows and C float32 columns is
+// C / 32 panels of R rows x 128 bytes, panel after panel; 16-byte chunk c (columns 4c .. 4c + 3)
+// of panel row r sits at chunk position c ^ (r % 8): panel_offset<R>(r, c) unchanged. In bytes
+// this is the 16-bit panel, so the K-major descriptor is too (SBO 1024 bytes, 128-byte swizzle,
+// 1024-byte aligned panels); a tf32 k-step (m64nNk8: 8 columns, 32 bytes) advances the start
+// address by 32 bytes within a panel, the next panel after 4 steps.
+#pragma once
+
+#include "tf32.cuh"
+#include "wgmma.cuh"
+
+namespace cf {
+
+// Loads of float32 operands: read-only for the kernel's lifetime (the non-coherent path).
+__device__ __forceinline__ float4 ldg_f32x4(const float* p) { return __ldg(reinterpret_cast<const float4*>(p)); }
+
+// hi and lo of one 16-byte chunk of 4 values.
+template <int PRODUCTS>
+__device__ __forceinline__ void split_chunk(const float (&x)[4], u32 (&hi)[4], u32 (&lo)[4]) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) split_tf32<PRODUCTS>(x[e], hi[e], lo[e]);
+}
+
+// A ROWS x DIM tile of a (seqlen, dim) float32 slice (row stride `stride` elements) as hi and lo
+// panel tiles of ROWS rows and DIM columns (K-major for S = Q K^T and dP = dO V^T). Each thread
+// takes one 16-byte chunk column and ROWS / ROW_STEP rows of it; 8 consecutive threads store 8
+// chunks of one row, whose swizzled positions are distinct (no bank conflict). Rows >= rows_valid
+// and columns >= headdim are zero-filled. Needs headdim, stride and the slice's address in
+// multiples of 4 floats (16-byte loads); PRODUCTS 1 stores lo as zeros.
+template <int ROWS, int DIM, int NTHREADS, int PRODUCTS>
+__device__ __forceinline__ void split_tf32_panels(u32 hi_tile, u32 lo_tile, const float* gmem, int rows_valid,
+                                                  int headdim, i64 stride, int thread) {
+    constexpr int CHUNKS = DIM / 4;
+    constexpr int ROW_STEP = NTHREADS / CHUNKS;
+    static_assert(DIM % 32 == 0 && NTHREADS % CHUNKS == 0 && ROWS % ROW_STEP == 0,
+                  "whole panels, and tile chunks that divide evenly among the threads");
+    const int row0 = thread / CHUNKS, chunk = thread % CHUNKS;
+    const bool column_valid = 4 * chunk < headdim;
+#pragma unroll
+    for (int i = 0; i < ROWS / ROW_STEP; ++i) {
+        const int row = row0 + i * ROW_STEP;
+        const bool valid = column_valid && row < rows_valid;
+        const float4 v = valid ? ldg_f32x4(gmem + row * stride + 4 * chunk) : make_float4(0.f, 0.f, 0.f, 0.f);
+        const float x[4] = {v.x, v.y, v.z, v.w};
+        u32 hi[4], lo[4];
+        split_chunk<PRODUCTS>(x, hi, lo);
+        const u32 offset = panel_offset<ROWS>(row, chunk);
+        st_shared_v4(hi_tile + offset, hi);
+        st_shared_v4(lo_tile + offset, lo);
+    }
+}
+
+// The same slice transposed: hi and lo panel tiles of DIM rows (the head dim) and ROWS columns
+// (the sequence), the B operand of a product that reduces over the sequence (O += P V: B[k][n] =
+// V[k][n] stored [n][k]). A thread's unit is 4 sequence rows x 4 columns: four 16-byte loads, a
+// 4 x 4 transpose in registers (no instruction: the values are renamed), and four 16-byte stores
+// of 4 sequence values each. A warp takes 8 consecutive row groups (32 rows) of 4 consecutive
+// column groups (16 columns), lane 8 i + j row group j of column group i: each load instruction
+// reads 64 contiguous bytes of 8 rows (whole 32-byte sectors), and the 8 lanes of a store phase
+// (one i, so one tile row) store 8 consecutive chunks of that row, at 8 distinct swizzled
+// positions. Zero fill and alignment as split_tf32_panels.
+//
+// KEY_PAIRS: within each group of 8 sequence positions, column slots 0-3 hold positions 0, 2, 4, 6
+// and slots 4-7 positions 1, 3, 5, 7. That is the order in which P, an accumulator of the
+// product before (thread (g, t) of a warp holds columns 2t and 2t + 1 of rows g and g + 8),
+// serves as wgmma's register A operand (ALayout of m64nNk8 for 32-bit types: a0 (g, t), a1
+// (g + 8, t), a2 (g, t + 4), a3 (g + 8, t + 4)) with no data movement: registers {d0, d2, d1, d3}
+// of the accumulator's k-step are A's, the keys relabelled, and V's tile is relabelled to match.
+// The lanes of a pair (row groups 2G and 2G + 1 of the same columns) trade two values per column
+// by a shuffle; each then stores the one chunk of its parity (chunk index = its row group, as
+// without KEY_PAIRS), so the store phases stay conflict-free.
+template <int ROWS, int DIM, int NTHREADS, int PRODUCTS, bool KEY_PAIRS = false>
+__device__ __forceinline__ void split_tf32_panels_transposed(u32 hi_tile, u32 lo_tile, const float* gmem,
+                                                             int rows_valid, int headdim, i64 stride, int thread) {
+    constexpr int ROW_BLOCKS = ROWS / 32, COLUMN_BLOCKS = DIM / 16;  // a warp's unit: 32 rows x 16 columns
+    constexpr int WARPS = NTHREADS / 32;
+    constexpr int WARP_UNITS = ROW_BLOCKS * COLUMN_BLOCKS;
+    static_assert(ROWS % 32 == 0 && DIM % 16 == 0 && NTHREADS % 32 == 0 && WARP_UNITS % WARPS == 0,
+                  "whole panels, and warp units that divide evenly among the warps");
+    const int warp = thread / 32, lane = thread % 32;
+#pragma unroll
+    for (int u = 0; u < WARP_UNITS / WARPS; ++u) {
+        const int unit = warp + u * WARPS;
+        const int row_group = 8 * (unit % ROW_BLOCKS) + lane % 8;        // rows 4 row_group .. + 3
+        const int column_group = 4 * (unit / ROW_BLOCKS) + lane / 8;     // columns 4 column_group .. + 3
+        const int row = 4 * row_group, column = 4 * column_group;
+        const bool column_valid = column < headdim;
+        float x[4][4];  // x[r][e]: row + r, column + e
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const bool valid = column_valid && row + r < rows_valid;
+            const float4 v = valid ? ldg_f32x4(gmem + (row + r) * stride + column) : make_float4(0.f, 0.f, 0.f, 0.f);
+            x[r][0] = v.x, x[r][1] = v.y, x[r][2] = v.z, x[r][3] = v.w;
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            float column_values[4] = {x[0][e], x[1][e], x[2][e], x[3][e]};
+            if constexpr (KEY_PAIRS) {
+                // The even lane of a pair holds positions 0-3 of its 8-group and keeps 0, 2 (slots 0,
+                // 1), taking 4, 6 (slots 2, 3) from its partner; the odd one holds 4-7, keeps 5, 7
+                // (slots 2, 3) and takes 1, 3 (slots 0, 1).
+                const bool even = (lane & 1) == 0;
+                const float give0 = even ? x[1][e] : x[0][e], give1 = even ? x[3][e] : x[2][e];
+                const float take0 = __shfl_xor_sync(0xffffffffu, give0, 1);
+                const float take1 = __shfl_xor_sync(0xffffffffu, give1, 1);
+                column_values[0] = even ? x[0][e] : take0;
+                column_values[1] = even ? x[2][e] : take1;
+                column_values[2] = even ? take0 : x[1][e];
+                column_values[3] = even ? take1 : x[3][e];
+            }
+            u32 hi[4], lo[4];
+            split_chunk<PRODUCTS>(column_values, hi, lo);
+            const u32 offset = panel_offset<DIM>(column + e, row_group);
+            st_shared_v4(hi_tile + offset, hi);
+            st_shared_v4(lo_tile + offset, lo);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// wgmma m64nNk8, float32 accumulators, tf32 operands (the low 13 bits of each float32 register or
+// shared-memory word ignored). WgmmaTf32<N>::ss: A and B from shared memory (K-major); ::rs: A
+// from registers. Written by cupyflash/kernels/wgmma_wrappers.py.
+// ---------------------------------------------------------------------------------------------
+
+template <int N>
+struct WgmmaTf32;
+
+// BEGIN generated by cupyflash/kernels/wgmma_wrappers.py: do not edit by hand
+template <>
+struct WgmmaTf32<32> {
+    // D (+)= A B, A and B from shared memory (K-major descriptors).
+    static __device__ __forceinline__ void ss(float (&d)[16], u64 desc_a, u64 desc_b, int accumulate) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n32k8.f32.tf32.tf32 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+            : "l"(desc_a), "l"(desc_b), "r"(accumulate)
+            : "memory");
+    }
+    // D (+)= A B, A from registers (a0 (g, t), a1 (g + 8, t), a2 (g, t + 4), a3 (g + 8, t + 4) of the
+    // warp's 16 rows).
+    static __device__ __forceinline__ void rs(float (&d)[16], const u32 (&a)[4], u64 desc_b, int accumulate) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n32k8.f32.tf32.tf32 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate)
+            : "memory");
+    }
+};
+
+template <>
+struct WgmmaTf32<64> {
+    // D (+)= A B, A and B from shared memory (K-major descriptors).
+    static __device__ __forceinline__ void ss(float (&d)[32], u64 desc_a, u64 desc_b, int accumulate) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+            : "l"(desc_a), "l"(desc_b), "r"(accumulate)
+            : "memory");
+    }
+    // D (+)= A B, A from registers (a0 (g, t), a1 (g + 8, t), a2 (g, t + 4), a3 (g + 8, t + 4) of the
+    // warp's 16 rows).
+    static __device__ __forceinline__ void rs(float (&d)[32], const u32 (&a)[4], u64 desc_b, int accumulate) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate)
+            : "memory");
+    }
+};
+
+template <>
+struct WgmmaTf32<128> {
+    // D (+)= A B, A and B from shared memory (K-major descriptors).
+    static __device__ __forceinline__ void ss(float (&d)[64], u64 desc_a, u64 desc_b, int accumulate) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+            : "l"(desc_a), "l"(desc_b), "r"(accumulate)
+            : "memory");
+    }
+    // D (+)= A B, A from registers (a0 (g, t), a1 (g + 8, t), a2 (g, t + 4), a3 (g + 8, t + 4) of the
+    // warp's 16 rows).
+    static __device__ __forceinline__ void rs(float (&d)[64], const u32 (&a)[4], u64 desc_b, int accumulate) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate)
+            : "memory");
+    }
+};
+
+template <>
+struct WgmmaTf32<256> {
+    // D (+)= A B, A and B from shared memory (K-major descriptors).
+    static __device__ __forceinline__ void ss(float (&d)[128], u64 desc_a, u64 desc_b, int accumulate) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n256k8.f32.tf32.tf32 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+            : "l"(desc_a), "l"(desc_b), "r"(accumulate)
+            : "memory");
+    }
+    // D (+)= A B, A from registers (a0 (g, t), a1 (g + 8, t), a2 (g, t + 4), a3 (g + 8, t + 4) of the
+    // warp's 16 rows).
+    static __device__ __forceinline__ void rs(float (&d)[128], const u32 (&a)[4], u64 desc_b, int accumulate) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n256k8.f32.tf32.tf32 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, p, 1, 1;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate)
+            : "memory");
+    }
+};
+// END generated
+
+// The K-major descriptor of k-step `step` (8 tf32 columns) of a panel tile of ROWS rows at
+// `tile`: 32 bytes per step within a panel, ROWS x 128 bytes per panel of 4 steps.
+template <int ROWS>
+__device__ __forceinline__ u64 tf32_k_step_desc(u32 tile, int step) {
+    return smem_desc(tile + (step >> 2) * (ROWS * 128) + (step & 3) * 32, 16, 1024);
+}
+
+}  // namespace cf
