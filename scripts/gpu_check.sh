@@ -11,7 +11,8 @@
 #                                       and ALiBi as score_mods and a document mask against
 #                                       FlexAttention at 8k, 8 documents of 2k against no mask at 16k
 #   scripts/gpu_check.sh OUTDIR kvcache  the KV-cache kernel's tests (its kernels compiled first),
-#                                       then the decode bandwidth table and plot against cuDNN / FA2
+#                                       then the decode bandwidth table and plot against cuDNN / FA2,
+#                                       and dev/decode_fixed_cost.py (fixed cost and rate per layout)
 #   scripts/gpu_check.sh OUTDIR varlen   the packed kernels compiled, the varlen GPU tests, then the
 #                                       varlen bench (FA2 on the padded batch, cupyflash dense)
 #   scripts/gpu_check.sh OUTDIR capture  the no_host_sync / CUDA-graph tests, then the decode-loop
@@ -103,6 +104,7 @@ kvcache)
     step kvcache-tests "${TEST_LIMIT:-240}" env HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-gpu}" \
         python -m pytest -q -m gpu tests/test_kvcache_kernel_gpu.py tests/test_kvcache_gpu.py -p no:cacheprovider
     step decode 150 python -m cupyflash.bench.kvcache_decode --json "$out/decode.json" --plot "$out/decode.png"
+    step decode-fixed-cost 150 python dev/decode_fixed_cost.py --json "$out/decode-fixed-cost.json"
     ;;
 varlen)
     export PYTHONPATH=$PWD
