@@ -33,7 +33,7 @@ from .kernels._module import Specialization
 from .kernels.constants import CTYPES, DMMA_D_TILES, SHORT_NAMES, SIMT_D_TILES, TENSOR_CORE_D_TILES, d_tile
 from .masks import Mask, as_mask
 
-__all__ = ["ForwardPlan", "FwdConfig", "WgmmaFwdConfig", "Tf32FwdConfig", "DmmaFwdConfig", "SimtTiles", "FORWARD_TILES",
+__all__ = ["ForwardPlan", "FwdConfig", "WgmmaFwdConfig", "Tf32FwdConfig", "WgmmaTf32FwdConfig", "DmmaFwdConfig", "SimtTiles", "FORWARD_TILES",
            "plan_forward",
            "forward_plan", "forward_family", "device_class"]
 
@@ -107,6 +107,23 @@ class Tf32FwdConfig:
     @property
     def threads(self) -> int:
         return 32 * self.warps
+
+
+@dataclass(frozen=True)
+class WgmmaTf32FwdConfig:
+    """flash_fwd_tf32_wgmma (``kernels_cu/flash_fwd_tf32_wgmma.cu``, wgmma .tf32, sm_90a): float32;
+    one warpgroup of 64 query rows, block_n keys per block. A candidate (docs/perf-log.md
+    tf32-wgmma-v0), in no plan's table: reached only as ``config=`` of mma_fwd.forward."""
+
+    block_n: int = 64
+
+    @property
+    def block_m(self) -> int:
+        return 64
+
+    @property
+    def threads(self) -> int:
+        return 128
 
 
 class DmmaFwdConfig(NamedTuple):
@@ -471,9 +488,9 @@ def simt_tiles(dtype, headdim: int) -> SimtTiles:
 # --- specializations: the kernels' template arguments and launch configuration ----------------
 
 _KERNELS = {FwdConfig: "flash_fwd_mma", WgmmaFwdConfig: "flash_fwd_wgmma", Tf32FwdConfig: "flash_fwd_tf32",
-            DmmaFwdConfig: "flash_fwd_dmma", SimtTiles: "flash_fwd_simt"}
-_TABLE_FAMILIES = {FwdConfig: "mma", WgmmaFwdConfig: "mma", Tf32FwdConfig: "tf32", DmmaFwdConfig: "dmma",
-                   SimtTiles: "simt"}
+            WgmmaTf32FwdConfig: "flash_fwd_tf32_wgmma", DmmaFwdConfig: "flash_fwd_dmma", SimtTiles: "flash_fwd_simt"}
+_TABLE_FAMILIES = {FwdConfig: "mma", WgmmaFwdConfig: "mma", Tf32FwdConfig: "tf32", WgmmaTf32FwdConfig: "tf32",
+                   DmmaFwdConfig: "dmma", SimtTiles: "simt"}
 _D_TILES = {"mma": TENSOR_CORE_D_TILES, "tf32": TENSOR_CORE_D_TILES, "dmma": DMMA_D_TILES, "simt": SIMT_D_TILES}
 
 
@@ -497,6 +514,12 @@ def tf32_smem_bytes(dt: int, config: Tf32FwdConfig, precision: str = DEFAULT_PRE
     Tf32FwdSmem in flash_fwd_tf32.cu."""
     tiles = 4 if config.presplit and PRODUCTS[check_precision(precision)] == 3 else 2
     return 4 * dt * (config.block_m + tiles * config.stages * config.block_n)
+
+
+def tf32_wgmma_smem_bytes(dt: int, config: WgmmaTf32FwdConfig) -> int:
+    """Mirror of FwdTf32WgmmaSmem<...>::BYTES (Q, K and V^T, each hi and lo, float32 words), plus
+    1024 bytes to align the base for the 128-byte swizzle."""
+    return 2 * 4 * dt * (config.block_m + 2 * config.block_n) + 1024
 
 
 def _tf32_options(config: Tf32FwdConfig) -> str:
@@ -538,6 +561,13 @@ def specialization_for(dtype, dt: int, mask: Mask | bool, tiles, dvt: int | None
             f"cf::flash_fwd_tf32<{dt}, {mask.cpp}, {c.block_m}, {c.block_n}, {c.warps}, {c.stages}, "
             f"{PRODUCTS[precision]}{_tf32_options(c)}>",
             c.threads, tf32_smem_bytes(dt, c, precision))
+    if isinstance(c, WgmmaTf32FwdConfig):
+        precision = check_precision(precision)
+        return Specialization(
+            f"flash_fwd_tf32_wgmma_{short}_hdim{dt}_{mask.name}_bm{c.block_m}_bn{c.block_n}_{precision}",
+            "flash_fwd_tf32_wgmma.cu",
+            f"cf::flash_fwd_tf32_wgmma<{dt}, {mask.cpp}, {c.block_n}, {PRODUCTS[precision]}>",
+            c.threads, tf32_wgmma_smem_bytes(dt, c), arch="90a")
     if isinstance(c, DmmaFwdConfig):
         if name != "float64":
             raise TypeError(f"cupyflash: flash_fwd_dmma is float64 only, not {name}")

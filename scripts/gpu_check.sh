@@ -36,6 +36,8 @@
 #                                       dev/sanitize_dmma_bwd.py, dev/bench_dmma_bwd.py here and in
 #                                       BEFORE_TREE (optional: an exported tree inside the checkout,
 #                                       carried, e.g. .before)
+#   scripts/gpu_check.sh OUTDIR tf32_wgmma  the tf32 wgmma forward candidate (flash_fwd_tf32_wgmma):
+#                                       tests/test_tf32_wgmma_gpu.py, then dev/bench_tf32_wgmma.py
 #   scripts/gpu_check.sh OUTDIR tf32    the float32 forward: its kernels compiled, tests/test_tf32_gpu.py,
 #                                       the accumulation probe's candidates, the fp32 bench table, and
 #                                       racecheck / memcheck --quick (the tf32 forward in their workload)
@@ -204,6 +206,13 @@ ncu)
             ncu -i "$out/full-$tag.ncu-rep" --page details > "$out/full-$tag.txt" 2>&1
         done; IFS=' '
     done
+    ;;
+tf32_wgmma)  # the tf32 wgmma forward candidate: its GPU tests, then its speed and accuracy beside the
+    # shipped float32 forward and PyTorch's mem-efficient fp32 (dev/bench_tf32_wgmma.py)
+    export PYTHONPATH=$PWD
+    step tf32-wgmma-tests "${TEST_LIMIT:-240}" env HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-gpu}" \
+        python -m pytest -q -m gpu tests/test_tf32_wgmma_gpu.py -p no:cacheprovider
+    step tf32-wgmma-bench 240 python dev/bench_tf32_wgmma.py --json "$out/tf32-wgmma.json"
     ;;
 tf32)  # the float32 forward on tensor cores: tests, the probe's candidates, the bench, the sanitizer
     export PYTHONPATH=$PWD

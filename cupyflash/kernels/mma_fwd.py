@@ -27,11 +27,11 @@ from .. import plans
 from ..masks import KINDS, PACKED_KINDS, VARIANT_KINDS, Mask, mask_for
 from ..scores import PLAIN
 from ..plans import (LARGE_SMEM_BYTES, ROW_STATES, DmmaFwdConfig, FwdConfig, ForwardPlan, Tf32FwdConfig,
-                     WgmmaFwdConfig, smem_bytes, wgmma_smem_bytes)
+                     WgmmaFwdConfig, WgmmaTf32FwdConfig, smem_bytes, wgmma_smem_bytes)
 from ..precision import DEFAULT as DEFAULT_PRECISION, PRECISIONS
 
 __all__ = ["forward", "specialization", "specializations", "supports", "d_tile", "FwdConfig", "WgmmaFwdConfig",
-           "Tf32FwdConfig",
+           "Tf32FwdConfig", "WgmmaTf32FwdConfig",
            "ROW_STATES", "LARGE_SMEM_BYTES", "smem_bytes", "wgmma_smem_bytes"]
 
 D_TILES = TENSOR_CORE_D_TILES
@@ -75,9 +75,9 @@ def plan(dtype, headdim: int, mask: Mask | bool,
     if not supports(dtype, headdim):
         raise ValueError(f"cupyflash: mma forward does not support dtype {np.dtype(dtype)}, headdim {headdim}")
     if config is not None:
-        if not isinstance(config, (FwdConfig, WgmmaFwdConfig, Tf32FwdConfig, DmmaFwdConfig)):
-            raise TypeError(f"cupyflash: config must be a FwdConfig, WgmmaFwdConfig, Tf32FwdConfig or "
-                            f"DmmaFwdConfig, not {config!r}")
+        if not isinstance(config, (FwdConfig, WgmmaFwdConfig, Tf32FwdConfig, WgmmaTf32FwdConfig, DmmaFwdConfig)):
+            raise TypeError(f"cupyflash: config must be a FwdConfig, WgmmaFwdConfig, Tf32FwdConfig, "
+                            f"WgmmaTf32FwdConfig or DmmaFwdConfig, not {config!r}")
         return plans.forward_plan(dtype, headdim, mask, config, headdim_v, precision)
     return plans.plan_forward(current_arch(), dtype, headdim, mask, current_smem_optin(), family="mma",
                               headdim_v=headdim_v, precision=precision)

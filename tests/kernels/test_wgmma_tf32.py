@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from models.mirrors import missing_statements
-from models.wgmma_tf32 import (SOURCE, Log, k_major_operand_of, key_pair_order, split_tf32_panels,
+from models.wgmma_tf32 import (KERNEL, SOURCE, Log, forward_smem, k_major_operand_of, key_pair_order,
+                               p_as_a_registers, split_tf32_panels,
                                 split_tf32_panels_transposed, tf32_a_fragment_matrix, tf32_k_step_desc, tf32_operand)
 from models.tf32 import tensor_core_reads
 from models.wgmma import acc_from_matrix, bank_conflict_free
@@ -27,8 +28,9 @@ SHAPES = [(64, 128, 128, 64, 128), (64, 64, 128, 64, 64), (32, 128, 256, 32, 128
           (128, 64, 128, 1, 60), (32, 32, 64, 20, 32)]
 
 
-def test_mirrors_are_the_header():
-    assert not (missing := missing_statements(SOURCE)), f"mirrored statements no longer in {SOURCE}: {missing}"
+def test_mirrors_are_the_header_and_the_kernel():
+    for source in (SOURCE, KERNEL):
+        assert not (missing := missing_statements(source)), f"mirrored statements no longer in {source}: {missing}"
 
 
 def _slice(rows, dim, rows_valid, headdim, seed):
@@ -113,7 +115,7 @@ def test_p_accumulator_times_key_pairs_tile_is_p_v(dim):
     acc = acc_from_matrix(p.astype(np.float64))  # [thread, column block j, e]
     o = np.zeros((64, dim))
     for j in range(keys // 8):
-        a = acc[:, j, :][:, [0, 2, 1, 3]]
+        a = p_as_a_registers(acc[:, j, :])
         b = tensor_core_reads(tf32_operand(hi_smem, tf32_k_step_desc(dim, 0, j), dim)).astype(np.float64)
         o += tf32_a_fragment_matrix(a) @ b.T
     assert np.array_equal(o, p.astype(np.float64) @ v.astype(np.float64))
@@ -219,3 +221,32 @@ extern "C" __global__ void __launch_bounds__(128) wgmma_tf32_wrappers_probe(cons
     _, _, log = compile_check.compile_text(text, "wgmma_tf32_wrappers_probe.cu", [], "90a")
     assert "wgmma_tf32_wrappers_probe" in compile_check.ptxas_report(log)
     assert not compile_check.wgmma_serialized_from_log(log), log
+
+
+def test_candidate_forward_smem_is_the_plan_s():
+    """plans.tf32_wgmma_smem_bytes is the kernel's layout plus the 1024-byte alignment slack, and
+    fits the H200's 227 KiB at d64 (two CTAs per SM) and d128 (one)."""
+    from cupyflash import plans
+
+    for dt, per_sm in ((64, 2), (128, 1)):
+        config = plans.WgmmaTf32FwdConfig(64)
+        smem = plans.tf32_wgmma_smem_bytes(dt, config)
+        assert smem == forward_smem(dt, config.block_n)["BYTES"] + 1024
+        assert per_sm * smem <= 227 * 1024 < (per_sm + 1) * smem
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("headdim, causal, precision", [(64, True, "ieee"), (128, False, "tf32")])
+def test_candidate_forward_compiles_without_spills(headdim, causal, precision):
+    """The candidate kernel (flash_fwd_tf32_wgmma) for sm_90a: no local memory, no wgmma
+    serialization (C7515)."""
+    from cupyflash import plans
+    from cupyflash.kernels import compile_check
+    from cupyflash.masks import mask_for
+
+    spec = plans.forward_plan("float32", headdim, mask_for(causal), plans.WgmmaTf32FwdConfig(64), None,
+                              precision).spec
+    _, mangled, log = compile_check.compile_cubin(spec.source_file, [spec.expression], "90a")
+    report = compile_check.ptxas_report(log)[mangled[spec.expression]]
+    assert report["stack"] == 0 and report["spill_stores"] == 0, (spec.name, report)
+    assert not compile_check.wgmma_serialized_from_log(log), spec.name

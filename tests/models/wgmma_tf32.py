@@ -188,5 +188,40 @@ def k_major_operand_of(products: int, matrix: np.ndarray):
     return split_tf32(products, np.ascontiguousarray(matrix, np.float32))
 
 
-__all__ = ["tf32_a_fragment_matrix", "K_MAJOR", "KEY_PAIR_SLOTS", "Log", "k_major_operand_of", "key_pair_order", "split_tf32_panels", "split_tf32_panels_transposed",
+# flash_fwd_tf32_wgmma.cu's uses of the above: its shared-memory layout, the descriptors of each
+# product's k-steps, and P's registers as the A operand of O += P V (the relabelling that
+# tests/kernels/test_wgmma_tf32.py's P V check applies).
+KERNEL = "flash_fwd_tf32_wgmma"
+
+
+@mirrors(KERNEL,
+         "static constexpr u32 Q_TILE = BLOCK_M * D_TILE * 4, KV_TILE = BLOCK_N * D_TILE * 4;",
+         "static constexpr u32 Q_HI = 0, Q_LO = Q_HI + Q_TILE;",
+         "static constexpr u32 K_HI = Q_LO + Q_TILE, K_LO = K_HI + KV_TILE;",
+         "static constexpr u32 V_HI = K_LO + KV_TILE, V_LO = V_HI + KV_TILE;",
+         "static constexpr u32 BYTES = V_LO + KV_TILE;")
+def forward_smem(d_tile: int, block_n: int, block_m: int = 64) -> dict:
+    q_tile, kv_tile = block_m * d_tile * 4, block_n * d_tile * 4
+    layout = {"Q_HI": 0}
+    layout["Q_LO"] = layout["Q_HI"] + q_tile
+    layout["K_HI"] = layout["Q_LO"] + q_tile
+    layout["K_LO"] = layout["K_HI"] + kv_tile
+    layout["V_HI"] = layout["K_LO"] + kv_tile
+    layout["V_LO"] = layout["V_HI"] + kv_tile
+    layout["BYTES"] = layout["V_LO"] + kv_tile
+    return layout
+
+
+@mirrors(KERNEL,
+         "const u64 q_hi = tf32_k_step_desc<BLOCK_M>(base + L::Q_HI, kk);",
+         "const u64 k_hi = tf32_k_step_desc<BLOCK_N>(base + L::K_HI, kk);",
+         "const u64 v_hi = tf32_k_step_desc<D_TILE>(base + L::V_HI, f);",
+         "const float a[4] = {s[0][f][0], s[0][f][2], s[0][f][1], s[0][f][3]};")
+def p_as_a_registers(acc_block: np.ndarray) -> np.ndarray:
+    """A's registers of O += P V's k-step from the accumulator's column block (acc[:, j, :]):
+    {d0, d2, d1, d3}, for a V^T tile in KEY_PAIRS order."""
+    return acc_block[:, [0, 2, 1, 3]]
+
+
+__all__ = ["forward_smem", "p_as_a_registers", "tf32_a_fragment_matrix", "K_MAJOR", "KEY_PAIR_SLOTS", "Log", "k_major_operand_of", "key_pair_order", "split_tf32_panels", "split_tf32_panels_transposed",
            "tf32_k_step_desc", "tf32_operand", "tf32_operand_addresses"]

@@ -1,0 +1,128 @@
+"""The float32 forward on tf32 wgmma (flash_fwd_tf32_wgmma, perf log tf32-wgmma-v0), a candidate no
+plan routes to, against the shipped float32 forward (flash_fwd_tf32 on mma.sync, precision "ieee")
+and PyTorch's mem-efficient float32 kernel, in one run; then its error against the float64
+reference beside standard float32 attention's (issue 18's 2x bar).
+
+    python dev/bench_tf32_wgmma.py [--quick] [--json FILE]
+
+Shapes: the bench convention (batch x seqlen = 16k tokens, nheads x headdim = 2048), d64 / d128,
+seqlen 1k, 4k, 8k, causal or not; TFLOP/s = 4 B H S^2 D (x 0.5 causal) over the device time
+(CUDA events, median). Needs an sm_90 GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+
+POLICY_ARGS = dict(warmup=3, target_s=0.2, min_repeats=5, max_repeats=30)
+
+
+def _inputs(batch, seqlen, nheads, headdim, seed=0):
+    import cupy
+
+    rng = cupy.random.default_rng(seed)
+    return tuple(rng.standard_normal((batch, seqlen, nheads, headdim), dtype=np.float32) for _ in range(3))
+
+
+def measure(headdims=(64, 128), seqlens=(1024, 4096, 8192), quick=False) -> list:
+    import cupy
+
+    import cupyflash
+    from cupyflash.bench.timing import RepeatPolicy, time_region
+    from cupyflash.kernels import mma_fwd
+    from cupyflash.plans import WgmmaTf32FwdConfig
+
+    policy = RepeatPolicy(**POLICY_ARGS)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    rows = []
+    try:
+        import torch
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:
+        torch = None
+    with stream:
+        for headdim in headdims:
+            nheads = 2048 // headdim
+            for seqlen in (seqlens[:1] if quick else seqlens):
+                batch = 16384 // seqlen
+                q, k, v = _inputs(batch, seqlen, nheads, headdim)
+                scale = 1.0 / np.sqrt(headdim)
+                for causal in (False, True):
+                    flops = 4.0 * batch * nheads * seqlen * seqlen * headdim * (0.5 if causal else 1.0)
+                    row = {"headdim": headdim, "seqlen": seqlen, "causal": causal}
+                    o = cupy.empty_like(q)
+                    lse = cupy.empty((batch, nheads, seqlen), np.float32)
+
+                    def candidate(_):
+                        mma_fwd.forward(q, k, v, o, lse, softmax_scale=scale, causal=causal,
+                                        config=WgmmaTf32FwdConfig(64))
+
+                    def shipped(_):
+                        cupyflash.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal)
+
+                    for name, run in (("candidate", candidate), ("shipped", shipped)):
+                        ms = time_region(run, 1, policy=policy, stream=stream).median_ms
+                        row[f"{name}_tflops"] = flops / ms / 1e9
+                    if torch is not None:
+                        ts = torch.cuda.ExternalStream(stream.ptr)
+                        with torch.cuda.stream(ts), sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+                            tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v))
+                            F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+                            ms = time_region(lambda _: F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal), 1,
+                                             policy=policy, stream=stream).median_ms
+                        row["mem_efficient_tflops"] = flops / ms / 1e9
+                        row["x_mem_efficient"] = row["candidate_tflops"] / row["mem_efficient_tflops"]
+                    row["x_shipped"] = row["candidate_tflops"] / row["shipped_tflops"]
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
+                del q, k, v
+                cupy.get_default_memory_pool().free_all_blocks()
+    return rows
+
+
+def accuracy(headdims=(64, 128), seqlen=1024) -> list:
+    """Max error of o against the float64 reference, the candidate's ("ieee") and standard float32
+    attention's (materialised, float32 products), at seqlen keys, causal or not."""
+    import cupy
+
+    from cupyflash import reference
+    from cupyflash.kernels import mma_fwd
+    from cupyflash.plans import WgmmaTf32FwdConfig
+    from cupyflash.testing.tolerance import max_abs_error
+
+    out = []
+    rng = np.random.default_rng(18)
+    for headdim in headdims:
+        for causal in (False, True):
+            q, k, v = (rng.standard_normal((1, seqlen, 2, headdim)).astype(np.float32) for _ in range(3))
+            o = cupy.full(q.shape, np.nan, np.float32)
+            lse = cupy.full((1, 2, seqlen), np.nan, np.float32)
+            mma_fwd.forward(*(cupy.asarray(x) for x in (q, k, v)), o, lse, softmax_scale=headdim ** -0.5,
+                            causal=causal, config=WgmmaTf32FwdConfig(64))
+            o_ref, _ = reference.attention(q, k, v, causal=causal)
+            o_std, _ = reference.standard_attention(q, k, v, dtype=np.float32, causal=causal)
+            row = {"headdim": headdim, "causal": causal, "candidate_err": max_abs_error(cupy.asnumpy(o), o_ref),
+                   "standard_float32_err": max_abs_error(o_std, o_ref)}
+            row["ratio"] = row["candidate_err"] / row["standard_float32_err"]
+            print(json.dumps(row), flush=True)
+            out.append(row)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="seqlen 1k only")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    result = {"accuracy": accuracy(), "speed": measure(quick=args.quick)}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

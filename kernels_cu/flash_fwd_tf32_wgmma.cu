@@ -1,0 +1,157 @@
+// flash_fwd_tf32_wgmma: the float32 forward on Hopper's tf32 warpgroup MMA (sm_90a), a candidate:
+// docs/perf-log.md tf32-wgmma-v0, its first kernel. Not a row of any plan (run it through
+// mma_fwd.forward(config=WgmmaTf32FwdConfig(...))); compiled and checked on the CPU only, not yet
+// run on a GPU.
+//
+// One warpgroup per CTA, BLOCK_M = 64 query rows of one (batch, head), walking the key blocks of
+// its kv head in BLOCK_N-key blocks, as flash_fwd_wgmma.cu:
+//   S = Q K_j^T      wgmma m64 x BLOCK_N x k8 .tf32, A = Q, B = K_j, both from shared memory
+//                    (K-major panels of hi and lo, wgmma_tf32.cuh)
+//   online softmax   on the accumulators (online_softmax.cuh: their layout is the 16-bit one)
+//   O += P V_j       wgmma m64 x D_TILE x k8 .tf32, A = P from registers (the accumulator's
+//                    {d0, d2, d1, d3} per 8-key step), B = V_j^T stored [d][key] in KEY_PAIRS order
+// PRODUCTS 3 (precision "ieee"): every product as lo hi + hi lo + hi hi, the small terms first;
+// PRODUCTS 1 ("tf32"): hi hi. The threads split the tiles on their way into shared memory (tf32
+// has no transposed operand, so V must pass through registers anyway).
+//
+// This first form is synchronous within the CTA: each block's K and V are loaded and split, then
+// S, the softmax and P V run, and P V is waited for before the next block's loads overwrite the
+// tiles. Overlap comes from the second CTA on the SM (96 KiB at d64). The producer warpgroup and
+// the staged ring of step 2's design come after this form is measured.
+#include "common.cuh"
+#include "mma.cuh"
+#include "online_softmax.cuh"
+#include "params.cuh"
+#include "tf32_fwd_steps.cuh"
+#include "wgmma_tf32.cuh"
+
+namespace cf {
+
+// Shared memory from a 1024-byte aligned base (cupyflash/plans.py tf32_wgmma_smem_bytes adds the
+// alignment slack): Q, K and V^T, each a hi and a lo tile of float32 words. Q hi stages O in the
+// epilogue.
+template <int D_TILE, int BLOCK_N>
+struct FwdTf32WgmmaSmem {
+    static constexpr int BLOCK_M = 64;
+    static constexpr u32 Q_TILE = BLOCK_M * D_TILE * 4, KV_TILE = BLOCK_N * D_TILE * 4;
+    static constexpr u32 Q_HI = 0, Q_LO = Q_HI + Q_TILE;
+    static constexpr u32 K_HI = Q_LO + Q_TILE, K_LO = K_HI + KV_TILE;
+    static constexpr u32 V_HI = K_LO + KV_TILE, V_LO = V_HI + KV_TILE;
+    static constexpr u32 BYTES = V_LO + KV_TILE;
+};
+
+template <int D_TILE, class Mask, int BLOCK_N, int PRODUCTS>
+__global__ void __launch_bounds__(128, 1)
+flash_fwd_tf32_wgmma(const __grid_constant__ FwdParams p) {
+    typedef FwdTf32WgmmaSmem<D_TILE, BLOCK_N> L;
+    constexpr int BLOCK_M = L::BLOCK_M, NTHREADS = 128;
+    constexpr int N_FRAGS = BLOCK_N / 8, D_FRAGS = D_TILE / 8;
+    constexpr bool SPLIT = Tf32Operand<PRODUCTS>::SPLIT;
+    static_assert(BLOCK_N % 32 == 0 && BLOCK_N <= 256 && D_TILE % 32 == 0 && D_TILE <= 256, "whole tf32 panels");
+    static_assert(L::BYTES + 1024 <= 227 * 1024, "shared memory");
+
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    if (dynamic_smem_bytes() < L::BYTES + 1024) __trap();
+    const u32 base = (smem_u32(smem_raw) + 1023) & ~1023u;  // 128-byte swizzle: panels 1024-byte aligned
+
+    const SequenceRows seq = cta_sequence<Mask>(p, blockIdx.z);
+    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
+    const Mask mask = cta_mask<Mask>(p, seqlen_q, seqlen_k);
+    const ScoreOf<Mask, float, !SPLIT> score(score_problem<Mask>(p, seq), seq.index, blockIdx.y, p.scale);
+    const int m0 = Mask::query_block(blockIdx.x, gridDim.x) * BLOCK_M;
+    if (Mask::PACKED && m0 >= seqlen_q) return;  // past a shorter sequence's end
+    const int n_end = mask.key_end(m0, BLOCK_M);
+    const int j_begin = mask.key_begin(m0) / BLOCK_N;
+    const int head = blockIdx.y, head_kv = head / p.group;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int strip_row0 = 16 * warp;
+
+    const float* __restrict__ q_rows = p.q.row<const float>(seq.batch, seq.q_begin + m0, head);
+    const float* __restrict__ k_rows = p.k.row<const float>(seq.batch, seq.k_begin, head_kv);
+    const float* __restrict__ v_rows = p.v.row<const float>(seq.batch, seq.k_begin, head_kv);
+    const i64 k_ss = p.k.row_stride, v_ss = p.v.row_stride;
+
+    split_tf32_panels<BLOCK_M, D_TILE, NTHREADS, PRODUCTS>(base + L::Q_HI, base + L::Q_LO, q_rows, seqlen_q - m0,
+                                                           p.headdim, p.q.row_stride, tid);
+
+    float o_acc[1][D_FRAGS][4];
+    zero_acc(o_acc);
+    RowStats<RowState::ALL_LANES, 1> row_stats;
+    const DropoutOf<Mask> dropout(p, seq.index, head);
+
+    for (int j = j_begin; j * BLOCK_N < n_end; ++j) {
+        const int n0 = j * BLOCK_N;
+        // Every thread is past block j - 1's products (waited for below), whose tiles these
+        // stores overwrite; the fence hands the stores to the async proxy that wgmma reads with.
+        __syncthreads();
+        split_tf32_panels<BLOCK_N, D_TILE, NTHREADS, PRODUCTS>(base + L::K_HI, base + L::K_LO, k_rows + n0 * k_ss,
+                                                               seqlen_k - n0, p.headdim, k_ss, tid);
+        split_tf32_panels_transposed<BLOCK_N, D_TILE, NTHREADS, PRODUCTS, true>(
+            base + L::V_HI, base + L::V_LO, v_rows + n0 * v_ss, seqlen_k - n0, p.headdim_v, v_ss, tid);
+        fence_proxy_async_shared();
+        __syncthreads();
+
+        float s[1][N_FRAGS][4];
+        float(&s_flat)[N_FRAGS * 4] = reinterpret_cast<float(&)[N_FRAGS * 4]>(s);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < D_TILE / 8; ++kk) {
+            const u64 q_hi = tf32_k_step_desc<BLOCK_M>(base + L::Q_HI, kk);
+            const u64 k_hi = tf32_k_step_desc<BLOCK_N>(base + L::K_HI, kk);
+            if constexpr (SPLIT) {
+                WgmmaTf32<BLOCK_N>::ss(s_flat, tf32_k_step_desc<BLOCK_M>(base + L::Q_LO, kk), k_hi, kk > 0);
+                WgmmaTf32<BLOCK_N>::ss(s_flat, q_hi, tf32_k_step_desc<BLOCK_N>(base + L::K_LO, kk), 1);
+                WgmmaTf32<BLOCK_N>::ss(s_flat, q_hi, k_hi, 1);
+            } else {
+                WgmmaTf32<BLOCK_N>::ss(s_flat, q_hi, k_hi, kk > 0);
+            }
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        pin_registers(s_flat);
+
+        scale_and_mask(s, p.scale_log2, mask.keys_partial(m0, BLOCK_M, n0, BLOCK_N), mask, score, m0 + strip_row0,
+                       n0, lane);
+        float m_new[1][2];
+        row_max(m_new, s, row_stats, lane);
+        softmax_rescale(s, o_acc, row_stats, m_new, lane);
+        if constexpr (DropoutOf<Mask>::ENABLED)  // after the row sums: l and lse stay the softmax's
+            for_s_frags(s, dropout, m0 + strip_row0 + lane / 4, n0 + 2 * (lane % 4), DropToZero{});
+
+        // P as the register A operand, one 8-key step per accumulator column block: its registers
+        // {d0, d2, d1, d3} are A's {(g, t), (g + 8, t), (g, t + 4), (g + 8, t + 4)} with key 2t as
+        // slot t and key 2t + 1 as slot t + 4, the order of V's KEY_PAIRS tile.
+        u32 p_hi[N_FRAGS][4], p_lo[N_FRAGS][4];
+#pragma unroll
+        for (int f = 0; f < N_FRAGS; ++f) {
+            const float a[4] = {s[0][f][0], s[0][f][2], s[0][f][1], s[0][f][3]};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) split_tf32<PRODUCTS>(a[e], p_hi[f][e], p_lo[f][e]);
+        }
+        float(&o_flat)[D_FRAGS * 4] = reinterpret_cast<float(&)[D_FRAGS * 4]>(o_acc);
+        wgmma_fence();
+#pragma unroll
+        for (int f = 0; f < N_FRAGS; ++f) {
+            const u64 v_hi = tf32_k_step_desc<D_TILE>(base + L::V_HI, f);
+            if constexpr (SPLIT) {
+                WgmmaTf32<D_TILE>::rs(o_flat, p_lo[f], v_hi, 1);
+                WgmmaTf32<D_TILE>::rs(o_flat, p_hi[f], tf32_k_step_desc<D_TILE>(base + L::V_LO, f), 1);
+            }
+            WgmmaTf32<D_TILE>::rs(o_flat, p_hi[f], v_hi, 1);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        pin_registers(o_flat);
+    }
+
+    if constexpr (DropoutOf<Mask>::ENABLED) scale_acc(o_acc, p.variant.dropout.scale);
+
+    // Q's hi tile stages O: every warp is done with the products that read it.
+    __syncthreads();
+    store_o_f32<D_TILE, Mask::Score::HAS_SINK>(
+        o_acc, row_stats, base + L::Q_HI, strip_row0, m0, seqlen_q, p.headdim_v,
+        p.o.row<float>(seq.batch, seq.q_begin + m0, head), p.o.row_stride,
+        static_cast<float*>(p.lse) + seq.stat(p, head, m0), lane, sink_log2<Mask, float>(p, head));
+}
+
+}  // namespace cf

@@ -1,0 +1,86 @@
+"""The float32 forward on Hopper's tf32 wgmma (kernels_cu/flash_fwd_tf32_wgmma.cu), a candidate of
+docs/perf-log.md tf32-wgmma-v0 that no plan routes to, launched as mma_fwd.forward(config=...)
+against the float64 reference: fresh random inputs, NaN-poisoned outputs, sm_90 only.
+
+- precision "ieee": the float32 rule of cupyflash.testing.tolerance (max error <= 1e-4 (1 +
+  max|o|)), over shapes, masks and windows, GQA, v's own head dim and the score variants. Issue
+  18's 2x-standard-float32 bar is measured, not asserted here: the tensor core's truncating
+  accumulation decided it for the mma.sync kernel (docs/perf-log.md tf32-fwd-v1 .. v3), and this
+  kernel sums its products in one running accumulator.
+- precision "tf32": within 2x standard float16 attention's error plus 2^-10 max|v|, as
+  tests/test_tf32_gpu.py asks of the shipped kernel.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cupyflash import reference
+from cupyflash.kernels import mma_fwd
+from cupyflash.plans import WgmmaTf32FwdConfig
+from cupyflash.scores import Variant
+from cupyflash.testing import attention_problems
+from cupyflash.testing.tolerance import RTOL, max_abs_error
+
+pytestmark = pytest.mark.gpu
+
+VARIANTS = ("plain", "softcap", "alibi", "sink")
+
+
+@pytest.fixture(autouse=True)
+def _sm90_only():
+    from cupyflash.kernels._module import device_arch
+
+    if device_arch() != "90":
+        pytest.skip("flash_fwd_tf32_wgmma is sm_90a only")
+
+
+def _variant_options(name: str, nheads: int, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    return {"softcap": {"softcap": 5.0}, "alibi": {"alibi_slopes": rng.uniform(0.01, 0.5, nheads).astype(np.float32)},
+            "sink": {"sink": rng.standard_normal(nheads).astype(np.float32)}}.get(name, {})
+
+
+def _forward(problem, q, k, v, options: dict, precision: str):
+    import cupy
+
+    values = Variant(softcap=options.get("softcap", 0.0), precision=precision,
+                     **{name: cupy.asarray(options[name]) for name in ("alibi_slopes", "sink") if name in options})
+    qd, kd, vd = (cupy.asarray(x) for x in (q, k, v))
+    o = cupy.full(q.shape[:3] + v.shape[3:], np.nan, np.float32)
+    lse = cupy.full((problem.batch, problem.nheads, problem.seqlen_q), np.nan, np.float32)
+    mma_fwd.forward(qd, kd, vd, o, lse, softmax_scale=problem.scale, causal=problem.causal,
+                    window_size=problem.window_size, variant=values, config=WgmmaTf32FwdConfig(64))
+    return cupy.asnumpy(o), cupy.asnumpy(lse)
+
+
+@given(problem=attention_problems(dtypes=("float32",), windows=True, distinct_v=True, max_seqlen=300,
+                                  max_headdim=128),
+       variant=st.sampled_from(VARIANTS))
+def test_ieee_meets_the_float32_rule(problem, variant):
+    q, k, v, _ = problem.arrays()
+    options = _variant_options(variant, problem.nheads, problem.seed)
+    o, lse = _forward(problem, q, k, v, options, "ieee")
+    assert not np.isnan(o).any() and not np.isnan(lse).any()
+    o_ref, lse_ref = reference.attention(q, k, v, **problem.kwargs, **options)
+    err_o = max_abs_error(o, o_ref)
+    assert err_o <= RTOL[np.dtype(np.float32)] * (1 + float(np.abs(o_ref).max(initial=0.0))), err_o
+    finite = lse_ref[np.isfinite(lse_ref)]
+    err_lse = max_abs_error(lse, lse_ref)
+    assert err_lse <= RTOL[np.dtype(np.float32)] * (1 + float(np.abs(finite).max(initial=0.0))), err_lse
+
+
+@given(problem=attention_problems(dtypes=("float32",), windows=True, max_seqlen=300, max_headdim=128,
+                                  magnitudes=(0.1, 2.0)),
+       variant=st.sampled_from(VARIANTS))
+def test_tf32_within_twice_standard_float16(problem, variant):
+    q, k, v, _ = problem.arrays()
+    options = _variant_options(variant, problem.nheads, problem.seed)
+    o, lse = _forward(problem, q, k, v, options, "tf32")
+    o_ref, lse_ref = reference.attention(q, k, v, **problem.kwargs, **options)
+    o_std, lse_std = reference.standard_attention(q, k, v, dtype=np.float16, **problem.kwargs, **options)
+    floor = 2.0 ** -10 * max(1.0, float(np.abs(v).max(initial=0.0)))
+    assert max_abs_error(o, o_ref) <= 2 * max_abs_error(o_std, o_ref) + floor
+    assert max_abs_error(lse, lse_ref) <= 2 * max_abs_error(lse_std, lse_ref) + floor
