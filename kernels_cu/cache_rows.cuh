@@ -64,8 +64,8 @@ struct CacheKeys {
 // A paged cache's row offsets worked out once per row, a tile ahead of their copies. The copy
 // loaders' threads each take one 16-byte chunk column of a tile (16 threads per row at d128), and
 // looking the row up in each of them (cp_async_cache_rows) made the paged kernel execute 1.67x
-// the contiguous kernel's instructions; at one CTA per SM it read K+V at half the contiguous rate,
-// the table reads' latency in front of every tile's copies (docs/perf-log.md, "paged-offsets").
+// the contiguous kernel's instructions, each tile's copies waiting on their table reads; at one
+// CTA per SM it read K+V at half the contiguous rate (docs/perf-log.md, "decode-v3").
 // Here ROWS threads each look up one row of tile t + 1 while tile t's copies go out (the table read
 // issued before the tile's math, its result stored after it), into one of two slots of
 // (k offset, v offset) pairs, 16 bytes per row; the copies then read their row's pair from shared

@@ -15,7 +15,7 @@
 // loads go out SPLIT_LOADS at a time, each split's weight from its lane by a shuffle: the first
 // form read each split's lse and then its o in turn, two dependent L2 round trips per split
 // (8.3 us for 16 splits of 32 rows on the H200, as long as 7% of the 128k decode step it ends;
-// docs/perf-log.md, "combine").
+// docs/perf-log.md, "decode-v3").
 #include "common.cuh"
 #include "params.cuh"
 

@@ -1,6 +1,6 @@
 // float32 operand tiles for wgmma's tf32 form (sm_90a), split for precision "ieee" on their way
 // into shared memory: the producer side of docs/perf-log.md's tf32-wgmma-v0 (step 1 of its plan;
-// no kernel uses these loaders yet).
+// used by the candidate flash_fwd_tf32_wgmma.cu, which no plan routes to and no GPU has run yet).
 //
 // wgmma .tf32 reads both shared-memory operands K-major only (it has no transpose: ptxas rejects
 // the imm-trans operands on .tf32, dev/wgmma_tf32_probe.py). S = Q K^T and dP = dO V^T read Q, K,
@@ -23,14 +23,10 @@
 
 namespace cf {
 
-// Loads of float32 operands: read-only for the kernel's lifetime (the non-coherent path).
-__device__ __forceinline__ float4 ldg_f32x4(const float* p) { return __ldg(reinterpret_cast<const float4*>(p)); }
-
-// hi and lo of one 16-byte chunk of 4 values.
-template <int PRODUCTS>
-__device__ __forceinline__ void split_chunk(const float (&x)[4], u32 (&hi)[4], u32 (&lo)[4]) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) split_tf32<PRODUCTS>(x[e], hi[e], lo[e]);
+// 4 float32 operands as their bits (the loaders move and split bits: tf32.cuh's split_tf32 on
+// u32 arrays), read-only for the kernel's lifetime (the non-coherent path); zeros where !valid.
+__device__ __forceinline__ uint4 ldg_bits4(const float* p, bool valid) {
+    return valid ? __ldg(reinterpret_cast<const uint4*>(p)) : make_uint4(0u, 0u, 0u, 0u);
 }
 
 // A ROWS x DIM tile of a (seqlen, dim) float32 slice (row stride `stride` elements) as hi and lo
@@ -52,10 +48,10 @@ __device__ __forceinline__ void split_tf32_panels(u32 hi_tile, u32 lo_tile, cons
     for (int i = 0; i < ROWS / ROW_STEP; ++i) {
         const int row = row0 + i * ROW_STEP;
         const bool valid = column_valid && row < rows_valid;
-        const float4 v = valid ? ldg_f32x4(gmem + row * stride + 4 * chunk) : make_float4(0.f, 0.f, 0.f, 0.f);
-        const float x[4] = {v.x, v.y, v.z, v.w};
+        const uint4 v = ldg_bits4(gmem + row * stride + 4 * chunk, valid);
+        const u32 x[4] = {v.x, v.y, v.z, v.w};
         u32 hi[4], lo[4];
-        split_chunk<PRODUCTS>(x, hi, lo);
+        split_tf32<PRODUCTS>(x, hi, lo);
         const u32 offset = panel_offset<ROWS>(row, chunk);
         st_shared_v4(hi_tile + offset, hi);
         st_shared_v4(lo_tile + offset, lo);
@@ -97,31 +93,31 @@ __device__ __forceinline__ void split_tf32_panels_transposed(u32 hi_tile, u32 lo
         const int column_group = 4 * (unit / ROW_BLOCKS) + lane / 8;     // columns 4 column_group .. + 3
         const int row = 4 * row_group, column = 4 * column_group;
         const bool column_valid = column < headdim;
-        float x[4][4];  // x[r][e]: row + r, column + e
+        u32 x[4][4];  // x[r][e]: row + r, column + e
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
             const bool valid = column_valid && row + r < rows_valid;
-            const float4 v = valid ? ldg_f32x4(gmem + (row + r) * stride + column) : make_float4(0.f, 0.f, 0.f, 0.f);
+            const uint4 v = ldg_bits4(gmem + (row + r) * stride + column, valid);
             x[r][0] = v.x, x[r][1] = v.y, x[r][2] = v.z, x[r][3] = v.w;
         }
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            float column_values[4] = {x[0][e], x[1][e], x[2][e], x[3][e]};
+            u32 column_values[4] = {x[0][e], x[1][e], x[2][e], x[3][e]};
             if constexpr (KEY_PAIRS) {
                 // The even lane of a pair holds positions 0-3 of its 8-group and keeps 0, 2 (slots 0,
                 // 1), taking 4, 6 (slots 2, 3) from its partner; the odd one holds 4-7, keeps 5, 7
                 // (slots 2, 3) and takes 1, 3 (slots 0, 1).
                 const bool even = (lane & 1) == 0;
-                const float give0 = even ? x[1][e] : x[0][e], give1 = even ? x[3][e] : x[2][e];
-                const float take0 = __shfl_xor_sync(0xffffffffu, give0, 1);
-                const float take1 = __shfl_xor_sync(0xffffffffu, give1, 1);
+                const u32 give0 = even ? x[1][e] : x[0][e], give1 = even ? x[3][e] : x[2][e];
+                const u32 take0 = __shfl_xor_sync(0xffffffffu, give0, 1);
+                const u32 take1 = __shfl_xor_sync(0xffffffffu, give1, 1);
                 column_values[0] = even ? x[0][e] : take0;
                 column_values[1] = even ? x[2][e] : take1;
                 column_values[2] = even ? take0 : x[1][e];
                 column_values[3] = even ? take1 : x[3][e];
             }
             u32 hi[4], lo[4];
-            split_chunk<PRODUCTS>(column_values, hi, lo);
+            split_tf32<PRODUCTS>(column_values, hi, lo);
             const u32 offset = panel_offset<DIM>(column + e, row_group);
             st_shared_v4(hi_tile + offset, hi);
             st_shared_v4(lo_tile + offset, lo);

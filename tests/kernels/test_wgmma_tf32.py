@@ -1,6 +1,6 @@
 """kernels_cu/wgmma_tf32.cuh on the CPU: the split-and-transpose loaders of float32 operand
-tiles for wgmma's tf32 form (perf log tf32-wgmma-v0, step 1; no kernel uses them yet, so nothing
-here has run on a GPU). The model (models/wgmma_tf32.py, mirrored statement by statement) fills
+tiles for wgmma's tf32 form (perf log tf32-wgmma-v0; only the candidate flash_fwd_tf32_wgmma uses
+them, and nothing here has run on a GPU yet). The model (models/wgmma_tf32.py, mirrored statement by statement) fills
 shared memory as the loaders do; what the tensor cores read through the K-major descriptors of
 every k-step, written from the PTX ISA, must be exactly hi and lo of the tile (transposed for the
 sequence-reduced operands), zero-filled past rows_valid and headdim. The stores must be free of
