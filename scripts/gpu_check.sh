@@ -37,7 +37,8 @@
 #                                       BEFORE_TREE (optional: an exported tree inside the checkout,
 #                                       carried, e.g. .before)
 #   scripts/gpu_check.sh OUTDIR tf32_wgmma  the tf32 wgmma forward candidate (flash_fwd_tf32_wgmma):
-#                                       tests/test_tf32_wgmma_gpu.py, then dev/bench_tf32_wgmma.py
+#                                       tests/test_tf32_wgmma_gpu.py, dev/bench_tf32_wgmma.py, then
+#                                       racecheck / memcheck of dev/sanitize_tf32_wgmma.py
 #   scripts/gpu_check.sh OUTDIR tf32    the float32 forward: its kernels compiled, tests/test_tf32_gpu.py,
 #                                       the accumulation probe's candidates, the fp32 bench table, and
 #                                       racecheck / memcheck --quick (the tf32 forward in their workload)
@@ -213,6 +214,8 @@ tf32_wgmma)  # the tf32 wgmma forward candidate: its GPU tests, then its speed a
     step tf32-wgmma-tests "${TEST_LIMIT:-240}" env HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-gpu}" \
         python -m pytest -q -m gpu tests/test_tf32_wgmma_gpu.py -p no:cacheprovider
     step tf32-wgmma-bench 240 python dev/bench_tf32_wgmma.py --json "$out/tf32-wgmma.json"
+    step racecheck-tf32-wgmma 120 compute-sanitizer --tool racecheck --error-exitcode 1 python dev/sanitize_tf32_wgmma.py
+    step memcheck-tf32-wgmma 120 compute-sanitizer --tool memcheck --error-exitcode 1 python dev/sanitize_tf32_wgmma.py
     ;;
 tf32)  # the float32 forward on tensor cores: tests, the probe's candidates, the bench, the sanitizer
     export PYTHONPATH=$PWD

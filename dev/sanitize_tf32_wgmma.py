@@ -1,0 +1,42 @@
+"""The float32 forward on tf32 wgmma (flash_fwd_tf32_wgmma, a candidate no plan routes to) alone,
+small, for compute-sanitizer: head dims 40 / 64 / 128, full, causal and a window, GQA, v's own
+head dim, a packed batch with an empty sequence, both precisions. sm_90 only.
+
+    compute-sanitizer --tool racecheck python dev/sanitize_tf32_wgmma.py
+"""
+from __future__ import annotations
+
+
+def main() -> None:
+    import cupy
+    import numpy as np
+
+    from cupyflash.kernels import mma_fwd
+    from cupyflash.kernels.params import PackedBatch
+    from cupyflash.plans import WgmmaTf32FwdConfig
+    from cupyflash.scores import Variant
+
+    rng = np.random.default_rng(0)
+    config = WgmmaTf32FwdConfig(64)
+    for headdim, headdim_v in ((40, 40), (64, 64), (128, 128), (64, 128)):
+        for causal, window in ((False, (-1, -1)), (True, (-1, -1)), (False, (19, 70))):
+            for precision in ("ieee", "tf32"):
+                q = cupy.asarray(rng.standard_normal((1, 77, 4, headdim), np.float32))
+                k = cupy.asarray(rng.standard_normal((1, 130, 2, headdim), np.float32))
+                v = cupy.asarray(rng.standard_normal((1, 130, 2, headdim_v), np.float32))
+                o = cupy.empty((1, 77, 4, headdim_v), np.float32)
+                lse = cupy.empty((1, 4, 77), np.float32)
+                mma_fwd.forward(q, k, v, o, lse, softmax_scale=headdim ** -0.5, causal=causal,
+                                window_size=window, variant=Variant(precision=precision), config=config)
+    lengths = [0, 33, 90, 7]
+    cu = cupy.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    q, k, v = (cupy.asarray(rng.standard_normal((1, sum(lengths), 4, 64), np.float32)) for _ in range(3))
+    o, lse = cupy.empty_like(q), cupy.empty((1, 4, sum(lengths)), np.float32)
+    mma_fwd.forward(q, k, v, o, lse, softmax_scale=0.125, causal=True,
+                    packed=PackedBatch(cu, cu, max(lengths), max(lengths)), config=config)
+    cupy.cuda.runtime.deviceSynchronize()
+    print("sanitize_tf32_wgmma: done")
+
+
+if __name__ == "__main__":
+    main()
