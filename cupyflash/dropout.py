@@ -7,11 +7,14 @@ Philox4x32-10), so the forward and every backward kernel find the same Z whateve
 and so does this module: ``dropout_mask`` returns the mask that a call with the same arguments
 used, on the CPU (NumPy) or the GPU (CuPy).
 
-The words: element (query i, key j) of sequence b, query head h (of nheads) is word 2 a + c of
-Philox4x32-10 with counter (j0, i0, b * nheads + h, offset) and key (seed mod 2^32, seed >> 32),
-where i0 = i & ~8, a = (i >> 3) & 1, j0 = j & ~8, c = (j >> 3) & 1; it is kept iff that word is
-below threshold = round((1 - p) 2^32) (at most 2^32 - 1). Indices are those of the sequence
-(a packed batch's sequence b counts its own rows from 0, and its b is its index in the batch).
+The words: element (query i, key j) of sequence b, query head h (of nheads) is the 16-bit half
+e = j & 1 (0 the low half, 1 the high) of word 2 a + c of Philox4x32-10 with counter
+(j0, i0, b * nheads + h, offset) and key (seed mod 2^32, seed >> 32), where i0 = i & ~8,
+a = (i >> 3) & 1, j0 = j & ~9, c = (j >> 3) & 1; it is kept iff that half is below
+threshold = round((1 - p) 2^16). So each element is kept with probability threshold / 2^16, which
+is 1 - p to within 2^-17 (the kept weights are still scaled by 1 / (1 - p)). Indices are those of
+the sequence (a packed batch's sequence b counts its own rows from 0, and its b is its index in
+the batch).
 
 The softmax statistics (lse) are those of the undropped weights; the backward uses
 D = rowsum(dO o O) of the dropped-out O, which equals rowsum(P o Z dP / (1 - p)).
@@ -47,8 +50,8 @@ def philox4x32_10(counter, key):
 
 
 def keep_threshold(dropout_p: float) -> int:
-    """round((1 - p) 2^32), at most 2^32 - 1: a word below it keeps its element."""
-    return min(int(round((1.0 - float(dropout_p)) * 2.0**32)), 2**32 - 1)
+    """round((1 - p) 2^16): a 16-bit half below it keeps its element (2^16: every one)."""
+    return int(round((1.0 - float(dropout_p)) * 2.0**16))
 
 
 @dataclass(frozen=True)
@@ -80,11 +83,12 @@ class Dropout:
         """The keep bits (bool) of elements (i, j) of (sequence, head), arrays broadcast together."""
         sequence, head, i, j = (np.asarray(x, dtype=np.int64) for x in (sequence, head, i, j))
         stream = ((sequence + self.first_sequence) * nheads + head) & 0xFFFFFFFF
-        words = philox4x32_10((j & ~8, i & ~8, stream, np.int64(self.offset)),
+        words = philox4x32_10((j & ~9, i & ~8, stream, np.int64(self.offset)),
                               (self.seed & 0xFFFFFFFF, self.seed >> 32))
         a, c = (i >> 3) & 1, (j >> 3) & 1
         pick = np.select([(a == 0) & (c == 0), (a == 0) & (c == 1), (a == 1) & (c == 0)], words[:3], words[3])
-        return pick < np.uint32(self.threshold)
+        half = (pick >> (16 * (j & 1)).astype(np.uint32)) & np.uint32(0xFFFF)
+        return half < np.uint32(self.threshold)
 
 
 NO_DROPOUT = Dropout()

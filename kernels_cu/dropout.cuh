@@ -3,16 +3,20 @@
 // SC'11) evaluated at each element's coordinates, nothing stored. Python twin:
 // cupyflash/dropout.py (the same words; dropout_mask()).
 //
-// Element (query i, key j) of (sequence b, query head h) belongs to the group of four elements
-// {i0, i0 + 8} x {j0, j0 + 8} with i0 = i & ~8, j0 = j & ~8 (a 2 x 2 grid at stride 8 inside a
-// 16 x 16 tile), and one Philox call gives the group's four 32-bit words:
+// Element (query i, key j) of (sequence b, query head h) belongs to the group of eight elements
+// {i0, i0 + 8} x {j0, j0 + 1, j0 + 8, j0 + 9} with i0 = i & ~8, j0 = j & ~9, and one Philox call
+// gives the group's four 32-bit words, two 16-bit halves each:
 //   counter = (j0, i0, b * nheads + h, offset), key = (seed low 32 bits, seed high 32 bits),
-//   word 2 a + c for the element (i0 + 8 a, j0 + 8 c);  kept iff word < threshold,
-// threshold = round((1 - dropout_p) 2^32). The group is the one shape that every accumulator
-// layout holds in one lane: an m16n8 fragment of S (forward, dQ: rows i, i + 8 of a strip, keys
-// 8 f + .. for each fragment f) and one of S^T (dK/dV: key rows j, j + 8, queries 8 f + ..) both
-// give a lane whole groups, so no lane computes a word it does not use. The SIMT kernels hold one
-// row per thread and compute the group of each element (two of its four words go unused).
+//   half e = j & 1 (0 low, 1 high) of word 2 a + c for the element (i0 + 8 a, j0 + e + 8 c);
+//   kept iff that half < threshold, threshold = round((1 - dropout_p) 2^16).
+// Half a word per element because the generator's integer work is what dropout costs (perf log
+// "dropout"); 16 bits keep 1 - p to within 2^-17. The group is what an m16n8 fragment pair of S
+// (forward, dQ: rows i, i + 8 of a strip, keys 2t, 2t + 1 of fragments f and f + 1, 8 keys
+// apart) holds in one lane: those lanes use all eight elements of each call. A lane of S^T
+// (dK/dV: key rows j, j + 8, queries 2t, 2t + 1, ...) holds four of a group's eight (its own key
+// parity), and the lane four away the other four: each of the two makes one of their two calls
+// and they trade halves by a shuffle (walk_st_frags). The SIMT kernels hold one row per thread and
+// compute the group of each element.
 //
 // The forward multiplies kept weights by 1 / (1 - p) once, in O's epilogue (l, lse are the
 // softmax's own: dropout does not change them). The backward marks a dropped weight by its sign
@@ -31,7 +35,7 @@ template <typename A> struct is_same_type<A, A> { static constexpr bool value = 
 struct DropoutArgs {
     unsigned long long seed;
     unsigned offset;
-    unsigned threshold;  // round((1 - p) 2^32), at most 2^32 - 1
+    unsigned threshold;  // round((1 - p) 2^16): a 16-bit half below it keeps its element
     float scale;         // 1 / (1 - p)
     double scale_f64;
 };
@@ -49,9 +53,14 @@ __device__ __forceinline__ uint4 philox4x32_10(uint4 c, unsigned k0, unsigned k1
     return c;
 }
 
-// Word 2 a + c of a group's four (x, y, z, w): the element (i0 + 8 a, j0 + 8 c).
+// Word 2 a + c of a group's four (x, y, z, w): the elements (i0 + 8 a, j0 + e + 8 c), e = 0, 1.
 __device__ __forceinline__ unsigned word_of(const uint4& w, int a, int c) {
     return a ? (c ? w.w : w.z) : (c ? w.y : w.x);
+}
+
+// Half e of a word: the element of key parity e.
+__device__ __forceinline__ unsigned half_of(unsigned word, int e) {
+    return e ? word >> 16 : word & 0xFFFFu;
 }
 
 // The mask of one (sequence, query head): ON false is no dropout, and every call below vanishes.
@@ -73,12 +82,12 @@ struct DropoutFn {
         }
     }
 
-    // The four words of the group at origin (i0, j0) (bit 3 of both clear): x (i0, j0),
-    // y (i0, j0 + 8), z (i0 + 8, j0), w (i0 + 8, j0 + 8).
+    // The four words of the group at origin (i0, j0) (bit 3 of i0, bits 0 and 3 of j0 clear):
+    // x (i0, j0 + e), y (i0, j0 + e + 8), z (i0 + 8, j0 + e), w (i0 + 8, j0 + e + 8), e = 0, 1.
     __device__ __forceinline__ uint4 words(int i0, int j0) const {
         return philox4x32_10(make_uint4(static_cast<unsigned>(j0), static_cast<unsigned>(i0), stream, offset), k0, k1);
     }
-    __device__ __forceinline__ bool kept(unsigned word) const { return word < threshold; }
+    __device__ __forceinline__ bool kept(unsigned half) const { return half < threshold; }
     // The kept weights' factor 1 / (1 - p), 1 without dropout (the backward kernels' dP scale).
     template <class Params>
     static __device__ __forceinline__ float kept_scale(const Params& p) {
@@ -87,9 +96,9 @@ struct DropoutFn {
     }
     // Whether element (i, j) is kept, from its own group (the SIMT kernels).
     __device__ __forceinline__ bool keep(int i, int j) const {
-        const uint4 w = words(i & ~8, j & ~8);
+        const uint4 w = words(i & ~8, j & ~9);
         const unsigned pick = (i & 8) ? ((j & 8) ? w.w : w.z) : ((j & 8) ? w.y : w.x);
-        return kept(pick);
+        return kept(half_of(pick, j & 1));
     }
 };
 
@@ -99,39 +108,54 @@ using DropoutOf = DropoutFn<Mask::Score::HAS_DROPOUT>;
 // The keep bits of a lane's m16n8 fragments of S, visit(i, f, k, kept) for s[i][f][k]: query
 // row_lane + 16 i + 8 (k / 2), key key_lane + 8 f + k % 2 (row_lane = row of lane / 4 in strip 0,
 // key_lane = n0 + 2 (lane % 4)). N_FRAGS even: fragments f and f + 1 of a pair hold keys j0 and
-// j0 + 8.
+// j0 + 8, and elements k, k + 1 keys j0 and j0 + 1: one call, all eight elements.
 template <class Drop, int M_STRIPS, int N_FRAGS, class Visit>
 __device__ __forceinline__ void walk_s_frags(const Drop& d, int row_lane, int key_lane, Visit visit) {
     static_assert(N_FRAGS % 2 == 0, "fragment pairs");
 #pragma unroll
     for (int i = 0; i < M_STRIPS; ++i)
 #pragma unroll
-        for (int fp = 0; fp < N_FRAGS / 2; ++fp)
+        for (int fp = 0; fp < N_FRAGS / 2; ++fp) {
+            const uint4 w = d.words(row_lane + 16 * i, key_lane + 16 * fp);
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const uint4 w = d.words(row_lane + 16 * i, key_lane + 16 * fp + e);
+            for (int a = 0; a < 2; ++a)
 #pragma unroll
-                for (int a = 0; a < 2; ++a)
+                for (int c = 0; c < 2; ++c)
 #pragma unroll
-                    for (int c = 0; c < 2; ++c) visit(i, 2 * fp + c, 2 * a + e, d.kept(word_of(w, a, c)));
-            }
+                    for (int e = 0; e < 2; ++e) visit(i, 2 * fp + c, 2 * a + e, d.kept(half_of(word_of(w, a, c), e)));
+        }
 }
 
 // The same for a lane's fragments of S^T, visit(f, k, kept) for s[f][k]: key key_lane + 8 (k / 2),
 // query query_lane + 8 f + k % 2 (key_lane = key row of lane / 4, query_lane = m0 + 2 (lane % 4)).
+// A lane's keys have one parity, so it uses four of each group's eight halves; lanes lane and
+// lane ^ 4 hold the two parities of the same keys and queries (key_lane = an even row + lane / 4
+// in every caller, mma.cuh's C layout), so each computes one of the two calls they both need (the
+// one at query offset e = its key parity) and hands its partner the partner's halves of it, two
+// 16-bit halves a shuffle: one call per eight elements, as the S lanes. The whole warp must call.
 template <class Drop, int N_FRAGS, class Visit>
 __device__ __forceinline__ void walk_st_frags(const Drop& d, int key_lane, int query_lane, Visit visit) {
     static_assert(N_FRAGS % 2 == 0, "fragment pairs");
+    const int key_parity = key_lane & 1;
+    // byte_perm selectors: (low half of x, low half of y) or the high halves
+    const unsigned mine = key_parity ? 0x7632u : 0x5410u, theirs = key_parity ? 0x5410u : 0x7632u;
 #pragma unroll
-    for (int fp = 0; fp < N_FRAGS / 2; ++fp)
+    for (int fp = 0; fp < N_FRAGS / 2; ++fp) {
+        const uint4 w = d.words(query_lane + 16 * fp + key_parity, key_lane & ~1);
+        // (x, y) and (z, w) halves of this lane's parity: from its own call (query offset
+        // key_parity) and from its partner's (query offset 1 - key_parity)
+        const unsigned own[2] = {__byte_perm(w.x, w.y, mine), __byte_perm(w.z, w.w, mine)};
+        const unsigned got[2] = {__shfl_xor_sync(0xffffffffu, __byte_perm(w.x, w.y, theirs), 4),
+                                 __shfl_xor_sync(0xffffffffu, __byte_perm(w.z, w.w, theirs), 4)};
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const uint4 w = d.words(query_lane + 16 * fp + e, key_lane);
+        for (int e = 0; e < 2; ++e)
 #pragma unroll
-            for (int a = 0; a < 2; ++a)
+            for (int a = 0; a < 2; ++a) {
+                const unsigned halves = (e == key_parity) ? own[a] : got[a];
 #pragma unroll
-                for (int c = 0; c < 2; ++c) visit(2 * fp + a, 2 * c + e, d.kept(word_of(w, a, c)));
-        }
+                for (int c = 0; c < 2; ++c) visit(2 * fp + a, 2 * c + e, d.kept(half_of(halves, c)));
+            }
+    }
 }
 
 // x = op(x, kept) over a lane's fragments of S (M_STRIPS strips, or one) and of S^T.

@@ -32,16 +32,18 @@ def test_philox_known_answers(counter, key, expected):
 
 
 def test_mask_words_follow_the_documented_layout():
-    """Element (i, j) is word 2 ((i >> 3) & 1) + ((j >> 3) & 1) of the call at (j & ~8, i & ~8)."""
+    """Element (i, j) is half j & 1 of word 2 ((i >> 3) & 1) + ((j >> 3) & 1) of the call at
+    (j & ~9, i & ~8)."""
     d = Dropout(0.5, seed=(7 << 32) | 3, offset=11)
     batch, nheads, sq, sk = 2, 3, 40, 37
     mask = dropout_mask(batch, nheads, sq, sk, d.p, d.seed, d.offset)
     rng = np.random.default_rng(0)
     for _ in range(50):
         b, h, i, j = (int(rng.integers(n)) for n in (batch, nheads, sq, sk))
-        words = philox4x32_10((j & ~8, i & ~8, b * nheads + h, d.offset), (3, 7))
+        words = philox4x32_10((j & ~9, i & ~8, b * nheads + h, d.offset), (3, 7))
         word = int(words[2 * ((i >> 3) & 1) + ((j >> 3) & 1)])
-        assert mask[b, h, i, j] == (word < keep_threshold(d.p))
+        half = (word >> 16) if j & 1 else (word & 0xFFFF)
+        assert mask[b, h, i, j] == (half < keep_threshold(d.p))
 
 
 @pytest.mark.parametrize("p", [0.05, 0.3, 0.5, 0.9])
@@ -50,10 +52,15 @@ def test_mask_keeps_one_minus_p(p):
     n = mask.size
     sigma = np.sqrt(p * (1 - p) / n)
     assert abs(mask.mean() - (1 - p)) < 5 * sigma
-    # neither rows nor columns nor the 2 x 2 groups' four words are correlated: each position
-    # of a 16 x 16 tile keeps 1 - p of its elements too
+    # no position of the groups' eight halves is biased: each position of a 16 x 16 tile keeps
+    # 1 - p of its elements too
     tiles = mask.reshape(2, 4, 16, 16, 16, 16).mean(axis=(0, 1, 2, 4))
     assert np.abs(tiles - (1 - p)).max() < 5 * np.sqrt(p * (1 - p) / (n / 256))
+    # and the two halves of a word (keys j, j + 1 of one row, j even) are independent: both kept
+    # (1 - p)^2 of the time
+    both = (mask[..., 0::2] & mask[..., 1::2]).mean()
+    q = (1 - p) ** 2
+    assert abs(both - q) < 5 * np.sqrt(q * (1 - q) / (n / 2))
 
 
 def test_mask_depends_on_seed_offset_and_head():
@@ -67,9 +74,10 @@ def test_mask_depends_on_seed_offset_and_head():
 
 
 def test_threshold_edges():
-    assert keep_threshold(0.0) == 2**32 - 1
-    assert keep_threshold(0.5) == 2**31
-    assert keep_threshold(1 - 2**-33) in (0, 1)
+    assert keep_threshold(0.0) == 2**16  # every half is below it
+    assert keep_threshold(0.5) == 2**15
+    assert keep_threshold(2**-18) == 2**16  # p below 2^-17 keeps everything: 16 bits a comparison
+    assert keep_threshold(1 - 2**-18) == 0
 
 
 @settings(max_examples=10)

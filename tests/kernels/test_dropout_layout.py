@@ -1,6 +1,8 @@
 """dropout.cuh's fragment walks (models/dropout.py) against cupyflash.dropout's definition: every
-element of a warp's S and S^T fragments gets the word the definition assigns to its (query, key),
-and each lane's Philox calls serve only its own elements (no word computed and thrown away)."""
+element of a warp's S and S^T fragments gets the word and half the definition assigns to its
+(query, key); each of an S lane's Philox calls serves eight of its own elements (no half computed
+and thrown away), and so does each of an S^T lane's, four of them its own and four its partner's (lane ^ 4), handed
+over by a shuffle."""
 from __future__ import annotations
 
 import pytest
@@ -19,24 +21,27 @@ def test_s_fragments_get_the_documented_words(m_strips, n_frags, row0, col0):
     seen = set()
     for row_lane, key_lane in zip(*lanes(row0, col0)):
         groups = {}
-        for (i, f, k), (origin, a, c) in s_frag_words(m_strips, n_frags, int(row_lane), int(key_lane)).items():
+        for (i, f, k), (origin, a, c, e) in s_frag_words(m_strips, n_frags, int(row_lane), int(key_lane)).items():
             element = s_frag_element(i, f, k, int(row_lane), int(key_lane))
-            assert (origin, a, c) == documented_word(*element)
+            assert (origin, a, c, e) == documented_word(*element)
             seen.add(element)
-            groups.setdefault(origin, set()).add((a, c))
-        assert all(words == {(0, 0), (0, 1), (1, 0), (1, 1)} for words in groups.values())
+            groups.setdefault(origin, set()).add((a, c, e))
+        assert all(len(halves) == 8 for halves in groups.values())
     assert len(seen) == 32 * 4 * m_strips * n_frags  # the warp's 16 m_strips x 8 n_frags elements, once each
 
 
 @pytest.mark.parametrize("n_frags, key0, query0", [(4, 0, 0), (8, 16, 64), (16, 112, 32)])
 def test_st_fragments_get_the_documented_words(n_frags, key0, query0):
+    key_lanes, query_lanes = lanes(key0, query0)
+    calls, elements = st_frag_words(n_frags, [int(x) for x in key_lanes], [int(x) for x in query_lanes])
     seen = set()
-    for key_lane, query_lane in zip(*lanes(key0, query0)):
-        groups = {}
-        for (f, k), (origin, a, c) in st_frag_words(n_frags, int(key_lane), int(query_lane)).items():
+    for lane, (key_lane, query_lane) in enumerate(zip(key_lanes, query_lanes)):
+        for (f, k), word in elements[lane].items():
             element = st_frag_element(f, k, int(key_lane), int(query_lane))
-            assert (origin, a, c) == documented_word(*element)
+            assert word == documented_word(*element)
             seen.add(element)
-            groups.setdefault(origin, set()).add((a, c))
-        assert all(words == {(0, 0), (0, 1), (1, 0), (1, 1)} for words in groups.values())
     assert len(seen) == 32 * 4 * n_frags
+    # one call per eight elements: the warp's calls are distinct groups, and each lane makes
+    # n_frags / 2 of them for its 4 n_frags elements
+    made = [origin for lane in range(32) for origin in calls[lane]]
+    assert len(made) == len(set(made)) == 32 * n_frags // 2

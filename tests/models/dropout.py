@@ -11,41 +11,67 @@ from .mirrors import mirrors
 DROPOUT = "dropout.cuh"
 
 
-@mirrors(DROPOUT, "return a ? (c ? w.w : w.z) : (c ? w.y : w.x);")
+@mirrors(DROPOUT, "return a ? (c ? w.w : w.z) : (c ? w.y : w.x);", "return e ? word >> 16 : word & 0xFFFFu;")
 def word_of(words, a: int, c: int):
     """Word 2 a + c of a group's four: x, y, z, w."""
     return words[2 * a + c]
 
 
 @mirrors(DROPOUT,
-         "const uint4 w = d.words(row_lane + 16 * i, key_lane + 16 * fp + e);",
-         "for (int c = 0; c < 2; ++c) visit(i, 2 * fp + c, 2 * a + e, d.kept(word_of(w, a, c)));")
+         "const uint4 w = d.words(row_lane + 16 * i, key_lane + 16 * fp);",
+         "for (int e = 0; e < 2; ++e) visit(i, 2 * fp + c, 2 * a + e, d.kept(half_of(word_of(w, a, c), e)));")
 def s_frag_words(m_strips: int, n_frags: int, row_lane: int, key_lane: int):
-    """{(i, f, k): (group origin (i0, j0), a, c)} of one lane's S fragments s[i][f][k]."""
+    """{(i, f, k): (group origin (i0, j0), a, c, half e)} of one lane's S fragments s[i][f][k]."""
     out = {}
     for i in range(m_strips):
         for fp in range(n_frags // 2):
-            for e in range(2):
-                origin = (row_lane + 16 * i, key_lane + 16 * fp + e)
-                for a in range(2):
-                    for c in range(2):
-                        out[(i, 2 * fp + c, 2 * a + e)] = (origin, a, c)
+            origin = (row_lane + 16 * i, key_lane + 16 * fp)
+            for a in range(2):
+                for c in range(2):
+                    for e in range(2):
+                        out[(i, 2 * fp + c, 2 * a + e)] = (origin, a, c, e)
     return out
 
 
 @mirrors(DROPOUT,
-         "const uint4 w = d.words(query_lane + 16 * fp + e, key_lane);",
-         "for (int c = 0; c < 2; ++c) visit(2 * fp + a, 2 * c + e, d.kept(word_of(w, a, c)));")
-def st_frag_words(n_frags: int, key_lane: int, query_lane: int):
-    """{(f, k): (group origin (i0, j0), a, c)} of one lane's S^T fragments s[f][k]."""
-    out = {}
-    for fp in range(n_frags // 2):
-        for e in range(2):
-            origin = (query_lane + 16 * fp + e, key_lane)
-            for a in range(2):
-                for c in range(2):
-                    out[(2 * fp + a, 2 * c + e)] = (origin, a, c)
-    return out
+         "const int key_parity = key_lane & 1;",
+         "const unsigned mine = key_parity ? 0x7632u : 0x5410u, theirs = key_parity ? 0x5410u : 0x7632u;",
+         "const uint4 w = d.words(query_lane + 16 * fp + key_parity, key_lane & ~1);",
+         "const unsigned own[2] = {__byte_perm(w.x, w.y, mine), __byte_perm(w.z, w.w, mine)};",
+         "const unsigned got[2] = {__shfl_xor_sync(0xffffffffu, __byte_perm(w.x, w.y, theirs), 4),",
+         "const unsigned halves = (e == key_parity) ? own[a] : got[a];",
+         "for (int c = 0; c < 2; ++c) visit(2 * fp + a, 2 * c + e, d.kept(half_of(halves, c)));")
+def st_frag_words(n_frags: int, key_lanes, query_lanes):
+    """The warp's S^T walk, lanes given by their (key_lane, query_lane): per lane, the group
+    origins of the calls it makes, and {(f, k): (group origin, a, c, half)} of its fragments
+    s[f][k], with the shuffle followed (lane ^ 4's call, the halves its byte_perm hands over)."""
+    def byte_perm(x, y, selector):  # 16-bit halves as (word, half) pairs: the two selectors used
+        return {0x5410: ((x, 0), (y, 0)), 0x7632: ((x, 1), (y, 1))}[selector]
+
+    calls, sent, own = {}, {}, {}
+    for lane, (key_lane, query_lane) in enumerate(zip(key_lanes, query_lanes)):
+        key_parity = key_lane & 1
+        mine, theirs = (0x7632, 0x5410) if key_parity else (0x5410, 0x7632)
+        calls[lane] = []
+        for fp in range(n_frags // 2):
+            origin = (query_lane + 16 * fp + key_parity, key_lane & ~1)
+            calls[lane].append(origin)
+            words = [(origin, 0, 0), (origin, 0, 1), (origin, 1, 0), (origin, 1, 1)]  # x y z w: (a, c)
+            own[lane, fp] = [byte_perm(words[0], words[1], mine), byte_perm(words[2], words[3], mine)]
+            sent[lane, fp] = [byte_perm(words[0], words[1], theirs), byte_perm(words[2], words[3], theirs)]
+    elements = {}
+    for lane, (key_lane, _) in enumerate(zip(key_lanes, query_lanes)):
+        key_parity = key_lane & 1
+        out = elements[lane] = {}
+        for fp in range(n_frags // 2):
+            got = sent[lane ^ 4, fp]
+            for e in range(2):
+                for a in range(2):
+                    halves = own[lane, fp][a] if e == key_parity else got[a]
+                    for c in range(2):
+                        (origin, word_a, word_c), half = halves[c]
+                        out[(2 * fp + a, 2 * c + e)] = (origin, word_a, word_c, half)
+    return calls, elements
 
 
 def s_frag_element(i: int, f: int, k: int, row_lane: int, key_lane: int) -> tuple[int, int]:
@@ -58,9 +84,9 @@ def st_frag_element(f: int, k: int, key_lane: int, query_lane: int) -> tuple[int
     return query_lane + 8 * f + (k & 1), key_lane + 8 * (k >> 1)
 
 
-def documented_word(query: int, key: int) -> tuple[tuple[int, int], int, int]:
-    """cupyflash.dropout's definition: group origin (i & ~8, j & ~8), word 2 a + c."""
-    return (query & ~8, key & ~8), (query >> 3) & 1, (key >> 3) & 1
+def documented_word(query: int, key: int) -> tuple[tuple[int, int], int, int, int]:
+    """cupyflash.dropout's definition: group origin (i & ~8, j & ~9), word 2 a + c, half j & 1."""
+    return (query & ~8, key & ~9), (query >> 3) & 1, (key >> 3) & 1, key & 1
 
 
 def lanes(row0: int, col0: int):
