@@ -36,6 +36,7 @@
 #                                       dev/sanitize_dmma_bwd.py, dev/bench_dmma_bwd.py here and in
 #                                       BEFORE_TREE (optional: an exported tree inside the checkout,
 #                                       carried, e.g. .before)
+#   scripts/gpu_check.sh OUTDIR dropout  tests/test_dropout_gpu.py, then dropout's cost at 8k (d128, d64)
 #   scripts/gpu_check.sh OUTDIR tf32_wgmma  the tf32 wgmma forward candidate (flash_fwd_tf32_wgmma):
 #                                       tests/test_tf32_wgmma_gpu.py, dev/bench_tf32_wgmma.py, then
 #                                       racecheck / memcheck of dev/sanitize_tf32_wgmma.py
@@ -206,6 +207,15 @@ ncu)
                 --set full --import-source no -o "$out/full-$tag" python "$OLDPWD/scripts/ncu_workload.py" $c)
             ncu -i "$out/full-$tag.ncu-rep" --page details > "$out/full-$tag.txt" 2>&1
         done; IFS=' '
+    done
+    ;;
+dropout)  # dropout's GPU tests, then its cost beside the plain kernels at 8k, d128 and d64 (bench.variants)
+    export PYTHONPATH=$PWD
+    step dropout-tests "${TEST_LIMIT:-240}" env HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-gpu}" \
+        python -m pytest -q -m gpu tests/test_dropout_gpu.py -p no:cacheprovider
+    for d in 128 64; do
+        step "dropout-8k-d$d" 150 python -m cupyflash.bench.variants --seqlen 8192 --headdim "$d" \
+            --impls cupyflash --variants causal "causal dropout 0.1" full "dropout 0.1" --json "$out/dropout-8k-d$d.json"
     done
     ;;
 tf32_wgmma)  # the tf32 wgmma forward candidate: its GPU tests, then its speed and accuracy beside the
