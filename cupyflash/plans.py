@@ -113,9 +113,14 @@ class Tf32FwdConfig:
 class WgmmaTf32FwdConfig:
     """flash_fwd_tf32_wgmma (``kernels_cu/flash_fwd_tf32_wgmma.cu``, wgmma .tf32, sm_90a): float32;
     one warpgroup of 64 query rows, block_n keys per block. A candidate (docs/perf-log.md
-    tf32-wgmma-v0), in no plan's table: reached only as ``config=`` of mma_fwd.forward."""
+    tf32-wgmma-v0, v1), in no plan's table: reached only as ``config=`` of mma_fwd.forward.
+    ``raw_stages`` > 0: the raw K and V rows of that many blocks ahead copied by cp.async into
+    staging tiles (v1; 0: read from global memory by the split, v0); ``q_registers``: Q split once
+    into registers, S's A operand (else Q's hi and lo tiles in shared memory)."""
 
     block_n: int = 64
+    raw_stages: int = 0
+    q_registers: bool = False
 
     @property
     def block_m(self) -> int:
@@ -517,9 +522,11 @@ def tf32_smem_bytes(dt: int, config: Tf32FwdConfig, precision: str = DEFAULT_PRE
 
 
 def tf32_wgmma_smem_bytes(dt: int, config: WgmmaTf32FwdConfig) -> int:
-    """Mirror of FwdTf32WgmmaSmem<...>::BYTES (Q, K and V^T, each hi and lo, float32 words), plus
-    1024 bytes to align the base for the 128-byte swizzle."""
-    return 2 * 4 * dt * (config.block_m + 2 * config.block_n) + 1024
+    """Mirror of FwdTf32WgmmaSmem<...>::BYTES (Q (hi only, O's staging tile, with Q in registers),
+    K and V^T, each hi and lo, and the raw stages of K and V, float32 words), plus 1024 bytes to
+    align the base for the 128-byte swizzle."""
+    q_tiles = 1 if config.q_registers else 2
+    return 4 * dt * (q_tiles * config.block_m + 4 * config.block_n + 2 * config.raw_stages * config.block_n) + 1024
 
 
 def _tf32_options(config: Tf32FwdConfig) -> str:
@@ -563,10 +570,13 @@ def specialization_for(dtype, dt: int, mask: Mask | bool, tiles, dvt: int | None
             c.threads, tf32_smem_bytes(dt, c, precision))
     if isinstance(c, WgmmaTf32FwdConfig):
         precision = check_precision(precision)
+        # v1's options only where set: v0's names and expressions unchanged
+        options = f", {c.raw_stages}, {'true' if c.q_registers else 'false'}" if c.raw_stages or c.q_registers else ""
         return Specialization(
-            f"flash_fwd_tf32_wgmma_{short}_hdim{dt}_{mask.name}_bm{c.block_m}_bn{c.block_n}_{precision}",
+            f"flash_fwd_tf32_wgmma_{short}_hdim{dt}_{mask.name}_bm{c.block_m}_bn{c.block_n}_{precision}"
+            f"{f'_raw{c.raw_stages}' if c.raw_stages else ''}{'_qregs' if c.q_registers else ''}",
             "flash_fwd_tf32_wgmma.cu",
-            f"cf::flash_fwd_tf32_wgmma<{dt}, {mask.cpp}, {c.block_n}, {PRODUCTS[precision]}>",
+            f"cf::flash_fwd_tf32_wgmma<{dt}, {mask.cpp}, {c.block_n}, {PRODUCTS[precision]}{options}>",
             c.threads, tf32_wgmma_smem_bytes(dt, c), arch="90a")
     if isinstance(c, DmmaFwdConfig):
         if name != "float64":

@@ -1,7 +1,7 @@
-"""The float32 forward on tf32 wgmma (flash_fwd_tf32_wgmma, perf log tf32-wgmma-v0), a candidate no
-plan routes to, against the shipped float32 forward (flash_fwd_tf32 on mma.sync, precision "ieee")
-and PyTorch's mem-efficient float32 kernel, in one run; then its error against the float64
-reference beside standard float32 attention's (issue 18's 2x bar).
+"""The float32 forward on tf32 wgmma (flash_fwd_tf32_wgmma, perf log tf32-wgmma-v0 and v1), candidates
+no plan routes to, against the shipped float32 forward (flash_fwd_tf32 on mma.sync, precision
+"ieee") and PyTorch's mem-efficient float32 kernel, in one run; then their error against the
+float64 reference beside standard float32 attention's (issue 18's 2x bar).
 
     python dev/bench_tf32_wgmma.py [--quick] [--json FILE]
 
@@ -19,6 +19,18 @@ import numpy as np
 POLICY_ARGS = dict(warmup=3, target_s=0.2, min_repeats=5, max_repeats=30)
 
 
+def candidates(headdim: int) -> dict:
+    """{name: WgmmaTf32FwdConfig} of the candidates at this head dim: v0 (synchronous), v1 (raw K /
+    V staged by cp.async two blocks ahead), and at d64 v1 with Q in registers (BLOCK_N 32 with two
+    raw stages, 64 with one); at d128 Q does not fit in registers."""
+    from cupyflash.plans import WgmmaTf32FwdConfig as C
+
+    out = {"v0": C(64), "v1": C(32, raw_stages=2)}
+    if headdim <= 64:
+        out.update(v1_qregs=C(32, raw_stages=2, q_registers=True), v1_qregs_bn64=C(64, raw_stages=1, q_registers=True))
+    return out
+
+
 def _inputs(batch, seqlen, nheads, headdim, seed=0):
     import cupy
 
@@ -32,7 +44,6 @@ def measure(headdims=(64, 128), seqlens=(1024, 4096, 8192), quick=False) -> list
     import cupyflash
     from cupyflash.bench.timing import RepeatPolicy, time_region
     from cupyflash.kernels import mma_fwd
-    from cupyflash.plans import WgmmaTf32FwdConfig
 
     policy = RepeatPolicy(**POLICY_ARGS)
     stream = cupy.cuda.Stream(non_blocking=True)
@@ -56,16 +67,19 @@ def measure(headdims=(64, 128), seqlens=(1024, 4096, 8192), quick=False) -> list
                     o = cupy.empty_like(q)
                     lse = cupy.empty((batch, nheads, seqlen), np.float32)
 
-                    def candidate(_):
-                        mma_fwd.forward(q, k, v, o, lse, softmax_scale=scale, causal=causal,
-                                        config=WgmmaTf32FwdConfig(64))
+                    def candidate(config):
+                        return lambda _: mma_fwd.forward(q, k, v, o, lse, softmax_scale=scale, causal=causal,
+                                                         config=config)
 
                     def shipped(_):
                         cupyflash.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal)
 
-                    for name, run in (("candidate", candidate), ("shipped", shipped)):
+                    runs = [(name, candidate(config)) for name, config in candidates(headdim).items()]
+                    for name, run in runs + [("shipped", shipped)]:
                         ms = time_region(run, 1, policy=policy, stream=stream).median_ms
                         row[f"{name}_tflops"] = flops / ms / 1e9
+                    best = max((name for name, _ in runs), key=lambda name: row[f"{name}_tflops"])
+                    row["best"], row["candidate_tflops"] = best, row[f"{best}_tflops"]
                     if torch is not None:
                         ts = torch.cuda.ExternalStream(stream.ptr)
                         with torch.cuda.stream(ts), sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
@@ -78,19 +92,18 @@ def measure(headdims=(64, 128), seqlens=(1024, 4096, 8192), quick=False) -> list
                     row["x_shipped"] = row["candidate_tflops"] / row["shipped_tflops"]
                     print(json.dumps(row), flush=True)
                     rows.append(row)
-                del q, k, v
+                q = k = v = o = None  # freed before the next shape
                 cupy.get_default_memory_pool().free_all_blocks()
     return rows
 
 
 def accuracy(headdims=(64, 128), seqlen=1024) -> list:
-    """Max error of o against the float64 reference, the candidate's ("ieee") and standard float32
+    """Max error of o against the float64 reference, each candidate's ("ieee") and standard float32
     attention's (materialised, float32 products), at seqlen keys, causal or not."""
     import cupy
 
     from cupyflash import reference
     from cupyflash.kernels import mma_fwd
-    from cupyflash.plans import WgmmaTf32FwdConfig
     from cupyflash.testing.tolerance import max_abs_error
 
     out = []
@@ -98,14 +111,16 @@ def accuracy(headdims=(64, 128), seqlen=1024) -> list:
     for headdim in headdims:
         for causal in (False, True):
             q, k, v = (rng.standard_normal((1, seqlen, 2, headdim)).astype(np.float32) for _ in range(3))
-            o = cupy.full(q.shape, np.nan, np.float32)
-            lse = cupy.full((1, 2, seqlen), np.nan, np.float32)
-            mma_fwd.forward(*(cupy.asarray(x) for x in (q, k, v)), o, lse, softmax_scale=headdim ** -0.5,
-                            causal=causal, config=WgmmaTf32FwdConfig(64))
             o_ref, _ = reference.attention(q, k, v, causal=causal)
             o_std, _ = reference.standard_attention(q, k, v, dtype=np.float32, causal=causal)
-            row = {"headdim": headdim, "causal": causal, "candidate_err": max_abs_error(cupy.asnumpy(o), o_ref),
-                   "standard_float32_err": max_abs_error(o_std, o_ref)}
+            row = {"headdim": headdim, "causal": causal, "standard_float32_err": max_abs_error(o_std, o_ref)}
+            for name, config in candidates(headdim).items():
+                o = cupy.full(q.shape, np.nan, np.float32)
+                lse = cupy.full((1, 2, seqlen), np.nan, np.float32)
+                mma_fwd.forward(*(cupy.asarray(x) for x in (q, k, v)), o, lse, softmax_scale=headdim ** -0.5,
+                                causal=causal, config=config)
+                row[f"{name}_err"] = max_abs_error(cupy.asnumpy(o), o_ref)
+            row["candidate_err"] = max(row[f"{name}_err"] for name in candidates(headdim))
             row["ratio"] = row["candidate_err"] / row["standard_float32_err"]
             print(json.dumps(row), flush=True)
             out.append(row)

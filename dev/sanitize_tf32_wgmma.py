@@ -1,6 +1,7 @@
-"""The float32 forward on tf32 wgmma (flash_fwd_tf32_wgmma, a candidate no plan routes to) alone,
-small, for compute-sanitizer: head dims 40 / 64 / 128, full, causal and a window, GQA, v's own
-head dim, a packed batch with an empty sequence, both precisions. sm_90 only.
+"""The float32 forward on tf32 wgmma (flash_fwd_tf32_wgmma, candidates no plan routes to) alone,
+small, for compute-sanitizer: v0 and v1's configurations (dev/bench_tf32_wgmma.py's), head dims
+40 / 64 / 128, full, causal and a window, GQA, v's own head dim, a packed batch with an empty
+sequence, both precisions. sm_90 only.
 
     compute-sanitizer --tool racecheck python dev/sanitize_tf32_wgmma.py
 """
@@ -11,14 +12,19 @@ def main() -> None:
     import cupy
     import numpy as np
 
+    import sys
+    from pathlib import Path
+
     from cupyflash.kernels import mma_fwd
     from cupyflash.kernels.params import PackedBatch
-    from cupyflash.plans import WgmmaTf32FwdConfig
     from cupyflash.scores import Variant
 
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_tf32_wgmma import candidates
+
     rng = np.random.default_rng(0)
-    config = WgmmaTf32FwdConfig(64)
-    for headdim, headdim_v in ((40, 40), (64, 64), (128, 128), (64, 128)):
+    for headdim, headdim_v, config in ((h, hv, c) for h, hv in ((40, 40), (64, 64), (128, 128), (64, 128))
+                                       for c in candidates(max(h, hv)).values()):
         for causal, window in ((False, (-1, -1)), (True, (-1, -1)), (False, (19, 70))):
             for precision in ("ieee", "tf32"):
                 q = cupy.asarray(rng.standard_normal((1, 77, 4, headdim), np.float32))
@@ -32,8 +38,9 @@ def main() -> None:
     cu = cupy.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
     q, k, v = (cupy.asarray(rng.standard_normal((1, sum(lengths), 4, 64), np.float32)) for _ in range(3))
     o, lse = cupy.empty_like(q), cupy.empty((1, 4, sum(lengths)), np.float32)
-    mma_fwd.forward(q, k, v, o, lse, softmax_scale=0.125, causal=True,
-                    packed=PackedBatch(cu, cu, max(lengths), max(lengths)), config=config)
+    for config in candidates(64).values():
+        mma_fwd.forward(q, k, v, o, lse, softmax_scale=0.125, causal=True,
+                        packed=PackedBatch(cu, cu, max(lengths), max(lengths)), config=config)
     cupy.cuda.runtime.deviceSynchronize()
     print("sanitize_tf32_wgmma: done")
 

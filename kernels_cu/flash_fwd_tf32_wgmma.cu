@@ -1,23 +1,24 @@
 // flash_fwd_tf32_wgmma: the float32 forward on Hopper's tf32 warpgroup MMA (sm_90a), a candidate:
-// docs/perf-log.md tf32-wgmma-v0, its first kernel. Not a row of any plan (run it through
-// mma_fwd.forward(config=WgmmaTf32FwdConfig(...))); compiled and checked on the CPU only, not yet
-// run on a GPU.
+// docs/perf-log.md tf32-wgmma-v0 and v1. Not a row of any plan (run it through
+// mma_fwd.forward(config=WgmmaTf32FwdConfig(...))).
 //
 // One warpgroup per CTA, BLOCK_M = 64 query rows of one (batch, head), walking the key blocks of
 // its kv head in BLOCK_N-key blocks, as flash_fwd_wgmma.cu:
-//   S = Q K_j^T      wgmma m64 x BLOCK_N x k8 .tf32, A = Q, B = K_j, both from shared memory
-//                    (K-major panels of hi and lo, wgmma_tf32.cuh)
+//   S = Q K_j^T      wgmma m64 x BLOCK_N x k8 .tf32, B = K_j from shared memory (K-major panels
+//                    of hi and lo, wgmma_tf32.cuh), A = Q from shared memory too, or (Q_REGS) from
+//                    registers, split once
 //   online softmax   on the accumulators (online_softmax.cuh: their layout is the 16-bit one)
 //   O += P V_j       wgmma m64 x D_TILE x k8 .tf32, A = P from registers (the accumulator's
 //                    {d0, d2, d1, d3} per 8-key step), B = V_j^T stored [d][key] in KEY_PAIRS order
 // PRODUCTS 3 (precision "ieee"): every product as lo hi + hi lo + hi hi, the small terms first;
-// PRODUCTS 1 ("tf32"): hi hi. The threads split the tiles on their way into shared memory (tf32
-// has no transposed operand, so V must pass through registers anyway).
+// PRODUCTS 1 ("tf32"): hi hi. The threads split the tiles on their way into the hi and lo panels
+// (tf32 has no transposed operand, so V must pass through registers anyway).
 //
-// This first form is synchronous within the CTA: each block's K and V are loaded and split, then
-// S, the softmax and P V run, and P V is waited for before the next block's loads overwrite the
-// tiles. Overlap comes from the second CTA on the SM (96 KiB at d64). The producer warpgroup and
-// the staged ring of step 2's design come after this form is measured.
+// RAW_STAGES 0 (v0): each block's K and V are read from global memory and split, then S, the
+// softmax and P V run, P V waited for before the next block's split overwrites the tiles; the
+// second CTA on the SM is all that overlaps the loads. RAW_STAGES > 0 (v1): cp.async copies the
+// raw K and V of the blocks RAW_STAGES ahead into staging tiles while this block computes, so the
+// split reads shared memory and global memory's latency is off the block's critical path.
 #include "common.cuh"
 #include "mma.cuh"
 #include "online_softmax.cuh"
@@ -28,22 +29,41 @@
 namespace cf {
 
 // Shared memory from a 1024-byte aligned base (cupyflash/plans.py tf32_wgmma_smem_bytes adds the
-// alignment slack): Q, K and V^T, each a hi and a lo tile of float32 words. Q hi stages O in the
-// epilogue.
-template <int D_TILE, int BLOCK_N>
+// alignment slack): Q (none with Q_REGS but the O staging tile), K and V^T, each a hi and a lo
+// tile of float32 words, then RAW_STAGES stages of raw K and V rows (StagedRows). Q hi stages O in
+// the epilogue.
+template <int D_TILE, int BLOCK_N, int RAW_STAGES = 0, bool Q_REGS = false>
 struct FwdTf32WgmmaSmem {
     static constexpr int BLOCK_M = 64;
     static constexpr u32 Q_TILE = BLOCK_M * D_TILE * 4, KV_TILE = BLOCK_N * D_TILE * 4;
     static constexpr u32 Q_HI = 0, Q_LO = Q_HI + Q_TILE;
-    static constexpr u32 K_HI = Q_LO + Q_TILE, K_LO = K_HI + KV_TILE;
+    static constexpr u32 K_HI = Q_LO + (Q_REGS ? 0u : Q_TILE), K_LO = K_HI + KV_TILE;
     static constexpr u32 V_HI = K_LO + KV_TILE, V_LO = V_HI + KV_TILE;
-    static constexpr u32 BYTES = V_LO + KV_TILE;
+    static constexpr u32 RAW = V_LO + KV_TILE;
+    static constexpr u32 BYTES = RAW + RAW_STAGES * 2 * KV_TILE;
 };
 
-template <int D_TILE, class Mask, int BLOCK_N, int PRODUCTS>
+// A's registers of S = Q K^T for every k-step (Q_REGS), split once: a[kk][r] is Q's (row, column)
+// (row g + 8 (r & 1), column 8 kk + t + 4 (r >> 1) of the warp's 16 rows, g = lane / 4, t =
+// lane % 4: the tf32 register fragment), zero past the rows and head dim given.
+template <int D_TILE, int PRODUCTS>
+__device__ __forceinline__ void load_q_fragments(u32 (&hi)[D_TILE / 8][4], u32 (&lo)[D_TILE / 8][4],
+                                                 const float* q_rows, int rows_valid, int headdim, i64 stride,
+                                                 int strip_row0, int lane) {
+#pragma unroll
+    for (int kk = 0; kk < D_TILE / 8; ++kk)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const int row = strip_row0 + lane / 4 + 8 * (r & 1), column = 8 * kk + lane % 4 + 4 * (r >> 1);
+            const float x = row < rows_valid && column < headdim ? __ldg(q_rows + row * stride + column) : 0.f;
+            split_tf32<PRODUCTS>(x, hi[kk][r], lo[kk][r]);
+        }
+}
+
+template <int D_TILE, class Mask, int BLOCK_N, int PRODUCTS, int RAW_STAGES = 0, bool Q_REGS = false>
 __global__ void __launch_bounds__(128, 1)
 flash_fwd_tf32_wgmma(const __grid_constant__ FwdParams p) {
-    typedef FwdTf32WgmmaSmem<D_TILE, BLOCK_N> L;
+    typedef FwdTf32WgmmaSmem<D_TILE, BLOCK_N, RAW_STAGES, Q_REGS> L;
     constexpr int BLOCK_M = L::BLOCK_M, NTHREADS = 128;
     constexpr int N_FRAGS = BLOCK_N / 8, D_FRAGS = D_TILE / 8;
     constexpr bool SPLIT = Tf32Operand<PRODUCTS>::SPLIT;
@@ -71,39 +91,92 @@ flash_fwd_tf32_wgmma(const __grid_constant__ FwdParams p) {
     const float* __restrict__ v_rows = p.v.row<const float>(seq.batch, seq.k_begin, head_kv);
     const i64 k_ss = p.k.row_stride, v_ss = p.v.row_stride;
 
-    split_tf32_panels<BLOCK_M, D_TILE, NTHREADS, PRODUCTS>(base + L::Q_HI, base + L::Q_LO, q_rows, seqlen_q - m0,
-                                                           p.headdim, p.q.row_stride, tid);
+    u32 q_hi[Q_REGS ? D_TILE / 8 : 1][4], q_lo[Q_REGS ? D_TILE / 8 : 1][4];
+    if constexpr (Q_REGS)
+        load_q_fragments<D_TILE, PRODUCTS>(q_hi, q_lo, q_rows, seqlen_q - m0, p.headdim, p.q.row_stride, strip_row0,
+                                           lane);
+    else
+        split_tf32_panels<BLOCK_M, D_TILE, NTHREADS, PRODUCTS>(base + L::Q_HI, base + L::Q_LO,
+                                                               GlobalRows{q_rows, p.q.row_stride}, seqlen_q - m0,
+                                                               p.headdim, tid);
+    // The raw K and V of block j into stage j % RAW_STAGES, one commit group (empty past the end,
+    // so that every iteration waits for the same count).
+    const int j_end = (n_end + BLOCK_N - 1) / BLOCK_N;
+    constexpr int STAGES = RAW_STAGES > 0 ? RAW_STAGES : 1;
+    auto stage_block = [&](int j) {
+        if (j < j_end) {
+            const u32 raw = base + L::RAW + (j % STAGES) * 2 * L::KV_TILE;
+            const int n0 = j * BLOCK_N;
+            cp_async_staged_rows<BLOCK_N, D_TILE, NTHREADS>(raw, k_rows + n0 * k_ss, seqlen_k - n0, p.headdim, k_ss,
+                                                            tid);
+            cp_async_staged_rows<BLOCK_N, D_TILE, NTHREADS>(raw + L::KV_TILE, v_rows + n0 * v_ss, seqlen_k - n0,
+                                                            p.headdim_v, v_ss, tid);
+        }
+        cp_async_commit();
+    };
+    if constexpr (RAW_STAGES > 0)
+#pragma unroll
+        for (int stage = 0; stage < RAW_STAGES; ++stage) stage_block(j_begin + stage);
 
     float o_acc[1][D_FRAGS][4];
     zero_acc(o_acc);
     RowStats<RowState::ALL_LANES, 1> row_stats;
     const DropoutOf<Mask> dropout(p, seq.index, head);
 
-    for (int j = j_begin; j * BLOCK_N < n_end; ++j) {
+    for (int j = j_begin; j < j_end; ++j) {
         const int n0 = j * BLOCK_N;
-        // Every thread is past block j - 1's products (waited for below), whose tiles these
-        // stores overwrite; the fence hands the stores to the async proxy that wgmma reads with.
-        __syncthreads();
-        split_tf32_panels<BLOCK_N, D_TILE, NTHREADS, PRODUCTS>(base + L::K_HI, base + L::K_LO, k_rows + n0 * k_ss,
-                                                               seqlen_k - n0, p.headdim, k_ss, tid);
-        split_tf32_panels_transposed<BLOCK_N, D_TILE, NTHREADS, PRODUCTS, true>(
-            base + L::V_HI, base + L::V_LO, v_rows + n0 * v_ss, seqlen_k - n0, p.headdim_v, v_ss, tid);
-        fence_proxy_async_shared();
-        __syncthreads();
+        if constexpr (RAW_STAGES > 0) {
+            // Block j's raw rows have landed (this thread's copies; the barrier: everyone's), and
+            // every thread is past block j - 1's products, whose tiles the split overwrites.
+            cp_async_wait<RAW_STAGES - 1>();
+            __syncthreads();
+            const u32 raw = base + L::RAW + (j % STAGES) * 2 * L::KV_TILE;
+            split_tf32_panels<BLOCK_N, D_TILE, NTHREADS, PRODUCTS>(base + L::K_HI, base + L::K_LO,
+                                                                   StagedRows<D_TILE>{raw}, seqlen_k - n0, p.headdim,
+                                                                   tid);
+            split_tf32_panels_transposed<BLOCK_N, D_TILE, NTHREADS, PRODUCTS, true>(
+                base + L::V_HI, base + L::V_LO, StagedRows<D_TILE>{raw + L::KV_TILE}, seqlen_k - n0, p.headdim_v,
+                tid);
+            fence_proxy_async_shared();
+            __syncthreads();  // the tiles are whole for wgmma, and every thread is done with stage j
+            stage_block(j + RAW_STAGES);
+        } else {
+            // Every thread is past block j - 1's products (waited for below), whose tiles these
+            // stores overwrite; the fence hands the stores to the async proxy that wgmma reads with.
+            __syncthreads();
+            split_tf32_panels<BLOCK_N, D_TILE, NTHREADS, PRODUCTS>(base + L::K_HI, base + L::K_LO,
+                                                                   GlobalRows{k_rows + n0 * k_ss, k_ss},
+                                                                   seqlen_k - n0, p.headdim, tid);
+            split_tf32_panels_transposed<BLOCK_N, D_TILE, NTHREADS, PRODUCTS, true>(
+                base + L::V_HI, base + L::V_LO, GlobalRows{v_rows + n0 * v_ss, v_ss}, seqlen_k - n0, p.headdim_v,
+                tid);
+            fence_proxy_async_shared();
+            __syncthreads();
+        }
 
         float s[1][N_FRAGS][4];
         float(&s_flat)[N_FRAGS * 4] = reinterpret_cast<float(&)[N_FRAGS * 4]>(s);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < D_TILE / 8; ++kk) {
-            const u64 q_hi = tf32_k_step_desc<BLOCK_M>(base + L::Q_HI, kk);
             const u64 k_hi = tf32_k_step_desc<BLOCK_N>(base + L::K_HI, kk);
-            if constexpr (SPLIT) {
-                WgmmaTf32<BLOCK_N>::ss(s_flat, tf32_k_step_desc<BLOCK_M>(base + L::Q_LO, kk), k_hi, kk > 0);
-                WgmmaTf32<BLOCK_N>::ss(s_flat, q_hi, tf32_k_step_desc<BLOCK_N>(base + L::K_LO, kk), 1);
-                WgmmaTf32<BLOCK_N>::ss(s_flat, q_hi, k_hi, 1);
+            if constexpr (Q_REGS) {
+                if constexpr (SPLIT) {
+                    WgmmaTf32<BLOCK_N>::rs(s_flat, q_lo[kk], k_hi, kk > 0);
+                    WgmmaTf32<BLOCK_N>::rs(s_flat, q_hi[kk], tf32_k_step_desc<BLOCK_N>(base + L::K_LO, kk), 1);
+                    WgmmaTf32<BLOCK_N>::rs(s_flat, q_hi[kk], k_hi, 1);
+                } else {
+                    WgmmaTf32<BLOCK_N>::rs(s_flat, q_hi[kk], k_hi, kk > 0);
+                }
             } else {
-                WgmmaTf32<BLOCK_N>::ss(s_flat, q_hi, k_hi, kk > 0);
+                const u64 q_hi = tf32_k_step_desc<BLOCK_M>(base + L::Q_HI, kk);
+                if constexpr (SPLIT) {
+                    WgmmaTf32<BLOCK_N>::ss(s_flat, tf32_k_step_desc<BLOCK_M>(base + L::Q_LO, kk), k_hi, kk > 0);
+                    WgmmaTf32<BLOCK_N>::ss(s_flat, q_hi, tf32_k_step_desc<BLOCK_N>(base + L::K_LO, kk), 1);
+                    WgmmaTf32<BLOCK_N>::ss(s_flat, q_hi, k_hi, 1);
+                } else {
+                    WgmmaTf32<BLOCK_N>::ss(s_flat, q_hi, k_hi, kk > 0);
+                }
             }
         }
         wgmma_commit();

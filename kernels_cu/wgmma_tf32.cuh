@@ -29,15 +29,62 @@ __device__ __forceinline__ uint4 ldg_bits4(const float* p, bool valid) {
     return valid ? __ldg(reinterpret_cast<const uint4*>(p)) : make_uint4(0u, 0u, 0u, 0u);
 }
 
-// A ROWS x DIM tile of a (seqlen, dim) float32 slice (row stride `stride` elements) as hi and lo
+// Where a loader reads its float32 rows: the (seqlen, dim) slice in global memory (GlobalRows),
+// or a raw copy of it that cp.async staged in shared memory (StagedRows). load4(row, column,
+// valid): the 4 values from (row, column) as bits, zeros where !valid (nothing read).
+struct GlobalRows {
+    const float* rows;
+    i64 stride;  // elements
+    __device__ __forceinline__ uint4 load4(int row, int column, bool valid) const {
+        return ldg_bits4(rows + row * stride + column, valid);
+    }
+};
+
+// A raw tile of ROWS x DIM float32 values in shared memory, 16-byte chunk c of row r at chunk
+// position c ^ ((r / 4) % 8): the transposed loader's 8 lanes of a load phase read 8 row groups
+// (rows 4 j + r, j = 0..7) of one chunk, which land at 8 distinct positions (bank groups); the
+// K-major loader's read 8 consecutive chunks of one row, distinct under any XOR of the row.
+template <int DIM>
+__device__ __forceinline__ u32 staged_offset(int row, int chunk) {
+    static_assert(DIM % 32 == 0, "at least 8 chunks a row");
+    return static_cast<u32>((row * (DIM / 4) + (chunk ^ ((row >> 2) & 7))) * 16);
+}
+
+template <int DIM>
+struct StagedRows {
+    u32 tile;
+    __device__ __forceinline__ uint4 load4(int row, int column, bool valid) const {
+        u32 r[4] = {0u, 0u, 0u, 0u};
+        if (valid) ld_shared_v4(r, tile + staged_offset<DIM>(row, column >> 2));
+        return make_uint4(r[0], r[1], r[2], r[3]);
+    }
+};
+
+// Issues the cp.async copies of rows 0 .. ROWS - 1 of a (seqlen, dim) float32 slice (row stride
+// `stride` elements) into a StagedRows<DIM> tile: rows >= rows_valid and chunks past the head dim
+// are left alone (the loaders do not read them). One commit group is the caller's.
+template <int ROWS, int DIM, int NTHREADS>
+__device__ __forceinline__ void cp_async_staged_rows(u32 tile, const float* gmem, int rows_valid, int headdim,
+                                                     i64 stride, int thread) {
+    constexpr int CHUNKS = DIM / 4;
+    static_assert((ROWS * CHUNKS) % NTHREADS == 0, "chunks that divide evenly among the threads");
+#pragma unroll
+    for (int i = 0; i < ROWS * CHUNKS / NTHREADS; ++i) {
+        const int q = thread + i * NTHREADS, row = q / CHUNKS, chunk = q % CHUNKS;
+        if (row < rows_valid && 4 * chunk < headdim)
+            cp_async_16(tile + staged_offset<DIM>(row, chunk), gmem + row * stride + 4 * chunk, true);
+    }
+}
+
+// A ROWS x DIM tile of a (seqlen, dim) float32 slice (read through `src`) as hi and lo
 // panel tiles of ROWS rows and DIM columns (K-major for S = Q K^T and dP = dO V^T). Each thread
 // takes one 16-byte chunk column and ROWS / ROW_STEP rows of it; 8 consecutive threads store 8
 // chunks of one row, whose swizzled positions are distinct (no bank conflict). Rows >= rows_valid
 // and columns >= headdim are zero-filled. Needs headdim, stride and the slice's address in
 // multiples of 4 floats (16-byte loads); PRODUCTS 1 stores lo as zeros.
-template <int ROWS, int DIM, int NTHREADS, int PRODUCTS>
-__device__ __forceinline__ void split_tf32_panels(u32 hi_tile, u32 lo_tile, const float* gmem, int rows_valid,
-                                                  int headdim, i64 stride, int thread) {
+template <int ROWS, int DIM, int NTHREADS, int PRODUCTS, class Source>
+__device__ __forceinline__ void split_tf32_panels(u32 hi_tile, u32 lo_tile, const Source& src, int rows_valid,
+                                                  int headdim, int thread) {
     constexpr int CHUNKS = DIM / 4;
     constexpr int ROW_STEP = NTHREADS / CHUNKS;
     static_assert(DIM % 32 == 0 && NTHREADS % CHUNKS == 0 && ROWS % ROW_STEP == 0,
@@ -48,7 +95,7 @@ __device__ __forceinline__ void split_tf32_panels(u32 hi_tile, u32 lo_tile, cons
     for (int i = 0; i < ROWS / ROW_STEP; ++i) {
         const int row = row0 + i * ROW_STEP;
         const bool valid = column_valid && row < rows_valid;
-        const uint4 v = ldg_bits4(gmem + row * stride + 4 * chunk, valid);
+        const uint4 v = src.load4(row, 4 * chunk, valid);
         const u32 x[4] = {v.x, v.y, v.z, v.w};
         u32 hi[4], lo[4];
         split_tf32<PRODUCTS>(x, hi, lo);
@@ -77,9 +124,9 @@ __device__ __forceinline__ void split_tf32_panels(u32 hi_tile, u32 lo_tile, cons
 // The lanes of a pair (row groups 2G and 2G + 1 of the same columns) trade two values per column
 // by a shuffle; each then stores the one chunk of its parity (chunk index = its row group, as
 // without KEY_PAIRS), so the store phases stay conflict-free.
-template <int ROWS, int DIM, int NTHREADS, int PRODUCTS, bool KEY_PAIRS = false>
-__device__ __forceinline__ void split_tf32_panels_transposed(u32 hi_tile, u32 lo_tile, const float* gmem,
-                                                             int rows_valid, int headdim, i64 stride, int thread) {
+template <int ROWS, int DIM, int NTHREADS, int PRODUCTS, bool KEY_PAIRS = false, class Source>
+__device__ __forceinline__ void split_tf32_panels_transposed(u32 hi_tile, u32 lo_tile, const Source& src,
+                                                             int rows_valid, int headdim, int thread) {
     constexpr int ROW_BLOCKS = ROWS / 32, COLUMN_BLOCKS = DIM / 16;  // a warp's unit: 32 rows x 16 columns
     constexpr int WARPS = NTHREADS / 32;
     constexpr int WARP_UNITS = ROW_BLOCKS * COLUMN_BLOCKS;
@@ -97,7 +144,7 @@ __device__ __forceinline__ void split_tf32_panels_transposed(u32 hi_tile, u32 lo
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
             const bool valid = column_valid && row + r < rows_valid;
-            const uint4 v = ldg_bits4(gmem + (row + r) * stride + column, valid);
+            const uint4 v = src.load4(row + r, column, valid);
             x[r][0] = v.x, x[r][1] = v.y, x[r][2] = v.z, x[r][3] = v.w;
         }
 #pragma unroll

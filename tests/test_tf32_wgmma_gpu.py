@@ -1,6 +1,8 @@
-"""The float32 forward on Hopper's tf32 wgmma (kernels_cu/flash_fwd_tf32_wgmma.cu), a candidate of
-docs/perf-log.md tf32-wgmma-v0 that no plan routes to, launched as mma_fwd.forward(config=...)
-against the float64 reference: fresh random inputs, NaN-poisoned outputs, sm_90 only.
+"""The float32 forward on Hopper's tf32 wgmma (kernels_cu/flash_fwd_tf32_wgmma.cu), the candidates of
+docs/perf-log.md tf32-wgmma-v0 and v1 that no plan routes to, launched as
+mma_fwd.forward(config=...) against the float64 reference: fresh random inputs, NaN-poisoned
+outputs, sm_90 only. Every candidate configuration runs every property: v0, v1 (raw K / V staged
+by cp.async), and v1 with Q in registers (head dims up to 64: its tile).
 
 - precision "ieee": the float32 rule of cupyflash.testing.tolerance (max error <= 1e-4 (1 +
   max|o|)), over shapes, masks and windows, GQA, v's own head dim and the score variants. Issue
@@ -29,6 +31,10 @@ pytestmark = pytest.mark.gpu
 VARIANTS = ("plain", "softcap", "alibi", "sink")
 # The kernel is launched directly, so without the API's padding: head dims it runs as they are.
 TENSOR_CORE_HEADDIMS = (8, 16, 40, 64, 72, 96, 128)
+CONFIGS = {"v0": (WgmmaTf32FwdConfig(64), TENSOR_CORE_HEADDIMS),
+           "v1": (WgmmaTf32FwdConfig(32, raw_stages=2), TENSOR_CORE_HEADDIMS),
+           "v1_qregs": (WgmmaTf32FwdConfig(32, raw_stages=2, q_registers=True), (8, 16, 40, 64)),
+           "v1_qregs_bn64": (WgmmaTf32FwdConfig(64, raw_stages=1, q_registers=True), (8, 16, 40, 64))}
 
 
 @pytest.fixture(autouse=True)
@@ -45,7 +51,7 @@ def _variant_options(name: str, nheads: int, seed: int) -> dict:
             "sink": {"sink": rng.standard_normal(nheads).astype(np.float32)}}.get(name, {})
 
 
-def _forward(problem, q, k, v, options: dict, precision: str):
+def _forward(problem, q, k, v, options: dict, precision: str, config):
     import cupy
 
     values = Variant(softcap=options.get("softcap", 0.0), precision=precision,
@@ -54,17 +60,22 @@ def _forward(problem, q, k, v, options: dict, precision: str):
     o = cupy.full(q.shape[:3] + v.shape[3:], np.nan, np.float32)
     lse = cupy.full((problem.batch, problem.nheads, problem.seqlen_q), np.nan, np.float32)
     mma_fwd.forward(qd, kd, vd, o, lse, softmax_scale=problem.scale, causal=problem.causal,
-                    window_size=problem.window_size, variant=values, config=WgmmaTf32FwdConfig(64))
+                    window_size=problem.window_size, variant=values, config=config)
     return cupy.asnumpy(o), cupy.asnumpy(lse)
 
 
-@given(problem=attention_problems(dtypes=("float32",), windows=True, distinct_v=True, max_seqlen=300,
-                                  headdims=TENSOR_CORE_HEADDIMS),
-       variant=st.sampled_from(VARIANTS))
-def test_ieee_meets_the_float32_rule(problem, variant):
+def _problems(config_name: str, **kwargs):
+    return attention_problems(dtypes=("float32",), windows=True, max_seqlen=300, headdims=CONFIGS[config_name][1],
+                              **kwargs)
+
+
+@pytest.mark.parametrize("config_name", list(CONFIGS))
+@given(data=st.data(), variant=st.sampled_from(VARIANTS))
+def test_ieee_meets_the_float32_rule(config_name, data, variant):
+    problem = data.draw(_problems(config_name, distinct_v=True), label="problem")
     q, k, v, _ = problem.arrays()
     options = _variant_options(variant, problem.nheads, problem.seed)
-    o, lse = _forward(problem, q, k, v, options, "ieee")
+    o, lse = _forward(problem, q, k, v, options, "ieee", CONFIGS[config_name][0])
     assert not np.isnan(o).any() and not np.isnan(lse).any()
     o_ref, lse_ref = reference.attention(q, k, v, **problem.kwargs, **options)
     err_o = max_abs_error(o, o_ref)
@@ -74,13 +85,13 @@ def test_ieee_meets_the_float32_rule(problem, variant):
     assert err_lse <= RTOL[np.dtype(np.float32)] * (1 + float(np.abs(finite).max(initial=0.0))), err_lse
 
 
-@given(problem=attention_problems(dtypes=("float32",), windows=True, max_seqlen=300,
-                                  headdims=TENSOR_CORE_HEADDIMS, magnitudes=(0.1, 2.0)),
-       variant=st.sampled_from(VARIANTS))
-def test_tf32_within_twice_standard_float16(problem, variant):
+@pytest.mark.parametrize("config_name", list(CONFIGS))
+@given(data=st.data(), variant=st.sampled_from(VARIANTS))
+def test_tf32_within_twice_standard_float16(config_name, data, variant):
+    problem = data.draw(_problems(config_name, magnitudes=(0.1, 2.0)), label="problem")
     q, k, v, _ = problem.arrays()
     options = _variant_options(variant, problem.nheads, problem.seed)
-    o, lse = _forward(problem, q, k, v, options, "tf32")
+    o, lse = _forward(problem, q, k, v, options, "tf32", CONFIGS[config_name][0])
     o_ref, lse_ref = reference.attention(q, k, v, **problem.kwargs, **options)
     o_std, lse_std = reference.standard_attention(q, k, v, dtype=np.float16, **problem.kwargs, **options)
     floor = 2.0 ** -10 * max(1.0, float(np.abs(v).max(initial=0.0)))

@@ -12,12 +12,18 @@ import numpy as np
 import pytest
 
 from models.mirrors import missing_statements
-from models.wgmma_tf32 import (KERNEL, SOURCE, Log, forward_smem, k_major_operand_of, key_pair_order,
+from models.wgmma_tf32 import (KERNEL, SOURCE, Log, cp_async_staged_rows, load_q_fragments, staged_offset, forward_smem, k_major_operand_of, key_pair_order,
                                p_as_a_registers, split_tf32_panels,
                                 split_tf32_panels_transposed, tf32_a_fragment_matrix, tf32_k_step_desc, tf32_operand)
 from models.tf32 import tensor_core_reads
 from models.wgmma import acc_from_matrix, bank_conflict_free
 from nvrtc_check import needs_nvrtc
+
+from cupyflash.plans import WgmmaTf32FwdConfig
+
+# tf32-wgmma-v1's candidates: raw K / V staged by cp.async two blocks ahead, Q in shared memory or
+# in registers
+V1_CONFIGS = (WgmmaTf32FwdConfig(32, raw_stages=2), WgmmaTf32FwdConfig(32, raw_stages=2, q_registers=True))
 
 POISON = np.uint32(0xFFFFFFFF)  # a NaN pattern no split produces
 
@@ -121,6 +127,18 @@ def test_p_accumulator_times_key_pairs_tile_is_p_v(dim):
     assert np.array_equal(o, p.astype(np.float64) @ v.astype(np.float64))
 
 
+@pytest.mark.parametrize("d_tile, rows_valid, headdim", [(64, 64, 64), (64, 37, 40), (128, 64, 120)])
+def test_q_fragments_are_the_a_operand_of_each_k_step(d_tile, rows_valid, headdim):
+    """load_q_fragments (Q_REGS) puts, for every k-step, the A operand the PTX ISA's register
+    fragment reads (tf32_a_fragment_matrix): Q's 64 rows x 8 columns of that step, zero-filled."""
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((64, d_tile)).astype(np.float32)
+    a = load_q_fragments(d_tile, q, rows_valid, headdim)
+    expected = np.where((np.arange(64)[:, None] < rows_valid) & (np.arange(d_tile)[None, :] < headdim), q, 0)
+    for kk in range(d_tile // 8):
+        assert np.array_equal(tf32_a_fragment_matrix(a[:, kk, :]), expected[:, 8 * kk: 8 * kk + 8])
+
+
 def _by_warp(entries: dict):
     """{(instruction, warp): [value of lane 0 .. 31]} of a log's per-thread entries."""
     out: dict = {}
@@ -151,6 +169,32 @@ def test_stores_conflict_free_and_loads_whole_sectors(transposed, key_pairs, row
         assert 32 * len(sectors) == 16 * len(byte_ranges), (instruction, warp)
 
 
+@pytest.mark.parametrize("transposed, key_pairs", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("rows, dim, nthreads", [(64, 128, 128), (32, 64, 128), (64, 64, 128), (32, 128, 256)])
+def test_staged_tiles_read_conflict_free(transposed, key_pairs, rows, dim, nthreads):
+    """A loader reading a StagedRows tile (cp.async's raw copy): each 16-byte shared load's phases
+    of 8 lanes touch each bank once, staged_offset is a permutation of each row's chunks, and the
+    copies cp_async_staged_rows issues cover the valid rows' chunks once each."""
+    gmem, _ = _slice(rows, dim, rows, dim, seed=2)
+    hi_smem, lo_smem = _smem(2 * rows * dim)
+    log = Log()
+    if transposed:
+        split_tf32_panels_transposed(3, hi_smem, lo_smem, 0, rows * dim * 4, rows, dim, nthreads, gmem, rows, dim,
+                                     log=log, key_pairs=key_pairs)
+    else:
+        split_tf32_panels(3, hi_smem, lo_smem, 0, rows * dim * 4, rows, dim, nthreads, gmem, rows, dim, log=log)
+    for (instruction, warp), starts in _by_warp(log.loads).items():
+        offsets = [staged_offset(dim, r, c // 4) for r, c in starts]
+        for phase in range(4):
+            assert bank_conflict_free(offsets[8 * phase: 8 * phase + 8], 16), (instruction, warp, phase)
+    for row in range(rows):
+        assert sorted(staged_offset(dim, row, c) for c in range(dim // 4)) == \
+            [16 * (row * (dim // 4) + c) for c in range(dim // 4)]
+    copies = cp_async_staged_rows(rows, dim, nthreads, rows - 3, dim - 8)
+    assert sorted((r, c) for r, c, _ in copies.values()) == \
+        [(r, c) for r in range(rows - 3) for c in range(dim // 4) if 4 * c < dim - 8]
+
+
 @needs_nvrtc
 @pytest.mark.parametrize("arch", ["90a", "80"])
 def test_loaders_compile_to_16_byte_accesses(arch):
@@ -166,9 +210,11 @@ extern "C" __global__ void __launch_bounds__(128) wgmma_tf32_probe(const float* 
     extern __shared__ __align__(1024) unsigned char smem[];
     const cf::u32 base = cf::smem_u32(smem);
     constexpr cf::u32 TILE = 64 * 128 * 4;
-    cf::split_tf32_panels<64, 128, 128, 3>(base, base + TILE, k, rows_valid, headdim, stride, threadIdx.x);
-    cf::split_tf32_panels_transposed<64, 128, 128, 3, true>(base + 2 * TILE, base + 3 * TILE, v, rows_valid,
-                                                            headdim, stride, threadIdx.x);
+    cf::split_tf32_panels<64, 128, 128, 3>(base, base + TILE, cf::GlobalRows{k, stride}, rows_valid, headdim,
+                                           threadIdx.x);
+    cf::split_tf32_panels_transposed<64, 128, 128, 3, true>(base + 2 * TILE, base + 3 * TILE,
+                                                            cf::GlobalRows{v, stride}, rows_valid, headdim,
+                                                            threadIdx.x);
     __syncthreads();
     out[threadIdx.x] = __uint_as_float(cf::ld_shared_b32(base + 4 * threadIdx.x))
                        + (float)cf::tf32_k_step_desc<64>(base, threadIdx.x % 16);
@@ -209,7 +255,7 @@ def test_tf32_wgmma_wrappers_compile_without_serialization():
 extern "C" __global__ void __launch_bounds__(128) wgmma_tf32_wrappers_probe(const float* k, float* out) {{
     extern __shared__ __align__(1024) unsigned char smem[];
     const cf::u32 base = cf::smem_u32(smem);
-    cf::split_tf32_panels<64, 64, 128, 3>(base, base + 16384, k, 64, 64, 64, threadIdx.x);
+    cf::split_tf32_panels<64, 64, 128, 3>(base, base + 16384, cf::GlobalRows{{k, 64}}, 64, 64, threadIdx.x);
     __syncthreads();
     cf::fence_proxy_async_shared();
     const cf::u32 a[4] = {{threadIdx.x, threadIdx.x + 1, threadIdx.x + 2, threadIdx.x + 3}};
@@ -228,24 +274,25 @@ def test_candidate_forward_smem_is_the_plan_s():
     fits the H200's 227 KiB at d64 (two CTAs per SM) and d128 (one)."""
     from cupyflash import plans
 
-    for dt, per_sm in ((64, 2), (128, 1)):
-        config = plans.WgmmaTf32FwdConfig(64)
+    for dt, config, per_sm in ((64, plans.WgmmaTf32FwdConfig(64), 2), (128, plans.WgmmaTf32FwdConfig(64), 1),
+                               (64, V1_CONFIGS[0], 2), (64, V1_CONFIGS[1], 2), (128, V1_CONFIGS[1], 1)):
         smem = plans.tf32_wgmma_smem_bytes(dt, config)
-        assert smem == forward_smem(dt, config.block_n)["BYTES"] + 1024
-        assert per_sm * smem <= 227 * 1024 < (per_sm + 1) * smem
+        assert smem == forward_smem(dt, config.block_n, raw_stages=config.raw_stages,
+                                    q_regs=config.q_registers)["BYTES"] + 1024
+        assert per_sm * smem <= 227 * 1024 < (per_sm + 1) * smem, (dt, config)
 
 
 @needs_nvrtc
+@pytest.mark.parametrize("config", [WgmmaTf32FwdConfig(64), *V1_CONFIGS], ids=["v0", "v1", "v1-qregs"])
 @pytest.mark.parametrize("headdim, causal, precision", [(64, True, "ieee"), (128, False, "tf32")])
-def test_candidate_forward_compiles_without_spills(headdim, causal, precision):
+def test_candidate_forward_compiles_without_spills(config, headdim, causal, precision):
     """The candidate kernel (flash_fwd_tf32_wgmma) for sm_90a: no local memory, no wgmma
     serialization (C7515)."""
     from cupyflash import plans
     from cupyflash.kernels import compile_check
     from cupyflash.masks import mask_for
 
-    spec = plans.forward_plan("float32", headdim, mask_for(causal), plans.WgmmaTf32FwdConfig(64), None,
-                              precision).spec
+    spec = plans.forward_plan("float32", headdim, mask_for(causal), config, None, precision).spec
     _, mangled, log = compile_check.compile_cubin(spec.source_file, [spec.expression], "90a")
     report = compile_check.ptxas_report(log)[mangled[spec.expression]]
     assert report["stack"] == 0 and report["spill_stores"] == 0, (spec.name, report)

@@ -52,6 +52,30 @@ def tf32_k_step_desc(rows: int, tile: int, step: int) -> int:
     return smem_desc(tile + (step >> 2) * (rows * 128) + (step & 3) * 32, 16, 1024)
 
 
+@mirrors(SOURCE, "return static_cast<u32>((row * (DIM / 4) + (chunk ^ ((row >> 2) & 7))) * 16);")
+def staged_offset(dim: int, row, chunk):
+    """Byte offset of 16-byte chunk `chunk` of row `row` in a StagedRows<dim> tile."""
+    return (row * (dim // 4) + (chunk ^ ((row >> 2) & 7))) * 16
+
+
+@mirrors(SOURCE,
+         "const int q = thread + i * NTHREADS, row = q / CHUNKS, chunk = q % CHUNKS;",
+         "if (row < rows_valid && 4 * chunk < headdim)",
+         "cp_async_16(tile + staged_offset<DIM>(row, chunk), gmem + row * stride + 4 * chunk, true);")
+def cp_async_staged_rows(rows: int, dim: int, nthreads: int, rows_valid: int, headdim: int) -> dict:
+    """{(instruction, thread): (row, chunk, byte offset)} of the copies issued."""
+    chunks = dim // 4
+    assert (rows * chunks) % nthreads == 0
+    out = {}
+    for i in range(rows * chunks // nthreads):
+        for thread in range(nthreads):
+            q = thread + i * nthreads
+            row, chunk = q // chunks, q % chunks
+            if row < rows_valid and 4 * chunk < headdim:
+                out[(i, thread)] = (row, chunk, staged_offset(dim, row, chunk))
+    return out
+
+
 def _chunk_words(offset) -> np.ndarray:
     return int(offset) // 4 + np.arange(4)
 
@@ -78,13 +102,14 @@ class Log:
          "const bool column_valid = 4 * chunk < headdim;",
          "const int row = row0 + i * ROW_STEP;",
          "const bool valid = column_valid && row < rows_valid;",
-         "const uint4 v = ldg_bits4(gmem + row * stride + 4 * chunk, valid);",
+         "const uint4 v = src.load4(row, 4 * chunk, valid);",
          "const u32 offset = panel_offset<ROWS>(row, chunk);",
          "st_shared_v4(hi_tile + offset, hi);",
          "st_shared_v4(lo_tile + offset, lo);")
 def split_tf32_panels(products: int, hi_smem, lo_smem, hi_tile: int, lo_tile: int, rows: int, dim: int,
                       nthreads: int, gmem: np.ndarray, rows_valid: int, headdim: int, log: Log | None = None) -> None:
-    """Every thread's loads and stores; gmem[r, c] is the slice's element (row r, column c)."""
+    """Every thread's loads and stores; gmem[r, c] is the slice's element (row r, column c), what
+    the source's load4 returns (GlobalRows or StagedRows alike: staged_offset models the latter)."""
     chunks = dim // 4
     row_step = nthreads // chunks
     assert dim % 32 == 0 and nthreads % chunks == 0 and rows % row_step == 0  # the static_assert
@@ -115,7 +140,7 @@ def split_tf32_panels(products: int, hi_smem, lo_smem, hi_tile: int, lo_tile: in
          "const int row = 4 * row_group, column = 4 * column_group;",
          "const bool column_valid = column < headdim;",
          "const bool valid = column_valid && row + r < rows_valid;",
-         "const uint4 v = ldg_bits4(gmem + (row + r) * stride + column, valid);",
+         "const uint4 v = src.load4(row + r, column, valid);",
          "u32 column_values[4] = {x[0][e], x[1][e], x[2][e], x[3][e]};",
          "const bool even = (lane & 1) == 0;",
          "const u32 give0 = even ? x[1][e] : x[0][e], give1 = even ? x[3][e] : x[2][e];",
@@ -197,19 +222,37 @@ KERNEL = "flash_fwd_tf32_wgmma"
 @mirrors(KERNEL,
          "static constexpr u32 Q_TILE = BLOCK_M * D_TILE * 4, KV_TILE = BLOCK_N * D_TILE * 4;",
          "static constexpr u32 Q_HI = 0, Q_LO = Q_HI + Q_TILE;",
-         "static constexpr u32 K_HI = Q_LO + Q_TILE, K_LO = K_HI + KV_TILE;",
+         "static constexpr u32 K_HI = Q_LO + (Q_REGS ? 0u : Q_TILE), K_LO = K_HI + KV_TILE;",
          "static constexpr u32 V_HI = K_LO + KV_TILE, V_LO = V_HI + KV_TILE;",
-         "static constexpr u32 BYTES = V_LO + KV_TILE;")
-def forward_smem(d_tile: int, block_n: int, block_m: int = 64) -> dict:
+         "static constexpr u32 RAW = V_LO + KV_TILE;",
+         "static constexpr u32 BYTES = RAW + RAW_STAGES * 2 * KV_TILE;")
+def forward_smem(d_tile: int, block_n: int, block_m: int = 64, raw_stages: int = 0, q_regs: bool = False) -> dict:
     q_tile, kv_tile = block_m * d_tile * 4, block_n * d_tile * 4
     layout = {"Q_HI": 0}
     layout["Q_LO"] = layout["Q_HI"] + q_tile
-    layout["K_HI"] = layout["Q_LO"] + q_tile
+    layout["K_HI"] = layout["Q_LO"] + (0 if q_regs else q_tile)
     layout["K_LO"] = layout["K_HI"] + kv_tile
     layout["V_HI"] = layout["K_LO"] + kv_tile
     layout["V_LO"] = layout["V_HI"] + kv_tile
-    layout["BYTES"] = layout["V_LO"] + kv_tile
+    layout["RAW"] = layout["V_LO"] + kv_tile
+    layout["BYTES"] = layout["RAW"] + raw_stages * 2 * kv_tile
     return layout
+
+
+@mirrors(KERNEL,
+         "const int row = strip_row0 + lane / 4 + 8 * (r & 1), column = 8 * kk + lane % 4 + 4 * (r >> 1);",
+         "const float x = row < rows_valid && column < headdim ? __ldg(q_rows + row * stride + column) : 0.f;")
+def load_q_fragments(d_tile: int, q: np.ndarray, rows_valid: int, headdim: int) -> np.ndarray:
+    """a[thread, kk, r] of the warpgroup's 128 threads (strip_row0 = 16 warp): Q's values, zero past
+    rows_valid and headdim (before the split, which acts per value)."""
+    a = np.zeros((128, d_tile // 8, 4), np.float32)
+    for thread in range(128):
+        strip_row0, lane = 16 * (thread // 32), thread % 32
+        for kk in range(d_tile // 8):
+            for r in range(4):
+                row, column = strip_row0 + lane // 4 + 8 * (r & 1), 8 * kk + lane % 4 + 4 * (r >> 1)
+                a[thread, kk, r] = q[row, column] if row < rows_valid and column < headdim else 0.0
+    return a
 
 
 @mirrors(KERNEL,
@@ -223,5 +266,5 @@ def p_as_a_registers(acc_block: np.ndarray) -> np.ndarray:
     return acc_block[:, [0, 2, 1, 3]]
 
 
-__all__ = ["forward_smem", "p_as_a_registers", "tf32_a_fragment_matrix", "K_MAJOR", "KEY_PAIR_SLOTS", "Log", "k_major_operand_of", "key_pair_order", "split_tf32_panels", "split_tf32_panels_transposed",
+__all__ = ["load_q_fragments", "staged_offset", "cp_async_staged_rows", "forward_smem", "p_as_a_registers", "tf32_a_fragment_matrix", "K_MAJOR", "KEY_PAIR_SLOTS", "Log", "k_major_operand_of", "key_pair_order", "split_tf32_panels", "split_tf32_panels_transposed",
            "tf32_k_step_desc", "tf32_operand", "tf32_operand_addresses"]
