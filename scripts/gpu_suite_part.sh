@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One part of the GPU test suite as concurrent shards, everything it says in one file:
 #   scripts/gpu_suite_part.sh OUTFILE LIMIT_S PYTEST_PATHS...
-# Shard summaries, then every failure's and error's lines from the shard logs (the logs
+# Shard summaries, then every failure's and error's lines and hypothesis's falsifying examples
+# from the shard logs (the logs
 # themselves are deleted: a device run returns few files). HYPOTHESIS_PROFILE and SHARDS from the
 # environment (defaults dev, 14); benchmark tests run once each (--benchmark-disable).
 # Warm the kernel cache first, in a device call of its own (scripts/gpu_check.sh OUTDIR warm, then
@@ -21,7 +22,9 @@ status=$?
 for log in "$dir"/shard*.log; do
     if grep -qE "FAILED|ERROR|Error|Timeout|no summary" "$log" || ! grep -qE "[0-9]+ passed" "$log"; then
         echo "=== $(basename "$log")" >> "$outfile"
-        grep -E "^(FAILED|ERROR)|^E  |Error|passed|failed" "$log" | head -60 >> "$outfile"
+        # hypothesis's falsifying examples too: the draw is what the next session reproduces
+        grep -E "^(FAILED|ERROR)|^E  |Error|passed|failed|Falsifying|Draw [0-9]|AttentionProblem\(|^\s*\|?\s*[a-z_]+=.*,\s*(#.*)?$" "$log" \
+            | head -80 >> "$outfile"
     fi
 done
 grep -h -oE "[0-9]+ (passed|failed|skipped|xfailed|errors?)" "$dir"/shard*.log | awk '{n[$2]+=$1} END {for (k in n) printf "%s %d  ", k, n[k]; print ""}' >> "$outfile"
