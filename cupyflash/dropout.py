@@ -105,6 +105,9 @@ def check_dropout(dropout_p, seed, offset, *, need_seed: bool = False) -> Dropou
         raise ValueError(f"cupyflash: dropout_p must be in [0, 1), got {dropout_p!r}")
     if dropout_p == 0.0:
         return NO_DROPOUT
+    if keep_threshold(dropout_p) == 0:
+        raise ValueError(f"cupyflash: dropout_p = {dropout_p!r} keeps no weight at the mask's 16-bit resolution "
+                         f"(the keep rate is round((1 - p) 2^16) / 2^16): take p <= 1 - 2^-16")
     if seed is None:
         if need_seed:
             raise ValueError("cupyflash: a backward with dropout_p > 0 needs the forward's seed (and offset): "
@@ -159,7 +162,7 @@ def _mask_on_gpu(d: Dropout, batch, nheads, seqlen_q, seqlen_k, first_sequence=0
         const long long bh = n / ((long long)seqlen_k * seqlen_q);
         cf::DropoutFn<true> d;
         d.k0 = (unsigned)seed; d.k1 = (unsigned)(seed >> 32);
-        d.stream = (unsigned)(first_bh + bh); d.offset = offset; d.threshold = threshold;
+        d.stream = (unsigned)(first_bh + bh); d.offset = offset; d.limit = cf::DropoutFn<true>::limit_of(threshold);
         keep = d.keep(r, j);
         """, "cupyflash_dropout_mask", preamble=kernel_source("dropout.cuh"))
     out = cupy.empty((batch, nheads, seqlen_q, seqlen_k), dtype=bool)

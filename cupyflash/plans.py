@@ -112,23 +112,28 @@ class Tf32FwdConfig:
 @dataclass(frozen=True)
 class WgmmaTf32FwdConfig:
     """flash_fwd_tf32_wgmma (``kernels_cu/flash_fwd_tf32_wgmma.cu``, wgmma .tf32, sm_90a): float32;
-    one warpgroup of 64 query rows, block_n keys per block. A candidate (docs/perf-log.md
-    tf32-wgmma-v0, v1), in no plan's table: reached only as ``config=`` of mma_fwd.forward.
+    one warpgroup of 64 query rows, block_n keys per block. Candidates (docs/perf-log.md
+    tf32-wgmma-v0 .. v2), in no plan's table: reached only as ``config=`` of mma_fwd.forward.
     ``raw_stages`` > 0: the raw K and V rows of that many blocks ahead copied by cp.async into
     staging tiles (v1; 0: read from global memory by the split, v0); ``q_registers``: Q split once
-    into registers, S's A operand (else Q's hi and lo tiles in shared memory)."""
+    into registers, S's A operand (else Q's hi and lo tiles in shared memory). ``producer`` (v2,
+    ``flash_fwd_tf32_wgmma_ws.cu``): a producer warpgroup stages and splits K and V into ``stages``
+    stages for two consumer warpgroups of 64 rows each (128 a CTA; Q in registers, raw_stages >= 1,
+    head dims up to 64)."""
 
     block_n: int = 64
     raw_stages: int = 0
     q_registers: bool = False
+    producer: bool = False
+    stages: int = 2
 
     @property
     def block_m(self) -> int:
-        return 64
+        return 128 if self.producer else 64
 
     @property
     def threads(self) -> int:
-        return 128
+        return 384 if self.producer else 128
 
 
 class DmmaFwdConfig(NamedTuple):
@@ -523,8 +528,12 @@ def tf32_smem_bytes(dt: int, config: Tf32FwdConfig, precision: str = DEFAULT_PRE
 
 def tf32_wgmma_smem_bytes(dt: int, config: WgmmaTf32FwdConfig) -> int:
     """Mirror of FwdTf32WgmmaSmem<...>::BYTES (Q (hi only, O's staging tile, with Q in registers),
-    K and V^T, each hi and lo, and the raw stages of K and V, float32 words), plus 1024 bytes to
-    align the base for the 128-byte swizzle."""
+    K and V^T, each hi and lo, and the raw stages of K and V, float32 words), or with ``producer``
+    of FwdTf32WgmmaWsSmem<...>::BYTES (the stages of K and V^T hi and lo, the raw stages, a full
+    and an empty barrier a stage), plus 1024 bytes to align the base for the 128-byte swizzle."""
+    if config.producer:
+        kv_tile = 4 * config.block_n * dt
+        return config.stages * 4 * kv_tile + config.raw_stages * 2 * kv_tile + 16 * config.stages + 1024
     q_tiles = 1 if config.q_registers else 2
     return 4 * dt * (q_tiles * config.block_m + 4 * config.block_n + 2 * config.raw_stages * config.block_n) + 1024
 
@@ -570,6 +579,17 @@ def specialization_for(dtype, dt: int, mask: Mask | bool, tiles, dvt: int | None
             c.threads, tf32_smem_bytes(dt, c, precision))
     if isinstance(c, WgmmaTf32FwdConfig):
         precision = check_precision(precision)
+        if c.producer:
+            if dt > 64 or c.raw_stages < 1 or c.stages < 2:
+                raise ValueError(f"cupyflash: the tf32 wgmma producer kernel takes head dims up to 64, "
+                                 f"raw_stages >= 1 and stages >= 2, not d{dt} {c}")
+            return Specialization(
+                f"flash_fwd_tf32_wgmma_ws_{short}_hdim{dt}_{mask.name}_bm{c.block_m}_bn{c.block_n}_{precision}"
+                f"_s{c.stages}_raw{c.raw_stages}",
+                "flash_fwd_tf32_wgmma_ws.cu",
+                f"cf::flash_fwd_tf32_wgmma_ws<{dt}, {mask.cpp}, {c.block_n}, {PRODUCTS[precision]}, {c.stages}, "
+                f"{c.raw_stages}>",
+                c.threads, tf32_wgmma_smem_bytes(dt, c), arch="90a")
         # v1's options only where set: v0's names and expressions unchanged
         options = f", {c.raw_stages}, {'true' if c.q_registers else 'false'}" if c.raw_stages or c.q_registers else ""
         return Specialization(

@@ -22,12 +22,14 @@ POLICY_ARGS = dict(warmup=3, target_s=0.2, min_repeats=5, max_repeats=30)
 def candidates(headdim: int) -> dict:
     """{name: WgmmaTf32FwdConfig} of the candidates at this head dim: v0 (synchronous), v1 (raw K /
     V staged by cp.async two blocks ahead), and at d64 v1 with Q in registers (BLOCK_N 32 with two
-    raw stages, 64 with one); at d128 Q does not fit in registers."""
+    raw stages, 64 with one) and v2 (a producer warpgroup, two consumers); at d128 Q does not fit
+    in registers."""
     from cupyflash.plans import WgmmaTf32FwdConfig as C
 
     out = {"v0": C(64), "v1": C(32, raw_stages=2)}
     if headdim <= 64:
-        out.update(v1_qregs=C(32, raw_stages=2, q_registers=True), v1_qregs_bn64=C(64, raw_stages=1, q_registers=True))
+        out.update(v1_qregs=C(32, raw_stages=2, q_registers=True), v1_qregs_bn64=C(64, raw_stages=1, q_registers=True),
+                   v2_producer=C(32, raw_stages=2, producer=True, stages=4))
     return out
 
 

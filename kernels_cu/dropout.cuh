@@ -8,7 +8,10 @@
 // gives the group's four 32-bit words, two 16-bit halves each:
 //   counter = (j0, i0, b * nheads + h, offset), key = (seed low 32 bits, seed high 32 bits),
 //   half e = j & 1 (0 low, 1 high) of word 2 a + c for the element (i0 + 8 a, j0 + e + 8 c);
-//   kept iff that half < threshold, threshold = round((1 - dropout_p) 2^16).
+//   kept iff that half < threshold, threshold = round((1 - dropout_p) 2^16) (1 .. 2^16: the API
+//   refuses a dropout_p that would keep nothing). The kernels compare whole words: the half is
+//   below threshold iff the word, moved so that the half is its high 16 bits, is at most
+//   limit = threshold 2^16 - 1 (DropoutFn::kept_in), whatever the other half holds.
 // Half a word per element because the generator's integer work is what dropout costs (perf log
 // "dropout"); 16 bits keep 1 - p to within 2^-17. The group is what an m16n8 fragment pair of S
 // (forward, dQ: rows i, i + 8 of a strip, keys 2t, 2t + 1 of fragments f and f + 1, 8 keys
@@ -35,7 +38,7 @@ template <typename A> struct is_same_type<A, A> { static constexpr bool value = 
 struct DropoutArgs {
     unsigned long long seed;
     unsigned offset;
-    unsigned threshold;  // round((1 - p) 2^16): a 16-bit half below it keeps its element
+    unsigned threshold;  // round((1 - p) 2^16), 1 .. 2^16: a 16-bit half below it keeps its element
     float scale;         // 1 / (1 - p)
     double scale_f64;
 };
@@ -58,16 +61,12 @@ __device__ __forceinline__ unsigned word_of(const uint4& w, int a, int c) {
     return a ? (c ? w.w : w.z) : (c ? w.y : w.x);
 }
 
-// Half e of a word: the element of key parity e.
-__device__ __forceinline__ unsigned half_of(unsigned word, int e) {
-    return e ? word >> 16 : word & 0xFFFFu;
-}
 
 // The mask of one (sequence, query head): ON false is no dropout, and every call below vanishes.
 template <bool ON>
 struct DropoutFn {
     static constexpr bool ENABLED = ON;
-    unsigned k0 = 0, k1 = 0, stream = 0, offset = 0, threshold = 0;
+    unsigned k0 = 0, k1 = 0, stream = 0, offset = 0, limit = 0;
 
     DropoutFn() = default;
     template <class Params>
@@ -78,7 +77,7 @@ struct DropoutFn {
             k1 = static_cast<unsigned>(d.seed >> 32);
             stream = static_cast<unsigned>(sequence) * static_cast<unsigned>(p.nheads) + static_cast<unsigned>(head);
             offset = d.offset;
-            threshold = d.threshold;
+            limit = limit_of(d.threshold);
         }
     }
 
@@ -87,7 +86,10 @@ struct DropoutFn {
     __device__ __forceinline__ uint4 words(int i0, int j0) const {
         return philox4x32_10(make_uint4(static_cast<unsigned>(j0), static_cast<unsigned>(i0), stream, offset), k0, k1);
     }
-    __device__ __forceinline__ bool kept(unsigned half) const { return half < threshold; }
+    // threshold 2^16 - 1 (mod 2^32: threshold 2^16, every half kept, gives 2^32 - 1)
+    static __device__ __forceinline__ unsigned limit_of(unsigned threshold) { return (threshold << 16) - 1u; }
+    // Whether the element in half e of a word (e = 0 the low half) is kept.
+    __device__ __forceinline__ bool kept_in(unsigned word, int e) const { return (e ? word : word << 16) <= limit; }
     // The kept weights' factor 1 / (1 - p), 1 without dropout (the backward kernels' dP scale).
     template <class Params>
     static __device__ __forceinline__ float kept_scale(const Params& p) {
@@ -98,7 +100,7 @@ struct DropoutFn {
     __device__ __forceinline__ bool keep(int i, int j) const {
         const uint4 w = words(i & ~8, j & ~9);
         const unsigned pick = (i & 8) ? ((j & 8) ? w.w : w.z) : ((j & 8) ? w.y : w.x);
-        return kept(half_of(pick, j & 1));
+        return kept_in(pick, j & 1);
     }
 };
 
@@ -122,7 +124,7 @@ __device__ __forceinline__ void walk_s_frags(const Drop& d, int row_lane, int ke
 #pragma unroll
                 for (int c = 0; c < 2; ++c)
 #pragma unroll
-                    for (int e = 0; e < 2; ++e) visit(i, 2 * fp + c, 2 * a + e, d.kept(half_of(word_of(w, a, c), e)));
+                    for (int e = 0; e < 2; ++e) visit(i, 2 * fp + c, 2 * a + e, d.kept_in(word_of(w, a, c), e));
         }
 }
 
@@ -153,7 +155,7 @@ __device__ __forceinline__ void walk_st_frags(const Drop& d, int key_lane, int q
             for (int a = 0; a < 2; ++a) {
                 const unsigned halves = (e == key_parity) ? own[a] : got[a];
 #pragma unroll
-                for (int c = 0; c < 2; ++c) visit(2 * fp + a, 2 * c + e, d.kept(half_of(halves, c)));
+                for (int c = 0; c < 2; ++c) visit(2 * fp + a, 2 * c + e, d.kept_in(halves, c));
             }
     }
 }

@@ -25,6 +25,7 @@
 #include "params.cuh"
 #include "tf32_fwd_steps.cuh"
 #include "wgmma_tf32.cuh"
+#include "wgmma_tf32_fwd_steps.cuh"
 
 namespace cf {
 
@@ -43,29 +44,12 @@ struct FwdTf32WgmmaSmem {
     static constexpr u32 BYTES = RAW + RAW_STAGES * 2 * KV_TILE;
 };
 
-// A's registers of S = Q K^T for every k-step (Q_REGS), split once: a[kk][r] is Q's (row, column)
-// (row g + 8 (r & 1), column 8 kk + t + 4 (r >> 1) of the warp's 16 rows, g = lane / 4, t =
-// lane % 4: the tf32 register fragment), zero past the rows and head dim given.
-template <int D_TILE, int PRODUCTS>
-__device__ __forceinline__ void load_q_fragments(u32 (&hi)[D_TILE / 8][4], u32 (&lo)[D_TILE / 8][4],
-                                                 const float* q_rows, int rows_valid, int headdim, i64 stride,
-                                                 int strip_row0, int lane) {
-#pragma unroll
-    for (int kk = 0; kk < D_TILE / 8; ++kk)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-            const int row = strip_row0 + lane / 4 + 8 * (r & 1), column = 8 * kk + lane % 4 + 4 * (r >> 1);
-            const float x = row < rows_valid && column < headdim ? __ldg(q_rows + row * stride + column) : 0.f;
-            split_tf32<PRODUCTS>(x, hi[kk][r], lo[kk][r]);
-        }
-}
-
 template <int D_TILE, class Mask, int BLOCK_N, int PRODUCTS, int RAW_STAGES = 0, bool Q_REGS = false>
 __global__ void __launch_bounds__(128, 1)
 flash_fwd_tf32_wgmma(const __grid_constant__ FwdParams p) {
     typedef FwdTf32WgmmaSmem<D_TILE, BLOCK_N, RAW_STAGES, Q_REGS> L;
     constexpr int BLOCK_M = L::BLOCK_M, NTHREADS = 128;
-    constexpr int N_FRAGS = BLOCK_N / 8, D_FRAGS = D_TILE / 8;
+    constexpr int D_FRAGS = D_TILE / 8;
     constexpr bool SPLIT = Tf32Operand<PRODUCTS>::SPLIT;
     static_assert(BLOCK_N % 32 == 0 && BLOCK_N <= 256 && D_TILE % 32 == 0 && D_TILE <= 256, "whole tf32 panels");
     static_assert(L::BYTES + 1024 <= 227 * 1024, "shared memory");
@@ -154,67 +138,9 @@ flash_fwd_tf32_wgmma(const __grid_constant__ FwdParams p) {
             __syncthreads();
         }
 
-        float s[1][N_FRAGS][4];
-        float(&s_flat)[N_FRAGS * 4] = reinterpret_cast<float(&)[N_FRAGS * 4]>(s);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < D_TILE / 8; ++kk) {
-            const u64 k_hi = tf32_k_step_desc<BLOCK_N>(base + L::K_HI, kk);
-            if constexpr (Q_REGS) {
-                if constexpr (SPLIT) {
-                    WgmmaTf32<BLOCK_N>::rs(s_flat, q_lo[kk], k_hi, kk > 0);
-                    WgmmaTf32<BLOCK_N>::rs(s_flat, q_hi[kk], tf32_k_step_desc<BLOCK_N>(base + L::K_LO, kk), 1);
-                    WgmmaTf32<BLOCK_N>::rs(s_flat, q_hi[kk], k_hi, 1);
-                } else {
-                    WgmmaTf32<BLOCK_N>::rs(s_flat, q_hi[kk], k_hi, kk > 0);
-                }
-            } else {
-                const u64 q_hi = tf32_k_step_desc<BLOCK_M>(base + L::Q_HI, kk);
-                if constexpr (SPLIT) {
-                    WgmmaTf32<BLOCK_N>::ss(s_flat, tf32_k_step_desc<BLOCK_M>(base + L::Q_LO, kk), k_hi, kk > 0);
-                    WgmmaTf32<BLOCK_N>::ss(s_flat, q_hi, tf32_k_step_desc<BLOCK_N>(base + L::K_LO, kk), 1);
-                    WgmmaTf32<BLOCK_N>::ss(s_flat, q_hi, k_hi, 1);
-                } else {
-                    WgmmaTf32<BLOCK_N>::ss(s_flat, q_hi, k_hi, kk > 0);
-                }
-            }
-        }
-        wgmma_commit();
-        wgmma_wait<0>();
-        pin_registers(s_flat);
-
-        scale_and_mask(s, p.scale_log2, mask.keys_partial(m0, BLOCK_M, n0, BLOCK_N), mask, score, m0 + strip_row0,
-                       n0, lane);
-        float m_new[1][2];
-        row_max(m_new, s, row_stats, lane);
-        softmax_rescale(s, o_acc, row_stats, m_new, lane);
-        if constexpr (DropoutOf<Mask>::ENABLED)  // after the row sums: l and lse stay the softmax's
-            for_s_frags(s, dropout, m0 + strip_row0 + lane / 4, n0 + 2 * (lane % 4), DropToZero{});
-
-        // P as the register A operand, one 8-key step per accumulator column block: its registers
-        // {d0, d2, d1, d3} are A's {(g, t), (g + 8, t), (g, t + 4), (g + 8, t + 4)} with key 2t as
-        // slot t and key 2t + 1 as slot t + 4, the order of V's KEY_PAIRS tile.
-        u32 p_hi[N_FRAGS][4], p_lo[N_FRAGS][4];
-#pragma unroll
-        for (int f = 0; f < N_FRAGS; ++f) {
-            const float a[4] = {s[0][f][0], s[0][f][2], s[0][f][1], s[0][f][3]};
-#pragma unroll
-            for (int e = 0; e < 4; ++e) split_tf32<PRODUCTS>(a[e], p_hi[f][e], p_lo[f][e]);
-        }
-        float(&o_flat)[D_FRAGS * 4] = reinterpret_cast<float(&)[D_FRAGS * 4]>(o_acc);
-        wgmma_fence();
-#pragma unroll
-        for (int f = 0; f < N_FRAGS; ++f) {
-            const u64 v_hi = tf32_k_step_desc<D_TILE>(base + L::V_HI, f);
-            if constexpr (SPLIT) {
-                WgmmaTf32<D_TILE>::rs(o_flat, p_lo[f], v_hi, 1);
-                WgmmaTf32<D_TILE>::rs(o_flat, p_hi[f], tf32_k_step_desc<D_TILE>(base + L::V_LO, f), 1);
-            }
-            WgmmaTf32<D_TILE>::rs(o_flat, p_hi[f], v_hi, 1);
-        }
-        wgmma_commit();
-        wgmma_wait<0>();
-        pin_registers(o_flat);
+        tf32_wgmma_forward_block<D_TILE, BLOCK_M, BLOCK_N, PRODUCTS, Q_REGS>(
+            o_acc, row_stats, q_hi, q_lo, base + L::Q_HI, base + L::Q_LO, base + L::K_HI, base + L::K_LO,
+            base + L::V_HI, base + L::V_LO, mask, score, dropout, p.scale_log2, m0, n0, strip_row0, lane);
     }
 
     if constexpr (DropoutOf<Mask>::ENABLED) scale_acc(o_acc, p.variant.dropout.scale);

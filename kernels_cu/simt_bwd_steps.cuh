@@ -29,6 +29,14 @@ __device__ __forceinline__ void simt_row_tile(const A* q_row_tile, const A* do_r
                                               bool row_sees_nothing, const Mask& mask,
                                               const ScoreOf<Mask, A>& score, const DropoutOf<Mask>& dropout,
                                               A drop_scale, Visit&& visit) {
+    // Dropout's keep bits first, while S and dP hold no registers (the generator's temporaries on
+    // top of both arrays spilled flash_bwd_dq_simt at 128 registers).
+    static_assert(N <= 32, "one keep bit per key in a word");
+    unsigned keep_bits = 0u;
+    if constexpr (DropoutOf<Mask>::ENABLED) {
+#pragma unroll
+        for (int j = 0; j < N; ++j) keep_bits |= unsigned(dropout.keep(q_row, n0 + lane_in_row + TPR * j)) << j;
+    }
     A s[N], dp[N];
     row_dots<D_TILE>(s, q_row_tile, k_tile + lane_in_row * LD, TPR * LD);
     row_dots<D_TILE>(dp, do_row_tile, v_tile + lane_in_row * LD, TPR * LD);
@@ -39,7 +47,7 @@ __device__ __forceinline__ void simt_row_tile(const A* q_row_tile, const A* do_r
         A dsds;
         const A s_ij = score.transform(s[j], score.origin(q_row, key), 0, 0, dsds);
         // Dropout (dropout.cuh): dS = P (Z dP / (1 - p) - D).
-        const A dp_ij = !DropoutOf<Mask>::ENABLED ? dp[j] : dropout.keep(q_row, key) ? dp[j] * drop_scale : A(0);
+        const A dp_ij = !DropoutOf<Mask>::ENABLED ? dp[j] : ((keep_bits >> j) & 1u) ? dp[j] * drop_scale : A(0);
         visit(j, s_ij, dp_ij, dsds, hidden);
     }
 }

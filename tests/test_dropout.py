@@ -77,7 +77,8 @@ def test_threshold_edges():
     assert keep_threshold(0.0) == 2**16  # every half is below it
     assert keep_threshold(0.5) == 2**15
     assert keep_threshold(2**-18) == 2**16  # p below 2^-17 keeps everything: 16 bits a comparison
-    assert keep_threshold(1 - 2**-18) == 0
+    assert keep_threshold(1 - 2**-18) == 0  # refused by check_dropout: it would keep nothing
+    assert keep_threshold(1 - 2**-16) == 1
 
 
 @settings(max_examples=10)
@@ -141,7 +142,8 @@ def test_dropout_zero_is_plain_attention():
 
 @pytest.mark.parametrize("p, seed, offset, error", [
     (-0.1, 1, 0, ValueError), (1.0, 1, 0, ValueError), ("0.1", 1, 0, TypeError), (True, 1, 0, TypeError),
-    (0.1, -1, 0, ValueError), (0.1, 2**64, 0, ValueError), (0.1, 1, 2**32, ValueError), (0.1, 1.5, 0, ValueError)])
+    (0.1, -1, 0, ValueError), (0.1, 2**64, 0, ValueError), (0.1, 1, 2**32, ValueError), (0.1, 1.5, 0, ValueError),
+    (1 - 2**-18, 1, 0, ValueError)])
 def test_bad_dropout_arguments_are_refused(p, seed, offset, error):
     q = np.zeros((1, 4, 1, 8), np.float32) + 1
     with pytest.raises(error, match="dropout_p|seed|offset"):

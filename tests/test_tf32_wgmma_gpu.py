@@ -2,7 +2,8 @@
 docs/perf-log.md tf32-wgmma-v0 and v1 that no plan routes to, launched as
 mma_fwd.forward(config=...) against the float64 reference: fresh random inputs, NaN-poisoned
 outputs, sm_90 only. Every candidate configuration runs every property: v0, v1 (raw K / V staged
-by cp.async), and v1 with Q in registers (head dims up to 64: its tile).
+by cp.async), v1 with Q in registers and v2 (a producer warpgroup; both head dims up to 64, their
+tile). v2 has not run on a GPU yet (tf32-wgmma-v2).
 
 - precision "ieee": the float32 rule of cupyflash.testing.tolerance (max error <= 1e-4 (1 +
   max|o|)), over shapes, masks and windows, GQA, v's own head dim and the score variants. Issue
@@ -34,7 +35,8 @@ TENSOR_CORE_HEADDIMS = (8, 16, 40, 64, 72, 96, 128)
 CONFIGS = {"v0": (WgmmaTf32FwdConfig(64), TENSOR_CORE_HEADDIMS),
            "v1": (WgmmaTf32FwdConfig(32, raw_stages=2), TENSOR_CORE_HEADDIMS),
            "v1_qregs": (WgmmaTf32FwdConfig(32, raw_stages=2, q_registers=True), (8, 16, 40, 64)),
-           "v1_qregs_bn64": (WgmmaTf32FwdConfig(64, raw_stages=1, q_registers=True), (8, 16, 40, 64))}
+           "v1_qregs_bn64": (WgmmaTf32FwdConfig(64, raw_stages=1, q_registers=True), (8, 16, 40, 64)),
+           "v2_producer": (WgmmaTf32FwdConfig(32, raw_stages=2, producer=True, stages=4), (8, 16, 40, 64))}
 
 
 @pytest.fixture(autouse=True)

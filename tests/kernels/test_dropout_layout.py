@@ -5,8 +5,9 @@ and thrown away), and so does each of an S^T lane's, four of them its own and fo
 over by a shuffle."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
-from models.dropout import (DROPOUT, documented_word, lanes, s_frag_element, s_frag_words, st_frag_element,
+from models.dropout import (DROPOUT, documented_word, kept_in, lanes, s_frag_element, s_frag_words, st_frag_element,
                             st_frag_words)
 from models.mirrors import missing_statements
 
@@ -45,3 +46,14 @@ def test_st_fragments_get_the_documented_words(n_frags, key0, query0):
     # n_frags / 2 of them for its 4 n_frags elements
     made = [origin for lane in range(32) for origin in calls[lane]]
     assert len(made) == len(set(made)) == 32 * n_frags // 2
+
+
+@pytest.mark.parametrize("threshold", [1, 2, 0x7FFF, 0x8000, 0xFFFF, 0x10000])
+def test_word_comparison_is_the_half_comparison(threshold):
+    """kept_in (a whole-word compare against threshold 2^16 - 1) keeps exactly the elements whose
+    16-bit half is below threshold, whatever the other half holds: every half value, against
+    other halves 0, 1, 0x8000 and 0xFFFF; threshold 2^16 keeps all (limit 2^32 - 1)."""
+    halves = np.arange(1 << 16, dtype=np.uint32)
+    for other in (0, 1, 0x8000, 0xFFFF):
+        assert np.array_equal(kept_in((halves << np.uint32(16)) | np.uint32(other), 1, threshold), halves < threshold)
+        assert np.array_equal(kept_in(halves | (np.uint32(other) << np.uint32(16)), 0, threshold), halves < threshold)

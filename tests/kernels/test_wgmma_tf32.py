@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from models.mirrors import missing_statements
-from models.wgmma_tf32 import (KERNEL, SOURCE, Log, cp_async_staged_rows, load_q_fragments, staged_offset, forward_smem, k_major_operand_of, key_pair_order,
+from models.wgmma_tf32 import (KERNEL, SOURCE, STEPS, WS_KERNEL, Log, forward_ws_smem, cp_async_staged_rows, load_q_fragments, staged_offset, forward_smem, k_major_operand_of, key_pair_order,
                                p_as_a_registers, split_tf32_panels,
                                 split_tf32_panels_transposed, tf32_a_fragment_matrix, tf32_k_step_desc, tf32_operand)
 from models.tf32 import tensor_core_reads
@@ -24,6 +24,8 @@ from cupyflash.plans import WgmmaTf32FwdConfig
 # tf32-wgmma-v1's candidates: raw K / V staged by cp.async two blocks ahead, Q in shared memory or
 # in registers
 V1_CONFIGS = (WgmmaTf32FwdConfig(32, raw_stages=2), WgmmaTf32FwdConfig(32, raw_stages=2, q_registers=True))
+# tf32-wgmma-v2's: a producer warpgroup and two consumers (head dims up to 64)
+V2_CONFIG = WgmmaTf32FwdConfig(32, raw_stages=2, producer=True, stages=4)
 
 POISON = np.uint32(0xFFFFFFFF)  # a NaN pattern no split produces
 
@@ -35,7 +37,7 @@ SHAPES = [(64, 128, 128, 64, 128), (64, 64, 128, 64, 64), (32, 128, 256, 32, 128
 
 
 def test_mirrors_are_the_header_and_the_kernel():
-    for source in (SOURCE, KERNEL):
+    for source in (SOURCE, KERNEL, STEPS, WS_KERNEL):
         assert not (missing := missing_statements(source)), f"mirrored statements no longer in {source}: {missing}"
 
 
@@ -280,14 +282,21 @@ def test_candidate_forward_smem_is_the_plan_s():
         assert smem == forward_smem(dt, config.block_n, raw_stages=config.raw_stages,
                                     q_regs=config.q_registers)["BYTES"] + 1024
         assert per_sm * smem <= 227 * 1024 < (per_sm + 1) * smem, (dt, config)
+    c = V2_CONFIG
+    layout = forward_ws_smem(64, c.block_n, c.stages, c.raw_stages)
+    assert plans.tf32_wgmma_smem_bytes(64, c) == layout["BYTES"] + 1024 <= 227 * 1024
+    assert layout["FULL"] - layout["RAW"] >= c.block_m * 64 * 4  # O's staging tile in the raw tiles
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("config", [WgmmaTf32FwdConfig(64), *V1_CONFIGS], ids=["v0", "v1", "v1-qregs"])
+@pytest.mark.parametrize("config", [WgmmaTf32FwdConfig(64), *V1_CONFIGS, V2_CONFIG], ids=["v0", "v1", "v1-qregs", "v2"])
 @pytest.mark.parametrize("headdim, causal, precision", [(64, True, "ieee"), (128, False, "tf32")])
 def test_candidate_forward_compiles_without_spills(config, headdim, causal, precision):
-    """The candidate kernel (flash_fwd_tf32_wgmma) for sm_90a: no local memory, no wgmma
-    serialization (C7515)."""
+    """The candidate kernels (flash_fwd_tf32_wgmma, flash_fwd_tf32_wgmma_ws) for sm_90a: no local
+    memory, no wgmma serialization (C7515); Q in registers only up to d64 (their plans refuse d128
+    with a producer)."""
+    if (config.q_registers or config.producer) and headdim > 64:
+        pytest.skip("Q in registers: head dims up to 64")
     from cupyflash import plans
     from cupyflash.kernels import compile_check
     from cupyflash.masks import mask_for

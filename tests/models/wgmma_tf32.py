@@ -217,6 +217,7 @@ def k_major_operand_of(products: int, matrix: np.ndarray):
 # product's k-steps, and P's registers as the A operand of O += P V (the relabelling that
 # tests/kernels/test_wgmma_tf32.py's P V check applies).
 KERNEL = "flash_fwd_tf32_wgmma"
+STEPS = "wgmma_tf32_fwd_steps.cuh"  # the per-block steps it shares with flash_fwd_tf32_wgmma_ws
 
 
 @mirrors(KERNEL,
@@ -239,7 +240,27 @@ def forward_smem(d_tile: int, block_n: int, block_m: int = 64, raw_stages: int =
     return layout
 
 
-@mirrors(KERNEL,
+WS_KERNEL = "flash_fwd_tf32_wgmma_ws"
+
+
+@mirrors(WS_KERNEL,
+         "static constexpr u32 KV_TILE = BLOCK_N * D_TILE * 4, STAGE = 4 * KV_TILE;",
+         "static constexpr u32 K_HI = 0, K_LO = KV_TILE, V_HI = 2 * KV_TILE, V_LO = 3 * KV_TILE;",
+         "static constexpr u32 RAW = STAGES * STAGE;",
+         "static constexpr u32 FULL = RAW + RAW_STAGES * 2 * KV_TILE, EMPTY = FULL + 8 * STAGES;",
+         "static constexpr u32 BYTES = EMPTY + 8 * STAGES;")
+def forward_ws_smem(d_tile: int, block_n: int, stages: int, raw_stages: int) -> dict:
+    kv_tile = block_n * d_tile * 4
+    layout = {"KV_TILE": kv_tile, "STAGE": 4 * kv_tile, "K_HI": 0, "K_LO": kv_tile, "V_HI": 2 * kv_tile,
+              "V_LO": 3 * kv_tile}
+    layout["RAW"] = stages * layout["STAGE"]
+    layout["FULL"] = layout["RAW"] + raw_stages * 2 * kv_tile
+    layout["EMPTY"] = layout["FULL"] + 8 * stages
+    layout["BYTES"] = layout["EMPTY"] + 8 * stages
+    return layout
+
+
+@mirrors(STEPS,
          "const int row = strip_row0 + lane / 4 + 8 * (r & 1), column = 8 * kk + lane % 4 + 4 * (r >> 1);",
          "const float x = row < rows_valid && column < headdim ? __ldg(q_rows + row * stride + column) : 0.f;")
 def load_q_fragments(d_tile: int, q: np.ndarray, rows_valid: int, headdim: int) -> np.ndarray:
@@ -255,10 +276,10 @@ def load_q_fragments(d_tile: int, q: np.ndarray, rows_valid: int, headdim: int) 
     return a
 
 
-@mirrors(KERNEL,
-         "const u64 q_hi = tf32_k_step_desc<BLOCK_M>(base + L::Q_HI, kk);",
-         "const u64 k_hi = tf32_k_step_desc<BLOCK_N>(base + L::K_HI, kk);",
-         "const u64 v_hi = tf32_k_step_desc<D_TILE>(base + L::V_HI, f);",
+@mirrors(STEPS,
+         "const u64 q_hi_desc = tf32_k_step_desc<64>(q_hi_tile, kk);",
+         "const u64 k_hi = tf32_k_step_desc<BLOCK_N>(k_hi_tile, kk);",
+         "const u64 v_hi = tf32_k_step_desc<D_TILE>(v_hi_tile, f);",
          "const float a[4] = {s[0][f][0], s[0][f][2], s[0][f][1], s[0][f][3]};")
 def p_as_a_registers(acc_block: np.ndarray) -> np.ndarray:
     """A's registers of O += P V's k-step from the accumulator's column block (acc[:, j, :]):
@@ -266,5 +287,5 @@ def p_as_a_registers(acc_block: np.ndarray) -> np.ndarray:
     return acc_block[:, [0, 2, 1, 3]]
 
 
-__all__ = ["load_q_fragments", "staged_offset", "cp_async_staged_rows", "forward_smem", "p_as_a_registers", "tf32_a_fragment_matrix", "K_MAJOR", "KEY_PAIR_SLOTS", "Log", "k_major_operand_of", "key_pair_order", "split_tf32_panels", "split_tf32_panels_transposed",
+__all__ = ["WS_KERNEL", "forward_ws_smem", "load_q_fragments", "staged_offset", "cp_async_staged_rows", "forward_smem", "p_as_a_registers", "tf32_a_fragment_matrix", "K_MAJOR", "KEY_PAIR_SLOTS", "Log", "k_major_operand_of", "key_pair_order", "split_tf32_panels", "split_tf32_panels_transposed",
            "tf32_k_step_desc", "tf32_operand", "tf32_operand_addresses"]

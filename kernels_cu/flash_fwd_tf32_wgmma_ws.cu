@@ -1,0 +1,152 @@
+// flash_fwd_tf32_wgmma_ws: the float32 forward on tf32 wgmma with a producer warpgroup (sm_90a), a
+// candidate: docs/perf-log.md tf32-wgmma-v2. Not a row of any plan (run it through
+// mma_fwd.forward(config=WgmmaTf32FwdConfig(..., producer=True))).
+//
+// tf32-wgmma-v1 left every block a chain within its one warpgroup (split, S, softmax, P V), the
+// tensor cores idle through the split unless the SM's other CTA filled them. Here a CTA is three
+// warpgroups over BLOCK_M = 128 query rows of one (batch, head):
+//   warpgroup 0, the producer: cp.async copies each key block's raw K and V rows RAW_STAGES blocks
+//       ahead into staging tiles, then splits them (hi, lo; V transposed in KEY_PAIRS order) into
+//       one of STAGES stages of wgmma tiles, and says so on the stage's full barrier;
+//   warpgroups 1 and 2, the consumers: 64 query rows each, Q split once into registers; per block
+//       they wait on the stage's full barrier, run wgmma_tf32_fwd_steps.cuh's block (S, the online
+//       softmax, P V) and arrive on its empty barrier, which the producer waits on before it
+//       writes that stage again.
+// The producer gives back registers it does not need (setmaxnreg) so that the consumers hold Q's
+// 64 registers, O, S and P. No __syncthreads after the roles split: the producer's own steps sync
+// on a named barrier of its 128 threads, and a consumer's epilogue stages O through its warps'
+// own rows of a raw staging tile (idle by then: the producer has split the last block).
+#include "common.cuh"
+#include "mbarrier.cuh"
+#include "mma.cuh"
+#include "online_softmax.cuh"
+#include "params.cuh"
+#include "tf32_fwd_steps.cuh"
+#include "wgmma_tf32.cuh"
+#include "wgmma_tf32_fwd_steps.cuh"
+
+namespace cf {
+
+// Shared memory from a 1024-byte aligned base (cupyflash/plans.py tf32_wgmma_smem_bytes adds the
+// alignment slack): STAGES stages of K hi, K lo, V^T hi, V^T lo (KV_TILE bytes each), RAW_STAGES
+// staging tiles of raw K and V rows, then the full and empty barriers (8 bytes each). The raw
+// tiles stage O in the epilogue (BLOCK_M rows of D_TILE float32).
+template <int D_TILE, int BLOCK_N, int STAGES, int RAW_STAGES>
+struct FwdTf32WgmmaWsSmem {
+    static constexpr int BLOCK_M = 128;
+    static constexpr u32 KV_TILE = BLOCK_N * D_TILE * 4, STAGE = 4 * KV_TILE;
+    static constexpr u32 K_HI = 0, K_LO = KV_TILE, V_HI = 2 * KV_TILE, V_LO = 3 * KV_TILE;
+    static constexpr u32 RAW = STAGES * STAGE;
+    static constexpr u32 FULL = RAW + RAW_STAGES * 2 * KV_TILE, EMPTY = FULL + 8 * STAGES;
+    static constexpr u32 BYTES = EMPTY + 8 * STAGES;
+    static_assert(RAW_STAGES * 2 * KV_TILE >= BLOCK_M * D_TILE * 4, "O's staging tile in the raw tiles");
+};
+
+template <int D_TILE, class Mask, int BLOCK_N, int PRODUCTS, int STAGES, int RAW_STAGES>
+__global__ void __launch_bounds__(384, 1)
+flash_fwd_tf32_wgmma_ws(const __grid_constant__ FwdParams p) {
+    typedef FwdTf32WgmmaWsSmem<D_TILE, BLOCK_N, STAGES, RAW_STAGES> L;
+    constexpr int BLOCK_M = L::BLOCK_M, D_FRAGS = D_TILE / 8;
+    constexpr int PRODUCER_REGISTERS = 96, CONSUMER_REGISTERS = 208;  // 128 x 96 + 256 x 208 = 64 Ki
+    constexpr bool SPLIT = Tf32Operand<PRODUCTS>::SPLIT;
+    // Q in registers: 16 D_TILE / 8 of a consumer's 232 (at d128 they spill, tf32-wgmma-v1)
+    static_assert(BLOCK_N % 32 == 0 && BLOCK_N <= 256 && D_TILE % 32 == 0 && D_TILE <= 64, "whole tf32 panels");
+    static_assert(STAGES >= 2 && RAW_STAGES >= 1, "stages");
+    static_assert(L::BYTES + 1024 <= 227 * 1024, "shared memory");
+
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    if (dynamic_smem_bytes() < L::BYTES + 1024) __trap();
+    const u32 base = (smem_u32(smem_raw) + 1023) & ~1023u;  // 128-byte swizzle: panels 1024-byte aligned
+
+    const SequenceRows seq = cta_sequence<Mask>(p, blockIdx.z);
+    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
+    const Mask mask = cta_mask<Mask>(p, seqlen_q, seqlen_k);
+    const int m0 = Mask::query_block(blockIdx.x, gridDim.x) * BLOCK_M;
+    if (Mask::PACKED && m0 >= seqlen_q) return;  // past a shorter sequence's end: the whole CTA
+    const int n_end = mask.key_end(m0, BLOCK_M);
+    const int j_begin = mask.key_begin(m0) / BLOCK_N, j_end = (n_end + BLOCK_N - 1) / BLOCK_N;
+    const int head = blockIdx.y, head_kv = head / p.group;
+    const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32;
+
+    if (tid == 0) {
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s) {
+            mbarrier_init(base + L::FULL + 8 * s, 128);   // every producer thread, after its stores
+            mbarrier_init(base + L::EMPTY + 8 * s, 256);  // every consumer thread, after its products
+        }
+        mbarrier_init_fence();
+    }
+    __syncthreads();  // the last CTA-wide barrier: the roles split here
+
+    if (wg == 0) {
+        // ---- producer ----
+        warpgroup_registers_dec<PRODUCER_REGISTERS>();
+        const float* __restrict__ k_rows = p.k.row<const float>(seq.batch, seq.k_begin, head_kv);
+        const float* __restrict__ v_rows = p.v.row<const float>(seq.batch, seq.k_begin, head_kv);
+        const i64 k_ss = p.k.row_stride, v_ss = p.v.row_stride;
+        // The raw K and V of block j into staging tile (j - j_begin) % RAW_STAGES, one commit
+        // group (empty past the end, so that every step waits for the same count).
+        auto stage_raw = [&](int j) {
+            if (j < j_end) {
+                const u32 raw = base + L::RAW + ((j - j_begin) % RAW_STAGES) * 2 * L::KV_TILE;
+                const int n0 = j * BLOCK_N;
+                cp_async_staged_rows<BLOCK_N, D_TILE, 128>(raw, k_rows + n0 * k_ss, seqlen_k - n0, p.headdim, k_ss,
+                                                           tid);
+                cp_async_staged_rows<BLOCK_N, D_TILE, 128>(raw + L::KV_TILE, v_rows + n0 * v_ss, seqlen_k - n0,
+                                                           p.headdim_v, v_ss, tid);
+            }
+            cp_async_commit();
+        };
+#pragma unroll
+        for (int r = 0; r < RAW_STAGES; ++r) stage_raw(j_begin + r);
+        for (int j = j_begin; j < j_end; ++j) {
+            const int i = j - j_begin, n0 = j * BLOCK_N;
+            const u32 stage = base + (i % STAGES) * L::STAGE;
+            const u32 raw = base + L::RAW + (i % RAW_STAGES) * 2 * L::KV_TILE;
+            cp_async_wait<RAW_STAGES - 1>();
+            named_barrier_sync(1, 128);  // block j's raw rows have landed, every producer thread's
+            mbarrier_wait(base + L::EMPTY + 8 * (i % STAGES), ((i / STAGES) & 1) ^ 1);  // the consumers are
+                                                                                        // done with the stage
+            split_tf32_panels<BLOCK_N, D_TILE, 128, PRODUCTS>(stage + L::K_HI, stage + L::K_LO, StagedRows<D_TILE>{raw},
+                                                              seqlen_k - n0, p.headdim, tid);
+            split_tf32_panels_transposed<BLOCK_N, D_TILE, 128, PRODUCTS, true>(
+                stage + L::V_HI, stage + L::V_LO, StagedRows<D_TILE>{raw + L::KV_TILE}, seqlen_k - n0, p.headdim_v, tid);
+            fence_proxy_async_shared();  // the stores, to the async proxy that wgmma reads with
+            mbarrier_arrive(base + L::FULL + 8 * (i % STAGES));
+            named_barrier_sync(1, 128);  // every producer thread is done reading the raw tile
+            stage_raw(j + RAW_STAGES);
+        }
+        return;
+    }
+
+    // ---- consumers: warpgroup 1 rows 0-63, warpgroup 2 rows 64-127 ----
+    warpgroup_registers_inc<CONSUMER_REGISTERS>();
+    const int strip_row0 = 64 * (wg - 1) + 16 * ((tid / 32) % 4);
+    const ScoreOf<Mask, float, !SPLIT> score(score_problem<Mask>(p, seq), seq.index, blockIdx.y, p.scale);
+    const float* __restrict__ q_rows = p.q.row<const float>(seq.batch, seq.q_begin + m0, head);
+    u32 q_hi[D_TILE / 8][4], q_lo[D_TILE / 8][4];
+    load_q_fragments<D_TILE, PRODUCTS>(q_hi, q_lo, q_rows, seqlen_q - m0, p.headdim, p.q.row_stride, strip_row0, lane);
+
+    float o_acc[1][D_FRAGS][4];
+    zero_acc(o_acc);
+    RowStats<RowState::ALL_LANES, 1> row_stats;
+    const DropoutOf<Mask> dropout(p, seq.index, head);
+
+    for (int j = j_begin; j < j_end; ++j) {
+        const int i = j - j_begin;
+        const u32 stage = base + (i % STAGES) * L::STAGE;
+        mbarrier_wait(base + L::FULL + 8 * (i % STAGES), (i / STAGES) & 1);
+        tf32_wgmma_forward_block<D_TILE, BLOCK_M, BLOCK_N, PRODUCTS, true>(
+            o_acc, row_stats, q_hi, q_lo, 0u, 0u, stage + L::K_HI, stage + L::K_LO, stage + L::V_HI, stage + L::V_LO,
+            mask, score, dropout, p.scale_log2, m0, j * BLOCK_N, strip_row0, lane);
+        mbarrier_arrive(base + L::EMPTY + 8 * (i % STAGES));  // its products were waited for
+    }
+
+    if constexpr (DropoutOf<Mask>::ENABLED) scale_acc(o_acc, p.variant.dropout.scale);
+    store_o_f32<D_TILE, Mask::Score::HAS_SINK>(
+        o_acc, row_stats, base + L::RAW, strip_row0, m0, seqlen_q, p.headdim_v,
+        p.o.row<float>(seq.batch, seq.q_begin + m0, head), p.o.row_stride,
+        static_cast<float*>(p.lse) + seq.stat(p, head, m0), lane, sink_log2<Mask, float>(p, head));
+}
+
+}  // namespace cf

@@ -1,0 +1,66 @@
+// Shared-memory mbarriers and warpgroup register reallocation (sm_90): the pieces of a
+// warp-specialized kernel, where a producer warpgroup fills stages of shared memory and consumer
+// warpgroups compute on them, each side waiting on the other through a full and an empty barrier
+// per stage instead of __syncthreads. First used by flash_fwd_tf32_wgmma_ws.cu (a candidate).
+//
+// Phases: a barrier initialised with count N completes a phase when N arrivals have been made;
+// try_wait.parity(P) succeeds once the phase of parity P has completed. A fresh barrier is in
+// phase 0, and waiting for parity 1 succeeds at once (the "phase before" counts as completed), so
+// a producer that waits on an empty barrier with parity ((use & 1) ^ 1) finds its first use of
+// every stage free without anyone having arrived.
+#pragma once
+
+#include "common.cuh"
+#include "mma.cuh"
+
+namespace cf {
+
+__device__ __forceinline__ void mbarrier_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+// Makes the initialisations visible to the other threads (and the async proxy) before the CTA
+// barrier that follows them.
+__device__ __forceinline__ void mbarrier_init_fence() {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+// One arrival (release: this thread's earlier shared-memory writes are visible to a thread whose
+// wait on the completed phase succeeds).
+__device__ __forceinline__ void mbarrier_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+__device__ __forceinline__ bool mbarrier_try_wait(u32 bar, u32 parity) {
+    u32 done;
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+    return done != 0;
+}
+
+// Until the phase of this parity has completed (acquire).
+__device__ __forceinline__ void mbarrier_wait(u32 bar, u32 parity) {
+    while (!mbarrier_try_wait(bar, parity)) {
+    }
+}
+
+// bar.sync on a named barrier of `threads` threads (a warpgroup's own: id 0 is __syncthreads').
+__device__ __forceinline__ void named_barrier_sync(u32 id, u32 threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// The warpgroup's registers per thread lowered / raised to N (a multiple of 8 in 24..256); every
+// thread of the warpgroup executes it.
+template <int N>
+__device__ __forceinline__ void warpgroup_registers_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void warpgroup_registers_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+
+}  // namespace cf

@@ -1,0 +1,111 @@
+// The tf32 wgmma forward's per-block steps, shared by flash_fwd_tf32_wgmma.cu (one warpgroup a
+// CTA, v0 / v1) and flash_fwd_tf32_wgmma_ws.cu (a producer and two consumer warpgroups, v2):
+// docs/perf-log.md tf32-wgmma-v0 .. v2. A warpgroup owns 64 query rows; its warp w holds rows
+// strip_row0 = 16 w (+ its warpgroup's offset in the CTA) of every accumulator.
+#pragma once
+
+#include "common.cuh"
+#include "mma.cuh"
+#include "online_softmax.cuh"
+#include "tf32_fwd_steps.cuh"
+#include "wgmma_tf32.cuh"
+
+namespace cf {
+
+// A's registers of S = Q K^T for every k-step (Q_REGS), split once: a[kk][r] is Q's (row, column)
+// (row g + 8 (r & 1), column 8 kk + t + 4 (r >> 1) of the warp's 16 rows, g = lane / 4, t =
+// lane % 4: the tf32 register fragment), zero past the rows and head dim given.
+template <int D_TILE, int PRODUCTS>
+__device__ __forceinline__ void load_q_fragments(u32 (&hi)[D_TILE / 8][4], u32 (&lo)[D_TILE / 8][4],
+                                                 const float* q_rows, int rows_valid, int headdim, i64 stride,
+                                                 int strip_row0, int lane) {
+#pragma unroll
+    for (int kk = 0; kk < D_TILE / 8; ++kk)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const int row = strip_row0 + lane / 4 + 8 * (r & 1), column = 8 * kk + lane % 4 + 4 * (r >> 1);
+            const float x = row < rows_valid && column < headdim ? __ldg(q_rows + row * stride + column) : 0.f;
+            split_tf32<PRODUCTS>(x, hi[kk][r], lo[kk][r]);
+        }
+}
+
+// One key block for a warpgroup: S = Q K_j^T as tf32 wgmma (A = Q from registers with Q_REGS,
+// else from the Q hi / lo tiles of BLOCK_M rows; B = K_j's tiles), the online softmax and dropout
+// on its registers, P split into wgmma's register A operand, O += P V_j (B = V_j^T's KEY_PAIRS
+// tiles); both products waited for, so the caller may reuse the tiles. BLOCK_M: the CTA's rows
+// (the mask's partial-block question is the CTA's).
+template <int D_TILE, int BLOCK_M, int BLOCK_N, int PRODUCTS, bool Q_REGS, class Mask, class Score, class Stats,
+          class Drop, int QK>
+__device__ __forceinline__ void tf32_wgmma_forward_block(float (&o_acc)[1][D_TILE / 8][4], Stats& row_stats,
+                                                         const u32 (&q_hi)[QK][4], const u32 (&q_lo)[QK][4],
+                                                         u32 q_hi_tile, u32 q_lo_tile, u32 k_hi_tile, u32 k_lo_tile,
+                                                         u32 v_hi_tile, u32 v_lo_tile, const Mask& mask,
+                                                         const Score& score, const Drop& dropout, float scale_log2,
+                                                         int m0, int n0, int strip_row0, int lane) {
+    constexpr int N_FRAGS = BLOCK_N / 8, D_FRAGS = D_TILE / 8;
+    constexpr bool SPLIT = Tf32Operand<PRODUCTS>::SPLIT;
+    static_assert(!Q_REGS || QK == D_TILE / 8, "Q's registers: one A fragment per k-step");
+    float s[1][N_FRAGS][4];
+    float(&s_flat)[N_FRAGS * 4] = reinterpret_cast<float(&)[N_FRAGS * 4]>(s);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D_TILE / 8; ++kk) {
+        const u64 k_hi = tf32_k_step_desc<BLOCK_N>(k_hi_tile, kk);
+        if constexpr (Q_REGS) {
+            if constexpr (SPLIT) {
+                WgmmaTf32<BLOCK_N>::rs(s_flat, q_lo[kk], k_hi, kk > 0);
+                WgmmaTf32<BLOCK_N>::rs(s_flat, q_hi[kk], tf32_k_step_desc<BLOCK_N>(k_lo_tile, kk), 1);
+                WgmmaTf32<BLOCK_N>::rs(s_flat, q_hi[kk], k_hi, 1);
+            } else {
+                WgmmaTf32<BLOCK_N>::rs(s_flat, q_hi[kk], k_hi, kk > 0);
+            }
+        } else {
+            const u64 q_hi_desc = tf32_k_step_desc<64>(q_hi_tile, kk);
+            if constexpr (SPLIT) {
+                WgmmaTf32<BLOCK_N>::ss(s_flat, tf32_k_step_desc<64>(q_lo_tile, kk), k_hi, kk > 0);
+                WgmmaTf32<BLOCK_N>::ss(s_flat, q_hi_desc, tf32_k_step_desc<BLOCK_N>(k_lo_tile, kk), 1);
+                WgmmaTf32<BLOCK_N>::ss(s_flat, q_hi_desc, k_hi, 1);
+            } else {
+                WgmmaTf32<BLOCK_N>::ss(s_flat, q_hi_desc, k_hi, kk > 0);
+            }
+        }
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    pin_registers(s_flat);
+
+    scale_and_mask(s, scale_log2, mask.keys_partial(m0, BLOCK_M, n0, BLOCK_N), mask, score, m0 + strip_row0, n0,
+                   lane);
+    float m_new[1][2];
+    row_max(m_new, s, row_stats, lane);
+    softmax_rescale(s, o_acc, row_stats, m_new, lane);
+    if constexpr (Drop::ENABLED)  // after the row sums: l and lse stay the softmax's
+        for_s_frags(s, dropout, m0 + strip_row0 + lane / 4, n0 + 2 * (lane % 4), DropToZero{});
+
+    // P as the register A operand, one 8-key step per accumulator column block: its registers
+    // {d0, d2, d1, d3} are A's {(g, t), (g + 8, t), (g, t + 4), (g + 8, t + 4)} with key 2t as
+    // slot t and key 2t + 1 as slot t + 4, the order of V's KEY_PAIRS tile.
+    u32 p_hi[N_FRAGS][4], p_lo[N_FRAGS][4];
+#pragma unroll
+    for (int f = 0; f < N_FRAGS; ++f) {
+        const float a[4] = {s[0][f][0], s[0][f][2], s[0][f][1], s[0][f][3]};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) split_tf32<PRODUCTS>(a[e], p_hi[f][e], p_lo[f][e]);
+    }
+    float(&o_flat)[D_FRAGS * 4] = reinterpret_cast<float(&)[D_FRAGS * 4]>(o_acc);
+    wgmma_fence();
+#pragma unroll
+    for (int f = 0; f < N_FRAGS; ++f) {
+        const u64 v_hi = tf32_k_step_desc<D_TILE>(v_hi_tile, f);
+        if constexpr (SPLIT) {
+            WgmmaTf32<D_TILE>::rs(o_flat, p_lo[f], v_hi, 1);
+            WgmmaTf32<D_TILE>::rs(o_flat, p_hi[f], tf32_k_step_desc<D_TILE>(v_lo_tile, f), 1);
+        }
+        WgmmaTf32<D_TILE>::rs(o_flat, p_hi[f], v_hi, 1);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    pin_registers(o_flat);
+}
+
+}  // namespace cf
