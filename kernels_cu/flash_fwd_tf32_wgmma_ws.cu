@@ -47,7 +47,12 @@ __global__ void __launch_bounds__(384, 1)
 flash_fwd_tf32_wgmma_ws(const __grid_constant__ FwdParams p) {
     typedef FwdTf32WgmmaWsSmem<D_TILE, BLOCK_N, STAGES, RAW_STAGES> L;
     constexpr int BLOCK_M = L::BLOCK_M, D_FRAGS = D_TILE / 8;
-    constexpr int PRODUCER_REGISTERS = 96, CONSUMER_REGISTERS = 208;  // 128 x 96 + 256 x 208 = 64 Ki
+    // setmaxnreg moves registers within the CTA's launch allocation (384 threads x 168): the
+    // consumers' raise waits until the producer's release covers it, so the two must fit in it
+    // (128 x 104 + 256 x 200 = 384 x 168); the producer's unrolled split spills below about 88.
+    constexpr int LAUNCH_REGISTERS = 65536 / 384 / 8 * 8;
+    constexpr int PRODUCER_REGISTERS = 104, CONSUMER_REGISTERS = 200;
+    static_assert(128 * PRODUCER_REGISTERS + 256 * CONSUMER_REGISTERS <= 384 * LAUNCH_REGISTERS, "registers");
     constexpr bool SPLIT = Tf32Operand<PRODUCTS>::SPLIT;
     // Q in registers: 16 D_TILE / 8 of a consumer's 232 (at d128 they spill, tf32-wgmma-v1)
     static_assert(BLOCK_N % 32 == 0 && BLOCK_N <= 256 && D_TILE % 32 == 0 && D_TILE <= 64, "whole tf32 panels");

@@ -53,7 +53,9 @@ __device__ __forceinline__ void named_barrier_sync(u32 id, u32 threads) {
 }
 
 // The warpgroup's registers per thread lowered / raised to N (a multiple of 8 in 24..256); every
-// thread of the warpgroup executes it.
+// thread of the warpgroup executes it. Registers move within the CTA's launch allocation: a raise
+// waits until other warpgroups' releases cover it, so the counts after both must fit in it (or
+// the raise waits forever).
 template <int N>
 __device__ __forceinline__ void warpgroup_registers_dec() {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
