@@ -54,14 +54,13 @@ flash_fwd_tf32_wgmma_ws(const __grid_constant__ FwdParams p) {
     constexpr int PRODUCER_REGISTERS = 104, CONSUMER_REGISTERS = 200;
     static_assert(128 * PRODUCER_REGISTERS + 256 * CONSUMER_REGISTERS <= 384 * LAUNCH_REGISTERS, "registers");
     constexpr bool SPLIT = Tf32Operand<PRODUCTS>::SPLIT;
-    // Q in registers: 16 D_TILE / 8 of a consumer's 232 (at d128 they spill, tf32-wgmma-v1)
+    // Q in registers: 16 D_TILE / 8 of a consumer's 200 (at d128 they spill, tf32-wgmma-v1)
     static_assert(BLOCK_N % 32 == 0 && BLOCK_N <= 256 && D_TILE % 32 == 0 && D_TILE <= 64, "whole tf32 panels");
     static_assert(STAGES >= 2 && RAW_STAGES >= 1, "stages");
     static_assert(L::BYTES + 1024 <= 227 * 1024, "shared memory");
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    if (dynamic_smem_bytes() < L::BYTES + 1024) __trap();
-    const u32 base = (smem_u32(smem_raw) + 1023) & ~1023u;  // 128-byte swizzle: panels 1024-byte aligned
+    const u32 base = aligned_dynamic_smem<L::BYTES>(smem_raw);
 
     const SequenceRows seq = cta_sequence<Mask>(p, blockIdx.z);
     const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;

@@ -149,12 +149,9 @@ def _by_warp(entries: dict):
     return out
 
 
-@pytest.mark.parametrize("transposed, key_pairs", [(False, False), (True, False), (True, True)])
-@pytest.mark.parametrize("rows, dim, nthreads", [(64, 128, 128), (64, 64, 128), (32, 128, 256)])
-def test_stores_conflict_free_and_loads_whole_sectors(transposed, key_pairs, rows, dim, nthreads):
-    """Each 16-byte store instruction's phases of 8 lanes touch each bank once; each 16-byte load
-    instruction of a warp reads whole 32-byte sectors of the slice (row stride: dim floats)."""
-    gmem, _ = _slice(rows, dim, rows, dim, seed=1)
+def _loader_log(transposed: bool, key_pairs: bool, rows: int, dim: int, nthreads: int, seed: int) -> Log:
+    """What one loader did with a whole rows x dim slice (ieee split)."""
+    gmem, _ = _slice(rows, dim, rows, dim, seed=seed)
     hi_smem, lo_smem = _smem(2 * rows * dim)
     log = Log()
     if transposed:
@@ -162,6 +159,15 @@ def test_stores_conflict_free_and_loads_whole_sectors(transposed, key_pairs, row
                                      log=log, key_pairs=key_pairs)
     else:
         split_tf32_panels(3, hi_smem, lo_smem, 0, rows * dim * 4, rows, dim, nthreads, gmem, rows, dim, log=log)
+    return log
+
+
+@pytest.mark.parametrize("transposed, key_pairs", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("rows, dim, nthreads", [(64, 128, 128), (64, 64, 128), (32, 128, 256)])
+def test_stores_conflict_free_and_loads_whole_sectors(transposed, key_pairs, rows, dim, nthreads):
+    """Each 16-byte store instruction's phases of 8 lanes touch each bank once; each 16-byte load
+    instruction of a warp reads whole 32-byte sectors of the slice (row stride: dim floats)."""
+    log = _loader_log(transposed, key_pairs, rows, dim, nthreads, seed=1)
     for (instruction, warp), offsets in _by_warp(log.stores).items():
         for phase in range(4):
             assert bank_conflict_free(offsets[8 * phase: 8 * phase + 8], 16), (instruction, warp, phase)
@@ -177,14 +183,7 @@ def test_staged_tiles_read_conflict_free(transposed, key_pairs, rows, dim, nthre
     """A loader reading a StagedRows tile (cp.async's raw copy): each 16-byte shared load's phases
     of 8 lanes touch each bank once, staged_offset is a permutation of each row's chunks, and the
     copies cp_async_staged_rows issues cover the valid rows' chunks once each."""
-    gmem, _ = _slice(rows, dim, rows, dim, seed=2)
-    hi_smem, lo_smem = _smem(2 * rows * dim)
-    log = Log()
-    if transposed:
-        split_tf32_panels_transposed(3, hi_smem, lo_smem, 0, rows * dim * 4, rows, dim, nthreads, gmem, rows, dim,
-                                     log=log, key_pairs=key_pairs)
-    else:
-        split_tf32_panels(3, hi_smem, lo_smem, 0, rows * dim * 4, rows, dim, nthreads, gmem, rows, dim, log=log)
+    log = _loader_log(transposed, key_pairs, rows, dim, nthreads, seed=2)
     for (instruction, warp), starts in _by_warp(log.loads).items():
         offsets = [staged_offset(dim, r, c // 4) for r, c in starts]
         for phase in range(4):
