@@ -43,14 +43,6 @@ __device__ __forceinline__ u64 smem_desc(u32 addr, u32 lbo_bytes, u32 sbo_bytes)
 
 // Orders this thread's generic-proxy shared-memory writes (st.shared, completed cp.async) before
 // later async-proxy reads (wgmma operands); a barrier after it extends that to other threads.
-// The 1024-byte aligned base of a kernel's dynamic shared memory (the 128-byte swizzle's panels),
-// trapping if the launch gave fewer than BYTES past it (the host adds 1024 bytes of slack).
-template <u32 BYTES>
-__device__ __forceinline__ u32 aligned_dynamic_smem(const unsigned char* smem_raw) {
-    if (dynamic_smem_bytes() < BYTES + 1024) __trap();
-    return (smem_u32(smem_raw) + 1023) & ~1023u;
-}
-
 __device__ __forceinline__ void fence_proxy_async_shared() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
@@ -323,5 +315,13 @@ struct Wgmma<half_t, 256> {
     }
 };
 // END generated
+
+// The 1024-byte aligned base of a kernel's dynamic shared memory (the 128-byte swizzle's panels),
+// trapping if the launch gave fewer than BYTES past it (the host adds 1024 bytes of slack).
+template <u32 BYTES>
+__device__ __forceinline__ u32 aligned_dynamic_smem(const unsigned char* smem_raw) {
+    if (dynamic_smem_bytes() < BYTES + 1024) __trap();
+    return (smem_u32(smem_raw) + 1023) & ~1023u;
+}
 
 }  // namespace cf
