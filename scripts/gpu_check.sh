@@ -221,6 +221,8 @@ dropout)  # dropout's GPU tests, then its cost beside the plain kernels at 8k, d
 tf32_wgmma)  # the tf32 wgmma forward candidate: its GPU tests, then its speed and accuracy beside the
     # shipped float32 forward and PyTorch's mem-efficient fp32 (dev/bench_tf32_wgmma.py)
     export PYTHONPATH=$PWD
+    # the producer-warpgroup candidate first, alone and small: a wrong barrier parity hangs here
+    step tf32-wgmma-ws-smoke 90 python dev/smoke_tf32_wgmma_ws.py
     step tf32-wgmma-tests "${TEST_LIMIT:-240}" env HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-gpu}" \
         python -m pytest -q -m gpu tests/test_tf32_wgmma_gpu.py -p no:cacheprovider
     step tf32-wgmma-bench 240 python dev/bench_tf32_wgmma.py --json "$out/tf32-wgmma.json"
