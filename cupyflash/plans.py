@@ -119,13 +119,15 @@ class WgmmaTf32FwdConfig:
     into registers, S's A operand (else Q's hi and lo tiles in shared memory). ``producer`` (v2,
     ``flash_fwd_tf32_wgmma_ws.cu``): a producer warpgroup stages and splits K and V into ``stages``
     stages for two consumer warpgroups of 64 rows each (128 a CTA; Q in registers, raw_stages >= 1,
-    head dims up to 64)."""
+    head dims up to 64). ``sums_apart`` ("ieee"): S's small products and each block's P V in
+    accumulators of their own, for accuracy (wgmma_tf32_fwd_steps.cuh)."""
 
     block_n: int = 64
     raw_stages: int = 0
     q_registers: bool = False
     producer: bool = False
     stages: int = 2
+    sums_apart: bool = False
 
     @property
     def block_m(self) -> int:
@@ -585,16 +587,20 @@ def specialization_for(dtype, dt: int, mask: Mask | bool, tiles, dvt: int | None
                                  f"raw_stages >= 1 and stages >= 2, not d{dt} {c}")
             return Specialization(
                 f"flash_fwd_tf32_wgmma_ws_{short}_hdim{dt}_{mask.name}_bm{c.block_m}_bn{c.block_n}_{precision}"
-                f"_s{c.stages}_raw{c.raw_stages}",
+                f"_s{c.stages}_raw{c.raw_stages}{'_apart' if c.sums_apart else ''}",
                 "flash_fwd_tf32_wgmma_ws.cu",
                 f"cf::flash_fwd_tf32_wgmma_ws<{dt}, {mask.cpp}, {c.block_n}, {PRODUCTS[precision]}, {c.stages}, "
-                f"{c.raw_stages}>",
+                f"{c.raw_stages}{', true' if c.sums_apart else ''}>",
                 c.threads, tf32_wgmma_smem_bytes(dt, c), arch="90a")
         # v1's options only where set: v0's names and expressions unchanged
-        options = f", {c.raw_stages}, {'true' if c.q_registers else 'false'}" if c.raw_stages or c.q_registers else ""
+        flags = [str(c.raw_stages), "true" if c.q_registers else "false", "true" if c.sums_apart else "false"]
+        while len(flags) > 0 and flags[-1] in ("0", "false"):
+            flags.pop()
+        options = "".join(f", {flag}" for flag in flags)
         return Specialization(
             f"flash_fwd_tf32_wgmma_{short}_hdim{dt}_{mask.name}_bm{c.block_m}_bn{c.block_n}_{precision}"
-            f"{f'_raw{c.raw_stages}' if c.raw_stages else ''}{'_qregs' if c.q_registers else ''}",
+            f"{f'_raw{c.raw_stages}' if c.raw_stages else ''}{'_qregs' if c.q_registers else ''}"
+            f"{'_apart' if c.sums_apart else ''}",
             "flash_fwd_tf32_wgmma.cu",
             f"cf::flash_fwd_tf32_wgmma<{dt}, {mask.cpp}, {c.block_n}, {PRODUCTS[precision]}{options}>",
             c.threads, tf32_wgmma_smem_bytes(dt, c), arch="90a")

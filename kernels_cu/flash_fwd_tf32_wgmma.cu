@@ -14,6 +14,9 @@
 // PRODUCTS 1 ("tf32"): hi hi. The threads split the tiles on their way into the hi and lo panels
 // (tf32 has no transposed operand, so V must pass through registers anyway).
 //
+// SUMS_APART: S's small products and each block's P V in accumulators of their own
+// (wgmma_tf32_fwd_steps.cuh), for the accuracy the truncating accumulation costs.
+//
 // RAW_STAGES 0 (v0): each block's K and V are read from global memory and split, then S, the
 // softmax and P V run, P V waited for before the next block's split overwrites the tiles; the
 // second CTA on the SM is all that overlaps the loads. RAW_STAGES > 0 (v1): cp.async copies the
@@ -44,7 +47,8 @@ struct FwdTf32WgmmaSmem {
     static constexpr u32 BYTES = RAW + RAW_STAGES * 2 * KV_TILE;
 };
 
-template <int D_TILE, class Mask, int BLOCK_N, int PRODUCTS, int RAW_STAGES = 0, bool Q_REGS = false>
+template <int D_TILE, class Mask, int BLOCK_N, int PRODUCTS, int RAW_STAGES = 0, bool Q_REGS = false,
+          bool SUMS_APART = false>
 __global__ void __launch_bounds__(128, 1)
 flash_fwd_tf32_wgmma(const __grid_constant__ FwdParams p) {
     typedef FwdTf32WgmmaSmem<D_TILE, BLOCK_N, RAW_STAGES, Q_REGS> L;
@@ -137,7 +141,7 @@ flash_fwd_tf32_wgmma(const __grid_constant__ FwdParams p) {
             __syncthreads();
         }
 
-        tf32_wgmma_forward_block<D_TILE, BLOCK_M, BLOCK_N, PRODUCTS, Q_REGS>(
+        tf32_wgmma_forward_block<D_TILE, BLOCK_M, BLOCK_N, PRODUCTS, Q_REGS, SUMS_APART>(
             o_acc, row_stats, q_hi, q_lo, base + L::Q_HI, base + L::Q_LO, base + L::K_HI, base + L::K_LO,
             base + L::V_HI, base + L::V_LO, mask, score, dropout, p.scale_log2, m0, n0, strip_row0, lane);
     }

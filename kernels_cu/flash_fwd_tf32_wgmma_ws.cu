@@ -42,7 +42,7 @@ struct FwdTf32WgmmaWsSmem {
     static_assert(RAW_STAGES * 2 * KV_TILE >= BLOCK_M * D_TILE * 4, "O's staging tile in the raw tiles");
 };
 
-template <int D_TILE, class Mask, int BLOCK_N, int PRODUCTS, int STAGES, int RAW_STAGES>
+template <int D_TILE, class Mask, int BLOCK_N, int PRODUCTS, int STAGES, int RAW_STAGES, bool SUMS_APART = false>
 __global__ void __launch_bounds__(384, 1)
 flash_fwd_tf32_wgmma_ws(const __grid_constant__ FwdParams p) {
     typedef FwdTf32WgmmaWsSmem<D_TILE, BLOCK_N, STAGES, RAW_STAGES> L;
@@ -140,7 +140,7 @@ flash_fwd_tf32_wgmma_ws(const __grid_constant__ FwdParams p) {
         const int i = j - j_begin;
         const u32 stage = base + (i % STAGES) * L::STAGE;
         mbarrier_wait(base + L::FULL + 8 * (i % STAGES), (i / STAGES) & 1);
-        tf32_wgmma_forward_block<D_TILE, BLOCK_M, BLOCK_N, PRODUCTS, true>(
+        tf32_wgmma_forward_block<D_TILE, BLOCK_M, BLOCK_N, PRODUCTS, true, SUMS_APART>(
             o_acc, row_stats, q_hi, q_lo, 0u, 0u, stage + L::K_HI, stage + L::K_LO, stage + L::V_HI, stage + L::V_LO,
             mask, score, dropout, p.scale_log2, m0, j * BLOCK_N, strip_row0, lane);
         mbarrier_arrive(base + L::EMPTY + 8 * (i % STAGES));  // its products were waited for

@@ -34,8 +34,16 @@ __device__ __forceinline__ void load_q_fragments(u32 (&hi)[D_TILE / 8][4], u32 (
 // on its registers, P split into wgmma's register A operand, O += P V_j (B = V_j^T's KEY_PAIRS
 // tiles); both products waited for, so the caller may reuse the tiles. BLOCK_M: the CTA's rows
 // (the mask's partial-block question is the CTA's).
-template <int D_TILE, int BLOCK_M, int BLOCK_N, int PRODUCTS, bool Q_REGS, class Mask, class Score, class Stats,
-          class Drop, int QK>
+//
+// SUMS_APART (precision "ieee"): the tensor cores' accumulation truncates, and its error grows with
+// the number of products chained into one accumulator (tf32-fwd-v1's probe: 3 products a k-step
+// into one accumulator, 2x float32 FMA's error at 128 terms, 16x at 8192). So S's two small
+// products (lo hi, hi lo) go into an accumulator of their own, added to hi hi's by one FADD
+// (the probe's "small products apart": FMA's error at 128 terms); and each block's P V goes into a
+// fresh accumulator (one block's keys chained, not the sequence's), added to the rescaled O by
+// one FADD a value (tf32-fwd-v2's FRESH_O). Same products, more registers: S's width and O's.
+template <int D_TILE, int BLOCK_M, int BLOCK_N, int PRODUCTS, bool Q_REGS, bool SUMS_APART = false, class Mask,
+          class Score, class Stats, class Drop, int QK>
 __device__ __forceinline__ void tf32_wgmma_forward_block(float (&o_acc)[1][D_TILE / 8][4], Stats& row_stats,
                                                          const u32 (&q_hi)[QK][4], const u32 (&q_lo)[QK][4],
                                                          u32 q_hi_tile, u32 q_lo_tile, u32 k_hi_tile, u32 k_lo_tile,
@@ -43,28 +51,32 @@ __device__ __forceinline__ void tf32_wgmma_forward_block(float (&o_acc)[1][D_TIL
                                                          const Score& score, const Drop& dropout, float scale_log2,
                                                          int m0, int n0, int strip_row0, int lane) {
     constexpr int N_FRAGS = BLOCK_N / 8, D_FRAGS = D_TILE / 8;
-    constexpr bool SPLIT = Tf32Operand<PRODUCTS>::SPLIT;
+    constexpr bool SPLIT = Tf32Operand<PRODUCTS>::SPLIT, APART = SPLIT && SUMS_APART;
     static_assert(!Q_REGS || QK == D_TILE / 8, "Q's registers: one A fragment per k-step");
     float s[1][N_FRAGS][4];
     float(&s_flat)[N_FRAGS * 4] = reinterpret_cast<float(&)[N_FRAGS * 4]>(s);
+    float s_small[APART ? N_FRAGS * 4 : 1];  // lo hi + hi lo, apart from hi hi (SUMS_APART)
+    float(&small)[N_FRAGS * 4] = *reinterpret_cast<float(*)[N_FRAGS * 4]>(APART ? s_small : s_flat);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < D_TILE / 8; ++kk) {
         const u64 k_hi = tf32_k_step_desc<BLOCK_N>(k_hi_tile, kk);
+        // the small products' accumulator starts at k-step 0 (its own) or goes first into S's
+        const int small_accumulates = kk > 0;
         if constexpr (Q_REGS) {
             if constexpr (SPLIT) {
-                WgmmaTf32<BLOCK_N>::rs(s_flat, q_lo[kk], k_hi, kk > 0);
-                WgmmaTf32<BLOCK_N>::rs(s_flat, q_hi[kk], tf32_k_step_desc<BLOCK_N>(k_lo_tile, kk), 1);
-                WgmmaTf32<BLOCK_N>::rs(s_flat, q_hi[kk], k_hi, 1);
+                WgmmaTf32<BLOCK_N>::rs(small, q_lo[kk], k_hi, small_accumulates);
+                WgmmaTf32<BLOCK_N>::rs(small, q_hi[kk], tf32_k_step_desc<BLOCK_N>(k_lo_tile, kk), 1);
+                WgmmaTf32<BLOCK_N>::rs(s_flat, q_hi[kk], k_hi, APART ? kk > 0 : 1);
             } else {
                 WgmmaTf32<BLOCK_N>::rs(s_flat, q_hi[kk], k_hi, kk > 0);
             }
         } else {
             const u64 q_hi_desc = tf32_k_step_desc<64>(q_hi_tile, kk);
             if constexpr (SPLIT) {
-                WgmmaTf32<BLOCK_N>::ss(s_flat, tf32_k_step_desc<64>(q_lo_tile, kk), k_hi, kk > 0);
-                WgmmaTf32<BLOCK_N>::ss(s_flat, q_hi_desc, tf32_k_step_desc<BLOCK_N>(k_lo_tile, kk), 1);
-                WgmmaTf32<BLOCK_N>::ss(s_flat, q_hi_desc, k_hi, 1);
+                WgmmaTf32<BLOCK_N>::ss(small, tf32_k_step_desc<64>(q_lo_tile, kk), k_hi, small_accumulates);
+                WgmmaTf32<BLOCK_N>::ss(small, q_hi_desc, tf32_k_step_desc<BLOCK_N>(k_lo_tile, kk), 1);
+                WgmmaTf32<BLOCK_N>::ss(s_flat, q_hi_desc, k_hi, APART ? kk > 0 : 1);
             } else {
                 WgmmaTf32<BLOCK_N>::ss(s_flat, q_hi_desc, k_hi, kk > 0);
             }
@@ -73,6 +85,11 @@ __device__ __forceinline__ void tf32_wgmma_forward_block(float (&o_acc)[1][D_TIL
     wgmma_commit();
     wgmma_wait<0>();
     pin_registers(s_flat);
+    if constexpr (APART) {
+        pin_registers(s_small);
+#pragma unroll
+        for (int e = 0; e < N_FRAGS * 4; ++e) s_flat[e] += s_small[e];
+    }
 
     scale_and_mask(s, scale_log2, mask.keys_partial(m0, BLOCK_M, n0, BLOCK_N), mask, score, m0 + strip_row0, n0,
                    lane);
@@ -93,19 +110,25 @@ __device__ __forceinline__ void tf32_wgmma_forward_block(float (&o_acc)[1][D_TIL
         for (int e = 0; e < 4; ++e) split_tf32<PRODUCTS>(a[e], p_hi[f][e], p_lo[f][e]);
     }
     float(&o_flat)[D_FRAGS * 4] = reinterpret_cast<float(&)[D_FRAGS * 4]>(o_acc);
+    float o_block[APART ? D_FRAGS * 4 : 1];  // this block's P V, fresh (SUMS_APART)
+    float(&pv)[D_FRAGS * 4] = *reinterpret_cast<float(*)[D_FRAGS * 4]>(APART ? o_block : o_flat);
     wgmma_fence();
 #pragma unroll
     for (int f = 0; f < N_FRAGS; ++f) {
         const u64 v_hi = tf32_k_step_desc<D_TILE>(v_hi_tile, f);
         if constexpr (SPLIT) {
-            WgmmaTf32<D_TILE>::rs(o_flat, p_lo[f], v_hi, 1);
-            WgmmaTf32<D_TILE>::rs(o_flat, p_hi[f], tf32_k_step_desc<D_TILE>(v_lo_tile, f), 1);
+            WgmmaTf32<D_TILE>::rs(pv, p_lo[f], v_hi, APART ? f > 0 : 1);
+            WgmmaTf32<D_TILE>::rs(pv, p_hi[f], tf32_k_step_desc<D_TILE>(v_lo_tile, f), 1);
         }
-        WgmmaTf32<D_TILE>::rs(o_flat, p_hi[f], v_hi, 1);
+        WgmmaTf32<D_TILE>::rs(pv, p_hi[f], v_hi, 1);
     }
     wgmma_commit();
     wgmma_wait<0>();
-    pin_registers(o_flat);
+    pin_registers(pv);
+    if constexpr (APART) {
+#pragma unroll
+        for (int e = 0; e < D_FRAGS * 4; ++e) o_flat[e] += o_block[e];
+    }
 }
 
 }  // namespace cf

@@ -12,6 +12,10 @@ tile). v2 has not run on a GPU yet (tf32-wgmma-v2).
   kernel sums its products in one running accumulator.
 - precision "tf32": within 2x standard float16 attention's error plus 2^-10 max|v|, as
   tests/test_tf32_gpu.py asks of the shipped kernel.
+- SUMS_APART configurations (S's small products and each block's P V in accumulators of their
+  own), precision "ieee": issue 18's bar, within 2x standard float32 attention's error (plus
+  2^-21 max|o|, where standard float32 is exact), as tests/test_tf32_gpu.py asks of the shipped
+  step-sums rows. Not yet run on a GPU (tf32-wgmma-v2).
 """
 from __future__ import annotations
 
@@ -37,6 +41,11 @@ CONFIGS = {"v0": (WgmmaTf32FwdConfig(64), TENSOR_CORE_HEADDIMS),
            "v1_qregs": (WgmmaTf32FwdConfig(32, raw_stages=2, q_registers=True), (8, 16, 40, 64)),
            "v1_qregs_bn64": (WgmmaTf32FwdConfig(64, raw_stages=1, q_registers=True), (8, 16, 40, 64)),
            "v2_producer": (WgmmaTf32FwdConfig(32, raw_stages=2, producer=True, stages=4), (8, 16, 40, 64))}
+APART_CONFIGS = {
+    "v1_apart": (WgmmaTf32FwdConfig(32, raw_stages=2, sums_apart=True), TENSOR_CORE_HEADDIMS),
+    "v1_qregs_apart": (WgmmaTf32FwdConfig(32, raw_stages=2, q_registers=True, sums_apart=True), (8, 16, 40, 64)),
+    "v2_producer_apart": (WgmmaTf32FwdConfig(32, raw_stages=2, producer=True, stages=4, sums_apart=True),
+                          (8, 16, 40, 64))}
 
 
 @pytest.fixture(autouse=True)
@@ -67,8 +76,8 @@ def _forward(problem, q, k, v, options: dict, precision: str, config):
 
 
 def _problems(config_name: str, **kwargs):
-    return attention_problems(dtypes=("float32",), windows=True, max_seqlen=300, headdims=CONFIGS[config_name][1],
-                              **kwargs)
+    headdims = {**CONFIGS, **APART_CONFIGS}[config_name][1]
+    return attention_problems(dtypes=("float32",), windows=True, max_seqlen=300, headdims=headdims, **kwargs)
 
 
 @pytest.mark.parametrize("config_name", list(CONFIGS))
@@ -108,3 +117,21 @@ def test_tf32_within_twice_standard_float16(config_name, data, variant):
     floor = 2.0 ** -10 * max(1.0, float(np.abs(v).max(initial=0.0)))
     assert max_abs_error(o, o_ref) <= 2 * max_abs_error(o_std, o_ref) + floor
     assert max_abs_error(lse, lse_ref) <= 2 * max_abs_error(lse_std, lse_ref) + floor
+
+
+@pytest.mark.parametrize("config_name", list(APART_CONFIGS))
+@given(data=st.data(), variant=st.sampled_from(VARIANTS))
+def test_sums_apart_within_twice_standard_float32(config_name, data, variant):
+    problem = data.draw(_problems(config_name), label="problem")
+    q, k, v, _ = problem.arrays()
+    options = _variant_options(variant, problem.nheads, problem.seed)
+    o, lse = _forward(problem, q, k, v, options, "ieee", APART_CONFIGS[config_name][0])
+    assert not np.isnan(o).any() and not np.isnan(lse).any()
+    o_ref, lse_ref = reference.attention(q, k, v, **problem.kwargs, **options)
+    o_std, lse_std = reference.standard_attention(q, k, v, dtype=np.float32, **problem.kwargs, **options)
+    floor = 2.0 ** -21
+    assert max_abs_error(o, o_ref) <= 2 * max_abs_error(o_std, o_ref) + floor * max(1.0, float(np.abs(o_ref).max(
+        initial=0.0)))
+    finite = lse_ref[np.isfinite(lse_ref)]
+    assert max_abs_error(lse, lse_ref) <= 2 * max_abs_error(lse_std, lse_ref) + floor * max(1.0, float(np.abs(
+        finite).max(initial=0.0)))
