@@ -287,11 +287,11 @@ def test_candidate_forward_smem_is_the_plan_s():
     assert layout["FULL"] - layout["RAW"] >= c.block_m * 64 * 4  # O's staging tile in the raw tiles
 
 
-@needs_nvrtc
 APART_CONFIGS = (WgmmaTf32FwdConfig(32, raw_stages=2, sums_apart=True),
                  WgmmaTf32FwdConfig(32, raw_stages=2, producer=True, stages=4, sums_apart=True))
 
 
+@needs_nvrtc
 @pytest.mark.parametrize("config", [WgmmaTf32FwdConfig(64), *V1_CONFIGS, V2_CONFIG, *APART_CONFIGS],
                          ids=["v0", "v1", "v1-qregs", "v2", "v1-apart", "v2-apart"])
 @pytest.mark.parametrize("headdim, causal, precision", [(64, True, "ieee"), (128, False, "tf32")])
