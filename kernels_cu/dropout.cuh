@@ -61,6 +61,11 @@ __device__ __forceinline__ unsigned word_of(const uint4& w, int a, int c) {
     return a ? (c ? w.w : w.z) : (c ? w.y : w.x);
 }
 
+// Half e of a word: the element of key parity e.
+__device__ __forceinline__ unsigned half_of(unsigned word, int e) {
+    return e ? word >> 16 : word & 0xFFFFu;
+}
+
 
 // The mask of one (sequence, query head): ON false is no dropout, and every call below vanishes.
 template <bool ON>
@@ -88,8 +93,12 @@ struct DropoutFn {
     }
     // threshold 2^16 - 1 (mod 2^32: threshold 2^16, every half kept, gives 2^32 - 1)
     static __device__ __forceinline__ unsigned limit_of(unsigned threshold) { return (threshold << 16) - 1u; }
-    // Whether the element in half e of a word (e = 0 the low half) is kept.
+    // Whether the element in half e of a word (e = 0 the low half) is kept: one compare of the
+    // word (the SIMT and float64 kernels, one element a call).
     __device__ __forceinline__ bool kept_in(unsigned word, int e) const { return (e ? word : word << 16) <= limit; }
+    // The same for a half already extracted (limit >> 16 = threshold - 1): the fragment walks, whose
+    // kernels run at their register limits with either form and spill with the other.
+    __device__ __forceinline__ bool kept_half(unsigned half) const { return half <= (limit >> 16); }
     // The kept weights' factor 1 / (1 - p), 1 without dropout (the backward kernels' dP scale).
     template <class Params>
     static __device__ __forceinline__ float kept_scale(const Params& p) {
@@ -124,7 +133,7 @@ __device__ __forceinline__ void walk_s_frags(const Drop& d, int row_lane, int ke
 #pragma unroll
                 for (int c = 0; c < 2; ++c)
 #pragma unroll
-                    for (int e = 0; e < 2; ++e) visit(i, 2 * fp + c, 2 * a + e, d.kept_in(word_of(w, a, c), e));
+                    for (int e = 0; e < 2; ++e) visit(i, 2 * fp + c, 2 * a + e, d.kept_half(half_of(word_of(w, a, c), e)));
         }
 }
 
@@ -155,7 +164,7 @@ __device__ __forceinline__ void walk_st_frags(const Drop& d, int key_lane, int q
             for (int a = 0; a < 2; ++a) {
                 const unsigned halves = (e == key_parity) ? own[a] : got[a];
 #pragma unroll
-                for (int c = 0; c < 2; ++c) visit(2 * fp + a, 2 * c + e, d.kept_in(halves, c));
+                for (int c = 0; c < 2; ++c) visit(2 * fp + a, 2 * c + e, d.kept_half(half_of(halves, c)));
             }
     }
 }

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from models.dropout import (DROPOUT, documented_word, kept_in, lanes, s_frag_element, s_frag_words, st_frag_element,
+from models.dropout import (DROPOUT, documented_word, kept_half, kept_in, lanes, s_frag_element, s_frag_words, st_frag_element,
                             st_frag_words)
 from models.mirrors import missing_statements
 
@@ -52,8 +52,10 @@ def test_st_fragments_get_the_documented_words(n_frags, key0, query0):
 def test_word_comparison_is_the_half_comparison(threshold):
     """kept_in (a whole-word compare against threshold 2^16 - 1) keeps exactly the elements whose
     16-bit half is below threshold, whatever the other half holds: every half value, against
-    other halves 0, 1, 0x8000 and 0xFFFF; threshold 2^16 keeps all (limit 2^32 - 1)."""
+    other halves 0, 1, 0x8000 and 0xFFFF; threshold 2^16 keeps all (limit 2^32 - 1); kept_half
+    (the half against limit >> 16) the same."""
     halves = np.arange(1 << 16, dtype=np.uint32)
     for other in (0, 1, 0x8000, 0xFFFF):
         assert np.array_equal(kept_in((halves << np.uint32(16)) | np.uint32(other), 1, threshold), halves < threshold)
         assert np.array_equal(kept_in(halves | (np.uint32(other) << np.uint32(16)), 0, threshold), halves < threshold)
+    assert np.array_equal(kept_half(halves, threshold), halves < threshold)

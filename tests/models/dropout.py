@@ -11,7 +11,7 @@ from .mirrors import mirrors
 DROPOUT = "dropout.cuh"
 
 
-@mirrors(DROPOUT, "return a ? (c ? w.w : w.z) : (c ? w.y : w.x);")
+@mirrors(DROPOUT, "return a ? (c ? w.w : w.z) : (c ? w.y : w.x);", "return e ? word >> 16 : word & 0xFFFFu;")
 def word_of(words, a: int, c: int):
     """Word 2 a + c of a group's four: x, y, z, w."""
     return words[2 * a + c]
@@ -19,7 +19,7 @@ def word_of(words, a: int, c: int):
 
 @mirrors(DROPOUT,
          "const uint4 w = d.words(row_lane + 16 * i, key_lane + 16 * fp);",
-         "for (int e = 0; e < 2; ++e) visit(i, 2 * fp + c, 2 * a + e, d.kept_in(word_of(w, a, c), e));")
+         "for (int e = 0; e < 2; ++e) visit(i, 2 * fp + c, 2 * a + e, d.kept_half(half_of(word_of(w, a, c), e)));")
 def s_frag_words(m_strips: int, n_frags: int, row_lane: int, key_lane: int):
     """{(i, f, k): (group origin (i0, j0), a, c, half e)} of one lane's S fragments s[i][f][k]."""
     out = {}
@@ -40,7 +40,7 @@ def s_frag_words(m_strips: int, n_frags: int, row_lane: int, key_lane: int):
          "const unsigned own[2] = {__byte_perm(w.x, w.y, mine), __byte_perm(w.z, w.w, mine)};",
          "const unsigned got[2] = {__shfl_xor_sync(0xffffffffu, __byte_perm(w.x, w.y, theirs), 4),",
          "const unsigned halves = (e == key_parity) ? own[a] : got[a];",
-         "for (int c = 0; c < 2; ++c) visit(2 * fp + a, 2 * c + e, d.kept_in(halves, c));")
+         "for (int c = 0; c < 2; ++c) visit(2 * fp + a, 2 * c + e, d.kept_half(half_of(halves, c)));")
 def st_frag_words(n_frags: int, key_lanes, query_lanes):
     """The warp's S^T walk, lanes given by their (key_lane, query_lane): per lane, the group
     origins of the calls it makes, and {(f, k): (group origin, a, c, half)} of its fragments
@@ -75,13 +75,20 @@ def st_frag_words(n_frags: int, key_lanes, query_lanes):
 
 
 @mirrors(DROPOUT, "static __device__ __forceinline__ unsigned limit_of(unsigned threshold) { return (threshold << 16) - 1u; }",
-         "__device__ __forceinline__ bool kept_in(unsigned word, int e) const { return (e ? word : word << 16) <= limit; }")
+         "__device__ __forceinline__ bool kept_in(unsigned word, int e) const { return (e ? word : word << 16) <= limit; }",
+         "__device__ __forceinline__ bool kept_half(unsigned half) const { return half <= (limit >> 16); }")
 def kept_in(word, e, threshold):
     """DropoutFn::kept_in on uint32 words (NumPy arrays): the element in half e kept."""
     word = np.asarray(word, np.uint32)
     limit = np.uint32(((int(threshold) << 16) - 1) & 0xFFFFFFFF)
     moved = word if e else (word << np.uint32(16))
     return moved <= limit
+
+
+def kept_half(half, threshold):
+    """DropoutFn::kept_half on extracted 16-bit halves."""
+    limit = ((int(threshold) << 16) - 1) & 0xFFFFFFFF
+    return np.asarray(half, np.uint32) <= np.uint32(limit >> 16)
 
 
 def s_frag_element(i: int, f: int, k: int, row_lane: int, key_lane: int) -> tuple[int, int]:
