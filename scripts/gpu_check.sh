@@ -37,9 +37,11 @@
 #                                       BEFORE_TREE (optional: an exported tree inside the checkout,
 #                                       carried, e.g. .before)
 #   scripts/gpu_check.sh OUTDIR dropout  tests/test_dropout_gpu.py, then dropout's cost at 8k (d128, d64)
-#   scripts/gpu_check.sh OUTDIR tf32_wgmma  the tf32 wgmma forward candidate (flash_fwd_tf32_wgmma):
-#                                       tests/test_tf32_wgmma_gpu.py, dev/bench_tf32_wgmma.py, then
-#                                       racecheck / memcheck of dev/sanitize_tf32_wgmma.py
+#   scripts/gpu_check.sh OUTDIR tf32_wgmma  the tf32 wgmma forward candidates (flash_fwd_tf32_wgmma,
+#                                       flash_fwd_tf32_wgmma_ws): dev/smoke_tf32_wgmma_ws.py, then
+#                                       tests/test_tf32_wgmma_gpu.py (TF32_WGMMA_PART=tests), then
+#                                       dev/bench_tf32_wgmma.py and racecheck / memcheck of
+#                                       dev/sanitize_tf32_wgmma.py (TF32_WGMMA_PART=bench)
 #   scripts/gpu_check.sh OUTDIR tf32    the float32 forward: its kernels compiled, tests/test_tf32_gpu.py,
 #                                       the accumulation probe's candidates, the fp32 bench table, and
 #                                       racecheck / memcheck --quick (the tf32 forward in their workload)
@@ -218,16 +220,22 @@ dropout)  # dropout's GPU tests, then its cost beside the plain kernels at 8k, d
             --impls cupyflash --variants causal "causal dropout 0.1" full "dropout 0.1" --json "$out/dropout-8k-d$d.json"
     done
     ;;
-tf32_wgmma)  # the tf32 wgmma forward candidate: its GPU tests, then its speed and accuracy beside the
-    # shipped float32 forward and PyTorch's mem-efficient fp32 (dev/bench_tf32_wgmma.py)
+tf32_wgmma)  # the tf32 wgmma forward candidates: their GPU tests, then their speed and accuracy beside
+    # the shipped float32 forward and PyTorch's mem-efficient fp32 (dev/bench_tf32_wgmma.py), then the
+    # sanitizer. Eight configurations no longer fit one 600 s call: TF32_WGMMA_PART=tests or bench
+    # runs one half (the smoke step in both), unset both.
     export PYTHONPATH=$PWD
     # the producer-warpgroup candidate first, alone and small: a wrong barrier parity hangs here
     step tf32-wgmma-ws-smoke 90 python dev/smoke_tf32_wgmma_ws.py
-    step tf32-wgmma-tests "${TEST_LIMIT:-240}" env HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-gpu}" \
-        python -m pytest -q -m gpu tests/test_tf32_wgmma_gpu.py -p no:cacheprovider
-    step tf32-wgmma-bench 240 python dev/bench_tf32_wgmma.py --json "$out/tf32-wgmma.json"
-    step racecheck-tf32-wgmma 120 compute-sanitizer --tool racecheck --error-exitcode 1 python dev/sanitize_tf32_wgmma.py
-    step memcheck-tf32-wgmma 120 compute-sanitizer --tool memcheck --error-exitcode 1 python dev/sanitize_tf32_wgmma.py
+    if [ "${TF32_WGMMA_PART:-tests}" = tests ] || [ -z "${TF32_WGMMA_PART:-}" ]; then
+        step tf32-wgmma-tests "${TEST_LIMIT:-400}" env HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-gpu}" \
+            python -m pytest -q -m gpu tests/test_tf32_wgmma_gpu.py -p no:cacheprovider
+    fi
+    if [ "${TF32_WGMMA_PART:-bench}" = bench ] || [ -z "${TF32_WGMMA_PART:-}" ]; then
+        step tf32-wgmma-bench 240 python dev/bench_tf32_wgmma.py --json "$out/tf32-wgmma.json"
+        step racecheck-tf32-wgmma 120 compute-sanitizer --tool racecheck --error-exitcode 1 python dev/sanitize_tf32_wgmma.py
+        step memcheck-tf32-wgmma 120 compute-sanitizer --tool memcheck --error-exitcode 1 python dev/sanitize_tf32_wgmma.py
+    fi
     ;;
 tf32)  # the float32 forward on tensor cores: tests, the probe's candidates, the bench, the sanitizer
     export PYTHONPATH=$PWD
