@@ -540,13 +540,19 @@ def tf32_wgmma_smem_bytes(dt: int, config: WgmmaTf32FwdConfig) -> int:
     return 4 * dt * (q_tiles * config.block_m + 4 * config.block_n + 2 * config.raw_stages * config.block_n) + 1024
 
 
+def _template_options(*values) -> str:
+    """Trailing template arguments (bools as true / false, ints as written) up to the last one
+    set: the defaults after it are left out, so that older specializations keep their names and
+    expressions."""
+    values = list(values)
+    while values and not values[-1]:
+        values.pop()
+    return "".join(f", {str(v).lower() if isinstance(v, bool) else v}" for v in values)
+
+
 def _tf32_options(config: Tf32FwdConfig) -> str:
-    """The FRESH_O, PRESPLIT and STEP_SUMS template arguments up to the last one set (the
-    defaults after it)."""
-    flags = [config.fresh_o, config.presplit, config.step_sums]
-    while flags and not flags[-1]:
-        flags.pop()
-    return "".join(f", {'true' if flag else 'false'}" for flag in flags)
+    """The FRESH_O, PRESPLIT and STEP_SUMS template arguments up to the last one set."""
+    return _template_options(config.fresh_o, config.presplit, config.step_sums)
 
 
 def specialization_for(dtype, dt: int, mask: Mask | bool, tiles, dvt: int | None = None,
@@ -590,13 +596,10 @@ def specialization_for(dtype, dt: int, mask: Mask | bool, tiles, dvt: int | None
                 f"_s{c.stages}_raw{c.raw_stages}{'_apart' if c.sums_apart else ''}",
                 "flash_fwd_tf32_wgmma_ws.cu",
                 f"cf::flash_fwd_tf32_wgmma_ws<{dt}, {mask.cpp}, {c.block_n}, {PRODUCTS[precision]}, {c.stages}, "
-                f"{c.raw_stages}{', true' if c.sums_apart else ''}>",
+                f"{c.raw_stages}{_template_options(c.sums_apart)}>",
                 c.threads, tf32_wgmma_smem_bytes(dt, c), arch="90a")
         # v1's options only where set: v0's names and expressions unchanged
-        flags = [str(c.raw_stages), "true" if c.q_registers else "false", "true" if c.sums_apart else "false"]
-        while len(flags) > 0 and flags[-1] in ("0", "false"):
-            flags.pop()
-        options = "".join(f", {flag}" for flag in flags)
+        options = _template_options(c.raw_stages, c.q_registers, c.sums_apart)
         return Specialization(
             f"flash_fwd_tf32_wgmma_{short}_hdim{dt}_{mask.name}_bm{c.block_m}_bn{c.block_n}_{precision}"
             f"{f'_raw{c.raw_stages}' if c.raw_stages else ''}{'_qregs' if c.q_registers else ''}"

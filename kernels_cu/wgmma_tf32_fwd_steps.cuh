@@ -30,7 +30,7 @@ __device__ __forceinline__ void load_q_fragments(u32 (&hi)[D_TILE / 8][4], u32 (
 }
 
 // One key block for a warpgroup: S = Q K_j^T as tf32 wgmma (A = Q from registers with Q_REGS,
-// else from the Q hi / lo tiles of BLOCK_M rows; B = K_j's tiles), the online softmax and dropout
+// else from the warpgroup's 64-row Q hi / lo tiles; B = K_j's tiles), the online softmax and dropout
 // on its registers, P split into wgmma's register A operand, O += P V_j (B = V_j^T's KEY_PAIRS
 // tiles); both products waited for, so the caller may reuse the tiles. BLOCK_M: the CTA's rows
 // (the mask's partial-block question is the CTA's).
