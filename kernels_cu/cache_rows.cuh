@@ -50,6 +50,9 @@ struct CacheKeys {
             page_id = __ldg(table + index);
         }
     }
+    // Where key n's table entry is, and its slot in its page (PAGED).
+    __device__ __forceinline__ const int* table_entry(int n) const { return table + page.div(n); }
+    __device__ __forceinline__ int slot_of(int n) const { return n - page.div(n) * page.divisor; }
     __device__ __forceinline__ void offsets_at(int page_id, int slot, i64& k_off, i64& v_off) const {
         k_off = page_id * k_page + slot * k_row + k_head;
         v_off = page_id * v_page + slot * v_row + v_head;
@@ -66,19 +69,30 @@ struct CacheKeys {
 // looking the row up in each of them (cp_async_cache_rows) made the paged kernel execute 1.67x
 // the contiguous kernel's instructions, each tile's copies waiting on their table reads; at one
 // CTA per SM it read K+V at half the contiguous rate (docs/perf-log.md, "decode-v3").
-// Here ROWS threads each look up one row of tile t + 1 while tile t's copies go out (the table read
-// issued before the tile's math, its result stored after it), into one of two slots of
-// (k offset, v offset) pairs, 16 bytes per row; the copies then read their row's pair from shared
-// memory. The key loop's barrier orders a slot's stores before its reads, and its reads (tile t,
-// the slot of tile t - 2 before) before the stores of tile t + 2.
-template <int ROWS, int NTHREADS>
+// Here ROWS threads each work out one row of tile t + 1 while tile t's copies go out (before the
+// tile's math, stored after it), into one of two slots of (k offset, v offset) pairs, 16 bytes
+// per row; the copies then read their row's pair from shared memory. The key loop's barrier
+// orders a slot's stores before its reads, and its reads (tile t, the slot of tile t - 2 before)
+// before the stores of tile t + 2.
+// The rows' table entries come earlier still: tile t's are copied (cp.async, 4 bytes a row) into
+// one of PAGE_SLOTS slots of page ids with the K/V copies of tile t - PAGE_SLOTS (the kernel's
+// STAGES), so the key loop's wait for that tile covers them, and no register waits on a table read. Read into a
+// register a tile ahead and stored after the math (the form before), the read's result was
+// waited on in every iteration: with pages of 16 keys a tile enters a new table line every 8
+// tiles, and that read, queued behind the K/V copies in flight, outlasted the iteration (ncu:
+// the offsets' store the hottest long-scoreboard stall, docs/perf-log.md, "decode-v3").
+template <int ROWS, int NTHREADS, int PAGE_SLOTS>
 struct RowOffsetRing {
     static constexpr u32 SLOT_BYTES = ROWS * 16;
-    static constexpr u32 BYTES = 2 * SLOT_BYTES;
+    static constexpr u32 PAGE_SLOT_BYTES = ROWS * 4;
+    static constexpr u32 BYTES = 2 * SLOT_BYTES + PAGE_SLOTS * PAGE_SLOT_BYTES;
     static constexpr int ROWS_PER_THREAD = (ROWS + NTHREADS - 1) / NTHREADS;
     u32 base;
 
     __device__ __forceinline__ u32 slot(int block) const { return base + (block & 1) * SLOT_BYTES; }
+    __device__ __forceinline__ u32 page_slot(int block) const {
+        return base + 2 * SLOT_BYTES + (block % PAGE_SLOTS) * PAGE_SLOT_BYTES;
+    }
 
     // The pages of block `block`'s rows that this thread looks up (read from the table now).
     struct Pending {
@@ -112,6 +126,34 @@ struct RowOffsetRing {
     template <bool PAGED>
     __device__ __forceinline__ void fill(const CacheKeys<PAGED>& keys, int block, int seqlen_k, int thread) const {
         store(keys, locate(keys, block, seqlen_k, thread), block, thread);
+    }
+    // The table entries of block `block`'s rows, copied into its page-id slot (cp.async, committed
+    // with the caller's next group; rows past the keys get page 0, which no copy reads).
+    template <bool PAGED>
+    __device__ __forceinline__ void request(const CacheKeys<PAGED>& keys, int block, int seqlen_k, int thread) const {
+#pragma unroll
+        for (int i = 0; i < ROWS_PER_THREAD; ++i) {
+            const int r = thread + i * NTHREADS, n = block * ROWS + r;
+            if (r >= ROWS) continue;
+            const bool key = n < seqlen_k;
+            cp_async_4(page_slot(block) + 4 * r, keys.table_entry(key ? n : 0), key);
+        }
+    }
+    // The pages of block `block`'s rows from its page-id slot (the caller has waited for the group
+    // that copied them; each row is requested and read by the same thread).
+    template <bool PAGED>
+    __device__ __forceinline__ Pending requested(const CacheKeys<PAGED>& keys, int block, int thread) const {
+        Pending pending;
+#pragma unroll
+        for (int i = 0; i < ROWS_PER_THREAD; ++i) {
+            const int r = thread + i * NTHREADS, n = block * ROWS + r;
+            pending.page_id[i] = 0, pending.slot[i] = 0;
+            if (r >= ROWS) continue;
+            asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(pending.page_id[i]) : "r"(page_slot(block) + 4 * r)
+                         : "memory");
+            pending.slot[i] = PAGED ? keys.slot_of(n) : n;
+        }
+        return pending;
     }
     __device__ __forceinline__ void offsets(int block, int r, i64& k_off, i64& v_off) const {
         asm volatile("ld.shared.v2.b64 {%0, %1}, [%2];\n" : "=l"(k_off), "=l"(v_off) : "r"(slot(block) + 16 * r)
@@ -157,9 +199,9 @@ __device__ __forceinline__ void cp_async_cache_rows(u32 k_tile, u32 v_tile, cons
 }
 
 // Key block `block` (ROWS keys), each row's offsets from a RowOffsetRing.
-template <int ROWS, int DIM, int NTHREADS, typename T>
+template <int ROWS, int DIM, int NTHREADS, int PAGE_SLOTS, typename T>
 __device__ __forceinline__ void cp_async_cache_rows(u32 k_tile, u32 v_tile, const T* k, const T* v,
-                                                    const RowOffsetRing<ROWS, NTHREADS>& ring, int block,
+                                                    const RowOffsetRing<ROWS, NTHREADS, PAGE_SLOTS>& ring, int block,
                                                     int seqlen_k, int headdim, int headdim_v, int thread) {
     cp_async_key_rows<ROWS, DIM, NTHREADS>(
         k_tile, v_tile, k, v, [&](int r, i64& k_off, i64& v_off) { ring.offsets(block, r, k_off, v_off); },

@@ -251,7 +251,7 @@ flash_fwd_kvcache_mma(const __grid_constant__ CacheFwdParams p) {
     // Q in registers up to d128 (32 of them); at d256 its 64 would crowd O's 128.
     constexpr bool Q_IN_REGS = D_TILE <= 128;
     constexpr int Q_STEPS = Q_IN_REGS ? D_TILE / 16 : 1;
-    typedef RowOffsetRing<BLOCK_N, NTHREADS> Ring;
+    typedef RowOffsetRing<BLOCK_N, NTHREADS, STAGES> Ring;
     typedef CacheSmemLayout<D_TILE, BLOCK_M, BLOCK_N, STAGES, PAGED ? Ring::BYTES : 0> Smem;
     static_assert(WARP_KEYS % 16 == 0 && BLOCK_N == KEY_WARPS * WARP_KEYS && D_TILE % 64 == 0 && STAGES >= 2,
                   "tile shape: whole 16-key steps per warp");
@@ -308,7 +308,8 @@ flash_fwd_kvcache_mma(const __grid_constant__ CacheFwdParams p) {
                                                        k_cache, v_cache, keys, block * BLOCK_N, seqlen_k, headdim,
                                                        p.headdim_v, threadIdx.x);
     };
-    // Paged caches: the key loop's tiles from row offsets looked up a tile ahead (RowOffsetRing).
+    // Paged caches: the key loop's tiles from row offsets worked out a tile ahead, from table
+    // entries copied STAGES tiles before that (RowOffsetRing).
     const Ring ring{Smem::ring(smem_base)};
     auto load_kv_tile_in_loop = [&](int block, int stage) {
         if constexpr (PAGED) {
@@ -320,13 +321,15 @@ flash_fwd_kvcache_mma(const __grid_constant__ CacheFwdParams p) {
         }
     };
 
-    // --- prologue: Q, then STAGES - 1 key blocks (commit groups as in flash_fwd_mma) -------------
+    // --- prologue: Q, then STAGES - 1 key blocks (commit groups as in flash_fwd_mma), each with
+    // the table entries of the block STAGES after it (paged) ----------------------------------------
     cp_async_packed_rows<BLOCK_M, D_TILE, NTHREADS, T>(q_tile, p.q, batch, rows, m0, headdim, threadIdx.x);
     cp_async_commit();
 #pragma unroll
     for (int ahead = 0; ahead < STAGES - 1; ++ahead) {
         const int j = j_begin + ahead;
         if (j * BLOCK_N < n_end) load_kv_tile(j, j % STAGES);
+        if (PAGED && (j + STAGES) * BLOCK_N < n_end) ring.request(keys, j + STAGES, seqlen_k, threadIdx.x);
         cp_async_commit();
     }
     if constexpr (PAGED) {  // the first tile the key loop loads (the loop's barrier orders it)
@@ -359,12 +362,14 @@ flash_fwd_kvcache_mma(const __grid_constant__ CacheFwdParams p) {
         __syncthreads();
         const int ahead = j + STAGES - 1;
         if (ahead * BLOCK_N < n_end) load_kv_tile_in_loop(ahead, ahead % STAGES);
+        // Paged: the table entries of block ahead + STAGES go out with these copies; those of
+        // the block after `ahead` (copied with tile j's, which the wait above covers) are read
+        // now, and its offsets stored after this tile's math.
+        if (PAGED && (ahead + STAGES) * BLOCK_N < n_end) ring.request(keys, ahead + STAGES, seqlen_k, threadIdx.x);
         cp_async_commit();
-        // Paged: the table read for the tile after `ahead` goes out now, its offsets are stored
-        // after this tile's math.
         const bool look_ahead = PAGED && (ahead + 1) * BLOCK_N < n_end;
         typename Ring::Pending pending;
-        if (look_ahead) pending = ring.locate(keys, ahead + 1, seqlen_k, threadIdx.x);
+        if (look_ahead) pending = ring.requested(keys, ahead + 1, threadIdx.x);
         float s[1][N_FRAGS][4];
         mma_qk<T, D_TILE>(s, q_frag, q_strip, a_addr, Smem::k_tile(smem_base, stage) + warp_keys, k_addr);
         const bool masked = mask.keys_partial(q_first, q_count, j * BLOCK_N, BLOCK_N);

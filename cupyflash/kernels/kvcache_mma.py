@@ -79,8 +79,10 @@ def cache_tiles(dt: int, packed_rows: int, mask: Mask | None = None) -> CacheTil
 
 def smem_bytes(dt: int, tiles: CacheTiles, paged: bool = False) -> int:
     """CacheSmemLayout<...>::BYTES: the Q tile and STAGES K and V tiles, 16-bit; a paged cache's
-    RowOffsetRing after them (two slots of a 16-byte offset pair per key of a tile)."""
-    return 2 * dt * (tiles.block_m + 2 * tiles.stages * tiles.block_n) + (2 * 16 * tiles.block_n if paged else 0)
+    RowOffsetRing after them (two slots of a 16-byte offset pair per key of a tile, and STAGES slots
+    of a 4-byte page id per key)."""
+    ring = (2 * 16 + 4 * tiles.stages) * tiles.block_n
+    return 2 * dt * (tiles.block_m + 2 * tiles.stages * tiles.block_n) + (ring if paged else 0)
 
 
 def specialization(dtype, dt: int, mask: Mask, tiles: CacheTiles, paged: bool, split: bool) -> Specialization:
