@@ -1,7 +1,9 @@
 """The float32 forward on tf32 wgmma (flash_fwd_tf32_wgmma, perf log tf32-wgmma-v0 and v1), candidates
 no plan routes to, against the shipped float32 forward (flash_fwd_tf32 on mma.sync, precision
 "ieee") and PyTorch's mem-efficient float32 kernel, in one run; then their error against the
-float64 reference beside standard float32 attention's (issue 18's 2x bar).
+float64 reference beside standard float32 attention's (issue 18's 2x bar). Precision "tf32" (one
+product) too, for the fastest candidate of each head dim against the shipped "tf32" forward, its
+error beside standard float16 attention's (the tf32 property's 2x).
 
     python dev/bench_tf32_wgmma.py [--quick] [--json FILE]
 
@@ -35,6 +37,20 @@ def candidates(headdim: int) -> dict:
     else:
         out.update(v1_apart=C(32, raw_stages=2, sums_apart=True))
     return out
+
+
+def tf32_candidates(headdim: int) -> dict:
+    """{name: WgmmaTf32FwdConfig} timed in precision "tf32" as well: the fastest "ieee" candidate
+    of each head dim on the H200 (perf log tf32-wgmma-v2: v2 at d64, v0 at d128)."""
+    from cupyflash.plans import WgmmaTf32FwdConfig as C
+
+    return {"v2_producer": C(32, raw_stages=2, producer=True, stages=4)} if headdim <= 64 else {"v0": C(64)}
+
+
+def _variant(precision: str):
+    from cupyflash.scores import Variant
+
+    return Variant(precision=precision)
 
 
 def _inputs(batch, seqlen, nheads, headdim, seed=0):
@@ -73,15 +89,19 @@ def measure(headdims=(64, 128), seqlens=(1024, 4096, 8192), quick=False) -> list
                     o = cupy.empty_like(q)
                     lse = cupy.empty((batch, nheads, seqlen), np.float32)
 
-                    def candidate(config):
+                    def candidate(config, precision="ieee"):
+                        variant = None if precision == "ieee" else _variant(precision)  # None: as before
                         return lambda _: mma_fwd.forward(q, k, v, o, lse, softmax_scale=scale, causal=causal,
-                                                         config=config)
+                                                         config=config, variant=variant)
 
-                    def shipped(_):
-                        cupyflash.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal)
+                    def shipped(_, precision="ieee"):
+                        cupyflash.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, precision=precision)
 
                     runs = [(name, candidate(config)) for name, config in candidates(headdim).items()]
-                    for name, run in runs + [("shipped", shipped)]:
+                    tf32_runs = [(f"tf32_{name}", candidate(config, "tf32"))
+                                 for name, config in tf32_candidates(headdim).items()]
+                    tf32_runs.append(("tf32_shipped", lambda _: shipped(_, "tf32")))
+                    for name, run in runs + [("shipped", shipped)] + tf32_runs:
                         ms = time_region(run, 1, policy=policy, stream=stream).median_ms
                         row[f"{name}_tflops"] = flops / ms / 1e9
                     best = max((name for name, _ in runs), key=lambda name: row[f"{name}_tflops"])
@@ -129,6 +149,15 @@ def accuracy(headdims=(64, 128), seqlen=1024) -> list:
                 row[f"{name}_ratio"] = row[f"{name}_err"] / row["standard_float32_err"]  # issue 18's bar: <= 2
             row["candidate_err"] = max(row[f"{name}_err"] for name in candidates(headdim))
             row["ratio"] = row["candidate_err"] / row["standard_float32_err"]
+            o16, _ = reference.standard_attention(q, k, v, dtype=np.float16, causal=causal)
+            row["standard_float16_err"] = max_abs_error(o16, o_ref)
+            for name, config in tf32_candidates(headdim).items():
+                o = cupy.full(q.shape, np.nan, np.float32)
+                lse = cupy.full((1, 2, seqlen), np.nan, np.float32)
+                mma_fwd.forward(*(cupy.asarray(x) for x in (q, k, v)), o, lse, softmax_scale=headdim ** -0.5,
+                                causal=causal, config=config, variant=_variant("tf32"))
+                err = max_abs_error(cupy.asnumpy(o), o_ref)
+                row[f"tf32_{name}_err"], row[f"tf32_{name}_ratio_float16"] = err, err / row["standard_float16_err"]
             print(json.dumps(row), flush=True)
             out.append(row)
     return out
