@@ -120,7 +120,9 @@ class WgmmaTf32FwdConfig:
     ``flash_fwd_tf32_wgmma_ws.cu``): a producer warpgroup stages and splits K and V into ``stages``
     stages for two consumer warpgroups of 64 rows each (128 a CTA; Q in registers, raw_stages >= 1,
     head dims up to 64). ``sums_apart`` ("ieee"): S's small products and each block's P V in
-    accumulators of their own, for accuracy (wgmma_tf32_fwd_steps.cuh)."""
+    accumulators of their own, for accuracy (wgmma_tf32_fwd_steps.cuh). ``pingpong`` (producer
+    only): the two consumers take turns at issuing their products, one's softmax under the
+    other's products (ConsumerTurns)."""
 
     block_n: int = 64
     raw_stages: int = 0
@@ -128,6 +130,7 @@ class WgmmaTf32FwdConfig:
     producer: bool = False
     stages: int = 2
     sums_apart: bool = False
+    pingpong: bool = False
 
     @property
     def block_m(self) -> int:
@@ -593,11 +596,14 @@ def specialization_for(dtype, dt: int, mask: Mask | bool, tiles, dvt: int | None
                                  f"raw_stages >= 1 and stages >= 2, not d{dt} {c}")
             return Specialization(
                 f"flash_fwd_tf32_wgmma_ws_{short}_hdim{dt}_{mask.name}_bm{c.block_m}_bn{c.block_n}_{precision}"
-                f"_s{c.stages}_raw{c.raw_stages}{'_apart' if c.sums_apart else ''}",
+                f"_s{c.stages}_raw{c.raw_stages}{'_apart' if c.sums_apart else ''}"
+                f"{'_pingpong' if c.pingpong else ''}",
                 "flash_fwd_tf32_wgmma_ws.cu",
                 f"cf::flash_fwd_tf32_wgmma_ws<{dt}, {mask.cpp}, {c.block_n}, {PRODUCTS[precision]}, {c.stages}, "
-                f"{c.raw_stages}{_template_options(c.sums_apart)}>",
+                f"{c.raw_stages}{_template_options(c.sums_apart, c.pingpong)}>",
                 c.threads, tf32_wgmma_smem_bytes(dt, c), arch="90a")
+        if c.pingpong:
+            raise ValueError(f"cupyflash: pingpong takes the tf32 wgmma producer kernel (producer=True), not {c}")
         # v1's options only where set: v0's names and expressions unchanged
         options = _template_options(c.raw_stages, c.q_registers, c.sums_apart)
         return Specialization(

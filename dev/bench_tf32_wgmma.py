@@ -24,8 +24,9 @@ POLICY_ARGS = dict(warmup=3, target_s=0.2, min_repeats=5, max_repeats=30)
 def candidates(headdim: int) -> dict:
     """{name: WgmmaTf32FwdConfig} of the candidates at this head dim: v0 (synchronous), v1 (raw K /
     V staged by cp.async two blocks ahead), and at d64 v1 with Q in registers (BLOCK_N 32 with two
-    raw stages, 64 with one) and v2 (a producer warpgroup, two consumers); at d128 Q does not fit
-    in registers. "_apart": S's small products and each block's P V summed apart (accuracy)."""
+    raw stages, 64 with one) and v2 (a producer warpgroup, two consumers; "_pingpong": the consumers
+    taking turns at the tensor cores); at d128 Q does not fit in registers. "_apart": S's small
+    products and each block's P V summed apart (accuracy)."""
     from cupyflash.plans import WgmmaTf32FwdConfig as C
 
     out = {"v0": C(64), "v1": C(32, raw_stages=2)}
@@ -33,7 +34,9 @@ def candidates(headdim: int) -> dict:
         out.update(v1_qregs=C(32, raw_stages=2, q_registers=True), v1_qregs_bn64=C(64, raw_stages=1, q_registers=True),
                    v2_producer=C(32, raw_stages=2, producer=True, stages=4),
                    v1_qregs_apart=C(32, raw_stages=2, q_registers=True, sums_apart=True),
-                   v2_producer_apart=C(32, raw_stages=2, producer=True, stages=4, sums_apart=True))
+                   v2_producer_apart=C(32, raw_stages=2, producer=True, stages=4, sums_apart=True),
+                   v2_pingpong=C(32, raw_stages=2, producer=True, stages=4, pingpong=True),
+                   v2_pingpong_apart=C(32, raw_stages=2, producer=True, stages=4, sums_apart=True, pingpong=True))
     else:
         out.update(v1_apart=C(32, raw_stages=2, sums_apart=True))
     return out
@@ -41,10 +44,14 @@ def candidates(headdim: int) -> dict:
 
 def tf32_candidates(headdim: int) -> dict:
     """{name: WgmmaTf32FwdConfig} timed in precision "tf32" as well: the fastest "ieee" candidate
-    of each head dim on the H200 (perf log tf32-wgmma-v2: v2 at d64, v0 at d128)."""
+    of each head dim on the H200 (perf log tf32-wgmma-v2: v2 at d64, v0 at d128), and v2 with
+    turns."""
     from cupyflash.plans import WgmmaTf32FwdConfig as C
 
-    return {"v2_producer": C(32, raw_stages=2, producer=True, stages=4)} if headdim <= 64 else {"v0": C(64)}
+    if headdim <= 64:
+        return {"v2_producer": C(32, raw_stages=2, producer=True, stages=4),
+                "v2_pingpong": C(32, raw_stages=2, producer=True, stages=4, pingpong=True)}
+    return {"v0": C(64)}
 
 
 def _variant(precision: str):

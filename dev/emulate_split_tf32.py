@@ -402,7 +402,8 @@ def validate_on_bench(models):
             line += f" {acc} {np.median(c.run(ar)):.2e}"
         acc = models[0]
         for name in BENCH_FIXES:
-            line += f" | {name.split()[0]} ({acc}) {np.median(c.run(replace(KERNEL, qk_acc=acc, pv_acc=acc, **FIXES[name]))):.2e}"
+            err = np.median(c.run(replace(KERNEL, qk_acc=acc, pv_acc=acc, **FIXES[name])))
+            line += f" | {name.split()[0]} ({acc}) {err:.2e}"
         print(line, flush=True)
 
 
@@ -496,7 +497,8 @@ def main(argv=None):
     if long_case is not None:
         print(f"\nlong 1024x1024 d64 mag 1: standard fp32 error {long_case.err_std:.2e}")
     for acc in args.fix_models:
-        print(f"\n== fixes (accumulation {acc}, median [min, max] over ex2 draws; 'ok': within the bound on every draw)")
+        print(f"\n== fixes (accumulation {acc}, median [min, max] over ex2 draws; "
+              "'ok': within the bound on every draw)")
         for name, change in FIXES.items():
             ar = replace(KERNEL, qk_acc=acc, pv_acc=acc, **change)
             line = f"  {name:48s}"

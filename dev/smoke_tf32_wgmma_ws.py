@@ -1,5 +1,6 @@
-"""One small forward of the producer-warpgroup candidate (flash_fwd_tf32_wgmma_ws, perf log
-tf32-wgmma-v2) against the float64 reference, before anything longer runs it: a barrier parity
+"""Small forwards of the producer-warpgroup candidates (flash_fwd_tf32_wgmma_ws, perf log
+tf32-wgmma-v2: as measured, with the consumers taking turns (pingpong), and that with SUMS_APART)
+against the float64 reference, before anything longer runs them: a barrier parity or a turn
 wrong would hang here, under a short timeout, not inside a test shard or the bench.
 
     timeout 90 python dev/smoke_tf32_wgmma_ws.py
@@ -21,9 +22,14 @@ def main() -> int:
     from cupyflash.testing.tolerance import RTOL, max_abs_error
 
     rng = np.random.default_rng(7)
-    config = WgmmaTf32FwdConfig(32, raw_stages=2, producer=True, stages=4)
+    configs = {"v2": WgmmaTf32FwdConfig(32, raw_stages=2, producer=True, stages=4),
+               "v2 pingpong": WgmmaTf32FwdConfig(32, raw_stages=2, producer=True, stages=4, pingpong=True),
+               "v2 pingpong apart": WgmmaTf32FwdConfig(32, raw_stages=2, producer=True, stages=4, pingpong=True,
+                                                       sums_apart=True)}
     worst = 0.0
-    for seqlen_q, seqlen_k, causal in ((256, 256, True), (130, 333, False), (64, 7, False)):
+    for (name, config), (seqlen_q, seqlen_k, causal) in ((c, s) for c in configs.items() for s in
+                                                         ((256, 256, True), (130, 333, False), (64, 7, False),
+                                                          (200, 0, False))):
         q = rng.standard_normal((2, seqlen_q, 4, 64)).astype(np.float32)
         k, v = (rng.standard_normal((2, seqlen_k, 2, 64)).astype(np.float32) for _ in range(2))
         o = cupy.full(q.shape, np.nan, np.float32)
@@ -33,7 +39,8 @@ def main() -> int:
         cupy.cuda.runtime.deviceSynchronize()
         o_ref, _ = reference.attention(q, k, v, softmax_scale=0.125, causal=causal)
         err = max_abs_error(cupy.asnumpy(o), o_ref) / (1 + float(np.abs(o_ref).max()))
-        print(f"smoke tf32 wgmma ws: {seqlen_q} x {seqlen_k} causal={causal}: relative error {err:.3g}", flush=True)
+        print(f"smoke tf32 wgmma ws, {name}: {seqlen_q} x {seqlen_k} causal={causal}: relative error {err:.3g}",
+              flush=True)
         worst = max(worst, err)
     return 0 if worst <= RTOL[np.dtype(np.float32)] else 1
 

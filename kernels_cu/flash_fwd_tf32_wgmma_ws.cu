@@ -42,7 +42,8 @@ struct FwdTf32WgmmaWsSmem {
     static_assert(RAW_STAGES * 2 * KV_TILE >= BLOCK_M * D_TILE * 4, "O's staging tile in the raw tiles");
 };
 
-template <int D_TILE, class Mask, int BLOCK_N, int PRODUCTS, int STAGES, int RAW_STAGES, bool SUMS_APART = false>
+template <int D_TILE, class Mask, int BLOCK_N, int PRODUCTS, int STAGES, int RAW_STAGES, bool SUMS_APART = false,
+          bool PINGPONG = false>
 __global__ void __launch_bounds__(384, 1)
 flash_fwd_tf32_wgmma_ws(const __grid_constant__ FwdParams p) {
     typedef FwdTf32WgmmaWsSmem<D_TILE, BLOCK_N, STAGES, RAW_STAGES> L;
@@ -136,15 +137,27 @@ flash_fwd_tf32_wgmma_ws(const __grid_constant__ FwdParams p) {
     RowStats<RowState::ALL_LANES, 1> row_stats;
     const DropoutOf<Mask> dropout(p, seq.index, head);
 
+    // PINGPONG: the consumers take turns at issuing their products (named barriers 2 and 3,
+    // ConsumerTurns); warpgroup 1 has the first turn, and waits once more at the end for
+    // warpgroup 2's last pass, so that every arrival on a barrier is met by its bar.sync.
+    const ConsumerTurns turns{2u + (wg - 1), 2u + (2 - wg)};
+    if (PINGPONG && wg == 2) turns.pass();
     for (int j = j_begin; j < j_end; ++j) {
         const int i = j - j_begin;
         const u32 stage = base + (i % STAGES) * L::STAGE;
         mbarrier_wait(base + L::FULL + 8 * (i % STAGES), (i / STAGES) & 1);
-        tf32_wgmma_forward_block<D_TILE, BLOCK_M, BLOCK_N, PRODUCTS, true, SUMS_APART>(
-            o_acc, row_stats, q_hi, q_lo, 0u, 0u, stage + L::K_HI, stage + L::K_LO, stage + L::V_HI, stage + L::V_LO,
-            mask, score, dropout, p.scale_log2, m0, j * BLOCK_N, strip_row0, lane);
+        if constexpr (PINGPONG) {
+            tf32_wgmma_forward_block<D_TILE, BLOCK_M, BLOCK_N, PRODUCTS, true, SUMS_APART>(
+                o_acc, row_stats, q_hi, q_lo, 0u, 0u, stage + L::K_HI, stage + L::K_LO, stage + L::V_HI,
+                stage + L::V_LO, mask, score, dropout, p.scale_log2, m0, j * BLOCK_N, strip_row0, lane, turns);
+        } else {
+            tf32_wgmma_forward_block<D_TILE, BLOCK_M, BLOCK_N, PRODUCTS, true, SUMS_APART>(
+                o_acc, row_stats, q_hi, q_lo, 0u, 0u, stage + L::K_HI, stage + L::K_LO, stage + L::V_HI,
+                stage + L::V_LO, mask, score, dropout, p.scale_log2, m0, j * BLOCK_N, strip_row0, lane);
+        }
         mbarrier_arrive(base + L::EMPTY + 8 * (i % STAGES));  // its products were waited for
     }
+    if (PINGPONG && wg == 1) turns.wait();
 
     if constexpr (DropoutOf<Mask>::ENABLED) scale_acc(o_acc, p.variant.dropout.scale);
     store_o_f32<D_TILE, Mask::Score::HAS_SINK>(

@@ -52,6 +52,12 @@ __device__ __forceinline__ void named_barrier_sync(u32 id, u32 threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// bar.arrive: counts toward the named barrier's `threads` without waiting (a warpgroup letting
+// another's bar.sync on it through).
+__device__ __forceinline__ void named_barrier_arrive(u32 id, u32 threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 // The warpgroup's registers per thread lowered / raised to N (a multiple of 8 in 24..256); every
 // thread of the warpgroup executes it. Registers move within the CTA's launch allocation: a raise
 // waits until other warpgroups' releases cover it, so the counts after both must fit in it (or

@@ -5,6 +5,7 @@
 #pragma once
 
 #include "common.cuh"
+#include "mbarrier.cuh"
 #include "mma.cuh"
 #include "online_softmax.cuh"
 #include "tf32_fwd_steps.cuh"
@@ -29,6 +30,22 @@ __device__ __forceinline__ void load_q_fragments(u32 (&hi)[D_TILE / 8][4], u32 (
         }
 }
 
+// Turns at the tensor cores for a block's two issues (S's products, then P V's): `wait` before a
+// warpgroup issues, `pass` once it has. NoTurns: a warpgroup issues when it is ready (v0, v1, v2).
+// ConsumerTurns (v2 PINGPONG): two consumer warpgroups alternate on two named barriers, so the
+// products of one are issued, and run, while the other does its softmax; left alone the two are
+// released by the same full barrier each block and reach their softmax together, the tensor
+// cores idle meanwhile (tf32-wgmma-v2 measured 62% of the three-product ceiling).
+struct NoTurns {
+    __device__ __forceinline__ void wait() const {}
+    __device__ __forceinline__ void pass() const {}
+};
+struct ConsumerTurns {
+    u32 mine, other;  // named barrier ids: this warpgroup's turn, the other's
+    __device__ __forceinline__ void wait() const { named_barrier_sync(mine, 256); }
+    __device__ __forceinline__ void pass() const { named_barrier_arrive(other, 256); }
+};
+
 // One key block for a warpgroup: S = Q K_j^T as tf32 wgmma (A = Q from registers with Q_REGS,
 // else from the warpgroup's 64-row Q hi / lo tiles; B = K_j's tiles), the online softmax and dropout
 // on its registers, P split into wgmma's register A operand, O += P V_j (B = V_j^T's KEY_PAIRS
@@ -44,13 +61,14 @@ __device__ __forceinline__ void load_q_fragments(u32 (&hi)[D_TILE / 8][4], u32 (
 // chained, not the sequence's), added to the rescaled O by one FADD a value (tf32-fwd-v2's
 // FRESH_O). Same products, more registers: S's width three times over, and O's.
 template <int D_TILE, int BLOCK_M, int BLOCK_N, int PRODUCTS, bool Q_REGS, bool SUMS_APART = false, class Mask,
-          class Score, class Stats, class Drop, int QK>
+          class Score, class Stats, class Drop, int QK, class Turns = NoTurns>
 __device__ __forceinline__ void tf32_wgmma_forward_block(float (&o_acc)[1][D_TILE / 8][4], Stats& row_stats,
                                                          const u32 (&q_hi)[QK][4], const u32 (&q_lo)[QK][4],
                                                          u32 q_hi_tile, u32 q_lo_tile, u32 k_hi_tile, u32 k_lo_tile,
                                                          u32 v_hi_tile, u32 v_lo_tile, const Mask& mask,
                                                          const Score& score, const Drop& dropout, float scale_log2,
-                                                         int m0, int n0, int strip_row0, int lane) {
+                                                         int m0, int n0, int strip_row0, int lane,
+                                                         const Turns& turns = Turns()) {
     constexpr int N_FRAGS = BLOCK_N / 8, D_FRAGS = D_TILE / 8;
     constexpr bool SPLIT = Tf32Operand<PRODUCTS>::SPLIT, APART = SPLIT && SUMS_APART;
     static_assert(!Q_REGS || QK == D_TILE / 8, "Q's registers: one A fragment per k-step");
@@ -92,6 +110,7 @@ __device__ __forceinline__ void tf32_wgmma_forward_block(float (&o_acc)[1][D_TIL
 #pragma unroll
             for (int e = 0; e < N_FRAGS * 4; ++e) s_flat[e] = first ? chain[e] : s_flat[e] + chain[e];
         };
+        turns.wait();
 #pragma unroll
         for (int c = 0; c < CHAINS; ++c) {
             wgmma_fence();
@@ -104,16 +123,19 @@ __device__ __forceinline__ void tf32_wgmma_forward_block(float (&o_acc)[1][D_TIL
                 add_chain(hh[(c - 1) & 1], c == 1);
             }
         }
+        turns.pass();
         wgmma_wait<0>();
         add_chain(hh[(CHAINS - 1) & 1], CHAINS == 1);
         pin_registers(s_small);
 #pragma unroll
         for (int e = 0; e < N_FRAGS * 4; ++e) s_flat[e] += s_small[e];
     } else {
+        turns.wait();
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < K_STEPS; ++kk) s_k_step(kk, s_flat, SPLIT ? 1 : kk > 0);
         wgmma_commit();
+        turns.pass();
         wgmma_wait<0>();
         pin_registers(s_flat);
     }
@@ -139,6 +161,7 @@ __device__ __forceinline__ void tf32_wgmma_forward_block(float (&o_acc)[1][D_TIL
     float(&o_flat)[D_FRAGS * 4] = reinterpret_cast<float(&)[D_FRAGS * 4]>(o_acc);
     float o_block[APART ? D_FRAGS * 4 : 1];  // this block's P V, fresh (SUMS_APART)
     float(&pv)[D_FRAGS * 4] = *reinterpret_cast<float(*)[D_FRAGS * 4]>(APART ? o_block : o_flat);
+    turns.wait();
     wgmma_fence();
 #pragma unroll
     for (int f = 0; f < N_FRAGS; ++f) {
@@ -150,6 +173,7 @@ __device__ __forceinline__ void tf32_wgmma_forward_block(float (&o_acc)[1][D_TIL
         WgmmaTf32<D_TILE>::rs(pv, p_hi[f], v_hi, 1);
     }
     wgmma_commit();
+    turns.pass();
     wgmma_wait<0>();
     pin_registers(pv);
     if constexpr (APART) {

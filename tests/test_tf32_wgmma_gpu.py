@@ -40,12 +40,16 @@ CONFIGS = {"v0": (WgmmaTf32FwdConfig(64), TENSOR_CORE_HEADDIMS),
            "v1": (WgmmaTf32FwdConfig(32, raw_stages=2), TENSOR_CORE_HEADDIMS),
            "v1_qregs": (WgmmaTf32FwdConfig(32, raw_stages=2, q_registers=True), (8, 16, 40, 64)),
            "v1_qregs_bn64": (WgmmaTf32FwdConfig(64, raw_stages=1, q_registers=True), (8, 16, 40, 64)),
-           "v2_producer": (WgmmaTf32FwdConfig(32, raw_stages=2, producer=True, stages=4), (8, 16, 40, 64))}
+           "v2_producer": (WgmmaTf32FwdConfig(32, raw_stages=2, producer=True, stages=4), (8, 16, 40, 64)),
+           "v2_pingpong": (WgmmaTf32FwdConfig(32, raw_stages=2, producer=True, stages=4, pingpong=True),
+                           (8, 16, 40, 64))}
 APART_CONFIGS = {
     "v1_apart": (WgmmaTf32FwdConfig(32, raw_stages=2, sums_apart=True), TENSOR_CORE_HEADDIMS),
     "v1_qregs_apart": (WgmmaTf32FwdConfig(32, raw_stages=2, q_registers=True, sums_apart=True), (8, 16, 40, 64)),
     "v2_producer_apart": (WgmmaTf32FwdConfig(32, raw_stages=2, producer=True, stages=4, sums_apart=True),
-                          (8, 16, 40, 64))}
+                          (8, 16, 40, 64)),
+    "v2_pingpong_apart": (WgmmaTf32FwdConfig(32, raw_stages=2, producer=True, stages=4, sums_apart=True,
+                                             pingpong=True), (8, 16, 40, 64))}
 
 
 @pytest.fixture(autouse=True)
@@ -119,6 +123,10 @@ def test_tf32_within_twice_standard_float16(config_name, data, variant):
     assert max_abs_error(lse, lse_ref) <= 2 * max_abs_error(lse_std, lse_ref) + floor
 
 
+# Seen on the H200 (2026-12-04, dev profile, tree 195b34c): v1_apart and v2_producer_apart failed
+# this on a two- and a three-key draw (8.9e-6 and 8.6e-6 against bounds of 7.9e-6 and 6.8e-6;
+# v1_qregs_apart, the same sums, passed); S's hi hi then ran as one chain of D / 8 k-steps. Since,
+# chains of two k-steps (dev/emulate_split_tf32.py; docs/perf-log.md tf32-wgmma-v2), not yet run.
 @pytest.mark.parametrize("config_name", list(APART_CONFIGS))
 @given(data=st.data(), variant=st.sampled_from(VARIANTS))
 def test_sums_apart_within_twice_standard_float32(config_name, data, variant):
