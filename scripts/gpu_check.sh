@@ -18,6 +18,9 @@
 #   scripts/gpu_check.sh OUTDIR capture  the no_host_sync / CUDA-graph tests, then the decode-loop
 #                                       bench (32 layers: checked, no_host_sync, graph) and the
 #                                       varlen bench (with device cu_seqlens unread)
+#   scripts/gpu_check.sh OUTDIR paged    decode-v4 (the page-id ring): KVCACHE_PART=tests, the six GPU
+#                                       test files that launch the KV-cache kernel; KVCACHE_PART=bench,
+#                                       the decode table (20 repeats) and dev/decode_fixed_cost.py
 #   scripts/gpu_check.sh OUTDIR recheck  the GPU tests the 2026-12-02 Python changes after its GPU runs
 #                                       need (capture, torch, kv cache, varlen), the decode table and
 #                                       the split sweep (contiguous and page 16)
@@ -127,6 +130,19 @@ capture)
         --out "$out/capture-shards" -m gpu tests/test_capture_gpu.py
     step decode-loop 240 python -m cupyflash.bench.decode_loop --json "$out/decode-loop.json"
     step varlen-bench 240 python -m cupyflash.bench.varlen --json "$out/varlen.json"
+    ;;
+paged)  # decode-v4: the page-id ring's GPU tests (every file that launches the KV-cache kernel), then its speed
+    export PYTHONPATH=$PWD
+    if [ "${KVCACHE_PART:-tests}" = tests ]; then
+        step warm-paged "${WARM_LIMIT:-150}" python scripts/warm_kernel_cache.py --match 'kvcache|combine|append'
+        step paged-tests "${TEST_LIMIT:-400}" env HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-dev}" \
+            python scripts/pytest_shards.py --shards "${SHARDS:-14}" --limit "$(( ${TEST_LIMIT:-400} - 20 ))" \
+            --out "$out/paged-shards" -m gpu tests/test_kvcache_kernel_gpu.py tests/test_kvcache_gpu.py \
+            tests/test_capture_gpu.py tests/test_decode_dispatch_gpu.py tests/test_headdim_v_gpu.py tests/test_torch_gpu.py
+    else
+        step decode 200 python -m cupyflash.bench.kvcache_decode --json "$out/decode.json" --plot "$out/decode.png"
+        step decode-fixed-cost 200 python dev/decode_fixed_cost.py --json "$out/decode-fixed-cost.json"
+    fi
     ;;
 recheck)  # the GPU tests of the Python changes after the 2026-12-02 GPU runs, then the decode table
     export PYTHONPATH=$PWD
