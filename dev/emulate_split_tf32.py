@@ -207,26 +207,19 @@ def _scores(qs, kb, ar: Arith):
     qh, ql = qs
     kh, kl = split(kb, ar.hi_mode, ar.qk_lo_round)
     d = qh.shape[1]
-    if ar.s_step_sums:
+
+    def k_step(acc, c):  # lo hi, hi lo (lo lo), hi hi of k-step c chained onto acc
+        acc = _mma(acc, ql[:, c], kh[:, c].T, r)
+        acc = _mma(acc, qh[:, c], kl[:, c].T, r)
+        if not ar.qk_lolo:
+            acc = _mma(acc, ql[:, c], kl[:, c].T, r)
+        return _mma(acc, qh[:, c], kh[:, c].T, r)
+
+    if ar.s_step_sums or not ar.apart:  # each k-step fresh and added by FADD, or one chain into S
         s = None
         for kk in range(0, d, 8):
             c = slice(kk, kk + 8)
-            step = _mma(None, ql[:, c], kh[:, c].T, r)
-            step = _mma(step, qh[:, c], kl[:, c].T, r)
-            if not ar.qk_lolo:
-                step = _mma(step, ql[:, c], kl[:, c].T, r)
-            step = _mma(step, qh[:, c], kh[:, c].T, r)
-            s = _fadd(s, step, fadd)
-        return s
-    if not ar.apart:  # one chain: lo hi, hi lo, hi hi per k-step, all into S
-        s = None
-        for kk in range(0, d, 8):
-            c = slice(kk, kk + 8)
-            s = _mma(s, ql[:, c], kh[:, c].T, r)
-            s = _mma(s, qh[:, c], kl[:, c].T, r)
-            if not ar.qk_lolo:
-                s = _mma(s, ql[:, c], kl[:, c].T, r)
-            s = _mma(s, qh[:, c], kh[:, c].T, r)
+            s = _fadd(s, k_step(None, c), fadd) if ar.s_step_sums else k_step(s, c)
         return s
     small = big = total = None
     for i, kk in enumerate(range(0, d, 8)):
