@@ -79,7 +79,35 @@ def main(argv=None) -> int:
         print(f"shard {i}: {n} tests, rc {rc}: {found[-1] if found else partial_summary(text)}")
         status |= rc != 0
     print(f"pytest_shards: {len(ids)} tests in {len(procs)} shards, {time.time() - t0:.0f} s")
+    print(time_report(sorted(args.out.glob("shard*.xml"))))
     return int(status)
+
+
+def time_report(xml_files, top: int = 12) -> str:
+    """Where the shards' time went, from their JUnit XML: seconds per test file (summed over
+    shards) and the slowest tests, so that a suite too long for its call shows what to trim."""
+    import xml.etree.ElementTree as ET
+    from collections import Counter
+
+    per_file, per_test = Counter(), []
+    for xml_file in xml_files:
+        try:
+            root = ET.parse(xml_file).getroot()
+        except (ET.ParseError, OSError):  # a shard killed before it wrote its report
+            continue
+        for case in root.iter("testcase"):
+            seconds = float(case.get("time", 0.0))
+            name = f"{case.get('classname', '')}::{case.get('name', '')}"
+            parts = case.get("classname", "").split(".")  # tests.test_x or tests.test_x.TestClass
+            module = next((i for i, part in enumerate(parts) if part.startswith("test_")), len(parts) - 1)
+            per_file[".".join(parts[:module + 1])] += seconds
+            per_test.append((seconds, name))
+    if not per_test:
+        return "time per file: no JUnit report"
+    lines = ["time per file (s, summed over shards): " + ", ".join(
+        f"{name} {seconds:.0f}" for name, seconds in per_file.most_common())]
+    lines += [f"  {seconds:7.1f} s  {name}" for seconds, name in sorted(per_test, reverse=True)[:top]]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
