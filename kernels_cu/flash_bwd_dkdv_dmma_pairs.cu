@@ -15,6 +15,7 @@
 #include "common.cuh"
 #include "dmma_bwd_steps.cuh"
 #include "mask.cuh"
+#include "mbarrier.cuh"
 #include "mma.cuh"
 #include "params.cuh"
 #include "softmax_bwd.cuh"
@@ -98,15 +99,6 @@ __device__ __forceinline__ StageRow stage_row(const BwdParams& p, const double* 
     return {valid ? stat_tile[STAT_LSE * block_m + qi] * double(p.lse_to_log2_f64) : neg_inf<double>(),
             p.weight != nullptr ? stat_tile[STAT_WEIGHT * block_m + qi] : 1.0,
             p.dp_ref != nullptr ? stat_tile[STAT_DP_REF * block_m + qi] : 0.0, stat_tile[STAT_DELTA * block_m + qi]};
-}
-
-// Named barrier `id` (1..15; 0 is __syncthreads') of `threads` threads: arrive without waiting,
-// or wait for all. Shared-memory writes before the arrive are visible after the sync.
-__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
-    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
-    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 template <int D_TILE, class Mask, int BLOCK_M, int NWARPS>

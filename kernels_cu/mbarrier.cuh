@@ -47,13 +47,14 @@ __device__ __forceinline__ void mbarrier_wait(u32 bar, u32 parity) {
     }
 }
 
-// bar.sync on a named barrier of `threads` threads (a warpgroup's own: id 0 is __syncthreads').
+// Named barrier `id` (1..15; 0 is __syncthreads') of `threads` threads, a multiple of 32: bar.sync
+// waits until that many have arrived (itself included), bar.arrive counts toward it without
+// waiting (one group letting another's bar.sync through). Shared-memory writes before the arrive
+// are visible after the sync. The library's one copy: the backward kernels' warp pairs and the
+// tf32 wgmma forward's warpgroups use it.
 __device__ __forceinline__ void named_barrier_sync(u32 id, u32 threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
-
-// bar.arrive: counts toward the named barrier's `threads` without waiting (a warpgroup letting
-// another's bar.sync on it through).
 __device__ __forceinline__ void named_barrier_arrive(u32 id, u32 threads) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }

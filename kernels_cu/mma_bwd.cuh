@@ -5,6 +5,7 @@
 #pragma once
 
 #include "common.cuh"
+#include "mbarrier.cuh"
 #include "mma.cuh"
 
 namespace cf {
@@ -50,11 +51,6 @@ __device__ __forceinline__ void st_shared_v4(u32 addr, u32 x, u32 y, u32 z, u32 
     asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(x), "r"(y), "r"(z),
                  "r"(w)
                  : "memory");
-}
-
-// Barrier for a subset of warps (id 0 is __syncthreads); orders their shared-memory accesses.
-__device__ __forceinline__ void named_barrier_sync(int id, int nthreads) {
-    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(nthreads) : "memory");
 }
 
 // p[0] += a, p[1] += b in global memory, no return value (a fire-and-forget reduction in L2).
