@@ -242,28 +242,22 @@ def _pv(p, vb, ar: Arith, acc=None):
     fadd = fl32 if ar.pv_acc != "exact" else exact
     ph, pl = split(p, ar.hi_mode, ar.pv_lo_round)
     vh, vl = split(vb, ar.hi_mode, ar.pv_lo_round)
+
+    def small_products(x, c):  # lo hi, hi lo (lo lo) of 8-key step c chained onto x
+        x = _mma(x, pl[:, c], vh[c], r)
+        x = _mma(x, ph[:, c], vl[c], r)
+        return _mma(x, pl[:, c], vl[c], r) if not ar.pv_lolo else x
+
     small = None
     for f in range(0, p.shape[1], 8):
         c = slice(f, f + 8)
         if ar.pv_step_sums:
-            step = _mma(None, pl[:, c], vh[c], r)
-            step = _mma(step, ph[:, c], vl[c], r)
-            if not ar.pv_lolo:
-                step = _mma(step, pl[:, c], vl[c], r)
-            step = _mma(step, ph[:, c], vh[c], r)
-            acc = _fadd(acc, step, fadd)
+            acc = _fadd(acc, _mma(small_products(None, c), ph[:, c], vh[c], r), fadd)
         elif ar.pv_apart:
-            small = _mma(small, pl[:, c], vh[c], r)
-            small = _mma(small, ph[:, c], vl[c], r)
-            if not ar.pv_lolo:
-                small = _mma(small, pl[:, c], vl[c], r)
+            small = small_products(small, c)
             acc = _mma(acc, ph[:, c], vh[c], r)
         else:
-            acc = _mma(acc, pl[:, c], vh[c], r)
-            acc = _mma(acc, ph[:, c], vl[c], r)
-            if not ar.pv_lolo:
-                acc = _mma(acc, pl[:, c], vl[c], r)
-            acc = _mma(acc, ph[:, c], vh[c], r)
+            acc = _mma(small_products(acc, c), ph[:, c], vh[c], r)
     return fadd(acc + small) if small is not None else acc
 
 
