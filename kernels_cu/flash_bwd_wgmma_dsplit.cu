@@ -82,10 +82,8 @@ flash_bwd_wgmma_dsplit(const __grid_constant__ BwdParams p) {
     static_assert(L::BYTES + 1024 <= 227 * 1024, "shared memory");
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    if (dynamic_smem_bytes() < L::BYTES + 1024) __trap();
-    const u32 raw = smem_u32(smem_raw);
-    const u32 base = (raw + 1023) & ~1023u;
-    unsigned char* const smem = smem_raw + (base - raw);
+    const u32 base = aligned_dynamic_smem<L::BYTES>(smem_raw);
+    unsigned char* const smem = smem_raw + (base - smem_u32(smem_raw));
     const u32 s_k = base + L::K, s_v = base + L::V, s_pt = base + L::PT, s_dst = base + L::DST;
 
     const SequenceRows seq = cta_sequence<Mask>(p, blockIdx.z);

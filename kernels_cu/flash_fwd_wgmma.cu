@@ -48,9 +48,7 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p) {
     static_assert(L::BYTES + 1024 <= 227 * 1024, "shared memory");
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    if (dynamic_smem_bytes() < L::BYTES + 1024) __trap();
-    const u32 raw = smem_u32(smem_raw);
-    const u32 base = (raw + 1023) & ~1023u;  // 128-byte swizzle: panels 1024-byte aligned
+    const u32 base = aligned_dynamic_smem<L::BYTES>(smem_raw);
     const u32 q_tile = base + L::Q;
 
     const SequenceRows seq = cta_sequence<Mask>(p, blockIdx.z);

@@ -56,7 +56,6 @@ def dqw_smem(d_tile: int, block_m: int, block_n: int, k_stages: int) -> SimpleNa
 
 
 @mirrors(DQW,
-         "const u32 raw = smem_u32(smem_raw);",
          "const u32 s_q = base + L::Q, s_do = base + L::DO;",
          "const u32 k_tile = base + L::K + (j % K_STAGES) * L::KV_TILE;",
          "const u32 v_tile = base + L::V + (j % L::V_STAGES) * L::KV_TILE;")
@@ -249,7 +248,7 @@ def dqw_emulated(q, k, v, do, lse, delta, L, headdim: int, scale: float, causal:
 
 
 
-mirrors(DQW, "const u32 base = (raw + 1023) & ~1023u;")(aligned_base)
+mirrors(DQW, "const u32 base = aligned_dynamic_smem<L::BYTES>(smem_raw);")(aligned_base)
 
 
 # (D_TILE, BLOCK_M, BLOCK_N, K_STAGES) of flash_bwd_dq_wgmma: mma_bwd.DQ_WGMMA_CONFIG and the tuner's

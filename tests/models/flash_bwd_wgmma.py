@@ -60,7 +60,6 @@ def bwd_smem(d_tile: int, block_m: int, block_n: int, dq_add: str = "atomic") ->
 
 
 @mirrors(BWD,
-         "const u32 raw = smem_u32(smem_raw);",
          "const u32 s_k = base + L::K, s_v = base + L::V, s_dst = base + L::DST;",
          "const u32 s_q = base + L::Q + stage * L::Q_TILE, s_do = base + L::DO + stage * L::Q_TILE;",
          # the copies, shared with the other wgmma dK/dV kernel (wgmma_bwd.cuh)
@@ -353,7 +352,7 @@ def bwd_emulated(q, k, v, do, lse, delta, L, headdim: int, scale: float):
 
 
 
-mirrors(BWD, "const u32 base = (raw + 1023) & ~1023u;")(aligned_base)
+mirrors(BWD, "const u32 base = aligned_dynamic_smem<L::BYTES>(smem_raw);")(aligned_base)
 
 
 BWD_CONFIGS = [(128, 64, 128), (64, 128, 128)]  # (D_TILE, BLOCK_M, BLOCK_N) of flash_bwd_wgmma

@@ -53,7 +53,6 @@ def dsplit_smem(d_tile: int, block_m: int, block_n: int) -> SimpleNamespace:
 
 
 @mirrors(DSPLIT,
-         "const u32 raw = smem_u32(smem_raw);",
          "const u32 s_k = base + L::K, s_v = base + L::V, s_pt = base + L::PT, s_dst = base + L::DST;",
          "const u32 s_q = base + L::Q + stage * L::Q_TILE, s_do = base + L::DO + stage * L::Q_TILE;",
          # the copies, shared with the other wgmma dK/dV kernel (wgmma_bwd.cuh)
@@ -211,7 +210,7 @@ mirrors(DSPLIT,
 
 
 
-mirrors(DSPLIT, "const u32 base = (raw + 1023) & ~1023u;")(aligned_base)
+mirrors(DSPLIT, "const u32 base = aligned_dynamic_smem<L::BYTES>(smem_raw);")(aligned_base)
 
 
 DSPLIT_CONFIG = (256, 64, 64)  # (D_TILE, BLOCK_M, BLOCK_N)

@@ -43,7 +43,6 @@ def fwd_smem(d_tile: int, block_m: int, block_n: int, dv_tile: int | None = None
 
 
 @mirrors(FWD,
-         "const u32 raw = smem_u32(smem_raw);",
          "const u32 q_tile = base + L::Q;",
          "const u32 k_tile = base + L::K + (j % L::K_STAGES) * L::KV_TILE;",
          "const u32 v_tile = base + L::V + (j % L::V_STAGES) * L::V_TILE;",
@@ -116,7 +115,8 @@ def fwd_emulated(q, k, v, L, headdim: int, elementwise, headdim_v: int | None = 
 
 
 
-mirrors(FWD, "const u32 base = (raw + 1023) & ~1023u;")(aligned_base)
+mirrors(FWD, "const u32 base = aligned_dynamic_smem<L::BYTES>(smem_raw);")(aligned_base)
+mirrors("wgmma.cuh", "return (smem_u32(smem_raw) + 1023) & ~1023u;")(aligned_base)  # the helper itself
 
 
 FWD_BLOCK_M = 128
