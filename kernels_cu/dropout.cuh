@@ -66,7 +66,6 @@ __device__ __forceinline__ unsigned half_of(unsigned word, int e) {
     return e ? word >> 16 : word & 0xFFFFu;
 }
 
-
 // The mask of one (sequence, query head): ON false is no dropout, and every call below vanishes.
 template <bool ON>
 struct DropoutFn {

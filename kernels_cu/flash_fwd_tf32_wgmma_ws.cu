@@ -140,24 +140,18 @@ flash_fwd_tf32_wgmma_ws(const __grid_constant__ FwdParams p) {
     // PINGPONG: the consumers take turns at issuing their products (named barriers 2 and 3,
     // ConsumerTurns); warpgroup 1 has the first turn, and waits once more at the end for
     // warpgroup 2's last pass, so that every arrival on a barrier is met by its bar.sync.
-    const ConsumerTurns turns{2u + (wg - 1), 2u + (2 - wg)};
-    if (PINGPONG && wg == 2) turns.pass();
+    const ConsumerTurns<PINGPONG> turns{2u + (wg - 1), 2u + (2 - wg)};
+    if (wg == 2) turns.pass();
     for (int j = j_begin; j < j_end; ++j) {
         const int i = j - j_begin;
         const u32 stage = base + (i % STAGES) * L::STAGE;
         mbarrier_wait(base + L::FULL + 8 * (i % STAGES), (i / STAGES) & 1);
-        if constexpr (PINGPONG) {
-            tf32_wgmma_forward_block<D_TILE, BLOCK_M, BLOCK_N, PRODUCTS, true, SUMS_APART>(
-                o_acc, row_stats, q_hi, q_lo, 0u, 0u, stage + L::K_HI, stage + L::K_LO, stage + L::V_HI,
-                stage + L::V_LO, mask, score, dropout, p.scale_log2, m0, j * BLOCK_N, strip_row0, lane, turns);
-        } else {
-            tf32_wgmma_forward_block<D_TILE, BLOCK_M, BLOCK_N, PRODUCTS, true, SUMS_APART>(
-                o_acc, row_stats, q_hi, q_lo, 0u, 0u, stage + L::K_HI, stage + L::K_LO, stage + L::V_HI,
-                stage + L::V_LO, mask, score, dropout, p.scale_log2, m0, j * BLOCK_N, strip_row0, lane);
-        }
+        tf32_wgmma_forward_block<D_TILE, BLOCK_M, BLOCK_N, PRODUCTS, true, SUMS_APART>(
+            o_acc, row_stats, q_hi, q_lo, 0u, 0u, stage + L::K_HI, stage + L::K_LO, stage + L::V_HI, stage + L::V_LO,
+            mask, score, dropout, p.scale_log2, m0, j * BLOCK_N, strip_row0, lane, turns);
         mbarrier_arrive(base + L::EMPTY + 8 * (i % STAGES));  // its products were waited for
     }
-    if (PINGPONG && wg == 1) turns.wait();
+    if (wg == 1) turns.wait();
 
     if constexpr (DropoutOf<Mask>::ENABLED) scale_acc(o_acc, p.variant.dropout.scale);
     store_o_f32<D_TILE, Mask::Score::HAS_SINK>(

@@ -31,20 +31,22 @@ __device__ __forceinline__ void load_q_fragments(u32 (&hi)[D_TILE / 8][4], u32 (
 }
 
 // Turns at the tensor cores for a block's two issues (S's products, then P V's): `wait` before a
-// warpgroup issues, `pass` once it has. NoTurns: a warpgroup issues when it is ready (v0, v1, v2).
-// ConsumerTurns (v2 PINGPONG): two consumer warpgroups alternate on two named barriers, so the
-// products of one are issued, and run, while the other does its softmax; left alone the two are
+// warpgroup issues, `pass` once it has. ConsumerTurns<true> (v2 PINGPONG): two consumer
+// warpgroups alternate on two named barriers, so the products of one are issued, and run, while
+// the other does its softmax; left alone (NoTurns, v0 .. v2: both calls nothing) the two are
 // released by the same full barrier each block and reach their softmax together, the tensor
 // cores idle meanwhile (tf32-wgmma-v2 measured 62% of the three-product ceiling).
-struct NoTurns {
-    __device__ __forceinline__ void wait() const {}
-    __device__ __forceinline__ void pass() const {}
-};
+template <bool ON>
 struct ConsumerTurns {
-    u32 mine, other;  // named barrier ids: this warpgroup's turn, the other's
-    __device__ __forceinline__ void wait() const { named_barrier_sync(mine, 256); }
-    __device__ __forceinline__ void pass() const { named_barrier_arrive(other, 256); }
+    u32 mine = 0, other = 0;  // named barrier ids: this warpgroup's turn, the other's
+    __device__ __forceinline__ void wait() const {
+        if constexpr (ON) named_barrier_sync(mine, 256);
+    }
+    __device__ __forceinline__ void pass() const {
+        if constexpr (ON) named_barrier_arrive(other, 256);
+    }
 };
+using NoTurns = ConsumerTurns<false>;
 
 // One key block for a warpgroup: S = Q K_j^T as tf32 wgmma (A = Q from registers with Q_REGS,
 // else from the warpgroup's 64-row Q hi / lo tiles; B = K_j's tiles), the online softmax and dropout
