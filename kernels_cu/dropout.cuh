@@ -203,6 +203,28 @@ __device__ __forceinline__ KeepBits<N_FRAGS> keep_bits(const Drop& d, int row_la
     });
     return bits;
 }
+// The same for a lane's fragments of S^T (walk_st_frags' order, bit 4 f + k for s[f][k]); the
+// whole warp must call it (the lanes trade halves by shuffles), and MarkDropped is applied by
+// mark_by_bits.
+template <class Drop, int N_FRAGS>
+__device__ __forceinline__ KeepBits<N_FRAGS> keep_bits_t(const Drop& d, int key_lane, int query_lane) {
+    KeepBits<N_FRAGS> bits;
+#pragma unroll
+    for (int w = 0; w < (N_FRAGS * 4 + 31) / 32; ++w) bits.word[w] = 0u;
+    walk_st_frags<Drop, N_FRAGS>(d, key_lane, query_lane, [&](int f, int k, bool kept) {
+        bits.word[(4 * f + k) / 32] |= u32(kept) << ((4 * f + k) % 32);
+    });
+    return bits;
+}
+template <int N_FRAGS>
+__device__ __forceinline__ void mark_by_bits(float (&s)[N_FRAGS][4], const KeepBits<N_FRAGS>& bits) {
+#pragma unroll
+    for (int f = 0; f < N_FRAGS; ++f)
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+            if (!((bits.word[(4 * f + k) / 32] >> ((4 * f + k) % 32)) & 1u)) s[f][k] = -s[f][k];
+}
+
 // An empty volatile asm that takes the words: the compiler keeps what forms them before it, and so
 // before the next volatile asm (a wgmma wait), which it does not move across.
 template <int W>
