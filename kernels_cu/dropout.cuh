@@ -191,7 +191,7 @@ __device__ __forceinline__ void for_st_frags(float (&s)[N_FRAGS][4], const Drop&
 // time can cover); drop_by_bits applies them after the softmax's row sums.
 template <int N_FRAGS>
 struct KeepBits {
-    u32 word[(N_FRAGS * 4 + 31) / 32];
+    unsigned word[(N_FRAGS * 4 + 31) / 32];
 };
 template <class Drop, int N_FRAGS>
 __device__ __forceinline__ KeepBits<N_FRAGS> keep_bits(const Drop& d, int row_lane, int key_lane) {
@@ -199,7 +199,7 @@ __device__ __forceinline__ KeepBits<N_FRAGS> keep_bits(const Drop& d, int row_la
 #pragma unroll
     for (int w = 0; w < (N_FRAGS * 4 + 31) / 32; ++w) bits.word[w] = 0u;
     walk_s_frags<Drop, 1, N_FRAGS>(d, row_lane, key_lane, [&](int, int f, int k, bool kept) {
-        bits.word[(4 * f + k) / 32] |= u32(kept) << ((4 * f + k) % 32);
+        bits.word[(4 * f + k) / 32] |= unsigned(kept) << ((4 * f + k) % 32);
     });
     return bits;
 }
@@ -212,7 +212,7 @@ __device__ __forceinline__ KeepBits<N_FRAGS> keep_bits_t(const Drop& d, int key_
 #pragma unroll
     for (int w = 0; w < (N_FRAGS * 4 + 31) / 32; ++w) bits.word[w] = 0u;
     walk_st_frags<Drop, N_FRAGS>(d, key_lane, query_lane, [&](int f, int k, bool kept) {
-        bits.word[(4 * f + k) / 32] |= u32(kept) << ((4 * f + k) % 32);
+        bits.word[(4 * f + k) / 32] |= unsigned(kept) << ((4 * f + k) % 32);
     });
     return bits;
 }
@@ -228,7 +228,7 @@ __device__ __forceinline__ void mark_by_bits(float (&s)[N_FRAGS][4], const KeepB
 // An empty volatile asm that takes the words: the compiler keeps what forms them before it, and so
 // before the next volatile asm (a wgmma wait), which it does not move across.
 template <int W>
-__device__ __forceinline__ void pin_words(u32 (&w)[W]) {
+__device__ __forceinline__ void pin_words(unsigned (&w)[W]) {
 #pragma unroll
     for (int i = 0; i < W; ++i) asm volatile("" : "+r"(w[i]));
 }
