@@ -185,62 +185,6 @@ __device__ __forceinline__ void for_st_frags(float (&s)[N_FRAGS][4], const Drop&
     walk_st_frags<Drop, N_FRAGS>(d, key_lane, query_lane, [&](int f, int k, bool kept) { s[f][k] = op(s[f][k], kept); });
 }
 
-// A lane's keep bits of its S fragments as a mask, bit 4 f + k (word (4 f + k) / 32) for s[f][k],
-// formed before the scores they drop are waited for: the forward issues S's products, forms the
-// bits while the tensor cores run them, then waits (Philox is integer work the tensor cores'
-// time can cover); drop_by_bits applies them after the softmax's row sums.
-template <int N_FRAGS>
-struct KeepBits {
-    unsigned word[(N_FRAGS * 4 + 31) / 32];
-};
-template <class Drop, int N_FRAGS>
-__device__ __forceinline__ KeepBits<N_FRAGS> keep_bits(const Drop& d, int row_lane, int key_lane) {
-    KeepBits<N_FRAGS> bits;
-#pragma unroll
-    for (int w = 0; w < (N_FRAGS * 4 + 31) / 32; ++w) bits.word[w] = 0u;
-    walk_s_frags<Drop, 1, N_FRAGS>(d, row_lane, key_lane, [&](int, int f, int k, bool kept) {
-        bits.word[(4 * f + k) / 32] |= unsigned(kept) << ((4 * f + k) % 32);
-    });
-    return bits;
-}
-// The same for a lane's fragments of S^T (walk_st_frags' order, bit 4 f + k for s[f][k]); the
-// whole warp must call it (the lanes trade halves by shuffles), and MarkDropped is applied by
-// mark_by_bits.
-template <class Drop, int N_FRAGS>
-__device__ __forceinline__ KeepBits<N_FRAGS> keep_bits_t(const Drop& d, int key_lane, int query_lane) {
-    KeepBits<N_FRAGS> bits;
-#pragma unroll
-    for (int w = 0; w < (N_FRAGS * 4 + 31) / 32; ++w) bits.word[w] = 0u;
-    walk_st_frags<Drop, N_FRAGS>(d, key_lane, query_lane, [&](int f, int k, bool kept) {
-        bits.word[(4 * f + k) / 32] |= unsigned(kept) << ((4 * f + k) % 32);
-    });
-    return bits;
-}
-template <int N_FRAGS>
-__device__ __forceinline__ void mark_by_bits(float (&s)[N_FRAGS][4], const KeepBits<N_FRAGS>& bits) {
-#pragma unroll
-    for (int f = 0; f < N_FRAGS; ++f)
-#pragma unroll
-        for (int k = 0; k < 4; ++k)
-            if (!((bits.word[(4 * f + k) / 32] >> ((4 * f + k) % 32)) & 1u)) s[f][k] = -s[f][k];
-}
-
-// An empty volatile asm that takes the words: the compiler keeps what forms them before it, and so
-// before the next volatile asm (a wgmma wait), which it does not move across.
-template <int W>
-__device__ __forceinline__ void pin_words(unsigned (&w)[W]) {
-#pragma unroll
-    for (int i = 0; i < W; ++i) asm volatile("" : "+r"(w[i]));
-}
-template <int N_FRAGS>
-__device__ __forceinline__ void drop_by_bits(float (&s)[1][N_FRAGS][4], const KeepBits<N_FRAGS>& bits) {
-#pragma unroll
-    for (int f = 0; f < N_FRAGS; ++f)
-#pragma unroll
-        for (int k = 0; k < 4; ++k)
-            if (!((bits.word[(4 * f + k) / 32] >> ((4 * f + k) % 32)) & 1u)) s[0][f][k] = 0.f;
-}
-
 // The three uses of the keep bit. Forward: a dropped weight is 0 (the 1 / (1 - p) comes in the
 // epilogue). Backward: a dropped weight is marked by its sign, dV takes max(x, 0) (relu_frags on
 // the packed operand), dS dropped_ds(x, dp, D, scale).

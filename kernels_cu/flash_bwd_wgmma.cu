@@ -204,19 +204,13 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
             if (it + 1 < walk.iters) load_query_block(it + 1, stage ^ 1);
             cp_async_commit();
         }
+        wgmma_wait<1>();
+        pin_registers(reinterpret_cast<float(&)[SJ * 4]>(s_acc));
+
         // Step 3: P^T, lse per column (query); hidden entries 0 by selection (a non-finite score
         // cannot leak). Element (j, e) is key key0 + 8 (e / 2), query query0 + 8 j + e % 2.
         const int key_row = 64 * wg + 16 * warp_in_wg + lane / 4;  // within the block
         const int key0 = n0 + key_row, query0 = m0 + 2 * (lane % 4);
-        // Dropout's keep bits while S^T and dP^T run (their integer work under the products)
-        KeepBits<DropoutOf<Mask>::ENABLED ? SJ : 2> keep;
-        if constexpr (DropoutOf<Mask>::ENABLED) {
-            keep = keep_bits_t<DropoutOf<Mask>, SJ>(DropoutOf<Mask>(p, seq.index, head), key0, query0);
-            pin_words(keep.word);  // formed before the wait below, not moved after it
-        }
-        wgmma_wait<1>();
-        pin_registers(reinterpret_cast<float(&)[SJ * 4]>(s_acc));
-
         const typename Mask::Origin origin = mask.origin(query0, key0);
         // The score policy's transform first (score.cuh). Its derivative waits for step 4 in
         // float16 in the dS^T tile, at the thread's own words there, which step 5 overwrites with
@@ -255,7 +249,8 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
         else
             probabilities(Flag<false>());
         // Dropout (dropout.cuh): a dropped weight keeps its magnitude for dS and loses its sign.
-        if constexpr (DropoutOf<Mask>::ENABLED) mark_by_bits(s_acc, keep);
+        if constexpr (DropoutOf<Mask>::ENABLED)
+            for_st_frags(s_acc, DropoutOf<Mask>(p, seq.index, head), key0, query0, MarkDropped{});
         u32 p_frag[QK][4];
         pack_a_frags<T, BLOCK_M>(p_frag, s_acc);
 

@@ -126,23 +126,18 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p) {
                                                  smem_desc(k_tile + k_off, 16, 1024), kk > 0);
         }
         wgmma_commit();
-        const int n0 = j * BLOCK_N;
-        // Dropout's keep bits while S_j and P V_{j-1} run (their integer work under the products)
-        KeepBits<DropoutOf<Mask>::ENABLED ? N_FRAGS : 2> keep;
-        if constexpr (DropoutOf<Mask>::ENABLED) {
-            keep = keep_bits<DropoutOf<Mask>, N_FRAGS>(dropout, m0 + strip_row0 + lane / 4, n0 + 2 * (lane % 4));
-            pin_words(keep.word);  // formed before the wait below, not moved after it
-        }
         wgmma_wait<0>();  // S_j, and P V_{j-1}: O may be rescaled
         pin_registers(reinterpret_cast<float(&)[N_FRAGS * 4]>(s));
         pin_registers(reinterpret_cast<float(&)[D_FRAGS * 4]>(o_acc));
 
+        const int n0 = j * BLOCK_N;
         scale_and_mask(s, scale_log2, mask.keys_partial(m0, BLOCK_M, n0, BLOCK_N), mask, score, m0 + strip_row0,
                        n0, lane);
         float m_new[1][2];
         row_max(m_new, s, row_stats, lane);
         softmax_rescale(s, o_acc, row_stats, m_new, lane);
-        if constexpr (DropoutOf<Mask>::ENABLED) drop_by_bits(s, keep);  // after the row sums: l and lse stay the softmax's
+        if constexpr (DropoutOf<Mask>::ENABLED)  // after the row sums: l and lse stay the softmax's
+            for_s_frags(s, dropout, m0 + strip_row0 + lane / 4, n0 + 2 * (lane % 4), DropToZero{});
         u32 p_frag[1][N_FRAGS / 2][4];
         pack_p<T>(p_frag, s);
 
