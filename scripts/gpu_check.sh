@@ -51,6 +51,10 @@
 #   scripts/gpu_check.sh OUTDIR tf32    the float32 forward: its kernels compiled, tests/test_tf32_gpu.py,
 #                                       the accumulation probe's candidates, the fp32 bench table, and
 #                                       racecheck / memcheck --quick (the tf32 forward in their workload)
+# Before the device: `pytest tests/kernels/test_compile_check.py` on CPU (2 minutes) compiles every
+# source file; a header change that only the wgmma kernels were compiled with once broke
+# flash_bwd_preprocess.cu and cost a whole suite run (2026-12-04). On the device, a warm step that
+# ends "N errors" (rc 1) names kernels that did not compile: stop there, the suite would fail too.
 # Runs from the source tree without installing (PYTHONPATH), so two trees never mix. CuPy's kernel
 # cache is the tree's own .cupy-cache (ignored by git, kept by the device between calls of one
 # machine), so a second call on a warm machine loads what the first compiled: on a fresh machine
@@ -68,7 +72,7 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to OUTDIR/N
     local t0=$SECONDS
     timeout "$limit" "$@" > "$out/$name.log" 2>&1
     local rc=$?
-    echo "$name: rc $rc in $((SECONDS - t0)) s; $(grep -E '[0-9]+ (passed|failed)|^cupyflash|bench:' "$out/$name.log" | tail -1)"
+    echo "$name: rc $rc in $((SECONDS - t0)) s; $(grep -E '[0-9]+ (passed|failed)|^cupyflash|bench:|^warm_kernel_cache:' "$out/$name.log" | tail -1)"
     [ $rc -eq 0 ] || status=1
 }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv > "$out/gpu.txt" 2>&1
