@@ -554,8 +554,10 @@ def plan_backward(arch: str | None, dtype, headdim: int, mask: Mask | bool, smem
     return _plan(dtype, headdim, mask, row, where)
 
 
-# flash_bwd_dq_mma's tiles for a packed batch with a score at head-dim tile 256 (backward_candidates).
+# flash_bwd_dq_mma's tiles for a packed batch with a score at head-dim tile 256, and
+# flash_bwd_dq_mma_v2's with a user modifier at 128 (backward_candidates).
 PACKED_DQ_D256_TILES = (64, 16, 4)
+PACKED_USER_DQ_D128_TILES = (128, 16, 4, 2)
 
 
 def backward_candidates(where: str, dtype, dt: int, mask: Mask, smem_optin: int | None,
@@ -575,6 +577,11 @@ def backward_candidates(where: str, dtype, dt: int, mask: Mask, smem_optin: int 
     if packed_mma_sync and dt == 256 and not mask.score.plain:
         # the d256 dQ kernel with a score and packed: 12 bytes of spills at BLOCK_N 32 (sm_90), none at 16
         row = row._replace(dq_tiles=PACKED_DQ_D256_TILES)
+    if packed_mma_sync and dt == 128 and mask.score.user is not None and len(row.dq_tiles or ()) == 4:
+        # the d128 dQ kernel with the compile check's user modifiers, packed: 8 bytes of spills at
+        # BLOCK_N 32 on sm_80 (255 registers) since the sequence's index is read (the issue order,
+        # mask.cuh's cta_sequence), none at 16 (244)
+        row = row._replace(dq_tiles=PACKED_USER_DQ_D128_TILES)
     if mask.score.user is None or where != SM90:
         return [row]
     return [row, _without_spills(BACKWARD_KERNELS[(MMA_SYNC, dt, bool(deterministic))][0], mask, dt)]

@@ -242,13 +242,31 @@ def dense_backward(which: str, do, q, k, v, o, lse, scale: float, causal: bool, 
 
 # --- the whole packed batch in one launch per kernel (GPU) ----------------------------------------
 
+def issue_order(sequences: Sequences) -> np.ndarray | None:
+    """The order a packed launch issues its sequences in: the most (query, key) pairs first, ties in
+    batch order; None where that is batch order or the lengths stay unread (cupyflash.capture).
+
+    The grid issues its z slots (sequences) in order and every SM takes the next CTA as one
+    finishes, so a long sequence late in the batch leaves its CTAs for last, a tail the other SMs
+    wait out; issued first, its long CTAs overlap the short sequences' (dev/varlen_wave_model.py).
+    The kernels run sequence order[z] in slot z (mask.cuh's cta_sequence); results do not change."""
+    if not sequences.read or sequences.count < 2:
+        return None
+    pairs = np.diff(sequences.cu_q) * np.diff(sequences.cu_k)
+    order = np.argsort(-pairs, kind="stable").astype(np.int32)
+    return None if np.array_equal(order, np.arange(sequences.count)) else order
+
+
 def packed_batch(sequences: Sequences):
     """The kernels' kernels.params.PackedBatch: the caller's cumulative lengths on the device as
-    C-contiguous int32 (copied there from host arrays), the grid sized by the longest sequences."""
+    C-contiguous int32 (copied there from host arrays), the grid sized by the longest sequences,
+    and issue_order's permutation (copied there) where it is not batch order."""
     from .kernels.params import PackedBatch
 
+    order = issue_order(sequences)
     return PackedBatch(device_int32(sequences.given_q, "cu_seqlens_q"),
-                       device_int32(sequences.given_k, "cu_seqlens_k"), sequences.longest_q, sequences.longest_k)
+                       device_int32(sequences.given_k, "cu_seqlens_k"), sequences.longest_q, sequences.longest_k,
+                       None if order is None else device_int32(order, "the sequence order"))
 
 
 def packs(which: str, sequences: Sequences, nheads: int, total_q: int, total_k: int) -> bool:

@@ -72,7 +72,7 @@ flash_bwd_dkdv_mma_split(const __grid_constant__ BwdParams p) {
     const TensorRows q = p.q, k = p.k, v = p.v, dout = p.dout, dk = p.dk, dv = p.dv, dq_accum = p.dq_accum;
     const float* __restrict__ lse = static_cast<const float*>(p.lse);
     const float* __restrict__ delta = static_cast<const float*>(p.delta);
-    const Mask mask = cta_mask<Mask>(p, seqlen_q, seqlen_k);
+    const Mask mask = cta_mask<Mask>(p, seq.index, seqlen_q, seqlen_k);
 
     // The query blocks that see some key of this block, for each query head of the group
     // (block_walk.cuh); the others are never loaded.

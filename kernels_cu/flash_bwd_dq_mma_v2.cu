@@ -57,7 +57,7 @@ flash_bwd_dq_mma_v2(const __grid_constant__ BwdParams p) {
     const TensorRows q = p.q, k = p.k, v = p.v, dout = p.dout, dq = p.dq;
     const float* __restrict__ lse = static_cast<const float*>(p.lse);
     const float* __restrict__ delta = static_cast<const float*>(p.delta);
-    const Mask mask = cta_mask<Mask>(p, seqlen_q, seqlen_k);
+    const Mask mask = cta_mask<Mask>(p, seq.index, seqlen_q, seqlen_k);
     const int m0 = Mask::query_block(blockIdx.x, gridDim.x) * BLOCK_M;
     if (Mask::PACKED && m0 >= seqlen_q) return;  // past a shorter sequence's end
     const int head = blockIdx.y, batch = seq.batch, head_kv = head / p.group;

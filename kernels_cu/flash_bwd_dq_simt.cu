@@ -33,7 +33,7 @@ flash_bwd_dq_simt(const __grid_constant__ BwdParams p) {
     const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k, headdim = p.headdim;
     const A scale_log2 = scale_log2_in<A>(p), scale = scale_in<A>(p);
     const A* __restrict__ delta = static_cast<const A*>(p.delta);
-    const Mask mask = cta_mask<Mask>(p, seqlen_q, seqlen_k);
+    const Mask mask = cta_mask<Mask>(p, seq.index, seqlen_q, seqlen_k);
     const int m_block = Mask::query_block(blockIdx.x, gridDim.x);
     const int head = blockIdx.y, batch = seq.batch;
     const int head_kv = head / p.group;

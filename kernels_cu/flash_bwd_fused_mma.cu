@@ -125,7 +125,7 @@ flash_bwd_fused_mma(const __grid_constant__ BwdParams p) {
     const float* __restrict__ lse = static_cast<const float*>(p.lse);
     const float* __restrict__ delta = static_cast<const float*>(p.delta);
     int* __restrict__ const dq_semaphore = p.dq_semaphore;  // DQ_ORDERED only (null otherwise)
-    const Mask mask = cta_mask<Mask>(p, seqlen_q, seqlen_k);
+    const Mask mask = cta_mask<Mask>(p, seq.index, seqlen_q, seqlen_k);
 
     // The query blocks that see some key of this block, for each query head of the group
     // (block_walk.cuh); the others are never loaded.

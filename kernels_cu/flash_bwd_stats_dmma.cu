@@ -43,7 +43,7 @@ flash_bwd_stats_dmma(const __grid_constant__ BwdParams p) {
     const SequenceRows seq = cta_sequence<Mask>(p, blockIdx.z);
     const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
     const A scale_log2 = scale_log2_in<A>(p), scale = scale_in<A>(p);
-    const Mask mask = cta_mask<Mask>(p, seqlen_q, seqlen_k);
+    const Mask mask = cta_mask<Mask>(p, seq.index, seqlen_q, seqlen_k);
     const int m0 = Mask::query_block(blockIdx.x, gridDim.x) * BLOCK_M;
     const int head = blockIdx.y, batch = seq.batch, head_kv = head / p.group;
     if (Mask::PACKED && m0 >= seqlen_q) return;  // past a shorter sequence's end

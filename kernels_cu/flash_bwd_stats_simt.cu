@@ -45,7 +45,7 @@ flash_bwd_stats_simt(const __grid_constant__ BwdParams p) {
     const SequenceRows seq = cta_sequence<Mask>(p, blockIdx.z);
     const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
     const A scale_log2 = scale_log2_in<A>(p), scale = scale_in<A>(p);
-    const Mask mask = cta_mask<Mask>(p, seqlen_q, seqlen_k);
+    const Mask mask = cta_mask<Mask>(p, seq.index, seqlen_q, seqlen_k);
     const int m_block = Mask::query_block(blockIdx.x, gridDim.x);
     const int head = blockIdx.y, batch = seq.batch;
     const int head_kv = head / p.group;

@@ -107,7 +107,7 @@ flash_bwd_wgmma_dsplit(const __grid_constant__ BwdParams p) {
     const int n_block = blockIdx.x, n0 = n_block * BLOCK_N, head_kv = blockIdx.y, batch = seq.batch;
     // Past a shorter sequence's end. A sequence without queries still stores dK = dV = 0 below.
     if (Mask::PACKED && n0 >= seqlen_k) return;
-    const Mask mask = cta_mask<Mask>(p, seqlen_q, seqlen_k);
+    const Mask mask = cta_mask<Mask>(p, seq.index, seqlen_q, seqlen_k);
     const T* __restrict__ k_rows = p.k.row<const T>(batch, seq.k_begin, head_kv);
     const T* __restrict__ v_rows = p.v.row<const T>(batch, seq.k_begin, head_kv);
 

@@ -76,7 +76,7 @@ flash_fwd_tf32(const __grid_constant__ FwdParams p) {
 
     const SequenceRows seq = cta_sequence<Mask>(p, blockIdx.z);
     const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
-    const Mask mask = cta_mask<Mask>(p, seqlen_q, seqlen_k);
+    const Mask mask = cta_mask<Mask>(p, seq.index, seqlen_q, seqlen_k);
     // The score transforms' fast forms (tanh from ex2.approx) for one tf32 product only: "ieee" keeps
     // float32's (score.cuh).
     const ScoreOf<Mask, float, !Tf32Operand<PRODUCTS>::SPLIT> score(score_problem<Mask>(p, seq), seq.index,

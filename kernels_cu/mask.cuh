@@ -189,13 +189,14 @@ struct WithScore : Band_ {
 };
 
 // The policy of the calling CTA: the band's bounds from p and, with a user mask, the block map of
-// the CTA's (batch, head), blockIdx.z and blockIdx.y in every attention kernel: the query head in
+// the CTA's (batch, head): its sequence (cta_sequence's seq.index: blockIdx.z, unless a packed
+// batch is issued in another order) and blockIdx.y in every attention kernel, the query head in
 // the forward and dQ grids, the kv head in the dK/dV grids, which is the head each of the map's
 // two tables is kept by.
 template <class Mask, class Params>
-__device__ __forceinline__ Mask cta_mask(const Params& p, int seqlen_q, int seqlen_k) {
+__device__ __forceinline__ Mask cta_mask(const Params& p, int sequence, int seqlen_q, int seqlen_k) {
     Mask mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
-    if constexpr (Mask::HAS_BLOCK_MAP) mask.bind_blocks(p.variant.mods, blockIdx.z, blockIdx.y);
+    if constexpr (Mask::HAS_BLOCK_MAP) mask.bind_blocks(p.variant.mods, sequence, blockIdx.y);
     return mask;
 }
 
@@ -216,7 +217,7 @@ __device__ __forceinline__ Mask cta_mask(const Params& p, int seqlen_q, int seql
 // User modifiers see a sequence as a dense batch entry: b is the sequence, q_idx and kv_idx count
 // from its first row (the score policy is built from the sequence's problem), and a mask's block
 // map is made for (sequences, heads, max_seqlen_q, max_seqlen_k) (cupyflash/varlen.py), so
-// cta_mask's (blockIdx.z, head) is the sequence's map and its granules count from the sequence's
+// cta_mask's (sequence, head) is the sequence's map and its granules count from the sequence's
 // first row too. A sequence shorter than the longest reads only its own granules.
 template <class Mask_>
 struct Packed : Mask_ {
@@ -232,7 +233,7 @@ struct SequenceProblem {
 };
 
 struct SequenceRows {
-    int index;             // b: the sequence (ALiBi's slope row, the grid's z)
+    int index;             // b: the sequence (ALiBi's slope row, the block map's and dropout's batch)
     int batch;             // the tensors' batch of it (b dense, 0 packed)
     int q_begin, k_begin;  // its first query and key row in that batch (0 dense)
     int seqlen_q, seqlen_k;
@@ -249,13 +250,18 @@ struct SequenceRows {
     }
 };
 
+// The grid issues its z slots in order, so a packed batch in batch order can leave its longest
+// sequence's CTAs for last, a tail the other SMs wait out; the host may sort the sequences, most
+// (query, key) pairs first (cupyflash/varlen.py's issue_order), and slot z then runs sequence
+// sequence_order[z]. Only the issue order changes: every sequence's work and result are the same.
 template <class Mask, class Params>
-__device__ __forceinline__ SequenceRows cta_sequence(const Params& p, int b) {
+__device__ __forceinline__ SequenceRows cta_sequence(const Params& p, int slot) {
     if constexpr (Mask::PACKED) {
+        const int b = p.sequence_order ? __ldg(p.sequence_order + slot) : slot;
         const int q0 = __ldg(p.cu_seqlens_q + b), k0 = __ldg(p.cu_seqlens_k + b);
         return {b, 0, q0, k0, __ldg(p.cu_seqlens_q + b + 1) - q0, __ldg(p.cu_seqlens_k + b + 1) - k0};
     } else {
-        return {b, b, 0, 0, p.seqlen_q, p.seqlen_k};
+        return {slot, slot, 0, 0, p.seqlen_q, p.seqlen_k};
     }
 }
 
@@ -284,7 +290,7 @@ struct Log2ForwardCta {
     __device__ __forceinline__ Log2ForwardCta(const Params& p, int block_m)
         : seq(cta_sequence<Mask>(p, blockIdx.z)),
           scale_log2(scale_log2_in<A>(p)),
-          mask(cta_mask<Mask>(p, seq.seqlen_q, seq.seqlen_k)),
+          mask(cta_mask<Mask>(p, seq.index, seq.seqlen_q, seq.seqlen_k)),
           score(score_problem<Mask>(p, seq), seq.index, blockIdx.y, A(0.6931471805599453094172321)),
           head(blockIdx.y),
           head_kv(head / p.group),

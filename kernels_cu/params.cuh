@@ -74,6 +74,9 @@ struct FwdParams {
     // seqlen_q and seqlen_k above are then the tensors' total rows. Null for a dense batch.
     const int* cu_seqlens_q;
     const int* cu_seqlens_k;
+    // A packed batch's issue order (mask.cuh's cta_sequence): grid slot z runs sequence
+    // sequence_order[z], a permutation of the sequences; null: slot z runs sequence z.
+    const int* sequence_order;
 };
 
 // Backward: dq, dk, dv (and the statistics and buffers around them) from dout, q, k, v, o, lse.
@@ -102,6 +105,7 @@ struct BwdParams {
     VariantArgs variant;
     const int* cu_seqlens_q;    // a packed batch, as in FwdParams
     const int* cu_seqlens_k;
+    const int* sequence_order;
     // The SIMT backward's row statistics (softmax_bwd.cuh's RowStats): P = 2^(x - top) weight,
     // top = lse * lse_to_log2, and dS = P ((dP - dp_ref) - delta). Saved statistics: lse natural,
     // lse_to_log2 = log2(e), weight and dp_ref null (1 and 0). Recomputed (flash_bwd_stats_simt):

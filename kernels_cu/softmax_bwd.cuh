@@ -127,9 +127,10 @@ struct StatDims {
 // flash_bwd_dq_mma and flash_bwd_fused_mma spill more with it and call cta_sequence. Called at a
 // kernel's top, where every warp is converged. Dense: cta_sequence itself.
 template <class Mask, class Params>
-__device__ __forceinline__ SequenceRows cta_sequence_uniform(const Params& p, int b) {
-    SequenceRows s = cta_sequence<Mask>(p, b);
+__device__ __forceinline__ SequenceRows cta_sequence_uniform(const Params& p, int slot) {
+    SequenceRows s = cta_sequence<Mask>(p, slot);
     if constexpr (Mask::PACKED) {
+        s.index = __shfl_sync(0xffffffffu, s.index, 0);  // read from sequence_order: per-thread too
         s.q_begin = __shfl_sync(0xffffffffu, s.q_begin, 0);
         s.k_begin = __shfl_sync(0xffffffffu, s.k_begin, 0);
         s.seqlen_q = __shfl_sync(0xffffffffu, s.seqlen_q, 0);

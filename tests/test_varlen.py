@@ -464,3 +464,70 @@ def test_user_modifiers_apply_per_sequence(causal):
     other = cupyflash.create_block_mask(mask_mod, len(seqlens_q) - 1, h, max(seqlens_q), max(seqlens_k), device="cpu")
     with pytest.raises(ValueError, match="block_mask was made for"):
         cupyflash.flash_attn_varlen_func(q, k, v, *sequences, block_mask=other, backend="numpy")
+
+
+# --- the order the packed launch issues its sequences in (varlen.issue_order) ----------------------
+
+def _sequences(lengths_q, lengths_k, read=True):
+    from cupyflash.varlen import check_sequences
+
+    cu_q = np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lengths_k)]).astype(np.int32)
+    sequences = check_sequences(cu_q, cu_k, max(lengths_q, default=0), max(lengths_k, default=0),
+                                int(cu_q[-1]), int(cu_k[-1]))
+    return sequences if read else sequences._replace(cu_q=None, cu_k=None)
+
+
+def test_issue_order_puts_the_most_pairs_first_and_keeps_ties_in_batch_order():
+    from cupyflash.varlen import issue_order
+
+    order = issue_order(_sequences([10, 300, 7, 300, 0, 64], [10, 200, 900, 200, 5, 64]))
+    # pairs 100, 60000, 6300, 60000, 0, 4096: the two 60000s in batch order, the empty one last
+    assert order.dtype == np.int32 and order.tolist() == [1, 3, 2, 5, 0, 4]
+
+
+@pytest.mark.parametrize("lengths_q,lengths_k,read", [
+    ([5, 4, 4, 0], [5, 4, 4, 1], True),   # already non-increasing: batch order, nothing uploaded
+    ([3], [9], True),                      # one sequence
+    ([], [], True),                        # none
+    ([1, 500], [1, 500], False),           # lengths unread (capture): the kernels' batch order
+], ids=["sorted", "one", "empty", "unread"])
+def test_issue_order_is_none_where_the_grid_keeps_batch_order(lengths_q, lengths_k, read):
+    from cupyflash.varlen import issue_order
+
+    assert issue_order(_sequences(lengths_q, lengths_k, read)) is None
+
+
+def test_issue_order_is_a_permutation(seed=0):
+    from cupyflash.varlen import issue_order
+
+    rng = np.random.default_rng(seed)
+    for _ in range(50):
+        n = int(rng.integers(2, 40))
+        lengths_q, lengths_k = (rng.integers(0, 200, n).tolist() for _ in range(2))
+        order = issue_order(_sequences(lengths_q, lengths_k))
+        order = np.arange(n) if order is None else order
+        assert sorted(order.tolist()) == list(range(n))
+        pairs = np.asarray(lengths_q, np.int64)[order] * np.asarray(lengths_k, np.int64)[order]
+        assert (np.diff(pairs) <= 0).all()
+
+
+def test_set_packed_checks_the_sequence_order():
+    from cupyflash.kernels.params import FWD_PARAMS, PackedBatch, set_packed
+
+    params = np.zeros((), FWD_PARAMS)
+    set_packed(params, None)  # a dense batch: the three pointers stay null
+    assert int(params["sequence_order"]) == int(params["cu_seqlens_q"]) == 0
+
+    class FakeDevice:  # what set_packed reads of a CuPy array, without a device
+        def __init__(self, shape, dtype=np.int32, ptr=4096):
+            self.shape, self.dtype = shape, np.dtype(dtype)
+            self.flags = type("Flags", (), {"c_contiguous": True})()
+            self.data = type("Data", (), {"ptr": ptr})()
+
+    cu = FakeDevice((4,), ptr=256)
+    set_packed(params, PackedBatch(cu, cu, 5, 5, FakeDevice((3,), ptr=512)))
+    assert int(params["sequence_order"]) == 512 and int(params["cu_seqlens_k"]) == 256
+    for bad, match in ((FakeDevice((4,)), "one entry per sequence"), (FakeDevice((3,), np.int64), "int32")):
+        with pytest.raises(ValueError, match=match):
+            set_packed(params, PackedBatch(cu, cu, 5, 5, bad))

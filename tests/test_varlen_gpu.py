@@ -301,3 +301,50 @@ def test_one_launch_per_kernel(monkeypatch):
     attention = [(name, grid) for name, grid in launched if "packed" in name]
     assert len(attention) == len([n for n, _ in launched if "preprocess" not in n and "convert" not in n]) >= 2
     assert all(grid[2] == 40 for _, grid in attention)
+
+
+@pytest.mark.parametrize("backend,dtype", [("mma", ml_dtypes.bfloat16), ("simt", np.float32), ("auto", np.float64),
+                                           ("auto", np.float32)], ids=str)
+def test_the_issue_order_changes_no_bit(monkeypatch, backend, dtype):
+    """The packed launch issues its sequences most pairs first (varlen.issue_order; slot z runs
+    sequence order[z]): the same call in batch order gives the same bits, with everything a CTA
+    keys by its sequence (ALiBi slopes, dropout's stream, a user mask's block map, the score_mod's
+    tensors) and a deterministic backward. A kernel that took its slot for its sequence anywhere
+    would read another sequence's slope, mask or block map here."""
+    import cupy
+
+    import modifier_zoo as zoo
+    from cupyflash import varlen
+
+    problem = VarlenProblem((0, 1, 65, 200, 3, 130), (7, 1, 129, 200, 0, 64), nheads_kv=2, group=2, headdim=64,
+                            causal=True, softmax_scale=None, magnitude=1.0, dtype=dtype, seed=31,
+                            window_size=(150, -1))
+    cu_q, cu_k, max_q, max_k = problem.sequences
+    nheads = problem.nheads_kv * problem.group
+    rng = np.random.default_rng(6)
+    doc_q, doc_k = zoo.document_ids(rng, problem.batch, max_q, 3), zoo.document_ids(rng, problem.batch, max_k, 3)
+    slopes = cupy.asarray(rng.uniform(0.005, 0.05, (problem.batch, nheads)).astype(np.float32))
+    calls = [dict(alibi_slopes=slopes, dropout_p=0.15, seed=2**31 + 5, offset=7),
+             dict(score_mod=cupyflash.ScoreMod(zoo.sequence_bias, slopes=slopes),
+                  mask_mod=cupyflash.MaskMod(zoo.documents, doc_q=cupy.asarray(doc_q), doc_k=cupy.asarray(doc_k)))]
+    q, k, v, do = (cupy.asarray(x) for x in problem.arrays())
+    # pairs per sequence 0, 1, 8385, 40000, 0, 8320: the order is not batch order
+    assert varlen.issue_order(varlen.check_sequences(cu_q, cu_k, max_q, max_k, int(cu_q[-1]),
+                                                     int(cu_k[-1]))).tolist() == [3, 2, 5, 1, 0, 4]
+    for call in calls:
+        results = []
+        for order in ("most pairs first", "batch order"):
+            if order == "batch order":
+                monkeypatch.setattr(varlen, "issue_order", lambda sequences: None)
+            with poisoned_outputs():
+                o, lse = cupyflash.flash_attn_varlen_func(q, k, v, cupy.asarray(cu_q), cupy.asarray(cu_k), max_q,
+                                                          max_k, return_lse=True, backend=backend,
+                                                          **problem.kwargs, **call)
+                grads = cupyflash.flash_attn_varlen_backward(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k,
+                                                             backend=backend, deterministic=True, **problem.kwargs,
+                                                             **call)
+            results.append([cupy.asnumpy(x) for x in (o, lse, *grads)])
+            monkeypatch.undo()
+        for name, first, second in zip(("o", "lse", "dq", "dk", "dv"), *results):
+            assert np.array_equal(first, second, equal_nan=True), f"{name} differs between issue orders ({call})"
+            assert not np.isnan(first).all(), name

@@ -51,8 +51,9 @@ BLOCK_MAP_PARAMS = np.dtype([("t", MOD_ARGS), ("key_blocks", np.uint64), ("query
 _SCALE_FIELDS = [("scale_log2", np.float32), ("scale", np.float32), ("scale_log2_f64", np.float64),
                  ("scale_f64", np.float64), ("variant", VARIANT_ARGS)]
 
-# A packed batch's cumulative lengths (mask.cuh's Packed policies), null for a dense batch.
-_SEQUENCE_FIELDS = [("cu_seqlens_q", np.uint64), ("cu_seqlens_k", np.uint64)]
+# A packed batch's cumulative lengths (mask.cuh's Packed policies) and the order its grid issues the
+# sequences in (null: batch order); all null for a dense batch.
+_SEQUENCE_FIELDS = [("cu_seqlens_q", np.uint64), ("cu_seqlens_k", np.uint64), ("sequence_order", np.uint64)]
 
 FWD_PARAMS = np.dtype([*((name, TENSOR_ROWS) for name in ("q", "k", "v", "o")), ("lse", np.uint64),
                        *_SHAPE_FIELDS, *_SCALE_FIELDS, *_SEQUENCE_FIELDS], align=True)
@@ -80,6 +81,9 @@ class PackedBatch(NamedTuple):
     cu_seqlens_k: object
     max_seqlen_q: int
     max_seqlen_k: int
+    # CuPy int32 (sequences,): grid slot z runs sequence sequence_order[z] (varlen.issue_order: the
+    # most pairs first); None: batch order. Only the CTAs' issue order changes, not any result.
+    sequence_order: object = None
 
     @property
     def sequences(self) -> int:
@@ -90,10 +94,15 @@ def set_packed(params, packed: PackedBatch | None) -> None:
     """The cumulative lengths of a packed batch into ``params`` (None: a dense batch, null)."""
     if packed is None:
         return
-    for name in ("cu_seqlens_q", "cu_seqlens_k"):
+    for name in ("cu_seqlens_q", "cu_seqlens_k", "sequence_order"):
         a = getattr(packed, name)
+        if a is None and name == "sequence_order":
+            continue
         if isinstance(a, np.ndarray) or a.dtype != np.int32 or not a.flags.c_contiguous:
             raise ValueError(f"cupyflash: the kernels read {name} as a C-contiguous int32 CuPy array")
+        if name == "sequence_order" and a.shape != (packed.sequences,):
+            raise ValueError(f"cupyflash: sequence_order must hold one entry per sequence ({packed.sequences}); "
+                             f"got shape {a.shape}")
         params[name] = pointer(a)
 
 

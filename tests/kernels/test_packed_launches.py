@@ -174,14 +174,17 @@ def test_packed_backward_refuses_dq_adds_laid_out_per_dense_block(monkeypatch):
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_packed_mma_sync_backward_takes_the_rows_without_spills(deterministic):
     """On mma.sync a packed batch runs the dQ-kernel rows whatever ``deterministic`` says (the
-    atomic-dQ kernels spill packed), and at d256 with a score the dQ kernel's BLOCK_N 16 tiles."""
+    atomic-dQ kernels spill packed), at d256 with a score the dQ kernel's BLOCK_N 16 tiles, and at
+    d128 with a user modifier flash_bwd_dq_mma_v2's BLOCK_N 16 tiles."""
     for dt in (64, 128, 256):
         for mask in masks.PACKED_KINDS:
             plan = backward_plans.plan_backward("80", np.float16, dt, mask.backward(), 163 * 1024, deterministic)
             dense = backward_plans.plan_backward("80", np.float16, dt, mask.as_packed(False).backward(), 163 * 1024,
                                                  True)
             assert plan.dq_add == "none"
-            want = backward_plans.PACKED_DQ_D256_TILES if dt == 256 and not mask.score.plain else dense.kernels.dq_tiles
+            want = (backward_plans.PACKED_DQ_D256_TILES if dt == 256 and not mask.score.plain else
+                    backward_plans.PACKED_USER_DQ_D128_TILES if dt == 128 and mask.score.user is not None else
+                    dense.kernels.dq_tiles)
             assert plan.kernels.dq_tiles == want
     on_sm90 = backward_plans.plan_backward("90", np.float16, 128, masks.PACKED_KINDS[0].backward(), 227 * 1024, False)
     assert on_sm90.dq_add == "atomic"  # the wgmma kernel's atomic dQ compiles clean packed
