@@ -45,9 +45,9 @@
 #                                       tests/test_tf32_wgmma_gpu.py (TF32_WGMMA_PART=tests), then
 #                                       dev/bench_tf32_wgmma.py and racecheck / memcheck of
 #                                       dev/sanitize_tf32_wgmma.py (TF32_WGMMA_PART=bench)
-#   scripts/gpu_check.sh OUTDIR measure  after the suite on its warm machine: dropout's cost at 8k,
-#                                       the quick decode table, then the tf32 wgmma candidates' smoke,
-#                                       tests, bench and racecheck (MEASURE_TF32=0: without them)
+#   scripts/gpu_check.sh OUTDIR measure  after the suite on its warm machine: MEASURE's parts (default
+#                                       "varlen decode"; also dropout, tf32): the varlen bench, the
+#                                       full decode table, dropout's cost at 8k, the tf32 candidates
 #   scripts/gpu_check.sh OUTDIR tf32    the float32 forward: its kernels compiled, tests/test_tf32_gpu.py,
 #                                       the accumulation probe's candidates, the fp32 bench table, and
 #                                       racecheck / memcheck --quick (the tf32 forward in their workload)
@@ -273,22 +273,31 @@ tf32)  # the float32 forward on tensor cores: tests, the probe's candidates, the
     step racecheck-quick "${RACECHECK_LIMIT:-180}" python -m cupyflash sanitize --tool racecheck --quick
     step memcheck-quick "${MEMCHECK_LIMIT:-180}" python -m cupyflash sanitize --tool memcheck --quick
     ;;
-measure)  # after the suite, on its warm machine (the cache holds the shipped kernels): the shipped
-         # changes' tables first (dropout's cost at 8k, d128 and d64; the quick decode table), then
-         # the tf32 wgmma candidates' smoke, tests, bench and racecheck (MEASURE_TF32=0 leaves them out)
+measure)  # after the suite, on its warm machine (the cache holds the shipped kernels): the parts named
+         # in MEASURE (default "varlen decode"): varlen, the varlen bench (varlen-v2's issue order);
+         # decode, the full decode table (20 repeats); dropout, dropout's cost at 8k, d128 and d64;
+         # tf32, the tf32 wgmma candidates' smoke, tests, bench and racecheck
     export PYTHONPATH=$PWD
-    for d in 128 64; do
-        step "dropout-8k-d$d" 150 python -m cupyflash.bench.variants --seqlen 8192 --headdim "$d" \
-            --impls cupyflash --variants causal "causal dropout 0.1" full "dropout 0.1" --json "$out/dropout-8k-d$d.json"
+    for part in ${MEASURE:-varlen decode}; do
+        case $part in
+        varlen) step varlen-bench 150 python -m cupyflash.bench.varlen --json "$out/varlen.json" ;;
+        decode) step decode 200 python -m cupyflash.bench.kvcache_decode --json "$out/decode.json" --plot "$out/decode.png" ;;
+        dropout)
+            for d in 128 64; do
+                step "dropout-8k-d$d" 150 python -m cupyflash.bench.variants --seqlen 8192 --headdim "$d" \
+                    --impls cupyflash --variants causal "causal dropout 0.1" full "dropout 0.1" \
+                    --json "$out/dropout-8k-d$d.json"
+            done ;;
+        tf32)
+            step tf32-wgmma-ws-smoke 90 python dev/smoke_tf32_wgmma_ws.py
+            step tf32-wgmma-tests "${TEST_LIMIT:-200}" env HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-gpu}" \
+                python -m pytest -q -m gpu tests/test_tf32_wgmma_gpu.py -p no:cacheprovider
+            step tf32-wgmma-bench 240 python dev/bench_tf32_wgmma.py --json "$out/tf32-wgmma.json"
+            step racecheck-tf32-wgmma 150 compute-sanitizer --tool racecheck --error-exitcode 1 \
+                python dev/sanitize_tf32_wgmma.py ;;
+        *) echo "unknown measure part $part"; status=1 ;;
+        esac
     done
-    step decode-quick 150 python -m cupyflash.bench.kvcache_decode --quick --json "$out/decode-quick.json"
-    if [ "${MEASURE_TF32:-1}" = 1 ]; then
-        step tf32-wgmma-ws-smoke 90 python dev/smoke_tf32_wgmma_ws.py
-        step tf32-wgmma-tests "${TEST_LIMIT:-200}" env HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-gpu}" \
-            python -m pytest -q -m gpu tests/test_tf32_wgmma_gpu.py -p no:cacheprovider
-        step tf32-wgmma-bench 240 python dev/bench_tf32_wgmma.py --json "$out/tf32-wgmma.json"
-        step racecheck-tf32-wgmma 150 compute-sanitizer --tool racecheck --error-exitcode 1 python dev/sanitize_tf32_wgmma.py
-    fi
     ;;
 *) echo "unknown part $what"; exit 2 ;;
 esac

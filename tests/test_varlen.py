@@ -531,3 +531,16 @@ def test_set_packed_checks_the_sequence_order():
     for bad, match in ((FakeDevice((4,)), "one entry per sequence"), (FakeDevice((3,), np.int64), "int32")):
         with pytest.raises(ValueError, match=match):
             set_packed(params, PackedBatch(cu, cu, 5, 5, bad))
+
+
+def test_the_varlen_bench_table_shows_the_issue_orders_ab_and_reads_older_runs():
+    from cupyflash.bench.varlen import table
+
+    row = {"headdim": 64, "causal": True}
+    for mode, scale in (("fwd", 1.0), ("bwd", 0.7)):
+        row.update({f"varlen_{mode}_tflops": 300 * scale, f"varlen_device_cu_{mode}_tflops": 250 * scale,
+                    f"dense_one_{mode}_tflops": 330 * scale, f"dense_mean_{mode}_tflops": 310 * scale})
+    older = table({"rows": [row]})  # a run from before varlen-v2 has no batch-order timing
+    assert "| 300.0 | - | - | 250.0 |" in older
+    row.update(varlen_batch_order_fwd_tflops=280.0, varlen_batch_order_bwd_tflops=200.0)
+    assert "| 300.0 | 280.0 | 1.071 | 250.0 |" in table({"rows": [row]})

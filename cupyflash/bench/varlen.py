@@ -5,8 +5,10 @@
 A batch of sequences with lengths drawn log-uniformly from 128..8k until they fill 16k tokens
 (seeded), bf16, causal and not. Timed on the device (CUDA events):
   * cupyflash.flash_attn_varlen_func / flash_attn_varlen_backward (one launch per kernel), with
-    cu_seqlens given as NumPy arrays (copied to the device) and as CuPy arrays (read back to the
-    host for the checks: a synchronisation, during which the GPU idles);
+    cu_seqlens given as NumPy arrays (copied to the device), the same with the sequences issued in
+    batch order (the A / B of varlen.issue_order, most pairs first), and as CuPy arrays (read back
+    to the host for the checks: a synchronisation, during which the GPU idles; and unread inside
+    no_host_sync);
   * PyTorch SDPA's FlashAttention-2 backend on the same sequences as one dense batch padded to the
     longest (what a user without varlen runs; its padding rows are computed and discarded);
   * cupyflash's dense kernels at the same total tokens: one sequence of all of them, and a batch
@@ -46,6 +48,20 @@ def pairs(lengths, causal: bool) -> int:
     return sum(n * (n + 1) // 2 if causal else n * n for n in lengths)
 
 
+@contextlib.contextmanager
+def _batch_order():
+    """Packed calls issued in batch order, as before varlen-v2 (perf log): the same call, the
+    sequences in grid slot order, for the issue order's A / B in one run."""
+    from cupyflash import varlen
+
+    sorted_order = varlen.issue_order
+    varlen.issue_order = lambda sequences: None
+    try:
+        yield
+    finally:
+        varlen.issue_order = sorted_order
+
+
 def measure(headdims=(64, 128), causal_modes=(False, True), quick=False) -> dict:
     import cupy
     import ml_dtypes
@@ -74,13 +90,15 @@ def measure(headdims=(64, 128), causal_modes=(False, True), quick=False) -> dict
             for causal in causal_modes:
                 row = {"headdim": d, "causal": causal, "nheads": NHEADS, "lengths": lengths, "total": total}
                 work = pairs(lengths, causal) * NHEADS * d
-                # cu_seqlens from the host (as a data loader makes them: no device read-back), on the
-                # device (read back for the checks: the GPU idles while the host checks them), and on
-                # the device inside no_host_sync() (unread, as flash-attn takes them)
-                for label, cu_arg, unread in (("varlen", cu, False), ("varlen_device_cu", cu_dev, False),
-                                              ("varlen_device_cu_unread", cu_dev, True)):
+                # cu_seqlens from the host (as a data loader makes them: no device read-back), the same
+                # issued in batch order (varlen.issue_order off: the kernels' order before varlen-v2),
+                # on the device (read back for the checks: the GPU idles while the host checks them),
+                # and on the device inside no_host_sync() (unread, as flash-attn takes them; batch order)
+                for label, cu_arg, mode_of in (("varlen", cu, contextlib.nullcontext),
+                                               ("varlen_batch_order", cu, _batch_order),
+                                               ("varlen_device_cu", cu_dev, contextlib.nullcontext),
+                                               ("varlen_device_cu_unread", cu_dev, cupyflash.no_host_sync)):
                     sequences = (cu_arg, cu_arg, max(lengths), max(lengths))
-                    mode_of = cupyflash.no_host_sync if unread else contextlib.nullcontext
                     o, lse = cupyflash.flash_attn_varlen_func(q, k, v, *sequences, causal=causal, return_lse=True)
 
                     def fwd(_):
@@ -158,19 +176,22 @@ def _fa2_padded(q, k, v, do, cu, lengths, causal, work, stream, policy, torch, F
 
 
 def table(result: dict) -> str:
-    lines = ["| d | causal | mode | varlen TFLOP/s | device cu_seqlens | device, no_host_sync | FA2 padded | "
-             "x FA2 padded | dense 1 x total | x dense | dense B x mean | x dense mean |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| d | causal | mode | varlen TFLOP/s | batch order | x batch order | device cu_seqlens | "
+             "device, no_host_sync | FA2 padded | x FA2 padded | dense 1 x total | x dense | dense B x mean | "
+             "x dense mean |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         for mode in ("fwd", "bwd"):
             v, vd = r[f"varlen_{mode}_tflops"], r[f"varlen_device_cu_{mode}_tflops"]
             unread = r.get(f"varlen_device_cu_unread_{mode}_tflops")
+            in_batch_order = r.get(f"varlen_batch_order_{mode}_tflops")  # absent in runs before varlen-v2
             fa2 = r.get(f"fa2_padded_{mode}_tflops")
             one, mean = r[f"dense_one_{mode}_tflops"], r[f"dense_mean_{mode}_tflops"]
             fa2_cell = f"{fa2:.1f} | {v / fa2:.2f}" if fa2 else "- | -"
             unread_cell = f"{unread:.1f}" if unread else "-"
-            lines.append(f"| {r['headdim']} | {r['causal']} | {mode} | {v:.1f} | {vd:.1f} | {unread_cell} | {fa2_cell} | "
-                         f"{one:.1f} | {v / one:.2f} | {mean:.1f} | {v / mean:.2f} |")
+            order_cell = f"{in_batch_order:.1f} | {v / in_batch_order:.3f}" if in_batch_order else "- | -"
+            lines.append(f"| {r['headdim']} | {r['causal']} | {mode} | {v:.1f} | {order_cell} | {vd:.1f} | "
+                         f"{unread_cell} | {fa2_cell} | {one:.1f} | {v / one:.2f} | {mean:.1f} | {v / mean:.2f} |")
     return "\n".join(lines)
 
 
