@@ -280,7 +280,7 @@ measure)  # after the suite, on its warm machine (the cache holds the shipped ke
     export PYTHONPATH=$PWD
     for part in ${MEASURE:-varlen decode}; do
         case $part in
-        varlen) step varlen-bench 150 python -m cupyflash.bench.varlen --json "$out/varlen.json" ;;
+        varlen) step varlen-bench 240 python -m cupyflash.bench.varlen --json "$out/varlen.json" ;;
         decode) step decode 200 python -m cupyflash.bench.kvcache_decode --json "$out/decode.json" --plot "$out/decode.png" ;;
         dropout)
             for d in 128 64; do
