@@ -128,7 +128,7 @@ varlen)
     step varlen-tests "${TEST_LIMIT:-300}" env HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-gpu}" \
         python scripts/pytest_shards.py --shards "${SHARDS:-6}" --limit "$(( ${TEST_LIMIT:-300} - 20 ))" \
         --out "$out/varlen-shards" -m gpu tests/test_varlen_gpu.py
-    step varlen-bench 150 python -m cupyflash.bench.varlen --json "$out/varlen.json"
+    step varlen-bench 240 python -m cupyflash.bench.varlen --json "$out/varlen.json"
     ;;
 capture)
     export PYTHONPATH=$PWD
