@@ -76,9 +76,9 @@ struct CacheKeys {
 // before the stores of tile t + 2.
 // The rows' table entries come earlier still: tile t's are copied (cp.async, 4 bytes a row) into
 // one of PAGE_SLOTS slots of page ids with the K/V copies of tile t - PAGE_SLOTS (the kernel's
-// STAGES), so the key loop's wait for that tile covers them, and no register waits on a table read. Read into a
-// register a tile ahead and stored after the math (the form before), the read's result was
-// waited on in every iteration: with pages of 16 keys a tile enters a new table line every 8
+// STAGES), so the key loop's wait for that tile covers them, and no register waits on a table
+// read. Read into a register a tile ahead and stored after the math (the form before), the
+// read's result was waited on in every iteration: with pages of 16 keys a tile enters a new table line every 8
 // tiles, and that read, queued behind the K/V copies in flight, outlasted the iteration (ncu:
 // the offsets' store the hottest long-scoreboard stall, docs/perf-log.md, "decode-v3").
 template <int ROWS, int NTHREADS, int PAGE_SLOTS>

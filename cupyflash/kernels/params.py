@@ -91,18 +91,20 @@ class PackedBatch(NamedTuple):
 
 
 def set_packed(params, packed: PackedBatch | None) -> None:
-    """The cumulative lengths of a packed batch into ``params`` (None: a dense batch, null)."""
+    """The cumulative lengths and issue order of a packed batch into ``params`` (None: a dense
+    batch, null)."""
     if packed is None:
         return
-    for name in ("cu_seqlens_q", "cu_seqlens_k", "sequence_order"):
-        a = getattr(packed, name)
-        if a is None and name == "sequence_order":
+    order = packed.sequence_order
+    if order is not None and order.shape != (packed.sequences,):
+        raise ValueError(f"cupyflash: sequence_order must hold one entry per sequence ({packed.sequences}); "
+                         f"got shape {order.shape}")
+    for name, a in (("cu_seqlens_q", packed.cu_seqlens_q), ("cu_seqlens_k", packed.cu_seqlens_k),
+                    ("sequence_order", order)):
+        if a is None:  # the order only: batch order
             continue
         if isinstance(a, np.ndarray) or a.dtype != np.int32 or not a.flags.c_contiguous:
             raise ValueError(f"cupyflash: the kernels read {name} as a C-contiguous int32 CuPy array")
-        if name == "sequence_order" and a.shape != (packed.sequences,):
-            raise ValueError(f"cupyflash: sequence_order must hold one entry per sequence ({packed.sequences}); "
-                             f"got shape {a.shape}")
         params[name] = pointer(a)
 
 
