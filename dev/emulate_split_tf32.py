@@ -261,14 +261,21 @@ def _pv(p, vb, ar: Arith, acc=None):
     return fadd(acc + small) if small is not None else acc
 
 
-def head_forward(q, k, v, visible, scale, ar: Arith, rng):
-    """o (rows, dv) of one head: q (rows, d), k (keys, d), v (keys, dv) float32; visible (rows, keys)."""
+def head_forward(q, k, v, visible, scale, ar: Arith, rng, alibi_dist=None, slope=None, with_lse=False):
+    """o (rows, dv) of one head: q (rows, d), k (keys, d), v (keys, dv) float32; visible (rows, keys).
+    ALiBi (kernels_cu/score.cuh): s' = fl(s - slope_u |dist|), one FFMA on S's raw units, slope_u =
+    fl(slope / scale), alibi_dist (rows, keys) = |i + seqlen_k - seqlen_q - j|. with_lse: also lse =
+    fl(fl(m + log2 l) ln 2) (the kernel's __log2f modelled as exact, then rounded)."""
     rows, keys = q.shape[0], k.shape[0]
     nblocks = -(-keys // BLOCK_N)
     pad = nblocks * BLOCK_N - keys
     k = np.pad(k.astype(np.float64), ((0, pad), (0, 0)))
     v = np.pad(v.astype(np.float64), ((0, pad), (0, 0)))
     visible = np.pad(visible, ((0, 0), (0, pad)))
+    if alibi_dist is not None:
+        alibi_dist = np.pad(alibi_dist, ((0, 0), (0, pad)))
+        slope_u = fl32(np.float64(np.float32(slope)) / np.float64(np.float32(scale))) if ar.scale_round \
+            else float(slope) / scale
     rs = fl32 if ar.sum_round else exact
     rsub = fl32 if ar.sub_round else exact
     rsc = fl32 if ar.scale_round else exact
@@ -281,6 +288,8 @@ def head_forward(q, k, v, visible, scale, ar: Arith, rng):
     for j in range(nblocks):
         cols = slice(j * BLOCK_N, (j + 1) * BLOCK_N)
         s = _scores(qs, k[cols], ar)
+        if alibi_dist is not None:
+            s = (fl32 if ar.scale_round else exact)(s - slope_u * alibi_dist[:, cols])
         vis = visible[:, cols]
         if ar.exp_arg == "max_first":  # m in S's units, scaled after the subtraction
             sm = np.where(vis, s, -np.inf)
@@ -312,41 +321,71 @@ def head_forward(q, k, v, visible, scale, ar: Arith, rng):
         else:  # O *= rescale (FMUL), then the block's products chained onto O
             o = _pv(p, v[cols], ar, racc(rescale[:, None] * o) if j else None)
     l = rs(rs(lanes[:, 0] + lanes[:, 2]) + rs(lanes[:, 1] + lanes[:, 3]))
+    with np.errstate(divide="ignore"):
+        lse = np.where(l > 0, rs(rs(m + np.log2(np.where(l > 0, l, 1.0))) * (fl32(np.log(2.0)) if ar.final_round
+                                                                             else np.log(2.0))), -np.inf)
     if ar.final_round:
         inv = fl32(np.where(l > 0, 1.0 / np.where(l > 0, l, 1.0), 0.0))  # rows with no key: o = 0
-        return fl32(o * inv[:, None])
-    return np.where(l[:, None] > 0, o / np.where(l > 0, l, 1.0)[:, None], 0.0)
+        o = fl32(o * inv[:, None])
+    else:
+        o = np.where(l[:, None] > 0, o / np.where(l > 0, l, 1.0)[:, None], 0.0)
+    return (o, lse) if with_lse else o
 
 
-def forward(problem, q, k, v, ar: Arith, seed=0):
+def forward(problem, q, k, v, ar: Arith, seed=0, alibi_slopes=None, with_lse=False):
+    """o (and lse with with_lse) of the problem; alibi_slopes (nheads,) float32 as the API takes them."""
     rng = np.random.default_rng(seed) if ar.exp_approx else None
     visible = reference.visible_keys(problem.seqlen_q, problem.seqlen_k, problem.causal, problem.window_size)
+    rows, keys = np.arange(problem.seqlen_q)[:, None], np.arange(problem.seqlen_k)[None, :]
+    dist = np.abs(rows + problem.seqlen_k - problem.seqlen_q - keys).astype(np.float64)
     o = np.zeros(problem.o_shape)
+    lse = np.zeros((problem.batch, problem.nheads, problem.seqlen_q))
     for b in range(problem.batch):
         for h in range(problem.nheads):
             hk = h // problem.group
-            o[b, :, h] = head_forward(q[b, :, h], k[b, :, hk], v[b, :, hk], visible, problem.scale, ar, rng)
-    return o
+            alibi = {} if alibi_slopes is None else dict(alibi_dist=dist, slope=alibi_slopes[h])
+            o[b, :, h], lse[b, h] = head_forward(q[b, :, h], k[b, :, hk], v[b, :, hk], visible, problem.scale, ar,
+                                                 rng, with_lse=True, **alibi)
+    return (o, lse) if with_lse else o
 
 
 # --- measurement ---------------------------------------------------------------------------------
 
 class Case:
-    def __init__(self, name, problem, arrays=None):
-        self.name, self.problem = name, problem
+    """A problem, its float64 reference and the test's bound (2 x standard float32's error + 2^-21
+    max(1, max|ref|)), for o and, with check_lse, for lse too (tests/test_tf32_wgmma_gpu.py asserts both)."""
+
+    def __init__(self, name, problem, arrays=None, alibi_slopes=None, check_lse=False):
+        self.name, self.problem, self.alibi_slopes, self.check_lse = name, problem, alibi_slopes, check_lse
         self.q, self.k, self.v = problem.arrays()[:3] if arrays is None else arrays
-        self.o_ref, _ = reference.attention(self.q, self.k, self.v, **problem.kwargs)
-        o_std, _ = reference.standard_attention(self.q, self.k, self.v, dtype=np.float32, **problem.kwargs)
+        options = {} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}
+        self.o_ref, self.lse_ref = reference.attention(self.q, self.k, self.v, **problem.kwargs, **options)
+        o_std, lse_std = reference.standard_attention(self.q, self.k, self.v, dtype=np.float32, **problem.kwargs,
+                                                      **options)
         self.err_std = self.err(o_std)
         self.bound = 2 * self.err_std + 2.0 ** -21 * max(1.0, float(np.abs(self.o_ref).max()))
+        finite = np.isfinite(self.lse_ref)
+        self.lse_err_std = self.lse_err(lse_std)
+        self.lse_bound = 2 * self.lse_err_std + 2.0 ** -21 * max(1.0, float(np.abs(self.lse_ref[finite]).max(
+            initial=0.0)))
 
     def err(self, o):
         return float(np.abs(np.asarray(o, np.float64) - self.o_ref).max())
 
+    def lse_err(self, lse):
+        finite = np.isfinite(self.lse_ref)
+        return float(np.abs(np.asarray(lse, np.float64)[finite] - self.lse_ref[finite]).max(initial=0.0))
+
     def run(self, ar: Arith, seeds=(0,)):
-        """max |o - o_ref| for each ex2 perturbation seed (one value where exp_approx is 0)."""
+        """max |o - o_ref| / bound (ratios, with check_lse the worse of o's and lse's), or without
+        check_lse max |o - o_ref|, for each ex2 perturbation seed (one value where exp_approx is 0)."""
         seeds = seeds if ar.exp_approx else (0,)
-        return np.array([self.err(forward(self.problem, self.q, self.k, self.v, ar, s)) for s in seeds])
+        out = []
+        for s in seeds:
+            o, lse = forward(self.problem, self.q, self.k, self.v, ar, s, self.alibi_slopes, with_lse=True)
+            out.append(max(self.err(o) / self.bound, self.lse_err(lse) / self.lse_bound) if self.check_lse
+                       else self.err(o))
+        return np.array(out)
 
 
 def fmt(errs):

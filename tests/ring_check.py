@@ -36,11 +36,13 @@ def shard_functions(layout):
     return (zigzag_shard, zigzag_unshard) if layout == "zigzag" else (contiguous_shard, contiguous_unshard)
 
 
-def ring_rounding_baseline(problem, size, layout, o_exact, lse_exact):
+def ring_rounding_baseline(problem, size, layout, o_exact, lse_exact, softcap=0.0):
     """(o, dq, dk, dv) of the ring schedule with float64 steps whose outputs are rounded to the
     dtype, as the API rounds them, accumulated in float64 and rounded once at the end. The
     backward's steps get the exact global o and lse (the o the ring really used is the rule's
     output_rounding_allowance)."""
+    from cupyflash.scores import Variant
+
     dtype = problem.dtype
     rnd = lambda x: np.asarray(x).astype(dtype).astype(np.float64)  # noqa: E731
     shard, unshard = shard_functions(layout)
@@ -50,41 +52,41 @@ def ring_rounding_baseline(problem, size, layout, o_exact, lse_exact):
     o_out, dq_out = [None] * size, [None] * size
     dk_out = [np.zeros(s.shape) for s in ks]
     dv_out = [np.zeros(s.shape) for s in vs]
+    variant = Variant(softcap=softcap)
     for rank in range(size):
-        o_acc = lse_acc = None
+        o_acc = np.zeros(qs[rank].shape)
+        lse_acc = np.full(lses[rank].shape, -np.inf)
         dq_acc = np.zeros(qs[rank].shape)
-        length, key_length = qs[rank].shape[1], ks[rank].shape[1]
-        for step in ring_schedule(rank, size, problem.causal, layout):
-            if step is None:
-                continue
-            rows = slice(length // 2, length) if step.queries == "second_half" else slice(0, length)
-            keys = slice(0, key_length // 2) if step.keys == "first_half" else slice(0, key_length)
+        steps = ring_schedule(rank, size, qs[rank].shape[1], causal=problem.causal, window_size=problem.window_size,
+                              layout=layout, key_length=ks[rank].shape[1])
+        for step in steps:
             s = step.source
-            options = dict(softmax_scale=problem.scale, causal=step.causal)
-            o_t, lse_t = numpy_backend.forward(qs[rank][:, rows], ks[s][:, keys], vs[s][:, keys], **options)
-            o_t = rnd(o_t)
-            if o_acc is None:
-                o_acc, lse_acc = o_t, lse_t
-            else:
+            for block in step.blocks:
+                rows, keys = block.row_slice, block.key_slice
+                options = dict(softmax_scale=problem.scale, causal=block.causal, window_size=block.window_size,
+                               variant=variant)
+                o_t, lse_t = numpy_backend.forward(qs[rank][:, rows], ks[s][:, keys], vs[s][:, keys], **options)
                 o_acc[:, rows], lse_acc[:, :, rows] = merge_attention_states_reference(
-                    o_acc[:, rows], lse_acc[:, :, rows], o_t, lse_t)
-            dq_t, dk_t, dv_t = numpy_backend.backward(dos[rank][:, rows], qs[rank][:, rows], ks[s][:, keys],
-                                                      vs[s][:, keys], os_[rank][:, rows], lses[rank][:, :, rows],
-                                                      **options)
-            dq_acc[:, rows] += rnd(dq_t)
-            dk_out[s][:, keys] += rnd(dk_t)
-            dv_out[s][:, keys] += rnd(dv_t)
+                    o_acc[:, rows], lse_acc[:, :, rows], rnd(o_t), lse_t)
+                dq_t, dk_t, dv_t = numpy_backend.backward(dos[rank][:, rows], qs[rank][:, rows], ks[s][:, keys],
+                                                          vs[s][:, keys], os_[rank][:, rows], lses[rank][:, :, rows],
+                                                          **options)
+                dq_acc[:, rows] += rnd(dq_t)
+                dk_out[s][:, keys] += rnd(dk_t)
+                dv_out[s][:, keys] += rnd(dv_t)
         o_out[rank], dq_out[rank] = o_acc, dq_acc
     return tuple(rnd(unshard(parts)) for parts in (o_out, dq_out, dk_out, dv_out))
 
 
-def assert_ring_close(problem, size, layout, o, lse, grads):
+def assert_ring_close(problem, size, layout, o, lse, grads, softcap=0.0):
     """The ring's whole-sequence (o, lse, (dq, dk, dv)) against float64 under the library's rule
     with the ring's rounding as one more baseline (module docstring); one AssertionError naming
-    every output that fails."""
+    every output that fails. With a softcap the flash rounding baseline (a model of the plain
+    softmax's backward) is left out: standard attention with the cap and the ring's own rounding
+    remain."""
     q, k, v, do = problem.arrays()
     dtype = problem.dtype
-    kwargs = problem.kwargs
+    kwargs = dict(problem.kwargs, softcap=softcap) if softcap else problem.kwargs
     o, lse = as_numpy(o), as_numpy(lse)
     grads = tuple(as_numpy(g) for g in grads)
     failures = []
@@ -95,10 +97,13 @@ def assert_ring_close(problem, size, layout, o, lse, grads):
     (o_ref, lse_ref, grads_ref), (o_std, lse_std, grads_std) = references_and_baselines(do, q, k, v, dtype=dtype,
                                                                                          **kwargs)
     if dtype in SIXTEEN_BIT:
-        o_ring, *grads_ring = ring_rounding_baseline(problem, size, layout, o_ref, lse_ref)
-        flash = flash_rounding_baseline(do, q, k, v, dtype=dtype, o=o, **kwargs)
+        o_ring, *grads_ring = ring_rounding_baseline(problem, size, layout, o_ref, lse_ref, softcap)
         o_base = worse_baseline(o_ref, o_std, o_ring)
-        grad_bases = [worse_baseline(r, s, f, g) for r, s, f, g in zip(grads_ref, grads_std, flash, grads_ring)]
+        if softcap:
+            grad_bases = [worse_baseline(r, s, g) for r, s, g in zip(grads_ref, grads_std, grads_ring)]
+        else:
+            flash = flash_rounding_baseline(do, q, k, v, dtype=dtype, o=o, **kwargs)
+            grad_bases = [worse_baseline(r, s, f, g) for r, s, f, g in zip(grads_ref, grads_std, flash, grads_ring)]
     else:
         o_base, grad_bases = None, (None, None, None)
 

@@ -20,6 +20,8 @@ from cupyflash import flash_attn_func, reference
 from cupyflash.distributed import (
     LocalRing,
     RingAborted,
+    RingBlock,
+    RingStep,
     contiguous_shard,
     contiguous_unshard,
     launch,
@@ -48,29 +50,34 @@ RING_MAX_COST = 4e6  # batch * heads * seqlen_q * seqlen_k * headdim of one ring
 
 @st.composite
 def ring_problems(draw, dtypes=(BF16, F16, F32, F64), min_ranks=1, max_ranks=4, headdims=None):
-    """(AttentionProblem, P, layout) with sequence lengths the layout can shard: multiples of 2P
-    (zigzag) or P (contiguous); causal problems are self-attention, the others may have another
-    key length. GQA groups, head dims (or one of ``headdims``), scales and magnitudes as the
-    library's strategies draw them."""
+    """(AttentionProblem, P, layout, softcap) with sequence lengths the layout can shard: multiples
+    of 2P (zigzag) or P (contiguous); masked problems (causal, or a sliding window, one side
+    possibly unbounded, as often narrower than a chunk as wider) are self-attention, the others
+    may have another key length; softcap 0 (none) half the time. GQA groups, head dims (or one of
+    ``headdims``), scales and magnitudes as the library's strategies draw them."""
     size = draw(st.integers(min_ranks, max_ranks))
     causal = draw(st.booleans())
     layout = draw(st.sampled_from(["zigzag", "zigzag", "contiguous"]))
     parts = 2 * size if layout == "zigzag" else size
     seqlen_q = parts * draw(st.integers(1, MAX_ROWS // parts))
-    seqlen_k = seqlen_q if causal else parts * draw(st.integers(1, MAX_ROWS // parts))
+    side = st.one_of(st.just(-1), st.integers(0, seqlen_q // parts + 2), st.integers(0, seqlen_q))
+    window = (draw(side), 0 if causal else draw(side)) if draw(st.booleans()) else (-1, -1)
+    masked = causal or window != (-1, -1)
+    seqlen_k = seqlen_q if masked else parts * draw(st.integers(1, MAX_ROWS // parts))
     problem = draw(attention_problems(dtypes=dtypes, causal=causal, min_seqlen=seqlen_q, max_seqlen=seqlen_q,
                                       same_seqlens=True, headdims=headdims, max_cost=RING_MAX_COST))
-    return replace(problem, seqlen_k=seqlen_k), size, layout
+    softcap = draw(st.one_of(st.just(0.0), st.sampled_from([1.0, 5.0, 30.0])))
+    return replace(problem, seqlen_k=seqlen_k, window_size=window), size, layout, softcap
 
 
-def run_ring(problem, size, layout, *, overlap=True, inputs=None):
+def run_ring(problem, size, layout, *, overlap=True, inputs=None, softcap=0.0):
     """(o, lse, dq, dk, dv) of the whole sequence from P simulated ranks, each running
     ring_flash_attn_func then ring_flash_attn_backward on its shards."""
     shard, unshard = shard_functions(layout)
     arrays = problem.arrays() if inputs is None else inputs
     q_shards, k_shards, v_shards, do_shards = (shard(x, size) for x in arrays)
-    options = dict(softmax_scale=problem.softmax_scale, causal=problem.causal, layout=layout, backend="numpy",
-                   overlap=overlap)
+    options = dict(softmax_scale=problem.softmax_scale, causal=problem.causal, window_size=problem.window_size,
+                   softcap=softcap, layout=layout, backend="numpy", overlap=overlap)
 
     def rank_main(comm):
         r = comm.rank
@@ -85,9 +92,9 @@ def run_ring(problem, size, layout, *, overlap=True, inputs=None):
 
 @given(ring_problems())
 def test_ring_simulation_matches_the_reference(case):
-    problem, size, layout = case
-    o, lse, dq, dk, dv = run_ring(problem, size, layout)
-    assert_ring_close(problem, size, layout, o, lse, (dq, dk, dv))
+    problem, size, layout, softcap = case
+    o, lse, dq, dk, dv = run_ring(problem, size, layout, softcap=softcap)
+    assert_ring_close(problem, size, layout, o, lse, (dq, dk, dv), softcap=softcap)
 
 
 def test_ring_results_are_deterministic_and_the_overlap_changes_no_bit():
@@ -134,32 +141,56 @@ def global_rows(layout, rank, size, length):
     return np.concatenate([rank * chunk + np.arange(chunk), (2 * size - 1 - rank) * chunk + np.arange(chunk)])
 
 
+WINDOWS = [(-1, -1), (0, 0), (1, 0), (2, 5), (7, -1), (-1, 4), (13, 13)]
+
+
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 @pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window", WINDOWS, ids=str)
 @pytest.mark.parametrize("size", [1, 2, 3, 4, 5, 8])
-def test_the_schedule_visits_every_visible_pair_once_and_no_other(size, causal, layout):
+def test_the_schedule_visits_every_visible_pair_once_and_no_other(size, window, causal, layout):
+    """Each block's own flash-attn mask (bottom-right on the block) on its rows and keys, mapped to
+    global positions, covers the whole sequence's mask exactly once; every block is cut to rows
+    that see a key and keys that are seen."""
     length = 6  # rows per rank (zigzag: two chunks of 3)
     seqlen = size * length
     visits = np.zeros((seqlen, seqlen), int)
     work = np.zeros((size, size), int)  # pairs computed per (rank, step)
     for rank in range(size):
         rows = global_rows(layout, rank, size, length)
-        for t, step in enumerate(ring_schedule(rank, size, causal, layout)):
-            if step is None:
-                continue
+        steps = ring_schedule(rank, size, length, causal=causal, window_size=window, layout=layout)
+        assert len(steps) == size
+        for t, step in enumerate(steps):
             source = (rank - t) % size
             assert step.source == source
             keys = global_rows(layout, source, size, length)
-            q_local = np.arange(length // 2, length) if step.queries == "second_half" else np.arange(length)
-            k_local = np.arange(length // 2) if step.keys == "first_half" else np.arange(length)
-            seen = reference.visible_keys(len(q_local), len(k_local), step.causal)
-            qi, kj = np.nonzero(seen)
-            np.add.at(visits, (rows[q_local[qi]], keys[k_local[kj]]), 1)
-            work[rank, t] = len(qi)
-    np.testing.assert_array_equal(visits, reference.visible_keys(seqlen, seqlen, causal).astype(int))
-    if causal and layout == "zigzag":  # balanced: every rank does the same work at every step
+            for block in step.blocks:
+                q_local, k_local = np.arange(*block.rows), np.arange(*block.keys)
+                seen = reference.visible_keys(len(q_local), len(k_local), block.causal, block.window_size)
+                assert seen.any(axis=1).all() and seen.any(axis=0).all(), block
+                qi, kj = np.nonzero(seen)
+                np.add.at(visits, (rows[q_local[qi]], keys[k_local[kj]]), 1)
+                work[rank, t] += len(qi)
+    np.testing.assert_array_equal(visits, reference.visible_keys(seqlen, seqlen, causal, window).astype(int))
+    if causal and window == (-1, -1) and layout == "zigzag":
+        # balanced: every rank does the same work at every step, one block a step
         assert (work == work[:1]).all(), work
         assert (work[:, 1:] == (length // 2) * length).all()
+        for rank in range(size):
+            assert all(len(step.blocks) == 1 for step in ring_schedule(rank, size, length, causal=True))
+
+
+def test_a_window_computes_only_near_the_diagonal():
+    """A window narrower than a shard (contiguous, causal (3, 0)): each rank's own shard as one
+    block under the window, the previous rank's last 3 keys for its first 3 rows, no block on the
+    steps whose keys lie outside the window."""
+    size, length = 4, 64
+    for rank in range(size):
+        steps = ring_schedule(rank, size, length, window_size=(3, 0), layout="contiguous")
+        assert steps[0].blocks == (RingBlock((0, length), (0, length), window_size=(3, 0)),)
+        previous = (RingBlock((0, 3), (length - 3, length), window_size=(0, -1)),) if rank > 0 else ()
+        assert steps[1].blocks == previous
+        assert all(not step.blocks for step in steps[2:])
 
 
 # --- zigzag and contiguous sharding --------------------------------------------------------------
@@ -355,8 +386,12 @@ def test_the_ring_says_what_it_cannot_take():
     comm = LocalRing(1).comms[0]
     with pytest.raises(ValueError, match="even shard length"):
         ring_flash_attn_func(q, q, q, comm=comm, causal=True)
-    with pytest.raises(ValueError, match="sliding window"):
+    with pytest.raises(ValueError, match="window_size=\\(4, 0\\) and the zigzag layout needs an even"):
         ring_flash_attn_func(q, q, q, comm=comm, window_size=(4, 0))
+    with pytest.raises(ValueError, match="window_size must be a pair"):
+        ring_flash_attn_func(q, q, q, comm=comm, window_size=(-2, 0), layout="contiguous")
+    with pytest.raises(ValueError, match="window_size=\\(3, 3\\) is self-attention"):
+        ring_flash_attn_func(q, q[:, :4], q[:, :4], comm=comm, window_size=(3, 3), layout="contiguous")
     with pytest.raises(ValueError, match="layout"):
         ring_flash_attn_func(q, q, q, comm=comm, layout="striped")
     with pytest.raises(ValueError, match="self-attention"):
@@ -382,8 +417,9 @@ def test_the_rule_fails_a_ring_that_drops_a_step(monkeypatch):
     """The check can fail: a schedule that forgets the last step's keys is far outside the rule."""
     from cupyflash.distributed import ring as ring_module
 
-    def forgetful(rank, size, causal, layout="zigzag"):
-        return ring_schedule(rank, size, causal, layout)[:-1] + [None]
+    def forgetful(rank, size, length, **options):
+        steps = ring_schedule(rank, size, length, **options)
+        return steps[:-1] + [RingStep(steps[-1].source)]
 
     problem = replace(next_problem(), dtype=BF16, causal=False)
     monkeypatch.setattr(ring_module, "ring_schedule", forgetful)

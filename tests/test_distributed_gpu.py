@@ -95,14 +95,14 @@ def test_the_merge_kernel_edge_cases_and_in_place_strided_rows():
 # --- the ring on one GPU -------------------------------------------------------------------------
 
 
-def run_gpu_ring(problem, size, layout, *, overlap=True, backend="auto", deterministic=True):
+def run_gpu_ring(problem, size, layout, *, overlap=True, backend="auto", deterministic=True, softcap=0.0):
     """(o, lse, dq, dk, dv) of the whole sequence (CuPy), from a LocalRing of ``size`` ranks on
     this GPU, outputs poisoned."""
     cupy = _cupy()
     shard, unshard = shard_functions(layout)
     q_s, k_s, v_s, do_s = ([cupy.asarray(s) for s in shard(x, size)] for x in problem.arrays())
-    options = dict(softmax_scale=problem.softmax_scale, causal=problem.causal, layout=layout, backend=backend,
-                   overlap=overlap)
+    options = dict(softmax_scale=problem.softmax_scale, causal=problem.causal, window_size=problem.window_size,
+                   softcap=softcap, layout=layout, backend=backend, overlap=overlap)
 
     def rank_main(comm):
         r = comm.rank
@@ -116,31 +116,43 @@ def run_gpu_ring(problem, size, layout, *, overlap=True, backend="auto", determi
     return tuple(unshard([result[i] for result in per_rank], axis=2 if i == 1 else 1) for i in range(5))
 
 
-def whole_sequence(problem, backend="auto"):
+def whole_sequence(problem, backend="auto", softcap=0.0):
     """flash_attn_func and flash_attn_backward on the whole sequence, on this GPU."""
     cupy = _cupy()
     q, k, v, do = (cupy.asarray(x) for x in problem.arrays())
     with poisoned_outputs():
-        o, lse = cupyflash.flash_attn_func(q, k, v, return_lse=True, backend=backend, **problem.kwargs)
-        grads = cupyflash.flash_attn_backward(do, q, k, v, o, lse, backend=backend, **problem.kwargs)
+        o, lse = cupyflash.flash_attn_func(q, k, v, return_lse=True, backend=backend, softcap=softcap,
+                                           **problem.kwargs)
+        grads = cupyflash.flash_attn_backward(do, q, k, v, o, lse, backend=backend, softcap=softcap,
+                                              **problem.kwargs)
     return (o, lse, *grads)
 
 
-def problem_of(dtype, causal, *, seqlen=512, headdim=128, seed=0):
+def problem_of(dtype, causal, *, seqlen=512, headdim=128, seed=0, window_size=(-1, -1)):
     return AttentionProblem(batch=2, seqlen_q=seqlen, seqlen_k=seqlen, nheads_kv=2, group=2, headdim=headdim,
-                            causal=causal, softmax_scale=None, magnitude=1.0, dtype=dtype, seed=seed)
+                            causal=causal, softmax_scale=None, magnitude=1.0, dtype=dtype, seed=seed,
+                            window_size=window_size)
+
+
+# (causal, window_size, softcap): the bars' mask, and windows narrower and wider than a chunk
+# (512 rows: 64 to 128 a chunk), one side unbounded, with and without a cap.
+MASKS = {"full": (False, (-1, -1), 0.0), "causal": (True, (-1, -1), 0.0), "causal_softcap": (True, (-1, -1), 30.0),
+         "window_40_0": (False, (40, 0), 0.0), "window_100_7_softcap": (False, (100, 7), 5.0),
+         "causal_window_200": (True, (200, -1), 0.0)}
 
 
 @pytest.mark.parametrize("size", [2, 4])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
-def test_the_one_gpu_ring_matches_the_whole_sequence(dtype, causal, size):
-    problem = problem_of(dtype, causal)
-    layout = "zigzag" if causal else "contiguous"
-    ring = run_gpu_ring(problem, size, layout)
-    whole = whole_sequence(problem)
-    assert_ring_close(problem, size, layout, ring[0], ring[1], ring[2:])
-    assert_attention_close(problem, whole[0], whole[1], whole[2:])
+def test_the_one_gpu_ring_matches_the_whole_sequence(dtype, mask, size):
+    causal, window, softcap = MASKS[mask]
+    problem = problem_of(dtype, causal, window_size=window)
+    layout = "contiguous" if mask == "full" else "zigzag"
+    ring = run_gpu_ring(problem, size, layout, softcap=softcap)
+    whole = whole_sequence(problem, softcap=softcap)
+    assert_ring_close(problem, size, layout, ring[0], ring[1], ring[2:], softcap=softcap)
+    if not softcap:
+        assert_attention_close(problem, whole[0], whole[1], whole[2:])
     # The two differ by the ring's roundings only: far less than either's error against float64
     # in 16-bit (the rule above), and float32 noise in float32.
     for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), ring, whole):
@@ -152,9 +164,9 @@ def test_the_one_gpu_ring_matches_the_whole_sequence(dtype, causal, size):
 @settings(max_examples=30)
 @given(ring_problems(dtypes=(BF16, F16, F32), min_ranks=2, headdims=(64, 128)))  # few kernels to compile
 def test_the_one_gpu_ring_matches_the_reference(case):
-    problem, size, layout = case
-    o, lse, *grads = run_gpu_ring(problem, size, layout)
-    assert_ring_close(problem, size, layout, o, lse, grads)
+    problem, size, layout, softcap = case
+    o, lse, *grads = run_gpu_ring(problem, size, layout, softcap=softcap)
+    assert_ring_close(problem, size, layout, o, lse, grads, softcap=softcap)
 
 
 def test_the_one_gpu_ring_is_deterministic_and_the_overlap_changes_no_bit():

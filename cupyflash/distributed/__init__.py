@@ -18,9 +18,9 @@
 from ..merge import merge_attention_states
 from .comm import LocalRing, LocalRingComm, NcclRingComm, Pending, RingAborted, RingComm
 from .launch import launch
-from .ring import RingStep, ring_flash_attn_backward, ring_flash_attn_func, ring_flash_attn_vjp, ring_schedule
+from .ring import RingBlock, RingStep, ring_flash_attn_backward, ring_flash_attn_func, ring_flash_attn_vjp, ring_schedule
 from .sharding import contiguous_shard, contiguous_unshard, zigzag_shard, zigzag_unshard
 
-__all__ = ["ring_flash_attn_func", "ring_flash_attn_backward", "ring_flash_attn_vjp", "ring_schedule", "RingStep",
+__all__ = ["ring_flash_attn_func", "ring_flash_attn_backward", "ring_flash_attn_vjp", "ring_schedule", "RingStep", "RingBlock",
            "RingComm", "Pending", "LocalRing", "LocalRingComm", "NcclRingComm", "RingAborted", "launch",
            "zigzag_shard", "zigzag_unshard", "contiguous_shard", "contiguous_unshard", "merge_attention_states"]

@@ -30,6 +30,12 @@ so every step after the first is a C x 2C block on every rank (balanced). ``layo
 (rank r holds rows r·S..(r+1)·S-1) is supported too: s < r full, s == r causal, s > r nothing —
 correct, unbalanced (rank P-1 does P times rank 0's work). Without a mask the layout is irrelevant.
 
+A sliding window (``window_size``, flash-attn's, on the whole sequence) shifts each chunk pair's
+band by the chunks' distance, which a flash-attn window on the pair cannot express; ring_schedule
+cuts every block to the rows that see a key and the keys seen, where the band's offset becomes
+the block's own bottom-right diagonal, and keeps the fewest such blocks (RingBlock: rows, keys and
+the block's own causal / window_size). ``softcap`` goes to every step as it is.
+
 Sums run in a fixed order (step order, deterministic kernels), so results are bitwise repeatable
 for a given P. Every rank must hold shards of one shape.
 """
@@ -50,45 +56,145 @@ __all__ = ["RingStep", "ring_schedule", "ring_flash_attn_func", "ring_flash_attn
 LAYOUTS = ("zigzag", "contiguous")
 
 
+INF = math.inf
+
+
+@dataclass(frozen=True)
+class RingBlock:
+    """One attention call of a ring step: the rank's query rows [rows[0], rows[1]) against keys
+    [keys[0], keys[1]) of the K/V shard held, with flash-attn's ``causal`` and ``window_size`` on
+    that block (bottom-right aligned on the block itself), which give exactly the whole
+    sequence's mask on it."""
+
+    rows: tuple[int, int]
+    keys: tuple[int, int]
+    causal: bool = False
+    window_size: tuple[int, int] = (-1, -1)
+
+    @property
+    def row_slice(self) -> slice:
+        return slice(*self.rows)
+
+    @property
+    def key_slice(self) -> slice:
+        return slice(*self.keys)
+
+
 @dataclass(frozen=True)
 class RingStep:
-    """One step of one rank: attention of its queries (``queries``: "all" or "second_half", the
-    chunk 2P-1-r of a zigzag shard) to the keys of rank ``source`` (``keys``: "all" or
-    "first_half", its chunk s), causal or not."""
+    """Step t of one rank: the K/V of rank ``source`` = (rank - t) mod P and the blocks computed
+    with them, in order (none where the rank's queries see none of those keys; the K/V move on
+    every step either way)."""
 
     source: int
-    queries: str = "all"
-    keys: str = "all"
-    causal: bool = False
+    blocks: tuple[RingBlock, ...] = ()
 
 
-def ring_schedule(rank: int, size: int, causal: bool, layout: str = "zigzag") -> list:
-    """The P steps of ``rank``: a RingStep each, or None where its queries see none of the keys
-    held (contiguous causal, s > r). The K/V move on every step either way."""
+@dataclass(frozen=True)
+class _Chunk:
+    begin: int  # local rows [begin, end) of a shard
+    end: int
+    start: int  # global position of row `begin`
+
+
+def _chunks(rank: int, size: int, length: int, layout: str) -> tuple[_Chunk, ...]:
+    """The rank's chunks of the whole sequence: zigzag r and 2P - 1 - r of length / 2 rows each, or
+    one contiguous shard (sharding.py)."""
+    if layout == "zigzag":
+        c = length // 2
+        return _Chunk(0, c, rank * c), _Chunk(c, length, (2 * size - 1 - rank) * c)
+    return (_Chunk(0, length, rank * length),)
+
+
+def _clip(band, lo: int, hi: int):
+    """band (a, b) (j - i in [a, b], infinite ends allowed) within [lo, hi]; None if empty."""
+    a, b = max(band[0], lo), min(band[1], hi)
+    return (a, b) if a <= b else None
+
+
+def _offsets(rows: _Chunk | tuple, keys: _Chunk | tuple) -> tuple[int, int]:
+    """The range of j - i (local key minus local query) over a rectangle of rows x keys."""
+    return keys[0] - (rows[1] - 1), (keys[1] - 1) - rows[0]
+
+
+def _rect_block(row_chunks, key_chunks, band) -> RingBlock | None | bool:
+    """One block for the chunk pairs of row_chunks x key_chunks (adjacent chunks of the shards):
+    None if no pair sees anything, False if no single band gives every pair its own mask.
+
+    In local indices pair (A, B)'s mask is the whole sequence's band shifted by the chunks'
+    offsets: j - i in band - delta, delta = (B.start - B.begin) - (A.start - A.begin). A band I
+    serves the rectangle iff, on each pair's range of j - i, I and the pair's band agree."""
+    pairs = []
+    for a in row_chunks:
+        for b in key_chunks:
+            delta = (b.start - b.begin) - (a.start - a.begin)
+            shifted = (band[0] - delta, band[1] - delta)
+            pairs.append((shifted, _offsets((a.begin, a.end), (b.begin, b.end))))
+    if all(_clip(shifted, *rng) is None for shifted, rng in pairs):
+        return None
+    for candidate, _ in pairs:
+        if all(_clip(candidate, *rng) == _clip(shifted, *rng) for shifted, rng in pairs):
+            break
+    else:
+        return False
+    r0, r1 = row_chunks[0].begin, row_chunks[-1].end
+    k0, k1 = key_chunks[0].begin, key_chunks[-1].end
+    lo, hi = _clip(candidate, *_offsets((r0, r1), (k0, k1)))
+    lo = -INF if lo <= k0 - (r1 - 1) else lo  # a side the rectangle never reaches is no bound
+    hi = INF if hi >= (k1 - 1) - r0 else hi
+    # only the rows that see a key and the keys some row sees
+    ra, rb = max(r0, k0 - hi), min(r1, k1 - lo)
+    ka, kb = max(k0, r0 + lo), min(k1, r1 - 1 + hi + 1)
+    ra, rb, ka, kb = (int(x) for x in (ra, rb, ka, kb))
+    # flash-attn's window on the block: j' - i' in [diag - left, diag + right], diag = keys - rows
+    diag = (kb - ka) - (rb - ra)
+    left = -1 if lo == -INF else diag - (lo - ka + ra)
+    right = -1 if hi == INF else (hi - ka + ra) - diag
+    if left < -1 or right < -1 or (left == -1 and lo != -INF) or (right == -1 and hi != INF):
+        return False
+    if (left, right) == (-1, 0):
+        return RingBlock((ra, rb), (ka, kb), causal=True)
+    return RingBlock((ra, rb), (ka, kb), window_size=(int(left), int(right)))
+
+
+def _step_blocks(row_chunks, key_chunks, band) -> tuple[RingBlock, ...]:
+    """The fewest blocks this tries for a step: the whole rectangle, then split by key chunks,
+    by query chunks, then every chunk pair on its own (always possible: one pair's mask is one
+    band)."""
+    whole, each = lambda chunks: [tuple(chunks)], lambda chunks: [(c,) for c in chunks]
+    for rows_of, keys_of in ((whole, whole), (whole, each), (each, whole), (each, each)):
+        blocks = [_rect_block(rows, keys, band) for rows in rows_of(row_chunks) for keys in keys_of(key_chunks)]
+        if all(b is not False for b in blocks):
+            return tuple(b for b in blocks if b is not None)
+    raise AssertionError(f"no block form for chunks {row_chunks} x {key_chunks} under {band}")  # pragma: no cover
+
+
+def ring_schedule(rank: int, size: int, length: int, *, causal: bool = False, window_size=(-1, -1),
+                  layout: str = "zigzag", key_length: int | None = None) -> list:
+    """The P steps of ``rank`` (a RingStep each) for shards of ``length`` query rows (and
+    ``key_length`` keys, default the same).
+
+    Without a mask every step is one block, every row against every key. With ``causal`` or a
+    ``window_size`` (flash-attn's, on the whole sequence: query i sees key j iff i - left <= j <=
+    i + right, causal: right = 0; self-attention, every shard of one length) each pair of a
+    query chunk and a key chunk sees a band of the keys: the step computes it in as few blocks as
+    one flash-attn mask per block allows, each cut to the rows that see a key and the keys seen.
+    Zigzag causal gives the balanced C x 2C blocks of the module's docstring; a window gives the
+    few blocks near the diagonal, and no block at all on steps whose keys lie outside it."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    left, right = check_window(window_size)
+    key_length = length if key_length is None else key_length
+    masked = causal or (left, right) != (-1, -1)
+    if not masked:
+        return [RingStep((rank - t) % size, (RingBlock((0, length), (0, key_length)),)) for t in range(size)]
+    band = (-INF if left < 0 else -left, 0 if causal else INF if right < 0 else right)
+    rows = _chunks(rank, size, length, layout)
     steps = []
     for t in range(size):
         source = (rank - t) % size
-        if not causal:
-            steps.append(RingStep(source))
-        elif source == rank:
-            steps.append(RingStep(source, causal=True))
-        elif layout == "contiguous":
-            steps.append(RingStep(source) if source < rank else None)
-        elif source < rank:
-            steps.append(RingStep(source, keys="first_half"))
-        else:
-            steps.append(RingStep(source, queries="second_half"))
+        steps.append(RingStep(source, _step_blocks(rows, _chunks(source, size, key_length, layout), band)))
     return steps
-
-
-def _rows(which: str, length: int) -> slice:
-    return slice(length // 2, length) if which == "second_half" else slice(0, length)
-
-
-def _key_rows(which: str, length: int) -> slice:
-    return slice(0, length // 2) if which == "first_half" else slice(0, length)
 
 
 def _array_module_of(x) -> str:
@@ -98,7 +204,8 @@ def _array_module_of(x) -> str:
 
 
 def _check(comm, arrays: dict, causal: bool, window_size, layout: str):
-    """A TypeError or ValueError naming what the ring cannot take; nothing when it can."""
+    """A TypeError or ValueError naming what the ring cannot take; nothing when it can (softcap
+    is checked by each step's call)."""
     for attr in ("rank", "size", "xp", "start_exchange"):
         if not hasattr(comm, attr):
             raise TypeError(f"comm must be a ring communicator (rank, size, xp, start_exchange), got {type(comm).__name__}")
@@ -106,9 +213,7 @@ def _check(comm, arrays: dict, causal: bool, window_size, layout: str):
     for name, x in arrays.items():
         if _array_module_of(x) != want:
             raise TypeError(f"{name} is a {type(x).__module__}.{type(x).__name__}; this communicator moves {want} arrays")
-    if check_window(window_size) != (-1, -1):
-        raise ValueError("ring attention does not take a sliding window: a window's per-chunk masks are not "
-                         "flash-attn windows (use the whole-sequence flash_attn_func, or halo exchange)")
+    window = check_window(window_size)
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     q, k, v = arrays["q"], arrays["k"], arrays["v"]
@@ -117,12 +222,13 @@ def _check(comm, arrays: dict, causal: bool, window_size, layout: str):
                          "k and v of one shape")
     if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         raise ValueError(f"q {q.shape} and k {k.shape} differ in batch or headdim")
-    if causal:
+    if causal or window != (-1, -1):
+        what = "causal" if causal else f"window_size={window}"
         if q.shape[1] != k.shape[1]:
-            raise ValueError(f"causal ring attention is self-attention: q and k shards of one length, got "
+            raise ValueError(f"ring attention with {what} is self-attention: q and k shards of one length, got "
                              f"{q.shape[1]} and {k.shape[1]}")
         if layout == "zigzag" and q.shape[1] % 2:
-            raise ValueError(f"causal ring attention with the zigzag layout needs an even shard length (two "
+            raise ValueError(f"ring attention with {what} and the zigzag layout needs an even shard length (two "
                              f"chunks of seqlen / 2P rows), got {q.shape[1]} on rank {comm.rank}: shard with "
                              f"zigzag_shard, which needs the sequence length to be a multiple of 2P")
 
@@ -148,39 +254,46 @@ def _next_kv(comm, xp, held, spare, t: int, overlap: bool):
     return pending, spare[t % 2]
 
 
-def ring_flash_attn_func(q, k, v, *, comm, softmax_scale=None, causal=False, window_size=(-1, -1),
+def ring_flash_attn_func(q, k, v, *, comm, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                          layout="zigzag", return_lse=False, backend="auto", overlap=True):
     """Attention of this rank's query shard over the whole sharded sequence.
 
     q: (batch, seqlen_local, nheads, headdim), k, v: (batch, seqlen_local_k, nheads_kv, headdim)
     (GQA as flash_attn_func): this rank's shards, every rank's of one shape. ``comm``: a ring
-    communicator (comm.py; its array module decides NumPy or CuPy arrays). ``causal``: the mask of
-    the whole sequence, which must then be sharded by ``layout`` ("zigzag", default, or
-    "contiguous"). Returns o (like q, this rank's rows), or (o, lse) with lse (batch, nheads,
-    seqlen_local) float32 (float64 for float64). ``backend``: flash_attn_func's, for each step.
-    ``overlap=False``: wait for each K/V transfer before computing (to measure the overlap).
+    communicator (comm.py; its array module decides NumPy or CuPy arrays). ``causal`` and
+    ``window_size`` (flash-attn's sliding window, -1: that side unbounded): the mask of the whole
+    sequence, which must then be self-attention sharded by ``layout`` ("zigzag", default, or
+    "contiguous"); ring_schedule cuts each step into blocks with flash-attn masks of their own.
+    ``softcap``: flash_attn_func's, on every score. Returns o (like q, this rank's rows), or (o,
+    lse) with lse (batch, nheads, seqlen_local) float32 (float64 for float64). ``backend``:
+    flash_attn_func's, for each step. ``overlap=False``: wait for each K/V transfer before
+    computing (to measure the overlap).
     """
     _check(comm, {"q": q, "k": k, "v": v}, causal, window_size, layout)
     xp = comm.xp
     scale = _scale(softmax_scale, q.shape[3])
     acc = lse_dtype(q.dtype)
-    steps = ring_schedule(comm.rank, comm.size, causal, layout)
+    steps = ring_schedule(comm.rank, comm.size, q.shape[1], causal=causal, window_size=window_size, layout=layout,
+                          key_length=k.shape[1])
     held, spare = _kv_ring(xp, k, v)
     o_acc = lse_acc = None
     for t, step in enumerate(steps):
         pending = arriving = None
         if t + 1 < len(steps):
             pending, arriving = _next_kv(comm, xp, held, spare, t, overlap)
-        if step is not None:
-            rows = _rows(step.queries, q.shape[1])
-            keys = _key_rows(step.keys, held[0].shape[1])
+        for block in step.blocks:
+            rows, keys = block.row_slice, block.key_slice
             o_t, lse_t = flash_attn_func(q[:, rows], held[0][:, keys], held[1][:, keys], softmax_scale=scale,
-                                         causal=step.causal, return_lse=True, backend=backend)
-            if o_acc is None:  # step 0: this rank's own keys, every row
+                                         causal=block.causal, window_size=block.window_size, softcap=softcap,
+                                         return_lse=True, backend=backend)
+            if o_acc is None and block.rows == (0, q.shape[1]):  # the first block, every row: taken as it is
                 o_acc, lse_acc = o_t.astype(acc), lse_t.astype(acc, copy=True)
-            else:
-                o_rows, lse_rows = o_acc[:, rows], lse_acc[:, :, rows]
-                merge_attention_states(o_rows, lse_rows, o_t, lse_t, out=o_rows, lse_out=lse_rows)
+                continue
+            if o_acc is None:  # rows no block has reached yet have seen no key: o = 0, lse = -inf
+                o_acc = xp.zeros(q.shape, acc)
+                lse_acc = xp.full((q.shape[0], q.shape[2], q.shape[1]), -np.inf, acc)
+            o_rows, lse_rows = o_acc[:, rows], lse_acc[:, :, rows]
+            merge_attention_states(o_rows, lse_rows, o_t, lse_t, out=o_rows, lse_out=lse_rows)
         if pending is not None:
             pending.wait()
             held = arriving
@@ -189,7 +302,7 @@ def ring_flash_attn_func(q, k, v, *, comm, softmax_scale=None, causal=False, win
 
 
 def ring_flash_attn_backward(dout, q, k, v, out, softmax_lse, *, comm, softmax_scale=None, causal=False,
-                             window_size=(-1, -1), layout="zigzag", backend="auto", deterministic=True,
+                             window_size=(-1, -1), softcap=0.0, layout="zigzag", backend="auto", deterministic=True,
                              overlap=True):
     """(dq, dk, dv) of this rank's shards, from ring_flash_attn_func's o and lse (this rank's).
 
@@ -206,7 +319,8 @@ def ring_flash_attn_backward(dout, q, k, v, out, softmax_lse, *, comm, softmax_s
     xp = comm.xp
     scale = _scale(softmax_scale, q.shape[3])
     acc = lse_dtype(q.dtype)
-    steps = ring_schedule(comm.rank, comm.size, causal, layout)
+    steps = ring_schedule(comm.rank, comm.size, seqlen, causal=causal, window_size=window_size, layout=layout,
+                          key_length=k.shape[1])
     held, spare = _kv_ring(xp, k, v)
     dq_acc = xp.zeros(q.shape, acc)
     # Two (dk, dv) accumulators: the one of the K/V held, and the one arriving from rank r - 1.
@@ -216,18 +330,17 @@ def ring_flash_attn_backward(dout, q, k, v, out, softmax_lse, *, comm, softmax_s
         pending = arriving = None
         if t + 1 < len(steps):
             pending, arriving = _next_kv(comm, xp, held, spare, t, overlap)
-        grads = None
-        if step is not None:
-            rows = _rows(step.queries, seqlen)
-            keys = _key_rows(step.keys, held[0].shape[1])
-            grads = flash_attn_backward(dout[:, rows], q[:, rows], held[0][:, keys], held[1][:, keys], out[:, rows],
-                                        softmax_lse[:, :, rows], softmax_scale=scale, causal=step.causal,
-                                        backend=backend, deterministic=deterministic)
+        grads = []
+        for block in step.blocks:
+            rows, keys = block.row_slice, block.key_slice
+            grads.append((rows, keys, flash_attn_backward(
+                dout[:, rows], q[:, rows], held[0][:, keys], held[1][:, keys], out[:, rows], softmax_lse[:, :, rows],
+                softmax_scale=scale, causal=block.causal, window_size=block.window_size, softcap=softcap,
+                backend=backend, deterministic=deterministic)))
         if dkv_pending is not None:
             dkv_pending.wait()  # the accumulator of the K/V held, with ranks r - t .. r - 1's parts
         dk_acc, dv_acc = dkv[t % 2]
-        if grads is not None:
-            dq_t, dk_t, dv_t = grads
+        for rows, keys, (dq_t, dk_t, dv_t) in grads:
             dq_acc[:, rows] += dq_t.astype(acc)
             dk_acc[:, keys] += dk_t.astype(acc)
             dv_acc[:, keys] += dv_t.astype(acc)
@@ -250,7 +363,7 @@ def ring_flash_attn_backward(dout, q, k, v, out, softmax_lse, *, comm, softmax_s
 
 def ring_flash_attn_vjp(q, k, v, *, comm, **options):
     """(o, vjp) with vjp(do) -> (dq, dk, dv), all this rank's shards: ring_flash_attn_func's
-    options (softmax_scale, causal, layout, backend, overlap); ``deterministic`` goes to the
+    options (softmax_scale, causal, window_size, softcap, layout, backend, overlap); ``deterministic`` goes to the
     backward."""
     deterministic = options.pop("deterministic", True)
     if "return_lse" in options:
