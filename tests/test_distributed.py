@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cupyflash import flash_attn_func, reference
+from cupyflash import flash_attn_backward, flash_attn_func, reference
 from cupyflash.distributed import (
     LocalRing,
     RingAborted,
@@ -95,6 +95,41 @@ def test_ring_simulation_matches_the_reference(case):
     problem, size, layout, softcap = case
     o, lse, dq, dk, dv = run_ring(problem, size, layout, softcap=softcap)
     assert_ring_close(problem, size, layout, o, lse, (dq, dk, dv), softcap=softcap)
+
+
+@given(ring_problems(dtypes=(F32, F64)), st.floats(0.0, 4.0), st.data())
+def test_a_sink_joins_each_row_once_and_its_gradient_is_the_sum_of_the_ranks_shares(case, sink_std, data):
+    """With attention sinks (and whatever mask and cap were drawn) the ring's o, lse, gradients and
+    the ranks' dsink shares summed equal one flash_attn_func / flash_attn_backward over the whole
+    sequence (the NumPy twin, itself checked against float64 elsewhere) to the dtype's rounding."""
+    problem, size, layout, softcap = case
+    if problem.seqlen_k != problem.seqlen_q:
+        problem = replace(problem, seqlen_k=problem.seqlen_q)
+    seed = data.draw(st.integers(0, 2**32 - 1), label="sink seed")
+    sink = (np.random.default_rng(seed).standard_normal(problem.nheads) * sink_std).astype(np.float32)
+    shard, unshard = shard_functions(layout)
+    arrays = problem.arrays()
+    q_s, k_s, v_s, do_s = (shard(x, size) for x in arrays)
+    options = dict(softmax_scale=problem.softmax_scale, causal=problem.causal, window_size=problem.window_size,
+                   softcap=softcap, sink=sink, backend="numpy")
+
+    def rank_main(comm):
+        r = comm.rank
+        o, lse = ring_flash_attn_func(q_s[r], k_s[r], v_s[r], comm=comm, return_lse=True, layout=layout, **options)
+        return (o, lse, *ring_flash_attn_backward(do_s[r], q_s[r], k_s[r], v_s[r], o, lse, comm=comm, layout=layout,
+                                                  **options))
+
+    per_rank = LocalRing(size).run(rank_main)
+    ring = [unshard([result[i] for result in per_rank], axis=2 if i == 1 else 1) for i in range(5)]
+    ring.append(np.sum([result[5] for result in per_rank], axis=0))
+    q, k, v, do = arrays
+    o, lse = flash_attn_func(q, k, v, return_lse=True, **options)
+    whole = [o, lse, *flash_attn_backward(do, q, k, v, o, lse, **options)]
+    for name, a, b in zip(("o", "lse", "dq", "dk", "dv", "dsink"), ring, whole):
+        # dsink is float32 whatever the inputs: each rank's share rounds once more
+        rtol = 1e-11 if problem.dtype == F64 and name != "dsink" else 2e-5 if name != "dsink" else 1e-6 * size
+        a, b = a.astype(np.float64), b.astype(np.float64)
+        assert np.abs(a - b).max(initial=0.0) <= rtol * (1 + np.abs(b).max(initial=0.0)), name
 
 
 def test_ring_results_are_deterministic_and_the_overlap_changes_no_bit():

@@ -13,7 +13,8 @@ import pytest
 from hypothesis import given, settings
 
 import cupyflash
-from cupyflash.distributed import LocalRing, launch, ring_flash_attn_backward, ring_flash_attn_func
+from cupyflash.distributed import (LocalRing, launch, ring_flash_attn_backward, ring_flash_attn_func, zigzag_shard,
+                                   zigzag_unshard)
 from cupyflash.merge import merge_attention_states, merge_attention_states_numpy
 from cupyflash.testing import AttentionProblem, assert_attention_close, poisoned_outputs
 
@@ -167,6 +168,35 @@ def test_the_one_gpu_ring_matches_the_reference(case):
     problem, size, layout, softcap = case
     o, lse, *grads = run_gpu_ring(problem, size, layout, softcap=softcap)
     assert_ring_close(problem, size, layout, o, lse, grads, softcap=softcap)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_one_gpu_ring_with_a_sink_matches_the_whole_sequence(dtype):
+    """Sinks with a causal window: o, lse, gradients and the ranks' dsink shares summed against one
+    call on the whole sequence (float32 noise; 16-bit: the ring's roundings, as above)."""
+    cupy = _cupy()
+    problem = problem_of(dtype, True, window_size=(150, 0))
+    sink = np.random.default_rng(3).standard_normal(problem.nheads).astype(np.float32) * 2
+    q, k, v, do = (cupy.asarray(x) for x in problem.arrays())
+    size = 2
+    q_s, k_s, v_s, do_s = (zigzag_shard(x, size) for x in (q, k, v, do))
+    options = dict(softmax_scale=problem.softmax_scale, causal=True, window_size=(150, 0), sink=cupy.asarray(sink))
+
+    def rank_main(comm):
+        r = comm.rank
+        o, lse = ring_flash_attn_func(q_s[r], k_s[r], v_s[r], comm=comm, return_lse=True, **options)
+        return (o, lse, *ring_flash_attn_backward(do_s[r], q_s[r], k_s[r], v_s[r], o, lse, comm=comm, **options))
+
+    with poisoned_outputs():
+        per_rank = LocalRing(size, cupy).run(rank_main)
+        ring = [zigzag_unshard([result[i] for result in per_rank], axis=2 if i == 1 else 1) for i in range(5)]
+        ring.append(sum(result[5] for result in per_rank))
+        o, lse = cupyflash.flash_attn_func(q, k, v, return_lse=True, **options)
+        whole = [o, lse, *cupyflash.flash_attn_backward(do, q, k, v, o, lse, **options)]
+    for name, a, b in zip(("o", "lse", "dq", "dk", "dv", "dsink"), ring, whole):
+        a, b = a.get().astype(np.float64), b.get().astype(np.float64)
+        tolerance = (4e-2 if problem.dtype in (BF16, F16) else 1e-4) * (1 + np.abs(b).max())
+        assert np.abs(a - b).max() <= tolerance, (name, float(np.abs(a - b).max()), tolerance)
 
 
 def test_the_one_gpu_ring_is_deterministic_and_the_overlap_changes_no_bit():

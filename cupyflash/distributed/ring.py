@@ -34,7 +34,9 @@ A sliding window (``window_size``, flash-attn's, on the whole sequence) shifts e
 band by the chunks' distance, which a flash-attn window on the pair cannot express; ring_schedule
 cuts every block to the rows that see a key and the keys seen, where the band's offset becomes
 the block's own bottom-right diagonal, and keeps the fewest such blocks (RingBlock: rows, keys and
-the block's own causal / window_size). ``softcap`` goes to every step as it is.
+the block's own causal / window_size). ``softcap`` goes to every step as it is; a ``sink`` joins
+each row's softmax once, after the last step, by the same LSE rule (the backward's steps need
+nothing of it: the global lse includes it).
 
 Sums run in a fixed order (step order, deterministic kernels), so results are bitwise repeatable
 for a given P. Every rank must hold shards of one shape.
@@ -50,6 +52,7 @@ from .._dtypes import lse_dtype
 from ..api import flash_attn_backward, flash_attn_func
 from ..masks import check_window
 from ..merge import merge_attention_states
+from ..scores import sink_grad
 
 __all__ = ["RingStep", "ring_schedule", "ring_flash_attn_func", "ring_flash_attn_backward", "ring_flash_attn_vjp"]
 
@@ -255,7 +258,7 @@ def _next_kv(comm, xp, held, spare, t: int, overlap: bool):
 
 
 def ring_flash_attn_func(q, k, v, *, comm, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                         layout="zigzag", return_lse=False, backend="auto", overlap=True):
+                         sink=None, layout="zigzag", return_lse=False, backend="auto", overlap=True):
     """Attention of this rank's query shard over the whole sharded sequence.
 
     q: (batch, seqlen_local, nheads, headdim), k, v: (batch, seqlen_local_k, nheads_kv, headdim)
@@ -264,13 +267,16 @@ def ring_flash_attn_func(q, k, v, *, comm, softmax_scale=None, causal=False, win
     ``window_size`` (flash-attn's sliding window, -1: that side unbounded): the mask of the whole
     sequence, which must then be self-attention sharded by ``layout`` ("zigzag", default, or
     "contiguous"); ring_schedule cuts each step into blocks with flash-attn masks of their own.
-    ``softcap``: flash_attn_func's, on every score. Returns o (like q, this rank's rows), or (o,
-    lse) with lse (batch, nheads, seqlen_local) float32 (float64 for float64). ``backend``:
+    ``softcap``: flash_attn_func's, on every score. ``sink`` ((nheads,) float32, gpt-oss's
+    attention sinks, every rank the same): joins each row's denominator once, after the last step
+    (lse includes it, as flash_attn_func's). Returns o (like q, this rank's rows), or (o, lse) with
+    lse (batch, nheads, seqlen_local) float32 (float64 for float64). ``backend``:
     flash_attn_func's, for each step. ``overlap=False``: wait for each K/V transfer before
     computing (to measure the overlap).
     """
     _check(comm, {"q": q, "k": k, "v": v}, causal, window_size, layout)
     xp = comm.xp
+    sink = _check_sink(xp, sink, q.shape[2])
     scale = _scale(softmax_scale, q.shape[3])
     acc = lse_dtype(q.dtype)
     steps = ring_schedule(comm.rank, comm.size, q.shape[1], causal=causal, window_size=window_size, layout=layout,
@@ -297,18 +303,45 @@ def ring_flash_attn_func(q, k, v, *, comm, softmax_scale=None, causal=False, win
         if pending is not None:
             pending.wait()
             held = arriving
+    if sink is not None:
+        o_acc, lse_acc = _add_sink(xp, o_acc, lse_acc, sink)
     o = o_acc.astype(q.dtype, copy=False)
     return (o, lse_acc) if return_lse else o
 
 
+def _check_sink(xp, sink, nheads: int):
+    if sink is None:
+        return None
+    sink = xp.asarray(sink)
+    if sink.shape != (nheads,) or sink.dtype != np.float32:
+        raise ValueError(f"sink must be a ({nheads},) float32 array (one logit per query head), got "
+                         f"{sink.dtype} {sink.shape}")
+    return sink
+
+
+def _add_sink(xp, o_acc, lse_acc, sink):
+    """The sink as one more key set with no value row, by the LSE rule: lse' = log(e^lse + e^sink),
+    o' = e^(lse - lse') o (a row that saw no key: o = 0, lse' = sink)."""
+    sink = sink.astype(lse_acc.dtype)[None, :, None]
+    lse_new = xp.logaddexp(lse_acc, sink)
+    weight = xp.exp(lse_acc - lse_new)  # (batch, nheads, rows)
+    o_acc *= weight.transpose(0, 2, 1)[..., None]
+    return o_acc, lse_new
+
+
 def ring_flash_attn_backward(dout, q, k, v, out, softmax_lse, *, comm, softmax_scale=None, causal=False,
-                             window_size=(-1, -1), softcap=0.0, layout="zigzag", backend="auto", deterministic=True,
-                             overlap=True):
-    """(dq, dk, dv) of this rank's shards, from ring_flash_attn_func's o and lse (this rank's).
+                             window_size=(-1, -1), softcap=0.0, sink=None, layout="zigzag", backend="auto",
+                             deterministic=True, overlap=True):
+    """(dq, dk, dv) of this rank's shards, from ring_flash_attn_func's o and lse (this rank's);
+    with a ``sink``, (dq, dk, dv, dsink), dsink (nheads,) float32 this rank's share: the sum over
+    its rows of flash_attn_backward's dsink, to be summed over the ranks (as a data-parallel
+    gradient reduction does for any parameter every rank holds).
 
     Arguments as ring_flash_attn_func's, with flash_attn_backward's order (dout, q, k, v, out,
     softmax_lse). Partial gradients accumulate in float32 (float64 for float64) and are rounded to
-    the input dtype once; dk, dv of GQA sum over the query heads sharing a kv head, as always.
+    the input dtype once; dk, dv of GQA sum over the query heads sharing a kv head, as always. The
+    steps run without the sink: with the global lse (which includes it) each step's P is already
+    the whole softmax's.
     """
     arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "softmax_lse": softmax_lse}
     _check(comm, arrays, causal, window_size, layout)
@@ -317,6 +350,7 @@ def ring_flash_attn_backward(dout, q, k, v, out, softmax_lse, *, comm, softmax_s
         raise ValueError(f"dout {dout.shape} and out {out.shape} must have q's shape {q.shape}, softmax_lse "
                          f"{softmax_lse.shape} must be {(batch, nheads, seqlen)}")
     xp = comm.xp
+    sink = _check_sink(xp, sink, nheads)
     scale = _scale(softmax_scale, q.shape[3])
     acc = lse_dtype(q.dtype)
     steps = ring_schedule(comm.rank, comm.size, seqlen, causal=causal, window_size=window_size, layout=layout,
@@ -357,14 +391,15 @@ def ring_flash_attn_backward(dout, q, k, v, out, softmax_lse, *, comm, softmax_s
     if dkv_pending is not None:
         dkv_pending.wait()
     dk_home, dv_home = dkv[len(steps) % 2] if comm.size > 1 else dkv[0]
-    return (dq_acc.astype(q.dtype, copy=False), dk_home.astype(k.dtype, copy=False),
-            dv_home.astype(v.dtype, copy=False))
+    grads = (dq_acc.astype(q.dtype, copy=False), dk_home.astype(k.dtype, copy=False),
+             dv_home.astype(v.dtype, copy=False))
+    return grads + (sink_grad(sink, dout, out, softmax_lse, xp=xp),) if sink is not None else grads
 
 
 def ring_flash_attn_vjp(q, k, v, *, comm, **options):
     """(o, vjp) with vjp(do) -> (dq, dk, dv), all this rank's shards: ring_flash_attn_func's
-    options (softmax_scale, causal, window_size, softcap, layout, backend, overlap); ``deterministic`` goes to the
-    backward."""
+    options (softmax_scale, causal, window_size, softcap, sink, layout, backend, overlap);
+    ``deterministic`` goes to the backward (with a sink, vjp returns this rank's dsink share too)."""
     deterministic = options.pop("deterministic", True)
     if "return_lse" in options:
         raise TypeError("ring_flash_attn_vjp does not take return_lse (the lse is kept for the backward)")
