@@ -1,14 +1,16 @@
 """PyTorch front end: flash-attn's ``flash_attn_func``, ``flash_attn_varlen_func`` and
-``flash_attn_with_kvcache``, and an SDPA-shaped helper, on cupyflash.
+``flash_attn_with_kvcache``, an SDPA-shaped helper, and ring-flash-attn's
+``ring_flash_attn_func`` (context parallelism, cupyflash.distributed), on cupyflash.
 
     from cupyflash.torch import flash_attn_func        # instead of: from flash_attn import ...
     out = flash_attn_func(q, k, v, causal=True)         # (batch, seqlen, nheads, headdim)
 
-All are opaque to ``torch.compile``: each direction is a custom operator
+flash-attn's three are opaque to ``torch.compile``: each direction is a custom operator
 (``torch.ops.cupyflash.flash_attn_forward`` / ``flash_attn_backward``, ``flash_attn_varlen_forward``
 / ``flash_attn_varlen_backward``, ``flash_attn_with_kvcache``) with a fake implementation for
 tracing; the dense and the varlen forward are differentiable (an autograd formula registered on
-each), the kv-cache call is inference only and mutates its caches (``mutates_args``).
+each), the kv-cache call is inference only and mutates its caches (``mutates_args``). The ring
+is an autograd.Function (its communicator, a Python object, cannot be an operator's argument).
 
 CUDA tensors go to the kernels zero-copy through DLPack, on torch's current stream of their
 device; every buffer CuPy allocates meanwhile (outputs and temporaries) comes from torch's caching
@@ -28,7 +30,8 @@ from ._dtypes import bfloat16 as _numpy_bfloat16
 from .masks import check_window
 from .precision import check_precision
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "scaled_dot_product_attention"]
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "scaled_dot_product_attention",
+           "ring_flash_attn_func"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -612,6 +615,98 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     if not return_attn_probs:
         return o
     return o, lse, q.new_empty((0,))
+
+
+# --- ring attention (cupyflash.distributed) ---------------------------------------------------------
+
+class _RingAttention(torch.autograd.Function):
+    """Ring attention over ``comm`` (cupyflash.distributed), differentiable in q, k, v and the
+    sink: every rank of the ring calls forward, and backward, in step (the ring's transfers are
+    collective)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sink, comm, options, deterministic):
+        from .distributed import ring
+
+        def compute(q, k, v, *sink_array, backend):
+            return ring.ring_flash_attn_func(q, k, v, comm=comm, **options, sink=sink_array[0] if sink_array else None,
+                                             return_lse=True, backend=backend)
+
+        o, lse = _run(q.device, compute, q, k, v, *(() if sink is None else (sink.contiguous(),)))
+        ctx.save_for_backward(q, k, v, o, lse, sink)
+        ctx.comm, ctx.options, ctx.deterministic = comm, options, deterministic
+        ctx.set_materialize_grads(False)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        from .distributed import ring
+
+        q, k, v, o, lse, sink = ctx.saved_tensors
+        if dlse is not None:
+            raise NotImplementedError("cupyflash.torch: a gradient through ring attention's softmax_lse is not "
+                                      "supported yet")
+        if do is None:
+            return None, None, None, None, None, None, None
+        comm, options, deterministic = ctx.comm, ctx.options, ctx.deterministic
+
+        def compute(do, q, k, v, o, lse, *sink_array, backend):
+            return ring.ring_flash_attn_backward(do, q, k, v, o, lse, comm=comm, **options,
+                                                 sink=sink_array[0] if sink_array else None, backend=backend,
+                                                 deterministic=deterministic)
+
+        grads = _run(q.device, compute, do.contiguous(), q, k, v, o, lse, *(() if sink is None else (sink,)))
+        return (*grads[:3], grads[3] if sink is not None else None, None, None, None)
+
+
+_RING_COMMS: dict = {}  # torch process group -> its NcclRingComm (made once: a collective call)
+
+
+def _ring_comm(comm, group, device: torch.device):
+    if comm is not None:
+        if group is not None:
+            raise ValueError("cupyflash.torch.ring_flash_attn_func: pass comm or group, not both")
+        return comm
+    if device.type != "cuda":
+        raise ValueError("cupyflash.torch.ring_flash_attn_func: CPU tensors need a comm (a "
+                         "cupyflash.distributed.LocalRing's, which simulates the ranks); a torch process group "
+                         "means NCCL, which needs CUDA tensors")
+    key = id(group)
+    if key not in _RING_COMMS:
+        from .distributed import NcclRingComm
+
+        _RING_COMMS[key] = (group, NcclRingComm.from_torch(group))  # the group kept alive with its id
+    return _RING_COMMS[key][1]
+
+
+def ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                         softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, group=None,
+                         *, comm=None, sink=None, layout="zigzag"):
+    """Ring attention (context parallelism) with autograd, in ring-flash-attn's calling form:
+    every rank of ``group`` (a torch.distributed process group, None: the world; NCCL through
+    CuPy, made once per group by the first call, collectively) or of ``comm`` (a
+    cupyflash.distributed communicator: an NcclRingComm, or a LocalRing's for ranks simulated in
+    one process) calls it on its shard of the sequence, sharded by ``layout`` ("zigzag", the
+    balanced layout for causal masks, or "contiguous"; cupyflash.distributed.zigzag_shard), and
+    later runs the backward with the others.
+
+    q: (batch, seqlen / P, nheads, headdim), k, v: (batch, seqlen / P, nheads_kv, headdim); out like
+    q (this rank's rows). ``causal``, ``window_size``, ``softcap`` and ``sink`` are the whole
+    sequence's, as flash_attn_func takes them (cupyflash.distributed.ring_flash_attn_func); the
+    sink's gradient is this rank's share (the sum over its rows): a data-parallel reduction over
+    the ring's ranks sums them, as it does for any parameter every rank holds. Returns out, or with
+    ``return_attn_probs`` (out, softmax_lse, an empty tensor). Not supported, a NotImplementedError:
+    dropout_p != 0 and alibi_slopes (docs/context-parallelism.md, "What composes"), a gradient
+    through softmax_lse.
+    """
+    _check_tensors(q, k, v)
+    _unsupported(dropout_p=float(dropout_p) != 0.0, alibi_slopes=alibi_slopes is not None)
+    _check_variant_tensors(q, softcap, None, sink)
+    window_left, window_right = check_window(window_size)
+    options = dict(softmax_scale=_scale(softmax_scale, q.shape[3]), causal=bool(causal),
+                   window_size=(window_left, window_right), softcap=float(softcap), layout=layout)
+    o, lse = _RingAttention.apply(q, k, v, sink, _ring_comm(comm, group, q.device), options, bool(deterministic))
+    return o if not return_attn_probs else (o, lse, q.new_empty((0,)))
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,

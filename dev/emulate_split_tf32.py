@@ -126,6 +126,7 @@ class Arith:
     pv_apart: bool = False      # (a) P V's small products in an accumulator of their own
     pv_step_sums: bool = False  # (a') each 8-key step's 3 products fresh, FADD into the block's sum
     p_hi_only_v_split: bool = False  # (a'') P's hi only (2 products: p_hi v_hi + p_hi v_lo, p_lo v_hi kept)
+    s_fadd_exact: bool = False  # (g) S's chains and small sum added without rounding (TwoSum-compensated FADDs)
 
 
 KERNEL = Arith()
@@ -203,7 +204,7 @@ def _ex2(arg, ar: Arith, rng):
 def _scores(qs, kb, ar: Arith):
     """S of one key block: (rows, BLOCK_N)."""
     r = _acc_round(ar.qk_acc)
-    fadd = fl32 if ar.qk_acc != "exact" else exact
+    fadd = fl32 if ar.qk_acc != "exact" and not ar.s_fadd_exact else exact
     qh, ql = qs
     kh, kl = split(kb, ar.hi_mode, ar.qk_lo_round)
     d = qh.shape[1]
@@ -233,7 +234,7 @@ def _scores(qs, kb, ar: Arith):
             total, big = _fadd(total, big, fadd), None
     if big is not None:
         total = _fadd(total, big, fadd)
-    return fadd(total + small)
+    return fl32(total + small) if ar.s_fadd_exact else fadd(total + small)
 
 
 def _pv(p, vb, ar: Arith, acc=None):

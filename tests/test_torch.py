@@ -463,3 +463,57 @@ def test_torch_compile_dynamic_sequence_lengths():
         out = fn(q, k, v)
         out.sum().backward()
         assert torch.equal(out, flash_attn_func(q, k, v, causal=True))
+
+
+# --- ring attention ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("mask", [dict(causal=True), dict(window_size=(5, 2), softcap=3.0), dict()],
+                         ids=["causal", "window_softcap", "full"])
+def test_ring_autograd_matches_the_whole_sequence(mask, layout):
+    """Three simulated ranks (LocalRing over NumPy, one thread each) run forward and backward through
+    the torch autograd on their shards, with a sink; unsharded, out and the gradients (the sink's
+    shares summed) equal flash_attn_func's autograd over the whole sequence (float64, CPU)."""
+    from cupyflash.distributed import LocalRing, contiguous_shard, contiguous_unshard, zigzag_shard, zigzag_unshard
+    from cupyflash.torch import ring_flash_attn_func
+
+    shard, unshard = (zigzag_shard, zigzag_unshard) if layout == "zigzag" else (contiguous_shard, contiguous_unshard)
+    size, seqlen = 3, 36
+    gen = torch.Generator().manual_seed(11)
+    q, do = (torch.randn(2, seqlen, 4, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(2, seqlen, 2, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    sink = torch.randn(4, generator=gen).float()
+    shards = [[torch.from_numpy(np.ascontiguousarray(s)) for s in shard(x.numpy(), size)] for x in (q, k, v, do)]
+
+    def rank_main(comm):
+        q_r, k_r, v_r, do_r = (s[comm.rank].clone().requires_grad_(i < 3) for i, s in enumerate(shards))
+        sink_r = sink.clone().requires_grad_(True)
+        out = ring_flash_attn_func(q_r, k_r, v_r, comm=comm, sink=sink_r, layout=layout, **mask)
+        (out * do_r).sum().backward()
+        return out.detach().numpy(), q_r.grad.numpy(), k_r.grad.numpy(), v_r.grad.numpy(), sink_r.grad.numpy()
+
+    per_rank = LocalRing(size).run(rank_main)
+    ring = [unshard([r[i] for r in per_rank]) for i in range(4)] + [sum(r[4] for r in per_rank)]
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)] + [sink.clone().requires_grad_(True)]
+    out = flash_attn_func(*leaves[:3], sink=leaves[3], **mask)
+    (out * do).sum().backward()
+    whole = [out.detach().numpy()] + [x.grad.numpy() for x in leaves]
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dsink"), ring, whole):
+        np.testing.assert_allclose(a, b, rtol=1e-5 if name == "dsink" else 1e-10, atol=1e-6 if name == "dsink" else 1e-12,
+                                   err_msg=name)
+
+
+def test_ring_autograd_refuses_what_the_ring_cannot_do():
+    from cupyflash.distributed import LocalRing
+    from cupyflash.torch import ring_flash_attn_func
+
+    q = torch.randn(1, 8, 2, 8, dtype=torch.float64)
+    comm = LocalRing(1).comms[0]
+    with pytest.raises(NotImplementedError, match="dropout_p"):
+        ring_flash_attn_func(q, q, q, dropout_p=0.1, comm=comm)
+    with pytest.raises(NotImplementedError, match="alibi_slopes"):
+        ring_flash_attn_func(q, q, q, alibi_slopes=torch.ones(2), comm=comm)
+    with pytest.raises(ValueError, match="CPU tensors need a comm"):
+        ring_flash_attn_func(q, q, q)
+    with pytest.raises(ValueError, match="comm or group"):
+        ring_flash_attn_func(q, q, q, comm=comm, group=object())
