@@ -120,11 +120,9 @@ class WgmmaTf32FwdConfig:
     ``flash_fwd_tf32_wgmma_ws.cu``): a producer warpgroup stages and splits K and V into ``stages``
     stages for two consumer warpgroups of 64 rows each (128 a CTA; Q in registers, raw_stages >= 1,
     head dims up to 64). ``sums_apart`` ("ieee"): S's small products and each block's P V in
-    accumulators of their own, for accuracy (wgmma_tf32_fwd_steps.cuh); ``compensated`` (with
-    sums_apart): S's chains of hi hi also added by TwoSum, S their exact sum rounded once
-    (SUMS_COMPENSATED; perf log tf32-apart-accuracy). ``pingpong`` (producer only): the two
-    consumers take turns at issuing their products, one's softmax under the other's products
-    (ConsumerTurns)."""
+    accumulators of their own, for accuracy (wgmma_tf32_fwd_steps.cuh). ``pingpong`` (producer
+    only): the two consumers take turns at issuing their products, one's softmax under the
+    other's products (ConsumerTurns)."""
 
     block_n: int = 64
     raw_stages: int = 0
@@ -133,22 +131,10 @@ class WgmmaTf32FwdConfig:
     stages: int = 2
     sums_apart: bool = False
     pingpong: bool = False
-    compensated: bool = False
 
     @property
     def block_m(self) -> int:
         return 128 if self.producer else 64
-
-    @property
-    def sums(self):
-        """The kernels' SUMS_APART argument: false, true, or 2 (SUMS_COMPENSATED)."""
-        if self.compensated and not self.sums_apart:
-            raise ValueError(f"cupyflash: compensated takes sums_apart=True, not {self}")
-        return 2 if self.compensated else self.sums_apart
-
-    @property
-    def sums_suffix(self) -> str:
-        return "_apart_twosum" if self.compensated else "_apart" if self.sums_apart else ""
 
     @property
     def threads(self) -> int:
@@ -610,20 +596,20 @@ def specialization_for(dtype, dt: int, mask: Mask | bool, tiles, dvt: int | None
                                  f"raw_stages >= 1 and stages >= 2, not d{dt} {c}")
             return Specialization(
                 f"flash_fwd_tf32_wgmma_ws_{short}_hdim{dt}_{mask.name}_bm{c.block_m}_bn{c.block_n}_{precision}"
-                f"_s{c.stages}_raw{c.raw_stages}{c.sums_suffix}"
+                f"_s{c.stages}_raw{c.raw_stages}{'_apart' if c.sums_apart else ''}"
                 f"{'_pingpong' if c.pingpong else ''}",
                 "flash_fwd_tf32_wgmma_ws.cu",
                 f"cf::flash_fwd_tf32_wgmma_ws<{dt}, {mask.cpp}, {c.block_n}, {PRODUCTS[precision]}, {c.stages}, "
-                f"{c.raw_stages}{_template_options(c.sums, c.pingpong)}>",
+                f"{c.raw_stages}{_template_options(c.sums_apart, c.pingpong)}>",
                 c.threads, tf32_wgmma_smem_bytes(dt, c), arch="90a")
         if c.pingpong:
             raise ValueError(f"cupyflash: pingpong takes the tf32 wgmma producer kernel (producer=True), not {c}")
         # v1's options only where set: v0's names and expressions unchanged
-        options = _template_options(c.raw_stages, c.q_registers, c.sums)
+        options = _template_options(c.raw_stages, c.q_registers, c.sums_apart)
         return Specialization(
             f"flash_fwd_tf32_wgmma_{short}_hdim{dt}_{mask.name}_bm{c.block_m}_bn{c.block_n}_{precision}"
             f"{f'_raw{c.raw_stages}' if c.raw_stages else ''}{'_qregs' if c.q_registers else ''}"
-            f"{c.sums_suffix}",
+            f"{'_apart' if c.sums_apart else ''}",
             "flash_fwd_tf32_wgmma.cu",
             f"cf::flash_fwd_tf32_wgmma<{dt}, {mask.cpp}, {c.block_n}, {PRODUCTS[precision]}{options}>",
             c.threads, tf32_wgmma_smem_bytes(dt, c), arch="90a")

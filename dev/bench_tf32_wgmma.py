@@ -26,8 +26,7 @@ def candidates(headdim: int) -> dict:
     V staged by cp.async two blocks ahead), and at d64 v1 with Q in registers (BLOCK_N 32 with two
     raw stages, 64 with one) and v2 (a producer warpgroup, two consumers; "_pingpong": the consumers
     taking turns at the tensor cores); at d128 Q does not fit in registers. "_apart": S's small
-    products and each block's P V summed apart (accuracy); "_twosum": S's chains also added by
-    TwoSum (perf log tf32-apart-accuracy)."""
+    products and each block's P V summed apart (accuracy)."""
     from cupyflash.plans import WgmmaTf32FwdConfig as C
 
     out = {"v0": C(64), "v1": C(32, raw_stages=2)}
@@ -37,11 +36,9 @@ def candidates(headdim: int) -> dict:
                    v1_qregs_apart=C(32, raw_stages=2, q_registers=True, sums_apart=True),
                    v2_producer_apart=C(32, raw_stages=2, producer=True, stages=4, sums_apart=True),
                    v2_pingpong=C(32, raw_stages=2, producer=True, stages=4, pingpong=True),
-                   v2_pingpong_apart=C(32, raw_stages=2, producer=True, stages=4, sums_apart=True, pingpong=True),
-                   v2_producer_twosum=C(32, raw_stages=2, producer=True, stages=4, sums_apart=True, compensated=True))
+                   v2_pingpong_apart=C(32, raw_stages=2, producer=True, stages=4, sums_apart=True, pingpong=True))
     else:
-        out.update(v1_apart=C(32, raw_stages=2, sums_apart=True),
-                   v1_twosum=C(32, raw_stages=2, sums_apart=True, compensated=True))
+        out.update(v1_apart=C(32, raw_stages=2, sums_apart=True))
     return out
 
 

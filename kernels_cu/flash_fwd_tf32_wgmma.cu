@@ -14,9 +14,8 @@
 // PRODUCTS 1 ("tf32"): hi hi. The threads split the tiles on their way into the hi and lo panels
 // (tf32 has no transposed operand, so V must pass through registers anyway).
 //
-// SUMS_APART (1): S's small products and each block's P V in accumulators of their own
-// (wgmma_tf32_fwd_steps.cuh), for the accuracy the truncating accumulation costs;
-// SUMS_COMPENSATED (2) also adds S's chains by TwoSum.
+// SUMS_APART: S's small products and each block's P V in accumulators of their own
+// (wgmma_tf32_fwd_steps.cuh), for the accuracy the truncating accumulation costs.
 //
 // RAW_STAGES 0 (v0): each block's K and V are read from global memory and split, then S, the
 // softmax and P V run, P V waited for before the next block's split overwrites the tiles; the
@@ -49,7 +48,7 @@ struct FwdTf32WgmmaSmem {
 };
 
 template <int D_TILE, class Mask, int BLOCK_N, int PRODUCTS, int RAW_STAGES = 0, bool Q_REGS = false,
-          int SUMS_APART = 0>
+          bool SUMS_APART = false>
 __global__ void __launch_bounds__(128, 1)
 flash_fwd_tf32_wgmma(const __grid_constant__ FwdParams p) {
     typedef FwdTf32WgmmaSmem<D_TILE, BLOCK_N, RAW_STAGES, Q_REGS> L;

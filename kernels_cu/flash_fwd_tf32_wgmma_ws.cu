@@ -42,7 +42,7 @@ struct FwdTf32WgmmaWsSmem {
     static_assert(RAW_STAGES * 2 * KV_TILE >= BLOCK_M * D_TILE * 4, "O's staging tile in the raw tiles");
 };
 
-template <int D_TILE, class Mask, int BLOCK_N, int PRODUCTS, int STAGES, int RAW_STAGES, int SUMS_APART = 0,
+template <int D_TILE, class Mask, int BLOCK_N, int PRODUCTS, int STAGES, int RAW_STAGES, bool SUMS_APART = false,
           bool PINGPONG = false>
 __global__ void __launch_bounds__(384, 1)
 flash_fwd_tf32_wgmma_ws(const __grid_constant__ FwdParams p) {

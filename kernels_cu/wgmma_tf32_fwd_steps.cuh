@@ -62,25 +62,7 @@ using NoTurns = ConsumerTurns<false>;
 // k-steps added by FADDs; and each block's P V goes into a fresh accumulator (one block's keys
 // chained, not the sequence's), added to the rescaled O by one FADD a value (tf32-fwd-v2's
 // FRESH_O). Same products, more registers: S's width three times over, and O's.
-// SUMS_APART = SUMS_COMPENSATED (2, a candidate): the chains of hi hi added to S by TwoSum, their
-// rounding errors kept in a register of their own and added with the small products at the end,
-// so S is the chains' exact sum rounded once (6 FADDs a chain instead of 1). What is left of S's
-// error is the tensor core's truncation inside each chain of two k-steps. Why (perf log
-// tf32-apart-accuracy, dev/fuzz_split_tf32.py): on the GPU property's draws, standard float32
-// attention with Q K^T summed in another order fails its own 2x bound on 0.05% of them; the apart
-// kernel's arithmetic, emulated, on 0.1-0.4%; with S compensated, on none of 1,000.
-constexpr int SUMS_COMPENSATED = 2;
-
-// a = fl(a + b), returning the rounding error (a + b) - fl(a + b) exactly (Knuth's TwoSum, any
-// magnitudes; __fadd_rn so that nothing is contracted or reassociated).
-__device__ __forceinline__ float two_sum(float& a, float b) {
-    const float t = __fadd_rn(a, b), b_virtual = __fsub_rn(t, a);
-    const float err = __fadd_rn(__fsub_rn(a, __fsub_rn(t, b_virtual)), __fsub_rn(b, b_virtual));
-    a = t;
-    return err;
-}
-
-template <int D_TILE, int BLOCK_M, int BLOCK_N, int PRODUCTS, bool Q_REGS, int SUMS_APART = 0, class Mask,
+template <int D_TILE, int BLOCK_M, int BLOCK_N, int PRODUCTS, bool Q_REGS, bool SUMS_APART = false, class Mask,
           class Score, class Stats, class Drop, int QK, class Turns = NoTurns>
 __device__ __forceinline__ void tf32_wgmma_forward_block(float (&o_acc)[1][D_TILE / 8][4], Stats& row_stats,
                                                          const u32 (&q_hi)[QK][4], const u32 (&q_lo)[QK][4],
@@ -91,7 +73,6 @@ __device__ __forceinline__ void tf32_wgmma_forward_block(float (&o_acc)[1][D_TIL
                                                          const Turns& turns = Turns()) {
     constexpr int N_FRAGS = BLOCK_N / 8, D_FRAGS = D_TILE / 8;
     constexpr bool SPLIT = Tf32Operand<PRODUCTS>::SPLIT, APART = SPLIT && SUMS_APART;
-    constexpr bool COMPENSATED = APART && SUMS_APART >= SUMS_COMPENSATED;
     static_assert(!Q_REGS || QK == D_TILE / 8, "Q's registers: one A fragment per k-step");
     constexpr int K_STEPS = D_TILE / 8;
     float s[1][N_FRAGS][4];
@@ -126,22 +107,10 @@ __device__ __forceinline__ void tf32_wgmma_forward_block(float (&o_acc)[1][D_TIL
         // FADDs once waited for.
         constexpr int HH_CHAIN = 2, CHAINS = (K_STEPS + HH_CHAIN - 1) / HH_CHAIN;
         float hh[2][N_FRAGS * 4];
-        float s_err[COMPENSATED ? N_FRAGS * 4 : 1];  // the TwoSums' rounding errors (COMPENSATED)
         auto add_chain = [&](float(&chain)[N_FRAGS * 4], bool first) {
             pin_registers(chain);
 #pragma unroll
-            for (int e = 0; e < N_FRAGS * 4; ++e) {
-                if constexpr (COMPENSATED) {
-                    if (first) {
-                        s_flat[e] = chain[e];
-                        s_err[e] = 0.f;
-                    } else {
-                        s_err[e] = __fadd_rn(s_err[e], two_sum(s_flat[e], chain[e]));
-                    }
-                } else {
-                    s_flat[e] = first ? chain[e] : s_flat[e] + chain[e];
-                }
-            }
+            for (int e = 0; e < N_FRAGS * 4; ++e) s_flat[e] = first ? chain[e] : s_flat[e] + chain[e];
         };
         turns.wait();
 #pragma unroll
@@ -161,10 +130,7 @@ __device__ __forceinline__ void tf32_wgmma_forward_block(float (&o_acc)[1][D_TIL
         add_chain(hh[(CHAINS - 1) & 1], CHAINS == 1);
         pin_registers(s_small);
 #pragma unroll
-        for (int e = 0; e < N_FRAGS * 4; ++e) {
-            if constexpr (COMPENSATED) s_flat[e] += __fadd_rn(s_small[e], s_err[e]);
-            else s_flat[e] += s_small[e];
-        }
+        for (int e = 0; e < N_FRAGS * 4; ++e) s_flat[e] += s_small[e];
     } else {
         turns.wait();
         wgmma_fence();

@@ -291,15 +291,13 @@ APART_CONFIGS = (WgmmaTf32FwdConfig(32, raw_stages=2, sums_apart=True),
                  WgmmaTf32FwdConfig(32, raw_stages=2, producer=True, stages=4, sums_apart=True))
 PINGPONG_CONFIGS = (WgmmaTf32FwdConfig(32, raw_stages=2, producer=True, stages=4, pingpong=True),
                     WgmmaTf32FwdConfig(32, raw_stages=2, producer=True, stages=4, sums_apart=True, pingpong=True))
-TWOSUM_CONFIGS = (WgmmaTf32FwdConfig(32, raw_stages=2, sums_apart=True, compensated=True),
-                  WgmmaTf32FwdConfig(32, raw_stages=2, producer=True, stages=4, sums_apart=True, compensated=True))
 
 
 @needs_nvrtc
 @pytest.mark.parametrize("config", [WgmmaTf32FwdConfig(64), *V1_CONFIGS, V2_CONFIG, *APART_CONFIGS,
-                                    *PINGPONG_CONFIGS, *TWOSUM_CONFIGS],
+                                    *PINGPONG_CONFIGS],
                          ids=["v0", "v1", "v1-qregs", "v2", "v1-apart", "v2-apart", "v2-pingpong",
-                              "v2-pingpong-apart", "v1-twosum", "v2-twosum"])
+                              "v2-pingpong-apart"])
 @pytest.mark.parametrize("headdim, causal, precision", [(64, True, "ieee"), (128, False, "tf32")])
 def test_candidate_forward_compiles_without_spills(config, headdim, causal, precision):
     """The candidate kernels (flash_fwd_tf32_wgmma, flash_fwd_tf32_wgmma_ws) for sm_90a: no local
