@@ -356,17 +356,21 @@ class Case:
     """A problem, its float64 reference and the test's bound (2 x standard float32's error + 2^-21
     max(1, max|ref|)), for o and, with check_lse, for lse too (tests/test_tf32_wgmma_gpu.py asserts both)."""
 
-    def __init__(self, name, problem, arrays=None, alibi_slopes=None, check_lse=False):
+    def __init__(self, name, problem, arrays=None, alibi_slopes=None, check_lse=False, orders=1):
+        """orders 2: standard float32's error is the worse of two summation orders of Q K^T (the
+        head dim as given and reversed), both standard attention."""
         self.name, self.problem, self.alibi_slopes, self.check_lse = name, problem, alibi_slopes, check_lse
         self.q, self.k, self.v = problem.arrays()[:3] if arrays is None else arrays
         options = {} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}
         self.o_ref, self.lse_ref = reference.attention(self.q, self.k, self.v, **problem.kwargs, **options)
-        o_std, lse_std = reference.standard_attention(self.q, self.k, self.v, dtype=np.float32, **problem.kwargs,
-                                                      **options)
-        self.err_std = self.err(o_std)
+        self.err_std = self.lse_err_std = 0.0
+        for flip in (slice(None), slice(None, None, -1))[:orders]:
+            o_std, lse_std = reference.standard_attention(self.q[..., flip], self.k[..., flip], self.v,
+                                                          dtype=np.float32, **problem.kwargs, **options)
+            self.err_std = max(self.err_std, self.err(o_std))
+            self.lse_err_std = max(self.lse_err_std, self.lse_err(lse_std))
         self.bound = 2 * self.err_std + 2.0 ** -21 * max(1.0, float(np.abs(self.o_ref).max()))
         finite = np.isfinite(self.lse_ref)
-        self.lse_err_std = self.lse_err(lse_std)
         self.lse_bound = 2 * self.lse_err_std + 2.0 ** -21 * max(1.0, float(np.abs(self.lse_ref[finite]).max(
             initial=0.0)))
 

@@ -65,7 +65,7 @@ def _variant(name, nheads, seed):
     return rng.uniform(0.01, 0.5, nheads).astype(np.float32) if name == "alibi" else None
 
 
-def fuzz(candidates, examples, seed, ex2_draws):
+def fuzz(candidates, examples, seed, ex2_draws, orders=1):
     records = []
 
     @settings(max_examples=examples, deadline=None, database=None, derandomize=False,
@@ -75,7 +75,7 @@ def fuzz(candidates, examples, seed, ex2_draws):
     @hypothesis_seed(seed)
     def one(problem, variant):
         case = emu.Case("draw", problem, alibi_slopes=_variant(variant, problem.nheads, problem.seed),
-                        check_lse=True)
+                        check_lse=True, orders=orders)
         ratios = {}
         for name in candidates:
             if name == "standard_reordered":
@@ -87,7 +87,8 @@ def fuzz(candidates, examples, seed, ex2_draws):
 
     t0 = time.time()
     one()
-    print(f"{len(records)} draws in {time.time() - t0:.0f} s (hypothesis seed {seed}, {ex2_draws} ex2 draws each)")
+    print(f"{len(records)} draws in {time.time() - t0:.0f} s (hypothesis seed {seed}, {ex2_draws} ex2 draws each, "
+          f"standard's error over {orders} summation order{'s' if orders > 1 else ''})")
     for name in candidates:
         r = np.array([rec[2][name] for rec in records])
         worst = int(np.argmax(r))
@@ -103,10 +104,12 @@ def main(argv=None):
     parser.add_argument("--examples", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0, help="Hypothesis' seed")
     parser.add_argument("--ex2-draws", type=int, default=2, help="ex2.approx perturbation draws per problem")
+    parser.add_argument("--orders", type=int, default=1, choices=(1, 2), help="standard float32's error: one "
+                        "summation order of Q K^T (the test's), or the worse of two (the head dim reversed too)")
     parser.add_argument("--candidates", nargs="+", default=["kernel", "hh1", "s_lolo", "hh1_s_lolo"],
                         choices=sorted(CANDIDATES))
     args = parser.parse_args(argv)
-    fuzz(args.candidates, args.examples, args.seed, args.ex2_draws)
+    fuzz(args.candidates, args.examples, args.seed, args.ex2_draws, args.orders)
 
 
 if __name__ == "__main__":
