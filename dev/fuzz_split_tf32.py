@@ -43,6 +43,7 @@ CANDIDATES = {
     "hh1_twosum": dict(s_hihi_chunk=1, s_fadd_exact=True),
     "hh2_twosum": dict(s_hihi_chunk=2, s_fadd_exact=True),
     "hh1_twosum_lolo": dict(s_hihi_chunk=1, s_fadd_exact=True, qk_lolo=False),
+    "step_sums": dict(s_step_sums=True),  # each k-step's 3 products fresh, FADD: the shipped mma.sync rows' S
     "standard_reordered": None,  # standard float32 attention with Q K^T summed in another order
 }
 
