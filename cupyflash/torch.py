@@ -498,59 +498,78 @@ def _scale(softmax_scale, headdim: int) -> float:
     return float(softmax_scale)
 
 
-class _ModifiedAttention(torch.autograd.Function):
-    """Attention with user modifiers (cupyflash.modifiers), differentiable in q, k, v and the sink;
-    a packed batch where ``sequences`` is (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k).
-    Not a custom operator: a modifier is a Python object, which an operator schema cannot carry
-    (torch.compile breaks its graph here and runs the call eagerly)."""
+class _EagerAttention(torch.autograd.Function):
+    """Attention whose forward and backward are cupyflash calls on arrays, differentiable in q, k,
+    v and the sink. ``calls`` holds them: forward(q, k, v, *extra, sink, backend) -> (o, lse),
+    backward(do, q, k, v, o, lse, *extra, sink, backend) -> (dq, dk, dv[, dsink]), ``extra`` the
+    tensors both take (a packed batch's cu_seqlens) and ``lse_refusal`` what a gradient through lse
+    is refused for. Not a custom operator: the calls hold Python objects (a user modifier, a ring
+    communicator) that an operator schema cannot carry, so torch.compile breaks its graph here and
+    runs them eagerly."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sink, options, deterministic, sequences=None):
-        packed = () if sequences is None else sequences[:2]
+    def forward(ctx, q, k, v, sink, calls):
+        extra, sinks = calls.extra, () if sink is None else (sink.contiguous(),)
 
         def compute(q, k, v, *rest, backend):
-            cu_seqlens, sink_array = rest[:len(packed)], rest[len(packed):]
-            sink_value = sink_array[0] if sink_array else None
-            if sequences is None:
-                return api.flash_attn_func(q, k, v, **options, sink=sink_value, return_lse=True, backend=backend)
-            return varlen.flash_attn_varlen_func(q, k, v, *cu_seqlens, *sequences[2:], **options, sink=sink_value,
-                                                 return_lse=True, backend=backend)
+            return calls.forward(q, k, v, *rest[:len(extra)], sink=rest[len(extra)] if sinks else None,
+                                 backend=backend)
 
-        o, lse = _run(q.device, compute, q, k, v, *packed, *(() if sink is None else (sink.contiguous(),)))
+        o, lse = _run(q.device, compute, q, k, v, *extra, *sinks)
         ctx.save_for_backward(q, k, v, o, lse, sink)
-        ctx.options, ctx.deterministic, ctx.sequences = options, deterministic, sequences
+        ctx.calls = calls
         ctx.set_materialize_grads(False)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
         q, k, v, o, lse, sink = ctx.saved_tensors
+        calls = ctx.calls
         if dlse is not None:
-            raise NotImplementedError("cupyflash.torch: a gradient through softmax_lse with score_mod / mask_mod is "
-                                      "not supported yet")
+            raise NotImplementedError(f"cupyflash.torch: a gradient through softmax_lse {calls.lse_refusal} is not "
+                                      "supported yet")
         if do is None:
-            return None, None, None, None, None, None, None
-        options, deterministic, sequences = ctx.options, ctx.deterministic, ctx.sequences
-        packed = () if sequences is None else sequences[:2]
+            return None, None, None, None, None
+        extra, sinks = calls.extra, () if sink is None else (sink,)
 
         def compute(do, q, k, v, o, lse, *rest, backend):
-            cu_seqlens, sink_array = rest[:len(packed)], rest[len(packed):]
-            sink_value = sink_array[0] if sink_array else None
-            if sequences is None:
-                return api.flash_attn_backward(do, q, k, v, o, lse, **options, sink=sink_value, backend=backend,
-                                               deterministic=deterministic)
-            return varlen.flash_attn_varlen_backward(do, q, k, v, o, lse, *cu_seqlens, *sequences[2:], **options,
-                                                     sink=sink_value, backend=backend, deterministic=deterministic)
+            return calls.backward(do, q, k, v, o, lse, *rest[:len(extra)], sink=rest[len(extra)] if sinks else None,
+                                  backend=backend)
 
-        grads = _run(q.device, compute, do.contiguous(), q, k, v, o, lse, *packed,
-                     *(() if sink is None else (sink,)))
-        return (*grads[:3], grads[3] if sink is not None else None, None, None, None)
+        grads = _run(q.device, compute, do.contiguous(), q, k, v, o, lse, *extra, *sinks)
+        return (*grads[:3], grads[3] if sink is not None else None, None)
+
+
+class _ModifiedCalls:
+    """The calls of attention with user modifiers (cupyflash.modifiers): flash_attn_func and its
+    backward, or on a packed batch (``sequences`` = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+    max_seqlen_k)) the varlen pair."""
+
+    lse_refusal = "with score_mod / mask_mod"
+
+    def __init__(self, options: dict, deterministic: bool, sequences=None):
+        self.options, self.deterministic, self.sequences = options, deterministic, sequences
+        self.extra = () if sequences is None else tuple(sequences[:2])
+
+    def forward(self, q, k, v, *cu_seqlens, sink, backend):
+        if self.sequences is None:
+            return api.flash_attn_func(q, k, v, **self.options, sink=sink, return_lse=True, backend=backend)
+        return varlen.flash_attn_varlen_func(q, k, v, *cu_seqlens, *self.sequences[2:], **self.options, sink=sink,
+                                             return_lse=True, backend=backend)
+
+    def backward(self, do, q, k, v, o, lse, *cu_seqlens, sink, backend):
+        if self.sequences is None:
+            return api.flash_attn_backward(do, q, k, v, o, lse, **self.options, sink=sink, backend=backend,
+                                           deterministic=self.deterministic)
+        return varlen.flash_attn_varlen_backward(do, q, k, v, o, lse, *cu_seqlens, *self.sequences[2:],
+                                                 **self.options, sink=sink, backend=backend,
+                                                 deterministic=self.deterministic)
 
 
 def _modified_attention(q, k, v, sink, modifiers, softcap, alibi_slopes, options, deterministic, map_shape,
                         sequences=None):
     """(o, lse) of a call with user modifiers (score_mod, mask_mod, block_mask) through
-    _ModifiedAttention: a mask_mod alone gets its block map made here, for ``map_shape`` (batch,
+    _EagerAttention: a mask_mod alone gets its block map made here, for ``map_shape`` (batch,
     nheads, seqlen_q, seqlen_k; a packed batch's sequences and longest lengths), once for the
     forward and the backward."""
     if softcap or alibi_slopes is not None:
@@ -564,7 +583,7 @@ def _modified_attention(q, k, v, sink, modifiers, softcap, alibi_slopes, options
             from .modifiers import BlockMask
 
             options.update(mask_mod=None, block_mask=BlockMask(mask_mod, *map_shape, device=q.device.type))
-    return _ModifiedAttention.apply(q, k, v, sink, options, deterministic, sequences)
+    return _EagerAttention.apply(q, k, v, sink, _ModifiedCalls(options, deterministic, sequences))
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -619,44 +638,27 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
 
 # --- ring attention (cupyflash.distributed) ---------------------------------------------------------
 
-class _RingAttention(torch.autograd.Function):
-    """Ring attention over ``comm`` (cupyflash.distributed), differentiable in q, k, v and the
-    sink: every rank of the ring calls forward, and backward, in step (the ring's transfers are
-    collective)."""
+class _RingCalls:
+    """The calls of ring attention over ``comm`` (cupyflash.distributed): every rank of the ring
+    makes them, the forward and later the backward, in step (the ring's transfers are collective)."""
 
-    @staticmethod
-    def forward(ctx, q, k, v, sink, comm, options, deterministic):
+    lse_refusal = "of ring attention"
+    extra = ()
+
+    def __init__(self, comm, options: dict, deterministic: bool):
+        self.comm, self.options, self.deterministic = comm, options, deterministic
+
+    def forward(self, q, k, v, *, sink, backend):
         from .distributed import ring
 
-        def compute(q, k, v, *sink_array, backend):
-            return ring.ring_flash_attn_func(q, k, v, comm=comm, **options, sink=sink_array[0] if sink_array else None,
-                                             return_lse=True, backend=backend)
+        return ring.ring_flash_attn_func(q, k, v, comm=self.comm, **self.options, sink=sink, return_lse=True,
+                                         backend=backend)
 
-        o, lse = _run(q.device, compute, q, k, v, *(() if sink is None else (sink.contiguous(),)))
-        ctx.save_for_backward(q, k, v, o, lse, sink)
-        ctx.comm, ctx.options, ctx.deterministic = comm, options, deterministic
-        ctx.set_materialize_grads(False)
-        return o, lse
-
-    @staticmethod
-    def backward(ctx, do, dlse):
+    def backward(self, do, q, k, v, o, lse, *, sink, backend):
         from .distributed import ring
 
-        q, k, v, o, lse, sink = ctx.saved_tensors
-        if dlse is not None:
-            raise NotImplementedError("cupyflash.torch: a gradient through ring attention's softmax_lse is not "
-                                      "supported yet")
-        if do is None:
-            return None, None, None, None, None, None, None
-        comm, options, deterministic = ctx.comm, ctx.options, ctx.deterministic
-
-        def compute(do, q, k, v, o, lse, *sink_array, backend):
-            return ring.ring_flash_attn_backward(do, q, k, v, o, lse, comm=comm, **options,
-                                                 sink=sink_array[0] if sink_array else None, backend=backend,
-                                                 deterministic=deterministic)
-
-        grads = _run(q.device, compute, do.contiguous(), q, k, v, o, lse, *(() if sink is None else (sink,)))
-        return (*grads[:3], grads[3] if sink is not None else None, None, None, None)
+        return ring.ring_flash_attn_backward(do, q, k, v, o, lse, comm=self.comm, **self.options, sink=sink,
+                                             backend=backend, deterministic=self.deterministic)
 
 
 _RING_COMMS: dict = {}  # torch process group -> its NcclRingComm (made once: a collective call)
@@ -705,7 +707,8 @@ def ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Fals
     window_left, window_right = check_window(window_size)
     options = dict(softmax_scale=_scale(softmax_scale, q.shape[3]), causal=bool(causal),
                    window_size=(window_left, window_right), softcap=float(softcap), layout=layout)
-    o, lse = _RingAttention.apply(q, k, v, sink, _ring_comm(comm, group, q.device), options, bool(deterministic))
+    o, lse = _EagerAttention.apply(q, k, v, sink, _RingCalls(_ring_comm(comm, group, q.device), options,
+                                                             bool(deterministic)))
     return o if not return_attn_probs else (o, lse, q.new_empty((0,)))
 
 
