@@ -124,6 +124,103 @@ __device__ __forceinline__ void dmma_acc_times_rows(float (&c)[DIM / 8][M_TILES]
     }
 }
 
+// The CTA of the two query-side kernels (flash_bwd_dq_dmma, flash_bwd_stats_dmma): BLOCK_M =
+// 8 M_TILES NWARPS query rows of one head, each warp WARP_ROWS of them; the block's Q and dO rows
+// stay in shared memory for the whole walk, and each key block's K and V come in by cp.async into
+// the stage the previous block does not read, while that block computes. Rows are padded by 4
+// elements (LD = D_TILE + 4, 4 mod 16 doubles): S's fragments read rows g, columns t, whose eight
+// rows then start 8 banks apart (every half-warp's 16 doubles in distinct banks, as
+// flash_fwd_dmma's Q and K); dQ's B fragments read K's rows 2t, columns g: a 2-way conflict per
+// half-warp there. A kernel leaves at once where past_end(), then walk()s the key blocks.
+template <int D_TILE, class Mask, int BLOCK_N, int NWARPS, int M_TILES, bool WIDE, typename A>
+struct DmmaQueryCta {
+    static constexpr int WARP_ROWS = 8 * M_TILES, BLOCK_M = WARP_ROWS * NWARPS, NTHREADS = NWARPS * 32;
+    static constexpr int N_TILES = BLOCK_N / 8, LD = D_TILE + 4;
+    static constexpr unsigned SMEM_BYTES = sizeof(A) * (2 * BLOCK_M * LD + 4 * BLOCK_N * LD);
+    static_assert(D_TILE % 8 == 0 && BLOCK_N % 8 == 0, "m8n8k4 tiles");
+    static_assert(!WIDE || M_TILES == 2, "m16n8k8 takes two 8-row m-tiles");
+    static_assert(sizeof(A) == 8 || M_TILES == 2, "m16n8k8 .tf32 takes two 8-row m-tiles");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+    static_assert(!WIDE || sizeof(A) == 4, "m16n8k8 .f64 needs sm_90");
+#endif
+
+    A* q_tile;    // [BLOCK_M][LD]
+    A* do_tile;   // [BLOCK_M][LD]
+    A* kv_tiles;  // [2 stages][K, V][BLOCK_N][LD]
+    SequenceRows seq;
+    A scale_log2, scale;
+    Mask mask;
+    int m0, head, head_kv;
+    int g, t, w0;  // the lane's fragment row and column; the warp's first row in the block
+
+    __device__ __forceinline__ DmmaQueryCta(const BwdParams& p, unsigned char* smem)
+        : q_tile(reinterpret_cast<A*>(smem)),
+          do_tile(q_tile + BLOCK_M * LD),
+          kv_tiles(do_tile + BLOCK_M * LD),
+          seq(cta_sequence<Mask>(p, blockIdx.z)),
+          scale_log2(scale_log2_in<A>(p)),
+          scale(scale_in<A>(p)),
+          mask(cta_mask<Mask>(p, seq.index, seq.seqlen_q, seq.seqlen_k)),
+          m0(Mask::query_block(blockIdx.x, gridDim.x) * BLOCK_M),
+          head(blockIdx.y),
+          head_kv(head / p.group),
+          g(threadIdx.x % 32 / 4),
+          t(threadIdx.x % 32 % 4),
+          w0(threadIdx.x / 32 * WARP_ROWS) {}
+
+    // A block past a shorter (packed) sequence's end: the kernel leaves at once.
+    __device__ __forceinline__ bool past_end() const { return Mask::PACKED && m0 >= seq.seqlen_q; }
+
+    // The walk: the first key block's K and V and the block's Q and dO rows copied (one commit
+    // group), rows(), which reads what the kernel needs of its rows while they land, then per key
+    // block visit(n0, k_tile, s, dp) with S = Q K^T and dP = dO V^T of the block in the
+    // accumulator layout (its V tile follows k_tile); every copy waited for at the end (Q and
+    // dO's too, where no key block was walked).
+    template <class Rows, class Visit>
+    __device__ __forceinline__ void walk(const BwdParams& p, Rows rows, Visit visit) const {
+        const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
+        const A* __restrict__ k_base = p.k.row<const A>(seq.batch, seq.k_begin, head_kv);
+        const A* __restrict__ v_base = p.v.row<const A>(seq.batch, seq.k_begin, head_kv);
+        const int n_begin = mask.key_begin(m0) / BLOCK_N * BLOCK_N;
+        const int n_end = mask.key_end(m0, BLOCK_M);
+        auto load_kv = [&](int n0, int stage) {
+            A* k_stage = kv_tiles + 2 * stage * BLOCK_N * LD;
+            cp_async_rows_scalar<BLOCK_N, D_TILE, LD, NTHREADS>(k_stage, k_base, n0, seqlen_k, p.headdim,
+                                                                p.k.row_stride);
+            cp_async_rows_scalar<BLOCK_N, D_TILE, LD, NTHREADS>(k_stage + BLOCK_N * LD, v_base, n0, seqlen_k,
+                                                                p.headdim_v, p.v.row_stride);
+        };
+        if (n_begin < n_end) load_kv(n_begin, 0);
+        cp_async_rows_scalar<BLOCK_M, D_TILE, LD, NTHREADS>(q_tile, p.q.row<const A>(seq.batch, seq.q_begin, head), m0,
+                                                            seqlen_q, p.headdim, p.q.row_stride);
+        cp_async_rows_scalar<BLOCK_M, D_TILE, LD, NTHREADS>(do_tile, p.dout.row<const A>(seq.batch, seq.q_begin, head),
+                                                            m0, seqlen_q, p.headdim_v, p.dout.row_stride);
+        cp_async_commit();
+        rows();
+
+        int stage = 0;
+        for (int n0 = n_begin; n0 < n_end; n0 += BLOCK_N, stage ^= 1) {
+            // this block's K and V (and, the first time, Q and dO) have landed, and every warp is
+            // done with the previous block's stage: the next block may overwrite it
+            cp_async_wait<0>();
+            __syncthreads();
+            if (n0 + BLOCK_N < n_end) {
+                load_kv(n0 + BLOCK_N, stage ^ 1);
+                cp_async_commit();
+            }
+            const A* k_tile = kv_tiles + 2 * stage * BLOCK_N * LD;
+            const A* v_tile = k_tile + BLOCK_N * LD;
+            A s[N_TILES][M_TILES][2], dp[N_TILES][M_TILES][2];
+            dmma_rows_times_rows<D_TILE, N_TILES, LD, M_TILES, WIDE>(s, q_tile + (w0 + g) * LD + t,
+                                                                     k_tile + g * LD + t);
+            dmma_rows_times_rows<D_TILE, N_TILES, LD, M_TILES, WIDE>(dp, do_tile + (w0 + g) * LD + t,
+                                                                     v_tile + g * LD + t);
+            visit(n0, k_tile, s, dp);
+        }
+        cp_async_wait<0>();
+    }
+};
+
 // One entry of S and dP (raw units: the unit is the scale) after the policies, as every float64
 // backward kernel takes it: the score policy's transform and ds'/ds (unset without a derivative),
 // whether the mask hides the key (or the row sees none: row_sees_nothing), whether dropout keeps

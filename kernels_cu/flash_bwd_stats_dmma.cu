@@ -21,79 +21,27 @@ template <int D_TILE, class Mask, int BLOCK_N, int NWARPS, int M_TILES = 2, bool
 __global__ void __launch_bounds__(NWARPS * 32, 1)
 flash_bwd_stats_dmma(const __grid_constant__ BwdParams p) {
     typedef T A;  // double: DMMA; float: three tf32 products (experiment)
-    constexpr int WARP_ROWS = 8 * M_TILES;
-    constexpr int BLOCK_M = WARP_ROWS * NWARPS;
-    constexpr int NTHREADS = NWARPS * 32;
-    constexpr int N_TILES = BLOCK_N / 8;
-    constexpr int LD = D_TILE + 4;  // flash_bwd_dq_dmma's tiles
-    static_assert(D_TILE % 8 == 0 && BLOCK_N % 8 == 0, "m8n8k4 tiles");
-    static_assert(!WIDE || M_TILES == 2, "m16n8k8 takes two 8-row m-tiles");
-    static_assert(sizeof(A) == 8 || M_TILES == 2, "m16n8k8 .tf32 takes two 8-row m-tiles");
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-    static_assert(!WIDE || sizeof(A) == 4, "m16n8k8 .f64 needs sm_90");
-#endif
+    typedef DmmaQueryCta<D_TILE, Mask, BLOCK_N, NWARPS, M_TILES, WIDE, A> Cta;  // flash_bwd_dq_dmma's CTA
+    constexpr int N_TILES = Cta::N_TILES;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    A* q_tile = reinterpret_cast<A*>(smem_raw);  // [BLOCK_M][LD]
-    A* do_tile = q_tile + BLOCK_M * LD;            // [BLOCK_M][LD]
-    A* kv_tiles = do_tile + BLOCK_M * LD;          // [2 stages][K, V][BLOCK_N][LD]
-    constexpr unsigned SMEM_BYTES = sizeof(A) * (2 * BLOCK_M * LD + 4 * BLOCK_N * LD);
-    if (dynamic_smem_bytes() < SMEM_BYTES) __trap();
-
-    const SequenceRows seq = cta_sequence<Mask>(p, blockIdx.z);
-    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
-    const A scale_log2 = scale_log2_in<A>(p), scale = scale_in<A>(p);
-    const Mask mask = cta_mask<Mask>(p, seq.index, seqlen_q, seqlen_k);
-    const int m0 = Mask::query_block(blockIdx.x, gridDim.x) * BLOCK_M;
-    const int head = blockIdx.y, batch = seq.batch, head_kv = head / p.group;
-    if (Mask::PACKED && m0 >= seqlen_q) return;  // past a shorter sequence's end
-    const ScoreOf<Mask, A> score(score_problem<Mask>(p, seq), seq.index, head, scale);
-    const DropoutOf<Mask> dropout(p, seq.index, head);
+    if (dynamic_smem_bytes() < Cta::SMEM_BYTES) __trap();
+    const Cta cta(p, smem_raw);
+    if (cta.past_end()) return;
+    const int head = cta.head, t = cta.t;
+    const ScoreOf<Mask, A> score(score_problem<Mask>(p, cta.seq), cta.seq.index, head, cta.scale);
+    const DropoutOf<Mask> dropout(p, cta.seq.index, head);
     const A drop_scale = DropoutOf<Mask>::ENABLED ? dropout_scale_in<A>(p) : A(1);
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int g = lane / 4, t = lane % 4;
-    const int w0 = warp * WARP_ROWS;
-
-    const A* __restrict__ k_base = p.k.row<const A>(batch, seq.k_begin, head_kv);
-    const A* __restrict__ v_base = p.v.row<const A>(batch, seq.k_begin, head_kv);
-    const int n_begin = mask.key_begin(m0) / BLOCK_N * BLOCK_N;
-    const int n_end = mask.key_end(m0, BLOCK_M);
-    auto load_kv = [&](int n0, int stage) {
-        A* k_stage = kv_tiles + 2 * stage * BLOCK_N * LD;
-        cp_async_rows_scalar<BLOCK_N, D_TILE, LD, NTHREADS>(k_stage, k_base, n0, seqlen_k, p.headdim, p.k.row_stride);
-        cp_async_rows_scalar<BLOCK_N, D_TILE, LD, NTHREADS>(k_stage + BLOCK_N * LD, v_base, n0, seqlen_k, p.headdim_v,
-                                                         p.v.row_stride);
-    };
-    if (n_begin < n_end) load_kv(n_begin, 0);
-    cp_async_rows_scalar<BLOCK_M, D_TILE, LD, NTHREADS>(q_tile, p.q.row<const A>(batch, seq.q_begin, head), m0, seqlen_q,
-                                                     p.headdim, p.q.row_stride);
-    cp_async_rows_scalar<BLOCK_M, D_TILE, LD, NTHREADS>(do_tile, p.dout.row<const A>(batch, seq.q_begin, head), m0,
-                                                     seqlen_q, p.headdim_v, p.dout.row_stride);
-    cp_async_commit();
 
     int q_row[M_TILES];
 #pragma unroll
-    for (int mt = 0; mt < M_TILES; ++mt) q_row[mt] = m0 + w0 + 8 * mt + g;
+    for (int mt = 0; mt < M_TILES; ++mt) q_row[mt] = cta.m0 + cta.w0 + 8 * mt + cta.g;
     // per row: the running maximum m (log2 units), this lane's sums l and w, ref (flash_bwd_stats_simt)
     A m_i[M_TILES], l_i[M_TILES], w_i[M_TILES], ref[M_TILES];
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt) m_i[mt] = neg_inf<A>(), l_i[mt] = w_i[mt] = ref[mt] = A(0);
 
-    int stage = 0;
-    for (int n0 = n_begin; n0 < n_end; n0 += BLOCK_N, stage ^= 1) {
-        cp_async_wait<0>();
-        __syncthreads();
-        if (n0 + BLOCK_N < n_end) {
-            load_kv(n0 + BLOCK_N, stage ^ 1);
-            cp_async_commit();
-        }
-        const A* k_tile = kv_tiles + 2 * stage * BLOCK_N * LD;
-        const A* v_tile = k_tile + BLOCK_N * LD;
-
-        A s[N_TILES][M_TILES][2], dp[N_TILES][M_TILES][2];
-        dmma_rows_times_rows<D_TILE, N_TILES, LD, M_TILES, WIDE>(s, q_tile + (w0 + g) * LD + t, k_tile + g * LD + t);
-        dmma_rows_times_rows<D_TILE, N_TILES, LD, M_TILES, WIDE>(dp, do_tile + (w0 + g) * LD + t, v_tile + g * LD + t);
-
+    cta.walk(p, [] {}, [&](int n0, const A*, A(&s)[N_TILES][M_TILES][2], A(&dp)[N_TILES][M_TILES][2]) {
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt) {
             // the scores in log2 units (-inf where hidden, into s) and dP (into dp); the tile's
@@ -104,8 +52,8 @@ flash_bwd_stats_dmma(const __grid_constant__ BwdParams p) {
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     const auto x = score_entry(s[n][mt][e], dp[n][mt][e], q_row[mt], n0 + 8 * n + 2 * t + e,
-                                                     false, mask, score, dropout, drop_scale);
-                    s[n][mt][e] = x.hidden ? neg_inf<A>() : log2_score(x.s, scale_log2);
+                                               false, cta.mask, score, dropout, drop_scale);
+                    s[n][mt][e] = x.hidden ? neg_inf<A>() : log2_score(x.s, cta.scale_log2);
                     dp[n][mt][e] = x.dp;
                     if (!x.hidden && (s[n][mt][e] > tile_max || (s[n][mt][e] == tile_max && x.dp > tile_ref)))
                         tile_max = s[n][mt][e], tile_ref = x.dp;
@@ -137,8 +85,7 @@ flash_bwd_stats_dmma(const __grid_constant__ BwdParams p) {
                 }
             m_i[mt] = m_new;
         }
-    }
-    cp_async_wait<0>();  // Q and dO's copies, where no key block was walked
+    });
 
     // The sink is read at run time (flash_bwd_stats_simt says why).
     const float* sink = p.variant.sink;
@@ -147,12 +94,12 @@ flash_bwd_stats_dmma(const __grid_constant__ BwdParams p) {
     for (int mt = 0; mt < M_TILES; ++mt) {
         const A l_row = group_sum<4>(l_i[mt]);
         const A w_row = group_sum<4>(w_i[mt]);
-        if (q_row[mt] >= seqlen_q || t != 0) continue;
+        if (q_row[mt] >= cta.seq.seqlen_q || t != 0) continue;
         A o_factor, top_with_sink, log2_sum;
         finish_row_log2(m_i[mt], l_row, sink2, o_factor, top_with_sink, log2_sum);
         const A sink_share =
             sink != nullptr && top_with_sink != neg_inf<A>() ? exp2_((sink2 - top_with_sink) - log2_sum) : A(0);
-        const i64 stat = seq.stat(p, head, q_row[mt]);
+        const i64 stat = cta.seq.stat(p, head, q_row[mt]);
         // params' lse, weight and dp_ref are this call's own buffers in this mode (kernels/simt.py)
         static_cast<A*>(p.delta)[stat] = w_row * o_factor - ref[mt] * sink_share;
         const_cast<A*>(static_cast<const A*>(p.lse))[stat] = m_i[mt];
