@@ -661,7 +661,7 @@ class _RingCalls:
                                              backend=backend, deterministic=self.deterministic)
 
 
-_RING_COMMS: dict = {}  # torch process group -> its NcclRingComm (made once: a collective call)
+_RING_COMMS: dict = {}  # (torch process group, device) -> its NcclRingComm (made once: a collective call)
 
 
 def _ring_comm(comm, group, device: torch.device):
@@ -673,11 +673,12 @@ def _ring_comm(comm, group, device: torch.device):
         raise ValueError("cupyflash.torch.ring_flash_attn_func: CPU tensors need a comm (a "
                          "cupyflash.distributed.LocalRing's, which simulates the ranks); a torch process group "
                          "means NCCL, which needs CUDA tensors")
-    key = id(group)
+    key = (id(group), device.index)
     if key not in _RING_COMMS:
         from .distributed import NcclRingComm
 
-        _RING_COMMS[key] = (group, NcclRingComm.from_torch(group))  # the group kept alive with its id
+        with torch.cuda.device(device):  # from_torch joins on torch's current device: q's
+            _RING_COMMS[key] = (group, NcclRingComm.from_torch(group))  # the group kept alive with its id
     return _RING_COMMS[key][1]
 
 

@@ -322,9 +322,10 @@ def head_forward(q, k, v, visible, scale, ar: Arith, rng, alibi_dist=None, slope
         else:  # O *= rescale (FMUL), then the block's products chained onto O
             o = _pv(p, v[cols], ar, racc(rescale[:, None] * o) if j else None)
     l = rs(rs(lanes[:, 0] + lanes[:, 2]) + rs(lanes[:, 1] + lanes[:, 3]))
-    with np.errstate(divide="ignore"):
-        lse = np.where(l > 0, rs(rs(m + np.log2(np.where(l > 0, l, 1.0))) * (fl32(np.log(2.0)) if ar.final_round
-                                                                             else np.log(2.0))), -np.inf)
+    m_log2 = rsc(m * c) if ar.exp_arg == "max_first" else m  # max_first keeps m in S's units
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lse = np.where(l > 0, rs(rs(m_log2 + np.log2(np.where(l > 0, l, 1.0))) * (fl32(np.log(2.0)) if ar.final_round
+                                                                                  else np.log(2.0))), -np.inf)
     if ar.final_round:
         inv = fl32(np.where(l > 0, 1.0 / np.where(l > 0, l, 1.0), 0.0))  # rows with no key: o = 0
         o = fl32(o * inv[:, None])

@@ -8,7 +8,8 @@ fresh random inputs, NaN-poisoned outputs.
   accumulator loses more than float32's rounding (dev/tf32_accumulation_probe.py), so the d64 /
   d128 rows sum S's k-steps and O's key blocks apart (STEP_SUMS, FRESH_O), which holds the bar at
   1k keys and, through the same tiles, over shapes and variants as a distribution over fixed draws
-  (tests/tf32_accuracy.py).
+  (tests/tf32_accuracy.py; not yet run on a GPU in this form: the per-draw form passed on tree
+  195b34c).
 - precision "tf32": within 2x standard float16 attention's error (tf32 operands have float16's
   11-bit mantissa) plus 2^-10 max|v|; within 2^-10 max|v| of the NumPy twin's "tf32" (the same
   operand rounding; P from an exact exp2 there, so a P that straddles a rounding boundary differs
