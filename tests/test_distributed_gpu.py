@@ -246,11 +246,18 @@ def test_nccl_ring_of_two_gpus():
         np.testing.assert_array_equal(a, b.get())
 
 
-def test_the_bench_runs_on_one_gpu(capsys):
-    """python -m cupyflash.distributed.bench --local: the bars' measurement, small, on one GPU."""
+@pytest.mark.parametrize("extra", [[], ["--window", "300", "0", "--softcap", "30"]], ids=["causal", "window_softcap"])
+def test_the_bench_runs_on_one_gpu(capsys, extra):
+    """python -m cupyflash.distributed.bench --local: the bars' measurement, small, on one GPU; its
+    rows agree with the whole sequence's."""
+    import json
+
     from cupyflash.distributed import bench
 
     assert bench.main(["--local", "--ranks", "2", "--seqlen", "2048", "--heads", "4", "--kv-heads", "2",
-                       "--headdim", "64", "--repeats", "1"]) == 0
-    last = capsys.readouterr().out.strip().splitlines()[-1]
+                       "--headdim", "64", "--repeats", "1", *extra]) == 0
+    out = capsys.readouterr().out.strip()
+    last = out.splitlines()[-1]
     assert last.startswith("ring ") and "efficiency" in last and "communication hidden" in last
+    report = json.loads(out[:out.rindex("\nring ")])
+    assert report["ranks"][0]["o_rel_fro_diff"] < 2e-2, report["ranks"][0]

@@ -2,6 +2,7 @@
 
     python -m cupyflash.distributed.bench --ranks 2 --seqlen 131072          # 2 GPUs over NCCL
     python -m cupyflash.distributed.bench --ranks 2 --seqlen 16384 --local   # one GPU, P "ranks"
+    python -m cupyflash.distributed.bench --ranks 2 --window 4096 0           # a causal window
 
 For each rank: forward + backward of the ring with the overlap (the next K/V and the dK/dV in
 flight during each step), without it (``overlap=False``: each transfer waited for before the
@@ -79,11 +80,13 @@ def _rank_bench(comm, config):
     from .sharding import contiguous_shard, zigzag_shard
 
     size, rank = comm.size, comm.rank
-    layout = "zigzag" if config["causal"] else "contiguous"
+    masked = config["causal"] or tuple(config.get("window_size", (-1, -1))) != (-1, -1)
+    layout = "zigzag" if masked else "contiguous"
     shard = zigzag_shard if layout == "zigzag" else contiguous_shard
     whole = _inputs(config, cupy)
     q, k, v, do = (cupy.ascontiguousarray(shard(x, size, rank)) for x in whole)
-    options = dict(causal=config["causal"], layout=layout)
+    variant = dict(window_size=tuple(config.get("window_size", (-1, -1))), softcap=config.get("softcap", 0.0))
+    options = dict(causal=config["causal"], layout=layout, **variant)
     marker, marker_in = cupy.zeros(1, np.float32), cupy.zeros(1, np.float32)
 
     def barrier():
@@ -103,8 +106,8 @@ def _rank_bench(comm, config):
     o, (dq, dk, dv) = ring(comm, True)()
     if rank == 0 or config["check_every_rank"]:
         def single():
-            o1, lse1 = flash_attn_func(*whole[:3], causal=config["causal"], return_lse=True)
-            return o1, flash_attn_backward(whole[3], *whole[:3], o1, lse1, causal=config["causal"])
+            o1, lse1 = flash_attn_func(*whole[:3], causal=config["causal"], return_lse=True, **variant)
+            return o1, flash_attn_backward(whole[3], *whole[:3], o1, lse1, causal=config["causal"], **variant)
         if rank == 0:
             out["single"] = _median_time(single, config["repeats"], lambda: None, cupy)
         o1, (dq1, dk1, dv1) = single()
@@ -146,6 +149,9 @@ def main(argv=None) -> int:
     parser.add_argument("--headdim", type=int, default=128)
     parser.add_argument("--dtype", default="bf16")
     parser.add_argument("--full", action="store_true", help="no causal mask (default: causal, zigzag)")
+    parser.add_argument("--window", type=int, nargs=2, default=(-1, -1), metavar=("LEFT", "RIGHT"),
+                        help="flash-attn's window_size on the whole sequence (default: none)")
+    parser.add_argument("--softcap", type=float, default=0.0)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--local", action="store_true", help="every rank on one GPU (LocalRing)")
     parser.add_argument("--check-every-rank", action="store_true",
@@ -154,7 +160,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     config = dict(ranks=args.ranks, seqlen=args.seqlen, batch=args.batch, heads=args.heads, kv_heads=args.kv_heads,
                   headdim=args.headdim, dtype=parse_dtype_name(args.dtype), causal=not args.full,
-                  repeats=args.repeats, seed=0, check_every_rank=args.check_every_rank)
+                  repeats=args.repeats, seed=0, check_every_rank=args.check_every_rank, window_size=list(args.window),
+                  softcap=args.softcap)
     started = time.monotonic()
     if args.local:
         results = _local_bench(config)
