@@ -54,11 +54,10 @@ from ..masks import check_window
 from ..merge import merge_attention_states
 from ..scores import sink_grad
 
-__all__ = ["RingStep", "ring_schedule", "ring_flash_attn_func", "ring_flash_attn_backward", "ring_flash_attn_vjp"]
+__all__ = ["RingStep", "RingBlock", "ring_schedule", "ring_flash_attn_func", "ring_flash_attn_backward",
+           "ring_flash_attn_vjp"]
 
 LAYOUTS = ("zigzag", "contiguous")
-
-
 INF = math.inf
 
 
@@ -147,7 +146,7 @@ def _rect_block(row_chunks, key_chunks, band) -> RingBlock | None | bool:
     hi = INF if hi >= (k1 - 1) - r0 else hi
     # only the rows that see a key and the keys some row sees
     ra, rb = max(r0, k0 - hi), min(r1, k1 - lo)
-    ka, kb = max(k0, ra + lo), min(k1, rb - 1 + hi + 1)
+    ka, kb = max(k0, ra + lo), min(k1, rb + hi)
     ra, rb, ka, kb = (int(x) for x in (ra, rb, ka, kb))
     # flash-attn's window on the block: j' - i' in [diag - left, diag + right], diag = keys - rows
     diag = (kb - ka) - (rb - ra)
