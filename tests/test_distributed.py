@@ -416,6 +416,20 @@ def test_shards_of_different_shapes_are_an_error():
         LocalRing(2, timeout=60).run(rank_main)
 
 
+@pytest.mark.parametrize("options", [dict(causal=True), dict(window_size=(3, 0)), dict()], ids=["causal", "window", "full"])
+def test_empty_shards(options):
+    """Shards of no rows: o and the gradients empty, lse (batch, heads, 0), with or without a mask."""
+    q = np.zeros((1, 0, 2, 8), np.float32)
+
+    def rank_main(comm):
+        o, lse = ring_flash_attn_func(q, q, q, comm=comm, return_lse=True, backend="numpy", **options)
+        return o, lse, ring_flash_attn_backward(q, q, q, q, o, lse, comm=comm, backend="numpy", **options)
+
+    for o, lse, grads in LocalRing(2).run(rank_main):
+        assert o.shape == q.shape and lse.shape == (1, 2, 0)
+        assert all(g.shape == q.shape for g in grads)
+
+
 def test_the_ring_says_what_it_cannot_take():
     q = np.zeros((1, 5, 2, 8), np.float32)
     comm = LocalRing(1).comms[0]

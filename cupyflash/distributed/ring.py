@@ -302,6 +302,9 @@ def ring_flash_attn_func(q, k, v, *, comm, softmax_scale=None, causal=False, win
         if pending is not None:
             pending.wait()
             held = arriving
+    if o_acc is None:  # no block at all (empty shards): every row saw no key
+        o_acc = xp.zeros(q.shape, acc)
+        lse_acc = xp.full((q.shape[0], q.shape[2], q.shape[1]), -np.inf, acc)
     if sink is not None:
         o_acc, lse_acc = _add_sink(xp, o_acc, lse_acc, sink)
     o = o_acc.astype(q.dtype, copy=False)
