@@ -102,7 +102,7 @@ ACCURATE_CANDIDATES = {64: Tf32FwdConfig(128, 64, 8, fresh_o=True, presplit=True
 
 
 def test_step_sums_candidate_within_twice_standard_float32():
-    """Issue 18's bar over 200 fixed draws of shapes, masks, GQA and the variants
+    """Issue 18's bar over fixed draws (the profile's count) of shapes, masks, GQA and the variants
     (tests/tf32_accuracy.py: a distribution, not every draw; the emulated arithmetic of these rows
     fails the per-draw form on 0.4% of draws, standard float32 reordered on 0.05%)."""
     import cupy

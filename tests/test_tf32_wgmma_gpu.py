@@ -12,11 +12,11 @@ tile). v2 has not run on a GPU yet (tf32-wgmma-v2).
   kernel sums its products in one running accumulator.
 - precision "tf32": within 2x standard float16 attention's error plus 2^-10 max|v|, as
   tests/test_tf32_gpu.py asks of the shipped kernel.
-- SUMS_APART configurations (S's small products and each block's P V in accumulators of their
-  own), precision "ieee": issue 18's bar, 2x standard float32 attention's error (plus 2^-21
-  max|o|, where standard float32 is exact), as a distribution over 200 fixed draws
-  (tests/tf32_accuracy.py: at most 1% over it; why not every draw). Not yet run on a GPU in this
-  form.
+- SUMS_APART configurations (S's small products and each block's P V in accumulators of their own),
+  precision "ieee": issue 18's bar, 2x standard float32 attention's error (plus 2^-21 max|o|, where
+  standard float32 is exact), as a distribution over fixed draws (the profile's count;
+  tests/tf32_accuracy.py: at most 2% or one over it; why not every draw). Not yet run on a GPU in
+  this form.
 """
 from __future__ import annotations
 

@@ -19,8 +19,10 @@ from cupyflash import reference
 from cupyflash.testing.tolerance import max_abs_error
 
 FLOOR = 2.0 ** -21  # times max|ref|: where standard float32 attention is exact
-DRAWS = 200
-MAX_SHARE_OVER, MAX_MEDIAN, MAX_P99, MAX_RATIO = 0.01, 0.4, 1.2, 4.0
+# Over the bound: at most 2% of the draws, and one draw always (the emulated kernels' rate is
+# 0.1-0.5%: with 200 draws 5 or more over is a 0.1% event; with the suite's 25, 2 or more 0.7%).
+MAX_SHARE_OVER, MAX_MEDIAN, MAX_P99, MAX_RATIO = 0.02, 0.4, 1.2, 4.0
+P99_FROM = 100  # draws below which the 99th percentile is the maximum: not asserted
 
 
 def ratio_to_bound(q, k, v, o, lse, problem, options: dict) -> float:
@@ -36,12 +38,14 @@ def ratio_to_bound(q, k, v, o, lse, problem, options: dict) -> float:
 
 
 def assert_within_twice_standard(label: str, problems, variants, ratio_of) -> None:
-    """Draws DRAWS (problem, variant) pairs of the strategies, derandomized (the same draws every
-    run, none shrunk), ratio_of(problem, variant) each, and asserts their distribution: at most
-    1% over the bound, median <= 0.4, p99 <= 1.2, max <= 4. Prints the summary either way."""
+    """Draws as many (problem, variant) pairs of the strategies as the Hypothesis profile's
+    max_examples (dev 25, gpu 200), derandomized (the same draws every run, none shrunk),
+    ratio_of(problem, variant) each, and asserts their distribution: over the bound at most 2% of
+    them or one, median <= 0.4, p99 <= 1.2 (from 100 draws), max <= 4. Prints the summary."""
     records = []
+    draws = settings.default.max_examples
 
-    @settings(max_examples=DRAWS, derandomize=True, database=None, phases=(Phase.generate,), deadline=None,
+    @settings(max_examples=draws, derandomize=True, database=None, phases=(Phase.generate,), deadline=None,
               suppress_health_check=list(HealthCheck))
     @given(problem=problems, variant=st.sampled_from(variants))
     def draw(problem, variant):
@@ -54,7 +58,7 @@ def assert_within_twice_standard(label: str, problems, variants, ratio_of) -> No
                f"{np.median(ratios):.2f}, p99 {np.quantile(ratios, 0.99):.2f}, max {ratios.max():.2f} "
                f"({worst[1]!r}, {worst[2]})")
     print(summary)
-    assert len(ratios) >= DRAWS // 2, summary
-    assert np.mean(ratios > 1) <= MAX_SHARE_OVER, summary
-    assert np.median(ratios) <= MAX_MEDIAN and np.quantile(ratios, 0.99) <= MAX_P99, summary
-    assert ratios.max() <= MAX_RATIO, summary
+    assert len(ratios) >= draws // 2, summary
+    assert np.sum(ratios > 1) <= max(1, int(MAX_SHARE_OVER * len(ratios))), summary
+    assert np.median(ratios) <= MAX_MEDIAN and ratios.max() <= MAX_RATIO, summary
+    assert len(ratios) < P99_FROM or np.quantile(ratios, 0.99) <= MAX_P99, summary
