@@ -664,10 +664,20 @@ class _RingCalls:
 _RING_COMMS: dict = {}  # (torch process group, device) -> its NcclRingComm (made once: a collective call)
 
 
-def _ring_comm(comm, group, device: torch.device):
+def _ring_comm(comm, group, device: torch.device, differentiable: bool):
     if comm is not None:
         if group is not None:
             raise ValueError("cupyflash.torch.ring_flash_attn_func: pass comm or group, not both")
+        from .distributed import LocalRingComm
+
+        if differentiable and device.type == "cuda" and isinstance(comm, LocalRingComm):
+            # torch runs every CUDA backward of a process on one autograd thread per device, so
+            # the simulated ranks' backward steps, each waiting for the others', would run one
+            # after another and wait forever
+            raise NotImplementedError("cupyflash.torch.ring_flash_attn_func: a LocalRing's ranks share one process, "
+                                      "whose CUDA backward torch runs on one thread: the ring's collective steps "
+                                      "cannot meet there. Use one process per GPU (a torch process group or an "
+                                      "NcclRingComm), or cupyflash.distributed's functions on CuPy arrays")
         return comm
     if device.type != "cuda":
         raise ValueError("cupyflash.torch.ring_flash_attn_func: CPU tensors need a comm (a "
@@ -700,7 +710,9 @@ def ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Fals
     the ring's ranks sums them, as it does for any parameter every rank holds. Returns out, or with
     ``return_attn_probs`` (out, softmax_lse, an empty tensor). Not supported, a NotImplementedError:
     dropout_p != 0 and alibi_slopes (docs/context-parallelism.md, "What composes"), a gradient
-    through softmax_lse.
+    through softmax_lse, and a LocalRing's ranks on CUDA tensors with gradients (torch runs a
+    process's CUDA backward on one thread, where the ranks' collective steps cannot meet; CPU
+    tensors run theirs on the calling threads).
     """
     _check_tensors(q, k, v)
     _unsupported(dropout_p=float(dropout_p) != 0.0, alibi_slopes=alibi_slopes is not None)
@@ -708,8 +720,10 @@ def ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Fals
     window_left, window_right = check_window(window_size)
     options = dict(softmax_scale=_scale(softmax_scale, q.shape[3]), causal=bool(causal),
                    window_size=(window_left, window_right), softcap=float(softcap), layout=layout)
-    o, lse = _EagerAttention.apply(q, k, v, sink, _RingCalls(_ring_comm(comm, group, q.device), options,
-                                                             bool(deterministic)))
+    differentiable = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, sink))
+    o, lse = _EagerAttention.apply(q, k, v, sink, _RingCalls(_ring_comm(comm, group, q.device, differentiable),
+                                                             options, bool(deterministic)))
     return o if not return_attn_probs else (o, lse, q.new_empty((0,)))
 
 
