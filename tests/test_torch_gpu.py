@@ -477,3 +477,32 @@ def test_kvcache_with_an_int_length_captures_into_a_torch_cuda_graph():
             expected = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.full(
                 (2,), 50, dtype=torch.int32, device="cuda"))
         assert torch.equal(out, expected)
+
+
+def test_ring_forward_on_cuda_tensors_with_a_local_ring():
+    """cupyflash.torch.ring_flash_attn_func on CUDA tensors, two simulated ranks on this GPU
+    (LocalRing over CuPy), forward only (their backward is refused: the ranks share one autograd
+    thread): the unsharded output equals flash_attn_func's on the whole sequence within bfloat16's
+    rounding of the ring's steps."""
+    import cupy
+
+    from cupyflash.distributed import LocalRing, zigzag_shard, zigzag_unshard
+    from cupyflash.torch import ring_flash_attn_func
+
+    q, k, v = qkv(batch=2, seqlen_q=512, seqlen_k=512, nheads=8, nheads_kv=2, headdim=64, requires_grad=False)
+    shards = [[torch.from_numpy(np.ascontiguousarray(s)).cuda()
+               for s in zigzag_shard(x.float().cpu().numpy(), 2)] for x in (q, k, v)]
+    shards = [[s.to(torch.bfloat16) for s in per] for per in shards]
+
+    def rank_main(comm):
+        with torch.no_grad():
+            out = ring_flash_attn_func(*(s[comm.rank] for s in shards), causal=True, window_size=(100, 0), comm=comm)
+        torch.cuda.synchronize()
+        return out.float().cpu().numpy()
+
+    ring = zigzag_unshard(LocalRing(2, cupy).run(rank_main))
+    whole = flash_attn_func(q, k, v, causal=True, window_size=(100, 0)).float().cpu().numpy()
+    assert np.abs(ring - whole).max() <= 4e-2 * (1 + np.abs(whole).max())
+    comm = LocalRing(2, cupy).comms[0]
+    with pytest.raises(NotImplementedError, match="one thread"):
+        ring_flash_attn_func(*(s[0].clone().requires_grad_(True) for s in shards), causal=True, comm=comm)
