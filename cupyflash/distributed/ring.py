@@ -294,21 +294,26 @@ def ring_flash_attn_func(q, k, v, *, comm, softmax_scale=None, causal=False, win
             if o_acc is None and block.rows == (0, q.shape[1]):  # the first block, every row: taken as it is
                 o_acc, lse_acc = o_t.astype(acc), lse_t.astype(acc, copy=True)
                 continue
-            if o_acc is None:  # rows no block has reached yet have seen no key: o = 0, lse = -inf
-                o_acc = xp.zeros(q.shape, acc)
-                lse_acc = xp.full((q.shape[0], q.shape[2], q.shape[1]), -np.inf, acc)
+            if o_acc is None:
+                o_acc, lse_acc = _seeing_no_key(xp, q.shape, acc)
             o_rows, lse_rows = o_acc[:, rows], lse_acc[:, :, rows]
             merge_attention_states(o_rows, lse_rows, o_t, lse_t, out=o_rows, lse_out=lse_rows)
         if pending is not None:
             pending.wait()
             held = arriving
-    if o_acc is None:  # no block at all (empty shards): every row saw no key
-        o_acc = xp.zeros(q.shape, acc)
-        lse_acc = xp.full((q.shape[0], q.shape[2], q.shape[1]), -np.inf, acc)
+    if o_acc is None:  # no block at all (empty shards)
+        o_acc, lse_acc = _seeing_no_key(xp, q.shape, acc)
     if sink is not None:
         o_acc, lse_acc = _add_sink(xp, o_acc, lse_acc, sink)
     o = o_acc.astype(q.dtype, copy=False)
     return (o, lse_acc) if return_lse else o
+
+
+def _seeing_no_key(xp, q_shape, acc):
+    """The running (o, lse) of rows that no block has reached yet: o = 0, lse = -inf (the merge
+    gives such a side weight 0 and does not read its o)."""
+    batch, seqlen, nheads, _ = q_shape
+    return xp.zeros(q_shape, acc), xp.full((batch, nheads, seqlen), -np.inf, acc)
 
 
 def _check_sink(xp, sink, nheads: int):
