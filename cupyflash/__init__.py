@@ -12,6 +12,9 @@ from .dispatch import gpu_available
 from .dropout import dropout_mask
 from .kvcache import flash_attn_with_kvcache
 from .modifiers import BlockMask, MaskMod, ScoreMod, create_block_mask
+from .packed import (flash_attn_kvpacked_func, flash_attn_kvpacked_vjp, flash_attn_qkvpacked_func,
+                     flash_attn_qkvpacked_vjp, flash_attn_varlen_kvpacked_func, flash_attn_varlen_kvpacked_vjp,
+                     flash_attn_varlen_qkvpacked_func, flash_attn_varlen_qkvpacked_vjp)
 from .varlen import flash_attn_varlen_backward, flash_attn_varlen_func, flash_attn_varlen_vjp
 
 __version__ = "0.1.0"
@@ -26,5 +29,8 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = ["flash_attn_func", "flash_attn_backward", "flash_attn_vjp", "flash_attn_varlen_func",
-           "flash_attn_varlen_backward", "flash_attn_varlen_vjp", "flash_attn_with_kvcache", "reference",
+           "flash_attn_varlen_backward", "flash_attn_varlen_vjp", "flash_attn_with_kvcache",
+           "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_qkvpacked_func",
+           "flash_attn_varlen_kvpacked_func", "flash_attn_qkvpacked_vjp", "flash_attn_kvpacked_vjp",
+           "flash_attn_varlen_qkvpacked_vjp", "flash_attn_varlen_kvpacked_vjp", "reference",
            "numpy_backend", "gpu_available", "dropout_mask", "no_host_sync", "ScoreMod", "MaskMod", "BlockMask", "create_block_mask", "__version__"]

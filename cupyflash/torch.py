@@ -1,5 +1,7 @@
 """PyTorch front end: flash-attn's ``flash_attn_func``, ``flash_attn_varlen_func`` and
-``flash_attn_with_kvcache``, an SDPA-shaped helper, and ring-flash-attn's
+``flash_attn_with_kvcache``, the packed forms of the first two (``flash_attn_qkvpacked_func``,
+``flash_attn_kvpacked_func``, ``flash_attn_varlen_qkvpacked_func``,
+``flash_attn_varlen_kvpacked_func``), an SDPA-shaped helper, and ring-flash-attn's
 ``ring_flash_attn_func`` (context parallelism, cupyflash.distributed), on cupyflash.
 
     from cupyflash.torch import flash_attn_func        # instead of: from flash_attn import ...
@@ -30,8 +32,9 @@ from ._dtypes import bfloat16 as _numpy_bfloat16
 from .masks import check_window
 from .precision import check_precision
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "scaled_dot_product_attention",
-           "ring_flash_attn_func"]
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "flash_attn_qkvpacked_func",
+           "flash_attn_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func",
+           "scaled_dot_product_attention", "ring_flash_attn_func"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -778,6 +781,66 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if not return_attn_probs:
         return o
     return o, lse, q.new_empty((0,))
+
+
+# --- packed layouts: flash-attn's qkvpacked / kvpacked functions -------------------------------------
+# The packed tensor is unbound into views (no copy; the kernels read their strides) and computed by
+# the unpacked function; autograd's backward of unbind stacks the three (two) gradients into one
+# tensor shaped like the packed input, as flash-attn's packed backward returns it.
+
+def _unbind(packed, name: str, ndim: int, axis: int, count: int, shape: str):
+    if not isinstance(packed, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor; got {type(packed).__name__}")
+    if packed.dim() != ndim or packed.shape[axis] != count:
+        raise ValueError(f"{name} must be {shape}; got shape {tuple(packed.shape)}")
+    return packed.unbind(dim=axis)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                              **keywords):
+    """flash-attn 2's flash_attn_qkvpacked_func: flash_attn_func over q, k, v stacked in ``qkv``
+    (batch, seqlen, 3, nheads, headdim); the gradient is one tensor shaped like qkv. Every argument,
+    the keyword-only ones too (sink, score_mod, mask_mod, block_mask, precision), and the result are
+    flash_attn_func's."""
+    q, k, v = _unbind(qkv, "qkv", 5, 2, 3, "(batch, seqlen, 3, nheads, headdim)")
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs, **keywords)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                             **keywords):
+    """flash-attn 2's flash_attn_kvpacked_func: flash_attn_func over q (batch, seqlen_q, nheads,
+    headdim) and k, v stacked in ``kv`` (batch, seqlen_k, 2, nheads_kv, headdim), GQA allowed; kv's
+    gradient is one tensor shaped like kv. Arguments and result: flash_attn_func's."""
+    k, v = _unbind(kv, "kv", 5, 2, 2, "(batch, seqlen_k, 2, nheads_kv, headdim)")
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs, **keywords)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
+                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False, **keywords):
+    """flash-attn 2's flash_attn_varlen_qkvpacked_func: flash_attn_varlen_func over a packed batch
+    with q, k, v stacked in ``qkv`` (total, 3, nheads, headdim), ``cu_seqlens`` and ``max_seqlen``
+    serving queries and keys. Arguments and result: flash_attn_varlen_func's."""
+    q, k, v = _unbind(qkv, "qkv", 4, 1, 3, "(total, 3, nheads, headdim)")
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
+                                  causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+                                  **keywords)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False, **keywords):
+    """flash-attn 2's flash_attn_varlen_kvpacked_func: flash_attn_varlen_func over q (total_q,
+    nheads, headdim) and k, v stacked in ``kv`` (total_k, 2, nheads_kv, headdim). Arguments and
+    result: flash_attn_varlen_func's."""
+    k, v = _unbind(kv, "kv", 4, 1, 2, "(total_k, 2, nheads_kv, headdim)")
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs, **keywords)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,

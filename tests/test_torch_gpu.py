@@ -506,3 +506,23 @@ def test_ring_forward_on_cuda_tensors_with_a_local_ring():
     comm = LocalRing(2, cupy).comms[0]
     with pytest.raises(NotImplementedError, match="one thread"):
         ring_flash_attn_func(*(s[0].clone().requires_grad_(True) for s in shards), causal=True, comm=comm)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_qkvpacked_equals_the_unpacked_call_on_cuda(dtype):
+    """The strided views of a packed qkv go to the kernels as they are: output and the stacked
+    gradient equal the call on contiguous parts bitwise."""
+    from cupyflash.torch import flash_attn_qkvpacked_func
+
+    generator = torch.Generator(device="cuda").manual_seed(7)
+    packed = torch.randn((2, 300, 3, 4, 64), generator=generator, device="cuda").to(dtype).requires_grad_()
+    o = flash_attn_qkvpacked_func(packed, causal=True, deterministic=True)
+    do = torch.randn_like(o)
+    (dqkv,) = torch.autograd.grad(o, (packed,), do)
+    parts = [packed.detach()[:, :, i].contiguous().requires_grad_() for i in range(3)]
+    o_want = flash_attn_func(*parts, causal=True, deterministic=True)
+    want = torch.autograd.grad(o_want, parts, do)
+    assert torch.isfinite(o).all() and torch.equal(o, o_want)
+    assert dqkv.shape == packed.shape
+    for i in range(3):
+        assert torch.equal(dqkv[:, :, i], want[i]), f"d{'qkv'[i]} differs"
