@@ -35,6 +35,7 @@ from . import _arrays as A
 from . import api, capture, dispatch
 from ._dtypes import lse_dtype
 from .masks import check_window
+from .rotary import check_rotary
 from .modifiers import check_element_modifiers
 from .scores import check_variant
 from .varlen import (check_count, check_softcap, dense_forward, device_arrays, device_int32, host_int32, int32_index,
@@ -284,7 +285,8 @@ def _batch_keys(cache, layout: CacheLayout, length: int):
 
 @capture.graph_safe
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, cache_batch_idx=None,
-                            block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            block_table=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=True,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                             alibi_slopes=None, sink=None, score_mod=None, mask_mod=None, num_splits=0,
                             return_softmax_lse=False, return_lse=False, backend="auto", precision=None):
     """Append k, v to the caches in place at each sequence's cache_seqlens, then attend q over
@@ -298,7 +300,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 of sequence b. ``cache_seqlens``: an int
     or (batch,) int32, the tokens already cached per sequence (required with k, v; without it the
     whole cache row / table is the sequence). ``cache_batch_idx`` (batch,) int32: the cache row of
-    each sequence (contiguous caches only). ``causal`` and ``window_size`` align the queries to the
+    each sequence (contiguous caches only). ``rotary_cos``, ``rotary_sin`` (seqlen_ro, rotary_dim / 2),
+    q's dtype, with k and v only: rotary embeddings (flash-attn's) of the first rotary_dim entries of
+    the new keys at positions cache_seqlens[b] + t and of the queries (at cache_seqlens[b] + i when
+    causal or windowed, else all at cache_seqlens[b]), GPT-J pairs when ``rotary_interleaved``, else
+    GPT-NeoX halves; the cache receives the rotated keys; seqlen_ro must cover the cache's capacity
+    (cupyflash.rotary). ``causal`` and ``window_size`` align the queries to the
     end of the updated cache: with seqlen_k = cache_seqlens[b] + seqlen_new, query i sees key j
     iff j <= i + seqlen_k - seqlen_q (and the window's bounds around that diagonal).
     Returns o (batch, seqlen_q, nheads, headdim_v), or (o, lse) with lse (batch, nheads, seqlen_q)
@@ -355,15 +362,22 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     if unread(*given.values()) or (on_device and capture.under_capture()):
         A.same_device({**arrays, **device_arrays(**indices)})
         return _attend_unread(backend, q, k_cache, v_cache, k, v, new_tokens, cache_seqlens, given, scale, causal,
-                              window, want_lse, variant, int(num_splits))
+                              window, want_lse, variant, int(num_splits),
+                              (rotary_cos, rotary_sin, rotary_interleaved))
     layout = _check_layout(q.shape, k_cache.shape, new_tokens, appending, cache_seqlens, cache_batch_idx,
                            block_table)
+    rotary = _check_rotary((rotary_cos, rotary_sin, rotary_interleaved), q, new_tokens, appending, layout.capacity,
+                           causal, window)
     A.same_device({**arrays, **device_arrays(**indices)})
     which = dispatch.choose(backend, dtype, max(headdim, v_cache.shape[3]), "fwd")
     if appending:
         for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
             if isinstance(cache, np.ndarray) and not cache.flags.writeable:
                 raise ValueError(f"{name} is read-only; k and v are appended to it in place")
+    if rotary is not None:  # new arrays: the caller's q and k stay as they are
+        per_token = _rotary_per_token(causal, window)
+        k = rotary.apply(k, rotary.positions(layout.old_lengths, new_tokens, per_token=True))
+        q = rotary.apply(q, rotary.positions(layout.old_lengths, seqlen_q, per_token))
     if batch * seqlen_q * nheads:
         if appending and new_tokens:
             A.check_scores_fit(q, k, scale)
@@ -447,8 +461,20 @@ def _attend_in_cache(q, k_cache, v_cache, layout: CacheLayout, scale, causal, wi
     return o, lse
 
 
+def _rotary_per_token(causal: bool, window) -> bool:
+    """Whether each query takes its own position (flash-attn: when causal or windowed), else all
+    of a sequence's queries take its first new position."""
+    return causal or tuple(window) != (-1, -1)
+
+
+def _check_rotary(arguments, q, new_tokens: int, appending: bool, capacity: int, causal: bool, window):
+    past_keys = max(0, q.shape[1] - new_tokens) if _rotary_per_token(causal, window) else 0
+    return check_rotary(*arguments, dtype=q.dtype, headdim=q.shape[3], appending=appending,
+                        capacity_rows=capacity + past_keys)
+
+
 def _attend_unread(backend, q, k_cache, v_cache, k, v, new_tokens: int, cache_seqlens, given: dict, scale, causal,
-                   window, want_lse, variant, num_splits: int):
+                   window, want_lse, variant, num_splits: int, rotary_arguments=(None, None, True)):
     """flash_attn_with_kvcache with its device index arrays unread (cupyflash.capture): their dtypes
     and shapes checked, the values of those on the host checked as far as the others allow, the
     device values taken as given (flash-attn's contract: each sequence fits its cache, appends land
@@ -490,6 +516,11 @@ def _attend_unread(backend, q, k_cache, v_cache, k, v, new_tokens: int, cache_se
         cached = "" if host_lengths is None else f"{int(host_lengths[b])} cached tokens + "
         raise ValueError(f"the cache is too small for the append: sequence {b} has {cached}{new_tokens} new ones "
                          f"> its capacity of {capacity} tokens")
+    rotary = _check_rotary(rotary_arguments, q, new_tokens, appending, capacity, causal, window)
+    if rotary is not None:
+        for name, table in (("rotary_cos", rotary.cos), ("rotary_sin", rotary.sin)):
+            if isinstance(table, np.ndarray):
+                capture.refuse_host_upload(name)
     headdim_v = v_cache.shape[3]
     if backend == "numpy" or not api._on_gpu(backend) \
             or dispatch.choose(backend, q.dtype, max(headdim, headdim_v), "fwd") != "mma" \
@@ -528,6 +559,9 @@ def _attend_unread(backend, q, k_cache, v_cache, k, v, new_tokens: int, cache_se
     else:
         old_lengths = device_int32(given["cache_seqlens"], "cache_seqlens")
     q = A.last_dim_contiguous(A.to_cupy(q, "q"))
+    if rotary is not None:  # positions from the device lengths, unread
+        k = rotary.apply(A.to_cupy(k, "k"), rotary.positions(old_lengths, new_tokens, per_token=True))
+        q = rotary.apply(q, rotary.positions(old_lengths, seqlen_q, _rotary_per_token(causal, window)))
     if any((st // q.itemsize) % 8 for st in q.strides[:3]) or q.data.ptr % 16:
         q = cupy.ascontiguousarray(q)
     seqlens_k = old_lengths

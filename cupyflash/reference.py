@@ -45,6 +45,7 @@ __all__ = [
     "kvcache_sequences",
     "kvcache_appended",
     "kvcache_attention",
+    "rotary",
 ]
 
 
@@ -527,6 +528,26 @@ def kvcache_appended(cache, new, *, cache_seqlens, cache_batch_idx=None, block_t
     for b in range(new.shape[0]):
         for t in range(new.shape[1]):
             out[_cache_position(b, lengths[b] + t, out, cache_batch_idx, block_table)] = new[b, t]
+    return out
+
+
+def rotary(x, cos, sin, positions, *, interleaved):
+    """Rotary position embedding in float64, from its definition as complex rotation: the first
+    rotary_dim = 2 * cos.shape[1] entries of each row of x (..., tokens, heads, headdim) form
+    complex numbers z_i = x1_i + 1j x2_i, with (x1_i, x2_i) = (x[2i], x[2i + 1]) when
+    ``interleaved`` (GPT-J) and (x[i], x[i + rotary_dim / 2]) otherwise (GPT-NeoX); each is
+    multiplied by cos[p, i] + 1j sin[p, i] for the row's position p (``positions`` (..., tokens)).
+    The remaining entries are x's. Returns float64."""
+    x = np.asarray(x).astype(np.float64)
+    cos, sin = np.asarray(cos).astype(np.float64), np.asarray(sin).astype(np.float64)
+    half = cos.shape[1]
+    positions = np.asarray(positions)
+    turn = (cos[positions] + 1j * sin[positions])[..., None, :]  # (..., tokens, 1, half)
+    first, second = (slice(0, 2 * half, 2), slice(1, 2 * half, 2)) if interleaved else \
+        (slice(0, half), slice(half, 2 * half))
+    z = (x[..., first] + 1j * x[..., second]) * turn
+    out = x.copy()
+    out[..., first], out[..., second] = z.real, z.imag
     return out
 
 
