@@ -50,19 +50,27 @@ class CacheLayout:
     """Where each sequence's tokens live, in one form for both layouts: a contiguous cache is a
     paged one whose pages are whole rows (page_size = seqlen_cache) with a one-column table
     (the rows). ``pages`` (batch, pages_per_seq) int64; ``old_lengths`` and ``lengths`` (batch,)
-    int64, the tokens before and after the append."""
+    int64, the tokens before and after the append; ``starts`` (batch,) int64, the position of each
+    sequence's first token (cache_leftpad; contiguous caches only, zeros otherwise): token p of
+    sequence b is at cache position starts[b] + p."""
 
-    def __init__(self, paged: bool, page_size: int, pages: np.ndarray, old_lengths: np.ndarray, new_tokens: int):
+    def __init__(self, paged: bool, page_size: int, pages: np.ndarray, old_lengths: np.ndarray, new_tokens: int,
+                 starts: np.ndarray | None = None):
         self.paged = paged
         self.page_size = page_size
         self.pages = pages
         self.old_lengths = old_lengths
         self.lengths = old_lengths + new_tokens
         self.new_tokens = new_tokens
+        self.starts = np.zeros_like(old_lengths) if starts is None else starts
 
     @property
     def capacity(self) -> int:
         return self.pages.shape[1] * self.page_size
+
+    @property
+    def left_padded(self) -> bool:
+        return bool(self.starts.any())
 
     def pages_used(self, b: int) -> np.ndarray:
         """The pages sequence b attends over, in order."""
@@ -70,7 +78,7 @@ class CacheLayout:
 
     def appended_slots(self) -> tuple[np.ndarray, np.ndarray]:
         """(page, slot) of every appended token, sequence-major (the order of k.reshape(-1, ...))."""
-        positions = self.old_lengths[:, None] + np.arange(self.new_tokens, dtype=np.int64)[None, :]
+        positions = (self.starts + self.old_lengths)[:, None] + np.arange(self.new_tokens, dtype=np.int64)[None, :]
         pages = np.take_along_axis(self.pages, positions // self.page_size, axis=1)
         return pages.reshape(-1), (positions % self.page_size).reshape(-1)
 
@@ -78,7 +86,7 @@ class CacheLayout:
         """For each page in ``page_ids``: one past the last slot that some sequence holds as a cached
         token (before the append), 0 where none does."""
         column = np.arange(self.pages.shape[1], dtype=np.int64)[None, :]
-        extent = np.clip(self.old_lengths[:, None] - column * self.page_size, 0, self.page_size)
+        extent = np.clip((self.starts + self.old_lengths)[:, None] - column * self.page_size, 0, self.page_size)
         found = np.zeros(page_ids.shape, np.int64)
         where = np.searchsorted(page_ids, self.pages)  # page_ids is sorted
         hit = (where < page_ids.size) & (page_ids[np.minimum(where, page_ids.size - 1)] == self.pages) & (extent > 0)
@@ -139,9 +147,10 @@ def _check_index_shapes(batch: int, cache_shape, rows, table) -> int:
 
 
 def _check_layout(q_shape, cache_shape, new_tokens: int, appending: bool, cache_seqlens, cache_batch_idx,
-                  block_table) -> CacheLayout:
+                  block_table, cache_leftpad=None) -> CacheLayout:
     batch = q_shape[0]
     _check_not_both(cache_batch_idx, block_table)  # before either is read back
+    _check_leftpad_layout(cache_leftpad, block_table)
     table = None if block_table is None else host_int32(block_table, "block_table", 2)
     row_of = None if cache_batch_idx is None else host_int32(cache_batch_idx, "cache_batch_idx", 1)
     capacity = _check_index_shapes(batch, cache_shape, row_of, table)
@@ -152,18 +161,20 @@ def _check_layout(q_shape, cache_shape, new_tokens: int, appending: bool, cache_
         seqlen_cache = capacity
         row_of = np.arange(batch, dtype=np.int64) if row_of is None else row_of.astype(np.int64)
         # One page per sequence, its row; with seqlen_cache = 0 nothing fits and nothing is read.
-        layout = CacheLayout(False, seqlen_cache, row_of[:, None],
-                             _check_cache_seqlens(cache_seqlens, batch, seqlen_cache, appending), new_tokens)
+        ends = _check_cache_seqlens(cache_seqlens, batch, seqlen_cache, appending)
+        starts = _check_leftpad(cache_leftpad, ends, batch)
+        layout = CacheLayout(False, seqlen_cache, row_of[:, None], ends - starts, new_tokens, starts)
 
-    too_long = layout.lengths > layout.capacity
+    too_long = layout.starts + layout.lengths > layout.capacity
     if too_long.any():
         b = int(np.argmax(too_long))
         where = (f"its {layout.pages.shape[1]} pages of {layout.page_size} tokens" if layout.paged
                  else f"a cache of {layout.capacity} tokens per sequence")
         if appending:
+            padded = f" from position {int(layout.starts[b])}" if layout.starts[b] else ""
             raise ValueError(f"the cache is too small for the append: sequence {b} has {int(layout.old_lengths[b])} "
-                             f"cached tokens + {new_tokens} new ones = {int(layout.lengths[b])} > {where}")
-        raise ValueError(f"cache_seqlens[{b}] = {int(layout.old_lengths[b])} exceeds {where}")
+                             f"cached tokens{padded} + {new_tokens} new ones = {int(layout.lengths[b])} > {where}")
+        raise ValueError(f"cache_seqlens[{b}] = {int(layout.starts[b] + layout.old_lengths[b])} exceeds {where}")
     if layout.paged:
         num_blocks = cache_shape[0]
         for b in range(batch):
@@ -176,6 +187,28 @@ def _check_layout(q_shape, cache_shape, new_tokens: int, appending: bool, cache_
     if appending and batch * new_tokens:
         _check_append_targets(layout)
     return layout
+
+
+def _check_leftpad_layout(cache_leftpad, block_table) -> None:
+    if cache_leftpad is not None and block_table is not None:
+        raise ValueError("cache_leftpad and block_table cannot be combined (as in flash-attn: a paged sequence starts "
+                         "at its first page)")
+
+
+def _check_leftpad(cache_leftpad, ends: np.ndarray, batch: int) -> np.ndarray:
+    """cache_leftpad read on the host: (batch,) int32, each sequence's first position, 0 <= leftpad[b]
+    <= cache_seqlens[b] (``ends``, which without cache_seqlens is the capacity). Zeros without it."""
+    if cache_leftpad is None:
+        return np.zeros(batch, np.int64)
+    starts = host_int32(cache_leftpad, "cache_leftpad", 1)
+    if starts.shape != (batch,):
+        raise ValueError(f"cache_leftpad must have shape (batch,) = ({batch},); got {tuple(starts.shape)}")
+    bad = (starts < 0) | (starts > ends)
+    if bad.any():
+        b = int(np.argmax(bad))
+        raise ValueError(f"cache_leftpad[{b}] = {int(starts[b])} must be in 0 .. cache_seqlens[{b}] = {int(ends[b])} "
+                         "(the sequence's first position, at or before its end)")
+    return starts.astype(np.int64)
 
 
 def _check_append_targets(layout: CacheLayout) -> None:
@@ -260,7 +293,8 @@ def _sequence_keys(cache, layout: CacheLayout, b: int, length: int):
     """Sequence b's first ``length`` keys (or values) of ``cache``, (1, length, nheads_kv, headdim):
     a view of its row, or its pages gathered into a contiguous temporary."""
     if not layout.paged:
-        return cache[int(layout.pages[b, 0])][None, :length]
+        start = int(layout.starts[b])
+        return cache[int(layout.pages[b, 0])][None, start:start + length]
     xp = np if isinstance(cache, np.ndarray) else A._cupy()
     pages = layout.pages[b, : -(-length // layout.page_size)]
     gathered = xp.take(cache, xp.asarray(pages), axis=0)
@@ -272,7 +306,7 @@ def _batch_keys(cache, layout: CacheLayout, length: int):
     that is one view or one gather; None otherwise."""
     batch = layout.pages.shape[0]
     if not layout.paged:
-        if not np.array_equal(layout.pages[:, 0], np.arange(batch)):
+        if not np.array_equal(layout.pages[:, 0], np.arange(batch)) or layout.left_padded:
             return None
         return cache[:batch, :length]
     xp = np if isinstance(cache, np.ndarray) else A._cupy()
@@ -285,7 +319,7 @@ def _batch_keys(cache, layout: CacheLayout, length: int):
 
 @capture.graph_safe
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, cache_batch_idx=None,
-                            block_table=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=True,
+                            cache_leftpad=None, block_table=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=True,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                             alibi_slopes=None, sink=None, score_mod=None, mask_mod=None, num_splits=0,
                             return_softmax_lse=False, return_lse=False, backend="auto", precision=None):
@@ -300,7 +334,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 of sequence b. ``cache_seqlens``: an int
     or (batch,) int32, the tokens already cached per sequence (required with k, v; without it the
     whole cache row / table is the sequence). ``cache_batch_idx`` (batch,) int32: the cache row of
-    each sequence (contiguous caches only). ``rotary_cos``, ``rotary_sin`` (seqlen_ro, rotary_dim / 2),
+    each sequence (contiguous caches only). ``cache_leftpad`` (batch,) int32 (contiguous caches
+    only, flash-attn's): sequence b's first token is at cache position cache_leftpad[b], its
+    tokens positions cache_leftpad[b] .. cache_seqlens[b] - 1 (cache_seqlens stays the end of the
+    cached tokens, where k and v are appended); the mask, ALiBi and the modifiers' kv_idx count from
+    that first token. ``rotary_cos``, ``rotary_sin`` (seqlen_ro, rotary_dim / 2),
     q's dtype, with k and v only: rotary embeddings (flash-attn's) of the first rotary_dim entries of
     the new keys at positions cache_seqlens[b] + t and of the queries (at cache_seqlens[b] + i when
     causal or windowed, else all at cache_seqlens[b]), GPT-J pairs when ``rotary_interleaved``, else
@@ -351,7 +389,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     new_tokens = _check_new_kv(k, v, q.shape, k_cache.shape, v_cache.shape)
     appending = k is not None
     scale = A.resolve_scale(softmax_scale, headdim)
-    indices = {"cache_batch_idx": cache_batch_idx, "block_table": block_table}
+    indices = {"cache_batch_idx": cache_batch_idx, "block_table": block_table, "cache_leftpad": cache_leftpad}
     if not isinstance(cache_seqlens, (int, np.integer)):
         indices["cache_seqlens"] = cache_seqlens
     given = {name: None if x is None else int32_index(x, name, 2 if name == "block_table" else 1)
@@ -365,7 +403,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
                               window, want_lse, variant, int(num_splits),
                               (rotary_cos, rotary_sin, rotary_interleaved))
     layout = _check_layout(q.shape, k_cache.shape, new_tokens, appending, cache_seqlens, cache_batch_idx,
-                           block_table)
+                           block_table, cache_leftpad)
     rotary = _check_rotary((rotary_cos, rotary_sin, rotary_interleaved), q, new_tokens, appending, layout.capacity,
                            causal, window)
     A.same_device({**arrays, **device_arrays(**indices)})
@@ -374,10 +412,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
         for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
             if isinstance(cache, np.ndarray) and not cache.flags.writeable:
                 raise ValueError(f"{name} is read-only; k and v are appended to it in place")
-    if rotary is not None:  # new arrays: the caller's q and k stay as they are
-        per_token = _rotary_per_token(causal, window)
-        k = rotary.apply(k, rotary.positions(layout.old_lengths, new_tokens, per_token=True))
-        q = rotary.apply(q, rotary.positions(layout.old_lengths, seqlen_q, per_token))
+    if rotary is not None:  # new arrays: the caller's q and k stay as they are; positions are the cache's
+        ends = layout.starts + layout.old_lengths
+        k = rotary.apply(k, rotary.positions(ends, new_tokens, per_token=True))
+        q = rotary.apply(q, rotary.positions(ends, seqlen_q, _rotary_per_token(causal, window)))
     if batch * seqlen_q * nheads:
         if appending and new_tokens:
             A.check_scores_fit(q, k, scale)
@@ -449,16 +487,44 @@ def _attend_in_cache(q, k_cache, v_cache, layout: CacheLayout, scale, causal, wi
     if any((s // q.itemsize) % 8 for s in q.strides[:3]) or q.data.ptr % 16:
         q = cupy.ascontiguousarray(q)  # q is small: a copy, as _attend_unread makes
     batch, seqlen_q, nheads, _ = q.shape
+    pages, row_pages = layout.pages, False
+    if layout.left_padded:
+        rows_per_row = row_page_ratio(k_cache, v_cache)
+        if rows_per_row is None or (layout.pages[:, 0].max(initial=0) + 1) * rows_per_row > np.iinfo(np.int32).max:
+            return None
+        pages, row_pages = row_page_table(layout.pages, layout.starts, rows_per_row), True
     o = api._empty(q.shape[:3] + v_cache.shape[3:], q.dtype, xp=cupy)
     lse = api._empty((batch, nheads, seqlen_q), np.float32, xp=cupy)
     seqlens_k = cupy.asarray(layout.lengths.astype(np.int32))
-    table = cupy.asarray(np.ascontiguousarray(layout.pages, dtype=np.int32))
-    kvcache_mma.forward(q, k_cache, v_cache, o, lse, seqlens_k=seqlens_k, block_table=table,
+    table = cupy.asarray(np.ascontiguousarray(pages, dtype=np.int32))
+    kvcache_mma.forward(q, k_cache, v_cache, o, lse, seqlens_k=seqlens_k, block_table=table, row_pages=row_pages,
                         page_size=max(1, layout.page_size), paged=layout.paged,
                         max_seqlen_k=int(layout.lengths.max(initial=0)), softmax_scale=scale,
                         mask=mask_for(causal, window, variant.score.without_block_map), variant=variant,
                         num_splits=num_splits)
     return o, lse
+
+
+def row_page_ratio(k_cache, v_cache) -> int | None:
+    """Left-padded contiguous caches reach the kernels as pages that start at any row: a table entry
+    counts rows (the caches' batch strides replaced by their row strides, ``row_pages``), so
+    sequence b's entry is its row times the rows between two cache rows, plus its first position.
+    That count (batch stride / row stride), where it is a whole number and the same in both caches;
+    None otherwise (the per-sequence path then runs)."""
+    ratios = set()
+    for cache in (k_cache, v_cache):
+        batch_stride, row_stride = cache.strides[0], cache.strides[1]
+        if row_stride <= 0 or batch_stride % row_stride or (cache.shape[0] > 1 and batch_stride <= 0):
+            return None
+        ratios.add(batch_stride // row_stride if cache.shape[0] > 1 else cache.shape[1])
+    return ratios.pop() if len(ratios) == 1 else None
+
+
+def row_page_table(rows, starts, rows_per_row):
+    """The table of a left-padded contiguous cache for ``row_pages``: sequence b's entry is the row
+    (of the cache's rows laid end to end) of its first token, cache row rows[b, 0] at position
+    starts[b]. NumPy or CuPy, on whichever the arguments are."""
+    return rows * rows_per_row + starts.reshape(-1, 1)
 
 
 def _rotary_per_token(causal: bool, window) -> bool:
@@ -487,9 +553,12 @@ def _attend_unread(backend, q, k_cache, v_cache, k, v, new_tokens: int, cache_se
 
     batch, seqlen_q, nheads, headdim = q.shape
     appending = k is not None
-    rows, table = given.get("cache_batch_idx"), given.get("block_table")
+    rows, table, leftpad = given.get("cache_batch_idx"), given.get("block_table"), given.get("cache_leftpad")
     paged = table is not None
+    _check_leftpad_layout(leftpad, table)
     capacity = _check_index_shapes(batch, k_cache.shape, rows, table)
+    if leftpad is not None and leftpad.shape != (batch,):
+        raise ValueError(f"cache_leftpad must have shape (batch,) = ({batch},); got {tuple(leftpad.shape)}")
     page_size = k_cache.shape[1]
     if cache_seqlens is None and appending:
         raise ValueError("k and v are appended at cache_seqlens: pass cache_seqlens (the tokens each sequence "
@@ -518,9 +587,17 @@ def _attend_unread(backend, q, k_cache, v_cache, k, v, new_tokens: int, cache_se
                          f"> its capacity of {capacity} tokens")
     rotary = _check_rotary(rotary_arguments, q, new_tokens, appending, capacity, causal, window)
     if rotary is not None:
-        for name, table in (("rotary_cos", rotary.cos), ("rotary_sin", rotary.sin)):
-            if isinstance(table, np.ndarray):
+        for name, tables in (("rotary_cos", rotary.cos), ("rotary_sin", rotary.sin)):
+            if isinstance(tables, np.ndarray):
                 capture.refuse_host_upload(name)
+    rows_per_row = None
+    if leftpad is not None:
+        rows_per_row = None if isinstance(k_cache, np.ndarray) else row_page_ratio(k_cache, v_cache)
+        if rows_per_row is None or k_cache.shape[0] * rows_per_row > np.iinfo(np.int32).max:
+            raise ValueError("cupyflash.no_host_sync() / CUDA-graph capture with cache_leftpad: the caches must be "
+                             "device arrays whose batch stride is a whole number of rows, the same in both, with "
+                             "fewer than 2^31 rows in all (the kernels then address each sequence from its first "
+                             "position)")
     headdim_v = v_cache.shape[3]
     if backend == "numpy" or not api._on_gpu(backend) \
             or dispatch.choose(backend, q.dtype, max(headdim, headdim_v), "fwd") != "mma" \
@@ -558,10 +635,15 @@ def _attend_unread(backend, q, k_cache, v_cache, k, v, new_tokens: int, cache_se
         old_lengths = cupy.full(batch, int(host_lengths[0]) if batch else 0, np.int32)  # an int, or the capacity
     else:
         old_lengths = device_int32(given["cache_seqlens"], "cache_seqlens")
+    ends = old_lengths  # where each sequence's cached tokens end: the append's and rotary's positions
+    if leftpad is not None:  # entries counting rows, each sequence from its first position (row_page_ratio)
+        starts = device_int32(leftpad, "cache_leftpad")
+        table = row_page_table(table, starts, np.int32(rows_per_row))
+        old_lengths = old_lengths - starts
     q = A.last_dim_contiguous(A.to_cupy(q, "q"))
     if rotary is not None:  # positions from the device lengths, unread
-        k = rotary.apply(A.to_cupy(k, "k"), rotary.positions(old_lengths, new_tokens, per_token=True))
-        q = rotary.apply(q, rotary.positions(old_lengths, seqlen_q, _rotary_per_token(causal, window)))
+        k = rotary.apply(A.to_cupy(k, "k"), rotary.positions(ends, new_tokens, per_token=True))
+        q = rotary.apply(q, rotary.positions(ends, seqlen_q, _rotary_per_token(causal, window)))
     if any((st // q.itemsize) % 8 for st in q.strides[:3]) or q.data.ptr % 16:
         q = cupy.ascontiguousarray(q)
     seqlens_k = old_lengths
@@ -571,7 +653,7 @@ def _attend_unread(backend, q, k_cache, v_cache, k, v, new_tokens: int, cache_se
         seqlens_k = cupy.empty(batch, np.int32)
         kvcache_append.append(A.last_dim_contiguous(A.to_cupy(k, "k")), A.last_dim_contiguous(A.to_cupy(v, "v")),
                               k_cache, v_cache, cache_seqlens=old_lengths, block_table=table, page_size=page_size,
-                              seqlens_k=seqlens_k)
+                              seqlens_k=seqlens_k, row_pages=leftpad is not None)
     out_shape = q.shape[:3] + v_cache.shape[3:]
     if batch * seqlen_q * nheads == 0:
         o, lse = cupy.zeros(out_shape, q.dtype), cupy.full((batch, nheads, seqlen_q), -np.inf, np.float32)
@@ -579,7 +661,7 @@ def _attend_unread(backend, q, k_cache, v_cache, k, v, new_tokens: int, cache_se
     o = api._empty(out_shape, q.dtype, xp=cupy)
     lse = api._empty((batch, nheads, seqlen_q), np.float32, xp=cupy)
     kvcache_mma.forward(q, k_cache, v_cache, o, lse, seqlens_k=seqlens_k, block_table=table,
-                        page_size=max(1, page_size), paged=paged, max_seqlen_k=capacity, softmax_scale=scale,
+                        row_pages=leftpad is not None, page_size=max(1, page_size), paged=paged, max_seqlen_k=capacity, softmax_scale=scale,
                         mask=mask_for(causal, window, variant.score.without_block_map), variant=variant,
                         num_splits=num_splits)
     return (o, lse) if want_lse else o

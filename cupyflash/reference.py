@@ -497,19 +497,21 @@ def _cached_lengths(batch: int, k_cache, cache_seqlens, block_table) -> list[int
 
 
 def kvcache_sequences(batch, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, cache_batch_idx=None,
-                      block_table=None):
+                      block_table=None, cache_leftpad=None):
     """[(K_b, V_b)] for b < batch: the keys and values sequence b attends to after the append, in
-    the caches' dtype, (cache_seqlens[b] + seqlen_new, nheads_kv, headdim). Its cached tokens are
-    read one position at a time: position p from row cache_batch_idx[b] (b without it) at p, or
-    from page block_table[b, p // page_size] at slot p % page_size; then its new k[b], v[b]."""
+    the caches' dtype, (cache_seqlens[b] - cache_leftpad[b] + seqlen_new, nheads_kv, headdim). Its
+    cached tokens are read one position at a time, positions cache_leftpad[b] (0 without it) ..
+    cache_seqlens[b] - 1: position p from row cache_batch_idx[b] (b without it) at p, or from page
+    block_table[b, p // page_size] at slot p % page_size; then its new k[b], v[b]."""
     k_cache, v_cache = np.asarray(k_cache), np.asarray(v_cache)
     lengths = _cached_lengths(batch, k_cache, cache_seqlens, block_table)
+    firsts = [0] * batch if cache_leftpad is None else [int(p) for p in np.asarray(cache_leftpad)]
     sequences = []
     for b in range(batch):
         keys = [k_cache[_cache_position(b, p, k_cache, cache_batch_idx, block_table)]
-                for p in range(lengths[b])]
+                for p in range(firsts[b], lengths[b])]
         values = [v_cache[_cache_position(b, p, v_cache, cache_batch_idx, block_table)]
-                  for p in range(lengths[b])]
+                  for p in range(firsts[b], lengths[b])]
         if k is not None:
             keys += list(np.asarray(k)[b])
             values += list(np.asarray(v)[b])
@@ -552,11 +554,11 @@ def rotary(x, cos, sin, positions, *, interleaved):
 
 
 def kvcache_attention(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, cache_batch_idx=None,
-                      block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                      alibi_slopes=None, sink=None):
+                      block_table=None, cache_leftpad=None, softmax_scale=None, causal=False, window_size=(-1, -1),
+                      softcap=0.0, alibi_slopes=None, sink=None):
     """Exact attention in float64 of q (batch, seqlen_q, nheads, headdim) over each sequence's
     cached and new tokens (kvcache_sequences), the mask aligned to the end of them (seqlen_k =
-    cache_seqlens[b] + seqlen_new). Returns (o, lse): o (batch, seqlen_q, nheads, v_cache's
+    cache_seqlens[b] - cache_leftpad[b] + seqlen_new). Returns (o, lse): o (batch, seqlen_q, nheads, v_cache's
     headdim), lse (batch, nheads, seqlen_q).
     ``softcap``, ``alibi_slopes`` ((nheads,), or (batch, nheads): row b for sequence b) and ``sink``
     are attention's, per sequence."""
@@ -565,7 +567,8 @@ def kvcache_attention(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None
     o = np.zeros(q.shape[:3] + np.shape(v_cache)[-1:])
     lse = np.full((batch, nheads, seqlen_q), -np.inf)
     sequences = kvcache_sequences(batch, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
-                                  cache_batch_idx=cache_batch_idx, block_table=block_table)
+                                  cache_batch_idx=cache_batch_idx, block_table=block_table,
+                                  cache_leftpad=cache_leftpad)
     for b, (keys, values) in enumerate(sequences):
         slopes = None if alibi_slopes is None else np.asarray(alibi_slopes)
         if slopes is not None and slopes.ndim == 2:

@@ -360,22 +360,23 @@ def _kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k
                 window_right: int, softcap: float = 0.0,
                 alibi_slopes: torch.Tensor | None = None, num_splits: int = 0,
                 precision: str = "ieee", sink: torch.Tensor | None = None, rotary_cos: torch.Tensor | None = None,
-                rotary_sin: torch.Tensor | None = None,
-                rotary_interleaved: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                rotary_sin: torch.Tensor | None = None, rotary_interleaved: bool = True,
+                cache_leftpad: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse) of cupyflash.flash_attn_with_kvcache; k, v (when given) are appended to the caches
     in place, which DLPack (CUDA) and NumPy's views (CPU) share with the tensors."""
     return _kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal,
                          window_left, window_right, softcap, alibi_slopes, num_splits, precision, sink, rotary_cos,
-                         rotary_sin, rotary_interleaved)
+                         rotary_sin, rotary_interleaved, cache_leftpad)
 
 
 def _kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal,
                   window_left, window_right, softcap, alibi_slopes, num_splits, precision, sink, rotary_cos=None,
-                  rotary_sin=None, rotary_interleaved=True, modifiers=None):
+                  rotary_sin=None, rotary_interleaved=True, cache_leftpad=None, modifiers=None):
     """The operator's computation, and the eager call with user modifiers (``modifiers``:
     score_mod / mask_mod keywords, which an operator schema cannot carry)."""
     named = {"k": k, "v": v, "cache_seqlens": cache_seqlens, "cache_batch_idx": cache_batch_idx,
-             "block_table": block_table, "rotary_cos": rotary_cos, "rotary_sin": rotary_sin}
+             "block_table": block_table, "rotary_cos": rotary_cos, "rotary_sin": rotary_sin,
+             "cache_leftpad": cache_leftpad}
     present = [name for name, t in named.items() if t is not None]
 
     def compute(q, k_cache, v_cache, *given, backend):
@@ -393,7 +394,7 @@ def _kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, blo
 @_kvcache_op.register_fake
 def _kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal,
                   window_left, window_right, softcap=0.0, alibi_slopes=None, num_splits=0, precision="ieee",
-                  sink=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=True):
+                  sink=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=True, cache_leftpad=None):
     batch, seqlen_q, nheads, _ = q.shape
     return (q.new_empty((batch, seqlen_q, nheads, v_cache.shape[3])),
             q.new_empty((batch, nheads, seqlen_q), dtype=_lse_dtype(q.dtype)))
@@ -868,15 +869,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     cupyflash.flash_attn_with_kvcache's. ``rotary_cos`` / ``rotary_sin`` ((seqlen_ro, rotary_dim / 2),
     q's dtype and device, with k and v) rotate the new keys and the queries as flash-attn does
     (cupyflash.rotary: positions from cache_seqlens; ``rotary_interleaved`` GPT-J pairs, else
-    GPT-NeoX halves). Not supported yet, a NotImplementedError: cache_leftpad. ``num_splits`` is the
-    split-KV count (cupyflash.flash_attn_with_kvcache's: 0 picks it).
+    GPT-NeoX halves). ``cache_leftpad`` ((batch,) int32, contiguous caches) is each sequence's first
+    cache position, as in flash-attn. ``num_splits`` is the split-KV count
+    (cupyflash.flash_attn_with_kvcache's: 0 picks it).
     ``precision`` (keyword only) is cupyflash.flash_attn_func's. ``score_mod`` and ``mask_mod``
     (keywords only) are cupyflash.flash_attn_with_kvcache's user modifiers (b the sequence, kv_idx
     the cache position, the mask element by element); with them the call runs eagerly, not as
     the custom operator (torch.compile breaks its graph there).
     """
     precision = check_precision(precision)
-    _unsupported(cache_leftpad=cache_leftpad is not None)
     _check_variant_tensors(q, softcap, alibi_slopes, sink)
     _check_tensors(q, k_cache, v_cache, names=("q", "k_cache", "v_cache"), same_batch=False)
     if (k is None) != (v is None):
@@ -893,6 +894,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                    dtype=torch.int32, device=q.device if capturing else "cpu")
     cache_seqlens = _index_tensor(cache_seqlens, "cache_seqlens", q.device)
     cache_batch_idx = _index_tensor(cache_batch_idx, "cache_batch_idx", q.device)
+    cache_leftpad = _index_tensor(cache_leftpad, "cache_leftpad", q.device)
     block_table = _index_tensor(block_table, "block_table", q.device)
     scale = _scale(softmax_scale, q.shape[3])
     window_left, window_right = check_window(window_size)
@@ -903,7 +905,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             raise ValueError(f"{name} is on {table.device} but q is on {q.device}")
     arguments = (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, scale, bool(causal),
                  window_left, window_right, float(softcap), alibi_slopes, int(num_splits), precision, sink,
-                 rotary_cos, rotary_sin, bool(rotary_interleaved))
+                 rotary_cos, rotary_sin, bool(rotary_interleaved), cache_leftpad)
     if score_mod is not None or mask_mod is not None:
         o, lse = _kvcache_call(*arguments, modifiers=dict(score_mod=score_mod, mask_mod=mask_mod))
     else:

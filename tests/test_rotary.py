@@ -159,5 +159,3 @@ def test_torch_front_end_passes_rotary_through():
                                   torch.from_numpy(v), torch.from_numpy(cos), torch.from_numpy(sin),
                                   cache_seqlens=torch.from_numpy(lengths), causal=True, rotary_interleaved=False)
     np.testing.assert_array_equal(got.numpy(), want)
-    with pytest.raises(NotImplementedError, match="cache_leftpad"):
-        flash_attn_with_kvcache(torch.from_numpy(q), *caches, cache_leftpad=torch.zeros(3, dtype=torch.int32))

@@ -287,7 +287,8 @@ def test_kvcache_errors_name_the_argument():
         (dict(cache_seqlens=torch.tensor([1, 2])), TypeError, "cache_seqlens must have dtype torch.int32"),
         (dict(rotary_cos=torch.ones(1)), ValueError, "rotary_cos and rotary_sin must be given together"),
         (dict(rotary_cos=np.ones((4, 2)), rotary_sin=np.ones((4, 2))), TypeError, "rotary_cos must be a torch.Tensor"),
-        (dict(cache_leftpad=torch.zeros(2, dtype=torch.int32)), NotImplementedError, "cache_leftpad"),
+        (dict(cache_leftpad=torch.tensor([2, 0], dtype=torch.int32)), ValueError, r"cache_leftpad\[0\] = 2 must be in"),
+        (dict(cache_leftpad=torch.zeros(2)), TypeError, "cache_leftpad must have dtype torch.int32"),
         (dict(k_cache=k_cache.float()), TypeError, "k_cache has dtype torch.float32"),
         (dict(num_splits=-1), ValueError, "num_splits must be >= 0"),
     ]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._module import Specialization, launch
-from .params import APPEND_PARAMS, fast_divmod, pointer, set_rows
+from .params import APPEND_PARAMS, fast_divmod, pointer, set_cache_rows, set_rows
 
 __all__ = ["THREADS", "specialization", "specializations", "append"]
 
@@ -27,12 +27,14 @@ def specializations() -> list[Specialization]:
     return [specialization(width) for width in WIDTHS]
 
 
-def append(k_new, v_new, k_cache, v_cache, *, cache_seqlens, block_table, page_size: int, seqlens_k=None) -> None:
+def append(k_new, v_new, k_cache, v_cache, *, cache_seqlens, block_table, page_size: int, seqlens_k=None,
+           row_pages: bool = False) -> None:
     """k_new, v_new (batch, seqlen_new, nheads_kv, headdim / headdim_v) into the caches (pages,
     page_size, nheads_kv, headdim / headdim_v) at positions cache_seqlens[b] + t through block_table (batch, n) int32 (a
     contiguous cache: its rows, one column, page_size its capacity), on the current stream; and
     seqlens_k[b] = cache_seqlens[b] + seqlen_new when given. CuPy arrays, last dimensions
-    contiguous, checked by the caller; the index values are taken as given."""
+    contiguous, checked by the caller; the index values are taken as given. ``row_pages``: the table's
+    entries count cache rows (params.set_cache_rows: left-padded sequences)."""
     batch, seqlen_new, nheads_kv, headdim = k_new.shape
     if batch * seqlen_new * nheads_kv == 0:
         if seqlens_k is not None:
@@ -42,8 +44,9 @@ def append(k_new, v_new, k_cache, v_cache, *, cache_seqlens, block_table, page_s
         if a.strides[3] != a.itemsize:
             raise ValueError(f"cupyflash: {what} must have a contiguous last dimension")
     params = np.zeros(1, APPEND_PARAMS)
-    for name, a in (("k_new", k_new), ("v_new", v_new), ("k", k_cache), ("v", v_cache)):
+    for name, a in (("k_new", k_new), ("v_new", v_new)):
         set_rows(params, name, a)
+    set_cache_rows(params, k_cache, v_cache, row_pages)
     params["cache_seqlens"], params["block_table"] = pointer(cache_seqlens), pointer(block_table)
     params["block_table_stride"] = np.int64(block_table.strides[0] // 4)
     params["seqlens_k"] = pointer(seqlens_k)

@@ -18,8 +18,8 @@ import numpy as np
 
 from ._module import Specialization, launch
 from .constants import CTYPES, SHORT_NAMES, TENSOR_CORE_D_TILES, d_tile
-from .params import (CACHE_FWD_PARAMS, COMBINE_PARAMS, _set_scales, check_block_map, fast_divmod, pointer, set_rows,
-                     set_variant)
+from .params import (CACHE_FWD_PARAMS, COMBINE_PARAMS, _set_scales, check_block_map, fast_divmod, pointer,
+                     set_cache_rows, set_rows, set_variant)
 from .mma_fwd import _check_layout
 from .._dtypes import dtype_name, is_16bit
 from ..masks import KINDS, VARIANT_KINDS, Mask
@@ -262,12 +262,14 @@ def _plan(dtype, headdim: int, mask: Mask, *, batch: int, seqlen_q: int, group: 
 
 
 def forward(q, k_cache, v_cache, o, lse, *, seqlens_k, block_table, page_size: int, paged: bool, max_seqlen_k: int,
-            softmax_scale: float, mask: Mask, variant=None, num_splits: int = 0, tiles: CacheTiles | None = None) -> int:
+            softmax_scale: float, mask: Mask, variant=None, num_splits: int = 0, tiles: CacheTiles | None = None,
+            row_pages: bool = False) -> int:
     """o (like q) and lse ((batch, nheads, seqlen_q) float32, C-contiguous) of q over the caches,
     on the current stream. ``seqlens_k`` (batch,) int32 and ``block_table`` (batch, n) int32 CuPy
     arrays (a contiguous cache: each sequence's row, one column, page_size its capacity);
     ``variant`` a scores.Variant with CuPy arrays (user modifiers without a block map: ``mask``'s
-    score.without_block_map); ``tiles`` overrides the plan's (the tuner). Returns the split count."""
+    score.without_block_map); ``tiles`` overrides the plan's (the tuner). ``row_pages``: the table's
+    entries count cache rows, not cache batch entries (params.set_cache_rows). Returns the split count."""
     import cupy
 
     batch, seqlen_q, nheads, headdim = q.shape
@@ -286,8 +288,9 @@ def forward(q, k_cache, v_cache, o, lse, *, seqlens_k, block_table, page_size: i
 
     check_block_map(mask, variant)
     params = np.zeros(1, CACHE_FWD_PARAMS)
-    for name, a in (("q", q), ("k", k_cache), ("v", v_cache), ("o", o)):
+    for name, a in (("q", q), ("o", o)):
         set_rows(params, name, a)
+    set_cache_rows(params, k_cache, v_cache, row_pages)
     params["lse"] = pointer(lse)
     params["batch"], params["seqlen_q"], params["seqlen_k"] = batch, seqlen_q, max_seqlen_k
     params["nheads"], params["nheads_kv"], params["group"] = nheads, nheads_kv, nheads // nheads_kv

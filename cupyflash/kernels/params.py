@@ -123,6 +123,17 @@ def set_rows(params, name: str, a, strides: tuple | None = None) -> None:
     field["batch_stride"], field["row_stride"], field["head_stride"] = (np.int64(s) for s in strides)
 
 
+def set_cache_rows(params, k_cache, v_cache, row_pages: bool) -> None:
+    """The caches' fields "k" and "v": their rows; with ``row_pages`` a table entry (a "page") is a
+    row of the cache, so that a page may start at any position of a cache row (cache_leftpad): the
+    batch strides become the row strides, and entry e addresses row e of the cache's rows laid end
+    to end (cupyflash.kvcache.row_page_ratio)."""
+    for name, a in (("k", k_cache), ("v", v_cache)):
+        set_rows(params, name, a)
+        if row_pages:
+            params[name]["batch_stride"] = params[name]["row_stride"]
+
+
 def _set_shape(params, q, k, v, mask) -> None:
     """The shape fields; headdim is k's (q's, unless a launcher padded q: mma_bwd.backward)."""
     batch, seqlen_q, nheads, _ = q.shape
