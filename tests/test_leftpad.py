@@ -13,11 +13,14 @@ import types
 
 import numpy as np
 import pytest
+from hypothesis import given
 
 import cupyflash
 from cupyflash import reference
 from cupyflash.kvcache import row_page_ratio, row_page_table
-from kvcache_checks import assert_same_bytes
+from cupyflash.testing import assert_kvcache_close, poisoned_outputs
+from cupyflash.testing.strategies import kvcache_problems
+from kvcache_checks import assert_same_bytes, expected_caches
 
 
 def _problem(seed=0, batch=3, capacity=20, new=2, seqlen_q=2, nheads=4, nheads_kv=2, headdim=8, dtype=np.float64):
@@ -54,6 +57,20 @@ def test_matches_the_reference(appending, options, rows):
         assert_same_bytes("v_cache", v_cache, reference.kvcache_appended(before[1], v, **where))
     else:
         assert_same_bytes("k_cache", k_cache, before[0])
+
+
+@given(kvcache_problems(page_sizes=[None], windows=True, max_cost=2e6, leftpad=True))
+def test_property_against_the_reference(problem):
+    """Drawn problems, half of them left-padded; the slots before each sequence's first token are
+    NaN (KVCacheProblem), so reading one fails."""
+    inputs, before = problem.inputs(), problem.inputs()
+    with poisoned_outputs():
+        o, lse = cupyflash.flash_attn_with_kvcache(**inputs, return_softmax_lse=True, backend="numpy",
+                                                   **problem.kwargs)
+    assert_kvcache_close(problem, o, lse, inputs=before)
+    k_expected, v_expected = expected_caches(before)
+    assert_same_bytes("k_cache", inputs["k_cache"], k_expected)
+    assert_same_bytes("v_cache", inputs["v_cache"], v_expected)
 
 
 def test_equals_the_unpadded_call_on_shifted_rows():

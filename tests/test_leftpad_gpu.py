@@ -10,11 +10,13 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given, settings
 
 import cupyflash
 from cupyflash import reference
 from cupyflash.testing import poisoned_outputs
-from kvcache_checks import assert_same_bytes
+from cupyflash.testing.strategies import kvcache_problems
+from kvcache_checks import assert_call_result, assert_same_bytes
 
 pytestmark = pytest.mark.gpu
 
@@ -83,3 +85,22 @@ def test_unread_lengths_give_the_checked_result():
     assert_same_bytes("o", cupy.asnumpy(o_unread), cupy.asnumpy(o_checked))
     assert_same_bytes("k_cache", unread[0].get(), checked[0].get())
     assert_same_bytes("v_cache", unread[1].get(), checked[1].get())
+
+
+@settings(max_examples=40)
+@given(problem=kvcache_problems(dtypes=[np.float16, ml_dtypes.bfloat16, np.float32], page_sizes=[None], windows=True,
+                                max_capacity=1100, max_new=8, max_seqlen_q=8, max_group=8, max_cost=8e6,
+                                leftpad=True))
+def test_property_on_the_device(problem):
+    """Half the drawn problems left-padded, their index arrays on the device for odd seeds (the
+    unread path: 16-bit only, so float32 keeps them on the host)."""
+    import cupy
+
+    before = problem.inputs()
+    unread = problem.seed % 2 == 1 and problem.dtype != np.float32
+    inputs = {name: x if x is None or np.ndim(x) == 0 or (name in ("cache_seqlens", "cache_batch_idx",
+                                                                    "cache_leftpad") and not unread)
+              else cupy.asarray(x) for name, x in problem.inputs().items()}
+    with poisoned_outputs():
+        o, lse = cupyflash.flash_attn_with_kvcache(**inputs, return_softmax_lse=True, **problem.kwargs)
+    assert_call_result(problem, before, inputs, o, lse)

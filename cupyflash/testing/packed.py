@@ -121,7 +121,10 @@ class KVCacheProblem(ProblemData):
     + spare pages, the block table a random permutation of them when ``shuffle`` (in order
     otherwise). Every slot that holds no cached token starts as NaN, so an implementation that
     reads one fails. ``seqlens_as_int`` passes cache_seqlens as one int (all of them equal).
-    ``headdim_v``: v_cache's (and v's, o's) own head dim (None: headdim)."""
+    ``headdim_v``: v_cache's (and v's, o's) own head dim (None: headdim). ``leftpad`` (contiguous
+    caches): sequence b's tokens start at position leftpad[b] of its row (cache_leftpad); the call's
+    cache_seqlens is then leftpad[b] + cache_seqlens[b], and the slots before leftpad[b] are NaN
+    too."""
 
     cache_seqlens: tuple[int, ...]
     seqlen_q: int
@@ -141,6 +144,7 @@ class KVCacheProblem(ProblemData):
     window_size: tuple[int, int] = (-1, -1)
     seqlens_as_int: bool = False
     headdim_v: int | None = None
+    leftpad: tuple[int, ...] | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", as_dtype(self.dtype))
@@ -149,9 +153,16 @@ class KVCacheProblem(ProblemData):
         object.__setattr__(self, "window_size", tuple(int(side) for side in self.window_size))
         if self.page_size is not None and self.capacity % self.page_size:
             raise ValueError(f"capacity {self.capacity} is not a multiple of page_size {self.page_size}")
-        if any(n + self.seqlen_new > self.capacity for n in self.cache_seqlens):
-            raise ValueError(f"cache_seqlens {self.cache_seqlens} + seqlen_new {self.seqlen_new} exceed the "
-                             f"capacity {self.capacity}")
+        if self.leftpad is not None:
+            object.__setattr__(self, "leftpad", tuple(int(n) for n in self.leftpad))
+            if self.page_size is not None or self.seqlens_as_int or len(self.leftpad) != len(self.cache_seqlens) \
+                    or min(self.leftpad, default=0) < 0:
+                raise ValueError("leftpad: one first position >= 0 per sequence, contiguous caches, cache_seqlens an "
+                                 "array")
+        starts = self.leftpad or (0,) * len(self.cache_seqlens)
+        if any(start + n + self.seqlen_new > self.capacity for start, n in zip(starts, self.cache_seqlens)):
+            raise ValueError(f"leftpad {self.leftpad} + cache_seqlens {self.cache_seqlens} + seqlen_new "
+                             f"{self.seqlen_new} exceed the capacity {self.capacity}")
         if self.seqlens_as_int and len(set(self.cache_seqlens)) > 1:
             raise ValueError("seqlens_as_int needs equal cache_seqlens")
 
@@ -193,8 +204,9 @@ class KVCacheProblem(ProblemData):
 
     def inputs(self) -> dict:
         """The arrays of a call, by flash_attn_with_kvcache's argument names: q, k_cache, v_cache,
-        k, v (None when seqlen_new = 0), cache_seqlens, cache_batch_idx, block_table. Fresh arrays
-        every call (the same values), so a copy before the call is one more call."""
+        k, v (None when seqlen_new = 0), cache_seqlens, cache_batch_idx, block_table, and
+        cache_leftpad with ``leftpad``. Fresh arrays every call (the same values), so a copy before
+        the call is one more call."""
         rng = np.random.default_rng(self.seed)
 
         def normal(shape):
@@ -207,12 +219,13 @@ class KVCacheProblem(ProblemData):
         order = rng.permutation(self.cache_shape[0]) if self.shuffle else np.arange(self.cache_shape[0])
         holds = np.zeros(self.cache_shape[:2], bool)  # slots holding a cached token
         cache_batch_idx = block_table = None
+        starts = self.leftpad or (0,) * self.batch
         if self.page_size is None:
             rows = order[: self.batch]
             if self.shuffle:
                 cache_batch_idx = rows.astype(np.int32)
-            for row, n in zip(rows, self.cache_seqlens):
-                holds[row, :n] = True
+            for row, start, n in zip(rows, starts, self.cache_seqlens):
+                holds[row, start:start + n] = True
         else:
             pages_per_sequence = self.capacity // self.page_size
             table = order[: self.batch * pages_per_sequence].reshape(self.batch, pages_per_sequence)
@@ -223,6 +236,9 @@ class KVCacheProblem(ProblemData):
         for cache in (k_cache, v_cache):
             cache[~holds] = np.nan
         seqlens = (self.cache_seqlens[0] if self.seqlens_as_int and self.batch
-                   else np.asarray(self.cache_seqlens, np.int32))
-        return dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=seqlens,
-                    cache_batch_idx=cache_batch_idx, block_table=block_table)
+                   else np.asarray(self.cache_seqlens, np.int32) + np.asarray(starts, np.int32))
+        arrays = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=seqlens,
+                      cache_batch_idx=cache_batch_idx, block_table=block_table)
+        if self.leftpad is not None:
+            arrays["cache_leftpad"] = np.asarray(self.leftpad, np.int32)
+        return arrays

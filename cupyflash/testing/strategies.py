@@ -279,6 +279,7 @@ def kvcache_problems(
     max_logit_std: float | None = MAX_LOGIT_STD,
     max_cost: float = CPU_MAX_COST / 4,
     distinct_v: bool = False,
+    leftpad: bool = False,
 ):
     """KVCacheProblems of decoding steps: 1..max_batch sequences, each with 0..capacity - seqlen_new
     cached tokens (half the time an edge: none, one, a page edge, a full cache), seqlen_new in
@@ -286,7 +287,9 @@ def kvcache_problems(
     new tokens, the usual decode step); a cache of ``page_sizes`` (None: contiguous) holding up to
     max_capacity tokens per sequence (at least one page), spare rows or pages, in order or
     shuffled. GQA groups up to max_group (decode's usual shape: many query heads per kv head).
-    ``distinct_v``: v_cache's own head dim, drawn as attention_problems draws it."""
+    ``distinct_v``: v_cache's own head dim, drawn as attention_problems draws it. ``leftpad``: with a
+    contiguous cache, half the time each sequence starts at a drawn position of its row
+    (cache_leftpad), its tokens after it."""
     dtypes = [as_dtype(d) for d in dtypes]
     if not dtypes or not page_sizes:
         raise ValueError("dtypes and page_sizes must not be empty")
@@ -297,13 +300,14 @@ def kvcache_problems(
     _check_range("magnitudes", magnitudes, 0)
     return _kvcache_problems(dtypes, causal, windows, tuple(page_sizes), max_batch, max_seqlen_q, max_new,
                              max_capacity, None if headdims is None else tuple(headdims), max_headdim,
-                             max_heads_kv, max_group, scales, magnitudes, max_logit_std, max_cost, bool(distinct_v))
+                             max_heads_kv, max_group, scales, magnitudes, max_logit_std, max_cost, bool(distinct_v),
+                             bool(leftpad))
 
 
 @st.composite
 def _kvcache_problems(draw, dtypes, causal, windows, page_sizes, max_batch, max_seqlen_q, max_new, max_capacity,
                       headdims, max_headdim, max_heads_kv, max_group, scales, magnitudes, max_logit_std, max_cost,
-                      distinct_v=False):
+                      distinct_v=False, leftpad=False):
     from .packed import KVCacheProblem
 
     dtype = draw(st.sampled_from(dtypes))
@@ -332,6 +336,10 @@ def _kvcache_problems(draw, dtypes, causal, windows, page_sizes, max_batch, max_
     seed = draw(st.integers(0, 2**32 - 1))
     window_size = _draw_window(draw, windows, causal, capacity)
     headdim_v = _draw_headdim(draw, max(headdim, 1), headdims, max_headdim) if distinct_v else None
+    starts = None
+    if leftpad and page_size is None and draw(st.booleans()):
+        starts = tuple(draw(st.integers(0, room - n)) for n in cache_seqlens)
+        seqlens_as_int = False
     return KVCacheProblem(tuple(cache_seqlens), seqlen_q, seqlen_new, capacity, page_size, spare, shuffle,
                           nheads_kv, group, headdim, causal, softmax_scale, magnitude, dtype, seed, window_size,
-                          seqlens_as_int, headdim_v)
+                          seqlens_as_int, headdim_v, starts)

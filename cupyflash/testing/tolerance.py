@@ -442,7 +442,7 @@ def assert_kvcache_close(problem, o, lse=None, *, inputs=None, check_dtype=True,
         sequences = reference.kvcache_sequences(
             problem.batch, arrays["k_cache"], arrays["v_cache"], arrays["k"], arrays["v"],
             cache_seqlens=arrays["cache_seqlens"], cache_batch_idx=arrays["cache_batch_idx"],
-            block_table=arrays["block_table"])
+            block_table=arrays["block_table"], cache_leftpad=arrays.get("cache_leftpad"))
         for b, (keys, values) in enumerate(sequences):
             if keys.shape[0] and problem.seqlen_q:
                 own = dict(variant)
