@@ -38,8 +38,8 @@ from .masks import check_window
 from .rotary import check_rotary
 from .modifiers import check_element_modifiers
 from .scores import check_variant
-from .varlen import (check_count, check_softcap, dense_forward, device_arrays, device_int32, host_int32, int32_index,
-                     sequence_variant, unread)
+from .varlen import (check_count, check_sequences, check_softcap, dense_forward, device_arrays, device_int32, host_int32,
+                     int32_index, sequence_variant, unread)
 
 __all__ = ["flash_attn_with_kvcache"]
 
@@ -725,3 +725,87 @@ def _attend(which, on_gpu, host_out, q, k_cache, v_cache, layout: CacheLayout, s
             o[b], lse[b] = o_b[0], lse_b[0]
     o, lse = api._to_device((o, lse)) if which == "numpy" and not host_out else api._to_host((o, lse), host_out)
     return (o, lse) if want_lse else o
+
+
+# --- packed queries over a paged cache: flash_attn_varlen_func's block_table -------------------------
+
+def paged_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, *,
+                         softmax_scale, causal, window_size, softcap, alibi_slopes, sink, return_lse, backend,
+                         precision, unsupported: dict):
+    """flash_attn_varlen_func with ``block_table`` (flash-attn 2.8's paged varlen forward): q (total_q,
+    nheads, headdim) packed as in any varlen call; k, v pages (num_blocks, page_size, nheads_kv,
+    headdim / headdim_v); sequence b's keys are its first cu_seqlens_k[b + 1] - cu_seqlens_k[b]
+    positions through block_table[b]. Computed as a KV-cache call without an append: each
+    sequence's queries at the end of a row of the longest query run (so each keeps its own
+    bottom-right alignment), the rest of the row zeros whose results are dropped; one launch of the
+    KV-cache kernel for 16-bit head dims it takes, the per-sequence path otherwise. Forward only
+    (flash-attn has no backward for it). ``unsupported``: the call's other options by name, each
+    refused when set (user modifiers, dropout: their q_idx and masks would see the padded rows)."""
+    named = [name for name, given in unsupported.items() if given]
+    if named:
+        raise ValueError(f"block_table (paged varlen) does not take {', '.join(named)}")
+    backend = A.check_backend(backend)
+    causal = A.check_flag(causal, "causal")
+    window = check_window(window_size)
+    return_lse = A.check_flag(return_lse, "return_lse")
+    check_softcap(softcap)
+    on_gpu = api._on_gpu(backend)
+    arrays, host_out = api._take({"q": q, "k": k, "v": v})
+    api._refuse_host_under_capture(arrays, backend)
+    dtype = A.check_dtype(arrays)
+    q, k, v = arrays["q"], arrays["k"], arrays["v"]
+    if q.ndim != 3:
+        raise ValueError(f"q must have 3 dimensions (total_q, nheads, headdim), the packed layout; got shape "
+                         f"{tuple(q.shape)}")
+    for name, x in (("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(f"{name} must have 4 dimensions (num_blocks, page_size, nheads_kv, headdim) with a "
+                             f"block_table (pages of a paged cache); got shape {tuple(x.shape)}")
+    _check_shapes(q[None], k, v)
+    total_q, nheads, headdim = q.shape
+    given = {name: int32_index(x, name, 2 if name == "block_table" else 1)
+             for name, x in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
+                             ("block_table", block_table))}
+    if unread(*given.values()):
+        raise ValueError("cupyflash.no_host_sync() / CUDA-graph capture: paged varlen (block_table) reads "
+                         "cu_seqlens_q, cu_seqlens_k and block_table on the host; call it outside them")
+    cu_k = host_int32(given["cu_seqlens_k"], "cu_seqlens_k", 1)
+    sequences = check_sequences(given["cu_seqlens_q"], cu_k, max_seqlen_q, max_seqlen_k, total_q,
+                                int(cu_k[-1]) if cu_k.size else 0)
+    batch = sequences.count
+    lengths_q, lengths_k = np.diff(sequences.cu_q), np.diff(sequences.cu_k)
+    table = host_int32(given["block_table"], "block_table", 2)
+    capacity = table.shape[1] * k.shape[1]
+    if table.shape[0] != batch:
+        raise ValueError(f"block_table must have shape (batch, max_blocks_per_seq) with batch = {batch} (the "
+                         f"sequences of cu_seqlens); got {tuple(table.shape)}")
+    if batch and int(lengths_k.max()) > capacity:
+        b = int(np.argmax(lengths_k))
+        raise ValueError(f"sequence {b} has {int(lengths_k[b])} keys (cu_seqlens_k), more than its "
+                         f"{table.shape[1]} pages of {k.shape[1]} hold ({capacity})")
+    rows = int(lengths_q.max(initial=0))
+    layout = _check_layout((batch, rows, nheads, headdim), k.shape, 0, False, lengths_k.astype(np.int32), None,
+                           table)
+    variant = check_variant(softcap, alibi_slopes, sink, batch, nheads, None, precision=precision)
+    scale = A.resolve_scale(softmax_scale, headdim)
+    A.same_device({**arrays, **device_arrays(**given)})
+    which = dispatch.choose(backend, dtype, max(headdim, v.shape[3]), "fwd")
+    if _scores_may_overflow(dtype, headdim, scale):
+        for b in range(batch):
+            if lengths_q[b] and lengths_k[b]:
+                q_b = q[None, sequences.cu_q[b]:sequences.cu_q[b + 1]]
+                A.check_scores_fit(q_b, _sequence_keys(k, layout, b, int(lengths_k[b])), scale)
+
+    # each sequence's queries at the end of its row of the padded batch
+    sequence_of = np.repeat(np.arange(batch), lengths_q)
+    row_of = (rows - lengths_q)[sequence_of] + np.arange(total_q) - sequences.cu_q[sequence_of]
+    xp = np if isinstance(q, np.ndarray) else A._cupy()
+    padded = xp.zeros((batch, rows, nheads, headdim), dtype)
+    padded[xp.asarray(sequence_of), xp.asarray(row_of)] = q
+    o_rows, lse_rows = _attend(which, on_gpu, host_out, padded, k, v, layout, scale, causal, window, True,
+                               variant)
+    out_xp = np if isinstance(o_rows, np.ndarray) else A._cupy()
+    picked = out_xp.asarray(sequence_of), out_xp.asarray(row_of)
+    o = out_xp.ascontiguousarray(o_rows[picked])
+    lse = out_xp.ascontiguousarray(lse_rows.transpose(0, 2, 1)[picked].T)
+    return (o, lse) if return_lse else o

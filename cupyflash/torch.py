@@ -755,15 +755,22 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     denominator, differentiable) are cupyflash.flash_attn_varlen_func's. ``dropout_p`` drops each
     attention weight with that probability (cupyflash.flash_attn_varlen_func's dropout, the seed
     drawn from torch's default generator and kept for the backward, as flash_attn_func's); S_dmask
-    stays empty. Not supported yet, each a NotImplementedError: block_table (paged varlen), a
-    gradient through softmax_lse with softcap != 0, dropout_p != 0 or modifiers. ``precision``
+    stays empty. ``block_table`` (batch, max_blocks_per_seq) int32: k and v are then pages
+    (num_blocks, page_size, nheads_kv, headdim) of a paged cache (flash-attn's paged varlen,
+    cupyflash.flash_attn_varlen_func's), forward only: with gradients required it is a
+    NotImplementedError (call it under torch.no_grad()). Not supported yet, each a
+    NotImplementedError: a gradient through softmax_lse with softcap != 0, dropout_p != 0 or
+    modifiers. ``precision``
     (keyword only) is cupyflash.flash_attn_func's. ``score_mod``, ``mask_mod`` and ``block_mask``
     (keywords only) are cupyflash.flash_attn_varlen_func's user modifiers (b the sequence, indices
     from its first row; a block map for (batch, nheads, max_seqlen_q, max_seqlen_k)), as
     flash_attn_func here takes them.
     """
     precision = check_precision(precision)
-    _unsupported(block_table=block_table is not None)
+    if block_table is not None:
+        return _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                             causal, window_size, softcap, alibi_slopes, return_attn_probs, block_table, sink,
+                             precision, dict(score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask))
     seed = _dropout_seed(dropout_p)  # refuses a tensor
     dropout_p = float(dropout_p)
     _check_variant_tensors(q, softcap, alibi_slopes, sink)
@@ -846,6 +853,36 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                   softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                                   return_attn_probs, **keywords)
+
+
+def _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                  window_size, softcap, alibi_slopes, return_attn_probs, block_table, sink, precision, modifiers):
+    """flash_attn_varlen_func with a block_table: eager, forward only (flash-attn has no backward
+    for paged varlen either)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, sink) if t is not None):
+        raise NotImplementedError("flash_attn_varlen_func with block_table (paged varlen) has no backward, as in "
+                                  "flash-attn; call it under torch.no_grad() or on detached tensors")
+    _check_variant_tensors(q, softcap, alibi_slopes, sink)
+    cu_q = _index_tensor(cu_seqlens_q, "cu_seqlens_q", q.device, optional=False)
+    cu_k = _index_tensor(cu_seqlens_k, "cu_seqlens_k", q.device, optional=False)
+    table = _index_tensor(block_table, "block_table", q.device)
+    max_q, max_k = _max_seqlen(max_seqlen_q, "max_seqlen_q"), _max_seqlen(max_seqlen_k, "max_seqlen_k")
+    window = check_window(window_size)
+
+    present = [(name, t) for name, t in (("alibi_slopes", alibi_slopes), ("sink", sink)) if t is not None]
+
+    def compute(q, k, v, cu_q, cu_k, table, *variant, backend):
+        options = {name: array for (name, _), array in zip(present, variant)}
+        return varlen.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=softmax_scale,
+                                             causal=bool(causal), window_size=window, softcap=float(softcap),
+                                             dropout_p=float(dropout_p), block_table=table, return_lse=True,
+                                             backend=backend, precision=precision, **options, **modifiers)
+
+    o, lse = _run(q.device, compute, q, k, v, cu_q, cu_k, table, *(t for _, t in present))
+    return (o, lse, q.new_empty((0,))) if return_attn_probs else o
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,

@@ -365,7 +365,7 @@ def _check_options(backend, causal, window_size, flag, flag_name, softcap):
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, softmax_scale=None,
                            causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sink=None,
                            score_mod=None, mask_mod=None, block_mask=None, dropout_p=0.0, seed=None, offset=0,
-                           return_lse=False, backend="auto", precision=None):
+                           return_lse=False, backend="auto", precision=None, block_table=None):
     """Exact attention over a packed batch of sequences of different lengths (flash-attn 2.8's
     flash_attn_varlen_func).
 
@@ -384,12 +384,25 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     count from its first query and key, and a block_mask is made for (batch, nheads, max_seqlen_q,
     max_seqlen_k) (create_block_mask; a mask_mod alone gets one made per call). Returns o
     (total_q, nheads, headdim_v), or (o, lse) with lse (nheads, total_q), float32 (float64 for float64).
+    ``block_table`` (batch, max_blocks_per_seq) int32 (flash-attn's paged varlen, forward only): k, v
+    are then pages (num_blocks, page_size, nheads_kv, headdim) of a paged KV cache, sequence b's
+    keys its first cu_seqlens_k[b + 1] - cu_seqlens_k[b] positions through block_table[b]
+    (kvcache.paged_varlen_forward; no user modifiers or dropout with it).
 
     On the GPU one launch covers every sequence (the kernels read cu_seqlens); cu_seqlens are
     read to the host once for the checks (one synchronisation for device arrays), except inside
     cupyflash.no_host_sync() and CUDA-graph capture, which use device cu_seqlens unread and size
     the grid by max_seqlen_q / max_seqlen_k (cupyflash.capture).
     """
+    if block_table is not None:
+        from .kvcache import paged_varlen_forward
+
+        return paged_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+                                    softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                                    softcap=softcap, alibi_slopes=alibi_slopes, sink=sink, return_lse=return_lse,
+                                    backend=backend, precision=precision,
+                                    unsupported=dict(score_mod=score_mod is not None, mask_mod=mask_mod is not None,
+                                                     block_mask=block_mask is not None, dropout_p=dropout_p != 0))
     backend, causal, window, return_lse, on_gpu = _check_options(backend, causal, window_size, return_lse,
                                                                  "return_lse", softcap)
     arrays, host_out = api._take({"q": q, "k": k, "v": v})

@@ -120,7 +120,8 @@ def test_varlen_errors_name_the_argument():
         (dict(max_seqlen_q=torch.tensor(5)), TypeError, "max_seqlen_q must be a Python int"),
         (dict(max_seqlen_k=2), ValueError, "max_seqlen_k"),
         (dict(q=q[None]), ValueError, "q must have 3 dimensions"),
-        (dict(block_table=torch.zeros((4, 1), dtype=torch.int32)), NotImplementedError, "block_table"),
+        (dict(block_table=torch.zeros((4, 1), dtype=torch.int32)), ValueError,
+         "k must have 4 dimensions"),  # with a block table k and v are pages
     ]
     for change, error, message in cases:
         args = dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k)
