@@ -38,8 +38,8 @@ from .masks import check_window
 from .rotary import check_rotary
 from .modifiers import check_element_modifiers
 from .scores import check_variant
-from .varlen import (check_count, check_sequences, check_softcap, dense_forward, device_arrays, device_int32, host_int32,
-                     int32_index, sequence_variant, unread)
+from .varlen import (check_count, check_sequences, check_softcap, dense_forward, device_arrays, device_int32,
+                     host_int32, int32_index, sequence_variant, unread)
 
 __all__ = ["flash_attn_with_kvcache"]
 
@@ -82,16 +82,23 @@ class CacheLayout:
         pages = np.take_along_axis(self.pages, positions // self.page_size, axis=1)
         return pages.reshape(-1), (positions % self.page_size).reshape(-1)
 
-    def cached_extent(self, page_ids: np.ndarray) -> np.ndarray:
-        """For each page in ``page_ids``: one past the last slot that some sequence holds as a cached
-        token (before the append), 0 where none does."""
+    def holds_cached(self, pages: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """Whether each (page, slot) holds a cached token (before the append) of some sequence."""
+        if self.left_padded:
+            # contiguous rows: sequence b holds slots starts[b] .. starts[b] + old_lengths[b] - 1 of its row
+            rows = self.pages[:, 0]
+            first, end = self.starts, self.starts + self.old_lengths
+            return ((pages[:, None] == rows[None, :]) & (first[None, :] <= slots[:, None])
+                    & (slots[:, None] < end[None, :])).any(axis=1)
+        # every sequence holds its pages from slot 0: one past the last held slot of each page decides
+        page_ids = np.unique(pages)
         column = np.arange(self.pages.shape[1], dtype=np.int64)[None, :]
-        extent = np.clip((self.starts + self.old_lengths)[:, None] - column * self.page_size, 0, self.page_size)
+        extent = np.clip(self.old_lengths[:, None] - column * self.page_size, 0, self.page_size)
         found = np.zeros(page_ids.shape, np.int64)
         where = np.searchsorted(page_ids, self.pages)  # page_ids is sorted
         hit = (where < page_ids.size) & (page_ids[np.minimum(where, page_ids.size - 1)] == self.pages) & (extent > 0)
         np.maximum.at(found, where[hit], extent[hit])
-        return found
+        return slots < found[np.searchsorted(page_ids, pages)]
 
 
 def _check_cache_seqlens(cache_seqlens, batch: int, capacity: int, appending: bool) -> np.ndarray:
@@ -224,9 +231,7 @@ def _check_append_targets(layout: CacheLayout) -> None:
         raise ValueError(f"sequences {writers} would append into the same cache slot ({what} "
                          f"{int(slot // layout.page_size)}, slot {int(slot % layout.page_size)}): each appended token "
                          "needs a slot of its own (distinct cache_batch_idx rows / block_table pages)")
-    page_ids = np.unique(pages)
-    extent = layout.cached_extent(page_ids)
-    overwrites = slots < extent[np.searchsorted(page_ids, pages)]
+    overwrites = layout.holds_cached(pages, slots)
     if overwrites.any():
         i = int(np.argmax(overwrites))
         raise ValueError(f"sequence {i // layout.new_tokens} would append over a cached token of the batch ({what} "
@@ -319,8 +324,8 @@ def _batch_keys(cache, layout: CacheLayout, length: int):
 
 @capture.graph_safe
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, cache_batch_idx=None,
-                            cache_leftpad=None, block_table=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=True,
-                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            cache_leftpad=None, block_table=None, rotary_cos=None, rotary_sin=None,
+                            rotary_interleaved=True, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                             alibi_slopes=None, sink=None, score_mod=None, mask_mod=None, num_splits=0,
                             return_softmax_lse=False, return_lse=False, backend="auto", precision=None):
     """Append k, v to the caches in place at each sequence's cache_seqlens, then attend q over
@@ -357,8 +362,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     fewer are used where the longest sequence has fewer key tiles. ``softcap``, ``alibi_slopes`` ((nheads,) or (batch, nheads)
     float32) and ``sink`` ((nheads,) float32) are flash_attn_func's, the ALiBi distance taken
     from the end-aligned diagonal; so is ``precision`` (float32's products). ``score_mod`` and
-    ``mask_mod`` are flash_attn_func's user modifiers with kv_idx the cache position (0 .. seqlen_k
-    - 1 of sequence b) and q_idx the new query's index; the mask is applied element by element (no
+    ``mask_mod`` are flash_attn_func's user modifiers with kv_idx the key's index in its sequence
+    (0 .. seqlen_k - 1 of sequence b: the cache position, less cache_leftpad[b]) and q_idx the new
+    query's index; the mask is applied element by element (no
     block map, no block skipping). On the GPU they run on the tensor-core KV-cache kernel (float16
     / bfloat16, head dims multiples of 8), elsewhere (float32, float64, caches the kernel cannot
     read) on one packed (varlen) launch over the sequences' gathered keys; the NumPy twin takes them
@@ -398,15 +404,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     # Under capture every call takes this path (an int cache_seqlens included: its lengths become a
     # device array there), so nothing is uploaded from the host inside the graph.
     if unread(*given.values()) or (on_device and capture.under_capture()):
-        A.same_device({**arrays, **device_arrays(**indices)})
+        A.same_device({**arrays, **device_arrays(**indices, rotary_cos=rotary_cos, rotary_sin=rotary_sin)})
         return _attend_unread(backend, q, k_cache, v_cache, k, v, new_tokens, cache_seqlens, given, scale, causal,
                               window, want_lse, variant, int(num_splits),
                               (rotary_cos, rotary_sin, rotary_interleaved))
     layout = _check_layout(q.shape, k_cache.shape, new_tokens, appending, cache_seqlens, cache_batch_idx,
                            block_table, cache_leftpad)
     rotary = _check_rotary((rotary_cos, rotary_sin, rotary_interleaved), q, new_tokens, appending, layout.capacity,
-                           causal, window)
-    A.same_device({**arrays, **device_arrays(**indices)})
+                           causal, window, layout.starts + layout.old_lengths)
+    A.same_device({**arrays, **device_arrays(**indices, rotary_cos=rotary_cos, rotary_sin=rotary_sin)})
     which = dispatch.choose(backend, dtype, max(headdim, v_cache.shape[3]), "fwd")
     if appending:
         for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -415,7 +421,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     if rotary is not None:  # new arrays: the caller's q and k stay as they are; positions are the cache's
         ends = layout.starts + layout.old_lengths
         k = rotary.apply(k, rotary.positions(ends, new_tokens, per_token=True))
-        q = rotary.apply(q, rotary.positions(ends, seqlen_q, _rotary_per_token(causal, window)))
+        q = rotary.apply(q, rotary.positions(ends, seqlen_q, _rotary_per_token(causal, window, layout.capacity)))
     if batch * seqlen_q * nheads:
         if appending and new_tokens:
             A.check_scores_fit(q, k, scale)
@@ -527,16 +533,32 @@ def row_page_table(rows, starts, rows_per_row):
     return rows * rows_per_row + starts.reshape(-1, 1)
 
 
-def _rotary_per_token(causal: bool, window) -> bool:
+def _rotary_per_token(causal: bool, window, capacity: int) -> bool:
     """Whether each query takes its own position (flash-attn: when causal or windowed), else all
-    of a sequence's queries take its first new position."""
-    return causal or tuple(window) != (-1, -1)
+    of a sequence's queries take its first new position. A window side of at least the cache's
+    capacity is no bound, as flash-attn counts it (it sets such a side to -1 first)."""
+    return causal or any(0 <= side < capacity for side in window)
 
 
-def _check_rotary(arguments, q, new_tokens: int, appending: bool, capacity: int, causal: bool, window):
-    past_keys = max(0, q.shape[1] - new_tokens) if _rotary_per_token(causal, window) else 0
-    return check_rotary(*arguments, dtype=q.dtype, headdim=q.shape[3], appending=appending,
-                        capacity_rows=capacity + past_keys)
+def _check_rotary(arguments, q, new_tokens: int, appending: bool, capacity: int, causal: bool, window, ends=None):
+    """check_rotary for a call: ``ends`` (host, (batch,)) where each sequence's cached tokens end,
+    None where the lengths stay on the device; then the tables must hold every position a query
+    could take (the capacity, plus the queries past the new keys when each query takes its own)."""
+    seqlen_q = q.shape[1]
+    per_token = _rotary_per_token(causal, window, capacity)
+    if ends is None:
+        past = max(0, seqlen_q - new_tokens) if per_token else 0
+        needed, why = capacity + past, (f"queries up to {past} positions past a full cache (the lengths stay on "
+                                        "the device, unread)")
+    elif not ends.size:
+        needed, why = 0, ""
+    else:
+        last = ends + (max(seqlen_q, new_tokens) if per_token else new_tokens) - 1
+        b = int(np.argmax(last))
+        needed = int(last[b]) + 1
+        why = f"position {needed - 1} (sequence {b}: its cached tokens end at {int(ends[b])})"
+    return check_rotary(*arguments, dtype=q.dtype, headdim=q.shape[3], appending=appending, capacity=capacity,
+                        needed=needed, needed_why=why)
 
 
 def _attend_unread(backend, q, k_cache, v_cache, k, v, new_tokens: int, cache_seqlens, given: dict, scale, causal,
@@ -585,7 +607,10 @@ def _attend_unread(backend, q, k_cache, v_cache, k, v, new_tokens: int, cache_se
         cached = "" if host_lengths is None else f"{int(host_lengths[b])} cached tokens + "
         raise ValueError(f"the cache is too small for the append: sequence {b} has {cached}{new_tokens} new ones "
                          f"> its capacity of {capacity} tokens")
-    rotary = _check_rotary(rotary_arguments, q, new_tokens, appending, capacity, causal, window)
+    if isinstance(leftpad, np.ndarray):  # a host leftpad beside device arrays: checked as far as the lengths allow
+        ends = np.full(batch, capacity, np.int64) if host_lengths is None else host_lengths
+        _check_leftpad(leftpad, ends, batch)
+    rotary = _check_rotary(rotary_arguments, q, new_tokens, appending, capacity, causal, window, host_lengths)
     if rotary is not None:
         for name, tables in (("rotary_cos", rotary.cos), ("rotary_sin", rotary.sin)):
             if isinstance(tables, np.ndarray):
@@ -643,7 +668,7 @@ def _attend_unread(backend, q, k_cache, v_cache, k, v, new_tokens: int, cache_se
     q = A.last_dim_contiguous(A.to_cupy(q, "q"))
     if rotary is not None:  # positions from the device lengths, unread
         k = rotary.apply(A.to_cupy(k, "k"), rotary.positions(ends, new_tokens, per_token=True))
-        q = rotary.apply(q, rotary.positions(ends, seqlen_q, _rotary_per_token(causal, window)))
+        q = rotary.apply(q, rotary.positions(ends, seqlen_q, _rotary_per_token(causal, window, capacity)))
     if any((st // q.itemsize) % 8 for st in q.strides[:3]) or q.data.ptr % 16:
         q = cupy.ascontiguousarray(q)
     seqlens_k = old_lengths
@@ -661,7 +686,8 @@ def _attend_unread(backend, q, k_cache, v_cache, k, v, new_tokens: int, cache_se
     o = api._empty(out_shape, q.dtype, xp=cupy)
     lse = api._empty((batch, nheads, seqlen_q), np.float32, xp=cupy)
     kvcache_mma.forward(q, k_cache, v_cache, o, lse, seqlens_k=seqlens_k, block_table=table,
-                        row_pages=leftpad is not None, page_size=max(1, page_size), paged=paged, max_seqlen_k=capacity, softmax_scale=scale,
+                        row_pages=leftpad is not None, page_size=max(1, page_size), paged=paged,
+                        max_seqlen_k=capacity, softmax_scale=scale,
                         mask=mask_for(causal, window, variant.score.without_block_map), variant=variant,
                         num_splits=num_splits)
     return (o, lse) if want_lse else o

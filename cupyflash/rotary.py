@@ -77,12 +77,11 @@ def apply_rotary(x, cos, sin, positions, interleaved: bool, xp=np):
 
 
 def check_rotary(rotary_cos, rotary_sin, rotary_interleaved, *, dtype, headdim: int, appending: bool,
-                 capacity_rows: int) -> Rotary | None:
+                 capacity: int, needed: int = 0, needed_why: str = "") -> Rotary | None:
     """The rotary arguments checked before anything runs: both or neither; only with new k, v (as
     flash-attn: the rotation is part of the append); 2-d (seqlen_ro, rotary_dim / 2) of one shape,
-    q's dtype, rotary_dim <= headdim; seqlen_ro >= ``capacity_rows``, the most positions the call
-    can ask (the cache's capacity, plus the queries past the new keys when they are turned one
-    position each), so no position is out of range whatever the device lengths are."""
+    q's dtype, rotary_dim <= headdim; seqlen_ro >= ``capacity``, the cache's capacity (flash-attn's
+    rule), and >= ``needed``, the positions the call turns (``needed_why`` says which)."""
     interleaved = A.check_flag(rotary_interleaved, "rotary_interleaved")
     if rotary_cos is None and rotary_sin is None:
         return None
@@ -107,8 +106,10 @@ def check_rotary(rotary_cos, rotary_sin, rotary_interleaved, *, dtype, headdim: 
     if cos.shape[1] == 0 or 2 * cos.shape[1] > headdim:
         raise ValueError(f"rotary_dim = 2 * rotary_cos.shape[1] = {2 * cos.shape[1]} must be in 2 .. headdim "
                          f"({headdim})")
-    if cos.shape[0] < capacity_rows:
-        raise ValueError(f"rotary_cos / rotary_sin have {cos.shape[0]} rows (positions); this call can ask up to "
-                         f"{capacity_rows} (the cache's capacity, as flash-attn asks, plus any queries past the new "
-                         "keys)")
+    if cos.shape[0] < capacity:
+        raise ValueError(f"rotary_cos / rotary_sin have {cos.shape[0]} rows (positions); they must cover the "
+                         f"cache's capacity, {capacity} positions, as in flash-attn")
+    if cos.shape[0] < needed:
+        raise ValueError(f"rotary_cos / rotary_sin have {cos.shape[0]} rows (positions); this call turns "
+                         f"{needed_why}, so it needs {needed}")
     return Rotary(cos, sin, interleaved)

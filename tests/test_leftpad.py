@@ -39,7 +39,7 @@ def _problem(seed=0, batch=3, capacity=20, new=2, seqlen_q=2, nheads=4, nheads_k
 @pytest.mark.parametrize("options", [dict(causal=True), dict(), dict(window_size=(3, 0)),
                                      dict(causal=True, alibi_slopes=np.array([0.5, 0.25, 0.1, 1.0], np.float32))],
                          ids=["causal", "full", "window", "alibi"])
-@pytest.mark.parametrize("rows", [None, np.array([3, 0, 1], np.int32)], ids=["rows", "batch_idx"])
+@pytest.mark.parametrize("rows", [None, np.array([3, 0, 1], np.int32)], ids=["own_rows", "batch_idx"])
 def test_matches_the_reference(appending, options, rows):
     q, k_cache, v_cache, k, v, ends, leftpad = _problem(seed=1)
     if not appending:
@@ -199,3 +199,36 @@ def test_torch_front_end_passes_cache_leftpad_through():
                                   cache_seqlens=torch.from_numpy(ends), cache_leftpad=torch.from_numpy(leftpad),
                                   causal=True)
     np.testing.assert_array_equal(got.numpy(), want)
+
+
+def test_appends_into_another_sequences_padding_but_not_its_tokens():
+    """Two sequences in one row: the first's append may land in the second's padding (nothing reads
+    it), not on its cached tokens."""
+    q, k_cache, v_cache, k, v, _, _ = _problem(seed=9, batch=2, new=1, seqlen_q=1)
+    rows, leftpad = np.array([0, 0], np.int32), np.array([0, 5], np.int32)
+    before = k_cache.copy()
+    cupyflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=np.array([3, 8], np.int32),
+                                      cache_batch_idx=rows, cache_leftpad=leftpad, backend="numpy")
+    assert_same_bytes("slot 3", k_cache[0, 3], k[0, 0])
+    assert_same_bytes("slot 8", k_cache[0, 8], k[1, 0])
+    k_cache[...] = before
+    with pytest.raises(ValueError, match="sequence 0 would append over a cached token"):
+        cupyflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=np.array([5, 8], np.int32),
+                                          cache_batch_idx=rows, cache_leftpad=leftpad, backend="numpy")
+
+
+def test_modifiers_count_kv_idx_from_the_first_token():
+    """A mask_mod's kv_idx is the key's index from the sequence's first token (cache_leftpad), as the
+    mask's and ALiBi's distances are."""
+    q, k_cache, v_cache, k, v, ends, leftpad = _problem(seed=10)
+
+    def first_four(b, h, q_idx, kv_idx):
+        return kv_idx < 4
+
+    got = cupyflash.flash_attn_with_kvcache(q, k_cache.copy(), v_cache.copy(), k, v, cache_seqlens=ends,
+                                            cache_leftpad=leftpad, mask_mod=first_four, backend="numpy")
+    keys = reference.kvcache_sequences(3, k_cache, v_cache, k, v, cache_seqlens=ends, cache_leftpad=leftpad)
+    for b, (keys_b, values_b) in enumerate(keys):
+        seen = min(4, keys_b.shape[0])
+        o_b, _ = reference.attention(q[b:b + 1], keys_b[None, :seen], values_b[None, :seen])
+        np.testing.assert_allclose(got[b], o_b[0], rtol=1e-12, atol=1e-12)

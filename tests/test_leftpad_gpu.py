@@ -104,3 +104,94 @@ def test_property_on_the_device(problem):
     with poisoned_outputs():
         o, lse = cupyflash.flash_attn_with_kvcache(**inputs, return_softmax_lse=True, **problem.kwargs)
     assert_call_result(problem, before, inputs, o, lse)
+
+
+def _assert_matches_reference(o, q, before, k, v, ends, leftpad, rows, dtype, mask_mod=None, **options):
+    """o against reference.kvcache_attention under the tolerance rule (16-bit: standard attention in
+    the dtype, sequence by sequence, as the baseline)."""
+    import cupy
+
+    from cupyflash.testing.tolerance import OUTPUT_FACTOR, assert_close
+
+    where = dict(cache_seqlens=ends, cache_batch_idx=rows, cache_leftpad=leftpad)
+    sequences = reference.kvcache_sequences(len(ends), *before, k, v, **where)
+    o_ref, o_std = np.zeros(o.shape), np.zeros(o.shape)
+    for b, (keys, values) in enumerate(sequences):
+        extra = {} if mask_mod is None else dict(mask_mod=lambda b_, h, i, j: mask_mod(b, h, i, j))
+        o_ref[b] = reference.attention(q[b:b + 1], keys[None], values[None], **options, **extra)[0][0]
+        o_std[b] = reference.standard_attention(q[b:b + 1], keys[None], values[None], dtype=dtype, **options,
+                                                **extra)[0][0]
+    assert_close("o", cupy.asnumpy(o), o_ref, o_std, dtype=dtype, factor=OUTPUT_FACTOR)
+
+
+def test_caches_the_rows_cannot_express_take_the_per_sequence_path():
+    """k and v rows a different number of rows apart (views of larger caches): no one table of rows
+    reaches both, so the call runs sequence by sequence; the result is still the reference's."""
+    import cupy
+
+    dtype = ml_dtypes.bfloat16
+    q, k_cache, v_cache, k, v, ends, leftpad, rows = _inputs(dtype, seed=2)
+    capacity = k_cache.shape[1]
+    k_big = cupy.zeros((k_cache.shape[0], 2 * capacity) + k_cache.shape[2:], dtype)
+    v_big = cupy.zeros((v_cache.shape[0], 3 * capacity) + v_cache.shape[2:], dtype)
+    k_big[:, :capacity], v_big[:, :capacity] = cupy.asarray(k_cache), cupy.asarray(v_cache)
+    with poisoned_outputs():
+        o = cupyflash.flash_attn_with_kvcache(cupy.asarray(q), k_big[:, :capacity], v_big[:, :capacity],
+                                              cupy.asarray(k), cupy.asarray(v), cache_seqlens=ends,
+                                              cache_batch_idx=rows, cache_leftpad=leftpad, causal=True)
+    _assert_matches_reference(o, q, (k_cache, v_cache), k, v, ends, leftpad, rows, dtype, causal=True)
+    where = dict(cache_seqlens=ends, cache_batch_idx=rows)
+    assert_same_bytes("k_cache", k_big[:, :capacity].get(), reference.kvcache_appended(k_cache, k, **where))
+
+
+def test_mask_mod_kv_idx_counts_from_the_first_token():
+    import cupy
+
+    dtype = ml_dtypes.bfloat16
+    q, k_cache, v_cache, k, v, ends, leftpad, rows = _inputs(dtype, seed=3)
+
+    def early_keys(b, h, q_idx, kv_idx):
+        return kv_idx < 40
+
+    with poisoned_outputs():
+        o = cupyflash.flash_attn_with_kvcache(cupy.asarray(q), cupy.asarray(k_cache), cupy.asarray(v_cache),
+                                              cupy.asarray(k), cupy.asarray(v), cache_seqlens=ends,
+                                              cache_batch_idx=rows, cache_leftpad=leftpad, mask_mod=early_keys)
+    _assert_matches_reference(o, q, (k_cache, v_cache), k, v, ends, leftpad, rows, dtype, mask_mod=early_keys)
+
+
+def test_rotary_with_leftpad_turns_at_cache_positions():
+    """Rotary and cache_leftpad together, checked and unread: the keys and queries turn at their cache
+    positions (cache_seqlens[b] + t), bitwise as the host rotation followed by the plain left-padded
+    call."""
+    import cupy
+
+    from cupyflash.rotary import Rotary
+
+    dtype = ml_dtypes.bfloat16
+    q, k_cache, v_cache, k, v, ends, leftpad, rows = _inputs(dtype, seed=4)
+    theta = np.random.default_rng(5).uniform(0, 2 * np.pi, (k_cache.shape[1], 32))
+    cos, sin = np.cos(theta).astype(dtype), np.sin(theta).astype(dtype)
+    rotary = Rotary(cos, sin, False)
+    k_ro = rotary.apply(k, rotary.positions(ends.astype(np.int64), k.shape[1], True))
+    q_ro = rotary.apply(q, rotary.positions(ends.astype(np.int64), q.shape[1], True))
+    results = {}
+    for form in ("plain", "checked", "unread"):
+        caches = [cupy.asarray(c) for c in (k_cache, v_cache)]
+        index = dict(cache_seqlens=ends, cache_batch_idx=rows, cache_leftpad=leftpad)
+        turn = {} if form == "plain" else dict(rotary_cos=cupy.asarray(cos), rotary_sin=cupy.asarray(sin),
+                                               rotary_interleaved=False)
+        new_q, new_k = (q_ro, k_ro) if form == "plain" else (q, k)
+        with poisoned_outputs():
+            if form == "unread":
+                index = {name: cupy.asarray(x) for name, x in index.items()}
+                with cupyflash.no_host_sync():
+                    o = cupyflash.flash_attn_with_kvcache(cupy.asarray(new_q), *caches, cupy.asarray(new_k),
+                                                          cupy.asarray(v), causal=True, num_splits=1, **index, **turn)
+            else:
+                o = cupyflash.flash_attn_with_kvcache(cupy.asarray(new_q), *caches, cupy.asarray(new_k),
+                                                      cupy.asarray(v), causal=True, num_splits=1, **index, **turn)
+        results[form] = cupy.asnumpy(o), caches[0].get()
+    for form in ("checked", "unread"):
+        assert_same_bytes(f"o {form}", results[form][0], results["plain"][0])
+        assert_same_bytes(f"k_cache {form}", results[form][1], results["plain"][1])

@@ -86,3 +86,26 @@ def test_varlen_qkvpacked_equals_contiguous_parts(dtype):
     _same(o, o_want)
     for i in range(3):
         _same(dqkv[:, i], grads_want[i])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_varlen_kvpacked_with_gqa_equals_contiguous_parts(dtype):
+    import cupy
+
+    lengths_k = [90, 3, 0, 129]
+    cu_q = cupy.asarray(np.concatenate([[0], np.cumsum(LENGTHS)]).astype(np.int32))
+    cu_k = cupy.asarray(np.concatenate([[0], np.cumsum(lengths_k)]).astype(np.int32))
+    q = _device((int(sum(LENGTHS)), 8, 128), 8, dtype)
+    kv = _device((int(sum(lengths_k)), 2, 2, 128), 9, dtype)
+    do = _device(q.shape, 10, dtype)
+    args = (cu_q, cu_k, max(LENGTHS), max(lengths_k))
+    with poisoned_outputs():
+        o, vjp = cupyflash.flash_attn_varlen_kvpacked_vjp(q, kv, *args, causal=True)
+        dq, dkv = vjp(do)
+        k, v = (cupy.ascontiguousarray(kv[:, i]) for i in range(2))
+        o_want, vjp_want = cupyflash.flash_attn_varlen_vjp(q, k, v, *args, causal=True)
+        dq_want, dk_want, dv_want = vjp_want(do)
+    _same(o, o_want)
+    _same(dq, dq_want)
+    _same(dkv[:, 0], dk_want)
+    _same(dkv[:, 1], dv_want)

@@ -107,18 +107,43 @@ def test_lower_precisions_round_the_rotation_once(dtype):
     np.testing.assert_allclose(k_cache.astype(np.float64), want, rtol=eps, atol=4 * eps * np.abs(k).max())
 
 
-def test_the_unread_positions_bound_is_static():
-    """seqlen_ro must cover the cache's capacity (flash-attn's check), and causal queries past the
-    new keys need more rows; fewer rows is an error before anything is written."""
-    q, k_cache, v_cache, k, v, lengths, _ = _problem(seed=8, seqlen_q=5, new=3)
+def test_the_tables_must_cover_the_capacity_and_every_position_turned():
+    """seqlen_ro >= the cache's capacity (flash-attn's check); with the lengths on the host, the
+    positions the call turns decide beyond that (causal queries past the new keys reach further);
+    fewer rows is an error before anything is written."""
+    q, k_cache, v_cache, k, v, lengths, _ = _problem(seed=8, seqlen_q=5, new=3)  # lengths 0, 5, 21 of 24
     before = k_cache.copy()
-    cos, sin = _angles(25, 4, seed=9)
-    with pytest.raises(ValueError, match="this call can ask up to 26"):
-        cupyflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, rotary_cos=cos,
-                                          rotary_sin=sin, causal=True, backend="numpy")
+    arguments = dict(cache_seqlens=lengths, causal=True, backend="numpy")
+    with pytest.raises(ValueError, match="must cover the cache's capacity, 24 positions"):
+        cupyflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=np.ones((23, 4)),
+                                          rotary_sin=np.zeros((23, 4)), **arguments)
+    with pytest.raises(ValueError, match=r"turns position 25 \(sequence 2: its cached tokens end at 21\), so it "
+                                         "needs 26"):
+        cupyflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=np.ones((25, 4)),
+                                          rotary_sin=np.zeros((25, 4)), **arguments)
     assert_same_bytes("k_cache", k_cache, before)
-    cupyflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, rotary_cos=cos,
-                                      rotary_sin=sin, causal=False, backend="numpy")  # one position per sequence
+    # flash-attn's own test shape: as many rows as the capacity, queries past the new keys, room left
+    short = np.array([0, 5, 19], np.int32)
+    cupyflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=np.ones((24, 4)),
+                                      rotary_sin=np.zeros((24, 4)), **dict(arguments, cache_seqlens=short))
+    cupyflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=np.ones((24, 4)),
+                                      rotary_sin=np.zeros((24, 4)), **dict(arguments, causal=False))
+
+
+@pytest.mark.parametrize("window_size, per_token", [((24, -1), False), ((-1, 30), False), ((23, -1), True),
+                                                    ((-1, 0), True)])
+def test_a_window_side_past_the_capacity_is_no_window(window_size, per_token):
+    """flash-attn sets a window side >= the cache's capacity to -1 before it asks whether the call is
+    local: such a call turns all of a sequence's queries at one position."""
+    q, k_cache, v_cache, k, v, lengths, _ = _problem(seed=14)
+    cos, sin = _angles(24, 8, seed=15)
+    before = k_cache.copy(), v_cache.copy()
+    o = cupyflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, rotary_cos=cos,
+                                          rotary_sin=sin, window_size=window_size, backend="numpy")
+    k_ro = reference.rotary(k, cos, sin, _positions(lengths, 3, True), interleaved=True)
+    q_ro = reference.rotary(q, cos, sin, _positions(lengths, 3, per_token), interleaved=True)
+    o_ref, _ = reference.kvcache_attention(q_ro, *before, k_ro, v, cache_seqlens=lengths, window_size=window_size)
+    np.testing.assert_allclose(o, o_ref, rtol=1e-12, atol=1e-12)
 
 
 def _call(**changes):
