@@ -198,7 +198,8 @@ suite)  # the GPU test suite in two parts (SUITE_PART=1 or 2), each one summary 
     part1=(tests/test_api_gpu.py tests/test_tf32_gpu.py tests/test_robustness_gpu.py tests/test_torch_gpu.py
            tests/test_kvcache_kernel_gpu.py tests/test_capture_gpu.py tests/test_varlen_gpu.py tests/test_docs.py
            tests/test_cli.py tests/test_testing.py tests/test_validation.py tests/test_plans.py tests/test_plans_bwd.py
-           tests/test_dispatch.py tests/test_statistics_gpu.py tests/dev)
+           tests/test_dispatch.py tests/test_statistics_gpu.py tests/dev tests/test_leftpad_gpu.py
+           tests/test_paged_varlen_gpu.py)
     case ${SUITE_PART:-1} in
     1) paths=("${part1[@]}") ;;
     *) paths=(tests/kernels tests/benchmarks)
