@@ -957,13 +957,16 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
     ``is_causal`` is SDPA's top-left mask (query i sees key j iff j <= i), which equals cupyflash's
     bottom-right mask when seqlen_q == seqlen_k; other lengths with is_causal raise
-    NotImplementedError, as does attn_mask. ``dropout_p`` is flash_attn_func's: cupyflash's own mask
-    (cupyflash.dropout), its seed drawn from torch's default generator, not SDPA's mask.
+    NotImplementedError. ``attn_mask`` (broadcastable to (batch, nheads, seqlen_q, seqlen_k), on
+    query's device) is SDPA's: a bool mask (True: attend) becomes a mask_mod reading it, with its
+    block map (blocks it hides are skipped); a float mask is added to the scaled scores by a
+    score_mod (not differentiated: a float mask that requires grad raises NotImplementedError).
+    A row the mask hides entirely outputs 0. ``dropout_p`` is flash_attn_func's: cupyflash's own
+    mask (cupyflash.dropout), its seed drawn from torch's default generator, not SDPA's mask.
     ``enable_gqa`` allows key/value with fewer heads. The backward is deterministic when torch.are_deterministic_algorithms_enabled().
     ``precision`` (keyword only; "ieee", the default, or "tf32") is cupyflash.flash_attn_func's: how
     float32 products are formed on tensor cores.
     """
-    _unsupported(attn_mask=attn_mask is not None)
     for name, x in (("query", query), ("key", key), ("value", value)):
         if not isinstance(x, torch.Tensor) or x.dim() != 4:
             raise ValueError(f"{name} must be a 4-d tensor (batch, nheads, seqlen, headdim); got "
@@ -974,7 +977,50 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if is_causal and query.shape[2] != key.shape[2]:
         raise NotImplementedError("is_causal with seqlen_q != seqlen_k: SDPA aligns the mask top-left, "
                                   "cupyflash bottom-right (use flash_attn_func for bottom-right)")
+    modifiers = {}
+    if attn_mask is not None:
+        if is_causal:
+            raise ValueError("attn_mask and is_causal cannot be combined (as in SDPA): put the causal mask into "
+                             "attn_mask, or pass is_causal alone")
+        modifiers = _sdpa_mask(attn_mask, (query.shape[0], query.shape[1], query.shape[2], key.shape[2]), query)
     out = flash_attn_func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), dropout_p=dropout_p,
                           softmax_scale=scale, causal=bool(is_causal),
-                          deterministic=torch.are_deterministic_algorithms_enabled(), precision=precision)
+                          deterministic=torch.are_deterministic_algorithms_enabled(), precision=precision,
+                          **modifiers)
     return out.transpose(1, 2)
+
+
+def _sdpa_mask(attn_mask, shape, query) -> dict:
+    """SDPA's attn_mask as cupyflash modifiers: {"mask_mod": ...} for a bool mask, {"score_mod": ...}
+    for a float one. The mask keeps its own (broadcast) shape, as 4-d with leading 1s; an index
+    into a dimension of size 1 that broadcasts is multiplied by 0 (a constant of the modifier)."""
+    from .modifiers import MaskMod, ScoreMod
+
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"attn_mask must be a torch.Tensor; got {type(attn_mask).__name__}")
+    if attn_mask.device != query.device:
+        raise ValueError(f"attn_mask is on {attn_mask.device} but query is on {query.device}")
+    if not 2 <= attn_mask.dim() <= 4:
+        raise ValueError(f"attn_mask must have 2 to 4 dimensions (as in SDPA), broadcastable to (batch, nheads, seqlen_q, "
+                         f"seqlen_k) = {shape}; got shape {tuple(attn_mask.shape)}")
+    mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+    if any(size not in (1, want) for size, want in zip(mask.shape, shape)):
+        raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to (batch, nheads, "
+                         f"seqlen_q, seqlen_k) = {shape}")
+    fb, fh, fq, fk = (1 if size == want else 0 for size, want in zip(mask.shape, shape))
+    if attn_mask.dtype == torch.bool:
+        def sdpa_mask(b, h, q_idx, kv_idx, mask):
+            return mask[b * fb, h * fh, q_idx * fq, kv_idx * fk]
+
+        return dict(mask_mod=MaskMod(sdpa_mask, mask=mask.contiguous()))
+    if not attn_mask.is_floating_point():
+        raise TypeError(f"attn_mask must be bool or floating; got {attn_mask.dtype}")
+    if attn_mask.requires_grad and torch.is_grad_enabled():
+        raise NotImplementedError("a gradient for a float attn_mask: cupyflash adds it as a constant bias (pass "
+                                  "attn_mask.detach())")
+
+    def sdpa_bias(score, b, h, q_idx, kv_idx, bias):
+        return score + bias[b * fb, h * fh, q_idx * fq, kv_idx * fk]
+
+    bias_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    return dict(score_mod=ScoreMod(sdpa_bias, bias=mask.detach().to(bias_dtype).contiguous()))

@@ -319,8 +319,8 @@ def test_sdpa_helper_errors():
         scaled_dot_product_attention(q, k, k)
     with pytest.raises(NotImplementedError, match="top-left"):
         scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True)
-    with pytest.raises(NotImplementedError, match="attn_mask"):
-        scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(5, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match="attn_mask and is_causal cannot be combined"):
+        scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(5, 5, dtype=torch.bool), is_causal=True)
     with pytest.raises(ValueError, match="query must be a 4-d tensor"):
         scaled_dot_product_attention(q[0], q, q)
 

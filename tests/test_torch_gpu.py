@@ -9,6 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import cupyflash  # noqa: E402
+import cupyflash._dtypes  # noqa: E402
 from cupyflash.torch import flash_attn_func, scaled_dot_product_attention  # noqa: E402
 from cupyflash.backward_plans import own_forward_statistics  # noqa: E402
 
@@ -526,3 +527,31 @@ def test_qkvpacked_equals_the_unpacked_call_on_cuda(dtype):
     assert dqkv.shape == packed.shape
     for i in range(3):
         assert torch.equal(dqkv[:, :, i], want[i]), f"d{'qkv'[i]} differs"
+
+
+@pytest.mark.parametrize("mask_kind", ["bool_padding", "float_bias"])
+def test_sdpa_attn_mask_on_cuda(mask_kind):
+    """SDPA's attn_mask through the modifiers on the kernels: a bool padding mask (batch, 1, 1,
+    seqlen_k) and a float bias (seqlen_q, seqlen_k) with -inf entries, bf16, against torch's SDPA in
+    float64 under the tolerance rule (torch's own bf16 SDPA the baseline), outputs and gradients
+    finite."""
+    from cupyflash.testing.tolerance import OUTPUT_FACTOR, assert_close
+
+    generator = torch.Generator(device="cuda").manual_seed(11)
+    q, k, v = (torch.randn((2, 8, 300, 64), generator=generator, device="cuda").to(torch.bfloat16)
+               .requires_grad_() for _ in range(3))
+    if mask_kind == "bool_padding":
+        mask = torch.ones((2, 1, 1, 300), dtype=torch.bool, device="cuda")
+        mask[1, ..., 170:] = False
+    else:
+        mask = torch.randn((300, 300), generator=generator, device="cuda")
+        mask[torch.rand((300, 300), generator=generator, device="cuda") > 0.9] = -float("inf")
+    o = scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    grads = torch.autograd.grad(o.float().sum(), (q, k, v))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    as_dtype = (lambda m, dtype: m) if mask.dtype == torch.bool else (lambda m, dtype: m.to(dtype))
+    o64 = sdpa(*(x.detach().double() for x in (q, k, v)), attn_mask=as_dtype(mask, torch.float64))
+    o16 = sdpa(*(x.detach() for x in (q, k, v)), attn_mask=as_dtype(mask, torch.bfloat16))
+    assert_close("o", o.detach().float().cpu().numpy(), o64.cpu().numpy(), o16.float().cpu().numpy(),
+                 dtype=np.dtype(cupyflash._dtypes.bfloat16), factor=OUTPUT_FACTOR)
+    assert all(torch.isfinite(g).all() for g in grads)
