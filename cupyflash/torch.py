@@ -712,22 +712,25 @@ def ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Fals
     later runs the backward with the others.
 
     q: (batch, seqlen / P, nheads, headdim), k, v: (batch, seqlen / P, nheads_kv, headdim); out like
-    q (this rank's rows). ``causal``, ``window_size``, ``softcap`` and ``sink`` are the whole
-    sequence's, as flash_attn_func takes them (cupyflash.distributed.ring_flash_attn_func); the
+    q (this rank's rows). ``causal``, ``window_size``, ``softcap``, ``alibi_slopes`` (not
+    differentiated, as in flash-attn) and ``sink`` are the whole sequence's, as flash_attn_func
+    takes them (cupyflash.distributed.ring_flash_attn_func); the
     sink's gradient is this rank's share (the sum over its rows): a data-parallel reduction over
     the ring's ranks sums them, as it does for any parameter every rank holds. Returns out, or with
     ``return_attn_probs`` (out, softmax_lse, an empty tensor). Not supported, a NotImplementedError:
-    dropout_p != 0 and alibi_slopes (docs/context-parallelism.md, "What composes"), a gradient
+    dropout_p != 0 (docs/context-parallelism.md, "What composes"), a gradient
     through softmax_lse, and a LocalRing's ranks on CUDA tensors with gradients (torch runs a
     process's CUDA backward on one thread, where the ranks' collective steps cannot meet; CPU
     tensors run theirs on the calling threads).
     """
     _check_tensors(q, k, v)
-    _unsupported(dropout_p=float(dropout_p) != 0.0, alibi_slopes=alibi_slopes is not None)
-    _check_variant_tensors(q, softcap, None, sink)
+    _unsupported(dropout_p=float(dropout_p) != 0.0)
+    _check_variant_tensors(q, softcap, alibi_slopes, sink)
     window_left, window_right = check_window(window_size)
     options = dict(softmax_scale=_scale(softmax_scale, q.shape[3]), causal=bool(causal),
                    window_size=(window_left, window_right), softcap=float(softcap), layout=layout)
+    if alibi_slopes is not None:  # read by the steps' kernels, never differentiated
+        options["alibi_slopes"] = _as_array(alibi_slopes.contiguous())
     differentiable = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v, sink))
     o, lse = _EagerAttention.apply(q, k, v, sink, _RingCalls(_ring_comm(comm, group, q.device, differentiable),

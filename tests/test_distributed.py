@@ -482,3 +482,99 @@ def test_the_rule_fails_a_ring_that_drops_a_step(monkeypatch):
     o, lse, dq, dk, dv = run_ring(problem, 2, "contiguous")
     with pytest.raises(AssertionError, match="o \\(bfloat16\\)"):
         assert_ring_close(problem, 2, "contiguous", o, lse, (dq, dk, dv))
+
+
+# --- ALiBi on the ring ----------------------------------------------------------------------------
+
+def _global_positions(rank, size, length, layout):
+    """The whole sequence's position of each local row of rank's shard."""
+    if layout == "zigzag":
+        c = length // 2
+        return np.concatenate([rank * c + np.arange(c), (2 * size - 1 - rank) * c + np.arange(c)])
+    return rank * length + np.arange(length)
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("causal, window", [(False, (-1, -1)), (True, (-1, -1)), (True, (5, 0)), (False, (3, 7))])
+def test_per_chunk_blocks_know_the_whole_sequences_distance(layout, causal, window):
+    """ring_schedule(per_chunk=True): every block lies in one query chunk and one key chunk, the
+    blocks still cover every visible pair once, and each block's distance is i - j of the whole
+    sequence minus the block's own q_idx - kv_idx, for every pair of it."""
+    length = 6  # each shard's rows (zigzag: two chunks of 3)
+    for size in (1, 2, 3, 4):
+        for rank in range(size):
+            rows_g = _global_positions(rank, size, length, layout)
+            seen = {}
+            for step in ring_schedule(rank, size, length, causal=causal, window_size=window, layout=layout,
+                                      per_chunk=True):
+                keys_g = _global_positions(step.source, size, length, layout)
+                for block in step.blocks:
+                    assert block.distance is not None
+                    i = np.arange(*block.rows)[:, None]
+                    j = np.arange(*block.keys)[None, :]
+                    want = rows_g[i] - keys_g[j]
+                    assert (want == (i - block.rows[0]) - (j - block.keys[0]) + block.distance).all()
+                    visible = reference.visible_keys(block.rows[1] - block.rows[0], block.keys[1] - block.keys[0],
+                                                     block.causal, block.window_size)
+                    for a, b in zip(*np.nonzero(visible)):
+                        pair = (int(rows_g[block.rows[0] + a]), int(keys_g[block.keys[0] + b]))
+                        assert pair not in seen
+                        seen[pair] = True
+            total = reference.visible_keys(size * length, size * length, causal, window)[rows_g].sum()
+            assert len(seen) == total
+
+
+@given(ring_problems(dtypes=(F32, F64)), st.booleans(), st.data())
+def test_alibi_on_the_ring_is_the_whole_sequences(case, per_batch, data):
+    """alibi_slopes through the ring (a score_mod per block at the whole sequence's distance, the cap
+    first when there is one) equals one flash_attn_func / flash_attn_backward with alibi_slopes over
+    the whole sequence (the NumPy twin), and float64's the reference."""
+    problem, size, layout, softcap = case
+    if problem.seqlen_k != problem.seqlen_q:
+        problem = replace(problem, seqlen_k=problem.seqlen_q)
+    seed = data.draw(st.integers(0, 2**32 - 1), label="slopes seed")
+    shape = (problem.batch, problem.nheads) if per_batch else (problem.nheads,)
+    slopes = np.random.default_rng(seed).uniform(0.0, 0.5, shape).astype(np.float32)
+    shard, unshard = shard_functions(layout)
+    arrays = problem.arrays()
+    q_s, k_s, v_s, do_s = (shard(x, size) for x in arrays)
+    options = dict(softmax_scale=problem.softmax_scale, causal=problem.causal, window_size=problem.window_size,
+                   softcap=softcap, alibi_slopes=slopes, backend="numpy")
+
+    def rank_main(comm):
+        r = comm.rank
+        o, lse = ring_flash_attn_func(q_s[r], k_s[r], v_s[r], comm=comm, return_lse=True, layout=layout, **options)
+        return (o, lse, *ring_flash_attn_backward(do_s[r], q_s[r], k_s[r], v_s[r], o, lse, comm=comm, layout=layout,
+                                                  **options))
+
+    per_rank = LocalRing(size).run(rank_main)
+    ring = [unshard([result[i] for result in per_rank], axis=2 if i == 1 else 1) for i in range(5)]
+    q, k, v, do = arrays
+    o, lse = flash_attn_func(q, k, v, return_lse=True, **options)
+    whole = [o, lse, *flash_attn_backward(do, q, k, v, o, lse, **options)]
+    # dq and dk cancel to 0 where a row sees one key; their terms, and the noise those leave, are
+    # dv's size (the tolerance rule's scale, cupyflash.testing.tolerance.bound)
+    terms = np.abs(whole[4].astype(np.float64)).max(initial=0.0)
+    for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), ring, whole):
+        a, b = a.astype(np.float64), b.astype(np.float64)
+        rtol = 1e-11 if problem.dtype == F64 else 2e-5
+        scale = max(np.abs(b).max(initial=0.0), terms if name in ("dq", "dk") else 0.0)
+        assert np.abs(a - b).max(initial=0.0) <= rtol * (1 + scale), name
+    if problem.dtype == F64:
+        reference_options = {key: value for key, value in options.items() if key != "backend"}
+        o_ref, _ = reference.attention(q, k, v, **reference_options)
+        np.testing.assert_allclose(ring[0], o_ref, rtol=1e-10, atol=1e-10)
+
+
+def test_alibi_on_the_ring_says_what_it_cannot_take():
+    q = np.zeros((1, 4, 2, 8))
+    k = np.zeros((1, 6, 2, 8))
+
+    def rank_main(comm):
+        with pytest.raises(ValueError, match="alibi_slopes must be"):
+            ring_flash_attn_func(q, q, q, comm=comm, alibi_slopes=np.ones(3, np.float32), backend="numpy")
+        with pytest.raises(ValueError, match="q and k shards of one length"):
+            ring_flash_attn_func(q, k, k, comm=comm, alibi_slopes=np.ones(2, np.float32), backend="numpy")
+        return None
+
+    LocalRing(1).run(rank_main)

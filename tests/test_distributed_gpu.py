@@ -199,6 +199,43 @@ def test_the_one_gpu_ring_with_a_sink_matches_the_whole_sequence(dtype):
         assert np.abs(a - b).max() <= tolerance, (name, float(np.abs(a - b).max()), tolerance)
 
 
+@pytest.mark.parametrize("dtype, layout, mask", [("bfloat16", "zigzag", (True, (150, 0), 0.0)),
+                                                 ("float32", "zigzag", (True, (-1, -1), 20.0)),
+                                                 ("bfloat16", "contiguous", (False, (-1, -1), 0.0))])
+def test_the_one_gpu_ring_with_alibi_matches_the_whole_sequence(dtype, layout, mask):
+    """ALiBi on the ring (a score_mod per chunk-pair block at the whole sequence's distance, the
+    cap inside it): o, lse and gradients against one call with alibi_slopes on the whole sequence
+    (float32 noise; 16-bit: the ring's roundings, as above)."""
+    cupy = _cupy()
+    causal, window, softcap = mask
+    problem = problem_of(dtype, causal, window_size=window)
+    slopes = np.random.default_rng(4).uniform(0.0, 0.3, problem.nheads).astype(np.float32)
+    q, k, v, do = (cupy.asarray(x) for x in problem.arrays())
+    size = 2
+    shard, unshard = shard_functions(layout)
+    q_s, k_s, v_s, do_s = (shard(x, size) for x in (q, k, v, do))
+    options = dict(softmax_scale=problem.softmax_scale, causal=causal, window_size=window, softcap=softcap,
+                   alibi_slopes=cupy.asarray(slopes))
+
+    def rank_main(comm):
+        r = comm.rank
+        o, lse = ring_flash_attn_func(q_s[r], k_s[r], v_s[r], comm=comm, return_lse=True, layout=layout,
+                                      **options)
+        return (o, lse, *ring_flash_attn_backward(do_s[r], q_s[r], k_s[r], v_s[r], o, lse, comm=comm,
+                                                  layout=layout, **options))
+
+    with poisoned_outputs():
+        per_rank = LocalRing(size, cupy).run(rank_main)
+        ring = [unshard([result[i] for result in per_rank], axis=2 if i == 1 else 1) for i in range(5)]
+        o, lse = cupyflash.flash_attn_func(q, k, v, return_lse=True, **options)
+        whole = [o, lse, *cupyflash.flash_attn_backward(do, q, k, v, o, lse, **options)]
+    for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), ring, whole):
+        a, b = a.get().astype(np.float64), b.get().astype(np.float64)
+        assert np.isfinite(a).all(), name
+        tolerance = (4e-2 if problem.dtype in (BF16, F16) else 1e-4) * (1 + np.abs(b).max())
+        assert np.abs(a - b).max() <= tolerance, (name, float(np.abs(a - b).max()), tolerance)
+
+
 def test_the_one_gpu_ring_is_deterministic_and_the_overlap_changes_no_bit():
     problem = problem_of("bfloat16", True, seqlen=1024)
     first = run_gpu_ring(problem, 4, "zigzag")

@@ -468,8 +468,9 @@ def test_torch_compile_dynamic_sequence_lengths():
 # --- ring attention ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
-@pytest.mark.parametrize("mask", [dict(causal=True), dict(window_size=(5, 2), softcap=3.0), dict()],
-                         ids=["causal", "window_softcap", "full"])
+@pytest.mark.parametrize("mask", [dict(causal=True), dict(window_size=(5, 2), softcap=3.0), dict(),
+                                  dict(causal=True, softcap=4.0, alibi_slopes=torch.tensor([0.5, 0.1, 0.3, 0.02]))],
+                         ids=["causal", "window_softcap", "full", "causal_softcap_alibi"])
 def test_ring_autograd_matches_the_whole_sequence(mask, layout):
     """Three simulated ranks (LocalRing over NumPy, one thread each) run forward and backward through
     the torch autograd on their shards, with a sink; unsharded, out and the gradients (the sink's
@@ -511,8 +512,8 @@ def test_ring_autograd_refuses_what_the_ring_cannot_do():
     comm = LocalRing(1).comms[0]
     with pytest.raises(NotImplementedError, match="dropout_p"):
         ring_flash_attn_func(q, q, q, dropout_p=0.1, comm=comm)
-    with pytest.raises(NotImplementedError, match="alibi_slopes"):
-        ring_flash_attn_func(q, q, q, alibi_slopes=torch.ones(2), comm=comm)
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        ring_flash_attn_func(q, q, q, alibi_slopes=torch.ones(3), comm=comm)
     with pytest.raises(ValueError, match="CPU tensors need a comm"):
         ring_flash_attn_func(q, q, q)
     with pytest.raises(ValueError, match="comm or group"):

@@ -44,7 +44,7 @@ for a given P. Every rank must hold shards of one shape.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -52,6 +52,8 @@ from .._dtypes import lse_dtype
 from ..api import flash_attn_backward, flash_attn_func
 from ..masks import check_window
 from ..merge import merge_attention_states
+from ..modifiers import ScoreMod
+from ..modifiers import tanh as _tanh
 from ..scores import sink_grad
 
 __all__ = ["RingStep", "RingBlock", "ring_schedule", "ring_flash_attn_func", "ring_flash_attn_backward",
@@ -72,6 +74,10 @@ class RingBlock:
     keys: tuple[int, int]
     causal: bool = False
     window_size: tuple[int, int] = (-1, -1)
+    # For a block inside one query chunk and one key chunk: the whole sequence's i - j of a pair
+    # minus the block's own q_idx - kv_idx (ALiBi's distance there, ring_flash_attn_func); None for
+    # a block over more than one chunk pair, where no one number gives it.
+    distance: int | None = field(default=None, compare=False)
 
     @property
     def row_slice(self) -> slice:
@@ -141,6 +147,8 @@ def _rect_block(row_chunks, key_chunks, band) -> RingBlock | None | bool:
         return False
     r0, r1 = row_chunks[0].begin, row_chunks[-1].end
     k0, k1 = key_chunks[0].begin, key_chunks[-1].end
+    if band == (-INF, INF):  # no mask: the whole rectangle
+        return RingBlock((r0, r1), (k0, k1), distance=_distance(row_chunks, key_chunks, r0, k0))
     lo, hi = _clip(candidate, *_offsets((r0, r1), (k0, k1)))
     lo = -INF if lo <= k0 - (r1 - 1) else lo  # a side the rectangle never reaches is no bound
     hi = INF if hi >= (k1 - 1) - r0 else hi
@@ -154,17 +162,27 @@ def _rect_block(row_chunks, key_chunks, band) -> RingBlock | None | bool:
     right = -1 if hi == INF else (hi - ka + ra) - diag
     if left < -1 or right < -1 or (left == -1 and lo != -INF) or (right == -1 and hi != INF):
         return False
+    distance = _distance(row_chunks, key_chunks, ra, ka)
     if (left, right) == (-1, 0):
-        return RingBlock((ra, rb), (ka, kb), causal=True)
-    return RingBlock((ra, rb), (ka, kb), window_size=(int(left), int(right)))
+        return RingBlock((ra, rb), (ka, kb), causal=True, distance=distance)
+    return RingBlock((ra, rb), (ka, kb), window_size=(int(left), int(right)), distance=distance)
 
 
-def _step_blocks(row_chunks, key_chunks, band) -> tuple[RingBlock, ...]:
+def _distance(row_chunks, key_chunks, ra: int, ka: int) -> int | None:
+    """RingBlock.distance of a block whose first row and key are local ra and ka."""
+    if len(row_chunks) != 1 or len(key_chunks) != 1:
+        return None
+    a, b = row_chunks[0], key_chunks[0]
+    return int((a.start + ra - a.begin) - (b.start + ka - b.begin))
+
+
+def _step_blocks(row_chunks, key_chunks, band, per_chunk: bool = False) -> tuple[RingBlock, ...]:
     """The fewest blocks this tries for a step: the whole rectangle, then split by key chunks,
     by query chunks, then every chunk pair on its own (always possible: one pair's mask is one
-    band)."""
+    band); with ``per_chunk`` every chunk pair on its own at once."""
     whole, each = lambda chunks: [tuple(chunks)], lambda chunks: [(c,) for c in chunks]
-    for rows_of, keys_of in ((whole, whole), (whole, each), (each, whole), (each, each)):
+    forms = ((each, each),) if per_chunk else ((whole, whole), (whole, each), (each, whole), (each, each))
+    for rows_of, keys_of in forms:
         blocks = [_rect_block(rows, keys, band) for rows in rows_of(row_chunks) for keys in keys_of(key_chunks)]
         if all(b is not False for b in blocks):
             return tuple(b for b in blocks if b is not None)
@@ -172,7 +190,7 @@ def _step_blocks(row_chunks, key_chunks, band) -> tuple[RingBlock, ...]:
 
 
 def ring_schedule(rank: int, size: int, length: int, *, causal: bool = False, window_size=(-1, -1),
-                  layout: str = "zigzag", key_length: int | None = None) -> list:
+                  layout: str = "zigzag", key_length: int | None = None, per_chunk: bool = False) -> list:
     """The P steps of ``rank`` (a RingStep each) for shards of ``length`` query rows (and
     ``key_length`` keys, default the same).
 
@@ -182,20 +200,23 @@ def ring_schedule(rank: int, size: int, length: int, *, causal: bool = False, wi
     query chunk and a key chunk sees a band of the keys: the step computes it in as few blocks as
     one flash-attn mask per block allows, each cut to the rows that see a key and the keys seen.
     Zigzag causal gives the balanced C x 2C blocks of the module's docstring; a window gives the
-    few blocks near the diagonal, and no block at all on steps whose keys lie outside it."""
+    few blocks near the diagonal, and no block at all on steps whose keys lie outside it.
+    ``per_chunk``: every block inside one query chunk and one key chunk, so that each has its
+    RingBlock.distance (ALiBi's), at the cost of more, smaller blocks (zigzag: up to four a step)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     left, right = check_window(window_size)
     key_length = length if key_length is None else key_length
     masked = causal or (left, right) != (-1, -1)
-    if not masked:
+    if not masked and not per_chunk:
         return [RingStep((rank - t) % size, (RingBlock((0, length), (0, key_length)),)) for t in range(size)]
     band = (-INF if left < 0 else -left, 0 if causal else INF if right < 0 else right)
     rows = _chunks(rank, size, length, layout)
     steps = []
     for t in range(size):
         source = (rank - t) % size
-        steps.append(RingStep(source, _step_blocks(rows, _chunks(source, size, key_length, layout), band)))
+        key_chunks = _chunks(source, size, key_length, layout)
+        steps.append(RingStep(source, _step_blocks(rows, key_chunks, band, per_chunk)))
     return steps
 
 
@@ -256,8 +277,40 @@ def _next_kv(comm, xp, held, spare, t: int, overlap: bool):
     return pending, spare[t % 2]
 
 
+def _check_slopes(xp, alibi_slopes, batch: int, nheads: int):
+    """ALiBi's slopes as (1 or batch, nheads) float32, or None."""
+    if alibi_slopes is None:
+        return None
+    slopes = xp.asarray(alibi_slopes)
+    if slopes.dtype != np.float32 or slopes.shape not in ((nheads,), (batch, nheads)):
+        raise ValueError(f"alibi_slopes must be ({nheads},) or ({batch}, {nheads}) float32 (flash-attn's), got "
+                         f"{slopes.dtype} {slopes.shape}")
+    return xp.ascontiguousarray(slopes.reshape(-1, nheads))
+
+
+def _block_variant(xp, block: RingBlock, slopes, softcap) -> dict:
+    """flash_attn_func's variant keywords for one block: ``softcap`` as it is; with ALiBi slopes a
+    score_mod that applies the cap (if any) and then the bias at the whole sequence's distance,
+    i - j = q_idx - kv_idx + block.distance (the built-in ALiBi measures from the block's own
+    diagonal). One kernel serves every block: the distance is a tensor the score_mod reads."""
+    if slopes is None:
+        return dict(softcap=softcap)
+    assert block.distance is not None, block  # ring_schedule(per_chunk=True) gives every block one
+    by_batch = 1 if slopes.shape[0] > 1 else 0
+    offset = xp.asarray([block.distance], dtype=np.int32)
+    cap = float(softcap)
+    if cap:
+        def ring_alibi(score, b, h, q_idx, kv_idx, slopes, offset):
+            return cap * _tanh(score / cap) - slopes[b * by_batch, h] * abs(q_idx - kv_idx + offset[0])
+    else:
+        def ring_alibi(score, b, h, q_idx, kv_idx, slopes, offset):
+            return score - slopes[b * by_batch, h] * abs(q_idx - kv_idx + offset[0])
+    return dict(score_mod=ScoreMod(ring_alibi, slopes=slopes, offset=offset))
+
+
 def ring_flash_attn_func(q, k, v, *, comm, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                         sink=None, layout="zigzag", return_lse=False, backend="auto", overlap=True):
+                         alibi_slopes=None, sink=None, layout="zigzag", return_lse=False, backend="auto",
+                         overlap=True):
     """Attention of this rank's query shard over the whole sharded sequence.
 
     q: (batch, seqlen_local, nheads, headdim), k, v: (batch, seqlen_local_k, nheads_kv, headdim)
@@ -266,7 +319,11 @@ def ring_flash_attn_func(q, k, v, *, comm, softmax_scale=None, causal=False, win
     ``window_size`` (flash-attn's sliding window, -1: that side unbounded): the mask of the whole
     sequence, which must then be self-attention sharded by ``layout`` ("zigzag", default, or
     "contiguous"); ring_schedule cuts each step into blocks with flash-attn masks of their own.
-    ``softcap``: flash_attn_func's, on every score. ``sink`` ((nheads,) float32, gpt-oss's
+    ``softcap``: flash_attn_func's, on every score. ``alibi_slopes`` ((nheads,) or (batch, nheads)
+    float32, flash-attn's): the bias -slope |i - j| of the whole sequence's positions (self-attention
+    or equal shards); each step then runs a block per chunk pair (ring_schedule's per_chunk) through
+    a score_mod that knows the block's distance (and applies the cap first, as flash-attn orders
+    them). ``sink`` ((nheads,) float32, gpt-oss's
     attention sinks, every rank the same): joins each row's denominator once, after the last step
     (lse includes it, as flash_attn_func's). Returns o (like q, this rank's rows), or (o, lse) with
     lse (batch, nheads, seqlen_local) float32 (float64 for float64). ``backend``:
@@ -276,10 +333,12 @@ def ring_flash_attn_func(q, k, v, *, comm, softmax_scale=None, causal=False, win
     _check(comm, {"q": q, "k": k, "v": v}, causal, window_size, layout)
     xp = comm.xp
     sink = _check_sink(xp, sink, q.shape[2])
+    slopes = _check_slopes(xp, alibi_slopes, q.shape[0], q.shape[2])
+    _check_alibi_shards(slopes, q, k)
     scale = _scale(softmax_scale, q.shape[3])
     acc = lse_dtype(q.dtype)
     steps = ring_schedule(comm.rank, comm.size, q.shape[1], causal=causal, window_size=window_size, layout=layout,
-                          key_length=k.shape[1])
+                          key_length=k.shape[1], per_chunk=slopes is not None)
     held, spare = _kv_ring(xp, k, v)
     o_acc = lse_acc = None
     for t, step in enumerate(steps):
@@ -289,8 +348,9 @@ def ring_flash_attn_func(q, k, v, *, comm, softmax_scale=None, causal=False, win
         for block in step.blocks:
             rows, keys = block.row_slice, block.key_slice
             o_t, lse_t = flash_attn_func(q[:, rows], held[0][:, keys], held[1][:, keys], softmax_scale=scale,
-                                         causal=block.causal, window_size=block.window_size, softcap=softcap,
-                                         return_lse=True, backend=backend)
+                                         causal=block.causal, window_size=block.window_size,
+                                         **_block_variant(xp, block, slopes, softcap), return_lse=True,
+                                         backend=backend)
             if o_acc is None and block.rows == (0, q.shape[1]):  # the first block, every row: taken as it is
                 o_acc, lse_acc = o_t.astype(acc), lse_t.astype(acc, copy=True)
                 continue
@@ -336,9 +396,15 @@ def _add_sink(xp, o_acc, lse_acc, sink):
     return o_acc, lse_new
 
 
+def _check_alibi_shards(slopes, q, k) -> None:
+    if slopes is not None and q.shape[1] != k.shape[1]:
+        raise ValueError(f"ring attention with alibi_slopes measures i - j on one sequence: q and k shards of one "
+                         f"length, got {q.shape[1]} and {k.shape[1]}")
+
+
 def ring_flash_attn_backward(dout, q, k, v, out, softmax_lse, *, comm, softmax_scale=None, causal=False,
-                             window_size=(-1, -1), softcap=0.0, sink=None, layout="zigzag", backend="auto",
-                             deterministic=True, overlap=True):
+                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sink=None, layout="zigzag",
+                             backend="auto", deterministic=True, overlap=True):
     """(dq, dk, dv) of this rank's shards, from ring_flash_attn_func's o and lse (this rank's);
     with a ``sink``, (dq, dk, dv, dsink), dsink (nheads,) float32 this rank's share: the sum over
     its rows of flash_attn_backward's dsink, to be summed over the ranks (as a data-parallel
@@ -358,10 +424,12 @@ def ring_flash_attn_backward(dout, q, k, v, out, softmax_lse, *, comm, softmax_s
                          f"{softmax_lse.shape} must be {(batch, nheads, seqlen)}")
     xp = comm.xp
     sink = _check_sink(xp, sink, nheads)
+    slopes = _check_slopes(xp, alibi_slopes, batch, nheads)
+    _check_alibi_shards(slopes, q, k)
     scale = _scale(softmax_scale, q.shape[3])
     acc = lse_dtype(q.dtype)
     steps = ring_schedule(comm.rank, comm.size, seqlen, causal=causal, window_size=window_size, layout=layout,
-                          key_length=k.shape[1])
+                          key_length=k.shape[1], per_chunk=slopes is not None)
     held, spare = _kv_ring(xp, k, v)
     dq_acc = xp.zeros(q.shape, acc)
     # Two (dk, dv) accumulators: the one of the K/V held, and the one arriving from rank r - 1.
@@ -376,8 +444,8 @@ def ring_flash_attn_backward(dout, q, k, v, out, softmax_lse, *, comm, softmax_s
             rows, keys = block.row_slice, block.key_slice
             grads.append((rows, keys, flash_attn_backward(
                 dout[:, rows], q[:, rows], held[0][:, keys], held[1][:, keys], out[:, rows], softmax_lse[:, :, rows],
-                softmax_scale=scale, causal=block.causal, window_size=block.window_size, softcap=softcap,
-                backend=backend, deterministic=deterministic)))
+                softmax_scale=scale, causal=block.causal, window_size=block.window_size,
+                **_block_variant(xp, block, slopes, softcap), backend=backend, deterministic=deterministic)))
         if dkv_pending is not None:
             dkv_pending.wait()  # the accumulator of the K/V held, with ranks r - t .. r - 1's parts
         dk_acc, dv_acc = dkv[t % 2]
@@ -405,7 +473,7 @@ def ring_flash_attn_backward(dout, q, k, v, out, softmax_lse, *, comm, softmax_s
 
 def ring_flash_attn_vjp(q, k, v, *, comm, **options):
     """(o, vjp) with vjp(do) -> (dq, dk, dv), all this rank's shards: ring_flash_attn_func's
-    options (softmax_scale, causal, window_size, softcap, sink, layout, backend, overlap);
+    options (softmax_scale, causal, window_size, softcap, alibi_slopes, sink, layout, backend, overlap);
     ``deterministic`` goes to the backward (with a sink, vjp returns this rank's dsink share too)."""
     deterministic = options.pop("deterministic", True)
     if "return_lse" in options:
