@@ -36,7 +36,9 @@ cuts every block to the rows that see a key and the keys seen, where the band's 
 the block's own bottom-right diagonal, and keeps the fewest such blocks (RingBlock: rows, keys and
 the block's own causal / window_size). ``softcap`` goes to every step as it is; a ``sink`` joins
 each row's softmax once, after the last step, by the same LSE rule (the backward's steps need
-nothing of it: the global lse includes it).
+nothing of it: the global lse includes it). ALiBi's bias needs the sequence's distance i - j, which
+a block's own diagonal gives only where its mask put it: with ``alibi_slopes`` every block lies in
+one chunk pair (``per_chunk``) and runs a score_mod that reads its RingBlock.distance.
 
 Sums run in a fixed order (step order, deterministic kernels), so results are bitwise repeatable
 for a given P. Every rank must hold shards of one shape.
