@@ -292,6 +292,50 @@ def test_contiguous_cache_rows_and_an_int_length_replay_in_a_graph():
         assert_same_bytes("cache", c.get(), m.get())
 
 
+def test_a_decode_step_with_rotary_and_leftpad_replays_with_growing_caches():
+    """Rotary embeddings (positions from the device lengths) and left-padded sequences in a captured
+    decode step: replays while the sequences grow, against eager no_host_sync calls on a mirror,
+    bit for bit, the caches too."""
+    import cupy
+
+    rng = np.random.default_rng(12)
+    batch, capacity, heads_kv, group, dim = 3, 256, 2, 4, 128
+    caches = [cupy.asarray(rng.standard_normal((batch, capacity, heads_kv, dim)).astype(BF16)) for _ in range(2)]
+    mirror = [c.copy() for c in caches]
+    theta = rng.uniform(0, 2 * np.pi, (capacity, dim // 4))
+    cos, sin = (cupy.asarray(f(theta).astype(BF16)) for f in (np.cos, np.sin))
+    leftpad = cupy.asarray(np.array([0, 7, 30], np.int32))
+    seqlens = cupy.asarray(np.array([10, 40, 31], np.int32))
+    seqlens_mirror = seqlens.copy()
+    q = cupy.empty((batch, 1, heads_kv * group, dim), BF16)
+    kv = cupy.empty((2, batch, 1, heads_kv, dim), BF16)
+
+    def step(pair, lengths):
+        out = cupyflash.flash_attn_with_kvcache(q, pair[0], pair[1], kv[0], kv[1], cache_seqlens=lengths,
+                                                cache_leftpad=leftpad, rotary_cos=cos, rotary_sin=sin,
+                                                rotary_interleaved=False, causal=True, return_lse=True)
+        lengths += 1
+        return out
+
+    q[...] = cupy.asarray(rng.standard_normal(q.shape).astype(BF16))
+    kv[...] = cupy.asarray(rng.standard_normal(kv.shape).astype(BF16))
+    with cupyflash.no_host_sync():
+        step(mirror, seqlens_mirror)
+    graph, captured, stream = _capture(lambda: step(caches, seqlens))
+    sentinels = Sentinels(cupy)
+    for trial in range(3):
+        q[...] = cupy.asarray(rng.standard_normal(q.shape).astype(BF16))
+        kv[...] = cupy.asarray(rng.standard_normal(kv.shape).astype(BF16))
+        _replay(graph, stream)
+        with cupyflash.no_host_sync():
+            expected = step(mirror, seqlens_mirror)
+        assert sentinels.intact(), trial
+        assert all(_same_bits(a, b) for a, b in zip(captured, expected)), trial
+        assert (seqlens == seqlens_mirror).all()
+    for c, m in zip(caches, mirror):
+        assert_same_bytes("cache", c.get(), m.get())
+
+
 # --- errors ---------------------------------------------------------------------------------------
 
 def test_host_arrays_and_the_numpy_backend_are_refused_under_capture():
