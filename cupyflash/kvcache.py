@@ -420,8 +420,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
                 raise ValueError(f"{name} is read-only; k and v are appended to it in place")
     if rotary is not None:  # new arrays: the caller's q and k stay as they are; positions are the cache's
         ends = layout.starts + layout.old_lengths
-        k = rotary.apply(k, rotary.positions(ends, new_tokens, per_token=True))
-        q = rotary.apply(q, rotary.positions(ends, seqlen_q, _rotary_per_token(causal, window, layout.capacity)))
+        k = rotary.turn(k, ends, per_token=True)
+        q = rotary.turn(q, ends, _rotary_per_token(causal, window, layout.capacity))
     if batch * seqlen_q * nheads:
         if appending and new_tokens:
             A.check_scores_fit(q, k, scale)
@@ -667,8 +667,8 @@ def _attend_unread(backend, q, k_cache, v_cache, k, v, new_tokens: int, cache_se
         old_lengths = old_lengths - starts
     q = A.last_dim_contiguous(A.to_cupy(q, "q"))
     if rotary is not None:  # positions from the device lengths, unread
-        k = rotary.apply(A.to_cupy(k, "k"), rotary.positions(ends, new_tokens, per_token=True))
-        q = rotary.apply(q, rotary.positions(ends, seqlen_q, _rotary_per_token(causal, window, capacity)))
+        k = rotary.turn(A.to_cupy(k, "k"), ends, per_token=True)
+        q = rotary.turn(q, ends, _rotary_per_token(causal, window, capacity))
     if any((st // q.itemsize) % 8 for st in q.strides[:3]) or q.data.ptr % 16:
         q = cupy.ascontiguousarray(q)
     seqlens_k = old_lengths

@@ -8,7 +8,8 @@ entries of a q or k row form rotary_dim / 2 pairs (x1, x2), each turned by the a
 
 with pair i = (x[2i], x[2i + 1]) when ``interleaved`` (GPT-J) and (x[i], x[i + rotary_dim / 2])
 otherwise (GPT-NeoX); entries past rotary_dim pass unchanged. Computed in float32 (float64 for
-float64) and rounded once to the input's dtype.
+float64) and rounded once to the input's dtype; on the GPU by kernels_cu/flash_rotary.cu, whose
+operations are ``apply_rotary``'s one for one (no FMA), so both give the same bits.
 
 Positions, as flash-attn takes them: the new keys of sequence b sit at cache_seqlens[b],
 cache_seqlens[b] + 1, ...; the queries too when the call is causal or has a window, and otherwise
@@ -41,9 +42,25 @@ class Rotary:
         offsets = xp.arange(tokens, dtype=np.int64)[None, :] if per_token else xp.zeros((1, tokens), np.int64)
         return start + offsets
 
+    def turn(self, x, starts, per_token: bool):
+        """x (batch, tokens, heads, headdim) turned with token t of sequence b at position
+        starts[b] + t (``per_token``) or starts[b], a new array of x's dtype and array module: on
+        the GPU one launch of kernels_cu/flash_rotary.cu (the array code's arithmetic, bit for bit),
+        on the host the array code."""
+        if isinstance(x, np.ndarray):
+            return self.apply(x, self.positions(np.asarray(starts), x.shape[1], per_token))
+        from .kernels import rotary
+
+        cupy = A._cupy()
+        tables = (cupy.ascontiguousarray(A.to_cupy(t, name)) for t, name in ((self.cos, "rotary_cos"),
+                                                                              (self.sin, "rotary_sin")))
+        starts = starts if not isinstance(starts, np.ndarray) else cupy.asarray(starts.astype(np.int32))
+        return rotary.rotate(A.last_dim_contiguous(x), *tables, cupy.ascontiguousarray(starts, dtype=np.int32),
+                             per_token=per_token, interleaved=self.interleaved)
+
     def apply(self, x, positions):
         """x (batch, tokens, heads, headdim) turned at ``positions`` (batch, tokens), a new array of
-        x's dtype and array module."""
+        x's dtype and array module, by the array code (the definition's operations in order)."""
         on_host = isinstance(x, np.ndarray)
         convert = A.to_numpy if on_host else A.to_cupy
         xp = np if on_host else A._cupy()

@@ -183,6 +183,17 @@ struct AppendParams {
     int batch, seqlen_new, nheads_kv, headdim, headdim_v;
 };
 
+// flash_rotary: rotary position embeddings of flash_attn_with_kvcache (cupyflash/rotary.py). Row
+// (b, t, head) of x is turned by the cos / sin rows of its position, starts[b] + t (per_token) or
+// starts[b], into the same row of out; cos and sin are (rows, half) C-contiguous, of x's type.
+struct RotaryParams {
+    TensorRows x, out;          // (batch, tokens, heads, headdim)
+    const void* cos;
+    const void* sin;
+    const int* starts;          // (batch,)
+    int batch, tokens, heads, headdim, half, per_token;
+};
+
 // flash_fwd_combine: o and lse of every (batch, head, query) row from its num_splits partial
 // results (CacheFwdParams' o_partial, lse_partial) by the LSE rule, the sink's term added once.
 struct CombineParams {

@@ -1,10 +1,10 @@
-"""Rotary embeddings in flash_attn_with_kvcache on the GPU. The rotation is cupyflash.rotary's
-array code, the same on CuPy as on NumPy (one elementwise kernel per operation, so no contraction
-changes a rounding): the cache's rotated keys equal the host rotation bitwise; the output equals the
-call without rotary on host-rotated q and k bitwise (the same kernel on the same inputs), on the
-KV-cache kernel (16-bit) and the per-sequence path (float32), contiguous and paged; the unread path
-(no_host_sync, device cache_seqlens) equals the checked one. CPU reference checks:
-tests/test_rotary.py.
+"""Rotary embeddings in flash_attn_with_kvcache on the GPU. The rotation is kernels_cu/flash_rotary.cu,
+whose arithmetic is cupyflash.rotary's array code operation for operation (no contraction into an
+FMA): the cache's rotated keys equal the host rotation (the array code on NumPy) bitwise; the output
+equals the call without rotary on host-rotated q and k bitwise (the same attention kernel on the
+same inputs), on the KV-cache kernel (16-bit) and the per-sequence path (float32, float64),
+contiguous and paged; the unread path (no_host_sync, device cache_seqlens) equals the checked one.
+CPU reference checks: tests/test_rotary.py.
 """
 from __future__ import annotations
 
@@ -39,7 +39,8 @@ def _inputs(dtype, paged, seed=0, batch=4, capacity=256, new=1, nheads=8, nheads
     return q, k_cache, v_cache, k, v, lengths, table, np.cos(theta).astype(dtype), np.sin(theta).astype(dtype)
 
 
-@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, np.float32], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, np.float32, np.float64],
+                         ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("interleaved", [True, False])
 def test_rotary_is_the_host_rotation_then_the_plain_call(dtype, paged, interleaved):

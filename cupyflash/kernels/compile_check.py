@@ -49,7 +49,7 @@ def all_specializations() -> list[Specialization]:
     from . import simt
 
     specs = list(simt.specializations())
-    for module_name in ("mma_fwd", "mma_bwd", "dmma", "merge", "kvcache_mma", "kvcache_append"):
+    for module_name in ("mma_fwd", "mma_bwd", "dmma", "merge", "kvcache_mma", "kvcache_append", "rotary"):
         try:
             module = __import__(f"cupyflash.kernels.{module_name}", fromlist=["specializations"])
         except ImportError:

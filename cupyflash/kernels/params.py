@@ -322,9 +322,14 @@ APPEND_PARAMS = np.dtype([*((name, TENSOR_ROWS) for name in ("k_new", "v_new", "
                           ("seqlen_new", np.int32), ("nheads_kv", np.int32), ("headdim", np.int32),
                           ("headdim_v", np.int32)], align=True)
 
+ROTARY_PARAMS = np.dtype([("x", TENSOR_ROWS), ("out", TENSOR_ROWS), ("cos", np.uint64), ("sin", np.uint64),
+                          ("starts", np.uint64), ("batch", np.int32), ("tokens", np.int32), ("heads", np.int32),
+                          ("headdim", np.int32), ("half", np.int32), ("per_token", np.int32)], align=True)
+
 _CPP_NAMES.update({FAST_DIVMOD: "cf::FastDivmod", CACHE_FWD_PARAMS: "cf::CacheFwdParams",
-                   COMBINE_PARAMS: "cf::CombineParams", APPEND_PARAMS: "cf::AppendParams"})
-__all__ += ["FAST_DIVMOD", "CACHE_FWD_PARAMS", "COMBINE_PARAMS", "APPEND_PARAMS", "fast_divmod"]
+                   COMBINE_PARAMS: "cf::CombineParams", APPEND_PARAMS: "cf::AppendParams",
+                   ROTARY_PARAMS: "cf::RotaryParams"})
+__all__ += ["FAST_DIVMOD", "CACHE_FWD_PARAMS", "COMBINE_PARAMS", "APPEND_PARAMS", "ROTARY_PARAMS", "fast_divmod"]
 
 
 def fast_divmod(divisor: int) -> tuple:

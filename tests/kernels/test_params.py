@@ -64,7 +64,9 @@ def test_one_kernel_per_file_named_after_it():
 
 
 # kernel name prefix -> its struct (the first match)
-DIRECTIONS = (("flash_fwd_kvcache", "CacheFwd"), ("flash_kvcache_append", "Append"), ("flash_fwd_combine", "Combine"), ("flash_fwd", "Fwd"), ("merge_", "Merge"), ("flash_block_map", "BlockMap"), ("", "Bwd"))
+DIRECTIONS = (("flash_fwd_kvcache", "CacheFwd"), ("flash_kvcache_append", "Append"), ("flash_fwd_combine", "Combine"),
+              ("flash_fwd", "Fwd"), ("merge_", "Merge"), ("flash_block_map", "BlockMap"), ("flash_rotary", "Rotary"),
+              ("", "Bwd"))
 
 
 def test_every_kernel_takes_one_params_struct():
