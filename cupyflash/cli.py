@@ -48,6 +48,8 @@ COMMANDS = (
             "(GPU and ncu; --model-only without)"),
     Command("tune", "cupyflash.bench.tune",
             "time every candidate tile configuration of the tensor-core kernels (GPU)"),
+    Command("plan", "cupyflash.plan_cli",
+            "which kernels a call launches, with which tiles, on a given GPU (no GPU needed)"),
 )
 
 DESCRIPTION = """\

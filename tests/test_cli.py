@@ -522,3 +522,55 @@ def test_the_documented_modules_have_a_main():
             imported = importlib.import_module(module.rstrip("."))
             if module != "cupyflash.bench":  # its __main__ runs the bench
                 assert callable(getattr(imported, "main", None)), f"{path.name}: {module}"
+
+
+# --- plan ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, kernels, wanted", [
+    (["--arch", "90", "--dtype", "bf16", "--headdim", "128", "--causal"], 4,
+     ["flash_fwd_wgmma_bf16_hdim128_causal", "flash_bwd_wgmma_bf16_hdim128_causal", "flash_bwd_dq_wgmma"]),
+    (["--arch", "80", "--dtype", "fp16", "--headdim", "64", "--window", "100", "0"], None,
+     ["flash_fwd_mma_fp16_hdim64_local", "kernels_cu/flash_fwd_mma.cu"]),
+    (["--arch", "90", "--dtype", "bf16", "--atomic"], None, ["'atomic' (atomic adds)"]),
+    (["--arch", "90", "--dtype", "fp32", "--statistics", "recomputed"], 4,
+     ["flash_fwd_tf32_fp32", "stats:", "flash_bwd_stats_simt_fp32"]),
+    (["--arch", "90", "--dtype", "fp64", "--headdim", "200"], None, ["flash_fwd_simt_fp64"]),
+])
+def test_plan_prints_what_the_plans_choose(argv, kernels, wanted, capsys):
+    """The plans' answer, no GPU: the specialization names are plan_forward's / plan_backward's."""
+    from cupyflash import plan_cli
+
+    assert cli.main(["plan", *argv]) == cli.EXIT_OK
+    out = capsys.readouterr().out
+    for text in wanted:
+        assert text in out, (text, out)
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("cupyflash plan: sm_")
+    if kernels is not None:
+        assert last.endswith(f"{kernels} kernels")
+    args = cli.command_parser("plan").parse_args(argv)
+    lines, count = plan_cli.describe(args.arch, plan_cli.SMEM_OPTIN[args.arch], args.dtype, args.headdim,
+                                     args.headdim_v, args.causal, args.window, not args.atomic, args.precision,
+                                     args.statistics)
+    assert "\n".join(lines) in out and last.endswith(f"{count} kernels")
+
+
+def test_plan_names_the_specializations_the_launchers_run():
+    from cupyflash.backward_plans import plan_backward
+    from cupyflash.masks import mask_for
+    from cupyflash.plans import plan_forward
+    from cupyflash._dtypes import SUPPORTED
+
+    lines, _ = __import__("cupyflash.plan_cli", fromlist=["describe"]).describe(
+        "90", 227 * 1024, "bfloat16", 64, None, True, (-1, -1), True)
+    mask = mask_for(True)
+    forward = plan_forward("90", SUPPORTED["bfloat16"], 64, mask, 227 * 1024)
+    backward = plan_backward("90", SUPPORTED["bfloat16"], 64, mask, 227 * 1024, True)
+    text = "\n".join(lines)
+    assert forward.spec.name in text and all(launch.spec.name in text for launch in backward.launches)
+
+
+def test_plan_refuses_what_no_plan_takes(capsys):
+    assert cli.main(["plan", "--dtype", "bf16", "--statistics", "recomputed"]) == cli.EXIT_USAGE
+    assert "no plan: cupyflash: statistics='recomputed'" in capsys.readouterr().out
+    assert cli.main(["plan", "--headdim", "300"]) == cli.EXIT_USAGE
