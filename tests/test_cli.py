@@ -556,13 +556,13 @@ def test_plan_prints_what_the_plans_choose(argv, kernels, wanted, capsys):
 
 
 def test_plan_names_the_specializations_the_launchers_run():
+    from cupyflash import plan_cli
+    from cupyflash._dtypes import SUPPORTED
     from cupyflash.backward_plans import plan_backward
     from cupyflash.masks import mask_for
     from cupyflash.plans import plan_forward
-    from cupyflash._dtypes import SUPPORTED
 
-    lines, _ = __import__("cupyflash.plan_cli", fromlist=["describe"]).describe(
-        "90", 227 * 1024, "bfloat16", 64, None, True, (-1, -1), True)
+    lines, _ = plan_cli.describe("90", 227 * 1024, "bfloat16", 64, None, True, (-1, -1), True)
     mask = mask_for(True)
     forward = plan_forward("90", SUPPORTED["bfloat16"], 64, mask, 227 * 1024)
     backward = plan_backward("90", SUPPORTED["bfloat16"], 64, mask, 227 * 1024, True)
