@@ -283,7 +283,8 @@ def test_nccl_ring_of_two_gpus():
         np.testing.assert_array_equal(a, b.get())
 
 
-@pytest.mark.parametrize("extra", [[], ["--window", "300", "0", "--softcap", "30"]], ids=["causal", "window_softcap"])
+@pytest.mark.parametrize("extra", [[], ["--window", "300", "0", "--softcap", "30"], ["--alibi"]],
+                         ids=["causal", "window_softcap", "causal_alibi"])
 def test_the_bench_runs_on_one_gpu(capsys, extra):
     """python -m cupyflash.distributed.bench --local: the bars' measurement, small, on one GPU; its
     rows agree with the whole sequence's."""

@@ -86,6 +86,9 @@ def _rank_bench(comm, config):
     whole = _inputs(config, cupy)
     q, k, v, do = (cupy.ascontiguousarray(shard(x, size, rank)) for x in whole)
     variant = dict(window_size=tuple(config.get("window_size", (-1, -1))), softcap=config.get("softcap", 0.0))
+    if config.get("alibi"):  # the ALiBi paper's slopes, 2^(-8 (h + 1) / heads)
+        heads = config["heads"]
+        variant["alibi_slopes"] = cupy.asarray(2.0 ** (-8.0 * np.arange(1, heads + 1) / heads), dtype=np.float32)
     options = dict(causal=config["causal"], layout=layout, **variant)
     marker, marker_in = cupy.zeros(1, np.float32), cupy.zeros(1, np.float32)
 
@@ -152,6 +155,7 @@ def main(argv=None) -> int:
     parser.add_argument("--window", type=int, nargs=2, default=(-1, -1), metavar=("LEFT", "RIGHT"),
                         help="flash-attn's window_size on the whole sequence (default: none)")
     parser.add_argument("--softcap", type=float, default=0.0)
+    parser.add_argument("--alibi", action="store_true", help="ALiBi slopes (the ALiBi paper's, per head)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--local", action="store_true", help="every rank on one GPU (LocalRing)")
     parser.add_argument("--check-every-rank", action="store_true",
@@ -161,7 +165,7 @@ def main(argv=None) -> int:
     config = dict(ranks=args.ranks, seqlen=args.seqlen, batch=args.batch, heads=args.heads, kv_heads=args.kv_heads,
                   headdim=args.headdim, dtype=parse_dtype_name(args.dtype), causal=not args.full,
                   repeats=args.repeats, seed=0, check_every_rank=args.check_every_rank, window_size=list(args.window),
-                  softcap=args.softcap)
+                  softcap=args.softcap, alibi=args.alibi)
     started = time.monotonic()
     if args.local:
         results = _local_bench(config)
