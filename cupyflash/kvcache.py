@@ -546,14 +546,17 @@ def _check_rotary(arguments, q, new_tokens: int, appending: bool, capacity: int,
     could take (the capacity, plus the queries past the new keys when each query takes its own)."""
     seqlen_q = q.shape[1]
     per_token = _rotary_per_token(causal, window, capacity)
+    # the farthest position turned, past a sequence's cached end: its last new key (new_tokens - 1),
+    # its last query (seqlen_q - 1 each its own, else 0: every query at the end itself)
+    past_end = max(new_tokens - 1, seqlen_q - 1 if per_token else 0)
     if ends is None:
-        past = max(0, seqlen_q - new_tokens) if per_token else 0
-        needed, why = capacity + past, (f"queries up to {past} positions past a full cache (the lengths stay on "
-                                        "the device, unread)")
+        past = max(0, past_end + 1 - new_tokens)
+        needed, why = capacity + past, (f"positions up to {past} past a full cache (the lengths stay on the "
+                                        "device, unread)")
     elif not ends.size:
         needed, why = 0, ""
     else:
-        last = ends + (max(seqlen_q, new_tokens) if per_token else new_tokens) - 1
+        last = ends + past_end
         b = int(np.argmax(last))
         needed = int(last[b]) + 1
         why = f"position {needed - 1} (sequence {b}: its cached tokens end at {int(ends[b])})"

@@ -9,7 +9,8 @@ entries of a q or k row form rotary_dim / 2 pairs (x1, x2), each turned by the a
 with pair i = (x[2i], x[2i + 1]) when ``interleaved`` (GPT-J) and (x[i], x[i + rotary_dim / 2])
 otherwise (GPT-NeoX); entries past rotary_dim pass unchanged. Computed in float32 (float64 for
 float64) and rounded once to the input's dtype; on the GPU by kernels_cu/flash_rotary.cu, whose
-operations are ``apply_rotary``'s one for one (no FMA), so both give the same bits.
+operations are ``apply_rotary``'s one for one (no FMA, subnormals kept), so both give the same
+bits (NaN payloads aside).
 
 Positions, as flash-attn takes them: the new keys of sequence b sit at cache_seqlens[b],
 cache_seqlens[b] + 1, ...; the queries too when the call is causal or has a window, and otherwise

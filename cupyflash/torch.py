@@ -865,6 +865,8 @@ def _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    _unsupported(**{"dropout_p with block_table": float(dropout_p) != 0.0,
+                    "score_mod / mask_mod / block_mask with block_table": any(m is not None for m in modifiers.values())})
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, sink) if t is not None):
         raise NotImplementedError("flash_attn_varlen_func with block_table (paged varlen) has no backward, as in "
                                   "flash-attn; call it under torch.no_grad() or on detached tensors")
@@ -1026,4 +1028,13 @@ def _sdpa_mask(attn_mask, shape, query) -> dict:
         return score + bias[b * fb, h * fh, q_idx * fq, kv_idx * fk]
 
     bias_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
-    return dict(score_mod=ScoreMod(sdpa_bias, bias=mask.detach().to(bias_dtype).contiguous()))
+    bias = mask.detach().to(bias_dtype)
+    # A finite "minus infinity" (torch.finfo(dtype).min, the usual padding value) would overflow to
+    # -inf once the kernels scale the score to log2 units, turning a row it hides entirely into a
+    # row that sees no key (0) where SDPA averages the values; -1e30 hides a key as surely and
+    # stays finite through the scaling. Real -inf entries stay -inf.
+    bias = torch.where(torch.isneginf(bias), bias, bias.clamp(min=-_SDPA_MASKED))
+    return dict(score_mod=ScoreMod(sdpa_bias, bias=bias.contiguous()))
+
+
+_SDPA_MASKED = 1e30  # the most negative finite bias kept (see _sdpa_mask)

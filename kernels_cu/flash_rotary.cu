@@ -4,8 +4,10 @@
 //
 // The arithmetic is the array code's, operation for operation: each pair (x1, x2) and its angle's
 // (c, s) widened to float32 (float64 for float64), x1 c - x2 s and x1 s + x2 c each as two
-// products and a sum rounded one at a time (the _rn intrinsics: no contraction into an FMA), then
-// rounded once to the element type. So a row turned here equals the NumPy twin's bit for bit.
+// products and a sum rounded one at a time (explicit mul.rn / add.rn / sub.rn: no contraction into
+// an FMA, and no .ftz, so subnormals survive as in NumPy although the library compiles with
+// -ftz=true), then rounded once to the element type. So a row turned here equals the NumPy form's
+// bit for bit (NaNs aside: their payload bits are the conversion's, not NumPy's).
 //
 // One CTA per (sequence, token) and head, its threads over the pairs and then the entries past
 // rotary_dim, which are copied.
@@ -16,12 +18,22 @@ namespace cf {
 
 constexpr int ROTARY_THREADS = 64;  // cupyflash/kernels/rotary.py's THREADS
 
-__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
-__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
-__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
-__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
-__device__ __forceinline__ float sub_rn(float a, float b) { return __fsub_rn(a, b); }
-__device__ __forceinline__ double sub_rn(double a, double b) { return __dsub_rn(a, b); }
+// One IEEE operation each, rounded to nearest, subnormals kept (PTX without .ftz).
+#define CF_ROTARY_OP(NAME, PTX)                                                         \
+    __device__ __forceinline__ float NAME(float a, float b) {                          \
+        float r;                                                                        \
+        asm(PTX ".rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));                      \
+        return r;                                                                       \
+    }                                                                                   \
+    __device__ __forceinline__ double NAME(double a, double b) {                       \
+        double r;                                                                       \
+        asm(PTX ".rn.f64 %0, %1, %2;" : "=d"(r) : "d"(a), "d"(b));                      \
+        return r;                                                                       \
+    }
+CF_ROTARY_OP(mul_rn, "mul")
+CF_ROTARY_OP(add_rn, "add")
+CF_ROTARY_OP(sub_rn, "sub")
+#undef CF_ROTARY_OP
 
 // INTERLEAVED: pairs (x[2i], x[2i + 1]) (GPT-J); otherwise (x[i], x[i + half]) (GPT-NeoX).
 template <typename T, bool INTERLEAVED>

@@ -575,6 +575,11 @@ def test_alibi_on_the_ring_says_what_it_cannot_take():
             ring_flash_attn_func(q, q, q, comm=comm, alibi_slopes=np.ones(3, np.float32), backend="numpy")
         with pytest.raises(ValueError, match="q and k shards of one length"):
             ring_flash_attn_func(q, k, k, comm=comm, alibi_slopes=np.ones(2, np.float32), backend="numpy")
+        odd = np.zeros((1, 3, 2, 8))  # zigzag chunks of 1.5 rows: positions would overlap
+        with pytest.raises(ValueError, match="even shard length"):
+            ring_flash_attn_func(odd, odd, odd, comm=comm, alibi_slopes=np.ones(2, np.float32), backend="numpy")
+        ring_flash_attn_func(odd, odd, odd, comm=comm, alibi_slopes=np.ones(2, np.float32), layout="contiguous",
+                             backend="numpy")
         return None
 
     LocalRing(1).run(rank_main)

@@ -127,3 +127,5 @@ def test_torch_front_end_forward_only():
         flash_attn_varlen_func(*tensors, 6, 6, block_table=torch.from_numpy(table))
     with torch.no_grad():
         flash_attn_varlen_func(*tensors, 6, 6, block_table=torch.from_numpy(table))
+        with pytest.raises(NotImplementedError, match="dropout_p with block_table"):
+            flash_attn_varlen_func(*tensors, 6, 6, dropout_p=0.1, block_table=torch.from_numpy(table))

@@ -130,6 +130,19 @@ def test_the_tables_must_cover_the_capacity_and_every_position_turned():
                                       rotary_sin=np.zeros((24, 4)), **dict(arguments, causal=False))
 
 
+def test_queries_at_a_full_caches_end_need_that_row():
+    """No new keys, not causal: every query turns at cache_seqlens[b]; with a full cache that is
+    position capacity, one past flash-attn's rule of capacity rows, so the tables must hold it."""
+    q, k_cache, v_cache, _, _, _, _ = _problem(seed=16)
+    empty = np.zeros((3, 0) + k_cache.shape[2:])
+    full = np.array([24, 3, 10], np.int32)
+    with pytest.raises(ValueError, match=r"turns position 24 \(sequence 0: its cached tokens end at 24\)"):
+        cupyflash.flash_attn_with_kvcache(q, k_cache, v_cache, empty, empty, cache_seqlens=full,
+                                          rotary_cos=np.ones((24, 4)), rotary_sin=np.zeros((24, 4)), backend="numpy")
+    cupyflash.flash_attn_with_kvcache(q, k_cache, v_cache, empty, empty, cache_seqlens=full,
+                                      rotary_cos=np.ones((25, 4)), rotary_sin=np.zeros((25, 4)), backend="numpy")
+
+
 @pytest.mark.parametrize("window_size, per_token", [((24, -1), False), ((-1, 30), False), ((23, -1), True),
                                                     ((-1, 0), True)])
 def test_a_window_side_past_the_capacity_is_no_window(window_size, per_token):

@@ -82,3 +82,26 @@ def test_unread_lengths_give_the_checked_result(paged):
                                                          cache_seqlens=device(lengths), **arguments)
     assert_same_bytes("o", cupy.asnumpy(o_unread), cupy.asnumpy(o_checked))
     assert_same_bytes("k_cache", unread_caches[0].get(), checked_caches[0].get())
+
+
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float32], ids=lambda d: np.dtype(d).name)
+def test_subnormals_survive_the_kernel_as_in_numpy(dtype):
+    """The library compiles with -ftz=true; the rotation's explicit PTX keeps subnormals, so rows of
+    subnormal values turn as NumPy turns them (not flushed to 0)."""
+    import cupy
+
+    from cupyflash.rotary import Rotary
+
+    rng = np.random.default_rng(3)
+    tiny = float(np.finfo(np.float32).tiny)
+    x = (rng.uniform(-1, 1, (2, 3, 4, 16)) * tiny * 0.5).astype(dtype)  # float32 subnormals
+    theta = rng.uniform(0, 2 * np.pi, (40, 8))
+    cos, sin = np.cos(theta).astype(dtype), np.sin(theta).astype(dtype)
+    starts = np.array([5, 17], np.int64)
+    for interleaved in (True, False):
+        rotary = Rotary(cos, sin, interleaved)
+        want = rotary.apply(x, rotary.positions(starts, 3, True))
+        got = Rotary(cupy.asarray(cos), cupy.asarray(sin), interleaved).turn(cupy.asarray(x), cupy.asarray(
+            starts.astype(np.int32)), per_token=True)
+        assert np.count_nonzero(want.astype(np.float32)) > 0
+        assert_same_bytes("rotated", cupy.asnumpy(got), want)

@@ -83,3 +83,20 @@ def test_errors():
         scaled_dot_product_attention(q, q, q, attn_mask=torch.zeros(5, 5, requires_grad=True))
     with torch.no_grad():
         scaled_dot_product_attention(q, q, q, attn_mask=torch.zeros(5, 5, requires_grad=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_finite_minimum_masks_as_torch_does(dtype):
+    """torch.finfo(dtype).min as the masked value (the usual padding convention): a row it hides
+    entirely averages the values, as torch's SDPA does, where an overflow to -inf would give 0; a row
+    mixing it with -inf sees no key but those."""
+    generator = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn((1, 2, 5, 8), generator=generator, dtype=dtype) for _ in range(3))
+    bias = torch.zeros((5, 5), dtype=dtype)
+    bias[2] = torch.finfo(dtype).min
+    bias[3, :2], bias[3, 2:] = -float("inf"), torch.finfo(dtype).min
+    bias[4, 1] = torch.finfo(dtype).min
+    o = scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    o_torch = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    torch.testing.assert_close(o, o_torch, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(o[0, :, 2], v[0].mean(dim=1), rtol=1e-5, atol=1e-5)

@@ -290,14 +290,17 @@ def _check_slopes(xp, alibi_slopes, batch: int, nheads: int):
     return xp.ascontiguousarray(slopes.reshape(-1, nheads))
 
 
-def _block_variant(xp, block: RingBlock, slopes, softcap) -> dict:
+def _block_variant(xp, block: RingBlock, slopes, softcap, made: dict) -> dict:
     """flash_attn_func's variant keywords for one block: ``softcap`` as it is; with ALiBi slopes a
     score_mod that applies the cap (if any) and then the bias at the whole sequence's distance,
     i - j = q_idx - kv_idx + block.distance (the built-in ALiBi measures from the block's own
-    diagonal). One kernel serves every block: the distance is a tensor the score_mod reads."""
+    diagonal). One kernel serves every block: the distance is a tensor the score_mod reads.
+    ``made``: the call's score_mods by distance, each made (traced, its tensor uploaded) once."""
     if slopes is None:
         return dict(softcap=softcap)
     assert block.distance is not None, block  # ring_schedule(per_chunk=True) gives every block one
+    if block.distance in made:
+        return made[block.distance]
     by_batch = 1 if slopes.shape[0] > 1 else 0
     offset = xp.asarray([block.distance], dtype=np.int32)
     cap = float(softcap)
@@ -307,7 +310,8 @@ def _block_variant(xp, block: RingBlock, slopes, softcap) -> dict:
     else:
         def ring_alibi(score, b, h, q_idx, kv_idx, slopes, offset):
             return score - slopes[b * by_batch, h] * abs(q_idx - kv_idx + offset[0])
-    return dict(score_mod=ScoreMod(ring_alibi, slopes=slopes, offset=offset))
+    made[block.distance] = dict(score_mod=ScoreMod(ring_alibi, slopes=slopes, offset=offset))
+    return made[block.distance]
 
 
 def ring_flash_attn_func(q, k, v, *, comm, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -336,11 +340,12 @@ def ring_flash_attn_func(q, k, v, *, comm, softmax_scale=None, causal=False, win
     xp = comm.xp
     sink = _check_sink(xp, sink, q.shape[2])
     slopes = _check_slopes(xp, alibi_slopes, q.shape[0], q.shape[2])
-    _check_alibi_shards(slopes, q, k)
+    _check_alibi_shards(slopes, q, k, layout)
     scale = _scale(softmax_scale, q.shape[3])
     acc = lse_dtype(q.dtype)
     steps = ring_schedule(comm.rank, comm.size, q.shape[1], causal=causal, window_size=window_size, layout=layout,
                           key_length=k.shape[1], per_chunk=slopes is not None)
+    variants: dict = {}
     held, spare = _kv_ring(xp, k, v)
     o_acc = lse_acc = None
     for t, step in enumerate(steps):
@@ -351,7 +356,7 @@ def ring_flash_attn_func(q, k, v, *, comm, softmax_scale=None, causal=False, win
             rows, keys = block.row_slice, block.key_slice
             o_t, lse_t = flash_attn_func(q[:, rows], held[0][:, keys], held[1][:, keys], softmax_scale=scale,
                                          causal=block.causal, window_size=block.window_size,
-                                         **_block_variant(xp, block, slopes, softcap), return_lse=True,
+                                         **_block_variant(xp, block, slopes, softcap, variants), return_lse=True,
                                          backend=backend)
             if o_acc is None and block.rows == (0, q.shape[1]):  # the first block, every row: taken as it is
                 o_acc, lse_acc = o_t.astype(acc), lse_t.astype(acc, copy=True)
@@ -398,10 +403,18 @@ def _add_sink(xp, o_acc, lse_acc, sink):
     return o_acc, lse_new
 
 
-def _check_alibi_shards(slopes, q, k) -> None:
-    if slopes is not None and q.shape[1] != k.shape[1]:
+def _check_alibi_shards(slopes, q, k, layout: str) -> None:
+    """ALiBi's distances are positions of one sequence: self-attention, and (zigzag) shards of two
+    whole chunks, as a causal ring's, even without a mask."""
+    if slopes is None:
+        return
+    if q.shape[1] != k.shape[1]:
         raise ValueError(f"ring attention with alibi_slopes measures i - j on one sequence: q and k shards of one "
                          f"length, got {q.shape[1]} and {k.shape[1]}")
+    if layout == "zigzag" and q.shape[1] % 2:
+        raise ValueError(f"ring attention with alibi_slopes and the zigzag layout needs an even shard length (two "
+                         f"chunks of seqlen / 2P rows), got {q.shape[1]}: shard with zigzag_shard, or pass "
+                         "layout='contiguous'")
 
 
 def ring_flash_attn_backward(dout, q, k, v, out, softmax_lse, *, comm, softmax_scale=None, causal=False,
@@ -427,11 +440,12 @@ def ring_flash_attn_backward(dout, q, k, v, out, softmax_lse, *, comm, softmax_s
     xp = comm.xp
     sink = _check_sink(xp, sink, nheads)
     slopes = _check_slopes(xp, alibi_slopes, batch, nheads)
-    _check_alibi_shards(slopes, q, k)
+    _check_alibi_shards(slopes, q, k, layout)
     scale = _scale(softmax_scale, q.shape[3])
     acc = lse_dtype(q.dtype)
     steps = ring_schedule(comm.rank, comm.size, seqlen, causal=causal, window_size=window_size, layout=layout,
                           key_length=k.shape[1], per_chunk=slopes is not None)
+    variants: dict = {}
     held, spare = _kv_ring(xp, k, v)
     dq_acc = xp.zeros(q.shape, acc)
     # Two (dk, dv) accumulators: the one of the K/V held, and the one arriving from rank r - 1.
@@ -447,7 +461,7 @@ def ring_flash_attn_backward(dout, q, k, v, out, softmax_lse, *, comm, softmax_s
             grads.append((rows, keys, flash_attn_backward(
                 dout[:, rows], q[:, rows], held[0][:, keys], held[1][:, keys], out[:, rows], softmax_lse[:, :, rows],
                 softmax_scale=scale, causal=block.causal, window_size=block.window_size,
-                **_block_variant(xp, block, slopes, softcap), backend=backend, deterministic=deterministic)))
+                **_block_variant(xp, block, slopes, softcap, variants), backend=backend, deterministic=deterministic)))
         if dkv_pending is not None:
             dkv_pending.wait()  # the accumulator of the K/V held, with ranks r - t .. r - 1's parts
         dk_acc, dv_acc = dkv[t % 2]
