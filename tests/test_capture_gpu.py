@@ -274,20 +274,32 @@ def test_contiguous_cache_rows_and_an_int_length_replay_in_a_graph():
         return cupyflash.flash_attn_with_kvcache(q, pair[0], pair[1], kv[0], kv[1], cache_seqlens=100,
                                                  cache_batch_idx=row_of, causal=True, return_lse=True)
 
-    q[...] = cupy.asarray(rng.standard_normal(q.shape).astype(BF16))
-    kv[...] = cupy.asarray(rng.standard_normal(kv.shape).astype(BF16))
+    def fill():
+        q[...] = cupy.asarray(rng.standard_normal(q.shape).astype(BF16))
+        kv[...] = cupy.asarray(rng.standard_normal(kv.shape).astype(BF16))
+
+    _check_replays(step, fill, caches, mirror, trials=3)
+
+
+def _check_replays(step, fill, caches, mirror, trials, after=lambda: True):
+    """step(pair of caches) captured on ``caches`` (its warm-up step taken on ``mirror`` too), then
+    replayed ``trials`` times, each after fill() writes new inputs, against an eager no_host_sync
+    step on the mirror: the outputs bit for bit, after() true; at the end the caches byte for byte."""
+    import cupy
+
+    fill()
     with cupyflash.no_host_sync():
         step(mirror)
     graph, captured, stream = _capture(lambda: step(caches))
     sentinels = Sentinels(cupy)
-    for trial in range(3):
-        q[...] = cupy.asarray(rng.standard_normal(q.shape).astype(BF16))
-        kv[...] = cupy.asarray(rng.standard_normal(kv.shape).astype(BF16))
+    for trial in range(trials):
+        fill()
         _replay(graph, stream)
         with cupyflash.no_host_sync():
             expected = step(mirror)
         assert sentinels.intact(), trial
         assert all(_same_bits(a, b) for a, b in zip(captured, expected)), trial
+        assert after(), trial
     for c, m in zip(caches, mirror):
         assert_same_bytes("cache", c.get(), m.get())
 
@@ -310,30 +322,19 @@ def test_a_decode_step_with_rotary_and_leftpad_replays_with_growing_caches():
     q = cupy.empty((batch, 1, heads_kv * group, dim), BF16)
     kv = cupy.empty((2, batch, 1, heads_kv, dim), BF16)
 
-    def step(pair, lengths):
+    def step(pair):
+        lengths = seqlens if pair is caches else seqlens_mirror
         out = cupyflash.flash_attn_with_kvcache(q, pair[0], pair[1], kv[0], kv[1], cache_seqlens=lengths,
                                                 cache_leftpad=leftpad, rotary_cos=cos, rotary_sin=sin,
                                                 rotary_interleaved=False, causal=True, return_lse=True)
         lengths += 1
         return out
 
-    q[...] = cupy.asarray(rng.standard_normal(q.shape).astype(BF16))
-    kv[...] = cupy.asarray(rng.standard_normal(kv.shape).astype(BF16))
-    with cupyflash.no_host_sync():
-        step(mirror, seqlens_mirror)
-    graph, captured, stream = _capture(lambda: step(caches, seqlens))
-    sentinels = Sentinels(cupy)
-    for trial in range(3):
+    def fill():
         q[...] = cupy.asarray(rng.standard_normal(q.shape).astype(BF16))
         kv[...] = cupy.asarray(rng.standard_normal(kv.shape).astype(BF16))
-        _replay(graph, stream)
-        with cupyflash.no_host_sync():
-            expected = step(mirror, seqlens_mirror)
-        assert sentinels.intact(), trial
-        assert all(_same_bits(a, b) for a, b in zip(captured, expected)), trial
-        assert (seqlens == seqlens_mirror).all()
-    for c, m in zip(caches, mirror):
-        assert_same_bytes("cache", c.get(), m.get())
+
+    _check_replays(step, fill, caches, mirror, trials=3, after=lambda: bool((seqlens == seqlens_mirror).all()))
 
 
 # --- errors ---------------------------------------------------------------------------------------

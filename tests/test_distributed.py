@@ -90,6 +90,28 @@ def run_ring(problem, size, layout, *, overlap=True, inputs=None, softcap=0.0):
     return tuple(unshard([result[i] for result in per_rank], axis=2 if i == 1 else 1) for i in range(5))
 
 
+def ring_and_whole(problem, size, layout, options):
+    """(ring, whole): the ring's (o, lse, dq, dk, dv, and the ranks' extra outputs summed, e.g.
+    dsink) unsharded, and one flash_attn_func / flash_attn_backward over the whole sequence with the
+    same ``options`` (the NumPy twin)."""
+    shard, unshard = shard_functions(layout)
+    arrays = problem.arrays()
+    q_s, k_s, v_s, do_s = (shard(x, size) for x in arrays)
+
+    def rank_main(comm):
+        r = comm.rank
+        o, lse = ring_flash_attn_func(q_s[r], k_s[r], v_s[r], comm=comm, return_lse=True, layout=layout, **options)
+        return (o, lse, *ring_flash_attn_backward(do_s[r], q_s[r], k_s[r], v_s[r], o, lse, comm=comm, layout=layout,
+                                                  **options))
+
+    per_rank = LocalRing(size).run(rank_main)
+    ring = [unshard([result[i] for result in per_rank], axis=2 if i == 1 else 1) for i in range(5)]
+    ring += [np.sum([result[i] for result in per_rank], axis=0) for i in range(5, len(per_rank[0]))]
+    q, k, v, do = arrays
+    o, lse = flash_attn_func(q, k, v, return_lse=True, **options)
+    return ring, [o, lse, *flash_attn_backward(do, q, k, v, o, lse, **options)]
+
+
 @given(ring_problems())
 def test_ring_simulation_matches_the_reference(case):
     problem, size, layout, softcap = case
@@ -107,24 +129,10 @@ def test_a_sink_joins_each_row_once_and_its_gradient_is_the_sum_of_the_ranks_sha
         problem = replace(problem, seqlen_k=problem.seqlen_q)
     seed = data.draw(st.integers(0, 2**32 - 1), label="sink seed")
     sink = (np.random.default_rng(seed).standard_normal(problem.nheads) * sink_std).astype(np.float32)
-    shard, unshard = shard_functions(layout)
-    arrays = problem.arrays()
-    q_s, k_s, v_s, do_s = (shard(x, size) for x in arrays)
     options = dict(softmax_scale=problem.softmax_scale, causal=problem.causal, window_size=problem.window_size,
                    softcap=softcap, sink=sink, backend="numpy")
-
-    def rank_main(comm):
-        r = comm.rank
-        o, lse = ring_flash_attn_func(q_s[r], k_s[r], v_s[r], comm=comm, return_lse=True, layout=layout, **options)
-        return (o, lse, *ring_flash_attn_backward(do_s[r], q_s[r], k_s[r], v_s[r], o, lse, comm=comm, layout=layout,
-                                                  **options))
-
-    per_rank = LocalRing(size).run(rank_main)
-    ring = [unshard([result[i] for result in per_rank], axis=2 if i == 1 else 1) for i in range(5)]
-    ring.append(np.sum([result[5] for result in per_rank], axis=0))
-    q, k, v, do = arrays
-    o, lse = flash_attn_func(q, k, v, return_lse=True, **options)
-    whole = [o, lse, *flash_attn_backward(do, q, k, v, o, lse, **options)]
+    ring, whole = ring_and_whole(problem, size, layout, options)
+    do = problem.arrays()[3]
     # dsink sums exp(sink - lse) D over every row: its terms, not its sum, set the noise (the sum
     # may cancel), and it is float32 whatever the inputs, each rank's share rounded once more
     o64, lse64 = whole[0].astype(np.float64), whole[1].astype(np.float64)
@@ -535,23 +543,9 @@ def test_alibi_on_the_ring_is_the_whole_sequences(case, per_batch, data):
     seed = data.draw(st.integers(0, 2**32 - 1), label="slopes seed")
     shape = (problem.batch, problem.nheads) if per_batch else (problem.nheads,)
     slopes = np.random.default_rng(seed).uniform(0.0, 0.5, shape).astype(np.float32)
-    shard, unshard = shard_functions(layout)
-    arrays = problem.arrays()
-    q_s, k_s, v_s, do_s = (shard(x, size) for x in arrays)
     options = dict(softmax_scale=problem.softmax_scale, causal=problem.causal, window_size=problem.window_size,
                    softcap=softcap, alibi_slopes=slopes, backend="numpy")
-
-    def rank_main(comm):
-        r = comm.rank
-        o, lse = ring_flash_attn_func(q_s[r], k_s[r], v_s[r], comm=comm, return_lse=True, layout=layout, **options)
-        return (o, lse, *ring_flash_attn_backward(do_s[r], q_s[r], k_s[r], v_s[r], o, lse, comm=comm, layout=layout,
-                                                  **options))
-
-    per_rank = LocalRing(size).run(rank_main)
-    ring = [unshard([result[i] for result in per_rank], axis=2 if i == 1 else 1) for i in range(5)]
-    q, k, v, do = arrays
-    o, lse = flash_attn_func(q, k, v, return_lse=True, **options)
-    whole = [o, lse, *flash_attn_backward(do, q, k, v, o, lse, **options)]
+    ring, whole = ring_and_whole(problem, size, layout, options)
     # dq and dk cancel to 0 where a row sees one key; their terms, and the noise those leave, are
     # dv's size (the tolerance rule's scale, cupyflash.testing.tolerance.bound)
     terms = np.abs(whole[4].astype(np.float64)).max(initial=0.0)
@@ -562,7 +556,7 @@ def test_alibi_on_the_ring_is_the_whole_sequences(case, per_batch, data):
         assert np.abs(a - b).max(initial=0.0) <= rtol * (1 + scale), name
     if problem.dtype == F64:
         reference_options = {key: value for key, value in options.items() if key != "backend"}
-        o_ref, _ = reference.attention(q, k, v, **reference_options)
+        o_ref, _ = reference.attention(*problem.arrays()[:3], **reference_options)
         np.testing.assert_allclose(ring[0], o_ref, rtol=1e-10, atol=1e-10)
 
 

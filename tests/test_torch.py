@@ -266,16 +266,9 @@ def test_sdpa_helper_matches_torch(is_causal, nheads_kv):
     shapes = [(2, 4, 7, 8), (2, nheads_kv, 7, 8), (2, nheads_kv, 7, 8)]
     ours = [torch.randn(s, generator=generator, dtype=torch.float64, requires_grad=True) for s in shapes]
     theirs = [t.detach().clone().requires_grad_() for t in ours]
-    gqa = nheads_kv != 4
-    o = scaled_dot_product_attention(*ours, is_causal=is_causal, scale=0.3, enable_gqa=gqa)
-    o_torch = torch.nn.functional.scaled_dot_product_attention(*theirs, is_causal=is_causal, scale=0.3,
-                                                               enable_gqa=gqa)
-    torch.testing.assert_close(o, o_torch, rtol=1e-12, atol=1e-12)
-    do = torch.randn(o.shape, generator=generator, dtype=torch.float64)
-    o.backward(do)
-    o_torch.backward(do)
-    for a, b in zip(ours, theirs):
-        torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-10)
+    from test_torch_sdpa_mask import compare_with_torch_sdpa
+
+    compare_with_torch_sdpa(ours, theirs, generator, is_causal=is_causal, scale=0.3, enable_gqa=nheads_kv != 4)
 
 
 def test_sdpa_helper_takes_the_precision():

@@ -21,7 +21,9 @@ def _inputs(seed, nheads_kv=H):
     return ours, theirs, generator
 
 
-def _compare(ours, theirs, generator, **options):
+def compare_with_torch_sdpa(ours, theirs, generator, **options):
+    """Our SDPA helper and torch's on copies of the same float64 leaves: outputs, and the gradients
+    of one random cotangent."""
     o = scaled_dot_product_attention(*ours, **options)
     o_torch = torch.nn.functional.scaled_dot_product_attention(*theirs, **options)
     torch.testing.assert_close(o, o_torch, rtol=1e-12, atol=1e-12)
@@ -37,7 +39,7 @@ def _compare(ours, theirs, generator, **options):
 def test_bool_masks_match_torch(shape):
     ours, theirs, generator = _inputs(1)
     mask = torch.rand(shape, generator=generator) > 0.35
-    _compare(ours, theirs, generator, attn_mask=mask, scale=0.4)
+    compare_with_torch_sdpa(ours, theirs, generator, attn_mask=mask, scale=0.4)
 
 
 @pytest.mark.parametrize("shape", MASK_SHAPES, ids=lambda s: "x".join(map(str, s)))
@@ -45,7 +47,7 @@ def test_float_masks_match_torch(shape):
     ours, theirs, generator = _inputs(2)
     bias = torch.randn(shape, generator=generator, dtype=torch.float64)
     bias[torch.rand(shape, generator=generator) > 0.8] = -float("inf")
-    _compare(ours, theirs, generator, attn_mask=bias)
+    compare_with_torch_sdpa(ours, theirs, generator, attn_mask=bias)
 
 
 def test_rows_the_mask_hides_give_zero_as_torch_does():
@@ -53,7 +55,7 @@ def test_rows_the_mask_hides_give_zero_as_torch_does():
     mask = torch.rand((B, H, SQ, SK), generator=generator) > 0.3
     mask[0, :, 2] = False
     mask[1, 3, :] = False
-    o = _compare(ours, theirs, generator, attn_mask=mask, enable_gqa=True)
+    o = compare_with_torch_sdpa(ours, theirs, generator, attn_mask=mask, enable_gqa=True)
     assert torch.equal(o[0, :, 2], torch.zeros_like(o[0, :, 2]))
 
 

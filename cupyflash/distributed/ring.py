@@ -228,9 +228,10 @@ def _array_module_of(x) -> str:
     return type(x).__module__.split(".")[0]
 
 
-def _check(comm, arrays: dict, causal: bool, window_size, layout: str):
+def _check(comm, arrays: dict, causal: bool, window_size, layout: str, alibi: bool = False):
     """A TypeError or ValueError naming what the ring cannot take; nothing when it can (softcap
-    is checked by each step's call)."""
+    is checked by each step's call). A mask, and ALiBi's distances, are positions of one sequence:
+    self-attention, and (zigzag) shards of two whole chunks."""
     for attr in ("rank", "size", "xp", "start_exchange"):
         if not hasattr(comm, attr):
             raise TypeError(f"comm must be a ring communicator (rank, size, xp, start_exchange), got {type(comm).__name__}")
@@ -247,8 +248,8 @@ def _check(comm, arrays: dict, causal: bool, window_size, layout: str):
                          "k and v of one shape")
     if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         raise ValueError(f"q {q.shape} and k {k.shape} differ in batch or headdim")
-    if causal or window != (-1, -1):
-        what = "causal" if causal else f"window_size={window}"
+    if causal or window != (-1, -1) or alibi:
+        what = "causal" if causal else f"window_size={window}" if window != (-1, -1) else "alibi_slopes"
         if q.shape[1] != k.shape[1]:
             raise ValueError(f"ring attention with {what} is self-attention: q and k shards of one length, got "
                              f"{q.shape[1]} and {k.shape[1]}")
@@ -336,11 +337,10 @@ def ring_flash_attn_func(q, k, v, *, comm, softmax_scale=None, causal=False, win
     flash_attn_func's, for each step. ``overlap=False``: wait for each K/V transfer before
     computing (to measure the overlap).
     """
-    _check(comm, {"q": q, "k": k, "v": v}, causal, window_size, layout)
+    _check(comm, {"q": q, "k": k, "v": v}, causal, window_size, layout, alibi_slopes is not None)
     xp = comm.xp
     sink = _check_sink(xp, sink, q.shape[2])
     slopes = _check_slopes(xp, alibi_slopes, q.shape[0], q.shape[2])
-    _check_alibi_shards(slopes, q, k, layout)
     scale = _scale(softmax_scale, q.shape[3])
     acc = lse_dtype(q.dtype)
     steps = ring_schedule(comm.rank, comm.size, q.shape[1], causal=causal, window_size=window_size, layout=layout,
@@ -403,20 +403,6 @@ def _add_sink(xp, o_acc, lse_acc, sink):
     return o_acc, lse_new
 
 
-def _check_alibi_shards(slopes, q, k, layout: str) -> None:
-    """ALiBi's distances are positions of one sequence: self-attention, and (zigzag) shards of two
-    whole chunks, as a causal ring's, even without a mask."""
-    if slopes is None:
-        return
-    if q.shape[1] != k.shape[1]:
-        raise ValueError(f"ring attention with alibi_slopes measures i - j on one sequence: q and k shards of one "
-                         f"length, got {q.shape[1]} and {k.shape[1]}")
-    if layout == "zigzag" and q.shape[1] % 2:
-        raise ValueError(f"ring attention with alibi_slopes and the zigzag layout needs an even shard length (two "
-                         f"chunks of seqlen / 2P rows), got {q.shape[1]}: shard with zigzag_shard, or pass "
-                         "layout='contiguous'")
-
-
 def ring_flash_attn_backward(dout, q, k, v, out, softmax_lse, *, comm, softmax_scale=None, causal=False,
                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sink=None, layout="zigzag",
                              backend="auto", deterministic=True, overlap=True):
@@ -432,7 +418,7 @@ def ring_flash_attn_backward(dout, q, k, v, out, softmax_lse, *, comm, softmax_s
     the whole softmax's.
     """
     arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "softmax_lse": softmax_lse}
-    _check(comm, arrays, causal, window_size, layout)
+    _check(comm, arrays, causal, window_size, layout, alibi_slopes is not None)
     batch, seqlen, nheads, _ = q.shape
     if dout.shape != q.shape or out.shape != q.shape or softmax_lse.shape != (batch, nheads, seqlen):
         raise ValueError(f"dout {dout.shape} and out {out.shape} must have q's shape {q.shape}, softmax_lse "
@@ -440,7 +426,6 @@ def ring_flash_attn_backward(dout, q, k, v, out, softmax_lse, *, comm, softmax_s
     xp = comm.xp
     sink = _check_sink(xp, sink, nheads)
     slopes = _check_slopes(xp, alibi_slopes, batch, nheads)
-    _check_alibi_shards(slopes, q, k, layout)
     scale = _scale(softmax_scale, q.shape[3])
     acc = lse_dtype(q.dtype)
     steps = ring_schedule(comm.rank, comm.size, seqlen, causal=causal, window_size=window_size, layout=layout,
