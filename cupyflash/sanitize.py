@@ -2,7 +2,9 @@
 
 Runs a small workload (forward and backward of each family at odd shapes: sequence lengths that
 are not tile multiples, head dimensions 1, 40, 72 and 200, full, causal and a sliding window,
-GQA) once under each of
+GQA; and with the mma family the KV-cache kernels: a decode step over a left-padded contiguous
+cache and over a paged one with split keys, rotary embeddings, the append kernel of the unread
+path) once under each of
 memcheck, racecheck, initcheck and synccheck, and reports each tool's verdict. Needs a GPU and
 compute-sanitizer on the PATH (or in $CUDA_HOME/bin).
 """
@@ -73,7 +75,47 @@ def workload(families=("simt", "mma"), quick=False) -> int:
                         api.flash_attn_backward(do, q, k, v, o, lse, causal=causal, window_size=window,
                                                 backend=backend, statistics=statistics)
                     calls += 1
+        if backend == "mma":
+            calls += _kvcache_workload(rng, ("bfloat16",) if quick else ("float16", "bfloat16"))
     cupy.cuda.runtime.deviceSynchronize()
+    return calls
+
+
+def _kvcache_workload(rng, dtype_names) -> int:
+    """flash_attn_with_kvcache's kernels: the KV-cache kernel with split keys and the combine, the
+    rotary kernel, the append kernel (the unread path, device lengths), over a left-padded
+    contiguous cache and a paged one of 16-key pages; head dim 72 (a tile with a partial chunk)."""
+    import cupy
+    import numpy as np
+
+    from ._dtypes import SUPPORTED
+    from .capture import no_host_sync
+    from .kvcache import flash_attn_with_kvcache
+
+    batch, capacity, heads_kv, group, headdim, new = 3, 96, 2, 4, 72, 2
+    ends = np.array([5, 40, 70], np.int32)
+    calls = 0
+    for dtype_name in dtype_names:
+        dtype = SUPPORTED[dtype_name]
+        theta = rng.uniform(0, 2 * np.pi, (capacity, headdim // 4))
+        cos, sin = (cupy.asarray(f(theta).astype(dtype)) for f in (np.cos, np.sin))
+        q = cupy.asarray(rng.standard_normal((batch, new, heads_kv * group, headdim)).astype(dtype))
+        k, v = (cupy.asarray(rng.standard_normal((batch, new, heads_kv, headdim)).astype(dtype)) for _ in range(2))
+        for paged in (False, True):
+            if paged:
+                pages = batch * capacity // 16
+                layout = dict(block_table=rng.permutation(pages).reshape(batch, capacity // 16).astype(np.int32))
+                shape = (pages, 16, heads_kv, headdim)
+            else:
+                layout = dict(cache_leftpad=np.array([0, 3, 60], np.int32))
+                shape = (batch, capacity, heads_kv, headdim)
+            caches = [cupy.asarray(rng.standard_normal(shape).astype(dtype)) for _ in range(2)]
+            options = dict(rotary_cos=cos, rotary_sin=sin, causal=True, num_splits=3)
+            flash_attn_with_kvcache(q, *caches, k, v, cache_seqlens=ends, **layout, **options)
+            with no_host_sync():  # device index arrays: the append kernel, lengths unread
+                flash_attn_with_kvcache(q, *caches, k, v, cache_seqlens=cupy.asarray(ends),
+                                        **{name: cupy.asarray(x) for name, x in layout.items()}, **options)
+            calls += 2
     return calls
 
 
