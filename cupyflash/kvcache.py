@@ -758,6 +758,15 @@ def _attend(which, on_gpu, host_out, q, k_cache, v_cache, layout: CacheLayout, s
 
 # --- packed queries over a paged cache: flash_attn_varlen_func's block_table -------------------------
 
+PAGED_VARLEN_MAX_PADDING = 2  # padded query rows per real one past which paged varlen gathers the keys
+
+
+def xp_concatenate(parts: list, like):
+    """parts concatenated on axis 0 in ``like``'s array module (an empty one shaped like a row of it)."""
+    xp = np if isinstance(like, np.ndarray) else A._cupy()
+    return xp.concatenate(parts) if parts else xp.zeros((0,) + like.shape[2:], like.dtype)
+
+
 def paged_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, *,
                          softmax_scale, causal, window_size, softcap, alibi_slopes, sink, return_lse, backend,
                          precision, unsupported: dict):
@@ -767,7 +776,9 @@ def paged_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     positions through block_table[b]. Computed as a KV-cache call without an append: each
     sequence's queries at the end of a row of the longest query run (so each keeps its own
     bottom-right alignment), the rest of the row zeros whose results are dropped; one launch of the
-    KV-cache kernel for 16-bit head dims it takes, the per-sequence path otherwise. Forward only
+    KV-cache kernel for 16-bit head dims it takes, the per-sequence path otherwise. Where that
+    padding would exceed PAGED_VARLEN_MAX_PADDING rows per query, the keys are gathered from their
+    pages into a packed batch and the unpaged varlen call runs instead. Forward only
     (flash-attn has no backward for it). ``unsupported``: the call's other options by name, each
     refused when set (user modifiers, dropout: their q_idx and masks would see the padded rows)."""
     named = [name for name, given in unsupported.items() if given]
@@ -825,6 +836,18 @@ def paged_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
                 q_b = q[None, sequences.cu_q[b]:sequences.cu_q[b + 1]]
                 A.check_scores_fit(q_b, _sequence_keys(k, layout, b, int(lengths_k[b])), scale)
 
+    if batch * rows > PAGED_VARLEN_MAX_PADDING * max(total_q, 1):
+        # Padding would more than double the queries (a long prefill beside short ones): gather the
+        # keys into a packed batch instead and run the unpaged varlen call, whose kernels take each
+        # sequence's own rows.
+        from .varlen import flash_attn_varlen_func
+
+        gathered = [xp_concatenate([_sequence_keys(c, layout, b, int(lengths_k[b]))[0] for b in range(batch)], c)
+                    for c in (k, v)]
+        return flash_attn_varlen_func(q, *gathered, given["cu_seqlens_q"], cu_k, max_seqlen_q, max_seqlen_k,
+                                      softmax_scale=scale, causal=causal, window_size=window, softcap=softcap,
+                                      alibi_slopes=alibi_slopes, sink=sink, return_lse=return_lse, backend=backend,
+                                      precision=precision)
     # each sequence's queries at the end of its row of the padded batch
     sequence_of = np.repeat(np.arange(batch), lengths_q)
     row_of = (rows - lengths_q)[sequence_of] + np.arange(total_q) - sequences.cu_q[sequence_of]

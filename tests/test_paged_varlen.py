@@ -2,7 +2,8 @@
 packed queries over keys and values in pages, against reference.varlen_attention on the same keys
 packed (and the unpaged varlen call for the variants): ragged and empty sequences, GQA, causal and
 windows (each sequence its own bottom-right alignment although the queries share a padded row),
-several page sizes; the errors. GPU: tests/test_paged_varlen_gpu.py.
+several page sizes, both forms (queries padded into rows; keys gathered, past the padding limit);
+the errors. GPU: tests/test_paged_varlen_gpu.py.
 """
 from __future__ import annotations
 
@@ -44,9 +45,18 @@ def _problem(seed=0, nheads=4, nheads_kv=2, headdim=8, dtype=np.float64):
     return q, k, v
 
 
+@pytest.fixture(params=["padded", "gathered"])
+def form(request, monkeypatch):
+    """Each form of the call forced: queries padded into rows (no limit), or keys gathered (limit 0)."""
+    from cupyflash import kvcache
+
+    monkeypatch.setattr(kvcache, "PAGED_VARLEN_MAX_PADDING", 10**9 if request.param == "padded" else 0)
+    return request.param
+
+
 @pytest.mark.parametrize("page_size", [1, 3, 4, 16])
 @pytest.mark.parametrize("causal, window_size", [(False, (-1, -1)), (True, (-1, -1)), (True, (2, 0)), (False, (1, 2))])
-def test_matches_the_reference(page_size, causal, window_size):
+def test_matches_the_reference(page_size, causal, window_size, form):
     q, k, v = _problem(seed=page_size)
     k_pages, table = paged(k, LENGTHS_K, page_size, seed=1)
     v_pages, _ = paged(v, LENGTHS_K, page_size, seed=1)
@@ -60,7 +70,7 @@ def test_matches_the_reference(page_size, causal, window_size):
     np.testing.assert_allclose(lse, lse_ref, rtol=1e-12, atol=1e-12)
 
 
-def test_variants_equal_the_unpaged_call():
+def test_variants_equal_the_unpaged_call(form):
     q, k, v = _problem(seed=5)
     k_pages, table = paged(k, LENGTHS_K, 2, seed=6)
     v_pages, _ = paged(v, LENGTHS_K, 2, seed=6)
@@ -70,7 +80,27 @@ def test_variants_equal_the_unpaged_call():
     got = cupyflash.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 6, 6, block_table=table, **options)
     want = cupyflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 6, 6, **options)
     for g, w in zip(got, want):
+        if form == "gathered":  # the same call on the same keys
+            np.testing.assert_array_equal(g, w)
         np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)
+
+
+def test_the_padding_limit_picks_the_form(monkeypatch):
+    """Past PAGED_VARLEN_MAX_PADDING padded rows per query the keys are gathered (no KV-cache call)."""
+    from cupyflash import kvcache
+
+    seen = []
+    real = kvcache._attend
+    monkeypatch.setattr(kvcache, "_attend", lambda *a, **k: seen.append(1) or real(*a, **k))
+    q, k, v = _problem(seed=13)
+    k_pages, table = paged(k, LENGTHS_K, 4, seed=14)
+    v_pages, _ = paged(v, LENGTHS_K, 4, seed=14)
+    args = (q, k_pages, v_pages, _cu(LENGTHS_Q), _cu(LENGTHS_K), 6, 6)
+    cupyflash.flash_attn_varlen_func(*args, block_table=table, backend="numpy")  # 4 x 6 rows for 10 queries
+    assert seen == []
+    monkeypatch.setattr(kvcache, "PAGED_VARLEN_MAX_PADDING", 3)
+    cupyflash.flash_attn_varlen_func(*args, block_table=table, backend="numpy")
+    assert seen == [1]
 
 
 def _call(**changes):

@@ -2,7 +2,8 @@
 multiples of 8) and the per-sequence path (float32, float64) against the float64 reference of the
 same keys packed, under the tolerance rule (16-bit: against standard attention in that dtype, per
 sequence), outputs NaN-poisoned; pages in a shuffled order, unused slots NaN. CPU:
-tests/test_paged_varlen.py.
+tests/test_paged_varlen.py. Both forms of the call, forced: queries padded into rows (the KV-cache
+kernel) and keys gathered (the packed varlen kernels).
 """
 from __future__ import annotations
 
@@ -26,9 +27,13 @@ LENGTHS_K = [300, 37, 5, 700, 0]
                          ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("page_size", [16, 7])
 @pytest.mark.parametrize("causal", [True, False])
-def test_matches_the_reference(dtype, page_size, causal):
+@pytest.mark.parametrize("form", ["padded", "gathered"])
+def test_matches_the_reference(dtype, page_size, causal, form, monkeypatch):
     import cupy
 
+    from cupyflash import kvcache
+
+    monkeypatch.setattr(kvcache, "PAGED_VARLEN_MAX_PADDING", 10**9 if form == "padded" else 0)
     rng = np.random.default_rng(page_size)
     q = rng.standard_normal((sum(LENGTHS_Q), 8, 128)).astype(dtype)
     k = rng.standard_normal((sum(LENGTHS_K), 2, 128)).astype(dtype)
