@@ -277,6 +277,13 @@ def test_kvcache_fake_shapes_and_opcheck():
     report = torch.library.opcheck(torch.ops.cupyflash.flash_attn_with_kvcache.default, args,
                                    test_utils=("test_schema", "test_faketensor"))
     assert set(report.values()) == {"SUCCESS"}, report
+    # with rotary tables and left-padded rows (the operator's optional tensors)
+    theta = torch.rand((k_cache.shape[1], 2), dtype=torch.float64)
+    kwargs = dict(rotary_cos=theta.cos(), rotary_sin=theta.sin(), rotary_interleaved=False,
+                  cache_leftpad=torch.tensor([1, 0], dtype=torch.int32))
+    report = torch.library.opcheck(torch.ops.cupyflash.flash_attn_with_kvcache.default, args, kwargs,
+                                   test_utils=("test_schema", "test_faketensor"))
+    assert set(report.values()) == {"SUCCESS"}, report
 
 
 def test_kvcache_errors_name_the_argument():
