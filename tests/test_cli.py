@@ -354,13 +354,13 @@ def stand_in_tuner(monkeypatch):
                 (64, "cand", "(256, 128)", "c")]
     monkeypatch.setattr(tune, "_variants", lambda direction, headdims, *plan_inputs: variants)
 
-    def check(config, headdim, dtype, causal):
+    def check(config, headdim, dtype, causal, window=(-1, -1)):
         if config == "c":
             raise RuntimeError("needs 300 KiB of shared memory")
         return {"a": 0.5, "b": 3.0}[config]
 
     monkeypatch.setattr(tune, "_check", check)
-    monkeypatch.setattr(tune, "_time_forward", lambda config, headdim, seqlen, causal, *rest:
+    monkeypatch.setattr(tune, "_time_forward", lambda config, headdim, seqlen, causal, *rest, window=(-1, -1):
                         {"a": 2.0, "b": 1.0}[config] * seqlen / 1024)
 
 
@@ -574,3 +574,21 @@ def test_plan_refuses_what_no_plan_takes(capsys):
     assert cli.main(["plan", "--dtype", "bf16", "--statistics", "recomputed"]) == cli.EXIT_USAGE
     assert "no plan: cupyflash: statistics='recomputed'" in capsys.readouterr().out
     assert cli.main(["plan", "--headdim", "300"]) == cli.EXIT_USAGE
+
+
+def test_tune_window_is_forward_only(monkeypatch, capsys):
+    from cupyflash.bench import harness
+
+    monkeypatch.setattr(harness, "gpu_unavailable_reason", lambda: None)
+    assert cli.main(["tune", "--direction", "bwd", "--window", "64", "0"]) == cli.EXIT_USAGE
+    assert "--window times the forward only" in capsys.readouterr().err
+
+
+def test_tune_counts_a_windows_visible_pairs():
+    from cupyflash import reference
+    from cupyflash.bench.tune import _visible_pairs
+
+    for seqlen, causal, window in ((100, True, (10, 0)), (100, False, (10, 5)), (77, False, (-1, 3)),
+                                   (64, True, (200, 0)), (50, False, (0, 0))):
+        assert _visible_pairs(seqlen, causal, window) == reference.visible_keys(seqlen, seqlen, causal, window).sum()
+    assert _visible_pairs(64, True, (-1, -1)) == 64 * 64 / 2  # the papers' causal count

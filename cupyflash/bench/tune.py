@@ -45,7 +45,7 @@ def _inputs(batch, seqlen, nheads, headdim, dtype, n_sets=3, seed=0):
     return sets
 
 
-def _check(config, headdim, dtype, causal) -> float:
+def _check(config, headdim, dtype, causal, window=(-1, -1)) -> float:
     """Max error of the configuration on an odd shape, relative to 2x the error of standard
     attention in the same dtype (<= 1 passes)."""
     import cupy
@@ -59,12 +59,25 @@ def _check(config, headdim, dtype, causal) -> float:
     o = cupy.full(q.shape, np.nan, dtype=dtype)
     lse = cupy.full((2, 4, 333), np.nan, dtype=np.float32)
     mma_fwd.forward(*(cupy.asarray(x) for x in (q, k, v)), o, lse, softmax_scale=headdim ** -0.5,
-                    causal=causal, config=config)
-    ref, _ = reference.attention(q, k, v, causal=causal)
-    std, _ = reference.standard_attention(q, k, v, causal=causal, dtype=dtype)
+                    causal=causal, config=config, window_size=window)
+    ref, _ = reference.attention(q, k, v, causal=causal, window_size=window)
+    std, _ = reference.standard_attention(q, k, v, causal=causal, window_size=window, dtype=dtype)
     err = np.abs(o.get().astype(np.float64) - ref).max()
     allowed = 2 * np.abs(std.astype(np.float64) - ref).max() + 1e-4
     return float(err / allowed) if np.isfinite(err) else float("inf")
+
+
+def _visible_pairs(seqlen: int, causal: bool, window) -> float:
+    """(query, key) pairs one head of a seqlen x seqlen problem computes: seqlen^2 / 2 causal (the
+    papers' count), the band's own pairs with a window (query i sees keys i - left .. i + right)."""
+    if tuple(window) == (-1, -1):
+        return seqlen * seqlen * (0.5 if causal else 1.0)
+    left, right = window
+    right = 0 if causal else right
+    i = np.arange(seqlen)
+    first = np.zeros(seqlen, np.int64) if left < 0 else np.maximum(i - left, 0)
+    last = np.full(seqlen, seqlen - 1, np.int64) if right < 0 else np.minimum(i + right, seqlen - 1)
+    return float(np.maximum(last - first + 1, 0).sum())
 
 
 def dev_dir() -> Path | None:
@@ -103,7 +116,7 @@ def _describe(config) -> str:
     return text[text.index("("):]
 
 
-def _time_forward(config, headdim, seqlen, causal, dtype, repeats, inputs) -> float:
+def _time_forward(config, headdim, seqlen, causal, dtype, repeats, inputs, window=(-1, -1)) -> float:
     from ..kernels import mma_fwd
 
     batch, nheads = 16384 // seqlen, 2048 // headdim
@@ -112,7 +125,7 @@ def _time_forward(config, headdim, seqlen, causal, dtype, repeats, inputs) -> fl
         inputs.clear()
         inputs[key] = _inputs(batch, seqlen, nheads, headdim, dtype)
     return _time_ms(lambda q, k, v, o, lse: mma_fwd.forward(
-        q, k, v, o, lse, softmax_scale=headdim ** -0.5, causal=causal, config=config),
+        q, k, v, o, lse, softmax_scale=headdim ** -0.5, causal=causal, config=config, window_size=window),
         inputs[key], repeats)
 
 
@@ -238,6 +251,8 @@ def configure(parser) -> None:
     parser.add_argument("--dev", metavar="DIR", default=None,
                         help="the dev/ folder of the versions (default: this source checkout's)")
     parser.add_argument("--quiet", action="store_true", help="no progress line")
+    parser.add_argument("--window", type=int, nargs=2, default=(-1, -1), metavar=("LEFT", "RIGHT"),
+                        help="forward only: every case with this window_size too (TFLOP/s over the visible pairs)")
 
 
 def _variants(direction: str, headdims, dtype=None, dev=None) -> list[tuple[int, str, str, object]]:
@@ -284,7 +299,11 @@ def run(args) -> int:
                 if not args.only or any(text in v[1] for text in args.only)]
     if not variants:
         raise cli.UsageError(f"no {args.direction} variant matches --only {' '.join(args.only)}")
+    window = tuple(args.window)
+    if backward and window != (-1, -1):
+        raise cli.UsageError("--window times the forward only (--direction fwd)")
     check, time_one = (_check_bwd, _time_backward) if backward else (_check, _time_forward)
+    extra = {} if backward else {"window": window}
     width = 44 if backward else 8 + 1 + 100  # label, or label and configuration
     flop_factor = 2.5 if backward else 1.0  # backward = 2.5 x the forward's 4 B H S^2 D
 
@@ -296,7 +315,7 @@ def run(args) -> int:
         for headdim, label, detail, variant in variants:
             name = f"{label:8} {detail:100}" if not backward else f"{label:44}"
             try:
-                ratio = max(check(variant, headdim, dtype, causal) for causal in (False, True))
+                ratio = max(check(variant, headdim, dtype, causal, **extra) for causal in (False, True))
             except Exception as e:  # a candidate that does not fit this GPU
                 progress.write(f"{headdim:>4} {'':>6} {'':>6}  {name} skipped: {e}")
                 skipped.append(label)
@@ -308,10 +327,9 @@ def run(args) -> int:
             fastest = 0.0
             for seqlen in args.seqlen:
                 for causal in (False, True):
-                    ms = time_one(variant, headdim, seqlen, causal, dtype, args.repeats, inputs)
+                    ms = time_one(variant, headdim, seqlen, causal, dtype, args.repeats, inputs, **extra)
                     batch, nheads = 16384 // seqlen, 2048 // headdim
-                    flops = (flop_factor * 4 * batch * nheads * seqlen * seqlen * headdim
-                             * (0.5 if causal else 1.0))
+                    flops = flop_factor * 4 * batch * nheads * headdim * _visible_pairs(seqlen, causal, window)
                     tflops = flops / ms / 1e9
                     fastest = max(fastest, tflops)
                     progress.write(f"{headdim:>4} {seqlen:>6} {str(causal):>6}  {name} {ok:>6} "

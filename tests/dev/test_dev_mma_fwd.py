@@ -73,8 +73,8 @@ def test_without_dev_the_tuner_times_the_plan_and_says_why(tmp_path, monkeypatch
     assert tune.dev_dir() == REPO / "dev"
     monkeypatch.setattr(harness, "gpu_unavailable_reason", lambda: None)
     timed = []
-    monkeypatch.setattr(tune, "_check", lambda config, headdim, dtype, causal: 0.5)
-    monkeypatch.setattr(tune, "_time_forward", lambda config, *rest: timed.append(config) or 1.0)
+    monkeypatch.setattr(tune, "_check", lambda config, headdim, dtype, causal, window=(-1, -1): 0.5)
+    monkeypatch.setattr(tune, "_time_forward", lambda config, *rest, window=(-1, -1): timed.append(config) or 1.0)
     monkeypatch.setattr(tune, "dev_dir", lambda: None)  # as in an installed wheel
     assert cli.main(["tune", "--headdim", "64", "--seqlen", "1024", "--quiet"]) == cli.EXIT_OK
     err = capsys.readouterr().err
