@@ -277,7 +277,9 @@ tf32)  # the float32 forward on tensor cores: tests, the probe's candidates, the
 measure)  # after the suite, on its warm machine (the cache holds the shipped kernels): the parts named
          # in MEASURE (default "varlen decode"): varlen, the varlen bench (varlen-v2's issue order);
          # decode, the full decode table (20 repeats); dropout, dropout's cost at 8k, d128 and d64;
-         # tf32, the tf32 wgmma candidates' smoke, tests, bench and racecheck
+         # tf32, the tf32 wgmma candidates' smoke, tests, bench and racecheck; windows, the tuner on
+         # the window case (16k, d128, window 1024 causal: the shipped tiles against dev/'s
+         # candidates, windows-tiles in the perf log)
     export PYTHONPATH=$PWD
     for part in ${MEASURE:-varlen decode}; do
         case $part in
@@ -296,6 +298,8 @@ measure)  # after the suite, on its warm machine (the cache holds the shipped ke
             step tf32-wgmma-bench 240 python dev/bench_tf32_wgmma.py --json "$out/tf32-wgmma.json"
             step racecheck-tf32-wgmma 150 compute-sanitizer --tool racecheck --error-exitcode 1 \
                 python dev/sanitize_tf32_wgmma.py ;;
+        windows) step windows-tune 240 python -m cupyflash tune --headdim 128 --seqlen 16384 --window 1024 0 \
+                     --only default cand --repeats 10 --quiet ;;
         *) echo "unknown measure part $part"; status=1 ;;
         esac
     done
