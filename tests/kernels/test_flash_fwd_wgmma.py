@@ -8,7 +8,7 @@ import pytest
 
 from cupyflash.kernels import mma_fwd
 from models.blocks import assert_float64_close, seeded_rng
-from models.flash_fwd_wgmma import (FWD, FWD_BLOCK_M, FWD_SHAPES, fwd_emulated, fwd_pv_steps, fwd_s_steps,
+from models.flash_fwd_wgmma import (FWD, FWD_BLOCK_M, FWD_CONFIGS, fwd_emulated, fwd_pv_steps, fwd_s_steps,
                                     fwd_smem, fwd_tiles)
 from models.mirrors import missing_statements, unmirrored_statements
 from models.smem import new_smem, store_panels
@@ -24,9 +24,9 @@ def test_mirrors_match_the_kernel_sources(source):
     assert not unmirrored, f"layout statements of {source} without a mirror here: {unmirrored}"
 
 
-@pytest.mark.parametrize("d_tile, block_n", FWD_SHAPES)
-def test_fwd_operands_are_q_k_and_v_slices(d_tile, block_n):
-    L = fwd_smem(d_tile, FWD_BLOCK_M, block_n)
+@pytest.mark.parametrize("d_tile, block_m, block_n", FWD_CONFIGS)
+def test_fwd_operands_are_q_k_and_v_slices(d_tile, block_m, block_n):
+    L = fwd_smem(d_tile, block_m, block_n)
     rng = seeded_rng(3, d_tile, block_n)
     smem = new_smem()
     q = rng.standard_normal((L.BLOCK_M, d_tile))
@@ -81,11 +81,11 @@ def test_model_rejects_plausible_layout_mistakes(mistake):
     assert _fwd_operands_survive(**mistake) == (not mistake)
 
 
-@pytest.mark.parametrize("d_tile, block_n", FWD_SHAPES)
-def test_fwd_block_emulation_matches_numpy(d_tile, block_n):
+@pytest.mark.parametrize("d_tile, block_m, block_n", FWD_CONFIGS)
+def test_fwd_block_emulation_matches_numpy(d_tile, block_m, block_n):
     """Four key blocks (every K and V stage, a V stage reused), the last one partial, with Q rows
     and head dimension short of the tile (zero fill): O = f(Q K^T) V for an elementwise f."""
-    L = fwd_smem(d_tile, FWD_BLOCK_M, block_n)
+    L = fwd_smem(d_tile, block_m, block_n)
     rng = seeded_rng(7, d_tile, block_n)
     headdim, seqlen_q, seqlen_k = d_tile - 8, L.BLOCK_M - 3, 4 * block_n - 5
     q, k, v = (rng.standard_normal((n, headdim)) / headdim ** 0.25 for n in (seqlen_q, seqlen_k, seqlen_k))

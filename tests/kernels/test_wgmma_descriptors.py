@@ -10,7 +10,7 @@ from models.blocks import seeded_rng
 from models.flash_bwd_dq_wgmma import DQW, DQW_CONFIGS, dqw_smem
 from models.flash_bwd_wgmma import BWD, BWD_CONFIGS, bwd_smem
 from models.flash_bwd_wgmma_dsplit import DSPLIT, DSPLIT_CONFIG, dsplit_smem
-from models.flash_fwd_wgmma import FWD, FWD_BLOCK_M, FWD_SHAPES, fwd_smem
+from models.flash_fwd_wgmma import FWD, FWD_CONFIGS, FWD_SHAPES, fwd_smem
 from models.fragments import pack_a_frags
 from models.mirrors import MIRRORED, code, missing_statements, unmirrored_statements
 from models.smem import RAW_SMEM, aligned_base, load_panels, new_smem
@@ -75,7 +75,7 @@ def test_smem_layouts_are_panel_aligned_and_match_python(configs):
         tunable = [(dt, c) for (_, _, dt), c in plans.FORWARD_TILES.items()]  # and dev/'s, for the tuner
         tunable += [(dt, c) for dt in mma_fwd.D_TILES for _, c in tune.load_dev_forward().entries(dt)]
         launched = {(dt, c.block_m, c.block_n) for dt, c in tunable if isinstance(c, mma_fwd.WgmmaFwdConfig)}
-        assert launched <= {(d, FWD_BLOCK_M, bn) for d, bn in FWD_SHAPES}
+        assert launched <= set(FWD_CONFIGS)
         assert len(FWD_SHAPES) == 5 and (256, 128) not in FWD_SHAPES
         for dt, bm, bn in launched:
             L = fwd_smem(dt, bm, bn)

@@ -124,3 +124,17 @@ FWD_BLOCK_M = 128
 # {64, 128, 256} x {64, 128} but d256 with 128-key blocks (Q, two K and three V stages: 384 KiB).
 FWD_SHAPES = [(d, bn) for d in (64, 128, 256) for bn in (64, 128)
               if fwd_smem(d, FWD_BLOCK_M, bn).BYTES + 1024 <= 227 * 1024]
+
+
+def _loads(d_tile: int, block_m: int, block_n: int) -> bool:
+    """cp_async_panels' static_assert for every tile the kernel copies: its threads cover whole
+    8-row steps of 16-byte chunks (a 64-row, one-warpgroup CTA cannot copy 256-wide rows)."""
+    threads, chunks = block_m // 64 * 128, d_tile // 8
+    step = threads // chunks if threads % chunks == 0 else 0
+    return step > 0 and step % 8 == 0 and block_m % step == 0 and block_n % step == 0
+
+
+# (D_TILE, BLOCK_M, BLOCK_N) of every configuration that fits and compiles: the shipped BLOCK_M of
+# 128 and one warpgroup's 64 (dev/mma_fwd.py's candidate for sliding windows).
+FWD_CONFIGS = [(d, bm, bn) for d in (64, 128, 256) for bm in (64, 128) for bn in (64, 128)
+               if fwd_smem(d, bm, bn).BYTES + 1024 <= 227 * 1024 and _loads(d, bm, bn)]
