@@ -410,8 +410,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
                               (rotary_cos, rotary_sin, rotary_interleaved))
     layout = _check_layout(q.shape, k_cache.shape, new_tokens, appending, cache_seqlens, cache_batch_idx,
                            block_table, cache_leftpad)
+    ends = layout.starts + layout.old_lengths  # where each sequence's cached tokens end: rotary's positions
     rotary = _check_rotary((rotary_cos, rotary_sin, rotary_interleaved), q, new_tokens, appending, layout.capacity,
-                           causal, window, layout.starts + layout.old_lengths)
+                           causal, window, ends)
     A.same_device({**arrays, **device_arrays(**indices, rotary_cos=rotary_cos, rotary_sin=rotary_sin)})
     which = dispatch.choose(backend, dtype, max(headdim, v_cache.shape[3]), "fwd")
     if appending:
@@ -419,7 +420,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
             if isinstance(cache, np.ndarray) and not cache.flags.writeable:
                 raise ValueError(f"{name} is read-only; k and v are appended to it in place")
     if rotary is not None:  # new arrays: the caller's q and k stay as they are; positions are the cache's
-        ends = layout.starts + layout.old_lengths
         k = rotary.turn(k, ends, per_token=True)
         q = rotary.turn(q, ends, _rotary_per_token(causal, window, layout.capacity))
     if batch * seqlen_q * nheads:
@@ -611,8 +611,7 @@ def _attend_unread(backend, q, k_cache, v_cache, k, v, new_tokens: int, cache_se
         raise ValueError(f"the cache is too small for the append: sequence {b} has {cached}{new_tokens} new ones "
                          f"> its capacity of {capacity} tokens")
     if isinstance(leftpad, np.ndarray):  # a host leftpad beside device arrays: checked as far as the lengths allow
-        ends = np.full(batch, capacity, np.int64) if host_lengths is None else host_lengths
-        _check_leftpad(leftpad, ends, batch)
+        _check_leftpad(leftpad, np.full(batch, capacity, np.int64) if host_lengths is None else host_lengths, batch)
     rotary = _check_rotary(rotary_arguments, q, new_tokens, appending, capacity, causal, window, host_lengths)
     if rotary is not None:
         for name, tables in (("rotary_cos", rotary.cos), ("rotary_sin", rotary.sin)):
@@ -761,7 +760,7 @@ def _attend(which, on_gpu, host_out, q, k_cache, v_cache, layout: CacheLayout, s
 PAGED_VARLEN_MAX_PADDING = 2  # padded query rows per real one past which paged varlen gathers the keys
 
 
-def xp_concatenate(parts: list, like):
+def _concatenate_rows(parts: list, like):
     """parts concatenated on axis 0 in ``like``'s array module (an empty one shaped like a row of it)."""
     xp = np if isinstance(like, np.ndarray) else A._cupy()
     return xp.concatenate(parts) if parts else xp.zeros((0,) + like.shape[2:], like.dtype)
@@ -842,7 +841,7 @@ def paged_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
         # sequence's own rows.
         from .varlen import flash_attn_varlen_func
 
-        gathered = [xp_concatenate([_sequence_keys(c, layout, b, int(lengths_k[b]))[0] for b in range(batch)], c)
+        gathered = [_concatenate_rows([_sequence_keys(c, layout, b, int(lengths_k[b]))[0] for b in range(batch)], c)
                     for c in (k, v)]
         return flash_attn_varlen_func(q, *gathered, given["cu_seqlens_q"], cu_k, max_seqlen_q, max_seqlen_k,
                                       softmax_scale=scale, causal=causal, window_size=window, softcap=softcap,

@@ -32,10 +32,6 @@ class Rotary:
     def __init__(self, cos, sin, interleaved: bool):
         self.cos, self.sin, self.interleaved = cos, sin, interleaved
 
-    @property
-    def rows(self) -> int:
-        return int(self.cos.shape[0])
-
     def positions(self, start, tokens: int, per_token: bool):
         """(batch, tokens) int64 positions: start[b] + t per token, or start[b] for all of them."""
         xp = np if isinstance(start, np.ndarray) else A._cupy()
@@ -55,9 +51,9 @@ class Rotary:
         cupy = A._cupy()
         tables = (cupy.ascontiguousarray(A.to_cupy(t, name)) for t, name in ((self.cos, "rotary_cos"),
                                                                               (self.sin, "rotary_sin")))
-        starts = starts if not isinstance(starts, np.ndarray) else cupy.asarray(starts.astype(np.int32))
-        return rotary.rotate(A.last_dim_contiguous(x), *tables, cupy.ascontiguousarray(starts, dtype=np.int32),
-                             per_token=per_token, interleaved=self.interleaved)
+        starts = cupy.ascontiguousarray(cupy.asarray(starts), dtype=np.int32)  # a host array is uploaded
+        return rotary.rotate(A.last_dim_contiguous(x), *tables, starts, per_token=per_token,
+                             interleaved=self.interleaved)
 
     def apply(self, x, positions):
         """x (batch, tokens, heads, headdim) turned at ``positions`` (batch, tokens), a new array of
