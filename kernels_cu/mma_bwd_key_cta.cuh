@@ -1,0 +1,164 @@
+// The CTA of the tensor-core kernels that own a key block: flash_bwd_dkdv_mma, _v2, _split and
+// flash_bwd_fused_mma (the family: mma_bwd_layouts.cuh). Key block n0 = blockIdx.x BLOCK_N of kv
+// head blockIdx.y stays in shared memory (K_j, V_j) while the CTA walks the query blocks that see
+// some of its keys, of every query head of the GQA group (block_walk.cuh), two pipeline stages
+// deep: Q_i, dO_i, lse_i and D_i of iteration it + 1 land by cp.async while iteration it computes.
+//
+// The kernels differ in how their warps split the key rows and the gradients; what they share is
+// here, once: the run-time arguments (copied from the BwdParams at the top, as bwd_args in
+// mma_bwd.cuh says why), the copies in, the order of the walk and the stores of dK_j and dV_j.
+#pragma once
+
+#include "block_walk.cuh"
+#include "common.cuh"
+#include "mask.cuh"
+#include "mma.cuh"
+#include "mma_bwd.cuh"
+#include "mma_bwd_layouts.cuh"
+#include "params.cuh"
+#include "softmax_bwd.cuh"
+
+namespace cf {
+
+// Shared-memory addresses of one pipeline stage of layout L (DkdvSmem or a layout with its
+// fields): the query block's Q and dO tiles, and its rows' lse and D.
+template <class L, int BLOCK_M>
+struct QueryStageTiles {
+    u32 q, d_o;
+    const float* lse;
+    const float* delta;
+
+    __device__ __forceinline__ QueryStageTiles(unsigned char* smem, int stage)
+        : q(smem_u32(smem) + L::Q + stage * L::Q_TILE),
+          d_o(smem_u32(smem) + L::DO + stage * L::Q_TILE),
+          lse(reinterpret_cast<const float*>(smem + L::LSE) + stage * BLOCK_M),
+          delta(reinterpret_cast<const float*>(smem + L::DELTA) + stage * BLOCK_M) {}
+};
+
+// DESCENDING: each kv head's query blocks from the last to the first (the ordered dQ adds of
+// flash_bwd_fused_mma: a dQ block's key blocks add in key order, so every key block visits the
+// last query blocks first); else from the first to the last.
+template <typename T, class L, class Mask, int BLOCK_M, int BLOCK_N, int D_TILE, int NTHREADS,
+          bool DESCENDING = false>
+struct MmaKeyCta {
+    u32 base;  // the shared-memory layout L's origin
+    int n0, head_kv;
+    SequenceRows seq;
+    int seqlen_q, seqlen_k, group, headdim, headdim_v;
+    int query_cols;  // of the Q and dO tiles: max(headdim, headdim_v) (cp_async_query_block)
+    StatDims stat_dims;
+    float scale_log2, scale, drop_scale;  // drop_scale: 1 / (1 - p)
+    TensorRows q, k, v, dout, dk, dv, dq_accum;
+    const float* lse;
+    const float* delta;
+    Mask mask;
+    // The query blocks that see some key of this block, for each query head of the group; the
+    // others are never loaded.
+    QueryBlockWalk<BLOCK_M> walk;
+
+    // seq: the CTA's sequence, cta_sequence or cta_sequence_uniform (softmax_bwd.cuh), as the
+    // kernel's registers allow.
+    __device__ __forceinline__ MmaKeyCta(const BwdParams& p, unsigned char* smem, const SequenceRows& seq_)
+        : base(smem_u32(smem)),
+          n0(blockIdx.x * BLOCK_N),
+          head_kv(blockIdx.y),
+          seq(seq_),
+          seqlen_q(seq_.seqlen_q),
+          seqlen_k(seq_.seqlen_k),
+          group(p.group),
+          headdim(p.headdim),
+          headdim_v(p.headdim_v),
+          query_cols(max(p.headdim, p.headdim_v)),
+          stat_dims{p.nheads, p.seqlen_q},
+          scale_log2(p.scale_log2),
+          scale(p.scale),
+          drop_scale(DropoutOf<Mask>::kept_scale(p)),
+          q(p.q),
+          k(p.k),
+          v(p.v),
+          dout(p.dout),
+          dk(p.dk),
+          dv(p.dv),
+          dq_accum(p.dq_accum),
+          lse(static_cast<const float*>(p.lse)),
+          delta(static_cast<const float*>(p.delta)),
+          mask(cta_mask<Mask>(p, seq_.index, seq_.seqlen_q, seq_.seqlen_k)),
+          walk(mask, n0, BLOCK_N, group) {}
+
+    // A key block past a shorter (packed) sequence's end: the kernel leaves at once, before it
+    // builds the CTA (built first, its mask and walk ahead of the branch took the CTA's address
+    // arithmetic off the uniform datapath: flash_bwd_dkdv_mma_v2 packed d64 at sm_90, 32 bytes of
+    // spills). A sequence without queries still stores dK = dV = 0 (an empty walk).
+    static __device__ __forceinline__ bool past_end(const SequenceRows& seq) {
+        return Mask::PACKED && int(blockIdx.x) * BLOCK_N >= seq.seqlen_k;
+    }
+
+    // Iteration it's query head and query block.
+    __device__ __forceinline__ int head(int it) const { return walk.head(head_kv, it); }
+    __device__ __forceinline__ int m_block(int it) const {
+        return DESCENDING ? walk.block_down_from(walk.end - 1, it) : walk.block(it);
+    }
+
+    // Iteration it's Q_i, dO_i, lse_i and D_i into pipeline stage `stage` (no commit).
+    __device__ __forceinline__ void load_query_block(int it, int stage, int tid) const {
+        cp_async_query_block<T, L, BLOCK_M, D_TILE, NTHREADS>(base, stage, q, dout, lse, delta, seq, stat_dims,
+                                                              head(it), m_block(it) * BLOCK_M, seqlen_q, query_cols,
+                                                              tid);
+    }
+
+    // Prologue: K_j, V_j and the first query block in one commit group.
+    __device__ __forceinline__ void load_key_block_and_first(int tid) const {
+        cp_async_key_block<T, BLOCK_N, D_TILE, NTHREADS>(base + L::K, base + L::V, k, v, seq, head_kv, n0, seqlen_k,
+                                                         headdim, headdim_v, tid);
+        if (walk.iters > 0) load_query_block(0, 0, tid);
+        cp_async_commit();
+    }
+
+    // Top of an iteration: the wait lands its block's copies, and the barrier makes every thread's
+    // copies visible and guarantees that all warps are done with the iteration before (the stage
+    // the next block's copies overwrite, and any tile the kernel's warps exchange through).
+    __device__ __forceinline__ void land() const {
+        cp_async_wait<0>();
+        __syncthreads();
+    }
+
+    // After land() of iteration it: iteration it + 1's copies into the other stage, one commit
+    // group (empty past the last).
+    __device__ __forceinline__ void prefetch(int it, int tid) const {
+        if (it + 1 < walk.iters) load_query_block(it + 1, (it + 1) & 1, tid);
+        cp_async_commit();
+    }
+
+    // Epilogue, in two steps around the kernel's staging of dK_j (times the scale: dS^T Q is summed
+    // unscaled) and dV_j (times drop_scale) into the K and V tiles (stage_acc): end_walk() waits
+    // for every copy and every warp, so the tiles are free; store_grads() waits for every warp's
+    // staging and stores the tiles, 16 bytes a thread. (One call taking the staging as a lambda
+    // moved the CTA's address arithmetic off the uniform datapath: flash_bwd_dkdv_mma d256, 11
+    // more registers.)
+    __device__ __forceinline__ void end_walk() const {
+        cp_async_wait<0>();
+        __syncthreads();
+    }
+    __device__ __forceinline__ void store_grads(int tid) const {
+        __syncthreads();
+        store_key_block_grads<T, BLOCK_N, D_TILE, NTHREADS>(dk, dv, base + L::K, base + L::V, seq, head_kv, n0,
+                                                            seqlen_k, headdim, headdim_v, tid);
+    }
+};
+
+// The first query each of a lane's key rows sees (mask.row_query_begin), seqlen_q for a row past
+// the keys: rows n0_warp + 16 g + lane / 4 + 8 half of the warp's G 16-row groups, one register a
+// row for the whole sub-block (the window's left bound, from the key's side).
+template <int G, class Mask>
+__device__ __forceinline__ void key_rows_query_begin(int (&m_min)[G][2], const Mask& mask, int n0_warp, int lane,
+                                                     int seqlen_q, int seqlen_k) {
+#pragma unroll
+    for (int g = 0; g < G; ++g)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int n = n0_warp + 16 * g + lane / 4 + 8 * half;
+            m_min[g][half] = n < seqlen_k ? mask.row_query_begin(n) : seqlen_q;
+        }
+}
+
+}  // namespace cf
