@@ -5,6 +5,7 @@
 #include "mma.cuh"
 #include "mma_bwd.cuh"
 #include "mma_bwd_layouts.cuh"
+#include "mma_bwd_query_cta.cuh"
 #include "params.cuh"
 #include "softmax_bwd.cuh"
 
@@ -21,48 +22,20 @@ flash_bwd_dq_mma(const __grid_constant__ BwdParams p) {
 
     extern __shared__ __align__(128) unsigned char smem[];
     if (dynamic_smem_bytes() < L::BYTES) __trap();
-    const u32 base = smem_u32(smem);
-    const u32 s_q = base + L::Q, s_do = base + L::DO;
-
+    typedef MmaQueryCta<T, L, Mask, BLOCK_M, BLOCK_N, D_TILE, NTHREADS> Cta;
+    const SequenceRows seq = cta_sequence<Mask>(p, blockIdx.z);
+    if (Cta::past_end(seq)) return;
+    const Cta cta(p, smem, seq);
+    const u32 s_q = cta.base + L::Q, s_do = cta.base + L::DO;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int row0 = 16 * warp;  // this warp's query rows within the block
-    // The run-time arguments, read once here (bwd_args in mma_bwd.cuh says why).
-    const SequenceRows seq = cta_sequence<Mask>(p, blockIdx.z);
-    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
+    const int seqlen_q = cta.seqlen_q, m0 = cta.m0, head = cta.head;
     const StatDims stat_dims{p.nheads, p.seqlen_q};
-    const int headdim = p.headdim;
     const float scale_log2 = p.scale_log2, scale = p.scale;
-    const TensorRows q = p.q, k = p.k, v = p.v, dout = p.dout, dq = p.dq;
-    const float* __restrict__ lse = static_cast<const float*>(p.lse);
-    const float* __restrict__ delta = static_cast<const float*>(p.delta);
-    const Mask mask = cta_mask<Mask>(p, seq.index, seqlen_q, seqlen_k);
-    const int m0 = Mask::query_block(blockIdx.x, gridDim.x) * BLOCK_M;
-    if (Mask::PACKED && m0 >= seqlen_q) return;  // past a shorter sequence's end
-    const int head = blockIdx.y, batch = seq.batch, head_kv = head / p.group;
+    const Mask& mask = cta.mask;
     const ScoreOf<Mask, float, true> score(score_problem<Mask>(p, seq), seq.index, head, scale);
 
-    // Key blocks [j_begin, j_end) hold the keys some existing row of the block sees (mask.cuh);
-    // K_j and V_j sit in stage j % 2, whichever block the walk starts at.
-    const int j_begin = mask.key_begin(m0) / BLOCK_N;
-    const int j_end = (mask.key_end(m0, min(BLOCK_M, seqlen_q - m0)) + BLOCK_N - 1) / BLOCK_N;
-
-    const T* k_head = k.row<const T>(batch, seq.k_begin, head_kv);
-    const T* v_head = v.row<const T>(batch, seq.k_begin, head_kv);
-    const i64 k_ss = k.row_stride, v_ss = v.row_stride;
-    auto load_key_block = [&](int j, int stage) {
-        const int n0 = j * BLOCK_N;
-        cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(base + L::K + stage * L::KV_TILE, k_head + n0 * k_ss,
-                                                 seqlen_k - n0, headdim, k_ss, tid);
-        cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(base + L::V + stage * L::KV_TILE, v_head + n0 * v_ss,
-                                                 seqlen_k - n0, p.headdim_v, v_ss, tid);
-    };
-
-    cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(s_q, q.row<const T>(batch, seq.q_begin + m0, head), seqlen_q - m0,
-                                             headdim, q.row_stride, tid);
-    cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(s_do, dout.row<const T>(batch, seq.q_begin + m0, head), seqlen_q - m0,
-                                             p.headdim_v, dout.row_stride, tid);
-    if (j_begin < j_end) load_key_block(j_begin, j_begin & 1);
-    cp_async_commit();
+    cta.load_rows_and_first(p, tid);
 
     // Per-row statistics of this lane's two accumulator rows (lane / 4 and lane / 4 + 8), by ldg
     // (bwd_args in mma_bwd.cuh).
@@ -71,8 +44,8 @@ flash_bwd_dq_mma(const __grid_constant__ BwdParams p) {
     for (int half = 0; half < 2; ++half) {
         const int m = m0 + row0 + lane / 4 + 8 * half;
         const i64 stat = seq.stat(stat_dims, head, m);
-        base_log2[half] = m < seqlen_q ? lse_base_log2(ldg(lse + stat)) : 0.f;
-        d[half] = m < seqlen_q ? ldg(delta + stat) : 0.f;
+        base_log2[half] = m < seqlen_q ? lse_base_log2(ldg(cta.lse + stat)) : 0.f;
+        d[half] = m < seqlen_q ? ldg(cta.delta + stat) : 0.f;
     }
 
     float dq_acc[D_TILE / 8][4];
@@ -80,16 +53,10 @@ flash_bwd_dq_mma(const __grid_constant__ BwdParams p) {
     const DropoutOf<Mask> dropout(p, seq.index, head);
     const float drop_scale = DropoutOf<Mask>::kept_scale(p);
 
-    for (int j = j_begin; j < j_end; ++j) {
-        const int stage = j & 1;
-        // As in flash_bwd_dkdv_mma: lands block j, and all warps are done with block j - 1.
-        cp_async_wait<0>();
-        __syncthreads();
-        if (j + 1 < j_end) load_key_block(j + 1, stage ^ 1);
-        cp_async_commit();
-
+    for (int j = cta.j_begin; j < cta.j_end; ++j) {
+        cta.land_and_prefetch(p, j, tid);
         const int n0 = j * BLOCK_N;
-        const u32 s_k = base + L::K + stage * L::KV_TILE, s_v = base + L::V + stage * L::KV_TILE;
+        const u32 s_k = cta.k_tile(j), s_v = cta.v_tile(j);
 
         // Step 1: S = Q_i K_j^T, dP = dO_i V_j^T for this warp's 16 query rows.
         float s_acc[BLOCK_N / 8][4], dp_acc[BLOCK_N / 8][4];
@@ -125,15 +92,10 @@ flash_bwd_dq_mma(const __grid_constant__ BwdParams p) {
         mma_AB_regs<T, D_TILE, BLOCK_N, D_TILE>(dq_acc, ds_frag, s_k, 0, lane);
     }
 
-    // Epilogue: dQ = scale dS K, staged through this warp's own rows of the Q tile (no other warp
-    // reads them; the barrier covers the case of no key block, where copies may still be landing).
-    cp_async_wait<0>();
-    __syncthreads();
+    // Epilogue: dQ = scale dS K, staged through this warp's own rows of the Q tile.
+    cta.end_walk();
     stage_acc<T, D_TILE, D_TILE>(s_q, row0, 0, dq_acc, scale, lane);
-    __syncwarp();
-    T* dq_rows = dq.row<T>(batch, seq.q_begin + m0 + row0, head);
-    store_tile<16, D_TILE, 32>(dq_rows, s_q + tile_offset<D_TILE>(row0, 0), seqlen_q - m0 - row0, headdim,
-                               dq.row_stride, lane);
+    cta.store_dq<16>(row0, lane);
 }
 
 }  // namespace cf

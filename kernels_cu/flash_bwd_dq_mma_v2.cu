@@ -12,6 +12,7 @@
 #include "mma.cuh"
 #include "mma_bwd.cuh"
 #include "mma_bwd_layouts.cuh"
+#include "mma_bwd_query_cta.cuh"
 #include "params.cuh"
 #include "softmax_bwd.cuh"
 
@@ -41,51 +42,23 @@ flash_bwd_dq_mma_v2(const __grid_constant__ BwdParams p) {
 
     extern __shared__ __align__(128) unsigned char smem[];
     if (dynamic_smem_bytes() < L::BYTES) __trap();
-    const u32 base = smem_u32(smem);
-    const u32 s_q = base + L::Q, s_do = base + L::DO;
-
+    typedef MmaQueryCta<T, L, Mask, BLOCK_M, BLOCK_N, D_TILE, NTHREADS> Cta;
+    const SequenceRows seq = cta_sequence<Mask>(p, blockIdx.z);
+    if (Cta::past_end(seq)) return;
+    const Cta cta(p, smem, seq);
+    const u32 s_q = cta.base + L::Q, s_do = cta.base + L::DO;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int row0 = WARP_ROWS * warp;  // this warp's query rows within the block
-    // The run-time arguments, read once here (bwd_args in mma_bwd.cuh says why).
-    const SequenceRows seq = cta_sequence<Mask>(p, blockIdx.z);
-    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k, headdim = p.headdim;
+    const int seqlen_q = cta.seqlen_q, m0 = cta.m0, head = cta.head;
     // The scales converted here from the doubles by cvt.rn (one F2F each, rounded as NumPy rounds
     // the float fields, so the values are the same): with the float fields read instead, ptxas's
     // allocation of the causal d128 instance on sm_90 spills 24 bytes at 254 registers; this way
     // it takes 247 and none (an allocation accident at the 255 limit, not a cost of the fields).
     const float scale_log2 = f32_rn(p.scale_log2_f64), scale = f32_rn(p.scale_f64);
-    const TensorRows q = p.q, k = p.k, v = p.v, dout = p.dout, dq = p.dq;
-    const float* __restrict__ lse = static_cast<const float*>(p.lse);
-    const float* __restrict__ delta = static_cast<const float*>(p.delta);
-    const Mask mask = cta_mask<Mask>(p, seq.index, seqlen_q, seqlen_k);
-    const int m0 = Mask::query_block(blockIdx.x, gridDim.x) * BLOCK_M;
-    if (Mask::PACKED && m0 >= seqlen_q) return;  // past a shorter sequence's end
-    const int head = blockIdx.y, batch = seq.batch, head_kv = head / p.group;
+    const Mask& mask = cta.mask;
     const ScoreOf<Mask, float, true> score(score_problem<Mask>(p, seq), seq.index, head, scale);
 
-    // Key blocks [j_begin, j_end) hold the keys some existing row of the block sees (mask.cuh);
-    // K_j and V_j sit in stage j % 2, whichever block the walk starts at.
-    const int j_begin = mask.key_begin(m0) / BLOCK_N;
-    const int j_end = (mask.key_end(m0, min(BLOCK_M, seqlen_q - m0)) + BLOCK_N - 1) / BLOCK_N;
-
-    // The key-block addresses are recomputed from the run-time arguments (p: constant bank) at each
-    // load: held across the loop, they are what tips the main loop into spilling.
-    auto load_key_block = [&](int j, int stage) {
-        const int n0 = j * BLOCK_N;
-        cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(base + L::K + stage * L::KV_TILE,
-                                                 p.k.row<const T>(batch, seq.k_begin + n0, head_kv),
-                                                 seqlen_k - n0, headdim, p.k.row_stride, tid);
-        cp_async_tile<BLOCK_N, D_TILE, NTHREADS>(base + L::V + stage * L::KV_TILE,
-                                                 p.v.row<const T>(batch, seq.k_begin + n0, head_kv),
-                                                 seqlen_k - n0, p.headdim_v, p.v.row_stride, tid);
-    };
-
-    cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(s_q, q.row<const T>(batch, seq.q_begin + m0, head), seqlen_q - m0,
-                                             headdim, q.row_stride, tid);
-    cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(s_do, dout.row<const T>(batch, seq.q_begin + m0, head), seqlen_q - m0,
-                                             p.headdim_v, dout.row_stride, tid);
-    if (j_begin < j_end) load_key_block(j_begin, j_begin & 1);
-    cp_async_commit();
+    cta.load_rows_and_first(p, tid);
 
     // Row statistics (by ldg: bwd_args in mma_bwd.cuh), made visible by the first iteration's barrier.
     float* s_lse = reinterpret_cast<float*>(smem + L::LSE);
@@ -93,8 +66,8 @@ flash_bwd_dq_mma_v2(const __grid_constant__ BwdParams p) {
     for (int r = tid; r < BLOCK_M; r += NTHREADS) {
         const int m = m0 + r;
         const i64 stat = seq.stat(p, head, m);
-        s_lse[r] = m < seqlen_q ? lse_base_log2(ldg(lse + stat)) : 0.f;
-        s_delta[r] = m < seqlen_q ? ldg(delta + stat) : 0.f;
+        s_lse[r] = m < seqlen_q ? lse_base_log2(ldg(cta.lse + stat)) : 0.f;
+        s_delta[r] = m < seqlen_q ? ldg(cta.delta + stat) : 0.f;
     }
     // This lane's accumulator rows within the block: group g, half h is lane_row + 16 g + 8 h.
     const int lane_row = row0 + lane / 4;
@@ -105,16 +78,10 @@ flash_bwd_dq_mma_v2(const __grid_constant__ BwdParams p) {
     const DropoutOf<Mask> dropout(p, seq.index, head);
     const float drop_scale = DropoutOf<Mask>::kept_scale(p);
 
-    for (int j = j_begin; j < j_end; ++j) {
-        const int stage = j & 1;
-        // Lands block j; all warps are done with block j - 1, whose stage the next load reuses.
-        cp_async_wait<0>();
-        __syncthreads();
-        if (j + 1 < j_end) load_key_block(j + 1, stage ^ 1);
-        cp_async_commit();
-
+    for (int j = cta.j_begin; j < cta.j_end; ++j) {
+        cta.land_and_prefetch(p, j, tid);
         const int n0 = j * BLOCK_N;
-        const u32 s_k = base + L::K + stage * L::KV_TILE, s_v = base + L::V + stage * L::KV_TILE;
+        const u32 s_k = cta.k_tile(j), s_v = cta.v_tile(j);
 
         // Step 1: S = Q_i K_j^T for this warp's 16 G query rows, turned into P = exp2(S scale
         // log2(e) - lse log2(e)) in place. The window's left bound (from the policy's origin: query
@@ -195,14 +162,10 @@ flash_bwd_dq_mma_v2(const __grid_constant__ BwdParams p) {
     }
 
     // Epilogue: as in v1, staged through this warp's own rows of the Q tile.
-    cp_async_wait<0>();
-    __syncthreads();
+    cta.end_walk();
 #pragma unroll
     for (int g = 0; g < G; ++g) stage_acc<T, D_TILE, D_TILE>(s_q, row0 + 16 * g, 0, dq_acc[g], scale, lane);
-    __syncwarp();
-    T* dq_rows = dq.row<T>(batch, seq.q_begin + m0 + row0, head);
-    store_tile<WARP_ROWS, D_TILE, 32>(dq_rows, s_q + tile_offset<D_TILE>(row0, 0), seqlen_q - m0 - row0,
-                                      headdim, dq.row_stride, lane);
+    cta.store_dq<WARP_ROWS>(row0, lane);
 }
 
 }  // namespace cf
