@@ -28,44 +28,16 @@ namespace cf {
 template <typename T, int D_TILE, class Mask, int BLOCK_M, int BLOCK_N, int TPR>
 __global__ void __launch_bounds__(BLOCK_M * TPR, 2)
 flash_bwd_stats_simt(const __grid_constant__ BwdParams p) {
-    typedef typename acc_of<T>::type A;
-    constexpr int NTHREADS = BLOCK_M * TPR;
-    constexpr int S_PER_LANE = BLOCK_N / TPR;
-    constexpr int LD = D_TILE + 1;
-    static_assert(BLOCK_N % TPR == 0 && D_TILE % TPR == 0 && 32 % TPR == 0, "row group shape");
+    typedef SimtQueryCta<T, D_TILE, Mask, BLOCK_M, BLOCK_N, TPR> Cta;  // flash_bwd_dq_simt's CTA
+    typedef typename Cta::A A;
+    constexpr int S_PER_LANE = Cta::S_PER_LANE;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    A* q_tile = reinterpret_cast<A*>(smem_raw);  // [BLOCK_M][LD]
-    A* do_tile = q_tile + BLOCK_M * LD;            // [BLOCK_M][LD]
-    A* k_tile = do_tile + BLOCK_M * LD;            // [BLOCK_N][LD]
-    A* v_tile = k_tile + BLOCK_N * LD;             // [BLOCK_N][LD]
-    constexpr unsigned SMEM_BYTES = sizeof(A) * (2 * BLOCK_M * LD + 2 * BLOCK_N * LD);
-    if (dynamic_smem_bytes() < SMEM_BYTES) __trap();
+    const Cta cta(p, smem_raw);
+    if (dynamic_smem_bytes() < Cta::TILES_BYTES) __trap();
+    if (cta.past_end()) return;
+    const int lane_in_row = cta.lane_in_row, q_row = cta.q_row, head = cta.head;
 
-    const SequenceRows seq = cta_sequence<Mask>(p, blockIdx.z);
-    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
-    const A scale_log2 = scale_log2_in<A>(p), scale = scale_in<A>(p);
-    const Mask mask = cta_mask<Mask>(p, seq.index, seqlen_q, seqlen_k);
-    const int m_block = Mask::query_block(blockIdx.x, gridDim.x);
-    const int head = blockIdx.y, batch = seq.batch;
-    const int head_kv = head / p.group;
-    const ScoreOf<Mask, A> score(score_problem<Mask>(p, seq), seq.index, head, scale);
-    const int m0 = m_block * BLOCK_M;
-    if (Mask::PACKED && m0 >= seqlen_q) return;  // past a shorter sequence's end
-    const int row = threadIdx.x / TPR, lane_in_row = threadIdx.x % TPR;
-    const int q_row = m0 + row;
-
-    load_tile<BLOCK_M, D_TILE, NTHREADS>(q_tile, p.q.row<const T>(batch, seq.q_begin, head), m0, seqlen_q,
-                                         p.headdim, p.q.row_stride, A(1));
-    load_tile<BLOCK_M, D_TILE, NTHREADS>(do_tile, p.dout.row<const T>(batch, seq.q_begin, head), m0, seqlen_q,
-                                         p.headdim_v, p.dout.row_stride, A(1));
-    const T* __restrict__ k_base = p.k.row<const T>(batch, seq.k_begin, head_kv);
-    const T* __restrict__ v_base = p.v.row<const T>(batch, seq.k_begin, head_kv);
-    const int n_begin = mask.key_begin(m0) / BLOCK_N * BLOCK_N;
-    const int n_end = mask.key_end(m0, BLOCK_M);
-
-    const DropoutOf<Mask> dropout(p, seq.index, head);
-    const A drop_scale = DropoutOf<Mask>::ENABLED ? dropout_scale_in<A>(p) : A(1);
     // The row's running maximum m (log2 units), sum l = sum_j 2^(x_j - m) and
     // w = sum_j 2^(x_j - m) (dP_j - ref), ref the dP of the key at the maximum: each lane over its
     // own keys until the end (maximum and ref are merged per tile, so every lane rescales and
@@ -74,24 +46,17 @@ flash_bwd_stats_simt(const __grid_constant__ BwdParams p) {
     // where dP_j - D would lose the small D' to a rounding of |dP| (RowStats, softmax_bwd.cuh).
     A m_i = neg_inf<A>(), l_i = A(0), w_i = A(0), ref = A(0);
 
-    for (int n0 = n_begin; n0 < n_end; n0 += BLOCK_N) {
-        __syncthreads();  // previous K/V tiles fully consumed
-        load_tile<BLOCK_N, D_TILE, NTHREADS>(k_tile, k_base, n0, seqlen_k, p.headdim, p.k.row_stride, A(1));
-        load_tile<BLOCK_N, D_TILE, NTHREADS>(v_tile, v_base, n0, seqlen_k, p.headdim_v, p.v.row_stride, A(1));
-        __syncthreads();
-
+    cta.walk(p, [] {}, [&](int n0) {
         // the scores in log2 units (-inf where hidden) and dP; the tile's maximum and its key's
         // dP over the row group (ties: the larger dP, so every lane of the group ends with the
         // same pair)
         A x[S_PER_LANE], dp[S_PER_LANE];
         A tile_max = neg_inf<A>(), tile_ref = A(0);
-        simt_row_tile<D_TILE, TPR, LD, S_PER_LANE>(
-            q_tile + row * LD, do_tile + row * LD, k_tile, v_tile, lane_in_row, q_row, n0, false, mask, score, dropout,
-            drop_scale, [&](int j, A s_ij, A dp_ij, A, bool hidden) {
-                x[j] = hidden ? neg_inf<A>() : log2_score(s_ij, scale_log2);
-                dp[j] = dp_ij;
-                if (!hidden && (x[j] > tile_max || (x[j] == tile_max && dp_ij > tile_ref))) tile_max = x[j], tile_ref = dp_ij;
-            });
+        cta.row_tile(n0, false, [&](int j, A s_ij, A dp_ij, A, bool hidden) {
+            x[j] = hidden ? neg_inf<A>() : log2_score(s_ij, cta.scale_log2);
+            dp[j] = dp_ij;
+            if (!hidden && (x[j] > tile_max || (x[j] == tile_max && dp_ij > tile_ref))) tile_max = x[j], tile_ref = dp_ij;
+        });
 #pragma unroll
         for (int offset = TPR / 2; offset > 0; offset /= 2) {
             const A other_max = __shfl_xor_sync(0xffffffffu, tile_max, offset);
@@ -115,11 +80,11 @@ flash_bwd_stats_simt(const __grid_constant__ BwdParams p) {
             w_i += x[j] == neg_inf<A>() ? A(0) : e * (dp[j] - ref);
         }
         m_i = m_new;
-    }
+    });
     l_i = group_sum<TPR>(l_i);
     w_i = group_sum<TPR>(w_i);
 
-    if (q_row < seqlen_q && lane_in_row == 0) {
+    if (q_row < cta.seq.seqlen_q && lane_in_row == 0) {
         // P_j = 2^(x_j - m) o_factor, o_factor = 1 / l without a sink (the forward's factor of O).
         // The sink is read at run time: the backward's policies carry none (masks.py's
         // Mask.backward: a saved lse holds it), and this kernel forms the row's sum itself.
@@ -132,7 +97,7 @@ flash_bwd_stats_simt(const __grid_constant__ BwdParams p) {
         // far above every score overflows that factor to inf while o_factor flushes to 0 (NaN).
         const A sink_share =
             sink != nullptr && top_with_sink != neg_inf<A>() ? exp2_((sink2 - top_with_sink) - log2_sum) : A(0);
-        const i64 stat = seq.stat(StatDims{p.nheads, p.seqlen_q}, head, q_row);
+        const i64 stat = cta.seq.stat(StatDims{p.nheads, p.seqlen_q}, head, q_row);
         static_cast<A*>(p.delta)[stat] = w_i * o_factor - ref * sink_share;
         // params' lse, weight and dp_ref are this call's own buffers in this mode (kernels/simt.py)
         const_cast<A*>(static_cast<const A*>(p.lse))[stat] = m_i;

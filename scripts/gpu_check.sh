@@ -28,9 +28,10 @@
 #                                       dropout's, the 192/128 bench against cuDNN / Flex (DV_IMPLS),
 #                                       the 16k table with BENCH_16K=1
 #   scripts/gpu_check.sh OUTDIR warm    every kernel compiled into CuPy's cache, alone in a call: run
-#                                       it first, then suite with SUITE_PART=1 and 2 right after
-#   scripts/gpu_check.sh OUTDIR suite   SUITE_PART=1 or 2: the GPU test suite's two halves, shards
-#                                       and one summary file each (scripts/gpu_suite_part.sh)
+#                                       it first, then suite with SUITE_PART=1, 2 and 3 right after
+#   scripts/gpu_check.sh OUTDIR suite   SUITE_PART=1, 2 or 3: the GPU test suite's three parts (3: the
+#                                       ring's tests), shards and one summary file each
+#                                       (scripts/gpu_suite_part.sh)
 #   scripts/gpu_check.sh OUTDIR ncu     kernel by kernel, this tree against BEFORE_TREE (required):
 #                                       time, registers, instructions of NCU_CASES, then the full
 #                                       section set of NCU_FULL (ncu --clock-control none)
@@ -188,23 +189,27 @@ dmma)  # a DMMA backward change: compile, tests, sanitizer, bench (before / afte
     step bench-dmma-after 120 python dev/bench_dmma_bwd.py --repeats 3 --json "$out/bench-dmma-after.json"
     ;;
 warm)  # every kernel this device runs into the tree's CuPy cache, alone in its call: then the
-       # suite's two parts (issued right after, on the same warm machine) load instead of compiling.
+       # suite's parts (issued right after, on the same warm machine) load instead of compiling.
        # Cold, 14 shards compiling side by side did not finish the suite in 430 s (2026-12-03).
     export PYTHONPATH=$PWD
     step warm-cache "${WARM_LIMIT:-540}" python scripts/warm_kernel_cache.py --packed ${WARM_ZOO:+--zoo}
     ;;
-suite)  # the GPU test suite in two parts (SUITE_PART=1 or 2), each one summary file; part 2 is
-        # every test file part 1 does not name, so a new file cannot fall between them
+suite)  # the GPU test suite in three parts (SUITE_PART=1, 2 or 3), each one summary file; part 2 is
+        # every test file parts 1 and 3 do not name, so a new file cannot fall between them. Part 3
+        # is the ring's file alone: on 2026-12-05 its 36 one-GPU ring cases took 60-87 s each and
+        # part 2 with it did not finish in 560 s (7 of 14 shards killed, 452 of 788 tests unrun).
     part1=(tests/test_api_gpu.py tests/test_tf32_gpu.py tests/test_robustness_gpu.py tests/test_torch_gpu.py
            tests/test_kvcache_kernel_gpu.py tests/test_capture_gpu.py tests/test_varlen_gpu.py tests/test_docs.py
            tests/test_cli.py tests/test_testing.py tests/test_validation.py tests/test_plans.py tests/test_plans_bwd.py
            tests/test_dispatch.py tests/test_statistics_gpu.py tests/dev tests/test_leftpad_gpu.py
            tests/test_paged_varlen_gpu.py)
+    part3=(tests/test_distributed_gpu.py)
     case ${SUITE_PART:-1} in
     1) paths=("${part1[@]}") ;;
+    3) paths=("${part3[@]}") ;;
     *) paths=(tests/kernels tests/benchmarks)
        for f in tests/test_*.py; do
-           case " ${part1[*]} " in *" $f "*) ;; *) paths+=("$f") ;; esac
+           case " ${part1[*]} ${part3[*]} " in *" $f "*) ;; *) paths+=("$f") ;; esac
        done ;;
     esac
     step "suite-part${SUITE_PART:-1}" "${TEST_LIMIT:-540}" bash scripts/gpu_suite_part.sh "$out/suite-part${SUITE_PART:-1}.txt" \

@@ -6,7 +6,7 @@
 # themselves are deleted: a device run returns few files). HYPOTHESIS_PROFILE and SHARDS from the
 # environment (defaults dev, 14); benchmark tests run once each (--benchmark-disable).
 # Warm the kernel cache first, in a device call of its own (scripts/gpu_check.sh OUTDIR warm, then
-# OUTDIR suite with SUITE_PART=1 and 2): with the cache cold, 14 shards compiling the same kernels side by side (and a warm-up
+# OUTDIR suite with SUITE_PART=1, 2 and 3): with the cache cold, 14 shards compiling the same kernels side by side (and a warm-up
 # beside them) did not finish the 952 GPU tests in 430 s (2026-12-03); warm, two parts of about
 # 250 s each did. A shard killed by its limit still reports what it finished, what failed and what
 # it was running (scripts/pytest_shards.py reads pytest -v's lines).
