@@ -17,6 +17,11 @@ shift 2
 cd "$(dirname "$0")/.."
 dir=$(mktemp -d)
 export HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-dev} PYTHONPATH=$PWD PYTEST_ADDOPTS="--benchmark-disable"
+# One BLAS thread a shard: the shards already fill the cores, and the float64 references and
+# rounding baselines (NumPy matmuls) each took every core's thread before (14 shards x 16
+# threads on 16 cores). Not yet measured: the ring's file, heavy in those baselines, was the part
+# that ran out of time on 2026-12-05.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-1} MKL_NUM_THREADS=${MKL_NUM_THREADS:-1}
 python scripts/pytest_shards.py --shards "${SHARDS:-14}" --limit "$limit" --out "$dir" -m gpu "$@" > "$outfile" 2>&1
 status=$?
 for log in "$dir"/shard*.log; do
