@@ -196,14 +196,16 @@ warm)  # every kernel this device runs into the tree's CuPy cache, alone in its 
     ;;
 suite)  # the GPU test suite in three parts (SUITE_PART=1, 2 or 3), each one summary file; part 2 is
         # every test file parts 1 and 3 do not name, so a new file cannot fall between them. Part 3
-        # is the ring's file alone: on 2026-12-05 its 36 one-GPU ring cases took 60-87 s each and
-        # part 2 with it did not finish in 560 s (7 of 14 shards killed, 452 of 788 tests unrun).
+        # is the ring's file and the dev harness: on 2026-12-05 the ring's 36 one-GPU cases took
+        # 60-87 s each and part 2 with them did not finish in 560 s (7 of 14 shards killed, 452 of
+        # 788 tests unrun); the dev harness's four backward tests, 160-194 s each, were part 1's
+        # longest poles (714 of its 4,300 shard-seconds).
     part1=(tests/test_api_gpu.py tests/test_tf32_gpu.py tests/test_robustness_gpu.py tests/test_torch_gpu.py
            tests/test_kvcache_kernel_gpu.py tests/test_capture_gpu.py tests/test_varlen_gpu.py tests/test_docs.py
            tests/test_cli.py tests/test_testing.py tests/test_validation.py tests/test_plans.py tests/test_plans_bwd.py
-           tests/test_dispatch.py tests/test_statistics_gpu.py tests/dev tests/test_leftpad_gpu.py
+           tests/test_dispatch.py tests/test_statistics_gpu.py tests/test_leftpad_gpu.py
            tests/test_paged_varlen_gpu.py)
-    part3=(tests/test_distributed_gpu.py)
+    part3=(tests/test_distributed_gpu.py tests/dev)
     case ${SUITE_PART:-1} in
     1) paths=("${part1[@]}") ;;
     3) paths=("${part3[@]}") ;;
