@@ -17,7 +17,6 @@
 #include "mask.cuh"
 #include "mma.cuh"
 #include "mma_bwd.cuh"
-#include "mma_bwd_key_cta.cuh"
 #include "mma_bwd_layouts.cuh"
 #include "params.cuh"
 #include "softmax_bwd.cuh"
@@ -40,37 +39,68 @@ flash_bwd_dkdv_mma(const __grid_constant__ BwdParams p) {
 
     extern __shared__ __align__(128) unsigned char smem[];
     if (dynamic_smem_bytes() < L::BYTES) __trap();
-    typedef MmaKeyCta<T, L, Mask, BLOCK_M, BLOCK_N, D_TILE, NTHREADS> Cta;
-    const SequenceRows seq = cta_sequence_uniform<Mask>(p, blockIdx.z);
-    if (Cta::past_end(seq)) return;
-    const Cta cta(p, smem, seq);
-    const u32 s_k = cta.base + L::K, s_v = cta.base + L::V, s_ds = cta.base + L::DS, s_xchg = cta.base + L::XCHG;
+    const u32 base = smem_u32(smem);
+    const u32 s_k = base + L::K, s_v = base + L::V, s_ds = base + L::DS, s_xchg = base + L::XCHG;
+
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int key_group = warp / WARPS_D, d_part = warp % WARPS_D;
     const int row0 = 16 * key_group;  // this warp's key rows within the block
-    const int n0 = cta.n0, seqlen_q = cta.seqlen_q;
-    const float scale_log2 = cta.scale_log2, drop_scale = cta.drop_scale;
-    const Mask& mask = cta.mask;
+    const int n0 = blockIdx.x * BLOCK_N, head_kv = blockIdx.y;
+    const SequenceRows seq = cta_sequence_uniform<Mask>(p, blockIdx.z);
+    // The run-time arguments, read once here (bwd_args in mma_bwd.cuh says why).
+    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k, group = p.group, headdim = p.headdim;
+    const int query_cols = max(headdim, p.headdim_v);  // of the Q and dO tiles (cp_async_query_block)
+    const StatDims stat_dims{p.nheads, p.seqlen_q};
+    // Past a shorter sequence's end. A sequence without queries still stores dK = dV = 0 below.
+    if (Mask::PACKED && n0 >= seqlen_k) return;
+    const float scale_log2 = p.scale_log2, scale = p.scale;
+    const float drop_scale = DropoutOf<Mask>::kept_scale(p);  // 1 / (1 - p)
+    const TensorRows q = p.q, k = p.k, v = p.v, dout = p.dout, dk = p.dk, dv = p.dv, dq_accum = p.dq_accum;
+    const float* __restrict__ lse = static_cast<const float*>(p.lse);
+    const float* __restrict__ delta = static_cast<const float*>(p.delta);
+    const Mask mask = cta_mask<Mask>(p, seq.index, seqlen_q, seqlen_k);
 
-    cta.load_key_block_and_first(tid);
+    // The query blocks that see some key of this block, for each query head of the group
+    // (block_walk.cuh); the others are never loaded.
+    const QueryBlockWalk<BLOCK_M> walk(mask, n0, BLOCK_N, group);
+    auto load_query_block = [&](int it, int stage) {
+        cp_async_query_block<T, L, BLOCK_M, D_TILE, NTHREADS>(base, stage, q, dout, lse, delta, seq, stat_dims,
+                                                              walk.head(head_kv, it), walk.block(it) * BLOCK_M,
+                                                              seqlen_q, query_cols, tid);
+    };
+
+    // Prologue: K_j, V_j and the first query block in one group.
+    cp_async_key_block<T, BLOCK_N, D_TILE, NTHREADS>(s_k, s_v, k, v, seq, head_kv, n0,
+                                                     seqlen_k, headdim, p.headdim_v, tid);
+    if (walk.iters > 0) load_query_block(0, 0);
+    cp_async_commit();
 
     float dk_acc[DW / 8][4], dv_acc[DW / 8][4];
     zero(dk_acc);
     zero(dv_acc);
 
-    for (int it = 0; it < cta.walk.iters; ++it) {
-        cta.land();
-        cta.prefetch(it, tid);
-        const int head = cta.head(it), m0 = cta.m_block(it) * BLOCK_M;
-        const QueryStageTiles<L, BLOCK_M> tiles(smem, it & 1);
-        const ScoreOf<Mask, float, true> score(score_problem<Mask>(p, cta.seq), cta.seq.index, head, cta.scale);
-        const DropoutOf<Mask> dropout(p, cta.seq.index, head);
+    for (int it = 0; it < walk.iters; ++it) {
+        const int stage = it & 1;
+        // The wait lands this block's copies; the barrier makes every thread's copies visible and
+        // guarantees that all warps are done with iteration it - 1 (stage ^ 1 and the dS tile).
+        cp_async_wait<0>();
+        __syncthreads();
+        if (it + 1 < walk.iters) load_query_block(it + 1, stage ^ 1);
+        cp_async_commit();
+
+        const int head = walk.head(head_kv, it);
+        const int m0 = walk.block(it) * BLOCK_M;
+        const u32 s_q = base + L::Q + stage * L::Q_TILE, s_do = base + L::DO + stage * L::Q_TILE;
+        const float* s_lse = reinterpret_cast<const float*>(smem + L::LSE) + stage * BLOCK_M;
+        const float* s_delta = reinterpret_cast<const float*>(smem + L::DELTA) + stage * BLOCK_M;
+        const ScoreOf<Mask, float, true> score(score_problem<Mask>(p, seq), seq.index, head, scale);
+        const DropoutOf<Mask> dropout(p, seq.index, head);
 
         // Steps 1-6 per sub-block of M_SUB query columns, one after the other: the S^T and dP^T
         // fragments of a sub-block are what the registers left by dK_j, dV_j can hold.
 #pragma unroll 1
         for (int mc0 = 0; mc0 < BLOCK_M; mc0 += M_SUB) {
-            const u32 s_q_sub = tiles.q + mc0 * (D_TILE * 2), s_do_sub = tiles.d_o + mc0 * (D_TILE * 2);
+            const u32 s_q_sub = s_q + mc0 * (D_TILE * 2), s_do_sub = s_do + mc0 * (D_TILE * 2);
             const int m0_sub = m0 + mc0;
             const bool partial = mask.partial(m0_sub, M_SUB, n0, BLOCK_N);
 
@@ -90,7 +120,7 @@ flash_bwd_dkdv_mma(const __grid_constant__ BwdParams p) {
 #pragma unroll
             for (int j = 0; j < M_SUB / 8; ++j) {
                 const int c = 8 * j + 2 * (lane % 4);
-                const float2 lse2 = *reinterpret_cast<const float2*>(tiles.lse + mc0 + c);
+                const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + mc0 + c);
                 const float base_log2[2] = {lse_base_log2(lse2.x), lse_base_log2(lse2.y)};
                 masked_or_not(partial, [&](auto masked) {
 #pragma unroll
@@ -128,7 +158,7 @@ flash_bwd_dkdv_mma(const __grid_constant__ BwdParams p) {
 #pragma unroll
             for (int j = 0; j < M_SUB / 8; ++j) {
                 const int c = 8 * j + 2 * (lane % 4);
-                const float2 d2 = *reinterpret_cast<const float2*>(tiles.delta + mc0 + c);
+                const float2 d2 = *reinterpret_cast<const float2*>(s_delta + mc0 + c);
                 masked_or_not(partial, [&](auto masked) {
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
@@ -156,15 +186,18 @@ flash_bwd_dkdv_mma(const __grid_constant__ BwdParams p) {
 
         // Step 7 (DqAdd::atomic): dq_accum += dS K_j, dS read back from shared memory (mma_bwd_layouts.cuh).
         if constexpr (ATOMIC_DQ)
-            add_dq_atomic<T, BLOCK_M, BLOCK_N, D_TILE, NWARPS>(cta.dq_accum, cta.seq, head, m0, s_ds, s_k, seqlen_q,
-                                                            cta.headdim, warp, lane);
+            add_dq_atomic<T, BLOCK_M, BLOCK_N, D_TILE, NWARPS>(dq_accum, seq, head, m0, s_ds, s_k, seqlen_q, headdim,
+                                                            warp, lane);
     }
 
     // Epilogue: dK = scale dS^T Q summed, dV; staged through the K and V tiles for 16-byte stores.
-    cta.end_walk();
-    stage_acc<T, DW, D_TILE>(s_k, row0, d_part * DW, dk_acc, cta.scale, lane);
+    cp_async_wait<0>();
+    __syncthreads();
+    stage_acc<T, DW, D_TILE>(s_k, row0, d_part * DW, dk_acc, scale, lane);
     stage_acc<T, DW, D_TILE>(s_v, row0, d_part * DW, dv_acc, drop_scale, lane);
-    cta.store_grads(tid);
+    __syncthreads();
+    store_key_block_grads<T, BLOCK_N, D_TILE, NTHREADS>(dk, dv, s_k, s_v, seq, head_kv, n0,
+                                                        seqlen_k, headdim, p.headdim_v, tid);
 }
 
 }  // namespace cf

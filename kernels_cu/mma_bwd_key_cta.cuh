@@ -1,12 +1,15 @@
-// The CTA of the tensor-core kernels that own a key block: flash_bwd_dkdv_mma, _v2, _split and
-// flash_bwd_fused_mma (the family: mma_bwd_layouts.cuh). Key block n0 = blockIdx.x BLOCK_N of kv
-// head blockIdx.y stays in shared memory (K_j, V_j) while the CTA walks the query blocks that see
-// some of its keys, of every query head of the GQA group (block_walk.cuh), two pipeline stages
+// The CTA of the tensor-core kernels that own a key block, flash_bwd_dkdv_mma_v2 and
+// flash_bwd_dkdv_mma_split (the family: mma_bwd_layouts.cuh). Key block n0 = blockIdx.x BLOCK_N
+// of kv head blockIdx.y stays in shared memory (K_j, V_j) while the CTA walks the query blocks that
+// see some of its keys, of every query head of the GQA group (block_walk.cuh), two pipeline stages
 // deep: Q_i, dO_i, lse_i and D_i of iteration it + 1 land by cp.async while iteration it computes.
 //
 // The kernels differ in how their warps split the key rows and the gradients; what they share is
 // here, once: the run-time arguments (copied from the BwdParams at the top, as bwd_args in
 // mma_bwd.cuh says why), the copies in, the order of the walk and the stores of dK_j and dV_j.
+// flash_bwd_dkdv_mma (v1) and flash_bwd_fused_mma keep their own setup for now: on this CTA, v1's
+// packed instance with the compile check's user modifier and atomic dQ (d128) spilled 8 bytes at
+// sm_90 in CI, and the fused kernel's causal softcap d128 instance 152 (docs/perf-log.md, mma-bwd-cta).
 #pragma once
 
 #include "block_walk.cuh"

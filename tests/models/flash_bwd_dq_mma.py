@@ -35,12 +35,12 @@ def bwd_dq_layout_v2(d_tile, block_m, block_n):
     return lay
 
 
-@mirrors(V1,
-         "if (j_begin < j_end) load_key_block(j_begin, j_begin & 1);",
-         "if (j + 1 < j_end) load_key_block(j + 1, stage ^ 1);")
-@mirrors(V2,  # (dq_block_v2 loads K and V as v1 does)
-         "if (j_begin < j_end) load_key_block(j_begin, j_begin & 1);",
-         "if (j + 1 < j_end) load_key_block(j + 1, stage ^ 1);")
+@mirrors(V1,  # MmaQueryCta's (mma_bwd_query_cta.cuh)
+         "if (j_begin < j_end) load_key_block(p, j_begin, j_begin & 1, tid);",
+         "if (j + 1 < j_end) load_key_block(p, j + 1, (j + 1) & 1, tid);")
+@mirrors(V2,  # (dq_block_v2 loads K and V as v1 does: the same CTA)
+         "if (j_begin < j_end) load_key_block(p, j_begin, j_begin & 1, tid);",
+         "if (j + 1 < j_end) load_key_block(p, j + 1, (j + 1) & 1, tid);")
 def dq_block(q, k, v, do, lse, delta, dq, *, batch, head, m_block, group, scale, mask,
              d_tile, block_m, block_n, nwarps):
     """One CTA of flash_bwd_dq_mma."""

@@ -50,7 +50,10 @@ QUERY_BLOCK_WALK = ("first(mask.query_begin(n0) / BLOCK_M)",
                     "const QueryBlockWalk<BLOCK_M> walk(mask, n0, BLOCK_N, group);")
 
 
-@_each(DKDV_KERNELS, *QUERY_BLOCK_WALK)
+# flash_bwd_dkdv_mma_v2 and _split build it in their CTA (mma_bwd_key_cta.cuh's MmaKeyCta), from
+# its n0; flash_bwd_dkdv_mma still in its own body (mma-bwd-cta in docs/perf-log.md says why).
+@_each(DKDV_KERNELS[1:], *QUERY_BLOCK_WALK[:3], "walk(mask, n0, BLOCK_N, group) {}")
+@_each(DKDV_KERNELS[:1], *QUERY_BLOCK_WALK)
 def query_block_range(mask, n0, block_n, block_m, seqlen_q, seqlen_k):
     """(first, blocks) of a dK/dV CTA's walk: the query blocks that see some key of its block."""
     m_block_first = mask.query_begin(n0, seqlen_q, seqlen_k) // block_m
@@ -70,9 +73,9 @@ def wgmma_walk(mask, n0, block_n, block_m, seqlen_q, seqlen_k, group, head_kv, o
             for it in range(group * blocks)]
 
 
-@_each(DQ_KERNELS,
-       "const int j_begin = mask.key_begin(m0) / BLOCK_N;",
-       "const int j_end = (mask.key_end(m0, min(BLOCK_M, seqlen_q - m0)) + BLOCK_N - 1) / BLOCK_N;")
+@_each(DQ_KERNELS,  # in their CTA, mma_bwd_query_cta.cuh's MmaQueryCta
+       "j_begin(mask.key_begin(m0) / BLOCK_N),",
+       "j_end((mask.key_end(m0, min(BLOCK_M, seq_.seqlen_q - m0)) + BLOCK_N - 1) / BLOCK_N) {}")
 def key_block_range(mask, m0, block_m, block_n, seqlen_q, seqlen_k):
     """[j_begin, j_end) of a dQ CTA: the key blocks some existing row of its block sees."""
     j_begin = mask.key_begin(m0, seqlen_q, seqlen_k) // block_n
