@@ -38,11 +38,7 @@ struct QueryStageTiles {
           delta(reinterpret_cast<const float*>(smem + L::DELTA) + stage * BLOCK_M) {}
 };
 
-// DESCENDING: each kv head's query blocks from the last to the first (the ordered dQ adds of
-// flash_bwd_fused_mma: a dQ block's key blocks add in key order, so every key block visits the
-// last query blocks first); else from the first to the last.
-template <typename T, class L, class Mask, int BLOCK_M, int BLOCK_N, int D_TILE, int NTHREADS,
-          bool DESCENDING = false>
+template <typename T, class L, class Mask, int BLOCK_M, int BLOCK_N, int D_TILE, int NTHREADS>
 struct MmaKeyCta {
     u32 base;  // the shared-memory layout L's origin
     int n0, head_kv;
@@ -98,9 +94,7 @@ struct MmaKeyCta {
 
     // Iteration it's query head and query block.
     __device__ __forceinline__ int head(int it) const { return walk.head(head_kv, it); }
-    __device__ __forceinline__ int m_block(int it) const {
-        return DESCENDING ? walk.block_down_from(walk.end - 1, it) : walk.block(it);
-    }
+    __device__ __forceinline__ int m_block(int it) const { return walk.block(it); }
 
     // Iteration it's Q_i, dO_i, lse_i and D_i into pipeline stage `stage` (no commit).
     __device__ __forceinline__ void load_query_block(int it, int stage, int tid) const {
@@ -117,17 +111,14 @@ struct MmaKeyCta {
         cp_async_commit();
     }
 
-    // Top of an iteration: the wait lands its block's copies, and the barrier makes every thread's
-    // copies visible and guarantees that all warps are done with the iteration before (the stage
-    // the next block's copies overwrite, and any tile the kernel's warps exchange through).
-    __device__ __forceinline__ void land() const {
+    // Top of iteration it: the wait lands its block's copies, and the barrier makes every
+    // thread's copies visible and guarantees that all warps are done with iteration it - 1 (the
+    // stage the next block's copies overwrite, and any tile the kernel's warps exchange through);
+    // then iteration it + 1's copies start into the other stage, one commit group (empty past the
+    // last).
+    __device__ __forceinline__ void land_and_prefetch(int it, int tid) const {
         cp_async_wait<0>();
         __syncthreads();
-    }
-
-    // After land() of iteration it: iteration it + 1's copies into the other stage, one commit
-    // group (empty past the last).
-    __device__ __forceinline__ void prefetch(int it, int tid) const {
         if (it + 1 < walk.iters) load_query_block(it + 1, (it + 1) & 1, tid);
         cp_async_commit();
     }
