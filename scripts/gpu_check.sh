@@ -192,7 +192,7 @@ warm)  # every kernel this device runs into the tree's CuPy cache, alone in its 
        # suite's parts (issued right after, on the same warm machine) load instead of compiling.
        # Cold, 14 shards compiling side by side did not finish the suite in 430 s (2026-12-03).
     export PYTHONPATH=$PWD
-    step warm-cache "${WARM_LIMIT:-540}" python scripts/warm_kernel_cache.py --packed ${WARM_ZOO:+--zoo}
+    step warm-cache "${WARM_LIMIT:-540}" python scripts/warm_kernel_cache.py --packed --variants ${WARM_ZOO:+--zoo}
     ;;
 suite)  # the GPU test suite in three parts (SUITE_PART=1, 2 or 3), each one summary file; part 2 is
         # every test file parts 1 and 3 do not name, so a new file cannot fall between them. Part 3

@@ -48,6 +48,9 @@ def main(argv=None) -> int:
     parser.add_argument("--zoo", action="store_true", help="also the GPU tests' user modifiers")
     parser.add_argument("--packed", action="store_true",
                         help="also the packed (varlen) kernels this device's plans launch for every band")
+    parser.add_argument("--variants", action="store_true",
+                        help="also every band with each score variant the GPU tests combine (softcap, ALiBi, "
+                             "a sink, softcap with a sink), 16-bit, forward and backward")
     args = parser.parse_args(argv)
     from cupyflash import modifiers
     from cupyflash.kernels import _module, compile_check
@@ -57,6 +60,8 @@ def main(argv=None) -> int:
     extra = _zoo_specializations(args.processes) if args.zoo else []
     if args.packed:
         extra += _packed_specializations()
+    if args.variants:
+        extra += _variant_specializations()
     specs = [s for s in [*compile_check.all_specializations(), *extra]
              if pattern.search(s.name) and _module.runs_on_device(s)]
     names = sorted({s.name for s in specs})
@@ -104,6 +109,35 @@ def _packed_specializations() -> list:
                 out.append(mma_fwd.plan(dtype, dt, mask).spec)
                 for deterministic in (True, False):
                     out.extend(launch.spec for launch in mma_bwd.plan(dtype, dt, mask.backward(), deterministic).launches)
+    return list({s.name: s for s in out}.values())
+
+
+def _variant_specializations() -> list:
+    """The kernels this device's plans launch for each band (no mask, causal, a window) with each
+    score variant the GPU tests combine with it, 16-bit, head-dim tiles 64 / 128 / 256, forward and
+    backward (deterministic or not). The compile check's list has each variant with one band only
+    (a representative of each kernel's template arguments), so a test of, say, a window with a
+    softcap compiled its kernels in the test: the one-GPU ring's cases took 60-87 s each on
+    2026-12-05, its softcap and window cases among them."""
+    import cupy
+
+    from cupyflash import backward_plans, plans
+    from cupyflash.kernels._module import _max_smem_optin, device_arch
+    from cupyflash.masks import Causal, Local, NoMask
+    from cupyflash.scores import Score
+
+    arch, smem = device_arch(), _max_smem_optin(cupy.cuda.Device().id)
+    scores = (Score(softcap=True), Score(alibi=True), Score(sink=True), Score(softcap=True, sink=True))
+    out = []
+    for score in scores:
+        for band in (NoMask, Causal, lambda score: Local(5, 3, score)):
+            mask = band(score=score)
+            for dtype in ("float16", "bfloat16"):
+                for dt in (64, 128, 256):
+                    out.append(plans.plan_forward(arch, dtype, dt, mask, smem).spec)
+                    for deterministic in (True, False):
+                        out += [launch.spec for launch in backward_plans.plan_backward(
+                            arch, dtype, dt, mask.backward(), smem, deterministic).launches]
     return list({s.name: s for s in out}.values())
 
 
