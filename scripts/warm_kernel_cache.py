@@ -50,7 +50,7 @@ def main(argv=None) -> int:
                         help="also the packed (varlen) kernels this device's plans launch for every band")
     parser.add_argument("--variants", action="store_true",
                         help="also every band with each score variant the GPU tests combine (softcap, ALiBi, "
-                             "a sink, softcap with a sink), 16-bit, forward and backward")
+                             "a sink, softcap with a sink), every dtype, forward and backward")
     args = parser.parse_args(argv)
     from cupyflash import modifiers
     from cupyflash.kernels import _module, compile_check
@@ -114,8 +114,8 @@ def _packed_specializations() -> list:
 
 def _variant_specializations() -> list:
     """The kernels this device's plans launch for each band (no mask, causal, a window) with each
-    score variant the GPU tests combine with it, 16-bit, head-dim tiles 64 / 128 / 256, forward and
-    backward (deterministic or not). The compile check's list has each variant with one band only
+    score variant the GPU tests combine with it, head-dim tiles 64 / 128 / 256, forward and backward:
+    16-bit (deterministic or not), float32 and float64 (either statistics). The compile check's list has each variant with one band only
     (a representative of each kernel's template arguments), so a test of, say, a window with a
     softcap compiled its kernels in the test: the one-GPU ring's cases took 60-87 s each on
     2026-12-05, its softcap and window cases among them."""
@@ -132,12 +132,20 @@ def _variant_specializations() -> list:
     for score in scores:
         for band in (NoMask, Causal, lambda score: Local(5, 3, score)):
             mask = band(score=score)
-            for dtype in ("float16", "bfloat16"):
-                for dt in (64, 128, 256):
+            for dt in (64, 128, 256):
+                for dtype in ("float16", "bfloat16"):
                     out.append(plans.plan_forward(arch, dtype, dt, mask, smem).spec)
                     for deterministic in (True, False):
                         out += [launch.spec for launch in backward_plans.plan_backward(
                             arch, dtype, dt, mask.backward(), smem, deterministic).launches]
+                # float32 (the tf32 forward, both precisions) and float64, backward with either statistics
+                out += [plans.plan_forward(arch, "float32", dt, mask, smem, precision=precision).spec
+                        for precision in ("ieee", "tf32")]
+                out.append(plans.plan_forward(arch, "float64", dt, mask, smem).spec)
+                for dtype in ("float32", "float64"):
+                    for statistics in ("saved", "recomputed"):
+                        out += [launch.spec for launch in backward_plans.plan_backward(
+                            arch, dtype, dt, mask.backward(), smem, True, statistics=statistics).launches]
     return list({s.name: s for s in out}.values())
 
 
