@@ -49,6 +49,10 @@
 #   scripts/gpu_check.sh OUTDIR measure  after the suite on its warm machine: MEASURE's parts (default
 #                                       "varlen decode"; also dropout, tf32): the varlen bench, the
 #                                       full decode table, dropout's cost at 8k, the tf32 candidates
+#   scripts/gpu_check.sh OUTDIR window_tiles  the window forward's own tiles: Local kernels compiled,
+#                                       the tuner's window sweep at 16k, the window / variant GPU
+#                                       tests, the window bench at 16k (and at 8k with FlexAttention:
+#                                       WINDOW_FLEX=1)
 #   scripts/gpu_check.sh OUTDIR tf32    the float32 forward: its kernels compiled, tests/test_tf32_gpu.py,
 #                                       the accumulation probe's candidates, the fp32 bench table, and
 #                                       racecheck / memcheck --quick (the tf32 forward in their workload)
@@ -310,6 +314,25 @@ measure)  # after the suite, on its warm machine (the cache holds the shipped ke
         *) echo "unknown measure part $part"; status=1 ;;
         esac
     done
+    ;;
+window_tiles)  # the sliding-window forward's own tiles (plans.LOCAL_FORWARD_TILES) on a fresh machine:
+    # the Local kernels compiled, the tuner's window sweep (the shipped window plan, "default",
+    # against v6's 128 x 128 tiles), the GPU tests that run windows, the window bench at 16k and 8k
+    export PYTHONPATH=$PWD
+    step warm-local "${WARM_LIMIT:-150}" python scripts/warm_kernel_cache.py --packed --variants --match local
+    for w in "1024 0" "512 512" "256 0" "4096 0" "8192 0" "2048 2048" "-1 1024"; do
+        step "tune-window-${w/ /_}" 60 python -m cupyflash tune --headdim 128 --seqlen 16384 --window $w \
+            --only default v6 --repeats 10 --quiet
+    done
+    step window-tests "${TEST_LIMIT:-200}" bash scripts/gpu_suite_part.sh "$out/window-tests.txt" \
+        "$(( ${TEST_LIMIT:-200} - 20 ))" tests/test_window_gpu.py tests/test_variants_gpu.py
+    step variants-16k 120 python -m cupyflash.bench.variants --seqlen 16384 --impls cupyflash \
+        --variants causal "causal window 1024" "window (512, 512)" --json "$out/variants-16k.json"
+    [ -n "${WINDOW_FLEX:-}" ] && step variants-8k 150 python -m cupyflash.bench.variants --seqlen 8192 \
+        --json "$out/variants-8k.json" --variants causal "causal window 1024" "window (512, 512)"
+    # one file of the tuner's logs (a device call returns at most 8 files)
+    for f in "$out"/tune-window-*.log; do echo "== $(basename "$f" .log)"; cat "$f"; done > "$out/tune-windows.txt"
+    rm -f "$out"/tune-window-*.log
     ;;
 *) echo "unknown part $what"; exit 2 ;;
 esac

@@ -15,6 +15,7 @@ from cupyflash import dispatch, plans
 from cupyflash._dtypes import SUPPORTED
 from cupyflash.kernels import mma_fwd, simt
 from cupyflash.masks import KINDS, PACKED_KINDS, VARIANT_KINDS, Causal, Local, NoMask
+from cupyflash.scores import Score
 from launch_fakes import FakeArray, LaunchRecorder, assert_forward_launch
 
 ARCHS = ("80", "86", "89", "90")
@@ -103,8 +104,8 @@ def test_old_table_covers_every_device_and_dtype_once():
 @pytest.mark.parametrize("dtype", list(SUPPORTED))
 def test_the_plan_is_the_old_dispatch_choice(dtype):
     """Every (arch, opt-in shared memory, head dim 1..256, mask): NoMask and Causal as the old tree
-    chose them; Local the Causal choice's kernel and tiles with its own mask token and argument.
-    float32's default is the tf32 kernel now (test_float32_runs_on_tensor_cores), float64's up to
+    chose them; Local the Causal choice's kernel and tiles with its own mask token and argument,
+    except on LOCAL_FORWARD_TILES' rows (its own tiles, test_a_window_has_its_own_row). float32's default is the tf32 kernel now (test_float32_runs_on_tensor_cores), float64's up to
     d128 the DMMA kernel (test_float64_runs_on_dmma_up_to_d128); their old choice, the SIMT
     kernel, is what family="simt" (backend="simt") runs."""
     compared = 0
@@ -114,6 +115,10 @@ def test_the_plan_is_the_old_dispatch_choice(dtype):
             plan = plans.plan_forward(arch, SUPPORTED[dtype], headdim, mask, smem, family=family)
             old = old_choice(arch, smem, dtype, headdim, old_name)
             if isinstance(mask, Local):
+                if (plan.family, plan.device_class, plan.d_tile) in plans.LOCAL_FORWARD_TILES:
+                    plan = plans.forward_plan(SUPPORTED[dtype], plan.headdim, mask,
+                                              plans.plan_forward(arch, SUPPORTED[dtype], headdim, Causal(), smem,
+                                                                 family=family).tiles)
                 old = (old[0].replace("_causal_", "_local_", 1), *old[1:])
             assert new_choice(plan, mask, OLD_MASKS[old_name]) == old, (arch, smem, dtype, headdim, mask)
             compared += 1
@@ -237,6 +242,27 @@ def test_plans_refuse_what_no_kernel_runs():
         mma_fwd.plan(SUPPORTED["float16"], 64, NoMask(), plans.SimtTiles(64, 64, 4))
 
 
+def test_a_window_has_its_own_row():
+    """A sliding window (Local, any window and score, packed or not) at sm_90 d128 runs
+    LOCAL_FORWARD_TILES' 64 x 64 wgmma tiles; NoMask and Causal keep FORWARD_TILES' row, and so do
+    the devices and head dims LOCAL_FORWARD_TILES has no row for."""
+    row = plans.LOCAL_FORWARD_TILES[("mma", plans.SM90, 128)]
+    assert row == plans.WgmmaFwdConfig(64, 64)
+    for mask in (Local(1024, 0), Local(512, 512), Local(-1, 7), Local(0, 0), Local(score=Score(alibi=True)),
+                 Local(3, 3).as_packed()):
+        for dtype, headdim in (("bfloat16", 128), ("float16", 96), ("bfloat16", 72)):
+            plan = plans.plan_forward("90", SUPPORTED[dtype], headdim, mask, 227 * 1024)
+            assert plan.tiles == row and plan.spec.name.endswith("_bm64_bn64"), (mask, dtype, headdim)
+            assert plan.spec.threads == 128
+        band = Causal(score=mask.score, packed=mask.packed)  # the same call with the causal band
+        for arch, smem, headdim in (("90", 227 * 1024, 64), ("90", 227 * 1024, 256), ("80", 163 * 1024, 128)):
+            assert plans.plan_forward(arch, SUPPORTED["bfloat16"], headdim, mask, smem).tiles == \
+                plans.plan_forward(arch, SUPPORTED["bfloat16"], headdim, band, smem).tiles
+    for mask in (NoMask(), Causal()):
+        assert plans.plan_forward("90", SUPPORTED["bfloat16"], 128, mask, 227 * 1024).tiles == \
+            plans.FORWARD_TILES[("mma", plans.SM90, 128)]
+
+
 def test_the_compile_check_sees_every_shipped_forward_specialization():
     """mma_fwd.specializations() is every row's specialization for both 16-bit dtypes and every
     mask: the old tree's set (its two masks) plus the same names with "local", and each of those
@@ -262,9 +288,10 @@ def test_the_compile_check_sees_every_shipped_forward_specialization():
                       if family == "mma" for mask in PACKED_KINDS}
     all_names = [n for n in all_names if n not in packed]
     # v in a narrower tile of its own (plans.v_tile): each SM90 row's wgmma kernel for the plain
-    # masks, with every narrower tensor-core tile
+    # masks (LOCAL_FORWARD_TILES' for the window), with every narrower tensor-core tile
     own_v = {n for n in all_names if re.search(r"_hdim\d+v\d+_", n)}
-    assert own_v == {plans.specialization_for(dtype, dt, mask, plans.FORWARD_TILES[("mma", plans.SM90, dt)], dvt).name
+    assert own_v == {plans.specialization_for(dtype, dt, mask, plans.forward_tiles("mma", plans.SM90, dt, dtype, mask,
+                                                                                   None), dvt).name
                      for dtype in ("float16", "bfloat16") for dt in (128, 256) for mask in KINDS
                      for dvt in (64, 128) if dvt < dt}
     all_names = [n for n in all_names if n not in own_v]
@@ -288,7 +315,19 @@ def test_the_compile_check_sees_every_shipped_forward_specialization():
                                                       + len(dropout_names))
     assert len(names) == len(old) // 2 * 3
     assert {n for n in names if "_local_" not in n} == old
-    assert {n.replace("_local_", "_causal_") for n in names if "_local_" in n} == {n for n in old if "_causal_" in n}
+    # the window: the causal band's kernels, but LOCAL_FORWARD_TILES' tiles on its rows
+    local = {n for n in names if "_local_" in n}
+    assert local == {plans.specialization_for(dtype, dt, Local(), plans.forward_tiles("mma", where, dt, dtype, Local(),
+                                                                                      None)).name
+                     for dtype in ("float16", "bfloat16") for (family, where, dt) in plans.FORWARD_TILES
+                     if family == "mma"}
+    own_rows = {plans.specialization_for(dtype, dt, Local(), tiles).name for dtype in ("float16", "bfloat16")
+                for (family, where, dt), tiles in plans.LOCAL_FORWARD_TILES.items()}
+    assert own_rows <= local
+    assert {n.replace("_local_", "_causal_") for n in local - own_rows} == \
+        {n for n in old if "_causal_" in n} - {plans.specialization_for(dtype, dt, Causal(), plans.FORWARD_TILES[row]).name
+                                               for dtype in ("float16", "bfloat16")
+                                               for row in plans.LOCAL_FORWARD_TILES for dt in (row[2],)}
     simt_fwd = {s.name for s in simt.specializations() if s.source_file == "flash_fwd_simt.cu"}
     assert simt_fwd == {plans.plan_forward("80", SUPPORTED[dtype], hd, mask, None, family="simt").spec.name
                         for dtype in SUPPORTED for hd in plans.SIMT_D_TILES

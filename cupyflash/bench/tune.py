@@ -96,13 +96,15 @@ def load_dev_forward(folder: Path | None = None):
     return _dev.load("mma_fwd", folder)
 
 
-def _configs(dt: int, dtype, dev) -> list[tuple[str, object]]:
+def _configs(dt: int, dtype, dev, window=(-1, -1)) -> list[tuple[str, object]]:
     """[(label, config)] to time for head-dim tile ``dt``, each configuration once: the current
-    device's plan ("default"), then dev/'s versions (labelled by version) and candidates ("cand")
-    where ``dev`` (the loaded dev/mma_fwd.py, or None) has them."""
+    device's plan ("default"; with a ``window``, the plan of that window, which has its own row on
+    some devices), then dev/'s versions (labelled by version) and candidates ("cand") where ``dev``
+    (the loaded dev/mma_fwd.py, or None) has them."""
     from ..kernels import mma_fwd
+    from ..masks import mask_for
 
-    entries = [("default", mma_fwd.plan(dtype, dt, False).tiles)]
+    entries = [("default", mma_fwd.plan(dtype, dt, mask_for(False, window)).tiles)]
     entries += dev.entries(dt) if dev is not None else []
     labels: dict = {}
     for label, config in entries:
@@ -255,15 +257,15 @@ def configure(parser) -> None:
                         help="forward only: every case with this window_size too (TFLOP/s over the visible pairs)")
 
 
-def _variants(direction: str, headdims, dtype=None, dev=None) -> list[tuple[int, str, str, object]]:
+def _variants(direction: str, headdims, dtype=None, dev=None, window=(-1, -1)) -> list[tuple[int, str, str, object]]:
     """(headdim, label, description, variant) of every variant to check and time; ``dev``: the
-    loaded dev/mma_fwd.py, or None."""
+    loaded dev/mma_fwd.py, or None; ``window``: the forward's --window."""
     if direction == "bwd":
         return [(d, label, "", kwargs) for d in headdims for label, kwargs in _bwd_candidates(d, dev)]
     from ..kernels import mma_fwd
 
     return [(d, label, _describe(config), config) for d in headdims
-            for label, config in _configs(mma_fwd.d_tile(d), dtype, dev)]
+            for label, config in _configs(mma_fwd.d_tile(d), dtype, dev, window)]
 
 
 def _dev_for(args):
@@ -295,7 +297,7 @@ def run(args) -> int:
     dtype = SUPPORTED[args.dtype]
     backward = args.direction == "bwd"
     dev = _dev_for(args)
-    variants = [v for v in _variants(args.direction, args.headdim, dtype, dev)
+    variants = [v for v in _variants(args.direction, args.headdim, dtype, dev, tuple(args.window))
                 if not args.only or any(text in v[1] for text in args.only)]
     if not variants:
         raise cli.UsageError(f"no {args.direction} variant matches --only {' '.join(args.only)}")
