@@ -320,12 +320,12 @@ window_tiles)  # the sliding-window forward's own tiles (plans.LOCAL_FORWARD_TIL
     # against v6's 128 x 128 tiles), the GPU tests that run windows, the window bench at 16k and 8k
     export PYTHONPATH=$PWD
     step warm-local "${WARM_LIMIT:-150}" python scripts/warm_kernel_cache.py --packed --variants --match local
-    for w in "1024 0" "512 512" "256 0" "4096 0" "8192 0" "2048 2048" "-1 1024"; do
-        step "tune-window-${w/ /_}" 60 python -m cupyflash tune --headdim 128 --seqlen 16384 --window $w \
+    for w in ${WINDOWS:-"1024 0" "512 512" "4096 0" "2048 2048" "-1 1024"}; do
+        step "tune-window-${w/ /_}" 45 python -m cupyflash tune --headdim 128 --seqlen 16384 --window $w \
             --only default v6 --repeats 10 --quiet
     done
     step window-tests "${TEST_LIMIT:-200}" bash scripts/gpu_suite_part.sh "$out/window-tests.txt" \
-        "$(( ${TEST_LIMIT:-200} - 20 ))" tests/test_window_gpu.py tests/test_variants_gpu.py
+        "$(( ${TEST_LIMIT:-200} - 20 ))" tests/test_window_gpu.py tests/test_variants_gpu.py tests/test_headdim_v_gpu.py
     step variants-16k 120 python -m cupyflash.bench.variants --seqlen 16384 --impls cupyflash \
         --variants causal "causal window 1024" "window (512, 512)" --json "$out/variants-16k.json"
     [ -n "${WINDOW_FLEX:-}" ] && step variants-8k 150 python -m cupyflash.bench.variants --seqlen 8192 \
