@@ -66,11 +66,10 @@ CANDIDATES = {
          FwdConfig(128, 128, 4, False, row_state="all_lanes"), WgmmaFwdConfig(128, 128)),
     128: (FwdConfig(128, 64, 8, False), FwdConfig(128, 32, 4, False, stages=3, min_blocks=2),
           WgmmaFwdConfig(128, 64),
-          # For sliding windows (issue 15: 0.73 of causal's TFLOP/s at 16k, window 1024): one
-          # warpgroup of 64 rows, 99 KiB, two CTAs an SM, so one CTA's prologue and epilogue hide
-          # under the other's walk, and a 64-row block wastes less of the band (1025 / 1088 keys
-          # visited against 1025 / 1152); 168 registers, no spills (sm_90a). Not yet timed:
-          # `tune --headdim 128 --seqlen 16384 --window 1024 0 --only default cand`.
+          # For sliding windows: one warpgroup of 64 rows, 99 KiB, two CTAs an SM, and a 64-row
+          # block wastes less of the band (1025 / 1088 keys visited against 1025 / 1152). Shipped
+          # for the Local policy (plans.LOCAL_FORWARD_TILES: 1.07-1.10x at 16k, window 1024); for
+          # NoMask and Causal still a candidate (causal 16k: 0.95x the 128 x 128 tiles).
           WgmmaFwdConfig(64, 64)),
     256: (),
 }
