@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from cupyflash.backward_plans import (DKDV_CONFIG, DKDV_CONFIG_SPLIT, DKDV_CONFIG_V2, DQ_CONFIG, DQ_CONFIG_V2,
                                       DQ_WGMMA_CONFIG, FUSED_CONFIG, WGMMA_CONFIG,
                                       BackwardKernels, d_tile, fused_smem_bytes)
-from cupyflash.masks import Local, as_mask
+from cupyflash.masks import Causal, Local, NoMask, as_mask
 
 PERF_LOG = "docs/perf-log.md"
 
@@ -140,6 +140,15 @@ FUSED_CANDIDATES = {64: ((64, 128, 4, 2, 2, 4),),
 DQ_WGMMA_CANDIDATES = {64: ((128, 64, 2),), 256: ((128, 32, 3),)}
 # Tiles of the dK/dV-only wgmma kernel (DqAdd::none, ``wgmma=``) besides WGMMA_CONFIG's.
 WGMMA_NONE_CANDIDATES = {64: ((64, 128),)}
+# For sliding windows: v10's two kernels with 64-row blocks, (dK/dV-only wgmma tiles, dq_wgmma tiles)
+# pairs. The backward ran a causal window of 1024 at 16k (bf16, d128) at 0.73-0.74 of causal's
+# TFLOP/s over the visible pairs (issue 15's bar: 0.85). A 128-key block walks the queries of
+# 1024 + 128 diagonals for a window of 1024, a 64-key block 1024 + 64; the same holds for dQ's
+# 128-query blocks walking keys. The forward's 64 x 64 tiles gained 1.07-1.14x on windows (perf log
+# windows-tiles). 64 x 64 dK/dV is one warpgroup of 128 threads, and dq_wgmma's 64-query block is
+# one warpgroup too. Not yet timed:
+# `tune --direction bwd --headdim 128 --seqlen 16384 --window 1024 0 --only default "(64, 64"`.
+WINDOW_SPLIT_CANDIDATES = {128: (((64, 64), (128, 64, 2)), ((64, 128), (64, 64, 2)), ((64, 64), (64, 64, 2)))}
 CANDIDATES_PERF_LOG = "mma-bwd-v4-second-round-of-tiles-p_packed-unrolled-st--dpt"
 
 
@@ -250,6 +259,9 @@ def entries(dt: int, arch: str | None) -> list[tuple[str, dict]]:
     for tiles in WGMMA_NONE_CANDIDATES.get(dt, ()) if split_tiles else ():
         out.append((f"v10 wgmma{tiles} + dq_wgmma{DQ_WGMMA_CONFIG[dt]}",
                     dict(version="v10", deterministic=True, wgmma=tiles)))
+    for wgmma, dq in WINDOW_SPLIT_CANDIDATES.get(dt, ()) if split_tiles else ():
+        out.append((f"v10 wgmma{wgmma} + dq_wgmma{dq}", dict(version="v10", deterministic=True, wgmma=wgmma,
+                                                               dq_config=dq)))
     for tiles in DQ_CANDIDATES_V2.get(dt, ()):
         out.append((f"v3 dq{tiles}", dict(version="v3", deterministic=True, dq_config=tiles)))
     for tiles in FUSED_CANDIDATES.get(dt, ()):
@@ -276,7 +288,11 @@ def candidate_specializations() -> list:
             [dq_wgmma_spec("bfloat16", dt, causal, config)
              for dt, configs in DQ_WGMMA_CANDIDATES.items() for config in configs for causal in (False, True)] +
             [wgmma_spec("bfloat16", dt, causal, "none", config)
-             for dt, configs in WGMMA_NONE_CANDIDATES.items() for config in configs for causal in (False, True)])
+             for dt, configs in WGMMA_NONE_CANDIDATES.items() for config in configs for causal in (False, True)] +
+            list(dict.fromkeys(spec for dt, pairs in WINDOW_SPLIT_CANDIDATES.items() for wgmma, dq in pairs
+                               for mask in (NoMask(), Causal(), Local())
+                               for spec in (wgmma_spec("bfloat16", dt, mask, "none", wgmma),
+                                            dq_wgmma_spec("bfloat16", dt, mask, dq)))))
 
 
 if __name__ == "__main__":
@@ -286,5 +302,5 @@ if __name__ == "__main__":
     for name, (note, anchor) in REJECTED.items():
         print(f"{name} (rejected): {note}\n    {PERF_LOG}#{anchor}")
     count = sum(map(len, (*FUSED_CANDIDATES.values(), *DQ_CANDIDATES_V2.values(), *DQ_WGMMA_CANDIDATES.values(),
-                          *WGMMA_NONE_CANDIDATES.values())))
+                          *WGMMA_NONE_CANDIDATES.values(), *WINDOW_SPLIT_CANDIDATES.values())))
     print(f"candidates: {count}\n    {PERF_LOG}#{CANDIDATES_PERF_LOG}")

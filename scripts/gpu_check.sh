@@ -290,7 +290,7 @@ measure)  # after the suite, on its warm machine (the cache holds the shipped ke
          # decode, the full decode table (20 repeats); dropout, dropout's cost at 8k, d128 and d64;
          # tf32, the tf32 wgmma candidates' smoke, tests, bench and racecheck; windows, the tuner on
          # the window case (16k, d128, window 1024 causal: the shipped tiles against dev/'s
-         # candidates, windows-tiles in the perf log)
+         # candidates, forward and backward; windows-tiles in the perf log)
     export PYTHONPATH=$PWD
     for part in ${MEASURE:-varlen decode}; do
         case $part in
@@ -310,7 +310,10 @@ measure)  # after the suite, on its warm machine (the cache holds the shipped ke
             step racecheck-tf32-wgmma 150 compute-sanitizer --tool racecheck --error-exitcode 1 \
                 python dev/sanitize_tf32_wgmma.py ;;
         windows) step windows-tune 240 python -m cupyflash tune --headdim 128 --seqlen 16384 --window 1024 0 \
-                     --only default cand --repeats 10 --quiet ;;
+                     --only default cand --repeats 10 --quiet
+                 # the backward's window candidates (dev/mma_bwd.py WINDOW_SPLIT_CANDIDATES) against its plan
+                 step windows-tune-bwd 240 python -m cupyflash tune --direction bwd --headdim 128 --seqlen 16384 \
+                     --window 1024 0 --only default "(64, 64" --repeats 10 --quiet ;;
         *) echo "unknown measure part $part"; status=1 ;;
         esac
     done

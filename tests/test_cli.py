@@ -576,12 +576,26 @@ def test_plan_refuses_what_no_plan_takes(capsys):
     assert cli.main(["plan", "--headdim", "300"]) == cli.EXIT_USAGE
 
 
-def test_tune_window_is_forward_only(monkeypatch, capsys):
-    from cupyflash.bench import harness
+def test_tune_window_reaches_the_backwards_check_and_timing(monkeypatch, capsys, tmp_path):
+    """--window with --direction bwd: every check and timing gets the window, and the TFLOP/s count
+    the band's pairs; without --window the calls take no window argument (their default)."""
+    from cupyflash.bench import harness, tune
 
     monkeypatch.setattr(harness, "gpu_unavailable_reason", lambda: None)
-    assert cli.main(["tune", "--direction", "bwd", "--window", "64", "0"]) == cli.EXIT_USAGE
-    assert "--window times the forward only" in capsys.readouterr().err
+    calls = []
+    monkeypatch.setattr(tune, "_check_bwd", lambda kwargs, headdim, dtype, causal, **kw: calls.append(("check", kw)) or 0.5)
+    monkeypatch.setattr(tune, "_time_backward", lambda kwargs, *rest, **kw: calls.append(("time", kw)) or 1.0)
+    argv = ["tune", "--direction", "bwd", "--headdim", "128", "--seqlen", "4096", "--dev", str(tmp_path)]
+    assert cli.main(argv + ["--window", "64", "0"]) == cli.EXIT_OK
+    out = capsys.readouterr().out
+    assert calls and all(kw == {"window": (64, 0)} for _, kw in calls)
+    assert {what for what, _ in calls} == {"check", "time"}
+    # 1 ms for 2.5 x 4 B H D x the band's pairs, B H D = 4 x 16 x 128
+    pairs = tune._visible_pairs(4096, False, (64, 0))
+    assert f"{2.5 * 4 * 4 * 16 * 128 * pairs / 1e9:8.1f}" in out
+    calls.clear()
+    assert cli.main(argv) == cli.EXIT_OK
+    assert calls and all(kw == {} for _, kw in calls)
 
 
 def test_tune_counts_a_windows_visible_pairs():

@@ -159,24 +159,24 @@ def _bwd_candidates(headdim, dev=None):
     return out + (dev.entries(dt, current_arch()) if dev is not None else [])
 
 
-def _bwd_inputs(batch, seqlen, nheads, headdim, dtype, causal, n_sets=2, seed=0):
-    """(do, q, k, v, o, lse, dq, dk, dv) with o, lse from the forward kernel."""
+def _bwd_inputs(batch, seqlen, nheads, headdim, dtype, causal, n_sets=2, seed=0, window=(-1, -1)):
+    """(do, q, k, v, o, lse, dq, dk, dv) with o, lse from the forward kernel (with ``window``)."""
     import cupy
 
     from ..kernels import mma_fwd
 
     sets = []
     for q, k, v, o, lse in _inputs(batch, seqlen, nheads, headdim, dtype, n_sets, seed):
-        mma_fwd.forward(q, k, v, o, lse, softmax_scale=headdim ** -0.5, causal=causal)
+        mma_fwd.forward(q, k, v, o, lse, softmax_scale=headdim ** -0.5, causal=causal, window_size=window)
         do = cupy.asarray(np.random.default_rng(seed + 7).standard_normal(q.shape).astype(dtype))
         sets.append((do, q, k, v, o, lse, cupy.empty_like(q), cupy.empty_like(k), cupy.empty_like(v)))
     return sets
 
 
-def _check_bwd(kwargs, headdim, dtype, causal) -> float:
+def _check_bwd(kwargs, headdim, dtype, causal, window=(-1, -1)) -> float:
     """Max over dq, dk, dv of the error on an odd GQA shape relative to 2x the error of standard
-    attention's backward in the same dtype (<= 1 passes); inf when a deterministic variant gives
-    different bits on a second run."""
+    attention's backward in the same dtype (<= 1 passes), with ``window`` (flash-attn's
+    window_size); inf when a deterministic variant gives different bits on a second run."""
     import cupy
 
     from .. import reference
@@ -186,20 +186,21 @@ def _check_bwd(kwargs, headdim, dtype, causal) -> float:
     q, do = (rng.standard_normal((2, 333, 4, headdim)).astype(dtype) for _ in range(2))
     k, v = (rng.standard_normal((2, 301, 2, headdim)).astype(dtype) for _ in range(2))
     scale = headdim ** -0.5
-    o_ref, lse_ref = reference.attention(q, k, v, softmax_scale=scale, causal=causal)
+    o_ref, lse_ref = reference.attention(q, k, v, softmax_scale=scale, causal=causal, window_size=window)
     grads = [cupy.full(x.shape, np.nan, dtype=dtype) for x in (q, k, v)]
     mma_bwd.backward(*(cupy.asarray(x) for x in (do, q, k, v)), cupy.asarray(o_ref.astype(dtype)),
                      cupy.asarray(lse_ref.astype(np.float32)), *grads, softmax_scale=scale, causal=causal,
-                     **kwargs)
+                     window_size=window, **kwargs)
     if kwargs.get("deterministic", True):  # a second run must give the same bits
         again = [cupy.full(x.shape, np.nan, dtype=dtype) for x in (q, k, v)]
         mma_bwd.backward(*(cupy.asarray(x) for x in (do, q, k, v)), cupy.asarray(o_ref.astype(dtype)),
                          cupy.asarray(lse_ref.astype(np.float32)), *again, softmax_scale=scale, causal=causal,
-                         **kwargs)
+                         window_size=window, **kwargs)
         if any(not bool(cupy.array_equal(a, b, equal_nan=True)) for a, b in zip(grads, again)):
             return float("inf")
-    refs = reference.attention_backward(do, q, k, v, softmax_scale=scale, causal=causal)
-    stds = reference.standard_attention_backward(do, q, k, v, softmax_scale=scale, causal=causal, dtype=dtype)
+    refs = reference.attention_backward(do, q, k, v, softmax_scale=scale, causal=causal, window_size=window)
+    stds = reference.standard_attention_backward(do, q, k, v, softmax_scale=scale, causal=causal, window_size=window,
+                                                 dtype=dtype)
     worst = 0.0
     for got, ref, std in zip(grads, refs, stds):
         err = np.abs(got.get().astype(np.float64) - ref).max()
@@ -208,14 +209,15 @@ def _check_bwd(kwargs, headdim, dtype, causal) -> float:
     return worst
 
 
-def _time_backward(kwargs, headdim, seqlen, causal, dtype, repeats, inputs) -> float:
+def _time_backward(kwargs, headdim, seqlen, causal, dtype, repeats, inputs, window=(-1, -1)) -> float:
     from ..kernels import mma_bwd
 
     batch, nheads = 16384 // seqlen, 2048 // headdim
-    sets = _bwd_inputs(batch, seqlen, nheads, headdim, dtype, causal)  # o and lse depend on causal
+    # o and lse depend on the mask
+    sets = _bwd_inputs(batch, seqlen, nheads, headdim, dtype, causal, window=window)
     return _time_ms(lambda do, q, k, v, o, lse, dq, dk, dv: mma_bwd.backward(
-        do, q, k, v, o, lse, dq, dk, dv, softmax_scale=headdim ** -0.5, causal=causal, **kwargs),
-        sets, repeats)
+        do, q, k, v, o, lse, dq, dk, dv, softmax_scale=headdim ** -0.5, causal=causal, window_size=window,
+        **kwargs), sets, repeats)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,12 +256,13 @@ def configure(parser) -> None:
                         help="the dev/ folder of the versions (default: this source checkout's)")
     parser.add_argument("--quiet", action="store_true", help="no progress line")
     parser.add_argument("--window", type=int, nargs=2, default=(-1, -1), metavar=("LEFT", "RIGHT"),
-                        help="forward only: every case with this window_size too (TFLOP/s over the visible pairs)")
+                        help="every case with this window_size (TFLOP/s over the visible pairs; the ordered "
+                             "dQ adds take no window: those backward entries are skipped)")
 
 
 def _variants(direction: str, headdims, dtype=None, dev=None, window=(-1, -1)) -> list[tuple[int, str, str, object]]:
     """(headdim, label, description, variant) of every variant to check and time; ``dev``: the
-    loaded dev/mma_fwd.py, or None; ``window``: the forward's --window."""
+    loaded dev/mma_fwd.py, or None; ``window``: --window, whose plan is the forward's "default" row."""
     if direction == "bwd":
         return [(d, label, "", kwargs) for d in headdims for label, kwargs in _bwd_candidates(d, dev)]
     from ..kernels import mma_fwd
@@ -302,10 +305,8 @@ def run(args) -> int:
     if not variants:
         raise cli.UsageError(f"no {args.direction} variant matches --only {' '.join(args.only)}")
     window = tuple(args.window)
-    if backward and window != (-1, -1):
-        raise cli.UsageError("--window times the forward only (--direction fwd)")
     check, time_one = (_check_bwd, _time_backward) if backward else (_check, _time_forward)
-    extra = {} if backward else {"window": window}
+    extra = {} if window == (-1, -1) else {"window": window}
     width = 44 if backward else 8 + 1 + 100  # label, or label and configuration
     flop_factor = 2.5 if backward else 1.0  # backward = 2.5 x the forward's 4 B H S^2 D
 

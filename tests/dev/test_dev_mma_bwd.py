@@ -93,6 +93,9 @@ def test_shipped_notes_and_candidates(dev):
     shipped |= {(dt, r.dq_tiles) for (_, dt, _), entries in BACKWARD_KERNELS.items() for r in entries}
     for table in (dev.FUSED_CANDIDATES, dev.DQ_WGMMA_CANDIDATES, dev.WGMMA_NONE_CANDIDATES, dev.DQ_CANDIDATES_V2):
         assert not {(dt, c) for dt, cs in table.items() for c in cs} & shipped
+    # a window pair changes at least one of the two kernels' tiles
+    assert all({(dt, wgmma), (dt, dq)} - shipped for dt, pairs in dev.WINDOW_SPLIT_CANDIDATES.items()
+               for wgmma, dq in pairs)
 
 
 def test_the_tuner_times_the_plan_then_every_dev_entry(dev, monkeypatch):
@@ -139,6 +142,10 @@ def test_every_dev_backward_entry_that_fits_matches_the_reference(dev, headdim):
         if not all(runs_on_device(launch.spec) and launch.spec.smem_bytes <= smem for launch in plan.launches):
             continue
         ratios = [tune._check_bwd(kwargs, headdim, dtype, causal) for causal in (False, True)]
+        # a causal window too (the tuner's --window), except where the ordered dQ adds would meet it
+        # in the fused kernel (which refuses a window at compile time; the plans never send it one)
+        if not (kwargs.get("fused") and kwargs["deterministic"]):
+            ratios.append(tune._check_bwd(kwargs, headdim, dtype, True, window=(40, 0)))
         assert max(ratios) <= 1, (label, ratios)
         checked.append(label)
     assert checked and checked[0].startswith("default")
