@@ -31,7 +31,8 @@
 #                                       it first, then suite with SUITE_PART=1, 2 and 3 right after
 #   scripts/gpu_check.sh OUTDIR suite   SUITE_PART=1, 2 or 3: the GPU test suite's three parts (3: the
 #                                       ring's tests), shards and one summary file each
-#                                       (scripts/gpu_suite_part.sh)
+#                                       (scripts/gpu_suite_part.sh); SUITE_PART=all: the three
+#                                       in one call (warm, they took 200 s together on 2026-12-05)
 #   scripts/gpu_check.sh OUTDIR ncu     kernel by kernel, this tree against BEFORE_TREE (required):
 #                                       time, registers, instructions of NCU_CASES, then the full
 #                                       section set of NCU_FULL (ncu --clock-control none)
@@ -210,16 +211,29 @@ suite)  # the GPU test suite in three parts (SUITE_PART=1, 2 or 3), each one sum
            tests/test_dispatch.py tests/test_statistics_gpu.py tests/test_leftpad_gpu.py
            tests/test_paged_varlen_gpu.py)
     part3=(tests/test_distributed_gpu.py tests/dev)
-    case ${SUITE_PART:-1} in
-    1) paths=("${part1[@]}") ;;
-    3) paths=("${part3[@]}") ;;
-    *) paths=(tests/kernels tests/benchmarks)
-       for f in tests/test_*.py; do
-           case " ${part1[*]} ${part3[*]} " in *" $f "*) ;; *) paths+=("$f") ;; esac
-       done ;;
-    esac
-    step "suite-part${SUITE_PART:-1}" "${TEST_LIMIT:-540}" bash scripts/gpu_suite_part.sh "$out/suite-part${SUITE_PART:-1}.txt" \
-        "$(( ${TEST_LIMIT:-540} - 20 ))" "${paths[@]}"
+    part2=(tests/kernels tests/benchmarks)
+    for f in tests/test_*.py; do
+        case " ${part1[*]} ${part3[*]} " in *" $f "*) ;; *) part2+=("$f") ;; esac
+    done
+    # SUITE_PART=all: the three parts one after another in one call, on a machine warmed by the
+    # call before (2026-12-05, warm: 59 s, 102 s and 38 s), each with its own limit
+    # (TEST_LIMIT_1/2/3, default 160 / 220 / 120 s)
+    parts=${SUITE_PART:-1}
+    [ "$parts" = all ] && parts="1 2 3"
+    for part in $parts; do
+        case $part in
+        1) paths=("${part1[@]}") ;;
+        3) paths=("${part3[@]}") ;;
+        *) paths=("${part2[@]}") ;;
+        esac
+        if [ "${SUITE_PART:-1}" = all ]; then
+            limit_var=TEST_LIMIT_$part; defaults=(0 160 220 120); limit=${!limit_var:-${defaults[$part]}}
+        else
+            limit=${TEST_LIMIT:-540}
+        fi
+        step "suite-part$part" "$limit" bash scripts/gpu_suite_part.sh "$out/suite-part$part.txt" \
+            "$(( limit - 20 ))" "${paths[@]}"
+    done
     ;;
 ncu)
     : "${BEFORE_TREE:?the ncu part compares against BEFORE_TREE}"
