@@ -63,7 +63,11 @@ VERSIONS = (
 CANDIDATES = {
     64: (FwdConfig(128, 64, 8, False, min_blocks=2), FwdConfig(128, 128, 4, False),
          FwdConfig(128, 64, 8, False, min_blocks=2, row_state="all_lanes"),
-         FwdConfig(128, 128, 4, False, row_state="all_lanes"), WgmmaFwdConfig(128, 128)),
+         FwdConfig(128, 128, 4, False, row_state="all_lanes"), WgmmaFwdConfig(128, 128),
+         # For sliding windows at d64, d128's routed window tiles (plans.LOCAL_FORWARD_TILES): 64
+         # rows, one warpgroup, 49 KiB, 114-127 registers, no spills (sm_90a). Not yet timed:
+         # `tune --headdim 64 --seqlen 16384 --window 1024 0 --only default cand`.
+         WgmmaFwdConfig(64, 64)),
     128: (FwdConfig(128, 64, 8, False), FwdConfig(128, 32, 4, False, stages=3, min_blocks=2),
           WgmmaFwdConfig(128, 64),
           # For sliding windows: one warpgroup of 64 rows, 99 KiB, two CTAs an SM, and a 64-row

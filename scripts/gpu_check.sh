@@ -331,7 +331,7 @@ measure)  # after the suite, on its warm machine (the cache holds the shipped ke
             step tf32-wgmma-bench 240 python dev/bench_tf32_wgmma.py --json "$out/tf32-wgmma.json"
             step racecheck-tf32-wgmma 150 compute-sanitizer --tool racecheck --error-exitcode 1 \
                 python dev/sanitize_tf32_wgmma.py ;;
-        windows) step windows-tune 240 python -m cupyflash tune --headdim 128 --seqlen 16384 --window 1024 0 \
+        windows) step windows-tune 240 python -m cupyflash tune --headdim 64 128 --seqlen 16384 --window 1024 0 \
                      --only default cand --repeats 10 --quiet
                  # the backward's window candidates (dev/mma_bwd.py WINDOW_SPLIT_CANDIDATES) against its plan
                  step windows-tune-bwd 240 python -m cupyflash tune --direction bwd --headdim 128 --seqlen 16384 \
