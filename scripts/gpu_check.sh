@@ -345,7 +345,7 @@ window_tiles)  # the sliding-window forward's own tiles (plans.LOCAL_FORWARD_TIL
     # against v6's 128 x 128 tiles), the GPU tests that run windows, the window bench at 16k and 8k
     export PYTHONPATH=$PWD
     step warm-local "${WARM_LIMIT:-150}" python scripts/warm_kernel_cache.py --packed --variants --match local
-    for w in ${WINDOWS:-"1024 0" "512 512" "4096 0" "2048 2048" "-1 1024"}; do
+    for w in "1024 0" "512 512" "4096 0" "2048 2048" "-1 1024"; do
         step "tune-window-${w/ /_}" 45 python -m cupyflash tune --headdim 128 --seqlen 16384 --window $w \
             --only default v6 --repeats 10 --quiet
     done

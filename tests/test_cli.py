@@ -583,7 +583,8 @@ def test_tune_window_reaches_the_backwards_check_and_timing(monkeypatch, capsys,
 
     monkeypatch.setattr(harness, "gpu_unavailable_reason", lambda: None)
     calls = []
-    monkeypatch.setattr(tune, "_check_bwd", lambda kwargs, headdim, dtype, causal, **kw: calls.append(("check", kw)) or 0.5)
+    monkeypatch.setattr(tune, "_check_bwd",
+                        lambda kwargs, headdim, dtype, causal, **kw: calls.append(("check", kw)) or 0.5)
     monkeypatch.setattr(tune, "_time_backward", lambda kwargs, *rest, **kw: calls.append(("time", kw)) or 1.0)
     argv = ["tune", "--direction", "bwd", "--headdim", "128", "--seqlen", "4096", "--dev", str(tmp_path)]
     assert cli.main(argv + ["--window", "64", "0"]) == cli.EXIT_OK

@@ -104,10 +104,12 @@ def test_old_table_covers_every_device_and_dtype_once():
 @pytest.mark.parametrize("dtype", list(SUPPORTED))
 def test_the_plan_is_the_old_dispatch_choice(dtype):
     """Every (arch, opt-in shared memory, head dim 1..256, mask): NoMask and Causal as the old tree
-    chose them; Local the Causal choice's kernel and tiles with its own mask token and argument,
-    except on LOCAL_FORWARD_TILES' rows (its own tiles, test_a_window_has_its_own_row). float32's default is the tf32 kernel now (test_float32_runs_on_tensor_cores), float64's up to
-    d128 the DMMA kernel (test_float64_runs_on_dmma_up_to_d128); their old choice, the SIMT
-    kernel, is what family="simt" (backend="simt") runs."""
+    chose them; Local the Causal choice's kernel and tiles with its own mask token and argument
+    (on LOCAL_FORWARD_TILES' rows, compared with the Causal choice's tiles: the window's own are
+    test_a_window_has_its_own_row's). float32's default is the tf32 kernel now
+    (test_float32_runs_on_tensor_cores), float64's up to d128 the DMMA kernel
+    (test_float64_runs_on_dmma_up_to_d128); their old choice, the SIMT kernel, is what
+    family="simt" (backend="simt") runs."""
     compared = 0
     family = "simt" if dtype in ("float32", "float64") else None
     for arch, smem, headdim in itertools.product(ARCHS, SMEM_OPTINS, range(1, 257)):
