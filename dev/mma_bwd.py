@@ -289,10 +289,13 @@ def candidate_specializations() -> list:
              for dt, configs in DQ_WGMMA_CANDIDATES.items() for config in configs for causal in (False, True)] +
             [wgmma_spec("bfloat16", dt, causal, "none", config)
              for dt, configs in WGMMA_NONE_CANDIDATES.items() for config in configs for causal in (False, True)] +
-            list(dict.fromkeys(spec for dt, pairs in WINDOW_SPLIT_CANDIDATES.items() for wgmma, dq in pairs
-                               for mask in (NoMask(), Causal(), Local())
-                               for spec in (wgmma_spec("bfloat16", dt, mask, "none", wgmma),
-                                            dq_wgmma_spec("bfloat16", dt, mask, dq)))))
+            # the window pairs' tiles that no plan row runs (the other half of a pair is shipped)
+            [wgmma_spec("bfloat16", dt, mask, "none", tiles)
+             for dt, pairs in WINDOW_SPLIT_CANDIDATES.items() for tiles in {w for w, _ in pairs} - {WGMMA_CONFIG[dt]}
+             for mask in (NoMask(), Causal(), Local())] +
+            [dq_wgmma_spec("bfloat16", dt, mask, tiles)
+             for dt, pairs in WINDOW_SPLIT_CANDIDATES.items() for tiles in {d for _, d in pairs} - {DQ_WGMMA_CONFIG[dt]}
+             for mask in (NoMask(), Causal(), Local())])
 
 
 if __name__ == "__main__":
