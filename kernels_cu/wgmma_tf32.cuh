@@ -18,6 +18,7 @@
 // address by 32 bytes within a panel, the next panel after 4 steps.
 #pragma once
 
+#include "mbarrier.cuh"
 #include "tf32.cuh"
 #include "wgmma.cuh"
 
@@ -288,6 +289,124 @@ struct WgmmaTf32<256> {
 template <int ROWS>
 __device__ __forceinline__ u64 tf32_k_step_desc(u32 tile, int step) {
     return smem_desc(tile + (step >> 2) * (ROWS * 128) + (step & 3) * 32, 16, 1024);
+}
+
+
+// Turns at the tensor cores for a forward block's two issues (S's products, then P V's): `wait` before a
+// warpgroup issues, `pass` once it has. ConsumerTurns<true> (v2 PINGPONG): two consumer
+// warpgroups alternate on two named barriers, so the products of one are issued, and run, while
+// the other does its softmax; left alone (NoTurns, v0 .. v2: both calls nothing) the two are
+// released by the same full barrier each block and reach their softmax together, the tensor
+// cores idle meanwhile (tf32-wgmma-v2 measured 62% of the three-product ceiling).
+template <bool ON>
+struct ConsumerTurns {
+    u32 mine = 0, other = 0;  // named barrier ids: this warpgroup's turn, the other's
+    __device__ __forceinline__ void wait() const {
+        if constexpr (ON) named_barrier_sync(mine, 256);
+    }
+    __device__ __forceinline__ void pass() const {
+        if constexpr (ON) named_barrier_arrive(other, 256);
+    }
+};
+using NoTurns = ConsumerTurns<false>;
+
+// A product summed over K_STEPS k-steps of 8 into `s` (NV accumulator values a thread), waited
+// for: issue(kk, small, hh, hh_accumulates) issues k-step kk, its small products (SPLIT: lo hi,
+// hi lo) into `small`, which they start at k-step 0, and hi hi into `hh`. Chained (!APART): all
+// of it into `s`. APART (precision "ieee"): the tensor cores' accumulation truncates, and its
+// error grows with the number of products chained into one accumulator (tf32-fwd-v1's probe: 3
+// products a k-step into one accumulator, 2x float32 FMA's error at 128 terms, 16x at 8192). So
+// the small products go into an accumulator of their own, added by one FADD (the probe's "small
+// products apart": FMA's error at 128 terms), and hi hi is restarted every HH_CHAIN k-steps: its
+// chained truncations were most of what the apart form still missed on a few keys
+// (dev/emulate_split_tf32.py: a tensor-core sum truncated to float32 reproduces the H200's
+// errors; restarting every 2 k-steps brings the failing two- and three-key draws to 3.4e-6 /
+// 2.9e-6, under the 2x bound, and the 1k error from 1.66x to 1.23x standard's). Two chains in
+// flight; each is added to `s` by FADDs once waited for. Same products, three times the
+// registers. turns.wait() before the first issue, turns.pass() after the last.
+template <int NV, int K_STEPS, bool SPLIT, bool APART, class Issue, class Turns>
+__device__ __forceinline__ void tf32_product_sums(float (&s)[NV], const Issue& issue, const Turns& turns) {
+    static_assert(!APART || SPLIT, "apart sums are the split products'");
+    if constexpr (APART) {
+        constexpr int HH_CHAIN = 2, CHAINS = (K_STEPS + HH_CHAIN - 1) / HH_CHAIN;
+        float small[NV], hh[2][NV];
+        auto add_chain = [&](float(&chain)[NV], bool first) {
+            pin_registers(chain);
+#pragma unroll
+            for (int e = 0; e < NV; ++e) s[e] = first ? chain[e] : s[e] + chain[e];
+        };
+        turns.wait();
+#pragma unroll
+        for (int c = 0; c < CHAINS; ++c) {
+            wgmma_fence();
+#pragma unroll
+            for (int t = 0; t < HH_CHAIN; ++t)
+                if (c * HH_CHAIN + t < K_STEPS) issue(c * HH_CHAIN + t, small, hh[c & 1], t > 0);
+            wgmma_commit();
+            if (c > 0) {
+                wgmma_wait<1>();
+                add_chain(hh[(c - 1) & 1], c == 1);
+            }
+        }
+        turns.pass();
+        wgmma_wait<0>();
+        add_chain(hh[(CHAINS - 1) & 1], CHAINS == 1);
+        pin_registers(small);
+#pragma unroll
+        for (int e = 0; e < NV; ++e) s[e] += small[e];
+    } else {
+        turns.wait();
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < K_STEPS; ++kk) issue(kk, s, s, SPLIT ? 1 : kk > 0);
+        wgmma_commit();
+        turns.pass();
+        wgmma_wait<0>();
+        pin_registers(s);
+    }
+}
+
+// acc += A B over K_FRAGS k-steps of 8, waited for: A from registers, the accumulator values `a`
+// of the product before (frag f: its 8-column block f, a[4 f .. 4 f + 3]), B from a K-major panel
+// tile of N rows (hi and lo) whose k order is KEY_PAIRS' (split_tf32_panels_transposed). The
+// accumulator's {d0, d2, d1, d3} of a column block are A's {(g, t), (g + 8, t), (g, t + 4),
+// (g + 8, t + 4)} with column 2t as slot t and 2t + 1 as slot t + 4: no data movement, the
+// columns relabelled and the B tile relabelled to match. Each value is split once (PRODUCTS 3:
+// lo hi + hi lo + hi hi, the small terms first). FRESH: the products into a zeroed accumulator
+// of their own, added to acc by one FADD a value (one call's chain truncated, not every call's:
+// tf32-fwd-v2's FRESH_O).
+template <int N, int K_FRAGS, int PRODUCTS, bool FRESH, class Turns>
+__device__ __forceinline__ void tf32_acc_times_tile(float (&acc)[N / 2], const float (&a)[K_FRAGS * 4], u32 b_hi_tile,
+                                                    u32 b_lo_tile, const Turns& turns) {
+    constexpr bool SPLIT = Tf32Operand<PRODUCTS>::SPLIT;
+    u32 a_hi[K_FRAGS][4], a_lo[K_FRAGS][4];
+#pragma unroll
+    for (int f = 0; f < K_FRAGS; ++f) {
+        const float x[4] = {a[4 * f], a[4 * f + 2], a[4 * f + 1], a[4 * f + 3]};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) split_tf32<PRODUCTS>(x[e], a_hi[f][e], a_lo[f][e]);
+    }
+    float fresh[FRESH ? N / 2 : 1];
+    float(&out)[N / 2] = *reinterpret_cast<float(*)[N / 2]>(FRESH ? fresh : acc);
+    turns.wait();
+    wgmma_fence();
+#pragma unroll
+    for (int f = 0; f < K_FRAGS; ++f) {
+        const u64 b_hi = tf32_k_step_desc<N>(b_hi_tile, f);
+        if constexpr (SPLIT) {
+            WgmmaTf32<N>::rs(out, a_lo[f], b_hi, FRESH ? f > 0 : 1);
+            WgmmaTf32<N>::rs(out, a_hi[f], tf32_k_step_desc<N>(b_lo_tile, f), 1);
+        }
+        WgmmaTf32<N>::rs(out, a_hi[f], b_hi, 1);
+    }
+    wgmma_commit();
+    turns.pass();
+    wgmma_wait<0>();
+    pin_registers(out);
+    if constexpr (FRESH) {
+#pragma unroll
+        for (int e = 0; e < N / 2; ++e) acc[e] += fresh[e];
+    }
 }
 
 }  // namespace cf
