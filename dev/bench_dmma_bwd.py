@@ -20,7 +20,7 @@ import json
 
 from bench_statistics import time_ms  # dev/ is the script's directory
 
-from cupyflash.backward_plans import tf32x3_backward_config
+from cupyflash.backward_plans import Tf32WgmmaBwdConfig, tf32x3_backward_config
 
 CANDIDATES = {
     # dK/dV (queries per step, warps, m-tiles), dQ (keys per step, warps, m-tiles), wide
@@ -33,9 +33,20 @@ CANDIDATES = {
 }
 
 
+# float32: dK / dV on flash_bwd_dkdv_tf32_wgmma (perf log tf32-wgmma-bwd-v0), dQ and the statistics
+# on the tf32x3 experiment's kernels; head dims up to 64, sm_90
+WGMMA_CANDIDATES = {
+    "wgmma": Tf32WgmmaBwdConfig(32, 2),  # TF32_WGMMA_BACKWARD_CONFIGS' row: apart sums, raw Q / dO two blocks ahead
+    "wgmma_bm64": Tf32WgmmaBwdConfig(64, 1, False),  # 64-query blocks, chained sums (apart spills at 64)
+    "wgmma_sync": Tf32WgmmaBwdConfig(32, 0),  # Q / dO read by the split from global memory
+}
+
+
 def main() -> None:
     import cupy
     import torch
+
+    from cupyflash.kernels._module import device_arch
 
     from cupyflash.backward_plans import DmmaBwdConfig
     from cupyflash.kernels import dmma, simt
@@ -47,7 +58,8 @@ def main() -> None:
     parser.add_argument("--configs", action="store_true")
     parser.add_argument("--headdims", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--dtype", choices=("float64", "float32"), default="float64",
-                        help="float32: the tf32x3 experiment (perf log tf32-bwd-v0) against the SIMT float32 "
+                        help="float32: the tf32x3 experiment (perf log tf32-bwd-v0) and, at head dims up to 64 on "
+                             "sm_90, its wgmma dK/dV candidates (tf32-wgmma-bwd-v0) against the SIMT float32 "
                              "backward and PyTorch's mem-efficient float32 backward")
     args = parser.parse_args()
     fp32 = args.dtype == "float32"
@@ -77,6 +89,8 @@ def main() -> None:
                     want = [g.copy() for g in grads]
                     times = {"simt": time_ms(run(simt.backward), args.repeats)}
                     configs = {"dmma": tf32x3_backward_config(headdim) if fp32 else None}
+                    if fp32 and headdim <= 64 and device_arch() == "90":  # tf32-wgmma-bwd-v0's dK/dV
+                        configs.update({name: config for name, config in WGMMA_CANDIDATES.items()})
                     if args.configs and not fp32:
                         configs.update({name: DmmaBwdConfig(*tiles) for name, (tiles, dts) in CANDIDATES.items()
                                         if dmma.d_tile(headdim) in dts})

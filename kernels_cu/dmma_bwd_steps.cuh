@@ -221,6 +221,11 @@ struct DmmaQueryCta {
     }
 };
 
+// The row statistics of a query block as the dK/dV kernels copy them to shared memory, a row of
+// BLOCK_M values each (raw: lse in the params' unit, the weight and dp_ref only where the call
+// has them): flash_bwd_dkdv_dmma, flash_bwd_dkdv_tf32_wgmma.
+enum StatSlot { STAT_LSE = 0, STAT_DELTA = 1, STAT_WEIGHT = 2, STAT_DP_REF = 3, STAT_SLOTS = 4 };
+
 // One entry of S and dP (raw units: the unit is the scale) after the policies, as every float64
 // backward kernel takes it: the score policy's transform and ds'/ds (unset without a derivative),
 // whether the mask hides the key (or the row sees none: row_sees_nothing), whether dropout keeps

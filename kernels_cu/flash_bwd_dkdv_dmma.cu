@@ -17,10 +17,6 @@
 
 namespace cf {
 
-// The row statistics of a stage, as copied (raw: lse in the params' unit, the weight and dp_ref
-// only where the call has them).
-enum StatSlot { STAT_LSE = 0, STAT_DELTA = 1, STAT_WEIGHT = 2, STAT_DP_REF = 3, STAT_SLOTS = 4 };
-
 template <int D_TILE, class Mask, int BLOCK_M, int NWARPS, int M_TILES = 2, bool WIDE = false,
           typename T = double>
 __global__ void __launch_bounds__(NWARPS * 32, 1)

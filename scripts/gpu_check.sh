@@ -36,11 +36,12 @@
 #   scripts/gpu_check.sh OUTDIR ncu     kernel by kernel, this tree against BEFORE_TREE (required):
 #                                       time, registers, instructions of NCU_CASES, then the full
 #                                       section set of NCU_FULL (ncu --clock-control none)
-#   scripts/gpu_check.sh OUTDIR dmma    a DMMA backward change (float64, the tf32x3 experiment): its
-#                                       kernels compiled, its GPU tests, racecheck / memcheck of
-#                                       dev/sanitize_dmma_bwd.py, dev/bench_dmma_bwd.py here and in
-#                                       BEFORE_TREE (optional: an exported tree inside the checkout,
-#                                       carried, e.g. .before)
+#   scripts/gpu_check.sh OUTDIR dmma    a DMMA backward change (float64, the tf32x3 experiment and its
+#                                       wgmma dK/dV candidate): its kernels compiled, its GPU tests,
+#                                       racecheck / memcheck of dev/sanitize_dmma_bwd.py,
+#                                       dev/bench_dmma_bwd.py here and in BEFORE_TREE (optional: an
+#                                       exported tree inside the checkout, carried, e.g. .before),
+#                                       then its float32 run at d64 (the wgmma candidates)
 #   scripts/gpu_check.sh OUTDIR dropout  tests/test_dropout_gpu.py, then dropout's cost at 8k (d128, d64)
 #   scripts/gpu_check.sh OUTDIR tf32_wgmma  the tf32 wgmma forward candidates (flash_fwd_tf32_wgmma,
 #                                       flash_fwd_tf32_wgmma_ws): dev/smoke_tf32_wgmma_ws.py, then
@@ -189,7 +190,7 @@ headdim_v)  # v's own head dim: its GPU tests with dropout's, its bench against 
     ;;
 dmma)  # a DMMA backward change: compile, tests, sanitizer, bench (before / after)
     export PYTHONPATH=$PWD
-    step warm-dmma "${WARM_LIMIT:-200}" python scripts/warm_kernel_cache.py --packed --match 'dmma|preprocess|simt'
+    step warm-dmma "${WARM_LIMIT:-200}" python scripts/warm_kernel_cache.py --packed --match 'dmma|preprocess|simt|tf32_wgmma'
     step dmma-tests "${TEST_LIMIT:-240}" env HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-dev}" \
         python scripts/pytest_shards.py --shards "${SHARDS:-14}" --limit "$(( ${TEST_LIMIT:-240} - 20 ))" \
         --out "$out/dmma-shards" -m gpu tests/kernels/test_flash_bwd_dmma.py tests/test_statistics_gpu.py
@@ -200,6 +201,10 @@ dmma)  # a DMMA backward change: compile, tests, sanitizer, bench (before / afte
             python dev/bench_dmma_bwd.py --repeats 3 --json "$out/bench-dmma-before.json")
     fi
     step bench-dmma-after 120 python dev/bench_dmma_bwd.py --repeats 3 --json "$out/bench-dmma-after.json"
+    # float32: the tf32x3 experiment and its wgmma dK/dV candidates (tf32-wgmma-bwd-v0) against
+    # the SIMT backward and PyTorch's mem-efficient float32 backward
+    step bench-tf32-bwd 150 python dev/bench_dmma_bwd.py --dtype float32 --headdims 64 --repeats 3 \
+        --json "$out/bench-tf32-bwd.json"
     ;;
 warm)  # every kernel this device runs into the tree's CuPy cache, alone in its call: then the
        # suite's parts (issued right after, on the same warm machine) load instead of compiling.

@@ -14,7 +14,7 @@ import numpy as np
 from ._module import Specialization, launch
 from .params import forward_params
 from .. import backward_plans, plans
-from ..backward_plans import DMMA_BACKWARD_TILES, DmmaBwdConfig
+from ..backward_plans import DMMA_BACKWARD_TILES, DmmaBwdConfig, Tf32WgmmaBwdConfig
 from ..masks import KINDS, PACKED_KINDS, VARIANT_KINDS, mask_for
 from ..plans import DmmaFwdConfig
 from ..scores import PLAIN
@@ -43,6 +43,8 @@ def specializations() -> list[Specialization]:
     for dt, c in sorted(backward_plans.TF32X3_BACKWARD_CONFIGS.items()):  # the float32 experiment
         out.extend(backward_plans.dmma_spec(kind, dt, mask, c, "float32") for mask in backward_masks
                    for kind in ("stats", "dkdv", "dq"))
+    for dt, c in sorted(backward_plans.TF32_WGMMA_BACKWARD_CONFIGS.items()):  # its wgmma dK/dV candidate
+        out.extend(backward_plans.tf32_wgmma_dkdv_spec(dt, mask, c) for mask in backward_masks)
     return list(dict.fromkeys(out))
 
 
@@ -74,13 +76,16 @@ def forward(q, k, v, o, lse, *, softmax_scale: float, causal: bool, window_size=
 
 
 def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: bool, deterministic: bool = True,
-             window_size=(-1, -1), variant=None, packed=None, config: DmmaBwdConfig | None = None) -> None:
+             window_size=(-1, -1), variant=None, packed=None,
+             config: DmmaBwdConfig | Tf32WgmmaBwdConfig | None = None) -> None:
     """dq, dk, dv (preallocated, C-contiguous, float64) from float64 do, q, k, v, o and the saved lse
     ((B, H, Sq), float64), as simt.backward (``packed``: a varlen batch, B = 1; the variant's
     ``statistics`` "recomputed": flash_bwd_stats_dmma's row statistics), on the DMMA kernels with
     ``config`` (the plan's by default: the SIMT kernels where the device has no DMMA or too little
     shared memory for the row); any head dim up to 128 and any strides. Always deterministic
-    (``deterministic`` is accepted and has nothing to choose)."""
+    (``deterministic`` is accepted and has nothing to choose). float32 arrays: the tf32x3
+    experiment's kernels with a DmmaBwdConfig, or with a Tf32WgmmaBwdConfig dK and dV on
+    flash_bwd_dkdv_tf32_wgmma (sm_90; head dims up to 64, multiples of 4, rows 16-byte aligned)."""
     from ._module import backward_is_empty, device_arch
     from .mma_fwd import current_smem_optin
     from .simt import run_backward
@@ -93,7 +98,10 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
         raise TypeError("cupyflash: the DMMA backward takes float64 arrays (float32: the tf32 experiment)")
     if config is not None and int(device_arch()) < 80:
         raise ValueError(f"cupyflash: the DMMA backward needs sm_80 or newer, not sm_{device_arch()}")
-    if config is not None and config.wide and device_arch() != "90":
+    wgmma = isinstance(config, Tf32WgmmaBwdConfig)
+    if wgmma:
+        _check_tf32_wgmma_operands(do, q, k, v, dk, dv)
+    if config is not None and not wgmma and config.wide and device_arch() != "90":
         raise ValueError(f"cupyflash: the DMMA backward's wide layout (m16n8k8 .f64) is compiled for sm_90, "
                          f"not sm_{device_arch()}")
     if backward_is_empty(q, k, dq, dk, dv):
@@ -104,7 +112,29 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
     if config is None:
         plan = backward_plans.plan_backward(device_arch(), np.float64, headdim, mask, current_smem_optin(), True,
                                             statistics=statistics)
+    elif wgmma:
+        plan = backward_plans.tf32_wgmma_backward_plan(headdim, mask, config, statistics)
     else:
         plan = backward_plans.dmma_backward_plan(headdim, mask, config, statistics, dtype=dtype)
     run_backward(plan, do, q, k, v, o, lse, dq, dk, dv, softmax_scale=softmax_scale, mask=mask, variant=variant,
                  packed=packed)
+
+
+def _check_tf32_wgmma_operands(do, q, k, v, dk, dv) -> None:
+    """flash_bwd_dkdv_tf32_wgmma's needs (its loaders move 16-byte chunks of float32): float32,
+    sm_90, head dims up to 64 and multiples of 4, unit column strides, other strides multiples of
+    4 elements, 16-byte aligned data."""
+    from ._module import device_arch
+
+    if q.dtype != np.float32:
+        raise TypeError("cupyflash: flash_bwd_dkdv_tf32_wgmma takes float32 arrays")
+    if device_arch() != "90":
+        raise ValueError(f"cupyflash: flash_bwd_dkdv_tf32_wgmma is compiled for sm_90a, not sm_{device_arch()}")
+    for name, x in (("do", do), ("q", q), ("k", k), ("v", v), ("dk", dk), ("dv", dv)):
+        strides = [s // x.itemsize for s in x.strides]
+        if x.shape[-1] % 4 or x.shape[-1] > 64:
+            raise ValueError(f"cupyflash: flash_bwd_dkdv_tf32_wgmma takes head dims up to 64 in multiples of 4; "
+                             f"{name} has {x.shape[-1]}")
+        if strides[-1] != 1 or any(s % 4 for s in strides[:-1]) or x.data.ptr % 16:
+            raise ValueError(f"cupyflash: flash_bwd_dkdv_tf32_wgmma reads 16-byte chunks: {name} needs unit column "
+                             f"strides, other strides in multiples of 4 elements and 16-byte aligned data")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from cupyflash import backward_plans, reference
-from cupyflash.backward_plans import DMMA_BACKWARD_TILES, MMA_SYNC, SM90, DmmaBwdConfig
+from cupyflash.backward_plans import DMMA_BACKWARD_TILES, MMA_SYNC, SM90, DmmaBwdConfig, Tf32WgmmaBwdConfig
 from cupyflash.kernels import dmma
 from cupyflash.masks import KINDS, PACKED_KINDS, VARIANT_KINDS, as_mask
 
@@ -63,7 +63,8 @@ def test_specializations_mirror_the_kernels_tiles():
     kinds = len(KINDS) + len(VARIANT_KINDS) + len(PACKED_KINDS)
     distinct = {(dt, c) for (_, dt), c in DMMA_BACKWARD_TILES.items()}
     tf32 = len(backward_plans.TF32X3_BACKWARD_CONFIGS)  # the float32 experiment's kernels
-    assert sum(1 for n in names if "_bwd_" in n) == 3 * kinds * (len(distinct) + tf32)
+    wgmma = len(backward_plans.TF32_WGMMA_BACKWARD_CONFIGS)  # and its wgmma dK/dV candidate
+    assert sum(1 for n in names if "_bwd_" in n) == 3 * kinds * (len(distinct) + tf32) + kinds * wgmma
 
 
 def test_a_row_past_the_devices_shared_memory_runs_simt():
@@ -257,23 +258,26 @@ def test_the_api_runs_the_dmma_backward_for_float64():
 @pytest.mark.gpu
 @pytest.mark.parametrize("statistics", ["saved", "recomputed"])
 @pytest.mark.parametrize("name", ["window", "softcap+sink", "alibi", "dropout"])
-@pytest.mark.parametrize("headdim", [40, 64, 128])
-def test_tf32x3_experiment_is_as_accurate_as_the_simt_float32_backward(headdim, name, statistics, monkeypatch):
+@pytest.mark.parametrize("headdim, dkdv", [(40, "mma"), (64, "mma"), (128, "mma"), (40, "wgmma"), (64, "wgmma")])
+def test_tf32x3_experiment_is_as_accurate_as_the_simt_float32_backward(headdim, dkdv, name, statistics, monkeypatch):
     """Against the float64 reference (the SIMT float32 backward's gradients on the same float32
     inputs as the measure): within 4x the SIMT kernels' error, plus float32's rounding of the
-    largest gradient; the experiment's kernels are the ones that ran."""
+    largest gradient; the experiment's kernels are the ones that ran (dkdv "wgmma": dK and dV on
+    the candidate flash_bwd_dkdv_tf32_wgmma, sm_90 only)."""
     import functools
 
     from cupyflash.kernels import simt
 
     launched = _tf32x3_or_skip(monkeypatch)
+    if dkdv == "wgmma":
+        _wgmma_or_skip()
 
     rng = np.random.default_rng(headdim + 5)
     q = rng.standard_normal((2, 150, 4, headdim)).astype(np.float32)
     k, v = (rng.standard_normal((2, 173, 2, headdim)).astype(np.float32) for _ in range(2))
     do = rng.standard_normal(q.shape).astype(np.float32)
     options = {key: value for key, value in SIMT_VARIANTS[name].items()}
-    config = backward_plans.tf32x3_backward_config(headdim)
+    config = backward_plans.tf32x3_backward_config(headdim) if dkdv == "mma" else Tf32WgmmaBwdConfig()
     got = _gradients(do, q, k, v, backward=functools.partial(dmma.backward, config=config), statistics=statistics,
                      **dict(options))
     simt_grads = _gradients(do, q, k, v, backward=simt.backward, statistics=statistics, **dict(options))
@@ -283,7 +287,60 @@ def test_tf32x3_experiment_is_as_accurate_as_the_simt_float32_backward(headdim, 
         assert np.isfinite(a).all(), which
         error, simt_error = np.abs(a - w).max(), np.abs(s - w).max()
         assert error <= 4 * simt_error + 2.0 ** -23 * np.abs(w).max(), (which, error, simt_error)
-    assert {"dkdv", "dq"} <= {name.split("_")[2] for name in launched if name.endswith("_tf32x3")}
+    tf32x3 = {name.split("_")[2] for name in launched if name.endswith("_tf32x3")}
+    if dkdv == "mma":
+        assert {"dkdv", "dq"} <= tf32x3
+    else:
+        assert "dq" in tf32x3 and "dkdv" not in tf32x3
+        assert any(name.startswith("flash_bwd_dkdv_tf32_wgmma_fp32_hdim64_") for name in launched), launched
+
+
+def _wgmma_or_skip() -> None:
+    from cupyflash.kernels import _module
+
+    if _module.device_arch() != "90":
+        pytest.skip("flash_bwd_dkdv_tf32_wgmma is sm_90a only")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("statistics", ["saved", "recomputed"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_tf32_wgmma_dkdv_on_a_packed_batch_and_long_rows(causal, statistics, monkeypatch):
+    """The wgmma dK/dV candidate on a packed batch of ragged sequences (empty ones, a sequence past
+    two key blocks, query blocks cut short), GQA, head dim 64, against the SIMT float32 backward
+    within 4x its error to the float64 reference; then a 1k-key problem, where dV and dK chain
+    32 query blocks (the fresh accumulators' case)."""
+    import functools
+
+    import cupy
+
+    from cupyflash.kernels import simt
+    from cupyflash.kernels.params import PackedBatch
+
+    launched = _tf32x3_or_skip(monkeypatch)
+    _wgmma_or_skip()
+    rng = np.random.default_rng(9 + causal)
+    lengths_q, lengths_k = [0, 33, 190, 7, 64], [5, 40, 150, 0, 64]
+    cu_q = np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lengths_k)]).astype(np.int32)
+    problems = [((1, cu_q[-1], 4, 64), (1, cu_k[-1], 2, 64),
+                 PackedBatch(cupy.asarray(cu_q), cupy.asarray(cu_k), max(lengths_q), max(lengths_k))),
+                ((1, 1024, 2, 64), (1, 1024, 2, 64), None)]
+    for q_shape, k_shape, packed in problems:
+        q = rng.standard_normal(q_shape).astype(np.float32)
+        k, v = (rng.standard_normal(k_shape).astype(np.float32) for _ in range(2))
+        do = rng.standard_normal(q.shape).astype(np.float32)
+        got = _gradients(do, q, k, v, causal=causal, packed=packed, statistics=statistics,
+                         backward=functools.partial(dmma.backward, config=Tf32WgmmaBwdConfig()))
+        simt_grads = _gradients(do, q, k, v, causal=causal, packed=packed, statistics=statistics,
+                                backward=simt.backward)
+        want = _gradients(*(x.astype(np.float64) for x in (do, q, k, v)), causal=causal, packed=packed,
+                          statistics=statistics, backward=simt.backward)
+        for which, a, s, w in zip(("dq", "dk", "dv"), got, simt_grads, want):
+            assert np.isfinite(a).all(), which
+            error, simt_error = np.abs(a - w).max(), np.abs(s - w).max()
+            assert error <= 4 * simt_error + 2.0 ** -23 * np.abs(w).max(), (which, packed is None, error, simt_error)
+    assert any(name.startswith("flash_bwd_dkdv_tf32_wgmma_") for name in launched), launched
 
 
 def _tf32x3_or_skip(monkeypatch) -> list:
@@ -307,19 +364,21 @@ def _tf32x3_or_skip(monkeypatch) -> list:
 @pytest.mark.gpu
 # d24: the d64 tiles on the d32 tile. (At d32 these inputs are not one-hot: two keys of a row come
 # within ~2.5e-3 of each other, and the reference's dq is ~1e-11.)
-@pytest.mark.parametrize("headdim", [24, 128])
-def test_tf32x3_experiment_cancels_one_hot_rows_exactly(headdim, monkeypatch):
+@pytest.mark.parametrize("headdim, dkdv", [(24, "mma"), (128, "mma"), (24, "wgmma")])
+def test_tf32x3_experiment_cancels_one_hot_rows_exactly(headdim, dkdv, monkeypatch):
     """softmax_scale 1e4, statistics "recomputed": every row one-hot, so each row's top key gets
     dS = -D' exactly and dq is far below any true gradient's rounding; this holds only if the dK/dV
     kernel's S^T and dP^T are the statistics kernel's S and dP to the bit (TRANSPOSED's order)."""
     import functools
 
     launched = _tf32x3_or_skip(monkeypatch)
+    if dkdv == "wgmma":  # dQ is the tf32x3 kernel's either way; dK and dV must stay finite
+        _wgmma_or_skip()
     rng = np.random.default_rng(7)
     q = rng.standard_normal((1, 48, 2, headdim)).astype(np.float32)
     k, v = (rng.standard_normal((1, 48, 2, headdim)).astype(np.float32) for _ in range(2))
     do = rng.standard_normal(q.shape).astype(np.float32)
-    config = backward_plans.tf32x3_backward_config(headdim)
+    config = backward_plans.tf32x3_backward_config(headdim) if dkdv == "mma" else Tf32WgmmaBwdConfig()
     dq, dk, dv = _gradients(do, q, k, v, causal=False, softmax_scale=1e4, statistics="recomputed",
                             backward=functools.partial(dmma.backward, config=config))
     assert any(name.startswith("flash_bwd_stats_dmma_fp32") for name in launched), launched

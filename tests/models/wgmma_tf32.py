@@ -278,12 +278,14 @@ def load_q_fragments(d_tile: int, q: np.ndarray, rows_valid: int, headdim: int) 
 
 @mirrors(STEPS,
          "const u64 q_hi_desc = tf32_k_step_desc<64>(q_hi_tile, kk);",
-         "const u64 k_hi = tf32_k_step_desc<BLOCK_N>(k_hi_tile, kk);",
-         "const u64 v_hi = tf32_k_step_desc<D_TILE>(v_hi_tile, f);",
-         "const float a[4] = {s[0][f][0], s[0][f][2], s[0][f][1], s[0][f][3]};")
+         "const u64 k_hi = tf32_k_step_desc<BLOCK_N>(k_hi_tile, kk);")
+@mirrors(SOURCE,  # tf32_acc_times_tile: the forward's O += P V, the backward's dV += P^T dO and dK += dS^T Q
+         "const u64 b_hi = tf32_k_step_desc<N>(b_hi_tile, f);",
+         "const float x[4] = {a[4 * f], a[4 * f + 2], a[4 * f + 1], a[4 * f + 3]};")
 def p_as_a_registers(acc_block: np.ndarray) -> np.ndarray:
-    """A's registers of O += P V's k-step from the accumulator's column block (acc[:, j, :]):
-    {d0, d2, d1, d3}, for a V^T tile in KEY_PAIRS order."""
+    """A's registers of an accumulator-times-tile product's k-step (O += P V) from the accumulator's
+    column block (acc[:, j, :], the flat a[4 j .. 4 j + 3]): {d0, d2, d1, d3}, for a B tile in
+    KEY_PAIRS order."""
     return acc_block[:, [0, 2, 1, 3]]
 
 

@@ -1,0 +1,243 @@
+// flash_bwd_dkdv_tf32_wgmma: dK and dV of the float32 backward on Hopper's tf32 warpgroup MMA
+// (sm_90a), each product three tf32 products of split operands (precision "ieee"): a candidate,
+// docs/perf-log.md tf32-wgmma-bwd-v0. Not a row of any plan: backward_plans.Tf32WgmmaBwdConfig
+// runs it through dmma.backward(config=...) beside the tf32x3 experiment's dQ and statistics
+// kernels (flash_bwd_dq_dmma, flash_bwd_stats_dmma on float).
+//
+// One warpgroup per CTA owns BLOCK_N = 64 keys of one kv head (wgmma's M) and walks the query
+// blocks that see them, of every query head of its GQA group (block_walk.cuh), as
+// flash_bwd_wgmma.cu does for 16-bit inputs:
+//   S^T  = K Q^T     A = K, B = Q: K-major hi / lo panel tiles in shared memory
+//   dP^T = V dO^T    A = V, B = dO
+//   P^T, dS^T        score_entry / ds_entry on the accumulators (dmma_bwd_steps.cuh, the float32 and
+//                    float64 kernels' element step: mask, score transform, dropout, statistics)
+//   dV  += P^T dO    A = P^T from registers (tf32_acc_times_tile), B = dO^T [d][query] KEY_PAIRS
+//   dK  += dS^T Q    A = dS^T from registers, B = Q^T [d][query] KEY_PAIRS
+// wgmma's tf32 form reads shared memory K-major only, so the two products that reduce over the
+// queries need Q and dO a second time, transposed; every tile is split once, by the threads that
+// store it (wgmma_tf32.cuh's loaders). K and V are split once per CTA; each query block's Q and
+// dO four times (hi and lo, natural and transposed).
+//
+// RAW_STAGES 0: each query block's Q and dO read from global memory by the split, the other CTAs
+// on the SM (none at the tiles that fill its shared memory) all that overlaps the loads.
+// RAW_STAGES > 0: cp.async copies the raw Q and dO rows of the blocks RAW_STAGES ahead into
+// staging tiles while this block computes; the row statistics come by cp.async with them.
+//
+// SUMS_APART: S^T's and dP^T's small products and hi hi chains summed apart
+// (tf32_product_sums), and each query block's dV and dK products into fresh accumulators added
+// by FADD (tf32_acc_times_tile's FRESH), for the accuracy the truncating accumulation costs: dV
+// and dK chain every query of the sequence otherwise (the forward's 10x standard float32's
+// error, tf32-wgmma-v0).
+#include "block_walk.cuh"
+#include "common.cuh"
+#include "dmma_bwd_steps.cuh"
+#include "mask.cuh"
+#include "mma.cuh"
+#include "params.cuh"
+#include "softmax_bwd.cuh"
+#include "wgmma_tf32.cuh"
+
+namespace cf {
+
+// Shared memory in bytes from a 1024-byte aligned base (backward_plans.tf32_wgmma_dkdv_smem_bytes
+// mirrors BYTES and adds the alignment slack). Panel tiles (wgmma_tf32.cuh) of float32 words: K
+// and V (64 rows, K-major), Q and dO (BLOCK_M rows, K-major), Q^T and dO^T (D_TILE rows of
+// BLOCK_M query slots); then RAW_STAGES stages of raw Q and dO rows (StagedRows), then the row
+// statistics, STAT_RING slots of [STAT_SLOTS][BLOCK_M] floats (dmma_bwd_steps.cuh's StatSlot).
+template <int D_TILE, int BLOCK_M, int RAW_STAGES>
+struct BwdTf32WgmmaSmem {
+    static constexpr int BLOCK_N = 64, STAT_RING = RAW_STAGES + 1;  // statistics slots
+    static constexpr u32 KV_TILE = BLOCK_N * D_TILE * 4, Q_TILE = BLOCK_M * D_TILE * 4;
+    static constexpr u32 K_HI = 0, K_LO = K_HI + KV_TILE, V_HI = K_LO + KV_TILE, V_LO = V_HI + KV_TILE;
+    static constexpr u32 Q_HI = V_LO + KV_TILE, Q_LO = Q_HI + Q_TILE, DO_HI = Q_LO + Q_TILE, DO_LO = DO_HI + Q_TILE;
+    static constexpr u32 QT_HI = DO_LO + Q_TILE, QT_LO = QT_HI + Q_TILE, DOT_HI = QT_LO + Q_TILE,
+                         DOT_LO = DOT_HI + Q_TILE;
+    static constexpr u32 RAW = DOT_LO + Q_TILE;  // [RAW_STAGES][Q, dO]
+    static constexpr u32 STATS = RAW + RAW_STAGES * 2 * Q_TILE;
+    static constexpr u32 BYTES = STATS + STAT_RING * STAT_SLOTS * BLOCK_M * 4;
+};
+
+template <int D_TILE, class Mask, int BLOCK_M, int RAW_STAGES, bool SUMS_APART>
+__global__ void __launch_bounds__(128, 1)
+flash_bwd_dkdv_tf32_wgmma(const __grid_constant__ BwdParams p) {
+    typedef BwdTf32WgmmaSmem<D_TILE, BLOCK_M, RAW_STAGES> L;
+    constexpr int BLOCK_N = L::BLOCK_N, NTHREADS = 128, PRODUCTS = 3;
+    constexpr int SV = BLOCK_M / 2;  // S^T's and dP^T's accumulator values a thread (BLOCK_M / 8 blocks of 4)
+    constexpr int DV = D_TILE / 2;   // dK's and dV's
+    constexpr int STAGES = RAW_STAGES > 0 ? RAW_STAGES : 1;
+    static_assert(BLOCK_M % 32 == 0 && BLOCK_M <= 64 && D_TILE % 32 == 0 && D_TILE <= 128,
+                  "whole tf32 panels; S^T's width is wgmma's N");
+    static_assert(L::BYTES + 1024 <= 227 * 1024, "shared memory");
+
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    const u32 base = aligned_dynamic_smem<L::BYTES>(smem_raw);
+    const float* const stat_tiles = reinterpret_cast<const float*>(smem_raw + (base - smem_u32(smem_raw)) + L::STATS);
+
+    const SequenceRows seq = cta_sequence<Mask>(p, blockIdx.z);
+    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
+    const int n0 = blockIdx.x * BLOCK_N, head_kv = blockIdx.y, batch = seq.batch;
+    // Past a shorter sequence's end. A sequence without queries still stores dK = dV = 0 below.
+    if (Mask::PACKED && n0 >= seqlen_k) return;
+    const Mask mask = cta_mask<Mask>(p, seq.index, seqlen_q, seqlen_k);
+    const float scale_log2 = scale_log2_in<float>(p), scale = scale_in<float>(p);
+    const float to_log2 = p.lse_to_log2;
+    const float drop_scale = DropoutOf<Mask>::ENABLED ? dropout_scale_in<float>(p) : 1.f;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int g = lane / 4, t = lane % 4;
+
+    // K and V, split once (the walk's first barrier makes them whole for wgmma).
+    split_tf32_panels<BLOCK_N, D_TILE, NTHREADS, PRODUCTS>(
+        base + L::K_HI, base + L::K_LO, GlobalRows{p.k.row<const float>(batch, seq.k_begin + n0, head_kv), p.k.row_stride},
+        seqlen_k - n0, p.headdim, tid);
+    split_tf32_panels<BLOCK_N, D_TILE, NTHREADS, PRODUCTS>(
+        base + L::V_HI, base + L::V_LO, GlobalRows{p.v.row<const float>(batch, seq.k_begin + n0, head_kv), p.v.row_stride},
+        seqlen_k - n0, p.headdim_v, tid);
+
+    const QueryBlockWalk<BLOCK_M> walk(mask, n0, BLOCK_N, p.group);
+    const float* const lse = static_cast<const float*>(p.lse);
+    const float* const delta = static_cast<const float*>(p.delta);
+    const float* const weight = static_cast<const float*>(p.weight);
+    const float* const dp_ref = static_cast<const float*>(p.dp_ref);
+    auto q_rows = [&](int it) {
+        return p.q.row<const float>(batch, seq.q_begin + walk.block(it) * BLOCK_M, walk.head(head_kv, it));
+    };
+    auto do_rows = [&](int it) {
+        return p.dout.row<const float>(batch, seq.q_begin + walk.block(it) * BLOCK_M, walk.head(head_kv, it));
+    };
+    // Iteration it's raw Q and dO rows (RAW_STAGES > 0) and row statistics, one commit group
+    // (empty past the walk's end, so that every iteration waits for the same count).
+    auto stage_block = [&](int it) {
+        if (it < walk.iters) {
+            const int m0 = walk.block(it) * BLOCK_M, head = walk.head(head_kv, it);
+            if constexpr (RAW_STAGES > 0) {
+                const u32 raw = base + L::RAW + (it % STAGES) * 2 * L::Q_TILE;
+                cp_async_staged_rows<BLOCK_M, D_TILE, NTHREADS>(raw, q_rows(it), seqlen_q - m0, p.headdim,
+                                                                p.q.row_stride, tid);
+                cp_async_staged_rows<BLOCK_M, D_TILE, NTHREADS>(raw + L::Q_TILE, do_rows(it), seqlen_q - m0,
+                                                                p.headdim_v, p.dout.row_stride, tid);
+            }
+            if (tid < BLOCK_M) {
+                const bool valid = m0 + tid < seqlen_q;
+                const i64 stat = seq.stat(p, head, valid ? m0 + tid : 0);
+                const u32 dst = base + L::STATS + ((it % L::STAT_RING) * STAT_SLOTS * BLOCK_M + tid) * 4;
+                cp_async_scalar(dst + 4 * STAT_LSE * BLOCK_M, lse + stat, valid);
+                cp_async_scalar(dst + 4 * STAT_DELTA * BLOCK_M, delta + stat, valid);
+                cp_async_scalar(dst + 4 * STAT_WEIGHT * BLOCK_M, weight != nullptr ? weight + stat : lse + stat,
+                                valid && weight != nullptr);
+                cp_async_scalar(dst + 4 * STAT_DP_REF * BLOCK_M, dp_ref != nullptr ? dp_ref + stat : lse + stat,
+                                valid && dp_ref != nullptr);
+            }
+        }
+        cp_async_commit();
+    };
+    if constexpr (RAW_STAGES > 0)
+#pragma unroll
+        for (int stage = 0; stage < RAW_STAGES; ++stage) stage_block(stage);
+
+    float dk_acc[DV], dv_acc[DV];
+#pragma unroll
+    for (int e = 0; e < DV; ++e) dk_acc[e] = dv_acc[e] = 0.f;
+
+    for (int it = 0; it < walk.iters; ++it) {
+        const int m0 = walk.block(it) * BLOCK_M, head = walk.head(head_kv, it);
+        // Step 1: Q and dO split into their four tile pairs. The first barrier: every warp is past
+        // the previous block's products (waited for), whose tiles the split overwrites, and this
+        // block's copies (every thread's) have landed; the second: the tiles are whole for wgmma.
+        auto split_query_block = [&](const auto& q_src, const auto& do_src) {
+            split_tf32_panels<BLOCK_M, D_TILE, NTHREADS, PRODUCTS>(base + L::Q_HI, base + L::Q_LO, q_src,
+                                                                   seqlen_q - m0, p.headdim, tid);
+            split_tf32_panels<BLOCK_M, D_TILE, NTHREADS, PRODUCTS>(base + L::DO_HI, base + L::DO_LO, do_src,
+                                                                   seqlen_q - m0, p.headdim_v, tid);
+            split_tf32_panels_transposed<BLOCK_M, D_TILE, NTHREADS, PRODUCTS, true>(
+                base + L::QT_HI, base + L::QT_LO, q_src, seqlen_q - m0, p.headdim, tid);
+            split_tf32_panels_transposed<BLOCK_M, D_TILE, NTHREADS, PRODUCTS, true>(
+                base + L::DOT_HI, base + L::DOT_LO, do_src, seqlen_q - m0, p.headdim_v, tid);
+        };
+        if constexpr (RAW_STAGES > 0) {
+            cp_async_wait<RAW_STAGES - 1>();
+            __syncthreads();
+            const u32 raw = base + L::RAW + (it % STAGES) * 2 * L::Q_TILE;
+            split_query_block(StagedRows<D_TILE>{raw}, StagedRows<D_TILE>{raw + L::Q_TILE});
+            fence_proxy_async_shared();
+            __syncthreads();  // ... and every thread is done with stage it % STAGES
+            stage_block(it + RAW_STAGES);
+        } else {
+            __syncthreads();
+            stage_block(it);
+            split_query_block(GlobalRows{q_rows(it), p.q.row_stride}, GlobalRows{do_rows(it), p.dout.row_stride});
+            cp_async_wait<0>();
+            fence_proxy_async_shared();
+            __syncthreads();
+        }
+
+        // Steps 2-3: S^T = K Q^T and dP^T = V dO^T, three products a k-step.
+        constexpr int K_STEPS = D_TILE / 8;
+        float s[SV], dp[SV];
+        auto rows_times_rows = [&](u32 a_hi, u32 a_lo, u32 b_hi, u32 b_lo) {
+            return [=](int kk, float(&small)[SV], float(&hh)[SV], int hh_accumulates) {
+                const u64 a_hi_desc = tf32_k_step_desc<BLOCK_N>(a_hi, kk), b_hi_desc = tf32_k_step_desc<BLOCK_M>(b_hi, kk);
+                WgmmaTf32<BLOCK_M>::ss(small, tf32_k_step_desc<BLOCK_N>(a_lo, kk), b_hi_desc, kk > 0);
+                WgmmaTf32<BLOCK_M>::ss(small, a_hi_desc, tf32_k_step_desc<BLOCK_M>(b_lo, kk), 1);
+                WgmmaTf32<BLOCK_M>::ss(hh, a_hi_desc, b_hi_desc, hh_accumulates);
+            };
+        };
+        tf32_product_sums<SV, K_STEPS, true, SUMS_APART>(
+            s, rows_times_rows(base + L::K_HI, base + L::K_LO, base + L::Q_HI, base + L::Q_LO), NoTurns());
+        tf32_product_sums<SV, K_STEPS, true, SUMS_APART>(
+            dp, rows_times_rows(base + L::V_HI, base + L::V_LO, base + L::DO_HI, base + L::DO_LO), NoTurns());
+
+        // Step 4: P^T (times dropout's keep mask) into s, dS^T into dp. Value 4 f + e of a thread is
+        // key row 16 warp + g + 8 (e / 2), query 8 f + 2 t + e % 2.
+        const float* const stats = stat_tiles + (it % L::STAT_RING) * STAT_SLOTS * BLOCK_M;
+        const ScoreOf<Mask, float> score(score_problem<Mask>(p, seq), seq.index, head, scale);
+        const DropoutOf<Mask> dropout(p, seq.index, head);
+#pragma unroll
+        for (int f = 0; f < BLOCK_M / 8; ++f)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int qi = 8 * f + 2 * t + (e & 1), q_row = m0 + qi;
+                const int key = n0 + 16 * warp + g + 8 * (e >> 1);
+                // lse = -inf marks a row with no visible key: P = 0, as a row past the end
+                const float top = q_row < seqlen_q ? stats[STAT_LSE * BLOCK_M + qi] * to_log2 : neg_inf<float>();
+                const float row_weight = weight != nullptr ? stats[STAT_WEIGHT * BLOCK_M + qi] : 1.f;
+                const float row_dp_ref = dp_ref != nullptr ? stats[STAT_DP_REF * BLOCK_M + qi] : 0.f;
+                const float row_delta = stats[STAT_DELTA * BLOCK_M + qi];
+                const int v = 4 * f + e;
+                const auto x = score_entry(s[v], dp[v], q_row, key, top == neg_inf<float>(), mask, score, dropout,
+                                           drop_scale);
+                const float p_ij = x.hidden ? 0.f : recomputed_p_exact(x.s, scale_log2, top, row_weight);
+                s[v] = x.kept ? p_ij : 0.f;
+                dp[v] = ds_entry<Mask>(x, p_ij, row_dp_ref, row_delta);
+            }
+
+        // Steps 5-6: dV += P^T dO, dK += dS^T Q, each waited for before the next is split (the
+        // registers of one product's split operands at a time).
+        tf32_acc_times_tile<D_TILE, BLOCK_M / 8, PRODUCTS, SUMS_APART>(dv_acc, s, base + L::DOT_HI, base + L::DOT_LO,
+                                                                     NoTurns());
+        tf32_acc_times_tile<D_TILE, BLOCK_M / 8, PRODUCTS, SUMS_APART>(dk_acc, dp, base + L::QT_HI, base + L::QT_LO,
+                                                                     NoTurns());
+    }
+    cp_async_wait<0>();  // the empty groups past the walk's end
+
+    // Epilogue: dK = scale dS^T Q summed, dV (times 1 / (1 - p) under dropout), value 4 j + 2 h + e
+    // of a thread at key row 16 warp + g + 8 h, column 8 j + 2 t + e.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int key = n0 + 16 * warp + g + 8 * h;
+        if (key >= seqlen_k) continue;
+        float* const dk_row = p.dk.row<float>(batch, seq.k_begin + key, head_kv);
+        float* const dv_row = p.dv.row<float>(batch, seq.k_begin + key, head_kv);
+#pragma unroll
+        for (int j = 0; j < D_TILE / 8; ++j) {
+            const int col = 8 * j + 2 * t;  // head dims are multiples of 4: both columns or neither
+            if (col < p.headdim)
+                *reinterpret_cast<float2*>(dk_row + col) =
+                    make_float2(dk_acc[4 * j + 2 * h] * scale, dk_acc[4 * j + 2 * h + 1] * scale);
+            if (col < p.headdim_v)
+                *reinterpret_cast<float2*>(dv_row + col) =
+                    make_float2(dv_acc[4 * j + 2 * h] * drop_scale, dv_acc[4 * j + 2 * h + 1] * drop_scale);
+        }
+    }
+}
+
+}  // namespace cf
