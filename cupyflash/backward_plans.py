@@ -801,28 +801,34 @@ def tf32x3_backward_config(headdim: int) -> DmmaBwdConfig:
 
 @dataclass(frozen=True)
 class Tf32WgmmaBwdConfig:
-    """flash_bwd_dkdv_tf32_wgmma (``kernels_cu/flash_bwd_dkdv_tf32_wgmma.cu``, wgmma .tf32, sm_90a):
-    dK and dV of float32 "ieee" (three tf32 products a product) on one warpgroup of 64 keys,
-    stepping over ``block_m`` queries (32 or 64); ``raw_stages`` > 0: the raw Q and dO rows of that
-    many query blocks ahead copied by cp.async (0: read from global memory by the split);
-    ``sums_apart``: S^T's and dP^T's small products and hi hi chains summed apart, and each block's
-    dV and dK products in fresh accumulators, for accuracy. dQ (and the recomputed statistics) run
-    on the tf32x3 experiment's kernels (TF32X3_BACKWARD_CONFIGS). A candidate (perf log
-    tf32-wgmma-bwd-v0), in no plan: ``dmma.backward(config=...)`` on float32 arrays, head dims up
-    to 64 and multiples of 4 (wgmma's tf32 tiles at d128 take more shared memory than the SM has:
-    K, V and the query block's four tile pairs, hi and lo, 256 KiB at 32 queries a block)."""
+    """The float32 backward's wgmma candidates (wgmma .tf32, sm_90a; perf log tf32-wgmma-bwd-v0),
+    "ieee" (three tf32 products a product). flash_bwd_dkdv_tf32_wgmma
+    (``kernels_cu/flash_bwd_dkdv_tf32_wgmma.cu``): dK and dV on one warpgroup of 64 keys, stepping
+    over ``block_m`` queries (32 or 64); ``raw_stages`` > 0: the raw Q and dO rows of that many
+    query blocks ahead copied by cp.async (0: read from global memory by the split).
+    flash_bwd_dq_tf32_wgmma (``flash_bwd_dq_tf32_wgmma.cu``): dQ on one warpgroup of 64 queries,
+    stepping over ``dq_block_n`` keys (32 or 64; 0: dQ on the tf32x3 experiment's mma.sync kernel),
+    its raw K and V ``dq_raw_stages`` blocks ahead. ``sums_apart`` (both): the rows-times-rows
+    products' small products and hi hi chains summed apart, and each block's accumulator-times-tile
+    products in fresh accumulators, for accuracy. The recomputed statistics run on the tf32x3
+    experiment's kernel. Candidates, in no plan: ``dmma.backward(config=...)`` on float32 arrays,
+    head dims up to 64 and multiples of 4 (at d128, K, V and a query block's four tile pairs, hi
+    and lo, take 256 KiB of shared memory at 32 queries a block)."""
 
     block_m: int = 32
     raw_stages: int = 2
     sums_apart: bool = True
+    dq_block_n: int = 32
+    dq_raw_stages: int = 2
 
     threads = 128
     block_n = 64
+    dq_block_m = 64
 
 
 # The candidate at its one head-dim tile (head dims up to 64; at d32 its 64-query blocks, the
 # tile the transposed split deals to four warps there, spill 48-108 bytes with a window or dropout).
-TF32_WGMMA_BACKWARD_CONFIGS = {64: Tf32WgmmaBwdConfig(32, 2)}
+TF32_WGMMA_BACKWARD_CONFIGS = {64: Tf32WgmmaBwdConfig()}
 TF32_WGMMA_D_TILES = (64,)
 
 
@@ -851,24 +857,50 @@ def tf32_wgmma_dkdv_spec(dt: int, mask: Mask, config: Tf32WgmmaBwdConfig) -> Spe
                           tf32_wgmma_dkdv_smem_bytes(dt, config), arch="90a")
 
 
+def tf32_wgmma_dq_smem_bytes(dt: int, config: Tf32WgmmaBwdConfig) -> int:
+    """Mirror of DqTf32WgmmaSmem<...>::BYTES plus the 1024 bytes that align its base: Q and dO (64
+    rows), K, V and K^T (dq_block_n rows or slots), each a hi and a lo tile of float32 words, and
+    the raw stages of K and V."""
+    kv_tile = 4 * config.dq_block_n * dt
+    return 4 * 4 * 64 * dt + 6 * kv_tile + config.dq_raw_stages * 2 * kv_tile + 1024
+
+
+def tf32_wgmma_dq_spec(dt: int, mask: Mask, config: Tf32WgmmaBwdConfig) -> Specialization:
+    """The specialization of flash_bwd_dq_tf32_wgmma at head-dim tile ``dt`` (64)."""
+    if dt not in TF32_WGMMA_D_TILES:
+        raise ValueError(f"cupyflash: flash_bwd_dq_tf32_wgmma takes head-dim tiles {TF32_WGMMA_D_TILES}, not {dt}")
+    if config.dq_block_n not in (32, 64) or config.dq_raw_stages < 0:
+        raise ValueError(f"cupyflash: flash_bwd_dq_tf32_wgmma takes blocks of 32 or 64 keys: {config!r}")
+    if tf32_wgmma_dq_smem_bytes(dt, config) > 227 * 1024:
+        raise ValueError(f"cupyflash: flash_bwd_dq_tf32_wgmma's tiles take more than 227 KiB: {config!r}")
+    fn = "flash_bwd_dq_tf32_wgmma"
+    apart = "_apart" if config.sums_apart else ""
+    return Specialization(f"{fn}_{SHORT_NAMES['float32']}_hdim{dt}_{mask.name}_bm64_bn{config.dq_block_n}_"
+                          f"r{config.dq_raw_stages}{apart}", f"{fn}.cu",
+                          f"cf::{fn}<{dt}, {mask.cpp}, {config.dq_block_n}, {config.dq_raw_stages}, "
+                          f"{'true' if config.sums_apart else 'false'}>", config.threads,
+                          tf32_wgmma_dq_smem_bytes(dt, config), arch="90a")
+
+
 def tf32_wgmma_d_tile(headdim: int) -> int:
     if headdim > TF32_WGMMA_D_TILES[-1]:
-        raise ValueError(f"cupyflash: flash_bwd_dkdv_tf32_wgmma takes head dims up to {TF32_WGMMA_D_TILES[-1]}, "
+        raise ValueError(f"cupyflash: the tf32 wgmma backward takes head dims up to {TF32_WGMMA_D_TILES[-1]}, "
                          f"not {headdim}")
     return _d_tile(headdim, TF32_WGMMA_D_TILES)
 
 
 def tf32_wgmma_backward_plan(headdim: int, mask: Mask | bool, config: Tf32WgmmaBwdConfig,
                              statistics: str = "saved") -> BackwardPlan:
-    """The float32 backward with dK / dV on flash_bwd_dkdv_tf32_wgmma (``config``), D (or the
-    recomputed statistics) and dQ on the tf32x3 experiment's kernels: deterministic, no atomics."""
+    """The float32 backward with dK / dV on flash_bwd_dkdv_tf32_wgmma and dQ on
+    flash_bwd_dq_tf32_wgmma (``config``; dq_block_n 0: dQ on the tf32x3 experiment's kernel), D
+    or the recomputed statistics on the tf32x3 experiment's kernels: deterministic, no atomics."""
     mask = as_mask(mask)
     check_statistics(statistics, "float32")
     dt = tf32_wgmma_d_tile(headdim)
     experiment, experiment_dt = tf32x3_backward_config(headdim), d_tile_dmma(headdim)
     first = (Launch("stats", dmma_spec("stats", experiment_dt, mask, experiment, "float32"), experiment.dq_block_m)
              if statistics == "recomputed" else Launch("preprocess", preprocess_spec("float32"), PREPROCESS_ROWS))
-    launches = (first,
-                Launch("dkdv", tf32_wgmma_dkdv_spec(dt, mask, config), config.block_n),
-                Launch("dq", dmma_spec("dq", experiment_dt, mask, experiment, "float32"), experiment.dq_block_m))
+    dq = (Launch("dq", tf32_wgmma_dq_spec(dt, mask, config), config.dq_block_m) if config.dq_block_n else
+          Launch("dq", dmma_spec("dq", experiment_dt, mask, experiment, "float32"), experiment.dq_block_m))
+    launches = (first, Launch("dkdv", tf32_wgmma_dkdv_spec(dt, mask, config), config.block_n), dq)
     return BackwardPlan("mma", "explicit", headdim, dt, "none", config, launches)

@@ -33,12 +33,15 @@ CANDIDATES = {
 }
 
 
-# float32: dK / dV on flash_bwd_dkdv_tf32_wgmma (perf log tf32-wgmma-bwd-v0), dQ and the statistics
-# on the tf32x3 experiment's kernels; head dims up to 64, sm_90
+# float32 on the wgmma candidates (perf log tf32-wgmma-bwd-v0): dK / dV on flash_bwd_dkdv_tf32_wgmma,
+# dQ on flash_bwd_dq_tf32_wgmma (or the tf32x3 kernel), the statistics on the tf32x3 kernel; head
+# dims up to 64, sm_90
 WGMMA_CANDIDATES = {
-    "wgmma": Tf32WgmmaBwdConfig(32, 2),  # TF32_WGMMA_BACKWARD_CONFIGS' row: apart sums, raw Q / dO two blocks ahead
-    "wgmma_bm64": Tf32WgmmaBwdConfig(64, 1, False),  # 64-query blocks, chained sums (apart spills at 64)
-    "wgmma_sync": Tf32WgmmaBwdConfig(32, 0),  # Q / dO read by the split from global memory
+    "wgmma": Tf32WgmmaBwdConfig(),  # TF32_WGMMA_BACKWARD_CONFIGS' row: apart sums, raw rows two blocks ahead
+    "wgmma_chained": Tf32WgmmaBwdConfig(32, 2, False, 32, 2),  # the same tiles, every product chained
+    "wgmma_bm64": Tf32WgmmaBwdConfig(64, 1, False, 64, 1),  # 64-row blocks, chained (apart spills at 64)
+    "wgmma_sync": Tf32WgmmaBwdConfig(32, 0, True, 32, 0),  # the split reads global memory itself
+    "wgmma_dkdv": Tf32WgmmaBwdConfig(dq_block_n=0),  # dQ on the tf32x3 kernel: the dK/dV kernel alone
 }
 
 

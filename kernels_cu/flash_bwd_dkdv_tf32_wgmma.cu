@@ -36,6 +36,7 @@
 #include "params.cuh"
 #include "softmax_bwd.cuh"
 #include "wgmma_tf32.cuh"
+#include "wgmma_tf32_bwd_steps.cuh"
 
 namespace cf {
 
@@ -83,7 +84,7 @@ flash_bwd_dkdv_tf32_wgmma(const __grid_constant__ BwdParams p) {
     const float to_log2 = p.lse_to_log2;
     const float drop_scale = DropoutOf<Mask>::ENABLED ? dropout_scale_in<float>(p) : 1.f;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    const int g = lane / 4, t = lane % 4;
+    const int g = lane / 4, t = lane % 4;  // the accumulators' row and column pair
 
     // K and V, split once (the walk's first barrier makes them whole for wgmma).
     split_tf32_panels<BLOCK_N, D_TILE, NTHREADS, PRODUCTS>(
@@ -172,19 +173,12 @@ flash_bwd_dkdv_tf32_wgmma(const __grid_constant__ BwdParams p) {
 
         // Steps 2-3: S^T = K Q^T and dP^T = V dO^T, three products a k-step.
         constexpr int K_STEPS = D_TILE / 8;
+        typedef Tf32RowsTimesRows<BLOCK_N, BLOCK_M> RowsTimesRows;
         float s[SV], dp[SV];
-        auto rows_times_rows = [&](u32 a_hi, u32 a_lo, u32 b_hi, u32 b_lo) {
-            return [=](int kk, float(&small)[SV], float(&hh)[SV], int hh_accumulates) {
-                const u64 a_hi_desc = tf32_k_step_desc<BLOCK_N>(a_hi, kk), b_hi_desc = tf32_k_step_desc<BLOCK_M>(b_hi, kk);
-                WgmmaTf32<BLOCK_M>::ss(small, tf32_k_step_desc<BLOCK_N>(a_lo, kk), b_hi_desc, kk > 0);
-                WgmmaTf32<BLOCK_M>::ss(small, a_hi_desc, tf32_k_step_desc<BLOCK_M>(b_lo, kk), 1);
-                WgmmaTf32<BLOCK_M>::ss(hh, a_hi_desc, b_hi_desc, hh_accumulates);
-            };
-        };
         tf32_product_sums<SV, K_STEPS, true, SUMS_APART>(
-            s, rows_times_rows(base + L::K_HI, base + L::K_LO, base + L::Q_HI, base + L::Q_LO), NoTurns());
+            s, RowsTimesRows{base + L::K_HI, base + L::K_LO, base + L::Q_HI, base + L::Q_LO}, NoTurns());
         tf32_product_sums<SV, K_STEPS, true, SUMS_APART>(
-            dp, rows_times_rows(base + L::V_HI, base + L::V_LO, base + L::DO_HI, base + L::DO_LO), NoTurns());
+            dp, RowsTimesRows{base + L::V_HI, base + L::V_LO, base + L::DO_HI, base + L::DO_LO}, NoTurns());
 
         // Step 4: P^T (times dropout's keep mask) into s, dS^T into dp. Value 4 f + e of a thread is
         // key row 16 warp + g + 8 (e / 2), query 8 f + 2 t + e % 2.
@@ -219,25 +213,12 @@ flash_bwd_dkdv_tf32_wgmma(const __grid_constant__ BwdParams p) {
     }
     cp_async_wait<0>();  // the empty groups past the walk's end
 
-    // Epilogue: dK = scale dS^T Q summed, dV (times 1 / (1 - p) under dropout), value 4 j + 2 h + e
-    // of a thread at key row 16 warp + g + 8 h, column 8 j + 2 t + e.
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int key = n0 + 16 * warp + g + 8 * h;
-        if (key >= seqlen_k) continue;
-        float* const dk_row = p.dk.row<float>(batch, seq.k_begin + key, head_kv);
-        float* const dv_row = p.dv.row<float>(batch, seq.k_begin + key, head_kv);
-#pragma unroll
-        for (int j = 0; j < D_TILE / 8; ++j) {
-            const int col = 8 * j + 2 * t;  // head dims are multiples of 4: both columns or neither
-            if (col < p.headdim)
-                *reinterpret_cast<float2*>(dk_row + col) =
-                    make_float2(dk_acc[4 * j + 2 * h] * scale, dk_acc[4 * j + 2 * h + 1] * scale);
-            if (col < p.headdim_v)
-                *reinterpret_cast<float2*>(dv_row + col) =
-                    make_float2(dv_acc[4 * j + 2 * h] * drop_scale, dv_acc[4 * j + 2 * h + 1] * drop_scale);
-        }
-    }
+    // Epilogue: dK = scale dS^T Q summed, dV (times 1 / (1 - p) under dropout).
+    const int keys_valid = seqlen_k - n0;
+    store_acc_rows_f32<D_TILE>(dk_acc, scale, keys_valid, p.headdim,
+                               [&](int r) { return p.dk.row<float>(batch, seq.k_begin + n0 + r, head_kv); }, warp, lane);
+    store_acc_rows_f32<D_TILE>(dv_acc, drop_scale, keys_valid, p.headdim_v,
+                               [&](int r) { return p.dv.row<float>(batch, seq.k_begin + n0 + r, head_kv); }, warp, lane);
 }
 
 }  // namespace cf

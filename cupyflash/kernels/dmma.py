@@ -43,8 +43,9 @@ def specializations() -> list[Specialization]:
     for dt, c in sorted(backward_plans.TF32X3_BACKWARD_CONFIGS.items()):  # the float32 experiment
         out.extend(backward_plans.dmma_spec(kind, dt, mask, c, "float32") for mask in backward_masks
                    for kind in ("stats", "dkdv", "dq"))
-    for dt, c in sorted(backward_plans.TF32_WGMMA_BACKWARD_CONFIGS.items()):  # its wgmma dK/dV candidate
-        out.extend(backward_plans.tf32_wgmma_dkdv_spec(dt, mask, c) for mask in backward_masks)
+    for dt, c in sorted(backward_plans.TF32_WGMMA_BACKWARD_CONFIGS.items()):  # its wgmma candidates
+        out.extend(spec(dt, mask, c) for mask in backward_masks
+                   for spec in (backward_plans.tf32_wgmma_dkdv_spec, backward_plans.tf32_wgmma_dq_spec))
     return list(dict.fromkeys(out))
 
 
@@ -85,7 +86,8 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
     shared memory for the row); any head dim up to 128 and any strides. Always deterministic
     (``deterministic`` is accepted and has nothing to choose). float32 arrays: the tf32x3
     experiment's kernels with a DmmaBwdConfig, or with a Tf32WgmmaBwdConfig dK and dV on
-    flash_bwd_dkdv_tf32_wgmma (sm_90; head dims up to 64, multiples of 4, rows 16-byte aligned)."""
+    flash_bwd_dkdv_tf32_wgmma and dQ on flash_bwd_dq_tf32_wgmma (sm_90; head dims up to 64,
+    multiples of 4, rows 16-byte aligned)."""
     from ._module import backward_is_empty, device_arch
     from .mma_fwd import current_smem_optin
     from .simt import run_backward
@@ -100,7 +102,7 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
         raise ValueError(f"cupyflash: the DMMA backward needs sm_80 or newer, not sm_{device_arch()}")
     wgmma = isinstance(config, Tf32WgmmaBwdConfig)
     if wgmma:
-        _check_tf32_wgmma_operands(do, q, k, v, dk, dv)
+        _check_tf32_wgmma_operands(do, q, k, v, dq, dk, dv)
     if config is not None and not wgmma and config.wide and device_arch() != "90":
         raise ValueError(f"cupyflash: the DMMA backward's wide layout (m16n8k8 .f64) is compiled for sm_90, "
                          f"not sm_{device_arch()}")
@@ -120,21 +122,21 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
                  packed=packed)
 
 
-def _check_tf32_wgmma_operands(do, q, k, v, dk, dv) -> None:
-    """flash_bwd_dkdv_tf32_wgmma's needs (its loaders move 16-byte chunks of float32): float32,
+def _check_tf32_wgmma_operands(do, q, k, v, dq, dk, dv) -> None:
+    """The tf32 wgmma backward's needs (its loaders move 16-byte chunks of float32): float32,
     sm_90, head dims up to 64 and multiples of 4, unit column strides, other strides multiples of
     4 elements, 16-byte aligned data."""
     from ._module import device_arch
 
     if q.dtype != np.float32:
-        raise TypeError("cupyflash: flash_bwd_dkdv_tf32_wgmma takes float32 arrays")
+        raise TypeError("cupyflash: the tf32 wgmma backward takes float32 arrays")
     if device_arch() != "90":
-        raise ValueError(f"cupyflash: flash_bwd_dkdv_tf32_wgmma is compiled for sm_90a, not sm_{device_arch()}")
-    for name, x in (("do", do), ("q", q), ("k", k), ("v", v), ("dk", dk), ("dv", dv)):
+        raise ValueError(f"cupyflash: the tf32 wgmma backward is compiled for sm_90a, not sm_{device_arch()}")
+    for name, x in (("do", do), ("q", q), ("k", k), ("v", v), ("dq", dq), ("dk", dk), ("dv", dv)):
         strides = [s // x.itemsize for s in x.strides]
         if x.shape[-1] % 4 or x.shape[-1] > 64:
-            raise ValueError(f"cupyflash: flash_bwd_dkdv_tf32_wgmma takes head dims up to 64 in multiples of 4; "
+            raise ValueError(f"cupyflash: the tf32 wgmma backward takes head dims up to 64 in multiples of 4; "
                              f"{name} has {x.shape[-1]}")
         if strides[-1] != 1 or any(s % 4 for s in strides[:-1]) or x.data.ptr % 16:
-            raise ValueError(f"cupyflash: flash_bwd_dkdv_tf32_wgmma reads 16-byte chunks: {name} needs unit column "
+            raise ValueError(f"cupyflash: the tf32 wgmma backward reads 16-byte chunks: {name} needs unit column "
                              f"strides, other strides in multiples of 4 elements and 16-byte aligned data")

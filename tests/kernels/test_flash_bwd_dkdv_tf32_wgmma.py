@@ -12,15 +12,17 @@ import pytest
 from cupyflash import backward_plans
 from cupyflash.backward_plans import TF32_WGMMA_BACKWARD_CONFIGS, Tf32WgmmaBwdConfig
 from cupyflash.masks import as_mask
-from models.flash_bwd_dkdv_tf32_wgmma import (BLOCK_N, KERNEL, acc_from_matrix, acc_times_tile, backward_smem,
-                                              element_positions, epilogue_rows, load_tiles, rows_times_rows)
+from models.flash_bwd_dkdv_tf32_wgmma import (BLOCK_N, KERNEL, acc_from_matrix, backward_smem, element_positions,
+                                              epilogue_rows, load_tiles, products)
 from models.mirrors import missing_statements, unmirrored_statements
+from models.wgmma_tf32_bwd_steps import STEPS, close, valid_part
 from nvrtc_check import needs_nvrtc
 
 
-def test_mirrors_match_the_kernel_source():
-    assert not (missing := missing_statements(KERNEL)), f"mirrored statements no longer in {KERNEL}: {missing}"
-    assert not (unmirrored := unmirrored_statements(KERNEL)), f"layout statements without a mirror: {unmirrored}"
+@pytest.mark.parametrize("source", [KERNEL, STEPS])
+def test_mirrors_match_the_kernel_sources(source):
+    assert not (missing := missing_statements(source)), f"mirrored statements no longer in {source}: {missing}"
+    assert not (unmirrored := unmirrored_statements(source)), f"layout statements without a mirror: {unmirrored}"
 
 
 @pytest.mark.parametrize("config", [Tf32WgmmaBwdConfig(32, 2), Tf32WgmmaBwdConfig(64, 1), Tf32WgmmaBwdConfig(64, 0)])
@@ -44,7 +46,13 @@ def test_the_spec_names_its_tiles_and_refuses_what_cannot_run():
     plan = backward_plans.tf32_wgmma_backward_plan(40, False, Tf32WgmmaBwdConfig(), statistics="recomputed")
     assert [launch.role for launch in plan.launches] == ["stats", "dkdv", "dq"]
     assert plan.spec("dkdv").name.startswith("flash_bwd_dkdv_tf32_wgmma_fp32_hdim64_full_")
-    assert plan.spec("dq").name.endswith("_tf32x3") and plan.spec("stats").name.endswith("_tf32x3")
+    assert plan.spec("dq").name == "flash_bwd_dq_tf32_wgmma_fp32_hdim64_full_bm64_bn32_r2_apart"
+    assert plan.spec("stats").name.endswith("_tf32x3")  # the recomputed statistics: the tf32x3 kernel's
+    # dq_block_n 0: dQ on the tf32x3 experiment's kernel, at its own head-dim tile
+    plan = backward_plans.tf32_wgmma_backward_plan(24, True, Tf32WgmmaBwdConfig(dq_block_n=0))
+    assert [launch.role for launch in plan.launches] == ["preprocess", "dkdv", "dq"]
+    assert plan.spec("dq").name.startswith("flash_bwd_dq_dmma_fp32_hdim32_causal_") and plan.spec("dq").name.endswith(
+        "_tf32x3")
 
 
 @pytest.mark.parametrize("block_m, keys_valid, queries_valid, headdim, headdim_v",
@@ -57,59 +65,44 @@ def test_one_block_emulated_is_the_backward_products(block_m, keys_valid, querie
     k, v = (rng.standard_normal((BLOCK_N, d_tile)).astype(np.float32) for _ in range(2))
     q, do = (rng.standard_normal((block_m, d_tile)).astype(np.float32) for _ in range(2))
     smem = load_tiles(d_tile, block_m, k, v, q, do, keys_valid, queries_valid, headdim, headdim_v)
-    L = backward_smem(d_tile, block_m, 0)
-
-    def valid(x, rows, cols):
-        out = np.zeros(x.shape)
-        out[:rows, :cols] = x[:rows, :cols]
-        return out
-
-    k64, v64 = valid(k, keys_valid, headdim), valid(v, keys_valid, headdim_v)
-    q64, do64 = valid(q, queries_valid, headdim), valid(do, queries_valid, headdim_v)
-
-    def close(got, want):
-        return np.abs(got - want).max() <= 2.0 ** -19 * (1 + np.abs(want).max())
-
-    st = rows_times_rows(smem, d_tile, block_m, L["K_HI"], L["K_LO"], L["Q_HI"], L["Q_LO"])
-    dpt = rows_times_rows(smem, d_tile, block_m, L["V_HI"], L["V_LO"], L["DO_HI"], L["DO_LO"])
-    assert close(st, k64 @ q64.T) and close(dpt, v64 @ do64.T)
+    k64, v64 = valid_part(k, keys_valid, headdim), valid_part(v, keys_valid, headdim_v)
+    q64, do64 = valid_part(q, queries_valid, headdim), valid_part(do, queries_valid, headdim_v)
+    got = products(smem, d_tile, block_m)
+    assert close(got["st"], k64 @ q64.T) and close(got["dpt"], v64 @ do64.T)
+    assert close(got["dv"], got["p_t"] @ do64) and close(got["dk"], got["ds_t"] @ q64)
 
     # the element step's (key, query) of each value is the accumulator's own
     keys, queries = element_positions(block_m)
     key_of, query_of = np.meshgrid(np.arange(BLOCK_N), np.arange(block_m), indexing="ij")
     assert np.array_equal(acc_from_matrix(key_of).reshape(128, -1), keys)
     assert np.array_equal(acc_from_matrix(query_of).reshape(128, -1), queries)
-
-    # dV += P^T dO and dK += dS^T Q from the accumulators (any matrices: S^T and dP^T themselves)
-    p_t, ds_t = st.astype(np.float32).astype(np.float64), dpt.astype(np.float32).astype(np.float64)
-    dv = acc_times_tile(smem, d_tile, block_m, acc_from_matrix(p_t), L["DOT_HI"], L["DOT_LO"])
-    dk = acc_times_tile(smem, d_tile, block_m, acc_from_matrix(ds_t), L["QT_HI"], L["QT_LO"])
-    assert close(dv, p_t @ do64) and close(dk, ds_t @ q64)
-
     # the epilogue stores value 4 j + 2 h + e at its key row and column
-    assert np.array_equal(epilogue_rows(acc_from_matrix(dk).reshape(128, -1), d_tile), dk)
+    assert np.array_equal(epilogue_rows(acc_from_matrix(got["dk"]).reshape(128, -1), d_tile), got["dk"])
 
 
 def test_a_slipped_relabelling_is_caught():
-    """The emulation is not blind: dO^T's tile read in natural order instead of KEY_PAIRS order
-    (the bug the relabelling guards against) moves values to other queries."""
+    """The emulation is not blind: dO^T's k-steps fed P^T's registers in accumulator order
+    ({d0, d1, d2, d3}, the relabelling undone) put values at other queries."""
+    from models.wgmma_tf32_bwd_steps import acc_times_tile
+
     rng = np.random.default_rng(11)
     k, v = (rng.standard_normal((BLOCK_N, 64)).astype(np.float32) for _ in range(2))
     q, do = (rng.standard_normal((32, 64)).astype(np.float32) for _ in range(2))
     smem = load_tiles(64, 32, k, v, q, do, 64, 32, 64, 64)
     L = backward_smem(64, 32, 0)
-    p_t = (k.astype(np.float64) @ q.T.astype(np.float64)).astype(np.float32).astype(np.float64)
-    acc = acc_from_matrix(p_t)
-    slipped = acc[:, :, [0, 2, 1, 3]]  # the relabelling applied twice: {d0, d1, d2, d3} as A
+    p_t = products(smem, 64, 32)["p_t"]
+    slipped = acc_from_matrix(p_t)[:, :, [0, 2, 1, 3]]  # acc_times_tile relabels it back to {d0, d1, d2, d3}
     dv = acc_times_tile(smem, 64, 32, slipped, L["DOT_HI"], L["DOT_LO"])
-    assert np.abs(dv - p_t @ do.astype(np.float64)).max() > 1e-2 * np.abs(p_t @ do.astype(np.float64)).max()
+    want = p_t @ do.astype(np.float64)
+    assert np.abs(dv - want).max() > 1e-2 * np.abs(want).max()
 
 
 @needs_nvrtc
-def test_the_candidate_compiles_without_spills_on_every_mask():
+def test_the_candidates_compile_without_spills_on_every_mask():
     from cupyflash.kernels import compile_check, dmma
 
-    specs = [s for s in dmma.specializations() if s.name.startswith(KERNEL)]
+    specs = [s for s in dmma.specializations() if "_tf32_wgmma_" in s.name]  # both kernels
+    assert {s.source_file for s in specs} == {"flash_bwd_dkdv_tf32_wgmma.cu", "flash_bwd_dq_tf32_wgmma.cu"}
     assert specs
     results = compile_check.check("90a", specs, with_sass=True)
     assert not [(r.name, r.spill_bytes, r.stack_bytes) for r in results if r.spill_bytes or r.stack_bytes]

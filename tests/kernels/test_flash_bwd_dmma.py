@@ -262,8 +262,8 @@ def test_the_api_runs_the_dmma_backward_for_float64():
 def test_tf32x3_experiment_is_as_accurate_as_the_simt_float32_backward(headdim, dkdv, name, statistics, monkeypatch):
     """Against the float64 reference (the SIMT float32 backward's gradients on the same float32
     inputs as the measure): within 4x the SIMT kernels' error, plus float32's rounding of the
-    largest gradient; the experiment's kernels are the ones that ran (dkdv "wgmma": dK and dV on
-    the candidate flash_bwd_dkdv_tf32_wgmma, sm_90 only)."""
+    largest gradient; the experiment's kernels are the ones that ran (dkdv "wgmma": dK, dV and dQ
+    on the candidates flash_bwd_dkdv_tf32_wgmma and flash_bwd_dq_tf32_wgmma, sm_90 only)."""
     import functools
 
     from cupyflash.kernels import simt
@@ -291,8 +291,9 @@ def test_tf32x3_experiment_is_as_accurate_as_the_simt_float32_backward(headdim, 
     if dkdv == "mma":
         assert {"dkdv", "dq"} <= tf32x3
     else:
-        assert "dq" in tf32x3 and "dkdv" not in tf32x3
-        assert any(name.startswith("flash_bwd_dkdv_tf32_wgmma_fp32_hdim64_") for name in launched), launched
+        assert not {"dkdv", "dq"} & tf32x3
+        for kernel in ("flash_bwd_dkdv_tf32_wgmma_fp32_hdim64_", "flash_bwd_dq_tf32_wgmma_fp32_hdim64_"):
+            assert any(name.startswith(kernel) for name in launched), launched
 
 
 def _wgmma_or_skip() -> None:
@@ -305,11 +306,11 @@ def _wgmma_or_skip() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("statistics", ["saved", "recomputed"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_tf32_wgmma_dkdv_on_a_packed_batch_and_long_rows(causal, statistics, monkeypatch):
-    """The wgmma dK/dV candidate on a packed batch of ragged sequences (empty ones, a sequence past
+def test_tf32_wgmma_backward_on_a_packed_batch_and_long_rows(causal, statistics, monkeypatch):
+    """The wgmma dK/dV and dQ candidates on a packed batch of ragged sequences (empty ones, a sequence past
     two key blocks, query blocks cut short), GQA, head dim 64, against the SIMT float32 backward
     within 4x its error to the float64 reference; then a 1k-key problem, where dV and dK chain
-    32 query blocks (the fresh accumulators' case)."""
+    32 query blocks and dQ 32 key blocks (the fresh accumulators' case)."""
     import functools
 
     import cupy
@@ -341,6 +342,7 @@ def test_tf32_wgmma_dkdv_on_a_packed_batch_and_long_rows(causal, statistics, mon
             error, simt_error = np.abs(a - w).max(), np.abs(s - w).max()
             assert error <= 4 * simt_error + 2.0 ** -23 * np.abs(w).max(), (which, packed is None, error, simt_error)
     assert any(name.startswith("flash_bwd_dkdv_tf32_wgmma_") for name in launched), launched
+    assert any(name.startswith("flash_bwd_dq_tf32_wgmma_") for name in launched), launched
 
 
 def _tf32x3_or_skip(monkeypatch) -> list:
@@ -372,13 +374,13 @@ def test_tf32x3_experiment_cancels_one_hot_rows_exactly(headdim, dkdv, monkeypat
     import functools
 
     launched = _tf32x3_or_skip(monkeypatch)
-    if dkdv == "wgmma":  # dQ is the tf32x3 kernel's either way; dK and dV must stay finite
-        _wgmma_or_skip()
+    if dkdv == "wgmma":  # dK and dV on wgmma must stay finite; dQ stays on the kernel whose S the
+        _wgmma_or_skip()  # statistics kernel's is to the bit (dq_block_n 0)
     rng = np.random.default_rng(7)
     q = rng.standard_normal((1, 48, 2, headdim)).astype(np.float32)
     k, v = (rng.standard_normal((1, 48, 2, headdim)).astype(np.float32) for _ in range(2))
     do = rng.standard_normal(q.shape).astype(np.float32)
-    config = backward_plans.tf32x3_backward_config(headdim) if dkdv == "mma" else Tf32WgmmaBwdConfig()
+    config = backward_plans.tf32x3_backward_config(headdim) if dkdv == "mma" else Tf32WgmmaBwdConfig(dq_block_n=0)
     dq, dk, dv = _gradients(do, q, k, v, causal=False, softmax_scale=1e4, statistics="recomputed",
                             backward=functools.partial(dmma.backward, config=config))
     assert any(name.startswith("flash_bwd_stats_dmma_fp32") for name in launched), launched

@@ -1,19 +1,16 @@
 """Model of kernels_cu/flash_bwd_dkdv_tf32_wgmma.cu (perf log tf32-wgmma-bwd-v0): its shared-memory
 layout, the tiles its loaders fill (wgmma_tf32.cuh's loaders, models/wgmma_tf32.py), the operands
-each product reads through its descriptors and registers, and where the epilogue stores each
-accumulator value. The products are emulated k-step by k-step from what the tensor cores read
-(models/tf32.py tensor_core_reads), in float64: a layout slip moves a value to another key, query
-or column and shows as an O(1) error, where the split's own error is 2^-21 relative.
+each product reads (models/wgmma_tf32_bwd_steps.py emulates them), the (key, query) of each value
+of its element step, and where the epilogue stores each accumulator value.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from .mirrors import mirrors
-from .tf32 import tensor_core_reads
-from .wgmma import ROW_LO, THREAD_IN_GROUP, acc_from_matrix
-from .wgmma_tf32 import (p_as_a_registers, split_tf32_panels, split_tf32_panels_transposed, tf32_a_fragment_matrix,
-                         tf32_k_step_desc, tf32_operand)
+from .wgmma import acc_from_matrix
+from .wgmma_tf32 import split_tf32_panels, split_tf32_panels_transposed
+from .wgmma_tf32_bwd_steps import acc_times_tile, rows_times_rows, store_acc_rows
 
 KERNEL = "flash_bwd_dkdv_tf32_wgmma"
 BLOCK_N = 64
@@ -74,41 +71,21 @@ def load_tiles(d_tile: int, block_m: int, k, v, q, do, keys_valid: int, queries_
 
 
 @mirrors(KERNEL,
-         "const u64 a_hi_desc = tf32_k_step_desc<BLOCK_N>(a_hi, kk), b_hi_desc = tf32_k_step_desc<BLOCK_M>(b_hi, kk);",
-         "WgmmaTf32<BLOCK_M>::ss(small, tf32_k_step_desc<BLOCK_N>(a_lo, kk), b_hi_desc, kk > 0);",
-         "WgmmaTf32<BLOCK_M>::ss(small, a_hi_desc, tf32_k_step_desc<BLOCK_M>(b_lo, kk), 1);",
-         "WgmmaTf32<BLOCK_M>::ss(hh, a_hi_desc, b_hi_desc, hh_accumulates);",
-         "s, rows_times_rows(base + L::K_HI, base + L::K_LO, base + L::Q_HI, base + L::Q_LO), NoTurns());",
-         "dp, rows_times_rows(base + L::V_HI, base + L::V_LO, base + L::DO_HI, base + L::DO_LO), NoTurns());")
-def rows_times_rows(smem, d_tile: int, block_m: int, a_hi: int, a_lo: int, b_hi: int, b_lo: int) -> np.ndarray:
-    """The 64 x block_m product the three ss wgmmas of every k-step form (lo hi + hi lo + hi hi),
-    A (64 rows) and B (block_m rows) read K-major through their descriptors."""
-    out = np.zeros((BLOCK_N, block_m))
-    for kk in range(d_tile // 8):
-        def read(tile, rows):
-            return tensor_core_reads(tf32_operand(smem, tf32_k_step_desc(rows, tile, kk), rows))
-        ah, al, bh, bl = read(a_hi, BLOCK_N), read(a_lo, BLOCK_N), read(b_hi, block_m), read(b_lo, block_m)
-        out += al @ bh.T + ah @ bl.T + ah @ bh.T
-    return out
-
-
-@mirrors(KERNEL,
+         "s, RowsTimesRows{base + L::K_HI, base + L::K_LO, base + L::Q_HI, base + L::Q_LO}, NoTurns());",
+         "dp, RowsTimesRows{base + L::V_HI, base + L::V_LO, base + L::DO_HI, base + L::DO_LO}, NoTurns());",
          "tf32_acc_times_tile<D_TILE, BLOCK_M / 8, PRODUCTS, SUMS_APART>(dv_acc, s, base + L::DOT_HI, base + L::DOT_LO,",
          "tf32_acc_times_tile<D_TILE, BLOCK_M / 8, PRODUCTS, SUMS_APART>(dk_acc, dp, base + L::QT_HI, base + L::QT_LO,")
-def acc_times_tile(smem, d_tile: int, block_m: int, acc, b_hi: int, b_lo: int) -> np.ndarray:
-    """tf32_acc_times_tile's product (wgmma_tf32.cuh), 64 x d_tile: A = the accumulator values
-    acc[thread, f, e] of a 64 x block_m product, k-step f's registers relabelled
-    (p_as_a_registers) and split, B = the KEY_PAIRS tile's k-step f, N = d_tile rows."""
-    from .tf32 import split_tf32
-
-    out = np.zeros((BLOCK_N, d_tile))
-    for f in range(block_m // 8):
-        a_hi, a_lo = split_tf32(3, p_as_a_registers(acc[:, f, :]))
-        ah, al = (tf32_a_fragment_matrix(tensor_core_reads(x)) for x in (a_hi, a_lo))
-        bh = tensor_core_reads(tf32_operand(smem, tf32_k_step_desc(d_tile, b_hi, f), d_tile))
-        bl = tensor_core_reads(tf32_operand(smem, tf32_k_step_desc(d_tile, b_lo, f), d_tile))
-        out += al @ bh.T + ah @ bl.T + ah @ bh.T
-    return out
+def products(smem, d_tile: int, block_m: int) -> dict:
+    """The kernel's four products on one query block's tiles: S^T = K Q^T and dP^T = V dO^T
+    (Tf32RowsTimesRows<BLOCK_N, BLOCK_M>), then dV and dK from them as the accumulators they are
+    (any matrices serve: S^T and dP^T rounded to float32 stand for P^T and dS^T)."""
+    L = backward_smem(d_tile, block_m, 0)
+    st = rows_times_rows(smem, d_tile, BLOCK_N, block_m, L["K_HI"], L["K_LO"], L["Q_HI"], L["Q_LO"])
+    dpt = rows_times_rows(smem, d_tile, BLOCK_N, block_m, L["V_HI"], L["V_LO"], L["DO_HI"], L["DO_LO"])
+    p_t, ds_t = (x.astype(np.float32).astype(np.float64) for x in (st, dpt))
+    dv = acc_times_tile(smem, d_tile, block_m, acc_from_matrix(p_t), L["DOT_HI"], L["DOT_LO"])
+    dk = acc_times_tile(smem, d_tile, block_m, acc_from_matrix(ds_t), L["QT_HI"], L["QT_LO"])
+    return {"st": st, "dpt": dpt, "p_t": p_t, "ds_t": ds_t, "dv": dv, "dk": dk}
 
 
 @mirrors(KERNEL,
@@ -130,22 +107,14 @@ def element_positions(block_m: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 @mirrors(KERNEL,
-         "const int key = n0 + 16 * warp + g + 8 * h;",
-         "const int col = 8 * j + 2 * t;",
-         "make_float2(dk_acc[4 * j + 2 * h] * scale, dk_acc[4 * j + 2 * h + 1] * scale);")
+         "store_acc_rows_f32<D_TILE>(dk_acc, scale, keys_valid, p.headdim,",
+         "store_acc_rows_f32<D_TILE>(dv_acc, drop_scale, keys_valid, p.headdim_v,",
+         "[&](int r) { return p.dk.row<float>(batch, seq.k_begin + n0 + r, head_kv); }, warp, lane);",
+         "[&](int r) { return p.dv.row<float>(batch, seq.k_begin + n0 + r, head_kv); }, warp, lane);")
 def epilogue_rows(acc_flat: np.ndarray, d_tile: int) -> np.ndarray:
-    """The 64 x d_tile block the epilogue stores from acc_flat[thread, 4 j + 2 h + e]."""
-    out = np.full((BLOCK_N, d_tile), np.nan)
-    warp, lane = np.arange(NTHREADS) // 32, np.arange(NTHREADS) % 32
-    g, t = lane // 4, lane % 4
-    for h in range(2):
-        key = 16 * warp + g + 8 * h
-        for j in range(d_tile // 8):
-            col = 8 * j + 2 * t
-            out[key, col] = acc_flat[:, 4 * j + 2 * h]
-            out[key, col + 1] = acc_flat[:, 4 * j + 2 * h + 1]
-    return out
+    """dK's (and dV's) 64 x d_tile block of keys n0 .. n0 + 63, as store_acc_rows_f32 stores it."""
+    return store_acc_rows(acc_flat, d_tile)
 
 
-__all__ = ["KERNEL", "BLOCK_N", "backward_smem", "load_tiles", "rows_times_rows", "acc_times_tile",
-           "element_positions", "epilogue_rows", "ROW_LO", "THREAD_IN_GROUP", "acc_from_matrix"]
+__all__ = ["KERNEL", "BLOCK_N", "backward_smem", "load_tiles", "products", "element_positions", "epilogue_rows",
+           "acc_from_matrix"]

@@ -1,0 +1,176 @@
+// flash_bwd_dq_tf32_wgmma: dQ of the float32 backward on Hopper's tf32 warpgroup MMA (sm_90a),
+// each product three tf32 products of split operands (precision "ieee"): a candidate,
+// docs/perf-log.md tf32-wgmma-bwd-v0, the query side of flash_bwd_dkdv_tf32_wgmma.cu (not a row
+// of any plan: backward_plans.Tf32WgmmaBwdConfig's dq_block_n).
+//
+// One warpgroup per CTA owns BLOCK_M = 64 query rows of one head (wgmma's M) and walks the key
+// blocks of its kv head that its rows see, BLOCK_N keys each, as flash_bwd_dq_dmma.cu does:
+//   S  = Q K^T      A = Q, B = K: K-major hi / lo panel tiles (Tf32RowsTimesRows)
+//   dP = dO V^T     A = dO, B = V
+//   dS              score_entry / ds_entry on the accumulators (dmma_bwd_steps.cuh), from the two
+//                   rows' statistics each thread holds in registers
+//   dQ += dS K      A = dS from registers, B = K^T [d][key] in KEY_PAIRS order (tf32_acc_times_tile)
+// Q and dO are split once per CTA; each key block's K twice (natural and transposed) and V once.
+// RAW_STAGES > 0: cp.async copies the raw K and V rows of the blocks RAW_STAGES ahead while this
+// block computes (0: the split reads them from global memory). SUMS_APART: as the dK/dV kernel.
+#include "common.cuh"
+#include "dmma_bwd_steps.cuh"
+#include "mask.cuh"
+#include "mma.cuh"
+#include "params.cuh"
+#include "softmax_bwd.cuh"
+#include "wgmma_tf32.cuh"
+#include "wgmma_tf32_bwd_steps.cuh"
+
+namespace cf {
+
+// Shared memory in bytes from a 1024-byte aligned base (backward_plans.tf32_wgmma_dq_smem_bytes
+// mirrors BYTES and adds the alignment slack): panel tiles of float32 words, Q and dO (64 rows,
+// K-major), K and V (BLOCK_N rows, K-major), K^T (D_TILE rows of BLOCK_N key slots), each hi and
+// lo; then RAW_STAGES stages of raw K and V rows (StagedRows).
+template <int D_TILE, int BLOCK_N, int RAW_STAGES>
+struct DqTf32WgmmaSmem {
+    static constexpr int BLOCK_M = 64;
+    static constexpr u32 Q_TILE = BLOCK_M * D_TILE * 4, KV_TILE = BLOCK_N * D_TILE * 4;
+    static constexpr u32 Q_HI = 0, Q_LO = Q_HI + Q_TILE, DO_HI = Q_LO + Q_TILE, DO_LO = DO_HI + Q_TILE;
+    static constexpr u32 K_HI = DO_LO + Q_TILE, K_LO = K_HI + KV_TILE, V_HI = K_LO + KV_TILE, V_LO = V_HI + KV_TILE;
+    static constexpr u32 KT_HI = V_LO + KV_TILE, KT_LO = KT_HI + KV_TILE;
+    static constexpr u32 RAW = KT_LO + KV_TILE;  // [RAW_STAGES][K, V]
+    static constexpr u32 BYTES = RAW + RAW_STAGES * 2 * KV_TILE;
+};
+
+template <int D_TILE, class Mask, int BLOCK_N, int RAW_STAGES, bool SUMS_APART>
+__global__ void __launch_bounds__(128, 1)
+flash_bwd_dq_tf32_wgmma(const __grid_constant__ BwdParams p) {
+    typedef DqTf32WgmmaSmem<D_TILE, BLOCK_N, RAW_STAGES> L;
+    constexpr int BLOCK_M = L::BLOCK_M, NTHREADS = 128, PRODUCTS = 3;
+    constexpr int SV = BLOCK_N / 2;  // S's and dP's accumulator values a thread (BLOCK_N / 8 blocks of 4)
+    constexpr int STAGES = RAW_STAGES > 0 ? RAW_STAGES : 1;
+    static_assert(BLOCK_N % 32 == 0 && BLOCK_N <= 64 && D_TILE % 32 == 0 && D_TILE <= 128,
+                  "whole tf32 panels; S's width is wgmma's N");
+    static_assert(L::BYTES + 1024 <= 227 * 1024, "shared memory");
+
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    const u32 base = aligned_dynamic_smem<L::BYTES>(smem_raw);
+
+    const SequenceRows seq = cta_sequence<Mask>(p, blockIdx.z);
+    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k, batch = seq.batch;
+    const int m0 = Mask::query_block(blockIdx.x, gridDim.x) * BLOCK_M;
+    if (Mask::PACKED && m0 >= seqlen_q) return;  // past a shorter sequence's end
+    const Mask mask = cta_mask<Mask>(p, seq.index, seqlen_q, seqlen_k);
+    const int head = blockIdx.y, head_kv = head / p.group;
+    const float scale_log2 = scale_log2_in<float>(p), scale = scale_in<float>(p);
+    const float drop_scale = DropoutOf<Mask>::ENABLED ? dropout_scale_in<float>(p) : 1.f;
+    const ScoreOf<Mask, float> score(score_problem<Mask>(p, seq), seq.index, head, scale);
+    const DropoutOf<Mask> dropout(p, seq.index, head);
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int g = lane / 4, t = lane % 4;  // the accumulators' row and column pair
+
+    // Q and dO, split once (the first block's barriers make them whole for wgmma).
+    split_tf32_panels<BLOCK_M, D_TILE, NTHREADS, PRODUCTS>(
+        base + L::Q_HI, base + L::Q_LO, GlobalRows{p.q.row<const float>(batch, seq.q_begin + m0, head), p.q.row_stride},
+        seqlen_q - m0, p.headdim, tid);
+    split_tf32_panels<BLOCK_M, D_TILE, NTHREADS, PRODUCTS>(
+        base + L::DO_HI, base + L::DO_LO,
+        GlobalRows{p.dout.row<const float>(batch, seq.q_begin + m0, head), p.dout.row_stride}, seqlen_q - m0,
+        p.headdim_v, tid);
+    // This thread's two rows (16 warp + g + 8 h) and their statistics.
+    int q_row[2];
+    RowStats<float> stats[2];
+    float delta[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        q_row[h] = m0 + 16 * warp + g + 8 * h;
+        const bool valid = q_row[h] < seqlen_q;
+        const i64 stat = seq.stat(p, head, valid ? q_row[h] : 0);
+        stats[h] = valid ? row_stats<float>(p, stat) : no_row_stats<float>();
+        delta[h] = valid ? ldg(static_cast<const float*>(p.delta) + stat) : 0.f;
+    }
+
+    const float* __restrict__ k_rows = p.k.row<const float>(batch, seq.k_begin, head_kv);
+    const float* __restrict__ v_rows = p.v.row<const float>(batch, seq.k_begin, head_kv);
+    const i64 k_ss = p.k.row_stride, v_ss = p.v.row_stride;
+    const int j_begin = mask.key_begin(m0) / BLOCK_N;
+    const int j_end = (mask.key_end(m0, BLOCK_M) + BLOCK_N - 1) / BLOCK_N;
+    // The raw K and V of block j into stage j % STAGES, one commit group (empty past the end, so
+    // that every iteration waits for the same count).
+    auto stage_block = [&](int j) {
+        if (j < j_end) {
+            const u32 raw = base + L::RAW + (j % STAGES) * 2 * L::KV_TILE;
+            const int n0 = j * BLOCK_N;
+            cp_async_staged_rows<BLOCK_N, D_TILE, NTHREADS>(raw, k_rows + n0 * k_ss, seqlen_k - n0, p.headdim, k_ss,
+                                                            tid);
+            cp_async_staged_rows<BLOCK_N, D_TILE, NTHREADS>(raw + L::KV_TILE, v_rows + n0 * v_ss, seqlen_k - n0,
+                                                            p.headdim_v, v_ss, tid);
+        }
+        cp_async_commit();
+    };
+    if constexpr (RAW_STAGES > 0)
+#pragma unroll
+        for (int stage = 0; stage < RAW_STAGES; ++stage) stage_block(j_begin + stage);
+
+    float dq_acc[D_TILE / 2];
+#pragma unroll
+    for (int e = 0; e < D_TILE / 2; ++e) dq_acc[e] = 0.f;
+
+    for (int j = j_begin; j < j_end; ++j) {
+        const int n0 = j * BLOCK_N;
+        // Step 1: K and V split into their three tile pairs. The first barrier: every warp is
+        // past the previous block's products (waited for), whose tiles the split overwrites, and
+        // block j's copies (every thread's) have landed; the second: the tiles are whole for wgmma.
+        auto split_key_block = [&](const auto& k_src, const auto& v_src) {
+            split_tf32_panels<BLOCK_N, D_TILE, NTHREADS, PRODUCTS>(base + L::K_HI, base + L::K_LO, k_src,
+                                                                   seqlen_k - n0, p.headdim, tid);
+            split_tf32_panels<BLOCK_N, D_TILE, NTHREADS, PRODUCTS>(base + L::V_HI, base + L::V_LO, v_src,
+                                                                   seqlen_k - n0, p.headdim_v, tid);
+            split_tf32_panels_transposed<BLOCK_N, D_TILE, NTHREADS, PRODUCTS, true>(
+                base + L::KT_HI, base + L::KT_LO, k_src, seqlen_k - n0, p.headdim, tid);
+        };
+        if constexpr (RAW_STAGES > 0) {
+            cp_async_wait<RAW_STAGES - 1>();
+            __syncthreads();
+            const u32 raw = base + L::RAW + (j % STAGES) * 2 * L::KV_TILE;
+            split_key_block(StagedRows<D_TILE>{raw}, StagedRows<D_TILE>{raw + L::KV_TILE});
+            fence_proxy_async_shared();
+            __syncthreads();  // ... and every thread is done with stage j % STAGES
+            stage_block(j + RAW_STAGES);
+        } else {
+            __syncthreads();
+            split_key_block(GlobalRows{k_rows + n0 * k_ss, k_ss}, GlobalRows{v_rows + n0 * v_ss, v_ss});
+            fence_proxy_async_shared();
+            __syncthreads();
+        }
+
+        // Steps 2-3: S = Q K^T and dP = dO V^T, three products a k-step.
+        constexpr int K_STEPS = D_TILE / 8;
+        typedef Tf32RowsTimesRows<BLOCK_M, BLOCK_N> RowsTimesRows;
+        float s[SV], dp[SV];
+        tf32_product_sums<SV, K_STEPS, true, SUMS_APART>(
+            s, RowsTimesRows{base + L::Q_HI, base + L::Q_LO, base + L::K_HI, base + L::K_LO}, NoTurns());
+        tf32_product_sums<SV, K_STEPS, true, SUMS_APART>(
+            dp, RowsTimesRows{base + L::DO_HI, base + L::DO_LO, base + L::V_HI, base + L::V_LO}, NoTurns());
+
+        // Step 4: dS = P (dP - D) into s. Value 4 f + e of a thread is row h = e / 2 of its two,
+        // key 8 f + 2 t + e % 2 of the block.
+#pragma unroll
+        for (int f = 0; f < BLOCK_N / 8; ++f)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int h = e >> 1, key = n0 + 8 * f + 2 * t + (e & 1), v = 4 * f + e;
+                const auto x = score_entry(s[v], dp[v], q_row[h], key, stats[h].top == neg_inf<float>(), mask, score,
+                                           dropout, drop_scale);
+                const float p_ij = recomputed_p_exact(x.s, scale_log2, stats[h].top, stats[h].weight);
+                s[v] = ds_entry<Mask>(x, p_ij, stats[h].dp_ref, delta[h]);
+            }
+
+        // Step 5: dQ += dS K.
+        tf32_acc_times_tile<D_TILE, BLOCK_N / 8, PRODUCTS, SUMS_APART>(dq_acc, s, base + L::KT_HI, base + L::KT_LO,
+                                                                     NoTurns());
+    }
+    cp_async_wait<0>();  // the empty groups past the walk's end
+
+    store_acc_rows_f32<D_TILE>(dq_acc, scale, seqlen_q - m0, p.headdim,
+                               [&](int r) { return p.dq.row<float>(batch, seq.q_begin + m0 + r, head); }, warp, lane);
+}
+
+}  // namespace cf

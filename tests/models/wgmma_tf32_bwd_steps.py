@@ -1,0 +1,83 @@
+"""Model of kernels_cu/wgmma_tf32_bwd_steps.cuh (perf log tf32-wgmma-bwd-v0): the float32 backward's
+rows-times-rows products on split panel tiles (Tf32RowsTimesRows), the accumulator-times-tile
+products (wgmma_tf32.cuh's tf32_acc_times_tile, the forward's O += P V) and the store of a
+warpgroup's 64 accumulator rows. The products are emulated k-step by k-step from what the tensor
+cores read (models/tf32.py tensor_core_reads) through the descriptors (models/wgmma_tf32.py), in
+float64: a layout slip moves a value to another row or column and shows as an O(1) error, where the
+split's own error is 2^-21 relative.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .mirrors import mirrors
+from .tf32 import split_tf32, tensor_core_reads
+from .wgmma_tf32 import p_as_a_registers, tf32_a_fragment_matrix, tf32_k_step_desc, tf32_operand
+
+STEPS = "wgmma_tf32_bwd_steps.cuh"
+NTHREADS = 128
+
+
+@mirrors(STEPS,
+         "const u64 a_hi_desc = tf32_k_step_desc<A_ROWS>(a_hi, kk), b_hi_desc = tf32_k_step_desc<B_ROWS>(b_hi, kk);",
+         "WgmmaTf32<B_ROWS>::ss(small, tf32_k_step_desc<A_ROWS>(a_lo, kk), b_hi_desc, kk > 0);",
+         "WgmmaTf32<B_ROWS>::ss(small, a_hi_desc, tf32_k_step_desc<B_ROWS>(b_lo, kk), 1);",
+         "WgmmaTf32<B_ROWS>::ss(hh, a_hi_desc, b_hi_desc, hh_accumulates);")
+def rows_times_rows(smem, d_tile: int, a_rows: int, b_rows: int, a_hi: int, a_lo: int, b_hi: int,
+                    b_lo: int) -> np.ndarray:
+    """The a_rows x b_rows product the three ss wgmmas of every k-step form (lo hi + hi lo + hi
+    hi), A and B read K-major through their descriptors."""
+    out = np.zeros((a_rows, b_rows))
+    for kk in range(d_tile // 8):
+        def read(tile, rows):
+            return tensor_core_reads(tf32_operand(smem, tf32_k_step_desc(rows, tile, kk), rows))
+        ah, al, bh, bl = read(a_hi, a_rows), read(a_lo, a_rows), read(b_hi, b_rows), read(b_lo, b_rows)
+        out += al @ bh.T + ah @ bl.T + ah @ bh.T
+    return out
+
+
+def acc_times_tile(smem, d_tile: int, k_cols: int, acc, b_hi: int, b_lo: int) -> np.ndarray:
+    """tf32_acc_times_tile's product, 64 x d_tile: A = the accumulator values acc[thread, f, e] of
+    a 64 x k_cols product, k-step f's registers relabelled (p_as_a_registers, whose mirrors are
+    the helper's statements) and split, B = the KEY_PAIRS tile's k-step f, N = d_tile rows."""
+    out = np.zeros((64, d_tile))
+    for f in range(k_cols // 8):
+        a_hi, a_lo = split_tf32(3, p_as_a_registers(acc[:, f, :]))
+        ah, al = (tf32_a_fragment_matrix(tensor_core_reads(x)) for x in (a_hi, a_lo))
+        bh = tensor_core_reads(tf32_operand(smem, tf32_k_step_desc(d_tile, b_hi, f), d_tile))
+        bl = tensor_core_reads(tf32_operand(smem, tf32_k_step_desc(d_tile, b_lo, f), d_tile))
+        out += al @ bh.T + ah @ bl.T + ah @ bh.T
+    return out
+
+
+@mirrors(STEPS,
+         "const int row = 16 * warp + g + 8 * h;",
+         "const int col = 8 * j + 2 * t;",
+         "*reinterpret_cast<float2*>(out + col) = make_float2(acc[4 * j + 2 * h] * scale, acc[4 * j + 2 * h + 1] * scale);")
+def store_acc_rows(acc_flat: np.ndarray, d_tile: int) -> np.ndarray:
+    """The 64 x d_tile block store_acc_rows_f32 stores from acc_flat[thread, 4 j + 2 h + e]."""
+    out = np.full((64, d_tile), np.nan)
+    warp, lane = np.arange(NTHREADS) // 32, np.arange(NTHREADS) % 32
+    g, t = lane // 4, lane % 4
+    for h in range(2):
+        row = 16 * warp + g + 8 * h
+        for j in range(d_tile // 8):
+            col = 8 * j + 2 * t
+            out[row, col] = acc_flat[:, 4 * j + 2 * h]
+            out[row, col + 1] = acc_flat[:, 4 * j + 2 * h + 1]
+    return out
+
+
+def valid_part(x: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    """x in float64 with rows >= rows and columns >= cols zeroed (what the zero-filled tiles hold)."""
+    out = np.zeros(x.shape)
+    out[:rows, :cols] = x[:rows, :cols]
+    return out
+
+
+def close(got: np.ndarray, want: np.ndarray) -> bool:
+    """Within the three-product split's error (2^-21 relative per product), with room for sums."""
+    return bool(np.abs(got - want).max() <= 2.0 ** -19 * (1 + np.abs(want).max()))
+
+
+__all__ = ["STEPS", "rows_times_rows", "acc_times_tile", "store_acc_rows", "valid_part", "close"]
