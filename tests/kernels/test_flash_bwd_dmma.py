@@ -63,8 +63,8 @@ def test_specializations_mirror_the_kernels_tiles():
     kinds = len(KINDS) + len(VARIANT_KINDS) + len(PACKED_KINDS)
     distinct = {(dt, c) for (_, dt), c in DMMA_BACKWARD_TILES.items()}
     tf32 = len(backward_plans.TF32X3_BACKWARD_CONFIGS)  # the float32 experiment's kernels
-    wgmma = len(backward_plans.TF32_WGMMA_BACKWARD_CONFIGS)  # and its wgmma dK/dV candidate
-    assert sum(1 for n in names if "_bwd_" in n) == 3 * kinds * (len(distinct) + tf32) + kinds * wgmma
+    wgmma = len(backward_plans.TF32_WGMMA_BACKWARD_CONFIGS)  # and its wgmma candidates, dK/dV and dQ
+    assert sum(1 for n in names if "_bwd_" in n) == 3 * kinds * (len(distinct) + tf32) + 2 * kinds * wgmma
 
 
 def test_a_row_past_the_devices_shared_memory_runs_simt():
