@@ -26,9 +26,7 @@ namespace cf {
 // plan row): one key block walking `steps` query blocks, those of [m_first, m_end) that see a key
 // of it for each query head of its GQA group in turn; K and V copied once, each step's Q, dO and
 // row statistics into one of two stages ([2][STAGE] doubles: Q and dO [BLOCK_M][LD], then
-// [STAT_SLOTS][BLOCK_M] as copied: lse in the params' unit, the weight and dp_ref only where the
-// call has them).
-enum StatSlot { STAT_LSE = 0, STAT_DELTA = 1, STAT_WEIGHT = 2, STAT_DP_REF = 3, STAT_SLOTS = 4 };
+// [STAT_SLOTS][BLOCK_M] as copied: dmma_bwd_steps.cuh's StatSlot).
 
 template <class Mask, int D_TILE, int BLOCK_M, int BLOCK_N, int NTHREADS>
 struct DmmaKeyBlock {

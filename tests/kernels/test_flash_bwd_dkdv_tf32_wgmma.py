@@ -107,3 +107,23 @@ def test_the_candidates_compile_without_spills_on_every_mask():
     results = compile_check.check("90a", specs, with_sass=True)
     assert not [(r.name, r.spill_bytes, r.stack_bytes) for r in results if r.spill_bytes or r.stack_bytes]
     assert not [r.name for r in results if r.wgmma_serialized or "HGMMA" not in r.sass_opcodes]
+
+
+@needs_nvrtc
+def test_the_bench_candidates_compile_without_spills_unmasked_and_causal():
+    """dev/bench_dmma_bwd.py's other candidates (and the GPU tests'), on the masks it times."""
+    import sys
+    from pathlib import Path
+
+    from cupyflash.kernels import compile_check
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "dev"))
+    from bench_dmma_bwd import WGMMA_CANDIDATES
+
+    specs = {spec.name: spec for config in WGMMA_CANDIDATES.values() for causal in (False, True)
+             for spec in backward_plans.tf32_wgmma_backward_plan(64, causal, config).launches
+             for spec in [spec.spec] if "_tf32_wgmma_" in spec.name}
+    results = compile_check.check("90a", list(specs.values()), with_sass=True)
+    assert len(results) == len(specs) > 8
+    assert not [(r.name, r.spill_bytes, r.stack_bytes) for r in results if r.spill_bytes or r.stack_bytes]
+    assert not [r.name for r in results if r.wgmma_serialized]
