@@ -832,54 +832,39 @@ TF32_WGMMA_BACKWARD_CONFIGS = {64: Tf32WgmmaBwdConfig()}
 TF32_WGMMA_D_TILES = (64,)
 
 
-def tf32_wgmma_dkdv_smem_bytes(dt: int, config: Tf32WgmmaBwdConfig) -> int:
-    """Mirror of BwdTf32WgmmaSmem<...>::BYTES plus the 1024 bytes that align its base: K and V (64
-    rows) and the query block's Q, dO, Q^T and dO^T, each a hi and a lo tile of float32 words,
-    the raw stages of Q and dO, and raw_stages + 1 slots of four row statistics."""
-    q_tile = 4 * config.block_m * dt
-    return 4 * 4 * 64 * dt + 8 * q_tile + config.raw_stages * 2 * q_tile + (config.raw_stages + 1) * 4 * config.block_m * 4 + 1024
-
-
-def tf32_wgmma_dkdv_spec(dt: int, mask: Mask, config: Tf32WgmmaBwdConfig) -> Specialization:
-    """The specialization of flash_bwd_dkdv_tf32_wgmma at head-dim tile ``dt`` (64)."""
-    if dt not in TF32_WGMMA_D_TILES:
-        raise ValueError(f"cupyflash: flash_bwd_dkdv_tf32_wgmma takes head-dim tiles {TF32_WGMMA_D_TILES}, not {dt}")
-    if config.block_m not in (32, 64) or config.raw_stages < 0:
-        raise ValueError(f"cupyflash: flash_bwd_dkdv_tf32_wgmma takes blocks of 32 or 64 queries: {config!r}")
-    if tf32_wgmma_dkdv_smem_bytes(dt, config) > 227 * 1024:
-        raise ValueError(f"cupyflash: flash_bwd_dkdv_tf32_wgmma's tiles take more than 227 KiB: {config!r}")
-    fn = "flash_bwd_dkdv_tf32_wgmma"
-    apart = "_apart" if config.sums_apart else ""
-    return Specialization(f"{fn}_{SHORT_NAMES['float32']}_hdim{dt}_{mask.name}_bm{config.block_m}_bn64_"
-                          f"r{config.raw_stages}{apart}", f"{fn}.cu",
-                          f"cf::{fn}<{dt}, {mask.cpp}, {config.block_m}, {config.raw_stages}, "
-                          f"{'true' if config.sums_apart else 'false'}>", config.threads,
-                          tf32_wgmma_dkdv_smem_bytes(dt, config), arch="90a")
-
-
-def tf32_wgmma_dq_smem_bytes(dt: int, config: Tf32WgmmaBwdConfig) -> int:
-    """Mirror of DqTf32WgmmaSmem<...>::BYTES plus the 1024 bytes that align its base: Q and dO (64
-    rows), K, V and K^T (dq_block_n rows or slots), each a hi and a lo tile of float32 words, and
-    the raw stages of K and V."""
+def tf32_wgmma_smem_bytes(kind: str, dt: int, config: Tf32WgmmaBwdConfig) -> int:
+    """The shared memory of flash_bwd_{kind}_tf32_wgmma, plus the 1024 bytes that align its base.
+    "dkdv" mirrors BwdTf32WgmmaSmem<...>::BYTES: K and V (64 rows) and the query block's Q, dO,
+    Q^T and dO^T, each a hi and a lo tile of float32 words, the raw stages of Q and dO, and
+    raw_stages + 1 slots of four row statistics. "dq" mirrors DqTf32WgmmaSmem<...>::BYTES: Q and
+    dO (64 rows), K, V and K^T (dq_block_n rows or slots), hi and lo, and the raw stages of K and V."""
+    if kind == "dkdv":
+        q_tile = 4 * config.block_m * dt
+        return (4 * 4 * 64 * dt + 8 * q_tile + config.raw_stages * 2 * q_tile
+                + (config.raw_stages + 1) * 4 * config.block_m * 4 + 1024)
     kv_tile = 4 * config.dq_block_n * dt
     return 4 * 4 * 64 * dt + 6 * kv_tile + config.dq_raw_stages * 2 * kv_tile + 1024
 
 
-def tf32_wgmma_dq_spec(dt: int, mask: Mask, config: Tf32WgmmaBwdConfig) -> Specialization:
-    """The specialization of flash_bwd_dq_tf32_wgmma at head-dim tile ``dt`` (64)."""
+def tf32_wgmma_spec(kind: str, dt: int, mask: Mask, config: Tf32WgmmaBwdConfig) -> Specialization:
+    """The specialization of flash_bwd_{kind}_tf32_wgmma (``kind`` "dkdv" or "dq") at head-dim
+    tile ``dt`` (64): its blocks of 64 keys stepping over block_m queries, or of 64 queries
+    stepping over dq_block_n keys."""
+    if kind not in ("dkdv", "dq"):
+        raise ValueError(f"cupyflash: no tf32 wgmma backward kernel {kind!r} (known: dkdv, dq)")
     if dt not in TF32_WGMMA_D_TILES:
-        raise ValueError(f"cupyflash: flash_bwd_dq_tf32_wgmma takes head-dim tiles {TF32_WGMMA_D_TILES}, not {dt}")
-    if config.dq_block_n not in (32, 64) or config.dq_raw_stages < 0:
-        raise ValueError(f"cupyflash: flash_bwd_dq_tf32_wgmma takes blocks of 32 or 64 keys: {config!r}")
-    if tf32_wgmma_dq_smem_bytes(dt, config) > 227 * 1024:
-        raise ValueError(f"cupyflash: flash_bwd_dq_tf32_wgmma's tiles take more than 227 KiB: {config!r}")
-    fn = "flash_bwd_dq_tf32_wgmma"
+        raise ValueError(f"cupyflash: the tf32 wgmma backward takes head-dim tiles {TF32_WGMMA_D_TILES}, not {dt}")
+    bm, bn, raw, step = ((config.block_m, 64, config.raw_stages, config.block_m) if kind == "dkdv" else
+                         (64, config.dq_block_n, config.dq_raw_stages, config.dq_block_n))
+    if step not in (32, 64) or raw < 0:
+        raise ValueError(f"cupyflash: flash_bwd_{kind}_tf32_wgmma steps over blocks of 32 or 64 rows: {config!r}")
+    if tf32_wgmma_smem_bytes(kind, dt, config) > 227 * 1024:
+        raise ValueError(f"cupyflash: flash_bwd_{kind}_tf32_wgmma's tiles take more than 227 KiB: {config!r}")
+    fn = f"flash_bwd_{kind}_tf32_wgmma"
     apart = "_apart" if config.sums_apart else ""
-    return Specialization(f"{fn}_{SHORT_NAMES['float32']}_hdim{dt}_{mask.name}_bm64_bn{config.dq_block_n}_"
-                          f"r{config.dq_raw_stages}{apart}", f"{fn}.cu",
-                          f"cf::{fn}<{dt}, {mask.cpp}, {config.dq_block_n}, {config.dq_raw_stages}, "
-                          f"{'true' if config.sums_apart else 'false'}>", config.threads,
-                          tf32_wgmma_dq_smem_bytes(dt, config), arch="90a")
+    return Specialization(f"{fn}_{SHORT_NAMES['float32']}_hdim{dt}_{mask.name}_bm{bm}_bn{bn}_r{raw}{apart}", f"{fn}.cu",
+                          f"cf::{fn}<{dt}, {mask.cpp}, {step}, {raw}, {'true' if config.sums_apart else 'false'}>",
+                          config.threads, tf32_wgmma_smem_bytes(kind, dt, config), arch="90a")
 
 
 def tf32_wgmma_d_tile(headdim: int) -> int:
@@ -900,7 +885,7 @@ def tf32_wgmma_backward_plan(headdim: int, mask: Mask | bool, config: Tf32WgmmaB
     experiment, experiment_dt = tf32x3_backward_config(headdim), d_tile_dmma(headdim)
     first = (Launch("stats", dmma_spec("stats", experiment_dt, mask, experiment, "float32"), experiment.dq_block_m)
              if statistics == "recomputed" else Launch("preprocess", preprocess_spec("float32"), PREPROCESS_ROWS))
-    dq = (Launch("dq", tf32_wgmma_dq_spec(dt, mask, config), config.dq_block_m) if config.dq_block_n else
+    dq = (Launch("dq", tf32_wgmma_spec("dq", dt, mask, config), config.dq_block_m) if config.dq_block_n else
           Launch("dq", dmma_spec("dq", experiment_dt, mask, experiment, "float32"), experiment.dq_block_m))
-    launches = (first, Launch("dkdv", tf32_wgmma_dkdv_spec(dt, mask, config), config.block_n), dq)
+    launches = (first, Launch("dkdv", tf32_wgmma_spec("dkdv", dt, mask, config), config.block_n), dq)
     return BackwardPlan("mma", "explicit", headdim, dt, "none", config, launches)

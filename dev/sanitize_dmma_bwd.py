@@ -50,7 +50,7 @@ def main() -> None:
             dmma.backward(do, q, k, v, o, lse, *grads, softmax_scale=headdim ** -0.5, causal=True,
                           variant=Variant(statistics=statistics), config=tf32x3_backward_config(headdim))
     if _module.device_arch() == "90":  # the wgmma candidates: GQA, a ragged last block of each side
-        for headdim, config in ((40, Tf32WgmmaBwdConfig()), (64, Tf32WgmmaBwdConfig(64, 1, False, 64, 1)),
+        for headdim, config in ((40, Tf32WgmmaBwdConfig()), (64, Tf32WgmmaBwdConfig(64, 0, False, 64, 1)),
                                 (64, Tf32WgmmaBwdConfig(32, 0, True, 32, 0))):
             q, do = (cupy.asarray(rng.standard_normal((1, 77, 4, headdim), np.float32)) for _ in range(2))
             k, v = (cupy.asarray(rng.standard_normal((1, 130, 2, headdim), np.float32)) for _ in range(2))

@@ -226,6 +226,20 @@ struct DmmaQueryCta {
 // has them): flash_bwd_dkdv_dmma, flash_bwd_dkdv_tf32_wgmma.
 enum StatSlot { STAT_LSE = 0, STAT_DELTA = 1, STAT_WEIGHT = 2, STAT_DP_REF = 3, STAT_SLOTS = 4 };
 
+// Query row i of a block (its statistics at index `stat`) into such a block at `dst` (the row's
+// word of slot 0; slots slot_bytes apart), by cp.async: zeros past the end (!valid), and where
+// the call has no weight or dp_ref.
+template <typename A>
+__device__ __forceinline__ void cp_async_row_stats(u32 dst, u32 slot_bytes, const A* lse, const A* delta,
+                                                   const A* weight, const A* dp_ref, i64 stat, bool valid) {
+    cp_async_scalar(dst + STAT_LSE * slot_bytes, lse + stat, valid);
+    cp_async_scalar(dst + STAT_DELTA * slot_bytes, delta + stat, valid);
+    cp_async_scalar(dst + STAT_WEIGHT * slot_bytes, weight != nullptr ? weight + stat : lse + stat,
+                    valid && weight != nullptr);
+    cp_async_scalar(dst + STAT_DP_REF * slot_bytes, dp_ref != nullptr ? dp_ref + stat : lse + stat,
+                    valid && dp_ref != nullptr);
+}
+
 // One entry of S and dP (raw units: the unit is the scale) after the policies, as every float64
 // backward kernel takes it: the score policy's transform and ds'/ds (unset without a derivative),
 // whether the mask hides the key (or the row sees none: row_sees_nothing), whether dropout keeps

@@ -83,13 +83,8 @@ flash_bwd_dkdv_dmma(const __grid_constant__ BwdParams p) {
             const int i = threadIdx.x;
             const bool valid = m0 + i < seqlen_q;
             const i64 stat = seq.stat(p, head, valid ? m0 + i : 0);
-            const u32 dst = smem_u32(q_stage + 2 * BLOCK_M * LD + i);
-            cp_async_scalar(dst + static_cast<u32>(sizeof(A)) * STAT_LSE * BLOCK_M, lse + stat, valid);
-            cp_async_scalar(dst + static_cast<u32>(sizeof(A)) * STAT_DELTA * BLOCK_M, delta + stat, valid);
-            cp_async_scalar(dst + static_cast<u32>(sizeof(A)) * STAT_WEIGHT * BLOCK_M, weight != nullptr ? weight + stat : lse + stat,
-                        valid && weight != nullptr);
-            cp_async_scalar(dst + static_cast<u32>(sizeof(A)) * STAT_DP_REF * BLOCK_M, dp_ref != nullptr ? dp_ref + stat : lse + stat,
-                        valid && dp_ref != nullptr);
+            cp_async_row_stats(smem_u32(q_stage + 2 * BLOCK_M * LD + i), static_cast<u32>(sizeof(A)) * BLOCK_M, lse,
+                               delta, weight, dp_ref, stat, valid);
         }
     };
     if (steps > 0) load_step(0, 0);

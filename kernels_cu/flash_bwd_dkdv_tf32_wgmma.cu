@@ -65,7 +65,6 @@ flash_bwd_dkdv_tf32_wgmma(const __grid_constant__ BwdParams p) {
     constexpr int BLOCK_N = L::BLOCK_N, NTHREADS = 128, PRODUCTS = 3;
     constexpr int SV = BLOCK_M / 2;  // S^T's and dP^T's accumulator values a thread (BLOCK_M / 8 blocks of 4)
     constexpr int DV = D_TILE / 2;   // dK's and dV's
-    constexpr int STAGES = RAW_STAGES > 0 ? RAW_STAGES : 1;
     static_assert(BLOCK_M % 32 == 0 && BLOCK_M <= 64 && D_TILE % 32 == 0 && D_TILE <= 128,
                   "whole tf32 panels; S^T's width is wgmma's N");
     static_assert(L::BYTES + 1024 <= 227 * 1024, "shared memory");
@@ -87,53 +86,39 @@ flash_bwd_dkdv_tf32_wgmma(const __grid_constant__ BwdParams p) {
     const int g = lane / 4, t = lane % 4;  // the accumulators' row and column pair
 
     // K and V, split once (the walk's first barrier makes them whole for wgmma).
-    split_tf32_panels<BLOCK_N, D_TILE, NTHREADS, PRODUCTS>(
-        base + L::K_HI, base + L::K_LO, GlobalRows{p.k.row<const float>(batch, seq.k_begin + n0, head_kv), p.k.row_stride},
-        seqlen_k - n0, p.headdim, tid);
-    split_tf32_panels<BLOCK_N, D_TILE, NTHREADS, PRODUCTS>(
-        base + L::V_HI, base + L::V_LO, GlobalRows{p.v.row<const float>(batch, seq.k_begin + n0, head_kv), p.v.row_stride},
-        seqlen_k - n0, p.headdim_v, tid);
+    const GlobalRows k_global{p.k.row<const float>(batch, seq.k_begin + n0, head_kv), p.k.row_stride};
+    const GlobalRows v_global{p.v.row<const float>(batch, seq.k_begin + n0, head_kv), p.v.row_stride};
+    split_tf32_panels<BLOCK_N, D_TILE, NTHREADS, PRODUCTS>(base + L::K_HI, base + L::K_LO, k_global, seqlen_k - n0,
+                                                           p.headdim, tid);
+    split_tf32_panels<BLOCK_N, D_TILE, NTHREADS, PRODUCTS>(base + L::V_HI, base + L::V_LO, v_global, seqlen_k - n0,
+                                                           p.headdim_v, tid);
 
     const QueryBlockWalk<BLOCK_M> walk(mask, n0, BLOCK_N, p.group);
     const float* const lse = static_cast<const float*>(p.lse);
     const float* const delta = static_cast<const float*>(p.delta);
     const float* const weight = static_cast<const float*>(p.weight);
     const float* const dp_ref = static_cast<const float*>(p.dp_ref);
-    auto q_rows = [&](int it) {
-        return p.q.row<const float>(batch, seq.q_begin + walk.block(it) * BLOCK_M, walk.head(head_kv, it));
-    };
-    auto do_rows = [&](int it) {
-        return p.dout.row<const float>(batch, seq.q_begin + walk.block(it) * BLOCK_M, walk.head(head_kv, it));
-    };
-    // Iteration it's raw Q and dO rows (RAW_STAGES > 0) and row statistics, one commit group
-    // (empty past the walk's end, so that every iteration waits for the same count).
+    // Query head `head`'s rows of the sequence.
+    auto q_rows = [&](int head) { return p.q.row<const float>(batch, seq.q_begin, head); };
+    auto do_rows = [&](int head) { return p.dout.row<const float>(batch, seq.q_begin, head); };
+    // Iteration it's raw Q and dO rows (Tf32RawStages: RAW_STAGES ahead, or read by the split itself)
+    // and its rows' statistics, always by cp.async, into slot it % STAT_RING.
+    const Tf32RawStages<BLOCK_M, D_TILE, NTHREADS, RAW_STAGES> stages{base + L::RAW};
     auto stage_block = [&](int it) {
-        if (it < walk.iters) {
-            const int m0 = walk.block(it) * BLOCK_M, head = walk.head(head_kv, it);
-            if constexpr (RAW_STAGES > 0) {
-                const u32 raw = base + L::RAW + (it % STAGES) * 2 * L::Q_TILE;
-                cp_async_staged_rows<BLOCK_M, D_TILE, NTHREADS>(raw, q_rows(it), seqlen_q - m0, p.headdim,
-                                                                p.q.row_stride, tid);
-                cp_async_staged_rows<BLOCK_M, D_TILE, NTHREADS>(raw + L::Q_TILE, do_rows(it), seqlen_q - m0,
-                                                                p.headdim_v, p.dout.row_stride, tid);
-            }
-            if (tid < BLOCK_M) {
-                const bool valid = m0 + tid < seqlen_q;
-                const i64 stat = seq.stat(p, head, valid ? m0 + tid : 0);
-                const u32 dst = base + L::STATS + ((it % L::STAT_RING) * STAT_SLOTS * BLOCK_M + tid) * 4;
-                cp_async_scalar(dst + 4 * STAT_LSE * BLOCK_M, lse + stat, valid);
-                cp_async_scalar(dst + 4 * STAT_DELTA * BLOCK_M, delta + stat, valid);
-                cp_async_scalar(dst + 4 * STAT_WEIGHT * BLOCK_M, weight != nullptr ? weight + stat : lse + stat,
-                                valid && weight != nullptr);
-                cp_async_scalar(dst + 4 * STAT_DP_REF * BLOCK_M, dp_ref != nullptr ? dp_ref + stat : lse + stat,
-                                valid && dp_ref != nullptr);
-            }
-        }
-        cp_async_commit();
+        const bool valid_it = it < walk.iters;
+        // (past the walk's end nothing is copied, and block(it) would divide by its 0 blocks)
+        const int m0 = valid_it ? walk.block(it) * BLOCK_M : 0, head = valid_it ? walk.head(head_kv, it) : 0;
+        stages.copy(it, valid_it, m0, q_rows(head), p.q.row_stride, p.headdim, do_rows(head), p.dout.row_stride,
+                    p.headdim_v, seqlen_q, tid, [&] {
+                        if (tid < BLOCK_M) {
+                            const bool valid = m0 + tid < seqlen_q;
+                            const i64 stat = seq.stat(p, head, valid ? m0 + tid : 0);
+                            const u32 dst = base + L::STATS + ((it % L::STAT_RING) * STAT_SLOTS * BLOCK_M + tid) * 4;
+                            cp_async_row_stats(dst, 4 * BLOCK_M, lse, delta, weight, dp_ref, stat, valid);
+                        }
+                    });
     };
-    if constexpr (RAW_STAGES > 0)
-#pragma unroll
-        for (int stage = 0; stage < RAW_STAGES; ++stage) stage_block(stage);
+    stages.copy_first(0, stage_block);
 
     float dk_acc[DV], dv_acc[DV];
 #pragma unroll
@@ -141,44 +126,24 @@ flash_bwd_dkdv_tf32_wgmma(const __grid_constant__ BwdParams p) {
 
     for (int it = 0; it < walk.iters; ++it) {
         const int m0 = walk.block(it) * BLOCK_M, head = walk.head(head_kv, it);
-        // Step 1: Q and dO split into their four tile pairs. The first barrier: every warp is past
-        // the previous block's products (waited for), whose tiles the split overwrites, and this
-        // block's copies (every thread's) have landed; the second: the tiles are whole for wgmma.
-        auto split_query_block = [&](const auto& q_src, const auto& do_src) {
-            split_tf32_panels<BLOCK_M, D_TILE, NTHREADS, PRODUCTS>(base + L::Q_HI, base + L::Q_LO, q_src,
-                                                                   seqlen_q - m0, p.headdim, tid);
-            split_tf32_panels<BLOCK_M, D_TILE, NTHREADS, PRODUCTS>(base + L::DO_HI, base + L::DO_LO, do_src,
-                                                                   seqlen_q - m0, p.headdim_v, tid);
-            split_tf32_panels_transposed<BLOCK_M, D_TILE, NTHREADS, PRODUCTS, true>(
-                base + L::QT_HI, base + L::QT_LO, q_src, seqlen_q - m0, p.headdim, tid);
-            split_tf32_panels_transposed<BLOCK_M, D_TILE, NTHREADS, PRODUCTS, true>(
-                base + L::DOT_HI, base + L::DOT_LO, do_src, seqlen_q - m0, p.headdim_v, tid);
-        };
-        if constexpr (RAW_STAGES > 0) {
-            cp_async_wait<RAW_STAGES - 1>();
-            __syncthreads();
-            const u32 raw = base + L::RAW + (it % STAGES) * 2 * L::Q_TILE;
-            split_query_block(StagedRows<D_TILE>{raw}, StagedRows<D_TILE>{raw + L::Q_TILE});
-            fence_proxy_async_shared();
-            __syncthreads();  // ... and every thread is done with stage it % STAGES
-            stage_block(it + RAW_STAGES);
-        } else {
-            __syncthreads();
-            stage_block(it);
-            split_query_block(GlobalRows{q_rows(it), p.q.row_stride}, GlobalRows{do_rows(it), p.dout.row_stride});
-            cp_async_wait<0>();
-            fence_proxy_async_shared();
-            __syncthreads();
-        }
+        // Step 1: Q and dO split into their four tile pairs (Tf32RawStages::land: between the
+        // barriers that make it safe, and the tiles whole for wgmma).
+        const GlobalRows q_global{q_rows(head) + m0 * p.q.row_stride, p.q.row_stride};
+        const GlobalRows do_global{do_rows(head) + m0 * p.dout.row_stride, p.dout.row_stride};
+        stages.land(it, q_global, do_global, [&](const auto& q_src, const auto& do_src) {
+            split_tf32_panels_both<BLOCK_M, D_TILE, NTHREADS, PRODUCTS>(base + L::Q_HI, base + L::Q_LO, base + L::QT_HI,
+                                                                        base + L::QT_LO, q_src, seqlen_q - m0,
+                                                                        p.headdim, tid);
+            split_tf32_panels_both<BLOCK_M, D_TILE, NTHREADS, PRODUCTS>(base + L::DO_HI, base + L::DO_LO,
+                                                                        base + L::DOT_HI, base + L::DOT_LO, do_src,
+                                                                        seqlen_q - m0, p.headdim_v, tid);
+        }, stage_block);
 
         // Steps 2-3: S^T = K Q^T and dP^T = V dO^T, three products a k-step.
-        constexpr int K_STEPS = D_TILE / 8;
-        typedef Tf32RowsTimesRows<BLOCK_N, BLOCK_M> RowsTimesRows;
         float s[SV], dp[SV];
-        tf32_product_sums<SV, K_STEPS, true, SUMS_APART>(
-            s, RowsTimesRows{base + L::K_HI, base + L::K_LO, base + L::Q_HI, base + L::Q_LO}, NoTurns());
-        tf32_product_sums<SV, K_STEPS, true, SUMS_APART>(
-            dp, RowsTimesRows{base + L::V_HI, base + L::V_LO, base + L::DO_HI, base + L::DO_LO}, NoTurns());
+        tf32_scores_and_dp<D_TILE / 8, SUMS_APART>(s, dp,
+            Tf32RowsTimesRows<BLOCK_N, BLOCK_M>{base + L::K_HI, base + L::K_LO, base + L::Q_HI, base + L::Q_LO},
+            {base + L::V_HI, base + L::V_LO, base + L::DO_HI, base + L::DO_LO});
 
         // Step 4: P^T (times dropout's keep mask) into s, dS^T into dp. Value 4 f + e of a thread is
         // key row 16 warp + g + 8 (e / 2), query 8 f + 2 t + e % 2.

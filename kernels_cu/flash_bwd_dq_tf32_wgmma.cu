@@ -45,7 +45,6 @@ flash_bwd_dq_tf32_wgmma(const __grid_constant__ BwdParams p) {
     typedef DqTf32WgmmaSmem<D_TILE, BLOCK_N, RAW_STAGES> L;
     constexpr int BLOCK_M = L::BLOCK_M, NTHREADS = 128, PRODUCTS = 3;
     constexpr int SV = BLOCK_N / 2;  // S's and dP's accumulator values a thread (BLOCK_N / 8 blocks of 4)
-    constexpr int STAGES = RAW_STAGES > 0 ? RAW_STAGES : 1;
     static_assert(BLOCK_N % 32 == 0 && BLOCK_N <= 64 && D_TILE % 32 == 0 && D_TILE <= 128,
                   "whole tf32 panels; S's width is wgmma's N");
     static_assert(L::BYTES + 1024 <= 227 * 1024, "shared memory");
@@ -92,22 +91,12 @@ flash_bwd_dq_tf32_wgmma(const __grid_constant__ BwdParams p) {
     const i64 k_ss = p.k.row_stride, v_ss = p.v.row_stride;
     const int j_begin = mask.key_begin(m0) / BLOCK_N;
     const int j_end = (mask.key_end(m0, BLOCK_M) + BLOCK_N - 1) / BLOCK_N;
-    // The raw K and V of block j into stage j % STAGES, one commit group (empty past the end, so
-    // that every iteration waits for the same count).
+    // The raw K and V of block j (Tf32RawStages: RAW_STAGES ahead, or read by the split itself).
+    const Tf32RawStages<BLOCK_N, D_TILE, NTHREADS, RAW_STAGES> stages{base + L::RAW};
     auto stage_block = [&](int j) {
-        if (j < j_end) {
-            const u32 raw = base + L::RAW + (j % STAGES) * 2 * L::KV_TILE;
-            const int n0 = j * BLOCK_N;
-            cp_async_staged_rows<BLOCK_N, D_TILE, NTHREADS>(raw, k_rows + n0 * k_ss, seqlen_k - n0, p.headdim, k_ss,
-                                                            tid);
-            cp_async_staged_rows<BLOCK_N, D_TILE, NTHREADS>(raw + L::KV_TILE, v_rows + n0 * v_ss, seqlen_k - n0,
-                                                            p.headdim_v, v_ss, tid);
-        }
-        cp_async_commit();
+        stages.copy(j, j < j_end, j * BLOCK_N, k_rows, k_ss, p.headdim, v_rows, v_ss, p.headdim_v, seqlen_k, tid);
     };
-    if constexpr (RAW_STAGES > 0)
-#pragma unroll
-        for (int stage = 0; stage < RAW_STAGES; ++stage) stage_block(j_begin + stage);
+    stages.copy_first(j_begin, stage_block);
 
     float dq_acc[D_TILE / 2];
 #pragma unroll
@@ -115,40 +104,23 @@ flash_bwd_dq_tf32_wgmma(const __grid_constant__ BwdParams p) {
 
     for (int j = j_begin; j < j_end; ++j) {
         const int n0 = j * BLOCK_N;
-        // Step 1: K and V split into their three tile pairs. The first barrier: every warp is
-        // past the previous block's products (waited for), whose tiles the split overwrites, and
-        // block j's copies (every thread's) have landed; the second: the tiles are whole for wgmma.
-        auto split_key_block = [&](const auto& k_src, const auto& v_src) {
-            split_tf32_panels<BLOCK_N, D_TILE, NTHREADS, PRODUCTS>(base + L::K_HI, base + L::K_LO, k_src,
-                                                                   seqlen_k - n0, p.headdim, tid);
-            split_tf32_panels<BLOCK_N, D_TILE, NTHREADS, PRODUCTS>(base + L::V_HI, base + L::V_LO, v_src,
-                                                                   seqlen_k - n0, p.headdim_v, tid);
-            split_tf32_panels_transposed<BLOCK_N, D_TILE, NTHREADS, PRODUCTS, true>(
-                base + L::KT_HI, base + L::KT_LO, k_src, seqlen_k - n0, p.headdim, tid);
-        };
-        if constexpr (RAW_STAGES > 0) {
-            cp_async_wait<RAW_STAGES - 1>();
-            __syncthreads();
-            const u32 raw = base + L::RAW + (j % STAGES) * 2 * L::KV_TILE;
-            split_key_block(StagedRows<D_TILE>{raw}, StagedRows<D_TILE>{raw + L::KV_TILE});
-            fence_proxy_async_shared();
-            __syncthreads();  // ... and every thread is done with stage j % STAGES
-            stage_block(j + RAW_STAGES);
-        } else {
-            __syncthreads();
-            split_key_block(GlobalRows{k_rows + n0 * k_ss, k_ss}, GlobalRows{v_rows + n0 * v_ss, v_ss});
-            fence_proxy_async_shared();
-            __syncthreads();
-        }
+        // Step 1: K and V split into their three tile pairs (Tf32RawStages::land: between the
+        // barriers that make it safe, and the tiles whole for wgmma).
+        stages.land(j, GlobalRows{k_rows + n0 * k_ss, k_ss}, GlobalRows{v_rows + n0 * v_ss, v_ss},
+                    [&](const auto& k_src, const auto& v_src) {
+                        split_tf32_panels_both<BLOCK_N, D_TILE, NTHREADS, PRODUCTS>(
+                            base + L::K_HI, base + L::K_LO, base + L::KT_HI, base + L::KT_LO, k_src, seqlen_k - n0,
+                            p.headdim, tid);
+                        split_tf32_panels<BLOCK_N, D_TILE, NTHREADS, PRODUCTS>(base + L::V_HI, base + L::V_LO, v_src,
+                                                                               seqlen_k - n0, p.headdim_v, tid);
+                    },
+                    stage_block);
 
         // Steps 2-3: S = Q K^T and dP = dO V^T, three products a k-step.
-        constexpr int K_STEPS = D_TILE / 8;
-        typedef Tf32RowsTimesRows<BLOCK_M, BLOCK_N> RowsTimesRows;
         float s[SV], dp[SV];
-        tf32_product_sums<SV, K_STEPS, true, SUMS_APART>(
-            s, RowsTimesRows{base + L::Q_HI, base + L::Q_LO, base + L::K_HI, base + L::K_LO}, NoTurns());
-        tf32_product_sums<SV, K_STEPS, true, SUMS_APART>(
-            dp, RowsTimesRows{base + L::DO_HI, base + L::DO_LO, base + L::V_HI, base + L::V_LO}, NoTurns());
+        tf32_scores_and_dp<D_TILE / 8, SUMS_APART>(s, dp,
+            Tf32RowsTimesRows<BLOCK_M, BLOCK_N>{base + L::Q_HI, base + L::Q_LO, base + L::K_HI, base + L::K_LO},
+            {base + L::DO_HI, base + L::DO_LO, base + L::V_HI, base + L::V_LO});
 
         // Step 4: dS = P (dP - D) into s. Value 4 f + e of a thread is row h = e / 2 of its two,
         // key 8 f + 2 t + e % 2 of the block.

@@ -89,21 +89,11 @@ flash_fwd_tf32_wgmma(const __grid_constant__ FwdParams p) {
     // The raw K and V of block j into stage j % RAW_STAGES, one commit group (empty past the end,
     // so that every iteration waits for the same count).
     const int j_end = (n_end + BLOCK_N - 1) / BLOCK_N;
-    constexpr int STAGES = RAW_STAGES > 0 ? RAW_STAGES : 1;
+    const Tf32RawStages<BLOCK_N, D_TILE, NTHREADS, RAW_STAGES> stages{base + L::RAW};
     auto stage_block = [&](int j) {
-        if (j < j_end) {
-            const u32 raw = base + L::RAW + (j % STAGES) * 2 * L::KV_TILE;
-            const int n0 = j * BLOCK_N;
-            cp_async_staged_rows<BLOCK_N, D_TILE, NTHREADS>(raw, k_rows + n0 * k_ss, seqlen_k - n0, p.headdim, k_ss,
-                                                            tid);
-            cp_async_staged_rows<BLOCK_N, D_TILE, NTHREADS>(raw + L::KV_TILE, v_rows + n0 * v_ss, seqlen_k - n0,
-                                                            p.headdim_v, v_ss, tid);
-        }
-        cp_async_commit();
+        stages.copy(j, j < j_end, j * BLOCK_N, k_rows, k_ss, p.headdim, v_rows, v_ss, p.headdim_v, seqlen_k, tid);
     };
-    if constexpr (RAW_STAGES > 0)
-#pragma unroll
-        for (int stage = 0; stage < RAW_STAGES; ++stage) stage_block(j_begin + stage);
+    stages.copy_first(j_begin, stage_block);
 
     float o_acc[1][D_FRAGS][4];
     zero_acc(o_acc);
@@ -117,13 +107,13 @@ flash_fwd_tf32_wgmma(const __grid_constant__ FwdParams p) {
             // every thread is past block j - 1's products, whose tiles the split overwrites.
             cp_async_wait<RAW_STAGES - 1>();
             __syncthreads();
-            const u32 raw = base + L::RAW + (j % STAGES) * 2 * L::KV_TILE;
+            const u32 raw = stages.stage(j);
             split_tf32_panels<BLOCK_N, D_TILE, NTHREADS, PRODUCTS>(base + L::K_HI, base + L::K_LO,
                                                                    StagedRows<D_TILE>{raw}, seqlen_k - n0, p.headdim,
                                                                    tid);
             split_tf32_panels_transposed<BLOCK_N, D_TILE, NTHREADS, PRODUCTS, true>(
-                base + L::V_HI, base + L::V_LO, StagedRows<D_TILE>{raw + L::KV_TILE}, seqlen_k - n0, p.headdim_v,
-                tid);
+                base + L::V_HI, base + L::V_LO, StagedRows<D_TILE>{raw + stages.TILE}, seqlen_k - n0,
+                p.headdim_v, tid);
             fence_proxy_async_shared();
             __syncthreads();  // the tiles are whole for wgmma, and every thread is done with stage j
             stage_block(j + RAW_STAGES);

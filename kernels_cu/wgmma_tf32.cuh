@@ -173,6 +173,86 @@ __device__ __forceinline__ void split_tf32_panels_transposed(u32 hi_tile, u32 lo
     }
 }
 
+// A walk's blocks of two float32 row slices (K and V, or Q and dO), each block split into panel
+// tiles before its products: RAW_STAGES > 0, the raw rows of the blocks RAW_STAGES ahead staged
+// by cp.async (StagedRows: stage j % RAW_STAGES of two ROWS x D_TILE tiles from `raw`); 0, the
+// split reads global memory itself (GlobalRows).
+template <int ROWS, int D_TILE, int NTHREADS, int RAW_STAGES>
+struct Tf32RawStages {
+    static constexpr u32 TILE = ROWS * D_TILE * 4;
+    static constexpr int STAGES = RAW_STAGES > 0 ? RAW_STAGES : 1;
+    u32 raw;
+
+    __device__ __forceinline__ u32 stage(int j) const { return raw + (j % STAGES) * 2 * TILE; }
+
+    // Block j's raw rows (rows row0 .. of the slices a and b, which have `rows` rows, a_cols and
+    // b_cols columns) into its stage, with `extra`'s copies (the dK/dV kernel's row statistics),
+    // as one commit group: empty where !valid (past the walk's end), so that every block waits
+    // for the same count.
+    struct NoExtra {
+        __device__ __forceinline__ void operator()() const {}
+    };
+    template <class Extra = NoExtra>
+    __device__ __forceinline__ void copy(int j, bool valid, int row0, const float* a, i64 a_stride, int a_cols,
+                                         const float* b, i64 b_stride, int b_cols, int rows, int thread,
+                                         const Extra& extra = Extra()) const {
+        if (valid) {
+            if constexpr (RAW_STAGES > 0) {
+                cp_async_staged_rows<ROWS, D_TILE, NTHREADS>(stage(j), a + row0 * a_stride, rows - row0, a_cols,
+                                                             a_stride, thread);
+                cp_async_staged_rows<ROWS, D_TILE, NTHREADS>(stage(j) + TILE, b + row0 * b_stride, rows - row0,
+                                                             b_cols, b_stride, thread);
+            }
+            extra();
+        }
+        cp_async_commit();
+    }
+
+    // The first RAW_STAGES blocks' copies, copy_block(first + s) each (nothing ahead at 0).
+    template <class CopyBlock>
+    __device__ __forceinline__ void copy_first(int first, const CopyBlock& copy_block) const {
+        if constexpr (RAW_STAGES > 0)
+#pragma unroll
+            for (int s = 0; s < RAW_STAGES; ++s) copy_block(first + s);
+    }
+
+    // Block j's tiles as split(a_source, b_source) stores them, whole for wgmma on return. The
+    // barrier before the split: every warp is past the previous block's products (waited for),
+    // whose tiles it overwrites, and block j's copies (every thread's) have landed; the fence and
+    // barrier after: its stores handed to the async proxy, and every thread done with the stage,
+    // which copy_ahead(j + RAW_STAGES) then refills. RAW_STAGES 0: copy_ahead(j) issues block j's
+    // extras before the split reads a and b (global memory), and they are waited for.
+    template <class Split, class CopyAhead>
+    __device__ __forceinline__ void land(int j, GlobalRows a, GlobalRows b, const Split& split,
+                                         const CopyAhead& copy_ahead) const {
+        if constexpr (RAW_STAGES > 0) {
+            cp_async_wait<RAW_STAGES - 1>();
+            __syncthreads();
+            split(StagedRows<D_TILE>{stage(j)}, StagedRows<D_TILE>{stage(j) + TILE});
+            fence_proxy_async_shared();
+            __syncthreads();
+            copy_ahead(j + RAW_STAGES);
+        } else {
+            __syncthreads();
+            copy_ahead(j);
+            split(a, b);
+            cp_async_wait<0>();
+            fence_proxy_async_shared();
+            __syncthreads();
+        }
+    }
+};
+
+// A slice split into its K-major tiles (hi, lo) and its transposed KEY_PAIRS tiles (t_hi, t_lo):
+// the backward's Q and dO, the dQ kernel's K, each read by one product as rows and by another as
+// the dimension it reduces (wgmma .tf32 has no transposed operand).
+template <int ROWS, int DIM, int NTHREADS, int PRODUCTS, class Source>
+__device__ __forceinline__ void split_tf32_panels_both(u32 hi, u32 lo, u32 t_hi, u32 t_lo, const Source& src,
+                                                       int rows_valid, int headdim, int thread) {
+    split_tf32_panels<ROWS, DIM, NTHREADS, PRODUCTS>(hi, lo, src, rows_valid, headdim, thread);
+    split_tf32_panels_transposed<ROWS, DIM, NTHREADS, PRODUCTS, true>(t_hi, t_lo, src, rows_valid, headdim, thread);
+}
+
 // ---------------------------------------------------------------------------------------------
 // wgmma m64nNk8, float32 accumulators, tf32 operands (the low 13 bits of each float32 register or
 // shared-memory word ignored). WgmmaTf32<N>::ss: A and B from shared memory (K-major); ::rs: A

@@ -26,6 +26,16 @@ struct Tf32RowsTimesRows {
     }
 };
 
+// S and dP (the dK/dV kernel: S^T and dP^T) of a block, one product after the other (each three
+// tf32 products a k-step, apart with APART: tf32_product_sums), both waited for.
+template <int K_STEPS, bool APART, int A_ROWS, int B_ROWS>
+__device__ __forceinline__ void tf32_scores_and_dp(float (&s)[B_ROWS / 2], float (&dp)[B_ROWS / 2],
+                                                   const Tf32RowsTimesRows<A_ROWS, B_ROWS>& s_tiles,
+                                                   const Tf32RowsTimesRows<A_ROWS, B_ROWS>& dp_tiles) {
+    tf32_product_sums<B_ROWS / 2, K_STEPS, true, APART>(s, s_tiles, NoTurns());
+    tf32_product_sums<B_ROWS / 2, K_STEPS, true, APART>(dp, dp_tiles, NoTurns());
+}
+
 // A warpgroup's 64 x D_TILE accumulator (value 4 j + 2 h + e of a thread: row 16 warp + g + 8 h,
 // column 8 j + 2 t + e) times `scale`, stored as float32 pairs to rows row0 + r < rows_valid
 // (row_at(r): the row's first element) and columns < columns (a multiple of 4: a pair is
@@ -43,7 +53,8 @@ __device__ __forceinline__ void store_acc_rows_f32(const float (&acc)[D_TILE / 2
         for (int j = 0; j < D_TILE / 8; ++j) {
             const int col = 8 * j + 2 * t;
             if (col < columns)
-                *reinterpret_cast<float2*>(out + col) = make_float2(acc[4 * j + 2 * h] * scale, acc[4 * j + 2 * h + 1] * scale);
+                *reinterpret_cast<float2*>(out + col) =
+                    make_float2(acc[4 * j + 2 * h] * scale, acc[4 * j + 2 * h + 1] * scale);
         }
     }
 }

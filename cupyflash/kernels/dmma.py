@@ -44,8 +44,8 @@ def specializations() -> list[Specialization]:
         out.extend(backward_plans.dmma_spec(kind, dt, mask, c, "float32") for mask in backward_masks
                    for kind in ("stats", "dkdv", "dq"))
     for dt, c in sorted(backward_plans.TF32_WGMMA_BACKWARD_CONFIGS.items()):  # its wgmma candidates
-        out.extend(spec(dt, mask, c) for mask in backward_masks
-                   for spec in (backward_plans.tf32_wgmma_dkdv_spec, backward_plans.tf32_wgmma_dq_spec))
+        out.extend(backward_plans.tf32_wgmma_spec(kind, dt, mask, c) for mask in backward_masks
+                   for kind in ("dkdv", "dq"))
     return list(dict.fromkeys(out))
 
 

@@ -12,10 +12,11 @@ import pytest
 from cupyflash import backward_plans
 from cupyflash.backward_plans import TF32_WGMMA_BACKWARD_CONFIGS, Tf32WgmmaBwdConfig
 from cupyflash.masks import as_mask
+import models.flash_bwd_dkdv_tf32_wgmma as dkdv_model
 from models.flash_bwd_dkdv_tf32_wgmma import (BLOCK_N, KERNEL, acc_from_matrix, backward_smem, element_positions,
-                                              epilogue_rows, load_tiles, products)
+                                              load_tiles, products)
 from models.mirrors import missing_statements, unmirrored_statements
-from models.wgmma_tf32_bwd_steps import STEPS, close, valid_part
+from models.wgmma_tf32_bwd_steps import STEPS, acc_times_tile, close, emulate, store_acc_rows
 from nvrtc_check import needs_nvrtc
 
 
@@ -28,21 +29,21 @@ def test_mirrors_match_the_kernel_sources(source):
 @pytest.mark.parametrize("config", [Tf32WgmmaBwdConfig(32, 2), Tf32WgmmaBwdConfig(64, 1), Tf32WgmmaBwdConfig(64, 0)])
 def test_smem_is_the_kernels_layout_and_fits(config):
     layout = backward_smem(64, config.block_m, config.raw_stages)
-    assert backward_plans.tf32_wgmma_dkdv_smem_bytes(64, config) == layout["BYTES"] + 1024 <= 227 * 1024
+    assert backward_plans.tf32_wgmma_smem_bytes("dkdv", 64, config) == layout["BYTES"] + 1024 <= 227 * 1024
     assert all(layout[name] % 1024 == 0 for name in layout if name.endswith(("_HI", "_LO")))  # 128-byte swizzle
 
 
 def test_the_spec_names_its_tiles_and_refuses_what_cannot_run():
-    spec = backward_plans.tf32_wgmma_dkdv_spec(64, as_mask(True), TF32_WGMMA_BACKWARD_CONFIGS[64])
+    spec = backward_plans.tf32_wgmma_spec("dkdv", 64, as_mask(True), TF32_WGMMA_BACKWARD_CONFIGS[64])
     assert spec.name == "flash_bwd_dkdv_tf32_wgmma_fp32_hdim64_causal_bm32_bn64_r2_apart"
     assert spec.expression == "cf::flash_bwd_dkdv_tf32_wgmma<64, cf::Causal, 32, 2, true>"
     assert spec.arch == "90a" and spec.threads == 128
     with pytest.raises(ValueError, match="head-dim tiles"):
-        backward_plans.tf32_wgmma_dkdv_spec(128, as_mask(True), Tf32WgmmaBwdConfig())
+        backward_plans.tf32_wgmma_spec("dkdv", 128, as_mask(True), Tf32WgmmaBwdConfig())
     with pytest.raises(ValueError, match="head dims up to 64"):
         backward_plans.tf32_wgmma_backward_plan(96, True, Tf32WgmmaBwdConfig())
     with pytest.raises(ValueError, match="227 KiB"):
-        backward_plans.tf32_wgmma_dkdv_spec(64, as_mask(True), Tf32WgmmaBwdConfig(64, 2))
+        backward_plans.tf32_wgmma_spec("dkdv", 64, as_mask(True), Tf32WgmmaBwdConfig(64, 2))
     plan = backward_plans.tf32_wgmma_backward_plan(40, False, Tf32WgmmaBwdConfig(), statistics="recomputed")
     assert [launch.role for launch in plan.launches] == ["stats", "dkdv", "dq"]
     assert plan.spec("dkdv").name.startswith("flash_bwd_dkdv_tf32_wgmma_fp32_hdim64_full_")
@@ -60,14 +61,8 @@ def test_the_spec_names_its_tiles_and_refuses_what_cannot_run():
 def test_one_block_emulated_is_the_backward_products(block_m, keys_valid, queries_valid, headdim, headdim_v):
     """Fresh float32 values with every mantissa bit in use: the three-product split leaves 2^-21
     relative, a value at the wrong key, query or column leaves O(1)."""
-    rng = np.random.default_rng(block_m + keys_valid + headdim_v)
-    d_tile = 64
-    k, v = (rng.standard_normal((BLOCK_N, d_tile)).astype(np.float32) for _ in range(2))
-    q, do = (rng.standard_normal((block_m, d_tile)).astype(np.float32) for _ in range(2))
-    smem = load_tiles(d_tile, block_m, k, v, q, do, keys_valid, queries_valid, headdim, headdim_v)
-    k64, v64 = valid_part(k, keys_valid, headdim), valid_part(v, keys_valid, headdim_v)
-    q64, do64 = valid_part(q, queries_valid, headdim), valid_part(do, queries_valid, headdim_v)
-    got = products(smem, d_tile, block_m)
+    got, (k64, v64, q64, do64) = emulate(dkdv_model, block_m, keys_valid, queries_valid, headdim, headdim_v,
+                                               seed=block_m + keys_valid + headdim_v)
     assert close(got["st"], k64 @ q64.T) and close(got["dpt"], v64 @ do64.T)
     assert close(got["dv"], got["p_t"] @ do64) and close(got["dk"], got["ds_t"] @ q64)
 
@@ -77,14 +72,12 @@ def test_one_block_emulated_is_the_backward_products(block_m, keys_valid, querie
     assert np.array_equal(acc_from_matrix(key_of).reshape(128, -1), keys)
     assert np.array_equal(acc_from_matrix(query_of).reshape(128, -1), queries)
     # the epilogue stores value 4 j + 2 h + e at its key row and column
-    assert np.array_equal(epilogue_rows(acc_from_matrix(got["dk"]).reshape(128, -1), d_tile), got["dk"])
+    assert np.array_equal(store_acc_rows(acc_from_matrix(got["dk"]).reshape(128, -1), 64), got["dk"])
 
 
 def test_a_slipped_relabelling_is_caught():
     """The emulation is not blind: dO^T's k-steps fed P^T's registers in accumulator order
     ({d0, d1, d2, d3}, the relabelling undone) put values at other queries."""
-    from models.wgmma_tf32_bwd_steps import acc_times_tile
-
     rng = np.random.default_rng(11)
     k, v = (rng.standard_normal((BLOCK_N, 64)).astype(np.float32) for _ in range(2))
     q, do = (rng.standard_normal((32, 64)).astype(np.float32) for _ in range(2))

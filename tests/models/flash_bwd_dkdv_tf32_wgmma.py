@@ -1,7 +1,7 @@
 """Model of kernels_cu/flash_bwd_dkdv_tf32_wgmma.cu (perf log tf32-wgmma-bwd-v0): its shared-memory
 layout, the tiles its loaders fill (wgmma_tf32.cuh's loaders, models/wgmma_tf32.py), the operands
-each product reads (models/wgmma_tf32_bwd_steps.py emulates them), the (key, query) of each value
-of its element step, and where the epilogue stores each accumulator value.
+each product reads (models/wgmma_tf32_bwd_steps.py emulates them), and the (key, query) of each
+value of its element step and epilogue.
 """
 from __future__ import annotations
 
@@ -9,12 +9,11 @@ import numpy as np
 
 from .mirrors import mirrors
 from .wgmma import acc_from_matrix
-from .wgmma_tf32 import split_tf32_panels, split_tf32_panels_transposed
-from .wgmma_tf32_bwd_steps import acc_times_tile, rows_times_rows, store_acc_rows
+from .wgmma_tf32_bwd_steps import acc_times_tile, accumulator_positions, rows_times_rows, split_into
 
 KERNEL = "flash_bwd_dkdv_tf32_wgmma"
 BLOCK_N = 64
-NTHREADS = 128
+CTA_ROWS = BLOCK_N  # the rows a CTA keeps (models/wgmma_tf32_bwd_steps.py emulate)
 STAT_SLOTS = 4  # dmma_bwd_steps.cuh's StatSlot: lse, delta, weight, dp_ref
 
 
@@ -32,10 +31,8 @@ STAT_SLOTS = 4  # dmma_bwd_steps.cuh's StatSlot: lse, delta, weight, dp_ref
          "constexpr int BLOCK_N = L::BLOCK_N, NTHREADS = 128, PRODUCTS = 3;",
          "constexpr int SV = BLOCK_M / 2;",
          "constexpr int DV = D_TILE / 2;",
-         "constexpr int STAGES = RAW_STAGES > 0 ? RAW_STAGES : 1;",
-         "constexpr int K_STEPS = D_TILE / 8;",
          "const u32 base = aligned_dynamic_smem<L::BYTES>(smem_raw);",
-         "const u32 raw = base + L::RAW + (it % STAGES) * 2 * L::Q_TILE;",
+         "const Tf32RawStages<BLOCK_M, D_TILE, NTHREADS, RAW_STAGES> stages{base + L::RAW};",
          "const u32 dst = base + L::STATS + ((it % L::STAT_RING) * STAT_SLOTS * BLOCK_M + tid) * 4;")
 def backward_smem(d_tile: int, block_m: int, raw_stages: int) -> dict:
     """BwdTf32WgmmaSmem's offsets in bytes from the aligned base."""
@@ -53,26 +50,17 @@ def backward_smem(d_tile: int, block_m: int, raw_stages: int) -> dict:
 
 def load_tiles(d_tile: int, block_m: int, k, v, q, do, keys_valid: int, queries_valid: int, headdim: int,
                headdim_v: int) -> np.ndarray:
-    """Shared memory (one uint32 word a slot, from the aligned base) after the kernel's split of K
-    and V and of one query block's Q and dO (split_query_block), the calls as the kernel makes
-    them (PRODUCTS 3, KEY_PAIRS for the transposed tiles)."""
-    L = backward_smem(d_tile, block_m, 0)
-    smem = np.full(L["BYTES"] // 4, 0xFFFFFFFF, np.uint32)
-    for tile, rows, rows_valid, dim_valid, x in (("K", BLOCK_N, keys_valid, headdim, k),
-                                                 ("V", BLOCK_N, keys_valid, headdim_v, v),
-                                                 ("Q", block_m, queries_valid, headdim, q),
-                                                 ("DO", block_m, queries_valid, headdim_v, do)):
-        split_tf32_panels(3, smem, smem, L[tile + "_HI"], L[tile + "_LO"], rows, d_tile, NTHREADS, x, rows_valid,
-                          dim_valid)
-    for tile, dim_valid, x in (("QT", headdim, q), ("DOT", headdim_v, do)):
-        split_tf32_panels_transposed(3, smem, smem, L[tile + "_HI"], L[tile + "_LO"], block_m, d_tile, NTHREADS, x,
-                                     queries_valid, dim_valid, key_pairs=True)
-    return smem
+    """Shared memory after the kernel's split of K and V and of one query block's Q and dO, both
+    ways (split_tf32_panels_both)."""
+    return split_into(backward_smem(d_tile, block_m, 0), d_tile, [
+        ("K", BLOCK_N, keys_valid, headdim, k, False), ("V", BLOCK_N, keys_valid, headdim_v, v, False),
+        ("Q", block_m, queries_valid, headdim, q, False), ("QT", block_m, queries_valid, headdim, q, True),
+        ("DO", block_m, queries_valid, headdim_v, do, False), ("DOT", block_m, queries_valid, headdim_v, do, True)])
 
 
 @mirrors(KERNEL,
-         "s, RowsTimesRows{base + L::K_HI, base + L::K_LO, base + L::Q_HI, base + L::Q_LO}, NoTurns());",
-         "dp, RowsTimesRows{base + L::V_HI, base + L::V_LO, base + L::DO_HI, base + L::DO_LO}, NoTurns());",
+         "Tf32RowsTimesRows<BLOCK_N, BLOCK_M>{base + L::K_HI, base + L::K_LO, base + L::Q_HI, base + L::Q_LO},",
+         "{base + L::V_HI, base + L::V_LO, base + L::DO_HI, base + L::DO_LO});",
          "tf32_acc_times_tile<D_TILE, BLOCK_M / 8, PRODUCTS, SUMS_APART>(dv_acc, s, base + L::DOT_HI, base + L::DOT_LO,",
          "tf32_acc_times_tile<D_TILE, BLOCK_M / 8, PRODUCTS, SUMS_APART>(dk_acc, dp, base + L::QT_HI, base + L::QT_LO,")
 def products(smem, d_tile: int, block_m: int) -> dict:
@@ -91,30 +79,17 @@ def products(smem, d_tile: int, block_m: int) -> dict:
 @mirrors(KERNEL,
          "const int qi = 8 * f + 2 * t + (e & 1), q_row = m0 + qi;",
          "const int key = n0 + 16 * warp + g + 8 * (e >> 1);",
-         "const int v = 4 * f + e;")
-def element_positions(block_m: int) -> tuple[np.ndarray, np.ndarray]:
-    """(key row, query) within the block of value v = 4 f + e of each of the 128 threads in the
-    element step (P^T, dS^T), as [thread, v] arrays."""
-    warp, lane = np.arange(NTHREADS) // 32, np.arange(NTHREADS) % 32
-    g, t = lane // 4, lane % 4
-    keys = np.zeros((NTHREADS, block_m // 2), int)
-    queries = np.zeros_like(keys)
-    for f in range(block_m // 8):
-        for e in range(4):
-            keys[:, 4 * f + e] = 16 * warp + g + 8 * (e >> 1)
-            queries[:, 4 * f + e] = 8 * f + 2 * t + (e & 1)
-    return keys, queries
-
-
-@mirrors(KERNEL,
+         "const int v = 4 * f + e;",
          "store_acc_rows_f32<D_TILE>(dk_acc, scale, keys_valid, p.headdim,",
          "store_acc_rows_f32<D_TILE>(dv_acc, drop_scale, keys_valid, p.headdim_v,",
          "[&](int r) { return p.dk.row<float>(batch, seq.k_begin + n0 + r, head_kv); }, warp, lane);",
          "[&](int r) { return p.dv.row<float>(batch, seq.k_begin + n0 + r, head_kv); }, warp, lane);")
-def epilogue_rows(acc_flat: np.ndarray, d_tile: int) -> np.ndarray:
-    """dK's (and dV's) 64 x d_tile block of keys n0 .. n0 + 63, as store_acc_rows_f32 stores it."""
-    return store_acc_rows(acc_flat, d_tile)
+def element_positions(block_m: int) -> tuple[np.ndarray, np.ndarray]:
+    """(key row, query) within the block of value v = 4 f + e of each of the 128 threads in the
+    element step (P^T, dS^T), as [thread, v] arrays: S^T's accumulator, keys as its rows; the
+    epilogue stores dK and dV from the same layout (store_acc_rows_f32, whose model is the steps')."""
+    return accumulator_positions(block_m)
 
 
-__all__ = ["KERNEL", "BLOCK_N", "backward_smem", "load_tiles", "products", "element_positions", "epilogue_rows",
+__all__ = ["KERNEL", "BLOCK_N", "backward_smem", "CTA_ROWS", "load_tiles", "products", "element_positions",
            "acc_from_matrix"]

@@ -1,7 +1,7 @@
 """Model of kernels_cu/flash_bwd_dq_tf32_wgmma.cu (perf log tf32-wgmma-bwd-v0): its shared-memory
 layout, the tiles its loaders fill (models/wgmma_tf32.py), its three products on one key block
-(models/wgmma_tf32_bwd_steps.py emulates them), the (query row, key) of each value of its element
-step, and its epilogue's rows.
+(models/wgmma_tf32_bwd_steps.py emulates them), and the (query row, key) of each value of its
+element step and epilogue.
 """
 from __future__ import annotations
 
@@ -9,12 +9,11 @@ import numpy as np
 
 from .mirrors import mirrors
 from .wgmma import acc_from_matrix
-from .wgmma_tf32 import split_tf32_panels, split_tf32_panels_transposed
-from .wgmma_tf32_bwd_steps import acc_times_tile, rows_times_rows, store_acc_rows
+from .wgmma_tf32_bwd_steps import acc_times_tile, accumulator_positions, rows_times_rows, split_into
 
 KERNEL = "flash_bwd_dq_tf32_wgmma"
 BLOCK_M = 64
-NTHREADS = 128
+CTA_ROWS = BLOCK_M  # the rows a CTA keeps (models/wgmma_tf32_bwd_steps.py emulate)
 
 
 @mirrors(KERNEL,
@@ -28,10 +27,8 @@ NTHREADS = 128
          "static constexpr u32 BYTES = RAW + RAW_STAGES * 2 * KV_TILE;",
          "constexpr int BLOCK_M = L::BLOCK_M, NTHREADS = 128, PRODUCTS = 3;",
          "constexpr int SV = BLOCK_N / 2;",
-         "constexpr int STAGES = RAW_STAGES > 0 ? RAW_STAGES : 1;",
-         "constexpr int K_STEPS = D_TILE / 8;",
          "const u32 base = aligned_dynamic_smem<L::BYTES>(smem_raw);",
-         "const u32 raw = base + L::RAW + (j % STAGES) * 2 * L::KV_TILE;")
+         "const Tf32RawStages<BLOCK_N, D_TILE, NTHREADS, RAW_STAGES> stages{base + L::RAW};")
 def dq_smem(d_tile: int, block_n: int, raw_stages: int) -> dict:
     """DqTf32WgmmaSmem's offsets in bytes from the aligned base."""
     q_tile, kv_tile = BLOCK_M * d_tile * 4, block_n * d_tile * 4
@@ -47,24 +44,17 @@ def dq_smem(d_tile: int, block_n: int, raw_stages: int) -> dict:
 
 def load_tiles(d_tile: int, block_n: int, q, do, k, v, queries_valid: int, keys_valid: int, headdim: int,
                headdim_v: int) -> np.ndarray:
-    """Shared memory (one uint32 word a slot, from the aligned base) after the split of Q and dO
-    and of one key block's K and V (split_key_block), the calls as the kernel makes them."""
-    L = dq_smem(d_tile, block_n, 0)
-    smem = np.full(L["BYTES"] // 4, 0xFFFFFFFF, np.uint32)
-    for tile, rows, rows_valid, dim_valid, x in (("Q", BLOCK_M, queries_valid, headdim, q),
-                                                 ("DO", BLOCK_M, queries_valid, headdim_v, do),
-                                                 ("K", block_n, keys_valid, headdim, k),
-                                                 ("V", block_n, keys_valid, headdim_v, v)):
-        split_tf32_panels(3, smem, smem, L[tile + "_HI"], L[tile + "_LO"], rows, d_tile, NTHREADS, x, rows_valid,
-                          dim_valid)
-    split_tf32_panels_transposed(3, smem, smem, L["KT_HI"], L["KT_LO"], block_n, d_tile, NTHREADS, k, keys_valid,
-                                 headdim, key_pairs=True)
-    return smem
+    """Shared memory after the kernel's split of Q and dO and of one key block's K (both ways:
+    split_tf32_panels_both) and V."""
+    return split_into(dq_smem(d_tile, block_n, 0), d_tile, [
+        ("Q", BLOCK_M, queries_valid, headdim, q, False), ("DO", BLOCK_M, queries_valid, headdim_v, do, False),
+        ("K", block_n, keys_valid, headdim, k, False), ("KT", block_n, keys_valid, headdim, k, True),
+        ("V", block_n, keys_valid, headdim_v, v, False)])
 
 
 @mirrors(KERNEL,
-         "s, RowsTimesRows{base + L::Q_HI, base + L::Q_LO, base + L::K_HI, base + L::K_LO}, NoTurns());",
-         "dp, RowsTimesRows{base + L::DO_HI, base + L::DO_LO, base + L::V_HI, base + L::V_LO}, NoTurns());",
+         "Tf32RowsTimesRows<BLOCK_M, BLOCK_N>{base + L::Q_HI, base + L::Q_LO, base + L::K_HI, base + L::K_LO},",
+         "{base + L::DO_HI, base + L::DO_LO, base + L::V_HI, base + L::V_LO});",
          "tf32_acc_times_tile<D_TILE, BLOCK_N / 8, PRODUCTS, SUMS_APART>(dq_acc, s, base + L::KT_HI, base + L::KT_LO,")
 def products(smem, d_tile: int, block_n: int) -> dict:
     """S = Q K^T and dP = dO V^T (Tf32RowsTimesRows<BLOCK_M, BLOCK_N>), then dQ from the
@@ -79,27 +69,15 @@ def products(smem, d_tile: int, block_n: int) -> dict:
 
 @mirrors(KERNEL,
          "q_row[h] = m0 + 16 * warp + g + 8 * h;",
-         "const int h = e >> 1, key = n0 + 8 * f + 2 * t + (e & 1), v = 4 * f + e;")
-def element_positions(block_n: int) -> tuple[np.ndarray, np.ndarray]:
-    """(query row, key) within the blocks of value v = 4 f + e of each thread, as [thread, v]."""
-    warp, lane = np.arange(NTHREADS) // 32, np.arange(NTHREADS) % 32
-    g, t = lane // 4, lane % 4
-    rows = np.zeros((NTHREADS, block_n // 2), int)
-    keys = np.zeros_like(rows)
-    for f in range(block_n // 8):
-        for e in range(4):
-            rows[:, 4 * f + e] = 16 * warp + g + 8 * (e >> 1)
-            keys[:, 4 * f + e] = 8 * f + 2 * t + (e & 1)
-    return rows, keys
-
-
-@mirrors(KERNEL,
+         "const int h = e >> 1, key = n0 + 8 * f + 2 * t + (e & 1), v = 4 * f + e;",
          "store_acc_rows_f32<D_TILE>(dq_acc, scale, seqlen_q - m0, p.headdim,",
          "[&](int r) { return p.dq.row<float>(batch, seq.q_begin + m0 + r, head); }, warp, lane);")
-def epilogue_rows(acc_flat: np.ndarray, d_tile: int) -> np.ndarray:
-    """dQ's 64 x d_tile block of rows m0 .. m0 + 63, as store_acc_rows_f32 stores it."""
-    return store_acc_rows(acc_flat, d_tile)
+def element_positions(block_n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(query row, key) within the blocks of value v = 4 f + e of each thread, as [thread, v]: S's
+    accumulator, queries as its rows; the epilogue stores dQ from the same layout
+    (store_acc_rows_f32, whose model is the steps')."""
+    return accumulator_positions(block_n)
 
 
-__all__ = ["KERNEL", "BLOCK_M", "dq_smem", "load_tiles", "products", "element_positions", "epilogue_rows",
+__all__ = ["KERNEL", "BLOCK_M", "dq_smem", "CTA_ROWS", "load_tiles", "products", "element_positions",
            "acc_from_matrix"]

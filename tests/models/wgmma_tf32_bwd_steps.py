@@ -12,7 +12,8 @@ import numpy as np
 
 from .mirrors import mirrors
 from .tf32 import split_tf32, tensor_core_reads
-from .wgmma_tf32 import p_as_a_registers, tf32_a_fragment_matrix, tf32_k_step_desc, tf32_operand
+from .wgmma_tf32 import (p_as_a_registers, split_tf32_panels, split_tf32_panels_transposed, tf32_a_fragment_matrix,
+                         tf32_k_step_desc, tf32_operand)
 
 STEPS = "wgmma_tf32_bwd_steps.cuh"
 NTHREADS = 128
@@ -68,6 +69,56 @@ def store_acc_rows(acc_flat: np.ndarray, d_tile: int) -> np.ndarray:
     return out
 
 
+def split_into(layout: dict, d_tile: int, splits) -> np.ndarray:
+    """Shared memory (one uint32 word a slot, from the aligned base; `layout` a kernel's offsets)
+    after the given splits, as the kernels call wgmma_tf32.cuh's loaders (PRODUCTS 3): each
+    (tile, rows, rows_valid, headdim, slice, transposed), into the tiles tile + "_HI" and
+    tile + "_LO", transposed ones in KEY_PAIRS order."""
+    smem = np.full(layout["BYTES"] // 4, 0xFFFFFFFF, np.uint32)
+    for tile, rows, rows_valid, headdim, x, transposed in splits:
+        split = split_tf32_panels_transposed if transposed else split_tf32_panels
+        split(3, smem, smem, layout[tile + "_HI"], layout[tile + "_LO"], rows, d_tile, NTHREADS, x, rows_valid,
+              headdim, **({"key_pairs": True} if transposed else {}))
+    return smem
+
+
+def accumulator_positions(cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """(row, column) of value v = 4 f + e of each thread's 64 x cols accumulator, as [thread, v]
+    arrays: row 16 warp + g + 8 (e / 2), column 8 f + 2 t + e % 2 (g = lane / 4, t = lane % 4)."""
+    warp, lane = np.arange(NTHREADS) // 32, np.arange(NTHREADS) % 32
+    g, t = lane // 4, lane % 4
+    rows = np.zeros((NTHREADS, cols // 2), int)
+    columns = np.zeros_like(rows)
+    for f in range(cols // 8):
+        for e in range(4):
+            rows[:, 4 * f + e] = 16 * warp + g + 8 * (e >> 1)
+            columns[:, 4 * f + e] = 8 * f + 2 * t + (e & 1)
+    return rows, columns
+
+
+def fresh_operands(seed: int, rows: int, other_rows: int, rows_valid: int, other_valid: int, headdim: int,
+                   headdim_v: int, d_tile: int = 64) -> tuple[list, list]:
+    """Two slices of `rows` rows (K and V, or Q and dO) then two of `other_rows`, float32 with every
+    mantissa bit in use, and their parts the zero-filled tiles hold in float64 (rows < the pair's
+    valid count, columns < headdim for the first of a pair and headdim_v for the second)."""
+    rng = np.random.default_rng(seed)
+    slices = [rng.standard_normal((n, d_tile)).astype(np.float32) for n in (rows, rows, other_rows, other_rows)]
+    valid = [valid_part(x, rv, hd) for x, rv, hd in zip(slices, (rows_valid, rows_valid, other_valid, other_valid),
+                                                         (headdim, headdim_v, headdim, headdim_v))]
+    return slices, valid
+
+
+def emulate(kernel_model, block: int, cta_valid: int, block_valid: int, headdim: int, headdim_v: int, seed: int,
+            d_tile: int = 64) -> tuple[dict, list]:
+    """A kernel model's products() on one CTA block (kernel_model.CTA_ROWS rows: K and V, or Q and
+    dO) and one walked block of `block` rows, of fresh operands, and the operands' valid parts in
+    float64 (in that order: what the products must equal)."""
+    slices, valid = fresh_operands(seed, kernel_model.CTA_ROWS, block, cta_valid, block_valid, headdim, headdim_v,
+                                   d_tile)
+    smem = kernel_model.load_tiles(d_tile, block, *slices, cta_valid, block_valid, headdim, headdim_v)
+    return kernel_model.products(smem, d_tile, block), valid
+
+
 def valid_part(x: np.ndarray, rows: int, cols: int) -> np.ndarray:
     """x in float64 with rows >= rows and columns >= cols zeroed (what the zero-filled tiles hold)."""
     out = np.zeros(x.shape)
@@ -80,4 +131,5 @@ def close(got: np.ndarray, want: np.ndarray) -> bool:
     return bool(np.abs(got - want).max() <= 2.0 ** -19 * (1 + np.abs(want).max()))
 
 
-__all__ = ["STEPS", "rows_times_rows", "acc_times_tile", "store_acc_rows", "valid_part", "close"]
+__all__ = ["STEPS", "split_into", "rows_times_rows", "acc_times_tile", "store_acc_rows", "accumulator_positions", "fresh_operands", "emulate",
+           "valid_part", "close"]
