@@ -808,7 +808,9 @@ class Tf32WgmmaBwdConfig:
     query blocks ahead copied by cp.async (0: read from global memory by the split).
     flash_bwd_dq_tf32_wgmma (``flash_bwd_dq_tf32_wgmma.cu``): dQ on one warpgroup of 64 queries,
     stepping over ``dq_block_n`` keys (32 or 64; 0: dQ on the tf32x3 experiment's mma.sync kernel),
-    its raw K and V ``dq_raw_stages`` blocks ahead. ``sums_apart`` (both): the rows-times-rows
+    its raw K and V ``dq_raw_stages`` blocks ahead. ``fused_dq``: dQ in the dK/dV kernel instead,
+    dQ^T = K^T dS^T added by float32 atomics (FA2's form: S, dP and dS formed once; not bitwise
+    reproducible; d64 tile only). ``sums_apart`` (all): the rows-times-rows
     products' small products and hi hi chains summed apart, and each block's accumulator-times-tile
     products in fresh accumulators, for accuracy. The recomputed statistics run on the tf32x3
     experiment's kernel. Candidates, in no plan: ``dmma.backward(config=...)`` on float32 arrays,
@@ -820,6 +822,7 @@ class Tf32WgmmaBwdConfig:
     sums_apart: bool = True
     dq_block_n: int = 32
     dq_raw_stages: int = 2
+    fused_dq: bool = False
 
     threads = 128
     block_n = 64
@@ -835,13 +838,14 @@ TF32_WGMMA_D_TILES = (64,)
 def tf32_wgmma_smem_bytes(kind: str, dt: int, config: Tf32WgmmaBwdConfig) -> int:
     """The shared memory of flash_bwd_{kind}_tf32_wgmma, plus the 1024 bytes that align its base.
     "dkdv" mirrors BwdTf32WgmmaSmem<...>::BYTES: K and V (64 rows) and the query block's Q, dO,
-    Q^T and dO^T, each a hi and a lo tile of float32 words, the raw stages of Q and dO, and
-    raw_stages + 1 slots of four row statistics. "dq" mirrors DqTf32WgmmaSmem<...>::BYTES: Q and
+    Q^T and dO^T, each a hi and a lo tile of float32 words (fused_dq: K^T and dS too), the raw
+    stages of Q and dO, and raw_stages + 1 slots of four row statistics. "dq" mirrors DqTf32WgmmaSmem<...>::BYTES: Q and
     dO (64 rows), K, V and K^T (dq_block_n rows or slots), hi and lo, and the raw stages of K and V."""
-    if kind == "dkdv":
+    if kind == "dkdv":  # fused_dq: K^T and dS, hi and lo, after the tiles
         q_tile = 4 * config.block_m * dt
         return (4 * 4 * 64 * dt + 8 * q_tile + config.raw_stages * 2 * q_tile
-                + (config.raw_stages + 1) * 4 * config.block_m * 4 + 1024)
+                + (config.raw_stages + 1) * 4 * config.block_m * 4
+                + (2 * 4 * 64 * dt + 2 * 4 * config.block_m * 64 if config.fused_dq else 0) + 1024)
     kv_tile = 4 * config.dq_block_n * dt
     return 4 * 4 * 64 * dt + 6 * kv_tile + config.dq_raw_stages * 2 * kv_tile + 1024
 
@@ -860,10 +864,15 @@ def tf32_wgmma_spec(kind: str, dt: int, mask: Mask, config: Tf32WgmmaBwdConfig) 
         raise ValueError(f"cupyflash: flash_bwd_{kind}_tf32_wgmma steps over blocks of 32 or 64 rows: {config!r}")
     if tf32_wgmma_smem_bytes(kind, dt, config) > 227 * 1024:
         raise ValueError(f"cupyflash: flash_bwd_{kind}_tf32_wgmma's tiles take more than 227 KiB: {config!r}")
+    fused = kind == "dkdv" and config.fused_dq
+    if fused and dt != 64:
+        raise ValueError(f"cupyflash: the fused dQ (dQ^T = K^T dS^T) takes the d64 tile, not {dt}")
     fn = f"flash_bwd_{kind}_tf32_wgmma"
     apart = "_apart" if config.sums_apart else ""
-    return Specialization(f"{fn}_{SHORT_NAMES['float32']}_hdim{dt}_{mask.name}_bm{bm}_bn{bn}_r{raw}{apart}", f"{fn}.cu",
-                          f"cf::{fn}<{dt}, {mask.cpp}, {step}, {raw}, {'true' if config.sums_apart else 'false'}>",
+    return Specialization(f"{fn}_{SHORT_NAMES['float32']}_hdim{dt}_{mask.name}_bm{bm}_bn{bn}_r{raw}{apart}"
+                          f"{'_dq' if fused else ''}", f"{fn}.cu",
+                          f"cf::{fn}<{dt}, {mask.cpp}, {step}, {raw}, {'true' if config.sums_apart else 'false'}"
+                          f"{', true' if fused else ''}>",
                           config.threads, tf32_wgmma_smem_bytes(kind, dt, config), arch="90a")
 
 
@@ -877,15 +886,18 @@ def tf32_wgmma_d_tile(headdim: int) -> int:
 def tf32_wgmma_backward_plan(headdim: int, mask: Mask | bool, config: Tf32WgmmaBwdConfig,
                              statistics: str = "saved") -> BackwardPlan:
     """The float32 backward with dK / dV on flash_bwd_dkdv_tf32_wgmma and dQ on
-    flash_bwd_dq_tf32_wgmma (``config``; dq_block_n 0: dQ on the tf32x3 experiment's kernel), D
-    or the recomputed statistics on the tf32x3 experiment's kernels: deterministic, no atomics."""
+    flash_bwd_dq_tf32_wgmma (``config``; dq_block_n 0: dQ on the tf32x3 experiment's kernel;
+    fused_dq: by the dK/dV kernel's float32 atomics, the one plan here that is not deterministic),
+    D or the recomputed statistics on the tf32x3 experiment's kernels."""
     mask = as_mask(mask)
     check_statistics(statistics, "float32")
     dt = tf32_wgmma_d_tile(headdim)
     experiment, experiment_dt = tf32x3_backward_config(headdim), d_tile_dmma(headdim)
     first = (Launch("stats", dmma_spec("stats", experiment_dt, mask, experiment, "float32"), experiment.dq_block_m)
              if statistics == "recomputed" else Launch("preprocess", preprocess_spec("float32"), PREPROCESS_ROWS))
+    dkdv = Launch("dkdv", tf32_wgmma_spec("dkdv", dt, mask, config), config.block_n)
+    if config.fused_dq:  # dQ by the dK/dV kernel's atomics
+        return BackwardPlan("mma", "explicit", headdim, dt, "atomic", config, (first, dkdv))
     dq = (Launch("dq", tf32_wgmma_spec("dq", dt, mask, config), config.dq_block_m) if config.dq_block_n else
           Launch("dq", dmma_spec("dq", experiment_dt, mask, experiment, "float32"), experiment.dq_block_m))
-    launches = (first, Launch("dkdv", tf32_wgmma_spec("dkdv", dt, mask, config), config.block_n), dq)
-    return BackwardPlan("mma", "explicit", headdim, dt, "none", config, launches)
+    return BackwardPlan("mma", "explicit", headdim, dt, "none", config, (first, dkdv, dq))

@@ -43,6 +43,9 @@ WGMMA_CANDIDATES = {
     "wgmma_bm64": Tf32WgmmaBwdConfig(64, 0, False, 64, 1),
     "wgmma_sync": Tf32WgmmaBwdConfig(32, 0, True, 32, 0),  # the split reads global memory itself
     "wgmma_dkdv": Tf32WgmmaBwdConfig(dq_block_n=0),  # dQ on the tf32x3 kernel: the dK/dV kernel alone
+    # dQ in the dK/dV kernel by atomics (10 product units, not 14): the count's road to issue 18's bar
+    "wgmma_fused": Tf32WgmmaBwdConfig(fused_dq=True),
+    "wgmma_fused_chained": Tf32WgmmaBwdConfig(32, 2, False, fused_dq=True),
 }
 
 

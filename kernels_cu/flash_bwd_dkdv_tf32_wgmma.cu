@@ -28,6 +28,11 @@
 // by FADD (tf32_acc_times_tile's FRESH), for the accuracy the truncating accumulation costs: dV
 // and dK chain every query of the sequence otherwise (the forward's 10x standard float32's
 // error, tf32-wgmma-v0).
+//
+// DQ_ATOMIC (d64): dQ here too, as FA2 forms it: each query block's dQ^T = K^T dS^T (A = K^T
+// split once per CTA, B = dS stored [query][key] by the threads that hold dS^T) added to dq by
+// float32 atomics, so dS and the products before it are formed once (10 product units per 10
+// counted, not the two kernels' 14; perf log tf32-wgmma-bwd-v0). dq must hold zeros first.
 #include "block_walk.cuh"
 #include "common.cuh"
 #include "dmma_bwd_steps.cuh"
@@ -43,9 +48,11 @@ namespace cf {
 // Shared memory in bytes from a 1024-byte aligned base (backward_plans.tf32_wgmma_dkdv_smem_bytes
 // mirrors BYTES and adds the alignment slack). Panel tiles (wgmma_tf32.cuh) of float32 words: K
 // and V (64 rows, K-major), Q and dO (BLOCK_M rows, K-major), Q^T and dO^T (D_TILE rows of
-// BLOCK_M query slots); then RAW_STAGES stages of raw Q and dO rows (StagedRows), then the row
-// statistics, STAT_RING slots of [STAT_SLOTS][BLOCK_M] floats (dmma_bwd_steps.cuh's StatSlot).
-template <int D_TILE, int BLOCK_M, int RAW_STAGES>
+// BLOCK_M query slots), with DQ_ATOMIC K^T (D_TILE rows of the 64 keys, in key order) and dS
+// (BLOCK_M rows of the 64 keys, K-major), hi and lo, all 1024-byte aligned for the swizzle; then
+// RAW_STAGES stages of raw Q and dO rows (StagedRows), then the row statistics, STAT_RING slots
+// of [STAT_SLOTS][BLOCK_M] floats (dmma_bwd_steps.cuh's StatSlot).
+template <int D_TILE, int BLOCK_M, int RAW_STAGES, bool DQ_ATOMIC = false>
 struct BwdTf32WgmmaSmem {
     static constexpr int BLOCK_N = 64, STAT_RING = RAW_STAGES + 1;  // statistics slots
     static constexpr u32 KV_TILE = BLOCK_N * D_TILE * 4, Q_TILE = BLOCK_M * D_TILE * 4;
@@ -53,20 +60,23 @@ struct BwdTf32WgmmaSmem {
     static constexpr u32 Q_HI = V_LO + KV_TILE, Q_LO = Q_HI + Q_TILE, DO_HI = Q_LO + Q_TILE, DO_LO = DO_HI + Q_TILE;
     static constexpr u32 QT_HI = DO_LO + Q_TILE, QT_LO = QT_HI + Q_TILE, DOT_HI = QT_LO + Q_TILE,
                          DOT_LO = DOT_HI + Q_TILE;
-    static constexpr u32 RAW = DOT_LO + Q_TILE;  // [RAW_STAGES][Q, dO]
+    static constexpr u32 KT = DOT_LO + Q_TILE;                       // [hi, lo] (DQ_ATOMIC)
+    static constexpr u32 DS = KT + (DQ_ATOMIC ? 2 * KV_TILE : 0u);  // [hi, lo] (DQ_ATOMIC)
+    static constexpr u32 RAW = DS + (DQ_ATOMIC ? 2 * BLOCK_M * BLOCK_N * 4 : 0u);  // [RAW_STAGES][Q, dO]
     static constexpr u32 STATS = RAW + RAW_STAGES * 2 * Q_TILE;
     static constexpr u32 BYTES = STATS + STAT_RING * STAT_SLOTS * BLOCK_M * 4;
 };
 
-template <int D_TILE, class Mask, int BLOCK_M, int RAW_STAGES, bool SUMS_APART>
+template <int D_TILE, class Mask, int BLOCK_M, int RAW_STAGES, bool SUMS_APART, bool DQ_ATOMIC = false>
 __global__ void __launch_bounds__(128, 1)
 flash_bwd_dkdv_tf32_wgmma(const __grid_constant__ BwdParams p) {
-    typedef BwdTf32WgmmaSmem<D_TILE, BLOCK_M, RAW_STAGES> L;
+    typedef BwdTf32WgmmaSmem<D_TILE, BLOCK_M, RAW_STAGES, DQ_ATOMIC> L;
     constexpr int BLOCK_N = L::BLOCK_N, NTHREADS = 128, PRODUCTS = 3;
     constexpr int SV = BLOCK_M / 2;  // S^T's and dP^T's accumulator values a thread (BLOCK_M / 8 blocks of 4)
     constexpr int DV = D_TILE / 2;   // dK's and dV's
     static_assert(BLOCK_M % 32 == 0 && BLOCK_M <= 64 && D_TILE % 32 == 0 && D_TILE <= 128,
                   "whole tf32 panels; S^T's width is wgmma's N");
+    static_assert(!DQ_ATOMIC || D_TILE == 64, "dQ^T = K^T dS^T: the head dim is wgmma's M");
     static_assert(L::BYTES + 1024 <= 227 * 1024, "shared memory");
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -92,6 +102,9 @@ flash_bwd_dkdv_tf32_wgmma(const __grid_constant__ BwdParams p) {
                                                            p.headdim, tid);
     split_tf32_panels<BLOCK_N, D_TILE, NTHREADS, PRODUCTS>(base + L::V_HI, base + L::V_LO, v_global, seqlen_k - n0,
                                                            p.headdim_v, tid);
+    if constexpr (DQ_ATOMIC)  // K^T: dQ^T's A operand, the keys in their own order (A from shared memory)
+        split_tf32_panels_transposed<BLOCK_N, D_TILE, NTHREADS, PRODUCTS>(base + L::KT, base + L::KT + L::KV_TILE,
+                                                                          k_global, seqlen_k - n0, p.headdim, tid);
 
     const QueryBlockWalk<BLOCK_M> walk(mask, n0, BLOCK_N, p.group);
     const float* const lse = static_cast<const float*>(p.lse);
@@ -169,12 +182,51 @@ flash_bwd_dkdv_tf32_wgmma(const __grid_constant__ BwdParams p) {
                 dp[v] = ds_entry<Mask>(x, p_ij, row_dp_ref, row_delta);
             }
 
+        // DQ_ATOMIC, step 7's operand: dS^T's values as dS, [query][key] hi and lo (the B operand of
+        // dQ^T = K^T dS^T, K-major). A warp's store of one value index writes 4 query rows x 8 keys:
+        // 8 distinct swizzled chunks (the rows' XOR patterns apart), every bank once.
+        if constexpr (DQ_ATOMIC) {
+#pragma unroll
+            for (int f = 0; f < BLOCK_M / 8; ++f)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int query = 8 * f + 2 * t + (e & 1), key = 16 * warp + g + 8 * (e >> 1);
+                    const u32 at = panel_offset<BLOCK_M>(query, key >> 2) + 4 * (key & 3);
+                    u32 hi, lo;
+                    split_tf32<PRODUCTS>(dp[4 * f + e], hi, lo);
+                    st_shared_b32(base + L::DS + at, hi);
+                    st_shared_b32(base + L::DS + BLOCK_M * BLOCK_N * 4 + at, lo);
+                }
+        }
+
         // Steps 5-6: dV += P^T dO, dK += dS^T Q, each waited for before the next is split (the
         // registers of one product's split operands at a time).
         tf32_acc_times_tile<D_TILE, BLOCK_M / 8, PRODUCTS, SUMS_APART>(dv_acc, s, base + L::DOT_HI, base + L::DOT_LO,
                                                                      NoTurns());
         tf32_acc_times_tile<D_TILE, BLOCK_M / 8, PRODUCTS, SUMS_APART>(dk_acc, dp, base + L::QT_HI, base + L::QT_LO,
                                                                      NoTurns());
+
+        // Step 7 (DQ_ATOMIC): dQ^T = K^T dS^T for this query block (64 head-dim rows x BLOCK_M
+        // queries, over the block's 64 keys), scaled and added to dq by float32 atomics (in any
+        // order: not bitwise reproducible). The barrier: every thread's dS stores are whole for
+        // wgmma; the next block's first barrier keeps the tile until this product is waited for.
+        if constexpr (DQ_ATOMIC) {
+            fence_proxy_async_shared();
+            __syncthreads();
+            float dq_t[SV];
+            tf32_product_sums<SV, BLOCK_N / 8, true, SUMS_APART>(
+                dq_t, Tf32RowsTimesRows<D_TILE, BLOCK_M>{base + L::KT, base + L::KT + L::KV_TILE, base + L::DS,
+                                                          base + L::DS + BLOCK_M * BLOCK_N * 4},
+                NoTurns());
+#pragma unroll
+            for (int f = 0; f < BLOCK_M / 8; ++f)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int column = 16 * warp + g + 8 * (e >> 1), query = m0 + 8 * f + 2 * t + (e & 1);
+                    if (column < p.headdim && query < seqlen_q)
+                        atomicAdd(p.dq.row<float>(batch, seq.q_begin + query, head) + column, dq_t[4 * f + e] * scale);
+                }
+        }
     }
     cp_async_wait<0>();  // the empty groups past the walk's end
 

@@ -86,8 +86,9 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
     shared memory for the row); any head dim up to 128 and any strides. Always deterministic
     (``deterministic`` is accepted and has nothing to choose). float32 arrays: the tf32x3
     experiment's kernels with a DmmaBwdConfig, or with a Tf32WgmmaBwdConfig dK and dV on
-    flash_bwd_dkdv_tf32_wgmma and dQ on flash_bwd_dq_tf32_wgmma (sm_90; head dims up to 64,
-    multiples of 4, rows 16-byte aligned)."""
+    flash_bwd_dkdv_tf32_wgmma and dQ on flash_bwd_dq_tf32_wgmma, or by the dK/dV kernel's atomics
+    (``fused_dq``: not bitwise reproducible) (sm_90; head dims up to 64, multiples of 4, rows
+    16-byte aligned)."""
     from ._module import backward_is_empty, device_arch
     from .mma_fwd import current_smem_optin
     from .simt import run_backward
@@ -116,6 +117,8 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
                                             statistics=statistics)
     elif wgmma:
         plan = backward_plans.tf32_wgmma_backward_plan(headdim, mask, config, statistics)
+        if config.fused_dq:
+            dq.fill(0)  # the dK/dV kernel adds every key block's dQ into it
     else:
         plan = backward_plans.dmma_backward_plan(headdim, mask, config, statistics, dtype=dtype)
     run_backward(plan, do, q, k, v, o, lse, dq, dk, dv, softmax_scale=softmax_scale, mask=mask, variant=variant,

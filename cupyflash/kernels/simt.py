@@ -132,7 +132,8 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
 def run_backward(plan, do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, mask: Mask, variant=None,
                  packed: PackedBatch | None = None) -> None:
     """Launches ``plan``, a plan of three kernels on one BwdParams (the SIMT family's, float64's
-    DMMA kernels'): D or the recomputed row statistics, then dK/dV, then dQ."""
+    DMMA kernels', the float32 candidates'): D or the recomputed row statistics, then dK/dV, then
+    dQ (none where the dK/dV kernel adds it)."""
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     grids = {launch.role: launch.grid(batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, packed)
@@ -144,5 +145,6 @@ def run_backward(plan, do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float,
     else:
         rows = backward_preprocess(params, do, o)
     launch(plan.spec("dkdv"), grids["dkdv"], (params,))
-    launch(plan.spec("dq"), grids["dq"], (params,))
+    if plan.spec("dq") is not None:  # none: the dK/dV kernel adds dQ (the tf32 wgmma candidate's fused_dq)
+        launch(plan.spec("dq"), grids["dq"], (params,))
     del rows  # back to CuPy's pool in stream order, after the launches

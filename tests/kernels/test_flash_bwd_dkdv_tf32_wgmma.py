@@ -14,7 +14,7 @@ from cupyflash.backward_plans import TF32_WGMMA_BACKWARD_CONFIGS, Tf32WgmmaBwdCo
 from cupyflash.masks import as_mask
 import models.flash_bwd_dkdv_tf32_wgmma as dkdv_model
 from models.flash_bwd_dkdv_tf32_wgmma import (BLOCK_N, KERNEL, acc_from_matrix, backward_smem, element_positions,
-                                              load_tiles, products)
+                                              fused_dq, load_tiles, products)
 from models.mirrors import missing_statements, unmirrored_statements
 from models.wgmma_tf32_bwd_steps import STEPS, acc_times_tile, close, emulate, store_acc_rows
 from nvrtc_check import needs_nvrtc
@@ -73,6 +73,21 @@ def test_one_block_emulated_is_the_backward_products(block_m, keys_valid, querie
     assert np.array_equal(acc_from_matrix(query_of).reshape(128, -1), queries)
     # the epilogue stores value 4 j + 2 h + e at its key row and column
     assert np.array_equal(store_acc_rows(acc_from_matrix(got["dk"]).reshape(128, -1), 64), got["dk"])
+
+
+@pytest.mark.parametrize("block_m, keys_valid, headdim", [(32, 64, 64), (32, 41, 60), (64, 7, 8)])
+def test_fused_dq_emulated_is_ds_times_k(block_m, keys_valid, headdim):
+    """DQ_ATOMIC: dS^T's accumulator stored as dS, K^T split once, dQ^T = K^T dS^T, and the values
+    added at their (query, column): dS K on the valid keys and columns."""
+    rng = np.random.default_rng(block_m + keys_valid)
+    k = rng.standard_normal((BLOCK_N, 64)).astype(np.float32)
+    ds_t = rng.standard_normal((BLOCK_N, block_m)).astype(np.float32).astype(np.float64)
+    want = ds_t.T @ np.where((np.arange(BLOCK_N)[:, None] < keys_valid) & (np.arange(64)[None, :] < headdim), k, 0)
+    assert close(fused_dq(k, ds_t, keys_valid, headdim, block_m), want)
+    L = backward_smem(64, block_m, 2, dq_atomic=True)
+    assert L["KT"] % 1024 == 0 and L["DS"] % 1024 == 0
+    assert backward_plans.tf32_wgmma_smem_bytes("dkdv", 64, Tf32WgmmaBwdConfig(block_m, 2, fused_dq=True)) == (
+        L["BYTES"] + 1024)
 
 
 def test_a_slipped_relabelling_is_caught():

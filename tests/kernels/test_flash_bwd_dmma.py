@@ -258,18 +258,20 @@ def test_the_api_runs_the_dmma_backward_for_float64():
 @pytest.mark.gpu
 @pytest.mark.parametrize("statistics", ["saved", "recomputed"])
 @pytest.mark.parametrize("name", ["window", "softcap+sink", "alibi", "dropout"])
-@pytest.mark.parametrize("headdim, dkdv", [(40, "mma"), (64, "mma"), (128, "mma"), (40, "wgmma"), (64, "wgmma")])
+@pytest.mark.parametrize("headdim, dkdv", [(40, "mma"), (64, "mma"), (128, "mma"), (40, "wgmma"), (64, "wgmma"),
+                                           (64, "wgmma_fused")])
 def test_tf32x3_experiment_is_as_accurate_as_the_simt_float32_backward(headdim, dkdv, name, statistics, monkeypatch):
     """Against the float64 reference (the SIMT float32 backward's gradients on the same float32
     inputs as the measure): within 4x the SIMT kernels' error, plus float32's rounding of the
     largest gradient; the experiment's kernels are the ones that ran (dkdv "wgmma": dK, dV and dQ
-    on the candidates flash_bwd_dkdv_tf32_wgmma and flash_bwd_dq_tf32_wgmma, sm_90 only)."""
+    on the candidates flash_bwd_dkdv_tf32_wgmma and flash_bwd_dq_tf32_wgmma, sm_90 only;
+    "wgmma_fused": dQ by the dK/dV kernel's atomics)."""
     import functools
 
     from cupyflash.kernels import simt
 
     launched = _tf32x3_or_skip(monkeypatch)
-    if dkdv == "wgmma":
+    if dkdv != "mma":
         _wgmma_or_skip()
 
     rng = np.random.default_rng(headdim + 5)
@@ -277,7 +279,8 @@ def test_tf32x3_experiment_is_as_accurate_as_the_simt_float32_backward(headdim, 
     k, v = (rng.standard_normal((2, 173, 2, headdim)).astype(np.float32) for _ in range(2))
     do = rng.standard_normal(q.shape).astype(np.float32)
     options = {key: value for key, value in SIMT_VARIANTS[name].items()}
-    config = backward_plans.tf32x3_backward_config(headdim) if dkdv == "mma" else Tf32WgmmaBwdConfig()
+    config = (backward_plans.tf32x3_backward_config(headdim) if dkdv == "mma" else
+              Tf32WgmmaBwdConfig(fused_dq=dkdv == "wgmma_fused"))
     got = _gradients(do, q, k, v, backward=functools.partial(dmma.backward, config=config), statistics=statistics,
                      **dict(options))
     simt_grads = _gradients(do, q, k, v, backward=simt.backward, statistics=statistics, **dict(options))
@@ -292,7 +295,9 @@ def test_tf32x3_experiment_is_as_accurate_as_the_simt_float32_backward(headdim, 
         assert {"dkdv", "dq"} <= tf32x3
     else:
         assert not {"dkdv", "dq"} & tf32x3
-        for kernel in ("flash_bwd_dkdv_tf32_wgmma_fp32_hdim64_", "flash_bwd_dq_tf32_wgmma_fp32_hdim64_"):
+        wanted = (["flash_bwd_dkdv_tf32_wgmma_fp32_hdim64_"] if dkdv == "wgmma_fused" else
+                  ["flash_bwd_dkdv_tf32_wgmma_fp32_hdim64_", "flash_bwd_dq_tf32_wgmma_fp32_hdim64_"])
+        for kernel in wanted:
             assert any(name.startswith(kernel) for name in launched), launched
 
 
@@ -304,9 +309,10 @@ def _wgmma_or_skip() -> None:
 
 
 # the candidates' staging and sums: the row's, 64-row blocks with chained sums (dK/dV unstaged, dQ
-# one block ahead), and no staging at all (the splits read global memory)
+# one block ahead), no staging at all (the splits read global memory), and dQ by the dK/dV
+# kernel's atomics
 WGMMA_CONFIGS = {"row": Tf32WgmmaBwdConfig(), "bm64_chained": Tf32WgmmaBwdConfig(64, 0, False, 64, 1),
-                 "sync": Tf32WgmmaBwdConfig(32, 0, True, 32, 0)}
+                 "sync": Tf32WgmmaBwdConfig(32, 0, True, 32, 0), "fused": Tf32WgmmaBwdConfig(fused_dq=True)}
 
 
 @pytest.mark.gpu
@@ -352,7 +358,9 @@ def test_tf32_wgmma_backward_on_a_packed_batch_and_long_rows(config_name, causal
             assert error <= allowed * simt_error + 2.0 ** -23 * np.abs(w).max(), (which, packed is None, error,
                                                                                   simt_error)
     assert any(name.startswith("flash_bwd_dkdv_tf32_wgmma_") for name in launched), launched
-    assert any(name.startswith("flash_bwd_dq_tf32_wgmma_") for name in launched), launched
+    fused = WGMMA_CONFIGS[config_name].fused_dq
+    assert any(name.startswith("flash_bwd_dq_tf32_wgmma_") for name in launched) != fused, launched
+    assert all(name.endswith("_dq") == fused for name in launched if name.startswith("flash_bwd_dkdv_")), launched
 
 
 def _tf32x3_or_skip(monkeypatch) -> list:
