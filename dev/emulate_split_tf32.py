@@ -2,7 +2,7 @@
 find where its error on short key sequences comes from and to try fixes before any GPU run.
 
 Emulated, step by step (kernels_cu/tf32.cuh split_tf32, kernels_cu/wgmma_tf32_fwd_steps.cuh
-tf32_wgmma_forward_block, kernels_cu/online_softmax.cuh, tf32_fwd_steps.cuh store_o_f32; the
+tf32_wgmma_forward_block, kernels_cu/online_softmax.cuh with its store_o at T = float; the
 instruction sequence checked on the sm_90a SASS of the v1_apart specialization):
 
 - split: hi = bits(x) + 0x1000 with the low 13 bits cleared (tf32 rounded to nearest, ties away),

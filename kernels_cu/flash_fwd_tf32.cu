@@ -172,7 +172,7 @@ flash_fwd_tf32(const __grid_constant__ FwdParams p) {
     // thread) may still be in flight.
     cp_async_wait<0>();
     __syncthreads();
-    store_o_f32<D_TILE, Mask::Score::HAS_SINK>(
+    store_o<float, D_TILE, Mask::Score::HAS_SINK>(
         o_acc, row_stats, q_tile, strip_row0, m0, seqlen_q, p.headdim_v,
         p.o.row<float>(seq.batch, seq.q_begin + m0, head), p.o.row_stride,
         static_cast<float*>(p.lse) + seq.stat(p, head, m0), lane, sink_log2<Mask, float>(p, head));

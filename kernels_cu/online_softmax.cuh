@@ -8,6 +8,7 @@
 #include "common.cuh"
 #include "mask.cuh"
 #include "mma.cuh"
+#include "tf32.cuh"
 
 namespace cf {
 
@@ -292,16 +293,19 @@ __device__ __forceinline__ float row_epilogue(const Stats& stats, int i, int h, 
     return inv_l;
 }
 
-// Epilogue: O / l rounded to T through the warp's own rows of the (swizzled) Q tile, then
-// 16-byte coalesced stores of the rows < seqlen_q and columns < headdim; lse by lane 0 of each
-// quad. Rows that saw no key (l = 0) get O = 0 and lse = -inf. Only the warp's own rows of the Q
-// tile are touched, which no other warp reads, so a warp barrier suffices. With a sink (HAS_SINK,
-// sink2 its logit in log2 units) the row's denominator gains it (score.cuh, finish_row_with_sink).
+// Epilogue: O / l as T (16-bit, or float32 for the tf32 kernels) through the warp's own rows of
+// the (swizzled) Q tile, then 16-byte coalesced stores of the rows < seqlen_q and columns <
+// headdim; lse by lane 0 of each quad. Rows that saw no key (l = 0) get O = 0 and lse = -inf.
+// Only the warp's own rows of the Q tile are touched, which no other warp reads, so a warp
+// barrier suffices. With a sink (HAS_SINK, sink2 its logit in log2 units) the row's denominator
+// gains it (score.cuh, finish_row_with_sink).
 template <typename T, int D_TILE, bool HAS_SINK = false, int M_STRIPS, int D_FRAGS, typename Stats>
 __device__ __forceinline__ void store_o(float (&o)[M_STRIPS][D_FRAGS][4], const Stats& stats,
                                         u32 stage_tile, int strip_row0, int m0, int seqlen_q,
                                         int headdim, T* o_rows, i64 o_ss, float* lse_rows,
                                         int lane, float sink2 = 0.f) {
+    constexpr bool F32 = sizeof(T) == 4;
+    constexpr int CHUNK_ELEMS = 16 / sizeof(T), ROW_DIM = F32 ? 2 * D_TILE : D_TILE;  // swizzled_offset's DIM
 #pragma unroll
     for (int i = 0; i < M_STRIPS; ++i)
 #pragma unroll
@@ -309,21 +313,26 @@ __device__ __forceinline__ void store_o(float (&o)[M_STRIPS][D_FRAGS][4], const 
             const int row = strip_row0 + 16 * i + 8 * h + (lane >> 2);
             const float inv_l = row_epilogue<HAS_SINK>(stats, i, h, lane, row, m0, seqlen_q, lse_rows, sink2);
 #pragma unroll
-            for (int f = 0; f < D_FRAGS; ++f)
-                st_shared_b32(stage_tile + swizzled_offset<D_TILE>(row, f) + 4 * (lane & 3),
-                              pack2<T>(o[i][f][2 * h] * inv_l, o[i][f][2 * h + 1] * inv_l));
+            for (int f = 0; f < D_FRAGS; ++f) {
+                if constexpr (F32)
+                    st_shared_v2_f32(stage_tile + swizzled_offset_f32<D_TILE>(row, 8 * f + 2 * (lane & 3)),
+                                     o[i][f][2 * h] * inv_l, o[i][f][2 * h + 1] * inv_l);
+                else
+                    st_shared_b32(stage_tile + swizzled_offset<D_TILE>(row, f) + 4 * (lane & 3),
+                                  pack2<T>(o[i][f][2 * h] * inv_l, o[i][f][2 * h + 1] * inv_l));
+            }
         }
     __syncwarp();
-    constexpr int CHUNKS = D_TILE / 8;
+    constexpr int CHUNKS = D_TILE / CHUNK_ELEMS;
     constexpr int WARP_ROWS = 16 * M_STRIPS;
 #pragma unroll
     for (int it = 0; it < WARP_ROWS * CHUNKS / 32; ++it) {
         const int idx = lane + 32 * it;
         const int row = strip_row0 + idx / CHUNKS, chunk = idx % CHUNKS;
-        if (m0 + row < seqlen_q && chunk * 8 < headdim) {
+        if (m0 + row < seqlen_q && chunk * CHUNK_ELEMS < headdim) {
             u32 r[4];
-            ld_shared_v4(r, stage_tile + swizzled_offset<D_TILE>(row, chunk));
-            st_global_v4(o_rows + row * o_ss + chunk * 8, r);
+            ld_shared_v4(r, stage_tile + swizzled_offset<ROW_DIM>(row, chunk));
+            st_global_v4(o_rows + row * o_ss + chunk * CHUNK_ELEMS, r);
         }
     }
 }

@@ -147,37 +147,4 @@ __device__ __forceinline__ void split_tile(u32 tile, u32 lo_tile, int thread) {
     }
 }
 
-// Epilogue: O / l in float32 through the warp's own rows of the (swizzled) Q tile, then 16-byte
-// coalesced stores of the rows < seqlen_q and columns < headdim; lse as store_o's (row_epilogue).
-template <int D_TILE, bool HAS_SINK = false, int M_STRIPS, int D_FRAGS, typename Stats>
-__device__ __forceinline__ void store_o_f32(float (&o)[M_STRIPS][D_FRAGS][4], const Stats& stats,
-                                            u32 stage_tile, int strip_row0, int m0, int seqlen_q,
-                                            int headdim, float* o_rows, i64 o_ss, float* lse_rows,
-                                            int lane, float sink2 = 0.f) {
-#pragma unroll
-    for (int i = 0; i < M_STRIPS; ++i)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int row = strip_row0 + 16 * i + 8 * h + (lane >> 2);
-            const float inv_l = row_epilogue<HAS_SINK>(stats, i, h, lane, row, m0, seqlen_q, lse_rows, sink2);
-#pragma unroll
-            for (int f = 0; f < D_FRAGS; ++f)
-                st_shared_v2_f32(stage_tile + swizzled_offset_f32<D_TILE>(row, 8 * f + 2 * (lane & 3)),
-                                 o[i][f][2 * h] * inv_l, o[i][f][2 * h + 1] * inv_l);
-        }
-    __syncwarp();
-    constexpr int CHUNKS = D_TILE / 4;
-    constexpr int WARP_ROWS = 16 * M_STRIPS;
-#pragma unroll
-    for (int it = 0; it < WARP_ROWS * CHUNKS / 32; ++it) {
-        const int idx = lane + 32 * it;
-        const int row = strip_row0 + idx / CHUNKS, chunk = idx % CHUNKS;
-        if (m0 + row < seqlen_q && chunk * 4 < headdim) {
-            u32 r[4];
-            ld_shared_v4(r, stage_tile + swizzled_offset<2 * D_TILE>(row, chunk));
-            st_global_v4(o_rows + row * o_ss + chunk * 4, r);
-        }
-    }
-}
-
 }  // namespace cf
