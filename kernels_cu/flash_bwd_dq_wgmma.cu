@@ -127,23 +127,11 @@ flash_bwd_dq_wgmma(const __grid_constant__ BwdParams p) {
         // Steps 1-2: S = Q K_j^T and dP = dO V_j^T, issued back to back (K-major operands).
         float s_acc[N_FRAGS][4], dp_acc[N_FRAGS][4];
         wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < D_TILE / 16; ++kk) {
-            const u32 q_off = (kk / 4) * L::Q_PANEL + wg * 64 * 128 + (kk % 4) * 32;
-            const u32 k_off = (kk / 4) * L::KV_PANEL + (kk % 4) * 32;
-            Wgmma<T, BLOCK_N>::template ss<0, 0>(reinterpret_cast<float(&)[N_FRAGS * 4]>(s_acc),
-                                                 smem_desc(s_q + q_off, 16, 1024), smem_desc(k_tile + k_off, 16, 1024),
-                                                 kk > 0);
-        }
+        wgmma_rows_times_rows<T, BLOCK_N, D_TILE, L::Q_PANEL, L::KV_PANEL>(
+            reinterpret_cast<float(&)[N_FRAGS * 4]>(s_acc), s_q + wg * 64 * 128, k_tile);
         wgmma_commit();
-#pragma unroll
-        for (int kk = 0; kk < D_TILE / 16; ++kk) {
-            const u32 q_off = (kk / 4) * L::Q_PANEL + wg * 64 * 128 + (kk % 4) * 32;
-            const u32 v_off = (kk / 4) * L::KV_PANEL + (kk % 4) * 32;
-            Wgmma<T, BLOCK_N>::template ss<0, 0>(reinterpret_cast<float(&)[N_FRAGS * 4]>(dp_acc),
-                                                 smem_desc(s_do + q_off, 16, 1024), smem_desc(v_tile + v_off, 16, 1024),
-                                                 kk > 0);
-        }
+        wgmma_rows_times_rows<T, BLOCK_N, D_TILE, L::Q_PANEL, L::KV_PANEL>(
+            reinterpret_cast<float(&)[N_FRAGS * 4]>(dp_acc), s_do + wg * 64 * 128, v_tile);
         wgmma_commit();
         wgmma_wait<1>();  // S_j, and dS K_{j-1}: its A fragments may be overwritten below
         pin_registers(reinterpret_cast<float(&)[N_FRAGS * 4]>(s_acc));

@@ -117,14 +117,8 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p) {
         const u32 v_tile = base + L::V + (j % L::V_STAGES) * L::V_TILE;
         float s[1][N_FRAGS][4];
         wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < D_TILE / 16; ++kk) {
-            const u32 q_off = (kk / 4) * L::Q_PANEL + wg * 64 * 128 + (kk % 4) * 32;
-            const u32 k_off = (kk / 4) * L::KV_PANEL + (kk % 4) * 32;
-            Wgmma<T, BLOCK_N>::template ss<0, 0>(reinterpret_cast<float(&)[N_FRAGS * 4]>(s),
-                                                 smem_desc(q_tile + q_off, 16, 1024),
-                                                 smem_desc(k_tile + k_off, 16, 1024), kk > 0);
-        }
+        wgmma_rows_times_rows<T, BLOCK_N, D_TILE, L::Q_PANEL, L::KV_PANEL>(
+            reinterpret_cast<float(&)[N_FRAGS * 4]>(s), q_tile + wg * 64 * 128, k_tile);
         wgmma_commit();
         wgmma_wait<0>();  // S_j, and P V_{j-1}: O may be rescaled
         pin_registers(reinterpret_cast<float(&)[N_FRAGS * 4]>(s));

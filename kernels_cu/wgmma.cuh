@@ -318,6 +318,22 @@ struct Wgmma<half_t, 256> {
 
 // The 1024-byte aligned base of a kernel's dynamic shared memory (the 128-byte swizzle's panels),
 // trapping if the launch gave fewer than BYTES past it (the host adds 1024 bytes of slack).
+// acc = A B^T over D_TILE columns of 16-bit K-major panel tiles, k-steps of 16 columns (32 bytes
+// into a panel, the next 64-column panel after four): A the 64 rows at a_tile (a warpgroup's rows
+// of a tile whose panels are A_PANEL bytes apart), B the N rows at b_tile (panels B_PANEL apart).
+// The first k-step overwrites the accumulator (scale-d 0): nothing to zero. The caller fences
+// before and commits after. S = Q K^T and dP = dO V^T in the forward and flash_bwd_dq_wgmma.
+template <typename T, int N, int D_TILE, u32 A_PANEL, u32 B_PANEL>
+__device__ __forceinline__ void wgmma_rows_times_rows(float (&acc)[N / 2], u32 a_tile, u32 b_tile) {
+#pragma unroll
+    for (int kk = 0; kk < D_TILE / 16; ++kk) {
+        const u32 a_off = (kk / 4) * A_PANEL + (kk % 4) * 32;
+        const u32 b_off = (kk / 4) * B_PANEL + (kk % 4) * 32;
+        Wgmma<T, N>::template ss<0, 0>(acc, smem_desc(a_tile + a_off, 16, 1024), smem_desc(b_tile + b_off, 16, 1024),
+                                       kk > 0);
+    }
+}
+
 template <u32 BYTES>
 __device__ __forceinline__ u32 aligned_dynamic_smem(const unsigned char* smem_raw) {
     if (dynamic_smem_bytes() < BYTES + 1024) __trap();

@@ -99,11 +99,8 @@ def dqw_load_kv_block(smem, L, j: int, k, v, headdim: int, headdim_v: int | None
 
 
 @mirrors(DQW,
-         "for (int kk = 0; kk < D_TILE / 16; ++kk) {",
-         "const u32 q_off = (kk / 4) * L::Q_PANEL + wg * 64 * 128 + (kk % 4) * 32;",
-         "const u32 k_off = (kk / 4) * L::KV_PANEL + (kk % 4) * 32;",
-         "Wgmma<T, BLOCK_N>::template ss<0, 0>(reinterpret_cast<float(&)[N_FRAGS * 4]>(s_acc),"
-         " smem_desc(s_q + q_off, 16, 1024), smem_desc(k_tile + k_off, 16, 1024), kk > 0);")
+         "wgmma_rows_times_rows<T, BLOCK_N, D_TILE, L::Q_PANEL, L::KV_PANEL>(",
+         "reinterpret_cast<float(&)[N_FRAGS * 4]>(s_acc), s_q + wg * 64 * 128, k_tile);")
 def dqw_s_steps(L, tiles, wg: int) -> list[Step]:
     """S = Q K_j^T of warpgroup wg (its 64 query rows x BLOCK_N keys), k-steps over the head dim;
     both operands K-major."""
@@ -111,11 +108,8 @@ def dqw_s_steps(L, tiles, wg: int) -> list[Step]:
 
 
 @mirrors(DQW,
-         "for (int kk = 0; kk < D_TILE / 16; ++kk) {",
-         "const u32 q_off = (kk / 4) * L::Q_PANEL + wg * 64 * 128 + (kk % 4) * 32;",
-         "const u32 v_off = (kk / 4) * L::KV_PANEL + (kk % 4) * 32;",
-         "Wgmma<T, BLOCK_N>::template ss<0, 0>(reinterpret_cast<float(&)[N_FRAGS * 4]>(dp_acc),"
-         " smem_desc(s_do + q_off, 16, 1024), smem_desc(v_tile + v_off, 16, 1024), kk > 0);")
+         "wgmma_rows_times_rows<T, BLOCK_N, D_TILE, L::Q_PANEL, L::KV_PANEL>(",
+         "reinterpret_cast<float(&)[N_FRAGS * 4]>(dp_acc), s_do + wg * 64 * 128, v_tile);")
 def dqw_dp_steps(L, tiles, wg: int) -> list[Step]:
     """dP = dO V_j^T of warpgroup wg: S's shape and offsets with dO and V_j."""
     return row_block_k_major_steps(L, tiles.do, tiles.v, wg)

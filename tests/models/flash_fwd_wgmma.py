@@ -60,20 +60,24 @@ def fwd_tiles(L, j: int) -> SimpleNamespace:
 
 
 @mirrors(FWD,
-         "const u32 q_off = (kk / 4) * L::Q_PANEL + wg * 64 * 128 + (kk % 4) * 32;",
-         "const u32 k_off = (kk / 4) * L::KV_PANEL + (kk % 4) * 32;",
-         "Wgmma<T, BLOCK_N>::template ss<0, 0>(reinterpret_cast<float(&)[N_FRAGS * 4]>(s),"
-         " smem_desc(q_tile + q_off, 16, 1024), smem_desc(k_tile + k_off, 16, 1024), kk > 0);")
+         "wgmma_rows_times_rows<T, BLOCK_N, D_TILE, L::Q_PANEL, L::KV_PANEL>(",
+         "reinterpret_cast<float(&)[N_FRAGS * 4]>(s), q_tile + wg * 64 * 128, k_tile);")
 def fwd_s_steps(L, tiles, wg: int) -> list[Step]:
     """S = Q K^T of warpgroup wg (its 64 query rows x BLOCK_N keys), k-steps over the head dim."""
     return row_block_k_major_steps(L, tiles.q, tiles.k, wg)
 
 
+@mirrors("wgmma.cuh",
+         "for (int kk = 0; kk < D_TILE / 16; ++kk) {",
+         "const u32 a_off = (kk / 4) * A_PANEL + (kk % 4) * 32;",
+         "const u32 b_off = (kk / 4) * B_PANEL + (kk % 4) * 32;",
+         "Wgmma<T, N>::template ss<0, 0>(acc, smem_desc(a_tile + a_off, 16, 1024), smem_desc(b_tile + b_off, 16, 1024),"
+         " kk > 0);")
 def row_block_k_major_steps(L, a_tile: int, b_tile: int, wg: int) -> list[Step]:
     """The k-steps over the head dim of a 64-row x BLOCK_N product with both operands K-major: A
-    the warpgroup's 64 rows of a BLOCK_M tile (Q or dO), B a BLOCK_N tile (K or V). The offsets of
-    S = Q K^T in the forward, and of S and dP in flash_bwd_dq_wgmma (each mirror names its own
-    statements)."""
+    the warpgroup's 64 rows of a BLOCK_M tile (Q or dO; wgmma.cuh's wgmma_rows_times_rows from
+    a_tile + wg * 64 * 128), B a BLOCK_N tile (K or V). S = Q K^T in the forward, S and dP in
+    flash_bwd_dq_wgmma (each kernel's mirror names its own call)."""
     steps = []
     for kk in range(L.D_TILE // 16):
         a_off = (kk // 4) * L.Q_PANEL + wg * 64 * 128 + (kk % 4) * 32
