@@ -813,7 +813,8 @@ class Tf32WgmmaBwdConfig:
     reproducible; d64 tile only). ``sums_apart`` (all): the rows-times-rows
     products' small products and hi hi chains summed apart, and each block's accumulator-times-tile
     products in fresh accumulators, for accuracy. The recomputed statistics run on the tf32x3
-    experiment's kernel. Candidates, in no plan: ``dmma.backward(config=...)`` on float32 arrays,
+    experiment's kernel, whose S is not these kernels' to the bit: a saturated (one-hot) row does
+    not cancel exactly in dK / dV, nor in dQ unless dq_block_n is 0. Candidates, in no plan: ``dmma.backward(config=...)`` on float32 arrays,
     head dims up to 64 and multiples of 4 (at d128, K, V and a query block's four tile pairs, hi
     and lo, take 256 KiB of shared memory at 32 queries a block)."""
 

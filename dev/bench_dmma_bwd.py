@@ -104,10 +104,12 @@ def main() -> None:
                     for name, config in configs.items():
                         for g in grads:
                             g[...] = cupy.nan
-                        run(dmma.backward, config=config)()
+                        fused = getattr(config, "fused_dq", False)  # dQ by atomics: not deterministic
+                        run(dmma.backward, config=config, deterministic=not fused)()
                         error = max(float(cupy.abs(g - w).max() / (1 + cupy.abs(w).max())) for g, w in zip(grads, want))
                         row[f"{statistics}_{name}_rel_err_vs_simt"] = error
-                        times[name] = time_ms(run(dmma.backward, config=config), args.repeats)
+                        times[name] = time_ms(run(dmma.backward, config=config, deterministic=not fused),
+                                              args.repeats)
                     for name, ms in times.items():
                         row[f"{statistics}_{name}_tflops"] = flops / ms / 1e9
                     row[f"{statistics}_dmma_over_simt"] = times["simt"] / times["dmma"]

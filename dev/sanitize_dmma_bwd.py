@@ -60,7 +60,7 @@ def main() -> None:
                 simt.forward(q, k, v, o, lse, softmax_scale=headdim ** -0.5, causal=causal, window_size=window)
                 grads = [cupy.empty_like(x) for x in (q, k, v)]
                 dmma.backward(do, q, k, v, o, lse, *grads, softmax_scale=headdim ** -0.5, causal=causal,
-                              window_size=window, config=config)
+                              window_size=window, config=config, deterministic=not config.fused_dq)
     cupy.cuda.runtime.deviceSynchronize()
     print("sanitize_dmma_bwd: done")
 

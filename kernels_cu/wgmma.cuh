@@ -316,8 +316,6 @@ struct Wgmma<half_t, 256> {
 };
 // END generated
 
-// The 1024-byte aligned base of a kernel's dynamic shared memory (the 128-byte swizzle's panels),
-// trapping if the launch gave fewer than BYTES past it (the host adds 1024 bytes of slack).
 // acc = A B^T over D_TILE columns of 16-bit K-major panel tiles, k-steps of 16 columns (32 bytes
 // into a panel, the next 64-column panel after four): A the 64 rows at a_tile (a warpgroup's rows
 // of a tile whose panels are A_PANEL bytes apart), B the N rows at b_tile (panels B_PANEL apart).
@@ -334,6 +332,8 @@ __device__ __forceinline__ void wgmma_rows_times_rows(float (&acc)[N / 2], u32 a
     }
 }
 
+// The 1024-byte aligned base of a kernel's dynamic shared memory (the 128-byte swizzle's panels),
+// trapping if the launch gave fewer than BYTES past it (the host adds 1024 bytes of slack).
 template <u32 BYTES>
 __device__ __forceinline__ u32 aligned_dynamic_smem(const unsigned char* smem_raw) {
     if (dynamic_smem_bytes() < BYTES + 1024) __trap();

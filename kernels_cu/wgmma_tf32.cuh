@@ -477,7 +477,7 @@ __device__ __forceinline__ void tf32_acc_times_tile(float (&acc)[N / 2], const f
             WgmmaTf32<N>::rs(out, a_lo[f], b_hi, FRESH ? f > 0 : 1);
             WgmmaTf32<N>::rs(out, a_hi[f], tf32_k_step_desc<N>(b_lo_tile, f), 1);
         }
-        WgmmaTf32<N>::rs(out, a_hi[f], b_hi, 1);
+        WgmmaTf32<N>::rs(out, a_hi[f], b_hi, FRESH && !SPLIT ? f > 0 : 1);  // the only product: it starts `fresh`
     }
     wgmma_commit();
     turns.pass();

@@ -84,11 +84,11 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
     ``statistics`` "recomputed": flash_bwd_stats_dmma's row statistics), on the DMMA kernels with
     ``config`` (the plan's by default: the SIMT kernels where the device has no DMMA or too little
     shared memory for the row); any head dim up to 128 and any strides. Always deterministic
-    (``deterministic`` is accepted and has nothing to choose). float32 arrays: the tf32x3
-    experiment's kernels with a DmmaBwdConfig, or with a Tf32WgmmaBwdConfig dK and dV on
-    flash_bwd_dkdv_tf32_wgmma and dQ on flash_bwd_dq_tf32_wgmma, or by the dK/dV kernel's atomics
-    (``fused_dq``: not bitwise reproducible) (sm_90; head dims up to 64, multiples of 4, rows
-    16-byte aligned)."""
+    (``deterministic`` is accepted and has nothing to choose), except the fused_dq candidate below.
+    float32 arrays: the tf32x3 experiment's kernels with a DmmaBwdConfig, or with a
+    Tf32WgmmaBwdConfig dK and dV on flash_bwd_dkdv_tf32_wgmma and dQ on flash_bwd_dq_tf32_wgmma,
+    or by the dK/dV kernel's atomics (``fused_dq``: not bitwise reproducible, so it takes
+    ``deterministic=False``) (sm_90; head dims up to 64, multiples of 4, rows 16-byte aligned)."""
     from ._module import backward_is_empty, device_arch
     from .mma_fwd import current_smem_optin
     from .simt import run_backward
@@ -104,6 +104,9 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
     wgmma = isinstance(config, Tf32WgmmaBwdConfig)
     if wgmma:
         _check_tf32_wgmma_operands(do, q, k, v, dq, dk, dv)
+        if config.fused_dq and deterministic:
+            raise ValueError("cupyflash: fused_dq adds dQ by float32 atomics, in no fixed order: pass "
+                             "deterministic=False")
     if config is not None and not wgmma and config.wide and device_arch() != "90":
         raise ValueError(f"cupyflash: the DMMA backward's wide layout (m16n8k8 .f64) is compiled for sm_90, "
                          f"not sm_{device_arch()}")

@@ -281,8 +281,9 @@ def test_tf32x3_experiment_is_as_accurate_as_the_simt_float32_backward(headdim, 
     options = {key: value for key, value in SIMT_VARIANTS[name].items()}
     config = (backward_plans.tf32x3_backward_config(headdim) if dkdv == "mma" else
               Tf32WgmmaBwdConfig(fused_dq=dkdv == "wgmma_fused"))
-    got = _gradients(do, q, k, v, backward=functools.partial(dmma.backward, config=config), statistics=statistics,
-                     **dict(options))
+    backward = functools.partial(dmma.backward, config=config,
+                                 deterministic=not getattr(config, "fused_dq", False))  # fused: dQ by atomics
+    got = _gradients(do, q, k, v, backward=backward, statistics=statistics, **dict(options))
     simt_grads = _gradients(do, q, k, v, backward=simt.backward, statistics=statistics, **dict(options))
     want = _gradients(*(x.astype(np.float64) for x in (do, q, k, v)), backward=simt.backward, statistics=statistics,
                       **dict(options))
@@ -345,7 +346,8 @@ def test_tf32_wgmma_backward_on_a_packed_batch_and_long_rows(config_name, causal
         k, v = (rng.standard_normal(k_shape).astype(np.float32) for _ in range(2))
         do = rng.standard_normal(q.shape).astype(np.float32)
         got = _gradients(do, q, k, v, causal=causal, packed=packed, statistics=statistics,
-                         backward=functools.partial(dmma.backward, config=WGMMA_CONFIGS[config_name]))
+                         backward=functools.partial(dmma.backward, config=WGMMA_CONFIGS[config_name],
+                                                    deterministic=not WGMMA_CONFIGS[config_name].fused_dq))
         simt_grads = _gradients(do, q, k, v, causal=causal, packed=packed, statistics=statistics,
                                 backward=simt.backward)
         want = _gradients(*(x.astype(np.float64) for x in (do, q, k, v)), causal=causal, packed=packed,
