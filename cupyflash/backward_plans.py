@@ -45,6 +45,7 @@ from .kernels.constants import CTYPES, DMMA_D_TILES, SHORT_NAMES, SIXTEEN_BIT, T
 from .kernels.constants import d_tile as _d_tile
 from .masks import Local, Mask, as_mask
 from .plans import SIMT_D_TILES, mma_headdim, simt_specialization, simt_tiles, without_spills
+from .precision import PRODUCTS, check_precision
 
 __all__ = ["BackwardPlan", "BackwardKernels", "BACKWARD_KERNELS", "DQ_ADDS", "STATISTICS", "plan_backward",
            "DmmaBwdConfig", "DMMA_BACKWARD_TILES", "dmma_backward_plan", "dmma_spec", "backward_family",
@@ -812,7 +813,9 @@ class Tf32WgmmaBwdConfig:
     dQ^T = K^T dS^T added by float32 atomics (FA2's form: S, dP and dS formed once; not bitwise
     reproducible; d64 tile only). ``sums_apart`` (all): the rows-times-rows
     products' small products and hi hi chains summed apart, and each block's accumulator-times-tile
-    products in fresh accumulators, for accuracy. The recomputed statistics run on the tf32x3
+    products in fresh accumulators, for accuracy. ``precision``: "ieee" (three tf32 products a
+    product), or "tf32" (one, the operands rounded to tf32; chained sums only; the tf32x3 dQ
+    kernel is "ieee" whatever it says). The recomputed statistics run on the tf32x3
     experiment's kernel, whose S is not these kernels' to the bit: a saturated (one-hot) row does
     not cancel exactly in dK / dV, nor in dQ unless dq_block_n is 0. Candidates, in no plan: ``dmma.backward(config=...)`` on float32 arrays,
     head dims up to 64 and multiples of 4 (at d128, K, V and a query block's four tile pairs, hi
@@ -824,6 +827,7 @@ class Tf32WgmmaBwdConfig:
     dq_block_n: int = 32
     dq_raw_stages: int = 2
     fused_dq: bool = False
+    precision: str = "ieee"
 
     threads = 128
     block_n = 64
@@ -868,12 +872,19 @@ def tf32_wgmma_spec(kind: str, dt: int, mask: Mask, config: Tf32WgmmaBwdConfig) 
     fused = kind == "dkdv" and config.fused_dq
     if fused and dt != 64:
         raise ValueError(f"cupyflash: the fused dQ (dQ^T = K^T dS^T) takes the d64 tile, not {dt}")
+    products = PRODUCTS[check_precision(config.precision)]
+    if config.sums_apart and products != 3:
+        raise ValueError(f"cupyflash: apart sums are the split products' (precision \"ieee\"): {config!r}")
     fn = f"flash_bwd_{kind}_tf32_wgmma"
-    apart = "_apart" if config.sums_apart else ""
-    return Specialization(f"{fn}_{SHORT_NAMES['float32']}_hdim{dt}_{mask.name}_bm{bm}_bn{bn}_r{raw}{apart}"
-                          f"{'_dq' if fused else ''}", f"{fn}.cu",
+    # template arguments after SUMS_APART: (DQ_ATOMIC,) PRODUCTS, each written only when not its default
+    tail = ([] if kind == "dq" else ["true" if fused else "false"]) + [str(products)]
+    while tail and tail[-1] in ("false", "3"):
+        tail.pop()
+    suffix = ("_apart" if config.sums_apart else "") + ("_dq" if fused else "") + ("_tf32" if products == 1 else "")
+    return Specialization(f"{fn}_{SHORT_NAMES['float32']}_hdim{dt}_{mask.name}_bm{bm}_bn{bn}_r{raw}{suffix}",
+                          f"{fn}.cu",
                           f"cf::{fn}<{dt}, {mask.cpp}, {step}, {raw}, {'true' if config.sums_apart else 'false'}"
-                          f"{', true' if fused else ''}>",
+                          f"{''.join(', ' + t for t in tail)}>",
                           config.threads, tf32_wgmma_smem_bytes(kind, dt, config), arch="90a")
 
 

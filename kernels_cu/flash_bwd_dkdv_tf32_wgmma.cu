@@ -1,8 +1,9 @@
 // flash_bwd_dkdv_tf32_wgmma: dK and dV of the float32 backward on Hopper's tf32 warpgroup MMA
-// (sm_90a), each product three tf32 products of split operands (precision "ieee"): a candidate,
-// docs/perf-log.md tf32-wgmma-bwd-v0. Not a row of any plan: backward_plans.Tf32WgmmaBwdConfig
-// runs it through dmma.backward(config=...) beside the tf32x3 experiment's dQ and statistics
-// kernels (flash_bwd_dq_dmma, flash_bwd_stats_dmma on float).
+// (sm_90a), each product three tf32 products of split operands (PRODUCTS 3, precision "ieee"; 1:
+// "tf32", the operands rounded to tf32 and the lo tiles zeros): a candidate, docs/perf-log.md
+// tf32-wgmma-bwd-v0. Not a row of any plan: backward_plans.Tf32WgmmaBwdConfig runs it through
+// dmma.backward(config=...) beside flash_bwd_dq_tf32_wgmma (or the tf32x3 experiment's dQ
+// kernel) and the tf32x3 experiment's statistics kernel.
 //
 // One warpgroup per CTA owns BLOCK_N = 64 keys of one kv head (wgmma's M) and walks the query
 // blocks that see them, of every query head of its GQA group (block_walk.cuh), as
@@ -67,11 +68,13 @@ struct BwdTf32WgmmaSmem {
     static constexpr u32 BYTES = STATS + STAT_RING * STAT_SLOTS * BLOCK_M * 4;
 };
 
-template <int D_TILE, class Mask, int BLOCK_M, int RAW_STAGES, bool SUMS_APART, bool DQ_ATOMIC = false>
+template <int D_TILE, class Mask, int BLOCK_M, int RAW_STAGES, bool SUMS_APART, bool DQ_ATOMIC = false,
+          int PRODUCTS = 3>
 __global__ void __launch_bounds__(128, 1)
 flash_bwd_dkdv_tf32_wgmma(const __grid_constant__ BwdParams p) {
     typedef BwdTf32WgmmaSmem<D_TILE, BLOCK_M, RAW_STAGES, DQ_ATOMIC> L;
-    constexpr int BLOCK_N = L::BLOCK_N, NTHREADS = 128, PRODUCTS = 3;
+    constexpr int BLOCK_N = L::BLOCK_N, NTHREADS = 128;
+    static_assert(!SUMS_APART || Tf32Operand<PRODUCTS>::SPLIT, "apart sums are the split products'");
     constexpr int SV = BLOCK_M / 2;  // S^T's and dP^T's accumulator values a thread (BLOCK_M / 8 blocks of 4)
     constexpr int DV = D_TILE / 2;   // dK's and dV's
     static_assert(BLOCK_M % 32 == 0 && BLOCK_M <= 64 && D_TILE % 32 == 0 && D_TILE <= 128,
@@ -155,7 +158,8 @@ flash_bwd_dkdv_tf32_wgmma(const __grid_constant__ BwdParams p) {
         // Steps 2-3: S^T = K Q^T and dP^T = V dO^T, three products a k-step.
         float s[SV], dp[SV];
         tf32_scores_and_dp<D_TILE / 8, SUMS_APART>(s, dp,
-            Tf32RowsTimesRows<BLOCK_N, BLOCK_M>{base + L::K_HI, base + L::K_LO, base + L::Q_HI, base + L::Q_LO},
+            Tf32RowsTimesRows<BLOCK_N, BLOCK_M, PRODUCTS>{base + L::K_HI, base + L::K_LO, base + L::Q_HI,
+                                                          base + L::Q_LO},
             {base + L::V_HI, base + L::V_LO, base + L::DO_HI, base + L::DO_LO});
 
         // Step 4: P^T (times dropout's keep mask) into s, dS^T into dp. Value 4 f + e of a thread is
@@ -214,9 +218,10 @@ flash_bwd_dkdv_tf32_wgmma(const __grid_constant__ BwdParams p) {
             fence_proxy_async_shared();
             __syncthreads();
             float dq_t[SV];
-            tf32_product_sums<SV, BLOCK_N / 8, true, SUMS_APART>(
-                dq_t, Tf32RowsTimesRows<D_TILE, BLOCK_M>{base + L::KT, base + L::KT + L::KV_TILE, base + L::DS,
-                                                          base + L::DS + BLOCK_M * BLOCK_N * 4},
+            tf32_product_sums<SV, BLOCK_N / 8, Tf32Operand<PRODUCTS>::SPLIT, SUMS_APART>(
+                dq_t,
+                Tf32RowsTimesRows<D_TILE, BLOCK_M, PRODUCTS>{base + L::KT, base + L::KT + L::KV_TILE, base + L::DS,
+                                                             base + L::DS + BLOCK_M * BLOCK_N * 4},
                 NoTurns());
 #pragma unroll
             for (int f = 0; f < BLOCK_M / 8; ++f)

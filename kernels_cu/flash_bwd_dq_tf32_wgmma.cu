@@ -1,7 +1,7 @@
 // flash_bwd_dq_tf32_wgmma: dQ of the float32 backward on Hopper's tf32 warpgroup MMA (sm_90a),
-// each product three tf32 products of split operands (precision "ieee"): a candidate,
-// docs/perf-log.md tf32-wgmma-bwd-v0, the query side of flash_bwd_dkdv_tf32_wgmma.cu (not a row
-// of any plan: backward_plans.Tf32WgmmaBwdConfig's dq_block_n).
+// each product three tf32 products of split operands (PRODUCTS 3, precision "ieee"; 1: "tf32"):
+// a candidate, docs/perf-log.md tf32-wgmma-bwd-v0, the query side of flash_bwd_dkdv_tf32_wgmma.cu
+// (not a row of any plan: backward_plans.Tf32WgmmaBwdConfig's dq_block_n).
 //
 // One warpgroup per CTA owns BLOCK_M = 64 query rows of one head (wgmma's M) and walks the key
 // blocks of its kv head that its rows see, BLOCK_N keys each, as flash_bwd_dq_dmma.cu does:
@@ -39,11 +39,12 @@ struct DqTf32WgmmaSmem {
     static constexpr u32 BYTES = RAW + RAW_STAGES * 2 * KV_TILE;
 };
 
-template <int D_TILE, class Mask, int BLOCK_N, int RAW_STAGES, bool SUMS_APART>
+template <int D_TILE, class Mask, int BLOCK_N, int RAW_STAGES, bool SUMS_APART, int PRODUCTS = 3>
 __global__ void __launch_bounds__(128, 1)
 flash_bwd_dq_tf32_wgmma(const __grid_constant__ BwdParams p) {
     typedef DqTf32WgmmaSmem<D_TILE, BLOCK_N, RAW_STAGES> L;
-    constexpr int BLOCK_M = L::BLOCK_M, NTHREADS = 128, PRODUCTS = 3;
+    constexpr int BLOCK_M = L::BLOCK_M, NTHREADS = 128;
+    static_assert(!SUMS_APART || Tf32Operand<PRODUCTS>::SPLIT, "apart sums are the split products'");
     constexpr int SV = BLOCK_N / 2;  // S's and dP's accumulator values a thread (BLOCK_N / 8 blocks of 4)
     static_assert(BLOCK_N % 32 == 0 && BLOCK_N <= 64 && D_TILE % 32 == 0 && D_TILE <= 128,
                   "whole tf32 panels; S's width is wgmma's N");
@@ -119,7 +120,8 @@ flash_bwd_dq_tf32_wgmma(const __grid_constant__ BwdParams p) {
         // Steps 2-3: S = Q K^T and dP = dO V^T, three products a k-step.
         float s[SV], dp[SV];
         tf32_scores_and_dp<D_TILE / 8, SUMS_APART>(s, dp,
-            Tf32RowsTimesRows<BLOCK_M, BLOCK_N>{base + L::Q_HI, base + L::Q_LO, base + L::K_HI, base + L::K_LO},
+            Tf32RowsTimesRows<BLOCK_M, BLOCK_N, PRODUCTS>{base + L::Q_HI, base + L::Q_LO, base + L::K_HI,
+                                                          base + L::K_LO},
             {base + L::DO_HI, base + L::DO_LO, base + L::V_HI, base + L::V_LO});
 
         // Step 4: dS = P (dP - D) into s. Value 4 f + e of a thread is row h = e / 2 of its two,

@@ -302,6 +302,57 @@ def test_tf32x3_experiment_is_as_accurate_as_the_simt_float32_backward(headdim, 
             assert any(name.startswith(kernel) for name in launched), launched
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("fused", [False, True])
+def test_tf32_wgmma_precision_tf32_is_the_rounded_operands_backward(causal, fused, monkeypatch):
+    """precision "tf32" on the wgmma candidates: each product's operands rounded to tf32 where they
+    enter it (Q, K, V, dO, and P and dS), the products summed in float32. That arithmetic in
+    float64, from the same o and lse, is what the kernels must give to within float32 sums and a
+    rare tf32 rounding tie of P or dS falling the other way (2^-10 of the largest gradient); a
+    value at another key, query or column, or a lost product, is O(1) off."""
+    import cupy
+
+    from cupyflash.kernels import simt
+    from cupyflash.precision import round_tf32
+
+    launched = _tf32x3_or_skip(monkeypatch)
+    _wgmma_or_skip()
+    rng = np.random.default_rng(3 + 2 * causal + fused)
+    q, do = (rng.standard_normal((2, 97, 4, 48)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((2, 131, 2, 48)).astype(np.float32) for _ in range(2))
+    scale = 48 ** -0.5
+    qd, kd, vd, dod = (cupy.asarray(x) for x in (q, k, v, do))
+    o, lse = cupy.empty_like(qd), cupy.empty((2, 4, 97), np.float32)
+    simt.forward(qd, kd, vd, o, lse, softmax_scale=scale, causal=causal)
+    grads = [cupy.full(x.shape, np.nan, np.float32) for x in (qd, kd, vd)]
+    config = Tf32WgmmaBwdConfig(32, 2, False, fused_dq=fused, precision="tf32")
+    dmma.backward(dod, qd, kd, vd, o, lse, *grads, softmax_scale=scale, causal=causal, config=config,
+                  deterministic=not fused)
+    got = [g.get() for g in grads]
+    assert any(name.endswith("_tf32") and "_tf32_wgmma_" in name for name in launched), launched
+
+    def r(x):
+        return round_tf32(np.asarray(x, np.float32)).astype(np.float64)
+
+    o, lse = o.get().astype(np.float64), lse.get().astype(np.float64)
+    want = [np.zeros(x.shape) for x in (q, k, v)]
+    visible = np.arange(131)[None, :] <= np.arange(97)[:, None] + 131 - 97 if causal else np.ones((97, 131), bool)
+    for b in range(2):
+        for h in range(4):
+            hk = h // 2
+            qh, kh, vh, doh = r(q[b, :, h]), r(k[b, :, hk]), r(v[b, :, hk]), r(do[b, :, h])
+            p = np.where(visible, np.exp(qh @ kh.T * scale - lse[b, h][:, None]), 0.0)
+            delta = (do[b, :, h].astype(np.float64) * o[b, :, h]).sum(axis=1)
+            ds = r(p * (doh @ vh.T - delta[:, None]))
+            want[2][b, :, hk] += r(p).T @ doh
+            want[0][b, :, h] = scale * ds @ kh
+            want[1][b, :, hk] += scale * ds.T @ qh
+    for which, a, w in zip(("dq", "dk", "dv"), got, want):
+        assert np.isfinite(a).all(), which
+        assert np.abs(a - w).max() <= 2.0 ** -10 * (1 + np.abs(w).max()), (which, np.abs(a - w).max())
+
+
 def _wgmma_or_skip() -> None:
     from cupyflash.kernels import _module
 

@@ -30,7 +30,7 @@ STAT_SLOTS = 4  # dmma_bwd_steps.cuh's StatSlot: lse, delta, weight, dp_ref
          "static constexpr u32 RAW = DS + (DQ_ATOMIC ? 2 * BLOCK_M * BLOCK_N * 4 : 0u);",
          "static constexpr u32 STATS = RAW + RAW_STAGES * 2 * Q_TILE;",
          "static constexpr u32 BYTES = STATS + STAT_RING * STAT_SLOTS * BLOCK_M * 4;",
-         "constexpr int BLOCK_N = L::BLOCK_N, NTHREADS = 128, PRODUCTS = 3;",
+         "constexpr int BLOCK_N = L::BLOCK_N, NTHREADS = 128;",
          "constexpr int SV = BLOCK_M / 2;",
          "constexpr int DV = D_TILE / 2;",
          "const u32 base = aligned_dynamic_smem<L::BYTES>(smem_raw);",
@@ -66,7 +66,8 @@ def load_tiles(d_tile: int, block_m: int, k, v, q, do, keys_valid: int, queries_
 
 
 @mirrors(KERNEL,
-         "Tf32RowsTimesRows<BLOCK_N, BLOCK_M>{base + L::K_HI, base + L::K_LO, base + L::Q_HI, base + L::Q_LO},",
+         "Tf32RowsTimesRows<BLOCK_N, BLOCK_M, PRODUCTS>{base + L::K_HI, base + L::K_LO, base + L::Q_HI,"
+         " base + L::Q_LO},",
          "{base + L::V_HI, base + L::V_LO, base + L::DO_HI, base + L::DO_LO});",
          "tf32_acc_times_tile<D_TILE, BLOCK_M / 8, PRODUCTS, SUMS_APART>(dv_acc, s, base + L::DOT_HI, base + L::DOT_LO,",
          "tf32_acc_times_tile<D_TILE, BLOCK_M / 8, PRODUCTS, SUMS_APART>(dk_acc, dp, base + L::QT_HI, base + L::QT_LO,")
@@ -89,7 +90,7 @@ def products(smem, d_tile: int, block_m: int) -> dict:
          "const u32 at = panel_offset<BLOCK_M>(query, key >> 2) + 4 * (key & 3);",
          "st_shared_b32(base + L::DS + at, hi);",
          "st_shared_b32(base + L::DS + BLOCK_M * BLOCK_N * 4 + at, lo);",
-         "dq_t, Tf32RowsTimesRows<D_TILE, BLOCK_M>{base + L::KT, base + L::KT + L::KV_TILE, base + L::DS,",
+         "Tf32RowsTimesRows<D_TILE, BLOCK_M, PRODUCTS>{base + L::KT, base + L::KT + L::KV_TILE, base + L::DS,",
          "base + L::DS + BLOCK_M * BLOCK_N * 4},",
          "const int column = 16 * warp + g + 8 * (e >> 1), query = m0 + 8 * f + 2 * t + (e & 1);",
          "atomicAdd(p.dq.row<float>(batch, seq.q_begin + query, head) + column, dq_t[4 * f + e] * scale);")

@@ -25,7 +25,7 @@ CTA_ROWS = BLOCK_M  # the rows a CTA keeps (models/wgmma_tf32_bwd_steps.py emula
          "static constexpr u32 KT_HI = V_LO + KV_TILE, KT_LO = KT_HI + KV_TILE;",
          "static constexpr u32 RAW = KT_LO + KV_TILE;",
          "static constexpr u32 BYTES = RAW + RAW_STAGES * 2 * KV_TILE;",
-         "constexpr int BLOCK_M = L::BLOCK_M, NTHREADS = 128, PRODUCTS = 3;",
+         "constexpr int BLOCK_M = L::BLOCK_M, NTHREADS = 128;",
          "constexpr int SV = BLOCK_N / 2;",
          "const u32 base = aligned_dynamic_smem<L::BYTES>(smem_raw);",
          "const Tf32RawStages<BLOCK_N, D_TILE, NTHREADS, RAW_STAGES> stages{base + L::RAW};")
@@ -53,7 +53,8 @@ def load_tiles(d_tile: int, block_n: int, q, do, k, v, queries_valid: int, keys_
 
 
 @mirrors(KERNEL,
-         "Tf32RowsTimesRows<BLOCK_M, BLOCK_N>{base + L::Q_HI, base + L::Q_LO, base + L::K_HI, base + L::K_LO},",
+         "Tf32RowsTimesRows<BLOCK_M, BLOCK_N, PRODUCTS>{base + L::Q_HI, base + L::Q_LO, base + L::K_HI,"
+         " base + L::K_LO},",
          "{base + L::DO_HI, base + L::DO_LO, base + L::V_HI, base + L::V_LO});",
          "tf32_acc_times_tile<D_TILE, BLOCK_N / 8, PRODUCTS, SUMS_APART>(dq_acc, s, base + L::KT_HI, base + L::KT_LO,")
 def products(smem, d_tile: int, block_n: int) -> dict:
