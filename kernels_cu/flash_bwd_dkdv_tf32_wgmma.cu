@@ -92,8 +92,7 @@ flash_bwd_dkdv_tf32_wgmma(const __grid_constant__ BwdParams p) {
     // Past a shorter sequence's end. A sequence without queries still stores dK = dV = 0 below.
     if (Mask::PACKED && n0 >= seqlen_k) return;
     const Mask mask = cta_mask<Mask>(p, seq.index, seqlen_q, seqlen_k);
-    const float scale_log2 = scale_log2_in<float>(p), scale = scale_in<float>(p);
-    const float to_log2 = p.lse_to_log2;
+    const float scale = scale_in<float>(p);
     const float drop_scale = DropoutOf<Mask>::ENABLED ? dropout_scale_in<float>(p) : 1.f;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t = lane % 4;  // the accumulators' row and column pair
@@ -155,36 +154,12 @@ flash_bwd_dkdv_tf32_wgmma(const __grid_constant__ BwdParams p) {
                                                                         seqlen_q - m0, p.headdim_v, tid);
         }, stage_block);
 
-        // Steps 2-3: S^T = K Q^T and dP^T = V dO^T, three products a k-step.
-        float s[SV], dp[SV];
-        tf32_scores_and_dp<D_TILE / 8, SUMS_APART>(s, dp,
-            Tf32RowsTimesRows<BLOCK_N, BLOCK_M, PRODUCTS>{base + L::K_HI, base + L::K_LO, base + L::Q_HI,
-                                                          base + L::Q_LO},
-            {base + L::V_HI, base + L::V_LO, base + L::DO_HI, base + L::DO_LO});
-
-        // Step 4: P^T (times dropout's keep mask) into s, dS^T into dp. Value 4 f + e of a thread is
-        // key row 16 warp + g + 8 (e / 2), query 8 f + 2 t + e % 2.
-        const float* const stats = stat_tiles + (it % L::STAT_RING) * STAT_SLOTS * BLOCK_M;
-        const ScoreOf<Mask, float> score(score_problem<Mask>(p, seq), seq.index, head, scale);
-        const DropoutOf<Mask> dropout(p, seq.index, head);
-#pragma unroll
-        for (int f = 0; f < BLOCK_M / 8; ++f)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int qi = 8 * f + 2 * t + (e & 1), q_row = m0 + qi;
-                const int key = n0 + 16 * warp + g + 8 * (e >> 1);
-                // lse = -inf marks a row with no visible key: P = 0, as a row past the end
-                const float top = q_row < seqlen_q ? stats[STAT_LSE * BLOCK_M + qi] * to_log2 : neg_inf<float>();
-                const float row_weight = weight != nullptr ? stats[STAT_WEIGHT * BLOCK_M + qi] : 1.f;
-                const float row_dp_ref = dp_ref != nullptr ? stats[STAT_DP_REF * BLOCK_M + qi] : 0.f;
-                const float row_delta = stats[STAT_DELTA * BLOCK_M + qi];
-                const int v = 4 * f + e;
-                const auto x = score_entry(s[v], dp[v], q_row, key, top == neg_inf<float>(), mask, score, dropout,
-                                           drop_scale);
-                const float p_ij = x.hidden ? 0.f : recomputed_p_exact(x.s, scale_log2, top, row_weight);
-                s[v] = x.kept ? p_ij : 0.f;
-                dp[v] = ds_entry<Mask>(x, p_ij, row_dp_ref, row_delta);
-            }
+        // Steps 2-6 (wgmma_tf32_bwd_steps.cuh): S^T, dP^T, P^T and dS^T, dV += P^T dO, dK += dS^T Q.
+        float ds[SV];
+        tf32_dkdv_query_block<D_TILE, BLOCK_M, PRODUCTS, SUMS_APART>(
+            dk_acc, dv_acc, ds, Tf32DkdvTiles{base + L::K_HI, base + L::V_HI, base + L::Q_HI, base + L::DO_HI,
+                                              base + L::QT_HI, base + L::DOT_HI},
+            stat_tiles + (it % L::STAT_RING) * STAT_SLOTS * BLOCK_M, p, seq, mask, head, m0, n0, warp, lane);
 
         // DQ_ATOMIC, step 7's operand: dS^T's values as dS, [query][key] hi and lo (the B operand of
         // dQ^T = K^T dS^T, K-major). A warp's store of one value index writes 4 query rows x 8 keys:
@@ -197,18 +172,11 @@ flash_bwd_dkdv_tf32_wgmma(const __grid_constant__ BwdParams p) {
                     const int query = 8 * f + 2 * t + (e & 1), key = 16 * warp + g + 8 * (e >> 1);
                     const u32 at = panel_offset<BLOCK_M>(query, key >> 2) + 4 * (key & 3);
                     u32 hi, lo;
-                    split_tf32<PRODUCTS>(dp[4 * f + e], hi, lo);
+                    split_tf32<PRODUCTS>(ds[4 * f + e], hi, lo);
                     st_shared_b32(base + L::DS + at, hi);
                     st_shared_b32(base + L::DS + BLOCK_M * BLOCK_N * 4 + at, lo);
                 }
         }
-
-        // Steps 5-6: dV += P^T dO, dK += dS^T Q, each waited for before the next is split (the
-        // registers of one product's split operands at a time).
-        tf32_acc_times_tile<D_TILE, BLOCK_M / 8, PRODUCTS, SUMS_APART>(dv_acc, s, base + L::DOT_HI, base + L::DOT_LO,
-                                                                     NoTurns());
-        tf32_acc_times_tile<D_TILE, BLOCK_M / 8, PRODUCTS, SUMS_APART>(dk_acc, dp, base + L::QT_HI, base + L::QT_LO,
-                                                                     NoTurns());
 
         // Step 7 (DQ_ATOMIC): dQ^T = K^T dS^T for this query block (64 head-dim rows x BLOCK_M
         // queries, over the block's 64 keys), scaled and added to dq by float32 atomics (in any

@@ -6,6 +6,10 @@
 #pragma once
 
 #include "common.cuh"
+#include "dmma_bwd_steps.cuh"
+#include "mask.cuh"
+#include "params.cuh"
+#include "softmax_bwd.cuh"
 #include "wgmma_tf32.cuh"
 
 namespace cf {
@@ -37,6 +41,69 @@ __device__ __forceinline__ void tf32_scores_and_dp(float (&s)[B_ROWS / 2], float
     constexpr bool SPLIT = Tf32Operand<PRODUCTS>::SPLIT;
     tf32_product_sums<B_ROWS / 2, K_STEPS, SPLIT, APART>(s, s_tiles, NoTurns());
     tf32_product_sums<B_ROWS / 2, K_STEPS, SPLIT, APART>(dp, dp_tiles, NoTurns());
+}
+
+// One query block's tiles in a dK/dV kernel: K and V (64 rows), the block's Q and dO (natural,
+// K-major) and Q^T and dO^T (KEY_PAIRS), each the hi tile's address, its lo tile right after it.
+struct Tf32DkdvTiles {
+    u32 k, v, q, dout, qt, dot;
+};
+
+// Steps 2-6 of a query block in the dK/dV kernels (flash_bwd_dkdv_tf32_wgmma and its producer /
+// consumer form _ws), for the warpgroup that owns the 64 keys n0..: S^T = K Q^T and dP^T = V dO^T;
+// P^T (times dropout's keep mask) and dS^T by the float32 element step (dmma_bwd_steps.cuh's
+// score_entry / ds_entry) from the block's row statistics (stats: [STAT_SLOTS][BLOCK_M] floats,
+// StatSlot's order); dV += P^T dO and dK += dS^T Q, each waited for before the next is split (the
+// registers of one product's split operands at a time). Value 4 f + e of a thread is key row
+// 16 warp + g + 8 (e / 2), query 8 f + 2 t + e % 2 (warp: within the warpgroup). dS^T is left in
+// ds for the caller (the fused dQ's operand).
+template <int D_TILE, int BLOCK_M, int PRODUCTS, bool SUMS_APART, class Mask>
+__device__ __forceinline__ void tf32_dkdv_query_block(float (&dk_acc)[D_TILE / 2], float (&dv_acc)[D_TILE / 2],
+                                                      float (&ds)[BLOCK_M / 2], const Tf32DkdvTiles& tiles,
+                                                      const float* stats, const BwdParams& p,
+                                                      const SequenceRows& seq, const Mask& mask, int head, int m0,
+                                                      int n0, int warp, int lane) {
+    constexpr int BLOCK_N = 64;
+    constexpr u32 KV_TILE = BLOCK_N * D_TILE * 4, Q_TILE = BLOCK_M * D_TILE * 4;
+    const int g = lane / 4, t = lane % 4;
+    const int seqlen_q = seq.seqlen_q;
+    const float scale_log2 = scale_log2_in<float>(p), scale = scale_in<float>(p), to_log2 = p.lse_to_log2;
+    const float drop_scale = DropoutOf<Mask>::ENABLED ? dropout_scale_in<float>(p) : 1.f;
+    const bool has_weight = p.weight != nullptr, has_dp_ref = p.dp_ref != nullptr;
+
+    // Steps 2-3: S^T and dP^T, PRODUCTS tf32 products a k-step.
+    float s[BLOCK_M / 2];
+    tf32_scores_and_dp<D_TILE / 8, SUMS_APART>(
+        s, ds, Tf32RowsTimesRows<BLOCK_N, BLOCK_M, PRODUCTS>{tiles.k, tiles.k + KV_TILE, tiles.q, tiles.q + Q_TILE},
+        {tiles.v, tiles.v + KV_TILE, tiles.dout, tiles.dout + Q_TILE});
+
+    // Step 4: P^T into s, dS^T into ds.
+    const ScoreOf<Mask, float> score(score_problem<Mask>(p, seq), seq.index, head, scale);
+    const DropoutOf<Mask> dropout(p, seq.index, head);
+#pragma unroll
+    for (int f = 0; f < BLOCK_M / 8; ++f)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int qi = 8 * f + 2 * t + (e & 1), q_row = m0 + qi;
+            const int key = n0 + 16 * warp + g + 8 * (e >> 1);
+            // lse = -inf marks a row with no visible key: P = 0, as a row past the end
+            const float top = q_row < seqlen_q ? stats[STAT_LSE * BLOCK_M + qi] * to_log2 : neg_inf<float>();
+            const float row_weight = has_weight ? stats[STAT_WEIGHT * BLOCK_M + qi] : 1.f;
+            const float row_dp_ref = has_dp_ref ? stats[STAT_DP_REF * BLOCK_M + qi] : 0.f;
+            const float row_delta = stats[STAT_DELTA * BLOCK_M + qi];
+            const int v = 4 * f + e;
+            const auto x = score_entry(s[v], ds[v], q_row, key, top == neg_inf<float>(), mask, score, dropout,
+                                       drop_scale);
+            const float p_ij = x.hidden ? 0.f : recomputed_p_exact(x.s, scale_log2, top, row_weight);
+            s[v] = x.kept ? p_ij : 0.f;
+            ds[v] = ds_entry<Mask>(x, p_ij, row_dp_ref, row_delta);
+        }
+
+    // Steps 5-6: dV += P^T dO, dK += dS^T Q.
+    tf32_acc_times_tile<D_TILE, BLOCK_M / 8, PRODUCTS, SUMS_APART>(dv_acc, s, tiles.dot, tiles.dot + Q_TILE,
+                                                                 NoTurns());
+    tf32_acc_times_tile<D_TILE, BLOCK_M / 8, PRODUCTS, SUMS_APART>(dk_acc, ds, tiles.qt, tiles.qt + Q_TILE,
+                                                                 NoTurns());
 }
 
 // A warpgroup's 64 x D_TILE accumulator (value 4 j + 2 h + e of a thread: row 16 warp + g + 8 h,

@@ -9,7 +9,7 @@ import numpy as np
 
 from .mirrors import mirrors
 from .wgmma import acc_from_matrix
-from .wgmma_tf32_bwd_steps import acc_times_tile, accumulator_positions, rows_times_rows, split_into
+from .wgmma_tf32_bwd_steps import STEPS, acc_times_tile, accumulator_positions, rows_times_rows, split_into
 
 KERNEL = "flash_bwd_dkdv_tf32_wgmma"
 BLOCK_N = 64
@@ -66,11 +66,14 @@ def load_tiles(d_tile: int, block_m: int, k, v, q, do, keys_valid: int, queries_
 
 
 @mirrors(KERNEL,
-         "Tf32RowsTimesRows<BLOCK_N, BLOCK_M, PRODUCTS>{base + L::K_HI, base + L::K_LO, base + L::Q_HI,"
-         " base + L::Q_LO},",
-         "{base + L::V_HI, base + L::V_LO, base + L::DO_HI, base + L::DO_LO});",
-         "tf32_acc_times_tile<D_TILE, BLOCK_M / 8, PRODUCTS, SUMS_APART>(dv_acc, s, base + L::DOT_HI, base + L::DOT_LO,",
-         "tf32_acc_times_tile<D_TILE, BLOCK_M / 8, PRODUCTS, SUMS_APART>(dk_acc, dp, base + L::QT_HI, base + L::QT_LO,")
+         "dk_acc, dv_acc, ds, Tf32DkdvTiles{base + L::K_HI, base + L::V_HI, base + L::Q_HI, base + L::DO_HI,",
+         "base + L::QT_HI, base + L::DOT_HI},")
+@mirrors(STEPS,
+         "s, ds, Tf32RowsTimesRows<BLOCK_N, BLOCK_M, PRODUCTS>{tiles.k, tiles.k + KV_TILE, tiles.q, tiles.q + Q_TILE},",
+         "{tiles.v, tiles.v + KV_TILE, tiles.dout, tiles.dout + Q_TILE});",
+         "tf32_acc_times_tile<D_TILE, BLOCK_M / 8, PRODUCTS, SUMS_APART>(dv_acc, s, tiles.dot, tiles.dot + Q_TILE,",
+         "tf32_acc_times_tile<D_TILE, BLOCK_M / 8, PRODUCTS, SUMS_APART>(dk_acc, ds, tiles.qt, tiles.qt + Q_TILE,",
+         "constexpr int BLOCK_N = 64;")
 def products(smem, d_tile: int, block_m: int) -> dict:
     """The kernel's four products on one query block's tiles: S^T = K Q^T and dP^T = V dO^T
     (Tf32RowsTimesRows<BLOCK_N, BLOCK_M>), then dV and dK from them as the accumulators they are
@@ -120,10 +123,11 @@ def fused_dq(k: np.ndarray, ds_t: np.ndarray, keys_valid: int, headdim: int, blo
     return dq
 
 
-@mirrors(KERNEL,
+@mirrors(STEPS,
          "const int qi = 8 * f + 2 * t + (e & 1), q_row = m0 + qi;",
          "const int key = n0 + 16 * warp + g + 8 * (e >> 1);",
-         "const int v = 4 * f + e;",
+         "const int v = 4 * f + e;")
+@mirrors(KERNEL,
          "store_acc_rows_f32<D_TILE>(dk_acc, scale, keys_valid, p.headdim,",
          "store_acc_rows_f32<D_TILE>(dv_acc, drop_scale, keys_valid, p.headdim_v,",
          "[&](int r) { return p.dk.row<float>(batch, seq.k_begin + n0 + r, head_kv); }, warp, lane);",
