@@ -817,7 +817,10 @@ class Tf32WgmmaBwdConfig:
     product), or "tf32" (one, the operands rounded to tf32; chained sums only; the tf32x3 dQ
     kernel is "ieee" whatever it says). The recomputed statistics run on the tf32x3
     experiment's kernel, whose S is not these kernels' to the bit: a saturated (one-hot) row does
-    not cancel exactly in dK / dV, nor in dQ unless dq_block_n is 0. Candidates, in no plan: ``dmma.backward(config=...)`` on float32 arrays,
+    not cancel exactly in dK / dV, nor in dQ unless dq_block_n is 0. ``producer``
+    (flash_bwd_dkdv_tf32_wgmma_ws, perf log tf32-wgmma-bwd-v1): dK / dV by two warpgroups, a
+    producer splitting each query block into one of ``stages`` stages (raw_stages >= 1 ahead) while
+    the consumer computes on the other; not with fused_dq. Candidates, in no plan: ``dmma.backward(config=...)`` on float32 arrays,
     head dims up to 64 and multiples of 4 (at d128, K, V and a query block's four tile pairs, hi
     and lo, take 256 KiB of shared memory at 32 queries a block)."""
 
@@ -828,15 +831,19 @@ class Tf32WgmmaBwdConfig:
     dq_raw_stages: int = 2
     fused_dq: bool = False
     precision: str = "ieee"
+    producer: bool = False
+    stages: int = 2
 
     threads = 128
     block_n = 64
     dq_block_m = 64
 
 
-# The candidate at its one head-dim tile (head dims up to 64; at d32 its 64-query blocks, the
-# tile the transposed split deals to four warps there, spill 48-108 bytes with a window or dropout).
-TF32_WGMMA_BACKWARD_CONFIGS = {64: Tf32WgmmaBwdConfig()}
+# The candidates the compile check builds for every mask, at their one head-dim tile (head dims up
+# to 64; at d32 the 64-query blocks, the tile the transposed split deals to four warps there, spill
+# 48-108 bytes with a window or dropout): the single warpgroup's and the producer form's
+# (whose dQ is the same kernel).
+TF32_WGMMA_BACKWARD_CONFIGS = {64: (Tf32WgmmaBwdConfig(), Tf32WgmmaBwdConfig(32, 1, producer=True))}
 TF32_WGMMA_D_TILES = (64,)
 
 
@@ -846,6 +853,10 @@ def tf32_wgmma_smem_bytes(kind: str, dt: int, config: Tf32WgmmaBwdConfig) -> int
     Q^T and dO^T, each a hi and a lo tile of float32 words (fused_dq: K^T and dS too), the raw
     stages of Q and dO, and raw_stages + 1 slots of four row statistics. "dq" mirrors DqTf32WgmmaSmem<...>::BYTES: Q and
     dO (64 rows), K, V and K^T (dq_block_n rows or slots), hi and lo, and the raw stages of K and V."""
+    if kind == "dkdv" and config.producer:  # BwdTf32WgmmaWsSmem: K, V; stages (tiles, statistics); raw; barriers
+        q_tile = 4 * config.block_m * dt
+        stage = -(-(8 * q_tile + 4 * config.block_m * 4) // 1024) * 1024
+        return 4 * 4 * 64 * dt + config.stages * stage + config.raw_stages * 2 * q_tile + 16 * config.stages + 1024
     if kind == "dkdv":  # fused_dq: K^T and dS, hi and lo, after the tiles
         q_tile = 4 * config.block_m * dt
         return (4 * 4 * 64 * dt + 8 * q_tile + config.raw_stages * 2 * q_tile
@@ -875,6 +886,17 @@ def tf32_wgmma_spec(kind: str, dt: int, mask: Mask, config: Tf32WgmmaBwdConfig) 
     products = PRODUCTS[check_precision(config.precision)]
     if config.sums_apart and products != 3:
         raise ValueError(f"cupyflash: apart sums are the split products' (precision \"ieee\"): {config!r}")
+    if kind == "dkdv" and config.producer:
+        if fused or config.stages < 2 or config.raw_stages < 1:
+            raise ValueError(f"cupyflash: the producer form takes two or more stages, raw rows one or more blocks "
+                             f"ahead, and no fused dQ: {config!r}")
+        fn = "flash_bwd_dkdv_tf32_wgmma_ws"
+        return Specialization(f"{fn}_{SHORT_NAMES['float32']}_hdim{dt}_{mask.name}_bm{bm}_bn{bn}_s{config.stages}"
+                              f"_r{raw}{'_apart' if config.sums_apart else ''}{'_tf32' if products == 1 else ''}",
+                              f"{fn}.cu",
+                              f"cf::{fn}<{dt}, {mask.cpp}, {step}, {config.stages}, {raw}, "
+                              f"{'true' if config.sums_apart else 'false'}{', 1' if products == 1 else ''}>",
+                              256, tf32_wgmma_smem_bytes(kind, dt, config), arch="90a")
     fn = f"flash_bwd_{kind}_tf32_wgmma"
     # template arguments after SUMS_APART: (DQ_ATOMIC,) PRODUCTS, each written only when not its default
     tail = ([] if kind == "dq" else ["true" if fused else "false"]) + [str(products)]

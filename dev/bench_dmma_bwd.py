@@ -49,6 +49,9 @@ WGMMA_CANDIDATES = {
     # precision "tf32" (one product a product): issue 18 asks its TFLOP/s and error reported
     "wgmma_tf32": Tf32WgmmaBwdConfig(32, 2, False, precision="tf32"),
     "wgmma_fused_tf32": Tf32WgmmaBwdConfig(32, 2, False, fused_dq=True, precision="tf32"),
+    # dK/dV by a producer warpgroup and a consumer (perf log tf32-wgmma-bwd-v1), dQ as the row's
+    "wgmma_producer": Tf32WgmmaBwdConfig(32, 1, producer=True),
+    "wgmma_producer_chained": Tf32WgmmaBwdConfig(32, 1, False, producer=True),
 }
 
 

@@ -43,8 +43,8 @@ def specializations() -> list[Specialization]:
     for dt, c in sorted(backward_plans.TF32X3_BACKWARD_CONFIGS.items()):  # the float32 experiment
         out.extend(backward_plans.dmma_spec(kind, dt, mask, c, "float32") for mask in backward_masks
                    for kind in ("stats", "dkdv", "dq"))
-    for dt, c in sorted(backward_plans.TF32_WGMMA_BACKWARD_CONFIGS.items()):  # its wgmma candidates
-        out.extend(backward_plans.tf32_wgmma_spec(kind, dt, mask, c) for mask in backward_masks
+    for dt, configs in sorted(backward_plans.TF32_WGMMA_BACKWARD_CONFIGS.items()):  # its wgmma candidates
+        out.extend(backward_plans.tf32_wgmma_spec(kind, dt, mask, c) for c in configs for mask in backward_masks
                    for kind in ("dkdv", "dq"))
     return list(dict.fromkeys(out))
 

@@ -34,7 +34,7 @@ def test_smem_is_the_kernels_layout_and_fits(config):
 
 
 def test_the_spec_names_its_tiles_and_refuses_what_cannot_run():
-    spec = backward_plans.tf32_wgmma_spec("dkdv", 64, as_mask(True), TF32_WGMMA_BACKWARD_CONFIGS[64])
+    spec = backward_plans.tf32_wgmma_spec("dkdv", 64, as_mask(True), TF32_WGMMA_BACKWARD_CONFIGS[64][0])
     assert spec.name == "flash_bwd_dkdv_tf32_wgmma_fp32_hdim64_causal_bm32_bn64_r2_apart"
     assert spec.expression == "cf::flash_bwd_dkdv_tf32_wgmma<64, cf::Causal, 32, 2, true>"
     assert spec.arch == "90a" and spec.threads == 128
@@ -109,8 +109,9 @@ def test_a_slipped_relabelling_is_caught():
 def test_the_candidates_compile_without_spills_on_every_mask():
     from cupyflash.kernels import compile_check, dmma
 
-    specs = [s for s in dmma.specializations() if "_tf32_wgmma_" in s.name]  # both kernels
-    assert {s.source_file for s in specs} == {"flash_bwd_dkdv_tf32_wgmma.cu", "flash_bwd_dq_tf32_wgmma.cu"}
+    specs = [s for s in dmma.specializations() if "_tf32_wgmma_" in s.name]  # the three kernels
+    assert {s.source_file for s in specs} == {"flash_bwd_dkdv_tf32_wgmma.cu", "flash_bwd_dq_tf32_wgmma.cu",
+                                              "flash_bwd_dkdv_tf32_wgmma_ws.cu"}
     assert specs
     results = compile_check.check("90a", specs, with_sass=True)
     assert not [(r.name, r.spill_bytes, r.stack_bytes) for r in results if r.spill_bytes or r.stack_bytes]

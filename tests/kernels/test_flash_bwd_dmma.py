@@ -63,8 +63,12 @@ def test_specializations_mirror_the_kernels_tiles():
     kinds = len(KINDS) + len(VARIANT_KINDS) + len(PACKED_KINDS)
     distinct = {(dt, c) for (_, dt), c in DMMA_BACKWARD_TILES.items()}
     tf32 = len(backward_plans.TF32X3_BACKWARD_CONFIGS)  # the float32 experiment's kernels
-    wgmma = len(backward_plans.TF32_WGMMA_BACKWARD_CONFIGS)  # and its wgmma candidates, dK/dV and dQ
-    assert sum(1 for n in names if "_bwd_" in n) == 3 * kinds * (len(distinct) + tf32) + 2 * kinds * wgmma
+    # and its wgmma candidates: each one's dK/dV kernel, and their dQ kernels (the same one here)
+    wgmma = {backward_plans.tf32_wgmma_spec(kind, dt, as_mask(True), c).name
+             for dt, configs in backward_plans.TF32_WGMMA_BACKWARD_CONFIGS.items() for c in configs
+             for kind in ("dkdv", "dq")}
+    assert len(wgmma) == 3
+    assert sum(1 for n in names if "_bwd_" in n) == 3 * kinds * (len(distinct) + tf32) + kinds * len(wgmma)
 
 
 def test_a_row_past_the_devices_shared_memory_runs_simt():
@@ -361,10 +365,11 @@ def _wgmma_or_skip() -> None:
 
 
 # the candidates' staging and sums: the row's, 64-row blocks with chained sums (dK/dV unstaged, dQ
-# one block ahead), no staging at all (the splits read global memory), and dQ by the dK/dV
-# kernel's atomics
+# one block ahead), no staging at all (the splits read global memory), dQ by the dK/dV kernel's
+# atomics, and the producer warpgroup's dK/dV (two stages; a barrier parity wrong hangs here)
 WGMMA_CONFIGS = {"row": Tf32WgmmaBwdConfig(), "bm64_chained": Tf32WgmmaBwdConfig(64, 0, False, 64, 1),
-                 "sync": Tf32WgmmaBwdConfig(32, 0, True, 32, 0), "fused": Tf32WgmmaBwdConfig(fused_dq=True)}
+                 "sync": Tf32WgmmaBwdConfig(32, 0, True, 32, 0), "fused": Tf32WgmmaBwdConfig(fused_dq=True),
+                 "producer": Tf32WgmmaBwdConfig(32, 1, producer=True)}
 
 
 @pytest.mark.gpu

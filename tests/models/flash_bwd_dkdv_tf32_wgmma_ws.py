@@ -1,0 +1,107 @@
+"""Model of kernels_cu/flash_bwd_dkdv_tf32_wgmma_ws.cu (perf log tf32-wgmma-bwd-v1): its
+shared-memory layout, and its producer / consumer protocol over the stages' full and empty
+mbarriers (phase parities as mbarrier.cuh defines them) run as two sequences of steps in any
+interleaving. The products each stage feeds are the dK/dV kernel's (tf32_dkdv_query_block, whose
+emulation is models/flash_bwd_dkdv_tf32_wgmma.py's).
+"""
+from __future__ import annotations
+
+from .mirrors import mirrors
+
+KERNEL = "flash_bwd_dkdv_tf32_wgmma_ws"
+STAT_SLOTS = 4
+
+
+@mirrors(KERNEL,
+         "static constexpr int BLOCK_N = 64;",
+         "static constexpr u32 KV_TILE = BLOCK_N * D_TILE * 4, Q_TILE = BLOCK_M * D_TILE * 4;",
+         "static constexpr u32 K_HI = 0, V_HI = 2 * KV_TILE;",
+         "static constexpr u32 Q = 0, DO = 2 * Q_TILE, QT = 4 * Q_TILE, DOT = 6 * Q_TILE, STATS = 8 * Q_TILE;",
+         "static constexpr u32 STAGE = (STATS + STAT_SLOTS * BLOCK_M * 4 + 1023) / 1024 * 1024;",
+         "static constexpr u32 STAGE0 = 4 * KV_TILE;",
+         "static constexpr u32 RAW = STAGE0 + STAGES * STAGE;",
+         "static constexpr u32 FULL = RAW + RAW_STAGES * 2 * Q_TILE, EMPTY = FULL + 8 * STAGES;",
+         "static constexpr u32 BYTES = EMPTY + 8 * STAGES;",
+         "constexpr int BLOCK_N = L::BLOCK_N, SV = BLOCK_M / 2;",
+         "const u32 base = aligned_dynamic_smem<L::BYTES>(smem_raw);",
+         "const u32 stage = base + stage_of(it), staged = raw.stage(it);",
+         "const u32 stage = base + stage_of(it);",
+         "auto stage_of = [&](int it) { return L::STAGE0 + (it % STAGES) * L::STAGE; };")
+def ws_smem(d_tile: int, block_m: int, stages: int, raw_stages: int) -> dict:
+    """BwdTf32WgmmaWsSmem's offsets in bytes from the aligned base (stage s's tile X at
+    STAGE0 + s STAGE + X)."""
+    kv_tile, q_tile = 64 * d_tile * 4, block_m * d_tile * 4
+    layout = {"KV_TILE": kv_tile, "Q_TILE": q_tile, "K_HI": 0, "V_HI": 2 * kv_tile, "Q": 0, "DO": 2 * q_tile,
+              "QT": 4 * q_tile, "DOT": 6 * q_tile, "STATS": 8 * q_tile}
+    layout["STAGE"] = (layout["STATS"] + STAT_SLOTS * block_m * 4 + 1023) // 1024 * 1024
+    layout["STAGE0"] = 4 * kv_tile
+    layout["RAW"] = layout["STAGE0"] + stages * layout["STAGE"]
+    layout["FULL"] = layout["RAW"] + raw_stages * 2 * q_tile
+    layout["EMPTY"] = layout["FULL"] + 8 * stages
+    layout["BYTES"] = layout["EMPTY"] + 8 * stages
+    return layout
+
+
+class Mbarrier:
+    """A barrier of `count` arrivals a phase (mbarrier.cuh): its current phase is the number of
+    completed ones, and a wait for parity P succeeds while the current phase's parity is not P
+    (PTX try_wait.parity): a fresh barrier lets parity 1 through at once."""
+
+    def __init__(self, count: int):
+        self.count, self.arrived, self.completed = count, 0, 0
+
+    def arrive(self) -> None:
+        self.arrived += 1
+        if self.arrived == self.count:
+            self.arrived, self.completed = 0, self.completed + 1
+
+    def ready(self, parity: int) -> bool:
+        return (self.completed & 1) != parity
+
+
+@mirrors(KERNEL,
+         "mbarrier_wait(base + L::EMPTY + 8 * (it % STAGES), ((it / STAGES) & 1) ^ 1);",
+         "mbarrier_arrive(base + L::FULL + 8 * (it % STAGES));",
+         "mbarrier_wait(base + L::FULL + 8 * (it % STAGES), (it / STAGES) & 1);",
+         "mbarrier_arrive(base + L::EMPTY + 8 * (it % STAGES));")
+def run_protocol(iters: int, stages: int, choose) -> list:
+    """The producer's and the consumer's loops (one thread of each: the barriers count their
+    warpgroup's 128 arrivals as one) stepped as choose(options) picks among the sides whose next
+    wait succeeds. Each stage holds the iteration last written to it; a write over an iteration the
+    consumer has not finished, or a read of a stage that does not hold the consumer's iteration,
+    raises, and so does a state where neither side can move before both are through (deadlock).
+    Returns the sequence of ("write", it) and ("read", it)."""
+    full = [Mbarrier(1) for _ in range(stages)]
+    empty = [Mbarrier(1) for _ in range(stages)]
+    holds = [None] * stages
+    finished = set()
+    events: list = []
+    producer = consumer = 0
+    while producer < iters or consumer < iters:
+        options = []
+        if producer < iters and empty[producer % stages].ready(((producer // stages) & 1) ^ 1):
+            options.append("producer")
+        if consumer < iters and full[consumer % stages].ready((consumer // stages) & 1):
+            options.append("consumer")
+        if not options:
+            raise RuntimeError(f"deadlock at producer {producer}, consumer {consumer}")
+        if choose(options) == "producer":
+            s = producer % stages
+            if holds[s] is not None and holds[s] not in finished:
+                raise RuntimeError(f"iteration {producer} overwrites {holds[s]} before the consumer is done")
+            holds[s] = producer
+            events.append(("write", producer))
+            full[s].arrive()
+            producer += 1
+        else:
+            s = consumer % stages
+            if holds[s] != consumer:
+                raise RuntimeError(f"iteration {consumer} reads stage {s} holding {holds[s]}")
+            events.append(("read", consumer))
+            finished.add(consumer)
+            empty[s].arrive()
+            consumer += 1
+    return events
+
+
+__all__ = ["KERNEL", "ws_smem", "Mbarrier", "run_protocol"]
