@@ -80,14 +80,7 @@ flash_bwd_dkdv_tf32_wgmma_ws(const __grid_constant__ BwdParams p) {
                                                       seqlen_k - n0, p.headdim, tid);
     split_tf32_panels<BLOCK_N, D_TILE, 256, PRODUCTS>(base + L::V_HI, base + L::V_HI + L::KV_TILE, v_global,
                                                       seqlen_k - n0, p.headdim_v, tid);
-    if (tid == 0) {
-#pragma unroll
-        for (int s = 0; s < STAGES; ++s) {
-            mbarrier_init(base + L::FULL + 8 * s, 128);   // every producer thread, after its stores
-            mbarrier_init(base + L::EMPTY + 8 * s, 128);  // every consumer thread, after its products
-        }
-        mbarrier_init_fence();
-    }
+    init_stage_barriers<STAGES>(base + L::FULL, base + L::EMPTY, 128, 128);  // the producer's, the consumer's
     fence_proxy_async_shared();  // K and V's stores, to the async proxy that wgmma reads with
     __syncthreads();             // the last CTA-wide barrier: the roles split here
 

@@ -73,14 +73,7 @@ flash_fwd_tf32_wgmma_ws(const __grid_constant__ FwdParams p) {
     const int head = blockIdx.y, head_kv = head / p.group;
     const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32;
 
-    if (tid == 0) {
-#pragma unroll
-        for (int s = 0; s < STAGES; ++s) {
-            mbarrier_init(base + L::FULL + 8 * s, 128);   // every producer thread, after its stores
-            mbarrier_init(base + L::EMPTY + 8 * s, 256);  // every consumer thread, after its products
-        }
-        mbarrier_init_fence();
-    }
+    init_stage_barriers<STAGES>(base + L::FULL, base + L::EMPTY, 128, 256);  // the producer's, the consumers'
     __syncthreads();  // the last CTA-wide barrier: the roles split here
 
     if (wg == 0) {

@@ -47,6 +47,22 @@ __device__ __forceinline__ void mbarrier_wait(u32 bar, u32 parity) {
     }
 }
 
+// A ring of STAGES stages' full and empty barriers (8 bytes apart each), initialised by thread 0:
+// a stage is full after `full_count` arrivals (the producer's threads, once their stores are
+// fenced) and empty after `empty_count` (the consumers', once their products were waited for).
+// The CTA barrier that must follow makes them visible.
+template <int STAGES>
+__device__ __forceinline__ void init_stage_barriers(u32 full, u32 empty, u32 full_count, u32 empty_count) {
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s) {
+            mbarrier_init(full + 8 * s, full_count);
+            mbarrier_init(empty + 8 * s, empty_count);
+        }
+        mbarrier_init_fence();
+    }
+}
+
 // Named barrier `id` (1..15; 0 is __syncthreads') of `threads` threads, a multiple of 32: bar.sync
 // waits until that many have arrived (itself included), bar.arrive counts toward it without
 // waiting (one group letting another's bar.sync through). Shared-memory writes before the arrive
