@@ -36,12 +36,13 @@
 #   scripts/gpu_check.sh OUTDIR ncu     kernel by kernel, this tree against BEFORE_TREE (required):
 #                                       time, registers, instructions of NCU_CASES, then the full
 #                                       section set of NCU_FULL (ncu --clock-control none)
-#   scripts/gpu_check.sh OUTDIR dmma    a DMMA backward change (float64, the tf32x3 experiment and its
-#                                       wgmma dK/dV candidate): its kernels compiled, its GPU tests,
-#                                       racecheck / memcheck of dev/sanitize_dmma_bwd.py,
-#                                       dev/bench_dmma_bwd.py here and in BEFORE_TREE (optional: an
-#                                       exported tree inside the checkout, carried, e.g. .before),
-#                                       then its float32 run at d64 (the wgmma candidates)
+#   scripts/gpu_check.sh OUTDIR dmma    a DMMA backward change (float64, the tf32x3 experiment and the
+#                                       tf32 wgmma candidates): DMMA_PART=tests, its kernels compiled
+#                                       and its GPU tests; DMMA_PART=check, racecheck / memcheck of
+#                                       dev/sanitize_dmma_bwd.py, dev/bench_dmma_bwd.py here and in
+#                                       BEFORE_TREE (optional: an exported tree inside the checkout,
+#                                       carried, e.g. .before; DMMA_F64=1 runs the float64 bench
+#                                       without it), then its float32 run at d64 (the wgmma candidates)
 #   scripts/gpu_check.sh OUTDIR dropout  tests/test_dropout_gpu.py, then dropout's cost at 8k (d128, d64)
 #   scripts/gpu_check.sh OUTDIR tf32_wgmma  the tf32 wgmma forward candidates (flash_fwd_tf32_wgmma,
 #                                       flash_fwd_tf32_wgmma_ws): dev/smoke_tf32_wgmma_ws.py, then
@@ -188,23 +189,30 @@ headdim_v)  # v's own head dim: its GPU tests with dropout's, its bench against 
         --mode fwd bwd --no-validate --quiet --anchors FA2 cuDNN --json "$out/bench-16k.json" \
         --markdown "$out/bench-16k.md"
     ;;
-dmma)  # a DMMA backward change: compile, tests, sanitizer, bench (before / after)
+dmma)  # a DMMA backward change: compile, tests, sanitizer, bench (before / after). All of it is
+       # more than one 600 s call since the tf32 wgmma candidates: DMMA_PART=tests (compile, GPU
+       # tests) or DMMA_PART=check (sanitizer, both benches) runs one half; unset, both.
     export PYTHONPATH=$PWD
-    step warm-dmma "${WARM_LIMIT:-200}" python scripts/warm_kernel_cache.py --packed --match 'dmma|preprocess|simt|tf32_wgmma'
-    step dmma-tests "${TEST_LIMIT:-240}" env HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-dev}" \
-        python scripts/pytest_shards.py --shards "${SHARDS:-14}" --limit "$(( ${TEST_LIMIT:-240} - 20 ))" \
-        --out "$out/dmma-shards" -m gpu tests/kernels/test_flash_bwd_dmma.py tests/test_statistics_gpu.py
-    step racecheck-dmma 120 compute-sanitizer --tool racecheck --error-exitcode 1 python dev/sanitize_dmma_bwd.py
-    step memcheck-dmma 120 compute-sanitizer --tool memcheck --error-exitcode 1 python dev/sanitize_dmma_bwd.py
-    if [ -n "${BEFORE_TREE:-}" ]; then
-        (cd "$BEFORE_TREE" && PYTHONPATH=$PWD step bench-dmma-before 120 \
-            python dev/bench_dmma_bwd.py --repeats 3 --json "$out/bench-dmma-before.json")
+    if [ "${DMMA_PART:-tests}" = tests ] || [ -z "${DMMA_PART:-}" ]; then
+        step warm-dmma "${WARM_LIMIT:-200}" python scripts/warm_kernel_cache.py --packed --match 'dmma|preprocess|simt|tf32_wgmma'
+        step dmma-tests "${TEST_LIMIT:-240}" env HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-dev}" \
+            python scripts/pytest_shards.py --shards "${SHARDS:-14}" --limit "$(( ${TEST_LIMIT:-240} - 20 ))" \
+            --out "$out/dmma-shards" -m gpu tests/kernels/test_flash_bwd_dmma.py tests/test_statistics_gpu.py
     fi
-    step bench-dmma-after 120 python dev/bench_dmma_bwd.py --repeats 3 --json "$out/bench-dmma-after.json"
-    # float32: the tf32x3 experiment and its wgmma dK/dV candidates (tf32-wgmma-bwd-v0) against
-    # the SIMT backward and PyTorch's mem-efficient float32 backward
-    step bench-tf32-bwd 150 python dev/bench_dmma_bwd.py --dtype float32 --headdims 64 --repeats 3 \
-        --json "$out/bench-tf32-bwd.json"
+    if [ "${DMMA_PART:-check}" = check ] || [ -z "${DMMA_PART:-}" ]; then
+        step racecheck-dmma 150 compute-sanitizer --tool racecheck --error-exitcode 1 python dev/sanitize_dmma_bwd.py
+        step memcheck-dmma 120 compute-sanitizer --tool memcheck --error-exitcode 1 python dev/sanitize_dmma_bwd.py
+        if [ -n "${BEFORE_TREE:-}" ]; then
+            (cd "$BEFORE_TREE" && PYTHONPATH=$PWD step bench-dmma-before 120 \
+                python dev/bench_dmma_bwd.py --repeats 3 --json "$out/bench-dmma-before.json")
+        fi
+        [ -n "${BEFORE_TREE:-}" ] || [ -n "${DMMA_F64:-}" ] && step bench-dmma-after 120 \
+            python dev/bench_dmma_bwd.py --repeats 3 --json "$out/bench-dmma-after.json"
+        # float32: the tf32x3 experiment and the tf32 wgmma candidates (tf32-wgmma-bwd-v0 / v1;
+        # their kernels compile on first use) against the SIMT backward and PyTorch's mem-efficient
+        step bench-tf32-bwd 300 python dev/bench_dmma_bwd.py --dtype float32 --headdims 64 --repeats 3 \
+            --json "$out/bench-tf32-bwd.json"
+    fi
     ;;
 warm)  # every kernel this device runs into the tree's CuPy cache, alone in its call: then the
        # suite's parts (issued right after, on the same warm machine) load instead of compiling.
