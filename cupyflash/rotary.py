@@ -31,6 +31,9 @@ class Rotary:
 
     def __init__(self, cos, sin, interleaved: bool):
         self.cos, self.sin, self.interleaved = cos, sin, interleaved
+        # on the GPU, what the kernel takes, converted once a call (turn runs for k, then for q)
+        self._device_tables = None
+        self._starts_given = self._device_starts = None
 
     def positions(self, start, tokens: int, per_token: bool):
         """(batch, tokens) int64 positions: start[b] + t per token, or start[b] for all of them."""
@@ -49,11 +52,14 @@ class Rotary:
         from .kernels import rotary
 
         cupy = A._cupy()
-        tables = (cupy.ascontiguousarray(A.to_cupy(t, name)) for t, name in ((self.cos, "rotary_cos"),
-                                                                              (self.sin, "rotary_sin")))
-        starts = cupy.ascontiguousarray(cupy.asarray(starts), dtype=np.int32)  # a host array is uploaded
-        return rotary.rotate(A.last_dim_contiguous(x), *tables, starts, per_token=per_token,
-                             interleaved=self.interleaved)
+        if self._device_tables is None:
+            self._device_tables = tuple(cupy.ascontiguousarray(A.to_cupy(t, name))
+                                        for t, name in ((self.cos, "rotary_cos"), (self.sin, "rotary_sin")))
+        if starts is not self._starts_given:  # a host array is uploaded, once for k and q alike
+            self._starts_given = starts
+            self._device_starts = cupy.ascontiguousarray(cupy.asarray(starts), dtype=np.int32)
+        return rotary.rotate(A.last_dim_contiguous(x), *self._device_tables, self._device_starts,
+                             per_token=per_token, interleaved=self.interleaved)
 
     def apply(self, x, positions):
         """x (batch, tokens, heads, headdim) turned at ``positions`` (batch, tokens), a new array of

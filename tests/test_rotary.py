@@ -197,3 +197,32 @@ def test_torch_front_end_passes_rotary_through():
                                   torch.from_numpy(v), torch.from_numpy(cos), torch.from_numpy(sin),
                                   cache_seqlens=torch.from_numpy(lengths), causal=True, rotary_interleaved=False)
     np.testing.assert_array_equal(got.numpy(), want)
+
+
+def test_the_device_path_converts_the_tables_and_starts_once_a_call(monkeypatch):
+    """flash_attn_with_kvcache turns k and then q with one Rotary: on the GPU the cos / sin tables and
+    the positions' starts go to the device form once, not once a turn (array module and kernel
+    stubbed: this checks the conversions, tests/test_rotary_gpu.py the results)."""
+    import types
+
+    from cupyflash import _arrays, rotary
+    from cupyflash.kernels import rotary as rotary_kernel
+
+    conversions = []
+    fake_cupy = types.SimpleNamespace(ascontiguousarray=lambda a, dtype=None: a, asarray=lambda a: a)
+    monkeypatch.setattr(_arrays, "_cupy", lambda: fake_cupy)
+    monkeypatch.setattr(_arrays, "to_cupy", lambda a, name: conversions.append(name) or a)
+    monkeypatch.setattr(_arrays, "last_dim_contiguous", lambda a: a)
+    launched = []
+    monkeypatch.setattr(rotary_kernel, "rotate", lambda x, cos, sin, starts, **kw: launched.append((cos, sin, starts)))
+
+    class DeviceArray:  # anything that is not a NumPy array takes the device path
+        shape = (2, 3, 4, 8)
+
+    cos, sin = _angles(16, 4, seed=0, dtype=np.float32)
+    turner = rotary.Rotary(cos, sin, interleaved=False)
+    ends = np.array([3, 5], np.int32)
+    turner.turn(DeviceArray(), ends, per_token=True)
+    turner.turn(DeviceArray(), ends, per_token=False)
+    assert sorted(conversions) == ["rotary_cos", "rotary_sin"]
+    assert launched[0] == launched[1] and launched[0][0] is cos and launched[0][2] is ends
