@@ -297,81 +297,68 @@ __device__ __forceinline__ void mma_ABt_groups(float (&acc)[G][N / 8][4], u32 ti
     }
 }
 
-// acc[g] += A_g B with A_g as register fragments a[g][K / 16], B rows 0..K, columns b_col0..+N
-// of a row-major [K][DIM_B] tile; each B fragment is loaded once for all G row groups.
+// The B side of the mma_*_groups products: acc[g] += A_g B over K in k-steps of 16, B rows
+// 0..K, columns b_col0..+N of a row-major [K][DIM_B] tile (transposed ldmatrix), each B fragment
+// loaded once for all G row groups; a_of(kk, a) gives the G A fragments of k-step kk, each of
+// which feeds N / 8 mma.
+template <typename T, int G, int N, int K, int DIM_B, class AOf>
+__device__ __forceinline__ void mma_groups_times_b(float (&acc)[G][N / 8][4], const AOf& a_of, u32 tile_b, int b_col0,
+                                                   int lane) {
+    static_assert(N % 16 == 0 && K % 16 == 0, "warp tile shape");
+    const u32 b_lane = tile_offset<DIM_B>(ldm_row_x(lane), b_col0 / 8 + ldm_chunk_x(lane));
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+        u32 a[G][4];
+        a_of(kk, a);
+#pragma unroll
+        for (int nn = 0; nn < N / 16; ++nn) {
+            u32 b[4];
+            ldmatrix_x4_trans(b, tile_b + tile_step<DIM_B>(b_lane, 16 * kk, 2 * nn));
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                mma_16816<T>(acc[g][2 * nn], a[g], b[0], b[1]);
+                mma_16816<T>(acc[g][2 * nn + 1], a[g], b[2], b[3]);
+            }
+        }
+    }
+}
+
+// acc[g] += A_g B with A_g as register fragments a[g][K / 16], B as mma_groups_times_b's.
 template <typename T, int G, int N, int K, int DIM_B>
 __device__ __forceinline__ void mma_AB_regs_groups(float (&acc)[G][N / 8][4], const u32 (&a)[G][K / 16][4],
                                                    u32 tile_b, int b_col0, int lane) {
-    static_assert(N % 16 == 0 && K % 16 == 0, "warp tile shape");
-    const u32 b_lane = tile_offset<DIM_B>(ldm_row_x(lane), b_col0 / 8 + ldm_chunk_x(lane));
+    mma_groups_times_b<T, G, N, K, DIM_B>(acc, [&](int kk, u32(&frag)[G][4]) {
 #pragma unroll
-    for (int kk = 0; kk < K / 16; ++kk) {
+        for (int g = 0; g < G; ++g)
 #pragma unroll
-        for (int nn = 0; nn < N / 16; ++nn) {
-            u32 b[4];
-            ldmatrix_x4_trans(b, tile_b + tile_step<DIM_B>(b_lane, 16 * kk, 2 * nn));
-#pragma unroll
-            for (int g = 0; g < G; ++g) {
-                mma_16816<T>(acc[g][2 * nn], a[g][kk], b[0], b[1]);
-                mma_16816<T>(acc[g][2 * nn + 1], a[g][kk], b[2], b[3]);
-            }
-        }
-    }
+            for (int r = 0; r < 4; ++r) frag[g][r] = a[g][kk][r];
+    }, tile_b, b_col0, lane);
 }
 
 // acc[g] += A_g B with A_g = rows a_row0 + 16 g, columns 0..K of a row-major [.][DIM_A] tile
-// (non-transposed ldmatrix), B rows 0..K, columns b_col0..+N of a row-major [K][DIM_B] tile: the
-// fused kernel's dV += P^T dO and dK += dS^T Q with P^T and dS^T staged in shared memory. Each
-// A fragment feeds N / 8 mma, each B fragment 2 G.
+// (non-transposed ldmatrix), B as mma_groups_times_b's: the fused kernel's dV += P^T dO and
+// dK += dS^T Q with P^T and dS^T staged in shared memory.
 template <typename T, int G, int N, int K, int DIM_A, int DIM_B>
 __device__ __forceinline__ void mma_AB_groups(float (&acc)[G][N / 8][4], u32 tile_a, int a_row0, u32 tile_b,
                                               int b_col0, int lane) {
-    static_assert(N % 16 == 0 && K % 16 == 0, "warp tile shape");
     const u32 a_lane = tile_offset<DIM_A>(a_row0 + ldm_row_x(lane), ldm_chunk_x(lane));
-    const u32 b_lane = tile_offset<DIM_B>(ldm_row_x(lane), b_col0 / 8 + ldm_chunk_x(lane));
-#pragma unroll
-    for (int kk = 0; kk < K / 16; ++kk) {
-        u32 a[G][4];
+    mma_groups_times_b<T, G, N, K, DIM_B>(acc, [&](int kk, u32(&a)[G][4]) {
 #pragma unroll
         for (int g = 0; g < G; ++g) ldmatrix_x4(a[g], tile_a + tile_step<DIM_A>(a_lane, 16 * g, 2 * kk));
-#pragma unroll
-        for (int nn = 0; nn < N / 16; ++nn) {
-            u32 b[4];
-            ldmatrix_x4_trans(b, tile_b + tile_step<DIM_B>(b_lane, 16 * kk, 2 * nn));
-#pragma unroll
-            for (int g = 0; g < G; ++g) {
-                mma_16816<T>(acc[g][2 * nn], a[g], b[0], b[1]);
-                mma_16816<T>(acc[g][2 * nn + 1], a[g], b[2], b[3]);
-            }
-        }
-    }
+    }, tile_b, b_col0, lane);
 }
 
 // acc[g] += A_g^T B with A_g^T = columns a_col0 + 16 g of a row-major [K][DIM_A] tile (transposed
-// ldmatrix), B rows 0..K, columns b_col0..+N of a row-major [K][DIM_B] tile: dQ += dS K with dS
-// stored as dS^T. mma_AtB for G row groups.
+// ldmatrix), B as mma_groups_times_b's: dQ += dS K with dS stored as dS^T. mma_AtB for G row
+// groups.
 template <typename T, int G, int N, int K, int DIM_A, int DIM_B>
 __device__ __forceinline__ void mma_AtB_groups(float (&acc)[G][N / 8][4], u32 tile_a, int a_col0, u32 tile_b,
                                                int b_col0, int lane) {
-    static_assert(N % 16 == 0 && K % 16 == 0, "warp tile shape");
     const u32 a_lane = tile_offset<DIM_A>(ldm_row_y(lane), a_col0 / 8 + ldm_chunk_y(lane));
-    const u32 b_lane = tile_offset<DIM_B>(ldm_row_x(lane), b_col0 / 8 + ldm_chunk_x(lane));
-#pragma unroll
-    for (int kk = 0; kk < K / 16; ++kk) {
-        u32 a[G][4];
+    mma_groups_times_b<T, G, N, K, DIM_B>(acc, [&](int kk, u32(&a)[G][4]) {
 #pragma unroll
         for (int g = 0; g < G; ++g) ldmatrix_x4_trans(a[g], tile_a + tile_step<DIM_A>(a_lane, 16 * kk, 2 * g));
-#pragma unroll
-        for (int nn = 0; nn < N / 16; ++nn) {
-            u32 b[4];
-            ldmatrix_x4_trans(b, tile_b + tile_step<DIM_B>(b_lane, 16 * kk, 2 * nn));
-#pragma unroll
-            for (int g = 0; g < G; ++g) {
-                mma_16816<T>(acc[g][2 * nn], a[g], b[0], b[1]);
-                mma_16816<T>(acc[g][2 * nn + 1], a[g], b[2], b[3]);
-            }
-        }
-    }
+    }, tile_b, b_col0, lane);
 }
 
 // The two 16-bit values of a packed pair (lo in bits 0..15) as floats: the inverse of pack2.
