@@ -125,68 +125,6 @@ __device__ __forceinline__ int ldm_chunk_y(int lane) { return (lane >> 3) & 1; }
 // requires.
 // ---------------------------------------------------------------------------------------------
 
-// acc += A B^T: A rows a_row0..+16 of a row-major [.][DIM_A] tile, B rows 0..N of a row-major
-// [N][DIM_B] tile, reduced over columns k0..k0+K of both (S = Q K^T, S^T = K Q^T, dP = dO V^T).
-template <typename T, int N, int K, int DIM_A, int DIM_B>
-__device__ __forceinline__ void mma_ABt(float (&acc)[N / 8][4], u32 tile_a, int a_row0, u32 tile_b,
-                                        int k0, int lane) {
-    static_assert(N % 16 == 0 && K % 16 == 0, "warp tile shape");
-    const u32 a_lane = tile_offset<DIM_A>(a_row0 + ldm_row_x(lane), k0 / 8 + ldm_chunk_x(lane));
-    const u32 b_lane = tile_offset<DIM_B>(ldm_row_y(lane), k0 / 8 + ldm_chunk_y(lane));
-#pragma unroll
-    for (int kk = 0; kk < K / 16; ++kk) {
-        u32 a[4];
-        ldmatrix_x4(a, tile_a + tile_step<DIM_A>(a_lane, 0, 2 * kk));
-#pragma unroll
-        for (int nn = 0; nn < N / 16; ++nn) {
-            u32 b[4];
-            ldmatrix_x4(b, tile_b + tile_step<DIM_B>(b_lane, 16 * nn, 2 * kk));
-            mma_16816<T>(acc[2 * nn], a, b[0], b[1]);
-            mma_16816<T>(acc[2 * nn + 1], a, b[2], b[3]);
-        }
-    }
-}
-
-// acc += A B: A (16 x K) as register fragments a[K / 16], B rows 0..K, columns b_col0..+N of a
-// row-major [K][DIM_B] tile (dV += P^T dO, dK += dS^T Q, dQ += dS K).
-template <typename T, int N, int K, int DIM_B>
-__device__ __forceinline__ void mma_AB_regs(float (&acc)[N / 8][4], const u32 (&a)[K / 16][4],
-                                            u32 tile_b, int b_col0, int lane) {
-    static_assert(N % 16 == 0 && K % 16 == 0, "warp tile shape");
-    const u32 b_lane = tile_offset<DIM_B>(ldm_row_x(lane), b_col0 / 8 + ldm_chunk_x(lane));
-#pragma unroll
-    for (int kk = 0; kk < K / 16; ++kk) {
-#pragma unroll
-        for (int nn = 0; nn < N / 16; ++nn) {
-            u32 b[4];
-            ldmatrix_x4_trans(b, tile_b + tile_step<DIM_B>(b_lane, 16 * kk, 2 * nn));
-            mma_16816<T>(acc[2 * nn], a[kk], b[0], b[1]);
-            mma_16816<T>(acc[2 * nn + 1], a[kk], b[2], b[3]);
-        }
-    }
-}
-
-// acc += A^T B: A^T rows = columns a_col0..+16 of a row-major [K][DIM_A] tile, B rows 0..K,
-// columns b_col0..+N of a row-major [K][DIM_B] tile (dQ += dS K with dS stored as dS^T).
-template <typename T, int N, int K, int DIM_A, int DIM_B>
-__device__ __forceinline__ void mma_AtB(float (&acc)[N / 8][4], u32 tile_a, int a_col0, u32 tile_b,
-                                        int b_col0, int lane) {
-    static_assert(N % 16 == 0 && K % 16 == 0, "warp tile shape");
-    const u32 a_lane = tile_offset<DIM_A>(ldm_row_y(lane), a_col0 / 8 + ldm_chunk_y(lane));
-    const u32 b_lane = tile_offset<DIM_B>(ldm_row_x(lane), b_col0 / 8 + ldm_chunk_x(lane));
-#pragma unroll
-    for (int kk = 0; kk < K / 16; ++kk) {
-        u32 a[4];
-        ldmatrix_x4_trans(a, tile_a + tile_step<DIM_A>(a_lane, 16 * kk, 0));
-#pragma unroll
-        for (int nn = 0; nn < N / 16; ++nn) {
-            u32 b[4];
-            ldmatrix_x4_trans(b, tile_b + tile_step<DIM_B>(b_lane, 16 * kk, 2 * nn));
-            mma_16816<T>(acc[2 * nn], a, b[0], b[1]);
-            mma_16816<T>(acc[2 * nn + 1], a, b[2], b[3]);
-        }
-    }
-}
 
 // The C fragments of a 16 x K accumulator, rounded to 16 bits, as the A fragments of its K / 16
 // k-steps: {c0 c1 | c2 c3} of column block 2kk are a0, a1; those of block 2kk + 1 are a2, a3.
@@ -270,24 +208,22 @@ __device__ __forceinline__ float lse_base_log2(float lse) {
     return lse == neg_inf<float>() ? 0.f : lse * 1.4426950408889634f;
 }
 
-// acc[g] += A_g B^T for A_g = rows a_row0 + 16 g of a row-major [.][DIM_A] tile: each B fragment
-// is loaded once for all G row groups. K_UNROLL k-steps are unrolled (all by default); fewer keep
-// the compiler from loading the fragments of many k-steps ahead, which costs registers.
-template <typename T, int G, int N, int K, int DIM_A, int DIM_B, int K_UNROLL = K / 16>
-__device__ __forceinline__ void mma_ABt_groups(float (&acc)[G][N / 8][4], u32 tile_a, int a_row0, u32 tile_b,
-                                               int k0, int lane) {
+// The k-step loop of the mma_*_groups products: acc[g] += A_g B over K in k-steps of 16, G row
+// groups of A against N columns of B; a_of(kk, a) gives the G A fragments of k-step kk (each
+// feeding N / 8 mma), b_of(kk, nn, b) the B fragment of k-step kk and columns 16 nn.. (loaded
+// once for all G groups). K_UNROLL k-steps are unrolled (all by default); fewer keep the compiler
+// from loading the fragments of many k-steps ahead, which costs registers.
+template <typename T, int G, int N, int K, int K_UNROLL = K / 16, class AOf, class BOf>
+__device__ __forceinline__ void mma_groups(float (&acc)[G][N / 8][4], const AOf& a_of, const BOf& b_of) {
     static_assert(N % 16 == 0 && K % 16 == 0, "warp tile shape");
-    const u32 a_lane = tile_offset<DIM_A>(a_row0 + ldm_row_x(lane), k0 / 8 + ldm_chunk_x(lane));
-    const u32 b_lane = tile_offset<DIM_B>(ldm_row_y(lane), k0 / 8 + ldm_chunk_y(lane));
 #pragma unroll K_UNROLL
     for (int kk = 0; kk < K / 16; ++kk) {
         u32 a[G][4];
-#pragma unroll
-        for (int g = 0; g < G; ++g) ldmatrix_x4(a[g], tile_a + tile_step<DIM_A>(a_lane, 16 * g, 2 * kk));
+        a_of(kk, a);
 #pragma unroll
         for (int nn = 0; nn < N / 16; ++nn) {
             u32 b[4];
-            ldmatrix_x4(b, tile_b + tile_step<DIM_B>(b_lane, 16 * nn, 2 * kk));
+            b_of(kk, nn, b);
 #pragma unroll
             for (int g = 0; g < G; ++g) {
                 mma_16816<T>(acc[g][2 * nn], a[g], b[0], b[1]);
@@ -297,30 +233,29 @@ __device__ __forceinline__ void mma_ABt_groups(float (&acc)[G][N / 8][4], u32 ti
     }
 }
 
-// The B side of the mma_*_groups products: acc[g] += A_g B over K in k-steps of 16, B rows
-// 0..K, columns b_col0..+N of a row-major [K][DIM_B] tile (transposed ldmatrix), each B fragment
-// loaded once for all G row groups; a_of(kk, a) gives the G A fragments of k-step kk, each of
-// which feeds N / 8 mma.
+// acc[g] += A_g B^T for A_g = rows a_row0 + 16 g of a row-major [.][DIM_A] tile, B rows of a
+// row-major [.][DIM_B] tile, both from column k0 (S^T = K Q^T, dP^T = V dO^T).
+template <typename T, int G, int N, int K, int DIM_A, int DIM_B, int K_UNROLL = K / 16>
+__device__ __forceinline__ void mma_ABt_groups(float (&acc)[G][N / 8][4], u32 tile_a, int a_row0, u32 tile_b,
+                                               int k0, int lane) {
+    const u32 a_lane = tile_offset<DIM_A>(a_row0 + ldm_row_x(lane), k0 / 8 + ldm_chunk_x(lane));
+    const u32 b_lane = tile_offset<DIM_B>(ldm_row_y(lane), k0 / 8 + ldm_chunk_y(lane));
+    mma_groups<T, G, N, K, K_UNROLL>(acc, [&](int kk, u32(&a)[G][4]) {
+#pragma unroll
+        for (int g = 0; g < G; ++g) ldmatrix_x4(a[g], tile_a + tile_step<DIM_A>(a_lane, 16 * g, 2 * kk));
+    }, [&](int kk, int nn, u32(&b)[4]) { ldmatrix_x4(b, tile_b + tile_step<DIM_B>(b_lane, 16 * nn, 2 * kk)); });
+}
+
+// The B side of the other mma_*_groups products: B rows 0..K, columns b_col0..+N of a row-major
+// [K][DIM_B] tile (transposed ldmatrix), each fragment loaded once for all G row groups;
+// a_of(kk, a) gives the G A fragments of k-step kk.
 template <typename T, int G, int N, int K, int DIM_B, class AOf>
 __device__ __forceinline__ void mma_groups_times_b(float (&acc)[G][N / 8][4], const AOf& a_of, u32 tile_b, int b_col0,
                                                    int lane) {
-    static_assert(N % 16 == 0 && K % 16 == 0, "warp tile shape");
     const u32 b_lane = tile_offset<DIM_B>(ldm_row_x(lane), b_col0 / 8 + ldm_chunk_x(lane));
-#pragma unroll
-    for (int kk = 0; kk < K / 16; ++kk) {
-        u32 a[G][4];
-        a_of(kk, a);
-#pragma unroll
-        for (int nn = 0; nn < N / 16; ++nn) {
-            u32 b[4];
-            ldmatrix_x4_trans(b, tile_b + tile_step<DIM_B>(b_lane, 16 * kk, 2 * nn));
-#pragma unroll
-            for (int g = 0; g < G; ++g) {
-                mma_16816<T>(acc[g][2 * nn], a[g], b[0], b[1]);
-                mma_16816<T>(acc[g][2 * nn + 1], a[g], b[2], b[3]);
-            }
-        }
-    }
+    mma_groups<T, G, N, K>(acc, a_of, [&](int kk, int nn, u32(&b)[4]) {
+        ldmatrix_x4_trans(b, tile_b + tile_step<DIM_B>(b_lane, 16 * kk, 2 * nn));
+    });
 }
 
 // acc[g] += A_g B with A_g as register fragments a[g][K / 16], B as mma_groups_times_b's.
@@ -359,6 +294,36 @@ __device__ __forceinline__ void mma_AtB_groups(float (&acc)[G][N / 8][4], u32 ti
 #pragma unroll
         for (int g = 0; g < G; ++g) ldmatrix_x4_trans(a[g], tile_a + tile_step<DIM_A>(a_lane, 16 * kk, 2 * g));
     }, tile_b, b_col0, lane);
+}
+
+// acc += A B^T: A rows a_row0..+16 of a row-major [.][DIM_A] tile, B rows 0..N of a row-major
+// [N][DIM_B] tile, reduced over columns k0..k0+K of both (S = Q K^T, S^T = K Q^T, dP = dO V^T).
+// One row group of mma_ABt_groups (below).
+template <typename T, int N, int K, int DIM_A, int DIM_B>
+__device__ __forceinline__ void mma_ABt(float (&acc)[N / 8][4], u32 tile_a, int a_row0, u32 tile_b,
+                                        int k0, int lane) {
+    mma_ABt_groups<T, 1, N, K, DIM_A, DIM_B>(reinterpret_cast<float(&)[1][N / 8][4]>(acc), tile_a, a_row0, tile_b,
+                                             k0, lane);
+}
+
+// acc += A B: A (16 x K) as register fragments a[K / 16], B rows 0..K, columns b_col0..+N of a
+// row-major [K][DIM_B] tile (dV += P^T dO, dK += dS^T Q, dQ += dS K). One row group of
+// mma_AB_regs_groups.
+template <typename T, int N, int K, int DIM_B>
+__device__ __forceinline__ void mma_AB_regs(float (&acc)[N / 8][4], const u32 (&a)[K / 16][4],
+                                            u32 tile_b, int b_col0, int lane) {
+    mma_AB_regs_groups<T, 1, N, K, DIM_B>(reinterpret_cast<float(&)[1][N / 8][4]>(acc),
+                                          reinterpret_cast<const u32(&)[1][K / 16][4]>(a), tile_b, b_col0, lane);
+}
+
+// acc += A^T B: A^T rows = columns a_col0..+16 of a row-major [K][DIM_A] tile, B rows 0..K,
+// columns b_col0..+N of a row-major [K][DIM_B] tile (dQ += dS K with dS stored as dS^T). One row
+// group of mma_AtB_groups.
+template <typename T, int N, int K, int DIM_A, int DIM_B>
+__device__ __forceinline__ void mma_AtB(float (&acc)[N / 8][4], u32 tile_a, int a_col0, u32 tile_b,
+                                        int b_col0, int lane) {
+    mma_AtB_groups<T, 1, N, K, DIM_A, DIM_B>(reinterpret_cast<float(&)[1][N / 8][4]>(acc), tile_a, a_col0, tile_b,
+                                             b_col0, lane);
 }
 
 // The two 16-bit values of a packed pair (lo in bits 0..15) as floats: the inverse of pack2.
