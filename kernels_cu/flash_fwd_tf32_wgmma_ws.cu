@@ -82,25 +82,18 @@ flash_fwd_tf32_wgmma_ws(const __grid_constant__ FwdParams p) {
         const float* __restrict__ k_rows = p.k.row<const float>(seq.batch, seq.k_begin, head_kv);
         const float* __restrict__ v_rows = p.v.row<const float>(seq.batch, seq.k_begin, head_kv);
         const i64 k_ss = p.k.row_stride, v_ss = p.v.row_stride;
-        // The raw K and V of block j into staging tile (j - j_begin) % RAW_STAGES, one commit
-        // group (empty past the end, so that every step waits for the same count).
-        auto stage_raw = [&](int j) {
-            if (j < j_end) {
-                const u32 raw = base + L::RAW + ((j - j_begin) % RAW_STAGES) * 2 * L::KV_TILE;
-                const int n0 = j * BLOCK_N;
-                cp_async_staged_rows<BLOCK_N, D_TILE, 128>(raw, k_rows + n0 * k_ss, seqlen_k - n0, p.headdim, k_ss,
-                                                           tid);
-                cp_async_staged_rows<BLOCK_N, D_TILE, 128>(raw + L::KV_TILE, v_rows + n0 * v_ss, seqlen_k - n0,
-                                                           p.headdim_v, v_ss, tid);
-            }
-            cp_async_commit();
+        // The raw K and V of the walk's block i (key block j_begin + i) into staging tile
+        // i % RAW_STAGES (Tf32RawStages::copy: one commit group, empty past the end).
+        const Tf32RawStages<BLOCK_N, D_TILE, 128, RAW_STAGES> raw_stages{base + L::RAW};
+        auto stage_raw = [&](int i) {
+            raw_stages.copy(i, j_begin + i < j_end, (j_begin + i) * BLOCK_N, k_rows, k_ss, p.headdim, v_rows, v_ss,
+                            p.headdim_v, seqlen_k, tid);
         };
-#pragma unroll
-        for (int r = 0; r < RAW_STAGES; ++r) stage_raw(j_begin + r);
+        raw_stages.copy_first(0, stage_raw);
         for (int j = j_begin; j < j_end; ++j) {
             const int i = j - j_begin, n0 = j * BLOCK_N;
             const u32 stage = base + (i % STAGES) * L::STAGE;
-            const u32 raw = base + L::RAW + (i % RAW_STAGES) * 2 * L::KV_TILE;
+            const u32 raw = raw_stages.stage(i);
             cp_async_wait<RAW_STAGES - 1>();
             named_barrier_sync(1, 128);  // block j's raw rows have landed, every producer thread's
             mbarrier_wait(base + L::EMPTY + 8 * (i % STAGES), ((i / STAGES) & 1) ^ 1);  // the consumers are
@@ -108,11 +101,12 @@ flash_fwd_tf32_wgmma_ws(const __grid_constant__ FwdParams p) {
             split_tf32_panels<BLOCK_N, D_TILE, 128, PRODUCTS>(stage + L::K_HI, stage + L::K_LO, StagedRows<D_TILE>{raw},
                                                               seqlen_k - n0, p.headdim, tid);
             split_tf32_panels_transposed<BLOCK_N, D_TILE, 128, PRODUCTS, true>(
-                stage + L::V_HI, stage + L::V_LO, StagedRows<D_TILE>{raw + L::KV_TILE}, seqlen_k - n0, p.headdim_v, tid);
+                stage + L::V_HI, stage + L::V_LO, StagedRows<D_TILE>{raw + raw_stages.TILE}, seqlen_k - n0, p.headdim_v,
+                tid);
             fence_proxy_async_shared();  // the stores, to the async proxy that wgmma reads with
             mbarrier_arrive(base + L::FULL + 8 * (i % STAGES));
             named_barrier_sync(1, 128);  // every producer thread is done reading the raw tile
-            stage_raw(j + RAW_STAGES);
+            stage_raw(i + RAW_STAGES);
         }
         return;
     }
