@@ -886,28 +886,22 @@ def tf32_wgmma_spec(kind: str, dt: int, mask: Mask, config: Tf32WgmmaBwdConfig) 
     products = PRODUCTS[check_precision(config.precision)]
     if config.sums_apart and products != 3:
         raise ValueError(f"cupyflash: apart sums are the split products' (precision \"ieee\"): {config!r}")
-    if kind == "dkdv" and config.producer:
-        if fused or config.stages < 2 or config.raw_stages < 1:
-            raise ValueError(f"cupyflash: the producer form takes two or more stages, raw rows one or more blocks "
-                             f"ahead, and no fused dQ: {config!r}")
-        fn = "flash_bwd_dkdv_tf32_wgmma_ws"
-        return Specialization(f"{fn}_{SHORT_NAMES['float32']}_hdim{dt}_{mask.name}_bm{bm}_bn{bn}_s{config.stages}"
-                              f"_r{raw}{'_apart' if config.sums_apart else ''}{'_tf32' if products == 1 else ''}",
-                              f"{fn}.cu",
-                              f"cf::{fn}<{dt}, {mask.cpp}, {step}, {config.stages}, {raw}, "
-                              f"{'true' if config.sums_apart else 'false'}{', 1' if products == 1 else ''}>",
-                              256, tf32_wgmma_smem_bytes(kind, dt, config), arch="90a")
-    fn = f"flash_bwd_{kind}_tf32_wgmma"
+    ws = kind == "dkdv" and config.producer  # flash_bwd_dkdv_tf32_wgmma_ws: STAGES after the tile
+    if ws and (fused or config.stages < 2 or config.raw_stages < 1):
+        raise ValueError(f"cupyflash: the producer form takes two or more stages, raw rows one or more blocks "
+                         f"ahead, and no fused dQ: {config!r}")
+    fn = "flash_bwd_dkdv_tf32_wgmma_ws" if ws else f"flash_bwd_{kind}_tf32_wgmma"
+    stages = (f"_s{config.stages}", f"{config.stages}, ") if ws else ("", "")
     # template arguments after SUMS_APART: (DQ_ATOMIC,) PRODUCTS, each written only when not its default
-    tail = ([] if kind == "dq" else ["true" if fused else "false"]) + [str(products)]
+    tail = ([] if kind == "dq" or ws else ["true" if fused else "false"]) + [str(products)]
     while tail and tail[-1] in ("false", "3"):
         tail.pop()
     suffix = ("_apart" if config.sums_apart else "") + ("_dq" if fused else "") + ("_tf32" if products == 1 else "")
-    return Specialization(f"{fn}_{SHORT_NAMES['float32']}_hdim{dt}_{mask.name}_bm{bm}_bn{bn}_r{raw}{suffix}",
+    return Specialization(f"{fn}_{SHORT_NAMES['float32']}_hdim{dt}_{mask.name}_bm{bm}_bn{bn}{stages[0]}_r{raw}{suffix}",
                           f"{fn}.cu",
-                          f"cf::{fn}<{dt}, {mask.cpp}, {step}, {raw}, {'true' if config.sums_apart else 'false'}"
-                          f"{''.join(', ' + t for t in tail)}>",
-                          config.threads, tf32_wgmma_smem_bytes(kind, dt, config), arch="90a")
+                          f"cf::{fn}<{dt}, {mask.cpp}, {step}, {stages[1]}{raw}, "
+                          f"{'true' if config.sums_apart else 'false'}{''.join(', ' + t for t in tail)}>",
+                          256 if ws else config.threads, tf32_wgmma_smem_bytes(kind, dt, config), arch="90a")
 
 
 def tf32_wgmma_d_tile(headdim: int) -> int:
