@@ -80,7 +80,8 @@ flash_bwd_dkdv_tf32_wgmma_ws(const __grid_constant__ BwdParams p) {
                                                       seqlen_k - n0, p.headdim, tid);
     split_tf32_panels<BLOCK_N, D_TILE, 256, PRODUCTS>(base + L::V_HI, base + L::V_HI + L::KV_TILE, v_global,
                                                       seqlen_k - n0, p.headdim_v, tid);
-    init_stage_barriers<STAGES>(base + L::FULL, base + L::EMPTY, 128, 128);  // the producer's, the consumer's
+    const StageRing<STAGES> ring{base + L::FULL, base + L::EMPTY};
+    ring.init(128, 128);         // the producer's threads, the consumer's
     fence_proxy_async_shared();  // K and V's stores, to the async proxy that wgmma reads with
     __syncthreads();             // the last CTA-wide barrier: the roles split here
 
@@ -106,8 +107,7 @@ flash_bwd_dkdv_tf32_wgmma_ws(const __grid_constant__ BwdParams p) {
             const u32 stage = base + stage_of(it), staged = raw.stage(it);
             cp_async_wait<RAW_STAGES - 1>();
             named_barrier_sync(1, 128);  // block it's raw rows have landed, every producer thread's
-            mbarrier_wait(base + L::EMPTY + 8 * (it % STAGES), ((it / STAGES) & 1) ^ 1);  // the consumer is
-                                                                                          // done with the stage
+            ring.wait_empty(it);         // the consumer is done with the stage
             split_tf32_panels_both<BLOCK_M, D_TILE, 128, PRODUCTS>(stage + L::Q, stage + L::Q + L::Q_TILE,
                                                                    stage + L::QT, stage + L::QT + L::Q_TILE,
                                                                    StagedRows<D_TILE>{staged}, seqlen_q - m0,
@@ -126,7 +126,7 @@ flash_bwd_dkdv_tf32_wgmma_ws(const __grid_constant__ BwdParams p) {
                 row[STAT_DP_REF * BLOCK_M] = valid && dp_ref != nullptr ? ldg(dp_ref + stat) : 0.f;
             }
             fence_proxy_async_shared();  // the tiles, to the async proxy that wgmma reads with
-            mbarrier_arrive(base + L::FULL + 8 * (it % STAGES));
+            ring.arrive_full(it);
             named_barrier_sync(1, 128);  // every producer thread is done reading the raw tiles
             copy_raw(it + RAW_STAGES);
         }
@@ -141,13 +141,13 @@ flash_bwd_dkdv_tf32_wgmma_ws(const __grid_constant__ BwdParams p) {
     for (int it = 0; it < walk.iters; ++it) {
         const int m0 = walk.block(it) * BLOCK_M, head = walk.head(head_kv, it);
         const u32 stage = base + stage_of(it);
-        mbarrier_wait(base + L::FULL + 8 * (it % STAGES), (it / STAGES) & 1);
+        ring.wait_full(it);
         float ds[SV];
         tf32_dkdv_query_block<D_TILE, BLOCK_M, PRODUCTS, SUMS_APART>(
             dk_acc, dv_acc, ds, Tf32DkdvTiles{base + L::K_HI, base + L::V_HI, stage + L::Q, stage + L::DO,
                                               stage + L::QT, stage + L::DOT},
             smem_f + (stage_of(it) + L::STATS) / 4, p, seq, mask, head, m0, n0, warp, lane);
-        mbarrier_arrive(base + L::EMPTY + 8 * (it % STAGES));  // its products were waited for
+        ring.arrive_empty(it);  // its products were waited for
     }
 
     // Epilogue: dK = scale dS^T Q summed, dV (times 1 / (1 - p) under dropout).

@@ -73,7 +73,8 @@ flash_fwd_tf32_wgmma_ws(const __grid_constant__ FwdParams p) {
     const int head = blockIdx.y, head_kv = head / p.group;
     const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32;
 
-    init_stage_barriers<STAGES>(base + L::FULL, base + L::EMPTY, 128, 256);  // the producer's, the consumers'
+    const StageRing<STAGES> ring{base + L::FULL, base + L::EMPTY};
+    ring.init(128, 256);  // the producer's threads, the consumers'
     __syncthreads();  // the last CTA-wide barrier: the roles split here
 
     if (wg == 0) {
@@ -96,15 +97,14 @@ flash_fwd_tf32_wgmma_ws(const __grid_constant__ FwdParams p) {
             const u32 raw = raw_stages.stage(i);
             cp_async_wait<RAW_STAGES - 1>();
             named_barrier_sync(1, 128);  // block j's raw rows have landed, every producer thread's
-            mbarrier_wait(base + L::EMPTY + 8 * (i % STAGES), ((i / STAGES) & 1) ^ 1);  // the consumers are
-                                                                                        // done with the stage
+            ring.wait_empty(i);          // the consumers are done with the stage
             split_tf32_panels<BLOCK_N, D_TILE, 128, PRODUCTS>(stage + L::K_HI, stage + L::K_LO, StagedRows<D_TILE>{raw},
                                                               seqlen_k - n0, p.headdim, tid);
             split_tf32_panels_transposed<BLOCK_N, D_TILE, 128, PRODUCTS, true>(
                 stage + L::V_HI, stage + L::V_LO, StagedRows<D_TILE>{raw + raw_stages.TILE}, seqlen_k - n0, p.headdim_v,
                 tid);
             fence_proxy_async_shared();  // the stores, to the async proxy that wgmma reads with
-            mbarrier_arrive(base + L::FULL + 8 * (i % STAGES));
+            ring.arrive_full(i);
             named_barrier_sync(1, 128);  // every producer thread is done reading the raw tile
             stage_raw(i + RAW_STAGES);
         }
@@ -132,11 +132,11 @@ flash_fwd_tf32_wgmma_ws(const __grid_constant__ FwdParams p) {
     for (int j = j_begin; j < j_end; ++j) {
         const int i = j - j_begin;
         const u32 stage = base + (i % STAGES) * L::STAGE;
-        mbarrier_wait(base + L::FULL + 8 * (i % STAGES), (i / STAGES) & 1);
+        ring.wait_full(i);
         tf32_wgmma_forward_block<D_TILE, BLOCK_M, BLOCK_N, PRODUCTS, true, SUMS_APART>(
             o_acc, row_stats, q_hi, q_lo, 0u, 0u, stage + L::K_HI, stage + L::K_LO, stage + L::V_HI, stage + L::V_LO,
             mask, score, dropout, p.scale_log2, m0, j * BLOCK_N, strip_row0, lane, turns);
-        mbarrier_arrive(base + L::EMPTY + 8 * (i % STAGES));  // its products were waited for
+        ring.arrive_empty(i);  // its products were waited for
     }
     if (wg == 1) turns.wait();
 

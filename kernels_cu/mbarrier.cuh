@@ -47,21 +47,35 @@ __device__ __forceinline__ void mbarrier_wait(u32 bar, u32 parity) {
     }
 }
 
-// A ring of STAGES stages' full and empty barriers (8 bytes apart each), initialised by thread 0:
-// a stage is full after `full_count` arrivals (the producer's threads, once their stores are
-// fenced) and empty after `empty_count` (the consumers', once their products were waited for).
-// The CTA barrier that must follow makes them visible.
+// A producer / consumer ring of STAGES stages, each with a full and an empty barrier (8 bytes
+// apart in two arrays). Use i of the ring is stage i % STAGES, in its (i / STAGES)-th round:
+// the producer waits until the stage is empty (wait_empty: parity ((round & 1) ^ 1), so the
+// first round finds every stage free), fills it, fences its stores and arrives on full; the
+// consumer waits until it is full (wait_full: parity round & 1), computes and arrives on empty.
 template <int STAGES>
-__device__ __forceinline__ void init_stage_barriers(u32 full, u32 empty, u32 full_count, u32 empty_count) {
-    if (threadIdx.x == 0) {
+struct StageRing {
+    u32 full, empty;  // the barrier arrays
+
+    // Thread 0 initialises them: a stage is full after `full_count` arrivals (the producer's
+    // threads), empty after `empty_count` (the consumers'). The CTA barrier that must follow
+    // makes them visible.
+    __device__ __forceinline__ void init(u32 full_count, u32 empty_count) const {
+        if (threadIdx.x == 0) {
 #pragma unroll
-        for (int s = 0; s < STAGES; ++s) {
-            mbarrier_init(full + 8 * s, full_count);
-            mbarrier_init(empty + 8 * s, empty_count);
+            for (int s = 0; s < STAGES; ++s) {
+                mbarrier_init(full + 8 * s, full_count);
+                mbarrier_init(empty + 8 * s, empty_count);
+            }
+            mbarrier_init_fence();
         }
-        mbarrier_init_fence();
     }
-}
+    __device__ __forceinline__ void wait_empty(int i) const {
+        mbarrier_wait(empty + 8 * (i % STAGES), ((i / STAGES) & 1) ^ 1);
+    }
+    __device__ __forceinline__ void arrive_full(int i) const { mbarrier_arrive(full + 8 * (i % STAGES)); }
+    __device__ __forceinline__ void wait_full(int i) const { mbarrier_wait(full + 8 * (i % STAGES), (i / STAGES) & 1); }
+    __device__ __forceinline__ void arrive_empty(int i) const { mbarrier_arrive(empty + 8 * (i % STAGES)); }
+};
 
 // Named barrier `id` (1..15; 0 is __syncthreads') of `threads` threads, a multiple of 32: bar.sync
 // waits until that many have arrived (itself included), bar.arrive counts toward it without

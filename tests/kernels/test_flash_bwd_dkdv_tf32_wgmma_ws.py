@@ -19,6 +19,7 @@ from models.mirrors import missing_statements, unmirrored_statements
 
 def test_mirrors_match_the_kernel_source():
     assert not (missing := missing_statements(KERNEL)), f"mirrored statements no longer in {KERNEL}: {missing}"
+    assert not (missing := missing_statements("mbarrier.cuh")), f"StageRing's statements moved: {missing}"
     assert not (unmirrored := unmirrored_statements(KERNEL)), f"layout statements without a mirror: {unmirrored}"
 
 

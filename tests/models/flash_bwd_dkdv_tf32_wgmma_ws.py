@@ -59,11 +59,14 @@ class Mbarrier:
         return (self.completed & 1) != parity
 
 
+@mirrors("mbarrier.cuh",  # StageRing, also flash_fwd_tf32_wgmma_ws's
+         "mbarrier_wait(empty + 8 * (i % STAGES), ((i / STAGES) & 1) ^ 1);",
+         "mbarrier_arrive(full + 8 * (i % STAGES));",
+         "mbarrier_wait(full + 8 * (i % STAGES), (i / STAGES) & 1);",
+         "mbarrier_arrive(empty + 8 * (i % STAGES));")
 @mirrors(KERNEL,
-         "mbarrier_wait(base + L::EMPTY + 8 * (it % STAGES), ((it / STAGES) & 1) ^ 1);",
-         "mbarrier_arrive(base + L::FULL + 8 * (it % STAGES));",
-         "mbarrier_wait(base + L::FULL + 8 * (it % STAGES), (it / STAGES) & 1);",
-         "mbarrier_arrive(base + L::EMPTY + 8 * (it % STAGES));")
+         "const StageRing<STAGES> ring{base + L::FULL, base + L::EMPTY};",
+         "ring.wait_empty(it);", "ring.arrive_full(it);", "ring.wait_full(it);", "ring.arrive_empty(it);")
 def run_protocol(iters: int, stages: int, choose) -> list:
     """The producer's and the consumer's loops (one thread of each: the barriers count their
     warpgroup's 128 arrivals as one) stepped as choose(options) picks among the sides whose next
