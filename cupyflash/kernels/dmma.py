@@ -138,11 +138,10 @@ def _check_tf32_wgmma_operands(do, q, k, v, dq, dk, dv) -> None:
         raise TypeError("cupyflash: the tf32 wgmma backward takes float32 arrays")
     if device_arch() != "90":
         raise ValueError(f"cupyflash: the tf32 wgmma backward is compiled for sm_90a, not sm_{device_arch()}")
+    from .mma_fwd import _check_layout
+
     for name, x in (("do", do), ("q", q), ("k", k), ("v", v), ("dq", dq), ("dk", dk), ("dv", dv)):
-        strides = [s // x.itemsize for s in x.strides]
         if x.shape[-1] % 4 or x.shape[-1] > 64:
             raise ValueError(f"cupyflash: the tf32 wgmma backward takes head dims up to 64 in multiples of 4; "
                              f"{name} has {x.shape[-1]}")
-        if strides[-1] != 1 or any(s % 4 for s in strides[:-1]) or x.data.ptr % 16:
-            raise ValueError(f"cupyflash: the tf32 wgmma backward reads 16-byte chunks: {name} needs unit column "
-                             f"strides, other strides in multiples of 4 elements and 16-byte aligned data")
+        _check_layout(x, name, 4)

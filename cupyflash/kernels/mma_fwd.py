@@ -124,15 +124,16 @@ def _by_tile(entry) -> tuple:
     return dt, isinstance(tiles, WgmmaFwdConfig), tiles.block_n
 
 
-def _check_layout(a, what: str) -> None:
-    """The tensor-core kernels' layout: contiguous rows, strides multiples of 8 elements, 16-byte
-    aligned (the dispatcher guarantees it; a violation would be silent corruption)."""
+def _check_layout(a, what: str, multiple: int = 8) -> None:
+    """The tensor-core kernels' layout: contiguous rows, strides multiples of ``multiple`` elements
+    (8; the float32 wgmma loaders' 16-byte chunks: 4), 16-byte aligned (the dispatcher guarantees
+    it; a violation would be silent corruption)."""
     item = a.itemsize
     if a.strides[3] != item:
         raise ValueError(f"cupyflash: {what} must be contiguous in its last dimension")
     strides = tuple(s // item for s in a.strides[:3])
-    if any(s % 8 for s in strides) or a.data.ptr % 16:
-        raise ValueError(f"cupyflash: {what} needs strides that are multiples of 8 elements and a "
+    if any(s % multiple for s in strides) or a.data.ptr % 16:
+        raise ValueError(f"cupyflash: {what} needs strides that are multiples of {multiple} elements and a "
                          f"16-byte aligned pointer for the tensor-core kernel")
 
 
