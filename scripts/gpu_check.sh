@@ -44,6 +44,8 @@
 #                                       carried, e.g. .before; DMMA_F64=1 runs the float64 bench
 #                                       without it), then its float32 run at d64 (the wgmma candidates)
 #   scripts/gpu_check.sh OUTDIR dropout  tests/test_dropout_gpu.py, then dropout's cost at 8k (d128, d64)
+#   scripts/gpu_check.sh OUTDIR dropout_cmp  dropout's cost at 8k (d128, d64) in BEFORE_TREE (or each of
+#                                       BEFORE_TREES) and here, one machine (DROPOUT_TESTS=1: its GPU tests first)
 #   scripts/gpu_check.sh OUTDIR tf32_wgmma  the tf32 wgmma forward candidates (flash_fwd_tf32_wgmma,
 #                                       flash_fwd_tf32_wgmma_ws): dev/smoke_tf32_wgmma_ws.py, then
 #                                       tests/test_tf32_wgmma_gpu.py (TF32_WGMMA_PART=tests), then
@@ -288,6 +290,24 @@ dropout)  # dropout's GPU tests, then its cost beside the plain kernels at 8k, d
     for d in 128 64; do
         step "dropout-8k-d$d" 150 python -m cupyflash.bench.variants --seqlen 8192 --headdim "$d" \
             --impls cupyflash --variants causal "causal dropout 0.1" full "dropout 0.1" --json "$out/dropout-8k-d$d.json"
+    done
+    ;;
+dropout_cmp)  # a dropout change: its bench at 8k (d128, d64; plain and dropout rows, cupyflash only)
+    # in BEFORE_TREE (an exported tree inside the checkout, carried) and in this tree, one after the
+    # other on one machine; DROPOUT_TESTS=1 runs tests/test_dropout_gpu.py first
+    export PYTHONPATH=$PWD
+    [ -n "${DROPOUT_TESTS:-}" ] && step dropout-tests "${TEST_LIMIT:-200}" env HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-gpu}" \
+        python -m pytest -q -m gpu tests/test_dropout_gpu.py -p no:cacheprovider
+    # BEFORE_TREES: several exported trees (each named by its folder), BEFORE_TREE one
+    for d in 128 64; do
+        for tree in ${BEFORE_TREES:-${BEFORE_TREE:-}}; do
+            name=$(basename "$tree")
+            (cd "$tree" && PYTHONPATH=$PWD step "dropout-$name-8k-d$d" 150 python -m cupyflash.bench.variants \
+                --seqlen 8192 --headdim "$d" --impls cupyflash --variants causal "causal dropout 0.1" full "dropout 0.1" \
+                --json "$out/dropout-$name-8k-d$d.json")
+        done
+        step "dropout-after-8k-d$d" 150 python -m cupyflash.bench.variants --seqlen 8192 --headdim "$d" \
+            --impls cupyflash --variants causal "causal dropout 0.1" full "dropout 0.1" --json "$out/dropout-after-8k-d$d.json"
     done
     ;;
 tf32_wgmma)  # the tf32 wgmma forward candidates: their GPU tests, then their speed and accuracy beside
