@@ -43,9 +43,9 @@
 #                                       BEFORE_TREE (optional: an exported tree inside the checkout,
 #                                       carried, e.g. .before; DMMA_F64=1 runs the float64 bench
 #                                       without it), then its float32 run at d64 (the wgmma candidates)
-#   scripts/gpu_check.sh OUTDIR dropout  tests/test_dropout_gpu.py, then dropout's cost at 8k (d128, d64)
-#   scripts/gpu_check.sh OUTDIR dropout_cmp  dropout's cost at 8k (d128, d64) in BEFORE_TREE (or each of
-#                                       BEFORE_TREES) and here, one machine (DROPOUT_TESTS=1: its GPU tests first)
+#   scripts/gpu_check.sh OUTDIR dropout  tests/test_dropout_gpu.py (DROPOUT_TESTS=0: skipped), then
+#                                       dropout's cost at 8k (d128, d64) in each of BEFORE_TREES (exported
+#                                       trees inside the checkout, carried) and here, on one machine
 #   scripts/gpu_check.sh OUTDIR tf32_wgmma  the tf32 wgmma forward candidates (flash_fwd_tf32_wgmma,
 #                                       flash_fwd_tf32_wgmma_ws): dev/smoke_tf32_wgmma_ws.py, then
 #                                       tests/test_tf32_wgmma_gpu.py (TF32_WGMMA_PART=tests), then
@@ -74,6 +74,7 @@ out=${1:?usage: gpu_check.sh OUTDIR tests|bench}
 what=${2:?usage: gpu_check.sh OUTDIR tests|bench}
 cd "$(dirname "$0")/.."
 mkdir -p "$out"
+out=$(cd "$out" && pwd)  # the dropout bench runs in other trees too
 export PYTHONUNBUFFERED=1
 export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-$PWD/.cupy-cache}
 status=0
@@ -84,6 +85,21 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to OUTDIR/N
     local rc=$?
     echo "$name: rc $rc in $((SECONDS - t0)) s; $(grep -E '[0-9]+ (passed|failed)|^cupyflash|bench:|^warm_kernel_cache:' "$out/$name.log" | tail -1)"
     [ $rc -eq 0 ] || status=1
+}
+# Dropout's cost at 8k beside the plain kernels (bench.variants, cupyflash only, d128 and d64): in
+# each exported tree of BEFORE_TREES (or BEFORE_TREE; each named by its folder) and then in this
+# one ("after"), on one machine.
+dropout_8k() {
+    local d tree
+    for d in 128 64; do
+        for tree in ${BEFORE_TREES:-${BEFORE_TREE:-}} .; do
+            local name=after
+            [ "$tree" = . ] || name=$(basename "$tree")
+            (cd "$tree" && PYTHONPATH=$PWD step "dropout-$name-8k-d$d" 150 python -m cupyflash.bench.variants \
+                --seqlen 8192 --headdim "$d" --impls cupyflash --variants causal "causal dropout 0.1" full "dropout 0.1" \
+                --json "$out/dropout-$name-8k-d$d.json"; exit $status) || status=1
+        done
+    done
 }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv > "$out/gpu.txt" 2>&1
 case $what in
@@ -283,32 +299,11 @@ ncu)
         done; IFS=' '
     done
     ;;
-dropout)  # dropout's GPU tests, then its cost beside the plain kernels at 8k, d128 and d64 (bench.variants)
+dropout)  # dropout's GPU tests (DROPOUT_TESTS=0: none), then its cost at 8k here and in BEFORE_TREES
     export PYTHONPATH=$PWD
-    step dropout-tests "${TEST_LIMIT:-240}" env HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-gpu}" \
-        python -m pytest -q -m gpu tests/test_dropout_gpu.py -p no:cacheprovider
-    for d in 128 64; do
-        step "dropout-8k-d$d" 150 python -m cupyflash.bench.variants --seqlen 8192 --headdim "$d" \
-            --impls cupyflash --variants causal "causal dropout 0.1" full "dropout 0.1" --json "$out/dropout-8k-d$d.json"
-    done
-    ;;
-dropout_cmp)  # a dropout change: its bench at 8k (d128, d64; plain and dropout rows, cupyflash only)
-    # in BEFORE_TREE (an exported tree inside the checkout, carried) and in this tree, one after the
-    # other on one machine; DROPOUT_TESTS=1 runs tests/test_dropout_gpu.py first
-    export PYTHONPATH=$PWD
-    [ -n "${DROPOUT_TESTS:-}" ] && step dropout-tests "${TEST_LIMIT:-200}" env HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-gpu}" \
-        python -m pytest -q -m gpu tests/test_dropout_gpu.py -p no:cacheprovider
-    # BEFORE_TREES: several exported trees (each named by its folder), BEFORE_TREE one
-    for d in 128 64; do
-        for tree in ${BEFORE_TREES:-${BEFORE_TREE:-}}; do
-            name=$(basename "$tree")
-            (cd "$tree" && PYTHONPATH=$PWD step "dropout-$name-8k-d$d" 150 python -m cupyflash.bench.variants \
-                --seqlen 8192 --headdim "$d" --impls cupyflash --variants causal "causal dropout 0.1" full "dropout 0.1" \
-                --json "$out/dropout-$name-8k-d$d.json")
-        done
-        step "dropout-after-8k-d$d" 150 python -m cupyflash.bench.variants --seqlen 8192 --headdim "$d" \
-            --impls cupyflash --variants causal "causal dropout 0.1" full "dropout 0.1" --json "$out/dropout-after-8k-d$d.json"
-    done
+    [ "${DROPOUT_TESTS:-1}" = 0 ] || step dropout-tests "${TEST_LIMIT:-240}" \
+        env HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-gpu}" python -m pytest -q -m gpu tests/test_dropout_gpu.py -p no:cacheprovider
+    dropout_8k
     ;;
 tf32_wgmma)  # the tf32 wgmma forward candidates: their GPU tests, then their speed and accuracy beside
     # the shipped float32 forward and PyTorch's mem-efficient fp32 (dev/bench_tf32_wgmma.py), then the
@@ -351,12 +346,7 @@ measure)  # after the suite, on its warm machine (the cache holds the shipped ke
         case $part in
         varlen) step varlen-bench 240 python -m cupyflash.bench.varlen --json "$out/varlen.json" ;;
         decode) step decode 200 python -m cupyflash.bench.kvcache_decode --json "$out/decode.json" --plot "$out/decode.png" ;;
-        dropout)
-            for d in 128 64; do
-                step "dropout-8k-d$d" 150 python -m cupyflash.bench.variants --seqlen 8192 --headdim "$d" \
-                    --impls cupyflash --variants causal "causal dropout 0.1" full "dropout 0.1" \
-                    --json "$out/dropout-8k-d$d.json"
-            done ;;
+        dropout) dropout_8k ;;
         tf32)
             step tf32-wgmma-ws-smoke 90 python dev/smoke_tf32_wgmma_ws.py
             step tf32-wgmma-tests "${TEST_LIMIT:-200}" env HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-gpu}" \
