@@ -94,10 +94,6 @@ __device__ __forceinline__ float from_fixed(long long x) {
 // 16-byte stores of 8 rows x 4 lanes take the minimum 4 wavefronts.
 constexpr u32 DQ_STAGE_ROW = 64 * 8 + 64;
 
-__device__ __forceinline__ void st_shared_v2_b64(u32 addr, long long a, long long b) {
-    asm volatile("st.shared.v2.b64 [%0], {%1, %2};\n" ::"r"(addr), "l"(a), "l"(b) : "memory");
-}
-
 // gmem[0 .. bytes) += smem[0 .. bytes) as int64, asynchronously (a bulk group of this thread).
 __device__ __forceinline__ void bulk_reduce_add_s64(void* gmem, u32 smem, u32 bytes) {
     asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.u64 [%0], [%1], %2;\n"

@@ -177,6 +177,31 @@ __device__ __forceinline__ void st_shared_b32(u32 addr, u32 value) {
     asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(value) : "memory");
 }
 
+__device__ __forceinline__ void st_shared_v2_f32(u32 addr, float x, float y) {
+    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(x), "f"(y) : "memory");
+}
+
+__device__ __forceinline__ void st_shared_v4(u32 addr, u32 x, u32 y, u32 z, u32 w) {
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(x), "r"(y), "r"(z),
+                 "r"(w)
+                 : "memory");
+}
+
+__device__ __forceinline__ void st_shared_v4(u32 addr, const u32 (&r)[4]) {
+    st_shared_v4(addr, r[0], r[1], r[2], r[3]);
+}
+
+__device__ __forceinline__ void st_shared_v2_b64(u32 addr, long long a, long long b) {
+    asm volatile("st.shared.v2.b64 [%0], {%1, %2};\n" ::"r"(addr), "l"(a), "l"(b) : "memory");
+}
+
+// Byte offset of float32 (row, col) in a swizzled tile of DIM float32 columns: swizzled_offset's
+// 16-byte chunks holding 4 values each.
+template <int DIM>
+__device__ __forceinline__ u32 swizzled_offset_f32(int row, int col) {
+    return swizzled_offset<2 * DIM>(row, col >> 2) + static_cast<u32>(4 * (col & 3));
+}
+
 __device__ __forceinline__ u32 ld_shared_b32(u32 addr) {
     u32 r;
     asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(r) : "r"(addr) : "memory");

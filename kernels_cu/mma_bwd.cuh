@@ -47,12 +47,6 @@ __device__ __forceinline__ void cp_async_row_stats(u32 lse_slots, u32 delta_slot
     }
 }
 
-__device__ __forceinline__ void st_shared_v4(u32 addr, u32 x, u32 y, u32 z, u32 w) {
-    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(x), "r"(y), "r"(z),
-                 "r"(w)
-                 : "memory");
-}
-
 // p[0] += a, p[1] += b in global memory, no return value (a fire-and-forget reduction in L2).
 __device__ __forceinline__ void red_add_f32x2(float* p, float a, float b) {
 #if __CUDA_ARCH__ >= 900

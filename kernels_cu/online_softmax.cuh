@@ -8,7 +8,6 @@
 #include "common.cuh"
 #include "mask.cuh"
 #include "mma.cuh"
-#include "tf32.cuh"
 
 namespace cf {
 

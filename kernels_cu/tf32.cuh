@@ -95,21 +95,4 @@ __device__ __forceinline__ void mma_tf32(float (&acc)[4], const u32 (&a_hi)[4], 
     }
 }
 
-// Byte offset of float32 (row, col) in a swizzled tile of DIM float32 columns (mma.cuh's
-// swizzle on 16-byte chunks of 4 values).
-template <int DIM>
-__device__ __forceinline__ u32 swizzled_offset_f32(int row, int col) {
-    return swizzled_offset<2 * DIM>(row, col >> 2) + static_cast<u32>(4 * (col & 3));
-}
-
-__device__ __forceinline__ void st_shared_v4(u32 addr, const u32 (&r)[4]) {
-    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]),
-                 "r"(r[3])
-                 : "memory");
-}
-
-__device__ __forceinline__ void st_shared_v2_f32(u32 addr, float x, float y) {
-    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(x), "f"(y) : "memory");
-}
-
 }  // namespace cf
