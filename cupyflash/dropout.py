@@ -3,16 +3,18 @@
 A call with ``dropout_p = p > 0`` multiplies each weight P_ij = softmax(z)_ij by Z_ij / (1 - p)
 before P V, where Z_ij = 1 with probability 1 - p. The mask Z is a function of the call's
 ``seed`` and ``offset`` and of the element's coordinates alone (a counter-based generator,
-Philox4x32-10), so the forward and every backward kernel find the same Z whatever their tiles,
+Philox4x32 at 7 rounds), so the forward and every backward kernel find the same Z whatever their tiles,
 and so does this module: ``dropout_mask`` returns the mask that a call with the same arguments
 used, on the CPU (NumPy) or the GPU (CuPy).
 
 The words: element (query i, key j) of sequence b, query head h (of nheads) is the 16-bit half
-e = j & 1 (0 the low half, 1 the high) of word 2 a + c of Philox4x32-10 with counter
+e = j & 1 (0 the low half, 1 the high) of word 2 a + c of Philox4x32 (7 rounds) with counter
 (j0, i0, b * nheads + h, offset) and key (seed mod 2^32, seed >> 32), where i0 = i & ~8,
-a = (i >> 3) & 1, j0 = j & ~9, c = (j >> 3) & 1; it is kept iff that half is below
-threshold = round((1 - p) 2^16). So each element is kept with probability threshold / 2^16, which
-is 1 - p to within 2^-17 (the kept weights are still scaled by 1 / (1 - p)). Indices are those of
+a = (i >> 3) & 1, j0 = j & ~9, c = (j >> 3) & 1; it is kept iff the low 15 bits of that half are
+below threshold = round((1 - p) 2^15). So each element is kept with probability
+threshold / 2^15, which is 1 - p to within 2^-16 (the kept weights are still scaled by
+1 / (1 - p)). The half's top bit is left out so that the kernels test both halves of a word with
+one addition (kernels_cu/dropout.cuh, ``dropped_flags``). Indices are those of
 the sequence (a packed batch's sequence b counts its own rows from 0, and its b is its index in
 the batch).
 
@@ -26,19 +28,20 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-__all__ = ["Dropout", "NO_DROPOUT", "check_dropout", "philox4x32_10", "dropout_mask", "keep_threshold"]
+__all__ = ["Dropout", "NO_DROPOUT", "check_dropout", "philox4x32", "PHILOX_ROUNDS", "dropout_mask", "keep_threshold"]
 
 _M0, _M1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
 _W0, _W1 = 0x9E3779B9, 0xBB67AE85
 _MASK32 = np.uint64(0xFFFFFFFF)
+PHILOX_ROUNDS = 7  # the mask's; Random123's known answers are published for 10
 
 
-def philox4x32_10(counter, key):
-    """Philox4x32-10 of arrays of counters: ``counter`` a tuple of four uint32-valued arrays
-    (broadcast together), ``key`` a pair of ints; returns four uint32 arrays."""
+def philox4x32(counter, key, rounds: int = PHILOX_ROUNDS):
+    """Philox4x32 at ``rounds`` rounds of arrays of counters: ``counter`` a tuple of four
+    uint32-valued arrays (broadcast together), ``key`` a pair of ints; returns four uint32 arrays."""
     c0, c1, c2, c3 = (np.asarray(c, dtype=np.uint64) for c in np.broadcast_arrays(*counter))
     k0, k1 = int(key[0]) & 0xFFFFFFFF, int(key[1]) & 0xFFFFFFFF
-    for _ in range(10):
+    for _ in range(rounds):
         p0 = _M0 * c0
         p1 = _M1 * c2
         hi0, lo0 = p0 >> np.uint64(32), p0 & _MASK32
@@ -50,8 +53,9 @@ def philox4x32_10(counter, key):
 
 
 def keep_threshold(dropout_p: float) -> int:
-    """round((1 - p) 2^16): a 16-bit half below it keeps its element (2^16: every one)."""
-    return int(round((1.0 - float(dropout_p)) * 2.0**16))
+    """round((1 - p) 2^15): a half whose low 15 bits are below it keeps its element (2^15: every
+    one)."""
+    return int(round((1.0 - float(dropout_p)) * 2.0**15))
 
 
 @dataclass(frozen=True)
@@ -83,11 +87,11 @@ class Dropout:
         """The keep bits (bool) of elements (i, j) of (sequence, head), arrays broadcast together."""
         sequence, head, i, j = (np.asarray(x, dtype=np.int64) for x in (sequence, head, i, j))
         stream = ((sequence + self.first_sequence) * nheads + head) & 0xFFFFFFFF
-        words = philox4x32_10((j & ~9, i & ~8, stream, np.int64(self.offset)),
-                              (self.seed & 0xFFFFFFFF, self.seed >> 32))
+        words = philox4x32((j & ~9, i & ~8, stream, np.int64(self.offset)),
+                           (self.seed & 0xFFFFFFFF, self.seed >> 32))
         a, c = (i >> 3) & 1, (j >> 3) & 1
         pick = np.select([(a == 0) & (c == 0), (a == 0) & (c == 1), (a == 1) & (c == 0)], words[:3], words[3])
-        half = (pick >> (16 * (j & 1)).astype(np.uint32)) & np.uint32(0xFFFF)
+        half = (pick >> (16 * (j & 1)).astype(np.uint32)) & np.uint32(0x7FFF)
         return half < np.uint32(self.threshold)
 
 
@@ -106,8 +110,8 @@ def check_dropout(dropout_p, seed, offset, *, need_seed: bool = False) -> Dropou
     if dropout_p == 0.0:
         return NO_DROPOUT
     if keep_threshold(dropout_p) == 0:
-        raise ValueError(f"cupyflash: dropout_p = {dropout_p!r} keeps no weight at the mask's 16-bit resolution "
-                         f"(the keep rate is round((1 - p) 2^16) / 2^16): take p <= 1 - 2^-16")
+        raise ValueError(f"cupyflash: dropout_p = {dropout_p!r} keeps no weight at the mask's 15-bit resolution "
+                         f"(the keep rate is round((1 - p) 2^15) / 2^15): take p <= 1 - 2^-15")
     if seed is None:
         if need_seed:
             raise ValueError("cupyflash: a backward with dropout_p > 0 needs the forward's seed (and offset): "
@@ -162,7 +166,7 @@ def _mask_on_gpu(d: Dropout, batch, nheads, seqlen_q, seqlen_k, first_sequence=0
         const long long bh = n / ((long long)seqlen_k * seqlen_q);
         cf::DropoutFn<true> d;
         d.k0 = (unsigned)seed; d.k1 = (unsigned)(seed >> 32);
-        d.stream = (unsigned)(first_bh + bh); d.offset = offset; d.limit = cf::DropoutFn<true>::limit_of(threshold);
+        d.stream = (unsigned)(first_bh + bh); d.offset = offset; d.addend = cf::DropoutFn<true>::addend_of(threshold);
         keep = d.keep(r, j);
         """, "cupyflash_dropout_mask", preamble=kernel_source("dropout.cuh"))
     out = cupy.empty((batch, nheads, seqlen_q, seqlen_k), dtype=bool)

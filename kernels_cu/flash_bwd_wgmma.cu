@@ -248,11 +248,11 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
             probabilities(Flag<true>());
         else
             probabilities(Flag<false>());
-        // Dropout (dropout.cuh): a dropped weight keeps its magnitude for dS and loses its sign.
-        if constexpr (DropoutOf<Mask>::ENABLED)
-            for_st_frags(s_acc, DropoutOf<Mask>(p, seq.index, head), key0, query0, MarkDropped{});
         u32 p_frag[QK][4];
         pack_a_frags<T, BLOCK_M>(p_frag, s_acc);
+        // Dropout (dropout.cuh): a dropped weight keeps its magnitude for dS and loses its sign.
+        if constexpr (DropoutOf<Mask>::ENABLED)
+            mark_packed_pt<DropoutOf<Mask>, SJ>(p_frag, DropoutOf<Mask>(p, seq.index, head), key0, query0);
 
 
         // Step 4: dS^T = P^T o (dP^T - D), from the 16-bit P^T that dV uses (the float32 one is

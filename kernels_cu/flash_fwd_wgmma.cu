@@ -130,10 +130,10 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p) {
         float m_new[1][2];
         row_max(m_new, s, row_stats, lane);
         softmax_rescale(s, o_acc, row_stats, m_new, lane);
-        if constexpr (DropoutOf<Mask>::ENABLED)  // after the row sums: l and lse stay the softmax's
-            for_s_frags(s, dropout, m0 + strip_row0 + lane / 4, n0 + 2 * (lane % 4), DropToZero{});
         u32 p_frag[1][N_FRAGS / 2][4];
         pack_p<T>(p_frag, s);
+        if constexpr (DropoutOf<Mask>::ENABLED)  // after the row sums: l and lse stay the softmax's
+            drop_packed_p<DropoutOf<Mask>, 1, N_FRAGS>(p_frag, dropout, m0 + strip_row0 + lane / 4, n0 + 2 * (lane % 4));
 
         wgmma_fence();
 #pragma unroll

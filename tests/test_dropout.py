@@ -1,5 +1,5 @@
-"""Dropout on the CPU: the Philox4x32-10 twin against Random123's known answers, the mask's
-statistics and layout, the float64 reference against finite differences, the NumPy twin of the
+"""Dropout on the CPU: the Philox4x32 twin against Random123's known answers (7 and 10
+rounds), the mask's statistics and layout, the float64 reference against finite differences, the NumPy twin of the
 kernels against the reference, and the API's argument checks."""
 from __future__ import annotations
 
@@ -11,39 +11,44 @@ from hypothesis import strategies as st
 import cupyflash
 from cupyflash import reference
 from cupyflash.backward_plans import own_forward_statistics
-from cupyflash.dropout import Dropout, check_dropout, dropout_mask, keep_threshold, philox4x32_10
+from cupyflash.dropout import PHILOX_ROUNDS, Dropout, check_dropout, dropout_mask, keep_threshold, philox4x32
 from strategies import attention_case, make_inputs
 from kernel_paths import check_against_reference
 from variants import variant_kwargs
 from windows import window_size
 
-# Random123's kat_vectors for philox4x32 with 10 rounds: (counter, key, result).
+# Random123's kat_vectors for philox4x32: (rounds, counter, key, result). The mask runs 7 rounds.
+PI_COUNTER, PI_KEY = (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0)
 PHILOX_KNOWN_ANSWERS = [
-    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
-    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
-    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
-     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+    (7, (0, 0, 0, 0), (0, 0), (0x5F6FB709, 0x0D893F64, 0x4F121F81, 0x4F730A48)),
+    (7, (0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x5207DDC2, 0x45165E59, 0x4D8EE751, 0x8C52F662)),
+    (7, PI_COUNTER, PI_KEY, (0x4DFCCABA, 0x190A87F0, 0xC47362BA, 0xB6B5242A)),
+    (10, (0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    (10, (0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    (10, PI_COUNTER, PI_KEY, (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
 ]
 
 
-@pytest.mark.parametrize("counter, key, expected", PHILOX_KNOWN_ANSWERS)
-def test_philox_known_answers(counter, key, expected):
-    assert tuple(int(w) for w in philox4x32_10(counter, key)) == expected
+@pytest.mark.parametrize("rounds, counter, key, expected", PHILOX_KNOWN_ANSWERS)
+def test_philox_known_answers(rounds, counter, key, expected):
+    assert tuple(int(w) for w in philox4x32(counter, key, rounds)) == expected
+    if rounds == PHILOX_ROUNDS:
+        assert tuple(int(w) for w in philox4x32(counter, key)) == expected
 
 
 def test_mask_words_follow_the_documented_layout():
-    """Element (i, j) is half j & 1 of word 2 ((i >> 3) & 1) + ((j >> 3) & 1) of the call at
-    (j & ~9, i & ~8)."""
+    """Element (i, j) is kept iff the low 15 bits of half j & 1 of word 2 ((i >> 3) & 1) +
+    ((j >> 3) & 1) of the 7-round call at (j & ~9, i & ~8) are below the threshold."""
     d = Dropout(0.5, seed=(7 << 32) | 3, offset=11)
     batch, nheads, sq, sk = 2, 3, 40, 37
     mask = dropout_mask(batch, nheads, sq, sk, d.p, d.seed, d.offset)
     rng = np.random.default_rng(0)
     for _ in range(50):
         b, h, i, j = (int(rng.integers(n)) for n in (batch, nheads, sq, sk))
-        words = philox4x32_10((j & ~9, i & ~8, b * nheads + h, d.offset), (3, 7))
+        words = philox4x32((j & ~9, i & ~8, b * nheads + h, d.offset), (3, 7), rounds=7)
         word = int(words[2 * ((i >> 3) & 1) + ((j >> 3) & 1)])
         half = (word >> 16) if j & 1 else (word & 0xFFFF)
-        assert mask[b, h, i, j] == (half < keep_threshold(d.p))
+        assert mask[b, h, i, j] == ((half & 0x7FFF) < keep_threshold(d.p))
 
 
 @pytest.mark.parametrize("p", [0.05, 0.3, 0.5, 0.9])
@@ -74,11 +79,11 @@ def test_mask_depends_on_seed_offset_and_head():
 
 
 def test_threshold_edges():
-    assert keep_threshold(0.0) == 2**16  # every half is below it
-    assert keep_threshold(0.5) == 2**15
-    assert keep_threshold(2**-18) == 2**16  # p below 2^-17 keeps everything: 16 bits a comparison
-    assert keep_threshold(1 - 2**-18) == 0  # refused by check_dropout: it would keep nothing
-    assert keep_threshold(1 - 2**-16) == 1
+    assert keep_threshold(0.0) == 2**15  # every half's low 15 bits are below it
+    assert keep_threshold(0.5) == 2**14
+    assert keep_threshold(2**-17) == 2**15  # p below 2^-16 keeps everything: 15 bits a comparison
+    assert keep_threshold(1 - 2**-17) == 0  # refused by check_dropout: it would keep nothing
+    assert keep_threshold(1 - 2**-15) == 1
 
 
 @settings(max_examples=10)
