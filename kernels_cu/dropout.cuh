@@ -139,15 +139,25 @@ __device__ __forceinline__ void walk_s_units(const Drop& d, int row_lane, int ke
 }
 
 // The keep bits of a lane's fragments of S, visit(i, f, k, kept) for s[i][f][k]: query
-// row_lane + 16 i + 8 (k / 2), key key_lane + 8 f + k % 2.
+// row_lane + 16 i + 8 (k / 2), key key_lane + 8 f + k % 2. A word's flags are formed where they
+// are used, not a unit's four first as walk_s_units does: at d256 the dQ mma.sync kernel (sm_80 /
+// sm_90, 247-250 registers) spilled 284-364 bytes with the four alive together.
 template <class Drop, int M_STRIPS, int N_FRAGS, class Visit>
 __device__ __forceinline__ void walk_s_frags(const Drop& d, int row_lane, int key_lane, Visit visit) {
-    walk_s_units<Drop, M_STRIPS, N_FRAGS>(d, row_lane, key_lane, [&](int i, int fp, const unsigned (&flags)[4]) {
 #pragma unroll
-        for (int r = 0; r < 4; ++r)
+    for (int i = 0; i < M_STRIPS; ++i)
 #pragma unroll
-            for (int e = 0; e < 2; ++e) visit(i, 2 * fp + (r >> 1), 2 * (r & 1) + e, Drop::kept_of(flags[r], e));
-    });
+        for (int fp = 0; fp < N_FRAGS / 2; ++fp) {
+            const uint4 w = d.words(row_lane + 16 * i, key_lane + 16 * fp);
+#pragma unroll
+            for (int a = 0; a < 2; ++a)
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const unsigned flags = d.dropped_flags(word_of(w, a, c));
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) visit(i, 2 * fp + c, 2 * a + e, Drop::kept_of(flags, e));
+                }
+        }
 }
 
 // The same for a lane's fragments of S^T, a fragment pair at a time, in the order of the

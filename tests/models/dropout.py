@@ -62,13 +62,20 @@ def s_unit_words(m_strips: int, n_frags: int, row_lane: int, key_lane: int):
 
 
 @mirrors(DROPOUT,
-         "for (int e = 0; e < 2; ++e) visit(i, 2 * fp + (r >> 1), 2 * (r & 1) + e, Drop::kept_of(flags[r], e));")
+         "const unsigned flags = d.dropped_flags(word_of(w, a, c));",
+         "for (int e = 0; e < 2; ++e) visit(i, 2 * fp + c, 2 * a + e, Drop::kept_of(flags, e));")
 def s_frag_words(m_strips: int, n_frags: int, row_lane: int, key_lane: int):
-    """{(i, f, k): (group origin, a, c, half e)} of one lane's S fragments s[i][f][k] (walk_s_frags)."""
+    """{(i, f, k): (group origin, a, c, half e)} of one lane's S fragments s[i][f][k] (walk_s_frags:
+    the call of s_unit_words, its words taken in place, which keeps the float32 kernels' registers
+    below their limits)."""
     out = {}
-    for (i, fp, r), (origin, a, c) in s_unit_words(m_strips, n_frags, row_lane, key_lane).items():
-        for e in range(2):
-            out[(i, 2 * fp + (r >> 1), 2 * (r & 1) + e)] = (origin, a, c, e)
+    for i in range(m_strips):
+        for fp in range(n_frags // 2):
+            origin = (row_lane + 16 * i, key_lane + 16 * fp)
+            for a in range(2):
+                for c in range(2):
+                    for e in range(2):
+                        out[(i, 2 * fp + c, 2 * a + e)] = (origin, a, c, e)
     return out
 
 
