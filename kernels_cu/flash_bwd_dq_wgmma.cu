@@ -169,13 +169,20 @@ flash_bwd_dq_wgmma(const __grid_constant__ BwdParams p) {
         // must not become NaN), packed as the A fragments of dS K_j.
         wgmma_wait<0>();
         pin_registers(reinterpret_cast<float(&)[N_FRAGS * 4]>(dp_acc));
-        if constexpr (DropoutOf<Mask>::ENABLED)  // Z dP / (1 - p) (dropout.cuh)
-            for_s_frags(dp_acc, dropout, row_lo, key0, ScaleKept{p.variant.dropout.scale});
+        if constexpr (DropoutOf<Mask>::ENABLED) {
+            // P o (Z dP / (1 - p) - D) (dropout.cuh): the kept factor Z / (1 - p) in the FMA
+            const float kept_scale = p.variant.dropout.scale;
+            walk_s_frags<DropoutOf<Mask>, 1, N_FRAGS>(dropout, row_lo, key0, [&](int, int f, int e, bool kept) {
+                const float ds = s_acc[f][e] * fmaf(dp_acc[f][e], kept ? kept_scale : 0.f, -delta_row[e >> 1]);
+                dp_acc[f][e] = s_acc[f][e] == 0.f ? 0.f : ds;
+            });
+        } else {
 #pragma unroll
-        for (int f = 0; f < N_FRAGS; ++f)
+            for (int f = 0; f < N_FRAGS; ++f)
 #pragma unroll
-            for (int e = 0; e < 4; ++e)
-                dp_acc[f][e] = s_acc[f][e] == 0.f ? 0.f : s_acc[f][e] * (dp_acc[f][e] - delta_row[e >> 1]);
+                for (int e = 0; e < 4; ++e)
+                    dp_acc[f][e] = s_acc[f][e] == 0.f ? 0.f : s_acc[f][e] * (dp_acc[f][e] - delta_row[e >> 1]);
+        }
         u32 ds_frag[BLOCK_N / 16][4];
         pack_a_frags<T, BLOCK_N>(ds_frag, dp_acc);
 
