@@ -7,11 +7,11 @@
 // Here each warp holds one of the two (128 registers) and forms half of the products: the dV warp
 // S^T = K Q^T, P^T and dV += P^T dO; the dK warp dP^T = V dO^T, dS^T and dK += dS^T Q. dS needs
 // P, which the dV warp hands over through shared memory (each lane its own entries, in the
-// accumulator layout both warps share) under a named barrier of the pair: P times ds'/ds where
-// the score policy has a derivative, 0 where hidden. The dK warp forms the mask's and dropout's
-// verdicts itself (the same calls). Everything else is flash_bwd_dkdv_dmma's (its walk, below as
-// DmmaKeyBlock; the steps of dmma_bwd_steps.cuh), and its scores are those of the other float64
-// kernels to the bit.
+// accumulator layout both warps share) under a named barrier of the pair (both warps wait): P
+// times ds'/ds where the score policy has a derivative, 0 where hidden. The dK warp forms the
+// mask's and dropout's verdicts itself (the same calls). Everything else is flash_bwd_dkdv_dmma's
+// (its walk, below as DmmaKeyBlock; the steps of dmma_bwd_steps.cuh), and its scores are those of
+// the other float64 kernels to the bit.
 #include "common.cuh"
 #include "dmma_bwd_steps.cuh"
 #include "mask.cuh"
@@ -183,7 +183,11 @@ flash_bwd_dkdv_dmma_pairs(const __grid_constant__ BwdParams p) {
                         c[j][mt][e] = x.kept ? p_ij : A(0);
                     }
                 }
-            named_barrier_arrive(1 + pair, 64);
+            // bar.sync, not bar.arrive: with the dV warp only arriving, compute-sanitizer's racecheck
+            // reported the next step's Q / dO copies (issued after __syncthreads) racing with the
+            // other pairs' dK += dS^T Q reads of the stage; waiting here costs nothing measurable
+            // (perf log dmma-bwd-v1, racecheck)
+            named_barrier_sync(1 + pair, 64);
         } else {
             named_barrier_sync(1 + pair, 64);
             // dS^T = P (dP - D) into c
