@@ -3,9 +3,9 @@
 A call with ``dropout_p = p > 0`` multiplies each weight P_ij = softmax(z)_ij by Z_ij / (1 - p)
 before P V, where Z_ij = 1 with probability 1 - p. The mask Z is a function of the call's
 ``seed`` and ``offset`` and of the element's coordinates alone (a counter-based generator,
-Philox4x32 at 7 rounds), so the forward and every backward kernel find the same Z whatever their tiles,
-and so does this module: ``dropout_mask`` returns the mask that a call with the same arguments
-used, on the CPU (NumPy) or the GPU (CuPy).
+Philox4x32 at 7 rounds), so the forward and every backward kernel find the same Z whatever their
+tiles, and so does this module: ``dropout_mask`` returns the mask that a call with the same
+arguments used, on the CPU (NumPy) or the GPU (CuPy).
 
 The words: element (query i, key j) of sequence b, query head h (of nheads) is the 16-bit half
 e = j & 1 (0 the low half, 1 the high) of word 2 a + c of Philox4x32 (7 rounds) with counter
@@ -33,7 +33,7 @@ __all__ = ["Dropout", "NO_DROPOUT", "check_dropout", "philox4x32", "PHILOX_ROUND
 _M0, _M1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
 _W0, _W1 = 0x9E3779B9, 0xBB67AE85
 _MASK32 = np.uint64(0xFFFFFFFF)
-PHILOX_ROUNDS = 7  # the mask's; Random123's known answers are published for 10
+PHILOX_ROUNDS = 7  # the mask's (flash-attn's too); tests check 7 and 10 against Random123's answers
 
 
 def philox4x32(counter, key, rounds: int = PHILOX_ROUNDS):
