@@ -112,8 +112,9 @@ class Tf32FwdConfig:
 @dataclass(frozen=True)
 class WgmmaTf32FwdConfig:
     """flash_fwd_tf32_wgmma (``kernels_cu/flash_fwd_tf32_wgmma.cu``, wgmma .tf32, sm_90a): float32;
-    one warpgroup of 64 query rows, block_n keys per block. Candidates (docs/perf-log.md
-    tf32-wgmma-v0 .. v2), in no plan's table: reached only as ``config=`` of mma_fwd.forward.
+    one warpgroup of 64 query rows, block_n keys per block. docs/perf-log.md tf32-wgmma-v0 .. v3;
+    v2 (``producer``) is sm_90's d64 float32 row (WGMMA_FLOAT32_FORWARD_TILES), the others
+    candidates reached as ``config=`` of mma_fwd.forward.
     ``raw_stages`` > 0: the raw K and V rows of that many blocks ahead copied by cp.async into
     staging tiles (v1; 0: read from global memory by the split, v0); ``q_registers``: Q split once
     into registers, S's A operand (else Q's hi and lo tiles in shared memory). ``producer`` (v2,
@@ -382,6 +383,8 @@ def forward_candidates(family: str, where: str, dt: int, mask: Mask, precision: 
     tiles = FORWARD_TILES[(family, where, dt)]
     if family == "tf32" and PRODUCTS[check_precision(precision)] == 3:
         tiles = IEEE_FORWARD_TILES.get((family, where, dt), tiles)
+    if family == "tf32" and not (mask.packed or mask.score.dropout or mask.score.user is not None):
+        tiles = WGMMA_FLOAT32_FORWARD_TILES.get((family, where, dt, check_precision(precision)), tiles)
     if mask.band == "local":
         tiles = LOCAL_FORWARD_TILES.get((family, where, dt), tiles)
     if mask.packed:
@@ -407,6 +410,21 @@ IEEE_FORWARD_TILES = {
     ("tf32", SM90, 128): Tf32FwdConfig(128, 32, 8, fresh_o=True, presplit=True, step_sums=True),
     ("tf32", LARGE_SMEM, 64): Tf32FwdConfig(128, 64, 8, fresh_o=True, presplit=True, step_sums=True),
     ("tf32", LARGE_SMEM, 128): Tf32FwdConfig(128, 32, 8, fresh_o=True, presplit=True, step_sums=True),
+}
+
+
+# Rows float32 takes on sm_90's tf32 wgmma (tf32-wgmma-v2: a producer warpgroup stages and splits K
+# and V for two consumer warpgroups of 64 query rows; head dims up to 64), per precision. "ieee"
+# sums S's small products and each key block's P V apart (SUMS_APART): issue 18's accuracy bar as
+# a distribution (tests/tf32_accuracy.py), 0.62-0.67x standard float32's error at 1k. d64, 1k-8k,
+# TFLOP/s against the mma.sync row: H200 74-97 against 45-54 ("ieee"), 115-164 against 89-112
+# ("tf32"); H100 74-96 against 46-56, 116-167 against 90-115 (perf log tf32-wgmma-route). Dense
+# batches without dropout or user modifiers only: the kernel compiles for those too, but its GPU
+# tests (tests/test_tf32_wgmma_gpu.py) cover the dense masks, windows, GQA, v's own head dim and
+# softcap / ALiBi / sink, not them.
+WGMMA_FLOAT32_FORWARD_TILES = {
+    ("tf32", SM90, 64, "ieee"): WgmmaTf32FwdConfig(32, raw_stages=2, producer=True, stages=4, sums_apart=True),
+    ("tf32", SM90, 64, "tf32"): WgmmaTf32FwdConfig(32, raw_stages=2, producer=True, stages=4),
 }
 
 

@@ -14,7 +14,7 @@ import pytest
 from cupyflash import dispatch, plans
 from cupyflash._dtypes import SUPPORTED
 from cupyflash.kernels import mma_fwd, simt
-from cupyflash.masks import KINDS, PACKED_KINDS, VARIANT_KINDS, Causal, Local, NoMask
+from cupyflash.masks import KINDS, PACKED_KINDS, VARIANT_KINDS, Causal, Local, NoMask, example_modifiers
 from cupyflash.scores import Score
 from launch_fakes import FakeArray, LaunchRecorder, assert_forward_launch
 
@@ -166,6 +166,21 @@ def test_float32_runs_on_tensor_cores():
             for precision, products in (("ieee", 3), ("tf32", 1)):
                 plan = plans.plan_forward(arch, SUPPORTED["float32"], headdim, Causal(), smem, precision=precision)
                 tiles = plans.FORWARD_TILES[("tf32", where, dt)]
+                if (where, dt) == (plans.SM90, 64):  # tf32-wgmma-route: v2, the producer kernel
+                    config = plans.WgmmaTf32FwdConfig(32, raw_stages=2, producer=True, stages=4,
+                                                      sums_apart=precision == "ieee")
+                    assert (plan.kernel, plan.tiles, plan.d_tile, plan.spec.arch) == \
+                        ("flash_fwd_tf32_wgmma", config, 64, "90a")
+                    assert plan.spec.name == (f"flash_fwd_tf32_wgmma_ws_fp32_hdim64_causal_bm128_bn32_{precision}"
+                                              f"_s4_raw2{'_apart' if precision == 'ieee' else ''}")
+                    apart = ", true" if precision == "ieee" else ""
+                    assert plan.spec.expression.endswith(f", {products}, 4, 2{apart}>")
+                    # what its GPU tests do not cover goes to the mma.sync row
+                    for mask in (Causal().as_packed(), Causal(score=Score(dropout=True)),
+                                 NoMask(score=Score(user=example_modifiers()))):
+                        other = plans.plan_forward(arch, SUPPORTED["float32"], headdim, mask, smem, precision=precision)
+                        assert other.kernel == "flash_fwd_tf32", (mask, other.spec.name)
+                    continue
                 if precision == "ieee":
                     tiles = plans.IEEE_FORWARD_TILES.get(("tf32", where, dt), tiles)
                     accurate = where != plans.PORTABLE and dt <= 128

@@ -182,7 +182,13 @@ def test_precisions_against_reference_and_twin(case):
 @pytest.mark.parametrize("precision", ["ieee", "tf32"])
 @pytest.mark.parametrize("headdim", [64, 128, 256])
 def test_float32_plan_is_the_tf32_kernel(headdim, precision):
+    from cupyflash.kernels._module import device_arch
+
     plan = mma_fwd.plan(np.float32, headdim, True, precision=precision)
+    if device_arch() == "90" and headdim == 64:  # sm_90's d64 row: the tf32 wgmma producer kernel
+        assert plan.spec.name.startswith("flash_fwd_tf32_wgmma_ws_fp32_hdim64_causal_"), plan.spec.name
+        assert plan.spec.name.endswith("_ieee_s4_raw2_apart" if precision == "ieee" else "_tf32_s4_raw2")
+        return
     assert plan.kernel == "flash_fwd_tf32"
     # "ieee" splits K and V once per tile in shared memory where the device has room (IEEE_FORWARD_TILES)
     assert re.search("_ieee(_fresh_o_presplit_stepsums)?$" if precision == "ieee" else "_tf32$", plan.spec.name), \

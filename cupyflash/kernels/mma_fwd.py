@@ -102,14 +102,15 @@ def specializations() -> list:
     # every narrower pair, for the plain masks
     specs += [plans.specialization_for(dtype, dt, mask, t, dvt) for dtype, dt, mask, t in entries
               if isinstance(t, WgmmaFwdConfig) and mask in KINDS for dvt in D_TILES if dvt < dt]
-    # float32 (tf32 tensor cores), each precision on its rows
-    tf32_rows = dict.fromkeys((dt, precision, plans.forward_candidates(family, where, dt, KINDS[0], precision)[0])
-                              for (family, where, dt) in plans.FORWARD_TILES if family == "tf32"
-                              for precision in PRECISIONS)
+    # float32 (tf32 tensor cores), each precision and mask on its row (sm_90's d64 wgmma row takes
+    # the dense masks only: plans.WGMMA_FLOAT32_FORWARD_TILES)
     kinds = KINDS + VARIANT_KINDS + PACKED_KINDS
+    tf32_entries = [(dt, precision, plans.forward_candidates(family, where, dt, mask, precision)[0], mask)
+                    for (family, where, dt) in plans.FORWARD_TILES if family == "tf32"
+                    for precision in PRECISIONS for mask in kinds if mask.score.user is None]
     specs += [plans.specialization_for("float32", dt, mask, t, precision=precision)
-              for dt, precision, t in sorted(tf32_rows, key=lambda e: (e[0], e[1], e[2].block_m, e[2].block_n))
-              for mask in kinds if mask.score.user is None]
+              for dt, precision, t, mask in sorted(tf32_entries, key=lambda e: (e[0], e[1], e[2].block_m,
+                                                                                 e[2].block_n))]
     # user modifiers: the tiles their plans choose, per class (plans.forward_tiles)
     specs += [plans.specialization_for("float32", dt, mask, plans.forward_tiles(family, where, dt, "float32", mask,
                                                                                 None, precision), precision=precision)
