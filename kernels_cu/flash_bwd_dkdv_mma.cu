@@ -93,7 +93,7 @@ flash_bwd_dkdv_mma(const __grid_constant__ BwdParams p) {
         const u32 s_q = base + L::Q + stage * L::Q_TILE, s_do = base + L::DO + stage * L::Q_TILE;
         const float* s_lse = reinterpret_cast<const float*>(smem + L::LSE) + stage * BLOCK_M;
         const float* s_delta = reinterpret_cast<const float*>(smem + L::DELTA) + stage * BLOCK_M;
-        const ScoreOf<Mask, float, true> score(score_problem<Mask>(p, seq), seq.index, head, scale);
+        const ScoreOf<Mask, float, Tanh::EXP_RCP> score(score_problem<Mask>(p, seq), seq.index, head, scale);
         const DropoutOf<Mask> dropout(p, seq.index, head);
 
         // Steps 1-6 per sub-block of M_SUB query columns, one after the other: the S^T and dP^T

@@ -78,7 +78,7 @@ flash_bwd_dkdv_mma_split(const __grid_constant__ BwdParams p) {
         cta.land_and_prefetch(it, tid);
         const int head = cta.head(it), m0 = cta.m_block(it) * BLOCK_M;
         const QueryStageTiles<L, BLOCK_M> tiles(smem, it & 1);
-        const ScoreOf<Mask, float, true> score(score_problem<Mask>(p, cta.seq), cta.seq.index, head, p.scale);
+        const ScoreOf<Mask, float, Tanh::EXP_RCP> score(score_problem<Mask>(p, cta.seq), cta.seq.index, head, p.scale);
         const DropoutOf<Mask> dropout(p, cta.seq.index, head);
 
 #pragma unroll 1

@@ -33,7 +33,7 @@ flash_bwd_dq_mma(const __grid_constant__ BwdParams p) {
     const StatDims stat_dims{p.nheads, p.seqlen_q};
     const float scale_log2 = p.scale_log2, scale = p.scale;
     const Mask& mask = cta.mask;
-    const ScoreOf<Mask, float, true> score(score_problem<Mask>(p, seq), seq.index, head, scale);
+    const ScoreOf<Mask, float, Tanh::EXP_RCP> score(score_problem<Mask>(p, seq), seq.index, head, scale);
 
     cta.load_rows_and_first(p, tid);
 

@@ -56,7 +56,7 @@ flash_bwd_dq_mma_v2(const __grid_constant__ BwdParams p) {
     // it takes 247 and none (an allocation accident at the 255 limit, not a cost of the fields).
     const float scale_log2 = f32_rn(p.scale_log2_f64), scale = f32_rn(p.scale_f64);
     const Mask& mask = cta.mask;
-    const ScoreOf<Mask, float, true> score(score_problem<Mask>(p, seq), seq.index, head, scale);
+    const ScoreOf<Mask, float, Tanh::EXP_RCP> score(score_problem<Mask>(p, seq), seq.index, head, scale);
 
     cta.load_rows_and_first(p, tid);
 

@@ -212,7 +212,7 @@ flash_bwd_fused_mma(const __grid_constant__ BwdParams p) {
         // The score policy's transform first (score.cuh), its derivative kept for step 5.
         const int key0 = n0 + key_row0 + lane / 4, query0 = m0 + q_col0 + 2 * (lane % 4);
         const typename Mask::Origin origin = mask.origin(query0, key0);
-        const ScoreOf<Mask, float, true> score(score_problem<Mask>(p, seq), seq.index, head, scale);
+        const ScoreOf<Mask, float, Tanh::EXP_RCP> score(score_problem<Mask>(p, seq), seq.index, head, scale);
         const auto score_origin = score.origin(query0, key0);
         ScoreGrads<Mask::Score::HAS_GRAD, KG * SQ / 2> grads;
 #pragma unroll

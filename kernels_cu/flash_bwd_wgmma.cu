@@ -171,7 +171,7 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
         const float* s_lse = reinterpret_cast<const float*>(smem + L::LSE) + stage * BLOCK_M;
         const float* s_delta = reinterpret_cast<const float*>(smem + L::DELTA) + stage * BLOCK_M;
         const bool partial = mask.partial(m0, BLOCK_M, n0, BLOCK_N);
-        const ScoreOf<Mask, float, true> score(score_problem<Mask>(p, seq), seq.index, head, scale);
+        const ScoreOf<Mask, float, Tanh::EXP_RCP> score(score_problem<Mask>(p, seq), seq.index, head, scale);
 
         // Steps 1-2: S^T = K_g Q^T and dP^T = V_g dO^T, issued back to back (K-major operands:
         // a 16-column k-step is 32 bytes into a panel).

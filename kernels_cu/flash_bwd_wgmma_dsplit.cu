@@ -158,7 +158,7 @@ flash_bwd_wgmma_dsplit(const __grid_constant__ BwdParams p) {
         const float* s_lse = reinterpret_cast<const float*>(smem + L::LSE) + stage * BLOCK_M;
         const float* s_delta = reinterpret_cast<const float*>(smem + L::DELTA) + stage * BLOCK_M;
         const bool partial = mask.partial(m0, BLOCK_M, n0, BLOCK_N);
-        const ScoreOf<Mask, float, true> score(score_problem<Mask>(p, seq), seq.index, head, scale);
+        const ScoreOf<Mask, float, Tanh::EXP_RCP> score(score_problem<Mask>(p, seq), seq.index, head, scale);
 
         // Step 1: warpgroup 0 S^T = K Q^T, warpgroup 1 dP^T = V dO^T (K-major, 16 k-steps).
         float acc[SJ][4];

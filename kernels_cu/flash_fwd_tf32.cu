@@ -77,10 +77,10 @@ flash_fwd_tf32(const __grid_constant__ FwdParams p) {
     const SequenceRows seq = cta_sequence<Mask>(p, blockIdx.z);
     const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
     const Mask mask = cta_mask<Mask>(p, seq.index, seqlen_q, seqlen_k);
-    // The score transforms' fast forms (tanh from ex2.approx) for one tf32 product only: "ieee" keeps
-    // float32's (score.cuh).
-    const ScoreOf<Mask, float, !Tf32Operand<PRODUCTS>::SPLIT> score(score_problem<Mask>(p, seq), seq.index,
-                                                                    blockIdx.y, p.scale);
+    // The score transforms' fast forms (softcap's rational tanh) for one tf32 product only: "ieee"
+    // keeps float32's (score.cuh).
+    constexpr Tanh TANH = Tf32Operand<PRODUCTS>::SPLIT ? Tanh::ACCURATE : Tanh::RATIONAL;
+    const ScoreOf<Mask, float, TANH> score(score_problem<Mask>(p, seq), seq.index, blockIdx.y, p.scale);
     const int m0 = Mask::query_block(blockIdx.x, gridDim.x) * BLOCK_M;  // in the policy's order
     if (Mask::PACKED && m0 >= seqlen_q) return;  // past a shorter sequence's end
     // Keys [j_begin BLOCK_N, n_end) hold those some row of the block sees (mask.cuh).

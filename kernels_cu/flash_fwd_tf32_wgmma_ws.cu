@@ -114,7 +114,8 @@ flash_fwd_tf32_wgmma_ws(const __grid_constant__ FwdParams p) {
     // ---- consumers: warpgroup 1 rows 0-63, warpgroup 2 rows 64-127 ----
     warpgroup_registers_inc<CONSUMER_REGISTERS>();
     const int strip_row0 = 64 * (wg - 1) + 16 * ((tid / 32) % 4);
-    const ScoreOf<Mask, float, !SPLIT> score(score_problem<Mask>(p, seq), seq.index, blockIdx.y, p.scale);
+    constexpr Tanh TANH = SPLIT ? Tanh::ACCURATE : Tanh::RATIONAL;
+    const ScoreOf<Mask, float, TANH> score(score_problem<Mask>(p, seq), seq.index, blockIdx.y, p.scale);
     const float* __restrict__ q_rows = p.q.row<const float>(seq.batch, seq.q_begin + m0, head);
     u32 q_hi[D_TILE / 8][4], q_lo[D_TILE / 8][4];
     load_q_fragments<D_TILE, PRODUCTS>(q_hi, q_lo, q_rows, seqlen_q - m0, p.headdim, p.q.row_stride, strip_row0, lane);

@@ -7,7 +7,7 @@
 // A mask policy (mask.cuh) carries its score as Mask::Score, a ScoreMod<SOFTCAP, ALIBI, SINK>;
 // the plain band's is NoScore, whose IDENTITY makes every hook below vanish at compile time, so
 // the plain kernels are the kernels without this header. A kernel builds the score's function
-// in its accumulator type, ScoreOf<Mask, A, FAST> score(p, batch, head, unit), where unit says
+// in its accumulator type, ScoreOf<Mask, A, TANH> score(p, batch, head, unit), where unit says
 // what its scores are: z = unit * s (softmax_scale for raw Q K^T accumulators, ln 2 for scores
 // already in log2 units). The transform keeps that unit, so everything after it (the scale, the
 // exponentials, lse) is the plain kernel's: s' = transform(s) = z' / unit.
@@ -18,13 +18,23 @@
 // The backward asks for the derivative too, transform(s, origin, di, dj, dsds), and multiplies dS
 // by it (softcap's 1 - tanh^2; 1 otherwise, which it does not store: HAS_GRAD).
 //
-// FAST (the tensor-core kernels): tanh(y) = 1 - 2 / (1 + 2^(2 log2(e) y)) with ex2.approx and
-// rcp.approx, two MUFU operations, absolute error near 1e-7 (tanh.approx.f32 alone would be one
-// MUFU op, but its 2^-11 relative error is 0.015 in the exponent at c = 30: a 1.5% error in P,
-// more than bfloat16's own rounding). Otherwise (SIMT, float32 and float64) the accurate tanh.
-// The FAST form's error is absolute, about 1e-7 in tanh whatever its argument, so c tanh(z / c)
-// is off by about c * 1e-7 in the exponent: negligible for the caps models use (30, 50), 1e-3 at
-// c = 1e4, where it reaches bfloat16's rounding of P (api.md says so).
+// Tanh: how a kernel takes softcap's tanh in float (double is always accurate):
+//   RATIONAL (the 16-bit tensor-core forwards, and float32's one-product "tf32" forward): the
+//     rational y N(y^2) / D(y^2) of tanh_rational, y clamped to +-7, N and D cubic in y^2: eleven
+//     FP32 operations (two of them the clamp) and one MUFU (rcp.approx), an absolute error below
+//     1.2e-6 (tests/kernels/test_score_tanh.py evaluates these constants as the kernel does).
+//   EXP_RCP (the 16-bit tensor-core backwards): 1 - 2 / (1 + 2^(2 log2(e) y)) with ex2.approx
+//     and rcp.approx, two MUFU operations, an absolute error near 1e-7.
+//   ACCURATE (SIMT, float32 "ieee", float64): tanhf / tanh.
+// Why two forms: a forward score has one MUFU operation of its own (the softmax's exp2) against
+// 2 d tensor-core FLOPs per product; EXP_RCP made it three, and the MUFU unit does a quarter of
+// the FP32 unit's work a clock: softcap's forward ran at 0.63-0.66x of plain (docs/perf-log.md
+// variants, softcap-rational). The backward does five products a score, and there the rational's
+// extra registers spill (16 bytes in flash_bwd_wgmma d128) where the MUFU saved would not pay.
+// tanh.approx.f32 alone would be one MUFU operation, but its 2^-11 relative error is 0.015 in the
+// exponent at c = 30: a 1.5% error in P, more than bfloat16's own rounding. RATIONAL's c tanh(z /
+// c) is off by at most c * 1.2e-6 in the exponent: 4e-5 at the caps models use (30, 50), 1.2e-3
+// at c = 1e3, where it reaches bfloat16's rounding of P (api.md says so).
 #pragma once
 
 #include "common.cuh"
@@ -43,13 +53,28 @@ __device__ __forceinline__ float rcp_approx(float x) {
 }
 
 __device__ __forceinline__ float tanh_(float x) { return tanhf(x); }
+
+// tanh(y) to 1.2e-6: a rational fitted (minimax by reweighted least squares) to tanh(y) / y on
+// [0, 7] in u = y^2, numerator and denominator cubic, beyond which tanh is 1 - 1.7e-6 and the
+// clamp holds it there.
+__device__ __forceinline__ float tanh_rational(float y) {
+    const float y_c = fminf(fmaxf(y, -7.f), 7.f), u = y_c * y_c;
+    const float n = fmaf(fmaf(fmaf(3.930092134396546e-06f, u, 0.0022770091891288757f), u, 0.12302207946777344f), u,
+                         0.9999957084655762f);
+    const float d = fmaf(fmaf(fmaf(0.00014235287380870432f, u, 0.021072279661893845f), u, 0.45634058117866516f), u,
+                         1.f);
+    return y_c * n * rcp_approx(d);
+}
 __device__ __forceinline__ double tanh_(double x) { return tanh(x); }
 
-template <bool SOFTCAP, bool ALIBI, bool SINK, typename A, bool FAST>
+enum class Tanh { ACCURATE, EXP_RCP, RATIONAL };
+
+template <bool SOFTCAP, bool ALIBI, bool SINK, typename A, Tanh TANH>
 struct ScoreFn {
     static constexpr bool IDENTITY = !SOFTCAP && !ALIBI;
     static constexpr bool HAS_GRAD = SOFTCAP;
-    A cap_u = A(0), in_u = A(0);  // softcap: c / unit and unit / c (FAST: 2 log2(e) unit / c)
+    static constexpr bool FLOAT = sizeof(A) == sizeof(float);
+    A cap_u = A(0), in_u = A(0);  // softcap: c / unit and unit / c (EXP_RCP: 2 log2(e) unit / c)
     A slope_u = A(0);             // ALiBi: slope / unit
     int diag = 0;                 // seqlen_k - seqlen_q
 
@@ -63,7 +88,7 @@ struct ScoreFn {
         if constexpr (SOFTCAP) {
             const A cap = sizeof(A) == sizeof(double) ? A(p.variant.softcap_f64) : A(p.variant.softcap);
             cap_u = cap / unit;
-            in_u = FAST ? A(2.8853900817779268) * unit / cap : unit / cap;  // 2 log2(e) = 2.885...
+            in_u = TANH == Tanh::EXP_RCP && FLOAT ? A(2.8853900817779268) * unit / cap : unit / cap;
         }
         if constexpr (ALIBI) {
             slope_u = A(ldg(p.variant.alibi_slopes + batch * p.variant.alibi_batch_stride + head)) / unit;
@@ -77,8 +102,10 @@ struct ScoreFn {
 
     // tanh(s unit / c), from s.
     __device__ __forceinline__ A cap_tanh(A s) const {
-        if constexpr (FAST && sizeof(A) == sizeof(float))
-            return 1.f - 2.f * rcp_approx(1.f + exp2_approx(s * in_u));
+        if constexpr (TANH == Tanh::RATIONAL && FLOAT)
+            return tanh_rational(s * in_u);
+        else if constexpr (TANH == Tanh::EXP_RCP && FLOAT)
+            return 1.f - 2.f * rcp_approx(1.f + exp2_approx(s * in_u));  // 2 log2(e) = 2.885... in in_u
         else
             return tanh_(s * in_u);
     }
@@ -111,8 +138,8 @@ struct ScoreMod {
     static constexpr bool HAS_SINK = SINK;
     static constexpr bool HAS_DROPOUT = DROPOUT;
     static constexpr bool HAS_BLOCK_MAP = false;
-    template <typename A, bool FAST>
-    using In = ScoreFn<SOFTCAP, ALIBI, SINK, A, FAST>;
+    template <typename A, Tanh TANH>
+    using In = ScoreFn<SOFTCAP, ALIBI, SINK, A, TANH>;
 };
 
 typedef ScoreMod<false, false, false> NoScore;
@@ -177,12 +204,12 @@ struct UserScore {
     static constexpr bool HAS_SINK = SINK;
     static constexpr bool HAS_DROPOUT = DROPOUT;
     static constexpr bool HAS_BLOCK_MAP = BLOCK_MAP && M::HAS_MASK;
-    template <typename A, bool FAST>
+    template <typename A, Tanh TANH>
     using In = UserScoreFn<M, A>;
 };
 
-template <class Mask, typename A, bool FAST = false>
-using ScoreOf = typename Mask::Score::template In<A, FAST>;
+template <class Mask, typename A, Tanh TANH = Tanh::ACCURATE>
+using ScoreOf = typename Mask::Score::template In<A, TANH>;
 
 // The sink logit of `head` in log2 units, or -inf without one (a row's sum then gains 0).
 template <class Mask, typename A, class Params>
