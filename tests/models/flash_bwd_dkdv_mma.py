@@ -236,7 +236,7 @@ def store_ds_transposed(smem, tile_ds, block_m, row0, mc0, ds_frags):
             store_fragment_pairs(smem, tile_ds, block_m, r + 8, col + 8, frag[:, kk, 3])
 
 
-@mirrors(V2, "(Mask::HAS_LEFT && s_acc[g][j][e] == 0.f));")
+@mirrors(V2, "masked.value && hides_ds<Mask>(m_min, m0_sub + c, seqlen_q, g, e, s_acc[g][j][e]);")
 def dkdv_block_v2(q, k, v, do, lse, delta, dk, dv, dq_accum, *, batch, head_kv, n_block, group, scale,
                   mask, d_tile, block_m, m_sub, block_n, nwarps, row_groups):
     """One CTA of flash_bwd_dkdv_mma_v2 (dq_accum is None unless ATOMIC_DQ)."""
@@ -357,8 +357,7 @@ def bwd_split_p_address(xchg, slot_bytes, m_sub, pair, slot, g, j):
     return xchg + pair * 2 * slot_bytes + LANES * 16 + slot * slot_bytes + (g * (m_sub // 8) + j) * 512
 
 
-@mirrors(SPLIT,
-         "(Mask::HAS_LEFT && __uint_as_float(p[e]) == 0.f));")
+@mirrors(SPLIT, "masked.value && hides_ds<Mask>(m_min, m0_sub + c, seqlen_q, g, e, __uint_as_float(p[e]));")
 def dkdv_block_split(q, k, v, do, lse, delta, dk, dv, dq_accum, *, batch, head_kv, n_block, group, scale,
                      mask, d_tile, block_m, m_sub, block_n, nwarps, row_groups):
     """One CTA of flash_bwd_dkdv_mma_split; within a sub-block each pair's dV warp runs up to the
