@@ -112,10 +112,9 @@ flash_bwd_dkdv_mma_split(const __grid_constant__ BwdParams p) {
                         masked_or_not(partial, [&](auto masked) {
 #pragma unroll
                             for (int e = 0; e < 4; ++e) {
-                                const int m = m0_sub + c + (e & 1);
-                                const bool hidden = masked.value && (m < m_min[g][e >> 1] || m >= seqlen_q ||
-                                                                     mask.hidden_left(origin, 8 * j + (e & 1),
-                                                                                      16 * g + 8 * (e >> 1)));
+                                const bool hidden =
+                                    masked.value && hides_p(mask, origin, m_min, m0_sub + c, seqlen_q, g, e,
+                                                            8 * j + (e & 1), 16 * g + 8 * (e >> 1));
                                 float dsds;
                                 const float s_ij = score.transform(s_acc[g][j][e], score_origin, 8 * j + (e & 1),
                                                                    16 * g + 8 * (e >> 1), dsds);

@@ -183,11 +183,21 @@ __device__ __forceinline__ typename Mask::Origin key_rows_of_sub_block(int (&m_m
     return mask.origin(m0_sub + 2 * (lane % 4), n0_warp + lane / 4);
 }
 
-// The dS^T test of entry e of C fragment (g, j) of the warp's S^T-shaped tiles: query
+// The element tests of entry e of C fragment (g, j) of the warp's S^T-shaped tiles: query
 // m = m_c + (e & 1) (m_c = m0_sub + 8 j + 2 (lane % 4)), key row 16 g + 8 (e >> 1) + lane / 4 of the
-// warp's, given the entry's P^T (0 where hidden): before the row's first query, past the queries,
-// or, for the window's left bound, P^T = 0 (a visible P^T of 0 gives dS^T = 0 anyway; the test,
-// not the product, keeps a non-finite dP^T out of the hidden entries).
+// warp's. hides_p, for P^T: before the row's first query (m_min), past the queries, or left of
+// the window, tested at the entry's offset (di, dj) = (8 j + (e & 1), 16 g + 8 (e >> 1)) from the
+// origin (the caller computes the offset: computed here, the test compiled into other integer
+// compares, flash_bwd_dkdv_mma_v2 and _split with Local, docs/perf-log.md dkdv-subblock-v2).
+// hides_ds, for dS^T, given the entry's P^T (0 where hidden): the window's left bound read from
+// P^T = 0 instead (a visible P^T of 0 gives dS^T = 0 anyway; the test, not the product, keeps a
+// non-finite dP^T out of the hidden entries).
+template <int G, class Mask>
+__device__ __forceinline__ bool hides_p(const Mask& mask, const typename Mask::Origin& origin, const int (&m_min)[G][2],
+                                        int m_c, int seqlen_q, int g, int e, int di, int dj) {
+    const int m = m_c + (e & 1);
+    return m < m_min[g][e >> 1] || m >= seqlen_q || mask.hidden_left(origin, di, dj);
+}
 template <class Mask, int G>
 __device__ __forceinline__ bool hides_ds(const int (&m_min)[G][2], int m_c, int seqlen_q, int g, int e, float p) {
     const int m = m_c + (e & 1);
