@@ -87,12 +87,9 @@ flash_bwd_dkdv_mma_split(const __grid_constant__ BwdParams p) {
             const u32 s_p = s_xchg + slot * X::XCHG_SLOT;
             const int m0_sub = m0 + mc0;
             const bool partial = mask.partial(m0_sub, M_SUB, n0, BLOCK_N);
-            // Key row n is seen by the queries m_min <= m < seqlen_q (none if n >= seqlen_k) that the
-            // window's left bound allows: that bound from the policy's origin (query m0_sub + 2 (lane
-            // % 4), key n0 + row0 + lane / 4), one register for all rows of the lane.
             int m_min[G][2];
-            key_rows_query_begin(m_min, mask, n0 + row0, lane, seqlen_q, cta.seqlen_k);
-            const typename Mask::Origin origin = mask.origin(m0_sub + 2 * (lane % 4), n0 + row0 + lane / 4);
+            const typename Mask::Origin origin =
+                key_rows_of_sub_block(m_min, mask, m0_sub, n0 + row0, lane, seqlen_q, cta.seqlen_k);
 
             if (!role_dk) {
                 // S^T = K_j Q^T; P^T = exp2(S^T scale log2(e) - lse log2(e)), lse per column,
@@ -115,10 +112,9 @@ flash_bwd_dkdv_mma_split(const __grid_constant__ BwdParams p) {
                         masked_or_not(partial, [&](auto masked) {
 #pragma unroll
                             for (int e = 0; e < 4; ++e) {
-                                const int m = m0_sub + c + (e & 1);
-                                const bool hidden = masked.value && (m < m_min[g][e >> 1] || m >= seqlen_q ||
-                                                                     mask.hidden_left(origin, 8 * j + (e & 1),
-                                                                                      16 * g + 8 * (e >> 1)));
+                                const bool hidden =
+                                    masked.value && hides_p(mask, origin, m_min, m0_sub + c, seqlen_q, g, e,
+                                                            8 * j + (e & 1), 16 * g + 8 * (e >> 1));
                                 float dsds;
                                 const float s_ij = score.transform(s_acc[g][j][e], score_origin, 8 * j + (e & 1),
                                                                    16 * g + 8 * (e >> 1), dsds);
@@ -167,10 +163,8 @@ flash_bwd_dkdv_mma_split(const __grid_constant__ BwdParams p) {
                         masked_or_not(partial, [&](auto masked) {
 #pragma unroll
                             for (int e = 0; e < 4; ++e) {
-                                const int m = m0_sub + c + (e & 1);
-                                const bool hidden =
-                                    masked.value && (m < m_min[g][e >> 1] || m >= seqlen_q ||
-                                                     (Mask::HAS_LEFT && __uint_as_float(p[e]) == 0.f));
+                                const bool hidden = masked.value && hides_ds<Mask>(m_min, m0_sub + c, seqlen_q, g, e,
+                                                                                   __uint_as_float(p[e]));
                                 const float ds =
                                     __uint_as_float(p[e]) * (dp_acc[g][j][e] - ((e & 1) ? d2.y : d2.x));
                                 dp_acc[g][j][e] = hidden ? 0.f : ds;
@@ -187,17 +181,14 @@ flash_bwd_dkdv_mma_split(const __grid_constant__ BwdParams p) {
             }
         }
 
-        // Step 7 (DqAdd::atomic): dq_accum += dS K_j, dS read back from shared memory (mma_bwd_layouts.cuh).
-        if constexpr (ATOMIC_DQ)
-            add_dq_atomic<T, BLOCK_M, BLOCK_N, D_TILE, NWARPS>(cta.dq_accum, cta.seq, head, m0, s_ds, s_k, seqlen_q,
-                                                            cta.headdim, warp, lane);
+        if constexpr (ATOMIC_DQ) cta.add_dq(head, m0, warp, lane);  // step 7
     }
 
     cta.end_walk();
 #pragma unroll
     for (int g = 0; g < G; ++g) {
-        if (role_dk) stage_acc<T, D_TILE, D_TILE>(s_k, row0 + 16 * g, 0, acc[g], cta.scale, lane);
-        else stage_acc<T, D_TILE, D_TILE>(s_v, row0 + 16 * g, 0, acc[g], drop_scale, lane);
+        if (role_dk) cta.stage_dk(row0 + 16 * g, acc[g], lane);
+        else cta.stage_dv(row0 + 16 * g, acc[g], lane);
     }
     cta.store_grads(tid);
 }

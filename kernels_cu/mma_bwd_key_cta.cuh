@@ -6,7 +6,8 @@
 //
 // The kernels differ in how their warps split the key rows and the gradients; what they share is
 // here, once: the run-time arguments (copied from the BwdParams at the top, as bwd_args in
-// mma_bwd.cuh says why), the copies in, the order of the walk and the stores of dK_j and dV_j.
+// mma_bwd.cuh says why), the copies in, the order of the walk, the atomic dQ adds (step 7), the
+// staging and stores of dK_j and dV_j, and below the CTA a sub-block's mask of a warp's key rows.
 // flash_bwd_dkdv_mma (v1) and flash_bwd_fused_mma keep their own setup for now: on this CTA, v1's
 // packed instance with the compile check's user modifier and atomic dQ (d128) spilled 8 bytes at
 // sm_90 in CI, and the fused kernel's causal softcap d128 instance 152 (docs/perf-log.md, mma-bwd-cta).
@@ -133,10 +134,25 @@ struct MmaKeyCta {
         cp_async_wait<0>();
         __syncthreads();
     }
+    // The staging of 16 rows from row0 of dK_j or dV_j, as mma_AB_regs_groups summed them
+    // (between end_walk and store_grads).
+    __device__ __forceinline__ void stage_dk(int row0, const float (&dk_acc)[D_TILE / 8][4], int lane) const {
+        stage_acc<T, D_TILE, D_TILE>(base + L::K, row0, 0, dk_acc, scale, lane);
+    }
+    __device__ __forceinline__ void stage_dv(int row0, const float (&dv_acc)[D_TILE / 8][4], int lane) const {
+        stage_acc<T, D_TILE, D_TILE>(base + L::V, row0, 0, dv_acc, drop_scale, lane);
+    }
     __device__ __forceinline__ void store_grads(int tid) const {
         __syncthreads();
         store_key_block_grads<T, BLOCK_N, D_TILE, NTHREADS>(dk, dv, base + L::K, base + L::V, seq, head_kv, n0,
                                                             seqlen_k, headdim, headdim_v, tid);
+    }
+
+    // Step 7 (DqAdd::atomic), after the last sub-block of query block m0 of head `head`:
+    // dq_accum += dS K_j, dS read back from the dS^T tile the warps stored (mma_bwd_layouts.cuh).
+    __device__ __forceinline__ void add_dq(int head, int m0, int warp, int lane) const {
+        add_dq_atomic<T, BLOCK_M, BLOCK_N, D_TILE, NTHREADS / 32>(dq_accum, seq, head, m0, base + L::DS, base + L::K,
+                                                                 seqlen_q, headdim, warp, lane);
     }
 };
 
@@ -153,6 +169,39 @@ __device__ __forceinline__ void key_rows_query_begin(int (&m_min)[G][2], const M
             const int n = n0_warp + 16 * g + lane / 4 + 8 * half;
             m_min[g][half] = n < seqlen_k ? mask.row_query_begin(n) : seqlen_q;
         }
+}
+
+// The mask of a sub-block's queries [m0_sub, m0_sub + M_SUB) for key rows n0_warp.. of a warp's G
+// 16-row groups: key row n is seen by the queries m_min <= m < seqlen_q (none if n >= seqlen_k)
+// that the window's left bound allows, that bound from the policy's origin returned here (query
+// m0_sub + 2 (lane % 4), key n0_warp + lane / 4), one register for all rows of the lane.
+template <int G, class Mask>
+__device__ __forceinline__ typename Mask::Origin key_rows_of_sub_block(int (&m_min)[G][2], const Mask& mask, int m0_sub,
+                                                                       int n0_warp, int lane, int seqlen_q,
+                                                                       int seqlen_k) {
+    key_rows_query_begin(m_min, mask, n0_warp, lane, seqlen_q, seqlen_k);
+    return mask.origin(m0_sub + 2 * (lane % 4), n0_warp + lane / 4);
+}
+
+// The element tests of entry e of C fragment (g, j) of the warp's S^T-shaped tiles: query
+// m = m_c + (e & 1) (m_c = m0_sub + 8 j + 2 (lane % 4)), key row 16 g + 8 (e >> 1) + lane / 4 of the
+// warp's. hides_p, for P^T: before the row's first query (m_min), past the queries, or left of
+// the window, tested at the entry's offset (di, dj) = (8 j + (e & 1), 16 g + 8 (e >> 1)) from the
+// origin (the caller computes the offset: computed here, the test compiled into other integer
+// compares, flash_bwd_dkdv_mma_v2 and _split with Local, docs/perf-log.md dkdv-subblock-v2).
+// hides_ds, for dS^T, given the entry's P^T (0 where hidden): the window's left bound read from
+// P^T = 0 instead (a visible P^T of 0 gives dS^T = 0 anyway; the test, not the product, keeps a
+// non-finite dP^T out of the hidden entries).
+template <int G, class Mask>
+__device__ __forceinline__ bool hides_p(const Mask& mask, const typename Mask::Origin& origin, const int (&m_min)[G][2],
+                                        int m_c, int seqlen_q, int g, int e, int di, int dj) {
+    const int m = m_c + (e & 1);
+    return m < m_min[g][e >> 1] || m >= seqlen_q || mask.hidden_left(origin, di, dj);
+}
+template <class Mask, int G>
+__device__ __forceinline__ bool hides_ds(const int (&m_min)[G][2], int m_c, int seqlen_q, int g, int e, float p) {
+    const int m = m_c + (e & 1);
+    return m < m_min[g][e >> 1] || m >= seqlen_q || (Mask::HAS_LEFT && p == 0.f);
 }
 
 }  // namespace cf

@@ -39,6 +39,85 @@ def bwd_dkdv_layout(d_tile, block_m, m_sub, block_n, nwarps, warps_d, dq_add):
     return lay
 
 
+class KeyBlockCta:
+    """What the dK/dV CTAs share (MmaKeyCta in mma_bwd_key_cta.cuh for v2 and _split; v1 writes the
+    same steps out): key block n_block of kv head head_kv in shared memory (``lay``, ``smem_bytes``),
+    the walk of the query blocks that see it, their copies into two stages, step 7 (the atomic dQ
+    adds) and the stores of dK_j and dV_j."""
+
+    def __init__(self, q, k, v, do, lse, delta, *, batch, head_kv, n_block, group, mask, d_tile, block_m, block_n,
+                 nwarps, lay, smem_bytes):
+        self.q, self.do, self.lse, self.delta = q, do, lse, delta
+        self.batch, self.head_kv, self.group, self.lay = batch, head_kv, group, lay
+        self.d_tile, self.block_m, self.block_n, self.nwarps = d_tile, block_m, block_n, nwarps
+        self.seqlen_q, self.headdim = q.shape[1], q.shape[3]
+        self.seqlen_k = k.shape[1]
+        self.nthreads = 32 * nwarps
+        self.smem = np.full(smem_bytes // 2, np.nan)  # 16-bit tiles, by byte address // 2
+        self.smem32 = np.full(smem_bytes // 4, np.nan)  # float slots (lse, D, partial sums), byte // 4
+        self.n0 = n_block * block_n
+        self.m_block_first, self.m_blocks = query_block_range(mask, self.n0, block_n, block_m, self.seqlen_q,
+                                                              self.seqlen_k)
+        self.n_iters = group * self.m_blocks
+        for tile, x in ((lay["K"], k), (lay["V"], v)):
+            cp_async_tile(self.smem, tile, block_n, d_tile, self.nthreads, x[batch, :, head_kv], self.n0,
+                          self.seqlen_k - self.n0, self.headdim)
+        if self.n_iters > 0:
+            self.load_query_block(0, 0)
+
+    def head_and_m0(self, it):
+        return (self.head_kv * self.group + it // self.m_blocks,
+                (self.m_block_first + it % self.m_blocks) * self.block_m)
+
+    def load_query_block(self, it, stage):
+        lay, block_m, seqlen_q = self.lay, self.block_m, self.seqlen_q
+        head, m0 = self.head_and_m0(it)
+        for tile, x in ((lay["Q"], self.q), (lay["DO"], self.do)):
+            cp_async_tile(self.smem, tile + stage * lay["Q_TILE"], block_m, self.d_tile, self.nthreads,
+                          x[self.batch, :, head], m0, seqlen_q - m0, self.headdim)
+        for i in range(2 * block_m):
+            r, is_lse = i % block_m, i < block_m
+            dst = (lay["LSE"] if is_lse else lay["DELTA"]) + (stage * block_m + r) * 4
+            stats = (self.lse if is_lse else self.delta)[self.batch, head]
+            self.smem32[dst // 4] = stats[m0 + r] if m0 + r < seqlen_q else 0.0
+
+    def query_stage(self, it):
+        """Iteration it (the next block's copies started): head, m0 and its stage's Q, dO tiles (smem)
+        and lse, D rows (smem32)."""
+        lay, stage = self.lay, it & 1
+        if it + 1 < self.n_iters:
+            self.load_query_block(it + 1, stage ^ 1)
+        head, m0 = self.head_and_m0(it)
+        s_q, s_do = lay["Q"] + stage * lay["Q_TILE"], lay["DO"] + stage * lay["Q_TILE"]
+        s_lse, s_delta = (lay["LSE"] + stage * self.block_m * 4) // 4, (lay["DELTA"] + stage * self.block_m * 4) // 4
+        return head, m0, s_q, s_do, s_lse, s_delta
+
+    def add_dq(self, dq_accum, head, m0):
+        """Step 7: dq_accum += dS K_j, dS from the dS^T tile (add_dq_atomic)."""
+        block_m, d_tile, lay = self.block_m, self.d_tile, self.lay
+        dq_warps_m = block_m // 16
+        dq_cols = d_tile // (self.nwarps // dq_warps_m)
+        dq_pass = min(dq_cols, 32)
+        for w in range(self.nwarps):
+            q_row0 = 16 * (w % dq_warps_m)
+            m_lo = m0 + q_row0 + GROUP
+            for col0 in range(dq_cols * (w // dq_warps_m), dq_cols * (w // dq_warps_m + 1), dq_pass):
+                dq_acc = np.zeros((32, dq_pass // 8, 4))
+                mma_AtB(dq_acc, self.smem, dq_pass, self.block_n, block_m, d_tile, lay["DS"], q_row0, lay["K"], col0)
+                for j in range(dq_pass // 8):
+                    col = col0 + 8 * j + 2 * THREAD_IN_GROUP
+                    for half, m in ((0, m_lo), (1, m_lo + 8)):
+                        for lane in np.flatnonzero((col < self.headdim) & (m < self.seqlen_q)):
+                            dq_accum[self.batch, m[lane], head, col[lane]] += dq_acc[lane, j, 2 * half]
+                            dq_accum[self.batch, m[lane], head, col[lane] + 1] += dq_acc[lane, j, 2 * half + 1]
+
+    def store_grads(self, dk, dv):
+        n0, head_kv = self.n0, self.head_kv
+        for out, tile in ((dk, self.lay["K"]), (dv, self.lay["V"])):
+            store_tile(out[self.batch, n0:, head_kv], self.smem, tile, self.block_n, self.d_tile, self.nthreads,
+                       self.seqlen_k - n0, self.headdim)
+
+
 @mirrors(V1,
          "const bool hidden = masked.value && !mask.visible(m0_sub + c + (e & 1), n0 + row0 + lane / 4 + 8 * (e >> 1));",
          "s_acc[j][e] = hidden ? 0.f : p;",
@@ -46,39 +125,14 @@ def bwd_dkdv_layout(d_tile, block_m, m_sub, block_n, nwarps, warps_d, dq_add):
 def dkdv_block(q, k, v, do, lse, delta, dk, dv, dq_accum, *, batch, head_kv, n_block, group, scale,
                mask, d_tile, block_m, m_sub, block_n, nwarps, warps_d):
     """One CTA of flash_bwd_dkdv_mma (dq_accum is None unless ATOMIC_DQ)."""
-    seqlen_q, headdim = q.shape[1], q.shape[3]
-    seqlen_k = k.shape[1]
     atomic_dq = dq_accum is not None
-    nthreads, dw = 32 * nwarps, d_tile // warps_d
-    dq_warps_m = block_m // 16
-    dq_cols = d_tile // (nwarps // dq_warps_m)
-    dq_pass = min(dq_cols, 32)
+    dw = d_tile // warps_d
     assert block_n == 16 * nwarps // warps_d and block_m % m_sub == 0
     lay = bwd_dkdv_layout(d_tile, block_m, m_sub, block_n, nwarps, warps_d, "atomic" if atomic_dq else "none")
-    smem = np.full(lay["BYTES"] // 2, np.nan)  # 16-bit tiles, by byte address // 2
-    smem32 = np.full(lay["BYTES"] // 4, np.nan)  # float slots (lse, D, partial sums), byte // 4
+    cta = KeyBlockCta(q, k, v, do, lse, delta, batch=batch, head_kv=head_kv, n_block=n_block, group=group, mask=mask,
+                      d_tile=d_tile, block_m=block_m, block_n=block_n, nwarps=nwarps, lay=lay, smem_bytes=lay["BYTES"])
+    smem, smem32, n0, seqlen_q, seqlen_k = cta.smem, cta.smem32, cta.n0, cta.seqlen_q, cta.seqlen_k
     scale_log2 = scale * math.log2(math.e)
-    n0 = n_block * block_n
-    m_block_first, m_blocks = query_block_range(mask, n0, block_n, block_m, seqlen_q, seqlen_k)
-    n_iters = group * m_blocks
-
-    def load_query_block(it, stage):
-        head = head_kv * group + it // m_blocks
-        m0 = (m_block_first + it % m_blocks) * block_m
-        cp_async_tile(smem, lay["Q"] + stage * lay["Q_TILE"], block_m, d_tile, nthreads, q[batch, :, head],
-                      m0, seqlen_q - m0, headdim)
-        cp_async_tile(smem, lay["DO"] + stage * lay["Q_TILE"], block_m, d_tile, nthreads, do[batch, :, head],
-                      m0, seqlen_q - m0, headdim)
-        for i in range(2 * block_m):
-            r, is_lse = i % block_m, i < block_m
-            dst = (lay["LSE"] if is_lse else lay["DELTA"]) + (stage * block_m + r) * 4
-            stats = (lse if is_lse else delta)[batch, head]
-            smem32[dst // 4] = stats[m0 + r] if m0 + r < seqlen_q else 0.0
-
-    cp_async_tile(smem, lay["K"], block_n, d_tile, nthreads, k[batch, :, head_kv], n0, seqlen_k - n0, headdim)
-    cp_async_tile(smem, lay["V"], block_n, d_tile, nthreads, v[batch, :, head_kv], n0, seqlen_k - n0, headdim)
-    if n_iters > 0:
-        load_query_block(0, 0)
 
     warps = range(nwarps)
     key_group = [w // warps_d for w in warps]
@@ -101,14 +155,8 @@ def dkdv_block(q, k, v, do, lse, delta, dk, dv, dq_accum, *, batch, head_kv, n_b
                     theirs[w, :, j, e] = smem32[slot + e]
         acc += theirs
 
-    for it in range(n_iters):
-        stage = it & 1
-        if it + 1 < n_iters:
-            load_query_block(it + 1, stage ^ 1)
-        head = head_kv * group + it // m_blocks
-        m0 = (m_block_first + it % m_blocks) * block_m
-        s_q, s_do = lay["Q"] + stage * lay["Q_TILE"], lay["DO"] + stage * lay["Q_TILE"]
-        s_lse, s_delta = (lay["LSE"] + stage * block_m * 4) // 4, (lay["DELTA"] + stage * block_m * 4) // 4
+    for it in range(cta.n_iters):
+        head, m0, s_q, s_do, s_lse, s_delta = cta.query_stage(it)
         for mc0 in range(0, block_m, m_sub):
             s_q_sub, s_do_sub = s_q + mc0 * d_tile * 2, s_do + mc0 * d_tile * 2
             m0_sub = m0 + mc0
@@ -160,25 +208,13 @@ def dkdv_block(q, k, v, do, lse, delta, dk, dv, dq_accum, *, batch, head_kv, n_b
                         store_fragment_pairs(smem, lay["DS"], block_m, row0[w] + 8, col + 8, ds_frag[:, kk, 3])
         # Step 7
         if atomic_dq:
-            for w in warps:
-                q_row0 = 16 * (w % dq_warps_m)
-                m_lo = m0 + q_row0 + GROUP
-                for col0 in range(dq_cols * (w // dq_warps_m), dq_cols * (w // dq_warps_m + 1), dq_pass):
-                    dq_acc = np.zeros((32, dq_pass // 8, 4))
-                    mma_AtB(dq_acc, smem, dq_pass, block_n, block_m, d_tile, lay["DS"], q_row0, lay["K"], col0)
-                    for j in range(dq_pass // 8):
-                        col = col0 + 8 * j + 2 * THREAD_IN_GROUP
-                        for half, m in ((0, m_lo), (1, m_lo + 8)):
-                            for lane in np.flatnonzero((col < headdim) & (m < seqlen_q)):
-                                dq_accum[batch, m[lane], head, col[lane]] += dq_acc[lane, j, 2 * half]
-                                dq_accum[batch, m[lane], head, col[lane] + 1] += dq_acc[lane, j, 2 * half + 1]
+            cta.add_dq(dq_accum, head, m0)
 
     # Epilogue
     for w in warps:
         stage_acc(smem, lay["K"], d_tile, row0[w], d_part[w] * dw, dk_acc[w], scale)
         stage_acc(smem, lay["V"], d_tile, row0[w], d_part[w] * dw, dv_acc[w], 1.0)
-    store_tile(dk[batch, n0:, head_kv], smem, lay["K"], block_n, d_tile, nthreads, seqlen_k - n0, headdim)
-    store_tile(dv[batch, n0:, head_kv], smem, lay["V"], block_n, d_tile, nthreads, seqlen_k - n0, headdim)
+    cta.store_grads(dk, dv)
 
 
 @mirrors(V2, "m_min[g][half] = n < seqlen_k ? mask.row_query_begin(n) : seqlen_q;")
@@ -196,14 +232,27 @@ def first_query_of_key_rows(groups, key_row0, seqlen_q, seqlen_k, mask):
     return m_min
 
 
-@mirrors(V2,
-         "const bool hidden = masked.value && (m < m_min[g][e >> 1] || m >= seqlen_q ||",
-         "mask.hidden_left(origin, 8 * j + (e & 1), 16 * g + 8 * (e >> 1)));",
-         "s_acc[g][j][e] = hidden ? 0.f : p;")
-@mirrors(SPLIT,
-         "const bool hidden = masked.value && (m < m_min[g][e >> 1] || m >= seqlen_q ||",
-         "mask.hidden_left(origin, 8 * j + (e & 1), 16 * g + 8 * (e >> 1)));",
-         "s_acc[g][j][e] = hidden ? 0.f : p;")
+_HIDES_P_CALL = ("const bool hidden = masked.value && hides_p(mask, origin, m_min, m0_sub + c, seqlen_q, g, e,"
+                 " 8 * j + (e & 1), 16 * g + 8 * (e >> 1));")
+
+
+@mirrors(V2, "return m < m_min[g][e >> 1] || m >= seqlen_q || mask.hidden_left(origin, di, dj);")
+@mirrors(SPLIT, "return m < m_min[g][e >> 1] || m >= seqlen_q || mask.hidden_left(origin, di, dj);")
+def hides_p(m, n, m_min_row, seqlen_q, seqlen_k, mask):
+    """hides_p (mma_bwd_key_cta.cuh) for query m and key n, m_min_row the key row's first query:
+    P^T's test of the 2 x 16-row dK/dV kernels (the left bound from hidden_left)."""
+    return (m < m_min_row) | (m >= seqlen_q) | mask.hidden_left(m, n, seqlen_q, seqlen_k)
+
+
+@mirrors(V2, "return m < m_min[g][e >> 1] || m >= seqlen_q || (Mask::HAS_LEFT && p == 0.f);")
+@mirrors(SPLIT, "return m < m_min[g][e >> 1] || m >= seqlen_q || (Mask::HAS_LEFT && p == 0.f);")
+def hides_ds(m, m_min_row, seqlen_q, p, mask):
+    """hides_ds (mma_bwd_key_cta.cuh): dS^T's test, the left bound read from P^T (0 where hidden)."""
+    return (m < m_min_row) | (m >= seqlen_q) | (mask.HAS_LEFT & (p == 0.0))
+
+
+@mirrors(V2, _HIDES_P_CALL, "s_acc[g][j][e] = hidden ? 0.f : p;")
+@mirrors(SPLIT, _HIDES_P_CALL, "s_acc[g][j][e] = hidden ? 0.f : p;")
 def p_transposed_groups(smem, smem32, tile_k, row0, s_q_sub, s_lse_sub, m0_sub, m_min, partial, groups, m_sub,
                         d_tile, scale_log2, seqlen_q, mask, n0, seqlen_k):
     """S^T = K Q^T of a warp's row groups (mma_ABt_groups), then P^T = exp2(S^T scale - lse), 0
@@ -217,8 +266,7 @@ def p_transposed_groups(smem, smem32, tile_k, row0, s_q_sub, s_lse_sub, m0_sub, 
                 base = lse_base_log2(smem32[s_lse_sub + c + (e & 1)])
                 p = recomputed_p(s_acc[g, :, j, e], scale_log2, base)
                 m, n = m0_sub + c + (e & 1), n0 + row0 + 16 * g + GROUP + 8 * (e >> 1)
-                hidden = partial & ((m < m_min[g, e >> 1]) | (m >= seqlen_q) |
-                                    mask.hidden_left(m, n, seqlen_q, seqlen_k))
+                hidden = partial & hides_p(m, n, m_min[g, e >> 1], seqlen_q, seqlen_k, mask)
                 s_acc[g, :, j, e] = np.where(hidden, 0.0, p)
     return s_acc
 
@@ -236,55 +284,24 @@ def store_ds_transposed(smem, tile_ds, block_m, row0, mc0, ds_frags):
             store_fragment_pairs(smem, tile_ds, block_m, r + 8, col + 8, frag[:, kk, 3])
 
 
-@mirrors(V2, "(Mask::HAS_LEFT && s_acc[g][j][e] == 0.f));")
+@mirrors(V2, "masked.value && hides_ds<Mask>(m_min, m0_sub + c, seqlen_q, g, e, s_acc[g][j][e]);")
 def dkdv_block_v2(q, k, v, do, lse, delta, dk, dv, dq_accum, *, batch, head_kv, n_block, group, scale,
                   mask, d_tile, block_m, m_sub, block_n, nwarps, row_groups):
     """One CTA of flash_bwd_dkdv_mma_v2 (dq_accum is None unless ATOMIC_DQ)."""
-    seqlen_q, headdim = q.shape[1], q.shape[3]
-    seqlen_k = k.shape[1]
     atomic_dq = dq_accum is not None
-    nthreads, G = 32 * nwarps, row_groups
+    G = row_groups
     warp_rows = 16 * G
-    dq_warps_m = block_m // 16
-    dq_cols = d_tile // (nwarps // dq_warps_m)
-    dq_pass = min(dq_cols, 32)
     assert block_n == warp_rows * nwarps and block_m % m_sub == 0 and m_sub % 16 == 0
     lay = bwd_dkdv_layout(d_tile, block_m, m_sub, block_n, nwarps, 1, "atomic" if atomic_dq else "none")
-    smem = np.full(lay["BYTES"] // 2, np.nan)
-    smem32 = np.full(lay["BYTES"] // 4, np.nan)
+    cta = KeyBlockCta(q, k, v, do, lse, delta, batch=batch, head_kv=head_kv, n_block=n_block, group=group, mask=mask,
+                      d_tile=d_tile, block_m=block_m, block_n=block_n, nwarps=nwarps, lay=lay, smem_bytes=lay["BYTES"])
+    smem, smem32, n0, seqlen_q, seqlen_k = cta.smem, cta.smem32, cta.n0, cta.seqlen_q, cta.seqlen_k
     scale_log2 = scale * math.log2(math.e)
-    n0 = n_block * block_n
-    m_block_first, m_blocks = query_block_range(mask, n0, block_n, block_m, seqlen_q, seqlen_k)
-    n_iters = group * m_blocks
-
-    def load_query_block(it, stage):
-        head = head_kv * group + it // m_blocks
-        m0 = (m_block_first + it % m_blocks) * block_m
-        cp_async_tile(smem, lay["Q"] + stage * lay["Q_TILE"], block_m, d_tile, nthreads, q[batch, :, head],
-                      m0, seqlen_q - m0, headdim)
-        cp_async_tile(smem, lay["DO"] + stage * lay["Q_TILE"], block_m, d_tile, nthreads, do[batch, :, head],
-                      m0, seqlen_q - m0, headdim)
-        for i in range(2 * block_m):
-            r, is_lse = i % block_m, i < block_m
-            dst = (lay["LSE"] if is_lse else lay["DELTA"]) + (stage * block_m + r) * 4
-            stats = (lse if is_lse else delta)[batch, head]
-            smem32[dst // 4] = stats[m0 + r] if m0 + r < seqlen_q else 0.0
-
-    cp_async_tile(smem, lay["K"], block_n, d_tile, nthreads, k[batch, :, head_kv], n0, seqlen_k - n0, headdim)
-    cp_async_tile(smem, lay["V"], block_n, d_tile, nthreads, v[batch, :, head_kv], n0, seqlen_k - n0, headdim)
-    if n_iters > 0:
-        load_query_block(0, 0)
 
     dk_acc = np.zeros((nwarps, G, 32, d_tile // 8, 4))
     dv_acc = np.zeros((nwarps, G, 32, d_tile // 8, 4))
-    for it in range(n_iters):
-        stage = it & 1
-        if it + 1 < n_iters:
-            load_query_block(it + 1, stage ^ 1)
-        head = head_kv * group + it // m_blocks
-        m0 = (m_block_first + it % m_blocks) * block_m
-        s_q, s_do = lay["Q"] + stage * lay["Q_TILE"], lay["DO"] + stage * lay["Q_TILE"]
-        s_lse, s_delta = (lay["LSE"] + stage * block_m * 4) // 4, (lay["DELTA"] + stage * block_m * 4) // 4
+    for it in range(cta.n_iters):
+        head, m0, s_q, s_do, s_lse, s_delta = cta.query_stage(it)
         for mc0 in range(0, block_m, m_sub):
             s_q_sub, s_do_sub = s_q + mc0 * d_tile * 2, s_do + mc0 * d_tile * 2
             m0_sub = m0 + mc0
@@ -312,8 +329,7 @@ def dkdv_block_v2(q, k, v, do, lse, delta, dk, dv, dq_accum, *, batch, head_kv, 
                                 d = smem32[s_delta + mc0 + c + (e & 1)]
                                 ds = s_acc[g, :, j, e] * (dp_acc[g, :, jj, e] - d)
                                 m = m0_sub + c + (e & 1)
-                                hidden = partial & ((m < m_min[g, e >> 1]) | (m >= seqlen_q) |
-                                                    (mask.HAS_LEFT & (s_acc[g, :, j, e] == 0.0)))
+                                hidden = partial & hides_ds(m, m_min[g, e >> 1], seqlen_q, s_acc[g, :, j, e], mask)
                                 dp_acc[g, :, jj, e] = np.where(hidden, 0.0, ds)
                     for g in range(G):
                         ds_frag[g, :, kk] = pack_a_frags(dp_acc[g])[:, 0]
@@ -323,26 +339,14 @@ def dkdv_block_v2(q, k, v, do, lse, delta, dk, dv, dq_accum, *, batch, head_kv, 
                     store_ds_transposed(smem, lay["DS"], block_m, row0, mc0, [ds_frag[g] for g in range(G)])
         # Step 7
         if atomic_dq:
-            for w in range(nwarps):
-                q_row0 = 16 * (w % dq_warps_m)
-                m_lo = m0 + q_row0 + GROUP
-                for col0 in range(dq_cols * (w // dq_warps_m), dq_cols * (w // dq_warps_m + 1), dq_pass):
-                    dq_acc = np.zeros((32, dq_pass // 8, 4))
-                    mma_AtB(dq_acc, smem, dq_pass, block_n, block_m, d_tile, lay["DS"], q_row0, lay["K"], col0)
-                    for j in range(dq_pass // 8):
-                        col = col0 + 8 * j + 2 * THREAD_IN_GROUP
-                        for half, m in ((0, m_lo), (1, m_lo + 8)):
-                            for lane in np.flatnonzero((col < headdim) & (m < seqlen_q)):
-                                dq_accum[batch, m[lane], head, col[lane]] += dq_acc[lane, j, 2 * half]
-                                dq_accum[batch, m[lane], head, col[lane] + 1] += dq_acc[lane, j, 2 * half + 1]
+            cta.add_dq(dq_accum, head, m0)
 
     for w in range(nwarps):
         for g in range(G):
             r = warp_rows * w + 16 * g
             stage_acc(smem, lay["K"], d_tile, r, 0, dk_acc[w, g], scale)
             stage_acc(smem, lay["V"], d_tile, r, 0, dv_acc[w, g], 1.0)
-    store_tile(dk[batch, n0:, head_kv], smem, lay["K"], block_n, d_tile, nthreads, seqlen_k - n0, headdim)
-    store_tile(dv[batch, n0:, head_kv], smem, lay["V"], block_n, d_tile, nthreads, seqlen_k - n0, headdim)
+    cta.store_grads(dk, dv)
 
 
 def bwd_dkdv_split_xchg(d_tile, block_m, m_sub, block_n, nwarps, row_groups, dq_add):
@@ -357,59 +361,27 @@ def bwd_split_p_address(xchg, slot_bytes, m_sub, pair, slot, g, j):
     return xchg + pair * 2 * slot_bytes + LANES * 16 + slot * slot_bytes + (g * (m_sub // 8) + j) * 512
 
 
-@mirrors(SPLIT,
-         "(Mask::HAS_LEFT && __uint_as_float(p[e]) == 0.f));")
+@mirrors(SPLIT, "masked.value && hides_ds<Mask>(m_min, m0_sub + c, seqlen_q, g, e, __uint_as_float(p[e]));")
 def dkdv_block_split(q, k, v, do, lse, delta, dk, dv, dq_accum, *, batch, head_kv, n_block, group, scale,
                      mask, d_tile, block_m, m_sub, block_n, nwarps, row_groups):
     """One CTA of flash_bwd_dkdv_mma_split; within a sub-block each pair's dV warp runs up to the
     pair barrier (P^T stored), then its dK warp (which reads P^T after the barrier)."""
-    seqlen_q, headdim = q.shape[1], q.shape[3]
-    seqlen_k = k.shape[1]
     atomic_dq = dq_accum is not None
-    nthreads, G, pairs = 32 * nwarps, row_groups, nwarps // 2
+    G, pairs = row_groups, nwarps // 2
     warp_rows = 16 * G
-    dq_warps_m = block_m // 16
-    dq_cols = d_tile // (nwarps // dq_warps_m)
-    dq_pass = min(dq_cols, 32)
     assert block_n == warp_rows * pairs and block_m % m_sub == 0 and m_sub % 16 == 0
     dq_add = "atomic" if atomic_dq else "none"
     lay = bwd_dkdv_layout(d_tile, block_m, m_sub, block_n, nwarps, 1, dq_add)
     xchg, slot_bytes, total = bwd_dkdv_split_xchg(d_tile, block_m, m_sub, block_n, nwarps, G, dq_add)
-    smem = np.full(total // 2, np.nan)
-    smem32 = np.full(total // 4, np.nan)
+    cta = KeyBlockCta(q, k, v, do, lse, delta, batch=batch, head_kv=head_kv, n_block=n_block, group=group, mask=mask,
+                      d_tile=d_tile, block_m=block_m, block_n=block_n, nwarps=nwarps, lay=lay, smem_bytes=total)
+    smem, smem32, n0, seqlen_q, seqlen_k = cta.smem, cta.smem32, cta.n0, cta.seqlen_q, cta.seqlen_k
     scale_log2 = scale * math.log2(math.e)
-    n0 = n_block * block_n
-    m_block_first, m_blocks = query_block_range(mask, n0, block_n, block_m, seqlen_q, seqlen_k)
-    n_iters = group * m_blocks
-
-    def load_query_block(it, stage):
-        head = head_kv * group + it // m_blocks
-        m0 = (m_block_first + it % m_blocks) * block_m
-        cp_async_tile(smem, lay["Q"] + stage * lay["Q_TILE"], block_m, d_tile, nthreads, q[batch, :, head],
-                      m0, seqlen_q - m0, headdim)
-        cp_async_tile(smem, lay["DO"] + stage * lay["Q_TILE"], block_m, d_tile, nthreads, do[batch, :, head],
-                      m0, seqlen_q - m0, headdim)
-        for i in range(2 * block_m):
-            r, is_lse = i % block_m, i < block_m
-            dst = (lay["LSE"] if is_lse else lay["DELTA"]) + (stage * block_m + r) * 4
-            stats = (lse if is_lse else delta)[batch, head]
-            smem32[dst // 4] = stats[m0 + r] if m0 + r < seqlen_q else 0.0
-
-    cp_async_tile(smem, lay["K"], block_n, d_tile, nthreads, k[batch, :, head_kv], n0, seqlen_k - n0, headdim)
-    cp_async_tile(smem, lay["V"], block_n, d_tile, nthreads, v[batch, :, head_kv], n0, seqlen_k - n0, headdim)
-    if n_iters > 0:
-        load_query_block(0, 0)
 
     acc = np.zeros((nwarps, G, 32, d_tile // 8, 4))  # dV for warps < pairs, dK for the others
     slot = 0
-    for it in range(n_iters):
-        stage = it & 1
-        if it + 1 < n_iters:
-            load_query_block(it + 1, stage ^ 1)
-        head = head_kv * group + it // m_blocks
-        m0 = (m_block_first + it % m_blocks) * block_m
-        s_q, s_do = lay["Q"] + stage * lay["Q_TILE"], lay["DO"] + stage * lay["Q_TILE"]
-        s_lse, s_delta = (lay["LSE"] + stage * block_m * 4) // 4, (lay["DELTA"] + stage * block_m * 4) // 4
+    for it in range(cta.n_iters):
+        head, m0, s_q, s_do, s_lse, s_delta = cta.query_stage(it)
         for mc0 in range(0, block_m, m_sub):
             s_q_sub, s_do_sub = s_q + mc0 * d_tile * 2, s_do + mc0 * d_tile * 2
             m0_sub = m0 + mc0
@@ -438,8 +410,7 @@ def dkdv_block_split(q, k, v, do, lse, delta, dk, dv, dq_accum, *, batch, head_k
                             p = smem32[addr // 4 + e]
                             ds = p * (dp_acc[g, :, j, e] - smem32[s_delta + mc0 + c + (e & 1)])
                             m = m0_sub + c + (e & 1)
-                            hidden = partial & ((m < m_min[g, e >> 1]) | (m >= seqlen_q) |
-                                                (mask.HAS_LEFT & (p == 0.0)))
+                            hidden = partial & hides_ds(m, m_min[g, e >> 1], seqlen_q, p, mask)
                             dp_acc[g, :, j, e] = np.where(hidden, 0.0, ds)
                 ds_frag = [pack_a_frags(dp_acc[g]) for g in range(G)]
                 mma_AB_regs_groups(acc[pairs + pair], ds_frag, smem, d_tile, m_sub, d_tile, s_q_sub, 0)
@@ -447,18 +418,7 @@ def dkdv_block_split(q, k, v, do, lse, delta, dk, dv, dq_accum, *, batch, head_k
                     store_ds_transposed(smem, lay["DS"], block_m, row0, mc0, [ds_frag[g] for g in range(G)])
             slot ^= 1
         if atomic_dq:
-            for w in range(nwarps):
-                q_row0 = 16 * (w % dq_warps_m)
-                m_lo = m0 + q_row0 + GROUP
-                for col0 in range(dq_cols * (w // dq_warps_m), dq_cols * (w // dq_warps_m + 1), dq_pass):
-                    dq_acc = np.zeros((32, dq_pass // 8, 4))
-                    mma_AtB(dq_acc, smem, dq_pass, block_n, block_m, d_tile, lay["DS"], q_row0, lay["K"], col0)
-                    for j in range(dq_pass // 8):
-                        col = col0 + 8 * j + 2 * THREAD_IN_GROUP
-                        for half, m in ((0, m_lo), (1, m_lo + 8)):
-                            for lane in np.flatnonzero((col < headdim) & (m < seqlen_q)):
-                                dq_accum[batch, m[lane], head, col[lane]] += dq_acc[lane, j, 2 * half]
-                                dq_accum[batch, m[lane], head, col[lane] + 1] += dq_acc[lane, j, 2 * half + 1]
+            cta.add_dq(dq_accum, head, m0)
 
     for w in range(nwarps):
         for g in range(G):
@@ -467,5 +427,4 @@ def dkdv_block_split(q, k, v, do, lse, delta, dk, dv, dq_accum, *, batch, head_k
                 stage_acc(smem, lay["K"], d_tile, r, 0, acc[w, g], scale)
             else:
                 stage_acc(smem, lay["V"], d_tile, r, 0, acc[w, g], 1.0)
-    store_tile(dk[batch, n0:, head_kv], smem, lay["K"], block_n, d_tile, nthreads, seqlen_k - n0, headdim)
-    store_tile(dv[batch, n0:, head_kv], smem, lay["V"], block_n, d_tile, nthreads, seqlen_k - n0, headdim)
+    cta.store_grads(dk, dv)
