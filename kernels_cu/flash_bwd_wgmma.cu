@@ -98,12 +98,7 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
     const StatDims stat_dims{nheads, p.seqlen_q};
     const float scale_log2 = p.scale_log2, scale = p.scale;
     // Q, dO and the row statistics move with the query head; K, V, dK, dV are this CTA's kv head.
-    const T* __restrict__ q = static_cast<const T*>(p.q.data);
-    const T* __restrict__ dout = static_cast<const T*>(p.dout.data);
-    const float* __restrict__ lse = static_cast<const float*>(p.lse);
-    const float* __restrict__ delta = static_cast<const float*>(p.delta);
-    const i64 q_sb = p.q.batch_stride, q_ss = p.q.row_stride, q_sh = p.q.head_stride;
-    const i64 do_sb = p.dout.batch_stride, do_ss = p.dout.row_stride, do_sh = p.dout.head_stride;
+    const QuerySources<T> query_src = query_sources<T>(p);
     const i64 k_ss = p.k.row_stride, v_ss = p.v.row_stride;
     // dq_accum (DQ_ADD != none): a head's rows at batch dqa_sb + head dqa_sh (PANEL_MAJOR: the
     // head's D_TILE / 64 panels, dqa_sp apart), rows dqa_ss apart.
@@ -128,19 +123,13 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
     // The ordered dQ adds count every key block of a query block's column: no skipped blocks.
     static_assert(!ORDERED || !(Mask::HAS_LEFT || Mask::HAS_BLOCK_MAP), "ordered dQ adds need every key block");
 
-    // Iteration it -> query block; ORDERED walks each head's blocks from the last to the first.
-    auto m_block_of = [&](int it) { return ORDERED ? walk.block_down_from(q_blocks - 1, it) : walk.block(it); };
+    typedef WgmmaKeyWalk<T, L, BLOCK_M, BLOCK_N, D_TILE, NTHREADS, ORDERED> Walk;
     auto load_query_block = [&](int it, int stage) {
-        cp_async_query_panels<L, BLOCK_M, D_TILE, NTHREADS>(base, stage, q, q_sb, q_ss, q_sh, dout, do_sb, do_ss, do_sh,
-                                                            lse, delta, seq, stat_dims, walk.head(head_kv, it),
-                                                            m_block_of(it) * BLOCK_M, seqlen_q, headdim, headdim_v,
-                                                            tid);
+        Walk::load_query_block(it, stage, query_src, walk, q_blocks, head_kv, base, seq, stat_dims, seqlen_q, headdim,
+                               headdim_v, tid);
     };
-
-    cp_async_key_panels<BLOCK_N, D_TILE, NTHREADS>(s_k, s_v, k_rows, k_ss, v_rows, v_ss, n0, seqlen_k, headdim,
-                                                   headdim_v, tid);
-    if (walk.iters > 0) load_query_block(0, 0);
-    cp_async_commit();
+    Walk::load_key_block_and_first(s_k, s_v, k_rows, k_ss, v_rows, v_ss, n0, seqlen_k, headdim, headdim_v, tid,
+                                   walk.iters, load_query_block);
 
     const int wg = tid / 128, warp_in_wg = (tid / 32) % 4, lane = tid % 32;
     float dk_acc[DJ][4], dv_acc[DJ][4];
@@ -151,19 +140,10 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
     const float dq_limit = fixed_limit((seqlen_k + BLOCK_N - 1) / BLOCK_N);  // fixed: one add per key block
     for (int it = 0; it < walk.iters; ++it) {
         const int stage = it & 1;
-        // The wait lands this block's copies; the proxy fence hands them (and the previous
-        // iteration's dS^T stores) to wgmma's async proxy; the barrier does so for every thread
-        // and guarantees that all warpgroups are done with iteration it - 1.
-        cp_async_wait<0>();
-        fence_proxy_async_shared();
-        __syncthreads();
-        if constexpr (!ORDERED) {
-            if (it + 1 < walk.iters) load_query_block(it + 1, stage ^ 1);
-            cp_async_commit();
-        }
+        Walk::land(it, stage, walk.iters, load_query_block);  // and the previous iteration's dS^T stores
 
         const int head = walk.head(head_kv, it);
-        const int m_block = m_block_of(it), m0 = m_block * BLOCK_M;
+        const int m_block = Walk::query_block(walk, q_blocks, it), m0 = m_block * BLOCK_M;
         int* const sem = dq_semaphore + ((i64)batch * nheads + head) * q_blocks + m_block;
         int sem_seen = 0;  // ORDERED: the counter, read early so its latency hides behind steps 1-7
         if constexpr (ORDERED) sem_seen = ld_acquire_gpu(sem);
@@ -195,15 +175,8 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
         }
         wgmma_commit();
         // ORDERED: the previous query block's release, while the tensor cores work on S^T and
-        // dP^T (a fence stall costs least here; measured: releasing after P^T instead, 285 vs
-        // 308 TFLOP/s at d128 16k), then the prefetch (issued before the release, its copies
-        // would be in flight and the release's fence would wait for them).
-        if constexpr (ORDERED) {
-            release_dq_block(pending_release, lane);
-            pending_release = nullptr;
-            if (it + 1 < walk.iters) load_query_block(it + 1, stage ^ 1);
-            cp_async_commit();
-        }
+        // dP^T (measured: releasing after P^T instead, 285 vs 308 TFLOP/s at d128 16k).
+        Walk::release_and_prefetch(pending_release, lane, it, stage, walk.iters, load_query_block);
         wgmma_wait<1>();
         pin_registers(reinterpret_cast<float(&)[SJ * 4]>(s_acc));
 
@@ -427,26 +400,13 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
         pin_registers(reinterpret_cast<float(&)[DJ * 4]>(dk_acc));
         if constexpr (ORDERED) pending_release = sem;
     }
-    if constexpr (ORDERED) release_dq_block(pending_release, lane);
-    cp_async_wait<0>();
+    Walk::end(pending_release, lane);
 
     // Epilogue: dK = scale dS^T Q summed, and dV, straight from the accumulators (once per CTA).
     const int key_row = 64 * wg + 16 * warp_in_wg + lane / 4;
     if constexpr (DropoutOf<Mask>::ENABLED) scale_acc(dv_acc, p.variant.dropout.scale);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int n = n0 + key_row + 8 * h;
-        if (n >= seqlen_k) continue;
-        T* dk_row = p.dk.row<T>(batch, seq.k_begin + n, head_kv);
-        T* dv_row = p.dv.row<T>(batch, seq.k_begin + n, head_kv);
-#pragma unroll
-        for (int j = 0; j < DJ; ++j) {
-            const int col = 8 * j + 2 * (lane % 4);
-            if (col < headdim)
-                *reinterpret_cast<u32*>(dk_row + col) = pack2<T>(dk_acc[j][2 * h] * scale, dk_acc[j][2 * h + 1] * scale);
-            if (col < headdim_v) *reinterpret_cast<u32*>(dv_row + col) = pack2<T>(dv_acc[j][2 * h], dv_acc[j][2 * h + 1]);
-        }
-    }
+    store_key_rows_grads<T>(p, seq, batch, head_kv, n0, key_row, 0, seqlen_k, headdim, headdim_v, scale, 1.f, dk_acc,
+                            dv_acc, lane);
     // Fixed point: the staging tiles must outlive the bulk reductions' reads of them.
     if constexpr (STAGED) {
         if (lane < 16) bulk_wait_read_all();

@@ -92,12 +92,7 @@ flash_bwd_wgmma_dsplit(const __grid_constant__ BwdParams p) {
     const StatDims stat_dims{nheads, p.seqlen_q};
     const float scale_log2 = p.scale_log2, scale = p.scale;
     // Q, dO and the row statistics move with the query head; K, V, dK, dV are this CTA's kv head.
-    const T* __restrict__ q = static_cast<const T*>(p.q.data);
-    const T* __restrict__ dout = static_cast<const T*>(p.dout.data);
-    const float* __restrict__ lse = static_cast<const float*>(p.lse);
-    const float* __restrict__ delta = static_cast<const float*>(p.delta);
-    const i64 q_sb = p.q.batch_stride, q_ss = p.q.row_stride, q_sh = p.q.head_stride;
-    const i64 do_sb = p.dout.batch_stride, do_ss = p.dout.row_stride, do_sh = p.dout.head_stride;
+    const QuerySources<T> query_src = query_sources<T>(p);
     const i64 k_ss = p.k.row_stride, v_ss = p.v.row_stride;
     void* __restrict__ dq_accum = p.dq_accum.data;  // float32 rows (DQ_ADD atomic, ordered)
     const i64 dqa_sb = p.dq_accum.batch_stride, dqa_ss = p.dq_accum.row_stride, dqa_sh = p.dq_accum.head_stride;
@@ -118,19 +113,13 @@ flash_bwd_wgmma_dsplit(const __grid_constant__ BwdParams p) {
     // The ordered dQ adds count every key block of a query block's column: no skipped blocks.
     static_assert(!ORDERED || !(Mask::HAS_LEFT || Mask::HAS_BLOCK_MAP), "ordered dQ adds need every key block");
 
-    // Iteration it -> query block; ORDERED walks each head's blocks from the last to the first.
-    auto m_block_of = [&](int it) { return ORDERED ? walk.block_down_from(q_blocks - 1, it) : walk.block(it); };
+    typedef WgmmaKeyWalk<T, L, BLOCK_M, BLOCK_N, D_TILE, NTHREADS, ORDERED> Walk;
     auto load_query_block = [&](int it, int stage) {
-        cp_async_query_panels<L, BLOCK_M, D_TILE, NTHREADS>(base, stage, q, q_sb, q_ss, q_sh, dout, do_sb, do_ss, do_sh,
-                                                            lse, delta, seq, stat_dims, walk.head(head_kv, it),
-                                                            m_block_of(it) * BLOCK_M, seqlen_q, headdim, headdim_v,
-                                                            tid);
+        Walk::load_query_block(it, stage, query_src, walk, q_blocks, head_kv, base, seq, stat_dims, seqlen_q, headdim,
+                               headdim_v, tid);
     };
-
-    cp_async_key_panels<BLOCK_N, D_TILE, NTHREADS>(s_k, s_v, k_rows, k_ss, v_rows, v_ss, n0, seqlen_k, headdim,
-                                                   headdim_v, tid);
-    if (walk.iters > 0) load_query_block(0, 0);
-    cp_async_commit();
+    Walk::load_key_block_and_first(s_k, s_v, k_rows, k_ss, v_rows, v_ss, n0, seqlen_k, headdim, headdim_v, tid,
+                                   walk.iters, load_query_block);
 
     const int wg = tid / 128, warp_in_wg = (tid / 32) % 4, lane = tid % 32;
     const int key_row = 16 * warp_in_wg + lane / 4;  // this thread's S^T / dP^T rows: key_row, +8
@@ -141,16 +130,10 @@ flash_bwd_wgmma_dsplit(const __grid_constant__ BwdParams p) {
     int* pending_release = nullptr;
     for (int it = 0; it < walk.iters; ++it) {
         const int stage = it & 1;
-        cp_async_wait<0>();
-        fence_proxy_async_shared();
-        __syncthreads();
-        if constexpr (!ORDERED) {
-            if (it + 1 < walk.iters) load_query_block(it + 1, stage ^ 1);
-            cp_async_commit();
-        }
+        Walk::land(it, stage, walk.iters, load_query_block);
 
         const int head = walk.head(head_kv, it);
-        const int m_block = m_block_of(it), m0 = m_block * BLOCK_M;
+        const int m_block = Walk::query_block(walk, q_blocks, it), m0 = m_block * BLOCK_M;
         int* const sem = dq_semaphore + ((i64)batch * nheads + head) * q_blocks + m_block;
         int sem_seen = 0;
         if constexpr (ORDERED) sem_seen = ld_acquire_gpu(sem);
@@ -173,12 +156,7 @@ flash_bwd_wgmma_dsplit(const __grid_constant__ BwdParams p) {
                     smem_desc(b_tile + (kk / 4) * L::Q_PANEL + (kk % 4) * 32, 16, 1024), kk > 0);
             wgmma_commit();
         }
-        if constexpr (ORDERED) {  // as in flash_bwd_wgmma.cu: while step 1 runs
-            release_dq_block(pending_release, lane);
-            pending_release = nullptr;
-            if (it + 1 < walk.iters) load_query_block(it + 1, stage ^ 1);
-            cp_async_commit();
-        }
+        Walk::release_and_prefetch(pending_release, lane, it, stage, walk.iters, load_query_block);  // while step 1 runs
         wgmma_wait<0>();
         pin_registers(reinterpret_cast<float(&)[SJ * 4]>(acc));
 
@@ -362,26 +340,12 @@ flash_bwd_wgmma_dsplit(const __grid_constant__ BwdParams p) {
         }
         if constexpr (ORDERED) pending_release = sem;
     }
-    if constexpr (ORDERED) release_dq_block(pending_release, lane);
-    cp_async_wait<0>();
+    Walk::end(pending_release, lane);
 
     // Epilogue: this warpgroup's head-dim half of dK (scaled) and dV, from the accumulators.
     const float drop_scale = DropoutOf<Mask>::kept_scale(p);  // 1 / (1 - p)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int n = n0 + key_row + 8 * h;
-        if (n >= seqlen_k) continue;
-        T* dk_row = p.dk.row<T>(batch, seq.k_begin + n, head_kv);
-        T* dv_row = p.dv.row<T>(batch, seq.k_begin + n, head_kv);
-#pragma unroll
-        for (int j = 0; j < HJ; ++j) {
-            const int col = HALF * wg + 8 * j + 2 * (lane % 4);
-            if (col < headdim)
-                *reinterpret_cast<u32*>(dk_row + col) = pack2<T>(dk_acc[j][2 * h] * scale, dk_acc[j][2 * h + 1] * scale);
-            if (col < headdim_v)
-                *reinterpret_cast<u32*>(dv_row + col) = pack2<T>(dv_acc[j][2 * h] * drop_scale, dv_acc[j][2 * h + 1] * drop_scale);
-        }
-    }
+    store_key_rows_grads<T>(p, seq, batch, head_kv, n0, key_row, HALF * wg, seqlen_k, headdim, headdim_v, scale,
+                            drop_scale, dk_acc, dv_acc, lane);
 }
 
 }  // namespace cf

@@ -1,11 +1,18 @@
-// Copies shared by the two wgmma dK/dV kernels (flash_bwd_wgmma, flash_bwd_wgmma_dsplit): their
-// tiles are wgmma's 128-byte-swizzled panels (wgmma.cuh), filled by cp.async. Both kernels hold
-// their tensors as a raw pointer and three strides each, copied from BwdParams at their top.
+// What the two wgmma dK/dV kernels (flash_bwd_wgmma, flash_bwd_wgmma_dsplit) share: the copies
+// into their tiles, wgmma's 128-byte-swizzled panels (wgmma.cuh) filled by cp.async, the order of
+// their walk over the query blocks, its pipeline's waits and the stores of dK_j and dV_j. Both
+// kernels hold their tensors as a raw pointer and three strides each, copied from BwdParams at
+// their top, and these are free functions of those locals, not a CTA object: a CTA struct holding
+// them (docs/perf-log.md, wgmma-bwd-cta) changed the kernels' machine code, these leave it as it
+// was when the code stood in both kernels.
 #pragma once
 
+#include "block_walk.cuh"
 #include "common.cuh"
+#include "dq_order.cuh"
 #include "mask.cuh"
 #include "mma_bwd.cuh"
+#include "params.cuh"
 #include "softmax_bwd.cuh"
 #include "wgmma.cuh"
 
@@ -39,6 +46,130 @@ __device__ __forceinline__ void cp_async_query_panels(u32 base, int stage, const
                                                seqlen_q - m0, headdim_v, do_ss, tid);
     cp_async_row_stats<BLOCK_M, NTHREADS>(base + L::LSE, base + L::DELTA, stage, lse, delta,
                                            seq.stat(stat_dims, head, m0), m0, seqlen_q, tid);
+}
+
+// Where the query blocks' copies read: Q and dO (pointer; batch, row and head strides), lse and D,
+// copied from BwdParams at the kernel's top (as separate locals before; the same code).
+template <typename T>
+struct QuerySources {
+    const T* q;
+    i64 q_sb, q_ss, q_sh;
+    const T* dout;
+    i64 do_sb, do_ss, do_sh;
+    const float* lse;
+    const float* delta;
+};
+template <typename T>
+__device__ __forceinline__ QuerySources<T> query_sources(const BwdParams& p) {
+    return {static_cast<const T*>(p.q.data), p.q.batch_stride, p.q.row_stride, p.q.head_stride,
+            static_cast<const T*>(p.dout.data), p.dout.batch_stride, p.dout.row_stride, p.dout.head_stride,
+            static_cast<const float*>(p.lse), static_cast<const float*>(p.delta)};
+}
+
+// The walk of a key block (one CTA of NTHREADS, layout L), two pipeline stages deep: iteration
+// it's query block lands in stage it & 1 while the copies of iteration it + 1 fill the other. The
+// functions take the kernel's locals; load_query_block(it, stage) is the kernel's call of this
+// struct's load_query_block with them. ORDERED (the ordered dQ adds, dq_order.cuh) walks each
+// query head's blocks from the last to the first and starts iteration it + 1's copies later,
+// behind the previous block's release (release_and_prefetch).
+template <typename T, class L, int BLOCK_M, int BLOCK_N, int D_TILE, int NTHREADS, bool ORDERED>
+struct WgmmaKeyWalk {
+    // Iteration it's query block; q_blocks: the query blocks of a head (ORDERED: dense only).
+    static __device__ __forceinline__ int query_block(const QueryBlockWalk<BLOCK_M>& walk, int q_blocks, int it) {
+        return ORDERED ? walk.block_down_from(q_blocks - 1, it) : walk.block(it);
+    }
+
+    // Iteration it's Q_i, dO_i, lse_i and D_i into pipeline stage `stage` (no commit).
+    static __device__ __forceinline__ void load_query_block(int it, int stage, const QuerySources<T>& src,
+                                                            const QueryBlockWalk<BLOCK_M>& walk, int q_blocks,
+                                                            int head_kv, u32 base, const SequenceRows& seq,
+                                                            const StatDims& stat_dims, int seqlen_q, int headdim,
+                                                            int headdim_v, int tid) {
+        cp_async_query_panels<L, BLOCK_M, D_TILE, NTHREADS>(base, stage, src.q, src.q_sb, src.q_ss, src.q_sh, src.dout,
+                                                            src.do_sb, src.do_ss, src.do_sh, src.lse, src.delta, seq,
+                                                            stat_dims, walk.head(head_kv, it),
+                                                            query_block(walk, q_blocks, it) * BLOCK_M, seqlen_q,
+                                                            headdim, headdim_v, tid);
+    }
+
+    // Prologue: K_j, V_j (cp_async_key_panels) and the first query block, one commit group.
+    template <class LoadQueryBlock>
+    static __device__ __forceinline__ void load_key_block_and_first(u32 k_tile, u32 v_tile, const T* k_rows, i64 k_ss,
+                                                                    const T* v_rows, i64 v_ss, int n0, int seqlen_k,
+                                                                    int headdim, int headdim_v, int tid, int iters,
+                                                                    const LoadQueryBlock& load_query_block) {
+        cp_async_key_panels<BLOCK_N, D_TILE, NTHREADS>(k_tile, v_tile, k_rows, k_ss, v_rows, v_ss, n0, seqlen_k, headdim,
+                                                       headdim_v, tid);
+        if (iters > 0) load_query_block(0, 0);
+        cp_async_commit();
+    }
+
+    // Top of iteration it (stage it & 1): the wait lands its block's copies; the proxy fence hands
+    // them (and the previous iteration's stores to shared memory) to wgmma's async proxy; the
+    // barrier does so for every thread and guarantees that all warpgroups are done with iteration
+    // it - 1, whose stage the next copies overwrite. Then, unless ORDERED, iteration it + 1's
+    // copies start, one commit group (empty past the last).
+    template <class LoadQueryBlock>
+    static __device__ __forceinline__ void land(int it, int stage, int iters, const LoadQueryBlock& load_query_block) {
+        cp_async_wait<0>();
+        fence_proxy_async_shared();
+        __syncthreads();
+        if constexpr (!ORDERED) {
+            if (it + 1 < iters) load_query_block(it + 1, stage ^ 1);
+            cp_async_commit();
+        }
+    }
+
+    // ORDERED: the previous query block's release (pending_release; the fence stall costs least
+    // while the tensor cores work on the iteration's first products, where the kernels call
+    // this), then iteration it + 1's copies (issued before the release, they would be in flight
+    // and the release's fence would wait for them).
+    template <class LoadQueryBlock>
+    static __device__ __forceinline__ void release_and_prefetch(int*& pending_release, int lane, int it, int stage,
+                                                                int iters, const LoadQueryBlock& load_query_block) {
+        if constexpr (ORDERED) {
+            release_dq_block(pending_release, lane);
+            pending_release = nullptr;
+            if (it + 1 < iters) load_query_block(it + 1, stage ^ 1);
+            cp_async_commit();
+        }
+    }
+
+    // After the last iteration: ORDERED, the last block's release; every copy landed (the last
+    // commit group may be an empty one).
+    static __device__ __forceinline__ void end(int* pending_release, int lane) {
+        if constexpr (ORDERED) release_dq_block(pending_release, lane);
+        cp_async_wait<0>();
+    }
+};
+
+// Epilogue: dK_j times dk_scale (dS^T Q is summed unscaled) and dV_j times dv_scale, straight from
+// the accumulators: this thread's key rows key_row and key_row + 8 of the block, NJ 8-column
+// blocks from column col0 (pairs 8 j + 2 (lane % 4)); rows past seqlen_k and columns past headdim
+// (dK), headdim_v (dV) are not stored.
+template <typename T, int NJ>
+__device__ __forceinline__ void store_key_rows_grads(const BwdParams& p, const SequenceRows& seq, int batch, int head_kv,
+                                                     int n0, int key_row, int col0, int seqlen_k, int headdim,
+                                                     int headdim_v, float dk_scale, float dv_scale,
+                                                     const float (&dk_acc)[NJ][4], const float (&dv_acc)[NJ][4],
+                                                     int lane) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int n = n0 + key_row + 8 * h;
+        if (n >= seqlen_k) continue;
+        T* dk_row = p.dk.row<T>(batch, seq.k_begin + n, head_kv);
+        T* dv_row = p.dv.row<T>(batch, seq.k_begin + n, head_kv);
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) {
+            const int col = col0 + 8 * j + 2 * (lane % 4);
+            if (col < headdim)
+                *reinterpret_cast<u32*>(dk_row + col) =
+                    pack2<T>(dk_acc[j][2 * h] * dk_scale, dk_acc[j][2 * h + 1] * dk_scale);
+            if (col < headdim_v)
+                *reinterpret_cast<u32*>(dv_row + col) =
+                    pack2<T>(dv_acc[j][2 * h] * dv_scale, dv_acc[j][2 * h + 1] * dv_scale);
+        }
+    }
 }
 
 }  // namespace cf

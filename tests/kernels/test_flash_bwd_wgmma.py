@@ -7,15 +7,15 @@ import numpy as np
 import pytest
 from launch_fakes import FakeArray
 from models.blocks import assert_float64_close, bwd_inputs, bwd_reference, seeded_rng
-from models.flash_bwd_wgmma import (BWD, BWD_CONFIGS, DQ_STAGE_ROW, bwd_dkdv_steps, bwd_dq_panel_stage,
-                                    bwd_dq_panels, bwd_dq_stage_stores, bwd_dq_steps, bwd_ds_t_stores, bwd_emulated, bwd_grad_stash,
-                                    bwd_smem, bwd_st_steps, bwd_tiles)
+from models.flash_bwd_wgmma import (BWD, BWD_CONFIGS, DQ_STAGE_ROW, WGMMA_BWD, bwd_dkdv_steps, bwd_dq_panel_stage,
+                                    bwd_dq_panels, bwd_dq_stage_stores, bwd_dq_steps, bwd_ds_t_stores, bwd_emulated,
+                                    bwd_grad_stash, bwd_smem, bwd_st_steps, bwd_tiles)
 from models.mirrors import missing_statements, unmirrored_statements
 from models.smem import RAW_SMEM, aligned_base, new_smem, store_panels
 from models.wgmma import WARP_IN_WG, assert_operand, bank_conflict_free, cp_async_panels
 
 
-@pytest.mark.parametrize("source", [BWD])
+@pytest.mark.parametrize("source", [BWD, WGMMA_BWD])  # WGMMA_BWD: its copies and epilogue, shared with _dsplit
 def test_mirrors_match_the_kernel_sources(source):
     """Every C++ statement a mirror names is in the source (whitespace aside), and every layout
     statement of the kernel is mirrored: an edit there fails here until the mirror follows."""

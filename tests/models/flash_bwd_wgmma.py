@@ -15,6 +15,7 @@ from .wgmma import (LANE, ROW_LO, THREAD_IN_GROUP, WARP_IN_WG, Step, cp_async_pa
                     wgmma)
 
 BWD = "flash_bwd_wgmma"  # the kernel (models.mirrors finds its file)
+WGMMA_BWD = "wgmma_bwd.cuh"  # its copies, walk and epilogue, shared with flash_bwd_wgmma_dsplit
 
 
 
@@ -61,8 +62,8 @@ def bwd_smem(d_tile: int, block_m: int, block_n: int, dq_add: str = "atomic") ->
 
 @mirrors(BWD,
          "const u32 s_k = base + L::K, s_v = base + L::V, s_dst = base + L::DST;",
-         "const u32 s_q = base + L::Q + stage * L::Q_TILE, s_do = base + L::DO + stage * L::Q_TILE;",
-         # the copies, shared with the other wgmma dK/dV kernel (wgmma_bwd.cuh)
+         "const u32 s_q = base + L::Q + stage * L::Q_TILE, s_do = base + L::DO + stage * L::Q_TILE;")
+@mirrors(WGMMA_BWD,  # the copies, which flash_bwd_wgmma_dsplit's layout takes the same way
          "cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(base + L::Q + stage * L::Q_TILE,"
          " q + row_offset(seq.batch, seq.q_begin + m0, head, q_sb, q_ss, q_sh), seqlen_q - m0, headdim, q_ss, tid);",
          "cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(base + L::DO + stage * L::Q_TILE,"
@@ -70,8 +71,10 @@ def bwd_smem(d_tile: int, block_m: int, block_n: int, dq_add: str = "atomic") ->
          " do_ss, tid);",
          "cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(k_tile, k_rows + n0 * k_ss, seqlen_k - n0, headdim, k_ss, tid);",
          "cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(v_tile, v_rows + n0 * v_ss, seqlen_k - n0, headdim_v, v_ss, tid);",
-         "cp_async_key_panels<BLOCK_N, D_TILE, NTHREADS>(s_k, s_v, k_rows, k_ss, v_rows, v_ss, n0, seqlen_k, headdim,"
+         "cp_async_key_panels<BLOCK_N, D_TILE, NTHREADS>(k_tile, v_tile, k_rows, k_ss, v_rows, v_ss, n0, seqlen_k, headdim,"
          " headdim_v, tid);")
+@mirrors(BWD, "Walk::load_key_block_and_first(s_k, s_v, k_rows, k_ss, v_rows, v_ss, n0, seqlen_k, headdim, headdim_v,"
+              " tid, walk.iters, load_query_block);")
 def bwd_tiles(L, stage: int) -> SimpleNamespace:
     base = aligned_base(RAW_SMEM)
     return SimpleNamespace(k=base + L.K, v=base + L.V, dst=base + L.DST,
@@ -289,13 +292,14 @@ def red_add_pairs(out, rows, cols, pairs, headdim):
             out[r, c + 1] += y
 
 
-@mirrors(BWD,
+@mirrors(WGMMA_BWD,
          "const int n = n0 + key_row + 8 * h;",
-         "const int col = 8 * j + 2 * (lane % 4);",
-         "*reinterpret_cast<u32*>(dk_row + col) = pack2<T>(dk_acc[j][2 * h] * scale, dk_acc[j][2 * h + 1] * scale);",
-         "*reinterpret_cast<u32*>(dv_row + col) = pack2<T>(dv_acc[j][2 * h], dv_acc[j][2 * h + 1]);")
+         "const int col = col0 + 8 * j + 2 * (lane % 4);",
+         "*reinterpret_cast<u32*>(dk_row + col) = pack2<T>(dk_acc[j][2 * h] * dk_scale, dk_acc[j][2 * h + 1] * dk_scale);",
+         "*reinterpret_cast<u32*>(dv_row + col) = pack2<T>(dv_acc[j][2 * h] * dv_scale, dv_acc[j][2 * h + 1] * dv_scale);")
 def store_dkdv(out, acc, key_row, col0: int, mult: float, headdim: int) -> None:
-    """Epilogue: row key_row + 8h, columns col0 + 8j + 2t of dK (mult = scale) or dV (1)."""
+    """Epilogue (store_key_rows_grads): row key_row + 8h, columns col0 + 8j + 2t of dK (mult =
+    dk_scale: the scale) or dV (dv_scale: 1, or dropout's 1 / (1 - p))."""
     for h in range(2):
         for j in range(acc.shape[1]):
             col = col0 + 8 * j + 2 * THREAD_IN_GROUP
@@ -351,6 +355,8 @@ def bwd_emulated(q, k, v, do, lse, delta, L, headdim: int, scale: float):
     return dk, dv, dq_accum
 
 
+mirrors(BWD, "store_key_rows_grads<T>(p, seq, batch, head_kv, n0, key_row, 0, seqlen_k, headdim, headdim_v, scale, 1.f,"
+             " dk_acc, dv_acc, lane);")(bwd_emulated)
 
 mirrors(BWD, "const u32 base = aligned_dynamic_smem<L::BYTES>(smem_raw);")(aligned_base)
 

@@ -55,16 +55,9 @@ def dsplit_smem(d_tile: int, block_m: int, block_n: int) -> SimpleNamespace:
 @mirrors(DSPLIT,
          "const u32 s_k = base + L::K, s_v = base + L::V, s_pt = base + L::PT, s_dst = base + L::DST;",
          "const u32 s_q = base + L::Q + stage * L::Q_TILE, s_do = base + L::DO + stage * L::Q_TILE;",
-         # the copies, shared with the other wgmma dK/dV kernel (wgmma_bwd.cuh)
-         "cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(base + L::Q + stage * L::Q_TILE,"
-         " q + row_offset(seq.batch, seq.q_begin + m0, head, q_sb, q_ss, q_sh), seqlen_q - m0, headdim, q_ss, tid);",
-         "cp_async_panels<BLOCK_M, D_TILE, NTHREADS>(base + L::DO + stage * L::Q_TILE,"
-         " dout + row_offset(seq.batch, seq.q_begin + m0, head, do_sb, do_ss, do_sh), seqlen_q - m0, headdim_v,"
-         " do_ss, tid);",
-         "cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(k_tile, k_rows + n0 * k_ss, seqlen_k - n0, headdim, k_ss, tid);",
-         "cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(v_tile, v_rows + n0 * v_ss, seqlen_k - n0, headdim_v, v_ss, tid);",
-         "cp_async_key_panels<BLOCK_N, D_TILE, NTHREADS>(s_k, s_v, k_rows, k_ss, v_rows, v_ss, n0, seqlen_k, headdim,"
-         " headdim_v, tid);")
+         # the copies: wgmma_bwd.cuh's, mirrored once (models.flash_bwd_wgmma.bwd_tiles)
+         "Walk::load_key_block_and_first(s_k, s_v, k_rows, k_ss, v_rows, v_ss, n0, seqlen_k, headdim, headdim_v, tid,"
+         " walk.iters, load_query_block);")
 def dsplit_tiles(L, stage: int) -> SimpleNamespace:
     base = aligned_base(RAW_SMEM)
     return SimpleNamespace(k=base + L.K, v=base + L.V, pt=base + L.PT, dst=base + L.DST,
@@ -199,9 +192,10 @@ def dsplit_emulated(q, k, v, do, lse, delta, L, headdim: int, scale: float):
 
 
 mirrors(DSPLIT,
-        "const int col = HALF * wg + 8 * j + 2 * (lane % 4);",
-        "*reinterpret_cast<u32*>(dk_row + col) = pack2<T>(dk_acc[j][2 * h] * scale, dk_acc[j][2 * h + 1] * scale);",
-        "*reinterpret_cast<u32*>(dv_row + col) = pack2<T>(dv_acc[j][2 * h] * drop_scale, dv_acc[j][2 * h + 1] * drop_scale);",
+        # the epilogue: wgmma_bwd.cuh's store_key_rows_grads (models.flash_bwd_wgmma.store_dkdv) on this
+        # warpgroup's head-dim half
+        "store_key_rows_grads<T>(p, seq, batch, head_kv, n0, key_row, HALF * wg, seqlen_k, headdim, headdim_v, scale,"
+        " drop_scale, dk_acc, dv_acc, lane);",
         "const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + 8 * j + 2 * (lane % 4));",
         "const float p_ij = recomputed_p(s_ij, scale_log2, base_log2[e & 1]);",  # s_ij: the score policy's transform of S (the identity of the plain kernels modelled here)
         "const float2 d2 = *reinterpret_cast<const float2*>(s_delta + 8 * j + 2 * (lane % 4));",

@@ -61,8 +61,8 @@ def query_block_range(mask, n0, block_n, block_m, seqlen_q, seqlen_k):
     return m_block_first, max(0, m_block_end - m_block_first)
 
 
-@_each(WGMMA_DKDV_KERNELS, *QUERY_BLOCK_WALK,
-       "auto m_block_of = [&](int it) { return ORDERED ? walk.block_down_from(q_blocks - 1, it) : walk.block(it); };")
+@_each(WGMMA_DKDV_KERNELS, *QUERY_BLOCK_WALK,  # the order: wgmma_bwd.cuh's WgmmaKeyWalk, which both include
+       "return ORDERED ? walk.block_down_from(q_blocks - 1, it) : walk.block(it);")
 def wgmma_walk(mask, n0, block_n, block_m, seqlen_q, seqlen_k, group, head_kv, ordered):
     """(query head, query block) of each iteration of a wgmma dK/dV CTA: query_block_range's
     blocks for each head of the group, ascending, or with the ordered dQ adds from the sequence's
