@@ -19,18 +19,20 @@
 // by it (softcap's 1 - tanh^2; 1 otherwise, which it does not store: HAS_GRAD).
 //
 // Tanh: how a kernel takes softcap's tanh in float (double is always accurate):
-//   RATIONAL (the 16-bit tensor-core forwards, and float32's one-product "tf32" forward): the
+//   RATIONAL (the 16-bit tensor-core forwards and flash_bwd_dq_wgmma, and float32's one-product
+//     "tf32" forward): the
 //     rational y N(y^2) / D(y^2) of tanh_rational, y clamped to +-7, N and D cubic in y^2: eleven
 //     FP32 operations (two of them the clamp) and one MUFU (rcp.approx), an absolute error below
 //     1.2e-6 (tests/kernels/test_score_tanh.py evaluates these constants as the kernel does).
-//   EXP_RCP (the 16-bit tensor-core backwards): 1 - 2 / (1 + 2^(2 log2(e) y)) with ex2.approx
+//   EXP_RCP (the other 16-bit tensor-core backwards): 1 - 2 / (1 + 2^(2 log2(e) y)) with ex2.approx
 //     and rcp.approx, two MUFU operations, an absolute error near 1e-7.
 //   ACCURATE (SIMT, float32 "ieee", float64): tanhf / tanh.
 // Why two forms: a forward score has one MUFU operation of its own (the softmax's exp2) against
 // 2 d tensor-core FLOPs per product; EXP_RCP made it three, and the MUFU unit does a quarter of
 // the FP32 unit's work a clock: softcap's forward ran at 0.63-0.66x of plain (docs/perf-log.md
-// variants, softcap-rational). The backward does five products a score, and there the rational's
-// extra registers spill (16 bytes in flash_bwd_wgmma d128) where the MUFU saved would not pay.
+// variants, softcap-rational). flash_bwd_dq_wgmma does three products a score, as MUFU-bound as
+// the forward; the dK/dV kernels do four or five, and there the rational's extra registers spill
+// (16 bytes in flash_bwd_wgmma d128) where the MUFU saved would not pay.
 // tanh.approx.f32 alone would be one MUFU operation, but its 2^-11 relative error is 0.015 in the
 // exponent at c = 30: a 1.5% error in P, more than bfloat16's own rounding. RATIONAL's c tanh(z /
 // c) is off by at most c * 1.2e-6 in the exponent: 4e-5 at the caps models use (30, 50), 1.2e-3
