@@ -54,6 +54,10 @@
 #   scripts/gpu_check.sh OUTDIR measure  after the suite on its warm machine: MEASURE's parts (default
 #                                       "varlen decode"; also dropout, tf32): the varlen bench, the
 #                                       full decode table, dropout's cost at 8k, the tf32 candidates
+#   scripts/gpu_check.sh OUTDIR properties  after warm: the property files of the default kernels and
+#                                       of every variant (API, windows, v's head dim; variants, dropout,
+#                                       modifiers: PROPERTIES_PART=1, 2) at the gpu profile, 200
+#                                       examples a property (issues 15 and 16 ask it), shards
 #   scripts/gpu_check.sh OUTDIR window_tiles  the window forward's own tiles: Local kernels compiled,
 #                                       the tuner's window sweep at 16k, the window / variant GPU
 #                                       tests, the window bench at 16k (and at 8k with FlexAttention:
@@ -272,6 +276,19 @@ suite)  # the GPU test suite in three parts (SUITE_PART=1, 2 or 3), each one sum
         fi
         step "suite-part$part" "$limit" bash scripts/gpu_suite_part.sh "$out/suite-part$part.txt" \
             "$(( limit - 20 ))" "${paths[@]}"
+    done
+    ;;
+properties)  # the dev profile's 25 examples a property are the suite's; the issues' bar is 200. In
+             # two parts (PROPERTIES_PART=1 or 2, default both, one call each): the dev profile's
+             # shard-seconds (2026-12-05, H100) times 8 over 14 shards are about 200 s and 370 s.
+    limit=${TEST_LIMIT:-560}
+    for part in ${PROPERTIES_PART:-1 2}; do
+        case $part in
+        1) paths=(tests/test_api_gpu.py tests/test_window_gpu.py tests/test_headdim_v_gpu.py) ;;
+        *) paths=(tests/test_variants_gpu.py tests/test_dropout_gpu.py tests/test_modifiers_gpu.py) ;;
+        esac
+        step "properties$part" "$limit" env HYPOTHESIS_PROFILE=gpu bash scripts/gpu_suite_part.sh \
+            "$out/properties$part.txt" "$(( limit - 20 ))" "${paths[@]}"
     done
     ;;
 ncu)
