@@ -1,15 +1,17 @@
 """How float32 products are formed: ``precision="ieee"`` (the default) or ``"tf32"``, PyTorch's names.
 
-The float32 forward runs on tensor cores (``kernels_cu/flash_fwd_tf32.cu``), whose float32 input
-format is tf32: 10 explicit mantissa bits instead of 23.
+The float32 forward runs on tensor cores (``kernels_cu/flash_fwd_tf32.cu``; on sm_90 at head dims up
+to 64, ``kernels_cu/flash_fwd_tf32_wgmma_ws.cu``), whose float32 input format is tf32: 10 explicit
+mantissa bits instead of 23.
 
 - ``"ieee"``: products as precise as float32's. Each operand is split, x = hi + lo with
   hi = tf32(x), and each product is formed as three tf32 products (hi·hi + hi·lo + lo·hi, float32
   accumulation), whose error is of the order of float32's own rounding (docs/algorithm.md,
   "float32 on tensor cores"). The tensor core's accumulation of them is not round to nearest:
   measured on the H200 the forward's error is 8-14x standard float32 attention's at 1k keys,
-  within the library's float32 tolerance (docs/perf-log.md, "tf32-fwd-v1"); a candidate kernel
-  that sums them apart measured 0.74-1.08x ("tf32-fwd-v2").
+  within the library's float32 tolerance (docs/perf-log.md, "tf32-fwd-v1"); the shipped rows
+  sum them apart: 0.74-1.08x at head dims 64 and 128 ("tf32-fwd-v3"), 0.62-0.67x on sm_90's
+  wgmma row ("tf32-wgmma-route").
 - ``"tf32"``: one product on operands rounded to tf32, about three times the speed, with the error
   of 11-bit operands (relative 2^-11 per operand, as float16's mantissa).
 

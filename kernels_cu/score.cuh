@@ -23,7 +23,7 @@
 //     "tf32" forward): the
 //     rational y N(y^2) / D(y^2) of tanh_rational, y clamped to +-7, N and D cubic in y^2: eleven
 //     FP32 operations (two of them the clamp) and one MUFU (rcp.approx), an absolute error below
-//     1.2e-6 (tests/kernels/test_score_tanh.py evaluates these constants as the kernel does).
+//     1.25e-6 (tests/kernels/test_score_tanh.py evaluates these constants as the kernel does).
 //   EXP_RCP (the other 16-bit tensor-core backwards): 1 - 2 / (1 + 2^(2 log2(e) y)) with ex2.approx
 //     and rcp.approx, two MUFU operations, an absolute error near 1e-7.
 //   ACCURATE (SIMT, float32 "ieee", float64): tanhf / tanh.
@@ -35,8 +35,10 @@
 // (16 bytes in flash_bwd_wgmma d128) where the MUFU saved would not pay.
 // tanh.approx.f32 alone would be one MUFU operation, but its 2^-11 relative error is 0.015 in the
 // exponent at c = 30: a 1.5% error in P, more than bfloat16's own rounding. RATIONAL's c tanh(z /
-// c) is off by at most c * 1.2e-6 in the exponent: 4e-5 at the caps models use (30, 50), 1.2e-3
-// at c = 1e3, where it reaches bfloat16's rounding of P (api.md says so).
+// c) is off by at most c * 1.25e-6 in the exponent (and by 4.3e-6 |z| where |z| << c): 4e-5 at
+// the caps models use (30, 50), 1.25e-3 at c = 1e3, where it reaches bfloat16's rounding of P
+// (api.md says so). A kernel that recomputes P from the forward's lse with the other form sees
+// the two forms' difference as that much error in P's exponent.
 #pragma once
 
 #include "common.cuh"
@@ -56,11 +58,25 @@ __device__ __forceinline__ float rcp_approx(float x) {
 
 __device__ __forceinline__ float tanh_(float x) { return tanhf(x); }
 
-// tanh(y) to 1.2e-6: a rational fitted (minimax by reweighted least squares) to tanh(y) / y on
-// [0, 7] in u = y^2, numerator and denominator cubic, beyond which tanh is 1 - 1.7e-6 and the
-// clamp holds it there.
+// max / min that return NaN when either operand is NaN (PTX .NaN, sm_80+); fmaxf / fminf return
+// the other operand, which would turn a NaN score into a finite one.
+__device__ __forceinline__ float max_nan(float a, float b) {
+    float r;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+__device__ __forceinline__ float min_nan(float a, float b) {
+    float r;
+    asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+
+// tanh(y) to 1.25e-6 (1.15e-6 with a correctly rounded reciprocal; rcp.approx may be an ulp off):
+// a rational fitted (minimax by reweighted least squares) to tanh(y) / y on [0, 7] in u = y^2,
+// numerator and denominator cubic, beyond which tanh is 1 - 1.7e-6 and the clamp holds it there.
+// NaN stays NaN (as tanhf's), +-inf gives +-(1 - 8e-7).
 __device__ __forceinline__ float tanh_rational(float y) {
-    const float y_c = fminf(fmaxf(y, -7.f), 7.f), u = y_c * y_c;
+    const float y_c = min_nan(max_nan(y, -7.f), 7.f), u = y_c * y_c;
     const float n = fmaf(fmaf(fmaf(3.930092134396546e-06f, u, 0.0022770091891288757f), u, 0.12302207946777344f), u,
                          0.9999957084655762f);
     const float d = fmaf(fmaf(fmaf(0.00014235287380870432f, u, 0.021072279661893845f), u, 0.45634058117866516f), u,

@@ -14,7 +14,8 @@ fresh random inputs, NaN-poisoned outputs.
   11-bit mantissa) plus 2^-10 max|v|; within 2^-10 max|v| of the NumPy twin's "tf32" (the same
   operand rounding; P from an exact exp2 there, so a P that straddles a rounding boundary differs
   by one tf32 ulp), and far from "ieee": the precision reaches the kernel.
-- the plan: on a device with tensor cores, float32 runs flash_fwd_tf32 in the precision asked.
+- the plan: on a device with tensor cores, float32 runs flash_fwd_tf32 in the precision asked
+  (on sm_90 at head dims up to 64, flash_fwd_tf32_wgmma_ws: tf32-wgmma-route).
 
 The float32 backward is the SIMT family's, unchanged (its tests: test_api_gpu.py and the rest).
 """

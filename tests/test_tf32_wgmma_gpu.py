@@ -1,9 +1,9 @@
-"""The float32 forward on Hopper's tf32 wgmma (kernels_cu/flash_fwd_tf32_wgmma.cu), the candidates of
-docs/perf-log.md tf32-wgmma-v0 and v1 that no plan routes to, launched as
-mma_fwd.forward(config=...) against the float64 reference: fresh random inputs, NaN-poisoned
-outputs, sm_90 only. Every candidate configuration runs every property: v0, v1 (raw K / V staged
-by cp.async), v1 with Q in registers and v2 (a producer warpgroup; both head dims up to 64, their
-tile). v2 has not run on a GPU yet (tf32-wgmma-v2).
+"""The float32 forward on Hopper's tf32 wgmma (kernels_cu/flash_fwd_tf32_wgmma.cu, _ws.cu), the
+configurations of docs/perf-log.md tf32-wgmma-v0 .. v3, launched as mma_fwd.forward(config=...)
+against the float64 reference: fresh random inputs, NaN-poisoned outputs, sm_90 only. Every
+configuration runs every property: v0, v1 (raw K / V staged by cp.async), v1 with Q in registers
+and v2 (a producer warpgroup; both head dims up to 64, their tile). v2 (apart for "ieee") is
+sm_90's d64 float32 row since tf32-wgmma-route; the others are candidates no plan routes to.
 
 - precision "ieee": the float32 rule of cupyflash.testing.tolerance (max error <= 1e-4 (1 +
   max|o|)), over shapes, masks and windows, GQA, v's own head dim and the score variants. Issue

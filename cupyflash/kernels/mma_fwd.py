@@ -1,6 +1,7 @@
 """Tensor-core forward (``kernels_cu/flash_fwd_mma.cu``; on sm_90 ``kernels_cu/flash_fwd_wgmma.cu``,
 the same work split on warpgroup MMA, see ``WgmmaFwdConfig``): float16 / bfloat16, head dims 8..256;
-float32 on tf32 tensor cores (``kernels_cu/flash_fwd_tf32.cu``, ``Tf32FwdConfig``, cupyflash.precision);
+float32 on tf32 tensor cores (``kernels_cu/flash_fwd_tf32.cu``, ``Tf32FwdConfig``, cupyflash.precision;
+on sm_90 at head dims up to 64 ``kernels_cu/flash_fwd_tf32_wgmma_ws.cu``, ``WgmmaTf32FwdConfig``);
 float64 up to d128 on the FP64 tensor cores (``kernels_cu/flash_fwd_dmma.cu``, ``DmmaFwdConfig``,
 ``cupyflash.kernels.dmma``).
 
