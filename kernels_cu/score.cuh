@@ -20,14 +20,14 @@
 //
 // Tanh: how a kernel takes softcap's tanh in float (double is always accurate):
 //   RATIONAL (the 16-bit tensor-core forwards and flash_bwd_dq_wgmma, and float32's one-product
-//     "tf32" forward): the
-//     rational y N(y^2) / D(y^2) of tanh_rational, y clamped to +-7, N and D cubic in y^2: eleven
-//     FP32 operations (two of them the clamp) and one MUFU (rcp.approx), an absolute error below
-//     1.25e-6 (tests/kernels/test_score_tanh.py evaluates these constants as the kernel does).
+//     "tf32" forward): the rational y N(y^2) / D(y^2) of tanh_rational, y clamped to +-7, N and D
+//     cubic in y^2: eleven FP32 operations (two of them the clamp) and one MUFU (rcp.approx), an
+//     absolute error below 1.25e-6 (tests/kernels/test_score_tanh.py evaluates these constants as
+//     the kernel does).
 //   EXP_RCP (the other 16-bit tensor-core backwards): 1 - 2 / (1 + 2^(2 log2(e) y)) with ex2.approx
 //     and rcp.approx, two MUFU operations, an absolute error near 1e-7.
 //   ACCURATE (SIMT, float32 "ieee", float64): tanhf / tanh.
-// Why two forms: a forward score has one MUFU operation of its own (the softmax's exp2) against
+// Why two fast forms: a forward score has one MUFU operation of its own (the softmax's exp2) against
 // 2 d tensor-core FLOPs per product; EXP_RCP made it three, and the MUFU unit does a quarter of
 // the FP32 unit's work a clock: softcap's forward ran at 0.63-0.66x of plain (docs/perf-log.md
 // variants, softcap-rational). flash_bwd_dq_wgmma does three products a score, as MUFU-bound as
@@ -57,6 +57,7 @@ __device__ __forceinline__ float rcp_approx(float x) {
 }
 
 __device__ __forceinline__ float tanh_(float x) { return tanhf(x); }
+__device__ __forceinline__ double tanh_(double x) { return tanh(x); }
 
 // max / min that return NaN when either operand is NaN (PTX .NaN, sm_80+); fmaxf / fminf return
 // the other operand, which would turn a NaN score into a finite one.
@@ -83,7 +84,6 @@ __device__ __forceinline__ float tanh_rational(float y) {
                          1.f);
     return y_c * n * rcp_approx(d);
 }
-__device__ __forceinline__ double tanh_(double x) { return tanh(x); }
 
 enum class Tanh { ACCURATE, EXP_RCP, RATIONAL };
 
