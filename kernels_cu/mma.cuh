@@ -317,4 +317,17 @@ __device__ __forceinline__ float exp2_approx(float x) {
     return y;
 }
 
+// max / min that return NaN when either operand is NaN (PTX .NaN, sm_80+); fmaxf / fminf return
+// the other operand, which turns a NaN score into a finite one.
+__device__ __forceinline__ float max_nan(float a, float b) {
+    float r;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+__device__ __forceinline__ float min_nan(float a, float b) {
+    float r;
+    asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+
 }  // namespace cf

@@ -60,19 +60,6 @@ __device__ __forceinline__ float rcp_approx(float x) {
 __device__ __forceinline__ float tanh_(float x) { return tanhf(x); }
 __device__ __forceinline__ double tanh_(double x) { return tanh(x); }
 
-// max / min that return NaN when either operand is NaN (PTX .NaN, sm_80+); fmaxf / fminf return
-// the other operand, which would turn a NaN score into a finite one.
-__device__ __forceinline__ float max_nan(float a, float b) {
-    float r;
-    asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
-__device__ __forceinline__ float min_nan(float a, float b) {
-    float r;
-    asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
-
 // tanh(y) to 1.25e-6 (1.15e-6 with a correctly rounded reciprocal; rcp.approx may be an ulp off):
 // a rational fitted (minimax by reweighted least squares) to tanh(y) / y on [0, 7] in u = y^2,
 // numerator and denominator cubic, beyond which tanh is 1 - 1.7e-6 and the clamp holds it there.

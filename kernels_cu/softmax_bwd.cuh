@@ -24,11 +24,7 @@
 namespace cf {
 
 // min(x, 0) that returns NaN for a NaN x (fminf would return 0).
-__device__ __forceinline__ float min0_keep_nan(float x) {
-    float r;
-    asm("min.NaN.f32 %0, %1, 0f00000000;" : "=f"(r) : "f"(x));
-    return r;
-}
+__device__ __forceinline__ float min0_keep_nan(float x) { return min_nan(x, 0.f); }
 __device__ __forceinline__ double min0_keep_nan(double x) { return x > 0.0 ? 0.0 : x; }
 
 // Tensor-core kernels (float scores, one FFMA and one MUFU.EX2 per entry): s a raw score,

@@ -3,7 +3,8 @@
 operations, each FMA rounded once; rcp.approx, which PTX allows an ulp of error, as the correctly
 rounded reciprocal and as that one ulp either way), against float64 tanh over the whole float32
 line. The kernel's claim: an absolute error below 1.25e-6, |tanh| never above 1, odd, NaN kept
-(the clamp's max / min are PTX's .NaN forms: fmaxf / fminf would return the bound)."""
+(the clamp's max_nan / min_nan, mma.cuh, are PTX's .NaN forms: fmaxf / fminf would return the
+bound)."""
 from __future__ import annotations
 
 import re
@@ -91,7 +92,7 @@ def test_tanh_rational_within_its_bound_everywhere(rcp_ulps):
 def test_nan_stays_nan_and_infinities_saturate():
     body = tanh_rational_source()
     assert "fminf" not in body and "fmaxf" not in body  # they would turn a NaN score finite
-    text = SCORE.read_text()
+    text = (SCORE.parent / "mma.cuh").read_text()  # where max_nan / min_nan live
     for op in ("max", "min"):
         assert re.search(rf'asm\("{op}\.NaN\.f32 %0, %1, %2;"', text), op
     clamp, n, d = constants()
