@@ -383,7 +383,7 @@ def forward_candidates(family: str, where: str, dt: int, mask: Mask, precision: 
     tiles = FORWARD_TILES[(family, where, dt)]
     if family == "tf32" and PRODUCTS[check_precision(precision)] == 3:
         tiles = IEEE_FORWARD_TILES.get((family, where, dt), tiles)
-    if family == "tf32" and not (mask.packed or mask.score.dropout or mask.score.user is not None):
+    if family == "tf32":
         tiles = WGMMA_FLOAT32_FORWARD_TILES.get((family, where, dt, check_precision(precision)), tiles)
     if mask.band == "local":
         tiles = LOCAL_FORWARD_TILES.get((family, where, dt), tiles)
@@ -418,10 +418,10 @@ IEEE_FORWARD_TILES = {
 # sums S's small products and each key block's P V apart (SUMS_APART): issue 18's accuracy bar as
 # a distribution (tests/tf32_accuracy.py), 0.62-0.67x standard float32's error at 1k. d64, 1k-8k,
 # TFLOP/s against the mma.sync row: H200 74-97 against 45-54 ("ieee"), 115-164 against 89-112
-# ("tf32"); H100 74-96 against 46-56, 116-167 against 90-115 (perf log tf32-wgmma-route). Dense
-# batches without dropout or user modifiers only: the kernel compiles for those too, but its GPU
-# tests (tests/test_tf32_wgmma_gpu.py) cover the dense masks, windows, GQA, v's own head dim and
-# softcap / ALiBi / sink, not them.
+# ("tf32"); H100 74-96 against 46-56, 116-167 against 90-115 (perf log tf32-wgmma-route). Every
+# mask class takes it (packed batches, dropout, user modifiers: the policy's key ranges are the
+# block map's): one float32 kernel per problem size, so that a varlen batch's sequence and a
+# mask_mod's causal mask give the dense call's bits (the first route, dense only, broke both).
 WGMMA_FLOAT32_FORWARD_TILES = {
     ("tf32", SM90, 64, "ieee"): WgmmaTf32FwdConfig(32, raw_stages=2, producer=True, stages=4, sums_apart=True),
     ("tf32", SM90, 64, "tf32"): WgmmaTf32FwdConfig(32, raw_stages=2, producer=True, stages=4),

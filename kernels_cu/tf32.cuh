@@ -36,14 +36,28 @@ struct Tf32Operand {
     static constexpr bool SPLIT = PRODUCTS == 3;
 };
 
-// x rounded to tf32 (its low 13 bits are left for the tensor core to ignore).
-__device__ __forceinline__ u32 tf32_rounded(float x) { return __float_as_uint(x) + 0x1000u; }
+// x rounded to tf32 (to nearest, ties away from zero) with its 13 low bits cleared: cvt.rna.tf32.f32,
+// which sm_80 and sm_90 run as a compare, an integer add of half a tf32 ulp to the bits and a mask,
+// the add skipped for NaN and Inf. The add alone (tf32_rounded_finite) would carry a NaN whose high
+// mantissa bits are all ones (0x7fffffff, the NaN that exp2 of a NaN score and x - x make on the
+// GPU) into the sign bit, to be read as -0: the row a NaN poisons would come out finite.
+__device__ __forceinline__ u32 tf32_rounded(float x) {
+    u32 bits;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(bits) : "f"(x));
+    return bits;
+}
 
-// hi and lo of x (lo = 0 where one product is all there is).
+// x rounded to tf32 for a finite x: the add alone, its low bits left for the tensor core to ignore.
+__device__ __forceinline__ u32 tf32_rounded_finite(float x) { return __float_as_uint(x) + 0x1000u; }
+
+// hi and lo of x (lo = 0 where one product is all there is). Split, the NaN guard is lo's: a NaN
+// x may lose itself in hi (-0 or Inf), but lo = x - hi is then NaN and kept, and lo b_hi makes the
+// product NaN (an Inf x gives NaN too: lo = Inf - Inf). Guarding hi instead costs a register more
+// at the same count of instructions (the d256 kernel with user modifiers spilled 48 bytes at sm_90).
 template <int PRODUCTS>
 __device__ __forceinline__ void split_tf32(float x, u32& hi, u32& lo) {
     if constexpr (Tf32Operand<PRODUCTS>::SPLIT) {
-        hi = tf32_rounded(x) & 0xffffe000u;  // cleared: the subtraction below must see hi exactly
+        hi = tf32_rounded_finite(x) & 0xffffe000u;  // cleared: the subtraction below must see hi exactly
         lo = tf32_rounded(x - __uint_as_float(hi));
     } else {
         hi = tf32_rounded(x);

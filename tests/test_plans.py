@@ -175,11 +175,13 @@ def test_float32_runs_on_tensor_cores():
                                               f"_s4_raw2{'_apart' if precision == 'ieee' else ''}")
                     apart = ", true" if precision == "ieee" else ""
                     assert plan.spec.expression.endswith(f", {products}, 4, 2{apart}>")
-                    # what its GPU tests do not cover goes to the mma.sync row
+                    # every mask class on the same kernel: a varlen sequence and a mask_mod's causal
+                    # mask give the dense call's bits only from the same arithmetic
                     for mask in (Causal().as_packed(), Causal(score=Score(dropout=True)),
                                  NoMask(score=Score(user=example_modifiers()))):
                         other = plans.plan_forward(arch, SUPPORTED["float32"], headdim, mask, smem, precision=precision)
-                        assert other.kernel == "flash_fwd_tf32", (mask, other.spec.name)
+                        assert (other.kernel, other.tiles) == ("flash_fwd_tf32_wgmma", config), (mask, other.spec.name)
+                        assert other.spec.name.startswith("flash_fwd_tf32_wgmma_ws_"), other.spec.name
                     continue
                 if precision == "ieee":
                     tiles = plans.IEEE_FORWARD_TILES.get(("tf32", where, dt), tiles)
@@ -426,5 +428,7 @@ def test_the_plan_of_this_device_is_what_the_launchers_run_and_fits_it():
         if plan.family == "mma":
             assert plan == mma_fwd.plan(SUPPORTED[dtype], plan.headdim, mask)
             own = {"float32": "flash_fwd_tf32", "float64": "flash_fwd_dmma"}.get(dtype)
+            if dtype == "float32" and arch == "90" and plan.d_tile <= 64:  # tf32-wgmma-route
+                own = "flash_fwd_tf32_wgmma"
             assert plan.kernel == own if own else (plan.kernel == "flash_fwd_wgmma") == (arch == "90")
         assert runs_on_device(plan.spec) and plan.spec.smem_bytes <= smem, plan.spec.name

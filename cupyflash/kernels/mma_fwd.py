@@ -103,8 +103,8 @@ def specializations() -> list:
     # every narrower pair, for the plain masks
     specs += [plans.specialization_for(dtype, dt, mask, t, dvt) for dtype, dt, mask, t in entries
               if isinstance(t, WgmmaFwdConfig) and mask in KINDS for dvt in D_TILES if dvt < dt]
-    # float32 (tf32 tensor cores), each precision and mask on its row (sm_90's d64 wgmma row takes
-    # the dense masks only: plans.WGMMA_FLOAT32_FORWARD_TILES)
+    # float32 (tf32 tensor cores), each precision and mask on its row (sm_90's d64 row: the wgmma
+    # producer kernel, plans.WGMMA_FLOAT32_FORWARD_TILES)
     kinds = KINDS + VARIANT_KINDS + PACKED_KINDS
     tf32_entries = [(dt, precision, plans.forward_candidates(family, where, dt, mask, precision)[0], mask)
                     for (family, where, dt) in plans.FORWARD_TILES if family == "tf32"

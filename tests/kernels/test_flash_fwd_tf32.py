@@ -10,7 +10,7 @@ from models.mirrors import MIRRORED, missing_statements
 from models.mma import a_operand_address, c_from_matrix, k_operand_address
 from models.mma import ldmatrix_x4
 from models.tf32 import (float32_tile, mma_pv_tf32, mma_qk_tf32, split_tf32, split_tile, tensor_core_reads,
-                         tf32_rounded, v_read_banks, words)
+                         tf32_rounded, tf32_rounded_finite, v_read_banks, words)
 from nvrtc_check import needs_nvrtc
 
 from cupyflash.precision import round_tf32
@@ -31,6 +31,31 @@ def test_rounding_is_to_nearest_ties_away():
     special = np.array([np.inf, -np.inf], np.float32)
     assert np.array_equal(tensor_core_reads(tf32_rounded(special)), special.astype(np.float64))
     assert np.isnan(tensor_core_reads(tf32_rounded(np.array([np.nan], np.float32))))
+
+
+def test_every_nan_stays_nan_through_the_split():
+    """The NaN the GPU makes (0x7fffffff: exp2 of a NaN score, x - x) has every mantissa bit set: an
+    add of half a tf32 ulp to its bits carries into the sign and reads as -0, and a NaN score's P
+    would vanish from P V (the tf32 wgmma forward's poisoned rows came out finite on an H100).
+    Split, what the tensor core sums is hi b + lo b (+ hi b_lo): NaN if hi or lo reads as NaN."""
+    bits = np.array([0x7FC00000, 0x7FFFFFFF, 0xFFFFFFFF, 0x7FFFF000, 0xFFC02000, 0xFF800001, 0x7F800FFF],
+                    np.uint32)
+    x = bits.view(np.float32)
+    assert np.isnan(x).all()
+    assert tensor_core_reads(tf32_rounded_finite(x[1:2])).tolist() == [0.0], "the carry this guards against"
+    hi, lo = split_tf32(3, x)
+    with np.errstate(invalid="ignore"):
+        assert np.isnan(tensor_core_reads(hi) + tensor_core_reads(lo)).all()
+    # One product: hi alone, cvt.rna's; a NaN whose payload is all in the 13 low bits is an Inf to
+    # every tf32 read (cvt.rna's SASS clears them as well): a row of infinite scores, NaN after the
+    # softmax.
+    hi1, _ = split_tf32(1, x)
+    assert np.isnan(tensor_core_reads(hi1[:5])).all()
+    assert tensor_core_reads(hi1[5:]).tolist() == [-np.inf, np.inf]
+    inf = np.array([np.inf, -np.inf], np.float32)
+    assert np.array_equal(tensor_core_reads(split_tf32(1, inf)[0]), inf.astype(np.float64))
+    hi, lo = split_tf32(3, inf)  # Inf - Inf: the product is NaN, as an Inf operand's sum mostly is
+    assert np.array_equal(tensor_core_reads(hi), inf.astype(np.float64)) and np.isnan(tensor_core_reads(lo)).all()
 
 
 def test_the_split_is_float32_accurate():

@@ -58,19 +58,30 @@ def _bits(x) -> np.ndarray:
     return np.asarray(x, np.float32).view(np.uint32)
 
 
-@mirrors("tf32.cuh", "__device__ __forceinline__ u32 tf32_rounded(float x) { return __float_as_uint(x) + 0x1000u; }")
+@mirrors("tf32.cuh", 'asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(bits) : "f"(x));')
 def tf32_rounded(x) -> np.ndarray:
+    """cvt.rna.tf32.f32 (PTX ISA: round to nearest, ties away from zero; NaN and Inf as they are),
+    the 13 low bits cleared."""
+    bits = _bits(x)
+    finite = (bits & np.uint32(0x7F800000)) != np.uint32(0x7F800000)
+    rounded = ((bits.astype(np.uint64) + 0x1000) & 0xFFFFE000).astype(np.uint32)
+    return np.where(finite, rounded, bits)
+
+
+@mirrors("tf32.cuh", "__device__ __forceinline__ u32 tf32_rounded_finite(float x) { return __float_as_uint(x) + 0x1000u; }")
+def tf32_rounded_finite(x) -> np.ndarray:
     return (_bits(x).astype(np.uint64) + 0x1000).astype(np.uint32)
 
 
-@mirrors("tf32.cuh", "hi = tf32_rounded(x) & 0xffffe000u;", "lo = tf32_rounded(x - __uint_as_float(hi));",
+@mirrors("tf32.cuh", "hi = tf32_rounded_finite(x) & 0xffffe000u;", "lo = tf32_rounded(x - __uint_as_float(hi));",
          "hi = tf32_rounded(x);", "lo = 0u;")
 def split_tf32(products: int, x) -> tuple[np.ndarray, np.ndarray]:
     """(hi, lo) as float32 bits of float32 values ``x``."""
     x = np.asarray(x, np.float32)
     if products == 3:
-        hi = tf32_rounded(x) & np.uint32(0xFFFFE000)
-        lo = tf32_rounded(x - hi.view(np.float32))
+        hi = tf32_rounded_finite(x) & np.uint32(0xFFFFE000)
+        with np.errstate(invalid="ignore"):
+            lo = tf32_rounded(x - hi.view(np.float32))
     else:
         hi, lo = tf32_rounded(x), np.zeros(x.shape, np.uint32)
     return hi, lo
@@ -205,4 +216,5 @@ def lane_row_of_strip():
 
 
 __all__ = ["LANES", "a_matrix", "b_matrix", "float32_tile", "mma_1688_tf32", "mma_pv_tf32", "mma_qk_tf32",
-           "split_tf32", "swizzled_offset_f32", "tensor_core_reads", "tf32_rounded", "v_read_banks"]
+           "split_tf32", "swizzled_offset_f32", "tensor_core_reads", "tf32_rounded", "tf32_rounded_finite",
+           "v_read_banks"]
