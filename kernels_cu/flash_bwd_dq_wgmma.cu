@@ -70,10 +70,7 @@ flash_bwd_dq_wgmma(const __grid_constant__ BwdParams p) {
 
     const int head = blockIdx.y, batch = seq.batch, head_kv = head / p.group;
     const Mask mask = cta_mask<Mask>(p, seq.index, seqlen_q, seqlen_k);
-    // softcap's tanh with one MUFU operation (score.cuh): three products a score here, about the
-    // MUFU unit's time for the exp2 and EXP_RCP's two; the dK/dV kernels keep EXP_RCP (four or
-    // five products, and the rational's registers spilled in flash_bwd_wgmma at d128).
-    const ScoreOf<Mask, float, Tanh::RATIONAL> score(score_problem<Mask>(p, seq), seq.index, head, scale);
+    const ScoreOf<Mask, float, Tanh::EXP_RCP> score(score_problem<Mask>(p, seq), seq.index, head, scale);
     const int m0 = Mask::query_block(blockIdx.x, gridDim.x) * BLOCK_M;
     if (Mask::PACKED && m0 >= seqlen_q) return;  // past a shorter sequence's end
     // Key blocks [j_begin, ceil(n_end / BLOCK_N)) hold the keys some row of the block sees; K_j

@@ -151,11 +151,7 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
         const float* s_lse = reinterpret_cast<const float*>(smem + L::LSE) + stage * BLOCK_M;
         const float* s_delta = reinterpret_cast<const float*>(smem + L::DELTA) + stage * BLOCK_M;
         const bool partial = mask.partial(m0, BLOCK_M, n0, BLOCK_N);
-        // softcap's tanh (score.cuh): at d64 four products a score leave the MUFU unit the limit
-        // (0.54 clock of tensor time against EXP_RCP's 0.75), and the rational fits (241
-        // registers); at d128 it spilled 16 bytes, and from d128 the products outweigh the MUFU.
-        constexpr Tanh TANH = D_TILE <= 64 ? Tanh::RATIONAL : Tanh::EXP_RCP;
-        const ScoreOf<Mask, float, TANH> score(score_problem<Mask>(p, seq), seq.index, head, scale);
+        const ScoreOf<Mask, float, Tanh::EXP_RCP> score(score_problem<Mask>(p, seq), seq.index, head, scale);
 
         // Steps 1-2: S^T = K_g Q^T and dP^T = V_g dO^T, issued back to back (K-major operands:
         // a 16-column k-step is 32 bytes into a panel).

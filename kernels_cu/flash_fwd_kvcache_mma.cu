@@ -290,7 +290,7 @@ flash_fwd_kvcache_mma(const __grid_constant__ CacheFwdParams p) {
 
     // The lane's two rows (h = 0, 1: rows lane / 4 and 8 + lane / 4 of the warp's strip): their
     // queries and heads, and a score function per head (ALiBi's slope and the sink are per head).
-    typedef ScoreOf<Mask, float, Tanh::RATIONAL> Score;
+    typedef ScoreOf<Mask, float, Tanh::EXP_RCP> Score;
     int query[2], head[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {

@@ -19,21 +19,19 @@
 // by it (softcap's 1 - tanh^2; 1 otherwise, which it does not store: HAS_GRAD).
 //
 // Tanh: how a kernel takes softcap's tanh in float (double is always accurate):
-//   RATIONAL (the 16-bit tensor-core forwards, flash_bwd_dq_wgmma, flash_bwd_wgmma at d64, and
-//     float32's one-product "tf32" forward): the rational y N(y^2) / D(y^2) of tanh_rational, y
-//     clamped to +-7, N and D cubic in y^2: eleven FP32 operations (two of them the clamp) and one
-//     MUFU (rcp.approx), an absolute error below 1.25e-6 (tests/kernels/test_score_tanh.py
-//     evaluates these constants as the kernel does).
-//   EXP_RCP (the other 16-bit tensor-core backwards): 1 - 2 / (1 + 2^(2 log2(e) y)) with ex2.approx
-//     and rcp.approx, two MUFU operations, an absolute error near 1e-7.
+//   EXP_RCP (the 16-bit tensor-core kernels): 1 - 2 / (1 + 2^(2 log2(e) y)) with ex2.approx and
+//     rcp.approx, two MUFU operations, an absolute error near 1e-7.
+//   RATIONAL (float32's one-product "tf32" forwards): the rational y N(y^2) / D(y^2) of
+//     tanh_rational, y clamped to +-7, N and D cubic in y^2: eleven FP32 operations (two of them
+//     the clamp) and one MUFU (rcp.approx), an absolute error below 1.25e-6
+//     (tests/kernels/test_score_tanh.py evaluates these constants as the kernel does).
 //   ACCURATE (SIMT, float32 "ieee", float64): tanhf / tanh.
-// Why two fast forms: a forward score has one MUFU operation of its own (the softmax's exp2) against
-// 2 d tensor-core FLOPs per product; EXP_RCP made it three, and the MUFU unit does a quarter of
-// the FP32 unit's work a clock: softcap's forward ran at 0.63-0.66x of plain (docs/perf-log.md
-// variants, softcap-rational). flash_bwd_dq_wgmma does three products a score, as MUFU-bound as
-// the forward, and so is flash_bwd_wgmma's four at d64; the dK/dV kernels' four or five products
-// outweigh the MUFU from d128, and there the rational's extra registers spilled (16 bytes in
-// flash_bwd_wgmma d128).
+// The rational was made for the 16-bit forwards on the premise that a score's MUFU operations
+// (EXP_RCP's two beside the softmax's exp2) were their limit. Measured on an H100 (8k causal d128
+// bf16) it lost: forward 326.8 -> 290.5 TFLOP/s, backward with it in the dQ kernel 263.6 -> 253.3
+// (docs/perf-log.md softcap-rational): the FP32 pipe's issue slots, not the MUFU, bound those
+// kernels, and the rational spends nine of them to save one MUFU operation. They went back to
+// EXP_RCP (SASS identical to the measured tree's).
 // tanh.approx.f32 alone would be one MUFU operation, but its 2^-11 relative error is 0.015 in the
 // exponent at c = 30: a 1.5% error in P, more than bfloat16's own rounding. RATIONAL's c tanh(z /
 // c) is off by at most c * 1.25e-6 in the exponent (and by 4.3e-6 |z| where |z| << c): 4e-5 at
