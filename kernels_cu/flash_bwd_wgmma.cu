@@ -79,6 +79,8 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
     constexpr int DQ_PANELS = (BLOCK_M / 64) * (D_TILE / 64);  // 64 x 64 dQ output panels
     constexpr bool ORDERED = DQ_ADD == DqAdd::ordered;
     constexpr bool WITH_DQ = DQ_ADD != DqAdd::none;  // none: dK and dV only (flash_bwd_dq_wgmma.cu)
+    typedef WgmmaKeyBlock<T, Mask, L, BLOCK_M, BLOCK_N, D_TILE, NTHREADS, ORDERED> KeyBlock;
+    typedef typename KeyBlock::Walk Walk;
     static_assert(BLOCK_N % 64 == 0 && BLOCK_M % 64 == 0 && D_TILE % 64 == 0, "64-row/column panels");
     static_assert(!WITH_DQ || DQ_PANELS % NWG == 0, "dQ panels divide among the warpgroups");
     // The ordered adds' counters and the fixed point's padded rows are laid out per dense query
@@ -109,27 +111,14 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
     float* __restrict__ dq_row_scale = p.dq_row_scale;  // STAGED
 
     const int tid = threadIdx.x;
-    const int n_block = blockIdx.x, n0 = n_block * BLOCK_N, head_kv = blockIdx.y, batch = seq.batch;
-    // Past a shorter sequence's end. A sequence without queries still stores dK = dV = 0 below.
-    if (Mask::PACKED && n0 >= seqlen_k) return;
-    const Mask mask = cta_mask<Mask>(p, seq.index, seqlen_q, seqlen_k);
-    const T* __restrict__ k_rows = p.k.row<const T>(batch, seq.k_begin, head_kv);
-    const T* __restrict__ v_rows = p.v.row<const T>(batch, seq.k_begin, head_kv);
-
-    // The query blocks that see some key of this block, for each query head of the group
-    // (block_walk.cuh); the others are never loaded.
-    const QueryBlockWalk<BLOCK_M> walk(mask, n0, BLOCK_N, group);
-    const int q_blocks = (seqlen_q + BLOCK_M - 1) / BLOCK_M;  // ORDERED: the counters' stride (dense only)
-    // The ordered dQ adds count every key block of a query block's column: no skipped blocks.
-    static_assert(!ORDERED || !(Mask::HAS_LEFT || Mask::HAS_BLOCK_MAP), "ordered dQ adds need every key block");
-
-    typedef WgmmaKeyWalk<T, L, BLOCK_M, BLOCK_N, D_TILE, NTHREADS, ORDERED> Walk;
+    const KeyBlockCoords<BLOCK_N> key_block_at(seq);
+    // Past a shorter sequence's end: leave before the mask, the walk and the copies.
+    if (KeyBlock::past_end(key_block_at, seq)) return;
+    const KeyBlock key_block(p, seq, key_block_at, group);
     auto load_query_block = [&](int it, int stage) {
-        Walk::load_query_block(it, stage, query_src, walk, q_blocks, head_kv, base, seq, stat_dims, seqlen_q, headdim,
-                               headdim_v, tid);
+        key_block.load_query_block(it, stage, query_src, base, seq, stat_dims, headdim, headdim_v, tid);
     };
-    Walk::load_key_block_and_first(s_k, s_v, k_rows, k_ss, v_rows, v_ss, n0, seqlen_k, headdim, headdim_v, tid,
-                                   walk.iters, load_query_block);
+    key_block.load_key_block_and_first(p, seq, s_k, s_v, k_ss, v_ss, headdim, headdim_v, tid, load_query_block);
 
     const int wg = tid / 128, warp_in_wg = (tid / 32) % 4, lane = tid % 32;
     float dk_acc[DJ][4], dv_acc[DJ][4];
@@ -138,19 +127,19 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
 
     int* pending_release = nullptr;  // ORDERED: counter of the query block added last, not yet released
     const float dq_limit = fixed_limit((seqlen_k + BLOCK_N - 1) / BLOCK_N);  // fixed: one add per key block
-    for (int it = 0; it < walk.iters; ++it) {
+    for (int it = 0; it < key_block.walk.iters; ++it) {
         const int stage = it & 1;
-        Walk::land(it, stage, walk.iters, load_query_block);  // and the previous iteration's dS^T stores
+        Walk::land(it, stage, key_block.walk.iters, load_query_block);  // and the previous iteration's dS^T stores
 
-        const int head = walk.head(head_kv, it);
-        const int m_block = Walk::query_block(walk, q_blocks, it), m0 = m_block * BLOCK_M;
-        int* const sem = dq_semaphore + ((i64)batch * nheads + head) * q_blocks + m_block;
+        const int head = key_block.head(it);
+        const int m_block = key_block.query_block(it), m0 = m_block * BLOCK_M;
+        int* const sem = dq_semaphore + ((i64)key_block.batch * nheads + head) * key_block.q_blocks + m_block;
         int sem_seen = 0;  // ORDERED: the counter, read early so its latency hides behind steps 1-7
         if constexpr (ORDERED) sem_seen = ld_acquire_gpu(sem);
         const u32 s_q = base + L::Q + stage * L::Q_TILE, s_do = base + L::DO + stage * L::Q_TILE;
         const float* s_lse = reinterpret_cast<const float*>(smem + L::LSE) + stage * BLOCK_M;
         const float* s_delta = reinterpret_cast<const float*>(smem + L::DELTA) + stage * BLOCK_M;
-        const bool partial = mask.partial(m0, BLOCK_M, n0, BLOCK_N);
+        const bool partial = key_block.mask.partial(m0, BLOCK_M, key_block.n0, BLOCK_N);
         const ScoreOf<Mask, float, Tanh::EXP_RCP> score(score_problem<Mask>(p, seq), seq.index, head, scale);
 
         // Steps 1-2: S^T = K_g Q^T and dP^T = V_g dO^T, issued back to back (K-major operands:
@@ -176,15 +165,15 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
         wgmma_commit();
         // ORDERED: the previous query block's release, while the tensor cores work on S^T and
         // dP^T (measured: releasing after P^T instead, 285 vs 308 TFLOP/s at d128 16k).
-        Walk::release_and_prefetch(pending_release, lane, it, stage, walk.iters, load_query_block);
+        Walk::release_and_prefetch(pending_release, lane, it, stage, key_block.walk.iters, load_query_block);
         wgmma_wait<1>();
         pin_registers(reinterpret_cast<float(&)[SJ * 4]>(s_acc));
 
         // Step 3: P^T, lse per column (query); hidden entries 0 by selection (a non-finite score
         // cannot leak). Element (j, e) is key key0 + 8 (e / 2), query query0 + 8 j + e % 2.
         const int key_row = 64 * wg + 16 * warp_in_wg + lane / 4;  // within the block
-        const int key0 = n0 + key_row, query0 = m0 + 2 * (lane % 4);
-        const typename Mask::Origin origin = mask.origin(query0, key0);
+        const int key0 = key_block.n0 + key_row, query0 = m0 + 2 * (lane % 4);
+        const typename Mask::Origin origin = key_block.mask.origin(query0, key0);
         // The score policy's transform first (score.cuh). Its derivative waits for step 4 in
         // float16 in the dS^T tile, at the thread's own words there, which step 5 overwrites with
         // dS^T (registers are what limit this kernel: measured, 4-52 bytes of spills with the
@@ -208,7 +197,7 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
                     const int key_off = 8 * (e >> 1), query_off = 8 * j + (e & 1);
                     const float s_ij = score.transform(s_acc[j][e], score_origin, query_off, key_off, dsds[e]);
                     const float p_ij = recomputed_p(s_ij, scale_log2, base_log2[e & 1]);
-                    const bool hidden = mask.hidden(origin, query_off, key_off);
+                    const bool hidden = key_block.mask.hidden(origin, query_off, key_off);
                     s_acc[j][e] = decltype(masked)::value && hidden ? 0.f : p_ij;
                 }
                 if constexpr (Mask::Score::HAS_GRAD) {
@@ -292,7 +281,7 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
 
         // Step 8: dQ_i += dS K_j, 64 x 64 panels (query panel qp, head-dim panel dp); A = dS is the
         // MN-major view of dS^T panel qp, B = K_j panel dp (MN-major), k-steps of 16 keys.
-        const i64 dqa_head = (i64)batch * dqa_sb + (i64)head * dqa_sh + (i64)seq.q_begin * dqa_ss;
+        const i64 dqa_head = (i64)key_block.batch * dqa_sb + (i64)head * dqa_sh + (i64)seq.q_begin * dqa_ss;
         float* const dqa = static_cast<float*>(dq_accum) + dqa_head;  // float adds
         float* const row_scale = dq_row_scale + seq.stat(stat_dims, head, 0);  // fixed
 #pragma unroll 1
@@ -384,7 +373,7 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
             } else {
                 // ORDERED: this query block's turn comes when all NWARPS warps of key blocks
                 // 0..n_block-1 have released it.
-                if constexpr (ORDERED) wait_dq_turn(sem, sem_seen, n_block * NWARPS);
+                if constexpr (ORDERED) wait_dq_turn(sem, sem_seen, key_block.n_block * NWARPS);
 #pragma unroll
                 for (int j = 0; j < 8; ++j) {
                     const int col = 64 * dp + 8 * j + 2 * (lane % 4);
@@ -405,8 +394,8 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
     // Epilogue: dK = scale dS^T Q summed, and dV, straight from the accumulators (once per CTA).
     const int key_row = 64 * wg + 16 * warp_in_wg + lane / 4;
     if constexpr (DropoutOf<Mask>::ENABLED) scale_acc(dv_acc, p.variant.dropout.scale);
-    store_key_rows_grads<T>(p, seq, batch, head_kv, n0, key_row, 0, seqlen_k, headdim, headdim_v, scale, 1.f, dk_acc,
-                            dv_acc, lane);
+    store_key_rows_grads<T>(p, seq, key_block.batch, key_block.head_kv, key_block.n0, key_row, 0, seqlen_k, headdim,
+                            headdim_v, scale, 1.f, dk_acc, dv_acc, lane);
     // Fixed point: the staging tiles must outlive the bulk reductions' reads of them.
     if constexpr (STAGED) {
         if (lane < 16) bulk_wait_read_all();

@@ -72,6 +72,8 @@ flash_bwd_wgmma_dsplit(const __grid_constant__ BwdParams p) {
     constexpr int HJ = HALF / 8;       // ... of a dK, dV or dQ half
     constexpr bool ORDERED = DQ_ADD == DqAdd::ordered;
     constexpr bool WITH_DQ = DQ_ADD != DqAdd::none;  // none: dK and dV only (flash_bwd_dq_wgmma.cu)
+    typedef WgmmaKeyBlock<T, Mask, L, BLOCK_M, BLOCK_N, D_TILE, NTHREADS, ORDERED> KeyBlock;
+    typedef typename KeyBlock::Walk Walk;
     static_assert(DQ_ADD != DqAdd::fixed && DQ_ADD != DqAdd::fixed_panels,
                   "fixed-point dQ needs a staging tile, and there is no room for one here");
     static_assert(BLOCK_N == 64 && BLOCK_M == 64, "one 64-row wgmma per product and warpgroup");
@@ -99,27 +101,14 @@ flash_bwd_wgmma_dsplit(const __grid_constant__ BwdParams p) {
     int* __restrict__ dq_semaphore = p.dq_semaphore;  // ORDERED
 
     const int tid = threadIdx.x;
-    const int n_block = blockIdx.x, n0 = n_block * BLOCK_N, head_kv = blockIdx.y, batch = seq.batch;
-    // Past a shorter sequence's end. A sequence without queries still stores dK = dV = 0 below.
-    if (Mask::PACKED && n0 >= seqlen_k) return;
-    const Mask mask = cta_mask<Mask>(p, seq.index, seqlen_q, seqlen_k);
-    const T* __restrict__ k_rows = p.k.row<const T>(batch, seq.k_begin, head_kv);
-    const T* __restrict__ v_rows = p.v.row<const T>(batch, seq.k_begin, head_kv);
-
-    // The query blocks that see some key of this block, for each query head of the group
-    // (block_walk.cuh); the others are never loaded.
-    const QueryBlockWalk<BLOCK_M> walk(mask, n0, BLOCK_N, group);
-    const int q_blocks = (seqlen_q + BLOCK_M - 1) / BLOCK_M;  // ORDERED: the counters' stride (dense only)
-    // The ordered dQ adds count every key block of a query block's column: no skipped blocks.
-    static_assert(!ORDERED || !(Mask::HAS_LEFT || Mask::HAS_BLOCK_MAP), "ordered dQ adds need every key block");
-
-    typedef WgmmaKeyWalk<T, L, BLOCK_M, BLOCK_N, D_TILE, NTHREADS, ORDERED> Walk;
+    const KeyBlockCoords<BLOCK_N> key_block_at(seq);
+    // Past a shorter sequence's end: leave before the mask, the walk and the copies.
+    if (KeyBlock::past_end(key_block_at, seq)) return;
+    const KeyBlock key_block(p, seq, key_block_at, group);
     auto load_query_block = [&](int it, int stage) {
-        Walk::load_query_block(it, stage, query_src, walk, q_blocks, head_kv, base, seq, stat_dims, seqlen_q, headdim,
-                               headdim_v, tid);
+        key_block.load_query_block(it, stage, query_src, base, seq, stat_dims, headdim, headdim_v, tid);
     };
-    Walk::load_key_block_and_first(s_k, s_v, k_rows, k_ss, v_rows, v_ss, n0, seqlen_k, headdim, headdim_v, tid,
-                                   walk.iters, load_query_block);
+    key_block.load_key_block_and_first(p, seq, s_k, s_v, k_ss, v_ss, headdim, headdim_v, tid, load_query_block);
 
     const int wg = tid / 128, warp_in_wg = (tid / 32) % 4, lane = tid % 32;
     const int key_row = 16 * warp_in_wg + lane / 4;  // this thread's S^T / dP^T rows: key_row, +8
@@ -128,19 +117,19 @@ flash_bwd_wgmma_dsplit(const __grid_constant__ BwdParams p) {
     zero(dv_acc);
 
     int* pending_release = nullptr;
-    for (int it = 0; it < walk.iters; ++it) {
+    for (int it = 0; it < key_block.walk.iters; ++it) {
         const int stage = it & 1;
-        Walk::land(it, stage, walk.iters, load_query_block);
+        Walk::land(it, stage, key_block.walk.iters, load_query_block);
 
-        const int head = walk.head(head_kv, it);
-        const int m_block = Walk::query_block(walk, q_blocks, it), m0 = m_block * BLOCK_M;
-        int* const sem = dq_semaphore + ((i64)batch * nheads + head) * q_blocks + m_block;
+        const int head = key_block.head(it);
+        const int m_block = key_block.query_block(it), m0 = m_block * BLOCK_M;
+        int* const sem = dq_semaphore + ((i64)key_block.batch * nheads + head) * key_block.q_blocks + m_block;
         int sem_seen = 0;
         if constexpr (ORDERED) sem_seen = ld_acquire_gpu(sem);
         const u32 s_q = base + L::Q + stage * L::Q_TILE, s_do = base + L::DO + stage * L::Q_TILE;
         const float* s_lse = reinterpret_cast<const float*>(smem + L::LSE) + stage * BLOCK_M;
         const float* s_delta = reinterpret_cast<const float*>(smem + L::DELTA) + stage * BLOCK_M;
-        const bool partial = mask.partial(m0, BLOCK_M, n0, BLOCK_N);
+        const bool partial = key_block.mask.partial(m0, BLOCK_M, key_block.n0, BLOCK_N);
         const ScoreOf<Mask, float, Tanh::EXP_RCP> score(score_problem<Mask>(p, seq), seq.index, head, scale);
 
         // Step 1: warpgroup 0 S^T = K Q^T, warpgroup 1 dP^T = V dO^T (K-major, 16 k-steps).
@@ -156,7 +145,8 @@ flash_bwd_wgmma_dsplit(const __grid_constant__ BwdParams p) {
                     smem_desc(b_tile + (kk / 4) * L::Q_PANEL + (kk % 4) * 32, 16, 1024), kk > 0);
             wgmma_commit();
         }
-        Walk::release_and_prefetch(pending_release, lane, it, stage, walk.iters, load_query_block);  // while step 1 runs
+        // while step 1 runs
+        Walk::release_and_prefetch(pending_release, lane, it, stage, key_block.walk.iters, load_query_block);
         wgmma_wait<0>();
         pin_registers(reinterpret_cast<float(&)[SJ * 4]>(acc));
 
@@ -171,8 +161,8 @@ flash_bwd_wgmma_dsplit(const __grid_constant__ BwdParams p) {
             // it to warpgroup 1 in float16 through the dS^T tile, the same thread's words there,
             // which step 4 reads before it overwrites them with dS^T (the previous iteration's
             // readers of the tile were waited for before this iteration's first barrier).
-            const int key0 = n0 + key_row, query0 = m0 + 2 * (lane % 4);
-            const typename Mask::Origin origin = mask.origin(query0, key0);
+            const int key0 = key_block.n0 + key_row, query0 = m0 + 2 * (lane % 4);
+            const typename Mask::Origin origin = key_block.mask.origin(query0, key0);
             const auto score_origin = score.origin(query0, key0);
             float keep[SJ][4];  // dropout: Z, 1 kept, 0 dropped
             if constexpr (DropoutOf<Mask>::ENABLED) keep_factors(keep, DropoutOf<Mask>(p, seq.index, head), key0, query0);
@@ -194,7 +184,7 @@ flash_bwd_wgmma_dsplit(const __grid_constant__ BwdParams p) {
                             s_ij = score.transform(s_ij, score_origin, 8 * j + (e & 1), 8 * (e >> 1));
                         const float p_ij = recomputed_p(s_ij, scale_log2, base_log2[e & 1]);
                         const int key_off = 8 * (e >> 1), query_off = 8 * j + (e & 1);
-                        const bool hidden = mask.hidden(origin, query_off, key_off);
+                        const bool hidden = key_block.mask.hidden(origin, query_off, key_off);
                         acc[j][e] = decltype(masked)::value && hidden ? 0.f : p_ij;
                     }
                 };
@@ -248,7 +238,7 @@ flash_bwd_wgmma_dsplit(const __grid_constant__ BwdParams p) {
             // by selection: a non-finite dP^T of a hidden key must not become NaN).
             float keep[SJ][4];  // dropout: Z, the same bits as warpgroup 0's
             if constexpr (DropoutOf<Mask>::ENABLED)
-                keep_factors(keep, DropoutOf<Mask>(p, seq.index, head), n0 + key_row, m0 + 2 * (lane % 4));
+                keep_factors(keep, DropoutOf<Mask>(p, seq.index, head), key_block.n0 + key_row, m0 + 2 * (lane % 4));
 #pragma unroll
             for (int j = 0; j < SJ; ++j) {
                 if constexpr (DropoutOf<Mask>::ENABLED) {
@@ -326,9 +316,9 @@ flash_bwd_wgmma_dsplit(const __grid_constant__ BwdParams p) {
         pin_registers(reinterpret_cast<float(&)[HJ * 4]>(dq_acc));
         pin_registers(reinterpret_cast<float(&)[HJ * 4]>(dv_acc));
         pin_registers(reinterpret_cast<float(&)[HJ * 4]>(dk_acc));
-        if constexpr (ORDERED) wait_dq_turn(sem, sem_seen, n_block * NWARPS);
+        if constexpr (ORDERED) wait_dq_turn(sem, sem_seen, key_block.n_block * NWARPS);
         const int m_lo = m0 + 16 * warp_in_wg + lane / 4, m_hi = m_lo + 8;
-        float* const dqa = static_cast<float*>(dq_accum) + (i64)batch * dqa_sb + (i64)head * dqa_sh +
+        float* const dqa = static_cast<float*>(dq_accum) + (i64)key_block.batch * dqa_sb + (i64)head * dqa_sh +
                            (i64)seq.q_begin * dqa_ss;
 #pragma unroll
         for (int j = 0; j < HJ; ++j) {
@@ -344,8 +334,8 @@ flash_bwd_wgmma_dsplit(const __grid_constant__ BwdParams p) {
 
     // Epilogue: this warpgroup's head-dim half of dK (scaled) and dV, from the accumulators.
     const float drop_scale = DropoutOf<Mask>::kept_scale(p);  // 1 / (1 - p)
-    store_key_rows_grads<T>(p, seq, batch, head_kv, n0, key_row, HALF * wg, seqlen_k, headdim, headdim_v, scale,
-                            drop_scale, dk_acc, dv_acc, lane);
+    store_key_rows_grads<T>(p, seq, key_block.batch, key_block.head_kv, key_block.n0, key_row, HALF * wg, seqlen_k,
+                            headdim, headdim_v, scale, drop_scale, dk_acc, dv_acc, lane);
 }
 
 }  // namespace cf

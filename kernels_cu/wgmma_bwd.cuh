@@ -1,10 +1,12 @@
 // What the two wgmma dK/dV kernels (flash_bwd_wgmma, flash_bwd_wgmma_dsplit) share: the copies
 // into their tiles, wgmma's 128-byte-swizzled panels (wgmma.cuh) filled by cp.async, the order of
-// their walk over the query blocks, its pipeline's waits and the stores of dK_j and dV_j. Both
-// kernels hold their tensors as a raw pointer and three strides each, copied from BwdParams at
-// their top, and these are free functions of those locals, not a CTA object: a CTA struct holding
-// them (docs/perf-log.md, wgmma-bwd-cta) changed the kernels' machine code, these leave it as it
-// was when the code stood in both kernels.
+// their walk over the query blocks, its pipeline's waits, the key block a CTA owns with its mask
+// and walk (WgmmaKeyBlock), and the stores of dK_j and dV_j. Both kernels hold their tensors as a
+// raw pointer and three strides each, copied from BwdParams at their top, and the functions here
+// take those locals, not a CTA object: a CTA struct holding them (docs/perf-log.md,
+// wgmma-bwd-cta) changed the kernels' machine code. WgmmaKeyBlock holds only what the kernels
+// computed behind their packed early return; these leave the code as it was when it stood in
+// both kernels.
 #pragma once
 
 #include "block_walk.cuh"
@@ -140,6 +142,77 @@ struct WgmmaKeyWalk {
     static __device__ __forceinline__ void end(int* pending_release, int lane) {
         if constexpr (ORDERED) release_dq_block(pending_release, lane);
         cp_async_wait<0>();
+    }
+};
+
+// Which key block a CTA owns: block n_block = blockIdx.x of BLOCK_N keys (rows n0 .. n0 + BLOCK_N - 1
+// of the CTA's sequence), kv head head_kv = blockIdx.y, in the tensors' batch `batch`. Read once,
+// ahead of the packed early return that needs n0 (read again behind it, the block index cost an
+// extra special-register read in the packed kernels).
+template <int BLOCK_N>
+struct KeyBlockCoords {
+    int n_block, n0, head_kv, batch;
+
+    __device__ __forceinline__ explicit KeyBlockCoords(const SequenceRows& seq)
+        : n_block(blockIdx.x), n0(n_block * BLOCK_N), head_kv(blockIdx.y), batch(seq.batch) {}
+};
+
+// The key block of a CTA of either kernel, the mask it is seen through and the query blocks that
+// see some of its keys, for each query head of the GQA group (block_walk.cuh; the others are never
+// loaded); Walk is the order and pipeline of that walk. A kernel reads its coordinates, returns if
+// past_end, and only then builds this (the mask and the walk stay out of a returning CTA). K's and
+// V's addresses are not members but computed where the prologue copies from them: as members they
+// moved the kernels' address arithmetic from the uniform to the vector datapath.
+template <typename T, class Mask, class L, int BLOCK_M, int BLOCK_N, int D_TILE, int NTHREADS, bool ORDERED>
+struct WgmmaKeyBlock : KeyBlockCoords<BLOCK_N> {
+    typedef WgmmaKeyWalk<T, L, BLOCK_M, BLOCK_N, D_TILE, NTHREADS, ORDERED> Walk;
+    // The ordered dQ adds count every key block of a query block's column: no skipped blocks.
+    static_assert(!ORDERED || !(Mask::HAS_LEFT || Mask::HAS_BLOCK_MAP), "ordered dQ adds need every key block");
+
+    Mask mask;
+    QueryBlockWalk<BLOCK_M> walk;
+    int q_blocks;  // the query blocks of a head (ORDERED: the counters' stride, dense only)
+
+    // Past a shorter (packed) sequence's end: the kernel returns before anything else. A sequence
+    // without queries still stores dK = dV = 0 (an empty walk).
+    static __device__ __forceinline__ bool past_end(const KeyBlockCoords<BLOCK_N>& at, const SequenceRows& seq) {
+        return Mask::PACKED && at.n0 >= seq.seqlen_k;
+    }
+
+    // group: p.group, read at the kernel's top (read here, behind the packed return, it moved a
+    // parameter load and the address arithmetic after it to the vector datapath).
+    __device__ __forceinline__ WgmmaKeyBlock(const BwdParams& p, const SequenceRows& seq,
+                                             const KeyBlockCoords<BLOCK_N>& at, int group)
+        : KeyBlockCoords<BLOCK_N>(at),
+          mask(cta_mask<Mask>(p, seq.index, seq.seqlen_q, seq.seqlen_k)),
+          walk(mask, at.n0, BLOCK_N, group),
+          q_blocks((seq.seqlen_q + BLOCK_M - 1) / BLOCK_M) {}
+
+    // Iteration it's query head and query block.
+    __device__ __forceinline__ int head(int it) const { return walk.head(this->head_kv, it); }
+    __device__ __forceinline__ int query_block(int it) const { return Walk::query_block(walk, q_blocks, it); }
+
+    // Iteration it's Q_i, dO_i, lse_i and D_i into pipeline stage `stage` (no commit), from the
+    // kernel's locals. Each kernel wraps this call in its own lambda load_query_block(it, stage),
+    // which Walk's functions call (a lambda returned from here changed every kernel's code).
+    __device__ __forceinline__ void load_query_block(int it, int stage, const QuerySources<T>& src, u32 base,
+                                                     const SequenceRows& seq, const StatDims& stat_dims, int headdim,
+                                                     int headdim_v, int tid) const {
+        Walk::load_query_block(it, stage, src, walk, q_blocks, this->head_kv, base, seq, stat_dims, seq.seqlen_q,
+                               headdim, headdim_v, tid);
+    }
+
+    // Prologue: K_j, V_j into k_tile, v_tile (K's and V's row strides k_ss, v_ss, read at the
+    // kernel's top) and the first query block (load_query_block: the kernel's lambda
+    // around the function above), one commit group.
+    template <class LoadQueryBlock>
+    __device__ __forceinline__ void load_key_block_and_first(const BwdParams& p, const SequenceRows& seq, u32 k_tile,
+                                                             u32 v_tile, i64 k_ss, i64 v_ss, int headdim, int headdim_v,
+                                                             int tid, const LoadQueryBlock& load_query_block) const {
+        const T* __restrict__ k_rows = p.k.row<const T>(this->batch, seq.k_begin, this->head_kv);
+        const T* __restrict__ v_rows = p.v.row<const T>(this->batch, seq.k_begin, this->head_kv);
+        Walk::load_key_block_and_first(k_tile, v_tile, k_rows, k_ss, v_rows, v_ss, this->n0, seq.seqlen_k, headdim,
+                                       headdim_v, tid, walk.iters, load_query_block);
     }
 };
 

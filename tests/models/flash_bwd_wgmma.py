@@ -72,9 +72,11 @@ def bwd_smem(d_tile: int, block_m: int, block_n: int, dq_add: str = "atomic") ->
          "cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(k_tile, k_rows + n0 * k_ss, seqlen_k - n0, headdim, k_ss, tid);",
          "cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(v_tile, v_rows + n0 * v_ss, seqlen_k - n0, headdim_v, v_ss, tid);",
          "cp_async_key_panels<BLOCK_N, D_TILE, NTHREADS>(k_tile, v_tile, k_rows, k_ss, v_rows, v_ss, n0, seqlen_k, headdim,"
-         " headdim_v, tid);")
-@mirrors(BWD, "Walk::load_key_block_and_first(s_k, s_v, k_rows, k_ss, v_rows, v_ss, n0, seqlen_k, headdim, headdim_v,"
-              " tid, walk.iters, load_query_block);")
+         " headdim_v, tid);",
+         "Walk::load_key_block_and_first(k_tile, v_tile, k_rows, k_ss, v_rows, v_ss, this->n0, seq.seqlen_k, headdim,"
+         " headdim_v, tid, walk.iters, load_query_block);")
+@mirrors(BWD, "key_block.load_key_block_and_first(p, seq, s_k, s_v, k_ss, v_ss, headdim, headdim_v, tid,"
+              " load_query_block);")
 def bwd_tiles(L, stage: int) -> SimpleNamespace:
     base = aligned_base(RAW_SMEM)
     return SimpleNamespace(k=base + L.K, v=base + L.V, dst=base + L.DST,
@@ -251,7 +253,7 @@ def bwd_dq_stage_stores(L, wg: int):
 
 
 @mirrors(BWD,
-         "const i64 dqa_head = (i64)batch * dqa_sb + (i64)head * dqa_sh + (i64)seq.q_begin * dqa_ss;",
+         "const i64 dqa_head = (i64)key_block.batch * dqa_sb + (i64)head * dqa_sh + (i64)seq.q_begin * dqa_ss;",
          "const u32 s_warp = base + L::DQ_STAGE + (wg * 64 + 16 * warp_in_wg) * L::STAGE_ROW;",
          "if (lane == 0) bulk_wait_read_all();",
          "const int flip = (lane / 4) & 1;",
@@ -355,8 +357,8 @@ def bwd_emulated(q, k, v, do, lse, delta, L, headdim: int, scale: float):
     return dk, dv, dq_accum
 
 
-mirrors(BWD, "store_key_rows_grads<T>(p, seq, batch, head_kv, n0, key_row, 0, seqlen_k, headdim, headdim_v, scale, 1.f,"
-             " dk_acc, dv_acc, lane);")(bwd_emulated)
+mirrors(BWD, "store_key_rows_grads<T>(p, seq, key_block.batch, key_block.head_kv, key_block.n0, key_row, 0, seqlen_k,"
+             " headdim, headdim_v, scale, 1.f, dk_acc, dv_acc, lane);")(bwd_emulated)
 
 mirrors(BWD, "const u32 base = aligned_dynamic_smem<L::BYTES>(smem_raw);")(aligned_base)
 

@@ -61,7 +61,10 @@ def query_block_range(mask, n0, block_n, block_m, seqlen_q, seqlen_k):
     return m_block_first, max(0, m_block_end - m_block_first)
 
 
-@_each(WGMMA_DKDV_KERNELS, *QUERY_BLOCK_WALK,  # the order: wgmma_bwd.cuh's WgmmaKeyWalk, which both include
+# The wgmma ones build it in wgmma_bwd.cuh's WgmmaKeyBlock, which both include; the order is its
+# WgmmaKeyWalk's.
+@_each(WGMMA_DKDV_KERNELS, *QUERY_BLOCK_WALK[:3], "walk(mask, at.n0, BLOCK_N, group),",
+       "q_blocks((seq.seqlen_q + BLOCK_M - 1) / BLOCK_M) {}",
        "return ORDERED ? walk.block_down_from(q_blocks - 1, it) : walk.block(it);")
 def wgmma_walk(mask, n0, block_n, block_m, seqlen_q, seqlen_k, group, head_kv, ordered):
     """(query head, query block) of each iteration of a wgmma dK/dV CTA: query_block_range's
