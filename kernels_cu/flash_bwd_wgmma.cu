@@ -95,30 +95,15 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
     const u32 s_k = base + L::K, s_v = base + L::V, s_dst = base + L::DST;
 
     const SequenceRows seq = cta_sequence_uniform<Mask>(p, blockIdx.z);
-    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k, nheads = p.nheads, group = p.group;
-    const int headdim = p.headdim, headdim_v = p.headdim_v;
-    const StatDims stat_dims{nheads, p.seqlen_q};
-    const float scale_log2 = p.scale_log2, scale = p.scale;
-    // Q, dO and the row statistics move with the query head; K, V, dK, dV are this CTA's kv head.
-    const QuerySources<T> query_src = query_sources<T>(p);
-    const i64 k_ss = p.k.row_stride, v_ss = p.v.row_stride;
-    // dq_accum (DQ_ADD != none): a head's rows at batch dqa_sb + head dqa_sh (PANEL_MAJOR: the
-    // head's D_TILE / 64 panels, dqa_sp apart), rows dqa_ss apart.
-    void* __restrict__ dq_accum = p.dq_accum.data;
-    const i64 dqa_sb = p.dq_accum.batch_stride, dqa_ss = p.dq_accum.row_stride, dqa_sh = p.dq_accum.head_stride;
-    const i64 dqa_sp = p.dq_accum_panel_stride;
-    int* __restrict__ dq_semaphore = p.dq_semaphore;    // ORDERED
-    float* __restrict__ dq_row_scale = p.dq_row_scale;  // STAGED
+    const WgmmaBwdArgs<T> args = wgmma_bwd_args<T>(p);
 
     const int tid = threadIdx.x;
     const KeyBlockCoords<BLOCK_N> key_block_at(seq);
     // Past a shorter sequence's end: leave before the mask, the walk and the copies.
     if (KeyBlock::past_end(key_block_at, seq)) return;
-    const KeyBlock key_block(p, seq, key_block_at, group);
-    auto load_query_block = [&](int it, int stage) {
-        key_block.load_query_block(it, stage, query_src, base, seq, stat_dims, headdim, headdim_v, tid);
-    };
-    key_block.load_key_block_and_first(p, seq, s_k, s_v, k_ss, v_ss, headdim, headdim_v, tid, load_query_block);
+    const KeyBlock key_block(p, seq, key_block_at, args.group);
+    auto load_query_block = [&](int it, int stage) { key_block.load_query_block(it, stage, args, base, seq, tid); };
+    key_block.load_key_block_and_first(p, seq, s_k, s_v, args, tid, load_query_block);
 
     const int wg = tid / 128, warp_in_wg = (tid / 32) % 4, lane = tid % 32;
     float dk_acc[DJ][4], dv_acc[DJ][4];
@@ -126,21 +111,21 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
     zero(dv_acc);
 
     int* pending_release = nullptr;  // ORDERED: counter of the query block added last, not yet released
-    const float dq_limit = fixed_limit((seqlen_k + BLOCK_N - 1) / BLOCK_N);  // fixed: one add per key block
+    const float dq_limit = fixed_limit((seq.seqlen_k + BLOCK_N - 1) / BLOCK_N);  // fixed: one add per key block
     for (int it = 0; it < key_block.walk.iters; ++it) {
         const int stage = it & 1;
         Walk::land(it, stage, key_block.walk.iters, load_query_block);  // and the previous iteration's dS^T stores
 
         const int head = key_block.head(it);
         const int m_block = key_block.query_block(it), m0 = m_block * BLOCK_M;
-        int* const sem = dq_semaphore + ((i64)key_block.batch * nheads + head) * key_block.q_blocks + m_block;
+        int* const sem = args.dq_semaphore + ((i64)key_block.batch * args.nheads + head) * key_block.q_blocks + m_block;
         int sem_seen = 0;  // ORDERED: the counter, read early so its latency hides behind steps 1-7
         if constexpr (ORDERED) sem_seen = ld_acquire_gpu(sem);
         const u32 s_q = base + L::Q + stage * L::Q_TILE, s_do = base + L::DO + stage * L::Q_TILE;
         const float* s_lse = reinterpret_cast<const float*>(smem + L::LSE) + stage * BLOCK_M;
         const float* s_delta = reinterpret_cast<const float*>(smem + L::DELTA) + stage * BLOCK_M;
         const bool partial = key_block.mask.partial(m0, BLOCK_M, key_block.n0, BLOCK_N);
-        const ScoreOf<Mask, float, Tanh::EXP_RCP> score(score_problem<Mask>(p, seq), seq.index, head, scale);
+        const ScoreOf<Mask, float, Tanh::EXP_RCP> score(score_problem<Mask>(p, seq), seq.index, head, args.scale);
 
         // Steps 1-2: S^T = K_g Q^T and dP^T = V_g dO^T, issued back to back (K-major operands:
         // a 16-column k-step is 32 bytes into a panel).
@@ -196,7 +181,7 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
                 for (int e = 0; e < 4; ++e) {
                     const int key_off = 8 * (e >> 1), query_off = 8 * j + (e & 1);
                     const float s_ij = score.transform(s_acc[j][e], score_origin, query_off, key_off, dsds[e]);
-                    const float p_ij = recomputed_p(s_ij, scale_log2, base_log2[e & 1]);
+                    const float p_ij = recomputed_p(s_ij, args.scale_log2, base_log2[e & 1]);
                     const bool hidden = key_block.mask.hidden(origin, query_off, key_off);
                     s_acc[j][e] = decltype(masked)::value && hidden ? 0.f : p_ij;
                 }
@@ -281,9 +266,10 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
 
         // Step 8: dQ_i += dS K_j, 64 x 64 panels (query panel qp, head-dim panel dp); A = dS is the
         // MN-major view of dS^T panel qp, B = K_j panel dp (MN-major), k-steps of 16 keys.
-        const i64 dqa_head = (i64)key_block.batch * dqa_sb + (i64)head * dqa_sh + (i64)seq.q_begin * dqa_ss;
-        float* const dqa = static_cast<float*>(dq_accum) + dqa_head;  // float adds
-        float* const row_scale = dq_row_scale + seq.stat(stat_dims, head, 0);  // fixed
+        const i64 dqa_head =
+            (i64)key_block.batch * args.dqa_sb + (i64)head * args.dqa_sh + (i64)seq.q_begin * args.dqa_ss;
+        float* const dqa = static_cast<float*>(args.dq_accum) + dqa_head;  // float adds
+        float* const row_scale = args.dq_row_scale + seq.stat(args.stat_dims, head, 0);  // fixed
 #pragma unroll 1
         for (int panel = wg; panel < DQ_PANELS; panel += NWG) {
             const int qp = panel / (D_TILE / 64), dp = panel % (D_TILE / 64);
@@ -298,8 +284,8 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
             const int m_lo = m0 + 64 * qp + 16 * warp_in_wg + lane / 4, m_hi = m_lo + 8;
             float scale_lo = 0.f, scale_hi = 0.f;  // fixed: the rows' scales, loaded while dQ runs
             if constexpr (STAGED) {
-                if (m_lo < seqlen_q) scale_lo = row_scale[m_lo];
-                if (m_hi < seqlen_q) scale_hi = row_scale[m_hi];
+                if (m_lo < seq.seqlen_q) scale_lo = row_scale[m_lo];
+                if (m_hi < seq.seqlen_q) scale_hi = row_scale[m_hi];
             }
             wgmma_wait<0>();
             pin_registers(reinterpret_cast<float(&)[32]>(dq_acc));
@@ -328,16 +314,17 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
                     st_shared_v2_b64(at + 8 * L::STAGE_ROW, to_fixed(x[2], scale_hi, dq_limit, bad_hi),
                                      to_fixed(x[3], scale_hi, dq_limit, bad_hi));
                 }
-                if (bad_lo && m_lo < seqlen_q) poison_dq_row(row_scale + m_lo);
-                if (bad_hi && m_hi < seqlen_q) poison_dq_row(row_scale + m_hi);
+                if (bad_lo && m_lo < seq.seqlen_q) poison_dq_row(row_scale + m_lo);
+                if (bad_hi && m_hi < seq.seqlen_q) poison_dq_row(row_scale + m_hi);
                 fence_proxy_async_shared();  // the stores, visible to the TMA unit's reads
                 __syncwarp();
                 if (lane == 0) {
                     // Rows past seqlen_q (zero contributions) land in the buffer's padding rows.
                     const int m = m0 + 64 * qp + 16 * warp_in_wg;
-                    if (m < seqlen_q)
-                        bulk_reduce_add_s64(static_cast<long long*>(dq_accum) + dqa_head + dp * dqa_sp + m * dqa_ss,
-                                            s_warp, 16 * L::STAGE_ROW);
+                    if (m < seq.seqlen_q)
+                        bulk_reduce_add_s64(
+                            static_cast<long long*>(args.dq_accum) + dqa_head + dp * args.dqa_sp + m * args.dqa_ss,
+                            s_warp, 16 * L::STAGE_ROW);
                     bulk_commit();
                 }
             } else if constexpr (STAGED) {
@@ -359,15 +346,16 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
                     st_shared_v2_b64(at + 8 * DQ_STAGE_ROW, to_fixed(dq_acc[j][2], scale_hi, dq_limit, bad_hi),
                                      to_fixed(dq_acc[j][3], scale_hi, dq_limit, bad_hi));
                 }
-                if (bad_lo && m_lo < seqlen_q) poison_dq_row(row_scale + m_lo);
-                if (bad_hi && m_hi < seqlen_q) poison_dq_row(row_scale + m_hi);
+                if (bad_lo && m_lo < seq.seqlen_q) poison_dq_row(row_scale + m_lo);
+                if (bad_hi && m_hi < seq.seqlen_q) poison_dq_row(row_scale + m_hi);
                 fence_proxy_async_shared();  // the stores, visible to the TMA unit's reads
                 __syncwarp();
                 if (lane < 16) {
                     const int row = 16 * warp_in_wg + lane, m = m0 + 64 * qp + row;
-                    if (m < seqlen_q)
-                        bulk_reduce_add_s64(static_cast<long long*>(dq_accum) + dqa_head + m * dqa_ss + 64 * dp,
-                                            s_stage + row * DQ_STAGE_ROW, 64 * 8);
+                    if (m < seq.seqlen_q)
+                        bulk_reduce_add_s64(
+                            static_cast<long long*>(args.dq_accum) + dqa_head + m * args.dqa_ss + 64 * dp,
+                            s_stage + row * DQ_STAGE_ROW, 64 * 8);
                     bulk_commit();
                 }
             } else {
@@ -377,9 +365,11 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
 #pragma unroll
                 for (int j = 0; j < 8; ++j) {
                     const int col = 64 * dp + 8 * j + 2 * (lane % 4);
-                    if (col < headdim) {
-                        if (m_lo < seqlen_q) red_add_f32x2(dqa + m_lo * dqa_ss + col, dq_acc[j][0], dq_acc[j][1]);
-                        if (m_hi < seqlen_q) red_add_f32x2(dqa + m_hi * dqa_ss + col, dq_acc[j][2], dq_acc[j][3]);
+                    if (col < args.headdim) {
+                        if (m_lo < seq.seqlen_q)
+                            red_add_f32x2(dqa + m_lo * args.dqa_ss + col, dq_acc[j][0], dq_acc[j][1]);
+                        if (m_hi < seq.seqlen_q)
+                            red_add_f32x2(dqa + m_hi * args.dqa_ss + col, dq_acc[j][2], dq_acc[j][3]);
                     }
                 }
             }
@@ -394,8 +384,8 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
     // Epilogue: dK = scale dS^T Q summed, and dV, straight from the accumulators (once per CTA).
     const int key_row = 64 * wg + 16 * warp_in_wg + lane / 4;
     if constexpr (DropoutOf<Mask>::ENABLED) scale_acc(dv_acc, p.variant.dropout.scale);
-    store_key_rows_grads<T>(p, seq, key_block.batch, key_block.head_kv, key_block.n0, key_row, 0, seqlen_k, headdim,
-                            headdim_v, scale, 1.f, dk_acc, dv_acc, lane);
+    store_key_rows_grads<T>(p, seq, key_block.batch, key_block.head_kv, key_block.n0, key_row, 0, seq.seqlen_k,
+                            args.headdim, args.headdim_v, args.scale, 1.f, dk_acc, dv_acc, lane);
     // Fixed point: the staging tiles must outlive the bulk reductions' reads of them.
     if constexpr (STAGED) {
         if (lane < 16) bulk_wait_read_all();

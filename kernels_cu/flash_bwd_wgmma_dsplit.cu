@@ -89,26 +89,15 @@ flash_bwd_wgmma_dsplit(const __grid_constant__ BwdParams p) {
     const u32 s_k = base + L::K, s_v = base + L::V, s_pt = base + L::PT, s_dst = base + L::DST;
 
     const SequenceRows seq = cta_sequence<Mask>(p, blockIdx.z);
-    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k, nheads = p.nheads, group = p.group;
-    const int headdim = p.headdim, headdim_v = p.headdim_v;
-    const StatDims stat_dims{nheads, p.seqlen_q};
-    const float scale_log2 = p.scale_log2, scale = p.scale;
-    // Q, dO and the row statistics move with the query head; K, V, dK, dV are this CTA's kv head.
-    const QuerySources<T> query_src = query_sources<T>(p);
-    const i64 k_ss = p.k.row_stride, v_ss = p.v.row_stride;
-    void* __restrict__ dq_accum = p.dq_accum.data;  // float32 rows (DQ_ADD atomic, ordered)
-    const i64 dqa_sb = p.dq_accum.batch_stride, dqa_ss = p.dq_accum.row_stride, dqa_sh = p.dq_accum.head_stride;
-    int* __restrict__ dq_semaphore = p.dq_semaphore;  // ORDERED
+    const WgmmaBwdArgs<T> args = wgmma_bwd_args<T>(p);
 
     const int tid = threadIdx.x;
     const KeyBlockCoords<BLOCK_N> key_block_at(seq);
     // Past a shorter sequence's end: leave before the mask, the walk and the copies.
     if (KeyBlock::past_end(key_block_at, seq)) return;
-    const KeyBlock key_block(p, seq, key_block_at, group);
-    auto load_query_block = [&](int it, int stage) {
-        key_block.load_query_block(it, stage, query_src, base, seq, stat_dims, headdim, headdim_v, tid);
-    };
-    key_block.load_key_block_and_first(p, seq, s_k, s_v, k_ss, v_ss, headdim, headdim_v, tid, load_query_block);
+    const KeyBlock key_block(p, seq, key_block_at, args.group);
+    auto load_query_block = [&](int it, int stage) { key_block.load_query_block(it, stage, args, base, seq, tid); };
+    key_block.load_key_block_and_first(p, seq, s_k, s_v, args, tid, load_query_block);
 
     const int wg = tid / 128, warp_in_wg = (tid / 32) % 4, lane = tid % 32;
     const int key_row = 16 * warp_in_wg + lane / 4;  // this thread's S^T / dP^T rows: key_row, +8
@@ -123,14 +112,14 @@ flash_bwd_wgmma_dsplit(const __grid_constant__ BwdParams p) {
 
         const int head = key_block.head(it);
         const int m_block = key_block.query_block(it), m0 = m_block * BLOCK_M;
-        int* const sem = dq_semaphore + ((i64)key_block.batch * nheads + head) * key_block.q_blocks + m_block;
+        int* const sem = args.dq_semaphore + ((i64)key_block.batch * args.nheads + head) * key_block.q_blocks + m_block;
         int sem_seen = 0;
         if constexpr (ORDERED) sem_seen = ld_acquire_gpu(sem);
         const u32 s_q = base + L::Q + stage * L::Q_TILE, s_do = base + L::DO + stage * L::Q_TILE;
         const float* s_lse = reinterpret_cast<const float*>(smem + L::LSE) + stage * BLOCK_M;
         const float* s_delta = reinterpret_cast<const float*>(smem + L::DELTA) + stage * BLOCK_M;
         const bool partial = key_block.mask.partial(m0, BLOCK_M, key_block.n0, BLOCK_N);
-        const ScoreOf<Mask, float, Tanh::EXP_RCP> score(score_problem<Mask>(p, seq), seq.index, head, scale);
+        const ScoreOf<Mask, float, Tanh::EXP_RCP> score(score_problem<Mask>(p, seq), seq.index, head, args.scale);
 
         // Step 1: warpgroup 0 S^T = K Q^T, warpgroup 1 dP^T = V dO^T (K-major, 16 k-steps).
         float acc[SJ][4];
@@ -182,7 +171,7 @@ flash_bwd_wgmma_dsplit(const __grid_constant__ BwdParams p) {
                             s_ij = score.transform(s_ij, score_origin, 8 * j + (e & 1), 8 * (e >> 1), dsds[e]);
                         else if constexpr (!Mask::Score::IDENTITY)
                             s_ij = score.transform(s_ij, score_origin, 8 * j + (e & 1), 8 * (e >> 1));
-                        const float p_ij = recomputed_p(s_ij, scale_log2, base_log2[e & 1]);
+                        const float p_ij = recomputed_p(s_ij, args.scale_log2, base_log2[e & 1]);
                         const int key_off = 8 * (e >> 1), query_off = 8 * j + (e & 1);
                         const bool hidden = key_block.mask.hidden(origin, query_off, key_off);
                         acc[j][e] = decltype(masked)::value && hidden ? 0.f : p_ij;
@@ -318,14 +307,14 @@ flash_bwd_wgmma_dsplit(const __grid_constant__ BwdParams p) {
         pin_registers(reinterpret_cast<float(&)[HJ * 4]>(dk_acc));
         if constexpr (ORDERED) wait_dq_turn(sem, sem_seen, key_block.n_block * NWARPS);
         const int m_lo = m0 + 16 * warp_in_wg + lane / 4, m_hi = m_lo + 8;
-        float* const dqa = static_cast<float*>(dq_accum) + (i64)key_block.batch * dqa_sb + (i64)head * dqa_sh +
-                           (i64)seq.q_begin * dqa_ss;
+        float* const dqa = static_cast<float*>(args.dq_accum) + (i64)key_block.batch * args.dqa_sb +
+                           (i64)head * args.dqa_sh + (i64)seq.q_begin * args.dqa_ss;
 #pragma unroll
         for (int j = 0; j < HJ; ++j) {
             const int col = HALF * wg + 8 * j + 2 * (lane % 4);
-            if (col < headdim) {
-                if (m_lo < seqlen_q) red_add_f32x2(dqa + m_lo * dqa_ss + col, dq_acc[j][0], dq_acc[j][1]);
-                if (m_hi < seqlen_q) red_add_f32x2(dqa + m_hi * dqa_ss + col, dq_acc[j][2], dq_acc[j][3]);
+            if (col < args.headdim) {
+                if (m_lo < seq.seqlen_q) red_add_f32x2(dqa + m_lo * args.dqa_ss + col, dq_acc[j][0], dq_acc[j][1]);
+                if (m_hi < seq.seqlen_q) red_add_f32x2(dqa + m_hi * args.dqa_ss + col, dq_acc[j][2], dq_acc[j][3]);
             }
         }
         if constexpr (ORDERED) pending_release = sem;
@@ -334,8 +323,8 @@ flash_bwd_wgmma_dsplit(const __grid_constant__ BwdParams p) {
 
     // Epilogue: this warpgroup's head-dim half of dK (scaled) and dV, from the accumulators.
     const float drop_scale = DropoutOf<Mask>::kept_scale(p);  // 1 / (1 - p)
-    store_key_rows_grads<T>(p, seq, key_block.batch, key_block.head_kv, key_block.n0, key_row, HALF * wg, seqlen_k,
-                            headdim, headdim_v, scale, drop_scale, dk_acc, dv_acc, lane);
+    store_key_rows_grads<T>(p, seq, key_block.batch, key_block.head_kv, key_block.n0, key_row, HALF * wg, seq.seqlen_k,
+                            args.headdim, args.headdim_v, args.scale, drop_scale, dk_acc, dv_acc, lane);
 }
 
 }  // namespace cf

@@ -1,12 +1,13 @@
-// What the two wgmma dK/dV kernels (flash_bwd_wgmma, flash_bwd_wgmma_dsplit) share: the copies
-// into their tiles, wgmma's 128-byte-swizzled panels (wgmma.cuh) filled by cp.async, the order of
-// their walk over the query blocks, its pipeline's waits, the key block a CTA owns with its mask
-// and walk (WgmmaKeyBlock), and the stores of dK_j and dV_j. Both kernels hold their tensors as a
-// raw pointer and three strides each, copied from BwdParams at their top, and the functions here
-// take those locals, not a CTA object: a CTA struct holding them (docs/perf-log.md,
-// wgmma-bwd-cta) changed the kernels' machine code. WgmmaKeyBlock holds only what the kernels
-// computed behind their packed early return; these leave the code as it was when it stood in
-// both kernels.
+// What the two wgmma dK/dV kernels (flash_bwd_wgmma, flash_bwd_wgmma_dsplit) share: the run-time
+// arguments they read at their top (WgmmaBwdArgs), the copies into their tiles, wgmma's
+// 128-byte-swizzled panels (wgmma.cuh) filled by cp.async, the order of their walk over the query
+// blocks, its pipeline's waits, the key block a CTA owns with its mask and walk (WgmmaKeyBlock),
+// and the stores of dK_j and dV_j. Both kernels hold their tensors as a raw pointer and three
+// strides each, copied from BwdParams at their top into a plain struct of values, and the
+// functions here take those values, not a CTA object: a CTA struct holding them with the mask and
+// the walk (docs/perf-log.md, wgmma-bwd-cta) changed the kernels' machine code. WgmmaKeyBlock
+// holds only what the kernels computed behind their packed early return; these leave the code as
+// it was when it stood in both kernels.
 #pragma once
 
 #include "block_walk.cuh"
@@ -66,6 +67,35 @@ __device__ __forceinline__ QuerySources<T> query_sources(const BwdParams& p) {
     return {static_cast<const T*>(p.q.data), p.q.batch_stride, p.q.row_stride, p.q.head_stride,
             static_cast<const T*>(p.dout.data), p.dout.batch_stride, p.dout.row_stride, p.dout.head_stride,
             static_cast<const float*>(p.lse), static_cast<const float*>(p.delta)};
+}
+
+// The run-time arguments both kernels read at their top (bwd_args in mma_bwd.cuh says why), in
+// the order they read them before, as values: a plain struct filled once, like QuerySources (a
+// CTA object with a constructor, the mask and the walk among its members changed the kernels'
+// code: docs/perf-log.md, wgmma-bwd-cta). The sequence's lengths are the CTA's SequenceRows'.
+template <typename T>
+struct WgmmaBwdArgs {
+    int nheads, group, headdim, headdim_v;
+    StatDims stat_dims;
+    float scale_log2, scale;
+    // Q, dO and the row statistics move with the query head; K, V, dK, dV are this CTA's kv head.
+    QuerySources<T> query_src;
+    i64 k_ss, v_ss;
+    // dq_accum (a DQ_ADD other than none): a head's rows at batch dqa_sb + head dqa_sh
+    // (fixed_panels: the head's D_TILE / 64 panels, dqa_sp apart), rows dqa_ss apart; the ordered
+    // adds' counters (dq_semaphore) and the fixed point's row scales (dq_row_scale). (The kernels'
+    // locals had __restrict__ on these pointers; without it the code is the same.)
+    void* dq_accum;
+    i64 dqa_sb, dqa_ss, dqa_sh, dqa_sp;
+    int* dq_semaphore;
+    float* dq_row_scale;
+};
+template <typename T>
+__device__ __forceinline__ WgmmaBwdArgs<T> wgmma_bwd_args(const BwdParams& p) {
+    return {p.nheads, p.group, p.headdim, p.headdim_v, StatDims{p.nheads, p.seqlen_q}, p.scale_log2, p.scale,
+            query_sources<T>(p), p.k.row_stride, p.v.row_stride,
+            p.dq_accum.data, p.dq_accum.batch_stride, p.dq_accum.row_stride, p.dq_accum.head_stride,
+            p.dq_accum_panel_stride, p.dq_semaphore, p.dq_row_scale};
 }
 
 // The walk of a key block (one CTA of NTHREADS, layout L), two pipeline stages deep: iteration
@@ -193,26 +223,25 @@ struct WgmmaKeyBlock : KeyBlockCoords<BLOCK_N> {
     __device__ __forceinline__ int query_block(int it) const { return Walk::query_block(walk, q_blocks, it); }
 
     // Iteration it's Q_i, dO_i, lse_i and D_i into pipeline stage `stage` (no commit), from the
-    // kernel's locals. Each kernel wraps this call in its own lambda load_query_block(it, stage),
+    // kernel's run-time arguments. Each kernel wraps this call in its own lambda load_query_block(it, stage),
     // which Walk's functions call (a lambda returned from here changed every kernel's code).
-    __device__ __forceinline__ void load_query_block(int it, int stage, const QuerySources<T>& src, u32 base,
-                                                     const SequenceRows& seq, const StatDims& stat_dims, int headdim,
-                                                     int headdim_v, int tid) const {
-        Walk::load_query_block(it, stage, src, walk, q_blocks, this->head_kv, base, seq, stat_dims, seq.seqlen_q,
-                               headdim, headdim_v, tid);
+    __device__ __forceinline__ void load_query_block(int it, int stage, const WgmmaBwdArgs<T>& args, u32 base,
+                                                     const SequenceRows& seq, int tid) const {
+        Walk::load_query_block(it, stage, args.query_src, walk, q_blocks, this->head_kv, base, seq, args.stat_dims,
+                               seq.seqlen_q, args.headdim, args.headdim_v, tid);
     }
 
-    // Prologue: K_j, V_j into k_tile, v_tile (K's and V's row strides k_ss, v_ss, read at the
+    // Prologue: K_j, V_j into k_tile, v_tile (K's and V's row strides from args, read at the
     // kernel's top) and the first query block (load_query_block: the kernel's lambda
     // around the function above), one commit group.
     template <class LoadQueryBlock>
     __device__ __forceinline__ void load_key_block_and_first(const BwdParams& p, const SequenceRows& seq, u32 k_tile,
-                                                             u32 v_tile, i64 k_ss, i64 v_ss, int headdim, int headdim_v,
-                                                             int tid, const LoadQueryBlock& load_query_block) const {
+                                                             u32 v_tile, const WgmmaBwdArgs<T>& args, int tid,
+                                                             const LoadQueryBlock& load_query_block) const {
         const T* __restrict__ k_rows = p.k.row<const T>(this->batch, seq.k_begin, this->head_kv);
         const T* __restrict__ v_rows = p.v.row<const T>(this->batch, seq.k_begin, this->head_kv);
-        Walk::load_key_block_and_first(k_tile, v_tile, k_rows, k_ss, v_rows, v_ss, this->n0, seq.seqlen_k, headdim,
-                                       headdim_v, tid, walk.iters, load_query_block);
+        Walk::load_key_block_and_first(k_tile, v_tile, k_rows, args.k_ss, v_rows, args.v_ss, this->n0, seq.seqlen_k,
+                                       args.headdim, args.headdim_v, tid, walk.iters, load_query_block);
     }
 };
 

@@ -73,10 +73,9 @@ def bwd_smem(d_tile: int, block_m: int, block_n: int, dq_add: str = "atomic") ->
          "cp_async_panels<BLOCK_N, D_TILE, NTHREADS>(v_tile, v_rows + n0 * v_ss, seqlen_k - n0, headdim_v, v_ss, tid);",
          "cp_async_key_panels<BLOCK_N, D_TILE, NTHREADS>(k_tile, v_tile, k_rows, k_ss, v_rows, v_ss, n0, seqlen_k, headdim,"
          " headdim_v, tid);",
-         "Walk::load_key_block_and_first(k_tile, v_tile, k_rows, k_ss, v_rows, v_ss, this->n0, seq.seqlen_k, headdim,"
-         " headdim_v, tid, walk.iters, load_query_block);")
-@mirrors(BWD, "key_block.load_key_block_and_first(p, seq, s_k, s_v, k_ss, v_ss, headdim, headdim_v, tid,"
-              " load_query_block);")
+         "Walk::load_key_block_and_first(k_tile, v_tile, k_rows, args.k_ss, v_rows, args.v_ss, this->n0, seq.seqlen_k,"
+         " args.headdim, args.headdim_v, tid, walk.iters, load_query_block);")
+@mirrors(BWD, "key_block.load_key_block_and_first(p, seq, s_k, s_v, args, tid, load_query_block);")
 def bwd_tiles(L, stage: int) -> SimpleNamespace:
     base = aligned_base(RAW_SMEM)
     return SimpleNamespace(k=base + L.K, v=base + L.V, dst=base + L.DST,
@@ -172,7 +171,7 @@ def _acc_columns(nj: int) -> np.ndarray:
 @mirrors(BWD,
          "const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + 8 * j + 2 * (lane % 4));",
          "const float base_log2[2] = {lse_base_log2(lse2.x), lse_base_log2(lse2.y)};",
-         "const float p_ij = recomputed_p(s_ij, scale_log2, base_log2[e & 1]);")  # s_ij: the score policy's transform of S (the identity of the plain kernels modelled here)
+         "const float p_ij = recomputed_p(s_ij, args.scale_log2, base_log2[e & 1]);")  # s_ij: the score policy's transform of S (the identity of the plain kernels modelled here)
 def p_transposed(s_acc, s_lse, scale_log2):
     """Step 3 (P^T from S^T; full blocks, so no entry is hidden)."""
     return recomputed_p(s_acc, scale_log2, lse_base_log2(s_lse[_acc_columns(s_acc.shape[1])]))
@@ -203,8 +202,8 @@ def unpack_p16(p_frag, sj: int) -> np.ndarray:
 @mirrors(BWD,
          "const int m_lo = m0 + 64 * qp + 16 * warp_in_wg + lane / 4, m_hi = m_lo + 8;",
          "const int col = 64 * dp + 8 * j + 2 * (lane % 4);",
-         "if (m_lo < seqlen_q) red_add_f32x2(dqa + m_lo * dqa_ss + col, dq_acc[j][0], dq_acc[j][1]);",
-         "if (m_hi < seqlen_q) red_add_f32x2(dqa + m_hi * dqa_ss + col, dq_acc[j][2], dq_acc[j][3]);")
+         "if (m_lo < seq.seqlen_q) red_add_f32x2(dqa + m_lo * args.dqa_ss + col, dq_acc[j][0], dq_acc[j][1]);",
+         "if (m_hi < seq.seqlen_q) red_add_f32x2(dqa + m_hi * args.dqa_ss + col, dq_acc[j][2], dq_acc[j][3]);")
 def bwd_add_dq_panel(dq_accum, dq_acc, m0: int, qp: int, dp: int, headdim: int) -> None:
     m_lo = m0 + 64 * qp + ROW_LO
     for j in range(8):
@@ -232,7 +231,7 @@ DQ_STAGE_ROW = _stage_row_bytes()
          "if (lane < 16) bulk_wait_read_all();",
          "if (lane < 16) {",
          "const int row = 16 * warp_in_wg + lane, m = m0 + 64 * qp + row;",
-         "bulk_reduce_add_s64(static_cast<long long*>(dq_accum) + dqa_head + m * dqa_ss + 64 * dp,"
+         "bulk_reduce_add_s64(static_cast<long long*>(args.dq_accum) + dqa_head + m * args.dqa_ss + 64 * dp,"
          " s_stage + row * DQ_STAGE_ROW, 64 * 8);")
 def bwd_dq_stage_stores(L, wg: int):
     """Fixed-point dQ: the 16-byte stores of warpgroup wg's 128 threads into its staging tile, as
@@ -253,7 +252,8 @@ def bwd_dq_stage_stores(L, wg: int):
 
 
 @mirrors(BWD,
-         "const i64 dqa_head = (i64)key_block.batch * dqa_sb + (i64)head * dqa_sh + (i64)seq.q_begin * dqa_ss;",
+         "const i64 dqa_head = (i64)key_block.batch * args.dqa_sb + (i64)head * args.dqa_sh"
+         " + (i64)seq.q_begin * args.dqa_ss;",
          "const u32 s_warp = base + L::DQ_STAGE + (wg * 64 + 16 * warp_in_wg) * L::STAGE_ROW;",
          "if (lane == 0) bulk_wait_read_all();",
          "const int flip = (lane / 4) & 1;",
@@ -263,8 +263,8 @@ def bwd_dq_stage_stores(L, wg: int):
          "st_shared_v2_b64(at + 8 * L::STAGE_ROW, to_fixed(x[2], scale_hi, dq_limit, bad_hi),"
          " to_fixed(x[3], scale_hi, dq_limit, bad_hi));",
          "const int m = m0 + 64 * qp + 16 * warp_in_wg;",
-         "if (m < seqlen_q) bulk_reduce_add_s64(static_cast<long long*>(dq_accum) + dqa_head + dp * dqa_sp"
-         " + m * dqa_ss, s_warp, 16 * L::STAGE_ROW);")
+         "if (m < seq.seqlen_q) bulk_reduce_add_s64(static_cast<long long*>(args.dq_accum) + dqa_head"
+         " + dp * args.dqa_sp + m * args.dqa_ss, s_warp, 16 * L::STAGE_ROW);")
 def bwd_dq_panel_stage(L, wg: int, qp: int, dp: int, m0: int, batch: int, head: int, strides, seqlen_q: int):
     """Panel-major fixed point: warpgroup wg's 16-byte stores into its staging, as [(addresses
     (128,), accumulator row (128,), accumulator column (128,))] per (j, half), where the (j ^ 1)
@@ -357,8 +357,8 @@ def bwd_emulated(q, k, v, do, lse, delta, L, headdim: int, scale: float):
     return dk, dv, dq_accum
 
 
-mirrors(BWD, "store_key_rows_grads<T>(p, seq, key_block.batch, key_block.head_kv, key_block.n0, key_row, 0, seqlen_k,"
-             " headdim, headdim_v, scale, 1.f, dk_acc, dv_acc, lane);")(bwd_emulated)
+mirrors(BWD, "store_key_rows_grads<T>(p, seq, key_block.batch, key_block.head_kv, key_block.n0, key_row, 0, seq.seqlen_k,"
+             " args.headdim, args.headdim_v, args.scale, 1.f, dk_acc, dv_acc, lane);")(bwd_emulated)
 
 mirrors(BWD, "const u32 base = aligned_dynamic_smem<L::BYTES>(smem_raw);")(aligned_base)
 

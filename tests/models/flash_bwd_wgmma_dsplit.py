@@ -56,7 +56,7 @@ def dsplit_smem(d_tile: int, block_m: int, block_n: int) -> SimpleNamespace:
          "const u32 s_k = base + L::K, s_v = base + L::V, s_pt = base + L::PT, s_dst = base + L::DST;",
          "const u32 s_q = base + L::Q + stage * L::Q_TILE, s_do = base + L::DO + stage * L::Q_TILE;",
          # the copies: wgmma_bwd.cuh's, mirrored once (models.flash_bwd_wgmma.bwd_tiles)
-         "key_block.load_key_block_and_first(p, seq, s_k, s_v, k_ss, v_ss, headdim, headdim_v, tid, load_query_block);")
+         "key_block.load_key_block_and_first(p, seq, s_k, s_v, args, tid, load_query_block);")
 def dsplit_tiles(L, stage: int) -> SimpleNamespace:
     base = aligned_base(RAW_SMEM)
     return SimpleNamespace(k=base + L.K, v=base + L.V, pt=base + L.PT, dst=base + L.DST,
@@ -193,10 +193,10 @@ def dsplit_emulated(q, k, v, do, lse, delta, L, headdim: int, scale: float):
 mirrors(DSPLIT,
         # the epilogue: wgmma_bwd.cuh's store_key_rows_grads (models.flash_bwd_wgmma.store_dkdv) on this
         # warpgroup's head-dim half
-        "store_key_rows_grads<T>(p, seq, key_block.batch, key_block.head_kv, key_block.n0, key_row, HALF * wg, seqlen_k,"
-        " headdim, headdim_v, scale, drop_scale, dk_acc, dv_acc, lane);",
+        "store_key_rows_grads<T>(p, seq, key_block.batch, key_block.head_kv, key_block.n0, key_row, HALF * wg,"
+        " seq.seqlen_k, args.headdim, args.headdim_v, args.scale, drop_scale, dk_acc, dv_acc, lane);",
         "const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + 8 * j + 2 * (lane % 4));",
-        "const float p_ij = recomputed_p(s_ij, scale_log2, base_log2[e & 1]);",  # s_ij: the score policy's transform of S (the identity of the plain kernels modelled here)
+        "const float p_ij = recomputed_p(s_ij, args.scale_log2, base_log2[e & 1]);",  # s_ij: the score policy's transform of S (the identity of the plain kernels modelled here)
         "const float2 d2 = *reinterpret_cast<const float2*>(s_delta + 8 * j + 2 * (lane % 4));",
         "const float2 lo = unpack2<T>(p2[0]), hi = unpack2<T>(p2[1]);",
         "acc[j][e] = p16[e] == 0.f ? 0.f : p16[e] * (acc[j][e] - ((e & 1) ? d2.y : d2.x));")(dsplit_emulated)
