@@ -35,7 +35,9 @@
 #                                       in one call (warm, they took 200 s together on 2026-12-05)
 #   scripts/gpu_check.sh OUTDIR ncu     kernel by kernel, this tree against BEFORE_TREE (required):
 #                                       time, registers, instructions of NCU_CASES, then the full
-#                                       section set of NCU_FULL (ncu --clock-control none)
+#                                       section set of NCU_FULL (ncu --clock-control none); a case is
+#                                       scripts/ncu_workload.py's arguments ("128 16384 causal fwd
+#                                       softcap=30": a variant against plain in one tree)
 #   scripts/gpu_check.sh OUTDIR dmma    a DMMA backward change (float64, the tf32x3 experiment and the
 #                                       tf32 wgmma candidates): DMMA_PART=tests, its kernels compiled
 #                                       and its GPU tests; DMMA_PART=check, racecheck / memcheck of
@@ -304,12 +306,12 @@ ncu)
     done; wait
     for i in 0 1; do
         IFS=';'; for c in $cases; do IFS=' '
-            tag=${labels[$i]}-$(echo "$c" | tr ' ' '-')
+            tag=${labels[$i]}-$(echo "$c" | tr ' =' '--')
             (cd "${trees[$i]}" && PYTHONPATH=$PWD step "ncu-$tag" 120 ncu --clock-control none -k regex:flash \
                 --metrics "$metrics" --csv python "$OLDPWD/scripts/ncu_workload.py" $c)
         done; IFS=' '
         IFS=';'; for c in $full; do IFS=' '
-            tag=${labels[$i]}-$(echo "$c" | tr ' ' '-')
+            tag=${labels[$i]}-$(echo "$c" | tr ' =' '--')
             (cd "${trees[$i]}" && PYTHONPATH=$PWD step "full-$tag" 200 ncu --clock-control none -k regex:flash \
                 --set full --import-source no -o "$out/full-$tag" python "$OLDPWD/scripts/ncu_workload.py" $c)
             ncu -i "$out/full-$tag.ncu-rep" --page details > "$out/full-$tag.txt" 2>&1
