@@ -42,12 +42,16 @@ softcap / ALiBi / sink / dropout (the property draws none of them); torch's devi
 GPU test adds it to the two NumPy standard attentions, which can only raise the bar); the
 forward of "saved" (idealized).
 
+--distribution (perf log saturation-distribution) judges each seed's draw set by tests/saturation.py's
+own Bar and distribution RULE (assert_as_accurate_as_standard's), per arithmetic of DISTRIBUTION.
+
 The bar (tests/saturation.py check(), here Bar.ratio, which returns instead of asserting):
 per gradient, max over entries of (|got - truth| - floor) / (2 x standard float32 attention's max
 error, the worse of its two NumPy forms); a draw's ratio is the worst of dq, dk, dv; over 1 fails.
 
     python dev/emulate_tf32x3_backward.py --validate        # structure checks (seconds)
     python dev/emulate_tf32x3_backward.py [--draws 300] [--seed 0] [--saved]
+    python dev/emulate_tf32x3_backward.py --distribution 0 1 2 --draws 200  # tests/saturation.py's RULE
 
 Measured (2026-12-05, --draws 500 --saved, seeds 0 and 1, about 2 minutes each on one core;
 docs/results/2026-12-05-tf32x3-bwd-accuracy-seed*.txt, perf log "tf32x3-bwd-accuracy"): the two
@@ -71,6 +75,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
+import accuracy_distribution  # noqa: E402
 import saturation  # noqa: E402
 
 from cupyflash import reference  # noqa: E402
@@ -400,32 +405,6 @@ class Bar:
         return per[i], ("dq", "dk", "dv")[i] if per[i] > 0 else "-"
 
 
-def standard_reordered(case, how="reversed"):
-    """Standard float32 attention (cupyflash.reference) with its sums in another order: the head
-    dims of q, k, v, do reversed ("reversed") or in a fixed shuffled order ("shuffled"), which
-    reorders S's and dP's sums, and where nothing is causal the queries and keys likewise (the
-    softmax's sums, D, dQ, dK, dV); the gradients permuted back. Another rounding of the same
-    arithmetic: the floor any float32 implementation shares (perf log tf32-apart-accuracy). At head
-    dim 1 and causal it is standard attention itself."""
-    q, k, v, do = case.arrays()
-
-    def order(size, salt):
-        if how == "reversed":
-            return np.arange(size)[::-1]
-        return np.random.default_rng(1000 * size + salt).permutation(size)
-
-    cols = order(case.headdim, 1)
-    rows_q = order(case.seqlen_q, 2) if not case.causal else np.arange(case.seqlen_q)
-    rows_k = order(case.seqlen_k, 3) if not case.causal else np.arange(case.seqlen_k)
-    q, do = q[:, rows_q][..., cols].copy(), do[:, rows_q][..., cols].copy()
-    k, v = k[:, rows_k][..., cols].copy(), v[:, rows_k][..., cols].copy()
-    with np.errstate(all="ignore"):
-        dq, dk, dv = reference.standard_attention_backward(do, q, k, v, dtype=np.float32,
-                                                           softmax_scale=case.softmax_scale, causal=case.causal)
-    inv_cols, inv_q, inv_k = np.argsort(cols), np.argsort(rows_q), np.argsort(rows_k)
-    return dq[:, inv_q][..., inv_cols], dk[:, inv_k][..., inv_cols], dv[:, inv_k][..., inv_cols]
-
-
 # --- runs ---------------------------------------------------------------------------------------
 
 ARITHMETICS = {
@@ -469,12 +448,12 @@ def ratios_of(cases, arithmetics):
     names = list(arithmetics) + ["standard fp32 shuffled"]
     out = {bar: {name: [] for name in names} for bar in ("gpu", "cpu")}
     for case in cases:
-        bars = {"gpu": Bar(case, (standard_reordered(case),)), "cpu": Bar(case)}
+        bars = {"gpu": Bar(case, (saturation.standard_reordered_gradients(case),)), "cpu": Bar(case)}
         arrays = case.arrays()
         fwd = None
         for name in names:
             if name == "standard fp32 shuffled":
-                grads = standard_reordered(case, "shuffled")
+                grads = saturation.standard_reordered_gradients(case, "shuffled")
             else:
                 ar = arithmetics[name]
                 if ar.stats == "saved" and fwd is None:
@@ -549,15 +528,73 @@ def validate():
     print(f"Bar.ratio <= 1 agrees with saturation.check on {agree} of {3 * (len(checked) + 20)} (case, arithmetic)")
 
 
+DISTRIBUTION = {
+    "standard fp32 shuffled": None,  # saturation.standard_reordered_gradients(case, "shuffled")
+    "SIMT (today)": Arith(kind="simt"),
+    "tf32x3 rz": Arith(acc="rz"),
+    "tf32x3 rz, three products chained": Arith(acc="rz", step_sums=False),
+    "SIMT, exp2f 2^-16": Arith(kind="simt", exp_ulp=2.0 ** -16),
+    "broken: tf32x3 lo hi dropped": Arith(acc="rz", products=("hi_hi", "hi_lo")),
+    "broken: SIMT, statistics saved": Arith(kind="simt", stats="saved"),
+}
+
+
+def distribution(draws, seeds):
+    """tests/saturation.py's distribution rule (RULE, as assert_as_accurate_as_standard asserts it)
+    on each seed's set of ``draws`` saturating float32 draws, per arithmetic of DISTRIBUTION, the
+    ratios by saturation.Bar itself under the GPU-like bar (a reversed-order standard attention as
+    more_baselines, standing in for torch's) and the CPU bar; a gradient that is not finite counts
+    as ratio inf."""
+    rule = saturation.RULE
+    start = time.time()
+    print(f"rule: at most {rule.max_share_over:.0%} of the draws over 1 ({rule.min_over} always), "
+          f"p99 <= {rule.max_p99} from {rule.p99_from} draws, max <= {rule.max_ratio}")
+    for seed in seeds:
+        cases = draw_cases(draws, seed, True)
+        ratios = {bar: {name: [] for name in DISTRIBUTION} for bar in ("gpu", "cpu")}
+        for case in cases:
+            bars = {"gpu": saturation.Bar(case, (saturation.standard_reordered_gradients(case),)),
+                    "cpu": saturation.Bar(case)}
+            arrays, fwd = case.arrays(), None
+            for name, ar in DISTRIBUTION.items():
+                if ar is None:
+                    grads = saturation.standard_reordered_gradients(case, "shuffled")
+                else:
+                    if ar.stats == "saved" and fwd is None:
+                        fwd = exact_forward(case)
+                    grads = emulate(case, ar, arrays, fwd)
+                for bar, b in bars.items():
+                    try:
+                        r = b.worst(grads).ratio
+                    except AssertionError:
+                        r = np.inf
+                    ratios[bar][name].append(r)
+        for bar in ("gpu", "cpu"):
+            print(f"\n{len(cases)} saturating draws, seed {seed}, {bar} bar [{time.time() - start:.0f} s]")
+            for name, rs in ratios[bar].items():
+                r = np.array(rs)
+                broken = rule.failures(r, draws)
+                print(f"  {name:34s} over 1 {np.sum(r > 1):3d} ({np.mean(r > 1):5.1%})  median {np.median(r):5.3g}  "
+                      f"p99 {accuracy_distribution.p99(r):8.3g}  max {r.max():8.3g}  "
+                      f"{'pass' if not broken else 'FAIL: ' + '; '.join(broken)}", flush=True)
+            print("  ratios: " + " | ".join(f"{name}: " + " ".join(f"{x:.3g}" for x in rs)
+                                           for name, rs in ratios[bar].items()))
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--draws", type=int, default=500, help="draws of each strategy (saturating, unfiltered)")
     parser.add_argument("--seed", type=int, default=0, help="Hypothesis seed of the draws")
     parser.add_argument("--saved", action="store_true", help="also tf32x3 with statistics 'saved' (ideal forward)")
     parser.add_argument("--validate", action="store_true", help="only the structure checks")
+    parser.add_argument("--distribution", type=int, nargs="+", metavar="SEED",
+                        help="tests/saturation.py's distribution rule on --draws saturating draws for each seed")
     args = parser.parse_args(argv)
     if args.validate:
         validate()
+        return
+    if args.distribution:
+        distribution(args.draws, args.distribution)
         return
     arithmetics = dict(ARITHMETICS, **(SAVED if args.saved else {}))
     start = time.time()
@@ -567,8 +604,8 @@ def main(argv=None):
         print(f"  {label}: {case}")
         fwd = exact_forward(case)
         named = {n: emulate(case, ar, exact_fwd=fwd) for n, ar in arithmetics.items()}
-        named["standard fp32 reversed"] = standard_reordered(case)
-        named["standard fp32 shuffled"] = standard_reordered(case, "shuffled")
+        named["standard fp32 reversed"] = saturation.standard_reordered_gradients(case)
+        named["standard fp32 shuffled"] = saturation.standard_reordered_gradients(case, "shuffled")
         for name, grads in named.items():
             print(f"    {name:32s} " + "  ".join(
                 f"{g} {r:5.2f} (err {e:.2e}, floor {f:.1e}, std {b:.2e})"

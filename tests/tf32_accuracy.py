@@ -12,17 +12,16 @@ some. The distribution moves when a kernel loses accuracy (the chained kernel wi
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from accuracy_distribution import Rule, assert_distribution
 from cupyflash import reference
 from cupyflash.testing.tolerance import max_abs_error
 
 FLOOR = 2.0 ** -21  # times max|ref|: where standard float32 attention is exact
 # Over the bound: at most 2% of the draws, and one draw always (the emulated kernels' rate is
 # 0.1-0.5%: with 200 draws 5 or more over is a 0.1% event; with the suite's 25, 2 or more 0.7%).
-MAX_SHARE_OVER, MAX_MEDIAN, MAX_P99, MAX_RATIO = 0.02, 0.4, 1.2, 4.0
-P99_FROM = 100  # draws below which the 99th percentile is the maximum: not asserted
+RULE = Rule(max_share_over=0.02, max_median=0.4, max_p99=1.2, max_ratio=4.0, p99_from=100)
 
 
 def ratio_to_bound(q, k, v, o, lse, problem, options: dict) -> float:
@@ -40,25 +39,7 @@ def ratio_to_bound(q, k, v, o, lse, problem, options: dict) -> float:
 def assert_within_twice_standard(label: str, problems, variants, ratio_of) -> None:
     """Draws as many (problem, variant) pairs of the strategies as the Hypothesis profile's
     max_examples (dev 25, gpu 200), derandomized (the same draws every run, none shrunk),
-    ratio_of(problem, variant) each, and asserts their distribution: over the bound at most 2% of
-    them or one, median <= 0.4, p99 <= 1.2 (from 100 draws), max <= 4. Prints the summary."""
-    records = []
-    draws = settings.default.max_examples
-
-    @settings(max_examples=draws, derandomize=True, database=None, phases=(Phase.generate,), deadline=None,
-              suppress_health_check=list(HealthCheck))
-    @given(problem=problems, variant=st.sampled_from(variants))
-    def draw(problem, variant):
-        records.append((ratio_of(problem, variant), problem, variant))
-
-    draw()
-    ratios = np.array([r for r, _, _ in records])
-    worst = max(records, key=lambda r: r[0])
-    summary = (f"{label}: {len(ratios)} draws, {np.mean(ratios > 1):.1%} over the 2x bound, median "
-               f"{np.median(ratios):.2f}, p99 {np.quantile(ratios, 0.99):.2f}, max {ratios.max():.2f} "
-               f"({worst[1]!r}, {worst[2]})")
-    print(summary)
-    assert len(ratios) >= draws // 2, summary
-    assert np.sum(ratios > 1) <= max(1, int(MAX_SHARE_OVER * len(ratios))), summary
-    assert np.median(ratios) <= MAX_MEDIAN and ratios.max() <= MAX_RATIO, summary
-    assert len(ratios) < P99_FROM or np.quantile(ratios, 0.99) <= MAX_P99, summary
+    ratio_of(problem, variant) each, and asserts their distribution (tests/accuracy_distribution.py):
+    over the bound at most 2% of them or one, median <= 0.4, p99 <= 1.2 (from 100 draws), max <= 4.
+    Prints the summary."""
+    assert_distribution(label, st.tuples(problems, st.sampled_from(variants)), lambda pair: ratio_of(*pair), RULE)
