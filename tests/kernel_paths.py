@@ -1,6 +1,6 @@
 """The GPU kernel paths the property tests run, by family: SIMT for float32, and for float64 the
-DMMA forward (flash_fwd_dmma, the default up to d128, launched at any head dim) or SIMT's past
-d128 with the SIMT backward; for float16/bfloat16 the device's default tensor-core kernels (on sm_90: flash_fwd_wgmma and the v10
+DMMA kernels (flash_fwd_dmma and the DMMA backward, the defaults up to d128, launched at any head
+dim) or SIMT's past d128; for float16/bfloat16 the device's default tensor-core kernels (on sm_90: flash_fwd_wgmma and the v10
 wgmma backward; on sm_80: flash_fwd_mma and the mma.sync backward), and the mma.sync kernels of
 sm_80 on any device through their overrides: ``mma_fwd.forward(config=FwdConfig(...))``
 (flash_fwd_mma) and ``mma_bwd.backward(version=...)`` ("v5": v3's two kernels when
@@ -72,7 +72,10 @@ def run_path(case, window, q, k, v, do, deterministic=True, mma_sync=None, varia
     else:
         on_dmma = case.dtype == np.float64 and max(q.shape[3], v.shape[3]) <= dmma.D_TILES[-1]
         (dmma.forward if on_dmma else simt.forward)(qd, kd, vd, o, lse, **options)
-        simt.backward(dod, qd, kd, vd, o, lse, *grads, deterministic=deterministic, **options)
+        # float64's backward plan up to d128 (dmma-bwd-v0; the SIMT plan where the device lacks the
+        # shared memory or DMMA)
+        (dmma.backward if on_dmma else simt.backward)(dod, qd, kd, vd, o, lse, *grads, deterministic=deterministic,
+                                                      **options)
     cupy.cuda.get_current_stream().synchronize()
     return tuple(x.get() for x in (o, lse, *grads))
 

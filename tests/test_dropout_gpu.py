@@ -34,7 +34,8 @@ def _reference_kwargs(case, dropout):
 
 @given(_problem(), st.booleans())
 def test_dropout_matches_reference(problem, deterministic):
-    """The device's default kernels: SIMT (fp32/fp64), the tensor-core defaults (fp16/bf16)."""
+    """kernel_paths.run_path's kernels: SIMT for fp32, DMMA for fp64 up to d128 (SIMT past it), the
+    tensor-core defaults for fp16/bf16."""
     case, window, dropout = problem
     q, k, v, do = make_inputs(case)
     o, lse, *grads = run_path(case, window, q, k, v, do, deterministic, variant={"dropout": dropout})

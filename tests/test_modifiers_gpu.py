@@ -53,7 +53,8 @@ def _run(case, window, score_mod, mask_mod, deterministic=True, mma_sync=None):
 
 @given(_problem(), st.booleans())
 def test_modifiers_match_reference(problem, deterministic):
-    """The device's default kernels: SIMT (fp32/fp64), the tensor-core defaults (fp16/bf16)."""
+    """kernel_paths.run_path's kernels: SIMT for fp32, DMMA for fp64 up to d128 (SIMT past it), the
+    tensor-core defaults for fp16/bf16."""
     _run(*problem, deterministic=deterministic)
 
 
