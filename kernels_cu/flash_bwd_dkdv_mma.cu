@@ -128,9 +128,9 @@ flash_bwd_dkdv_mma(const __grid_constant__ BwdParams p) {
                         const bool hidden =
                             masked.value && !mask.visible(m0_sub + c + (e & 1), n0 + row0 + lane / 4 + 8 * (e >> 1));
                         float dsds;
-                        const float s_ij = score.transform(s_acc[j][e], score_origin, 8 * j + (e & 1), 8 * (e >> 1), dsds);
+                        const float p = recomputed_p(score, s_acc[j][e], score_origin, 8 * j + (e & 1), 8 * (e >> 1),
+                                                     dsds, scale_log2, base_log2[e & 1]);
                         grads.put(4 * j + e, dsds);
-                        const float p = recomputed_p(s_ij, scale_log2, base_log2[e & 1]);
                         s_acc[j][e] = hidden ? 0.f : p;
                     }
                 });

@@ -92,10 +92,9 @@ flash_bwd_dkdv_mma_v2(const __grid_constant__ BwdParams p) {
                             const bool hidden = masked.value && hides_p(mask, origin, m_min, m0_sub + c, seqlen_q, g, e,
                                                                         8 * j + (e & 1), 16 * g + 8 * (e >> 1));
                             float dsds;
-                            const float s_ij = score.transform(s_acc[g][j][e], score_origin, 8 * j + (e & 1),
-                                                               16 * g + 8 * (e >> 1), dsds);
+                            const float p = recomputed_p(score, s_acc[g][j][e], score_origin, 8 * j + (e & 1),
+                                                         16 * g + 8 * (e >> 1), dsds, scale_log2, base_log2[e & 1]);
                             grads.put((g * (M_SUB / 8) + j) * 4 + e, dsds);
-                            const float p = recomputed_p(s_ij, scale_log2, base_log2[e & 1]);
                             s_acc[g][j][e] = hidden ? 0.f : p;
                         }
                     }

@@ -76,8 +76,8 @@ flash_bwd_dq_mma(const __grid_constant__ BwdParams p) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 float dsds;
-                const float s_ij = score.transform(s_acc[f][e], score_origin, 8 * (e >> 1), 8 * f + (e & 1), dsds);
-                const float p = recomputed_p(s_ij, scale_log2, base_log2[e >> 1]);
+                const float p = recomputed_p(score, s_acc[f][e], score_origin, 8 * (e >> 1), 8 * f + (e & 1), dsds,
+                                             scale_log2, base_log2[e >> 1]);
                 const float ds = Mask::Score::HAS_GRAD ? p * (dp_acc[f][e] - d[e >> 1]) * dsds
                                                        : p * (dp_acc[f][e] - d[e >> 1]);
                 const bool hidden = partial && !mask.visible(m0 + row0 + lane / 4 + 8 * (e >> 1),

@@ -103,9 +103,8 @@ flash_bwd_dq_mma_v2(const __grid_constant__ BwdParams p) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     float dsds;
-                    const float s_ij = score.transform(s_acc[g][f][e], score_origin, 16 * g + 8 * (e >> 1),
-                                                       8 * f + (e & 1), dsds);
-                    float p = recomputed_p(s_ij, scale_log2, s_lse[lane_row + 16 * g + 8 * (e >> 1)]);
+                    float p = recomputed_p(score, s_acc[g][f][e], score_origin, 16 * g + 8 * (e >> 1), 8 * f + (e & 1),
+                                           dsds, scale_log2, s_lse[lane_row + 16 * g + 8 * (e >> 1)]);
                     if constexpr (Mask::Score::HAS_GRAD) p *= dsds;
                     const bool hidden_left =
                         partial && mask.hidden_left(origin, 16 * g + 8 * (e >> 1), 8 * f + (e & 1));

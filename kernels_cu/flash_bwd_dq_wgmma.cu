@@ -153,8 +153,8 @@ flash_bwd_dq_wgmma(const __grid_constant__ BwdParams p) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     float dsds;
-                    const float s_ij = score.transform(s_acc[f][e], score_origin, 8 * (e >> 1), 8 * f + (e & 1), dsds);
-                    float p_ij = recomputed_p(s_ij, scale_log2, base_log2[e >> 1]);
+                    float p_ij = recomputed_p(score, s_acc[f][e], score_origin, 8 * (e >> 1), 8 * f + (e & 1), dsds,
+                                              scale_log2, base_log2[e >> 1]);
                     if constexpr (Mask::Score::HAS_GRAD) p_ij *= dsds;
                     const bool hidden = !mask.visible(row_lo + 8 * (e >> 1), key0 + 8 * f + (e & 1));
                     s_acc[f][e] = decltype(masked)::value && hidden ? 0.f : p_ij;

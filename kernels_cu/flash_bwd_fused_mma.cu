@@ -227,9 +227,9 @@ flash_bwd_fused_mma(const __grid_constant__ BwdParams p) {
                         const int key_off = 16 * g + 8 * (e >> 1), query_off = 8 * j + (e & 1);
                         const bool hidden = mask.hidden(origin, query_off, key_off);
                         float dsds;
-                        const float s_ij = score.transform(s_acc[g][j][e], score_origin, query_off, key_off, dsds);
+                        const float p = recomputed_p(score, s_acc[g][j][e], score_origin, query_off, key_off, dsds,
+                                                     scale_log2, base_log2[e & 1]);
                         grads.put((g * (SQ / 8) + j) * 4 + e, dsds);
-                        const float p = recomputed_p(s_ij, scale_log2, base_log2[e & 1]);
                         s_acc[g][j][e] = masked.value && hidden ? 0.f : p;
                     }
                 });

@@ -180,8 +180,8 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int key_off = 8 * (e >> 1), query_off = 8 * j + (e & 1);
-                    const float s_ij = score.transform(s_acc[j][e], score_origin, query_off, key_off, dsds[e]);
-                    const float p_ij = recomputed_p(s_ij, args.scale_log2, base_log2[e & 1]);
+                    const float p_ij = recomputed_p(score, s_acc[j][e], score_origin, query_off, key_off, dsds[e],
+                                                    args.scale_log2, base_log2[e & 1]);
                     const bool hidden = key_block.mask.hidden(origin, query_off, key_off);
                     s_acc[j][e] = decltype(masked)::value && hidden ? 0.f : p_ij;
                 }

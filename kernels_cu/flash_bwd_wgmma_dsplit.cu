@@ -166,12 +166,10 @@ flash_bwd_wgmma_dsplit(const __grid_constant__ BwdParams p) {
                 auto probabilities = [&](auto masked) {
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
-                        float s_ij = acc[j][e];
-                        if constexpr (Mask::Score::HAS_GRAD)
-                            s_ij = score.transform(s_ij, score_origin, 8 * j + (e & 1), 8 * (e >> 1), dsds[e]);
-                        else if constexpr (!Mask::Score::IDENTITY)
-                            s_ij = score.transform(s_ij, score_origin, 8 * j + (e & 1), 8 * (e >> 1));
-                        const float p_ij = recomputed_p(s_ij, args.scale_log2, base_log2[e & 1]);
+                        float no_grad;  // ds'/ds of a policy without one (1), not kept
+                        const float p_ij = recomputed_p(score, acc[j][e], score_origin, 8 * j + (e & 1), 8 * (e >> 1),
+                                                        Mask::Score::HAS_GRAD ? dsds[e] : no_grad, args.scale_log2,
+                                                        base_log2[e & 1]);
                         const int key_off = 8 * (e >> 1), query_off = 8 * j + (e & 1);
                         const bool hidden = key_block.mask.hidden(origin, query_off, key_off);
                         acc[j][e] = decltype(masked)::value && hidden ? 0.f : p_ij;

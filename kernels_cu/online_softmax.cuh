@@ -14,13 +14,15 @@ namespace cf {
 // Scores to log2 units; keys the mask hides from a row (past the end of the sequence, outside
 // its band: mask.cuh) become -inf. `masked` is uniform over the block (Mask::keys_partial): only
 // the blocks that cross a bound of the band pay for the compares.
-// The score policy's transform (score.cuh; none for the plain softmax) comes first, on the raw
-// scores: its result keeps their unit, so the scaling after it is the plain kernel's.
+// The score policy's transform (score.cuh; none for the plain softmax) takes the raw scores to
+// log2 units itself (transform_scaled: the scale folded into its constants, so that softcap costs
+// two FP32 operations a score fewer and ALiBi one than a transform followed by this multiply).
 template <class Mask, class Score, int M_STRIPS, int N_FRAGS>
 __device__ __forceinline__ void scale_and_mask(float (&s)[M_STRIPS][N_FRAGS][4], float scale_log2,
                                                bool masked, const Mask& mask, const Score& score,
                                                int row0, int n0, int lane) {
     if constexpr (!Score::IDENTITY) {
+        constexpr bool CAUSAL = !Mask::HAS_LEFT && Mask::HAS_RIGHT;  // Causal: hi_off is the diagonal
 #pragma unroll
         for (int i = 0; i < M_STRIPS; ++i)
 #pragma unroll
@@ -31,15 +33,17 @@ __device__ __forceinline__ void scale_and_mask(float (&s)[M_STRIPS][N_FRAGS][4],
                 for (int f = 0; f < N_FRAGS; ++f)
 #pragma unroll
                     for (int e = 0; e < 2; ++e)
-                        s[i][f][2 * h + e] = score.transform(s[i][f][2 * h + e], origin, 0, 8 * f + e);
+                        s[i][f][2 * h + e] = score.template transform_scaled<CAUSAL>(s[i][f][2 * h + e], origin, 0,
+                                                                                     8 * f + e, scale_log2);
             }
+    } else {
+#pragma unroll
+        for (int i = 0; i < M_STRIPS; ++i)
+#pragma unroll
+            for (int f = 0; f < N_FRAGS; ++f)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[i][f][e] *= scale_log2;
     }
-#pragma unroll
-    for (int i = 0; i < M_STRIPS; ++i)
-#pragma unroll
-        for (int f = 0; f < N_FRAGS; ++f)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[i][f][e] *= scale_log2;
     if (!masked) return;
 #pragma unroll
     for (int i = 0; i < M_STRIPS; ++i)

@@ -130,6 +130,51 @@ struct ScoreFn {
         A unused;
         return transform(s, o, di, dj, unused);
     }
+    // transform(s) times `scale` (the forwards' scale_log2). With softcap the scale goes into the
+    // constants: c tanh as a - 2a / (1 + 2^(k s)), a = scale c / unit, one FFMA where 1 - 2r, times
+    // c / unit, times the scale took three (a and ALiBi's slope times the scale do not depend on
+    // the score: the compiler hoists them). ALiBi alone keeps transform-then-multiply: its s still
+    // needs the multiply, so folding saved nothing, and the slope's product spilled 52-68 bytes in
+    // the d64 packed window kernels.
+    //
+    // CAUSAL (the band's right bound is the diagonal): every pair the band keeps has dist >= 0, so
+    // ALiBi's |dist| is dist and its bias splits into the row's part and the column's, one FFMA a
+    // score where |dist| took an FADD and an FFMA. Only in the 16-bit kernels' forms (EXP_RCP):
+    // the row's part is rounded at its own size (slope scale dist, up to about slope seqlen), an
+    // absolute error of 2^-24 of that in the score's exponent, far below a 16-bit P's rounding
+    // but above float32's (whose kernels keep the exact |dist|).
+    template <bool CAUSAL = false>
+    __device__ __forceinline__ A transform_scaled(A s, const Origin& o, int di, int dj, A scale) const {
+        if constexpr (!SOFTCAP && ALIBI && CAUSAL && TANH == Tanh::EXP_RCP && FLOAT) {
+            const A slope_s = slope_u * scale, row = -slope_s * (o.dist + A(di));
+            return fmaf(s, scale, fmaf(slope_s, A(dj), row));
+        } else if constexpr (!SOFTCAP) {
+            return transform(s, o, di, dj) * scale;
+        } else {
+            const A a = cap_u * scale;
+            A out;
+            if constexpr (TANH == Tanh::EXP_RCP && FLOAT)
+                out = fmaf(-2.f * a, rcp_approx(1.f + exp2_approx(s * in_u)), a);
+            else
+                out = a * cap_tanh(s);
+            if constexpr (ALIBI) out -= (slope_u * scale) * abs_(o.dist + A(di - dj));
+            return out;
+        }
+    }
+    // The backward's P exponent, transform(s) scale - base, and ds'/ds (float only: the
+    // tensor-core kernels' recomputed P, softmax_bwd.cuh). With softcap alone the scale goes into
+    // c / unit: t, 1 - t^2 and the exponent a t - base, a = scale c / unit hoisted out of the
+    // loops, where c t / unit took one FMUL more before the exponent's FFMA.
+    __device__ __forceinline__ float exponent_log2(float s, const Origin& o, int di, int dj, float& dsds, float scale,
+                                                   float base) const {
+        if constexpr (SOFTCAP && !ALIBI && FLOAT) {
+            const float t = cap_tanh(s);
+            dsds = 1.f - t * t;
+            return fmaf(cap_u * scale, t, -base);
+        } else {
+            return fmaf(transform(s, o, di, dj, dsds), scale, -base);
+        }
+    }
 };
 
 // The compile-time part, the template argument of a mask policy (mask.cuh's WithScore).
@@ -194,6 +239,15 @@ struct UserScoreFn {
     __device__ __forceinline__ A transform(A s, const Origin& o, int di, int dj) const {
         A unused;
         return transform(s, o, di, dj, unused);
+    }
+    // transform(s) times `scale`; a mask alone keeps s * scale, the band's scaled score bit for bit.
+    template <bool CAUSAL = false>
+    __device__ __forceinline__ A transform_scaled(A s, const Origin& o, int di, int dj, A scale) const {
+        return transform(s, o, di, dj) * scale;
+    }
+    __device__ __forceinline__ float exponent_log2(float s, const Origin& o, int di, int dj, float& dsds, float scale,
+                                                   float base) const {
+        return fmaf(transform(s, o, di, dj, dsds), scale, -base);
     }
 };
 

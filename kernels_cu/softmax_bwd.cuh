@@ -33,6 +33,14 @@ __device__ __forceinline__ float recomputed_p(float s, float scale_log2, float b
     return exp2_approx(min0_keep_nan(fmaf(s, scale_log2, -base_log2)));
 }
 
+// The same from a raw score through the score policy (score.cuh's exponent_log2: its transform,
+// ds'/ds into dsds, and the exponent, where a policy may fold the scale into its constants).
+template <class Score>
+__device__ __forceinline__ float recomputed_p(const Score& score, float s, const typename Score::Origin& o, int di,
+                                             int dj, float& dsds, float scale_log2, float base_log2) {
+    return exp2_approx(min0_keep_nan(score.exponent_log2(s, o, di, dj, dsds, scale_log2, base_log2)));
+}
+
 // The SIMT kernels' score in log2 units: the product rounded on its own, never fused into the
 // subtraction that follows. flash_bwd_stats_simt takes its row maximum over exactly these values,
 // so the maximum's exponent below is x - x = 0 and its P exactly 1, as in standard attention; an

@@ -151,7 +151,7 @@ def dqw_thread_rows(m0: int, wg: int, lse, delta, seqlen_q: int, batch: int, hea
 @mirrors(DQW,
          "const bool partial = mask.partial(m0, BLOCK_M, n0, BLOCK_N);",
          "const int key0 = n0 + 2 * (lane % 4);",
-         "float p_ij = recomputed_p(s_ij, scale_log2, base_log2[e >> 1]);",  # s_ij: the score policy's transform of S (the identity of the plain kernels modelled here)
+         "float p_ij = recomputed_p(score, s_acc[f][e], score_origin, 8 * (e >> 1), 8 * f + (e & 1), dsds, scale_log2, base_log2[e >> 1]);",  # the score policy's P of S (the identity's, in the plain kernels modelled here)
          "const bool hidden = !mask.visible(row_lo + 8 * (e >> 1), key0 + 8 * f + (e & 1));",
          "s_acc[f][e] = decltype(masked)::value && hidden ? 0.f : p_ij;",
          "if (partial)",

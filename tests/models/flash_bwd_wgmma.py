@@ -171,7 +171,7 @@ def _acc_columns(nj: int) -> np.ndarray:
 @mirrors(BWD,
          "const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + 8 * j + 2 * (lane % 4));",
          "const float base_log2[2] = {lse_base_log2(lse2.x), lse_base_log2(lse2.y)};",
-         "const float p_ij = recomputed_p(s_ij, args.scale_log2, base_log2[e & 1]);")  # s_ij: the score policy's transform of S (the identity of the plain kernels modelled here)
+         "const float p_ij = recomputed_p(score, s_acc[j][e], score_origin, query_off, key_off, dsds[e], args.scale_log2, base_log2[e & 1]);")  # the score policy's P of S (the identity's, in the plain kernels modelled here)
 def p_transposed(s_acc, s_lse, scale_log2):
     """Step 3 (P^T from S^T; full blocks, so no entry is hidden)."""
     return recomputed_p(s_acc, scale_log2, lse_base_log2(s_lse[_acc_columns(s_acc.shape[1])]))

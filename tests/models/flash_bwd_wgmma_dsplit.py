@@ -196,7 +196,7 @@ mirrors(DSPLIT,
         "store_key_rows_grads<T>(p, seq, key_block.batch, key_block.head_kv, key_block.n0, key_row, HALF * wg,"
         " seq.seqlen_k, args.headdim, args.headdim_v, args.scale, drop_scale, dk_acc, dv_acc, lane);",
         "const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + 8 * j + 2 * (lane % 4));",
-        "const float p_ij = recomputed_p(s_ij, args.scale_log2, base_log2[e & 1]);",  # s_ij: the score policy's transform of S (the identity of the plain kernels modelled here)
+        "const float p_ij = recomputed_p(score, acc[j][e], score_origin, 8 * j + (e & 1), 8 * (e >> 1), Mask::Score::HAS_GRAD ? dsds[e] : no_grad, args.scale_log2, base_log2[e & 1]);",  # the score policy's P of S (the identity's, in the plain kernels modelled here)
         "const float2 d2 = *reinterpret_cast<const float2*>(s_delta + 8 * j + 2 * (lane % 4));",
         "const float2 lo = unpack2<T>(p2[0]), hi = unpack2<T>(p2[1]);",
         "acc[j][e] = p16[e] == 0.f ? 0.f : p16[e] * (acc[j][e] - ((e & 1) ? d2.y : d2.x));")(dsplit_emulated)
