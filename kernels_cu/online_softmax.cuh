@@ -287,7 +287,10 @@ __device__ __forceinline__ float row_epilogue(const Stats& stats, int i, int h, 
         finish_row_with_sink(m, l, sink2, inv_l, lse);
         if ((lane & 3) == 0 && m0 + row < seqlen_q) lse_rows[row] = lse;
     } else {
-        inv_l = l > 0.f ? 1.f / l : 0.f;
+        // l == 0: the row saw no key. A NaN l (a NaN score: the row's softmax is NaN) gives a NaN O,
+        // so that the tf32 kernels' P split need not carry it (tf32.cuh, split_tf32_weight); its lse
+        // stays -inf, as in every other family and the reference (a row with nothing finite to weigh).
+        inv_l = l == 0.f ? 0.f : 1.f / l;
         if ((lane & 3) == 0 && m0 + row < seqlen_q) {
             const float ln2 = 0.6931471805599453f;
             lse_rows[row] = l > 0.f ? (m + __log2f(l)) * ln2 : neg_inf<float>();

@@ -289,7 +289,10 @@ __device__ __forceinline__ void finish_row_log2(A m, A l, A sink2, A& o_factor, 
     const bool seen = l > A(0);
     top = seen ? max_(m, sink2) : sink2;
     if (top == neg_inf<A>()) {
-        o_factor = A(0);
+        // O's factor 0 for a row that saw no key (l = 0), NaN for one whose softmax is NaN (a NaN
+        // l), which the tf32 wgmma forward's unguarded P split no longer carries into O
+        // (tf32-nan-v2); lse -inf for both, as without a sink
+        o_factor = A(0) * l;
         log2_sum = A(0);
         return;
     }

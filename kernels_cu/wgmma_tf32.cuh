@@ -455,7 +455,7 @@ __device__ __forceinline__ void tf32_product_sums(float (&s)[NV], const Issue& i
 // lo hi + hi lo + hi hi, the small terms first). FRESH: the products into a zeroed accumulator
 // of their own, added to acc by one FADD a value (one call's chain truncated, not every call's:
 // tf32-fwd-v2's FRESH_O).
-template <int N, int K_FRAGS, int PRODUCTS, bool FRESH, class Turns>
+template <int N, int K_FRAGS, int PRODUCTS, bool FRESH, bool WEIGHTS = false, class Turns>
 __device__ __forceinline__ void tf32_acc_times_tile(float (&acc)[N / 2], const float (&a)[K_FRAGS * 4], u32 b_hi_tile,
                                                     u32 b_lo_tile, const Turns& turns) {
     constexpr bool SPLIT = Tf32Operand<PRODUCTS>::SPLIT;
@@ -464,7 +464,12 @@ __device__ __forceinline__ void tf32_acc_times_tile(float (&acc)[N / 2], const f
     for (int f = 0; f < K_FRAGS; ++f) {
         const float x[4] = {a[4 * f], a[4 * f + 2], a[4 * f + 1], a[4 * f + 3]};
 #pragma unroll
-        for (int e = 0; e < 4; ++e) split_tf32<PRODUCTS>(x[e], a_hi[f][e], a_lo[f][e]);
+        for (int e = 0; e < 4; ++e) {
+            if constexpr (WEIGHTS)  // the forward's P (split_tf32_weight: its NaN is its row's l's)
+                split_tf32_weight<PRODUCTS>(x[e], a_hi[f][e], a_lo[f][e]);
+            else
+                split_tf32<PRODUCTS>(x[e], a_hi[f][e], a_lo[f][e]);
+        }
     }
     float fresh[FRESH ? N / 2 : 1];
     float(&out)[N / 2] = *reinterpret_cast<float(*)[N / 2]>(FRESH ? fresh : acc);

@@ -120,19 +120,23 @@ def test_zero_length_sequences(backend, dtype, seqlen_q, seqlen_k):
 # softcap: the tensor-core forwards' tanh clamps its argument, with a max / min that must keep NaN
 # (score.cuh's tanh_rational; fmaxf / fminf would make the poisoned row finite)
 @pytest.mark.parametrize("softcap", [0.0, 30.0], ids=["plain", "softcap"])
-def test_nan_in_a_query_row_stays_in_that_row(backend, dtype, causal, softcap):
+# a sink of -inf (no sink, as a value): the sink epilogue's row that weighs nothing finite
+# (score.cuh's finish_row_log2) must keep a NaN row NaN too
+@pytest.mark.parametrize("sink", [None, -np.inf], ids=["no_sink", "sink_neg_inf"])
+def test_nan_in_a_query_row_stays_in_that_row(backend, dtype, causal, softcap, sink):
     import cupy
 
     q = randn((1, 100, 2, 64), dtype)
     k, v = randn((1, 100, 2, 64), dtype), randn((1, 100, 2, 64), dtype)
     q[0, 37, 1, 5] = np.nan
-    o = cupyflash.flash_attn_func(q, k, v, causal=causal, softcap=softcap, backend=backend)
+    sinks = None if sink is None else np.full(2, sink, np.float32)
+    o = cupyflash.flash_attn_func(q, k, v, causal=causal, softcap=softcap, sink=sinks, backend=backend)
     o = o.get().astype(np.float64)
     bad = ~np.isfinite(o)
     assert bad[0, 37, 1].all(), "the poisoned row must be NaN"
     bad[0, 37, 1] = False
     assert not bad.any(), "NaN leaked into other rows"
-    o_ref, _ = reference.attention(q.get(), k.get(), v.get(), causal=causal, softcap=softcap)
+    o_ref, _ = reference.attention(q.get(), k.get(), v.get(), causal=causal, softcap=softcap, sink=sinks)
     assert np.isnan(o_ref[0, 37, 1]).all()
     del cupy
 

@@ -211,7 +211,8 @@ def fwd_block(q, k, v, o, lse, *, batch, head, m_block, group, scale_log2, mask,
         for i in range(strips):
             for h in range(2):
                 m_row, l_row = w["stats"].get(i, h)
-                inv_l = np.where(l_row > 0, 1.0 / np.where(l_row > 0, l_row, 1.0), 0.0)
+                # row_epilogue: l == 0 (no key seen) gives O = 0, a NaN l a NaN O; lse -inf for both
+                inv_l = np.where(l_row == 0, 0.0, 1.0 / np.where(l_row == 0, 1.0, l_row))
                 row = strip_row0 + 16 * i + 8 * h + GROUP
                 writes = (THREAD_IN_GROUP == 0) & (m0 + row < seqlen_q)
                 with np.errstate(divide="ignore"):
