@@ -308,8 +308,9 @@ def flash_attn_backward(do, q, k, v, o, lse, *, dropout_p=0.0, softmax_scale=Non
     modifiers (``score_mod``, ``mask_mod`` / ``block_mask``) must be the forward's; the chain
     rule through score_mod uses its traced derivative. dsink = -sum over batch and rows of exp(sink - lse) rowsum(do * o).
     With ``dropout_p`` > 0, ``seed`` and ``offset`` must be the forward's (there is no default seed).
-    ``precision`` is checked as flash_attn_func's; the float32 backward computes in float32 on CUDA
-    cores today, at "ieee" accuracy whichever is asked. ``statistics="recomputed"`` (float32 and
+    ``precision`` is checked as flash_attn_func's; the float32 backward forms every product as three
+    tf32 products of split operands (up to headdim 128; in float32 on CUDA cores past it), at "ieee"
+    accuracy whichever is asked. ``statistics="recomputed"`` (float32 and
     float64) makes the backward walk each row's keys first and take lse and D = sum_j P_ij dP_ij from
     its own scores, not from o and lse, so that a saturated softmax cancels exactly as in standard
     attention (flash_attn_vjp and the torch autograd do so); "saved" is right where o and lse are

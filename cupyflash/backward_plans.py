@@ -63,22 +63,23 @@ def d_tile(headdim: int) -> int:
 
 def supports(dtype, headdim: int) -> bool:
     """Whether the tensor-core backward runs ``dtype`` at exactly ``headdim``: fp16/bf16 with headdim
-    a multiple of 8 in [8, 256] (the dispatcher checks strides), and float64 (DMMA) up to 128."""
+    a multiple of 8 in [8, 256] (the dispatcher checks strides), float64 (DMMA) and float32 (the same
+    kernels on tf32x3) up to 128."""
     try:
         name = dtype_name(dtype)
     except ValueError:
         return False
     if headdim % 8 or headdim < 8:
         return False
-    if name == "float64":
+    if name in ("float32", "float64"):
         return headdim <= DMMA_D_TILES[-1]
     return name in SIXTEEN_BIT and headdim <= D_TILES[-1]
 
 
 def backward_family(dtype, headdim: int) -> str:
     """The family a backward call runs on a GPU unless the caller asks for one: tensor cores for
-    float16 / bfloat16 and for float64 up to d128 (the head dim padded to a multiple of 8), SIMT for
-    float32 and for float64 past it."""
+    float16 / bfloat16, and for float32 and float64 up to d128 (the head dim padded to a multiple of
+    8), SIMT for float32 and float64 past it."""
     return "mma" if supports(dtype, mma_headdim(headdim)) else "simt"
 
 
@@ -517,15 +518,17 @@ def plan_backward(arch: str | None, dtype, headdim: int, mask: Mask | bool, smem
     """The kernels a backward call with this dtype, head dim, mask and ``deterministic`` launches on
     a device of compute capability ``arch`` whose blocks may opt in to ``smem_optin`` bytes (None,
     None: not known). 16-bit dtypes run the tensor-core family at the head dim padded to a multiple
-    of 8 (as the dispatcher pads it), and so does float64 up to d128 (the DMMA kernels,
-    DMMA_BACKWARD_TILES); float32 and wider float64 the SIMT family. The float64 and SIMT kernels
-    are always deterministic. ``family`` ("mma", "simt") overrides that choice (backward_family).
+    of 8 (as the dispatcher pads it), and so do float64 up to d128 (the DMMA kernels,
+    DMMA_BACKWARD_TILES) and float32 up to d128 (the same kernels on T = float, each product three
+    tf32 products of split operands: TF32X3_BACKWARD_CONFIGS); wider float32 and float64, and
+    devices before sm_80, the SIMT family. The float32, float64 and SIMT kernels are always
+    deterministic. ``family`` ("mma", "simt") overrides that choice (backward_family).
 
     ``statistics`` says where the row statistics come from: "saved", the forward's lse and
     D = rowsum(dO * O) from its o (flash_bwd_preprocess), or "recomputed" (float32 / float64):
-    flash_bwd_stats_simt walks each row's keys first and forms lse and D = sum_j P_ij dP_ij from the
-    very scores and dP the gradient kernels form, so a saturated row cancels exactly as in standard
-    attention (kernels_cu/flash_bwd_stats_simt.cu)."""
+    a statistics kernel (flash_bwd_stats_simt, flash_bwd_stats_dmma) walks each row's keys first and
+    forms lse and D = sum_j P_ij dP_ij from the very scores and dP the gradient kernels form, so a
+    saturated row cancels exactly as in standard attention (kernels_cu/flash_bwd_stats_simt.cu)."""
     mask = as_mask(mask)
     family = family or backward_family(dtype, headdim)
     check_statistics(statistics, dtype)
@@ -535,19 +538,20 @@ def plan_backward(arch: str | None, dtype, headdim: int, mask: Mask | bool, smem
         raise ValueError(f"cupyflash: unknown backward family {family!r} (known: mma, simt)")
     headdim = mma_headdim(headdim)
     where = backward_device_class(arch)
-    if is_float64(dtype):
+    if not is_16bit(dtype):
         if not supports(dtype, headdim):
-            raise ValueError(f"cupyflash: the float64 tensor-core backward takes head dims up to "
+            raise ValueError(f"cupyflash: the {dtype_name(dtype)} tensor-core backward takes head dims up to "
                              f"{DMMA_D_TILES[-1]}, not {headdim}")
         dt = d_tile_dmma(headdim)
-        config = DMMA_BACKWARD_TILES[(where, dt)]
-        too_large = smem_optin is not None and any(dmma_smem_bytes(kind, dt, config) > smem_optin
+        config = DMMA_BACKWARD_TILES[(where, dt)] if is_float64(dtype) else tf32x3_backward_config(headdim)
+        itemsize = 8 if is_float64(dtype) else 4
+        too_large = smem_optin is not None and any(dmma_smem_bytes(kind, dt, config, itemsize) > smem_optin
                                                    for kind in ("dkdv", "dq"))
         if too_large or (arch is not None and int(arch) < 80):
-            # d128's dK/dV block of the other archs (99.5 KiB) on sm_86 / sm_89 (99 KiB), and GPUs
-            # without DMMA: the SIMT kernels, as before
+            # float64 d128's dK/dV block of the other archs (99.5 KiB) on sm_86 / sm_89 (99 KiB), and
+            # GPUs without DMMA or tf32 mma: the SIMT kernels, as before
             return _simt_plan(dtype, headdim, mask, statistics)
-        return dmma_backward_plan(headdim, mask, config, statistics, where)
+        return dmma_backward_plan(headdim, mask, config, statistics, where, dtype)
     dt = d_tile(headdim)
     candidates = backward_candidates(where, dtype, dt, mask, smem_optin, deterministic)
     row = candidates[0] if len(candidates) == 1 else without_spills(
@@ -787,8 +791,8 @@ def dmma_backward_plan(headdim: int, mask: Mask | bool, config: DmmaBwdConfig, s
     return BackwardPlan("mma", where, headdim, dt, "none", config, launches)
 
 
-# The float32 experiment on the same kernels (experiment/tf32-backward; perf log tf32-bwd-v0): not a
-# plan row, run through dmma.backward(config=...) on float32 arrays by its tests and the bench.
+# float32 on the same kernels (perf log tf32-bwd-v0; the plan's rows since tf32x3-route): every
+# device class, sm_80 and newer.
 # d128's dK/dV kernel steps over 8 queries: at 16, dK and dV (128 registers) beside S^T, dP^T and
 # the split fragments spill 24-88 bytes at sm_80 and with a user modifier at sm_90.
 # The d64 tiles serve d16 and d32 too (as the float64 rows do); the compile check builds d64 and d128.
@@ -796,7 +800,7 @@ TF32X3_BACKWARD_CONFIGS = {64: DmmaBwdConfig(16, 4, 2, 16, 4, 2), 128: DmmaBwdCo
 
 
 def tf32x3_backward_config(headdim: int) -> DmmaBwdConfig:
-    """The float32 experiment's tiles at ``headdim`` (its DMMA head-dim tile's)."""
+    """float32's tf32x3 tiles at ``headdim`` (its DMMA head-dim tile's)."""
     return TF32X3_BACKWARD_CONFIGS[64 if d_tile_dmma(headdim) <= 64 else 128]
 
 

@@ -1,9 +1,9 @@
 """Which implementation runs a call: the kernel family (tensor cores, SIMT) or the NumPy twin.
 
-``auto`` picks the tensor-core family for float16/bfloat16 on a GPU, for the float32 forward
-(tf32 tensor cores, cupyflash.precision) and for float64 up to headdim 128 (DMMA, forward and
-backward), the SIMT family for the float32 backward and float64 past 128, and the NumPy twin when
-no CUDA device is usable.
+``auto`` picks the tensor-core family for float16/bfloat16 on a GPU, for float32 (tf32 tensor
+cores, cupyflash.precision; the backward up to headdim 128) and for float64 up to headdim 128
+(DMMA, forward and backward), the SIMT family for the float32 backward and float64 past headdim
+128, and the NumPy twin when no CUDA device is usable.
 """
 from __future__ import annotations
 
@@ -78,8 +78,7 @@ def choose(backend: str, dtype, headdim: int, direction: str) -> str:
         if not mma_ok:
             dtypes = ("float16/bfloat16/float32 with headdim <= 256 and float64 with headdim <= 128"
                       if direction == "fwd" else
-                      "float16/bfloat16 with headdim <= 256 and float64 with headdim <= 128 (the float32 "
-                      "backward runs on SIMT)")
+                      "float16/bfloat16 with headdim <= 256 and float32/float64 with headdim <= 128")
             raise ValueError(f"backend='mma' (tensor cores) supports {dtypes}; "
                              f"got {np.dtype(dtype)} with headdim {headdim}")
         return "mma"

@@ -16,7 +16,8 @@ mantissa bits instead of 23.
   of 11-bit operands (relative 2^-11 per operand, as float16's mantissa).
 
 The precision is a permission, as in PyTorch: a path that computes in float32 on CUDA cores
-(the float32 backward, the SIMT family, the NumPy twin's "ieee") is at least as accurate as asked.
+(the SIMT family, the NumPy twin's "ieee") is at least as accurate as asked, and so is the float32
+backward, whose products are three tf32 products of split operands whichever is asked.
 Other dtypes ignore it: float16 and bfloat16 products are exact in their kernels' float32
 accumulators, float64 runs in float64.
 """

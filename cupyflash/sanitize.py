@@ -26,7 +26,8 @@ MASKS = ((False, (-1, -1)), (True, (-1, -1)), (False, (19, 70)))
 def workload(families=("simt", "mma"), quick=False) -> int:
     """Forward + backward of each family over odd shapes; returns the number of shapes run.
     ``quick``: one dtype per family, causal and the window only (racecheck is slow); the mma
-    family's float32 forward (the tf32 kernel) in both precisions, its float64 forward (the DMMA
+    family's float32 forward (the tf32 kernel) in both precisions and, up to d128, float32's default
+    backward (tf32x3 on the DMMA backward's kernels, both statistics), its float64 forward (the DMMA
     kernel, forward and backward) and the SIMT float32 backward with recomputed statistics either way."""
     import cupy
     import numpy as np
@@ -55,14 +56,20 @@ def workload(families=("simt", "mma"), quick=False) -> int:
                         api.flash_attn_backward(do, q, k, v, o, lse, causal=causal, window_size=window,
                                                 backend=backend, deterministic=False)
                     calls += 1
-        if backend == "mma":  # float32's forward on tensor cores (tf32), both precisions; its backward is SIMT's
+        if backend == "mma":  # float32 on tensor cores: the tf32 forward in both precisions, and up to
+            # d128 its default backward, tf32x3 on the DMMA backward's kernels (both statistics)
             for headdim in HEADDIMS:
                 for causal, window in MASKS[1:] if quick else MASKS:
                     q = cupy.asarray(rng.standard_normal((1, 77, 4, headdim)).astype(np.float32))
                     k, v = (cupy.asarray(rng.standard_normal((1, 130, 2, headdim)).astype(np.float32)) for _ in range(2))
                     for precision in ("ieee", "tf32"):
-                        api.flash_attn_func(q, k, v, causal=causal, window_size=window, backend=backend,
-                                            precision=precision)
+                        o, lse = api.flash_attn_func(q, k, v, causal=causal, window_size=window, backend=backend,
+                                                     precision=precision, return_lse=True)
+                    if headdim <= 128:
+                        do = cupy.asarray(rng.standard_normal((1, 77, 4, headdim)).astype(np.float32))
+                        for statistics in ("saved", "recomputed"):
+                            api.flash_attn_backward(do, q, k, v, o, lse, causal=causal, window_size=window,
+                                                    backend=backend, statistics=statistics)
                     calls += 1
             # float64 on tensor cores (DMMA) up to d128, forward and backward (both statistics)
             for headdim in (h for h in HEADDIMS if h <= 128):

@@ -1,6 +1,7 @@
-"""The GPU kernel paths the property tests run, by family: SIMT for float32, and for float64 the
-DMMA kernels (flash_fwd_dmma and the DMMA backward, the defaults up to d128, launched at any head
-dim) or SIMT's past d128; for float16/bfloat16 the device's default tensor-core kernels (on sm_90: flash_fwd_wgmma and the v10
+"""The GPU kernel paths the property tests run, by family: for float32 the SIMT forward and the
+plan's backward (tf32x3 on the DMMA backward's kernels up to d128, launched at any head dim; SIMT
+past it), and for float64 the DMMA kernels (flash_fwd_dmma and the DMMA backward, the defaults up
+to d128, launched at any head dim) or SIMT's past d128; for float16/bfloat16 the device's default tensor-core kernels (on sm_90: flash_fwd_wgmma and the v10
 wgmma backward; on sm_80: flash_fwd_mma and the mma.sync backward), and the mma.sync kernels of
 sm_80 on any device through their overrides: ``mma_fwd.forward(config=FwdConfig(...))``
 (flash_fwd_mma) and ``mma_bwd.backward(version=...)`` ("v5": v3's two kernels when
@@ -70,12 +71,14 @@ def run_path(case, window, q, k, v, do, deterministic=True, mma_sync=None, varia
         mma_fwd.forward(qd, kd, vd, o, lse, **options)
         mma_bwd.backward(dod, qd, kd, vd, o, lse, *grads, deterministic=deterministic, **options)
     else:
-        on_dmma = case.dtype == np.float64 and max(q.shape[3], v.shape[3]) <= dmma.D_TILES[-1]
+        up_to_d128 = max(q.shape[3], v.shape[3]) <= dmma.D_TILES[-1]
+        on_dmma = case.dtype == np.float64 and up_to_d128
         (dmma.forward if on_dmma else simt.forward)(qd, kd, vd, o, lse, **options)
-        # float64's backward plan up to d128 (dmma-bwd-v0; the SIMT plan where the device lacks the
-        # shared memory or DMMA)
-        (dmma.backward if on_dmma else simt.backward)(dod, qd, kd, vd, o, lse, *grads, deterministic=deterministic,
-                                                      **options)
+        # the backward plans up to d128: float64's DMMA kernels (dmma-bwd-v0), float32's tf32x3 on
+        # the same kernels (tf32x3-route); the SIMT plan where the device lacks the shared memory or
+        # the tensor cores
+        (dmma.backward if up_to_d128 else simt.backward)(dod, qd, kd, vd, o, lse, *grads, deterministic=deterministic,
+                                                         **options)
     cupy.cuda.get_current_stream().synchronize()
     return tuple(x.get() for x in (o, lse, *grads))
 

@@ -323,8 +323,9 @@ def test_torch_gradcheck_float64_on_cuda(d_qk, d_v):
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(problems(max_seqlen=400, max_cost=4e7), st.booleans(), st.booleans())
 def test_property_any_headdims_on_the_default_kernels(p, deterministic, no_window):
-    """backend 'auto': SIMT for float32/float64, the tensor cores (padded where a head dim is not a
-    multiple of 8) for 16-bit; masks, windows, GQA and scales drawn."""
+    """backend 'auto': the plans' kernels (tensor cores for 16-bit; for float32 the tf32 forward and
+    tf32x3 backward, for float64 DMMA, up to d128; SIMT past it), padded where a head dim is not a
+    multiple of 8; masks, windows, GQA and scales drawn."""
     if no_window:  # half the examples without a window, so that long unmasked rows are common
         p = replace(p, window_size=(-1, -1))
     check_device(p, "auto", deterministic=deterministic)

@@ -952,10 +952,10 @@ def test_the_plan_is_the_old_dispatch_choice(dtype):
         head_dims = range(1, 257) if tensor_cores or (arch, smem) == (ARCHS[0], SMEM_OPTINS[0]) else \
             RECORDER.grid_head_dims(SUPPORTED[dtype])
         for headdim, (mask, policy), deterministic in itertools.product(head_dims, MASKS.items(), (True, False)):
-            # float64 runs the DMMA plans up to d128 now (tests/kernels/test_flash_bwd_dmma.py); its
-            # SIMT plans, the old choice everywhere, stay what they were
+            # float64 and float32 run the DMMA kernels up to d128 now (tests/kernels/
+            # test_flash_bwd_dmma.py); their SIMT plans, the old choice everywhere, stay what they were
             plan = plan_backward(arch, SUPPORTED[dtype], headdim, policy, smem, deterministic,
-                                 family="simt" if dtype == "float64" else None)
+                                 family="simt" if dtype in ("float32", "float64") else None)
             seen = plans.mma_headdim(headdim) if tensor_cores else headdim
             names = old_names(dtype, mask, deterministic, arch, smem, seen)
             assert tuple(launch.spec.name for launch in plan.launches) == names, (arch, smem, headdim, mask)
@@ -981,9 +981,10 @@ def test_the_launchers_launch_their_plan(dtype):
             assert tuple(name for name, *_ in launched) == names, (arch, smem, headdim, mask, deterministic)
             if headdim in RECORDER.grid_head_dims(SUPPORTED[dtype]):
                 assert launched == tuple(old_launch(name, headdim) for name in names)
-            # simt.backward asks for the SIMT plan (float64's default runs DMMA up to d128)
+            # simt.backward asks for the SIMT plan (float32's and float64's defaults run the DMMA
+            # kernels up to d128)
             plan = plan_backward(arch, SUPPORTED[dtype], headdim, MASKS[mask], smem, deterministic,
-                                 family="simt" if dtype == "float64" else None)
+                                 family="simt" if dtype in ("float32", "float64") else None)
             assert launched == planned(plan)
 
 

@@ -18,7 +18,7 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 FAMILIES = [("simt", np.float32), ("simt", np.float64), ("simt", BF16), ("mma", BF16), ("mma", np.float16)]
 FAMILY_IDS = [f"{b}-{np.dtype(d).name}" for b, d in FAMILIES]
 # float32's default: the tf32 tensor-core forward (on sm_90 at head dims up to 64 the wgmma
-# producer kernel, tf32-wgmma-route) and the SIMT backward. Not in test_huge_scores_stay_finite,
+# producer kernel, tf32-wgmma-route) and, up to head dim 128, the tf32x3 backward (tf32x3-route). Not in test_huge_scores_stay_finite,
 # whose bound (4 eps |s| max|v|) is float32's own rounding of the scores; the tf32 products' error
 # is held to standard float32 attention's elsewhere (tests/test_tf32_gpu.py, tf32_accuracy.py).
 EDGE_FAMILIES = FAMILIES + [("auto", np.float32)]

@@ -79,9 +79,9 @@ def test_extended_truth_agrees_with_the_float64_reference_at_ordinary_scales():
 def test_recomputed_plan_launches_the_statistics_kernel(dtype):
     plan = backward_plans.plan_backward(None, dtype, 64, True, None, True, statistics="recomputed")
     assert [launch.role for launch in plan.launches] == ["stats", "dkdv", "dq"]
-    # float64 on the FP64 tensor cores (flash_bwd_stats_dmma), float32 on SIMT: the dQ kernel's tiles
-    family = "simt" if dtype == "float32" else "dmma"
-    assert plan.spec("stats").name == f"flash_bwd_stats_{family}_{'fp32' if dtype == 'float32' else 'fp64'}" \
+    # float64 on the FP64 tensor cores, float32 on their tf32x3 form (flash_bwd_stats_dmma): the dQ
+    # kernel's tiles
+    assert plan.spec("stats").name == f"flash_bwd_stats_dmma_{'fp32' if dtype == 'float32' else 'fp64'}" \
         f"_hdim64_causal_{plan.spec('dq').name.split('_causal_')[1]}"
     saved = backward_plans.plan_backward(None, dtype, 64, True, None, True)
     assert [launch.role for launch in saved.launches] == ["preprocess", "dkdv", "dq"]

@@ -17,7 +17,8 @@ fresh random inputs, NaN-poisoned outputs.
 - the plan: on a device with tensor cores, float32 runs flash_fwd_tf32 in the precision asked
   (on sm_90 at head dims up to 64, flash_fwd_tf32_wgmma_ws: tf32-wgmma-route).
 
-The float32 backward is the SIMT family's, unchanged (its tests: test_api_gpu.py and the rest).
+The float32 backward up to d128 is tf32x3 on the DMMA backward's kernels (perf log tf32x3-route;
+its tests: tests/kernels/test_flash_bwd_dmma.py, and the property paths of kernel_paths.py), SIMT past it.
 """
 from __future__ import annotations
 
@@ -195,4 +196,5 @@ def test_float32_plan_is_the_tf32_kernel(headdim, precision):
     assert re.search("_ieee(_fresh_o_presplit_stepsums)?$" if precision == "ieee" else "_tf32$", plan.spec.name), \
         plan.spec.name
     assert cupyflash.dispatch.choose("auto", np.float32, headdim, "fwd") == "mma"
-    assert cupyflash.dispatch.choose("auto", np.float32, headdim, "bwd") == "simt"
+    # the backward: tf32x3 on the DMMA backward's kernels up to d128, SIMT past it
+    assert cupyflash.dispatch.choose("auto", np.float32, headdim, "bwd") == ("mma" if headdim <= 128 else "simt")

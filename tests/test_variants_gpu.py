@@ -1,7 +1,7 @@
 """Score variants (softcap, ALiBi, sinks) on every GPU kernel family, against the float64
 reference (tolerance.py's rule), with NaN-poisoned outputs and fresh random inputs per example.
 
-Families as in test_window_gpu.py (SIMT for float32, DMMA for float64 up to d128); the device's default tensor-core
+Families as in test_window_gpu.py (SIMT forwards for float32; the DMMA backward for float64, and tf32x3's for float32, up to d128); the device's default tensor-core
 kernels for float16/bfloat16 (sm_90: flash_fwd_wgmma and the wgmma backward, with its d64 softcap
 plan; sm_80: flash_fwd_mma and the mma.sync backward), and sm_80's mma.sync kernels on any device
 through their overrides. Then the public API, which also returns dsink.
@@ -30,8 +30,9 @@ def _problem(draw, max_cost=GPU_MAX_COST, **kw):
 
 @given(_problem(), st.booleans())
 def test_variant_matches_reference(problem, deterministic):
-    """kernel_paths.run_path's kernels: SIMT for fp32, DMMA for fp64 up to d128 (SIMT past it), the
-    tensor-core defaults for fp16/bf16."""
+    """kernel_paths.run_path's kernels: the SIMT forward for fp32 and the DMMA one for fp64 up to d128,
+    both backwards on the DMMA kernels up to d128 (fp32 as tf32x3), SIMT past it, the tensor-core
+    defaults for fp16/bf16."""
     case, window, variant = problem
     q, k, v, do = make_inputs(case)
     o, lse, *grads = run_path(case, window, q, k, v, do, deterministic, variant=variant)

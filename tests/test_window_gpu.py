@@ -1,8 +1,8 @@
 """Sliding windows on every GPU kernel family, against the float64 reference (tolerance.py's
 rule), with NaN-poisoned outputs and fresh random inputs per example.
 
-Families (kernel_paths.run_path): SIMT for float32; for float64 the DMMA kernels up to d128, SIMT
-past it; for float16/bfloat16 the device's default tensor-core
+Families (kernel_paths.run_path): SIMT forwards for float32, and for float64 past d128 (DMMA up to
+it), both backwards on the DMMA kernels up to d128 (float32 as tf32x3) and SIMT's past it; for float16/bfloat16 the device's default tensor-core
 kernels (on sm_90: flash_fwd_wgmma and the v10 wgmma backward; on sm_80: flash_fwd_mma and the
 mma.sync backward), and the mma.sync kernels of sm_80 on any device through their overrides:
 ``mma_fwd.forward(config=FwdConfig(...))`` (flash_fwd_mma) and ``mma_bwd.backward(version=...)``
@@ -37,8 +37,7 @@ def _bitwise(a, b):
 
 @given(_mma_case(), window_size(), st.booleans())
 def test_window_matches_reference(case, window, deterministic):
-    """kernel_paths.run_path's kernels: SIMT for fp32, DMMA for fp64 up to d128 (SIMT past it), the
-    tensor-core defaults for fp16/bf16."""
+    """kernel_paths.run_path's kernels (the module's docstring), the tensor-core defaults for fp16/bf16."""
     q, k, v, do = make_inputs(case)
     o, lse, *grads = _run(case, window, q, k, v, do, deterministic)
     _check(case, window, q, k, v, do, o, lse, grads)

@@ -33,16 +33,17 @@ def specialization(headdim: int, mask, config: DmmaFwdConfig | None = None) -> S
 
 
 def specializations() -> list[Specialization]:
-    """Every specialization the float64 rows launch, forward and backward (for the compile check)."""
+    """Every specialization the float64 rows launch, forward and backward, and float32's backward rows
+    (tf32x3) and wgmma candidates (for the compile check)."""
     configs = sorted({(dt, c) for (family, _, dt), c in plans.FORWARD_TILES.items() if family == "dmma"})
     out = [specialization(dt, mask, c) for dt, c in configs for mask in KINDS + VARIANT_KINDS + PACKED_KINDS]
     backward_masks = list(KINDS) + [mask.backward() for mask in VARIANT_KINDS + PACKED_KINDS]
     for (_, dt), c in sorted(DMMA_BACKWARD_TILES.items()):
         out.extend(backward_plans.dmma_spec(kind, dt, mask, c) for mask in backward_masks
                    for kind in ("stats", "dkdv", "dq"))
-    for dt, c in sorted(backward_plans.TF32X3_BACKWARD_CONFIGS.items()):  # the float32 experiment
-        out.extend(backward_plans.dmma_spec(kind, dt, mask, c, "float32") for mask in backward_masks
-                   for kind in ("stats", "dkdv", "dq"))
+    for dt in D_TILES:  # float32's rows: tf32x3 on the same kernels
+        out.extend(backward_plans.dmma_spec(kind, dt, mask, backward_plans.tf32x3_backward_config(dt), "float32")
+                   for mask in backward_masks for kind in ("stats", "dkdv", "dq"))
     for dt, configs in sorted(backward_plans.TF32_WGMMA_BACKWARD_CONFIGS.items()):  # its wgmma candidates
         out.extend(backward_plans.tf32_wgmma_spec(kind, dt, mask, c) for c in configs for mask in backward_masks
                    for kind in ("dkdv", "dq"))
@@ -85,7 +86,8 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
     ``config`` (the plan's by default: the SIMT kernels where the device has no DMMA or too little
     shared memory for the row); any head dim up to 128 and any strides. Always deterministic
     (``deterministic`` is accepted and has nothing to choose), except the fused_dq candidate below.
-    float32 arrays: the tf32x3 experiment's kernels with a DmmaBwdConfig, or with a
+    float32 arrays: the same kernels on T = float, each product three tf32 products of split
+    operands ("tf32x3"; the plan's TF32X3_BACKWARD_CONFIGS by default, or a DmmaBwdConfig), or with a
     Tf32WgmmaBwdConfig dK and dV on flash_bwd_dkdv_tf32_wgmma and dQ on flash_bwd_dq_tf32_wgmma,
     or by the dK/dV kernel's atomics (``fused_dq``: not bitwise reproducible, so it takes
     ``deterministic=False``) (sm_90; head dims up to 64, multiples of 4, rows 16-byte aligned)."""
@@ -94,11 +96,8 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
     from .simt import run_backward
 
     dtype = q.dtype
-    if dtype == np.float32 and config is None:
-        raise ValueError("cupyflash: the float32 experiment on the DMMA backward's kernels takes an explicit config "
-                         "(backward_plans.TF32X3_BACKWARD_CONFIGS)")
     if dtype not in (np.float64, np.float32) or any(x.dtype != dtype for x in (do, q, k, v, o, lse, dq, dk, dv)):
-        raise TypeError("cupyflash: the DMMA backward takes float64 arrays (float32: the tf32 experiment)")
+        raise TypeError("cupyflash: the DMMA backward takes float64 arrays (float32: its tf32x3 form)")
     if config is not None and int(device_arch()) < 80:
         raise ValueError(f"cupyflash: the DMMA backward needs sm_80 or newer, not sm_{device_arch()}")
     wgmma = isinstance(config, Tf32WgmmaBwdConfig)
@@ -116,7 +115,7 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
     statistics = "saved" if variant is None else variant.statistics
     headdim = max(q.shape[3], v.shape[3])
     if config is None:
-        plan = backward_plans.plan_backward(device_arch(), np.float64, headdim, mask, current_smem_optin(), True,
+        plan = backward_plans.plan_backward(device_arch(), dtype, headdim, mask, current_smem_optin(), True,
                                             statistics=statistics)
     elif wgmma:
         plan = backward_plans.tf32_wgmma_backward_plan(headdim, mask, config, statistics)

@@ -22,7 +22,7 @@ from ._module import Specialization, backward_is_empty, launch
 from .constants import SIXTEEN_BIT
 from .params import PackedBatch, backward_params, pointer, set_rows
 from .. import backward_plans
-from .._dtypes import is_float64
+from .._dtypes import is_16bit
 from ..backward_plans import (
     CONVERT_THREADS, D_TILES, DKDV_CONFIG, DKDV_CONFIG_SPLIT, DKDV_CONFIG_V2, DKDV_KERNELS, DQ_ADDS, DQ_CONFIG,
     DQ_CONFIG_V2, DQ_STAGE_ROW, DQ_WGMMA_CONFIG, FIXED_DQ_ADDS, FUSED_CONFIG, WGMMA_CONFIG,
@@ -129,10 +129,10 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
     """
     import cupy
 
-    if is_float64(q.dtype):  # the FP64 tensor cores' kernels (kernels/dmma.py)
+    if not is_16bit(q.dtype):  # float64's DMMA kernels, float32's tf32x3 on the same (kernels/dmma.py)
         if version is not None or dq_config is not None or fused is not None or wgmma is not None:
-            raise ValueError("cupyflash: versions and tuning tiles are the 16-bit backward's; the float64 backward "
-                             "takes dmma.backward(config=...)")
+            raise ValueError("cupyflash: versions and tuning tiles are the 16-bit backward's; the float32 and float64 "
+                             "backward take dmma.backward(config=...)")
         from . import dmma
 
         dmma.backward(do, q, k, v, o, lse, dq, dk, dv, softmax_scale=softmax_scale, causal=causal,

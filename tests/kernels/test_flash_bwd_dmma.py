@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cupyflash import backward_plans, reference
+from cupyflash import backward_plans, plans, reference
 from cupyflash.backward_plans import DMMA_BACKWARD_TILES, MMA_SYNC, SM90, DmmaBwdConfig, Tf32WgmmaBwdConfig
 from cupyflash.kernels import dmma
 from cupyflash.masks import KINDS, PACKED_KINDS, VARIANT_KINDS, as_mask
@@ -29,7 +29,29 @@ def test_float64_backward_plans_run_dmma_up_to_d128():
             assert config.wide == (where == SM90) and config.dkdv_pairs == (where == SM90 and dt == 128)
     assert backward_plans.plan_backward("90", np.float64, 136, True, None, True).family == "simt"
     assert backward_plans.backward_family(np.float64, 128) == "mma"
-    assert backward_plans.backward_family(np.float32, 64) == "simt"
+    assert backward_plans.backward_family(np.float32, 64) == "mma"
+    assert backward_plans.backward_family(np.float32, 136) == "simt"
+
+
+def test_float32_backward_plans_run_tf32x3_up_to_d128():
+    """float32's backward up to d128 (padded to a multiple of 8) is the DMMA backward's three kernels
+    on T = float with TF32X3_BACKWARD_CONFIGS' tiles on every device class from sm_80, both
+    statistics; past d128, and before sm_80, the SIMT kernels."""
+    for arch, smem in (("80", 163 * 1024), ("86", 99 * 1024), ("89", 99 * 1024), ("90", 227 * 1024), ("90", None)):
+        for headdim, dt in ((1, 16), (8, 16), (24, 32), (40, 64), (64, 64), (100, 128), (128, 128)):
+            config = backward_plans.tf32x3_backward_config(headdim)
+            for statistics, first in (("saved", "flash_bwd_preprocess_fp32"), ("recomputed", "flash_bwd_stats_dmma_fp32")):
+                plan = backward_plans.plan_backward(arch, np.float32, plans.mma_headdim(headdim), True, smem, True,
+                                                    statistics=statistics)
+                assert (plan.family, plan.d_tile, plan.kernels, plan.dq_add) == ("mma", dt, config, "none")
+                names = [launch.spec.name for launch in plan.launches]
+                assert names[0].startswith(first)
+                assert names[1].startswith(f"flash_bwd_dkdv_dmma_fp32_hdim{dt}_") and names[1].endswith("_tf32x3")
+                assert names[2].startswith(f"flash_bwd_dq_dmma_fp32_hdim{dt}_") and names[2].endswith("_tf32x3")
+                assert all(launch.spec.arch == "" and (smem is None or launch.spec.smem_bytes <= smem)
+                           for launch in plan.launches)
+    assert backward_plans.plan_backward("90", np.float32, 136, True, None, True).family == "simt"
+    assert backward_plans.plan_backward("75", np.float32, 64, True, 64 * 1024, True).family == "simt"
 
 
 def test_specializations_mirror_the_kernels_tiles():
@@ -62,7 +84,7 @@ def test_specializations_mirror_the_kernels_tiles():
     names = {s.name for s in dmma.specializations()}
     kinds = len(KINDS) + len(VARIANT_KINDS) + len(PACKED_KINDS)
     distinct = {(dt, c) for (_, dt), c in DMMA_BACKWARD_TILES.items()}
-    tf32 = len(backward_plans.TF32X3_BACKWARD_CONFIGS)  # the float32 experiment's kernels
+    tf32 = len(dmma.D_TILES)  # float32's rows: tf32x3 at each DMMA head-dim tile
     # and its wgmma candidates: each one's dK/dV kernel, and their dQ kernels (the same one here)
     wgmma = {backward_plans.tf32_wgmma_spec(kind, dt, as_mask(True), c).name
              for dt, configs in backward_plans.TF32_WGMMA_BACKWARD_CONFIGS.items() for c in configs
@@ -256,14 +278,15 @@ def test_the_api_runs_the_dmma_backward_for_float64():
         _assert_close([g.get() for g in grads], want)
 
 
-# --- the float32 experiment (experiment/tf32-backward): the same kernels on float, each product
-# three tf32 products of split operands (perf log tf32-bwd-v0) ----------------------------------
+# --- float32's backward (tf32x3; the plan's rows up to d128 since tf32x3-route): the same kernels
+# on float, each product three tf32 products of split operands (perf log tf32-bwd-v0) ----------
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("statistics", ["saved", "recomputed"])
 @pytest.mark.parametrize("name", ["window", "softcap+sink", "alibi", "dropout"])
-@pytest.mark.parametrize("headdim, dkdv", [(40, "mma"), (64, "mma"), (128, "mma"), (40, "wgmma"), (64, "wgmma"),
-                                           (64, "wgmma_fused")])
+# head dims 8 and 24: the d16 and d32 tiles, which the route added to the plans (never run before it)
+@pytest.mark.parametrize("headdim, dkdv", [(8, "mma"), (24, "mma"), (40, "mma"), (64, "mma"), (128, "mma"),
+                                           (40, "wgmma"), (64, "wgmma"), (64, "wgmma_fused")])
 def test_tf32x3_experiment_is_as_accurate_as_the_simt_float32_backward(headdim, dkdv, name, statistics, monkeypatch):
     """Against the float64 reference (the SIMT float32 backward's gradients on the same float32
     inputs as the measure): within 4x the SIMT kernels' error, plus float32's rounding of the
