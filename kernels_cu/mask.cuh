@@ -34,6 +34,10 @@ constexpr int MASK_UNBOUNDED = 1 << 30;
 template <bool LEFT, bool RIGHT>
 struct Band {
     static constexpr bool HAS_LEFT = LEFT, HAS_RIGHT = RIGHT;
+    // Whether the right bound is the diagonal (hi_off = seqlen_k - seqlen_q): no pair the band keeps
+    // lies right of it, so ALiBi's |i + sk - sq - j| is that distance itself (score.cuh's
+    // transform_scaled). Causal's answer; WithScore and Packed inherit it.
+    static constexpr bool RIGHT_IS_DIAGONAL = false;
     static constexpr bool HAS_BLOCK_MAP = false;  // WithScore with a user mask: narrower ranges
     static constexpr bool PACKED = false;         // Packed<...>: a varlen batch (below)
     typedef NoScore Score;  // WithScore replaces it
@@ -120,6 +124,7 @@ struct NoMask : Band<false, false> {
 };
 
 struct Causal : Band<false, true> {
+    static constexpr bool RIGHT_IS_DIAGONAL = true;
     __device__ __forceinline__ Causal(int seqlen_q_, int seqlen_k_, int, int)
         : Band{seqlen_q_, seqlen_k_, 0, seqlen_k_ - seqlen_q_} {}
 };

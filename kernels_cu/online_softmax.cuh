@@ -22,7 +22,6 @@ __device__ __forceinline__ void scale_and_mask(float (&s)[M_STRIPS][N_FRAGS][4],
                                                bool masked, const Mask& mask, const Score& score,
                                                int row0, int n0, int lane) {
     if constexpr (!Score::IDENTITY) {
-        constexpr bool CAUSAL = !Mask::HAS_LEFT && Mask::HAS_RIGHT;  // Causal: hi_off is the diagonal
 #pragma unroll
         for (int i = 0; i < M_STRIPS; ++i)
 #pragma unroll
@@ -33,7 +32,7 @@ __device__ __forceinline__ void scale_and_mask(float (&s)[M_STRIPS][N_FRAGS][4],
                 for (int f = 0; f < N_FRAGS; ++f)
 #pragma unroll
                     for (int e = 0; e < 2; ++e)
-                        s[i][f][2 * h + e] = score.template transform_scaled<CAUSAL>(s[i][f][2 * h + e], origin, 0,
+                        s[i][f][2 * h + e] = score.template transform_scaled<Mask::RIGHT_IS_DIAGONAL>(s[i][f][2 * h + e], origin, 0,
                                                                                      8 * f + e, scale_log2);
             }
     } else {

@@ -137,15 +137,15 @@ struct ScoreFn {
     // needs the multiply, so folding saved nothing, and the slope's product spilled 52-68 bytes in
     // the d64 packed window kernels.
     //
-    // CAUSAL (the band's right bound is the diagonal): every pair the band keeps has dist >= 0, so
-    // ALiBi's |dist| is dist and its bias splits into the row's part and the column's, one FFMA a
-    // score where |dist| took an FADD and an FFMA. Only in the 16-bit kernels' forms (EXP_RCP):
-    // the row's part is rounded at its own size (slope scale dist, up to about slope seqlen), an
-    // absolute error of 2^-24 of that in the score's exponent, far below a 16-bit P's rounding
-    // but above float32's (whose kernels keep the exact |dist|).
-    template <bool CAUSAL = false>
+    // RIGHT_IS_DIAGONAL (the mask policy's answer, mask.cuh: Causal): every pair the band keeps has
+    // dist >= 0, so ALiBi's |dist| is dist and its bias splits into the row's part and the
+    // column's, one FFMA a score where |dist| took an FADD and an FFMA. Only in the 16-bit kernels'
+    // forms (EXP_RCP): the row's part is rounded at its own size (slope scale dist, up to about
+    // slope seqlen), one constant for the whole row, so O does not see it and lse moves by 2^-24
+    // of it: far below a 16-bit P's rounding, above float32's (whose kernels keep |dist|).
+    template <bool RIGHT_IS_DIAGONAL = false>
     __device__ __forceinline__ A transform_scaled(A s, const Origin& o, int di, int dj, A scale) const {
-        if constexpr (!SOFTCAP && ALIBI && CAUSAL && TANH == Tanh::EXP_RCP && FLOAT) {
+        if constexpr (!SOFTCAP && ALIBI && RIGHT_IS_DIAGONAL && TANH == Tanh::EXP_RCP && FLOAT) {
             const A slope_s = slope_u * scale, row = -slope_s * (o.dist + A(di));
             return fmaf(s, scale, fmaf(slope_s, A(dj), row));
         } else if constexpr (!SOFTCAP) {
@@ -241,7 +241,7 @@ struct UserScoreFn {
         return transform(s, o, di, dj, unused);
     }
     // transform(s) times `scale`; a mask alone keeps s * scale, the band's scaled score bit for bit.
-    template <bool CAUSAL = false>
+    template <bool RIGHT_IS_DIAGONAL = false>
     __device__ __forceinline__ A transform_scaled(A s, const Origin& o, int di, int dj, A scale) const {
         return transform(s, o, di, dj) * scale;
     }

@@ -67,8 +67,8 @@ __device__ __forceinline__ void split_tf32(float x, u32& hi, u32& lo) {
 
 // hi and lo of a softmax weight P, the forward's hottest split (every score, every block): the add
 // alone, without split_tf32's guard. A NaN P (from a NaN score) may read as -0 here, but its row's
-// l, summed from the unrounded P, is NaN, and row_epilogue makes such a row's O and lse NaN
-// (online_softmax.cuh), as the softmax's definition does.
+// l, summed from the unrounded P, is NaN, and row_epilogue (finish_row_log2 with a sink) makes
+// such a row's O NaN (online_softmax.cuh, score.cuh), as the softmax's definition does.
 template <int PRODUCTS>
 __device__ __forceinline__ void split_tf32_weight(float p, u32& hi, u32& lo) {
     if constexpr (Tf32Operand<PRODUCTS>::SPLIT) {

@@ -86,8 +86,8 @@ __device__ __forceinline__ void tf32_wgmma_forward_block(float (&o_acc)[1][D_TIL
         for_s_frags(s, dropout, m0 + strip_row0 + lane / 4, n0 + 2 * (lane % 4), DropToZero{});
 
     // O += P V_j: P as the register A operand (tf32_acc_times_tile), V_j^T's KEY_PAIRS tiles as B.
-    tf32_acc_times_tile<D_TILE, N_FRAGS, PRODUCTS, APART, true>(reinterpret_cast<float(&)[D_FRAGS * 4]>(o_acc), s_flat,
-                                                          v_hi_tile, v_lo_tile, turns);
+    tf32_acc_times_tile<D_TILE, N_FRAGS, PRODUCTS, APART, true>(reinterpret_cast<float(&)[D_FRAGS * 4]>(o_acc),
+                                                                s_flat, v_hi_tile, v_lo_tile, turns);
 }
 
 }  // namespace cf
