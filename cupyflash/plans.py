@@ -74,14 +74,24 @@ class FwdConfig:
 @dataclass(frozen=True)
 class WgmmaFwdConfig:
     """flash_fwd_wgmma (``kernels_cu/flash_fwd_wgmma.cu``, sm_90a only): block_m query rows, one
-    warpgroup (4 warps) per 64 of them; block_n keys per K/V stage (two K stages, three V)."""
+    warpgroup (4 warps) per 64 of them; block_n keys per K/V stage (two K stages, three V).
+    ``producer``: flash_fwd_wgmma_ws (``kernels_cu/flash_fwd_wgmma_ws.cu``, a candidate: perf log
+    wgmma-fwd-ws-v0), a producer warpgroup filling ``stages`` K/V stages and two consumer
+    warpgroups of 64 rows (block_m 128), taking turns at the tensor cores with ``pingpong``."""
 
     block_m: int
     block_n: int
+    producer: bool = False
+    stages: int = 2
+    pingpong: bool = True
+
+    def __post_init__(self):
+        if self.producer and self.block_m != 128:
+            raise ValueError(f"cupyflash: the wgmma producer kernel has 128 query rows a block, not {self.block_m}")
 
     @property
     def threads(self) -> int:
-        return self.block_m // 64 * 128
+        return 384 if self.producer else self.block_m // 64 * 128
 
 
 @dataclass(frozen=True)
@@ -361,7 +371,7 @@ def v_tile(tiles, dt: int, headdim_v: int | None) -> int:
     the kernel is the wgmma forward and that tile is narrower than ``dt`` (its O accumulators, V
     stages and P V products then that narrow); ``dt`` otherwise, every other kernel running v in
     q's tile."""
-    if headdim_v is None or not isinstance(tiles, WgmmaFwdConfig):
+    if headdim_v is None or not isinstance(tiles, WgmmaFwdConfig) or tiles.producer:
         return dt
     return min(dt, d_tile(mma_headdim(headdim_v), TENSOR_CORE_D_TILES))
 
@@ -548,7 +558,11 @@ def smem_bytes(dt: int, config: FwdConfig) -> int:
 
 def wgmma_smem_bytes(dt: int, config: WgmmaFwdConfig, dvt: int | None = None) -> int:
     """Mirror of FwdWgmmaSmem<...>::BYTES (Q, two K stages of ``dt`` columns and three V stages
-    of ``dvt``, dt by default), plus 1024 bytes to align the base for the 128-byte swizzle."""
+    of ``dvt``, dt by default), or with ``producer`` of FwdWgmmaWsSmem<...>::BYTES (Q, ``stages``
+    K and V stages, a full and an empty barrier a stage and Q's), plus 1024 bytes to align the base
+    for the 128-byte swizzle."""
+    if config.producer:
+        return 2 * dt * (config.block_m + 2 * config.stages * config.block_n) + 16 * config.stages + 8 + 1024
     dvt = dt if dvt is None else dvt
     return 2 * (dt * (config.block_m + 2 * config.block_n) + 3 * dvt * config.block_n) + 1024
 
@@ -598,6 +612,15 @@ def specialization_for(dtype, dt: int, mask: Mask | bool, tiles, dvt: int | None
     c, ctype, short = tiles, CTYPES[name], SHORT_NAMES[name]
     if isinstance(c, SimtTiles):
         return _simt_spec("fwd", name, dt, mask, c)
+    if isinstance(c, WgmmaFwdConfig) and c.producer:
+        if dvt is not None and dvt != dt:
+            raise ValueError("cupyflash: the wgmma producer kernel takes v's head dim in q's tile")
+        return Specialization(f"flash_fwd_wgmma_ws_{short}_hdim{dt}_{mask.name}_bn{c.block_n}_s{c.stages}"
+                              f"{'_pingpong' if c.pingpong else ''}",
+                              "flash_fwd_wgmma_ws.cu",
+                              f"cf::flash_fwd_wgmma_ws<{ctype}, {dt}, {mask.cpp}, {c.block_n}, {c.stages}, "
+                              f"{'true' if c.pingpong else 'false'}>",
+                              c.threads, wgmma_smem_bytes(dt, c), arch="90a")
     if isinstance(c, WgmmaFwdConfig):
         own_v = dvt is not None and dvt != dt  # the template's default otherwise: names unchanged
         return Specialization(f"flash_fwd_wgmma_{short}_hdim{dt}{f'v{dvt}' if own_v else ''}_{mask.name}"

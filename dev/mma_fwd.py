@@ -60,6 +60,16 @@ VERSIONS = (
 # Alternatives worth timing, never a default: FlashAttention-2's 128 x 128 tiles for d64 still
 # spill a few registers here (12 to 52 bytes with "one_lane", 160 to 200 with "all_lanes"), the
 # 8-warp variants give each warp one 16-row strip; last, the wgmma tiles that lost to v6's.
+# wgmma-fwd-ws-v0 (perf log): flash_fwd_wgmma_ws, a producer warpgroup filling K/V stages and two
+# consumer warpgroups taking turns at the tensor cores (and one without the turns, to tell the two
+# apart). Head dims up to 128 (the producer's copies); smem: d64 3 stages 113 KiB, d128 2 stages
+# 161 KiB, 3 stages 225 KiB.
+WS_CANDIDATES = {
+    64: (WgmmaFwdConfig(128, 128, producer=True, stages=3),),
+    128: (WgmmaFwdConfig(128, 128, producer=True, stages=3), WgmmaFwdConfig(128, 128, producer=True, stages=2),
+          WgmmaFwdConfig(128, 128, producer=True, stages=3, pingpong=False)),
+}
+
 CANDIDATES = {
     64: (FwdConfig(128, 64, 8, False, min_blocks=2), FwdConfig(128, 128, 4, False),
          FwdConfig(128, 64, 8, False, min_blocks=2, row_state="all_lanes"),
@@ -77,6 +87,7 @@ CANDIDATES = {
           WgmmaFwdConfig(64, 64)),
     256: (),
 }
+CANDIDATES = {dt: configs + WS_CANDIDATES.get(dt, ()) for dt, configs in CANDIDATES.items()}
 CANDIDATES_PERF_LOG = "mma-fwd-v4--v5-the-forward-default-until-v6-still-the-default-on-sm_80"
 
 

@@ -89,6 +89,25 @@ __device__ __forceinline__ void named_barrier_arrive(u32 id, u32 threads) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// Turns at the tensor cores for a forward block's issues (the tf32 forward's S products, then
+// P V's; flash_fwd_wgmma_ws's S_j with P_{j-1} V_{j-1}): `wait` before a warpgroup issues, `pass`
+// once it has. ConsumerTurns<true> (tf32-wgmma-v2 PINGPONG, wgmma-fwd-ws-v0): two consumer
+// warpgroups alternate on two named barriers, so the products of one are issued, and run, while
+// the other does its softmax; left alone (NoTurns, v0 .. v2: both calls nothing) the two are
+// released by the same full barrier each block and reach their softmax together, the tensor
+// cores idle meanwhile (tf32-wgmma-v2 measured 62% of the three-product ceiling).
+template <bool ON>
+struct ConsumerTurns {
+    u32 mine = 0, other = 0;  // named barrier ids: this warpgroup's turn, the other's
+    __device__ __forceinline__ void wait() const {
+        if constexpr (ON) named_barrier_sync(mine, 256);
+    }
+    __device__ __forceinline__ void pass() const {
+        if constexpr (ON) named_barrier_arrive(other, 256);
+    }
+};
+using NoTurns = ConsumerTurns<false>;
+
 // The warpgroup's registers per thread lowered / raised to N (a multiple of 8 in 24..256); every
 // thread of the warpgroup executes it. Registers move within the CTA's launch allocation: a raise
 // waits until other warpgroups' releases cover it, so the counts after both must fit in it (or

@@ -372,24 +372,6 @@ __device__ __forceinline__ u64 tf32_k_step_desc(u32 tile, int step) {
 }
 
 
-// Turns at the tensor cores for a forward block's two issues (S's products, then P V's): `wait` before a
-// warpgroup issues, `pass` once it has. ConsumerTurns<true> (v2 PINGPONG): two consumer
-// warpgroups alternate on two named barriers, so the products of one are issued, and run, while
-// the other does its softmax; left alone (NoTurns, v0 .. v2: both calls nothing) the two are
-// released by the same full barrier each block and reach their softmax together, the tensor
-// cores idle meanwhile (tf32-wgmma-v2 measured 62% of the three-product ceiling).
-template <bool ON>
-struct ConsumerTurns {
-    u32 mine = 0, other = 0;  // named barrier ids: this warpgroup's turn, the other's
-    __device__ __forceinline__ void wait() const {
-        if constexpr (ON) named_barrier_sync(mine, 256);
-    }
-    __device__ __forceinline__ void pass() const {
-        if constexpr (ON) named_barrier_arrive(other, 256);
-    }
-};
-using NoTurns = ConsumerTurns<false>;
-
 // A product summed over K_STEPS k-steps of 8 into `s` (NV accumulator values a thread), waited
 // for: issue(kk, small, hh, hh_accumulates) issues k-step kk, its small products (SPLIT: lo hi,
 // hi lo) into `small`, which they start at k-step 0, and hi hi into `hh`. Chained (!APART): all
