@@ -131,7 +131,10 @@ flash_fwd_wgmma_ws(const __grid_constant__ FwdParams p) {
     float o_acc[1][D_FRAGS][4];
     zero_acc(o_acc);
     RowStats<RowState::ALL_LANES, 1> row_stats;
-    auto store = [&]() {  // through the warp's own rows of the Q tile: only its own S products read them
+    // O is staged through the Q tile as rows of D_TILE columns (store_o); Q's tile is 64-column
+    // panels of all 128 rows, so past d64 a warpgroup's staging rows hold Q the other one reads
+    // (see the barrier before the last store)
+    auto store = [&]() {
         store_o<T, D_TILE, Mask::Score::HAS_SINK>(
             o_acc, row_stats, q_tile, strip_row0, m0, seqlen_q, p.headdim_v,
             p.o.row<T>(seq.batch, seq.q_begin + m0, head), p.o.row_stride,
@@ -190,6 +193,8 @@ flash_fwd_wgmma_ws(const __grid_constant__ FwdParams p) {
     wgmma_wait<0>();
     pin_registers(reinterpret_cast<float(&)[D_FRAGS * 4]>(o_acc));
     // (the last stage needs no release: the producer has copied its last block)
+    // Both consumers past their last S = Q K^T before either stages O over Q (named barrier 4)
+    named_barrier_sync(4, 256);
 
     if constexpr (DropoutOf<Mask>::ENABLED) scale_acc(o_acc, p.variant.dropout.scale);
     store();
