@@ -62,12 +62,13 @@ VERSIONS = (
 # 8-warp variants give each warp one 16-row strip; last, the wgmma tiles that lost to v6's.
 # wgmma-fwd-ws-v0 (perf log): flash_fwd_wgmma_ws, a producer warpgroup filling K/V stages and two
 # consumer warpgroups taking turns at the tensor cores (and one without the turns, to tell the two
-# apart). Head dims up to 128 (the producer's copies); smem: d64 3 stages 113 KiB, d128 2 stages
-# 161 KiB, 3 stages 225 KiB.
+# apart). smem: d64 3 stages 113 KiB, d128 2 stages 161 KiB, 3 stages 225 KiB, d256 (64 keys a
+# block) 2 stages 193 KiB.
 WS_CANDIDATES = {
     64: (WgmmaFwdConfig(128, 128, producer=True, stages=3),),
     128: (WgmmaFwdConfig(128, 128, producer=True, stages=3), WgmmaFwdConfig(128, 128, producer=True, stages=2),
           WgmmaFwdConfig(128, 128, producer=True, stages=3, pingpong=False)),
+    256: (WgmmaFwdConfig(128, 64, producer=True, stages=2),),
 }
 
 CANDIDATES = {

@@ -1,5 +1,5 @@
 // flash_fwd_wgmma_ws: the 16-bit forward on wgmma with a producer warpgroup (sm_90a; fp16 / bf16,
-// head dims up to D_TILE = 64, 128 or 256, v's the same): a candidate, docs/perf-log.md
+// head dims up to D_TILE = 64, 128 or 256, v's in q's tile): a candidate, docs/perf-log.md
 // wgmma-fwd-ws-v0. The work split and the per-block steps are flash_fwd_wgmma.cu's; what changes
 // is who waits for whom.
 //
@@ -53,7 +53,6 @@ flash_fwd_wgmma_ws(const __grid_constant__ FwdParams p) {
     constexpr int PRODUCER_REGISTERS = 24, CONSUMER_REGISTERS = 240;
     static_assert(128 * PRODUCER_REGISTERS + 256 * CONSUMER_REGISTERS <= 384 * LAUNCH_REGISTERS, "registers");
     static_assert(BLOCK_N % 64 == 0 && BLOCK_N <= 256 && D_TILE % 64 == 0, "64-row/column panels");
-    static_assert(D_TILE <= 128, "the producer copies rows of at most 16 chunks (cp_async_panels: 8 rows a step)");
     static_assert(STAGES >= 2, "stages");
     static_assert(L::BYTES + 1024 <= 227 * 1024, "shared memory");
 

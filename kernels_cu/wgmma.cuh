@@ -76,24 +76,37 @@ __device__ __forceinline__ void pin_registers(u32 (&a)[N][4]) {
 }
 
 // Copies a ROWS x DIM tile of a (seqlen, dim) slice (row stride `stride` elements) into a panel
-// tile by cp.async, like cp_async_tile (zero fill past rows_valid and headdim).
+// tile by cp.async, like cp_async_tile (zero fill past rows_valid and headdim). A thread's rows
+// are ROW_STEP apart: a multiple of 8 keeps its swizzle (row % 8) the same in every step, one
+// destination a thread; 4 (128 threads on rows of 32 chunks: d256 by a producer warpgroup)
+// alternates it between two.
 template <int ROWS, int DIM, int NTHREADS, typename T>
 __device__ __forceinline__ void cp_async_panels(u32 smem_tile, const T* gmem, int rows_valid, int headdim,
                                                 i64 stride, int thread) {
     constexpr int CHUNKS = DIM / 8;
     constexpr int ROW_STEP = NTHREADS / CHUNKS;
-    static_assert(NTHREADS % CHUNKS == 0 && ROWS % ROW_STEP == 0 && ROW_STEP % 8 == 0,
+    static_assert(NTHREADS % CHUNKS == 0 && ROWS % ROW_STEP == 0 && (ROW_STEP % 8 == 0 || ROW_STEP == 4),
                   "tile chunks must divide evenly among the threads");
     const int row0 = thread / CHUNKS, chunk = thread % CHUNKS;
     const int rows_left = chunk * 8 < headdim ? rows_valid - row0 : 0;
     const T* src = gmem + row0 * stride + chunk * 8;
     const i64 src_step = ROW_STEP * stride;
     const u32 dst0 = smem_tile + panel_offset<ROWS>(row0, chunk);
+    if constexpr (ROW_STEP % 8 == 0) {
 #pragma unroll
-    for (int i = 0; i < ROWS / ROW_STEP; ++i) {
-        const bool valid = i * ROW_STEP < rows_left;
-        cp_async_16(dst0 + i * ROW_STEP * 128, valid ? src : gmem, valid);
-        src += src_step;
+        for (int i = 0; i < ROWS / ROW_STEP; ++i) {
+            const bool valid = i * ROW_STEP < rows_left;
+            cp_async_16(dst0 + i * ROW_STEP * 128, valid ? src : gmem, valid);
+            src += src_step;
+        }
+    } else {  // rows row0 + 4 i: swizzle row0 % 8 for even i, (row0 + 4) % 8 for odd
+        const u32 dst1 = smem_tile + panel_offset<ROWS>(row0 + 4, chunk);
+#pragma unroll
+        for (int i = 0; i < ROWS / ROW_STEP; ++i) {
+            const bool valid = i * ROW_STEP < rows_left;
+            cp_async_16((i & 1 ? dst1 : dst0) + (i & ~1) * ROW_STEP * 128, valid ? src : gmem, valid);
+            src += src_step;
+        }
     }
 }
 

@@ -21,7 +21,7 @@ from tolerance import assert_attention_close
 
 VARIANTS = ("plain", "softcap", "alibi")
 # The kernel is launched directly, so without the API's padding: head dims it runs as they are.
-HEADDIMS = {64: (8, 16, 40, 64), 128: (72, 96, 128)}
+HEADDIMS = {64: (8, 16, 40, 64), 128: (72, 96, 128), 256: (136, 200, 256)}
 
 
 def _candidates():
