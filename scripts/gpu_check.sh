@@ -64,6 +64,9 @@
 #                                       the tuner's window sweep at 16k, the window / variant GPU
 #                                       tests, the window bench at 16k (and at 8k with FlexAttention:
 #                                       WINDOW_FLEX=1)
+#   scripts/gpu_check.sh OUTDIR wgmma_ws  the producer / ping-pong forward candidates (wgmma-fwd-ws-v0):
+#                                       dev/bench_wgmma_ws.py (compiled side by side, checked, timed
+#                                       beside the plan), then tests/test_wgmma_ws_gpu.py in shards
 #   scripts/gpu_check.sh OUTDIR tf32    the float32 forward: its kernels compiled, tests/test_tf32_gpu.py,
 #                                       the accumulation probe's candidates, the fp32 bench table, and
 #                                       racecheck / memcheck --quick (the tf32 forward in their workload)
@@ -381,6 +384,13 @@ measure)  # after the suite, on its warm machine (the cache holds the shipped ke
         *) echo "unknown measure part $part"; status=1 ;;
         esac
     done
+    ;;
+wgmma_ws)  # wgmma-fwd-ws-v0: each step under its limit (a wrong barrier parity hangs)
+    export PYTHONPATH=$PWD
+    step wgmma-ws-bench "${BENCH_LIMIT:-280}" python dev/bench_wgmma_ws.py "$out/wgmma-ws.json"
+    step wgmma-ws-tests "${TEST_LIMIT:-220}" env HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-dev}" \
+        python scripts/pytest_shards.py --shards "${SHARDS:-4}" --limit "$(( ${TEST_LIMIT:-220} - 20 ))" \
+        --out "$out/wgmma-ws-shards" -m gpu tests/test_wgmma_ws_gpu.py
     ;;
 window_tiles)  # the sliding-window forward's own tiles (plans.LOCAL_FORWARD_TILES) on a fresh machine:
     # the Local kernels compiled, the tuner's window sweep (the shipped window plan, "default",

@@ -1,0 +1,79 @@
+"""wgmma-fwd-ws-v0 (docs/perf-log.md): the producer / ping-pong forward's candidates
+(dev/mma_fwd.py WS_CANDIDATES) beside the shipped plan, on one machine:
+
+    PYTHONPATH=. python dev/bench_wgmma_ws.py [OUT.json]
+
+The candidates' and the plan's kernels (no mask, causal) are compiled side by side first; then
+each is checked against float64 (the tuner's check: error over twice standard attention's, <= 1
+passes), then timed on the tuner's shapes (16k tokens, 2048 model dim, bf16; 2k / 8k / 16k,
+causal or not), the plan first, each row's ratio to it. A wrong barrier parity hangs: run it
+under a timeout (scripts/gpu_check.sh wgmma_ws does).
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+
+def configs() -> list:
+    """(head-dim tile, label, config): the plan's, then each candidate."""
+    from cupyflash._dtypes import SUPPORTED
+    from cupyflash.bench import tune
+    from cupyflash.kernels import mma_fwd
+    dev = tune.load_dev_forward()
+    out = []
+    for dt in (64, 128, 256):
+        out.append((dt, "default", mma_fwd.plan(SUPPORTED["bfloat16"], dt, True).tiles))
+        for c in dev.WS_CANDIDATES[dt]:
+            out.append((dt, f"ws s{c.stages}{' pp' if c.pingpong else ''}", c))
+    return out
+
+
+def warm(item) -> str:
+    """Compile one configuration's kernels (no mask, causal) into CuPy's cache."""
+    dt, label, c = item
+    from cupyflash import plans
+    from cupyflash.kernels import _module
+    from cupyflash.masks import NoMask, Causal
+    t0 = time.time()
+    for m in (NoMask(), Causal()):
+        _module.get_function(plans.specialization_for("bfloat16", dt, m, c))
+    return f"{dt} {label}: compiled in {time.time() - t0:.0f} s"
+
+
+def main():
+    from cupyflash._dtypes import SUPPORTED
+    from cupyflash.bench import tune
+    items = configs()
+    with ProcessPoolExecutor(max_workers=len(items), mp_context=mp.get_context("spawn")) as pool:
+        for line in pool.map(warm, items):
+            print(line, flush=True)
+    dtype = SUPPORTED["bfloat16"]
+    rows = []
+    for dt, label, c in items:
+        for causal in (False, True):
+            err = tune._check(c, dt, dtype, causal)
+            print(f"d{dt} {label} causal={causal}: check {err:.3f}", flush=True)
+    inputs = {}
+    for dt in (64, 128, 256):
+        for seqlen in (2048, 8192, 16384):
+            for causal in (False, True):
+                base = None
+                for d2, label, c in items:
+                    if d2 != dt:
+                        continue
+                    ms = tune._time_forward(c, dt, seqlen, causal, dtype, 20, inputs)
+                    flops = 4 * 16384 * seqlen * 2048 * (0.5 if causal else 1.0)  # the tuner's count
+                    tf = flops / ms / 1e9
+                    base = base or tf
+                    rows.append((dt, seqlen, causal, label, ms, tf, tf / base))
+                    print(f"d{dt} {seqlen:5d} causal={causal!s:5} {label:12s} {ms:7.3f} ms {tf:6.1f} TFLOP/s x{tf / base:.3f}", flush=True)
+    if len(sys.argv) > 1:
+        json.dump(rows, open(sys.argv[1], "w"))
+
+
+if __name__ == "__main__":
+    main()
