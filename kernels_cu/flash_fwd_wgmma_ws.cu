@@ -157,8 +157,11 @@ flash_fwd_wgmma_ws(const __grid_constant__ FwdParams p) {
             Wgmma<T, D_TILE>::template rs<1>(reinterpret_cast<float(&)[D_FRAGS * 4]>(o_acc), p_frag[0][kk],
                                             smem_desc(v_tile + kk * 2048, L::KV_PANEL, 1024), 1);
     };
-    mbarrier_wait(base + L::Q_FULL, 0);
-    for (int i = 0; i < n_blocks; ++i) {
+    // Walk block i (key block j_begin + i); WITH_PV: P V of block i - 1 issued beside its S (the
+    // first block has none: its own copy of the steps, so that no branch joins between the issues
+    // and the wait, where ptxas would add an empty product).
+    auto block = [&](int i, auto with_pv) {
+        constexpr bool WITH_PV = decltype(with_pv)::value;
         const int j = j_begin + i, n0 = j * BLOCK_N;
         ring.wait_full(i);
         float s[1][N_FRAGS][4];
@@ -166,13 +169,13 @@ flash_fwd_wgmma_ws(const __grid_constant__ FwdParams p) {
         wgmma_fence();
         wgmma_rows_times_rows<T, BLOCK_N, D_TILE, L::Q_PANEL, L::KV_PANEL>(
             reinterpret_cast<float(&)[N_FRAGS * 4]>(s), q_tile + cwg * 64 * 128, base + L::K + (i % STAGES) * L::KV_TILE);
-        if (i > 0) issue_pv(i - 1);
+        if constexpr (WITH_PV) issue_pv(i - 1);
         wgmma_commit();
         turns.pass();
         wgmma_wait<0>();  // S_j, and P V of block j - 1: O may be rescaled, p_frag rewritten
         pin_registers(reinterpret_cast<float(&)[N_FRAGS * 4]>(s));
         pin_registers(reinterpret_cast<float(&)[D_FRAGS * 4]>(o_acc));
-        if (i > 0) ring.arrive_empty(i - 1);  // block j - 1's K and V are no longer read
+        if constexpr (WITH_PV) ring.arrive_empty(i - 1);  // block j - 1's K and V are no longer read
 
         scale_and_mask(s, scale_log2, mask.keys_partial(m0, BLOCK_M, n0, BLOCK_N), mask, score, m0 + strip_row0, n0,
                        lane);
@@ -182,7 +185,10 @@ flash_fwd_wgmma_ws(const __grid_constant__ FwdParams p) {
         pack_p<T>(p_frag, s);
         if constexpr (DropoutOf<Mask>::ENABLED)  // after the row sums: l and lse stay the softmax's
             drop_packed_p<DropoutOf<Mask>, 1, N_FRAGS>(p_frag, dropout, m0 + strip_row0 + lane / 4, n0 + 2 * (lane % 4));
-    }
+    };
+    mbarrier_wait(base + L::Q_FULL, 0);
+    block(0, Flag<false>());
+    for (int i = 1; i < n_blocks; ++i) block(i, Flag<true>());
     turns.wait();  // the last block's P V, in turn too
     wgmma_fence();
     issue_pv(n_blocks - 1);
