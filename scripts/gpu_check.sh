@@ -66,7 +66,9 @@
 #                                       WINDOW_FLEX=1)
 #   scripts/gpu_check.sh OUTDIR wgmma_ws  the producer / ping-pong forward candidates (wgmma-fwd-ws-v0):
 #                                       dev/bench_wgmma_ws.py (compiled side by side, checked, timed
-#                                       beside the plan), then tests/test_wgmma_ws_gpu.py in shards
+#                                       beside the plan), tests/test_wgmma_ws_gpu.py in shards, the
+#                                       score variants at 8k (--variants), racecheck of
+#                                       dev/sanitize_wgmma_ws.py
 #   scripts/gpu_check.sh OUTDIR tf32    the float32 forward: its kernels compiled, tests/test_tf32_gpu.py,
 #                                       the accumulation probe's candidates, the fp32 bench table, and
 #                                       racecheck / memcheck --quick (the tf32 forward in their workload)
@@ -391,6 +393,8 @@ wgmma_ws)  # wgmma-fwd-ws-v0: each step under its limit (a wrong barrier parity 
     step wgmma-ws-tests "${TEST_LIMIT:-220}" env HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-dev}" \
         python scripts/pytest_shards.py --shards "${SHARDS:-4}" --limit "$(( ${TEST_LIMIT:-220} - 20 ))" \
         --out "$out/wgmma-ws-shards" -m gpu tests/test_wgmma_ws_gpu.py
+    step wgmma-ws-variants 120 python dev/bench_wgmma_ws.py --variants
+    step racecheck-wgmma-ws 120 compute-sanitizer --tool racecheck --error-exitcode 1 python dev/sanitize_wgmma_ws.py
     ;;
 window_tiles)  # the sliding-window forward's own tiles (plans.LOCAL_FORWARD_TILES) on a fresh machine:
     # the Local kernels compiled, the tuner's window sweep (the shipped window plan, "default",
