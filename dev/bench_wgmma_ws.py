@@ -19,6 +19,7 @@ import multiprocessing as mp
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 
 def candidate_configs() -> list:
@@ -58,6 +59,9 @@ def variants() -> None:
     from cupyflash.kernels import mma_fwd
     from cupyflash.scores import Variant
 
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_statistics import time_ms
+
     dtype = SUPPORTED["bfloat16"]
     configs = [(label, c) for dt, label, c in candidate_configs() if dt == 128]
     batch, seqlen, nheads, d = 2, 8192, 16, 128
@@ -70,16 +74,7 @@ def variants() -> None:
         for label, config in configs:
             def call():
                 mma_fwd.forward(q, k, v, o, lse, softmax_scale=d ** -0.5, causal=True, config=config, variant=variant)
-            call()
-            times = []
-            for _ in range(20):
-                start, end = cupy.cuda.Event(), cupy.cuda.Event()
-                start.record()
-                call()
-                end.record()
-                end.synchronize()
-                times.append(cupy.cuda.get_elapsed_time(start, end))
-            ms = float(np.median(times))
+            ms = time_ms(call, 20)
             tflops = 4 * batch * nheads * seqlen * seqlen * d * 0.5 / ms / 1e9
             print(f"{seqlen} causal d128 {name:11s} {label:12s} {ms:.3f} ms {tflops:.1f} TFLOP/s", flush=True)
 
