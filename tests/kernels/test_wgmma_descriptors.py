@@ -20,9 +20,12 @@ from models.wgmma import (K_MAJOR, MN_MAJOR, SWIZZLE_128B, Descriptor, a_fragmen
 
 # (ROWS, DIM, NTHREADS) of every cp_async_panels the kernels issue: the forward's Q (BLOCK_M 128),
 # K and V; flash_bwd_wgmma's and dsplit's; flash_bwd_dq_wgmma's Q, dO (BLOCK_M) and K, V (BLOCK_N).
+# flash_fwd_wgmma_ws's producer warpgroup (128 threads): its Q (128 rows) and K, V blocks (128 keys
+# at d64 / d128, 64 at d256: rows of 32 chunks, 4 rows apart).
 CP_ASYNC_TILES = sorted({(r, d, 256) for r in (64, 128) for d in (64, 128, 256)} |
                         {(rows, dt, dqw_smem(dt, bm, bn, ks).NTHREADS)
-                         for dt, bm, bn, ks in DQW_CONFIGS for rows in (bm, bn)})
+                         for dt, bm, bn, ks in DQW_CONFIGS for rows in (bm, bn)} |
+                        {(r, d, 128) for r, d in ((128, 64), (128, 128), (128, 256), (64, 256))})
 
 
 PANEL_TILES = [(64, 64), (64, 128), (128, 128), (64, 256), (128, 64)]

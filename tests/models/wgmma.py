@@ -169,20 +169,27 @@ def smem_desc(addr: int, lbo_bytes: int, sbo_bytes: int) -> int:
          "const i64 src_step = ROW_STEP * stride;",
          "const u32 dst0 = smem_tile + panel_offset<ROWS>(row0, chunk);",
          "const bool valid = i * ROW_STEP < rows_left;",
-         "cp_async_16(dst0 + i * ROW_STEP * 128, valid ? src : gmem, valid);")
+         "cp_async_16(dst0 + i * ROW_STEP * 128, valid ? src : gmem, valid);",
+         "const u32 dst1 = smem_tile + panel_offset<ROWS>(row0 + 4, chunk);",
+         "cp_async_16((i & 1 ? dst1 : dst0) + (i & ~1) * ROW_STEP * 128, valid ? src : gmem, valid);")
 def cp_async_panels(smem, smem_tile: int, rows: int, dim: int, nthreads: int, gmem: np.ndarray,
                     rows_valid: int, headdim: int, log=None) -> None:
     """Every thread's cp.async copies; gmem[r] is global row r of the tile (headdim columns).
-    Invalid copies zero-fill (src-size 0). `log` (optional) collects (thread, dst, i) per copy."""
+    Invalid copies zero-fill (src-size 0). `log` (optional) collects (thread, dst, i) per copy.
+    A row step of 4 (128 threads on rows of 32 chunks) alternates two swizzled destinations."""
     chunks = dim // 8
     row_step = nthreads // chunks
-    assert nthreads % chunks == 0 and rows % row_step == 0 and row_step % 8 == 0  # the static_assert
+    assert nthreads % chunks == 0 and rows % row_step == 0 and (row_step % 8 == 0 or row_step == 4)  # the static_assert
     for thread in range(nthreads):
         row0, chunk = thread // chunks, thread % chunks
         rows_left = rows_valid - row0 if chunk * 8 < headdim else 0
         dst0 = smem_tile + panel_offset(rows, row0, chunk)
+        dst1 = smem_tile + panel_offset(rows, row0 + 4, chunk)
         for i in range(rows // row_step):
-            dst = dst0 + i * row_step * 128
+            if row_step % 8 == 0:
+                dst = dst0 + i * row_step * 128
+            else:
+                dst = (dst1 if i & 1 else dst0) + (i & ~1) * row_step * 128
             valid = i * row_step < rows_left
             row = row0 + i * row_step
             smem[dst // 2: dst // 2 + 8] = gmem[row, 8 * chunk: 8 * chunk + 8] if valid else 0.0
