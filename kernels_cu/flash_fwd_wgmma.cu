@@ -136,10 +136,8 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p) {
             drop_packed_p<DropoutOf<Mask>, 1, N_FRAGS>(p_frag, dropout, m0 + strip_row0 + lane / 4, n0 + 2 * (lane % 4));
 
         wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; ++kk)
-            Wgmma<T, DV_TILE>::template rs<1>(reinterpret_cast<float(&)[D_FRAGS * 4]>(o_acc), p_frag[0][kk],
-                                             smem_desc(v_tile + kk * 2048, L::KV_PANEL, 1024), 1);
+        wgmma_p_times_v<T, DV_TILE, BLOCK_N, L::KV_PANEL>(reinterpret_cast<float(&)[D_FRAGS * 4]>(o_acc), p_frag[0],
+                                                          v_tile);
         wgmma_commit();
     }
     wgmma_wait<0>();

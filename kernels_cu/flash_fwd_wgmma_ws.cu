@@ -151,11 +151,8 @@ flash_fwd_wgmma_ws(const __grid_constant__ FwdParams p) {
     if (cwg == 1) turns.pass();
     u32 p_frag[1][N_FRAGS / 2][4];  // P of the previous block, the A operand of its P V
     auto issue_pv = [&](int i) {    // O += P V of walk block i, from p_frag; the caller commits
-        const u32 v_tile = base + L::V + (i % STAGES) * L::KV_TILE;
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; ++kk)
-            Wgmma<T, D_TILE>::template rs<1>(reinterpret_cast<float(&)[D_FRAGS * 4]>(o_acc), p_frag[0][kk],
-                                            smem_desc(v_tile + kk * 2048, L::KV_PANEL, 1024), 1);
+        wgmma_p_times_v<T, D_TILE, BLOCK_N, L::KV_PANEL>(reinterpret_cast<float(&)[D_FRAGS * 4]>(o_acc), p_frag[0],
+                                                         base + L::V + (i % STAGES) * L::KV_TILE);
     };
     // Walk block i (key block j_begin + i); WITH_PV: P V of block i - 1 issued beside its S (the
     // first block has none: its own copy of the steps, so that no branch joins between the issues

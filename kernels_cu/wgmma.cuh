@@ -345,6 +345,17 @@ __device__ __forceinline__ void wgmma_rows_times_rows(float (&acc)[N / 2], u32 a
     }
 }
 
+// O += P V for one key block of BLOCK_N keys: A = P from registers (p[kk], the m16n8k16 A
+// fragments of keys 16 kk .. 16 kk + 15, online_softmax.cuh's pack_p), B = V's rows at v_tile
+// (MN-major, panels B_PANEL apart, 2048 bytes a k-step). The caller fences before and commits
+// after. The 16-bit forwards' P V (flash_fwd_wgmma, flash_fwd_wgmma_ws).
+template <typename T, int DV, int BLOCK_N, u32 B_PANEL>
+__device__ __forceinline__ void wgmma_p_times_v(float (&acc)[DV / 2], const u32 (&p)[BLOCK_N / 16][4], u32 v_tile) {
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_N / 16; ++kk)
+        Wgmma<T, DV>::template rs<1>(acc, p[kk], smem_desc(v_tile + kk * 2048, B_PANEL, 1024), 1);
+}
+
 // The 1024-byte aligned base of a kernel's dynamic shared memory (the 128-byte swizzle's panels),
 // trapping if the launch gave fewer than BYTES past it (the host adds 1024 bytes of slack).
 template <u32 BYTES>

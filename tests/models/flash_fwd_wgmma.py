@@ -87,10 +87,14 @@ def row_block_k_major_steps(L, a_tile: int, b_tile: int, wg: int) -> list[Step]:
 
 
 @mirrors(FWD,
-         "Wgmma<T, DV_TILE>::template rs<1>(reinterpret_cast<float(&)[D_FRAGS * 4]>(o_acc), p_frag[0][kk],"
-         " smem_desc(v_tile + kk * 2048, L::KV_PANEL, 1024), 1);")
+         "wgmma_p_times_v<T, DV_TILE, BLOCK_N, L::KV_PANEL>(reinterpret_cast<float(&)[D_FRAGS * 4]>(o_acc), p_frag[0],"
+         " v_tile);")
+@mirrors("wgmma.cuh",
+         "for (int kk = 0; kk < BLOCK_N / 16; ++kk)",
+         "Wgmma<T, DV>::template rs<1>(acc, p[kk], smem_desc(v_tile + kk * 2048, B_PANEL, 1024), 1);")
 def fwd_pv_steps(L, tiles) -> list[Step]:
-    """O += P V: A = P from registers (k-step kk: p_frag[kk]), B = V MN-major, k-steps over the keys."""
+    """O += P V (wgmma.cuh's wgmma_p_times_v): A = P from registers (k-step kk: p_frag[kk]), B = V
+    MN-major, k-steps over the keys."""
     return [Step(None, None, smem_desc(tiles.v + kk * 2048, L.KV_PANEL, 1024), 1) for kk in range(L.BLOCK_N // 16)]
 
 
