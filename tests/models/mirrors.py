@@ -152,8 +152,9 @@ def missing_statements(source: str) -> list[tuple[str, str]]:
     return [(m.statement, m.name) for m in MIRRORED if m.source == source and squash(m.statement) not in text]
 
 
-def unmirrored_statements(source: str, text: str | None = None) -> list[str]:
-    """The layout statements of `text` (default: all of `source`'s own text) that no mirror of
-    `source` names."""
+def unmirrored_statements(source: str, text: str | None = None,
+                          pattern: re.Pattern = WGMMA_LAYOUT_STATEMENT) -> list[str]:
+    """The layout statements (those `pattern` starts) of `text` (default: all of `source`'s own
+    text) that no mirror of `source` names."""
     named = {squash(m.statement) for m in MIRRORED if m.source == source}
-    return [s for s in layout_statements(code(source) if text is None else text) if squash(s) not in named]
+    return [s for s in layout_statements(code(source) if text is None else text, pattern) if squash(s) not in named]
