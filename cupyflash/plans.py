@@ -226,7 +226,8 @@ ACC_FP64 = "fp64_acc"
 FORWARD_TILES = {
     # perf log mma-fwd-v6
     ("mma", SM90, 64): WgmmaFwdConfig(128, 64),
-    ("mma", SM90, 128): WgmmaFwdConfig(128, 128),
+    # perf log wgmma-fwd-ws-route: the producer kernel, three stages of 128 keys
+    ("mma", SM90, 128): WgmmaFwdConfig(128, 128, producer=True, stages=3),
     ("mma", SM90, 256): WgmmaFwdConfig(128, 64),
     # perf log mma-fwd-v5
     ("mma", LARGE_SMEM, 64): FwdConfig(128, 64, 4, q_in_regs=True, min_blocks=2, row_state="all_lanes"),
@@ -292,7 +293,7 @@ class ForwardPlan:
 
     @property
     def kernel(self) -> str:
-        return _KERNELS[type(self.tiles)]
+        return self.spec.source_file.removesuffix(".cu")
 
     @property
     def block_m(self) -> int:
@@ -362,8 +363,17 @@ def plan_forward(arch: str | None, dtype, headdim: int, mask: Mask | bool, smem_
     table = _table_family(family, dtype)
     dt = d_tile(headdim, _D_TILES[table])
     mask = as_mask(mask)
-    tiles = forward_tiles(table, where, dt, dtype, mask, arch, precision)
+    own_v = family == "mma" and _own_v_tile(dt, headdim_v) is not None
+    tiles = forward_tiles(table, where, dt, dtype, mask, arch, precision, own_v)
     return _plan(dtype, headdim, mask, tiles, where, headdim_v, precision)
+
+
+def _own_v_tile(dt: int, headdim_v: int | None) -> int | None:
+    """v's head-dim tile where it is narrower than ``dt`` (the tensor-core tiles), else None."""
+    if headdim_v is None:
+        return None
+    dvt = d_tile(mma_headdim(headdim_v), TENSOR_CORE_D_TILES)
+    return dvt if dvt < dt else None
 
 
 def v_tile(tiles, dt: int, headdim_v: int | None) -> int:
@@ -371,23 +381,25 @@ def v_tile(tiles, dt: int, headdim_v: int | None) -> int:
     the kernel is the wgmma forward and that tile is narrower than ``dt`` (its O accumulators, V
     stages and P V products then that narrow); ``dt`` otherwise, every other kernel running v in
     q's tile."""
-    if headdim_v is None or not isinstance(tiles, WgmmaFwdConfig) or tiles.producer:
+    if not isinstance(tiles, WgmmaFwdConfig) or tiles.producer:
         return dt
-    return min(dt, d_tile(mma_headdim(headdim_v), TENSOR_CORE_D_TILES))
+    return _own_v_tile(dt, headdim_v) or dt
 
 
 def forward_tiles(family: str, where: str, dt: int, dtype, mask: Mask, arch: str | None,
-                  precision: str = DEFAULT_PRECISION):
+                  precision: str = DEFAULT_PRECISION, own_v: bool = False):
     """FORWARD_TILES' row, or with user modifiers the first of it and USER_FORWARD_FALLBACKS'
-    that compiles without spills (``without_spills``; ``arch`` None: the class's own arch)."""
-    candidates = forward_candidates(family, where, dt, mask, precision)
+    that compiles without spills (``without_spills``; ``arch`` None: the class's own arch).
+    ``own_v``: v's head dim has a narrower tile of its own (``v_tile``)."""
+    candidates = forward_candidates(family, where, dt, mask, precision, own_v)
     if len(candidates) == 1:
         return candidates[0]
     arch = arch or ("90" if where == SM90 else "80")
     return without_spills(candidates, arch, lambda t: [specialization_for(dtype, dt, mask, t, precision=precision)])
 
 
-def forward_candidates(family: str, where: str, dt: int, mask: Mask, precision: str = DEFAULT_PRECISION) -> list:
+def forward_candidates(family: str, where: str, dt: int, mask: Mask, precision: str = DEFAULT_PRECISION,
+                       own_v: bool = False) -> list:
     """The tiles ``forward_tiles`` chooses from, in order: FORWARD_TILES' row (IEEE_FORWARD_TILES'
     for float32's three products), and with user modifiers USER_FORWARD_FALLBACKS' after it."""
     tiles = FORWARD_TILES[(family, where, dt)]
@@ -403,9 +415,12 @@ def forward_candidates(family: str, where: str, dt: int, mask: Mask, precision: 
         tiles = DROPOUT_FORWARD_TILES.get((family, where, dt), tiles)
     if mask.packed and mask.score.user is not None:
         tiles = PACKED_USER_FORWARD_TILES.get((family, where, dt), tiles)
+    if isinstance(tiles, WgmmaFwdConfig) and tiles.producer and (mask.score.dropout or own_v):
+        tiles = ONE_ROLE_FORWARD_TILES[(family, where, dt)]
     if mask.score.user is None or family != "mma":
         return [tiles]
-    return [tiles, *USER_FORWARD_FALLBACKS.get((family, where, dt), ())]
+    fallbacks = USER_FORWARD_FALLBACKS.get((family, where, dt), ())
+    return list(dict.fromkeys([tiles, *(t for t in fallbacks if not (own_v and getattr(t, "producer", False)))]))
 
 
 # Rows float32's three products ("ieee") replace: K and V split once per tile in shared memory by
@@ -448,6 +463,15 @@ LOCAL_FORWARD_TILES = {
 }
 
 
+# Rows that keep flash_fwd_wgmma where FORWARD_TILES' row is its producer kernel: dropout (its
+# Philox words are integer work on the issue slots the other consumer's softmax needs: 1.50 ms in
+# the one-role kernel against 1.53 in the producer's, 8k causal d128 on the H100, perf log
+# wgmma-fwd-ws-v0) and v's own narrower tile (the producer kernel takes v in q's tile).
+ONE_ROLE_FORWARD_TILES = {
+    ("mma", SM90, 128): WgmmaFwdConfig(128, 128),
+}
+
+
 # Rows dropout replaces: its Philox words (dropout.cuh) take the LARGE_SMEM d128 tile past 255
 # registers (32 bytes spilled at sm_80): PORTABLE's BLOCK_N 32 compiles clean.
 DROPOUT_FORWARD_TILES = {
@@ -475,7 +499,8 @@ USER_FORWARD_FALLBACKS = {
     # at 255 registers with Q in registers at sm_80; 236 registers without)
     ("mma", LARGE_SMEM, 64): (FwdConfig(128, 64, 4, q_in_regs=False, min_blocks=2, row_state="all_lanes"),),
     ("mma", PORTABLE, 64): (FwdConfig(128, 64, 4, q_in_regs=False, min_blocks=2, row_state="all_lanes"),),
-    ("mma", SM90, 128): (WgmmaFwdConfig(128, 64),),
+    # d128: the one-role kernel's 128 x 128 tiles (with v's own tile, the first), then 128 x 64
+    ("mma", SM90, 128): (WgmmaFwdConfig(128, 128), WgmmaFwdConfig(128, 64)),
     ("mma", LARGE_SMEM, 128): (FwdConfig(128, 32, 4, q_in_regs=False, min_blocks=2),),
     ("mma", LARGE_SMEM, 256): (FwdConfig(128, 32, 8, q_in_regs=False),),
 }
@@ -542,8 +567,6 @@ def simt_tiles(dtype, headdim: int) -> SimtTiles:
 
 # --- specializations: the kernels' template arguments and launch configuration ----------------
 
-_KERNELS = {FwdConfig: "flash_fwd_mma", WgmmaFwdConfig: "flash_fwd_wgmma", Tf32FwdConfig: "flash_fwd_tf32",
-            WgmmaTf32FwdConfig: "flash_fwd_tf32_wgmma", DmmaFwdConfig: "flash_fwd_dmma", SimtTiles: "flash_fwd_simt"}
 _TABLE_FAMILIES = {FwdConfig: "mma", WgmmaFwdConfig: "mma", Tf32FwdConfig: "tf32", WgmmaTf32FwdConfig: "tf32",
                    DmmaFwdConfig: "dmma", SimtTiles: "simt"}
 _D_TILES = {"mma": TENSOR_CORE_D_TILES, "tf32": TENSOR_CORE_D_TILES, "dmma": DMMA_D_TILES, "simt": SIMT_D_TILES}

@@ -23,14 +23,19 @@ from pathlib import Path
 
 
 def candidate_configs() -> list:
-    """(head-dim tile, label, config): the plan's, then each candidate."""
+    """(head-dim tile, label, config): the plan's, v6's where the plan's differs (the one-role
+    kernel: sm_90's d128 row before wgmma-fwd-ws-route), then each candidate."""
     from cupyflash._dtypes import SUPPORTED
     from cupyflash.bench import tune
     from cupyflash.kernels import mma_fwd
     dev = tune.load_dev_forward()
     out = []
     for dt in (64, 128, 256):
-        out.append((dt, "default", mma_fwd.plan(SUPPORTED["bfloat16"], dt, True).tiles))
+        default = mma_fwd.plan(SUPPORTED["bfloat16"], dt, True).tiles
+        out.append((dt, "default", default))
+        v6 = next(v for v in dev.VERSIONS if v.name == "v6").tiles[dt]
+        if v6 != default:
+            out.append((dt, "v6", v6))
         for c in dev.WS_CANDIDATES[dt]:
             out.append((dt, f"ws s{c.stages}{' pp' if c.pingpong else ''}", c))
     return out

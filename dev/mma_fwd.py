@@ -1,9 +1,10 @@
-"""Every tile configuration the tensor-core forward has shipped, v1 to v6, and the candidates that
+"""Every tile configuration the tensor-core forward has shipped, v1 to v7, and the candidates that
 lost: the history of ``cupyflash/kernels/mma_fwd.py``'s tables. Not part of the library (a wheel
 has no dev/); ``python -m cupyflash tune`` from a source checkout times each entry against the
 shipped plan (``cupyflash.plans.FORWARD_TILES``), after checking it against the float64 reference.
 
-The kernels are the shipped ones (``kernels_cu/flash_fwd_mma.cu``, ``flash_fwd_wgmma.cu``): a
+The kernels are the shipped ones (``kernels_cu/flash_fwd_mma.cu``, ``flash_fwd_wgmma.cu``,
+``flash_fwd_wgmma_ws.cu``): a
 version here is a set of template arguments, launched by ``mma_fwd.forward(..., config=tiles)``.
 A version's tiles are those it ran on an sm_90 device (227 KiB of shared memory per block), one per
 head-dim tile. The mma.sync kernel had no row state before v4: v1 and v2 ran what is now
@@ -54,7 +55,13 @@ VERSIONS = (
             "read from swizzled shared memory (P from registers)",
             "mma-fwd-v6--mma-bwd-v6-hopper-wgmma-the-forward-default-on-sm_90-the-backward-default-until-v7",
             {64: WgmmaFwdConfig(128, 64), 128: WgmmaFwdConfig(128, 128), 256: WgmmaFwdConfig(128, 64)},
-            shipped="sm_90"),
+            shipped="sm_90 d64 and d256; d128 with dropout or v's own narrower tile"),
+    Version("v7", "v6, but d128 on the producer kernel (flash_fwd_wgmma_ws): a warpgroup copies three "
+            "stages of K and V, two consumer warpgroups of 64 rows take turns at the tensor cores",
+            "wgmma-fwd-ws-route-sm_90s-d128-forward-on-the-producer-kernel",
+            {64: WgmmaFwdConfig(128, 64), 128: WgmmaFwdConfig(128, 128, producer=True, stages=3),
+             256: WgmmaFwdConfig(128, 64)},
+            shipped="sm_90 d128"),
 )
 
 # Alternatives worth timing, never a default: FlashAttention-2's 128 x 128 tiles for d64 still
@@ -64,9 +71,10 @@ VERSIONS = (
 # consumer warpgroups taking turns at the tensor cores (and one without the turns, to tell the two
 # apart). smem: d64 3 stages 113 KiB, d128 2 stages 161 KiB, 3 stages 225 KiB, d256 (64 keys a
 # block) 2 stages 193 KiB.
+# (d128's three stages with the turns are v7 since wgmma-fwd-ws-route.)
 WS_CANDIDATES = {
     64: (WgmmaFwdConfig(128, 128, producer=True, stages=3),),
-    128: (WgmmaFwdConfig(128, 128, producer=True, stages=3), WgmmaFwdConfig(128, 128, producer=True, stages=2),
+    128: (WgmmaFwdConfig(128, 128, producer=True, stages=2),
           WgmmaFwdConfig(128, 128, producer=True, stages=3, pingpong=False)),
     256: (WgmmaFwdConfig(128, 64, producer=True, stages=2),),
 }

@@ -122,6 +122,11 @@ def test_the_plan_is_the_old_dispatch_choice(dtype):
                                               plans.plan_forward(arch, SUPPORTED[dtype], headdim, Causal(), smem,
                                                                  family=family).tiles)
                 old = (old[0].replace("_causal_", "_local_", 1), *old[1:])
+            if isinstance(plan.tiles, plans.WgmmaFwdConfig) and plan.tiles.producer:
+                # wgmma-fwd-ws-route: the row's producer kernel replaced the old choice, which is
+                # the one-role row (test_sm90_d128_runs_the_producer_kernel)
+                plan = plans.forward_plan(SUPPORTED[dtype], plan.headdim, mask,
+                                          plans.ONE_ROLE_FORWARD_TILES[("mma", plans.SM90, plan.d_tile)])
             assert new_choice(plan, mask, OLD_MASKS[old_name]) == old, (arch, smem, dtype, headdim, mask)
             compared += 1
     assert compared == len(ARCHS) * len(SMEM_OPTINS) * 256 * 3
@@ -144,8 +149,8 @@ def test_one_row_answers_what_runs():
     """What runs on sm_90 at d128 bf16 causal is one row of FORWARD_TILES."""
     plan = plans.plan_forward("90", SUPPORTED["bfloat16"], 128, Causal(), 227 * 1024)
     assert plan.tiles is plans.FORWARD_TILES[("mma", plans.SM90, 128)]
-    assert (plan.kernel, plan.device_class, plan.d_tile) == ("flash_fwd_wgmma", plans.SM90, 128)
-    assert plan.spec.name == "flash_fwd_wgmma_bf16_hdim128_causal_bm128_bn128"
+    assert (plan.kernel, plan.device_class, plan.d_tile) == ("flash_fwd_wgmma_ws", plans.SM90, 128)
+    assert plan.spec.name == "flash_fwd_wgmma_ws_bf16_hdim128_causal_bn128_s3_pingpong"
     assert plans.plan_forward(None, SUPPORTED["float16"], 100, False, None).tiles is \
         plans.FORWARD_TILES[("mma", plans.PORTABLE, 128)]
     for (family, where, dt), tiles in plans.FORWARD_TILES.items():
@@ -170,7 +175,7 @@ def test_float32_runs_on_tensor_cores():
                     config = plans.WgmmaTf32FwdConfig(32, raw_stages=2, producer=True, stages=4,
                                                       sums_apart=precision == "ieee")
                     assert (plan.kernel, plan.tiles, plan.d_tile, plan.spec.arch) == \
-                        ("flash_fwd_tf32_wgmma", config, 64, "90a")
+                        ("flash_fwd_tf32_wgmma_ws", config, 64, "90a")
                     assert plan.spec.name == (f"flash_fwd_tf32_wgmma_ws_fp32_hdim64_causal_bm128_bn32_{precision}"
                                               f"_s4_raw2{'_apart' if precision == 'ieee' else ''}")
                     apart = ", true" if precision == "ieee" else ""
@@ -180,7 +185,7 @@ def test_float32_runs_on_tensor_cores():
                     for mask in (Causal().as_packed(), Causal(score=Score(dropout=True)),
                                  NoMask(score=Score(user=example_modifiers()))):
                         other = plans.plan_forward(arch, SUPPORTED["float32"], headdim, mask, smem, precision=precision)
-                        assert (other.kernel, other.tiles) == ("flash_fwd_tf32_wgmma", config), (mask, other.spec.name)
+                        assert (other.kernel, other.tiles) == ("flash_fwd_tf32_wgmma_ws", config), (mask, other.spec.name)
                         assert other.spec.name.startswith("flash_fwd_tf32_wgmma_ws_"), other.spec.name
                     continue
                 if precision == "ieee":
@@ -261,6 +266,33 @@ def test_plans_refuse_what_no_kernel_runs():
         mma_fwd.plan(SUPPORTED["float16"], 64, NoMask(), plans.SimtTiles(64, 64, 4))
 
 
+def test_sm90_d128_runs_the_producer_kernel():
+    """sm_90's d128 row is flash_fwd_wgmma_ws (wgmma-fwd-ws-route) for the plain bands, packed
+    batches and the score variants; dropout and v's own narrower tile keep the one-role kernel's
+    128 x 128 tiles (ONE_ROLE_FORWARD_TILES), a window its own row, user modifiers the producer
+    kernel where it compiles without spills."""
+    producer, one_role = plans.FORWARD_TILES[("mma", plans.SM90, 128)], plans.ONE_ROLE_FORWARD_TILES[("mma", plans.SM90, 128)]
+    assert producer == plans.WgmmaFwdConfig(128, 128, producer=True, stages=3)
+    assert one_role == plans.WgmmaFwdConfig(128, 128)
+    for dtype in ("float16", "bfloat16"):
+        for headdim in (72, 128):
+            for mask in (NoMask(), Causal(), Causal().as_packed(), Causal(score=Score(softcap=True)),
+                         NoMask(score=Score(alibi=True)), Causal(score=Score(sink=True))):
+                plan = plans.plan_forward("90", SUPPORTED[dtype], headdim, mask, 227 * 1024)
+                assert plan.tiles == producer and plan.kernel == "flash_fwd_wgmma_ws", (dtype, headdim, mask)
+                assert plan.spec.threads == 384
+                # v of 64 columns beside q's 128: the one-role kernel's own v tile
+                plan = plans.plan_forward("90", SUPPORTED[dtype], headdim, mask, 227 * 1024, headdim_v=64)
+                assert plan.tiles == one_role and "v64_" in plan.spec.name, (dtype, headdim, mask)
+            for mask in (Causal(score=Score(dropout=True)), NoMask(score=Score(dropout=True)).as_packed()):
+                assert plans.plan_forward("90", SUPPORTED[dtype], headdim, mask, 227 * 1024).tiles == one_role
+        # v's head dim in q's tile: the producer kernel
+        assert plans.plan_forward("90", SUPPORTED[dtype], 128, Causal(), 227 * 1024, headdim_v=72).tiles == producer
+    # the other head dims and devices keep their rows
+    assert not plans.plan_forward("90", SUPPORTED["bfloat16"], 64, Causal(), 227 * 1024).tiles.producer
+    assert not plans.plan_forward("90", SUPPORTED["bfloat16"], 256, Causal(), 227 * 1024).tiles.producer
+
+
 def test_a_window_has_its_own_row():
     """A sliding window (Local, any window and score, packed or not) at sm_90 d128 runs
     LOCAL_FORWARD_TILES' 64 x 64 wgmma tiles; NoMask and Causal keep FORWARD_TILES' row, and so do
@@ -288,6 +320,14 @@ def test_the_compile_check_sees_every_shipped_forward_specialization():
     kernels with the score policies of masks.VARIANT_KINDS."""
     old = {old_choice(arch, smem, dtype, hd, mask)[0] for dtype in ("float16", "bfloat16")
            for arch, smem in itertools.product(ARCHS, SMEM_OPTINS) for hd in (64, 128, 256) for mask in OLD_MASKS}
+    # wgmma-fwd-ws-route: sm_90's d128 row is the producer kernel's since (the one-role kernel
+    # stays for dropout and v's own tile: below)
+    producer = plans.FORWARD_TILES[("mma", plans.SM90, 128)]
+    one_role = {plans.specialization_for(dtype, 128, mask, plans.ONE_ROLE_FORWARD_TILES[("mma", plans.SM90, 128)]).name:
+                plans.specialization_for(dtype, 128, mask, producer).name
+                for dtype in ("float16", "bfloat16") for mask in (NoMask(), Causal())}
+    assert one_role.keys() <= old
+    old = {one_role.get(n, n) for n in old}
     all_names = [s.name for s in mma_fwd.specializations()]
     # float32: every tf32 row with every mask, in both precisions ("ieee" on IEEE_FORWARD_TILES' rows
     # where it has them)
@@ -310,7 +350,7 @@ def test_the_compile_check_sees_every_shipped_forward_specialization():
     # masks (LOCAL_FORWARD_TILES' for the window), with every narrower tensor-core tile
     own_v = {n for n in all_names if re.search(r"_hdim\d+v\d+_", n)}
     assert own_v == {plans.specialization_for(dtype, dt, mask, plans.forward_tiles("mma", plans.SM90, dt, dtype, mask,
-                                                                                   None), dvt).name
+                                                                                   None, own_v=True), dvt).name
                      for dtype in ("float16", "bfloat16") for dt in (128, 256) for mask in KINDS
                      for dvt in (64, 128) if dvt < dt}
     all_names = [n for n in all_names if n not in own_v]
@@ -372,7 +412,7 @@ def test_the_tensor_core_rows_fit_their_devices():
         elif where == plans.SM90:
             assert plans.wgmma_smem_bytes(dt, tiles) <= 227 * 1024
             spec = plans.specialization_for(SUPPORTED["float16"], dt, Causal(), tiles)
-            assert spec.arch == "90a" and spec.threads == tiles.block_m // 64 * 128
+            assert spec.arch == "90a" and spec.threads == tiles.threads == (384 if tiles.producer else tiles.block_m // 64 * 128)
 
 
 def _fake_qkvo(shape_q, shape_k, dtype):

@@ -1,6 +1,7 @@
 """The 16-bit forward with a producer warpgroup (kernels_cu/flash_fwd_wgmma_ws.cu, docs/perf-log.md
-wgmma-fwd-ws-v0), a candidate no plan routes to: each configuration of dev/mma_fwd.py's
-WS_CANDIDATES launched as mma_fwd.forward(config=...) against the float64 reference under the
+wgmma-fwd-ws-v0; sm_90's d128 row since wgmma-fwd-ws-route): each configuration of dev/mma_fwd.py's
+WS_CANDIDATES and the shipped version's producer rows (v7's d128) launched as
+mma_fwd.forward(config=...) at every head dim of its tile against the float64 reference under the
 16-bit rule (cupyflash.testing.tolerance: twice standard attention's error in the dtype), over
 shapes, causal and windows, GQA and the score variants, fresh random inputs, NaN-poisoned
 outputs; sm_90 only. On the CPU, the compile test: the candidate's specializations compile for
@@ -26,7 +27,10 @@ HEADDIMS = {64: (8, 16, 40, 64), 128: (72, 96, 128), 256: (136, 200, 256)}
 
 def _candidates():
     module = tune.load_dev_forward()  # a source checkout's dev/mma_fwd.py
-    return [(f"d{dt}-{i}", dt, c) for dt, configs in module.WS_CANDIDATES.items() for i, c in enumerate(configs)]
+    last = module.VERSIONS[-1]
+    shipped = [(f"d{dt}-{last.name}", dt, c) for dt, c in last.tiles.items() if getattr(c, "producer", False)]
+    return shipped + [(f"d{dt}-{i}", dt, c) for dt, configs in module.WS_CANDIDATES.items()
+                      for i, c in enumerate(configs)]
 
 
 CANDIDATES = _candidates()
@@ -56,6 +60,9 @@ def test_the_candidates_compile_for_sm90a_without_spills():
     for s in specs:
         usage = report[mangled[s.expression]]
         assert usage["spill_stores"] == usage["spill_loads"] == 0, (s.name, usage)
+        # setmaxnreg moves registers within the launch allocation: the consumers' raise to 240
+        # waits forever unless the kernel launches with all 168 (128 x 24 + 256 x 240 = 384 x 168)
+        assert usage["registers"] == 168, (s.name, usage)
         assert mangled[s.expression] not in serialized, s.name
         assert s.smem_bytes <= 227 * 1024, s.name
 

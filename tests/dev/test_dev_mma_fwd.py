@@ -34,12 +34,14 @@ def test_versions_are_numbered_with_a_note_and_a_perf_log_entry(dev):
 
 
 def test_shipped_versions_are_their_rows_and_the_rest_is_not_shipped(dev):
-    v5, v6 = (next(v for v in dev.VERSIONS if v.name == name) for name in ("v5", "v6"))
+    v5, v6, v7 = (next(v for v in dev.VERSIONS if v.name == name) for name in ("v5", "v6", "v7"))
     for dt in mma_fwd.D_TILES:
         assert v5.tiles[dt] == plans.FORWARD_TILES[("mma", plans.LARGE_SMEM, dt)]
-        assert v6.tiles[dt] == plans.FORWARD_TILES[("mma", plans.SM90, dt)]
+        assert v7.tiles[dt] == plans.FORWARD_TILES[("mma", plans.SM90, dt)]
     assert v5.tiles[64] == plans.FORWARD_TILES[("mma", plans.PORTABLE, 64)]
-    assert [v.name for v in dev.VERSIONS if v.shipped] == ["v5", "v6"]
+    # v6 still runs sm_90's d64 and d256 (v7's there too) and d128's one-role rows (dropout, v's own tile)
+    assert v6.tiles[128] == plans.ONE_ROLE_FORWARD_TILES[("mma", plans.SM90, 128)]
+    assert [v.name for v in dev.VERSIONS if v.shipped] == ["v5", "v6", "v7"]
     shipped = {(dt, tiles) for (family, _, dt), tiles in plans.FORWARD_TILES.items() if family == "mma"}
     for dt, candidates in dev.CANDIDATES.items():
         assert not {(dt, c) for c in candidates} & shipped
@@ -58,7 +60,7 @@ def test_the_tuner_times_the_plan_then_every_dev_entry_once(dev, monkeypatch):
     monkeypatch.setattr(mma_fwd, "current_arch", lambda: "90")
     monkeypatch.setattr(mma_fwd, "current_smem_optin", lambda: 227 * 1024)
     configs = tune._configs(128, SUPPORTED["bfloat16"], dev)
-    assert configs[0] == ("default+v6", plans.FORWARD_TILES[("mma", plans.SM90, 128)])
+    assert configs[0] == ("default+v7", plans.FORWARD_TILES[("mma", plans.SM90, 128)])
     assert len({c for _, c in configs}) == len(configs)
     assert {c for _, c in configs} == {c for _, c in dev.entries(128)}
     labels = [label for label, _ in configs]
