@@ -25,7 +25,7 @@
 
 namespace cf {
 
-// Shared memory, mirrored by cupyflash/kernels/mma_fwd.py (smem_bytes):
+// Shared memory, mirrored by cupyflash/plans.py (smem_bytes):
 //   [Q: BLOCK_M x D_TILE] [stage 0: K, V: BLOCK_N x D_TILE each] [stage 1] ... [KvSource]
 // every tile swizzled (swizzled_offset). The Q tile is reused to stage O in the epilogue.
 template <int D_TILE, int BLOCK_M, int BLOCK_N, int STAGES>

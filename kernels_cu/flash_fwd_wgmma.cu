@@ -22,7 +22,7 @@
 
 namespace cf {
 
-// Shared memory from a 1024-byte aligned base; cupyflash/kernels/mma_fwd.py (wgmma_smem_bytes)
+// Shared memory from a 1024-byte aligned base; cupyflash/plans.py (wgmma_smem_bytes)
 // mirrors BYTES and adds the alignment slack. Q is reused to stage O in the epilogue (DV_TILE
 // <= D_TILE columns). A K stage is KV_TILE bytes, a V stage V_TILE (KV_TILE when DV_TILE = D_TILE).
 template <int D_TILE, int BLOCK_M, int BLOCK_N, int DV_TILE = D_TILE>
