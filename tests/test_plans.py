@@ -468,7 +468,9 @@ def test_the_plan_of_this_device_is_what_the_launchers_run_and_fits_it():
         if plan.family == "mma":
             assert plan == mma_fwd.plan(SUPPORTED[dtype], plan.headdim, mask)
             own = {"float32": "flash_fwd_tf32", "float64": "flash_fwd_dmma"}.get(dtype)
-            if dtype == "float32" and arch == "90" and plan.d_tile <= 64:  # tf32-wgmma-route
-                own = "flash_fwd_tf32_wgmma"
-            assert plan.kernel == own if own else (plan.kernel == "flash_fwd_wgmma") == (arch == "90")
+            if dtype == "float32" and arch == "90" and plan.d_tile <= 64:  # tf32-wgmma-route: the producer kernel
+                own = "flash_fwd_tf32_wgmma_ws"
+            if own is None and arch == "90":  # wgmma-fwd-ws-route: d128's row is the producer kernel
+                own = "flash_fwd_wgmma_ws" if plan.d_tile == 128 and mask.band != "local" else "flash_fwd_wgmma"
+            assert plan.kernel == (own or "flash_fwd_mma"), (dtype, headdim, mask, plan.kernel)
         assert runs_on_device(plan.spec) and plan.spec.smem_bytes <= smem, plan.spec.name
