@@ -419,8 +419,8 @@ def forward_candidates(family: str, where: str, dt: int, mask: Mask, precision: 
         tiles = ONE_ROLE_FORWARD_TILES[(family, where, dt)]
     if mask.score.user is None or family != "mma":
         return [tiles]
-    fallbacks = USER_FORWARD_FALLBACKS.get((family, where, dt), ())
-    return list(dict.fromkeys([tiles, *(t for t in fallbacks if not (own_v and getattr(t, "producer", False)))]))
+    # (with v's own tile the row is the one-role 128 x 128 that the fallbacks start with: once)
+    return list(dict.fromkeys([tiles, *USER_FORWARD_FALLBACKS.get((family, where, dt), ())]))
 
 
 # Rows float32's three products ("ieee") replace: K and V split once per tile in shared memory by

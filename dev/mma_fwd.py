@@ -100,6 +100,15 @@ CANDIDATES = {dt: configs + WS_CANDIDATES.get(dt, ()) for dt, configs in CANDIDA
 CANDIDATES_PERF_LOG = "mma-fwd-v4--v5-the-forward-default-until-v6-still-the-default-on-sm_80"
 
 
+def producer_configs() -> list[tuple[str, int, WgmmaFwdConfig]]:
+    """(label, head-dim tile, config) of every flash_fwd_wgmma_ws configuration worth checking: the
+    last version's producer rows (shipped), then WS_CANDIDATES."""
+    last = VERSIONS[-1]
+    shipped = [(f"d{dt}-{last.name}", dt, c) for dt, c in last.tiles.items()
+               if getattr(c, "producer", False)]
+    return shipped + [(f"d{dt}-{i}", dt, c) for dt, configs in WS_CANDIDATES.items() for i, c in enumerate(configs)]
+
+
 def entries(dt: int) -> list[tuple[str, object]]:
     """(label, tiles) of every version and candidate at head-dim tile ``dt``, in order."""
     out = [(v.name, v.tiles[dt]) for v in VERSIONS if dt in v.tiles]

@@ -22,9 +22,7 @@ def main() -> None:
 
     dtype = SUPPORTED["bfloat16"]
     rng = np.random.default_rng(1)
-    dev = tune.load_dev_forward()
-    shipped = [(dt, c) for dt, c in dev.VERSIONS[-1].tiles.items() if getattr(c, "producer", False)]
-    for d_tile, config in shipped + [(dt, c) for dt, configs in dev.WS_CANDIDATES.items() for c in configs]:
+    for _, d_tile, config in tune.load_dev_forward().producer_configs():
         for causal in (False, True):
             q, k, v = (cupy.asarray(rng.standard_normal((1, 300, 2, d_tile)).astype(dtype)) for _ in range(3))
             o = cupy.full_like(q, np.nan)

@@ -26,11 +26,7 @@ HEADDIMS = {64: (8, 16, 40, 64), 128: (72, 96, 128), 256: (136, 200, 256)}
 
 
 def _candidates():
-    module = tune.load_dev_forward()  # a source checkout's dev/mma_fwd.py
-    last = module.VERSIONS[-1]
-    shipped = [(f"d{dt}-{last.name}", dt, c) for dt, c in last.tiles.items() if getattr(c, "producer", False)]
-    return shipped + [(f"d{dt}-{i}", dt, c) for dt, configs in module.WS_CANDIDATES.items()
-                      for i, c in enumerate(configs)]
+    return tune.load_dev_forward().producer_configs()  # a source checkout's dev/mma_fwd.py
 
 
 CANDIDATES = _candidates()

@@ -102,11 +102,10 @@ def specializations() -> list:
     # the wgmma kernel with v in a narrower tile of its own (plans.v_tile): MLA's 192 / 128, and
     # every narrower pair, for the plain masks
     # (the row's own-v tiles: ONE_ROLE_FORWARD_TILES' where the row is the producer kernel)
-    specs += [plans.specialization_for(dtype, dt, mask, plans.forward_tiles("mma", where, dt, dtype, mask, None,
-                                                                            own_v=True), dvt)
-              for dtype in ("float16", "bfloat16") for dt, where in rows for mask in KINDS
-              if isinstance(plans.forward_tiles("mma", where, dt, dtype, mask, None), WgmmaFwdConfig)
-              for dvt in D_TILES if dvt < dt]
+    own_v = [(dtype, dt, mask, plans.forward_tiles("mma", where, dt, dtype, mask, None, own_v=True))
+             for dtype in ("float16", "bfloat16") for dt, where in rows for mask in KINDS]
+    specs += [plans.specialization_for(dtype, dt, mask, t, dvt) for dtype, dt, mask, t in own_v
+              if isinstance(t, WgmmaFwdConfig) for dvt in D_TILES if dvt < dt]
     # float32 (tf32 tensor cores), each precision and mask on its row (sm_90's d64 row: the wgmma
     # producer kernel, plans.WGMMA_FLOAT32_FORWARD_TILES)
     kinds = KINDS + VARIANT_KINDS + PACKED_KINDS
