@@ -391,6 +391,15 @@ BACKWARD_KERNELS = {
     (MMA_SYNC, 256, False): (BackwardKernels("fused_mma", (64, 64, 2, 4, 2, 16), "atomic", perf_log=_V5),
                              BackwardKernels("dkdv_mma", (32, 16, 64, 8, 2), "atomic", perf_log=_V5)),
 }
+# Rows a sliding window (the Local band) replaces, deterministic or not (perf log windows-bwd-tiles):
+# at sm_90 d128 dK/dV on 64 x 64 blocks without dQ adds and dQ by flash_bwd_dq_wgmma on 64 x 64
+# (106 and 97 KiB, two CTAs an SM each), whose blocks walk 64 diagonals past the band where 128-row
+# blocks walk 128. H100, median of 30, window (1024, 0) at 8k / 16k: 1.282 / 1.314-1.321 ms against
+# the deterministic row's 1.461-1.469 / 1.492-1.506 and the atomic row's 1.477-1.480 / 1.500-1.501.
+_WINDOWS_BWD = "windows-bwd-tiles-candidates-the-backwards-two-wgmma-kernels-with-64-row-blocks-for-windows--cpu-only-not-yet-timed"
+LOCAL_BACKWARD_KERNELS = {
+    (SM90, 128): BackwardKernels("wgmma", (64, 64), "none", "dq_wgmma", (64, 64, 2), _WINDOWS_BWD),
+}
 # flash_bwd_dkdv_mma_v2 with atomic dQ and a window's left bound needs more than 255 registers
 # (ptxas spills 24-36 bytes at sm_80 / sm_90): there flash_bwd_dkdv_mma runs (DKDV_CONFIG's tiles).
 _DKDV_KIND = {"dkdv_mma": "v1", "dkdv_mma_v2": "v2", "dkdv_mma_split": "split"}
@@ -577,6 +586,8 @@ def backward_candidates(where: str, dtype, dt: int, mask: Mask, smem_optin: int 
     # in registers (ptxas, sm_80 / sm_90), the dQ-kernel rows do not.
     packed_mma_sync = mask.packed and where == MMA_SYNC
     rows = BACKWARD_KERNELS[(where, dt, bool(deterministic) or packed_mma_sync)]
+    if mask.band == "local" and (where, dt) in LOCAL_BACKWARD_KERNELS:
+        rows = (LOCAL_BACKWARD_KERNELS[(where, dt)],)
     row = next((r for r in rows if smem_optin is None or _dkdv_spec(dtype, dt, mask, r).smem_bytes <= smem_optin),
                rows[-1])
     row = _without_spills(row, mask, dt)

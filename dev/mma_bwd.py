@@ -1,4 +1,4 @@
-"""Every version the tensor-core backward has shipped, v1 to v10, and the candidates that lost:
+"""Every version the tensor-core backward has shipped, v1 to v11, and the candidates that lost:
 the history of ``cupyflash.backward_plans.BACKWARD_KERNELS``. Not part of the library (a wheel has
 no dev/); ``python -m cupyflash tune --direction bwd`` from a source checkout times each entry
 against the shipped plan, after checking it against the float64 reference, and
@@ -89,7 +89,15 @@ VERSIONS = (
     # of 5, but no dq_accum, no int64 reductions and no convert kernel; at d256 without determinism
     # too.
     Version("v10", "v9, but deterministic dQ on sm_90 by its own wgmma kernel (query block outermost, S and dP "
-            "recomputed)", "mma-bwd-v10-two-wgmma-kernels-no-dq-adds-the-default-on-sm_90", shipped="sm_90"),
+            "recomputed)", "mma-bwd-v10-two-wgmma-kernels-no-dq-adds-the-default-on-sm_90",
+            shipped="sm_90 (a window at d128: v11)"),
+    # A sliding window at sm_90 d128, deterministic or not: v10's two kernels on 64 x 64 blocks,
+    # whose walks pass 64 diagonals beyond the band where 128-row blocks pass 128 (H100, 8k / 16k,
+    # window 1024: 1.13-1.15x v10's row, 1.14-1.18x the atomic row; backward_plans.
+    # LOCAL_BACKWARD_KERNELS).
+    Version("v11", "v10, but a window at d128 on sm_90 runs dK/dV and dQ on 64 x 64 blocks, with determinism "
+            "or without", "windows-bwd-tiles-candidates-the-backwards-two-wgmma-kernels-with-64-row-blocks-for-"
+            "windows--cpu-only-not-yet-timed", shipped="sm_90 (a window at d128)"),
 )
 # Numbers that were never a version of this tree.
 REJECTED = {"v8": ("fixed-point dQ summed by cluster pairs through distributed shared memory first, measured "
@@ -148,7 +156,10 @@ WGMMA_NONE_CANDIDATES = {64: ((64, 128),)}
 # windows-tiles). 64 x 64 dK/dV is one warpgroup of 128 threads, and dq_wgmma's 64-query block is
 # one warpgroup too. Not yet timed:
 # `tune --direction bwd --headdim 128 --seqlen 16384 --window 1024 0 --only default "(64, 64"`.
-WINDOW_SPLIT_CANDIDATES = {128: (((64, 64), (128, 64, 2)), ((64, 128), (64, 64, 2)), ((64, 64), (64, 64, 2)))}
+# (The pair of both, ((64, 64), (64, 64, 2)), is v11 since the eighth session's timings.)
+WINDOW_SPLIT_CANDIDATES = {128: (((64, 64), (128, 64, 2)), ((64, 128), (64, 64, 2)))}
+# Head-dim tiles where v11 runs a window's two kernels on 64 x 64 blocks (with or without determinism).
+WINDOW_SPLIT_D_TILES = {128: ((64, 64), (64, 64, 2))}
 CANDIDATES_PERF_LOG = "mma-bwd-v4-second-round-of-tiles-p_packed-unrolled-st--dpt"
 
 
@@ -215,6 +226,10 @@ def kernels(version: str, arch: str | None, smem_optin: int | None, dtype, headd
     mask = as_mask(mask)
     dt = d_tile(headdim)
     if _since(version, "v6"):
+        if (_since(version, "v11") and fused is None and wgmma is None and dq_config is None and arch == "90"
+                and isinstance(mask, Local) and dt in WINDOW_SPLIT_D_TILES):
+            tiles, dq = WINDOW_SPLIT_D_TILES[dt]
+            return BackwardKernels("wgmma", tiles, "none", "dq_wgmma", dq)
         if fused is None and arch == "90":
             dq_add = wgmma_dq_add(version, deterministic, dt)
             if dq_add == "ordered" and isinstance(mask, Local):

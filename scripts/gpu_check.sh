@@ -72,6 +72,14 @@
 #   scripts/gpu_check.sh OUTDIR tf32    the float32 forward: its kernels compiled, tests/test_tf32_gpu.py,
 #                                       the accumulation probe's candidates, the fp32 bench table, and
 #                                       racecheck / memcheck --quick (the tf32 forward in their workload)
+#   scripts/gpu_check.sh OUTDIR trees   experiment patches side by side: TREE_PATCHES names patches of
+#                                       dev/experiments/ ("a+b": both in one tree), each applied to its
+#                                       own copy (TREES_DIR/NAME); dev/bench_variant_trees.py compiles,
+#                                       checks and times this tree and each copy on one machine; with
+#                                       TREE_PICK=1 the fastest copy that passed, if it beats this tree
+#                                       by TREE_MARGIN (default 0.03), is applied here and remembered
+#   scripts/gpu_check.sh OUTDIR picked  applies what trees picked again (each call gets a fresh copy
+#                                       of the checkout; the choice lives in the kept .cupy-cache/)
 # Before the device: `pytest tests/kernels/test_compile_check.py` on CPU (2 minutes) compiles every
 # source file; a header change that only the wgmma kernels were compiled with once broke
 # flash_bwd_preprocess.cu and cost a whole suite run (2026-12-04). On the device, a warm step that
@@ -112,6 +120,20 @@ dropout_8k() {
         done
     done
 }
+# apply_patches "a+b": dev/experiments/a.patch then b.patch to the current folder, each only if it is
+# not applied yet (the checkout may already hold what an earlier call picked)
+apply_patches() {
+    local name p
+    for name in ${1//+/ }; do
+        p=$root/dev/experiments/$name.patch
+        if git apply -R --check "$p" 2>/dev/null || patch -p1 -R --dry-run -s -f < "$p" >/dev/null 2>&1; then
+            echo "$name: already applied"
+        else
+            git apply "$p" 2>/dev/null || patch -p1 -s -f < "$p" || { echo "$name: does not apply"; return 1; }
+        fi
+    done
+}
+root=$PWD
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv > "$out/gpu.txt" 2>&1
 case $what in
 tests)
@@ -241,6 +263,32 @@ dmma)  # a DMMA backward change: compile, tests, sanitizer, bench (before / afte
         # their kernels compile on first use) against the SIMT backward and PyTorch's mem-efficient
         step bench-tf32-bwd 300 python dev/bench_dmma_bwd.py --dtype float32 --headdims 64 --repeats 3 \
             --json "$out/bench-tf32-bwd.json"
+    fi
+    ;;
+trees)  # experiment patches in their own copies beside this tree (header above)
+    # the copies live outside the checkout: inside a git work tree, git apply would skip their paths
+    trees=(.) dir=${TREES_DIR:-/tmp/cupyflash-trees}
+    for name in ${TREE_PATCHES:?TREE_PATCHES: patch names of dev/experiments}; do
+        rm -rf "${dir:?}/$name" && mkdir -p "$dir/$name"
+        tar --exclude=./.trees --exclude=./.cupy-cache --exclude=./.git --exclude=./.venv --exclude=./docs/results \
+            -cf - . | tar -xf - -C "$dir/$name"
+        (cd "$dir/$name" && apply_patches "$name") > "$out/tree-$name.log" 2>&1 || { status=1; continue; }
+        trees+=("$dir/$name")
+    done
+    rm -f .cupy-cache/picked-patches
+    step variant-trees "${TREES_LIMIT:-300}" env PYTHONPATH=$PWD python dev/bench_variant_trees.py "${trees[@]}" \
+        --json "$out/variant-trees.json" ${TREE_PICK:+--pick .cupy-cache/picked-patches --margin "${TREE_MARGIN:-0.03}"}
+    if [ -s .cupy-cache/picked-patches ]; then
+        echo "picked: $(cat .cupy-cache/picked-patches)"
+        apply_patches "$(cat .cupy-cache/picked-patches)" || status=1
+    fi
+    ;;
+picked)  # what trees picked, applied to this call's fresh copy of the checkout
+    if [ -s .cupy-cache/picked-patches ]; then
+        echo "picked: $(cat .cupy-cache/picked-patches)"
+        apply_patches "$(cat .cupy-cache/picked-patches)" || status=1
+    else
+        echo "picked: none"
     fi
     ;;
 warm)  # every kernel this device runs into the tree's CuPy cache, alone in its call: then the

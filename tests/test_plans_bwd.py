@@ -27,6 +27,7 @@ from cupyflash.backward_plans import BACKWARD_KERNELS, MMA_SYNC, SM90, plan_back
 from cupyflash.kernels import mma_bwd
 from cupyflash import masks
 from cupyflash.masks import Causal, Local, NoMask
+from cupyflash.scores import Score
 
 REPO = Path(__file__).resolve().parents[1]
 MASKS = {"full": NoMask(), "causal": Causal(), "local": Local(100, 3)}
@@ -941,11 +942,13 @@ def test_old_tables_cover_every_device_once():
 
 
 @pytest.mark.parametrize("dtype", list(SUPPORTED))
-def test_the_plan_is_the_old_dispatch_choice(dtype):
+def test_the_plan_is_the_old_dispatch_choice(dtype, monkeypatch):
     """Every (arch, opt-in shared memory, head dim 1..256, mask, deterministic): the plan's kernels in
     launch order are the old choice, with the old specializations, and at each head-dim tile the
     old grids. The tensor-core plans see the head dim padded to a multiple of 8, as the dispatcher
-    pads it; the SIMT plans do not depend on the device, so every head dim is checked on one."""
+    pads it; the SIMT plans do not depend on the device, so every head dim is checked on one. A
+    window's own rows (LOCAL_BACKWARD_KERNELS, test_a_window_has_its_own_backward_row) set aside."""
+    monkeypatch.setattr(backward_plans, "LOCAL_BACKWARD_KERNELS", {})
     compared = 0
     tensor_cores = SUPPORTED[dtype].itemsize == 2
     for arch, smem in itertools.product(ARCHS, SMEM_OPTINS):
@@ -969,10 +972,11 @@ def test_the_plan_is_the_old_dispatch_choice(dtype):
 
 
 @pytest.mark.parametrize("dtype", list(SUPPORTED))
-def test_the_launchers_launch_their_plan(dtype):
+def test_the_launchers_launch_their_plan(dtype, monkeypatch):
     """mma_bwd.backward and simt.backward (stand-in arrays, launches recorded) launch the old
     kernels with the old grids, in the old order, at each head-dim tile and at two head dims
-    between tiles, on every device."""
+    between tiles, on every device (a window's own rows set aside, as in the test above)."""
+    monkeypatch.setattr(backward_plans, "LOCAL_BACKWARD_KERNELS", {})
     for arch, smem in itertools.product(ARCHS, SMEM_OPTINS):
         for headdim, mask, deterministic in itertools.product(
                 (*RECORDER.grid_head_dims(SUPPORTED[dtype]), 40, 200), MASKS, (True, False)):
@@ -1058,7 +1062,12 @@ def test_the_compile_check_sees_the_same_specializations():
     scored = [n for n in names if any(f"_{part}_" in n for part in ("softcap", "alibi", "sink", "packed", "dropout"))
               or "_mod_" in n]
     plain = [n for n in names if n not in scored]
-    assert len(names) == len(set(names)) and sorted(plain) == sorted(OLD_COMPILE_CHECK)
+    # a window's own rows (LOCAL_BACKWARD_KERNELS) in place of the old choice's local kernels there
+    own = {launch.spec.name for dtype in ("float16", "bfloat16") for det in (True, False)
+           for launch in plan_backward("90", SUPPORTED[dtype], 128, Local(), None, det).launches
+           if launch.role in ("dkdv", "dq")}
+    old = {n for n in OLD_COMPILE_CHECK if "_local_" in n and "_hdim128_" in n and "wgmma" in n}
+    assert len(names) == len(set(names)) and sorted(plain) == sorted(set(OLD_COMPILE_CHECK) - old | own)
     launched = {launch.spec.name for mask in masks.VARIANT_KINDS + masks.PACKED_KINDS
                 for dtype in ("float16", "bfloat16")
                 for dt in (64, 128, 256) for arch, smem in (("80", None), ("90", None), ("80", 0))
@@ -1068,7 +1077,7 @@ def test_the_compile_check_sees_the_same_specializations():
     assert set(scored) == launched
     shipped = {s for s, *_ in OLD_SPECS.items() if s.startswith("flash_bwd_") and "simt" not in s
                and "preprocess" not in s}
-    assert shipped <= set(names)
+    assert shipped - old <= set(names)
 
 
 @pytest.mark.gpu
@@ -1089,3 +1098,27 @@ def test_the_plan_of_this_device_fits_it():
         for launch in plan.launches:
             assert runs_on_device(launch.spec)
             assert launch.spec.smem_bytes <= smem or (smem < 160 * 1024 and plan.d_tile > 64), launch.spec.name
+
+
+def test_a_window_has_its_own_backward_row():
+    """A sliding window (Local, any window, score and packing) at sm_90 d128 runs
+    LOCAL_BACKWARD_KERNELS' row whether deterministic or not: dK/dV on 64 x 64 blocks without dQ
+    adds, dQ by flash_bwd_dq_wgmma on 64 x 64; the causal band, other head dims and mma.sync
+    devices keep BACKWARD_KERNELS' rows."""
+    row = backward_plans.LOCAL_BACKWARD_KERNELS[(SM90, 128)]
+    assert (row.dkdv, row.dkdv_tiles, row.dq_add, row.dq, row.dq_tiles) == ("wgmma", (64, 64), "none", "dq_wgmma",
+                                                                           (64, 64, 2))
+    for mask in (Local(1024, 0), Local(512, 512), Local(-1, 7), Local(score=Score(alibi=True)), Local(3, 3).as_packed()):
+        for deterministic in (True, False):
+            for dtype, headdim in (("bfloat16", 128), ("float16", 96)):
+                plan = plan_backward("90", SUPPORTED[dtype], headdim, mask, 227 * 1024, deterministic)
+                names = [launch.spec.name for launch in plan.launches]
+                assert any("flash_bwd_wgmma_" in n and n.endswith("_bm64_bn64_dqnone") for n in names), names
+                assert any("flash_bwd_dq_wgmma_" in n and n.endswith("_bm64_bn64_k2") for n in names), names
+            band = Causal(score=mask.score, packed=mask.packed)
+            for arch, smem, headdim in (("90", 227 * 1024, 64), ("90", 227 * 1024, 256), ("80", 163 * 1024, 128)):
+                ours = [launch.spec.name.replace("_local_", "_") for launch in
+                        plan_backward(arch, SUPPORTED["bfloat16"], headdim, mask, smem, deterministic).launches]
+                causal = [launch.spec.name.replace("_causal_", "_") for launch in
+                          plan_backward(arch, SUPPORTED["bfloat16"], headdim, band, smem, deterministic).launches]
+                assert ours == causal, (arch, headdim, mask)

@@ -46,7 +46,13 @@ def runs_on_device(spec: Specialization) -> bool:
 
 
 def kernels_dir() -> Path:
-    """Folder holding the .cu/.cuh sources (installed package data, or the source checkout)."""
+    """Folder holding the .cu/.cuh sources: the source checkout this package was imported from, else
+    the installed package data. The checkout comes first because an editable install maps
+    ``cupyflash.kernels_cu`` to the checkout it was installed from: a second tree imported through
+    PYTHONPATH (an experiment's copy) would otherwise compile the first tree's kernels."""
+    path = Path(__file__).resolve().parents[2] / "kernels_cu"
+    if (path / "common.cuh").is_file():
+        return path
     try:
         from importlib.resources import files
 
@@ -55,10 +61,7 @@ def kernels_dir() -> Path:
             return path
     except (ModuleNotFoundError, TypeError):
         pass
-    path = Path(__file__).resolve().parents[2] / "kernels_cu"
-    if not (path / "common.cuh").is_file():
-        raise FileNotFoundError("cupyflash: kernel sources (kernels_cu/) not found")
-    return path
+    raise FileNotFoundError("cupyflash: kernel sources (kernels_cu/) not found")
 
 
 @functools.lru_cache(maxsize=None)
