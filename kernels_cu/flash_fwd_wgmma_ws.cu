@@ -123,7 +123,11 @@ flash_fwd_wgmma_ws(const __grid_constant__ FwdParams p) {
     warpgroup_registers_inc<CONSUMER_REGISTERS>();
     const int cwg = wg - 1;
     const int strip_row0 = 64 * cwg + 16 * ((tid / 32) % 4);  // the warp's 16 rows within the block
-    const ScoreOf<Mask, float, Tanh::EXP_RCP> score(score_problem<Mask>(p, seq), seq.index, blockIdx.y, p.scale);
+    // softcap's reciprocal on the FMA pipe (score.cuh, EXP_NEWTON), its three MUFU operations a
+    // score bounding this loop's softmax; not at d256, whose products (0.25 clock a score an SM)
+    // outlast them (0.19)
+    const ScoreOf<Mask, float, D_TILE <= 128 ? Tanh::EXP_NEWTON : Tanh::EXP_RCP> score(
+        score_problem<Mask>(p, seq), seq.index, blockIdx.y, p.scale);
     const DropoutOf<Mask> dropout(p, seq.index, head);
     const float scale_log2 = p.scale_log2;
 

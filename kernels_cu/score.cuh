@@ -25,6 +25,8 @@
 //     tanh_rational, y clamped to +-7, N and D cubic in y^2: eleven FP32 operations (two of them
 //     the clamp) and one MUFU (rcp.approx), an absolute error below 1.25e-6
 //     (tests/kernels/test_score_tanh.py evaluates these constants as the kernel does).
+//   EXP_NEWTON (flash_fwd_wgmma_ws, the producer forward): EXP_RCP with the reciprocal on the FMA
+//     pipe (rcp_newton): one MUFU operation, seven FP32 / integer ones more, the same accuracy.
 //   ACCURATE (SIMT, float32 "ieee", float64): tanhf / tanh.
 // The rational was made for the 16-bit forwards on the premise that a score's MUFU operations
 // (EXP_RCP's two beside the softmax's exp2) were their limit. Measured on an H100 (8k causal d128
@@ -71,13 +73,45 @@ __device__ __forceinline__ float tanh_rational(float y) {
     return y_c * n * rcp_approx(d);
 }
 
-enum class Tanh { ACCURATE, EXP_RCP, RATIONAL };
+// 1 / x for x in [1, +inf] on the FMA pipe, for EXP_NEWTON. The seed is the float whose bits are
+// RCP_SEED_BITS - bits(x), the exponent negated and the mantissa reflected: within 5.06% of 1 / x
+// (the constant that minimizes it over a binade). One third-order step r (1 + d + d^2), with
+// d = 1 - x r, takes the error to d^3 <= 1.3e-4 and one Newton step r (1 + d) to its square,
+// 1.7e-8; with the FFMAs' roundings 7.7e-8 relative, under float32's ulp
+// (tests/kernels/test_score_rcp_newton.py, every mantissa). Five FFMA: two Newton steps would leave
+// 6.6e-6, three take six. x is clamped first (min.NaN: NaN stays NaN) to the float whose bits are
+// RCP_SEED_BITS, so that the seed's bits never go negative: from x = 8.1e37 up (+inf included;
+// 1 / x < 1.3e-38 there) the seed is subnormal or 0 and the FFMAs (-ftz=true) give r = 0, as
+// rcp.approx.ftz gives 0 from 2^126.
+__device__ __forceinline__ float rcp_newton(float x) {
+    constexpr int RCP_SEED_BITS = 0x7EF311C2;
+    const float x_c = min_nan(x, __int_as_float(RCP_SEED_BITS));
+    const float seed = __int_as_float(RCP_SEED_BITS - __float_as_int(x_c));
+    const float d_seed = fmaf(-x_c, seed, 1.f);
+    const float r = fmaf(seed, fmaf(d_seed, d_seed, d_seed), seed);
+    return fmaf(r, fmaf(-x_c, r, 1.f), r);
+}
+
+// EXP_NEWTON trades EXP_RCP's rcp.approx (a MUFU operation, 16 an SM a clock) for seven issue
+// slots (the clamp, the seed's integer subtraction, five FFMA). In flash_fwd_wgmma that kind of
+// trade lost (perf log softcap-rational: RATIONAL's nine FP32 operations for one MUFU cost 11%; a
+// lockstep kernel whose softmax runs with the tensor cores idle is bound by its issue). In the
+// producer forward one consumer's softmax runs under the other's products, and per 128 x 128 block
+// pair at d128 an SM sub-partition's MUFU work with EXP_RCP (3 a score: 3,100 clocks) outlasts both
+// the products (2,048) and the two warps' issue (1,700 slots, SASS); with EXP_NEWTON 2,080 and
+// 2,480. Measured on an H100 (8k causal d128 bf16, perf log softcap-mufu): with the consumers'
+// turns 1.663 -> 1.602 ms (softcap / plain 0.740 -> 0.771); without them 1.648 -> 1.830, where
+// the two consumers' softmaxes meet on the issue slots. So the producer kernel, which takes turns,
+// is the one kernel that uses it.
+enum class Tanh { ACCURATE, EXP_RCP, RATIONAL, EXP_NEWTON };
 
 template <bool SOFTCAP, bool ALIBI, bool SINK, typename A, Tanh TANH>
 struct ScoreFn {
     static constexpr bool IDENTITY = !SOFTCAP && !ALIBI;
     static constexpr bool HAS_GRAD = SOFTCAP;
     static constexpr bool FLOAT = sizeof(A) == sizeof(float);
+    // EXP_RCP's form, 1 - 2 / (1 + 2^(k s)), with either reciprocal
+    static constexpr bool EXP_FORM = FLOAT && (TANH == Tanh::EXP_RCP || TANH == Tanh::EXP_NEWTON);
     A cap_u = A(0), in_u = A(0);  // softcap: c / unit and unit / c (EXP_RCP: 2 log2(e) unit / c)
     A slope_u = A(0);             // ALiBi: slope / unit
     int diag = 0;                 // seqlen_k - seqlen_q
@@ -92,7 +126,7 @@ struct ScoreFn {
         if constexpr (SOFTCAP) {
             const A cap = sizeof(A) == sizeof(double) ? A(p.variant.softcap_f64) : A(p.variant.softcap);
             cap_u = cap / unit;
-            in_u = TANH == Tanh::EXP_RCP && FLOAT ? A(2.8853900817779268) * unit / cap : unit / cap;
+            in_u = EXP_FORM ? A(2.8853900817779268) * unit / cap : unit / cap;
         }
         if constexpr (ALIBI) {
             slope_u = A(ldg(p.variant.alibi_slopes + batch * p.variant.alibi_batch_stride + head)) / unit;
@@ -104,12 +138,20 @@ struct ScoreFn {
         return {ALIBI ? A(i0 + diag - j0) : A(0)};
     }
 
+    // 1 / (1 + 2^(k s)), EXP_FORM's reciprocal.
+    static __device__ __forceinline__ float exp_form_rcp(float x) {
+        if constexpr (TANH == Tanh::EXP_NEWTON)
+            return rcp_newton(x);
+        else
+            return rcp_approx(x);
+    }
+
     // tanh(s unit / c), from s.
     __device__ __forceinline__ A cap_tanh(A s) const {
         if constexpr (TANH == Tanh::RATIONAL && FLOAT)
             return tanh_rational(s * in_u);
-        else if constexpr (TANH == Tanh::EXP_RCP && FLOAT)
-            return 1.f - 2.f * rcp_approx(1.f + exp2_approx(s * in_u));  // 2 log2(e) = 2.885... in in_u
+        else if constexpr (EXP_FORM)
+            return 1.f - 2.f * exp_form_rcp(1.f + exp2_approx(s * in_u));  // 2 log2(e) = 2.885... in in_u
         else
             return tanh_(s * in_u);
     }
@@ -145,7 +187,7 @@ struct ScoreFn {
     // of it: far below a 16-bit P's rounding, above float32's (whose kernels keep |dist|).
     template <bool RIGHT_IS_DIAGONAL = false>
     __device__ __forceinline__ A transform_scaled(A s, const Origin& o, int di, int dj, A scale) const {
-        if constexpr (!SOFTCAP && ALIBI && RIGHT_IS_DIAGONAL && TANH == Tanh::EXP_RCP && FLOAT) {
+        if constexpr (!SOFTCAP && ALIBI && RIGHT_IS_DIAGONAL && EXP_FORM) {
             const A slope_s = slope_u * scale, row = -slope_s * (o.dist + A(di));
             return fmaf(s, scale, fmaf(slope_s, A(dj), row));
         } else if constexpr (!SOFTCAP) {
@@ -153,8 +195,8 @@ struct ScoreFn {
         } else {
             const A a = cap_u * scale;
             A out;
-            if constexpr (TANH == Tanh::EXP_RCP && FLOAT)
-                out = fmaf(-2.f * a, rcp_approx(1.f + exp2_approx(s * in_u)), a);
+            if constexpr (EXP_FORM)
+                out = fmaf(-2.f * a, exp_form_rcp(1.f + exp2_approx(s * in_u)), a);
             else
                 out = a * cap_tanh(s);
             if constexpr (ALIBI) out -= (slope_u * scale) * abs_(o.dist + A(di - dj));

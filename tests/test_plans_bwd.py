@@ -1100,6 +1100,35 @@ def test_the_plan_of_this_device_fits_it():
             assert launch.spec.smem_bytes <= smem or (smem < 160 * 1024 and plan.d_tile > 64), launch.spec.name
 
 
+def test_a_packed_causal_batch_has_its_own_backward_row():
+    """A packed causal batch (any score but softcap) at sm_90 d128 runs PACKED_CAUSAL_BACKWARD_KERNELS'
+    row whether deterministic or not: dK/dV on 64 x 64 blocks without dQ adds, dQ by
+    flash_bwd_dq_wgmma on 64 x 64 (two CTAs an SM each); softcap (8 bytes of spills beside ALiBi
+    and a sink), the dense causal band, packed batches without the causal band, d64 (measured no
+    faster), d256 and mma.sync devices keep their rows."""
+    assert list(backward_plans.PACKED_CAUSAL_BACKWARD_KERNELS) == [(SM90, 128)]
+    row = backward_plans.PACKED_CAUSAL_BACKWARD_KERNELS[(SM90, 128)]
+    assert (row.dkdv, row.dkdv_tiles, row.dq_add, row.dq, row.dq_tiles) == ("wgmma", (64, 64), "none",
+                                                                           "dq_wgmma", (64, 64, 2))
+    assert row.perf_log in _perf_log_anchors()
+    for score in (Score(), Score(alibi=True), Score(sink=True), Score(dropout=True)):
+        mask = Causal(score=score, packed=True)
+        for deterministic in (True, False):
+            for dtype, headdim in (("bfloat16", 128), ("float16", 96)):
+                plan = plan_backward("90", SUPPORTED[dtype], headdim, mask, 227 * 1024, deterministic)
+                names = [launch.spec.name for launch in plan.launches]
+                assert plan.deterministic
+                assert any("flash_bwd_wgmma_" in n and n.endswith("_bm64_bn64_dqnone") for n in names), names
+                assert any("flash_bwd_dq_wgmma_" in n and n.endswith("_bm64_bn64_k2") for n in names), names
+            for arch, smem, headdim, other in (("90", 227 * 1024, 256, mask), ("80", 163 * 1024, 128, mask),
+                                               ("90", 227 * 1024, 64, mask),
+                                               ("90", 227 * 1024, 128, Causal(score=score)),
+                                               ("90", 227 * 1024, 64, NoMask(score=score, packed=True)),
+                                               ("90", 227 * 1024, 128, Causal(score=Score(softcap=True), packed=True))):
+                plan = plan_backward(arch, SUPPORTED["bfloat16"], headdim, other, smem, deterministic)
+                assert plan.kernels not in backward_plans.PACKED_CAUSAL_BACKWARD_KERNELS.values(), (arch, other)
+
+
 def test_a_window_has_its_own_backward_row():
     """A sliding window (Local, any window, score and packing) at sm_90 d128 runs
     LOCAL_BACKWARD_KERNELS' row whether deterministic or not: dK/dV on 64 x 64 blocks without dQ
