@@ -2,6 +2,12 @@
 and backward, and a straight-line fit of time against the key blocks the forward visits.
 
     python dev/window_overhead_study.py [--seqlen 16384] [--windows 256 1024 4096] [--json out.json]
+    python dev/window_overhead_study.py --configs local v7   # the forward alone, per tile config
+
+--configs times only the forward, launched with each named tile configuration (a dev/mma_fwd.py
+version at d128, or "local": plans.LOCAL_FORWARD_TILES' window row) and fitted in that
+configuration's own blocks (its block_m x block_n tiles), so the fixed cost of a tile can be
+compared between the one-role kernel's window tiles and the producer kernel (v7).
 
 (Branch experiment/persistent-forward has a --tiles option that also times the rejected
 persistent forward, perf log mma-fwd-v7.)
@@ -34,15 +40,49 @@ from cupyflash.bench import variants as V  # noqa: E402
 BLOCK = 128  # flash_fwd_wgmma's query and key tiles at d128 (plans.FORWARD_TILES)
 
 
-def forward_blocks(seqlen: int, left: int) -> int:
-    """Key blocks of BLOCK keys all query blocks of one head visit with a causal window of
-    ``left`` keys (-1: plain causal), from the definition (query i sees keys i - left .. i)."""
+def forward_blocks(seqlen: int, left: int, block_m: int = BLOCK, block_n: int = BLOCK) -> int:
+    """Key blocks of ``block_n`` keys all query blocks (``block_m`` rows) of one head visit with a
+    causal window of ``left`` keys (-1: plain causal), from the definition (query i sees keys
+    i - left .. i)."""
     total = 0
-    for m0 in range(0, seqlen, BLOCK):
-        last_row = min(m0 + BLOCK, seqlen) - 1
+    for m0 in range(0, seqlen, block_m):
+        last_row = min(m0 + block_m, seqlen) - 1
         first_key = 0 if left < 0 else max(0, m0 - left)
-        total += last_row // BLOCK - first_key // BLOCK + 1
+        total += last_row // block_n - first_key // block_n + 1
     return total
+
+
+def forward_configs(names: list[str], seqlen: int, batch: int, heads: int, windows: list[int]) -> None:
+    """The forward alone with each named tile configuration: time against visited blocks, fitted."""
+    import cupy
+
+    from cupyflash import plans
+    from cupyflash.bench import tune
+    from cupyflash.kernels import mma_fwd
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_statistics import time_ms
+
+    dev = tune.load_dev_forward(Path(__file__).resolve().parent)
+    q, k, v = (cupy.asarray(x) for x in V._inputs(batch, seqlen, heads, (128, 128), 1, 0)[0][:3])
+    o, lse = cupy.empty_like(q), cupy.empty((batch, heads, seqlen), np.float32)
+    for name in names:
+        config = (plans.LOCAL_FORWARD_TILES[("mma", plans.SM90, 128)] if name == "local"
+                  else next(ver for ver in dev.VERSIONS if ver.name == name).tiles[128])
+        rows = []
+        for left in [*windows, -1]:
+            window = (-1, -1) if left < 0 else (left, 0)
+            ms = time_ms(lambda: mma_fwd.forward(q, k, v, o, lse, softmax_scale=128 ** -0.5, causal=True,
+                                                 window_size=window, config=config), 20)
+            pairs = V.pairs_of(V.Variant("", True, window), seqlen)
+            blocks = forward_blocks(seqlen, left, config.block_m, config.block_n) * batch * heads
+            rows.append((left, blocks, ms, 4.0 * batch * heads * pairs * 128 / (ms * 1e-3) / 1e12))
+            print(f"{name} left {left:>5}: blocks {blocks:>7}  fwd {ms:8.3f} ms {rows[-1][3]:6.1f} TFLOP/s", flush=True)
+        ctas = math.ceil(seqlen / config.block_m) * batch * heads
+        a, c = np.polyfit([r[1] for r in rows[:-1]], [r[2] for r in rows[:-1]], 1)
+        print(f"{name} {config}: {a * 1e3:.4f} us per visited block, intercept {c:.3f} ms = "
+              f"{c / (a * ctas):.2f} block iterations per CTA ({ctas} tiles); window {windows[-1]} at "
+              f"{rows[-2][3] / rows[-1][3]:.2f} of causal's TFLOP/s", flush=True)
 
 
 def main(argv=None) -> int:
@@ -52,13 +92,17 @@ def main(argv=None) -> int:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--windows", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--configs", nargs="+", help="time the forward alone with these tiles (see above)")
     args = parser.parse_args(argv)
+    if args.configs:
+        forward_configs(args.configs, args.seqlen, args.batch, args.heads, args.windows)
+        return 0
     import cupy
 
     stream = cupy.cuda.Stream(non_blocking=True)
     rows = []
     with stream:
-        sets = V._inputs(args.batch, args.seqlen, args.heads, 128, 2, 0)
+        sets = V._inputs(args.batch, args.seqlen, args.heads, (128, 128), 2, 0)
         for left in [*args.windows, -1]:
             variant = V.Variant("causal" if left < 0 else f"causal window {left}", True,
                                 (-1, -1) if left < 0 else (left, 0))
