@@ -3,16 +3,17 @@ each tree is a copy of this checkout with one experiment patch applied, and runs
 (its own kernels_cu/, its own cupyflash). Run from the checkout's root:
 
     PYTHONPATH=. python dev/bench_variant_trees.py . TREE [TREE ...] [--json OUT.json]
-        [--pick FILE --margin 0.03]
+        [--pick FILE --margin 0.03 [--pick-config "ws s3 pp"]]
 
 "." is this checkout (labelled "main"), each other tree is labelled by its folder's name. First every tree compiles its kernels, side by side (NVRTC is CPU work); then
 each tree's process checks every configuration's softcap output against a float64 reference (the
 error at most twice that of standard attention computed in bf16, cupyflash.reference) and times
 plain and softcap 30 at 8k causal d128 (2 x 16 heads, bf16, median of 20) in the producer forward
-with and without the consumers' turns; the trees take turns over ROUNDS rounds, so a drift of the
+with and without the consumers' turns, and the backward the plan runs ("api bwd", through
+cupyflash.flash_attn_backward; its softcap is not checked here: the GPU suite's tests are); the trees take turns over ROUNDS rounds, so a drift of the
 card's clock touches every tree alike. Each row: its tree, configuration, variant, the median of its
 rounds, and softcap / plain within the tree. --pick writes to FILE the label of the tree whose
-softcap is fastest in the shipped configuration (ws s3 pp) if every check of that tree passed and it
+softcap is fastest in the shipped configuration (ws s3 pp; --pick-config "api bwd": the backward) if every check of that tree passed and it
 beats main's by the margin; FILE is left empty otherwise (scripts/gpu_check.sh trees).
 """
 from __future__ import annotations
@@ -90,6 +91,15 @@ def worker(mode: str) -> None:
             for vname, variant in variants.items():
                 ms = time_ms(lambda: _run(config, variant, q, k, v), 20)
                 print(json.dumps({"config": name, "variant": vname, "ms": ms}))
+        del q, k, v
+        # the backward the plan runs (cupyflash.flash_attn_backward, the bench's call)
+        from cupyflash.bench import variants as V
+        sets = V._inputs(BATCH, SEQLEN, NHEADS, (HEADDIM, HEADDIM), 1, 0)
+        for vname, bench_variant in (("plain", V.Variant("causal", True)),
+                                     ("softcap 30", V.Variant("causal softcap 30", True, softcap=SOFTCAP))):
+            _, bwd = V._cupyflash_runs(bench_variant, sets)
+            ms = time_ms(lambda: bwd(0), 20)
+            print(json.dumps({"config": "api bwd", "variant": vname, "ms": ms}))
 
 
 def _spawn(tree: Path, mode: str) -> subprocess.Popen:
@@ -116,6 +126,7 @@ def main(argv: list[str]) -> None:
     json_out, argv = _option(argv, "--json")
     pick, argv = _option(argv, "--pick")
     margin, argv = _option(argv, "--margin")
+    pick_config, argv = _option(argv, "--pick-config")
     trees = [Path(t).resolve() for t in argv]
     labels = {t: "main" if a == "." else t.name for a, t in zip(argv, trees)}
     for tree, proc in [(t, _spawn(t, "compile")) for t in trees]:
@@ -134,8 +145,8 @@ def main(argv: list[str]) -> None:
             for line in _lines(_spawn(tree, "time"), tree):
                 times.setdefault((labels[tree], line["config"], line["variant"]), []).append(line["ms"])
     rows = []
-    flops = 4 * BATCH * NHEADS * SEQLEN * SEQLEN * HEADDIM * 0.5
     for (label, config, variant), ms in times.items():
+        flops = 4 * BATCH * NHEADS * SEQLEN * SEQLEN * HEADDIM * 0.5 * (2.5 if config == "api bwd" else 1)
         med = statistics.median(ms)
         plain = statistics.median(times[(label, config, "plain")])
         rows.append({"tree": label, "config": config, "variant": variant, "ms": med, "rounds": ms,
@@ -145,7 +156,8 @@ def main(argv: list[str]) -> None:
     if json_out:
         Path(json_out).write_text(json.dumps(rows, indent=1))
     if pick:
-        softcap = {r["tree"]: r["ms"] for r in rows if r["config"] == "ws s3 pp" and r["variant"] == "softcap 30"}
+        softcap = {r["tree"]: r["ms"] for r in rows
+                   if r["config"] == (pick_config or "ws s3 pp") and r["variant"] == "softcap 30"}
         best = min((t for t in softcap if t != "main" and passed[t]), key=softcap.get, default=None)
         chosen = best if best and softcap[best] <= (1 - float(margin or 0)) * softcap["main"] else ""
         Path(pick).write_text(chosen)

@@ -77,7 +77,9 @@
 #                                       own copy (TREES_DIR/NAME); dev/bench_variant_trees.py compiles,
 #                                       checks and times this tree and each copy on one machine; with
 #                                       TREE_PICK=1 the fastest copy that passed, if it beats this tree
-#                                       by TREE_MARGIN (default 0.03), is applied here and remembered
+#                                       by TREE_MARGIN (default 0.03) in softcap's TREE_PICK_CONFIG
+#                                       (default "ws s3 pp"; "api bwd": the backward), is applied here
+#                                       and remembered
 #   scripts/gpu_check.sh OUTDIR picked  applies what trees picked again (each call gets a fresh copy
 #                                       of the checkout; the choice lives in the kept .cupy-cache/)
 # Before the device: `pytest tests/kernels/test_compile_check.py` on CPU (2 minutes) compiles every
@@ -277,7 +279,7 @@ trees)  # experiment patches in their own copies beside this tree (header above)
     done
     rm -f .cupy-cache/picked-patches
     step variant-trees "${TREES_LIMIT:-300}" env PYTHONPATH=$PWD python dev/bench_variant_trees.py "${trees[@]}" \
-        --json "$out/variant-trees.json" ${TREE_PICK:+--pick .cupy-cache/picked-patches --margin "${TREE_MARGIN:-0.03}"}
+        --json "$out/variant-trees.json" ${TREE_PICK:+--pick .cupy-cache/picked-patches --margin "${TREE_MARGIN:-0.03}" --pick-config "${TREE_PICK_CONFIG:-ws s3 pp}"}
     if [ -s .cupy-cache/picked-patches ]; then
         echo "picked: $(cat .cupy-cache/picked-patches)"
         apply_patches "$(cat .cupy-cache/picked-patches)" || status=1
