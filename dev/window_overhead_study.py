@@ -5,7 +5,8 @@ and backward, and a straight-line fit of time against the key blocks the forward
     python dev/window_overhead_study.py --configs local v7   # the forward alone, per tile config
 
 --configs times only the forward, launched with each named tile configuration (a dev/mma_fwd.py
-version at d128, or "local": plans.LOCAL_FORWARD_TILES' window row) and fitted in that
+version at d128, "wsN": its WS_CANDIDATES[128][N], or "local": plans.LOCAL_FORWARD_TILES' window
+row) and fitted in that
 configuration's own blocks (its block_m x block_n tiles), so the fixed cost of a tile can be
 compared between the one-role kernel's window tiles and the producer kernel (v7).
 
@@ -67,8 +68,12 @@ def forward_configs(names: list[str], seqlen: int, batch: int, heads: int, windo
     q, k, v = (cupy.asarray(x) for x in V._inputs(batch, seqlen, heads, (128, 128), 1, 0)[0][:3])
     o, lse = cupy.empty_like(q), cupy.empty((batch, heads, seqlen), np.float32)
     for name in names:
-        config = (plans.LOCAL_FORWARD_TILES[("mma", plans.SM90, 128)] if name == "local"
-                  else next(ver for ver in dev.VERSIONS if ver.name == name).tiles[128])
+        if name == "local":
+            config = plans.LOCAL_FORWARD_TILES[("mma", plans.SM90, 128)]
+        elif name.startswith("ws") and name[2:].isdigit():
+            config = dev.WS_CANDIDATES[128][int(name[2:])]
+        else:
+            config = next(ver for ver in dev.VERSIONS if ver.name == name).tiles[128]
         rows = []
         for left in [*windows, -1]:
             window = (-1, -1) if left < 0 else (left, 0)
