@@ -26,6 +26,8 @@ dev = tune.load_dev_forward(Path(__file__).resolve().parent)
 if version == "local":
     from cupyflash import plans
     config = plans.LOCAL_FORWARD_TILES[("mma", plans.SM90, 128)]
+elif version.startswith("ws") and version[2:].isdigit():  # a producer candidate, WS_CANDIDATES[128][N]
+    config = dev.WS_CANDIDATES[128][int(version[2:])]
 else:
     config = next(v for v in dev.VERSIONS if v.name == version).tiles[128]
 batch, nheads, d = 16384 // seqlen, 16, 128
