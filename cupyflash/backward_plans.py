@@ -396,7 +396,7 @@ BACKWARD_KERNELS = {
 # (106 and 97 KiB, two CTAs an SM each), whose blocks walk 64 diagonals past the band where 128-row
 # blocks walk 128. H100, median of 30, window (1024, 0) at 8k / 16k: 1.282 / 1.314-1.321 ms against
 # the deterministic row's 1.461-1.469 / 1.492-1.506 and the atomic row's 1.477-1.480 / 1.500-1.501.
-_WINDOWS_BWD = "windows-bwd-tiles-candidates-the-backwards-two-wgmma-kernels-with-64-row-blocks-for-windows--cpu-only-not-yet-timed"
+_WINDOWS_BWD = "windows-bwd-tiles-the-backwards-two-wgmma-kernels-with-64-row-blocks-for-windows--v11-shipped-113-116x-flexattention"
 LOCAL_BACKWARD_KERNELS = {
     (SM90, 128): BackwardKernels("wgmma", (64, 64), "none", "dq_wgmma", (64, 64, 2), _WINDOWS_BWD),
 }

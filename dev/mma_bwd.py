@@ -1,4 +1,4 @@
-"""Every version the tensor-core backward has shipped, v1 to v11, and the candidates that lost:
+"""Every version the tensor-core backward has shipped, v1 to v12, and the candidates that lost:
 the history of ``cupyflash.backward_plans.BACKWARD_KERNELS``. Not part of the library (a wheel has
 no dev/); ``python -m cupyflash tune --direction bwd`` from a source checkout times each entry
 against the shipped plan, after checking it against the float64 reference, and
@@ -96,8 +96,14 @@ VERSIONS = (
     # window 1024: 1.13-1.15x v10's row, 1.14-1.18x the atomic row; backward_plans.
     # LOCAL_BACKWARD_KERNELS).
     Version("v11", "v10, but a window at d128 on sm_90 runs dK/dV and dQ on 64 x 64 blocks, with determinism "
-            "or without", "windows-bwd-tiles-candidates-the-backwards-two-wgmma-kernels-with-64-row-blocks-for-"
-            "windows--cpu-only-not-yet-timed", shipped="sm_90 (a window at d128)"),
+            "or without", "windows-bwd-tiles-the-backwards-two-wgmma-kernels-with-64-row-blocks-for-windows--v11-"
+            "shipped-113-116x-flexattention", shipped="sm_90 (a window at d128)"),
+    # A packed causal batch at sm_90 d128 (not with softcap or a user modifier): v11's window tiles,
+    # two CTAs an SM hiding each other's prologue and epilogue on the short walks of mixed lengths
+    # (H100, the varlen bench: 0.84 -> 0.93 of dense; at d64 no gain, not taken;
+    # backward_plans.PACKED_CAUSAL_BACKWARD_KERNELS).
+    Version("v12", "v11, but a packed causal batch at d128 on sm_90 runs the window's 64 x 64 blocks too",
+            "varlen-v3-the-packed-causal-backward-on-two-ctas-an-sm", shipped="sm_90 (a packed causal batch at d128)"),
 )
 # Numbers that were never a version of this tree.
 REJECTED = {"v8": ("fixed-point dQ summed by cluster pairs through distributed shared memory first, measured "
@@ -158,8 +164,10 @@ WGMMA_NONE_CANDIDATES = {64: ((64, 128),)}
 # `tune --direction bwd --headdim 128 --seqlen 16384 --window 1024 0 --only default "(64, 64"`.
 # (The pair of both, ((64, 64), (64, 64, 2)), is v11 since the eighth session's timings.)
 WINDOW_SPLIT_CANDIDATES = {128: (((64, 64), (128, 64, 2)), ((64, 128), (64, 64, 2)))}
-# Head-dim tiles where v11 runs a window's two kernels on 64 x 64 blocks (with or without determinism).
+# Head-dim tiles where v11 runs a window's two kernels on 64 x 64 blocks (with or without determinism),
+# and v12 a packed causal batch's.
 WINDOW_SPLIT_D_TILES = {128: ((64, 64), (64, 64, 2))}
+PACKED_CAUSAL_D_TILES = WINDOW_SPLIT_D_TILES
 CANDIDATES_PERF_LOG = "mma-bwd-v4-second-round-of-tiles-p_packed-unrolled-st--dpt"
 
 
@@ -226,10 +234,14 @@ def kernels(version: str, arch: str | None, smem_optin: int | None, dtype, headd
     mask = as_mask(mask)
     dt = d_tile(headdim)
     if _since(version, "v6"):
-        if (_since(version, "v11") and fused is None and wgmma is None and dq_config is None and arch == "90"
-                and isinstance(mask, Local) and dt in WINDOW_SPLIT_D_TILES):
-            tiles, dq = WINDOW_SPLIT_D_TILES[dt]
-            return BackwardKernels("wgmma", tiles, "none", "dq_wgmma", dq)
+        if fused is None and wgmma is None and dq_config is None and arch == "90":
+            if _since(version, "v11") and isinstance(mask, Local) and dt in WINDOW_SPLIT_D_TILES:
+                return BackwardKernels("wgmma", WINDOW_SPLIT_D_TILES[dt][0], "none", "dq_wgmma",
+                                       WINDOW_SPLIT_D_TILES[dt][1])
+            if (_since(version, "v12") and mask.packed and mask.band == "causal" and not mask.score.softcap
+                    and mask.score.user is None and dt in PACKED_CAUSAL_D_TILES):
+                return BackwardKernels("wgmma", PACKED_CAUSAL_D_TILES[dt][0], "none", "dq_wgmma",
+                                       PACKED_CAUSAL_D_TILES[dt][1])
         if fused is None and arch == "90":
             dq_add = wgmma_dq_add(version, deterministic, dt)
             if dq_add == "ordered" and isinstance(mask, Local):

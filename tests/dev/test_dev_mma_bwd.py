@@ -16,6 +16,7 @@ from cupyflash.backward_plans import BACKWARD_KERNELS, plan_backward
 from cupyflash.bench import tune
 from cupyflash.kernels import mma_bwd, mma_fwd
 from cupyflash.masks import Causal, Local, NoMask
+from cupyflash.scores import Score
 from test_docs import heading_anchors
 
 REPO = Path(__file__).resolve().parents[2]
@@ -52,6 +53,18 @@ def test_the_last_version_is_the_plan_on_every_device(dev):
         planned = plan_backward(arch, SUPPORTED["bfloat16"], dt, mask, smem, deterministic)
         assert _unnoted(planned.kernels) == dev.kernels(dev.LAST_VERSION, arch, smem, SUPPORTED["bfloat16"], dt,
                                                         mask, deterministic), (arch, smem, dt, mask)
+
+
+def test_the_last_version_is_the_plan_of_a_packed_causal_batch_on_sm90(dev):
+    """v12's row (backward_plans.PACKED_CAUSAL_BACKWARD_KERNELS): a packed causal batch on sm_90
+    d128, with the score variants the row takes and those it does not (softcap). (Elsewhere a
+    packed batch's rows follow _without_spills' routes, which dev/ does not model.)"""
+    for dt, score, deterministic in itertools.product((128,), (Score(), Score(alibi=True), Score(softcap=True)),
+                                                      (True, False)):
+        mask = Causal(score=score, packed=True)
+        planned = plan_backward("90", SUPPORTED["bfloat16"], dt, mask, 227 * 1024, deterministic)
+        assert _unnoted(planned.kernels) == dev.kernels(dev.LAST_VERSION, "90", 227 * 1024, SUPPORTED["bfloat16"],
+                                                        dt, mask, deterministic), (dt, score, deterministic)
 
 
 def test_the_window_tests_overrides_run_sm80s_plan_on_sm90(dev):
