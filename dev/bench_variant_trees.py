@@ -18,6 +18,7 @@ beats main's by the margin; FILE is left empty otherwise (scripts/gpu_check.sh t
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -115,20 +116,18 @@ def _lines(proc: subprocess.Popen, tree: Path) -> list[dict]:
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
-def _option(argv: list[str], name: str):
-    if name not in argv:
-        return None, argv
-    i = argv.index(name)
-    return argv[i + 1], argv[:i] + argv[i + 2:]
-
-
 def main(argv: list[str]) -> None:
-    json_out, argv = _option(argv, "--json")
-    pick, argv = _option(argv, "--pick")
-    margin, argv = _option(argv, "--margin")
-    pick_config, argv = _option(argv, "--pick-config")
-    trees = [Path(t).resolve() for t in argv]
-    labels = {t: "main" if a == "." else t.name for a, t in zip(argv, trees)}
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("trees", nargs="+", help='"." (this checkout, "main") and the experiment copies')
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--pick", type=Path, help="write the winning tree's label here (empty: none)")
+    parser.add_argument("--margin", type=float, default=0.0)
+    parser.add_argument("--pick-config", default="ws s3 pp")
+    args = parser.parse_args(argv)
+    if args.pick and "." not in args.trees:
+        parser.error('--pick compares against this checkout: name "." among the trees')
+    trees = [Path(t).resolve() for t in args.trees]
+    labels = {t: "main" if a == "." else t.name for a, t in zip(args.trees, trees)}
     for tree, proc in [(t, _spawn(t, "compile")) for t in trees]:
         _lines(proc, tree)
         print(f"{labels[tree]}: compiled", flush=True)
@@ -153,14 +152,13 @@ def main(argv: list[str]) -> None:
                      "tflops": flops / med / 1e9, "of_plain": plain / med, "checks_passed": passed[label]})
         print(f"{label:40s} {config:9s} {variant:11s} {med:.3f} ms {flops / med / 1e9:6.1f} TFLOP/s "
               f"{plain / med:.3f} of plain  rounds {' '.join(f'{x:.3f}' for x in ms)}", flush=True)
-    if json_out:
-        Path(json_out).write_text(json.dumps(rows, indent=1))
-    if pick:
-        softcap = {r["tree"]: r["ms"] for r in rows
-                   if r["config"] == (pick_config or "ws s3 pp") and r["variant"] == "softcap 30"}
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    if args.pick:
+        softcap = {r["tree"]: r["ms"] for r in rows if r["config"] == args.pick_config and r["variant"] == "softcap 30"}
         best = min((t for t in softcap if t != "main" and passed[t]), key=softcap.get, default=None)
-        chosen = best if best and softcap[best] <= (1 - float(margin or 0)) * softcap["main"] else ""
-        Path(pick).write_text(chosen)
+        chosen = best if best and softcap[best] <= (1 - args.margin) * softcap["main"] else ""
+        args.pick.write_text(chosen)
         print(f"picked: {chosen or 'none'}", flush=True)
     if not all(passed.values()):
         raise SystemExit("a tree's softcap output failed the 16-bit rule")
