@@ -55,6 +55,46 @@ WGMMA_CANDIDATES = {
 }
 
 
+def warm_candidates(headdims, processes: int) -> None:
+    """Every kernel the float32 rows launch (the candidates' plans, both masks and statistics),
+    compiled into CuPy's disk cache by the kernel-cache warmer's process pool."""
+    import multiprocessing
+    import sys
+    import time
+    from concurrent.futures import ProcessPoolExecutor
+    from pathlib import Path
+
+    import numpy
+
+    from cupyflash.backward_plans import dmma_backward_plan, tf32_wgmma_backward_plan
+    from cupyflash.masks import mask_for
+    from cupyflash.scores import PLAIN
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from warm_kernel_cache import _compile
+
+    specs = {}
+    for headdim in (h for h in headdims if h <= 64):
+        for causal in (False, True):
+            mask = mask_for(causal, (-1, -1), PLAIN, False).backward()
+            for statistics in ("saved", "recomputed"):
+                plans = [tf32_wgmma_backward_plan(headdim, mask, config, statistics)
+                         for config in WGMMA_CANDIDATES.values()]
+                plans.append(dmma_backward_plan(headdim, mask, tf32x3_backward_config(headdim), statistics,
+                                                dtype=numpy.float32))
+                for plan in plans:
+                    for launch in plan.launches:
+                        specs[launch.spec.name] = launch.spec
+    names = sorted(specs)
+    chunks = [c for c in (names[i::processes] for i in range(processes)) if c]
+    t0 = time.time()
+    with ProcessPoolExecutor(max_workers=processes, mp_context=multiprocessing.get_context("spawn")) as pool:
+        errors = [e for _, errs in pool.map(_compile, chunks, [list(specs.values())] * len(chunks)) for e in errs]
+    print(f"warm: {len(names)} kernels in {time.time() - t0:.0f} s, {len(errors)} errors", flush=True)
+    for line in errors:
+        print("    " + line, flush=True)
+
+
 def main() -> None:
     import cupy
     import torch
@@ -70,12 +110,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--configs", action="store_true")
     parser.add_argument("--headdims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--warm", type=int, default=0, metavar="N",
+                        help="first compile the float32 candidates' kernels in N processes (NVRTC is serial in "
+                             "one process, and each wgmma candidate is two or three kernels a mask)")
     parser.add_argument("--dtype", choices=("float64", "float32"), default="float64",
                         help="float32: the tf32x3 experiment (perf log tf32-bwd-v0) and, at head dims up to 64 on "
                              "sm_90, its wgmma dK/dV candidates (tf32-wgmma-bwd-v0) against the SIMT float32 "
                              "backward and PyTorch's mem-efficient float32 backward")
     args = parser.parse_args()
     fp32 = args.dtype == "float32"
+    if fp32 and args.warm and device_arch() == "90":
+        warm_candidates(args.headdims, args.warm)
     rows = []
     for headdim in args.headdims:
         for seqlen in (1024, 4096):
