@@ -50,7 +50,7 @@ from .precision import PRODUCTS, check_precision
 __all__ = ["BackwardPlan", "BackwardKernels", "BACKWARD_KERNELS", "DQ_ADDS", "STATISTICS", "plan_backward",
            "DmmaBwdConfig", "DMMA_BACKWARD_TILES", "dmma_backward_plan", "dmma_spec", "backward_family",
            "check_statistics", "own_forward_statistics", "backward_plan", "Tf32WgmmaBwdConfig",
-           "TF32_WGMMA_BACKWARD_CONFIGS", "tf32_wgmma_backward_plan",
+           "TF32_WGMMA_BACKWARD_CONFIGS", "TF32_WGMMA_BACKWARD_ROUTE", "tf32_wgmma_backward_plan",
            "backward_device_class", "SM90", "MMA_SYNC"]
 
 D_TILES = TENSOR_CORE_D_TILES
@@ -537,7 +537,8 @@ def own_forward_statistics(dtype) -> str:
 
 
 def plan_backward(arch: str | None, dtype, headdim: int, mask: Mask | bool, smem_optin: int | None,
-                  deterministic: bool, family: str | None = None, statistics: str = "saved") -> BackwardPlan:
+                  deterministic: bool, family: str | None = None, statistics: str = "saved",
+                  tf32_wgmma_layout: bool = True) -> BackwardPlan:
     """The kernels a backward call with this dtype, head dim, mask and ``deterministic`` launches on
     a device of compute capability ``arch`` whose blocks may opt in to ``smem_optin`` bytes (None,
     None: not known). 16-bit dtypes run the tensor-core family at the head dim padded to a multiple
@@ -551,7 +552,11 @@ def plan_backward(arch: str | None, dtype, headdim: int, mask: Mask | bool, smem
     D = rowsum(dO * O) from its o (flash_bwd_preprocess), or "recomputed" (float32 / float64):
     a statistics kernel (flash_bwd_stats_simt, flash_bwd_stats_dmma) walks each row's keys first and
     forms lse and D = sum_j P_ij dP_ij from the very scores and dP the gradient kernels form, so a
-    saturated row cancels exactly as in standard attention (kernels_cu/flash_bwd_stats_simt.cu)."""
+    saturated row cancels exactly as in standard attention (kernels_cu/flash_bwd_stats_simt.cu).
+
+    float32 with statistics "saved" at sm_90 takes TF32_WGMMA_BACKWARD_ROUTE's row where it has one
+    for the head-dim tile, unless ``tf32_wgmma_layout`` is False (the arrays' strides or alignment
+    do not fit its 16-byte loaders) or the mask carries a user modifier."""
     mask = as_mask(mask)
     family = family or backward_family(dtype, headdim)
     check_statistics(statistics, dtype)
@@ -566,6 +571,12 @@ def plan_backward(arch: str | None, dtype, headdim: int, mask: Mask | bool, smem
             raise ValueError(f"cupyflash: the {dtype_name(dtype)} tensor-core backward takes head dims up to "
                              f"{DMMA_D_TILES[-1]}, not {headdim}")
         dt = d_tile_dmma(headdim)
+        route = TF32_WGMMA_BACKWARD_ROUTE.get((where, dt))
+        if (route is not None and not is_float64(dtype) and statistics == "saved" and tf32_wgmma_layout
+                and mask.score.user is None
+                and (smem_optin is None or all(tf32_wgmma_smem_bytes(kind, dt, route) <= smem_optin
+                                               for kind in ("dkdv", "dq")))):
+            return tf32_wgmma_backward_plan(headdim, mask, route, statistics)
         config = DMMA_BACKWARD_TILES[(where, dt)] if is_float64(dtype) else tf32x3_backward_config(headdim)
         itemsize = 8 if is_float64(dtype) else 4
         too_large = smem_optin is not None and any(dmma_smem_bytes(kind, dt, config, itemsize) > smem_optin
@@ -877,6 +888,14 @@ class Tf32WgmmaBwdConfig:
 # (whose dQ is the same kernel).
 TF32_WGMMA_BACKWARD_CONFIGS = {64: (Tf32WgmmaBwdConfig(), Tf32WgmmaBwdConfig(32, 1, producer=True))}
 TF32_WGMMA_D_TILES = (64,)
+
+# float32's backward with statistics "saved" at sm_90, head-dim tile 64 (head dims 40-64): dK / dV by
+# the producer warpgroup's kernel, dQ on flash_bwd_dq_tf32_wgmma, sums apart (perf log
+# tf32-wgmma-bwd-route: 1.39-1.57x the tf32x3 row at d64, the same error to the SIMT backward).
+# "recomputed" stays on tf32x3, whose statistics kernel forms S as its gradient kernels do (a
+# saturated row cancels to the bit there, not here); so do user modifiers, whose code these
+# kernels' registers were not checked against beyond the compile check's one.
+TF32_WGMMA_BACKWARD_ROUTE = {(SM90, 64): Tf32WgmmaBwdConfig(32, 1, producer=True)}
 
 
 def tf32_wgmma_smem_bytes(kind: str, dt: int, config: Tf32WgmmaBwdConfig) -> int:

@@ -1,6 +1,6 @@
 """The GPU kernel paths the property tests run, by family: for float32 the SIMT forward and the
-plan's backward (tf32x3 on the DMMA backward's kernels up to d128, launched at any head dim; SIMT
-past it), and for float64 the DMMA kernels (flash_fwd_dmma and the DMMA backward, the defaults up
+plan's backward (tf32x3 on the DMMA backward's kernels up to d128, launched at any head dim, and on
+sm_90 the tf32 wgmma route at head dims 40-64 in multiples of 4; SIMT past d128), and for float64 the DMMA kernels (flash_fwd_dmma and the DMMA backward, the defaults up
 to d128, launched at any head dim) or SIMT's past d128; for float16/bfloat16 the device's default tensor-core kernels (on sm_90: flash_fwd_wgmma and the v10
 wgmma backward; on sm_80: flash_fwd_mma and the mma.sync backward), and the mma.sync kernels of
 sm_80 on any device through their overrides: ``mma_fwd.forward(config=FwdConfig(...))``
@@ -75,7 +75,7 @@ def run_path(case, window, q, k, v, do, deterministic=True, mma_sync=None, varia
         on_dmma = case.dtype == np.float64 and up_to_d128
         (dmma.forward if on_dmma else simt.forward)(qd, kd, vd, o, lse, **options)
         # the backward plans up to d128: float64's DMMA kernels (dmma-bwd-v0), float32's tf32x3 on
-        # the same kernels (tf32x3-route); the SIMT plan where the device lacks the shared memory or
+        # the same kernels (tf32x3-route) or sm_90's tf32 wgmma route (tf32-wgmma-bwd-route); the SIMT plan where the device lacks the shared memory or
         # the tensor cores
         (dmma.backward if up_to_d128 else simt.backward)(dod, qd, kd, vd, o, lse, *grads, deterministic=deterministic,
                                                          **options)

@@ -51,7 +51,8 @@ def torch_standard_gradients(case: saturation.Case):
 
 def backward_on_device(q, k, v, do, statistics, **options):
     """(dq, dk, dv[, dsink]) of flash_attn_func + flash_attn_backward on the GPU (backend auto: the
-    plans' backward, float32's tf32x3 and float64's DMMA up to d128, SIMT past it)."""
+    plans' backward, float32's tf32x3 (sm_90's tf32 wgmma route at the d64 tile with statistics
+    "saved") and float64's DMMA up to d128, SIMT past it)."""
     q, k, v, do = _device(q, k, v, do)
     with poisoned_outputs():
         o, lse = cupyflash.flash_attn_func(q, k, v, return_lse=True, **options)

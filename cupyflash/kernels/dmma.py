@@ -87,7 +87,8 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
     shared memory for the row); any head dim up to 128 and any strides. Always deterministic
     (``deterministic`` is accepted and has nothing to choose), except the fused_dq candidate below.
     float32 arrays: the same kernels on T = float, each product three tf32 products of split
-    operands ("tf32x3"; the plan's TF32X3_BACKWARD_CONFIGS by default, or a DmmaBwdConfig), or with a
+    operands ("tf32x3"; the plan's TF32X3_BACKWARD_CONFIGS by default, at sm_90 with statistics
+    "saved" its TF32_WGMMA_BACKWARD_ROUTE where the arrays fit it, or a DmmaBwdConfig), or with a
     Tf32WgmmaBwdConfig dK and dV on flash_bwd_dkdv_tf32_wgmma and dQ on flash_bwd_dq_tf32_wgmma,
     or by the dK/dV kernel's atomics (``fused_dq``: not bitwise reproducible, so it takes
     ``deterministic=False``) (sm_90; head dims up to 64, multiples of 4, rows 16-byte aligned)."""
@@ -116,7 +117,8 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
     headdim = max(q.shape[3], v.shape[3])
     if config is None:
         plan = backward_plans.plan_backward(device_arch(), dtype, headdim, mask, current_smem_optin(), True,
-                                            statistics=statistics)
+                                            statistics=statistics,
+                                            tf32_wgmma_layout=_tf32_wgmma_layout(do, q, k, v, dq, dk, dv))
     elif wgmma:
         plan = backward_plans.tf32_wgmma_backward_plan(headdim, mask, config, statistics)
         if config.fused_dq:
@@ -125,6 +127,21 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
         plan = backward_plans.dmma_backward_plan(headdim, mask, config, statistics, dtype=dtype)
     run_backward(plan, do, q, k, v, o, lse, dq, dk, dv, softmax_scale=softmax_scale, mask=mask, variant=variant,
                  packed=packed)
+
+
+def _tf32_wgmma_layout(*arrays) -> bool:
+    """Whether the arrays' layout fits the tf32 wgmma loaders' 16-byte chunks (the plan's float32
+    row at sm_90 otherwise stays on tf32x3, which takes any strides)."""
+    from .mma_fwd import _check_layout
+
+    try:
+        for x in arrays:
+            _check_layout(x, "", 4)
+            if x.shape[-1] % 4:
+                return False
+    except ValueError:
+        return False
+    return True
 
 
 def _check_tf32_wgmma_operands(do, q, k, v, dq, dk, dv) -> None:

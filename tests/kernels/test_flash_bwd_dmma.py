@@ -36,11 +36,14 @@ def test_float64_backward_plans_run_dmma_up_to_d128():
 def test_float32_backward_plans_run_tf32x3_up_to_d128():
     """float32's backward up to d128 (padded to a multiple of 8) is the DMMA backward's three kernels
     on T = float with TF32X3_BACKWARD_CONFIGS' tiles on every device class from sm_80, both
-    statistics; past d128, and before sm_80, the SIMT kernels."""
+    statistics (but sm_90's saved-statistics row at the d64 tile, below); past d128, and before
+    sm_80, the SIMT kernels."""
     for arch, smem in (("80", 163 * 1024), ("86", 99 * 1024), ("89", 99 * 1024), ("90", 227 * 1024), ("90", None)):
         for headdim, dt in ((1, 16), (8, 16), (24, 32), (40, 64), (64, 64), (100, 128), (128, 128)):
             config = backward_plans.tf32x3_backward_config(headdim)
             for statistics, first in (("saved", "flash_bwd_preprocess_fp32"), ("recomputed", "flash_bwd_stats_dmma_fp32")):
+                if arch == "90" and dt == 64 and statistics == "saved":
+                    continue  # TF32_WGMMA_BACKWARD_ROUTE's
                 plan = backward_plans.plan_backward(arch, np.float32, plans.mma_headdim(headdim), True, smem, True,
                                                     statistics=statistics)
                 assert (plan.family, plan.d_tile, plan.kernels, plan.dq_add) == ("mma", dt, config, "none")
@@ -52,6 +55,40 @@ def test_float32_backward_plans_run_tf32x3_up_to_d128():
                            for launch in plan.launches)
     assert backward_plans.plan_backward("90", np.float32, 136, True, None, True).family == "simt"
     assert backward_plans.plan_backward("75", np.float32, 64, True, 64 * 1024, True).family == "simt"
+
+
+def test_float32_saved_statistics_at_sm90_d64_run_the_tf32_wgmma_route():
+    """sm_90's float32 backward with statistics "saved" at the d64 tile (head dims 40-64): dK / dV
+    on the producer warpgroup's tf32 wgmma kernel and dQ on flash_bwd_dq_tf32_wgmma, deterministic
+    or not, every mask and score of the compile check; tf32x3 where the arrays do not fit its
+    loaders, with a user modifier, with statistics "recomputed", at other tiles and other archs."""
+    from cupyflash.masks import KINDS, PACKED_KINDS, VARIANT_KINDS
+
+    route = backward_plans.TF32_WGMMA_BACKWARD_ROUTE[(SM90, 64)]
+    assert route.producer and route.sums_apart and route.precision == "ieee" and not route.fused_dq
+    for mask in [*KINDS, *(m.backward() for m in VARIANT_KINDS + PACKED_KINDS)]:
+        for headdim in (40, 64):
+            for deterministic in (True, False):
+                plan = backward_plans.plan_backward("90", np.float32, headdim, mask, 227 * 1024, deterministic)
+                names = [launch.spec.name for launch in plan.launches]
+                if mask.score.user is not None:
+                    assert plan.kernels == backward_plans.tf32x3_backward_config(headdim), names
+                    continue
+                assert plan.kernels == route and plan.dq_add == "none", names
+                assert names[0] == "flash_bwd_preprocess_fp32"
+                assert names[1].startswith(f"flash_bwd_dkdv_tf32_wgmma_ws_fp32_hdim64_{mask.name}_"), names
+                assert names[2].startswith(f"flash_bwd_dq_tf32_wgmma_fp32_hdim64_{mask.name}_"), names
+                assert all(launch.spec.arch == "90a" and launch.spec.smem_bytes <= 227 * 1024
+                           for launch in plan.launches[1:])
+    tf32x3 = backward_plans.tf32x3_backward_config(64)
+    for arch, statistics, layout, smem in (("90", "recomputed", True, None), ("90", "saved", False, None),
+                                           ("90", "saved", True, 200 * 1024), ("80", "saved", True, None)):
+        plan = backward_plans.plan_backward(arch, np.float32, 64, True, smem, True, statistics=statistics,
+                                            tf32_wgmma_layout=layout)
+        assert plan.kernels == tf32x3, (arch, statistics, layout, smem)
+    assert backward_plans.plan_backward("90", np.float32, 24, True, None, True).kernels == tf32x3
+    assert backward_plans.plan_backward("90", np.float64, 64, True, None, True).kernels == \
+        backward_plans.DMMA_BACKWARD_TILES[(SM90, 64)]
 
 
 def test_specializations_mirror_the_kernels_tiles():
@@ -444,6 +481,50 @@ def test_tf32_wgmma_backward_on_a_packed_batch_and_long_rows(config_name, causal
     # the tf32 wgmma dK/dV kernel adds dQ itself iff fused (the SIMT baseline's kernels launch here too)
     assert all(name.endswith("_dq") == fused for name in launched if name.startswith("flash_bwd_dkdv_tf32_wgmma_")), \
         launched
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_plans_float32_backward_takes_the_wgmma_route_where_the_layout_fits(causal, monkeypatch):
+    """dmma.backward without a config at sm_90, float32, d64, statistics "saved": the route's
+    kernels run (TF32_WGMMA_BACKWARD_ROUTE) and give the SIMT backward's accuracy; the same
+    problem on arrays whose row stride is not a multiple of 4 elements runs tf32x3 instead."""
+    import cupy
+
+    from cupyflash.kernels import simt
+
+    launched = _tf32x3_or_skip(monkeypatch)
+    _wgmma_or_skip()
+    rng = np.random.default_rng(21 + causal)
+    q, do = (rng.standard_normal((2, 300, 4, 64)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((2, 257, 2, 64)).astype(np.float32) for _ in range(2))
+    got = _gradients(do, q, k, v, causal=causal, backward=dmma.backward)
+    assert any(name.startswith("flash_bwd_dkdv_tf32_wgmma_ws_fp32_hdim64_") for name in launched), launched
+    assert any(name.startswith("flash_bwd_dq_tf32_wgmma_fp32_hdim64_") for name in launched), launched
+    simt_grads = _gradients(do, q, k, v, causal=causal, backward=simt.backward)
+    want = _gradients(*(x.astype(np.float64) for x in (do, q, k, v)), causal=causal, backward=simt.backward)
+    for which, a, b, w in zip(("dq", "dk", "dv"), got, simt_grads, want):
+        assert np.isfinite(a).all(), which
+        error, simt_error = np.abs(a - w).max(), np.abs(b - w).max()
+        assert error <= 4 * simt_error + 2.0 ** -23 * np.abs(w).max(), (which, error, simt_error)
+
+    launched.clear()
+
+    def strided_backward(do, q, k, v, o, lse, dq, dk, dv, **options):
+        # every input a view whose head stride (65 elements) the 16-byte loaders cannot take
+        views = []
+        for x in (do, q, k, v, o):
+            wide = cupy.full(x.shape[:-1] + (65,), np.nan, x.dtype)
+            wide[..., :64] = x
+            views.append(wide[..., :64])
+        dmma.backward(*views, lse, dq, dk, dv, **options)
+
+    strided = _gradients(do, q, k, v, causal=causal, backward=strided_backward)
+    assert not any("_tf32_wgmma" in name for name in launched), launched
+    assert any(name.startswith("flash_bwd_dkdv_dmma_fp32_") and name.endswith("_tf32x3") for name in launched)
+    for which, a, w in zip(("dq", "dk", "dv"), strided, want):
+        assert np.isfinite(a).all(), which
+        assert np.abs(a - w).max() <= 1e-4 * (1 + np.abs(w).max()), which
 
 
 def _tf32x3_or_skip(monkeypatch) -> list:
