@@ -556,7 +556,7 @@ def plan_backward(arch: str | None, dtype, headdim: int, mask: Mask | bool, smem
 
     float32 with statistics "saved" at sm_90 takes TF32_WGMMA_BACKWARD_ROUTE's row where it has one
     for the head-dim tile, unless ``tf32_wgmma_layout`` is False (the arrays' strides or alignment
-    do not fit its 16-byte loaders) or the mask carries a user modifier."""
+    do not fit its 16-byte loaders) or a user modifier's code spills there (without_spills)."""
     mask = as_mask(mask)
     family = family or backward_family(dtype, headdim)
     check_statistics(statistics, dtype)
@@ -571,13 +571,18 @@ def plan_backward(arch: str | None, dtype, headdim: int, mask: Mask | bool, smem
             raise ValueError(f"cupyflash: the {dtype_name(dtype)} tensor-core backward takes head dims up to "
                              f"{DMMA_D_TILES[-1]}, not {headdim}")
         dt = d_tile_dmma(headdim)
+        config = DMMA_BACKWARD_TILES[(where, dt)] if is_float64(dtype) else tf32x3_backward_config(headdim)
         route = TF32_WGMMA_BACKWARD_ROUTE.get((where, dt))
         if (route is not None and not is_float64(dtype) and statistics == "saved" and tf32_wgmma_layout
-                and mask.score.user is None
                 and (smem_optin is None or all(tf32_wgmma_smem_bytes(kind, dt, route) <= smem_optin
                                                for kind in ("dkdv", "dq")))):
-            return tf32_wgmma_backward_plan(headdim, mask, route, statistics)
-        config = DMMA_BACKWARD_TILES[(where, dt)] if is_float64(dtype) else tf32x3_backward_config(headdim)
+            planned = tf32_wgmma_backward_plan(headdim, mask, route, statistics)
+            if mask.score.user is None:
+                return planned
+            # a user modifier's code in the route's kernels, unless ptxas spills it there
+            return without_spills([planned, dmma_backward_plan(headdim, mask, config, statistics, where, dtype)],
+                                  arch, lambda p: [launch.spec for launch in p.launches
+                                                   if launch.role in ("dkdv", "dq")])
         itemsize = 8 if is_float64(dtype) else 4
         too_large = smem_optin is not None and any(dmma_smem_bytes(kind, dt, config, itemsize) > smem_optin
                                                    for kind in ("dkdv", "dq"))
@@ -893,8 +898,8 @@ TF32_WGMMA_D_TILES = (64,)
 # the producer warpgroup's kernel, dQ on flash_bwd_dq_tf32_wgmma, sums apart (perf log
 # tf32-wgmma-bwd-route: 1.39-1.57x the tf32x3 row at d64, the same error to the SIMT backward).
 # "recomputed" stays on tf32x3, whose statistics kernel forms S as its gradient kernels do (a
-# saturated row cancels to the bit there, not here); so do user modifiers, whose code these
-# kernels' registers were not checked against beyond the compile check's one.
+# saturated row cancels to the bit there, not here); so does a user modifier whose code spills in
+# these kernels (ptxas asked, as for the 16-bit rows).
 TF32_WGMMA_BACKWARD_ROUTE = {(SM90, 64): Tf32WgmmaBwdConfig(32, 1, producer=True)}
 
 

@@ -181,6 +181,11 @@ def _zoo_specializations(processes: int) -> list:
                                for t in plans.forward_candidates("mma", where_fwd, dt, mask)]
                 for deterministic in (True, False):
                     candidates += backward_plans.candidate_specs(where_bwd, dtype, dt, mask, smem, deterministic)
+        # float32's backward: the tf32 wgmma route's kernels, which its plan takes unless they spill
+        for (where, dt), route in backward_plans.TF32_WGMMA_BACKWARD_ROUTE.items():
+            if where == where_bwd:
+                candidates += [launch.spec for launch in backward_plans.tf32_wgmma_backward_plan(dt, mask, route).launches
+                               if launch.role in ("dkdv", "dq")]
     # One specialization per NVRTC program, every core busy (one program per source file, the
     # compile check's grouping, would compile its dozens of expressions one after another), and
     # each cached under the key plans._spills asks for: the check of that one specialization.
@@ -210,7 +215,8 @@ def _zoo_specializations(processes: int) -> list:
         for dtype in ("float32", "float64"):
             for dt in plans.SIMT_D_TILES:
                 chosen.append(plans.plan_forward(arch, dtype, dt, mask, smem, family="simt").spec)
-                # float64's default backward (DMMA up to d128) and the SIMT one
+                # the default backward (float64: DMMA up to d128; float32: tf32x3, or the tf32 wgmma
+                # route) and the SIMT one
                 chosen += [launch.spec for family in (None, "simt")
                            for launch in backward_plans.plan_backward(arch, dtype, dt, mask, smem, True,
                                                                       family=family).launches]

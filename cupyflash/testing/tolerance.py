@@ -36,6 +36,8 @@ from .problem import AttentionProblem, as_numpy, mask_options
 #   measured worst 1e-13; 1e-12 leaves the same margin.
 RTOL = {np.dtype(np.float32): 1e-4, np.dtype(np.float64): 1e-12}
 SIXTEEN_BIT = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+# half a unit in the last place, relative: the most a rounding to the dtype moves a value by
+UNIT_ROUNDOFF = {np.dtype(np.float16): 2.0 ** -11, np.dtype(ml_dtypes.bfloat16): 2.0 ** -8}
 
 # flash-attn's factors on the baseline's error.
 OUTPUT_FACTOR = 2.0
@@ -195,9 +197,12 @@ def _first(mask: np.ndarray) -> tuple[int, ...]:
 def assert_close(name, actual, ref64, baseline=None, *, dtype, factor=2.0, scale=None, atol=0.0):
     """Assert that ``actual`` matches the float64 reference ``ref64`` closely enough for ``dtype``.
 
-    float16/bfloat16: max|actual - ref| <= factor * max|baseline - ref| + bound(float32) + atol,
-    where ``baseline`` is standard attention computed in ``dtype`` and ``atol`` allows for an
-    error the baseline does not make (output_rounding_allowance). float32/float64:
+    float16/bfloat16: max|actual - ref| <= factor * max|baseline - ref| + bound(float32)
+    + atol (1 + u), where ``baseline`` is standard attention computed in ``dtype`` and ``atol``
+    allows for an error the baseline does not make (output_rounding_allowance), and u (2^-8 for
+    bfloat16, 2^-11 for float16) for that error's own rounding into the output: where the
+    reference is 0 and standard attention's result exactly 0 (a row of one key: no D there),
+    nothing else covers it. float32/float64:
     max|actual - ref| <= bound = RTOL * (1 + max|ref|), or RTOL * (1 + scale) when ``scale`` is
     given (see bound), + atol; ``baseline`` is not used. Where ref is +-inf (lse of a query that
     sees no key) actual must equal it; where ref is finite, actual must be finite.
@@ -218,13 +223,14 @@ def assert_close(name, actual, ref64, baseline=None, *, dtype, factor=2.0, scale
         if baseline is None:
             raise ValueError(f"{name}: {dtype.name} needs the standard-attention baseline")
         base_err = max_abs_error(baseline, ref64)
+        atol *= 1 + UNIT_ROUNDOFF[dtype]
         allowed = factor * base_err + floor + atol
         rule = f"{factor:g} x baseline error {base_err:.3e} + float32 floor {floor:.3e}"
     else:
         allowed = floor + atol
         rule = f"{RTOL[dtype]:g} x (1 + {'max|ref|' if scale is None else f'scale {scale:.3g}'})"
     if atol:
-        rule += f" + atol {atol:.3e}"
+        rule += f" + atol {atol:.3e}" + (" (rounded into the dtype)" if dtype in SIXTEEN_BIT else "")
     if n_mismatch or n_nonfinite or not err <= allowed:
         at = ""
         if actual.size:
