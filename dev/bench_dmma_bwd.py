@@ -55,6 +55,37 @@ WGMMA_CANDIDATES = {
 }
 
 
+def per_kernel_ms(run, repeats: int) -> dict:
+    """The median time of each kernel ``run`` launches (CUDA events around every launch of
+    simt.run_backward), by its role: the statistics or D kernel, dK/dV, dQ. Which kernel holds a
+    backward's time, before asking ncu why."""
+    import cupy
+    import numpy as np
+
+    from cupyflash.kernels import simt
+
+    real, samples = simt.launch, {}
+
+    def timed(spec, *args, **kwargs):
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        real(spec, *args, **kwargs)
+        stop.record()
+        samples.setdefault(spec.name.split("_")[2], []).append((start, stop))
+
+    simt.launch = timed
+    try:
+        run()
+        samples.clear()
+        for _ in range(repeats):
+            run()
+    finally:
+        simt.launch = real
+    cupy.cuda.get_current_stream().synchronize()
+    return {role: float(np.median([cupy.cuda.get_elapsed_time(a, b) for a, b in events]))
+            for role, events in samples.items()}
+
+
 def warm_candidates(headdims, processes: int) -> None:
     """Every kernel the float32 rows launch (the candidates' plans, both masks and statistics),
     compiled into CuPy's disk cache by the kernel-cache warmer's process pool."""
@@ -110,6 +141,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--configs", action="store_true")
     parser.add_argument("--headdims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--per-kernel", action="store_true",
+                        help="also time each kernel of every plan (events around each launch): "
+                             "<statistics>_<config>_<role>_ms in the JSON, role preprocess / stats / dkdv / dq")
     parser.add_argument("--warm", type=int, default=0, metavar="N",
                         help="first compile the float32 candidates' kernels in N processes (NVRTC is serial in "
                              "one process, and each wgmma candidate is two or three kernels a mask)")
@@ -161,6 +195,10 @@ def main() -> None:
                         row[f"{statistics}_{name}_rel_err_vs_simt"] = error
                         times[name] = time_ms(run(dmma.backward, config=config, deterministic=not fused),
                                               args.repeats)
+                        if args.per_kernel:
+                            for role, ms in per_kernel_ms(run(dmma.backward, config=config, deterministic=not fused),
+                                                          args.repeats).items():
+                                row[f"{statistics}_{name}_{role}_ms"] = ms
                     for name, ms in times.items():
                         row[f"{statistics}_{name}_tflops"] = flops / ms / 1e9
                     row[f"{statistics}_dmma_over_simt"] = times["simt"] / times["dmma"]
@@ -182,6 +220,14 @@ def main() -> None:
                       f"{row['saved_dmma_rel_err_vs_simt']:.1e})  recomputed: simt {row['recomputed_simt_tflops']:5.2f} "
                       f"dmma {row['recomputed_dmma_tflops']:5.2f} ({row['recomputed_dmma_over_simt']:.2f}x)  "
                       f"{torch_name} {row[torch_name + '_tflops']:5.2f} TFLOP/s  {extra}", flush=True)
+                if args.per_kernel:
+                    roles = {}
+                    for key, value in row.items():
+                        if key.startswith("saved_") and key.endswith("_ms"):
+                            name, role = key[len("saved_"):-len("_ms")].rsplit("_", 1)
+                            roles.setdefault(name, []).append(f"{role} {value:.3f}")
+                    print("    saved, ms a kernel: " + "  ".join(f"{name}: {', '.join(parts)}"
+                                                           for name, parts in roles.items()), flush=True)
                 bound = 1e-4 if fp32 else 1e-11  # float32: two float32 backwards' own rounding apart
 
                 def bound_of(key):  # precision "tf32": 10-bit operands
