@@ -576,7 +576,7 @@ def plan_backward(arch: str | None, dtype, headdim: int, mask: Mask | bool, smem
         if (route is not None and not is_float64(dtype) and statistics == "saved" and tf32_wgmma_layout
                 and (smem_optin is None or all(tf32_wgmma_smem_bytes(kind, dt, route) <= smem_optin
                                                for kind in ("dkdv", "dq")))):
-            planned = tf32_wgmma_backward_plan(headdim, mask, route, statistics)
+            planned = tf32_wgmma_backward_plan(headdim, mask, route, statistics, where)
             if mask.score.user is None:
                 return planned
             # a user modifier's code in the route's kernels, unless ptxas spills it there
@@ -968,7 +968,7 @@ def tf32_wgmma_d_tile(headdim: int) -> int:
 
 
 def tf32_wgmma_backward_plan(headdim: int, mask: Mask | bool, config: Tf32WgmmaBwdConfig,
-                             statistics: str = "saved") -> BackwardPlan:
+                             statistics: str = "saved", where: str = "explicit") -> BackwardPlan:
     """The float32 backward with dK / dV on flash_bwd_dkdv_tf32_wgmma and dQ on
     flash_bwd_dq_tf32_wgmma (``config``; dq_block_n 0: dQ on the tf32x3 experiment's kernel;
     fused_dq: by the dK/dV kernel's float32 atomics, the one plan here that is not deterministic),
@@ -981,7 +981,7 @@ def tf32_wgmma_backward_plan(headdim: int, mask: Mask | bool, config: Tf32WgmmaB
              if statistics == "recomputed" else Launch("preprocess", preprocess_spec("float32"), PREPROCESS_ROWS))
     dkdv = Launch("dkdv", tf32_wgmma_spec("dkdv", dt, mask, config), config.block_n)
     if config.fused_dq:  # dQ by the dK/dV kernel's atomics
-        return BackwardPlan("mma", "explicit", headdim, dt, "atomic", config, (first, dkdv))
+        return BackwardPlan("mma", where, headdim, dt, "atomic", config, (first, dkdv))
     dq = (Launch("dq", tf32_wgmma_spec("dq", dt, mask, config), config.dq_block_m) if config.dq_block_n else
           Launch("dq", dmma_spec("dq", experiment_dt, mask, experiment, "float32"), experiment.dq_block_m))
-    return BackwardPlan("mma", "explicit", headdim, dt, "none", config, (first, dkdv, dq))
+    return BackwardPlan("mma", where, headdim, dt, "none", config, (first, dkdv, dq))

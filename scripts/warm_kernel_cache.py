@@ -144,8 +144,12 @@ def _variant_specializations() -> list:
                 out.append(plans.plan_forward(arch, "float64", dt, mask, smem).spec)
                 for dtype in ("float32", "float64"):
                     for statistics in ("saved", "recomputed"):
-                        out += [launch.spec for launch in backward_plans.plan_backward(
-                            arch, dtype, dt, mask.backward(), smem, True, statistics=statistics).launches]
+                        # layout False: float32's tf32x3 kernels where sm_90's tf32 wgmma route
+                        # would run (direct calls on arrays its loaders cannot take)
+                        for layout in (True, False):
+                            out += [launch.spec for launch in backward_plans.plan_backward(
+                                arch, dtype, dt, mask.backward(), smem, True, statistics=statistics,
+                                tf32_wgmma_layout=layout).launches]
     return list({s.name: s for s in out}.values())
 
 
@@ -217,9 +221,10 @@ def _zoo_specializations(processes: int) -> list:
                 chosen.append(plans.plan_forward(arch, dtype, dt, mask, smem, family="simt").spec)
                 # the default backward (float64: DMMA up to d128; float32: tf32x3, or the tf32 wgmma
                 # route) and the SIMT one
-                chosen += [launch.spec for family in (None, "simt")
+                chosen += [launch.spec for family, layout in ((None, True), (None, False), ("simt", True))
                            for launch in backward_plans.plan_backward(arch, dtype, dt, mask, smem, True,
-                                                                      family=family).launches]
+                                                                      family=family,
+                                                                      tf32_wgmma_layout=layout).launches]
         if mask.score.user.has_mask:
             mods = mask.score.user
             chosen.append(modifiers.block_map_spec(modifiers.Modifiers(None, modifiers._MaskOnly(mods.mask_mod))))

@@ -45,7 +45,8 @@ def test_dropout_matches_reference(problem, deterministic):
 
 @given(_problem(SMALL_COST, dtypes=tuple(SIXTEEN_BIT)), st.sampled_from(MMA_SYNC_BWD))
 # the gpu profile's find (2026-12-06): one key a row, so the reference's dq and standard attention's
-# are 0 and D's error, rounded into bfloat16, was all of dq's (the rule now takes that rounding)
+# are 0 and D's error, rounded into bfloat16 twice (dS, then dq), was all of dq's (the rule now
+# takes those roundings)
 @example(problem=(AttentionCase(batch=1, seqlen_q=223, seqlen_k=1, nheads_kv=1, group=1, headdim=40, causal=False,
                                 softmax_scale=None, magnitude=2.8284271247461903, dtype=as_dtype("bfloat16"), seed=1,
                                 window_size=(-1, -1), headdim_v=40),

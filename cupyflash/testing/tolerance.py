@@ -198,11 +198,12 @@ def assert_close(name, actual, ref64, baseline=None, *, dtype, factor=2.0, scale
     """Assert that ``actual`` matches the float64 reference ``ref64`` closely enough for ``dtype``.
 
     float16/bfloat16: max|actual - ref| <= factor * max|baseline - ref| + bound(float32)
-    + atol (1 + u), where ``baseline`` is standard attention computed in ``dtype`` and ``atol``
+    + atol (1 + u)^2, where ``baseline`` is standard attention computed in ``dtype`` and ``atol``
     allows for an error the baseline does not make (output_rounding_allowance), and u (2^-8 for
-    bfloat16, 2^-11 for float16) for that error's own rounding into the output: where the
-    reference is 0 and standard attention's result exactly 0 (a row of one key: no D there),
-    nothing else covers it. float32/float64:
+    bfloat16, 2^-11 for float16) for that error's own two roundings on its way out: dS rounded to
+    the dtype as a tensor-core operand (dQ = dS K, dK = dS^T Q), then the gradient rounded to it.
+    Where the reference is 0 and standard attention's result exactly 0 (a row of one key: no D
+    there), nothing else covers them. float32/float64:
     max|actual - ref| <= bound = RTOL * (1 + max|ref|), or RTOL * (1 + scale) when ``scale`` is
     given (see bound), + atol; ``baseline`` is not used. Where ref is +-inf (lse of a query that
     sees no key) actual must equal it; where ref is finite, actual must be finite.
@@ -223,7 +224,7 @@ def assert_close(name, actual, ref64, baseline=None, *, dtype, factor=2.0, scale
         if baseline is None:
             raise ValueError(f"{name}: {dtype.name} needs the standard-attention baseline")
         base_err = max_abs_error(baseline, ref64)
-        atol *= 1 + UNIT_ROUNDOFF[dtype]
+        atol *= (1 + UNIT_ROUNDOFF[dtype]) ** 2
         allowed = factor * base_err + floor + atol
         rule = f"{factor:g} x baseline error {base_err:.3e} + float32 floor {floor:.3e}"
     else:
