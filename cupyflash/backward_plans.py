@@ -868,7 +868,11 @@ class Tf32WgmmaBwdConfig:
     not cancel exactly in dK / dV, nor in dQ unless dq_block_n is 0. ``producer``
     (flash_bwd_dkdv_tf32_wgmma_ws, perf log tf32-wgmma-bwd-v1): dK / dV by two warpgroups, a
     producer splitting each query block into one of ``stages`` stages (raw_stages >= 1 ahead) while
-    the consumer computes on the other; not with fused_dq. Candidates, in no plan: ``dmma.backward(config=...)`` on float32 arrays,
+    the consumer computes on the other; not with fused_dq. ``dq_producer``
+    (flash_bwd_dq_tf32_wgmma_ws, perf log tf32-wgmma-dq-ws): dQ the same way, a producer splitting
+    each key block (K, K^T, V) into one of ``dq_stages`` stages (dq_raw_stages >= 1 ahead) for a
+    consumer of the 64 query rows. Candidates, in no plan (but the route's row):
+    ``dmma.backward(config=...)`` on float32 arrays,
     head dims up to 64 and multiples of 4 (at d128, K, V and a query block's four tile pairs, hi
     and lo, take 256 KiB of shared memory at 32 queries a block)."""
 
@@ -881,6 +885,8 @@ class Tf32WgmmaBwdConfig:
     precision: str = "ieee"
     producer: bool = False
     stages: int = 2
+    dq_producer: bool = False
+    dq_stages: int = 2
 
     threads = 128
     block_n = 64
@@ -889,9 +895,10 @@ class Tf32WgmmaBwdConfig:
 
 # The candidates the compile check builds for every mask, at their one head-dim tile (head dims up
 # to 64; at d32 the 64-query blocks, the tile the transposed split deals to four warps there, spill
-# 48-108 bytes with a window or dropout): the single warpgroup's and the producer form's
-# (whose dQ is the same kernel).
-TF32_WGMMA_BACKWARD_CONFIGS = {64: (Tf32WgmmaBwdConfig(), Tf32WgmmaBwdConfig(32, 1, producer=True))}
+# 48-108 bytes with a window or dropout): the single warpgroup's, the producer form's (the route's
+# row, whose dQ is the same kernel) and the route's row with dQ by a producer too (tf32-wgmma-dq-ws).
+TF32_WGMMA_BACKWARD_CONFIGS = {64: (Tf32WgmmaBwdConfig(), Tf32WgmmaBwdConfig(32, 1, producer=True),
+                                    Tf32WgmmaBwdConfig(32, 1, producer=True, dq_raw_stages=1, dq_producer=True))}
 TF32_WGMMA_D_TILES = (64,)
 
 # float32's backward with statistics "saved" at sm_90, head-dim tile 64 (head dims 40-64): dK / dV by
@@ -919,6 +926,9 @@ def tf32_wgmma_smem_bytes(kind: str, dt: int, config: Tf32WgmmaBwdConfig) -> int
                 + (config.raw_stages + 1) * 4 * config.block_m * 4
                 + (2 * 4 * 64 * dt + 2 * 4 * config.block_m * 64 if config.fused_dq else 0) + 1024)
     kv_tile = 4 * config.dq_block_n * dt
+    if config.dq_producer:  # DqTf32WgmmaWsSmem: Q, dO; stages (K, K^T, V); raw; barriers
+        stage = -(-(6 * kv_tile) // 1024) * 1024
+        return 4 * 4 * 64 * dt + config.dq_stages * stage + config.dq_raw_stages * 2 * kv_tile + 16 * config.dq_stages + 1024
     return 4 * 4 * 64 * dt + 6 * kv_tile + config.dq_raw_stages * 2 * kv_tile + 1024
 
 
@@ -942,12 +952,14 @@ def tf32_wgmma_spec(kind: str, dt: int, mask: Mask, config: Tf32WgmmaBwdConfig) 
     products = PRODUCTS[check_precision(config.precision)]
     if config.sums_apart and products != 3:
         raise ValueError(f"cupyflash: apart sums are the split products' (precision \"ieee\"): {config!r}")
-    ws = kind == "dkdv" and config.producer  # flash_bwd_dkdv_tf32_wgmma_ws: STAGES after the tile
-    if ws and (fused or config.stages < 2 or config.raw_stages < 1):
+    # the producer forms (flash_bwd_{kind}_tf32_wgmma_ws): STAGES after the tile
+    ws = config.producer if kind == "dkdv" else config.dq_producer
+    n_stages = config.stages if kind == "dkdv" else config.dq_stages
+    if ws and (fused or n_stages < 2 or raw < 1):
         raise ValueError(f"cupyflash: the producer form takes two or more stages, raw rows one or more blocks "
                          f"ahead, and no fused dQ: {config!r}")
-    fn = "flash_bwd_dkdv_tf32_wgmma_ws" if ws else f"flash_bwd_{kind}_tf32_wgmma"
-    stages = (f"_s{config.stages}", f"{config.stages}, ") if ws else ("", "")
+    fn = f"flash_bwd_{kind}_tf32_wgmma" + ("_ws" if ws else "")
+    stages = (f"_s{n_stages}", f"{n_stages}, ") if ws else ("", "")
     # template arguments after SUMS_APART: (DQ_ATOMIC,) PRODUCTS, each written only when not its default
     tail = ([] if kind == "dq" or ws else ["true" if fused else "false"]) + [str(products)]
     while tail and tail[-1] in ("false", "3"):
@@ -975,6 +987,9 @@ def tf32_wgmma_backward_plan(headdim: int, mask: Mask | bool, config: Tf32WgmmaB
     D or the recomputed statistics on the tf32x3 experiment's kernels."""
     mask = as_mask(mask)
     check_statistics(statistics, "float32")
+    if config.dq_producer and (config.fused_dq or not config.dq_block_n):
+        raise ValueError(f"cupyflash: dq_producer is flash_bwd_dq_tf32_wgmma_ws's, which a fused dQ or dq_block_n 0 "
+                         f"does not launch: {config!r}")
     dt = tf32_wgmma_d_tile(headdim)
     experiment, experiment_dt = tf32x3_backward_config(headdim), d_tile_dmma(headdim)
     first = (Launch("stats", dmma_spec("stats", experiment_dt, mask, experiment, "float32"), experiment.dq_block_m)

@@ -52,6 +52,10 @@ WGMMA_CANDIDATES = {
     # dK/dV by a producer warpgroup and a consumer (perf log tf32-wgmma-bwd-v1), dQ as the row's
     "wgmma_producer": Tf32WgmmaBwdConfig(32, 1, producer=True),
     "wgmma_producer_chained": Tf32WgmmaBwdConfig(32, 1, False, producer=True),
+    # the route's row with dQ by a producer warpgroup too (perf log tf32-wgmma-dq-ws), raw K / V one
+    # and two blocks ahead
+    "wgmma_producer_dq": Tf32WgmmaBwdConfig(32, 1, producer=True, dq_raw_stages=1, dq_producer=True),
+    "wgmma_producer_dq_r2": Tf32WgmmaBwdConfig(32, 1, producer=True, dq_producer=True),
 }
 
 

@@ -4,7 +4,7 @@ rows at d16 / d64 / d128 tiles (sm_90's d128 row: the warp pairs' dK/dV kernel),
 and a packed batch, both statistics; then the float32 experiment's kernels (tf32x3) at d40 / d128,
 and on sm_90 its wgmma candidates (flash_bwd_dkdv_tf32_wgmma, flash_bwd_dq_tf32_wgmma) at d40 / d64
 with their three staging modes (raw rows two blocks ahead, one, none), dQ by the dK/dV kernel's
-atomics, and the producer warpgroup's dK/dV (its barriers under racecheck).
+atomics, and the producer warpgroups' dK/dV and dQ (their barriers under racecheck).
 
     compute-sanitizer --tool racecheck python dev/sanitize_dmma_bwd.py
 """
@@ -53,7 +53,8 @@ def main() -> None:
     if _module.device_arch() == "90":  # the wgmma candidates: GQA, a ragged last block of each side
         for headdim, config in ((40, Tf32WgmmaBwdConfig()), (64, Tf32WgmmaBwdConfig(64, 0, False, 64, 1)),
                                 (64, Tf32WgmmaBwdConfig(32, 0, True, 32, 0)), (56, Tf32WgmmaBwdConfig(fused_dq=True)),
-                                (64, Tf32WgmmaBwdConfig(32, 1, producer=True))):
+                                (64, Tf32WgmmaBwdConfig(32, 1, producer=True)),
+                                (48, Tf32WgmmaBwdConfig(32, 1, producer=True, dq_raw_stages=1, dq_producer=True))):
             q, do = (cupy.asarray(rng.standard_normal((1, 77, 4, headdim), np.float32)) for _ in range(2))
             k, v = (cupy.asarray(rng.standard_normal((1, 130, 2, headdim), np.float32)) for _ in range(2))
             o, lse = cupy.empty_like(q), cupy.empty((1, 4, 77), np.float32)

@@ -129,11 +129,12 @@ def test_specializations_mirror_the_kernels_tiles():
     kinds = len(KINDS) + len(VARIANT_KINDS) + len(PACKED_KINDS)
     distinct = {(dt, c) for (_, dt), c in DMMA_BACKWARD_TILES.items()}
     tf32 = len(dmma.D_TILES)  # float32's rows: tf32x3 at each DMMA head-dim tile
-    # and its wgmma candidates: each one's dK/dV kernel, and their dQ kernels (the same one here)
+    # and its wgmma candidates: the one-warpgroup and the producer dK/dV kernels, and the
+    # one-warpgroup and the producer dQ kernels
     wgmma = {backward_plans.tf32_wgmma_spec(kind, dt, as_mask(True), c).name
              for dt, configs in backward_plans.TF32_WGMMA_BACKWARD_CONFIGS.items() for c in configs
              for kind in ("dkdv", "dq")}
-    assert len(wgmma) == 3
+    assert len(wgmma) == 4
     assert sum(1 for n in names if "_bwd_" in n) == 3 * kinds * (len(distinct) + tf32) + kinds * len(wgmma)
 
 
@@ -433,10 +434,12 @@ def _wgmma_or_skip() -> None:
 
 # the candidates' staging and sums: the row's, 64-row blocks with chained sums (dK/dV unstaged, dQ
 # one block ahead), no staging at all (the splits read global memory), dQ by the dK/dV kernel's
-# atomics, and the producer warpgroup's dK/dV (two stages; a barrier parity wrong hangs here)
+# atomics, the producer warpgroup's dK/dV (two stages; a barrier parity wrong hangs here), and
+# with it the producer warpgroup's dQ (tf32-wgmma-dq-ws)
 WGMMA_CONFIGS = {"row": Tf32WgmmaBwdConfig(), "bm64_chained": Tf32WgmmaBwdConfig(64, 0, False, 64, 1),
                  "sync": Tf32WgmmaBwdConfig(32, 0, True, 32, 0), "fused": Tf32WgmmaBwdConfig(fused_dq=True),
-                 "producer": Tf32WgmmaBwdConfig(32, 1, producer=True)}
+                 "producer": Tf32WgmmaBwdConfig(32, 1, producer=True),
+                 "producer_dq": Tf32WgmmaBwdConfig(32, 1, producer=True, dq_raw_stages=1, dq_producer=True)}
 
 
 @pytest.mark.gpu
@@ -485,6 +488,8 @@ def test_tf32_wgmma_backward_on_a_packed_batch_and_long_rows(config_name, causal
     assert any(name.startswith("flash_bwd_dkdv_tf32_wgmma_") for name in launched), launched
     fused = WGMMA_CONFIGS[config_name].fused_dq
     assert any(name.startswith("flash_bwd_dq_tf32_wgmma_") for name in launched) != fused, launched
+    assert any(name.startswith("flash_bwd_dq_tf32_wgmma_ws_") for name in launched) == \
+        WGMMA_CONFIGS[config_name].dq_producer, launched
     # the tf32 wgmma dK/dV kernel adds dQ itself iff fused (the SIMT baseline's kernels launch here too)
     assert all(name.endswith("_dq") == fused for name in launched if name.startswith("flash_bwd_dkdv_tf32_wgmma_")), \
         launched
@@ -532,6 +537,43 @@ def test_the_plans_float32_backward_takes_the_wgmma_route_where_the_layout_fits(
     for which, a, w in zip(("dq", "dk", "dv"), strided, want):
         assert np.isfinite(a).all(), which
         assert np.abs(a - w).max() <= 1e-4 * (1 + np.abs(w).max()), which
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_producer_dq_kernel_is_the_one_warpgroup_kernel_bitwise(causal, monkeypatch):
+    """flash_bwd_dq_tf32_wgmma_ws computes what flash_bwd_dq_tf32_wgmma does, value for value (the
+    same products in the same order; only who splits the tiles, and when, differs): dQ bit for bit
+    on a packed batch of ragged sequences with GQA and on 1k rows, both statistics; dK and dV
+    (the same kernel in both plans) too."""
+    import functools
+
+    import cupy
+
+    from cupyflash.kernels.params import PackedBatch
+
+    launched = _tf32x3_or_skip(monkeypatch)
+    _wgmma_or_skip()
+    rng = np.random.default_rng(31 + causal)
+    lengths_q, lengths_k = [0, 33, 190, 7, 64], [5, 40, 150, 0, 64]
+    cu_q = np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lengths_k)]).astype(np.int32)
+    problems = [((1, cu_q[-1], 4, 60), (1, cu_k[-1], 2, 60),
+                 PackedBatch(cupy.asarray(cu_q), cupy.asarray(cu_k), max(lengths_q), max(lengths_k))),
+                ((1, 1024, 2, 64), (1, 1000, 1, 64), None)]
+    one = Tf32WgmmaBwdConfig(32, 1, producer=True, dq_raw_stages=1)
+    two = Tf32WgmmaBwdConfig(32, 1, producer=True, dq_raw_stages=1, dq_producer=True)
+    for q_shape, k_shape, packed in problems:
+        q, do = (rng.standard_normal(q_shape).astype(np.float32) for _ in range(2))
+        k, v = (rng.standard_normal(k_shape).astype(np.float32) for _ in range(2))
+        for statistics in ("saved", "recomputed"):
+            want, got = (_gradients(do, q, k, v, causal=causal, packed=packed, statistics=statistics,
+                                    backward=functools.partial(dmma.backward, config=config))
+                         for config in (one, two))
+            for which, a, b in zip(("dq", "dk", "dv"), got, want):
+                assert np.isfinite(a).all() and np.array_equal(a.view(np.uint32), b.view(np.uint32)), which
+    assert any(name.startswith("flash_bwd_dq_tf32_wgmma_ws_") for name in launched), launched
+    assert any(name.startswith("flash_bwd_dq_tf32_wgmma_fp32_") for name in launched), launched
 
 
 def _tf32x3_or_skip(monkeypatch) -> list:
