@@ -261,9 +261,10 @@ dmma)  # a DMMA backward change: compile, tests, sanitizer, bench (before / afte
         fi
         [ -n "${BEFORE_TREE:-}" ] || [ -n "${DMMA_F64:-}" ] && step bench-dmma-after 120 \
             python dev/bench_dmma_bwd.py --repeats 3 --json "$out/bench-dmma-after.json"
-        # float32: the tf32x3 experiment and the tf32 wgmma candidates (tf32-wgmma-bwd-v0 / v1;
-        # their kernels compile on first use) against the SIMT backward and PyTorch's mem-efficient
-        step bench-tf32-bwd 300 python dev/bench_dmma_bwd.py --dtype float32 --headdims 64 --repeats 3 \
+        # float32: the tf32x3 experiment and the tf32 wgmma candidates (tf32-wgmma-bwd-v0 / v1, the
+        # route, tf32-wgmma-dq-ws; compiled first in parallel, each kernel also timed apart) against
+        # the SIMT backward and PyTorch's mem-efficient
+        step bench-tf32-bwd 300 python dev/bench_dmma_bwd.py --dtype float32 --headdims 64 --repeats 3 --warm 16 --per-kernel \
             --json "$out/bench-tf32-bwd.json"
     fi
     ;;
