@@ -123,18 +123,7 @@ flash_bwd_dq_tf32_wgmma_ws(const __grid_constant__ BwdParams p) {
     const ScoreOf<Mask, float> score(score_problem<Mask>(p, seq), seq.index, head, scale);
     const DropoutOf<Mask> dropout(p, seq.index, head);
     const int g = lane / 4, t = lane % 4;  // the accumulators' row and column pair
-    // This thread's two rows (16 warp + g + 8 h) and their statistics.
-    int q_row[2];
-    RowStats<float> stats[2];
-    float delta[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        q_row[h] = m0 + 16 * warp + g + 8 * h;
-        const bool valid = q_row[h] < seqlen_q;
-        const i64 stat = seq.stat(p, head, valid ? q_row[h] : 0);
-        stats[h] = valid ? row_stats<float>(p, stat) : no_row_stats<float>();
-        delta[h] = valid ? ldg(static_cast<const float*>(p.delta) + stat) : 0.f;
-    }
+    const Tf32DqRows rows(p, seq, head, m0, seqlen_q, warp, g);  // this thread's two rows and their statistics
 
     float dq_acc[D_TILE / 2];
 #pragma unroll
@@ -149,18 +138,8 @@ flash_bwd_dq_tf32_wgmma_ws(const __grid_constant__ BwdParams p) {
             Tf32RowsTimesRows<BLOCK_M, BLOCK_N, PRODUCTS>{base + L::Q_HI, base + L::Q_HI + L::Q_TILE, stage + L::K,
                                                           stage + L::K + L::KV_TILE},
             {base + L::DO_HI, base + L::DO_HI + L::Q_TILE, stage + L::V, stage + L::V + L::KV_TILE});
-        // dS = P (dP - D) into s. Value 4 f + e of a thread is row h = e / 2 of its two, key
-        // 8 f + 2 t + e % 2 of the block.
-#pragma unroll
-        for (int f = 0; f < BLOCK_N / 8; ++f)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int h = e >> 1, key = n0 + 8 * f + 2 * t + (e & 1), v = 4 * f + e;
-                const auto x = score_entry(s[v], dp[v], q_row[h], key, stats[h].top == neg_inf<float>(), mask, score,
-                                           dropout, drop_scale);
-                const float p_ij = recomputed_p_exact(x.s, scale_log2, stats[h].top, stats[h].weight);
-                s[v] = ds_entry<Mask>(x, p_ij, stats[h].dp_ref, delta[h]);
-            }
+        // dS = P (dP - D) into s (Tf32DqRows: each value at its row and key).
+        rows.ds_in_place<BLOCK_N>(s, dp, n0, t, mask, score, dropout, drop_scale, scale_log2);
         // dQ += dS K, waited for: the stage is the producer's again after it.
         tf32_acc_times_tile<D_TILE, BLOCK_N / 8, PRODUCTS, SUMS_APART>(dq_acc, s, stage + L::KT,
                                                                      stage + L::KT + L::KV_TILE, NoTurns());

@@ -1,7 +1,7 @@
 // The float32 backward's tile steps on tf32 wgmma (sm_90a), shared by flash_bwd_dkdv_tf32_wgmma.cu
 // and flash_bwd_dq_tf32_wgmma.cu (docs/perf-log.md tf32-wgmma-bwd-v0): the rows-times-rows
-// products S = Q K^T / dP = dO V^T (and their transposes) from split panel tiles, and the store of
-// a warpgroup's 64 accumulator rows. The accumulator-times-tile products (dV, dK, dQ) are
+// products S = Q K^T / dP = dO V^T (and their transposes) from split panel tiles, the dQ kernels'
+// rows and element step, and the store of a warpgroup's 64 accumulator rows. The accumulator-times-tile products (dV, dK, dQ) are
 // wgmma_tf32.cuh's tf32_acc_times_tile, the forward's O += P V.
 #pragma once
 
@@ -105,6 +105,45 @@ __device__ __forceinline__ void tf32_dkdv_query_block(float (&dk_acc)[D_TILE / 2
     tf32_acc_times_tile<D_TILE, BLOCK_M / 8, PRODUCTS, SUMS_APART>(dk_acc, ds, tiles.qt, tiles.qt + Q_TILE,
                                                                  NoTurns());
 }
+
+// The dQ kernels' query side (flash_bwd_dq_tf32_wgmma and its producer form): a thread's two
+// rows of the CTA's 64 (16 warp + g + 8 h, warp within the warpgroup) with their statistics in
+// registers, and the element step that turns a key block's S and dP into dS in place. Value
+// 4 f + e of a thread is row h = e / 2 of its two, key 8 f + 2 t + e % 2 of the block.
+struct Tf32DqRows {
+    int q_row[2];
+    RowStats<float> stats[2];
+    float delta[2];
+
+    template <class Params>
+    __device__ __forceinline__ Tf32DqRows(const Params& p, const SequenceRows& seq, int head, int m0, int seqlen_q,
+                                          int warp, int g) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            q_row[h] = m0 + 16 * warp + g + 8 * h;
+            const bool valid = q_row[h] < seqlen_q;
+            const i64 stat = seq.stat(p, head, valid ? q_row[h] : 0);
+            stats[h] = valid ? row_stats<float>(p, stat) : no_row_stats<float>();
+            delta[h] = valid ? ldg(static_cast<const float*>(p.delta) + stat) : 0.f;
+        }
+    }
+
+    template <int BLOCK_N, class Mask, class Score, class Dropout>
+    __device__ __forceinline__ void ds_in_place(float (&s)[BLOCK_N / 2], const float (&dp)[BLOCK_N / 2], int n0,
+                                                int t, const Mask& mask, const Score& score, const Dropout& dropout,
+                                                float drop_scale, float scale_log2) const {
+#pragma unroll
+        for (int f = 0; f < BLOCK_N / 8; ++f)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int h = e >> 1, key = n0 + 8 * f + 2 * t + (e & 1), v = 4 * f + e;
+                const auto x = score_entry(s[v], dp[v], q_row[h], key, stats[h].top == neg_inf<float>(), mask, score,
+                                           dropout, drop_scale);
+                const float p_ij = recomputed_p_exact(x.s, scale_log2, stats[h].top, stats[h].weight);
+                s[v] = ds_entry<Mask>(x, p_ij, stats[h].dp_ref, delta[h]);
+            }
+    }
+};
 
 // A warpgroup's 64 x D_TILE accumulator (value 4 j + 2 h + e of a thread: row 16 warp + g + 8 h,
 // column 8 j + 2 t + e) times `scale`, stored as float32 pairs to rows row0 + r < rows_valid

@@ -453,20 +453,12 @@ def test_tf32_wgmma_backward_on_a_packed_batch_and_long_rows(config_name, causal
     32 query blocks and dQ 32 key blocks (the fresh accumulators' case)."""
     import functools
 
-    import cupy
-
     from cupyflash.kernels import simt
-    from cupyflash.kernels.params import PackedBatch
 
     launched = _tf32x3_or_skip(monkeypatch)
     _wgmma_or_skip()
     rng = np.random.default_rng(9 + causal)
-    lengths_q, lengths_k = [0, 33, 190, 7, 64], [5, 40, 150, 0, 64]
-    cu_q = np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32)
-    cu_k = np.concatenate([[0], np.cumsum(lengths_k)]).astype(np.int32)
-    problems = [((1, cu_q[-1], 4, 64), (1, cu_k[-1], 2, 64),
-                 PackedBatch(cupy.asarray(cu_q), cupy.asarray(cu_k), max(lengths_q), max(lengths_k))),
-                ((1, 1024, 2, 64), (1, 1024, 2, 64), None)]
+    problems = _packed_and_long_rows(64, (1, 1024, 2, 64))
     for q_shape, k_shape, packed in problems:
         q = rng.standard_normal(q_shape).astype(np.float32)
         k, v = (rng.standard_normal(k_shape).astype(np.float32) for _ in range(2))
@@ -548,19 +540,10 @@ def test_the_producer_dq_kernel_is_the_one_warpgroup_kernel_bitwise(causal, monk
     (the same kernel in both plans) too."""
     import functools
 
-    import cupy
-
-    from cupyflash.kernels.params import PackedBatch
-
     launched = _tf32x3_or_skip(monkeypatch)
     _wgmma_or_skip()
     rng = np.random.default_rng(31 + causal)
-    lengths_q, lengths_k = [0, 33, 190, 7, 64], [5, 40, 150, 0, 64]
-    cu_q = np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32)
-    cu_k = np.concatenate([[0], np.cumsum(lengths_k)]).astype(np.int32)
-    problems = [((1, cu_q[-1], 4, 60), (1, cu_k[-1], 2, 60),
-                 PackedBatch(cupy.asarray(cu_q), cupy.asarray(cu_k), max(lengths_q), max(lengths_k))),
-                ((1, 1024, 2, 64), (1, 1000, 1, 64), None)]
+    problems = _packed_and_long_rows(60, (1, 1000, 1, 64))
     one = Tf32WgmmaBwdConfig(32, 1, producer=True, dq_raw_stages=1)
     two = Tf32WgmmaBwdConfig(32, 1, producer=True, dq_raw_stages=1, dq_producer=True)
     for q_shape, k_shape, packed in problems:
@@ -574,6 +557,22 @@ def test_the_producer_dq_kernel_is_the_one_warpgroup_kernel_bitwise(causal, monk
                 assert np.isfinite(a).all() and np.array_equal(a.view(np.uint32), b.view(np.uint32)), which
     assert any(name.startswith("flash_bwd_dq_tf32_wgmma_ws_") for name in launched), launched
     assert any(name.startswith("flash_bwd_dq_tf32_wgmma_fp32_") for name in launched), launched
+
+
+def _packed_and_long_rows(headdim: int, long_k_shape: tuple) -> list:
+    """(q shape, k shape, packed) of the wgmma candidates' GPU tests: a packed batch of ragged
+    sequences (an empty one, one past two key blocks, query blocks cut short) with GQA at
+    ``headdim``, then 1,024 query rows of two heads at d64 against keys of ``long_k_shape``."""
+    import cupy
+
+    from cupyflash.kernels.params import PackedBatch
+
+    lengths_q, lengths_k = [0, 33, 190, 7, 64], [5, 40, 150, 0, 64]
+    cu_q = np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lengths_k)]).astype(np.int32)
+    return [((1, cu_q[-1], 4, headdim), (1, cu_k[-1], 2, headdim),
+             PackedBatch(cupy.asarray(cu_q), cupy.asarray(cu_k), max(lengths_q), max(lengths_k))),
+            ((1, 1024, 2, 64), long_k_shape, None)]
 
 
 def _tf32x3_or_skip(monkeypatch) -> list:

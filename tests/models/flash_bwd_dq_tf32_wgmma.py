@@ -60,7 +60,12 @@ def load_tiles(d_tile: int, block_n: int, q, do, k, v, queries_valid: int, keys_
 def products(smem, d_tile: int, block_n: int) -> dict:
     """S = Q K^T and dP = dO V^T (Tf32RowsTimesRows<BLOCK_M, BLOCK_N>), then dQ from the
     accumulator (S rounded to float32 stands for dS)."""
-    L = dq_smem(d_tile, block_n, 0)
+    return products_at(smem, d_tile, block_n, dq_smem(d_tile, block_n, 0))
+
+
+def products_at(smem, d_tile: int, block_n: int, L: dict) -> dict:
+    """products() on the tiles at layout L's offsets (Q_HI .. KT_LO): the dQ kernels' three
+    products wherever a kernel keeps its tiles (its producer form: in stages)."""
     s = rows_times_rows(smem, d_tile, BLOCK_M, block_n, L["Q_HI"], L["Q_LO"], L["K_HI"], L["K_LO"])
     dp = rows_times_rows(smem, d_tile, BLOCK_M, block_n, L["DO_HI"], L["DO_LO"], L["V_HI"], L["V_LO"])
     ds = s.astype(np.float32).astype(np.float64)
@@ -80,5 +85,5 @@ def element_positions(block_n: int) -> tuple[np.ndarray, np.ndarray]:
     return accumulator_positions(block_n)
 
 
-__all__ = ["KERNEL", "BLOCK_M", "dq_smem", "CTA_ROWS", "load_tiles", "products", "element_positions",
+__all__ = ["KERNEL", "BLOCK_M", "dq_smem", "CTA_ROWS", "load_tiles", "products", "products_at", "element_positions",
            "acc_from_matrix"]

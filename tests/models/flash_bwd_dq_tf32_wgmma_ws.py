@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from .flash_bwd_dq_tf32_wgmma import products_at
 from .mirrors import mirrors
-from .wgmma import acc_from_matrix
 from .wgmma_tf32 import split_tf32_panels, split_tf32_panels_transposed
-from .wgmma_tf32_bwd_steps import acc_times_tile, rows_times_rows
 
 KERNEL = "flash_bwd_dq_tf32_wgmma_ws"
 BLOCK_M = 64
@@ -87,12 +86,7 @@ def load_tiles(d_tile: int, block_n: int, q, do, k, v, queries_valid: int, keys_
 def products(smem, d_tile: int, block_n: int, stages: int = 2, raw_stages: int = 1) -> dict:
     """S = Q K^T and dP = dO V^T from the stage's tiles, then dQ from S's accumulator (S rounded
     to float32 stands for dS) times the stage's K^T."""
-    L = ws_smem(d_tile, block_n, stages, raw_stages, STAGE_INDEX)
-    s = rows_times_rows(smem, d_tile, BLOCK_M, block_n, L["Q_HI"], L["Q_LO"], L["K_HI"], L["K_LO"])
-    dp = rows_times_rows(smem, d_tile, BLOCK_M, block_n, L["DO_HI"], L["DO_LO"], L["V_HI"], L["V_LO"])
-    ds = s.astype(np.float32).astype(np.float64)
-    dq = acc_times_tile(smem, d_tile, block_n, acc_from_matrix(ds), L["KT_HI"], L["KT_LO"])
-    return {"s": s, "dp": dp, "ds": ds, "dq": dq}
+    return products_at(smem, d_tile, block_n, ws_smem(d_tile, block_n, stages, raw_stages, STAGE_INDEX))
 
 
 @mirrors(KERNEL,
