@@ -871,7 +871,8 @@ class Tf32WgmmaBwdConfig:
     the consumer computes on the other; not with fused_dq. ``dq_producer``
     (flash_bwd_dq_tf32_wgmma_ws, perf log tf32-wgmma-dq-ws): dQ the same way, a producer splitting
     each key block (K, K^T, V) into one of ``dq_stages`` stages (dq_raw_stages >= 1 ahead) for a
-    consumer of the 64 query rows. Candidates, in no plan (but the route's row):
+    consumer of the 64 query rows (``dq_consumers`` 2: two consumers taking turns at the key
+    blocks, their dQ added at the end). Candidates, in no plan (but the route's row):
     ``dmma.backward(config=...)`` on float32 arrays,
     head dims up to 64 and multiples of 4 (at d128, K, V and a query block's four tile pairs, hi
     and lo, take 256 KiB of shared memory at 32 queries a block)."""
@@ -887,6 +888,7 @@ class Tf32WgmmaBwdConfig:
     stages: int = 2
     dq_producer: bool = False
     dq_stages: int = 2
+    dq_consumers: int = 1
 
     threads = 128
     block_n = 64
@@ -958,18 +960,24 @@ def tf32_wgmma_spec(kind: str, dt: int, mask: Mask, config: Tf32WgmmaBwdConfig) 
     if ws and (fused or n_stages < 2 or raw < 1):
         raise ValueError(f"cupyflash: the producer form takes two or more stages, raw rows one or more blocks "
                          f"ahead, and no fused dQ: {config!r}")
+    consumers = config.dq_consumers if kind == "dq" and ws else 1
+    if config.dq_consumers not in (1, 2) or (config.dq_consumers == 2 and not config.dq_producer):
+        raise ValueError(f"cupyflash: one or two dQ consumers, two only in the producer form: {config!r}")
     fn = f"flash_bwd_{kind}_tf32_wgmma" + ("_ws" if ws else "")
     stages = (f"_s{n_stages}", f"{n_stages}, ") if ws else ("", "")
     # template arguments after SUMS_APART: (DQ_ATOMIC,) PRODUCTS, each written only when not its default
-    tail = ([] if kind == "dq" or ws else ["true" if fused else "false"]) + [str(products)]
+    tail = ([] if kind == "dq" or ws else ["true" if fused else "false"]) + [str(products)] + (
+        [str(consumers)] if consumers > 1 else [])
     while tail and tail[-1] in ("false", "3"):
         tail.pop()
-    suffix = ("_apart" if config.sums_apart else "") + ("_dq" if fused else "") + ("_tf32" if products == 1 else "")
+    suffix = (("_apart" if config.sums_apart else "") + ("_dq" if fused else "") + ("_tf32" if products == 1 else "")
+              + (f"_c{consumers}" if consumers > 1 else ""))
     return Specialization(f"{fn}_{SHORT_NAMES['float32']}_hdim{dt}_{mask.name}_bm{bm}_bn{bn}{stages[0]}_r{raw}{suffix}",
                           f"{fn}.cu",
                           f"cf::{fn}<{dt}, {mask.cpp}, {step}, {stages[1]}{raw}, "
                           f"{'true' if config.sums_apart else 'false'}{''.join(', ' + t for t in tail)}>",
-                          256 if ws else config.threads, tf32_wgmma_smem_bytes(kind, dt, config), arch="90a")
+                          128 * (1 + consumers) if ws else config.threads, tf32_wgmma_smem_bytes(kind, dt, config),
+                          arch="90a")
 
 
 def tf32_wgmma_d_tile(headdim: int) -> int:

@@ -56,6 +56,9 @@ WGMMA_CANDIDATES = {
     # and two blocks ahead
     "wgmma_producer_dq": Tf32WgmmaBwdConfig(32, 1, producer=True, dq_raw_stages=1, dq_producer=True),
     "wgmma_producer_dq_r2": Tf32WgmmaBwdConfig(32, 1, producer=True, dq_producer=True),
+    # two dQ consumers taking turns at the key blocks (a second warp a scheduler in the first's gaps)
+    "wgmma_producer_dq_c2": Tf32WgmmaBwdConfig(32, 1, producer=True, dq_raw_stages=1, dq_producer=True,
+                                               dq_consumers=2),
 }
 
 

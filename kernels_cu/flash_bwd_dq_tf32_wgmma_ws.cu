@@ -13,9 +13,17 @@
 //   warpgroup 1, the consumer: per key block it waits on the stage's full barrier, forms S and
 //       dP, the element step and dQ += dS K (every product waited for), and arrives on the
 //       stage's empty barrier; dQ is its registers, stored at the end.
-// Q and dO are split by both warpgroups before the roles split (the last CTA-wide barrier). The
-// barrier protocol is StageRing's (mbarrier.cuh), as in the dK/dV producer kernel; the producer's
-// own barrier is named barrier 1, the consumer uses none. No register reallocation.
+// Q and dO are split by the first two warpgroups before the roles split (the last CTA-wide
+// barrier). The barrier protocol is StageRing's (mbarrier.cuh), as in the dK/dV producer kernel;
+// the producer's own barrier is named barrier 1. No register reallocation.
+//
+// CONSUMERS 2: a second consumer warpgroup takes the odd key blocks (consumer c the blocks
+// i = c, c + 2, ...), each into its own dQ of the same 64 rows; at the end consumer 1 hands its
+// dQ to consumer 0 through shared memory (named barrier 2) and consumer 0 adds it, in that one
+// order, and stores. Why: one consumer warpgroup is one warp a scheduler, and its step is a
+// chain of dependent products, waits and the element step at about 0.35 instructions a clock
+// (perf log tf32-wgmma-dq-ws, the SASS count); a second warp a scheduler runs in its gaps. The
+// stage ring is unchanged: each stage use is one phase of its barriers, whichever consumer it is.
 #include "common.cuh"
 #include "dmma_bwd_steps.cuh"
 #include "mask.cuh"
@@ -46,11 +54,15 @@ struct DqTf32WgmmaWsSmem {
     static constexpr u32 BYTES = EMPTY + 8 * STAGES;
 };
 
-template <int D_TILE, class Mask, int BLOCK_N, int STAGES, int RAW_STAGES, bool SUMS_APART, int PRODUCTS = 3>
-__global__ void __launch_bounds__(256, 1)
+template <int D_TILE, class Mask, int BLOCK_N, int STAGES, int RAW_STAGES, bool SUMS_APART, int PRODUCTS = 3,
+          int CONSUMERS = 1>
+__global__ void __launch_bounds__(128 * (1 + CONSUMERS), 1)
 flash_bwd_dq_tf32_wgmma_ws(const __grid_constant__ BwdParams p) {
     typedef DqTf32WgmmaWsSmem<D_TILE, BLOCK_N, STAGES, RAW_STAGES> L;
     constexpr int BLOCK_M = L::BLOCK_M, SV = BLOCK_N / 2;
+    static_assert(CONSUMERS == 1 || CONSUMERS == 2, "one or two consumer warpgroups");
+    // consumer 1's dQ passes through the stages (all consumed by then)
+    static_assert(CONSUMERS == 1 || STAGES * L::STAGE >= BLOCK_M * D_TILE * 4, "the hand-over's room");
     static_assert(BLOCK_N % 32 == 0 && BLOCK_N <= 64 && D_TILE % 32 == 0 && D_TILE <= 128,
                   "whole tf32 panels; S's width is wgmma's N");
     static_assert(STAGES >= 2 && RAW_STAGES >= 1, "stages");
@@ -71,14 +83,16 @@ flash_bwd_dq_tf32_wgmma_ws(const __grid_constant__ BwdParams p) {
     const int n_blocks = j_end > j_begin ? j_end - j_begin : 0;
     const int tid = threadIdx.x, wg = tid / 128, wg_tid = tid % 128, warp = wg_tid / 32, lane = tid % 32;
 
-    split_tf32_panels<BLOCK_M, D_TILE, 256, PRODUCTS>(
-        base + L::Q_HI, base + L::Q_HI + L::Q_TILE,
-        GlobalRows{p.q.row<const float>(batch, seq.q_begin + m0, head), p.q.row_stride}, seqlen_q - m0, p.headdim,
-        tid);
-    split_tf32_panels<BLOCK_M, D_TILE, 256, PRODUCTS>(
-        base + L::DO_HI, base + L::DO_HI + L::Q_TILE,
-        GlobalRows{p.dout.row<const float>(batch, seq.q_begin + m0, head), p.dout.row_stride}, seqlen_q - m0,
-        p.headdim_v, tid);
+    if (tid < 256) {  // the split's rows are dealt to 256 threads (a multiple of its row step)
+        split_tf32_panels<BLOCK_M, D_TILE, 256, PRODUCTS>(
+            base + L::Q_HI, base + L::Q_HI + L::Q_TILE,
+            GlobalRows{p.q.row<const float>(batch, seq.q_begin + m0, head), p.q.row_stride}, seqlen_q - m0, p.headdim,
+            tid);
+        split_tf32_panels<BLOCK_M, D_TILE, 256, PRODUCTS>(
+            base + L::DO_HI, base + L::DO_HI + L::Q_TILE,
+            GlobalRows{p.dout.row<const float>(batch, seq.q_begin + m0, head), p.dout.row_stride}, seqlen_q - m0,
+            p.headdim_v, tid);
+    }
     const StageRing<STAGES> ring{base + L::FULL, base + L::EMPTY};
     ring.init(128, 128);         // the producer's threads, the consumer's
     fence_proxy_async_shared();  // Q and dO's stores, to the async proxy that wgmma reads with
@@ -117,7 +131,8 @@ flash_bwd_dq_tf32_wgmma_ws(const __grid_constant__ BwdParams p) {
         return;
     }
 
-    // ---- consumer: the 64 query rows' dQ ----
+    // ---- consumers: the 64 query rows' dQ, consumer c over key blocks c, c + CONSUMERS, ... ----
+    const int consumer = wg - 1;
     const float scale_log2 = scale_log2_in<float>(p), scale = scale_in<float>(p);
     const float drop_scale = DropoutOf<Mask>::ENABLED ? dropout_scale_in<float>(p) : 1.f;
     const ScoreOf<Mask, float> score(score_problem<Mask>(p, seq), seq.index, head, scale);
@@ -128,7 +143,7 @@ flash_bwd_dq_tf32_wgmma_ws(const __grid_constant__ BwdParams p) {
     float dq_acc[D_TILE / 2];
 #pragma unroll
     for (int e = 0; e < D_TILE / 2; ++e) dq_acc[e] = 0.f;
-    for (int i = 0; i < n_blocks; ++i) {
+    for (int i = consumer; i < n_blocks; i += CONSUMERS) {
         const int n0 = (j_begin + i) * BLOCK_N;
         const u32 stage = base + stage_of(i);
         ring.wait_full(i);
@@ -144,6 +159,22 @@ flash_bwd_dq_tf32_wgmma_ws(const __grid_constant__ BwdParams p) {
         tf32_acc_times_tile<D_TILE, BLOCK_N / 8, PRODUCTS, SUMS_APART>(dq_acc, s, stage + L::KT,
                                                                      stage + L::KT + L::KV_TILE, NoTurns());
         ring.arrive_empty(i);
+    }
+    if constexpr (CONSUMERS == 2) {
+        // consumer 1's dQ to consumer 0, value-major (thread t's value e at e * 128 + t: no bank
+        // conflicts), over the stages once both are done with them (every product waited for;
+        // the producer writes no stage past the last block); consumer 0 adds it to its own, in
+        // that one order, then stores
+        float* const handover = reinterpret_cast<float*>(smem_raw + (base - smem_u32(smem_raw)) + L::STAGE0);
+        named_barrier_sync(2, 256);  // both consumers past their last block's products
+        if (consumer == 1) {
+#pragma unroll
+            for (int e = 0; e < D_TILE / 2; ++e) handover[e * 128 + wg_tid] = dq_acc[e];
+        }
+        named_barrier_sync(2, 256);  // consumer 1's dQ written
+        if (consumer == 1) return;
+#pragma unroll
+        for (int e = 0; e < D_TILE / 2; ++e) dq_acc[e] += handover[e * 128 + wg_tid];
     }
 
     store_acc_rows_f32<D_TILE>(dq_acc, scale, seqlen_q - m0, p.headdim,

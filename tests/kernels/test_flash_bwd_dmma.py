@@ -435,11 +435,13 @@ def _wgmma_or_skip() -> None:
 # the candidates' staging and sums: the row's, 64-row blocks with chained sums (dK/dV unstaged, dQ
 # one block ahead), no staging at all (the splits read global memory), dQ by the dK/dV kernel's
 # atomics, the producer warpgroup's dK/dV (two stages; a barrier parity wrong hangs here), and
-# with it the producer warpgroup's dQ (tf32-wgmma-dq-ws)
+# with it the producer warpgroup's dQ, with one consumer and with two (tf32-wgmma-dq-ws)
 WGMMA_CONFIGS = {"row": Tf32WgmmaBwdConfig(), "bm64_chained": Tf32WgmmaBwdConfig(64, 0, False, 64, 1),
                  "sync": Tf32WgmmaBwdConfig(32, 0, True, 32, 0), "fused": Tf32WgmmaBwdConfig(fused_dq=True),
                  "producer": Tf32WgmmaBwdConfig(32, 1, producer=True),
-                 "producer_dq": Tf32WgmmaBwdConfig(32, 1, producer=True, dq_raw_stages=1, dq_producer=True)}
+                 "producer_dq": Tf32WgmmaBwdConfig(32, 1, producer=True, dq_raw_stages=1, dq_producer=True),
+                 "producer_dq_c2": Tf32WgmmaBwdConfig(32, 1, producer=True, dq_raw_stages=1, dq_producer=True,
+                                                      dq_consumers=2)}
 
 
 @pytest.mark.gpu
