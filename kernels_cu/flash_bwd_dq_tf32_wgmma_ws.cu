@@ -56,7 +56,7 @@ struct DqTf32WgmmaWsSmem {
 
 template <int D_TILE, class Mask, int BLOCK_N, int STAGES, int RAW_STAGES, bool SUMS_APART, int PRODUCTS = 3,
           int CONSUMERS = 1>
-__global__ void __launch_bounds__(128 * (1 + CONSUMERS), 1)
+__global__ void __launch_bounds__(128 + 128 * CONSUMERS, 1)
 flash_bwd_dq_tf32_wgmma_ws(const __grid_constant__ BwdParams p) {
     typedef DqTf32WgmmaWsSmem<D_TILE, BLOCK_N, STAGES, RAW_STAGES> L;
     constexpr int BLOCK_M = L::BLOCK_M, SV = BLOCK_N / 2;
