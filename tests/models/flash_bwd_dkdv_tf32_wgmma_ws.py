@@ -70,25 +70,35 @@ class Mbarrier:
 def run_protocol(iters: int, stages: int, choose) -> list:
     """The producer's and the consumer's loops (one thread of each: the barriers count their
     warpgroup's 128 arrivals as one) stepped as choose(options) picks among the sides whose next
-    wait succeeds. Each stage holds the iteration last written to it; a write over an iteration the
-    consumer has not finished, or a read of a stage that does not hold the consumer's iteration,
-    raises, and so does a state where neither side can move before both are through (deadlock).
-    Returns the sequence of ("write", it) and ("read", it)."""
+    wait succeeds ("producer", "consumer"). Each stage holds the iteration last written to it; a
+    write over an iteration the consumer has not finished, or a read of a stage that does not hold
+    the consumer's iteration, raises, and so does a state where neither side can move before both
+    are through (deadlock). Returns the sequence of ("write", it) and ("read", it)."""
+    return run_ring(iters, stages, 1, choose)
+
+
+def run_ring(iters: int, stages: int, consumers: int, choose) -> list:
+    """StageRing's protocol with ``consumers`` consumers taking turns at the iterations (consumer c:
+    c, c + consumers, ...; one consumer is named "consumer" among the options, more by their
+    index), each stage use one phase of its barriers whoever consumes it."""
     full = [Mbarrier(1) for _ in range(stages)]
     empty = [Mbarrier(1) for _ in range(stages)]
     holds = [None] * stages
     finished = set()
     events: list = []
-    producer = consumer = 0
-    while producer < iters or consumer < iters:
+    producer, nexts = 0, list(range(consumers))
+    labels = ["consumer"] if consumers == 1 else list(range(consumers))
+    while producer < iters or any(n < iters for n in nexts):
         options = []
         if producer < iters and empty[producer % stages].ready(((producer // stages) & 1) ^ 1):
             options.append("producer")
-        if consumer < iters and full[consumer % stages].ready((consumer // stages) & 1):
-            options.append("consumer")
+        for c, it in enumerate(nexts):
+            if it < iters and full[it % stages].ready((it // stages) & 1):
+                options.append(labels[c])
         if not options:
-            raise RuntimeError(f"deadlock at producer {producer}, consumer {consumer}")
-        if choose(options) == "producer":
+            raise RuntimeError(f"deadlock at producer {producer}, consumers at {nexts}")
+        side = choose(options)
+        if side == "producer":
             s = producer % stages
             if holds[s] is not None and holds[s] not in finished:
                 raise RuntimeError(f"iteration {producer} overwrites {holds[s]} before the consumer is done")
@@ -97,14 +107,16 @@ def run_protocol(iters: int, stages: int, choose) -> list:
             full[s].arrive()
             producer += 1
         else:
-            s = consumer % stages
-            if holds[s] != consumer:
-                raise RuntimeError(f"iteration {consumer} reads stage {s} holding {holds[s]}")
-            events.append(("read", consumer))
-            finished.add(consumer)
+            c = labels.index(side)
+            it = nexts[c]
+            s = it % stages
+            if holds[s] != it:
+                raise RuntimeError(f"iteration {it} reads stage {s} holding {holds[s]}")
+            events.append(("read", it))
+            finished.add(it)
             empty[s].arrive()
-            consumer += 1
+            nexts[c] += consumers
     return events
 
 
-__all__ = ["KERNEL", "ws_smem", "Mbarrier", "run_protocol"]
+__all__ = ["KERNEL", "ws_smem", "Mbarrier", "run_protocol", "run_ring"]

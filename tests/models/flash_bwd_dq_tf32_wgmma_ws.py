@@ -110,45 +110,15 @@ def protocol_and_positions() -> str:
 def run_protocol_consumers(iters: int, stages: int, consumers: int, choose) -> list:
     """The producer's loop and each consumer's (consumer c: blocks c, c + consumers, ...), one
     thread each, stepped as choose(options) picks among the sides whose next wait succeeds, on
-    the StageRing barriers (models/flash_bwd_dkdv_tf32_wgmma_ws.py's Mbarrier: PTX's parity rule).
+    the StageRing barriers: models/flash_bwd_dkdv_tf32_wgmma_ws.py's run_ring (PTX's parity rule).
     A write over a block no consumer has finished, a read of a stage not holding the block, or a
     state where nobody can move before all are through, raises. Returns ("write" | "read", block)
     events. The hand-over after the loops is not modelled here (a read is one event, not a
     duration): its safety rests on the first named barrier, which both consumers reach only after
     their last products were waited for, and on the producer writing no stage past the last block."""
-    from .flash_bwd_dkdv_tf32_wgmma_ws import Mbarrier
+    from .flash_bwd_dkdv_tf32_wgmma_ws import run_ring
 
-    full = [Mbarrier(1) for _ in range(stages)]
-    empty = [Mbarrier(1) for _ in range(stages)]
-    holds, finished, events = [None] * stages, set(), []
-    producer, nexts = 0, list(range(consumers))
-    while producer < iters or any(n < iters for n in nexts):
-        options = []
-        if producer < iters and empty[producer % stages].ready(((producer // stages) & 1) ^ 1):
-            options.append("producer")
-        for c, i in enumerate(nexts):
-            if i < iters and full[i % stages].ready((i // stages) & 1):
-                options.append(c)
-        if not options:
-            raise RuntimeError(f"deadlock at producer {producer}, consumers at {nexts}")
-        side = choose(options)
-        if side == "producer":
-            s = producer % stages
-            if holds[s] is not None and holds[s] not in finished:
-                raise RuntimeError(f"block {producer} overwrites {holds[s]} before its consumer is done")
-            holds[s] = producer
-            events.append(("write", producer))
-            full[s].arrive()
-            producer += 1
-        else:
-            i = nexts[side]
-            if holds[i % stages] != i:
-                raise RuntimeError(f"block {i} reads stage {i % stages} holding {holds[i % stages]}")
-            events.append(("read", i))
-            finished.add(i)
-            empty[i % stages].arrive()
-            nexts[side] += consumers
-    return events
+    return run_ring(iters, stages, consumers, choose)
 
 
 __all__ = ["KERNEL", "BLOCK_M", "CTA_ROWS", "ws_smem", "load_tiles", "products", "run_protocol_consumers"]
