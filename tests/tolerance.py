@@ -6,6 +6,7 @@ from cupyflash.testing.tolerance import (  # noqa: F401
     OUTPUT_FACTOR,
     RTOL,
     SIXTEEN_BIT,
+    UNIT_ROUNDOFF,
     assert_attention_close,
     assert_close,
     bound,

@@ -129,17 +129,13 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
                  packed=packed)
 
 
-def _tf32_wgmma_layout(*arrays) -> bool:
-    """Whether the arrays' layout fits the tf32 wgmma loaders' 16-byte chunks (the plan's float32
-    row at sm_90 otherwise stays on tf32x3, which takes any strides)."""
-    from .mma_fwd import _check_layout
-
+def _tf32_wgmma_layout(do, q, k, v, dq, dk, dv) -> bool:
+    """Whether the arrays fit the tf32 wgmma backward (_check_tf32_wgmma_operands: its loaders'
+    16-byte chunks of float32 on sm_90); where not, the plan's float32 row stays on tf32x3, which
+    takes any strides."""
     try:
-        for x in arrays:
-            _check_layout(x, "", 4)
-            if x.shape[-1] % 4:
-                return False
-    except ValueError:
+        _check_tf32_wgmma_operands(do, q, k, v, dq, dk, dv)
+    except (TypeError, ValueError):
         return False
     return True
 

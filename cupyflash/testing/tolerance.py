@@ -100,7 +100,14 @@ def output_rounding_allowance(do, q, k, v, o, o_ref, *, softmax_scale, causal, w
     ignored), P being theirs. With
     softcap dS_ij moves by -P_ij g_ij e_i, g_ij = 1 - tanh^2 in [0, 1]: the sums are bounded
     through |k| and |e q| instead.
+
+    With o in a 16-bit dtype, the error also passes two roundings to it on its way out, which
+    the factor (1 + u)^2 allows for (u: UNIT_ROUNDOFF): dS rounded as a tensor-core operand
+    (dQ = dS K, dK = dS^T Q), then the gradient. Where the reference is 0 and standard attention's
+    result exactly 0 (a row of one key: no D there), nothing else in the rule covers them.
     """
+    o = as_numpy(o)
+    roundings = (1 + UNIT_ROUNDOFF.get(np.dtype(o.dtype), 0.0)) ** 2
     q, k, v, do, o, o_ref = (_as_f64(x) for x in (q, k, v, do, o, o_ref))
     # Dropout leaves D's place in dS = P (Z dP / (1 - p) - D) as it is: P is the softmax's.
     variant = {name: value for name, value in variant.items() if not name.startswith("dropout")}
@@ -113,7 +120,8 @@ def output_rounding_allowance(do, q, k, v, o, o_ref, *, softmax_scale, causal, w
     # P^T (e q) is the dv of a backward whose output gradient is e q: k stands in for v, whose
     # values (and head dim, should it be v's own) dv does not depend on.
     p_t_e_q = reference.attention_backward(np.abs(e * q) if capped else e * q, q, k, k, **kwargs)[2]
-    return scale * max_abs(np.abs(e) * p_k if capped else e * p_k), scale * max_abs(p_t_e_q), 0.0
+    return (roundings * scale * max_abs(np.abs(e) * p_k if capped else e * p_k),
+            roundings * scale * max_abs(p_t_e_q), 0.0)
 
 
 def flash_rounding_baseline(do, q, k, v, *, softmax_scale, causal, dtype, window_size=(-1, -1), o=None):
@@ -197,13 +205,9 @@ def _first(mask: np.ndarray) -> tuple[int, ...]:
 def assert_close(name, actual, ref64, baseline=None, *, dtype, factor=2.0, scale=None, atol=0.0):
     """Assert that ``actual`` matches the float64 reference ``ref64`` closely enough for ``dtype``.
 
-    float16/bfloat16: max|actual - ref| <= factor * max|baseline - ref| + bound(float32)
-    + atol (1 + u)^2, where ``baseline`` is standard attention computed in ``dtype`` and ``atol``
-    allows for an error the baseline does not make (output_rounding_allowance), and u (2^-8 for
-    bfloat16, 2^-11 for float16) for that error's own two roundings on its way out: dS rounded to
-    the dtype as a tensor-core operand (dQ = dS K, dK = dS^T Q), then the gradient rounded to it.
-    Where the reference is 0 and standard attention's result exactly 0 (a row of one key: no D
-    there), nothing else covers them. float32/float64:
+    float16/bfloat16: max|actual - ref| <= factor * max|baseline - ref| + bound(float32) + atol,
+    where ``baseline`` is standard attention computed in ``dtype`` and ``atol`` allows for an
+    error the baseline does not make (output_rounding_allowance). float32/float64:
     max|actual - ref| <= bound = RTOL * (1 + max|ref|), or RTOL * (1 + scale) when ``scale`` is
     given (see bound), + atol; ``baseline`` is not used. Where ref is +-inf (lse of a query that
     sees no key) actual must equal it; where ref is finite, actual must be finite.
@@ -224,14 +228,13 @@ def assert_close(name, actual, ref64, baseline=None, *, dtype, factor=2.0, scale
         if baseline is None:
             raise ValueError(f"{name}: {dtype.name} needs the standard-attention baseline")
         base_err = max_abs_error(baseline, ref64)
-        atol *= (1 + UNIT_ROUNDOFF[dtype]) ** 2
         allowed = factor * base_err + floor + atol
         rule = f"{factor:g} x baseline error {base_err:.3e} + float32 floor {floor:.3e}"
     else:
         allowed = floor + atol
         rule = f"{RTOL[dtype]:g} x (1 + {'max|ref|' if scale is None else f'scale {scale:.3g}'})"
     if atol:
-        rule += f" + atol {atol:.3e}" + (" (rounded into the dtype)" if dtype in SIXTEEN_BIT else "")
+        rule += f" + atol {atol:.3e}"
     if n_mismatch or n_nonfinite or not err <= allowed:
         at = ""
         if actual.size:
