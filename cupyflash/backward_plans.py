@@ -35,7 +35,7 @@ take up to 218 KiB (sm_90 only).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from ._dtypes import dtype_name, is_16bit, is_float64
@@ -50,7 +50,7 @@ from .precision import PRODUCTS, check_precision
 __all__ = ["BackwardPlan", "BackwardKernels", "BACKWARD_KERNELS", "DQ_ADDS", "STATISTICS", "plan_backward",
            "DmmaBwdConfig", "DMMA_BACKWARD_TILES", "dmma_backward_plan", "dmma_spec", "backward_family",
            "check_statistics", "own_forward_statistics", "backward_plan", "Tf32WgmmaBwdConfig",
-           "TF32_WGMMA_BACKWARD_CONFIGS", "TF32_WGMMA_BACKWARD_ROUTE", "tf32_wgmma_backward_plan",
+           "TF32_WGMMA_BACKWARD_CONFIGS", "TF32_WGMMA_BACKWARD_ROUTE", "tf32_wgmma_backward_plan", "tf32_wgmma_route",
            "backward_device_class", "SM90", "MMA_SYNC"]
 
 D_TILES = TENSOR_CORE_D_TILES
@@ -572,7 +572,7 @@ def plan_backward(arch: str | None, dtype, headdim: int, mask: Mask | bool, smem
                              f"{DMMA_D_TILES[-1]}, not {headdim}")
         dt = d_tile_dmma(headdim)
         config = DMMA_BACKWARD_TILES[(where, dt)] if is_float64(dtype) else tf32x3_backward_config(headdim)
-        route = TF32_WGMMA_BACKWARD_ROUTE.get((where, dt))
+        route = tf32_wgmma_route(where, dt, mask)
         if (route is not None and not is_float64(dtype) and statistics == "saved" and tf32_wgmma_layout
                 and (smem_optin is None or all(tf32_wgmma_smem_bytes(kind, dt, route) <= smem_optin
                                                for kind in ("dkdv", "dq")))):
@@ -910,6 +910,16 @@ TF32_WGMMA_D_TILES = (64,)
 # saturated row cancels to the bit there, not here); so does a user modifier whose code spills in
 # these kernels (ptxas asked, as for the 16-bit rows).
 TF32_WGMMA_BACKWARD_ROUTE = {(SM90, 64): Tf32WgmmaBwdConfig(32, 1, producer=True)}
+
+
+def tf32_wgmma_route(where: str, dt: int, mask: Mask) -> Tf32WgmmaBwdConfig | None:
+    """TF32_WGMMA_BACKWARD_ROUTE's row for ``mask`` (None where the table has none): with two dQ
+    consumers, one where dropout's keep bits are formed, which spill there (124 bytes, ptxas at
+    sm_90a: flash_bwd_dq_tf32_wgmma_ws's second consumer holds its own dQ rows beside them)."""
+    route = TF32_WGMMA_BACKWARD_ROUTE.get((where, dt))
+    if route is not None and route.dq_consumers == 2 and mask.score.dropout:
+        route = replace(route, dq_consumers=1)
+    return route
 
 
 def tf32_wgmma_smem_bytes(kind: str, dt: int, config: Tf32WgmmaBwdConfig) -> int:

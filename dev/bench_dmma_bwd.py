@@ -158,7 +158,13 @@ def main() -> None:
                         help="float32: the tf32x3 experiment (perf log tf32-bwd-v0) and, at head dims up to 64 on "
                              "sm_90, its wgmma dK/dV candidates (tf32-wgmma-bwd-v0) against the SIMT float32 "
                              "backward and PyTorch's mem-efficient float32 backward")
+    parser.add_argument("--candidates", nargs="+", choices=sorted(WGMMA_CANDIDATES), metavar="NAME",
+                        help="time only these of the float32 wgmma candidates (default: all of them; a call "
+                             "with every candidate at --per-kernel takes most of a 600 s device call)")
     args = parser.parse_args()
+    if args.candidates:
+        for name in set(WGMMA_CANDIDATES) - set(args.candidates):
+            del WGMMA_CANDIDATES[name]
     fp32 = args.dtype == "float32"
     if fp32 and args.warm and device_arch() == "90":
         warm_candidates(args.headdims, args.warm)

@@ -186,8 +186,9 @@ def _zoo_specializations(processes: int) -> list:
                 for deterministic in (True, False):
                     candidates += backward_plans.candidate_specs(where_bwd, dtype, dt, mask, smem, deterministic)
         # float32's backward: the tf32 wgmma route's kernels, which its plan takes unless they spill
-        for (where, dt), route in backward_plans.TF32_WGMMA_BACKWARD_ROUTE.items():
+        for where, dt in backward_plans.TF32_WGMMA_BACKWARD_ROUTE:
             if where == where_bwd:
+                route = backward_plans.tf32_wgmma_route(where, dt, mask)
                 candidates += [launch.spec for launch in backward_plans.tf32_wgmma_backward_plan(dt, mask, route).launches
                                if launch.role in ("dkdv", "dq")]
     # One specialization per NVRTC program, every core busy (one program per source file, the

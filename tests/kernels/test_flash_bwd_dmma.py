@@ -68,9 +68,11 @@ def test_float32_saved_statistics_at_sm90_d64_run_the_tf32_wgmma_route(monkeypat
     spilling = set()  # ptxas's answer, as without_spills asks it (plans._spills), made up here
     monkeypatch.setattr(plans, "_spills", lambda spec, arch: any(part in spec.name for part in spilling))
 
-    route = backward_plans.TF32_WGMMA_BACKWARD_ROUTE[(SM90, 64)]
-    assert route.producer and route.sums_apart and route.precision == "ieee" and not route.fused_dq
+    table = backward_plans.TF32_WGMMA_BACKWARD_ROUTE[(SM90, 64)]
+    assert table.producer and table.sums_apart and table.precision == "ieee" and not table.fused_dq
     for mask in [*KINDS, *(m.backward() for m in VARIANT_KINDS + PACKED_KINDS)]:
+        route = backward_plans.tf32_wgmma_route(SM90, 64, mask)
+        dq_kernel = "flash_bwd_dq_tf32_wgmma_ws" if route.dq_producer else "flash_bwd_dq_tf32_wgmma"
         for headdim in (40, 64):
             for deterministic in (True, False):
                 plan = backward_plans.plan_backward("90", np.float32, headdim, mask, 227 * 1024, deterministic)
@@ -78,7 +80,7 @@ def test_float32_saved_statistics_at_sm90_d64_run_the_tf32_wgmma_route(monkeypat
                 assert plan.kernels == route and plan.dq_add == "none" and plan.device_class == SM90, names
                 assert names[0] == "flash_bwd_preprocess_fp32"
                 assert names[1].startswith(f"flash_bwd_dkdv_tf32_wgmma_ws_fp32_hdim64_{mask.name}_"), names
-                assert names[2].startswith(f"flash_bwd_dq_tf32_wgmma_fp32_hdim64_{mask.name}_"), names
+                assert names[2].startswith(f"{dq_kernel}_fp32_hdim64_{mask.name}_"), names
                 assert all(launch.spec.arch == "90a" and launch.spec.smem_bytes <= 227 * 1024
                            for launch in plan.launches[1:])
     spilling.add("_tf32_wgmma_")
@@ -86,7 +88,8 @@ def test_float32_saved_statistics_at_sm90_d64_run_the_tf32_wgmma_route(monkeypat
     assert users
     for mask in [*KINDS, *users]:
         plan = backward_plans.plan_backward("90", np.float32, 64, mask, 227 * 1024, True)
-        assert plan.kernels == (backward_plans.tf32x3_backward_config(64) if mask.score.user is not None else route)
+        assert plan.kernels == (backward_plans.tf32x3_backward_config(64) if mask.score.user is not None
+                                else backward_plans.tf32_wgmma_route(SM90, 64, mask))
     tf32x3 = backward_plans.tf32x3_backward_config(64)
     for arch, statistics, layout, smem in (("90", "recomputed", True, None), ("90", "saved", False, None),
                                            ("90", "saved", True, 200 * 1024), ("80", "saved", True, None)):
@@ -96,6 +99,24 @@ def test_float32_saved_statistics_at_sm90_d64_run_the_tf32_wgmma_route(monkeypat
     assert backward_plans.plan_backward("90", np.float32, 24, True, None, True).kernels == tf32x3
     assert backward_plans.plan_backward("90", np.float64, 64, True, None, True).kernels == \
         backward_plans.DMMA_BACKWARD_TILES[(SM90, 64)]
+
+
+def test_a_two_consumer_dq_route_takes_one_consumer_with_dropout(monkeypatch):
+    """tf32_wgmma_route: a route row with two dQ consumers keeps them for every mask but dropout's,
+    whose keep bits spill beside the second consumer's dQ rows (ptxas at sm_90a), and the plan and
+    the compile check's list follow it."""
+    two = Tf32WgmmaBwdConfig(32, 1, producer=True, dq_raw_stages=1, dq_producer=True, dq_consumers=2)
+    monkeypatch.setitem(backward_plans.TF32_WGMMA_BACKWARD_ROUTE, (SM90, 64), two)
+    masks = [*KINDS, *(m.backward() for m in VARIANT_KINDS + PACKED_KINDS)]
+    assert any(m.score.dropout for m in masks) and any(not m.score.dropout for m in masks)
+    listed = {spec.name for spec in dmma.specializations()}
+    for mask in masks:
+        route = backward_plans.tf32_wgmma_route(SM90, 64, mask)
+        assert route.dq_consumers == (1 if mask.score.dropout else 2) and route.dq_producer, mask.name
+        if mask.score.user is None:  # (with one, the plan asks ptxas: the test above)
+            assert backward_plans.plan_backward("90", np.float32, 64, mask, 227 * 1024, True).kernels == route
+        assert {backward_plans.tf32_wgmma_spec(kind, 64, mask, route).name for kind in ("dkdv", "dq")} <= listed
+    assert backward_plans.tf32_wgmma_route(MMA_SYNC, 64, as_mask(True)) is None
 
 
 def test_specializations_mirror_the_kernels_tiles():
@@ -135,7 +156,16 @@ def test_specializations_mirror_the_kernels_tiles():
              for dt, configs in backward_plans.TF32_WGMMA_BACKWARD_CONFIGS.items() for c in configs
              for kind in ("dkdv", "dq")}
     assert len(wgmma) == 4
-    assert sum(1 for n in names if "_bwd_" in n) == 3 * kinds * (len(distinct) + tf32) + kinds * len(wgmma)
+    # and the route's kernels as each mask takes them (tf32_wgmma_route), where no candidate row is
+    # the same (a route with two dQ consumers adds its dQ kernel for the masks without dropout)
+    masks = [*KINDS, *(m.backward() for m in VARIANT_KINDS + PACKED_KINDS)]
+    candidates = {(dt, c) for dt, configs in backward_plans.TF32_WGMMA_BACKWARD_CONFIGS.items() for c in configs}
+    routed = sum(1 for where, dt in backward_plans.TF32_WGMMA_BACKWARD_ROUTE for mask in masks
+                 for kind, uses in (("dkdv", "producer"), ("dq", "dq_producer"))
+                 if not any(backward_plans.tf32_wgmma_spec(kind, dt, mask, c).name
+                            == backward_plans.tf32_wgmma_spec(kind, dt, mask, backward_plans.tf32_wgmma_route(where, dt, mask)).name
+                            for d, c in candidates if d == dt))
+    assert sum(1 for n in names if "_bwd_" in n) == 3 * kinds * (len(distinct) + tf32) + kinds * len(wgmma) + routed
 
 
 def test_a_row_past_the_devices_shared_memory_runs_simt():
