@@ -903,13 +903,14 @@ TF32_WGMMA_BACKWARD_CONFIGS = {64: (Tf32WgmmaBwdConfig(), Tf32WgmmaBwdConfig(32,
                                     Tf32WgmmaBwdConfig(32, 1, producer=True, dq_raw_stages=1, dq_producer=True))}
 TF32_WGMMA_D_TILES = (64,)
 
-# float32's backward with statistics "saved" at sm_90, head-dim tile 64 (head dims 40-64): dK / dV by
-# the producer warpgroup's kernel, dQ on flash_bwd_dq_tf32_wgmma, sums apart (perf log
-# tf32-wgmma-bwd-route: 1.39-1.57x the tf32x3 row at d64, the same error to the SIMT backward).
+# float32's backward with statistics "saved" at sm_90, head-dim tile 64 (head dims 40-64): dK / dV and
+# dQ each by a producer warpgroup's kernel, sums apart (perf log tf32-wgmma-bwd-route: 1.39-1.57x
+# the tf32x3 row at d64, the same error to the SIMT backward; tf32-wgmma-dq-ws: dQ's producer
+# 1.13-1.16x the one-warpgroup dQ kernel, the backward 1.05x; a second dQ consumer gained nothing).
 # "recomputed" stays on tf32x3, whose statistics kernel forms S as its gradient kernels do (a
 # saturated row cancels to the bit there, not here); so does a user modifier whose code spills in
 # these kernels (ptxas asked, as for the 16-bit rows).
-TF32_WGMMA_BACKWARD_ROUTE = {(SM90, 64): Tf32WgmmaBwdConfig(32, 1, producer=True)}
+TF32_WGMMA_BACKWARD_ROUTE = {(SM90, 64): Tf32WgmmaBwdConfig(32, 1, producer=True, dq_raw_stages=1, dq_producer=True)}
 
 
 def tf32_wgmma_route(where: str, dt: int, mask: Mask) -> Tf32WgmmaBwdConfig | None:

@@ -92,7 +92,7 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
     float32 arrays: the same kernels on T = float, each product three tf32 products of split
     operands ("tf32x3"; the plan's TF32X3_BACKWARD_CONFIGS by default, at sm_90 with statistics
     "saved" its TF32_WGMMA_BACKWARD_ROUTE where the arrays fit it, or a DmmaBwdConfig), or with a
-    Tf32WgmmaBwdConfig dK and dV on flash_bwd_dkdv_tf32_wgmma and dQ on flash_bwd_dq_tf32_wgmma,
+    Tf32WgmmaBwdConfig dK and dV on flash_bwd_dkdv_tf32_wgmma(_ws) and dQ on flash_bwd_dq_tf32_wgmma(_ws),
     or by the dK/dV kernel's atomics (``fused_dq``: not bitwise reproducible, so it takes
     ``deterministic=False``) (sm_90; head dims up to 64, multiples of 4, rows 16-byte aligned)."""
     from ._module import backward_is_empty, device_arch

@@ -59,8 +59,9 @@ def test_float32_backward_plans_run_tf32x3_up_to_d128():
 
 def test_float32_saved_statistics_at_sm90_d64_run_the_tf32_wgmma_route(monkeypatch):
     """sm_90's float32 backward with statistics "saved" at the d64 tile (head dims 40-64): dK / dV
-    on the producer warpgroup's tf32 wgmma kernel and dQ on flash_bwd_dq_tf32_wgmma, deterministic
-    or not, every mask and score of the compile check (with a user modifier, where ptxas finds
+    on the producer warpgroup's tf32 wgmma kernel and dQ on its producer kernel too
+    (tf32_wgmma_route), deterministic or not, every mask and score of the compile check (with a
+    user modifier, where ptxas finds
     no spills in its kernels: tf32x3 otherwise); tf32x3 where the arrays do not fit its loaders,
     with statistics "recomputed", at other tiles and other archs."""
     from cupyflash.masks import KINDS, PACKED_KINDS, VARIANT_KINDS
@@ -523,7 +524,7 @@ def test_tf32_wgmma_backward_on_a_packed_batch_and_long_rows(config_name, causal
 @pytest.mark.parametrize("causal", [False, True])
 def test_the_plans_float32_backward_takes_the_wgmma_route_where_the_layout_fits(causal, monkeypatch):
     """dmma.backward without a config at sm_90, float32, d64, statistics "saved": the route's
-    kernels run (TF32_WGMMA_BACKWARD_ROUTE) and give the SIMT backward's accuracy; the same
+    kernels run (tf32_wgmma_route) and give the SIMT backward's accuracy; the same
     problem on arrays whose row stride is not a multiple of 4 elements runs tf32x3 instead."""
     import cupy
 
@@ -536,7 +537,9 @@ def test_the_plans_float32_backward_takes_the_wgmma_route_where_the_layout_fits(
     k, v = (rng.standard_normal((2, 257, 2, 64)).astype(np.float32) for _ in range(2))
     got = _gradients(do, q, k, v, causal=causal, backward=dmma.backward)
     assert any(name.startswith("flash_bwd_dkdv_tf32_wgmma_ws_fp32_hdim64_") for name in launched), launched
-    assert any(name.startswith("flash_bwd_dq_tf32_wgmma_fp32_hdim64_") for name in launched), launched
+    route = backward_plans.tf32_wgmma_route(SM90, 64, as_mask(causal))
+    dq_kernel = "flash_bwd_dq_tf32_wgmma_ws" if route.dq_producer else "flash_bwd_dq_tf32_wgmma"
+    assert any(name.startswith(f"{dq_kernel}_fp32_hdim64_") for name in launched), launched
     simt_grads = _gradients(do, q, k, v, causal=causal, backward=simt.backward)
     want = _gradients(*(x.astype(np.float64) for x in (do, q, k, v)), causal=causal, backward=simt.backward)
     for which, a, b, w in zip(("dq", "dk", "dv"), got, simt_grads, want):
