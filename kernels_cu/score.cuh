@@ -167,6 +167,13 @@ struct ScoreFn {
         else
             return tanh_(s * in_u);
     }
+    // The same for the score in column dj of its key block (exp_form_rcp_at's mix).
+    __device__ __forceinline__ A cap_tanh_at(A s, int dj) const {
+        if constexpr (EXP_FORM)
+            return 1.f - 2.f * exp_form_rcp_at(1.f + exp2_approx(s * in_u), dj);
+        else
+            return cap_tanh(s);
+    }
 
     // s' (same unit as s) and ds'/ds.
     __device__ __forceinline__ A transform(A s, const Origin& o, int di, int dj, A& dsds) const {
@@ -222,7 +229,7 @@ struct ScoreFn {
     __device__ __forceinline__ float exponent_log2(float s, const Origin& o, int di, int dj, float& dsds, float scale,
                                                    float base) const {
         if constexpr (SOFTCAP && !ALIBI && FLOAT) {
-            const float t = cap_tanh(s);
+            const float t = cap_tanh_at(s, dj);
             dsds = 1.f - t * t;
             return fmaf(cap_u * scale, t, -base);
         } else {
