@@ -897,8 +897,9 @@ class Tf32WgmmaBwdConfig:
 
 # The candidates the compile check builds for every mask, at their one head-dim tile (head dims up
 # to 64; at d32 the 64-query blocks, the tile the transposed split deals to four warps there, spill
-# 48-108 bytes with a window or dropout): the single warpgroup's, the producer form's (the route's
-# row, whose dQ is the same kernel) and the route's row with dQ by a producer too (tf32-wgmma-dq-ws).
+# 48-108 bytes with a window or dropout): the single warpgroup's, the producer dK/dV form's with the
+# one-warpgroup dQ (the route's row of the tenth session) and with dQ by a producer too (the route's
+# row now, tf32-wgmma-dq-ws).
 TF32_WGMMA_BACKWARD_CONFIGS = {64: (Tf32WgmmaBwdConfig(), Tf32WgmmaBwdConfig(32, 1, producer=True),
                                     Tf32WgmmaBwdConfig(32, 1, producer=True, dq_raw_stages=1, dq_producer=True))}
 TF32_WGMMA_D_TILES = (64,)
@@ -1000,8 +1001,8 @@ def tf32_wgmma_d_tile(headdim: int) -> int:
 
 def tf32_wgmma_backward_plan(headdim: int, mask: Mask | bool, config: Tf32WgmmaBwdConfig,
                              statistics: str = "saved", where: str = "explicit") -> BackwardPlan:
-    """The float32 backward with dK / dV on flash_bwd_dkdv_tf32_wgmma and dQ on
-    flash_bwd_dq_tf32_wgmma (``config``; dq_block_n 0: dQ on the tf32x3 experiment's kernel;
+    """The float32 backward with dK / dV on flash_bwd_dkdv_tf32_wgmma(_ws) and dQ on
+    flash_bwd_dq_tf32_wgmma(_ws) (``config``; dq_block_n 0: dQ on the tf32x3 experiment's kernel;
     fused_dq: by the dK/dV kernel's float32 atomics, the one plan here that is not deterministic),
     D or the recomputed statistics on the tf32x3 experiment's kernels."""
     mask = as_mask(mask)

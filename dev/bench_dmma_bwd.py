@@ -33,9 +33,9 @@ CANDIDATES = {
 }
 
 
-# float32 on the wgmma candidates (perf log tf32-wgmma-bwd-v0): dK / dV on flash_bwd_dkdv_tf32_wgmma,
-# dQ on flash_bwd_dq_tf32_wgmma (or the tf32x3 kernel), the statistics on the tf32x3 kernel; head
-# dims up to 64, sm_90
+# float32 on the wgmma candidates (perf log tf32-wgmma-bwd-v0): dK / dV on flash_bwd_dkdv_tf32_wgmma(_ws),
+# dQ on flash_bwd_dq_tf32_wgmma(_ws) (or the tf32x3 kernel), the statistics on the tf32x3 kernel;
+# head dims up to 64, sm_90
 WGMMA_CANDIDATES = {
     "wgmma": Tf32WgmmaBwdConfig(),  # TF32_WGMMA_BACKWARD_CONFIGS' row: apart sums, raw rows two blocks ahead
     "wgmma_chained": Tf32WgmmaBwdConfig(32, 2, False, 32, 2),  # the same tiles, every product chained
@@ -49,11 +49,12 @@ WGMMA_CANDIDATES = {
     # precision "tf32" (one product a product): issue 18 asks its TFLOP/s and error reported
     "wgmma_tf32": Tf32WgmmaBwdConfig(32, 2, False, precision="tf32"),
     "wgmma_fused_tf32": Tf32WgmmaBwdConfig(32, 2, False, fused_dq=True, precision="tf32"),
-    # dK/dV by a producer warpgroup and a consumer (perf log tf32-wgmma-bwd-v1), dQ as the row's
+    # dK/dV by a producer warpgroup and a consumer (perf log tf32-wgmma-bwd-v1), dQ on one warpgroup
+    # (the tenth session's route)
     "wgmma_producer": Tf32WgmmaBwdConfig(32, 1, producer=True),
     "wgmma_producer_chained": Tf32WgmmaBwdConfig(32, 1, False, producer=True),
-    # the route's row with dQ by a producer warpgroup too (perf log tf32-wgmma-dq-ws), raw K / V one
-    # and two blocks ahead
+    # dQ by a producer warpgroup too (perf log tf32-wgmma-dq-ws), raw K / V one block ahead (the
+    # route's row since the eleventh session) and two
     "wgmma_producer_dq": Tf32WgmmaBwdConfig(32, 1, producer=True, dq_raw_stages=1, dq_producer=True),
     "wgmma_producer_dq_r2": Tf32WgmmaBwdConfig(32, 1, producer=True, dq_producer=True),
     # two dQ consumers taking turns at the key blocks (a second warp a scheduler in the first's gaps)

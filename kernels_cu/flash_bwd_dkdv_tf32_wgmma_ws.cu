@@ -16,8 +16,9 @@
 // K and V are split by both warpgroups before the roles split (the last CTA-wide barrier). The
 // barrier protocol is flash_fwd_tf32_wgmma_ws.cu's (mbarrier.cuh: the producer waits on a stage's
 // empty barrier with parity ((use & 1) ^ 1), so its first use of every stage finds it free). No
-// register reallocation: at 256 threads each may hold 255. dQ: flash_bwd_dq_tf32_wgmma (or the
-// tf32x3 experiment's kernel); the fused atomic dQ does not fit here (K^T and dS beside two
+// register reallocation: at 256 threads each may hold 255. dQ: flash_bwd_dq_tf32_wgmma_ws (the
+// route's), flash_bwd_dq_tf32_wgmma or the tf32x3 experiment's kernel; the fused atomic dQ does
+// not fit here (K^T and dS beside two
 // stages: 242 KiB at 32 queries).
 #include "block_walk.cuh"
 #include "common.cuh"

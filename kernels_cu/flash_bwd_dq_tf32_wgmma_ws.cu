@@ -1,6 +1,7 @@
-// flash_bwd_dq_tf32_wgmma_ws: flash_bwd_dq_tf32_wgmma with a producer warpgroup (sm_90a), a
-// candidate: docs/perf-log.md tf32-wgmma-dq-ws. Not a row of any plan
-// (backward_plans.Tf32WgmmaBwdConfig(dq_producer=True) through dmma.backward(config=...)).
+// flash_bwd_dq_tf32_wgmma_ws: flash_bwd_dq_tf32_wgmma with a producer warpgroup (sm_90a):
+// docs/perf-log.md tf32-wgmma-dq-ws. The float32 route's dQ kernel with one consumer
+// (backward_plans.TF32_WGMMA_BACKWARD_ROUTE); two consumers are a candidate
+// (Tf32WgmmaBwdConfig(dq_consumers=2) through dmma.backward(config=...)), measured no faster.
 //
 // The single warpgroup of flash_bwd_dq_tf32_wgmma splits each key block (K twice, natural and
 // transposed, and V, each hi and lo), runs its three products and its element step in series,

@@ -25,7 +25,7 @@
 //     tanh_rational, y clamped to +-7, N and D cubic in y^2: eleven FP32 operations (two of them
 //     the clamp) and one MUFU (rcp.approx), an absolute error below 1.25e-6
 //     (tests/kernels/test_score_tanh.py evaluates these constants as the kernel does).
-//   EXP_NEWTON (flash_fwd_wgmma_ws, the producer forward, and flash_bwd_dq_wgmma, up to d128):
+//   EXP_NEWTON (flash_fwd_wgmma_ws, the producer forward, and flash_bwd_dq_wgmma at d128):
 //     EXP_RCP with the reciprocal on the FMA pipe (rcp_newton, three of four: exp_form_rcp_at): one
 //     MUFU operation, seven FP32 / integer ones more, the same accuracy.
 //   ACCURATE (SIMT, float32 "ieee", float64): tanhf / tanh.
@@ -184,7 +184,7 @@ struct ScoreFn {
         A out = s;
         dsds = A(1);
         if constexpr (SOFTCAP) {
-            const A t = cap_tanh(s);
+            const A t = cap_tanh_at(s, dj);
             out = cap_u * t;
             dsds = A(1) - t * t;
         }

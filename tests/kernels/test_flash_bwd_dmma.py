@@ -71,6 +71,8 @@ def test_float32_saved_statistics_at_sm90_d64_run_the_tf32_wgmma_route(monkeypat
 
     table = backward_plans.TF32_WGMMA_BACKWARD_ROUTE[(SM90, 64)]
     assert table.producer and table.sums_apart and table.precision == "ieee" and not table.fused_dq
+    # dQ by its producer kernel, one consumer, raw K and V one block ahead (tf32-wgmma-dq-ws)
+    assert table.dq_producer and table.dq_consumers == 1 and table.dq_raw_stages == 1
     for mask in [*KINDS, *(m.backward() for m in VARIANT_KINDS + PACKED_KINDS)]:
         route = backward_plans.tf32_wgmma_route(SM90, 64, mask)
         dq_kernel = "flash_bwd_dq_tf32_wgmma_ws" if route.dq_producer else "flash_bwd_dq_tf32_wgmma"
@@ -161,11 +163,13 @@ def test_specializations_mirror_the_kernels_tiles():
     # the same (a route with two dQ consumers adds its dQ kernel for the masks without dropout)
     masks = [*KINDS, *(m.backward() for m in VARIANT_KINDS + PACKED_KINDS)]
     candidates = {(dt, c) for dt, configs in backward_plans.TF32_WGMMA_BACKWARD_CONFIGS.items() for c in configs}
+    def route_spec(kind, where, dt, mask):
+        return backward_plans.tf32_wgmma_spec(kind, dt, mask, backward_plans.tf32_wgmma_route(where, dt, mask))
+
     routed = sum(1 for where, dt in backward_plans.TF32_WGMMA_BACKWARD_ROUTE for mask in masks
-                 for kind, uses in (("dkdv", "producer"), ("dq", "dq_producer"))
+                 for kind in ("dkdv", "dq")
                  if not any(backward_plans.tf32_wgmma_spec(kind, dt, mask, c).name
-                            == backward_plans.tf32_wgmma_spec(kind, dt, mask, backward_plans.tf32_wgmma_route(where, dt, mask)).name
-                            for d, c in candidates if d == dt))
+                            == route_spec(kind, where, dt, mask).name for d, c in candidates if d == dt))
     assert sum(1 for n in names if "_bwd_" in n) == 3 * kinds * (len(distinct) + tf32) + kinds * len(wgmma) + routed
 
 
