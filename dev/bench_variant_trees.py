@@ -27,7 +27,9 @@ import sys
 from pathlib import Path
 
 ROUNDS = 3
-BATCH, SEQLEN, NHEADS, HEADDIM = 2, 8192, 16, 128
+# the head dim: 128 unless --headdim (passed to the workers as CUPYFLASH_TREES_HEADDIM) says otherwise
+BATCH, SEQLEN, NHEADS = 2, 8192, 16
+HEADDIM = int(os.environ.get("CUPYFLASH_TREES_HEADDIM", "128"))
 SOFTCAP = 30.0
 
 
@@ -117,13 +119,18 @@ def _lines(proc: subprocess.Popen, tree: Path) -> list[dict]:
 
 
 def main(argv: list[str]) -> None:
+    global HEADDIM
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("trees", nargs="+", help='"." (this checkout, "main") and the experiment copies')
     parser.add_argument("--json", type=Path)
     parser.add_argument("--pick", type=Path, help="write the winning tree's label here (empty: none)")
     parser.add_argument("--margin", type=float, default=0.0)
     parser.add_argument("--pick-config", default="ws s3 pp")
+    parser.add_argument("--headdim", type=int, choices=(64, 128), default=HEADDIM,
+                        help="the problem's head dim (default 128; 64: d64's kernels, e.g. a backward patch there)")
     args = parser.parse_args(argv)
+    os.environ["CUPYFLASH_TREES_HEADDIM"] = str(args.headdim)  # the workers' (their environment is this one's)
+    HEADDIM = args.headdim
     if args.pick and "." not in args.trees:
         parser.error('--pick compares against this checkout: name "." among the trees')
     trees = [Path(t).resolve() for t in args.trees]

@@ -79,7 +79,7 @@
 #                                       TREE_PICK=1 the fastest copy that passed, if it beats this tree
 #                                       by TREE_MARGIN (default 0.03) in softcap's TREE_PICK_CONFIG
 #                                       (default "ws s3 pp"; "api bwd": the backward), is applied here
-#                                       and remembered
+#                                       and remembered; TREES_HEADDIM=64: the problems at d64
 #   scripts/gpu_check.sh OUTDIR picked  applies what trees picked again (each call gets a fresh copy
 #                                       of the checkout; the choice lives in the kept .cupy-cache/)
 # Before the device: `pytest tests/kernels/test_compile_check.py` on CPU (2 minutes) compiles every
@@ -280,7 +280,8 @@ trees)  # experiment patches in their own copies beside this tree (header above)
     done
     rm -f .cupy-cache/picked-patches
     step variant-trees "${TREES_LIMIT:-300}" env PYTHONPATH=$PWD python dev/bench_variant_trees.py "${trees[@]}" \
-        --json "$out/variant-trees.json" ${TREE_PICK:+--pick .cupy-cache/picked-patches --margin "${TREE_MARGIN:-0.03}" --pick-config "${TREE_PICK_CONFIG:-ws s3 pp}"}
+        --json "$out/variant-trees.json" --headdim "${TREES_HEADDIM:-128}" \
+        ${TREE_PICK:+--pick .cupy-cache/picked-patches --margin "${TREE_MARGIN:-0.03}" --pick-config "${TREE_PICK_CONFIG:-ws s3 pp}"}
     if [ -s .cupy-cache/picked-patches ]; then
         echo "picked: $(cat .cupy-cache/picked-patches)"
         apply_patches "$(cat .cupy-cache/picked-patches)" || status=1
