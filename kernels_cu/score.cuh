@@ -26,7 +26,7 @@
 //     the clamp) and one MUFU (rcp.approx), an absolute error below 1.25e-6
 //     (tests/kernels/test_score_tanh.py evaluates these constants as the kernel does).
 //   EXP_NEWTON (flash_fwd_wgmma_ws, the producer forward, and flash_bwd_dq_wgmma at d128):
-//     EXP_RCP with the reciprocal on the FMA pipe (rcp_newton, three of four: exp_form_rcp_at): one
+//     EXP_RCP with the reciprocal on the FMA pipe (rcp_newton, three of four: exp_form_rcp): one
 //     MUFU operation, seven FP32 / integer ones more, the same accuracy.
 //   ACCURATE (SIMT, float32 "ieee", float64): tanhf / tanh.
 // The rational was made for the 16-bit forwards on the premise that a score's MUFU operations
@@ -142,41 +142,28 @@ struct ScoreFn {
         return {ALIBI ? A(i0 + diag - j0) : A(0)};
     }
 
-    // 1 / (1 + 2^(k s)), EXP_FORM's reciprocal.
-    static __device__ __forceinline__ float exp_form_rcp(float x) {
-        if constexpr (TANH == Tanh::EXP_NEWTON)
-            return rcp_newton(x);
-        else
-            return rcp_approx(x);
-    }
-    // The same for the score in column dj of its key block (a constant once the fragment loops
-    // are unrolled): EXP_NEWTON takes NEWTON_OF_4 of every four 8-column fragments' reciprocals on
-    // the FMA pipe and the rest on the MUFU, to balance the two pipes (perf log softcap-rcp-mix:
-    // on an H100 three of four took the d128 8k causal softcap forward from 1.596 to 1.540 ms, where
-    // all four had gained 3.8% over none; one and two of four lost to three in the same run).
+    // 1 / (1 + 2^(k s)), EXP_FORM's reciprocal, for the score in column dj of its key block (a
+    // constant once the fragment loops are unrolled): EXP_NEWTON takes NEWTON_OF_4 of every four
+    // 8-column fragments' reciprocals on the FMA pipe and the rest on the MUFU, to balance the two
+    // pipes (perf log softcap-rcp-mix: on an H100 three of four took the d128 8k causal softcap
+    // forward from 1.596 to 1.540 ms, where all four had gained 3.8% over none; one and two of four
+    // lost to three in the same run).
     static constexpr int NEWTON_OF_4 = 3;
-    static __device__ __forceinline__ float exp_form_rcp_at(float x, int dj) {
+    static __device__ __forceinline__ float exp_form_rcp(float x, int dj) {
         if constexpr (TANH == Tanh::EXP_NEWTON)
             return ((dj >> 3) & 3) < NEWTON_OF_4 ? rcp_newton(x) : rcp_approx(x);
         else
             return rcp_approx(x);
     }
 
-    // tanh(s unit / c), from s.
-    __device__ __forceinline__ A cap_tanh(A s) const {
+    // tanh(s unit / c), from s in column dj of its key block (exp_form_rcp's mix).
+    __device__ __forceinline__ A cap_tanh(A s, int dj) const {
         if constexpr (TANH == Tanh::RATIONAL && FLOAT)
             return tanh_rational(s * in_u);
         else if constexpr (EXP_FORM)
-            return 1.f - 2.f * exp_form_rcp(1.f + exp2_approx(s * in_u));  // 2 log2(e) = 2.885... in in_u
+            return 1.f - 2.f * exp_form_rcp(1.f + exp2_approx(s * in_u), dj);  // 2 log2(e) = 2.885... in in_u
         else
             return tanh_(s * in_u);
-    }
-    // The same for the score in column dj of its key block (exp_form_rcp_at's mix).
-    __device__ __forceinline__ A cap_tanh_at(A s, int dj) const {
-        if constexpr (EXP_FORM)
-            return 1.f - 2.f * exp_form_rcp_at(1.f + exp2_approx(s * in_u), dj);
-        else
-            return cap_tanh(s);
     }
 
     // s' (same unit as s) and ds'/ds.
@@ -184,7 +171,7 @@ struct ScoreFn {
         A out = s;
         dsds = A(1);
         if constexpr (SOFTCAP) {
-            const A t = cap_tanh_at(s, dj);
+            const A t = cap_tanh(s, dj);
             out = cap_u * t;
             dsds = A(1) - t * t;
         }
@@ -219,9 +206,9 @@ struct ScoreFn {
             const A a = cap_u * scale;
             A out;
             if constexpr (EXP_FORM)
-                out = fmaf(-2.f * a, exp_form_rcp_at(1.f + exp2_approx(s * in_u), dj), a);
+                out = fmaf(-2.f * a, exp_form_rcp(1.f + exp2_approx(s * in_u), dj), a);
             else
-                out = a * cap_tanh(s);
+                out = a * cap_tanh(s, dj);
             if constexpr (ALIBI) out -= (slope_u * scale) * abs_(o.dist + A(di - dj));
             return out;
         }
@@ -233,7 +220,7 @@ struct ScoreFn {
     __device__ __forceinline__ float exponent_log2(float s, const Origin& o, int di, int dj, float& dsds, float scale,
                                                    float base) const {
         if constexpr (SOFTCAP && !ALIBI && FLOAT) {
-            const float t = cap_tanh_at(s, dj);
+            const float t = cap_tanh(s, dj);
             dsds = 1.f - t * t;
             return fmaf(cap_u * scale, t, -base);
         } else {

@@ -1,8 +1,9 @@
 // The float32 backward's tile steps on tf32 wgmma (sm_90a), shared by flash_bwd_dkdv_tf32_wgmma.cu
 // and flash_bwd_dq_tf32_wgmma.cu (docs/perf-log.md tf32-wgmma-bwd-v0): the rows-times-rows
 // products S = Q K^T / dP = dO V^T (and their transposes) from split panel tiles, the dQ kernels'
-// rows and element step, and the store of a warpgroup's 64 accumulator rows. The accumulator-times-tile products (dV, dK, dQ) are
-// wgmma_tf32.cuh's tf32_acc_times_tile, the forward's O += P V.
+// rows and element step, and the store of a warpgroup's 64 accumulator rows. The
+// accumulator-times-tile products (dV, dK, dQ) are wgmma_tf32.cuh's tf32_acc_times_tile, the
+// forward's O += P V.
 #pragma once
 
 #include "common.cuh"
