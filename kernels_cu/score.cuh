@@ -25,7 +25,7 @@
 //     tanh_rational, y clamped to +-7, N and D cubic in y^2: eleven FP32 operations (two of them
 //     the clamp) and one MUFU (rcp.approx), an absolute error below 1.25e-6
 //     (tests/kernels/test_score_tanh.py evaluates these constants as the kernel does).
-//   EXP_NEWTON (flash_fwd_wgmma_ws, the producer forward, and flash_bwd_dq_wgmma at d128):
+//   EXP_NEWTON (flash_fwd_wgmma_ws, the producer forward):
 //     EXP_RCP with the reciprocal on the FMA pipe (rcp_newton, three of four: exp_form_rcp): one
 //     MUFU operation, seven FP32 / integer ones more, the same accuracy.
 //   ACCURATE (SIMT, float32 "ieee", float64): tanhf / tanh.
@@ -103,10 +103,11 @@ __device__ __forceinline__ float rcp_newton(float x) {
 // 2,480. Measured on an H100 (8k causal d128 bf16, perf log softcap-mufu): with the consumers'
 // turns 1.663 -> 1.602 ms (softcap / plain 0.740 -> 0.771); without them 1.648 -> 1.830, where
 // the two consumers' softmaxes meet on the issue slots. So the producer kernel, which takes turns,
-// uses it; and so does the backward's dQ kernel, whose three products a block (S, dP, dQ) take
-// about as long as three MUFU operations a score (perf log softcap-bwd-dq-newton: on an H100 the
-// d128 8k causal backward 5.945 -> 5.579 ms, softcap / plain 0.773 -> 0.805). Not the dK/dV
-// kernel: there it spills 16-56 bytes at d128.
+// uses it. The backward's dQ kernel, whose three products a block (S, dP, dQ) take about as long
+// as three MUFU operations a score, gained with it too (perf log softcap-bwd-dq-newton: on an H100
+// the d128 8k causal backward 5.945 -> 5.579 ms, softcap / plain 0.773 -> 0.805), but waits as
+// dev/experiments/softcap_bwd_dq_newton.patch for a whole GPU suite; the dK/dV kernel spills
+// 16-56 bytes with it at d128.
 enum class Tanh { ACCURATE, EXP_RCP, RATIONAL, EXP_NEWTON };
 
 template <bool SOFTCAP, bool ALIBI, bool SINK, typename A, Tanh TANH>

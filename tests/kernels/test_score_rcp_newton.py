@@ -1,7 +1,6 @@
 """score.cuh's rcp_newton, the reciprocal of softcap's EXP_NEWTON form (the producer forward,
-flash_fwd_wgmma_ws, and the backward's dQ kernel at d128, flash_bwd_dq_wgmma): its seed constant
-read from the header and its steps evaluated as the kernel evaluates them (float32 operations,
-each FFMA rounded once, subnormal inputs and results flushed
+flash_fwd_wgmma_ws): its seed constant read from the header and its steps evaluated as the kernel
+evaluates them (float32 operations, each FFMA rounded once, subnormal inputs and results flushed
 to zero as -ftz=true compiles them), against float64 over the argument's range 1 + 2^(k s) in
 [1, +inf]. The kernel's claims: a relative error below 2e-7 wherever 1 / x is a normal float
 (seed normal: x up to 8.1e37; the error is periodic in the binade, so every float of [1, 2) is
