@@ -58,7 +58,7 @@ flash_bwd_dkdv_mma(const __grid_constant__ BwdParams p) {
     const TensorRows q = p.q, k = p.k, v = p.v, dout = p.dout, dk = p.dk, dv = p.dv, dq_accum = p.dq_accum;
     const float* __restrict__ lse = static_cast<const float*>(p.lse);
     const float* __restrict__ delta = static_cast<const float*>(p.delta);
-    const Mask mask = cta_mask<Mask>(p, seq.index, seqlen_q, seqlen_k);
+    const Mask mask = cta_mask<Mask, CtaRows::KEYS>(p, seq.index, seqlen_q, seqlen_k);
 
     // The query blocks that see some key of this block, for each query head of the group
     // (block_walk.cuh); the others are never loaded.
@@ -115,7 +115,7 @@ flash_bwd_dkdv_mma(const __grid_constant__ BwdParams p) {
             // multiplication, so that a non-finite score there cannot leak; blocks inside the mask
             // run an instance without the test (masked_or_not, mma_bwd.cuh; likewise in step 5).
             // The score policy's transform first (score.cuh), its derivative kept for step 5.
-            const auto score_origin = score.origin(m0_sub + 2 * (lane % 4), n0 + row0 + lane / 4);
+            const auto score_origin = score.origin(m0_sub + 2 * (lane % 4), n0 + row0 + lane / 4, partial);
             ScoreGrads<Mask::Score::HAS_GRAD, M_SUB / 2> grads;
 #pragma unroll
             for (int j = 0; j < M_SUB / 8; ++j) {

@@ -91,7 +91,7 @@ flash_bwd_dq_mma_v2(const __grid_constant__ BwdParams p) {
         const typename Mask::Origin origin = mask.origin(m0 + lane_row, n0 + 2 * (lane % 4));
         // The score policy's transform first (score.cuh); P is read only by dS here, so with a
         // derivative it is kept as P ds'/ds.
-        const auto score_origin = score.origin(m0 + lane_row, n0 + 2 * (lane % 4));
+        const auto score_origin = score.origin(m0 + lane_row, n0 + 2 * (lane % 4), partial);
         float s_acc[G][BLOCK_N / 8][4];
 #pragma unroll
         for (int g = 0; g < G; ++g) zero(s_acc[g]);

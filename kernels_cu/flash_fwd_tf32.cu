@@ -76,7 +76,7 @@ flash_fwd_tf32(const __grid_constant__ FwdParams p) {
 
     const SequenceRows seq = cta_sequence<Mask>(p, blockIdx.z);
     const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
-    const Mask mask = cta_mask<Mask>(p, seq.index, seqlen_q, seqlen_k);
+    const Mask mask = cta_mask<Mask, CtaRows::QUERIES>(p, seq.index, seqlen_q, seqlen_k);
     // The score transforms' fast forms (softcap's rational tanh) for one tf32 product only: "ieee"
     // keeps float32's (score.cuh).
     constexpr Tanh TANH = Tf32Operand<PRODUCTS>::SPLIT ? Tanh::ACCURATE : Tanh::RATIONAL;
