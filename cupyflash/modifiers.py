@@ -818,7 +818,9 @@ class BlockMask:
     count as kept), per key granule the longest run of such query granules (``query_runs``). A
     kernel block inside the runs skips the predicate (FlexAttention's full blocks): a document
     mask's blocks off the documents' edges cost what the plain kernel's cost.
-    The map is of the mask's tensors as they are when it is made: change them, make a new map."""
+    The map is of the mask's tensors as they are when it is made: change them, make a new map (an
+    old map would skip blocks, and the predicate on blocks it holds whole, that the new tensors
+    change)."""
 
     GRANULE = 16  # kernels_cu/flash_block_map.cu: BLOCK_MAP_GRANULE
 
@@ -893,7 +895,7 @@ class BlockMask:
 
         mb, mh = self._shape()
         Rg, Cg = self.query_granules, self.key_granules
-        key = cupy.zeros((mb, mh, Rg, 4), np.int32)  # modifier.cuh's MAP_ENTRY
+        key = cupy.zeros((mb, mh, Rg, 4), np.int32)  # modifier.cuh's BLOCK_MAP_ROW
         query = cupy.zeros((mb, mh, Cg, 4), np.int32)
         query[..., 0], query[..., 1] = Rg, 0
         if Rg and Cg:

@@ -205,7 +205,8 @@ struct WithScore : Band_ {
     }
 
     // Whether the map holds the block [m0, m0 + rows) x [n0, n0 + cols) full. Only asked where
-    // the band's bounds do not cross it, so both lie inside the sequence. The CTA's fixed tile
+    // the band's bounds do not cross it, so its keys lie inside the sequence (its rows too, but
+    // for keys_partial's last block, whose level-k run holds the granules up to the end). The CTA's fixed tile
     // (queries in a query CTA, keys in a key CTA) is 2^k granules at a multiple of its size in
     // every kernel: one load of its level-k run (the sizes are constants once inlined, so the
     // level is too); any other tile is not held full (the predicate runs: slower, not wrong).
@@ -222,9 +223,11 @@ struct WithScore : Band_ {
     }
 
     // The band's answers, and partial wherever the map does not hold the block full.
+    // (keys_partial leaves rows past seqlen_q out, as the band's does: the runs count the pairs
+    // past the ends as kept, and the forward never stores those rows.)
     __device__ __forceinline__ bool keys_partial(int m0, int rows, int n0, int cols) const {
         if constexpr (!HAS_BLOCK_MAP) return Band_::keys_partial(m0, rows, n0, cols);
-        else return Band_::partial(m0, rows, n0, cols) || !map_full(m0, rows, n0, cols);
+        else return Band_::keys_partial(m0, rows, n0, cols) || !map_full(m0, rows, n0, cols);
     }
     __device__ __forceinline__ bool partial(int m0, int rows, int n0, int cols) const {
         if constexpr (!HAS_BLOCK_MAP) return Band_::partial(m0, rows, n0, cols);
