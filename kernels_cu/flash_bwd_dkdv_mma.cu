@@ -102,7 +102,7 @@ flash_bwd_dkdv_mma(const __grid_constant__ BwdParams p) {
         for (int mc0 = 0; mc0 < BLOCK_M; mc0 += M_SUB) {
             const u32 s_q_sub = s_q + mc0 * (D_TILE * 2), s_do_sub = s_do + mc0 * (D_TILE * 2);
             const int m0_sub = m0 + mc0;
-            const bool partial = mask.partial(m0_sub, M_SUB, n0, BLOCK_N);
+            const bool partial = mask.band_partial(m0_sub, M_SUB, n0, BLOCK_N);  // at its register limit: no skipping
 
             // Step 1: S^T = K_j Q^T for this warp's key rows (over its head-dim slice if WARPS_D = 2).
             float s_acc[M_SUB / 8][4];
@@ -115,7 +115,7 @@ flash_bwd_dkdv_mma(const __grid_constant__ BwdParams p) {
             // multiplication, so that a non-finite score there cannot leak; blocks inside the mask
             // run an instance without the test (masked_or_not, mma_bwd.cuh; likewise in step 5).
             // The score policy's transform first (score.cuh), its derivative kept for step 5.
-            const auto score_origin = score.origin(m0_sub + 2 * (lane % 4), n0 + row0 + lane / 4, partial);
+            const auto score_origin = score.origin(m0_sub + 2 * (lane % 4), n0 + row0 + lane / 4);
             ScoreGrads<Mask::Score::HAS_GRAD, M_SUB / 2> grads;
 #pragma unroll
             for (int j = 0; j < M_SUB / 8; ++j) {

@@ -147,8 +147,12 @@ flash_fwd_tf32(const __grid_constant__ FwdParams p) {
         mma_qk_tf32<PRODUCTS, D_TILE, PRESPLIT, STEP_SUMS>(s, q_strips, a_addr, smem_base + Smem::k_tile(stage), k_addr,
                                                 smem_base + Smem::k_lo_tile(stage));
         const int n0 = j * BLOCK_N;
-        const bool masked = mask.keys_partial(m0, BLOCK_M, n0, BLOCK_N);
-        scale_and_mask(s, p.scale_log2, masked, mask, score, m0 + strip_row0, n0, lane);
+        const bool masked = D_TILE <= 128 ? mask.keys_partial(m0, BLOCK_M, n0, BLOCK_N)
+                                           : mask.band_keys_partial(m0, BLOCK_M, n0, BLOCK_N);
+        // a user mask's whole blocks skip its predicate up to d128 (at d256 the second copy of
+        // the transform spills: perf log mask-whole-blocks)
+        scale_and_mask<Mask, decltype(score), M_STRIPS, N_FRAGS, D_TILE <= 128>(s, p.scale_log2, masked, mask, score,
+                                                                               m0 + strip_row0, n0, lane);
         float m_new[M_STRIPS][2];
         row_max(m_new, s, row_stats, lane);
         const auto rescale = softmax_rescale<!FRESH_O>(s, o_acc, row_stats, m_new, lane);

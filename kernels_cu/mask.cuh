@@ -109,6 +109,15 @@ struct Band {
         return m0 + rows > seqlen_q || n0 + cols > seqlen_k || (RIGHT && n0 + cols - 1 > m0 + hi_off) ||
                (LEFT && n0 < m0 + rows - 1 + lo_off);
     }
+    // The band's answers alone, whatever the score policy: for a kernel at its register limit that
+    // keeps a user mask's predicate on every block (its score origins take no block answer), so
+    // it does not pay for WithScore's map_full (perf log mask-whole-blocks).
+    __device__ __forceinline__ bool band_partial(int m0, int rows, int n0, int cols) const {
+        return Band::partial(m0, rows, n0, cols);
+    }
+    __device__ __forceinline__ bool band_keys_partial(int m0, int rows, int n0, int cols) const {
+        return Band::keys_partial(m0, rows, n0, cols);
+    }
 
     // --- load balance -----------------------------------------------------------------------
     // Query block of grid index `block` of `blocks`: with a right bound later query blocks see

@@ -37,11 +37,13 @@ __device__ __forceinline__ void transform_scores(float (&s)[M_STRIPS][N_FRAGS][4
         }
 }
 
-template <class Mask, class Score, int M_STRIPS, int N_FRAGS>
+// SKIP_WHOLE false: a kernel at its register limit keeps the predicate on every block (one copy
+// of the transform).
+template <class Mask, class Score, int M_STRIPS, int N_FRAGS, bool SKIP_WHOLE = true>
 __device__ __forceinline__ void scale_and_mask(float (&s)[M_STRIPS][N_FRAGS][4], float scale_log2,
                                                bool masked, const Mask& mask, const Score& score,
                                                int row0, int n0, int lane) {
-    if constexpr (Score::SKIPS_FULL_BLOCKS) {
+    if constexpr (Score::SKIPS_FULL_BLOCKS && SKIP_WHOLE) {
         if (masked) transform_scores<Mask>(s, scale_log2, true, score, row0, n0, lane);
         else transform_scores<Mask>(s, scale_log2, false, score, row0, n0, lane);
     } else if constexpr (!Score::IDENTITY) {
