@@ -173,6 +173,16 @@ def exact_ranges(visible, granule):
     return out
 
 
+def host_map_and_visible(sizes, mask, seed):
+    """The host-made BlockMask of zoo mask ``mask`` for (batch, nheads, seqlen_q, seqlen_k) and the
+    mask's dense (batch, nheads, seqlen_q, seqlen_k) visibility."""
+    batch, nheads, seqlen_q, seqlen_k = sizes
+    problem = replace(next_problem(), batch=batch, nheads_kv=nheads, group=1, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+    mask_mod = make_mask_mod(mask, problem, seed)
+    return (BlockMask(mask_mod, batch, nheads, seqlen_q, seqlen_k, device="cpu"),
+            dense_visible(mask_mod, batch, nheads, seqlen_q, seqlen_k))
+
+
 problem_sizes = st.tuples(st.integers(1, 2), st.integers(1, 3), st.integers(0, 70), st.integers(0, 70))
 
 
@@ -184,10 +194,7 @@ def test_block_map_against_brute_force(sizes, mask, seed, block):
     the folded tables) hold every visible pair of the block: exactly the pairs' own range for
     masks whose keys move forward with the query."""
     batch, nheads, seqlen_q, seqlen_k = sizes
-    problem = replace(next_problem(), batch=batch, nheads_kv=nheads, group=1, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
-    mask_mod = make_mask_mod(mask, problem, seed)
-    bm = BlockMask(mask_mod, batch, nheads, seqlen_q, seqlen_k, device="cpu")
-    visible = dense_visible(mask_mod, batch, nheads, seqlen_q, seqlen_k)
+    bm, visible = host_map_and_visible(sizes, mask, seed)
     G = bm.GRANULE
     full = exact_ranges(visible, G)
     np.testing.assert_array_equal(np.broadcast_to(bm.key_ranges, full.shape), full)
@@ -257,10 +264,7 @@ def test_block_map_runs_against_brute_force(sizes, mask, seed, block):
     (read along either axis, as a query CTA and a key CTA read them) keeps every pair: the kernels
     skip the predicate there, so a wrong run would be a wrong answer."""
     batch, nheads, seqlen_q, seqlen_k = sizes
-    problem = replace(next_problem(), batch=batch, nheads_kv=nheads, group=1, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
-    mask_mod = make_mask_mod(mask, problem, seed)
-    bm = BlockMask(mask_mod, batch, nheads, seqlen_q, seqlen_k, device="cpu")
-    visible = dense_visible(mask_mod, batch, nheads, seqlen_q, seqlen_k)
+    bm, visible = host_map_and_visible(sizes, mask, seed)
     G = bm.GRANULE
     runs = exact_runs(visible, G)
     np.testing.assert_array_equal(np.broadcast_to(bm.key_runs, runs.shape), runs)
