@@ -183,6 +183,15 @@ def host_map_and_visible(sizes, mask, seed):
             dense_visible(mask_mod, batch, nheads, seqlen_q, seqlen_k))
 
 
+def assert_both_axes(exact, visible, granule, by_query_granule, by_key_granule):
+    """The map's table per query granule equals ``exact`` of the visibility, its table per key
+    granule ``exact`` of the transpose; returns both brute-force tables."""
+    rows, cols = exact(visible, granule), exact(np.swapaxes(visible, 2, 3), granule)
+    np.testing.assert_array_equal(np.broadcast_to(by_query_granule, rows.shape), rows)
+    np.testing.assert_array_equal(np.broadcast_to(by_key_granule, cols.shape), cols)
+    return rows, cols
+
+
 problem_sizes = st.tuples(st.integers(1, 2), st.integers(1, 3), st.integers(0, 70), st.integers(0, 70))
 
 
@@ -196,10 +205,7 @@ def test_block_map_against_brute_force(sizes, mask, seed, block):
     batch, nheads, seqlen_q, seqlen_k = sizes
     bm, visible = host_map_and_visible(sizes, mask, seed)
     G = bm.GRANULE
-    full = exact_ranges(visible, G)
-    np.testing.assert_array_equal(np.broadcast_to(bm.key_ranges, full.shape), full)
-    exact_t = exact_ranges(np.swapaxes(visible, 2, 3), G)
-    np.testing.assert_array_equal(np.broadcast_to(bm.query_ranges, exact_t.shape), exact_t)
+    full, exact_t = assert_both_axes(exact_ranges, visible, G, bm.key_ranges, bm.query_ranges)
     key, query = bm.tables(1, np)
     key, query = np.broadcast_to(key[..., :2], full.shape), np.broadcast_to(query[..., :2], exact_t.shape)
     monotone = mask in ("causal", "sliding_window", "documents", "prefix_lm", "per_head_window")
@@ -266,10 +272,7 @@ def test_block_map_runs_against_brute_force(sizes, mask, seed, block):
     batch, nheads, seqlen_q, seqlen_k = sizes
     bm, visible = host_map_and_visible(sizes, mask, seed)
     G = bm.GRANULE
-    runs = exact_runs(visible, G)
-    np.testing.assert_array_equal(np.broadcast_to(bm.key_runs, runs.shape), runs)
-    runs_t = exact_runs(np.swapaxes(visible, 2, 3), G)
-    np.testing.assert_array_equal(np.broadcast_to(bm.query_runs, runs_t.shape), runs_t)
+    runs, runs_t = assert_both_axes(exact_runs, visible, G, bm.key_runs, bm.query_runs)
     key, query = bm.tables(1, np)
     key = np.broadcast_to(key, runs.shape[:3] + key.shape[-1:])
     query = np.broadcast_to(query, runs_t.shape[:3] + query.shape[-1:])
