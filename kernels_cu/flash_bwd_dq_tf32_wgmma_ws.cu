@@ -77,7 +77,7 @@ flash_bwd_dq_tf32_wgmma_ws(const __grid_constant__ BwdParams p) {
     const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k, batch = seq.batch;
     const int m0 = Mask::query_block(blockIdx.x, gridDim.x) * BLOCK_M;
     if (Mask::PACKED && m0 >= seqlen_q) return;  // past a shorter sequence's end: the whole CTA
-    const Mask mask = cta_mask<Mask, CtaRows::QUERIES>(p, seq.index, seqlen_q, seqlen_k);
+    const Mask mask = cta_mask<Mask>(p, seq.index, seqlen_q, seqlen_k);
     const int head = blockIdx.y, head_kv = head / p.group;
     const int j_begin = mask.key_begin(m0) / BLOCK_N;
     const int j_end = (mask.key_end(m0, BLOCK_M) + BLOCK_N - 1) / BLOCK_N;

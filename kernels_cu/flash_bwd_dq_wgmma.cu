@@ -69,7 +69,7 @@ flash_bwd_dq_wgmma(const __grid_constant__ BwdParams p) {
     const i64 k_ss = p.k.row_stride, v_ss = p.v.row_stride;
 
     const int head = blockIdx.y, batch = seq.batch, head_kv = head / p.group;
-    const Mask mask = cta_mask<Mask, CtaRows::QUERIES>(p, seq.index, seqlen_q, seqlen_k);
+    const Mask mask = cta_mask<Mask>(p, seq.index, seqlen_q, seqlen_k);
     const ScoreOf<Mask, float, Tanh::EXP_RCP> score(score_problem<Mask>(p, seq), seq.index, head, scale);
     const int m0 = Mask::query_block(blockIdx.x, gridDim.x) * BLOCK_M;
     if (Mask::PACKED && m0 >= seqlen_q) return;  // past a shorter sequence's end
@@ -146,7 +146,7 @@ flash_bwd_dq_wgmma(const __grid_constant__ BwdParams p) {
         // makes with it read from BwdParams.
         // The score policy's transform first (score.cuh); P is read only by dS here, so with a
         // derivative it is kept as P ds'/ds.
-        const auto score_origin = score.origin(row_lo, key0, partial);
+        const auto score_origin = score.origin(row_lo, key0);
         auto probabilities = [&](auto masked) {
 #pragma unroll
             for (int f = 0; f < N_FRAGS; ++f)

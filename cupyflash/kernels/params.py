@@ -45,8 +45,7 @@ VARIANT_ARGS = np.dtype([("alibi_slopes", np.uint64), ("sink", np.uint64), ("ali
 # flash_block_map's argument (modifier.cuh's BlockMapParams).
 BLOCK_MAP_PARAMS = np.dtype([("t", MOD_ARGS), ("key_blocks", np.uint64), ("query_blocks", np.uint64),
                              ("map_batch", np.int32), ("map_heads", np.int32), ("seqlen_q", np.int32),
-                             ("seqlen_k", np.int32), ("query_granules", np.int32), ("key_granules", np.int32),
-                             ("by_keys", np.int32)],
+                             ("seqlen_k", np.int32), ("query_granules", np.int32), ("key_granules", np.int32)],
                             align=True)
 
 _SCALE_FIELDS = [("scale_log2", np.float32), ("scale", np.float32), ("scale_log2_f64", np.float64),
