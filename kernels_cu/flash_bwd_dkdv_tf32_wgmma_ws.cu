@@ -18,8 +18,7 @@
 // empty barrier with parity ((use & 1) ^ 1), so its first use of every stage finds it free). No
 // register reallocation: at 256 threads each may hold 255. dQ: flash_bwd_dq_tf32_wgmma_ws (the
 // route's), flash_bwd_dq_tf32_wgmma or the tf32x3 experiment's kernel; the fused atomic dQ does
-// not fit here (K^T and dS beside two
-// stages: 242 KiB at 32 queries).
+// not fit here (K^T and dS beside two stages: 242 KiB at 32 queries).
 #include "block_walk.cuh"
 #include "common.cuh"
 #include "dmma_bwd_steps.cuh"

@@ -163,6 +163,7 @@ def test_specializations_mirror_the_kernels_tiles():
     # the same (a route with two dQ consumers adds its dQ kernel for the masks without dropout)
     masks = [*KINDS, *(m.backward() for m in VARIANT_KINDS + PACKED_KINDS)]
     candidates = {(dt, c) for dt, configs in backward_plans.TF32_WGMMA_BACKWARD_CONFIGS.items() for c in configs}
+
     def route_spec(kind, where, dt, mask):
         return backward_plans.tf32_wgmma_spec(kind, dt, mask, backward_plans.tf32_wgmma_route(where, dt, mask))
 
