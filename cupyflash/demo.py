@@ -42,7 +42,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help=f"1 to {MAX_HEADDIM} (default 64)")
     parser.add_argument("--causal", action="store_true", help="mask keys after each query")
     parser.add_argument("--backend", choices=BACKENDS, default="auto",
-                        help="auto: tensor cores for 16-bit, SIMT otherwise, NumPy without a GPU")
+                        help="auto: the plan's family (tensor cores for 16-bit and float32, DMMA for "
+                             "float64 up to head dim 128; SIMT otherwise), NumPy without a GPU")
     parser.add_argument("--seed", type=int, default=0, help="of the random inputs (default 0)")
 
 

@@ -83,7 +83,7 @@ def run(args) -> int:
         lines, kernels = describe(args.arch, smem, args.dtype, args.headdim, args.headdim_v, args.causal,
                                   args.window, not args.atomic, args.precision, args.statistics)
     except ValueError as error:
-        summary("plan", f"no plan: {error}")
+        summary("plan", f"no plan: {str(error).removeprefix('cupyflash: ')}")
         return EXIT_USAGE
     print("\n".join(lines))
     summary("plan", f"sm_{args.arch} ({smem // 1024} KiB), {args.dtype}, head dim {args.headdim}: {kernels} kernels")
