@@ -466,9 +466,9 @@ def _without_spills(row: BackwardKernels, mask: Mask, dt: int) -> BackwardKernel
 class Launch(NamedTuple):
     """One kernel of a plan: its specialization and what its grid's x dimension counts."""
 
-    role: str  # "preprocess", "stats", "kv_bounds", "preprocess_fixed", "dkdv", "dq", "convert"
+    role: str  # "preprocess", "stats", "kv_bounds", "preprocess_fixed", "dkdv", "split_kv", "dq", "convert"
     spec: Specialization
-    per_block: int  # rows (keys for dkdv and kv_bounds, queries for dq), or elements, per block
+    per_block: int  # rows (keys for dkdv, kv_bounds, split_kv; queries for dq), or elements, per block
 
     def grid(self, batch: int, seqlen_q: int, seqlen_k: int, nheads: int, nheads_kv: int,
              headdim: int, packed=None) -> tuple[int, int, int]:
@@ -481,7 +481,7 @@ class Launch(NamedTuple):
             return math.ceil(batch * seqlen_q * nheads * (headdim // 8) / self.per_block), 1, 1
         if packed is not None:
             batch, seqlen_q, seqlen_k = packed.sequences, packed.max_seqlen_q, packed.max_seqlen_k
-        if self.role in ("dkdv", "kv_bounds"):
+        if self.role in ("dkdv", "kv_bounds", "split_kv"):
             return math.ceil(seqlen_k / self.per_block), nheads_kv, batch
         return math.ceil(seqlen_q / self.per_block), nheads, batch  # dq, stats, preprocess_fixed
 
@@ -872,7 +872,10 @@ class Tf32WgmmaBwdConfig:
     (flash_bwd_dq_tf32_wgmma_ws, perf log tf32-wgmma-dq-ws): dQ the same way, a producer splitting
     each key block (K, K^T, V) into one of ``dq_stages`` stages (dq_raw_stages >= 1 ahead) for a
     consumer of the 64 query rows (``dq_consumers`` 2: two consumers taking turns at the key
-    blocks, their dQ added at the end). Candidates, in no plan (but the route's row):
+    blocks, their dQ added at the end). ``dq_presplit`` (with dq_producer and dq_raw_stages 0; perf
+    log tf32-split-once): each key block split once for the grid by flash_bwd_split_kv_tf32 into a
+    workspace (kv_split_bytes), the dQ producer one thread copying it into the stages by bulk copies.
+    Candidates, in no plan (but the route's row):
     ``dmma.backward(config=...)`` on float32 arrays,
     head dims up to 64 and multiples of 4 (at d128, K, V and a query block's four tile pairs, hi
     and lo, take 256 KiB of shared memory at 32 queries a block)."""
@@ -889,6 +892,7 @@ class Tf32WgmmaBwdConfig:
     dq_producer: bool = False
     dq_stages: int = 2
     dq_consumers: int = 1
+    dq_presplit: bool = False
 
     threads = 128
     block_n = 64
@@ -898,10 +902,12 @@ class Tf32WgmmaBwdConfig:
 # The candidates the compile check builds for every mask, at their one head-dim tile (head dims up
 # to 64; at d32 the 64-query blocks, the tile the transposed split deals to four warps there, spill
 # 48-108 bytes with a window or dropout): the single warpgroup's, the producer dK/dV form's with the
-# one-warpgroup dQ (the route's row of the tenth session) and with dQ by a producer too (the route's
-# row now, tf32-wgmma-dq-ws).
+# one-warpgroup dQ (the route's row of the tenth session), with dQ by a producer too (the route's
+# row now, tf32-wgmma-dq-ws), and that producer copying key blocks split once (tf32-split-once).
 TF32_WGMMA_BACKWARD_CONFIGS = {64: (Tf32WgmmaBwdConfig(), Tf32WgmmaBwdConfig(32, 1, producer=True),
-                                    Tf32WgmmaBwdConfig(32, 1, producer=True, dq_raw_stages=1, dq_producer=True))}
+                                    Tf32WgmmaBwdConfig(32, 1, producer=True, dq_raw_stages=1, dq_producer=True),
+                                    Tf32WgmmaBwdConfig(32, 1, producer=True, dq_raw_stages=0, dq_producer=True,
+                                                       dq_presplit=True))}
 TF32_WGMMA_D_TILES = (64,)
 
 # float32's backward with statistics "saved" at sm_90, head-dim tile 64 (head dims 40-64): dK / dV and
@@ -969,7 +975,11 @@ def tf32_wgmma_spec(kind: str, dt: int, mask: Mask, config: Tf32WgmmaBwdConfig) 
     # the producer forms (flash_bwd_{kind}_tf32_wgmma_ws): STAGES after the tile
     ws = config.producer if kind == "dkdv" else config.dq_producer
     n_stages = config.stages if kind == "dkdv" else config.dq_stages
-    if ws and (fused or n_stages < 2 or raw < 1):
+    presplit = kind == "dq" and config.dq_presplit
+    if config.dq_presplit and (not config.dq_producer or config.dq_raw_stages != 0):
+        raise ValueError(f"cupyflash: dq_presplit is the dQ producer form's, with no raw stages "
+                         f"(dq_raw_stages=0): {config!r}")
+    if ws and (fused or n_stages < 2 or (raw < 1 and not presplit)):
         raise ValueError(f"cupyflash: the producer form takes two or more stages, raw rows one or more blocks "
                          f"ahead, and no fused dQ: {config!r}")
     consumers = config.dq_consumers if kind == "dq" and ws else 1
@@ -979,17 +989,41 @@ def tf32_wgmma_spec(kind: str, dt: int, mask: Mask, config: Tf32WgmmaBwdConfig) 
     stages = (f"_s{n_stages}", f"{n_stages}, ") if ws else ("", "")
     # template arguments after SUMS_APART: (DQ_ATOMIC,) PRODUCTS, each written only when not its default
     tail = ([] if kind == "dq" or ws else ["true" if fused else "false"]) + [str(products)] + (
-        [str(consumers)] if consumers > 1 else [])
+        [str(consumers)] if consumers > 1 or presplit else []) + (["true"] if presplit else [])
     while tail and tail[-1] in ("false", "3"):
         tail.pop()
     suffix = (("_apart" if config.sums_apart else "") + ("_dq" if fused else "") + ("_tf32" if products == 1 else "")
-              + (f"_c{consumers}" if consumers > 1 else ""))
+              + (f"_c{consumers}" if consumers > 1 else "") + ("_presplit" if presplit else ""))
     return Specialization(f"{fn}_{SHORT_NAMES['float32']}_hdim{dt}_{mask.name}_bm{bm}_bn{bn}{stages[0]}_r{raw}{suffix}",
                           f"{fn}.cu",
                           f"cf::{fn}<{dt}, {mask.cpp}, {step}, {stages[1]}{raw}, "
                           f"{'true' if config.sums_apart else 'false'}{''.join(', ' + t for t in tail)}>",
                           128 * (1 + consumers) if ws else config.threads, tf32_wgmma_smem_bytes(kind, dt, config),
                           arch="90a")
+
+
+def tf32_split_kv_spec(dt: int, mask: Mask, config: Tf32WgmmaBwdConfig) -> Specialization:
+    """flash_bwd_split_kv_tf32 at head-dim tile ``dt``: each key block of dq_block_n keys split once
+    into the kv_split image that dq_presplit's producer copies (the mask's packing is all it takes
+    from ``mask``: every key of a sequence is split)."""
+    products = PRODUCTS[check_precision(config.precision)]
+    packed = "true" if mask.packed else "false"
+    return Specialization(f"flash_bwd_split_kv_tf32_{SHORT_NAMES['float32']}_hdim{dt}_bn{config.dq_block_n}"
+                          + ("_packed" if mask.packed else "") + ("_tf32" if products == 1 else ""),
+                          "flash_bwd_split_kv_tf32.cu",
+                          f"cf::flash_bwd_split_kv_tf32<{dt}, {config.dq_block_n}, {packed}"
+                          + (f", {products}>" if products != 3 else ">"),
+                          128, 6 * 4 * config.dq_block_n * dt + 1024, arch="90a")
+
+
+def kv_split_bytes(dt: int, block_n: int, batch: int, seqlen_k: int, nheads_kv: int, sequences: int | None = None) -> int:
+    """The kv_split image's bytes (wgmma_tf32_bwd_steps.cuh's kv_image_offset): a block of
+    Tf32KeyBlockTiles (6 tiles of block_n x dt float32) per (batch, kv head, key block) of a dense
+    batch; for a packed batch (``sequences`` of them, seqlen_k the total keys) per (slot, kv head),
+    seqlen_k // block_n + sequences slots."""
+    blocks = (seqlen_k // block_n + sequences if sequences is not None
+              else batch * math.ceil(seqlen_k / block_n))
+    return blocks * nheads_kv * 6 * 4 * block_n * dt
 
 
 def tf32_wgmma_d_tile(headdim: int) -> int:
@@ -1019,4 +1053,7 @@ def tf32_wgmma_backward_plan(headdim: int, mask: Mask | bool, config: Tf32WgmmaB
         return BackwardPlan("mma", where, headdim, dt, "atomic", config, (first, dkdv))
     dq = (Launch("dq", tf32_wgmma_spec("dq", dt, mask, config), config.dq_block_m) if config.dq_block_n else
           Launch("dq", dmma_spec("dq", experiment_dt, mask, experiment, "float32"), experiment.dq_block_m))
+    if config.dq_presplit:  # the key blocks split once, before the dQ kernel copies them
+        split = Launch("split_kv", tf32_split_kv_spec(dt, mask, config), config.dq_block_n)
+        return BackwardPlan("mma", where, headdim, dt, "none", config, (first, dkdv, split, dq))
     return BackwardPlan("mma", where, headdim, dt, "none", config, (first, dkdv, dq))

@@ -813,7 +813,14 @@ class BlockMask:
     The map holds, per (batch, head) of the map and query granule, the key granules [first, end)
     that hold a pair the mask keeps (``key_ranges``), and per key granule the query granules
     (``query_ranges``), as made; the kernels read them folded (modifier.cuh, mask.cuh's WithScore).
-    The map is of the mask's tensors as they are when it is made: change them, make a new map."""
+    It also holds where the mask keeps whole blocks: per query granule the longest run [first,
+    end) of key granules whose every pair the mask keeps (``key_runs``; pairs past a sequence's end
+    count as kept), per key granule the longest run of such query granules (``query_runs``). A
+    kernel block inside the runs skips the predicate (FlexAttention's full blocks): a document
+    mask's blocks off the documents' edges cost what the plain kernel's cost.
+    The map is of the mask's tensors as they are when it is made: change them, make a new map (an
+    old map would skip blocks, and the predicate on blocks it holds whole, that the new tensors
+    change)."""
 
     GRANULE = 16  # kernels_cu/flash_block_map.cu: BLOCK_MAP_GRANULE
 
@@ -842,25 +849,27 @@ class BlockMask:
 
             device = "cuda" if dispatch.gpu_available() else "cpu"
         if device == "cuda":
-            self.key_ranges, self.query_ranges = self._make_on_gpu()
+            self.key_ranges, self.query_ranges, self.key_runs, self.query_runs = self._make_on_gpu()
         elif device == "cpu":
-            self.key_ranges, self.query_ranges = self._make_on_host()
+            self.key_ranges, self.query_ranges, self.key_runs, self.query_runs = self._make_on_host()
         else:
             raise ValueError(f"cupyflash: create_block_mask's device must be 'auto', 'cuda' or 'cpu', got {device!r}")
         self._tables: dict = {}
 
     def __repr__(self):
         return (f"BlockMask({self.mask_mod!r}, batch={self.batch}, nheads={self.nheads}, seqlen_q={self.seqlen_q}, "
-                f"seqlen_k={self.seqlen_k}, visible granule pairs {self.density():.3f})")
+                f"seqlen_k={self.seqlen_k}, visible granule pairs {self.density():.3f}, "
+                f"in whole runs {self.full_density():.3f})")
 
     def _shape(self):
         return self.map_batch, self.map_heads
 
     def _make_on_host(self):
-        """Both tables by evaluating the mask's NumPy form, GRANULE query rows at a time."""
+        """The tables by evaluating the mask's NumPy form, GRANULE query rows at a time."""
         G, (mb, mh) = self.GRANULE, self._shape()
         Rg, Cg = self.query_granules, self.key_granules
         any_pair = np.zeros((mb, mh, Rg, Cg), bool)
+        whole = np.zeros((mb, mh, Rg, Cg), bool)  # every pair kept (past the ends: kept)
         b = np.arange(mb, dtype=np.int32)[:, None, None, None]
         h = np.arange(mh, dtype=np.int32)[None, :, None, None]
         kv = np.arange(self.seqlen_k, dtype=np.int32)[None, None, None, :]
@@ -871,7 +880,11 @@ class BlockMask:
             padded = np.zeros((mb, mh, Cg * G), bool)
             padded[..., :self.seqlen_k] = keep.any(axis=2)
             any_pair[:, :, r] = padded.reshape(mb, mh, Cg, G).any(axis=-1)
-        return _ranges(any_pair, axis=3), _ranges(any_pair, axis=2)
+            padded = np.ones((mb, mh, Cg * G), bool)
+            padded[..., :self.seqlen_k] = keep.all(axis=2)
+            whole[:, :, r] = padded.reshape(mb, mh, Cg, G).all(axis=-1)
+        return (_ranges(any_pair, axis=3), _ranges(any_pair, axis=2), _longest_runs(whole, axis=3),
+                _longest_runs(whole, axis=2))
 
     def _make_on_gpu(self):
         """Both tables by kernels_cu/flash_block_map.cu on the current device."""
@@ -882,8 +895,8 @@ class BlockMask:
 
         mb, mh = self._shape()
         Rg, Cg = self.query_granules, self.key_granules
-        key = cupy.empty((mb, mh, Rg, 2), np.int32)
-        query = cupy.empty((mb, mh, Cg, 2), np.int32)
+        key = cupy.zeros((mb, mh, Rg, 4), np.int32)  # modifier.cuh's BLOCK_MAP_ROW
+        query = cupy.zeros((mb, mh, Cg, 4), np.int32)
         query[..., 0], query[..., 1] = Rg, 0
         if Rg and Cg:
             mods = Modifiers(None, _MaskOnly(self.mask_mod)).to(cupy)
@@ -893,16 +906,27 @@ class BlockMask:
             params["map_batch"], params["map_heads"] = mb, mh
             params["seqlen_q"], params["seqlen_k"] = self.seqlen_q, self.seqlen_k
             params["query_granules"], params["key_granules"] = Rg, Cg
-            launch(block_map_spec(mods), (Rg, mh, mb), (params,))
+            spec = block_map_spec(mods)
+            launch(spec, (Rg, mh, mb), (params,))
+            params["by_keys"] = np.int32(1)
+            launch(spec, (Cg, mh, mb), (params,))
         else:
             key[..., 0], key[..., 1] = Cg, 0
-        return key.get(), query.get()
+        key, query = key.get(), query.get()
+        return key[..., :2].copy(), query[..., :2].copy(), key[..., 2:].copy(), query[..., 2:].copy()
 
     def density(self) -> float:
         """The fraction of (query granule, key granule) pairs inside the key ranges."""
         if not self.query_granules or not self.key_granules:
             return 0.0
         width = np.maximum(self.key_ranges[..., 1] - self.key_ranges[..., 0], 0)
+        return float(width.sum() / (width.size * self.key_granules))
+
+    def full_density(self) -> float:
+        """The fraction of (query granule, key granule) pairs inside the key runs (whole blocks)."""
+        if not self.query_granules or not self.key_granules:
+            return 0.0
+        width = self.key_runs[..., 1] - self.key_runs[..., 0]
         return float(width.sum() / (width.size * self.key_granules))
 
     def check_call(self, batch: int, nheads: int, seqlen_q: int, seqlen_k: int) -> None:
@@ -917,16 +941,22 @@ class BlockMask:
     def tables(self, group: int, xp):
         """(key table, query table) as the kernels read them: folded (the key table's first a
         suffix minimum over query granules, its end a prefix maximum; the query table's the same
-        over key granules), the query table per kv head (the union over each group of ``group``
-        query heads), int32 C-contiguous arrays of module ``xp``."""
+        over key granules), then the whole runs (``key_runs``, ``query_runs``) at MAP_LEVELS levels:
+        level k's the intersection over the aligned group of 2^k granules (modifier.cuh's
+        MAP_ENTRY, ten ints a granule); the query table per kv head (the union of the ranges over
+        each group of ``group`` query heads, the intersection of the runs); int32 C-contiguous
+        arrays of module ``xp``."""
         cache_key = (group, xp.__name__)
         if cache_key not in self._tables:
-            key = _folded(self.key_ranges)
+            key = np.concatenate([_folded(self.key_ranges), _run_levels(self.key_runs)], axis=-1)
+            query_runs = self.query_runs
             query = _folded(self.query_ranges)
             if self.map_heads > 1 and group > 1:
                 mb, mh, n, _ = query.shape
                 grouped = query.reshape(mb, mh // group, group, n, 2)
                 query = np.stack([grouped[..., 0].min(axis=2), grouped[..., 1].max(axis=2)], axis=-1)
+                query_runs = _intersection(query_runs.reshape(mb, mh // group, group, n, 2), axis=2)
+            query = np.concatenate([query, _run_levels(query_runs)], axis=-1)
             tables = tuple(np.ascontiguousarray(t, dtype=np.int32) for t in (key, query))
             if xp is not np:
                 tables = tuple(xp.asarray(t) for t in tables)
@@ -947,6 +977,47 @@ def _ranges(any_pair: np.ndarray, axis: int) -> np.ndarray:
     last = n - np.argmax(np.flip(any_pair, axis=axis), axis=axis)
     out = np.stack([first, np.where(has, last, 0)], axis=-1).astype(np.int32)
     return out
+
+
+def _longest_runs(whole: np.ndarray, axis: int) -> np.ndarray:
+    """[first, end) of the longest run of True entries along ``axis`` (3: key granules per query
+    granule, 2: query granules per key granule), the first of equal length; [0, 0) where there is
+    none (flash_block_map.cu's GranuleRun)."""
+    lines = np.moveaxis(whole, axis, -1)
+    shape = lines.shape[:-1]
+    first, length = np.zeros(shape, np.int32), np.zeros(shape, np.int32)
+    current = np.zeros(shape, np.int32)
+    for g in range(lines.shape[-1]):
+        current = np.where(lines[..., g], current + 1, 0)
+        longer = current > length
+        length = np.where(longer, current, length)
+        first = np.where(longer, g + 1 - current, first)
+    return np.stack([first, first + length], axis=-1).astype(np.int32)
+
+
+MAP_LEVELS = 4  # kernels_cu/modifier.cuh: tiles of 1, 2, 4 and 8 granules read a run with one load
+
+
+def _intersection(runs: np.ndarray, axis: int) -> np.ndarray:
+    """The intersection of [first, end) runs (the last axis) along ``axis`` of the others, an empty
+    one as [first, first)."""
+    first = runs[..., 0].max(axis=axis)
+    return np.stack([first, np.maximum(runs[..., 1].min(axis=axis), first)], axis=-1)
+
+
+def _run_levels(runs: np.ndarray) -> np.ndarray:
+    """(..., granules, 2) runs -> (..., granules, 2 * MAP_LEVELS): at each granule, level k's run is
+    the intersection of the runs of the aligned group of 2^k granules that holds it (the granules
+    past the end are not in a group)."""
+    n = runs.shape[-2]
+    levels = []
+    for k in range(MAP_LEVELS):
+        size = 1 << k
+        padded = np.concatenate([runs, np.broadcast_to(np.array([0, 1 << 30], np.int64), runs.shape[:-2] + (-n % size, 2))],
+                                axis=-2) if n % size else runs
+        groups = _intersection(padded.reshape(runs.shape[:-2] + (-(-n // size), size, 2)), axis=-1)
+        levels.append(np.repeat(groups, size, axis=-2)[..., :n, :])
+    return np.concatenate(levels, axis=-1).astype(np.int32)
 
 
 def _folded(ranges: np.ndarray) -> np.ndarray:

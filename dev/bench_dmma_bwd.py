@@ -60,6 +60,13 @@ WGMMA_CANDIDATES = {
     # two dQ consumers taking turns at the key blocks (a second warp a scheduler in the first's gaps)
     "wgmma_producer_dq_c2": Tf32WgmmaBwdConfig(32, 1, producer=True, dq_raw_stages=1, dq_producer=True,
                                                dq_consumers=2),
+    # the key blocks split once for the grid (flash_bwd_split_kv_tf32), the dQ producer one thread's
+    # bulk copies (perf log tf32-split-once); two and three stages
+    "wgmma_presplit": Tf32WgmmaBwdConfig(32, 1, producer=True, dq_raw_stages=0, dq_producer=True, dq_presplit=True),
+    "wgmma_presplit_s3": Tf32WgmmaBwdConfig(32, 1, producer=True, dq_raw_stages=0, dq_producer=True, dq_stages=3,
+                                            dq_presplit=True),
+    "wgmma_presplit_c2": Tf32WgmmaBwdConfig(32, 1, producer=True, dq_raw_stages=0, dq_producer=True, dq_consumers=2,
+                                            dq_presplit=True),
 }
 
 

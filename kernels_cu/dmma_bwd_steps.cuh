@@ -160,7 +160,7 @@ struct DmmaQueryCta {
           seq(cta_sequence<Mask>(p, blockIdx.z)),
           scale_log2(scale_log2_in<A>(p)),
           scale(scale_in<A>(p)),
-          mask(cta_mask<Mask>(p, seq.index, seq.seqlen_q, seq.seqlen_k)),
+          mask(cta_mask<Mask, CtaRows::QUERIES>(p, seq.index, seq.seqlen_q, seq.seqlen_k)),
           m0(Mask::query_block(blockIdx.x, gridDim.x) * BLOCK_M),
           head(blockIdx.y),
           head_kv(head / p.group),

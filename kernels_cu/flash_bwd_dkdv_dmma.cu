@@ -50,7 +50,7 @@ flash_bwd_dkdv_dmma(const __grid_constant__ BwdParams p) {
     const int head_kv = blockIdx.y, batch = seq.batch, group = p.group;
     // Past a shorter sequence's end. A sequence without queries still stores dK = dV = 0 below.
     if (Mask::PACKED && n0 >= seqlen_k) return;
-    const Mask mask = cta_mask<Mask>(p, seq.index, seqlen_q, seqlen_k);
+    const Mask mask = cta_mask<Mask, CtaRows::KEYS>(p, seq.index, seqlen_q, seqlen_k);
     const A drop_scale = DropoutOf<Mask>::ENABLED ? dropout_scale_in<A>(p) : A(1);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;

@@ -38,7 +38,7 @@ struct DmmaKeyBlock {
 
     __device__ __forceinline__ DmmaKeyBlock(const BwdParams& p)
         : seq(cta_sequence<Mask>(p, blockIdx.z)),
-          mask(cta_mask<Mask>(p, seq.index, seq.seqlen_q, seq.seqlen_k)),
+          mask(cta_mask<Mask, CtaRows::KEYS>(p, seq.index, seq.seqlen_q, seq.seqlen_k)),
           n0(blockIdx.x * BLOCK_N),
           head_kv(blockIdx.y) {}
 

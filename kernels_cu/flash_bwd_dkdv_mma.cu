@@ -58,7 +58,7 @@ flash_bwd_dkdv_mma(const __grid_constant__ BwdParams p) {
     const TensorRows q = p.q, k = p.k, v = p.v, dout = p.dout, dk = p.dk, dv = p.dv, dq_accum = p.dq_accum;
     const float* __restrict__ lse = static_cast<const float*>(p.lse);
     const float* __restrict__ delta = static_cast<const float*>(p.delta);
-    const Mask mask = cta_mask<Mask>(p, seq.index, seqlen_q, seqlen_k);
+    const Mask mask = cta_mask<Mask, CtaRows::KEYS>(p, seq.index, seqlen_q, seqlen_k);
 
     // The query blocks that see some key of this block, for each query head of the group
     // (block_walk.cuh); the others are never loaded.
@@ -102,7 +102,7 @@ flash_bwd_dkdv_mma(const __grid_constant__ BwdParams p) {
         for (int mc0 = 0; mc0 < BLOCK_M; mc0 += M_SUB) {
             const u32 s_q_sub = s_q + mc0 * (D_TILE * 2), s_do_sub = s_do + mc0 * (D_TILE * 2);
             const int m0_sub = m0 + mc0;
-            const bool partial = mask.partial(m0_sub, M_SUB, n0, BLOCK_N);
+            const bool partial = mask.band_partial(m0_sub, M_SUB, n0, BLOCK_N);  // at its register limit: no skipping
 
             // Step 1: S^T = K_j Q^T for this warp's key rows (over its head-dim slice if WARPS_D = 2).
             float s_acc[M_SUB / 8][4];

@@ -96,7 +96,7 @@ flash_bwd_dkdv_mma_split(const __grid_constant__ BwdParams p) {
                 // hidden entries selected to 0 (masked_or_not); P^T to the pair's slot; dV_j += P^T dO.
                 // With a score transform (score.cuh) S^T is transformed first, and the slot gets
                 // P^T times its derivative: the dK warp needs P^T only in dS^T.
-                const auto score_origin = score.origin(m0_sub + 2 * (lane % 4), n0 + row0 + lane / 4);
+                const auto score_origin = score.origin(m0_sub + 2 * (lane % 4), n0 + row0 + lane / 4, partial);
                 float s_acc[G][M_SUB / 8][4];
 #pragma unroll
                 for (int g = 0; g < G; ++g) zero(s_acc[g]);

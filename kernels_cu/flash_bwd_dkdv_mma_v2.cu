@@ -68,7 +68,7 @@ flash_bwd_dkdv_mma_v2(const __grid_constant__ BwdParams p) {
             int m_min[G][2];
             const typename Mask::Origin origin =
                 key_rows_of_sub_block(m_min, mask, m0_sub, n0 + row0, lane, seqlen_q, cta.seqlen_k);
-            const auto score_origin = score.origin(m0_sub + 2 * (lane % 4), n0 + row0 + lane / 4);
+            const auto score_origin = score.origin(m0_sub + 2 * (lane % 4), n0 + row0 + lane / 4, partial);
             ScoreGrads<Mask::Score::HAS_GRAD, G * M_SUB / 2> grads;  // ds'/ds of the entries [g][j][e]
 
             // Step 1: S^T = K_j Q^T for this warp's 16 G key rows.

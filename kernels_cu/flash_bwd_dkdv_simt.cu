@@ -56,7 +56,7 @@ flash_bwd_dkdv_simt(const __grid_constant__ BwdParams p) {
     // Past a shorter sequence's end. A sequence without queries still stores dK = dV = 0 below.
     if (Mask::PACKED && n0 >= seqlen_k) return;
     const int key = threadIdx.x / TPR, lane_in_row = threadIdx.x % TPR;
-    const Mask mask = cta_mask<Mask>(p, seq.index, seqlen_q, seqlen_k);
+    const Mask mask = cta_mask<Mask, CtaRows::KEYS>(p, seq.index, seqlen_q, seqlen_k);
 
     const T* __restrict__ k_rows = p.k.row<const T>(batch, seq.k_begin, head_kv);
     const T* __restrict__ v_rows = p.v.row<const T>(batch, seq.k_begin, head_kv);

@@ -91,7 +91,7 @@ flash_bwd_dkdv_tf32_wgmma(const __grid_constant__ BwdParams p) {
     const int n0 = blockIdx.x * BLOCK_N, head_kv = blockIdx.y, batch = seq.batch;
     // Past a shorter sequence's end. A sequence without queries still stores dK = dV = 0 below.
     if (Mask::PACKED && n0 >= seqlen_k) return;
-    const Mask mask = cta_mask<Mask>(p, seq.index, seqlen_q, seqlen_k);
+    const Mask mask = cta_mask<Mask, CtaRows::KEYS>(p, seq.index, seqlen_q, seqlen_k);
     const float scale = scale_in<float>(p);
     const float drop_scale = DropoutOf<Mask>::ENABLED ? dropout_scale_in<float>(p) : 1.f;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;

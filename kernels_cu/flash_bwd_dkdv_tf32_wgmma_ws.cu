@@ -70,7 +70,7 @@ flash_bwd_dkdv_tf32_wgmma_ws(const __grid_constant__ BwdParams p) {
     const int n0 = blockIdx.x * BLOCK_N, head_kv = blockIdx.y, batch = seq.batch;
     // Past a shorter sequence's end (the whole CTA). A sequence without queries still stores dK = dV = 0.
     if (Mask::PACKED && n0 >= seqlen_k) return;
-    const Mask mask = cta_mask<Mask>(p, seq.index, seqlen_q, seqlen_k);
+    const Mask mask = cta_mask<Mask, CtaRows::KEYS>(p, seq.index, seqlen_q, seqlen_k);
     const QueryBlockWalk<BLOCK_M> walk(mask, n0, BLOCK_N, p.group);
     const int tid = threadIdx.x, wg = tid / 128, wg_tid = tid % 128, warp = wg_tid / 32, lane = tid % 32;
 

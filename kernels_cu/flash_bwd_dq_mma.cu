@@ -70,7 +70,7 @@ flash_bwd_dq_mma(const __grid_constant__ BwdParams p) {
         // Step 2: dS = P o (dP - D) with P = exp2(S scale log2(e) - lse log2(e)); lse, D per row.
         // The score policy's transform first (score.cuh), its derivative on dS.
         const bool partial = mask.partial(m0, BLOCK_M, n0, BLOCK_N);
-        const auto score_origin = score.origin(m0 + row0 + lane / 4, n0 + 2 * (lane % 4));
+        const auto score_origin = score.origin(m0 + row0 + lane / 4, n0 + 2 * (lane % 4), partial);
 #pragma unroll
         for (int f = 0; f < BLOCK_N / 8; ++f) {
 #pragma unroll

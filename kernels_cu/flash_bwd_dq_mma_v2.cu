@@ -87,7 +87,7 @@ flash_bwd_dq_mma_v2(const __grid_constant__ BwdParams p) {
         // log2(e) - lse log2(e)) in place. The window's left bound (from the policy's origin: query
         // m0 + lane_row, key n0 + 2 (lane % 4)) selects P to 0 here, where dP is not live yet, and
         // step 2 tells those entries by P == 0: the d128 kernel has no registers to spare there.
-        const bool partial = mask.partial(m0, BLOCK_M, n0, BLOCK_N);
+        const bool partial = mask.band_partial(m0, BLOCK_M, n0, BLOCK_N);  // at its register limit: no skipping
         const typename Mask::Origin origin = mask.origin(m0 + lane_row, n0 + 2 * (lane % 4));
         // The score policy's transform first (score.cuh); P is read only by dS here, so with a
         // derivative it is kept as P ds'/ds.

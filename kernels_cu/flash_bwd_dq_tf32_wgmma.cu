@@ -57,7 +57,7 @@ flash_bwd_dq_tf32_wgmma(const __grid_constant__ BwdParams p) {
     const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k, batch = seq.batch;
     const int m0 = Mask::query_block(blockIdx.x, gridDim.x) * BLOCK_M;
     if (Mask::PACKED && m0 >= seqlen_q) return;  // past a shorter sequence's end
-    const Mask mask = cta_mask<Mask>(p, seq.index, seqlen_q, seqlen_k);
+    const Mask mask = cta_mask<Mask, CtaRows::QUERIES>(p, seq.index, seqlen_q, seqlen_k);
     const int head = blockIdx.y, head_kv = head / p.group;
     const float scale_log2 = scale_log2_in<float>(p), scale = scale_in<float>(p);
     const float drop_scale = DropoutOf<Mask>::ENABLED ? dropout_scale_in<float>(p) : 1.f;

@@ -25,6 +25,14 @@
 // chain of dependent products, waits and the element step at about 0.35 instructions a clock
 // (perf log tf32-wgmma-dq-ws, the SASS count); a second warp a scheduler runs in its gaps. The
 // stage ring is unchanged: each stage use is one phase of its barriers, whichever consumer it is.
+//
+// PRESPLIT (a candidate: Tf32WgmmaBwdConfig(dq_presplit=True); perf log tf32-split-once): the
+// key blocks come split already, once for the grid, by flash_bwd_split_kv_tf32 (BwdParams'
+// kv_split image, Tf32KeyBlockTiles' bytes). The producer is then one thread: per key block it
+// waits for the stage to be empty, arrives on its full barrier expecting the block's bytes, and
+// has the TMA unit copy them in (cp.async.bulk); the phase completes when they have landed, in
+// the async proxy that wgmma reads with. No raw stages (RAW_STAGES 0), no split in this kernel
+// but Q's and dO's.
 #include "common.cuh"
 #include "dmma_bwd_steps.cuh"
 #include "mask.cuh"
@@ -47,7 +55,8 @@ struct DqTf32WgmmaWsSmem {
     static constexpr int BLOCK_M = 64;
     static constexpr u32 Q_TILE = BLOCK_M * D_TILE * 4, KV_TILE = BLOCK_N * D_TILE * 4;
     static constexpr u32 Q_HI = 0, DO_HI = 2 * Q_TILE;
-    static constexpr u32 K = 0, KT = 2 * KV_TILE, V = 4 * KV_TILE;  // in a stage
+    typedef Tf32KeyBlockTiles<D_TILE, BLOCK_N> Tiles;
+    static constexpr u32 K = Tiles::K, KT = Tiles::KT, V = Tiles::V;  // in a stage
     static constexpr u32 STAGE = (6 * KV_TILE + 1023) / 1024 * 1024;
     static constexpr u32 STAGE0 = 4 * Q_TILE;
     static constexpr u32 RAW = STAGE0 + STAGES * STAGE;
@@ -56,7 +65,7 @@ struct DqTf32WgmmaWsSmem {
 };
 
 template <int D_TILE, class Mask, int BLOCK_N, int STAGES, int RAW_STAGES, bool SUMS_APART, int PRODUCTS = 3,
-          int CONSUMERS = 1>
+          int CONSUMERS = 1, bool PRESPLIT = false>
 __global__ void __launch_bounds__(128 + 128 * CONSUMERS, 1)
 flash_bwd_dq_tf32_wgmma_ws(const __grid_constant__ BwdParams p) {
     typedef DqTf32WgmmaWsSmem<D_TILE, BLOCK_N, STAGES, RAW_STAGES> L;
@@ -66,7 +75,7 @@ flash_bwd_dq_tf32_wgmma_ws(const __grid_constant__ BwdParams p) {
     static_assert(CONSUMERS == 1 || STAGES * L::STAGE >= BLOCK_M * D_TILE * 4, "the hand-over's room");
     static_assert(BLOCK_N % 32 == 0 && BLOCK_N <= 64 && D_TILE % 32 == 0 && D_TILE <= 128,
                   "whole tf32 panels; S's width is wgmma's N");
-    static_assert(STAGES >= 2 && RAW_STAGES >= 1, "stages");
+    static_assert(STAGES >= 2 && (PRESPLIT ? RAW_STAGES == 0 : RAW_STAGES >= 1), "stages");
     static_assert(!SUMS_APART || Tf32Operand<PRODUCTS>::SPLIT, "apart sums are the split products'");
     static_assert(L::BYTES + 1024 <= 227 * 1024, "shared memory");
 
@@ -77,7 +86,7 @@ flash_bwd_dq_tf32_wgmma_ws(const __grid_constant__ BwdParams p) {
     const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k, batch = seq.batch;
     const int m0 = Mask::query_block(blockIdx.x, gridDim.x) * BLOCK_M;
     if (Mask::PACKED && m0 >= seqlen_q) return;  // past a shorter sequence's end: the whole CTA
-    const Mask mask = cta_mask<Mask>(p, seq.index, seqlen_q, seqlen_k);
+    const Mask mask = cta_mask<Mask, CtaRows::QUERIES>(p, seq.index, seqlen_q, seqlen_k);
     const int head = blockIdx.y, head_kv = head / p.group;
     const int j_begin = mask.key_begin(m0) / BLOCK_N;
     const int j_end = (mask.key_end(m0, BLOCK_M) + BLOCK_N - 1) / BLOCK_N;
@@ -95,41 +104,51 @@ flash_bwd_dq_tf32_wgmma_ws(const __grid_constant__ BwdParams p) {
             p.headdim_v, tid);
     }
     const StageRing<STAGES> ring{base + L::FULL, base + L::EMPTY};
-    ring.init(128, 128);         // the producer's threads, the consumer's
+    ring.init(PRESPLIT ? 1 : 128, 128);  // the producer's threads (PRESPLIT: its one), a consumer's
     fence_proxy_async_shared();  // Q and dO's stores, to the async proxy that wgmma reads with
     __syncthreads();             // the last CTA-wide barrier: the roles split here
 
     auto stage_of = [&](int i) { return L::STAGE0 + (i % STAGES) * L::STAGE; };
     if (wg == 0) {
-        // ---- producer ----
-        const float* __restrict__ k_rows = p.k.row<const float>(batch, seq.k_begin, head_kv);
-        const float* __restrict__ v_rows = p.v.row<const float>(batch, seq.k_begin, head_kv);
-        const i64 k_ss = p.k.row_stride, v_ss = p.v.row_stride;
-        const Tf32RawStages<BLOCK_N, D_TILE, 128, RAW_STAGES> raw{base + L::RAW};
-        auto copy_raw = [&](int j) {  // key block j's raw rows (nothing past the walk's end)
-            raw.copy(j, j < j_end, j * BLOCK_N, k_rows, k_ss, p.headdim, v_rows, v_ss, p.headdim_v, seqlen_k, wg_tid);
-        };
-        raw.copy_first(j_begin, copy_raw);
-        for (int i = 0; i < n_blocks; ++i) {
-            const int j = j_begin + i, n0 = j * BLOCK_N;
-            const u32 stage = base + stage_of(i), staged = raw.stage(j);
-            cp_async_wait<RAW_STAGES - 1>();
-            named_barrier_sync(1, 128);  // block j's raw rows have landed, every producer thread's
-            ring.wait_empty(i);          // the consumer is done with the stage
-            split_tf32_panels_both<BLOCK_N, D_TILE, 128, PRODUCTS>(stage + L::K, stage + L::K + L::KV_TILE,
-                                                                   stage + L::KT, stage + L::KT + L::KV_TILE,
-                                                                   StagedRows<D_TILE>{staged}, seqlen_k - n0,
-                                                                   p.headdim, wg_tid);
-            split_tf32_panels<BLOCK_N, D_TILE, 128, PRODUCTS>(stage + L::V, stage + L::V + L::KV_TILE,
-                                                              StagedRows<D_TILE>{staged + raw.TILE}, seqlen_k - n0,
-                                                              p.headdim_v, wg_tid);
-            fence_proxy_async_shared();  // the tiles, to the async proxy that wgmma reads with
-            ring.arrive_full(i);
-            named_barrier_sync(1, 128);  // every producer thread is done reading the raw tiles
-            copy_raw(j + RAW_STAGES);
+        if constexpr (PRESPLIT) {
+            // ---- producer: one thread, a bulk copy of each key block's split image ----
+            if (wg_tid != 0) return;
+            const unsigned char* const image = static_cast<const unsigned char*>(p.kv_split);
+            for (int i = 0; i < n_blocks; ++i) {
+                const i64 block = kv_image_offset<Mask::PACKED, D_TILE, BLOCK_N>(p, seq, head_kv, j_begin + i);
+                ring.wait_empty(i);  // the consumer is done with the stage (its products waited for)
+                mbarrier_arrive_expect_tx(ring.full_barrier(i), L::Tiles::BYTES);
+                cp_async_bulk_to_shared(base + stage_of(i), image + block, L::Tiles::BYTES, ring.full_barrier(i));
+            }
+            return;
+        } else {
+            // ---- producer ----
+            const float* __restrict__ k_rows = p.k.row<const float>(batch, seq.k_begin, head_kv);
+            const float* __restrict__ v_rows = p.v.row<const float>(batch, seq.k_begin, head_kv);
+            const i64 k_ss = p.k.row_stride, v_ss = p.v.row_stride;
+            const Tf32RawStages<BLOCK_N, D_TILE, 128, RAW_STAGES> raw{base + L::RAW};
+            auto copy_raw = [&](int j) {  // key block j's raw rows (nothing past the walk's end)
+                raw.copy(j, j < j_end, j * BLOCK_N, k_rows, k_ss, p.headdim, v_rows, v_ss, p.headdim_v, seqlen_k,
+                         wg_tid);
+            };
+            raw.copy_first(j_begin, copy_raw);
+            for (int i = 0; i < n_blocks; ++i) {
+                const int j = j_begin + i, n0 = j * BLOCK_N;
+                const u32 stage = base + stage_of(i), staged = raw.stage(j);
+                cp_async_wait<RAW_STAGES - 1>();
+                named_barrier_sync(1, 128);  // block j's raw rows have landed, every producer thread's
+                ring.wait_empty(i);          // the consumer is done with the stage
+                split_key_block_tf32<D_TILE, BLOCK_N, 128, PRODUCTS>(stage, StagedRows<D_TILE>{staged},
+                                                                     StagedRows<D_TILE>{staged + raw.TILE},
+                                                                     seqlen_k - n0, p.headdim, p.headdim_v, wg_tid);
+                fence_proxy_async_shared();  // the tiles, to the async proxy that wgmma reads with
+                ring.arrive_full(i);
+                named_barrier_sync(1, 128);  // every producer thread is done reading the raw tiles
+                copy_raw(j + RAW_STAGES);
+            }
+            cp_async_wait<0>();  // the empty groups past the walk's end
+            return;
         }
-        cp_async_wait<0>();  // the empty groups past the walk's end
-        return;
     }
 
     // ---- consumers: the 64 query rows' dQ, consumer c over key blocks c, c + CONSUMERS, ... ----

@@ -69,8 +69,12 @@ flash_bwd_dq_wgmma(const __grid_constant__ BwdParams p) {
     const i64 k_ss = p.k.row_stride, v_ss = p.v.row_stride;
 
     const int head = blockIdx.y, batch = seq.batch, head_kv = head / p.group;
-    const Mask mask = cta_mask<Mask>(p, seq.index, seqlen_q, seqlen_k);
-    const ScoreOf<Mask, float, Tanh::EXP_RCP> score(score_problem<Mask>(p, seq), seq.index, head, scale);
+    const Mask mask = cta_mask<Mask, CtaRows::QUERIES>(p, seq.index, seqlen_q, seqlen_k);
+    // softcap's reciprocals three of four on the FMA pipe at d128 (score.cuh's exp_form_rcp, by
+    // fragment f): with S, dP and dQ a block, three MUFU operations a score take as long as the
+    // products (perf log softcap-bwd-dq-newton; d64, where they take twice as long, is unmeasured)
+    constexpr Tanh TANH = D_TILE == 128 ? Tanh::EXP_NEWTON : Tanh::EXP_RCP;
+    const ScoreOf<Mask, float, TANH> score(score_problem<Mask>(p, seq), seq.index, head, scale);
     const int m0 = Mask::query_block(blockIdx.x, gridDim.x) * BLOCK_M;
     if (Mask::PACKED && m0 >= seqlen_q) return;  // past a shorter sequence's end
     // Key blocks [j_begin, ceil(n_end / BLOCK_N)) hold the keys some row of the block sees; K_j
@@ -146,7 +150,7 @@ flash_bwd_dq_wgmma(const __grid_constant__ BwdParams p) {
         // makes with it read from BwdParams.
         // The score policy's transform first (score.cuh); P is read only by dS here, so with a
         // derivative it is kept as P ds'/ds.
-        const auto score_origin = score.origin(row_lo, key0);
+        const auto score_origin = score.origin(row_lo, key0, partial);
         auto probabilities = [&](auto masked) {
 #pragma unroll
             for (int f = 0; f < N_FRAGS; ++f)

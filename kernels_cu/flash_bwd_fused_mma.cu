@@ -125,7 +125,7 @@ flash_bwd_fused_mma(const __grid_constant__ BwdParams p) {
     const float* __restrict__ lse = static_cast<const float*>(p.lse);
     const float* __restrict__ delta = static_cast<const float*>(p.delta);
     int* __restrict__ const dq_semaphore = p.dq_semaphore;  // DQ_ORDERED only (null otherwise)
-    const Mask mask = cta_mask<Mask>(p, seq.index, seqlen_q, seqlen_k);
+    const Mask mask = cta_mask<Mask, CtaRows::KEYS>(p, seq.index, seqlen_q, seqlen_k);
 
     // The query blocks that see some key of this block, for each query head of the group
     // (block_walk.cuh); the others are never loaded.
@@ -213,7 +213,7 @@ flash_bwd_fused_mma(const __grid_constant__ BwdParams p) {
         const int key0 = n0 + key_row0 + lane / 4, query0 = m0 + q_col0 + 2 * (lane % 4);
         const typename Mask::Origin origin = mask.origin(query0, key0);
         const ScoreOf<Mask, float, Tanh::EXP_RCP> score(score_problem<Mask>(p, seq), seq.index, head, scale);
-        const auto score_origin = score.origin(query0, key0);
+        const auto score_origin = score.origin(query0, key0, partial);
         ScoreGrads<Mask::Score::HAS_GRAD, KG * SQ / 2> grads;
 #pragma unroll
         for (int j = 0; j < SQ / 8; ++j) {

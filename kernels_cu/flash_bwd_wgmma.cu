@@ -164,7 +164,7 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
         // dS^T (registers are what limit this kernel: measured, 4-52 bytes of spills with the
         // derivative kept in them). The tile's readers of the previous iteration (dQ) were waited
         // for before this iteration's first barrier; nothing else reads it before step 5.
-        const auto score_origin = score.origin(query0, key0);
+        const auto score_origin = score.origin(query0, key0, partial);
         auto stash_addr = [&](int j, int h) {
             return s_dst + panel_offset<BLOCK_N>(key_row + 8 * h, j) + 4 * (lane % 4);
         };

@@ -152,7 +152,7 @@ flash_bwd_wgmma_dsplit(const __grid_constant__ BwdParams p) {
             // readers of the tile were waited for before this iteration's first barrier).
             const int key0 = key_block.n0 + key_row, query0 = m0 + 2 * (lane % 4);
             const typename Mask::Origin origin = key_block.mask.origin(query0, key0);
-            const auto score_origin = score.origin(query0, key0);
+            const auto score_origin = score.origin(query0, key0, partial);
             float keep[SJ][4];  // dropout: Z, 1 kept, 0 dropped
             if constexpr (DropoutOf<Mask>::ENABLED) keep_factors(keep, DropoutOf<Mask>(p, seq.index, head), key0, query0);
 #pragma unroll

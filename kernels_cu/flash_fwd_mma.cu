@@ -118,7 +118,7 @@ flash_fwd_mma(const __grid_constant__ FwdParams p) {
     const SequenceRows seq = cta_sequence<Mask>(p, blockIdx.z);
     const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k, headdim = p.headdim;
     const float scale_log2 = p.scale_log2;
-    const Mask mask = cta_mask<Mask>(p, seq.index, seqlen_q, seqlen_k);
+    const Mask mask = cta_mask<Mask, CtaRows::QUERIES>(p, seq.index, seqlen_q, seqlen_k);
     const ScoreOf<Mask, float, Tanh::EXP_RCP> score(score_problem<Mask>(p, seq), seq.index, blockIdx.y, p.scale);
     auto first_row = [&]() {  // of the block, in the policy's order (heaviest first)
         constexpr bool FRESH = REREAD_INVARIANTS;

@@ -76,7 +76,7 @@ flash_fwd_tf32(const __grid_constant__ FwdParams p) {
 
     const SequenceRows seq = cta_sequence<Mask>(p, blockIdx.z);
     const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
-    const Mask mask = cta_mask<Mask>(p, seq.index, seqlen_q, seqlen_k);
+    const Mask mask = cta_mask<Mask, CtaRows::QUERIES>(p, seq.index, seqlen_q, seqlen_k);
     // The score transforms' fast forms (softcap's rational tanh) for one tf32 product only: "ieee"
     // keeps float32's (score.cuh).
     constexpr Tanh TANH = Tf32Operand<PRODUCTS>::SPLIT ? Tanh::ACCURATE : Tanh::RATIONAL;
@@ -147,8 +147,12 @@ flash_fwd_tf32(const __grid_constant__ FwdParams p) {
         mma_qk_tf32<PRODUCTS, D_TILE, PRESPLIT, STEP_SUMS>(s, q_strips, a_addr, smem_base + Smem::k_tile(stage), k_addr,
                                                 smem_base + Smem::k_lo_tile(stage));
         const int n0 = j * BLOCK_N;
-        const bool masked = mask.keys_partial(m0, BLOCK_M, n0, BLOCK_N);
-        scale_and_mask(s, p.scale_log2, masked, mask, score, m0 + strip_row0, n0, lane);
+        const bool masked = D_TILE <= 128 ? mask.keys_partial(m0, BLOCK_M, n0, BLOCK_N)
+                                           : mask.band_keys_partial(m0, BLOCK_M, n0, BLOCK_N);
+        // a user mask's whole blocks skip its predicate up to d128 (at d256 the second copy of
+        // the transform spills: perf log mask-whole-blocks)
+        scale_and_mask<Mask, decltype(score), M_STRIPS, N_FRAGS, D_TILE <= 128>(s, p.scale_log2, masked, mask, score,
+                                                                               m0 + strip_row0, n0, lane);
         float m_new[M_STRIPS][2];
         row_max(m_new, s, row_stats, lane);
         const auto rescale = softmax_rescale<!FRESH_O>(s, o_acc, row_stats, m_new, lane);

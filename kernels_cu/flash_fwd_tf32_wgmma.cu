@@ -63,7 +63,7 @@ flash_fwd_tf32_wgmma(const __grid_constant__ FwdParams p) {
 
     const SequenceRows seq = cta_sequence<Mask>(p, blockIdx.z);
     const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
-    const Mask mask = cta_mask<Mask>(p, seq.index, seqlen_q, seqlen_k);
+    const Mask mask = cta_mask<Mask, CtaRows::QUERIES>(p, seq.index, seqlen_q, seqlen_k);
     constexpr Tanh TANH = SPLIT ? Tanh::ACCURATE : Tanh::RATIONAL;
     const ScoreOf<Mask, float, TANH> score(score_problem<Mask>(p, seq), seq.index, blockIdx.y, p.scale);
     const int m0 = Mask::query_block(blockIdx.x, gridDim.x) * BLOCK_M;

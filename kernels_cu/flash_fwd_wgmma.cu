@@ -55,7 +55,7 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p) {
     const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k, headdim = p.headdim;
     const float scale_log2 = p.scale_log2;
     const int head = blockIdx.y, batch = seq.batch, head_kv = head / p.group;
-    const Mask mask = cta_mask<Mask>(p, seq.index, seqlen_q, seqlen_k);
+    const Mask mask = cta_mask<Mask, CtaRows::QUERIES>(p, seq.index, seqlen_q, seqlen_k);
     const ScoreOf<Mask, float, Tanh::EXP_RCP> score(score_problem<Mask>(p, seq), seq.index, blockIdx.y, p.scale);
     const int m0 = Mask::query_block(blockIdx.x, gridDim.x) * BLOCK_M;
     if (Mask::PACKED && m0 >= seqlen_q) return;  // past a shorter sequence's end

@@ -63,7 +63,7 @@ flash_fwd_wgmma_ws(const __grid_constant__ FwdParams p) {
     const SequenceRows seq = cta_sequence<Mask>(p, blockIdx.z);
     const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
     const int head = blockIdx.y, head_kv = head / p.group;
-    const Mask mask = cta_mask<Mask>(p, seq.index, seqlen_q, seqlen_k);
+    const Mask mask = cta_mask<Mask, CtaRows::QUERIES>(p, seq.index, seqlen_q, seqlen_k);
     const int m0 = Mask::query_block(blockIdx.x, gridDim.x) * BLOCK_M;
     if (Mask::PACKED && m0 >= seqlen_q) return;  // past a shorter sequence's end: the whole CTA
     const int n_end = mask.key_end(m0, BLOCK_M);

@@ -109,6 +109,15 @@ struct Band {
         return m0 + rows > seqlen_q || n0 + cols > seqlen_k || (RIGHT && n0 + cols - 1 > m0 + hi_off) ||
                (LEFT && n0 < m0 + rows - 1 + lo_off);
     }
+    // The band's answers alone, whatever the score policy: for a kernel at its register limit that
+    // keeps a user mask's predicate on every block (its score origins take no block answer), so
+    // it does not pay for WithScore's map_full (perf log mask-whole-blocks).
+    __device__ __forceinline__ bool band_partial(int m0, int rows, int n0, int cols) const {
+        return Band::partial(m0, rows, n0, cols);
+    }
+    __device__ __forceinline__ bool band_keys_partial(int m0, int rows, int n0, int cols) const {
+        return Band::keys_partial(m0, rows, n0, cols);
+    }
 
     // --- load balance -----------------------------------------------------------------------
     // Query block of grid index `block` of `blocks`: with a right bound later query blocks see
@@ -144,64 +153,111 @@ struct Local : Band<true, true> {
 // holds the smallest first visible key of granules r, r + 1, ... (a suffix minimum) and the
 // largest end of granules 0..r (a prefix maximum). A block's range is then one read at its
 // first granule and one at its last, exact where the visible keys move forward with the query
-// (documents, causal, windows, prefix-LM) and wider, never narrower, elsewhere. The element test
-// stays the band's; the mask's own predicate is applied by the score's transform (UserScoreFn),
-// which every kernel runs on every element it computes.
+// (documents, causal, windows, prefix-LM) and wider, never narrower, elsewhere.
+//
+// The mask's own predicate is applied by the score's transform (UserScoreFn) on the blocks that
+// need it: a block is partial when the band's bounds cross it or when the map does not hold it
+// full, every pair of it kept (FlexAttention's full blocks). The map's full ranges are per
+// granule, raw (no fold: a granule without a full block would empty every later one): each
+// entry's longest run of granules whose every pair the mask keeps, and the intersections of the
+// runs over aligned groups of 2, 4 and 8 granules (modifier.cuh's MAP_LEVELS), so that a CTA's
+// fixed tile reads the run of all its granules with one load: a query CTA (forward, dQ) the key
+// runs of its query granules, per query head; a key CTA (dK/dV) the query runs of its key
+// granules, per kv head (the intersection over its group).
+// Which one a CTA is, cta_mask's CtaRows says. The kernels pass partial() (or keys_partial())
+// to the score's origin(), so a full block's elements never evaluate the predicate.
 template <class Band_, class S>
 struct WithScore : Band_ {
     typedef S Score;
     static constexpr bool HAS_BLOCK_MAP = S::HAS_BLOCK_MAP;
-    const int* key_blocks = nullptr;    // this (batch, query head)'s [query granule][2]
-    const int* query_blocks = nullptr;  // this (batch, kv head)'s [key granule][2]
+    const int* key_blocks = nullptr;    // this (batch, query head)'s [query granule][4]
+    const int* query_blocks = nullptr;  // this (batch, kv head)'s [key granule][4]
     int rows_per_granule = 1, keys_per_granule = 1;
+    bool key_cta = false;  // the CTA's fixed tile is of keys (dK/dV), not of queries
 
     __device__ __forceinline__ WithScore(int seqlen_q_, int seqlen_k_, int window_left, int window_right)
         : Band_(seqlen_q_, seqlen_k_, window_left, window_right) {}
 
-    __device__ __forceinline__ void bind_blocks(const ModArgs& t, int batch, int head) {
+    __device__ __forceinline__ void bind_blocks(const ModArgs& t, int batch, int head, bool key_cta_) {
         key_blocks = t.key_blocks + batch * t.key_blocks_batch_stride + head * t.key_blocks_head_stride;
         query_blocks = t.query_blocks + batch * t.query_blocks_batch_stride + head * t.query_blocks_head_stride;
         rows_per_granule = t.block_m;
         keys_per_granule = t.block_n;
+        key_cta = key_cta_;
     }
 
     __device__ __forceinline__ int key_begin(int m0) const {
         const int band = Band_::key_begin(m0);
         if constexpr (!HAS_BLOCK_MAP) return band;
-        else return max(band, __ldg(key_blocks + 2 * (m0 / rows_per_granule)) * keys_per_granule);
+        else return max(band, __ldg(key_blocks + MAP_ENTRY * (m0 / rows_per_granule)) * keys_per_granule);
     }
     __device__ __forceinline__ int key_end(int m0, int rows) const {
         const int band = Band_::key_end(m0, rows);
         if constexpr (!HAS_BLOCK_MAP) return band;
         else {
             const int last = (min(m0 + rows, Band_::seqlen_q) - 1) / rows_per_granule;
-            return max(key_begin(m0), min(band, __ldg(key_blocks + 2 * last + 1) * keys_per_granule));
+            return max(key_begin(m0), min(band, __ldg(key_blocks + MAP_ENTRY * last + 1) * keys_per_granule));
         }
     }
     __device__ __forceinline__ int query_begin(int n0) const {
         const int band = Band_::query_begin(n0);
         if constexpr (!HAS_BLOCK_MAP) return band;
-        else return max(band, __ldg(query_blocks + 2 * (n0 / keys_per_granule)) * rows_per_granule);
+        else return max(band, __ldg(query_blocks + MAP_ENTRY * (n0 / keys_per_granule)) * rows_per_granule);
     }
     __device__ __forceinline__ int query_end(int n0, int cols) const {
         const int band = Band_::query_end(n0, cols);
         if constexpr (!HAS_BLOCK_MAP) return band;
         else {
             const int last = (min(n0 + cols, Band_::seqlen_k) - 1) / keys_per_granule;
-            return max(query_begin(n0), min(band, __ldg(query_blocks + 2 * last + 1) * rows_per_granule));
+            return max(query_begin(n0), min(band, __ldg(query_blocks + MAP_ENTRY * last + 1) * rows_per_granule));
         }
     }
+
+    // Whether the map holds the block [m0, m0 + rows) x [n0, n0 + cols) full. Only asked where
+    // the band's bounds do not cross it, so its keys lie inside the sequence (its rows too, but
+    // for keys_partial's last block, whose level-k run holds the granules up to the end). The CTA's fixed tile
+    // (queries in a query CTA, keys in a key CTA) is 2^k granules at a multiple of its size in
+    // every kernel: one load of its level-k run (the sizes are constants once inlined, so the
+    // level is too); any other tile is not held full (the predicate runs: slower, not wrong).
+    __device__ __forceinline__ bool map_full(int m0, int rows, int n0, int cols) const {
+        const int fixed0 = key_cta ? n0 : m0, count = key_cta ? cols : rows;
+        const int lo = key_cta ? m0 : n0, other = key_cta ? rows : cols;
+        const int granules = count / MAP_GRANULE;
+        const int level = 31 - __clz(max(granules, 1));
+        if (count % MAP_GRANULE != 0 || (1 << level) != granules || level >= MAP_LEVELS || fixed0 % count != 0)
+            return false;
+        const int* table = key_cta ? query_blocks : key_blocks;
+        const int2 run = __ldg(reinterpret_cast<const int2*>(table + MAP_ENTRY * (fixed0 / MAP_GRANULE) + 2 + 2 * level));
+        return lo >= run.x * MAP_GRANULE && lo + other <= run.y * MAP_GRANULE;
+    }
+
+    // The band's answers, and partial wherever the map does not hold the block full.
+    // (keys_partial leaves rows past seqlen_q out, as the band's does: the runs count the pairs
+    // past the ends as kept, and the forward never stores those rows.)
+    __device__ __forceinline__ bool keys_partial(int m0, int rows, int n0, int cols) const {
+        if constexpr (!HAS_BLOCK_MAP) return Band_::keys_partial(m0, rows, n0, cols);
+        else return Band_::keys_partial(m0, rows, n0, cols) || !map_full(m0, rows, n0, cols);
+    }
+    __device__ __forceinline__ bool partial(int m0, int rows, int n0, int cols) const {
+        if constexpr (!HAS_BLOCK_MAP) return Band_::partial(m0, rows, n0, cols);
+        else return Band_::partial(m0, rows, n0, cols) || !map_full(m0, rows, n0, cols);
+    }
 };
+
+// Which tile a CTA holds fixed while it walks the other axis: its query rows (the forwards, dQ)
+// or its key rows (dK/dV, and the fused backwards whose CTA is a key block). The block map's
+// full runs are read along the fixed tile's granules (WithScore::map_full).
+enum class CtaRows { QUERIES, KEYS };
 
 // The policy of the calling CTA: the band's bounds from p and, with a user mask, the block map of
 // the CTA's (batch, head): its sequence (cta_sequence's seq.index: blockIdx.z, unless a packed
 // batch is issued in another order) and blockIdx.y in every attention kernel, the query head in
 // the forward and dQ grids, the kv head in the dK/dV grids, which is the head each of the map's
 // two tables is kept by.
-template <class Mask, class Params>
+template <class Mask, CtaRows ROWS, class Params>
 __device__ __forceinline__ Mask cta_mask(const Params& p, int sequence, int seqlen_q, int seqlen_k) {
     Mask mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
-    if constexpr (Mask::HAS_BLOCK_MAP) mask.bind_blocks(p.variant.mods, sequence, blockIdx.y);
+    if constexpr (Mask::HAS_BLOCK_MAP) mask.bind_blocks(p.variant.mods, sequence, blockIdx.y, ROWS == CtaRows::KEYS);
     return mask;
 }
 
@@ -295,7 +351,7 @@ struct Log2ForwardCta {
     __device__ __forceinline__ Log2ForwardCta(const Params& p, int block_m)
         : seq(cta_sequence<Mask>(p, blockIdx.z)),
           scale_log2(scale_log2_in<A>(p)),
-          mask(cta_mask<Mask>(p, seq.index, seq.seqlen_q, seq.seqlen_k)),
+          mask(cta_mask<Mask, CtaRows::QUERIES>(p, seq.index, seq.seqlen_q, seq.seqlen_k)),
           score(score_problem<Mask>(p, seq), seq.index, blockIdx.y, A(0.6931471805599453094172321)),
           head(blockIdx.y),
           head_kv(head / p.group),
@@ -312,5 +368,12 @@ __device__ __forceinline__ Mask sequence_mask(const Params& p, int seqlen_q, int
     static_assert(!Mask::HAS_BLOCK_MAP, "a block map is made for one dense problem, not per sequence");
     return Mask(seqlen_q, seqlen_k, p.window_left, p.window_right);
 }
+
+// cta_sequence's policy for a kernel that needs a sequence's rows but no mask (a dense or a packed
+// batch, nothing else): flash_bwd_split_kv_tf32.
+template <bool PACKED_>
+struct SequencesOnly {
+    static constexpr bool PACKED = PACKED_;
+};
 
 }  // namespace cf

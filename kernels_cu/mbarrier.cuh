@@ -73,6 +73,7 @@ struct StageRing {
         mbarrier_wait(empty + 8 * (i % STAGES), ((i / STAGES) & 1) ^ 1);
     }
     __device__ __forceinline__ void arrive_full(int i) const { mbarrier_arrive(full + 8 * (i % STAGES)); }
+    __device__ __forceinline__ u32 full_barrier(int i) const { return full + 8 * (i % STAGES); }
     __device__ __forceinline__ void wait_full(int i) const { mbarrier_wait(full + 8 * (i % STAGES), (i / STAGES) & 1); }
     __device__ __forceinline__ void arrive_empty(int i) const { mbarrier_arrive(empty + 8 * (i % STAGES)); }
 };
@@ -119,6 +120,19 @@ __device__ __forceinline__ void warpgroup_registers_dec() {
 template <int N>
 __device__ __forceinline__ void warpgroup_registers_inc() {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+
+// One arrival that also expects `bytes` more of asynchronous copies (complete_tx) before the phase
+// can complete: the producer's arrival for a stage that a bulk copy fills.
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+// Copies `bytes` (a multiple of 16; both addresses 16-byte aligned) from global to shared memory
+// by the TMA unit, in the async proxy (as wgmma reads), counted on barrier `bar` as they land.
+__device__ __forceinline__ void cp_async_bulk_to_shared(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                 ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
 
 }  // namespace cf

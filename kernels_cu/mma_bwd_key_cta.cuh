@@ -82,7 +82,7 @@ struct MmaKeyCta {
           dq_accum(p.dq_accum),
           lse(static_cast<const float*>(p.lse)),
           delta(static_cast<const float*>(p.delta)),
-          mask(cta_mask<Mask>(p, seq_.index, seq_.seqlen_q, seq_.seqlen_k)),
+          mask(cta_mask<Mask, CtaRows::KEYS>(p, seq_.index, seq_.seqlen_q, seq_.seqlen_k)),
           walk(mask, n0, BLOCK_N, group) {}
 
     // A key block past a shorter (packed) sequence's end: the kernel leaves at once, before it

@@ -57,7 +57,7 @@ struct MmaQueryCta {
           dq(p.dq),
           lse(static_cast<const float*>(p.lse)),
           delta(static_cast<const float*>(p.delta)),
-          mask(cta_mask<Mask>(p, seq_.index, seq_.seqlen_q, seq_.seqlen_k)),
+          mask(cta_mask<Mask, CtaRows::QUERIES>(p, seq_.index, seq_.seqlen_q, seq_.seqlen_k)),
           j_begin(mask.key_begin(m0) / BLOCK_N),
           j_end((mask.key_end(m0, min(BLOCK_M, seq_.seqlen_q - m0)) + BLOCK_N - 1) / BLOCK_N) {}
 

@@ -27,12 +27,21 @@ constexpr int MOD_TENSOR_DIMS = 4;
 // key granules (block_n keys) [first, end) that may hold a visible pair, per (batch, kv head) and
 // key granule the query granules [first, end) over the kv head's query heads, each entry folded
 // with its neighbours as mask.cuh's WithScore reads it (a suffix minimum of first, a prefix
-// maximum of end). A stride of 0 broadcasts a map made for every batch entry or head at once.
+// maximum of end); then MAP_LEVELS whole runs [first, end): level k's is the intersection of the
+// runs of the aligned group of 2^k granules that holds this one, a run being a granule's longest
+// run of granules of the other axis whose every pair the mask keeps (over the kv head's query
+// heads: the intersection). A kernel tile of 2^k granules, aligned as every tile is, reads its
+// run with one load (mask.cuh's WithScore::map_full). A stride of 0 broadcasts a map made for
+// every batch entry or head at once.
+constexpr int MAP_GRANULE = 16;  // rows (keys) a granule: cupyflash/modifiers.py's BlockMask.GRANULE
+constexpr int MAP_LEVELS = 4;    // tiles of 16, 32, 64 and 128 rows (keys)
+constexpr int MAP_ENTRY = 2 + 2 * MAP_LEVELS;  // ints a granule: visible first, end; a run a level
+
 struct ModArgs {
     const void* data[MOD_TENSORS];
     i64 strides[MOD_TENSORS][MOD_TENSOR_DIMS];
-    const int* key_blocks;    // [batch][head][query granule][2]
-    const int* query_blocks;  // [batch][kv head][key granule][2]
+    const int* key_blocks;    // [batch][head][query granule][MAP_ENTRY]
+    const int* query_blocks;  // [batch][kv head][key granule][MAP_ENTRY]
     i64 key_blocks_batch_stride, key_blocks_head_stride;      // in ints
     i64 query_blocks_batch_stride, query_blocks_head_stride;  // in ints
     int block_m, block_n;     // the granules: rows, keys
@@ -92,15 +101,21 @@ namespace cf {
 
 // The block map of a mask modifier (cupyflash.modifiers.BlockMask, made by flash_block_map.cu):
 // per (batch, head) of the map (map_batch, map_heads: 1 where the mask reads no b or no h) and
-// granule of ROWS query rows, the key granules [first, end) that hold a pair the mask keeps, and
-// per key granule the query granules [first, end); both [map_batch][map_heads][granule][2], the
-// key-granule table's first filled with the row granule count and its end with 0 beforehand.
+// granule of query rows, the key granules [first, end) that hold a pair the mask keeps and the
+// longest run of key granules it keeps whole, and per key granule the query granules [first, end)
+// and the query run; both [map_batch][map_heads][granule][BLOCK_MAP_ROW] (unfolded, per query
+// head), the query table's first filled with the row granule count and its end with 0 beforehand.
+// (cupyflash/modifiers.py makes the kernels' tables, ModArgs', from them.)
+constexpr int BLOCK_MAP_ROW = 4;  // visible first, end; whole run first, end
+
 struct BlockMapParams {
     ModArgs t;         // the mask's tensors (slots from 0)
-    int* key_blocks;   // [..][query granules][2]
-    int* query_blocks; // [..][key granules][2], atomic min / max
+    int* key_blocks;   // [..][query granules][BLOCK_MAP_ROW]
+    int* query_blocks; // [..][key granules][BLOCK_MAP_ROW], first and end by atomic min / max
     int map_batch, map_heads, seqlen_q, seqlen_k;
     int query_granules, key_granules;
+    int by_keys;       // 0: a CTA per query granule (both visible ranges, the key runs); 1: a CTA
+                       // per key granule (the query runs)
 };
 
 }  // namespace cf

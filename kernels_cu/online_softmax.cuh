@@ -17,24 +17,37 @@ namespace cf {
 // The score policy's transform (score.cuh; none for the plain softmax) takes the raw scores to
 // log2 units itself (transform_scaled: the scale folded into its constants, so that softcap costs
 // two FP32 operations a score fewer and ALiBi one than a transform followed by this multiply).
+// A user mask with a block map evaluates its predicate on the masked blocks only: the transform is
+// unrolled once for each value of `masked`, so a full block's code has no trace of it.
 template <class Mask, class Score, int M_STRIPS, int N_FRAGS>
+__device__ __forceinline__ void transform_scores(float (&s)[M_STRIPS][N_FRAGS][4], float scale_log2, bool masked,
+                                                 const Score& score, int row0, int n0, int lane) {
+#pragma unroll
+    for (int i = 0; i < M_STRIPS; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const typename Score::Origin origin = score.origin(row0 + 16 * i + 8 * h + (lane >> 2),
+                                                               n0 + 2 * (lane & 3), masked);
+#pragma unroll
+            for (int f = 0; f < N_FRAGS; ++f)
+#pragma unroll
+                for (int e = 0; e < 2; ++e)
+                    s[i][f][2 * h + e] = score.template transform_scaled<Mask::RIGHT_IS_DIAGONAL>(
+                        s[i][f][2 * h + e], origin, 0, 8 * f + e, scale_log2);
+        }
+}
+
+// SKIP_WHOLE false: a kernel at its register limit keeps the predicate on every block (one copy
+// of the transform).
+template <class Mask, class Score, int M_STRIPS, int N_FRAGS, bool SKIP_WHOLE = true>
 __device__ __forceinline__ void scale_and_mask(float (&s)[M_STRIPS][N_FRAGS][4], float scale_log2,
                                                bool masked, const Mask& mask, const Score& score,
                                                int row0, int n0, int lane) {
-    if constexpr (!Score::IDENTITY) {
-#pragma unroll
-        for (int i = 0; i < M_STRIPS; ++i)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const typename Score::Origin origin = score.origin(row0 + 16 * i + 8 * h + (lane >> 2),
-                                                                   n0 + 2 * (lane & 3));
-#pragma unroll
-                for (int f = 0; f < N_FRAGS; ++f)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e)
-                        s[i][f][2 * h + e] = score.template transform_scaled<Mask::RIGHT_IS_DIAGONAL>(s[i][f][2 * h + e], origin, 0,
-                                                                                     8 * f + e, scale_log2);
-            }
+    if constexpr (Score::SKIPS_FULL_BLOCKS && SKIP_WHOLE) {
+        if (masked) transform_scores<Mask>(s, scale_log2, true, score, row0, n0, lane);
+        else transform_scores<Mask>(s, scale_log2, false, score, row0, n0, lane);
+    } else if constexpr (!Score::IDENTITY) {
+        transform_scores<Mask>(s, scale_log2, true, score, row0, n0, lane);
     } else {
 #pragma unroll
         for (int i = 0; i < M_STRIPS; ++i)

@@ -117,6 +117,10 @@ struct BwdParams {
     const void* dp_ref;
     float lse_to_log2;
     double lse_to_log2_f64;
+    // The float32 backward's split key blocks (flash_bwd_split_kv_tf32, read by
+    // flash_bwd_dq_tf32_wgmma_ws with PRESPLIT): wgmma_tf32_bwd_steps.cuh's kv_image_offset.
+    // Last, so that the fields before it keep their offsets in every kernel.
+    void* kv_split;
 };
 
 // Where each sequence's keys live in a KV cache (flash_fwd_kvcache_mma): key n of sequence b is

@@ -114,6 +114,7 @@ template <bool SOFTCAP, bool ALIBI, bool SINK, typename A, Tanh TANH>
 struct ScoreFn {
     static constexpr bool IDENTITY = !SOFTCAP && !ALIBI;
     static constexpr bool HAS_GRAD = SOFTCAP;
+    static constexpr bool SKIPS_FULL_BLOCKS = false;
     static constexpr bool FLOAT = sizeof(A) == sizeof(float);
     // EXP_RCP's form, 1 - 2 / (1 + 2^(k s)), with either reciprocal
     static constexpr bool EXP_FORM = FLOAT && (TANH == Tanh::EXP_RCP || TANH == Tanh::EXP_NEWTON);
@@ -139,7 +140,8 @@ struct ScoreFn {
         }
     }
 
-    __device__ __forceinline__ Origin origin(int i0, int j0) const {
+    // (block_partial: the built-in variants apply everywhere; UserScoreFn's below.)
+    __device__ __forceinline__ Origin origin(int i0, int j0, bool block_partial = true) const {
         return {ALIBI ? A(i0 + diag - j0) : A(0)};
     }
 
@@ -253,16 +255,24 @@ typedef ScoreMod<false, false, false> NoScore;
 // band hides them) never reach the user's code, so its tensor reads stay where the user put
 // them. A mask alone returns s itself for the pairs it keeps (no round trip through the unit),
 // so a mask_mod equal to a band gives the band's scores bit for bit.
-template <class M, typename A>
+// With a block map (BLOCK_MAP) the kernel's block is partial or full by the mask policy
+// (mask.cuh's WithScore: full where the map holds every pair kept), and the kernel passes that to
+// origin(): a full block's pairs skip the predicate, whose tensor reads (a document id a key) are
+// most of a mask's cost. Without a map (the KV-cache kernel) every pair evaluates it.
+template <class M, typename A, bool BLOCK_MAP>
 struct UserScoreFn {
     static constexpr bool IDENTITY = false;
     static constexpr bool HAS_GRAD = M::HAS_GRAD;
+    // Whether origin()'s block_partial may take the predicate off a block: the forwards then
+    // unroll their transform once for each answer (online_softmax.cuh's scale_and_mask).
+    static constexpr bool SKIPS_FULL_BLOCKS = BLOCK_MAP && M::HAS_MASK;
     ModArgs t;
     int batch = 0, head = 0, last_q = 0, last_kv = 0;
     A unit = A(1), inv_unit = A(1);
 
     struct Origin {
         int q, kv;
+        bool check;  // the block may hold a pair the mask hides: evaluate it
     };
 
     template <class Params>
@@ -270,7 +280,10 @@ struct UserScoreFn {
         : t(p.variant.mods), batch(batch_), head(head_), last_q(p.seqlen_q - 1), last_kv(p.seqlen_k - 1),
           unit(unit_), inv_unit(A(1) / unit_) {}
 
-    __device__ __forceinline__ Origin origin(int i0, int j0) const { return {i0, j0}; }
+    // block_partial: the mask policy's partial() (keys_partial()) of the block the origin is in.
+    __device__ __forceinline__ Origin origin(int i0, int j0, bool block_partial = true) const {
+        return {i0, j0, !SKIPS_FULL_BLOCKS || block_partial};
+    }
 
     __device__ __forceinline__ A transform(A s, const Origin& o, int di, int dj, A& dsds) const {
         const int q = min(o.q + di, last_q), kv = min(o.kv + dj, last_kv);
@@ -282,7 +295,7 @@ struct UserScoreFn {
             dsds = dz;
         }
         if constexpr (M::HAS_MASK) {
-            if (!M::mask(batch, head, q, kv, t)) {
+            if (o.check && !M::mask(batch, head, q, kv, t)) {
                 out = neg_inf<A>();
                 dsds = A(0);
             }
@@ -316,7 +329,7 @@ struct UserScore {
     static constexpr bool HAS_DROPOUT = DROPOUT;
     static constexpr bool HAS_BLOCK_MAP = BLOCK_MAP && M::HAS_MASK;
     template <typename A, Tanh TANH>
-    using In = UserScoreFn<M, A>;
+    using In = UserScoreFn<M, A, HAS_BLOCK_MAP>;
 };
 
 template <class Mask, typename A, Tanh TANH = Tanh::ACCURATE>

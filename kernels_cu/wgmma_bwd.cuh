@@ -214,7 +214,7 @@ struct WgmmaKeyBlock : KeyBlockCoords<BLOCK_N> {
     __device__ __forceinline__ WgmmaKeyBlock(const BwdParams& p, const SequenceRows& seq,
                                              const KeyBlockCoords<BLOCK_N>& at, int group)
         : KeyBlockCoords<BLOCK_N>(at),
-          mask(cta_mask<Mask>(p, seq.index, seq.seqlen_q, seq.seqlen_k)),
+          mask(cta_mask<Mask, CtaRows::KEYS>(p, seq.index, seq.seqlen_q, seq.seqlen_k)),
           walk(mask, at.n0, BLOCK_N, group),
           q_blocks((seq.seqlen_q + BLOCK_M - 1) / BLOCK_M) {}
 

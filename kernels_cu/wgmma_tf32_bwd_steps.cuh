@@ -44,6 +44,44 @@ __device__ __forceinline__ void tf32_scores_and_dp(float (&s)[B_ROWS / 2], float
     tf32_product_sums<B_ROWS / 2, K_STEPS, SPLIT, APART>(dp, dp_tiles, NoTurns());
 }
 
+// A key block's K and V split for flash_bwd_dq_tf32_wgmma_ws's products, in bytes from a
+// 1024-byte aligned base (the swizzle's atom): K (hi, then lo) K-major for S = Q K^T, K^T
+// (KEY_PAIRS) for dQ += dS K, V for dP = dO V^T. The same bytes are one stage of that kernel's
+// ring and one block of the image flash_bwd_split_kv_tf32 writes (BwdParams' kv_split), so a
+// stage may be filled by the split itself or by one bulk copy of the image.
+template <int D_TILE, int BLOCK_N>
+struct Tf32KeyBlockTiles {
+    static constexpr u32 KV_TILE = BLOCK_N * D_TILE * 4;
+    static constexpr u32 K = 0, KT = 2 * KV_TILE, V = 4 * KV_TILE, BYTES = 6 * KV_TILE;
+};
+
+// Splits keys [0, keys_valid) of K and V (read through `k` and `v`, tf32_panels' sources) into
+// Tf32KeyBlockTiles at `tiles`, spread over NTHREADS threads; the rest zero-filled.
+template <int D_TILE, int BLOCK_N, int NTHREADS, int PRODUCTS, class Source>
+__device__ __forceinline__ void split_key_block_tf32(u32 tiles, const Source& k, const Source& v, int keys_valid,
+                                                     int headdim, int headdim_v, int thread) {
+    typedef Tf32KeyBlockTiles<D_TILE, BLOCK_N> T;
+    split_tf32_panels_both<BLOCK_N, D_TILE, NTHREADS, PRODUCTS>(tiles + T::K, tiles + T::K + T::KV_TILE,
+                                                                tiles + T::KT, tiles + T::KT + T::KV_TILE, k,
+                                                                keys_valid, headdim, thread);
+    split_tf32_panels<BLOCK_N, D_TILE, NTHREADS, PRODUCTS>(tiles + T::V, tiles + T::V + T::KV_TILE, v, keys_valid,
+                                                           headdim_v, thread);
+}
+
+// Where key block j of sequence `seq`'s kv head `head_kv` lies in the kv_split image, in bytes
+// (blocks of Tf32KeyBlockTiles' BYTES). A dense batch: (batch, kv head, block) in C order, blocks
+// of the call's seqlen_k. A packed batch: (slot, kv head) in C order, sequence b's blocks from slot
+// k_begin / BLOCK_N + b: each sequence's first slot is past the one before's last, since
+// floor(k0 / n) + ceil(len / n) <= floor((k0 + len) / n) + 1, and the last slot is below
+// total_k / BLOCK_N + sequences (backward_plans.kv_split_bytes).
+template <bool PACKED, int D_TILE, int BLOCK_N>
+__device__ __forceinline__ i64 kv_image_offset(const BwdParams& p, const SequenceRows& seq, int head_kv, int j) {
+    i64 block;
+    if constexpr (PACKED) block = (i64)(seq.k_begin / BLOCK_N + seq.index + j) * p.nheads_kv + head_kv;
+    else block = ((i64)seq.batch * p.nheads_kv + head_kv) * ((p.seqlen_k + BLOCK_N - 1) / BLOCK_N) + j;
+    return block * Tf32KeyBlockTiles<D_TILE, BLOCK_N>::BYTES;
+}
+
 // One query block's tiles in a dK/dV kernel: K and V (64 rows), the block's Q and dO (natural,
 // K-major) and Q^T and dO^T (KEY_PAIRS), each the hi tile's address, its lo tile right after it.
 struct Tf32DkdvTiles {

@@ -87,6 +87,8 @@ def main(argv=None) -> int:
             host = M.BlockMask(mask_mod, 2, 3, 333, 517, device="cpu")
             assert np.array_equal(gpu.key_ranges, host.key_ranges), mask
             assert np.array_equal(gpu.query_ranges, host.query_ranges), mask
+            assert np.array_equal(gpu.key_runs, host.key_runs), mask
+            assert np.array_equal(gpu.query_runs, host.query_runs), mask
     case("block map on the GPU = the host's", block_map)
 
     def causal_bitwise():

@@ -173,6 +173,25 @@ def exact_ranges(visible, granule):
     return out
 
 
+def host_map_and_visible(sizes, mask, seed):
+    """The host-made BlockMask of zoo mask ``mask`` for (batch, nheads, seqlen_q, seqlen_k) and the
+    mask's dense (batch, nheads, seqlen_q, seqlen_k) visibility."""
+    batch, nheads, seqlen_q, seqlen_k = sizes
+    problem = replace(next_problem(), batch=batch, nheads_kv=nheads, group=1, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+    mask_mod = make_mask_mod(mask, problem, seed)
+    return (BlockMask(mask_mod, batch, nheads, seqlen_q, seqlen_k, device="cpu"),
+            dense_visible(mask_mod, batch, nheads, seqlen_q, seqlen_k))
+
+
+def assert_both_axes(exact, visible, granule, by_query_granule, by_key_granule):
+    """The map's table per query granule equals ``exact`` of the visibility, its table per key
+    granule ``exact`` of the transpose; returns both brute-force tables."""
+    rows, cols = exact(visible, granule), exact(np.swapaxes(visible, 2, 3), granule)
+    np.testing.assert_array_equal(np.broadcast_to(by_query_granule, rows.shape), rows)
+    np.testing.assert_array_equal(np.broadcast_to(by_key_granule, cols.shape), cols)
+    return rows, cols
+
+
 problem_sizes = st.tuples(st.integers(1, 2), st.integers(1, 3), st.integers(0, 70), st.integers(0, 70))
 
 
@@ -184,17 +203,11 @@ def test_block_map_against_brute_force(sizes, mask, seed, block):
     the folded tables) hold every visible pair of the block: exactly the pairs' own range for
     masks whose keys move forward with the query."""
     batch, nheads, seqlen_q, seqlen_k = sizes
-    problem = replace(next_problem(), batch=batch, nheads_kv=nheads, group=1, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
-    mask_mod = make_mask_mod(mask, problem, seed)
-    bm = BlockMask(mask_mod, batch, nheads, seqlen_q, seqlen_k, device="cpu")
-    visible = dense_visible(mask_mod, batch, nheads, seqlen_q, seqlen_k)
+    bm, visible = host_map_and_visible(sizes, mask, seed)
     G = bm.GRANULE
-    full = exact_ranges(visible, G)
-    np.testing.assert_array_equal(np.broadcast_to(bm.key_ranges, full.shape), full)
-    exact_t = exact_ranges(np.swapaxes(visible, 2, 3), G)
-    np.testing.assert_array_equal(np.broadcast_to(bm.query_ranges, exact_t.shape), exact_t)
+    full, exact_t = assert_both_axes(exact_ranges, visible, G, bm.key_ranges, bm.query_ranges)
     key, query = bm.tables(1, np)
-    key, query = np.broadcast_to(key, full.shape), np.broadcast_to(query, exact_t.shape)
+    key, query = np.broadcast_to(key[..., :2], full.shape), np.broadcast_to(query[..., :2], exact_t.shape)
     monotone = mask in ("causal", "sliding_window", "documents", "prefix_lm", "per_head_window")
     for m0 in range(0, seqlen_q, block):
         rows = visible[:, :, m0:m0 + block]
@@ -213,6 +226,70 @@ def test_block_map_against_brute_force(sizes, mask, seed, block):
             qs = np.flatnonzero(cols[i].any(axis=1))
             if qs.size:
                 assert first[i] <= qs.min() and qs.max() < end[i], (i, n0)
+
+
+def exact_runs(visible, granule):
+    """Per (b, h, query granule): the longest run [first, end) of key granules whose every pair is
+    visible (pairs past the ends count as visible), the first of equal length, [0, 0) for none
+    (brute force, a plain loop)."""
+    b, h, sq, sk = visible.shape
+    rg, cg = -(-sq // granule), -(-sk // granule)
+    padded = np.ones((b, h, rg * granule, cg * granule), bool)
+    padded[:, :, :sq, :sk] = visible
+    out = np.zeros((b, h, rg, 2), np.int64)
+    for i in np.ndindex(b, h):
+        for r in range(rg):
+            best, start = (0, 0), None
+            for c in range(cg + 1):
+                whole = c < cg and padded[i][r * granule:(r + 1) * granule, c * granule:(c + 1) * granule].all()
+                if whole and start is None:
+                    start = c
+                if not whole and start is not None:
+                    if c - start > best[1] - best[0]:
+                        best = (start, c)
+                    start = None
+            out[i + (r,)] = best
+    return out
+
+
+def block_held_whole(table, fixed0, fixed_count, lo, count, granule):
+    """mask.cuh's WithScore::map_full on a kernel table (visible range, then a run per level): an
+    aligned tile of 2^k granules reads level k's run at its first granule, which must hold
+    [lo, lo + count); other tiles are never held whole."""
+    level = (fixed_count // granule).bit_length() - 1
+    if fixed_count % granule or fixed_count // granule != 1 << level or level >= M.MAP_LEVELS or fixed0 % fixed_count:
+        return False
+    first, end = table[fixed0 // granule, 2 + 2 * level:4 + 2 * level]
+    return lo >= first * granule and lo + count <= end * granule
+
+
+@given(sizes=problem_sizes, mask=st.sampled_from(MASKS), seed=st.integers(0, 2**32 - 1),
+       block=st.sampled_from([16, 32, 64, 128]))
+def test_block_map_runs_against_brute_force(sizes, mask, seed, block):
+    """The whole runs are the brute-force longest runs, and a kernel block that they hold whole
+    (read along either axis, as a query CTA and a key CTA read them) keeps every pair: the kernels
+    skip the predicate there, so a wrong run would be a wrong answer."""
+    batch, nheads, seqlen_q, seqlen_k = sizes
+    bm, visible = host_map_and_visible(sizes, mask, seed)
+    G = bm.GRANULE
+    runs, runs_t = assert_both_axes(exact_runs, visible, G, bm.key_runs, bm.query_runs)
+    key, query = bm.tables(1, np)
+    key = np.broadcast_to(key, runs.shape[:3] + key.shape[-1:])
+    query = np.broadcast_to(query, runs_t.shape[:3] + query.shape[-1:])
+    whole_blocks = 0
+    for m0 in range(0, seqlen_q - block + 1, block):  # blocks inside the sequence: the band takes the rest
+        for n0 in range(0, seqlen_k - block + 1, block):
+            for i in np.ndindex(batch, nheads):
+                by_queries = block_held_whole(key[i], m0, block, n0, block, G)
+                by_keys = block_held_whole(query[i], n0, block, m0, block, G)
+                kept = visible[i][m0:m0 + block, n0:n0 + block].all()
+                assert not by_queries or kept, (i, m0, n0)
+                assert not by_keys or kept, (i, m0, n0)
+                whole_blocks += by_queries
+    if mask == "documents" and seqlen_q == seqlen_k and block == 16:
+        # granule-sized blocks: every whole one is held (the runs are the documents, one each)
+        assert whole_blocks == sum(visible[i][m:m + 16, n:n + 16].all() for i in np.ndindex(batch, nheads)
+                                   for m in range(0, seqlen_q - 15, 16) for n in range(0, seqlen_k - 15, 16))
 
 
 def next_problem():
@@ -235,6 +312,23 @@ def test_block_map_query_table_is_a_union_over_each_gqa_group():
     assert query.shape[1] == 2
     np.testing.assert_array_equal(query[:, 0, :, 0], per_head[:, :2, :, 0].min(axis=1))
     np.testing.assert_array_equal(query[:, 1, :, 1], per_head[:, 2:, :, 1].max(axis=1))
+    # the whole runs: the intersection over the group (a key CTA serves every head of it)
+    width = np.array([20, 40, 33, 60], np.int32)
+    bm = BlockMask(MaskMod(zoo.per_head_window, width=width), 1, 4, 128, 128, device="cpu")
+    _, query = bm.tables(2, np)
+    _, per_head = bm.tables(1, np)
+    np.testing.assert_array_equal(query[:, 0, :, 2], per_head[:, :2, :, 2].max(axis=1))
+    np.testing.assert_array_equal(query[:, 1, :, 3],
+                                  np.maximum(per_head[:, 2:, :, 3].min(axis=1), per_head[:, 2:, :, 2].max(axis=1)))
+    assert (query[..., 3] > query[..., 2]).any()  # some run survives the intersection
+    # level k: the intersection over aligned groups of 2^k granules, at every granule of the group
+    for table in (query, per_head):
+        for k in range(1, M.MAP_LEVELS):
+            for g in range(table.shape[2]):
+                group = table[..., g >> k << k:(g >> k << k) + (1 << k), 2:4]
+                first = group[..., 0].max(axis=-1)
+                np.testing.assert_array_equal(table[..., g, 2 + 2 * k], first)
+                np.testing.assert_array_equal(table[..., g, 3 + 2 * k], np.maximum(group[..., 1].min(axis=-1), first))
 
 
 def test_block_mask_for_another_shape_is_refused():

@@ -94,6 +94,42 @@ def test_block_map_on_the_gpu_is_the_hosts(sizes, mask, seed):
     host = M.BlockMask(mask_mod, batch, nheads, seqlen_q, seqlen_k, device="cpu")
     np.testing.assert_array_equal(gpu.key_ranges, host.key_ranges)
     np.testing.assert_array_equal(gpu.query_ranges, host.query_ranges)
+    np.testing.assert_array_equal(gpu.key_runs, host.key_runs)
+    np.testing.assert_array_equal(gpu.query_runs, host.query_runs)
+
+
+def documents_per_head_window(b, h, q_idx, kv_idx, doc, width):
+    return (doc[q_idx] == doc[kv_idx]) & (abs(q_idx - kv_idx) <= width[h])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("headdim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("mma_sync", [None, ("v5", True), ("v3", False)], ids=["default", "v5det", "v3"])
+def test_whole_blocks_skip_the_predicate_and_match_reference(dtype, headdim, causal, mma_sync):
+    """Documents of a few hundred tokens and a per-head window (the map per head, GQA group 2):
+    most visited blocks are whole, so the kernels skip the predicate there (mask.cuh's map_full,
+    by query granules in the forward and dQ, by key granules' group intersection in dK/dV), and
+    the edges' blocks evaluate it. Against the float64 reference, forward and backward."""
+    import cupy
+
+    if mma_sync is not None and (dtype == "bfloat16" or headdim == 256):
+        pytest.skip("the sm_80 paths: float16, d64 and d128 (the default path covers the rest)")
+    seqlen = 1100
+    case = replace(zoo_case(), batch=1, nheads_kv=2, group=2, seqlen_q=seqlen, seqlen_k=seqlen, headdim=headdim,
+                   headdim_v=headdim,
+                   causal=causal, dtype=np.dtype(dtype) if dtype != "bfloat16" else cf.testing.problem.as_dtype("bfloat16"),
+                   seed=11 + headdim)
+    doc = np.repeat(np.arange(4, dtype=np.int32), [300, 260, 390, 150])
+    width = np.array([2000, 2000, 2000, 200], np.int32)  # head 3 narrows its group's runs
+    mask_mod = cf.MaskMod(documents_per_head_window, doc=doc, width=width)
+    bm = M.BlockMask(mask_mod, 1, case.nheads, seqlen, seqlen, device="cpu")
+    assert bm.full_density() > 0.5 * bm.density()  # mostly whole blocks: the skipping is exercised
+    q, k, v, do = make_inputs(case)
+    mods = M.check_modifiers(None, mask_mod, None, batch=case.batch, nheads=case.nheads, seqlen_q=seqlen,
+                             seqlen_k=seqlen, on_gpu=True)
+    o, lse, *grads = run_path(case, (-1, -1), q, k, v, do, True, mma_sync=mma_sync, variant={"mods": mods.to(cupy)})
+    check_against_reference(case, (-1, -1), q, k, v, do, o, lse, grads, {"mask_mod": mask_mod})
 
 
 def zoo_case():

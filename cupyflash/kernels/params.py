@@ -45,7 +45,8 @@ VARIANT_ARGS = np.dtype([("alibi_slopes", np.uint64), ("sink", np.uint64), ("ali
 # flash_block_map's argument (modifier.cuh's BlockMapParams).
 BLOCK_MAP_PARAMS = np.dtype([("t", MOD_ARGS), ("key_blocks", np.uint64), ("query_blocks", np.uint64),
                              ("map_batch", np.int32), ("map_heads", np.int32), ("seqlen_q", np.int32),
-                             ("seqlen_k", np.int32), ("query_granules", np.int32), ("key_granules", np.int32)],
+                             ("seqlen_k", np.int32), ("query_granules", np.int32), ("key_granules", np.int32),
+                             ("by_keys", np.int32)],
                             align=True)
 
 _SCALE_FIELDS = [("scale_log2", np.float32), ("scale", np.float32), ("scale_log2_f64", np.float64),
@@ -64,7 +65,7 @@ BWD_PARAMS = np.dtype([*((name, TENSOR_ROWS) for name in ("q", "k", "v", "o", "d
                        ("dq_semaphore", np.uint64), ("dq_row_scale", np.uint64), ("kv_bound", np.uint64),
                        *_SHAPE_FIELDS, *_SCALE_FIELDS, *_SEQUENCE_FIELDS,
                        ("weight", np.uint64), ("dp_ref", np.uint64), ("lse_to_log2", np.float32),
-                       ("lse_to_log2_f64", np.float64)],
+                       ("lse_to_log2_f64", np.float64), ("kv_split", np.uint64)],
                       align=True)
 
 _CPP_NAMES = {FWD_PARAMS: "cf::FwdParams", BWD_PARAMS: "cf::BwdParams", VARIANT_ARGS: "cf::VariantArgs",

@@ -145,6 +145,15 @@ def run_backward(plan, do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float,
     else:
         rows = backward_preprocess(params, do, o)
     launch(plan.spec("dkdv"), grids["dkdv"], (params,))
+    kv_split = None
+    if plan.spec("split_kv") is not None:  # the tf32 wgmma dQ's key blocks split once (dq_presplit)
+        import cupy
+
+        kv_split = cupy.empty(backward_plans.kv_split_bytes(
+            plan.d_tile, plan.kernels.dq_block_n, batch, seqlen_k, nheads_kv,
+            None if packed is None else packed.sequences), np.uint8)
+        params["kv_split"] = pointer(kv_split)
+        launch(plan.spec("split_kv"), grids["split_kv"], (params,))
     if plan.spec("dq") is not None:  # none: the dK/dV kernel adds dQ (the tf32 wgmma candidate's fused_dq)
         launch(plan.spec("dq"), grids["dq"], (params,))
-    del rows  # back to CuPy's pool in stream order, after the launches
+    del rows, kv_split  # back to CuPy's pool in stream order, after the launches

@@ -154,11 +154,14 @@ def test_specializations_mirror_the_kernels_tiles():
     distinct = {(dt, c) for (_, dt), c in DMMA_BACKWARD_TILES.items()}
     tf32 = len(dmma.D_TILES)  # float32's rows: tf32x3 at each DMMA head-dim tile
     # and its wgmma candidates: the one-warpgroup and the producer dK/dV kernels, and the
-    # one-warpgroup and the producer dQ kernels
+    # one-warpgroup and the producer dQ kernels, the latter also copying key blocks split once;
+    # the split's own kernel, dense and packed
     wgmma = {backward_plans.tf32_wgmma_spec(kind, dt, as_mask(True), c).name
              for dt, configs in backward_plans.TF32_WGMMA_BACKWARD_CONFIGS.items() for c in configs
              for kind in ("dkdv", "dq")}
-    assert len(wgmma) == 4
+    assert len(wgmma) == 5
+    splits = {n for n in names if n.startswith("flash_bwd_split_kv_tf32_")}
+    assert splits == {"flash_bwd_split_kv_tf32_fp32_hdim64_bn32", "flash_bwd_split_kv_tf32_fp32_hdim64_bn32_packed"}
     # and the route's kernels as each mask takes them (tf32_wgmma_route), where no candidate row is
     # the same (a route with two dQ consumers adds its dQ kernel for the masks without dropout)
     masks = [*KINDS, *(m.backward() for m in VARIANT_KINDS + PACKED_KINDS)]
@@ -171,7 +174,8 @@ def test_specializations_mirror_the_kernels_tiles():
                  for kind in ("dkdv", "dq")
                  if not any(backward_plans.tf32_wgmma_spec(kind, dt, mask, c).name
                             == route_spec(kind, where, dt, mask).name for d, c in candidates if d == dt))
-    assert sum(1 for n in names if "_bwd_" in n) == 3 * kinds * (len(distinct) + tf32) + kinds * len(wgmma) + routed
+    assert sum(1 for n in names if "_bwd_" in n) == (3 * kinds * (len(distinct) + tf32) + kinds * len(wgmma) + routed
+                                                     + len(splits))
 
 
 def test_a_row_past_the_devices_shared_memory_runs_simt():
@@ -471,13 +475,16 @@ def _wgmma_or_skip() -> None:
 # the candidates' staging and sums: the row's, 64-row blocks with chained sums (dK/dV unstaged, dQ
 # one block ahead), no staging at all (the splits read global memory), dQ by the dK/dV kernel's
 # atomics, the producer warpgroup's dK/dV (two stages; a barrier parity wrong hangs here), and
-# with it the producer warpgroup's dQ, with one consumer and with two (tf32-wgmma-dq-ws)
+# with it the producer warpgroup's dQ, with one consumer and with two (tf32-wgmma-dq-ws), and
+# with key blocks split once for the grid and copied in (tf32-split-once)
 WGMMA_CONFIGS = {"row": Tf32WgmmaBwdConfig(), "bm64_chained": Tf32WgmmaBwdConfig(64, 0, False, 64, 1),
                  "sync": Tf32WgmmaBwdConfig(32, 0, True, 32, 0), "fused": Tf32WgmmaBwdConfig(fused_dq=True),
                  "producer": Tf32WgmmaBwdConfig(32, 1, producer=True),
                  "producer_dq": Tf32WgmmaBwdConfig(32, 1, producer=True, dq_raw_stages=1, dq_producer=True),
                  "producer_dq_c2": Tf32WgmmaBwdConfig(32, 1, producer=True, dq_raw_stages=1, dq_producer=True,
-                                                      dq_consumers=2)}
+                                                      dq_consumers=2),
+                 "producer_dq_presplit": Tf32WgmmaBwdConfig(32, 1, producer=True, dq_raw_stages=0, dq_producer=True,
+                                                            dq_presplit=True)}
 
 
 @pytest.mark.gpu
@@ -520,6 +527,8 @@ def test_tf32_wgmma_backward_on_a_packed_batch_and_long_rows(config_name, causal
     assert any(name.startswith("flash_bwd_dq_tf32_wgmma_") for name in launched) != fused, launched
     assert any(name.startswith("flash_bwd_dq_tf32_wgmma_ws_") for name in launched) == \
         WGMMA_CONFIGS[config_name].dq_producer, launched
+    assert any(name.startswith("flash_bwd_split_kv_tf32_") for name in launched) == \
+        WGMMA_CONFIGS[config_name].dq_presplit, launched
     # the tf32 wgmma dK/dV kernel adds dQ itself iff fused (the SIMT baseline's kernels launch here too)
     assert all(name.endswith("_dq") == fused for name in launched if name.startswith("flash_bwd_dkdv_tf32_wgmma_")), \
         launched
@@ -577,7 +586,9 @@ def test_the_producer_dq_kernel_is_the_one_warpgroup_kernel_bitwise(causal, monk
     """flash_bwd_dq_tf32_wgmma_ws computes what flash_bwd_dq_tf32_wgmma does, value for value (the
     same products in the same order; only who splits the tiles, and when, differs): dQ bit for bit
     on a packed batch of ragged sequences with GQA and on 1k rows, both statistics; dK and dV
-    (the same kernel in both plans) too."""
+    (the same kernel in both plans) too. So does its PRESPLIT form, whose tiles are the same bytes
+    split by flash_bwd_split_kv_tf32 and copied in (a block landed at another block's offset, or
+    not yet landed, shows here)."""
     import functools
 
     launched = _tf32x3_or_skip(monkeypatch)
@@ -586,16 +597,19 @@ def test_the_producer_dq_kernel_is_the_one_warpgroup_kernel_bitwise(causal, monk
     problems = _packed_and_long_rows(60, (1, 1000, 1, 64))
     one = Tf32WgmmaBwdConfig(32, 1, producer=True, dq_raw_stages=1)
     two = Tf32WgmmaBwdConfig(32, 1, producer=True, dq_raw_stages=1, dq_producer=True)
+    three = Tf32WgmmaBwdConfig(32, 1, producer=True, dq_raw_stages=0, dq_producer=True, dq_presplit=True)
     for q_shape, k_shape, packed in problems:
         q, do = (rng.standard_normal(q_shape).astype(np.float32) for _ in range(2))
         k, v = (rng.standard_normal(k_shape).astype(np.float32) for _ in range(2))
         for statistics in ("saved", "recomputed"):
-            want, got = (_gradients(do, q, k, v, causal=causal, packed=packed, statistics=statistics,
-                                    backward=functools.partial(dmma.backward, config=config))
-                         for config in (one, two))
-            for which, a, b in zip(("dq", "dk", "dv"), got, want):
+            want, got, presplit = (_gradients(do, q, k, v, causal=causal, packed=packed, statistics=statistics,
+                                              backward=functools.partial(dmma.backward, config=config))
+                                   for config in (one, two, three))
+            for which, a, c, b in zip(("dq", "dk", "dv"), got, presplit, want):
                 assert np.isfinite(a).all() and np.array_equal(a.view(np.uint32), b.view(np.uint32)), which
+                assert np.isfinite(c).all() and np.array_equal(c.view(np.uint32), b.view(np.uint32)), which
     assert any(name.startswith("flash_bwd_dq_tf32_wgmma_ws_") for name in launched), launched
+    assert any(name.endswith("_presplit") for name in launched), launched
     assert any(name.startswith("flash_bwd_dq_tf32_wgmma_fp32_") for name in launched), launched
 
 

@@ -11,7 +11,8 @@ import numpy as np
 
 from .flash_bwd_dq_tf32_wgmma import products_at
 from .mirrors import mirrors
-from .wgmma_tf32 import split_tf32_panels, split_tf32_panels_transposed
+from .wgmma_tf32 import split_tf32_panels
+from .wgmma_tf32_bwd_steps import key_block_tiles, split_key_block
 
 KERNEL = "flash_bwd_dq_tf32_wgmma_ws"
 BLOCK_M = 64
@@ -23,7 +24,7 @@ STAGE_INDEX = 1  # the stage the emulated key block lands in (the second: its of
          "static constexpr int BLOCK_M = 64;",
          "static constexpr u32 Q_TILE = BLOCK_M * D_TILE * 4, KV_TILE = BLOCK_N * D_TILE * 4;",
          "static constexpr u32 Q_HI = 0, DO_HI = 2 * Q_TILE;",
-         "static constexpr u32 K = 0, KT = 2 * KV_TILE, V = 4 * KV_TILE;",
+         "static constexpr u32 K = Tiles::K, KT = Tiles::KT, V = Tiles::V;",
          "static constexpr u32 STAGE = (6 * KV_TILE + 1023) / 1024 * 1024;",
          "static constexpr u32 STAGE0 = 4 * Q_TILE;",
          "static constexpr u32 RAW = STAGE0 + STAGES * STAGE;",
@@ -38,8 +39,9 @@ def ws_smem(d_tile: int, block_n: int, stages: int, raw_stages: int, stage: int 
     """DqTf32WgmmaWsSmem's offsets in bytes from the aligned base, and stage `stage`'s tiles as
     absolute offsets (K_HI .. V_LO: stage_of(i) + X, each lo tile KV_TILE past its hi tile)."""
     q_tile, kv_tile = BLOCK_M * d_tile * 4, block_n * d_tile * 4
-    layout = {"Q_TILE": q_tile, "KV_TILE": kv_tile, "Q_HI": 0, "DO_HI": 2 * q_tile, "K": 0, "KT": 2 * kv_tile,
-              "V": 4 * kv_tile}
+    tiles = key_block_tiles(d_tile, block_n)
+    layout = {"Q_TILE": q_tile, "KV_TILE": kv_tile, "Q_HI": 0, "DO_HI": 2 * q_tile, "K": tiles["K"],
+              "KT": tiles["KT"], "V": tiles["V"]}
     layout["Q_LO"], layout["DO_LO"] = q_tile, 3 * q_tile
     layout["STAGE"] = (6 * kv_tile + 1023) // 1024 * 1024
     layout["STAGE0"] = 4 * q_tile
@@ -58,22 +60,17 @@ def ws_smem(d_tile: int, block_n: int, stages: int, raw_stages: int, stage: int 
          "split_tf32_panels<BLOCK_M, D_TILE, 256, PRODUCTS>(",
          "base + L::Q_HI, base + L::Q_HI + L::Q_TILE,",
          "base + L::DO_HI, base + L::DO_HI + L::Q_TILE,",
-         "split_tf32_panels_both<BLOCK_N, D_TILE, 128, PRODUCTS>(stage + L::K, stage + L::K + L::KV_TILE,",
-         "stage + L::KT, stage + L::KT + L::KV_TILE,",
-         "split_tf32_panels<BLOCK_N, D_TILE, 128, PRODUCTS>(stage + L::V, stage + L::V + L::KV_TILE,")
+         "split_key_block_tf32<D_TILE, BLOCK_N, 128, PRODUCTS>(stage, StagedRows<D_TILE>{staged},",
+         "StagedRows<D_TILE>{staged + raw.TILE},")
 def load_tiles(d_tile: int, block_n: int, q, do, k, v, queries_valid: int, keys_valid: int, headdim: int,
                headdim_v: int, stages: int = 2, raw_stages: int = 1) -> np.ndarray:
     """Shared memory after both splits: Q and dO by 256 threads, one key block's K (natural and
     transposed) and V by the producer's 128 into stage STAGE_INDEX; every other word 0xFFFFFFFF."""
     layout = ws_smem(d_tile, block_n, stages, raw_stages, STAGE_INDEX)
     smem = np.full(layout["BYTES"] // 4, 0xFFFFFFFF, np.uint32)
-    for tile, rows, valid, hd, x, transposed, threads in (
-            ("Q", BLOCK_M, queries_valid, headdim, q, False, 256), ("DO", BLOCK_M, queries_valid, headdim_v, do, False, 256),
-            ("K", block_n, keys_valid, headdim, k, False, 128), ("KT", block_n, keys_valid, headdim, k, True, 128),
-            ("V", block_n, keys_valid, headdim_v, v, False, 128)):
-        split = split_tf32_panels_transposed if transposed else split_tf32_panels
-        split(3, smem, smem, layout[tile + "_HI"], layout[tile + "_LO"], rows, d_tile, threads, x, valid, hd,
-              **({"key_pairs": True} if transposed else {}))
+    for tile, valid, hd, x in (("Q", queries_valid, headdim, q), ("DO", queries_valid, headdim_v, do)):
+        split_tf32_panels(3, smem, smem, layout[tile + "_HI"], layout[tile + "_LO"], BLOCK_M, d_tile, 256, x, valid, hd)
+    split_key_block(smem, layout["K_HI"], d_tile, block_n, 128, k, v, keys_valid, headdim, headdim_v)
     return smem
 
 

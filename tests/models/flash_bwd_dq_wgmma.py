@@ -188,7 +188,7 @@ def dqw_store_dq(dq, dq_acc, lane, row_lo, scale: float, headdim: int) -> None:
 
 
 @mirrors(DQW,
-         "const Mask mask = cta_mask<Mask>(p, seq.index, seqlen_q, seqlen_k);",
+         "const Mask mask = cta_mask<Mask, CtaRows::QUERIES>(p, seq.index, seqlen_q, seqlen_k);",
          "const int j_begin = mask.key_begin(m0) / BLOCK_N;",
          "const int n_end = mask.key_end(m0, BLOCK_M);",
          "if (j_begin * BLOCK_N < n_end) load_kv_block(j_begin);",

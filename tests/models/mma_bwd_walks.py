@@ -34,12 +34,18 @@ def visible(m, n, seqlen_q, seqlen_k, mask):
 
 
 @mirrors("common.cuh", "if (masked) f(Flag<true>());", "else f(Flag<false>());")
-@_each(DKDV_KERNELS, "const bool partial = mask.partial(m0_sub, M_SUB, n0, BLOCK_N);",
+@_each(DKDV_KERNELS[1:], "const bool partial = mask.partial(m0_sub, M_SUB, n0, BLOCK_N);",
        "masked_or_not(partial, [&](auto masked) {")
-@_each(DQ_KERNELS, "const bool partial = mask.partial(m0, BLOCK_M, n0, BLOCK_N);")
+@_each(DKDV_KERNELS[:1], "const bool partial = mask.band_partial(m0_sub, M_SUB, n0, BLOCK_N);",
+       "masked_or_not(partial, [&](auto masked) {")
+@_each(DQ_KERNELS[:1], "const bool partial = mask.partial(m0, BLOCK_M, n0, BLOCK_N);")
+@_each(DQ_KERNELS[1:], "const bool partial = mask.band_partial(m0, BLOCK_M, n0, BLOCK_N);")
 def block_partial(m0, bm, n0, bn, seqlen_q, seqlen_k, mask):
     """Whether the element mask applies in the block (the dK/dV kernels run their masked
-    instance, masked_or_not, exactly there; the dQ kernels test ``partial`` per element)."""
+    instance, masked_or_not, exactly there; the dQ kernels test ``partial`` per element). For a
+    band these are the band's answers; with a user mask's block map, partial() also answers
+    partial where the map does not hold the block whole, and band_partial() (the two kernels at
+    their register limit, which keep the predicate everywhere) does not."""
     return mask.partial(m0, bm, n0, bn, seqlen_q, seqlen_k)
 
 

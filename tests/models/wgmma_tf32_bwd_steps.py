@@ -37,6 +37,44 @@ def rows_times_rows(smem, d_tile: int, a_rows: int, b_rows: int, a_hi: int, a_lo
     return out
 
 
+@mirrors(STEPS,
+         "static constexpr u32 KV_TILE = BLOCK_N * D_TILE * 4;",
+         "static constexpr u32 K = 0, KT = 2 * KV_TILE, V = 4 * KV_TILE, BYTES = 6 * KV_TILE;",
+         "split_tf32_panels_both<BLOCK_N, D_TILE, NTHREADS, PRODUCTS>(tiles + T::K, tiles + T::K + T::KV_TILE,",
+         "tiles + T::KT, tiles + T::KT + T::KV_TILE, k,",
+         "split_tf32_panels<BLOCK_N, D_TILE, NTHREADS, PRODUCTS>(tiles + T::V, tiles + T::V + T::KV_TILE, v, keys_valid,")
+def key_block_tiles(d_tile: int, block_n: int) -> dict:
+    """Tf32KeyBlockTiles' offsets in bytes (each lo tile KV_TILE past its hi tile) and BYTES: the
+    tiles split_key_block_tf32 fills, K and K^T from k (K^T with KEY_PAIRS), V from v."""
+    kv_tile = block_n * d_tile * 4
+    return {"KV_TILE": kv_tile, "K": 0, "KT": 2 * kv_tile, "V": 4 * kv_tile, "BYTES": 6 * kv_tile}
+
+
+def split_key_block(smem, tiles: int, d_tile: int, block_n: int, threads: int, k, v, keys_valid: int, headdim: int,
+                    headdim_v: int) -> None:
+    """split_key_block_tf32 into the words of ``smem`` from byte ``tiles`` (models/wgmma_tf32.py's
+    splits, three products)."""
+    t = key_block_tiles(d_tile, block_n)
+    for tile, x, hd, transposed in (("K", k, headdim, False), ("KT", k, headdim, True), ("V", v, headdim_v, False)):
+        split = split_tf32_panels_transposed if transposed else split_tf32_panels
+        split(3, smem, smem, tiles + t[tile], tiles + t[tile] + t["KV_TILE"], block_n, d_tile, threads, x, keys_valid,
+              hd, **({"key_pairs": True} if transposed else {}))
+
+
+@mirrors(STEPS,
+         "if constexpr (PACKED) block = (i64)(seq.k_begin / BLOCK_N + seq.index + j) * p.nheads_kv + head_kv;",
+         "else block = ((i64)seq.batch * p.nheads_kv + head_kv) * ((p.seqlen_k + BLOCK_N - 1) / BLOCK_N) + j;",
+         "return block * Tf32KeyBlockTiles<D_TILE, BLOCK_N>::BYTES;")
+def kv_image_offset(packed: bool, d_tile: int, block_n: int, nheads_kv: int, seqlen_k: int, index: int, batch: int,
+                    k_begin: int, head_kv: int, j: int) -> int:
+    """Where key block j of a sequence's kv head lies in the kv_split image, in bytes."""
+    if packed:
+        block = (k_begin // block_n + index + j) * nheads_kv + head_kv
+    else:
+        block = (batch * nheads_kv + head_kv) * (-(-seqlen_k // block_n)) + j
+    return block * key_block_tiles(d_tile, block_n)["BYTES"]
+
+
 def acc_times_tile(smem, d_tile: int, k_cols: int, acc, b_hi: int, b_lo: int) -> np.ndarray:
     """tf32_acc_times_tile's product, 64 x d_tile: A = the accumulator values acc[thread, f, e] of
     a 64 x k_cols product, k-step f's registers relabelled (p_as_a_registers, whose mirrors are

@@ -1,0 +1,51 @@
+// flash_bwd_split_kv_tf32: each key block of K and V split once for the whole grid of the float32
+// backward's dQ kernel (sm_90a; docs/perf-log.md tf32-split-once). flash_bwd_dq_tf32_wgmma_ws
+// splits every key block again in every query-block CTA (seqlen_q / 64 times over), and its
+// producer warpgroup's split, one warp a scheduler of dependent shared-memory loads and stores,
+// was one of the two suspects that held the kernel at 3,640 clocks a block (perf log
+// tf32-wgmma-dq-ws). Here a CTA splits one block into shared memory with the same helper
+// (split_key_block_tf32) and copies the bytes out as they are, swizzle and all, to the kv_split
+// image (kv_image_offset); with PRESPLIT the dQ kernel's producer fills a stage with one bulk copy
+// of them instead of splitting.
+//
+// Grid (ceil(seqlen_k / BLOCK_N), nheads_kv, batch or sequences), 128 threads. The image costs
+// 3x K and V in float32 (hi and lo; K twice); each of its bytes is read once per query block.
+#include "common.cuh"
+#include "mask.cuh"
+#include "params.cuh"
+#include "wgmma.cuh"
+#include "wgmma_tf32.cuh"
+#include "wgmma_tf32_bwd_steps.cuh"
+
+namespace cf {
+
+template <int D_TILE, int BLOCK_N, bool PACKED, int PRODUCTS = 3>
+__global__ void __launch_bounds__(128)
+flash_bwd_split_kv_tf32(const __grid_constant__ BwdParams p) {
+    typedef Tf32KeyBlockTiles<D_TILE, BLOCK_N> T;
+    static_assert(BLOCK_N % 32 == 0 && D_TILE % 32 == 0 && T::BYTES % (16 * 128) == 0, "whole panels and chunks");
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    const u32 base = aligned_dynamic_smem<T::BYTES>(smem_raw);
+
+    // every key of the sequence, whatever the mask: some query block's walk may need any of them
+    const SequenceRows seq = cta_sequence<SequencesOnly<PACKED>>(p, blockIdx.z);
+    const int j = blockIdx.x, n0 = j * BLOCK_N, head_kv = blockIdx.y;
+    if (PACKED && n0 >= seq.seqlen_k) return;  // past a shorter sequence's end
+    const GlobalRows k{p.k.row<const float>(seq.batch, seq.k_begin + n0, head_kv), p.k.row_stride};
+    const GlobalRows v{p.v.row<const float>(seq.batch, seq.k_begin + n0, head_kv), p.v.row_stride};
+    split_key_block_tf32<D_TILE, BLOCK_N, 128, PRODUCTS>(base, k, v, seq.seqlen_k - n0, p.headdim, p.headdim_v,
+                                                         threadIdx.x);
+    __syncthreads();
+
+    // The tiles out as bytes, 16 a thread and step: consecutive threads, consecutive chunks.
+    uint4* const image = reinterpret_cast<uint4*>(static_cast<unsigned char*>(p.kv_split) +
+                                                  kv_image_offset<PACKED, D_TILE, BLOCK_N>(p, seq, head_kv, j));
+#pragma unroll 4
+    for (int c = threadIdx.x; c < static_cast<int>(T::BYTES / 16); c += 128) {
+        u32 r[4];
+        ld_shared_v4(r, base + 16 * c);
+        image[c] = make_uint4(r[0], r[1], r[2], r[3]);
+    }
+}
+
+}  // namespace cf

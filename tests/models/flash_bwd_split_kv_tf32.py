@@ -1,0 +1,78 @@
+"""Model of kernels_cu/flash_bwd_split_kv_tf32.cu and of what flash_bwd_dq_tf32_wgmma_ws's PRESPLIT
+producer does with its output (perf log tf32-split-once): every key block of every sequence and kv
+head split into Tf32KeyBlockTiles in a 1024-aligned shared buffer and copied out byte for byte to
+its place in the kv_split image (kv_image_offset); the dQ kernel's producer copies a block's bytes
+from there into a stage, where the consumer's products read them through the same descriptors as
+when the producer split the block itself.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .mirrors import mirrors
+from .wgmma_tf32_bwd_steps import key_block_tiles, kv_image_offset, split_key_block
+
+KERNEL = "flash_bwd_split_kv_tf32"
+DQ_KERNEL = "flash_bwd_dq_tf32_wgmma_ws"
+NTHREADS = 128
+
+
+@mirrors(KERNEL,
+         "const u32 base = aligned_dynamic_smem<T::BYTES>(smem_raw);",
+         "const int j = blockIdx.x, n0 = j * BLOCK_N, head_kv = blockIdx.y;",
+         "if (PACKED && n0 >= seq.seqlen_k) return;",
+         "split_key_block_tf32<D_TILE, BLOCK_N, 128, PRODUCTS>(base, k, v, seq.seqlen_k - n0, p.headdim, p.headdim_v,",
+         "kv_image_offset<PACKED, D_TILE, BLOCK_N>(p, seq, head_kv, j));",
+         "for (int c = threadIdx.x; c < static_cast<int>(T::BYTES / 16); c += 128) {",
+         "ld_shared_v4(r, base + 16 * c);",
+         "image[c] = make_uint4(r[0], r[1], r[2], r[3]);")
+def write_image(d_tile: int, block_n: int, k, v, headdim: int, headdim_v: int, cu_seqlens_k=None,
+                image_bytes: int | None = None) -> np.ndarray:
+    """The kv_split image (uint32 words, 0xFFFFFFFF where no CTA wrote) after every CTA of the grid
+    (ceil(seqlen_k / block_n) or the longest sequence's blocks, kv heads, batch or sequences) ran.
+    k, v: (batch, seqlen_k, nheads_kv, dim) float32; a packed batch is batch 1 with cu_seqlens_k."""
+    batch, seqlen_k, nheads_kv = k.shape[:3]
+    tiles = key_block_tiles(d_tile, block_n)
+    packed = cu_seqlens_k is not None
+    if packed:
+        sequences = [(b, 0, int(cu_seqlens_k[b]), int(cu_seqlens_k[b + 1] - cu_seqlens_k[b]))
+                     for b in range(len(cu_seqlens_k) - 1)]
+        grid_blocks = -(-max([n for *_, n in sequences] + [0]) // block_n)
+    else:
+        sequences = [(b, b, 0, seqlen_k) for b in range(batch)]
+        grid_blocks = -(-seqlen_k // block_n)
+    image = np.full((image_bytes or 0) // 4, 0xFFFFFFFF, np.uint32)
+    for index, batch_of, k_begin, length in sequences:
+        for head_kv in range(nheads_kv):
+            for j in range(grid_blocks):
+                n0 = j * block_n
+                if packed and n0 >= length:
+                    continue
+                smem = np.full(tiles["BYTES"] // 4, 0xFFFFFFFF, np.uint32)
+                rows = slice(k_begin + n0, k_begin + min(n0 + block_n, length))
+                kb, vb = (np.zeros((block_n, x.shape[3]), np.float32) for x in (k, v))
+                kb[: rows.stop - rows.start] = k[batch_of, rows, head_kv]
+                vb[: rows.stop - rows.start] = v[batch_of, rows, head_kv]
+                split_key_block(smem, 0, d_tile, block_n, NTHREADS, kb, vb, length - n0, headdim, headdim_v)
+                at = kv_image_offset(packed, d_tile, block_n, nheads_kv, seqlen_k, index, batch_of, k_begin,
+                                     head_kv, j)
+                image[at // 4: at // 4 + smem.size] = smem
+    return image
+
+
+@mirrors(DQ_KERNEL,
+         "ring.init(PRESPLIT ? 1 : 128, 128);",
+         "const i64 block = kv_image_offset<Mask::PACKED, D_TILE, BLOCK_N>(p, seq, head_kv, j_begin + i);",
+         "mbarrier_arrive_expect_tx(ring.full_barrier(i), L::Tiles::BYTES);",
+         "cp_async_bulk_to_shared(base + stage_of(i), image + block, L::Tiles::BYTES, ring.full_barrier(i));")
+def copy_into_stage(smem: np.ndarray, stage: int, image: np.ndarray, block: int, d_tile: int, block_n: int) -> None:
+    """The PRESPLIT producer's copy of the image's block at byte ``block`` into the stage at byte
+    ``stage`` of the dQ kernel's shared memory: Tf32KeyBlockTiles' BYTES as they are. Its barrier
+    (count 1: the one thread's arrival, which also expects the bytes) completes once they have
+    landed; the ring's protocol is otherwise StageRing's (models/flash_bwd_dkdv_tf32_wgmma_ws.py
+    run_ring), one producer thread instead of 128 arriving threads."""
+    n = key_block_tiles(d_tile, block_n)["BYTES"] // 4
+    smem[stage // 4: stage // 4 + n] = image[block // 4: block // 4 + n]
+
+
+__all__ = ["KERNEL", "write_image", "copy_into_stage"]
