@@ -89,7 +89,13 @@ flash_bwd_dq_tf32_wgmma_ws(const __grid_constant__ BwdParams p) {
     const Mask mask = cta_mask<Mask, CtaRows::QUERIES>(p, seq.index, seqlen_q, seqlen_k);
     const int head = blockIdx.y, head_kv = head / p.group;
     const int j_begin = mask.key_begin(m0) / BLOCK_N;
-    const int j_end = (mask.key_end(m0, BLOCK_M) + BLOCK_N - 1) / BLOCK_N;
+    // PRESPLIT's walk stops at the sequence's last key block: a packed batch's block map is made for
+    // the longest sequence, so a shorter one's query granule without keys points past its end, and
+    // the walk may take a block there, zero rows where the producer splits, but another
+    // sequence's image block (or none) for the bulk copy.
+    const int j_end = PRESPLIT ? min((mask.key_end(m0, BLOCK_M) + BLOCK_N - 1) / BLOCK_N,
+                                     (seqlen_k + BLOCK_N - 1) / BLOCK_N)
+                               : (mask.key_end(m0, BLOCK_M) + BLOCK_N - 1) / BLOCK_N;
     const int n_blocks = j_end > j_begin ? j_end - j_begin : 0;
     const int tid = threadIdx.x, wg = tid / 128, wg_tid = tid % 128, warp = wg_tid / 32, lane = tid % 32;
 

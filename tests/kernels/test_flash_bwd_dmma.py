@@ -672,3 +672,40 @@ def test_tf32x3_experiment_cancels_one_hot_rows_exactly(headdim, dkdv, monkeypat
     exact_dq = reference.attention_backward(*(x.astype(np.float64) for x in (do, q, k, v)), softmax_scale=1e4)[0]
     assert float(np.abs(exact_dq).max()) < 1e-30, "the inputs are not one-hot"
     assert float(np.abs(dq).max()) < 1e-30
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config_name", ["producer_dq_presplit"])
+def test_presplit_walks_stop_at_a_short_packed_sequences_end(config_name, monkeypatch):
+    """A packed batch with a mask_mod: the block map is made for the longest sequence, so a shorter
+    sequence's granules without kept pairs point past its end and a walk may take one block there
+    (zero rows where the producer splits). The presplit producers copy image blocks instead, so
+    their walks stop at the sequence's end: the gradients through the public varlen API with the
+    presplit config as the route are finite and equal to the shipped route's (q lengths 200, 40,
+    72 against keys 128, 128, 96, kv_idx < 64: the review's case of a copy past the image)."""
+    import cupy
+
+    import cupyflash
+
+    launched = _tf32x3_or_skip(monkeypatch)
+    _wgmma_or_skip()
+    rng = np.random.default_rng(43)
+    lengths_q, lengths_k = [200, 40, 72], [128, 128, 96]
+    cu_q = cupy.asarray(np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32))
+    cu_k = cupy.asarray(np.concatenate([[0], np.cumsum(lengths_k)]).astype(np.int32))
+    q, do = (cupy.asarray(rng.standard_normal((sum(lengths_q), 2, 64)).astype(np.float32)) for _ in range(2))
+    k, v = (cupy.asarray(rng.standard_normal((sum(lengths_k), 1, 64)).astype(np.float32)) for _ in range(2))
+    mask = cupyflash.MaskMod(lambda b, h, q_idx, kv_idx: kv_idx < 64)
+    args = (cu_q, cu_k, max(lengths_q), max(lengths_k))
+
+    def gradients():
+        o, lse = cupyflash.flash_attn_varlen_func(q, k, v, *args, mask_mod=mask, return_lse=True)
+        return [g.get() for g in cupyflash.flash_attn_varlen_backward(do, q, k, v, o, lse, *args, mask_mod=mask)]
+
+    shipped = gradients()
+    monkeypatch.setitem(backward_plans.TF32_WGMMA_BACKWARD_ROUTE, (SM90, 64), WGMMA_CONFIGS[config_name])
+    launched.clear()
+    presplit = gradients()
+    assert any(name.startswith("flash_bwd_split_kv_tf32_") for name in launched), launched
+    for which, a, b in zip(("dq", "dk", "dv"), presplit, shipped):
+        assert np.isfinite(a).all() and np.array_equal(a, b), which
