@@ -86,7 +86,9 @@ def per_kernel_ms(run, repeats: int) -> dict:
         start.record()
         real(spec, *args, **kwargs)
         stop.record()
-        samples.setdefault(spec.name.split("_")[2], []).append((start, stop))
+        words = spec.name.split("_")  # flash_bwd_<role>_...: split_q and split_kv kept apart
+        role = "_".join(words[2:4]) if words[2] == "split" else words[2]
+        samples.setdefault(role, []).append((start, stop))
 
     simt.launch = timed
     try:
@@ -245,7 +247,10 @@ def main() -> None:
                     roles = {}
                     for key, value in row.items():
                         if key.startswith("saved_") and key.endswith("_ms"):
-                            name, role = key[len("saved_"):-len("_ms")].rsplit("_", 1)
+                            stem = key[len("saved_"):-len("_ms")]
+                            role = next((r for r in ("split_kv", "split_q") if stem.endswith("_" + r)),
+                                        stem.rsplit("_", 1)[1])
+                            name = stem[: -len(role) - 1]
                             roles.setdefault(name, []).append(f"{role} {value:.3f}")
                     print("    saved, ms a kernel: " + "  ".join(f"{name}: {', '.join(parts)}"
                                                            for name, parts in roles.items()), flush=True)
