@@ -37,4 +37,24 @@ struct QueryBlockWalk {
     __device__ __forceinline__ int block_down_from(int last, int it) const { return last - it % blocks; }
 };
 
+// A dQ CTA's key blocks: [first, end) of BLOCK_N keys, from the mask's key range of query rows
+// [m0, m0 + rows). With SKIP_EMPTY an empty range gives no block. Rounded to blocks, an empty
+// range [b, b) with b not a block multiple is one block, and b may lie past the sequence's end
+// (a packed batch's block map is made for the longest sequence: a shorter one's granule without
+// keys points past its end). A kernel that loads the block's rows itself walks it harmlessly
+// (zero rows); one that copies the block's split image (flash_bwd_dq_tf32_wgmma_ws's PRESPLIT)
+// would read another sequence's block, or past the image.
+template <int BLOCK_N, bool SKIP_EMPTY = false>
+struct KeyBlockRange {
+    int first, end, blocks;
+
+    template <class Mask>
+    __device__ __forceinline__ KeyBlockRange(const Mask& mask, int m0, int rows) {
+        const int key_begin = mask.key_begin(m0), key_end = mask.key_end(m0, rows);
+        first = key_begin / BLOCK_N;
+        end = SKIP_EMPTY && key_end <= key_begin ? first : (key_end + BLOCK_N - 1) / BLOCK_N;
+        blocks = end > first ? end - first : 0;
+    }
+};
+
 }  // namespace cf

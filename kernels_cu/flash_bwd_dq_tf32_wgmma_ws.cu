@@ -33,6 +33,7 @@
 // has the TMA unit copy them in (cp.async.bulk); the phase completes when they have landed, in
 // the async proxy that wgmma reads with. No raw stages (RAW_STAGES 0), no split in this kernel
 // but Q's and dO's.
+#include "block_walk.cuh"
 #include "common.cuh"
 #include "dmma_bwd_steps.cuh"
 #include "mask.cuh"
@@ -88,15 +89,9 @@ flash_bwd_dq_tf32_wgmma_ws(const __grid_constant__ BwdParams p) {
     if (Mask::PACKED && m0 >= seqlen_q) return;  // past a shorter sequence's end: the whole CTA
     const Mask mask = cta_mask<Mask, CtaRows::QUERIES>(p, seq.index, seqlen_q, seqlen_k);
     const int head = blockIdx.y, head_kv = head / p.group;
-    const int j_begin = mask.key_begin(m0) / BLOCK_N;
-    // PRESPLIT's walk stops at the sequence's last key block: a packed batch's block map is made for
-    // the longest sequence, so a shorter one's query granule without keys points past its end, and
-    // the walk may take a block there, zero rows where the producer splits, but another
-    // sequence's image block (or none) for the bulk copy.
-    const int j_end = PRESPLIT ? min((mask.key_end(m0, BLOCK_M) + BLOCK_N - 1) / BLOCK_N,
-                                     (seqlen_k + BLOCK_N - 1) / BLOCK_N)
-                               : (mask.key_end(m0, BLOCK_M) + BLOCK_N - 1) / BLOCK_N;
-    const int n_blocks = j_end > j_begin ? j_end - j_begin : 0;
+    // PRESPLIT copies each block's image, so an empty key range walks no block (KeyBlockRange)
+    const KeyBlockRange<BLOCK_N, PRESPLIT> keys(mask, m0, BLOCK_M);
+    const int j_begin = keys.first, j_end = keys.end, n_blocks = keys.blocks;
     const int tid = threadIdx.x, wg = tid / 128, wg_tid = tid % 128, warp = wg_tid / 32, lane = tid % 32;
 
     if (tid < 256) {  // the split's rows are dealt to 256 threads (a multiple of its row step)

@@ -137,3 +137,16 @@ def test_a_copied_block_is_the_producers_own_split_and_its_products(packed):
     wrong = own.copy()
     copy_into_stage(wrong, layout["K_HI"], image, neighbour, 64, 32)
     assert not np.array_equal(wrong, own)
+
+
+def test_an_empty_key_range_walks_no_block_where_the_blocks_are_copied():
+    """KeyBlockRange (block_walk.cuh): rounded to blocks, an empty key range [48, 48) is one block
+    (harmless where a kernel loads the block's rows itself: zeros); with SKIP_EMPTY, the PRESPLIT
+    dQ kernel's, it is none. A range with keys is the same either way."""
+    from models.mma_bwd_walks import key_blocks
+
+    assert key_blocks(48, 48, 32, False) == (1, 2, 1)
+    assert key_blocks(48, 48, 32, True) == (1, 1, 0)
+    assert key_blocks(64, 64, 32, False)[2] == key_blocks(64, 64, 32, True)[2] == 0
+    for skip in (False, True):
+        assert key_blocks(40, 70, 32, skip) == (1, 3, 2)

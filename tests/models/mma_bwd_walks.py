@@ -92,6 +92,18 @@ def key_block_range(mask, m0, block_m, block_n, seqlen_q, seqlen_k):
     return j_begin, j_end
 
 
+@mirrors("block_walk.cuh",
+         "const int key_begin = mask.key_begin(m0), key_end = mask.key_end(m0, rows);",
+         "first = key_begin / BLOCK_N;",
+         "end = SKIP_EMPTY && key_end <= key_begin ? first : (key_end + BLOCK_N - 1) / BLOCK_N;",
+         "blocks = end > first ? end - first : 0;")
+def key_blocks(key_begin: int, key_end: int, block_n: int, skip_empty: bool) -> tuple[int, int, int]:
+    """KeyBlockRange's (first, end, blocks) from the policy's key range [key_begin, key_end)."""
+    first = key_begin // block_n
+    end = first if skip_empty and key_end <= key_begin else -(-key_end // block_n)
+    return first, end, max(0, end - first)
+
+
 # The policy twin's per-row bounds that the models above use are mask.cuh's.
 mirrors("mask.cuh", "return RIGHT ? min(seqlen_k, i + 1 + hi_off) : seqlen_k;")(masks.Mask.row_key_end)
 mirrors("mask.cuh", "return RIGHT ? j - hi_off : 0;")(masks.Mask.row_query_begin)
