@@ -56,7 +56,7 @@ def run_path(case, window, q, k, v, do, deterministic=True, mma_sync=None, varia
 
     qd, kd, vd, dod = (cupy.asarray(x) for x in (q, k, v, do))
     acc = np.float64 if case.dtype == np.float64 else np.float32
-    o = _nan(q.shape, q.dtype)
+    o = _nan(q.shape[:3] + v.shape[3:], q.dtype)  # o has v's head dim (headdim_v may differ from q's)
     lse = _nan((case.batch, case.nheads, case.seqlen_q), acc)
     grads = [_nan(x.shape, x.dtype) for x in (q, k, v)]
     options = dict(softmax_scale=case.scale, causal=case.causal, window_size=window)
