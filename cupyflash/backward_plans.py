@@ -466,9 +466,9 @@ def _without_spills(row: BackwardKernels, mask: Mask, dt: int) -> BackwardKernel
 class Launch(NamedTuple):
     """One kernel of a plan: its specialization and what its grid's x dimension counts."""
 
-    role: str  # "preprocess", "stats", "kv_bounds", "preprocess_fixed", "dkdv", "split_kv", "dq", "convert"
+    role: str  # "preprocess", "stats", "kv_bounds", "preprocess_fixed", "split_q", "dkdv", "split_kv", "dq", "convert"
     spec: Specialization
-    per_block: int  # rows (keys for dkdv, kv_bounds, split_kv; queries for dq), or elements, per block
+    per_block: int  # rows (keys for dkdv, kv_bounds, split_kv; queries for dq, split_q), or elements, per block
 
     def grid(self, batch: int, seqlen_q: int, seqlen_k: int, nheads: int, nheads_kv: int,
              headdim: int, packed=None) -> tuple[int, int, int]:
@@ -875,6 +875,9 @@ class Tf32WgmmaBwdConfig:
     blocks, their dQ added at the end). ``dq_presplit`` (with dq_producer and dq_raw_stages 0; perf
     log tf32-split-once): each key block split once for the grid by flash_bwd_split_kv_tf32 into a
     workspace (kv_split_bytes), the dQ producer one thread copying it into the stages by bulk copies.
+    ``presplit`` (with producer and raw_stages 0; perf log tf32-split-once-dkdv): the same for the
+    dK/dV kernel's query blocks, Q and dO split once with their statistics by flash_bwd_split_q_tf32
+    (q_split_bytes).
     Candidates, in no plan (but the route's row):
     ``dmma.backward(config=...)`` on float32 arrays,
     head dims up to 64 and multiples of 4 (at d128, K, V and a query block's four tile pairs, hi
@@ -893,6 +896,7 @@ class Tf32WgmmaBwdConfig:
     dq_stages: int = 2
     dq_consumers: int = 1
     dq_presplit: bool = False
+    presplit: bool = False
 
     threads = 128
     block_n = 64
@@ -903,21 +907,27 @@ class Tf32WgmmaBwdConfig:
 # to 64; at d32 the 64-query blocks, the tile the transposed split deals to four warps there, spill
 # 48-108 bytes with a window or dropout): the single warpgroup's, the producer dK/dV form's with the
 # one-warpgroup dQ (the route's row of the tenth session), with dQ by a producer too (the route's
-# row now, tf32-wgmma-dq-ws), and that producer copying key blocks split once (tf32-split-once).
+# row now, tf32-wgmma-dq-ws), that producer copying key blocks split once (tf32-split-once), and both
+# producers copying blocks split once (tf32-split-once-dkdv).
 TF32_WGMMA_BACKWARD_CONFIGS = {64: (Tf32WgmmaBwdConfig(), Tf32WgmmaBwdConfig(32, 1, producer=True),
                                     Tf32WgmmaBwdConfig(32, 1, producer=True, dq_raw_stages=1, dq_producer=True),
                                     Tf32WgmmaBwdConfig(32, 1, producer=True, dq_raw_stages=0, dq_producer=True,
-                                                       dq_presplit=True))}
+                                                       dq_presplit=True),
+                                    Tf32WgmmaBwdConfig(32, 0, producer=True, presplit=True, dq_raw_stages=0,
+                                                       dq_producer=True, dq_presplit=True))}
 TF32_WGMMA_D_TILES = (64,)
 
 # float32's backward with statistics "saved" at sm_90, head-dim tile 64 (head dims 40-64): dK / dV and
 # dQ each by a producer warpgroup's kernel, sums apart (perf log tf32-wgmma-bwd-route: 1.39-1.57x
 # the tf32x3 row at d64, the same error to the SIMT backward; tf32-wgmma-dq-ws: dQ's producer
 # 1.13-1.16x the one-warpgroup dQ kernel, the backward 1.05x; a second dQ consumer gained nothing).
-# "recomputed" stays on tf32x3, whose statistics kernel forms S as its gradient kernels do (a
-# saturated row cancels to the bit there, not here); so does a user modifier whose code spills in
-# these kernels (ptxas asked, as for the 16-bit rows).
-TF32_WGMMA_BACKWARD_ROUTE = {(SM90, 64): Tf32WgmmaBwdConfig(32, 1, producer=True, dq_raw_stages=1, dq_producer=True)}
+# tf32-split-once: the key blocks split once for the grid by flash_bwd_split_kv_tf32, the dQ producer
+# one thread's bulk copies, and now a second dQ consumer pays (dQ 1.41-1.56x the route before, the
+# backward 1.05-1.14x on an H100). "recomputed" stays on tf32x3, whose statistics kernel forms S as
+# its gradient kernels do (a saturated row cancels to the bit there, not here); so does a user
+# modifier whose code spills in these kernels (ptxas asked, as for the 16-bit rows).
+TF32_WGMMA_BACKWARD_ROUTE = {(SM90, 64): Tf32WgmmaBwdConfig(32, 1, producer=True, dq_raw_stages=0, dq_producer=True,
+                                                            dq_consumers=2, dq_presplit=True)}
 
 
 def tf32_wgmma_route(where: str, dt: int, mask: Mask) -> Tf32WgmmaBwdConfig | None:
@@ -975,10 +985,13 @@ def tf32_wgmma_spec(kind: str, dt: int, mask: Mask, config: Tf32WgmmaBwdConfig) 
     # the producer forms (flash_bwd_{kind}_tf32_wgmma_ws): STAGES after the tile
     ws = config.producer if kind == "dkdv" else config.dq_producer
     n_stages = config.stages if kind == "dkdv" else config.dq_stages
-    presplit = kind == "dq" and config.dq_presplit
+    presplit = config.presplit if kind == "dkdv" else config.dq_presplit
     if config.dq_presplit and (not config.dq_producer or config.dq_raw_stages != 0):
         raise ValueError(f"cupyflash: dq_presplit is the dQ producer form's, with no raw stages "
                          f"(dq_raw_stages=0): {config!r}")
+    if config.presplit and (not config.producer or config.raw_stages != 0):
+        raise ValueError(f"cupyflash: presplit is the dK/dV producer form's, with no raw stages "
+                         f"(raw_stages=0): {config!r}")
     if ws and (fused or n_stages < 2 or (raw < 1 and not presplit)):
         raise ValueError(f"cupyflash: the producer form takes two or more stages, raw rows one or more blocks "
                          f"ahead, and no fused dQ: {config!r}")
@@ -989,7 +1002,7 @@ def tf32_wgmma_spec(kind: str, dt: int, mask: Mask, config: Tf32WgmmaBwdConfig) 
     stages = (f"_s{n_stages}", f"{n_stages}, ") if ws else ("", "")
     # template arguments after SUMS_APART: (DQ_ATOMIC,) PRODUCTS, each written only when not its default
     tail = ([] if kind == "dq" or ws else ["true" if fused else "false"]) + [str(products)] + (
-        [str(consumers)] if consumers > 1 or presplit else []) + (["true"] if presplit else [])
+        [str(consumers)] if kind == "dq" and (consumers > 1 or presplit) else []) + (["true"] if presplit else [])
     while tail and tail[-1] in ("false", "3"):
         tail.pop()
     suffix = (("_apart" if config.sums_apart else "") + ("_dq" if fused else "") + ("_tf32" if products == 1 else "")
@@ -1014,6 +1027,30 @@ def tf32_split_kv_spec(dt: int, mask: Mask, config: Tf32WgmmaBwdConfig) -> Speci
                           f"cf::flash_bwd_split_kv_tf32<{dt}, {config.dq_block_n}, {packed}"
                           + (f", {products}>" if products != 3 else ">"),
                           128, 6 * 4 * config.dq_block_n * dt + 1024, arch="90a")
+
+
+def tf32_split_q_spec(dt: int, mask: Mask, config: Tf32WgmmaBwdConfig) -> Specialization:
+    """flash_bwd_split_q_tf32 at head-dim tile ``dt``: each query block of block_m rows split once,
+    with its statistics, into the q_split image that presplit's dK/dV producer copies."""
+    products = PRODUCTS[check_precision(config.precision)]
+    packed = "true" if mask.packed else "false"
+    q_tile = 4 * config.block_m * dt
+    return Specialization(f"flash_bwd_split_q_tf32_{SHORT_NAMES['float32']}_hdim{dt}_bm{config.block_m}"
+                          + ("_packed" if mask.packed else "") + ("_tf32" if products == 1 else ""),
+                          "flash_bwd_split_q_tf32.cu",
+                          f"cf::flash_bwd_split_q_tf32<{dt}, {config.block_m}, {packed}"
+                          + (f", {products}>" if products != 3 else ">"),
+                          128, 8 * q_tile + 4 * config.block_m * 4 + 1024, arch="90a")
+
+
+def q_split_bytes(dt: int, block_m: int, batch: int, seqlen_q: int, nheads: int, sequences: int | None = None) -> int:
+    """The q_split image's bytes (wgmma_tf32_bwd_steps.cuh's q_image_offset): a block of
+    Tf32QueryBlockTiles (8 tiles of block_m x dt float32 and 4 x block_m statistics) per (batch,
+    head, query block) of a dense batch, per (slot, head) of a packed one (seqlen_q // block_m +
+    sequences slots, seqlen_q the total queries)."""
+    blocks = (seqlen_q // block_m + sequences if sequences is not None
+              else batch * math.ceil(seqlen_q / block_m))
+    return blocks * nheads * (8 * 4 * block_m * dt + 4 * block_m * 4)
 
 
 def kv_split_bytes(dt: int, block_n: int, batch: int, seqlen_k: int, nheads_kv: int, sequences: int | None = None) -> int:
@@ -1049,11 +1086,15 @@ def tf32_wgmma_backward_plan(headdim: int, mask: Mask | bool, config: Tf32WgmmaB
     first = (Launch("stats", dmma_spec("stats", experiment_dt, mask, experiment, "float32"), experiment.dq_block_m)
              if statistics == "recomputed" else Launch("preprocess", preprocess_spec("float32"), PREPROCESS_ROWS))
     dkdv = Launch("dkdv", tf32_wgmma_spec("dkdv", dt, mask, config), config.block_n)
+    if config.presplit:  # the query blocks split once (after D or the statistics), before the dK/dV kernel
+        first = (first, Launch("split_q", tf32_split_q_spec(dt, mask, config), config.block_m))
+    else:
+        first = (first,)
     if config.fused_dq:  # dQ by the dK/dV kernel's atomics
-        return BackwardPlan("mma", where, headdim, dt, "atomic", config, (first, dkdv))
+        return BackwardPlan("mma", where, headdim, dt, "atomic", config, (*first, dkdv))
     dq = (Launch("dq", tf32_wgmma_spec("dq", dt, mask, config), config.dq_block_m) if config.dq_block_n else
           Launch("dq", dmma_spec("dq", experiment_dt, mask, experiment, "float32"), experiment.dq_block_m))
     if config.dq_presplit:  # the key blocks split once, before the dQ kernel copies them
         split = Launch("split_kv", tf32_split_kv_spec(dt, mask, config), config.dq_block_n)
-        return BackwardPlan("mma", where, headdim, dt, "none", config, (first, dkdv, split, dq))
-    return BackwardPlan("mma", where, headdim, dt, "none", config, (first, dkdv, dq))
+        return BackwardPlan("mma", where, headdim, dt, "none", config, (*first, dkdv, split, dq))
+    return BackwardPlan("mma", where, headdim, dt, "none", config, (*first, dkdv, dq))

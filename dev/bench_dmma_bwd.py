@@ -67,6 +67,11 @@ WGMMA_CANDIDATES = {
                                             dq_presplit=True),
     "wgmma_presplit_c2": Tf32WgmmaBwdConfig(32, 1, producer=True, dq_raw_stages=0, dq_producer=True, dq_consumers=2,
                                             dq_presplit=True),
+    # the query blocks split once too (flash_bwd_split_q_tf32, perf log tf32-split-once-dkdv)
+    "wgmma_presplit_both_c2": Tf32WgmmaBwdConfig(32, 0, producer=True, presplit=True, dq_raw_stages=0, dq_producer=True,
+                                                 dq_consumers=2, dq_presplit=True),
+    "wgmma_presplit_both": Tf32WgmmaBwdConfig(32, 0, producer=True, presplit=True, dq_raw_stages=0, dq_producer=True,
+                                              dq_presplit=True),
 }
 
 

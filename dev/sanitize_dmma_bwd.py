@@ -58,7 +58,9 @@ def main() -> None:
                                 (64, Tf32WgmmaBwdConfig(32, 1, producer=True, dq_raw_stages=1, dq_producer=True,
                                                         dq_consumers=2)),
                                 (52, Tf32WgmmaBwdConfig(32, 1, producer=True, dq_raw_stages=0, dq_producer=True,
-                                                        dq_presplit=True))):
+                                                        dq_presplit=True)),
+                                (44, Tf32WgmmaBwdConfig(32, 0, producer=True, presplit=True, dq_raw_stages=0,
+                                                        dq_producer=True, dq_consumers=2, dq_presplit=True))):
             q, do = (cupy.asarray(rng.standard_normal((1, 77, 4, headdim), np.float32)) for _ in range(2))
             k, v = (cupy.asarray(rng.standard_normal((1, 130, 2, headdim), np.float32)) for _ in range(2))
             o, lse = cupy.empty_like(q), cupy.empty((1, 4, 77), np.float32)

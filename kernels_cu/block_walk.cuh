@@ -14,7 +14,9 @@ namespace cf {
 // are never loaded). Iteration it is query head head(head_kv, it) and query block block(it),
 // the blocks ascending within each head; the ordered dQ adds walk each head's blocks from the
 // last one down instead (block_down_from).
-template <int BLOCK_M>
+// SKIP_EMPTY: an empty query range walks no block, as KeyBlockRange's below (a kernel that copies
+// each block's split image: flash_bwd_dkdv_tf32_wgmma_ws's PRESPLIT).
+template <int BLOCK_M, bool SKIP_EMPTY = false>
 struct QueryBlockWalk {
     int group;   // query heads per kv head
     int first;   // the first query block that sees the key block
@@ -26,7 +28,9 @@ struct QueryBlockWalk {
     __device__ __forceinline__ QueryBlockWalk(const Mask& mask, int n0, int block_n, int group_)
         : group(group_),
           first(mask.query_begin(n0) / BLOCK_M),
-          end((mask.query_end(n0, block_n) + BLOCK_M - 1) / BLOCK_M),
+          end(SKIP_EMPTY && mask.query_end(n0, block_n) <= mask.query_begin(n0)
+                  ? first
+                  : (mask.query_end(n0, block_n) + BLOCK_M - 1) / BLOCK_M),
           blocks(max(0, end - first)),
           iters(group_ * blocks) {}
 

@@ -19,6 +19,13 @@
 // register reallocation: at 256 threads each may hold 255. dQ: flash_bwd_dq_tf32_wgmma_ws (the
 // route's), flash_bwd_dq_tf32_wgmma or the tf32x3 experiment's kernel; the fused atomic dQ does
 // not fit here (K^T and dS beside two stages: 242 KiB at 32 queries).
+//
+// PRESPLIT (a candidate: Tf32WgmmaBwdConfig(presplit=True, raw_stages=0); perf log
+// tf32-split-once-dkdv): the query blocks come split already, with their statistics, once for the
+// grid, by flash_bwd_split_q_tf32 (BwdParams' q_split image, Tf32QueryBlockTiles' bytes). The
+// producer is then one thread: per query block it waits for the stage to be empty, arrives on its
+// full barrier expecting the block's bytes, and has the TMA unit copy them in (cp.async.bulk), as
+// flash_bwd_dq_tf32_wgmma_ws's PRESPLIT producer does with key blocks. No raw stages.
 #include "block_walk.cuh"
 #include "common.cuh"
 #include "dmma_bwd_steps.cuh"
@@ -42,22 +49,25 @@ struct BwdTf32WgmmaWsSmem {
     static constexpr int BLOCK_N = 64;
     static constexpr u32 KV_TILE = BLOCK_N * D_TILE * 4, Q_TILE = BLOCK_M * D_TILE * 4;
     static constexpr u32 K_HI = 0, V_HI = 2 * KV_TILE;
-    static constexpr u32 Q = 0, DO = 2 * Q_TILE, QT = 4 * Q_TILE, DOT = 6 * Q_TILE, STATS = 8 * Q_TILE;  // in a stage
-    static constexpr u32 STAGE = (STATS + STAT_SLOTS * BLOCK_M * 4 + 1023) / 1024 * 1024;
+    typedef Tf32QueryBlockTiles<D_TILE, BLOCK_M> Tiles;
+    // in a stage
+    static constexpr u32 Q = Tiles::Q, DO = Tiles::DO, QT = Tiles::QT, DOT = Tiles::DOT, STATS = Tiles::STATS;
+    static constexpr u32 STAGE = (Tiles::BYTES + 1023) / 1024 * 1024;
     static constexpr u32 STAGE0 = 4 * KV_TILE;
     static constexpr u32 RAW = STAGE0 + STAGES * STAGE;
     static constexpr u32 FULL = RAW + RAW_STAGES * 2 * Q_TILE, EMPTY = FULL + 8 * STAGES;
     static constexpr u32 BYTES = EMPTY + 8 * STAGES;
 };
 
-template <int D_TILE, class Mask, int BLOCK_M, int STAGES, int RAW_STAGES, bool SUMS_APART, int PRODUCTS = 3>
+template <int D_TILE, class Mask, int BLOCK_M, int STAGES, int RAW_STAGES, bool SUMS_APART, int PRODUCTS = 3,
+          bool PRESPLIT = false>
 __global__ void __launch_bounds__(256, 1)
 flash_bwd_dkdv_tf32_wgmma_ws(const __grid_constant__ BwdParams p) {
     typedef BwdTf32WgmmaWsSmem<D_TILE, BLOCK_M, STAGES, RAW_STAGES> L;
     constexpr int BLOCK_N = L::BLOCK_N, SV = BLOCK_M / 2;
     static_assert(BLOCK_M % 32 == 0 && BLOCK_M <= 64 && D_TILE % 32 == 0 && D_TILE <= 128,
                   "whole tf32 panels; S^T's width is wgmma's N");
-    static_assert(STAGES >= 2 && RAW_STAGES >= 1, "stages");
+    static_assert(STAGES >= 2 && (PRESPLIT ? RAW_STAGES == 0 : RAW_STAGES >= 1), "stages");
     static_assert(!SUMS_APART || Tf32Operand<PRODUCTS>::SPLIT, "apart sums are the split products'");
     static_assert(L::BYTES + 1024 <= 227 * 1024, "shared memory");
 
@@ -71,7 +81,8 @@ flash_bwd_dkdv_tf32_wgmma_ws(const __grid_constant__ BwdParams p) {
     // Past a shorter sequence's end (the whole CTA). A sequence without queries still stores dK = dV = 0.
     if (Mask::PACKED && n0 >= seqlen_k) return;
     const Mask mask = cta_mask<Mask, CtaRows::KEYS>(p, seq.index, seqlen_q, seqlen_k);
-    const QueryBlockWalk<BLOCK_M> walk(mask, n0, BLOCK_N, p.group);
+    // PRESPLIT copies each block's image, so an empty query range walks no block (SKIP_EMPTY)
+    const QueryBlockWalk<BLOCK_M, PRESPLIT> walk(mask, n0, BLOCK_N, p.group);
     const int tid = threadIdx.x, wg = tid / 128, wg_tid = tid % 128, warp = wg_tid / 32, lane = tid % 32;
 
     const GlobalRows k_global{p.k.row<const float>(batch, seq.k_begin + n0, head_kv), p.k.row_stride};
@@ -81,57 +92,58 @@ flash_bwd_dkdv_tf32_wgmma_ws(const __grid_constant__ BwdParams p) {
     split_tf32_panels<BLOCK_N, D_TILE, 256, PRODUCTS>(base + L::V_HI, base + L::V_HI + L::KV_TILE, v_global,
                                                       seqlen_k - n0, p.headdim_v, tid);
     const StageRing<STAGES> ring{base + L::FULL, base + L::EMPTY};
-    ring.init(128, 128);         // the producer's threads, the consumer's
+    ring.init(PRESPLIT ? 1 : 128, 128);  // the producer's threads (PRESPLIT: its one), the consumer's
     fence_proxy_async_shared();  // K and V's stores, to the async proxy that wgmma reads with
     __syncthreads();             // the last CTA-wide barrier: the roles split here
 
     auto stage_of = [&](int it) { return L::STAGE0 + (it % STAGES) * L::STAGE; };
     if (wg == 0) {
-        // ---- producer ----
-        const float* const lse = static_cast<const float*>(p.lse);
-        const float* const delta = static_cast<const float*>(p.delta);
-        const float* const weight = static_cast<const float*>(p.weight);
-        const float* const dp_ref = static_cast<const float*>(p.dp_ref);
-        const Tf32RawStages<BLOCK_M, D_TILE, 128, RAW_STAGES> raw{base + L::RAW};
-        auto copy_raw = [&](int it) {
-            const bool valid_it = it < walk.iters;
-            // (past the walk's end nothing is copied, and block(it) would divide by its 0 blocks)
-            const int m0 = valid_it ? walk.block(it) * BLOCK_M : 0, head = valid_it ? walk.head(head_kv, it) : 0;
-            raw.copy(it, valid_it, m0, p.q.row<const float>(batch, seq.q_begin, head), p.q.row_stride, p.headdim,
-                     p.dout.row<const float>(batch, seq.q_begin, head), p.dout.row_stride, p.headdim_v, seqlen_q,
-                     wg_tid);
-        };
-        raw.copy_first(0, copy_raw);
-        for (int it = 0; it < walk.iters; ++it) {
-            const int m0 = walk.block(it) * BLOCK_M, head = walk.head(head_kv, it);
-            const u32 stage = base + stage_of(it), staged = raw.stage(it);
-            cp_async_wait<RAW_STAGES - 1>();
-            named_barrier_sync(1, 128);  // block it's raw rows have landed, every producer thread's
-            ring.wait_empty(it);         // the consumer is done with the stage
-            split_tf32_panels_both<BLOCK_M, D_TILE, 128, PRODUCTS>(stage + L::Q, stage + L::Q + L::Q_TILE,
-                                                                   stage + L::QT, stage + L::QT + L::Q_TILE,
-                                                                   StagedRows<D_TILE>{staged}, seqlen_q - m0,
-                                                                   p.headdim, wg_tid);
-            split_tf32_panels_both<BLOCK_M, D_TILE, 128, PRODUCTS>(stage + L::DO, stage + L::DO + L::Q_TILE,
-                                                                   stage + L::DOT, stage + L::DOT + L::Q_TILE,
-                                                                   StagedRows<D_TILE>{staged + raw.TILE},
-                                                                   seqlen_q - m0, p.headdim_v, wg_tid);
-            if (wg_tid < BLOCK_M) {  // the rows' statistics, zeros past the end and where the call has none
-                const bool valid = m0 + wg_tid < seqlen_q;
-                const i64 stat = seq.stat(p, head, valid ? m0 + wg_tid : 0);
-                float* const row = smem_f + (stage_of(it) + L::STATS) / 4 + wg_tid;
-                row[STAT_LSE * BLOCK_M] = valid ? ldg(lse + stat) : 0.f;
-                row[STAT_DELTA * BLOCK_M] = valid ? ldg(delta + stat) : 0.f;
-                row[STAT_WEIGHT * BLOCK_M] = valid && weight != nullptr ? ldg(weight + stat) : 0.f;
-                row[STAT_DP_REF * BLOCK_M] = valid && dp_ref != nullptr ? ldg(dp_ref + stat) : 0.f;
+        if constexpr (PRESPLIT) {
+            // ---- producer: one thread, a bulk copy of each query block's split image ----
+            if (wg_tid != 0) return;
+            const unsigned char* const image = static_cast<const unsigned char*>(p.q_split);
+            for (int it = 0; it < walk.iters; ++it) {
+                const i64 block = q_image_offset<Mask::PACKED, D_TILE, BLOCK_M>(p, seq, walk.head(head_kv, it),
+                                                                                walk.block(it));
+                ring.wait_empty(it);  // the consumer is done with the stage (its products waited for)
+                mbarrier_arrive_expect_tx(ring.full_barrier(it), L::Tiles::BYTES);
+                cp_async_bulk_to_shared(base + stage_of(it), image + block, L::Tiles::BYTES, ring.full_barrier(it));
             }
-            fence_proxy_async_shared();  // the tiles, to the async proxy that wgmma reads with
-            ring.arrive_full(it);
-            named_barrier_sync(1, 128);  // every producer thread is done reading the raw tiles
-            copy_raw(it + RAW_STAGES);
+            return;
+        } else {
+            // ---- producer ----
+            const Tf32RawStages<BLOCK_M, D_TILE, 128, RAW_STAGES> raw{base + L::RAW};
+            auto copy_raw = [&](int it) {
+                const bool valid_it = it < walk.iters;
+                // (past the walk's end nothing is copied, and block(it) would divide by its 0 blocks)
+                const int m0 = valid_it ? walk.block(it) * BLOCK_M : 0, head = valid_it ? walk.head(head_kv, it) : 0;
+                raw.copy(it, valid_it, m0, p.q.row<const float>(batch, seq.q_begin, head), p.q.row_stride, p.headdim,
+                         p.dout.row<const float>(batch, seq.q_begin, head), p.dout.row_stride, p.headdim_v, seqlen_q,
+                         wg_tid);
+            };
+            raw.copy_first(0, copy_raw);
+            for (int it = 0; it < walk.iters; ++it) {
+                const int m0 = walk.block(it) * BLOCK_M, head = walk.head(head_kv, it);
+                const u32 stage = base + stage_of(it), staged = raw.stage(it);
+                cp_async_wait<RAW_STAGES - 1>();
+                named_barrier_sync(1, 128);  // block it's raw rows have landed, every producer thread's
+                ring.wait_empty(it);         // the consumer is done with the stage
+                split_query_block_tf32<D_TILE, BLOCK_M, 128, PRODUCTS>(stage, StagedRows<D_TILE>{staged},
+                                                                       StagedRows<D_TILE>{staged + raw.TILE},
+                                                                       seqlen_q - m0, p.headdim, p.headdim_v, wg_tid);
+                if (wg_tid < BLOCK_M) {  // the rows' statistics
+                    const bool valid = m0 + wg_tid < seqlen_q;
+                    query_row_stats<BLOCK_M>(smem_f + (stage_of(it) + L::STATS) / 4, p,
+                                             seq.stat(p, head, valid ? m0 + wg_tid : 0), valid, wg_tid);
+                }
+                fence_proxy_async_shared();  // the tiles, to the async proxy that wgmma reads with
+                ring.arrive_full(it);
+                named_barrier_sync(1, 128);  // every producer thread is done reading the raw tiles
+                copy_raw(it + RAW_STAGES);
+            }
+            cp_async_wait<0>();  // the empty groups past the walk's end
+            return;
         }
-        cp_async_wait<0>();  // the empty groups past the walk's end
-        return;
     }
 
     // ---- consumer: the 64 keys' dK and dV ----

@@ -121,6 +121,9 @@ struct BwdParams {
     // flash_bwd_dq_tf32_wgmma_ws with PRESPLIT): wgmma_tf32_bwd_steps.cuh's kv_image_offset.
     // Last, so that the fields before it keep their offsets in every kernel.
     void* kv_split;
+    // The same for the dK/dV kernel's query blocks (flash_bwd_split_q_tf32, read by
+    // flash_bwd_dkdv_tf32_wgmma_ws with PRESPLIT): q_image_offset.
+    void* q_split;
 };
 
 // Where each sequence's keys live in a KV cache (flash_fwd_kvcache_mma): key n of sequence b is

@@ -82,6 +82,56 @@ __device__ __forceinline__ i64 kv_image_offset(const BwdParams& p, const Sequenc
     return block * Tf32KeyBlockTiles<D_TILE, BLOCK_N>::BYTES;
 }
 
+// A query block's Q and dO split for flash_bwd_dkdv_tf32_wgmma_ws's products, with its rows'
+// statistics, in bytes from a 1024-byte aligned base: Q, dO (hi, then lo; K-major) for S^T = K Q^T
+// and dP^T = V dO^T, Q^T and dO^T (KEY_PAIRS) for dK += dS^T Q and dV += P^T dO, then
+// [STAT_SLOTS][BLOCK_M] floats (StatSlot's order). The same bytes are one stage of that kernel's
+// ring and one block of the image flash_bwd_split_q_tf32 writes (BwdParams' q_split).
+template <int D_TILE, int BLOCK_M>
+struct Tf32QueryBlockTiles {
+    static constexpr u32 Q_TILE = BLOCK_M * D_TILE * 4;
+    static constexpr u32 Q = 0, DO = 2 * Q_TILE, QT = 4 * Q_TILE, DOT = 6 * Q_TILE, STATS = 8 * Q_TILE;
+    static constexpr u32 BYTES = STATS + STAT_SLOTS * BLOCK_M * 4;
+};
+
+// Splits rows [0, rows_valid) of Q and dO (read through `q` and `dout`) into Tf32QueryBlockTiles
+// at `tiles`, spread over NTHREADS threads; the rest zero-filled.
+template <int D_TILE, int BLOCK_M, int NTHREADS, int PRODUCTS, class Source>
+__device__ __forceinline__ void split_query_block_tf32(u32 tiles, const Source& q, const Source& dout, int rows_valid,
+                                                       int headdim, int headdim_v, int thread) {
+    typedef Tf32QueryBlockTiles<D_TILE, BLOCK_M> T;
+    split_tf32_panels_both<BLOCK_M, D_TILE, NTHREADS, PRODUCTS>(tiles + T::Q, tiles + T::Q + T::Q_TILE,
+                                                                tiles + T::QT, tiles + T::QT + T::Q_TILE, q,
+                                                                rows_valid, headdim, thread);
+    split_tf32_panels_both<BLOCK_M, D_TILE, NTHREADS, PRODUCTS>(tiles + T::DO, tiles + T::DO + T::Q_TILE,
+                                                                tiles + T::DOT, tiles + T::DOT + T::Q_TILE, dout,
+                                                                rows_valid, headdim_v, thread);
+}
+
+// Row r (< BLOCK_M) of a query block's statistics into `stats` ([STAT_SLOTS][BLOCK_M] floats), from
+// the call's buffers at the row's index `stat`: zeros past the end and where the call has none.
+template <int BLOCK_M>
+__device__ __forceinline__ void query_row_stats(float* stats, const BwdParams& p, i64 stat, bool valid, int r) {
+    const float* const weight = static_cast<const float*>(p.weight);
+    const float* const dp_ref = static_cast<const float*>(p.dp_ref);
+    float* const row = stats + r;
+    row[STAT_LSE * BLOCK_M] = valid ? ldg(static_cast<const float*>(p.lse) + stat) : 0.f;
+    row[STAT_DELTA * BLOCK_M] = valid ? ldg(static_cast<const float*>(p.delta) + stat) : 0.f;
+    row[STAT_WEIGHT * BLOCK_M] = valid && weight != nullptr ? ldg(weight + stat) : 0.f;
+    row[STAT_DP_REF * BLOCK_M] = valid && dp_ref != nullptr ? ldg(dp_ref + stat) : 0.f;
+}
+
+// Where query block i of sequence `seq`'s query head `head` lies in the q_split image, in bytes
+// (blocks of Tf32QueryBlockTiles' BYTES), as kv_image_offset places key blocks: a dense batch's
+// (batch, head, block) in C order, a packed batch's (slot, head) from slot q_begin / BLOCK_M + b.
+template <bool PACKED, int D_TILE, int BLOCK_M>
+__device__ __forceinline__ i64 q_image_offset(const BwdParams& p, const SequenceRows& seq, int head, int i) {
+    i64 block;
+    if constexpr (PACKED) block = (i64)(seq.q_begin / BLOCK_M + seq.index + i) * p.nheads + head;
+    else block = ((i64)seq.batch * p.nheads + head) * ((p.seqlen_q + BLOCK_M - 1) / BLOCK_M) + i;
+    return block * Tf32QueryBlockTiles<D_TILE, BLOCK_M>::BYTES;
+}
+
 // One query block's tiles in a dK/dV kernel: K and V (64 rows), the block's Q and dO (natural,
 // K-major) and Q^T and dO^T (KEY_PAIRS), each the hi tile's address, its lo tile right after it.
 struct Tf32DkdvTiles {

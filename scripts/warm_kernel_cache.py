@@ -190,7 +190,7 @@ def _zoo_specializations(processes: int) -> list:
             if where == where_bwd:
                 route = backward_plans.tf32_wgmma_route(where, dt, mask)
                 candidates += [launch.spec for launch in backward_plans.tf32_wgmma_backward_plan(dt, mask, route).launches
-                               if launch.role in ("dkdv", "dq")]
+                               if launch.role in ("dkdv", "split_kv", "dq")]
     # One specialization per NVRTC program, every core busy (one program per source file, the
     # compile check's grouping, would compile its dozens of expressions one after another), and
     # each cached under the key plans._spills asks for: the check of that one specialization.

@@ -49,6 +49,8 @@ def specializations() -> list[Specialization]:
                    for kind in ("dkdv", "dq"))
         out.extend(backward_plans.tf32_split_kv_spec(dt, mask, c) for c in configs if c.dq_presplit
                    for mask in backward_masks)  # the key blocks' split, dense and packed
+        out.extend(backward_plans.tf32_split_q_spec(dt, mask, c) for c in configs if c.presplit
+                   for mask in backward_masks)  # the query blocks' split, dense and packed
     for (where, dt) in sorted(backward_plans.TF32_WGMMA_BACKWARD_ROUTE):  # the route, as each mask takes it
         out.extend(backward_plans.tf32_wgmma_spec(kind, dt, mask, backward_plans.tf32_wgmma_route(where, dt, mask))
                    for mask in backward_masks for kind in ("dkdv", "dq"))

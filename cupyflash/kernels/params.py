@@ -65,7 +65,8 @@ BWD_PARAMS = np.dtype([*((name, TENSOR_ROWS) for name in ("q", "k", "v", "o", "d
                        ("dq_semaphore", np.uint64), ("dq_row_scale", np.uint64), ("kv_bound", np.uint64),
                        *_SHAPE_FIELDS, *_SCALE_FIELDS, *_SEQUENCE_FIELDS,
                        ("weight", np.uint64), ("dp_ref", np.uint64), ("lse_to_log2", np.float32),
-                       ("lse_to_log2_f64", np.float64), ("kv_split", np.uint64)],
+                       ("lse_to_log2_f64", np.float64), ("kv_split", np.uint64),
+                       ("q_split", np.uint64)],
                       align=True)
 
 _CPP_NAMES = {FWD_PARAMS: "cf::FwdParams", BWD_PARAMS: "cf::BwdParams", VARIANT_ARGS: "cf::VariantArgs",

@@ -144,6 +144,15 @@ def run_backward(plan, do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float,
         rows = backward_statistics(params, plan, grids["stats"], o)
     else:
         rows = backward_preprocess(params, do, o)
+    q_split = None
+    if plan.spec("split_q") is not None:  # the tf32 wgmma dK/dV's query blocks split once (presplit)
+        import cupy
+
+        q_split = cupy.empty(backward_plans.q_split_bytes(
+            plan.d_tile, plan.kernels.block_m, batch, seqlen_q, nheads,
+            None if packed is None else packed.sequences), np.uint8)
+        params["q_split"] = pointer(q_split)
+        launch(plan.spec("split_q"), grids["split_q"], (params,))
     launch(plan.spec("dkdv"), grids["dkdv"], (params,))
     kv_split = None
     if plan.spec("split_kv") is not None:  # the tf32 wgmma dQ's key blocks split once (dq_presplit)
@@ -156,4 +165,4 @@ def run_backward(plan, do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float,
         launch(plan.spec("split_kv"), grids["split_kv"], (params,))
     if plan.spec("dq") is not None:  # none: the dK/dV kernel adds dQ (the tf32 wgmma candidate's fused_dq)
         launch(plan.spec("dq"), grids["dq"], (params,))
-    del rows, kv_split  # back to CuPy's pool in stream order, after the launches
+    del rows, q_split, kv_split  # back to CuPy's pool in stream order, after the launches

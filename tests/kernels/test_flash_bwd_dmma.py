@@ -71,8 +71,8 @@ def test_float32_saved_statistics_at_sm90_d64_run_the_tf32_wgmma_route(monkeypat
 
     table = backward_plans.TF32_WGMMA_BACKWARD_ROUTE[(SM90, 64)]
     assert table.producer and table.sums_apart and table.precision == "ieee" and not table.fused_dq
-    # dQ by its producer kernel, one consumer, raw K and V one block ahead (tf32-wgmma-dq-ws)
-    assert table.dq_producer and table.dq_consumers == 1 and table.dq_raw_stages == 1
+    # dQ by its producer kernel copying key blocks split once, two consumers (tf32-split-once)
+    assert table.dq_producer and table.dq_presplit and table.dq_consumers == 2 and table.dq_raw_stages == 0
     for mask in [*KINDS, *(m.backward() for m in VARIANT_KINDS + PACKED_KINDS)]:
         route = backward_plans.tf32_wgmma_route(SM90, 64, mask)
         dq_kernel = "flash_bwd_dq_tf32_wgmma_ws" if route.dq_producer else "flash_bwd_dq_tf32_wgmma"
@@ -83,7 +83,10 @@ def test_float32_saved_statistics_at_sm90_d64_run_the_tf32_wgmma_route(monkeypat
                 assert plan.kernels == route and plan.dq_add == "none" and plan.device_class == SM90, names
                 assert names[0] == "flash_bwd_preprocess_fp32"
                 assert names[1].startswith(f"flash_bwd_dkdv_tf32_wgmma_ws_fp32_hdim64_{mask.name}_"), names
-                assert names[2].startswith(f"{dq_kernel}_fp32_hdim64_{mask.name}_"), names
+                packed = "_packed" if mask.packed else ""
+                assert names[2] == f"flash_bwd_split_kv_tf32_fp32_hdim64_bn32{packed}", names
+                assert names[3].startswith(f"{dq_kernel}_fp32_hdim64_{mask.name}_"), names
+                assert names[3].endswith("_apart_presplit" if mask.score.dropout else "_c2_presplit"), names
                 assert all(launch.spec.arch == "90a" and launch.spec.smem_bytes <= 227 * 1024
                            for launch in plan.launches[1:])
     spilling.add("_tf32_wgmma_")
@@ -159,9 +162,10 @@ def test_specializations_mirror_the_kernels_tiles():
     wgmma = {backward_plans.tf32_wgmma_spec(kind, dt, as_mask(True), c).name
              for dt, configs in backward_plans.TF32_WGMMA_BACKWARD_CONFIGS.items() for c in configs
              for kind in ("dkdv", "dq")}
-    assert len(wgmma) == 5
-    splits = {n for n in names if n.startswith("flash_bwd_split_kv_tf32_")}
-    assert splits == {"flash_bwd_split_kv_tf32_fp32_hdim64_bn32", "flash_bwd_split_kv_tf32_fp32_hdim64_bn32_packed"}
+    assert len(wgmma) == 6
+    splits = {n for n in names if n.startswith(("flash_bwd_split_kv_tf32_", "flash_bwd_split_q_tf32_"))}
+    assert splits == {"flash_bwd_split_kv_tf32_fp32_hdim64_bn32", "flash_bwd_split_kv_tf32_fp32_hdim64_bn32_packed",
+                      "flash_bwd_split_q_tf32_fp32_hdim64_bm32", "flash_bwd_split_q_tf32_fp32_hdim64_bm32_packed"}
     # and the route's kernels as each mask takes them (tf32_wgmma_route), where no candidate row is
     # the same (a route with two dQ consumers adds its dQ kernel for the masks without dropout)
     masks = [*KINDS, *(m.backward() for m in VARIANT_KINDS + PACKED_KINDS)]
@@ -484,7 +488,9 @@ WGMMA_CONFIGS = {"row": Tf32WgmmaBwdConfig(), "bm64_chained": Tf32WgmmaBwdConfig
                  "producer_dq_c2": Tf32WgmmaBwdConfig(32, 1, producer=True, dq_raw_stages=1, dq_producer=True,
                                                       dq_consumers=2),
                  "producer_dq_presplit": Tf32WgmmaBwdConfig(32, 1, producer=True, dq_raw_stages=0, dq_producer=True,
-                                                            dq_presplit=True)}
+                                                            dq_presplit=True),
+                 "presplit_both": Tf32WgmmaBwdConfig(32, 0, producer=True, presplit=True, dq_raw_stages=0,
+                                                     dq_producer=True, dq_presplit=True)}
 
 
 @pytest.mark.gpu
@@ -529,6 +535,8 @@ def test_tf32_wgmma_backward_on_a_packed_batch_and_long_rows(config_name, causal
         WGMMA_CONFIGS[config_name].dq_producer, launched
     assert any(name.startswith("flash_bwd_split_kv_tf32_") for name in launched) == \
         WGMMA_CONFIGS[config_name].dq_presplit, launched
+    assert any(name.startswith("flash_bwd_split_q_tf32_") for name in launched) == \
+        WGMMA_CONFIGS[config_name].presplit, launched
     # the tf32 wgmma dK/dV kernel adds dQ itself iff fused (the SIMT baseline's kernels launch here too)
     assert all(name.endswith("_dq") == fused for name in launched if name.startswith("flash_bwd_dkdv_tf32_wgmma_")), \
         launched
@@ -598,18 +606,22 @@ def test_the_producer_dq_kernel_is_the_one_warpgroup_kernel_bitwise(causal, monk
     one = Tf32WgmmaBwdConfig(32, 1, producer=True, dq_raw_stages=1)
     two = Tf32WgmmaBwdConfig(32, 1, producer=True, dq_raw_stages=1, dq_producer=True)
     three = Tf32WgmmaBwdConfig(32, 1, producer=True, dq_raw_stages=0, dq_producer=True, dq_presplit=True)
+    both = Tf32WgmmaBwdConfig(32, 0, producer=True, presplit=True, dq_raw_stages=0, dq_producer=True, dq_presplit=True)
     for q_shape, k_shape, packed in problems:
         q, do = (rng.standard_normal(q_shape).astype(np.float32) for _ in range(2))
         k, v = (rng.standard_normal(k_shape).astype(np.float32) for _ in range(2))
         for statistics in ("saved", "recomputed"):
-            want, got, presplit = (_gradients(do, q, k, v, causal=causal, packed=packed, statistics=statistics,
-                                              backward=functools.partial(dmma.backward, config=config))
-                                   for config in (one, two, three))
-            for which, a, c, b in zip(("dq", "dk", "dv"), got, presplit, want):
+            want, got, presplit, presplit_both = (
+                _gradients(do, q, k, v, causal=causal, packed=packed, statistics=statistics,
+                           backward=functools.partial(dmma.backward, config=config))
+                for config in (one, two, three, both))
+            for which, a, c, e, b in zip(("dq", "dk", "dv"), got, presplit, presplit_both, want):
                 assert np.isfinite(a).all() and np.array_equal(a.view(np.uint32), b.view(np.uint32)), which
                 assert np.isfinite(c).all() and np.array_equal(c.view(np.uint32), b.view(np.uint32)), which
+                assert np.isfinite(e).all() and np.array_equal(e.view(np.uint32), b.view(np.uint32)), which
     assert any(name.startswith("flash_bwd_dq_tf32_wgmma_ws_") for name in launched), launched
     assert any(name.endswith("_presplit") for name in launched), launched
+    assert any(name.startswith("flash_bwd_split_q_tf32_") for name in launched), launched
     assert any(name.startswith("flash_bwd_dq_tf32_wgmma_fp32_") for name in launched), launched
 
 
@@ -675,7 +687,7 @@ def test_tf32x3_experiment_cancels_one_hot_rows_exactly(headdim, dkdv, monkeypat
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config_name", ["producer_dq_presplit"])
+@pytest.mark.parametrize("config_name", ["producer_dq_presplit", "presplit_both"])
 def test_presplit_walks_stop_at_a_short_packed_sequences_end(config_name, monkeypatch):
     """A packed batch with a mask_mod: the block map is made for the longest sequence, so a shorter
     sequence's granules without kept pairs point past its end and a walk may take one block there
@@ -707,5 +719,7 @@ def test_presplit_walks_stop_at_a_short_packed_sequences_end(config_name, monkey
     launched.clear()
     presplit = gradients()
     assert any(name.startswith("flash_bwd_split_kv_tf32_") for name in launched), launched
+    assert any(name.startswith("flash_bwd_split_q_tf32_") for name in launched) == \
+        WGMMA_CONFIGS[config_name].presplit, launched
     for which, a, b in zip(("dq", "dk", "dv"), presplit, shipped):
         assert np.isfinite(a).all() and np.array_equal(a, b), which

@@ -16,8 +16,8 @@ STAT_SLOTS = 4
          "static constexpr int BLOCK_N = 64;",
          "static constexpr u32 KV_TILE = BLOCK_N * D_TILE * 4, Q_TILE = BLOCK_M * D_TILE * 4;",
          "static constexpr u32 K_HI = 0, V_HI = 2 * KV_TILE;",
-         "static constexpr u32 Q = 0, DO = 2 * Q_TILE, QT = 4 * Q_TILE, DOT = 6 * Q_TILE, STATS = 8 * Q_TILE;",
-         "static constexpr u32 STAGE = (STATS + STAT_SLOTS * BLOCK_M * 4 + 1023) / 1024 * 1024;",
+         "static constexpr u32 Q = Tiles::Q, DO = Tiles::DO, QT = Tiles::QT, DOT = Tiles::DOT, STATS = Tiles::STATS;",
+         "static constexpr u32 STAGE = (Tiles::BYTES + 1023) / 1024 * 1024;",
          "static constexpr u32 STAGE0 = 4 * KV_TILE;",
          "static constexpr u32 RAW = STAGE0 + STAGES * STAGE;",
          "static constexpr u32 FULL = RAW + RAW_STAGES * 2 * Q_TILE, EMPTY = FULL + 8 * STAGES;",
@@ -30,10 +30,13 @@ STAT_SLOTS = 4
 def ws_smem(d_tile: int, block_m: int, stages: int, raw_stages: int) -> dict:
     """BwdTf32WgmmaWsSmem's offsets in bytes from the aligned base (stage s's tile X at
     STAGE0 + s STAGE + X)."""
+    from .wgmma_tf32_bwd_steps import query_block_tiles
+
     kv_tile, q_tile = 64 * d_tile * 4, block_m * d_tile * 4
-    layout = {"KV_TILE": kv_tile, "Q_TILE": q_tile, "K_HI": 0, "V_HI": 2 * kv_tile, "Q": 0, "DO": 2 * q_tile,
-              "QT": 4 * q_tile, "DOT": 6 * q_tile, "STATS": 8 * q_tile}
-    layout["STAGE"] = (layout["STATS"] + STAT_SLOTS * block_m * 4 + 1023) // 1024 * 1024
+    tiles = query_block_tiles(d_tile, block_m)
+    layout = {"KV_TILE": kv_tile, "Q_TILE": q_tile, "K_HI": 0, "V_HI": 2 * kv_tile,
+              **{name: tiles[name] for name in ("Q", "DO", "QT", "DOT", "STATS")}}
+    layout["STAGE"] = (tiles["BYTES"] + 1023) // 1024 * 1024
     layout["STAGE0"] = 4 * kv_tile
     layout["RAW"] = layout["STAGE0"] + stages * layout["STAGE"]
     layout["FULL"] = layout["RAW"] + raw_stages * 2 * q_tile

@@ -51,7 +51,8 @@ def block_partial(m0, bm, n0, bn, seqlen_q, seqlen_k, mask):
 
 # block_walk.cuh's QueryBlockWalk, which every dK/dV kernel builds (the wgmma ones: wgmma_walk)
 QUERY_BLOCK_WALK = ("first(mask.query_begin(n0) / BLOCK_M)",
-                    "end((mask.query_end(n0, block_n) + BLOCK_M - 1) / BLOCK_M)",
+                    "end(SKIP_EMPTY && mask.query_end(n0, block_n) <= mask.query_begin(n0) ? first "
+                    ": (mask.query_end(n0, block_n) + BLOCK_M - 1) / BLOCK_M)",
                     "blocks(max(0, end - first))",
                     "const QueryBlockWalk<BLOCK_M> walk(mask, n0, BLOCK_N, group);")
 
@@ -60,10 +61,12 @@ QUERY_BLOCK_WALK = ("first(mask.query_begin(n0) / BLOCK_M)",
 # its n0; flash_bwd_dkdv_mma still in its own body (mma-bwd-cta in docs/perf-log.md says why).
 @_each(DKDV_KERNELS[1:], *QUERY_BLOCK_WALK[:3], "walk(mask, n0, BLOCK_N, group) {}")
 @_each(DKDV_KERNELS[:1], *QUERY_BLOCK_WALK)
-def query_block_range(mask, n0, block_n, block_m, seqlen_q, seqlen_k):
-    """(first, blocks) of a dK/dV CTA's walk: the query blocks that see some key of its block."""
-    m_block_first = mask.query_begin(n0, seqlen_q, seqlen_k) // block_m
-    m_block_end = -(-mask.query_end(n0, block_n, seqlen_q, seqlen_k) // block_m)
+def query_block_range(mask, n0, block_n, block_m, seqlen_q, seqlen_k, skip_empty=False):
+    """(first, blocks) of a dK/dV CTA's walk: the query blocks that see some key of its block
+    (``skip_empty``, QueryBlockWalk's SKIP_EMPTY: none for an empty query range)."""
+    begin, end = mask.query_begin(n0, seqlen_q, seqlen_k), mask.query_end(n0, block_n, seqlen_q, seqlen_k)
+    m_block_first = begin // block_m
+    m_block_end = m_block_first if skip_empty and end <= begin else -(-end // block_m)
     return m_block_first, max(0, m_block_end - m_block_first)
 
 

@@ -75,6 +75,64 @@ def kv_image_offset(packed: bool, d_tile: int, block_n: int, nheads_kv: int, seq
     return block * key_block_tiles(d_tile, block_n)["BYTES"]
 
 
+STAT_SLOTS = 4  # dmma_bwd_steps.cuh's StatSlot: lse, delta, weight, dp_ref
+
+
+@mirrors(STEPS,
+         "static constexpr u32 Q_TILE = BLOCK_M * D_TILE * 4;",
+         "static constexpr u32 Q = 0, DO = 2 * Q_TILE, QT = 4 * Q_TILE, DOT = 6 * Q_TILE, STATS = 8 * Q_TILE;",
+         "static constexpr u32 BYTES = STATS + STAT_SLOTS * BLOCK_M * 4;",
+         "split_tf32_panels_both<BLOCK_M, D_TILE, NTHREADS, PRODUCTS>(tiles + T::Q, tiles + T::Q + T::Q_TILE,",
+         "tiles + T::QT, tiles + T::QT + T::Q_TILE, q,",
+         "split_tf32_panels_both<BLOCK_M, D_TILE, NTHREADS, PRODUCTS>(tiles + T::DO, tiles + T::DO + T::Q_TILE,",
+         "tiles + T::DOT, tiles + T::DOT + T::Q_TILE, dout,")
+def query_block_tiles(d_tile: int, block_m: int) -> dict:
+    """Tf32QueryBlockTiles' offsets in bytes (each lo tile Q_TILE past its hi tile) and BYTES."""
+    q_tile = block_m * d_tile * 4
+    layout = {"Q_TILE": q_tile, "Q": 0, "DO": 2 * q_tile, "QT": 4 * q_tile, "DOT": 6 * q_tile, "STATS": 8 * q_tile}
+    layout["BYTES"] = layout["STATS"] + STAT_SLOTS * block_m * 4
+    return layout
+
+
+@mirrors(STEPS,
+         "row[STAT_LSE * BLOCK_M] = valid ? ldg(static_cast<const float*>(p.lse) + stat) : 0.f;",
+         "row[STAT_DELTA * BLOCK_M] = valid ? ldg(static_cast<const float*>(p.delta) + stat) : 0.f;",
+         "row[STAT_WEIGHT * BLOCK_M] = valid && weight != nullptr ? ldg(weight + stat) : 0.f;",
+         "row[STAT_DP_REF * BLOCK_M] = valid && dp_ref != nullptr ? ldg(dp_ref + stat) : 0.f;")
+def split_query_block(smem, tiles: int, d_tile: int, block_m: int, threads: int, q, dout, rows_valid: int,
+                      headdim: int, headdim_v: int, stats=None) -> None:
+    """split_query_block_tf32 into the words of ``smem`` from byte ``tiles`` (both slices natural
+    and KEY_PAIRS-transposed, three products), then query_row_stats for rows < block_m from
+    ``stats`` ([STAT_SLOTS][rows] float32: lse, delta, weight, dp_ref; None: zeros), zeros past
+    rows_valid."""
+    t = query_block_tiles(d_tile, block_m)
+    for tile, x, hd in (("Q", q, headdim), ("DO", dout, headdim_v)):
+        for name, transposed in ((tile, False), (tile + "T", True)):
+            split = split_tf32_panels_transposed if transposed else split_tf32_panels
+            split(3, smem, smem, tiles + t[name], tiles + t[name] + t["Q_TILE"], block_m, d_tile, threads, x,
+                  rows_valid, hd, **({"key_pairs": True} if transposed else {}))
+    words = np.zeros((STAT_SLOTS, block_m), np.float32)
+    if stats is not None:
+        valid = min(rows_valid, block_m)
+        words[:, :valid] = stats[:, :valid]
+    at = (tiles + t["STATS"]) // 4
+    smem[at: at + words.size] = words.reshape(-1).view(np.uint32)
+
+
+@mirrors(STEPS,
+         "if constexpr (PACKED) block = (i64)(seq.q_begin / BLOCK_M + seq.index + i) * p.nheads + head;",
+         "else block = ((i64)seq.batch * p.nheads + head) * ((p.seqlen_q + BLOCK_M - 1) / BLOCK_M) + i;",
+         "return block * Tf32QueryBlockTiles<D_TILE, BLOCK_M>::BYTES;")
+def q_image_offset(packed: bool, d_tile: int, block_m: int, nheads: int, seqlen_q: int, index: int, batch: int,
+                   q_begin: int, head: int, i: int) -> int:
+    """Where query block i of a sequence's query head lies in the q_split image, in bytes."""
+    if packed:
+        block = (q_begin // block_m + index + i) * nheads + head
+    else:
+        block = (batch * nheads + head) * (-(-seqlen_q // block_m)) + i
+    return block * query_block_tiles(d_tile, block_m)["BYTES"]
+
+
 def acc_times_tile(smem, d_tile: int, k_cols: int, acc, b_hi: int, b_lo: int) -> np.ndarray:
     """tf32_acc_times_tile's product, 64 x d_tile: A = the accumulator values acc[thread, f, e] of
     a 64 x k_cols product, k-step f's registers relabelled (p_as_a_registers, whose mirrors are
