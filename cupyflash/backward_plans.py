@@ -923,11 +923,13 @@ TF32_WGMMA_D_TILES = (64,)
 # 1.13-1.16x the one-warpgroup dQ kernel, the backward 1.05x; a second dQ consumer gained nothing).
 # tf32-split-once: the key blocks split once for the grid by flash_bwd_split_kv_tf32, the dQ producer
 # one thread's bulk copies, and now a second dQ consumer pays (dQ 1.41-1.56x the route before, the
-# backward 1.05-1.14x on an H100). "recomputed" stays on tf32x3, whose statistics kernel forms S as
+# backward 1.05-1.14x on an H100). tf32-split-once-dkdv: the query blocks split once too by
+# flash_bwd_split_q_tf32, the dK/dV producer one thread's bulk copies (dK/dV 1.15-1.54x, the
+# backward 0.99-1.26x the split-once dQ alone, 1k-4k on an H100: the gain is the full mask's). "recomputed" stays on tf32x3, whose statistics kernel forms S as
 # its gradient kernels do (a saturated row cancels to the bit there, not here); so does a user
 # modifier whose code spills in these kernels (ptxas asked, as for the 16-bit rows).
-TF32_WGMMA_BACKWARD_ROUTE = {(SM90, 64): Tf32WgmmaBwdConfig(32, 1, producer=True, dq_raw_stages=0, dq_producer=True,
-                                                            dq_consumers=2, dq_presplit=True)}
+TF32_WGMMA_BACKWARD_ROUTE = {(SM90, 64): Tf32WgmmaBwdConfig(32, 0, producer=True, presplit=True, dq_raw_stages=0,
+                                                            dq_producer=True, dq_consumers=2, dq_presplit=True)}
 
 
 def tf32_wgmma_route(where: str, dt: int, mask: Mask) -> Tf32WgmmaBwdConfig | None:

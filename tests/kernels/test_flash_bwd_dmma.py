@@ -71,8 +71,10 @@ def test_float32_saved_statistics_at_sm90_d64_run_the_tf32_wgmma_route(monkeypat
 
     table = backward_plans.TF32_WGMMA_BACKWARD_ROUTE[(SM90, 64)]
     assert table.producer and table.sums_apart and table.precision == "ieee" and not table.fused_dq
-    # dQ by its producer kernel copying key blocks split once, two consumers (tf32-split-once)
+    # dQ by its producer kernel copying key blocks split once, two consumers (tf32-split-once); dK / dV's
+    # producer copying query blocks split once (tf32-split-once-dkdv)
     assert table.dq_producer and table.dq_presplit and table.dq_consumers == 2 and table.dq_raw_stages == 0
+    assert table.presplit and table.raw_stages == 0
     for mask in [*KINDS, *(m.backward() for m in VARIANT_KINDS + PACKED_KINDS)]:
         route = backward_plans.tf32_wgmma_route(SM90, 64, mask)
         dq_kernel = "flash_bwd_dq_tf32_wgmma_ws" if route.dq_producer else "flash_bwd_dq_tf32_wgmma"
@@ -82,11 +84,14 @@ def test_float32_saved_statistics_at_sm90_d64_run_the_tf32_wgmma_route(monkeypat
                 names = [launch.spec.name for launch in plan.launches]
                 assert plan.kernels == route and plan.dq_add == "none" and plan.device_class == SM90, names
                 assert names[0] == "flash_bwd_preprocess_fp32"
-                assert names[1].startswith(f"flash_bwd_dkdv_tf32_wgmma_ws_fp32_hdim64_{mask.name}_"), names
                 packed = "_packed" if mask.packed else ""
-                assert names[2] == f"flash_bwd_split_kv_tf32_fp32_hdim64_bn32{packed}", names
-                assert names[3].startswith(f"{dq_kernel}_fp32_hdim64_{mask.name}_"), names
-                assert names[3].endswith("_apart_presplit" if mask.score.dropout else "_c2_presplit"), names
+                # the query blocks split once (tf32-split-once-dkdv), then dK / dV from them
+                assert names[1] == f"flash_bwd_split_q_tf32_fp32_hdim64_bm32{packed}", names
+                assert names[2].startswith(f"flash_bwd_dkdv_tf32_wgmma_ws_fp32_hdim64_{mask.name}_"), names
+                assert names[2].endswith("_presplit"), names
+                assert names[3] == f"flash_bwd_split_kv_tf32_fp32_hdim64_bn32{packed}", names
+                assert names[4].startswith(f"{dq_kernel}_fp32_hdim64_{mask.name}_"), names
+                assert names[4].endswith("_apart_presplit" if mask.score.dropout else "_c2_presplit"), names
                 assert all(launch.spec.arch == "90a" and launch.spec.smem_bytes <= 227 * 1024
                            for launch in plan.launches[1:])
     spilling.add("_tf32_wgmma_")
@@ -98,7 +103,7 @@ def test_float32_saved_statistics_at_sm90_d64_run_the_tf32_wgmma_route(monkeypat
                                 else backward_plans.tf32_wgmma_route(SM90, 64, mask))
     tf32x3 = backward_plans.tf32x3_backward_config(64)
     for arch, statistics, layout, smem in (("90", "recomputed", True, None), ("90", "saved", False, None),
-                                           ("90", "saved", True, 200 * 1024), ("80", "saved", True, None)):
+                                           ("90", "saved", True, 160 * 1024), ("80", "saved", True, None)):
         plan = backward_plans.plan_backward(arch, np.float32, 64, True, smem, True, statistics=statistics,
                                             tf32_wgmma_layout=layout)
         assert plan.kernels == tf32x3, (arch, statistics, layout, smem)
