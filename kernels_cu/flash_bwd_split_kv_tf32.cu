@@ -37,15 +37,10 @@ flash_bwd_split_kv_tf32(const __grid_constant__ BwdParams p) {
                                                          threadIdx.x);
     __syncthreads();
 
-    // The tiles out as bytes, 16 a thread and step: consecutive threads, consecutive chunks.
-    uint4* const image = reinterpret_cast<uint4*>(static_cast<unsigned char*>(p.kv_split) +
-                                                  kv_image_offset<PACKED, D_TILE, BLOCK_N>(p, seq, head_kv, j));
-#pragma unroll 4
-    for (int c = threadIdx.x; c < static_cast<int>(T::BYTES / 16); c += 128) {
-        u32 r[4];
-        ld_shared_v4(r, base + 16 * c);
-        image[c] = make_uint4(r[0], r[1], r[2], r[3]);
-    }
+    // The block out to its place in the image, as its bytes lie in shared memory
+    unsigned char* const image = static_cast<unsigned char*>(p.kv_split);
+    store_image_block<T::BYTES, 128>(base, image + kv_image_offset<PACKED, D_TILE, BLOCK_N>(p, seq, head_kv, j),
+                                     threadIdx.x);
 }
 
 }  // namespace cf

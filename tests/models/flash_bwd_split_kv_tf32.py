@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from .mirrors import mirrors
-from .wgmma_tf32_bwd_steps import key_block_tiles, kv_image_offset, split_key_block
+from .wgmma_tf32_bwd_steps import key_block_tiles, kv_image_offset, split_key_block, store_image_block
 
 KERNEL = "flash_bwd_split_kv_tf32"
 DQ_KERNEL = "flash_bwd_dq_tf32_wgmma_ws"
@@ -22,10 +22,8 @@ NTHREADS = 128
          "const int j = blockIdx.x, n0 = j * BLOCK_N, head_kv = blockIdx.y;",
          "if (PACKED && n0 >= seq.seqlen_k) return;",
          "split_key_block_tf32<D_TILE, BLOCK_N, 128, PRODUCTS>(base, k, v, seq.seqlen_k - n0, p.headdim, p.headdim_v,",
-         "kv_image_offset<PACKED, D_TILE, BLOCK_N>(p, seq, head_kv, j));",
-         "for (int c = threadIdx.x; c < static_cast<int>(T::BYTES / 16); c += 128) {",
-         "ld_shared_v4(r, base + 16 * c);",
-         "image[c] = make_uint4(r[0], r[1], r[2], r[3]);")
+         "store_image_block<T::BYTES, 128>(base, image + kv_image_offset<PACKED, D_TILE, BLOCK_N>(p, seq, head_kv, j),",
+         "threadIdx.x);")
 def write_image(d_tile: int, block_n: int, k, v, headdim: int, headdim_v: int, cu_seqlens_k=None,
                 image_bytes: int | None = None) -> np.ndarray:
     """The kv_split image (uint32 words, 0xFFFFFFFF where no CTA wrote) after every CTA of the grid
@@ -56,7 +54,7 @@ def write_image(d_tile: int, block_n: int, k, v, headdim: int, headdim_v: int, c
                 split_key_block(smem, 0, d_tile, block_n, NTHREADS, kb, vb, length - n0, headdim, headdim_v)
                 at = kv_image_offset(packed, d_tile, block_n, nheads_kv, seqlen_k, index, batch_of, k_begin,
                                      head_kv, j)
-                image[at // 4: at // 4 + smem.size] = smem
+                store_image_block(image, at, smem, 0, smem.size * 4)
     return image
 
 

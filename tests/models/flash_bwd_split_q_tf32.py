@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from .mirrors import mirrors
-from .wgmma_tf32_bwd_steps import STAT_SLOTS, q_image_offset, query_block_tiles, split_query_block
+from .wgmma_tf32_bwd_steps import STAT_SLOTS, q_image_offset, query_block_tiles, split_query_block, store_image_block
 
 KERNEL = "flash_bwd_split_q_tf32"
 DKDV_KERNEL = "flash_bwd_dkdv_tf32_wgmma_ws"
@@ -23,10 +23,8 @@ NTHREADS = 128
          "if (PACKED && m0 >= seq.seqlen_q) return;",
          "split_query_block_tf32<D_TILE, BLOCK_M, 128, PRODUCTS>(base, q, dout, seq.seqlen_q - m0, p.headdim, p.headdim_v,",
          "query_row_stats<BLOCK_M>(smem_f + T::STATS / 4, p, seq.stat(p, head, valid ? m0 + threadIdx.x : 0), valid,",
-         "q_image_offset<PACKED, D_TILE, BLOCK_M>(p, seq, head, i));",
-         "for (int c = threadIdx.x; c < static_cast<int>(T::BYTES / 16); c += 128) {",
-         "ld_shared_v4(r, base + 16 * c);",
-         "image[c] = make_uint4(r[0], r[1], r[2], r[3]);")
+         "store_image_block<T::BYTES, 128>(base, image + q_image_offset<PACKED, D_TILE, BLOCK_M>(p, seq, head, i),",
+         "threadIdx.x);")
 def write_image(d_tile: int, block_m: int, q, dout, stats, headdim: int, headdim_v: int, cu_seqlens_q=None,
                 image_bytes: int = 0) -> np.ndarray:
     """The q_split image (uint32 words, 0xFFFFFFFF where no CTA wrote) after every CTA of the grid
@@ -59,7 +57,7 @@ def write_image(d_tile: int, block_m: int, q, dout, stats, headdim: int, headdim
                 st[:, : rows.stop - rows.start] = stats[:, batch_of, head, rows]
                 split_query_block(smem, 0, d_tile, block_m, NTHREADS, qb, ob, length - m0, headdim, headdim_v, st)
                 at = q_image_offset(packed, d_tile, block_m, nheads, seqlen_q, index, batch_of, q_begin, head, i)
-                image[at // 4: at // 4 + smem.size] = smem
+                store_image_block(image, at, smem, 0, smem.size * 4)
     return image
 
 

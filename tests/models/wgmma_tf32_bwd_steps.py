@@ -62,17 +62,24 @@ def split_key_block(smem, tiles: int, d_tile: int, block_n: int, threads: int, k
 
 
 @mirrors(STEPS,
-         "if constexpr (PACKED) block = (i64)(seq.k_begin / BLOCK_N + seq.index + j) * p.nheads_kv + head_kv;",
-         "else block = ((i64)seq.batch * p.nheads_kv + head_kv) * ((p.seqlen_k + BLOCK_N - 1) / BLOCK_N) + j;",
-         "return block * Tf32KeyBlockTiles<D_TILE, BLOCK_N>::BYTES;")
+         "if constexpr (PACKED) return (i64)(begin / BLOCK + seq.index + j) * nheads + head;",
+         "else return ((i64)seq.batch * nheads + head) * ((seqlen + BLOCK - 1) / BLOCK) + j;")
+def image_block(packed: bool, block: int, index: int, batch: int, begin: int, seqlen: int, nheads: int, head: int,
+                j: int) -> int:
+    """image_block: which block of a split-once image holds block j of a sequence's head."""
+    if packed:
+        return (begin // block + index + j) * nheads + head
+    return (batch * nheads + head) * (-(-seqlen // block)) + j
+
+
+@mirrors(STEPS,
+         "return image_block<PACKED, BLOCK_N>(seq, seq.k_begin, p.seqlen_k, p.nheads_kv, head_kv, j) *",
+         "Tf32KeyBlockTiles<D_TILE, BLOCK_N>::BYTES;")
 def kv_image_offset(packed: bool, d_tile: int, block_n: int, nheads_kv: int, seqlen_k: int, index: int, batch: int,
                     k_begin: int, head_kv: int, j: int) -> int:
     """Where key block j of a sequence's kv head lies in the kv_split image, in bytes."""
-    if packed:
-        block = (k_begin // block_n + index + j) * nheads_kv + head_kv
-    else:
-        block = (batch * nheads_kv + head_kv) * (-(-seqlen_k // block_n)) + j
-    return block * key_block_tiles(d_tile, block_n)["BYTES"]
+    return (image_block(packed, block_n, index, batch, k_begin, seqlen_k, nheads_kv, head_kv, j)
+            * key_block_tiles(d_tile, block_n)["BYTES"])
 
 
 STAT_SLOTS = 4  # dmma_bwd_steps.cuh's StatSlot: lse, delta, weight, dp_ref
@@ -120,17 +127,23 @@ def split_query_block(smem, tiles: int, d_tile: int, block_m: int, threads: int,
 
 
 @mirrors(STEPS,
-         "if constexpr (PACKED) block = (i64)(seq.q_begin / BLOCK_M + seq.index + i) * p.nheads + head;",
-         "else block = ((i64)seq.batch * p.nheads + head) * ((p.seqlen_q + BLOCK_M - 1) / BLOCK_M) + i;",
-         "return block * Tf32QueryBlockTiles<D_TILE, BLOCK_M>::BYTES;")
+         "return image_block<PACKED, BLOCK_M>(seq, seq.q_begin, p.seqlen_q, p.nheads, head, i) *",
+         "Tf32QueryBlockTiles<D_TILE, BLOCK_M>::BYTES;")
 def q_image_offset(packed: bool, d_tile: int, block_m: int, nheads: int, seqlen_q: int, index: int, batch: int,
                    q_begin: int, head: int, i: int) -> int:
     """Where query block i of a sequence's query head lies in the q_split image, in bytes."""
-    if packed:
-        block = (q_begin // block_m + index + i) * nheads + head
-    else:
-        block = (batch * nheads + head) * (-(-seqlen_q // block_m)) + i
-    return block * query_block_tiles(d_tile, block_m)["BYTES"]
+    return (image_block(packed, block_m, index, batch, q_begin, seqlen_q, nheads, head, i)
+            * query_block_tiles(d_tile, block_m)["BYTES"])
+
+
+@mirrors(STEPS,
+         "for (int c = thread; c < static_cast<int>(BYTES / 16); c += NTHREADS) {",
+         "ld_shared_v4(r, tiles + 16 * c);",
+         "image[c] = make_uint4(r[0], r[1], r[2], r[3]);")
+def store_image_block(image: np.ndarray, at: int, smem: np.ndarray, tiles: int, nbytes: int) -> None:
+    """store_image_block: the block's bytes at byte ``tiles`` of shared memory, word for word, to
+    byte ``at`` of the image (uint32 words; the 16-byte chunks' order across threads changes no word)."""
+    image[at // 4: at // 4 + nbytes // 4] = smem[tiles // 4: tiles // 4 + nbytes // 4]
 
 
 def acc_times_tile(smem, d_tile: int, k_cols: int, acc, b_hi: int, b_lo: int) -> np.ndarray:
