@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from .mirrors import mirrors
-from .wgmma_tf32_bwd_steps import key_block_tiles, kv_image_offset, split_key_block, store_image_block
+from .wgmma_tf32_bwd_steps import key_block_tiles, kv_image_offset, split_grid, split_key_block, store_image_block
 
 KERNEL = "flash_bwd_split_kv_tf32"
 DQ_KERNEL = "flash_bwd_dq_tf32_wgmma_ws"
@@ -31,30 +31,16 @@ def write_image(d_tile: int, block_n: int, k, v, headdim: int, headdim_v: int, c
     k, v: (batch, seqlen_k, nheads_kv, dim) float32; a packed batch is batch 1 with cu_seqlens_k."""
     batch, seqlen_k, nheads_kv = k.shape[:3]
     tiles = key_block_tiles(d_tile, block_n)
-    packed = cu_seqlens_k is not None
-    if packed:
-        sequences = [(b, 0, int(cu_seqlens_k[b]), int(cu_seqlens_k[b + 1] - cu_seqlens_k[b]))
-                     for b in range(len(cu_seqlens_k) - 1)]
-        grid_blocks = -(-max([n for *_, n in sequences] + [0]) // block_n)
-    else:
-        sequences = [(b, b, 0, seqlen_k) for b in range(batch)]
-        grid_blocks = -(-seqlen_k // block_n)
     image = np.full((image_bytes or 0) // 4, 0xFFFFFFFF, np.uint32)
-    for index, batch_of, k_begin, length in sequences:
-        for head_kv in range(nheads_kv):
-            for j in range(grid_blocks):
-                n0 = j * block_n
-                if packed and n0 >= length:
-                    continue
-                smem = np.full(tiles["BYTES"] // 4, 0xFFFFFFFF, np.uint32)
-                rows = slice(k_begin + n0, k_begin + min(n0 + block_n, length))
-                kb, vb = (np.zeros((block_n, x.shape[3]), np.float32) for x in (k, v))
-                kb[: rows.stop - rows.start] = k[batch_of, rows, head_kv]
-                vb[: rows.stop - rows.start] = v[batch_of, rows, head_kv]
-                split_key_block(smem, 0, d_tile, block_n, NTHREADS, kb, vb, length - n0, headdim, headdim_v)
-                at = kv_image_offset(packed, d_tile, block_n, nheads_kv, seqlen_k, index, batch_of, k_begin,
-                                     head_kv, j)
-                store_image_block(image, at, smem, 0, smem.size * 4)
+    for packed, index, batch_of, k_begin, length, head_kv, j, rows in split_grid(batch, seqlen_k, nheads_kv, block_n,
+                                                                                 cu_seqlens_k):
+        smem = np.full(tiles["BYTES"] // 4, 0xFFFFFFFF, np.uint32)
+        kb, vb = (np.zeros((block_n, x.shape[3]), np.float32) for x in (k, v))
+        kb[: rows.stop - rows.start] = k[batch_of, rows, head_kv]
+        vb[: rows.stop - rows.start] = v[batch_of, rows, head_kv]
+        split_key_block(smem, 0, d_tile, block_n, NTHREADS, kb, vb, length - j * block_n, headdim, headdim_v)
+        at = kv_image_offset(packed, d_tile, block_n, nheads_kv, seqlen_k, index, batch_of, k_begin, head_kv, j)
+        store_image_block(image, at, smem, 0, smem.size * 4)
     return image
 
 

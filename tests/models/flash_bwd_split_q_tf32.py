@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from .mirrors import mirrors
-from .wgmma_tf32_bwd_steps import STAT_SLOTS, q_image_offset, query_block_tiles, split_query_block, store_image_block
+from .wgmma_tf32_bwd_steps import (STAT_SLOTS, q_image_offset, query_block_tiles, split_grid, split_query_block,
+                                   store_image_block)
 
 KERNEL = "flash_bwd_split_q_tf32"
 DKDV_KERNEL = "flash_bwd_dkdv_tf32_wgmma_ws"
@@ -33,31 +34,18 @@ def write_image(d_tile: int, block_m: int, q, dout, stats, headdim: int, headdim
     weight and dp_ref buffers as the kernels index them (seq.stat)."""
     batch, seqlen_q, nheads = q.shape[:3]
     tiles = query_block_tiles(d_tile, block_m)
-    packed = cu_seqlens_q is not None
-    if packed:
-        sequences = [(b, 0, int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1] - cu_seqlens_q[b]))
-                     for b in range(len(cu_seqlens_q) - 1)]
-        grid_blocks = -(-max([n for *_, n in sequences] + [0]) // block_m)
-    else:
-        sequences = [(b, b, 0, seqlen_q) for b in range(batch)]
-        grid_blocks = -(-seqlen_q // block_m)
     image = np.full(image_bytes // 4, 0xFFFFFFFF, np.uint32)
-    for index, batch_of, q_begin, length in sequences:
-        for head in range(nheads):
-            for i in range(grid_blocks):
-                m0 = i * block_m
-                if packed and m0 >= length:
-                    continue
-                smem = np.full(tiles["BYTES"] // 4, 0xFFFFFFFF, np.uint32)
-                rows = slice(q_begin + m0, q_begin + min(m0 + block_m, length))
-                qb, ob = (np.zeros((block_m, x.shape[3]), np.float32) for x in (q, dout))
-                qb[: rows.stop - rows.start] = q[batch_of, rows, head]
-                ob[: rows.stop - rows.start] = dout[batch_of, rows, head]
-                st = np.zeros((STAT_SLOTS, block_m), np.float32)
-                st[:, : rows.stop - rows.start] = stats[:, batch_of, head, rows]
-                split_query_block(smem, 0, d_tile, block_m, NTHREADS, qb, ob, length - m0, headdim, headdim_v, st)
-                at = q_image_offset(packed, d_tile, block_m, nheads, seqlen_q, index, batch_of, q_begin, head, i)
-                store_image_block(image, at, smem, 0, smem.size * 4)
+    for packed, index, batch_of, q_begin, length, head, i, rows in split_grid(batch, seqlen_q, nheads, block_m,
+                                                                              cu_seqlens_q):
+        smem = np.full(tiles["BYTES"] // 4, 0xFFFFFFFF, np.uint32)
+        qb, ob = (np.zeros((block_m, x.shape[3]), np.float32) for x in (q, dout))
+        qb[: rows.stop - rows.start] = q[batch_of, rows, head]
+        ob[: rows.stop - rows.start] = dout[batch_of, rows, head]
+        st = np.zeros((STAT_SLOTS, block_m), np.float32)
+        st[:, : rows.stop - rows.start] = stats[:, batch_of, head, rows]
+        split_query_block(smem, 0, d_tile, block_m, NTHREADS, qb, ob, length - i * block_m, headdim, headdim_v, st)
+        at = q_image_offset(packed, d_tile, block_m, nheads, seqlen_q, index, batch_of, q_begin, head, i)
+        store_image_block(image, at, smem, 0, smem.size * 4)
     return image
 
 

@@ -240,5 +240,28 @@ def close(got: np.ndarray, want: np.ndarray) -> bool:
     return bool(np.abs(got - want).max() <= 2.0 ** -19 * (1 + np.abs(want).max()))
 
 
+
+def split_grid(batch: int, seqlen: int, nheads: int, block: int, cu_seqlens=None):
+    """The working CTAs of a split-once kernel's grid (flash_bwd_split_kv_tf32, _split_q_tf32):
+    (packed, index, batch, begin, length, head, j, rows) for each sequence (dense: batch b; packed:
+    sequence b of batch 0, from cu_seqlens), head and block j of the grid (ceil(seqlen / block)
+    blocks, the longest sequence's when packed), less the blocks past a packed sequence's end (the
+    kernels' early return); rows: the block's rows on the tensors' sequence axis."""
+    packed = cu_seqlens is not None
+    if packed:
+        sequences = [(b, 0, int(cu_seqlens[b]), int(cu_seqlens[b + 1] - cu_seqlens[b]))
+                     for b in range(len(cu_seqlens) - 1)]
+        grid_blocks = -(-max([n for *_, n in sequences] + [0]) // block)
+    else:
+        sequences = [(b, b, 0, seqlen) for b in range(batch)]
+        grid_blocks = -(-seqlen // block)
+    for index, batch_of, begin, length in sequences:
+        for head in range(nheads):
+            for j in range(grid_blocks):
+                r0 = j * block
+                if packed and r0 >= length:
+                    continue
+                yield packed, index, batch_of, begin, length, head, j, slice(begin + r0, begin + min(r0 + block, length))
+
 __all__ = ["STEPS", "split_into", "rows_times_rows", "acc_times_tile", "store_acc_rows", "accumulator_positions", "fresh_operands", "emulate",
-           "valid_part", "close"]
+           "valid_part", "close", "split_grid", "image_block", "store_image_block"]
