@@ -28,6 +28,7 @@
 // flash_bwd_dq_tf32_wgmma_ws's PRESPLIT producer does with key blocks. No raw stages.
 #include "block_walk.cuh"
 #include "common.cuh"
+#include "cta_timeline.cuh"
 #include "dmma_bwd_steps.cuh"
 #include "mask.cuh"
 #include "mbarrier.cuh"
@@ -84,6 +85,7 @@ flash_bwd_dkdv_tf32_wgmma_ws(const __grid_constant__ BwdParams p) {
     // PRESPLIT copies each block's image, so an empty query range walks no block (SKIP_EMPTY)
     const QueryBlockWalk<BLOCK_M, PRESPLIT> walk(mask, n0, BLOCK_N, p.group);
     const int tid = threadIdx.x, wg = tid / 128, wg_tid = tid % 128, warp = wg_tid / 32, lane = tid % 32;
+    cta_timeline(MARK_ENTRY, tid == 128);  // the consumer's first thread (dev/cta_timeline.py)
 
     const GlobalRows k_global{p.k.row<const float>(batch, seq.k_begin + n0, head_kv), p.k.row_stride};
     const GlobalRows v_global{p.v.row<const float>(batch, seq.k_begin + n0, head_kv), p.v.row_stride};
@@ -154,6 +156,7 @@ flash_bwd_dkdv_tf32_wgmma_ws(const __grid_constant__ BwdParams p) {
         const int m0 = walk.block(it) * BLOCK_M, head = walk.head(head_kv, it);
         const u32 stage = base + stage_of(it);
         ring.wait_full(it);
+        if (it == 0) cta_timeline(MARK_FIRST_STEP, tid == 128);
         float ds[SV];
         tf32_dkdv_query_block<D_TILE, BLOCK_M, PRODUCTS, SUMS_APART>(
             dk_acc, dv_acc, ds, Tf32DkdvTiles{base + L::K_HI, base + L::V_HI, stage + L::Q, stage + L::DO,
@@ -161,6 +164,7 @@ flash_bwd_dkdv_tf32_wgmma_ws(const __grid_constant__ BwdParams p) {
             smem_f + (stage_of(it) + L::STATS) / 4, p, seq, mask, head, m0, n0, warp, lane);
         ring.arrive_empty(it);  // its products were waited for
     }
+    cta_timeline(MARK_WALKED, tid == 128, walk.iters);
 
     // Epilogue: dK = scale dS^T Q summed, dV (times 1 / (1 - p) under dropout).
     const int keys_valid = seqlen_k - n0;
@@ -170,6 +174,7 @@ flash_bwd_dkdv_tf32_wgmma_ws(const __grid_constant__ BwdParams p) {
                                [&](int r) { return p.dk.row<float>(batch, seq.k_begin + n0 + r, head_kv); }, warp, lane);
     store_acc_rows_f32<D_TILE>(dv_acc, drop_scale, keys_valid, p.headdim_v,
                                [&](int r) { return p.dv.row<float>(batch, seq.k_begin + n0 + r, head_kv); }, warp, lane);
+    cta_timeline(MARK_EXIT, tid == 128);
 }
 
 }  // namespace cf

@@ -20,6 +20,7 @@
 // K_j's stage outlives that barrier. ptxas serializes the wgmma of the 3-stage variant at head
 // dims 64 and 128 (C7515), so it is a tuner candidate at 256 only.
 #include "common.cuh"
+#include "cta_timeline.cuh"
 #include "mask.cuh"
 #include "mma.cuh"
 #include "mma_bwd.cuh"
@@ -82,6 +83,7 @@ flash_bwd_dq_wgmma(const __grid_constant__ BwdParams p) {
     const int j_begin = mask.key_begin(m0) / BLOCK_N;
     const int n_end = mask.key_end(m0, BLOCK_M);
     const int tid = threadIdx.x, wg = tid / 128, warp = tid / 32, lane = tid % 32;
+    cta_timeline(MARK_ENTRY, tid == 0);  // (dev/cta_timeline.py; empty in the library)
 
     const T* __restrict__ k_rows = p.k.row<const T>(batch, seq.k_begin, head_kv);
     const T* __restrict__ v_rows = p.v.row<const T>(batch, seq.k_begin, head_kv);
@@ -121,6 +123,7 @@ flash_bwd_dq_wgmma(const __grid_constant__ BwdParams p) {
         cp_async_wait<0>();
         fence_proxy_async_shared();
         __syncthreads();
+        if (j == j_begin) cta_timeline(MARK_FIRST_STEP, tid == 0);
         if ((j + 1) * BLOCK_N < n_end) load_kv_block(j + 1);
         cp_async_commit();
 
@@ -205,6 +208,7 @@ flash_bwd_dq_wgmma(const __grid_constant__ BwdParams p) {
     }
     wgmma_wait<0>();
     pin_registers(reinterpret_cast<float(&)[D_FRAGS * 4]>(dq_acc));
+    cta_timeline(MARK_WALKED, tid == 0, (n_end + BLOCK_N - 1) / BLOCK_N - j_begin);
 
     // Epilogue: dQ = scale dS K, straight from the accumulators (rows past seqlen_q dropped).
 #pragma unroll
@@ -220,6 +224,7 @@ flash_bwd_dq_wgmma(const __grid_constant__ BwdParams p) {
         }
     }
     cp_async_wait<0>();
+    cta_timeline(MARK_EXIT, tid == 0);
 }
 
 }  // namespace cf

@@ -29,6 +29,7 @@
 // dS^T is stored and the warpgroups meet at the barrier before dQ.
 #include "block_walk.cuh"
 #include "common.cuh"
+#include "cta_timeline.cuh"
 #include "mask.cuh"
 #include "mma.cuh"
 #include "mma_bwd.cuh"
@@ -98,6 +99,7 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
     const WgmmaBwdArgs<T> args = wgmma_bwd_args<T>(p);
 
     const int tid = threadIdx.x;
+    cta_timeline(MARK_ENTRY, tid == 0);  // (dev/cta_timeline.py; empty in the library)
     const KeyBlockCoords<BLOCK_N> key_block_at(seq);
     // Past a shorter sequence's end: leave before the mask, the walk and the copies.
     if (KeyBlock::past_end(key_block_at, seq)) return;
@@ -115,6 +117,7 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
     for (int it = 0; it < key_block.walk.iters; ++it) {
         const int stage = it & 1;
         Walk::land(it, stage, key_block.walk.iters, load_query_block);  // and the previous iteration's dS^T stores
+        if (it == 0) cta_timeline(MARK_FIRST_STEP, tid == 0);
 
         const int head = key_block.head(it);
         const int m_block = key_block.query_block(it), m0 = m_block * BLOCK_M;
@@ -380,6 +383,7 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
         if constexpr (ORDERED) pending_release = sem;
     }
     Walk::end(pending_release, lane);
+    cta_timeline(MARK_WALKED, tid == 0, key_block.walk.iters);
 
     // Epilogue: dK = scale dS^T Q summed, and dV, straight from the accumulators (once per CTA).
     const int key_row = 64 * wg + 16 * warp_in_wg + lane / 4;
@@ -390,6 +394,7 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
     if constexpr (STAGED) {
         if (lane < 16) bulk_wait_read_all();
     }
+    cta_timeline(MARK_EXIT, tid == 0);
 }
 
 }  // namespace cf

@@ -1,0 +1,77 @@
+"""Move the docs' line links into kernels_cu/ along with an edit of the sources.
+
+    python scripts/relink_docs.py [--base REV] [--check]
+
+docs/*.md and README.md link kernel code by line range (``../kernels_cu/flash_bwd_wgmma.cu#L130-L150``),
+and tests/test_docs.py fails when the name a link shows is no longer inside its range. For every
+kernels_cu/ file that differs from ``--base`` (default HEAD), this maps each line of the base's text
+to the working tree's (difflib's matching blocks; a line that was removed maps to the nearest kept
+line before it) and rewrites the ranges. ``--check`` prints the rewrites and changes nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import re
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LINK = re.compile(r"\((\.\./)?kernels_cu/([\w./-]+)#L(\d+)(?:-L(\d+))?\)")
+
+
+def line_map(old: list[str], new: list[str]) -> dict[int, int]:
+    """1-based old line -> new line: equal lines by difflib's blocks, others to the nearest before."""
+    mapping: dict[int, int] = {}
+    for a, b, size in difflib.SequenceMatcher(None, old, new, autojunk=False).get_matching_blocks():
+        for k in range(size):
+            mapping[a + k + 1] = b + k + 1
+    last = 1
+    for line in range(1, len(old) + 1):
+        last = mapping.setdefault(line, last)
+    return mapping
+
+
+def changed_maps(base: str) -> dict[str, dict[int, int]]:
+    names = subprocess.run(["git", "diff", "--name-only", base, "--", "kernels_cu"], cwd=ROOT, check=True,
+                           capture_output=True, text=True).stdout.split()
+    maps = {}
+    for name in names:
+        path = ROOT / name
+        if not path.is_file():
+            continue
+        old = subprocess.run(["git", "show", f"{base}:{name}"], cwd=ROOT, capture_output=True, text=True)
+        if old.returncode != 0:  # new in the working tree: nothing links it yet
+            continue
+        maps[name.removeprefix("kernels_cu/")] = line_map(old.stdout.splitlines(), path.read_text().splitlines())
+    return maps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base", default="HEAD")
+    parser.add_argument("--check", action="store_true")
+    args = parser.parse_args()
+    maps = changed_maps(args.base)
+    for doc in sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]:
+        text = doc.read_text()
+
+        def move(match: re.Match) -> str:
+            lines = maps.get(match.group(2))
+            if lines is None:
+                return match.group(0)
+            start, end = int(match.group(3)), int(match.group(4) or match.group(3))
+            new_start, new_end = lines.get(start, start), lines.get(end, end)
+            rng = f"L{new_start}" + (f"-L{new_end}" if match.group(4) else "")
+            moved = f"({match.group(1) or ''}kernels_cu/{match.group(2)}#{rng})"
+            if moved != match.group(0):
+                print(f"{doc.relative_to(ROOT)}: {match.group(0)} -> {moved}")
+            return moved
+
+        moved = LINK.sub(move, text)
+        if moved != text and not args.check:
+            doc.write_text(moved)
+
+
+if __name__ == "__main__":
+    main()
