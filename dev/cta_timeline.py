@@ -17,7 +17,11 @@ library's place, and the backward runs again. For each such kernel this prints, 
 - the same by walk length (quartiles), so a step's cost can be read against the walk's length.
 
 Fixed cost a CTA = prologue + epilogue + gap, against the steps' cycles: the share of the kernel
-that is not steps. The marks cost a few instructions each, at most four a CTA; the library's
+that is not steps. Caveats: the gap assumes one CTA an SM (true of these kernels' backward rows,
+256 threads and 175+ registers; two co-resident CTAs give negative gaps); %globaltimer may tick
+in steps of about a microsecond on some parts (look at the gaps' spread before trusting one);
+flash_bwd_wgmma's first step is marked after Walk::land, which also issues the next block's
+copies; EXIT is the recording thread's, not the CTA's last warp's. The marks cost a few instructions each, at most four a CTA; the library's
 kernels have none (their machine code is unchanged without the define: dev/compare_sass.py).
 """
 from __future__ import annotations
@@ -33,7 +37,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-DEFAULT_KERNELS = r"^flash_bwd_(wgmma|dq_wgmma|dkdv_tf32_wgmma_ws)_"
+DEFAULT_KERNELS = r"^flash_bwd_(wgmma|dq_wgmma|dkdv_tf32_wgmma_ws)_"  # of these, only the marked files' (below)
 SLOTS = 8  # cta_timeline.cuh's CF_CTA_TIMELINE_SLOTS: sm, steps, ns at entry / exit, clock at 4 marks
 ENTRY, FIRST_STEP, WALKED, EXIT = 4, 5, 6, 7  # the clocks' slots
 
@@ -51,7 +55,8 @@ def summarize(rows: np.ndarray) -> dict:
     if not len(done):
         return {"ctas": int(len(rows)), "early": early}
     steps = done[:, 1]
-    prologue = done[:, FIRST_STEP] - done[:, ENTRY]
+    walked = (steps > 0) & (done[:, FIRST_STEP] > 0)  # an empty walk marks no first step
+    prologue = (done[:, FIRST_STEP] - done[:, ENTRY])[walked]
     walk = done[:, WALKED] - done[:, FIRST_STEP]
     epilogue = done[:, EXIT] - done[:, WALKED]
     life_ns = done[:, 3] - done[:, 2]
@@ -63,13 +68,12 @@ def summarize(rows: np.ndarray) -> dict:
         on_sm = on_sm[np.argsort(on_sm[:, 2])]
         gaps.extend((on_sm[1:, 2] - on_sm[:-1, 3]).tolist())
     gaps = np.array(gaps if gaps else [0], np.float64)
-    walked = steps > 0
     per_step = walk[walked] / steps[walked]
     out = {
         "ctas": int(len(rows)), "early": early, "ghz": ghz,
         "span_ns": int(done[:, 3].max() - done[:, 2].min()),
         "steps_mean": float(steps.mean()),
-        "prologue_cycles": float(np.median(prologue)),
+        "prologue_cycles": float(np.median(prologue)) if len(prologue) else 0.0,
         "step_cycles": float(np.median(per_step)) if len(per_step) else 0.0,
         "epilogue_cycles": float(np.median(epilogue)),
         "gap_ns": float(np.median(gaps)),
@@ -81,11 +85,13 @@ def summarize(rows: np.ndarray) -> dict:
     if walked.sum() >= 4:
         edges = np.quantile(steps[walked], [0, 0.25, 0.5, 0.75, 1.0])
         quartiles = []
-        for lo, hi in zip(edges[:-1], edges[1:]):
-            pick = (steps[walked] >= lo) & (steps[walked] <= hi)
+        for q, (lo, hi) in enumerate(zip(edges[:-1], edges[1:])):
+            pick = (steps[walked] >= lo) & ((steps[walked] <= hi) if q == 3 else (steps[walked] < hi))
+            if not pick.any():
+                continue
             quartiles.append({"steps": [int(lo), int(hi)], "ctas": int(pick.sum()),
                               "step_cycles": float(np.median(per_step[pick])),
-                              "prologue_cycles": float(np.median(prologue[walked][pick])),
+                              "prologue_cycles": float(np.median(prologue[pick])),
                               "epilogue_cycles": float(np.median(epilogue[walked][pick]))})
         out["by_walk"] = quartiles
     return out
@@ -97,7 +103,7 @@ def report(name: str, s: dict) -> str:
     lines = [f"{name}: {s['ctas']} CTAs ({s['early']} left early), {s['span_ns'] / 1e3:.1f} us, "
              f"{s['ghz']:.2f} GHz, {s['steps_mean']:.1f} steps a CTA",
              f"  prologue {s['prologue_cycles']:.0f}, a step {s['step_cycles']:.0f}, epilogue "
-             f"{s['epilogue_cycles']:.0f}, gap {s['gap_ns']:.0f} ns ({s['gap_cycles']:.0f}) cycles, median; "
+             f"{s['epilogue_cycles']:.0f}, gap {s['gap_ns']:.0f} ns ({s['gap_cycles']:.0f} cycles), median; "
              f"fixed {s['fixed_cycles']:.0f} cycles a CTA = {100 * s['fixed_share']:.1f}% of its time"]
     for q in s.get("by_walk", []):
         lines.append(f"  walks of {q['steps'][0]}-{q['steps'][1]} steps ({q['ctas']} CTAs): a step "
@@ -143,16 +149,22 @@ def main() -> None:
 
     # the kernel modules bound launch by name (from ._module import launch): rebind it in each
     bound = [m for m in list(sys.modules.values())
-             if getattr(m, "__name__", "").startswith("cupyflash.") and getattr(m, "launch", None) is library_launch]
+             if getattr(m, "__name__", "").startswith("cupyflash.") and m is not _module
+             and getattr(m, "launch", None) is library_launch]
     for m in bound:
         m.launch = noting_launch
-    cupyflash.flash_attn_backward(do, q, k, v, o, lse, **options)
-    cupy.cuda.runtime.deviceSynchronize()
+    try:
+        cupyflash.flash_attn_backward(do, q, k, v, o, lse, **options)
+        cupy.cuda.runtime.deviceSynchronize()
+    finally:
+        for m in bound:
+            m.launch = library_launch
 
     device = cupy.cuda.Device().id
-    timed = {}
+    timed, replaced = {}, {}
     for name, (spec, grid) in launched.items():
-        if not re.search(args.kernels, name):
+        # a kernel whose file does not include cta_timeline.cuh has no marks (e.g. the d256 dsplit)
+        if not re.search(args.kernels, name) or "MARK_ENTRY" not in _module.kernel_source(spec.source_file):
             continue
         ctas = grid[0] * grid[1] * grid[2]
         arch = (f"-arch=sm_{spec.arch}",) if spec.arch else ()
@@ -161,17 +173,23 @@ def main() -> None:
         fn = module.get_function(spec.expression)
         if spec.smem_bytes > 48 * 1024:
             fn.max_dynamic_shared_size_bytes = spec.smem_bytes
+        replaced[(name, device)] = _module._functions.get((name, device))
         _module._functions[(name, device)] = fn  # the library launches this one now
         memory = module.get_global("cf_cta_timeline")
         rows = cupy.ndarray((ctas, SLOTS), cupy.int64, memory)
         rows.fill(0)
         timed[name] = rows
-    if not timed:
-        raise SystemExit(f"cta_timeline: no launched kernel matches {args.kernels!r}: {sorted(launched)}")
-    cupyflash.flash_attn_backward(do, q, k, v, o, lse, **options)
-    cupy.cuda.runtime.deviceSynchronize()
-    for m in bound:
-        m.launch = library_launch
+    try:
+        if not timed:
+            raise SystemExit(f"cta_timeline: no launched kernel with marks matches {args.kernels!r}: {sorted(launched)}")
+        cupyflash.flash_attn_backward(do, q, k, v, o, lse, **options)
+        cupy.cuda.runtime.deviceSynchronize()
+    finally:  # the library's own functions back, for whatever runs next in this process
+        for key, fn in replaced.items():
+            if fn is None:
+                _module._functions.pop(key, None)
+            else:
+                _module._functions[key] = fn
 
     results = {}
     for name, rows in timed.items():

@@ -71,6 +71,8 @@ flash_bwd_dkdv_tf32_wgmma_ws(const __grid_constant__ BwdParams p) {
     static_assert(STAGES >= 2 && (PRESPLIT ? RAW_STAGES == 0 : RAW_STAGES >= 1), "stages");
     static_assert(!SUMS_APART || Tf32Operand<PRODUCTS>::SPLIT, "apart sums are the split products'");
     static_assert(L::BYTES + 1024 <= 227 * 1024, "shared memory");
+    // first, so that a CTA's setup counts in its prologue; the consumer's first thread records
+    cta_timeline(MARK_ENTRY, threadIdx.x == 128);  // (dev/cta_timeline.py)
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
     const u32 base = aligned_dynamic_smem<L::BYTES>(smem_raw);
@@ -85,7 +87,6 @@ flash_bwd_dkdv_tf32_wgmma_ws(const __grid_constant__ BwdParams p) {
     // PRESPLIT copies each block's image, so an empty query range walks no block (SKIP_EMPTY)
     const QueryBlockWalk<BLOCK_M, PRESPLIT> walk(mask, n0, BLOCK_N, p.group);
     const int tid = threadIdx.x, wg = tid / 128, wg_tid = tid % 128, warp = wg_tid / 32, lane = tid % 32;
-    cta_timeline(MARK_ENTRY, tid == 128);  // the consumer's first thread (dev/cta_timeline.py)
 
     const GlobalRows k_global{p.k.row<const float>(batch, seq.k_begin + n0, head_kv), p.k.row_stride};
     const GlobalRows v_global{p.v.row<const float>(batch, seq.k_begin + n0, head_kv), p.v.row_stride};

@@ -55,6 +55,7 @@ flash_bwd_dq_wgmma(const __grid_constant__ BwdParams p) {
     static_assert(BLOCK_M % 64 == 0 && BLOCK_N % 16 == 0 && D_TILE % 64 == 0, "64-row panels, 16-key k-steps");
     static_assert(K_STAGES == 2 || K_STAGES == 3, "two or three K stages");
     static_assert(L::BYTES + 1024 <= 227 * 1024, "shared memory");
+    cta_timeline(MARK_ENTRY, threadIdx.x == 0);  // first: a CTA's setup is its prologue (dev/cta_timeline.py)
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
     const u32 base = aligned_dynamic_smem<L::BYTES>(smem_raw);
@@ -83,7 +84,6 @@ flash_bwd_dq_wgmma(const __grid_constant__ BwdParams p) {
     const int j_begin = mask.key_begin(m0) / BLOCK_N;
     const int n_end = mask.key_end(m0, BLOCK_M);
     const int tid = threadIdx.x, wg = tid / 128, warp = tid / 32, lane = tid % 32;
-    cta_timeline(MARK_ENTRY, tid == 0);  // (dev/cta_timeline.py; empty in the library)
 
     const T* __restrict__ k_rows = p.k.row<const T>(batch, seq.k_begin, head_kv);
     const T* __restrict__ v_rows = p.v.row<const T>(batch, seq.k_begin, head_kv);
@@ -208,7 +208,7 @@ flash_bwd_dq_wgmma(const __grid_constant__ BwdParams p) {
     }
     wgmma_wait<0>();
     pin_registers(reinterpret_cast<float(&)[D_FRAGS * 4]>(dq_acc));
-    cta_timeline(MARK_WALKED, tid == 0, (n_end + BLOCK_N - 1) / BLOCK_N - j_begin);
+    cta_timeline(MARK_WALKED, tid == 0, max(0, (n_end + BLOCK_N - 1) / BLOCK_N - j_begin));
 
     // Epilogue: dQ = scale dS K, straight from the accumulators (rows past seqlen_q dropped).
 #pragma unroll

@@ -89,6 +89,7 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
     static_assert(!Mask::PACKED || DQ_ADD == DqAdd::none || DQ_ADD == DqAdd::atomic,
                   "a packed batch adds dQ by atomics or not at all");
     static_assert(L::BYTES + 1024 <= 227 * 1024, "shared memory");
+    cta_timeline(MARK_ENTRY, threadIdx.x == 0);  // first: a CTA's setup is its prologue (dev/cta_timeline.py)
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
     const u32 base = aligned_dynamic_smem<L::BYTES>(smem_raw);
@@ -99,7 +100,6 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
     const WgmmaBwdArgs<T> args = wgmma_bwd_args<T>(p);
 
     const int tid = threadIdx.x;
-    cta_timeline(MARK_ENTRY, tid == 0);  // (dev/cta_timeline.py; empty in the library)
     const KeyBlockCoords<BLOCK_N> key_block_at(seq);
     // Past a shorter sequence's end: leave before the mask, the walk and the copies.
     if (KeyBlock::past_end(key_block_at, seq)) return;

@@ -52,14 +52,15 @@ def test_summarize_reads_the_intervals_of_the_rows():
         [0, 2, 1150, 1230, 300, 340, 400, 460],     # gap 50 ns after the first
         [1, 8, 1000, 1200, 0, 40, 280, 400],        # 30 a step
         [1, 0, 1300, 0, 500, 0, 0, 0],              # returned before its walk: no exit
+        [1, 0, 1250, 1260, 90, 0, 100, 110],        # an empty walk: no first step, no prologue
     ], np.int64)
     s = harness.summarize(rows)
-    assert s["ctas"] == 4 and s["early"] == 1
-    assert s["ghz"] == pytest.approx((200 + 160 + 400) / (100 + 80 + 200))
+    assert s["ctas"] == 5 and s["early"] == 1
+    assert s["ghz"] == pytest.approx((200 + 160 + 400 + 20) / (100 + 80 + 200 + 10))
     assert s["step_cycles"] == 30 and s["prologue_cycles"] == 40
-    assert s["epilogue_cycles"] == 60  # median of 40, 60, 120
-    assert s["gap_ns"] == 50
-    assert s["steps_mean"] == pytest.approx(14 / 3)
+    assert s["epilogue_cycles"] == 50  # median of 40, 60, 120, 10
+    assert s["gap_ns"] == 50  # SM 0: 50; SM 1: the empty walk's 1250 - 1200 = 50
+    assert s["steps_mean"] == pytest.approx(14 / 4)
 
 
 @pytest.mark.gpu
