@@ -60,6 +60,15 @@
 #                                       of every variant (API, windows, v's head dim; variants, dropout,
 #                                       modifiers: PROPERTIES_PART=1, 2) at the gpu profile, 200
 #                                       examples a property (issues 15 and 16 ask it), shards
+#   scripts/gpu_check.sh OUTDIR probes  where the backward's time goes (perf log cta-timeline, no kernel
+#                                       change): dev/cta_timeline.py's GPU test, the bf16 16k backward
+#                                       CTA by CTA with and without 8 documents, the float32 4k backward
+#                                       causal and not; then ncu's stall reasons (--print-details all)
+#                                       and instruction counts of the float32 dK/dV kernel, causal and not
+#   scripts/gpu_check.sh OUTDIR patch_ab  a float32 backward patch before / after on one machine: PATCH
+#                                       (a dev/experiments name) applied to a copy of this tree, its GPU
+#                                       tests there (PATCH_TESTS), then dev/bench_dmma_bwd.py's float32
+#                                       d64 route (AB_CANDIDATES) in this tree and in the copy
 #   scripts/gpu_check.sh OUTDIR window_tiles  the window forward's own tiles: Local kernels compiled,
 #                                       the tuner's window sweep at 16k, the window / variant GPU
 #                                       tests, the window bench at 16k (and at 8k with FlexAttention:
@@ -466,6 +475,38 @@ window_tiles)  # the sliding-window forward's own tiles (plans.LOCAL_FORWARD_TIL
     # one file of the tuner's logs (a device call returns at most 8 files)
     for f in "$out"/tune-window-*.log; do echo "== $(basename "$f" .log)"; cat "$f"; done > "$out/tune-windows.txt"
     rm -f "$out"/tune-window-*.log
+    ;;
+probes)  # perf log cta-timeline / doc-mask-bwd-fixed-cost / tf32-split-once-dkdv: measurements only
+    export PYTHONPATH=$PWD
+    step timeline-test 150 python -m pytest -q -p no:cacheprovider -m gpu tests/dev/test_cta_timeline.py
+    step timeline-bf16-plain 90 python dev/cta_timeline.py 128 16384 --json "$out/timeline-bf16-plain.json"
+    step timeline-bf16-documents 90 python dev/cta_timeline.py 128 16384 documents=2048 \
+        --json "$out/timeline-bf16-documents.json"
+    step timeline-fp32-full 90 python dev/cta_timeline.py 64 4096 dtype=float32 --json "$out/timeline-fp32-full.json"
+    step timeline-fp32-causal 90 python dev/cta_timeline.py 64 4096 causal dtype=float32 \
+        --json "$out/timeline-fp32-causal.json"
+    for c in full causal; do
+        step "ncu-fp32-dkdv-$c" 120 ncu --clock-control none --print-details all -k regex:flash_bwd_dkdv -c 1 \
+            --section WarpStateStats --section InstructionStats --metrics smsp__inst_executed.sum \
+            python scripts/ncu_workload.py 64 4096 $([ $c = causal ] && echo causal) bwd dtype=float32
+    done
+    ;;
+patch_ab)  # PATCH (dev/experiments) in a copy of this tree: its GPU tests there, then the float32 d64
+           # backward's bench here and there on one machine
+    copy=${TREES_DIR:-/tmp/cupyflash-trees}/ab
+    rm -rf "$copy" && mkdir -p "$copy"
+    tar --exclude=./.trees --exclude=./.cupy-cache --exclude=./.git --exclude=./.venv --exclude=./docs/results \
+        -cf - . | tar -xf - -C "$copy"
+    (cd "$copy" && apply_patches "${PATCH:?PATCH: a patch name of dev/experiments}") > "$out/patch.log" 2>&1 || exit 1
+    (cd "$copy" && PYTHONPATH=$copy step patch-tests "${TEST_LIMIT:-240}" bash scripts/gpu_suite_part.sh \
+        "$out/patch-tests.txt" "$(( ${TEST_LIMIT:-240} - 20 ))" ${PATCH_TESTS:-tests/kernels/test_flash_bwd_dmma.py \
+        tests/test_tf32_gpu.py tests/test_modifiers_gpu.py}; exit $status) || status=1
+    for tree in . "$copy"; do
+        name=before; [ "$tree" = . ] || name=after
+        (cd "$tree" && PYTHONPATH=$PWD step "bench-$name" 200 python dev/bench_dmma_bwd.py --dtype float32 \
+            --headdims 64 --per-kernel --repeats 3 --warm 16 --candidates ${AB_CANDIDATES:-wgmma_presplit_both_c2} \
+            --json "$out/bench-$name.json"; exit $status) || status=1
+    done
     ;;
 *) echo "unknown part $what"; exit 2 ;;
 esac
