@@ -1,10 +1,10 @@
-"""Move the docs' line links into kernels_cu/ along with an edit of the sources.
+"""Move the docs' line links into the sources (kernels_cu/, cupyflash/, ...) along with an edit.
 
     python scripts/relink_docs.py [--base REV] [--check]
 
-docs/*.md and README.md link kernel code by line range (``../kernels_cu/flash_bwd_wgmma.cu#L130-L150``),
-and tests/test_docs.py fails when the name a link shows is no longer inside its range. For every
-kernels_cu/ file that differs from ``--base`` (default HEAD), this maps each line of the base's text
+docs/*.md and README.md link code by line range (``../kernels_cu/flash_bwd_wgmma.cu#L130-L150``,
+``../cupyflash/plans.py#L484-L486``), and tests/test_docs.py fails when the name a link shows is no
+longer inside its range. For every file that differs from ``--base`` (default HEAD), this maps each line of the base's text
 to the working tree's (difflib's matching blocks; a line that was removed maps to the nearest kept
 line before it) and rewrites the ranges. ``--check`` prints the rewrites and changes nothing.
 """
@@ -17,7 +17,7 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LINK = re.compile(r"\((\.\./)?kernels_cu/([\w./-]+)#L(\d+)(?:-L(\d+))?\)")
+LINK = re.compile(r"\((\.\./)?([\w./-]+\.(?:cu|cuh|py))#L(\d+)(?:-L(\d+))?\)")
 
 
 def line_map(old: list[str], new: list[str]) -> dict[int, int]:
@@ -33,7 +33,7 @@ def line_map(old: list[str], new: list[str]) -> dict[int, int]:
 
 
 def changed_maps(base: str) -> dict[str, dict[int, int]]:
-    names = subprocess.run(["git", "diff", "--name-only", base, "--", "kernels_cu"], cwd=ROOT, check=True,
+    names = subprocess.run(["git", "diff", "--name-only", base], cwd=ROOT, check=True,
                            capture_output=True, text=True).stdout.split()
     maps = {}
     for name in names:
@@ -43,7 +43,7 @@ def changed_maps(base: str) -> dict[str, dict[int, int]]:
         old = subprocess.run(["git", "show", f"{base}:{name}"], cwd=ROOT, capture_output=True, text=True)
         if old.returncode != 0:  # new in the working tree: nothing links it yet
             continue
-        maps[name.removeprefix("kernels_cu/")] = line_map(old.stdout.splitlines(), path.read_text().splitlines())
+        maps[name] = line_map(old.stdout.splitlines(), path.read_text().splitlines())
     return maps
 
 
@@ -63,7 +63,7 @@ def main() -> None:
             start, end = int(match.group(3)), int(match.group(4) or match.group(3))
             new_start, new_end = lines.get(start, start), lines.get(end, end)
             rng = f"L{new_start}" + (f"-L{new_end}" if match.group(4) else "")
-            moved = f"({match.group(1) or ''}kernels_cu/{match.group(2)}#{rng})"
+            moved = f"({match.group(1) or ''}{match.group(2)}#{rng})"
             if moved != match.group(0):
                 print(f"{doc.relative_to(ROOT)}: {match.group(0)} -> {moved}")
             return moved
