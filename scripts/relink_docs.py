@@ -5,8 +5,8 @@
 docs/*.md and README.md link code by line range (``../kernels_cu/flash_bwd_wgmma.cu#L130-L150``,
 ``../cupyflash/plans.py#L484-L486``), and tests/test_docs.py fails when the name a link shows is no
 longer inside its range. For every file that differs from ``--base`` (default HEAD), this maps each
-line of the base's text to the working tree's (difflib's matching blocks; a line that was removed maps to the nearest kept
-line before it) and rewrites the ranges. ``--check`` prints the rewrites and changes nothing.
+line of the base's text to the working tree's (difflib's matching blocks; a line that was removed
+maps to the nearest kept line before it) and rewrites the ranges. ``--check`` prints the rewrites and changes nothing.
 """
 from __future__ import annotations
 
