@@ -6,7 +6,9 @@ docs/*.md and README.md link code by line range (``../kernels_cu/flash_bwd_wgmma
 ``../cupyflash/plans.py#L484-L486``), and tests/test_docs.py fails when the name a link shows is no
 longer inside its range. For every file that differs from ``--base`` (default HEAD), this maps each
 line of the base's text to the working tree's (difflib's matching blocks; a line that was removed
-maps to the nearest kept line before it) and rewrites the ranges. ``--check`` prints the rewrites and changes nothing.
+maps to the nearest kept line before it) and rewrites the ranges of the links whose name (the
+first `code` of the link text) is no longer inside them, so a second run changes nothing.
+``--check`` prints the rewrites and changes nothing.
 """
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LINK = re.compile(r"\((\.\./)?([\w./-]+\.(?:cu|cuh|py))#L(\d+)(?:-L(\d+))?\)")
+LINK = re.compile(r"\[([^\]]*)\]\((\.\./)?([\w./-]+\.(?:cu|cuh|py))#L(\d+)(?:-L(\d+))?\)")
+NAME = re.compile(r"`([^`]+)`")
 
 
 def line_map(old: list[str], new: list[str]) -> dict[int, int]:
@@ -57,15 +60,19 @@ def main() -> None:
         text = doc.read_text()
 
         def move(match: re.Match) -> str:
-            lines = maps.get(match.group(2))
-            if lines is None:
+            text_, up, path, a, b = match.groups()
+            lines = maps.get(path)
+            name = NAME.search(text_)
+            if lines is None or name is None:
                 return match.group(0)
-            start, end = int(match.group(3)), int(match.group(4) or match.group(3))
+            start, end = int(a), int(b or a)
+            source = (ROOT / path).read_text().splitlines()
+            if any(name.group(1).split("(")[0] in line for line in source[start - 1:end]):
+                return match.group(0)  # still where it names: moved already, or never moved
             new_start, new_end = lines.get(start, start), lines.get(end, end)
-            rng = f"L{new_start}" + (f"-L{new_end}" if match.group(4) else "")
-            moved = f"({match.group(1) or ''}{match.group(2)}#{rng})"
-            if moved != match.group(0):
-                print(f"{doc.relative_to(ROOT)}: {match.group(0)} -> {moved}")
+            rng = f"L{new_start}" + (f"-L{new_end}" if b else "")
+            moved = f"[{text_}]({up or ''}{path}#{rng})"
+            print(f"{doc.relative_to(ROOT)}: {match.group(0)} -> {moved}")
             return moved
 
         moved = LINK.sub(move, text)
