@@ -1,11 +1,12 @@
-"""Where a backward kernel's time goes besides its steps, CTA by CTA (perf log
-doc-mask-bwd-fixed-cost, tf32-split-once-dkdv):
+"""Where an attention kernel's time goes besides its steps, CTA by CTA (perf log
+doc-mask-bwd-fixed-cost, tf32-split-once-dkdv, cta-timeline):
 
-    python dev/cta_timeline.py 128 16384 [causal] [documents=N] [dtype=float32] [softcap=C]
-                               [--kernels REGEX] [--json PATH]
+    python dev/cta_timeline.py 128 16384 [fwd] [causal] [window=L,R] [documents=N] [dtype=float32]
+                               [softcap=C] [--kernels REGEX] [--json PATH]
 
-The workload is scripts/ncu_workload.py's backward: batch * seqlen = 16384 tokens, nheads * headdim
-= 2048, fresh normal inputs, deterministic. It runs once as the library runs it (compiling, and
+The workload is scripts/ncu_workload.py's: batch * seqlen = 16384 tokens, nheads * headdim = 2048,
+fresh normal inputs; the backward (deterministic), or with ``fwd`` the forward (a sliding window
+with ``window=L,R``: issue 15's window forward). It runs once as the library runs it (compiling, and
 noting which kernels launch with which grid). Then every launched kernel whose name matches
 ``--kernels`` is compiled again with CF_CTA_TIMELINE (kernels_cu/cta_timeline.cuh) and put in the
 library's place, and the backward runs again. For each such kernel this prints, over its CTAs:
@@ -37,7 +38,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-DEFAULT_KERNELS = r"^flash_bwd_(wgmma|dq_wgmma|dkdv_tf32_wgmma_ws)_"  # of these, only the marked files' (below)
+# of these, only the marked files' (below): the backward's dK / dV and dQ, the forwards' wgmma kernels
+DEFAULT_KERNELS = r"^flash_(bwd_(wgmma|dq_wgmma|dkdv_tf32_wgmma_ws)|fwd_wgmma(_ws)?)_"
 SLOTS = 8  # cta_timeline.cuh's CF_CTA_TIMELINE_SLOTS: sm, steps, ns at entry / exit, clock at 4 marks
 ENTRY, FIRST_STEP, WALKED, EXIT = 4, 5, 6, 7  # the clocks' slots
 
@@ -132,6 +134,9 @@ def main() -> None:
     q, k, v, do = (cupy.asarray(rng.standard_normal((batch, args.seqlen, nheads, args.headdim))
                                 .astype(SUPPORTED[words.get("dtype", "bfloat16")])) for _ in range(4))
     options = dict(causal="causal" in args.options, softcap=float(words.get("softcap", 0.0)))
+    if "window" in words:
+        options["window_size"] = tuple(int(x) for x in words["window"].split(","))
+    forward_only = "fwd" in args.options
     if int(words.get("documents", 0)):
         from cupyflash.bench.variants import document_ids
 
@@ -139,6 +144,12 @@ def main() -> None:
         mask = cupyflash.MaskMod(lambda b, h, q_idx, kv_idx, doc: doc[0, q_idx] == doc[0, kv_idx], doc=doc)
         options["block_mask"] = cupyflash.create_block_mask(mask, None, None, args.seqlen, args.seqlen)
     o, lse = cupyflash.flash_attn_func(q, k, v, return_lse=True, **options)
+
+    def run():  # the pass timed: the forward, or the backward
+        if forward_only:
+            cupyflash.flash_attn_func(q, k, v, return_lse=True, **options)
+        else:
+            cupyflash.flash_attn_backward(do, q, k, v, o, lse, **options)
 
     launched = {}
     library_launch = _module.launch
@@ -154,7 +165,7 @@ def main() -> None:
     for m in bound:
         m.launch = noting_launch
     try:
-        cupyflash.flash_attn_backward(do, q, k, v, o, lse, **options)
+        run()
         cupy.cuda.runtime.deviceSynchronize()
     finally:
         for m in bound:
@@ -182,7 +193,7 @@ def main() -> None:
     try:
         if not timed:
             raise SystemExit(f"cta_timeline: no launched kernel with marks matches {args.kernels!r}: {sorted(launched)}")
-        cupyflash.flash_attn_backward(do, q, k, v, o, lse, **options)
+        run()
         cupy.cuda.runtime.deviceSynchronize()
     finally:  # the library's own functions back, for whatever runs next in this process
         for key, fn in replaced.items():

@@ -15,6 +15,7 @@
 // V_{j-2} are free in every warpgroup (their products were waited for before the barrier), and
 // K_{j+1}, V_{j+1} are copied into them while block j computes.
 #include "common.cuh"
+#include "cta_timeline.cuh"
 #include "mma.cuh"
 #include "online_softmax.cuh"
 #include "params.cuh"
@@ -46,6 +47,7 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p) {
     static_assert(BLOCK_M % 64 == 0 && BLOCK_N % 64 == 0 && D_TILE % 64 == 0, "64-row/column panels");
     static_assert(DV_TILE % 64 == 0 && DV_TILE <= D_TILE, "O: 64-column panels, staged in the Q tile");
     static_assert(L::BYTES + 1024 <= 227 * 1024, "shared memory");
+    cta_timeline(MARK_ENTRY, threadIdx.x == 0);  // first: a CTA's setup is its prologue (dev/cta_timeline.py)
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
     const u32 base = aligned_dynamic_smem<L::BYTES>(smem_raw);
@@ -110,6 +112,7 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p) {
         cp_async_wait<0>();
         fence_proxy_async_shared();
         __syncthreads();
+        if (j == j_begin) cta_timeline(MARK_FIRST_STEP, tid == 0);
         if ((j + 1) * BLOCK_N < n_end) load_kv_block(j + 1);
         cp_async_commit();
 
@@ -142,6 +145,7 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p) {
     }
     wgmma_wait<0>();
     pin_registers(reinterpret_cast<float(&)[D_FRAGS * 4]>(o_acc));
+    cta_timeline(MARK_WALKED, tid == 0, max(0, (n_end + BLOCK_N - 1) / BLOCK_N - j_begin));
 
     if constexpr (DropoutOf<Mask>::ENABLED) scale_acc(o_acc, p.variant.dropout.scale);
 
@@ -149,6 +153,7 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p) {
     cp_async_wait<0>();
     __syncthreads();
     store();
+    cta_timeline(MARK_EXIT, tid == 0);
 }
 
 }  // namespace cf

@@ -19,6 +19,7 @@
 // With the turns, one consumer's products are issued (and run) while the other does its softmax.
 // The producer gives back registers (setmaxnreg) so that the consumers can hold S, O and P.
 #include "common.cuh"
+#include "cta_timeline.cuh"
 #include "mbarrier.cuh"
 #include "mma.cuh"
 #include "online_softmax.cuh"
@@ -55,6 +56,8 @@ flash_fwd_wgmma_ws(const __grid_constant__ FwdParams p) {
     static_assert(BLOCK_N % 64 == 0 && BLOCK_N <= 256 && D_TILE % 64 == 0, "64-row/column panels");
     static_assert(STAGES >= 2, "stages");
     static_assert(L::BYTES + 1024 <= 227 * 1024, "shared memory");
+    // first, so that a CTA's setup counts in its prologue; the first consumer thread records
+    cta_timeline(MARK_ENTRY, threadIdx.x == 128);  // (dev/cta_timeline.py)
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
     const u32 base = aligned_dynamic_smem<L::BYTES>(smem_raw);
@@ -165,6 +168,7 @@ flash_fwd_wgmma_ws(const __grid_constant__ FwdParams p) {
         constexpr bool WITH_PV = decltype(with_pv)::value;
         const int j = j_begin + i, n0 = j * BLOCK_N;
         ring.wait_full(i);
+        if constexpr (!WITH_PV) cta_timeline(MARK_FIRST_STEP, tid == 128);  // block 0's copy of the steps
         float s[1][N_FRAGS][4];
         turns.wait();
         wgmma_fence();
@@ -198,12 +202,14 @@ flash_fwd_wgmma_ws(const __grid_constant__ FwdParams p) {
     if (cwg == 0) turns.wait();
     wgmma_wait<0>();
     pin_registers(reinterpret_cast<float(&)[D_FRAGS * 4]>(o_acc));
+    cta_timeline(MARK_WALKED, tid == 128, n_blocks);
     // (the last stage needs no release: the producer has copied its last block)
     // Both consumers past their last S = Q K^T before either stages O over Q (named barrier 4)
     named_barrier_sync(4, 256);
 
     if constexpr (DropoutOf<Mask>::ENABLED) scale_acc(o_acc, p.variant.dropout.scale);
     store();
+    cta_timeline(MARK_EXIT, tid == 128);
 }
 
 }  // namespace cf

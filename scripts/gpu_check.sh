@@ -60,10 +60,11 @@
 #                                       of every variant (API, windows, v's head dim; variants, dropout,
 #                                       modifiers: PROPERTIES_PART=1, 2) at the gpu profile, 200
 #                                       examples a property (issues 15 and 16 ask it), shards
-#   scripts/gpu_check.sh OUTDIR probes  where the backward's time goes (perf log cta-timeline, no kernel
-#                                       change): dev/cta_timeline.py's GPU test, the bf16 16k backward
-#                                       CTA by CTA with and without 8 documents, the float32 4k backward
-#                                       causal and not; then ncu's stall reasons (--print-details all)
+#   scripts/gpu_check.sh OUTDIR probes  where the time goes (perf log cta-timeline, no kernel change):
+#                                       dev/cta_timeline.py's GPU tests, the bf16 16k backward CTA by
+#                                       CTA with and without 8 documents, the float32 4k backward causal
+#                                       and not, the 16k forward causal and with a window of 1024;
+#                                       then ncu's stall reasons (--print-details all)
 #                                       and instruction counts of the float32 dK/dV kernel, causal and not
 #   scripts/gpu_check.sh OUTDIR patch_ab  a float32 backward patch before / after on one machine: PATCH
 #                                       (a dev/experiments name) applied to a copy of this tree, its GPU
@@ -485,6 +486,10 @@ probes)  # perf log cta-timeline / doc-mask-bwd-fixed-cost / tf32-split-once-dkd
     step timeline-fp32-full 90 python dev/cta_timeline.py 64 4096 dtype=float32 --json "$out/timeline-fp32-full.json"
     step timeline-fp32-causal 90 python dev/cta_timeline.py 64 4096 causal dtype=float32 \
         --json "$out/timeline-fp32-causal.json"
+    # issue 15's window forward against causal at 16k (window-fixed-cost-ws: a tile's fixed cost)
+    step timeline-fwd-causal 90 python dev/cta_timeline.py 128 16384 fwd causal --json "$out/timeline-fwd-causal.json"
+    step timeline-fwd-window 90 python dev/cta_timeline.py 128 16384 fwd causal window=1024,0 \
+        --json "$out/timeline-fwd-window.json"
     for c in full causal; do
         step "ncu-fp32-dkdv-$c" 120 ncu --clock-control none --print-details all -k regex:flash_bwd_dkdv -c 1 \
             --section WarpStateStats --section InstructionStats --metrics smsp__inst_executed.sum \

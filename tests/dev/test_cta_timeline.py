@@ -24,9 +24,11 @@ def load_harness():
 
 
 def marked_specs():
-    """One specialization of each marked kernel: the 16-bit dK/dV and dQ, the float32 presplit dK/dV."""
+    """One specialization of each marked kernel: the 16-bit dK/dV and dQ, the float32 presplit dK/dV,
+    the 16-bit forwards (one role, the window's; producer, the d128 row's)."""
     names = ("flash_bwd_wgmma_bf16_hdim128_causal_", "flash_bwd_dq_wgmma_bf16_hdim128_causal_",
-             "flash_bwd_dkdv_tf32_wgmma_ws_fp32_hdim64_causal_bm32_bn64_s2_r0_apart_presplit")
+             "flash_bwd_dkdv_tf32_wgmma_ws_fp32_hdim64_causal_bm32_bn64_s2_r0_apart_presplit",
+             "flash_fwd_wgmma_bf16_hdim128_local_", "flash_fwd_wgmma_ws_bf16_hdim128_causal_")
     specs = compile_check.all_specializations()
     return [next(s for s in specs if s.name.startswith(n)) for n in names]
 
@@ -38,10 +40,10 @@ def test_the_marked_kernels_compile_with_the_timeline_and_keep_its_array():
         cubin, _, log = compile_check.compile_text(text, spec.source_file, [spec.expression], "90a")
         assert b"cf_cta_timeline" in cubin, spec.name
         assert "bytes spill stores" not in log or " 0 bytes spill stores" in log, (spec.name, log)
-        # without the define, the array is not there at all
-        cubin, _, _ = compile_check.compile_text(module_source(spec.source_file, (spec.expression,)),
-                                                 spec.source_file, [spec.expression], "90a")
-        assert b"cf_cta_timeline" not in cubin, spec.name
+    # without the define, the array is not there at all (dev/compare_sass.py: nor any other change)
+    cubin, _, _ = compile_check.compile_text(module_source(spec.source_file, (spec.expression,)),
+                                             spec.source_file, [spec.expression], "90a")
+    assert b"cf_cta_timeline" not in cubin, spec.name
 
 
 def test_summarize_reads_the_intervals_of_the_rows():
@@ -79,3 +81,20 @@ def test_the_harness_times_a_document_backward_and_its_walks_are_the_plans(tmp_p
         # documents of 512 tokens: a 128-key block's walk is its document's 512 queries
         if name.startswith("flash_bwd_wgmma_"):
             assert s["steps_mean"] == pytest.approx(512 / 64, rel=0.01), s
+
+
+@pytest.mark.gpu
+def test_the_harness_times_a_window_forward(tmp_path, monkeypatch):
+    import json
+    import sys
+
+    harness = load_harness()
+    out = tmp_path / "timeline.json"
+    monkeypatch.setattr(sys, "argv", ["cta_timeline.py", "128", "4096", "fwd", "causal", "window=1024,0",
+                                      "--json", str(out)])
+    harness.main()
+    kernels = json.loads(out.read_text())["kernels"]
+    assert kernels and all(k.startswith("flash_fwd_wgmma") for k in kernels), kernels
+    for name, s in kernels.items():
+        assert s["step_cycles"] > 0 and s["prologue_cycles"] > 0 and s["steps_mean"] > 1, (name, s)
+
