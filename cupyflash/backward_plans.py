@@ -925,9 +925,10 @@ TF32_WGMMA_D_TILES = (64,)
 # one thread's bulk copies, and now a second dQ consumer pays (dQ 1.41-1.56x the route before, the
 # backward 1.05-1.14x on an H100). tf32-split-once-dkdv: the query blocks split once too by
 # flash_bwd_split_q_tf32, the dK/dV producer one thread's bulk copies (dK/dV 1.15-1.54x, the
-# backward 0.99-1.26x the split-once dQ alone, 1k-4k on an H100: the gain is the full mask's). "recomputed" stays on tf32x3, whose statistics kernel forms S as
-# its gradient kernels do (a saturated row cancels to the bit there, not here); so does a user
-# modifier whose code spills in these kernels (ptxas asked, as for the 16-bit rows).
+# backward 0.99-1.26x the split-once dQ alone, 1k-4k on an H100: the gain is the full mask's).
+# "recomputed" stays on tf32x3, whose statistics kernel forms S as its gradient kernels do (a
+# saturated row cancels to the bit there, not here); so does a user modifier whose code spills in
+# these kernels (ptxas asked, as for the 16-bit rows).
 TF32_WGMMA_BACKWARD_ROUTE = {(SM90, 64): Tf32WgmmaBwdConfig(32, 0, producer=True, presplit=True, dq_raw_stages=0,
                                                             dq_producer=True, dq_consumers=2, dq_presplit=True)}
 
@@ -1017,52 +1018,54 @@ def tf32_wgmma_spec(kind: str, dt: int, mask: Mask, config: Tf32WgmmaBwdConfig) 
                           arch="90a")
 
 
+def _split_spec(kernel: str, dt: int, tag: str, rows: int, mask: Mask, config: Tf32WgmmaBwdConfig,
+                block_bytes: int) -> Specialization:
+    """A split-once kernel (flash_bwd_split_{kv,q}_tf32) at head-dim tile ``dt``, one block of
+    ``rows`` rows a CTA of 128 threads (named ``tag`` rows: "bn32", "bm32"): only the mask's packing
+    matters (every row of a sequence is split); one product ("tf32") splits no lo tiles."""
+    products = PRODUCTS[check_precision(config.precision)]
+    return Specialization(f"{kernel}_{SHORT_NAMES['float32']}_hdim{dt}_{tag}{rows}"
+                          + ("_packed" if mask.packed else "") + ("_tf32" if products == 1 else ""),
+                          f"{kernel}.cu",
+                          f"cf::{kernel}<{dt}, {rows}, {'true' if mask.packed else 'false'}"
+                          + (f", {products}>" if products != 3 else ">"),
+                          128, block_bytes + 1024, arch="90a")
+
+
 def tf32_split_kv_spec(dt: int, mask: Mask, config: Tf32WgmmaBwdConfig) -> Specialization:
     """flash_bwd_split_kv_tf32 at head-dim tile ``dt``: each key block of dq_block_n keys split once
-    into the kv_split image that dq_presplit's producer copies (the mask's packing is all it takes
-    from ``mask``: every key of a sequence is split)."""
-    products = PRODUCTS[check_precision(config.precision)]
-    packed = "true" if mask.packed else "false"
-    return Specialization(f"flash_bwd_split_kv_tf32_{SHORT_NAMES['float32']}_hdim{dt}_bn{config.dq_block_n}"
-                          + ("_packed" if mask.packed else "") + ("_tf32" if products == 1 else ""),
-                          "flash_bwd_split_kv_tf32.cu",
-                          f"cf::flash_bwd_split_kv_tf32<{dt}, {config.dq_block_n}, {packed}"
-                          + (f", {products}>" if products != 3 else ">"),
-                          128, 6 * 4 * config.dq_block_n * dt + 1024, arch="90a")
+    into the kv_split image that dq_presplit's producer copies (Tf32KeyBlockTiles: 6 tiles)."""
+    return _split_spec("flash_bwd_split_kv_tf32", dt, "bn", config.dq_block_n, mask, config,
+                       6 * 4 * config.dq_block_n * dt)
 
 
 def tf32_split_q_spec(dt: int, mask: Mask, config: Tf32WgmmaBwdConfig) -> Specialization:
     """flash_bwd_split_q_tf32 at head-dim tile ``dt``: each query block of block_m rows split once,
-    with its statistics, into the q_split image that presplit's dK/dV producer copies."""
-    products = PRODUCTS[check_precision(config.precision)]
-    packed = "true" if mask.packed else "false"
-    q_tile = 4 * config.block_m * dt
-    return Specialization(f"flash_bwd_split_q_tf32_{SHORT_NAMES['float32']}_hdim{dt}_bm{config.block_m}"
-                          + ("_packed" if mask.packed else "") + ("_tf32" if products == 1 else ""),
-                          "flash_bwd_split_q_tf32.cu",
-                          f"cf::flash_bwd_split_q_tf32<{dt}, {config.block_m}, {packed}"
-                          + (f", {products}>" if products != 3 else ">"),
-                          128, 8 * q_tile + 4 * config.block_m * 4 + 1024, arch="90a")
+    with its statistics, into the q_split image that presplit's dK/dV producer copies
+    (Tf32QueryBlockTiles: 8 tiles and 4 statistics a row)."""
+    return _split_spec("flash_bwd_split_q_tf32", dt, "bm", config.block_m, mask, config,
+                       8 * 4 * config.block_m * dt + 4 * config.block_m * 4)
+
+
+def image_blocks(block: int, batch: int, seqlen: int, sequences: int | None = None) -> int:
+    """Blocks a head of a split-once image holds (wgmma_tf32_bwd_steps.cuh's image_block order):
+    batch * ceil(seqlen / block) for a dense batch; for a packed one (``sequences`` of
+    them, seqlen the total rows) seqlen // block + sequences slots, the last sequence's last slot
+    below it."""
+    return seqlen // block + sequences if sequences is not None else batch * math.ceil(seqlen / block)
 
 
 def q_split_bytes(dt: int, block_m: int, batch: int, seqlen_q: int, nheads: int, sequences: int | None = None) -> int:
     """The q_split image's bytes (wgmma_tf32_bwd_steps.cuh's q_image_offset): a block of
-    Tf32QueryBlockTiles (8 tiles of block_m x dt float32 and 4 x block_m statistics) per (batch,
-    head, query block) of a dense batch, per (slot, head) of a packed one (seqlen_q // block_m +
-    sequences slots, seqlen_q the total queries)."""
-    blocks = (seqlen_q // block_m + sequences if sequences is not None
-              else batch * math.ceil(seqlen_q / block_m))
-    return blocks * nheads * (8 * 4 * block_m * dt + 4 * block_m * 4)
+    Tf32QueryBlockTiles (8 tiles of block_m x dt float32 and 4 x block_m statistics) per image
+    block and query head."""
+    return image_blocks(block_m, batch, seqlen_q, sequences) * nheads * (8 * 4 * block_m * dt + 4 * block_m * 4)
 
 
 def kv_split_bytes(dt: int, block_n: int, batch: int, seqlen_k: int, nheads_kv: int, sequences: int | None = None) -> int:
     """The kv_split image's bytes (wgmma_tf32_bwd_steps.cuh's kv_image_offset): a block of
-    Tf32KeyBlockTiles (6 tiles of block_n x dt float32) per (batch, kv head, key block) of a dense
-    batch; for a packed batch (``sequences`` of them, seqlen_k the total keys) per (slot, kv head),
-    seqlen_k // block_n + sequences slots."""
-    blocks = (seqlen_k // block_n + sequences if sequences is not None
-              else batch * math.ceil(seqlen_k / block_n))
-    return blocks * nheads_kv * 6 * 4 * block_n * dt
+    Tf32KeyBlockTiles (6 tiles of block_n x dt float32) per image block and kv head."""
+    return image_blocks(block_n, batch, seqlen_k, sequences) * nheads_kv * 6 * 4 * block_n * dt
 
 
 def tf32_wgmma_d_tile(headdim: int) -> int:

@@ -144,25 +144,26 @@ def run_backward(plan, do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float,
         rows = backward_statistics(params, plan, grids["stats"], o)
     else:
         rows = backward_preprocess(params, do, o)
-    q_split = None
-    if plan.spec("split_q") is not None:  # the tf32 wgmma dK/dV's query blocks split once (presplit)
+    sequences = None if packed is None else packed.sequences
+
+    def split_image(role: str, field: str, nbytes) -> object:
+        """The plan's split-once kernel ``role`` (tf32 wgmma presplit), if any, run into a fresh image
+        of nbytes() bytes that params' ``field`` points at; None without one."""
+        if plan.spec(role) is None:
+            return None
         import cupy
 
-        q_split = cupy.empty(backward_plans.q_split_bytes(
-            plan.d_tile, plan.kernels.block_m, batch, seqlen_q, nheads,
-            None if packed is None else packed.sequences), np.uint8)
-        params["q_split"] = pointer(q_split)
-        launch(plan.spec("split_q"), grids["split_q"], (params,))
+        image = cupy.empty(nbytes(), np.uint8)
+        params[field] = pointer(image)
+        launch(plan.spec(role), grids[role], (params,))
+        return image
+
+    # the tf32 wgmma dK/dV's query blocks split once (presplit), then the dQ's key blocks (dq_presplit)
+    q_split = split_image("split_q", "q_split", lambda: backward_plans.q_split_bytes(
+        plan.d_tile, plan.kernels.block_m, batch, seqlen_q, nheads, sequences))
     launch(plan.spec("dkdv"), grids["dkdv"], (params,))
-    kv_split = None
-    if plan.spec("split_kv") is not None:  # the tf32 wgmma dQ's key blocks split once (dq_presplit)
-        import cupy
-
-        kv_split = cupy.empty(backward_plans.kv_split_bytes(
-            plan.d_tile, plan.kernels.dq_block_n, batch, seqlen_k, nheads_kv,
-            None if packed is None else packed.sequences), np.uint8)
-        params["kv_split"] = pointer(kv_split)
-        launch(plan.spec("split_kv"), grids["split_kv"], (params,))
+    kv_split = split_image("split_kv", "kv_split", lambda: backward_plans.kv_split_bytes(
+        plan.d_tile, plan.kernels.dq_block_n, batch, seqlen_k, nheads_kv, sequences))
     if plan.spec("dq") is not None:  # none: the dK/dV kernel adds dQ (the tf32 wgmma candidate's fused_dq)
         launch(plan.spec("dq"), grids["dq"], (params,))
     del rows, q_split, kv_split  # back to CuPy's pool in stream order, after the launches
