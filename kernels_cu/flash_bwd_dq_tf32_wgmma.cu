@@ -13,6 +13,7 @@
 // Q and dO are split once per CTA; each key block's K twice (natural and transposed) and V once.
 // RAW_STAGES > 0: cp.async copies the raw K and V rows of the blocks RAW_STAGES ahead while this
 // block computes (0: the split reads them from global memory). SUMS_APART: as the dK/dV kernel.
+#include "block_walk.cuh"
 #include "common.cuh"
 #include "dmma_bwd_steps.cuh"
 #include "mask.cuh"
@@ -79,8 +80,8 @@ flash_bwd_dq_tf32_wgmma(const __grid_constant__ BwdParams p) {
     const float* __restrict__ k_rows = p.k.row<const float>(batch, seq.k_begin, head_kv);
     const float* __restrict__ v_rows = p.v.row<const float>(batch, seq.k_begin, head_kv);
     const i64 k_ss = p.k.row_stride, v_ss = p.v.row_stride;
-    const int j_begin = mask.key_begin(m0) / BLOCK_N;
-    const int j_end = (mask.key_end(m0, BLOCK_M) + BLOCK_N - 1) / BLOCK_N;
+    const KeyBlockRange<BLOCK_N> keys(mask, m0, BLOCK_M);
+    const int j_begin = keys.first, j_end = keys.end;
     // The raw K and V of block j (Tf32RawStages: RAW_STAGES ahead, or read by the split itself).
     const Tf32RawStages<BLOCK_N, D_TILE, NTHREADS, RAW_STAGES> stages{base + L::RAW};
     auto stage_block = [&](int j) {
