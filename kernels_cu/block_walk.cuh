@@ -51,13 +51,20 @@ struct QueryBlockWalk {
 template <int BLOCK_N, bool SKIP_EMPTY = false>
 struct KeyBlockRange {
     int first, end, blocks;
+    // The range's end in keys, not rounded: the last block's keys at or past it are hidden, and a
+    // kernel that walks blocks while j * BLOCK_N < n_end stops at end without the rounding.
+    int n_end;
 
     template <class Mask>
     __device__ __forceinline__ KeyBlockRange(const Mask& mask, int m0, int rows) {
-        const int key_begin = mask.key_begin(m0), key_end = mask.key_end(m0, rows);
+        // first before key_end: the order the kernels computed them in before they took this
+        // range, which NVRTC's code keeps (another order moves registers in flash_bwd_dq_wgmma)
+        const int key_begin = mask.key_begin(m0);
         first = key_begin / BLOCK_N;
+        const int key_end = mask.key_end(m0, rows);
         end = SKIP_EMPTY && key_end <= key_begin ? first : (key_end + BLOCK_N - 1) / BLOCK_N;
         blocks = end > first ? end - first : 0;
+        n_end = key_end;
     }
 };
 

@@ -19,6 +19,7 @@
 // left running into block j + 1 (its wait comes with S_{j+1}'s), as the forward leaves P V_j, and
 // K_j's stage outlives that barrier. ptxas serializes the wgmma of the 3-stage variant at head
 // dims 64 and 128 (C7515), so it is a tuner candidate at 256 only.
+#include "block_walk.cuh"
 #include "common.cuh"
 #include "cta_timeline.cuh"
 #include "mask.cuh"
@@ -81,8 +82,8 @@ flash_bwd_dq_wgmma(const __grid_constant__ BwdParams p) {
     if (Mask::PACKED && m0 >= seqlen_q) return;  // past a shorter sequence's end
     // Key blocks [j_begin, ceil(n_end / BLOCK_N)) hold the keys some row of the block sees; K_j
     // and V_j sit in the stages of the absolute index j, whichever block the walk starts at.
-    const int j_begin = mask.key_begin(m0) / BLOCK_N;
-    const int n_end = mask.key_end(m0, BLOCK_M);
+    const KeyBlockRange<BLOCK_N> keys(mask, m0, BLOCK_M);
+    const int j_begin = keys.first, n_end = keys.n_end;
     const int tid = threadIdx.x, wg = tid / 128, warp = tid / 32, lane = tid % 32;
 
     const T* __restrict__ k_rows = p.k.row<const T>(batch, seq.k_begin, head_kv);

@@ -14,6 +14,7 @@ from .flash_fwd_wgmma import row_block_k_major_steps
 from .fragments import lse_base_log2, pack_a_frags, recomputed_p
 from .mask import MaskPolicy
 from .mirrors import mirrors
+from .mma_bwd_walks import key_range
 from .smem import RAW_SMEM, aligned_base, new_smem
 from .wgmma import THREADS, Step, cp_async_panels, smem_desc, wgmma
 
@@ -189,8 +190,8 @@ def dqw_store_dq(dq, dq_acc, lane, row_lo, scale: float, headdim: int) -> None:
 
 @mirrors(DQW,
          "const Mask mask = cta_mask<Mask, CtaRows::QUERIES>(p, seq.index, seqlen_q, seqlen_k);",
-         "const int j_begin = mask.key_begin(m0) / BLOCK_N;",
-         "const int n_end = mask.key_end(m0, BLOCK_M);",
+         "const KeyBlockRange<BLOCK_N> keys(mask, m0, BLOCK_M);",
+         "const int j_begin = keys.first, n_end = keys.n_end;",
          "if (j_begin * BLOCK_N < n_end) load_kv_block(j_begin);",
          "for (int j = j_begin; j * BLOCK_N < n_end; ++j) {",
          "if ((j + 1) * BLOCK_N < n_end) load_kv_block(j + 1);",
@@ -206,8 +207,7 @@ def dqw_emulated(q, k, v, do, lse, delta, L, headdim: int, scale: float, causal:
     scale_log2 = scale * math.log2(math.e)
     mask = masks.mask_for(causal, window_size)
     visible = MaskPolicy(mask, seqlen_q, seqlen_k)
-    j_begin = mask.key_begin(m0, seqlen_q, seqlen_k) // L.BLOCK_N
-    n_end = mask.key_end(m0, L.BLOCK_M, seqlen_q, seqlen_k)
+    j_begin, _, _, n_end = key_range(mask, m0, L.BLOCK_M, L.BLOCK_N, seqlen_q, seqlen_k)
     smem = new_smem()
     dqw_load_q_do(smem, L, q, do, m0, headdim)
     if j_begin * L.BLOCK_N < n_end:

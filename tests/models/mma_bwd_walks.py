@@ -96,8 +96,9 @@ def key_block_range(mask, m0, block_m, block_n, seqlen_q, seqlen_k):
 
 
 @mirrors("block_walk.cuh",
-         "const int key_begin = mask.key_begin(m0), key_end = mask.key_end(m0, rows);",
+         "const int key_begin = mask.key_begin(m0);",
          "first = key_begin / BLOCK_N;",
+         "const int key_end = mask.key_end(m0, rows);",
          "end = SKIP_EMPTY && key_end <= key_begin ? first : (key_end + BLOCK_N - 1) / BLOCK_N;",
          "blocks = end > first ? end - first : 0;")
 def key_blocks(key_begin: int, key_end: int, block_n: int, skip_empty: bool) -> tuple[int, int, int]:
@@ -105,6 +106,14 @@ def key_blocks(key_begin: int, key_end: int, block_n: int, skip_empty: bool) -> 
     first = key_begin // block_n
     end = first if skip_empty and key_end <= key_begin else -(-key_end // block_n)
     return first, end, max(0, end - first)
+
+
+@mirrors("block_walk.cuh", "n_end = key_end;")
+def key_range(mask, m0, rows, block_n, seqlen_q, seqlen_k, skip_empty=False) -> tuple[int, int, int, int]:
+    """KeyBlockRange of query rows [m0, m0 + rows): key_blocks' (first, end, blocks) and n_end,
+    the policy's key end unrounded (the kernels that walk while j * BLOCK_N < n_end)."""
+    key_begin, key_end = mask.key_begin(m0, seqlen_q, seqlen_k), mask.key_end(m0, rows, seqlen_q, seqlen_k)
+    return (*key_blocks(key_begin, key_end, block_n, skip_empty), key_end)
 
 
 # The policy twin's per-row bounds that the models above use are mask.cuh's.
