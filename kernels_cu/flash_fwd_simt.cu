@@ -5,6 +5,7 @@
 // lanes ("a row group"): a lane holds BLOCK_N / TPR scores and D_TILE / TPR output columns of its
 // row. The block walks the key blocks j = 0, 1, ... keeping for every row the running maximum m and
 // running sum l of the online softmax, so S and P never leave the chip.
+#include "block_walk.cuh"
 #include "common.cuh"
 #include "mask.cuh"
 #include "params.cuh"
@@ -47,8 +48,8 @@ flash_fwd_simt(const __grid_constant__ FwdParams p) {
     // load Q tile (scaled, so scores come out in log2 units)
     load_tile<BLOCK_M, D_TILE, NTHREADS>(q_tile, q_base, m0, seqlen_q, headdim, p.q.row_stride, scale_log2);
 
-    const int n_begin = mask.key_begin(m0) / BLOCK_N * BLOCK_N;
-    const int n_end = mask.key_end(m0, BLOCK_M);
+    const KeyBlockRange<BLOCK_N> keys(mask, m0, BLOCK_M);
+    const int n_begin = keys.first * BLOCK_N, n_end = keys.n_end;
 
     A m_i = neg_inf<A>(), l_i = A(0);
     const DropoutOf<Mask> dropout(p, seq.index, head);
