@@ -22,6 +22,7 @@
 // them: V's copy runs under S = Q K^T and the softmax, the next K's under O += P V. The v0 kernel
 // loaded both synchronously between two barriers, and with one block of 8 warps per SM nothing hid
 // that latency.
+#include "block_walk.cuh"
 #include "common.cuh"
 #include "mask.cuh"
 #include "dmma.cuh"
@@ -84,8 +85,8 @@ flash_fwd_dmma(const __grid_constant__ FwdParams p) {
 
     const A* __restrict__ k_base = p.k.row<const A>(batch, seq.k_begin, head_kv);
     const A* __restrict__ v_base = p.v.row<const A>(batch, seq.k_begin, head_kv);
-    const int n_begin = mask.key_begin(m0) / BLOCK_N * BLOCK_N;
-    const int n_end = mask.key_end(m0, BLOCK_M);
+    const KeyBlockRange<BLOCK_N> keys(mask, m0, BLOCK_M);
+    const int n_begin = keys.first * BLOCK_N, n_end = keys.n_end;
     const DropoutOf<Mask> dropout(p, seq.index, head);
     // the first K tile's copy in flight while Q is loaded (scaled: not a plain copy)
     if (n_begin < n_end) {
