@@ -11,6 +11,7 @@
 // recomputed_p_exact and dropout scale.
 #pragma once
 
+#include "block_walk.cuh"
 #include "common.cuh"
 #include "mask.cuh"
 #include "params.cuh"
@@ -116,8 +117,8 @@ struct SimtQueryCta {
         rows();
         const T* __restrict__ k_base = p.k.row<const T>(batch, seq.k_begin, head_kv);
         const T* __restrict__ v_base = p.v.row<const T>(batch, seq.k_begin, head_kv);
-        const int n_begin = mask.key_begin(m0) / BLOCK_N * BLOCK_N;
-        const int n_end = mask.key_end(m0, BLOCK_M);
+        const KeyBlockRange<BLOCK_N> keys(mask, m0, BLOCK_M);
+        const int n_begin = keys.first * BLOCK_N, n_end = keys.n_end;
         for (int n0 = n_begin; n0 < n_end; n0 += BLOCK_N) {
             __syncthreads();  // the previous block's tiles fully consumed
             load_tile<BLOCK_N, D_TILE, NTHREADS>(k_tile, k_base, n0, seqlen_k, p.headdim, p.k.row_stride, A(1));
