@@ -16,6 +16,7 @@
 // plan. score_entry is the one element step all three take.
 #pragma once
 
+#include "block_walk.cuh"
 #include "common.cuh"
 #include "dmma.cuh"
 #include "mask.cuh"
@@ -181,8 +182,8 @@ struct DmmaQueryCta {
         const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
         const A* __restrict__ k_base = p.k.row<const A>(seq.batch, seq.k_begin, head_kv);
         const A* __restrict__ v_base = p.v.row<const A>(seq.batch, seq.k_begin, head_kv);
-        const int n_begin = mask.key_begin(m0) / BLOCK_N * BLOCK_N;
-        const int n_end = mask.key_end(m0, BLOCK_M);
+        const KeyBlockRange<BLOCK_N> keys(mask, m0, BLOCK_M);
+        const int n_begin = keys.first * BLOCK_N, n_end = keys.n_end;
         auto load_kv = [&](int n0, int stage) {
             A* k_stage = kv_tiles + 2 * stage * BLOCK_N * LD;
             cp_async_rows_scalar<BLOCK_N, D_TILE, LD, NTHREADS>(k_stage, k_base, n0, seqlen_k, p.headdim,
