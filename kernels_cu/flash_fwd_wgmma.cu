@@ -14,6 +14,7 @@
 // block j + 1: V has three stages and K two. At the top of block j the stages of K_{j-1} and
 // V_{j-2} are free in every warpgroup (their products were waited for before the barrier), and
 // K_{j+1}, V_{j+1} are copied into them while block j computes.
+#include "block_walk.cuh"
 #include "common.cuh"
 #include "cta_timeline.cuh"
 #include "mma.cuh"
@@ -62,11 +63,13 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p) {
     const int m0 = Mask::query_block(blockIdx.x, gridDim.x) * BLOCK_M;
     if (Mask::PACKED && m0 >= seqlen_q) return;  // past a shorter sequence's end
     // Key blocks [j_begin, ceil(n_end / BLOCK_N)) hold the keys some row of the block sees.
-    // NoMask: the literal 0, not a call that folds to 0 only after inlining. With the call NVRTC
-    // emitted another loop (other PTX, an 8-11% slower d128 forward on an H200); with the literal
-    // its PTX is the pre-policy kernel's. Causal and Local keep the form measured with the policy.
-    const int j_begin = Mask::HAS_LEFT || Mask::HAS_RIGHT || Mask::HAS_BLOCK_MAP ? mask.key_begin(m0) / BLOCK_N : 0;
-    const int n_end = mask.key_end(m0, BLOCK_M);
+    // NoMask: the literal 0, not keys.first, whose mask.key_begin call folds to 0 only after
+    // inlining. With the call NVRTC emitted another loop (other PTX, an 8-11% slower d128 forward
+    // on an H200); with the literal its PTX is the pre-policy kernel's. Causal and Local keep the
+    // form measured with the policy.
+    const KeyBlockRange<BLOCK_N> keys(mask, m0, BLOCK_M);
+    const int j_begin = Mask::HAS_LEFT || Mask::HAS_RIGHT || Mask::HAS_BLOCK_MAP ? keys.first : 0;
+    const int n_end = keys.n_end;
     const int tid = threadIdx.x, wg = tid / 128, warp = tid / 32, lane = tid % 32;
     const int strip_row0 = 16 * warp;  // the warp's 16 rows within the block
 
@@ -145,7 +148,7 @@ flash_fwd_wgmma(const __grid_constant__ FwdParams p) {
     }
     wgmma_wait<0>();
     pin_registers(reinterpret_cast<float(&)[D_FRAGS * 4]>(o_acc));
-    cta_timeline(MARK_WALKED, tid == 0, max(0, (n_end + BLOCK_N - 1) / BLOCK_N - j_begin));
+    cta_timeline(MARK_WALKED, tid == 0, keys.blocks);
 
     if constexpr (DropoutOf<Mask>::ENABLED) scale_acc(o_acc, p.variant.dropout.scale);
 
