@@ -18,6 +18,7 @@
 //       of block j (O rescaled: nothing is running on it), P_j packed for the next block's P V.
 // With the turns, one consumer's products are issued (and run) while the other does its softmax.
 // The producer gives back registers (setmaxnreg) so that the consumers can hold S, O and P.
+#include "block_walk.cuh"
 #include "common.cuh"
 #include "cta_timeline.cuh"
 #include "mbarrier.cuh"
@@ -69,9 +70,10 @@ flash_fwd_wgmma_ws(const __grid_constant__ FwdParams p) {
     const Mask mask = cta_mask<Mask, CtaRows::QUERIES>(p, seq.index, seqlen_q, seqlen_k);
     const int m0 = Mask::query_block(blockIdx.x, gridDim.x) * BLOCK_M;
     if (Mask::PACKED && m0 >= seqlen_q) return;  // past a shorter sequence's end: the whole CTA
-    const int n_end = mask.key_end(m0, BLOCK_M);
-    const int j_begin = Mask::HAS_LEFT || Mask::HAS_RIGHT || Mask::HAS_BLOCK_MAP ? mask.key_begin(m0) / BLOCK_N : 0;
-    const int j_end = (n_end + BLOCK_N - 1) / BLOCK_N, n_blocks = j_end > j_begin ? j_end - j_begin : 0;
+    // NoMask: the literal 0, as flash_fwd_wgmma's (which says why).
+    const KeyBlockRange<BLOCK_N> keys(mask, m0, BLOCK_M);
+    const int j_begin = Mask::HAS_LEFT || Mask::HAS_RIGHT || Mask::HAS_BLOCK_MAP ? keys.first : 0;
+    const int n_blocks = keys.blocks;
     const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32;
 
     const StageRing<STAGES> ring{base + L::FULL, base + L::EMPTY};
