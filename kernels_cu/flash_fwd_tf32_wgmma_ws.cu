@@ -16,6 +16,7 @@
 // 64 registers, O, S and P. No __syncthreads after the roles split: the producer's own steps sync
 // on a named barrier of its 128 threads, and a consumer's epilogue stages O through its warps'
 // own rows of a raw staging tile (idle by then: the producer has split the last block).
+#include "block_walk.cuh"
 #include "common.cuh"
 #include "mbarrier.cuh"
 #include "mma.cuh"
@@ -68,8 +69,8 @@ flash_fwd_tf32_wgmma_ws(const __grid_constant__ FwdParams p) {
     const Mask mask = cta_mask<Mask, CtaRows::QUERIES>(p, seq.index, seqlen_q, seqlen_k);
     const int m0 = Mask::query_block(blockIdx.x, gridDim.x) * BLOCK_M;
     if (Mask::PACKED && m0 >= seqlen_q) return;  // past a shorter sequence's end: the whole CTA
-    const int n_end = mask.key_end(m0, BLOCK_M);
-    const int j_begin = mask.key_begin(m0) / BLOCK_N, j_end = (n_end + BLOCK_N - 1) / BLOCK_N;
+    const KeyBlockRange<BLOCK_N> keys(mask, m0, BLOCK_M);
+    const int j_begin = keys.first, j_end = keys.end;
     const int head = blockIdx.y, head_kv = head / p.group;
     const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32;
 
