@@ -53,7 +53,7 @@ flash_bwd_dq_mma(const __grid_constant__ BwdParams p) {
     const DropoutOf<Mask> dropout(p, seq.index, head);
     const float drop_scale = DropoutOf<Mask>::kept_scale(p);
 
-    for (int j = cta.j_begin; j < cta.j_end; ++j) {
+    for (int j = cta.keys.first; j < cta.keys.end; ++j) {
         cta.land_and_prefetch(p, j, tid);
         const int n0 = j * BLOCK_N;
         const u32 s_k = cta.k_tile(j), s_v = cta.v_tile(j);

@@ -1,9 +1,9 @@
 // The CTA of the tensor-core kernels that own a query block and compute its dQ without atomics:
 // flash_bwd_dq_mma and flash_bwd_dq_mma_v2 (the family: mma_bwd_layouts.cuh). Query block m0 of
 // head blockIdx.y keeps its Q and dO rows in shared memory for the whole walk over the key blocks
-// [j_begin, j_end) that some of its rows see (mask.cuh); K_j and V_j come in two pipeline stages
-// (stage j % 2, whichever block the walk starts at), block j + 1's copies landing while block j
-// computes.
+// [keys.first, keys.end) that some of its rows see (mask.cuh, block_walk.cuh); K_j and V_j come
+// in two pipeline stages (stage j % 2, whichever block the walk starts at), block j + 1's copies
+// landing while block j computes.
 //
 // What the two kernels share is here, once: the run-time arguments they hold (copied from the
 // BwdParams at the top: bwd_args in mma_bwd.cuh), the copies in, the walk's bounds, its pipeline
@@ -11,6 +11,7 @@
 // (its comment says why).
 #pragma once
 
+#include "block_walk.cuh"
 #include "common.cuh"
 #include "mask.cuh"
 #include "mma.cuh"
@@ -32,7 +33,7 @@ struct MmaQueryCta {
     const float* lse;
     const float* delta;
     Mask mask;
-    int j_begin, j_end;  // the key blocks some existing row of the block sees
+    KeyBlockRange<BLOCK_N> keys;  // the key blocks some existing row of the block sees
 
     __device__ __forceinline__ static int first_row() { return Mask::query_block(blockIdx.x, gridDim.x) * BLOCK_M; }
 
@@ -58,8 +59,7 @@ struct MmaQueryCta {
           lse(static_cast<const float*>(p.lse)),
           delta(static_cast<const float*>(p.delta)),
           mask(cta_mask<Mask, CtaRows::QUERIES>(p, seq_.index, seq_.seqlen_q, seq_.seqlen_k)),
-          j_begin(mask.key_begin(m0) / BLOCK_N),
-          j_end((mask.key_end(m0, min(BLOCK_M, seq_.seqlen_q - m0)) + BLOCK_N - 1) / BLOCK_N) {}
+          keys(mask, m0, min(BLOCK_M, seq_.seqlen_q - m0)) {}
 
     // K_j and V_j into stage `stage` (no commit). Their addresses are recomputed from the
     // run-time arguments (p: the constant bank) at each load: held across the loop, they tipped
@@ -80,7 +80,7 @@ struct MmaQueryCta {
                                                  seqlen_q - m0, headdim, q.row_stride, tid);
         cp_async_tile<BLOCK_M, D_TILE, NTHREADS>(base + L::DO, dout.row<const T>(batch, seq.q_begin + m0, head),
                                                  seqlen_q - m0, p.headdim_v, dout.row_stride, tid);
-        if (j_begin < j_end) load_key_block(p, j_begin, j_begin & 1, tid);
+        if (keys.first < keys.end) load_key_block(p, keys.first, keys.first & 1, tid);
         cp_async_commit();
     }
 
@@ -89,7 +89,7 @@ struct MmaQueryCta {
     __device__ __forceinline__ void land_and_prefetch(const BwdParams& p, int j, int tid) const {
         cp_async_wait<0>();
         __syncthreads();
-        if (j + 1 < j_end) load_key_block(p, j + 1, (j + 1) & 1, tid);
+        if (j + 1 < keys.end) load_key_block(p, j + 1, (j + 1) & 1, tid);
         cp_async_commit();
     }
     __device__ __forceinline__ u32 k_tile(int j) const { return base + L::K + (j & 1) * L::KV_TILE; }

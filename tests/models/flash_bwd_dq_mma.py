@@ -36,11 +36,11 @@ def bwd_dq_layout_v2(d_tile, block_m, block_n):
 
 
 @mirrors(V1,  # MmaQueryCta's (mma_bwd_query_cta.cuh)
-         "if (j_begin < j_end) load_key_block(p, j_begin, j_begin & 1, tid);",
-         "if (j + 1 < j_end) load_key_block(p, j + 1, (j + 1) & 1, tid);")
+         "if (keys.first < keys.end) load_key_block(p, keys.first, keys.first & 1, tid);",
+         "if (j + 1 < keys.end) load_key_block(p, j + 1, (j + 1) & 1, tid);")
 @mirrors(V2,  # (dq_block_v2 loads K and V as v1 does: the same CTA)
-         "if (j_begin < j_end) load_key_block(p, j_begin, j_begin & 1, tid);",
-         "if (j + 1 < j_end) load_key_block(p, j + 1, (j + 1) & 1, tid);")
+         "if (keys.first < keys.end) load_key_block(p, keys.first, keys.first & 1, tid);",
+         "if (j + 1 < keys.end) load_key_block(p, j + 1, (j + 1) & 1, tid);")
 def dq_block(q, k, v, do, lse, delta, dq, *, batch, head, m_block, group, scale, mask,
              d_tile, block_m, block_n, nwarps):
     """One CTA of flash_bwd_dq_mma."""

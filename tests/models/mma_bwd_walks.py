@@ -86,13 +86,12 @@ def wgmma_walk(mask, n0, block_n, block_m, seqlen_q, seqlen_k, group, head_kv, o
 
 
 @_each(DQ_KERNELS,  # in their CTA, mma_bwd_query_cta.cuh's MmaQueryCta
-       "j_begin(mask.key_begin(m0) / BLOCK_N),",
-       "j_end((mask.key_end(m0, min(BLOCK_M, seq_.seqlen_q - m0)) + BLOCK_N - 1) / BLOCK_N) {}")
+       "keys(mask, m0, min(BLOCK_M, seq_.seqlen_q - m0)) {}")
 def key_block_range(mask, m0, block_m, block_n, seqlen_q, seqlen_k):
-    """[j_begin, j_end) of a dQ CTA: the key blocks some existing row of its block sees."""
-    j_begin = mask.key_begin(m0, seqlen_q, seqlen_k) // block_n
-    j_end = -(-mask.key_end(m0, min(block_m, seqlen_q - m0), seqlen_q, seqlen_k) // block_n)
-    return j_begin, j_end
+    """[keys.first, keys.end) of a dQ CTA: the key blocks some existing row of its block sees
+    (KeyBlockRange of those rows)."""
+    first, end, _, _ = key_range(mask, m0, min(block_m, seqlen_q - m0), block_n, seqlen_q, seqlen_k)
+    return first, end
 
 
 @mirrors("block_walk.cuh",
