@@ -133,7 +133,9 @@ class WgmmaTf32FwdConfig:
     head dims up to 64). ``sums_apart`` ("ieee"): S's small products and each block's P V in
     accumulators of their own, for accuracy (wgmma_tf32_fwd_steps.cuh). ``pingpong`` (producer
     only): the two consumers take turns at issuing their products, one's softmax under the
-    other's products (ConsumerTurns)."""
+    other's products (ConsumerTurns). ``presplit`` (producer, raw_stages 0; perf log
+    tf32-fwd-split-once): each key block split once for the grid by flash_fwd_split_kv_tf32 into a
+    workspace (kv_fwd_split_bytes), the producer one thread copying a stage from it."""
 
     block_n: int = 64
     raw_stages: int = 0
@@ -142,6 +144,7 @@ class WgmmaTf32FwdConfig:
     stages: int = 2
     sums_apart: bool = False
     pingpong: bool = False
+    presplit: bool = False
 
     @property
     def block_m(self) -> int:
@@ -290,6 +293,8 @@ class ForwardPlan:
     d_tile: int
     tiles: FwdConfig | WgmmaFwdConfig | Tf32FwdConfig | DmmaFwdConfig | SimtTiles
     spec: Specialization  # name, source, template instantiation, threads, shared memory
+    # launched before spec where the tiles read key blocks split once (WgmmaTf32FwdConfig.presplit)
+    split_kv: Specialization | None = None
 
     @property
     def kernel(self) -> str:
@@ -556,8 +561,10 @@ def _plan(dtype, headdim: int, mask: Mask, tiles, where: str, headdim_v: int | N
         raise ValueError(f"cupyflash: {type(tiles).__name__} does not run {np.dtype(dtype)} (float32 runs "
                          f"Tf32FwdConfig's kernel, float64 DmmaFwdConfig's, float16 / bfloat16 the others)")
     dt = d_tile(headdim, _D_TILES[table])
+    split = (tf32_fwd_split_kv_spec(dt, mask, tiles, precision)
+             if isinstance(tiles, WgmmaTf32FwdConfig) and tiles.presplit else None)
     return ForwardPlan(family, where, headdim, dt, tiles,
-                       specialization_for(dtype, dt, mask, tiles, v_tile(tiles, dt, headdim_v), precision))
+                       specialization_for(dtype, dt, mask, tiles, v_tile(tiles, dt, headdim_v), precision), split)
 
 
 def simt_tiles(dtype, headdim: int) -> SimtTiles:
@@ -603,11 +610,38 @@ def tf32_wgmma_smem_bytes(dt: int, config: WgmmaTf32FwdConfig) -> int:
     K and V^T, each hi and lo, and the raw stages of K and V, float32 words), or with ``producer``
     of FwdTf32WgmmaWsSmem<...>::BYTES (the stages of K and V^T hi and lo, the raw stages, a full
     and an empty barrier a stage), plus 1024 bytes to align the base for the 128-byte swizzle."""
-    if config.producer:
+    if config.producer:  # the raw stages' region also stages O (128 rows): at least that large
         kv_tile = 4 * config.block_n * dt
-        return config.stages * 4 * kv_tile + config.raw_stages * 2 * kv_tile + 16 * config.stages + 1024
+        raw = max(config.raw_stages * 2 * kv_tile, 128 * dt * 4)
+        return config.stages * 4 * kv_tile + raw + 16 * config.stages + 1024
     q_tiles = 1 if config.q_registers else 2
     return 4 * dt * (q_tiles * config.block_m + 4 * config.block_n + 2 * config.raw_stages * config.block_n) + 1024
+
+
+def tf32_fwd_split_kv_spec(dt: int, mask: Mask | bool, config: WgmmaTf32FwdConfig,
+                           precision: str = DEFAULT_PRECISION) -> Specialization:
+    """flash_fwd_split_kv_tf32 at head-dim tile ``dt``: each key block of config.block_n keys split
+    once into the image the presplit producer copies (the mask's packing is all it takes from the
+    mask; one product, "tf32", splits no lo tiles)."""
+    products = PRODUCTS[check_precision(precision)]
+    packed = as_mask(mask).packed
+    return Specialization(f"flash_fwd_split_kv_tf32_{SHORT_NAMES['float32']}_hdim{dt}_bn{config.block_n}"
+                          + ("_packed" if packed else "") + ("_tf32" if products == 1 else ""),
+                          "flash_fwd_split_kv_tf32.cu",
+                          f"cf::flash_fwd_split_kv_tf32<{dt}, {config.block_n}, {'true' if packed else 'false'}"
+                          + (f", {products}>" if products != 3 else ">"),
+                          128, 4 * 4 * config.block_n * dt + 1024, arch="90a")
+
+
+def kv_fwd_split_bytes(dt: int, block_n: int, batch: int, seqlen_k: int, nheads_kv: int,
+                       sequences: int | None = None) -> int:
+    """The forward's kv_split image's bytes (wgmma_tf32_fwd_steps.cuh's kv_fwd_image_offset): a block
+    of Tf32FwdKeyBlockTiles (4 tiles of block_n x dt float32) per (batch, kv head, key block) of a
+    dense batch; for a packed batch (``sequences`` of them, seqlen_k the total keys) per (slot, kv
+    head), seqlen_k // block_n + sequences slots (split_image.cuh's image_block)."""
+    blocks = (seqlen_k // block_n + sequences if sequences is not None
+              else batch * -(-seqlen_k // block_n))
+    return blocks * nheads_kv * 4 * 4 * block_n * dt
 
 
 def _template_options(*values) -> str:
@@ -667,17 +701,19 @@ def specialization_for(dtype, dt: int, mask: Mask | bool, tiles, dvt: int | None
     if isinstance(c, WgmmaTf32FwdConfig):
         precision = check_precision(precision)
         if c.producer:
-            if dt > 64 or c.raw_stages < 1 or c.stages < 2:
+            if dt > 64 or (c.raw_stages != 0 if c.presplit else c.raw_stages < 1) or c.stages < 2:
                 raise ValueError(f"cupyflash: the tf32 wgmma producer kernel takes head dims up to 64, "
-                                 f"raw_stages >= 1 and stages >= 2, not d{dt} {c}")
+                                 f"raw_stages >= 1 (0 with presplit) and stages >= 2, not d{dt} {c}")
             return Specialization(
                 f"flash_fwd_tf32_wgmma_ws_{short}_hdim{dt}_{mask.name}_bm{c.block_m}_bn{c.block_n}_{precision}"
                 f"_s{c.stages}_raw{c.raw_stages}{'_apart' if c.sums_apart else ''}"
-                f"{'_pingpong' if c.pingpong else ''}",
+                f"{'_pingpong' if c.pingpong else ''}{'_presplit' if c.presplit else ''}",
                 "flash_fwd_tf32_wgmma_ws.cu",
                 f"cf::flash_fwd_tf32_wgmma_ws<{dt}, {mask.cpp}, {c.block_n}, {PRODUCTS[precision]}, {c.stages}, "
-                f"{c.raw_stages}{_template_options(c.sums_apart, c.pingpong)}>",
+                f"{c.raw_stages}{_template_options(c.sums_apart, c.pingpong, c.presplit)}>",
                 c.threads, tf32_wgmma_smem_bytes(dt, c), arch="90a")
+        if c.presplit:
+            raise ValueError(f"cupyflash: presplit takes the tf32 wgmma producer kernel (producer=True), not {c}")
         if c.pingpong:
             raise ValueError(f"cupyflash: pingpong takes the tf32 wgmma producer kernel (producer=True), not {c}")
         # v1's options only where set: v0's names and expressions unchanged

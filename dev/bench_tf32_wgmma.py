@@ -36,7 +36,10 @@ def candidates(headdim: int) -> dict:
                    v1_qregs_apart=C(32, raw_stages=2, q_registers=True, sums_apart=True),
                    v2_producer_apart=C(32, raw_stages=2, producer=True, stages=4, sums_apart=True),
                    v2_pingpong=C(32, raw_stages=2, producer=True, stages=4, pingpong=True),
-                   v2_pingpong_apart=C(32, raw_stages=2, producer=True, stages=4, sums_apart=True, pingpong=True))
+                   v2_pingpong_apart=C(32, raw_stages=2, producer=True, stages=4, sums_apart=True, pingpong=True),
+                   # the key blocks split once for the grid (perf log tf32-fwd-split-once)
+                   v2_presplit=C(32, raw_stages=0, producer=True, stages=4, presplit=True),
+                   v2_presplit_apart=C(32, raw_stages=0, producer=True, stages=4, sums_apart=True, presplit=True))
     else:
         out.update(v1_apart=C(32, raw_stages=2, sums_apart=True))
     return out
@@ -50,7 +53,8 @@ def tf32_candidates(headdim: int) -> dict:
 
     if headdim <= 64:
         return {"v2_producer": C(32, raw_stages=2, producer=True, stages=4),
-                "v2_pingpong": C(32, raw_stages=2, producer=True, stages=4, pingpong=True)}
+                "v2_pingpong": C(32, raw_stages=2, producer=True, stages=4, pingpong=True),
+                "v2_presplit": C(32, raw_stages=0, producer=True, stages=4, presplit=True)}
     return {"v0": C(64)}
 
 

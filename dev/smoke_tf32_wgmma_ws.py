@@ -26,6 +26,7 @@ def main() -> int:
 
     rng = np.random.default_rng(7)
     configs = {"v2": WgmmaTf32FwdConfig(32, raw_stages=2, producer=True, stages=4),
+               "v2 presplit": WgmmaTf32FwdConfig(32, raw_stages=0, producer=True, stages=4, presplit=True),
                "v2 pingpong": WgmmaTf32FwdConfig(32, raw_stages=2, producer=True, stages=4, pingpong=True),
                "v2 pingpong apart": WgmmaTf32FwdConfig(32, raw_stages=2, producer=True, stages=4, pingpong=True,
                                                        sums_apart=True)}

@@ -16,6 +16,10 @@
 // 64 registers, O, S and P. No __syncthreads after the roles split: the producer's own steps sync
 // on a named barrier of its 128 threads, and a consumer's epilogue stages O through its warps'
 // own rows of a raw staging tile (idle by then: the producer has split the last block).
+// PRESPLIT (perf log tf32-fwd-split-once): flash_fwd_split_kv_tf32 has split every key block once
+// for the grid (FwdParams' kv_split), and the producer is one thread that fills a stage with one
+// bulk copy of its bytes, whose arrival completes the stage's full barrier; no raw stages, the
+// region kept for O's staging.
 #include "block_walk.cuh"
 #include "common.cuh"
 #include "mbarrier.cuh"
@@ -29,22 +33,25 @@
 namespace cf {
 
 // Shared memory from a 1024-byte aligned base (cupyflash/plans.py tf32_wgmma_smem_bytes adds the
-// alignment slack): STAGES stages of K hi, K lo, V^T hi, V^T lo (KV_TILE bytes each), RAW_STAGES
-// staging tiles of raw K and V rows, then the full and empty barriers (8 bytes each). The raw
-// tiles stage O in the epilogue (BLOCK_M rows of D_TILE float32).
+// alignment slack): STAGES stages of K hi, K lo, V^T hi, V^T lo (KV_TILE bytes each:
+// Tf32FwdKeyBlockTiles), RAW_STAGES staging tiles of raw K and V rows, then the full and empty
+// barriers (8 bytes each). The raw tiles stage O in the epilogue (BLOCK_M rows of D_TILE float32):
+// the region is at least that large (with no raw stages, PRESPLIT, it is O's alone).
 template <int D_TILE, int BLOCK_N, int STAGES, int RAW_STAGES>
 struct FwdTf32WgmmaWsSmem {
     static constexpr int BLOCK_M = 128;
-    static constexpr u32 KV_TILE = BLOCK_N * D_TILE * 4, STAGE = 4 * KV_TILE;
-    static constexpr u32 K_HI = 0, K_LO = KV_TILE, V_HI = 2 * KV_TILE, V_LO = 3 * KV_TILE;
+    typedef Tf32FwdKeyBlockTiles<D_TILE, BLOCK_N> Tiles;
+    static constexpr u32 KV_TILE = Tiles::KV_TILE, STAGE = Tiles::BYTES;
+    static constexpr u32 K_HI = Tiles::K_HI, K_LO = Tiles::K_LO, V_HI = Tiles::V_HI, V_LO = Tiles::V_LO;
     static constexpr u32 RAW = STAGES * STAGE;
-    static constexpr u32 FULL = RAW + RAW_STAGES * 2 * KV_TILE, EMPTY = FULL + 8 * STAGES;
+    static constexpr u32 RAW_BYTES = RAW_STAGES * 2 * KV_TILE > BLOCK_M * D_TILE * 4 ? RAW_STAGES * 2 * KV_TILE
+                                                                                     : BLOCK_M * D_TILE * 4;
+    static constexpr u32 FULL = RAW + RAW_BYTES, EMPTY = FULL + 8 * STAGES;
     static constexpr u32 BYTES = EMPTY + 8 * STAGES;
-    static_assert(RAW_STAGES * 2 * KV_TILE >= BLOCK_M * D_TILE * 4, "O's staging tile in the raw tiles");
 };
 
 template <int D_TILE, class Mask, int BLOCK_N, int PRODUCTS, int STAGES, int RAW_STAGES, bool SUMS_APART = false,
-          bool PINGPONG = false>
+          bool PINGPONG = false, bool PRESPLIT = false>
 __global__ void __launch_bounds__(384, 1)
 flash_fwd_tf32_wgmma_ws(const __grid_constant__ FwdParams p) {
     typedef FwdTf32WgmmaWsSmem<D_TILE, BLOCK_N, STAGES, RAW_STAGES> L;
@@ -58,7 +65,7 @@ flash_fwd_tf32_wgmma_ws(const __grid_constant__ FwdParams p) {
     constexpr bool SPLIT = Tf32Operand<PRODUCTS>::SPLIT;
     // Q in registers: 16 D_TILE / 8 of a consumer's 200 (at d128 they spill, tf32-wgmma-v1)
     static_assert(BLOCK_N % 32 == 0 && BLOCK_N <= 256 && D_TILE % 32 == 0 && D_TILE <= 64, "whole tf32 panels");
-    static_assert(STAGES >= 2 && RAW_STAGES >= 1, "stages");
+    static_assert(STAGES >= 2 && (PRESPLIT ? RAW_STAGES == 0 : RAW_STAGES >= 1), "stages");
     static_assert(L::BYTES + 1024 <= 227 * 1024, "shared memory");
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -69,18 +76,33 @@ flash_fwd_tf32_wgmma_ws(const __grid_constant__ FwdParams p) {
     const Mask mask = cta_mask<Mask, CtaRows::QUERIES>(p, seq.index, seqlen_q, seqlen_k);
     const int m0 = Mask::query_block(blockIdx.x, gridDim.x) * BLOCK_M;
     if (Mask::PACKED && m0 >= seqlen_q) return;  // past a shorter sequence's end: the whole CTA
-    const KeyBlockRange<BLOCK_N> keys(mask, m0, BLOCK_M);
+    // PRESPLIT copies each block's image, so an empty key range walks no block (SKIP_EMPTY: a packed
+    // batch's block map can point a short sequence's empty range past its end, block_walk.cuh)
+    const KeyBlockRange<BLOCK_N, PRESPLIT> keys(mask, m0, BLOCK_M);
     const int j_begin = keys.first, j_end = keys.end;
     const int head = blockIdx.y, head_kv = head / p.group;
     const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32;
 
     const StageRing<STAGES> ring{base + L::FULL, base + L::EMPTY};
-    ring.init(128, 256);  // the producer's threads, the consumers'
+    ring.init(PRESPLIT ? 1 : 128, 256);  // the producer's threads (PRESPLIT: its one), the consumers'
     __syncthreads();  // the last CTA-wide barrier: the roles split here
 
     if (wg == 0) {
         // ---- producer ----
-        warpgroup_registers_dec<PRODUCER_REGISTERS>();
+        warpgroup_registers_dec<PRODUCER_REGISTERS>();  // every warp of the warpgroup (.aligned)
+        if constexpr (PRESPLIT) {
+            // one thread: a bulk copy of each key block's split image into its stage
+            if (tid != 0) return;
+            const unsigned char* const image = static_cast<const unsigned char*>(p.kv_split);
+            for (int j = j_begin; j < j_end; ++j) {
+                const int i = j - j_begin;
+                const i64 block = kv_fwd_image_offset<Mask::PACKED, D_TILE, BLOCK_N>(p, seq, head_kv, j);
+                ring.wait_empty(i);  // the consumers are done with the stage
+                mbarrier_arrive_expect_tx(ring.full_barrier(i), L::STAGE);
+                cp_async_bulk_to_shared(base + (i % STAGES) * L::STAGE, image + block, L::STAGE, ring.full_barrier(i));
+            }
+            return;
+        }
         const float* __restrict__ k_rows = p.k.row<const float>(seq.batch, seq.k_begin, head_kv);
         const float* __restrict__ v_rows = p.v.row<const float>(seq.batch, seq.k_begin, head_kv);
         const i64 k_ss = p.k.row_stride, v_ss = p.v.row_stride;
@@ -99,11 +121,9 @@ flash_fwd_tf32_wgmma_ws(const __grid_constant__ FwdParams p) {
             cp_async_wait<RAW_STAGES - 1>();
             named_barrier_sync(1, 128);  // block j's raw rows have landed, every producer thread's
             ring.wait_empty(i);          // the consumers are done with the stage
-            split_tf32_panels<BLOCK_N, D_TILE, 128, PRODUCTS>(stage + L::K_HI, stage + L::K_LO, StagedRows<D_TILE>{raw},
-                                                              seqlen_k - n0, p.headdim, tid);
-            split_tf32_panels_transposed<BLOCK_N, D_TILE, 128, PRODUCTS, true>(
-                stage + L::V_HI, stage + L::V_LO, StagedRows<D_TILE>{raw + raw_stages.TILE}, seqlen_k - n0, p.headdim_v,
-                tid);
+            split_key_block_fwd_tf32<D_TILE, BLOCK_N, 128, PRODUCTS>(stage, StagedRows<D_TILE>{raw},
+                                                                     StagedRows<D_TILE>{raw + raw_stages.TILE},
+                                                                     seqlen_k - n0, p.headdim, p.headdim_v, tid);
             fence_proxy_async_shared();  // the stores, to the async proxy that wgmma reads with
             ring.arrive_full(i);
             named_barrier_sync(1, 128);  // every producer thread is done reading the raw tile

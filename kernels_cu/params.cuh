@@ -77,6 +77,9 @@ struct FwdParams {
     // A packed batch's issue order (mask.cuh's cta_sequence): grid slot z runs sequence
     // sequence_order[z], a permutation of the sequences; null: slot z runs sequence z.
     const int* sequence_order;
+    // flash_fwd_split_kv_tf32's image of the key blocks split once for the grid (the float32
+    // forward's producer with PRESPLIT, wgmma_tf32_fwd_steps.cuh's kv_fwd_image_offset); null otherwise.
+    void* kv_split;
 };
 
 // Backward: dq, dk, dv (and the statistics and buffers around them) from dout, q, k, v, o, lse.

@@ -11,6 +11,7 @@
 #include "mask.cuh"
 #include "params.cuh"
 #include "softmax_bwd.cuh"
+#include "split_image.cuh"
 #include "wgmma_tf32.cuh"
 
 namespace cf {
@@ -68,19 +69,6 @@ __device__ __forceinline__ void split_key_block_tf32(u32 tiles, const Source& k,
                                                            headdim_v, thread);
 }
 
-// Which block of a split-once image (kv_split, q_split) holds block j of BLOCK rows of sequence
-// `seq`'s head `head`, its rows from `begin` in a packed batch. A dense batch: (batch, head, block)
-// in C order, ceil(seqlen / BLOCK) blocks a head (the call's seqlen). A packed batch: (slot, head)
-// in C order, sequence b's blocks from slot begin / BLOCK + b: each sequence's first slot is past
-// the one before's last, since floor(r0 / n) + ceil(len / n) <= floor((r0 + len) / n) + 1, and the
-// last slot is below total / BLOCK + sequences (backward_plans.kv_split_bytes, q_split_bytes).
-template <bool PACKED, int BLOCK>
-__device__ __forceinline__ i64 image_block(const SequenceRows& seq, int begin, int seqlen, int nheads, int head,
-                                           int j) {
-    if constexpr (PACKED) return (i64)(begin / BLOCK + seq.index + j) * nheads + head;
-    else return ((i64)seq.batch * nheads + head) * ((seqlen + BLOCK - 1) / BLOCK) + j;
-}
-
 // Where key block j of sequence `seq`'s kv head `head_kv` lies in the kv_split image, in bytes
 // (blocks of Tf32KeyBlockTiles' BYTES; image_block's order).
 template <bool PACKED, int D_TILE, int BLOCK_N>
@@ -134,19 +122,6 @@ template <bool PACKED, int D_TILE, int BLOCK_M>
 __device__ __forceinline__ i64 q_image_offset(const BwdParams& p, const SequenceRows& seq, int head, int i) {
     return image_block<PACKED, BLOCK_M>(seq, seq.q_begin, p.seqlen_q, p.nheads, head, i) *
            Tf32QueryBlockTiles<D_TILE, BLOCK_M>::BYTES;
-}
-
-// A split block's bytes, from shared memory at `tiles` to its place `dst` in a split-once image as
-// they are, swizzle and all: 16 bytes a thread and step, consecutive threads on consecutive chunks.
-template <u32 BYTES, int NTHREADS>
-__device__ __forceinline__ void store_image_block(u32 tiles, unsigned char* dst, int thread) {
-    uint4* const image = reinterpret_cast<uint4*>(dst);
-#pragma unroll 4
-    for (int c = thread; c < static_cast<int>(BYTES / 16); c += NTHREADS) {
-        u32 r[4];
-        ld_shared_v4(r, tiles + 16 * c);
-        image[c] = make_uint4(r[0], r[1], r[2], r[3]);
-    }
 }
 
 // One query block's tiles in a dK/dV kernel: K and V (64 rows), the block's Q and dO (natural,

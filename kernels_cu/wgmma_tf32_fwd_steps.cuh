@@ -8,6 +8,8 @@
 #include "mbarrier.cuh"
 #include "mma.cuh"
 #include "online_softmax.cuh"
+#include "params.cuh"
+#include "split_image.cuh"
 #include "tf32_fwd_steps.cuh"
 #include "wgmma_tf32.cuh"
 
@@ -88,6 +90,36 @@ __device__ __forceinline__ void tf32_wgmma_forward_block(float (&o_acc)[1][D_TIL
     // O += P V_j: P as the register A operand (tf32_acc_times_tile), V_j^T's KEY_PAIRS tiles as B.
     tf32_acc_times_tile<D_TILE, N_FRAGS, PRODUCTS, APART, true>(reinterpret_cast<float(&)[D_FRAGS * 4]>(o_acc),
                                                                 s_flat, v_hi_tile, v_lo_tile, turns);
+}
+
+// A key block's K and V split for the float32 forward's products, in bytes from a 1024-byte
+// aligned base: K (hi, then lo; K-major) for S = Q K^T, V^T (hi, lo; KEY_PAIRS order) for O += P V.
+// The same bytes are one stage of flash_fwd_tf32_wgmma_ws's ring and one block of the image
+// flash_fwd_split_kv_tf32 writes (FwdParams' kv_split).
+template <int D_TILE, int BLOCK_N>
+struct Tf32FwdKeyBlockTiles {
+    static constexpr u32 KV_TILE = BLOCK_N * D_TILE * 4;
+    static constexpr u32 K_HI = 0, K_LO = KV_TILE, V_HI = 2 * KV_TILE, V_LO = 3 * KV_TILE, BYTES = 4 * KV_TILE;
+};
+
+// Splits keys [0, keys_valid) of K and V (read through `k` and `v`) into Tf32FwdKeyBlockTiles at
+// `tiles`, spread over NTHREADS threads; the rest zero-filled.
+template <int D_TILE, int BLOCK_N, int NTHREADS, int PRODUCTS, class Source>
+__device__ __forceinline__ void split_key_block_fwd_tf32(u32 tiles, const Source& k, const Source& v, int keys_valid,
+                                                         int headdim, int headdim_v, int thread) {
+    typedef Tf32FwdKeyBlockTiles<D_TILE, BLOCK_N> T;
+    split_tf32_panels<BLOCK_N, D_TILE, NTHREADS, PRODUCTS>(tiles + T::K_HI, tiles + T::K_LO, k, keys_valid, headdim,
+                                                           thread);
+    split_tf32_panels_transposed<BLOCK_N, D_TILE, NTHREADS, PRODUCTS, true>(tiles + T::V_HI, tiles + T::V_LO, v,
+                                                                          keys_valid, headdim_v, thread);
+}
+
+// Where key block j of sequence `seq`'s kv head `head_kv` lies in the forward's kv_split image, in
+// bytes (blocks of Tf32FwdKeyBlockTiles' BYTES; split_image.cuh's image_block order).
+template <bool PACKED, int D_TILE, int BLOCK_N>
+__device__ __forceinline__ i64 kv_fwd_image_offset(const FwdParams& p, const SequenceRows& seq, int head_kv, int j) {
+    return image_block<PACKED, BLOCK_N>(seq, seq.k_begin, p.seqlen_k, p.nheads_kv, head_kv, j) *
+           Tf32FwdKeyBlockTiles<D_TILE, BLOCK_N>::BYTES;
 }
 
 }  // namespace cf

@@ -45,6 +45,9 @@ CONFIGS = {"v0": (WgmmaTf32FwdConfig(64), TENSOR_CORE_HEADDIMS),
            "v1_qregs_bn64": (WgmmaTf32FwdConfig(64, raw_stages=1, q_registers=True), (8, 16, 40, 64)),
            "v2_producer": (WgmmaTf32FwdConfig(32, raw_stages=2, producer=True, stages=4), (8, 16, 40, 64)),
            "v2_pingpong": (WgmmaTf32FwdConfig(32, raw_stages=2, producer=True, stages=4, pingpong=True),
+                           (8, 16, 40, 64)),
+           # the key blocks split once for the grid (flash_fwd_split_kv_tf32, perf log tf32-fwd-split-once)
+           "v2_presplit": (WgmmaTf32FwdConfig(32, raw_stages=0, producer=True, stages=4, presplit=True),
                            (8, 16, 40, 64))}
 APART_CONFIGS = {
     "v1_apart": (WgmmaTf32FwdConfig(32, raw_stages=2, sums_apart=True), TENSOR_CORE_HEADDIMS),
@@ -52,7 +55,9 @@ APART_CONFIGS = {
     "v2_producer_apart": (WgmmaTf32FwdConfig(32, raw_stages=2, producer=True, stages=4, sums_apart=True),
                           (8, 16, 40, 64)),
     "v2_pingpong_apart": (WgmmaTf32FwdConfig(32, raw_stages=2, producer=True, stages=4, sums_apart=True,
-                                             pingpong=True), (8, 16, 40, 64))}
+                                             pingpong=True), (8, 16, 40, 64)),
+    "v2_presplit_apart": (WgmmaTf32FwdConfig(32, raw_stages=0, producer=True, stages=4, sums_apart=True,
+                                             presplit=True), (8, 16, 40, 64))}
 
 
 @pytest.fixture(autouse=True)
@@ -137,3 +142,85 @@ def test_sums_apart_error_is_standard_float32s(config_name):
         return ratio_to_bound(q, k, v, o, lse, problem, options)
 
     assert_within_twice_standard(config_name, _problems(config_name), VARIANTS, ratio_of)
+
+
+# The split-once image holds the bytes the producer would have split into its stage (the same
+# helper, tests/kernels/test_flash_fwd_split_kv_tf32.py), and the consumers are the same code:
+# the presplit forward is the producer's, bit for bit (the problems' masks: causal, windows, GQA,
+# the variants; a packed batch of equal lengths; the next test takes a ragged one with a mask_mod).
+@pytest.mark.parametrize("precision", ["ieee", "tf32"])
+@given(data=st.data())
+def test_presplit_is_the_producers_bits(precision, data):
+    import cupy
+
+    from cupyflash.kernels.params import PackedBatch
+
+    problem = data.draw(_problems("v2_presplit_apart"))
+    q, k, v, _ = problem.arrays()
+    options = _variant_options(data.draw(st.sampled_from(VARIANTS)), problem.nheads, problem.seed)
+    apart = precision == "ieee"
+    producer = WgmmaTf32FwdConfig(32, raw_stages=2, producer=True, stages=4, sums_apart=apart)
+    presplit = WgmmaTf32FwdConfig(32, raw_stages=0, producer=True, stages=4, sums_apart=apart, presplit=True)
+    o0, lse0 = _forward(problem, q, k, v, options, precision, producer)
+    o1, lse1 = _forward(problem, q, k, v, options, precision, presplit)
+    assert np.array_equal(o0, o1, equal_nan=True) and np.array_equal(lse0, lse1, equal_nan=True)
+    # the same batch packed: sequences of the problem's batch end to end (cu_seqlens)
+    if problem.batch > 1:
+        def packed_forward(config):
+            values = Variant(softcap=options.get("softcap", 0.0), precision=precision,
+                             **{n: cupy.asarray(options[n]) for n in ("alibi_slopes", "sink") if n in options})
+            qd, kd, vd = (cupy.asarray(x.reshape(1, -1, *x.shape[2:])) for x in (q, k, v))
+            cu_q = cupy.arange(problem.batch + 1, dtype=cupy.int32) * problem.seqlen_q
+            cu_k = cupy.arange(problem.batch + 1, dtype=cupy.int32) * problem.seqlen_k
+            packed = PackedBatch(cu_q, cu_k, problem.seqlen_q, problem.seqlen_k)
+            o = cupy.full(qd.shape[:3] + vd.shape[3:], np.nan, np.float32)
+            lse = cupy.full((1, problem.nheads, qd.shape[1]), np.nan, np.float32)
+            mma_fwd.forward(qd, kd, vd, o, lse, softmax_scale=problem.scale, causal=problem.causal,
+                            window_size=problem.window_size, variant=values, config=config, packed=packed)
+            return cupy.asnumpy(o), cupy.asnumpy(lse)
+        p0, p1 = packed_forward(producer), packed_forward(presplit)
+        assert np.array_equal(p0[0], p1[0], equal_nan=True) and np.array_equal(p0[1], p1[1], equal_nan=True)
+        assert np.array_equal(p1[0].reshape(o1.shape), o1, equal_nan=True)
+
+
+def test_presplit_walks_stop_at_a_short_packed_sequences_end(monkeypatch):
+    """A packed batch with a mask_mod: the block map is made for the longest sequence, so a shorter
+    sequence's query granule without kept keys can give an empty key range past that sequence's end,
+    which rounded to blocks is one block (zero rows where the producer splits; past the image where
+    it copies). The presplit forward walks no block there (KeyBlockRange's SKIP_EMPTY): through the
+    public varlen API with the presplit config as the route, o is finite and the shipped route's,
+    bit for bit (q lengths 256, 200 against keys 144, 16, q_idx < 16: the review's case of a copy
+    of slot 9 of a 7-slot image)."""
+    import cupy
+
+    import cupyflash
+    from cupyflash import plans
+    from cupyflash.kernels import mma_fwd as fwd
+
+    launched = []
+    library_launch = fwd.launch
+    monkeypatch.setattr(fwd, "launch", lambda spec, grid, args: (launched.append(spec.name),
+                                                                   library_launch(spec, grid, args)))
+    rng = np.random.default_rng(44)
+    lengths_q, lengths_k = [256, 200], [144, 16]
+    cu_q = cupy.asarray(np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32))
+    cu_k = cupy.asarray(np.concatenate([[0], np.cumsum(lengths_k)]).astype(np.int32))
+    q = cupy.asarray(rng.standard_normal((sum(lengths_q), 2, 64)).astype(np.float32))
+    k, v = (cupy.asarray(rng.standard_normal((sum(lengths_k), 1, 64)).astype(np.float32)) for _ in range(2))
+    mask = cupyflash.MaskMod(lambda b, h, q_idx, kv_idx: q_idx < 16)
+    args = (cu_q, cu_k, max(lengths_q), max(lengths_k))
+
+    def forward():
+        o, lse = cupyflash.flash_attn_varlen_func(q, k, v, *args, mask_mod=mask, return_lse=True)
+        return o.get(), lse.get()
+
+    shipped = forward()
+    route = plans.WGMMA_FLOAT32_FORWARD_TILES[("tf32", plans.SM90, 64, "ieee")]
+    monkeypatch.setitem(plans.WGMMA_FLOAT32_FORWARD_TILES, ("tf32", plans.SM90, 64, "ieee"),
+                        WgmmaTf32FwdConfig(32, raw_stages=0, producer=True, stages=route.stages,
+                                           sums_apart=route.sums_apart, presplit=True))
+    launched.clear()
+    presplit = forward()
+    assert any(name.startswith("flash_fwd_split_kv_tf32_") for name in launched), launched
+    assert np.isfinite(presplit[0]).all()
+    assert np.array_equal(presplit[0], shipped[0]) and np.array_equal(presplit[1], shipped[1])

@@ -23,7 +23,7 @@ import numpy as np
 
 from ._module import _max_smem_optin, device_arch, launch
 from .constants import TENSOR_CORE_D_TILES
-from .params import PackedBatch, forward_params
+from .params import PackedBatch, forward_params, pointer
 from .. import plans
 from ..masks import KINDS, PACKED_KINDS, VARIANT_KINDS, Mask, mask_for
 from ..scores import PLAIN
@@ -164,8 +164,19 @@ def forward(q, k, v, o, lse, *, softmax_scale: float, causal: bool,
     grid = query_grid(planned.block_m, batch, seqlen_q, nheads, packed)
     for a, what in ((q, "q"), (k, "k"), (v, "v"), (o, "o")):
         _check_layout(a, what)
-    launch(planned.spec, grid, (forward_params(q, k, v, o, lse, softmax_scale=softmax_scale, mask=mask,
-                                                 variant=variant, packed=packed),))
+    params = forward_params(q, k, v, o, lse, softmax_scale=softmax_scale, mask=mask, variant=variant, packed=packed)
+    kv_split = None
+    split_rows = k.shape[1] if packed is None else packed.max_seqlen_k
+    if planned.split_kv is not None and split_rows > 0:  # the float32 producer's key blocks split once
+        import cupy
+
+        seqlen_k, nheads_kv, block_n = k.shape[1], k.shape[2], planned.tiles.block_n
+        kv_split = cupy.empty(plans.kv_fwd_split_bytes(planned.d_tile, block_n, batch, seqlen_k, nheads_kv,
+                                                       None if packed is None else packed.sequences), np.uint8)
+        params["kv_split"] = pointer(kv_split)
+        launch(planned.split_kv, (math.ceil(split_rows / block_n), nheads_kv, grid[2]), (params,))
+    launch(planned.spec, grid, (params,))
+    del kv_split  # back to CuPy's pool in stream order, after the launches
 
 
 def query_grid(block_m: int, batch: int, seqlen_q: int, nheads: int, packed: PackedBatch | None) -> tuple:

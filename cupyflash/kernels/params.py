@@ -57,7 +57,7 @@ _SCALE_FIELDS = [("scale_log2", np.float32), ("scale", np.float32), ("scale_log2
 _SEQUENCE_FIELDS = [("cu_seqlens_q", np.uint64), ("cu_seqlens_k", np.uint64), ("sequence_order", np.uint64)]
 
 FWD_PARAMS = np.dtype([*((name, TENSOR_ROWS) for name in ("q", "k", "v", "o")), ("lse", np.uint64),
-                       *_SHAPE_FIELDS, *_SCALE_FIELDS, *_SEQUENCE_FIELDS], align=True)
+                       *_SHAPE_FIELDS, *_SCALE_FIELDS, *_SEQUENCE_FIELDS, ("kv_split", np.uint64)], align=True)
 
 BWD_PARAMS = np.dtype([*((name, TENSOR_ROWS) for name in ("q", "k", "v", "o", "dout", "dq", "dk", "dv",
                                                            "dq_accum")),

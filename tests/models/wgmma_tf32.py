@@ -243,18 +243,32 @@ def forward_smem(d_tile: int, block_n: int, block_m: int = 64, raw_stages: int =
 WS_KERNEL = "flash_fwd_tf32_wgmma_ws"
 
 
+@mirrors("wgmma_tf32_fwd_steps.cuh",
+         "static constexpr u32 KV_TILE = BLOCK_N * D_TILE * 4;",
+         "static constexpr u32 K_HI = 0, K_LO = KV_TILE, V_HI = 2 * KV_TILE, V_LO = 3 * KV_TILE, BYTES = 4 * KV_TILE;")
+def fwd_key_block_tiles(d_tile: int, block_n: int) -> dict:
+    """Tf32FwdKeyBlockTiles: a key block's K hi, K lo, V^T hi, V^T lo (the producer's stage, and a
+    block of flash_fwd_split_kv_tf32's image)."""
+    kv_tile = block_n * d_tile * 4
+    return {"KV_TILE": kv_tile, "K_HI": 0, "K_LO": kv_tile, "V_HI": 2 * kv_tile, "V_LO": 3 * kv_tile,
+            "BYTES": 4 * kv_tile}
+
+
 @mirrors(WS_KERNEL,
-         "static constexpr u32 KV_TILE = BLOCK_N * D_TILE * 4, STAGE = 4 * KV_TILE;",
-         "static constexpr u32 K_HI = 0, K_LO = KV_TILE, V_HI = 2 * KV_TILE, V_LO = 3 * KV_TILE;",
+         "static constexpr u32 KV_TILE = Tiles::KV_TILE, STAGE = Tiles::BYTES;",
+         "static constexpr u32 K_HI = Tiles::K_HI, K_LO = Tiles::K_LO, V_HI = Tiles::V_HI, V_LO = Tiles::V_LO;",
          "static constexpr u32 RAW = STAGES * STAGE;",
-         "static constexpr u32 FULL = RAW + RAW_STAGES * 2 * KV_TILE, EMPTY = FULL + 8 * STAGES;",
+         "static constexpr u32 RAW_BYTES = RAW_STAGES * 2 * KV_TILE > BLOCK_M * D_TILE * 4 ? RAW_STAGES * 2 * KV_TILE",
+         ": BLOCK_M * D_TILE * 4;",
+         "static constexpr u32 FULL = RAW + RAW_BYTES, EMPTY = FULL + 8 * STAGES;",
          "static constexpr u32 BYTES = EMPTY + 8 * STAGES;")
 def forward_ws_smem(d_tile: int, block_n: int, stages: int, raw_stages: int) -> dict:
-    kv_tile = block_n * d_tile * 4
-    layout = {"KV_TILE": kv_tile, "STAGE": 4 * kv_tile, "K_HI": 0, "K_LO": kv_tile, "V_HI": 2 * kv_tile,
-              "V_LO": 3 * kv_tile}
+    tiles = fwd_key_block_tiles(d_tile, block_n)
+    kv_tile = tiles["KV_TILE"]
+    layout = {"KV_TILE": kv_tile, "STAGE": tiles["BYTES"], **{k: tiles[k] for k in ("K_HI", "K_LO", "V_HI", "V_LO")}}
     layout["RAW"] = stages * layout["STAGE"]
-    layout["FULL"] = layout["RAW"] + raw_stages * 2 * kv_tile
+    # the raw tiles stage O in the epilogue (128 rows): the region is at least that large
+    layout["FULL"] = layout["RAW"] + max(raw_stages * 2 * kv_tile, 128 * d_tile * 4)
     layout["EMPTY"] = layout["FULL"] + 8 * stages
     layout["BYTES"] = layout["EMPTY"] + 8 * stages
     return layout

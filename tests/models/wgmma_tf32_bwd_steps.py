@@ -61,7 +61,7 @@ def split_key_block(smem, tiles: int, d_tile: int, block_n: int, threads: int, k
               hd, **({"key_pairs": True} if transposed else {}))
 
 
-@mirrors(STEPS,
+@mirrors("split_image.cuh",
          "if constexpr (PACKED) return (i64)(begin / BLOCK + seq.index + j) * nheads + head;",
          "else return ((i64)seq.batch * nheads + head) * ((seqlen + BLOCK - 1) / BLOCK) + j;")
 def image_block(packed: bool, block: int, index: int, batch: int, begin: int, seqlen: int, nheads: int, head: int,
@@ -136,7 +136,7 @@ def q_image_offset(packed: bool, d_tile: int, block_m: int, nheads: int, seqlen_
             * query_block_tiles(d_tile, block_m)["BYTES"])
 
 
-@mirrors(STEPS,
+@mirrors("split_image.cuh",
          "for (int c = thread; c < static_cast<int>(BYTES / 16); c += NTHREADS) {",
          "ld_shared_v4(r, tiles + 16 * c);",
          "image[c] = make_uint4(r[0], r[1], r[2], r[3]);")
