@@ -349,14 +349,17 @@ def device_class(arch: str | None, smem_optin: int | None) -> str:
 
 def plan_forward(arch: str | None, dtype, headdim: int, mask: Mask | bool, smem_optin: int | None,
                  family: str | None = None, headdim_v: int | None = None,
-                 precision: str = DEFAULT_PRECISION) -> ForwardPlan:
+                 precision: str = DEFAULT_PRECISION, image_readers: int | None = None) -> ForwardPlan:
     """The forward kernel a call with this dtype, head dim and mask launches on a device of compute
     capability ``arch`` ("80", "90") whose blocks may opt in to ``smem_optin`` bytes of shared memory
     (None, None: a device not known; the portable rows). ``family`` ("mma", "simt") overrides the
     default family of forward_family; ``mask`` is a policy of cupyflash.masks or a causal flag.
     ``headdim`` is the wider of q's and v's head dims, which sets the tile; ``headdim_v`` v's, when
     it is its own: the wgmma kernel then takes v and o in a narrower tile (``v_tile``). ``precision``
-    (cupyflash.precision) picks the float32 kernel's products; other dtypes ignore it."""
+    (cupyflash.precision) picks the float32 kernel's products; other dtypes ignore it.
+    ``image_readers``: how many query blocks read each key block (plans.image_readers), for the
+    rows that split the key blocks once for the grid (WGMMA_FLOAT32_PRESPLIT_FORWARD_TILES); None,
+    a plan made without the problem's length, never takes those rows."""
     family = family or forward_family(dtype, headdim)
     if family == "mma":
         headdim = mma_headdim(headdim)
@@ -369,8 +372,14 @@ def plan_forward(arch: str | None, dtype, headdim: int, mask: Mask | bool, smem_
     dt = d_tile(headdim, _D_TILES[table])
     mask = as_mask(mask)
     own_v = family == "mma" and _own_v_tile(dt, headdim_v) is not None
-    tiles = forward_tiles(table, where, dt, dtype, mask, arch, precision, own_v)
+    tiles = forward_tiles(table, where, dt, dtype, mask, arch, precision, own_v, image_readers)
     return _plan(dtype, headdim, mask, tiles, where, headdim_v, precision)
+
+
+def image_readers(seqlen_q: int, group: int) -> int:
+    """How many query blocks of 128 rows read each key block of a kv head: the query rows' blocks
+    (a packed batch: its longest sequence's) times the query heads sharing the kv head."""
+    return -(-seqlen_q // 128) * group
 
 
 def _own_v_tile(dt: int, headdim_v: int | None) -> int | None:
@@ -392,11 +401,11 @@ def v_tile(tiles, dt: int, headdim_v: int | None) -> int:
 
 
 def forward_tiles(family: str, where: str, dt: int, dtype, mask: Mask, arch: str | None,
-                  precision: str = DEFAULT_PRECISION, own_v: bool = False):
+                  precision: str = DEFAULT_PRECISION, own_v: bool = False, image_readers: int | None = None):
     """FORWARD_TILES' row, or with user modifiers the first of it and USER_FORWARD_FALLBACKS'
     that compiles without spills (``without_spills``; ``arch`` None: the class's own arch).
     ``own_v``: v's head dim has a narrower tile of its own (``v_tile``)."""
-    candidates = forward_candidates(family, where, dt, mask, precision, own_v)
+    candidates = forward_candidates(family, where, dt, mask, precision, own_v, image_readers)
     if len(candidates) == 1:
         return candidates[0]
     arch = arch or ("90" if where == SM90 else "80")
@@ -404,7 +413,7 @@ def forward_tiles(family: str, where: str, dt: int, dtype, mask: Mask, arch: str
 
 
 def forward_candidates(family: str, where: str, dt: int, mask: Mask, precision: str = DEFAULT_PRECISION,
-                       own_v: bool = False) -> list:
+                       own_v: bool = False, image_readers: int | None = None) -> list:
     """The tiles ``forward_tiles`` chooses from, in order: FORWARD_TILES' row (IEEE_FORWARD_TILES'
     for float32's three products), and with user modifiers USER_FORWARD_FALLBACKS' after it."""
     tiles = FORWARD_TILES[(family, where, dt)]
@@ -412,6 +421,8 @@ def forward_candidates(family: str, where: str, dt: int, mask: Mask, precision: 
         tiles = IEEE_FORWARD_TILES.get((family, where, dt), tiles)
     if family == "tf32":
         tiles = WGMMA_FLOAT32_FORWARD_TILES.get((family, where, dt, check_precision(precision)), tiles)
+        if image_readers is not None and image_readers >= PRESPLIT_MIN_IMAGE_READERS:
+            tiles = WGMMA_FLOAT32_PRESPLIT_FORWARD_TILES.get((family, where, dt, check_precision(precision)), tiles)
     if mask.band == "local":
         tiles = LOCAL_FORWARD_TILES.get((family, where, dt), tiles)
     if mask.packed:
@@ -456,6 +467,15 @@ WGMMA_FLOAT32_FORWARD_TILES = {
     ("tf32", SM90, 64, "ieee"): WgmmaTf32FwdConfig(32, raw_stages=2, producer=True, stages=4, sums_apart=True),
     ("tf32", SM90, 64, "tf32"): WgmmaTf32FwdConfig(32, raw_stages=2, producer=True, stages=4),
 }
+
+# Rows that replace WGMMA_FLOAT32_FORWARD_TILES' where each key block's split image (the split pass
+# flash_fwd_split_kv_tf32, about the cost of reading K and V three times) is read by at least
+# PRESPLIT_MIN_IMAGE_READERS query blocks (plans.image_readers). H100, d64, 32 heads (perf log
+# tf32-fwd-split-once): at 8 readers (1k) 0.84-0.92x the producer forward ("ieee"), at 32 (4k)
+# 1.01-1.04x, at 64 (8k) 1.11-1.12x; "tf32" 1.22-1.50x from 32. Empty until the GPU suite has
+# passed with the rows routed.
+WGMMA_FLOAT32_PRESPLIT_FORWARD_TILES: dict = {}
+PRESPLIT_MIN_IMAGE_READERS = 32
 
 
 # Rows a sliding window (the Local band) replaces. sm_90 d128: one warpgroup of 64 rows and 64-key

@@ -160,6 +160,38 @@ def test_one_row_answers_what_runs():
         assert plans.forward_plan(SUPPORTED[dtype], dt, Causal(), tiles).tiles == tiles
 
 
+
+def test_presplit_rows_need_enough_readers_of_each_key_block(monkeypatch):
+    """WGMMA_FLOAT32_PRESPLIT_FORWARD_TILES' rows replace the producer forward only where each key
+    block's split image has PRESPLIT_MIN_IMAGE_READERS query blocks or more to read it (query blocks
+    of 128 rows times the query heads of a kv head), and never for a plan made without the
+    problem's length. Shipped empty: the rows here are the test's own."""
+    assert plans.WGMMA_FLOAT32_PRESPLIT_FORWARD_TILES == {}
+    assert plans.image_readers(1, 1) == 1 and plans.image_readers(1024, 1) == 8
+    assert plans.image_readers(1025, 1) == 9 and plans.image_readers(4096, 4) == 128
+    rows = {("tf32", plans.SM90, 64, precision): plans.WgmmaTf32FwdConfig(32, raw_stages=0, producer=True, stages=4,
+                                                                          sums_apart=precision == "ieee",
+                                                                          presplit=True)
+            for precision in ("ieee", "tf32")}
+    monkeypatch.setattr(plans, "WGMMA_FLOAT32_PRESPLIT_FORWARD_TILES", rows)
+    least = plans.PRESPLIT_MIN_IMAGE_READERS
+    for precision in ("ieee", "tf32"):
+        producer = plans.WGMMA_FLOAT32_FORWARD_TILES[("tf32", plans.SM90, 64, precision)]
+        for readers, expected in ((None, producer), (least - 1, producer), (least, rows[("tf32", plans.SM90, 64, precision)]),
+                                  (10 * least, rows[("tf32", plans.SM90, 64, precision)])):
+            for mask in (NoMask(), Causal(), Causal().as_packed(), Local()):
+                plan = plans.plan_forward("90", SUPPORTED["float32"], 64, mask, None, precision=precision,
+                                          image_readers=readers)
+                assert plan.tiles == expected, (precision, readers, mask)
+                assert (plan.split_kv is not None) == expected.presplit
+        # other head-dim tiles and device classes have no such row
+        assert plans.plan_forward("90", SUPPORTED["float32"], 128, Causal(), None, precision=precision,
+                                  image_readers=10 * least).split_kv is None
+        assert plans.plan_forward("80", SUPPORTED["float32"], 64, Causal(), None, precision=precision,
+                                  image_readers=10 * least).kernel == "flash_fwd_tf32"
+    # bfloat16 has none either
+    assert plans.plan_forward("90", SUPPORTED["bfloat16"], 64, Causal(), None, image_readers=10 * least).split_kv is None
+
 def test_float32_runs_on_tensor_cores():
     """float32's default forward is flash_fwd_tf32 on every device class, in the precision asked
     (three tf32 products for "ieee", one for "tf32"), with the row of its class and head-dim tile:

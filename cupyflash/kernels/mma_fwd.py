@@ -69,10 +69,12 @@ def d_tile(headdim: int) -> int:
 
 def plan(dtype, headdim: int, mask: Mask | bool,
          config: FwdConfig | WgmmaFwdConfig | Tf32FwdConfig | DmmaFwdConfig | None = None,
-         headdim_v: int | None = None, precision: str = DEFAULT_PRECISION) -> ForwardPlan:
+         headdim_v: int | None = None, precision: str = DEFAULT_PRECISION,
+         image_readers: int | None = None) -> ForwardPlan:
     """The plan ``forward`` runs at exactly ``headdim`` (the wider of q's and v's; ``headdim_v``
-    v's, ``precision`` float32's, plans.plan_forward's) on the current device: plans.plan_forward's,
-    or ``config``'s (the tuner's)."""
+    v's, ``precision`` float32's, ``image_readers`` the query blocks that read each key block:
+    plans.plan_forward's) on the current device: plans.plan_forward's, or ``config``'s (the
+    tuner's)."""
     if not supports(dtype, headdim):
         raise ValueError(f"cupyflash: mma forward does not support dtype {np.dtype(dtype)}, headdim {headdim}")
     if config is not None:
@@ -81,7 +83,7 @@ def plan(dtype, headdim: int, mask: Mask | bool,
                             f"WgmmaTf32FwdConfig or DmmaFwdConfig, not {config!r}")
         return plans.forward_plan(dtype, headdim, mask, config, headdim_v, precision)
     return plans.plan_forward(current_arch(), dtype, headdim, mask, current_smem_optin(), family="mma",
-                              headdim_v=headdim_v, precision=precision)
+                              headdim_v=headdim_v, precision=precision, image_readers=image_readers)
 
 
 def specialization(dtype, headdim: int, mask: Mask | bool, config: FwdConfig | None = None):
@@ -109,9 +111,12 @@ def specializations() -> list:
     # float32 (tf32 tensor cores), each precision and mask on its row (sm_90's d64 row: the wgmma
     # producer kernel, plans.WGMMA_FLOAT32_FORWARD_TILES)
     kinds = KINDS + VARIANT_KINDS + PACKED_KINDS
-    tf32_entries = [(dt, precision, plans.forward_candidates(family, where, dt, mask, precision)[0], mask)
+    # (and where the key blocks have enough readers, WGMMA_FLOAT32_PRESPLIT_FORWARD_TILES' rows)
+    tf32_entries = [(dt, precision, plans.forward_candidates(family, where, dt, mask, precision,
+                                                             image_readers=readers)[0], mask)
                     for (family, where, dt) in plans.FORWARD_TILES if family == "tf32"
-                    for precision in PRECISIONS for mask in kinds if mask.score.user is None]
+                    for precision in PRECISIONS for mask in kinds if mask.score.user is None
+                    for readers in (None, plans.PRESPLIT_MIN_IMAGE_READERS)]
     specs += [plans.specialization_for("float32", dt, mask, t, precision=precision)
               for dt, precision, t, mask in sorted(tf32_entries, key=lambda e: (e[0], e[1], e[2].block_m,
                                                                                  e[2].block_n))]
@@ -160,7 +165,8 @@ def forward(q, k, v, o, lse, *, softmax_scale: float, causal: bool,
     mask = mask_for(causal, window_size, PLAIN if variant is None else variant.score, packed is not None)
     # The tile of the wider head dim (the wgmma kernel takes v's own where narrower: plans.v_tile).
     precision = DEFAULT_PRECISION if variant is None else variant.precision
-    planned = plan(q.dtype, max(headdim, v.shape[3]), mask, config, v.shape[3], precision)
+    readers = plans.image_readers(seqlen_q if packed is None else packed.max_seqlen_q, nheads // k.shape[2])
+    planned = plan(q.dtype, max(headdim, v.shape[3]), mask, config, v.shape[3], precision, readers)
     grid = query_grid(planned.block_m, batch, seqlen_q, nheads, packed)
     for a, what in ((q, "q"), (k, "k"), (v, "v"), (o, "o")):
         _check_layout(a, what)
