@@ -13,6 +13,7 @@
 #include "common.cuh"
 #include "mask.cuh"
 #include "params.cuh"
+#include "split_image.cuh"
 #include "wgmma.cuh"
 #include "wgmma_tf32.cuh"
 #include "wgmma_tf32_bwd_steps.cuh"
@@ -27,20 +28,14 @@ flash_bwd_split_kv_tf32(const __grid_constant__ BwdParams p) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
     const u32 base = aligned_dynamic_smem<T::BYTES>(smem_raw);
 
-    // every key of the sequence, whatever the mask: some query block's walk may need any of them
-    const SequenceRows seq = cta_sequence<SequencesOnly<PACKED>>(p, blockIdx.z);
-    const int j = blockIdx.x, n0 = j * BLOCK_N, head_kv = blockIdx.y;
-    if (PACKED && n0 >= seq.seqlen_k) return;  // past a shorter sequence's end
-    const GlobalRows k{p.k.row<const float>(seq.batch, seq.k_begin + n0, head_kv), p.k.row_stride};
-    const GlobalRows v{p.v.row<const float>(seq.batch, seq.k_begin + n0, head_kv), p.v.row_stride};
-    split_key_block_tf32<D_TILE, BLOCK_N, 128, PRODUCTS>(base, k, v, seq.seqlen_k - n0, p.headdim, p.headdim_v,
-                                                         threadIdx.x);
-    __syncthreads();
-
-    // The block out to its place in the image, as its bytes lie in shared memory
-    unsigned char* const image = static_cast<unsigned char*>(p.kv_split);
-    store_image_block<T::BYTES, 128>(base, image + kv_image_offset<PACKED, D_TILE, BLOCK_N>(p, seq, head_kv, j),
-                                     threadIdx.x);
+    split_key_block_into_image<T::BYTES, BLOCK_N, PACKED>(
+        p, base,
+        [&](const GlobalRows& k, const GlobalRows& v, int rows) {
+            split_key_block_tf32<D_TILE, BLOCK_N, 128, PRODUCTS>(base, k, v, rows, p.headdim, p.headdim_v, threadIdx.x);
+        },
+        [&](const SequenceRows& seq, int head_kv, int j) {
+            return kv_image_offset<PACKED, D_TILE, BLOCK_N>(p, seq, head_kv, j);
+        });
 }
 
 }  // namespace cf

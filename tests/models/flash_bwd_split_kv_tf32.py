@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from .mirrors import mirrors
-from .wgmma_tf32_bwd_steps import key_block_tiles, kv_image_offset, split_grid, split_key_block, store_image_block
+from .wgmma_tf32_bwd_steps import key_block_tiles, kv_image_offset, split_key_block, split_key_blocks_into_image
 
 KERNEL = "flash_bwd_split_kv_tf32"
 DQ_KERNEL = "flash_bwd_dq_tf32_wgmma_ws"
@@ -21,27 +21,20 @@ NTHREADS = 128
          "const u32 base = aligned_dynamic_smem<T::BYTES>(smem_raw);",
          "const int j = blockIdx.x, n0 = j * BLOCK_N, head_kv = blockIdx.y;",
          "if (PACKED && n0 >= seq.seqlen_k) return;",
-         "split_key_block_tf32<D_TILE, BLOCK_N, 128, PRODUCTS>(base, k, v, seq.seqlen_k - n0, p.headdim, p.headdim_v,",
-         "store_image_block<T::BYTES, 128>(base, image + kv_image_offset<PACKED, D_TILE, BLOCK_N>(p, seq, head_kv, j),",
-         "threadIdx.x);")
+         "split_key_block_tf32<D_TILE, BLOCK_N, 128, PRODUCTS>(base, k, v, rows, p.headdim, p.headdim_v, threadIdx.x);",
+         "return kv_image_offset<PACKED, D_TILE, BLOCK_N>(p, seq, head_kv, j);",
+         "store_image_block<BYTES, 128>(tiles, image + offset(seq, head_kv, j), threadIdx.x);")
 def write_image(d_tile: int, block_n: int, k, v, headdim: int, headdim_v: int, cu_seqlens_k=None,
                 image_bytes: int | None = None) -> np.ndarray:
     """The kv_split image (uint32 words, 0xFFFFFFFF where no CTA wrote) after every CTA of the grid
     (ceil(seqlen_k / block_n) or the longest sequence's blocks, kv heads, batch or sequences) ran.
     k, v: (batch, seqlen_k, nheads_kv, dim) float32; a packed batch is batch 1 with cu_seqlens_k."""
-    batch, seqlen_k, nheads_kv = k.shape[:3]
-    tiles = key_block_tiles(d_tile, block_n)
-    image = np.full((image_bytes or 0) // 4, 0xFFFFFFFF, np.uint32)
-    for packed, index, batch_of, k_begin, length, head_kv, j, rows in split_grid(batch, seqlen_k, nheads_kv, block_n,
-                                                                                 cu_seqlens_k):
-        smem = np.full(tiles["BYTES"] // 4, 0xFFFFFFFF, np.uint32)
-        kb, vb = (np.zeros((block_n, x.shape[3]), np.float32) for x in (k, v))
-        kb[: rows.stop - rows.start] = k[batch_of, rows, head_kv]
-        vb[: rows.stop - rows.start] = v[batch_of, rows, head_kv]
-        split_key_block(smem, 0, d_tile, block_n, NTHREADS, kb, vb, length - j * block_n, headdim, headdim_v)
-        at = kv_image_offset(packed, d_tile, block_n, nheads_kv, seqlen_k, index, batch_of, k_begin, head_kv, j)
-        store_image_block(image, at, smem, 0, smem.size * 4)
-    return image
+    nheads_kv, seqlen_k = k.shape[2], k.shape[1]
+    return split_key_blocks_into_image(
+        block_n, key_block_tiles(d_tile, block_n)["BYTES"], k, v, cu_seqlens_k, image_bytes or 0,
+        lambda smem, kb, vb, keys: split_key_block(smem, 0, d_tile, block_n, NTHREADS, kb, vb, keys, headdim, headdim_v),
+        lambda packed, index, batch, begin, head_kv, j: kv_image_offset(packed, d_tile, block_n, nheads_kv, seqlen_k,
+                                                                        index, batch, begin, head_kv, j))
 
 
 @mirrors(DQ_KERNEL,

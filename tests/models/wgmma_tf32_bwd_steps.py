@@ -263,5 +263,25 @@ def split_grid(batch: int, seqlen: int, nheads: int, block: int, cu_seqlens=None
                     continue
                 yield packed, index, batch_of, begin, length, head, j, slice(begin + r0, begin + min(r0 + block, length))
 
+
+def split_key_blocks_into_image(block_n: int, nbytes: int, k, v, cu_seqlens_k, image_bytes: int, split, offset):
+    """split_key_block_into_image run by every working CTA of the grid (split_grid): the block's
+    rows (zeros past the sequence's end) split by ``split(smem, kb, vb, keys_valid)`` into a fresh
+    shared buffer of ``nbytes``, its bytes stored at ``offset(packed, index, batch, begin, head,
+    j)`` of the image (uint32 words, 0xFFFFFFFF where no CTA wrote). k, v: (batch, seqlen_k,
+    nheads_kv, dim) float32; a packed batch is batch 1 with cu_seqlens_k."""
+    batch, seqlen_k, nheads_kv = k.shape[:3]
+    image = np.full(image_bytes // 4, 0xFFFFFFFF, np.uint32)
+    for packed, index, batch_of, k_begin, length, head_kv, j, rows in split_grid(batch, seqlen_k, nheads_kv, block_n,
+                                                                                 cu_seqlens_k):
+        smem = np.full(nbytes // 4, 0xFFFFFFFF, np.uint32)
+        kb, vb = (np.zeros((block_n, x.shape[3]), np.float32) for x in (k, v))
+        kb[: rows.stop - rows.start] = k[batch_of, rows, head_kv]
+        vb[: rows.stop - rows.start] = v[batch_of, rows, head_kv]
+        split(smem, kb, vb, length - j * block_n)
+        store_image_block(image, offset(packed, index, batch_of, k_begin, head_kv, j), smem, 0, nbytes)
+    return image
+
 __all__ = ["STEPS", "split_into", "rows_times_rows", "acc_times_tile", "store_acc_rows", "accumulator_positions", "fresh_operands", "emulate",
-           "valid_part", "close", "split_grid", "image_block", "store_image_block"]
+           "valid_part", "close", "split_grid", "image_block", "store_image_block",
+           "split_key_blocks_into_image"]
