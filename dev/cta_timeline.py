@@ -64,11 +64,22 @@ def summarize(rows: np.ndarray) -> dict:
     life_ns = done[:, 3] - done[:, 2]
     life_cycles = done[:, EXIT] - done[:, ENTRY]
     ghz = float(life_cycles.sum() / max(life_ns.sum(), 1))
-    gaps = []
+    # The gap: a CTA's entry after the SM's last exit before it (the place it took was freed then).
+    # With one CTA an SM that is the previous CTA's exit; with more, a CTA that entered beside a
+    # running one, with no exit before it, has no gap. `resident`: the most CTAs alive on one SM.
+    gaps, resident = [], 1
     for sm in np.unique(done[:, 0]):
         on_sm = done[done[:, 0] == sm]
-        on_sm = on_sm[np.argsort(on_sm[:, 2])]
-        gaps.extend((on_sm[1:, 2] - on_sm[:-1, 3]).tolist())
+        on_sm = on_sm[np.argsort(on_sm[:, 2], kind="stable")]
+        entries, exits = on_sm[:, 2], on_sm[:, 3]
+        for i in range(1, len(on_sm)):
+            before = exits[:i][exits[:i] <= entries[i]]
+            if len(before):
+                gaps.append(int(entries[i] - before.max()))
+        alive = 0  # exits before entries at the same ns
+        for _, change in sorted([(t, 1) for t in entries] + [(t, -1) for t in exits]):
+            alive += change
+            resident = max(resident, alive)
     gaps = np.array(gaps if gaps else [0], np.float64)
     per_step = walk[walked] / steps[walked]
     out = {
@@ -78,6 +89,7 @@ def summarize(rows: np.ndarray) -> dict:
         "prologue_cycles": float(np.median(prologue)) if len(prologue) else 0.0,
         "step_cycles": float(np.median(per_step)) if len(per_step) else 0.0,
         "epilogue_cycles": float(np.median(epilogue)),
+        "resident": int(resident),
         "gap_ns": float(np.median(gaps)),
         "gap_cycles": float(np.median(gaps) * ghz),
     }
@@ -106,7 +118,9 @@ def report(name: str, s: dict) -> str:
              f"{s['ghz']:.2f} GHz, {s['steps_mean']:.1f} steps a CTA",
              f"  prologue {s['prologue_cycles']:.0f}, a step {s['step_cycles']:.0f}, epilogue "
              f"{s['epilogue_cycles']:.0f}, gap {s['gap_ns']:.0f} ns ({s['gap_cycles']:.0f} cycles), median; "
-             f"fixed {s['fixed_cycles']:.0f} cycles a CTA = {100 * s['fixed_share']:.1f}% of its time"]
+             f"fixed {s['fixed_cycles']:.0f} cycles a CTA = {100 * s['fixed_share']:.1f}% of its time"
+             + (f" ({s['resident']} CTAs an SM at most: other CTAs' steps run under it)" if s.get("resident", 1) > 1
+                else "")]
     for q in s.get("by_walk", []):
         lines.append(f"  walks of {q['steps'][0]}-{q['steps'][1]} steps ({q['ctas']} CTAs): a step "
                      f"{q['step_cycles']:.0f}, prologue {q['prologue_cycles']:.0f}, epilogue {q['epilogue_cycles']:.0f}")

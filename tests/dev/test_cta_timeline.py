@@ -64,6 +64,22 @@ def test_summarize_reads_the_intervals_of_the_rows():
     assert s["gap_ns"] == 50  # SM 0: 50; SM 1: the empty walk's 1250 - 1200 = 50
     assert s["steps_mean"] == pytest.approx(14 / 4)
 
+    assert s["resident"] == 1
+
+
+def test_summarize_takes_the_gap_from_the_last_exit_before_an_entry():
+    """Two CTAs an SM (the window forward's tiles): a CTA that starts beside a running one has no
+    gap; one that takes a freed place has the gap from the last exit before it."""
+    harness = load_harness()
+    rows = np.array([
+        [0, 2, 1000, 1200, 0, 40, 340, 400],
+        [0, 2, 1010, 1300, 20, 60, 500, 580],     # beside the first: no exit before it, no gap
+        [0, 2, 1230, 1400, 460, 500, 740, 800],   # after the first's exit at 1200: gap 30
+        [0, 2, 1320, 1500, 640, 680, 920, 980],   # after the second's at 1300: gap 20
+    ], np.int64)
+    s = harness.summarize(rows)
+    assert s["resident"] == 2
+    assert s["gap_ns"] == 25  # median of 30 and 20
 
 @pytest.mark.gpu
 def test_the_harness_times_a_document_backward_and_its_walks_are_the_plans(tmp_path, monkeypatch):
