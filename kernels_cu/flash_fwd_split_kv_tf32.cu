@@ -22,15 +22,12 @@ namespace cf {
 template <int D_TILE, int BLOCK_N, bool PACKED, int PRODUCTS = 3>
 __global__ void __launch_bounds__(128)
 flash_fwd_split_kv_tf32(const __grid_constant__ FwdParams p) {
-    typedef Tf32FwdKeyBlockTiles<D_TILE, BLOCK_N> T;
-    static_assert(BLOCK_N % 32 == 0 && D_TILE % 32 == 0 && T::BYTES % (16 * 128) == 0, "whole panels and chunks");
-    extern __shared__ __align__(128) unsigned char smem_raw[];
-    const u32 base = aligned_dynamic_smem<T::BYTES>(smem_raw);
-
-    split_key_block_into_image<T::BYTES, BLOCK_N, PACKED>(
-        p, base,
-        [&](const GlobalRows& k, const GlobalRows& v, int rows) {
-            split_key_block_fwd_tf32<D_TILE, BLOCK_N, 128, PRODUCTS>(base, k, v, rows, p.headdim, p.headdim_v, threadIdx.x);
+    static_assert(BLOCK_N % 32 == 0 && D_TILE % 32 == 0, "whole panels");
+    split_key_block_into_image<Tf32FwdKeyBlockTiles<D_TILE, BLOCK_N>, BLOCK_N, PACKED>(
+        p,
+        [&](u32 tiles, const GlobalRows& k, const GlobalRows& v, int rows) {
+            split_key_block_fwd_tf32<D_TILE, BLOCK_N, 128, PRODUCTS>(tiles, k, v, rows, p.headdim, p.headdim_v,
+                                                                     threadIdx.x);
         },
         [&](const SequenceRows& seq, int head_kv, int j) {
             return kv_fwd_image_offset<PACKED, D_TILE, BLOCK_N>(p, seq, head_kv, j);

@@ -39,24 +39,28 @@ __device__ __forceinline__ void store_image_block(u32 tiles, unsigned char* dst,
 }
 
 // The body of both directions' key-block split kernels (flash_fwd_split_kv_tf32,
-// flash_bwd_split_kv_tf32): the CTA of key block blockIdx.x, kv head blockIdx.y and batch or
-// sequence blockIdx.z splits its block into shared memory at `tiles` with `split(k, v, rows)` (the
-// direction's own step and layout, BYTES bytes) and writes those bytes to the block's place in
-// the image, `image + offset(seq, head_kv, j)`. Every key of the sequence, whatever the mask:
-// some query block's walk may need any of them.
-template <u32 BYTES, int BLOCK_N, bool PACKED, class Params, class Split, class Offset>
-__device__ __forceinline__ void split_key_block_into_image(const Params& p, u32 tiles, Split split, Offset offset) {
+// flash_bwd_split_kv_tf32), 128 threads: the CTA of key block blockIdx.x, kv head blockIdx.y and
+// batch or sequence blockIdx.z splits its block into shared memory with `split(tiles, k, v, rows)`
+// (the direction's own step and layout, Tiles) and writes those bytes to the block's place in the
+// image, `image + offset(seq, head_kv, j)`. Every key of the sequence, whatever the mask: some
+// query block's walk may need any of them.
+template <class Tiles, int BLOCK_N, bool PACKED, class Params, class Split, class Offset>
+__device__ __forceinline__ void split_key_block_into_image(const Params& p, Split split, Offset offset) {
+    static_assert(Tiles::BYTES % (16 * 128) == 0, "whole 16-byte chunks for every thread");
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    const u32 tiles = aligned_dynamic_smem<Tiles::BYTES>(smem_raw);
+
     const SequenceRows seq = cta_sequence<SequencesOnly<PACKED>>(p, blockIdx.z);
     const int j = blockIdx.x, n0 = j * BLOCK_N, head_kv = blockIdx.y;
     if (PACKED && n0 >= seq.seqlen_k) return;  // past a shorter sequence's end
     const GlobalRows k{p.k.template row<const float>(seq.batch, seq.k_begin + n0, head_kv), p.k.row_stride};
     const GlobalRows v{p.v.template row<const float>(seq.batch, seq.k_begin + n0, head_kv), p.v.row_stride};
-    split(k, v, seq.seqlen_k - n0);
+    split(tiles, k, v, seq.seqlen_k - n0);
     __syncthreads();
 
     // The block out to its place in the image, as its bytes lie in shared memory
     unsigned char* const image = static_cast<unsigned char*>(p.kv_split);
-    store_image_block<BYTES, 128>(tiles, image + offset(seq, head_kv, j), threadIdx.x);
+    store_image_block<Tiles::BYTES, 128>(tiles, image + offset(seq, head_kv, j), threadIdx.x);
 }
 
 }  // namespace cf

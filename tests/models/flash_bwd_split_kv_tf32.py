@@ -18,12 +18,12 @@ NTHREADS = 128
 
 
 @mirrors(KERNEL,
-         "const u32 base = aligned_dynamic_smem<T::BYTES>(smem_raw);",
+         "const u32 tiles = aligned_dynamic_smem<Tiles::BYTES>(smem_raw);",
          "const int j = blockIdx.x, n0 = j * BLOCK_N, head_kv = blockIdx.y;",
          "if (PACKED && n0 >= seq.seqlen_k) return;",
-         "split_key_block_tf32<D_TILE, BLOCK_N, 128, PRODUCTS>(base, k, v, rows, p.headdim, p.headdim_v, threadIdx.x);",
+         "split_key_block_tf32<D_TILE, BLOCK_N, 128, PRODUCTS>(tiles, k, v, rows, p.headdim, p.headdim_v,",
          "return kv_image_offset<PACKED, D_TILE, BLOCK_N>(p, seq, head_kv, j);",
-         "store_image_block<BYTES, 128>(tiles, image + offset(seq, head_kv, j), threadIdx.x);")
+         "store_image_block<Tiles::BYTES, 128>(tiles, image + offset(seq, head_kv, j), threadIdx.x);")
 def write_image(d_tile: int, block_n: int, k, v, headdim: int, headdim_v: int, cu_seqlens_k=None,
                 image_bytes: int | None = None) -> np.ndarray:
     """The kv_split image (uint32 words, 0xFFFFFFFF where no CTA wrote) after every CTA of the grid
