@@ -363,12 +363,18 @@ def test_the_compile_check_sees_every_shipped_forward_specialization():
     all_names = [s.name for s in mma_fwd.specializations()]
     # float32: every tf32 row with every mask, in both precisions ("ieee" on IEEE_FORWARD_TILES' rows
     # where it has them)
-    tf32 = {n for n in all_names if n.startswith("flash_fwd_tf32_")}
-    assert tf32 == {plans.specialization_for("float32", dt, mask, plans.forward_candidates(family, where, dt, mask,
-                                                                                            precision)[0],
-                                             precision=precision).name
-                    for (family, where, dt) in plans.FORWARD_TILES if family == "tf32"
-                    for mask in KINDS + VARIANT_KINDS + PACKED_KINDS for precision in ("ieee", "tf32")}
+    # (and where a key block has enough readers, WGMMA_FLOAT32_PRESPLIT_FORWARD_TILES' rows, with
+    # the split kernel they launch first)
+    tf32 = {n for n in all_names if n.startswith(("flash_fwd_tf32_", "flash_fwd_split_kv_tf32_"))}
+    tf32_rows = {(dt, mask, precision, plans.forward_candidates(family, where, dt, mask, precision,
+                                                                image_readers=readers)[0])
+                 for (family, where, dt) in plans.FORWARD_TILES if family == "tf32"
+                 for mask in KINDS + VARIANT_KINDS + PACKED_KINDS for precision in ("ieee", "tf32")
+                 for readers in (None, plans.PRESPLIT_MIN_IMAGE_READERS)}
+    assert tf32 == ({plans.specialization_for("float32", dt, mask, t, precision=precision).name
+                     for dt, mask, precision, t in tf32_rows}
+                    | {plans.tf32_fwd_split_kv_spec(dt, mask, t, precision).name for dt, mask, precision, t in tf32_rows
+                       if isinstance(t, plans.WgmmaTf32FwdConfig) and t.presplit})
     assert any(n.endswith("_ieee_fresh_o_presplit_stepsums") for n in tf32)
     all_names = [n for n in all_names if n not in tf32]
     # packed batches: each row's plan for masks.PACKED_KINDS (PACKED_FORWARD_TILES where it differs)

@@ -120,6 +120,9 @@ def specializations() -> list:
     specs += [plans.specialization_for("float32", dt, mask, t, precision=precision)
               for dt, precision, t, mask in sorted(tf32_entries, key=lambda e: (e[0], e[1], e[2].block_m,
                                                                                  e[2].block_n))]
+    # and the split kernel those rows launch first (flash_fwd_split_kv_tf32)
+    specs += [plans.tf32_fwd_split_kv_spec(dt, mask, t, precision) for dt, precision, t, mask in tf32_entries
+              if isinstance(t, WgmmaTf32FwdConfig) and t.presplit]
     # user modifiers: the tiles their plans choose, per class (plans.forward_tiles)
     specs += [plans.specialization_for("float32", dt, mask, plans.forward_tiles(family, where, dt, "float32", mask,
                                                                                 None, precision), precision=precision)
