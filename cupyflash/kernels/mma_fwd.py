@@ -120,14 +120,17 @@ def specializations() -> list:
     specs += [plans.specialization_for("float32", dt, mask, t, precision=precision)
               for dt, precision, t, mask in sorted(tf32_entries, key=lambda e: (e[0], e[1], e[2].block_m,
                                                                                  e[2].block_n))]
-    # and the split kernel those rows launch first (flash_fwd_split_kv_tf32)
-    specs += [plans.tf32_fwd_split_kv_spec(dt, mask, t, precision) for dt, precision, t, mask in tf32_entries
-              if isinstance(t, WgmmaTf32FwdConfig) and t.presplit]
     # user modifiers: the tiles their plans choose, per class (plans.forward_tiles)
-    specs += [plans.specialization_for("float32", dt, mask, plans.forward_tiles(family, where, dt, "float32", mask,
-                                                                                None, precision), precision=precision)
-              for (family, where, dt) in plans.FORWARD_TILES if family == "tf32"
-              for precision in PRECISIONS for mask in kinds if mask.score.user is not None]
+    user_entries = [(dt, precision, plans.forward_tiles(family, where, dt, "float32", mask, None, precision,
+                                                        image_readers=readers), mask)
+                    for (family, where, dt) in plans.FORWARD_TILES if family == "tf32"
+                    for precision in PRECISIONS for mask in kinds if mask.score.user is not None
+                    for readers in (None, plans.PRESPLIT_MIN_IMAGE_READERS)]
+    specs += [plans.specialization_for("float32", dt, mask, t, precision=precision)
+              for dt, precision, t, mask in user_entries]
+    # and the split kernel the presplit rows launch first (flash_fwd_split_kv_tf32)
+    specs += [plans.tf32_fwd_split_kv_spec(dt, mask, t, precision) for dt, precision, t, mask in
+              tf32_entries + user_entries if isinstance(t, WgmmaTf32FwdConfig) and t.presplit]
     return list(dict.fromkeys(specs))
 
 
