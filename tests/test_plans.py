@@ -160,7 +160,6 @@ def test_one_row_answers_what_runs():
         assert plans.forward_plan(SUPPORTED[dtype], dt, Causal(), tiles).tiles == tiles
 
 
-
 def test_presplit_rows_need_enough_readers_of_each_key_block(monkeypatch):
     """WGMMA_FLOAT32_PRESPLIT_FORWARD_TILES' rows replace the producer forward only where each key
     block's split image has PRESPLIT_MIN_IMAGE_READERS query blocks or more to read it (query blocks
