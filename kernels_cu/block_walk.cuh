@@ -62,6 +62,20 @@ struct KeyBlockRange {
         const int key_begin = mask.key_begin(m0);
         first = key_begin / BLOCK_N;
         const int key_end = mask.key_end(m0, rows);
+        round_end(key_begin, key_end);
+    }
+    // From the key range [key_begin, key_end) the kernel asked the mask for itself, for kernels
+    // whose machine code keeps where and in which order they ask, which the constructor above
+    // would change (flash_fwd_tf32 asks for the end first; flash_fwd_tf32_wgmma rounds the end
+    // only where its staging needs it).
+    __device__ __forceinline__ KeyBlockRange(int key_begin, int key_end) {
+        first = key_begin / BLOCK_N;
+        round_end(key_begin, key_end);
+    }
+
+  private:
+    // Both constructors' end: one rounding, whichever asked the mask.
+    __device__ __forceinline__ void round_end(int key_begin, int key_end) {
         end = SKIP_EMPTY && key_end <= key_begin ? first : (key_end + BLOCK_N - 1) / BLOCK_N;
         blocks = end > first ? end - first : 0;
         n_end = key_end;

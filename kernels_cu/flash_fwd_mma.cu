@@ -18,6 +18,7 @@
 // (pointers, strides) from shared memory and recomputes the block's row and key bounds from
 // special registers where used. ONE_LANE is what lets the d128 128 x 64 tile run without spills;
 // at d64 its extra shuffles per key block cost more than the registers it frees are worth.
+#include "block_walk.cuh"
 #include "mma.cuh"
 #include "mma_fwd_steps.cuh"
 #include "online_softmax.cuh"
@@ -124,9 +125,12 @@ flash_fwd_mma(const __grid_constant__ FwdParams p) {
         constexpr bool FRESH = REREAD_INVARIANTS;
         return Mask::query_block(ctaid_x<FRESH>(), nctaid_x<FRESH>()) * BLOCK_M;
     };
-    // Keys [j_begin BLOCK_N, n_end) hold those some row of the block sees (mask.cuh).
-    auto n_end = [&]() { return mask.key_end(first_row(), BLOCK_M); };
-    const int j_begin = mask.key_begin(first_row()) / BLOCK_N;
+    // Keys [j_begin BLOCK_N, n_end) hold those some row of the block sees (mask.cuh), from
+    // KeyBlockRange; n_end() is recomputed where used (from first_row(), which the one-lane
+    // kernels read afresh). j_begin takes a range of its own, not n_end's lambda: through a
+    // shared lambda, NVRTC reorders the one-lane causal-dropout kernels' code.
+    auto n_end = [&]() { return KeyBlockRange<BLOCK_N>(mask, first_row(), BLOCK_M).n_end; };
+    const int j_begin = KeyBlockRange<BLOCK_N>(mask, first_row(), BLOCK_M).first;
     const int head = blockIdx.y, batch = seq.batch;
     const int head_kv = head / p.group;
     const int m0 = first_row();

@@ -26,6 +26,7 @@
 // FADD, rounded to nearest, where the tensor core's own accumulation is not (tf32.cuh, mma_tf32):
 // into S (one k-step in flight: spill-free), and into O unless FRESH_O sums each key block apart
 // instead (O's steps in flight spill 24-116 bytes).
+#include "block_walk.cuh"
 #include "online_softmax.cuh"
 #include "params.cuh"
 #include "tf32_fwd_steps.cuh"
@@ -83,9 +84,11 @@ flash_fwd_tf32(const __grid_constant__ FwdParams p) {
     const ScoreOf<Mask, float, TANH> score(score_problem<Mask>(p, seq), seq.index, blockIdx.y, p.scale);
     const int m0 = Mask::query_block(blockIdx.x, gridDim.x) * BLOCK_M;  // in the policy's order
     if (Mask::PACKED && m0 >= seqlen_q) return;  // past a shorter sequence's end
-    // Keys [j_begin BLOCK_N, n_end) hold those some row of the block sees (mask.cuh).
+    // Keys [j_begin BLOCK_N, n_end) hold those some row of the block sees (mask.cuh), in blocks
+    // from KeyBlockRange. The end is asked before the begin, as this kernel always did: NVRTC's
+    // code keeps the order, and the range's own (begin first) reorders the window kernels'.
     const int n_end = mask.key_end(m0, BLOCK_M);
-    const int j_begin = mask.key_begin(m0) / BLOCK_N;
+    const int j_begin = KeyBlockRange<BLOCK_N>(mask.key_begin(m0), n_end).first;
     const int head = blockIdx.y, head_kv = head / p.group;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int strip_row0 = warp * 16 * M_STRIPS;  // first row of the warp's strips within the block

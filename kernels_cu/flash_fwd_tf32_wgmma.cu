@@ -22,6 +22,7 @@
 // second CTA on the SM is all that overlaps the loads. RAW_STAGES > 0 (v1): cp.async copies the
 // raw K and V of the blocks RAW_STAGES ahead into staging tiles while this block computes, so the
 // split reads shared memory and global memory's latency is off the block's critical path.
+#include "block_walk.cuh"
 #include "common.cuh"
 #include "mma.cuh"
 #include "online_softmax.cuh"
@@ -68,8 +69,12 @@ flash_fwd_tf32_wgmma(const __grid_constant__ FwdParams p) {
     const ScoreOf<Mask, float, TANH> score(score_problem<Mask>(p, seq), seq.index, blockIdx.y, p.scale);
     const int m0 = Mask::query_block(blockIdx.x, gridDim.x) * BLOCK_M;
     if (Mask::PACKED && m0 >= seqlen_q) return;  // past a shorter sequence's end
-    const int n_end = mask.key_end(m0, BLOCK_M);
-    const int j_begin = mask.key_begin(m0) / BLOCK_N;
+    // Keys [key_begin, n_end) hold those some row of the block sees (mask.cuh), the end asked
+    // first; KeyBlockRange rounds them to blocks, the first here and the end below, where the
+    // staging needs it. NVRTC's code keeps where each is computed: one range built here rounds the
+    // end here too and moves the code of about half the candidate kernels.
+    const int n_end = mask.key_end(m0, BLOCK_M), key_begin = mask.key_begin(m0);
+    const int j_begin = KeyBlockRange<BLOCK_N>(key_begin, n_end).first;
     const int head = blockIdx.y, head_kv = head / p.group;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int strip_row0 = 16 * warp;
@@ -89,7 +94,7 @@ flash_fwd_tf32_wgmma(const __grid_constant__ FwdParams p) {
                                                                p.headdim, tid);
     // The raw K and V of block j into stage j % RAW_STAGES, one commit group (empty past the end,
     // so that every iteration waits for the same count).
-    const int j_end = (n_end + BLOCK_N - 1) / BLOCK_N;
+    const int j_end = KeyBlockRange<BLOCK_N>(key_begin, n_end).end;
     const Tf32RawStages<BLOCK_N, D_TILE, NTHREADS, RAW_STAGES> stages{base + L::RAW};
     auto stage_block = [&](int j) {
         stages.copy(j, j < j_end, j * BLOCK_N, k_rows, k_ss, p.headdim, v_rows, v_ss, p.headdim_v, seqlen_k, tid);

@@ -12,6 +12,7 @@ from cupyflash import masks, reference
 
 from .mma import (GROUP, LANES, THREAD_IN_GROUP, a_operand_address, cp_async_tile, k_operand_address, ldmatrix_x4,
                   mma_16816, quad_reduce, swizzled_offset)
+from .mma_bwd_walks import key_range
 
 def pack_p(s):
     """pack_p: s[lane, strip, fragment, 4] -> A fragments [lane, strip, kstep, reg, half]."""
@@ -120,8 +121,7 @@ def fwd_block(q, k, v, o, lse, *, batch, head, m_block, group, scale_log2, mask,
 
     head_kv = head // group
     m0 = m_block * block_m
-    n_end = mask.key_end(m0, block_m, seqlen_q, seqlen_k)
-    j_begin = mask.key_begin(m0, seqlen_q, seqlen_k) // block_n
+    j_begin, _, _, n_end = key_range(mask, m0, block_m, block_n, seqlen_q, seqlen_k)  # KeyBlockRange
     lo_off, hi_off = mask.offsets(seqlen_q, seqlen_k)
     qs, ks, vs = q[batch, :, head], k[batch, :, head_kv], v[batch, :, head_kv]
 
