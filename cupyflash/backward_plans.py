@@ -44,7 +44,7 @@ from .kernels._module import Specialization
 from .kernels.constants import CTYPES, DMMA_D_TILES, SHORT_NAMES, SIXTEEN_BIT, TENSOR_CORE_D_TILES
 from .kernels.constants import d_tile as _d_tile
 from .masks import Local, Mask, as_mask
-from .plans import SIMT_D_TILES, mma_headdim, simt_specialization, simt_tiles, without_spills
+from .plans import SIMT_D_TILES, image_blocks, mma_headdim, simt_specialization, simt_tiles, without_spills
 from .precision import PRODUCTS, check_precision
 
 __all__ = ["BackwardPlan", "BackwardKernels", "BACKWARD_KERNELS", "DQ_ADDS", "STATISTICS", "plan_backward",
@@ -1045,14 +1045,6 @@ def tf32_split_q_spec(dt: int, mask: Mask, config: Tf32WgmmaBwdConfig) -> Specia
     (Tf32QueryBlockTiles: 8 tiles and 4 statistics a row)."""
     return _split_spec("flash_bwd_split_q_tf32", dt, "bm", config.block_m, mask, config,
                        8 * 4 * config.block_m * dt + 4 * config.block_m * 4)
-
-
-def image_blocks(block: int, batch: int, seqlen: int, sequences: int | None = None) -> int:
-    """Blocks a head of a split-once image holds (wgmma_tf32_bwd_steps.cuh's image_block order):
-    batch * ceil(seqlen / block) for a dense batch; for a packed one (``sequences`` of
-    them, seqlen the total rows) seqlen // block + sequences slots, the last sequence's last slot
-    below it."""
-    return seqlen // block + sequences if sequences is not None else batch * math.ceil(seqlen / block)
 
 
 def q_split_bytes(dt: int, block_m: int, batch: int, seqlen_q: int, nheads: int, sequences: int | None = None) -> int:

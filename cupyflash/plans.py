@@ -653,15 +653,19 @@ def tf32_fwd_split_kv_spec(dt: int, mask: Mask | bool, config: WgmmaTf32FwdConfi
                           128, 4 * 4 * config.block_n * dt + 1024, arch="90a")
 
 
+def image_blocks(block: int, batch: int, seqlen: int, sequences: int | None = None) -> int:
+    """Blocks a head of a split-once image holds (split_image.cuh's image_block order), in either
+    direction: batch * ceil(seqlen / block) for a dense batch; for a packed one (``sequences`` of
+    them, seqlen the total rows) seqlen // block + sequences slots, the last sequence's last slot
+    below it."""
+    return seqlen // block + sequences if sequences is not None else batch * -(-seqlen // block)
+
+
 def kv_fwd_split_bytes(dt: int, block_n: int, batch: int, seqlen_k: int, nheads_kv: int,
                        sequences: int | None = None) -> int:
     """The forward's kv_split image's bytes (wgmma_tf32_fwd_steps.cuh's kv_fwd_image_offset): a block
-    of Tf32FwdKeyBlockTiles (4 tiles of block_n x dt float32) per (batch, kv head, key block) of a
-    dense batch; for a packed batch (``sequences`` of them, seqlen_k the total keys) per (slot, kv
-    head), seqlen_k // block_n + sequences slots (split_image.cuh's image_block)."""
-    blocks = (seqlen_k // block_n + sequences if sequences is not None
-              else batch * -(-seqlen_k // block_n))
-    return blocks * nheads_kv * 4 * 4 * block_n * dt
+    of Tf32FwdKeyBlockTiles (4 tiles of block_n x dt float32) per image block and kv head."""
+    return image_blocks(block_n, batch, seqlen_k, sequences) * nheads_kv * 4 * 4 * block_n * dt
 
 
 def _template_options(*values) -> str:
