@@ -125,11 +125,11 @@ flash_fwd_mma(const __grid_constant__ FwdParams p) {
         constexpr bool FRESH = REREAD_INVARIANTS;
         return Mask::query_block(ctaid_x<FRESH>(), nctaid_x<FRESH>()) * BLOCK_M;
     };
-    // Keys [j_begin BLOCK_N, n_end) hold those some row of the block sees (mask.cuh), from
-    // KeyBlockRange; n_end() is recomputed where used (from first_row(), which the one-lane
-    // kernels read afresh). j_begin takes a range of its own, not n_end's lambda: through a
-    // shared lambda, NVRTC reorders the one-lane causal-dropout kernels' code.
-    auto n_end = [&]() { return KeyBlockRange<BLOCK_N>(mask, first_row(), BLOCK_M).n_end; };
+    // Keys [j_begin BLOCK_N, n_end) hold those some row of the block sees (mask.cuh). n_end(), the
+    // mask's unrounded end, is asked where used (from first_row(), which the one-lane kernels read
+    // afresh); j_begin is KeyBlockRange's first block, from a range of its own: computed through
+    // n_end's lambda, NVRTC reorders the one-lane causal-dropout kernels' code.
+    auto n_end = [&]() { return mask.key_end(first_row(), BLOCK_M); };
     const int j_begin = KeyBlockRange<BLOCK_N>(mask, first_row(), BLOCK_M).first;
     const int head = blockIdx.y, batch = seq.batch;
     const int head_kv = head / p.group;
