@@ -472,9 +472,12 @@ WGMMA_FLOAT32_FORWARD_TILES = {
 # flash_fwd_split_kv_tf32, about the cost of reading K and V three times) is read by at least
 # PRESPLIT_MIN_IMAGE_READERS query blocks (plans.image_readers). H100, d64, 32 heads (perf log
 # tf32-fwd-split-once): at 8 readers (1k) 0.84-0.92x the producer forward ("ieee"), at 32 (4k)
-# 1.01-1.04x, at 64 (8k) 1.11-1.12x; "tf32" 1.22-1.50x from 32. Empty until the GPU suite has
-# passed with the rows routed.
-WGMMA_FLOAT32_PRESPLIT_FORWARD_TILES: dict = {}
+# 1.01-1.04x, at 64 (8k) 1.11-1.12x; "tf32" 1.22-1.50x from 32.
+WGMMA_FLOAT32_PRESPLIT_FORWARD_TILES = {
+    ("tf32", SM90, 64, "ieee"): WgmmaTf32FwdConfig(32, raw_stages=0, producer=True, stages=4, sums_apart=True,
+                                                   presplit=True),
+    ("tf32", SM90, 64, "tf32"): WgmmaTf32FwdConfig(32, raw_stages=0, producer=True, stages=4, presplit=True),
+}
 PRESPLIT_MIN_IMAGE_READERS = 32
 
 

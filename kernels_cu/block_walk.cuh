@@ -23,6 +23,14 @@ struct QueryBlockWalk {
     int end;     // one past the last
     int blocks;  // end - first, or 0
     int iters;   // (query head, query block) pairs: group * blocks
+    // The walk in rows, for the kernels that count query rows rather than blocks (the float64 and
+    // SIMT dK/dV kernels). m_first: the first block's first row, first * BLOCK_M. m_end: the query
+    // range's end, not rounded (KeyBlockRange's n_end): the last block's rows at or past it see no
+    // key of the block, and a walk of rows m0 = m_first, m_first + BLOCK_M, ... while m0 < m_end
+    // stops at end without the rounding (flash_bwd_dkdv_simt). Initialized last, from the calls
+    // first and end make: a kernel that reads neither keeps its code.
+    int m_end;
+    int m_first;
 
     template <class Mask>
     __device__ __forceinline__ QueryBlockWalk(const Mask& mask, int n0, int block_n, int group_)
@@ -32,10 +40,16 @@ struct QueryBlockWalk {
                   ? first
                   : (mask.query_end(n0, block_n) + BLOCK_M - 1) / BLOCK_M),
           blocks(max(0, end - first)),
-          iters(group_ * blocks) {}
+          iters(group_ * blocks),
+          m_end(mask.query_end(n0, block_n)),
+          m_first(first * BLOCK_M) {}
 
     __device__ __forceinline__ int head(int head_kv, int it) const { return head_kv * group + it / blocks; }
     __device__ __forceinline__ int block(int it) const { return first + it % blocks; }
+    // Iteration it's first query row, block(it) * BLOCK_M counted from m_first, which the
+    // constructor computes outside the kernel's loop: as (first + it % blocks) * BLOCK_M in the
+    // loop, flash_bwd_dkdv_dmma took up to 6 more registers (sm_80, d64, a window with ALiBi).
+    __device__ __forceinline__ int row(int it) const { return m_first + it % blocks * BLOCK_M; }
     // Iteration it's block counted down from `last` (the ordered dQ adds: a dQ block's key blocks
     // add in key order, so every key block visits the last query blocks first).
     __device__ __forceinline__ int block_down_from(int last, int it) const { return last - it % blocks; }

@@ -244,20 +244,22 @@ __device__ __forceinline__ void cp_async_row_stats(u32 dst, u32 slot_bytes, cons
 // One entry of S and dP (raw units: the unit is the scale) after the policies, as every float64
 // backward kernel takes it: the score policy's transform and ds'/ds (unset without a derivative),
 // whether the mask hides the key (or the row sees none: row_sees_nothing), whether dropout keeps
-// it, and dP times Z / (1 - p) (0 where dropped: dropout.cuh).
+// it, and dP times Z / (1 - p) (0 where dropped: dropout.cuh). Flag<false> for an entry of a
+// block the mask policy holds whole (partial() false): no element test, no predicate.
 template <typename A>
 struct ScoreEntry {
     A s, dp, dsds;
     bool hidden, kept;
 };
 
-template <class Mask, typename A>
+template <class Mask, typename A, bool PARTIAL = true>
 __device__ __forceinline__ ScoreEntry<A> score_entry(A s, A dp, int q_row, int key, bool row_sees_nothing,
                                                      const Mask& mask, const ScoreOf<Mask, A>& score,
-                                                     const DropoutOf<Mask>& dropout, A drop_scale) {
+                                                     const DropoutOf<Mask>& dropout, A drop_scale,
+                                                     Flag<PARTIAL> = {}) {
     ScoreEntry<A> x;
-    x.hidden = row_sees_nothing || mask.hides(q_row, key);
-    x.s = score.transform(s, score.origin(q_row, key), 0, 0, x.dsds);
+    x.hidden = row_sees_nothing || (PARTIAL && mask.hides(q_row, key));
+    x.s = score.transform(s, score.origin(q_row, key, PARTIAL), 0, 0, x.dsds);
     x.kept = !DropoutOf<Mask>::ENABLED || dropout.keep(q_row, key);
     x.dp = !DropoutOf<Mask>::ENABLED ? dp : x.kept ? dp * drop_scale : A(0);
     return x;

@@ -8,6 +8,7 @@
 // out in the accumulator layout that dV += P^T dO and dK += dS^T Q take as their A fragments.
 // Each query block's Q, dO and row statistics come in by cp.async into the stage the previous
 // block does not read, while that block computes.
+#include "block_walk.cuh"
 #include "common.cuh"
 #include "dmma_bwd_steps.cuh"
 #include "mask.cuh"
@@ -61,18 +62,16 @@ flash_bwd_dkdv_dmma(const __grid_constant__ BwdParams p) {
     cp_async_rows_scalar<BLOCK_N, D_TILE, LD, NTHREADS>(v_tile, p.v.row<const A>(batch, seq.k_begin, head_kv), n0,
                                                      seqlen_k, p.headdim_v, p.v.row_stride);
 
-    // The walk: query blocks [m_first, m_end) of each head of the group; blocks that see no key
-    // of this block are skipped.
-    const int m_first = mask.query_begin(n0) / BLOCK_M * BLOCK_M;
-    const int m_end = mask.query_end(n0, BLOCK_N);
-    const int blocks = m_end > m_first ? (m_end - m_first + BLOCK_M - 1) / BLOCK_M : 0;
-    const int steps = blocks * group;
+    // The walk: the query blocks that see some key of this block, for each head of the group
+    // (block_walk.cuh); step s is the walk's iteration s.
+    const QueryBlockWalk<BLOCK_M> walk(mask, n0, BLOCK_N, group);
+    const int steps = walk.iters;
     const A* lse = static_cast<const A*>(p.lse);
     const A* delta = static_cast<const A*>(p.delta);
     const A* weight = static_cast<const A*>(p.weight);
     const A* dp_ref = static_cast<const A*>(p.dp_ref);
     auto load_step = [&](int step, int stage) {
-        const int head = head_kv * group + step / blocks, m0 = m_first + step % blocks * BLOCK_M;
+        const int head = walk.head(head_kv, step), m0 = walk.row(step);
         A* q_stage = stages + stage * STAGE;
         cp_async_rows_scalar<BLOCK_M, D_TILE, LD, NTHREADS>(q_stage, p.q.row<const A>(batch, seq.q_begin, head), m0,
                                                          seqlen_q, p.headdim, p.q.row_stride);
@@ -106,7 +105,7 @@ flash_bwd_dkdv_dmma(const __grid_constant__ BwdParams p) {
             load_step(step + 1, stage ^ 1);
             cp_async_commit();
         }
-        const int head = head_kv * group + step / blocks, m0 = m_first + step % blocks * BLOCK_M;
+        const int head = walk.head(head_kv, step), m0 = walk.row(step);
         const A* q_tile = stages + stage * STAGE;
         const A* do_tile = q_tile + BLOCK_M * LD;
         const A* stat_tile = do_tile + BLOCK_M * LD;

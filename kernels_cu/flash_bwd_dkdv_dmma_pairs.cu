@@ -12,6 +12,7 @@
 // mask's and dropout's verdicts itself (the same calls). Everything else is flash_bwd_dkdv_dmma's
 // (its walk, below as DmmaKeyBlock; the steps of dmma_bwd_steps.cuh), and its scores are those of
 // the other float64 kernels to the bit.
+#include "block_walk.cuh"
 #include "common.cuh"
 #include "dmma_bwd_steps.cuh"
 #include "mask.cuh"
@@ -23,10 +24,10 @@
 namespace cf {
 
 // The CTA's walk (flash_bwd_dkdv_dmma's, as a struct the candidate can share when it becomes a
-// plan row): one key block walking `steps` query blocks, those of [m_first, m_end) that see a key
-// of it for each query head of its GQA group in turn; K and V copied once, each step's Q, dO and
-// row statistics into one of two stages ([2][STAGE] doubles: Q and dO [BLOCK_M][LD], then
-// [STAT_SLOTS][BLOCK_M] as copied: dmma_bwd_steps.cuh's StatSlot).
+// plan row): one key block walking the query blocks that see a key of it for each query head of
+// its GQA group in turn (block_walk.cuh's QueryBlockWalk: step s is its iteration s); K and V
+// copied once, each step's Q, dO and row statistics into one of two stages ([2][STAGE] doubles:
+// Q and dO [BLOCK_M][LD], then [STAT_SLOTS][BLOCK_M] as copied: dmma_bwd_steps.cuh's StatSlot).
 
 template <class Mask, int D_TILE, int BLOCK_M, int BLOCK_N, int NTHREADS>
 struct DmmaKeyBlock {
@@ -34,35 +35,33 @@ struct DmmaKeyBlock {
     static constexpr int STAGE = 2 * BLOCK_M * LD + STAT_SLOTS * BLOCK_M;  // doubles
     SequenceRows seq;
     Mask mask;
-    int n0, head_kv, m_first, blocks, steps;
+    int n0, head_kv;
+    QueryBlockWalk<BLOCK_M> walk;
 
     __device__ __forceinline__ DmmaKeyBlock(const BwdParams& p)
         : seq(cta_sequence<Mask>(p, blockIdx.z)),
           mask(cta_mask<Mask, CtaRows::KEYS>(p, seq.index, seq.seqlen_q, seq.seqlen_k)),
           n0(blockIdx.x * BLOCK_N),
-          head_kv(blockIdx.y) {}
+          head_kv(blockIdx.y),
+          walk(mask, n0, BLOCK_N, p.group) {}
 
     // Past a shorter sequence's end. A sequence without queries still stores dK = dV = 0.
     __device__ __forceinline__ bool past_end() const { return Mask::PACKED && n0 >= seq.seqlen_k; }
 
-    // K and V, then the walk's extent and its first step, in one committed group
+    // K and V, then the walk's first step, in one committed group
     __device__ __forceinline__ void load_first(const BwdParams& p, double* k_tile, double* v_tile, double* stages) {
         cp_async_rows_scalar<BLOCK_N, D_TILE, LD, NTHREADS>(k_tile, p.k.row<const double>(seq.batch, seq.k_begin, head_kv),
                                                          n0, seq.seqlen_k, p.headdim, p.k.row_stride);
         cp_async_rows_scalar<BLOCK_N, D_TILE, LD, NTHREADS>(v_tile, p.v.row<const double>(seq.batch, seq.k_begin, head_kv),
                                                          n0, seq.seqlen_k, p.headdim_v, p.v.row_stride);
-        m_first = mask.query_begin(n0) / BLOCK_M * BLOCK_M;
-        const int m_end = mask.query_end(n0, BLOCK_N);
-        blocks = m_end > m_first ? (m_end - m_first + BLOCK_M - 1) / BLOCK_M : 0;
-        steps = blocks * p.group;
-        if (steps > 0) load_step(p, stages, 0, 0);
+        if (walk.iters > 0) load_step(p, stages, 0, 0);
         cp_async_commit();
     }
-    __device__ __forceinline__ int head(const BwdParams& p, int step) const { return head_kv * p.group + step / blocks; }
-    __device__ __forceinline__ int m0(int step) const { return m_first + step % blocks * BLOCK_M; }
+    __device__ __forceinline__ int head(int step) const { return walk.head(head_kv, step); }
+    __device__ __forceinline__ int m0(int step) const { return walk.row(step); }
 
     __device__ __forceinline__ void load_step(const BwdParams& p, double* stages, int step, int stage) const {
-        const int h = head(p, step), m = m0(step);
+        const int h = head(step), m = m0(step);
         double* q_stage = stages + stage * STAGE;
         cp_async_rows_scalar<BLOCK_M, D_TILE, LD, NTHREADS>(q_stage, p.q.row<const double>(seq.batch, seq.q_begin, h), m,
                                                          seq.seqlen_q, p.headdim, p.q.row_stride);
@@ -139,7 +138,7 @@ flash_bwd_dkdv_dmma_pairs(const __grid_constant__ BwdParams p) {
     const int w0 = pair * 16;
     A* hand = handed + pair * HANDED * 32 + lane;
     cta.load_first(p, k_tile, v_tile, stages);
-    const int steps = cta.steps;
+    const int steps = cta.walk.iters;
 
     A acc[D_TILE / 8][2][2];  // dK or dV of the pair's keys, rows g and g + 8
 #pragma unroll
@@ -155,7 +154,7 @@ flash_bwd_dkdv_dmma_pairs(const __grid_constant__ BwdParams p) {
             cta.load_step(p, stages, step + 1, stage ^ 1);
             cp_async_commit();
         }
-        const int head = cta.head(p, step), m0 = cta.m0(step);
+        const int head = cta.head(step), m0 = cta.m0(step);
         const A* q_tile = stages + stage * STAGE;
         const A* do_tile = q_tile + BLOCK_M * LD;
         const A* stat_tile = do_tile + BLOCK_M * LD;

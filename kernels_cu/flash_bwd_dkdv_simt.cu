@@ -11,6 +11,7 @@
 //   flash_bwd_dq_simt     one block per query block Q_i; walks the key blocks and accumulates dQ_i
 //                         (flash_bwd_dq_simt.cu).
 // P and dS are recomputed in both passes rather than exchanged through global memory.
+#include "block_walk.cuh"
 #include "common.cuh"
 #include "mask.cuh"
 #include "params.cuh"
@@ -68,9 +69,10 @@ flash_bwd_dkdv_simt(const __grid_constant__ BwdParams p) {
 #pragma unroll
     for (int j = 0; j < O_PER_LANE; ++j) dk_acc[j] = dv_acc[j] = A(0);
 
-    // Query blocks that see no key of this block are skipped.
-    const int m_first = mask.query_begin(n0) / BLOCK_M * BLOCK_M;
-    const int m_end = mask.query_end(n0, BLOCK_N);
+    // The query blocks that see some key of this block (block_walk.cuh), walked by their rows for
+    // each query head of the group: m0 from walk.m_first while m0 < walk.m_end, the unrounded
+    // end, visits blocks [first, end) as the walk's iterations do, in their order.
+    const QueryBlockWalk<BLOCK_M> walk(mask, n0, BLOCK_N, group);
 
     for (int head = head_kv * group; head < (head_kv + 1) * group; ++head) {
         const T* __restrict__ q_base = p.q.row<const T>(batch, seq.q_begin, head);
@@ -80,7 +82,7 @@ flash_bwd_dkdv_simt(const __grid_constant__ BwdParams p) {
         // raw scores: the unit is the scale
         const ScoreOf<Mask, A> score(score_problem<Mask>(p, seq), seq.index, head, scale);
         const DropoutOf<Mask> dropout(p, seq.index, head);
-        for (int m0 = m_first; m0 < m_end; m0 += BLOCK_M) {
+        for (int m0 = walk.m_first; m0 < walk.m_end; m0 += BLOCK_M) {
             __syncthreads();  // previous Q/dO tiles fully consumed
             load_tile<BLOCK_M, D_TILE, NTHREADS>(q_tile, q_base, m0, seqlen_q, headdim, p.q.row_stride, A(1));
             load_tile<BLOCK_M, D_TILE, NTHREADS>(do_tile, do_base, m0, seqlen_q, p.headdim_v, p.dout.row_stride, A(1));

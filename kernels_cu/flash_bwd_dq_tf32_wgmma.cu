@@ -115,7 +115,8 @@ flash_bwd_dq_tf32_wgmma(const __grid_constant__ BwdParams p) {
             {base + L::DO_HI, base + L::DO_LO, base + L::V_HI, base + L::V_LO});
 
         // dS = P (dP - D) into s (Tf32DqRows: each value at its row and key).
-        rows.ds_in_place<BLOCK_N>(s, dp, n0, t, mask, score, dropout, drop_scale, scale_log2);
+        rows.ds_in_place<BLOCK_N>(s, dp, n0, t, mask, score, dropout, drop_scale, scale_log2,
+                                  mask.partial(m0, BLOCK_M, n0, BLOCK_N));
 
         // Step 5: dQ += dS K.
         tf32_acc_times_tile<D_TILE, BLOCK_N / 8, PRODUCTS, SUMS_APART>(dq_acc, s, base + L::KT_HI, base + L::KT_LO,

@@ -175,7 +175,8 @@ flash_bwd_dq_tf32_wgmma_ws(const __grid_constant__ BwdParams p) {
                                                           stage + L::K + L::KV_TILE},
             {base + L::DO_HI, base + L::DO_HI + L::Q_TILE, stage + L::V, stage + L::V + L::KV_TILE});
         // dS = P (dP - D) into s (Tf32DqRows: each value at its row and key).
-        rows.ds_in_place<BLOCK_N>(s, dp, n0, t, mask, score, dropout, drop_scale, scale_log2);
+        rows.ds_in_place<BLOCK_N>(s, dp, n0, t, mask, score, dropout, drop_scale, scale_log2,
+                                  mask.partial(m0, BLOCK_M, n0, BLOCK_N));
         // dQ += dS K, waited for: the stage is the producer's again after it.
         tf32_acc_times_tile<D_TILE, BLOCK_N / 8, PRODUCTS, SUMS_APART>(dq_acc, s, stage + L::KT,
                                                                      stage + L::KT + L::KV_TILE, NoTurns());

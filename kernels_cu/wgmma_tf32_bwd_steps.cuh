@@ -158,27 +158,35 @@ __device__ __forceinline__ void tf32_dkdv_query_block(float (&dk_acc)[D_TILE / 2
         s, ds, Tf32RowsTimesRows<BLOCK_N, BLOCK_M, PRODUCTS>{tiles.k, tiles.k + KV_TILE, tiles.q, tiles.q + Q_TILE},
         {tiles.v, tiles.v + KV_TILE, tiles.dout, tiles.dout + Q_TILE});
 
-    // Step 4: P^T into s, dS^T into ds.
+    // Step 4: P^T into s, dS^T into ds. Two copies, with and without the element mask and a user
+    // mask's predicate: a block the mask policy holds whole (partial() false) needs neither. One
+    // copy (the masked one) where the policy hides nothing inside the sequences.
     const ScoreOf<Mask, float> score(score_problem<Mask>(p, seq), seq.index, head, scale);
     const DropoutOf<Mask> dropout(p, seq.index, head);
+    auto element_step = [&](auto partial) {
 #pragma unroll
-    for (int f = 0; f < BLOCK_M / 8; ++f)
+        for (int f = 0; f < BLOCK_M / 8; ++f)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int qi = 8 * f + 2 * t + (e & 1), q_row = m0 + qi;
-            const int key = n0 + 16 * warp + g + 8 * (e >> 1);
-            // lse = -inf marks a row with no visible key: P = 0, as a row past the end
-            const float top = q_row < seqlen_q ? stats[STAT_LSE * BLOCK_M + qi] * to_log2 : neg_inf<float>();
-            const float row_weight = has_weight ? stats[STAT_WEIGHT * BLOCK_M + qi] : 1.f;
-            const float row_dp_ref = has_dp_ref ? stats[STAT_DP_REF * BLOCK_M + qi] : 0.f;
-            const float row_delta = stats[STAT_DELTA * BLOCK_M + qi];
-            const int v = 4 * f + e;
-            const auto x = score_entry(s[v], ds[v], q_row, key, top == neg_inf<float>(), mask, score, dropout,
-                                       drop_scale);
-            const float p_ij = x.hidden ? 0.f : recomputed_p_exact(x.s, scale_log2, top, row_weight);
-            s[v] = x.kept ? p_ij : 0.f;
-            ds[v] = ds_entry<Mask>(x, p_ij, row_dp_ref, row_delta);
-        }
+            for (int e = 0; e < 4; ++e) {
+                const int qi = 8 * f + 2 * t + (e & 1), q_row = m0 + qi;
+                const int key = n0 + 16 * warp + g + 8 * (e >> 1);
+                // lse = -inf marks a row with no visible key: P = 0, as a row past the end
+                const float top = q_row < seqlen_q ? stats[STAT_LSE * BLOCK_M + qi] * to_log2 : neg_inf<float>();
+                const float row_weight = has_weight ? stats[STAT_WEIGHT * BLOCK_M + qi] : 1.f;
+                const float row_dp_ref = has_dp_ref ? stats[STAT_DP_REF * BLOCK_M + qi] : 0.f;
+                const float row_delta = stats[STAT_DELTA * BLOCK_M + qi];
+                const int v = 4 * f + e;
+                const auto x = score_entry(s[v], ds[v], q_row, key, top == neg_inf<float>(), mask, score, dropout,
+                                           drop_scale, partial);
+                const float p_ij = x.hidden ? 0.f : recomputed_p_exact(x.s, scale_log2, top, row_weight);
+                s[v] = x.kept ? p_ij : 0.f;
+                ds[v] = ds_entry<Mask>(x, p_ij, row_dp_ref, row_delta);
+            }
+    };
+    if (!hides_inside_sequences<Mask>() || mask.partial(m0, BLOCK_M, n0, BLOCK_N))
+        element_step(Flag<true>());
+    else
+        element_step(Flag<false>());
 
     // Steps 5-6: dV += P^T dO, dK += dS^T Q.
     tf32_acc_times_tile<D_TILE, BLOCK_M / 8, PRODUCTS, SUMS_APART>(dv_acc, s, tiles.dot, tiles.dot + Q_TILE,
@@ -209,20 +217,27 @@ struct Tf32DqRows {
         }
     }
 
+    // `partial`: the mask policy's partial() of the block; a whole one takes no element test.
     template <int BLOCK_N, class Mask, class Score, class Dropout>
     __device__ __forceinline__ void ds_in_place(float (&s)[BLOCK_N / 2], const float (&dp)[BLOCK_N / 2], int n0,
                                                 int t, const Mask& mask, const Score& score, const Dropout& dropout,
-                                                float drop_scale, float scale_log2) const {
+                                                float drop_scale, float scale_log2, bool partial) const {
+        auto element_step = [&](auto partial_) {
 #pragma unroll
-        for (int f = 0; f < BLOCK_N / 8; ++f)
+            for (int f = 0; f < BLOCK_N / 8; ++f)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int h = e >> 1, key = n0 + 8 * f + 2 * t + (e & 1), v = 4 * f + e;
-                const auto x = score_entry(s[v], dp[v], q_row[h], key, stats[h].top == neg_inf<float>(), mask, score,
-                                           dropout, drop_scale);
-                const float p_ij = recomputed_p_exact(x.s, scale_log2, stats[h].top, stats[h].weight);
-                s[v] = ds_entry<Mask>(x, p_ij, stats[h].dp_ref, delta[h]);
-            }
+                for (int e = 0; e < 4; ++e) {
+                    const int h = e >> 1, key = n0 + 8 * f + 2 * t + (e & 1), v = 4 * f + e;
+                    const auto x = score_entry(s[v], dp[v], q_row[h], key, stats[h].top == neg_inf<float>(), mask,
+                                               score, dropout, drop_scale, partial_);
+                    const float p_ij = recomputed_p_exact(x.s, scale_log2, stats[h].top, stats[h].weight);
+                    s[v] = ds_entry<Mask>(x, p_ij, stats[h].dp_ref, delta[h]);
+                }
+        };
+        if (!hides_inside_sequences<Mask>() || partial)
+            element_step(Flag<true>());
+        else
+            element_step(Flag<false>());
     }
 };
 

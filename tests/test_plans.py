@@ -160,19 +160,18 @@ def test_one_row_answers_what_runs():
         assert plans.forward_plan(SUPPORTED[dtype], dt, Causal(), tiles).tiles == tiles
 
 
-def test_presplit_rows_need_enough_readers_of_each_key_block(monkeypatch):
+def test_presplit_rows_need_enough_readers_of_each_key_block():
     """WGMMA_FLOAT32_PRESPLIT_FORWARD_TILES' rows replace the producer forward only where each key
     block's split image has PRESPLIT_MIN_IMAGE_READERS query blocks or more to read it (query blocks
     of 128 rows times the query heads of a kv head), and never for a plan made without the
-    problem's length. Shipped empty: the rows here are the test's own."""
-    assert plans.WGMMA_FLOAT32_PRESPLIT_FORWARD_TILES == {}
+    problem's length; the rows are the shipped ones (sm_90, d64, both precisions)."""
     assert plans.image_readers(1, 1) == 1 and plans.image_readers(1024, 1) == 8
     assert plans.image_readers(1025, 1) == 9 and plans.image_readers(4096, 4) == 128
     rows = {("tf32", plans.SM90, 64, precision): plans.WgmmaTf32FwdConfig(32, raw_stages=0, producer=True, stages=4,
                                                                           sums_apart=precision == "ieee",
                                                                           presplit=True)
             for precision in ("ieee", "tf32")}
-    monkeypatch.setattr(plans, "WGMMA_FLOAT32_PRESPLIT_FORWARD_TILES", rows)
+    assert plans.WGMMA_FLOAT32_PRESPLIT_FORWARD_TILES == rows
     least = plans.PRESPLIT_MIN_IMAGE_READERS
     for precision in ("ieee", "tf32"):
         producer = plans.WGMMA_FLOAT32_FORWARD_TILES[("tf32", plans.SM90, 64, precision)]

@@ -6,11 +6,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from models.mirrors import MIRRORED, missing_statements
+from models.mma_bwd_walks import dmma_walk, simt_walk
+from windows import window_size
 
 from cupyflash import backward_plans, plans, reference
 from cupyflash.backward_plans import DMMA_BACKWARD_TILES, MMA_SYNC, SM90, DmmaBwdConfig, Tf32WgmmaBwdConfig
 from cupyflash.kernels import dmma
-from cupyflash.masks import KINDS, PACKED_KINDS, VARIANT_KINDS, as_mask
+from cupyflash.masks import KINDS, PACKED_KINDS, VARIANT_KINDS, as_mask, mask_for
 
 
 def test_float64_backward_plans_run_dmma_up_to_d128():
@@ -185,6 +190,70 @@ def test_specializations_mirror_the_kernels_tiles():
                             == route_spec(kind, where, dt, mask).name for d, c in candidates if d == dt))
     assert sum(1 for n in names if "_bwd_" in n) == (3 * kinds * (len(distinct) + tf32) + kinds * len(wgmma) + routed
                                                      + len(splits))
+
+
+WALK_SOURCES = ("flash_bwd_dkdv_dmma", "flash_bwd_dkdv_dmma_pairs", "flash_bwd_dkdv_simt", "block_walk.cuh")
+
+
+@pytest.mark.parametrize("source", WALK_SOURCES)
+def test_walk_mirrors_match_the_kernel_sources(source):
+    """The float64 and SIMT dK/dV kernels' walks (models/mma_bwd_walks.py: dmma_walk, simt_walk) are
+    still the statements of their kernels and of block_walk.cuh, whitespace aside."""
+    assert any(m.source == source for m in MIRRORED)
+    assert not (missing := missing_statements(source)), f"mirrored statements no longer in {source}: {missing}"
+
+
+class _QueryRange:
+    """A mask policy reduced to one key block's query range [begin, end): any pair of non-negative
+    rows, an empty one (end <= begin) too, as the band's and the block map's ranges are."""
+
+    def __init__(self, begin, end):
+        self.begin, self.end = begin, end
+
+    def query_begin(self, n0, seqlen_q, seqlen_k):
+        return self.begin
+
+    def query_end(self, n0, cols, seqlen_q, seqlen_k):
+        return self.end
+
+
+def _row_offset_walk(mask, n0, block_n, block_m, seqlen_q, seqlen_k, group, head_kv):
+    """The steps flash_bwd_dkdv_dmma and _pairs counted from row offsets before they took
+    QueryBlockWalk: blocks = ceil((m_end - m_first) / BLOCK_M) from m_first, the first block's row."""
+    m_first = mask.query_begin(n0, seqlen_q, seqlen_k) // block_m * block_m
+    m_end = mask.query_end(n0, block_n, seqlen_q, seqlen_k)
+    blocks = -(-(m_end - m_first) // block_m) if m_end > m_first else 0
+    return [(head_kv * group + step // blocks, m_first + step % blocks * block_m) for step in range(blocks * group)]
+
+
+@given(st.integers(0, 400), st.integers(0, 400), st.sampled_from([8, 16, 32, 64]), st.integers(1, 4),
+       st.integers(0, 3))
+def test_the_float64_and_simt_walks_are_query_block_walks(begin, end, block_m, group, head_kv):
+    """flash_bwd_dkdv_dmma (and _pairs) step through QueryBlockWalk's iterations, and
+    flash_bwd_dkdv_simt walks rows from its m_first while below its unrounded end m_end: the same
+    (query head, query block) pairs in the same order, which are those these kernels counted from
+    row offsets before, for any query range. Rounded to blocks, an empty range (end <= begin) whose
+    end lies past the first block's first row walks that block (every pair of it hidden), in all
+    three counts alike."""
+    mask = _QueryRange(begin, end)
+    args = (mask, 0, 64, block_m, 512, 512, group, head_kv)
+    steps = dmma_walk(*args)
+    assert steps == simt_walk(*args) == _row_offset_walk(*args)
+    blocks = range(begin // block_m, -(-end // block_m))
+    assert steps == [(head_kv * group + h, b * block_m) for h in range(group) for b in blocks]
+
+
+@given(st.integers(1, 300), st.integers(1, 300), st.booleans(), window_size(), st.sampled_from([8, 16, 32]),
+       st.sampled_from([16, 32, 64]))
+def test_the_float64_and_simt_walks_visit_the_masks_query_blocks(seqlen_q, seqlen_k, causal, window, block_m,
+                                                                 block_n):
+    """For the band policies the walks visit exactly the query blocks the policy says see the key
+    block (masks.Mask.query_blocks, checked against brute force in tests/test_masks.py)."""
+    mask = mask_for(causal, window)
+    for n0 in range(0, seqlen_k, block_n):
+        args = (mask, n0, block_n, block_m, seqlen_q, seqlen_k, 1, 0)
+        expected = [(0, b * block_m) for b in mask.query_blocks(n0, block_n, block_m, seqlen_q, seqlen_k)]
+        assert dmma_walk(*args) == simt_walk(*args) == _row_offset_walk(*args) == expected
 
 
 def test_a_row_past_the_devices_shared_memory_runs_simt():

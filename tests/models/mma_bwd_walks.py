@@ -85,6 +85,38 @@ def wgmma_walk(mask, n0, block_n, block_m, seqlen_q, seqlen_k, group, head_kv, o
             for it in range(group * blocks)]
 
 
+# The float64 dK/dV kernels walk QueryBlockWalk's iterations as their steps: flash_bwd_dkdv_dmma
+# in its body, flash_bwd_dkdv_dmma_pairs in its DmmaKeyBlock.
+@_each(("flash_bwd_dkdv_dmma",), "const QueryBlockWalk<BLOCK_M> walk(mask, n0, BLOCK_N, group);",
+       "const int steps = walk.iters;",
+       "const int head = walk.head(head_kv, step), m0 = walk.row(step);")
+@_each(("flash_bwd_dkdv_dmma_pairs",), "walk(mask, n0, BLOCK_N, p.group) {}", "const int steps = cta.walk.iters;",
+       "return walk.head(head_kv, step);", "return walk.row(step);")
+@mirrors("block_walk.cuh", "iters(group_ * blocks),", "m_first(first * BLOCK_M) {}",
+         "int head(int head_kv, int it) const { return head_kv * group + it / blocks; }",
+         "int row(int it) const { return m_first + it % blocks * BLOCK_M; }")
+def dmma_walk(mask, n0, block_n, block_m, seqlen_q, seqlen_k, group, head_kv):
+    """(query head, first query row) of each step of a float64 dK/dV CTA: query_block_range's
+    blocks for each head of the group in turn, ascending."""
+    first, blocks = query_block_range(mask, n0, block_n, block_m, seqlen_q, seqlen_k)
+    m_first = first * block_m
+    return [(head_kv * group + it // blocks, m_first + it % blocks * block_m) for it in range(group * blocks)]
+
+
+# flash_bwd_dkdv_simt walks the rows of the same blocks, head by head: from QueryBlockWalk's
+# m_first while below its unrounded end m_end.
+@_each(("flash_bwd_dkdv_simt",), "const QueryBlockWalk<BLOCK_M> walk(mask, n0, BLOCK_N, group);",
+       "for (int head = head_kv * group; head < (head_kv + 1) * group; ++head) {",
+       "for (int m0 = walk.m_first; m0 < walk.m_end; m0 += BLOCK_M) {")
+@mirrors("block_walk.cuh", "m_end(mask.query_end(n0, block_n)),", "m_first(first * BLOCK_M) {}")
+def simt_walk(mask, n0, block_n, block_m, seqlen_q, seqlen_k, group, head_kv):
+    """(query head, first query row) of each query block a SIMT dK/dV CTA visits, in its order."""
+    m_first = mask.query_begin(n0, seqlen_q, seqlen_k) // block_m * block_m
+    m_end = mask.query_end(n0, block_n, seqlen_q, seqlen_k)
+    return [(head, m0) for head in range(head_kv * group, (head_kv + 1) * group)
+            for m0 in range(m_first, m_end, block_m)]
+
+
 @_each(DQ_KERNELS,  # in their CTA, mma_bwd_query_cta.cuh's MmaQueryCta
        "keys(mask, m0, min(BLOCK_M, seq_.seqlen_q - m0)) {}")
 def key_block_range(mask, m0, block_m, block_n, seqlen_q, seqlen_k):
