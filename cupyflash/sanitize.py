@@ -2,9 +2,10 @@
 
 Runs a small workload (forward and backward of each family at odd shapes: sequence lengths that
 are not tile multiples, head dimensions 1, 40, 72 and 200, full, causal and a sliding window,
-GQA; and with the mma family the KV-cache kernels: a decode step over a left-padded contiguous
-cache and over a paged one with split keys, rotary embeddings, the append kernel of the unread
-path) once under each of
+GQA; the variants: softcap, ALiBi, a sink, dropout, a user score_mod and mask_mod, and with the
+mma family v's own head dim and a packed batch; and with the mma family the KV-cache kernels: a
+decode step over a left-padded contiguous cache and over a paged one with split keys, rotary
+embeddings, the append kernel of the unread path) once under each of
 memcheck, racecheck, initcheck and synccheck, and reports each tool's verdict. Needs a GPU and
 compute-sanitizer on the PATH (or in $CUDA_HOME/bin).
 """
@@ -84,8 +85,101 @@ def workload(families=("simt", "mma"), quick=False) -> int:
                     calls += 1
         if backend == "mma":
             calls += _kvcache_workload(rng, ("bfloat16",) if quick else ("float16", "bfloat16"))
+        calls += _variants_workload(rng, backend, quick)
     cupy.cuda.runtime.deviceSynchronize()
     return calls
+
+
+def _capped_score(score, b, h, q_idx, kv_idx, bias):
+    """A user score_mod: a tanh cap plus a bias per (head, query) read from a table."""
+    from .modifiers import tanh
+
+    return 20.0 * tanh(score / 20.0) + bias[h, q_idx % 8]
+
+
+def _same_document(b, h, q_idx, kv_idx, doc):
+    """A user mask_mod: the pairs of one document (ids per batch entry and position)."""
+    return doc[b, q_idx] == doc[b, kv_idx]
+
+
+# The variants' calls (issue 16's kernels and code paths): each a forward and its backward at one
+# odd shape (77 queries, 130 keys, GQA 4 / 2), with the window where the variant composes with it.
+VARIANT_CALLS = (
+    ("softcap", dict(causal=True, softcap=30.0)),
+    ("alibi + window", dict(window_size=(19, 70), alibi="slopes")),
+    ("sink", dict(causal=True, sink="logits")),
+    ("softcap + alibi + sink", dict(softcap=5.0, alibi="slopes", sink="logits")),
+    ("dropout", dict(causal=True, dropout_p=0.2, seed=7)),
+    ("score_mod + mask_mod", dict(score_mod="capped", mask_mod="documents")),
+)
+
+
+def _variants_workload(rng, family: str, quick: bool, backend: str | None = None, to_device=None) -> int:
+    """Issue 16's variants on ``family``'s kernels: VARIANT_CALLS at head dims 40 and 72 (one
+    dtype per family; quick: d72 only), then on the mma family v's own head dim (192 / 128, MLA's
+    pair) causal with softcap, and a packed batch (flash_attn_varlen_func) of three ragged
+    sequences, causal, with ALiBi and dropout. ``backend`` (default: the family) and
+    ``to_device`` (default: cupy.asarray) let the CPU tests run the same calls on the NumPy twin."""
+    import numpy as np
+
+    if to_device is None:
+        import cupy
+
+        to_device = cupy.asarray
+    backend = backend or family
+
+    from . import api
+    from ._dtypes import SUPPORTED
+    from .modifiers import MaskMod, ScoreMod
+    from .varlen import flash_attn_varlen_backward, flash_attn_varlen_func
+
+    dtype = SUPPORTED["float32" if family == "simt" else "bfloat16"]
+    heads, heads_kv, seqlen_q, seqlen_k = 4, 2, 77, 130
+
+    def arguments(spec: dict, batch: int) -> dict:
+        kwargs = dict(spec)
+        if kwargs.get("alibi") == "slopes":
+            del kwargs["alibi"]
+            kwargs["alibi_slopes"] = to_device(rng.uniform(0.01, 0.5, heads).astype(np.float32))
+        if kwargs.get("sink") == "logits":
+            kwargs["sink"] = to_device(rng.standard_normal(heads).astype(np.float32))
+        if kwargs.get("score_mod") == "capped":
+            kwargs["score_mod"] = ScoreMod(_capped_score, bias=to_device(
+                rng.standard_normal((heads, 8)).astype(np.float32)))
+        if kwargs.get("mask_mod") == "documents":
+            doc = np.sort(rng.integers(0, 3, (batch, max(seqlen_q, seqlen_k))), axis=1).astype(np.int32)
+            kwargs["mask_mod"] = MaskMod(_same_document, doc=to_device(doc))
+        return kwargs
+
+    def tensor(*shape):
+        return to_device(rng.standard_normal(shape).astype(dtype))
+
+    calls = 0
+    for headdim in (72,) if quick else (40, 72):
+        for _, spec in VARIANT_CALLS:
+            kwargs = arguments(spec, 1)
+            q, do = tensor(1, seqlen_q, heads, headdim), tensor(1, seqlen_q, heads, headdim)
+            k, v = tensor(1, seqlen_k, heads_kv, headdim), tensor(1, seqlen_k, heads_kv, headdim)
+            o, lse = api.flash_attn_func(q, k, v, return_lse=True, backend=backend, **kwargs)
+            api.flash_attn_backward(do, q, k, v, o, lse, backend=backend, **kwargs)
+            calls += 1
+    if family != "mma":
+        return calls
+    # v's own head dim: q, k 192 and v 128, causal with softcap
+    q, k = tensor(1, seqlen_q, heads, 192), tensor(1, seqlen_k, heads_kv, 192)
+    v, do = tensor(1, seqlen_k, heads_kv, 128), tensor(1, seqlen_q, heads, 128)
+    o, lse = api.flash_attn_func(q, k, v, causal=True, softcap=30.0, return_lse=True, backend=backend)
+    api.flash_attn_backward(do, q, k, v, o, lse, causal=True, softcap=30.0, backend=backend)
+    # a packed batch: sequences of 33, 0 and 130 queries over 50, 9 and 130 keys
+    lengths_q, lengths_k = np.array([33, 0, 130]), np.array([50, 9, 130])
+    cu_q, cu_k = (to_device(np.concatenate([[0], np.cumsum(n)]).astype(np.int32)) for n in (lengths_q, lengths_k))
+    q, do = tensor(int(lengths_q.sum()), heads, 72), tensor(int(lengths_q.sum()), heads, 72)
+    k, v = tensor(int(lengths_k.sum()), heads_kv, 72), tensor(int(lengths_k.sum()), heads_kv, 72)
+    kwargs = arguments(dict(causal=True, alibi="slopes", dropout_p=0.1, seed=3), 1)
+    packed = (cu_q, cu_k, int(lengths_q.max()), int(lengths_k.max()))
+    o, lse = flash_attn_varlen_func(q, k, v, *packed, return_lse=True, backend=backend, **kwargs)
+    flash_attn_varlen_backward(do, q, k, v, o, lse, *packed, backend=backend, **kwargs)
+    return calls + 2
 
 
 def _kvcache_workload(rng, dtype_names) -> int:
@@ -105,9 +199,9 @@ def _kvcache_workload(rng, dtype_names) -> int:
     for dtype_name in dtype_names:
         dtype = SUPPORTED[dtype_name]
         theta = rng.uniform(0, 2 * np.pi, (capacity, headdim // 4))
-        cos, sin = (cupy.asarray(f(theta).astype(dtype)) for f in (np.cos, np.sin))
-        q = cupy.asarray(rng.standard_normal((batch, new, heads_kv * group, headdim)).astype(dtype))
-        k, v = (cupy.asarray(rng.standard_normal((batch, new, heads_kv, headdim)).astype(dtype)) for _ in range(2))
+        cos, sin = (to_device(f(theta).astype(dtype)) for f in (np.cos, np.sin))
+        q = to_device(rng.standard_normal((batch, new, heads_kv * group, headdim)).astype(dtype))
+        k, v = (to_device(rng.standard_normal((batch, new, heads_kv, headdim)).astype(dtype)) for _ in range(2))
         for paged in (False, True):
             if paged:
                 pages = batch * capacity // 16
@@ -116,12 +210,12 @@ def _kvcache_workload(rng, dtype_names) -> int:
             else:
                 layout = dict(cache_leftpad=np.array([0, 3, 60], np.int32))
                 shape = (batch, capacity, heads_kv, headdim)
-            caches = [cupy.asarray(rng.standard_normal(shape).astype(dtype)) for _ in range(2)]
+            caches = [to_device(rng.standard_normal(shape).astype(dtype)) for _ in range(2)]
             options = dict(rotary_cos=cos, rotary_sin=sin, causal=True, num_splits=3)
             flash_attn_with_kvcache(q, *caches, k, v, cache_seqlens=ends, **layout, **options)
             with no_host_sync():  # device index arrays: the append kernel, lengths unread
-                flash_attn_with_kvcache(q, *caches, k, v, cache_seqlens=cupy.asarray(ends),
-                                        **{name: cupy.asarray(x) for name, x in layout.items()}, **options)
+                flash_attn_with_kvcache(q, *caches, k, v, cache_seqlens=to_device(ends),
+                                        **{name: to_device(x) for name, x in layout.items()}, **options)
             calls += 2
     return calls
 
