@@ -2,11 +2,14 @@
 doc-mask-bwd-fixed-cost, tf32-split-once-dkdv, cta-timeline):
 
     python dev/cta_timeline.py 128 16384 [fwd] [causal] [window=L,R] [documents=N] [dtype=float32]
-                               [softcap=C] [--kernels REGEX] [--json PATH]
+                               [softcap=C] [varlen] [--kernels REGEX] [--json PATH]
 
 The workload is scripts/ncu_workload.py's: batch * seqlen = 16384 tokens, nheads * headdim = 2048,
 fresh normal inputs; the backward (deterministic), or with ``fwd`` the forward (a sliding window
-with ``window=L,R``: issue 15's window forward). It runs once as the library runs it (compiling, and
+with ``window=L,R``: issue 15's window forward). ``varlen``: the varlen bench's packed batch instead
+(cupyflash.bench.varlen: lengths 128..8k log-uniform filling 16k tokens, its 16 heads; the seqlen
+argument is unused), through flash_attn_varlen_func / _backward: issue 17's packed causal rows
+against a dense 16k run. It runs once as the library runs it (compiling, and
 noting which kernels launch with which grid). Then every launched kernel whose name matches
 ``--kernels`` is compiled again with CF_CTA_TIMELINE (kernels_cu/cta_timeline.cuh) and put in the
 library's place, and the backward runs again. For each such kernel this prints, over its CTAs:
@@ -131,7 +134,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("headdim", type=int)
     parser.add_argument("seqlen", type=int)
-    parser.add_argument("options", nargs="*", help="causal, documents=N, dtype=D, softcap=C (ncu_workload's)")
+    parser.add_argument("options", nargs="*", help="causal, documents=N, dtype=D, softcap=C (ncu_workload's), "
+                                                    "fwd, window=L,R, varlen")
     parser.add_argument("--kernels", default=DEFAULT_KERNELS, help="regex of the kernels to time")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -145,8 +149,18 @@ def main() -> None:
     words = dict(o.split("=", 1) for o in args.options if "=" in o)
     batch, nheads = 16384 // args.seqlen, 2048 // args.headdim
     rng = np.random.default_rng(0)
-    q, k, v, do = (cupy.asarray(rng.standard_normal((batch, args.seqlen, nheads, args.headdim))
-                                .astype(SUPPORTED[words.get("dtype", "bfloat16")])) for _ in range(4))
+    dtype = SUPPORTED[words.get("dtype", "bfloat16")]
+    shape = (batch, args.seqlen, nheads, args.headdim)
+    packed = None
+    if "varlen" in args.options:  # the varlen bench's batch: (total, heads, d) and its cu_seqlens
+        from cupyflash.bench import varlen as varlen_bench
+
+        lengths = varlen_bench.draw_lengths()
+        cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        packed = (cu, cu, max(lengths), max(lengths))
+        shape = (int(cu[-1]), varlen_bench.NHEADS, args.headdim)
+        print(f"varlen: {len(lengths)} sequences of {min(lengths)}..{max(lengths)} tokens, {int(cu[-1])} in all")
+    q, k, v, do = (cupy.asarray(rng.standard_normal(shape).astype(dtype)) for _ in range(4))
     options = dict(causal="causal" in args.options, softcap=float(words.get("softcap", 0.0)))
     if "window" in words:
         options["window_size"] = tuple(int(x) for x in words["window"].split(","))
@@ -157,13 +171,19 @@ def main() -> None:
         doc = cupy.asarray(document_ids(args.seqlen, int(words["documents"])))
         mask = cupyflash.MaskMod(lambda b, h, q_idx, kv_idx, doc: doc[0, q_idx] == doc[0, kv_idx], doc=doc)
         options["block_mask"] = cupyflash.create_block_mask(mask, None, None, args.seqlen, args.seqlen)
-    o, lse = cupyflash.flash_attn_func(q, k, v, return_lse=True, **options)
+    if packed is not None:
+        forward = lambda: cupyflash.flash_attn_varlen_func(q, k, v, *packed, return_lse=True, **options)  # noqa: E731
+        backward = lambda: cupyflash.flash_attn_varlen_backward(do, q, k, v, o, lse, *packed, **options)  # noqa: E731
+    else:
+        forward = lambda: cupyflash.flash_attn_func(q, k, v, return_lse=True, **options)  # noqa: E731
+        backward = lambda: cupyflash.flash_attn_backward(do, q, k, v, o, lse, **options)  # noqa: E731
+    o, lse = forward()
 
     def run():  # the pass timed: the forward, or the backward
         if forward_only:
-            cupyflash.flash_attn_func(q, k, v, return_lse=True, **options)
+            forward()
         else:
-            cupyflash.flash_attn_backward(do, q, k, v, o, lse, **options)
+            backward()
 
     # once first: the backward's kernel modules are imported at its first call, and the rebinding
     # below reaches only the modules imported by then (the sixteenth session's H100 run noted no

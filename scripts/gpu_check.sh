@@ -66,6 +66,9 @@
 #                                       and not, the 16k forward causal and with a window of 1024;
 #                                       then ncu's stall reasons (--print-details all)
 #                                       and instruction counts of the float32 dK/dV kernel, causal and not
+#   scripts/gpu_check.sh OUTDIR varlen_timeline  issue 17's packed causal batch (the varlen bench's)
+#                                       against one dense causal 16k sequence, CTA by CTA
+#                                       (dev/cta_timeline.py varlen): d64 / d128, backward and forward
 #   scripts/gpu_check.sh OUTDIR patch_ab  a float32 backward patch before / after on one machine: PATCH
 #                                       (a dev/experiments name) applied to a copy of this tree, its GPU
 #                                       tests there (PATCH_TESTS), then dev/bench_dmma_bwd.py's float32
@@ -494,6 +497,21 @@ probes)  # perf log cta-timeline / doc-mask-bwd-fixed-cost / tf32-split-once-dkd
         step "ncu-fp32-dkdv-$c" 120 ncu --clock-control none --print-details all -k regex:flash_bwd_dkdv -c 1 \
             --section WarpStateStats --section InstructionStats --metrics smsp__inst_executed.sum \
             python scripts/ncu_workload.py 64 4096 $([ $c = causal ] && echo causal) bwd dtype=float32
+    done
+    ;;
+varlen_timeline)  # issue 17's packed causal rows against one dense 16k sequence, CTA by CTA (perf log
+                  # varlen-v3: what holds the d64 backward is not in its model)
+    export PYTHONPATH=$PWD
+    step timeline-varlen-test 120 python -m pytest -q -p no:cacheprovider -m gpu tests/dev/test_cta_timeline.py \
+        -k packed
+    for d in 64 128; do
+        for pass in bwd fwd; do
+            fwd=$([ $pass = fwd ] && echo fwd)
+            step "timeline-$d-$pass-dense" 90 python dev/cta_timeline.py $d 16384 causal $fwd \
+                --json "$out/timeline-$d-$pass-dense.json"
+            step "timeline-$d-$pass-varlen" 90 python dev/cta_timeline.py $d 16384 causal varlen $fwd \
+                --json "$out/timeline-$d-$pass-varlen.json"
+        done
     done
     ;;
 patch_ab)  # PATCH (dev/experiments) in a copy of this tree: its GPU tests there, then the float32 d64

@@ -114,3 +114,20 @@ def test_the_harness_times_a_window_forward(tmp_path, monkeypatch):
     for name, s in kernels.items():
         assert s["step_cycles"] > 0 and s["prologue_cycles"] > 0 and s["steps_mean"] > 1, (name, s)
 
+
+
+@pytest.mark.gpu
+def test_the_harness_times_a_packed_causal_backward(tmp_path, monkeypatch):
+    """``varlen``: the varlen bench's packed batch through the varlen API; its kernels are the packed
+    ones, and CTAs past a short sequence's end leave early (they are counted, not timed)."""
+    import json
+    import sys
+
+    harness = load_harness()
+    out = tmp_path / "timeline.json"
+    monkeypatch.setattr(sys, "argv", ["cta_timeline.py", "64", "16384", "causal", "varlen", "--json", str(out)])
+    harness.main()
+    kernels = json.loads(out.read_text())["kernels"]
+    assert kernels and all("_packed" in k for k in kernels), kernels
+    for name, s in kernels.items():
+        assert s["ctas"] > s["early"] and s["step_cycles"] > 0 and s["steps_mean"] >= 1, (name, s)
