@@ -140,10 +140,11 @@ def _by_tile(entry) -> tuple:
     return dt, isinstance(tiles, WgmmaFwdConfig), tiles.block_n
 
 
-def _check_layout(a, what: str, multiple: int = 8) -> None:
+def _check_layout(a, what: str, multiple: int = 8, whole_chunks: bool = False) -> None:
     """The tensor-core kernels' layout: contiguous rows, strides multiples of ``multiple`` elements
     (8; the float32 wgmma loaders' 16-byte chunks: 4), 16-byte aligned (the dispatcher guarantees
-    it; a violation would be silent corruption)."""
+    it; a violation would be silent corruption). ``whole_chunks``: the head dim a multiple of 8
+    too, for the kernels that store whole 16-byte chunks of a row below it (store_o, store_tile)."""
     item = a.itemsize
     if a.strides[3] != item:
         raise ValueError(f"cupyflash: {what} must be contiguous in its last dimension")
@@ -151,6 +152,9 @@ def _check_layout(a, what: str, multiple: int = 8) -> None:
     if any(s % multiple for s in strides) or a.data.ptr % 16:
         raise ValueError(f"cupyflash: {what} needs strides that are multiples of {multiple} elements and a "
                          f"16-byte aligned pointer for the tensor-core kernel")
+    if whole_chunks and a.shape[3] % 8:
+        raise ValueError(f"cupyflash: {what}'s head dim must be a multiple of 8 for the tensor-core kernel "
+                         f"(got {a.shape[3]}; the API pads it)")
 
 
 def forward(q, k, v, o, lse, *, softmax_scale: float, causal: bool,
@@ -175,7 +179,7 @@ def forward(q, k, v, o, lse, *, softmax_scale: float, causal: bool,
     planned = plan(q.dtype, max(headdim, v.shape[3]), mask, config, v.shape[3], precision, readers)
     grid = query_grid(planned.block_m, batch, seqlen_q, nheads, packed)
     for a, what in ((q, "q"), (k, "k"), (v, "v"), (o, "o")):
-        _check_layout(a, what)
+        _check_layout(a, what, whole_chunks=True)
     params = forward_params(q, k, v, o, lse, softmax_scale=softmax_scale, mask=mask, variant=variant, packed=packed)
     kv_split = None
     split_rows = k.shape[1] if packed is None else packed.max_seqlen_k

@@ -34,3 +34,25 @@ def test_fwd_wgmma_launch_passes_the_call_in_one_struct(window, monkeypatch):
             assert launch.spec.name.startswith(kernel) and launch.spec == plan.spec
             assert launch.grid == (math.ceil(SQ / plan.block_m), H, B)
             assert_forward_launch(launch, q, k, v, o, lse, softmax_scale=0.1, mask=mask)
+
+
+@pytest.mark.parametrize("bad", ["o_headdim", "q_headdim", "k_stride", "v_pointer"])
+def test_the_forward_refuses_arrays_its_chunks_would_overrun(bad, monkeypatch):
+    """The forward's loads and its epilogue (store_o) move whole 16-byte chunks of a row below the
+    head dim: an array whose head dim or strides are not multiples of 8 elements, or whose pointer
+    is not 16-byte aligned, is refused before any launch, not overrun."""
+    recorder = LaunchRecorder(monkeypatch, [mma_fwd])
+    q, o = FakeArray((B, SQ, H, 64), np.float16), FakeArray((B, SQ, H, 64), np.float16)
+    k, v = FakeArray((B, SK, HKV, 64), np.float16), FakeArray((B, SK, HKV, 64), np.float16)
+    lse = FakeArray((B, H, SQ), np.float32)
+    if bad == "o_headdim":
+        o = FakeArray((B, SQ, H, 60), np.float16)
+    elif bad == "q_headdim":
+        q, k = FakeArray((B, SQ, H, 60), np.float16), FakeArray((B, SK, HKV, 60), np.float16)
+    elif bad == "k_stride":
+        k.strides = (k.strides[0], 2 * (HKV * 64 + 4), 2 * 64, 2)
+    else:
+        v.data.ptr += 8
+    with pytest.raises(ValueError, match=r"\b[qkvo]\b"):
+        mma_fwd.forward(q, k, v, o, lse, softmax_scale=0.1, causal=True)
+    assert not recorder.take()
