@@ -136,7 +136,7 @@ def _variants_workload(rng, family: str, quick: bool, backend: str | None = None
     dtype = SUPPORTED["float32" if family == "simt" else "bfloat16"]
     heads, heads_kv, seqlen_q, seqlen_k = 4, 2, 77, 130
 
-    def arguments(spec: dict, batch: int) -> dict:
+    def arguments(spec: dict) -> dict:
         kwargs = dict(spec)
         if kwargs.get("alibi") == "slopes":
             del kwargs["alibi"]
@@ -147,7 +147,7 @@ def _variants_workload(rng, family: str, quick: bool, backend: str | None = None
             kwargs["score_mod"] = ScoreMod(_capped_score, bias=to_device(
                 rng.standard_normal((heads, 8)).astype(np.float32)))
         if kwargs.get("mask_mod") == "documents":
-            doc = np.sort(rng.integers(0, 3, (batch, max(seqlen_q, seqlen_k))), axis=1).astype(np.int32)
+            doc = np.sort(rng.integers(0, 3, (1, max(seqlen_q, seqlen_k))), axis=1).astype(np.int32)
             kwargs["mask_mod"] = MaskMod(_same_document, doc=to_device(doc))
         return kwargs
 
@@ -157,7 +157,7 @@ def _variants_workload(rng, family: str, quick: bool, backend: str | None = None
     calls = 0
     for headdim in (72,) if quick else (40, 72):
         for _, spec in VARIANT_CALLS:
-            kwargs = arguments(spec, 1)
+            kwargs = arguments(spec)
             q, do = tensor(1, seqlen_q, heads, headdim), tensor(1, seqlen_q, heads, headdim)
             k, v = tensor(1, seqlen_k, heads_kv, headdim), tensor(1, seqlen_k, heads_kv, headdim)
             o, lse = api.flash_attn_func(q, k, v, return_lse=True, backend=backend, **kwargs)
@@ -175,7 +175,7 @@ def _variants_workload(rng, family: str, quick: bool, backend: str | None = None
     cu_q, cu_k = (to_device(np.concatenate([[0], np.cumsum(n)]).astype(np.int32)) for n in (lengths_q, lengths_k))
     q, do = tensor(int(lengths_q.sum()), heads, 72), tensor(int(lengths_q.sum()), heads, 72)
     k, v = tensor(int(lengths_k.sum()), heads_kv, 72), tensor(int(lengths_k.sum()), heads_kv, 72)
-    kwargs = arguments(dict(causal=True, alibi="slopes", dropout_p=0.1, seed=3), 1)
+    kwargs = arguments(dict(causal=True, alibi="slopes", dropout_p=0.1, seed=3))
     packed = (cu_q, cu_k, int(lengths_q.max()), int(lengths_k.max()))
     o, lse = flash_attn_varlen_func(q, k, v, *packed, return_lse=True, backend=backend, **kwargs)
     flash_attn_varlen_backward(do, q, k, v, o, lse, *packed, backend=backend, **kwargs)
@@ -199,9 +199,9 @@ def _kvcache_workload(rng, dtype_names) -> int:
     for dtype_name in dtype_names:
         dtype = SUPPORTED[dtype_name]
         theta = rng.uniform(0, 2 * np.pi, (capacity, headdim // 4))
-        cos, sin = (to_device(f(theta).astype(dtype)) for f in (np.cos, np.sin))
-        q = to_device(rng.standard_normal((batch, new, heads_kv * group, headdim)).astype(dtype))
-        k, v = (to_device(rng.standard_normal((batch, new, heads_kv, headdim)).astype(dtype)) for _ in range(2))
+        cos, sin = (cupy.asarray(f(theta).astype(dtype)) for f in (np.cos, np.sin))
+        q = cupy.asarray(rng.standard_normal((batch, new, heads_kv * group, headdim)).astype(dtype))
+        k, v = (cupy.asarray(rng.standard_normal((batch, new, heads_kv, headdim)).astype(dtype)) for _ in range(2))
         for paged in (False, True):
             if paged:
                 pages = batch * capacity // 16
@@ -210,12 +210,12 @@ def _kvcache_workload(rng, dtype_names) -> int:
             else:
                 layout = dict(cache_leftpad=np.array([0, 3, 60], np.int32))
                 shape = (batch, capacity, heads_kv, headdim)
-            caches = [to_device(rng.standard_normal(shape).astype(dtype)) for _ in range(2)]
+            caches = [cupy.asarray(rng.standard_normal(shape).astype(dtype)) for _ in range(2)]
             options = dict(rotary_cos=cos, rotary_sin=sin, causal=True, num_splits=3)
             flash_attn_with_kvcache(q, *caches, k, v, cache_seqlens=ends, **layout, **options)
             with no_host_sync():  # device index arrays: the append kernel, lengths unread
-                flash_attn_with_kvcache(q, *caches, k, v, cache_seqlens=to_device(ends),
-                                        **{name: to_device(x) for name, x in layout.items()}, **options)
+                flash_attn_with_kvcache(q, *caches, k, v, cache_seqlens=cupy.asarray(ends),
+                                        **{name: cupy.asarray(x) for name, x in layout.items()}, **options)
             calls += 2
     return calls
 

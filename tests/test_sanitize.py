@@ -45,3 +45,26 @@ def test_the_variants_workload_runs_on_the_numpy_twin(family, quick, monkeypatch
     # with a sink the backward returns dsink too
     assert {n for name, sink, n in seen if name == "flash_attn_backward" and sink} == {4}
     assert {n for name, sink, n in seen if name == "flash_attn_backward" and not sink} == {3}
+
+
+def test_every_name_the_gpu_workload_reads_exists():
+    """The workload's GPU-only functions (the KV-cache calls, the tools' loop) cannot run here, so a
+    name one of them reads that is neither a module global, a builtin nor its own local is found
+    by reading their code: every global each function and its nested functions load resolves."""
+    import builtins
+    import dis
+    import types
+
+    def loaded_globals(code):
+        names = {i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")}
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                names |= loaded_globals(const)
+        return names
+
+    functions = [f for f in vars(sanitize).values()
+                 if isinstance(f, types.FunctionType) and f.__module__ == sanitize.__name__]
+    assert {"workload", "_kvcache_workload", "_variants_workload", "run"} <= {f.__name__ for f in functions}
+    for f in functions:
+        missing = {n for n in loaded_globals(f.__code__) if n not in vars(sanitize) and not hasattr(builtins, n)}
+        assert not missing, (f.__name__, missing)
