@@ -87,6 +87,13 @@ class Mask:
         hi = MASK_UNBOUNDED if self.right < 0 else diag + self.right
         return lo, hi
 
+    def band_keys(self) -> int | None:
+        """Keys one row's band spans (left + right + 1), None where a side has no bound: the run-time
+        width the forward's plan reads (plans.LOCAL_PRODUCER_MIN_KEYS)."""
+        if not (self.HAS_LEFT and self.HAS_RIGHT) or self.left < 0 or self.right < 0:
+            return None
+        return self.left + self.right + 1
+
     def window_args(self) -> tuple:
         """The kernels' last two arguments (window_left, window_right)."""
         return np.int32(self.left), np.int32(self.right)

@@ -423,7 +423,7 @@ def forward_candidates(family: str, where: str, dt: int, mask: Mask, precision: 
         tiles = WGMMA_FLOAT32_FORWARD_TILES.get((family, where, dt, check_precision(precision)), tiles)
         if image_readers is not None and image_readers >= PRESPLIT_MIN_IMAGE_READERS:
             tiles = WGMMA_FLOAT32_PRESPLIT_FORWARD_TILES.get((family, where, dt, check_precision(precision)), tiles)
-    if mask.band == "local":
+    if mask.band == "local" and not producer_takes_window(tiles, mask, own_v):
         tiles = LOCAL_FORWARD_TILES.get((family, where, dt), tiles)
     if mask.packed:
         tiles = PACKED_FORWARD_TILES.get((family, where, dt), tiles)
@@ -489,6 +489,34 @@ PRESPLIT_MIN_IMAGE_READERS = 32
 LOCAL_FORWARD_TILES = {
     ("mma", SM90, 128): WgmmaFwdConfig(64, 64),
 }
+
+# Since the producer kernel came (wgmma-fwd-ws-route) a wide window runs faster on the row's own
+# tiles: its 128 x 128 blocks cost more at the band's edges and a tile more besides its blocks, but
+# a block less a pair. H100, 16k, 1 x 16 heads, d128 bf16, window (w, 0), TFLOP/s over the band's
+# pairs, 64 x 64 against the producer: w = 256 159.0 / 150.8, 512 241.8 / 240.3, 1024 324.0 / 339.3
+# (324.5 / 340.3 in a second run), 2048 387.7 / 426.2, 4096 433.0 / 489.6 (perf log
+# window-fwd-producer). So a band of this many keys a row or more takes the producer.
+LOCAL_PRODUCER_MIN_KEYS = 1024
+
+
+def producer_takes_window(tiles, mask: Mask, own_v: bool = False) -> bool:
+    """Whether a window keeps its row's producer kernel rather than LOCAL_FORWARD_TILES': a band of
+    LOCAL_PRODUCER_MIN_KEYS keys a row or more (or a side without bound), on a row whose producer
+    kernel would run the call (not with dropout or v's own tile, which take
+    ONE_ROLE_FORWARD_TILES), without user modifiers (their fallback lists start from the window's
+    own tiles)."""
+    keys = mask.band_keys()
+    return (isinstance(tiles, WgmmaFwdConfig) and tiles.producer and not mask.score.dropout and not own_v
+            and mask.score.user is None and (keys is None or keys >= LOCAL_PRODUCER_MIN_KEYS))
+
+
+def band_forms(mask: Mask) -> tuple:
+    """The masks of one kind whose forward plans can differ by the run-time window alone: a Local
+    kind as a narrow band (one key a row) and as it is; any other kind as it is. What lists every
+    specialization a plan can launch (mma_fwd.specializations) walks these."""
+    if mask.band != "local":
+        return (mask,)
+    return (replace(mask, left=0, right=0), mask)
 
 
 # Rows that keep flash_fwd_wgmma where FORWARD_TILES' row is its producer kernel: dropout (its

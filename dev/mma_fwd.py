@@ -91,8 +91,10 @@ CANDIDATES = {
           WgmmaFwdConfig(128, 64),
           # For sliding windows: one warpgroup of 64 rows, 99 KiB, two CTAs an SM, and a 64-row
           # block wastes less of the band (1025 / 1088 keys visited against 1025 / 1152). Shipped
-          # for the Local policy (plans.LOCAL_FORWARD_TILES: 1.07-1.10x at 16k, window 1024); for
-          # NoMask and Causal still a candidate (causal 16k: 0.95x the 128 x 128 tiles).
+          # for the Local policy (plans.LOCAL_FORWARD_TILES: 1.07-1.10x the one-role 128 x 128 at
+          # 16k, window 1024), since 2026-12-07 for bands under 1024 keys a row only (wider ones
+          # take the producer row, plans.LOCAL_PRODUCER_MIN_KEYS); for NoMask and Causal still a
+          # candidate (causal 16k: 0.95x the 128 x 128 tiles).
           WgmmaFwdConfig(64, 64)),
     256: (),
 }

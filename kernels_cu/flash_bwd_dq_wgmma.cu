@@ -211,20 +211,16 @@ flash_bwd_dq_wgmma(const __grid_constant__ BwdParams p) {
     pin_registers(reinterpret_cast<float(&)[D_FRAGS * 4]>(dq_acc));
     cta_timeline(MARK_WALKED, tid == 0, max(0, (n_end + BLOCK_N - 1) / BLOCK_N - j_begin));
 
-    // Epilogue: dQ = scale dS K, straight from the accumulators (rows past seqlen_q dropped).
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int m = row_lo + 8 * h;
-        if (m >= seqlen_q) continue;
-        T* dq_row = p.dq.row<T>(batch, seq.q_begin + m, head);
-#pragma unroll
-        for (int f = 0; f < D_FRAGS; ++f) {
-            const int col = 8 * f + 2 * (lane % 4);
-            if (col < headdim)
-                *reinterpret_cast<u32*>(dq_row + col) = pack2<T>(dq_acc[f][2 * h] * scale, dq_acc[f][2 * h + 1] * scale);
-        }
-    }
+    // Epilogue: dQ = scale dS K, staged through the Q tile (free once every warpgroup has walked:
+    // S's products read it to the last block) for 16-byte row stores of the rows below seqlen_q, as
+    // the mma.sync dQ kernel stores them. Straight from the accumulators, a warp's 4-byte stores
+    // went to 8 rows at a time (perf log bwd-epilogue-staged).
     cp_async_wait<0>();
+    __syncthreads();
+    stage_acc<T, D_TILE, D_TILE>(s_q, 16 * warp, 0, dq_acc, scale, lane);
+    __syncthreads();
+    store_tile<BLOCK_M, D_TILE, NTHREADS>(p.dq.row<T>(batch, seq.q_begin + m0, head), s_q, seqlen_q - m0, headdim,
+                                          p.dq.row_stride, tid);
     cta_timeline(MARK_EXIT, tid == 0);
 }
 

@@ -33,6 +33,7 @@
 #include "mask.cuh"
 #include "mma.cuh"
 #include "mma_bwd.cuh"
+#include "mma_bwd_layouts.cuh"
 #include "wgmma.cuh"
 #include "dq_order.cuh"
 #include "dq_add.cuh"
@@ -385,11 +386,19 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
     Walk::end(pending_release, lane);
     cta_timeline(MARK_WALKED, tid == 0, key_block.walk.iters);
 
-    // Epilogue: dK = scale dS^T Q summed, and dV, straight from the accumulators (once per CTA).
-    const int key_row = 64 * wg + 16 * warp_in_wg + lane / 4;
-    if constexpr (DropoutOf<Mask>::ENABLED) scale_acc(dv_acc, p.variant.dropout.scale);
-    store_key_rows_grads<T>(p, seq, key_block.batch, key_block.head_kv, key_block.n0, key_row, 0, seq.seqlen_k,
-                            args.headdim, args.headdim_v, args.scale, 1.f, dk_acc, dv_acc, lane);
+    // Epilogue: dK = scale dS^T Q summed, and dV (times dropout's 1 / (1 - p)), staged through the
+    // K and V tiles for 16-byte row stores, as the mma.sync kernels store theirs. The tiles are free
+    // once every warpgroup has walked (dQ's products read all of K to the last step). Straight from
+    // the accumulators, a warp's 4-byte stores to 8 rows at a time held a CTA 8-10 k cycles, 2.7
+    // steps of a 32-step walk (perf log bwd-epilogue-staged).
+    const int warp_row0 = 64 * wg + 16 * warp_in_wg;
+    const float dv_scale = DropoutOf<Mask>::ENABLED ? p.variant.dropout.scale : 1.f;
+    __syncthreads();
+    stage_acc<T, D_TILE, D_TILE>(s_k, warp_row0, 0, dk_acc, args.scale, lane);
+    stage_acc<T, D_TILE, D_TILE>(s_v, warp_row0, 0, dv_acc, dv_scale, lane);
+    __syncthreads();
+    store_key_block_grads<T, BLOCK_N, D_TILE, NTHREADS>(p.dk, p.dv, s_k, s_v, seq, key_block.head_kv, key_block.n0,
+                                                        seq.seqlen_k, args.headdim, args.headdim_v, tid);
     // Fixed point: the staging tiles must outlive the bulk reductions' reads of them.
     if constexpr (STAGED) {
         if (lane < 16) bulk_wait_read_all();

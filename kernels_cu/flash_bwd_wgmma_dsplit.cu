@@ -21,6 +21,7 @@
 #include "mask.cuh"
 #include "mma.cuh"
 #include "mma_bwd.cuh"
+#include "mma_bwd_layouts.cuh"
 #include "wgmma.cuh"
 #include "dq_order.cuh"
 #include "dq_add.cuh"
@@ -319,10 +320,16 @@ flash_bwd_wgmma_dsplit(const __grid_constant__ BwdParams p) {
     }
     Walk::end(pending_release, lane);
 
-    // Epilogue: this warpgroup's head-dim half of dK (scaled) and dV, from the accumulators.
+    // Epilogue: this warpgroup's head-dim half of dK (scaled) and dV staged into the K and V tiles
+    // (free once both warpgroups have walked: S^T reads all of K), then 16-byte row stores, as
+    // flash_bwd_wgmma stores its own (perf log bwd-epilogue-staged).
     const float drop_scale = DropoutOf<Mask>::kept_scale(p);  // 1 / (1 - p)
-    store_key_rows_grads<T>(p, seq, key_block.batch, key_block.head_kv, key_block.n0, key_row, HALF * wg, seq.seqlen_k,
-                            args.headdim, args.headdim_v, args.scale, drop_scale, dk_acc, dv_acc, lane);
+    __syncthreads();
+    stage_acc<T, HALF, D_TILE>(s_k, 16 * warp_in_wg, HALF * wg, dk_acc, args.scale, lane);
+    stage_acc<T, HALF, D_TILE>(s_v, 16 * warp_in_wg, HALF * wg, dv_acc, drop_scale, lane);
+    __syncthreads();
+    store_key_block_grads<T, BLOCK_N, D_TILE, NTHREADS>(p.dk, p.dv, s_k, s_v, seq, key_block.head_kv, key_block.n0,
+                                                        seq.seqlen_k, args.headdim, args.headdim_v, tid);
 }
 
 }  // namespace cf

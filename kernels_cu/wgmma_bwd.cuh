@@ -1,8 +1,9 @@
 // What the two wgmma dK/dV kernels (flash_bwd_wgmma, flash_bwd_wgmma_dsplit) share: the run-time
 // arguments they read at their top (WgmmaBwdArgs), the copies into their tiles, wgmma's
 // 128-byte-swizzled panels (wgmma.cuh) filled by cp.async, the order of their walk over the query
-// blocks, its pipeline's waits, the key block a CTA owns with its mask and walk (WgmmaKeyBlock),
-// and the stores of dK_j and dV_j. Both kernels hold their tensors as a raw pointer and three
+// blocks, its pipeline's waits, the key block a CTA owns with its mask and walk (WgmmaKeyBlock).
+// Their epilogues stage dK_j and dV_j through the K and V tiles and store rows as the mma.sync
+// kernels do (mma_bwd_layouts.cuh). Both kernels hold their tensors as a raw pointer and three
 // strides each, copied from BwdParams at their top into a plain struct of values, and the
 // functions here take those values, not a CTA object: a CTA struct holding them with the mask and
 // the walk (docs/perf-log.md, wgmma-bwd-cta) changed the kernels' machine code. WgmmaKeyBlock
@@ -244,34 +245,5 @@ struct WgmmaKeyBlock : KeyBlockCoords<BLOCK_N> {
                                        args.headdim, args.headdim_v, tid, walk.iters, load_query_block);
     }
 };
-
-// Epilogue: dK_j times dk_scale (dS^T Q is summed unscaled) and dV_j times dv_scale, straight from
-// the accumulators: this thread's key rows key_row and key_row + 8 of the block, NJ 8-column
-// blocks from column col0 (pairs 8 j + 2 (lane % 4)); rows past seqlen_k and columns past headdim
-// (dK), headdim_v (dV) are not stored.
-template <typename T, int NJ>
-__device__ __forceinline__ void store_key_rows_grads(const BwdParams& p, const SequenceRows& seq, int batch, int head_kv,
-                                                     int n0, int key_row, int col0, int seqlen_k, int headdim,
-                                                     int headdim_v, float dk_scale, float dv_scale,
-                                                     const float (&dk_acc)[NJ][4], const float (&dv_acc)[NJ][4],
-                                                     int lane) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int n = n0 + key_row + 8 * h;
-        if (n >= seqlen_k) continue;
-        T* dk_row = p.dk.row<T>(batch, seq.k_begin + n, head_kv);
-        T* dv_row = p.dv.row<T>(batch, seq.k_begin + n, head_kv);
-#pragma unroll
-        for (int j = 0; j < NJ; ++j) {
-            const int col = col0 + 8 * j + 2 * (lane % 4);
-            if (col < headdim)
-                *reinterpret_cast<u32*>(dk_row + col) =
-                    pack2<T>(dk_acc[j][2 * h] * dk_scale, dk_acc[j][2 * h + 1] * dk_scale);
-            if (col < headdim_v)
-                *reinterpret_cast<u32*>(dv_row + col) =
-                    pack2<T>(dv_acc[j][2 * h] * dv_scale, dv_acc[j][2 * h + 1] * dv_scale);
-        }
-    }
-}
 
 }  // namespace cf

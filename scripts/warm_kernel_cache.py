@@ -90,7 +90,8 @@ def _packed_specializations() -> list:
 
     arch, smem = device_arch(), _max_smem_optin(cupy.cuda.Device().id)
     out = []
-    for band in (masks.NoMask(), masks.Causal(), masks.Local(64, 0)):
+    # a window narrow and wide (plans.band_forms: a wide one can take the causal row's tiles)
+    for band in (masks.NoMask(), masks.Causal(), masks.Local(64, 0), masks.Local(2048, 0)):
         mask = band.as_packed()
         for dtype in ("float16", "bfloat16", "float32", "float64"):
             for dt in plans.SIMT_D_TILES:
@@ -130,7 +131,7 @@ def _variant_specializations() -> list:
     scores = (Score(softcap=True), Score(alibi=True), Score(sink=True), Score(softcap=True, sink=True))
     out = []
     for score in scores:
-        for band in (NoMask, Causal, lambda score: Local(5, 3, score)):
+        for band in (NoMask, Causal, lambda score: Local(5, 3, score), lambda score: Local(2048, 0, score)):
             mask = band(score=score)
             for dt in (64, 128, 256):
                 for dtype in ("float16", "bfloat16"):

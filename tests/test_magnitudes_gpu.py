@@ -58,16 +58,27 @@ def _problems(dtypes):
 
 
 def _assert_finite_where_standard_is(case, q, k, v, do, outputs):
+    """Each output finite wherever standard attention's is, except where the exact (float64) value
+    is finite and past half the output dtype's largest value: there rounding decides. (Standard
+    float16 attention rounds its scores to float16, which can move a near-tie's P by tens of
+    percent: on one drawn case it gave a finite dq of 5.7e4 where the exact one is 1.0e5, past
+    float16's 65504, which a kernel forming S in float32 then gets right, as inf.) Where the float64
+    reference overflows too, standard attention alone decides, as before."""
     o, lse, dq, dk, dv = outputs
     kwargs = dict(softmax_scale=case.softmax_scale, causal=case.causal)
     with np.errstate(all="ignore"):
         o_std, lse_std = reference.standard_attention(q, k, v, dtype=case.dtype, **kwargs)
         grads_std = reference.standard_attention_backward(do, q, k, v, dtype=case.dtype, **kwargs)
-    for name, got, std in zip(("o", "lse", "dq", "dk", "dv"), (o, lse, dq, dk, dv), (o_std, lse_std, *grads_std)):
-        got, std = np.asarray(got, np.float64), np.asarray(std, np.float64)
+        exact = (*reference.attention(q, k, v, **kwargs), *reference.attention_backward(do, q, k, v, **kwargs)[:3])
+    for name, got, std, ref in zip(("o", "lse", "dq", "dk", "dv"), (o, lse, dq, dk, dv), (o_std, lse_std, *grads_std),
+                                   exact):
+        out_max = float(ml_dtypes.finfo(np.asarray(got).dtype).max)
+        got, std, ref = np.asarray(got, np.float64), np.asarray(std, np.float64), np.asarray(ref, np.float64)
         if name == "lse":  # rows that see no key: -inf in both
             got, std = np.where(np.isneginf(std), 0, got), np.where(np.isneginf(std), 0, std)
-        bad = np.isfinite(std) & ~np.isfinite(got)
+        with np.errstate(invalid="ignore"):
+            out_of_reach = np.isfinite(ref) & (np.abs(ref) > out_max / 2)
+        bad = np.isfinite(std) & ~out_of_reach & ~np.isfinite(got)
         assert not bad.any(), (f"{name}: {int(bad.sum())} non-finite where standard attention is finite "
                                f"(magnitude {case.magnitude:.3g}, first at {np.argwhere(bad)[0].tolist()})")
 

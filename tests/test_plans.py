@@ -5,6 +5,7 @@ check still sees every shipped forward specialization."""
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 import math
 import re
 
@@ -323,14 +324,16 @@ def test_sm90_d128_runs_the_producer_kernel():
     assert not plans.plan_forward("90", SUPPORTED["bfloat16"], 256, Causal(), 227 * 1024).tiles.producer
 
 
-def test_a_window_has_its_own_row():
-    """A sliding window (Local, any window and score, packed or not) at sm_90 d128 runs
-    LOCAL_FORWARD_TILES' 64 x 64 wgmma tiles; NoMask and Causal keep FORWARD_TILES' row, and so do
-    the devices and head dims LOCAL_FORWARD_TILES has no row for."""
+def test_a_narrow_window_has_its_own_row():
+    """A sliding window narrower than LOCAL_PRODUCER_MIN_KEYS keys a row (any score, packed or not)
+    at sm_90 d128 runs LOCAL_FORWARD_TILES' 64 x 64 wgmma tiles; NoMask and Causal keep
+    FORWARD_TILES' row, and so do the devices and head dims LOCAL_FORWARD_TILES has no row for."""
     row = plans.LOCAL_FORWARD_TILES[("mma", plans.SM90, 128)]
     assert row == plans.WgmmaFwdConfig(64, 64)
-    for mask in (Local(1024, 0), Local(512, 512), Local(-1, 7), Local(0, 0), Local(score=Score(alibi=True)),
-                 Local(3, 3).as_packed()):
+    assert plans.LOCAL_PRODUCER_MIN_KEYS == 1024
+    for mask in (Local(1022, 0), Local(511, 511), Local(0, 0), Local(3, 3, score=Score(alibi=True)),
+                 Local(3, 3).as_packed(), Local(100, 200, score=Score(softcap=True, sink=True))):
+        assert mask.band_keys() < plans.LOCAL_PRODUCER_MIN_KEYS
         for dtype, headdim in (("bfloat16", 128), ("float16", 96), ("bfloat16", 72)):
             plan = plans.plan_forward("90", SUPPORTED[dtype], headdim, mask, 227 * 1024)
             assert plan.tiles == row and plan.spec.name.endswith("_bm64_bn64"), (mask, dtype, headdim)
@@ -342,6 +345,54 @@ def test_a_window_has_its_own_row():
     for mask in (NoMask(), Causal()):
         assert plans.plan_forward("90", SUPPORTED["bfloat16"], 128, mask, 227 * 1024).tiles == \
             plans.FORWARD_TILES[("mma", plans.SM90, 128)]
+
+
+def test_a_wide_window_runs_the_producer_row():
+    """A window of LOCAL_PRODUCER_MIN_KEYS keys a row or more, or with a side unbounded, at sm_90
+    d128 runs FORWARD_TILES' producer row, as causal does, with its own band in the kernel's name;
+    with dropout, v's own tile or a user modifier it keeps the window's 64 x 64 tiles (the producer
+    kernel does not run those calls); the width is left + right + 1, whatever the split."""
+    producer = plans.FORWARD_TILES[("mma", plans.SM90, 128)]
+    assert producer.producer
+    row = plans.LOCAL_FORWARD_TILES[("mma", plans.SM90, 128)]
+    for mask in (Local(1023, 0), Local(0, 1023), Local(512, 511), Local(4096, 0), Local(-1, 7), Local(7, -1),
+                 Local(2000, 0, score=Score(alibi=True)), Local(1024, 0).as_packed(),
+                 Local(1024, 0, score=Score(softcap=True, sink=True))):
+        keys = mask.band_keys()
+        assert keys is None or keys >= plans.LOCAL_PRODUCER_MIN_KEYS
+        for dtype, headdim in (("bfloat16", 128), ("float16", 96)):
+            plan = plans.plan_forward("90", SUPPORTED[dtype], headdim, mask, 227 * 1024)
+            assert plan.tiles == producer, (mask, dtype, headdim)
+            assert plan.spec.source_file == "flash_fwd_wgmma_ws.cu" and "_local" in plan.spec.name
+        # v's own tile and dropout take the one-role kernel, which the window runs on its own tiles
+        assert plans.plan_forward("90", SUPPORTED["bfloat16"], 128, mask, 227 * 1024, headdim_v=64).tiles == row
+        dropout = mask.with_score(replace(mask.score, dropout=True))
+        assert plans.plan_forward("90", SUPPORTED["bfloat16"], 128, dropout, 227 * 1024).tiles == row
+        assert not plans.producer_takes_window(producer, mask, own_v=True)
+        user = mask.with_score(Score(user=example_modifiers()))
+        assert plans.forward_candidates("mma", plans.SM90, 128, user)[0] == row
+    # the boundary: one key fewer keeps the window's own tiles
+    assert plans.plan_forward("90", SUPPORTED["bfloat16"], 128, Local(1022, 0), 227 * 1024).tiles == row
+    assert plans.plan_forward("90", SUPPORTED["bfloat16"], 128, Local(1023, 0), 227 * 1024).tiles == producer
+    # elsewhere a window's plan is causal's, wide or narrow
+    for arch, smem, headdim in (("90", 227 * 1024, 64), ("90", 227 * 1024, 256), ("80", 163 * 1024, 128)):
+        for mask in (Local(1023, 0), Local(3, 0)):
+            assert plans.plan_forward(arch, SUPPORTED["bfloat16"], headdim, mask, smem).tiles == \
+                plans.plan_forward(arch, SUPPORTED["bfloat16"], headdim, Causal(), smem).tiles
+
+
+def test_band_forms_list_both_widths_of_a_window():
+    """plans.band_forms gives a Local kind narrow and as it is (wide where it has no bounds), and
+    every other kind alone; their plans at sm_90 d128 are the two rows a window can run."""
+    for mask in (NoMask(), Causal(score=Score(softcap=True)), Causal().as_packed()):
+        assert plans.band_forms(mask) == (mask,)
+    for mask in (Local(), Local(score=Score(alibi=True)), Local(score=Score(alibi=True), packed=True)):
+        narrow, wide = plans.band_forms(mask)
+        assert wide == mask and narrow.band_keys() == 1 and narrow.score == mask.score
+        assert narrow.packed == mask.packed and wide.band_keys() is None
+        tiles = {plans.plan_forward("90", SUPPORTED["bfloat16"], 128, m, 227 * 1024).tiles for m in (narrow, wide)}
+        assert tiles == {plans.LOCAL_FORWARD_TILES[("mma", plans.SM90, 128)],
+                         plans.FORWARD_TILES[("mma", plans.SM90, 128)]}
 
 
 def test_the_compile_check_sees_every_shipped_forward_specialization():
@@ -375,12 +426,13 @@ def test_the_compile_check_sees_every_shipped_forward_specialization():
                        if isinstance(t, plans.WgmmaTf32FwdConfig) and t.presplit})
     assert any(n.endswith("_ieee_fresh_o_presplit_stepsums") for n in tf32)
     all_names = [n for n in all_names if n not in tf32]
-    # packed batches: each row's plan for masks.PACKED_KINDS (PACKED_FORWARD_TILES where it differs)
+    # packed batches: each row's plan for masks.PACKED_KINDS (PACKED_FORWARD_TILES where it differs),
+    # a window narrow and wide (plans.band_forms)
     packed = {n for n in all_names if "_packed_" in n}
-    assert packed == {plans.specialization_for(dtype, dt, mask, plans.forward_tiles("mma", where, dt, dtype, mask,
+    assert packed == {plans.specialization_for(dtype, dt, form, plans.forward_tiles("mma", where, dt, dtype, form,
                                                                                     None)).name
                       for dtype in ("float16", "bfloat16") for (family, where, dt) in plans.FORWARD_TILES
-                      if family == "mma" for mask in PACKED_KINDS}
+                      if family == "mma" for mask in PACKED_KINDS for form in plans.band_forms(mask)}
     all_names = [n for n in all_names if n not in packed]
     # v in a narrower tile of its own (plans.v_tile): each SM90 row's wgmma kernel for the plain
     # masks (LOCAL_FORWARD_TILES' for the window), with every narrower tensor-core tile
@@ -406,23 +458,24 @@ def test_the_compile_check_sees_every_shipped_forward_specialization():
                      if family == "mma" for mask in dropout_kinds}
     assert dropout_names <= set(all_names)
     builtin = len(VARIANT_KINDS) - len(user_kinds) - len(dropout_kinds)
-    assert len(all_names) == len(set(all_names)) == (len(names) // 3 * (3 + builtin) + len(user_names)
-                                                      + len(dropout_names))
-    assert len(names) == len(old) // 2 * 3
-    assert {n for n in names if "_local_" not in n} == old
-    # the window: the causal band's kernels, but LOCAL_FORWARD_TILES' tiles on its rows
-    local = {n for n in names if "_local_" in n}
-    assert local == {plans.specialization_for(dtype, dt, Local(), plans.forward_tiles("mma", where, dt, dtype, Local(),
-                                                                                      None)).name
-                     for dtype in ("float16", "bfloat16") for (family, where, dt) in plans.FORWARD_TILES
-                     if family == "mma"}
+    # the window: narrow on LOCAL_FORWARD_TILES' tiles where a row has them, and wide (or narrow
+    # elsewhere) on the causal band's kernels (plans.band_forms, plans.producer_takes_window)
     own_rows = {plans.specialization_for(dtype, dt, Local(), tiles).name for dtype in ("float16", "bfloat16")
                 for (family, where, dt), tiles in plans.LOCAL_FORWARD_TILES.items()}
+    # each row: full, causal, the window and the built-in variants; a row with its own window tiles
+    # one more window, plain and with ALiBi (masks.VARIANT_KINDS' window)
+    rows = (len(names) - len(own_rows)) // 3
+    assert len(all_names) == len(set(all_names)) == (rows * (3 + builtin) + 2 * len(own_rows) + len(user_names)
+                                                      + len(dropout_names))
+    assert rows == len(old) // 2
+    assert {n for n in names if "_local_" not in n} == old
+    local = {n for n in names if "_local_" in n}
+    assert local == {plans.specialization_for(dtype, dt, form, plans.forward_tiles("mma", where, dt, dtype, form,
+                                                                                   None)).name
+                     for dtype in ("float16", "bfloat16") for (family, where, dt) in plans.FORWARD_TILES
+                     if family == "mma" for form in plans.band_forms(Local())}
     assert own_rows <= local
-    assert {n.replace("_local_", "_causal_") for n in local - own_rows} == \
-        {n for n in old if "_causal_" in n} - {plans.specialization_for(dtype, dt, Causal(), plans.FORWARD_TILES[row]).name
-                                               for dtype in ("float16", "bfloat16")
-                                               for row in plans.LOCAL_FORWARD_TILES for dt in (row[2],)}
+    assert {n.replace("_local_", "_causal_") for n in local - own_rows} == {n for n in old if "_causal_" in n}
     simt_fwd = {s.name for s in simt.specializations() if s.source_file == "flash_fwd_simt.cu"}
     assert simt_fwd == {plans.plan_forward("80", SUPPORTED[dtype], hd, mask, None, family="simt").spec.name
                         for dtype in SUPPORTED for hd in plans.SIMT_D_TILES
@@ -506,7 +559,9 @@ def test_the_plan_of_this_device_is_what_the_launchers_run_and_fits_it():
             own = {"float32": "flash_fwd_tf32", "float64": "flash_fwd_dmma"}.get(dtype)
             if dtype == "float32" and arch == "90" and plan.d_tile <= 64:  # tf32-wgmma-route: the producer kernel
                 own = "flash_fwd_tf32_wgmma_ws"
-            if own is None and arch == "90":  # wgmma-fwd-ws-route: d128's row is the producer kernel
-                own = "flash_fwd_wgmma_ws" if plan.d_tile == 128 and mask.band != "local" else "flash_fwd_wgmma"
+            if own is None and arch == "90":  # wgmma-fwd-ws-route: d128's row is the producer kernel,
+                # and a window's where its band is wide (window-fwd-producer: KINDS' Local is unbounded)
+                wide = mask.band != "local" or mask.band_keys() is None or mask.band_keys() >= plans.LOCAL_PRODUCER_MIN_KEYS
+                own = "flash_fwd_wgmma_ws" if plan.d_tile == 128 and wide else "flash_fwd_wgmma"
             assert plan.kernel == (own or "flash_fwd_mma"), (dtype, headdim, mask, plan.kernel)
         assert runs_on_device(plan.spec) and plan.spec.smem_bytes <= smem, plan.spec.name

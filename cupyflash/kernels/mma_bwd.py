@@ -157,6 +157,13 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
         # write dq and dk at it).
         width = max(q.shape[3], do.shape[3])
         q, do = (x if x.shape[3] == width else _zero_padded(x, width) for x in (q, do))
+    # The kernels' loads take 16-byte row chunks, and their epilogues store dQ, dK and dV as whole
+    # 16-byte chunks of each row below the head dim (stage_acc, store_tile): a silent overrun of
+    # the next row's elements if a head dim or stride were not a multiple of 8.
+    from .mma_fwd import _check_layout
+
+    for a, what in ((q, "q"), (k, "k"), (v, "v"), (do, "do"), (o, "o"), (dq, "dq"), (dk, "dk"), (dv, "dv")):
+        _check_layout(a, what, whole_chunks=True)
     dt, dq_add = planned.d_tile, planned.dq_add
     grids = {launch.role: launch.grid(batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, packed)
              for launch in planned.launches}

@@ -96,9 +96,11 @@ def specializations() -> list:
     """Every specialization the plans can launch on any supported GPU (for the compile check,
     which builds them all for sm_80 and sm_90)."""
     rows = [(dt, where) for (family, where, dt) in plans.FORWARD_TILES if family == "mma"]
-    # user modifiers: the tiles their plans choose (plans.forward_tiles)
-    entries = [(dtype, dt, mask, plans.forward_tiles("mma", where, dt, dtype, mask, None))
-               for dtype in ("float16", "bfloat16") for dt, where in rows for mask in KINDS + VARIANT_KINDS + PACKED_KINDS]
+    # user modifiers: the tiles their plans choose (plans.forward_tiles); a window narrow and wide
+    # (plans.band_forms: a wide one can take the producer row)
+    entries = [(dtype, dt, form, plans.forward_tiles("mma", where, dt, dtype, form, None))
+               for dtype in ("float16", "bfloat16") for dt, where in rows
+               for mask in KINDS + VARIANT_KINDS + PACKED_KINDS for form in plans.band_forms(mask)]
     entries.sort(key=lambda e: (e[0] != "float16", *_by_tile((e[1], e[3]))))
     specs = [plans.specialization_for(dtype, dt, mask, t) for dtype, dt, mask, t in entries]
     # the wgmma kernel with v in a narrower tile of its own (plans.v_tile): MLA's 192 / 128, and

@@ -329,3 +329,23 @@ def test_bwd_v5_launches_v3_when_deterministic_and_v4_otherwise(d, smem_optin, m
         other = record_backward(monkeypatch, same_as, d, deterministic)
         assert v5.specs_and_grids() == other.specs_and_grids()
         assert not (deterministic and any("fused" in spec.name for spec in v5.specs()))
+
+
+@pytest.mark.parametrize("bad", ["dk_headdim", "dq_stride", "dv_pointer"])
+def test_the_backward_refuses_outputs_its_epilogue_would_overrun(bad, monkeypatch):
+    """The 16-bit kernels store dQ, dK and dV as whole 16-byte chunks of a row (stage_acc,
+    store_tile): an output whose head dim or strides are not multiples of 8 elements, or whose
+    pointer is not 16-byte aligned, is refused before any launch, not overrun."""
+    recorder = LaunchRecorder(monkeypatch)
+    q, o, do, dq = (FakeArray((B, SQ, H, 64), np.float16) for _ in range(4))
+    k, v, dk, dv = (FakeArray((B, SK, HKV, 64), np.float16) for _ in range(4))
+    lse = FakeArray((B, H, SQ), np.float32)
+    if bad == "dk_headdim":
+        dk = FakeArray((B, SK, HKV, 60), np.float16)
+    elif bad == "dq_stride":
+        dq.strides = (dq.strides[0], 2 * (H * 64 + 4), 2 * 64, 2)
+    else:
+        dv.data.ptr += 8
+    with pytest.raises(ValueError, match=r"\bd[qkv]\b"):
+        mma_bwd.backward(do, q, k, v, o, lse, dq, dk, dv, softmax_scale=0.1, causal=True)
+    assert not recorder.launches

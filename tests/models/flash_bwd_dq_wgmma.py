@@ -14,6 +14,7 @@ from .flash_fwd_wgmma import row_block_k_major_steps
 from .fragments import lse_base_log2, pack_a_frags, recomputed_p
 from .mask import MaskPolicy
 from .mirrors import mirrors
+from .mma_bwd import stage_acc, store_tile
 from .mma_bwd_walks import key_range
 from .smem import RAW_SMEM, aligned_base, new_smem
 from .wgmma import THREADS, Step, cp_async_panels, smem_desc, wgmma
@@ -172,20 +173,18 @@ def dqw_p_and_ds(L, s_acc, dp_acc, visible, m0: int, n0: int, lane, row_lo, base
 
 
 @mirrors(DQW,
-         "if (m >= seqlen_q) continue;",
-         "T* dq_row = p.dq.row<T>(batch, seq.q_begin + m, head);",
-         "const int col = 8 * f + 2 * (lane % 4);",
-         "if (col < headdim)",
-         "*reinterpret_cast<u32*>(dq_row + col) = pack2<T>(dq_acc[f][2 * h] * scale, dq_acc[f][2 * h + 1] * scale);")
-def dqw_store_dq(dq, dq_acc, lane, row_lo, scale: float, headdim: int) -> None:
-    """Epilogue: rows row_lo + 8h (below seqlen_q = dq.shape[0]), columns 8f + 2 (lane % 4), +1."""
-    for h in range(2):
-        m = row_lo + 8 * h
-        for f in range(dq_acc.shape[1]):
-            col = 8 * f + 2 * (lane % 4)
-            for r, c, (x, y) in zip(m, col, dq_acc[:, f, 2 * h: 2 * h + 2]):
-                if r < dq.shape[0] and c < headdim:
-                    dq[r, c: c + 2] = x * scale, y * scale
+         "stage_acc<T, D_TILE, D_TILE>(s_q, 16 * warp, 0, dq_acc, scale, lane);",
+         "store_tile<BLOCK_M, D_TILE, NTHREADS>(p.dq.row<T>(batch, seq.q_begin + m0, head), s_q, seqlen_q - m0,"
+         " headdim, p.dq.row_stride, tid);")
+def dqw_store_dq(dq, smem, L, dq_acc, m0: int, scale: float, headdim: int) -> None:
+    """Epilogue: each warp's 16 rows (warp 4 wg + w: rows 16 (4 wg + w) of the block) staged into
+    the Q tile, row-major and swizzled (mma_bwd.cuh's stage_acc), then 16-byte row stores of the
+    rows below seqlen_q (= dq.shape[0]) and the chunks below headdim (store_tile)."""
+    s_q = aligned_base(RAW_SMEM) + L.Q
+    for wg in range(L.NWG):
+        for w in range(4):
+            stage_acc(smem, s_q, L.D_TILE, 64 * wg + 16 * w, 0, dq_acc[wg][32 * w: 32 * w + 32], scale)
+    store_tile(dq[m0:], smem, s_q, L.BLOCK_M, L.D_TILE, L.NTHREADS, dq.shape[0] - m0, headdim)
 
 
 @mirrors(DQW,
@@ -235,9 +234,7 @@ def dqw_emulated(q, k, v, do, lse, delta, L, headdim: int, scale: float, causal:
                 wgmma(dq_acc[wg], smem, step, accumulate=True, a_regs=ds_frag[:, kk])
         j += 1
     dq = np.full((seqlen_q, headdim), np.nan)
-    for wg in range(L.NWG):
-        lane, row_lo = rows[wg][:2]
-        dqw_store_dq(dq, dq_acc[wg], lane, row_lo, scale, headdim)
+    dqw_store_dq(dq, smem, L, dq_acc, m0, scale, headdim)
     return dq
 
 

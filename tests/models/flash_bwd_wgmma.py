@@ -10,6 +10,7 @@ import numpy as np
 
 from .fragments import lse_base_log2, pack_a_frags, recomputed_p
 from .mirrors import mirrors
+from .mma_bwd import stage_acc, store_tile
 from .smem import RAW_SMEM, aligned_base, new_smem, st_shared_b32
 from .wgmma import (LANE, ROW_LO, THREAD_IN_GROUP, WARP_IN_WG, Step, cp_async_panels, panel_offset, smem_desc,
                     wgmma)
@@ -294,22 +295,6 @@ def red_add_pairs(out, rows, cols, pairs, headdim):
             out[r, c + 1] += y
 
 
-@mirrors(WGMMA_BWD,
-         "const int n = n0 + key_row + 8 * h;",
-         "const int col = col0 + 8 * j + 2 * (lane % 4);",
-         "*reinterpret_cast<u32*>(dk_row + col) = pack2<T>(dk_acc[j][2 * h] * dk_scale, dk_acc[j][2 * h + 1] * dk_scale);",
-         "*reinterpret_cast<u32*>(dv_row + col) = pack2<T>(dv_acc[j][2 * h] * dv_scale, dv_acc[j][2 * h + 1] * dv_scale);")
-def store_dkdv(out, acc, key_row, col0: int, mult: float, headdim: int) -> None:
-    """Epilogue (store_key_rows_grads): row key_row + 8h, columns col0 + 8j + 2t of dK (mult =
-    dk_scale: the scale) or dV (dv_scale: 1, or dropout's 1 / (1 - p))."""
-    for h in range(2):
-        for j in range(acc.shape[1]):
-            col = col0 + 8 * j + 2 * THREAD_IN_GROUP
-            for r, c, (x, y) in zip(key_row + 8 * h, col, acc[:, j, 2 * h: 2 * h + 2]):
-                if c < headdim and r < out.shape[0]:
-                    out[r, c: c + 2] = x * mult, y * mult
-
-
 def bwd_emulated(q, k, v, do, lse, delta, L, headdim: int, scale: float):
     """One CTA of flash_bwd_wgmma (key block 0, one head, non-causal, every query block of full
     BLOCK_M rows): steps 1-8 and the epilogue. Returns dK, dV and dq_accum."""
@@ -350,15 +335,24 @@ def bwd_emulated(q, k, v, do, lse, delta, L, headdim: int, scale: float):
                 for kk, step in enumerate(bwd_dq_steps(L, tiles, qp, dp)):
                     wgmma(dq_acc, smem, step, accumulate=kk > 0)
                 bwd_add_dq_panel(dq_accum, dq_acc, m0, qp, dp, headdim)
-    dk, dv = np.full((L.BLOCK_N, headdim), np.nan), np.full((L.BLOCK_N, headdim), np.nan)
+    # the epilogue: each warp's rows staged into the K and V tiles (row-major, swizzled), then
+    # 16-byte row stores (the mma.sync kernels' stage_acc and store_key_block_grads)
     for wg in range(L.NWG):
-        store_dkdv(dk, dk_acc[wg], 64 * wg + ROW_LO, 0, scale, headdim)
-        store_dkdv(dv, dv_acc[wg], 64 * wg + ROW_LO, 0, 1.0, headdim)
+        for w in range(4):
+            lanes = slice(32 * w, 32 * w + 32)
+            stage_acc(smem, tiles0.k, L.D_TILE, 64 * wg + 16 * w, 0, dk_acc[wg][lanes], scale)
+            stage_acc(smem, tiles0.v, L.D_TILE, 64 * wg + 16 * w, 0, dv_acc[wg][lanes], 1.0)
+    dk, dv = np.full((L.BLOCK_N, headdim), np.nan), np.full((L.BLOCK_N, headdim), np.nan)
+    store_tile(dk, smem, tiles0.k, L.BLOCK_N, L.D_TILE, L.NTHREADS, L.BLOCK_N, headdim)
+    store_tile(dv, smem, tiles0.v, L.BLOCK_N, L.D_TILE, L.NTHREADS, L.BLOCK_N, headdim)
     return dk, dv, dq_accum
 
 
-mirrors(BWD, "store_key_rows_grads<T>(p, seq, key_block.batch, key_block.head_kv, key_block.n0, key_row, 0, seq.seqlen_k,"
-             " args.headdim, args.headdim_v, args.scale, 1.f, dk_acc, dv_acc, lane);")(bwd_emulated)
+mirrors(BWD, "const int warp_row0 = 64 * wg + 16 * warp_in_wg;",
+             "stage_acc<T, D_TILE, D_TILE>(s_k, warp_row0, 0, dk_acc, args.scale, lane);",
+             "stage_acc<T, D_TILE, D_TILE>(s_v, warp_row0, 0, dv_acc, dv_scale, lane);",
+             "store_key_block_grads<T, BLOCK_N, D_TILE, NTHREADS>(p.dk, p.dv, s_k, s_v, seq, key_block.head_kv,"
+             " key_block.n0, seq.seqlen_k, args.headdim, args.headdim_v, tid);")(bwd_emulated)
 
 mirrors(BWD, "const u32 base = aligned_dynamic_smem<L::BYTES>(smem_raw);")(aligned_base)
 

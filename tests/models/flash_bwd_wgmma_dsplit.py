@@ -7,8 +7,9 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from .flash_bwd_wgmma import ds_transposed, p_transposed, red_add_pairs, store_dkdv
+from .flash_bwd_wgmma import ds_transposed, p_transposed, red_add_pairs
 from .mirrors import mirrors
+from .mma_bwd import stage_acc, store_tile
 from .smem import RAW_SMEM, aligned_base, ld_shared_b32, new_smem, st_shared_b32
 from .wgmma import ROW_LO, THREAD_IN_GROUP, Step, cp_async_panels, panel_offset, smem_desc, wgmma
 
@@ -183,18 +184,25 @@ def dsplit_emulated(q, k, v, do, lse, delta, L, headdim: int, scale: float):
             for kk, step in enumerate(dsplit_dq_steps(L, tiles, wg)):
                 wgmma(dq_acc, smem, step, accumulate=kk > 0)
             dsplit_add_dq(dq_accum, dq_acc, m0, wg, L, headdim)
-    dk, dv = np.full((L.BLOCK_N, headdim), np.nan), np.full((L.BLOCK_N, headdim), np.nan)
+    # the epilogue: each warp's 16 rows of its warpgroup's head-dim half staged into the K and V
+    # tiles (row-major, swizzled), then 16-byte row stores (the mma.sync kernels' stage_acc and
+    # store_key_block_grads)
     for wg in range(2):
-        store_dkdv(dk, dk_acc[wg], ROW_LO, L.HALF * wg, scale, headdim)
-        store_dkdv(dv, dv_acc[wg], ROW_LO, L.HALF * wg, 1.0, headdim)
+        for w in range(4):
+            lanes = slice(32 * w, 32 * w + 32)
+            stage_acc(smem, tiles0.k, L.D_TILE, 16 * w, L.HALF * wg, dk_acc[wg][lanes], scale)
+            stage_acc(smem, tiles0.v, L.D_TILE, 16 * w, L.HALF * wg, dv_acc[wg][lanes], 1.0)
+    dk, dv = np.full((L.BLOCK_N, headdim), np.nan), np.full((L.BLOCK_N, headdim), np.nan)
+    store_tile(dk, smem, tiles0.k, L.BLOCK_N, L.D_TILE, L.NTHREADS, L.BLOCK_N, headdim)
+    store_tile(dv, smem, tiles0.v, L.BLOCK_N, L.D_TILE, L.NTHREADS, L.BLOCK_N, headdim)
     return dk, dv, dq_accum
 
 
 mirrors(DSPLIT,
-        # the epilogue: wgmma_bwd.cuh's store_key_rows_grads (models.flash_bwd_wgmma.store_dkdv) on this
-        # warpgroup's head-dim half
-        "store_key_rows_grads<T>(p, seq, key_block.batch, key_block.head_kv, key_block.n0, key_row, HALF * wg,"
-        " seq.seqlen_k, args.headdim, args.headdim_v, args.scale, drop_scale, dk_acc, dv_acc, lane);",
+        "stage_acc<T, HALF, D_TILE>(s_k, 16 * warp_in_wg, HALF * wg, dk_acc, args.scale, lane);",
+        "stage_acc<T, HALF, D_TILE>(s_v, 16 * warp_in_wg, HALF * wg, dv_acc, drop_scale, lane);",
+        "store_key_block_grads<T, BLOCK_N, D_TILE, NTHREADS>(p.dk, p.dv, s_k, s_v, seq, key_block.head_kv,"
+        " key_block.n0, seq.seqlen_k, args.headdim, args.headdim_v, tid);",
         "const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + 8 * j + 2 * (lane % 4));",
         "const float p_ij = recomputed_p(score, acc[j][e], score_origin, 8 * j + (e & 1), 8 * (e >> 1), Mask::Score::HAS_GRAD ? dsds[e] : no_grad, args.scale_log2, base_log2[e & 1]);",  # the score policy's P of S (the identity's, in the plain kernels modelled here)
         "const float2 d2 = *reinterpret_cast<const float2*>(s_delta + 8 * j + 2 * (lane % 4));",
