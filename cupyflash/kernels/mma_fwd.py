@@ -146,11 +146,13 @@ def _check_layout(a, what: str, multiple: int = 8, whole_chunks: bool = False) -
     """The tensor-core kernels' layout: contiguous rows, strides multiples of ``multiple`` elements
     (8; the float32 wgmma loaders' 16-byte chunks: 4), 16-byte aligned (the dispatcher guarantees
     it; a violation would be silent corruption). ``whole_chunks``: the head dim a multiple of 8
-    too, for the kernels that store whole 16-byte chunks of a row below it (store_o, store_tile)."""
+    too, for the kernels that store whole 16-byte chunks of a row below it (store_o, store_tile).
+    A dimension of size 1 has no stride the kernels step by (its index is always 0), so its stride
+    is not asked, as the API's ``_mma_ready`` does not ask it before passing an array on unpadded."""
     item = a.itemsize
     if a.strides[3] != item:
         raise ValueError(f"cupyflash: {what} must be contiguous in its last dimension")
-    strides = tuple(s // item for s in a.strides[:3])
+    strides = tuple(s // item for size, s in zip(a.shape[:3], a.strides[:3]) if size > 1)
     if any(s % multiple for s in strides) or a.data.ptr % 16:
         raise ValueError(f"cupyflash: {what} needs strides that are multiples of {multiple} elements and a "
                          f"16-byte aligned pointer for the tensor-core kernel")

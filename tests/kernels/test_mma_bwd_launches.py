@@ -349,3 +349,16 @@ def test_the_backward_refuses_outputs_its_epilogue_would_overrun(bad, monkeypatc
     with pytest.raises(ValueError, match=r"\bd[qkv]\b"):
         mma_bwd.backward(do, q, k, v, o, lse, dq, dk, dv, softmax_scale=0.1, causal=True)
     assert not recorder.launches
+
+
+def test_the_backward_asks_no_stride_of_a_dimension_of_size_one(monkeypatch):
+    """The API passes an array on unpadded when the strides of its dimensions longer than 1 fit
+    (api._mma_ready); a size-1 dimension's stride is never stepped by, so the layout check must not
+    refuse it either (a do of one sequence whose batch stride is odd, e.g. from as_strided)."""
+    recorder = LaunchRecorder(monkeypatch)
+    q, o, do, dq = (FakeArray((1, SQ, H, 64), np.float16) for _ in range(4))
+    k, v, dk, dv = (FakeArray((1, SK, HKV, 64), np.float16) for _ in range(4))
+    lse = FakeArray((1, H, SQ), np.float32)
+    do.strides = (2 * 7, *do.strides[1:])
+    mma_bwd.backward(do, q, k, v, o, lse, dq, dk, dv, softmax_scale=0.1, causal=True)
+    assert recorder.launches

@@ -56,3 +56,16 @@ def test_the_forward_refuses_arrays_its_chunks_would_overrun(bad, monkeypatch):
     with pytest.raises(ValueError, match=r"\b[qkvo]\b"):
         mma_fwd.forward(q, k, v, o, lse, softmax_scale=0.1, causal=True)
     assert not recorder.take()
+
+
+def test_the_forward_asks_no_stride_of_a_dimension_of_size_one(monkeypatch):
+    """A size-1 dimension's stride is never stepped by (its index is always 0), so an odd one
+    there (one head of a q sliced from a wider array, as api._mma_ready passes it on) is not
+    refused."""
+    recorder = LaunchRecorder(monkeypatch, [mma_fwd])
+    q, o = FakeArray((B, SQ, 1, 64), np.float16), FakeArray((B, SQ, 1, 64), np.float16)
+    k, v = FakeArray((B, SK, 1, 64), np.float16), FakeArray((B, SK, 1, 64), np.float16)
+    lse = FakeArray((B, 1, SQ), np.float32)
+    q.strides = (*q.strides[:2], 2 * 3, 2)
+    mma_fwd.forward(q, k, v, o, lse, softmax_scale=0.1, causal=True)
+    assert recorder.take()
