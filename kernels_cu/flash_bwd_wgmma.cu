@@ -392,7 +392,7 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
     // the accumulators, a warp's 4-byte stores to 8 rows at a time held a CTA 8-10 k cycles, 2.7
     // steps of a 32-step walk (perf log bwd-epilogue-staged).
     const int warp_row0 = 64 * wg + 16 * warp_in_wg;
-    const float dv_scale = DropoutOf<Mask>::ENABLED ? p.variant.dropout.scale : 1.f;
+    const float dv_scale = DropoutOf<Mask>::kept_scale(p);  // 1 / (1 - p)
     __syncthreads();
     stage_acc<T, D_TILE, D_TILE>(s_k, warp_row0, 0, dk_acc, args.scale, lane);
     stage_acc<T, D_TILE, D_TILE>(s_v, warp_row0, 0, dv_acc, dv_scale, lane);

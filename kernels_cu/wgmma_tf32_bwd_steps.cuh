@@ -183,10 +183,7 @@ __device__ __forceinline__ void tf32_dkdv_query_block(float (&dk_acc)[D_TILE / 2
                 ds[v] = ds_entry<Mask>(x, p_ij, row_dp_ref, row_delta);
             }
     };
-    if (!hides_inside_sequences<Mask>() || mask.partial(m0, BLOCK_M, n0, BLOCK_N))
-        element_step(Flag<true>());
-    else
-        element_step(Flag<false>());
+    masked_or_not(!hides_inside_sequences<Mask>() || mask.partial(m0, BLOCK_M, n0, BLOCK_N), element_step);
 
     // Steps 5-6: dV += P^T dO, dK += dS^T Q.
     tf32_acc_times_tile<D_TILE, BLOCK_M / 8, PRODUCTS, SUMS_APART>(dv_acc, s, tiles.dot, tiles.dot + Q_TILE,
@@ -234,10 +231,7 @@ struct Tf32DqRows {
                     s[v] = ds_entry<Mask>(x, p_ij, stats[h].dp_ref, delta[h]);
                 }
         };
-        if (!hides_inside_sequences<Mask>() || partial)
-            element_step(Flag<true>());
-        else
-            element_step(Flag<false>());
+        masked_or_not(!hides_inside_sequences<Mask>() || partial, element_step);
     }
 };
 

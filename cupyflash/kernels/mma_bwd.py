@@ -20,6 +20,7 @@ import numpy as np
 from . import dq_fixed, simt
 from ._module import Specialization, backward_is_empty, launch
 from .constants import SIXTEEN_BIT
+from .mma_fwd import _check_layout
 from .params import PackedBatch, backward_params, pointer, set_rows
 from .. import backward_plans
 from .._dtypes import is_16bit
@@ -160,8 +161,6 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
     # The kernels' loads take 16-byte row chunks, and their epilogues store dQ, dK and dV as whole
     # 16-byte chunks of each row below the head dim (stage_acc, store_tile): a silent overrun of
     # the next row's elements if a head dim or stride were not a multiple of 8.
-    from .mma_fwd import _check_layout
-
     for a, what in ((q, "q"), (k, "k"), (v, "v"), (do, "do"), (o, "o"), (dq, "dq"), (dk, "dk"), (dv, "dv")):
         _check_layout(a, what, whole_chunks=True)
     dt, dq_add = planned.d_tile, planned.dq_add
