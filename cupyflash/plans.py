@@ -510,6 +510,30 @@ def producer_takes_window(tiles, mask: Mask, own_v: bool = False) -> bool:
             and mask.score.user is None and (keys is None or keys >= LOCAL_PRODUCER_MIN_KEYS))
 
 
+# softcap-fixed-max (perf log): a softcap forward can take the cap's bound a = c log2(e) as every
+# row's maximum (online_softmax.cuh block_softmax): no row maximum to reduce, O and l never
+# rescaled (the producer kernel's block loop 1,311 -> 1,095 instructions, sm_90a). P = 2^(z - a)
+# then spans [2^(-2a), 1] rather than reaching 1 in every row. bfloat16 keeps float32's exponent
+# range, so with 2a <= FIXED_MAX_LOG2_RANGE P >= 2^-96 and P V stays normal for every |v| >= 2^-30;
+# float16's P (normal from 2^-14) would lose the small weights. Kernels that ask for it: the
+# producer forward.
+FIXED_MAX_LOG2_RANGE = 96.0
+FIXED_MAX_KERNELS = ("flash_fwd_wgmma_ws.cu",)
+
+
+def takes_fixed_max(spec: Specialization, dtype, mask: Mask, softcap: float) -> bool:
+    """Whether a softcap forward launching ``spec`` on ``dtype`` with ``mask`` and cap ``softcap``
+    takes the cap's bound as every row's maximum (Score.fixed_max): bfloat16, 2 c log2(e) <= 96
+    (c up to 33.27), a kernel that asks for it, and softcap without ALiBi or user modifiers. (ALiBi
+    keeps every score under the bound too, but can hold a whole row far below it: with seqlen_q >
+    seqlen_k and no causal band a first row's nearest key is seqlen_q - seqlen_k away, so its
+    weights would leave the range, and a negative slope would take them past 1.)"""
+    score = mask.score
+    return (dtype_name(dtype) == "bfloat16" and spec.source_file in FIXED_MAX_KERNELS
+            and score.softcap and not score.alibi and score.user is None
+            and 0.0 < softcap and 2.0 * softcap * float(np.log2(np.e)) <= FIXED_MAX_LOG2_RANGE)
+
+
 def band_forms(mask: Mask) -> tuple:
     """The masks of one kind whose forward plans can differ by the run-time window alone: a Local
     kind as a narrow band (one key a row) and as it is; any other kind as it is. What lists every

@@ -44,6 +44,15 @@ class Score:
     # a user mask narrows the block ranges by its block map; False: element by element only (the
     # KV-cache kernel's, "nomap" in names)
     block_map: bool = True
+    # softcap without ALiBi: the forward's online softmax takes the cap's bound as every row's
+    # maximum (kernels_cu/online_softmax.cuh block_softmax; chosen by cupyflash.plans.takes_fixed_max,
+    # "fixedmax" in names); the backward's kernels do not see it (backward())
+    fixed_max: bool = False
+
+    def __post_init__(self):
+        if self.fixed_max and (not self.softcap or self.alibi or self.user is not None):
+            raise ValueError("cupyflash: a fixed row maximum is softcap's bound: fixed_max needs softcap, "
+                             "without ALiBi or user modifiers")
 
     @property
     def without_block_map(self) -> "Score":
@@ -62,7 +71,7 @@ class Score:
     @property
     def name(self) -> str:
         """The suffix of specialization names ("" for the plain softmax)."""
-        parts = (("softcap", self.softcap), ("alibi", self.alibi),
+        parts = (("softcap", self.softcap), ("fixedmax", self.fixed_max), ("alibi", self.alibi),
                  (self.user.name if self.user is not None else "", self.user is not None),
                  ("nomap", self.user is not None and not self.block_map), ("sink", self.sink),
                  ("dropout", self.dropout))
@@ -75,12 +84,14 @@ class Score:
             self.user.register()
             options = f", {flag[self.dropout]}, false" if not self.block_map else (", true" if self.dropout else "")
             return f"cf::UserScore<{self.user.cpp}, {flag[self.sink]}{options}>"
-        dropout = ", true" if self.dropout else ""  # the template's default otherwise: names unchanged
-        return f"cf::ScoreMod<{flag[self.softcap]}, {flag[self.alibi]}, {flag[self.sink]}{dropout}>"
+        # the template's defaults otherwise: names unchanged
+        tail = f", {flag[self.dropout]}, true" if self.fixed_max else (", true" if self.dropout else "")
+        return f"cf::ScoreMod<{flag[self.softcap]}, {flag[self.alibi]}, {flag[self.sink]}{tail}>"
 
     def backward(self) -> "Score":
         """The score of the backward's kernels: a sink changes only lse, which they read, so
-        they are the kernels without it (dsink is reduced from D and lse by the launcher)."""
+        they are the kernels without it (dsink is reduced from D and lse by the launcher); the
+        forward's fixed maximum changes nothing they compute."""
         return Score(self.softcap, self.alibi, False, self.user, self.dropout)
 
 

@@ -143,7 +143,7 @@ flash_fwd_wgmma_ws(const __grid_constant__ FwdParams p) {
     // panels of all 128 rows, so past d64 a warpgroup's staging rows hold Q the other one reads
     // (see the barrier before the last store)
     auto store = [&]() {
-        store_o<T, D_TILE, Mask::Score::HAS_SINK>(
+        store_o<T, D_TILE, Mask::Score::HAS_SINK, Mask::Score::FIXED_MAX>(
             o_acc, row_stats, q_tile, strip_row0, m0, seqlen_q, p.headdim_v,
             p.o.row<T>(seq.batch, seq.q_begin + m0, head), p.o.row_stride,
             static_cast<float*>(p.lse) + seq.stat(p, head, m0), lane, sink_log2<Mask, float>(p, head));
@@ -184,12 +184,8 @@ flash_fwd_wgmma_ws(const __grid_constant__ FwdParams p) {
         pin_registers(reinterpret_cast<float(&)[D_FRAGS * 4]>(o_acc));
         if constexpr (WITH_PV) ring.arrive_empty(i - 1);  // block j - 1's K and V are no longer read
 
-        scale_and_mask(s, scale_log2, mask.keys_partial(m0, BLOCK_M, n0, BLOCK_N), mask, score, m0 + strip_row0, n0,
-                       lane);
-        float m_new[1][2];
-        row_max(m_new, s, row_stats, lane);
-        softmax_rescale(s, o_acc, row_stats, m_new, lane);
-        pack_p<T>(p_frag, s);
+        block_softmax<T>(s, o_acc, p_frag, row_stats, scale_log2, mask.keys_partial(m0, BLOCK_M, n0, BLOCK_N), mask,
+                         score, m0 + strip_row0, n0, lane);
         if constexpr (DropoutOf<Mask>::ENABLED)  // after the row sums: l and lse stay the softmax's
             drop_packed_p<DropoutOf<Mask>, 1, N_FRAGS>(p_frag, dropout, m0 + strip_row0 + lane / 4, n0 + 2 * (lane % 4));
     };

@@ -309,6 +309,22 @@ __device__ __forceinline__ u32 pack2<bf16_t>(float lo, float hi) {
     return r;
 }
 
+// The two 16-bit values of a packed pair as floats (exact): pack2's inverse up to its rounding.
+template <typename T>
+__device__ __forceinline__ void unpack2(u32 pair, float& lo, float& hi);
+
+template <>
+__device__ __forceinline__ void unpack2<half_t>(u32 pair, float& lo, float& hi) {
+    asm("{ .reg .f16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;\n }\n"
+        : "=f"(lo), "=f"(hi) : "r"(pair));
+}
+
+template <>
+__device__ __forceinline__ void unpack2<bf16_t>(u32 pair, float& lo, float& hi) {
+    lo = __uint_as_float(pair << 16);  // bfloat16 is float32's upper half
+    hi = __uint_as_float(pair & 0xFFFF0000u);
+}
+
 // 2^x on the special-function unit (about 2 ulp; subnormal results flush to 0, 2^-inf = +0).
 // Softmax weights below 2^-126 are negligible next to the row maximum's weight of 1.
 __device__ __forceinline__ float exp2_approx(float x) {

@@ -19,7 +19,9 @@ namespace cf {
 // two FP32 operations a score fewer and ALiBi one than a transform followed by this multiply).
 // A user mask with a block map evaluates its predicate on the masked blocks only: the transform is
 // unrolled once for each value of `masked`, so a full block's code has no trace of it.
-template <class Mask, class Score, int M_STRIPS, int N_FRAGS>
+// BELOW_BOUND (block_softmax's fixed maximum): the scores less the policy's bound
+// (below_bound_scaled), which the weights' exponentials then take as they are.
+template <class Mask, class Score, int M_STRIPS, int N_FRAGS, bool BELOW_BOUND = false>
 __device__ __forceinline__ void transform_scores(float (&s)[M_STRIPS][N_FRAGS][4], float scale_log2, bool masked,
                                                  const Score& score, int row0, int n0, int lane) {
 #pragma unroll
@@ -31,23 +33,28 @@ __device__ __forceinline__ void transform_scores(float (&s)[M_STRIPS][N_FRAGS][4
 #pragma unroll
             for (int f = 0; f < N_FRAGS; ++f)
 #pragma unroll
-                for (int e = 0; e < 2; ++e)
-                    s[i][f][2 * h + e] = score.template transform_scaled<Mask::RIGHT_IS_DIAGONAL>(
-                        s[i][f][2 * h + e], origin, 0, 8 * f + e, scale_log2);
+                for (int e = 0; e < 2; ++e) {
+                    if constexpr (BELOW_BOUND)
+                        s[i][f][2 * h + e] = score.below_bound_scaled(s[i][f][2 * h + e], origin, 0, 8 * f + e,
+                                                                      scale_log2);
+                    else
+                        s[i][f][2 * h + e] = score.template transform_scaled<Mask::RIGHT_IS_DIAGONAL>(
+                            s[i][f][2 * h + e], origin, 0, 8 * f + e, scale_log2);
+                }
         }
 }
 
 // SKIP_WHOLE false: a kernel at its register limit keeps the predicate on every block (one copy
 // of the transform).
-template <class Mask, class Score, int M_STRIPS, int N_FRAGS, bool SKIP_WHOLE = true>
+template <class Mask, class Score, int M_STRIPS, int N_FRAGS, bool SKIP_WHOLE = true, bool BELOW_BOUND = false>
 __device__ __forceinline__ void scale_and_mask(float (&s)[M_STRIPS][N_FRAGS][4], float scale_log2,
                                                bool masked, const Mask& mask, const Score& score,
                                                int row0, int n0, int lane) {
     if constexpr (Score::SKIPS_FULL_BLOCKS && SKIP_WHOLE) {
-        if (masked) transform_scores<Mask>(s, scale_log2, true, score, row0, n0, lane);
-        else transform_scores<Mask>(s, scale_log2, false, score, row0, n0, lane);
+        if (masked) transform_scores<Mask, Score, M_STRIPS, N_FRAGS, BELOW_BOUND>(s, scale_log2, true, score, row0, n0, lane);
+        else transform_scores<Mask, Score, M_STRIPS, N_FRAGS, BELOW_BOUND>(s, scale_log2, false, score, row0, n0, lane);
     } else if constexpr (!Score::IDENTITY) {
-        transform_scores<Mask>(s, scale_log2, true, score, row0, n0, lane);
+        transform_scores<Mask, Score, M_STRIPS, N_FRAGS, BELOW_BOUND>(s, scale_log2, true, score, row0, n0, lane);
     } else {
 #pragma unroll
         for (int i = 0; i < M_STRIPS; ++i)
@@ -121,6 +128,10 @@ enum class RowState {
 //   take_max(m_new, lane)    m = m_new; returns the Rescale factors exp2(m_old - m_new),
 //                            rescale.row(i, h, lane) being that of row (i, h)
 //   add_sums(rescale, row_sum, lane)   l = rescale l + row_sum, row_sum the lane's partial sums
+//   hold_bound(bound, row_sum, weight_sum, lane)   block_softmax's fixed maximum (ALL_LANES only:
+//                            the producer forward's): m = bound, l += row_sum, and the sum of the
+//                            16-bit weights += weight_sum
+//   weights(i, h, lane)      that sum of row (i, h), on every lane of the quad
 //   get(i, h, lane, m, l)    the final m and full l of row (i, h), on every lane of the quad
 template <RowState LAYOUT, int M_STRIPS>
 struct RowStats;
@@ -129,6 +140,7 @@ template <int M_STRIPS>
 struct RowStats<RowState::ALL_LANES, M_STRIPS> {
     float m[M_STRIPS][2];
     float l[M_STRIPS][2];  // this lane's partial sums
+    float w[M_STRIPS][2];  // block_softmax's fixed maximum: this lane's partial sums of the 16-bit weights
 
     struct Rescale {
         float factor[M_STRIPS][2];
@@ -142,6 +154,7 @@ struct RowStats<RowState::ALL_LANES, M_STRIPS> {
             for (int h = 0; h < 2; ++h) {
                 m[i][h] = neg_inf<float>();
                 l[i][h] = 0.f;
+                w[i][h] = 0.f;
             }
     }
     __device__ __forceinline__ float old_max(int i, int h, int) const { return m[i][h]; }
@@ -163,6 +176,18 @@ struct RowStats<RowState::ALL_LANES, M_STRIPS> {
 #pragma unroll
             for (int h = 0; h < 2; ++h) l[i][h] = l[i][h] * rescale.factor[i][h] + row_sum[i][h];
     }
+    __device__ __forceinline__ void hold_bound(float bound, const float (&row_sum)[M_STRIPS][2],
+                                               const float (&weight_sum)[M_STRIPS][2], int) {
+#pragma unroll
+        for (int i = 0; i < M_STRIPS; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                m[i][h] = bound;
+                l[i][h] += row_sum[i][h];
+                w[i][h] += weight_sum[i][h];
+            }
+    }
+    __device__ __forceinline__ float weights(int i, int h, int) const { return group_sum<4>(w[i][h]); }
     __device__ __forceinline__ void get(int i, int h, int, float& m_row, float& l_row) const {
         m_row = m[i][h];
         l_row = group_sum<4>(l[i][h]);
@@ -284,17 +309,90 @@ __device__ __forceinline__ void pack_p(u32 (&p)[M_STRIPS][N_FRAGS / 2][4],
         }
 }
 
+// A key block's scores (the accumulators S of its products) to weights P, packed to T as the A
+// fragments of its P V (pack_p): the score's transform and the mask (scale_and_mask), then the
+// online softmax with O and l rescaled to the rows' new running maxima (row_max,
+// softmax_rescale). A score policy that bounds every score from above can ask for that bound as
+// every row's maximum instead (Mask::Score::FIXED_MAX: softcap, whose scores in log2 units stay
+// at or under a = c log2(e); perf log softcap-fixed-max): the transform gives S - a directly
+// (below_bound_scaled), P = exp2(S - a) <= 1, l gains the row sums and m = a, so no maximum is
+// reduced over the quad and neither O nor l is rescaled; lse = a + log2 l as before.
+// With a running maximum the row's largest weight is exactly 1 in T; here every weight is rounded
+// to T, so a row of one key would weigh its value by round(P) / P (up to 2^-9 off in bfloat16).
+// So the 16-bit weights are summed too (RowStats::weights), and O is divided by their sum (the
+// WEIGHT_SUMS epilogue), which makes O the average that P V forms; lse keeps the exact sum.
+// P then spans [2^(-2a), 1] instead of reaching 1 in every row, so the plans ask for it only
+// where that range stays normal in float32 and in T (bfloat16 and 2 c log2(e) <= 96:
+// cupyflash/plans.py takes_fixed_max).
+template <typename T, class Mask, class Score, int M_STRIPS, int N_FRAGS, int D_FRAGS, class Stats>
+__device__ __forceinline__ void block_softmax(float (&s)[M_STRIPS][N_FRAGS][4], float (&o)[M_STRIPS][D_FRAGS][4],
+                                              u32 (&p)[M_STRIPS][N_FRAGS / 2][4], Stats& stats, float scale_log2,
+                                              bool masked, const Mask& mask, const Score& score, int row0, int n0,
+                                              int lane) {
+    if constexpr (Mask::Score::FIXED_MAX) {
+        scale_and_mask<Mask, Score, M_STRIPS, N_FRAGS, true, true>(s, scale_log2, masked, mask, score, row0, n0,
+                                                                    lane);
+#pragma unroll
+        for (int i = 0; i < M_STRIPS; ++i)
+#pragma unroll
+            for (int f = 0; f < N_FRAGS; ++f)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[i][f][e] = exp2_approx(s[i][f][e]);
+        pack_p<T>(p, s);
+        // Each row's sums, exact and of its 16-bit weights as packed (pack_p: row h's pairs are
+        // words h and 2 + h of k-step kk, fragments 2 kk and 2 kk + 1)
+        float row_sum[M_STRIPS][2], weight_sum[M_STRIPS][2];
+#pragma unroll
+        for (int i = 0; i < M_STRIPS; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float sum = 0.f, weights = 0.f;
+#pragma unroll
+                for (int kk = 0; kk < N_FRAGS / 2; ++kk)
+#pragma unroll
+                    for (int j = 0; j < 2; ++j) {
+                        sum += s[i][2 * kk + j][2 * h];
+                        sum += s[i][2 * kk + j][2 * h + 1];
+                        float lo, hi;
+                        unpack2<T>(p[i][kk][h + 2 * j], lo, hi);
+                        weights += lo + hi;
+                    }
+                row_sum[i][h] = sum;
+                weight_sum[i][h] = weights;
+            }
+        stats.hold_bound(score.bound_scaled(scale_log2), row_sum, weight_sum, lane);
+    } else {
+        scale_and_mask(s, scale_log2, masked, mask, score, row0, n0, lane);
+        float m_new[M_STRIPS][2];
+        row_max(m_new, s, stats, lane);
+        softmax_rescale(s, o, stats, m_new, lane);
+        pack_p<T>(p, s);
+    }
+}
+
 // The factor of row (i, h)'s O in the epilogue, 1 / l (0 for a row that saw no key; with a sink,
 // finish_row_with_sink's), and its lse in natural log, which lane 0 of the row's quad stores at
 // lse_rows[row] where the row is one of the sequence's (m0 + row < seqlen_q). Rows that saw no key
-// get lse = -inf.
-template <bool HAS_SINK, typename Stats>
+// get lse = -inf. WEIGHT_SUMS (block_softmax's fixed maximum): O's factor from the row's sum of
+// its 16-bit weights (RowStats::weights), lse from the exact sum as always.
+template <bool HAS_SINK, bool WEIGHT_SUMS = false, typename Stats>
 __device__ __forceinline__ float row_epilogue(const Stats& stats, int i, int h, int lane, int row, int m0,
                                               int seqlen_q, float* lse_rows, float sink2) {
     float m, l;
     stats.get(i, h, lane, m, l);
     float inv_l;
-    if constexpr (HAS_SINK) {
+    if constexpr (WEIGHT_SUMS) {
+        const float w = stats.weights(i, h, lane);
+        float lse, unused;
+        if constexpr (HAS_SINK) {
+            finish_row_with_sink(m, l, sink2, unused, lse);
+            finish_row_with_sink(m, w, sink2, inv_l, unused);
+        } else {
+            inv_l = w == 0.f ? 0.f : 1.f / w;  // (a NaN weight: NaN, as below)
+            lse = l > 0.f ? (m + __log2f(l)) * 0.6931471805599453f : neg_inf<float>();
+        }
+        if ((lane & 3) == 0 && m0 + row < seqlen_q) lse_rows[row] = lse;
+    } else if constexpr (HAS_SINK) {
         float lse;
         finish_row_with_sink(m, l, sink2, inv_l, lse);
         if ((lane & 3) == 0 && m0 + row < seqlen_q) lse_rows[row] = lse;
@@ -317,7 +415,8 @@ __device__ __forceinline__ float row_epilogue(const Stats& stats, int i, int h, 
 // Only the warp's own rows of the Q tile are touched, which no other warp reads, so a warp
 // barrier suffices. With a sink (HAS_SINK, sink2 its logit in log2 units) the row's denominator
 // gains it (score.cuh, finish_row_with_sink).
-template <typename T, int D_TILE, bool HAS_SINK = false, int M_STRIPS, int D_FRAGS, typename Stats>
+template <typename T, int D_TILE, bool HAS_SINK = false, bool WEIGHT_SUMS = false, int M_STRIPS, int D_FRAGS,
+          typename Stats>
 __device__ __forceinline__ void store_o(float (&o)[M_STRIPS][D_FRAGS][4], const Stats& stats,
                                         u32 stage_tile, int strip_row0, int m0, int seqlen_q,
                                         int headdim, T* o_rows, i64 o_ss, float* lse_rows,
@@ -329,7 +428,8 @@ __device__ __forceinline__ void store_o(float (&o)[M_STRIPS][D_FRAGS][4], const 
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int row = strip_row0 + 16 * i + 8 * h + (lane >> 2);
-            const float inv_l = row_epilogue<HAS_SINK>(stats, i, h, lane, row, m0, seqlen_q, lse_rows, sink2);
+            const float inv_l = row_epilogue<HAS_SINK, WEIGHT_SUMS>(stats, i, h, lane, row, m0, seqlen_q, lse_rows,
+                                                                     sink2);
 #pragma unroll
             for (int f = 0; f < D_FRAGS; ++f) {
                 if constexpr (F32)

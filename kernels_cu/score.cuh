@@ -198,6 +198,20 @@ struct ScoreFn {
     // forms (EXP_RCP): the row's part is rounded at its own size (slope scale dist, up to about
     // slope seqlen), one constant for the whole row, so O does not see it and lse moves by 2^-24
     // of it: far below a 16-bit P's rounding, above float32's (whose kernels keep |dist|).
+    // A bound every transform_scaled(s) stays at or under: softcap's a = scale c / unit (ALiBi only
+    // subtracts); the FIXED_MAX forwards' row maximum (softcap alone: takes_fixed_max).
+    __device__ __forceinline__ A bound_scaled(A scale) const { return cap_u * scale; }
+    // transform_scaled(s) - bound_scaled(scale), softcap alone (FIXED_MAX's scores), formed
+    // without the bound: -2a r where transform_scaled forms a - 2a r (one FMUL for its FFMA, and
+    // the exponential's subtraction of the bound goes).
+    __device__ __forceinline__ A below_bound_scaled(A s, const Origin&, int, int dj, A scale) const {
+        static_assert(SOFTCAP && !ALIBI, "below_bound_scaled: softcap's bound, without ALiBi");
+        const A a = cap_u * scale;
+        if constexpr (EXP_FORM)
+            return (-2.f * a) * exp_form_rcp(1.f + exp2_approx(s * in_u), dj);
+        else
+            return a * (cap_tanh(s, dj) - A(1));
+    }
     template <bool RIGHT_IS_DIAGONAL = false>
     __device__ __forceinline__ A transform_scaled(A s, const Origin& o, int di, int dj, A scale) const {
         if constexpr (!SOFTCAP && ALIBI && RIGHT_IS_DIAGONAL && EXP_FORM) {
@@ -235,12 +249,17 @@ struct ScoreFn {
 // The compile-time part, the template argument of a mask policy (mask.cuh's WithScore).
 // DROPOUT: the weights P go through the call's dropout mask (dropout.cuh), which leaves the
 // scores alone (the kernels ask DropoutOf<Mask> after the softmax, not the transform).
-template <bool SOFTCAP, bool ALIBI, bool SINK, bool DROPOUT = false>
+// FIXED_MAX (softcap without ALiBi): the forward's online softmax takes softcap's bound as every
+// row's maximum (online_softmax.cuh block_softmax; the plans choose it where P's range allows,
+// cupyflash/plans.py takes_fixed_max); kernels that do not ask keep the running maximum.
+template <bool SOFTCAP, bool ALIBI, bool SINK, bool DROPOUT = false, bool FIXED_MAX_ = false>
 struct ScoreMod {
+    static_assert((SOFTCAP && !ALIBI) || !FIXED_MAX_, "a fixed row maximum is softcap's bound, without ALiBi");
     static constexpr bool IDENTITY = !SOFTCAP && !ALIBI;
     static constexpr bool HAS_GRAD = SOFTCAP;
     static constexpr bool HAS_SINK = SINK;
     static constexpr bool HAS_DROPOUT = DROPOUT;
+    static constexpr bool FIXED_MAX = FIXED_MAX_;
     static constexpr bool HAS_BLOCK_MAP = false;
     template <typename A, Tanh TANH>
     using In = ScoreFn<SOFTCAP, ALIBI, SINK, A, TANH>;
@@ -327,6 +346,7 @@ struct UserScore {
     static constexpr bool HAS_GRAD = M::HAS_GRAD;
     static constexpr bool HAS_SINK = SINK;
     static constexpr bool HAS_DROPOUT = DROPOUT;
+    static constexpr bool FIXED_MAX = false;
     static constexpr bool HAS_BLOCK_MAP = BLOCK_MAP && M::HAS_MASK;
     template <typename A, Tanh TANH>
     using In = UserScoreFn<M, A, HAS_BLOCK_MAP>;

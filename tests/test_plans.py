@@ -442,6 +442,16 @@ def test_the_compile_check_sees_every_shipped_forward_specialization():
                      for dtype in ("float16", "bfloat16") for dt in (128, 256) for mask in KINDS
                      for dvt in (64, 128) if dvt < dt}
     all_names = [n for n in all_names if n not in own_v]
+    # softcap with the cap as each row's maximum (plans.takes_fixed_max): bfloat16's softcap kinds
+    # on the kernels that ask for it, beside the same kinds without it
+    fixed = {n for n in all_names if "_fixedmax" in n}
+    assert fixed == {plans.specialization_for("bfloat16", dt, m.with_score(replace(m.score, fixed_max=True)), t).name
+                     for (family, where, dt) in plans.FORWARD_TILES if family == "mma"
+                     for m in VARIANT_KINDS if m.score.softcap and not m.score.alibi and m.score.user is None
+                     for t in [plans.forward_tiles("mma", where, dt, "bfloat16", m, None)]
+                     if plans.specialization_for("bfloat16", dt, m, t).source_file in plans.FIXED_MAX_KERNELS}
+    assert fixed and {n.replace("_fixedmax", "") for n in fixed} <= set(all_names)
+    all_names = [n for n in all_names if n not in fixed]
     variant_names = {m.name for m in VARIANT_KINDS}
     names = [n for n in all_names if not any(f"_{v}_" in n for v in variant_names)]
     # user modifiers: the tiles their plans choose (some rows share them: fewer names)
@@ -565,3 +575,31 @@ def test_the_plan_of_this_device_is_what_the_launchers_run_and_fits_it():
                 own = "flash_fwd_wgmma_ws" if plan.d_tile == 128 and wide else "flash_fwd_wgmma"
             assert plan.kernel == (own or "flash_fwd_mma"), (dtype, headdim, mask, plan.kernel)
         assert runs_on_device(plan.spec) and plan.spec.smem_bytes <= smem, plan.spec.name
+
+
+def test_the_fixed_row_maximum_is_softcap_only_and_stays_in_the_forward():
+    """Score.fixed_max (softcap-fixed-max) needs softcap, names the forward's specialization
+    ("fixedmax") and its ScoreMod's last argument, and goes away in the backward's score; the
+    rule's range: 2 c log2(e) <= FIXED_MAX_LOG2_RANGE (96, so P >= 2^-96 in bfloat16)."""
+    fixed = Score(softcap=True, fixed_max=True)
+    assert fixed.name == "softcap_fixedmax" and fixed.cpp == "cf::ScoreMod<true, false, false, false, true>"
+    assert Score(softcap=True, sink=True, fixed_max=True).name == "softcap_fixedmax_sink"
+    assert fixed.backward() == Score(softcap=True) and Causal(score=fixed).backward().score == Score(softcap=True)
+    for score in (Score(alibi=True), Score(softcap=True, alibi=True), Score(softcap=True, user=example_modifiers())):
+        with pytest.raises(ValueError, match="softcap"):
+            replace(score, fixed_max=True)
+    assert plans.FIXED_MAX_LOG2_RANGE == 96.0
+    softcap = Causal(score=Score(softcap=True))
+    producer = plans.plan_forward("90", SUPPORTED["bfloat16"], 128, softcap, 227 * 1024).spec
+    assert producer.source_file in plans.FIXED_MAX_KERNELS
+    assert plans.takes_fixed_max(producer, SUPPORTED["bfloat16"], softcap, 33.27)
+    assert not plans.takes_fixed_max(producer, SUPPORTED["bfloat16"], softcap, 33.28)
+    assert not plans.takes_fixed_max(producer, SUPPORTED["float16"], softcap, 30.0)
+    assert not plans.takes_fixed_max(producer, SUPPORTED["bfloat16"], softcap, 0.0)
+    # ALiBi can hold a whole row far under the bound (a first row of seqlen_q > seqlen_k without the
+    # causal band), so softcap with ALiBi keeps the running maximum
+    for mask in (NoMask(score=Score(softcap=True, alibi=True)), Causal(score=Score(softcap=True, alibi=True))):
+        spec = plans.plan_forward("90", SUPPORTED["bfloat16"], 128, mask, 227 * 1024).spec
+        assert spec.source_file in plans.FIXED_MAX_KERNELS
+        assert not plans.takes_fixed_max(spec, SUPPORTED["bfloat16"], mask, 30.0)
+    assert plans.takes_fixed_max(producer, SUPPORTED["bfloat16"], Causal(score=Score(softcap=True, sink=True)), 30.0)

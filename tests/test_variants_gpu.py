@@ -142,3 +142,52 @@ def test_sink_grad_on_the_device_equals_the_host_formula(dtype):
     got = sink_grad(cupy.asarray(sink), cupy.asarray(do), cupy.asarray(o), cupy.asarray(lse.astype(acc)), xp=cupy)
     want = sink_grad(sink, do.astype(np.float64), o.astype(np.float64), lse)
     np.testing.assert_allclose(got.get(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", ["drawn", "every_score_near_minus_cap"])
+def test_softcap_with_the_cap_as_row_maximum_matches_reference(rows, monkeypatch):
+    """softcap-fixed-max: a bfloat16 softcap forward on sm_90 at d128 (the producer kernel) with a
+    cap of 30 takes the cap's bound as every row's maximum (plans.takes_fixed_max); it meets the
+    tolerance rule, and so does the same call with the running maximum (the rule's range set to
+    0). "every_score_near_minus_cap": queries opposite to every key, so that each row's capped
+    scores sit near -30 and its weights near 2^-86 before the normalisation, with values of 1e-6:
+    the corner of the range the rule allows (P V stays normal in float32 for |v| >= 2^-30)."""
+    import ml_dtypes
+
+    from cupyflash import plans
+    from cupyflash.kernels import mma_fwd
+    from cupyflash.kernels._module import device_arch
+    from strategies import AttentionCase
+
+    if device_arch() != "90":
+        pytest.skip("the producer forward (the kernel that takes the fixed maximum) is sm_90's")
+    case = AttentionCase(2, 700, 700, 4, 2, 128, True, None, 1.0, np.dtype(ml_dtypes.bfloat16), 17)
+    q, k, v, do = make_inputs(case)
+    if rows == "every_score_near_minus_cap":
+        rng = np.random.default_rng(23)
+        u = rng.standard_normal(128)
+        u *= 12.0 / np.linalg.norm(u)  # q . k scale = -(36)^2 / sqrt(128) = -114.6: capped -29.97
+        k = (u * 3.0 + 0.01 * rng.standard_normal(k.shape)).astype(case.dtype)
+        q = (-u * 3.0 + 0.01 * rng.standard_normal(q.shape)).astype(case.dtype)
+        v = (1e-6 * rng.standard_normal(v.shape)).astype(case.dtype)
+    launched = []
+    real_launch = mma_fwd.launch
+
+    def recording_launch(spec, grid, args):
+        launched.append(spec.name)
+        return real_launch(spec, grid, args)
+
+    monkeypatch.setattr(mma_fwd, "launch", recording_launch)
+    variant = {"softcap": 30.0}
+    results = {}
+    for form, log2_range in (("fixed", plans.FIXED_MAX_LOG2_RANGE), ("running", 0.0)):
+        monkeypatch.setattr(plans, "FIXED_MAX_LOG2_RANGE", log2_range)
+        launched.clear()
+        o, lse, *grads = run_path(case, (-1, -1), q, k, v, do, variant=variant)
+        assert any("flash_fwd_wgmma_ws_" in n for n in launched), launched
+        assert any("_softcap_fixedmax_" in n for n in launched) == (form == "fixed"), launched
+        check_against_reference(case, (-1, -1), q, k, v, do, o, lse, grads, variant)
+        results[form] = (o, lse)
+    if rows == "every_score_near_minus_cap":  # each row's lse: -29.97 + log(its keys), 1 to 700
+        lse = results["fixed"][1]
+        assert (lse > -30.1).all() and (lse < -23.0).all(), (lse.min(), lse.max())

@@ -18,6 +18,7 @@ other stride of q/k/v/o a multiple of 8 elements, data pointers 16-byte aligned,
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 
@@ -103,6 +104,11 @@ def specializations() -> list:
                for mask in KINDS + VARIANT_KINDS + PACKED_KINDS for form in plans.band_forms(mask)]
     entries.sort(key=lambda e: (e[0] != "float16", *_by_tile((e[1], e[3]))))
     specs = [plans.specialization_for(dtype, dt, mask, t) for dtype, dt, mask, t in entries]
+    # softcap with the cap as each row's maximum (plans.takes_fixed_max): bfloat16 on the kernels
+    # that ask for it
+    specs += [plans.specialization_for(dtype, dt, mask.with_score(replace(mask.score, fixed_max=True)), t)
+              for dtype, dt, mask, t in entries
+              if plans.takes_fixed_max(plans.specialization_for(dtype, dt, mask, t), dtype, mask, 30.0)]
     # the wgmma kernel with v in a narrower tile of its own (plans.v_tile): MLA's 192 / 128, and
     # every narrower pair, for the plain masks
     # (the row's own-v tiles: ONE_ROLE_FORWARD_TILES' where the row is the producer kernel)
@@ -181,6 +187,10 @@ def forward(q, k, v, o, lse, *, softmax_scale: float, causal: bool,
     precision = DEFAULT_PRECISION if variant is None else variant.precision
     readers = plans.image_readers(seqlen_q if packed is None else packed.max_seqlen_q, nheads // k.shape[2])
     planned = plan(q.dtype, max(headdim, v.shape[3]), mask, config, v.shape[3], precision, readers)
+    if mask.score.softcap and plans.takes_fixed_max(planned.spec, q.dtype, mask, variant.softcap):
+        # the same tiles (the producer kernel: v in q's tile), the cap as each row's maximum
+        mask = mask.with_score(replace(mask.score, fixed_max=True))
+        planned = replace(planned, spec=plans.specialization_for(q.dtype, planned.d_tile, mask, planned.tiles))
     grid = query_grid(planned.block_m, batch, seqlen_q, nheads, packed)
     for a, what in ((q, "q"), (k, "k"), (v, "v"), (o, "o")):
         _check_layout(a, what, whole_chunks=True)

@@ -69,3 +69,32 @@ def test_the_forward_asks_no_stride_of_a_dimension_of_size_one(monkeypatch):
     q.strides = (*q.strides[:2], 2 * 3, 2)
     mma_fwd.forward(q, k, v, o, lse, softmax_scale=0.1, causal=True)
     assert recorder.take()
+
+
+def test_a_bfloat16_softcap_forward_takes_the_cap_as_its_row_maximum_where_the_plan_says(monkeypatch):
+    """softcap-fixed-max: on sm_90 at d128 the producer kernel runs a bfloat16 softcap call with
+    Score.fixed_max (the cap's bound as every row's maximum) for a cap up to 33.27
+    (plans.takes_fixed_max: 2 c log2(e) <= 96), the same tiles with the running maximum for a
+    wider cap, for float16, and on the kernels that do not ask for it (sm_80, d64; softcap with
+    ALiBi: test_plans); the launch passes the call's cap either way."""
+    from cupyflash._dtypes import SUPPORTED
+    from cupyflash.scores import Variant
+
+    recorder = LaunchRecorder(monkeypatch, [mma_fwd])
+    c_max = plans.FIXED_MAX_LOG2_RANGE / (2 * np.log2(np.e))
+    cases = [("90", 227 * 1024, 128, "bfloat16", 30.0, True), ("90", 227 * 1024, 128, "bfloat16", c_max * 0.999, True),
+             ("90", 227 * 1024, 128, "bfloat16", c_max * 1.001, False), ("90", 227 * 1024, 128, "float16", 30.0, False),
+             ("90", 227 * 1024, 64, "bfloat16", 30.0, False), ("80", 163 * 1024, 128, "bfloat16", 30.0, False)]
+    for arch, smem, d, dtype, cap, fixed in cases:
+        monkeypatch.setattr(mma_fwd, "current_arch", lambda: arch)
+        monkeypatch.setattr(mma_fwd, "current_smem_optin", lambda: smem)
+        dt = SUPPORTED[dtype]
+        q, o = FakeArray((B, SQ, H, d), dt), FakeArray((B, SQ, H, d), dt)
+        k, v = FakeArray((B, SK, HKV, d), dt), FakeArray((B, SK, HKV, d), dt)
+        lse = FakeArray((B, H, SQ), np.float32)
+        mma_fwd.forward(q, k, v, o, lse, softmax_scale=0.1, causal=True, variant=Variant(softcap=cap))
+        [launch] = recorder.take()
+        assert ("_softcap_fixedmax_" in launch.spec.name) == fixed, (arch, d, dtype, cap, launch.spec.name)
+        assert "_softcap_" in launch.spec.name
+        assert ("ScoreMod<true, false, false, false, true>" in launch.spec.expression) == fixed
+        assert launch.args[0]["variant"]["softcap"] == np.float32(cap)

@@ -125,7 +125,8 @@ mirrors("mma.cuh", "return static_cast<u32>((row * (DIM / 8) + (chunk ^ (row & 7
 
 
 @mirrors(WS,
-         "store_o<T, D_TILE, Mask::Score::HAS_SINK>(o_acc, row_stats, q_tile, strip_row0, m0, seqlen_q, p.headdim_v,"
+         "store_o<T, D_TILE, Mask::Score::HAS_SINK, Mask::Score::FIXED_MAX>("
+         "o_acc, row_stats, q_tile, strip_row0, m0, seqlen_q, p.headdim_v,"
          " p.o.row<T>(seq.batch, seq.q_begin + m0, head), p.o.row_stride,"
          " static_cast<float*>(p.lse) + seq.stat(p, head, m0), lane, sink_log2<Mask, float>(p, head));")
 @mirrors("online_softmax.cuh",
