@@ -272,6 +272,42 @@ def wgmma_spec(dtype, headdim: int, causal: Mask | bool, dq_add: str, config: tu
                           arch="90a")
 
 
+# flash_bwd_wgmma_ws (sm_90a, a candidate: docs/perf-log.md wgmma-bwd-ws-v0): flash_bwd_wgmma's dK and
+# dV without dQ (DqAdd::none) with a producer warpgroup copying the query blocks into STAGES stages
+# and two consumer warpgroups of 64 keys each, taking turns at the tensor cores when PINGPONG.
+# Tiles (BLOCK_M, BLOCK_N, STAGES, PINGPONG), BLOCK_N always 128; head-dim tiles 64 and 128.
+WGMMA_WS_D_TILES = (64, 128)
+
+
+def wgmma_ws_smem_bytes(dt: int, block_m: int, stages: int) -> int:
+    """Mirror of BwdWgmmaWsSmem<...>::BYTES in flash_bwd_wgmma_ws.cu (K, V; STAGES stages of Q and
+    dO; the dS^T tile; STAGES slots of lse and D; a full and an empty barrier a stage), plus 1024
+    bytes to align the base for the 128-byte swizzle."""
+    return (2 * 128 * dt * 2 + 2 * stages * block_m * dt * 2 + 128 * block_m * 2 + 2 * stages * block_m * 4
+            + 16 * stages + 1024)
+
+
+def wgmma_ws_spec(dtype, headdim: int, causal: Mask | bool, config: tuple) -> Specialization:
+    """flash_bwd_wgmma_ws at ``config`` = (BLOCK_M, BLOCK_N, STAGES, PINGPONG): 384 threads (the
+    producer warpgroup and two consumers)."""
+    mask = as_mask(causal)
+    name = dtype_name(dtype)
+    dt = d_tile(headdim)
+    bm, bn, stages, pingpong = config
+    if dt not in WGMMA_WS_D_TILES:
+        raise ValueError(f"cupyflash: flash_bwd_wgmma_ws takes head-dim tiles {WGMMA_WS_D_TILES}, not {dt}")
+    if bn != 128 or bm % 64 or stages < 2:
+        raise ValueError(f"cupyflash: flash_bwd_wgmma_ws takes 128 keys a block, query blocks of a multiple of 64 "
+                         f"rows and two or more stages: {config!r}")
+    smem = wgmma_ws_smem_bytes(dt, bm, stages)
+    if smem > 227 * 1024:
+        raise ValueError(f"cupyflash: flash_bwd_wgmma_ws's tiles take {smem} bytes, more than 227 KiB: {config!r}")
+    spec_name = (f"flash_bwd_wgmma_ws_{SHORT_NAMES[name]}_hdim{dt}_{mask.name}_bm{bm}_bn{bn}_s{stages}"
+                 f"{'_pingpong' if pingpong else ''}")
+    expression = f"cf::flash_bwd_wgmma_ws<{CTYPES[name]}, {dt}, {mask.cpp}, {bm}, {stages}, {_flag(pingpong)}>"
+    return Specialization(spec_name, "flash_bwd_wgmma_ws.cu", expression, 384, smem, arch="90a")
+
+
 def dq_wgmma_smem_bytes(dt: int, block_m: int, block_n: int, k_stages: int) -> int:
     """Mirror of DqWgmmaSmem<...>::BYTES in flash_bwd_dq_wgmma.cu (Q, dO; K_STAGES stages of K, two of
     V), plus 1024 bytes to align the base for the 128-byte swizzle."""
@@ -346,7 +382,8 @@ class BackwardKernels(NamedTuple):
     """One way to run a tensor-core backward: the dK/dV kernel and its tiles, how dQ is formed
     (``dq_add``, an entry of DQ_ADDS) and, where the dK/dV kernel adds no dQ ("none"), the dQ kernel
     and its tiles. Kernels: "dkdv_mma", "dkdv_mma_v2", "dkdv_mma_split", "fused_mma", "wgmma"
-    (flash_bwd_wgmma, or flash_bwd_wgmma_dsplit at head-dim tile 256); dQ: "dq_mma" (3 tiles, or
+    (flash_bwd_wgmma, or flash_bwd_wgmma_dsplit at head-dim tile 256), "wgmma_ws" (flash_bwd_wgmma_ws,
+    a candidate: dQ "none" only); dQ: "dq_mma" (3 tiles, or
     flash_bwd_dq_mma_v2 with 4) and "dq_wgmma"."""
 
     dkdv: str
@@ -690,6 +727,10 @@ def _dkdv_spec(dtype, dt: int, mask: Mask, row: BackwardKernels) -> Specializati
         return fused_spec(dtype, dt, mask, row.dq_add, row.dkdv_tiles)
     if row.dkdv == "wgmma":
         return wgmma_spec(dtype, dt, mask, row.dq_add, row.dkdv_tiles)
+    if row.dkdv == "wgmma_ws":
+        if row.dq_add != "none":
+            raise ValueError(f"cupyflash: flash_bwd_wgmma_ws forms no dQ (dq_add 'none'): {row!r}")
+        return wgmma_ws_spec(dtype, dt, mask, row.dkdv_tiles)
     raise ValueError(f"cupyflash: unknown backward kernel {row.dkdv!r}")
 
 

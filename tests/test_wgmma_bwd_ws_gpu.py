@@ -1,0 +1,120 @@
+"""The 16-bit dK/dV kernel with a producer warpgroup (kernels_cu/flash_bwd_wgmma_ws.cu, docs/perf-log.md
+wgmma-bwd-ws-v0), a candidate: each configuration of dev/mma_bwd.py's WGMMA_WS_CANDIDATES launched
+through mma_bwd.backward(wgmma_ws=...) gives dQ, dK and dV bitwise equal to the shipped dK/dV-only
+kernel's on the same tiles (mma_bwd.backward(wgmma=...): flash_bwd_wgmma<..., DqAdd::none>, whose
+own tests hold it to the float64 reference), over shapes, causal and windows, GQA and the score
+variants, fresh random inputs and NaN-poisoned outputs; and it meets the float64 reference itself
+on one odd shape. sm_90 only. The tuner's check of every dev entry (tests/dev/test_dev_mma_bwd.py)
+covers the candidates too. On the CPU: the plain and window masks compile for sm_90a without
+spills, at the launch's 168 registers."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cupyflash.bench import tune
+from cupyflash.scores import Variant
+from cupyflash.testing import attention_problems
+
+
+def _candidates() -> list[tuple[int, tuple]]:
+    dev = tune.load_dev_backward()  # a source checkout's dev/mma_bwd.py
+    return [(dt, config) for dt, configs in (dev.WGMMA_WS_CANDIDATES if dev else {}).items() for config in configs]
+
+
+CANDIDATES = _candidates()
+# the bitwise test's: the first candidate of each head-dim tile (dev/bench_wgmma_bwd_ws.py warm
+# compiles what it draws)
+FIRSTS = list({dt: (dt, config) for dt, config in reversed(CANDIDATES)}.values())
+HEADDIMS = {64: (8, 40, 64), 128: (72, 96, 128)}
+VARIANTS = ("plain", "softcap", "alibi")
+
+
+def test_the_candidates_compile_for_sm90a_without_spills_on_the_plain_masks():
+    """No mask, causal, a window, a packed causal batch and ALiBi with a window compile at 168
+    registers (setmaxnreg: 128 x 40 + 256 x 232 = 384 x 168) without spills or serialized wgmma.
+    (softcap, dropout and user modifiers spill 16-184 bytes: not candidates for those yet.)"""
+    from cupyflash.backward_plans import wgmma_ws_spec
+    from cupyflash.kernels import compile_check
+    from cupyflash.masks import Causal, Local, NoMask
+    from cupyflash.scores import Score
+
+    try:
+        compile_check.nvrtc_version()
+    except Exception as exc:  # pragma: no cover - the CI installs NVRTC
+        pytest.skip(f"NVRTC not available: {exc}")
+    masks = (NoMask(), Causal(), Local(64, 0), Causal().as_packed(), Local(64, 0, score=Score(alibi=True)))
+    specs = {wgmma_ws_spec("bfloat16", dt, mask, config) for dt, config in CANDIDATES[:1] + CANDIDATES[-1:]
+             for mask in masks}
+    specs |= {wgmma_ws_spec("float16", dt, Causal(), config) for dt, config in CANDIDATES}
+    specs = sorted(specs, key=lambda s: s.name)
+    _, mangled, log = compile_check.compile_cubin("flash_bwd_wgmma_ws.cu", [s.expression for s in specs], "90a")
+    report, serialized = compile_check.ptxas_report(log), compile_check.wgmma_serialized_from_log(log)
+    for s in specs:
+        usage = report[mangled[s.expression]]
+        assert usage["spill_stores"] == usage["spill_loads"] == 0, (s.name, usage)
+        assert usage["registers"] == 168, (s.name, usage)
+        assert mangled[s.expression] not in serialized, s.name
+        assert s.smem_bytes <= 227 * 1024 and s.threads == 384, s.name
+
+
+def _variant(name: str, nheads: int, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    return {"softcap": {"softcap": 5.0},
+            "alibi": {"alibi_slopes": rng.uniform(0.01, 0.5, nheads).astype(np.float32)}}.get(name, {})
+
+
+def _backward(problem, options, **tiles):
+    """dq, dk, dv of mma_bwd.backward on the problem's inputs (o, lse from the plan's forward)."""
+    import cupy
+
+    from cupyflash.kernels import mma_bwd, mma_fwd
+
+    q, k, v, do = (cupy.asarray(x) for x in problem.arrays())
+    values = Variant(softcap=options.get("softcap", 0.0),
+                     **{n: cupy.asarray(options[n]) for n in ("alibi_slopes",) if n in options})
+    o = cupy.full(q.shape[:3] + v.shape[3:], np.nan, q.dtype)
+    lse = cupy.full((problem.batch, problem.nheads, problem.seqlen_q), np.nan, np.float32)
+    mma_fwd.forward(q, k, v, o, lse, softmax_scale=problem.scale, causal=problem.causal,
+                    window_size=problem.window_size, variant=values)
+    grads = [cupy.full(x.shape, np.nan, x.dtype) for x in (q, k, v)]
+    mma_bwd.backward(do, q, k, v, o, lse, *grads, softmax_scale=problem.scale, causal=problem.causal,
+                     deterministic=True, window_size=problem.window_size, variant=values, **tiles)
+    return [cupy.asnumpy(g) for g in grads]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d_tile,config", FIRSTS, ids=[f"d{dt}-{c}" for dt, c in FIRSTS])
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), variant=st.sampled_from(VARIANTS))
+def test_the_candidate_is_bitwise_the_shipped_kernel_on_its_tiles(d_tile, config, data, variant):
+    from cupyflash.kernels._module import device_arch
+
+    if device_arch() != "90":
+        pytest.skip("flash_bwd_wgmma_ws is sm_90a only")
+    problem = data.draw(attention_problems(dtypes=("float16", "bfloat16"), windows=True, max_seqlen=700,
+                                           headdims=HEADDIMS[d_tile]), label="problem")
+    options = _variant(variant, problem.nheads, problem.seed)
+    block_m, block_n = config[:2]
+    shipped = _backward(problem, options, wgmma=(block_m, block_n))
+    candidate = _backward(problem, options, wgmma_ws=config)
+    for name, a, b in zip(("dq", "dk", "dv"), shipped, candidate):
+        assert not np.isnan(a).any() or np.isnan(b).any(), name
+        np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16), err_msg=f"{name} {config}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d_tile,config", CANDIDATES, ids=[f"d{dt}-{c}" for dt, c in CANDIDATES])
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (True, (40, 0))])
+def test_the_candidate_meets_the_float64_reference(d_tile, config, causal, window):
+    """The tuner's check (error within twice standard attention's in bfloat16) on its odd shape."""
+    from cupyflash._dtypes import SUPPORTED
+    from cupyflash.kernels._module import device_arch
+
+    if device_arch() != "90":
+        pytest.skip("flash_bwd_wgmma_ws is sm_90a only")
+    ratio = tune._check_bwd(dict(deterministic=True, wgmma_ws=config), d_tile, SUPPORTED["bfloat16"], causal,
+                            window=window)
+    assert ratio <= 1, ratio
