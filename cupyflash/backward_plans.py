@@ -272,10 +272,11 @@ def wgmma_spec(dtype, headdim: int, causal: Mask | bool, dq_add: str, config: tu
                           arch="90a")
 
 
-# flash_bwd_wgmma_ws (sm_90a, a candidate: docs/perf-log.md wgmma-bwd-ws-v0): flash_bwd_wgmma's dK and
-# dV without dQ (DqAdd::none) with a producer warpgroup copying the query blocks into STAGES stages
-# and two consumer warpgroups of 64 keys each, taking turns at the tensor cores when PINGPONG.
-# Tiles (BLOCK_M, BLOCK_N, STAGES, PINGPONG), BLOCK_N always 128; head-dim tiles 64 and 128.
+# flash_bwd_wgmma_ws and flash_bwd_dq_wgmma_ws (sm_90a, candidates: docs/perf-log.md wgmma-bwd-ws-v0):
+# flash_bwd_wgmma's dK and dV without dQ (DqAdd::none) and flash_bwd_dq_wgmma's dQ, each with a
+# producer warpgroup copying the walked blocks into STAGES stages and two consumer warpgroups of 64
+# rows, taking turns at the tensor cores when PINGPONG. Tiles (BLOCK_M, BLOCK_N, STAGES, PINGPONG):
+# dK/dV's BLOCK_N and dQ's BLOCK_M always 128; head-dim tiles 64 and 128.
 WGMMA_WS_D_TILES = (64, 128)
 
 
@@ -306,6 +307,33 @@ def wgmma_ws_spec(dtype, headdim: int, causal: Mask | bool, config: tuple) -> Sp
                  f"{'_pingpong' if pingpong else ''}")
     expression = f"cf::flash_bwd_wgmma_ws<{CTYPES[name]}, {dt}, {mask.cpp}, {bm}, {stages}, {_flag(pingpong)}>"
     return Specialization(spec_name, "flash_bwd_wgmma_ws.cu", expression, 384, smem, arch="90a")
+
+
+def dq_wgmma_ws_smem_bytes(dt: int, block_n: int, stages: int) -> int:
+    """Mirror of DqWgmmaWsSmem<...>::BYTES in flash_bwd_dq_wgmma_ws.cu (Q, dO of 128 rows; STAGES
+    stages of K and of V; a full and an empty barrier a stage), plus the 1024 bytes of alignment."""
+    return 2 * 128 * dt * 2 + 2 * stages * block_n * dt * 2 + 16 * stages + 1024
+
+
+def dq_wgmma_ws_spec(dtype, headdim: int, causal: Mask | bool, config: tuple) -> Specialization:
+    """flash_bwd_dq_wgmma_ws at ``config`` = (BLOCK_M, BLOCK_N, STAGES, PINGPONG), BLOCK_M always
+    128: 384 threads (the producer warpgroup and two consumers of 64 query rows)."""
+    mask = as_mask(causal)
+    name = dtype_name(dtype)
+    dt = d_tile(headdim)
+    bm, bn, stages, pingpong = config
+    if dt not in WGMMA_WS_D_TILES:
+        raise ValueError(f"cupyflash: flash_bwd_dq_wgmma_ws takes head-dim tiles {WGMMA_WS_D_TILES}, not {dt}")
+    if bm != 128 or bn % 16 or stages < 2:
+        raise ValueError(f"cupyflash: flash_bwd_dq_wgmma_ws takes 128 queries a block, key blocks of a multiple of 16 "
+                         f"and two or more stages: {config!r}")
+    smem = dq_wgmma_ws_smem_bytes(dt, bn, stages)
+    if smem > 227 * 1024:
+        raise ValueError(f"cupyflash: flash_bwd_dq_wgmma_ws's tiles take {smem} bytes, more than 227 KiB: {config!r}")
+    spec_name = (f"flash_bwd_dq_wgmma_ws_{SHORT_NAMES[name]}_hdim{dt}_{mask.name}_bm{bm}_bn{bn}_s{stages}"
+                 f"{'_pingpong' if pingpong else ''}")
+    expression = f"cf::flash_bwd_dq_wgmma_ws<{CTYPES[name]}, {dt}, {mask.cpp}, {bn}, {stages}, {_flag(pingpong)}>"
+    return Specialization(spec_name, "flash_bwd_dq_wgmma_ws.cu", expression, 384, smem, arch="90a")
 
 
 def dq_wgmma_smem_bytes(dt: int, block_m: int, block_n: int, k_stages: int) -> int:
@@ -384,7 +412,7 @@ class BackwardKernels(NamedTuple):
     and its tiles. Kernels: "dkdv_mma", "dkdv_mma_v2", "dkdv_mma_split", "fused_mma", "wgmma"
     (flash_bwd_wgmma, or flash_bwd_wgmma_dsplit at head-dim tile 256), "wgmma_ws" (flash_bwd_wgmma_ws,
     a candidate: dQ "none" only); dQ: "dq_mma" (3 tiles, or
-    flash_bwd_dq_mma_v2 with 4) and "dq_wgmma"."""
+    flash_bwd_dq_mma_v2 with 4), "dq_wgmma" and "dq_wgmma_ws" (a candidate)."""
 
     dkdv: str
     dkdv_tiles: tuple
@@ -708,6 +736,8 @@ def _plan(dtype, headdim: int, mask: Mask, row: BackwardKernels, where: str) -> 
         launches.append(Launch("dq", dq_spec(dtype, dt, mask, row.dq_tiles), row.dq_tiles[0]))
     elif row.dq == "dq_wgmma":
         launches.append(Launch("dq", dq_wgmma_spec(dtype, dt, mask, row.dq_tiles), row.dq_tiles[0]))
+    elif row.dq == "dq_wgmma_ws":
+        launches.append(Launch("dq", dq_wgmma_ws_spec(dtype, dt, mask, row.dq_tiles), row.dq_tiles[0]))
     elif row.dq_add in FIXED_DQ_ADDS:
         launches.append(Launch("convert", dq_fixed.convert_spec(dtype), dq_fixed.ROW_THREADS))
     else:

@@ -1,14 +1,16 @@
-"""wgmma-bwd-ws-v0 on one machine (docs/perf-log.md): the dK/dV candidate with a producer warpgroup
-(kernels_cu/flash_bwd_wgmma_ws.cu) against the shipped dK/dV-only kernel.
+"""wgmma-bwd-ws-v0 on one machine (docs/perf-log.md): the backward's candidates with a producer
+warpgroup (kernels_cu/flash_bwd_wgmma_ws.cu, flash_bwd_dq_wgmma_ws.cu) against the shipped kernels.
 
     PYTHONPATH=. python dev/bench_wgmma_bwd_ws.py warm [--processes N]
         compiles, in parallel into CuPy's cache, every kernel tests/test_wgmma_bwd_ws_gpu.py and the
-        tuner's timing of the candidates launch (both 16-bit dtypes; no mask, causal, a window;
-        plain, softcap, ALiBi; the forward that makes o and lse, the shipped rows beside them)
-    PYTHONPATH=. python dev/bench_wgmma_bwd_ws.py kernels D SEQLEN [causal] [BLOCK_M,STAGES,PINGPONG]
-        one backward of the plan, then one with the candidate at those tiles (for ncu: the dQ and
-        preprocess kernels are the same; flash_bwd_wgmma against flash_bwd_wgmma_ws), on the bench's
-        shape (batch * seqlen = 16384 tokens, nheads * headdim = 2048), bfloat16
+        tuner's timing of the candidates launch (the first pair of candidates in both 16-bit
+        dtypes, no mask, causal and windows, plain, softcap and ALiBi, beside the shipped row on
+        the same tiles; every other entry in bfloat16; the forward that makes o and lse)
+    PYTHONPATH=. python dev/bench_wgmma_bwd_ws.py kernels D SEQLEN [causal]
+        one backward of the plan, then one with both first candidates of the head-dim tile (for
+        ncu: flash_bwd_wgmma against flash_bwd_wgmma_ws, flash_bwd_dq_wgmma against
+        flash_bwd_dq_wgmma_ws), on the bench's shape (batch * seqlen = 16384 tokens, nheads *
+        headdim = 2048), bfloat16
 
 The timing itself is the tuner's: python -m cupyflash tune --direction bwd --headdim 128 64 --seqlen
 8192 --only "none dq" wgmma_ws (each entry checked against the float64 reference first)."""
@@ -25,29 +27,39 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _specs():
     from cupyflash import plans
-    from cupyflash.backward_plans import DQ_WGMMA_CONFIG, BackwardKernels, backward_plan
+    from cupyflash.backward_plans import backward_plan
     from cupyflash.bench import tune
     from cupyflash.masks import mask_for
     from cupyflash.scores import PLAIN, Score
 
     dev = tune.load_dev_backward()
     out = {}
-    scores = (PLAIN, Score(softcap=True), Score(alibi=True))
     windows = ((False, (-1, -1)), (True, (-1, -1)), (True, (40, 0)), (False, (40, 7)))
-    for dt, configs in dev.WGMMA_WS_CANDIDATES.items():
-        for n, config in enumerate(configs):
-            rows = (BackwardKernels("wgmma_ws", config, "none", "dq_wgmma", DQ_WGMMA_CONFIG[dt]),
-                    BackwardKernels("wgmma", config[:2], "none", "dq_wgmma", DQ_WGMMA_CONFIG[dt]))
-            # the first candidate of a tile: everything the bitwise test draws; the others: the tuner's
-            for dtype in ("bfloat16", "float16") if n == 0 else ("bfloat16",):
-                for causal, window in windows:
-                    for score in scores if n == 0 else (PLAIN,):
-                        mask = mask_for(causal, window, score)
-                        for row in rows:
-                            for launch in backward_plan(dtype, dt, mask, row).launches:
-                                out[launch.spec.name] = launch.spec
-                        fwd = plans.plan_forward("90", dtype, dt, mask, 227 * 1024).spec
-                        out[fwd.name] = fwd
+
+    def add(dtype, dt, rows, scores):
+        for causal, window in windows:
+            for score in scores:
+                mask = mask_for(causal, window, score)
+                for row in rows:
+                    for launch in backward_plan(dtype, dt, mask, row).launches:
+                        out[launch.spec.name] = launch.spec
+                fwd = plans.plan_forward("90", dtype, dt, mask, 227 * 1024).spec
+                out[fwd.name] = fwd
+
+    for dt in dev.WGMMA_WS_CANDIDATES:
+        # the bitwise test's pair: both producer kernels against the shipped row on the same tiles,
+        # both dtypes, every score variant it draws
+        both = dev.kernels("v10", "90", None, "bfloat16", dt, False, True, wgmma_ws=dev.WGMMA_WS_CANDIDATES[dt][0],
+                           dq_ws=dev.DQ_WS_CANDIDATES[dt][0])
+        shipped = dev.kernels("v10", "90", None, "bfloat16", dt, False, True, wgmma=both.dkdv_tiles[:2],
+                              dq_config=tuple(dev.DQ_WGMMA_CONFIG[dt]))
+        for dtype in ("bfloat16", "float16"):
+            add(dtype, dt, (both, shipped), (PLAIN, Score(softcap=True), Score(alibi=True)))
+        # the tuner's entries (bfloat16, plain)
+        rows = [dev.kernels(kw["version"], "90", None, "bfloat16", dt, False, True,
+                            **{k: kw[k] for k in ("wgmma_ws", "dq_ws") if k in kw})
+                for label, kw in dev.entries(dt, "90") if "_ws" in label]
+        add("bfloat16", dt, rows, (PLAIN,))
     return list(out.values())
 
 
@@ -71,17 +83,18 @@ def warm(processes: int) -> int:
     return 1 if errors else 0
 
 
-def kernels(headdim: int, seqlen: int, causal: bool, config: tuple) -> int:
+def kernels(headdim: int, seqlen: int, causal: bool) -> int:
     from cupyflash._dtypes import SUPPORTED
     from cupyflash.bench import tune
     from cupyflash.kernels import mma_bwd
 
     import cupy
 
+    dev = tune.load_dev_backward()
     dtype = SUPPORTED["bfloat16"]
     batch, nheads = 16384 // seqlen, 2048 // headdim
     (inputs,) = tune._bwd_inputs(batch, seqlen, nheads, headdim, dtype, causal, n_sets=1)
-    for tiles in ({}, {"wgmma_ws": config}):
+    for tiles in ({}, {"wgmma_ws": dev.WGMMA_WS_CANDIDATES[headdim][0], "dq_ws": dev.DQ_WS_CANDIDATES[headdim][0]}):
         mma_bwd.backward(*inputs, softmax_scale=headdim ** -0.5, causal=causal, deterministic=True, **tiles)
     cupy.cuda.Device().synchronize()
     return 0
@@ -99,10 +112,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.command == "warm":
         return warm(args.processes)
-    causal = "causal" in args.rest
-    tiles = next((a for a in args.rest if "," in a), "64,3,1")
-    block_m, stages, pingpong = (int(x) for x in tiles.split(","))
-    return kernels(args.headdim, args.seqlen, causal, (block_m, 128, stages, bool(pingpong)))
+    return kernels(args.headdim, args.seqlen, "causal" in args.rest)
 
 
 if __name__ == "__main__":

@@ -159,6 +159,9 @@ WGMMA_NONE_CANDIDATES = {64: ((64, 128),)}
 # dQ by v10's flash_bwd_dq_wgmma. Built on CPU, not yet timed.
 WGMMA_WS_CANDIDATES = {64: ((128, 128, 3, True), (64, 128, 3, True)),
                        128: ((64, 128, 3, True), (64, 128, 4, True), (64, 128, 3, False))}
+# flash_bwd_dq_wgmma_ws (``dq_ws=``): v10's dQ kernel the same way, tiles (BLOCK_M, BLOCK_N, STAGES,
+# PINGPONG); timed beside the shipped dK/dV kernel and beside the first dK/dV candidate.
+DQ_WS_CANDIDATES = {64: ((128, 128, 3, True),), 128: ((128, 64, 3, True), (128, 64, 4, True))}
 # For sliding windows: v10's two kernels with 64-row blocks, (dK/dV-only wgmma tiles, dq_wgmma tiles)
 # pairs. The backward ran a causal window of 1024 at 16k (bf16, d128) at 0.73-0.74 of causal's
 # TFLOP/s over the visible pairs (issue 15's bar: 0.85). A 128-key block walks the queries of
@@ -231,19 +234,21 @@ def wgmma_dq_add(version: str, deterministic: bool, dt: int) -> str | None:
 
 def kernels(version: str, arch: str | None, smem_optin: int | None, dtype, headdim: int, mask,
             deterministic: bool, dq_config: tuple | None = None, fused: tuple | None = None,
-            wgmma: tuple | None = None, wgmma_ws: tuple | None = None) -> BackwardKernels:
+            wgmma: tuple | None = None, wgmma_ws: tuple | None = None,
+            dq_ws: tuple | None = None) -> BackwardKernels:
     """The kernels ``version`` runs on a device of compute capability ``arch`` with ``smem_optin``
     bytes per block; ``dq_config``, ``fused`` and ``wgmma`` replace the tiles of the dQ kernel, the
     fused kernel (and run it) and the wgmma kernel; ``wgmma_ws`` runs dK/dV on flash_bwd_wgmma_ws at
-    those tiles instead (sm_90, v10's dQ kernel beside it)."""
+    those tiles instead, ``dq_ws`` dQ on flash_bwd_dq_wgmma_ws (sm_90, v10's rows otherwise)."""
     check_version(version)
     mask = as_mask(mask)
     dt = d_tile(headdim)
-    if wgmma_ws is not None:
-        if arch != "90" or not _since(version, "v10"):
-            raise ValueError("cupyflash: flash_bwd_wgmma_ws is an sm_90 candidate beside v10's dQ kernel")
-        return BackwardKernels("wgmma_ws", tuple(wgmma_ws), "none", "dq_wgmma",
-                               tuple(dq_config or DQ_WGMMA_CONFIG[dt]))
+    if wgmma_ws is not None or dq_ws is not None:
+        if arch != "90" or not _since(version, "v10") or not deterministic:
+            raise ValueError("cupyflash: the producer backward kernels are sm_90 candidates of v10's deterministic row")
+        dkdv = ("wgmma_ws", tuple(wgmma_ws)) if wgmma_ws is not None else ("wgmma", tuple(wgmma or WGMMA_CONFIG[dt]))
+        dq = ("dq_wgmma_ws", tuple(dq_ws)) if dq_ws is not None else ("dq_wgmma", tuple(dq_config or DQ_WGMMA_CONFIG[dt]))
+        return BackwardKernels(dkdv[0], dkdv[1], "none", dq[0], dq[1])
     if _since(version, "v6"):
         if fused is None and wgmma is None and dq_config is None and arch == "90":
             if _since(version, "v11") and isinstance(mask, Local) and dt in WINDOW_SPLIT_D_TILES:
@@ -300,6 +305,13 @@ def entries(dt: int, arch: str | None) -> list[tuple[str, dict]]:
     for tiles in WGMMA_WS_CANDIDATES.get(dt, ()) if split_tiles else ():
         out.append((f"v10 wgmma_ws{tiles} + dq_wgmma{DQ_WGMMA_CONFIG[dt]}",
                     dict(version="v10", deterministic=True, wgmma_ws=tiles)))
+    for tiles in DQ_WS_CANDIDATES.get(dt, ()) if split_tiles else ():
+        out.append((f"v10 wgmma{WGMMA_CONFIG[dt]} + dq_wgmma_ws{tiles}",
+                    dict(version="v10", deterministic=True, dq_ws=tiles)))
+    if split_tiles and dt in WGMMA_WS_CANDIDATES and dt in DQ_WS_CANDIDATES:
+        both = dict(wgmma_ws=WGMMA_WS_CANDIDATES[dt][0], dq_ws=DQ_WS_CANDIDATES[dt][0])
+        out.append((f"v10 wgmma_ws{both['wgmma_ws']} + dq_wgmma_ws{both['dq_ws']}",
+                    dict(version="v10", deterministic=True, **both)))
     for wgmma, dq in WINDOW_SPLIT_CANDIDATES.get(dt, ()) if split_tiles else ():
         out.append((f"v10 wgmma{wgmma} + dq_wgmma{dq}", dict(version="v10", deterministic=True, wgmma=wgmma,
                                                                dq_config=dq)))
@@ -321,7 +333,7 @@ def _describe(row: BackwardKernels) -> str:
 def candidate_specializations() -> list:
     """The candidates' specializations, bf16 only (``python -m cupyflash compile-check`` reports
     their spills when given them)."""
-    from cupyflash.backward_plans import dq_wgmma_spec, fused_spec, wgmma_spec, wgmma_ws_spec
+    from cupyflash.backward_plans import dq_wgmma_spec, dq_wgmma_ws_spec, fused_spec, wgmma_spec, wgmma_ws_spec
 
     return ([fused_spec("bfloat16", dt, causal, dq_add, config)
              for dt, configs in FUSED_CANDIDATES.items() for config in configs
@@ -332,6 +344,8 @@ def candidate_specializations() -> list:
              for dt, configs in WGMMA_NONE_CANDIDATES.items() for config in configs for causal in (False, True)] +
             [wgmma_ws_spec("bfloat16", dt, causal, config)
              for dt, configs in WGMMA_WS_CANDIDATES.items() for config in configs for causal in (False, True)] +
+            [dq_wgmma_ws_spec("bfloat16", dt, causal, config)
+             for dt, configs in DQ_WS_CANDIDATES.items() for config in configs for causal in (False, True)] +
             # the window pairs' tiles that no plan row runs (the other half of a pair is shipped)
             [wgmma_spec("bfloat16", dt, mask, "none", tiles)
              for dt, pairs in WINDOW_SPLIT_CANDIDATES.items() for tiles in {w for w, _ in pairs} - {WGMMA_CONFIG[dt]}
@@ -348,6 +362,6 @@ if __name__ == "__main__":
     for name, (note, anchor) in REJECTED.items():
         print(f"{name} (rejected): {note}\n    {PERF_LOG}#{anchor}")
     count = sum(map(len, (*FUSED_CANDIDATES.values(), *DQ_CANDIDATES_V2.values(), *DQ_WGMMA_CANDIDATES.values(),
-                          *WGMMA_NONE_CANDIDATES.values(), *WGMMA_WS_CANDIDATES.values(),
+                          *WGMMA_NONE_CANDIDATES.values(), *WGMMA_WS_CANDIDATES.values(), *DQ_WS_CANDIDATES.values(),
                           *WINDOW_SPLIT_CANDIDATES.values())))
     print(f"candidates: {count}\n    {PERF_LOG}#{CANDIDATES_PERF_LOG}")

@@ -1,10 +1,11 @@
-"""The 16-bit dK/dV kernel with a producer warpgroup (kernels_cu/flash_bwd_wgmma_ws.cu, docs/perf-log.md
-wgmma-bwd-ws-v0), a candidate: each configuration of dev/mma_bwd.py's WGMMA_WS_CANDIDATES launched
-through mma_bwd.backward(wgmma_ws=...) gives dQ, dK and dV bitwise equal to the shipped dK/dV-only
-kernel's on the same tiles (mma_bwd.backward(wgmma=...): flash_bwd_wgmma<..., DqAdd::none>, whose
-own tests hold it to the float64 reference), over shapes, causal and windows, GQA and the score
-variants, fresh random inputs and NaN-poisoned outputs; and it meets the float64 reference itself
-on one odd shape. sm_90 only. The tuner's check of every dev entry (tests/dev/test_dev_mma_bwd.py)
+"""The 16-bit backward's kernels with a producer warpgroup (kernels_cu/flash_bwd_wgmma_ws.cu,
+flash_bwd_dq_wgmma_ws.cu; docs/perf-log.md wgmma-bwd-ws-v0), candidates: the first of
+dev/mma_bwd.py's WGMMA_WS_CANDIDATES and DQ_WS_CANDIDATES of each head-dim tile, launched together
+through mma_bwd.backward(wgmma_ws=..., dq_ws=...), give dQ, dK and dV bitwise equal to the shipped
+kernels' on the same tiles (mma_bwd.backward(wgmma=..., dq_config=...): flash_bwd_wgmma<...,
+DqAdd::none> and flash_bwd_dq_wgmma, whose own tests hold them to the float64 reference), over
+shapes, causal and windows, GQA and the score variants, fresh random inputs and NaN-poisoned
+outputs; and each candidate meets the float64 reference itself on one odd shape. sm_90 only. The tuner's check of every dev entry (tests/dev/test_dev_mma_bwd.py)
 covers the candidates too. On the CPU: the plain and window masks compile for sm_90a without
 spills, at the launch's 168 registers."""
 from __future__ import annotations
@@ -19,15 +20,12 @@ from cupyflash.scores import Variant
 from cupyflash.testing import attention_problems
 
 
-def _candidates() -> list[tuple[int, tuple]]:
-    dev = tune.load_dev_backward()  # a source checkout's dev/mma_bwd.py
-    return [(dt, config) for dt, configs in (dev.WGMMA_WS_CANDIDATES if dev else {}).items() for config in configs]
-
-
-CANDIDATES = _candidates()
-# the bitwise test's: the first candidate of each head-dim tile (dev/bench_wgmma_bwd_ws.py warm
-# compiles what it draws)
-FIRSTS = list({dt: (dt, config) for dt, config in reversed(CANDIDATES)}.values())
+DEV = tune.load_dev_backward()  # a source checkout's dev/mma_bwd.py
+CANDIDATES = [(dt, config) for dt, configs in (DEV.WGMMA_WS_CANDIDATES if DEV else {}).items() for config in configs]
+DQ_CANDIDATES = [(dt, config) for dt, configs in (DEV.DQ_WS_CANDIDATES if DEV else {}).items() for config in configs]
+# the bitwise test's: the first dK/dV and dQ candidates of each head-dim tile together
+# (dev/bench_wgmma_bwd_ws.py warm compiles what it draws)
+PAIRS = [(dt, DEV.WGMMA_WS_CANDIDATES[dt][0], DEV.DQ_WS_CANDIDATES[dt][0]) for dt in DEV.WGMMA_WS_CANDIDATES] if DEV else []
 HEADDIMS = {64: (8, 40, 64), 128: (72, 96, 128)}
 VARIANTS = ("plain", "softcap", "alibi")
 
@@ -36,7 +34,7 @@ def test_the_candidates_compile_for_sm90a_without_spills_on_the_plain_masks():
     """No mask, causal, a window, a packed causal batch and ALiBi with a window compile at 168
     registers (setmaxnreg: 128 x 40 + 256 x 232 = 384 x 168) without spills or serialized wgmma.
     (softcap, dropout and user modifiers spill 16-184 bytes: not candidates for those yet.)"""
-    from cupyflash.backward_plans import wgmma_ws_spec
+    from cupyflash.backward_plans import dq_wgmma_ws_spec, wgmma_ws_spec
     from cupyflash.kernels import compile_check
     from cupyflash.masks import Causal, Local, NoMask
     from cupyflash.scores import Score
@@ -49,9 +47,16 @@ def test_the_candidates_compile_for_sm90a_without_spills_on_the_plain_masks():
     specs = {wgmma_ws_spec("bfloat16", dt, mask, config) for dt, config in CANDIDATES[:1] + CANDIDATES[-1:]
              for mask in masks}
     specs |= {wgmma_ws_spec("float16", dt, Causal(), config) for dt, config in CANDIDATES}
+    specs |= {dq_wgmma_ws_spec(dtype, dt, mask, config) for dt, config in DQ_CANDIDATES
+              for dtype in ("bfloat16", "float16") for mask in masks}
     specs = sorted(specs, key=lambda s: s.name)
-    _, mangled, log = compile_check.compile_cubin("flash_bwd_wgmma_ws.cu", [s.expression for s in specs], "90a")
-    report, serialized = compile_check.ptxas_report(log), compile_check.wgmma_serialized_from_log(log)
+    report, mangled, serialized = {}, {}, set()
+    for source in ("flash_bwd_wgmma_ws.cu", "flash_bwd_dq_wgmma_ws.cu"):
+        group = [s.expression for s in specs if s.source_file == source]
+        _, names, log = compile_check.compile_cubin(source, group, "90a")
+        mangled.update(names)
+        report.update(compile_check.ptxas_report(log))
+        serialized |= compile_check.wgmma_serialized_from_log(log)
     for s in specs:
         usage = report[mangled[s.expression]]
         assert usage["spill_stores"] == usage["spill_loads"] == 0, (s.name, usage)
@@ -86,10 +91,10 @@ def _backward(problem, options, **tiles):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("d_tile,config", FIRSTS, ids=[f"d{dt}-{c}" for dt, c in FIRSTS])
+@pytest.mark.parametrize("d_tile,config,dq_config", PAIRS, ids=[f"d{dt}" for dt, _, _ in PAIRS])
 @settings(max_examples=40, deadline=None)
 @given(data=st.data(), variant=st.sampled_from(VARIANTS))
-def test_the_candidate_is_bitwise_the_shipped_kernel_on_its_tiles(d_tile, config, data, variant):
+def test_the_candidates_are_bitwise_the_shipped_kernels_on_their_tiles(d_tile, config, dq_config, data, variant):
     from cupyflash.kernels._module import device_arch
 
     if device_arch() != "90":
@@ -97,24 +102,26 @@ def test_the_candidate_is_bitwise_the_shipped_kernel_on_its_tiles(d_tile, config
     problem = data.draw(attention_problems(dtypes=("float16", "bfloat16"), windows=True, max_seqlen=700,
                                            headdims=HEADDIMS[d_tile]), label="problem")
     options = _variant(variant, problem.nheads, problem.seed)
-    block_m, block_n = config[:2]
-    shipped = _backward(problem, options, wgmma=(block_m, block_n))
-    candidate = _backward(problem, options, wgmma_ws=config)
+    shipped = _backward(problem, options, wgmma=config[:2], dq_config=DEV.DQ_WGMMA_CONFIG[d_tile])
+    candidate = _backward(problem, options, wgmma_ws=config, dq_ws=dq_config)
     for name, a, b in zip(("dq", "dk", "dv"), shipped, candidate):
         assert not np.isnan(a).any() or np.isnan(b).any(), name
         np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16), err_msg=f"{name} {config}")
 
 
+def _tiles():
+    return ([(dt, dict(wgmma_ws=c)) for dt, c in CANDIDATES] + [(dt, dict(dq_ws=c)) for dt, c in DQ_CANDIDATES])
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("d_tile,config", CANDIDATES, ids=[f"d{dt}-{c}" for dt, c in CANDIDATES])
+@pytest.mark.parametrize("d_tile,tiles", _tiles(), ids=[f"d{dt}-{t}" for dt, t in _tiles()])
 @pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (True, (40, 0))])
-def test_the_candidate_meets_the_float64_reference(d_tile, config, causal, window):
+def test_the_candidate_meets_the_float64_reference(d_tile, tiles, causal, window):
     """The tuner's check (error within twice standard attention's in bfloat16) on its odd shape."""
     from cupyflash._dtypes import SUPPORTED
     from cupyflash.kernels._module import device_arch
 
     if device_arch() != "90":
         pytest.skip("flash_bwd_wgmma_ws is sm_90a only")
-    ratio = tune._check_bwd(dict(deterministic=True, wgmma_ws=config), d_tile, SUPPORTED["bfloat16"], causal,
-                            window=window)
+    ratio = tune._check_bwd(dict(deterministic=True, **tiles), d_tile, SUPPORTED["bfloat16"], causal, window=window)
     assert ratio <= 1, ratio

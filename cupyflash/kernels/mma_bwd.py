@@ -51,7 +51,7 @@ def plan(dtype, headdim: int, mask: Mask, deterministic: bool, version: str | No
          **tiles) -> BackwardPlan:
     """The plan ``backward`` runs at exactly ``headdim`` on the current device: plan_backward's, or
     dev/mma_bwd.py's for ``version`` or for the tuner's ``tiles`` (dq_config, fused, wgmma,
-    wgmma_ws)."""
+    wgmma_ws, dq_ws)."""
     from .mma_fwd import current_arch, current_smem_optin
 
     if not supports(dtype, headdim):
@@ -118,7 +118,7 @@ def _zero_padded(x, width: int):
 def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: bool,
              deterministic: bool = True, version: str | None = None,
              dq_config: tuple | None = None, fused: tuple | None = None, wgmma: tuple | None = None,
-             wgmma_ws: tuple | None = None, window_size=(-1, -1), variant=None,
+             wgmma_ws: tuple | None = None, dq_ws: tuple | None = None, window_size=(-1, -1), variant=None,
              packed: PackedBatch | None = None) -> None:
     """Fill the preallocated dq, dk, dv (C-contiguous, dtype of q) from the saved lse (B, H, Sq);
     ``packed`` a varlen batch (B = 1, its sequences' rows packed; dQ without adds or by float
@@ -128,12 +128,13 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
     row strides multiples of 8 elements, 16-byte aligned, headdim % 8 == 0, headdim <= 256).
     ``version`` runs an entry of dev/mma_bwd.py's VERSIONS instead of the plan; ``dq_config``,
     ``fused`` and ``wgmma`` other tiles of the dQ kernel, the fused kernel and the wgmma kernel
-    (tuning); ``wgmma_ws`` runs dK/dV on the producer candidate flash_bwd_wgmma_ws at those tiles. ``window_size`` is flash-attn's (left, right) (cupyflash.masks).
+    (tuning); ``wgmma_ws`` and ``dq_ws`` run dK/dV and dQ on the producer candidates
+    flash_bwd_wgmma_ws and flash_bwd_dq_wgmma_ws at those tiles. ``window_size`` is flash-attn's (left, right) (cupyflash.masks).
     """
     import cupy
 
     if not is_16bit(q.dtype):  # float64's DMMA kernels, float32's tf32x3 on the same (kernels/dmma.py)
-        if version is not None or dq_config is not None or fused is not None or wgmma is not None or wgmma_ws:
+        if version is not None or dq_config is not None or fused is not None or wgmma is not None or wgmma_ws or dq_ws:
             raise ValueError("cupyflash: versions and tuning tiles are the 16-bit backward's; the float32 and float64 "
                              "backward take dmma.backward(config=...)")
         from . import dmma
@@ -148,7 +149,7 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
     # A sink changes only lse, which the kernels read (scores.Score.backward); dsink is the API's.
     mask = mask_for(causal, window_size, PLAIN if variant is None else variant.score, packed is not None).backward()
     planned = plan(q.dtype, max(headdim, v.shape[3]), mask, deterministic, version, dq_config=dq_config, fused=fused,
-                   wgmma=wgmma, wgmma_ws=wgmma_ws)  # one head-dim tile holds q, k and v
+                   wgmma=wgmma, wgmma_ws=wgmma_ws, dq_ws=dq_ws)  # one head-dim tile holds q, k and v
     if packed is not None and planned.dq_add not in ("none", "atomic"):
         raise ValueError(f"cupyflash: a packed batch's backward adds dQ by its own kernel or by float atomics; "
                          f"this plan adds it as {planned.dq_add!r} (a dev/ version)")

@@ -150,7 +150,7 @@ def test_every_dev_backward_entry_that_fits_matches_the_reference(dev, headdim):
     dtype, smem = SUPPORTED["bfloat16"], _max_smem_optin(cupy.cuda.Device().id)
     checked = []
     for label, kwargs in tune._bwd_candidates(headdim, dev):
-        options = {k: kwargs[k] for k in ("dq_config", "fused", "wgmma", "wgmma_ws") if k in kwargs}
+        options = {k: kwargs[k] for k in ("dq_config", "fused", "wgmma", "wgmma_ws", "dq_ws") if k in kwargs}
         plan = mma_bwd.plan(dtype, headdim, NoMask(), kwargs["deterministic"], kwargs.get("version"), **options)
         if not all(runs_on_device(launch.spec) and launch.spec.smem_bytes <= smem for launch in plan.launches):
             continue
