@@ -169,65 +169,23 @@ flash_bwd_wgmma_ws(const __grid_constant__ BwdParams p) {
         wgmma_wait<1>();
         pin_registers(reinterpret_cast<float(&)[SJ * 4]>(s_acc));
 
-        // Step 3: P^T (flash_bwd_wgmma's step 3, and its two copies with and without the element
-        // mask). Element (j, e) is key key0 + 8 (e / 2), query query0 + 8 j + e % 2.
+        // Step 3: P^T (wgmma_bwd.cuh's probabilities_t, flash_bwd_wgmma's step 3). Element (j, e)
+        // is key key0 + 8 (e / 2), query query0 + 8 j + e % 2.
         const int key_row = 64 * cwg + 16 * warp_in_wg + lane / 4;  // within the block
         const int key0 = key_block.n0 + key_row, query0 = m0 + 2 * (lane % 4);
         const typename Mask::Origin origin = key_block.mask.origin(query0, key0);
         const auto score_origin = score.origin(query0, key0, partial);
-        auto stash_addr = [&](int j, int h) {
-            return s_dst + panel_offset<BLOCK_N>(key_row + 8 * h, j) + 4 * (lane % 4);
-        };
-        auto probabilities = [&](auto masked) {
-#pragma unroll
-            for (int j = 0; j < SJ; ++j) {
-                const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + 8 * j + 2 * (lane % 4));
-                const float base_log2[2] = {lse_base_log2(lse2.x), lse_base_log2(lse2.y)};
-                float dsds[4];
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int key_off = 8 * (e >> 1), query_off = 8 * j + (e & 1);
-                    const float p_ij = recomputed_p(score, s_acc[j][e], score_origin, query_off, key_off, dsds[e],
-                                                    args.scale_log2, base_log2[e & 1]);
-                    const bool hidden = key_block.mask.hidden(origin, query_off, key_off);
-                    s_acc[j][e] = decltype(masked)::value && hidden ? 0.f : p_ij;
-                }
-                if constexpr (Mask::Score::HAS_GRAD) {
-                    st_shared_b32(stash_addr(j, 0), pack2<half_t>(dsds[0], dsds[1]));
-                    st_shared_b32(stash_addr(j, 1), pack2<half_t>(dsds[2], dsds[3]));
-                }
-            }
-        };
-        if (partial)
-            probabilities(Flag<true>());
-        else
-            probabilities(Flag<false>());
+        probabilities_t<BLOCK_N>(s_acc, key_block.mask, origin, score, score_origin, partial, s_lse, args.scale_log2,
+                                 s_dst, key_row, lane);
         u32 p_frag[QK][4];
         pack_a_frags<T, BLOCK_M>(p_frag, s_acc);
         if constexpr (DropoutOf<Mask>::ENABLED)
             mark_packed_pt<DropoutOf<Mask>, SJ>(p_frag, DropoutOf<Mask>(p, seq.index, head), key0, query0);
 
-        // Step 4: dS^T = P^T o (dP^T - D), from the 16-bit P^T (flash_bwd_wgmma's step 4).
+        // Step 4: dS^T = P^T o (dP^T - D) (wgmma_bwd.cuh's ds_t, flash_bwd_wgmma's step 4).
         wgmma_wait<0>();
         pin_registers(reinterpret_cast<float(&)[SJ * 4]>(dp_acc));
-#pragma unroll
-        for (int j = 0; j < SJ; ++j) {
-            const float2 d2 = *reinterpret_cast<const float2*>(s_delta + 8 * j + 2 * (lane % 4));
-            const float2 lo = unpack2<T>(p_frag[j / 2][2 * (j % 2)]), hi = unpack2<T>(p_frag[j / 2][2 * (j % 2) + 1]);
-            const float p16[4] = {lo.x, lo.y, hi.x, hi.y};
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float d = (e & 1) ? d2.y : d2.x;
-                const float ds = DropoutOf<Mask>::ENABLED ? dropped_ds(p16[e], dp_acc[j][e], d, p.variant.dropout.scale)
-                                                          : p16[e] * (dp_acc[j][e] - d);
-                dp_acc[j][e] = p16[e] == 0.f ? 0.f : ds;
-            }
-            if constexpr (Mask::Score::HAS_GRAD) {
-                const float2 g_lo = unpack2<half_t>(ld_shared_b32(stash_addr(j, 0)));
-                const float2 g_hi = unpack2<half_t>(ld_shared_b32(stash_addr(j, 1)));
-                dp_acc[j][0] *= g_lo.x, dp_acc[j][1] *= g_lo.y, dp_acc[j][2] *= g_hi.x, dp_acc[j][3] *= g_hi.y;
-            }
-        }
+        ds_t<T, Mask, BLOCK_N>(dp_acc, p_frag, s_delta, p, s_dst, key_row, lane);
         u32 ds_frag[QK][4];
         pack_a_frags<T, BLOCK_M>(ds_frag, dp_acc);
         if constexpr (DropoutOf<Mask>::ENABLED) relu_frags<T>(p_frag);  // dV's P^T: the kept weights
@@ -256,7 +214,8 @@ flash_bwd_wgmma_ws(const __grid_constant__ BwdParams p) {
 
     // Epilogue (flash_bwd_wgmma's): dK = scale dS^T Q summed, and dV (times dropout's 1 / (1 - p)),
     // staged through the K and V tiles for 16-byte row stores. Both consumers are past their last
-    // products (which read K and V) before either stages over them (named barrier 4).
+    // reads of K and V (the last step's S^T and dP^T) before either stages over them (named
+    // barrier 4; with the turns it is already so, without them it is not).
     const int warp_row0 = 64 * cwg + 16 * warp_in_wg;
     const float dv_scale = DropoutOf<Mask>::kept_scale(p);  // 1 / (1 - p)
     named_barrier_sync(4, 256);

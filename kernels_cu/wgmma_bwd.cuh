@@ -1,10 +1,11 @@
-// What the two wgmma dK/dV kernels (flash_bwd_wgmma, flash_bwd_wgmma_dsplit) share: the run-time
-// arguments they read at their top (WgmmaBwdArgs), the copies into their tiles, wgmma's
-// 128-byte-swizzled panels (wgmma.cuh) filled by cp.async, the order of their walk over the query
-// blocks, its pipeline's waits, the key block a CTA owns with its mask and walk (WgmmaKeyBlock).
-// Their epilogues stage dK_j and dV_j through the K and V tiles and store rows as the mma.sync
-// kernels do (mma_bwd_layouts.cuh). Both kernels hold their tensors as a raw pointer and three
-// strides each, copied from BwdParams at their top into a plain struct of values, and the
+// What the wgmma dK/dV kernels (flash_bwd_wgmma, flash_bwd_wgmma_dsplit, flash_bwd_wgmma_ws) share:
+// the run-time arguments they read at their top (WgmmaBwdArgs), the copies into their tiles,
+// wgmma's 128-byte-swizzled panels (wgmma.cuh) filled by cp.async, the order of their walk over the
+// query blocks, its pipeline's waits, the key block a CTA owns with its mask and walk
+// (WgmmaKeyBlock), and the element steps of flash_bwd_wgmma and flash_bwd_wgmma_ws (P^T and dS^T,
+// at the end). Their epilogues stage dK_j and dV_j through the K and V tiles and store rows as the
+// mma.sync kernels do (mma_bwd_layouts.cuh). The kernels hold their tensors as a raw pointer and
+// three strides each, copied from BwdParams at their top into a plain struct of values, and the
 // functions here take those values, not a CTA object: a CTA struct holding them with the mask and
 // the walk (docs/perf-log.md, wgmma-bwd-cta) changed the kernels' machine code. WgmmaKeyBlock
 // holds only what the kernels computed behind their packed early return; these leave the code as
@@ -14,6 +15,7 @@
 #include "block_walk.cuh"
 #include "common.cuh"
 #include "dq_order.cuh"
+#include "dropout.cuh"
 #include "mask.cuh"
 #include "mma_bwd.cuh"
 #include "params.cuh"
@@ -245,5 +247,83 @@ struct WgmmaKeyBlock : KeyBlockCoords<BLOCK_N> {
                                        args.headdim, args.headdim_v, tid, walk.iters, load_query_block);
     }
 };
+
+// The dS^T tile's word of accumulator column block j, half h (rows key_row, key_row + 8) of a
+// thread: where steps 3-4 below keep a score policy's derivative between them.
+template <int BLOCK_N>
+__device__ __forceinline__ u32 stash_addr(u32 s_dst, int key_row, int j, int h, int lane) {
+    return s_dst + panel_offset<BLOCK_N>(key_row + 8 * h, j) + 4 * (lane % 4);
+}
+
+// Step 3 of a dK/dV step (flash_bwd_wgmma, flash_bwd_wgmma_ws): P^T from S^T, in place in s_acc,
+// lse per column (query); hidden entries 0 by selection (a non-finite score cannot leak). Element
+// (j, e) is key key0 + 8 (e / 2), query query0 + 8 j + e % 2 (the kernel's key0 = n0 + key_row,
+// query0 = m0 + 2 (lane % 4); origin and score_origin are theirs). The score policy's transform
+// first (score.cuh). Its derivative waits for step 4 in float16 in the dS^T tile, at the thread's
+// own words there (stash_addr), which flash_bwd_wgmma's step 5 overwrites with dS^T: registers are
+// what limit these kernels (measured, 4-52 bytes of spills with the derivative kept in them).
+// flash_bwd_wgmma's dQ readers of the tile's previous iteration were waited for before its first
+// barrier; nothing else reads it before step 5. Two copies, with and without the element mask (a
+// block inside the mask needs none): the split the compiler made itself while the shape came as
+// kernel arguments, and no longer makes with it read from BwdParams.
+template <int BLOCK_N, int SJ, class Mask, class Score, class ScoreOrigin>
+__device__ __forceinline__ void probabilities_t(float (&s_acc)[SJ][4], const Mask& mask,
+                                                const typename Mask::Origin& origin, const Score& score,
+                                                const ScoreOrigin& score_origin, bool partial, const float* s_lse,
+                                                float scale_log2, u32 s_dst, int key_row, int lane) {
+    auto probabilities = [&](auto masked) {
+#pragma unroll
+        for (int j = 0; j < SJ; ++j) {
+            const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + 8 * j + 2 * (lane % 4));
+            const float base_log2[2] = {lse_base_log2(lse2.x), lse_base_log2(lse2.y)};
+            float dsds[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key_off = 8 * (e >> 1), query_off = 8 * j + (e & 1);
+                const float p_ij = recomputed_p(score, s_acc[j][e], score_origin, query_off, key_off, dsds[e],
+                                                scale_log2, base_log2[e & 1]);
+                const bool hidden = mask.hidden(origin, query_off, key_off);
+                s_acc[j][e] = decltype(masked)::value && hidden ? 0.f : p_ij;
+            }
+            if constexpr (Mask::Score::HAS_GRAD) {
+                st_shared_b32(stash_addr<BLOCK_N>(s_dst, key_row, j, 0, lane), pack2<half_t>(dsds[0], dsds[1]));
+                st_shared_b32(stash_addr<BLOCK_N>(s_dst, key_row, j, 1, lane), pack2<half_t>(dsds[2], dsds[3]));
+            }
+        }
+    };
+    if (partial)
+        probabilities(Flag<true>());
+    else
+        probabilities(Flag<false>());
+}
+
+// Step 4 of a dK/dV step: dS^T = P^T o (dP^T - D) in place in dp_acc, from the 16-bit P^T that dV
+// uses (p_frag: the float32 one is dead by now, fewer live registers), times the score policy's
+// derivative from step 3's stash. 0 where P^T is 0, by selection (a non-finite dP^T of a hidden key
+// must not become NaN). Dropout (dropout.cuh): a dropped weight kept its magnitude for dS and lost
+// its sign; its 1 / (1 - p) is read from p where it is used (as a value argument, it moved an
+// instruction in one kernel's machine code).
+template <typename T, class Mask, int BLOCK_N, int SJ, int QK>
+__device__ __forceinline__ void ds_t(float (&dp_acc)[SJ][4], const u32 (&p_frag)[QK][4], const float* s_delta,
+                                     const BwdParams& p, u32 s_dst, int key_row, int lane) {
+#pragma unroll
+    for (int j = 0; j < SJ; ++j) {
+        const float2 d2 = *reinterpret_cast<const float2*>(s_delta + 8 * j + 2 * (lane % 4));
+        const float2 lo = unpack2<T>(p_frag[j / 2][2 * (j % 2)]), hi = unpack2<T>(p_frag[j / 2][2 * (j % 2) + 1]);
+        const float p16[4] = {lo.x, lo.y, hi.x, hi.y};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const float d = (e & 1) ? d2.y : d2.x;
+            const float ds = DropoutOf<Mask>::ENABLED ? dropped_ds(p16[e], dp_acc[j][e], d, p.variant.dropout.scale)
+                                                      : p16[e] * (dp_acc[j][e] - d);
+            dp_acc[j][e] = p16[e] == 0.f ? 0.f : ds;
+        }
+        if constexpr (Mask::Score::HAS_GRAD) {
+            const float2 g_lo = unpack2<half_t>(ld_shared_b32(stash_addr<BLOCK_N>(s_dst, key_row, j, 0, lane)));
+            const float2 g_hi = unpack2<half_t>(ld_shared_b32(stash_addr<BLOCK_N>(s_dst, key_row, j, 1, lane)));
+            dp_acc[j][0] *= g_lo.x, dp_acc[j][1] *= g_lo.y, dp_acc[j][2] *= g_hi.x, dp_acc[j][3] *= g_hi.y;
+        }
+    }
+}
 
 }  // namespace cf

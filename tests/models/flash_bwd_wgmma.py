@@ -151,10 +151,10 @@ def bwd_ds_t_stores(L, tiles, wg: int) -> list[tuple[np.ndarray, int, int]]:
     return stores
 
 
-@mirrors(BWD,
+@mirrors(WGMMA_BWD,
          "return s_dst + panel_offset<BLOCK_N>(key_row + 8 * h, j) + 4 * (lane % 4);",
-         "st_shared_b32(stash_addr(j, 0), pack2<half_t>(dsds[0], dsds[1]));",
-         "st_shared_b32(stash_addr(j, 1), pack2<half_t>(dsds[2], dsds[3]));")
+         "st_shared_b32(stash_addr<BLOCK_N>(s_dst, key_row, j, 0, lane), pack2<half_t>(dsds[0], dsds[1]));",
+         "st_shared_b32(stash_addr<BLOCK_N>(s_dst, key_row, j, 1, lane), pack2<half_t>(dsds[2], dsds[3]));")
 def bwd_grad_stash(L, tiles, wg: int) -> list[np.ndarray]:
     """Softcap's derivative stashed in the dS^T tile (float16 pairs of accumulator column block j,
     row half h), in issue order: each thread's words must be its own dS^T words of step 5, which
@@ -172,7 +172,7 @@ def _acc_columns(nj: int) -> np.ndarray:
 @mirrors(BWD,
          "const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + 8 * j + 2 * (lane % 4));",
          "const float base_log2[2] = {lse_base_log2(lse2.x), lse_base_log2(lse2.y)};",
-         "const float p_ij = recomputed_p(score, s_acc[j][e], score_origin, query_off, key_off, dsds[e], args.scale_log2, base_log2[e & 1]);")  # the score policy's P of S (the identity's, in the plain kernels modelled here)
+         "const float p_ij = recomputed_p(score, s_acc[j][e], score_origin, query_off, key_off, dsds[e], scale_log2, base_log2[e & 1]);")  # the score policy's P of S (the identity's, in the plain kernels modelled here)
 def p_transposed(s_acc, s_lse, scale_log2):
     """Step 3 (P^T from S^T; full blocks, so no entry is hidden)."""
     return recomputed_p(s_acc, scale_log2, lse_base_log2(s_lse[_acc_columns(s_acc.shape[1])]))
