@@ -26,6 +26,7 @@
 #include "mma.cuh"
 #include "mma_bwd.cuh"
 #include "wgmma.cuh"
+#include "wgmma_bwd.cuh"
 #include "params.cuh"
 #include "softmax_bwd.cuh"
 
@@ -145,52 +146,17 @@ flash_bwd_dq_wgmma(const __grid_constant__ BwdParams p) {
         pin_registers(reinterpret_cast<float(&)[N_FRAGS * 4]>(s_acc));
         pin_registers(reinterpret_cast<float(&)[D_FRAGS * 4]>(dq_acc));
 
-        // Step 3: P, 0 where hidden by selection (a non-finite score cannot leak). Element (f, e)
-        // is row row_lo + 8 (e / 2), key n0 + 8 f + 2 (lane % 4) + e % 2.
+        // Step 3: P (wgmma_bwd.cuh's probabilities_dq). Element (f, e) is row row_lo + 8 (e / 2),
+        // key n0 + 8 f + 2 (lane % 4) + e % 2.
         const bool partial = mask.partial(m0, BLOCK_M, n0, BLOCK_N);
         const int key0 = n0 + 2 * (lane % 4);
-        // Two copies, with and without the element mask (a block inside the mask needs none): the
-        // split the compiler made itself while the shape came as kernel arguments, and no longer
-        // makes with it read from BwdParams.
-        // The score policy's transform first (score.cuh); P is read only by dS here, so with a
-        // derivative it is kept as P ds'/ds.
         const auto score_origin = score.origin(row_lo, key0, partial);
-        auto probabilities = [&](auto masked) {
-#pragma unroll
-            for (int f = 0; f < N_FRAGS; ++f)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    float dsds;
-                    float p_ij = recomputed_p(score, s_acc[f][e], score_origin, 8 * (e >> 1), 8 * f + (e & 1), dsds,
-                                              scale_log2, base_log2[e >> 1]);
-                    if constexpr (Mask::Score::HAS_GRAD) p_ij *= dsds;
-                    const bool hidden = !mask.visible(row_lo + 8 * (e >> 1), key0 + 8 * f + (e & 1));
-                    s_acc[f][e] = decltype(masked)::value && hidden ? 0.f : p_ij;
-                }
-        };
-        if (partial)
-            probabilities(Flag<true>());
-        else
-            probabilities(Flag<false>());
+        probabilities_dq(s_acc, mask, score, score_origin, partial, row_lo, key0, scale_log2, base_log2);
 
-        // Step 4: dS = P o (dP - D), 0 where P is 0 by selection (a non-finite dP of a hidden key
-        // must not become NaN), packed as the A fragments of dS K_j.
+        // Step 4: dS = P o (dP - D) (wgmma_bwd.cuh's ds_dq), packed as the A fragments of dS K_j.
         wgmma_wait<0>();
         pin_registers(reinterpret_cast<float(&)[N_FRAGS * 4]>(dp_acc));
-        if constexpr (DropoutOf<Mask>::ENABLED) {
-            // P o (Z dP / (1 - p) - D) (dropout.cuh): the kept factor Z / (1 - p) in the FMA
-            const float kept_scale = p.variant.dropout.scale;
-            walk_s_frags<DropoutOf<Mask>, 1, N_FRAGS>(dropout, row_lo, key0, [&](int, int f, int e, bool kept) {
-                const float ds = s_acc[f][e] * fmaf(dp_acc[f][e], kept ? kept_scale : 0.f, -delta_row[e >> 1]);
-                dp_acc[f][e] = s_acc[f][e] == 0.f ? 0.f : ds;
-            });
-        } else {
-#pragma unroll
-            for (int f = 0; f < N_FRAGS; ++f)
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    dp_acc[f][e] = s_acc[f][e] == 0.f ? 0.f : s_acc[f][e] * (dp_acc[f][e] - delta_row[e >> 1]);
-        }
+        ds_dq<Mask>(dp_acc, s_acc, dropout, p, row_lo, key0, delta_row);
         u32 ds_frag[BLOCK_N / 16][4];
         pack_a_frags<T, BLOCK_N>(ds_frag, dp_acc);
 

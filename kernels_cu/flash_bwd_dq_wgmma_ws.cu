@@ -23,6 +23,7 @@
 #include "params.cuh"
 #include "softmax_bwd.cuh"
 #include "wgmma.cuh"
+#include "wgmma_bwd.cuh"
 
 namespace cf {
 
@@ -167,46 +168,17 @@ flash_bwd_dq_wgmma_ws(const __grid_constant__ BwdParams p) {
         wgmma_wait<1>();
         pin_registers(reinterpret_cast<float(&)[N_FRAGS * 4]>(s_acc));
 
-        // Step 3: P (flash_bwd_dq_wgmma's step 3, and its two copies with and without the element
-        // mask; with a derivative kept as P ds'/ds). Element (f, e) is row row_lo + 8 (e / 2),
-        // key n0 + 8 f + 2 (lane % 4) + e % 2.
+        // Step 3: P (wgmma_bwd.cuh's probabilities_dq, flash_bwd_dq_wgmma's step 3). Element (f, e)
+        // is row row_lo + 8 (e / 2), key n0 + 8 f + 2 (lane % 4) + e % 2.
         const bool partial = mask.partial(m0, BLOCK_M, n0, BLOCK_N);
         const int key0 = n0 + 2 * (lane % 4);
         const auto score_origin = score.origin(row_lo, key0, partial);
-        auto probabilities = [&](auto masked) {
-#pragma unroll
-            for (int f = 0; f < N_FRAGS; ++f)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    float dsds;
-                    float p_ij = recomputed_p(score, s_acc[f][e], score_origin, 8 * (e >> 1), 8 * f + (e & 1), dsds,
-                                              scale_log2, base_log2[e >> 1]);
-                    if constexpr (Mask::Score::HAS_GRAD) p_ij *= dsds;
-                    const bool hidden = !mask.visible(row_lo + 8 * (e >> 1), key0 + 8 * f + (e & 1));
-                    s_acc[f][e] = decltype(masked)::value && hidden ? 0.f : p_ij;
-                }
-        };
-        if (partial)
-            probabilities(Flag<true>());
-        else
-            probabilities(Flag<false>());
+        probabilities_dq(s_acc, mask, score, score_origin, partial, row_lo, key0, scale_log2, base_log2);
 
-        // Step 4: dS = P o (dP - D) (flash_bwd_dq_wgmma's step 4), packed as dS K_j's A fragments.
+        // Step 4: dS = P o (dP - D) (wgmma_bwd.cuh's ds_dq), packed as dS K_j's A fragments.
         wgmma_wait<0>();
         pin_registers(reinterpret_cast<float(&)[N_FRAGS * 4]>(dp_acc));
-        if constexpr (DropoutOf<Mask>::ENABLED) {
-            const float kept_scale = p.variant.dropout.scale;
-            walk_s_frags<DropoutOf<Mask>, 1, N_FRAGS>(dropout, row_lo, key0, [&](int, int f, int e, bool kept) {
-                const float ds = s_acc[f][e] * fmaf(dp_acc[f][e], kept ? kept_scale : 0.f, -delta_row[e >> 1]);
-                dp_acc[f][e] = s_acc[f][e] == 0.f ? 0.f : ds;
-            });
-        } else {
-#pragma unroll
-            for (int f = 0; f < N_FRAGS; ++f)
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    dp_acc[f][e] = s_acc[f][e] == 0.f ? 0.f : s_acc[f][e] * (dp_acc[f][e] - delta_row[e >> 1]);
-        }
+        ds_dq<Mask>(dp_acc, s_acc, dropout, p, row_lo, key0, delta_row);
         u32 ds_frag[BLOCK_N / 16][4];
         pack_a_frags<T, BLOCK_N>(ds_frag, dp_acc);
 

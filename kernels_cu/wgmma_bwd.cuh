@@ -2,8 +2,8 @@
 // the run-time arguments they read at their top (WgmmaBwdArgs), the copies into their tiles,
 // wgmma's 128-byte-swizzled panels (wgmma.cuh) filled by cp.async, the order of their walk over the
 // query blocks, its pipeline's waits, the key block a CTA owns with its mask and walk
-// (WgmmaKeyBlock), and the element steps of flash_bwd_wgmma and flash_bwd_wgmma_ws (P^T and dS^T,
-// at the end). Their epilogues stage dK_j and dV_j through the K and V tiles and store rows as the
+// (WgmmaKeyBlock), and the element steps of flash_bwd_wgmma and flash_bwd_wgmma_ws (P^T and dS^T)
+// and of the dQ kernels flash_bwd_dq_wgmma and flash_bwd_dq_wgmma_ws (P and dS), at the end. Their epilogues stage dK_j and dV_j through the K and V tiles and store rows as the
 // mma.sync kernels do (mma_bwd_layouts.cuh). The kernels hold their tensors as a raw pointer and
 // three strides each, copied from BwdParams at their top into a plain struct of values, and the
 // functions here take those values, not a CTA object: a CTA struct holding them with the mask and
@@ -323,6 +323,59 @@ __device__ __forceinline__ void ds_t(float (&dp_acc)[SJ][4], const u32 (&p_frag)
             const float2 g_hi = unpack2<half_t>(ld_shared_b32(stash_addr<BLOCK_N>(s_dst, key_row, j, 1, lane)));
             dp_acc[j][0] *= g_lo.x, dp_acc[j][1] *= g_lo.y, dp_acc[j][2] *= g_hi.x, dp_acc[j][3] *= g_hi.y;
         }
+    }
+}
+
+// Step 3 of a dQ step (flash_bwd_dq_wgmma, flash_bwd_dq_wgmma_ws): P from S, in place in s_acc, 0
+// where hidden by selection (a non-finite score cannot leak). Element (f, e) is row row_lo + 8
+// (e / 2), key key0 + 8 f + e % 2 (the kernels' key0 = n0 + 2 (lane % 4); score_origin is theirs);
+// base_log2 the thread's two rows' lse in log2 units. The score policy's transform first
+// (score.cuh); P is read only by dS here, so with a derivative it is kept as P ds'/ds. Two copies,
+// with and without the element mask (a block inside the mask needs none): the split the compiler
+// made itself while the shape came as kernel arguments, and no longer makes with it read from
+// BwdParams.
+template <int N_FRAGS, class Mask, class Score, class ScoreOrigin>
+__device__ __forceinline__ void probabilities_dq(float (&s_acc)[N_FRAGS][4], const Mask& mask, const Score& score,
+                                                 const ScoreOrigin& score_origin, bool partial, int row_lo, int key0,
+                                                 float scale_log2, const float (&base_log2)[2]) {
+    auto probabilities = [&](auto masked) {
+#pragma unroll
+        for (int f = 0; f < N_FRAGS; ++f)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float dsds;
+                float p_ij = recomputed_p(score, s_acc[f][e], score_origin, 8 * (e >> 1), 8 * f + (e & 1), dsds,
+                                          scale_log2, base_log2[e >> 1]);
+                if constexpr (Mask::Score::HAS_GRAD) p_ij *= dsds;
+                const bool hidden = !mask.visible(row_lo + 8 * (e >> 1), key0 + 8 * f + (e & 1));
+                s_acc[f][e] = decltype(masked)::value && hidden ? 0.f : p_ij;
+            }
+    };
+    if (partial)
+        probabilities(Flag<true>());
+    else
+        probabilities(Flag<false>());
+}
+
+// Step 4 of a dQ step: dS = P o (dP - D), in place in dp_acc, 0 where P is 0 by selection (a
+// non-finite dP of a hidden key must not become NaN); delta_row the thread's two rows' D. With
+// dropout P o (Z dP / (1 - p) - D) (dropout.cuh): the kept factor Z / (1 - p) in the FMA.
+template <class Mask, int N_FRAGS>
+__device__ __forceinline__ void ds_dq(float (&dp_acc)[N_FRAGS][4], const float (&s_acc)[N_FRAGS][4],
+                                      const DropoutOf<Mask>& dropout, const BwdParams& p, int row_lo, int key0,
+                                      const float (&delta_row)[2]) {
+    if constexpr (DropoutOf<Mask>::ENABLED) {
+        const float kept_scale = p.variant.dropout.scale;
+        walk_s_frags<DropoutOf<Mask>, 1, N_FRAGS>(dropout, row_lo, key0, [&](int, int f, int e, bool kept) {
+            const float ds = s_acc[f][e] * fmaf(dp_acc[f][e], kept ? kept_scale : 0.f, -delta_row[e >> 1]);
+            dp_acc[f][e] = s_acc[f][e] == 0.f ? 0.f : ds;
+        });
+    } else {
+#pragma unroll
+        for (int f = 0; f < N_FRAGS; ++f)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                dp_acc[f][e] = s_acc[f][e] == 0.f ? 0.f : s_acc[f][e] * (dp_acc[f][e] - delta_row[e >> 1]);
     }
 }
 
