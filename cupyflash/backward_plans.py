@@ -297,9 +297,9 @@ def wgmma_ws_spec(dtype, headdim: int, causal: Mask | bool, config: tuple) -> Sp
     bm, bn, stages, pingpong = config
     if dt not in WGMMA_WS_D_TILES:
         raise ValueError(f"cupyflash: flash_bwd_wgmma_ws takes head-dim tiles {WGMMA_WS_D_TILES}, not {dt}")
-    if bn != 128 or bm % 64 or stages < 2:
-        raise ValueError(f"cupyflash: flash_bwd_wgmma_ws takes 128 keys a block, query blocks of a multiple of 64 "
-                         f"rows and two or more stages: {config!r}")
+    if bn != 128 or bm not in (64, 128) or stages < 2:
+        raise ValueError(f"cupyflash: flash_bwd_wgmma_ws takes 128 keys a block, query blocks of 64 or 128 rows "
+                         f"and two or more stages: {config!r}")
     smem = wgmma_ws_smem_bytes(dt, bm, stages)
     if smem > 227 * 1024:
         raise ValueError(f"cupyflash: flash_bwd_wgmma_ws's tiles take {smem} bytes, more than 227 KiB: {config!r}")
@@ -324,9 +324,9 @@ def dq_wgmma_ws_spec(dtype, headdim: int, causal: Mask | bool, config: tuple) ->
     bm, bn, stages, pingpong = config
     if dt not in WGMMA_WS_D_TILES:
         raise ValueError(f"cupyflash: flash_bwd_dq_wgmma_ws takes head-dim tiles {WGMMA_WS_D_TILES}, not {dt}")
-    if bm != 128 or bn % 16 or stages < 2:
+    if bm != 128 or bn % 16 or bn > 128 or stages < 2:
         raise ValueError(f"cupyflash: flash_bwd_dq_wgmma_ws takes 128 queries a block, key blocks of a multiple of 16 "
-                         f"and two or more stages: {config!r}")
+                         f"up to 128 and two or more stages: {config!r}")
     smem = dq_wgmma_ws_smem_bytes(dt, bn, stages)
     if smem > 227 * 1024:
         raise ValueError(f"cupyflash: flash_bwd_dq_wgmma_ws's tiles take {smem} bytes, more than 227 KiB: {config!r}")

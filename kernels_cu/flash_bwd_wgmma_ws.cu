@@ -72,7 +72,10 @@ flash_bwd_wgmma_ws(const __grid_constant__ BwdParams p) {
     constexpr int LAUNCH_REGISTERS = 65536 / 384 / 8 * 8;
     constexpr int PRODUCER_REGISTERS = 40, CONSUMER_REGISTERS = 232;
     static_assert(128 * PRODUCER_REGISTERS + 256 * CONSUMER_REGISTERS <= 384 * LAUNCH_REGISTERS, "registers");
-    static_assert(BLOCK_M % 64 == 0 && (D_TILE == 64 || D_TILE == 128), "64-row panels, head-dim tiles 64 and 128");
+    // (a consumer holds S^T and dP^T, BLOCK_M / 2 registers each, beside dK and dV: past 128 queries
+    // they cannot fit its 232)
+    static_assert((BLOCK_M == 64 || BLOCK_M == 128) && (D_TILE == 64 || D_TILE == 128),
+                  "query blocks of 64 or 128 rows, head-dim tiles 64 and 128");
     static_assert(STAGES >= 2, "stages");
     static_assert(L::BYTES + 1024 <= 227 * 1024, "shared memory");
     cta_timeline(MARK_ENTRY, threadIdx.x == 128);  // first: a CTA's setup is its prologue (dev/cta_timeline.py)

@@ -76,8 +76,8 @@ DQ_WS_LAYOUT_STATEMENT = re.compile(
          "constexpr int SJ = BLOCK_M / 8;",
          "constexpr int DJ = D_TILE / 8;",
          "constexpr int QK = BLOCK_M / 16;",
-         "static_assert(BLOCK_M % 64 == 0 && (D_TILE == 64 || D_TILE == 128), "
-         "\"64-row panels, head-dim tiles 64 and 128\");",
+         "static_assert((BLOCK_M == 64 || BLOCK_M == 128) && (D_TILE == 64 || D_TILE == 128), "
+         "\"query blocks of 64 or 128 rows, head-dim tiles 64 and 128\");",
          "static_assert(STAGES >= 2, \"stages\");",
          "static_assert(L::BYTES + 1024 <= 227 * 1024, \"shared memory\");")
 def bwd_ws_smem(d_tile: int, block_m: int, stages: int) -> SimpleNamespace:
@@ -85,7 +85,7 @@ def bwd_ws_smem(d_tile: int, block_m: int, stages: int) -> SimpleNamespace:
     the aligned base. K and V once; STAGES stages of Q and of dO; the dS^T tile (where a score
     policy's derivative waits between the element steps); STAGES slots of lse and of D (floats);
     the full and empty barriers. The shared-memory static_assert is the tests' to check."""
-    assert block_m % 64 == 0 and d_tile in (64, 128) and stages >= 2  # the other static_asserts
+    assert block_m in (64, 128) and d_tile in (64, 128) and stages >= 2  # the other static_asserts
     L = SimpleNamespace(D_TILE=d_tile, BLOCK_M=block_m, STAGES=stages, BLOCK_N=128)
     L.KV_TILE = L.BLOCK_N * d_tile * 2
     L.Q_TILE = block_m * d_tile * 2
@@ -117,15 +117,15 @@ def bwd_ws_smem(d_tile: int, block_m: int, stages: int) -> SimpleNamespace:
          "static constexpr u32 BYTES = EMPTY + 8 * STAGES;",
          "typedef DqWgmmaWsSmem<D_TILE, BLOCK_N, STAGES> L;",
          "constexpr int BLOCK_M = L::BLOCK_M, N_FRAGS = BLOCK_N / 8, D_FRAGS = D_TILE / 8;",
-         "static_assert(BLOCK_N % 16 == 0 && (D_TILE == 64 || D_TILE == 128), "
-         "\"16-key k-steps, head-dim tiles 64 and 128\");",
+         "static_assert(BLOCK_N % 16 == 0 && BLOCK_N <= 128 && (D_TILE == 64 || D_TILE == 128), "
+         "\"16-key k-steps up to 128 keys, head-dim tiles 64 and 128\");",
          "static_assert(STAGES >= 2, \"stages\");",
          "static_assert(L::BYTES + 1024 <= 227 * 1024, \"shared memory\");")
 def dq_ws_smem(d_tile: int, block_n: int, stages: int) -> SimpleNamespace:
     """DqWgmmaWsSmem<D_TILE, BLOCK_N, STAGES> and the kernel's derived constants: Q and dO of 128
     rows once, STAGES stages of K and of V, the full and empty barriers. Named as
     models/flash_fwd_wgmma.py's layouts name them, so that its k-step models take it."""
-    assert block_n % 16 == 0 and d_tile in (64, 128) and stages >= 2  # the other static_asserts
+    assert block_n % 16 == 0 and block_n <= 128 and d_tile in (64, 128) and stages >= 2  # the other static_asserts
     L = SimpleNamespace(D_TILE=d_tile, BLOCK_N=block_n, STAGES=stages, BLOCK_M=128)
     L.Q_PANEL, L.KV_PANEL = L.BLOCK_M * 128, block_n * 128
     L.Q_TILE, L.KV_TILE = L.BLOCK_M * d_tile * 2, block_n * d_tile * 2
