@@ -126,7 +126,7 @@ flash_bwd_wgmma_ws(const __grid_constant__ BwdParams p) {
 
     // ---- consumers: warpgroup 1 keys 0-63 of the block, warpgroup 2 keys 64-127 ----
     warpgroup_registers_inc<CONSUMER_REGISTERS>();
-    const int cwg = wg - 1, ctid = tid - 128, warp_in_wg = (tid / 32) % 4, lane = tid % 32;
+    const int cwg = wg - 1;
     float dk_acc[DJ][4], dv_acc[DJ][4];
     zero(dk_acc);
     zero(dv_acc);
@@ -136,6 +136,9 @@ flash_bwd_wgmma_ws(const __grid_constant__ BwdParams p) {
     const ConsumerTurns<PINGPONG> turns{2u + cwg, 2u + (1 - cwg)};
     if (cwg == 1) turns.pass();
     for (int it = 0; it < iters; ++it) {
+        // the thread's lane and warp read again each step: held across the loop, they spill the
+        // derivative's or dropout's step
+        const int t = thread_index_uncached(), warp_in_wg = (t / 32) % 4, lane = t % 32;
         const int stage = it % STAGES;
         ring.wait_full(it);
         if (it == 0) cta_timeline(MARK_FIRST_STEP, tid == 128);
@@ -219,6 +222,7 @@ flash_bwd_wgmma_ws(const __grid_constant__ BwdParams p) {
     // staged through the K and V tiles for 16-byte row stores. Both consumers are past their last
     // reads of K and V (the last step's S^T and dP^T) before either stages over them (named
     // barrier 4; with the turns it is already so, without them it is not).
+    const int ctid = tid - 128, warp_in_wg = (tid / 32) % 4, lane = tid % 32;
     const int warp_row0 = 64 * cwg + 16 * warp_in_wg;
     const float dv_scale = DropoutOf<Mask>::kept_scale(p);  // 1 / (1 - p)
     named_barrier_sync(4, 256);

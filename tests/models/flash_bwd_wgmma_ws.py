@@ -233,7 +233,9 @@ _THREAD = "const int tid = threadIdx.x, wg = tid / 128;"
 
 @mirrors(BWD_WS,
          _THREAD,
-         "const int cwg = wg - 1, ctid = tid - 128, warp_in_wg = (tid / 32) % 4, lane = tid % 32;",
+         "const int cwg = wg - 1;",
+         "const int t = thread_index_uncached(), warp_in_wg = (t / 32) % 4, lane = t % 32;",
+         "const int ctid = tid - 128, warp_in_wg = (tid / 32) % 4, lane = tid % 32;",
          "const int key_row = 64 * cwg + 16 * warp_in_wg + lane / 4;",
          "const int warp_row0 = 64 * cwg + 16 * warp_in_wg;")
 def bwd_ws_key_rows(tid: int) -> tuple[int, list[int], int]:
@@ -357,7 +359,8 @@ def _ring(n: str, acc: str, accs: list[str], it: str) -> list[str]:
          *_ring("iters", "DJ", ["dv_acc", "dk_acc"], "it"),
          "if (iters == 0) return;",
          "for (int i = 1; i < STAGES - 1; ++i) { if (i < iters) load_query_block(i, i); cp_async_commit(); }",
-         "for (int it = 0; it < iters; ++it) { const int stage = it % STAGES; ring.wait_full(it);",
+         "for (int it = 0; it < iters; ++it) {",
+         "const int stage = it % STAGES; ring.wait_full(it);",
          "ring.wait_full(it);",
          "ring.arrive_empty(it);",
          # the epilogue: dK, dV staged over K and V between the two named barriers, then stored
