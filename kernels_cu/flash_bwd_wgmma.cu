@@ -131,27 +131,11 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
         const bool partial = key_block.mask.partial(m0, BLOCK_M, key_block.n0, BLOCK_N);
         const ScoreOf<Mask, float, Tanh::EXP_RCP> score(score_problem<Mask>(p, seq), seq.index, head, args.scale);
 
-        // Steps 1-2: S^T = K_g Q^T and dP^T = V_g dO^T, issued back to back (K-major operands:
-        // a 16-column k-step is 32 bytes into a panel).
-        // The first k-step overwrites the accumulator (scale-d = 0): nothing to zero.
+        // Steps 1-2: S^T = K_g Q^T and dP^T = V_g dO^T, issued back to back (wgmma_bwd.cuh's
+        // issue_st_dpt).
         float s_acc[SJ][4], dp_acc[SJ][4];
         wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < D_TILE / 16; ++kk) {
-            const u32 k_off = (kk / 4) * L::KV_PANEL + wg * 64 * 128 + (kk % 4) * 32;
-            const u32 q_off = (kk / 4) * L::Q_PANEL + (kk % 4) * 32;
-            Wgmma<T, BLOCK_M>::template ss<0, 0>(reinterpret_cast<float(&)[SJ * 4]>(s_acc),
-                                                 smem_desc(s_k + k_off, 16, 1024), smem_desc(s_q + q_off, 16, 1024), kk > 0);
-        }
-        wgmma_commit();
-#pragma unroll
-        for (int kk = 0; kk < D_TILE / 16; ++kk) {
-            const u32 v_off = (kk / 4) * L::KV_PANEL + wg * 64 * 128 + (kk % 4) * 32;
-            const u32 q_off = (kk / 4) * L::Q_PANEL + (kk % 4) * 32;
-            Wgmma<T, BLOCK_M>::template ss<0, 0>(reinterpret_cast<float(&)[SJ * 4]>(dp_acc),
-                                                 smem_desc(s_v + v_off, 16, 1024), smem_desc(s_do + q_off, 16, 1024), kk > 0);
-        }
-        wgmma_commit();
+        issue_st_dpt<T, L, BLOCK_M, D_TILE>(s_acc, dp_acc, s_k, s_v, s_q, s_do, wg);
         // ORDERED: the previous query block's release, while the tensor cores work on S^T and
         // dP^T (measured: releasing after P^T instead, 285 vs 308 TFLOP/s at d128 16k).
         Walk::release_and_prefetch(pending_release, lane, it, stage, key_block.walk.iters, load_query_block);
@@ -194,18 +178,9 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
                 }
         }
 
-        // Steps 6-7: dV_g += P^T dO, dK_g += dS^T Q (MN-major B: 16-row k-steps of 2048 bytes,
-        // 64-column atoms one panel apart).
+        // Steps 6-7: dV_g += P^T dO, dK_g += dS^T Q (wgmma_bwd.cuh's issue_dv_dk).
         wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < QK; ++kk)
-            Wgmma<T, D_TILE>::template rs<1>(reinterpret_cast<float(&)[DJ * 4]>(dv_acc), p_frag[kk],
-                                             smem_desc(s_do + kk * 2048, L::Q_PANEL, 1024), 1);
-#pragma unroll
-        for (int kk = 0; kk < QK; ++kk)
-            Wgmma<T, D_TILE>::template rs<1>(reinterpret_cast<float(&)[DJ * 4]>(dk_acc), ds_frag[kk],
-                                             smem_desc(s_q + kk * 2048, L::Q_PANEL, 1024), 1);
-        wgmma_commit();
+        issue_dv_dk<T, L, D_TILE>(dv_acc, dk_acc, p_frag, ds_frag, s_do, s_q);
         if constexpr (!WITH_DQ) {  // the next barrier's copies overwrite the Q and dO that dK, dV read
             wgmma_wait<0>();
             pin_registers(reinterpret_cast<float(&)[DJ * 4]>(dv_acc));

@@ -155,22 +155,7 @@ flash_bwd_wgmma_ws(const __grid_constant__ BwdParams p) {
         float s_acc[SJ][4], dp_acc[SJ][4];
         turns.wait();
         wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < D_TILE / 16; ++kk) {
-            const u32 k_off = (kk / 4) * L::KV_PANEL + cwg * 64 * 128 + (kk % 4) * 32;
-            const u32 q_off = (kk / 4) * L::Q_PANEL + (kk % 4) * 32;
-            Wgmma<T, BLOCK_M>::template ss<0, 0>(reinterpret_cast<float(&)[SJ * 4]>(s_acc),
-                                                 smem_desc(s_k + k_off, 16, 1024), smem_desc(s_q + q_off, 16, 1024), kk > 0);
-        }
-        wgmma_commit();
-#pragma unroll
-        for (int kk = 0; kk < D_TILE / 16; ++kk) {
-            const u32 v_off = (kk / 4) * L::KV_PANEL + cwg * 64 * 128 + (kk % 4) * 32;
-            const u32 q_off = (kk / 4) * L::Q_PANEL + (kk % 4) * 32;
-            Wgmma<T, BLOCK_M>::template ss<0, 0>(reinterpret_cast<float(&)[SJ * 4]>(dp_acc),
-                                                 smem_desc(s_v + v_off, 16, 1024), smem_desc(s_do + q_off, 16, 1024), kk > 0);
-        }
-        wgmma_commit();
+        issue_st_dpt<T, L, BLOCK_M, D_TILE>(s_acc, dp_acc, s_k, s_v, s_q, s_do, cwg);
         turns.pass();
         wgmma_wait<1>();
         pin_registers(reinterpret_cast<float(&)[SJ * 4]>(s_acc));
@@ -200,15 +185,7 @@ flash_bwd_wgmma_ws(const __grid_constant__ BwdParams p) {
         // stage goes back to the producer.
         turns.wait();
         wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < QK; ++kk)
-            Wgmma<T, D_TILE>::template rs<1>(reinterpret_cast<float(&)[DJ * 4]>(dv_acc), p_frag[kk],
-                                             smem_desc(s_do + kk * 2048, L::Q_PANEL, 1024), 1);
-#pragma unroll
-        for (int kk = 0; kk < QK; ++kk)
-            Wgmma<T, D_TILE>::template rs<1>(reinterpret_cast<float(&)[DJ * 4]>(dk_acc), ds_frag[kk],
-                                             smem_desc(s_q + kk * 2048, L::Q_PANEL, 1024), 1);
-        wgmma_commit();
+        issue_dv_dk<T, L, D_TILE>(dv_acc, dk_acc, p_frag, ds_frag, s_do, s_q);
         turns.pass();
         wgmma_wait<0>();
         pin_registers(reinterpret_cast<float(&)[DJ * 4]>(dv_acc));

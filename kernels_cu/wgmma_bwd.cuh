@@ -379,4 +379,46 @@ __device__ __forceinline__ void ds_dq(float (&dp_acc)[N_FRAGS][4], const float (
     }
 }
 
+// Steps 1-2 of a dK/dV step (flash_bwd_wgmma, flash_bwd_wgmma_ws): S^T = K_g Q^T and dP^T =
+// V_g dO^T, issued back to back, one commit group each (K-major operands: a 16-column k-step is 32
+// bytes into a panel); warpgroup wg's keys are rows 64 wg .. 64 wg + 63 of the K and V tiles. The
+// first k-step overwrites the accumulator (scale-d = 0): nothing to zero. The caller fences before.
+template <typename T, class L, int BLOCK_M, int D_TILE, int SJ>
+__device__ __forceinline__ void issue_st_dpt(float (&s_acc)[SJ][4], float (&dp_acc)[SJ][4], u32 s_k, u32 s_v, u32 s_q,
+                                             u32 s_do, int wg) {
+#pragma unroll
+    for (int kk = 0; kk < D_TILE / 16; ++kk) {
+        const u32 k_off = (kk / 4) * L::KV_PANEL + wg * 64 * 128 + (kk % 4) * 32;
+        const u32 q_off = (kk / 4) * L::Q_PANEL + (kk % 4) * 32;
+        Wgmma<T, BLOCK_M>::template ss<0, 0>(reinterpret_cast<float(&)[SJ * 4]>(s_acc),
+                                             smem_desc(s_k + k_off, 16, 1024), smem_desc(s_q + q_off, 16, 1024), kk > 0);
+    }
+    wgmma_commit();
+#pragma unroll
+    for (int kk = 0; kk < D_TILE / 16; ++kk) {
+        const u32 v_off = (kk / 4) * L::KV_PANEL + wg * 64 * 128 + (kk % 4) * 32;
+        const u32 q_off = (kk / 4) * L::Q_PANEL + (kk % 4) * 32;
+        Wgmma<T, BLOCK_M>::template ss<0, 0>(reinterpret_cast<float(&)[SJ * 4]>(dp_acc),
+                                             smem_desc(s_v + v_off, 16, 1024), smem_desc(s_do + q_off, 16, 1024), kk > 0);
+    }
+    wgmma_commit();
+}
+
+// Steps 6-7 of a dK/dV step: dV_g += P^T dO, dK_g += dS^T Q (A from registers; MN-major B: 16-row
+// k-steps of 2048 bytes, 64-column atoms one panel apart), one commit group. The caller fences
+// before.
+template <typename T, class L, int D_TILE, int QK, int DJ>
+__device__ __forceinline__ void issue_dv_dk(float (&dv_acc)[DJ][4], float (&dk_acc)[DJ][4], const u32 (&p_frag)[QK][4],
+                                            const u32 (&ds_frag)[QK][4], u32 s_do, u32 s_q) {
+#pragma unroll
+    for (int kk = 0; kk < QK; ++kk)
+        Wgmma<T, D_TILE>::template rs<1>(reinterpret_cast<float(&)[DJ * 4]>(dv_acc), p_frag[kk],
+                                         smem_desc(s_do + kk * 2048, L::Q_PANEL, 1024), 1);
+#pragma unroll
+    for (int kk = 0; kk < QK; ++kk)
+        Wgmma<T, D_TILE>::template rs<1>(reinterpret_cast<float(&)[DJ * 4]>(dk_acc), ds_frag[kk],
+                                         smem_desc(s_q + kk * 2048, L::Q_PANEL, 1024), 1);
+    wgmma_commit();
+}
+
 }  // namespace cf

@@ -83,7 +83,7 @@ def bwd_tiles(L, stage: int) -> SimpleNamespace:
                            q=base + L.Q + stage * L.Q_TILE, do=base + L.DO + stage * L.Q_TILE)
 
 
-@mirrors(BWD,
+@mirrors(WGMMA_BWD,  # issue_st_dpt, which flash_bwd_wgmma and flash_bwd_wgmma_ws call
          "const u32 k_off = (kk / 4) * L::KV_PANEL + wg * 64 * 128 + (kk % 4) * 32;",
          "const u32 v_off = (kk / 4) * L::KV_PANEL + wg * 64 * 128 + (kk % 4) * 32;",
          "const u32 q_off = (kk / 4) * L::Q_PANEL + (kk % 4) * 32;",
@@ -102,7 +102,7 @@ def bwd_st_steps(L, key_tile: int, query_tile: int, wg: int) -> list[Step]:
     return steps
 
 
-@mirrors(BWD,
+@mirrors(WGMMA_BWD,  # issue_dv_dk
          "Wgmma<T, D_TILE>::template rs<1>(reinterpret_cast<float(&)[DJ * 4]>(dv_acc), p_frag[kk],"
          " smem_desc(s_do + kk * 2048, L::Q_PANEL, 1024), 1);",
          "Wgmma<T, D_TILE>::template rs<1>(reinterpret_cast<float(&)[DJ * 4]>(dk_acc), ds_frag[kk],"

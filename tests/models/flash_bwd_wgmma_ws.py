@@ -265,14 +265,12 @@ def dq_ws_query_rows(tid: int) -> tuple[int, list[int], int]:
 
 # ---- the products' operands ----
 
-@mirrors(BWD_WS,
-         "const u32 k_off = (kk / 4) * L::KV_PANEL + cwg * 64 * 128 + (kk % 4) * 32;",
-         "const u32 v_off = (kk / 4) * L::KV_PANEL + cwg * 64 * 128 + (kk % 4) * 32;",
-         "const u32 q_off = (kk / 4) * L::Q_PANEL + (kk % 4) * 32;",
-         "Wgmma<T, BLOCK_M>::template ss<0, 0>(reinterpret_cast<float(&)[SJ * 4]>(s_acc),"
-         " smem_desc(s_k + k_off, 16, 1024), smem_desc(s_q + q_off, 16, 1024), kk > 0);",
-         "Wgmma<T, BLOCK_M>::template ss<0, 0>(reinterpret_cast<float(&)[SJ * 4]>(dp_acc),"
-         " smem_desc(s_v + v_off, 16, 1024), smem_desc(s_do + q_off, 16, 1024), kk > 0);")
+# The dK/dV consumer's products, wgmma_bwd.cuh's (models/flash_bwd_wgmma.py mirrors their bodies).
+_ISSUE_ST_DPT = "issue_st_dpt<T, L, BLOCK_M, D_TILE>(s_acc, dp_acc, s_k, s_v, s_q, s_do, cwg);"
+_ISSUE_DV_DK = "issue_dv_dk<T, L, D_TILE>(dv_acc, dk_acc, p_frag, ds_frag, s_do, s_q);"
+
+
+@mirrors(BWD_WS, _ISSUE_ST_DPT)
 def bwd_ws_st_steps(L, tiles, cwg: int) -> tuple[list[Step], list[Step]]:
     """(S^T = K_g Q^T, dP^T = V_g dO^T) of consumer cwg: its 64 key rows 64 cwg .. of K and V (the
     tiles copied once) by the stage's BLOCK_M queries; flash_bwd_wgmma's k-steps with its
@@ -280,11 +278,7 @@ def bwd_ws_st_steps(L, tiles, cwg: int) -> tuple[list[Step], list[Step]]:
     return bwd_st_steps(L, tiles.k, tiles.q, cwg), bwd_st_steps(L, tiles.v, tiles.do, cwg)
 
 
-@mirrors(BWD_WS,
-         "Wgmma<T, D_TILE>::template rs<1>(reinterpret_cast<float(&)[DJ * 4]>(dv_acc), p_frag[kk],"
-         " smem_desc(s_do + kk * 2048, L::Q_PANEL, 1024), 1);",
-         "Wgmma<T, D_TILE>::template rs<1>(reinterpret_cast<float(&)[DJ * 4]>(dk_acc), ds_frag[kk],"
-         " smem_desc(s_q + kk * 2048, L::Q_PANEL, 1024), 1);")
+@mirrors(BWD_WS, _ISSUE_DV_DK)
 def bwd_ws_dkdv_steps(L, tiles) -> tuple[list[Step], list[Step]]:
     """(dV_g += P^T dO, dK_g += dS^T Q): A from registers, B the stage's dO and Q, MN-major, k-steps
     over the queries (flash_bwd_wgmma's)."""
@@ -331,20 +325,23 @@ _RING = ("const StageRing<STAGES> ring{base + L::FULL, base + L::EMPTY};",
          "wgmma_wait<1>();",
          "wgmma_wait<0>();",
          "if (cwg == 0) turns.wait();",
-         "named_barrier_sync(4, 256);",
-         # the first products (S and dP; S^T and dP^T) in one turn, then S's wait
-         "wgmma_commit(); turns.pass(); wgmma_wait<1>();")
+         "named_barrier_sync(4, 256);")
 
 
-def _ring(n: str, acc: str, accs: list[str], it: str) -> list[str]:
+def _ring(n: str, acc: str, accs: list[str], it: str, first: str = "wgmma_commit();",
+          second: str = "wgmma_commit();") -> list[str]:
     """The statements above, and those whose order matters written as runs: the producer's loop
-    (land block i, hand it on, refill the stage of block i - 1 once it is free) and the end of a
-    consumer's step (the second products in the other turn, their wait, then the release)."""
+    (land block i, hand it on, refill the stage of block i - 1 once it is free), a consumer's first
+    products (S and dP; S^T and dP^T) in one turn then S's wait, and the end of its step (the second
+    products in the other turn, their wait, then the release). ``first`` and ``second``: the
+    statement that ends each issue (the dK/dV kernel's are wgmma_bwd.cuh's issue functions, which
+    commit)."""
     pins = " ".join(f"pin_registers(reinterpret_cast<float(&)[{acc} * 4]>({a}));" for a in accs)
     return [*_RING,
             f"for (int i = 0; i < {n}; ++i) {{ cp_async_wait<STAGES - 2>(); fence_proxy_async_shared(); "
             f"ring.arrive_full(i); if (i + STAGES - 1 < {n}) {{ ring.wait_empty(i + STAGES - 1);",
-            f"wgmma_commit(); turns.pass(); wgmma_wait<0>(); {pins} ring.arrive_empty({it}); }} "
+            f"{first} turns.pass(); wgmma_wait<1>();",
+            f"{second} turns.pass(); wgmma_wait<0>(); {pins} ring.arrive_empty({it}); }} "
             f"if (cwg == 0) turns.wait();"]
 
 
@@ -356,7 +353,7 @@ def _ring(n: str, acc: str, accs: list[str], it: str) -> list[str]:
          "if constexpr (ON) named_barrier_sync(mine, 256);",
          "if constexpr (ON) named_barrier_arrive(other, 256);")
 @mirrors(BWD_WS,
-         *_ring("iters", "DJ", ["dv_acc", "dk_acc"], "it"),
+         *_ring("iters", "DJ", ["dv_acc", "dk_acc"], "it", _ISSUE_ST_DPT, _ISSUE_DV_DK),
          "if (iters == 0) return;",
          "for (int i = 1; i < STAGES - 1; ++i) { if (i < iters) load_query_block(i, i); cp_async_commit(); }",
          "for (int it = 0; it < iters; ++it) {",
