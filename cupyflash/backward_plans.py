@@ -290,23 +290,13 @@ def wgmma_ws_smem_bytes(dt: int, block_m: int, stages: int) -> int:
 
 def wgmma_ws_spec(dtype, headdim: int, causal: Mask | bool, config: tuple) -> Specialization:
     """flash_bwd_wgmma_ws at ``config`` = (BLOCK_M, BLOCK_N, STAGES, PINGPONG): 384 threads (the
-    producer warpgroup and two consumers)."""
-    mask = as_mask(causal)
-    name = dtype_name(dtype)
-    dt = d_tile(headdim)
-    bm, bn, stages, pingpong = config
-    if dt not in WGMMA_WS_D_TILES:
-        raise ValueError(f"cupyflash: flash_bwd_wgmma_ws takes head-dim tiles {WGMMA_WS_D_TILES}, not {dt}")
+    producer warpgroup and two consumers of 64 keys)."""
+    bm, bn, stages, _ = config
     if bn != 128 or bm not in (64, 128) or stages < 2:
         raise ValueError(f"cupyflash: flash_bwd_wgmma_ws takes 128 keys a block, query blocks of 64 or 128 rows "
                          f"and two or more stages: {config!r}")
-    smem = wgmma_ws_smem_bytes(dt, bm, stages)
-    if smem > 227 * 1024:
-        raise ValueError(f"cupyflash: flash_bwd_wgmma_ws's tiles take {smem} bytes, more than 227 KiB: {config!r}")
-    spec_name = (f"flash_bwd_wgmma_ws_{SHORT_NAMES[name]}_hdim{dt}_{mask.name}_bm{bm}_bn{bn}_s{stages}"
-                 f"{'_pingpong' if pingpong else ''}")
-    expression = f"cf::flash_bwd_wgmma_ws<{CTYPES[name]}, {dt}, {mask.cpp}, {bm}, {stages}, {_flag(pingpong)}>"
-    return Specialization(spec_name, "flash_bwd_wgmma_ws.cu", expression, 384, smem, arch="90a")
+    return _producer_spec("flash_bwd_wgmma_ws", dtype, headdim, causal, config, bm,
+                          lambda dt: wgmma_ws_smem_bytes(dt, bm, stages))
 
 
 def dq_wgmma_ws_smem_bytes(dt: int, block_n: int, stages: int) -> int:
@@ -318,22 +308,32 @@ def dq_wgmma_ws_smem_bytes(dt: int, block_n: int, stages: int) -> int:
 def dq_wgmma_ws_spec(dtype, headdim: int, causal: Mask | bool, config: tuple) -> Specialization:
     """flash_bwd_dq_wgmma_ws at ``config`` = (BLOCK_M, BLOCK_N, STAGES, PINGPONG), BLOCK_M always
     128: 384 threads (the producer warpgroup and two consumers of 64 query rows)."""
+    bm, bn, stages, _ = config
+    if bm != 128 or bn % 16 or bn > 128 or stages < 2:
+        raise ValueError(f"cupyflash: flash_bwd_dq_wgmma_ws takes 128 queries a block, key blocks of a multiple of 16 "
+                         f"up to 128 and two or more stages: {config!r}")
+    return _producer_spec("flash_bwd_dq_wgmma_ws", dtype, headdim, causal, config, bn,
+                          lambda dt: dq_wgmma_ws_smem_bytes(dt, bn, stages))
+
+
+def _producer_spec(kernel: str, dtype, headdim: int, causal: Mask | bool, config: tuple, walked: int,
+                   smem_bytes) -> Specialization:
+    """The specialization of a producer backward kernel at ``config`` = (BLOCK_M, BLOCK_N, STAGES,
+    PINGPONG), whose template takes the walked block's rows (``walked``: dK/dV's BLOCK_M, dQ's
+    BLOCK_N), STAGES and PINGPONG; ``smem_bytes(dt)`` its shared memory at head-dim tile dt."""
     mask = as_mask(causal)
     name = dtype_name(dtype)
     dt = d_tile(headdim)
     bm, bn, stages, pingpong = config
     if dt not in WGMMA_WS_D_TILES:
-        raise ValueError(f"cupyflash: flash_bwd_dq_wgmma_ws takes head-dim tiles {WGMMA_WS_D_TILES}, not {dt}")
-    if bm != 128 or bn % 16 or bn > 128 or stages < 2:
-        raise ValueError(f"cupyflash: flash_bwd_dq_wgmma_ws takes 128 queries a block, key blocks of a multiple of 16 "
-                         f"up to 128 and two or more stages: {config!r}")
-    smem = dq_wgmma_ws_smem_bytes(dt, bn, stages)
+        raise ValueError(f"cupyflash: {kernel} takes head-dim tiles {WGMMA_WS_D_TILES}, not {dt}")
+    smem = smem_bytes(dt)
     if smem > 227 * 1024:
-        raise ValueError(f"cupyflash: flash_bwd_dq_wgmma_ws's tiles take {smem} bytes, more than 227 KiB: {config!r}")
-    spec_name = (f"flash_bwd_dq_wgmma_ws_{SHORT_NAMES[name]}_hdim{dt}_{mask.name}_bm{bm}_bn{bn}_s{stages}"
+        raise ValueError(f"cupyflash: {kernel}'s tiles take {smem} bytes, more than 227 KiB: {config!r}")
+    spec_name = (f"{kernel}_{SHORT_NAMES[name]}_hdim{dt}_{mask.name}_bm{bm}_bn{bn}_s{stages}"
                  f"{'_pingpong' if pingpong else ''}")
-    expression = f"cf::flash_bwd_dq_wgmma_ws<{CTYPES[name]}, {dt}, {mask.cpp}, {bn}, {stages}, {_flag(pingpong)}>"
-    return Specialization(spec_name, "flash_bwd_dq_wgmma_ws.cu", expression, 384, smem, arch="90a")
+    expression = f"cf::{kernel}<{CTYPES[name]}, {dt}, {mask.cpp}, {walked}, {stages}, {_flag(pingpong)}>"
+    return Specialization(spec_name, f"{kernel}.cu", expression, 384, smem, arch="90a")
 
 
 def dq_wgmma_smem_bytes(dt: int, block_m: int, block_n: int, k_stages: int) -> int:

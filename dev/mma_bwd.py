@@ -156,11 +156,14 @@ DQ_WGMMA_CANDIDATES = {64: ((128, 64, 2),), 256: ((128, 32, 3),)}
 WGMMA_NONE_CANDIDATES = {64: ((64, 128),)}
 # flash_bwd_wgmma_ws (``wgmma_ws=``, perf log wgmma-bwd-ws-v0): v10's dK/dV-only kernel with a
 # producer warpgroup and its two consumers in turns, tiles (BLOCK_M, BLOCK_N, STAGES, PINGPONG);
-# dQ by v10's flash_bwd_dq_wgmma. Built on CPU, not yet timed.
+# dQ by v10's flash_bwd_dq_wgmma. H100, the whole backward against v10 at d128 8k: three stages
+# 1.02-1.09x, four 1.00-1.11x (from call to call), three without turns 1.06-1.09x; d64 (64, ..)
+# 0.99-1.01x.
 WGMMA_WS_CANDIDATES = {64: ((128, 128, 3, True), (64, 128, 3, True)),
                        128: ((64, 128, 3, True), (64, 128, 4, True), (64, 128, 3, False))}
 # flash_bwd_dq_wgmma_ws (``dq_ws=``): v10's dQ kernel the same way, tiles (BLOCK_M, BLOCK_N, STAGES,
-# PINGPONG); timed beside the shipped dK/dV kernel and beside the first dK/dV candidate.
+# PINGPONG); timed beside the shipped dK/dV kernel (d128: three stages 0.97-1.00x, four 0.92x) and
+# beside the first dK/dV candidate (the pair: 1.05-1.14x at d128, 1.08-1.13x at d64).
 DQ_WS_CANDIDATES = {64: ((128, 128, 3, True),), 128: ((128, 64, 3, True), (128, 64, 4, True))}
 # For sliding windows: v10's two kernels with 64-row blocks, (dK/dV-only wgmma tiles, dq_wgmma tiles)
 # pairs. The backward ran a causal window of 1024 at 16k (bf16, d128) at 0.73-0.74 of causal's

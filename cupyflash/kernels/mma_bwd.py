@@ -129,12 +129,13 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, softmax_scale: float, causal: b
     ``version`` runs an entry of dev/mma_bwd.py's VERSIONS instead of the plan; ``dq_config``,
     ``fused`` and ``wgmma`` other tiles of the dQ kernel, the fused kernel and the wgmma kernel
     (tuning); ``wgmma_ws`` and ``dq_ws`` run dK/dV and dQ on the producer candidates
-    flash_bwd_wgmma_ws and flash_bwd_dq_wgmma_ws at those tiles. ``window_size`` is flash-attn's (left, right) (cupyflash.masks).
+    flash_bwd_wgmma_ws and flash_bwd_dq_wgmma_ws at those tiles. ``window_size`` is flash-attn's
+    (left, right) (cupyflash.masks).
     """
     import cupy
 
     if not is_16bit(q.dtype):  # float64's DMMA kernels, float32's tf32x3 on the same (kernels/dmma.py)
-        if version is not None or dq_config is not None or fused is not None or wgmma is not None or wgmma_ws or dq_ws:
+        if any(x is not None for x in (version, dq_config, fused, wgmma, wgmma_ws, dq_ws)):
             raise ValueError("cupyflash: versions and tuning tiles are the 16-bit backward's; the float32 and float64 "
                              "backward take dmma.backward(config=...)")
         from . import dmma
