@@ -272,7 +272,8 @@ def wgmma_spec(dtype, headdim: int, causal: Mask | bool, dq_add: str, config: tu
                           arch="90a")
 
 
-# flash_bwd_wgmma_ws and flash_bwd_dq_wgmma_ws (sm_90a, candidates: docs/perf-log.md wgmma-bwd-ws-v0):
+# flash_bwd_wgmma_ws and flash_bwd_dq_wgmma_ws (sm_90a, docs/perf-log.md wgmma-bwd-ws-v0; the d64 / d128
+# deterministic rows since v13):
 # flash_bwd_wgmma's dK and dV without dQ (DqAdd::none) and flash_bwd_dq_wgmma's dQ, each with a
 # producer warpgroup copying the walked blocks into STAGES stages and two consumer warpgroups of 64
 # rows, taking turns at the tensor cores when PINGPONG. Tiles (BLOCK_M, BLOCK_N, STAGES, PINGPONG):
@@ -411,8 +412,8 @@ class BackwardKernels(NamedTuple):
     (``dq_add``, an entry of DQ_ADDS) and, where the dK/dV kernel adds no dQ ("none"), the dQ kernel
     and its tiles. Kernels: "dkdv_mma", "dkdv_mma_v2", "dkdv_mma_split", "fused_mma", "wgmma"
     (flash_bwd_wgmma, or flash_bwd_wgmma_dsplit at head-dim tile 256), "wgmma_ws" (flash_bwd_wgmma_ws,
-    a candidate: dQ "none" only); dQ: "dq_mma" (3 tiles, or
-    flash_bwd_dq_mma_v2 with 4), "dq_wgmma" and "dq_wgmma_ws" (a candidate)."""
+    dQ "none" only); dQ: "dq_mma" (3 tiles, or flash_bwd_dq_mma_v2 with 4), "dq_wgmma" and
+    "dq_wgmma_ws"."""
 
     dkdv: str
     dkdv_tiles: tuple
@@ -427,6 +428,9 @@ SM90 = "sm_90"
 MMA_SYNC = "mma_sync"
 _V10 = "mma-bwd-v10-two-wgmma-kernels-no-dq-adds-the-default-on-sm_90"
 _V5 = "mma-bwd-v5-the-backward-default-until-v6-still-the-default-on-sm_80"
+_V13 = "wgmma-bwd-ws-route-v13-sm_90s-deterministic-d64--d128-backward-on-the-producer-kernels"
+_V14 = "wgmma-bwd-ws-nondet-v14-d128-without-determinism-on-the-producer-pair-too"
+_V15 = "wgmma-bwd-ws-nondet-d64-v15-d64-without-determinism-on-the-producer-pair-too"
 
 # (class, head-dim tile, deterministic) -> BackwardKernels in order of preference: a plan takes the
 # first whose shared memory fits the device (or the last: its launch then refuses with the bytes it
@@ -439,12 +443,22 @@ _V5 = "mma-bwd-v5-the-backward-default-until-v6-still-the-default-on-sm_80"
 # kernels, dK/dV with 2 x 16 key rows per warp (d64) or warp pairs split into a dV and a dK warp
 # (d128, d256), dQ with 2 x 16 query rows per warp where registers allow; without, the fused
 # kernel (S and dP once per block pair) where it fits, else the dK/dV kernel with atomic dQ.
+# sm_90 d64 / d128 with determinism since wgmma-bwd-ws-v0 (v13): the same two kernels' work split
+# with a producer warpgroup each (flash_bwd_wgmma_ws, flash_bwd_dq_wgmma_ws), bitwise their results;
+# H100, the backward 1.05-1.14x at d128 8k / 16k, 1.08-1.13x at d64 8k. softcap, dropout and user
+# modifiers run them too, at d64 on 64-query dK/dV blocks (_without_spills). d128 without determinism
+# too: the pair against the atomic row in one run (H100) 1.07x / 1.19x at 8k (non-causal / causal),
+# 1.09x / 1.14x at 16k; d64 too (v15): 1.03x / 1.08x at 8k, 1.05x / 1.07x at 16k.
 BACKWARD_KERNELS = {
-    (SM90, 64, True): (BackwardKernels("wgmma", (128, 128), "none", "dq_wgmma", (128, 128, 2), _V10),),
-    (SM90, 128, True): (BackwardKernels("wgmma", (64, 128), "none", "dq_wgmma", (128, 64, 2), _V10),),
+    (SM90, 64, True): (BackwardKernels("wgmma_ws", (128, 128, 3, True), "none", "dq_wgmma_ws", (128, 128, 3, True),
+                                       _V13),),
+    (SM90, 128, True): (BackwardKernels("wgmma_ws", (64, 128, 3, True), "none", "dq_wgmma_ws", (128, 64, 3, True),
+                                        _V13),),
     (SM90, 256, True): (BackwardKernels("wgmma", (64, 64), "none", "dq_wgmma", (128, 32, 2), _V10),),
-    (SM90, 64, False): (BackwardKernels("wgmma", (128, 128), "atomic", perf_log=_V10),),
-    (SM90, 128, False): (BackwardKernels("wgmma", (64, 128), "atomic", perf_log=_V10),),
+    (SM90, 64, False): (BackwardKernels("wgmma_ws", (128, 128, 3, True), "none", "dq_wgmma_ws", (128, 128, 3, True),
+                                        _V15),),
+    (SM90, 128, False): (BackwardKernels("wgmma_ws", (64, 128, 3, True), "none", "dq_wgmma_ws", (128, 64, 3, True),
+                                         _V14),),
     (SM90, 256, False): (BackwardKernels("wgmma", (64, 64), "none", "dq_wgmma", (128, 32, 2), _V10),),
     (MMA_SYNC, 64, True): (BackwardKernels("dkdv_mma_v2", (64, 32, 128, 4, 2), "none", "dq_mma", (128, 32, 4, 2), _V5),),
     (MMA_SYNC, 128, True): (BackwardKernels("dkdv_mma_split", (64, 32, 128, 8, 2), "none", "dq_mma", (128, 32, 4, 2),
@@ -456,6 +470,9 @@ BACKWARD_KERNELS = {
     (MMA_SYNC, 256, False): (BackwardKernels("fused_mma", (64, 64, 2, 4, 2, 16), "atomic", perf_log=_V5),
                              BackwardKernels("dkdv_mma", (32, 16, 64, 8, 2), "atomic", perf_log=_V5)),
 }
+# The producer dK/dV kernel's tiles at d64 with softcap, dropout or a user modifier: 64-query blocks,
+# as v10's d64 rule (its 128-query blocks spill 28-128 bytes there).
+WGMMA_WS_VARIANT_D64 = (64, 128, 3, True)
 # Rows a sliding window (the Local band) replaces, deterministic or not (perf log windows-bwd-tiles):
 # at sm_90 d128 dK/dV on 64 x 64 blocks without dQ adds and dQ by flash_bwd_dq_wgmma on 64 x 64
 # (106 and 97 KiB, two CTAs an SM each), whose blocks walk 64 diagonals past the band where 128-row
@@ -499,7 +516,9 @@ def mma_sync_dq(dt: int) -> tuple:
 
 def _without_spills(row: BackwardKernels, mask: Mask, dt: int) -> BackwardKernels:
     """The row's kernels, or where they spill registers with this mask and score (ptxas, sm_80 /
-    sm_90a) the nearest kernels that do not: flash_bwd_dkdv_mma_v2 with the window's left bound and
+    sm_90a) the nearest kernels that do not: the producer dK/dV kernel at d64 with softcap, dropout
+    or a user modifier (BLOCK_M 128: 28-128 bytes) query blocks of 64 (WGMMA_WS_VARIANT_D64);
+    flash_bwd_dkdv_mma_v2 with the window's left bound and
     atomic dQ, or with softcap's derivative (4-44 bytes), runs v1's flash_bwd_dkdv_mma; the fused
     kernel with ALiBi (8-24 bytes at d128) the atomic dK/dV kernel, v1; flash_bwd_wgmma at d64
     with softcap (BLOCK_M 128: 4-84 bytes) the d128 tiles, BLOCK_M 64, without dQ adds (their
@@ -514,6 +533,8 @@ def _without_spills(row: BackwardKernels, mask: Mask, dt: int) -> BackwardKernel
     flash_bwd_dkdv_mma_split at d128 (64 bytes) runs v1's kernel."""
     score = mask.score
     user = score.user is not None
+    if row.dkdv == "wgmma_ws" and dt == 64 and (score.softcap or score.dropout or user):
+        return row._replace(dkdv_tiles=WGMMA_WS_VARIANT_D64)
     if row.dkdv == "dkdv_mma_v2" and ((row.dq_add == "atomic" and mask.HAS_LEFT) or score.has_grad or score.dropout):
         return row._replace(dkdv="dkdv_mma", dkdv_tiles=DKDV_CONFIG[dt])
     if row.dkdv == "dkdv_mma_split" and dt == 128 and score.dropout:

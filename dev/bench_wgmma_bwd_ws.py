@@ -3,12 +3,12 @@ warpgroup (kernels_cu/flash_bwd_wgmma_ws.cu, flash_bwd_dq_wgmma_ws.cu) against t
 
     PYTHONPATH=. python dev/bench_wgmma_bwd_ws.py warm [--processes N]
         compiles, in parallel into CuPy's cache, every kernel tests/test_wgmma_bwd_ws_gpu.py and the
-        tuner's timing of the candidates launch (the first pair of candidates in both 16-bit
-        dtypes, no mask, causal and windows, plain, softcap and ALiBi, beside the shipped row on
-        the same tiles; every other entry in bfloat16; the forward that makes o and lse)
+        tuner's timing of the candidates launch (v13's pair in both 16-bit dtypes, no mask,
+        causal and windows, plain, softcap and ALiBi, beside v10's kernels on the same tiles;
+        every other entry in bfloat16; the forward that makes o and lse)
     PYTHONPATH=. python dev/bench_wgmma_bwd_ws.py kernels D SEQLEN [causal]
-        one backward of the plan, then one with both first candidates of the head-dim tile (for
-        ncu: flash_bwd_wgmma against flash_bwd_wgmma_ws, flash_bwd_dq_wgmma against
+        one backward of v12 (v10's kernels), then one with v13's producer kernels (for ncu:
+        flash_bwd_wgmma against flash_bwd_wgmma_ws, flash_bwd_dq_wgmma against
         flash_bwd_dq_wgmma_ws), on the bench's shape (batch * seqlen = 16384 tokens, nheads *
         headdim = 2048), bfloat16
 
@@ -46,11 +46,11 @@ def _specs():
                 fwd = plans.plan_forward("90", dtype, dt, mask, 227 * 1024).spec
                 out[fwd.name] = fwd
 
-    for dt in dev.WGMMA_WS_CANDIDATES:
+    for dt in dev.WGMMA_WS_ROUTE:
         # the bitwise test's pair: both producer kernels against the shipped row on the same tiles,
         # both dtypes, every score variant it draws
-        both = dev.kernels("v10", "90", None, "bfloat16", dt, False, True, wgmma_ws=dev.WGMMA_WS_CANDIDATES[dt][0],
-                           dq_ws=dev.DQ_WS_CANDIDATES[dt][0])
+        both = dev.kernels("v10", "90", None, "bfloat16", dt, False, True, wgmma_ws=dev.WGMMA_WS_ROUTE[dt][0],
+                           dq_ws=dev.WGMMA_WS_ROUTE[dt][1])
         shipped = dev.kernels("v10", "90", None, "bfloat16", dt, False, True, wgmma=both.dkdv_tiles[:2],
                               dq_config=tuple(dev.DQ_WGMMA_CONFIG[dt]))
         for dtype in ("bfloat16", "float16"):
@@ -94,7 +94,7 @@ def kernels(headdim: int, seqlen: int, causal: bool) -> int:
     dtype = SUPPORTED["bfloat16"]
     batch, nheads = 16384 // seqlen, 2048 // headdim
     (inputs,) = tune._bwd_inputs(batch, seqlen, nheads, headdim, dtype, causal, n_sets=1)
-    for tiles in ({}, {"wgmma_ws": dev.WGMMA_WS_CANDIDATES[headdim][0], "dq_ws": dev.DQ_WS_CANDIDATES[headdim][0]}):
+    for tiles in ({"version": "v12"}, {"wgmma_ws": dev.WGMMA_WS_ROUTE[headdim][0], "dq_ws": dev.WGMMA_WS_ROUTE[headdim][1]}):
         mma_bwd.backward(*inputs, softmax_scale=headdim ** -0.5, causal=causal, deterministic=True, **tiles)
     cupy.cuda.Device().synchronize()
     return 0

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cupyflash.backward_plans import (DKDV_CONFIG, DKDV_CONFIG_SPLIT, DKDV_CONFIG_V2, DQ_CONFIG, DQ_CONFIG_V2,
-                                      DQ_WGMMA_CONFIG, FUSED_CONFIG, WGMMA_CONFIG,
+                                      DQ_WGMMA_CONFIG, FUSED_CONFIG, WGMMA_CONFIG, WGMMA_WS_VARIANT_D64,
                                       BackwardKernels, d_tile, fused_smem_bytes)
 from cupyflash.masks import Causal, Local, NoMask, as_mask
 
@@ -104,6 +104,25 @@ VERSIONS = (
     # backward_plans.PACKED_CAUSAL_BACKWARD_KERNELS).
     Version("v12", "v11, but a packed causal batch at d128 on sm_90 runs the window's 64 x 64 blocks too",
             "varlen-v3-the-packed-causal-backward-on-two-ctas-an-sm", shipped="sm_90 (a packed causal batch at d128)"),
+    # Deterministic d64 / d128 on sm_90: v10's two kernels, each with a producer warpgroup copying its
+    # walked blocks into stages and two consumer warpgroups in turns at the tensor cores
+    # (flash_bwd_wgmma_ws, flash_bwd_dq_wgmma_ws), bitwise v10's results (H100: the backward
+    # 1.05-1.14x at d128 8k / 16k, 1.08-1.13x at d64 8k). A window at d128 and a packed causal batch
+    # keep v11 / v12's 64 x 64 rows.
+    Version("v13", "v12, but deterministic d64 / d128 on sm_90 by v10's two kernels with a producer warpgroup each",
+            "wgmma-bwd-ws-route-v13-sm_90s-deterministic-d64--d128-backward-on-the-producer-kernels",
+            shipped="sm_90 d64 / d128 with determinism"),
+    # d128 without determinism on sm_90: the pair too, not the atomic row (H100, one tuner call:
+    # 1.07x / 1.19x at 8k non-causal / causal, 1.09x / 1.14x at 16k). d64 keeps its atomic row (not
+    # measured against the pair yet).
+    Version("v14", "v13, but d128 without determinism on sm_90 runs the producer pair too",
+            "wgmma-bwd-ws-nondet-v14-d128-without-determinism-on-the-producer-pair-too",
+            shipped="sm_90 d128 without determinism"),
+    # d64 without determinism on sm_90: the pair as well (H100, one tuner call: 1.03x / 1.08x at 8k
+    # non-causal / causal, 1.05x / 1.07x at 16k), so sm_90 d64 / d128 run it whatever determinism.
+    Version("v15", "v14, but d64 without determinism on sm_90 runs the producer pair too",
+            "wgmma-bwd-ws-nondet-d64-v15-d64-without-determinism-on-the-producer-pair-too",
+            shipped="sm_90 d64 without determinism"),
 )
 # Numbers that were never a version of this tree.
 REJECTED = {"v8": ("fixed-point dQ summed by cluster pairs through distributed shared memory first, measured "
@@ -154,17 +173,15 @@ FUSED_CANDIDATES = {64: ((64, 128, 4, 2, 2, 4),),
 DQ_WGMMA_CANDIDATES = {64: ((128, 64, 2),), 256: ((128, 32, 3),)}
 # Tiles of the dK/dV-only wgmma kernel (DqAdd::none, ``wgmma=``) besides WGMMA_CONFIG's.
 WGMMA_NONE_CANDIDATES = {64: ((64, 128),)}
-# flash_bwd_wgmma_ws (``wgmma_ws=``, perf log wgmma-bwd-ws-v0): v10's dK/dV-only kernel with a
-# producer warpgroup and its two consumers in turns, tiles (BLOCK_M, BLOCK_N, STAGES, PINGPONG);
-# dQ by v10's flash_bwd_dq_wgmma. H100, the whole backward against v10 at d128 8k: three stages
-# 1.02-1.09x, four 1.00-1.11x (from call to call), three without turns 1.06-1.09x; d64 (64, ..)
-# 0.99-1.01x.
-WGMMA_WS_CANDIDATES = {64: ((128, 128, 3, True), (64, 128, 3, True)),
-                       128: ((64, 128, 3, True), (64, 128, 4, True), (64, 128, 3, False))}
-# flash_bwd_dq_wgmma_ws (``dq_ws=``): v10's dQ kernel the same way, tiles (BLOCK_M, BLOCK_N, STAGES,
-# PINGPONG); timed beside the shipped dK/dV kernel (d128: three stages 0.97-1.00x, four 0.92x) and
-# beside the first dK/dV candidate (the pair: 1.05-1.14x at d128, 1.08-1.13x at d64).
-DQ_WS_CANDIDATES = {64: ((128, 128, 3, True),), 128: ((128, 64, 3, True), (128, 64, 4, True))}
+# v13's producer kernels (perf log wgmma-bwd-ws-v0, wgmma-bwd-ws-route): flash_bwd_wgmma_ws's tiles
+# (BLOCK_M, BLOCK_N, STAGES, PINGPONG) and flash_bwd_dq_wgmma_ws's, by head-dim tile.
+WGMMA_WS_ROUTE = {64: ((128, 128, 3, True), (128, 128, 3, True)), 128: ((64, 128, 3, True), (128, 64, 3, True))}
+# Other tiles of the producer kernels (``wgmma_ws=`` dK/dV, ``dq_ws=`` dQ), each beside v13's other
+# kernel. H100, the whole backward against v10 at 8k (wgmma-bwd-ws-v0): dK/dV d128 four stages
+# 1.00-1.11x, three without turns 1.06-1.09x (v13's three with turns 1.02-1.11x beside v10's dQ);
+# dQ d128 four stages 0.92-0.97x; d64 dK/dV on 64 queries 0.99-1.01x.
+WGMMA_WS_CANDIDATES = {64: ((64, 128, 3, True),), 128: ((64, 128, 4, True), (64, 128, 3, False))}
+DQ_WS_CANDIDATES = {128: ((128, 64, 4, True),)}
 # For sliding windows: v10's two kernels with 64-row blocks, (dK/dV-only wgmma tiles, dq_wgmma tiles)
 # pairs. The backward ran a causal window of 1024 at 16k (bf16, d128) at 0.73-0.74 of causal's
 # TFLOP/s over the visible pairs (issue 15's bar: 0.85). A 128-key block walks the queries of
@@ -246,12 +263,26 @@ def kernels(version: str, arch: str | None, smem_optin: int | None, dtype, headd
     check_version(version)
     mask = as_mask(mask)
     dt = d_tile(headdim)
+    # v13: the producer kernels where deterministic at d64 / d128 on sm_90 (v14: d128 without
+    # determinism too, v15: d64 too), not a window at d128 nor a packed causal batch there without softcap or a
+    # user modifier (v11 / v12's rows); softcap, dropout and user modifiers at d64 on 64-query dK/dV
+    # blocks. With ``wgmma_ws`` or ``dq_ws``
+    # given, those tiles beside v13's other kernel.
+    variant = mask.score.softcap or mask.score.dropout or mask.score.user is not None
+    v12_rows = dt in WINDOW_SPLIT_D_TILES and (isinstance(mask, Local) or (
+        mask.packed and mask.band == "causal" and not mask.score.softcap and mask.score.user is None))
+    ws = (arch == "90" and (deterministic or (_since(version, "v14") and dt == 128) or _since(version, "v15"))
+          and _since(version, "v13")
+          and dt in WGMMA_WS_ROUTE and fused is None and wgmma is None and dq_config is None and not v12_rows)
     if wgmma_ws is not None or dq_ws is not None:
-        if arch != "90" or not _since(version, "v10") or not deterministic:
-            raise ValueError("cupyflash: the producer backward kernels are sm_90 candidates of v10's deterministic row")
-        dkdv = ("wgmma_ws", tuple(wgmma_ws)) if wgmma_ws is not None else ("wgmma", tuple(wgmma or WGMMA_CONFIG[dt]))
-        dq = ("dq_wgmma_ws", tuple(dq_ws)) if dq_ws is not None else ("dq_wgmma", tuple(dq_config or DQ_WGMMA_CONFIG[dt]))
-        return BackwardKernels(dkdv[0], dkdv[1], "none", dq[0], dq[1])
+        if arch != "90" or not _since(version, "v10") or not deterministic or dt not in WGMMA_WS_ROUTE:
+            raise ValueError("cupyflash: the producer backward kernels are sm_90's, deterministic, d64 / d128")
+        dq_ws = dq_ws if dq_ws is not None else WGMMA_WS_ROUTE[dt][1]
+        wgmma_ws = wgmma_ws if wgmma_ws is not None else WGMMA_WS_ROUTE[dt][0]
+        return BackwardKernels("wgmma_ws", tuple(wgmma_ws), "none", "dq_wgmma_ws", tuple(dq_ws))
+    if ws:
+        dkdv = WGMMA_WS_VARIANT_D64 if variant and dt == 64 else WGMMA_WS_ROUTE[dt][0]
+        return BackwardKernels("wgmma_ws", dkdv, "none", "dq_wgmma_ws", WGMMA_WS_ROUTE[dt][1])
     if _since(version, "v6"):
         if fused is None and wgmma is None and dq_config is None and arch == "90":
             if _since(version, "v11") and isinstance(mask, Local) and dt in WINDOW_SPLIT_D_TILES:
@@ -306,15 +337,11 @@ def entries(dt: int, arch: str | None) -> list[tuple[str, dict]]:
         out.append((f"v10 wgmma{tiles} + dq_wgmma{DQ_WGMMA_CONFIG[dt]}",
                     dict(version="v10", deterministic=True, wgmma=tiles)))
     for tiles in WGMMA_WS_CANDIDATES.get(dt, ()) if split_tiles else ():
-        out.append((f"v10 wgmma_ws{tiles} + dq_wgmma{DQ_WGMMA_CONFIG[dt]}",
-                    dict(version="v10", deterministic=True, wgmma_ws=tiles)))
+        out.append((f"v13 wgmma_ws{tiles} + dq_wgmma_ws{WGMMA_WS_ROUTE[dt][1]}",
+                    dict(version="v13", deterministic=True, wgmma_ws=tiles)))
     for tiles in DQ_WS_CANDIDATES.get(dt, ()) if split_tiles else ():
-        out.append((f"v10 wgmma{WGMMA_CONFIG[dt]} + dq_wgmma_ws{tiles}",
-                    dict(version="v10", deterministic=True, dq_ws=tiles)))
-    if split_tiles and dt in WGMMA_WS_CANDIDATES and dt in DQ_WS_CANDIDATES:
-        both = dict(wgmma_ws=WGMMA_WS_CANDIDATES[dt][0], dq_ws=DQ_WS_CANDIDATES[dt][0])
-        out.append((f"v10 wgmma_ws{both['wgmma_ws']} + dq_wgmma_ws{both['dq_ws']}",
-                    dict(version="v10", deterministic=True, **both)))
+        out.append((f"v13 wgmma_ws{WGMMA_WS_ROUTE[dt][0]} + dq_wgmma_ws{tiles}",
+                    dict(version="v13", deterministic=True, dq_ws=tiles)))
     for wgmma, dq in WINDOW_SPLIT_CANDIDATES.get(dt, ()) if split_tiles else ():
         out.append((f"v10 wgmma{wgmma} + dq_wgmma{dq}", dict(version="v10", deterministic=True, wgmma=wgmma,
                                                                dq_config=dq)))

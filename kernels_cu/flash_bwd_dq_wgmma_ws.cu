@@ -1,5 +1,5 @@
 // flash_bwd_dq_wgmma_ws: flash_bwd_dq_wgmma's dQ with a producer warpgroup (sm_90a; fp16 / bf16,
-// head-dim tiles 64 and 128). A candidate: docs/perf-log.md wgmma-bwd-ws-v0.
+// head-dim tiles 64 and 128). docs/perf-log.md wgmma-bwd-ws-v0, wgmma-bwd-ws-route (v13's dQ kernel).
 //
 // flash_bwd_dq_wgmma keeps its two warpgroups in step the way flash_fwd_wgmma did (every thread
 // copies part of each key block, a CTA barrier at the top of every block), so both form P and dS
@@ -15,6 +15,7 @@
 // order: dQ is bitwise flash_bwd_dq_wgmma's (K_STAGES 2) on the same tiles.
 #include "block_walk.cuh"
 #include "common.cuh"
+#include "cp_async_ring.cuh"
 #include "cta_timeline.cuh"
 #include "mask.cuh"
 #include "mbarrier.cuh"
@@ -101,23 +102,8 @@ flash_bwd_dq_wgmma_ws(const __grid_constant__ BwdParams p) {
                                               p.headdim, p.q.row_stride, tid);
         cp_async_panels<BLOCK_M, D_TILE, 128>(s_do, p.dout.row<const T>(batch, seq.q_begin + m0, head),
                                               seqlen_q - m0, p.headdim_v, p.dout.row_stride, tid);
-        // Commit group i holds block i (group 0 Q and dO too); STAGES - 1 of them in flight.
-#pragma unroll
-        for (int i = 0; i < STAGES - 1; ++i) {
-            if (i < n_blocks) copy_block(i);
-            cp_async_commit();
-        }
-        for (int i = 0; i < n_blocks; ++i) {
-            cp_async_wait<STAGES - 2>();  // this thread's copies of block i have landed
-            fence_proxy_async_shared();   // ... for the async proxy that wgmma reads through
-            ring.arrive_full(i);
-            // Block i + STAGES - 1 into the stage of block i - 1, once the consumers release it.
-            if (i + STAGES - 1 < n_blocks) {
-                ring.wait_empty(i + STAGES - 1);
-                copy_block(i + STAGES - 1);
-            }
-            cp_async_commit();
-        }
+        // Group 0 holds Q, dO and block 0
+        produce_blocks(ring, n_blocks, 0, copy_block, [](int) {});
         return;
     }
 
@@ -204,11 +190,14 @@ flash_bwd_dq_wgmma_ws(const __grid_constant__ BwdParams p) {
     // Epilogue (flash_bwd_dq_wgmma's): dQ = scale dS K staged through the Q tile for 16-byte row
     // stores. The staging rows span the tile's 64-column panels, so past d64 a consumer's rows hold
     // Q the other one reads: both are past their last S (named barrier 4) before either stages.
+    // Then each consumer stores its own 64 rows after a barrier of its warpgroup (5 or 6), so no
+    // shared word passes between the consumers (flash_bwd_wgmma_ws's epilogue).
     named_barrier_sync(4, 256);
     stage_acc<T, D_TILE, D_TILE>(s_q, 16 * cwarp, 0, dq_acc, scale, lane);
-    named_barrier_sync(4, 256);
-    store_tile<BLOCK_M, D_TILE, 256>(p.dq.row<T>(batch, seq.q_begin + m0, head), s_q, seqlen_q - m0, p.headdim,
-                                     p.dq.row_stride, ctid);
+    named_barrier_sync(5 + cwg, 128);
+    const int row0 = 64 * cwg;
+    store_tile<64, D_TILE, 128>(p.dq.row<T>(batch, seq.q_begin + m0 + row0, head), s_q + row0 * D_TILE * 2,
+                                seqlen_q - m0 - row0, p.headdim, p.dq.row_stride, tid % 128);
     cta_timeline(MARK_EXIT, tid == 128);
 }
 

@@ -1,6 +1,6 @@
 // flash_bwd_wgmma_ws: flash_bwd_wgmma's dK/dV (no dQ: DqAdd::none, the deterministic backward's
 // first kernel; dQ by flash_bwd_dq_wgmma) with a producer warpgroup (sm_90a; fp16 / bf16, head-dim
-// tiles 64 and 128). A candidate: docs/perf-log.md wgmma-bwd-ws-v0.
+// tiles 64 and 128). docs/perf-log.md wgmma-bwd-ws-v0, wgmma-bwd-ws-route (v13's dK/dV kernel).
 //
 // flash_bwd_wgmma keeps its two warpgroups in step: every thread copies part of each query block,
 // and a CTA barrier at the top of every step waits for all of them, so both warpgroups run their
@@ -20,6 +20,7 @@
 // are bitwise those of flash_bwd_wgmma<..., DqAdd::none> on the same tiles.
 #include "block_walk.cuh"
 #include "common.cuh"
+#include "cp_async_ring.cuh"
 #include "cta_timeline.cuh"
 #include "mask.cuh"
 #include "mbarrier.cuh"
@@ -103,24 +104,9 @@ flash_bwd_wgmma_ws(const __grid_constant__ BwdParams p) {
         warpgroup_registers_dec<PRODUCER_REGISTERS>();
         if (iters == 0) return;  // the consumers store dK = dV = 0 and read nothing
         auto load_query_block = [&](int it, int stage) { key_block.load_query_block(it, stage, args, base, seq, tid); };
-        // Commit group i holds query block i (group 0 K and V too); STAGES - 1 of them in flight.
+        // Group 0 holds K, V and query block 0 (committed by load_key_block_and_first)
         key_block.load_key_block_and_first(p, seq, s_k, s_v, args, tid, load_query_block);
-#pragma unroll
-        for (int i = 1; i < STAGES - 1; ++i) {
-            if (i < iters) load_query_block(i, i);
-            cp_async_commit();
-        }
-        for (int i = 0; i < iters; ++i) {
-            cp_async_wait<STAGES - 2>();  // this thread's copies of block i have landed
-            fence_proxy_async_shared();   // ... for the async proxy that wgmma reads through
-            ring.arrive_full(i);
-            // Block i + STAGES - 1 into the stage of block i - 1, once the consumers release it.
-            if (i + STAGES - 1 < iters) {
-                ring.wait_empty(i + STAGES - 1);
-                load_query_block(i + STAGES - 1, (i + STAGES - 1) % STAGES);
-            }
-            cp_async_commit();
-        }
+        produce_blocks(ring, iters, 1, [&](int i) { load_query_block(i, i % STAGES); }, [](int) {});
         return;
     }
 
@@ -198,16 +184,21 @@ flash_bwd_wgmma_ws(const __grid_constant__ BwdParams p) {
     // Epilogue (flash_bwd_wgmma's): dK = scale dS^T Q summed, and dV (times dropout's 1 / (1 - p)),
     // staged through the K and V tiles for 16-byte row stores. Both consumers are past their last
     // reads of K and V (the last step's S^T and dP^T) before either stages over them (named
-    // barrier 4; with the turns it is already so, without them it is not).
-    const int ctid = tid - 128, warp_in_wg = (tid / 32) % 4, lane = tid % 32;
-    const int warp_row0 = 64 * cwg + 16 * warp_in_wg;
+    // barrier 4; with the turns it is already so, without them it is not). Then each consumer
+    // stores the 64 key rows it staged itself, after a barrier of its own warpgroup (5 or 6): no
+    // shared word passes from one consumer to the other (with a 256-thread barrier between the
+    // staging and the store, compute-sanitizer's racecheck reported each staged word, docs/perf-log.md
+    // wgmma-bwd-ws-epilogue).
+    const int warp_in_wg = (tid / 32) % 4, lane = tid % 32;
+    const int row0 = 64 * cwg, warp_row0 = row0 + 16 * warp_in_wg;
     const float dv_scale = DropoutOf<Mask>::kept_scale(p);  // 1 / (1 - p)
     named_barrier_sync(4, 256);
     stage_acc<T, D_TILE, D_TILE>(s_k, warp_row0, 0, dk_acc, args.scale, lane);
     stage_acc<T, D_TILE, D_TILE>(s_v, warp_row0, 0, dv_acc, dv_scale, lane);
-    named_barrier_sync(4, 256);
-    store_key_block_grads<T, BLOCK_N, D_TILE, 256>(p.dk, p.dv, s_k, s_v, seq, key_block.head_kv, key_block.n0,
-                                                   seq.seqlen_k, args.headdim, args.headdim_v, ctid);
+    named_barrier_sync(5 + cwg, 128);
+    store_key_block_grads<T, 64, D_TILE, 128>(p.dk, p.dv, s_k + row0 * D_TILE * 2, s_v + row0 * D_TILE * 2, seq,
+                                              key_block.head_kv, key_block.n0 + row0, seq.seqlen_k, args.headdim,
+                                              args.headdim_v, tid % 128);
     cta_timeline(MARK_EXIT, tid == 128);
 }
 

@@ -20,6 +20,7 @@
 // The producer gives back registers (setmaxnreg) so that the consumers can hold S, O and P.
 #include "block_walk.cuh"
 #include "common.cuh"
+#include "cp_async_ring.cuh"
 #include "cta_timeline.cuh"
 #include "mbarrier.cuh"
 #include "mma.cuh"
@@ -102,25 +103,10 @@ flash_fwd_wgmma_ws(const __grid_constant__ FwdParams p) {
         };
         cp_async_panels<BLOCK_M, D_TILE, 128>(q_tile, p.q.row<const T>(seq.batch, seq.q_begin + m0, head),
                                               seqlen_q - m0, p.headdim, p.q.row_stride, ptid);
-        // Commit group i holds block i (group 0 Q too); STAGES - 1 of them in flight.
-#pragma unroll
-        for (int i = 0; i < STAGES - 1; ++i) {
-            if (i < n_blocks) copy_block(i);
-            cp_async_commit();
-        }
-        for (int i = 0; i < n_blocks; ++i) {
-            cp_async_wait<STAGES - 2>();  // this thread's copies of block i have landed
-            fence_proxy_async_shared();   // ... for the async proxy that wgmma reads through
+        // Group 0 holds Q and block 0
+        produce_blocks(ring, n_blocks, 0, copy_block, [&](int i) {
             if (i == 0) mbarrier_arrive(base + L::Q_FULL);
-            ring.arrive_full(i);
-            // Block i + STAGES - 1 into the stage of block i - 1, once the consumers release it
-            // (after block i's products: so full(i) must be given first).
-            if (i + STAGES - 1 < n_blocks) {
-                ring.wait_empty(i + STAGES - 1);
-                copy_block(i + STAGES - 1);
-            }
-            cp_async_commit();
-        }
+        });
         return;
     }
 

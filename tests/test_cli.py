@@ -529,10 +529,10 @@ def test_the_documented_modules_have_a_main():
 @pytest.mark.parametrize("argv, kernels, wanted", [
     (["--arch", "90", "--dtype", "bf16", "--headdim", "128", "--causal"], 4,
      ["flash_fwd_wgmma_ws_bf16_hdim128_causal", "kernels_cu/flash_fwd_wgmma_ws.cu",
-      "flash_bwd_wgmma_bf16_hdim128_causal", "flash_bwd_dq_wgmma"]),
+      "flash_bwd_wgmma_ws_bf16_hdim128_causal", "flash_bwd_dq_wgmma_ws"]),
     (["--arch", "80", "--dtype", "fp16", "--headdim", "64", "--window", "100", "0"], None,
      ["flash_fwd_mma_fp16_hdim64_local", "kernels_cu/flash_fwd_mma.cu"]),
-    (["--arch", "90", "--dtype", "bf16", "--atomic"], None, ["'atomic' (atomic adds)"]),
+    (["--arch", "80", "--dtype", "bf16", "--headdim", "64", "--atomic"], None, ["'atomic' (atomic adds)"]),
     (["--arch", "90", "--dtype", "fp32", "--statistics", "recomputed"], 4,
      ["flash_fwd_tf32_fp32", "stats:", "flash_bwd_stats_dmma_fp32_hdim128", "_tf32x3"]),
     (["--arch", "90", "--dtype", "fp32", "--headdim", "200", "--statistics", "recomputed"], 4,

@@ -881,6 +881,25 @@ OLD_COMPILE_CHECK = (
 )
 
 
+# v10's deterministic sm_90 rows at d64 and d128, before v13's producer rows took their place.
+V10_ROWS = {64: backward_plans.BackwardKernels("wgmma", (128, 128), "none", "dq_wgmma", (128, 128, 2),
+                                               backward_plans._V10),
+            128: backward_plans.BackwardKernels("wgmma", (64, 128), "none", "dq_wgmma", (128, 64, 2),
+                                                backward_plans._V10)}
+# v10's rows without determinism (dQ by float32 atomic adds), before the producer pair took them.
+V10_ATOMIC = {64: backward_plans.BackwardKernels("wgmma", (128, 128), "atomic", perf_log=backward_plans._V10),
+              128: backward_plans.BackwardKernels("wgmma", (64, 128), "atomic", perf_log=backward_plans._V10)}
+
+
+def set_aside_the_producer_rows(monkeypatch) -> None:
+    """v13's producer rows (flash_bwd_wgmma_ws, flash_bwd_dq_wgmma_ws at sm_90 d64 / d128 with
+    determinism or without; test_the_producer_rows_run_v10s_work_split) back to v10's, which the
+    old choice records."""
+    for dt, row in V10_ROWS.items():
+        monkeypatch.setitem(BACKWARD_KERNELS, (SM90, dt, True), (row,))
+        monkeypatch.setitem(BACKWARD_KERNELS, (SM90, dt, False), (V10_ATOMIC[dt],))
+
+
 def old_names(dtype: str, mask: str, deterministic: bool, arch: str, smem: int, headdim: int) -> tuple:
     [rows] = [rows for name, m, det, devices, rows in OLD_CHOICES
               if (name, m, det) == (dtype, mask, deterministic) and (arch, smem) in devices]
@@ -947,8 +966,10 @@ def test_the_plan_is_the_old_dispatch_choice(dtype, monkeypatch):
     launch order are the old choice, with the old specializations, and at each head-dim tile the
     old grids. The tensor-core plans see the head dim padded to a multiple of 8, as the dispatcher
     pads it; the SIMT plans do not depend on the device, so every head dim is checked on one. A
-    window's own rows (LOCAL_BACKWARD_KERNELS, test_a_window_has_its_own_backward_row) set aside."""
+    window's own rows (LOCAL_BACKWARD_KERNELS, test_a_window_has_its_own_backward_row) and the producer
+    rows set aside."""
     monkeypatch.setattr(backward_plans, "LOCAL_BACKWARD_KERNELS", {})
+    set_aside_the_producer_rows(monkeypatch)
     compared = 0
     tensor_cores = SUPPORTED[dtype].itemsize == 2
     for arch, smem in itertools.product(ARCHS, SMEM_OPTINS):
@@ -975,8 +996,10 @@ def test_the_plan_is_the_old_dispatch_choice(dtype, monkeypatch):
 def test_the_launchers_launch_their_plan(dtype, monkeypatch):
     """mma_bwd.backward and simt.backward (stand-in arrays, launches recorded) launch the old
     kernels with the old grids, in the old order, at each head-dim tile and at two head dims
-    between tiles, on every device (a window's own rows set aside, as in the test above)."""
+    between tiles, on every device (a window's own rows and the producer rows set aside, as in the
+    test above)."""
     monkeypatch.setattr(backward_plans, "LOCAL_BACKWARD_KERNELS", {})
+    set_aside_the_producer_rows(monkeypatch)
     for arch, smem in itertools.product(ARCHS, SMEM_OPTINS):
         for headdim, mask, deterministic in itertools.product(
                 (*RECORDER.grid_head_dims(SUPPORTED[dtype]), 40, 200), MASKS, (True, False)):
@@ -998,8 +1021,8 @@ def test_one_row_answers_what_runs():
     assert plan.kernels is BACKWARD_KERNELS[(SM90, 128, True)][0]
     assert (plan.device_class, plan.d_tile, plan.dq_add) == (SM90, 128, "none")
     assert [launch.spec.name for launch in plan.launches] == [
-        "flash_bwd_preprocess_bf16", "flash_bwd_wgmma_bf16_hdim128_causal_bm64_bn128_dqnone",
-        "flash_bwd_dq_wgmma_bf16_hdim128_causal_bm128_bn64_k2"]
+        "flash_bwd_preprocess_bf16", "flash_bwd_wgmma_ws_bf16_hdim128_causal_bm64_bn128_s3_pingpong",
+        "flash_bwd_dq_wgmma_ws_bf16_hdim128_causal_bm128_bn64_s3_pingpong"]
     # the fused kernel does not fit 163 KiB at d256: the row's second entry
     assert plan_backward("80", SUPPORTED["float16"], 256, NoMask(), 163 * 1024, False).kernels is \
         BACKWARD_KERNELS[(MMA_SYNC, 256, False)][1]
@@ -1012,6 +1035,35 @@ def test_one_row_answers_what_runs():
             assert row.perf_log in anchors
             assert row.dq_add != "atomic" or not deterministic
             assert backward_plans.backward_plan(SUPPORTED["bfloat16"], dt, Causal(), row).kernels == row
+
+
+def test_the_producer_rows_run_v10s_work_split():
+    """v13 (perf log wgmma-bwd-ws-route): sm_90 d64 / d128 with determinism runs the producer
+    kernels for no mask, causal, the score variants and (d64) a window or a packed causal batch; at
+    d64 softcap, dropout and user modifiers on 64-query dK/dV blocks (a user modifier's row before
+    the compile check's choice, without_spills); a window or a packed causal batch at d128 v11 /
+    v12's 64 x 64 rows; without determinism the pair too (faster than the atomic rows, perf log
+    wgmma-bwd-ws-nondet and wgmma-bwd-ws-nondet-d64)."""
+    from cupyflash.modifiers import example_modifiers
+
+    def kernels(dt, mask, deterministic=True):
+        planned = plan_backward("90", SUPPORTED["bfloat16"], dt, mask, 227 * 1024, deterministic)
+        return planned.kernels.dkdv, planned.kernels.dkdv_tiles, planned.kernels.dq
+
+    user = Score(user=example_modifiers())
+    for dt in (64, 128):
+        route = BACKWARD_KERNELS[(SM90, dt, True)][0]
+        for score in (Score(), Score(alibi=True), Score(sink=True).backward(), Score(softcap=True),
+                      Score(dropout=True)):
+            tiles = backward_plans.WGMMA_WS_VARIANT_D64 if dt == 64 and (score.softcap or score.dropout) \
+                else route.dkdv_tiles
+            assert kernels(dt, Causal(score=score)) == ("wgmma_ws", tiles, "dq_wgmma_ws"), (dt, score)
+        row = backward_plans._without_spills(route, Causal(score=user), dt)
+        assert (row.dkdv, row.dq) == ("wgmma_ws", "dq_wgmma_ws")
+        assert kernels(dt, Causal(), False) == kernels(dt, Causal())
+    assert kernels(64, Local(100, 3))[::2] == kernels(64, Causal(packed=True))[::2] == ("wgmma_ws", "dq_wgmma_ws")
+    assert kernels(128, Local(100, 3)) == kernels(128, Causal(packed=True)) == ("wgmma", (64, 64), "dq_wgmma")
+    assert kernels(128, Causal(score=Score(softcap=True), packed=True))[::2] == ("wgmma_ws", "dq_wgmma_ws")
 
 
 def _perf_log_anchors():
@@ -1062,11 +1114,18 @@ def test_the_compile_check_sees_the_same_specializations():
     scored = [n for n in names if any(f"_{part}_" in n for part in ("softcap", "alibi", "sink", "packed", "dropout"))
               or "_mod_" in n]
     plain = [n for n in names if n not in scored]
-    # a window's own rows (LOCAL_BACKWARD_KERNELS) in place of the old choice's local kernels there
+    # a window's own rows (LOCAL_BACKWARD_KERNELS) in place of the old choice's local kernels there,
+    # and the producer rows' kernels (v13) beside v10's, which stay for the variants and dev/; with a
+    # window at d64 the producer kernels in place of v10's pair and atomic row (v15)
     own = {launch.spec.name for dtype in ("float16", "bfloat16") for det in (True, False)
            for launch in plan_backward("90", SUPPORTED[dtype], 128, Local(), None, det).launches
            if launch.role in ("dkdv", "dq")}
-    old = {n for n in OLD_COMPILE_CHECK if "_local_" in n and "_hdim128_" in n and "wgmma" in n}
+    own |= {launch.spec.name for dtype in ("float16", "bfloat16") for dt in (64, 128)
+            for mask in (NoMask(), Causal(), Local())
+            for launch in plan_backward("90", SUPPORTED[dtype], dt, mask, None, True).launches
+            if launch.role in ("dkdv", "dq")}
+    old = {n for n in OLD_COMPILE_CHECK if "_local_" in n and "wgmma" in n
+           and ("_hdim128_" in n or "_hdim64_" in n)}
     assert len(names) == len(set(names)) and sorted(plain) == sorted(set(OLD_COMPILE_CHECK) - old | own)
     launched = {launch.spec.name for mask in masks.VARIANT_KINDS + masks.PACKED_KINDS
                 for dtype in ("float16", "bfloat16")

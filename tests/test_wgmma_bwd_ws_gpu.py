@@ -1,11 +1,13 @@
 """The 16-bit backward's kernels with a producer warpgroup (kernels_cu/flash_bwd_wgmma_ws.cu,
-flash_bwd_dq_wgmma_ws.cu; docs/perf-log.md wgmma-bwd-ws-v0), candidates: the first of
-dev/mma_bwd.py's WGMMA_WS_CANDIDATES and DQ_WS_CANDIDATES of each head-dim tile, launched together
-through mma_bwd.backward(wgmma_ws=..., dq_ws=...), give dQ, dK and dV bitwise equal to the shipped
-kernels' on the same tiles (mma_bwd.backward(wgmma=..., dq_config=...): flash_bwd_wgmma<...,
+flash_bwd_dq_wgmma_ws.cu; docs/perf-log.md wgmma-bwd-ws-v0, v13's pair at d64 and d128): v13's
+pair of each head-dim tile (dev/mma_bwd.py's WGMMA_WS_ROUTE), launched through
+mma_bwd.backward(wgmma_ws=..., dq_ws=...) with every score variant (the plans' own choice for them
+too since v13), gives dQ, dK and dV bitwise equal to v10's kernels' on the same tiles
+(mma_bwd.backward(wgmma=..., dq_config=...): flash_bwd_wgmma<...,
 DqAdd::none> and flash_bwd_dq_wgmma, whose own tests hold them to the float64 reference), over
 shapes, causal and windows, GQA and the score variants, fresh random inputs and NaN-poisoned
-outputs; and each candidate meets the float64 reference itself on one odd shape. sm_90 only. The tuner's check of every dev entry (tests/dev/test_dev_mma_bwd.py)
+outputs; and the pair and every other candidate of dev/mma_bwd.py meet the float64 reference on
+one odd shape. sm_90 only. The tuner's check of every dev entry (tests/dev/test_dev_mma_bwd.py)
 covers the candidates too. On the CPU: the plain and window masks compile for sm_90a without
 spills, at the launch's 168 registers."""
 from __future__ import annotations
@@ -23,9 +25,9 @@ from cupyflash.testing import attention_problems
 DEV = tune.load_dev_backward()  # a source checkout's dev/mma_bwd.py
 CANDIDATES = [(dt, config) for dt, configs in (DEV.WGMMA_WS_CANDIDATES if DEV else {}).items() for config in configs]
 DQ_CANDIDATES = [(dt, config) for dt, configs in (DEV.DQ_WS_CANDIDATES if DEV else {}).items() for config in configs]
-# the bitwise test's: the first dK/dV and dQ candidates of each head-dim tile together
-# (dev/bench_wgmma_bwd_ws.py warm compiles what it draws)
-PAIRS = [(dt, DEV.WGMMA_WS_CANDIDATES[dt][0], DEV.DQ_WS_CANDIDATES[dt][0]) for dt in DEV.WGMMA_WS_CANDIDATES] if DEV else []
+# the bitwise test's: v13's pair of each head-dim tile (dev/bench_wgmma_bwd_ws.py warm compiles what
+# it draws)
+PAIRS = [(dt, *DEV.WGMMA_WS_ROUTE[dt]) for dt in DEV.WGMMA_WS_ROUTE] if DEV else []
 HEADDIMS = {64: (8, 40, 64), 128: (72, 96, 128)}
 VARIANTS = ("plain", "softcap", "alibi")
 
@@ -44,11 +46,12 @@ def test_the_candidates_compile_for_sm90a_without_spills_on_the_plain_masks():
     except Exception as exc:  # pragma: no cover - the CI installs NVRTC
         pytest.skip(f"NVRTC not available: {exc}")
     masks = (NoMask(), Causal(), Local(64, 0), Causal().as_packed(), Local(64, 0, score=Score(alibi=True)))
-    specs = {wgmma_ws_spec("bfloat16", dt, mask, config) for dt, config in CANDIDATES[:1] + CANDIDATES[-1:]
-             for mask in masks}
-    specs |= {wgmma_ws_spec("float16", dt, Causal(), config) for dt, config in CANDIDATES}
-    specs |= {dq_wgmma_ws_spec(dtype, dt, mask, config) for dt, config in DQ_CANDIDATES
-              for dtype in ("bfloat16", "float16") for mask in masks}
+    specs = {wgmma_ws_spec(dtype, dt, mask, w) for dt, w, _ in PAIRS for mask in masks
+             for dtype in ("bfloat16", "float16")}
+    specs |= {dq_wgmma_ws_spec(dtype, dt, mask, q) for dt, _, q in PAIRS for mask in masks
+              for dtype in ("bfloat16", "float16")}
+    specs |= {wgmma_ws_spec("bfloat16", dt, Causal(), config) for dt, config in CANDIDATES}
+    specs |= {dq_wgmma_ws_spec("bfloat16", dt, Causal(), config) for dt, config in DQ_CANDIDATES}
     specs = sorted(specs, key=lambda s: s.name)
     report, mangled, serialized = {}, {}, set()
     for source in ("flash_bwd_wgmma_ws.cu", "flash_bwd_dq_wgmma_ws.cu"):
@@ -110,7 +113,8 @@ def test_the_candidates_are_bitwise_the_shipped_kernels_on_their_tiles(d_tile, c
 
 
 def _tiles():
-    return ([(dt, dict(wgmma_ws=c)) for dt, c in CANDIDATES] + [(dt, dict(dq_ws=c)) for dt, c in DQ_CANDIDATES])
+    return ([(dt, dict(wgmma_ws=c)) for dt, c in CANDIDATES] + [(dt, dict(dq_ws=c)) for dt, c in DQ_CANDIDATES]
+            + [(dt, dict(wgmma_ws=w, dq_ws=q)) for dt, w, q in PAIRS])
 
 
 @pytest.mark.gpu

@@ -95,6 +95,9 @@ def specializations() -> list[Specialization]:
                                if dq_add not in FIXED_DQ_ADDS or dt in WGMMA_FIXED_KERNEL_D_TILES)
                 if dt in DQ_WGMMA_CONFIG:
                     out.append(dq_wgmma_spec(name, dt, mask))
+                if dt in backward_plans.WGMMA_WS_D_TILES:  # v13's producer rows (v10's kernels above stay: dev/)
+                    out.extend(launch.spec for launch in backward_plans.plan_backward(
+                        "90", name, dt, mask, None, True).launches if launch.role in ("dkdv", "dq"))
             # with a window and with the score variants, the kernels the plans launch
             for mask in (KINDS[2], *(m.backward() for m in VARIANT_KINDS + PACKED_KINDS)):
                 launched = [backward_plans.plan_backward(arch, name, dt, mask, None, deterministic).launches

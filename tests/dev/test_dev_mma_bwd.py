@@ -116,7 +116,7 @@ def test_the_tuner_times_the_plan_then_every_dev_entry(dev, monkeypatch):
     monkeypatch.setattr(mma_fwd, "current_smem_optin", lambda: 227 * 1024)
     entries = tune._bwd_candidates(128, dev)
     assert [kwargs for _, kwargs in entries[:2]] == [dict(deterministic=True), dict(deterministic=False)]
-    assert entries[0][0].startswith("default wgmma(64, 128) none dq + dq_wgmma(128, 64, 2)")
+    assert entries[0][0].startswith("default wgmma_ws(64, 128, 3, True) none dq + dq_wgmma_ws(128, 64, 3, True)")
     assert entries[2:] == dev.entries(128, "90")
     labels = [label for label, _ in entries]
     assert any(label.startswith("v7 wgmma(64, 128) fixed") for label in labels)

@@ -98,7 +98,8 @@ def test_every_plan_launches_with_one_struct(arch, smem, window, monkeypatch):
     for d in (40, 64, 96, 128, 200, 256):
         for deterministic in (True, False):
             modes.add(record_backward(monkeypatch, None, d, deterministic, window_size=window).plan.dq_add)
-    assert "atomic" in modes and "none" in modes
+    # sm_90's 16-bit backward adds no dQ atomically since v15 (the producer pair either way)
+    assert "none" in modes and ("atomic" in modes) == (arch != "90")
 
 
 @pytest.mark.parametrize("corrupt", [None, "dq_of_another_array", "no_delta_for_dq", "two_arguments",

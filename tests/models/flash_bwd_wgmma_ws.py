@@ -16,7 +16,8 @@ its turn again, issues the second products (dK/dV: dV and dK, reading the stage'
 dS K, reading the stage's K), passes, waits for them and only then releases the stage. Consumer 1
 passes once first and consumer 0 takes one more turn at the end, so every pass meets its wait.
 The epilogue stages the results over tiles the products read (dK/dV: K and V, which S^T and dP^T
-read; dQ: Q, which S reads), behind named barrier 4, and stores them behind it again. The
+read; dQ: Q, which S reads), behind named barrier 4; then each consumer stores the 64 rows it staged
+itself, behind a barrier of its own warpgroup, so no staged word passes between the consumers. The
 products themselves are flash_bwd_wgmma's and flash_bwd_dq_wgmma's (models/flash_bwd_wgmma.py,
 models/flash_bwd_dq_wgmma.py)."""
 from __future__ import annotations
@@ -24,12 +25,15 @@ from __future__ import annotations
 import re
 from types import SimpleNamespace
 
+import numpy as np
+
 from .flash_bwd_dkdv_tf32_wgmma_ws import Mbarrier
 from .flash_bwd_wgmma import bwd_dkdv_steps, bwd_st_steps
 from .flash_fwd_wgmma import row_block_k_major_steps
 from .flash_fwd_wgmma_ws import WS_LAYOUT_STATEMENT
 from .mirrors import mirrors
-from .smem import RAW_SMEM, aligned_base
+from .mma_bwd import stage_acc, store_tile
+from .smem import RAW_SMEM, aligned_base, new_smem
 from .wgmma import Step, smem_desc
 
 BWD_WS = "flash_bwd_wgmma_ws"  # the dK/dV kernel (models.mirrors finds its file)
@@ -156,13 +160,12 @@ _ALIGNED_BASE = "const u32 base = aligned_dynamic_smem<L::BYTES>(smem_raw);"
          "typedef WgmmaKeyBlock<T, Mask, L, BLOCK_M, BLOCK_N, D_TILE, 128, false> KeyBlock;",
          "load_query_block(it, stage, args, base, seq, tid);",
          "load_key_block_and_first(p, seq, s_k, s_v, args, tid, load_query_block);",
-         "load_query_block(i, i);",
-         "load_query_block(i + STAGES - 1, (i + STAGES - 1) % STAGES);")
+         "load_query_block(i, i % STAGES);")
 def bwd_ws_tiles(L, it: int) -> SimpleNamespace:
     """Shared-memory addresses of what walk step `it` reads (stage it % STAGES): K and V, the dS^T
     tile, the stage's Q and dO tiles and its lse and D slots (byte addresses of float 0 of the
-    slot). The producer copies query block i into stage i (i < STAGES - 1) and i + STAGES - 1 into
-    (i + STAGES - 1) % STAGES: the stage the consumers read it from."""
+    slot). The producer copies query block i into stage i % STAGES: the stage the consumers read it
+    from."""
     base = aligned_base(RAW_SMEM)
     stage = it % L.STAGES
     return SimpleNamespace(k=base + L.K, v=base + L.V, dst=base + L.DST,
@@ -235,9 +238,9 @@ _THREAD = "const int tid = threadIdx.x, wg = tid / 128;"
          _THREAD,
          "const int cwg = wg - 1;",
          "const int t = thread_index_uncached(), warp_in_wg = (t / 32) % 4, lane = t % 32;",
-         "const int ctid = tid - 128, warp_in_wg = (tid / 32) % 4, lane = tid % 32;",
+         "const int warp_in_wg = (tid / 32) % 4, lane = tid % 32;",
          "const int key_row = 64 * cwg + 16 * warp_in_wg + lane / 4;",
-         "const int warp_row0 = 64 * cwg + 16 * warp_in_wg;")
+         "const int row0 = 64 * cwg, warp_row0 = row0 + 16 * warp_in_wg;")
 def bwd_ws_key_rows(tid: int) -> tuple[int, list[int], int]:
     """(cwg, key rows, warp_row0) of dK/dV consumer thread tid (128..383): its consumer warpgroup,
     the two rows of the key block it holds S^T, dP^T (and its dS^T stash) for (key_row and
@@ -261,6 +264,47 @@ def dq_ws_query_rows(tid: int) -> tuple[int, list[int], int]:
     cwarp = ctid // 32
     row_lo = 16 * cwarp + lane // 4
     return cwg, [row_lo, row_lo + 8], 16 * cwarp
+
+
+@mirrors(BWD_WS,
+         "store_key_block_grads<T, 64, D_TILE, 128>(p.dk, p.dv, s_k + row0 * D_TILE * 2, s_v + row0 * D_TILE * 2, seq,"
+         " key_block.head_kv, key_block.n0 + row0, seq.seqlen_k, args.headdim, args.headdim_v, tid % 128);")
+@mirrors(DQ_WS,
+         "const int row0 = 64 * cwg;",
+         "store_tile<64, D_TILE, 128>(p.dq.row<T>(batch, seq.q_begin + m0 + row0, head), s_q + row0 * D_TILE * 2,"
+         " seqlen_q - m0 - row0, p.headdim, p.dq.row_stride, tid % 128);")
+def epilogue_store(kernel: str, d_tile: int, rows_valid: int, headdim: int) -> np.ndarray:
+    """The epilogue of ``kernel`` on one staged tile (dK/dV: the K tile, the V tile alike; dQ: the Q
+    tile), the block's rows 0 .. rows_valid - 1 in the sequence and headdim columns: every
+    consumer warp stages its accumulator (mma_bwd.cuh's stage_acc; here each element holds
+    1000 row + column of the block, the rows its thread holds: bwd_ws_key_rows / dq_ws_query_rows),
+    then each consumer stores from the tile's row row0 = 64 cwg on with its 128 threads
+    (store_tile<64, D_TILE, 128>, rows_valid - row0 valid rows, headdim columns) into the block's
+    rows row0 ... A consumer's store sees only the words it staged itself (the other consumer's are
+    NaN for it), so a word that passes between the consumers comes out NaN. Returns the block's
+    (128, headdim) output, NaN where nothing was written."""
+    rows_of = bwd_ws_key_rows if kernel == BWD_WS else dq_ws_query_rows
+    tile = 0
+    staged_by = []
+    for cwg in (0, 1):
+        smem = new_smem()
+        for warp_tid in range(128 * (cwg + 1), 128 * (cwg + 2), 32):
+            _, _, strip0 = rows_of(warp_tid)
+            acc = np.empty((32, d_tile // 8, 4))
+            for lane in range(32):
+                row = strip0 + lane // 4
+                for j in range(d_tile // 8):
+                    col = 8 * j + 2 * (lane % 4)
+                    acc[lane, j] = [1000 * row + col, 1000 * row + col + 1,
+                                    1000 * (row + 8) + col, 1000 * (row + 8) + col + 1]
+            stage_acc(smem, tile, d_tile, strip0, 0, acc, 1.0)
+        staged_by.append(smem)
+    out = np.full((128, headdim), np.nan)
+    for cwg in (0, 1):
+        row0 = 64 * cwg
+        store_tile(out[row0:], staged_by[cwg], tile + row0 * d_tile * 2, 64, d_tile, 128, rows_valid - row0,
+                   headdim)
+    return out
 
 
 # ---- the products' operands ----
@@ -328,18 +372,20 @@ _RING = ("const StageRing<STAGES> ring{base + L::FULL, base + L::EMPTY};",
          "named_barrier_sync(4, 256);")
 
 
-def _ring(n: str, acc: str, accs: list[str], it: str, first: str = "wgmma_commit();",
+def _ring(acc: str, accs: list[str], it: str, first: str = "wgmma_commit();",
           second: str = "wgmma_commit();") -> list[str]:
     """The statements above, and those whose order matters written as runs: the producer's loop
-    (land block i, hand it on, refill the stage of block i - 1 once it is free), a consumer's first
-    products (S and dP; S^T and dP^T) in one turn then S's wait, and the end of its step (the second
-    products in the other turn, their wait, then the release). ``first`` and ``second``: the
+    (cp_async_ring.cuh's produce_blocks: land block i, hand it on, refill the stage of block i - 1
+    once it is free), a consumer's first products (S and dP; S^T and dP^T) in one turn then S's
+    wait, and the end of its step (the second products in the other turn, their wait, then the
+    release). ``first`` and ``second``: the
     statement that ends each issue (the dK/dV kernel's are wgmma_bwd.cuh's issue functions, which
     commit)."""
     pins = " ".join(f"pin_registers(reinterpret_cast<float(&)[{acc} * 4]>({a}));" for a in accs)
     return [*_RING,
-            f"for (int i = 0; i < {n}; ++i) {{ cp_async_wait<STAGES - 2>(); fence_proxy_async_shared(); "
-            f"ring.arrive_full(i); if (i + STAGES - 1 < {n}) {{ ring.wait_empty(i + STAGES - 1);",
+            "for (int i = 0; i < n_blocks; ++i) { cp_async_wait<STAGES - 2>(); fence_proxy_async_shared(); "
+            "landed(i); ring.arrive_full(i); if (i + STAGES - 1 < n_blocks) { ring.wait_empty(i + STAGES - 1);",
+            "for (int i = first_uncopied; i < STAGES - 1; ++i) { if (i < n_blocks) copy_block(i); cp_async_commit(); }",
             f"{first} turns.pass(); wgmma_wait<1>();",
             f"{second} turns.pass(); wgmma_wait<0>(); {pins} ring.arrive_empty({it}); }} "
             f"if (cwg == 0) turns.wait();"]
@@ -353,37 +399,36 @@ def _ring(n: str, acc: str, accs: list[str], it: str, first: str = "wgmma_commit
          "if constexpr (ON) named_barrier_sync(mine, 256);",
          "if constexpr (ON) named_barrier_arrive(other, 256);")
 @mirrors(BWD_WS,
-         *_ring("iters", "DJ", ["dv_acc", "dk_acc"], "it", _ISSUE_ST_DPT, _ISSUE_DV_DK),
+         *_ring("DJ", ["dv_acc", "dk_acc"], "it", _ISSUE_ST_DPT, _ISSUE_DV_DK),
          "if (iters == 0) return;",
-         "for (int i = 1; i < STAGES - 1; ++i) { if (i < iters) load_query_block(i, i); cp_async_commit(); }",
+         "produce_blocks(ring, iters, 1, [&](int i) { load_query_block(i, i % STAGES); }, [](int) {});",
          "for (int it = 0; it < iters; ++it) {",
          "const int stage = it % STAGES; ring.wait_full(it);",
          "ring.wait_full(it);",
          "ring.arrive_empty(it);",
-         # the epilogue: dK, dV staged over K and V between the two named barriers, then stored
+         # the epilogue: dK, dV staged over K and V after named barrier 4, then each consumer's own
+         # rows stored after its warpgroup's barrier
          "named_barrier_sync(4, 256); stage_acc<T, D_TILE, D_TILE>(s_k, warp_row0, 0, dk_acc, args.scale, lane);"
-         " stage_acc<T, D_TILE, D_TILE>(s_v, warp_row0, 0, dv_acc, dv_scale, lane); named_barrier_sync(4, 256);"
-         " store_key_block_grads<T, BLOCK_N, D_TILE, 256>(p.dk, p.dv, s_k, s_v, seq, key_block.head_kv,"
-         " key_block.n0, seq.seqlen_k, args.headdim, args.headdim_v, ctid);",
+         " stage_acc<T, D_TILE, D_TILE>(s_v, warp_row0, 0, dv_acc, dv_scale, lane); named_barrier_sync(5 + cwg, 128);"
+         " store_key_block_grads<T, 64, D_TILE, 128>(p.dk, p.dv, s_k + row0 * D_TILE * 2, s_v + row0 * D_TILE * 2,"
+         " seq, key_block.head_kv, key_block.n0 + row0, seq.seqlen_k, args.headdim, args.headdim_v, tid % 128);",
          "stage_acc<T, D_TILE, D_TILE>(s_k, warp_row0, 0, dk_acc, args.scale, lane);",
          "stage_acc<T, D_TILE, D_TILE>(s_v, warp_row0, 0, dv_acc, dv_scale, lane);",
-         "store_key_block_grads<T, BLOCK_N, D_TILE, 256>(p.dk, p.dv, s_k, s_v, seq, key_block.head_kv, key_block.n0,"
-         " seq.seqlen_k, args.headdim, args.headdim_v, ctid);")
+         "named_barrier_sync(5 + cwg, 128);")
 @mirrors(DQ_WS,
-         *_ring("n_blocks", "D_FRAGS", ["dq_acc"], "i"),
+         *_ring("D_FRAGS", ["dq_acc"], "i"),
          "if (n_blocks == 0) return;",
          "copy_block(i + STAGES - 1);",
-         "for (int i = 0; i < STAGES - 1; ++i) { if (i < n_blocks) copy_block(i); cp_async_commit(); }",
+         "produce_blocks(ring, n_blocks, 0, copy_block, [](int) {});",
          "copy_block(i);",
          "ring.wait_full(i);",
          "ring.arrive_empty(i);",
-         # the epilogue: dQ staged over Q between the two named barriers, then stored
+         # the epilogue: dQ staged over Q after named barrier 4, then each consumer's own rows stored
+         # after its warpgroup's barrier
          "named_barrier_sync(4, 256); stage_acc<T, D_TILE, D_TILE>(s_q, 16 * cwarp, 0, dq_acc, scale, lane);"
-         " named_barrier_sync(4, 256); store_tile<BLOCK_M, D_TILE, 256>(p.dq.row<T>(batch, seq.q_begin + m0, head),"
-         " s_q, seqlen_q - m0, p.headdim, p.dq.row_stride, ctid);",
+         " named_barrier_sync(5 + cwg, 128);",
          "stage_acc<T, D_TILE, D_TILE>(s_q, 16 * cwarp, 0, dq_acc, scale, lane);",
-         "store_tile<BLOCK_M, D_TILE, 256>(p.dq.row<T>(batch, seq.q_begin + m0, head), s_q, seqlen_q - m0, p.headdim,"
-         " p.dq.row_stride, ctid);")
+         "named_barrier_sync(5 + cwg, 128);")
 def run_ws_ring(kernel: str, n_blocks: int, stages: int, choose, pingpong: bool = True, release_after: int = 2,
                 first_pass: bool = True, last_wait: bool = True, epilogue_barrier: bool = True) -> list:
     """The producer's and the two consumers' programs of ``kernel`` (BWD_WS or DQ_WS) over a walk of
@@ -397,16 +442,16 @@ def run_ws_ring(kernel: str, n_blocks: int, stages: int, choose, pingpong: bool 
     (bar.arrive's 128 threads twice: the barrier would complete without its bar.sync) raises, and
     so do turns left unmatched at the end and a state where nobody can move (deadlock). The
     epilogue: each consumer stages its results over the tiles it names (dK/dV: K and V; dQ: Q),
-    which a read of them after that raises, and stores every consumer's rows, which raises unless
-    both have staged; named barrier 4 before and after the staging. Tiles are whole here: a
-    consumer's staging rows overlap the other's operand rows only past d64 (a row of D_TILE
+    which a read of them after that raises, then stores its own rows (epilogue_store: the rows it
+    staged, after a barrier of its own warpgroup); named barrier 4 before the staging. Tiles are
+    whole here: a consumer's staging rows overlap the other's operand rows only past d64 (a row of D_TILE
     columns spans both consumers' rows of a 64-column panel), so at d64 the model is stricter than
     the bytes need.
 
     The kernels' protocol with its defaults; the others take a piece away, for the tests to see
     that the model notices: ``release_after`` 1 releases a stage after the first products (and the
     element step) instead of after the second; first_pass=False drops consumer 1's first pass,
-    last_wait=False consumer 0's last turn, epilogue_barrier=False both named barriers 4. Returns
+    last_wait=False consumer 0's last turn, epilogue_barrier=False named barrier 4. Returns
     the steps taken, (actor, kind, what) with what the tile or tiles of a copy, issue, complete or
     read."""
     assert kernel in (BWD_WS, DQ_WS) and release_after in (1, 2)
@@ -419,8 +464,8 @@ def run_ws_ring(kernel: str, n_blocks: int, stages: int, choose, pingpong: bool 
     full = [Mbarrier(1) for _ in range(stages)]
     empty = [Mbarrier(2) for _ in range(stages)]
     arrived, synced = {2: 0, 3: 0}, {2: 0, 3: 0}  # the turns' named barriers
-    barrier4 = [0, 0]  # arrivals at the epilogue's two named barriers 4
-    holds, landed, staged = [None] * stages, set(), set()
+    barrier4 = [0]  # arrivals at the epilogue's named barrier 4
+    holds, landed = [None] * stages, set()
 
     def producer():
         if n_blocks == 0:
@@ -472,10 +517,7 @@ def run_ws_ring(kernel: str, n_blocks: int, stages: int, choose, pingpong: bool 
             yield "bar4", 0
             yield "bar4 wait", 0
         yield "stage", staged_over
-        if epilogue_barrier:
-            yield "bar4", 1
-            yield "bar4 wait", 1
-        yield "store", staged_over
+        yield "store", staged_over  # its own rows, after its warpgroup's barrier (5 + cwg)
 
     programs = {"producer": producer(), "consumer 0": consumer(0), "consumer 1": consumer(1)}
     pending = {name: next(program, None) for name, program in programs.items()}
@@ -519,10 +561,6 @@ def run_ws_ring(kernel: str, n_blocks: int, stages: int, choose, pingpong: bool 
             barrier4[arg] += 1
         elif kind == "stage":
             landed.difference_update(arg)  # the tiles hold results from here on
-            staged.add(name)
-        elif kind == "store":
-            if len(staged) < 2:
-                raise RuntimeError(f"{name} stores rows the other consumer has not staged yet")
         steps.append((name, kind, arg if kind in ("copy", "issue", "complete", "read") else None))
         pending[name] = next(programs[name], None)
     if arrived != synced:
