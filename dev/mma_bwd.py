@@ -113,8 +113,8 @@ VERSIONS = (
             "wgmma-bwd-ws-route-v13-sm_90s-deterministic-d64--d128-backward-on-the-producer-kernels",
             shipped="sm_90 d64 / d128 with determinism"),
     # d128 without determinism on sm_90: the pair too, not the atomic row (H100, one tuner call:
-    # 1.07x / 1.19x at 8k non-causal / causal, 1.09x / 1.14x at 16k). d64 keeps its atomic row (not
-    # measured against the pair yet).
+    # 1.07x / 1.19x at 8k non-causal / causal, 1.09x / 1.14x at 16k). d64 kept its atomic row (not
+    # measured against the pair until v15).
     Version("v14", "v13, but d128 without determinism on sm_90 runs the producer pair too",
             "wgmma-bwd-ws-nondet-v14-d128-without-determinism-on-the-producer-pair-too",
             shipped="sm_90 d128 without determinism"),
