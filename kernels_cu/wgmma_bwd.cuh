@@ -379,29 +379,30 @@ __device__ __forceinline__ void ds_dq(float (&dp_acc)[N_FRAGS][4], const float (
     }
 }
 
+// One product of steps 1-2, one commit group: acc = X_g Y^T, X a key tile (K or V; warpgroup wg's
+// keys are its rows 64 wg .. 64 wg + 63), Y a query tile (Q or dO), k-steps over the head dim, both
+// operands K-major (a 16-column k-step is 32 bytes into a panel). The first k-step overwrites the
+// accumulator (scale-d = 0): nothing to zero.
+template <typename T, class L, int BLOCK_M, int D_TILE, int SJ>
+__device__ __forceinline__ void issue_keys_times_queries(float (&acc)[SJ][4], u32 key_tile, u32 query_tile, int wg) {
+#pragma unroll
+    for (int kk = 0; kk < D_TILE / 16; ++kk) {
+        const u32 key_off = (kk / 4) * L::KV_PANEL + wg * 64 * 128 + (kk % 4) * 32;
+        const u32 q_off = (kk / 4) * L::Q_PANEL + (kk % 4) * 32;
+        Wgmma<T, BLOCK_M>::template ss<0, 0>(reinterpret_cast<float(&)[SJ * 4]>(acc),
+                                             smem_desc(key_tile + key_off, 16, 1024),
+                                             smem_desc(query_tile + q_off, 16, 1024), kk > 0);
+    }
+    wgmma_commit();
+}
+
 // Steps 1-2 of a dK/dV step (flash_bwd_wgmma, flash_bwd_wgmma_ws): S^T = K_g Q^T and dP^T =
-// V_g dO^T, issued back to back, one commit group each (K-major operands: a 16-column k-step is 32
-// bytes into a panel); warpgroup wg's keys are rows 64 wg .. 64 wg + 63 of the K and V tiles. The
-// first k-step overwrites the accumulator (scale-d = 0): nothing to zero. The caller fences before.
+// V_g dO^T, issued back to back. The caller fences before.
 template <typename T, class L, int BLOCK_M, int D_TILE, int SJ>
 __device__ __forceinline__ void issue_st_dpt(float (&s_acc)[SJ][4], float (&dp_acc)[SJ][4], u32 s_k, u32 s_v, u32 s_q,
                                              u32 s_do, int wg) {
-#pragma unroll
-    for (int kk = 0; kk < D_TILE / 16; ++kk) {
-        const u32 k_off = (kk / 4) * L::KV_PANEL + wg * 64 * 128 + (kk % 4) * 32;
-        const u32 q_off = (kk / 4) * L::Q_PANEL + (kk % 4) * 32;
-        Wgmma<T, BLOCK_M>::template ss<0, 0>(reinterpret_cast<float(&)[SJ * 4]>(s_acc),
-                                             smem_desc(s_k + k_off, 16, 1024), smem_desc(s_q + q_off, 16, 1024), kk > 0);
-    }
-    wgmma_commit();
-#pragma unroll
-    for (int kk = 0; kk < D_TILE / 16; ++kk) {
-        const u32 v_off = (kk / 4) * L::KV_PANEL + wg * 64 * 128 + (kk % 4) * 32;
-        const u32 q_off = (kk / 4) * L::Q_PANEL + (kk % 4) * 32;
-        Wgmma<T, BLOCK_M>::template ss<0, 0>(reinterpret_cast<float(&)[SJ * 4]>(dp_acc),
-                                             smem_desc(s_v + v_off, 16, 1024), smem_desc(s_do + q_off, 16, 1024), kk > 0);
-    }
-    wgmma_commit();
+    issue_keys_times_queries<T, L, BLOCK_M, D_TILE>(s_acc, s_k, s_q, wg);
+    issue_keys_times_queries<T, L, BLOCK_M, D_TILE>(dp_acc, s_v, s_do, wg);
 }
 
 // Steps 6-7 of a dK/dV step: dV_g += P^T dO, dK_g += dS^T Q (A from registers; MN-major B: 16-row

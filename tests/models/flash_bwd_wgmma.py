@@ -83,14 +83,13 @@ def bwd_tiles(L, stage: int) -> SimpleNamespace:
                            q=base + L.Q + stage * L.Q_TILE, do=base + L.DO + stage * L.Q_TILE)
 
 
-@mirrors(WGMMA_BWD,  # issue_st_dpt, which flash_bwd_wgmma and flash_bwd_wgmma_ws call
-         "const u32 k_off = (kk / 4) * L::KV_PANEL + wg * 64 * 128 + (kk % 4) * 32;",
-         "const u32 v_off = (kk / 4) * L::KV_PANEL + wg * 64 * 128 + (kk % 4) * 32;",
+@mirrors(WGMMA_BWD,  # issue_keys_times_queries, twice in issue_st_dpt (flash_bwd_wgmma, flash_bwd_wgmma_ws)
+         "const u32 key_off = (kk / 4) * L::KV_PANEL + wg * 64 * 128 + (kk % 4) * 32;",
          "const u32 q_off = (kk / 4) * L::Q_PANEL + (kk % 4) * 32;",
-         "Wgmma<T, BLOCK_M>::template ss<0, 0>(reinterpret_cast<float(&)[SJ * 4]>(s_acc),"
-         " smem_desc(s_k + k_off, 16, 1024), smem_desc(s_q + q_off, 16, 1024), kk > 0);",
-         "Wgmma<T, BLOCK_M>::template ss<0, 0>(reinterpret_cast<float(&)[SJ * 4]>(dp_acc),"
-         " smem_desc(s_v + v_off, 16, 1024), smem_desc(s_do + q_off, 16, 1024), kk > 0);")
+         "Wgmma<T, BLOCK_M>::template ss<0, 0>(reinterpret_cast<float(&)[SJ * 4]>(acc),"
+         " smem_desc(key_tile + key_off, 16, 1024), smem_desc(query_tile + q_off, 16, 1024), kk > 0);",
+         "issue_keys_times_queries<T, L, BLOCK_M, D_TILE>(s_acc, s_k, s_q, wg);",
+         "issue_keys_times_queries<T, L, BLOCK_M, D_TILE>(dp_acc, s_v, s_do, wg);")
 def bwd_st_steps(L, key_tile: int, query_tile: int, wg: int) -> list[Step]:
     """S^T = K_g Q^T (key_tile K, query_tile Q) or dP^T = V_g dO^T (V, dO): warpgroup wg's 64 key
     rows x BLOCK_M queries, k-steps over the head dim; both operands K-major."""
