@@ -142,27 +142,13 @@ flash_bwd_wgmma(const __grid_constant__ BwdParams p) {
         wgmma_wait<1>();
         pin_registers(reinterpret_cast<float(&)[SJ * 4]>(s_acc));
 
-        // Step 3: P^T (wgmma_bwd.cuh's probabilities_t). Element (j, e) is key key0 + 8 (e / 2),
-        // query query0 + 8 j + e % 2.
+        // Steps 3-4: P^T, then dS^T = P^T o (dP^T - D), packed as dV's and dK's A fragments
+        // (wgmma_bwd.cuh's probabilities_and_ds_t).
         const int key_row = 64 * wg + 16 * warp_in_wg + lane / 4;  // within the block
-        const int key0 = key_block.n0 + key_row, query0 = m0 + 2 * (lane % 4);
-        const typename Mask::Origin origin = key_block.mask.origin(query0, key0);
-        const auto score_origin = score.origin(query0, key0, partial);
-        probabilities_t<BLOCK_N>(s_acc, key_block.mask, origin, score, score_origin, partial, s_lse, args.scale_log2,
-                                 s_dst, key_row, lane);
-        u32 p_frag[QK][4];
-        pack_a_frags<T, BLOCK_M>(p_frag, s_acc);
-        // Dropout (dropout.cuh): a dropped weight keeps its magnitude for dS and loses its sign.
-        if constexpr (DropoutOf<Mask>::ENABLED)
-            mark_packed_pt<DropoutOf<Mask>, SJ>(p_frag, DropoutOf<Mask>(p, seq.index, head), key0, query0);
-
-        // Step 4: dS^T = P^T o (dP^T - D) (wgmma_bwd.cuh's ds_t).
-        wgmma_wait<0>();
-        pin_registers(reinterpret_cast<float(&)[SJ * 4]>(dp_acc));
-        ds_t<T, Mask, BLOCK_N>(dp_acc, p_frag, s_delta, p, s_dst, key_row, lane);
-        u32 ds_frag[QK][4];
-        pack_a_frags<T, BLOCK_M>(ds_frag, dp_acc);
-        if constexpr (DropoutOf<Mask>::ENABLED) relu_frags<T>(p_frag);  // dV's P^T: the kept weights
+        u32 p_frag[QK][4], ds_frag[QK][4];
+        probabilities_and_ds_t<T, Mask, BLOCK_M, BLOCK_N>(p_frag, ds_frag, s_acc, dp_acc, key_block, score, partial, m0,
+                                                          key_row, s_lse, s_delta, s_dst, args.scale_log2, p,
+                                                          seq.index, head, lane);
 
         // Step 5: dS^T to shared memory for dQ (which needs every warpgroup's key rows); the pair
         // (row, 8j + 2 (lane % 4)) is word lane % 4 of chunk j.

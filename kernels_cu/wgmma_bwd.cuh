@@ -326,6 +326,36 @@ __device__ __forceinline__ void ds_t(float (&dp_acc)[SJ][4], const u32 (&p_frag)
     }
 }
 
+// Steps 3-4 of a dK/dV step (flash_bwd_wgmma, flash_bwd_wgmma_ws), once S^T has landed and while
+// dP^T's product may still run: P^T (probabilities_t) packed as dV's A fragments, dropout's marks
+// on them (dropout.cuh: a dropped weight keeps its magnitude for dS and loses its sign); then, dP^T
+// waited for, dS^T (ds_t) packed as dK's, and dV's P^T left with the kept weights. key_row: the
+// thread's first key row within the block; m0 the query block's first row; sequence and head the
+// dropout stream's.
+template <typename T, class Mask, int BLOCK_M, int BLOCK_N, class KeyBlock, class Score>
+__device__ __forceinline__ void probabilities_and_ds_t(u32 (&p_frag)[BLOCK_M / 16][4], u32 (&ds_frag)[BLOCK_M / 16][4],
+                                                       float (&s_acc)[BLOCK_M / 8][4], float (&dp_acc)[BLOCK_M / 8][4],
+                                                       const KeyBlock& key_block, const Score& score, bool partial,
+                                                       int m0, int key_row, const float* s_lse, const float* s_delta,
+                                                       u32 s_dst, float scale_log2, const BwdParams& p, int sequence,
+                                                       int head, int lane) {
+    // Element (j, e) of S^T is key key0 + 8 (e / 2), query query0 + 8 j + e % 2.
+    const int key0 = key_block.n0 + key_row, query0 = m0 + 2 * (lane % 4);
+    const typename Mask::Origin origin = key_block.mask.origin(query0, key0);
+    const auto score_origin = score.origin(query0, key0, partial);
+    probabilities_t<BLOCK_N>(s_acc, key_block.mask, origin, score, score_origin, partial, s_lse, scale_log2, s_dst,
+                             key_row, lane);
+    pack_a_frags<T, BLOCK_M>(p_frag, s_acc);
+    if constexpr (DropoutOf<Mask>::ENABLED)
+        mark_packed_pt<DropoutOf<Mask>, BLOCK_M / 8>(p_frag, DropoutOf<Mask>(p, sequence, head), key0, query0);
+
+    wgmma_wait<0>();
+    pin_registers(reinterpret_cast<float(&)[BLOCK_M / 2]>(dp_acc));
+    ds_t<T, Mask, BLOCK_N>(dp_acc, p_frag, s_delta, p, s_dst, key_row, lane);
+    pack_a_frags<T, BLOCK_M>(ds_frag, dp_acc);
+    if constexpr (DropoutOf<Mask>::ENABLED) relu_frags<T>(p_frag);  // dV's P^T: the kept weights
+}
+
 // Step 3 of a dQ step (flash_bwd_dq_wgmma, flash_bwd_dq_wgmma_ws): P from S, in place in s_acc, 0
 // where hidden by selection (a non-finite score cannot leak). Element (f, e) is row row_lo + 8
 // (e / 2), key key0 + 8 f + e % 2 (the kernels' key0 = n0 + 2 (lane % 4); score_origin is theirs);
