@@ -136,38 +136,21 @@ flash_bwd_dq_wgmma(const __grid_constant__ BwdParams p) {
         // Steps 1-2: S = Q K_j^T and dP = dO V_j^T, issued back to back (K-major operands).
         float s_acc[N_FRAGS][4], dp_acc[N_FRAGS][4];
         wgmma_fence();
-        wgmma_rows_times_rows<T, BLOCK_N, D_TILE, L::Q_PANEL, L::KV_PANEL>(
-            reinterpret_cast<float(&)[N_FRAGS * 4]>(s_acc), s_q + wg * 64 * 128, k_tile);
-        wgmma_commit();
-        wgmma_rows_times_rows<T, BLOCK_N, D_TILE, L::Q_PANEL, L::KV_PANEL>(
-            reinterpret_cast<float(&)[N_FRAGS * 4]>(dp_acc), s_do + wg * 64 * 128, v_tile);
-        wgmma_commit();
+        issue_s_dp<T, BLOCK_N, D_TILE, L::Q_PANEL, L::KV_PANEL>(s_acc, dp_acc, s_q + wg * 64 * 128, s_do + wg * 64 * 128,
+                                                               k_tile, v_tile);
         wgmma_wait<1>();  // S_j, and dS K_{j-1}: its A fragments may be overwritten below
         pin_registers(reinterpret_cast<float(&)[N_FRAGS * 4]>(s_acc));
         pin_registers(reinterpret_cast<float(&)[D_FRAGS * 4]>(dq_acc));
 
-        // Step 3: P (wgmma_bwd.cuh's probabilities_dq). Element (f, e) is row row_lo + 8 (e / 2),
-        // key n0 + 8 f + 2 (lane % 4) + e % 2.
-        const bool partial = mask.partial(m0, BLOCK_M, n0, BLOCK_N);
-        const int key0 = n0 + 2 * (lane % 4);
-        const auto score_origin = score.origin(row_lo, key0, partial);
-        probabilities_dq(s_acc, mask, score, score_origin, partial, row_lo, key0, scale_log2, base_log2);
-
-        // Step 4: dS = P o (dP - D) (wgmma_bwd.cuh's ds_dq), packed as the A fragments of dS K_j.
-        wgmma_wait<0>();
-        pin_registers(reinterpret_cast<float(&)[N_FRAGS * 4]>(dp_acc));
-        ds_dq<Mask>(dp_acc, s_acc, dropout, p, row_lo, key0, delta_row);
+        // Steps 3-4: P, then dS = P o (dP - D), packed as the A fragments of dS K_j (wgmma_bwd.cuh's
+        // probabilities_and_ds_dq).
         u32 ds_frag[BLOCK_N / 16][4];
-        pack_a_frags<T, BLOCK_N>(ds_frag, dp_acc);
+        probabilities_and_ds_dq<T, BLOCK_M, BLOCK_N>(ds_frag, s_acc, dp_acc, mask, score, dropout, p, m0, n0, row_lo,
+                                                     scale_log2, base_log2, delta_row, lane);
 
-        // Step 5: dQ += dS K_j (B = K_j MN-major: 16-key k-steps of 2048 bytes, 64-column atoms
-        // one panel apart).
+        // Step 5: dQ += dS K_j (wgmma_bwd.cuh's issue_ds_k).
         wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; ++kk)
-            Wgmma<T, D_TILE>::template rs<1>(reinterpret_cast<float(&)[D_FRAGS * 4]>(dq_acc), ds_frag[kk],
-                                             smem_desc(k_tile + kk * 2048, L::KV_PANEL, 1024), 1);
-        wgmma_commit();
+        issue_ds_k<T, D_TILE, BLOCK_N, L::KV_PANEL>(dq_acc, ds_frag, k_tile);
         if constexpr (!DQ_ACROSS_BARRIER) {
             wgmma_wait<0>();
             pin_registers(reinterpret_cast<float(&)[D_FRAGS * 4]>(dq_acc));

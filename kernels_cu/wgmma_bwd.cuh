@@ -409,6 +409,53 @@ __device__ __forceinline__ void ds_dq(float (&dp_acc)[N_FRAGS][4], const float (
     }
 }
 
+// Steps 1-2 of a dQ step (flash_bwd_dq_wgmma, flash_bwd_dq_wgmma_ws): S = Q K_j^T and dP = dO V_j^T,
+// issued back to back, one commit group each (K-major operands; q_rows and do_rows the warpgroup's
+// 64 rows of Q and dO). The caller fences before.
+template <typename T, int BLOCK_N, int D_TILE, u32 Q_PANEL, u32 KV_PANEL, int N_FRAGS>
+__device__ __forceinline__ void issue_s_dp(float (&s_acc)[N_FRAGS][4], float (&dp_acc)[N_FRAGS][4], u32 q_rows,
+                                           u32 do_rows, u32 k_tile, u32 v_tile) {
+    wgmma_rows_times_rows<T, BLOCK_N, D_TILE, Q_PANEL, KV_PANEL>(reinterpret_cast<float(&)[N_FRAGS * 4]>(s_acc), q_rows,
+                                                                 k_tile);
+    wgmma_commit();
+    wgmma_rows_times_rows<T, BLOCK_N, D_TILE, Q_PANEL, KV_PANEL>(reinterpret_cast<float(&)[N_FRAGS * 4]>(dp_acc),
+                                                                 do_rows, v_tile);
+    wgmma_commit();
+}
+
+// Steps 3-4 of a dQ step, once S has landed and while dP's product may still run: P
+// (probabilities_dq); then, dP waited for, dS = P o (dP - D) (ds_dq), packed as the A fragments of
+// dS K_j. Element (f, e) is row row_lo + 8 (e / 2), key n0 + 8 f + 2 (lane % 4) + e % 2.
+template <typename T, int BLOCK_M, int BLOCK_N, class Mask, class Score, int N_FRAGS>
+__device__ __forceinline__ void probabilities_and_ds_dq(u32 (&ds_frag)[BLOCK_N / 16][4], float (&s_acc)[N_FRAGS][4],
+                                                        float (&dp_acc)[N_FRAGS][4], const Mask& mask,
+                                                        const Score& score, const DropoutOf<Mask>& dropout,
+                                                        const BwdParams& p, int m0, int n0, int row_lo,
+                                                        float scale_log2, const float (&base_log2)[2],
+                                                        const float (&delta_row)[2], int lane) {
+    const bool partial = mask.partial(m0, BLOCK_M, n0, BLOCK_N);
+    const int key0 = n0 + 2 * (lane % 4);
+    const auto score_origin = score.origin(row_lo, key0, partial);
+    probabilities_dq(s_acc, mask, score, score_origin, partial, row_lo, key0, scale_log2, base_log2);
+
+    wgmma_wait<0>();
+    pin_registers(reinterpret_cast<float(&)[N_FRAGS * 4]>(dp_acc));
+    ds_dq<Mask>(dp_acc, s_acc, dropout, p, row_lo, key0, delta_row);
+    pack_a_frags<T, BLOCK_N>(ds_frag, dp_acc);
+}
+
+// Step 5 of a dQ step: dQ += dS K_j (B = K_j MN-major: 16-key k-steps of 2048 bytes, 64-column
+// atoms KV_PANEL apart), one commit group. The caller fences before.
+template <typename T, int D_TILE, int BLOCK_N, u32 KV_PANEL, int D_FRAGS>
+__device__ __forceinline__ void issue_ds_k(float (&dq_acc)[D_FRAGS][4], const u32 (&ds_frag)[BLOCK_N / 16][4],
+                                           u32 k_tile) {
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_N / 16; ++kk)
+        Wgmma<T, D_TILE>::template rs<1>(reinterpret_cast<float(&)[D_FRAGS * 4]>(dq_acc), ds_frag[kk],
+                                         smem_desc(k_tile + kk * 2048, KV_PANEL, 1024), 1);
+    wgmma_commit();
+}
+
 // One product of steps 1-2, one commit group: acc = X_g Y^T, X a key tile (K or V; warpgroup wg's
 // keys are its rows 64 wg .. 64 wg + 63), Y a query tile (Q or dO), k-steps over the head dim, both
 // operands K-major (a 16-column k-step is 32 bytes into a panel). The first k-step overwrites the

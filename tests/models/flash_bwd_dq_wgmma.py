@@ -20,6 +20,7 @@ from .smem import RAW_SMEM, aligned_base, new_smem
 from .wgmma import THREADS, Step, cp_async_panels, smem_desc, wgmma
 
 DQW = "flash_bwd_dq_wgmma"  # the kernel (models.mirrors finds its file)
+WGMMA_BWD = "wgmma_bwd.cuh"  # its steps, shared with flash_bwd_dq_wgmma_ws
 
 
 
@@ -100,27 +101,32 @@ def dqw_load_kv_block(smem, L, j: int, k, v, headdim: int, headdim_v: int | None
                     v[n0:], seqlen_k - n0, headdim if headdim_v is None else headdim_v)
 
 
-@mirrors(DQW,
-         "wgmma_rows_times_rows<T, BLOCK_N, D_TILE, L::Q_PANEL, L::KV_PANEL>(",
-         "reinterpret_cast<float(&)[N_FRAGS * 4]>(s_acc), s_q + wg * 64 * 128, k_tile);")
+_ISSUE_S_DP = ("issue_s_dp<T, BLOCK_N, D_TILE, L::Q_PANEL, L::KV_PANEL>(s_acc, dp_acc, s_q + wg * 64 * 128,"
+               " s_do + wg * 64 * 128, k_tile, v_tile);")
+
+
+@mirrors(DQW, _ISSUE_S_DP)
+@mirrors(WGMMA_BWD, "wgmma_rows_times_rows<T, BLOCK_N, D_TILE, Q_PANEL, KV_PANEL>("
+                    "reinterpret_cast<float(&)[N_FRAGS * 4]>(s_acc), q_rows, k_tile);")
 def dqw_s_steps(L, tiles, wg: int) -> list[Step]:
     """S = Q K_j^T of warpgroup wg (its 64 query rows x BLOCK_N keys), k-steps over the head dim;
     both operands K-major."""
     return row_block_k_major_steps(L, tiles.q, tiles.k, wg)
 
 
-@mirrors(DQW,
-         "wgmma_rows_times_rows<T, BLOCK_N, D_TILE, L::Q_PANEL, L::KV_PANEL>(",
-         "reinterpret_cast<float(&)[N_FRAGS * 4]>(dp_acc), s_do + wg * 64 * 128, v_tile);")
+@mirrors(DQW, _ISSUE_S_DP)
+@mirrors(WGMMA_BWD, "wgmma_rows_times_rows<T, BLOCK_N, D_TILE, Q_PANEL, KV_PANEL>("
+                    "reinterpret_cast<float(&)[N_FRAGS * 4]>(dp_acc), do_rows, v_tile);")
 def dqw_dp_steps(L, tiles, wg: int) -> list[Step]:
     """dP = dO V_j^T of warpgroup wg: S's shape and offsets with dO and V_j."""
     return row_block_k_major_steps(L, tiles.do, tiles.v, wg)
 
 
-@mirrors(DQW,
+@mirrors(DQW, "issue_ds_k<T, D_TILE, BLOCK_N, L::KV_PANEL>(dq_acc, ds_frag, k_tile);")
+@mirrors(WGMMA_BWD,
          "for (int kk = 0; kk < BLOCK_N / 16; ++kk)",
          "Wgmma<T, D_TILE>::template rs<1>(reinterpret_cast<float(&)[D_FRAGS * 4]>(dq_acc), ds_frag[kk],"
-         " smem_desc(k_tile + kk * 2048, L::KV_PANEL, 1024), 1);")
+         " smem_desc(k_tile + kk * 2048, KV_PANEL, 1024), 1);")
 def dqw_dq_steps(L, tiles) -> list[Step]:
     """dQ += dS K_j: A = dS from registers (k-step kk: ds_frag[kk]), B = K_j MN-major (B[key][d]:
     16 keys of 2048 bytes per k-step, the D_TILE columns in 64-column atoms one panel apart)."""

@@ -312,6 +312,10 @@ def epilogue_store(kernel: str, d_tile: int, rows_valid: int, headdim: int) -> n
 # The dK/dV consumer's products, wgmma_bwd.cuh's (models/flash_bwd_wgmma.py mirrors their bodies).
 _ISSUE_ST_DPT = "issue_st_dpt<T, L, BLOCK_M, D_TILE>(s_acc, dp_acc, s_k, s_v, s_q, s_do, cwg);"
 _ISSUE_DV_DK = "issue_dv_dk<T, L, D_TILE>(dv_acc, dk_acc, p_frag, ds_frag, s_do, s_q);"
+# the dQ kernel's (wgmma_bwd.cuh's issue_s_dp and issue_ds_k, flash_bwd_dq_wgmma's products)
+_ISSUE_S_DP = ("issue_s_dp<T, BLOCK_N, D_TILE, L::Q_PANEL, L::KV_PANEL>(s_acc, dp_acc, s_q + cwg * 64 * 128,"
+               " s_do + cwg * 64 * 128, k_tile, v_tile);")
+_ISSUE_DS_K = "issue_ds_k<T, D_TILE, BLOCK_N, L::KV_PANEL>(dq_acc, ds_frag, k_tile);"
 
 
 @mirrors(BWD_WS, _ISSUE_ST_DPT)
@@ -329,21 +333,14 @@ def bwd_ws_dkdv_steps(L, tiles) -> tuple[list[Step], list[Step]]:
     return bwd_dkdv_steps(L, tiles.do), bwd_dkdv_steps(L, tiles.q)
 
 
-@mirrors(DQ_WS,
-         "wgmma_rows_times_rows<T, BLOCK_N, D_TILE, L::Q_PANEL, L::KV_PANEL>("
-         " reinterpret_cast<float(&)[N_FRAGS * 4]>(s_acc), s_q + cwg * 64 * 128, k_tile);",
-         "wgmma_rows_times_rows<T, BLOCK_N, D_TILE, L::Q_PANEL, L::KV_PANEL>("
-         " reinterpret_cast<float(&)[N_FRAGS * 4]>(dp_acc), s_do + cwg * 64 * 128, v_tile);")
+@mirrors(DQ_WS, _ISSUE_S_DP)
 def dq_ws_s_dp_steps(L, tiles, cwg: int) -> tuple[list[Step], list[Step]]:
     """(S = Q K_i^T, dP = dO V_i^T) of consumer cwg: its 64 query rows 64 cwg .. of Q and dO by the
     stage's BLOCK_N keys, both operands K-major (wgmma.cuh's wgmma_rows_times_rows)."""
     return row_block_k_major_steps(L, tiles.q, tiles.k, cwg), row_block_k_major_steps(L, tiles.do, tiles.v, cwg)
 
 
-@mirrors(DQ_WS,
-         "for (int kk = 0; kk < BLOCK_N / 16; ++kk)",
-         "Wgmma<T, D_TILE>::template rs<1>(reinterpret_cast<float(&)[D_FRAGS * 4]>(dq_acc), ds_frag[kk],"
-         " smem_desc(k_tile + kk * 2048, L::KV_PANEL, 1024), 1);")
+@mirrors(DQ_WS, _ISSUE_DS_K)
 def dq_ws_dq_steps(L, tiles) -> list[Step]:
     """dQ += dS K_i: A = dS from registers, B = the stage's K MN-major (16 keys, 2048 bytes, a
     k-step; the D_TILE columns in 64-column panels KV_PANEL apart)."""
@@ -372,15 +369,13 @@ _RING = ("const StageRing<STAGES> ring{base + L::FULL, base + L::EMPTY};",
          "named_barrier_sync(4, 256);")
 
 
-def _ring(acc: str, accs: list[str], it: str, first: str = "wgmma_commit();",
-          second: str = "wgmma_commit();") -> list[str]:
+def _ring(acc: str, accs: list[str], it: str, first: str, second: str) -> list[str]:
     """The statements above, and those whose order matters written as runs: the producer's loop
     (cp_async_ring.cuh's produce_blocks: land block i, hand it on, refill the stage of block i - 1
     once it is free), a consumer's first products (S and dP; S^T and dP^T) in one turn then S's
     wait, and the end of its step (the second products in the other turn, their wait, then the
-    release). ``first`` and ``second``: the
-    statement that ends each issue (the dK/dV kernel's are wgmma_bwd.cuh's issue functions, which
-    commit)."""
+    release). ``first`` and ``second``: the statement that ends each issue (wgmma_bwd.cuh's issue
+    functions, which commit)."""
     pins = " ".join(f"pin_registers(reinterpret_cast<float(&)[{acc} * 4]>({a}));" for a in accs)
     return [*_RING,
             "for (int i = 0; i < n_blocks; ++i) { cp_async_wait<STAGES - 2>(); fence_proxy_async_shared(); "
@@ -416,7 +411,7 @@ def _ring(acc: str, accs: list[str], it: str, first: str = "wgmma_commit();",
          "stage_acc<T, D_TILE, D_TILE>(s_v, warp_row0, 0, dv_acc, dv_scale, lane);",
          "named_barrier_sync(5 + cwg, 128);")
 @mirrors(DQ_WS,
-         *_ring("D_FRAGS", ["dq_acc"], "i"),
+         *_ring("D_FRAGS", ["dq_acc"], "i", _ISSUE_S_DP, _ISSUE_DS_K),
          "if (n_blocks == 0) return;",
          "copy_block(i + STAGES - 1);",
          "produce_blocks(ring, n_blocks, 0, copy_block, [](int) {});",
