@@ -103,18 +103,12 @@ flash_bwd_dq_wgmma(const __grid_constant__ BwdParams p) {
     if (j_begin * BLOCK_N < n_end) load_kv_block(j_begin);
     cp_async_commit();
 
-    // This thread's two rows (accumulator halves h = 0, 1): lse (log2 units) and D, for the block.
+    // This thread's two rows (accumulator halves h = 0, 1): lse (log2 units) and D, for the block
+    // (wgmma_bwd.cuh's load_row_statistics).
     const int row_lo = m0 + 16 * warp + lane / 4;
     const DropoutOf<Mask> dropout(p, seq.index, head);
     float base_log2[2], delta_row[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int m = row_lo + 8 * h;
-        const i64 stat = seq.stat(stat_dims, head, m);
-        // __ldg: the read-only path that const __restrict__ kernel parameters gave these loads
-        base_log2[h] = m < seqlen_q ? lse_base_log2(__ldg(lse + stat)) : 0.f;
-        delta_row[h] = m < seqlen_q ? __ldg(delta + stat) : 0.f;
-    }
+    load_row_statistics(base_log2, delta_row, seq, stat_dims, head, row_lo, seqlen_q, lse, delta);
 
     float dq_acc[D_FRAGS][4];
     zero(dq_acc);

@@ -118,17 +118,12 @@ flash_bwd_dq_wgmma_ws(const __grid_constant__ BwdParams p) {
     constexpr Tanh TANH = D_TILE == 128 ? Tanh::EXP_NEWTON : Tanh::EXP_RCP;
     const ScoreOf<Mask, float, TANH> score(score_problem<Mask>(p, seq), seq.index, head, scale);
 
-    // This thread's two rows (accumulator halves h = 0, 1): lse (log2 units) and D, for the block.
+    // This thread's two rows (accumulator halves h = 0, 1): lse (log2 units) and D, for the block
+    // (wgmma_bwd.cuh's load_row_statistics).
     const int row_lo = m0 + 16 * cwarp + lane / 4;
     const DropoutOf<Mask> dropout(p, seq.index, head);
     float base_log2[2], delta_row[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int m = row_lo + 8 * h;
-        const i64 stat = seq.stat(stat_dims, head, m);
-        base_log2[h] = m < seqlen_q ? lse_base_log2(__ldg(lse + stat)) : 0.f;
-        delta_row[h] = m < seqlen_q ? __ldg(delta + stat) : 0.f;
-    }
+    load_row_statistics(base_log2, delta_row, seq, stat_dims, head, row_lo, seqlen_q, lse, delta);
 
     float dq_acc[D_FRAGS][4];
     zero(dq_acc);

@@ -409,6 +409,22 @@ __device__ __forceinline__ void ds_dq(float (&dp_acc)[N_FRAGS][4], const float (
     }
 }
 
+// A dQ consumer thread's two rows (accumulator halves h = 0, 1: rows row_lo and row_lo + 8) for the
+// whole walk (flash_bwd_dq_wgmma, flash_bwd_dq_wgmma_ws): lse in log2 units and D, 0 past the
+// sequence's end. __ldg: the read-only path that const __restrict__ kernel parameters gave these loads.
+__device__ __forceinline__ void load_row_statistics(float (&base_log2)[2], float (&delta_row)[2],
+                                                    const SequenceRows& seq, const StatDims& stat_dims, int head,
+                                                    int row_lo, int seqlen_q, const float* __restrict__ lse,
+                                                    const float* __restrict__ delta) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int m = row_lo + 8 * h;
+        const i64 stat = seq.stat(stat_dims, head, m);
+        base_log2[h] = m < seqlen_q ? lse_base_log2(__ldg(lse + stat)) : 0.f;
+        delta_row[h] = m < seqlen_q ? __ldg(delta + stat) : 0.f;
+    }
+}
+
 // Steps 1-2 of a dQ step (flash_bwd_dq_wgmma, flash_bwd_dq_wgmma_ws): S = Q K_j^T and dP = dO V_j^T,
 // issued back to back, one commit group each (K-major operands; q_rows and do_rows the warpgroup's
 // 64 rows of Q and dO). The caller fences before.
