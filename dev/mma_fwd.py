@@ -75,7 +75,13 @@ VERSIONS = (
 WS_CANDIDATES = {
     64: (WgmmaFwdConfig(128, 128, producer=True, stages=3),),
     128: (WgmmaFwdConfig(128, 128, producer=True, stages=2),
-          WgmmaFwdConfig(128, 128, producer=True, stages=3, pingpong=False)),
+          WgmmaFwdConfig(128, 128, producer=True, stages=3, pingpong=False),
+          # For sliding windows (issue 15, perf log window-fwd-budget): 64-key blocks visit 1,088
+          # keys a row of a (1024, 0) band where 128-key blocks visit 1,152, at twice the blocks
+          # a walk; 129 and 161 KiB. Not yet timed: `tune --headdim 128 --seqlen 8192 16384
+          # --window 1024 0 --only default cand` (and causal without --window).
+          WgmmaFwdConfig(128, 64, producer=True, stages=3),
+          WgmmaFwdConfig(128, 64, producer=True, stages=4)),
     256: (WgmmaFwdConfig(128, 64, producer=True, stages=2),),
 }
 
