@@ -93,6 +93,11 @@
 #                                       by TREE_MARGIN (default 0.03) in softcap's TREE_PICK_CONFIG
 #                                       (default "ws s3 pp"; "api bwd": the backward), is applied here
 #                                       and remembered; TREES_HEADDIM=64: the problems at d64
+#   scripts/gpu_check.sh OUTDIR pair-probes  the twenty-fourth session's waiting list (perf log):
+#                                       ncu of the producer backward with and without dropout,
+#                                       tune of the forward's 64-key producer candidates (window and
+#                                       causal) and of v13's pair under a window, the packed causal
+#                                       batch with varlen_bwd_pair.patch against this tree
 #   scripts/gpu_check.sh OUTDIR picked  applies what trees picked again (each call gets a fresh copy
 #                                       of the checkout; the choice lives in the kept .cupy-cache/)
 # Before the device: `pytest tests/kernels/test_compile_check.py` on CPU (2 minutes) compiles every
@@ -211,6 +216,40 @@ varlen)
         python scripts/pytest_shards.py --shards "${SHARDS:-6}" --limit "$(( ${TEST_LIMIT:-300} - 20 ))" \
         --out "$out/varlen-shards" -m gpu tests/test_varlen_gpu.py
     step varlen-bench 240 python -m cupyflash.bench.varlen --json "$out/varlen.json"
+    ;;
+pair-probes)  # the twenty-fourth session's waiting list (docs/perf-log.md): ncu of the producer
+              # backward with and without dropout, the forward's 64-key producer candidates with a
+              # (1024, 0) window and causal, the window backward on the producer pair (v13), and
+              # the packed causal batch in this tree and with varlen_bwd_pair.patch, alternated
+    # PROBES: which of them (default "ncu tune varlen"; each part fits a call of its own, warm)
+    export PYTHONPATH=$PWD
+    probes=" ${PROBES:-ncu tune varlen} "
+    [[ $probes == *" ncu "* ]] && for v in plain dropout=0.1; do
+        a=; [ "$v" = plain ] || a=$v
+        step "ncu-bwd-$v" "${NCU_LIMIT:-150}" ncu --clock-control none -k regex:'flash_bwd_(dq_)?wgmma_ws' \
+            --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section InstructionStats \
+            python scripts/ncu_workload.py 128 8192 causal bwd $a
+    done
+    [[ $probes == *" tune "* ]] && {
+    step tune-window-fwd 240 python -m cupyflash tune --headdim 128 --seqlen 8192 16384 --window 1024 0 \
+        --only default cand
+    step tune-causal-fwd 240 python -m cupyflash tune --headdim 128 --seqlen 8192 16384 --only default cand
+    step tune-window-bwd 240 python -m cupyflash tune --direction bwd --headdim 128 --seqlen 8192 16384 \
+        --window 1024 0 --only default v13
+    }
+    [[ $probes == *" varlen "* ]] || { echo "pair-probes: done"; exit $status; }
+    dir=${TREES_DIR:-/tmp/cupyflash-trees}
+    rm -rf "${dir:?}/varlen_bwd_pair" && mkdir -p "$dir/varlen_bwd_pair"
+    tar --exclude=./.trees --exclude=./.cupy-cache --exclude=./.git --exclude=./.venv --exclude=./docs/results \
+        -cf - . | tar -xf - -C "$dir/varlen_bwd_pair"
+    (cd "$dir/varlen_bwd_pair" && apply_patches varlen_bwd_pair) > "$out/tree-varlen_bwd_pair.log" 2>&1 || status=1
+    for r in 1 2; do
+        for tree in . "$dir/varlen_bwd_pair"; do
+            name=main; [ "$tree" = . ] || name=pair
+            (cd "$tree" && PYTHONPATH=$PWD step "varlen-ab-$r-$name" 150 python dev/varlen_causal_ab.py 128; exit $status) \
+                || status=1
+        done
+    done
     ;;
 capture)
     export PYTHONPATH=$PWD
