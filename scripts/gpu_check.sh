@@ -97,7 +97,8 @@
 #                                       ncu of the producer backward with and without dropout,
 #                                       tune of the forward's 64-key producer candidates (window and
 #                                       causal) and of v13's pair under a window, the packed causal
-#                                       batch with varlen_bwd_pair.patch against this tree
+#                                       batch with varlen_bwd_pair.patch and the variants bench with
+#                                       bwd_ds_guard_partial.patch against this tree
 #   scripts/gpu_check.sh OUTDIR picked  applies what trees picked again (each call gets a fresh copy
 #                                       of the checkout; the choice lives in the kept .cupy-cache/)
 # Before the device: `pytest tests/kernels/test_compile_check.py` on CPU (2 minutes) compiles every
@@ -221,9 +222,9 @@ pair-probes)  # the twenty-fourth session's waiting list (docs/perf-log.md): ncu
               # backward with and without dropout, the forward's 64-key producer candidates with a
               # (1024, 0) window and causal, the window backward on the producer pair (v13), and
               # the packed causal batch in this tree and with varlen_bwd_pair.patch, alternated
-    # PROBES: which of them (default "ncu tune varlen"; each part fits a call of its own, warm)
+    # PROBES: which of them (default "ncu tune guard varlen"; each part fits a call of its own, warm)
     export PYTHONPATH=$PWD
-    probes=" ${PROBES:-ncu tune varlen} "
+    probes=" ${PROBES:-ncu tune guard varlen} "
     [[ $probes == *" ncu "* ]] && for v in plain dropout=0.1; do
         a=; [ "$v" = plain ] || a=$v
         step "ncu-bwd-$v" "${NCU_LIMIT:-150}" ncu --clock-control none -k regex:'flash_bwd_(dq_)?wgmma_ws' \
@@ -237,8 +238,23 @@ pair-probes)  # the twenty-fourth session's waiting list (docs/perf-log.md): ncu
     step tune-window-bwd 240 python -m cupyflash tune --direction bwd --headdim 128 --seqlen 8192 16384 \
         --window 1024 0 --only default v13
     }
-    [[ $probes == *" varlen "* ]] || { echo "pair-probes: done"; exit $status; }
     dir=${TREES_DIR:-/tmp/cupyflash-trees}
+    # guard: bwd_ds_guard_partial.patch (a whole block's dS without the select) against this tree,
+    # the variants bench's plain and dropout rows at 8k d128, alternated twice
+    if [[ $probes == *" guard "* ]]; then
+        rm -rf "${dir:?}/bwd_ds_guard_partial" && mkdir -p "$dir/bwd_ds_guard_partial"
+        tar --exclude=./.trees --exclude=./.cupy-cache --exclude=./.git --exclude=./.venv --exclude=./docs/results \
+            -cf - . | tar -xf - -C "$dir/bwd_ds_guard_partial"
+        (cd "$dir/bwd_ds_guard_partial" && apply_patches bwd_ds_guard_partial) > "$out/tree-guard.log" 2>&1 || status=1
+        for r in 1 2; do
+            for tree in . "$dir/bwd_ds_guard_partial"; do
+                name=main; [ "$tree" = . ] || name=guard
+                (cd "$tree" && PYTHONPATH=$PWD step "guard-$r-$name" 150 python -m cupyflash.bench.variants \
+                    --seqlen 8192 --impls cupyflash --variants full causal "causal dropout 0.1"; exit $status) || status=1
+            done
+        done
+    fi
+    [[ $probes == *" varlen "* ]] || { echo "pair-probes: done"; exit $status; }
     rm -rf "${dir:?}/varlen_bwd_pair" && mkdir -p "$dir/varlen_bwd_pair"
     tar --exclude=./.trees --exclude=./.cupy-cache --exclude=./.git --exclude=./.venv --exclude=./docs/results \
         -cf - . | tar -xf - -C "$dir/varlen_bwd_pair"
