@@ -97,8 +97,8 @@
 #                                       ncu of the producer backward with and without dropout,
 #                                       tune of the forward's 64-key producer candidates (window and
 #                                       causal) and of v13's pair under a window, the packed causal
-#                                       batch with varlen_bwd_pair.patch and the variants bench with
-#                                       bwd_ds_guard_partial.patch against this tree
+#                                       batch with varlen_bwd_pair.patch, and the variants bench with
+#                                       bwd_ds_guard_partial.patch (and bwd_lse_base_producer.patch)
 #   scripts/gpu_check.sh OUTDIR picked  applies what trees picked again (each call gets a fresh copy
 #                                       of the checkout; the choice lives in the kept .cupy-cache/)
 # Before the device: `pytest tests/kernels/test_compile_check.py` on CPU (2 minutes) compiles every
@@ -239,18 +239,23 @@ pair-probes)  # the twenty-fourth session's waiting list (docs/perf-log.md): ncu
         --window 1024 0 --only default v13
     }
     dir=${TREES_DIR:-/tmp/cupyflash-trees}
-    # guard: bwd_ds_guard_partial.patch (a whole block's dS without the select) against this tree,
-    # the variants bench's plain and dropout rows at 8k d128, alternated twice
+    # guard: bwd_ds_guard_partial.patch (a whole block's dS without the select), and with it
+    # bwd_lse_base_producer.patch (the producer converts lse), against this tree: the variants
+    # bench's plain and dropout rows at 8k d128 and causal at d64, the three trees alternated twice
     if [[ $probes == *" guard "* ]]; then
-        rm -rf "${dir:?}/bwd_ds_guard_partial" && mkdir -p "$dir/bwd_ds_guard_partial"
-        tar --exclude=./.trees --exclude=./.cupy-cache --exclude=./.git --exclude=./.venv --exclude=./docs/results \
-            -cf - . | tar -xf - -C "$dir/bwd_ds_guard_partial"
-        (cd "$dir/bwd_ds_guard_partial" && apply_patches bwd_ds_guard_partial) > "$out/tree-guard.log" 2>&1 || status=1
+        for name in bwd_ds_guard_partial bwd_ds_guard_partial+bwd_lse_base_producer; do
+            rm -rf "${dir:?}/$name" && mkdir -p "$dir/$name"
+            tar --exclude=./.trees --exclude=./.cupy-cache --exclude=./.git --exclude=./.venv --exclude=./docs/results \
+                -cf - . | tar -xf - -C "$dir/$name"
+            (cd "$dir/$name" && apply_patches "$name") > "$out/tree-${name//+/_and_}.log" 2>&1 || status=1
+        done
         for r in 1 2; do
-            for tree in . "$dir/bwd_ds_guard_partial"; do
-                name=main; [ "$tree" = . ] || name=guard
-                (cd "$tree" && PYTHONPATH=$PWD step "guard-$r-$name" 150 python -m cupyflash.bench.variants \
-                    --seqlen 8192 --impls cupyflash --variants full causal "causal dropout 0.1"; exit $status) || status=1
+            for tree in . "$dir/bwd_ds_guard_partial" "$dir/bwd_ds_guard_partial+bwd_lse_base_producer"; do
+                case $tree in .) name=main ;; *+*) name=guard_lse ;; *) name=guard ;; esac
+                (cd "$tree" && PYTHONPATH=$PWD step "guard-$r-$name-d128" 150 python -m cupyflash.bench.variants \
+                    --seqlen 8192 --impls cupyflash --variants full causal "causal dropout 0.1" &&
+                 PYTHONPATH=$PWD step "guard-$r-$name-d64" 100 python -m cupyflash.bench.variants \
+                    --seqlen 8192 --headdim 64 --impls cupyflash --variants causal; exit $status) || status=1
             done
         done
     fi
