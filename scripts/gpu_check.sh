@@ -98,7 +98,8 @@
 #                                       tune of the forward's 64-key producer candidates (window and
 #                                       causal) and of v13's pair under a window, the packed causal
 #                                       batch with varlen_bwd_pair.patch, and the variants bench with
-#                                       bwd_ds_guard_partial.patch (and bwd_lse_base_producer.patch)
+#                                       wgmma_desc_advance.patch, alone and with the element-step
+#                                       patches (bwd_ds_guard_partial, bwd_lse_base_producer)
 #   scripts/gpu_check.sh OUTDIR picked  applies what trees picked again (each call gets a fresh copy
 #                                       of the checkout; the choice lives in the kept .cupy-cache/)
 # Before the device: `pytest tests/kernels/test_compile_check.py` on CPU (2 minutes) compiles every
@@ -239,19 +240,19 @@ pair-probes)  # the twenty-fourth session's waiting list (docs/perf-log.md): ncu
         --window 1024 0 --only default v13
     }
     dir=${TREES_DIR:-/tmp/cupyflash-trees}
-    # guard: bwd_ds_guard_partial.patch (a whole block's dS without the select), and with it
-    # bwd_lse_base_producer.patch (the producer converts lse), against this tree: the variants
-    # bench's plain and dropout rows at 8k d128 and causal at d64, the three trees alternated twice
+    # guard: the consumers' shorter element steps against this tree: wgmma_desc_advance.patch alone
+    # ("desc"), and with bwd_ds_guard_partial.patch and bwd_lse_base_producer.patch ("all"); the
+    # variants bench's plain and dropout rows at 8k d128 and causal at d64, the trees alternated twice
     if [[ $probes == *" guard "* ]]; then
-        for name in bwd_ds_guard_partial bwd_ds_guard_partial+bwd_lse_base_producer; do
+        for name in wgmma_desc_advance bwd_ds_guard_partial+bwd_lse_base_producer+wgmma_desc_advance; do
             rm -rf "${dir:?}/$name" && mkdir -p "$dir/$name"
             tar --exclude=./.trees --exclude=./.cupy-cache --exclude=./.git --exclude=./.venv --exclude=./docs/results \
                 -cf - . | tar -xf - -C "$dir/$name"
             (cd "$dir/$name" && apply_patches "$name") > "$out/tree-${name//+/_and_}.log" 2>&1 || status=1
         done
         for r in 1 2; do
-            for tree in . "$dir/bwd_ds_guard_partial" "$dir/bwd_ds_guard_partial+bwd_lse_base_producer"; do
-                case $tree in .) name=main ;; *+*) name=guard_lse ;; *) name=guard ;; esac
+            for tree in . "$dir/wgmma_desc_advance" "$dir/bwd_ds_guard_partial+bwd_lse_base_producer+wgmma_desc_advance"; do
+                case $tree in .) name=main ;; *+*) name=all ;; *) name=desc ;; esac
                 (cd "$tree" && PYTHONPATH=$PWD step "guard-$r-$name-d128" 150 python -m cupyflash.bench.variants \
                     --seqlen 8192 --impls cupyflash --variants full causal "causal dropout 0.1" &&
                  PYTHONPATH=$PWD step "guard-$r-$name-d64" 100 python -m cupyflash.bench.variants \
