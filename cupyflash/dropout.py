@@ -7,16 +7,15 @@ Philox4x32 at 7 rounds), so the forward and every backward kernel find the same 
 tiles, and so does this module: ``dropout_mask`` returns the mask that a call with the same
 arguments used, on the CPU (NumPy) or the GPU (CuPy).
 
-The words: element (query i, key j) of sequence b, query head h (of nheads) is the 16-bit half
-e = j & 1 (0 the low half, 1 the high) of word 2 a + c of Philox4x32 (7 rounds) with counter
-(j0, i0, b * nheads + h, offset) and key (seed mod 2^32, seed >> 32), where i0 = i & ~8,
-a = (i >> 3) & 1, j0 = j & ~9, c = (j >> 3) & 1; it is kept iff the low 15 bits of that half are
-below threshold = round((1 - p) 2^15). So each element is kept with probability
-threshold / 2^15, which is 1 - p to within 2^-16 (the kept weights are still scaled by
-1 / (1 - p)). The half's top bit is left out so that the kernels test both halves of a word with
-one addition (kernels_cu/dropout.cuh, ``dropped_flags``). Indices are those of
-the sequence (a packed batch's sequence b counts its own rows from 0, and its b is its index in
-the batch).
+The words: element (query i, key j) of sequence b, query head h (of nheads) is byte 2 a + c
+(a = (i >> 3) & 1, c = (j >> 3) & 1) of word 2 (i & 1) + (j & 1) of Philox4x32 (7 rounds) with
+counter (j & ~9, i & ~9, b * nheads + h, offset) and key
+(seed mod 2^32, seed >> 32); it is kept iff that byte is below threshold = round((1 - p) 256).
+So one call serves the sixteen elements {i0, i0 + 1, i0 + 8, i0 + 9} x {j0, j0 + 1, j0 + 8,
+j0 + 9}, and each element is kept with probability threshold / 256, which is 1 - p to within
+2^-9 (flash-attn's resolution; the kept weights are still scaled by 1 / (1 - p)). Indices are
+those of the sequence (a packed batch's sequence b counts its own rows from 0, and its b is its
+index in the batch).
 
 The softmax statistics (lse) are those of the undropped weights; the backward uses
 D = rowsum(dO o O) of the dropped-out O, which equals rowsum(P o Z dP / (1 - p)).
@@ -53,9 +52,8 @@ def philox4x32(counter, key, rounds: int = PHILOX_ROUNDS):
 
 
 def keep_threshold(dropout_p: float) -> int:
-    """round((1 - p) 2^15): a half whose low 15 bits are below it keeps its element (2^15: every
-    one)."""
-    return int(round((1.0 - float(dropout_p)) * 2.0**15))
+    """round((1 - p) 256): a byte below it keeps its element (256: every one)."""
+    return int(round((1.0 - float(dropout_p)) * 256.0))
 
 
 @dataclass(frozen=True)
@@ -87,12 +85,12 @@ class Dropout:
         """The keep bits (bool) of elements (i, j) of (sequence, head), arrays broadcast together."""
         sequence, head, i, j = (np.asarray(x, dtype=np.int64) for x in (sequence, head, i, j))
         stream = ((sequence + self.first_sequence) * nheads + head) & 0xFFFFFFFF
-        words = philox4x32((j & ~9, i & ~8, stream, np.int64(self.offset)),
+        words = philox4x32((j & ~9, i & ~9, stream, np.int64(self.offset)),
                            (self.seed & 0xFFFFFFFF, self.seed >> 32))
-        a, c = (i >> 3) & 1, (j >> 3) & 1
-        pick = np.select([(a == 0) & (c == 0), (a == 0) & (c == 1), (a == 1) & (c == 0)], words[:3], words[3])
-        half = (pick >> (16 * (j & 1)).astype(np.uint32)) & np.uint32(0x7FFF)
-        return half < np.uint32(self.threshold)
+        qb, kb = i & 1, j & 1
+        pick = np.select([(qb == 0) & (kb == 0), (qb == 0) & (kb == 1), (qb == 1) & (kb == 0)], words[:3], words[3])
+        byte = (pick >> (8 * (2 * ((i >> 3) & 1) + ((j >> 3) & 1))).astype(np.uint32)) & np.uint32(0xFF)
+        return byte < np.uint32(self.threshold)
 
 
 NO_DROPOUT = Dropout()
@@ -110,8 +108,8 @@ def check_dropout(dropout_p, seed, offset, *, need_seed: bool = False) -> Dropou
     if dropout_p == 0.0:
         return NO_DROPOUT
     if keep_threshold(dropout_p) == 0:
-        raise ValueError(f"cupyflash: dropout_p = {dropout_p!r} keeps no weight at the mask's 15-bit resolution "
-                         f"(the keep rate is round((1 - p) 2^15) / 2^15): take p <= 1 - 2^-15")
+        raise ValueError(f"cupyflash: dropout_p = {dropout_p!r} keeps no weight at the mask's 8-bit resolution "
+                         f"(the keep rate is round((1 - p) 256) / 256): take p < 1 - 2^-9")
     if seed is None:
         if need_seed:
             raise ValueError("cupyflash: a backward with dropout_p > 0 needs the forward's seed (and offset): "

@@ -3,28 +3,29 @@
 // at 7 rounds) evaluated at each element's coordinates, nothing stored. Python twin:
 // cupyflash/dropout.py (the same words; dropout_mask()).
 //
-// Element (query i, key j) of (sequence b, query head h) belongs to the group of eight elements
-// {i0, i0 + 8} x {j0, j0 + 1, j0 + 8, j0 + 9} with i0 = i & ~8, j0 = j & ~9, and one Philox call
-// gives the group's four 32-bit words, two 16-bit halves each:
+// Element (query i, key j) of (sequence b, query head h) belongs to the group of sixteen elements
+// {i0, i0 + 1, i0 + 8, i0 + 9} x {j0, j0 + 1, j0 + 8, j0 + 9} with i0 = i & ~9, j0 = j & ~9, and
+// one Philox call gives the group's four 32-bit words, a byte an element:
 //   counter = (j0, i0, b * nheads + h, offset), key = (seed low 32 bits, seed high 32 bits),
-//   half e = j & 1 (0 low, 1 high) of word 2 a + c for the element (i0 + 8 a, j0 + e + 8 c);
-//   kept iff the low 15 bits of that half are below threshold = round((1 - dropout_p) 2^15)
-//   (1 .. 2^15: the API refuses a dropout_p that would keep nothing).
+//   byte 2 a + c (a = bit 3 of i, c = bit 3 of j) of word 2 (i & 1) + (j & 1);
+//   kept iff that byte is below threshold = round((1 - dropout_p) 256) (1 .. 256: the API refuses
+//   a dropout_p that would keep nothing). The keep rate is 1 - p to within 2^-9, as flash-attn's.
 // Why these choices: the generator's integer work and the per-element select are what dropout
-// costs (perf log "dropout", "dropout-v7"). 7 rounds is the fewest Salmon et al. found to pass
-// BigCrush (flash-attn runs 7). 15 bits of a half leave its top bit free: adding 2^15 - threshold
-// to both halves of a word at once (dropped_flags) carries into bit 15 of each half exactly where
-// its element is dropped, with no carry between the halves, so a word's two elements are tested
-// by two instructions, and the flags land on the sign bits of a packed pair of 16-bit weights
-// (drop_packed_p, mark_packed_pt). The keep rate is 1 - p to within 2^-16.
-// The group is what an m16n8 fragment pair of S (forward, dQ: rows i, i + 8 of a strip, keys 2t,
-// 2t + 1 of fragments f and f + 1, 8 keys apart) holds in one lane: those lanes use all eight
-// elements of each call, and a word's two halves are the two keys of one packed A register. A lane
-// of S^T (dK/dV: key rows j, j + 8, queries 2t, 2t + 1, ...) holds four of a group's eight (its
-// own key parity), and the lane four away the other four: each of the two makes one of their two
-// calls, they trade halves by a shuffle, and each pairs its halves of queries 2t and 2t + 1 into
-// one word, the layout of its packed P^T register (walk_st_units). The SIMT kernels hold one row
-// per thread and compute the group of each element.
+// costs (perf log "dropout", "dropout-v7", "dropout-v8"). 7 rounds is the fewest Salmon et al.
+// found to pass BigCrush (flash-attn runs 7); a byte an element makes one call serve sixteen
+// elements. A word's four bytes are tested together (byte_flags: the carry out of each byte of
+// word + (256 - threshold), three instructions), and one prmt with sign replication spreads the
+// flags of a packed pair of 16-bit weights over their halves (spread_pair).
+// The group is symmetric in query and key parity. An m16n8 fragment lane of S (forward, dQ: rows
+// i, i + 8 of a strip, keys 2t, 2t + 1 of fragments f and f + 1, 8 keys apart) holds the eight
+// elements of one query parity (words 2 (i & 1), 2 (i & 1) + 1); a lane of S^T (dK/dV: key rows
+// j, j + 8, queries 2t, 2t + 1, ...) the eight of one key parity (words j & 1, 2 + (j & 1)); in
+// both the lane four away (lane ^ 4) holds the other eight. So the two alternate the calls over
+// their units (fragment pairs) and hand each other the two words of each call that are the
+// other's (two shuffles a call): one call per sixteen elements of the pair (walk_units). A last
+// odd unit is called by both. In a packed register (pack_p, pack_a_frags) the two elements are
+// the same byte of the lane's two words. The SIMT kernels hold one row per thread and compute the
+// group of each element (keep).
 //
 // The forward multiplies kept weights by 1 / (1 - p) once, in O's epilogue (l, lse are the
 // softmax's own: dropout does not change them). The backward marks a dropped weight by its sign
@@ -43,7 +44,7 @@ template <typename A> struct is_same_type<A, A> { static constexpr bool value = 
 struct DropoutArgs {
     unsigned long long seed;
     unsigned offset;
-    unsigned threshold;  // round((1 - p) 2^15), 1 .. 2^15: a half whose low 15 bits are below it keeps its element
+    unsigned threshold;  // round((1 - p) 256), 1 .. 256: a byte below it keeps its element
     float scale;         // 1 / (1 - p)
     double scale_f64;
 };
@@ -63,12 +64,12 @@ __device__ __forceinline__ uint4 philox4x32(uint4 c, unsigned k0, unsigned k1) {
     return c;
 }
 
-// Word 2 a + c of a group's four (x, y, z, w): the elements (i0 + 8 a, j0 + e + 8 c), e = 0, 1.
-__device__ __forceinline__ unsigned word_of(const uint4& w, int a, int c) {
-    return a ? (c ? w.w : w.z) : (c ? w.y : w.x);
+// Word 2 qb + kb of a group's four (x, y, z, w): the elements of query parity qb, key parity kb.
+__device__ __forceinline__ unsigned word_of(const uint4& w, int qb, int kb) {
+    return qb ? (kb ? w.w : w.z) : (kb ? w.y : w.x);
 }
 
-// Bit 15 (half e = 0) and bit 31 (e = 1) of a word of flags: the sign bits of a packed 16-bit pair.
+// Bit 15 (half e = 0) and bit 31 (e = 1) of a packed pair's mask: the sign bits of its 16-bit weights.
 constexpr unsigned DROPPED_BITS = 0x80008000u;
 
 // The mask of one (sequence, query head): ON false is no dropout, and every call below vanishes.
@@ -90,18 +91,24 @@ struct DropoutFn {
         }
     }
 
-    // The four words of the group at origin (i0, j0) (bit 3 of i0, bits 0 and 3 of j0 clear):
-    // x (i0, j0 + e), y (i0, j0 + e + 8), z (i0 + 8, j0 + e), w (i0 + 8, j0 + e + 8), e = 0, 1.
+    // The four words of the group at origin (i0, j0) (bits 0 and 3 of both clear).
     __device__ __forceinline__ uint4 words(int i0, int j0) const {
         return philox4x32(make_uint4(static_cast<unsigned>(j0), static_cast<unsigned>(i0), stream, offset), k0, k1);
     }
-    // 2^15 - threshold in both halves (0 .. 2^15 - 1 each: threshold 2^15 keeps every element)
-    static __device__ __forceinline__ unsigned addend_of(unsigned threshold) { return (0x8000u - threshold) * 0x10001u; }
-    // The flags of a word's two elements: bit 15 + 16 e set iff half e's low 15 bits are at least
-    // threshold (dropped). Each half's sum is at most 2 (2^15 - 1): no carry reaches the other half.
-    __device__ __forceinline__ unsigned dropped_flags(unsigned word) const { return (word & 0x7FFF7FFFu) + addend; }
-    // Whether element e of a word of flags is kept.
-    static __device__ __forceinline__ bool kept_of(unsigned flags, int e) { return !(flags & (e ? 0x80000000u : 0x8000u)); }
+    // 256 - threshold in every byte (0 .. 255: threshold 256 keeps every element)
+    static __device__ __forceinline__ unsigned addend_of(unsigned threshold) { return (256u - threshold) * 0x01010101u; }
+    // The flags of a word's four elements: bit 7 of byte n set iff byte n is at least threshold
+    // (dropped), the carry out of byte n of word + addend: the low seven bits of each byte added
+    // apart (at most 254: nothing crosses into the next byte) give the carry into bit 7, and the
+    // carry out is the majority of the two top bits and that carry. The other bits are noise.
+    __device__ __forceinline__ unsigned byte_flags(unsigned word) const {
+        const unsigned low = (word & 0x7F7F7F7Fu) + (addend & 0x7F7F7F7Fu);
+        return (word & addend) | (word & low) | (addend & low);
+    }
+    // Whether byte n of a word of byte flags is kept.
+    static __device__ __forceinline__ bool kept_in(unsigned flags, int n) { return !(flags & (0x80u << (8 * n))); }
+    // Whether element e of a packed pair's mask (spread_pair) is kept.
+    static __device__ __forceinline__ bool kept_of(unsigned mask, int e) { return !(mask & (e ? 0x80000000u : 0x8000u)); }
     // The kept weights' factor 1 / (1 - p), 1 without dropout (the backward kernels' dP scale).
     template <class Params>
     static __device__ __forceinline__ float kept_scale(const Params& p) {
@@ -110,98 +117,155 @@ struct DropoutFn {
     }
     // Whether element (i, j) is kept, from its own group (the SIMT kernels).
     __device__ __forceinline__ bool keep(int i, int j) const {
-        const uint4 w = words(i & ~8, j & ~9);
-        return kept_of(dropped_flags(word_of(w, (i >> 3) & 1, (j >> 3) & 1)), j & 1);
+        const uint4 w = words(i & ~9, j & ~9);
+        return kept_in(byte_flags(word_of(w, i & 1, j & 1)), 2 * ((i >> 3) & 1) + ((j >> 3) & 1));
     }
 };
 
 template <class Mask>
 using DropoutOf = DropoutFn<Mask::Score::HAS_DROPOUT>;
 
-// The flags of a lane's m16n8 fragments of S, a fragment pair at a time, in the order of the
-// registers that pack_p (online_softmax.cuh) packs them into: visit_unit(i, fp, flags) for strip i,
-// fragments 2 fp and 2 fp + 1, flags[r] the two elements of packed register r:
-// r = 0 fragment 2 fp rows + 0 (word x), 1 fragment 2 fp rows + 8 (z), 2 fragment 2 fp + 1 rows + 0
-// (y), 3 fragment 2 fp + 1 rows + 8 (w); half e is key key_lane + 16 fp + 8 (r >> 1) + e
-// (row_lane = row of lane / 4 in strip 0, key_lane = n0 + 2 (lane % 4)). One call, eight elements.
+// The mask of a packed pair of 16-bit weights from its two elements' byte flags: byte n of flags0
+// (half 0) and of flags1 (half 1), each spread over its half: 0xFFFF where dropped, 0 where kept
+// (prmt's sign replication, selector nibble 8 + byte; CUDA's __byte_perm documents only three
+// selector bits, so the PTX is written out).
+template <int N>
+__device__ __forceinline__ unsigned spread_pair(unsigned flags0, unsigned flags1) {
+    static_assert(0 <= N && N < 4, "a byte of a word");
+    constexpr unsigned SELECTOR = (8u + N) * 0x11u | (12u + N) * 0x1100u;
+    unsigned m;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(m) : "r"(flags0), "r"(flags1), "n"(SELECTOR));
+    return m;
+}
+
+// A lane's two words of a group: S lanes (query parity `parity`) take words 2 parity and
+// 2 parity + 1 (keys of parity 0, 1: the two halves of a packed S register), S^T lanes (key
+// parity `parity`) words parity and 2 + parity (queries of parity 0, 1: the halves of a packed
+// P^T register).
+template <bool ST>
+__device__ __forceinline__ void lane_words(unsigned (&out)[2], const uint4& w, int parity) {
+    if constexpr (ST) {
+        out[0] = parity ? w.y : w.x;
+        out[1] = parity ? w.w : w.z;
+    } else {
+        out[0] = parity ? w.z : w.x;
+        out[1] = parity ? w.w : w.y;
+    }
+}
+
+// The groups of a lane's UNITS units, visit(u, words) with the lane's two words of unit u's group
+// (lane_words), origin(u) the group's origin (int2: i0, j0). Lanes lane and lane ^ 4 hold the two
+// parities (parity) of the same units: the lane of parity q calls unit 2 k + q of each pair and
+// hands its partner the partner's words of it; a last odd unit both call. The whole warp must call.
+template <bool ST, int UNITS, class Drop, class Origin, class Visit>
+__device__ __forceinline__ void walk_units(const Drop& d, int parity, Origin origin, Visit visit) {
+#pragma unroll
+    for (int u = 0; u + 1 < UNITS; u += 2) {
+        const int2 o0 = origin(u), o1 = origin(u + 1);
+        const uint4 w = d.words(parity ? o1.x : o0.x, parity ? o1.y : o0.y);
+        unsigned mine[2], theirs[2], got[2];
+        lane_words<ST>(mine, w, parity);
+        lane_words<ST>(theirs, w, parity ^ 1);
+#pragma unroll
+        for (int k = 0; k < 2; ++k) got[k] = __shfl_xor_sync(0xffffffffu, theirs[k], 4);
+        const unsigned first[2] = {parity ? got[0] : mine[0], parity ? got[1] : mine[1]};
+        const unsigned second[2] = {parity ? mine[0] : got[0], parity ? mine[1] : got[1]};
+        visit(u, first);
+        visit(u + 1, second);
+    }
+    if constexpr (UNITS % 2) {
+        const int2 o = origin(UNITS - 1);
+        unsigned mine[2];
+        lane_words<ST>(mine, d.words(o.x, o.y), parity);
+        visit(UNITS - 1, mine);
+    }
+}
+
+// The masks (spread_pair) of a lane's m16n8 fragments of S, a fragment pair at a time, in the
+// order of the registers that pack_p (online_softmax.cuh) packs them into: visit_unit(i, fp, masks)
+// for strip i, fragments 2 fp and 2 fp + 1, masks[r] the two elements of packed register r:
+// r = 0 fragment 2 fp rows + 0 (byte 0 of the lane's words), 1 fragment 2 fp rows + 8 (byte 2),
+// 2 fragment 2 fp + 1 rows + 0 (byte 1), 3 fragment 2 fp + 1 rows + 8 (byte 3); half e is key
+// key_lane + 16 fp + 8 (r >> 1) + e (row_lane = row of lane / 4 in strip 0, its bit 3 clear;
+// key_lane = n0 + 2 (lane % 4), n0 a multiple of 16). The whole warp must call.
 template <class Drop, int M_STRIPS, int N_FRAGS, class VisitUnit>
 __device__ __forceinline__ void walk_s_units(const Drop& d, int row_lane, int key_lane, VisitUnit visit_unit) {
     static_assert(N_FRAGS % 2 == 0, "fragment pairs");
-#pragma unroll
-    for (int i = 0; i < M_STRIPS; ++i)
-#pragma unroll
-        for (int fp = 0; fp < N_FRAGS / 2; ++fp) {
-            const uint4 w = d.words(row_lane + 16 * i, key_lane + 16 * fp);
-            const unsigned flags[4] = {d.dropped_flags(w.x), d.dropped_flags(w.z), d.dropped_flags(w.y),
-                                       d.dropped_flags(w.w)};
-            visit_unit(i, fp, flags);
-        }
+    constexpr int PAIRS = N_FRAGS / 2;
+    const int row0 = row_lane & ~1;
+    walk_units<false, M_STRIPS * PAIRS>(
+        d, row_lane & 1, [&](int u) { return make_int2(row0 + 16 * (u / PAIRS), key_lane + 16 * (u % PAIRS)); },
+        [&](int u, const unsigned (&words)[2]) {
+            const unsigned f0 = d.byte_flags(words[0]), f1 = d.byte_flags(words[1]);
+            const unsigned masks[4] = {spread_pair<0>(f0, f1), spread_pair<2>(f0, f1), spread_pair<1>(f0, f1),
+                                       spread_pair<3>(f0, f1)};
+            visit_unit(u / PAIRS, u % PAIRS, masks);
+        });
 }
 
 // The keep bits of a lane's fragments of S, visit(i, f, k, kept) for s[i][f][k]: query
-// row_lane + 16 i + 8 (k / 2), key key_lane + 8 f + k % 2. A word's flags are formed where they
-// are used, not a unit's four first as walk_s_units does: at d256 the dQ mma.sync kernel (sm_80 /
-// sm_90, 247-250 registers) spilled 284-364 bytes with the four alive together.
-template <class Drop, int M_STRIPS, int N_FRAGS, class Visit>
+// row_lane + 16 i + 8 (k / 2), key key_lane + 8 f + k % 2. PAIRED: walk_s_units' calls, one per
+// sixteen elements of a lane pair (the whole warp must call); otherwise each lane calls each of
+// its units' groups and forms a word's flags where they are used: at d256 the dQ mma.sync kernel
+// (sm_80 / sm_90, 247-250 registers) spilled 284-364 bytes with a unit's flags alive together.
+template <class Drop, int M_STRIPS, int N_FRAGS, bool PAIRED = false, class Visit>
 __device__ __forceinline__ void walk_s_frags(const Drop& d, int row_lane, int key_lane, Visit visit) {
+    if constexpr (PAIRED) {
+        walk_s_units<Drop, M_STRIPS, N_FRAGS>(d, row_lane, key_lane, [&](int i, int fp, const unsigned (&masks)[4]) {
 #pragma unroll
-    for (int i = 0; i < M_STRIPS; ++i)
+            for (int r = 0; r < 4; ++r)
 #pragma unroll
-        for (int fp = 0; fp < N_FRAGS / 2; ++fp) {
-            const uint4 w = d.words(row_lane + 16 * i, key_lane + 16 * fp);
+                for (int e = 0; e < 2; ++e) visit(i, 2 * fp + (r >> 1), 2 * (r & 1) + e, Drop::kept_of(masks[r], e));
+        });
+    } else {
+        const int parity = row_lane & 1, row0 = row_lane & ~1;
 #pragma unroll
-            for (int a = 0; a < 2; ++a)
+        for (int i = 0; i < M_STRIPS; ++i)
 #pragma unroll
-                for (int c = 0; c < 2; ++c) {
-                    const unsigned flags = d.dropped_flags(word_of(w, a, c));
+            for (int fp = 0; fp < N_FRAGS / 2; ++fp) {
+                unsigned words[2];
+                lane_words<false>(words, d.words(row0 + 16 * i, key_lane + 16 * fp), parity);
 #pragma unroll
-                    for (int e = 0; e < 2; ++e) visit(i, 2 * fp + c, 2 * a + e, Drop::kept_of(flags, e));
+                for (int e = 0; e < 2; ++e) {
+                    const unsigned flags = d.byte_flags(words[e]);
+#pragma unroll
+                    for (int a = 0; a < 2; ++a)
+#pragma unroll
+                        for (int c = 0; c < 2; ++c) visit(i, 2 * fp + c, 2 * a + e, Drop::kept_in(flags, 2 * a + c));
                 }
-        }
+            }
+    }
 }
 
 // The same for a lane's fragments of S^T, a fragment pair at a time, in the order of the
-// registers that pack_a_frags (mma_bwd.cuh) packs them into: visit_unit(fp, flags), flags[r] the
+// registers that pack_a_frags (mma_bwd.cuh) packs them into: visit_unit(fp, masks), masks[r] the
 // two elements of register r = 2 a + c of k-step fp: fragment 2 fp + a (queries + 8 a), key rows
-// + 8 c, half e query query_lane + 16 fp + 8 a + e (key_lane = key row of lane / 4, query_lane =
-// m0 + 2 (lane % 4)). A lane's keys have one parity, so it uses four of each group's eight halves;
-// lanes lane and lane ^ 4 hold the two parities of the same keys and queries (key_lane = an even
-// row + lane / 4 in every caller, mma.cuh's C layout), so each computes one of the two calls they
-// both need (the one at query offset e = its key parity), hands its partner the partner's halves
-// of it (two shuffles), and pairs its own halves of queries 2t and 2t + 1 into one word (a prmt
-// each: the call at query offset 0 gives the low half). The whole warp must call.
+// + 8 c, half e query query_lane + 16 fp + 8 a + e: byte r of the lane's two words (key_lane = key
+// row of lane / 4, an even row + lane / 4 in every caller (mma.cuh's C layout), its bit 3 clear;
+// query_lane = m0 + 2 (lane % 4), m0 a multiple of 16). The whole warp must call.
 template <class Drop, int N_FRAGS, class VisitUnit>
 __device__ __forceinline__ void walk_st_units(const Drop& d, int key_lane, int query_lane, VisitUnit visit_unit) {
     static_assert(N_FRAGS % 2 == 0, "fragment pairs");
-    const int key_parity = key_lane & 1;
-    // byte_perm selectors. theirs: the partner's halves of (x, y) or (z, w) (the low halves for
-    // an odd partner). pair[c]: own word (bytes 0-3) and the received word (4-7) into (query 2t,
-    // query 2t + 1): even lanes own the low half (their own word's low half, the received c-th
-    // half); odd lanes own the high half (their own word's high half, the received c-th half).
-    const unsigned theirs = key_parity ? 0x5410u : 0x7632u;
-    const unsigned pair[2] = {key_parity ? 0x3254u : 0x5410u, key_parity ? 0x3276u : 0x7610u};
-#pragma unroll
-    for (int fp = 0; fp < N_FRAGS / 2; ++fp) {
-        const uint4 w = d.words(query_lane + 16 * fp + key_parity, key_lane & ~1);
-        const unsigned got[2] = {__shfl_xor_sync(0xffffffffu, __byte_perm(w.x, w.y, theirs), 4),
-                                 __shfl_xor_sync(0xffffffffu, __byte_perm(w.z, w.w, theirs), 4)};
-        const unsigned own[4] = {w.x, w.y, w.z, w.w};
-        unsigned flags[4];
-#pragma unroll
-        for (int r = 0; r < 4; ++r) flags[r] = d.dropped_flags(__byte_perm(own[r], got[r >> 1], pair[r & 1]));
-        visit_unit(fp, flags);
-    }
+    const int key0 = key_lane & ~1;
+    walk_units<true, N_FRAGS / 2>(
+        d, key_lane & 1, [&](int u) { return make_int2(query_lane + 16 * u, key0); },
+        [&](int u, const unsigned (&words)[2]) {
+            const unsigned f0 = d.byte_flags(words[0]), f1 = d.byte_flags(words[1]);
+            const unsigned masks[4] = {spread_pair<0>(f0, f1), spread_pair<1>(f0, f1), spread_pair<2>(f0, f1),
+                                       spread_pair<3>(f0, f1)};
+            visit_unit(u, masks);
+        });
 }
 
 // The keep bits of a lane's fragments of S^T, visit(f, k, kept) for s[f][k]: key key_lane + 8 (k / 2),
 // query query_lane + 8 f + k % 2.
 template <class Drop, int N_FRAGS, class Visit>
 __device__ __forceinline__ void walk_st_frags(const Drop& d, int key_lane, int query_lane, Visit visit) {
-    walk_st_units<Drop, N_FRAGS>(d, key_lane, query_lane, [&](int fp, const unsigned (&flags)[4]) {
+    walk_st_units<Drop, N_FRAGS>(d, key_lane, query_lane, [&](int fp, const unsigned (&masks)[4]) {
 #pragma unroll
         for (int r = 0; r < 4; ++r)
 #pragma unroll
-            for (int e = 0; e < 2; ++e) visit(2 * fp + (r >> 1), 2 * (r & 1) + e, Drop::kept_of(flags[r], e));
+            for (int e = 0; e < 2; ++e) visit(2 * fp + (r >> 1), 2 * (r & 1) + e, Drop::kept_of(masks[r], e));
     });
 }
 
@@ -292,24 +356,15 @@ __device__ __forceinline__ void relu_frags(unsigned (&frag)[M][N][W]) {
     for (int i = 0; i < M; ++i) relu_frags<T>(frag[i]);
 }
 
-// Each half of a word of flags spread over its 16 bits: 0xFFFF where bit 15 + 16 e is set, 0
-// elsewhere (prmt's sign replication, selector nibbles 8 + byte; CUDA's __byte_perm documents only
-// three selector bits, so the PTX is written out).
-__device__ __forceinline__ unsigned spread_flags(unsigned flags) {
-    unsigned m;
-    asm("prmt.b32 %0, %1, 0, 0xBB99;" : "=r"(m) : "r"(flags));
-    return m;
-}
-
 // The forward's dropout on P packed by pack_p (16-bit A fragments, online_softmax.cuh): a dropped
 // weight becomes +0, as packing a selected 0.f gave. Rounding to 16 bits before the mask is what
 // the fp32 select followed by packing computed: pack2 of 0 is 0.
 template <class Drop, int M_STRIPS, int N_FRAGS>
 __device__ __forceinline__ void drop_packed_p(unsigned (&p)[M_STRIPS][N_FRAGS / 2][4], const Drop& d, int row_lane,
                                               int key_lane) {
-    walk_s_units<Drop, M_STRIPS, N_FRAGS>(d, row_lane, key_lane, [&](int i, int fp, const unsigned (&flags)[4]) {
+    walk_s_units<Drop, M_STRIPS, N_FRAGS>(d, row_lane, key_lane, [&](int i, int fp, const unsigned (&masks)[4]) {
 #pragma unroll
-        for (int r = 0; r < 4; ++r) p[i][fp][r] &= ~spread_flags(flags[r]);
+        for (int r = 0; r < 4; ++r) p[i][fp][r] &= ~masks[r];
     });
 }
 
@@ -318,9 +373,9 @@ __device__ __forceinline__ void drop_packed_p(unsigned (&p)[M_STRIPS][N_FRAGS / 
 // packing of MarkDropped's -P.
 template <class Drop, int N_FRAGS>
 __device__ __forceinline__ void mark_packed_pt(unsigned (&p)[N_FRAGS / 2][4], const Drop& d, int key_lane, int query_lane) {
-    walk_st_units<Drop, N_FRAGS>(d, key_lane, query_lane, [&](int fp, const unsigned (&flags)[4]) {
+    walk_st_units<Drop, N_FRAGS>(d, key_lane, query_lane, [&](int fp, const unsigned (&masks)[4]) {
 #pragma unroll
-        for (int r = 0; r < 4; ++r) p[fp][r] ^= flags[r] & DROPPED_BITS;
+        for (int r = 0; r < 4; ++r) p[fp][r] ^= masks[r] & DROPPED_BITS;
     });
 }
 

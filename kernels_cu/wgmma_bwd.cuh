@@ -396,7 +396,7 @@ __device__ __forceinline__ void ds_dq(float (&dp_acc)[N_FRAGS][4], const float (
                                       const float (&delta_row)[2]) {
     if constexpr (DropoutOf<Mask>::ENABLED) {
         const float kept_scale = p.variant.dropout.scale;
-        walk_s_frags<DropoutOf<Mask>, 1, N_FRAGS>(dropout, row_lo, key0, [&](int, int f, int e, bool kept) {
+        walk_s_frags<DropoutOf<Mask>, 1, N_FRAGS, true>(dropout, row_lo, key0, [&](int, int f, int e, bool kept) {
             const float ds = s_acc[f][e] * fmaf(dp_acc[f][e], kept ? kept_scale : 0.f, -delta_row[e >> 1]);
             dp_acc[f][e] = s_acc[f][e] == 0.f ? 0.f : ds;
         });
