@@ -37,35 +37,40 @@ def test_philox_known_answers(rounds, counter, key, expected):
 
 
 def test_mask_words_follow_the_documented_layout():
-    """Element (i, j) is kept iff the low 15 bits of half j & 1 of word 2 ((i >> 3) & 1) +
-    ((j >> 3) & 1) of the 7-round call at (j & ~9, i & ~8) are below the threshold."""
+    """Element (i, j) is kept iff byte 2 ((i >> 3) & 1) + ((j >> 3) & 1) of word 2 (i & 1) +
+    (j & 1) of the 7-round call at (j & ~9, i & ~9) is below the threshold."""
     d = Dropout(0.5, seed=(7 << 32) | 3, offset=11)
     batch, nheads, sq, sk = 2, 3, 40, 37
     mask = dropout_mask(batch, nheads, sq, sk, d.p, d.seed, d.offset)
     rng = np.random.default_rng(0)
-    for _ in range(50):
+    for _ in range(200):
         b, h, i, j = (int(rng.integers(n)) for n in (batch, nheads, sq, sk))
-        words = philox4x32((j & ~9, i & ~8, b * nheads + h, d.offset), (3, 7), rounds=7)
-        word = int(words[2 * ((i >> 3) & 1) + ((j >> 3) & 1)])
-        half = (word >> 16) if j & 1 else (word & 0xFFFF)
-        assert mask[b, h, i, j] == ((half & 0x7FFF) < keep_threshold(d.p))
+        words = philox4x32((j & ~9, i & ~9, b * nheads + h, d.offset), (3, 7), rounds=7)
+        word = int(words[2 * (i & 1) + (j & 1)])
+        byte = (word >> (8 * (2 * ((i >> 3) & 1) + ((j >> 3) & 1)))) & 0xFF
+        assert mask[b, h, i, j] == (byte < keep_threshold(d.p))
 
 
 @pytest.mark.parametrize("p", [0.05, 0.3, 0.5, 0.9])
 def test_mask_keeps_one_minus_p(p):
+    """The keep rate is threshold / 256, within 2^-9 of 1 - p."""
     mask = dropout_mask(2, 4, 256, 256, p, seed=12345)
+    rate = keep_threshold(p) / 256
+    assert abs(rate - (1 - p)) <= 2**-9
     n = mask.size
-    sigma = np.sqrt(p * (1 - p) / n)
-    assert abs(mask.mean() - (1 - p)) < 5 * sigma
-    # no position of the groups' eight halves is biased: each position of a 16 x 16 tile keeps
-    # 1 - p of its elements too
+    sigma = np.sqrt(rate * (1 - rate) / n)
+    assert abs(mask.mean() - rate) < 5 * sigma
+    # no position of the groups' sixteen bytes is biased: each position of a 16 x 16 tile keeps
+    # that rate of its elements too
     tiles = mask.reshape(2, 4, 16, 16, 16, 16).mean(axis=(0, 1, 2, 4))
-    assert np.abs(tiles - (1 - p)).max() < 5 * np.sqrt(p * (1 - p) / (n / 256))
-    # and the two halves of a word (keys j, j + 1 of one row, j even) are independent: both kept
-    # (1 - p)^2 of the time
-    both = (mask[..., 0::2] & mask[..., 1::2]).mean()
-    q = (1 - p) ** 2
-    assert abs(both - q) < 5 * np.sqrt(q * (1 - q) / (n / 2))
+    assert np.abs(tiles - rate).max() < 5 * np.sqrt(rate * (1 - rate) / (n / 256))
+    # and the neighbours that share a call are independent: keys j, j + 1 of one row (two words),
+    # and keys j, j + 8 (two bytes of one word): both kept rate^2 of the time
+    q = rate**2
+    for both, pairs in (((mask[..., 0::2] & mask[..., 1::2]).mean(), n / 2),
+                        ((mask.reshape(2, 4, 256, 16, 2, 8)[..., 0, :] & mask.reshape(2, 4, 256, 16, 2, 8)[..., 1, :])
+                         .mean(), n / 2)):
+        assert abs(both - q) < 5 * np.sqrt(q * (1 - q) / pairs)
 
 
 def test_mask_depends_on_seed_offset_and_head():
@@ -79,11 +84,12 @@ def test_mask_depends_on_seed_offset_and_head():
 
 
 def test_threshold_edges():
-    assert keep_threshold(0.0) == 2**15  # every half's low 15 bits are below it
-    assert keep_threshold(0.5) == 2**14
-    assert keep_threshold(2**-17) == 2**15  # p below 2^-16 keeps everything: 15 bits a comparison
-    assert keep_threshold(1 - 2**-17) == 0  # refused by check_dropout: it would keep nothing
-    assert keep_threshold(1 - 2**-15) == 1
+    assert keep_threshold(0.0) == 256  # every byte is below it
+    assert keep_threshold(0.5) == 128
+    assert keep_threshold(0.1) == 230  # flash-attn's keep rate for p = 0.1 too: 230 / 256
+    assert keep_threshold(2**-10) == 256  # p below 2^-9 keeps everything: 8 bits a comparison
+    assert keep_threshold(1 - 2**-10) == 0  # refused by check_dropout: it would keep nothing
+    assert keep_threshold(1 - 2**-8) == 1
 
 
 @settings(max_examples=10)
@@ -148,7 +154,7 @@ def test_dropout_zero_is_plain_attention():
 @pytest.mark.parametrize("p, seed, offset, error", [
     (-0.1, 1, 0, ValueError), (1.0, 1, 0, ValueError), ("0.1", 1, 0, TypeError), (True, 1, 0, TypeError),
     (0.1, -1, 0, ValueError), (0.1, 2**64, 0, ValueError), (0.1, 1, 2**32, ValueError), (0.1, 1.5, 0, ValueError),
-    (1 - 2**-18, 1, 0, ValueError)])
+    (1 - 2**-10, 1, 0, ValueError)])
 def test_bad_dropout_arguments_are_refused(p, seed, offset, error):
     q = np.zeros((1, 4, 1, 8), np.float32) + 1
     with pytest.raises(error, match="dropout_p|seed|offset"):
