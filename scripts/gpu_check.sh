@@ -98,8 +98,8 @@
 #                                       tune of the forward's 64-key producer candidates (window and
 #                                       causal) and of v13's pair under a window, the packed causal
 #                                       batch with varlen_bwd_pair.patch, and the variants bench with
-#                                       wgmma_desc_advance.patch, alone and with the element-step
-#                                       patches (bwd_ds_guard_partial, bwd_lse_base_producer)
+#                                       the element-step patches (bwd_ds_guard_partial,
+#                                       bwd_lse_base_producer)
 #   scripts/gpu_check.sh OUTDIR picked  applies what trees picked again (each call gets a fresh copy
 #                                       of the checkout; the choice lives in the kept .cupy-cache/)
 # Before the device: `pytest tests/kernels/test_compile_check.py` on CPU (2 minutes) compiles every
@@ -240,22 +240,22 @@ pair-probes)  # the twenty-fourth session's waiting list (docs/perf-log.md): ncu
         --window 1024 0 --only default v13
     }
     dir=${TREES_DIR:-/tmp/cupyflash-trees}
-    # guard: the consumers' shorter element steps against this tree: wgmma_desc_advance.patch alone
-    # ("desc"), and with bwd_ds_guard_partial.patch and bwd_lse_base_producer.patch ("all"); the
-    # variants bench's plain and dropout rows at 8k d128 and causal at d64, the trees alternated twice
+    # guard: the consumers' shorter element steps (bwd_ds_guard_partial.patch and
+    # bwd_lse_base_producer.patch, "guard") against this tree; the variants bench's plain and dropout
+    # rows at 8k d128 and causal at d64, the trees alternated three times (wgmma_desc_advance.patch
+    # was timed in the twenty-fifth session: no gain)
     if [[ $probes == *" guard "* ]]; then
-        for name in wgmma_desc_advance bwd_ds_guard_partial+bwd_lse_base_producer+wgmma_desc_advance; do
-            rm -rf "${dir:?}/$name" && mkdir -p "$dir/$name"
-            tar --exclude=./.trees --exclude=./.cupy-cache --exclude=./.git --exclude=./.venv --exclude=./docs/results \
-                -cf - . | tar -xf - -C "$dir/$name"
-            (cd "$dir/$name" && apply_patches "$name") > "$out/tree-${name//+/_and_}.log" 2>&1 || status=1
-        done
-        for r in 1 2; do
-            for tree in . "$dir/wgmma_desc_advance" "$dir/bwd_ds_guard_partial+bwd_lse_base_producer+wgmma_desc_advance"; do
-                case $tree in .) name=main ;; *+*) name=all ;; *) name=desc ;; esac
-                (cd "$tree" && PYTHONPATH=$PWD step "guard-$r-$name-d128" 150 python -m cupyflash.bench.variants \
+        name=bwd_ds_guard_partial+bwd_lse_base_producer
+        rm -rf "${dir:?}/$name" && mkdir -p "$dir/$name"
+        tar --exclude=./.trees --exclude=./.cupy-cache --exclude=./.git --exclude=./.venv --exclude=./docs/results \
+            -cf - . | tar -xf - -C "$dir/$name"
+        (cd "$dir/$name" && apply_patches "$name") > "$out/tree-guard.log" 2>&1 || status=1
+        for r in 1 2 3; do
+            for tree in . "$dir/$name"; do
+                tag=main; [ "$tree" = . ] || tag=guard
+                (cd "$tree" && PYTHONPATH=$PWD step "guard-$r-$tag-d128" 150 python -m cupyflash.bench.variants \
                     --seqlen 8192 --impls cupyflash --variants full causal "causal dropout 0.1" &&
-                 PYTHONPATH=$PWD step "guard-$r-$name-d64" 100 python -m cupyflash.bench.variants \
+                 PYTHONPATH=$PWD step "guard-$r-$tag-d64" 100 python -m cupyflash.bench.variants \
                     --seqlen 8192 --headdim 64 --impls cupyflash --variants causal; exit $status) || status=1
             done
         done
