@@ -223,7 +223,8 @@ pair-probes)  # the twenty-fourth session's waiting list (docs/perf-log.md): ncu
               # backward with and without dropout, the forward's 64-key producer candidates with a
               # (1024, 0) window and causal, the window backward on the producer pair (v13), and
               # the packed causal batch in this tree and with varlen_bwd_pair.patch, alternated
-    # PROBES: which of them (default "ncu tune guard varlen"; each part fits a call of its own, warm)
+    # PROBES: which of them (default "ncu tune guard varlen"; "dropout" on request; each part fits a
+    # call of its own, warm)
     export PYTHONPATH=$PWD
     probes=" ${PROBES:-ncu tune guard varlen} "
     [[ $probes == *" ncu "* ]] && for v in plain dropout=0.1; do
@@ -232,6 +233,14 @@ pair-probes)  # the twenty-fourth session's waiting list (docs/perf-log.md): ncu
             --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section InstructionStats \
             python scripts/ncu_workload.py 128 8192 causal bwd $a
     done
+    # dropout: dropout-v8's mask at the gpu profile's 200 examples a property, then dropout 0.1 in
+    # the d128 plan's kernel and in each forward candidate, the producer ones included (whether
+    # ONE_ROLE_FORWARD_TILES still pays with sixteen elements a call)
+    [[ $probes == *" dropout "* ]] && {
+    step dropout-properties "${TEST_LIMIT:-240}" env HYPOTHESIS_PROFILE=gpu python -m pytest -q -m gpu \
+        tests/test_dropout_gpu.py -p no:cacheprovider
+    step dropout-forward-kernels 200 python dev/bench_wgmma_ws.py --variants
+    }
     [[ $probes == *" tune "* ]] && {
     step tune-window-fwd 240 python -m cupyflash tune --headdim 128 --seqlen 8192 16384 --window 1024 0 \
         --only default cand
