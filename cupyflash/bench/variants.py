@@ -19,6 +19,13 @@ A second table gives the window's speed-up over full causal attention at the sam
 issue's bar: at 16k, window (1024, 0) and (512, 512) at least 8x faster forward and backward),
 and a document mask's over the same sequence without a mask.
 
+The issues' bars are ratios to the plain kernel in one run, and one baseline row timed once
+moves every ratio with it (the plain causal forward came out 12-15% slow in two whole runs of
+2026-12-07 against the other calls of the same sessions). ``--paired N`` times cupyflash's own baseline (plain causal for a
+causal or windowed variant, plain full otherwise) again beside each variant, alternated N times
+(variant, baseline, variant, ...), and a third table gives the ratios of the medians with their
+spread over the rounds (``paired_table``).
+
 User modifiers (cupyflash.modifiers): the variants marked "(score_mod)" run softcap and ALiBi as
 cupyflash score modifiers (FlexAttention runs the same functions), "documents N" a mask_mod of
 documents of N tokens packed into the sequence, with its block map made once before timing (as
@@ -118,6 +125,31 @@ class Row:
     ms: float | None
     tflops: float | None
     note: str = ""
+
+
+@dataclass
+class PairedRow:
+    """A variant's cupyflash times (ms) and its baseline's, alternated in one call: variant_ms[r]
+    was timed before baseline_ms[r]; flops of each, for the TFLOP/s ratio."""
+    variant: str
+    seqlen: int
+    baseline: str
+    mode: str
+    variant_ms: list
+    baseline_ms: list
+    variant_flops: float
+    baseline_flops: float
+
+
+def baseline_of(variant: Variant) -> Variant | None:
+    """The plain kernel a variant's bar compares it with: causal for a causal or windowed variant
+    (issue 15 compares windows with causal attention), full otherwise; None for the plain rows
+    themselves and for a head dim of v of its own (no plain row at those dims)."""
+    if variant.dims is not None or variant == Variant(variant.name, variant.causal):
+        return None
+    if variant.causal or variant.window != (-1, -1):
+        return Variant("causal", True)
+    return Variant("full", False)
 
 
 def _cupyflash_has_window() -> bool:
@@ -285,7 +317,11 @@ def _cudnn_runs(torch, variant: Variant, sets):
     return fwd, bwd
 
 
-def run(batch: int, nheads: int, headdim: int, seqlens, variants, impls, seed: int = 0) -> list[Row]:
+def run(batch: int, nheads: int, headdim: int, seqlens, variants, impls, seed: int = 0, paired: int = 0,
+        paired_rows: list | None = None) -> list[Row]:
+    """The rows of every (seqlen, variant, impl, mode). With ``paired`` > 0, each cupyflash
+    variant that has a baseline (baseline_of) is timed ``paired`` times more, each after a timing
+    of the baseline on the same inputs, and the times go to ``paired_rows`` (PairedRow)."""
     import cupy
     import torch
 
@@ -332,6 +368,24 @@ def run(batch: int, nheads: int, headdim: int, seqlens, variants, impls, seed: i
                                         flops[mode] / (ms * 1e-3) / 1e12))
                         print(f"  {variant.name:<22} {seqlen:>6} {impl:<10} {mode} {ms:9.3f} ms "
                               f"{rows[-1].tflops:7.1f} TFLOP/s", file=sys.stderr, flush=True)
+                    base = baseline_of(variant)
+                    if impl == "cupyflash" and paired > 0 and base is not None and fwd is not None:
+                        base_runs = dict(zip(("fwd", "bwd"), _cupyflash_runs(base, sets)))
+                        base_pairs = pairs_of(base, seqlen)
+                        for mode, fn in (("fwd", fwd), ("bwd", bwd)):
+                            if fn is None or base_runs[mode] is None:
+                                continue
+                            times = {"variant": [rows[-2 if mode == "fwd" else -1].ms], "baseline": []}
+                            for _ in range(paired):
+                                times["baseline"].append(_time(base_runs[mode], n_sets, stream))
+                                times["variant"].append(_time(fn, n_sets, stream))
+                            base_flops = flops[mode] * base_pairs / pairs
+                            row = PairedRow(variant.name, seqlen, base.name, mode, times["variant"],
+                                            times["baseline"], flops[mode], base_flops)
+                            if paired_rows is not None:
+                                paired_rows.append(row)
+                            print(f"  {variant.name:<22} {seqlen:>6} paired {mode} "
+                                  f"{paired_ratio(row)[0]:.3f} of {base.name}", file=sys.stderr, flush=True)
             del sets, inputs
     return rows
 
@@ -376,6 +430,34 @@ def speedups(rows: list[Row], impl: str = "cupyflash") -> str:
     return "\n".join(lines)
 
 
+def _median(xs) -> float:
+    return float(np.median(np.asarray(xs, dtype=np.float64)))
+
+
+def paired_ratio(row: PairedRow) -> tuple[float, float, float]:
+    """(ratio of the medians' TFLOP/s, lowest and highest ratio of a round's adjacent pair): the
+    variant's TFLOP/s over its baseline's. Round r pairs variant_ms[r + 1] with baseline_ms[r],
+    timed one after the other (variant_ms[0] is the main table's row, timed before the rounds)."""
+    flops_ratio = row.variant_flops / row.baseline_flops  # TFLOP/s ratio = flops ratio x time ratio
+    ratio = flops_ratio * _median(row.baseline_ms) / _median(row.variant_ms)
+    rounds = [flops_ratio * b / v for v, b in zip(row.variant_ms[1:], row.baseline_ms)]
+    return ratio, min(rounds), max(rounds)
+
+
+def paired_table(paired_rows: list) -> str:
+    """Markdown: each variant against its own baseline timed beside it (``--paired``): TFLOP/s
+    ratio of the medians (and the rounds' spread), and time speed-up (the baseline's median time
+    over the variant's: windows' and document masks' bars)."""
+    lines = ["| variant | seqlen | baseline | mode | rounds | of baseline (TFLOP/s) | rounds' range | time speed-up |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in paired_rows:
+        ratio, lo, hi = paired_ratio(row)
+        speedup = _median(row.baseline_ms) / _median(row.variant_ms)
+        lines.append(f"| {row.variant} | {row.seqlen} | {row.baseline} | {row.mode} | {len(row.baseline_ms)} | "
+                     f"{ratio:.3f} | {lo:.3f}-{hi:.3f} | {speedup:.2f}x |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m cupyflash.bench.variants", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -387,20 +469,28 @@ def main(argv=None) -> int:
                    help=f"any of: {', '.join(repr(v.name) for v in VARIANTS)}")
     p.add_argument("--impls", nargs="+", default=["cupyflash", "flex", "cudnn"])
     p.add_argument("--json", metavar="PATH")
+    p.add_argument("--paired", type=int, default=0, metavar="N",
+                   help="time cupyflash's baseline beside each variant, alternated N times (default 0: not)")
     args = p.parse_args(argv)
+    if args.paired < 0:
+        p.error("--paired must be 0 or more")
     by_name = {v.name: v for v in VARIANTS}
     unknown = [n for n in args.variants if n not in by_name]
     if unknown:
         p.error(f"unknown variants {unknown}")
+    paired_rows: list[PairedRow] = []
     rows = run(args.batch, args.nheads, args.headdim, args.seqlen,
-               [by_name[n] for n in args.variants], args.impls)
+               [by_name[n] for n in args.variants], args.impls, paired=args.paired, paired_rows=paired_rows)
     print(table(rows))
     print()
     print(speedups(rows))
+    if paired_rows:
+        print()
+        print(paired_table(paired_rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"batch": args.batch, "nheads": args.nheads, "headdim": args.headdim,
-                       "rows": [asdict(r) for r in rows]}, f, indent=1)
+                       "rows": [asdict(r) for r in rows], "paired": [asdict(r) for r in paired_rows]}, f, indent=1)
     measured = [r for r in rows if r.impl == "cupyflash" and r.ms]
     print(f"variants bench: {len(rows)} timings, {len(measured)} of cupyflash")
     return 0
