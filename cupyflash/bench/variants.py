@@ -359,11 +359,12 @@ def run(batch: int, nheads: int, headdim: int, seqlens, variants, impls, seed: i
                         note = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
                     else:
                         note = "" if fwd is not None else "not supported"
+                    main_ms = {}
                     for mode, fn in (("fwd", fwd), ("bwd", bwd)):
                         if fn is None:
                             rows.append(Row(variant.name, seqlen, impl, mode, None, None, note))
                             continue
-                        ms = _time(fn, n_sets, stream)
+                        ms = main_ms[mode] = _time(fn, n_sets, stream)
                         rows.append(Row(variant.name, seqlen, impl, mode, ms,
                                         flops[mode] / (ms * 1e-3) / 1e12))
                         print(f"  {variant.name:<22} {seqlen:>6} {impl:<10} {mode} {ms:9.3f} ms "
@@ -375,7 +376,7 @@ def run(batch: int, nheads: int, headdim: int, seqlens, variants, impls, seed: i
                         for mode, fn in (("fwd", fwd), ("bwd", bwd)):
                             if fn is None or base_runs[mode] is None:
                                 continue
-                            times = {"variant": [rows[-2 if mode == "fwd" else -1].ms], "baseline": []}
+                            times = {"variant": [main_ms[mode]], "baseline": []}
                             for _ in range(paired):
                                 times["baseline"].append(_time(base_runs[mode], n_sets, stream))
                                 times["variant"].append(_time(fn, n_sets, stream))
