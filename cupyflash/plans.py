@@ -135,7 +135,10 @@ class WgmmaTf32FwdConfig:
     only): the two consumers take turns at issuing their products, one's softmax under the
     other's products (ConsumerTurns). ``presplit`` (producer, raw_stages 0; perf log
     tf32-fwd-split-once): each key block split once for the grid by flash_fwd_split_kv_tf32 into a
-    workspace (kv_fwd_split_bytes), the producer one thread copying a stage from it."""
+    workspace (kv_fwd_split_bytes), the producer one thread copying a stage from it. ``q_staged``
+    (producer only; perf log tf32-wgmma-d128): each consumer warp's rows of Q copied raw into shared
+    memory and split a k-step at a time as S needs them, not held split in registers (which spill
+    at d128); the producer kernel's head dims up to 128 with it."""
 
     block_n: int = 64
     raw_stages: int = 0
@@ -145,6 +148,7 @@ class WgmmaTf32FwdConfig:
     sums_apart: bool = False
     pingpong: bool = False
     presplit: bool = False
+    q_staged: bool = False
 
     @property
     def block_m(self) -> int:
@@ -687,6 +691,9 @@ def tf32_wgmma_smem_bytes(dt: int, config: WgmmaTf32FwdConfig) -> int:
     and an empty barrier a stage), plus 1024 bytes to align the base for the 128-byte swizzle."""
     if config.producer:  # the raw stages' region also stages O (128 rows): at least that large
         kv_tile = 4 * config.block_n * dt
+        if config.q_staged:  # Q's raw rows (O's staging tile), then the raw stages alone
+            return (config.stages * 4 * kv_tile + 128 * dt * 4 + config.raw_stages * 2 * kv_tile
+                    + 16 * config.stages + 1024)
         raw = max(config.raw_stages * 2 * kv_tile, 128 * dt * 4)
         return config.stages * 4 * kv_tile + raw + 16 * config.stages + 1024
     q_tiles = 1 if config.q_registers else 2
@@ -780,17 +787,26 @@ def specialization_for(dtype, dt: int, mask: Mask | bool, tiles, dvt: int | None
     if isinstance(c, WgmmaTf32FwdConfig):
         precision = check_precision(precision)
         if c.producer:
-            if dt > 64 or (c.raw_stages != 0 if c.presplit else c.raw_stages < 1) or c.stages < 2:
-                raise ValueError(f"cupyflash: the tf32 wgmma producer kernel takes head dims up to 64, "
-                                 f"raw_stages >= 1 (0 with presplit) and stages >= 2, not d{dt} {c}")
+            if dt > (128 if c.q_staged else 64) or (c.raw_stages != 0 if c.presplit else c.raw_stages < 1) \
+                    or c.stages < 2:
+                raise ValueError(f"cupyflash: the tf32 wgmma producer kernel takes head dims up to 64 (128 with "
+                                 f"q_staged), raw_stages >= 1 (0 with presplit) and stages >= 2, not d{dt} {c}")
+            if dt > 64 and not c.presplit:  # its producer's split spills at d128 (flash_fwd_tf32_wgmma_ws.cu)
+                raise ValueError(f"cupyflash: the tf32 wgmma producer kernel takes d{dt} with presplit only: {c}")
+            if tf32_wgmma_smem_bytes(dt, c) > 227 * 1024:
+                raise ValueError(f"cupyflash: the tf32 wgmma producer kernel's tiles take more than 227 KiB at "
+                                 f"d{dt}: {c}")
             return Specialization(
                 f"flash_fwd_tf32_wgmma_ws_{short}_hdim{dt}_{mask.name}_bm{c.block_m}_bn{c.block_n}_{precision}"
                 f"_s{c.stages}_raw{c.raw_stages}{'_apart' if c.sums_apart else ''}"
-                f"{'_pingpong' if c.pingpong else ''}{'_presplit' if c.presplit else ''}",
+                f"{'_pingpong' if c.pingpong else ''}{'_presplit' if c.presplit else ''}"
+                f"{'_qstaged' if c.q_staged else ''}",
                 "flash_fwd_tf32_wgmma_ws.cu",
                 f"cf::flash_fwd_tf32_wgmma_ws<{dt}, {mask.cpp}, {c.block_n}, {PRODUCTS[precision]}, {c.stages}, "
-                f"{c.raw_stages}{_template_options(c.sums_apart, c.pingpong, c.presplit)}>",
+                f"{c.raw_stages}{_template_options(c.sums_apart, c.pingpong, c.presplit, c.q_staged)}>",
                 c.threads, tf32_wgmma_smem_bytes(dt, c), arch="90a")
+        if c.q_staged:
+            raise ValueError(f"cupyflash: q_staged takes the tf32 wgmma producer kernel (producer=True), not {c}")
         if c.presplit:
             raise ValueError(f"cupyflash: presplit takes the tf32 wgmma producer kernel (producer=True), not {c}")
         if c.pingpong:

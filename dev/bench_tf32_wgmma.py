@@ -5,7 +5,7 @@ float64 reference beside standard float32 attention's (issue 18's 2x bar). Preci
 product) too, for the fastest candidate of each head dim against the shipped "tf32" forward, its
 error beside standard float16 attention's (the tf32 property's 2x).
 
-    python dev/bench_tf32_wgmma.py [--quick] [--json FILE]
+    python dev/bench_tf32_wgmma.py [--quick] [--json FILE] [--headdims 64 128] [--seqlens 1024 4096 8192]
 
 Shapes: the bench convention (batch x seqlen = 16k tokens, nheads x headdim = 2048), d64 / d128,
 seqlen 1k, 4k, 8k, causal or not; TFLOP/s = 4 B H S^2 D (x 0.5 causal) over the device time
@@ -40,8 +40,13 @@ def candidates(headdim: int) -> dict:
                    # the key blocks split once for the grid (perf log tf32-fwd-split-once)
                    v2_presplit=C(32, raw_stages=0, producer=True, stages=4, presplit=True),
                    v2_presplit_apart=C(32, raw_stages=0, producer=True, stages=4, sums_apart=True, presplit=True))
+        # Q staged raw, split a k-step at a time (perf log tf32-wgmma-d128): the d64 form beside
+        out.update(v2_qstaged_apart=C(32, raw_stages=0, producer=True, stages=2, sums_apart=True, presplit=True,
+                                      q_staged=True))
     else:
-        out.update(v1_apart=C(32, raw_stages=2, sums_apart=True))
+        out.update(v1_apart=C(32, raw_stages=2, sums_apart=True),
+                   v2_qstaged_apart=C(32, raw_stages=0, producer=True, stages=2, sums_apart=True, presplit=True,
+                                      q_staged=True))
     return out
 
 
@@ -55,7 +60,7 @@ def tf32_candidates(headdim: int) -> dict:
         return {"v2_producer": C(32, raw_stages=2, producer=True, stages=4),
                 "v2_pingpong": C(32, raw_stages=2, producer=True, stages=4, pingpong=True),
                 "v2_presplit": C(32, raw_stages=0, producer=True, stages=4, presplit=True)}
-    return {"v0": C(64)}
+    return {"v0": C(64), "v2_qstaged": C(32, raw_stages=0, producer=True, stages=2, presplit=True, q_staged=True)}
 
 
 def _variant(precision: str):
@@ -75,6 +80,7 @@ def measure(headdims=(64, 128), seqlens=(1024, 4096, 8192), quick=False) -> list
     import cupy
 
     import cupyflash
+    from cupyflash import plans
     from cupyflash.bench.timing import RepeatPolicy, time_region
     from cupyflash.kernels import mma_fwd
 
@@ -109,10 +115,16 @@ def measure(headdims=(64, 128), seqlens=(1024, 4096, 8192), quick=False) -> list
                         cupyflash.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, precision=precision)
 
                     runs = [(name, candidate(config)) for name, config in candidates(headdim).items()]
+                    # the mma.sync rows (flash_fwd_tf32), whatever the plan routes to now
+                    dt = headdim  # 64 or 128: their own tiles
+                    mma_sync = {"ieee": plans.IEEE_FORWARD_TILES[("tf32", plans.SM90, dt)],
+                                "tf32": plans.FORWARD_TILES[("tf32", plans.SM90, dt)]}
+                    runs_mma_sync = [("mma_sync", candidate(mma_sync["ieee"])),
+                                     ("tf32_mma_sync", candidate(mma_sync["tf32"], "tf32"))]
                     tf32_runs = [(f"tf32_{name}", candidate(config, "tf32"))
                                  for name, config in tf32_candidates(headdim).items()]
                     tf32_runs.append(("tf32_shipped", lambda _: shipped(_, "tf32")))
-                    for name, run in runs + [("shipped", shipped)] + tf32_runs:
+                    for name, run in runs + [("shipped", shipped)] + runs_mma_sync + tf32_runs:
                         ms = time_region(run, 1, policy=policy, stream=stream).median_ms
                         row[f"{name}_tflops"] = flops / ms / 1e9
                     best = max((name for name, _ in runs), key=lambda name: row[f"{name}_tflops"])
@@ -178,8 +190,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="seqlen 1k only")
     ap.add_argument("--json")
+    ap.add_argument("--headdims", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 8192])
     args = ap.parse_args(argv)
-    result = {"accuracy": accuracy(), "speed": measure(quick=args.quick)}
+    result = {"accuracy": accuracy(tuple(args.headdims)),
+              "speed": measure(tuple(args.headdims), tuple(args.seqlens), quick=args.quick)}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -20,6 +20,10 @@
 // for the grid (FwdParams' kv_split), and the producer is one thread that fills a stage with one
 // bulk copy of its bytes, whose arrival completes the stage's full barrier; no raw stages, the
 // region kept for O's staging.
+// Q_STAGED (perf log tf32-wgmma-d128; the d128 rows): Q split once into registers is 16 D_TILE / 8
+// of a consumer's registers, which spill at d128, so each consumer warp copies its rows of Q raw
+// into a Q tile of its own (StagedQ) and splits each k-step's A fragments from it as S needs
+// them; the Q tile stages O in the epilogue, and the raw region holds raw stages only.
 #include "block_walk.cuh"
 #include "common.cuh"
 #include "mbarrier.cuh"
@@ -36,35 +40,43 @@ namespace cf {
 // alignment slack): STAGES stages of K hi, K lo, V^T hi, V^T lo (KV_TILE bytes each:
 // Tf32FwdKeyBlockTiles), RAW_STAGES staging tiles of raw K and V rows, then the full and empty
 // barriers (8 bytes each). The raw tiles stage O in the epilogue (BLOCK_M rows of D_TILE float32):
-// the region is at least that large (with no raw stages, PRESPLIT, it is O's alone).
-template <int D_TILE, int BLOCK_N, int STAGES, int RAW_STAGES>
+// the region is at least that large (with no raw stages, PRESPLIT, it is O's alone). Q_STAGED: Q's
+// raw rows (BLOCK_M x D_TILE float32) after the stages, O's staging tile, and the raw region only
+// the raw stages.
+template <int D_TILE, int BLOCK_N, int STAGES, int RAW_STAGES, bool Q_STAGED = false>
 struct FwdTf32WgmmaWsSmem {
     static constexpr int BLOCK_M = 128;
     typedef Tf32FwdKeyBlockTiles<D_TILE, BLOCK_N> Tiles;
     static constexpr u32 KV_TILE = Tiles::KV_TILE, STAGE = Tiles::BYTES;
     static constexpr u32 K_HI = Tiles::K_HI, K_LO = Tiles::K_LO, V_HI = Tiles::V_HI, V_LO = Tiles::V_LO;
-    static constexpr u32 RAW = STAGES * STAGE;
-    static constexpr u32 RAW_BYTES = RAW_STAGES * 2 * KV_TILE > BLOCK_M * D_TILE * 4 ? RAW_STAGES * 2 * KV_TILE
-                                                                                     : BLOCK_M * D_TILE * 4;
+    static constexpr u32 Q_TILE = BLOCK_M * D_TILE * 4;
+    static constexpr u32 Q = STAGES * STAGE, RAW = Q + (Q_STAGED ? Q_TILE : 0u);
+    static constexpr u32 RAW_BYTES = Q_STAGED || RAW_STAGES * 2 * KV_TILE > Q_TILE ? RAW_STAGES * 2 * KV_TILE : Q_TILE;
+    static constexpr u32 O_STAGING = Q_STAGED ? Q : RAW;
     static constexpr u32 FULL = RAW + RAW_BYTES, EMPTY = FULL + 8 * STAGES;
     static constexpr u32 BYTES = EMPTY + 8 * STAGES;
 };
 
 template <int D_TILE, class Mask, int BLOCK_N, int PRODUCTS, int STAGES, int RAW_STAGES, bool SUMS_APART = false,
-          bool PINGPONG = false, bool PRESPLIT = false>
+          bool PINGPONG = false, bool PRESPLIT = false, bool Q_STAGED = false>
 __global__ void __launch_bounds__(384, 1)
 flash_fwd_tf32_wgmma_ws(const __grid_constant__ FwdParams p) {
-    typedef FwdTf32WgmmaWsSmem<D_TILE, BLOCK_N, STAGES, RAW_STAGES> L;
+    typedef FwdTf32WgmmaWsSmem<D_TILE, BLOCK_N, STAGES, RAW_STAGES, Q_STAGED> L;
     constexpr int BLOCK_M = L::BLOCK_M, D_FRAGS = D_TILE / 8;
     // setmaxnreg moves registers within the CTA's launch allocation (384 threads x 168): the
     // consumers' raise waits until the producer's release covers it, so the two must fit in it
     // (128 x 104 + 256 x 200 = 384 x 168); the producer's unrolled split spills below about 88.
     constexpr int LAUNCH_REGISTERS = 65536 / 384 / 8 * 8;
-    constexpr int PRODUCER_REGISTERS = 104, CONSUMER_REGISTERS = 200;
+    // PRESPLIT's producer is one thread's bulk copies: the d128 consumers (Q_STAGED) take what it
+    // leaves (128 x 40 + 256 x 232; at 200 they spill 196 bytes). A producer that splits d128
+    // blocks spills below 104 (184 bytes at 88), so d128 takes PRESPLIT (plans: the spec).
+    constexpr int PRODUCER_REGISTERS = PRESPLIT && D_TILE > 64 ? 40 : 104;
+    constexpr int CONSUMER_REGISTERS = (LAUNCH_REGISTERS * 384 - 128 * PRODUCER_REGISTERS) / 256 / 8 * 8;
     static_assert(128 * PRODUCER_REGISTERS + 256 * CONSUMER_REGISTERS <= 384 * LAUNCH_REGISTERS, "registers");
     constexpr bool SPLIT = Tf32Operand<PRODUCTS>::SPLIT;
-    // Q in registers: 16 D_TILE / 8 of a consumer's 200 (at d128 they spill, tf32-wgmma-v1)
-    static_assert(BLOCK_N % 32 == 0 && BLOCK_N <= 256 && D_TILE % 32 == 0 && D_TILE <= 64, "whole tf32 panels");
+    // Q in registers: 16 D_TILE / 8 of a consumer's 200 (at d128 they spill, tf32-wgmma-v1): Q_STAGED
+    static_assert(BLOCK_N % 32 == 0 && BLOCK_N <= 256 && D_TILE % 32 == 0 && D_TILE <= (Q_STAGED ? 128 : 64),
+                  "whole tf32 panels");
     static_assert(STAGES >= 2 && (PRESPLIT ? RAW_STAGES == 0 : RAW_STAGES >= 1), "stages");
     static_assert(L::BYTES + 1024 <= 227 * 1024, "shared memory");
 
@@ -138,8 +150,17 @@ flash_fwd_tf32_wgmma_ws(const __grid_constant__ FwdParams p) {
     constexpr Tanh TANH = SPLIT ? Tanh::ACCURATE : Tanh::RATIONAL;
     const ScoreOf<Mask, float, TANH> score(score_problem<Mask>(p, seq), seq.index, blockIdx.y, p.scale);
     const float* __restrict__ q_rows = p.q.row<const float>(seq.batch, seq.q_begin + m0, head);
-    u32 q_hi[D_TILE / 8][4], q_lo[D_TILE / 8][4];
-    load_q_fragments<D_TILE, PRODUCTS>(q_hi, q_lo, q_rows, seqlen_q - m0, p.headdim, p.q.row_stride, strip_row0, lane);
+    constexpr int Q_FRAGS = Q_STAGED ? 1 : D_TILE / 8;
+    u32 q_hi[Q_FRAGS][4], q_lo[Q_FRAGS][4];
+    unsigned char* const q_tile = smem_raw + (base - smem_u32(smem_raw)) + L::Q;
+    typedef typename QStagingOf<Q_STAGED, D_TILE, PRODUCTS>::type QStaging;
+    const QStaging q_staged(q_tile, strip_row0, lane);
+    if constexpr (Q_STAGED) {
+        stage_q_rows<D_TILE>(q_tile, q_rows, seqlen_q - m0, p.headdim, p.q.row_stride, strip_row0, lane);
+    } else {
+        load_q_fragments<D_TILE, PRODUCTS>(q_hi, q_lo, q_rows, seqlen_q - m0, p.headdim, p.q.row_stride, strip_row0,
+                                           lane);
+    }
 
     float o_acc[1][D_FRAGS][4];
     zero_acc(o_acc);
@@ -155,16 +176,16 @@ flash_fwd_tf32_wgmma_ws(const __grid_constant__ FwdParams p) {
         const int i = j - j_begin;
         const u32 stage = base + (i % STAGES) * L::STAGE;
         ring.wait_full(i);
-        tf32_wgmma_forward_block<D_TILE, BLOCK_M, BLOCK_N, PRODUCTS, true, SUMS_APART>(
+        tf32_wgmma_forward_block<D_TILE, BLOCK_M, BLOCK_N, PRODUCTS, !Q_STAGED, SUMS_APART>(
             o_acc, row_stats, q_hi, q_lo, 0u, 0u, stage + L::K_HI, stage + L::K_LO, stage + L::V_HI, stage + L::V_LO,
-            mask, score, dropout, p.scale_log2, m0, j * BLOCK_N, strip_row0, lane, turns);
+            mask, score, dropout, p.scale_log2, m0, j * BLOCK_N, strip_row0, lane, turns, q_staged);
         ring.arrive_empty(i);  // its products were waited for
     }
     if (wg == 1) turns.wait();
 
     if constexpr (DropoutOf<Mask>::ENABLED) scale_acc(o_acc, p.variant.dropout.scale);
     store_o<float, D_TILE, Mask::Score::HAS_SINK>(
-        o_acc, row_stats, base + L::RAW, strip_row0, m0, seqlen_q, p.headdim_v,
+        o_acc, row_stats, base + L::O_STAGING, strip_row0, m0, seqlen_q, p.headdim_v,
         p.o.row<float>(seq.batch, seq.q_begin + m0, head), p.o.row_stride,
         static_cast<float*>(p.lse) + seq.stat(p, head, m0), lane, sink_log2<Mask, float>(p, head));
 }

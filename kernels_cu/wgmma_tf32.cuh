@@ -372,6 +372,11 @@ __device__ __forceinline__ u64 tf32_k_step_desc(u32 tile, int step) {
 }
 
 
+// tf32_product_sums' prepare when the A operands are ready before it (no per-k-step step).
+struct NoPrepare {
+    __device__ __forceinline__ void operator()(int) const {}
+};
+
 // A product summed over K_STEPS k-steps of 8 into `s` (NV accumulator values a thread), waited
 // for: issue(kk, small, hh, hh_accumulates) issues k-step kk, its small products (SPLIT: lo hi,
 // hi lo) into `small`, which they start at k-step 0, and hi hi into `hh`. Chained (!APART): all
@@ -386,11 +391,24 @@ __device__ __forceinline__ u64 tf32_k_step_desc(u32 tile, int step) {
 // 2.9e-6, under the 2x bound, and the 1k error from 1.66x to 1.23x standard's). Two chains in
 // flight; each is added to `s` by FADDs once waited for. Same products, three times the
 // registers. turns.wait() before the first issue, turns.pass() after the last.
-template <int NV, int K_STEPS, bool SPLIT, bool APART, class Issue, class Turns>
-__device__ __forceinline__ void tf32_product_sums(float (&s)[NV], const Issue& issue, const Turns& turns) {
+//
+// PREPARE (A operands formed per k-step, tf32-wgmma-d128: Q staged raw in shared memory, split
+// into registers as it is needed): prepare(kk) writes the A registers k-step kk issues with, in
+// slot kk % 4, before the fence of its chain of two, since wgmma reads its register operands
+// until it completes; the chain two before has been waited for by then, so four slots suffice.
+// Without APART the chains share `s` (one accumulator, the same products in the same order).
+template <int NV, int K_STEPS, bool SPLIT, bool APART, bool PREPARE = false, class Issue, class Turns,
+          class Prepare = NoPrepare>
+__device__ __forceinline__ void tf32_product_sums(float (&s)[NV], const Issue& issue, const Turns& turns,
+                                                  const Prepare& prepare = Prepare()) {
     static_assert(!APART || SPLIT, "apart sums are the split products'");
+    constexpr int HH_CHAIN = 2, CHAINS = (K_STEPS + HH_CHAIN - 1) / HH_CHAIN;
+    auto prepare_chain = [&](int c) {
+#pragma unroll
+        for (int t = 0; t < HH_CHAIN; ++t)
+            if (c * HH_CHAIN + t < K_STEPS) prepare(c * HH_CHAIN + t);
+    };
     if constexpr (APART) {
-        constexpr int HH_CHAIN = 2, CHAINS = (K_STEPS + HH_CHAIN - 1) / HH_CHAIN;
         float small[NV], hh[2][NV];
         auto add_chain = [&](float(&chain)[NV], bool first) {
             pin_registers(chain);
@@ -400,6 +418,7 @@ __device__ __forceinline__ void tf32_product_sums(float (&s)[NV], const Issue& i
         turns.wait();
 #pragma unroll
         for (int c = 0; c < CHAINS; ++c) {
+            if constexpr (PREPARE) prepare_chain(c);
             wgmma_fence();
 #pragma unroll
             for (int t = 0; t < HH_CHAIN; ++t)
@@ -416,6 +435,21 @@ __device__ __forceinline__ void tf32_product_sums(float (&s)[NV], const Issue& i
         pin_registers(small);
 #pragma unroll
         for (int e = 0; e < NV; ++e) s[e] += small[e];
+    } else if constexpr (PREPARE) {
+        turns.wait();
+#pragma unroll
+        for (int c = 0; c < CHAINS; ++c) {
+            if (c > 1) wgmma_wait<1>();  // chain c - 2, whose A slots chain c takes, has completed
+            prepare_chain(c);
+            wgmma_fence();
+#pragma unroll
+            for (int t = 0; t < HH_CHAIN; ++t)
+                if (c * HH_CHAIN + t < K_STEPS) issue(c * HH_CHAIN + t, s, s, SPLIT ? 1 : c * HH_CHAIN + t > 0);
+            wgmma_commit();
+        }
+        turns.pass();
+        wgmma_wait<0>();
+        pin_registers(s);
     } else {
         turns.wait();
         wgmma_fence();

@@ -32,6 +32,72 @@ __device__ __forceinline__ void load_q_fragments(u32 (&hi)[D_TILE / 8][4], u32 (
         }
 }
 
+// Q staged raw (tf32-wgmma-d128): where Q split once into registers does not fit (16 D_TILE / 8
+// registers a thread: at d128 the consumers of flash_fwd_tf32_wgmma_ws spill), each warp copies
+// its 16 rows of Q into shared memory as they are, in store_o's float32 staging layout
+// (swizzled_offset_f32: the tile doubles as O's staging tile in the epilogue, each warp's rows its
+// own), and every key block splits the A fragments of each k-step into registers just before its
+// products (tf32_product_sums' PREPARE). A fragment's 32 loads hit 32 banks: lanes g = 0..7 read
+// rows whose (row & 7) is g, so the swizzle puts one k-step column's chunk at 8 distinct positions.
+// The products, their order and the split are Q_REGS', so the results are bitwise the same.
+struct NoStagedQ {
+    static constexpr bool ACTIVE = false;
+    __device__ __forceinline__ NoStagedQ(const unsigned char*, int, int) {}
+    __device__ __forceinline__ NoStagedQ() {}
+};
+
+template <int D_TILE, int PRODUCTS>
+struct StagedQ {
+    static constexpr bool ACTIVE = true;
+    static constexpr u32 ROW_BYTES = D_TILE * 4;
+    static_assert(D_TILE == 64 || D_TILE == 128, "rows of 256 or 512 bytes: the chunk XOR stays within a row");
+    const unsigned char* tile;  // the CTA's Q rows (BLOCK_M x D_TILE float32), shared memory
+    u32 lane_offset;            // swizzled_offset_f32(strip_row0 + g, t) with chunk 0: row, g's XOR, 4 t
+
+    __device__ __forceinline__ StagedQ(const unsigned char* tile_, int strip_row0, int lane)
+        : tile(tile_), lane_offset((strip_row0 + lane / 4) * ROW_BYTES + (lane / 4 % 8) * 16 + 4 * (lane % 4)) {}
+
+    // A's hi and lo of k-step kk (load_q_fragments' layout). Element (row, 8 kk + t + 4 h) sits at
+    // swizzled_offset_f32, whose chunk (2 kk + h) ^ (row & 7) in 16-byte units is lane_offset's
+    // g bits XOR (2 kk + h) 16: one LOP3 a load from the one base, which ptxas rematerialises
+    // rather than hoisting 4 D_TILE / 8 addresses out of the key loop (as it did for the offsets
+    // written whole: 36 bytes spilled at d64, 196 at d128).
+    __device__ __forceinline__ void split(int kk, u32 (&hi)[4], u32 (&lo)[4]) const {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const u32 offset = (lane_offset ^ static_cast<u32>((2 * kk + (r >> 1)) * 16)) + (r & 1) * 8 * ROW_BYTES;
+            split_tf32<PRODUCTS>(*reinterpret_cast<const float*>(tile + offset), hi[r], lo[r]);
+        }
+    }
+};
+
+// StagedQ where ON, else NoStagedQ.
+template <bool ON, int D_TILE, int PRODUCTS>
+struct QStagingOf {
+    typedef NoStagedQ type;
+};
+template <int D_TILE, int PRODUCTS>
+struct QStagingOf<true, D_TILE, PRODUCTS> {
+    typedef StagedQ<D_TILE, PRODUCTS> type;
+};
+
+// The warp's 16 rows of Q (from strip_row0) copied raw into StagedQ's tile, zeros past the rows and
+// head dim given (headdim, stride and the rows' address in multiples of 4 floats). Lane l takes row
+// l % 16, two chunks a step: not store_o's order, whose copy-out would otherwise share these 16
+// addresses with this loop and keep them live (spilled) across the key loop.
+template <int D_TILE>
+__device__ __forceinline__ void stage_q_rows(unsigned char* tile, const float* q_rows, int rows_valid, int headdim,
+                                             i64 stride, int strip_row0, int lane) {
+    constexpr int CHUNKS = D_TILE / 4;
+#pragma unroll
+    for (int i = 0; i < CHUNKS / 2; ++i) {
+        const int row = strip_row0 + lane % 16, chunk = 2 * i + lane / 16;
+        const uint4 v = ldg_bits4(q_rows + row * stride + 4 * chunk, row < rows_valid && 4 * chunk < headdim);
+        *reinterpret_cast<uint4*>(tile + swizzled_offset_f32<D_TILE>(row, 4 * chunk)) = v;
+    }
+    __syncwarp();
+}
+
 // One key block for a warpgroup: S = Q K_j^T as tf32 wgmma (A = Q from registers with Q_REGS,
 // else from the warpgroup's 64-row Q hi / lo tiles; B = K_j's tiles), the online softmax and dropout
 // on its registers, P split into wgmma's register A operand, O += P V_j (B = V_j^T's KEY_PAIRS
@@ -42,16 +108,18 @@ __device__ __forceinline__ void load_q_fragments(u32 (&hi)[D_TILE / 8][4], u32 (
 // (tf32_product_sums' APART) and each block's P V in a fresh accumulator added to the rescaled O
 // (tf32_acc_times_tile's FRESH: one block's keys chained, not the sequence's; tf32-fwd-v2's
 // FRESH_O), for the accuracy the truncating accumulation costs. Same products, more registers:
-// S's width three times over, and O's.
+// S's width three times over, and O's. q_staged (StagedQ): A from registers split per k-step from
+// Q's raw rows, in place of Q_REGS' (q_hi, q_lo unused).
 template <int D_TILE, int BLOCK_M, int BLOCK_N, int PRODUCTS, bool Q_REGS, bool SUMS_APART = false, class Mask,
-          class Score, class Stats, class Drop, int QK, class Turns = NoTurns>
+          class Score, class Stats, class Drop, int QK, class Turns = NoTurns, class QStaging = NoStagedQ>
 __device__ __forceinline__ void tf32_wgmma_forward_block(float (&o_acc)[1][D_TILE / 8][4], Stats& row_stats,
                                                          const u32 (&q_hi)[QK][4], const u32 (&q_lo)[QK][4],
                                                          u32 q_hi_tile, u32 q_lo_tile, u32 k_hi_tile, u32 k_lo_tile,
                                                          u32 v_hi_tile, u32 v_lo_tile, const Mask& mask,
                                                          const Score& score, const Drop& dropout, float scale_log2,
                                                          int m0, int n0, int strip_row0, int lane,
-                                                         const Turns& turns = Turns()) {
+                                                         const Turns& turns = Turns(),
+                                                         const QStaging& q_staged = QStaging()) {
     constexpr int N_FRAGS = BLOCK_N / 8, D_FRAGS = D_TILE / 8;
     constexpr bool SPLIT = Tf32Operand<PRODUCTS>::SPLIT, APART = SPLIT && SUMS_APART;
     static_assert(!Q_REGS || QK == D_TILE / 8, "Q's registers: one A fragment per k-step");
@@ -60,9 +128,20 @@ __device__ __forceinline__ void tf32_wgmma_forward_block(float (&o_acc)[1][D_TIL
     float(&s_flat)[N_FRAGS * 4] = reinterpret_cast<float(&)[N_FRAGS * 4]>(s);
     // One k-step of S: the small products (SPLIT) into `small`, which starts at k-step 0 (its own
     // accumulator, or S's before hi hi goes in), and hi hi into `hh`.
+    constexpr bool STAGED = QStaging::ACTIVE;
+    u32 qs_hi[STAGED ? 4 : 1][4], qs_lo[STAGED ? 4 : 1][4];  // tf32_product_sums' four A slots
+    auto split_q = [&](int kk) {
+        if constexpr (STAGED) q_staged.split(kk, qs_hi[kk & 3], qs_lo[kk & 3]);
+    };
     auto s_k_step = [&](int kk, float(&small)[N_FRAGS * 4], float(&hh)[N_FRAGS * 4], int hh_accumulates) {
         const u64 k_hi = tf32_k_step_desc<BLOCK_N>(k_hi_tile, kk);
-        if constexpr (Q_REGS) {
+        if constexpr (STAGED) {
+            if constexpr (SPLIT) {
+                WgmmaTf32<BLOCK_N>::rs(small, qs_lo[kk & 3], k_hi, kk > 0);
+                WgmmaTf32<BLOCK_N>::rs(small, qs_hi[kk & 3], tf32_k_step_desc<BLOCK_N>(k_lo_tile, kk), 1);
+            }
+            WgmmaTf32<BLOCK_N>::rs(hh, qs_hi[kk & 3], k_hi, hh_accumulates);
+        } else if constexpr (Q_REGS) {
             if constexpr (SPLIT) {
                 WgmmaTf32<BLOCK_N>::rs(small, q_lo[kk], k_hi, kk > 0);
                 WgmmaTf32<BLOCK_N>::rs(small, q_hi[kk], tf32_k_step_desc<BLOCK_N>(k_lo_tile, kk), 1);
@@ -77,7 +156,7 @@ __device__ __forceinline__ void tf32_wgmma_forward_block(float (&o_acc)[1][D_TIL
             WgmmaTf32<BLOCK_N>::ss(hh, q_hi_desc, k_hi, hh_accumulates);
         }
     };
-    tf32_product_sums<N_FRAGS * 4, K_STEPS, SPLIT, APART>(s_flat, s_k_step, turns);
+    tf32_product_sums<N_FRAGS * 4, K_STEPS, SPLIT, APART, STAGED>(s_flat, s_k_step, turns, split_q);
 
     scale_and_mask(s, scale_log2, mask.keys_partial(m0, BLOCK_M, n0, BLOCK_N), mask, score, m0 + strip_row0, n0,
                    lane);

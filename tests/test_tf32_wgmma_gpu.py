@@ -2,7 +2,8 @@
 configurations of docs/perf-log.md tf32-wgmma-v0 .. v3, launched as mma_fwd.forward(config=...)
 against the float64 reference: fresh random inputs, NaN-poisoned outputs, sm_90 only. Every
 configuration runs every property: v0, v1 (raw K / V staged by cp.async), v1 with Q in registers
-and v2 (a producer warpgroup; both head dims up to 64, their tile). v2 (apart for "ieee") is
+and v2 (a producer warpgroup; both head dims up to 64, their tile), and v2 with Q staged raw in
+shared memory (head dims up to 128; perf log tf32-wgmma-d128). v2 (apart for "ieee") is
 sm_90's d64 float32 row since tf32-wgmma-route; the others are candidates no plan routes to.
 
 - precision "ieee": the float32 rule of cupyflash.testing.tolerance (max error <= 1e-4 (1 +
@@ -48,7 +49,10 @@ CONFIGS = {"v0": (WgmmaTf32FwdConfig(64), TENSOR_CORE_HEADDIMS),
                            (8, 16, 40, 64)),
            # the key blocks split once for the grid (flash_fwd_split_kv_tf32, perf log tf32-fwd-split-once)
            "v2_presplit": (WgmmaTf32FwdConfig(32, raw_stages=0, producer=True, stages=4, presplit=True),
-                           (8, 16, 40, 64))}
+                           (8, 16, 40, 64)),
+           # Q staged raw and split a k-step at a time (perf log tf32-wgmma-d128): up to d128
+           "v2_qstaged": (WgmmaTf32FwdConfig(32, raw_stages=0, producer=True, stages=2, presplit=True, q_staged=True),
+                          TENSOR_CORE_HEADDIMS)}
 APART_CONFIGS = {
     "v1_apart": (WgmmaTf32FwdConfig(32, raw_stages=2, sums_apart=True), TENSOR_CORE_HEADDIMS),
     "v1_qregs_apart": (WgmmaTf32FwdConfig(32, raw_stages=2, q_registers=True, sums_apart=True), (8, 16, 40, 64)),
@@ -57,7 +61,9 @@ APART_CONFIGS = {
     "v2_pingpong_apart": (WgmmaTf32FwdConfig(32, raw_stages=2, producer=True, stages=4, sums_apart=True,
                                              pingpong=True), (8, 16, 40, 64)),
     "v2_presplit_apart": (WgmmaTf32FwdConfig(32, raw_stages=0, producer=True, stages=4, sums_apart=True,
-                                             presplit=True), (8, 16, 40, 64))}
+                                             presplit=True), (8, 16, 40, 64)),
+    "v2_qstaged_apart": (WgmmaTf32FwdConfig(32, raw_stages=0, producer=True, stages=2, sums_apart=True,
+                                            presplit=True, q_staged=True), TENSOR_CORE_HEADDIMS)}
 
 
 @pytest.fixture(autouse=True)
@@ -181,6 +187,24 @@ def test_presplit_is_the_producers_bits(precision, data):
         p0, p1 = packed_forward(producer), packed_forward(presplit)
         assert np.array_equal(p0[0], p1[0], equal_nan=True) and np.array_equal(p0[1], p1[1], equal_nan=True)
         assert np.array_equal(p1[0].reshape(o1.shape), o1, equal_nan=True)
+
+
+# Q staged raw (Q_STAGED) forms the same A fragments as Q split into registers, issued in the same
+# order into the same accumulators: bit for bit the presplit producer's where both run (up to d64).
+@pytest.mark.parametrize("precision", ["ieee", "tf32"])
+@given(data=st.data())
+def test_q_staged_is_the_register_qs_bits(precision, data):
+    problem = data.draw(_problems("v2_presplit_apart"))
+    q, k, v, _ = problem.arrays()
+    options = _variant_options(data.draw(st.sampled_from(VARIANTS)), problem.nheads, problem.seed)
+    apart = precision == "ieee"
+    registers = WgmmaTf32FwdConfig(32, raw_stages=0, producer=True, stages=4, sums_apart=apart, presplit=True)
+    staged = WgmmaTf32FwdConfig(32, raw_stages=0, producer=True, stages=2, sums_apart=apart, presplit=True,
+                                q_staged=True)
+    o0, lse0 = _forward(problem, q, k, v, options, precision, registers)
+    o1, lse1 = _forward(problem, q, k, v, options, precision, staged)
+    assert not np.isnan(o1).any()
+    assert np.array_equal(o0, o1, equal_nan=True) and np.array_equal(lse0, lse1, equal_nan=True)
 
 
 def test_presplit_walks_stop_at_a_short_packed_sequences_end(monkeypatch):

@@ -8,11 +8,13 @@ bank conflicts and the loads use whole 32-byte sectors. Then the header compiles
 and stores as 16-byte instructions and nothing spilled."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from models.mirrors import missing_statements
-from models.wgmma_tf32 import (KERNEL, SOURCE, STEPS, WS_KERNEL, Log, forward_ws_smem, cp_async_staged_rows, load_q_fragments, staged_offset, forward_smem, k_major_operand_of, key_pair_order,
+from models.wgmma_tf32 import (KERNEL, SOURCE, STEPS, WS_KERNEL, Log, forward_ws_smem, stage_q_rows, staged_q_offsets, cp_async_staged_rows, load_q_fragments, staged_offset, forward_smem, k_major_operand_of, key_pair_order,
                                p_as_a_registers, split_tf32_panels,
                                 split_tf32_panels_transposed, tf32_a_fragment_matrix, tf32_k_step_desc, tf32_operand)
 from models.tf32 import tensor_core_reads
@@ -287,6 +289,77 @@ def test_candidate_forward_smem_is_the_plan_s():
     assert layout["FULL"] - layout["RAW"] >= c.block_m * 64 * 4  # O's staging tile in the raw tiles
 
 
+# tf32-wgmma-d128: Q staged raw in shared memory, split a k-step at a time (the producer kernel up to
+# d128, with presplit)
+Q_STAGED_CONFIG = WgmmaTf32FwdConfig(32, raw_stages=0, producer=True, stages=2, sums_apart=True, presplit=True,
+                                     q_staged=True)
+
+
+@pytest.mark.parametrize("d_tile", [64, 128])
+def test_q_staged_layout_fits_and_stages_o_in_q(d_tile):
+    """The Q tile follows the stages (1024-aligned, for nothing but tidiness: its swizzle needs 512),
+    holds the CTA's 128 rows, doubles as O's staging tile, and the raw region is the raw stages'
+    alone; plans mirrors the bytes, under 227 KiB at d128 (one CTA an SM)."""
+    from cupyflash import plans
+
+    c = Q_STAGED_CONFIG
+    layout = forward_ws_smem(d_tile, c.block_n, c.stages, c.raw_stages, q_staged=True)
+    assert plans.tf32_wgmma_smem_bytes(d_tile, c) == layout["BYTES"] + 1024 <= 227 * 1024
+    assert layout["Q"] % 1024 == 0 and layout["O_STAGING"] == layout["Q"]
+    assert layout["RAW"] - layout["Q"] == 128 * d_tile * 4 and layout["FULL"] == layout["RAW"]
+    assert plans.specialization_for("float32", d_tile, True, c).name.endswith("_qstaged")
+    with pytest.raises(ValueError, match="presplit only"):
+        plans.specialization_for("float32", 128, True, WgmmaTf32FwdConfig(32, raw_stages=2, producer=True,
+                                                                          q_staged=True))
+    with pytest.raises(ValueError, match="producer"):
+        plans.specialization_for("float32", 128, True, WgmmaTf32FwdConfig(32, q_staged=True))
+
+
+@pytest.mark.parametrize("d_tile", [64, 128])
+def test_staged_q_reads_load_q_fragments_values_without_conflicts(d_tile):
+    """stage_q_rows copies each warp's 16 rows once (16-byte stores, 8 distinct bank groups a
+    quarter warp) into swizzled_offset_f32's layout; StagedQ::split's XOR addresses are that
+    layout's, so the fragments read back are load_q_fragments' (zeros past the rows and head dim),
+    and each of its 32-bit loads hits 32 distinct banks."""
+    from models.tf32 import swizzled_offset_f32
+
+    rng = np.random.default_rng(d_tile)
+    q = rng.standard_normal((128, d_tile)).astype(np.float32)
+    for rows_valid, headdim in ((128, d_tile), (77, d_tile - 24)):
+        tile = np.full(128 * d_tile, np.nan, np.float32)
+        for strip_row0 in range(0, 128, 16):
+            copies = [stage_q_rows(d_tile, strip_row0, lane) for lane in range(32)]
+            covered = sorted(rc for lane_copies in copies for rc in lane_copies)
+            assert covered == [(strip_row0 + r, c) for r in range(16) for c in range(d_tile // 4)]
+            for i in range(len(copies[0])):
+                for quarter in range(4):
+                    groups = {swizzled_offset_f32(d_tile, *copies[lane][i][:1], 4 * copies[lane][i][1]) // 16 % 8
+                              for lane in range(8 * quarter, 8 * quarter + 8)}
+                    assert len(groups) == 8
+                for lane in range(32):
+                    row, chunk = copies[lane][i]
+                    for e in range(4):
+                        col = 4 * chunk + e
+                        value = q[row, col] if row < rows_valid and col < headdim else 0.0
+                        tile[swizzled_offset_f32(d_tile, row, col) // 4] = value
+        assert not np.isnan(tile).any()
+        for wg in range(2):
+            want = load_q_fragments(d_tile, q[64 * wg:], rows_valid - 64 * wg, headdim)
+            for thread in range(128):
+                strip_row0, lane = 64 * wg + 16 * (thread // 32), thread % 32
+                for kk in range(d_tile // 8):
+                    offsets = staged_q_offsets(d_tile, strip_row0, lane, kk)
+                    assert [tile[o // 4] for o in offsets] == list(want[thread, kk])
+        for strip_row0 in range(0, 128, 16):
+            for kk in range(d_tile // 8):
+                for r in range(4):
+                    offsets = [staged_q_offsets(d_tile, strip_row0, lane, kk)[r] for lane in range(32)]
+                    row0 = strip_row0 + 8 * (r & 1)
+                    assert offsets == [swizzled_offset_f32(d_tile, row0 + lane // 4, 8 * kk + lane % 4 + 4 * (r >> 1))
+                                       for lane in range(32)]
+                    assert len({o // 4 % 32 for o in offsets}) == 32
+
+
 APART_CONFIGS = (WgmmaTf32FwdConfig(32, raw_stages=2, sums_apart=True),
                  WgmmaTf32FwdConfig(32, raw_stages=2, producer=True, stages=4, sums_apart=True))
 PINGPONG_CONFIGS = (WgmmaTf32FwdConfig(32, raw_stages=2, producer=True, stages=4, pingpong=True),
@@ -295,15 +368,15 @@ PINGPONG_CONFIGS = (WgmmaTf32FwdConfig(32, raw_stages=2, producer=True, stages=4
 
 @needs_nvrtc
 @pytest.mark.parametrize("config", [WgmmaTf32FwdConfig(64), *V1_CONFIGS, V2_CONFIG, *APART_CONFIGS,
-                                    *PINGPONG_CONFIGS],
+                                    *PINGPONG_CONFIGS, Q_STAGED_CONFIG, replace(Q_STAGED_CONFIG, sums_apart=False)],
                          ids=["v0", "v1", "v1-qregs", "v2", "v1-apart", "v2-apart", "v2-pingpong",
-                              "v2-pingpong-apart"])
+                              "v2-pingpong-apart", "v2-qstaged-apart", "v2-qstaged"])
 @pytest.mark.parametrize("headdim, causal, precision", [(64, True, "ieee"), (128, False, "tf32")])
 def test_candidate_forward_compiles_without_spills(config, headdim, causal, precision):
     """The candidate kernels (flash_fwd_tf32_wgmma, flash_fwd_tf32_wgmma_ws) for sm_90a: no local
     memory, no wgmma serialization (C7515); Q in registers only up to d64 (their plans refuse d128
-    with a producer)."""
-    if (config.q_registers or config.producer) and headdim > 64:
+    with a producer but with Q staged)."""
+    if (config.q_registers or config.producer) and headdim > 64 and not config.q_staged:
         pytest.skip("Q in registers: head dims up to 64")
     from cupyflash import plans
     from cupyflash.kernels import compile_check

@@ -257,21 +257,45 @@ def fwd_key_block_tiles(d_tile: int, block_n: int) -> dict:
 @mirrors(WS_KERNEL,
          "static constexpr u32 KV_TILE = Tiles::KV_TILE, STAGE = Tiles::BYTES;",
          "static constexpr u32 K_HI = Tiles::K_HI, K_LO = Tiles::K_LO, V_HI = Tiles::V_HI, V_LO = Tiles::V_LO;",
-         "static constexpr u32 RAW = STAGES * STAGE;",
-         "static constexpr u32 RAW_BYTES = RAW_STAGES * 2 * KV_TILE > BLOCK_M * D_TILE * 4 ? RAW_STAGES * 2 * KV_TILE",
-         ": BLOCK_M * D_TILE * 4;",
+         "static constexpr u32 Q_TILE = BLOCK_M * D_TILE * 4;",
+         "static constexpr u32 Q = STAGES * STAGE, RAW = Q + (Q_STAGED ? Q_TILE : 0u);",
+         "static constexpr u32 RAW_BYTES = Q_STAGED || RAW_STAGES * 2 * KV_TILE > Q_TILE ? RAW_STAGES * 2 * KV_TILE : Q_TILE;",
+         "static constexpr u32 O_STAGING = Q_STAGED ? Q : RAW;",
          "static constexpr u32 FULL = RAW + RAW_BYTES, EMPTY = FULL + 8 * STAGES;",
          "static constexpr u32 BYTES = EMPTY + 8 * STAGES;")
-def forward_ws_smem(d_tile: int, block_n: int, stages: int, raw_stages: int) -> dict:
+def forward_ws_smem(d_tile: int, block_n: int, stages: int, raw_stages: int, q_staged: bool = False) -> dict:
     tiles = fwd_key_block_tiles(d_tile, block_n)
     kv_tile = tiles["KV_TILE"]
     layout = {"KV_TILE": kv_tile, "STAGE": tiles["BYTES"], **{k: tiles[k] for k in ("K_HI", "K_LO", "V_HI", "V_LO")}}
-    layout["RAW"] = stages * layout["STAGE"]
-    # the raw tiles stage O in the epilogue (128 rows): the region is at least that large
-    layout["FULL"] = layout["RAW"] + max(raw_stages * 2 * kv_tile, 128 * d_tile * 4)
+    q_tile = 128 * d_tile * 4
+    layout["Q"] = stages * layout["STAGE"]
+    layout["RAW"] = layout["Q"] + (q_tile if q_staged else 0)
+    # the raw tiles stage O in the epilogue (128 rows): the region is at least that large, unless
+    # Q's staged tile does it
+    raw_bytes = raw_stages * 2 * kv_tile if q_staged or raw_stages * 2 * kv_tile > q_tile else q_tile
+    layout["O_STAGING"] = layout["Q"] if q_staged else layout["RAW"]
+    layout["FULL"] = layout["RAW"] + raw_bytes
     layout["EMPTY"] = layout["FULL"] + 8 * stages
     layout["BYTES"] = layout["EMPTY"] + 8 * stages
     return layout
+
+
+@mirrors(STEPS,
+         ": tile(tile_), lane_offset((strip_row0 + lane / 4) * ROW_BYTES + (lane / 4 % 8) * 16 + 4 * (lane % 4)) {}",
+         "const u32 offset = (lane_offset ^ static_cast<u32>((2 * kk + (r >> 1)) * 16)) + (r & 1) * 8 * ROW_BYTES;")
+def staged_q_offsets(d_tile: int, strip_row0: int, lane: int, kk: int) -> list:
+    """StagedQ::split's byte offsets in the Q tile of k-step kk's four A registers of a lane."""
+    row_bytes = d_tile * 4
+    lane_offset = (strip_row0 + lane // 4) * row_bytes + (lane // 4 % 8) * 16 + 4 * (lane % 4)
+    return [(lane_offset ^ ((2 * kk + (r >> 1)) * 16)) + (r & 1) * 8 * row_bytes for r in range(4)]
+
+
+@mirrors(STEPS,
+         "const int row = strip_row0 + lane % 16, chunk = 2 * i + lane / 16;",
+         "const uint4 v = ldg_bits4(q_rows + row * stride + 4 * chunk, row < rows_valid && 4 * chunk < headdim);")
+def stage_q_rows(d_tile: int, strip_row0: int, lane: int) -> list:
+    """(row, chunk) of each of a lane's stage_q_rows copies, in order."""
+    return [(strip_row0 + lane % 16, 2 * i + lane // 16) for i in range(d_tile // 4 // 2)]
 
 
 @mirrors(STEPS,
