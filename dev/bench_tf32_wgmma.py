@@ -42,7 +42,9 @@ def candidates(headdim: int) -> dict:
                    v2_presplit_apart=C(32, raw_stages=0, producer=True, stages=4, sums_apart=True, presplit=True))
         # Q staged raw, split a k-step at a time (perf log tf32-wgmma-d128): the d64 form beside
         out.update(v2_qstaged_apart=C(32, raw_stages=0, producer=True, stages=2, sums_apart=True, presplit=True,
-                                      q_staged=True))
+                                      q_staged=True),
+                   v2_qstaged_s4_apart=C(32, raw_stages=0, producer=True, stages=4, sums_apart=True, presplit=True,
+                                         q_staged=True))
     else:
         out.update(v1_apart=C(32, raw_stages=2, sums_apart=True),
                    v2_qstaged_apart=C(32, raw_stages=0, producer=True, stages=2, sums_apart=True, presplit=True,
