@@ -21,6 +21,8 @@ sm_90's d64 float32 row since tf32-wgmma-route; the others are candidates no pla
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -154,6 +156,19 @@ def test_sums_apart_error_is_standard_float32s(config_name):
 # helper, tests/kernels/test_flash_fwd_split_kv_tf32.py), and the consumers are the same code:
 # the presplit forward is the producer's, bit for bit (the problems' masks: causal, windows, GQA,
 # the variants; a packed batch of equal lengths; the next test takes a ragged one with a mask_mod).
+def _same_bits_problem(data, precision, first, second):
+    """A problem of up to d64 with a variant drawn, run on two configurations (sums apart for
+    "ieee"), each's (o, lse) asserted bit for bit the other's: (problem, arrays, options, outputs)."""
+    problem = data.draw(_problems("v2_presplit_apart"))
+    q, k, v, _ = problem.arrays()
+    options = _variant_options(data.draw(st.sampled_from(VARIANTS)), problem.nheads, problem.seed)
+    outputs = [_forward(problem, q, k, v, options, precision, replace(config, sums_apart=precision == "ieee"))
+               for config in (first, second)]
+    (o0, lse0), (o1, lse1) = outputs
+    assert np.array_equal(o0, o1, equal_nan=True) and np.array_equal(lse0, lse1, equal_nan=True)
+    return problem, (q, k, v), options, outputs
+
+
 @pytest.mark.parametrize("precision", ["ieee", "tf32"])
 @given(data=st.data())
 def test_presplit_is_the_producers_bits(precision, data):
@@ -161,15 +176,10 @@ def test_presplit_is_the_producers_bits(precision, data):
 
     from cupyflash.kernels.params import PackedBatch
 
-    problem = data.draw(_problems("v2_presplit_apart"))
-    q, k, v, _ = problem.arrays()
-    options = _variant_options(data.draw(st.sampled_from(VARIANTS)), problem.nheads, problem.seed)
     apart = precision == "ieee"
     producer = WgmmaTf32FwdConfig(32, raw_stages=2, producer=True, stages=4, sums_apart=apart)
     presplit = WgmmaTf32FwdConfig(32, raw_stages=0, producer=True, stages=4, sums_apart=apart, presplit=True)
-    o0, lse0 = _forward(problem, q, k, v, options, precision, producer)
-    o1, lse1 = _forward(problem, q, k, v, options, precision, presplit)
-    assert np.array_equal(o0, o1, equal_nan=True) and np.array_equal(lse0, lse1, equal_nan=True)
+    problem, (q, k, v), options, (_, (o1, _)) = _same_bits_problem(data, precision, producer, presplit)
     # the same batch packed: sequences of the problem's batch end to end (cu_seqlens)
     if problem.batch > 1:
         def packed_forward(config):
@@ -194,17 +204,10 @@ def test_presplit_is_the_producers_bits(precision, data):
 @pytest.mark.parametrize("precision", ["ieee", "tf32"])
 @given(data=st.data())
 def test_q_staged_is_the_register_qs_bits(precision, data):
-    problem = data.draw(_problems("v2_presplit_apart"))
-    q, k, v, _ = problem.arrays()
-    options = _variant_options(data.draw(st.sampled_from(VARIANTS)), problem.nheads, problem.seed)
-    apart = precision == "ieee"
-    registers = WgmmaTf32FwdConfig(32, raw_stages=0, producer=True, stages=4, sums_apart=apart, presplit=True)
-    staged = WgmmaTf32FwdConfig(32, raw_stages=0, producer=True, stages=2, sums_apart=apart, presplit=True,
-                                q_staged=True)
-    o0, lse0 = _forward(problem, q, k, v, options, precision, registers)
-    o1, lse1 = _forward(problem, q, k, v, options, precision, staged)
+    registers = WgmmaTf32FwdConfig(32, raw_stages=0, producer=True, stages=4, presplit=True)
+    staged = WgmmaTf32FwdConfig(32, raw_stages=0, producer=True, stages=2, presplit=True, q_staged=True)
+    _, _, _, (_, (o1, _)) = _same_bits_problem(data, precision, registers, staged)
     assert not np.isnan(o1).any()
-    assert np.array_equal(o0, o1, equal_nan=True) and np.array_equal(lse0, lse1, equal_nan=True)
 
 
 def test_presplit_walks_stop_at_a_short_packed_sequences_end(monkeypatch):
