@@ -1,5 +1,6 @@
 """The float32 forward on tf32 wgmma (flash_fwd_tf32_wgmma, candidates no plan routes to) alone,
-small, for compute-sanitizer: v0 and v1's configurations (dev/bench_tf32_wgmma.py's), head dims
+small, for compute-sanitizer: every candidate of dev/bench_tf32_wgmma.py (v0 .. v2, and the staged-Q
+form of tf32-wgmma-d128 at d64 and d128), head dims
 40 / 64 / 128, full, causal and a window, GQA, v's own head dim, a packed batch with an empty
 sequence, both precisions. sm_90 only.
 
