@@ -29,6 +29,7 @@
 #                                       the 16k table with BENCH_16K=1
 #   scripts/gpu_check.sh OUTDIR warm    every kernel compiled into CuPy's cache, alone in a call: run
 #                                       it first, then suite with SUITE_PART=1, 2 and 3 right after
+#   (any mode) SUITE_PATCHES="a+b": those dev/experiments patches applied to this copy first
 #   scripts/gpu_check.sh OUTDIR suite   SUITE_PART=1, 2 or 3: the GPU test suite's three parts (3: the
 #                                       ring's tests), shards and one summary file each
 #                                       (scripts/gpu_suite_part.sh); SUITE_PART=all: the three
@@ -157,6 +158,16 @@ apply_patches() {
 }
 root=$PWD
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv > "$out/gpu.txt" 2>&1
+# SUITE_PATCHES="a+b+...": dev/experiments patches applied to this call's copy of the checkout
+# before any part runs (each only once: apply_patches), so that the warm step and every suite part
+# of a run of calls test the same combined tree without a branch of it
+# (stacked patches cannot each be checked in reverse once a later one is on: a marker says the set
+# is on, for a second gpu_check.sh in the same call)
+if [ -n "${SUITE_PATCHES:-}" ] && [ "$(cat .suite-patches 2>/dev/null)" != "$SUITE_PATCHES" ]; then
+    apply_patches "$SUITE_PATCHES" > "$out/suite-patches.log" 2>&1 || { echo "SUITE_PATCHES did not apply"; exit 1; }
+    echo "$SUITE_PATCHES" > .suite-patches
+    git diff --stat >> "$out/suite-patches.log" 2>&1
+fi
 case $what in
 tests)
     export PYTHONPATH=$PWD
