@@ -126,13 +126,13 @@ __device__ __forceinline__ void tf32_wgmma_forward_block(float (&o_acc)[1][D_TIL
     constexpr int K_STEPS = D_TILE / 8;
     float s[1][N_FRAGS][4];
     float(&s_flat)[N_FRAGS * 4] = reinterpret_cast<float(&)[N_FRAGS * 4]>(s);
-    // One k-step of S: the small products (SPLIT) into `small`, which starts at k-step 0 (its own
-    // accumulator, or S's before hi hi goes in), and hi hi into `hh`.
     constexpr bool STAGED = QStaging::ACTIVE;
     u32 qs_hi[STAGED ? 4 : 1][4], qs_lo[STAGED ? 4 : 1][4];  // tf32_product_sums' four A slots
     auto split_q = [&](int kk) {
         if constexpr (STAGED) q_staged.split(kk, qs_hi[kk & 3], qs_lo[kk & 3]);
     };
+    // One k-step of S: the small products (SPLIT) into `small`, which starts at k-step 0 (its own
+    // accumulator, or S's before hi hi goes in), and hi hi into `hh`.
     auto s_k_step = [&](int kk, float(&small)[N_FRAGS * 4], float(&hh)[N_FRAGS * 4], int hh_accumulates) {
         const u64 k_hi = tf32_k_step_desc<BLOCK_N>(k_hi_tile, kk);
         if constexpr (STAGED) {
