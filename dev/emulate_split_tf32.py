@@ -127,6 +127,8 @@ class Arith:
     pv_step_sums: bool = False  # (a') each 8-key step's 3 products fresh, FADD into the block's sum
     p_hi_only_v_split: bool = False  # (a'') P's hi only (2 products: p_hi v_hi + p_hi v_lo, p_lo v_hi kept)
     s_fadd_exact: bool = False  # (g) S's chains and small sum added without rounding (TwoSum-compensated FADDs)
+    q_lo_trunc: bool = False    # (h) Q's lo as x - hi, its low bits left to the tensor core (truncated, not rounded)
+    p_lo_trunc: bool = False    # (h') P's lo likewise
 
 
 KERNEL = Arith()
@@ -151,10 +153,10 @@ STAGES = {
 }
 
 
-def split(x, hi_mode, lo_round):
+def split(x, hi_mode, lo_round, lo_mode="rna"):
     hi = tf32(x, hi_mode)
     lo = np.asarray(x, np.float64) - hi  # exact (float32 x: as in the kernel)
-    return hi, (tf32(lo, "rna") if lo_round else lo)
+    return hi, (tf32(lo, lo_mode) if lo_round else lo)
 
 
 ALIGN_GUARD = {"rz_a0": 0, "rz_a3": 3}  # accumulation models with alignment truncation (guard bits)
@@ -241,7 +243,7 @@ def _pv(p, vb, ar: Arith, acc=None):
     """One key block's P V in a fresh accumulator (acc None), or chained onto acc: (rows, dv)."""
     r = _acc_round(ar.pv_acc)
     fadd = fl32 if ar.pv_acc != "exact" else exact
-    ph, pl = split(p, ar.hi_mode, ar.pv_lo_round)
+    ph, pl = split(p, ar.hi_mode, ar.pv_lo_round, "trunc" if ar.p_lo_trunc else "rna")
     vh, vl = split(vb, ar.hi_mode, ar.pv_lo_round)
 
     def small_products(x, c):  # lo hi, hi lo (lo lo) of 8-key step c chained onto x
@@ -281,7 +283,7 @@ def head_forward(q, k, v, visible, scale, ar: Arith, rng, alibi_dist=None, slope
     rsub = fl32 if ar.sub_round else exact
     rsc = fl32 if ar.scale_round else exact
     c = rsc(scale * LOG2E)
-    qs = split(q.astype(np.float64), ar.hi_mode, ar.qk_lo_round)
+    qs = split(q.astype(np.float64), ar.hi_mode, ar.qk_lo_round, "trunc" if ar.q_lo_trunc else "rna")
     m = np.full(rows, -np.inf)
     lanes = np.zeros((rows, 4))
     o = np.zeros((rows, v.shape[1]))
@@ -456,15 +458,19 @@ FIXES = {
     "(e)+(d) hi*hi every 4 k-steps + S lo*lo": dict(s_hihi_chunk=4, qk_lolo=False),
     "(e)+(b) hi*hi every 2 k-steps + max first": dict(s_hihi_chunk=2, exp_arg="max_first"),
     "(e)+(f) hi*hi every 2 + Q/K split exact (~6 prod)": dict(s_hihi_chunk=2, qk_lo_round=False, qk_lolo=False),
+    "(h) Q's lo truncated (no cvt)": dict(q_lo_trunc=True),
+    "(h) Q's and P's lo truncated": dict(q_lo_trunc=True, p_lo_trunc=True),
 }
 
 
-BENCH_FIXES = ("(e) S hi*hi fresh every 2 k-steps, FADD", "(e)+(d) hi*hi every 2 k-steps + S lo*lo")
+BENCH_FIXES = ("(e) S hi*hi fresh every 2 k-steps, FADD", "(e)+(d) hi*hi every 2 k-steps + S lo*lo",
+               "(h) Q's lo truncated (no cvt)", "(h) Q's and P's lo truncated")
 SWEEP_FIXES = ("kernel (as is)", "(b) exp arg fl(fl(S - m_S) * c)", "(c) hi truncated (all operands)",
                "(d) 4th product lo*lo (S and P V)", "(d) lo*lo in S only", "(e) S hi*hi fresh every 4 k-steps, FADD",
                "(e) S hi*hi fresh every 2 k-steps, FADD", "(e) S hi*hi fresh every k-step, FADD",
                "(e') S step sums (3 products fresh per k-step)", "(e)+(d) hi*hi every 2 k-steps + S lo*lo",
-               "(e)+(f) hi*hi every 2 + Q/K split exact (~6 prod)")
+               "(e)+(f) hi*hi every 2 + Q/K split exact (~6 prod)", "(h) Q's lo truncated (no cvt)",
+               "(h) Q's and P's lo truncated")
 
 
 def sweep(n, models):
