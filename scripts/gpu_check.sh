@@ -162,10 +162,20 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,
 # before any part runs (each only once: apply_patches), so that the warm step and every suite part
 # of a run of calls test the same combined tree without a branch of it
 # (stacked patches cannot each be checked in reverse once a later one is on: a marker says the set
-# is on, for a second gpu_check.sh in the same call)
-if [ -n "${SUITE_PATCHES:-}" ] && [ "$(cat .suite-patches 2>/dev/null)" != "$SUITE_PATCHES" ]; then
+# is on, for a second gpu_check.sh in the same call). The marker holds the set's names and the
+# checksum of the files they touch as patched: the next device call copies the checkout afresh (the
+# patched files come back as they are in it) but keeps the ignored marker, which then no longer
+# matches, so the set is applied again.
+patched_state() {
+    local name files=""
+    for name in ${1//+/ }; do
+        files="$files $(sed -n 's|^+++ b/\([^[:space:]]*\).*|\1|p' "$root/dev/experiments/$name.patch")"
+    done
+    echo "$1 $(cat $(echo "$files" | tr ' ' '\n' | sort -u) 2>/dev/null | sha1sum | cut -c1-16)"
+}
+if [ -n "${SUITE_PATCHES:-}" ] && [ "$(cat .suite-patches 2>/dev/null)" != "$(patched_state "$SUITE_PATCHES")" ]; then
     apply_patches "$SUITE_PATCHES" > "$out/suite-patches.log" 2>&1 || { echo "SUITE_PATCHES did not apply"; exit 1; }
-    echo "$SUITE_PATCHES" > .suite-patches
+    patched_state "$SUITE_PATCHES" > .suite-patches
     git diff --stat >> "$out/suite-patches.log" 2>&1
 fi
 case $what in
