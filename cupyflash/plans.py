@@ -467,9 +467,17 @@ IEEE_FORWARD_TILES = {
 # mask class takes it (packed batches, dropout, user modifiers: the policy's key ranges are the
 # block map's): one float32 kernel per problem size, so that a varlen batch's sequence and a
 # mask_mod's causal mask give the dense call's bits (the first route, dense only, broke both).
+#
+# d128 (perf log tf32-wgmma-d128): Q split into registers spills there, so the consumers stage Q raw
+# and split it a k-step at a time (q_staged); two stages of 32 keys and Q's tile fill 193 KiB, and
+# the producer's own split spills at d128, so every d128 problem takes the split-once image.
+WGMMA_FLOAT32_D128_FORWARD = WgmmaTf32FwdConfig(32, raw_stages=0, producer=True, stages=2, sums_apart=True,
+                                                presplit=True, q_staged=True)
 WGMMA_FLOAT32_FORWARD_TILES = {
     ("tf32", SM90, 64, "ieee"): WgmmaTf32FwdConfig(32, raw_stages=2, producer=True, stages=4, sums_apart=True),
     ("tf32", SM90, 64, "tf32"): WgmmaTf32FwdConfig(32, raw_stages=2, producer=True, stages=4),
+    ("tf32", SM90, 128, "ieee"): WGMMA_FLOAT32_D128_FORWARD,
+    ("tf32", SM90, 128, "tf32"): replace(WGMMA_FLOAT32_D128_FORWARD, sums_apart=False),
 }
 
 # Rows that replace WGMMA_FLOAT32_FORWARD_TILES' where each key block's split image (the split pass
@@ -481,6 +489,8 @@ WGMMA_FLOAT32_PRESPLIT_FORWARD_TILES = {
     ("tf32", SM90, 64, "ieee"): WgmmaTf32FwdConfig(32, raw_stages=0, producer=True, stages=4, sums_apart=True,
                                                    presplit=True),
     ("tf32", SM90, 64, "tf32"): WgmmaTf32FwdConfig(32, raw_stages=0, producer=True, stages=4, presplit=True),
+    ("tf32", SM90, 128, "ieee"): WGMMA_FLOAT32_D128_FORWARD,
+    ("tf32", SM90, 128, "tf32"): replace(WGMMA_FLOAT32_D128_FORWARD, sums_apart=False),
 }
 PRESPLIT_MIN_IMAGE_READERS = 32
 

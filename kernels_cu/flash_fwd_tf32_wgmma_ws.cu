@@ -1,6 +1,7 @@
 // flash_fwd_tf32_wgmma_ws: the float32 forward on tf32 wgmma with a producer warpgroup (sm_90a):
-// docs/perf-log.md tf32-wgmma-v2. sm_90's float32 row at head dims up to 64, for every mask, packed
-// batch, dropout and user modifier (plans.WGMMA_FLOAT32_FORWARD_TILES, tf32-wgmma-route).
+// docs/perf-log.md tf32-wgmma-v2. sm_90's float32 row at head dims up to 128 (d128: Q_STAGED), for
+// every mask, packed batch, dropout and user modifier (plans.WGMMA_FLOAT32_FORWARD_TILES,
+// tf32-wgmma-route, tf32-wgmma-d128).
 //
 // tf32-wgmma-v1 left every block a chain within its one warpgroup (split, S, softmax, P V), the
 // tensor cores idle through the split unless the SM's other CTA filled them. Here a CTA is three

@@ -65,6 +65,22 @@ __device__ __forceinline__ void split_tf32(float x, u32& hi, u32& lo) {
     }
 }
 
+// hi and lo of x for an operand split again every time it is used (wgmma_tf32_fwd_steps.cuh's
+// StagedQ: each key block's k-steps): lo = x - hi as it is, its 13 low bits left for the tensor
+// core to ignore (truncated, not rounded: |error| < 2^-21 |x| against rounding's 2^-22), which saves
+// cvt.rna's three instructions a value (docs/perf-log.md tf32-staged-q-lo-trunc). NaN survives as
+// split_tf32's does: x - hi of a NaN x is the canonical NaN, whose high bits are NaN's.
+template <int PRODUCTS>
+__device__ __forceinline__ void split_tf32_lo_truncated(float x, u32& hi, u32& lo) {
+    if constexpr (Tf32Operand<PRODUCTS>::SPLIT) {
+        hi = tf32_rounded_finite(x) & 0xffffe000u;
+        lo = __float_as_uint(x - __uint_as_float(hi));
+    } else {
+        hi = tf32_rounded(x);
+        lo = 0u;
+    }
+}
+
 // hi and lo of a softmax weight P, the forward's hottest split (every score, every block): the add
 // alone, without split_tf32's guard. A NaN P (from a NaN score) may read as -0 here, but its row's
 // l, summed from the unrounded P, is NaN, and row_epilogue (finish_row_log2 with a sink) makes

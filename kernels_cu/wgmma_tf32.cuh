@@ -371,6 +371,17 @@ __device__ __forceinline__ u64 tf32_k_step_desc(u32 tile, int step) {
     return smem_desc(tile + (step >> 2) * (ROWS * 128) + (step & 3) * 32, 16, 1024);
 }
 
+// The same from the tile's own descriptor (tf32_k_step_desc(tile, 0)): its 14-bit start field
+// (address >> 4) plus the k-step's offset >> 4, the other fields as they are. The field cannot
+// carry out (shared-memory addresses stay below 2^18), so one 32-bit add a k-step replaces the
+// mask, shift and OR of the address form, which the uniform datapath issued per descriptor
+// (docs/perf-log.md tf32-desc-advance).
+template <int ROWS>
+__device__ __forceinline__ u64 tf32_k_step_desc_after(u64 tile_desc, int step) {
+    const u32 bytes = (step >> 2) * (ROWS * 128) + (step & 3) * 32;
+    return (tile_desc & 0xFFFFFFFF00000000ull) | static_cast<u32>(static_cast<u32>(tile_desc) + (bytes >> 4));
+}
+
 
 // tf32_product_sums' prepare when the A operands are ready before it (no per-k-step step).
 struct NoPrepare {
@@ -489,14 +500,15 @@ __device__ __forceinline__ void tf32_acc_times_tile(float (&acc)[N / 2], const f
     }
     float fresh[FRESH ? N / 2 : 1];
     float(&out)[N / 2] = *reinterpret_cast<float(*)[N / 2]>(FRESH ? fresh : acc);
+    const u64 b_hi_desc = tf32_k_step_desc<N>(b_hi_tile, 0), b_lo_desc = tf32_k_step_desc<N>(b_lo_tile, 0);
     turns.wait();
     wgmma_fence();
 #pragma unroll
     for (int f = 0; f < K_FRAGS; ++f) {
-        const u64 b_hi = tf32_k_step_desc<N>(b_hi_tile, f);
+        const u64 b_hi = tf32_k_step_desc_after<N>(b_hi_desc, f);
         if constexpr (SPLIT) {
             WgmmaTf32<N>::rs(out, a_lo[f], b_hi, FRESH ? f > 0 : 1);
-            WgmmaTf32<N>::rs(out, a_hi[f], tf32_k_step_desc<N>(b_lo_tile, f), 1);
+            WgmmaTf32<N>::rs(out, a_hi[f], tf32_k_step_desc_after<N>(b_lo_desc, f), 1);
         }
         WgmmaTf32<N>::rs(out, a_hi[f], b_hi, FRESH && !SPLIT ? f > 0 : 1);  // the only product: it starts `fresh`
     }

@@ -25,10 +25,14 @@ struct Tf32RowsTimesRows {
     u32 a_hi, a_lo, b_hi, b_lo;  // tiles
     __device__ __forceinline__ void operator()(int kk, float (&small)[B_ROWS / 2], float (&hh)[B_ROWS / 2],
                                                int hh_accumulates) const {
-        const u64 a_hi_desc = tf32_k_step_desc<A_ROWS>(a_hi, kk), b_hi_desc = tf32_k_step_desc<B_ROWS>(b_hi, kk);
+        // (each tile's descriptor the same expression at every kk: computed once, advanced a k-step)
+        const u64 a_hi_desc = tf32_k_step_desc_after<A_ROWS>(tf32_k_step_desc<A_ROWS>(a_hi, 0), kk);
+        const u64 b_hi_desc = tf32_k_step_desc_after<B_ROWS>(tf32_k_step_desc<B_ROWS>(b_hi, 0), kk);
         if constexpr (Tf32Operand<PRODUCTS>::SPLIT) {
-            WgmmaTf32<B_ROWS>::ss(small, tf32_k_step_desc<A_ROWS>(a_lo, kk), b_hi_desc, kk > 0);
-            WgmmaTf32<B_ROWS>::ss(small, a_hi_desc, tf32_k_step_desc<B_ROWS>(b_lo, kk), 1);
+            WgmmaTf32<B_ROWS>::ss(small, tf32_k_step_desc_after<A_ROWS>(tf32_k_step_desc<A_ROWS>(a_lo, 0), kk),
+                                  b_hi_desc, kk > 0);
+            WgmmaTf32<B_ROWS>::ss(small, a_hi_desc,
+                                  tf32_k_step_desc_after<B_ROWS>(tf32_k_step_desc<B_ROWS>(b_lo, 0), kk), 1);
         }
         WgmmaTf32<B_ROWS>::ss(hh, a_hi_desc, b_hi_desc, hh_accumulates);
     }

@@ -66,7 +66,7 @@ struct StagedQ {
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
             const u32 offset = (lane_offset ^ static_cast<u32>((2 * kk + (r >> 1)) * 16)) + (r & 1) * 8 * ROW_BYTES;
-            split_tf32<PRODUCTS>(*reinterpret_cast<const float*>(tile + offset), hi[r], lo[r]);
+            split_tf32_lo_truncated<PRODUCTS>(*reinterpret_cast<const float*>(tile + offset), hi[r], lo[r]);
         }
     }
 };
@@ -133,25 +133,26 @@ __device__ __forceinline__ void tf32_wgmma_forward_block(float (&o_acc)[1][D_TIL
     };
     // One k-step of S: the small products (SPLIT) into `small`, which starts at k-step 0 (its own
     // accumulator, or S's before hi hi goes in), and hi hi into `hh`.
+    const u64 k_hi_desc = tf32_k_step_desc<BLOCK_N>(k_hi_tile, 0), k_lo_desc = tf32_k_step_desc<BLOCK_N>(k_lo_tile, 0);
     auto s_k_step = [&](int kk, float(&small)[N_FRAGS * 4], float(&hh)[N_FRAGS * 4], int hh_accumulates) {
-        const u64 k_hi = tf32_k_step_desc<BLOCK_N>(k_hi_tile, kk);
+        const u64 k_hi = tf32_k_step_desc_after<BLOCK_N>(k_hi_desc, kk);
         if constexpr (STAGED) {
             if constexpr (SPLIT) {
                 WgmmaTf32<BLOCK_N>::rs(small, qs_lo[kk & 3], k_hi, kk > 0);
-                WgmmaTf32<BLOCK_N>::rs(small, qs_hi[kk & 3], tf32_k_step_desc<BLOCK_N>(k_lo_tile, kk), 1);
+                WgmmaTf32<BLOCK_N>::rs(small, qs_hi[kk & 3], tf32_k_step_desc_after<BLOCK_N>(k_lo_desc, kk), 1);
             }
             WgmmaTf32<BLOCK_N>::rs(hh, qs_hi[kk & 3], k_hi, hh_accumulates);
         } else if constexpr (Q_REGS) {
             if constexpr (SPLIT) {
                 WgmmaTf32<BLOCK_N>::rs(small, q_lo[kk], k_hi, kk > 0);
-                WgmmaTf32<BLOCK_N>::rs(small, q_hi[kk], tf32_k_step_desc<BLOCK_N>(k_lo_tile, kk), 1);
+                WgmmaTf32<BLOCK_N>::rs(small, q_hi[kk], tf32_k_step_desc_after<BLOCK_N>(k_lo_desc, kk), 1);
             }
             WgmmaTf32<BLOCK_N>::rs(hh, q_hi[kk], k_hi, hh_accumulates);
         } else {
             const u64 q_hi_desc = tf32_k_step_desc<64>(q_hi_tile, kk);
             if constexpr (SPLIT) {
                 WgmmaTf32<BLOCK_N>::ss(small, tf32_k_step_desc<64>(q_lo_tile, kk), k_hi, kk > 0);
-                WgmmaTf32<BLOCK_N>::ss(small, q_hi_desc, tf32_k_step_desc<BLOCK_N>(k_lo_tile, kk), 1);
+                WgmmaTf32<BLOCK_N>::ss(small, q_hi_desc, tf32_k_step_desc_after<BLOCK_N>(k_lo_desc, kk), 1);
             }
             WgmmaTf32<BLOCK_N>::ss(hh, q_hi_desc, k_hi, hh_accumulates);
         }

@@ -534,7 +534,7 @@ def test_the_documented_modules_have_a_main():
      ["flash_fwd_mma_fp16_hdim64_local", "kernels_cu/flash_fwd_mma.cu"]),
     (["--arch", "80", "--dtype", "bf16", "--headdim", "64", "--atomic"], None, ["'atomic' (atomic adds)"]),
     (["--arch", "90", "--dtype", "fp32", "--statistics", "recomputed"], 4,
-     ["flash_fwd_tf32_fp32", "stats:", "flash_bwd_stats_dmma_fp32_hdim128", "_tf32x3"]),
+     ["flash_fwd_tf32_wgmma_ws_fp32_hdim128", "stats:", "flash_bwd_stats_dmma_fp32_hdim128", "_tf32x3"]),
     (["--arch", "90", "--dtype", "fp32", "--headdim", "200", "--statistics", "recomputed"], 4,
      ["stats:", "flash_bwd_stats_simt_fp32_hdim256"]),
     (["--arch", "90", "--dtype", "fp64", "--headdim", "200"], None, ["flash_fwd_simt_fp64"]),

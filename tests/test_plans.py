@@ -172,7 +172,13 @@ def test_presplit_rows_need_enough_readers_of_each_key_block():
                                                                           sums_apart=precision == "ieee",
                                                                           presplit=True)
             for precision in ("ieee", "tf32")}
-    assert plans.WGMMA_FLOAT32_PRESPLIT_FORWARD_TILES == rows
+    # d128 (tf32-wgmma-d128): the split-once image whatever the readers, so its rows are its route's
+    d128 = {("tf32", plans.SM90, 128, precision): plans.WgmmaTf32FwdConfig(32, raw_stages=0, producer=True, stages=2,
+                                                                           sums_apart=precision == "ieee",
+                                                                           presplit=True, q_staged=True)
+            for precision in ("ieee", "tf32")}
+    assert plans.WGMMA_FLOAT32_PRESPLIT_FORWARD_TILES == {**rows, **d128}
+    assert all(plans.WGMMA_FLOAT32_FORWARD_TILES[key] == row for key, row in d128.items())
     least = plans.PRESPLIT_MIN_IMAGE_READERS
     for precision in ("ieee", "tf32"):
         producer = plans.WGMMA_FLOAT32_FORWARD_TILES[("tf32", plans.SM90, 64, precision)]
@@ -183,9 +189,11 @@ def test_presplit_rows_need_enough_readers_of_each_key_block():
                                           image_readers=readers)
                 assert plan.tiles == expected, (precision, readers, mask)
                 assert (plan.split_kv is not None) == expected.presplit
-        # other head-dim tiles and device classes have no such row
-        assert plans.plan_forward("90", SUPPORTED["float32"], 128, Causal(), None, precision=precision,
-                                  image_readers=10 * least).split_kv is None
+        # d128 splits once whatever the readers; other device classes have no such row
+        for readers in (None, 1, 10 * least):
+            plan = plans.plan_forward("90", SUPPORTED["float32"], 128, Causal(), None, precision=precision,
+                                      image_readers=readers)
+            assert plan.split_kv is not None and plan.tiles == d128[("tf32", plans.SM90, 128, precision)]
         assert plans.plan_forward("80", SUPPORTED["float32"], 64, Causal(), None, precision=precision,
                                   image_readers=10 * least).kernel == "flash_fwd_tf32"
     # bfloat16 has none either
@@ -202,6 +210,18 @@ def test_float32_runs_on_tensor_cores():
             for precision, products in (("ieee", 3), ("tf32", 1)):
                 plan = plans.plan_forward(arch, SUPPORTED["float32"], headdim, Causal(), smem, precision=precision)
                 tiles = plans.FORWARD_TILES[("tf32", where, dt)]
+                if (where, dt) == (plans.SM90, 128):  # tf32-wgmma-d128: the producer kernel, Q staged
+                    config = plans.WgmmaTf32FwdConfig(32, raw_stages=0, producer=True, stages=2,
+                                                      sums_apart=precision == "ieee", presplit=True, q_staged=True)
+                    assert (plan.kernel, plan.tiles, plan.d_tile, plan.spec.arch) == \
+                        ("flash_fwd_tf32_wgmma_ws", config, 128, "90a")
+                    assert plan.spec.name == (f"flash_fwd_tf32_wgmma_ws_fp32_hdim128_causal_bm128_bn32_{precision}"
+                                              f"_s2_raw0{'_apart' if precision == 'ieee' else ''}_presplit_qstaged")
+                    for mask in (Causal().as_packed(), Causal(score=Score(dropout=True)),
+                                 NoMask(score=Score(user=example_modifiers()))):
+                        other = plans.plan_forward(arch, SUPPORTED["float32"], headdim, mask, smem, precision=precision)
+                        assert (other.kernel, other.tiles) == ("flash_fwd_tf32_wgmma_ws", config), (mask, other.spec.name)
+                    continue
                 if (where, dt) == (plans.SM90, 64):  # tf32-wgmma-route: v2, the producer kernel
                     config = plans.WgmmaTf32FwdConfig(32, raw_stages=2, producer=True, stages=4,
                                                       sums_apart=precision == "ieee")
@@ -567,7 +587,8 @@ def test_the_plan_of_this_device_is_what_the_launchers_run_and_fits_it():
         if plan.family == "mma":
             assert plan == mma_fwd.plan(SUPPORTED[dtype], plan.headdim, mask)
             own = {"float32": "flash_fwd_tf32", "float64": "flash_fwd_dmma"}.get(dtype)
-            if dtype == "float32" and arch == "90" and plan.d_tile <= 64:  # tf32-wgmma-route: the producer kernel
+            # tf32-wgmma-route: the producer kernel up to d64, and at d128 its staged-Q form (tf32-wgmma-d128)
+            if dtype == "float32" and arch == "90" and plan.d_tile <= 128:
                 own = "flash_fwd_tf32_wgmma_ws"
             if own is None and arch == "90":  # wgmma-fwd-ws-route: d128's row is the producer kernel,
                 # and a window's where its band is wide (window-fwd-producer: KINDS' Local is unbounded)

@@ -16,7 +16,8 @@ import pytest
 from models.mirrors import missing_statements
 from models.wgmma_tf32 import (KERNEL, SOURCE, STEPS, WS_KERNEL, Log, forward_ws_smem, stage_q_rows, staged_q_offsets, cp_async_staged_rows, load_q_fragments, staged_offset, forward_smem, k_major_operand_of, key_pair_order,
                                p_as_a_registers, split_tf32_panels,
-                                split_tf32_panels_transposed, tf32_a_fragment_matrix, tf32_k_step_desc, tf32_operand)
+                                split_tf32_panels_transposed, tf32_a_fragment_matrix, tf32_k_step_desc, tf32_k_step_desc_after,
+                                tf32_operand)
 from models.tf32 import tensor_core_reads
 from models.wgmma import acc_from_matrix, bank_conflict_free
 from nvrtc_check import needs_nvrtc
@@ -71,6 +72,19 @@ def test_k_major_tile_reads_as_the_split_rows(products, rows, dim, nthreads, row
         desc = tf32_k_step_desc(rows, tile, step)
         assert np.array_equal(tf32_operand(hi_smem, desc, rows), want_hi[:, 8 * step: 8 * step + 8]), step
         assert np.array_equal(tf32_operand(lo_smem, desc, rows), want_lo[:, 8 * step: 8 * step + 8]), step
+
+
+@pytest.mark.parametrize("rows", [16, 32, 64, 128, 256])
+def test_descriptor_advanced_a_k_step_is_the_address_form(rows):
+    """tf32_k_step_desc_after: a k-step's descriptor from its tile's equals the one built from the
+    k-step's address, for every 1024-byte aligned tile a kernel's 227 KiB can hold and every k-step
+    of a 256-column tile (the start field never carries into the next)."""
+    for tile in range(0, 227 * 1024, 1024):
+        base = tf32_k_step_desc(rows, tile, 0)
+        for step in range(32):
+            if tile + (step >> 2) * rows * 128 + 32 * (step & 3) >= 227 * 1024:
+                break
+            assert tf32_k_step_desc_after(rows, base, step) == tf32_k_step_desc(rows, tile, step), (tile, step)
 
 
 @pytest.mark.parametrize("products", [3, 1])

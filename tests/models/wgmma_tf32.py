@@ -52,6 +52,16 @@ def tf32_k_step_desc(rows: int, tile: int, step: int) -> int:
     return smem_desc(tile + (step >> 2) * (rows * 128) + (step & 3) * 32, 16, 1024)
 
 
+@mirrors(SOURCE,
+         "const u32 bytes = (step >> 2) * (ROWS * 128) + (step & 3) * 32;",
+         "return (tile_desc & 0xFFFFFFFF00000000ull) | static_cast<u32>(static_cast<u32>(tile_desc) + (bytes >> 4));")
+def tf32_k_step_desc_after(rows: int, tile_desc: int, step: int) -> int:
+    """k-step `step`'s descriptor from its tile's (tf32_k_step_desc(rows, tile, 0)): the low word
+    plus the step's offset >> 4, with the 32-bit wrap of the kernel's add."""
+    nbytes = (step >> 2) * (rows * 128) + (step & 3) * 32
+    return (tile_desc & 0xFFFFFFFF00000000) | ((tile_desc + (nbytes >> 4)) & 0xFFFFFFFF)
+
+
 @mirrors(SOURCE, "return static_cast<u32>((row * (DIM / 4) + (chunk ^ ((row >> 2) & 7))) * 16);")
 def staged_offset(dim: int, row, chunk):
     """Byte offset of 16-byte chunk `chunk` of row `row` in a StagedRows<dim> tile."""
@@ -316,9 +326,11 @@ def load_q_fragments(d_tile: int, q: np.ndarray, rows_valid: int, headdim: int) 
 
 @mirrors(STEPS,
          "const u64 q_hi_desc = tf32_k_step_desc<64>(q_hi_tile, kk);",
-         "const u64 k_hi = tf32_k_step_desc<BLOCK_N>(k_hi_tile, kk);")
+         "const u64 k_hi_desc = tf32_k_step_desc<BLOCK_N>(k_hi_tile, 0), k_lo_desc = tf32_k_step_desc<BLOCK_N>(k_lo_tile, 0);",
+         "const u64 k_hi = tf32_k_step_desc_after<BLOCK_N>(k_hi_desc, kk);")
 @mirrors(SOURCE,  # tf32_acc_times_tile: the forward's O += P V, the backward's dV += P^T dO and dK += dS^T Q
-         "const u64 b_hi = tf32_k_step_desc<N>(b_hi_tile, f);",
+         "const u64 b_hi_desc = tf32_k_step_desc<N>(b_hi_tile, 0), b_lo_desc = tf32_k_step_desc<N>(b_lo_tile, 0);",
+         "const u64 b_hi = tf32_k_step_desc_after<N>(b_hi_desc, f);",
          "const float x[4] = {a[4 * f], a[4 * f + 2], a[4 * f + 1], a[4 * f + 3]};")
 def p_as_a_registers(acc_block: np.ndarray) -> np.ndarray:
     """A's registers of an accumulator-times-tile product's k-step (O += P V) from the accumulator's
@@ -328,4 +340,4 @@ def p_as_a_registers(acc_block: np.ndarray) -> np.ndarray:
 
 
 __all__ = ["WS_KERNEL", "forward_ws_smem", "load_q_fragments", "staged_offset", "cp_async_staged_rows", "forward_smem", "p_as_a_registers", "tf32_a_fragment_matrix", "K_MAJOR", "KEY_PAIR_SLOTS", "Log", "k_major_operand_of", "key_pair_order", "split_tf32_panels", "split_tf32_panels_transposed",
-           "tf32_k_step_desc", "tf32_operand", "tf32_operand_addresses"]
+           "tf32_k_step_desc", "tf32_k_step_desc_after", "tf32_operand", "tf32_operand_addresses"]

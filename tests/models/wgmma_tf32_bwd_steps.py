@@ -13,16 +13,17 @@ import numpy as np
 from .mirrors import mirrors
 from .tf32 import split_tf32, tensor_core_reads
 from .wgmma_tf32 import (p_as_a_registers, split_tf32_panels, split_tf32_panels_transposed, tf32_a_fragment_matrix,
-                         tf32_k_step_desc, tf32_operand)
+                         tf32_k_step_desc, tf32_k_step_desc_after, tf32_operand)
 
 STEPS = "wgmma_tf32_bwd_steps.cuh"
 NTHREADS = 128
 
 
 @mirrors(STEPS,
-         "const u64 a_hi_desc = tf32_k_step_desc<A_ROWS>(a_hi, kk), b_hi_desc = tf32_k_step_desc<B_ROWS>(b_hi, kk);",
-         "WgmmaTf32<B_ROWS>::ss(small, tf32_k_step_desc<A_ROWS>(a_lo, kk), b_hi_desc, kk > 0);",
-         "WgmmaTf32<B_ROWS>::ss(small, a_hi_desc, tf32_k_step_desc<B_ROWS>(b_lo, kk), 1);",
+         "const u64 a_hi_desc = tf32_k_step_desc_after<A_ROWS>(tf32_k_step_desc<A_ROWS>(a_hi, 0), kk);",
+         "const u64 b_hi_desc = tf32_k_step_desc_after<B_ROWS>(tf32_k_step_desc<B_ROWS>(b_hi, 0), kk);",
+         "WgmmaTf32<B_ROWS>::ss(small, tf32_k_step_desc_after<A_ROWS>(tf32_k_step_desc<A_ROWS>(a_lo, 0), kk),",
+         "tf32_k_step_desc_after<B_ROWS>(tf32_k_step_desc<B_ROWS>(b_lo, 0), kk), 1);",
          "WgmmaTf32<B_ROWS>::ss(hh, a_hi_desc, b_hi_desc, hh_accumulates);")
 def rows_times_rows(smem, d_tile: int, a_rows: int, b_rows: int, a_hi: int, a_lo: int, b_hi: int,
                     b_lo: int) -> np.ndarray:
@@ -31,7 +32,8 @@ def rows_times_rows(smem, d_tile: int, a_rows: int, b_rows: int, a_hi: int, a_lo
     out = np.zeros((a_rows, b_rows))
     for kk in range(d_tile // 8):
         def read(tile, rows):
-            return tensor_core_reads(tf32_operand(smem, tf32_k_step_desc(rows, tile, kk), rows))
+            desc = tf32_k_step_desc_after(rows, tf32_k_step_desc(rows, tile, 0), kk)
+            return tensor_core_reads(tf32_operand(smem, desc, rows))
         ah, al, bh, bl = read(a_hi, a_rows), read(a_lo, a_rows), read(b_hi, b_rows), read(b_lo, b_rows)
         out += al @ bh.T + ah @ bl.T + ah @ bh.T
     return out
@@ -154,8 +156,10 @@ def acc_times_tile(smem, d_tile: int, k_cols: int, acc, b_hi: int, b_lo: int) ->
     for f in range(k_cols // 8):
         a_hi, a_lo = split_tf32(3, p_as_a_registers(acc[:, f, :]))
         ah, al = (tf32_a_fragment_matrix(tensor_core_reads(x)) for x in (a_hi, a_lo))
-        bh = tensor_core_reads(tf32_operand(smem, tf32_k_step_desc(d_tile, b_hi, f), d_tile))
-        bl = tensor_core_reads(tf32_operand(smem, tf32_k_step_desc(d_tile, b_lo, f), d_tile))
+        bh = tensor_core_reads(tf32_operand(smem, tf32_k_step_desc_after(d_tile, tf32_k_step_desc(d_tile, b_hi, 0), f),
+                                            d_tile))
+        bl = tensor_core_reads(tf32_operand(smem, tf32_k_step_desc_after(d_tile, tf32_k_step_desc(d_tile, b_lo, 0), f),
+                                            d_tile))
         out += al @ bh.T + ah @ bl.T + ah @ bh.T
     return out
 
