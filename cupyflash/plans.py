@@ -138,7 +138,8 @@ class WgmmaTf32FwdConfig:
     workspace (kv_fwd_split_bytes), the producer one thread copying a stage from it. ``q_staged``
     (producer only; perf log tf32-wgmma-d128): each consumer warp's rows of Q copied raw into shared
     memory and split a k-step at a time as S needs them, not held split in registers (which spill
-    at d128); the producer kernel's head dims up to 128 with it."""
+    at d128); the producer kernel's head dims up to 128 with it. ``hh_chain`` ("ieee", a candidate;
+    perf log tf32-hh-chain-4): the k-steps of one of S's hi hi chains (tf32_product_sums), 2 or 4."""
 
     block_n: int = 64
     raw_stages: int = 0
@@ -149,6 +150,7 @@ class WgmmaTf32FwdConfig:
     pingpong: bool = False
     presplit: bool = False
     q_staged: bool = False
+    hh_chain: int = 2
 
     @property
     def block_m(self) -> int:
@@ -806,15 +808,22 @@ def specialization_for(dtype, dt: int, mask: Mask | bool, tiles, dvt: int | None
             if tf32_wgmma_smem_bytes(dt, c) > 227 * 1024:
                 raise ValueError(f"cupyflash: the tf32 wgmma producer kernel's tiles take more than 227 KiB at "
                                  f"d{dt}: {c}")
+            if c.hh_chain not in (2, 4) or (c.hh_chain != 2 and not (c.sums_apart and precision == "ieee")):
+                raise ValueError(f"cupyflash: the tf32 wgmma producer kernel chains hi hi over 2 or 4 k-steps, 4 "
+                                 f"with sums_apart and precision \"ieee\" only (the apart sums' chains): {c}")
+            # HH_CHAIN's default (2) left out of the expression: the names and expressions before it
+            hh_chain = 0 if c.hh_chain == 2 else c.hh_chain
             return Specialization(
                 f"flash_fwd_tf32_wgmma_ws_{short}_hdim{dt}_{mask.name}_bm{c.block_m}_bn{c.block_n}_{precision}"
                 f"_s{c.stages}_raw{c.raw_stages}{'_apart' if c.sums_apart else ''}"
                 f"{'_pingpong' if c.pingpong else ''}{'_presplit' if c.presplit else ''}"
-                f"{'_qstaged' if c.q_staged else ''}",
+                f"{'_qstaged' if c.q_staged else ''}{f'_hh{c.hh_chain}' if hh_chain else ''}",
                 "flash_fwd_tf32_wgmma_ws.cu",
                 f"cf::flash_fwd_tf32_wgmma_ws<{dt}, {mask.cpp}, {c.block_n}, {PRODUCTS[precision]}, {c.stages}, "
-                f"{c.raw_stages}{_template_options(c.sums_apart, c.pingpong, c.presplit, c.q_staged)}>",
+                f"{c.raw_stages}{_template_options(c.sums_apart, c.pingpong, c.presplit, c.q_staged, hh_chain)}>",
                 c.threads, tf32_wgmma_smem_bytes(dt, c), arch="90a")
+        if c.hh_chain != 2:
+            raise ValueError(f"cupyflash: hh_chain takes the tf32 wgmma producer kernel (producer=True), not {c}")
         if c.q_staged:
             raise ValueError(f"cupyflash: q_staged takes the tf32 wgmma producer kernel (producer=True), not {c}")
         if c.presplit:

@@ -48,7 +48,10 @@ def candidates(headdim: int) -> dict:
     else:
         out.update(v1_apart=C(32, raw_stages=2, sums_apart=True),
                    v2_qstaged_apart=C(32, raw_stages=0, producer=True, stages=2, sums_apart=True, presplit=True,
-                                      q_staged=True))
+                                      q_staged=True),
+                   # S's hi hi chains of 4 k-steps (perf log tf32-hh-chain-4)
+                   v2_qstaged_apart_hh4=C(32, raw_stages=0, producer=True, stages=2, sums_apart=True, presplit=True,
+                                          q_staged=True, hh_chain=4))
     return out
 
 

@@ -25,6 +25,7 @@
 // of a consumer's registers, which spill at d128, so each consumer warp copies its rows of Q raw
 // into a Q tile of its own (StagedQ) and splits each k-step's A fragments from it as S needs
 // them; the Q tile stages O in the epilogue, and the raw region holds raw stages only.
+// HH_CHAIN (a candidate, perf log tf32-hh-chain-4): S's hi hi chains of 4 k-steps, not 2.
 #include "block_walk.cuh"
 #include "common.cuh"
 #include "mbarrier.cuh"
@@ -59,7 +60,7 @@ struct FwdTf32WgmmaWsSmem {
 };
 
 template <int D_TILE, class Mask, int BLOCK_N, int PRODUCTS, int STAGES, int RAW_STAGES, bool SUMS_APART = false,
-          bool PINGPONG = false, bool PRESPLIT = false, bool Q_STAGED = false>
+          bool PINGPONG = false, bool PRESPLIT = false, bool Q_STAGED = false, int HH_CHAIN = 2>
 __global__ void __launch_bounds__(384, 1)
 flash_fwd_tf32_wgmma_ws(const __grid_constant__ FwdParams p) {
     typedef FwdTf32WgmmaWsSmem<D_TILE, BLOCK_N, STAGES, RAW_STAGES, Q_STAGED> L;
@@ -177,7 +178,7 @@ flash_fwd_tf32_wgmma_ws(const __grid_constant__ FwdParams p) {
         const int i = j - j_begin;
         const u32 stage = base + (i % STAGES) * L::STAGE;
         ring.wait_full(i);
-        tf32_wgmma_forward_block<D_TILE, BLOCK_M, BLOCK_N, PRODUCTS, !Q_STAGED, SUMS_APART>(
+        tf32_wgmma_forward_block<D_TILE, BLOCK_M, BLOCK_N, PRODUCTS, !Q_STAGED, SUMS_APART, HH_CHAIN>(
             o_acc, row_stats, q_hi, q_lo, 0u, 0u, stage + L::K_HI, stage + L::K_LO, stage + L::V_HI, stage + L::V_LO,
             mask, score, dropout, p.scale_log2, m0, j * BLOCK_N, strip_row0, lane, turns, q_staged);
         ring.arrive_empty(i);  // its products were waited for

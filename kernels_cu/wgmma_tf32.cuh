@@ -405,19 +405,27 @@ struct NoPrepare {
 //
 // PREPARE (A operands formed per k-step, tf32-wgmma-d128: Q staged raw in shared memory, split
 // into registers as it is needed): prepare(kk) writes the A registers k-step kk issues with, in
-// slot kk % 4, before the fence of its chain of two, since wgmma reads its register operands
-// until it completes; the chain two before has been waited for by then, so four slots suffice.
-// Without APART the chains share `s` (one accumulator, the same products in the same order).
-template <int NV, int K_STEPS, bool SPLIT, bool APART, bool PREPARE = false, class Issue, class Turns,
-          class Prepare = NoPrepare>
+// slot kk % 4, before the fence of its commit group of two k-steps, since wgmma reads its register
+// operands until it completes; the group two before has been waited for by then, so four slots
+// suffice. Without APART the groups share `s` (one accumulator, the same products in the same
+// order).
+//
+// HH_CHAIN: the k-steps of one hi hi chain, 2 (one commit group) unless the caller asks for 4 (two
+// groups; tf32-hh-chain-4: at d128's 16 k-steps half the chains' FADDs, emulated at 1.0x standard
+// float32's error where chains of 2 are at 0.88x, the bound 2x). The commit groups stay of two
+// k-steps either way, so the A slots and the waits are the same.
+template <int NV, int K_STEPS, bool SPLIT, bool APART, bool PREPARE = false, int HH_CHAIN = 2, class Issue,
+          class Turns, class Prepare = NoPrepare>
 __device__ __forceinline__ void tf32_product_sums(float (&s)[NV], const Issue& issue, const Turns& turns,
                                                   const Prepare& prepare = Prepare()) {
     static_assert(!APART || SPLIT, "apart sums are the split products'");
-    constexpr int HH_CHAIN = 2, CHAINS = (K_STEPS + HH_CHAIN - 1) / HH_CHAIN;
-    auto prepare_chain = [&](int c) {
+    static_assert(HH_CHAIN == 2 || HH_CHAIN == 4, "chains of one or two commit groups");
+    constexpr int GROUP = 2, GROUPS = (K_STEPS + GROUP - 1) / GROUP;
+    constexpr int PER_CHAIN = HH_CHAIN / GROUP, CHAINS = (GROUPS + PER_CHAIN - 1) / PER_CHAIN;
+    auto prepare_group = [&](int g) {
 #pragma unroll
-        for (int t = 0; t < HH_CHAIN; ++t)
-            if (c * HH_CHAIN + t < K_STEPS) prepare(c * HH_CHAIN + t);
+        for (int t = 0; t < GROUP; ++t)
+            if (g * GROUP + t < K_STEPS) prepare(g * GROUP + t);
     };
     if constexpr (APART) {
         float small[NV], hh[2][NV];
@@ -428,16 +436,21 @@ __device__ __forceinline__ void tf32_product_sums(float (&s)[NV], const Issue& i
         };
         turns.wait();
 #pragma unroll
-        for (int c = 0; c < CHAINS; ++c) {
-            if constexpr (PREPARE) prepare_chain(c);
+        for (int g = 0; g < GROUPS; ++g) {
+            const int c = g / PER_CHAIN;  // the group's chain
+            if constexpr (PREPARE) prepare_group(g);
             wgmma_fence();
 #pragma unroll
-            for (int t = 0; t < HH_CHAIN; ++t)
-                if (c * HH_CHAIN + t < K_STEPS) issue(c * HH_CHAIN + t, small, hh[c & 1], t > 0);
+            for (int t = 0; t < GROUP; ++t) {
+                const int kk = g * GROUP + t;
+                if (kk < K_STEPS) issue(kk, small, hh[c & 1], kk % HH_CHAIN > 0);
+            }
             wgmma_commit();
-            if (c > 0) {
+            if (g > 0 && g % PER_CHAIN == 0) {  // the chain before is complete: into s
                 wgmma_wait<1>();
                 add_chain(hh[(c - 1) & 1], c == 1);
+            } else if (g > 0 && PREPARE) {
+                wgmma_wait<1>();  // group g - 1, whose A slots group g + 1 takes, has completed
             }
         }
         turns.pass();
@@ -449,13 +462,13 @@ __device__ __forceinline__ void tf32_product_sums(float (&s)[NV], const Issue& i
     } else if constexpr (PREPARE) {
         turns.wait();
 #pragma unroll
-        for (int c = 0; c < CHAINS; ++c) {
-            if (c > 1) wgmma_wait<1>();  // chain c - 2, whose A slots chain c takes, has completed
-            prepare_chain(c);
+        for (int g = 0; g < GROUPS; ++g) {
+            if (g > 1) wgmma_wait<1>();  // group g - 2, whose A slots group g takes, has completed
+            prepare_group(g);
             wgmma_fence();
 #pragma unroll
-            for (int t = 0; t < HH_CHAIN; ++t)
-                if (c * HH_CHAIN + t < K_STEPS) issue(c * HH_CHAIN + t, s, s, SPLIT ? 1 : c * HH_CHAIN + t > 0);
+            for (int t = 0; t < GROUP; ++t)
+                if (g * GROUP + t < K_STEPS) issue(g * GROUP + t, s, s, SPLIT ? 1 : g * GROUP + t > 0);
             wgmma_commit();
         }
         turns.pass();

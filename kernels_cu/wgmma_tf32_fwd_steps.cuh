@@ -109,9 +109,10 @@ __device__ __forceinline__ void stage_q_rows(unsigned char* tile, const float* q
 // (tf32_acc_times_tile's FRESH: one block's keys chained, not the sequence's; tf32-fwd-v2's
 // FRESH_O), for the accuracy the truncating accumulation costs. Same products, more registers:
 // S's width three times over, and O's. q_staged (StagedQ): A from registers split per k-step from
-// Q's raw rows, in place of Q_REGS' (q_hi, q_lo unused).
-template <int D_TILE, int BLOCK_M, int BLOCK_N, int PRODUCTS, bool Q_REGS, bool SUMS_APART = false, class Mask,
-          class Score, class Stats, class Drop, int QK, class Turns = NoTurns, class QStaging = NoStagedQ>
+// Q's raw rows, in place of Q_REGS' (q_hi, q_lo unused). HH_CHAIN: tf32_product_sums' hi hi chain.
+template <int D_TILE, int BLOCK_M, int BLOCK_N, int PRODUCTS, bool Q_REGS, bool SUMS_APART = false, int HH_CHAIN = 2,
+          class Mask, class Score, class Stats, class Drop, int QK, class Turns = NoTurns,
+          class QStaging = NoStagedQ>
 __device__ __forceinline__ void tf32_wgmma_forward_block(float (&o_acc)[1][D_TILE / 8][4], Stats& row_stats,
                                                          const u32 (&q_hi)[QK][4], const u32 (&q_lo)[QK][4],
                                                          u32 q_hi_tile, u32 q_lo_tile, u32 k_hi_tile, u32 k_lo_tile,
@@ -157,7 +158,7 @@ __device__ __forceinline__ void tf32_wgmma_forward_block(float (&o_acc)[1][D_TIL
             WgmmaTf32<BLOCK_N>::ss(hh, q_hi_desc, k_hi, hh_accumulates);
         }
     };
-    tf32_product_sums<N_FRAGS * 4, K_STEPS, SPLIT, APART, STAGED>(s_flat, s_k_step, turns, split_q);
+    tf32_product_sums<N_FRAGS * 4, K_STEPS, SPLIT, APART, STAGED, HH_CHAIN>(s_flat, s_k_step, turns, split_q);
 
     scale_and_mask(s, scale_log2, mask.keys_partial(m0, BLOCK_M, n0, BLOCK_N), mask, score, m0 + strip_row0, n0,
                    lane);

@@ -65,7 +65,10 @@ APART_CONFIGS = {
     "v2_presplit_apart": (WgmmaTf32FwdConfig(32, raw_stages=0, producer=True, stages=4, sums_apart=True,
                                              presplit=True), (8, 16, 40, 64)),
     "v2_qstaged_apart": (WgmmaTf32FwdConfig(32, raw_stages=0, producer=True, stages=2, sums_apart=True,
-                                            presplit=True, q_staged=True), TENSOR_CORE_HEADDIMS)}
+                                            presplit=True, q_staged=True), TENSOR_CORE_HEADDIMS),
+    # S's hi hi chains of 4 k-steps (perf log tf32-hh-chain-4): d128's candidate
+    "v2_qstaged_apart_hh4": (WgmmaTf32FwdConfig(32, raw_stages=0, producer=True, stages=2, sums_apart=True,
+                                                presplit=True, q_staged=True, hh_chain=4), TENSOR_CORE_HEADDIMS)}
 
 
 @pytest.fixture(autouse=True)

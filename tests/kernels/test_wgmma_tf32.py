@@ -329,6 +329,40 @@ def test_q_staged_layout_fits_and_stages_o_in_q(d_tile):
         plans.specialization_for("float32", 128, True, WgmmaTf32FwdConfig(32, q_staged=True))
 
 
+def test_hh_chain_names_its_kernel_and_takes_the_apart_sums_only():
+    """hh_chain 4 (perf log tf32-hh-chain-4): its own name and template argument; the default 2
+    leaves every name and expression as it was; refused without the apart sums and on the one-role
+    kernels."""
+    from cupyflash import plans
+
+    spec = plans.specialization_for("float32", 128, True, replace(Q_STAGED_CONFIG, hh_chain=4))
+    assert spec.name.endswith("_apart_presplit_qstaged_hh4") and spec.expression.endswith(", true, 4>")
+    default = plans.specialization_for("float32", 128, True, Q_STAGED_CONFIG)
+    assert default.name.endswith("_qstaged") and default.expression.endswith(", true, false, true, true>")
+    for config, precision in ((replace(Q_STAGED_CONFIG, hh_chain=4, sums_apart=False), "tf32"),
+                              (replace(Q_STAGED_CONFIG, hh_chain=3), "ieee")):
+        with pytest.raises(ValueError, match="2 or 4 k-steps"):
+            plans.specialization_for("float32", 128, True, config, precision=precision)
+    with pytest.raises(ValueError, match="hh_chain takes the tf32 wgmma producer kernel"):
+        plans.specialization_for("float32", 128, True, WgmmaTf32FwdConfig(32, hh_chain=4))
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("causal", [False, True])
+def test_hh_chain_4_compiles_without_spills_at_d128(causal):
+    """The staged d128 forward with hi hi chains of 4 k-steps: no local memory, no wgmma
+    serialization, the launch's 168 registers (setmaxnreg's budget)."""
+    from cupyflash import plans
+    from cupyflash.kernels import compile_check
+    from cupyflash.masks import mask_for
+
+    spec = plans.specialization_for("float32", 128, mask_for(causal), replace(Q_STAGED_CONFIG, hh_chain=4))
+    _, mangled, log = compile_check.compile_cubin(spec.source_file, [spec.expression], "90a")
+    report = compile_check.ptxas_report(log)[mangled[spec.expression]]
+    assert report["stack"] == 0 and report["spill_stores"] == 0 and report["registers"] == 168, (spec.name, report)
+    assert not compile_check.wgmma_serialized_from_log(log), spec.name
+
+
 @pytest.mark.parametrize("d_tile", [64, 128])
 def test_staged_q_reads_load_q_fragments_values_without_conflicts(d_tile):
     """stage_q_rows copies each warp's 16 rows once (16-byte stores, 8 distinct bank groups a
