@@ -398,7 +398,7 @@ __device__ __forceinline__ float row_epilogue(const Stats& stats, int i, int h, 
         if ((lane & 3) == 0 && m0 + row < seqlen_q) lse_rows[row] = lse;
     } else {
         // l == 0: the row saw no key. A NaN l (a NaN score: the row's softmax is NaN) gives a NaN O,
-        // so that the tf32 kernels' P split need not carry it (tf32.cuh, split_tf32_weight); its lse
+        // so that the tf32 kernels' P split need not carry it (tf32.cuh, split_tf32's Tf32Lo::FINITE); its lse
         // stays -inf, as in every other family and the reference (a row with nothing finite to weigh).
         inv_l = l == 0.f ? 0.f : 1.f / l;
         if ((lane & 3) == 0 && m0 + row < seqlen_q) {

@@ -54,44 +54,35 @@ __device__ __forceinline__ u32 tf32_rounded_finite(float x) { return __float_as_
 // x may lose itself in hi (-0 or Inf), but lo = x - hi is then NaN and kept, and lo b_hi makes the
 // product NaN (an Inf x gives NaN too: lo = Inf - Inf). Guarding hi instead costs a register more
 // at the same count of instructions (the d256 kernel with user modifiers spilled 48 bytes at sm_90).
-template <int PRODUCTS>
+//
+// How lo is read (and a single product's operand, PRODUCTS 1), Tf32Lo:
+//   ROUNDED  cvt.rna, NaN-safe (the default: every operand split once);
+//   FINITE   the rounding add alone, for a softmax weight P, the forward's hottest split (every
+//            score, every block). A NaN P (from a NaN score) may read as -0 here, but its row's l,
+//            summed from the unrounded P, is NaN, and row_epilogue (finish_row_log2 with a sink)
+//            makes such a row's O NaN (online_softmax.cuh, score.cuh), as the softmax's
+//            definition does;
+//   AS_IS    lo = x - hi as it is, its 13 low bits left for the tensor core to ignore (truncated,
+//            not rounded: |error| < 2^-21 |x| against rounding's 2^-22), for an operand split
+//            again every time it is used (wgmma_tf32_fwd_steps.cuh's StagedQ: each key block's
+//            k-steps), which saves cvt.rna's three instructions a value (docs/perf-log.md
+//            tf32-staged-q-lo-trunc). NaN survives as with ROUNDED: x - hi of a NaN x is the
+//            canonical NaN, whose high bits are NaN's. (With PRODUCTS 1, AS_IS rounds as ROUNDED.)
+enum class Tf32Lo { ROUNDED, FINITE, AS_IS };
+
+template <int PRODUCTS, Tf32Lo LO = Tf32Lo::ROUNDED>
 __device__ __forceinline__ void split_tf32(float x, u32& hi, u32& lo) {
     if constexpr (Tf32Operand<PRODUCTS>::SPLIT) {
         hi = tf32_rounded_finite(x) & 0xffffe000u;  // cleared: the subtraction below must see hi exactly
-        lo = tf32_rounded(x - __uint_as_float(hi));
+        const float rest = x - __uint_as_float(hi);
+        if constexpr (LO == Tf32Lo::ROUNDED)
+            lo = tf32_rounded(rest);
+        else if constexpr (LO == Tf32Lo::FINITE)
+            lo = tf32_rounded_finite(rest);
+        else
+            lo = __float_as_uint(rest);
     } else {
-        hi = tf32_rounded(x);
-        lo = 0u;
-    }
-}
-
-// hi and lo of x for an operand split again every time it is used (wgmma_tf32_fwd_steps.cuh's
-// StagedQ: each key block's k-steps): lo = x - hi as it is, its 13 low bits left for the tensor
-// core to ignore (truncated, not rounded: |error| < 2^-21 |x| against rounding's 2^-22), which saves
-// cvt.rna's three instructions a value (docs/perf-log.md tf32-staged-q-lo-trunc). NaN survives as
-// split_tf32's does: x - hi of a NaN x is the canonical NaN, whose high bits are NaN's.
-template <int PRODUCTS>
-__device__ __forceinline__ void split_tf32_lo_truncated(float x, u32& hi, u32& lo) {
-    if constexpr (Tf32Operand<PRODUCTS>::SPLIT) {
-        hi = tf32_rounded_finite(x) & 0xffffe000u;
-        lo = __float_as_uint(x - __uint_as_float(hi));
-    } else {
-        hi = tf32_rounded(x);
-        lo = 0u;
-    }
-}
-
-// hi and lo of a softmax weight P, the forward's hottest split (every score, every block): the add
-// alone, without split_tf32's guard. A NaN P (from a NaN score) may read as -0 here, but its row's
-// l, summed from the unrounded P, is NaN, and row_epilogue (finish_row_log2 with a sink) makes
-// such a row's O NaN (online_softmax.cuh, score.cuh), as the softmax's definition does.
-template <int PRODUCTS>
-__device__ __forceinline__ void split_tf32_weight(float p, u32& hi, u32& lo) {
-    if constexpr (Tf32Operand<PRODUCTS>::SPLIT) {
-        hi = tf32_rounded_finite(p) & 0xffffe000u;
-        lo = tf32_rounded_finite(p - __uint_as_float(hi));
-    } else {
-        hi = tf32_rounded_finite(p);
+        hi = LO == Tf32Lo::FINITE ? tf32_rounded_finite(x) : tf32_rounded(x);
         lo = 0u;
     }
 }

@@ -505,8 +505,8 @@ __device__ __forceinline__ void tf32_acc_times_tile(float (&acc)[N / 2], const f
         const float x[4] = {a[4 * f], a[4 * f + 2], a[4 * f + 1], a[4 * f + 3]};
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            if constexpr (WEIGHTS)  // the forward's P (split_tf32_weight: its NaN is its row's l's)
-                split_tf32_weight<PRODUCTS>(x[e], a_hi[f][e], a_lo[f][e]);
+            if constexpr (WEIGHTS)  // the forward's P (Tf32Lo::FINITE: its NaN is its row's l's)
+                split_tf32<PRODUCTS, Tf32Lo::FINITE>(x[e], a_hi[f][e], a_lo[f][e]);
             else
                 split_tf32<PRODUCTS>(x[e], a_hi[f][e], a_lo[f][e]);
         }

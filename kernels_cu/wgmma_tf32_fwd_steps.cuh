@@ -66,7 +66,7 @@ struct StagedQ {
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
             const u32 offset = (lane_offset ^ static_cast<u32>((2 * kk + (r >> 1)) * 16)) + (r & 1) * 8 * ROW_BYTES;
-            split_tf32_lo_truncated<PRODUCTS>(*reinterpret_cast<const float*>(tile + offset), hi[r], lo[r]);
+            split_tf32<PRODUCTS, Tf32Lo::AS_IS>(*reinterpret_cast<const float*>(tile + offset), hi[r], lo[r]);
         }
     }
 };

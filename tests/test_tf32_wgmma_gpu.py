@@ -205,7 +205,7 @@ def test_presplit_is_the_producers_bits(precision, data):
 # Q staged raw (Q_STAGED) forms the A fragments of Q split into registers, issued in the same order
 # into the same accumulators. With one product ("tf32") that is bit for bit the presplit producer's
 # where both run (up to d64). With three ("ieee") the staged split leaves Q's lo unrounded (StagedQ:
-# split_tf32_lo_truncated, perf log tf32-staged-q-lo-trunc), so the two differ by lo's rounding
+# split_tf32's Tf32Lo::AS_IS, perf log tf32-staged-q-lo-trunc), so the two differ by lo's rounding
 # alone: at most 2^-21 |q| a value, far below a layout slip's O(1) (the staged form's own accuracy
 # against float64 is the properties' above).
 @pytest.mark.parametrize("precision", ["ieee", "tf32"])

@@ -73,10 +73,11 @@ def tf32_rounded_finite(x) -> np.ndarray:
     return (_bits(x).astype(np.uint64) + 0x1000).astype(np.uint32)
 
 
-@mirrors("tf32.cuh", "hi = tf32_rounded_finite(x) & 0xffffe000u;", "lo = tf32_rounded(x - __uint_as_float(hi));",
-         "hi = tf32_rounded(x);", "lo = 0u;")
+@mirrors("tf32.cuh", "hi = tf32_rounded_finite(x) & 0xffffe000u;", "const float rest = x - __uint_as_float(hi);",
+         "lo = tf32_rounded(rest);", "hi = LO == Tf32Lo::FINITE ? tf32_rounded_finite(x) : tf32_rounded(x);",
+         "lo = 0u;")
 def split_tf32(products: int, x) -> tuple[np.ndarray, np.ndarray]:
-    """(hi, lo) as float32 bits of float32 values ``x``."""
+    """(hi, lo) as float32 bits of float32 values ``x`` (Tf32Lo::ROUNDED, the default)."""
     x = np.asarray(x, np.float32)
     if products == 3:
         hi = tf32_rounded_finite(x) & np.uint32(0xFFFFE000)
