@@ -44,7 +44,8 @@ from .kernels._module import Specialization
 from .kernels.constants import CTYPES, DMMA_D_TILES, SHORT_NAMES, SIXTEEN_BIT, TENSOR_CORE_D_TILES
 from .kernels.constants import d_tile as _d_tile
 from .masks import Local, Mask, as_mask
-from .plans import SIMT_D_TILES, image_blocks, mma_headdim, simt_specialization, simt_tiles, without_spills
+from .plans import (SIMT_D_TILES, image_blocks, mma_headdim, simt_specialization, simt_tiles, with_fast_modifiers,
+                    without_spills)
 from .precision import PRODUCTS, check_precision
 
 __all__ = ["BackwardPlan", "BackwardKernels", "BACKWARD_KERNELS", "DQ_ADDS", "STATISTICS", "plan_backward",
@@ -682,6 +683,10 @@ def plan_backward(arch: str | None, dtype, headdim: int, mask: Mask | bool, smem
     row = candidates[0] if len(candidates) == 1 else without_spills(
         candidates, arch, lambda r: [launch.spec for launch in _plan(dtype, headdim, mask, r, where).launches
                                      if launch.role in ("dkdv", "dq")])
+    if row.dkdv == "wgmma_ws" or row.dq == "dq_wgmma_ws":  # the producer kernels (FAST_MODS)
+        mask = with_fast_modifiers(mask, arch or "90", lambda m: [
+            launch.spec for launch in _plan(dtype, headdim, m, row, where).launches
+            if launch.role in ("dkdv", "dq")])
     return _plan(dtype, headdim, mask, row, where)
 
 

@@ -543,7 +543,9 @@ def _cpp_body(roots: dict, tensors: list) -> tuple[list, dict]:
             names[id(e)] = (_float_literal(e.value) if e.kind == "f" else
                             ("true" if e.value else "false") if e.kind == "b" else f"({e.value})")
             continue
-        if op in _CPP_OPS:
+        if op == "div":  # always float (_binary): the kernels' FAST form where they take one
+            text = f"cf::mod_div<FAST>({a[0]}, {a[1]})"
+        elif op in _CPP_OPS:
             text = f"{a[0]} {_CPP_OPS[op]} {a[1]}"
         elif op == "neg":
             text = f"-{a[0]}"
@@ -554,7 +556,7 @@ def _cpp_body(roots: dict, tensors: list) -> tuple[list, dict]:
         elif op == "float":
             text = f"A({a[0]})"
         elif op in ("exp", "log", "tanh", "sqrt", "sigmoid", "floor"):
-            text = f"cf::mod_{op}({a[0]})"
+            text = f"cf::mod_{op}<FAST>({a[0]})"
         elif op == "pow":
             text = f"cf::mod_pow({a[0]}, {_float_literal(e.value)})"
         elif op in ("floordiv", "mod"):
@@ -1067,6 +1069,11 @@ class Modifiers:
     # batch of one (cupyflash.varlen.sequence_variant) is still sequence b to the modifiers. The
     # kernels number a launch's batch entries from 0 and never take it.
     first_sequence: int = 0
+    # The score's float division, tanh, exp and sigmoid in fast forms (kernels_cu/modifier.cuh's
+    # FAST), in the kernels that take them (the 16-bit producer kernels): a struct of its own, which
+    # the plans try first there and keep where it compiles without spills (perf log
+    # modifier-fast-math). The accurate struct otherwise.
+    fast_math: bool = False
 
     def for_sequence(self, b: int) -> "Modifiers":
         """The same modifiers for a dense batch of one that is sequence ``b`` of a packed call."""
@@ -1100,6 +1107,19 @@ class Modifiers:
         element only, as the KV-cache kernel takes it)."""
         return self.block_mask is not None and not isinstance(self.block_mask, _MaskOnly)
 
+    @property
+    def has_fast_forms(self) -> bool:
+        """Whether the score modifier uses a function or division that has a fast form (FAST) and
+        reads no tensors: the plans try the fast struct for those alone. The compile check's example
+        modifier, which reads a table and document ids, spilled in its fast form on every producer
+        kernel (perf log modifier-fast-math), and deciding so without compiling keeps the
+        specialization lists (the compile check's, the warm cache's) free of NVRTC runs."""
+        return self.score_mod is not None and not self.tensors and "<FAST>(" in self._cuda_body()
+
+    def with_fast_math(self) -> "Modifiers":
+        """The same modifiers on their fast math (``fast_math``): another struct, the same tensors."""
+        return replace(self, fast_math=True)
+
     @functools.cached_property
     def cuda(self) -> str:
         """The struct the kernels include (kernels_cu/modifier.cuh's contract), named by the hash of
@@ -1124,16 +1144,18 @@ class Modifiers:
         lines = ["namespace cfu {", "struct CFU_NAME {",
                  f"    static constexpr bool HAS_SCORE = {str(self.has_score).lower()};",
                  f"    static constexpr bool HAS_MASK = {str(self.has_mask).lower()};",
-                 f"    static constexpr bool HAS_GRAD = {str(self.has_grad).lower()};"]
+                 f"    static constexpr bool HAS_GRAD = {str(self.has_grad).lower()};",
+                 f"    static constexpr bool FAST_MATH = {str(self.fast_math).lower()};"]
         if self.score_mod is not None:
             body, out = self.score_mod.cpp({"out": self.score_mod.out, "dout": self.score_mod.dout})
-            lines += ["    template <typename A>",
+            lines += ["    template <typename A, bool FAST = false>",
                       "    __device__ __forceinline__ static A score(A score, int b, int h, int q_idx, int kv_idx,",
                       "                                              const cf::ModArgs& t, A& dscore) {",
                       *body, f"        dscore = {out['dout']};", f"        return {out['out']};", "    }"]
         if self.mask_mod is not None:
             offset = len(self.score_mod.tensors) if self.score_mod else 0
             body, out = self.mask_mod.cpp({"keep": self.mask_mod.out}, offset)
+            body = [line.replace("<FAST>(", "<false>(") for line in body]  # a predicate: accurate math
             lines += ["    __device__ __forceinline__ static bool mask(int b, int h, int q_idx, int kv_idx,",
                       "                                                const cf::ModArgs& t) {",
                       *body, f"        return {out['keep']};", "    }"]
@@ -1160,7 +1182,7 @@ class Modifiers:
             block_mask = _MaskOnly(move(self.mask_mod)) if isinstance(self.block_mask, _MaskOnly) else \
                 _MovedBlockMask(self.block_mask, move(self.mask_mod))
             moved = Modifiers(moved.score_mod, block_mask)
-        moved = replace(moved, first_sequence=self.first_sequence)
+        moved = replace(moved, first_sequence=self.first_sequence, fast_math=self.fast_math)
         moved.__dict__["cuda"] = self.cuda  # same struct: same text, same name
         return moved
 

@@ -379,7 +379,26 @@ def plan_forward(arch: str | None, dtype, headdim: int, mask: Mask | bool, smem_
     mask = as_mask(mask)
     own_v = family == "mma" and _own_v_tile(dt, headdim_v) is not None
     tiles = forward_tiles(table, where, dt, dtype, mask, arch, precision, own_v, image_readers)
+    if takes_fast_modifiers(tiles):
+        mask = with_fast_modifiers(mask, arch or "90", lambda m: [specialization_for(dtype, dt, m, tiles)])
     return _plan(dtype, headdim, mask, tiles, where, headdim_v, precision)
+
+
+def takes_fast_modifiers(tiles) -> bool:
+    """Whether the kernel of ``tiles`` computes a user modifier's fast math (FAST_MODS: the 16-bit
+    producer forward, flash_fwd_wgmma_ws)."""
+    return isinstance(tiles, WgmmaFwdConfig) and tiles.producer
+
+
+def with_fast_modifiers(mask: Mask, arch: str, specs_of) -> Mask:
+    """``mask`` with its user modifiers' fast-math struct (Modifiers.with_fast_math) where they
+    have fast forms and ``specs_of(mask)``'s kernels compile so without spills (without_spills: the
+    first where NVRTC is not there), else ``mask`` (perf log modifier-fast-math)."""
+    user = mask.score.user
+    if user is None or user.fast_math or not user.has_fast_forms:
+        return mask
+    fast = mask.with_score(replace(mask.score, user=user.with_fast_math()))
+    return without_spills([fast, mask], arch, specs_of)
 
 
 def image_readers(seqlen_q: int, group: int) -> int:

@@ -116,7 +116,7 @@ flash_bwd_dq_wgmma_ws(const __grid_constant__ BwdParams p) {
     const float* __restrict__ delta = static_cast<const float*>(p.delta);
     // softcap's reciprocals as flash_bwd_dq_wgmma takes them (score.cuh's exp_form_rcp)
     constexpr Tanh TANH = D_TILE == 128 ? Tanh::EXP_NEWTON : Tanh::EXP_RCP;
-    const ScoreOf<Mask, float, TANH> score(score_problem<Mask>(p, seq), seq.index, head, scale);
+    const ScoreOf<Mask, float, TANH, true> score(score_problem<Mask>(p, seq), seq.index, head, scale);
 
     // This thread's two rows (accumulator halves h = 0, 1): lse (log2 units) and D, for the block
     // (wgmma_bwd.cuh's load_row_statistics).

@@ -135,7 +135,7 @@ flash_bwd_wgmma_ws(const __grid_constant__ BwdParams p) {
         const float* s_lse = reinterpret_cast<const float*>(smem + L::LSE) + stage * BLOCK_M;
         const float* s_delta = reinterpret_cast<const float*>(smem + L::DELTA) + stage * BLOCK_M;
         const bool partial = key_block.mask.partial(m0, BLOCK_M, key_block.n0, BLOCK_N);
-        const ScoreOf<Mask, float, Tanh::EXP_RCP> score(score_problem<Mask>(p, seq), seq.index, head, args.scale);
+        const ScoreOf<Mask, float, Tanh::EXP_RCP, true> score(score_problem<Mask>(p, seq), seq.index, head, args.scale);
 
         // Steps 1-2: S^T = K_g Q^T and dP^T = V_g dO^T (flash_bwd_wgmma's), in this consumer's turn.
         float s_acc[SJ][4], dp_acc[SJ][4];

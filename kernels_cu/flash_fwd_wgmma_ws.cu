@@ -117,7 +117,7 @@ flash_fwd_wgmma_ws(const __grid_constant__ FwdParams p) {
     // softcap's reciprocal on the FMA pipe (score.cuh, EXP_NEWTON), its three MUFU operations a
     // score bounding this loop's softmax; not at d256, whose products (0.25 clock a score an SM)
     // outlast them (0.19)
-    const ScoreOf<Mask, float, D_TILE <= 128 ? Tanh::EXP_NEWTON : Tanh::EXP_RCP> score(
+    const ScoreOf<Mask, float, D_TILE <= 128 ? Tanh::EXP_NEWTON : Tanh::EXP_RCP, true> score(
         score_problem<Mask>(p, seq), seq.index, blockIdx.y, p.scale);
     const DropoutOf<Mask> dropout(p, seq.index, head);
     const float scale_log2 = p.scale_log2;

@@ -2,9 +2,9 @@
 // kernels. A call with score_mod / mask_mod compiles every kernel it launches with a struct
 //
 //   namespace cfu { struct mod_<hash> {
-//       static constexpr bool HAS_SCORE, HAS_MASK, HAS_GRAD;
-//       template <typename A> static A score(A z, int b, int h, int q_idx, int kv_idx,
-//                                            const cf::ModArgs& t, A& dz_dz);   // HAS_SCORE
+//       static constexpr bool HAS_SCORE, HAS_MASK, HAS_GRAD, FAST_MATH;
+//       template <typename A, bool FAST> static A score(A z, int b, int h, int q_idx, int kv_idx,
+//                                                       const cf::ModArgs& t, A& dz_dz);   // HAS_SCORE
 //       static bool mask(int b, int h, int q_idx, int kv_idx, const cf::ModArgs& t); // HAS_MASK
 //   }; }
 //
@@ -57,19 +57,70 @@ __device__ __forceinline__ T mod_load(const ModArgs& t, int slot, I... idx) {
     return __ldg(static_cast<const T*>(t.data[slot]) + offset);
 }
 
-// The modifiers' math, in the score's type (float or double), accurate (not the MUFU forms: a
-// modifier's value is the model's definition, and it is computed once per score).
-__device__ __forceinline__ float mod_exp(float x) { return expf(x); }
+// The built-in softcap's forms (score.cuh, mma.cuh), declared here for FAST below.
+__device__ __forceinline__ float tanh_rational(float y);
+__device__ __forceinline__ float exp2_approx(float x);
+__device__ __forceinline__ float rcp_approx(float x);
+
+// The modifiers' math, in the score's type (float or double). FAST (a struct made with FAST_MATH,
+// in the kernels that take it: UserScoreFn's FAST, score.cuh's FAST_MODS, the 16-bit producer
+// kernels flash_fwd_wgmma_ws, flash_bwd_wgmma_ws and flash_bwd_dq_wgmma_ws): division, tanh, exp and sigmoid in float to a few 1e-6 relative, far
+// under their 16-bit inputs' own rounding (bfloat16's 2^-9), tanh on the rational form the
+// built-in softcap's RATIONAL takes; the score_mod softcap ran at 0.41 of the built-in one's
+// forward, mostly IEEE division's checks and slow path (docs/perf-log.md modifier-fast-math).
+// Otherwise accurate: float32 "ieee", float64 and the SIMT kernels, where a modifier's value is the
+// model's definition to the last bits, and the other 16-bit kernels, where the cheaper code let
+// ptxas spill. The plans try the FAST_MATH struct first where it can apply and keep it only where
+// ptxas compiles it without spills (in the producer kernels too a modifier's fast code can spill:
+// the compile check's example did), the accurate struct otherwise.
+//
+// a / b: FAST takes PTX div.full.f32 (full range, about 2 ulp, no slow path), where IEEE division
+// checked every quotient (FCHK) and branched to a called slow path: 8-10 instructions a score and
+// a call, most of a `score / cap`'s cost.
+template <bool FAST>
+__device__ __forceinline__ float mod_div(float a, float b) {
+    if constexpr (FAST) {
+        float r;
+        asm("div.full.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+        return r;
+    } else {
+        return a / b;
+    }
+}
+template <bool FAST>
+__device__ __forceinline__ double mod_div(double a, double b) { return a / b; }
+template <bool FAST>
+__device__ __forceinline__ float mod_exp(float x) {
+    if constexpr (FAST) return exp2_approx(x * 1.4426950408889634f);
+    else return expf(x);
+}
+template <bool FAST>
 __device__ __forceinline__ double mod_exp(double x) { return exp(x); }
+template <bool FAST>
 __device__ __forceinline__ float mod_log(float x) { return logf(x); }
+template <bool FAST>
 __device__ __forceinline__ double mod_log(double x) { return log(x); }
-__device__ __forceinline__ float mod_tanh(float x) { return tanhf(x); }
+template <bool FAST>
+__device__ __forceinline__ float mod_tanh(float x) {
+    if constexpr (FAST) return tanh_rational(x);
+    else return tanhf(x);
+}
+template <bool FAST>
 __device__ __forceinline__ double mod_tanh(double x) { return tanh(x); }
+template <bool FAST>
 __device__ __forceinline__ float mod_sqrt(float x) { return sqrtf(x); }
+template <bool FAST>
 __device__ __forceinline__ double mod_sqrt(double x) { return sqrt(x); }
+template <bool FAST>
 __device__ __forceinline__ float mod_floor(float x) { return floorf(x); }
+template <bool FAST>
 __device__ __forceinline__ double mod_floor(double x) { return floor(x); }
-__device__ __forceinline__ float mod_sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+template <bool FAST>
+__device__ __forceinline__ float mod_sigmoid(float x) {
+    if constexpr (FAST) return rcp_approx(1.f + exp2_approx(x * -1.4426950408889634f));
+    else return 1.f / (1.f + expf(-x));
+}
+template <bool FAST>
 __device__ __forceinline__ double mod_sigmoid(double x) { return 1.0 / (1.0 + exp(-x)); }
 __device__ __forceinline__ float mod_pow(float x, float y) { return powf(x, y); }
 __device__ __forceinline__ double mod_pow(double x, double y) { return pow(x, y); }

@@ -263,7 +263,7 @@ struct ScoreMod {
     static constexpr bool HAS_DROPOUT = DROPOUT;
     static constexpr bool FIXED_MAX = FIXED_MAX_;
     static constexpr bool HAS_BLOCK_MAP = false;
-    template <typename A, Tanh TANH>
+    template <typename A, Tanh TANH, bool FAST_MODS = false>
     using In = ScoreFn<SOFTCAP, ALIBI, SINK, A, TANH>;
 };
 
@@ -280,7 +280,7 @@ typedef ScoreMod<false, false, false> NoScore;
 // (mask.cuh's WithScore: full where the map holds every pair kept), and the kernel passes that to
 // origin(): a full block's pairs skip the predicate, whose tensor reads (a document id a key) are
 // most of a mask's cost. Without a map (the KV-cache kernel) every pair evaluates it.
-template <class M, typename A, bool BLOCK_MAP>
+template <class M, typename A, bool BLOCK_MAP, bool FAST = false>
 struct UserScoreFn {
     static constexpr bool IDENTITY = false;
     static constexpr bool HAS_GRAD = M::HAS_GRAD;
@@ -312,7 +312,7 @@ struct UserScoreFn {
         dsds = A(1);
         if constexpr (M::HAS_SCORE) {
             A dz = A(1);
-            out = M::template score<A>(s * unit, batch, head, q, kv, t, dz) * inv_unit;
+            out = M::template score<A, FAST && M::FAST_MATH>(s * unit, batch, head, q, kv, t, dz) * inv_unit;
             dsds = dz;
         }
         if constexpr (M::HAS_MASK) {
@@ -350,12 +350,15 @@ struct UserScore {
     static constexpr bool HAS_DROPOUT = DROPOUT;
     static constexpr bool FIXED_MAX = false;
     static constexpr bool HAS_BLOCK_MAP = BLOCK_MAP && M::HAS_MASK;
-    template <typename A, Tanh TANH>
-    using In = UserScoreFn<M, A, HAS_BLOCK_MAP>;
+    template <typename A, Tanh TANH, bool FAST_MODS = false>
+    using In = UserScoreFn<M, A, HAS_BLOCK_MAP, FAST_MODS>;
 };
 
-template <class Mask, typename A, Tanh TANH = Tanh::ACCURATE>
-using ScoreOf = typename Mask::Score::template In<A, TANH>;
+// FAST_MODS: a user modifier's float math in its fast forms (modifier.cuh), which the 16-bit
+// producer kernels take: elsewhere the cheaper code let ptxas spill (8-44 bytes in the mma.sync
+// kernels and the d256 packed wgmma forward with the compile check's example modifier).
+template <class Mask, typename A, Tanh TANH = Tanh::ACCURATE, bool FAST_MODS = false>
+using ScoreOf = typename Mask::Score::template In<A, TANH, FAST_MODS>;
 
 // The sink logit of `head` in log2 units, or -inf without one (a row's sum then gains 0).
 template <class Mask, typename A, class Params>

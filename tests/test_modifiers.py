@@ -543,3 +543,57 @@ def test_kernel_report_names_the_planned_kernels():
                                                                            True).launches if launch.role in ("dkdv", "dq")]
     assert [row["name"] for row in report] == planned and [row["role"] for row in report] == ["fwd", "dkdv", "dq"]
     assert all(row["registers"] > 0 and row["spill_bytes"] == 0 for row in report)
+
+
+# --- fast math (perf log modifier-fast-math) ---------------------------------------------------------
+
+def _softcap_mods(cap: float = 30.0) -> Modifiers:
+    return Modifiers(ScoreMod(lambda score, b, h, q_idx, kv_idx: cap * M.tanh(score / cap)))
+
+
+def test_fast_math_is_a_struct_of_its_own_where_there_is_fast_math():
+    """with_fast_math: another struct (FAST_MATH true, its own hash), the same tensors; a score with
+    no division or function has no fast form, nor has a mask alone."""
+    mods = _softcap_mods()
+    fast = mods.with_fast_math()
+    assert mods.has_fast_forms and fast.name != mods.name
+    assert "FAST_MATH = true" in fast.cuda and "FAST_MATH = false" in mods.cuda
+    assert "cf::mod_div<FAST>(" in mods.cuda and "cf::mod_tanh<FAST>(" in mods.cuda
+    assert fast.to(np).name == fast.name and fast.for_sequence(3).fast_math
+    bias = Modifiers(ScoreMod(lambda score, b, h, q_idx, kv_idx: score + 0.5 * (kv_idx - q_idx)))
+    assert not bias.has_fast_forms
+    # a modifier that reads tensors keeps accurate math (the example's fast form spilled)
+    table = Modifiers(ScoreMod(lambda score, b, h, q_idx, kv_idx, t: score / (1.0 + t[h]),
+                               t=np.ones(4, np.float32)))
+    assert "<FAST>(" in table.cuda and not table.has_fast_forms and not M.example_modifiers().has_fast_forms
+    assert not Modifiers(None, M._MaskOnly(MaskMod(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx))).has_fast_forms
+    # a mask's predicate keeps accurate math even in a fast struct
+    example = M.example_modifiers().with_fast_math()
+    mask_body = example.cuda.split("static bool mask(", 1)[1]
+    assert "<FAST>(" not in mask_body
+
+
+@needs_nvrtc
+def test_plans_keep_fast_math_in_the_producer_kernels_where_it_does_not_spill():
+    """sm_90, bf16, d128, causal: the score_mod softcap's forward and both backward kernels (the
+    producer kernels, FAST_MODS) take its fast-math struct; the compile check's example modifier,
+    which reads tensors (its fast code spilled there), keeps the accurate struct on the same
+    kernels; the float32 and mma.sync kernels never take a fast struct."""
+    from cupyflash import backward_plans, plans
+    from cupyflash._dtypes import SUPPORTED
+    from cupyflash.masks import mask_for
+    from cupyflash.scores import Score
+
+    for mods, fast in ((_softcap_mods(), True), (M.example_modifiers(), False)):
+        mask = mask_for(True, (-1, -1), Score(user=mods))
+        want = (mods.with_fast_math() if fast else mods).name
+        forward = plans.plan_forward("90", SUPPORTED["bfloat16"], 128, mask, 232448)
+        assert forward.kernel == "flash_fwd_wgmma_ws" and want in forward.spec.name, forward.spec.name
+        backward = backward_plans.plan_backward("90", SUPPORTED["bfloat16"], 128, mask.backward(), 232448, True)
+        kernels = {launch.role: launch.spec.name for launch in backward.launches if launch.role in ("dkdv", "dq")}
+        assert kernels["dkdv"].startswith("flash_bwd_wgmma_ws_") and kernels["dq"].startswith("flash_bwd_dq_wgmma_ws_")
+        assert all(want in name for name in kernels.values()), kernels
+    mask = mask_for(True, (-1, -1), Score(user=_softcap_mods()))
+    for arch, dtype in (("80", "bfloat16"), ("90", "float32")):
+        spec = plans.plan_forward(arch, SUPPORTED[dtype], 128, mask, 232448).spec
+        assert _softcap_mods().name in spec.name, spec.name

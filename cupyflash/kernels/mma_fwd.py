@@ -103,6 +103,10 @@ def specializations() -> list:
                for dtype in ("float16", "bfloat16") for dt, where in rows
                for mask in KINDS + VARIANT_KINDS + PACKED_KINDS for form in plans.band_forms(mask)]
     entries.sort(key=lambda e: (e[0] != "float16", *_by_tile((e[1], e[3]))))
+    # a user modifier's fast-math struct where the plan keeps it (the producer kernel, no spills)
+    entries = [(dtype, dt, plans.with_fast_modifiers(mask, "90", lambda m, d=dtype, h=dt, t=t: [
+                    plans.specialization_for(d, h, m, t)]) if plans.takes_fast_modifiers(t) else mask, t)
+               for dtype, dt, mask, t in entries]
     specs = [plans.specialization_for(dtype, dt, mask, t) for dtype, dt, mask, t in entries]
     # softcap with the cap as each row's maximum (plans.takes_fixed_max): bfloat16 on the kernels
     # that ask for it
