@@ -52,8 +52,9 @@
 #   scripts/gpu_check.sh OUTDIR tf32_wgmma  the tf32 wgmma forward candidates (flash_fwd_tf32_wgmma,
 #                                       flash_fwd_tf32_wgmma_ws): dev/smoke_tf32_wgmma_ws.py, then
 #                                       tests/test_tf32_wgmma_gpu.py (TF32_WGMMA_PART=tests), then
-#                                       dev/bench_tf32_wgmma.py and racecheck / memcheck of
-#                                       dev/sanitize_tf32_wgmma.py (TF32_WGMMA_PART=bench)
+#                                       dev/bench_tf32_wgmma.py (TF32_BENCH_ARGS) and racecheck /
+#                                       memcheck of dev/sanitize_tf32_wgmma.py (TF32_WGMMA_PART=bench;
+#                                       =sanitize: the sanitizer alone, 280 s each)
 #   scripts/gpu_check.sh OUTDIR measure  after the suite on its warm machine: MEASURE's parts (default
 #                                       "varlen decode"; also dropout, tf32): the varlen bench, the
 #                                       full decode table, dropout's cost at 8k, the tf32 candidates
@@ -497,9 +498,15 @@ tf32_wgmma)  # the tf32 wgmma forward candidates: their GPU tests, then their sp
             python -m pytest -q -m gpu tests/test_tf32_wgmma_gpu.py -p no:cacheprovider
     fi
     if [ "${TF32_WGMMA_PART:-bench}" = bench ] || [ -z "${TF32_WGMMA_PART:-}" ]; then
-        step tf32-wgmma-bench 240 python dev/bench_tf32_wgmma.py --json "$out/tf32-wgmma.json"
-        step racecheck-tf32-wgmma 120 compute-sanitizer --tool racecheck --error-exitcode 1 python dev/sanitize_tf32_wgmma.py
-        step memcheck-tf32-wgmma 120 compute-sanitizer --tool memcheck --error-exitcode 1 python dev/sanitize_tf32_wgmma.py
+        # TF32_BENCH_ARGS: e.g. "--headdims 128 --seqlens 1024 8192" (the d128 candidates alone)
+        step tf32-wgmma-bench 240 python dev/bench_tf32_wgmma.py ${TF32_BENCH_ARGS:-} --json "$out/tf32-wgmma.json"
+    fi
+    # the sanitizer: in the bench part at 120 s each, or alone (TF32_WGMMA_PART=sanitize) at 280 s
+    # each, the whole candidate list (racecheck took more than 140 s over it on an H100, 2026-12-07)
+    if [ "${TF32_WGMMA_PART:-bench}" = bench ] || [ "${TF32_WGMMA_PART:-}" = sanitize ] || [ -z "${TF32_WGMMA_PART:-}" ]; then
+        limit=120; [ "${TF32_WGMMA_PART:-}" = sanitize ] && limit=280
+        step racecheck-tf32-wgmma "${RACECHECK_LIMIT:-$limit}" compute-sanitizer --tool racecheck --error-exitcode 1 python dev/sanitize_tf32_wgmma.py
+        step memcheck-tf32-wgmma "${MEMCHECK_LIMIT:-$limit}" compute-sanitizer --tool memcheck --error-exitcode 1 python dev/sanitize_tf32_wgmma.py
     fi
     ;;
 tf32)  # the float32 forward on tensor cores: tests, the probe's candidates, the bench, the sanitizer
