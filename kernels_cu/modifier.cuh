@@ -64,15 +64,16 @@ __device__ __forceinline__ float rcp_approx(float x);
 
 // The modifiers' math, in the score's type (float or double). FAST (a struct made with FAST_MATH,
 // in the kernels that take it: UserScoreFn's FAST, score.cuh's FAST_MODS, the 16-bit producer
-// kernels flash_fwd_wgmma_ws, flash_bwd_wgmma_ws and flash_bwd_dq_wgmma_ws): division, tanh, exp and sigmoid in float to a few 1e-6 relative, far
-// under their 16-bit inputs' own rounding (bfloat16's 2^-9), tanh on the rational form the
-// built-in softcap's RATIONAL takes; the score_mod softcap ran at 0.41 of the built-in one's
-// forward, mostly IEEE division's checks and slow path (docs/perf-log.md modifier-fast-math).
-// Otherwise accurate: float32 "ieee", float64 and the SIMT kernels, where a modifier's value is the
-// model's definition to the last bits, and the other 16-bit kernels, where the cheaper code let
-// ptxas spill. The plans try the FAST_MATH struct first where it can apply and keep it only where
-// ptxas compiles it without spills (in the producer kernels too a modifier's fast code can spill:
-// the compile check's example did), the accurate struct otherwise.
+// kernels flash_fwd_wgmma_ws, flash_bwd_wgmma_ws and flash_bwd_dq_wgmma_ws): division, tanh, exp
+// and sigmoid in float to a few 1e-6 relative, far under their 16-bit inputs' own rounding
+// (bfloat16's 2^-9), tanh on the rational form the built-in softcap's RATIONAL takes; the
+// score_mod softcap ran at 0.41 of the built-in one's forward, mostly IEEE division's checks and
+// slow path (docs/perf-log.md modifier-fast-math). Otherwise accurate: float32 "ieee", float64 and
+// the SIMT kernels, where a modifier's value is the model's definition to the last bits, and the
+// other 16-bit kernels, where the cheaper code let ptxas spill. The plans try the FAST_MATH struct
+// first for a modifier that reads no tensors (Modifiers.has_fast_forms: the compile check's
+// example, which reads two, spilled in its fast form) and keep it only where ptxas compiles it
+// without spills, the accurate struct otherwise.
 //
 // a / b: FAST takes PTX div.full.f32 (full range, about 2 ulp, no slow path), where IEEE division
 // checked every quotient (FCHK) and branched to a called slow path: 8-10 instructions a score and

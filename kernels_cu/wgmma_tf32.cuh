@@ -382,7 +382,6 @@ __device__ __forceinline__ u64 tf32_k_step_desc_after(u64 tile_desc, int step) {
     return (tile_desc & 0xFFFFFFFF00000000ull) | static_cast<u32>(static_cast<u32>(tile_desc) + (bytes >> 4));
 }
 
-
 // tf32_product_sums' prepare when the A operands are ready before it (no per-k-step step).
 struct NoPrepare {
     __device__ __forceinline__ void operator()(int) const {}
