@@ -505,8 +505,8 @@ tf32_wgmma)  # the tf32 wgmma forward candidates: their GPU tests, then their sp
     # each, the whole candidate list (racecheck took more than 140 s over it on an H100, 2026-12-07)
     if [ "${TF32_WGMMA_PART:-bench}" = bench ] || [ "${TF32_WGMMA_PART:-}" = sanitize ] || [ -z "${TF32_WGMMA_PART:-}" ]; then
         limit=120; [ "${TF32_WGMMA_PART:-}" = sanitize ] && limit=280
-        step racecheck-tf32-wgmma "${RACECHECK_LIMIT:-$limit}" compute-sanitizer --tool racecheck --error-exitcode 1 python dev/sanitize_tf32_wgmma.py
-        step memcheck-tf32-wgmma "${MEMCHECK_LIMIT:-$limit}" compute-sanitizer --tool memcheck --error-exitcode 1 python dev/sanitize_tf32_wgmma.py
+        step racecheck-tf32-wgmma "${RACECHECK_LIMIT:-$limit}" compute-sanitizer --tool racecheck --error-exitcode 1 python dev/sanitize_tf32_wgmma.py ${SANITIZE_MATCH:-}
+        step memcheck-tf32-wgmma "${MEMCHECK_LIMIT:-$limit}" compute-sanitizer --tool memcheck --error-exitcode 1 python dev/sanitize_tf32_wgmma.py ${SANITIZE_MATCH:-}
     fi
     ;;
 tf32)  # the float32 forward on tensor cores: tests, the probe's candidates, the bench, the sanitizer
