@@ -186,6 +186,11 @@ flash_fwd_tf32_wgmma_ws(const __grid_constant__ FwdParams p) {
     if (wg == 1) turns.wait();
 
     if constexpr (DropoutOf<Mask>::ENABLED) scale_acc(o_acc, p.variant.dropout.scale);
+    // Q_STAGED: O is staged over the warp's own rows of Q's tile, which other lanes of the warp read
+    // in the last block's split. Those reads fed wgmmas the warp has waited for (.sync.aligned), so
+    // they are done; the warp barrier says so to racecheck, which does not count wgmma's
+    // convergence as one (its WAR report on the staged form, perf log tf32-staged-q-syncwarp).
+    if constexpr (Q_STAGED) __syncwarp();
     store_o<float, D_TILE, Mask::Score::HAS_SINK>(
         o_acc, row_stats, base + L::O_STAGING, strip_row0, m0, seqlen_q, p.headdim_v,
         p.o.row<float>(seq.batch, seq.q_begin + m0, head), p.o.row_stride,
