@@ -483,20 +483,14 @@ _WINDOWS_BWD = "windows-bwd-tiles-the-backwards-two-wgmma-kernels-with-64-row-bl
 LOCAL_BACKWARD_KERNELS = {
     (SM90, 128): BackwardKernels("wgmma", (64, 64), "none", "dq_wgmma", (64, 64, 2), _WINDOWS_BWD),
 }
-# The row a packed (varlen) causal batch takes at sm_90 d128, deterministic or not (perf log
-# varlen-v3): the window row's 64 x 64 blocks, two CTAs an SM in each kernel (dK/dV 237 registers
-# x 128 threads, 106 KiB; dQ 182 x 128, 97 KiB). A packed causal batch is many short walks (the
-# varlen bench's 9 sequences of 137-5699 tokens: 14.6 blocks of 128 a CTA where one dense 16k
-# sequence has 64), and with one CTA an SM each CTA's prologue and epilogue (about 2.2 us, fitted:
-# dev/varlen_sm_model.py) stall the SM; with two, one CTA's products run under the other's.
-# Measured on an H100 (ninth session): 0.84 -> 0.93 of dense. At d64 the same tiles measured
-# 0.80 -> 0.79 (the model said 0.89-0.95), so d64 keeps its row. Not with softcap: its derivative
-# takes the dK/dV kernel to 255 registers (8 bytes of spills beside ALiBi and a sink, sm_90a); nor
-# with user modifiers, whose fallback from a spilling row is the mma.sync kernels.
-_VARLEN_BWD = "varlen-v3-the-packed-causal-backward-on-two-ctas-an-sm"
-PACKED_CAUSAL_BACKWARD_KERNELS = {
-    (SM90, 128): BackwardKernels("wgmma", (64, 64), "none", "dq_wgmma", (64, 64, 2), _VARLEN_BWD),
-}
+# A packed (varlen) causal batch runs the dense rows. Until v16 it had a row of its own at sm_90
+# d128 (perf log varlen-v3): the window row's 64 x 64 blocks, two CTAs an SM hiding each CTA's
+# prologue and epilogue on the short walks of mixed lengths, 0.84 -> 0.93 of dense on an H100
+# against the one-role kernels of the time. The producer pair (v13-v15) since outran it: the
+# varlen bench's packed causal backward at d128, 335.8 / 335.3 TFLOP/s on that row against
+# 370.3 / 369.7 on the pair, alternated twice (1.10x; 0.83 -> 0.91 of one dense sequence of the
+# same tokens; perf log varlen-bwd-pair).
+
 # flash_bwd_dkdv_mma_v2 with atomic dQ and a window's left bound needs more than 255 registers
 # (ptxas spills 24-36 bytes at sm_80 / sm_90): there flash_bwd_dkdv_mma runs (DKDV_CONFIG's tiles).
 _DKDV_KIND = {"dkdv_mma": "v1", "dkdv_mma_v2": "v2", "dkdv_mma_split": "split"}
@@ -709,9 +703,6 @@ def backward_candidates(where: str, dtype, dt: int, mask: Mask, smem_optin: int 
     rows = BACKWARD_KERNELS[(where, dt, bool(deterministic) or packed_mma_sync)]
     if mask.band == "local" and (where, dt) in LOCAL_BACKWARD_KERNELS:
         rows = (LOCAL_BACKWARD_KERNELS[(where, dt)],)
-    if (mask.packed and mask.band == "causal" and not mask.score.softcap and mask.score.user is None
-            and (where, dt) in PACKED_CAUSAL_BACKWARD_KERNELS):
-        rows = (PACKED_CAUSAL_BACKWARD_KERNELS[(where, dt)],)
     row = next((r for r in rows if smem_optin is None or _dkdv_spec(dtype, dt, mask, r).smem_bytes <= smem_optin),
                rows[-1])
     row = _without_spills(row, mask, dt)

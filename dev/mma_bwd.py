@@ -1,4 +1,4 @@
-"""Every version the tensor-core backward has shipped, v1 to v12, and the candidates that lost:
+"""Every version the tensor-core backward has shipped, v1 to v16, and the candidates that lost:
 the history of ``cupyflash.backward_plans.BACKWARD_KERNELS``. Not part of the library (a wheel has
 no dev/); ``python -m cupyflash tune --direction bwd`` from a source checkout times each entry
 against the shipped plan, after checking it against the float64 reference, and
@@ -100,10 +100,10 @@ VERSIONS = (
             "shipped-113-116x-flexattention", shipped="sm_90 (a window at d128)"),
     # A packed causal batch at sm_90 d128 (not with softcap or a user modifier): v11's window tiles,
     # two CTAs an SM hiding each other's prologue and epilogue on the short walks of mixed lengths
-    # (H100, the varlen bench: 0.84 -> 0.93 of dense; at d64 no gain, not taken;
-    # backward_plans.PACKED_CAUSAL_BACKWARD_KERNELS).
+    # (H100, the varlen bench: 0.84 -> 0.93 of dense; at d64 no gain, not taken; v16 left it for the
+    # producer pair).
     Version("v12", "v11, but a packed causal batch at d128 on sm_90 runs the window's 64 x 64 blocks too",
-            "varlen-v3-the-packed-causal-backward-on-two-ctas-an-sm", shipped="sm_90 (a packed causal batch at d128)"),
+            "varlen-v3-the-packed-causal-backward-on-two-ctas-an-sm"),
     # Deterministic d64 / d128 on sm_90: v10's two kernels, each with a producer warpgroup copying its
     # walked blocks into stages and two consumer warpgroups in turns at the tensor cores
     # (flash_bwd_wgmma_ws, flash_bwd_dq_wgmma_ws), bitwise v10's results (H100: the backward
@@ -123,6 +123,12 @@ VERSIONS = (
     Version("v15", "v14, but d64 without determinism on sm_90 runs the producer pair too",
             "wgmma-bwd-ws-nondet-d64-v15-d64-without-determinism-on-the-producer-pair-too",
             shipped="sm_90 d64 without determinism"),
+    # A packed causal batch at sm_90 d128: the producer pair as a dense batch, not v12's 64 x 64
+    # rows (H100, the varlen bench alternated twice: 1.10x, 0.83 -> 0.91 of one dense sequence).
+    Version("v16", "v15, but a packed causal batch at d128 on sm_90 runs the producer pair as a dense one does",
+            "varlen-bwd-pair-v16-a-packed-causal-batch-at-d128-on-the-producer-pair--"
+            "measured-on-an-h100-twenty-eighth-session-110x-083---091-of-dense-routed",
+            shipped="sm_90 (a packed causal batch at d128)"),
 )
 # Numbers that were never a version of this tree.
 REJECTED = {"v8": ("fixed-point dQ summed by cluster pairs through distributed shared memory first, measured "
@@ -264,13 +270,14 @@ def kernels(version: str, arch: str | None, smem_optin: int | None, dtype, headd
     mask = as_mask(mask)
     dt = d_tile(headdim)
     # v13: the producer kernels where deterministic at d64 / d128 on sm_90 (v14: d128 without
-    # determinism too, v15: d64 too), not a window at d128 nor a packed causal batch there without softcap or a
-    # user modifier (v11 / v12's rows); softcap, dropout and user modifiers at d64 on 64-query dK/dV
-    # blocks. With ``wgmma_ws`` or ``dq_ws``
-    # given, those tiles beside v13's other kernel.
+    # determinism too, v15: d64 too), not a window at d128 nor (v12 to v15) a packed causal batch there
+    # without softcap or a user modifier (v11 / v12's rows); softcap, dropout and user modifiers at d64
+    # on 64-query dK/dV blocks. With ``wgmma_ws`` or ``dq_ws`` given, those tiles beside v13's other
+    # kernel.
     variant = mask.score.softcap or mask.score.dropout or mask.score.user is not None
-    v12_rows = dt in WINDOW_SPLIT_D_TILES and (isinstance(mask, Local) or (
-        mask.packed and mask.band == "causal" and not mask.score.softcap and mask.score.user is None))
+    packed_causal_rows = (_since(version, "v12") and not _since(version, "v16") and mask.packed
+                          and mask.band == "causal" and not mask.score.softcap and mask.score.user is None)
+    v12_rows = dt in WINDOW_SPLIT_D_TILES and (isinstance(mask, Local) or packed_causal_rows)
     ws = (arch == "90" and (deterministic or (_since(version, "v14") and dt == 128) or _since(version, "v15"))
           and _since(version, "v13")
           and dt in WGMMA_WS_ROUTE and fused is None and wgmma is None and dq_config is None and not v12_rows)
@@ -288,8 +295,7 @@ def kernels(version: str, arch: str | None, smem_optin: int | None, dtype, headd
             if _since(version, "v11") and isinstance(mask, Local) and dt in WINDOW_SPLIT_D_TILES:
                 return BackwardKernels("wgmma", WINDOW_SPLIT_D_TILES[dt][0], "none", "dq_wgmma",
                                        WINDOW_SPLIT_D_TILES[dt][1])
-            if (_since(version, "v12") and mask.packed and mask.band == "causal" and not mask.score.softcap
-                    and mask.score.user is None and dt in PACKED_CAUSAL_D_TILES):
+            if packed_causal_rows and dt in PACKED_CAUSAL_D_TILES:
                 return BackwardKernels("wgmma", PACKED_CAUSAL_D_TILES[dt][0], "none", "dq_wgmma",
                                        PACKED_CAUSAL_D_TILES[dt][1])
         if fused is None and arch == "90":

@@ -19,7 +19,8 @@ dim and direction (dense 1 x 16k and 4 x 3650 and the packed batch, causal and n
     (heads inner), no CTA past a sequence's end (the host knows the lengths);
   * hidden prologue (makespan's ``hidden``, not printed): a persistent CTA whose next tile's loads
     run under the current one's products (d128 forward +2%);
-  * the backward on 64 x 64 tiles, two CTAs an SM (backward_plans.PACKED_CAUSAL_BACKWARD_KERNELS).
+  * the backward on 64 x 64 tiles, two CTAs an SM (varlen-v3's row, shipped at d128 until v16 of
+    dev/mma_bwd.py moved a packed causal batch to the producer pair).
 
     python dev/varlen_sm_model.py
 """
@@ -199,7 +200,7 @@ def fit(d, direction, lengths):
     return best[0], best[1], math.sqrt(best[2] / 6)
 
 
-# The backward on the window rows' tiles (backward_plans.PACKED_CAUSAL_BACKWARD_KERNELS): dK/dV
+# The backward on the window rows' tiles (varlen-v3's packed causal row until v16): dK/dV
 # and dQ on 64 x 64 blocks, two CTAs an SM (d64's dQ three: 146 registers x 128 threads, 49 KiB).
 # A block pair's cost against the shipped tiles': 0.93-0.95 fits the eighth session's window
 # (1024, 0) timings at d128 (dK/dV 1.080x, dQ 1.050x, both 1.138x the shipped row at 16k) with the

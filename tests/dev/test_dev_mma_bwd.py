@@ -56,9 +56,9 @@ def test_the_last_version_is_the_plan_on_every_device(dev):
 
 
 def test_the_last_version_is_the_plan_of_a_packed_causal_batch_on_sm90(dev):
-    """v12's row (backward_plans.PACKED_CAUSAL_BACKWARD_KERNELS): a packed causal batch on sm_90
-    d128, with the score variants the row takes and those it does not (softcap). (Elsewhere a
-    packed batch's rows follow _without_spills' routes, which dev/ does not model.)"""
+    """v16: a packed causal batch on sm_90 d128 on the producer pair, with the score variants v12's
+    row took and those it did not (softcap). (Elsewhere a packed batch's rows follow _without_spills'
+    routes, which dev/ does not model.)"""
     for dt, score, deterministic in itertools.product((128,), (Score(), Score(alibi=True), Score(softcap=True)),
                                                       (True, False)):
         mask = Causal(score=score, packed=True)
