@@ -134,37 +134,25 @@ struct Tf32DkdvTiles {
     u32 k, v, q, dout, qt, dot;
 };
 
-// Steps 2-6 of a query block in the dK/dV kernels (flash_bwd_dkdv_tf32_wgmma and its producer /
-// consumer form _ws), for the warpgroup that owns the 64 keys n0..: S^T = K Q^T and dP^T = V dO^T;
-// P^T (times dropout's keep mask) and dS^T by the float32 element step (dmma_bwd_steps.cuh's
-// score_entry / ds_entry) from the block's row statistics (stats: [STAT_SLOTS][BLOCK_M] floats,
-// StatSlot's order); dV += P^T dO and dK += dS^T Q, each waited for before the next is split (the
-// registers of one product's split operands at a time). Value 4 f + e of a thread is key row
-// 16 warp + g + 8 (e / 2), query 8 f + 2 t + e % 2 (warp: within the warpgroup). dS^T is left in
-// ds for the caller (the fused dQ's operand).
-template <int D_TILE, int BLOCK_M, int PRODUCTS, bool SUMS_APART, class Mask>
-__device__ __forceinline__ void tf32_dkdv_query_block(float (&dk_acc)[D_TILE / 2], float (&dv_acc)[D_TILE / 2],
-                                                      float (&ds)[BLOCK_M / 2], const Tf32DkdvTiles& tiles,
-                                                      const float* stats, const BwdParams& p,
-                                                      const SequenceRows& seq, const Mask& mask, int head, int m0,
-                                                      int n0, int warp, int lane) {
+// Step 4 of a query block in the dK/dV kernels, for the warpgroup values of the 64 keys n0..: S^T
+// and dP^T (in s and ds) into P^T (times dropout's keep mask) in s and dS^T in ds, by the float32
+// element step (dmma_bwd_steps.cuh's score_entry / ds_entry) from the block's row statistics
+// (stats: [STAT_SLOTS][BLOCK_M] floats, StatSlot's order). Value 4 f + e of a thread is key row
+// 16 warp + g + 8 (e / 2), query 8 f + 2 t + e % 2 (warp: within the warpgroup). Two copies, with
+// and without the element mask and a user mask's predicate: a block the mask policy holds whole
+// (partial() false) needs neither. One copy (the masked one) where the policy hides nothing inside
+// the sequences.
+template <int BLOCK_M, class Mask>
+__device__ __forceinline__ void tf32_dkdv_element_step(float (&s)[BLOCK_M / 2], float (&ds)[BLOCK_M / 2],
+                                                       const float* stats, const BwdParams& p,
+                                                       const SequenceRows& seq, const Mask& mask, int head, int m0,
+                                                       int n0, int warp, int lane) {
     constexpr int BLOCK_N = 64;
-    constexpr u32 KV_TILE = BLOCK_N * D_TILE * 4, Q_TILE = BLOCK_M * D_TILE * 4;
     const int g = lane / 4, t = lane % 4;
     const int seqlen_q = seq.seqlen_q;
     const float scale_log2 = scale_log2_in<float>(p), scale = scale_in<float>(p), to_log2 = p.lse_to_log2;
     const float drop_scale = DropoutOf<Mask>::ENABLED ? dropout_scale_in<float>(p) : 1.f;
     const bool has_weight = p.weight != nullptr, has_dp_ref = p.dp_ref != nullptr;
-
-    // Steps 2-3: S^T and dP^T, PRODUCTS tf32 products a k-step.
-    float s[BLOCK_M / 2];
-    tf32_scores_and_dp<D_TILE / 8, SUMS_APART>(
-        s, ds, Tf32RowsTimesRows<BLOCK_N, BLOCK_M, PRODUCTS>{tiles.k, tiles.k + KV_TILE, tiles.q, tiles.q + Q_TILE},
-        {tiles.v, tiles.v + KV_TILE, tiles.dout, tiles.dout + Q_TILE});
-
-    // Step 4: P^T into s, dS^T into ds. Two copies, with and without the element mask and a user
-    // mask's predicate: a block the mask policy holds whole (partial() false) needs neither. One
-    // copy (the masked one) where the policy hides nothing inside the sequences.
     const ScoreOf<Mask, float> score(score_problem<Mask>(p, seq), seq.index, head, scale);
     const DropoutOf<Mask> dropout(p, seq.index, head);
     auto element_step = [&](auto partial) {
@@ -188,6 +176,30 @@ __device__ __forceinline__ void tf32_dkdv_query_block(float (&dk_acc)[D_TILE / 2
             }
     };
     masked_or_not(!hides_inside_sequences<Mask>() || mask.partial(m0, BLOCK_M, n0, BLOCK_N), element_step);
+}
+
+// Steps 2-6 of a query block in the dK/dV kernels (flash_bwd_dkdv_tf32_wgmma and its producer /
+// consumer form _ws), for the warpgroup that owns the 64 keys n0..: S^T = K Q^T and dP^T = V dO^T;
+// P^T and dS^T by tf32_dkdv_element_step; dV += P^T dO and dK += dS^T Q, each waited for before the
+// next is split (the registers of one product's split operands at a time). dS^T is left in ds for
+// the caller (the fused dQ's operand).
+template <int D_TILE, int BLOCK_M, int PRODUCTS, bool SUMS_APART, class Mask>
+__device__ __forceinline__ void tf32_dkdv_query_block(float (&dk_acc)[D_TILE / 2], float (&dv_acc)[D_TILE / 2],
+                                                      float (&ds)[BLOCK_M / 2], const Tf32DkdvTiles& tiles,
+                                                      const float* stats, const BwdParams& p,
+                                                      const SequenceRows& seq, const Mask& mask, int head, int m0,
+                                                      int n0, int warp, int lane) {
+    constexpr int BLOCK_N = 64;
+    constexpr u32 KV_TILE = BLOCK_N * D_TILE * 4, Q_TILE = BLOCK_M * D_TILE * 4;
+
+    // Steps 2-3: S^T and dP^T, PRODUCTS tf32 products a k-step.
+    float s[BLOCK_M / 2];
+    tf32_scores_and_dp<D_TILE / 8, SUMS_APART>(
+        s, ds, Tf32RowsTimesRows<BLOCK_N, BLOCK_M, PRODUCTS>{tiles.k, tiles.k + KV_TILE, tiles.q, tiles.q + Q_TILE},
+        {tiles.v, tiles.v + KV_TILE, tiles.dout, tiles.dout + Q_TILE});
+
+    // Step 4: P^T into s, dS^T into ds.
+    tf32_dkdv_element_step<BLOCK_M>(s, ds, stats, p, seq, mask, head, m0, n0, warp, lane);
 
     // Steps 5-6: dV += P^T dO, dK += dS^T Q.
     tf32_acc_times_tile<D_TILE, BLOCK_M / 8, PRODUCTS, SUMS_APART>(dv_acc, s, tiles.dot, tiles.dot + Q_TILE,
