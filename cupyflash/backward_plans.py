@@ -965,11 +965,15 @@ class Tf32WgmmaBwdConfig:
     workspace (kv_split_bytes), the dQ producer one thread copying it into the stages by bulk copies.
     ``presplit`` (with producer and raw_stages 0; perf log tf32-split-once-dkdv): the same for the
     dK/dV kernel's query blocks, Q and dO split once with their statistics by flash_bwd_split_q_tf32
-    (q_split_bytes).
+    (q_split_bytes). ``pair`` (flash_bwd_dkdv_tf32_wgmma_pair, perf log tf32-wgmma-bwd-pair; the d128
+    tile, block_m 32, raw_stages 0, dq_block_n 0): dK / dV by two warpgroups that form S^T and dP^T
+    one each (A = K or V from their raw rows, split a k-step at a time), trade them, and each sum
+    dK and dV over one half of the head dim.
     Candidates, in no plan (but the route's row):
     ``dmma.backward(config=...)`` on float32 arrays,
-    head dims up to 64 and multiples of 4 (at d128, K, V and a query block's four tile pairs, hi
-    and lo, take 256 KiB of shared memory at 32 queries a block)."""
+    head dims up to 64 and multiples of 4, and with ``pair`` up to 128 (at d128 the other forms'
+    K, V and a query block's four tile pairs, hi and lo, take 256 KiB of shared memory at 32 queries
+    a block)."""
 
     block_m: int = 32
     raw_stages: int = 2
@@ -985,6 +989,7 @@ class Tf32WgmmaBwdConfig:
     dq_consumers: int = 1
     dq_presplit: bool = False
     presplit: bool = False
+    pair: bool = False
 
     threads = 128
     block_n = 64
@@ -1003,7 +1008,10 @@ TF32_WGMMA_BACKWARD_CONFIGS = {64: (Tf32WgmmaBwdConfig(), Tf32WgmmaBwdConfig(32,
                                                        dq_presplit=True),
                                     Tf32WgmmaBwdConfig(32, 0, producer=True, presplit=True, dq_raw_stages=0,
                                                        dq_producer=True, dq_presplit=True))}
-TF32_WGMMA_D_TILES = (64,)
+# d128: the pair's dK/dV kernel (Tf32WgmmaBwdConfig(pair=True)) beside the tf32x3 experiment's dQ
+# (perf log tf32-wgmma-bwd-pair), a candidate of the bench and the GPU tests only (its causal dropout
+# form spills, ptxas at sm_90a: the compile check's every-mask list is for candidates that do not).
+TF32_WGMMA_D_TILES = (64, 128)
 
 # float32's backward with statistics "saved" at sm_90, head-dim tile 64 (head dims 40-64): dK / dV and
 # dQ each by a producer warpgroup's kernel, sums apart (perf log tf32-wgmma-bwd-route: 1.39-1.57x
@@ -1036,7 +1044,12 @@ def tf32_wgmma_smem_bytes(kind: str, dt: int, config: Tf32WgmmaBwdConfig) -> int
     "dkdv" mirrors BwdTf32WgmmaSmem<...>::BYTES: K and V (64 rows) and the query block's Q, dO,
     Q^T and dO^T, each a hi and a lo tile of float32 words (fused_dq: K^T and dS too), the raw
     stages of Q and dO, and raw_stages + 1 slots of four row statistics. "dq" mirrors DqTf32WgmmaSmem<...>::BYTES: Q and
-    dO (64 rows), K, V and K^T (dq_block_n rows or slots), hi and lo, and the raw stages of K and V."""
+    dO (64 rows), K, V and K^T (dq_block_n rows or slots), hi and lo, and the raw stages of K and V.
+    "dkdv" with ``pair`` mirrors BwdTf32PairSmem: K and V raw, the query block's tiles and
+    statistics, and the trade of two warpgroups' block_m / 2 values a thread."""
+    if kind == "dkdv" and config.pair:  # BwdTf32PairSmem: K, V raw; one stage; the trade
+        stage = -(-(8 * 4 * config.block_m * dt + 4 * config.block_m * 4) // 1024) * 1024
+        return 2 * 4 * 64 * dt + stage + 2 * 4 * (config.block_m // 2) * 128 + 1024
     if kind == "dkdv" and config.producer:  # BwdTf32WgmmaWsSmem: K, V; stages (tiles, statistics); raw; barriers
         q_tile = 4 * config.block_m * dt
         stage = -(-(8 * q_tile + 4 * config.block_m * 4) // 1024) * 1024
@@ -1089,6 +1102,20 @@ def tf32_wgmma_spec(kind: str, dt: int, mask: Mask, config: Tf32WgmmaBwdConfig) 
     consumers = config.dq_consumers if kind == "dq" and ws else 1
     if config.dq_consumers not in (1, 2) or (config.dq_consumers == 2 and not config.dq_producer):
         raise ValueError(f"cupyflash: one or two dQ consumers, two only in the producer form: {config!r}")
+    if config.pair and (dt != 128 or config.block_m != 32 or config.raw_stages != 0 or config.dq_block_n != 0
+                        or config.producer or config.presplit or fused):
+        raise ValueError(f"cupyflash: the pair dK/dV kernel takes the d128 tile, 32-query blocks read by the split "
+                         f"(raw_stages 0) and dQ on the tf32x3 kernel (dq_block_n 0): {config!r}")
+    if dt == 128 and kind == "dkdv" and not config.pair:
+        raise ValueError(f"cupyflash: at the d128 tile the tf32 wgmma dK/dV kernel is the pair's: {config!r}")
+    if config.pair and kind == "dkdv":
+        apart = "true" if config.sums_apart else "false"
+        tail = "" if products == 3 else f", {products}"
+        return Specialization(f"flash_bwd_dkdv_tf32_wgmma_pair_{SHORT_NAMES['float32']}_hdim{dt}_{mask.name}_bm{bm}_bn64"
+                              + ("_apart" if config.sums_apart else "") + ("_tf32" if products == 1 else ""),
+                              "flash_bwd_dkdv_tf32_wgmma_pair.cu",
+                              f"cf::flash_bwd_dkdv_tf32_wgmma_pair<{dt}, {mask.cpp}, {bm}, {apart}{tail}>",
+                              256, tf32_wgmma_smem_bytes(kind, dt, config), arch="90a")
     fn = f"flash_bwd_{kind}_tf32_wgmma" + ("_ws" if ws else "")
     stages = (f"_s{n_stages}", f"{n_stages}, ") if ws else ("", "")
     # template arguments after SUMS_APART: (DQ_ATOMIC,) PRODUCTS, each written only when not its default

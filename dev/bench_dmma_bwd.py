@@ -108,6 +108,11 @@ def per_kernel_ms(run, repeats: int) -> dict:
             for role, events in samples.items()}
 
 
+# float32 at the d128 tile (perf log tf32-wgmma-bwd-pair): dK / dV on the pair's kernel, dQ on the
+# tf32x3 kernel
+WGMMA_D128_CANDIDATES = {"wgmma_pair": Tf32WgmmaBwdConfig(32, 0, dq_block_n=0, pair=True)}
+
+
 def warm_candidates(headdims, processes: int) -> None:
     """Every kernel the float32 rows launch (the candidates' plans, both masks and statistics),
     compiled into CuPy's disk cache by the kernel-cache warmer's process pool."""
@@ -127,12 +132,12 @@ def warm_candidates(headdims, processes: int) -> None:
     from warm_kernel_cache import _compile
 
     specs = {}
-    for headdim in (h for h in headdims if h <= 64):
+    for headdim in (h for h in headdims if h <= 128):
         for causal in (False, True):
             mask = mask_for(causal, (-1, -1), PLAIN, False).backward()
             for statistics in ("saved", "recomputed"):
                 plans = [tf32_wgmma_backward_plan(headdim, mask, config, statistics)
-                         for config in WGMMA_CANDIDATES.values()]
+                         for config in (WGMMA_CANDIDATES if headdim <= 64 else WGMMA_D128_CANDIDATES).values()]
                 plans.append(dmma_backward_plan(headdim, mask, tf32x3_backward_config(headdim), statistics,
                                                 dtype=numpy.float32))
                 for plan in plans:
@@ -173,13 +178,15 @@ def main() -> None:
                         help="float32: the tf32x3 experiment (perf log tf32-bwd-v0) and, at head dims up to 64 on "
                              "sm_90, its wgmma dK/dV candidates (tf32-wgmma-bwd-v0) against the SIMT float32 "
                              "backward and PyTorch's mem-efficient float32 backward")
-    parser.add_argument("--candidates", nargs="+", choices=sorted(WGMMA_CANDIDATES), metavar="NAME",
+    parser.add_argument("--candidates", nargs="+", choices=sorted({**WGMMA_CANDIDATES, **WGMMA_D128_CANDIDATES}),
+                        metavar="NAME",
                         help="time only these of the float32 wgmma candidates (default: all of them; a call "
                              "with every candidate at --per-kernel takes most of a 600 s device call)")
     args = parser.parse_args()
     if args.candidates:
-        for name in set(WGMMA_CANDIDATES) - set(args.candidates):
-            del WGMMA_CANDIDATES[name]
+        for table in (WGMMA_CANDIDATES, WGMMA_D128_CANDIDATES):
+            for name in set(table) - set(args.candidates):
+                del table[name]
     fp32 = args.dtype == "float32"
     if fp32 and args.warm and device_arch() == "90":
         warm_candidates(args.headdims, args.warm)
@@ -209,8 +216,8 @@ def main() -> None:
                     want = [g.copy() for g in grads]
                     times = {"simt": time_ms(run(simt.backward), args.repeats)}
                     configs = {"dmma": tf32x3_backward_config(headdim) if fp32 else None}
-                    if fp32 and headdim <= 64 and device_arch() == "90":  # tf32-wgmma-bwd-v0's dK/dV
-                        configs.update({name: config for name, config in WGMMA_CANDIDATES.items()})
+                    if fp32 and device_arch() == "90":  # tf32-wgmma-bwd-v0's dK/dV; at d128 the pair's
+                        configs.update(WGMMA_CANDIDATES if headdim <= 64 else WGMMA_D128_CANDIDATES)
                     if args.configs and not fp32:
                         configs.update({name: DmmaBwdConfig(*tiles) for name, (tiles, dts) in CANDIDATES.items()
                                         if dmma.d_tile(headdim) in dts})

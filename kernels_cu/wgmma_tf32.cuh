@@ -253,6 +253,54 @@ __device__ __forceinline__ void split_tf32_panels_both(u32 hi, u32 lo, u32 t_hi,
     split_tf32_panels_transposed<ROWS, DIM, NTHREADS, PRODUCTS, true>(t_hi, t_lo, src, rows_valid, headdim, thread);
 }
 
+// A warpgroup's A operand staged raw in shared memory and split a k-step at a time into registers
+// (tf32_product_sums' PREPARE), where split once into registers it does not fit: the forward's Q at
+// d128 (tf32-wgmma-d128), the backward pair's K and V (flash_bwd_dkdv_tf32_wgmma_pair). Each warp
+// copies its 16 rows as they are (stage_q_rows) in swizzled_offset_f32's layout and reads back only
+// those. A fragment's 32 loads hit 32 banks: lanes g = 0..7 read rows whose (row & 7) is g, so the
+// swizzle puts one k-step column's chunk at 8 distinct positions.
+template <int D_TILE, int PRODUCTS>
+struct StagedQ {
+    static constexpr bool ACTIVE = true;
+    static constexpr u32 ROW_BYTES = D_TILE * 4;
+    static_assert(D_TILE == 64 || D_TILE == 128, "rows of 256 or 512 bytes: the chunk XOR stays within a row");
+    const unsigned char* tile;  // the staged rows (64 a warpgroup, D_TILE float32 each), shared memory
+    u32 lane_offset;            // swizzled_offset_f32(strip_row0 + g, t) with chunk 0: row, g's XOR, 4 t
+
+    __device__ __forceinline__ StagedQ(const unsigned char* tile_, int strip_row0, int lane)
+        : tile(tile_), lane_offset((strip_row0 + lane / 4) * ROW_BYTES + (lane / 4 % 8) * 16 + 4 * (lane % 4)) {}
+
+    // A's hi and lo of k-step kk (load_q_fragments' layout). Element (row, 8 kk + t + 4 h) sits at
+    // swizzled_offset_f32, whose chunk (2 kk + h) ^ (row & 7) in 16-byte units is lane_offset's
+    // g bits XOR (2 kk + h) 16: one LOP3 a load from the one base, which ptxas rematerialises
+    // rather than hoisting 4 D_TILE / 8 addresses out of the key loop (as it did for the offsets
+    // written whole: 36 bytes spilled at d64, 196 at d128).
+    __device__ __forceinline__ void split(int kk, u32 (&hi)[4], u32 (&lo)[4]) const {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const u32 offset = (lane_offset ^ static_cast<u32>((2 * kk + (r >> 1)) * 16)) + (r & 1) * 8 * ROW_BYTES;
+            split_tf32<PRODUCTS, Tf32Lo::AS_IS>(*reinterpret_cast<const float*>(tile + offset), hi[r], lo[r]);
+        }
+    }
+};
+
+// The warp's 16 rows of the operand (from strip_row0) copied raw into StagedQ's tile, zeros past the
+// rows and head dim given (headdim, stride and the rows' address in multiples of 4 floats). Lane l
+// takes row l % 16, two chunks a step: not the forward's store_o order, whose copy-out would
+// otherwise share these 16 addresses with this loop and keep them live (spilled) across the key loop.
+template <int D_TILE>
+__device__ __forceinline__ void stage_q_rows(unsigned char* tile, const float* q_rows, int rows_valid, int headdim,
+                                             i64 stride, int strip_row0, int lane) {
+    constexpr int CHUNKS = D_TILE / 4;
+#pragma unroll
+    for (int i = 0; i < CHUNKS / 2; ++i) {
+        const int row = strip_row0 + lane % 16, chunk = 2 * i + lane / 16;
+        const uint4 v = ldg_bits4(q_rows + row * stride + 4 * chunk, row < rows_valid && 4 * chunk < headdim);
+        *reinterpret_cast<uint4*>(tile + swizzled_offset_f32<D_TILE>(row, 4 * chunk)) = v;
+    }
+    __syncwarp();
+}
+
 // ---------------------------------------------------------------------------------------------
 // wgmma m64nNk8, float32 accumulators, tf32 operands (the low 13 bits of each float32 register or
 // shared-memory word ignored). WgmmaTf32<N>::ss: A and B from shared memory (K-major); ::rs: A

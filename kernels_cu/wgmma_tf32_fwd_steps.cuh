@@ -32,43 +32,17 @@ __device__ __forceinline__ void load_q_fragments(u32 (&hi)[D_TILE / 8][4], u32 (
         }
 }
 
-// Q staged raw (tf32-wgmma-d128): where Q split once into registers does not fit (16 D_TILE / 8
-// registers a thread: at d128 the consumers of flash_fwd_tf32_wgmma_ws spill), each warp copies
-// its 16 rows of Q into shared memory as they are, in store_o's float32 staging layout
-// (swizzled_offset_f32: the tile doubles as O's staging tile in the epilogue, each warp's rows its
-// own), and every key block splits the A fragments of each k-step into registers just before its
-// products (tf32_product_sums' PREPARE). A fragment's 32 loads hit 32 banks: lanes g = 0..7 read
-// rows whose (row & 7) is g, so the swizzle puts one k-step column's chunk at 8 distinct positions.
-// The products, their order and the split are Q_REGS', so the results are bitwise the same.
+// Q staged raw (tf32-wgmma-d128; wgmma_tf32.cuh's StagedQ and stage_q_rows): where Q split once
+// into registers does not fit (16 D_TILE / 8 registers a thread: at d128 the consumers of
+// flash_fwd_tf32_wgmma_ws spill), each warp copies its 16 rows of Q into shared memory as they are,
+// in store_o's float32 staging layout (swizzled_offset_f32: the tile doubles as O's staging tile in
+// the epilogue, each warp's rows its own), and every key block splits the A fragments of each
+// k-step into registers just before its products (tf32_product_sums' PREPARE). The products, their
+// order and the split are Q_REGS', so the results are bitwise the same but for lo (StagedQ's).
 struct NoStagedQ {
     static constexpr bool ACTIVE = false;
     __device__ __forceinline__ NoStagedQ(const unsigned char*, int, int) {}
     __device__ __forceinline__ NoStagedQ() {}
-};
-
-template <int D_TILE, int PRODUCTS>
-struct StagedQ {
-    static constexpr bool ACTIVE = true;
-    static constexpr u32 ROW_BYTES = D_TILE * 4;
-    static_assert(D_TILE == 64 || D_TILE == 128, "rows of 256 or 512 bytes: the chunk XOR stays within a row");
-    const unsigned char* tile;  // the CTA's Q rows (BLOCK_M x D_TILE float32), shared memory
-    u32 lane_offset;            // swizzled_offset_f32(strip_row0 + g, t) with chunk 0: row, g's XOR, 4 t
-
-    __device__ __forceinline__ StagedQ(const unsigned char* tile_, int strip_row0, int lane)
-        : tile(tile_), lane_offset((strip_row0 + lane / 4) * ROW_BYTES + (lane / 4 % 8) * 16 + 4 * (lane % 4)) {}
-
-    // A's hi and lo of k-step kk (load_q_fragments' layout). Element (row, 8 kk + t + 4 h) sits at
-    // swizzled_offset_f32, whose chunk (2 kk + h) ^ (row & 7) in 16-byte units is lane_offset's
-    // g bits XOR (2 kk + h) 16: one LOP3 a load from the one base, which ptxas rematerialises
-    // rather than hoisting 4 D_TILE / 8 addresses out of the key loop (as it did for the offsets
-    // written whole: 36 bytes spilled at d64, 196 at d128).
-    __device__ __forceinline__ void split(int kk, u32 (&hi)[4], u32 (&lo)[4]) const {
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-            const u32 offset = (lane_offset ^ static_cast<u32>((2 * kk + (r >> 1)) * 16)) + (r & 1) * 8 * ROW_BYTES;
-            split_tf32<PRODUCTS, Tf32Lo::AS_IS>(*reinterpret_cast<const float*>(tile + offset), hi[r], lo[r]);
-        }
-    }
 };
 
 // StagedQ where ON, else NoStagedQ.
@@ -80,23 +54,6 @@ template <int D_TILE, int PRODUCTS>
 struct QStagingOf<true, D_TILE, PRODUCTS> {
     typedef StagedQ<D_TILE, PRODUCTS> type;
 };
-
-// The warp's 16 rows of Q (from strip_row0) copied raw into StagedQ's tile, zeros past the rows and
-// head dim given (headdim, stride and the rows' address in multiples of 4 floats). Lane l takes row
-// l % 16, two chunks a step: not store_o's order, whose copy-out would otherwise share these 16
-// addresses with this loop and keep them live (spilled) across the key loop.
-template <int D_TILE>
-__device__ __forceinline__ void stage_q_rows(unsigned char* tile, const float* q_rows, int rows_valid, int headdim,
-                                             i64 stride, int strip_row0, int lane) {
-    constexpr int CHUNKS = D_TILE / 4;
-#pragma unroll
-    for (int i = 0; i < CHUNKS / 2; ++i) {
-        const int row = strip_row0 + lane % 16, chunk = 2 * i + lane / 16;
-        const uint4 v = ldg_bits4(q_rows + row * stride + 4 * chunk, row < rows_valid && 4 * chunk < headdim);
-        *reinterpret_cast<uint4*>(tile + swizzled_offset_f32<D_TILE>(row, 4 * chunk)) = v;
-    }
-    __syncwarp();
-}
 
 // One key block for a warpgroup: S = Q K_j^T as tf32 wgmma (A = Q from registers with Q_REGS,
 // else from the warpgroup's 64-row Q hi / lo tiles; B = K_j's tiles), the online softmax and dropout

@@ -46,7 +46,7 @@ def specializations() -> list[Specialization]:
                    for mask in backward_masks for kind in ("stats", "dkdv", "dq"))
     for dt, configs in sorted(backward_plans.TF32_WGMMA_BACKWARD_CONFIGS.items()):  # its wgmma candidates
         out.extend(backward_plans.tf32_wgmma_spec(kind, dt, mask, c) for c in configs for mask in backward_masks
-                   for kind in ("dkdv", "dq"))
+                   for kind in ("dkdv", "dq") if kind == "dkdv" or c.dq_block_n)  # (0: the tf32x3 dQ)
         out.extend(backward_plans.tf32_split_kv_spec(dt, mask, c) for c in configs if c.dq_presplit
                    for mask in backward_masks)  # the key blocks' split, dense and packed
         out.extend(backward_plans.tf32_split_q_spec(dt, mask, c) for c in configs if c.presplit
@@ -149,8 +149,8 @@ def _tf32_wgmma_layout(do, q, k, v, dq, dk, dv) -> bool:
 
 def _check_tf32_wgmma_operands(do, q, k, v, dq, dk, dv) -> None:
     """The tf32 wgmma backward's needs (its loaders move 16-byte chunks of float32): float32,
-    sm_90, head dims up to 64 and multiples of 4, unit column strides, other strides multiples of
-    4 elements, 16-byte aligned data."""
+    sm_90, head dims up to the last tf32 wgmma tile (128: the pair's) and multiples of 4, unit column
+    strides, other strides multiples of 4 elements, 16-byte aligned data."""
     from ._module import device_arch
 
     if q.dtype != np.float32:
@@ -160,7 +160,8 @@ def _check_tf32_wgmma_operands(do, q, k, v, dq, dk, dv) -> None:
     from .mma_fwd import _check_layout
 
     for name, x in (("do", do), ("q", q), ("k", k), ("v", v), ("dq", dq), ("dk", dk), ("dv", dv)):
-        if x.shape[-1] % 4 or x.shape[-1] > 64:
-            raise ValueError(f"cupyflash: the tf32 wgmma backward takes head dims up to 64 in multiples of 4; "
+        widest = backward_plans.TF32_WGMMA_D_TILES[-1]
+        if x.shape[-1] % 4 or x.shape[-1] > widest:
+            raise ValueError(f"cupyflash: the tf32 wgmma backward takes head dims up to {widest} in multiples of 4; "
                              f"{name} has {x.shape[-1]}")
         _check_layout(x, name, 4)

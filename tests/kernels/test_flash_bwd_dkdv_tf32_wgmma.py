@@ -39,9 +39,12 @@ def test_the_spec_names_its_tiles_and_refuses_what_cannot_run():
     assert spec.expression == "cf::flash_bwd_dkdv_tf32_wgmma<64, cf::Causal, 32, 2, true>"
     assert spec.arch == "90a" and spec.threads == 128
     with pytest.raises(ValueError, match="head-dim tiles"):
-        backward_plans.tf32_wgmma_spec("dkdv", 128, as_mask(True), Tf32WgmmaBwdConfig())
-    with pytest.raises(ValueError, match="head dims up to 64"):
+        backward_plans.tf32_wgmma_spec("dkdv", 32, as_mask(True), Tf32WgmmaBwdConfig())
+    # at d128 only the pair fits (test_flash_bwd_dkdv_tf32_wgmma_pair.py); past it no tile
+    with pytest.raises(ValueError, match="227 KiB"):
         backward_plans.tf32_wgmma_backward_plan(96, True, Tf32WgmmaBwdConfig())
+    with pytest.raises(ValueError, match="head dims up to 128"):
+        backward_plans.tf32_wgmma_backward_plan(136, True, Tf32WgmmaBwdConfig())
     with pytest.raises(ValueError, match="227 KiB"):
         backward_plans.tf32_wgmma_spec("dkdv", 64, as_mask(True), Tf32WgmmaBwdConfig(64, 2))
     plan = backward_plans.tf32_wgmma_backward_plan(40, False, Tf32WgmmaBwdConfig(), statistics="recomputed")
@@ -120,19 +123,22 @@ def test_the_candidates_compile_without_spills_on_every_mask():
 
 @needs_nvrtc
 def test_the_bench_candidates_compile_without_spills_unmasked_and_causal():
-    """dev/bench_dmma_bwd.py's other candidates (and the GPU tests'), on the masks it times."""
+    """dev/bench_dmma_bwd.py's other candidates (and the GPU tests'), on the masks it times: at d64,
+    and the pair's dK/dV kernel at d128."""
     import sys
     from pathlib import Path
 
     from cupyflash.kernels import compile_check
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "dev"))
-    from bench_dmma_bwd import WGMMA_CANDIDATES
+    from bench_dmma_bwd import WGMMA_CANDIDATES, WGMMA_D128_CANDIDATES
 
-    specs = {spec.name: spec for config in WGMMA_CANDIDATES.values() for causal in (False, True)
-             for spec in backward_plans.tf32_wgmma_backward_plan(64, causal, config).launches
+    specs = {spec.name: spec for headdim, table in ((64, WGMMA_CANDIDATES), (128, WGMMA_D128_CANDIDATES))
+             for config in table.values() for causal in (False, True)
+             for spec in backward_plans.tf32_wgmma_backward_plan(headdim, causal, config).launches
              for spec in [spec.spec] if "_tf32_wgmma_" in spec.name}
     results = compile_check.check("90a", list(specs.values()), with_sass=True)
     assert len(results) == len(specs) > 8
+    assert any(r.name.startswith("flash_bwd_dkdv_tf32_wgmma_pair_") for r in results)
     assert not [(r.name, r.spill_bytes, r.stack_bytes) for r in results if r.spill_bytes or r.stack_bytes]
     assert not [r.name for r in results if r.wgmma_serialized]

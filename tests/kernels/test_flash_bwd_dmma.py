@@ -797,3 +797,62 @@ def test_presplit_walks_stop_at_a_short_packed_sequences_end(config_name, monkey
         WGMMA_CONFIGS[config_name].presplit, launched
     for which, a, b in zip(("dq", "dk", "dv"), presplit, shipped):
         assert np.isfinite(a).all() and np.array_equal(a, b), which
+
+
+# The pair's dK/dV kernel at the d128 tile (perf log tf32-wgmma-bwd-pair) and what it meets there: the
+# masks and score variants of the element step it shares with the d64 kernels, GQA, a head dim of
+# v its own and head dims that leave part of the tile (and of warpgroup 1's half) empty.
+PAIR_CASES = {
+    "causal": dict(causal=True),
+    "window": dict(causal=False, window_size=(40, 7)),
+    "softcap+sink": dict(causal=True, softcap=2.5, sink=[0.5, -1.0, 2.0, 0.0]),
+    "alibi": dict(causal=True, alibi_slopes=[0.25, 0.0625, 0.5, 0.125]),
+    "dropout": dict(causal=True, dropout_p=0.2, seed=5),
+    "recomputed": dict(causal=False, statistics="recomputed"),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("headdim, headdim_v", [(128, 128), (100, 68)])
+@pytest.mark.parametrize("case", list(PAIR_CASES))
+def test_the_pair_dkdv_kernel_matches_the_simt_backward_at_d128(case, headdim, headdim_v, monkeypatch):
+    """Tf32WgmmaBwdConfig(pair=True): dK and dV on flash_bwd_dkdv_tf32_wgmma_pair, dQ on the tf32x3
+    kernel, against the SIMT float32 backward within 4x its error to the float64 reference (plus
+    float32's rounding of the largest gradient), on a packed batch of ragged sequences (an empty
+    one, one past two key blocks, query blocks cut short) with GQA, then 1k queries against 1k
+    keys (dV and dK summing 32 query blocks); NaN-poisoned outputs, every value finite."""
+    import functools
+
+    import cupy
+
+    from cupyflash.kernels import simt
+    from cupyflash.kernels.params import PackedBatch
+
+    launched = _tf32x3_or_skip(monkeypatch)
+    _wgmma_or_skip()
+    options = dict(PAIR_CASES[case])
+    config = Tf32WgmmaBwdConfig(32, 0, dq_block_n=0, pair=True)
+    rng = np.random.default_rng(headdim + headdim_v + len(case))
+    lengths_q, lengths_k = [0, 33, 190, 7, 64], [5, 40, 150, 0, 64]
+    cu_q = np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lengths_k)]).astype(np.int32)
+    packed = PackedBatch(cupy.asarray(cu_q), cupy.asarray(cu_k), max(lengths_q), max(lengths_k))
+    for q_rows, k_rows, packed_batch in ((cu_q[-1], cu_k[-1], packed), (1024, 1024, None)):
+        if packed_batch is not None and case == "window":
+            packed_batch = None  # (a window over ragged sequences: the 1k rows run it)
+        q = rng.standard_normal((1, q_rows, 4, headdim)).astype(np.float32)
+        k = rng.standard_normal((1, k_rows, 2, headdim)).astype(np.float32)
+        v = rng.standard_normal((1, k_rows, 2, headdim_v)).astype(np.float32)
+        do = rng.standard_normal((1, q_rows, 4, headdim_v)).astype(np.float32)
+        got = _gradients(do, q, k, v, packed=packed_batch, backward=functools.partial(dmma.backward, config=config),
+                         **dict(options))
+        simt_grads = _gradients(do, q, k, v, packed=packed_batch, backward=simt.backward, **dict(options))
+        want = _gradients(*(x.astype(np.float64) for x in (do, q, k, v)), packed=packed_batch,
+                          backward=simt.backward, **dict(options))
+        for which, a, s, w in zip(("dq", "dk", "dv"), got, simt_grads, want):
+            assert np.isfinite(a).all(), which
+            error, simt_error = np.abs(a - w).max(), np.abs(s - w).max()
+            assert error <= 4 * simt_error + 2.0 ** -23 * np.abs(w).max(), (which, packed_batch is None, error,
+                                                                             simt_error)
+    assert any(name.startswith("flash_bwd_dkdv_tf32_wgmma_pair_fp32_hdim128_") for name in launched), launched
+    assert any(name.startswith("flash_bwd_dq_dmma_fp32_hdim128_") for name in launched), launched

@@ -1,0 +1,86 @@
+"""flash_bwd_dkdv_tf32_wgmma_pair on the CPU: its specialization and shared memory are the plan's and
+the plan refuses what the kernel cannot run; each warpgroup's head-dim half of dV and dK, read from
+rows 64 h .. of the query block's transposed tiles, is its half of P^T dO and dS^T Q (emulated from
+what the tensor cores read; the other half's rows give other numbers). The compile check of its
+bench masks is test_flash_bwd_dkdv_tf32_wgmma.py's; the GPU test is test_flash_bwd_dmma.py's
+test_the_pair_dkdv_kernel_matches_the_simt_backward_at_d128."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cupyflash import backward_plans
+from cupyflash.backward_plans import Tf32WgmmaBwdConfig
+from cupyflash.masks import as_mask
+from models.wgmma import acc_from_matrix
+from models.wgmma_tf32_bwd_steps import acc_times_tile, close, split_into
+
+PAIR = Tf32WgmmaBwdConfig(32, 0, dq_block_n=0, pair=True)
+D_TILE, BLOCK_M, HALF = 128, 32, 64
+Q_TILE = BLOCK_M * D_TILE * 4
+
+
+def test_the_spec_and_its_shared_memory_are_the_plans():
+    spec = backward_plans.tf32_wgmma_spec("dkdv", D_TILE, as_mask(True), PAIR)
+    assert spec.name == "flash_bwd_dkdv_tf32_wgmma_pair_fp32_hdim128_causal_bm32_bn64_apart"
+    assert spec.expression == "cf::flash_bwd_dkdv_tf32_wgmma_pair<128, cf::Causal, 32, true>"
+    assert spec.threads == 256 and spec.arch == "90a" and spec.source_file == "flash_bwd_dkdv_tf32_wgmma_pair.cu"
+    # BwdTf32PairSmem: K and V raw (64 rows of 128 floats each); the query block's eight tiles and
+    # 4 x 32 statistics, padded to 1 KiB; the trade (two warpgroups' 16 values a thread); the base's
+    # alignment
+    stage = -(-(8 * Q_TILE + 4 * BLOCK_M * 4) // 1024) * 1024
+    assert spec.smem_bytes == 2 * 64 * D_TILE * 4 + stage + 2 * 16 * 128 * 4 + 1024 <= 227 * 1024
+    tf32 = backward_plans.tf32_wgmma_spec("dkdv", D_TILE, as_mask(False),
+                                          Tf32WgmmaBwdConfig(32, 0, False, dq_block_n=0, precision="tf32", pair=True))
+    assert tf32.expression == "cf::flash_bwd_dkdv_tf32_wgmma_pair<128, cf::NoMask, 32, false, 1>"
+    assert tf32.name.endswith("_bm32_bn64_tf32")
+    # the backward: D, the pair's dK/dV, dQ on the tf32x3 kernel (head dims 65-128 take the tile)
+    for headdim in (72, 128):
+        names = [launch.spec.name for launch in backward_plans.tf32_wgmma_backward_plan(headdim, True, PAIR).launches]
+        assert names[0] == "flash_bwd_preprocess_fp32" and names[1] == spec.name, names
+        assert names[2].startswith("flash_bwd_dq_dmma_fp32_hdim128_") and names[2].endswith("_tf32x3"), names
+
+
+@pytest.mark.parametrize("config", [Tf32WgmmaBwdConfig(32, 1, dq_block_n=0, pair=True),
+                                    Tf32WgmmaBwdConfig(64, 0, dq_block_n=0, pair=True),
+                                    Tf32WgmmaBwdConfig(32, 0, dq_block_n=32, pair=True),
+                                    Tf32WgmmaBwdConfig(32, 0, dq_block_n=0, producer=True, pair=True),
+                                    Tf32WgmmaBwdConfig(32, 0, dq_block_n=0, fused_dq=True, pair=True)])
+def test_the_plan_refuses_what_the_pair_cannot_run(config):
+    with pytest.raises(ValueError):
+        backward_plans.tf32_wgmma_spec("dkdv", D_TILE, as_mask(True), config)
+
+
+def test_the_pair_is_the_d128_tiles_only_tf32_wgmma_dkdv_kernel():
+    with pytest.raises(ValueError, match="pair"):
+        backward_plans.tf32_wgmma_spec("dkdv", 64, as_mask(True), PAIR)
+    with pytest.raises(ValueError):  # the one-warpgroup and producer forms do not fit at d128
+        backward_plans.tf32_wgmma_spec("dkdv", D_TILE, as_mask(True), Tf32WgmmaBwdConfig(32, 0, dq_block_n=0))
+
+
+def test_each_warpgroups_half_is_its_columns_of_dv_and_dk():
+    """dV_h += P^T dO_h and dK_h += dS^T Q_h with B = rows 64 h .. of the dO^T and Q^T tiles
+    (Tf32QueryBlockTiles' DOT and QT, KEY_PAIRS, one 32-column panel: 128 bytes a row), as the
+    kernel's half_rows offsets them: the products of each half are that half's columns, and
+    warpgroup 1 reading warpgroup 0's rows would not be."""
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((BLOCK_M, D_TILE)).astype(np.float32)
+    do = rng.standard_normal((BLOCK_M, D_TILE)).astype(np.float32)
+    do[:, 100:] = 0.0  # a head dim of v short of the tile: warpgroup 1's half partly empty
+    layout = {"QT_HI": 4 * Q_TILE, "QT_LO": 5 * Q_TILE, "DOT_HI": 6 * Q_TILE, "DOT_LO": 7 * Q_TILE,
+              "BYTES": 8 * Q_TILE + 4 * BLOCK_M * 4}
+    smem = split_into(layout, D_TILE, [("QT", BLOCK_M, BLOCK_M, D_TILE, q, True),
+                                      ("DOT", BLOCK_M, BLOCK_M, 100, do, True)])
+    p_t = rng.random((64, BLOCK_M)).astype(np.float32).astype(np.float64)
+    ds_t = rng.standard_normal((64, BLOCK_M)).astype(np.float32).astype(np.float64)
+    for h in (0, 1):
+        half_rows = h * HALF * 128
+        columns = slice(HALF * h, HALF * (h + 1))
+        dv = acc_times_tile(smem, HALF, BLOCK_M, acc_from_matrix(p_t), layout["DOT_HI"] + half_rows,
+                            layout["DOT_LO"] + half_rows)
+        dk = acc_times_tile(smem, HALF, BLOCK_M, acc_from_matrix(ds_t), layout["QT_HI"] + half_rows,
+                            layout["QT_LO"] + half_rows)
+        assert close(dv, p_t @ do[:, columns].astype(np.float64)), h
+        assert close(dk, ds_t @ q[:, columns].astype(np.float64)), h
+    wrong = acc_times_tile(smem, HALF, BLOCK_M, acc_from_matrix(ds_t), layout["QT_HI"], layout["QT_LO"])
+    assert not close(wrong, ds_t @ q[:, HALF:].astype(np.float64))
