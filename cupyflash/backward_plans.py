@@ -968,7 +968,9 @@ class Tf32WgmmaBwdConfig:
     (q_split_bytes). ``pair`` (flash_bwd_dkdv_tf32_wgmma_pair, perf log tf32-wgmma-bwd-pair; the d128
     tile, block_m 32, raw_stages 0, dq_block_n 0): dK / dV by two warpgroups that form S^T and dP^T
     one each (A = K or V from their raw rows, split a k-step at a time), trade them, and each sum
-    dK and dV over one half of the head dim.
+    dK and dV over one half of the head dim. ``dq_pair`` (flash_bwd_dq_tf32_wgmma_pair; the d128 tile,
+    dq_block_n 32, dq_raw_stages 0 or 1): dQ the same way, S and dP one each (A = Q or dO from their
+    raw rows), traded, dQ summed by head-dim half.
     Candidates, in no plan (but the route's row):
     ``dmma.backward(config=...)`` on float32 arrays,
     head dims up to 64 and multiples of 4, and with ``pair`` up to 128 (at d128 the other forms'
@@ -990,6 +992,7 @@ class Tf32WgmmaBwdConfig:
     dq_presplit: bool = False
     presplit: bool = False
     pair: bool = False
+    dq_pair: bool = False
 
     threads = 128
     block_n = 64
@@ -1008,9 +1011,10 @@ TF32_WGMMA_BACKWARD_CONFIGS = {64: (Tf32WgmmaBwdConfig(), Tf32WgmmaBwdConfig(32,
                                                        dq_presplit=True),
                                     Tf32WgmmaBwdConfig(32, 0, producer=True, presplit=True, dq_raw_stages=0,
                                                        dq_producer=True, dq_presplit=True))}
-# d128: the pair's dK/dV kernel (Tf32WgmmaBwdConfig(pair=True)) beside the tf32x3 experiment's dQ
-# (perf log tf32-wgmma-bwd-pair), a candidate of the bench and the GPU tests only (its causal dropout
-# form spills, ptxas at sm_90a: the compile check's every-mask list is for candidates that do not).
+# d128: the pair's dK/dV kernel (Tf32WgmmaBwdConfig(pair=True)) beside the tf32x3 experiment's dQ or
+# the pair's dQ kernel (dq_pair=True) (perf log tf32-wgmma-bwd-pair), candidates of the bench and the
+# GPU tests only (the dK/dV kernel's causal dropout form spills, ptxas at sm_90a: the compile
+# check's every-mask list is for candidates that do not).
 TF32_WGMMA_D_TILES = (64, 128)
 
 # float32's backward with statistics "saved" at sm_90, head-dim tile 64 (head dims 40-64): dK / dV and
@@ -1047,6 +1051,10 @@ def tf32_wgmma_smem_bytes(kind: str, dt: int, config: Tf32WgmmaBwdConfig) -> int
     dO (64 rows), K, V and K^T (dq_block_n rows or slots), hi and lo, and the raw stages of K and V.
     "dkdv" with ``pair`` mirrors BwdTf32PairSmem: K and V raw, the query block's tiles and
     statistics, and the trade of two warpgroups' block_m / 2 values a thread."""
+    if kind == "dq" and config.dq_pair:  # DqTf32PairSmem: Q, dO raw; one stage; raw K, V; the trade
+        stage = -(-(6 * 4 * config.dq_block_n * dt) // 1024) * 1024
+        return (2 * 4 * 64 * dt + stage + config.dq_raw_stages * 2 * 4 * config.dq_block_n * dt
+                + 2 * 4 * (config.dq_block_n // 2) * 128 + 1024)
     if kind == "dkdv" and config.pair:  # BwdTf32PairSmem: K, V raw; one stage; the trade
         stage = -(-(8 * 4 * config.block_m * dt + 4 * config.block_m * 4) // 1024) * 1024
         return 2 * 4 * 64 * dt + stage + 2 * 4 * (config.block_m // 2) * 128 + 1024
@@ -1102,12 +1110,24 @@ def tf32_wgmma_spec(kind: str, dt: int, mask: Mask, config: Tf32WgmmaBwdConfig) 
     consumers = config.dq_consumers if kind == "dq" and ws else 1
     if config.dq_consumers not in (1, 2) or (config.dq_consumers == 2 and not config.dq_producer):
         raise ValueError(f"cupyflash: one or two dQ consumers, two only in the producer form: {config!r}")
-    if config.pair and (dt != 128 or config.block_m != 32 or config.raw_stages != 0 or config.dq_block_n != 0
+    if config.pair and (dt != 128 or config.block_m != 32 or config.raw_stages != 0
                         or config.producer or config.presplit or fused):
-        raise ValueError(f"cupyflash: the pair dK/dV kernel takes the d128 tile, 32-query blocks read by the split "
-                         f"(raw_stages 0) and dQ on the tf32x3 kernel (dq_block_n 0): {config!r}")
-    if dt == 128 and kind == "dkdv" and not config.pair:
-        raise ValueError(f"cupyflash: at the d128 tile the tf32 wgmma dK/dV kernel is the pair's: {config!r}")
+        raise ValueError(f"cupyflash: the pair dK/dV kernel takes the d128 tile and 32-query blocks read by the "
+                         f"split (raw_stages 0): {config!r}")
+    if config.dq_pair and (dt != 128 or config.dq_block_n != 32 or config.dq_raw_stages not in (0, 1)
+                           or config.dq_producer or config.dq_presplit or config.dq_consumers != 1):
+        raise ValueError(f"cupyflash: the pair dQ kernel takes the d128 tile and 32-key blocks, raw K and V up to "
+                         f"one block ahead: {config!r}")
+    if dt == 128 and not (config.pair if kind == "dkdv" else config.dq_pair):
+        raise ValueError(f"cupyflash: at the d128 tile the tf32 wgmma {kind} kernel is the pair's: {config!r}")
+    if config.dq_pair and kind == "dq":
+        apart = "true" if config.sums_apart else "false"
+        tail = "" if products == 3 else f", {products}"
+        return Specialization(f"flash_bwd_dq_tf32_wgmma_pair_{SHORT_NAMES['float32']}_hdim{dt}_{mask.name}_bm64_bn{bn}"
+                              f"_r{raw}" + ("_apart" if config.sums_apart else "") + ("_tf32" if products == 1 else ""),
+                              "flash_bwd_dq_tf32_wgmma_pair.cu",
+                              f"cf::flash_bwd_dq_tf32_wgmma_pair<{dt}, {mask.cpp}, {bn}, {raw}, {apart}{tail}>",
+                              256, tf32_wgmma_smem_bytes(kind, dt, config), arch="90a")
     if config.pair and kind == "dkdv":
         apart = "true" if config.sums_apart else "false"
         tail = "" if products == 3 else f", {products}"

@@ -1,9 +1,9 @@
-"""flash_bwd_dkdv_tf32_wgmma_pair on the CPU: its specialization and shared memory are the plan's and
-the plan refuses what the kernel cannot run; each warpgroup's head-dim half of dV and dK, read from
-rows 64 h .. of the query block's transposed tiles, is its half of P^T dO and dS^T Q (emulated from
-what the tensor cores read; the other half's rows give other numbers). The compile check of its
-bench masks is test_flash_bwd_dkdv_tf32_wgmma.py's; the GPU test is test_flash_bwd_dmma.py's
-test_the_pair_dkdv_kernel_matches_the_simt_backward_at_d128."""
+"""flash_bwd_dkdv_tf32_wgmma_pair and flash_bwd_dq_tf32_wgmma_pair on the CPU: their specializations
+and shared memory are the plan's and the plan refuses what the kernels cannot run; each warpgroup's
+head-dim half of dV and dK (dQ), read from rows 64 h .. of the block's transposed tiles, is its half
+of P^T dO and dS^T Q (dS K), emulated from what the tensor cores read (the other half's rows give
+other numbers). The compile check of their bench masks is test_flash_bwd_dkdv_tf32_wgmma.py's; the
+GPU test is test_flash_bwd_dmma.py's test_the_pair_kernels_match_the_simt_backward_at_d128."""
 from __future__ import annotations
 
 import numpy as np
@@ -16,6 +16,7 @@ from models.wgmma import acc_from_matrix
 from models.wgmma_tf32_bwd_steps import acc_times_tile, close, split_into
 
 PAIR = Tf32WgmmaBwdConfig(32, 0, dq_block_n=0, pair=True)
+PAIR_DQ = Tf32WgmmaBwdConfig(32, 0, dq_raw_stages=1, pair=True, dq_pair=True)
 D_TILE, BLOCK_M, HALF = 128, 32, 64
 Q_TILE = BLOCK_M * D_TILE * 4
 
@@ -41,9 +42,28 @@ def test_the_spec_and_its_shared_memory_are_the_plans():
         assert names[2].startswith("flash_bwd_dq_dmma_fp32_hdim128_") and names[2].endswith("_tf32x3"), names
 
 
+def test_the_dq_spec_and_its_shared_memory_are_the_plans():
+    spec = backward_plans.tf32_wgmma_spec("dq", D_TILE, as_mask(True), PAIR_DQ)
+    assert spec.name == "flash_bwd_dq_tf32_wgmma_pair_fp32_hdim128_causal_bm64_bn32_r1_apart"
+    assert spec.expression == "cf::flash_bwd_dq_tf32_wgmma_pair<128, cf::Causal, 32, 1, true>"
+    assert spec.threads == 256 and spec.arch == "90a" and spec.source_file == "flash_bwd_dq_tf32_wgmma_pair.cu"
+    # DqTf32PairSmem: Q and dO raw (64 rows of 128 floats each); the key block's six tiles (32 keys);
+    # one raw stage of K and V; the trade (two warpgroups' 16 values a thread); the base's alignment
+    kv_tile = 32 * D_TILE * 4
+    assert spec.smem_bytes == 2 * 64 * D_TILE * 4 + 6 * kv_tile + 2 * kv_tile + 2 * 16 * 128 * 4 + 1024 <= 227 * 1024
+    names = [launch.spec.name for launch in backward_plans.tf32_wgmma_backward_plan(100, True, PAIR_DQ).launches]
+    assert names == ["flash_bwd_preprocess_fp32", "flash_bwd_dkdv_tf32_wgmma_pair_fp32_hdim128_causal_bm32_bn64_apart",
+                     spec.name], names
+    for bad in (Tf32WgmmaBwdConfig(32, 0, dq_block_n=64, pair=True, dq_pair=True),
+                Tf32WgmmaBwdConfig(32, 0, dq_raw_stages=2, pair=True, dq_pair=True),
+                Tf32WgmmaBwdConfig(32, 0, dq_raw_stages=1, dq_producer=True, pair=True, dq_pair=True),
+                Tf32WgmmaBwdConfig(32, 0, dq_raw_stages=1, pair=True)):  # d128's dQ: the pair's or tf32x3
+        with pytest.raises(ValueError):
+            backward_plans.tf32_wgmma_spec("dq", D_TILE, as_mask(True), bad)
+
+
 @pytest.mark.parametrize("config", [Tf32WgmmaBwdConfig(32, 1, dq_block_n=0, pair=True),
                                     Tf32WgmmaBwdConfig(64, 0, dq_block_n=0, pair=True),
-                                    Tf32WgmmaBwdConfig(32, 0, dq_block_n=32, pair=True),
                                     Tf32WgmmaBwdConfig(32, 0, dq_block_n=0, producer=True, pair=True),
                                     Tf32WgmmaBwdConfig(32, 0, dq_block_n=0, fused_dq=True, pair=True)])
 def test_the_plan_refuses_what_the_pair_cannot_run(config):
@@ -84,3 +104,21 @@ def test_each_warpgroups_half_is_its_columns_of_dv_and_dk():
         assert close(dk, ds_t @ q[:, columns].astype(np.float64)), h
     wrong = acc_times_tile(smem, HALF, BLOCK_M, acc_from_matrix(ds_t), layout["QT_HI"], layout["QT_LO"])
     assert not close(wrong, ds_t @ q[:, HALF:].astype(np.float64))
+
+
+def test_each_dq_warpgroups_half_is_its_columns_of_dq():
+    """dQ_h += dS K_h with B = rows 64 h .. of the key block's K^T tiles (Tf32KeyBlockTiles' KT, 32
+    keys, KEY_PAIRS), as flash_bwd_dq_tf32_wgmma_pair's half_rows offsets them."""
+    rng = np.random.default_rng(11)
+    k = rng.standard_normal((32, D_TILE)).astype(np.float32)
+    kv_tile = 32 * D_TILE * 4
+    layout = {"KT_HI": 2 * kv_tile, "KT_LO": 3 * kv_tile, "BYTES": 6 * kv_tile}
+    smem = split_into(layout, D_TILE, [("KT", 32, 29, 100, k, True)])  # 29 keys, head dim 100
+    want_k = k.astype(np.float64)
+    want_k[29:], want_k[:, 100:] = 0.0, 0.0
+    ds = rng.standard_normal((64, 32)).astype(np.float32).astype(np.float64)
+    for h in (0, 1):
+        half_rows = h * HALF * 128
+        dq = acc_times_tile(smem, HALF, 32, acc_from_matrix(ds), layout["KT_HI"] + half_rows,
+                            layout["KT_LO"] + half_rows)
+        assert close(dq, ds @ want_k[:, HALF * h:HALF * (h + 1)]), h

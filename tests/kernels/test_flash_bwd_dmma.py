@@ -799,9 +799,12 @@ def test_presplit_walks_stop_at_a_short_packed_sequences_end(config_name, monkey
         assert np.isfinite(a).all() and np.array_equal(a, b), which
 
 
-# The pair's dK/dV kernel at the d128 tile (perf log tf32-wgmma-bwd-pair) and what it meets there: the
-# masks and score variants of the element step it shares with the d64 kernels, GQA, a head dim of
-# v its own and head dims that leave part of the tile (and of warpgroup 1's half) empty.
+# The pair's kernels at the d128 tile (perf log tf32-wgmma-bwd-pair) and what they meet there: the
+# masks and score variants of the element steps they share with the d64 kernels, GQA, a head dim of
+# v its own and head dims that leave part of the tile (and of warpgroup 1's half) empty. dQ on the
+# tf32x3 kernel beside the pair's dK/dV, or on the pair's dQ kernel (raw K and V one block ahead).
+PAIR_CONFIGS = {"pair": Tf32WgmmaBwdConfig(32, 0, dq_block_n=0, pair=True),
+                "pair_dq": Tf32WgmmaBwdConfig(32, 0, dq_raw_stages=1, pair=True, dq_pair=True)}
 PAIR_CASES = {
     "causal": dict(causal=True),
     "window": dict(causal=False, window_size=(40, 7)),
@@ -815,9 +818,11 @@ PAIR_CASES = {
 @pytest.mark.gpu
 @pytest.mark.parametrize("headdim, headdim_v", [(128, 128), (100, 68)])
 @pytest.mark.parametrize("case", list(PAIR_CASES))
-def test_the_pair_dkdv_kernel_matches_the_simt_backward_at_d128(case, headdim, headdim_v, monkeypatch):
+@pytest.mark.parametrize("config_name", list(PAIR_CONFIGS))
+def test_the_pair_kernels_match_the_simt_backward_at_d128(config_name, case, headdim, headdim_v, monkeypatch):
     """Tf32WgmmaBwdConfig(pair=True): dK and dV on flash_bwd_dkdv_tf32_wgmma_pair, dQ on the tf32x3
-    kernel, against the SIMT float32 backward within 4x its error to the float64 reference (plus
+    kernel or (dq_pair) on flash_bwd_dq_tf32_wgmma_pair, against the SIMT float32 backward within
+    4x its error to the float64 reference (plus
     float32's rounding of the largest gradient), on a packed batch of ragged sequences (an empty
     one, one past two key blocks, query blocks cut short) with GQA, then 1k queries against 1k
     keys (dV and dK summing 32 query blocks); NaN-poisoned outputs, every value finite."""
@@ -831,7 +836,7 @@ def test_the_pair_dkdv_kernel_matches_the_simt_backward_at_d128(case, headdim, h
     launched = _tf32x3_or_skip(monkeypatch)
     _wgmma_or_skip()
     options = dict(PAIR_CASES[case])
-    config = Tf32WgmmaBwdConfig(32, 0, dq_block_n=0, pair=True)
+    config = PAIR_CONFIGS[config_name]
     rng = np.random.default_rng(headdim + headdim_v + len(case))
     lengths_q, lengths_k = [0, 33, 190, 7, 64], [5, 40, 150, 0, 64]
     cu_q = np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32)
@@ -855,4 +860,5 @@ def test_the_pair_dkdv_kernel_matches_the_simt_backward_at_d128(case, headdim, h
             assert error <= 4 * simt_error + 2.0 ** -23 * np.abs(w).max(), (which, packed_batch is None, error,
                                                                              simt_error)
     assert any(name.startswith("flash_bwd_dkdv_tf32_wgmma_pair_fp32_hdim128_") for name in launched), launched
-    assert any(name.startswith("flash_bwd_dq_dmma_fp32_hdim128_") for name in launched), launched
+    dq_kernel = "flash_bwd_dq_tf32_wgmma_pair_fp32_hdim128_" if config.dq_pair else "flash_bwd_dq_dmma_fp32_hdim128_"
+    assert any(name.startswith(dq_kernel) for name in launched), launched
