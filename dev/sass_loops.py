@@ -70,14 +70,15 @@ def main(argv=None) -> int:
 
     specs = {s.name: s for s in compile_check.all_specializations()}
     try:
-        from bench_dmma_bwd import WGMMA_CANDIDATES
+        from bench_dmma_bwd import WGMMA_CANDIDATES, WGMMA_D128_CANDIDATES
 
         from cupyflash.backward_plans import tf32_wgmma_backward_plan
 
-        for config in WGMMA_CANDIDATES.values():
-            for causal in (False, True):
-                for launch in tf32_wgmma_backward_plan(64, causal, config).launches:
-                    specs.setdefault(launch.spec.name, launch.spec)
+        for headdim, table in ((64, WGMMA_CANDIDATES), (128, WGMMA_D128_CANDIDATES)):
+            for config in table.values():
+                for causal in (False, True):
+                    for launch in tf32_wgmma_backward_plan(headdim, causal, config).launches:
+                        specs.setdefault(launch.spec.name, launch.spec)
     except ImportError:
         pass
     matches = [s for name, s in specs.items() if args.kernel in name]

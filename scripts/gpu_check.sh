@@ -49,6 +49,8 @@
 #   scripts/gpu_check.sh OUTDIR dropout  tests/test_dropout_gpu.py (DROPOUT_TESTS=0: skipped), then
 #                                       dropout's cost at 8k (d128, d64) in each of BEFORE_TREES (exported
 #                                       trees inside the checkout, carried) and here, on one machine
+#   scripts/gpu_check.sh OUTDIR tf32_pair  the float32 backward's d128 pair kernels (candidates):
+#                                       their GPU tests, racecheck / memcheck, the d128 bench
 #   scripts/gpu_check.sh OUTDIR tf32_wgmma  the tf32 wgmma forward candidates (flash_fwd_tf32_wgmma,
 #                                       flash_fwd_tf32_wgmma_ws): dev/smoke_tf32_wgmma_ws.py, then
 #                                       tests/test_tf32_wgmma_gpu.py (TF32_WGMMA_PART=tests), then
@@ -372,6 +374,22 @@ dmma)  # a DMMA backward change: compile, tests, sanitizer, bench (before / afte
         step bench-tf32-bwd 300 python dev/bench_dmma_bwd.py --dtype float32 --headdims 64 --repeats 3 --warm 16 --per-kernel \
             --json "$out/bench-tf32-bwd.json"
     fi
+    ;;
+tf32_pair)  # tf32-wgmma-bwd-pair (the float32 backward at d128 on the pair's kernels): the candidates'
+           # kernels compiled in parallel (bench_dmma_bwd.py --warm), their GPU tests, racecheck and
+           # memcheck of them alone, then the d128 bench (the pair's dK/dV with tf32x3's dQ, and
+           # with the pair's dQ) against tf32x3, the SIMT backward and PyTorch's mem-efficient
+    export PYTHONPATH=$PWD
+    step warm-pair "${WARM_LIMIT:-150}" python -c "import sys; sys.path.insert(0, 'dev'); import bench_dmma_bwd as b; b.warm_candidates([128], 16)"
+    step pair-tests "${TEST_LIMIT:-240}" python scripts/pytest_shards.py --shards "${SHARDS:-12}" \
+        --limit "$(( ${TEST_LIMIT:-240} - 20 ))" --out "$out/pair-shards" -m gpu -k pair \
+        tests/kernels/test_flash_bwd_dmma.py
+    step racecheck-pair "${RACECHECK_LIMIT:-150}" compute-sanitizer --tool racecheck --error-exitcode 1 \
+        python dev/sanitize_dmma_bwd.py pair
+    step memcheck-pair "${MEMCHECK_LIMIT:-90}" compute-sanitizer --tool memcheck --error-exitcode 1 \
+        python dev/sanitize_dmma_bwd.py pair
+    step bench-pair 240 python dev/bench_dmma_bwd.py --dtype float32 --headdims 128 --repeats 5 --warm 16 \
+        --per-kernel --json "$out/bench-pair.json"
     ;;
 trees)  # experiment patches in their own copies beside this tree (header above)
     # the copies live outside the checkout: inside a git work tree, git apply would skip their paths

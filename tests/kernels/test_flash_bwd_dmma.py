@@ -801,7 +801,8 @@ def test_presplit_walks_stop_at_a_short_packed_sequences_end(config_name, monkey
 
 # The pair's kernels at the d128 tile (perf log tf32-wgmma-bwd-pair) and what they meet there: the
 # masks and score variants of the element steps they share with the d64 kernels, GQA, a head dim of
-# v its own and head dims that leave part of the tile (and of warpgroup 1's half) empty. dQ on the
+# v its own and head dims that leave part of the tile (and of warpgroup 1's half, or all of it: d48)
+# empty. dQ on the
 # tf32x3 kernel beside the pair's dK/dV, or on the pair's dQ kernel (raw K and V one block ahead).
 PAIR_CONFIGS = {"pair": Tf32WgmmaBwdConfig(32, 0, dq_block_n=0, pair=True),
                 "pair_dq": Tf32WgmmaBwdConfig(32, 0, dq_raw_stages=1, pair=True, dq_pair=True)}
@@ -816,7 +817,7 @@ PAIR_CASES = {
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("headdim, headdim_v", [(128, 128), (100, 68)])
+@pytest.mark.parametrize("headdim, headdim_v", [(128, 128), (100, 68), (48, 128)])
 @pytest.mark.parametrize("case", list(PAIR_CASES))
 @pytest.mark.parametrize("config_name", list(PAIR_CONFIGS))
 def test_the_pair_kernels_match_the_simt_backward_at_d128(config_name, case, headdim, headdim_v, monkeypatch):
