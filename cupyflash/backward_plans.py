@@ -1050,7 +1050,9 @@ def tf32_wgmma_smem_bytes(kind: str, dt: int, config: Tf32WgmmaBwdConfig) -> int
     stages of Q and dO, and raw_stages + 1 slots of four row statistics. "dq" mirrors DqTf32WgmmaSmem<...>::BYTES: Q and
     dO (64 rows), K, V and K^T (dq_block_n rows or slots), hi and lo, and the raw stages of K and V.
     "dkdv" with ``pair`` mirrors BwdTf32PairSmem: K and V raw, the query block's tiles and
-    statistics, and the trade of two warpgroups' block_m / 2 values a thread."""
+    statistics, and the trade of two warpgroups' block_m / 2 values a thread; "dq" with ``dq_pair``
+    DqTf32PairSmem: Q and dO raw, the key block's tiles, the raw stages of K and V, and the trade
+    of dq_block_n / 2 values a thread."""
     if kind == "dq" and config.dq_pair:  # DqTf32PairSmem: Q, dO raw; one stage; raw K, V; the trade
         stage = -(-(6 * 4 * config.dq_block_n * dt) // 1024) * 1024
         return (2 * 4 * 64 * dt + stage + config.dq_raw_stages * 2 * 4 * config.dq_block_n * dt
@@ -1075,8 +1077,9 @@ def tf32_wgmma_smem_bytes(kind: str, dt: int, config: Tf32WgmmaBwdConfig) -> int
 
 
 def tf32_wgmma_spec(kind: str, dt: int, mask: Mask, config: Tf32WgmmaBwdConfig) -> Specialization:
-    """The specialization of flash_bwd_{kind}_tf32_wgmma (``kind`` "dkdv" or "dq") at head-dim
-    tile ``dt`` (64): its blocks of 64 keys stepping over block_m queries, or of 64 queries
+    """The specialization of flash_bwd_{kind}_tf32_wgmma (``kind`` "dkdv" or "dq"; _ws, the producer
+    forms; _pair at the d128 tile, with ``pair`` / ``dq_pair``) at head-dim tile ``dt``
+    (TF32_WGMMA_D_TILES): its blocks of 64 keys stepping over block_m queries, or of 64 queries
     stepping over dq_block_n keys."""
     if kind not in ("dkdv", "dq"):
         raise ValueError(f"cupyflash: no tf32 wgmma backward kernel {kind!r} (known: dkdv, dq)")

@@ -49,8 +49,8 @@ __device__ __forceinline__ void tf32_scores_and_dp(float (&s)[B_ROWS / 2], float
     tf32_product_sums<B_ROWS / 2, K_STEPS, SPLIT, APART>(dp, dp_tiles, NoTurns());
 }
 
-// A key block's K and V split for flash_bwd_dq_tf32_wgmma_ws's products, in bytes from a
-// 1024-byte aligned base (the swizzle's atom): K (hi, then lo) K-major for S = Q K^T, K^T
+// A key block's K and V split for flash_bwd_dq_tf32_wgmma_ws's (and _pair's) products, in bytes
+// from a 1024-byte aligned base (the swizzle's atom): K (hi, then lo) K-major for S = Q K^T, K^T
 // (KEY_PAIRS) for dQ += dS K, V for dP = dO V^T. The same bytes are one stage of that kernel's
 // ring and one block of the image flash_bwd_split_kv_tf32 writes (BwdParams' kv_split), so a
 // stage may be filled by the split itself or by one bulk copy of the image.
