@@ -1134,8 +1134,9 @@ def tf32_wgmma_spec(kind: str, dt: int, mask: Mask, config: Tf32WgmmaBwdConfig) 
     if config.pair and kind == "dkdv":
         apart = "true" if config.sums_apart else "false"
         tail = "" if products == 3 else f", {products}"
-        return Specialization(f"flash_bwd_dkdv_tf32_wgmma_pair_{SHORT_NAMES['float32']}_hdim{dt}_{mask.name}_bm{bm}_bn64"
-                              + ("_apart" if config.sums_apart else "") + ("_tf32" if products == 1 else ""),
+        return Specialization(f"flash_bwd_dkdv_tf32_wgmma_pair_{SHORT_NAMES['float32']}_hdim{dt}_{mask.name}"
+                              f"_bm{bm}_bn64" + ("_apart" if config.sums_apart else "")
+                              + ("_tf32" if products == 1 else ""),
                               "flash_bwd_dkdv_tf32_wgmma_pair.cu",
                               f"cf::flash_bwd_dkdv_tf32_wgmma_pair<{dt}, {mask.cpp}, {bm}, {apart}{tail}>",
                               256, tf32_wgmma_smem_bytes(kind, dt, config), arch="90a")
