@@ -247,8 +247,8 @@ pair-probes)  # the twenty-fourth session's waiting list (docs/perf-log.md): ncu
               # backward with and without dropout, the forward's 64-key producer candidates with a
               # (1024, 0) window and causal, the window backward on the producer pair (v13), and
               # the packed causal batch in this tree and with varlen_bwd_pair.patch, alternated
-    # PROBES: which of them (default "ncu tune guard varlen"; "dropout" on request; each part fits a
-    # call of its own, warm)
+    # PROBES: which of them (default "ncu tune guard varlen"; "dropout" and "window" on request; each
+    # part fits a call of its own, warm)
     export PYTHONPATH=$PWD
     probes=" ${PROBES:-ncu tune guard varlen} "
     [[ $probes == *" ncu "* ]] && for v in plain dropout=0.1; do
@@ -290,6 +290,23 @@ pair-probes)  # the twenty-fourth session's waiting list (docs/perf-log.md): ncu
                     --seqlen 8192 --impls cupyflash --variants full causal "causal dropout 0.1" &&
                  PYTHONPATH=$PWD step "guard-$r-$tag-d64" 100 python -m cupyflash.bench.variants \
                     --seqlen 8192 --headdim 64 --impls cupyflash --variants causal; exit $status) || status=1
+            done
+        done
+    fi
+    # window: window-bwd-pair (dev/experiments/window_bwd_pair.patch: a window at d128 on the producer
+    # pair, as varlen-bwd-pair moved the packed causal batch) against this tree, the variants bench's
+    # window rows beside causal at 16k, the trees alternated twice
+    if [[ $probes == *" window "* ]]; then
+        rm -rf "${dir:?}/window_bwd_pair" && mkdir -p "$dir/window_bwd_pair"
+        tar --exclude=./.trees --exclude=./.cupy-cache --exclude=./.git --exclude=./.venv --exclude=./docs/results \
+            -cf - . | tar -xf - -C "$dir/window_bwd_pair"
+        (cd "$dir/window_bwd_pair" && apply_patches window_bwd_pair) > "$out/tree-window_bwd_pair.log" 2>&1 || status=1
+        for r in 1 2; do
+            for tree in . "$dir/window_bwd_pair"; do
+                name=main; [ "$tree" = . ] || name=pair
+                (cd "$tree" && PYTHONPATH=$PWD step "window-ab-$r-$name" 150 python -m cupyflash.bench.variants \
+                    --seqlen 16384 --impls cupyflash --variants causal "causal window 1024" "window (512, 512)"; \
+                 exit $status) || status=1
             done
         done
     fi
