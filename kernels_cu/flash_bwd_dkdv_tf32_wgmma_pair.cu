@@ -118,33 +118,11 @@ flash_bwd_dkdv_tf32_wgmma_pair(const __grid_constant__ BwdParams p) {
 
         // Step 2: the role's product, S^T = K Q^T or dP^T = V dO^T, A split a k-step at a time.
         float x[SV];
-        {
-            const u64 b_hi_desc = tf32_k_step_desc<BLOCK_M>(b_tile, 0);
-            const u64 b_lo_desc = tf32_k_step_desc<BLOCK_M>(b_tile + T::Q_TILE, 0);
-            u32 a_hi[4][4], a_lo[4][4];  // tf32_product_sums' four A slots
-            auto prepare = [&](int kk) { a_staged.split(kk, a_hi[kk & 3], a_lo[kk & 3]); };
-            auto issue = [&](int kk, float(&small)[SV], float(&hh)[SV], int hh_accumulates) {
-                const u64 b_hi = tf32_k_step_desc_after<BLOCK_M>(b_hi_desc, kk);
-                if constexpr (SPLIT) {
-                    WgmmaTf32<BLOCK_M>::rs(small, a_lo[kk & 3], b_hi, kk > 0);
-                    WgmmaTf32<BLOCK_M>::rs(small, a_hi[kk & 3], tf32_k_step_desc_after<BLOCK_M>(b_lo_desc, kk), 1);
-                }
-                WgmmaTf32<BLOCK_M>::rs(hh, a_hi[kk & 3], b_hi, hh_accumulates);
-            };
-            tf32_product_sums<SV, D_TILE / 8, SPLIT, APART, true>(x, issue, NoTurns(), prepare);
-        }
+        tf32_staged_times_rows<D_TILE, BLOCK_M, PRODUCTS, APART>(x, a_staged, b_tile, b_tile + T::Q_TILE);
 
         // Step 3: the trade. Each warpgroup stores its product and reads the other's.
-#pragma unroll
-        for (int v = 0; v < SV; ++v) trade_mine[v * 128 + wg_tid] = x[v];
-        __syncthreads();
         float s[SV], ds[SV];
-#pragma unroll
-        for (int v = 0; v < SV; ++v) {
-            const float other = trade_other[v * 128 + wg_tid];
-            s[v] = s_role ? x[v] : other;
-            ds[v] = s_role ? other : x[v];
-        }
+        pair_trade(x, s, ds, trade_mine, trade_other, wg, wg_tid);
 
         // Step 4: P^T into s, dS^T into ds, in both warpgroups alike.
         tf32_dkdv_element_step<BLOCK_M>(s, ds, stats, p, seq, mask, head, m0, n0, warp, lane);

@@ -208,6 +208,46 @@ __device__ __forceinline__ void tf32_dkdv_query_block(float (&dk_acc)[D_TILE / 2
                                                                  NoTurns());
 }
 
+// The pair kernels' role product (flash_bwd_dkdv_tf32_wgmma_pair: S^T = K Q^T or dP^T = V dO^T;
+// flash_bwd_dq_tf32_wgmma_pair: S = Q K^T or dP = dO V^T): A = the warpgroup's 64 rows staged raw
+// and split a k-step at a time (StagedQ, tf32_product_sums' PREPARE), B = B_ROWS rows of a K-major
+// tile pair (b_hi, its lo tile at b_lo) over D_TILE columns; into x, waited for.
+template <int D_TILE, int B_ROWS, int PRODUCTS, bool APART>
+__device__ __forceinline__ void tf32_staged_times_rows(float (&x)[B_ROWS / 2], const StagedQ<D_TILE, PRODUCTS>& a,
+                                                       u32 b_hi, u32 b_lo) {
+    constexpr bool SPLIT = Tf32Operand<PRODUCTS>::SPLIT;
+    const u64 b_hi_desc = tf32_k_step_desc<B_ROWS>(b_hi, 0), b_lo_desc = tf32_k_step_desc<B_ROWS>(b_lo, 0);
+    u32 a_hi[4][4], a_lo[4][4];  // tf32_product_sums' four A slots
+    auto prepare = [&](int kk) { a.split(kk, a_hi[kk & 3], a_lo[kk & 3]); };
+    auto issue = [&](int kk, float(&small)[B_ROWS / 2], float(&hh)[B_ROWS / 2], int hh_accumulates) {
+        const u64 b_hi_kk = tf32_k_step_desc_after<B_ROWS>(b_hi_desc, kk);
+        if constexpr (SPLIT) {
+            WgmmaTf32<B_ROWS>::rs(small, a_lo[kk & 3], b_hi_kk, kk > 0);
+            WgmmaTf32<B_ROWS>::rs(small, a_hi[kk & 3], tf32_k_step_desc_after<B_ROWS>(b_lo_desc, kk), 1);
+        }
+        WgmmaTf32<B_ROWS>::rs(hh, a_hi[kk & 3], b_hi_kk, hh_accumulates);
+    };
+    tf32_product_sums<B_ROWS / 2, D_TILE / 8, SPLIT, APART, true>(x, issue, NoTurns(), prepare);
+}
+
+// The pair kernels' trade: each warpgroup stores its role product x (value v of thread i at
+// mine[v * 128 + i], so that a warp's 32 accesses of one value are 32 banks) and, after the CTA's
+// barrier, reads the other's from `other`; thread i of either warpgroup holds the same accumulator
+// positions. Warpgroup 0's product lands in first, warpgroup 1's in second, in both.
+template <int NV>
+__device__ __forceinline__ void pair_trade(const float (&x)[NV], float (&first)[NV], float (&second)[NV], float* mine,
+                                           const float* other, int wg, int wg_tid) {
+#pragma unroll
+    for (int v = 0; v < NV; ++v) mine[v * 128 + wg_tid] = x[v];
+    __syncthreads();
+#pragma unroll
+    for (int v = 0; v < NV; ++v) {
+        const float theirs = other[v * 128 + wg_tid];
+        first[v] = wg == 0 ? x[v] : theirs;
+        second[v] = wg == 0 ? theirs : x[v];
+    }
+}
+
 // The dQ kernels' query side (flash_bwd_dq_tf32_wgmma and its producer form): a thread's two
 // rows of the CTA's 64 (16 warp + g + 8 h, warp within the warpgroup) with their statistics in
 // registers, and the element step that turns a key block's S and dP into dS in place. Value

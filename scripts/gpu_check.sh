@@ -100,8 +100,8 @@
 #   scripts/gpu_check.sh OUTDIR pair-probes  the twenty-fourth session's waiting list (perf log):
 #                                       ncu of the producer backward with and without dropout,
 #                                       tune of the forward's 64-key producer candidates (window and
-#                                       causal) and of v13's pair under a window, the packed causal
-#                                       batch with varlen_bwd_pair.patch, and the variants bench with
+#                                       causal) and of v13's pair under a window, the window rows
+#                                       with window_bwd_pair.patch, and the variants bench with
 #                                       the element-step patches (bwd_ds_guard_partial,
 #                                       bwd_lse_base_producer)
 #   scripts/gpu_check.sh OUTDIR picked  applies what trees picked again (each call gets a fresh copy
@@ -246,11 +246,12 @@ varlen)
 pair-probes)  # the twenty-fourth session's waiting list (docs/perf-log.md): ncu of the producer
               # backward with and without dropout, the forward's 64-key producer candidates with a
               # (1024, 0) window and causal, the window backward on the producer pair (v13), and
-              # the packed causal batch in this tree and with varlen_bwd_pair.patch, alternated
-    # PROBES: which of them (default "ncu tune guard varlen"; "dropout" and "window" on request; each
-    # part fits a call of its own, warm)
+              # the window rows in this tree and with window_bwd_pair.patch, alternated
+    # PROBES: which of them (default "ncu tune guard window"; "dropout" on request; each part fits a
+    # call of its own, warm). (varlen, the packed causal batch's A/B, ran in the twenty-eighth
+    # session: v16.)
     export PYTHONPATH=$PWD
-    probes=" ${PROBES:-ncu tune guard varlen} "
+    probes=" ${PROBES:-ncu tune guard window} "
     [[ $probes == *" ncu "* ]] && for v in plain dropout=0.1; do
         a=; [ "$v" = plain ] || a=$v
         step "ncu-bwd-$v" "${NCU_LIMIT:-150}" ncu --clock-control none -k regex:'flash_bwd_(dq_)?wgmma_ws' \
@@ -294,32 +295,19 @@ pair-probes)  # the twenty-fourth session's waiting list (docs/perf-log.md): ncu
         done
     fi
     # window: window-bwd-pair (dev/experiments/window_bwd_pair.patch: a window at d128 on the producer
-    # pair, as varlen-bwd-pair moved the packed causal batch) against this tree, the variants bench's
-    # window rows beside causal at 16k, the trees alternated twice
-    if [[ $probes == *" window "* ]]; then
-        rm -rf "${dir:?}/window_bwd_pair" && mkdir -p "$dir/window_bwd_pair"
-        tar --exclude=./.trees --exclude=./.cupy-cache --exclude=./.git --exclude=./.venv --exclude=./docs/results \
-            -cf - . | tar -xf - -C "$dir/window_bwd_pair"
-        (cd "$dir/window_bwd_pair" && apply_patches window_bwd_pair) > "$out/tree-window_bwd_pair.log" 2>&1 || status=1
-        for r in 1 2; do
-            for tree in . "$dir/window_bwd_pair"; do
-                name=main; [ "$tree" = . ] || name=pair
-                (cd "$tree" && PYTHONPATH=$PWD step "window-ab-$r-$name" 150 python -m cupyflash.bench.variants \
-                    --seqlen 16384 --impls cupyflash --variants causal "causal window 1024" "window (512, 512)"; \
-                 exit $status) || status=1
-            done
-        done
-    fi
-    [[ $probes == *" varlen "* ]] || { echo "pair-probes: done"; exit $status; }
-    rm -rf "${dir:?}/varlen_bwd_pair" && mkdir -p "$dir/varlen_bwd_pair"
+    # pair, as varlen-bwd-pair moved the packed causal batch, v16) against this tree, the variants
+    # bench's window rows beside causal at 16k, the trees alternated twice
+    [[ $probes == *" window "* ]] || { echo "pair-probes: done"; exit $status; }
+    rm -rf "${dir:?}/window_bwd_pair" && mkdir -p "$dir/window_bwd_pair"
     tar --exclude=./.trees --exclude=./.cupy-cache --exclude=./.git --exclude=./.venv --exclude=./docs/results \
-        -cf - . | tar -xf - -C "$dir/varlen_bwd_pair"
-    (cd "$dir/varlen_bwd_pair" && apply_patches varlen_bwd_pair) > "$out/tree-varlen_bwd_pair.log" 2>&1 || status=1
+        -cf - . | tar -xf - -C "$dir/window_bwd_pair"
+    (cd "$dir/window_bwd_pair" && apply_patches window_bwd_pair) > "$out/tree-window_bwd_pair.log" 2>&1 || status=1
     for r in 1 2; do
-        for tree in . "$dir/varlen_bwd_pair"; do
+        for tree in . "$dir/window_bwd_pair"; do
             name=main; [ "$tree" = . ] || name=pair
-            (cd "$tree" && PYTHONPATH=$PWD step "varlen-ab-$r-$name" 150 python dev/varlen_causal_ab.py 128; exit $status) \
-                || status=1
+            (cd "$tree" && PYTHONPATH=$PWD step "window-ab-$r-$name" 150 python -m cupyflash.bench.variants \
+                --seqlen 16384 --impls cupyflash --variants causal "causal window 1024" "window (512, 512)"; \
+             exit $status) || status=1
         done
     done
     ;;
