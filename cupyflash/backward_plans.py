@@ -1056,10 +1056,10 @@ def tf32_wgmma_smem_bytes(kind: str, dt: int, config: Tf32WgmmaBwdConfig) -> int
     if kind == "dq" and config.dq_pair:  # DqTf32PairSmem: Q, dO raw; one stage; raw K, V; the trade
         stage = -(-(6 * 4 * config.dq_block_n * dt) // 1024) * 1024
         return (2 * 4 * 64 * dt + stage + config.dq_raw_stages * 2 * 4 * config.dq_block_n * dt
-                + 2 * 4 * (config.dq_block_n // 2) * 128 + 1024)
+                + 3 * 4 * (config.dq_block_n // 2) * 128 + 1024)
     if kind == "dkdv" and config.pair:  # BwdTf32PairSmem: K, V raw; one stage; the trade
         stage = -(-(8 * 4 * config.block_m * dt + 4 * config.block_m * 4) // 1024) * 1024
-        return 2 * 4 * 64 * dt + stage + 2 * 4 * (config.block_m // 2) * 128 + 1024
+        return 2 * 4 * 64 * dt + stage + 3 * 4 * (config.block_m // 2) * 128 + 1024
     if kind == "dkdv" and config.producer:  # BwdTf32WgmmaWsSmem: K, V; stages (tiles, statistics); raw; barriers
         q_tile = 4 * config.block_m * dt
         stage = -(-(8 * q_tile + 4 * config.block_m * 4) // 1024) * 1024

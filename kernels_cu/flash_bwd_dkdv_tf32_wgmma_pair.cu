@@ -47,7 +47,7 @@ struct BwdTf32PairSmem {
     static constexpr u32 STAGE = 2 * RAW_TILE;
     static constexpr u32 TRADE = STAGE + (Tiles::BYTES + 1023) / 1024 * 1024;
     static constexpr u32 TRADE_VALUES = BLOCK_M / 2 * 128;  // a warpgroup's accumulator values
-    static constexpr u32 BYTES = TRADE + 2 * TRADE_VALUES * 4;
+    static constexpr u32 BYTES = TRADE + 3 * TRADE_VALUES * 4;  // pair_element_steps' [3][NV][128]
 };
 
 template <int D_TILE, class Mask, int BLOCK_M, bool SUMS_APART, int PRODUCTS = 3>
@@ -91,8 +91,7 @@ flash_bwd_dkdv_tf32_wgmma_pair(const __grid_constant__ BwdParams p) {
     const u32 stage = base + L::STAGE;
     const u32 b_tile = stage + (s_role ? T::Q : T::DO);  // the role's B: Q or dO, hi then lo
     float* const stats = smem_f + (L::STAGE + T::STATS) / 4;
-    float* const trade_mine = smem_f + (L::TRADE + wg * L::TRADE_VALUES * 4) / 4;
-    const float* const trade_other = smem_f + (L::TRADE + (1 - wg) * L::TRADE_VALUES * 4) / 4;
+    float* const trade = smem_f + L::TRADE / 4;
     const u32 half_rows = wg * HALF * 128;  // rows 64 wg .. of a transposed tile: 128 bytes a row
 
     float dk_acc[HALF / 2], dv_acc[HALF / 2];  // this warpgroup's head-dim half
@@ -120,12 +119,12 @@ flash_bwd_dkdv_tf32_wgmma_pair(const __grid_constant__ BwdParams p) {
         float x[SV];
         tf32_staged_times_rows<D_TILE, BLOCK_M, PRODUCTS, APART>(x, a_staged, b_tile, b_tile + T::Q_TILE);
 
-        // Step 3: the trade. Each warpgroup stores its product and reads the other's.
+        // Steps 3-4: the trade and the element step, P^T into s and dS^T into ds, each warpgroup on
+        // half the values (pair_element_steps).
         float s[SV], ds[SV];
-        pair_trade(x, s, ds, trade_mine, trade_other, wg, wg_tid);
-
-        // Step 4: P^T into s, dS^T into ds, in both warpgroups alike.
-        tf32_dkdv_element_step<BLOCK_M>(s, ds, stats, p, seq, mask, head, m0, n0, warp, lane);
+        pair_element_steps<SV, true>(x, s, ds, trade, wg, wg_tid, [&](float(&a)[SV / 2], float(&b)[SV / 2], int f0) {
+            tf32_dkdv_element_step<BLOCK_M, BLOCK_M / 16>(a, b, stats, p, seq, mask, head, m0, n0, warp, lane, f0);
+        });
 
         // Steps 5-6 on this warpgroup's head-dim half: dV_h += P^T dO_h, dK_h += dS^T Q_h.
         tf32_acc_times_tile<HALF, BLOCK_M / 8, PRODUCTS, APART>(dv_acc, s, stage + T::DOT + half_rows,

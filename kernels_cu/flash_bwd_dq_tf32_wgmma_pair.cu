@@ -42,7 +42,7 @@ struct DqTf32PairSmem {
     static constexpr u32 RAW = STAGE + (Tiles::BYTES + 1023) / 1024 * 1024;  // [RAW_STAGES][K, V]
     static constexpr u32 TRADE = RAW + RAW_STAGES * 2 * KV_TILE;
     static constexpr u32 TRADE_VALUES = BLOCK_N / 2 * 128;  // a warpgroup's accumulator values
-    static constexpr u32 BYTES = TRADE + 2 * TRADE_VALUES * 4;
+    static constexpr u32 BYTES = TRADE + 3 * TRADE_VALUES * 4;  // pair_element_steps' [3][NV][128]
 };
 
 template <int D_TILE, class Mask, int BLOCK_N, int RAW_STAGES, bool SUMS_APART, int PRODUCTS = 3>
@@ -102,8 +102,7 @@ flash_bwd_dq_tf32_wgmma_pair(const __grid_constant__ BwdParams p) {
 
     const u32 stage = base + L::STAGE;
     const u32 b_tile = stage + (s_role ? T::K : T::V);  // the role's B: K or V, hi then lo
-    float* const trade_mine = smem_f + (L::TRADE + wg * L::TRADE_VALUES * 4) / 4;
-    const float* const trade_other = smem_f + (L::TRADE + (1 - wg) * L::TRADE_VALUES * 4) / 4;
+    float* const trade = smem_f + L::TRADE / 4;
     const u32 half_rows = wg * HALF * 128;  // rows 64 wg .. of the K^T tiles: 128 bytes a row
 
     float dq_acc[HALF / 2];  // this warpgroup's head-dim half
@@ -126,13 +125,14 @@ flash_bwd_dq_tf32_wgmma_pair(const __grid_constant__ BwdParams p) {
         float x[SV];
         tf32_staged_times_rows<D_TILE, BLOCK_N, PRODUCTS, APART>(x, a_staged, b_tile, b_tile + T::KV_TILE);
 
-        // Step 3: the trade. Each warpgroup stores its product and reads the other's.
+        // Steps 3-4: the trade and dS = P (dP - D) into s, each warpgroup on half the values
+        // (pair_element_steps).
         float s[SV], dp[SV];
-        pair_trade(x, s, dp, trade_mine, trade_other, wg, wg_tid);
-
-        // Step 4: dS = P (dP - D) into s, in both warpgroups alike.
-        rows.ds_in_place<BLOCK_N>(s, dp, n0, t, mask, score, dropout, drop_scale, scale_log2,
-                                  mask.partial(m0, BLOCK_M, n0, BLOCK_N));
+        const bool partial = mask.partial(m0, BLOCK_M, n0, BLOCK_N);
+        pair_element_steps<SV, false>(x, s, dp, trade, wg, wg_tid, [&](float(&a)[SV / 2], float(&b)[SV / 2], int f0) {
+            rows.ds_in_place<BLOCK_N, BLOCK_N / 16>(a, b, n0, t, mask, score, dropout, drop_scale, scale_log2, partial,
+                                                    f0);
+        });
 
         // Step 5 on this warpgroup's head-dim half: dQ_h += dS K_h.
         tf32_acc_times_tile<HALF, BLOCK_N / 8, PRODUCTS, APART>(dq_acc, s, stage + T::KT + half_rows,

@@ -141,12 +141,12 @@ struct Tf32DkdvTiles {
 // 16 warp + g + 8 (e / 2), query 8 f + 2 t + e % 2 (warp: within the warpgroup). Two copies, with
 // and without the element mask and a user mask's predicate: a block the mask policy holds whole
 // (partial() false) needs neither. One copy (the masked one) where the policy hides nothing inside
-// the sequences.
-template <int BLOCK_M, class Mask>
-__device__ __forceinline__ void tf32_dkdv_element_step(float (&s)[BLOCK_M / 2], float (&ds)[BLOCK_M / 2],
-                                                       const float* stats, const BwdParams& p,
-                                                       const SequenceRows& seq, const Mask& mask, int head, int m0,
-                                                       int n0, int warp, int lane) {
+// the sequences. NF column blocks of 8 queries from block f0 (all of them by default; the pair
+// kernel's warpgroups take half each, s and ds then that half's values).
+template <int BLOCK_M, int NF = BLOCK_M / 8, class Mask>
+__device__ __forceinline__ void tf32_dkdv_element_step(float (&s)[NF * 4], float (&ds)[NF * 4], const float* stats,
+                                                       const BwdParams& p, const SequenceRows& seq, const Mask& mask,
+                                                       int head, int m0, int n0, int warp, int lane, int f0 = 0) {
     constexpr int BLOCK_N = 64;
     const int g = lane / 4, t = lane % 4;
     const int seqlen_q = seq.seqlen_q;
@@ -157,10 +157,10 @@ __device__ __forceinline__ void tf32_dkdv_element_step(float (&s)[BLOCK_M / 2], 
     const DropoutOf<Mask> dropout(p, seq.index, head);
     auto element_step = [&](auto partial) {
 #pragma unroll
-        for (int f = 0; f < BLOCK_M / 8; ++f)
+        for (int f = 0; f < NF; ++f)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int qi = 8 * f + 2 * t + (e & 1), q_row = m0 + qi;
+                const int qi = 8 * (f0 + f) + 2 * t + (e & 1), q_row = m0 + qi;
                 const int key = n0 + 16 * warp + g + 8 * (e >> 1);
                 // lse = -inf marks a row with no visible key: P = 0, as a row past the end
                 const float top = q_row < seqlen_q ? stats[STAT_LSE * BLOCK_M + qi] * to_log2 : neg_inf<float>();
@@ -230,21 +230,43 @@ __device__ __forceinline__ void tf32_staged_times_rows(float (&x)[B_ROWS / 2], c
     tf32_product_sums<B_ROWS / 2, D_TILE / 8, SPLIT, APART, true>(x, issue, NoTurns(), prepare);
 }
 
-// The pair kernels' trade: each warpgroup stores its role product x (value v of thread i at
-// mine[v * 128 + i], so that a warp's 32 accesses of one value are 32 banks) and, after the CTA's
-// barrier, reads the other's from `other`; thread i of either warpgroup holds the same accumulator
-// positions. Warpgroup 0's product lands in first, warpgroup 1's in second, in both.
-template <int NV>
-__device__ __forceinline__ void pair_trade(const float (&x)[NV], float (&first)[NV], float (&second)[NV], float* mine,
-                                           const float* other, int wg, int wg_tid) {
+// The pair kernels' trade and element step. Warpgroup 0 holds its role product x (S^T or S),
+// warpgroup 1 its own (dP^T or dP); thread i of either holds the same accumulator positions.
+// Warpgroup h runs the element step on its half of the values only (NV / 2 values from h NV / 2:
+// NV / 8 column blocks from block h NV / 8), step(a, b, f0) turning that half's inputs a (warpgroup
+// 0's product) and b (warpgroup 1's) into its results in place. A first trade hands each warpgroup
+// the other's product on its half, a second each one's results to the other: on return `first`
+// (a's results: P^T, or the dQ kernel's dS) and with BOTH `second` (b's: dS^T) are whole in both.
+// The trade's shared memory: [3][NV][128] floats, value v of thread i at [v][i] (a warp's 32
+// accesses of one value are 32 banks); the caller's barriers before and after hold its accesses.
+template <int NV, bool BOTH, class Step>
+__device__ __forceinline__ void pair_element_steps(const float (&x)[NV], float (&first)[NV], float (&second)[NV],
+                                                   float* trade, int wg, int wg_tid, const Step& step) {
+    constexpr int HALF = NV / 2;
+    float* const handed = trade;              // [NV][128]: each product on the other warpgroup's half
+    float* const results = trade + NV * 128;  // [2][NV][128]: first's, second's
+    const int mine0 = wg * HALF, theirs0 = HALF - mine0;  // this warpgroup's half, the other's
 #pragma unroll
-    for (int v = 0; v < NV; ++v) mine[v * 128 + wg_tid] = x[v];
+    for (int v = 0; v < HALF; ++v) handed[(theirs0 + v) * 128 + wg_tid] = wg == 0 ? x[HALF + v] : x[v];
+    __syncthreads();
+    float a[HALF], b[HALF];
+#pragma unroll
+    for (int v = 0; v < HALF; ++v) {
+        const float own = wg == 0 ? x[v] : x[HALF + v], other = handed[(mine0 + v) * 128 + wg_tid];
+        a[v] = wg == 0 ? own : other;
+        b[v] = wg == 0 ? other : own;
+    }
+    step(a, b, wg * (NV / 8));
+#pragma unroll
+    for (int v = 0; v < HALF; ++v) {
+        results[(mine0 + v) * 128 + wg_tid] = a[v];
+        if constexpr (BOTH) results[(NV + mine0 + v) * 128 + wg_tid] = b[v];
+    }
     __syncthreads();
 #pragma unroll
     for (int v = 0; v < NV; ++v) {
-        const float theirs = other[v * 128 + wg_tid];
-        first[v] = wg == 0 ? x[v] : theirs;
-        second[v] = wg == 0 ? theirs : x[v];
+        first[v] = results[v * 128 + wg_tid];
+        if constexpr (BOTH) second[v] = results[(NV + v) * 128 + wg_tid];
     }
 }
 
@@ -270,17 +292,19 @@ struct Tf32DqRows {
         }
     }
 
-    // `partial`: the mask policy's partial() of the block; a whole one takes no element test.
-    template <int BLOCK_N, class Mask, class Score, class Dropout>
-    __device__ __forceinline__ void ds_in_place(float (&s)[BLOCK_N / 2], const float (&dp)[BLOCK_N / 2], int n0,
-                                                int t, const Mask& mask, const Score& score, const Dropout& dropout,
-                                                float drop_scale, float scale_log2, bool partial) const {
+    // `partial`: the mask policy's partial() of the block; a whole one takes no element test. NF
+    // column blocks of 8 keys from block f0 (all by default; the pair kernel's warpgroups take half
+    // each, s and dp then that half's values).
+    template <int BLOCK_N, int NF = BLOCK_N / 8, class Mask, class Score, class Dropout>
+    __device__ __forceinline__ void ds_in_place(float (&s)[NF * 4], const float (&dp)[NF * 4], int n0, int t,
+                                                const Mask& mask, const Score& score, const Dropout& dropout,
+                                                float drop_scale, float scale_log2, bool partial, int f0 = 0) const {
         auto element_step = [&](auto partial_) {
 #pragma unroll
-            for (int f = 0; f < BLOCK_N / 8; ++f)
+            for (int f = 0; f < NF; ++f)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const int h = e >> 1, key = n0 + 8 * f + 2 * t + (e & 1), v = 4 * f + e;
+                    const int h = e >> 1, key = n0 + 8 * (f0 + f) + 2 * t + (e & 1), v = 4 * f + e;
                     const auto x = score_entry(s[v], dp[v], q_row[h], key, stats[h].top == neg_inf<float>(), mask,
                                                score, dropout, drop_scale, partial_);
                     const float p_ij = recomputed_p_exact(x.s, scale_log2, stats[h].top, stats[h].weight);

@@ -13,7 +13,8 @@ from cupyflash import backward_plans
 from cupyflash.backward_plans import Tf32WgmmaBwdConfig
 from cupyflash.masks import as_mask
 from models.wgmma import acc_from_matrix
-from models.wgmma_tf32_bwd_steps import acc_times_tile, close, split_into
+from models.mirrors import missing_statements, unmirrored_statements
+from models.wgmma_tf32_bwd_steps import STEPS, acc_times_tile, close, pair_element_steps, split_into
 
 PAIR = Tf32WgmmaBwdConfig(32, 0, dq_block_n=0, pair=True)
 PAIR_DQ = Tf32WgmmaBwdConfig(32, 0, dq_raw_stages=1, pair=True, dq_pair=True)
@@ -27,10 +28,10 @@ def test_the_spec_and_its_shared_memory_are_the_plans():
     assert spec.expression == "cf::flash_bwd_dkdv_tf32_wgmma_pair<128, cf::Causal, 32, true>"
     assert spec.threads == 256 and spec.arch == "90a" and spec.source_file == "flash_bwd_dkdv_tf32_wgmma_pair.cu"
     # BwdTf32PairSmem: K and V raw (64 rows of 128 floats each); the query block's eight tiles and
-    # 4 x 32 statistics, padded to 1 KiB; the trade (two warpgroups' 16 values a thread); the base's
-    # alignment
+    # 4 x 32 statistics, padded to 1 KiB; the trade ([3][16][128] floats: pair_element_steps); the
+    # base's alignment
     stage = -(-(8 * Q_TILE + 4 * BLOCK_M * 4) // 1024) * 1024
-    assert spec.smem_bytes == 2 * 64 * D_TILE * 4 + stage + 2 * 16 * 128 * 4 + 1024 <= 227 * 1024
+    assert spec.smem_bytes == 2 * 64 * D_TILE * 4 + stage + 3 * 16 * 128 * 4 + 1024 <= 227 * 1024
     tf32 = backward_plans.tf32_wgmma_spec("dkdv", D_TILE, as_mask(False),
                                           Tf32WgmmaBwdConfig(32, 0, False, dq_block_n=0, precision="tf32", pair=True))
     assert tf32.expression == "cf::flash_bwd_dkdv_tf32_wgmma_pair<128, cf::NoMask, 32, false, 1>"
@@ -48,9 +49,9 @@ def test_the_dq_spec_and_its_shared_memory_are_the_plans():
     assert spec.expression == "cf::flash_bwd_dq_tf32_wgmma_pair<128, cf::Causal, 32, 1, true>"
     assert spec.threads == 256 and spec.arch == "90a" and spec.source_file == "flash_bwd_dq_tf32_wgmma_pair.cu"
     # DqTf32PairSmem: Q and dO raw (64 rows of 128 floats each); the key block's six tiles (32 keys);
-    # one raw stage of K and V; the trade (two warpgroups' 16 values a thread); the base's alignment
+    # one raw stage of K and V; the trade ([3][16][128] floats); the base's alignment
     kv_tile = 32 * D_TILE * 4
-    assert spec.smem_bytes == 2 * 64 * D_TILE * 4 + 6 * kv_tile + 2 * kv_tile + 2 * 16 * 128 * 4 + 1024 <= 227 * 1024
+    assert spec.smem_bytes == 2 * 64 * D_TILE * 4 + 6 * kv_tile + 2 * kv_tile + 3 * 16 * 128 * 4 + 1024 <= 227 * 1024
     names = [launch.spec.name for launch in backward_plans.tf32_wgmma_backward_plan(100, True, PAIR_DQ).launches]
     assert names == ["flash_bwd_preprocess_fp32", "flash_bwd_dkdv_tf32_wgmma_pair_fp32_hdim128_causal_bm32_bn64_apart",
                      spec.name], names
@@ -122,3 +123,28 @@ def test_each_dq_warpgroups_half_is_its_columns_of_dq():
         dq = acc_times_tile(smem, HALF, 32, acc_from_matrix(ds), layout["KT_HI"] + half_rows,
                             layout["KT_LO"] + half_rows)
         assert close(dq, ds @ want_k[:, HALF * h:HALF * (h + 1)]), h
+
+
+def test_the_trade_mirrors_match_the_steps():
+    assert not (missing := missing_statements(STEPS)), f"mirrored statements no longer in {STEPS}: {missing}"
+    assert not (unmirrored := unmirrored_statements(STEPS)), f"layout statements without a mirror: {unmirrored}"
+
+
+@pytest.mark.parametrize("both", [True, False])
+def test_the_trade_gives_each_warpgroup_its_half_and_both_every_result(both):
+    """pair_element_steps (its model): warpgroup h's element step sees warpgroup 0's product as a
+    and warpgroup 1's as b on values h 8 .. h 8 + 7 with f0 = 2 h (the column blocks of those
+    values), and after the second trade both warpgroups hold every value's results, in place."""
+    nv = 16
+    x = [[100 + v for v in range(nv)], [200 + v for v in range(nv)]]  # S (warpgroup 0), dP (warpgroup 1)
+    seen = []
+
+    def step(a, b, f0):
+        seen.append((f0, list(a), list(b)))
+        return [("p", f0, av, bv) for av, bv in zip(a, b)], [("ds", f0, av, bv) for av, bv in zip(a, b)]
+
+    out = pair_element_steps(x, step, both)
+    assert seen == [(0, x[0][:8], x[1][:8]), (2, x[0][8:], x[1][8:])]
+    for first, second in out:
+        assert first == [("p", 2 * (v // 8), x[0][v], x[1][v]) for v in range(nv)]
+        assert second == ([("ds", 2 * (v // 8), x[0][v], x[1][v]) for v in range(nv)] if both else None)

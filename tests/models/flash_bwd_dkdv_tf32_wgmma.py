@@ -124,7 +124,7 @@ def fused_dq(k: np.ndarray, ds_t: np.ndarray, keys_valid: int, headdim: int, blo
 
 
 @mirrors(STEPS,
-         "const int qi = 8 * f + 2 * t + (e & 1), q_row = m0 + qi;",
+         "const int qi = 8 * (f0 + f) + 2 * t + (e & 1), q_row = m0 + qi;",
          "const int key = n0 + 16 * warp + g + 8 * (e >> 1);",
          "const int v = 4 * f + e;")
 @mirrors(KERNEL,
@@ -135,7 +135,9 @@ def fused_dq(k: np.ndarray, ds_t: np.ndarray, keys_valid: int, headdim: int, blo
 def element_positions(block_m: int) -> tuple[np.ndarray, np.ndarray]:
     """(key row, query) within the block of value v = 4 f + e of each of the 128 threads in the
     element step (P^T, dS^T), as [thread, v] arrays: S^T's accumulator, keys as its rows; the
-    epilogue stores dK and dV from the same layout (store_acc_rows_f32, whose model is the steps')."""
+    epilogue stores dK and dV from the same layout (store_acc_rows_f32, whose model is the steps').
+    (f0 is 0 for a whole block; the pair kernel's warpgroups step half the column blocks each, f0
+    their first, with the values of that half.)"""
     return accumulator_positions(block_m)
 
 

@@ -75,7 +75,7 @@ def products_at(smem, d_tile: int, block_n: int, L: dict) -> dict:
 
 @mirrors(KERNEL,
          "q_row[h] = m0 + 16 * warp + g + 8 * h;",
-         "const int h = e >> 1, key = n0 + 8 * f + 2 * t + (e & 1), v = 4 * f + e;",
+         "const int h = e >> 1, key = n0 + 8 * (f0 + f) + 2 * t + (e & 1), v = 4 * f + e;",
          "store_acc_rows_f32<D_TILE>(dq_acc, scale, seqlen_q - m0, p.headdim,",
          "[&](int r) { return p.dq.row<float>(batch, seq.q_begin + m0 + r, head); }, warp, lane);")
 def element_positions(block_n: int) -> tuple[np.ndarray, np.ndarray]:

@@ -90,7 +90,7 @@ def products(smem, d_tile: int, block_n: int, stages: int = 2, raw_stages: int =
          "const StageRing<STAGES> ring{base + L::FULL, base + L::EMPTY};",
          "ring.wait_empty(i);", "ring.arrive_full(i);", "ring.wait_full(i);", "ring.arrive_empty(i);",
          "q_row[h] = m0 + 16 * warp + g + 8 * h;",
-         "const int h = e >> 1, key = n0 + 8 * f + 2 * t + (e & 1), v = 4 * f + e;")
+         "const int h = e >> 1, key = n0 + 8 * (f0 + f) + 2 * t + (e & 1), v = 4 * f + e;")
 def protocol_and_positions() -> str:
     """The ring's statements are the dK/dV producer kernel's with the walk index i
     (models/flash_bwd_dkdv_tf32_wgmma_ws.py run_protocol checks that protocol), and the element

@@ -286,6 +286,57 @@ def split_key_blocks_into_image(block_n: int, nbytes: int, k, v, cu_seqlens_k, i
         store_image_block(image, offset(packed, index, batch_of, k_begin, head_kv, j), smem, 0, nbytes)
     return image
 
-__all__ = ["STEPS", "split_into", "rows_times_rows", "acc_times_tile", "store_acc_rows", "accumulator_positions", "fresh_operands", "emulate",
+@mirrors(STEPS,
+         "constexpr int HALF = NV / 2;",
+         "float* const handed = trade;",
+         "float* const results = trade + NV * 128;",
+         "const int mine0 = wg * HALF, theirs0 = HALF - mine0;",
+         "for (int v = 0; v < HALF; ++v) handed[(theirs0 + v) * 128 + wg_tid] = wg == 0 ? x[HALF + v] : x[v];",
+         "const float own = wg == 0 ? x[v] : x[HALF + v], other = handed[(mine0 + v) * 128 + wg_tid];",
+         "a[v] = wg == 0 ? own : other;",
+         "b[v] = wg == 0 ? other : own;",
+         "step(a, b, wg * (NV / 8));",
+         "results[(mine0 + v) * 128 + wg_tid] = a[v];",
+         "if constexpr (BOTH) results[(NV + mine0 + v) * 128 + wg_tid] = b[v];",
+         "first[v] = results[v * 128 + wg_tid];",
+         "if constexpr (BOTH) second[v] = results[(NV + v) * 128 + wg_tid];")
+def pair_element_steps(x: list, step, both: bool) -> list:
+    """pair_element_steps for one thread index of both warpgroups: x[wg] the warpgroup's NV values
+    (0: warpgroup 0's product, 1: warpgroup 1's); step(a, b, f0) -> (a, b) on a half's values.
+    Returns [(first, second)] of each warpgroup (second None without BOTH); the two phases run one
+    after the other as the barriers order them, the trade a dict of written slots (a read of a slot
+    no one wrote raises KeyError)."""
+    nv = len(x[0])
+    half = nv // 2
+    handed, results = {}, {}
+    for wg in (0, 1):
+        mine0, theirs0 = wg * half, half - wg * half
+        for v in range(half):
+            handed[theirs0 + v] = x[wg][half + v] if wg == 0 else x[wg][v]
+    out = []
+    staged = []
+    for wg in (0, 1):
+        mine0 = wg * half
+        a, b = [], []
+        for v in range(half):
+            own = x[wg][v] if wg == 0 else x[wg][half + v]
+            other = handed[mine0 + v]
+            a.append(own if wg == 0 else other)
+            b.append(other if wg == 0 else own)
+        a, b = step(a, b, wg * (nv // 8))
+        staged.append((mine0, a, b))
+    for mine0, a, b in staged:
+        for v in range(half):
+            results[mine0 + v] = a[v]
+            if both:
+                results[nv + mine0 + v] = b[v]
+    for wg in (0, 1):
+        first = [results[v] for v in range(nv)]
+        second = [results[nv + v] for v in range(nv)] if both else None
+        out.append((first, second))
+    return out
+
+
+__all__ = ["STEPS", "split_into", "pair_element_steps", "rows_times_rows", "acc_times_tile", "store_acc_rows", "accumulator_positions", "fresh_operands", "emulate",
            "valid_part", "close", "split_grid", "image_block", "store_image_block",
            "split_key_blocks_into_image"]
