@@ -4,6 +4,8 @@ compile-check's progress and summary (a stand-in compiler, and NVRTC on one kern
 sanitize's command-line part with stand-ins for the GPU work. The demo on a GPU: marked gpu."""
 from __future__ import annotations
 
+import json
+
 import importlib
 import io
 import re
@@ -338,7 +340,10 @@ def test_compile_check_compiles_one_kernel_with_nvrtc(monkeypatch, tmp_path, cap
     assert summary == ("cupyflash compile-check: 1 kernels compiled for sm_80: 1 ok, "
                        "0 with spills, 0 failed")
     assert captured.err.startswith("[1/1 ") and "sm_80 flash_bwd_preprocess.cu: 1 compiled" in captured.err
-    assert len(list(tmp_path.rglob("*.json"))) == 1
+    # the kernel's result was written here (the spec list's own ptxas questions, asked once a
+    # process, may add results of theirs beside it when this test runs first)
+    written = [json.loads(path.read_text()) for path in tmp_path.rglob("*.json")]
+    assert sum("cf::flash_bwd_preprocess<cf::half_t>" in result for result in written) == 1
 
 
 # --- tune, sanitize, bench, io-complexity: the command-line parts ------------------------------
