@@ -4,10 +4,9 @@ compile-check's progress and summary (a stand-in compiler, and NVRTC on one kern
 sanitize's command-line part with stand-ins for the GPU work. The demo on a GPU: marked gpu."""
 from __future__ import annotations
 
-import json
-
 import importlib
 import io
+import json
 import re
 import shlex
 import subprocess
