@@ -11,16 +11,18 @@
 //   warpgroup 0: S^T  = K Q^T    A = K from its raw rows, split a k-step at a time (StagedQ)
 //   warpgroup 1: dP^T = V dO^T   A = V likewise; B = the query block's Q or dO tiles (hi, lo)
 //   both:        S^T and dP^T traded through shared memory (thread i of one warpgroup holds the
-//                (key, query) pairs thread i of the other does), then the element step on both
-//                (tf32_dkdv_element_step: the same values in, the same P^T and dS^T out in each)
+//                (key, query) pairs thread i of the other does), the element step
+//                (tf32_dkdv_element_step) by each on half the values, and P^T and dS^T traded
+//                back (pair_element_steps): both then hold all of them
 //   warpgroup h: dV_h += P^T dO_h, dK_h += dS^T Q_h over head-dim columns 64 h .. 64 h + 63
 //                (B = rows 64 h .. of the query block's dO^T and Q^T tiles, KEY_PAIRS)
-// Each thread holds dK and dV for its half (32 + 32), S^T or dP^T and the other's copy (16 + 16),
+// Each thread holds dK and dV for its half (32 + 32), S^T or dP^T, then P^T and dS^T (16 + 16),
 // and the apart sums' extra chains. K and V stay raw (32 KiB each), as the forward stages Q at
-// d128 (tf32-wgmma-d128); the query block's eight tiles (128 KiB) and the trade's two value
-// planes (16 KiB) fill the rest: 210 KiB, one stage, so the split of a query block (both
+// d128 (tf32-wgmma-d128); the query block's eight tiles (128 KiB) and the trade's three value
+// planes (24 KiB) fill the rest: 218 KiB, one stage, so the split of a query block (both
 // warpgroups, from global memory) and its products take turns. Same products as the d64 kernels'
-// (seven a block pair with the dQ kernel's); S^T and dP^T each formed once.
+// (seven a block pair with the dQ kernel's); S^T and dP^T each formed once, each element step
+// value once.
 #include "block_walk.cuh"
 #include "common.cuh"
 #include "dmma_bwd_steps.cuh"
@@ -36,8 +38,7 @@ namespace cf {
 // Shared memory in bytes from a 1024-byte aligned base (backward_plans.tf32_wgmma_smem_bytes
 // mirrors BYTES and adds the alignment slack): K and V raw (64 rows each, StagedQ's layout); the
 // query block's Tf32QueryBlockTiles (Q, dO, Q^T, dO^T, hi and lo, and its row statistics), padded
-// to 1024 bytes; then the trade: S^T (warpgroup 0's) and dP^T (warpgroup 1's), value v of thread i
-// at [v][i], so that a warp's 32 stores or loads of one value are 32 banks.
+// to 1024 bytes; then the trade (pair_element_steps' [3][16][128] floats).
 template <int D_TILE, int BLOCK_M>
 struct BwdTf32PairSmem {
     static constexpr int BLOCK_N = 64;

@@ -8,13 +8,14 @@
 // it does not widen to d128. Here a CTA is two warpgroups over the same 64 query rows:
 //   warpgroup 0: S  = Q K^T     A = Q from its raw rows, split a k-step at a time (StagedQ)
 //   warpgroup 1: dP = dO V^T    A = dO likewise; B = the key block's K or V tiles (hi, lo)
-//   both:        S and dP traded through shared memory, then dS by the element step on both
-//                (Tf32DqRows::ds_in_place: the same values in, the same dS out in each)
+//   both:        S and dP traded through shared memory, dS by the element step
+//                (Tf32DqRows::ds_in_place) of each on half the values, traded back
+//                (pair_element_steps): both then hold all of dS
 //   warpgroup h: dQ_h += dS K_h over head-dim columns 64 h .. 64 h + 63 (B = rows 64 h .. of the
 //                key block's K^T tiles, KEY_PAIRS)
-// Each thread holds its half of dQ (32), S or dP and the other's copy (16 + 16). Q and dO stay
-// raw (32 KiB each); one stage of a key block's six tiles (96 KiB), RAW_STAGES raw K and V blocks
-// copied ahead by cp.async (32 KiB each) and the trade (16 KiB): 209 KiB at RAW_STAGES 1.
+// Each thread holds its half of dQ (32), S or dP, then dS (16). Q and dO stay raw (32 KiB each);
+// one stage of a key block's six tiles (96 KiB), RAW_STAGES raw K and V blocks copied ahead by
+// cp.async (32 KiB each) and the trade (24 KiB): 217 KiB at RAW_STAGES 1.
 #include "block_walk.cuh"
 #include "common.cuh"
 #include "dmma_bwd_steps.cuh"
@@ -30,8 +31,7 @@ namespace cf {
 // Shared memory in bytes from a 1024-byte aligned base (backward_plans.tf32_wgmma_smem_bytes
 // mirrors BYTES and adds the alignment slack): Q and dO raw (64 rows each, StagedQ's layout); the
 // key block's Tf32KeyBlockTiles (K, K^T, V, hi and lo); RAW_STAGES stages of raw K and V rows
-// (StagedRows); then the trade: S (warpgroup 0's) and dP (warpgroup 1's), value v of thread i at
-// [v][i].
+// (StagedRows); then the trade (pair_element_steps' [3][16][128] floats).
 template <int D_TILE, int BLOCK_N, int RAW_STAGES>
 struct DqTf32PairSmem {
     static constexpr int BLOCK_M = 64;
