@@ -77,35 +77,26 @@ flash_bwd_dq_tf32_wgmma(const __grid_constant__ BwdParams p) {
         p.headdim_v, tid);
     const Tf32DqRows rows(p, seq, head, m0, seqlen_q, warp, g);  // this thread's two rows and their statistics
 
-    const float* __restrict__ k_rows = p.k.row<const float>(batch, seq.k_begin, head_kv);
-    const float* __restrict__ v_rows = p.v.row<const float>(batch, seq.k_begin, head_kv);
-    const i64 k_ss = p.k.row_stride, v_ss = p.v.row_stride;
-    const KeyBlockRange<BLOCK_N> keys(mask, m0, BLOCK_M);
-    const int j_begin = keys.first, j_end = keys.end;
-    // The raw K and V of block j (Tf32RawStages: RAW_STAGES ahead, or read by the split itself).
-    const Tf32RawStages<BLOCK_N, D_TILE, NTHREADS, RAW_STAGES> stages{base + L::RAW};
-    auto stage_block = [&](int j) {
-        stages.copy(j, j < j_end, j * BLOCK_N, k_rows, k_ss, p.headdim, v_rows, v_ss, p.headdim_v, seqlen_k, tid);
-    };
-    stages.copy_first(j_begin, stage_block);
+    // The walk's key blocks and their raw K and V rows (RAW_STAGES ahead, or read by the split itself).
+    const Tf32KeyBlocks<BLOCK_N, BLOCK_M, D_TILE, NTHREADS, RAW_STAGES> blocks(p, seq, mask, head_kv, m0, base + L::RAW,
+                                                                             tid);
+    blocks.copy_first();
 
     float dq_acc[D_TILE / 2];
 #pragma unroll
     for (int e = 0; e < D_TILE / 2; ++e) dq_acc[e] = 0.f;
 
-    for (int j = j_begin; j < j_end; ++j) {
+    for (int j = blocks.first; j < blocks.end; ++j) {
         const int n0 = j * BLOCK_N;
         // Step 1: K and V split into their three tile pairs (Tf32RawStages::land: between the
         // barriers that make it safe, and the tiles whole for wgmma).
-        stages.land(j, GlobalRows{k_rows + n0 * k_ss, k_ss}, GlobalRows{v_rows + n0 * v_ss, v_ss},
-                    [&](const auto& k_src, const auto& v_src) {
-                        split_tf32_panels_both<BLOCK_N, D_TILE, NTHREADS, PRODUCTS>(
-                            base + L::K_HI, base + L::K_LO, base + L::KT_HI, base + L::KT_LO, k_src, seqlen_k - n0,
-                            p.headdim, tid);
-                        split_tf32_panels<BLOCK_N, D_TILE, NTHREADS, PRODUCTS>(base + L::V_HI, base + L::V_LO, v_src,
-                                                                               seqlen_k - n0, p.headdim_v, tid);
-                    },
-                    stage_block);
+        blocks.land(j, [&](const auto& k_src, const auto& v_src) {
+            split_tf32_panels_both<BLOCK_N, D_TILE, NTHREADS, PRODUCTS>(base + L::K_HI, base + L::K_LO, base + L::KT_HI,
+                                                                        base + L::KT_LO, k_src, seqlen_k - n0,
+                                                                        p.headdim, tid);
+            split_tf32_panels<BLOCK_N, D_TILE, NTHREADS, PRODUCTS>(base + L::V_HI, base + L::V_LO, v_src, seqlen_k - n0,
+                                                                   p.headdim_v, tid);
+        });
 
         // Steps 2-3: S = Q K^T and dP = dO V^T, three products a k-step.
         float s[SV], dp[SV];

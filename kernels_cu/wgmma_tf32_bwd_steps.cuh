@@ -73,6 +73,44 @@ __device__ __forceinline__ void split_key_block_tf32(u32 tiles, const Source& k,
                                                            headdim_v, thread);
 }
 
+// A dQ kernel's key blocks (flash_bwd_dq_tf32_wgmma, _pair): its kv head's K and V rows, the
+// walk's blocks of the CTA's BLOCK_M query rows from m0 (first .. end, KeyBlockRange), and their
+// raw rows RAW_STAGES blocks ahead (Tf32RawStages; 0: the split reads global memory). copy_first()
+// before the walk; land(j, split) for block j: split(k_source, v_source) into the tiles between
+// the barriers that make it safe, the tiles whole for wgmma on return, the copies ahead issued.
+template <int BLOCK_N, int BLOCK_M, int D_TILE, int NTHREADS, int RAW_STAGES>
+struct Tf32KeyBlocks {
+    const BwdParams& p;
+    const float* __restrict__ k_rows;
+    const float* __restrict__ v_rows;
+    int first, end, seqlen_k, thread;
+    Tf32RawStages<BLOCK_N, D_TILE, NTHREADS, RAW_STAGES> stages;
+
+    template <class Mask>
+    __device__ __forceinline__ Tf32KeyBlocks(const BwdParams& p_, const SequenceRows& seq, const Mask& mask,
+                                             int head_kv, int m0, u32 raw, int thread_)
+        : p(p_), k_rows(p_.k.row<const float>(seq.batch, seq.k_begin, head_kv)),
+          v_rows(p_.v.row<const float>(seq.batch, seq.k_begin, head_kv)), seqlen_k(seq.seqlen_k), thread(thread_),
+          stages{raw} {
+        const KeyBlockRange<BLOCK_N> keys(mask, m0, BLOCK_M);
+        first = keys.first, end = keys.end;
+    }
+
+    __device__ __forceinline__ void copy(int j) const {
+        stages.copy(j, j < end, j * BLOCK_N, k_rows, p.k.row_stride, p.headdim, v_rows, p.v.row_stride, p.headdim_v,
+                    seqlen_k, thread);
+    }
+    __device__ __forceinline__ void copy_first() const {
+        stages.copy_first(first, [&](int j) { copy(j); });
+    }
+    template <class Split>
+    __device__ __forceinline__ void land(int j, const Split& split) const {
+        const int n0 = j * BLOCK_N;
+        stages.land(j, GlobalRows{k_rows + n0 * p.k.row_stride, p.k.row_stride},
+                    GlobalRows{v_rows + n0 * p.v.row_stride, p.v.row_stride}, split, [&](int ahead) { copy(ahead); });
+    }
+};
+
 // Where key block j of sequence `seq`'s kv head `head_kv` lies in the kv_split image, in bytes
 // (blocks of Tf32KeyBlockTiles' BYTES; image_block's order).
 template <bool PACKED, int D_TILE, int BLOCK_N>

@@ -28,7 +28,8 @@ CTA_ROWS = BLOCK_M  # the rows a CTA keeps (models/wgmma_tf32_bwd_steps.py emula
          "constexpr int BLOCK_M = L::BLOCK_M, NTHREADS = 128;",
          "constexpr int SV = BLOCK_N / 2;",
          "const u32 base = aligned_dynamic_smem<L::BYTES>(smem_raw);",
-         "const Tf32RawStages<BLOCK_N, D_TILE, NTHREADS, RAW_STAGES> stages{base + L::RAW};")
+         "const Tf32KeyBlocks<BLOCK_N, BLOCK_M, D_TILE, NTHREADS, RAW_STAGES> blocks(p, seq, mask, head_kv, m0, "
+         "base + L::RAW, tid);")
 def dq_smem(d_tile: int, block_n: int, raw_stages: int) -> dict:
     """DqTf32WgmmaSmem's offsets in bytes from the aligned base."""
     q_tile, kv_tile = BLOCK_M * d_tile * 4, block_n * d_tile * 4
