@@ -384,17 +384,23 @@ tf32_pair)  # tf32-wgmma-bwd-pair (the float32 backward at d128 on the pair's ke
            # kernels compiled in parallel (bench_dmma_bwd.py --warm), their GPU tests, racecheck and
            # memcheck of them alone, then the d128 bench (the pair's dK/dV with tf32x3's dQ, and
            # with the pair's dQ) against tf32x3, the SIMT backward and PyTorch's mem-efficient
+    # TF32_PAIR_PART=tests (warm, tests, racecheck: about 540 s cold) or bench (memcheck, bench: about
+    # 330 s); unset, both (more than one 600 s call)
     export PYTHONPATH=$PWD
-    step warm-pair "${WARM_LIMIT:-150}" python -c "import sys; sys.path.insert(0, 'dev'); import bench_dmma_bwd as b; b.warm_candidates([128], 16)"
-    step pair-tests "${TEST_LIMIT:-240}" python scripts/pytest_shards.py --shards "${SHARDS:-12}" \
-        --limit "$(( ${TEST_LIMIT:-240} - 20 ))" --out "$out/pair-shards" -m gpu -k pair \
-        tests/kernels/test_flash_bwd_dmma.py
-    step racecheck-pair "${RACECHECK_LIMIT:-150}" compute-sanitizer --tool racecheck --error-exitcode 1 \
-        python dev/sanitize_dmma_bwd.py pair
-    step memcheck-pair "${MEMCHECK_LIMIT:-90}" compute-sanitizer --tool memcheck --error-exitcode 1 \
-        python dev/sanitize_dmma_bwd.py pair
-    step bench-pair 240 python dev/bench_dmma_bwd.py --dtype float32 --headdims 128 --repeats 5 --warm 16 \
-        --per-kernel --json "$out/bench-pair.json"
+    if [ "${TF32_PAIR_PART:-tests}" = tests ]; then
+        step warm-pair "${WARM_LIMIT:-150}" python -c "import sys; sys.path.insert(0, 'dev'); import bench_dmma_bwd as b; b.warm_candidates([128], 16)"
+        step pair-tests "${TEST_LIMIT:-240}" python scripts/pytest_shards.py --shards "${SHARDS:-12}" \
+            --limit "$(( ${TEST_LIMIT:-240} - 20 ))" --out "$out/pair-shards" -m gpu -k pair \
+            tests/kernels/test_flash_bwd_dmma.py
+        step racecheck-pair "${RACECHECK_LIMIT:-150}" compute-sanitizer --tool racecheck --error-exitcode 1 \
+            python dev/sanitize_dmma_bwd.py pair
+    fi
+    if [ "${TF32_PAIR_PART:-bench}" = bench ]; then
+        step memcheck-pair "${MEMCHECK_LIMIT:-90}" compute-sanitizer --tool memcheck --error-exitcode 1 \
+            python dev/sanitize_dmma_bwd.py pair
+        step bench-pair 240 python dev/bench_dmma_bwd.py --dtype float32 --headdims 128 --repeats 5 --warm 16 \
+            --per-kernel --json "$out/bench-pair.json"
+    fi
     ;;
 trees)  # experiment patches in their own copies beside this tree (header above)
     # the copies live outside the checkout: inside a git work tree, git apply would skip their paths
