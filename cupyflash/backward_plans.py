@@ -1056,7 +1056,7 @@ def tf32_wgmma_smem_bytes(kind: str, dt: int, config: Tf32WgmmaBwdConfig) -> int
     if kind == "dq" and config.dq_pair:  # DqTf32PairSmem: Q, dO raw; one stage; raw K, V; the trade
         stage = -(-(6 * 4 * config.dq_block_n * dt) // 1024) * 1024
         return (2 * 4 * 64 * dt + stage + config.dq_raw_stages * 2 * 4 * config.dq_block_n * dt
-                + 3 * 4 * (config.dq_block_n // 2) * 128 + 1024)
+                + 2 * 4 * (config.dq_block_n // 2) * 128 + 1024)
     if kind == "dkdv" and config.pair:  # BwdTf32PairSmem: K, V raw; one stage; the trade
         stage = -(-(8 * 4 * config.block_m * dt + 4 * config.block_m * 4) // 1024) * 1024
         return 2 * 4 * 64 * dt + stage + 3 * 4 * (config.block_m // 2) * 128 + 1024

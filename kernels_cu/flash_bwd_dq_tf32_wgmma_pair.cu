@@ -15,7 +15,7 @@
 //                key block's K^T tiles, KEY_PAIRS)
 // Each thread holds its half of dQ (32), S or dP, then dS (16). Q and dO stay raw (32 KiB each);
 // one stage of a key block's six tiles (96 KiB), RAW_STAGES raw K and V blocks copied ahead by
-// cp.async (32 KiB each) and the trade (24 KiB): 217 KiB at RAW_STAGES 1.
+// cp.async (32 KiB each) and the trade (16 KiB): 209 KiB at RAW_STAGES 1.
 #include "block_walk.cuh"
 #include "common.cuh"
 #include "dmma_bwd_steps.cuh"
@@ -31,7 +31,7 @@ namespace cf {
 // Shared memory in bytes from a 1024-byte aligned base (backward_plans.tf32_wgmma_smem_bytes
 // mirrors BYTES and adds the alignment slack): Q and dO raw (64 rows each, StagedQ's layout); the
 // key block's Tf32KeyBlockTiles (K, K^T, V, hi and lo); RAW_STAGES stages of raw K and V rows
-// (StagedRows); then the trade (pair_element_steps' [3][16][128] floats).
+// (StagedRows); then the trade (pair_element_steps' [2][16][128] floats: dS the one result).
 template <int D_TILE, int BLOCK_N, int RAW_STAGES>
 struct DqTf32PairSmem {
     static constexpr int BLOCK_M = 64;
@@ -42,7 +42,7 @@ struct DqTf32PairSmem {
     static constexpr u32 RAW = STAGE + (Tiles::BYTES + 1023) / 1024 * 1024;  // [RAW_STAGES][K, V]
     static constexpr u32 TRADE = RAW + RAW_STAGES * 2 * KV_TILE;
     static constexpr u32 TRADE_VALUES = BLOCK_N / 2 * 128;  // a warpgroup's accumulator values
-    static constexpr u32 BYTES = TRADE + 3 * TRADE_VALUES * 4;  // pair_element_steps' [3][NV][128]
+    static constexpr u32 BYTES = TRADE + 2 * TRADE_VALUES * 4;  // pair_element_steps' [2][NV][128] (dS only)
 };
 
 template <int D_TILE, class Mask, int BLOCK_N, int RAW_STAGES, bool SUMS_APART, int PRODUCTS = 3>

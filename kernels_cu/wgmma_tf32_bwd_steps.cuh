@@ -275,8 +275,10 @@ __device__ __forceinline__ void tf32_staged_times_rows(float (&x)[B_ROWS / 2], c
 // 0's product) and b (warpgroup 1's) into its results in place. A first trade hands each warpgroup
 // the other's product on its half, a second each one's results to the other: on return `first`
 // (a's results: P^T, or the dQ kernel's dS) and with BOTH `second` (b's: dS^T) are whole in both.
-// The trade's shared memory: [3][NV][128] floats, value v of thread i at [v][i] (a warp's 32
-// accesses of one value are 32 banks); the caller's barriers before and after hold its accesses.
+// The trade's shared memory: [BOTH ? 3 : 2][NV][128] floats, value v of thread i at [v][i] (a
+// warp's 32 accesses of one value are 32 banks); the caller's barriers before and after hold its
+// accesses. (Each warpgroup reads back its own half too: taking it from its registers instead, a
+// branch per warpgroup, cost 20-37 more instructions a block in the loop, not fewer.)
 template <int NV, bool BOTH, class Step>
 __device__ __forceinline__ void pair_element_steps(const float (&x)[NV], float (&first)[NV], float (&second)[NV],
                                                    float* trade, int wg, int wg_tid, const Step& step) {

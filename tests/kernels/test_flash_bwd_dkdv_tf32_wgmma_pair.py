@@ -49,9 +49,9 @@ def test_the_dq_spec_and_its_shared_memory_are_the_plans():
     assert spec.expression == "cf::flash_bwd_dq_tf32_wgmma_pair<128, cf::Causal, 32, 1, true>"
     assert spec.threads == 256 and spec.arch == "90a" and spec.source_file == "flash_bwd_dq_tf32_wgmma_pair.cu"
     # DqTf32PairSmem: Q and dO raw (64 rows of 128 floats each); the key block's six tiles (32 keys);
-    # one raw stage of K and V; the trade ([3][16][128] floats); the base's alignment
+    # one raw stage of K and V; the trade ([2][16][128] floats: dS the one result); the base's alignment
     kv_tile = 32 * D_TILE * 4
-    assert spec.smem_bytes == 2 * 64 * D_TILE * 4 + 6 * kv_tile + 2 * kv_tile + 3 * 16 * 128 * 4 + 1024 <= 227 * 1024
+    assert spec.smem_bytes == 2 * 64 * D_TILE * 4 + 6 * kv_tile + 2 * kv_tile + 2 * 16 * 128 * 4 + 1024 <= 227 * 1024
     names = [launch.spec.name for launch in backward_plans.tf32_wgmma_backward_plan(100, True, PAIR_DQ).launches]
     assert names == ["flash_bwd_preprocess_fp32", "flash_bwd_dkdv_tf32_wgmma_pair_fp32_hdim128_causal_bm32_bn64_apart",
                      spec.name], names
