@@ -141,8 +141,19 @@ def layout_statements(text: str, pattern: re.Pattern = WGMMA_LAYOUT_STATEMENT) -
     return found
 
 
+@functools.cache
+def _register_every_model() -> None:
+    """Import every model module: a source's mirrors may live in several models (a shared header's
+    in each kernel's), and a test file run alone imports only some of them."""
+    import importlib
+    import pkgutil
+    for module in pkgutil.iter_modules([str(Path(__file__).parent)]):
+        importlib.import_module(f"{__package__}.{module.name}")
+
+
 def sources() -> list[str]:
     """Every source some mirror names."""
+    _register_every_model()
     return sorted({m.source for m in MIRRORED})
 
 
@@ -156,5 +167,6 @@ def unmirrored_statements(source: str, text: str | None = None,
                           pattern: re.Pattern = WGMMA_LAYOUT_STATEMENT) -> list[str]:
     """The layout statements (those `pattern` starts) of `text` (default: all of `source`'s own
     text) that no mirror of `source` names."""
+    _register_every_model()
     named = {squash(m.statement) for m in MIRRORED if m.source == source}
     return [s for s in layout_statements(code(source) if text is None else text, pattern) if squash(s) not in named]
