@@ -52,8 +52,12 @@ def specializations() -> list[Specialization]:
         out.extend(backward_plans.tf32_split_q_spec(dt, mask, c) for c in configs if c.presplit
                    for mask in backward_masks)  # the query blocks' split, dense and packed
     for (where, dt) in sorted(backward_plans.TF32_WGMMA_BACKWARD_ROUTE):  # the route, as each mask takes it
+        # (none where tf32_wgmma_route gives none; and at d128 none for the user modifiers, whose
+        # pair dQ spills with the sample modifier: the plan asks ptxas and runs tf32x3 there)
         out.extend(backward_plans.tf32_wgmma_spec(kind, dt, mask, backward_plans.tf32_wgmma_route(where, dt, mask))
-                   for mask in backward_masks for kind in ("dkdv", "dq"))
+                   for mask in backward_masks for kind in ("dkdv", "dq")
+                   if backward_plans.tf32_wgmma_route(where, dt, mask) is not None
+                   and not (dt == 128 and mask.score.user is not None))
     return list(dict.fromkeys(out))
 
 
