@@ -993,6 +993,7 @@ class Tf32WgmmaBwdConfig:
     presplit: bool = False
     pair: bool = False
     dq_pair: bool = False
+    prefetch: bool = False  # the pair's dK/dV kernel: the next query block's rows into L1 (tf32-pair-prefetch)
 
     threads = 128
     block_n = 64
@@ -1121,6 +1122,8 @@ def tf32_wgmma_spec(kind: str, dt: int, mask: Mask, config: Tf32WgmmaBwdConfig) 
                         or config.producer or config.presplit or fused):
         raise ValueError(f"cupyflash: the pair dK/dV kernel takes the d128 tile and 32-query blocks read by the "
                          f"split (raw_stages 0): {config!r}")
+    if config.prefetch and not config.pair:
+        raise ValueError(f"cupyflash: prefetch is the pair dK/dV kernel's: {config!r}")
     if config.dq_pair and (dt != 128 or config.dq_block_n != 32 or config.dq_raw_stages not in (0, 1)
                            or config.dq_producer or config.dq_presplit or config.dq_consumers != 1):
         raise ValueError(f"cupyflash: the pair dQ kernel takes the d128 tile and 32-key blocks, raw K and V up to "
@@ -1138,8 +1141,10 @@ def tf32_wgmma_spec(kind: str, dt: int, mask: Mask, config: Tf32WgmmaBwdConfig) 
     if config.pair and kind == "dkdv":
         apart = "true" if config.sums_apart else "false"
         tail = "" if products == 3 else f", {products}"
+        if config.prefetch:  # PREFETCH after PRODUCTS; "_pf" in the name
+            tail = f", {products}, true"
         return Specialization(f"flash_bwd_dkdv_tf32_wgmma_pair_{SHORT_NAMES['float32']}_hdim{dt}_{mask.name}"
-                              f"_bm{bm}_bn64" + ("_apart" if config.sums_apart else "")
+                              f"_bm{bm}_bn64" + ("_pf" if config.prefetch else "") + ("_apart" if config.sums_apart else "")
                               + ("_tf32" if products == 1 else ""),
                               "flash_bwd_dkdv_tf32_wgmma_pair.cu",
                               f"cf::flash_bwd_dkdv_tf32_wgmma_pair<{dt}, {mask.cpp}, {bm}, {apart}{tail}>",

@@ -111,7 +111,10 @@ def per_kernel_ms(run, repeats: int) -> dict:
 # float32 at the d128 tile (perf log tf32-wgmma-bwd-pair): dK / dV on the pair's kernel, dQ on the
 # tf32x3 kernel or on the pair's dQ kernel (raw K and V one block ahead)
 WGMMA_D128_CANDIDATES = {"wgmma_pair": Tf32WgmmaBwdConfig(32, 0, dq_block_n=0, pair=True),
-                         "wgmma_pair_dq": Tf32WgmmaBwdConfig(32, 0, dq_raw_stages=1, pair=True, dq_pair=True)}
+                         "wgmma_pair_dq": Tf32WgmmaBwdConfig(32, 0, dq_raw_stages=1, pair=True, dq_pair=True),
+                         # perf log tf32-pair-prefetch: the dK/dV pair's next query block into L1
+                         "wgmma_pair_dq_pf": Tf32WgmmaBwdConfig(32, 0, dq_raw_stages=1, pair=True, dq_pair=True,
+                                                                prefetch=True)}
 
 
 def warm_candidates(headdims, processes: int) -> None:

@@ -58,7 +58,8 @@ def main() -> None:
             dmma.backward(do, q, k, v, o, lse, *grads, softmax_scale=headdim ** -0.5, causal=True,
                           variant=Variant(statistics=statistics), config=tf32x3_backward_config(headdim))
     pairs = ((128, Tf32WgmmaBwdConfig(32, 0, dq_block_n=0, pair=True)),
-             (100, Tf32WgmmaBwdConfig(32, 0, dq_raw_stages=1, pair=True, dq_pair=True)))
+             (100, Tf32WgmmaBwdConfig(32, 0, dq_raw_stages=1, pair=True, dq_pair=True)),
+             (72, Tf32WgmmaBwdConfig(32, 0, dq_raw_stages=1, pair=True, dq_pair=True, prefetch=True)))
     if _module.device_arch() == "90":  # the wgmma candidates: GQA, a ragged last block of each side
         for headdim, config in pairs if pair_only else ((40, Tf32WgmmaBwdConfig()), (64, Tf32WgmmaBwdConfig(64, 0, False, 64, 1)),
                                 (64, Tf32WgmmaBwdConfig(32, 0, True, 32, 0)), (56, Tf32WgmmaBwdConfig(fused_dq=True)),

@@ -1,7 +1,7 @@
 // flash_bwd_dkdv_tf32_wgmma_pair: dK and dV of the float32 backward at head-dim tile 128 on tf32
-// wgmma (sm_90a), a candidate: docs/perf-log.md tf32-wgmma-bwd-pair. Not a row of any plan:
-// backward_plans.Tf32WgmmaBwdConfig(pair=True) runs it through dmma.backward(config=...), dQ on the
-// tf32x3 experiment's kernel.
+// wgmma (sm_90a): docs/perf-log.md tf32-wgmma-bwd-pair. backward_plans.TF32_WGMMA_BACKWARD_ROUTE
+// runs it at the d128 tile (Tf32WgmmaBwdConfig(pair=True), beside flash_bwd_dq_tf32_wgmma_pair);
+// dmma.backward(config=...) runs other configurations.
 //
 // At d128 one warpgroup cannot hold its 64 keys' dK and dV (128 registers a thread, 64 more for a
 // block's fresh sums), and K, V, Q, dO, Q^T and dO^T split (hi, lo) do not fit in shared memory
@@ -20,7 +20,10 @@
 // and the apart sums' extra chains. K and V stay raw (32 KiB each), as the forward stages Q at
 // d128 (tf32-wgmma-d128); the query block's eight tiles (128 KiB) and the trade's three value
 // planes (24 KiB) fill the rest: 218 KiB, one stage, so the split of a query block (both
-// warpgroups, from global memory) and its products take turns. Same products as the d64 kernels'
+// warpgroups, from global memory) and its products take turns. PREFETCH (perf log
+// tf32-pair-prefetch): the next block's rows are asked into L1 as this block's products start, so
+// that its split waits on L1 rather than L2 (a raw stage by cp.async, which would not wait at all,
+// spilled: dev/experiments/tf32_pair_raw_ahead.patch). Same products as the d64 kernels'
 // (seven a block pair with the dQ kernel's); S^T and dP^T each formed once, each element step
 // value once.
 #include "block_walk.cuh"
@@ -51,7 +54,7 @@ struct BwdTf32PairSmem {
     static constexpr u32 BYTES = TRADE + 3 * TRADE_VALUES * 4;  // pair_element_steps' [3][NV][128]
 };
 
-template <int D_TILE, class Mask, int BLOCK_M, bool SUMS_APART, int PRODUCTS = 3>
+template <int D_TILE, class Mask, int BLOCK_M, bool SUMS_APART, int PRODUCTS = 3, bool PREFETCH = false>
 __global__ void __launch_bounds__(256, 1)
 flash_bwd_dkdv_tf32_wgmma_pair(const __grid_constant__ BwdParams p) {
     typedef BwdTf32PairSmem<D_TILE, BLOCK_M> L;
@@ -115,6 +118,15 @@ flash_bwd_dkdv_tf32_wgmma_pair(const __grid_constant__ BwdParams p) {
         }
         fence_proxy_async_shared();  // the tiles, to the async proxy that wgmma reads with
         __syncthreads();
+        if constexpr (PREFETCH) {
+            if (it + 1 < walk.iters) {
+                const int next_m0 = walk.block(it + 1) * BLOCK_M, next_head = walk.head(head_kv, it + 1);
+                prefetch_query_block_l1<BLOCK_M, D_TILE, 256>(
+                    p.q.row<const float>(batch, seq.q_begin + next_m0, next_head), p.q.row_stride,
+                    p.dout.row<const float>(batch, seq.q_begin + next_m0, next_head), p.dout.row_stride,
+                    seqlen_q - next_m0, p.headdim, p.headdim_v, tid);
+            }
+        }
 
         // Step 2: the role's product, S^T = K Q^T or dP^T = V dO^T, A split a k-step at a time.
         float x[SV];

@@ -1,7 +1,7 @@
 // flash_bwd_dq_tf32_wgmma_pair: dQ of the float32 backward at head-dim tile 128 on tf32 wgmma
-// (sm_90a), the query side of flash_bwd_dkdv_tf32_wgmma_pair.cu: a candidate, docs/perf-log.md
-// tf32-wgmma-bwd-pair (backward_plans.Tf32WgmmaBwdConfig(dq_pair=True) through
-// dmma.backward(config=...)).
+// (sm_90a), the query side of flash_bwd_dkdv_tf32_wgmma_pair.cu: docs/perf-log.md
+// tf32-wgmma-bwd-pair (backward_plans.TF32_WGMMA_BACKWARD_ROUTE at the d128 tile,
+// Tf32WgmmaBwdConfig(dq_pair=True); other configurations through dmma.backward(config=...)).
 //
 // flash_bwd_dq_tf32_wgmma keeps Q and dO split (128 KiB at d128) beside a key block's K, K^T and V
 // (96 KiB at 32 keys), and one warpgroup's dQ is 64 registers a thread before the apart sums:

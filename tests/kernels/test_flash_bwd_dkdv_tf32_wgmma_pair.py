@@ -6,6 +6,8 @@ other numbers). The compile check of their bench masks is test_flash_bwd_dkdv_tf
 GPU test is test_flash_bwd_dmma.py's test_the_pair_kernels_match_the_simt_backward_at_d128."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -14,7 +16,8 @@ from cupyflash.backward_plans import Tf32WgmmaBwdConfig
 from cupyflash.masks import as_mask
 from models.wgmma import acc_from_matrix
 from models.mirrors import missing_statements, unmirrored_statements
-from models.wgmma_tf32_bwd_steps import STEPS, acc_times_tile, close, pair_element_steps, split_into
+from models.wgmma_tf32_bwd_steps import (STEPS, acc_times_tile, close, pair_element_steps, prefetched_lines,
+                                         split_into)
 
 PAIR = Tf32WgmmaBwdConfig(32, 0, dq_block_n=0, pair=True)
 PAIR_DQ = Tf32WgmmaBwdConfig(32, 0, dq_raw_stages=1, pair=True, dq_pair=True)
@@ -41,6 +44,32 @@ def test_the_spec_and_its_shared_memory_are_the_plans():
         names = [launch.spec.name for launch in backward_plans.tf32_wgmma_backward_plan(headdim, True, PAIR).launches]
         assert names[0] == "flash_bwd_preprocess_fp32" and names[1] == spec.name, names
         assert names[2].startswith("flash_bwd_dq_dmma_fp32_hdim128_") and names[2].endswith("_tf32x3"), names
+
+
+def test_the_prefetch_form_is_its_own_specialization():
+    """prefetch (perf log tf32-pair-prefetch): PREFETCH after PRODUCTS, "_pf" in the name, the same
+    shared memory (L1 lines, not a stage); the pair's dK/dV kernel's option only."""
+    plain = backward_plans.tf32_wgmma_spec("dkdv", D_TILE, as_mask(True), PAIR)
+    spec = backward_plans.tf32_wgmma_spec("dkdv", D_TILE, as_mask(True), replace(PAIR, prefetch=True))
+    assert spec.name == "flash_bwd_dkdv_tf32_wgmma_pair_fp32_hdim128_causal_bm32_bn64_pf_apart"
+    assert spec.expression == "cf::flash_bwd_dkdv_tf32_wgmma_pair<128, cf::Causal, 32, true, 3, true>"
+    assert spec.smem_bytes == plain.smem_bytes and spec.source_file == plain.source_file
+    tf32 = backward_plans.tf32_wgmma_spec("dkdv", D_TILE, as_mask(False), Tf32WgmmaBwdConfig(
+        32, 0, False, dq_block_n=0, precision="tf32", pair=True, prefetch=True))
+    assert tf32.expression == "cf::flash_bwd_dkdv_tf32_wgmma_pair<128, cf::NoMask, 32, false, 1, true>"
+    with pytest.raises(ValueError, match="prefetch"):
+        backward_plans.tf32_wgmma_spec("dkdv", 64, as_mask(True), Tf32WgmmaBwdConfig(32, 1, producer=True,
+                                                                                      prefetch=True))
+
+
+@pytest.mark.parametrize("rows_valid, headdim, headdim_v", [(32, 128, 128), (5, 100, 68), (32, 48, 128), (0, 128, 128)])
+def test_the_prefetch_asks_each_line_of_the_next_block_once(rows_valid, headdim, headdim_v):
+    """prefetch_query_block_l1 (its model): every 128-byte line of Q's and dO's valid rows that
+    starts inside their head dims, once, and no other."""
+    got = prefetched_lines(BLOCK_M, D_TILE, 256, rows_valid, headdim, headdim_v)
+    want = [(name, row, start) for name, dim in (("q", headdim), ("do", headdim_v))
+            for row in range(rows_valid) for start in range(0, D_TILE, 32) if start < dim]
+    assert sorted(got) == sorted(want) and len(set(got)) == len(got)
 
 
 def test_the_dq_spec_and_its_shared_memory_are_the_plans():

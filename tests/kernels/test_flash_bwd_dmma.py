@@ -806,9 +806,11 @@ def test_presplit_walks_stop_at_a_short_packed_sequences_end(config_name, monkey
 # masks and score variants of the element steps they share with the d64 kernels, GQA, a head dim of
 # v its own and head dims that leave part of the tile (and of warpgroup 1's half, or all of it: d48)
 # empty. dQ on the
-# tf32x3 kernel beside the pair's dK/dV, or on the pair's dQ kernel (raw K and V one block ahead).
+# tf32x3 kernel beside the pair's dK/dV, or on the pair's dQ kernel (raw K and V one block ahead);
+# pair_dq_pf: the dK/dV kernel asking the next query block into L1 (perf log tf32-pair-prefetch).
 PAIR_CONFIGS = {"pair": Tf32WgmmaBwdConfig(32, 0, dq_block_n=0, pair=True),
-                "pair_dq": Tf32WgmmaBwdConfig(32, 0, dq_raw_stages=1, pair=True, dq_pair=True)}
+                "pair_dq": Tf32WgmmaBwdConfig(32, 0, dq_raw_stages=1, pair=True, dq_pair=True),
+                "pair_dq_pf": Tf32WgmmaBwdConfig(32, 0, dq_raw_stages=1, pair=True, dq_pair=True, prefetch=True)}
 PAIR_CASES = {
     "causal": dict(causal=True),
     "window": dict(causal=False, window_size=(40, 7)),

@@ -340,3 +340,24 @@ def pair_element_steps(x: list, step, both: bool) -> list:
 __all__ = ["STEPS", "split_into", "pair_element_steps", "rows_times_rows", "acc_times_tile", "store_acc_rows", "accumulator_positions", "fresh_operands", "emulate",
            "valid_part", "close", "split_grid", "image_block", "store_image_block",
            "split_key_blocks_into_image"]
+
+
+@mirrors(STEPS,
+         "constexpr int LINES = D_TILE * 4 / 128;",
+         "const int line = thread % LINES, row = thread / LINES % BLOCK_M;",
+         "const bool is_q = thread < BLOCK_M * LINES;",
+         "const float* const at = (is_q ? q + row * q_stride : dout + row * dout_stride) + 32 * line;",
+         "if (row < rows_valid && 32 * line < (is_q ? headdim : headdim_v)) asm volatile(\"prefetch.global.L1 [%0];\" ::\"l\"(at));")
+def prefetched_lines(block_m: int, d_tile: int, nthreads: int, rows_valid: int, headdim: int,
+                     headdim_v: int) -> list[tuple[str, int, int]]:
+    """prefetch_query_block_l1's lines, (tensor, row, first float of the line), one a thread: a
+    row's 128-byte lines of D_TILE floats, Q's rows then dO's, only rows < rows_valid and lines
+    that start inside the head dim."""
+    lines = d_tile * 4 // 128
+    out = []
+    for thread in range(nthreads):
+        line, row = thread % lines, thread // lines % block_m
+        is_q = thread < block_m * lines
+        if row < rows_valid and 32 * line < (headdim if is_q else headdim_v):
+            out.append(("q" if is_q else "do", row, 32 * line))
+    return out
