@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU checks of a change, in parts that each fit a 10-minute call on one GPU:
+# The GPU checks of a change, in parts that each fit a 10-minute call on one GPU. A call brings
+# back at most 8 files: end its command with scripts/bundle_out.sh $OUT (a summary and one archive).
 #   scripts/gpu_check.sh OUTDIR tests   every kernel compiled into CuPy's cache on all cores, then
 #                                       the GPU test suite as concurrent shards (HYPOTHESIS_PROFILE,
 #                                       default gpu: 200 examples per property; logs, JUnit XML)
