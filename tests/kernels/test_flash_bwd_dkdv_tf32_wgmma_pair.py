@@ -65,11 +65,15 @@ def test_the_prefetch_form_is_its_own_specialization():
 @pytest.mark.parametrize("rows_valid, headdim, headdim_v", [(32, 128, 128), (5, 100, 68), (32, 48, 128), (0, 128, 128)])
 def test_the_prefetch_asks_each_line_of_the_next_block_once(rows_valid, headdim, headdim_v):
     """prefetch_query_block_l1 (its model): every 128-byte line of Q's and dO's valid rows that
-    starts inside their head dims, once, and no other."""
+    starts inside their head dims, once, and no other; the lines of the first and the last valid
+    row's lse and delta (the block's 32 floats of each span one line or two)."""
     got = prefetched_lines(BLOCK_M, D_TILE, 256, rows_valid, headdim, headdim_v)
     want = [(name, row, start) for name, dim in (("q", headdim), ("do", headdim_v))
             for row in range(rows_valid) for start in range(0, D_TILE, 32) if start < dim]
-    assert sorted(got) == sorted(want) and len(set(got)) == len(got)
+    want += [(slot, row, 0) for slot in ("lse", "delta")
+             for row in ((0, min(rows_valid, BLOCK_M) - 1) if rows_valid else ())]
+    assert sorted(got) == sorted(want)
+    assert len({x for x in got if x[0] in ("q", "do")}) == len([x for x in got if x[0] in ("q", "do")])
 
 
 def test_the_dq_spec_and_its_shared_memory_are_the_plans():

@@ -347,12 +347,16 @@ __all__ = ["STEPS", "split_into", "pair_element_steps", "rows_times_rows", "acc_
          "const int line = thread % LINES, row = thread / LINES % BLOCK_M;",
          "const bool is_q = thread < BLOCK_M * LINES;",
          "const float* const at = (is_q ? q + row * q_stride : dout + row * dout_stride) + 32 * line;",
-         "if (row < rows_valid && 32 * line < (is_q ? headdim : headdim_v)) asm volatile(\"prefetch.global.L1 [%0];\" ::\"l\"(at));")
+         "if (row < rows_valid && 32 * line < (is_q ? headdim : headdim_v)) asm volatile(\"prefetch.global.L1 [%0];\" ::\"l\"(at));",
+         "if (thread < 4 && rows_valid > 0) {",
+         "const float* const slot = static_cast<const float*>(thread < 2 ? p.lse : p.delta);",
+         "const int stat_row = thread % 2 == 0 ? 0 : min(rows_valid, BLOCK_M) - 1;")
 def prefetched_lines(block_m: int, d_tile: int, nthreads: int, rows_valid: int, headdim: int,
                      headdim_v: int) -> list[tuple[str, int, int]]:
     """prefetch_query_block_l1's lines, (tensor, row, first float of the line), one a thread: a
     row's 128-byte lines of D_TILE floats, Q's rows then dO's, only rows < rows_valid and lines
-    that start inside the head dim."""
+    that start inside the head dim; then (slot, row, 0) for the first and the last valid row's
+    lse and delta (threads 0-3; weight and dp_ref, rarer, not: more spilled at sm_90a)."""
     lines = d_tile * 4 // 128
     out = []
     for thread in range(nthreads):
@@ -360,4 +364,7 @@ def prefetched_lines(block_m: int, d_tile: int, nthreads: int, rows_valid: int, 
         is_q = thread < block_m * lines
         if row < rows_valid and 32 * line < (headdim if is_q else headdim_v):
             out.append(("q" if is_q else "do", row, 32 * line))
+        if thread < 4 and rows_valid > 0:
+            stat_row = 0 if thread % 2 == 0 else min(rows_valid, block_m) - 1
+            out.append(("lse" if thread < 2 else "delta", stat_row, 0))
     return out
