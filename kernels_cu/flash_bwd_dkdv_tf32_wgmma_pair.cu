@@ -21,11 +21,11 @@
 // d128 (tf32-wgmma-d128); the query block's eight tiles (128 KiB) and the trade's three value
 // planes (24 KiB) fill the rest: 218 KiB, one stage, so the split of a query block (both
 // warpgroups, from global memory) and its products take turns. PREFETCH (perf log
-// tf32-pair-prefetch): the next block's rows are asked into L1 as this block's products start, so
-// that its split waits on L1 rather than L2 (a raw stage by cp.async, which would not wait at all,
-// spilled: dev/experiments/tf32_pair_raw_ahead.patch). Same products as the d64 kernels'
-// (seven a block pair with the dQ kernel's); S^T and dP^T each formed once, each element step
-// value once.
+// tf32-pair-prefetch): the next block's rows and statistics are asked into L1 as this block's
+// products start, so that its split waits on L1 rather than L2 (a raw stage by cp.async, which
+// would not wait at all, spilled: dev/experiments/tf32_pair_raw_ahead.patch). Same products as the
+// d64 kernels' (seven a block pair with the dQ kernel's); S^T and dP^T each formed once, each
+// element step value once.
 #include "block_walk.cuh"
 #include "common.cuh"
 #include "dmma_bwd_steps.cuh"
