@@ -237,7 +237,13 @@ __device__ __forceinline__ void tf32_dkdv_element_step(float (&s)[NF * 4], float
                 ds[v] = ds_entry<Mask>(x, p_ij, row_dp_ref, row_delta);
             }
     };
-    masked_or_not(!hides_inside_sequences<Mask>() || mask.partial(m0, BLOCK_M, n0, BLOCK_N), element_step);
+    // The pair's halves (NF < BLOCK_M / 8) under dropout: one copy, the masked one, on every block.
+    // With both copies beside Philox's words ptxas spilled 120-176 bytes at sm_90a (causal, window);
+    // with one, none, and the element test costs a few instructions beside the generator's.
+    if constexpr (DropoutOf<Mask>::ENABLED && NF < BLOCK_M / 8)
+        element_step(Flag<true>());
+    else
+        masked_or_not(!hides_inside_sequences<Mask>() || mask.partial(m0, BLOCK_M, n0, BLOCK_N), element_step);
 }
 
 // Steps 2-6 of a query block in the dK/dV kernels (flash_bwd_dkdv_tf32_wgmma and its producer /
