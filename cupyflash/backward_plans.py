@@ -1032,7 +1032,7 @@ TF32_WGMMA_D_TILES = (64, 128)
 # these kernels (ptxas asked, as for the 16-bit rows).
 TF32_WGMMA_BACKWARD_ROUTE = {(SM90, 64): Tf32WgmmaBwdConfig(32, 0, producer=True, presplit=True, dq_raw_stages=0,
                                                             dq_producer=True, dq_consumers=2, dq_presplit=True),
-                             # (experiment tf32-pair-route: the d128 tile on the pair's kernels)
+                             # the d128 tile on the pair's kernels (perf log tf32-wgmma-bwd-pair)
                              (SM90, 128): Tf32WgmmaBwdConfig(32, 0, dq_raw_stages=1, pair=True, dq_pair=True)}
 
 
@@ -1044,7 +1044,7 @@ def tf32_wgmma_route(where: str, dt: int, mask: Mask) -> Tf32WgmmaBwdConfig | No
     if route is not None and route.dq_consumers == 2 and mask.score.dropout:
         route = replace(route, dq_consumers=1)
     if route is not None and route.pair and mask.score.dropout:
-        return None  # the pair's dK/dV kernel spills with dropout (120 bytes, ptxas at sm_90a): tf32x3
+        return None  # tf32x3 until the pairs' dropout kernels have run on a GPU (perf log tf32-pair-dropout)
     return route
 
 

@@ -122,9 +122,9 @@ flash_bwd_dkdv_tf32_wgmma_pair(const __grid_constant__ BwdParams p) {
             if (it + 1 < walk.iters) {
                 const int next_m0 = walk.block(it + 1) * BLOCK_M, next_head = walk.head(head_kv, it + 1);
                 prefetch_query_block_l1<BLOCK_M, D_TILE, 256>(
-                    p.q.row<const float>(batch, seq.q_begin + next_m0, next_head), p.q.row_stride,
-                    p.dout.row<const float>(batch, seq.q_begin + next_m0, next_head), p.dout.row_stride,
-                    seqlen_q - next_m0, p.headdim, p.headdim_v, p, seq.stat(p, next_head, next_m0), tid);
+                    p, p.q.row<const float>(batch, seq.q_begin + next_m0, next_head),
+                    p.dout.row<const float>(batch, seq.q_begin + next_m0, next_head), seqlen_q - next_m0,
+                    seq.stat(p, next_head, next_m0), tid);
             }
         }
 

@@ -145,23 +145,21 @@ __device__ __forceinline__ void split_query_block_tf32(u32 tiles, const Source& 
                                                                 rows_valid, headdim_v, thread);
 }
 
-// The next query block's Q and dO rows (rows < rows_valid, columns < headdim / headdim_v) into
-// L1, one 128-byte line a thread (prefetch.global.L1: no register, no shared memory), and its rows'
-// lse and delta (stat0: the first row's index; the lines of the first and the last row, threads
-// 0-3; weight and dp_ref, rarer, not: with them ptxas spilled 32-104 bytes at sm_90a), for a
-// kernel whose split then reads global memory (the pair's
-// dK/dV kernel with PREFETCH, perf log tf32-pair-prefetch: its shared memory has no room for a raw
-// stage).
+// The next query block's Q and dO rows (rows < rows_valid, columns < the head dims) into L1, one
+// 128-byte line a thread (prefetch.global.L1: no register, no shared memory), and its rows' lse
+// and delta (stat0: the first row's index; the lines of the first and the last row, threads 0-3;
+// weight and dp_ref, rarer, not: with them ptxas spilled 32-104 bytes at sm_90a). For the pair's
+// dK/dV kernel with PREFETCH, whose split reads global memory (perf log tf32-pair-prefetch: its
+// shared memory has no room for a raw stage).
 template <int BLOCK_M, int D_TILE, int NTHREADS>
-__device__ __forceinline__ void prefetch_query_block_l1(const float* q, i64 q_stride, const float* dout, i64 dout_stride,
-                                                        int rows_valid, int headdim, int headdim_v, const BwdParams& p,
-                                                        i64 stat0, int thread) {
+__device__ __forceinline__ void prefetch_query_block_l1(const BwdParams& p, const float* q, const float* dout,
+                                                        int rows_valid, i64 stat0, int thread) {
     constexpr int LINES = D_TILE * 4 / 128;  // a row's lines
     static_assert(2 * BLOCK_M * LINES == NTHREADS, "one line a thread: Q's rows, then dO's");
     const int line = thread % LINES, row = thread / LINES % BLOCK_M;
     const bool is_q = thread < BLOCK_M * LINES;
-    const float* const at = (is_q ? q + row * q_stride : dout + row * dout_stride) + 32 * line;
-    if (row < rows_valid && 32 * line < (is_q ? headdim : headdim_v)) asm volatile("prefetch.global.L1 [%0];" ::"l"(at));
+    const float* const at = (is_q ? q + row * p.q.row_stride : dout + row * p.dout.row_stride) + 32 * line;
+    if (row < rows_valid && 32 * line < (is_q ? p.headdim : p.headdim_v)) asm volatile("prefetch.global.L1 [%0];" ::"l"(at));
     if (thread < 4 && rows_valid > 0) {
         const float* const slot = static_cast<const float*>(thread < 2 ? p.lse : p.delta);
         const int stat_row = thread % 2 == 0 ? 0 : min(rows_valid, BLOCK_M) - 1;

@@ -346,8 +346,8 @@ __all__ = ["STEPS", "split_into", "pair_element_steps", "rows_times_rows", "acc_
          "constexpr int LINES = D_TILE * 4 / 128;",
          "const int line = thread % LINES, row = thread / LINES % BLOCK_M;",
          "const bool is_q = thread < BLOCK_M * LINES;",
-         "const float* const at = (is_q ? q + row * q_stride : dout + row * dout_stride) + 32 * line;",
-         "if (row < rows_valid && 32 * line < (is_q ? headdim : headdim_v)) asm volatile(\"prefetch.global.L1 [%0];\" ::\"l\"(at));",
+         "const float* const at = (is_q ? q + row * p.q.row_stride : dout + row * p.dout.row_stride) + 32 * line;",
+         "if (row < rows_valid && 32 * line < (is_q ? p.headdim : p.headdim_v)) asm volatile(\"prefetch.global.L1 [%0];\" ::\"l\"(at));",
          "if (thread < 4 && rows_valid > 0) {",
          "const float* const slot = static_cast<const float*>(thread < 2 ? p.lse : p.delta);",
          "const int stat_row = thread % 2 == 0 ? 0 : min(rows_valid, BLOCK_M) - 1;")
